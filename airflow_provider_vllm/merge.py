@@ -1,0 +1,203 @@
+"""Merge: committed shards -> final results and errors, verified against the input ids.
+
+Reads only files that commit markers name (checking size and sha256), drops duplicate ids
+(keeping an ok row over an error row), verifies that input ids == result ids + error ids
+with no id twice, and writes ``results/results.parquet`` and ``results/errors.parquet``
+atomically, in plan order (input order within each length bucket). DuckDB over Arrow; no
+pandas, no row loops.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from typing import Any
+
+import duckdb
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from airflow_provider_vllm import __version__
+from airflow_provider_vllm.commit import ShardStore
+from airflow_provider_vllm.datasets import check_unchanged, scan_jsonl
+from airflow_provider_vllm.errors import CommitError, VerificationError
+from airflow_provider_vllm.planning import Plan, load_plan
+from airflow_provider_vllm.rows import ERROR_COLUMNS, RESULT_COLUMNS
+from airflow_provider_vllm.spec import JobSpec
+from airflow_provider_vllm.storage import Storage
+
+RESULTS = "results/results.parquet"
+ERRORS = "results/errors.parquet"
+MERGED = "_MERGED.json"
+OPENAI_OUT = "results/output.jsonl"
+OPENAI_ERR = "results/errors.jsonl"
+
+
+def merge_run(spec: JobSpec, verify_checksums: bool = True, memory_limit: str = "1GB") -> dict[str, Any]:
+    """Merge a run whose shards are all committed; returns the merge summary (also ``_MERGED.json``)."""
+    t0 = time.monotonic()
+    out = Storage(spec.io.output_uri, spec.io.storage_options)
+    plan = load_plan(spec)
+    files, markers = committed_files(out, plan, verify_checksums)
+    con = duckdb.connect(config={"memory_limit": memory_limit, "threads": os.cpu_count() or 2,
+                                 "preserve_insertion_order": True})
+    try:
+        if not out.is_local:
+            con.register_filesystem(out.fs)
+        paths = [_duck_path(out, f) for f in files]
+        if paths:
+            con.execute(f"CREATE VIEW chunks AS SELECT * FROM read_parquet({_sql_list(paths)})").fetchall()
+        else:
+            con.execute(f"CREATE VIEW chunks AS SELECT * FROM read_parquet({_sql_list([_empty_chunk()])}) LIMIT 0").fetchall()
+        total, distinct = con.execute("SELECT count(*), count(DISTINCT id) FROM chunks").fetchall()[0]
+        source = "chunks"
+        if total != distinct:
+            # Only a bug or a hand-edited marker gets here: keep one row per id, ok before error.
+            con.execute(
+                "CREATE TEMP TABLE deduped AS SELECT * EXCLUDE (rn) FROM (SELECT *, row_number() OVER "
+                "(PARTITION BY id ORDER BY (status = 'ok') DESC, shard_id, attempt_id) AS rn FROM chunks) "
+                "WHERE rn = 1"
+            ).fetchall()
+            source = "deduped"
+        in_root = Storage(plan.input_root, spec.io.storage_options)
+        check_unchanged(in_root, plan.input_files())
+        input_ids = read_input_ids(spec, plan, in_root)
+        con.register("input_ids", input_ids)
+        verify(con, source, plan.total_rows)
+        counts = dict(con.execute(f"SELECT status, count(*) FROM {source} GROUP BY status").fetchall())
+        with tempfile.TemporaryDirectory() as tmp:
+            res_local, err_local = os.path.join(tmp, "r.parquet"), os.path.join(tmp, "e.parquet")
+            cols_r = ", ".join(RESULT_COLUMNS)
+            cols_e = ", ".join(ERROR_COLUMNS)
+            con.execute(f"COPY (SELECT {cols_r} FROM {source} WHERE status = 'ok') TO '{res_local}' "
+                        "(FORMAT parquet, COMPRESSION zstd)").fetchall()
+            con.execute(f"COPY (SELECT {cols_e} FROM {source} WHERE status = 'error') TO '{err_local}' "
+                        "(FORMAT parquet, COMPRESSION zstd)").fetchall()
+            _publish_file(out, res_local, RESULTS)
+            _publish_file(out, err_local, ERRORS)
+        extra = {}
+        if spec.io.output_format == "openai_batch":
+            extra = write_openai_outputs(out, spec, plan)
+    finally:
+        con.close()
+    summary = {
+        "rows": plan.total_rows,
+        "ok_rows": int(counts.get("ok", 0)),
+        "error_rows": int(counts.get("error", 0)),
+        "duplicates_dropped": int(total - distinct),
+        "shards": len(plan.shards),
+        "files": {"results": RESULTS, "errors": ERRORS, **extra},
+        "checksums": {RESULTS: out.sha256(RESULTS), ERRORS: out.sha256(ERRORS)},
+        "shard_stats": [dict(m["stats"], shard_id=m["shard_id"], attempt_id=m["attempt_id"]) for m in markers],
+        "config_hash": plan.config_hash,
+        "spec_hash": plan.spec_hash,
+        "merge_s": round(time.monotonic() - t0, 3),
+        "versions": {"airflow-provider-vllm": __version__, "duckdb": duckdb.__version__},
+    }
+    out.write_atomic(MERGED, json.dumps(summary, indent=1, sort_keys=True).encode())
+    return summary
+
+
+def committed_files(out: Storage, plan: Plan, verify_checksums: bool) -> tuple[list[str], list[dict]]:
+    """Files named by the markers of every planned shard, in plan order; raises if any is missing."""
+    files, markers, missing = [], [], []
+    for shard in plan.shards:
+        m = ShardStore(out, shard.shard_id).marker()
+        if m is None:
+            missing.append(shard.shard_id)
+            continue
+        if m["rows"] != shard.rows:
+            raise CommitError(f"shard {shard.shard_id}: marker says {m['rows']} rows, plan {shard.rows}")
+        for f in m["files"]:
+            if out.size(f["path"]) != f["bytes"] or (verify_checksums and out.sha256(f["path"]) != f["sha256"]):
+                raise CommitError(f"{f['path']} does not match its commit marker (size or sha256)")
+            files.append(f["path"])
+        markers.append(m)
+    if missing:
+        raise CommitError(f"{len(missing)} of {len(plan.shards)} shard(s) not committed: {missing[:10]}")
+    return files, markers
+
+
+def read_input_ids(spec: JobSpec, plan: Plan, root: Storage) -> pa.Table:
+    """All input ids as strings (the independent side of the verification)."""
+    parts = []
+    for f in plan.files:
+        if plan.format == "parquet":
+            with root.open(f["path"]) as fh:
+                col = pq.read_table(fh, columns=[spec.prompt.id_column]).column(0)
+            parts.append(col.cast(pa.string()))
+        else:
+            s = scan_jsonl(root, f["path"], plan.format, spec.prompt.id_column, [])
+            parts.append(pa.chunked_array([pa.array(s.ids, pa.string())]))
+    chunks = [c for p in parts for c in p.chunks]
+    return pa.table({"id": pa.chunked_array(chunks, pa.string()) if chunks else pa.array([], pa.string())})
+
+
+def verify(con: duckdb.DuckDBPyConnection, source: str, planned_rows: int) -> None:
+    """input ids == output ids, each once; raises VerificationError naming counts and examples."""
+    n_in, n_out = con.execute(f"SELECT (SELECT count(*) FROM input_ids), (SELECT count(*) FROM {source})").fetchall()[0]
+    missing, unexpected = con.execute(
+        f"SELECT count(*) FILTER (WHERE o.id IS NULL), count(*) FILTER (WHERE i.id IS NULL) "
+        f"FROM input_ids i FULL OUTER JOIN (SELECT id FROM {source}) o ON i.id = o.id"
+    ).fetchall()[0]
+    if n_in != planned_rows or missing or unexpected or n_out != n_in:
+        ex_missing = [r[0] for r in con.execute(
+            f"SELECT id FROM input_ids WHERE id NOT IN (SELECT id FROM {source}) ORDER BY id LIMIT 5").fetchall()]
+        ex_extra = [r[0] for r in con.execute(
+            f"SELECT id FROM {source} WHERE id NOT IN (SELECT id FROM input_ids) ORDER BY id LIMIT 5").fetchall()]
+        raise VerificationError(
+            f"row accounting failed: {n_in} input ids (plan: {planned_rows}), {n_out} output rows; "
+            f"{missing} missing (e.g. {ex_missing}), {unexpected} not in the input (e.g. {ex_extra})"
+        )
+
+
+def write_openai_outputs(out: Storage, spec: JobSpec, plan: Plan) -> dict[str, str]:
+    """results/output.jsonl and results/errors.jsonl in the OpenAI Batch API line formats."""
+    from airflow_provider_vllm.openai_batch import error_line, response_line
+
+    for rel, fn in ((RESULTS, response_line), (ERRORS, error_line)):
+        dest = OPENAI_OUT if rel == RESULTS else OPENAI_ERR
+        with out.open(rel) as fh:
+            pf = pq.ParquetFile(fh)
+            lines = []
+            for batch in pf.iter_batches(batch_size=8192):
+                lines += [json.dumps(fn(r, spec), ensure_ascii=False) for r in batch.to_pylist()]
+        out.write_atomic(dest, ("\n".join(lines) + ("\n" if lines else "")).encode())
+    return {"openai_output": OPENAI_OUT, "openai_errors": OPENAI_ERR}
+
+
+def _publish_file(out: Storage, local: str, rel: str) -> None:
+    if out.is_local:
+        dest = out.path(rel)
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        tmp = f"{dest}.tmp-{os.getpid()}"
+        os.replace(local, tmp) if os.stat(local).st_dev == os.stat(os.path.dirname(dest)).st_dev \
+            else _copy(local, tmp)
+        os.replace(tmp, dest)
+    else:
+        out.fs.put_file(local, out.path(rel))  # one object: visible whole or not at all
+
+
+def _copy(src: str, dst: str) -> None:
+    import shutil
+
+    shutil.copyfile(src, dst)
+
+
+def _duck_path(out: Storage, rel: str) -> str:
+    return out.path(rel) if out.is_local else out.uri(rel)
+
+
+def _sql_list(items: list[str]) -> str:
+    return "[" + ", ".join("'" + p.replace("'", "''") + "'" for p in items) + "]"
+
+
+def _empty_chunk() -> str:
+    from airflow_provider_vllm.rows import ROW_SCHEMA
+
+    path = os.path.join(tempfile.gettempdir(), "vllm_batch_empty_chunk.parquet")
+    if not os.path.exists(path):
+        pq.write_table(ROW_SCHEMA.empty_table(), path)
+    return path

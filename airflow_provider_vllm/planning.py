@@ -1,0 +1,329 @@
+"""The planner: validate the input once, group its rows into shards, write the plan manifest.
+
+Deterministic: the same input files (same sizes and versions) and the same spec give the
+same shards with the same ids. Parquet inputs are planned from footers plus the id column
+(and the text columns only when length bucketing is on); JSONL inputs take one pass.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from typing import Any, Literal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from pydantic import BaseModel, ConfigDict, Field
+
+from airflow_provider_vllm import __version__
+from airflow_provider_vllm.datasets import (
+    InputFile,
+    describe_files,
+    detect_format,
+    fingerprint,
+    input_storage,
+    parquet_metadata,
+    scan_jsonl,
+)
+from airflow_provider_vllm.errors import DatasetError, SpecError
+from airflow_provider_vllm.spec import JobSpec
+from airflow_provider_vllm.storage import Storage
+
+PLAN_FILE = "_plan.json"
+DEFAULT_TARGET_ROWS = 10_000
+
+
+class Segment(BaseModel):
+    """Rows [start, start+count) of one input file (JSONL: from byte ``offset``, line ``line``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    file: int = Field(description="Index into Plan.files.")
+    start: int
+    count: int
+    offset: int = 0
+    line: int = 1
+
+
+class ShardPlan(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    shard_id: str
+    index: int
+    bucket: Literal["all", "short", "long"] = Field(description="short/long: only rows of that length class.")
+    rows: int
+    est_tokens: int
+    segments: list[Segment]
+
+    def summary(self) -> dict[str, Any]:
+        """The small dict passed through XCom to each mapped shard task."""
+        return {"shard_id": self.shard_id, "index": self.index, "rows": self.rows,
+                "est_tokens": self.est_tokens, "bucket": self.bucket}
+
+
+class Plan(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    version: int = 1
+    spec_hash: str
+    config_hash: str
+    input_uri: str
+    input_root: str
+    format: Literal["parquet", "jsonl", "openai_batch"]
+    files: list[dict[str, Any]]
+    fingerprint: str
+    total_rows: int
+    invalid_lines: int = 0
+    est_tokens: int
+    long_row_tokens: int | None = None
+    chars_per_token: float
+    shards: list[ShardPlan]
+    created_with: dict[str, str]
+
+    def input_files(self) -> list[InputFile]:
+        return [InputFile(**f) for f in self.files]
+
+    def shard(self, shard_id: str) -> ShardPlan:
+        for s in self.shards:
+            if s.shard_id == shard_id:
+                return s
+        raise SpecError(f"shard {shard_id!r} is not in the plan")
+
+
+def estimate_tokens(chars: np.ndarray | int, chars_per_token: float) -> np.ndarray | int:
+    """Prompt-token estimate from characters; worker and planner must agree on it."""
+    return np.ceil(np.asarray(chars, dtype=np.float64) / chars_per_token).astype(np.int64)
+
+
+def plan_job(spec: JobSpec) -> Plan:
+    """Plan the job and write ``_plan.json`` under the output prefix; idempotent.
+
+    Raises DatasetError for dataset faults and SpecError when the output prefix already
+    holds the plan of a different input or spec.
+    """
+    out = Storage(spec.io.output_uri, spec.io.storage_options)
+    plan = build_plan(spec)
+    if out.exists(PLAN_FILE):
+        existing = Plan.model_validate_json(out.read_bytes(PLAN_FILE))
+        if existing.fingerprint != plan.fingerprint or existing.spec_hash != plan.spec_hash:
+            raise SpecError(
+                f"output {spec.io.output_uri} already holds a run of another input or spec "
+                f"(plan fingerprint {existing.fingerprint[:12]}, spec {existing.spec_hash[:12]}); "
+                "use a new output prefix"
+            )
+        return existing
+    out.create_only(PLAN_FILE, plan.model_dump_json(indent=1).encode())
+    return Plan.model_validate_json(out.read_bytes(PLAN_FILE))
+
+
+def load_plan(spec: JobSpec) -> Plan:
+    out = Storage(spec.io.output_uri, spec.io.storage_options)
+    if not out.exists(PLAN_FILE):
+        raise SpecError(f"no plan at {out.uri(PLAN_FILE)}; run the plan step first")
+    return Plan.model_validate_json(out.read_bytes(PLAN_FILE))
+
+
+def build_plan(spec: JobSpec) -> Plan:
+    """Validate the input and compute shards, without writing anything."""
+    root, names = input_storage(spec.io.input_uri, spec.io.storage_options)
+    files = describe_files(root, names)
+    fmt = detect_format(root, names, spec.io.input_format)
+    sh = spec.sharding
+    bucketing = sh.long_row_tokens is not None
+    if fmt == "parquet":
+        ids, chars, file_rows, offsets, lines, invalid = _scan_parquet(root, names, spec, bucketing)
+    else:
+        ids, chars, file_rows, offsets, lines, invalid = _scan_jsonl(root, names, fmt, spec)
+    _check_ids(ids, names, file_rows)
+    tokens = estimate_tokens(chars, sh.chars_per_token) if len(chars) else np.zeros(0, np.int64)
+    file_ids = np.repeat(np.arange(len(names), dtype=np.int32), file_rows)
+    row_in_file = np.concatenate([np.arange(n, dtype=np.int64) for n in file_rows]) if file_rows else np.zeros(0)
+    fp = fingerprint(files)
+    shards = _cut(spec, fp, tokens, file_ids, row_in_file, offsets, lines)
+    return Plan(
+        spec_hash=spec.content_hash(),
+        config_hash=spec.output_hash(),
+        input_uri=spec.io.input_uri,
+        input_root=root.root,
+        format=fmt,
+        files=[f.to_dict() for f in files],
+        fingerprint=fp,
+        total_rows=int(len(ids)),
+        invalid_lines=int(invalid),
+        est_tokens=int(tokens.sum()) if len(tokens) else 0,
+        long_row_tokens=sh.long_row_tokens,
+        chars_per_token=sh.chars_per_token,
+        shards=shards,
+        created_with={"airflow-provider-vllm": __version__, "pyarrow": pa.__version__},
+    )
+
+
+# ---- scanning -----------------------------------------------------------------------
+def _scan_parquet(root: Storage, names: list[str], spec: JobSpec, per_row: bool):
+    idc = spec.prompt.id_column
+    texts = spec.prompt.texts
+    needed = [idc] + [c for c in spec.prompt.columns if c != idc]
+    id_arrays, chars_parts, file_rows = [], [], []
+    first_schema = None
+    import pyarrow.parquet as pq
+
+    for name in names:
+        md = parquet_metadata(root, name)
+        schema = md.schema.to_arrow_schema()
+        missing = [c for c in needed if c not in schema.names]
+        if missing:
+            raise DatasetError(f"input file {name}: missing column(s) {missing}; it has {schema.names[:20]}")
+        if not (pa.types.is_string(schema.field(idc).type) or pa.types.is_large_string(schema.field(idc).type)
+                or pa.types.is_integer(schema.field(idc).type)):
+            raise DatasetError(f"input file {name}: id column {idc!r} has type {schema.field(idc).type}; "
+                               "expected string or integer")
+        for c in texts:
+            t = schema.field(c).type
+            if not (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_null(t)):
+                raise DatasetError(f"input file {name}: text column {c!r} has type {t}; expected string")
+        if first_schema is None:
+            first_schema = schema
+        elif schema.field(idc).type != first_schema.field(idc).type:
+            raise DatasetError(f"input file {name}: id column type {schema.field(idc).type} differs from "
+                               f"{names[0]}'s {first_schema.field(idc).type}")
+        cols = [idc] + (texts if per_row else [])
+        with root.open(name) as f:
+            t = pq.read_table(f, columns=cols)
+        file_rows.append(t.num_rows)
+        id_arrays.append(t.column(idc))
+        if per_row:
+            total = np.zeros(t.num_rows, dtype=np.int64)
+            for c in texts:
+                total += pc.fill_null(pc.utf8_length(t.column(c)), 0).to_numpy()
+            chars_parts.append(total)
+        else:
+            chars_parts.append(_chars_from_footer(md, texts, t.num_rows))
+    ids = pa.chunked_array([a for arr in id_arrays for a in arr.chunks], type=id_arrays[0].type) if id_arrays \
+        else pa.chunked_array([], pa.string())
+    chars = np.concatenate(chars_parts) if chars_parts else np.zeros(0, np.int64)
+    return ids, chars, file_rows, None, None, 0
+
+
+def _chars_from_footer(md, texts: list[str], n: int) -> np.ndarray:
+    """Per-row character estimate from row-group column sizes (no data read)."""
+    out = np.zeros(n, dtype=np.int64)
+    pos = 0
+    names = [md.schema.column(i).path for i in range(md.num_columns)]
+    for g in range(md.num_row_groups):
+        rg = md.row_group(g)
+        size = sum(rg.column(names.index(c)).total_uncompressed_size for c in texts if c in names)
+        k = rg.num_rows
+        if k:
+            # uncompressed plain strings carry a 4-byte length prefix per value
+            out[pos:pos + k] = max(0, size // k - 4 * len(texts))
+        pos += k
+    return out
+
+
+def _scan_jsonl(root: Storage, names: list[str], fmt: str, spec: JobSpec):
+    ids: list[str] = []
+    chars, file_rows, offsets, lines = [], [], [], []
+    invalid = 0
+    for name in names:
+        s = scan_jsonl(root, name, fmt, spec.prompt.id_column, spec.prompt.texts)
+        ids += s.ids
+        chars.append(np.asarray(s.lengths, dtype=np.int64))
+        offsets.append(np.asarray(s.offsets, dtype=np.int64))
+        lines.append(np.asarray(s.line_numbers, dtype=np.int64))
+        file_rows.append(len(s.ids))
+        invalid += sum(s.invalid)
+    cat = lambda parts: np.concatenate(parts) if parts else np.zeros(0, np.int64)  # noqa: E731
+    return pa.chunked_array([pa.array(ids, pa.string())]), cat(chars), file_rows, cat(offsets), cat(lines), invalid
+
+
+def _check_ids(ids: pa.ChunkedArray, names: list[str], file_rows: list[int]) -> None:
+    n = len(ids)
+    if n == 0:
+        return
+    nulls = ids.null_count
+    if nulls:
+        first = pc.index(pc.is_null(ids), True).as_py()
+        f, r = _locate(first, file_rows)
+        raise DatasetError(f"{nulls} row(s) have a null id; first at {names[f]} row {r}")
+    distinct = pc.count_distinct(ids).as_py()
+    if distinct != n:
+        import duckdb
+
+        tbl = pa.table({"id": ids})
+        dups = duckdb.sql("SELECT id, count(*) AS n FROM tbl GROUP BY id HAVING n > 1 ORDER BY n DESC, id LIMIT 5")
+        examples = ", ".join(f"{r[0]!r} x{r[1]}" for r in dups.fetchall())
+        raise DatasetError(f"{n - distinct} duplicate id(s) in the input ({n} rows, {distinct} distinct); e.g. {examples}")
+
+
+def _locate(i: int, file_rows: list[int]) -> tuple[int, int]:
+    for f, k in enumerate(file_rows):
+        if i < k:
+            return f, i
+        i -= k
+    return len(file_rows) - 1, i
+
+
+# ---- cutting ------------------------------------------------------------------------
+def _cut(spec: JobSpec, fp: str, tokens: np.ndarray, file_ids, row_in_file, offsets, lines) -> list[ShardPlan]:
+    sh = spec.sharding
+    n = len(tokens)
+    if n == 0:
+        return []
+    buckets: list[tuple[str, np.ndarray]]
+    if sh.long_row_tokens is not None and sh.max_shards >= 2:
+        long_mask = tokens > sh.long_row_tokens
+        buckets = [(b, np.nonzero(m)[0]) for b, m in (("short", ~long_mask), ("long", long_mask))]
+        buckets = [(b, idx) for b, idx in buckets if len(idx)]
+    else:
+        buckets = [("all", np.arange(n))]
+    by_tokens = sh.target_tokens is not None and sh.target_rows is None
+    target = sh.target_tokens if by_tokens else (sh.target_rows or DEFAULT_TARGET_ROWS)
+    weights = [tokens[idx].astype(np.float64) if by_tokens else np.ones(len(idx)) for _, idx in buckets]
+    wanted = [min(len(idx), max(1, math.ceil(w.sum() / target))) for (_, idx), w in zip(buckets, weights)]
+    counts = _cap(wanted, sh.max_shards)
+    plan_key = hashlib.sha256(
+        json.dumps([fp, spec.prompt.id_column, spec.sharding.model_dump(mode="json")], sort_keys=True).encode()
+    ).hexdigest()
+    shards: list[ShardPlan] = []
+    for (bucket, idx), w, k in zip(buckets, weights, counts):
+        cum = np.cumsum(w)
+        cuts = np.searchsorted(cum, cum[-1] * np.arange(1, k) / k, side="left") + 1
+        inner = np.clip(cuts, 1, len(idx) - 1) if len(idx) > 1 else np.zeros(0, np.int64)
+        bounds = np.unique(np.concatenate([[0], inner, [len(idx)]]).astype(np.int64)).tolist()
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            rows = idx[a:b]
+            segs = _segments(rows, file_ids, row_in_file, offsets, lines)
+            index = len(shards)
+            key = hashlib.sha256(
+                f"{plan_key}:{bucket}:{json.dumps([s.model_dump() for s in segs])}".encode()
+            ).hexdigest()
+            shards.append(ShardPlan(
+                shard_id=f"shard-{index:05d}-{key[:8]}", index=index, bucket=bucket, rows=int(len(rows)),
+                est_tokens=int(tokens[rows].sum()), segments=segs,
+            ))
+    return shards
+
+
+def _cap(wanted: list[int], max_shards: int) -> list[int]:
+    """Scale shard counts down so their sum fits max_shards, keeping >= 1 per bucket."""
+    counts = list(wanted)
+    while sum(counts) > max_shards:
+        i = max(range(len(counts)), key=lambda j: counts[j])
+        if counts[i] == 1:
+            break
+        counts[i] -= max(1, (sum(counts) - max_shards) // len(counts))
+        counts[i] = max(1, counts[i])
+    return counts
+
+
+def _segments(rows: np.ndarray, file_ids, row_in_file, offsets, lines) -> list[Segment]:
+    segs = []
+    f = file_ids[rows]
+    for fid in np.unique(f):
+        r = row_in_file[rows[f == fid]]
+        start, end = int(r.min()), int(r.max()) + 1
+        seg = Segment(file=int(fid), start=start, count=end - start)
+        if offsets is not None:
+            g = int(rows[f == fid].min())
+            seg.offset, seg.line = int(offsets[g]), int(lines[g])
+        segs.append(seg)
+    return segs

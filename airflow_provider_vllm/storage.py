@@ -1,0 +1,238 @@
+"""One storage layer over local paths and fsspec URLs (s3://, gs://, file://, memory://).
+
+Two write primitives carry the commit protocol:
+
+* ``write_atomic``: readers see the old object or the whole new one, never a part
+  (local: temp file + rename; object stores: a single PUT is already atomic);
+* ``create_only``: write if absent, atomically; returns False when something is there
+  (local: temp file + hard link, which fails on an existing name; S3: ``If-None-Match: *``;
+  GCS: ``ifGenerationMatch=0``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import posixpath
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+from fsspec.implementations.local import LocalFileSystem
+
+from airflow_provider_vllm.errors import TransientError
+
+
+@dataclass(frozen=True)
+class Storage:
+    """A folder (prefix) on some filesystem; paths given to methods are relative to it."""
+
+    root: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def fs(self) -> fsspec.AbstractFileSystem:
+        return _fs_and_path(self.root, self.options)[0]
+
+    @property
+    def base(self) -> str:
+        """The root as the filesystem sees it (no protocol)."""
+        return _fs_and_path(self.root, self.options)[1].rstrip("/")
+
+    @property
+    def is_local(self) -> bool:
+        return isinstance(self.fs, LocalFileSystem)
+
+    def path(self, rel: str = "") -> str:
+        return posixpath.join(self.base, rel) if rel else self.base
+
+    def uri(self, rel: str = "") -> str:
+        """Full URI of a relative path (with protocol for remote filesystems)."""
+        root = self.root.rstrip("/")
+        return f"{root}/{rel}" if rel else root
+
+    def sub(self, rel: str) -> Storage:
+        return Storage(self.uri(rel), self.options)
+
+    # ---- reads ----------------------------------------------------------------------
+    def exists(self, rel: str) -> bool:
+        return self.fs.exists(self.path(rel))
+
+    def read_bytes(self, rel: str) -> bytes:
+        return self.fs.cat_file(self.path(rel))
+
+    def read_text(self, rel: str) -> str:
+        return self.read_bytes(rel).decode("utf-8")
+
+    def listdir(self, rel: str = "") -> list[str]:
+        """Names (not paths) directly under rel; empty when rel does not exist."""
+        p = self.path(rel)
+        try:
+            entries = self.fs.ls(p, detail=False)
+        except FileNotFoundError:
+            return []
+        names = [posixpath.basename(e.rstrip("/")) for e in entries]
+        return sorted(n for n in names if n)
+
+    def open(self, rel: str, mode: str = "rb"):
+        return self.fs.open(self.path(rel), mode)
+
+    def size(self, rel: str) -> int:
+        return int(self.fs.size(self.path(rel)))
+
+    def sha256(self, rel: str) -> str:
+        h = hashlib.sha256()
+        with self.open(rel) as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        return h.hexdigest()
+
+    # ---- writes ---------------------------------------------------------------------
+    def makedirs(self, rel: str = "") -> None:
+        if self.is_local:
+            os.makedirs(self.path(rel), exist_ok=True)
+
+    def write_atomic(self, rel: str, data: bytes) -> None:
+        """Write all of data or nothing visible at rel."""
+        p = self.path(rel)
+        if self.is_local:
+            os.makedirs(posixpath.dirname(p), exist_ok=True)
+            tmp = f"{p}.tmp-{uuid.uuid4().hex}"
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, p)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+            return
+        _retrying(lambda: self.fs.pipe_file(p, data))
+
+    def create_only(self, rel: str, data: bytes) -> bool:
+        """Atomically create rel with data; False (and nothing written) when rel exists."""
+        p = self.path(rel)
+        if self.is_local:
+            os.makedirs(posixpath.dirname(p), exist_ok=True)
+            tmp = f"{p}.tmp-{uuid.uuid4().hex}"
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                try:
+                    os.link(tmp, p)  # fails if p exists: the create-only primitive
+                except FileExistsError:
+                    return False
+                return True
+            finally:
+                os.unlink(tmp)
+        return _create_only_remote(self.fs, p, data)
+
+    def write_parquet_atomic(self, rel: str, table: pa.Table, metadata: dict[str, str] | None = None) -> None:
+        """Write a Parquet file so that readers never see a partial one."""
+        if metadata:
+            table = table.replace_schema_metadata({**(table.schema.metadata or {}), **metadata})
+        sink = pa.BufferOutputStream()
+        pq.write_table(table, sink, compression="zstd")
+        self.write_atomic(rel, sink.getvalue().to_pybytes())
+
+    def remove(self, rel: str, recursive: bool = False) -> None:
+        try:
+            self.fs.rm(self.path(rel), recursive=recursive)
+        except FileNotFoundError:
+            pass
+
+    def walk_files(self, rel: str = "") -> Iterator[str]:
+        """Relative paths of all files under rel."""
+        base = self.path(rel)
+        try:
+            found = self.fs.find(base)
+        except FileNotFoundError:
+            return
+        for p in sorted(found):
+            yield posixpath.relpath(p, self.base)
+
+
+def _fs_and_path(uri: str, options: dict[str, Any]) -> tuple[fsspec.AbstractFileSystem, str]:
+    return _cached_fs(uri, tuple(sorted((k, repr(v)) for k, v in options.items())), options)
+
+
+_FS_CACHE: dict[tuple, tuple] = {}
+
+
+def _cached_fs(uri: str, key: tuple, options: dict[str, Any]):
+    k = (uri, key)
+    hit = _FS_CACHE.get(k)
+    if hit is None:
+        hit = fsspec.core.url_to_fs(uri, **options)
+        _FS_CACHE[k] = hit
+    return hit
+
+
+def _create_only_remote(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> bool:
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    if "s3" in protocols or "s3a" in protocols:
+        return _s3_put_if_absent(fs, path, data)
+    if "gs" in protocols or "gcs" in protocols:
+        # gcsfs maps mode="create" to ifGenerationMatch=0 (atomic on the server).
+        try:
+            fs.pipe_file(path, data, mode="create")
+            return True
+        except FileExistsError:
+            return False
+    if "memory" in protocols:
+        if fs.exists(path):
+            return False
+        fs.pipe_file(path, data)
+        return True
+    raise NotImplementedError(f"no atomic create-only write for protocol {fs.protocol!r}")
+
+
+def _s3_put_if_absent(fs, path: str, data: bytes) -> bool:
+    import botocore.exceptions  # only with s3fs installed
+
+    bucket, key = path.split("/", 1)
+
+    def put():
+        import asyncio
+
+        async def go():
+            client = await fs.get_s3()
+            await client.put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
+
+        return fsspec.asyn.sync(fs.loop, go) if not isinstance(fs.loop, type(None)) else asyncio.run(go())
+
+    try:
+        _retrying(put, passthrough=(botocore.exceptions.ClientError,))
+    except botocore.exceptions.ClientError as e:
+        code = e.response.get("Error", {}).get("Code", "")
+        if code in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
+            return False
+        raise
+    fs.invalidate_cache(path)
+    return True
+
+
+def _retrying(fn, attempts: int = 5, passthrough: tuple = ()):
+    """Run fn, retrying transient storage errors with exponential backoff."""
+    import random
+    import time
+
+    delay = 0.2
+    for i in range(attempts):
+        try:
+            return fn()
+        except passthrough:
+            raise
+        except (OSError, TimeoutError) as e:
+            if isinstance(e, (FileNotFoundError, FileExistsError, PermissionError)):
+                raise
+            if i == attempts - 1:
+                raise TransientError(f"storage operation failed after {attempts} attempts: {e}") from e
+            time.sleep(delay * (1 + random.random()))
+            delay *= 2

@@ -1,0 +1,78 @@
+"""``python -m airflow_provider_vllm.worker '<shard task json>'`` (or ``@file.json``).
+
+Exit codes: 0 done (or already committed), 2 terminal (retrying cannot help: bad spec,
+changed input), 75 transient (retry: engine failure, storage error, preemption).
+The last stdout line is the JSON manifest; it is also written to
+``/airflow/xcom/return.json`` when that folder exists (KubernetesPodOperator XCom sidecar).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import traceback
+
+from airflow_provider_vllm.errors import EXIT_OK, EXIT_TERMINAL, EXIT_TRANSIENT, VllmBatchError
+
+XCOM_DIR = os.environ.get("VLLM_BATCH_XCOM_DIR", "/airflow/xcom")
+
+
+class Preempted(Exception):
+    """SIGTERM received (node drain, spot preemption, task killed)."""
+
+
+def _on_sigterm(signum, frame):  # noqa: ARG001
+    raise Preempted(f"signal {signum}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(
+        level=os.environ.get("VLLM_BATCH_LOG_LEVEL", "INFO"),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    log = logging.getLogger("airflow_provider_vllm.worker")
+    if len(argv) != 1 or argv[0] in ("-h", "--help"):
+        print(__doc__, file=sys.stderr)
+        return EXIT_TERMINAL
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        from airflow_provider_vllm.worker.shard import run_shard
+        from airflow_provider_vllm.worker.task import ShardTask
+
+        raw = argv[0]
+        if raw.startswith("@"):
+            with open(raw[1:], encoding="utf-8") as f:
+                raw = f.read()
+        task = ShardTask.load(raw)
+        manifest = run_shard(task)
+    except VllmBatchError as e:
+        log.error("%s: %s", type(e).__name__, e)
+        _emit({"status": "failed", "error": type(e).__name__, "message": str(e), "terminal": e.terminal})
+        return e.exit_code
+    except (Preempted, KeyboardInterrupt) as e:
+        log.error("stopped (%s): committed chunks are kept; a retry resumes from them", e)
+        _emit({"status": "failed", "error": "Preempted", "message": str(e), "terminal": False})
+        return EXIT_TRANSIENT
+    except Exception as e:  # engine crash, storage failure, OOM...: a retry may succeed
+        log.error("unexpected failure: %s\n%s", e, traceback.format_exc())
+        _emit({"status": "failed", "error": type(e).__name__, "message": str(e)[:2000], "terminal": False})
+        return EXIT_TRANSIENT
+    _emit(manifest)
+    return EXIT_OK
+
+
+def _emit(manifest: dict) -> None:
+    line = json.dumps(manifest, sort_keys=True, default=str)
+    if os.path.isdir(XCOM_DIR):
+        with open(os.path.join(XCOM_DIR, "return.json"), "w", encoding="utf-8") as f:
+            f.write(line)
+    print(line, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

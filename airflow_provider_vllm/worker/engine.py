@@ -1,0 +1,151 @@
+"""The one module that imports vLLM (its API renames things between releases).
+
+``Engine`` wraps ``vllm.LLM``: the worker submits token prompts into a deep queue
+(``submit``) and collects finished rows as the engine produces them (``step``), so
+continuous batching always has work, while chunks commit as soon as their rows finish.
+Pooling tasks (embed, classify) go through ``pool``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from airflow_provider_vllm.spec import JobSpec
+
+
+@dataclass
+class Generated:
+    """One finished generation."""
+
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+def engine_kwargs(spec: JobSpec) -> dict[str, Any]:
+    """vllm.LLM(...) keyword arguments for a job spec (also used by benchmarks for the baseline)."""
+    m, e = spec.model, spec.engine
+    kw: dict[str, Any] = {
+        "model": m.name,
+        "revision": m.revision,
+        "tokenizer": m.tokenizer,
+        "dtype": m.dtype,
+        "quantization": m.quantization,
+        "max_model_len": m.max_model_len,
+        "trust_remote_code": m.trust_remote_code,
+        "max_num_seqs": e.max_num_seqs,
+        "max_num_batched_tokens": e.max_num_batched_tokens,
+        "gpu_memory_utilization": e.gpu_memory_utilization,
+        "tensor_parallel_size": e.tensor_parallel_size,
+        "enable_prefix_caching": e.enable_prefix_caching,
+        "enforce_eager": e.enforce_eager,
+        "seed": e.seed,
+        **e.engine_kwargs,
+    }
+    if spec.task in ("embed", "classify"):
+        kw["runner"] = "pooling"
+        if spec.task == "classify":
+            kw["convert"] = "classify"
+    return {k: v for k, v in kw.items() if v is not None}
+
+
+def sampling_params(spec: JobSpec, overrides: dict[str, Any] | None = None):
+    """vllm.SamplingParams for the spec, with per-row overrides (OpenAI batch bodies)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+    s = spec.sampling
+    kw: dict[str, Any] = {
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "max_tokens": s.max_tokens,
+        "seed": s.seed,
+        "stop": list(s.stop) or None,
+    }
+    kw.update(overrides or {})
+    if s.structured is not None:
+        st = s.structured
+        kw["structured_outputs"] = StructuredOutputsParams(
+            choice=st.choice, json=st.json_schema, regex=st.regex
+        )
+    params = SamplingParams(**kw)
+    params.output_kind = RequestOutputKind.FINAL_ONLY
+    return params
+
+
+class Engine:
+    """A vLLM engine for one job. Construct once per process."""
+
+    def __init__(self, spec: JobSpec):
+        if spec.engine.cpu_kvcache_space_gb is not None:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.engine.cpu_kvcache_space_gb))
+        import vllm
+
+        self.spec = spec
+        self.version = vllm.__version__
+        t0 = time.monotonic()
+        self.llm = vllm.LLM(**engine_kwargs(spec))
+        self.start_seconds = time.monotonic() - t0
+        self.tokenizer = self.llm.get_tokenizer()
+        self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
+        self._engine = self.llm.llm_engine
+        self._params = sampling_params(spec) if spec.task in ("chat", "generate") else None
+        self._keys: dict[str, Any] = {}  # vLLM request id -> caller's key
+        self._counter = 0
+
+    # ---- generation -----------------------------------------------------------------
+    def submit(self, key: Any, token_ids: list[int], overrides: dict[str, Any] | None = None) -> None:
+        from vllm.inputs import TokensPrompt
+
+        params = sampling_params(self.spec, overrides) if overrides else self._params
+        self._counter += 1
+        rid = self._engine.add_request(f"r{self._counter}", TokensPrompt(prompt_token_ids=token_ids), params)
+        self._keys[rid] = key
+
+    def pending(self) -> int:
+        return len(self._keys)
+
+    def step(self) -> list[tuple[Any, Generated]]:
+        """Run one engine step; returns the rows that finished in it."""
+        done = []
+        for out in self._engine.step():
+            if not out.finished:
+                continue
+            key = self._keys.pop(out.request_id)
+            c = out.outputs[0]
+            done.append((key, Generated(
+                text=c.text,
+                finish_reason=c.finish_reason,
+                prompt_tokens=len(out.prompt_token_ids or ()),
+                completion_tokens=len(c.token_ids),
+            )))
+        return done
+
+    def abort_all(self) -> None:
+        if self._keys:
+            self._engine.abort_request(list(self._keys))
+            self._keys.clear()
+
+    # ---- pooling --------------------------------------------------------------------
+    def pool(self, prompts: list[list[int]]) -> list[list[float]]:
+        """Embedding vectors (embed) or class probabilities (classify), one per prompt."""
+        from vllm.inputs import TokensPrompt
+
+        tp = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        if self.spec.task == "embed":
+            return [o.outputs.embedding for o in self.llm.embed(tp, use_tqdm=False)]
+        return [o.outputs.probs for o in self.llm.classify(tp, use_tqdm=False)]
+
+    def warm_up(self) -> None:
+        """One tiny request so that lazy initialisation is not timed as throughput."""
+        ids = self.tokenizer.encode("warm up")[:4] or [0]
+        if self.spec.task in ("embed", "classify"):
+            self.pool([ids])
+            return
+        from vllm import SamplingParams
+
+        self.llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1), use_tqdm=False)

@@ -1,0 +1,304 @@
+"""Run one shard: read its rows, validate, infer, write chunks, commit.
+
+Every row of the shard leaves exactly once, in a chunk file, as 'ok' or 'error'. Chunks
+are written as soon as all their rows are done; the deep engine queue spans chunk
+boundaries so the engine never drains between chunks.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import resource
+import time
+from typing import Any, Callable
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from airflow_provider_vllm import __version__
+from airflow_provider_vllm.commit import ChunkMeta, ShardStore, new_attempt_id
+from airflow_provider_vllm.datasets import (
+    RowBatch,
+    check_unchanged,
+    parquet_batch,
+    read_jsonl_range,
+    read_parquet_range,
+)
+from airflow_provider_vllm.errors import InputChangedError, SpecError
+from airflow_provider_vllm.planning import Plan, ShardPlan, estimate_tokens, load_plan
+from airflow_provider_vllm.rows import ENGINE_ERROR, rows_table
+from airflow_provider_vllm.spec import JobSpec
+from airflow_provider_vllm.storage import Storage
+from airflow_provider_vllm.worker.outputs import check_structured
+from airflow_provider_vllm.worker.progress import Progress
+from airflow_provider_vllm.worker.prompts import PromptBuilder, Prepared
+from airflow_provider_vllm.worker.task import ShardTask
+
+log = logging.getLogger("airflow_provider_vllm.worker")
+
+# Requests kept in the engine at once: deep enough for continuous batching to stay full.
+MIN_QUEUE = 1024
+
+
+def run_shard(task: ShardTask, engine_factory: Callable[[JobSpec], Any] | None = None) -> dict[str, Any]:
+    """Process one shard; returns the manifest (also the XCom value). Idempotent."""
+    spec = task.spec
+    out = Storage(spec.io.output_uri, spec.io.storage_options)
+    plan = load_plan(spec)
+    if plan.spec_hash != spec.content_hash():
+        raise SpecError(f"the plan at {spec.io.output_uri} was made for another spec "
+                        f"({plan.spec_hash[:12]} != {spec.content_hash()[:12]})")
+    shard = plan.shard(task.shard_id)
+    store = ShardStore(out, shard.shard_id)
+    committed = store.marker()
+    if committed is not None:
+        log.info("shard %s already committed by attempt %s: nothing to do", shard.shard_id, committed["attempt_id"])
+        return _manifest(committed, status="already_committed")
+
+    attempt = task.attempt_id or new_attempt_id()
+    t_start = time.monotonic()
+    in_root = Storage(plan.input_root, spec.io.storage_options)
+    check_unchanged(in_root, plan.input_files())
+    batch = read_shard_rows(spec, plan, shard, in_root)
+    if len(batch) != shard.rows:
+        raise InputChangedError(f"shard {shard.shard_id}: read {len(batch)} rows, the plan says {shard.rows}")
+    read_s = time.monotonic() - t_start
+
+    chunk_rows = spec.sharding.chunk_rows
+    n_chunks = max(1, -(-shard.rows // chunk_rows)) if shard.rows else 0
+    metas = {k: ChunkMeta(shard.shard_id, k, k * chunk_rows, min(chunk_rows, shard.rows - k * chunk_rows),
+                          plan.config_hash) for k in range(n_chunks)}
+    reused = store.reusable_chunks(metas)
+    todo = [k for k in range(n_chunks) if k not in reused]
+    log.info("shard %s attempt %s: %d rows in %d chunks, %d reused from earlier attempts",
+             shard.shard_id, attempt, shard.rows, n_chunks, len(reused))
+
+    stats: dict[str, Any] = {"rows": shard.rows, "read_s": round(read_s, 3), "reused_chunks": len(reused),
+                             "engine_start_s": 0.0, "infer_s": 0.0, "prompt_tokens": 0, "completion_tokens": 0}
+    files = {k: store.file_entry(rel) for k, rel in reused.items()}
+    engine_version = None
+    if todo:
+        engine = (engine_factory or _default_engine)(spec)
+        engine_version = engine.version
+        stats["engine_start_s"] = round(engine.start_seconds, 3)
+        engine.warm_up()
+        runner = _ChunkRunner(spec, plan, shard, batch, engine, store, attempt, metas, task.progress_interval_s)
+        t0 = time.monotonic()
+        files.update(runner.run(todo))
+        stats["infer_s"] = round(time.monotonic() - t0, 3)
+        stats["prompt_tokens"] = runner.prompt_tokens
+        stats["completion_tokens"] = runner.completion_tokens
+        stats["progress_lines"] = runner.progress.lines
+    infer = stats["infer_s"] or 1e-9
+    done_rows = sum(metas[k].rows for k in todo)
+    stats.update(
+        rows_per_s=round(done_rows / infer, 3) if todo else None,
+        tokens_per_s=round((stats["prompt_tokens"] + stats["completion_tokens"]) / infer, 1) if todo else None,
+        wall_s=round(time.monotonic() - t_start, 3),
+        peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+    )
+    entries = [files[k] for k in range(n_chunks)]
+    marker = {
+        "shard_id": shard.shard_id,
+        "attempt_id": attempt,
+        "config_hash": plan.config_hash,
+        "spec_hash": plan.spec_hash,
+        "plan_fingerprint": plan.fingerprint,
+        "files": entries,
+        "rows": sum(e["rows"] for e in entries),
+        "ok_rows": sum(e["ok_rows"] for e in entries),
+        "error_rows": sum(e["error_rows"] for e in entries),
+        "stats": stats,
+        "versions": {"airflow-provider-vllm": __version__, "vllm": engine_version,
+                     "python": platform.python_version(), "model": spec.model.name,
+                     "model_revision": spec.model.revision},
+        "committed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    if marker["rows"] != shard.rows:
+        raise InputChangedError(f"shard {shard.shard_id}: chunks hold {marker['rows']} rows, plan {shard.rows}")
+    if store.commit(marker):
+        log.info("shard %s committed by attempt %s: %d ok, %d errors",
+                 shard.shard_id, attempt, marker["ok_rows"], marker["error_rows"])
+        return _manifest(marker, status="committed")
+    winner = store.marker() or {}
+    log.info("shard %s was committed first by attempt %s; this attempt's files are ignored",
+             shard.shard_id, winner.get("attempt_id"))
+    return _manifest(winner, status="already_committed")
+
+
+def _default_engine(spec: JobSpec):
+    from airflow_provider_vllm.worker.engine import Engine
+
+    return Engine(spec)
+
+
+def _manifest(marker: dict[str, Any], status: str) -> dict[str, Any]:
+    return {
+        "status": status,
+        "shard_id": marker.get("shard_id"),
+        "attempt_id": marker.get("attempt_id"),
+        "rows": marker.get("rows"),
+        "ok_rows": marker.get("ok_rows"),
+        "error_rows": marker.get("error_rows"),
+        "stats": marker.get("stats", {}),
+    }
+
+
+# ---- reading ------------------------------------------------------------------------
+def read_shard_rows(spec: JobSpec, plan: Plan, shard: ShardPlan, root: Storage) -> RowBatch:
+    """The shard's rows in plan order (bucket filter applied)."""
+    idc = spec.prompt.id_column
+    columns = [c for c in spec.prompt.columns if c != idc]
+    batch = RowBatch(ids=[], values={}, faults=[], lines=[])
+    for seg in shard.segments:
+        name = plan.files[seg.file]["path"]
+        if plan.format == "parquet":
+            table = read_parquet_range(root, name, seg.start, seg.count, [idc] + columns)
+            if shard.bucket != "all":
+                table = table.filter(_bucket_mask(table, spec, plan, shard.bucket))
+            part = parquet_batch(table, idc, columns)
+        else:
+            cols = ["_request"] if plan.format == "openai_batch" else columns
+            part = read_jsonl_range(root, name, plan.format, idc, cols, seg.offset, seg.count, seg.line)
+            if shard.bucket != "all":
+                part = _filter_jsonl(part, spec, plan, shard.bucket)
+        batch.extend(part)
+    return batch
+
+
+def _bucket_mask(table: pa.Table, spec: JobSpec, plan: Plan, bucket: str) -> pa.Array:
+    chars = np.zeros(table.num_rows, dtype=np.int64)
+    for c in spec.prompt.texts:
+        chars += pc.fill_null(pc.utf8_length(table.column(c)), 0).to_numpy()
+    long = estimate_tokens(chars, plan.chars_per_token) > plan.long_row_tokens
+    return pa.array(long if bucket == "long" else ~long)
+
+
+def _filter_jsonl(part: RowBatch, spec: JobSpec, plan: Plan, bucket: str) -> RowBatch:
+    from airflow_provider_vllm.datasets import line_chars
+
+    keep = []
+    for i in range(len(part)):
+        chars = line_chars(part, i, plan.format, spec.prompt.texts)
+        is_long = int(estimate_tokens(chars, plan.chars_per_token)) > plan.long_row_tokens
+        keep.append(is_long == (bucket == "long"))
+    return RowBatch(
+        ids=[x for x, k in zip(part.ids, keep) if k],
+        values={c: [x for x, k in zip(v, keep) if k] for c, v in part.values.items()},
+        faults=[x for x, k in zip(part.faults, keep) if k],
+        lines=[x for x, k in zip(part.lines, keep) if k],
+    )
+
+
+# ---- inference ----------------------------------------------------------------------
+class _ChunkRunner:
+    """Feeds rows of the chunks to do through the engine and writes each chunk when complete."""
+
+    def __init__(self, spec, plan, shard, batch, engine, store, attempt, metas, interval):
+        self.spec, self.plan, self.shard, self.batch = spec, plan, shard, batch
+        self.engine, self.store, self.attempt, self.metas = engine, store, attempt, metas
+        self.builder = PromptBuilder(spec, engine.tokenizer, engine.max_model_len)
+        self.progress = Progress(shard.shard_id, sum(metas[k].rows for k in metas), interval)
+        self.prov = {
+            "model": spec.model.name, "model_revision": spec.model.revision, "engine_version": engine.version,
+            "config_hash": plan.config_hash, "shard_id": shard.shard_id, "attempt_id": attempt,
+        }
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.depth = max(MIN_QUEUE, 4 * (spec.engine.max_num_seqs or 256))
+
+    def run(self, todo: list[int]) -> dict[int, dict[str, Any]]:
+        self.progress.total = sum(self.metas[k].rows for k in todo)
+        self.progress.restart()
+        if self.spec.task in ("embed", "classify"):
+            return {k: self._pool_chunk(k) for k in todo}
+        return self._generate(todo)
+
+    def _prepare(self, i: int) -> Prepared:
+        fault = self.batch.faults[i]
+        if fault is not None:
+            return Prepared(fault=fault)
+        if self.plan.format == "openai_batch":
+            return self.builder.prepare_openai(self.batch.values["_request"][i])
+        return self.builder.prepare({c: v[i] for c, v in self.batch.values.items()})
+
+    def _error(self, i: int, code: str, message: str) -> dict[str, Any]:
+        return {"id": self.batch.ids[i], "status": "error", "error_code": code, "error_message": message,
+                **self.prov}
+
+    def _generate(self, todo: list[int]) -> dict[int, dict[str, Any]]:
+        records: dict[int, dict[int, dict]] = {k: {} for k in todo}
+        submitted: dict[int, tuple[float, bool]] = {}
+        files: dict[int, dict[str, Any]] = {}
+        queue = [(k, i) for k in todo for i in range(self.metas[k].first_row,
+                                                     self.metas[k].first_row + self.metas[k].rows)]
+        pos = 0
+        while pos < len(queue) or self.engine.pending():
+            while pos < len(queue) and self.engine.pending() < self.depth:
+                k, i = queue[pos]
+                pos += 1
+                prep = self._prepare(i)
+                if prep.fault is not None:
+                    records[k][i] = self._error(i, *prep.fault)
+                    self._maybe_flush(k, records, files)
+                    continue
+                try:
+                    self.engine.submit((k, i), prep.token_ids, prep.overrides or None)
+                except (ValueError, TypeError) as e:  # the engine refused this one request
+                    records[k][i] = self._error(i, ENGINE_ERROR, str(e)[:500])
+                    self._maybe_flush(k, records, files)
+                    continue
+                submitted[i] = (time.monotonic(), prep.truncated)
+            if not self.engine.pending():
+                continue
+            for (k, i), g in self.engine.step():
+                t_sub, truncated = submitted.pop(i)
+                label, parsed, valid = check_structured(self.spec, g.text)
+                records[k][i] = {
+                    "id": self.batch.ids[i], "status": "ok", "output": g.text, "label": label,
+                    "parsed_json": parsed, "valid": valid, "finish_reason": g.finish_reason,
+                    "prompt_tokens": g.prompt_tokens, "completion_tokens": g.completion_tokens,
+                    "truncated": truncated, "latency_ms": (time.monotonic() - t_sub) * 1000.0, **self.prov,
+                }
+                self.prompt_tokens += g.prompt_tokens
+                self.completion_tokens += g.completion_tokens
+                self._maybe_flush(k, records, files)
+        return files
+
+    def _maybe_flush(self, k: int, records: dict, files: dict) -> None:
+        meta = self.metas[k]
+        got = records[k]
+        if len(got) < meta.rows:
+            return
+        rows = [got[i] for i in range(meta.first_row, meta.first_row + meta.rows)]
+        files[k] = self.store.write_chunk(self.attempt, meta, rows_table(rows))
+        del records[k]
+        toks = sum((r.get("prompt_tokens") or 0) + (r.get("completion_tokens") or 0) for r in rows)
+        self.progress.add(len(rows), toks)
+
+    def _pool_chunk(self, k: int) -> dict[str, Any]:
+        meta = self.metas[k]
+        rows: dict[int, dict] = {}
+        ok: list[tuple[int, Prepared]] = []
+        for i in range(meta.first_row, meta.first_row + meta.rows):
+            prep = self._prepare(i)
+            if prep.fault is not None:
+                rows[i] = self._error(i, *prep.fault)
+            else:
+                ok.append((i, prep))
+        if ok:
+            t0 = time.monotonic()
+            vectors = self.engine.pool([p.token_ids for _, p in ok])
+            per_row_ms = (time.monotonic() - t0) * 1000.0 / len(ok)
+            col = "embedding" if self.spec.task == "embed" else "scores"
+            for (i, p), vec in zip(ok, vectors):
+                rows[i] = {"id": self.batch.ids[i], "status": "ok", col: [float(x) for x in vec],
+                           "prompt_tokens": len(p.token_ids), "completion_tokens": 0, "truncated": p.truncated,
+                           "latency_ms": per_row_ms, **self.prov}
+                self.prompt_tokens += len(p.token_ids)
+        ordered = [rows[i] for i in range(meta.first_row, meta.first_row + meta.rows)]
+        entry = self.store.write_chunk(self.attempt, meta, rows_table(ordered))
+        self.progress.add(len(ordered), sum(r.get("prompt_tokens") or 0 for r in ordered))
+        return entry
