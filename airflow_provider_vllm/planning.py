@@ -128,9 +128,11 @@ def build_plan(spec: JobSpec) -> Plan:
     files = describe_files(root, names)
     fmt = detect_format(root, names, spec.io.input_format)
     sh = spec.sharding
-    bucketing = sh.long_row_tokens is not None
+    # Exact per-row lengths need the text columns; footers (dictionary-encoded pages make
+    # them approximate) are enough when shards are sized by rows only.
+    per_row = sh.long_row_tokens is not None or (sh.target_tokens is not None and sh.target_rows is None)
     if fmt == "parquet":
-        ids, chars, file_rows, offsets, lines, invalid = _scan_parquet(root, names, spec, bucketing)
+        ids, chars, file_rows, offsets, lines, invalid = _scan_parquet(root, names, spec, per_row)
     else:
         ids, chars, file_rows, offsets, lines, invalid = _scan_jsonl(root, names, fmt, spec)
     _check_ids(ids, names, file_rows)

@@ -27,10 +27,10 @@ class FakeEngine:
     version = "fake-0"
     start_seconds = 0.0
 
-    def __init__(self, spec, max_model_len=2048, crash_after=None, per_step=7):
+    def __init__(self, spec, max_model_len=None, crash_after=None, per_step=7):
         self.spec = spec
         self.tokenizer = FakeTokenizer()
-        self.max_model_len = max_model_len
+        self.max_model_len = max_model_len or spec.model.max_model_len or 2048
         self.crash_after = crash_after
         self.per_step = per_step
         self.queue = []
