@@ -176,45 +176,22 @@ def _cached_fs(uri: str, key: tuple, options: dict[str, Any]):
 
 def _create_only_remote(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> bool:
     protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
-    if "s3" in protocols or "s3a" in protocols:
-        return _s3_put_if_absent(fs, path, data)
-    if "gs" in protocols or "gcs" in protocols:
-        # gcsfs maps mode="create" to ifGenerationMatch=0 (atomic on the server).
-        try:
-            fs.pipe_file(path, data, mode="create")
-            return True
-        except FileExistsError:
-            return False
-    if "memory" in protocols:
+    if "memory" in protocols:  # tests only: single process, check-then-write is enough
         if fs.exists(path):
             return False
         fs.pipe_file(path, data)
         return True
-    raise NotImplementedError(f"no atomic create-only write for protocol {fs.protocol!r}")
-
-
-def _s3_put_if_absent(fs, path: str, data: bytes) -> bool:
-    import botocore.exceptions  # only with s3fs installed
-
-    bucket, key = path.split("/", 1)
-
-    def put():
-        import asyncio
-
-        async def go():
-            client = await fs.get_s3()
-            await client.put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
-
-        return fsspec.asyn.sync(fs.loop, go) if not isinstance(fs.loop, type(None)) else asyncio.run(go())
-
+    if not {"s3", "s3a", "gs", "gcs"} & set(protocols):
+        raise NotImplementedError(f"no atomic create-only write for protocol {fs.protocol!r}")
+    # s3fs sends If-None-Match: * and gcsfs ifGenerationMatch=0: the server decides, atomically.
     try:
-        _retrying(put, passthrough=(botocore.exceptions.ClientError,))
-    except botocore.exceptions.ClientError as e:
-        code = e.response.get("Error", {}).get("Code", "")
-        if code in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
+        _retrying(lambda: fs.pipe_file(path, data, mode="create"))
+    except FileExistsError:
+        return False
+    except OSError as e:
+        if "PreconditionFailed" in str(e) or "412" in str(e):
             return False
         raise
-    fs.invalidate_cache(path)
     return True
 
 

@@ -1,0 +1,50 @@
+"""A local S3-compatible server (moto) on 127.0.0.1 for tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MotoServer:
+    def __init__(self):
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.proc = None
+
+    def __enter__(self):
+        bindir = os.path.dirname(sys.executable)
+        self.proc = subprocess.Popen([os.path.join(bindir, "moto_server"), "-H", "127.0.0.1", "-p", str(self.port)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(100):
+            try:
+                urllib.request.urlopen(self.endpoint + "/moto-api/", timeout=1)
+                return self
+            except OSError:
+                time.sleep(0.1)
+        raise RuntimeError("moto_server did not start")
+
+    def __exit__(self, *exc):
+        self.proc.terminate()
+        self.proc.wait(10)
+
+    @property
+    def storage_options(self) -> dict:
+        return {"key": "testing", "secret": "testing", "endpoint_url": self.endpoint,
+                "client_kwargs": {"region_name": "us-east-1"}}
+
+    def make_bucket(self, name: str) -> None:
+        import boto3
+
+        boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id="testing",
+                     aws_secret_access_key="testing", region_name="us-east-1").create_bucket(Bucket=name)
