@@ -232,3 +232,25 @@ def test_empty_input_gives_no_shards_and_an_empty_merge(tmp_path, fake_engine_fa
     assert s["rows"] == 0 and s["ok_rows"] == 0
     res, err = read_out(tmp_path / "out")
     assert res == [] and err == []
+
+
+def test_qa_stage_writes_report_with_input_excerpts(tmp_path, fake_engine_factory):
+    from airflow_provider_vllm.qa_stage import qa_run, qa_summary
+
+    planted_parquet(tmp_path)
+    spec = make_spec(tmp_path / "in", tmp_path / "out", qa={"sample_size": 20})
+    run_all(spec, fake_engine_factory)
+    merge_run(spec)
+    report, paths = qa_run(spec)
+    assert report.status in ("pass", "warn", "fail")
+    html = (tmp_path / "out" / paths["report_html"]).read_text()
+    assert "<svg" in html and "billing" in html
+    sample = pq.read_table(tmp_path / "out" / paths["sample"]).to_pylist()
+    assert len(sample) == 20
+    ok = [r for r in sample if r["status"] == "ok"]
+    assert ok and all("invoice" in r["input_excerpt"] for r in ok)
+    s = qa_summary(report, paths, str(tmp_path / "out"))
+    assert s["report_html"].endswith("qa/report.html") and {c["name"] for c in s["checks"]} >= {"error_rate"}
+    # 4 of 300 rows are errors: 1.3% > warn 1% -> warn
+    err = next(c for c in s["checks"] if c["name"] == "error_rate")
+    assert err["status"] == "warn"
