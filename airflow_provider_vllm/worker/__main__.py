@@ -40,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__, file=sys.stderr)
         return EXIT_TERMINAL
     signal.signal(signal.SIGTERM, _on_sigterm)
+    # vLLM logs to stdout by default; stdout carries only the manifest
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     try:
         from airflow_provider_vllm.worker.shard import run_shard
         from airflow_provider_vllm.worker.task import ShardTask

@@ -103,7 +103,8 @@ class Engine:
 
         params = sampling_params(self.spec, overrides) if overrides else self._params
         self._counter += 1
-        rid = self._engine.add_request(f"r{self._counter}", TokensPrompt(prompt_token_ids=token_ids), params)
+        rid = f"r{self._counter}"  # outputs carry this id (vLLM adds a suffix only internally)
+        self._engine.add_request(rid, TokensPrompt(prompt_token_ids=token_ids), params)
         self._keys[rid] = key
 
     def pending(self) -> int:
@@ -142,7 +143,8 @@ class Engine:
 
     def warm_up(self) -> None:
         """One tiny request so that lazy initialisation is not timed as throughput."""
-        ids = self.tokenizer.encode("warm up")[:4] or [0]
+        # 16+ tokens: on some CPUs vLLM's CPU build dies with SIGILL on bf16 prompts of <= 4 tokens
+        ids = self.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4)[:32]
         if self.spec.task in ("embed", "classify"):
             self.pool([ids])
             return

@@ -1,0 +1,177 @@
+"""The real worker process on real vLLM (CPU build) with real small models.
+
+Each worker process starts its own engine (~25 s here), so the tests share runs where they can.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from airflow_provider_vllm.commit import MARKER
+from airflow_provider_vllm.local_models import default_cache_dir, make_tiny_llama, prepare_smollm2
+from airflow_provider_vllm.merge import merge_run
+from airflow_provider_vllm.planning import plan_job
+from airflow_provider_vllm.spec import JobSpec
+from airflow_provider_vllm.worker.task import ShardTask, worker_command
+from tests.conftest import write_parquet
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+LABELS = ["billing", "bug", "other"]
+SYSTEM = ("You classify support tickets. billing = money, charges, refunds, invoices. "
+          "bug = the software crashes or is broken. other = anything else. Answer with one word.")
+TICKETS = [
+    "I was charged twice for my subscription this month, please refund one payment.",
+    "The app crashes every time I open the settings page on Android.",
+    "Can you tell me where your office is located?",
+    "My invoice shows the wrong VAT number.",
+    "After the last update the export button does nothing and the page freezes.",
+    "Do you have a student discount?",
+    "The refund you promised two weeks ago has not arrived on my card.",
+    "Login fails with error 500 since yesterday.",
+]
+ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+       "VLLM_NO_USAGE_STATS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(Path(__file__).parent.parent)}
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    return str(make_tiny_llama(default_cache_dir() / "tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    return str(prepare_smollm2(default_cache_dir() / "smollm2-135m-instruct"))
+
+
+def planted(tmp_path: Path, n: int) -> dict[str, str]:
+    ids = [f"t{i:04d}" for i in range(n)]
+    texts = [TICKETS[i % len(TICKETS)] + f" (ref {i})" for i in range(n)]
+    texts[2] = None
+    texts[5] = "  "
+    texts[11] = "please help " * 600  # far beyond max_model_len 512
+    write_parquet(tmp_path / "in" / "part-0.parquet", ids[: n // 2], texts[: n // 2], row_group_size=16)
+    write_parquet(tmp_path / "in" / "part-1.parquet", ids[n // 2:], texts[n // 2:], row_group_size=16)
+    return {"t0002": "EMPTY_INPUT", "t0005": "EMPTY_INPUT", "t0011": "PROMPT_TOO_LONG"}
+
+
+def spec_for(model: str, tmp_path: Path, **sharding) -> JobSpec:
+    return JobSpec.load({
+        "model": {"name": model, "max_model_len": 512},
+        "engine": {"enforce_eager": True, "max_num_seqs": 32},
+        "io": {"input_uri": str(tmp_path / "in"), "output_uri": str(tmp_path / "out")},
+        "prompt": {"system_prompt": SYSTEM, "template": "Ticket: {text}"},
+        "sampling": {"temperature": 0, "max_tokens": 8, "structured": {"choice": LABELS}},
+        "sharding": {"target_rows": 10_000, "chunk_rows": 16, **sharding},
+    })
+
+
+def run_worker(spec: JobSpec, shard_id: str, **popen) -> subprocess.CompletedProcess:
+    cmd = worker_command(ShardTask(spec=spec, shard_id=shard_id, progress_interval_s=1))
+    return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600, **popen)
+
+
+def manifest(proc: subprocess.CompletedProcess) -> dict:
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads([x for x in proc.stdout.splitlines() if x.startswith("{")][-1])
+
+
+def check_exactly_once(out: Path, n: int, planted_codes: dict[str, str]):
+    res = pq.read_table(out / "results" / "results.parquet").to_pylist()
+    err = pq.read_table(out / "results" / "errors.parquet").to_pylist()
+    ids = [r["id"] for r in res] + [e["id"] for e in err]
+    assert sorted(ids) == [f"t{i:04d}" for i in range(n)]
+    assert {e["id"]: e["error_code"] for e in err} == planted_codes
+    return res, err
+
+
+def test_tiny_model_worker_cli_planted_rows_and_rerun(tmp_path, tiny_model):
+    codes = planted(tmp_path, 80)
+    spec = spec_for(tiny_model, tmp_path)
+    (shard,) = plan_job(spec).shards
+    proc = run_worker(spec, shard.shard_id)
+    m = manifest(proc)
+    assert m["status"] == "committed" and m["rows"] == 80 and m["error_rows"] == 3
+    assert "progress shard-" in proc.stderr and "rows=80/80" in proc.stderr
+    merge_run(spec)
+    res, _ = check_exactly_once(tmp_path / "out", 80, codes)
+    assert all(r["label"] in LABELS and r["valid"] for r in res)  # structured choice holds on random weights
+    assert res[0]["engine_version"] and res[0]["model"] == tiny_model
+    again = manifest(run_worker(spec, shard.shard_id))
+    assert again["status"] == "already_committed"
+
+
+def test_kill9_mid_shard_then_rerun_reuses_chunks(tmp_path, tiny_model):
+    n = 600
+    ids = [f"t{i:04d}" for i in range(n)]
+    write_parquet(tmp_path / "in" / "a.parquet", ids, [TICKETS[i % 8] for i in range(n)])
+    spec = spec_for(tiny_model, tmp_path, chunk_rows=20)
+    spec = JobSpec.load({**spec.model_dump(mode="json"), "sampling": {"temperature": 0, "max_tokens": 24}})
+    (shard,) = plan_job(spec).shards
+    cmd = worker_command(ShardTask(spec=spec, shard_id=shard.shard_id))
+    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
+    shard_dir = tmp_path / "out" / "shards" / shard.shard_id
+    deadline = time.time() + 300
+    while time.time() < deadline and len(list(shard_dir.glob("attempts/*/chunk-*.parquet"))) < 2:
+        assert proc.poll() is None, "worker ended before it could be killed"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)  # the worker and its engine processes, no clean-up
+    proc.wait()
+    done = list(shard_dir.glob("attempts/*/chunk-*.parquet"))
+    assert 2 <= len(done) < n // 20 and not (shard_dir / MARKER).exists()
+    m = manifest(run_worker(spec, shard.shard_id))
+    assert m["status"] == "committed" and m["stats"]["reused_chunks"] >= len(done)
+    summary = merge_run(spec)
+    assert summary["ok_rows"] == n and summary["duplicates_dropped"] == 0
+    check_exactly_once(tmp_path / "out", n, {})
+
+
+RAW_CHAT = r"""
+import json, sys
+if __name__ == "__main__":
+    from vllm import LLM, SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+    a = json.loads(sys.argv[1])
+    llm = LLM(model=a["model"], max_model_len=512, enforce_eager=True, max_num_seqs=32)
+    sp = SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=a["labels"]))
+    convs = [[{"role": "system", "content": a["system"]}, {"role": "user", "content": "Ticket: " + t}]
+             for t in a["texts"]]
+    outs = llm.chat(convs, sp, use_tqdm=False)
+    print("RAW " + json.dumps([o.outputs[0].text for o in outs]))
+"""
+
+
+def test_smollm2_labels_and_equality_with_raw_llm_chat(tmp_path, smollm2):
+    n = 48
+    codes = planted(tmp_path, n)
+    spec = spec_for(smollm2, tmp_path)
+    (shard,) = plan_job(spec).shards
+    m = manifest(run_worker(spec, shard.shard_id))
+    assert m["status"] == "committed" and m["ok_rows"] == n - 3
+    merge_run(spec)
+    res, _ = check_exactly_once(tmp_path / "out", n, codes)
+    assert all(r["label"] in LABELS for r in res)
+    # a real model classifies: the crash and charge tickets get their labels
+    by_id = {r["id"]: r for r in res}
+    assert by_id["t0000"]["label"] == "billing" and by_id["t0001"]["label"] == "bug"
+
+    table = pq.read_table(tmp_path / "in").to_pylist()
+    rows = [t for t in table if t["id"] in by_id]
+    raw = subprocess.run(
+        [sys.executable, "-c", RAW_CHAT,
+         json.dumps({"model": smollm2, "labels": LABELS, "system": SYSTEM, "texts": [t["text"] for t in rows]})],
+        env=ENV, capture_output=True, text=True, timeout=600,
+    )
+    assert raw.returncode == 0, raw.stderr[-3000:]
+    raw_out = json.loads(next(x for x in raw.stdout.splitlines() if x.startswith("RAW "))[4:])
+    ours = [by_id[t["id"]]["output"] for t in rows]
+    assert ours == raw_out
