@@ -175,3 +175,56 @@ def test_smollm2_labels_and_equality_with_raw_llm_chat(tmp_path, smollm2):
     raw_out = json.loads(next(x for x in raw.stdout.splitlines() if x.startswith("RAW "))[4:])
     ours = [by_id[t["id"]]["output"] for t in rows]
     assert ours == raw_out
+
+
+def test_two_real_attempts_at_once_commit_exactly_once(tmp_path, tiny_model):
+    n = 120
+    write_parquet(tmp_path / "in" / "a.parquet", [f"t{i:04d}" for i in range(n)], [TICKETS[i % 8] for i in range(n)])
+    spec = spec_for(tiny_model, tmp_path)
+    (shard,) = plan_job(spec).shards
+    xcom = [tmp_path / "xcom-a", tmp_path / "xcom-b"]
+    procs = []
+    for name, d in zip(("attempt-a", "attempt-b"), xcom):
+        d.mkdir()
+        cmd = worker_command(ShardTask(spec=spec, shard_id=shard.shard_id, attempt_id=name))
+        procs.append(subprocess.Popen(cmd, env={**ENV, "VLLM_BATCH_XCOM_DIR": str(d)}, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    manifests = [json.loads((d / "return.json").read_text()) for d in xcom]  # the KPO XCom file
+    statuses = sorted(m["status"] for m in manifests)
+    marker = json.loads((tmp_path / "out" / "shards" / shard.shard_id / MARKER).read_text())
+    # one commits; the other saw the marker at start or lost the create-only race at the end
+    assert statuses == ["already_committed", "committed"]
+    assert all(m["attempt_id"] == marker["attempt_id"] for m in manifests)
+    summary = merge_run(spec)
+    assert summary["ok_rows"] == n and summary["duplicates_dropped"] == 0
+    res = pq.read_table(tmp_path / "out" / "results" / "results.parquet")
+    assert set(res.column("attempt_id").to_pylist()) == {marker["attempt_id"]}
+
+
+def test_embed_task_with_minilm(tmp_path):
+    from airflow_provider_vllm.local_models import minilm_path
+
+    ids = [f"k{i}" for i in range(30)]
+    texts = [f"How do I reset my password? variant {i}" for i in range(30)]
+    texts[4] = ""
+    write_parquet(tmp_path / "in" / "kb.parquet", ids, texts)
+    spec = JobSpec.load({
+        "task": "embed",
+        "model": {"name": str(minilm_path())},
+        "engine": {"enforce_eager": True},
+        "io": {"input_uri": str(tmp_path / "in"), "output_uri": str(tmp_path / "out")},
+        "prompt": {"template": "{text}"},
+        "sharding": {"chunk_rows": 8},
+    })
+    (shard,) = plan_job(spec).shards
+    m = manifest(run_worker(spec, shard.shard_id))
+    assert m["ok_rows"] == 29 and m["error_rows"] == 1
+    merge_run(spec)
+    res = pq.read_table(tmp_path / "out" / "results" / "results.parquet").to_pylist()
+    assert len(res) == 29 and all(len(r["embedding"]) == 384 for r in res)
+    import numpy as np
+
+    a, b = np.array(res[0]["embedding"]), np.array(res[1]["embedding"])
+    assert 0.8 < float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b))) <= 1.0001  # near-duplicate texts

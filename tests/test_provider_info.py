@@ -1,0 +1,30 @@
+import json
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import jsonschema
+
+import airflow_provider_vllm
+from airflow_provider_vllm.spec import JobSpec
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_provider_info_valid_against_airflow_schema():
+    import airflow
+
+    schema = json.loads((Path(airflow.__file__).parent / "provider_info.schema.json").read_text())
+    info = airflow_provider_vllm.get_provider_info()
+    jsonschema.validate(info, schema)
+    assert info["package-name"] == "airflow-provider-vllm"
+
+
+def test_entry_point_is_registered():
+    eps = [e for e in entry_points(group="apache_airflow_provider") if e.value.startswith("airflow_provider_vllm")]
+    assert len(eps) == 1 and eps[0].load() is airflow_provider_vllm.get_provider_info
+
+
+def test_example_yaml_loads():
+    spec = JobSpec.from_yaml(ROOT / "examples" / "job.yaml")
+    assert spec.sampling.structured.choice == ["billing", "bug", "other"]
+    assert spec.sharding.long_row_tokens == 1500
