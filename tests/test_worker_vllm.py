@@ -228,3 +228,39 @@ def test_embed_task_with_minilm(tmp_path):
 
     a, b = np.array(res[0]["embedding"]), np.array(res[1]["embedding"])
     assert 0.8 < float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b))) <= 1.0001  # near-duplicate texts
+
+
+def test_classify_task_with_a_sequence_classification_model(tmp_path, tiny_model):
+    """A tiny random LlamaForSequenceClassification (3 labels) made from the tiny model."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "tiny-cls"
+    shutil.copytree(tiny_model, model)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg.update(architectures=["LlamaForSequenceClassification"], num_labels=3,
+               id2label={"0": "billing", "1": "bug", "2": "other"}, label2id={"billing": 0, "bug": 1, "other": 2})
+    (model / "config.json").write_text(json.dumps(cfg))
+    w = load_file(model / "model.safetensors")
+    w.pop("lm_head.weight")
+    w["score.weight"] = (torch.randn(3, cfg["hidden_size"], generator=torch.Generator().manual_seed(0)) * 0.02
+                         ).to(torch.bfloat16)
+    save_file(w, model / "model.safetensors", metadata={"format": "pt"})
+
+    write_parquet(tmp_path / "in" / "a.parquet", [f"c{i}" for i in range(20)],
+                  [TICKETS[i % 8] if i != 3 else None for i in range(20)])
+    spec = JobSpec.load({
+        "task": "classify", "model": {"name": str(model), "max_model_len": 512},
+        "engine": {"enforce_eager": True},
+        "io": {"input_uri": str(tmp_path / "in"), "output_uri": str(tmp_path / "out")},
+        "sharding": {"chunk_rows": 8},
+    })
+    (shard,) = plan_job(spec).shards
+    m = manifest(run_worker(spec, shard.shard_id))
+    assert m["ok_rows"] == 19 and m["error_rows"] == 1
+    merge_run(spec)
+    res = pq.read_table(tmp_path / "out" / "results" / "results.parquet").to_pylist()
+    assert all(len(r["scores"]) == 3 and abs(sum(r["scores"]) - 1) < 1e-3 for r in res)
+    assert all(r["label"] in LABELS for r in res)

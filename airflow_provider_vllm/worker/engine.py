@@ -47,9 +47,7 @@ def engine_kwargs(spec: JobSpec) -> dict[str, Any]:
         **e.engine_kwargs,
     }
     if spec.task in ("embed", "classify"):
-        kw["runner"] = "pooling"
-        if spec.task == "classify":
-            kw["convert"] = "classify"
+        kw["runner"] = "pooling"  # classify expects a *ForSequenceClassification model
     return {k: v for k, v in kw.items() if v is not None}
 
 
@@ -96,6 +94,8 @@ class Engine:
         self._params = sampling_params(spec) if spec.task in ("chat", "generate") else None
         self._keys: dict[str, Any] = {}  # vLLM request id -> caller's key
         self._counter = 0
+        id2label = getattr(self.llm.llm_engine.model_config.hf_config, "id2label", None) or {}
+        self.class_labels = [id2label.get(i, id2label.get(str(i), str(i))) for i in range(len(id2label))]
 
     # ---- generation -----------------------------------------------------------------
     def submit(self, key: Any, token_ids: list[int], overrides: dict[str, Any] | None = None) -> None:

@@ -293,8 +293,13 @@ class _ChunkRunner:
             vectors = self.engine.pool([p.token_ids for _, p in ok])
             per_row_ms = (time.monotonic() - t0) * 1000.0 / len(ok)
             col = "embedding" if self.spec.task == "embed" else "scores"
+            names = getattr(self.engine, "class_labels", None) or []
             for (i, p), vec in zip(ok, vectors):
-                rows[i] = {"id": self.batch.ids[i], "status": "ok", col: [float(x) for x in vec],
+                label = None
+                if col == "scores" and len(vec):
+                    best = max(range(len(vec)), key=lambda j: vec[j])
+                    label = names[best] if best < len(names) else str(best)
+                rows[i] = {"id": self.batch.ids[i], "status": "ok", col: [float(x) for x in vec], "label": label,
                            "prompt_tokens": len(p.token_ids), "completion_tokens": 0, "truncated": p.truncated,
                            "latency_ms": per_row_ms, **self.prov}
                 self.prompt_tokens += len(p.token_ids)
