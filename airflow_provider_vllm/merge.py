@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 import time
 from typing import Any
@@ -169,21 +170,15 @@ def write_openai_outputs(out: Storage, spec: JobSpec, plan: Plan) -> dict[str, s
 
 
 def _publish_file(out: Storage, local: str, rel: str) -> None:
+    """Move a finished local file to rel so that readers see all of it or nothing."""
     if out.is_local:
         dest = out.path(rel)
         os.makedirs(os.path.dirname(dest), exist_ok=True)
         tmp = f"{dest}.tmp-{os.getpid()}"
-        os.replace(local, tmp) if os.stat(local).st_dev == os.stat(os.path.dirname(dest)).st_dev \
-            else _copy(local, tmp)
+        shutil.move(local, tmp)  # may cross filesystems; the rename below may not
         os.replace(tmp, dest)
     else:
         out.fs.put_file(local, out.path(rel))  # one object: visible whole or not at all
-
-
-def _copy(src: str, dst: str) -> None:
-    import shutil
-
-    shutil.copyfile(src, dst)
 
 
 def _duck_path(out: Storage, rel: str) -> str:
