@@ -20,7 +20,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from airflow_provider_vllm import __version__
+from airflow_provider_vllm import __version__, duck
 from airflow_provider_vllm.commit import ShardStore
 from airflow_provider_vllm.datasets import check_unchanged, scan_jsonl
 from airflow_provider_vllm.errors import CommitError, VerificationError
@@ -42,16 +42,15 @@ def merge_run(spec: JobSpec, verify_checksums: bool = True, memory_limit: str = 
     out = Storage(spec.io.output_uri, spec.io.storage_options)
     plan = load_plan(spec)
     files, markers = committed_files(out, plan, verify_checksums)
-    con = duckdb.connect(config={"memory_limit": memory_limit, "threads": os.cpu_count() or 2,
-                                 "preserve_insertion_order": True})
+    in_root = Storage(plan.input_root, spec.io.storage_options)
+    con = duck.connect(out, in_root, memory_limit=memory_limit)
     try:
-        if not out.is_local:
-            con.register_filesystem(out.fs)
-        paths = [_duck_path(out, f) for f in files]
-        if paths:
-            con.execute(f"CREATE VIEW chunks AS SELECT * FROM read_parquet({_sql_list(paths)})").fetchall()
+        if files:
+            con.execute(f"CREATE VIEW chunks AS SELECT * FROM read_parquet({duck.file_list(out, files)})").fetchall()
         else:
-            con.execute(f"CREATE VIEW chunks AS SELECT * FROM read_parquet({_sql_list([_empty_chunk()])}) LIMIT 0").fetchall()
+            empty = Storage(os.path.dirname(_empty_chunk()))
+            con.execute(f"CREATE VIEW chunks AS SELECT * FROM read_parquet("
+                        f"{duck.file_list(empty, [os.path.basename(_empty_chunk())])}) LIMIT 0").fetchall()
         total, distinct = con.execute("SELECT count(*), count(DISTINCT id) FROM chunks").fetchall()[0]
         source = "chunks"
         if total != distinct:
@@ -62,10 +61,8 @@ def merge_run(spec: JobSpec, verify_checksums: bool = True, memory_limit: str = 
                 "WHERE rn = 1"
             ).fetchall()
             source = "deduped"
-        in_root = Storage(plan.input_root, spec.io.storage_options)
         check_unchanged(in_root, plan.input_files())
-        input_ids = read_input_ids(spec, plan, in_root)
-        con.register("input_ids", input_ids)
+        register_input_ids(con, spec, plan, in_root)
         verify(con, source, plan.total_rows)
         counts = dict(con.execute(f"SELECT status, count(*) FROM {source} GROUP BY status").fetchall())
         with tempfile.TemporaryDirectory() as tmp:
@@ -121,19 +118,19 @@ def committed_files(out: Storage, plan: Plan, verify_checksums: bool) -> tuple[l
     return files, markers
 
 
-def read_input_ids(spec: JobSpec, plan: Plan, root: Storage) -> pa.Table:
-    """All input ids as strings (the independent side of the verification)."""
-    parts = []
-    for f in plan.files:
-        if plan.format == "parquet":
-            with root.open(f["path"]) as fh:
-                col = pq.read_table(fh, columns=[spec.prompt.id_column]).column(0)
-            parts.append(col.cast(pa.string()))
-        else:
-            s = scan_jsonl(root, f["path"], plan.format, spec.prompt.id_column, [])
-            parts.append(pa.chunked_array([pa.array(s.ids, pa.string())]))
-    chunks = [c for p in parts for c in p.chunks]
-    return pa.table({"id": pa.chunked_array(chunks, pa.string()) if chunks else pa.array([], pa.string())})
+def register_input_ids(con: duckdb.DuckDBPyConnection, spec: JobSpec, plan: Plan, root: Storage) -> None:
+    """View ``input_ids(id VARCHAR)``: all input ids, the independent side of the verification."""
+    names = [f["path"] for f in plan.files]
+    if plan.format == "parquet" and plan.total_rows:
+        col = '"' + spec.prompt.id_column.replace('"', '""') + '"'
+        con.execute(f"CREATE VIEW input_ids AS SELECT CAST({col} AS VARCHAR) AS id "
+                    f"FROM read_parquet({duck.file_list(root, names)})").fetchall()
+        return
+    ids: list[str] = []
+    if plan.format != "parquet":
+        for name in names:
+            ids += scan_jsonl(root, name, plan.format, spec.prompt.id_column, []).ids
+    con.register("input_ids", pa.table({"id": pa.array(ids, pa.string())}))
 
 
 def verify(con: duckdb.DuckDBPyConnection, source: str, planned_rows: int) -> None:
@@ -179,14 +176,6 @@ def _publish_file(out: Storage, local: str, rel: str) -> None:
         os.replace(tmp, dest)
     else:
         out.fs.put_file(local, out.path(rel))  # one object: visible whole or not at all
-
-
-def _duck_path(out: Storage, rel: str) -> str:
-    return out.path(rel) if out.is_local else out.uri(rel)
-
-
-def _sql_list(items: list[str]) -> str:
-    return "[" + ", ".join("'" + p.replace("'", "''") + "'" for p in items) + "]"
 
 
 def _empty_chunk() -> str:

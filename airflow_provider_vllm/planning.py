@@ -136,6 +136,7 @@ def build_plan(spec: JobSpec) -> Plan:
     else:
         ids, chars, file_rows, offsets, lines, invalid = _scan_jsonl(root, names, fmt, spec)
     _check_ids(ids, names, file_rows)
+    total_rows = int(sum(file_rows))
     tokens = estimate_tokens(chars, sh.chars_per_token) if len(chars) else np.zeros(0, np.int64)
     file_ids = np.repeat(np.arange(len(names), dtype=np.int32), file_rows)
     row_in_file = np.concatenate([np.arange(n, dtype=np.int64) for n in file_rows]) if file_rows else np.zeros(0)
@@ -149,7 +150,7 @@ def build_plan(spec: JobSpec) -> Plan:
         format=fmt,
         files=[f.to_dict() for f in files],
         fingerprint=fp,
-        total_rows=int(len(ids)),
+        total_rows=total_rows,
         invalid_lines=int(invalid),
         est_tokens=int(tokens.sum()) if len(tokens) else 0,
         long_row_tokens=sh.long_row_tokens,
@@ -161,48 +162,72 @@ def build_plan(spec: JobSpec) -> Plan:
 
 # ---- scanning -----------------------------------------------------------------------
 def _scan_parquet(root: Storage, names: list[str], spec: JobSpec, per_row: bool):
+    """Schema checks and row counts from footers; ids are checked by DuckDB, never loaded here."""
+    import pyarrow.parquet as pq
+
     idc = spec.prompt.id_column
     texts = spec.prompt.texts
     needed = [idc] + [c for c in spec.prompt.columns if c != idc]
-    id_arrays, chars_parts, file_rows = [], [], []
+    chars_parts, file_rows = [], []
     first_schema = None
-    import pyarrow.parquet as pq
-
     for name in names:
         md = parquet_metadata(root, name)
         schema = md.schema.to_arrow_schema()
         missing = [c for c in needed if c not in schema.names]
         if missing:
             raise DatasetError(f"input file {name}: missing column(s) {missing}; it has {schema.names[:20]}")
-        if not (pa.types.is_string(schema.field(idc).type) or pa.types.is_large_string(schema.field(idc).type)
-                or pa.types.is_integer(schema.field(idc).type)):
-            raise DatasetError(f"input file {name}: id column {idc!r} has type {schema.field(idc).type}; "
-                               "expected string or integer")
+        id_type = schema.field(idc).type
+        if not (pa.types.is_string(id_type) or pa.types.is_large_string(id_type) or pa.types.is_integer(id_type)):
+            raise DatasetError(f"input file {name}: id column {idc!r} has type {id_type}; expected string or integer")
         for c in texts:
             t = schema.field(c).type
             if not (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_null(t)):
                 raise DatasetError(f"input file {name}: text column {c!r} has type {t}; expected string")
         if first_schema is None:
             first_schema = schema
-        elif schema.field(idc).type != first_schema.field(idc).type:
-            raise DatasetError(f"input file {name}: id column type {schema.field(idc).type} differs from "
+        elif id_type != first_schema.field(idc).type:
+            raise DatasetError(f"input file {name}: id column type {id_type} differs from "
                                f"{names[0]}'s {first_schema.field(idc).type}")
-        cols = [idc] + (texts if per_row else [])
-        with root.open(name) as f:
-            t = pq.read_table(f, columns=cols)
-        file_rows.append(t.num_rows)
-        id_arrays.append(t.column(idc))
+        file_rows.append(md.num_rows)
         if per_row:
+            with root.open(name) as f:
+                t = pq.read_table(f, columns=texts)
             total = np.zeros(t.num_rows, dtype=np.int64)
             for c in texts:
                 total += pc.fill_null(pc.utf8_length(t.column(c)), 0).to_numpy()
             chars_parts.append(total)
         else:
-            chars_parts.append(_chars_from_footer(md, texts, t.num_rows))
-    ids = pa.chunked_array([a for arr in id_arrays for a in arr.chunks], type=id_arrays[0].type) if id_arrays \
-        else pa.chunked_array([], pa.string())
+            chars_parts.append(_chars_from_footer(md, texts, md.num_rows))
+    if sum(file_rows):
+        _check_parquet_ids(root, names, idc)
     chars = np.concatenate(chars_parts) if chars_parts else np.zeros(0, np.int64)
-    return ids, chars, file_rows, None, None, 0
+    return None, chars, file_rows, None, None, 0
+
+
+def _check_parquet_ids(root: Storage, names: list[str], idc: str) -> None:
+    from airflow_provider_vllm import duck
+
+    con = duck.connect(root)
+    try:
+        src = f"read_parquet({duck.file_list(root, names)}, filename = true, file_row_number = true)"
+        col = '"' + idc.replace('"', '""') + '"'
+        n, nulls, distinct = con.execute(
+            f"SELECT count(*), count(*) - count({col}), count(DISTINCT {col}) FROM {src}").fetchall()[0]
+        if nulls:
+            fname, row = con.execute(
+                f"SELECT filename, file_row_number FROM {src} WHERE {col} IS NULL LIMIT 1").fetchall()[0]
+            raise DatasetError(f"{nulls} row(s) have a null id; first at {fname.rsplit('/', 1)[-1]} row {row}")
+        if distinct != n:
+            dups = con.execute(f"SELECT {col}, count(*) AS k FROM {src} GROUP BY {col} HAVING k > 1 "
+                               f"ORDER BY k DESC, {col} LIMIT 5").fetchall()
+            _raise_duplicates(n, distinct, dups)
+    finally:
+        con.close()
+
+
+def _raise_duplicates(n: int, distinct: int, dups: list[tuple]) -> None:
+    examples = ", ".join(f"{str(r[0])!r} x{r[1]}" for r in dups)
+    raise DatasetError(f"{n - distinct} duplicate id(s) in the input ({n} rows, {distinct} distinct); e.g. {examples}")
 
 
 def _chars_from_footer(md, texts: list[str], n: int) -> np.ndarray:
@@ -237,31 +262,18 @@ def _scan_jsonl(root: Storage, names: list[str], fmt: str, spec: JobSpec):
     return pa.chunked_array([pa.array(ids, pa.string())]), cat(chars), file_rows, cat(offsets), cat(lines), invalid
 
 
-def _check_ids(ids: pa.ChunkedArray, names: list[str], file_rows: list[int]) -> None:
-    n = len(ids)
-    if n == 0:
+def _check_ids(ids: pa.ChunkedArray | None, names: list[str], file_rows: list[int]) -> None:
+    """Null and duplicate ids of a JSONL input (Parquet inputs are checked in _scan_parquet)."""
+    if ids is None or len(ids) == 0:
         return
-    nulls = ids.null_count
-    if nulls:
-        first = pc.index(pc.is_null(ids), True).as_py()
-        f, r = _locate(first, file_rows)
-        raise DatasetError(f"{nulls} row(s) have a null id; first at {names[f]} row {r}")
+    n = len(ids)
     distinct = pc.count_distinct(ids).as_py()
     if distinct != n:
         import duckdb
 
         tbl = pa.table({"id": ids})
         dups = duckdb.sql("SELECT id, count(*) AS n FROM tbl GROUP BY id HAVING n > 1 ORDER BY n DESC, id LIMIT 5")
-        examples = ", ".join(f"{r[0]!r} x{r[1]}" for r in dups.fetchall())
-        raise DatasetError(f"{n - distinct} duplicate id(s) in the input ({n} rows, {distinct} distinct); e.g. {examples}")
-
-
-def _locate(i: int, file_rows: list[int]) -> tuple[int, int]:
-    for f, k in enumerate(file_rows):
-        if i < k:
-            return f, i
-        i -= k
-    return len(file_rows) - 1, i
+        _raise_duplicates(n, distinct, dups.fetchall())
 
 
 # ---- cutting ------------------------------------------------------------------------

@@ -6,9 +6,8 @@ import json
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
+from airflow_provider_vllm import duck
 from airflow_provider_vllm.merge import ERRORS, MERGED, RESULTS
 from airflow_provider_vllm.planning import load_plan
 from airflow_provider_vllm.qa import QAReport, load_report, run_qa, write_qa
@@ -24,10 +23,19 @@ def qa_run(spec: JobSpec) -> tuple[QAReport, dict[str, str]]:
     Returns the report and the written paths; the caller decides what a 'fail' does.
     """
     out = Storage(spec.io.output_uri, spec.io.storage_options)
-    with out.open(RESULTS) as f:
-        results = pq.read_table(f)
-    with out.open(ERRORS) as f:
-        errors = pq.read_table(f)
+    con = duck.connect(out)
+    try:
+        # Only what QA reads; vectors are replaced by a presence marker (10M x 384 floats would not fit).
+        results = con.execute(
+            f"SELECT id, output, label, valid, "
+            f"CASE WHEN embedding IS NULL THEN NULL ELSE []::FLOAT[] END AS embedding, scores, finish_reason, "
+            f"prompt_tokens, completion_tokens, truncated, latency_ms, model, model_revision, shard_id "
+            f"FROM read_parquet({duck.file_list(out, [RESULTS])})").to_arrow_table()
+        errors = con.execute(
+            f"SELECT id, error_code, error_message, shard_id FROM read_parquet({duck.file_list(out, [ERRORS])})"
+        ).to_arrow_table()
+    finally:
+        con.close()
     merged = json.loads(out.read_bytes(MERGED))
     previous = None
     if spec.qa.previous_report_uri:
@@ -55,16 +63,18 @@ def _with_input_excerpt(spec: JobSpec, sample: pa.Table) -> pa.Table:
     if plan.format != "parquet" or sample.num_rows == 0 or not spec.prompt.texts:
         return sample
     root = Storage(plan.input_root, spec.io.storage_options)
-    idc, col = spec.prompt.id_column, spec.prompt.texts[0]
-    wanted = pa.array(sample.column("id").to_pylist(), pa.string())
-    found: dict[str, str] = {}
-    for f in plan.files:
-        with root.open(f["path"]) as fh:
-            t = pq.read_table(fh, columns=[idc, col])
-        ids = t.column(idc).cast(pa.string())
-        mask = pc.is_in(ids, value_set=wanted)
-        for i, text in zip(pc.filter(ids, mask).to_pylist(), pc.filter(t.column(col), mask).to_pylist()):
-            found[i] = (text or "")[:EXCERPT_CHARS]
+    q = lambda c: '"' + c.replace('"', '""') + '"'  # noqa: E731
+    wanted = pa.table({"id": pa.array(sample.column("id").to_pylist(), pa.string())})
+    con = duck.connect(root)
+    try:
+        con.register("wanted", wanted)
+        rows = con.execute(
+            f"SELECT CAST({q(spec.prompt.id_column)} AS VARCHAR), left({q(spec.prompt.texts[0])}, {EXCERPT_CHARS}) "
+            f"FROM read_parquet({duck.file_list(root, [f['path'] for f in plan.files])}) "
+            f"WHERE CAST({q(spec.prompt.id_column)} AS VARCHAR) IN (SELECT id FROM wanted)").fetchall()
+    finally:
+        con.close()
+    found = {i: t or "" for i, t in rows}
     excerpts = pa.array([found.get(i) for i in sample.column("id").to_pylist()], pa.string())
     if "input_excerpt" in sample.column_names:
         sample = sample.drop_columns(["input_excerpt"])
