@@ -26,12 +26,12 @@ def qa_run(spec: JobSpec) -> tuple[QAReport, dict[str, str]]:
     con = duck.connect(out)
     try:
         # Only what QA reads; vectors are replaced by a presence marker (10M x 384 floats would not fit).
-        results = con.execute(
+        results = con.sql(
             f"SELECT id, output, label, valid, "
             f"CASE WHEN embedding IS NULL THEN NULL ELSE []::FLOAT[] END AS embedding, scores, finish_reason, "
             f"prompt_tokens, completion_tokens, truncated, latency_ms, model, model_revision, shard_id "
             f"FROM read_parquet({duck.file_list(out, [RESULTS])})").to_arrow_table()
-        errors = con.execute(
+        errors = con.sql(
             f"SELECT id, error_code, error_message, shard_id FROM read_parquet({duck.file_list(out, [ERRORS])})"
         ).to_arrow_table()
     finally:
