@@ -138,10 +138,8 @@ def build_plan(spec: JobSpec) -> Plan:
     _check_ids(ids, names, file_rows)
     total_rows = int(sum(file_rows))
     tokens = estimate_tokens(chars, sh.chars_per_token) if len(chars) else np.zeros(0, np.int64)
-    file_ids = np.repeat(np.arange(len(names), dtype=np.int32), file_rows)
-    row_in_file = np.concatenate([np.arange(n, dtype=np.int64) for n in file_rows]) if file_rows else np.zeros(0)
     fp = fingerprint(files)
-    shards = _cut(spec, fp, tokens, file_ids, row_in_file, offsets, lines)
+    shards = _cut(spec, fp, tokens, np.asarray(file_rows, dtype=np.int64), offsets, lines)
     return Plan(
         spec_hash=spec.content_hash(),
         config_hash=spec.output_hash(),
@@ -211,8 +209,11 @@ def _check_parquet_ids(root: Storage, names: list[str], idc: str) -> None:
     try:
         src = f"read_parquet({duck.file_list(root, names)}, filename = true, file_row_number = true)"
         col = '"' + idc.replace('"', '""') + '"'
+        # distinct hashes == rows proves distinct ids; a shortfall pays for the exact count
         n, nulls, distinct = con.execute(
-            f"SELECT count(*), count(*) - count({col}), count(DISTINCT {col}) FROM {src}").fetchall()[0]
+            f"SELECT count(*), count(*) - count({col}), count(DISTINCT hash({col})) FROM {src}").fetchall()[0]
+        if not nulls and distinct != n:
+            distinct = con.execute(f"SELECT count(DISTINCT {col}) FROM {src}").fetchall()[0][0]
         if nulls:
             fname, row = con.execute(
                 f"SELECT filename, file_row_number FROM {src} WHERE {col} IS NULL LIMIT 1").fetchall()[0]
@@ -277,42 +278,55 @@ def _check_ids(ids: pa.ChunkedArray | None, names: list[str], file_rows: list[in
 
 
 # ---- cutting ------------------------------------------------------------------------
-def _cut(spec: JobSpec, fp: str, tokens: np.ndarray, file_ids, row_in_file, offsets, lines) -> list[ShardPlan]:
+def _cut(spec: JobSpec, fp: str, tokens: np.ndarray, file_rows: np.ndarray, offsets, lines) -> list[ShardPlan]:
     sh = spec.sharding
     n = len(tokens)
     if n == 0:
         return []
-    buckets: list[tuple[str, np.ndarray]]
+    by_tokens = sh.target_tokens is not None and sh.target_rows is None
+    target = sh.target_tokens if by_tokens else (sh.target_rows or DEFAULT_TARGET_ROWS)
+    buckets: list[tuple[str, np.ndarray | None]]  # None: all rows, in order
     if sh.long_row_tokens is not None and sh.max_shards >= 2:
         long_mask = tokens > sh.long_row_tokens
         buckets = [(b, np.nonzero(m)[0]) for b, m in (("short", ~long_mask), ("long", long_mask))]
         buckets = [(b, idx) for b, idx in buckets if len(idx)]
     else:
-        buckets = [("all", np.arange(n))]
-    by_tokens = sh.target_tokens is not None and sh.target_rows is None
-    target = sh.target_tokens if by_tokens else (sh.target_rows or DEFAULT_TARGET_ROWS)
-    weights = [tokens[idx].astype(np.float64) if by_tokens else np.ones(len(idx)) for _, idx in buckets]
-    wanted = [min(len(idx), max(1, math.ceil(w.sum() / target))) for (_, idx), w in zip(buckets, weights)]
+        buckets = [("all", None)]
+    sizes = [n if idx is None else len(idx) for _, idx in buckets]
+    if by_tokens:
+        weights = [tokens if idx is None else tokens[idx] for _, idx in buckets]
+        wanted = [min(m, max(1, math.ceil(float(w.sum()) / target))) for m, w in zip(sizes, weights)]
+    else:
+        weights = [None] * len(buckets)
+        wanted = [min(m, max(1, math.ceil(m / target))) for m in sizes]
     counts = _cap(wanted, sh.max_shards)
     plan_key = hashlib.sha256(
         json.dumps([fp, spec.prompt.id_column, spec.sharding.model_dump(mode="json")], sort_keys=True).encode()
     ).hexdigest()
+    file_starts = np.concatenate([[0], np.cumsum(file_rows)]).astype(np.int64)
     shards: list[ShardPlan] = []
-    for (bucket, idx), w, k in zip(buckets, weights, counts):
-        cum = np.cumsum(w)
-        cuts = np.searchsorted(cum, cum[-1] * np.arange(1, k) / k, side="left") + 1
-        inner = np.clip(cuts, 1, len(idx) - 1) if len(idx) > 1 else np.zeros(0, np.int64)
-        bounds = np.unique(np.concatenate([[0], inner, [len(idx)]]).astype(np.int64)).tolist()
+    for (bucket, idx), w, m, k in zip(buckets, weights, sizes, counts):
+        if w is None:  # equal row counts: no per-row arrays needed
+            cuts = np.rint(m * np.arange(1, k) / k).astype(np.int64)
+        else:
+            cum = np.cumsum(w, dtype=np.float64)
+            cuts = np.searchsorted(cum, cum[-1] * np.arange(1, k) / k, side="left") + 1
+        inner = np.clip(cuts, 1, m - 1) if m > 1 else np.zeros(0, np.int64)
+        bounds = np.unique(np.concatenate([[0], inner, [m]]).astype(np.int64)).tolist()
         for a, b in zip(bounds[:-1], bounds[1:]):
-            rows = idx[a:b]
-            segs = _segments(rows, file_ids, row_in_file, offsets, lines)
+            if idx is None:
+                segs = _range_segments(a, b, file_starts, offsets, lines)
+                est = int(tokens[a:b].sum())
+            else:
+                segs = _segments(idx[a:b], file_starts, offsets, lines)
+                est = int(tokens[idx[a:b]].sum())
             index = len(shards)
             key = hashlib.sha256(
                 f"{plan_key}:{bucket}:{json.dumps([s.model_dump() for s in segs])}".encode()
             ).hexdigest()
             shards.append(ShardPlan(
-                shard_id=f"shard-{index:05d}-{key[:8]}", index=index, bucket=bucket, rows=int(len(rows)),
-                est_tokens=int(tokens[rows].sum()), segments=segs,
+                shard_id=f"shard-{index:05d}-{key[:8]}", index=index, bucket=bucket, rows=int(b - a),
+                est_tokens=est, segments=segs,
             ))
     return shards
 
@@ -329,15 +343,32 @@ def _cap(wanted: list[int], max_shards: int) -> list[int]:
     return counts
 
 
-def _segments(rows: np.ndarray, file_ids, row_in_file, offsets, lines) -> list[Segment]:
+def _segment(fid: int, start: int, end: int, global_start: int, offsets, lines) -> Segment:
+    seg = Segment(file=fid, start=start, count=end - start)
+    if offsets is not None:  # JSONL: where the first row's line starts
+        seg.offset, seg.line = int(offsets[global_start]), int(lines[global_start])
+    return seg
+
+
+def _range_segments(a: int, b: int, file_starts: np.ndarray, offsets, lines) -> list[Segment]:
+    """Segments of the global row range [a, b)."""
     segs = []
-    f = file_ids[rows]
-    for fid in np.unique(f):
-        r = row_in_file[rows[f == fid]]
-        start, end = int(r.min()), int(r.max()) + 1
-        seg = Segment(file=int(fid), start=start, count=end - start)
-        if offsets is not None:
-            g = int(rows[f == fid].min())
-            seg.offset, seg.line = int(offsets[g]), int(lines[g])
-        segs.append(seg)
+    first = int(np.searchsorted(file_starts, a, side="right")) - 1
+    for fid in range(first, len(file_starts) - 1):
+        lo, hi = max(a, int(file_starts[fid])), min(b, int(file_starts[fid + 1]))
+        if lo >= b:
+            break
+        if hi > lo:
+            segs.append(_segment(fid, lo - int(file_starts[fid]), hi - int(file_starts[fid]), lo, offsets, lines))
+    return segs
+
+
+def _segments(rows: np.ndarray, file_starts: np.ndarray, offsets, lines) -> list[Segment]:
+    """Segments covering the given (sorted) global rows: per file, first to last row."""
+    segs = []
+    fids = np.searchsorted(file_starts, rows, side="right") - 1
+    for fid in np.unique(fids):
+        r = rows[fids == fid]
+        lo, hi = int(r.min()), int(r.max()) + 1
+        segs.append(_segment(int(fid), lo - int(file_starts[fid]), hi - int(file_starts[fid]), lo, offsets, lines))
     return segs

@@ -81,11 +81,11 @@ class Engine:
     def __init__(self, spec: JobSpec):
         if spec.engine.cpu_kvcache_space_gb is not None:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.engine.cpu_kvcache_space_gb))
+        t0 = time.monotonic()  # engine start includes `import vllm` (15-25 s on a GPU image)
         import vllm
 
         self.spec = spec
         self.version = vllm.__version__
-        t0 = time.monotonic()
         self.llm = vllm.LLM(**engine_kwargs(spec))
         self.start_seconds = time.monotonic() - t0
         self.tokenizer = self.llm.get_tokenizer()
