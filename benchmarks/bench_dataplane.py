@@ -1,0 +1,494 @@
+#!/usr/bin/env python
+"""Data-plane benchmark: plan, merge and QA over a 10M-row Parquet dataset (no vLLM).
+
+    .venv/bin/python benchmarks/bench_dataplane.py [--rows 10000000] [--workdir DIR]
+                                                   [--repeat N] [--chunk-rows 50000]
+                                                   [--profile [missed|all]]
+
+1. Generates the input once (vectorised; reused while rows/files match): ``id`` like
+   ``row-000000001`` and short ticket-like ``text`` picked from a few hundred templates,
+   in several files with several row groups each.
+2. plan: ``plan_job(spec)`` (target_rows 100000, max_shards 256, 8-label structured choice).
+3. Setup (not timed): committed shard outputs synthesised with the real commit protocol
+   (``ShardStore.write_chunk`` + ``ShardStore.commit`` with a marker shaped like the one
+   ``worker/shard.py::run_shard`` writes); ~99% 'ok' rows, ~1% 'error' rows.
+4. merge: ``merge_run(spec)`` (checksums, dedupe check, verification against the input
+   ids, atomic write).
+5. QA: ``qa_run(spec)``.
+
+Every stage runs in its own subprocess, so peak RSS (``ru_maxrss`` of that child) is the
+stage's own. The "baseline" of this benchmark is the goal: each stage prints its seconds,
+the goal and the ratio (seconds / goal; <= 1 meets it). ``--profile`` re-runs stages that
+miss a goal under cProfile (and, for merge, with per-SQL timers) and prints where the time
+goes. One JSON line per run is appended to ``benchmarks/results.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS_FILE = HERE / "results.jsonl"
+
+GOALS = {
+    "plan": {"seconds": 3.0},
+    "merge": {"seconds": 10.0, "rss_mib": 1536.0},
+    "qa": {"seconds": 5.0},
+}
+LABELS = ["billing", "bug", "account", "shipping", "refund", "feature_request", "security", "other"]
+N_FILES = 10
+ROW_GROUP = 250_000
+
+
+# ---- input generation ----------------------------------------------------------------
+def _templates() -> tuple[list[str], list[str]]:
+    openers = [
+        "I was charged twice for my {p} subscription",
+        "The {p} app crashes when I open the settings page",
+        "I cannot log in to my {p} account after the update",
+        "My {p} order has not arrived yet",
+        "Please refund the {p} purchase I made last week",
+        "It would be great if {p} supported dark mode",
+        "Someone else seems to have access to my {p} account",
+        "How do I change the email address on my {p} profile",
+        "The invoice for {p} shows the wrong VAT number",
+        "Export to CSV in {p} produces an empty file",
+        "The {p} delivery was left at the wrong address",
+        "I got a suspicious password reset email from {p}",
+        "Can {p} add an option to schedule reports",
+        "The {p} checkout page keeps timing out",
+        "I want to cancel my {p} plan and get my money back",
+    ]
+    products = ["Acme Cloud", "PhotoBox", "TaskFlow", "ShopNow", "MailDash", "FitTrack", "CodeHub",
+                "PayLite", "StreamIt", "HomeHub", "NoteWise", "TravelGo", "BankEasy", "GameZone",
+                "LearnPro", "DriveShare", "SafeVault", "MusicMix", "DocuSign-ish", "CartPal"]
+    templates = [o.format(p=p) + "." for o in openers for p in products]  # 300 templates
+    details = [
+        "This is the second time it happened.", "Please help as soon as possible.",
+        "I already tried restarting.", "Order number is in my account.", "Thanks in advance!",
+        "It started yesterday evening.", "My colleague has the same problem.",
+        "I am on the latest version.", "This is really frustrating.", "No rush, just curious.",
+        "I attached a screenshot earlier.", "The support chat did not answer.",
+        "It works on my phone but not on the laptop.", "I have been a customer for years.",
+        "Can someone call me back?", "The error code was E42.",
+    ]
+    return templates, details
+
+
+def generate_dataset(folder: Path, rows: int, seed: int = 7) -> dict:
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    marker = folder / "_DATASET.json"  # '_' prefix: the planner ignores it
+    want = {"rows": rows, "files": N_FILES, "row_group": ROW_GROUP, "seed": seed, "recipe": 1}
+    if marker.exists() and json.loads(marker.read_text()) == want:
+        return want
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    templates, details = _templates()
+    t_arr, d_arr = pa.array(templates), pa.array(details)
+    rng = np.random.default_rng(seed)
+    per_file = -(-rows // N_FILES)
+    t0 = time.monotonic()
+    for f in range(N_FILES):
+        lo, hi = f * per_file, min(rows, (f + 1) * per_file)
+        if lo >= hi:
+            break
+        n = hi - lo
+        ids = pc.binary_join_element_wise(
+            "row-", pc.utf8_lpad(pa.array(np.arange(lo + 1, hi + 1, dtype=np.int64)).cast(pa.string()), 9, "0"), "")
+        text = pc.binary_join_element_wise(
+            t_arr.take(pa.array(rng.integers(0, len(templates), n))),
+            d_arr.take(pa.array(rng.integers(0, len(details), n))), " ")
+        pq.write_table(pa.table({"id": ids, "text": text}), folder / f"part-{f:03d}.parquet",
+                       row_group_size=ROW_GROUP, compression="zstd")
+    marker.write_text(json.dumps(want))
+    print(f"generated {rows} rows in {N_FILES} files under {folder} in {time.monotonic() - t0:.1f}s",
+          file=sys.stderr)
+    return want
+
+
+# ---- spec -----------------------------------------------------------------------------
+def bench_spec(input_dir: Path, run_dir: Path, chunk_rows: int):
+    from airflow_provider_vllm.spec import JobSpec
+
+    return JobSpec.load({
+        "name": "bench-dataplane",
+        "task": "chat",
+        "model": {"name": "bench"},
+        "prompt": {"template": "Ticket: {text}",
+                   "system_prompt": "Classify the support ticket. Labels: " + ", ".join(LABELS) + "."},
+        "sampling": {"temperature": 0, "max_tokens": 8, "structured": {"choice": LABELS}},
+        "io": {"input_uri": str(input_dir), "output_uri": str(run_dir)},
+        "sharding": {"target_rows": 100_000, "max_shards": 256, "chunk_rows": chunk_rows},
+    })
+
+
+# ---- synthesised committed shards (setup, not timed) --------------------------------
+def _synth_chunk(ids, rng, labels_arr, prov: dict):
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from airflow_provider_vllm.rows import ROW_SCHEMA
+
+    n = len(ids)
+    err_np = rng.random(n) < 0.01
+    err = pa.array(err_np)
+    null_s = pa.scalar(None, pa.string())
+    label = pc.if_else(err, null_s, labels_arr.take(pa.array(rng.integers(0, len(LABELS), n))))
+    codes = pa.array(["EMPTY_INPUT", "PROMPT_TOO_LONG", "INVALID_ROW"]).take(pa.array(rng.integers(0, 3, n)))
+    msgs = pa.array(["column 'text' is empty", "prompt has 9000 tokens; budget is 8184",
+                     "column 'text' contains a NUL character"])
+    ptok = pa.array(rng.integers(60, 140, n).astype(np.int32))
+    ctok = pa.array(rng.integers(1, 4, n).astype(np.int32))
+    lat = pa.array(rng.gamma(2.0, 900.0, n).astype(np.float32))
+    null_i = pa.scalar(None, pa.int32())
+    cols = {
+        "id": ids,
+        "status": pc.if_else(err, "error", "ok"),
+        "output": label,
+        "label": label,
+        "parsed_json": pa.nulls(n, pa.string()),
+        "valid": pc.if_else(err, pa.scalar(None, pa.bool_()), True),
+        "embedding": pa.nulls(n, pa.list_(pa.float32())),
+        "scores": pa.nulls(n, pa.list_(pa.float32())),
+        "finish_reason": pc.if_else(err, null_s, "stop"),
+        "prompt_tokens": pc.if_else(err, null_i, ptok),
+        "completion_tokens": pc.if_else(err, null_i, ctok),
+        "truncated": pc.if_else(err, pa.scalar(None, pa.bool_()), False),
+        "latency_ms": pc.if_else(err, pa.scalar(None, pa.float32()), lat),
+        "error_code": pc.if_else(err, codes, null_s),
+        "error_message": pc.if_else(err, msgs.take(pa.array(rng.integers(0, 3, n))), null_s),
+    }
+    for k, v in prov.items():
+        cols[k] = pa.nulls(n, pa.string()) if v is None else pa.repeat(pa.scalar(v, pa.string()), n)
+    return pa.Table.from_arrays([cols[f.name] for f in ROW_SCHEMA], schema=ROW_SCHEMA)
+
+
+def synthesise_commits(spec) -> dict:
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from airflow_provider_vllm import __version__
+    from airflow_provider_vllm.commit import ChunkMeta, ShardStore
+    from airflow_provider_vllm.planning import load_plan
+    from airflow_provider_vllm.storage import Storage
+
+    plan = load_plan(spec)
+    out = Storage(spec.io.output_uri, spec.io.storage_options)
+    in_root = Storage(plan.input_root, spec.io.storage_options)
+    rng = np.random.default_rng(11)
+    labels_arr = pa.array(LABELS)
+    id_cols: dict[int, pa.Array] = {}
+    chunk_rows = spec.sharding.chunk_rows
+    n_files = 0
+    for shard in plan.shards:
+        assert shard.bucket == "all"
+        parts = []
+        for seg in shard.segments:
+            if seg.file not in id_cols:
+                with in_root.open(plan.files[seg.file]["path"]) as fh:
+                    id_cols[seg.file] = pq.read_table(fh, columns=[spec.prompt.id_column]).column(0).combine_chunks()
+            parts.append(id_cols[seg.file].slice(seg.start, seg.count))
+        ids = pa.concat_arrays(parts)
+        assert len(ids) == shard.rows
+        attempt = f"abench-{shard.index:05d}"
+        prov = {"model": spec.model.name, "model_revision": spec.model.revision, "engine_version": "0.32.0",
+                "config_hash": plan.config_hash, "shard_id": shard.shard_id, "attempt_id": attempt}
+        store = ShardStore(out, shard.shard_id)
+        entries = []
+        for k in range(max(1, -(-shard.rows // chunk_rows))):
+            first = k * chunk_rows
+            n = min(chunk_rows, shard.rows - first)
+            table = _synth_chunk(ids.slice(first, n), rng, labels_arr, prov)
+            entries.append(store.write_chunk(attempt, ChunkMeta(shard.shard_id, k, first, n, plan.config_hash),
+                                             table))
+            n_files += 1
+        ptoks = shard.rows * 100
+        infer_s = shard.rows / 14.0
+        stats = {"rows": shard.rows, "read_s": 0.4, "reused_chunks": 0, "engine_start_s": 25.0,
+                 "infer_s": round(infer_s, 3), "prompt_tokens": ptoks, "completion_tokens": shard.rows * 2,
+                 "progress_lines": 10, "rows_per_s": 14.0, "tokens_per_s": round(ptoks * 1.02 / infer_s, 1),
+                 "wall_s": round(infer_s + 27, 3), "peak_rss_mb": 1100.0}
+        marker = {
+            "shard_id": shard.shard_id, "attempt_id": attempt, "config_hash": plan.config_hash,
+            "spec_hash": plan.spec_hash, "plan_fingerprint": plan.fingerprint, "files": entries,
+            "rows": sum(e["rows"] for e in entries), "ok_rows": sum(e["ok_rows"] for e in entries),
+            "error_rows": sum(e["error_rows"] for e in entries), "stats": stats,
+            "versions": {"airflow-provider-vllm": __version__, "vllm": "0.32.0",
+                         "python": platform.python_version(), "model": spec.model.name,
+                         "model_revision": spec.model.revision},
+            "committed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        assert marker["rows"] == shard.rows
+        assert store.commit(marker), f"{shard.shard_id} was already committed"
+    return {"shards": len(plan.shards), "chunk_files": n_files}
+
+
+# ---- profiling helpers ----------------------------------------------------------------
+class _TimedCon:
+    """Wraps a DuckDB connection: seconds per SQL statement, fetches included (profile mode only)."""
+
+    def __init__(self, con, log):
+        self._con, self._log = con, log
+
+    def _run(self, method, sql, *a, **kw):
+        label = " ".join(str(sql).split())[:150]
+        t0 = time.monotonic()
+        res = getattr(self._con, method)(sql, *a, **kw)
+        self._log.append([time.monotonic() - t0, label])
+        return _TimedResult(res, self._log, label)
+
+    def execute(self, sql, *a, **kw):
+        return self._run("execute", sql, *a, **kw)
+
+    def sql(self, sql, *a, **kw):
+        return self._run("sql", sql, *a, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._con, name)
+
+
+class _TimedResult:
+    def __init__(self, res, log, label):
+        self._res, self._log, self._label = res, log, label
+
+    def __getattr__(self, name):
+        attr = getattr(self._res, name)
+        if not callable(attr):
+            return attr
+
+        def timed(*a, **kw):
+            t0 = time.monotonic()
+            try:
+                return attr(*a, **kw)
+            finally:
+                self._log.append([time.monotonic() - t0, f"[{name}] {self._label}"])
+        return timed
+
+
+def _install_sql_timers(log: list) -> None:
+    """Route the package's DuckDB connections through _TimedCon (bench process only)."""
+    import importlib
+    import types
+
+    import duckdb
+
+    def shim_module():
+        shim = types.SimpleNamespace(**{k: getattr(duckdb, k) for k in dir(duckdb) if not k.startswith("__")})
+        shim.connect = lambda *a, **kw: _TimedCon(duckdb.connect(*a, **kw), log)
+        shim.__version__ = duckdb.__version__
+        return shim
+
+    try:
+        duck = importlib.import_module("airflow_provider_vllm.duck")
+        orig = duck.connect
+        duck.connect = lambda *a, **kw: _TimedCon(orig(*a, **kw), log)
+    except ImportError:
+        pass
+    for mod in ("airflow_provider_vllm.merge", "airflow_provider_vllm.qa", "airflow_provider_vllm.planning"):
+        m = importlib.import_module(mod)
+        if getattr(m, "duckdb", None) is duckdb:
+            m.duckdb = shim_module()
+
+
+# ---- child: one stage -------------------------------------------------------------------
+def child(stage: str, input_dir: Path, run_dir: Path, chunk_rows: int, profile: str | None) -> None:
+    from airflow_provider_vllm.merge import merge_run
+    from airflow_provider_vllm.planning import plan_job
+    from airflow_provider_vllm.qa_stage import qa_run
+
+    spec = bench_spec(input_dir, run_dir, chunk_rows)
+    rss_imports = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    sql_log: list = []
+    if profile:
+        _install_sql_timers(sql_log)
+    extra: dict = {}
+
+    def work():
+        if stage == "plan":
+            plan = plan_job(spec)
+            extra.update(shards=len(plan.shards), total_rows=plan.total_rows)
+        elif stage == "gen":
+            extra.update(generate_dataset(input_dir, int(os.environ["BENCH_ROWS"])))
+        elif stage == "setup":
+            extra.update(synthesise_commits(spec))
+        elif stage == "merge":
+            s = merge_run(spec)
+            extra.update(ok_rows=s["ok_rows"], error_rows=s["error_rows"], merge_s=s["merge_s"])
+        elif stage == "qa":
+            report, _ = qa_run(spec)
+            extra.update(qa_status=report.status)
+        else:
+            raise SystemExit(f"unknown stage {stage}")
+
+    t0 = time.perf_counter()
+    if profile:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.runcall(work)
+        seconds = time.perf_counter() - t0
+        prof.dump_stats(profile)
+        st = pstats.Stats(prof, stream=sys.stderr)
+        st.sort_stats("cumulative").print_stats(35)
+        st.sort_stats("tottime").print_stats(20)
+        if sql_log:
+            print("DuckDB statements (and their fetches), slowest first:", file=sys.stderr)
+            for s, q in sorted(sql_log, reverse=True)[:15]:
+                print(f"  {s:7.3f}s  {q}", file=sys.stderr)
+            extra["sql"] = [[round(s, 3), q] for s, q in sql_log]
+    else:
+        work()
+        seconds = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"stage": stage, "seconds": round(seconds, 3), "peak_rss_mib": round(peak, 1),
+                      "rss_after_imports_mib": round(rss_imports, 1), **extra}))
+
+
+def run_child(stage: str, args, input_dir: Path, run_dir: Path, profile: str | None = None,
+              quiet: bool = True) -> dict:
+    cmd = [sys.executable, __file__, "--child", stage, "--input-dir", str(input_dir), "--run-dir", str(run_dir),
+           "--chunk-rows", str(args.chunk_rows)]
+    if profile:
+        cmd += ["--profile-out", profile]
+    load = os.getloadavg()[0]
+    stderr = None if profile or not quiet else subprocess.PIPE
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stderr or "")
+        raise SystemExit(f"stage {stage} failed (exit {proc.returncode})")
+    line = [x for x in proc.stdout.splitlines() if x.startswith("{")][-1]
+    r = json.loads(line)
+    r["load1_before"] = round(load, 2)
+    return r
+
+
+# ---- main ---------------------------------------------------------------------------------
+def environment() -> dict:
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    import duckdb
+    import pyarrow
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True,
+                                text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "airflow_provider_vllm"], cwd=HERE,
+                               capture_output=True, text=True).stdout.strip()
+        commit += " (package modified)" if dirty else ""
+    except OSError:
+        commit = None
+    return {"machine": platform.machine(), "nproc": os.cpu_count(), "cpu": cpu, "git": commit,
+            "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+            "python": platform.python_version(), "pyarrow": pyarrow.__version__, "duckdb": duckdb.__version__}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, default=10_000_000)
+    ap.add_argument("--workdir", type=Path, default=Path(".cache/bench/dataplane"))
+    ap.add_argument("--chunk-rows", type=int, default=50_000, help="sharding.chunk_rows of the bench spec")
+    ap.add_argument("--repeat", type=int, default=3, help="timed runs per stage (median seconds, max RSS)")
+    ap.add_argument("--profile", nargs="?", const="missed", choices=["missed", "all"],
+                    help="afterwards, profile the stages that missed a goal (or all) under cProfile + SQL timers")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--input-dir", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--run-dir", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--profile-out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(args.child, args.input_dir, args.run_dir, args.chunk_rows, args.profile_out)
+        return 0
+
+    work = args.workdir.resolve()
+    input_dir = work / f"input-{args.rows}"
+    # in a child: the parent stays small, since a child's ru_maxrss starts from its parent's RSS
+    os.environ["BENCH_ROWS"] = str(args.rows)
+    run_child("gen", args, input_dir, work / "unused", quiet=False)
+    runs = work / "runs"
+    if runs.exists():
+        shutil.rmtree(runs)
+    runs.mkdir(parents=True)
+    run_dir = runs / "run"
+    t_start = time.time()
+    env = environment()  # at the start: the package commit under test
+
+    measured: dict[str, list[dict]] = {"plan": [], "merge": [], "qa": []}
+    for rep in range(args.repeat):  # plans into fresh folders; rep 0's folder is the run
+        measured["plan"].append(run_child("plan", args, input_dir, run_dir if rep == 0 else runs / f"plan-{rep}"))
+    setup = run_child("setup", args, input_dir, run_dir)
+    print(f"setup (not timed as a stage): {setup['shards']} shards, {setup['chunk_files']} chunk files "
+          f"committed in {setup['seconds']:.1f}s", file=sys.stderr)
+    for rep in range(args.repeat):
+        measured["merge"].append(run_child("merge", args, input_dir, run_dir))
+    for rep in range(args.repeat):
+        measured["qa"].append(run_child("qa", args, input_dir, run_dir))
+
+    stages = []
+    for name, rs in measured.items():
+        g = GOALS[name]
+        secs = statistics.median(r["seconds"] for r in rs)
+        rss = max(r["peak_rss_mib"] for r in rs)
+        met_s = secs <= g["seconds"]
+        met_m = rss <= g.get("rss_mib", float("inf"))
+        stages.append({"stage": name, "seconds": round(secs, 3), "runs_s": [r["seconds"] for r in rs],
+                       "peak_rss_mib": rss, "rss_after_imports_mib": rs[0]["rss_after_imports_mib"],
+                       "goal_s": g["seconds"], "goal_rss_mib": g.get("rss_mib"),
+                       "ratio_s_to_goal": round(secs / g["seconds"], 3),
+                       "ratio_rss_to_goal": round(rss / g["rss_mib"], 3) if "rss_mib" in g else None,
+                       "met": met_s and met_m, "load1_before": [r["load1_before"] for r in rs],
+                       **{k: v for k, v in rs[0].items() if k not in ("stage", "seconds", "peak_rss_mib",
+                                                                     "rss_after_imports_mib", "load1_before")}})
+
+    print(f"\nbench_dataplane: {args.rows:,} rows, {setup['shards']} shards, chunk_rows {args.chunk_rows}, "
+          f"{setup['chunk_files']} chunk files, repeat {args.repeat}")
+    print(f"{'stage':<6} {'seconds':>8} {'goal s':>7} {'s/goal':>7} {'peak RSS MiB':>13} {'goal MiB':>9} "
+          f"{'RSS/goal':>9} {'met?':>5}")
+    for s in stages:
+        print(f"{s['stage']:<6} {s['seconds']:>8.2f} {s['goal_s']:>7.1f} {s['ratio_s_to_goal']:>7.2f} "
+              f"{s['peak_rss_mib']:>13.0f} {s['goal_rss_mib'] or '-':>9} {s['ratio_rss_to_goal'] or '-':>9} "
+              f"{'yes' if s['met'] else 'NO':>5}")
+
+    record = {"bench": "dataplane", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)),
+              "rows": args.rows, "chunk_rows": args.chunk_rows, "repeat": args.repeat,
+              "shards": setup["shards"], "chunk_files": setup["chunk_files"], "setup_s": setup["seconds"],
+              "env": env, "stages": stages}
+    with open(RESULTS_FILE, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record, sort_keys=True) + "\n")
+    print(f"appended to {RESULTS_FILE}")
+
+    if args.profile:
+        for s in stages:
+            if not s["met"] or args.profile == "all":
+                prof = str(work / f"{s['stage']}.prof")
+                why = "missed its goal" if not s["met"] else "--profile all"
+                print(f"\n==== profile of {s['stage']} ({why}) -> {prof}", flush=True)
+                r = run_child(s["stage"], args, input_dir, run_dir if s["stage"] != "plan" else runs / "plan-prof",
+                              profile=prof)
+                print(f"profiled run: {r['seconds']:.2f}s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
