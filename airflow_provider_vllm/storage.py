@@ -98,40 +98,29 @@ class Storage:
     def write_atomic(self, rel: str, data: bytes) -> None:
         """Write all of data or nothing visible at rel."""
         p = self.path(rel)
-        if self.is_local:
-            os.makedirs(posixpath.dirname(p), exist_ok=True)
-            tmp = f"{p}.tmp-{uuid.uuid4().hex}"
-            try:
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, p)
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
+        if not self.is_local:
+            _retrying(lambda: self.fs.pipe_file(p, data))
             return
-        _retrying(lambda: self.fs.pipe_file(p, data))
+        tmp = _local_temp_copy(p, data)
+        try:
+            os.replace(tmp, p)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
 
     def create_only(self, rel: str, data: bytes) -> bool:
         """Atomically create rel with data; False (and nothing written) when rel exists."""
         p = self.path(rel)
-        if self.is_local:
-            os.makedirs(posixpath.dirname(p), exist_ok=True)
-            tmp = f"{p}.tmp-{uuid.uuid4().hex}"
-            try:
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                try:
-                    os.link(tmp, p)  # fails if p exists: the create-only primitive
-                except FileExistsError:
-                    return False
-                return True
-            finally:
-                os.unlink(tmp)
-        return _create_only_remote(self.fs, p, data)
+        if not self.is_local:
+            return _create_only_remote(self.fs, p, data)
+        tmp = _local_temp_copy(p, data)
+        try:
+            os.link(tmp, p)  # fails if p exists: the create-only primitive
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(tmp)
 
     def write_parquet_atomic(self, rel: str, table: pa.Table, metadata: dict[str, str] | None = None) -> None:
         """Write a Parquet file so that readers never see a partial one."""
@@ -156,6 +145,17 @@ class Storage:
             return
         for p in sorted(found):
             yield posixpath.relpath(p, self.base)
+
+
+def _local_temp_copy(path: str, data: bytes) -> str:
+    """data, fsynced, in a unique temp file beside path (same filesystem, for rename/link)."""
+    os.makedirs(posixpath.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return tmp
 
 
 def _fs_and_path(uri: str, options: dict[str, Any]) -> tuple[fsspec.AbstractFileSystem, str]:

@@ -22,6 +22,7 @@ from airflow_provider_vllm.commit import ChunkMeta, ShardStore, new_attempt_id
 from airflow_provider_vllm.datasets import (
     RowBatch,
     check_unchanged,
+    line_chars,
     parquet_batch,
     read_jsonl_range,
     read_parquet_range,
@@ -177,8 +178,6 @@ def _bucket_mask(table: pa.Table, spec: JobSpec, plan: Plan, bucket: str) -> pa.
 
 
 def _filter_jsonl(part: RowBatch, spec: JobSpec, plan: Plan, bucket: str) -> RowBatch:
-    from airflow_provider_vllm.datasets import line_chars
-
     keep = []
     for i in range(len(part)):
         chars = line_chars(part, i, plan.format, spec.prompt.texts)
