@@ -3,7 +3,7 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from airflow_provider_vllm.errors import DatasetError, SpecError
@@ -111,6 +111,9 @@ def datasets(draw):
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(datasets())
+@example(([[]], 1, 1, 1, None, "parquet"))  # empty input
+@example(([[7]], 1, 1, 1, None, "jsonl"))  # a single row
+@example(([[3000], [5, 5], []], 1, 1, 2, 200, "parquet"))  # one long row, an empty file, bucketing at the cap
 def test_property_every_row_in_exactly_one_shard(tmp_path_factory, data):
     lengths, rg, target, max_shards, bucket, fmt = data
     d = tmp_path_factory.mktemp("ds")
