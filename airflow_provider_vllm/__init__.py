@@ -24,4 +24,16 @@ def get_provider_info() -> dict:
                 "tags": ["software"],
             }
         ],
+        "operators": [
+            {
+                "integration-name": "vLLM batch inference",
+                "python-modules": [
+                    "airflow_provider_vllm.operators.plan",
+                    "airflow_provider_vllm.operators.shard",
+                    "airflow_provider_vllm.operators.merge",
+                    "airflow_provider_vllm.operators.qa",
+                    "airflow_provider_vllm.operators.publish",
+                ],
+            }
+        ],
     }

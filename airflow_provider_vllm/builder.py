@@ -1,0 +1,148 @@
+"""Wire a whole batch job into a DAG: plan -> shard x N -> merge -> qa -> publish.
+
+Usage, inside ``with DAG(...)``::
+
+    from airflow_provider_vllm.builder import vllm_batch_job
+
+    vllm_batch_job({"model": {"name": "..."}, "io": {"input_uri": ".../dt={{ ds }}/", ...}, ...})
+
+Nothing here does I/O: the spec is rendered and validated at run time by the plan task.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+from airflow.sdk import Asset, TaskGroup
+
+from airflow_provider_vllm.operators import (
+    VllmLocalShardOperator,
+    VllmMergeOperator,
+    VllmPlanOperator,
+    VllmPublishOperator,
+    VllmQAOperator,
+)
+from airflow_provider_vllm.operators._common import AVAILABLE_RUNNERS, RUNNERS, SPEC_XCOM_KEY
+from airflow_provider_vllm.spec import JobSpec
+
+SHARD_MAP_INDEX_TEMPLATE = "{{ task.shard['shard_id'] }}"
+_JINJA = re.compile(r"{{|{%")
+
+
+def vllm_batch_job(
+    spec: Mapping[str, Any] | str | JobSpec,
+    *,
+    group_id: str = "vllm_batch",
+    overrides: Mapping[str, Any] | str | None = None,
+    param_overrides: Sequence[str] = (),
+    runner: str = "local",
+    asset: Asset | str | None = None,
+    shard_retries: int = 2,
+    shard_retry_delay: timedelta | None = None,
+    shard_env: Mapping[str, str] | None = None,
+    max_active_shards: int | None = None,
+    progress_interval_s: float = 10.0,
+    before_publish: Callable[[Any], Any] | None = None,
+    publish_extra_files: Mapping[str, str] | None = None,
+) -> TaskGroup:
+    """Add one batch inference job to the current DAG; returns its TaskGroup.
+
+    :param spec: the job spec: a dict (Jinja allowed in any string), YAML/JSON text (e.g.
+        ``"{% include 'job.yaml' %}"`` for a file beside the DAG), or a ``JobSpec``. Rendered and validated at
+        run time by the plan task, then handed to the other tasks as data (XCom).
+    :param overrides: flat overrides (dotted keys or ``JobSpec`` param aliases), templated.
+    :param param_overrides: DAG params applied over the spec (typed; ``None`` = keep).
+    :param runner: ``"local"`` (a subprocess per shard on the Airflow worker), or a template
+        such as ``"{{ params.runner }}"`` checked by the plan task. ``"kubernetes"`` is not
+        built yet and raises ``NotImplementedError``.
+    :param asset: the Asset the publish task updates (default: the output URI when it is
+        static, else ``x-vllm-batch://<group_id>``); the event's extra names the output URI.
+    :param shard_retries, shard_retry_delay: for the mapped shard task (delay default:
+        Airflow's ``[core] default_task_retry_delay``).
+    :param shard_env: extra environment for the worker processes (templated).
+    :param max_active_shards: at most this many shards of one run at once.
+    :param before_publish: called with the spec XComArg inside the group; what it returns
+        (tasks or XComArgs) runs after QA and before publish.
+    :param publish_extra_files: name -> path under the output prefix, listed in ``_SUCCESS.json``.
+    """
+    runner_name = str(runner).strip()
+    if runner_name in RUNNERS and runner_name not in AVAILABLE_RUNNERS:
+        raise NotImplementedError(
+            f"runner={runner_name!r}: the Kubernetes runner is not built yet (its own issue); "
+            f"use runner={AVAILABLE_RUNNERS[0]!r}"
+        )
+    if runner_name not in RUNNERS and not _JINJA.search(runner_name):
+        raise ValueError(f"runner={runner_name!r}: choose one of {list(RUNNERS)} or a template")
+    if isinstance(spec, JobSpec):
+        spec = spec.model_dump(mode="json")
+    if asset is None:
+        asset = _default_asset(spec, group_id)
+    elif isinstance(asset, str):
+        asset = Asset(uri=asset)
+
+    with TaskGroup(group_id, tooltip="vLLM batch job: plan -> shards -> merge -> QA -> publish") as group:
+        plan = VllmPlanOperator(task_id="plan", spec=spec, overrides=overrides,
+                                param_overrides=param_overrides, runner=runner)
+        job = plan.output[SPEC_XCOM_KEY]
+        retry = {"retry_delay": shard_retry_delay} if shard_retry_delay is not None else {}
+        shards = VllmLocalShardOperator.partial(
+            task_id="shard",
+            spec=job,
+            env=dict(shard_env) if shard_env else None,
+            progress_interval_s=progress_interval_s,
+            retries=shard_retries,
+            map_index_template=SHARD_MAP_INDEX_TEMPLATE,
+            max_active_tis_per_dagrun=max_active_shards,
+            **retry,
+        ).expand(shard=plan.output)
+        # none_failed: an empty input plans zero shards (the mapped task is skipped); merge still runs.
+        merge = VllmMergeOperator(task_id="merge", spec=job, trigger_rule="none_failed")
+        qa = VllmQAOperator(task_id="qa", spec=job)
+        publish = VllmPublishOperator(task_id="publish", spec=job, outlets=[asset],
+                                      extra_files=dict(publish_extra_files) if publish_extra_files else None)
+        shards >> merge >> qa
+        if before_publish is not None:
+            extra = before_publish(job)
+            qa >> extra >> publish
+        else:
+            qa >> publish
+    return group
+
+
+def _default_asset(spec: Any, group_id: str) -> Asset:
+    uri = spec.get("io", {}).get("output_uri") if isinstance(spec, Mapping) else None
+    if isinstance(uri, str) and not _JINJA.search(uri):
+        if "://" in uri:
+            return Asset(uri=uri.rstrip("/"))
+        if uri.startswith("/"):
+            return Asset(uri=f"file://{uri.rstrip('/')}")
+    return Asset(uri=f"x-vllm-batch://{group_id}")
+
+
+def _model_cache() -> str:
+    from airflow_provider_vllm.local_models import default_cache_dir
+
+    return str(default_cache_dir())
+
+
+def _minilm_path() -> str:
+    from airflow_provider_vllm.local_models import minilm_path
+
+    return str(minilm_path())
+
+
+def _path_safe(value: Any) -> str:
+    return re.sub(r"[^A-Za-z0-9_.=-]+", "-", str(value)).strip("-")
+
+
+TEMPLATE_MACROS: dict[str, Callable[..., str]] = {
+    "vllm_model_cache": _model_cache,
+    "vllm_minilm_path": _minilm_path,
+}
+"""``user_defined_macros`` for DAGs: the local model cache folder and MiniLM's folder, at run time."""
+
+TEMPLATE_FILTERS: dict[str, Callable[..., str]] = {"path_safe": _path_safe}
+"""``user_defined_filters``: ``{{ run_id | path_safe }}`` -> a string safe in a path."""

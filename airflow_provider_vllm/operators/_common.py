@@ -1,0 +1,97 @@
+"""What every operator shares: loading the job spec, and mapping data-plane errors to Airflow.
+
+Terminal data-plane errors (bad spec, bad dataset, failed verification) fail the task
+without retry (``AirflowFailException``); transient ones are re-raised so Airflow retries.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import yaml
+from airflow.sdk.exceptions import AirflowException, AirflowFailException
+
+from airflow_provider_vllm.errors import SpecError, VllmBatchError
+from airflow_provider_vllm.spec import JobSpec
+
+SPEC_XCOM_KEY = "spec"
+"""XCom key under which the plan task pushes the validated spec (a JSON-able dict)."""
+
+RUNNERS = ("local", "kubernetes")
+AVAILABLE_RUNNERS = ("local",)
+
+
+def spec_document(value: Any) -> dict[str, Any]:
+    """A spec as a plain dict: from a dict, a JobSpec, or YAML/JSON text (``job:`` key optional)."""
+    if isinstance(value, JobSpec):
+        return value.model_dump(mode="json")
+    doc = value
+    if isinstance(value, (str, bytes)):
+        try:
+            doc = yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            raise SpecError(f"job spec is not valid YAML or JSON: {e}") from None
+    if isinstance(doc, Mapping) and "job" in doc and "model" not in doc:
+        doc = doc["job"]
+    if not isinstance(doc, Mapping):
+        raise SpecError(f"job spec must be a mapping, got {type(doc).__name__}")
+    return json.loads(json.dumps(doc, default=str))
+
+
+def overrides_document(value: Any) -> dict[str, Any]:
+    """Flat overrides (dotted keys or ``PARAM_ALIASES``) from a dict or YAML/JSON text."""
+    if value is None or value == "":
+        return {}
+    doc = yaml.safe_load(value) if isinstance(value, (str, bytes)) else value
+    if doc is None:
+        return {}
+    if not isinstance(doc, Mapping):
+        raise SpecError(f"spec overrides must be a mapping, got {type(doc).__name__}")
+    return dict(doc)
+
+
+def load_spec(value: Any, what: str) -> JobSpec:
+    """The spec a downstream task received as data (from the plan's XCom); fails without retry."""
+    try:
+        return JobSpec.load(value)
+    except SpecError as e:
+        raise AirflowFailException(f"{what}: {e}") from None
+
+
+def check_runner(runner: Any, param: str = "runner") -> str:
+    """The runner name, or a failure naming the param when it is unknown or not built yet."""
+    name = str(runner).strip()
+    if name in AVAILABLE_RUNNERS:
+        return name
+    if name in RUNNERS:
+        raise AirflowFailException(
+            f"{param}={name!r} is not available yet (the Kubernetes runner comes in its own issue); "
+            f"set {param} to one of {list(AVAILABLE_RUNNERS)}"
+        )
+    raise AirflowFailException(f"{param}={name!r} is not a runner; choose one of {list(AVAILABLE_RUNNERS)}")
+
+
+def check_local_model(spec: JobSpec) -> None:
+    """With the local runner, a model given as a local path must exist on this machine."""
+    name = spec.model.name
+    path = name[len("file://"):] if name.startswith("file://") else name
+    if path.startswith(("/", "./", "../", "~")) and not os.path.exists(os.path.expanduser(path)):
+        raise AirflowFailException(
+            f"model.name {name!r} is a local path that does not exist on this machine; "
+            "prepare it first (e.g. python -m airflow_provider_vllm.local_models smollm2)"
+        )
+
+
+@contextlib.contextmanager
+def data_plane_errors(what: str) -> Iterator[None]:
+    """Terminal VllmBatchError -> AirflowFailException (no retry); transient -> retried."""
+    try:
+        yield
+    except VllmBatchError as e:
+        if e.terminal:
+            raise AirflowFailException(f"{what}: {type(e).__name__}: {e}") from e
+        raise AirflowException(f"{what}: {type(e).__name__} (transient, retried): {e}") from e

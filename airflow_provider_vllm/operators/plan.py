@@ -1,0 +1,83 @@
+"""The plan task: render the job spec, validate it, plan the shards."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from airflow.sdk import BaseOperator
+from airflow.sdk.exceptions import AirflowFailException
+
+from airflow_provider_vllm.errors import SpecError
+from airflow_provider_vllm.operators._common import (
+    SPEC_XCOM_KEY,
+    check_local_model,
+    check_runner,
+    data_plane_errors,
+    overrides_document,
+    spec_document,
+)
+from airflow_provider_vllm.planning import plan_job
+from airflow_provider_vllm.spec import JobSpec
+
+
+class VllmPlanOperator(BaseOperator):
+    """Validate the job spec and the input dataset, write ``_plan.json``, return the shards.
+
+    The spec is rendered at run time (``spec`` and ``overrides`` are templated; a YAML/JSON
+    spec kept beside the DAG can be passed as ``"{% include 'job.yaml' %}"``), then layered: ``spec`` <- ``overrides``
+    <- the DAG params named in ``param_overrides`` (typed values, already validated by
+    Airflow's Param schemas; ``None`` keeps the spec's value). Keys of ``overrides`` are
+    dotted paths (``sampling.max_tokens``) or ``JobSpec`` param aliases (``labels``, ``model``).
+
+    Pushes the validated spec (a JSON-able dict) under the XCom key ``spec``; downstream
+    tasks take it from there, as data, never re-templated. Returns
+    ``[shard.summary() ...]`` for ``.expand(shard=...)``.
+
+    Fails without retry on an invalid spec, an unknown or unavailable ``runner``, a missing
+    local model folder, or a bad dataset (missing id column, duplicate ids, ...).
+    """
+
+    template_fields: Sequence[str] = ("spec", "overrides", "runner")
+    # No template_ext: it would turn any spec string ending in .json (a URI) into a file name.
+    template_fields_renderers = {"spec": "json", "overrides": "json"}
+    ui_color = "#e8f0fe"
+
+    def __init__(
+        self,
+        *,
+        spec: dict[str, Any] | str | JobSpec,
+        overrides: dict[str, Any] | str | None = None,
+        param_overrides: Sequence[str] = (),
+        runner: str = "local",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.spec = spec.model_dump(mode="json") if isinstance(spec, JobSpec) else spec
+        self.overrides = overrides
+        self.param_overrides = list(param_overrides)
+        self.runner = runner
+
+    def build_spec(self, params: dict[str, Any]) -> JobSpec:
+        """The validated spec from the rendered fields and the run's params."""
+        try:
+            layered = overrides_document(self.overrides)
+            layered.update({k: params.get(k) for k in self.param_overrides})
+            return JobSpec.from_params(layered, base=spec_document(self.spec))
+        except SpecError as e:
+            raise AirflowFailException(f"plan: {e}") from None
+
+    def execute(self, context: Any) -> list[dict[str, Any]]:
+        runner = check_runner(self.runner)
+        spec = self.build_spec(dict(context.get("params") or {}))
+        if runner == "local":
+            check_local_model(spec)
+        self.log.info("job %s: task=%s model=%s input=%s output=%s spec_hash=%s", spec.name, spec.task,
+                      spec.model.name, spec.io.input_uri, spec.io.output_uri, spec.content_hash()[:12])
+        with data_plane_errors("plan"):
+            plan = plan_job(spec)
+        self.log.info("planned %d rows (%d invalid lines) into %d shard(s), ~%d prompt tokens; plan at %s/_plan.json",
+                      plan.total_rows, plan.invalid_lines, len(plan.shards), plan.est_tokens,
+                      spec.io.output_uri.rstrip("/"))
+        context["ti"].xcom_push(key=SPEC_XCOM_KEY, value=spec.model_dump(mode="json"))
+        return [s.summary() for s in plan.shards]

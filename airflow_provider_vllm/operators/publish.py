@@ -1,0 +1,94 @@
+"""The publish task: the final marker, written last, and an Asset event."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from airflow.sdk import BaseOperator
+from airflow.sdk.exceptions import AirflowFailException
+
+from airflow_provider_vllm import __version__
+from airflow_provider_vllm.merge import MERGED
+from airflow_provider_vllm.operators._common import data_plane_errors, load_spec
+from airflow_provider_vllm.storage import Storage
+
+SUCCESS = "_SUCCESS.json"
+QA_FILES = {"qa_report_json": "qa/report.json", "qa_report_html": "qa/report.html", "qa_sample": "qa/sample.parquet"}
+
+
+class VllmPublishOperator(BaseOperator):
+    """Mark the run's output as current: write ``_SUCCESS.json`` under the output prefix.
+
+    Runs after merge and QA (and any ``before_publish`` step); checks that ``_MERGED.json``
+    belongs to this spec, that QA did not fail and that every named file exists, then writes
+    the marker atomically, naming files, counts, checksums, the QA verdict and the Airflow
+    run. For each Asset in ``outlets`` the Asset event carries the concrete output URI in
+    its ``extra`` (the Asset names the dataset; the URI names this run's partition).
+    ``extra_files`` (name -> path under the prefix) are checked and listed too.
+    """
+
+    template_fields: Sequence[str] = ("spec", "extra_files")
+    template_fields_renderers = {"spec": "json", "extra_files": "json"}
+    ui_color = "#f3e8fd"
+
+    def __init__(self, *, spec: Any, extra_files: dict[str, str] | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.spec = spec
+        self.extra_files = extra_files
+
+    def execute(self, context: Any) -> dict[str, Any]:
+        spec = load_spec(self.spec, "publish")
+        out = Storage(spec.io.output_uri, spec.io.storage_options)
+        with data_plane_errors("publish"):
+            marker = self._marker(spec, out, context)
+            out.write_atomic(SUCCESS, json.dumps(marker, indent=1, sort_keys=True).encode())
+        self.log.info("published %s (%d rows: %d ok, %d errors; QA %s)", out.uri(SUCCESS), marker["rows"],
+                      marker["ok_rows"], marker["error_rows"], marker["qa"]["status"])
+        event = {"output_uri": spec.io.output_uri, "success_marker": out.uri(SUCCESS), "job": spec.name,
+                 "rows": marker["rows"], "ok_rows": marker["ok_rows"], "error_rows": marker["error_rows"],
+                 "qa_status": marker["qa"]["status"], "config_hash": marker["config_hash"]}
+        for outlet in self.outlets or []:
+            context["outlet_events"][outlet].extra = event
+        return event
+
+    def _marker(self, spec: Any, out: Storage, context: Any) -> dict[str, Any]:
+        try:
+            merged = json.loads(out.read_bytes(MERGED))
+            report = json.loads(out.read_bytes(QA_FILES["qa_report_json"]))
+        except FileNotFoundError as e:
+            raise AirflowFailException(f"publish: nothing to publish under {spec.io.output_uri}: {e}") from None
+        if merged.get("spec_hash") != spec.content_hash():
+            raise AirflowFailException(f"publish: {out.uri(MERGED)} was merged for another spec")
+        if report.get("status") == "fail":
+            raise AirflowFailException(f"publish: QA failed ({report.get('summary')}); not publishing")
+        files = {**merged.get("files", {}), **QA_FILES, **(self.extra_files or {})}
+        missing = sorted(p for p in files.values() if not out.exists(p))
+        if missing:
+            raise AirflowFailException(f"publish: files missing under {spec.io.output_uri}: {missing}")
+        dag_run = context.get("dag_run")
+        logical_date = context.get("logical_date")
+        return {
+            "format": "vllm-batch-success",
+            "version": 1,
+            "job": spec.name,
+            "output_uri": spec.io.output_uri,
+            "rows": merged["rows"],
+            "ok_rows": merged["ok_rows"],
+            "error_rows": merged["error_rows"],
+            "files": files,
+            "checksums": merged.get("checksums", {}),
+            "spec_hash": merged.get("spec_hash"),
+            "config_hash": merged.get("config_hash"),
+            "qa": {"status": report.get("status"), "summary": report.get("summary")},
+            "airflow": {
+                "dag_id": getattr(dag_run, "dag_id", None),
+                "run_id": getattr(dag_run, "run_id", None),
+                "logical_date": logical_date.isoformat() if logical_date else None,
+                "task_id": self.task_id,
+            },
+            "published_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "versions": {"airflow-provider-vllm": __version__},
+        }

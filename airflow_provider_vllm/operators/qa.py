@@ -1,0 +1,53 @@
+"""The QA task: report files, an XCom summary, and a gate before publication."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from airflow.sdk import BaseOperator
+from airflow.sdk.exceptions import AirflowFailException
+
+from airflow_provider_vllm.operators._common import data_plane_errors, load_spec
+from airflow_provider_vllm.qa import QAFailed
+from airflow_provider_vllm.qa_stage import qa_run, qa_summary
+
+
+class VllmQAFailed(QAFailed, AirflowFailException):
+    """QA crossed a fail threshold; carries the report and the failing checks; not retried."""
+
+    def serialize(self):
+        cls = type(self)
+        return f"{cls.__module__}.{cls.__name__}", (self.report, self.failing), {}
+
+
+class VllmQAOperator(BaseOperator):
+    """Run ``qa_run(spec)``: write ``qa/report.{json,html}`` and ``qa/sample.parquet``.
+
+    Pushes ``qa_summary(...)`` (status, summary line, checks, report paths) as the XCom
+    return value first, then, when the verdict is 'fail', raises ``VllmQAFailed`` (a
+    ``QAFailed`` and an ``AirflowFailException``: the verdict would not change on retry),
+    so publish does not run. A 'warn' verdict is logged and the run goes on.
+    """
+
+    template_fields: Sequence[str] = ("spec",)
+    template_fields_renderers = {"spec": "json"}
+    ui_color = "#fce8e6"
+
+    def __init__(self, *, spec: Any, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.spec = spec
+
+    def execute(self, context: Any) -> dict[str, Any]:
+        spec = load_spec(self.spec, "qa")
+        with data_plane_errors("qa"):
+            report, paths = qa_run(spec)
+        summary = qa_summary(report, paths, spec.io.output_uri)
+        self.log.info("%s", summary["summary"])
+        self.log.info("QA report: %s", summary["report_html"])
+        for c in report.warning_checks:
+            self.log.warning("QA warning: %s=%s above warn threshold %s", c["name"], c["value"], c["warn"])
+        if report.status == "fail":
+            context["ti"].xcom_push(key="return_value", value=summary)
+            raise VllmQAFailed(report.to_dict(), report.failing_checks)
+        return summary

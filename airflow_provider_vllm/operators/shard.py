@@ -1,0 +1,114 @@
+"""The shard task, local runner: the pod's worker command line as a child process."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from airflow.sdk import BaseOperator
+from airflow.sdk.exceptions import AirflowException, AirflowFailException
+
+from airflow_provider_vllm.errors import EXIT_OK, EXIT_TERMINAL, EXIT_TRANSIENT, SpecError
+from airflow_provider_vllm.operators._common import load_spec
+from airflow_provider_vllm.operators.local_runner import (
+    FAULT_ENV,
+    LocalWorkerProcess,
+    WorkerResult,
+    fault_command,
+    injected_exit,
+)
+from airflow_provider_vllm.worker.task import ShardTask, worker_command
+
+
+class VllmLocalShardOperator(BaseOperator):
+    """Run one shard with the local runner and push the worker's manifest as the XCom value.
+
+    Runs exactly ``worker_command(ShardTask(spec=..., shard_id=...))`` (no shell) with this
+    process's environment plus ``env``; the worker's stderr (progress: rows, rows/s,
+    tokens/s, ETA; vLLM's logs) streams into the task log. Exit 0: the manifest (last stdout
+    line starting with ``{``) is returned. Exit 2 (terminal: bad spec, changed input):
+    ``AirflowFailException``, no retry. Exit 75 (transient) or any other failure: an
+    ``AirflowException``, so Airflow retries; the retry resumes from committed chunks and a
+    shard that is already committed is a no-op.
+
+    ``spec`` is the validated spec from the plan task (its ``spec`` XCom), ``shard`` one item
+    of the plan's return value. See ``local_runner`` for the ``VLLM_BATCH_INJECT_EXIT`` test hook.
+    """
+
+    template_fields: Sequence[str] = ("spec", "shard", "env")
+    template_fields_renderers = {"spec": "json", "shard": "json", "env": "json"}
+    ui_color = "#fef7e0"
+
+    def __init__(
+        self,
+        *,
+        spec: Any,
+        shard: dict[str, Any] | str,
+        env: dict[str, str] | None = None,
+        python: str | None = None,
+        progress_interval_s: float = 10.0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.spec = spec
+        self.shard = shard
+        self.env = env
+        self.python = python
+        self.progress_interval_s = progress_interval_s
+        self._process: LocalWorkerProcess | None = None
+
+    @property
+    def shard_id(self) -> str:
+        return self.shard["shard_id"] if isinstance(self.shard, dict) else str(self.shard)
+
+    def execute(self, context: Any) -> dict[str, Any]:
+        spec = load_spec(self.spec, "shard")
+        shard_id = self.shard_id
+        try:
+            task = ShardTask(spec=spec, shard_id=shard_id, progress_interval_s=self.progress_interval_s)
+        except (SpecError, ValueError) as e:
+            raise AirflowFailException(f"shard {shard_id!r}: {e}") from None
+        argv = worker_command(task, python=self.python)
+        ti = context["ti"]
+        code = injected_exit(getattr(ti, "map_index", None), ti.try_number)
+        if code is not None:
+            self.log.warning("%s: replacing the worker of map index %s, try %s, by a process that exits %d",
+                             FAULT_ENV, ti.map_index, ti.try_number, code)
+            argv = fault_command(code)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **{k: str(v) for k, v in (self.env or {}).items()}}
+        rows = self.shard.get("rows") if isinstance(self.shard, dict) else None
+        self.log.info("shard %s (%s rows), try %s: %s -m airflow_provider_vllm.worker '<shard task json, %d bytes>'",
+                      shard_id, rows, ti.try_number, argv[0], len(argv[-1]))
+        self._process = LocalWorkerProcess(argv, env, self._worker_line)
+        result = self._process.run()
+        return self._outcome(shard_id, result)
+
+    def _worker_line(self, line: str) -> None:
+        self.log.info("worker | %s", line)
+
+    def _outcome(self, shard_id: str, result: WorkerResult) -> dict[str, Any]:
+        m = result.manifest or {}
+        detail = f"{m.get('error', 'no manifest')}: {m.get('message', '')}".rstrip(": ")
+        rc = result.returncode
+        if rc == EXIT_OK:
+            if m.get("shard_id") != shard_id:
+                raise AirflowException(f"shard {shard_id}: worker exited 0 without its manifest "
+                                       f"(stdout tail: {result.stdout_tail})")
+            stats = m.get("stats") or {}
+            self.log.info("shard %s %s by attempt %s: %s rows, %s ok, %s errors; rows/s=%s tokens/s=%s "
+                          "engine_start_s=%s wall_s=%s", shard_id, m.get("status"), m.get("attempt_id"),
+                          m.get("rows"), m.get("ok_rows"), m.get("error_rows"), stats.get("rows_per_s"),
+                          stats.get("tokens_per_s"), stats.get("engine_start_s"), stats.get("wall_s"))
+            return m
+        if rc == EXIT_TERMINAL:
+            raise AirflowFailException(f"shard {shard_id}: terminal worker error (exit 2, not retried): {detail}")
+        if rc == EXIT_TRANSIENT:
+            raise AirflowException(f"shard {shard_id}: transient worker failure (exit 75, retried): {detail}")
+        if rc < 0:
+            raise AirflowException(f"shard {shard_id}: worker killed by signal {-rc} (retried)")
+        raise AirflowException(f"shard {shard_id}: worker exited {rc} (retried): {detail}")
+
+    def on_kill(self) -> None:
+        if self._process is not None:
+            self._process.terminate()
