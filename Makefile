@@ -14,7 +14,7 @@ export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export VLLM_BATCH_MODEL_CACHE ?= $(CURDIR)/.cache/models
 
-.PHONY: venv test test-fast bench clean
+.PHONY: venv test test-fast bench demo clean
 
 venv: $(STAMP)
 
@@ -37,6 +37,9 @@ test-fast: venv
 bench: venv
 	$(PY) benchmarks/bench_dataplane.py
 	$(PY) benchmarks/bench_worker_vs_raw.py
+
+demo: venv
+	$(PY) scripts/demo.py
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache

@@ -1,0 +1,68 @@
+"""
+### Re-run ticket classification on any dataset, from the trigger form
+
+Trigger this DAG with *Trigger DAG* and fill in the form. The form is validated by Airflow
+before the run is created: an unknown runner, a shard size below 1, a malformed URI or a
+temperature out of range is refused and no task runs. Then `plan` validates the whole job
+spec (a bad model path, a missing id column or duplicate ids fail it without retry).
+
+Empty fields keep the defaults: the model from the `vllm_batch_model` Variable (SmolLM2 from
+the local cache when unset) and the output `<vllm_batch_data_root>/reruns/<run id>/`, so
+every run writes its own prefix. Reusing an output prefix is allowed only for the same
+input and spec (a re-run then reuses the committed shards).
+
+Runners: `local` (a worker process per shard on the Airflow worker). `kubernetes` is listed
+for the form but not built yet: choosing it fails `plan` with a message naming the param.
+"""
+
+from __future__ import annotations
+
+import pendulum
+from airflow.sdk import DAG, Asset, Param
+
+from airflow_provider_vllm.builder import TEMPLATE_FILTERS, TEMPLATE_MACROS, vllm_batch_job
+from vllm_dag_defaults import DATA_ROOT, LABELS, SPEC_OVERRIDES, SYSTEM_PROMPT, ticket_spec
+
+# Absolute local paths, file://, or object stores; no spaces, no relative paths.
+URI_PATTERN = r"^(?:(?:file://)?/|(?:s3|s3a|gs|gcs|abfs|az|memory)://[A-Za-z0-9])[^\s]*$"
+
+with DAG(
+    dag_id="vllm_batch_rerun",
+    schedule=None,
+    start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+    catchup=False,
+    doc_md=__doc__,
+    tags=["vllm", "batch-inference"],
+    user_defined_macros=TEMPLATE_MACROS,
+    user_defined_filters=TEMPLATE_FILTERS,
+    params={
+        "input_uri": Param(type="string", pattern=URI_PATTERN, title="Input dataset",
+                           description="Parquet/JSONL file or folder with id and text columns: "
+                           "/abs/path, file://, s3://, gs://"),
+        "output_uri": Param(None, type=["null", "string"], pattern=URI_PATTERN, title="Output prefix",
+                            description="Empty: <vllm_batch_data_root>/reruns/<run id>/"),
+        "model": Param(None, type=["null", "string"], minLength=1, title="Model",
+                       description="Hub id or local path. Empty: the vllm_batch_model Variable"),
+        "labels": Param(LABELS, type="array", items={"type": "string", "minLength": 1}, minItems=2,
+                        uniqueItems=True, title="Labels", description="One label per line"),
+        "system_prompt": Param(SYSTEM_PROMPT, type="string", minLength=1, title="System prompt",
+                               format="multiline"),
+        "temperature": Param(0.0, type="number", minimum=0, maximum=2, title="Temperature"),
+        "max_tokens": Param(16, type="integer", minimum=1, maximum=4096, title="Max output tokens"),
+        "shard_rows": Param(1000, type="integer", minimum=1, title="Rows per shard"),
+        "runner": Param("local", type="string", enum=["local", "kubernetes"], title="Runner"),
+    },
+) as dag:
+    vllm_batch_job(
+        ticket_spec(
+            name="rerun",
+            input_uri="{{ params.input_uri }}",
+            output_uri=DATA_ROOT + "/reruns/{{ run_id | path_safe }}/",
+        ),
+        group_id="rerun",
+        overrides=SPEC_OVERRIDES,
+        param_overrides=["input_uri", "output_uri", "model", "labels", "system_prompt", "temperature",
+                         "max_tokens", "shard_rows"],
+        runner="{{ params.runner }}",
+        asset=Asset(uri="x-vllm-batch://ticket_reclassification_reruns", name="ticket_reclassification_reruns"),
+    )

