@@ -1,0 +1,223 @@
+"""The DAG templates end to end: real Airflow (`airflow dags test`, SQLite), real vLLM CPU.
+
+The tiny random Llama stands in for the chat model (labels are meaningless, rows are real);
+MiniLM embeds. One Airflow home for the module; each test uses its own dates and folders.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from tests.airflow.conftest import tail
+from tests.conftest import write_parquet
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1500)]
+
+NIGHTLY = "vllm_nightly_reclassification"
+RERUN = "vllm_batch_rerun"
+DAY = "2026-11-27"
+
+
+def write_day(data: Path, day: str, n: int) -> list[str]:
+    from sample_tickets import write_tickets
+
+    paths = write_tickets(data / "tickets" / f"dt={day}", n, seed=int(day[-2:]), truth_dir=data / "truth" / day)
+    return pq.read_table(paths["tickets"], columns=["id"]).column("id").to_pylist()
+
+
+def read_ids(out: Path) -> tuple[list[str], list[str]]:
+    res = pq.read_table(out / "results" / "results.parquet", columns=["id"]).column("id").to_pylist()
+    err = pq.read_table(out / "results" / "errors.parquet", columns=["id"]).column("id").to_pylist()
+    return res, err
+
+
+def states(db: dict, run_id: str | None = None) -> dict[tuple[str, int], str]:
+    return {(t["task_id"].split(".")[-1], t["map_index"]): t["state"] for t in db["tis"]
+            if run_id is None or t["run_id"] == run_id}
+
+
+def latest_run(db: dict) -> str:
+    return db["runs"][-1]["run_id"]
+
+
+def files_under(out: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def nightly(airflow_sandbox):
+    """One nightly run for DAY over 240 tickets in 2 shards."""
+    box = airflow_sandbox
+    ids = write_day(box.data, DAY, 240)
+    p = box.dags_test(NIGHTLY, DAY, env={"AIRFLOW_VAR_VLLM_BATCH_SHARD_ROWS": "120"})
+    out = box.data / "reclassification" / f"dt={DAY}"
+    return {"proc": p, "ids": ids, "out": out, "db": box.inspect(NIGHTLY)}
+
+
+def test_nightly_run_succeeds_with_complete_outputs(nightly):
+    p, out, db = nightly["proc"], nightly["out"], nightly["db"]
+    assert p.returncode == 0, tail(p)
+    run_id = latest_run(db)
+    plan = json.loads((out / "_plan.json").read_text())
+    shard_ids = [s["shard_id"] for s in plan["shards"]]
+    assert len(shard_ids) == 2
+    assert states(db, run_id) == {("plan", -1): "success", ("shard", 0): "success", ("shard", 1): "success",
+                                  ("merge", -1): "success", ("qa", -1): "success", ("publish", -1): "success"}
+    named = {t["map_index"]: t["rendered_map_index"] for t in db["tis"] if t["task_id"].endswith(".shard")}
+    assert named == {0: shard_ids[0], 1: shard_ids[1]}  # the grid shows shard names
+    res, err = read_ids(out)
+    assert sorted(res + err) == sorted(nightly["ids"]) and len(set(res + err)) == len(res + err)
+    merged = json.loads((out / "_MERGED.json").read_text())
+    assert merged["rows"] == 240 == merged["ok_rows"] + merged["error_rows"]
+    success = json.loads((out / "_SUCCESS.json").read_text())
+    assert success["rows"] == 240 and success["checksums"] == merged["checksums"] and success["qa"]["status"] != "fail"
+    newest = max((f for f in out.rglob("*") if f.is_file()), key=lambda f: f.stat().st_mtime_ns)
+    assert newest.name == "_SUCCESS.json"  # written last
+    (event,) = [e for e in db["asset_events"] if e["run_id"] == run_id]
+    assert event["uri"] == "x-vllm-batch://ticket_reclassification"
+    assert event["extra"]["output_uri"] == f"{out}/" and event["extra"]["rows"] == 240
+    spec = next(x["value"] for x in db["xcoms"] if x["key"] == "spec" and x["run_id"] == run_id)
+    assert spec["io"]["input_uri"].endswith(f"/tickets/dt={DAY}/")  # rendered at run time, passed as data
+    log = p.stdout + p.stderr
+    assert "worker | " in log and " progress shard-" in log  # worker stderr streamed into the task log
+    assert "QA report: " in log
+
+
+def test_clearing_and_rerunning_a_finished_run_gives_identical_outputs(nightly, airflow_sandbox):
+    box, out = airflow_sandbox, nightly["out"]
+    assert nightly["proc"].returncode == 0
+    before = files_under(out)
+    merged_before = json.loads(before["_MERGED.json"])
+    p = box.run("tasks", "clear", "-y", "-s", DAY, "-e", DAY, NIGHTLY)
+    assert p.returncode == 0, tail(p)
+    p = box.dags_test(NIGHTLY, DAY, env={"AIRFLOW_VAR_VLLM_BATCH_SHARD_ROWS": "120"})
+    assert p.returncode == 0, tail(p)
+    db = box.inspect(NIGHTLY)
+    run_id = latest_run(db)
+    assert set(states(db, run_id).values()) == {"success"}
+    manifests = [x["value"] for x in db["xcoms"] if x["run_id"] == run_id and x["task_id"].endswith(".shard")
+                 and x["key"] == "return_value"]
+    assert [m["status"] for m in manifests] == ["already_committed"] * 2  # no shard recomputed
+    after = files_under(out)
+    merged_after = json.loads(after["_MERGED.json"])
+    assert merged_after["checksums"] == merged_before["checksums"]
+    for rel in ("results/results.parquet", "results/errors.parquet", "_plan.json"):
+        assert after[rel] == before[rel], rel
+    assert {k: v for k, v in after.items() if "_COMMITTED" in k} == {k: v for k, v in before.items()
+                                                                      if "_COMMITTED" in k}
+    res, err = read_ids(out)
+    assert len(res) + len(err) == len(set(res + err)) == 240
+
+
+def test_rerun_dag_from_params_retries_an_injected_shard_failure(airflow_sandbox, tiny_model):
+    box = airflow_sandbox
+    ids = [f"adhoc-{i:04d}" for i in range(90)]
+    write_parquet(box.data / "adhoc" / "tickets.parquet", ids, [f"Please refund order {i}, I was charged twice."
+                                                                 for i in range(90)])
+    conf = {"input_uri": str(box.data / "adhoc"), "model": tiny_model, "labels": ["billing", "bug", "other"],
+            "shard_rows": 500, "max_tokens": 24, "temperature": 0.0}
+    p = box.dags_test(RERUN, "2026-11-20", conf=conf, env={"VLLM_BATCH_INJECT_EXIT": "0:1:75"})
+    assert p.returncode == 0, tail(p)
+    db = box.inspect(RERUN)
+    run_id = latest_run(db)
+    assert set(states(db, run_id).values()) == {"success"}
+    (shard,) = [t for t in db["tis"] if t["run_id"] == run_id and t["task_id"] == "rerun.shard"]
+    assert shard["try_number"] == 2  # the first try exited 75; Airflow retried it
+    first = [h for h in db["history"] if h["run_id"] == run_id and h["task_id"] == "rerun.shard"]
+    assert [h["try_number"] for h in first] == [1] and first[0]["state"] in ("failed", "up_for_retry")
+    assert "fault injected by VLLM_BATCH_INJECT_EXIT: exit 75" in p.stdout + p.stderr
+    event = next(x["value"] for x in db["xcoms"] if x["run_id"] == run_id and x["task_id"] == "rerun.publish")
+    out = Path(event["output_uri"])
+    assert out.parent == box.data / "reruns" and event["rows"] == 90
+    res, err = read_ids(out)
+    assert sorted(res + err) == sorted(ids) and len(set(res)) == len(res)
+    labels = set(pq.read_table(out / "results" / "results.parquet", columns=["label"]).column("label").to_pylist())
+    assert labels <= {"billing", "bug", "other"}  # the labels param reached the worker
+
+
+BAD_PARAMS = {
+    "unknown runner": {"runner": "docker"},
+    "negative shard size": {"shard_rows": -5},
+    "malformed uri": {"input_uri": "tickets dir/*.parquet"},
+}
+
+
+def test_rerun_dag_refuses_invalid_params_before_any_task_runs(airflow_sandbox):
+    box = airflow_sandbox
+    p = box.run("dags", "reserialize")
+    assert p.returncode == 0, tail(p)
+    runs_before = len(box.inspect(RERUN)["runs"])
+    for name, bad in BAD_PARAMS.items():
+        conf = {"input_uri": str(box.data / "adhoc"), **bad}
+        p = box.run("dags", "trigger", RERUN, "-c", json.dumps(conf))
+        assert p.returncode != 0, f"{name}: accepted\n{tail(p)}"
+        assert "Invalid input for param" in p.stdout + p.stderr, f"{name}: {tail(p, 2000)}"
+    # `airflow dags test` creates its run through the same validation
+    p = box.dags_test(RERUN, "2026-11-21", conf={"input_uri": str(box.data / "adhoc"), "runner": "docker"})
+    assert p.returncode != 0 and "Invalid input for param runner" in p.stdout + p.stderr, tail(p, 2000)
+    db = box.inspect(RERUN)
+    assert len(db["runs"]) == runs_before  # no run created, so no task ran
+
+
+@pytest.mark.parametrize("case", ["kubernetes runner", "duplicate ids"])
+def test_plan_failures_are_terminal_and_no_shard_runs(airflow_sandbox, case):
+    box = airflow_sandbox
+    folder = box.data / "dups"
+    write_parquet(folder / "part-0.parquet", ["a", "b", "a"], ["one ticket", "two tickets", "three"])
+    conf = {"input_uri": str(box.data / "adhoc"), "runner": "kubernetes"} if case == "kubernetes runner" else \
+        {"input_uri": str(folder)}
+    p = box.dags_test(RERUN, "2026-11-22" if case == "duplicate ids" else "2026-11-23", conf=conf)
+    assert p.returncode != 0
+    db = box.inspect(RERUN)
+    run_id = latest_run(db)
+    tis = {t["task_id"].split(".")[-1]: t for t in db["tis"] if t["run_id"] == run_id}
+    assert tis["plan"]["state"] == "failed" and tis["plan"]["try_number"] == 1  # no retry
+    assert tis["shard"]["state"] == "upstream_failed" and tis["publish"]["state"] == "upstream_failed"
+    log = p.stdout + p.stderr
+    assert ("runner='kubernetes' is not available yet" if case == "kubernetes runner" else "duplicate") in log
+
+
+def test_an_empty_partition_maps_zero_shards_and_publishes_an_empty_result(airflow_sandbox):
+    import pyarrow as pa
+
+    box, day = airflow_sandbox, "2026-11-10"
+    write_parquet(box.data / "tickets" / f"dt={day}" / "tickets.parquet", pa.array([], pa.string()),
+                  pa.array([], pa.string()))
+    p = box.dags_test(NIGHTLY, day)
+    assert p.returncode == 0, tail(p)
+    db = box.inspect(NIGHTLY)
+    st = states(db, latest_run(db))
+    assert st.pop(("shard", -1)) == "skipped" and set(st.values()) == {"success"}  # merge runs (none_failed)
+    success = json.loads((box.data / "reclassification" / f"dt={day}" / "_SUCCESS.json").read_text())
+    assert success["rows"] == 0
+
+
+def test_embeddings_dag_builds_the_embedding_table(airflow_sandbox):
+    from sample_tickets import write_kb
+
+    box = airflow_sandbox
+    write_kb(box.data / "knowledge_base", 60)
+    p = box.dags_test("vllm_embeddings", "2026-11-15")
+    assert p.returncode == 0, tail(p)
+    db = box.inspect("vllm_embeddings")
+    assert set(states(db, latest_run(db)).values()) == {"success"}
+    out = box.data / "kb_embeddings" / "dt=2026-11-15"
+    table = pq.read_table(out / "embeddings" / "embeddings.parquet")
+    assert table.column_names == ["id", "vector", "model"] and table.num_rows == 60
+    rows = table.to_pylist()
+    assert all(len(r["vector"]) == 384 for r in rows) and "minilm" in rows[0]["model"].lower()
+    success = json.loads((out / "_SUCCESS.json").read_text())
+    assert success["files"]["embedding_table"] == "embeddings/embeddings.parquet"
+    assert (out / "_SUCCESS.json").stat().st_mtime_ns >= (out / "embeddings" / "embeddings.parquet").stat().st_mtime_ns
+    import numpy as np
+
+    v = np.array([r["vector"] for r in rows])
+    v /= np.linalg.norm(v, axis=1, keepdims=True)
+    sims = v @ v.T
+    np.fill_diagonal(sims, -1)
+    # articles i and i+10 share a topic: each one's nearest neighbour is on its topic
+    assert all(sims[i].argmax() % 10 == i % 10 for i in range(60))

@@ -1,0 +1,371 @@
+"""The operators and the builder without a scheduler: execute() with a small fake context,
+the worker process with the fake engine (real CLI, real subprocess), no vLLM, no DB."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pyarrow.parquet as pq
+import pytest
+
+from tests.conftest import make_spec, write_parquet
+
+HERE = Path(__file__).resolve().parent
+
+
+class FakeTI:
+    def __init__(self, map_index: int = -1, try_number: int = 1):
+        self.map_index = map_index
+        self.try_number = try_number
+        self.xcoms: dict = {}
+
+    def xcom_push(self, key, value):
+        self.xcoms[key] = value
+
+
+class OutletEvents(dict):
+    def __missing__(self, key):
+        self[key] = SimpleNamespace(extra={})
+        return self[key]
+
+
+def context(params=None, map_index=-1, try_number=1):
+    return {"ti": FakeTI(map_index, try_number), "params": params or {}, "outlet_events": OutletEvents(),
+            "dag_run": SimpleNamespace(dag_id="d", run_id="r1"), "logical_date": None}
+
+
+@pytest.fixture
+def fake_python(tmp_path) -> str:
+    """An executable that runs the worker CLI with the fake engine (stands in for `python`)."""
+    path = tmp_path / "fake-python"
+    root = str(HERE.parents[1])
+    path.write_text(f"#!{sys.executable}\nimport sys; sys.path.insert(0, {root!r})\n" + (HERE / "fake_python.py").read_text())
+    path.chmod(0o755)
+    return str(path)
+
+
+def dataset(tmp_path: Path, n: int = 120, empty: tuple[int, ...] = ()) -> Path:
+    texts = [f"ticket number {i}: I was charged twice, please refund" for i in range(n)]
+    for i in empty:
+        texts[i] = ""
+    write_parquet(tmp_path / "in" / "part-0.parquet", [f"t{i:04d}" for i in range(n)], texts)
+    return tmp_path / "in"
+
+
+def run_job(tmp_path, fake_python, spec_doc, params=None):
+    """plan -> shards (fake engine, real subprocess) -> merge, through the operators."""
+    from airflow_provider_vllm.operators import VllmLocalShardOperator, VllmMergeOperator, VllmPlanOperator
+
+    plan_ctx = context(params)
+    shards = VllmPlanOperator(task_id="plan", spec=spec_doc).execute(plan_ctx)
+    spec = plan_ctx["ti"].xcoms["spec"]
+    manifests = [VllmLocalShardOperator(task_id="shard", spec=spec, shard=s, python=fake_python,
+                                        progress_interval_s=0.01).execute(context(map_index=i))
+                 for i, s in enumerate(shards)]
+    merged = VllmMergeOperator(task_id="merge", spec=spec).execute(context())
+    return spec, shards, manifests, merged
+
+
+def spec_doc(tmp_path, **over):
+    return make_spec(tmp_path / "in", tmp_path / "out", **over).model_dump(mode="json")
+
+
+# ---- plan --------------------------------------------------------------------------------
+
+def test_plan_layers_spec_overrides_and_params_and_pushes_the_spec(tmp_path):
+    from airflow_provider_vllm.operators import VllmPlanOperator
+    from airflow_provider_vllm.spec import JobSpec
+
+    dataset(tmp_path, 250)
+    doc = spec_doc(tmp_path)
+    doc["sharding"]["target_rows"] = "1000"  # rendered templates are strings; the spec coerces them
+    op = VllmPlanOperator(task_id="plan", spec=doc, overrides='{"sampling.max_tokens": 16, "shard_rows": 200}',
+                          param_overrides=["shard_rows", "labels", "model"])
+    ctx = context({"shard_rows": 100, "labels": ["a", "b"], "model": None, "runner": "local"})
+    shards = op.execute(ctx)
+    assert len(shards) == 3 and sum(s["rows"] for s in shards) == 250  # ceil(250 / 100) balanced shards
+    assert set(shards[0]) == {"shard_id", "index", "rows", "est_tokens", "bucket"}
+    spec = JobSpec.load(ctx["ti"].xcoms["spec"])
+    assert spec.sampling.max_tokens == 16 and spec.sharding.target_rows == 100
+    assert spec.sampling.structured.choice == ["a", "b"] and spec.model.name == "fake"  # None keeps the spec's
+    assert json.loads((tmp_path / "out" / "_plan.json").read_text())["spec_hash"] == spec.content_hash()
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"temperature": "hot"}, "sampling.temperature"),
+    ({"runner": "docker"}, "runner='docker' is not a runner"),
+    ({"runner": "kubernetes"}, "runner='kubernetes' is not available yet"),
+    ({"model": {"name": "/nonexistent/model"}}, "does not exist"),
+    ({"duplicate_ids": True}, "duplicate"),
+])
+def test_plan_fails_without_retry(tmp_path, change, message):
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from airflow_provider_vllm.operators import VllmPlanOperator
+
+    if change.pop("duplicate_ids", False):
+        write_parquet(tmp_path / "in" / "part-0.parquet", ["a", "b", "a"], ["x y", "y z", "z w"])
+    else:
+        dataset(tmp_path, 10)
+    runner = change.pop("runner", "local")
+    temperature = change.pop("temperature", None)
+    doc = spec_doc(tmp_path, **change)
+    if temperature is not None:
+        doc["sampling"]["temperature"] = temperature  # as a bad form value would arrive
+    with pytest.raises(AirflowFailException, match=message):
+        VllmPlanOperator(task_id="plan", spec=doc, runner=runner).execute(context())
+    assert not (tmp_path / "out" / "shards").exists()
+
+
+def test_plan_accepts_a_yaml_spec_text(tmp_path):
+    import yaml
+
+    from airflow_provider_vllm.operators import VllmPlanOperator
+
+    dataset(tmp_path, 10)
+    text = yaml.safe_dump({"job": spec_doc(tmp_path)})
+    ctx = context()
+    assert len(VllmPlanOperator(task_id="plan", spec=text).execute(ctx)) == 1
+    assert ctx["ti"].xcoms["spec"]["io"]["output_uri"] == str(tmp_path / "out")
+
+
+# ---- shard -------------------------------------------------------------------------------
+
+def test_shard_runs_the_worker_command_streams_progress_and_returns_its_manifest(tmp_path, fake_python):
+    from airflow_provider_vllm.operators import VllmLocalShardOperator, VllmPlanOperator
+
+    dataset(tmp_path, 100)
+    ctx = context()
+    (shard,) = VllmPlanOperator(task_id="plan", spec=spec_doc(tmp_path)).execute(ctx)
+    op = VllmLocalShardOperator(task_id="shard", spec=ctx["ti"].xcoms["spec"], shard=shard, python=fake_python,
+                                progress_interval_s=0.01, env={"VLLM_BATCH_LOG_LEVEL": "DEBUG"})
+    lines: list[str] = []
+    op._worker_line = lines.append
+    manifest = op.execute(context(map_index=0))
+    assert manifest["status"] == "committed" and manifest["shard_id"] == shard["shard_id"]
+    assert manifest["rows"] == manifest["ok_rows"] == 100
+    assert any(" progress " in line and "rows=100/100" in line for line in lines), lines[-5:]
+    again = op.execute(context(map_index=0, try_number=2))  # a retry after success is a no-op
+    assert again["status"] == "already_committed" and again["attempt_id"] == manifest["attempt_id"]
+
+
+@pytest.mark.parametrize("inject, try_number, outcome", [
+    ("0:1:75", 1, "retry"),
+    ("0:1:2", 1, "fail"),
+    ("*:1:137", 1, "retry"),
+    ("0:1:75", 2, "ok"),   # the retry runs the real worker
+    ("1:1:75", 1, "ok"),   # another map index
+])
+def test_shard_exit_codes_map_to_retry_or_fail(tmp_path, fake_python, monkeypatch, inject, try_number, outcome):
+    from airflow.sdk.exceptions import AirflowException, AirflowFailException
+
+    from airflow_provider_vllm.operators import VllmLocalShardOperator, VllmPlanOperator
+
+    dataset(tmp_path, 20)
+    ctx = context()
+    (shard,) = VllmPlanOperator(task_id="plan", spec=spec_doc(tmp_path)).execute(ctx)
+    monkeypatch.setenv("VLLM_BATCH_INJECT_EXIT", inject)
+    op = VllmLocalShardOperator(task_id="shard", spec=ctx["ti"].xcoms["spec"], shard=shard, python=fake_python)
+    run = lambda: op.execute(context(map_index=0, try_number=try_number))  # noqa: E731
+    if outcome == "ok":
+        assert run()["status"] == "committed"
+    elif outcome == "fail":
+        with pytest.raises(AirflowFailException, match="exit 2, not retried"):
+            run()
+    else:
+        with pytest.raises(AirflowException) as e:
+            run()
+        assert not isinstance(e.value, AirflowFailException) and "retried" in str(e.value)
+    assert (tmp_path / "out" / "shards" / shard["shard_id"] / "_COMMITTED.json").exists() == (outcome == "ok")
+
+
+def test_shard_with_an_invalid_spec_fails_without_retry(tmp_path):
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from airflow_provider_vllm.operators import VllmLocalShardOperator
+
+    doc = spec_doc(tmp_path)
+    doc["sampling"]["max_tokens"] = -1
+    with pytest.raises(AirflowFailException, match="sampling.max_tokens"):
+        VllmLocalShardOperator(task_id="s", spec=doc, shard={"shard_id": "shard-00000-0123abcd"}).execute(context())
+
+
+def test_local_runner_helpers():
+    from airflow_provider_vllm.operators.local_runner import injected_exit, parse_manifest
+
+    assert parse_manifest(['{"a": 1}', "noise", '{"status": "ok"}', "tail"]) == {"status": "ok"}
+    assert parse_manifest(["{not json", "x"]) is None
+    assert injected_exit(0, 1, {}) is None
+    assert injected_exit(3, 2, {"VLLM_BATCH_INJECT_EXIT": "1:1:75, 3:2:2"}) == 2
+    with pytest.raises(ValueError, match="MAP_INDEX:TRY:EXIT"):
+        injected_exit(0, 1, {"VLLM_BATCH_INJECT_EXIT": "0:75"})
+
+
+# ---- merge, QA, publish ----------------------------------------------------------------
+
+def test_merge_qa_publish_write_the_marker_last_and_fill_the_asset_event(tmp_path, fake_python):
+    from airflow.sdk import Asset
+
+    from airflow_provider_vllm.operators import VllmPublishOperator, VllmQAOperator
+
+    dataset(tmp_path, 300, empty=(7,))
+    spec, shards, manifests, merged = run_job(tmp_path, fake_python, spec_doc(tmp_path))
+    assert len(shards) == 3 and all(m["status"] == "committed" for m in manifests)
+    assert merged["rows"] == 300 and merged["ok_rows"] == 299 and merged["error_rows"] == 1
+    assert "shard_stats" not in merged and set(merged["checksums"]) == {"results/results.parquet",
+                                                                        "results/errors.parquet"}
+    qa_ctx = context()
+    summary = VllmQAOperator(task_id="qa", spec=spec).execute(qa_ctx)
+    assert summary["status"] in ("pass", "warn") and summary["report_html"].endswith("qa/report.html")
+    asset = Asset(uri="x-vllm-batch://test")
+    pub_ctx = context()
+    event = VllmPublishOperator(task_id="publish", spec=spec, outlets=[asset]).execute(pub_ctx)
+    out = tmp_path / "out"
+    marker = json.loads((out / "_SUCCESS.json").read_text())
+    assert marker["rows"] == 300 and marker["checksums"] == merged["checksums"]
+    assert marker["qa"]["status"] == summary["status"] and marker["airflow"]["run_id"] == "r1"
+    newest = max((p for p in out.rglob("*") if p.is_file()), key=lambda p: p.stat().st_mtime_ns)
+    assert newest.name == "_SUCCESS.json"
+    assert pub_ctx["outlet_events"][asset].extra == event
+    assert event["output_uri"] == str(out) and event["rows"] == 300
+
+
+def test_qa_fail_pushes_the_summary_then_raises_and_publish_refuses(tmp_path, fake_python):
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from airflow_provider_vllm.operators import VllmPublishOperator, VllmQAFailed, VllmQAOperator
+    from airflow_provider_vllm.qa import QAFailed
+
+    dataset(tmp_path, 50, empty=(3, 4))
+    doc = spec_doc(tmp_path, qa={"warn_error_rate": 0.0, "fail_error_rate": 0.01})
+    spec, *_ = run_job(tmp_path, fake_python, doc)
+    ctx = context()
+    with pytest.raises(VllmQAFailed) as e:
+        VllmQAOperator(task_id="qa", spec=spec).execute(ctx)
+    assert isinstance(e.value, QAFailed) and isinstance(e.value, AirflowFailException)
+    assert [c["name"] for c in e.value.failing] == ["error_rate"]
+    assert ctx["ti"].xcoms["return_value"]["status"] == "fail"
+    with pytest.raises(AirflowFailException, match="QA failed"):
+        VllmPublishOperator(task_id="publish", spec=spec).execute(context())
+    assert not (tmp_path / "out" / "_SUCCESS.json").exists()
+
+
+def test_embedding_table_task(tmp_path, fake_python):
+    """The embeddings DAG's before-publish step, on a fake embed run."""
+    import importlib.util
+
+    sys.path.insert(0, str(HERE.parents[1] / "dags"))
+    mod_spec = importlib.util.spec_from_file_location("vllm_embeddings_dag", HERE.parents[1] / "dags" / "vllm_embeddings.py")
+    mod = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(mod)
+    dataset(tmp_path, 40)
+    doc = spec_doc(tmp_path, task="embed", prompt={"system_prompt": None, "template": "{text}"},
+                   sampling={"structured": None})
+    spec, *_ = run_job(tmp_path, fake_python, doc)
+    uri = mod.embedding_table.function(spec)
+    table = pq.read_table(uri)
+    assert table.column_names == ["id", "vector", "model"] and table.num_rows == 40
+
+
+# ---- builder -----------------------------------------------------------------------------
+
+def build(**kw):
+    import pendulum
+    from airflow.sdk import DAG
+
+    from airflow_provider_vllm.builder import vllm_batch_job
+
+    spec = {"model": {"name": "m"}, "io": {"input_uri": "/in/dt={{ ds }}/", "output_uri": "/out/dt={{ ds }}/"}}
+    with DAG("t", schedule=None, start_date=pendulum.datetime(2026, 1, 1)) as dag:
+        group = vllm_batch_job(spec, **kw)
+    return dag, group
+
+
+def test_builder_wires_plan_shards_merge_qa_publish():
+    from airflow.sdk import task
+
+    @task
+    def extra(spec):
+        return spec
+
+    dag, group = build(group_id="job", shard_retries=3, max_active_shards=2, before_publish=extra)
+    t = dag.task_dict
+    assert set(t) == {"job.plan", "job.shard", "job.merge", "job.qa", "job.extra", "job.publish"}
+    shard = t["job.shard"]
+    assert shard.is_mapped and shard.partial_kwargs["map_index_template"] == "{{ task.shard['shard_id'] }}"
+    assert shard.partial_kwargs["retries"] == 3 and shard.partial_kwargs["max_active_tis_per_dagrun"] == 2
+    assert t["job.shard"].upstream_task_ids == {"job.plan"}
+    assert t["job.merge"].upstream_task_ids == {"job.plan", "job.shard"}
+    assert t["job.merge"].trigger_rule == "none_failed"
+    assert t["job.extra"].upstream_task_ids == {"job.plan", "job.qa"}
+    assert t["job.publish"].upstream_task_ids == {"job.plan", "job.extra"}
+    assert [a.uri for a in t["job.publish"].outlets] == ["x-vllm-batch://job"]  # templated output: a named asset
+
+
+def test_builder_static_output_is_the_asset_and_runner_switch():
+    _, _ = build()
+    dag, _ = build(asset="s3://bucket/table")
+    assert dag.task_dict["vllm_batch.publish"].outlets[0].uri == "s3://bucket/table"
+    with pytest.raises(NotImplementedError, match="runner='kubernetes'"):
+        build(runner="kubernetes")
+    with pytest.raises(ValueError, match="runner='docker'"):
+        build(runner="docker")
+    dag, _ = build(runner="{{ params.runner }}")
+    assert dag.task_dict["vllm_batch.plan"].runner == "{{ params.runner }}"
+
+
+# ---- provider registration -------------------------------------------------------------
+
+def test_provider_info_lists_importable_operators_and_importing_the_package_needs_no_airflow():
+    import importlib
+    import subprocess
+
+    import jsonschema
+    from airflow.sdk import BaseOperator
+
+    import airflow
+    import airflow_provider_vllm
+
+    info = airflow_provider_vllm.get_provider_info()
+    schema = json.loads((Path(airflow.__file__).parent / "provider_info.schema.json").read_text())
+    jsonschema.validate(info, schema)
+    (ops,) = info["operators"]
+    for name in ops["python-modules"]:
+        mod = importlib.import_module(name)
+        assert any(isinstance(v, type) and issubclass(v, BaseOperator) and v.__module__ == name
+                   for v in vars(mod).values()), name
+    code = ("import sys, airflow_provider_vllm; airflow_provider_vllm.get_provider_info(); "
+            "assert not [m for m in sys.modules if m == 'airflow' or m.startswith('airflow.')], 'airflow imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ})
+
+
+def test_airflow_lists_the_provider(airflow_sandbox):
+    p = airflow_sandbox.run("providers", "get", "airflow-provider-vllm", "--full", "-o", "json")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "airflow_provider_vllm.operators.shard" in p.stdout and "vLLM batch inference" in p.stdout
+    p = airflow_sandbox.run("providers", "list", "-o", "json")
+    listed = {e["package_name"]: e for e in json.loads(p.stdout[p.stdout.index("["):])}
+    assert listed["airflow-provider-vllm"]["version"] == "0.1.0"
+
+
+def test_an_empty_input_plans_no_shard_and_still_merges_and_publishes(tmp_path):
+    import pyarrow as pa
+
+    from airflow_provider_vllm.operators import (
+        VllmMergeOperator,
+        VllmPlanOperator,
+        VllmPublishOperator,
+        VllmQAOperator,
+    )
+
+    write_parquet(tmp_path / "in" / "p.parquet", pa.array([], pa.string()), pa.array([], pa.string()))
+    ctx = context()
+    assert VllmPlanOperator(task_id="plan", spec=spec_doc(tmp_path)).execute(ctx) == []
+    spec = ctx["ti"].xcoms["spec"]
+    assert VllmMergeOperator(task_id="merge", spec=spec).execute(context())["rows"] == 0
+    assert VllmQAOperator(task_id="qa", spec=spec).execute(context())["status"] == "pass"
+    assert VllmPublishOperator(task_id="publish", spec=spec).execute(context())["rows"] == 0
