@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import posixpath
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -320,7 +319,3 @@ def openai_request_fault(req: dict[str, Any]) -> tuple[str, str] | None:
         if not isinstance(inp, str) or not inp:
             return ("INVALID_ROW", "body.input must be a non-empty string")
     return None
-
-
-def file_name(path: str) -> str:
-    return posixpath.basename(path)

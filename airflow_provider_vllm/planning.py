@@ -135,7 +135,7 @@ def build_plan(spec: JobSpec) -> Plan:
         ids, chars, file_rows, offsets, lines, invalid = _scan_parquet(root, names, spec, per_row)
     else:
         ids, chars, file_rows, offsets, lines, invalid = _scan_jsonl(root, names, fmt, spec)
-    _check_ids(ids, names, file_rows)
+    _check_ids(ids)
     total_rows = int(sum(file_rows))
     tokens = estimate_tokens(chars, sh.chars_per_token) if len(chars) else np.zeros(0, np.int64)
     fp = fingerprint(files)
@@ -263,7 +263,7 @@ def _scan_jsonl(root: Storage, names: list[str], fmt: str, spec: JobSpec):
     return pa.chunked_array([pa.array(ids, pa.string())]), cat(chars), file_rows, cat(offsets), cat(lines), invalid
 
 
-def _check_ids(ids: pa.ChunkedArray | None, names: list[str], file_rows: list[int]) -> None:
+def _check_ids(ids: pa.ChunkedArray | None) -> None:
     """Null and duplicate ids of a JSONL input (Parquet inputs are checked in _scan_parquet)."""
     if ids is None or len(ids) == 0:
         return

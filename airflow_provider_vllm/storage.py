@@ -195,7 +195,7 @@ def _create_only_remote(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -
     return True
 
 
-def _retrying(fn, attempts: int = 5, passthrough: tuple = ()):
+def _retrying(fn, attempts: int = 5):
     """Run fn, retrying transient storage errors with exponential backoff."""
     import random
     import time
@@ -204,8 +204,6 @@ def _retrying(fn, attempts: int = 5, passthrough: tuple = ()):
     for i in range(attempts):
         try:
             return fn()
-        except passthrough:
-            raise
         except (OSError, TimeoutError) as e:
             if isinstance(e, (FileNotFoundError, FileExistsError, PermissionError)):
                 raise
