@@ -28,6 +28,7 @@ ENGINE_KWARGS_ALLOWED = frozenset(
         "disable_custom_all_reduce",
         "enable_chunked_prefill",
         "kv_cache_dtype",
+        "load_format",  # "dummy": random weights for benchmarks of a model shape
         "max_logprobs",
         "max_seq_len_to_capture",
         "num_gpu_blocks_override",

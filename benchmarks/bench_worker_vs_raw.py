@@ -84,7 +84,8 @@ def texts_for(workload: str, rows: int, seed: int = 3) -> list[str]:
     return out
 
 
-def make_spec(workload: str, model: str, input_dir: Path, out_dir: Path, rows: int):
+def make_spec(workload: str, model: str, input_dir: Path, out_dir: Path, rows: int,
+              engine: dict | None = None, max_model_len: int = 2048):
     from airflow_provider_vllm.spec import JobSpec
 
     w = WORKLOADS[workload]
@@ -94,8 +95,8 @@ def make_spec(workload: str, model: str, input_dir: Path, out_dir: Path, rows: i
     return JobSpec.load({
         "name": f"bench-{workload}",
         "task": "chat",
-        "model": {"name": model, "max_model_len": 2048},
-        "engine": {"cpu_kvcache_space_gb": 1},
+        "model": {"name": model, "max_model_len": max_model_len},
+        "engine": engine if engine is not None else {"cpu_kvcache_space_gb": 1},
         "prompt": {"template": "Ticket: {text}", "system_prompt": w["system"]},
         "sampling": sampling,
         "io": {"input_uri": str(input_dir), "output_uri": str(out_dir)},
@@ -225,6 +226,11 @@ def main() -> int:
     ap.add_argument("--order", choices=["abab", "abba"], default="abab",
                     help="abab: raw, worker, raw, worker; abba: raw, worker, worker, raw (cancels linear drift)")
     ap.add_argument("--workdir", type=Path, default=ROOT / ".cache" / "bench" / "worker_vs_raw")
+    ap.add_argument("--engine", help="JSON for the spec's engine section (default: CPU build, 1 GiB KV cache); "
+                    'GPU example: \'{"max_num_seqs": 256, "gpu_memory_utilization": 0.9, "enable_prefix_caching": '
+                    'true, "engine_kwargs": {"load_format": "dummy"}}\'')
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--results", type=Path, default=RESULTS_FILE, help="JSON lines file to append the record to")
     args = ap.parse_args()
 
     os.environ.setdefault("VLLM_BATCH_MODEL_CACHE", str(ROOT / ".cache" / "models"))
@@ -254,7 +260,9 @@ def main() -> int:
     raws, workers, runs = [], [], []
     for pos, side in enumerate(seq):
         n_side = sum(1 for x in seq[:pos] if x == side)
-        spec = make_spec(args.workload, args.model, work / "in", work / f"out-{pos}", rows)
+        spec = make_spec(args.workload, args.model, work / "in", work / f"out-{pos}", rows,
+                         engine=json.loads(args.engine) if args.engine else None,
+                         max_model_len=args.max_model_len)
         load = os.getloadavg()[0]
         if side == "r":
             r = derive(run_raw(spec, texts_file, env, work / f"raw-{n_side}.log"))
@@ -305,7 +313,8 @@ def main() -> int:
     strip = lambda d: {k: v for k, v in d.items() if k != "outputs"}  # noqa: E731
     record = {"bench": "worker_vs_raw", "workload": args.workload,
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)), "rows": rows,
-              "model": args.model, "pairs": args.pairs, "order": args.order, "sequence": seq,
+              "model": args.model, "engine": args.engine, "max_model_len": args.max_model_len,
+              "pairs": args.pairs, "order": args.order, "sequence": seq,
               "env": {**env_info, "vllm": vllm.__version__},
               "raw": [strip(r) for r in raws], "worker": [strip(w) for w in workers],
               "median": {"raw_rows_per_s": raw_rps, "worker_rows_per_s": wk_rps,
@@ -313,9 +322,9 @@ def main() -> int:
                          "raw_out_tok_per_s": raw_tps, "worker_out_tok_per_s": wk_tps},
               "ratio": round(ratio, 4), "goal": GOAL_RATIO, "met": ratio >= GOAL_RATIO,
               "ratio_to_adjacent_raw": adjacent, "identical_outputs": same}
-    with open(RESULTS_FILE, "a", encoding="utf-8") as f:
+    with open(args.results, "a", encoding="utf-8") as f:
         f.write(json.dumps(record, sort_keys=True) + "\n")
-    print(f"appended to {RESULTS_FILE}")
+    print(f"appended to {args.results}")
     return 0
 
 
