@@ -95,10 +95,9 @@ class ShardMetrics:
 
     def engine_started(self, seconds: float) -> None:
         self.values["engine_start_seconds"] = float(seconds)
-        self.export()
 
-    def update(self, progress, resources=None, final: bool = False) -> None:
-        """Take the progress counters (and resource readings); export when due or ``final``."""
+    def update(self, progress, resources=None, final: bool = False, force: bool = False) -> None:
+        """Take the progress counters (and resource readings); export when due, ``final`` or ``force``."""
         s = progress.snapshot()
         self.values.update(
             shard_rows=progress.total, ok=progress.ok, errors=progress.errors,
@@ -108,7 +107,7 @@ class ShardMetrics:
         )
         if resources is not None:
             self.values["resources"] = resources
-        if final or self.clock() - self.last_export >= self.config.interval_s:
+        if final or force or self.clock() - self.last_export >= self.config.interval_s:
             self.export()
 
     def export(self) -> None:

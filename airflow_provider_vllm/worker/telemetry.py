@@ -37,8 +37,8 @@ class ShardTelemetry:
 
     def engine_started(self, seconds: float) -> None:
         if self.metrics is not None:
-            self.metrics.update(self.progress, self.resources)
             self.metrics.engine_started(seconds)
+            self.metrics.update(self.progress, self.resources, force=True)
 
     def finish(self) -> dict[str, Any]:
         """Summary line, last resource sample, final export; the marker's extra stats."""
