@@ -70,30 +70,39 @@ def bars(page, chart: str, series: int | None = None):
     return page.locator(sel)
 
 
-def test_report_page_in_chromium(tmp_path, browser):
+@pytest.fixture(scope="module")
+def report_page(tmp_path_factory, browser):
+    """(report, page) of the second of two runs, the page loaded in Chromium; requests it tried."""
+    tmp_path = tmp_path_factory.mktemp("report")
     n = 240
     texts = [f"my invoice {i} was charged twice" if i % 3 else f"the app crashes on page {i}" for i in range(n)]
     texts[4] = ""  # EMPTY_INPUT
     texts[50] = "   "  # EMPTY_INPUT
     texts[77] = "word " * 2000  # PROMPT_TOO_LONG (max_model_len 1024)
     write_parquet(tmp_path / "in" / "part-0.parquet", [f"t{i:04d}" for i in range(n)], texts)
-    _, first, _ = run_pipeline(tmp_path, "run1", "Ticket: {text}", None)
-    spec, report, html_path = run_pipeline(tmp_path, "run2", "Support ticket: {text}",
-                                           str(tmp_path / "run1" / "qa" / "report.json"))
-    m = report.metrics
-    ld = m["label_distribution"]
-    assert m["label_drift"] is not None and ld["counts"].get(EVIL, 0) > 0  # the evil label is really there
-    shards = m["throughput"]["shards"]
-    assert len(shards) == 3 and all(s["seconds"] and s["peak_rss_mb"] for s in shards)  # from the markers
-
+    run_pipeline(tmp_path, "run1", "Ticket: {text}", None)
+    _, report, html_path = run_pipeline(tmp_path, "run2", "Support ticket: {text}",
+                                        str(tmp_path / "run1" / "qa" / "report.json"))
     page = browser.new_page(viewport={"width": 1200, "height": 900})
-    blocked = []
-    page.on("request", lambda r: None if r.url.startswith(("file:", "data:")) else blocked.append(r.url))
+    requested = []
+    page.on("request", lambda r: None if r.url.startswith(("file:", "data:")) else requested.append(r.url))
     page.goto(html_path.as_uri())
     page.wait_for_load_state("load")
+    yield report, page, requested
+    page.close()
+
+
+def test_report_page_charts_and_sample(report_page):
+    report, page, _ = report_page
+    m = report.metrics
+    ld = m["label_distribution"]
+    assert m["label_drift"] is not None
+    shards = m["throughput"]["shards"]
+    assert len(shards) == 3 and all(s["seconds"] and s["peak_rss_mb"] for s in shards)  # from the markers
     shot = artifacts() / "qa-report.png"
     page.screenshot(path=str(shot), full_page=True)
     assert shot.stat().st_size > 20_000
+    (artifacts() / "qa-report.json").write_text(json.dumps(report.to_dict(), indent=1))
 
     labels = list(dict.fromkeys(list(ld["counts"]) + list(m["label_drift"]["previous_fractions"])))
     for series in (0, 1):  # this run, previous run: one bar per label each
@@ -121,13 +130,19 @@ def test_report_page_in_chromium(tmp_path, browser):
     assert rows.count() == m["sample"]["rows"] == 24
     head = [h.inner_text().strip() for h in page.locator("section.sample thead th").all()]
     assert head == ["#", "id", "status", "label", "input", "output / error"]
-    assert "invoice" in rows.first.locator("td").nth(4).inner_text() or "crashes" in rows.first.inner_text()
+    inputs = [rows.nth(i).locator("td").nth(4).inner_text() for i in range(rows.count())]
+    assert sum(("invoice" in t or "crashes" in t) for t in inputs) >= 20
 
-    # the injected labels are text on the page, never markup: nothing ran, nothing loaded
-    assert page.evaluate("window.__pwned") is None
-    assert page.locator("script").count() == 0 and page.locator("main img").count() == 0
-    assert EVIL in page.locator("main").inner_text()
-    assert not blocked
-    record_malicious("report_html_label_injection", 2, 2)
-    (artifacts() / "qa-report.json").write_text(json.dumps(report.to_dict(), indent=1))
-    page.close()
+
+@pytest.mark.reliability
+def test_injected_labels_stay_text(report_page):
+    report, page, requested = report_page
+    counts = report.metrics["label_distribution"]["counts"]
+    assert counts.get(EVIL, 0) > 0 and counts.get(EVIL_IMG, 0) > 0  # the model really emitted them
+    main = page.locator("main").inner_text()
+    pwned = page.evaluate("window.__pwned")
+    scripts, imgs = page.locator("script").count(), page.locator("main img").count()
+    neutralised = (EVIL in main and pwned is None and scripts == 0) + (EVIL_IMG in main and imgs == 0 and not requested)
+    record_malicious("report_html_label_injection", 2, neutralised)
+    assert pwned is None and scripts == 0 and imgs == 0 and not requested
+    assert EVIL in main and EVIL_IMG in main
