@@ -212,6 +212,22 @@ class ShardingSpec(_Model):
     )
     chunk_rows: int = Field(512, ge=1, description="Rows per committed chunk inside a shard (resume granularity).")
     chars_per_token: float = Field(4.0, gt=0, description="Token estimate used by the planner (no tokenizer).")
+    history_uri: str | None = Field(
+        None,
+        description="Folder of throughput records (one small JSON per merged run, written by merge). "
+        "When set and it holds records for this model (and hardware), the planner sizes shards by "
+        "time instead of target_rows/target_tokens; see airflow_provider_vllm/sizing.py.",
+    )
+    target_minutes: float | None = Field(
+        None, gt=0, le=24 * 60,
+        description="Minutes per shard when sizing from history (engine start + inference); default: "
+        "long enough that the recorded engine start is <= 10% of a shard's time (at least 5 minutes).",
+    )
+    hardware: str | None = Field(
+        None, min_length=1,
+        description="Hardware the shards run on, as the worker records it (e.g. '1x NVIDIA H200'); "
+        "history records of other hardware are ignored. Default: any hardware, newest records first.",
+    )
 
 
 class QASpec(_Model):
