@@ -279,7 +279,12 @@ def size_shards(spec: JobSpec, rows: int, est_text_tokens: int,
     if not sh.history_uri or rows == 0:
         return None
     if records is None:
-        records = read_history(sh.history_uri, spec.io.storage_options)
+        try:
+            records = read_history(sh.history_uri, spec.io.storage_options)
+        except Exception as e:  # unreadable evidence: plan as if there were none, and say so
+            log.warning("cannot read the throughput history under %s (%s): using target_rows/tokens",
+                        sh.history_uri, e)
+            return None
     ev = find_evidence(spec, records)
     if ev is None:
         log.info("no throughput history for model %s (task %s, hardware %s) under %s: using target_rows/tokens",

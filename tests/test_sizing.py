@@ -175,3 +175,12 @@ def test_history_on_s3(tmp_path, fake_engine_factory):
         merge_run(spec)
         (rec,) = read_history("s3://hist/throughput", opts)
         assert rec["rows"] == 40 and rec["shards"] == 2
+
+
+def test_unreadable_history_falls_back_with_a_warning(tmp_path, caplog):
+    write_parquet(tmp_path / "in" / "a.parquet", [f"t{i}" for i in range(150)], ["x"] * 150)
+    (tmp_path / "h" / "20261128T000000Z-a-b.jsonl").mkdir(parents=True)  # a folder DuckDB cannot read as a file
+    spec = make_spec(tmp_path / "in", tmp_path / "out", sharding={"target_rows": 100, "history_uri": str(tmp_path / "h")})
+    with caplog.at_level("WARNING"):
+        assert size_shards(spec, 150, 1000) is None
+    assert "cannot read the throughput history" in caplog.text
