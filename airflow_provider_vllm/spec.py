@@ -214,7 +214,7 @@ class ShardingSpec(_Model):
     chars_per_token: float = Field(4.0, gt=0, description="Token estimate used by the planner (no tokenizer).")
     history_uri: str | None = Field(
         None,
-        description="Folder of throughput records (one small JSON per merged run, written by merge). "
+        description="Folder of throughput records (one small JSON-lines file per merged run, written by merge). "
         "When set and it holds records for this model (and hardware), the planner sizes shards by "
         "time instead of target_rows/target_tokens; see airflow_provider_vllm/sizing.py.",
     )
@@ -226,7 +226,7 @@ class ShardingSpec(_Model):
     hardware: str | None = Field(
         None, min_length=1,
         description="Hardware the shards run on, as the worker records it (e.g. '1x NVIDIA H200'); "
-        "history records of other hardware are ignored. Default: any hardware, newest records first.",
+        "history records of other hardware are ignored. Default: the newest matching record's hardware.",
     )
 
 

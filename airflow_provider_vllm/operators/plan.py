@@ -38,7 +38,7 @@ class VllmPlanOperator(BaseOperator):
     Fails without retry on an invalid spec, an unknown or unavailable ``runner``, a missing
     local model folder, or a bad dataset (missing id column, duplicate ids, ...).
 
-    ``dry_run=True`` (or a truthy ``dry_run`` DAG param) validates the spec and the input,
+    ``dry_run=True`` (or a run param ``dry_run`` set to true) validates the spec and the input,
     logs the dry-run report (rows, tokens, shards, GPU-hours, memory plan; see
     ``airflow_provider_vllm.dry_run``), pushes it under the XCom key ``dry_run``, writes
     nothing and skips the rest of the run: no shard is launched.
