@@ -39,8 +39,12 @@ ENGINE_KWARGS_ALLOWED = frozenset(
         "override_generation_config",
         "compilation_config",
         "async_scheduling",
+        "load_format",  # values limited by LOAD_FORMATS_ALLOWED
     }
 )
+# "dummy" (random weights: benchmarks of a model shape without its checkpoint) and the safe
+# tensor formats; formats that unpickle or stream from other services stay out.
+LOAD_FORMATS_ALLOWED = frozenset({"auto", "safetensors", "dummy"})
 
 
 class _Model(BaseModel):
@@ -83,6 +87,9 @@ class EngineSpec(_Model):
         bad = sorted(set(v) - ENGINE_KWARGS_ALLOWED)
         if bad:
             raise ValueError(f"engine_kwargs keys not allowed: {bad}; allowed: {sorted(ENGINE_KWARGS_ALLOWED)}")
+        if "load_format" in v and v["load_format"] not in LOAD_FORMATS_ALLOWED:
+            raise ValueError(f"engine_kwargs.load_format {v['load_format']!r} not allowed; "
+                             f"allowed: {sorted(LOAD_FORMATS_ALLOWED)}")
         return v
 
 

@@ -166,3 +166,12 @@ def test_memory_plan_of_a_local_model_folder(tmp_path):
     kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     assert m["available"] and m["weights_source"].startswith("size of the checkpoint")
     assert m["kv_bytes_per_token"] == 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * 2
+
+
+def test_engine_kwargs_load_format_is_limited_to_safe_formats(tmp_path):
+    from airflow_provider_vllm.errors import SpecError
+
+    ok = make_spec(tmp_path / "in", tmp_path / "out", engine={"engine_kwargs": {"load_format": "dummy"}})
+    assert ok.engine.engine_kwargs == {"load_format": "dummy"}  # 8B-shape GPU benchmarks without a checkpoint
+    with pytest.raises(SpecError, match="load_format 'pt' not allowed"):
+        make_spec(tmp_path / "in", tmp_path / "out", engine={"engine_kwargs": {"load_format": "pt"}})
