@@ -89,7 +89,8 @@ def _memory(spec: JobSpec, work, ev, gpu_memory: float | None, cfg: dict | None,
     try:
         mp = plan_memory(
             shape, max_model_len=int(max_len), gpu_memory_bytes=int(gib * GiB), max_num_seqs=spec.engine.max_num_seqs,
-            gpu_memory_utilization=spec.engine.gpu_memory_utilization, tensor_parallel_size=spec.engine.tensor_parallel_size,
+            gpu_memory_utilization=spec.engine.gpu_memory_utilization,
+            tensor_parallel_size=spec.engine.tensor_parallel_size,
             dtype=spec.model.dtype, quantization=spec.model.quantization,
             kv_cache_dtype=spec.engine.engine_kwargs.get("kv_cache_dtype"), weights_bytes=ckpt,
             expected_seq_tokens=expected,
@@ -117,7 +118,8 @@ def format_report(r: dict[str, Any]) -> str:
                      f"on {e['hardware']} ({e['records']} record(s), basis: {e['basis']})")
     else:
         a = r["assumptions"]
-        lines.append(f"  throughput       ASSUMED {a['tokens_per_s']:.0f} tokens/s and {a['engine_start_s']:.0f} s engine "
+        lines.append(f"  throughput       ASSUMED {a['tokens_per_s']:.0f} tokens/s and "
+                     f"{a['engine_start_s']:.0f} s engine "
                      "start (no history: set sharding.history_uri or pass --tokens-per-s/--engine-start-s)")
     lines += [
         f"  inference        ~{r['est_inference_s'] / 3600:.2f} h in total; engine start {r['engine_start_s']:.0f} s "

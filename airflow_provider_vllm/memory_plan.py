@@ -68,7 +68,8 @@ class ModelShape:
         """From a Hugging Face config dict (text config of multimodal models); ValueError names a missing key."""
         cfg = cfg.get("text_config") or cfg
         try:
-            layers, hidden, heads = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+            layers, hidden = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
         except KeyError as e:
             raise ValueError(f"config.json has no {e.args[0]!r}: cannot plan memory for this model") from None
         kv = int(cfg.get("num_key_value_heads") or heads)
@@ -180,7 +181,7 @@ def plan_memory(shape: ModelShape, *, max_model_len: int, gpu_memory_bytes: int,
             w_src += f", {shape.experts} experts"
     tp = tensor_parallel_size
     weights = math.ceil(w_total / tp)
-    kv_b = act_bytes if not kv_cache_dtype or kv_cache_dtype == "auto" else (1 if "fp8" in kv_cache_dtype else act_bytes)
+    kv_b = 1 if kv_cache_dtype and "fp8" in kv_cache_dtype else act_bytes
     kv_heads_per_gpu = max(1, math.ceil(shape.kv_heads / tp))  # KV heads are split (or replicated) over TP
     per_token = int(2 * shape.layers * kv_heads_per_gpu * shape.head_dim * kv_b)
     util = gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION

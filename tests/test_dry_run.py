@@ -131,8 +131,8 @@ def test_report_with_history_and_the_cli(tmp_path, capsys):
     spec_file.write_text(json.dumps(spec.model_dump(mode="json")))
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(LLAMA2_7B))
-    assert main([str(spec_file), "--model-config", str(cfg), "--gpu-memory-gib", "80", "--set", "engine.max_num_seqs=256",
-                 "--set", "model.max_model_len=4096"]) == 0
+    assert main([str(spec_file), "--model-config", str(cfg), "--gpu-memory-gib", "80",
+                 "--set", "engine.max_num_seqs=256", "--set", "model.max_model_len=4096"]) == 0
     out = capsys.readouterr().out
     assert "rows             1,000" in out and "GPU-hours" in out and "512 KiB" in out
     assert "set engine.max_num_seqs to 28" in out

@@ -45,7 +45,8 @@ def spec_with_history(tmp_path, **sharding):
 
 def test_history_round_trip_merge_writes_a_record_that_the_next_plan_reads(tmp_path, fake_engine_factory):
     n = 300
-    write_parquet(tmp_path / "in" / "a.parquet", [f"t{i:04d}" for i in range(n)], [f"ticket {i} text" for i in range(n)])
+    write_parquet(tmp_path / "in" / "a.parquet", [f"t{i:04d}" for i in range(n)],
+                  [f"ticket {i} text" for i in range(n)])
     spec = spec_with_history(tmp_path)
     plan = plan_job(spec)
     assert plan.sizing is None and len(plan.shards) == 3  # empty history: target_rows 100 applies
@@ -145,7 +146,8 @@ def test_no_matching_history_falls_back_to_target_rows(tmp_path):
     plan = build_plan(spec)
     assert plan.sizing is None and sorted(s.rows for s in plan.shards) == [83, 83, 84]  # ceil(250/100) = 3
     no_history = make_spec(tmp_path / "in", tmp_path / "out", sharding={"target_rows": None})
-    assert size_shards(no_history, 250, 1000) is None and len(build_plan(no_history).shards) == -(-250 // DEFAULT_TARGET_ROWS)
+    assert size_shards(no_history, 250, 1000) is None
+    assert len(build_plan(no_history).shards) == -(-250 // DEFAULT_TARGET_ROWS)
 
 
 def test_read_history_skips_bad_lines_and_files(tmp_path):
@@ -180,7 +182,8 @@ def test_history_on_s3(tmp_path, fake_engine_factory):
 def test_unreadable_history_falls_back_with_a_warning(tmp_path, caplog):
     write_parquet(tmp_path / "in" / "a.parquet", [f"t{i}" for i in range(150)], ["x"] * 150)
     (tmp_path / "h" / "20261128T000000Z-a-b.jsonl").mkdir(parents=True)  # a folder DuckDB cannot read as a file
-    spec = make_spec(tmp_path / "in", tmp_path / "out", sharding={"target_rows": 100, "history_uri": str(tmp_path / "h")})
+    spec = make_spec(tmp_path / "in", tmp_path / "out",
+                     sharding={"target_rows": 100, "history_uri": str(tmp_path / "h")})
     with caplog.at_level("WARNING"):
         assert size_shards(spec, 150, 1000) is None
     assert "cannot read the throughput history" in caplog.text
