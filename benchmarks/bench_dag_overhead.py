@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Orchestration overhead: a local DAG run over N shards vs the sum of its workers' inference time.
 
-    .venv/bin/python benchmarks/bench_dag_overhead.py [--shards 8] [--rows-per-shard 3000]
+    .venv/bin/python benchmarks/bench_dag_overhead.py [--shards 8] [--rows-per-shard 5000]
                                                       [--model smollm2|tiny|PATH] [--workdir DIR]
 
 Runs the real ``vllm_nightly_reclassification`` DAG with ``airflow dags test`` (real Airflow,
@@ -75,8 +75,9 @@ def _durations(db: Path) -> list[dict]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shards", type=int, default=8)
-    ap.add_argument("--rows-per-shard", type=int, default=3000,
-                    help="default 3000: ~4 min of SmolLM2 inference per shard here, ~10x its engine start")
+    ap.add_argument("--rows-per-shard", type=int, default=5000,
+                    help="default 5000: ~4-6 min of SmolLM2 inference per shard here, >= 9x its ~25-30 s eager "
+                    "engine start, as sizing.py's default target would choose")
     ap.add_argument("--model", default="smollm2", help="smollm2 | tiny | a model folder")
     ap.add_argument("--workdir", type=Path, default=ROOT / ".cache" / "bench" / "dag_overhead")
     ap.add_argument("--timeout", type=int, default=4 * 3600)
