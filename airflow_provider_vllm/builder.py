@@ -98,8 +98,9 @@ def vllm_batch_job(
             max_active_tis_per_dagrun=max_active_shards,
             **retry,
         ).expand(shard=plan.output)
-        # none_failed: an empty input plans zero shards (the mapped task is skipped); merge still runs.
-        merge = VllmMergeOperator(task_id="merge", spec=job, trigger_rule="none_failed")
+        # An empty input plans zero shards (the mapped task is skipped) and merge still runs after
+        # plan's success; a dry run skips plan, and then merge is skipped too.
+        merge = VllmMergeOperator(task_id="merge", spec=job, trigger_rule="none_failed_min_one_success")
         qa = VllmQAOperator(task_id="qa", spec=job)
         publish = VllmPublishOperator(task_id="publish", spec=job, outlets=[asset],
                                       extra_files=dict(publish_extra_files) if publish_extra_files else None)

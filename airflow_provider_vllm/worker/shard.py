@@ -31,6 +31,7 @@ from airflow_provider_vllm.planning import Plan, ShardPlan, estimate_tokens, loa
 from airflow_provider_vllm.rows import ENGINE_ERROR, rows_table
 from airflow_provider_vllm.spec import JobSpec
 from airflow_provider_vllm.storage import Storage
+from airflow_provider_vllm.worker.hardware import hardware_id
 from airflow_provider_vllm.worker.outputs import check_structured
 from airflow_provider_vllm.worker.prompts import PromptBuilder, Prepared
 from airflow_provider_vllm.worker.task import ShardTask
@@ -95,6 +96,8 @@ def run_shard(task: ShardTask, engine_factory: Callable[[JobSpec], Any] | None =
         stats["completion_tokens"] = runner.completion_tokens
     infer = stats["infer_s"] or 1e-9
     stats.update(
+        infer_rows=done_rows,  # rows inferred by this attempt (reused chunks excluded): the throughput basis
+        hardware=hardware_id(spec.engine.tensor_parallel_size),
         rows_per_s=round(done_rows / infer, 3) if todo else None,
         tokens_per_s=round((stats["prompt_tokens"] + stats["completion_tokens"]) / infer, 1) if todo else None,
         wall_s=round(time.monotonic() - t_start, 3),

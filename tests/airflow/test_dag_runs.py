@@ -191,7 +191,7 @@ def test_an_empty_partition_maps_zero_shards_and_publishes_an_empty_result(airfl
     assert p.returncode == 0, tail(p)
     db = box.inspect(NIGHTLY)
     st = states(db, latest_run(db))
-    assert st.pop(("shard", -1)) == "skipped" and set(st.values()) == {"success"}  # merge runs (none_failed)
+    assert st.pop(("shard", -1)) == "skipped" and set(st.values()) == {"success"}  # merge runs (none_failed_min_one_success)
     success = json.loads((box.data / "reclassification" / f"dt={day}" / "_SUCCESS.json").read_text())
     assert success["rows"] == 0
 

@@ -300,7 +300,7 @@ def test_builder_wires_plan_shards_merge_qa_publish():
     assert shard.partial_kwargs["retries"] == 3 and shard.partial_kwargs["max_active_tis_per_dagrun"] == 2
     assert t["job.shard"].upstream_task_ids == {"job.plan"}
     assert t["job.merge"].upstream_task_ids == {"job.plan", "job.shard"}
-    assert t["job.merge"].trigger_rule == "none_failed"
+    assert t["job.merge"].trigger_rule == "none_failed_min_one_success"  # runs after an empty plan, not a dry run
     assert t["job.extra"].upstream_task_ids == {"job.plan", "job.qa"}
     assert t["job.publish"].upstream_task_ids == {"job.plan", "job.extra"}
     assert [a.uri for a in t["job.publish"].outlets] == ["x-vllm-batch://job"]  # templated output: a named asset
