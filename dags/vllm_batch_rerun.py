@@ -11,8 +11,10 @@ the local cache when unset) and the output `<vllm_batch_data_root>/reruns/<run i
 every run writes its own prefix. Reusing an output prefix is allowed only for the same
 input and spec (a re-run then reuses the committed shards).
 
-Runners: `local` (a worker process per shard on the Airflow worker). `kubernetes` is listed
-for the form but not built yet: choosing it fails `plan` with a message naming the param.
+Runners: `local` (a worker process per shard on the Airflow worker) or `kubernetes` (one pod
+per shard from the pinned worker image, configured by the `vllm_batch_kubernetes` Variable;
+see docs/kubernetes.md). The `runner` task after `plan` skips the shard task of the runner not chosen
+(it shows as skipped).
 """
 
 from __future__ import annotations

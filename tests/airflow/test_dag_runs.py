@@ -163,22 +163,19 @@ def test_rerun_dag_refuses_invalid_params_before_any_task_runs(airflow_sandbox):
     assert len(db["runs"]) == runs_before  # no run created, so no task ran
 
 
-@pytest.mark.parametrize("case", ["kubernetes runner", "duplicate ids"])
-def test_plan_failures_are_terminal_and_no_shard_runs(airflow_sandbox, case):
+def test_plan_failures_are_terminal_and_no_shard_runs(airflow_sandbox):
     box = airflow_sandbox
     folder = box.data / "dups"
     write_parquet(folder / "part-0.parquet", ["a", "b", "a"], ["one ticket", "two tickets", "three"])
-    conf = {"input_uri": str(box.data / "adhoc"), "runner": "kubernetes"} if case == "kubernetes runner" else \
-        {"input_uri": str(folder)}
-    p = box.dags_test(RERUN, "2026-11-22" if case == "duplicate ids" else "2026-11-23", conf=conf)
+    p = box.dags_test(RERUN, "2026-11-22", conf={"input_uri": str(folder)})
     assert p.returncode != 0
     db = box.inspect(RERUN)
     run_id = latest_run(db)
     tis = {t["task_id"].split(".")[-1]: t for t in db["tis"] if t["run_id"] == run_id}
     assert tis["plan"]["state"] == "failed" and tis["plan"]["try_number"] == 1  # no retry
     assert tis["shard"]["state"] == "upstream_failed" and tis["publish"]["state"] == "upstream_failed"
-    log = p.stdout + p.stderr
-    assert ("runner='kubernetes' is not available yet" if case == "kubernetes runner" else "duplicate") in log
+    assert tis["shard_kubernetes"]["state"] == "upstream_failed"
+    assert "duplicate" in p.stdout + p.stderr
 
 
 def test_an_empty_partition_maps_zero_shards_and_publishes_an_empty_result(airflow_sandbox):
