@@ -198,6 +198,22 @@ def environment(settings: KubernetesSettings) -> tuple[list[k8s.V1EnvVar], list[
     return out, env_from
 
 
+# fsspec option names that carry credentials (s3fs key/secret/token, gcsfs token, adlfs keys).
+_CREDENTIAL_OPTION = re.compile(r"^(key|secret|token|password|passwd|sas_token|account_key|client_secret|"
+                                r"aws_secret_access_key|aws_session_token|credentials?)$", re.I)
+
+
+def check_no_credentials_in_spec(spec: JobSpec) -> None:
+    """The spec becomes the pod's argument (visible to whoever can read pods): no credentials in it."""
+    bad = sorted(k for k in spec.io.storage_options if _CREDENTIAL_OPTION.match(k) or _SECRETISH.search(k))
+    if bad:
+        raise SpecError(f"io.storage_options {bad} look like credentials; the job spec is the pod's argument, so "
+                        "pass them as Secret references (kubernetes.secret_env / env_from_secrets) instead")
+
+
+_SECRETISH = re.compile(r"(secret|token|password|credential)", re.I)
+
+
 def label_value(value: str) -> str:
     """A valid label value (63 chars of [A-Za-z0-9_.-], alphanumeric at both ends)."""
     v = re.sub(r"[^A-Za-z0-9_.-]+", "-", value)[:63]
@@ -206,6 +222,7 @@ def label_value(value: str) -> str:
 
 def pod_parts(spec: JobSpec, settings: KubernetesSettings, shard_id: str) -> PodParts:
     """The pod for one shard of ``spec``; raises SpecError naming the setting that is wrong."""
+    check_no_credentials_in_spec(spec)
     gpus = gpu_count(spec, settings)
     shm = shm_bytes(settings, gpus)
     vols, mounts = volumes(settings, shm)

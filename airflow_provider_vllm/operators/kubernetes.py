@@ -16,6 +16,7 @@ from typing import Any
 from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
 from airflow.providers.common.compat.sdk import AirflowException, AirflowSkipException
 from airflow.sdk.exceptions import AirflowFailException
+from kubernetes.client import ApiClient
 from kubernetes.client import models as k8s
 
 from airflow_provider_vllm.errors import EXIT_TERMINAL, EXIT_TRANSIENT, SpecError
@@ -160,6 +161,13 @@ class VllmKubernetesShardOperator(KubernetesPodOperator):
     def build_pod_request_obj(self, context=None, *, dry_run: bool = False) -> k8s.V1Pod:
         self.prepare_pod()
         return super().build_pod_request_obj(context, dry_run=dry_run)
+
+    def dry_run(self) -> None:
+        """Print the pod manifest as kubectl takes it (camelCase YAML); no Kubernetes API call."""
+        import yaml
+
+        pod = self.build_pod_request_obj(dry_run=True)
+        print(yaml.safe_dump(ApiClient().sanitize_for_serialization(pod), sort_keys=False), end="")
 
     def execute(self, context: Any) -> Any:
         parts = self.prepare_pod()
