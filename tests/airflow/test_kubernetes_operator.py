@@ -308,4 +308,39 @@ def test_images_are_pinned_by_digest_as_the_lock_says():
     assert f"ARG VLLM_IMAGE={lock['VLLM_IMAGE']}" in worker and "FROM ${VLLM_IMAGE}" in worker
     airflow = (ROOT / "docker" / "Dockerfile.airflow").read_text()
     assert "FROM ${AIRFLOW_IMAGE}" in airflow and lock["AIRFLOW_IMAGE"].startswith("apache/airflow:3.3.2")
-    assert "pip install --no-deps" in worker and re.search(r"^USER\s+1000", worker, re.M)
+    assert re.search(r"pip install --no-cache-dir --no-deps /wheels/\*\.whl", worker) and re.search(r"^USER\s+1000", worker, re.M)
+
+
+def test_pin_digests_script_pins_and_checks(tmp_path):
+    """docker/pin-digests.sh with a stand-in for `crane` (no registry here): it pins, rewrites, checks."""
+    import shutil
+    import subprocess
+
+    work = tmp_path / "docker"
+    shutil.copytree(ROOT / "docker", work)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    digests = tmp_path / "digests"
+    (bin_dir / "crane").write_text(
+        f"#!/bin/sh\n[ \"$1\" = digest ] || exit 3\ngrep -F \"$2 \" {digests} | cut -d' ' -f2\n")
+    (bin_dir / "crane").chmod(0o755)
+    lock = dict(line.split("=", 1) for line in (work / "images.lock").read_text().splitlines()
+                if line and not line.startswith("#"))
+    vllm_tag, vllm_digest = lock["VLLM_IMAGE"].split("@")
+    new = {"AIRFLOW_IMAGE": "sha256:" + "1" * 64, "VLLM_CPU_IMAGE": "sha256:" + "2" * 64}
+    digests.write_text(f"{vllm_tag} {vllm_digest}\n{lock['AIRFLOW_IMAGE']} {new['AIRFLOW_IMAGE']}\n"
+                       f"{lock['VLLM_CPU_IMAGE']} {new['VLLM_CPU_IMAGE']}\n")
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin"}
+    run = lambda *a: subprocess.run(["bash", str(work / "pin-digests.sh"), *a], env=env, capture_output=True,
+                                    text=True, timeout=60)
+    assert run("--check").returncode == 0  # unpinned entries are not a mismatch
+    p = run()
+    assert p.returncode == 0, p.stderr
+    pinned = (work / "images.lock").read_text()
+    assert f"AIRFLOW_IMAGE={lock['AIRFLOW_IMAGE']}@{new['AIRFLOW_IMAGE']}" in pinned
+    assert f"VLLM_IMAGE={lock['VLLM_IMAGE']}" in pinned and "# VLLM_IMAGE:" in pinned  # kept, comments kept
+    digests.write_text(digests.read_text().replace(vllm_digest, "sha256:" + "3" * 64))  # the tag moved
+    p = run("--check")
+    assert p.returncode == 1 and "VLLM_IMAGE" in p.stderr and "now points to sha256:333" in p.stderr
+    assert run().returncode == 0
+    assert f"ARG VLLM_IMAGE={vllm_tag}@sha256:{'3' * 64}" in (work / "Dockerfile.worker").read_text()
