@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -100,8 +101,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--from-plan", action="store_true", help="take the shard from the run's _plan.json")
     args = p.parse_args(argv)
     conf = json.loads(args.conf) if args.conf else None
-    manifest, notes = render_shard_pod(args.dag_id, args.logical_date, map_index=args.map_index, conf=conf,
-                                       from_plan=args.from_plan)
+    # Airflow logs to stdout; stdout carries only the manifest, so everything else goes to stderr.
+    sys.stdout.flush()
+    manifest_fd = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        manifest, notes = render_shard_pod(args.dag_id, args.logical_date, map_index=args.map_index, conf=conf,
+                                           from_plan=args.from_plan)
+    finally:
+        sys.stdout.flush()
+        os.dup2(manifest_fd, 1)
+        os.close(manifest_fd)
     for n in notes:
         print(f"# note: {n}")
     print(yaml.safe_dump(manifest, sort_keys=False), end="")
