@@ -93,7 +93,7 @@ class VllmKubernetesShardOperator(KubernetesPodOperator):
         self.kubernetes = kubernetes
         self.env = env
         self.progress_interval_s = progress_interval_s
-        self.pod_parts: PodParts | None = None
+        self.parts: PodParts | None = None
 
     @property
     def shard_id(self) -> str:
@@ -155,7 +155,7 @@ class VllmKubernetesShardOperator(KubernetesPodOperator):
         self.active_deadline_seconds = settings.active_deadline_s
         self.startup_timeout_seconds = self.schedule_timeout_seconds = settings.startup_timeout_s
         self.pod_template_file = settings.pod_template_file
-        self.pod_parts = parts
+        self.parts = parts
         return parts
 
     def build_pod_request_obj(self, context=None, *, dry_run: bool = False) -> k8s.V1Pod:
