@@ -319,3 +319,17 @@ def test_pin_digests_script_pins_and_checks(tmp_path):
     assert p.returncode == 1 and "VLLM_IMAGE" in p.stderr and "now points to sha256:333" in p.stderr
     assert run().returncode == 0
     assert f"ARG VLLM_IMAGE={vllm_tag}@sha256:{'3' * 64}" in (work / "Dockerfile.worker").read_text()
+
+
+def test_operator_dry_run_prints_a_manifest_kubectl_takes(capsys):
+    import kubernetes_validate
+    import yaml
+    from kubernetes_validate.utils import latest_version
+
+    op = operator()
+    op.dry_run()
+    doc = yaml.safe_load(capsys.readouterr().out)
+    assert doc["kind"] == "Pod" and "map_index" not in doc["metadata"]["labels"]  # no task instance in a dry run
+    assert doc["spec"]["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True  # camelCase keys
+    assert latest_version().startswith(kubernetes_validate.validate(doc, latest_version(), strict=True))
+    assert violations(doc) == {}
