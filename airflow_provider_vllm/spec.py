@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from airflow_provider_vllm.errors import SpecError
+from airflow_provider_vllm.pod_settings import KubernetesSettings
 
 # Engine options a user may pass through to vllm.LLM(...) beyond the typed fields. Anything
 # else is refused: options such as `worker_extension_cls` or `model_loader_extra_config`
@@ -274,6 +275,10 @@ class JobSpec(_Model):
     io: IOSpec
     sharding: ShardingSpec = Field(default_factory=ShardingSpec)
     qa: QASpec = Field(default_factory=QASpec)
+    kubernetes: KubernetesSettings = Field(
+        default_factory=KubernetesSettings,
+        description="Kubernetes runner: pod resources and placement (not part of content_hash).",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:
@@ -288,7 +293,9 @@ class JobSpec(_Model):
 
     # ---- identity -------------------------------------------------------------------
     def canonical_json(self) -> str:
-        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        # where the shards run does not change what they compute
+        doc = self.model_dump(mode="json", exclude={"kubernetes"})
+        return json.dumps(doc, sort_keys=True, separators=(",", ":"))
 
     def content_hash(self) -> str:
         """sha256 of the canonical JSON; equal specs hash equal."""

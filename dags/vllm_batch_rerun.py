@@ -14,8 +14,10 @@ input and spec (a re-run then reuses the committed shards).
 *Dry run* only validates and estimates (see `python -m airflow_provider_vllm.dry_run`): the
 plan task logs rows, tokens, shards, GPU-hours and the memory plan, and the rest is skipped.
 
-Runners: `local` (a worker process per shard on the Airflow worker). `kubernetes` is listed
-for the form but not built yet: choosing it fails `plan` with a message naming the param.
+Runners: `local` (a worker process per shard on the Airflow worker) or `kubernetes` (one pod
+per shard from the pinned worker image, configured by the `vllm_batch_kubernetes` Variable;
+see docs/kubernetes.md). The `runner` task after `plan` skips the shard task of the runner not chosen
+(it shows as skipped).
 """
 
 from __future__ import annotations

@@ -9,6 +9,10 @@ Variables, so it is read at run time (never while the DAG file is parsed):
     vllm_batch_shard_rows      rows per shard (default 1000)
     vllm_batch_spec_overrides  JSON object of spec overrides, e.g. {"engine.enforce_eager": false,
                                "engine.max_num_seqs": 256, "sharding.max_shards": 64}
+    vllm_batch_runner          where shards run: local (default) or kubernetes (one pod per shard)
+    vllm_batch_kubernetes      JSON object of pod settings for the kubernetes runner (image, namespace,
+                               GPUs, node pool, Kueue queue, model-cache PVC, Secret references; see
+                               airflow_provider_vllm/pod_settings.py and docs/kubernetes.md)
 
 Set them in the UI, with `airflow variables set`, or as AIRFLOW_VAR_<NAME> environment variables.
 """
@@ -42,6 +46,7 @@ CHAT_MODEL = "{{ var.value.get('vllm_batch_model', '') or vllm_model_cache() ~ '
 EMBEDDING_MODEL = "{{ var.value.get('vllm_batch_embedding_model', '') or vllm_minilm_path() }}"
 SHARD_ROWS = "{{ var.value.get('vllm_batch_shard_rows', '1000') }}"
 SPEC_OVERRIDES = "{{ var.value.get('vllm_batch_spec_overrides', '{}') }}"
+RUNNER = "{{ var.value.get('vllm_batch_runner', 'local') }}"
 
 # Local CPU defaults: eager mode and a 1 GiB KV cache start vLLM's CPU build in ~25 s.
 # A GPU cluster overrides them through vllm_batch_spec_overrides.
