@@ -32,10 +32,12 @@ from airflow_provider_vllm.planning import Plan, ShardPlan, estimate_tokens, loa
 from airflow_provider_vllm.rows import ENGINE_ERROR, rows_table
 from airflow_provider_vllm.spec import JobSpec
 from airflow_provider_vllm.storage import Storage
+from airflow_provider_vllm.worker.guard import GuardedEngine, RowFailure
 from airflow_provider_vllm.worker.outputs import check_structured
 from airflow_provider_vllm.worker.progress import Progress
 from airflow_provider_vllm.worker.prompts import PromptBuilder, Prepared
 from airflow_provider_vllm.worker.task import ShardTask
+from airflow_provider_vllm.worker.watchdog import Watchdog
 
 log = logging.getLogger("airflow_provider_vllm.worker")
 
@@ -43,8 +45,13 @@ log = logging.getLogger("airflow_provider_vllm.worker")
 MIN_QUEUE = 1024
 
 
-def run_shard(task: ShardTask, engine_factory: Callable[[JobSpec], Any] | None = None) -> dict[str, Any]:
-    """Process one shard; returns the manifest (also the XCom value). Idempotent."""
+def run_shard(task: ShardTask, engine_factory: Callable[[JobSpec], Any] | None = None,
+              on_stall: Callable[[float], None] | None = None) -> dict[str, Any]:
+    """Process one shard; returns the manifest (also the XCom value). Idempotent.
+
+    The engine runs behind ``GuardedEngine`` (OOM back-off, engine death -> EngineError) and a
+    progress ``Watchdog`` (``spec.worker.watchdog_s``; ``on_stall`` default: exit 75).
+    """
     spec = task.spec
     out = Storage(spec.io.output_uri, spec.io.storage_options)
     plan = load_plan(spec)
@@ -81,17 +88,20 @@ def run_shard(task: ShardTask, engine_factory: Callable[[JobSpec], Any] | None =
     files = {k: store.file_entry(rel) for k, rel in reused.items()}
     engine_version = None
     if todo:
-        engine = (engine_factory or _default_engine)(spec)
-        engine_version = engine.version
-        stats["engine_start_s"] = round(engine.start_seconds, 3)
-        engine.warm_up()
-        runner = _ChunkRunner(spec, plan, shard, batch, engine, store, attempt, metas, task.progress_interval_s)
-        t0 = time.monotonic()
-        files.update(runner.run(todo))
+        with Watchdog(spec.worker.watchdog_s, on_stall) as watchdog:
+            engine = GuardedEngine(spec, engine_factory or _default_engine, watchdog, label=lambda key: batch.ids[key[1]])
+            engine_version = engine.version
+            stats["engine_start_s"] = round(engine.start_seconds, 3)
+            with watchdog.paused():
+                engine.warm_up()
+            runner = _ChunkRunner(spec, plan, shard, batch, engine, store, attempt, metas, task.progress_interval_s)
+            t0 = time.monotonic()
+            files.update(runner.run(todo))
         stats["infer_s"] = round(time.monotonic() - t0, 3)
         stats["prompt_tokens"] = runner.prompt_tokens
         stats["completion_tokens"] = runner.completion_tokens
         stats["progress_lines"] = runner.progress.lines
+        stats.update(engine.stats())
     infer = stats["infer_s"] or 1e-9
     done_rows = sum(metas[k].rows for k in todo)
     stats.update(
@@ -254,6 +264,10 @@ class _ChunkRunner:
                 continue
             for (k, i), g in self.engine.step():
                 t_sub, truncated = submitted.pop(i)
+                if isinstance(g, RowFailure):
+                    records[k][i] = self._error(i, g.code, g.message)
+                    self._maybe_flush(k, records, files)
+                    continue
                 label, parsed, valid = check_structured(self.spec, g.text)
                 records[k][i] = {
                     "id": self.batch.ids[i], "status": "ok", "output": g.text, "label": label,
@@ -289,11 +303,14 @@ class _ChunkRunner:
                 ok.append((i, prep))
         if ok:
             t0 = time.monotonic()
-            vectors = self.engine.pool([p.token_ids for _, p in ok])
+            vectors = self.engine.pool([p.token_ids for _, p in ok], keys=[(k, i) for i, _ in ok])
             per_row_ms = (time.monotonic() - t0) * 1000.0 / len(ok)
             col = "embedding" if self.spec.task == "embed" else "scores"
             names = getattr(self.engine, "class_labels", None) or []
             for (i, p), vec in zip(ok, vectors):
+                if isinstance(vec, RowFailure):
+                    rows[i] = self._error(i, vec.code, vec.message)
+                    continue
                 label = None
                 if col == "scores" and len(vec):
                     best = max(range(len(vec)), key=lambda j: vec[j])
