@@ -10,15 +10,6 @@ from airflow_provider_vllm.worker.guard import classify
 from airflow_provider_vllm.worker.watchdog import Watchdog
 
 
-@pytest.fixture
-def set_faults():
-    def set_(value: str) -> None:
-        faults.reload({faults.ENV: value})
-
-    yield set_
-    faults.reload({})
-
-
 def test_unset_means_inactive_and_every_hook_is_a_no_op(tmp_path):
     faults.reload({})
     assert not faults.active()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pyarrow.parquet as pq
 import pytest
 
-from airflow_provider_vllm import faults
 from airflow_provider_vllm.commit import MARKER
 from airflow_provider_vllm.errors import EngineError, SpecError
 from airflow_provider_vllm.merge import merge_run
@@ -19,15 +18,6 @@ from tests.reconcile import check
 pytestmark = pytest.mark.reliability
 
 IDS = [f"r{i:04d}" for i in range(120)]
-
-
-@pytest.fixture
-def set_faults():
-    def set_(value: str) -> None:
-        faults.reload({faults.ENV: value})
-
-    yield set_
-    faults.reload({})
 
 
 def job(tmp_path, task="chat", **worker):
