@@ -59,7 +59,7 @@ def test_oom_that_persists_at_the_floor_makes_one_error_row(tmp_path, fake_engin
     assert s["engine_rebuilds"] == 3 and s["oom_events"] == 5 and s["oom_error_rows"] == 1
     assert s["engine_limits"] == {"max_num_seqs": 2, "max_num_batched_tokens": 128}
     merge_run(spec)
-    rec = check(tmp_path / "out", IDS, kind="oom_persistent_row")
+    rec = check(tmp_path / "out", IDS, kind="oom_persistent_row", faults=s["oom_events"])
     assert rec.error_codes == {"r0050": "ENGINE_OOM"}
     err = pq.read_table(tmp_path / "out" / "results" / "errors.parquet").to_pylist()
     assert "alone in the engine" in err[0]["error_message"] and "max_num_seqs=2" in err[0]["error_message"]
@@ -96,7 +96,7 @@ def test_pooling_oom_backs_off_and_isolates_the_row(tmp_path, fake_engine_factor
     m = run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=fake_engine_factory)
     assert m["error_rows"] == 1 and m["stats"]["oom_error_rows"] == 1
     merge_run(spec)
-    rec = check(tmp_path / "out", IDS, kind="oom_pooling")
+    rec = check(tmp_path / "out", IDS, kind="oom_pooling", faults=m["stats"]["oom_events"])
     assert rec.error_codes == {"r0033": "ENGINE_OOM"}
 
 
