@@ -80,6 +80,7 @@ class GuardedEngine:
         self._ready: list[tuple[Hashable, Any]] = []  # failures to hand out at the next step
         self.window: int | None = None  # most requests in the engine at once (None: no bound)
         self._suspects: set[Hashable] = set()  # in flight at an OOM at the floors: run alone
+        self._isolating = False
         self.engine = self._build(spec)
         self.start_seconds = getattr(self.engine, "start_seconds", 0.0)
         self.limits = self._read_limits()
@@ -147,12 +148,10 @@ class GuardedEngine:
             self._sent.pop(key, None)
             self._suspects.discard(key)
             out.append((key, result))
-        if self._suspects == set() and self.window == 1 and self._isolating:
+        if self._isolating and not self._suspects:
             self._end_isolation()
         self._beat()
         return out
-
-    _isolating = False
 
     def _feed(self, out: list) -> None:
         while self._held and (self.window is None or len(self._sent) < self.window):
