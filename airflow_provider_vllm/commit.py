@@ -26,6 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from airflow_provider_vllm import faults
 from airflow_provider_vllm.errors import CommitError
 from airflow_provider_vllm.storage import Storage
 
@@ -74,7 +75,11 @@ class ShardStore:
     def commit(self, marker: dict[str, Any]) -> bool:
         """Create the marker; False when another attempt committed first (then nothing changes)."""
         body = json.dumps(marker, indent=1, sort_keys=True).encode()
-        return self.out.create_only(f"{self.dir}/{MARKER}", body)
+        faults.hit("commit.after_data")
+        with faults.writing("commit.mid_marker"):
+            created = self.out.create_only(f"{self.dir}/{MARKER}", body)
+        faults.hit("commit.after_marker")
+        return created
 
     # ---- chunks ---------------------------------------------------------------------
     def chunk_rel(self, attempt_id: str, chunk: int) -> str:
@@ -85,7 +90,10 @@ class ShardStore:
         if table.num_rows != meta.rows:
             raise CommitError(f"chunk {meta.chunk} of {self.shard_id}: {table.num_rows} rows, expected {meta.rows}")
         rel = self.chunk_rel(attempt_id, meta.chunk)
-        self.out.write_parquet_atomic(rel, table, metadata=meta.to_kv())
+        faults.hit("chunk.before_write")
+        with faults.writing("chunk.mid_file"):
+            self.out.write_parquet_atomic(rel, table, metadata=meta.to_kv())
+        faults.hit("chunk.after_write")
         return self.file_entry(rel, table)
 
     def file_entry(self, rel: str, table: pa.Table | None = None) -> dict[str, Any]:

@@ -21,7 +21,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from airflow_provider_vllm import __version__, duck
+from airflow_provider_vllm import __version__, duck, faults
 from airflow_provider_vllm.commit import ShardStore
 from airflow_provider_vllm.datasets import check_unchanged, scan_jsonl
 from airflow_provider_vllm.errors import CommitError, VerificationError
@@ -85,6 +85,7 @@ def merge_run(spec: JobSpec, verify_checksums: bool = True, memory_limit: str = 
                         "(FORMAT parquet, COMPRESSION zstd)").fetchall()
             con.execute(f"COPY (SELECT {cols_e} FROM {source} WHERE status = 'error') TO '{err_local}' "
                         "(FORMAT parquet, COMPRESSION zstd)").fetchall()
+            faults.hit("merge.before_write")
             _publish_file(out, res_local, RESULTS)
             _publish_file(out, err_local, ERRORS)
         extra = {}
@@ -106,7 +107,10 @@ def merge_run(spec: JobSpec, verify_checksums: bool = True, memory_limit: str = 
         "merge_s": round(time.monotonic() - t0, 3),
         "versions": {"airflow-provider-vllm": __version__, "duckdb": duckdb.__version__},
     }
-    out.write_atomic(MERGED, json.dumps(summary, indent=1, sort_keys=True).encode())
+    faults.hit("merge.after_data")
+    with faults.writing("merge.mid_marker"):
+        out.write_atomic(MERGED, json.dumps(summary, indent=1, sort_keys=True).encode())
+    faults.hit("merge.after_marker")
     _record_throughput(spec, plan, markers, summary)
     return summary
 
@@ -202,6 +206,7 @@ def _publish_file(out: Storage, local: str, rel: str) -> None:
         dest = out.path(rel)
         os.makedirs(os.path.dirname(dest), exist_ok=True)
         tmp = f"{dest}.tmp-{os.getpid()}"
+        faults.partial_copy(local, tmp, "merge.mid_file")
         shutil.move(local, tmp)  # may cross filesystems; the rename below may not
         os.replace(tmp, dest)
     else:

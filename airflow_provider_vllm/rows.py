@@ -14,7 +14,8 @@ INVALID_ROW = "INVALID_ROW"  # wrong type, unusable value, bad OpenAI request
 INVALID_JSON = "INVALID_JSON"  # a JSONL line that does not parse
 PROMPT_TOO_LONG = "PROMPT_TOO_LONG"  # over the token budget with truncation=reject
 ENGINE_ERROR = "ENGINE_ERROR"  # the engine refused or failed this one row
-ERROR_CODES = (EMPTY_INPUT, INVALID_ROW, INVALID_JSON, PROMPT_TOO_LONG, ENGINE_ERROR)
+ENGINE_OOM = "ENGINE_OOM"  # out of memory with this row alone in the engine at the lowest limits
+ERROR_CODES = (EMPTY_INPUT, INVALID_ROW, INVALID_JSON, PROMPT_TOO_LONG, ENGINE_ERROR, ENGINE_OOM)
 
 _dict_str = pa.dictionary(pa.int32(), pa.string())
 

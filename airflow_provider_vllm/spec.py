@@ -94,6 +94,19 @@ class EngineSpec(_Model):
         return v
 
 
+class WorkerSpec(_Model):
+    """How the shard worker guards the engine. Does not change outputs: not in the config hash."""
+
+    watchdog_s: float | None = Field(
+        600.0, gt=0, description="No progress (an engine step returned, a chunk written) for this many seconds: "
+        "the worker stops and exits 75 (retry); engine start is not counted. null: no watchdog.")
+    oom_min_num_seqs: int = Field(1, ge=1, description="Out of memory: max_num_seqs is halved down to this floor.")
+    oom_min_batched_tokens: int = Field(
+        256, ge=1, description="Out of memory: max_num_batched_tokens is halved down to this floor.")
+    oom_max_rebuilds: int = Field(
+        8, ge=0, description="Engine rebuilds after OOM per worker process; beyond, the worker exits 75 (retry).")
+
+
 class PromptSpec(_Model):
     """How a row becomes a prompt."""
 
@@ -270,6 +283,7 @@ class JobSpec(_Model):
     task: Literal["generate", "chat", "embed", "classify"] = Field("chat", description="What vLLM does per row.")
     model: ModelSpec
     engine: EngineSpec = Field(default_factory=EngineSpec)
+    worker: WorkerSpec = Field(default_factory=WorkerSpec)
     prompt: PromptSpec = Field(default_factory=PromptSpec)
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
     io: IOSpec

@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
+from airflow_provider_vllm import faults
 from airflow_provider_vllm.errors import TransientError
 
 
@@ -152,7 +153,7 @@ def _local_temp_copy(path: str, data: bytes) -> str:
     os.makedirs(posixpath.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp-{uuid.uuid4().hex}"
     with open(tmp, "wb") as f:
-        f.write(data)
+        faults.write(f, data)  # f.write(data), with the mid-file fault hook
         f.flush()
         os.fsync(f.fileno())
     return tmp

@@ -53,3 +53,15 @@ def fake_engine_factory():
 
     factory.made = made
     return factory
+
+
+@pytest.fixture
+def set_faults():
+    """``set_faults("engine.step#3=oom")``: arm the fault harness in this process (reset after the test)."""
+    from airflow_provider_vllm import faults
+
+    def set_(value: str) -> None:
+        faults.reload({faults.ENV: value})
+
+    yield set_
+    faults.reload({})

@@ -21,6 +21,10 @@ class FakeTokenizer:
         return s + ("<assistant>" if add_generation_prompt else "")
 
 
+class EngineDeadError(Exception):
+    """Named like vLLM's: the guard classifies engine death by this name."""
+
+
 class FakeEngine:
     """Answers each prompt deterministically; optionally crashes after N finished rows."""
 
@@ -36,6 +40,8 @@ class FakeEngine:
         self.queue = []
         self.finished = 0
         self.submitted = 0
+        self.dead = False
+        self.closed = False
 
     def warm_up(self):
         pass
@@ -49,7 +55,26 @@ class FakeEngine:
     def pending(self):
         return len(self.queue)
 
+    def limits(self):
+        e = self.spec.engine
+        return {"max_num_seqs": e.max_num_seqs or 256, "max_num_batched_tokens": e.max_num_batched_tokens or 8192}
+
+    def abort_all(self):
+        self.queue.clear()
+
+    def alive(self):
+        return not self.dead
+
+    def kill_core(self):
+        self.dead = True
+
+    def shutdown(self):
+        self.queue.clear()
+        self.closed = True
+
     def step(self):
+        if self.dead:
+            raise EngineDeadError()
         out, self.queue = self.queue[: self.per_step], self.queue[self.per_step:]
         res = []
         for key, ids in out:

@@ -13,6 +13,7 @@ from airflow_provider_vllm.planning import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
 from airflow_provider_vllm.worker.task import ShardTask
 from tests.conftest import LABELS, make_spec, write_parquet
+from tests.reconcile import check
 
 
 def planted_parquet(tmp_path, n=300):
@@ -86,6 +87,7 @@ def test_jsonl_bad_lines(tmp_path, fake_engine_factory):
     assert len(res) + len(err) == 40 and "j0" in {r["id"] for r in res}
 
 
+@pytest.mark.reliability
 def test_crash_then_resume_reuses_finished_chunks(tmp_path, fake_engine_factory):
     write_parquet(tmp_path / "in.parquet", [f"r{i}" for i in range(100)], [f"text {i}" for i in range(100)])
     spec = make_spec(tmp_path / "in.parquet", tmp_path / "out", sharding={"target_rows": 100, "chunk_rows": 10})
@@ -106,8 +108,10 @@ def test_crash_then_resume_reuses_finished_chunks(tmp_path, fake_engine_factory)
     merge_run(spec)
     res, err = read_out(tmp_path / "out")
     assert sorted(r["id"] for r in res) == sorted(f"r{i}" for i in range(100)) and not err
+    check(tmp_path / "out", [f"r{i}" for i in range(100)], kind="engine_crash_mid_shard")
 
 
+@pytest.mark.reliability
 def test_rerun_after_success_is_a_noop(tmp_path, fake_engine_factory):
     write_parquet(tmp_path / "in.parquet", [f"r{i}" for i in range(30)], ["x"] * 30)
     spec = make_spec(tmp_path / "in.parquet", tmp_path / "out")
@@ -121,8 +125,10 @@ def test_rerun_after_success_is_a_noop(tmp_path, fake_engine_factory):
     first = merge_run(spec)
     second = merge_run(spec)
     assert first["checksums"] == second["checksums"]  # byte-identical merged output
+    check(tmp_path / "out", [f"r{i}" for i in range(30)], kind="rerun_after_success")
 
 
+@pytest.mark.reliability
 def test_two_concurrent_attempts_commit_once(tmp_path, fake_engine_factory):
     write_parquet(tmp_path / "in.parquet", [f"r{i}" for i in range(200)], ["some text"] * 200)
     spec = make_spec(tmp_path / "in.parquet", tmp_path / "out", sharding={"target_rows": 200, "chunk_rows": 20})
@@ -148,6 +154,7 @@ def test_two_concurrent_attempts_commit_once(tmp_path, fake_engine_factory):
     res, _ = read_out(tmp_path / "out")
     assert len(res) == 200 and len({r["id"] for r in res}) == 200
     assert {r["attempt_id"] for r in res} == {winner}
+    check(tmp_path / "out", [f"r{i}" for i in range(200)], kind="concurrent_attempts")
 
 
 def test_merge_refuses_uncommitted_and_tampered(tmp_path, fake_engine_factory):

@@ -23,6 +23,7 @@ from airflow_provider_vllm.planning import plan_job
 from airflow_provider_vllm.spec import JobSpec
 from airflow_provider_vllm.worker.task import ShardTask, worker_command
 from tests.conftest import write_parquet
+from tests.reconcile import check
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -110,6 +111,7 @@ def test_tiny_model_worker_cli_planted_rows_and_rerun(tmp_path, tiny_model):
     assert again["status"] == "already_committed"
 
 
+@pytest.mark.reliability
 def test_kill9_mid_shard_then_rerun_reuses_chunks(tmp_path, tiny_model):
     n = 600
     ids = [f"t{i:04d}" for i in range(n)]
@@ -133,6 +135,7 @@ def test_kill9_mid_shard_then_rerun_reuses_chunks(tmp_path, tiny_model):
     summary = merge_run(spec)
     assert summary["ok_rows"] == n and summary["duplicates_dropped"] == 0
     check_exactly_once(tmp_path / "out", n, {})
+    check(tmp_path / "out", ids, kind="kill9_process_group_mid_shard")
 
 
 RAW_CHAT = r"""
@@ -177,6 +180,7 @@ def test_smollm2_labels_and_equality_with_raw_llm_chat(tmp_path, smollm2):
     assert ours == raw_out
 
 
+@pytest.mark.reliability
 def test_two_real_attempts_at_once_commit_exactly_once(tmp_path, tiny_model):
     n = 120
     write_parquet(tmp_path / "in" / "a.parquet", [f"t{i:04d}" for i in range(n)], [TICKETS[i % 8] for i in range(n)])
@@ -201,6 +205,7 @@ def test_two_real_attempts_at_once_commit_exactly_once(tmp_path, tiny_model):
     assert summary["ok_rows"] == n and summary["duplicates_dropped"] == 0
     res = pq.read_table(tmp_path / "out" / "results" / "results.parquet")
     assert set(res.column("attempt_id").to_pylist()) == {marker["attempt_id"]}
+    check(tmp_path / "out", [f"t{i:04d}" for i in range(n)], kind="concurrent_attempts_real")
 
 
 def test_embed_task_with_minilm(tmp_path):

@@ -92,6 +92,7 @@ class LocalWorkerProcess:
         out: list[str] = []
         reader = threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True)
         reader.start()
+        threading.Thread(target=self._reap_group, daemon=True).start()
         for line in proc.stderr:
             line = line.rstrip("\n")
             if line:
@@ -99,6 +100,20 @@ class LocalWorkerProcess:
         rc = proc.wait()
         reader.join(timeout=30)
         return WorkerResult(rc, parse_manifest(out), [s.rstrip("\n") for s in out[-5:]])
+
+    def _reap_group(self) -> None:
+        """Once the worker has exited, SIGKILL what is left of its process group.
+
+        A worker killed from outside (OOM killer, SIGKILL) leaves vLLM's engine core running
+        as an orphan that holds the worker's stdout/stderr open (and its memory): without this
+        the log loop would never see EOF and the task would hang.
+        """
+        proc = self.proc
+        proc.wait()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the worker leads its own session: pgid == pid
+        except (ProcessLookupError, PermissionError):
+            pass
 
     def terminate(self, grace_s: float = 30.0) -> None:
         """SIGTERM the worker (it exits 75 keeping committed chunks), then SIGKILL its group."""

@@ -4,11 +4,11 @@ Exit codes: 0 done (or already committed), 2 terminal (retrying cannot help: bad
 changed input), 75 transient (retry: engine failure, storage error, preemption).
 The last stdout line is the JSON manifest; it is also written to
 ``/airflow/xcom/return.json`` when that folder exists (KubernetesPodOperator XCom sidecar).
+A hung engine is stopped by the progress watchdog (``spec.worker.watchdog_s``): exit 75.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -16,8 +16,7 @@ import sys
 import traceback
 
 from airflow_provider_vllm.errors import EXIT_OK, EXIT_TERMINAL, EXIT_TRANSIENT, VllmBatchError
-
-XCOM_DIR = os.environ.get("VLLM_BATCH_XCOM_DIR", "/airflow/xcom")
+from airflow_provider_vllm.worker.exits import emit as _emit
 
 
 class Preempted(Exception):
@@ -66,14 +65,6 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_TRANSIENT
     _emit(manifest)
     return EXIT_OK
-
-
-def _emit(manifest: dict) -> None:
-    line = json.dumps(manifest, sort_keys=True, default=str)
-    if os.path.isdir(XCOM_DIR):
-        with open(os.path.join(XCOM_DIR, "return.json"), "w", encoding="utf-8") as f:
-            f.write(line)
-    print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -96,6 +96,64 @@ class Engine:
         self._counter = 0
         id2label = getattr(self.llm.llm_engine.model_config.hf_config, "id2label", None) or {}
         self.class_labels = [id2label.get(i, id2label.get(str(i), str(i))) for i in range(len(id2label))]
+        self._closing = False
+        self._watch_core_death()
+
+    # ---- health ---------------------------------------------------------------------
+    def limits(self) -> dict[str, int]:
+        """The scheduler's effective ``max_num_seqs`` and ``max_num_batched_tokens``."""
+        sc = self._engine.vllm_config.scheduler_config
+        return {"max_num_seqs": int(sc.max_num_seqs), "max_num_batched_tokens": int(sc.max_num_batched_tokens)}
+
+    def _core_processes(self) -> list:
+        manager = getattr(getattr(self._engine.engine_core, "resources", None), "engine_manager", None)
+        return list(getattr(manager, "processes", None) or [])
+
+    def alive(self) -> bool:
+        resources = getattr(self._engine.engine_core, "resources", None)
+        if resources is not None and resources.engine_dead:
+            return False
+        return all(p.is_alive() for p in self._core_processes())
+
+    def _watch_core_death(self) -> None:
+        """Wake a blocked ``step`` with EngineDeadError when an engine core process dies.
+
+        vLLM 0.32's sync client marks itself dead and closes its sockets, but a ``step``
+        already waiting on the output queue then waits forever (the watchdog would be the
+        only way out); this puts the error into that queue instead.
+        """
+        import threading
+        from multiprocessing import connection
+
+        procs = self._core_processes()
+        outputs = getattr(self._engine.engine_core, "outputs_queue", None)
+        if not procs or outputs is None:
+            return
+
+        def watch():
+            connection.wait([p.sentinel for p in procs])
+            if not self._closing:
+                from vllm.v1.engine.exceptions import EngineDeadError
+
+                outputs.put_nowait(EngineDeadError())
+
+        threading.Thread(target=watch, name="vllm-batch-core-death", daemon=True).start()
+
+    def kill_core(self) -> None:
+        """SIGKILL the engine core process(es): the ``dead`` fault (a crashed or OOM-killed core)."""
+        import signal
+
+        for p in self._core_processes():
+            os.kill(p.pid, signal.SIGKILL)
+
+    def shutdown(self) -> None:
+        """Stop the engine and free its memory (before a rebuild)."""
+        self._closing = True
+        try:
+            self.abort_all()
+        except Exception:  # a dead engine refuses aborts; shutting down is what matters
+            self._keys.clear()
+        self._engine.engine_core.shutdown()
 
     # ---- generation -----------------------------------------------------------------
     def submit(self, key: Any, token_ids: list[int], overrides: dict[str, Any] | None = None) -> None:

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from airflow_provider_vllm.errors import SpecError
 from airflow_provider_vllm.rows import EMPTY_INPUT, INVALID_ROW, PROMPT_TOO_LONG
 from airflow_provider_vllm.spec import JobSpec
 
@@ -42,8 +43,8 @@ class PromptBuilder:
         else:
             default_budget = max_model_len
         self.budget = min(p.max_prompt_tokens or default_budget, default_budget)
-        if self.budget <= 0:
-            raise ValueError(
+        if self.budget <= 0:  # terminal: every retry fails the same way
+            raise SpecError(
                 f"sampling.max_tokens={spec.sampling.max_tokens} leaves no room for a prompt in "
                 f"max_model_len={max_model_len}"
             )

@@ -32,10 +32,12 @@ from airflow_provider_vllm.rows import ENGINE_ERROR, rows_table
 from airflow_provider_vllm.spec import JobSpec
 from airflow_provider_vllm.storage import Storage
 from airflow_provider_vllm.worker.hardware import hardware_id
+from airflow_provider_vllm.worker.guard import GuardedEngine, RowFailure
 from airflow_provider_vllm.worker.outputs import check_structured
 from airflow_provider_vllm.worker.prompts import PromptBuilder, Prepared
 from airflow_provider_vllm.worker.task import ShardTask
 from airflow_provider_vllm.worker.telemetry import ShardTelemetry
+from airflow_provider_vllm.worker.watchdog import Watchdog
 
 log = logging.getLogger("airflow_provider_vllm.worker")
 
@@ -43,8 +45,13 @@ log = logging.getLogger("airflow_provider_vllm.worker")
 MIN_QUEUE = 1024
 
 
-def run_shard(task: ShardTask, engine_factory: Callable[[JobSpec], Any] | None = None) -> dict[str, Any]:
-    """Process one shard; returns the manifest (also the XCom value). Idempotent."""
+def run_shard(task: ShardTask, engine_factory: Callable[[JobSpec], Any] | None = None,
+              on_stall: Callable[[float], None] | None = None) -> dict[str, Any]:
+    """Process one shard; returns the manifest (also the XCom value). Idempotent.
+
+    The engine runs behind ``GuardedEngine`` (OOM back-off, engine death -> EngineError) and a
+    progress ``Watchdog`` (``spec.worker.watchdog_s``; ``on_stall`` default: exit 75).
+    """
     spec = task.spec
     out = Storage(spec.io.output_uri, spec.io.storage_options)
     plan = load_plan(spec)
@@ -83,17 +90,20 @@ def run_shard(task: ShardTask, engine_factory: Callable[[JobSpec], Any] | None =
     done_rows = sum(metas[k].rows for k in todo)
     telemetry = ShardTelemetry(spec, shard.shard_id, attempt, done_rows, task.progress_interval_s)
     if todo:
-        engine = (engine_factory or _default_engine)(spec)
-        engine_version = engine.version
-        stats["engine_start_s"] = round(engine.start_seconds, 3)
-        telemetry.engine_started(engine.start_seconds)
-        engine.warm_up()
-        runner = _ChunkRunner(spec, plan, shard, batch, engine, store, attempt, metas, telemetry.progress)
-        t0 = time.monotonic()
-        files.update(runner.run(todo))
+        with Watchdog(spec.worker.watchdog_s, on_stall) as watchdog:
+            engine = GuardedEngine(spec, engine_factory or _default_engine, watchdog, label=lambda key: batch.ids[key[1]])
+            engine_version = engine.version
+            stats["engine_start_s"] = round(engine.start_seconds, 3)
+            telemetry.engine_started(engine.start_seconds)
+            with watchdog.paused():
+                engine.warm_up()
+            runner = _ChunkRunner(spec, plan, shard, batch, engine, store, attempt, metas, telemetry.progress)
+            t0 = time.monotonic()
+            files.update(runner.run(todo))
         stats["infer_s"] = round(time.monotonic() - t0, 3)
         stats["prompt_tokens"] = runner.prompt_tokens
         stats["completion_tokens"] = runner.completion_tokens
+        stats.update(engine.stats())
     infer = stats["infer_s"] or 1e-9
     stats.update(
         infer_rows=done_rows,  # rows inferred by this attempt (reused chunks excluded): the throughput basis
@@ -257,6 +267,10 @@ class _ChunkRunner:
                 continue
             for (k, i), g in self.engine.step():
                 t_sub, truncated = submitted.pop(i)
+                if isinstance(g, RowFailure):
+                    records[k][i] = self._error(i, g.code, g.message)
+                    self._row_done(k, i, records, files)
+                    continue
                 label, parsed, valid = check_structured(self.spec, g.text)
                 records[k][i] = {
                     "id": self.batch.ids[i], "status": "ok", "output": g.text, "label": label,
@@ -294,11 +308,14 @@ class _ChunkRunner:
                 ok.append((i, prep))
         if ok:
             t0 = time.monotonic()
-            vectors = self.engine.pool([p.token_ids for _, p in ok])
+            vectors = self.engine.pool([p.token_ids for _, p in ok], keys=[(k, i) for i, _ in ok])
             per_row_ms = (time.monotonic() - t0) * 1000.0 / len(ok)
             col = "embedding" if self.spec.task == "embed" else "scores"
             names = getattr(self.engine, "class_labels", None) or []
             for (i, p), vec in zip(ok, vectors):
+                if isinstance(vec, RowFailure):
+                    rows[i] = self._error(i, vec.code, vec.message)
+                    continue
                 label = None
                 if col == "scores" and len(vec):
                     best = max(range(len(vec)), key=lambda j: vec[j])

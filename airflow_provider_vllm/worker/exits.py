@@ -1,0 +1,53 @@
+"""How the worker process reports its end: the manifest line, and the hard exit of a stall.
+
+The last stdout line is the JSON manifest; it is also written to ``$VLLM_BATCH_XCOM_DIR/return.json``
+(default ``/airflow/xcom``, the KubernetesPodOperator XCom sidecar's file) when that folder exists.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+
+from airflow_provider_vllm.errors import EXIT_TRANSIENT
+
+log = logging.getLogger("airflow_provider_vllm.worker")
+
+
+def emit(manifest: dict) -> None:
+    xcom_dir = os.environ.get("VLLM_BATCH_XCOM_DIR", "/airflow/xcom")
+    line = json.dumps(manifest, sort_keys=True, default=str)
+    if os.path.isdir(xcom_dir):
+        with open(os.path.join(xcom_dir, "return.json"), "w", encoding="utf-8") as f:
+            f.write(line)
+    print(line, flush=True)
+
+
+def stalled(idle_s: float) -> None:
+    """End the process from the watchdog thread: failure manifest, children killed, exit 75.
+
+    ``os._exit`` skips clean-up on purpose: the main thread is stuck and may hold locks.
+    Nothing partial is visible (every write is atomic) and committed chunks stay for the retry.
+    """
+    msg = f"no progress for {idle_s:.0f} s: the engine or storage hangs; a retry resumes from committed chunks"
+    try:
+        emit({"status": "failed", "error": "Stalled", "message": msg, "terminal": False})
+        kill_children()
+    finally:
+        logging.shutdown()
+        os._exit(EXIT_TRANSIENT)
+
+
+def kill_children() -> None:
+    """SIGKILL every descendant process (vLLM's engine core and its workers)."""
+    try:
+        import psutil
+    except ImportError:  # psutil comes with vLLM; without it the engine processes see their parent die
+        return
+    for child in psutil.Process().children(recursive=True):
+        try:
+            child.send_signal(signal.SIGKILL)
+        except psutil.Error:
+            pass

@@ -1,0 +1,315 @@
+"""The engine behind OOM back-off, engine-death detection and the engine fault hook.
+
+``GuardedEngine`` offers what the chunk runner uses (``submit``, ``pending``, ``step``,
+``pool``, ``warm_up``, ``tokenizer``, ``max_model_len``, ``version``, ...) over an engine
+made by a factory (``worker.engine.Engine``, or a fake in tests):
+
+* Out of memory (``torch.OutOfMemoryError``, ``MemoryError``, a ``RuntimeError`` saying "out
+  of memory", anything caused by one): the requests in flight are aborted,
+  ``max_num_seqs`` and ``max_num_batched_tokens`` are halved (down to the floors in
+  ``spec.worker``), the engine is rebuilt with them and the unfinished rows run again. From
+  the first OOM on, at most ``max_num_seqs`` requests are in the engine at once, so the
+  requests in flight are the ones running. At the floors, the rows that were in flight run
+  one at a time; a row that runs out of memory alone becomes an ``ENGINE_OOM`` error row.
+* Engine death (vLLM's ``EngineDeadError``, the engine core process gone):
+  ``EngineError`` (exit 75); the chunks committed so far stay for the retry.
+
+``step`` returns ``(key, Generated)`` for finished rows and ``(key, RowFailure)`` for rows
+that cannot be done; ``pool`` returns a vector or a ``RowFailure`` per prompt.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from airflow_provider_vllm import faults
+from airflow_provider_vllm.errors import EngineError
+from airflow_provider_vllm.rows import ENGINE_ERROR, ENGINE_OOM
+from airflow_provider_vllm.spec import JobSpec
+
+log = logging.getLogger("airflow_provider_vllm.worker")
+
+
+@dataclass(frozen=True)
+class RowFailure:
+    """A row the engine could not do: its error code and message."""
+
+    code: str
+    message: str
+
+
+def classify(exc: BaseException) -> str | None:
+    """'oom' when an out-of-memory error is in the exception chain, 'dead' for vLLM's
+    EngineDeadError, else None."""
+    seen: set[int] = set()
+    chain: list[BaseException] = []
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen and len(chain) < 16:
+        seen.add(id(e))
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    for e in chain:
+        if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":
+            return "oom"
+        if isinstance(e, RuntimeError) and "out of memory" in str(e).lower():
+            return "oom"
+    if any(type(e).__name__ == "EngineDeadError" for e in chain):
+        return "dead"
+    return None
+
+
+class GuardedEngine:
+    """An engine that survives OOM by backing off; see the module docstring."""
+
+    def __init__(self, spec: JobSpec, factory: Callable[[JobSpec], Any], watchdog=None,
+                 label: Callable[[Hashable], str] = str):
+        self.spec = spec
+        self.factory = factory
+        self.watchdog = watchdog
+        self.label = label
+        self.oom_events = 0
+        self.rebuilds = 0
+        self.oom_rows = 0
+        self._req: dict[Hashable, tuple[list[int], dict | None]] = {}
+        self._held: collections.deque = collections.deque()  # submitted, not yet in the engine
+        self._sent: dict[Hashable, None] = {}  # in the engine, in submission order
+        self._ready: list[tuple[Hashable, Any]] = []  # failures to hand out at the next step
+        self.window: int | None = None  # most requests in the engine at once (None: no bound)
+        self._suspects: set[Hashable] = set()  # in flight at an OOM at the floors: run alone
+        self._isolating = False
+        self.engine = self._build(spec)
+        self.start_seconds = getattr(self.engine, "start_seconds", 0.0)
+        self.limits = self._read_limits()
+
+    # ---- what the runner reads ------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def version(self) -> str:
+        return self.engine.version
+
+    @property
+    def class_labels(self) -> list[str]:
+        return getattr(self.engine, "class_labels", None) or []
+
+    def warm_up(self) -> None:
+        self.engine.warm_up()
+
+    def stats(self) -> dict[str, Any]:
+        return {"oom_events": self.oom_events, "engine_rebuilds": self.rebuilds, "oom_error_rows": self.oom_rows,
+                "engine_limits": dict(self.limits)}
+
+    # ---- generation -----------------------------------------------------------------
+    def submit(self, key: Hashable, token_ids: list[int], overrides: dict[str, Any] | None = None) -> None:
+        """Queue a request; ValueError/TypeError when the engine refuses it at once."""
+        if self.window is None and not self._held:
+            self.engine.submit(key, token_ids, overrides)
+            self._req[key] = (token_ids, overrides)
+            self._sent[key] = None
+            return
+        self._req[key] = (token_ids, overrides)
+        self._held.append(key)
+
+    def pending(self) -> int:
+        return len(self._req) + len(self._ready)
+
+    def step(self) -> list[tuple[Hashable, Any]]:
+        out, self._ready = self._ready, []
+        self._feed(out)
+        if not self._sent:
+            return out
+        try:
+            action = faults.hit("engine.step", self._running(), handles=("oom", "dead")) if faults.active() else None
+            if action == "oom":
+                raise faults.out_of_memory("injected at engine.step")
+            if action == "dead":
+                self.engine.kill_core()
+            done = self.engine.step()
+        except Exception as e:
+            kind = classify(e)
+            if kind == "oom":
+                return out + self._after_oom(e)
+            if kind == "dead" or not self._alive():
+                raise EngineError(f"the engine died ({type(e).__name__}: {e}); committed chunks are kept "
+                                  "and a retry resumes from them") from e
+            raise
+        for key, result in done:
+            self._req.pop(key, None)
+            self._sent.pop(key, None)
+            self._suspects.discard(key)
+            out.append((key, result))
+        if self._isolating and not self._suspects:
+            self._end_isolation()
+        self._beat()
+        return out
+
+    def _feed(self, out: list) -> None:
+        while self._held and (self.window is None or len(self._sent) < self.window):
+            key = self._held.popleft()
+            ids, overrides = self._req[key]
+            try:
+                self.engine.submit(key, ids, overrides)
+            except (ValueError, TypeError) as e:  # refused when resubmitted: an error row, as at first submit
+                del self._req[key]
+                self._suspects.discard(key)
+                out.append((key, RowFailure(ENGINE_ERROR, str(e)[:500])))
+                continue
+            self._sent[key] = None
+
+    def _running(self) -> set[str]:
+        """Labels of the requests the FCFS scheduler runs now: the oldest max_num_seqs in flight."""
+        n = self.limits["max_num_seqs"]
+        return {self.label(k) for k, _ in zip(self._sent, range(n))}
+
+    def _after_oom(self, exc: BaseException) -> list[tuple[Hashable, Any]]:
+        self.oom_events += 1
+        in_flight = list(self._sent)
+        self._abort()
+        self._sent.clear()
+        self._held.extendleft(reversed(in_flight))
+        lim = self.limits
+        if self._isolating and len(in_flight) == 1:
+            key = self._held.popleft()
+            del self._req[key]
+            self._suspects.discard(key)
+            self.oom_rows += 1
+            log.error("out of memory with row %s alone in the engine at %s: an %s error row",
+                      self.label(key), _fmt(lim), ENGINE_OOM)
+            if not self._alive():
+                self._rebuild(lim)
+            if not self._suspects:
+                self._end_isolation()
+            return [(key, RowFailure(ENGINE_OOM, f"out of memory with this row alone in the engine at "
+                                                 f"{_fmt(lim)} (the floors): {str(exc)[:300]}"))]
+        lower = self._lowered(lim)
+        if lower != lim:
+            log.warning("out of memory at %s (%s); %d request(s) in flight run again after a rebuild at %s",
+                        _fmt(lim), str(exc)[:200], len(in_flight), _fmt(lower))
+            self._rebuild(lower)
+            self.window = self.limits["max_num_seqs"]
+            return []
+        log.warning("out of memory at the floors %s; running the %d request(s) that were in flight one at a time",
+                    _fmt(lim), len(in_flight))
+        self._isolating = True
+        self._suspects = set(in_flight)
+        self.window = 1
+        if not self._alive():
+            self._rebuild(lim)
+        return []
+
+    def _end_isolation(self) -> None:
+        self._isolating = False
+        self.window = self.limits["max_num_seqs"]
+
+    # ---- pooling --------------------------------------------------------------------
+    def pool(self, prompts: Sequence[list[int]], keys: Sequence[Hashable] | None = None) -> list[Any]:
+        """One vector (or RowFailure) per prompt; OOM backs off, then runs prompts one at a time."""
+        keys = list(keys) if keys is not None else list(range(len(prompts)))
+        results: list[Any] = [None] * len(prompts)
+        todo = list(range(len(prompts)))
+        alone = False
+        while todo:
+            batch = todo[:1] if alone else todo
+            try:
+                if faults.active():
+                    action = faults.hit("engine.step", {self.label(keys[i]) for i in batch}, handles=("oom", "dead"))
+                    if action == "oom":
+                        raise faults.out_of_memory("injected at engine.step")
+                    if action == "dead":
+                        self.engine.kill_core()
+                vectors = self.engine.pool([prompts[i] for i in batch])
+            except Exception as e:
+                kind = classify(e)
+                if kind == "dead" or (kind is None and not self._alive()):
+                    raise EngineError(f"the engine died ({type(e).__name__}: {e}); committed chunks are kept "
+                                      "and a retry resumes from them") from e
+                if kind != "oom":
+                    raise
+                self.oom_events += 1
+                lim = self.limits
+                if alone:
+                    self.oom_rows += 1
+                    results[batch[0]] = RowFailure(ENGINE_OOM, f"out of memory with this row alone at {_fmt(lim)}: "
+                                                               f"{str(e)[:300]}")
+                    todo = todo[1:]
+                    if not self._alive():
+                        self._rebuild(lim)
+                    continue
+                lower = self._lowered(lim)
+                if lower != lim:
+                    self._rebuild(lower)
+                else:
+                    alone = True
+                    if not self._alive():
+                        self._rebuild(lim)
+                continue
+            for i, v in zip(batch, vectors):
+                results[i] = v
+            todo = todo[len(batch):]
+            self._beat()
+        return results
+
+    # ---- engine lifecycle -----------------------------------------------------------
+    def _build(self, spec: JobSpec):
+        if self.watchdog is None:
+            return self.factory(spec)
+        with self.watchdog.paused():  # engine start is not a stall
+            return self.factory(spec)
+
+    def _read_limits(self) -> dict[str, int]:
+        read = getattr(self.engine, "limits", None)
+        if callable(read):
+            return dict(read())
+        e = self.spec.engine
+        return {"max_num_seqs": e.max_num_seqs or 256, "max_num_batched_tokens": e.max_num_batched_tokens or 8192}
+
+    def _lowered(self, lim: dict[str, int]) -> dict[str, int]:
+        w = self.spec.worker
+        seqs = min(lim["max_num_seqs"], max(w.oom_min_num_seqs, lim["max_num_seqs"] // 2))
+        toks = min(lim["max_num_batched_tokens"],
+                   max(w.oom_min_batched_tokens, lim["max_num_batched_tokens"] // 2, seqs))
+        return {"max_num_seqs": seqs, "max_num_batched_tokens": toks}
+
+    def _rebuild(self, lim: dict[str, int]) -> None:
+        if self.rebuilds >= self.spec.worker.oom_max_rebuilds:
+            raise EngineError(f"out of memory again after {self.rebuilds} engine rebuild(s) (now {_fmt(self.limits)}); "
+                              "committed chunks are kept and a retry resumes from them")
+        self.rebuilds += 1
+        old, self.engine = self.engine, None
+        try:
+            old.shutdown()
+        except Exception as e:  # a dead engine may fail to shut down cleanly; its memory goes with it
+            log.warning("engine shutdown before rebuild: %s", e)
+        del old
+        spec = self.spec.model_copy(update={"engine": self.spec.engine.model_copy(update=lim)})
+        self.engine = self._build(spec)
+        self.limits = self._read_limits()
+        log.warning("engine rebuilt (%d) at %s", self.rebuilds, _fmt(self.limits))
+
+    def _abort(self) -> None:
+        try:
+            self.engine.abort_all()
+        except Exception as e:  # the engine may be gone; the rebuild replaces it
+            log.warning("abort after OOM: %s", e)
+
+    def _alive(self) -> bool:
+        alive = getattr(self.engine, "alive", None)
+        return alive() if callable(alive) else True
+
+    def _beat(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.beat()
+
+
+def _fmt(lim: dict[str, int]) -> str:
+    return f"max_num_seqs={lim['max_num_seqs']}, max_num_batched_tokens={lim['max_num_batched_tokens']}"

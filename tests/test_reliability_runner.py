@@ -1,0 +1,36 @@
+"""The local runner's process handling when a worker dies hard (no Airflow needed)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import psutil
+import pytest
+
+from airflow_provider_vllm.operators.local_runner import LocalWorkerProcess
+
+pytestmark = [pytest.mark.reliability, pytest.mark.timeout(120)]
+
+# a stand-in worker: starts a long-lived child (like vLLM's engine core) that inherits its
+# stdout/stderr, reports the child's pid, then is SIGKILLed (like the OOM killer would)
+SCRIPT = """
+import os, signal, subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+print('{"child": %d}' % child.pid, flush=True)
+print("engine started", file=sys.stderr, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_killed_worker_with_an_orphaned_engine_process_neither_hangs_nor_leaks_it():
+    lines: list[str] = []
+    result = LocalWorkerProcess([sys.executable, "-c", SCRIPT], dict(os.environ), lines.append).run()
+    assert result.returncode == -9 and lines == ["engine started"]
+    child = result.manifest["child"]
+    try:
+        proc = psutil.Process(child)
+        proc.wait(timeout=10)  # reaped by init once killed
+    except psutil.NoSuchProcess:
+        pass
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
