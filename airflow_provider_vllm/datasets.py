@@ -86,7 +86,7 @@ def input_storage(uri: str, options: dict[str, Any]) -> tuple[Storage, list[str]
 def describe_files(storage: Storage, names: list[str]) -> list[InputFile]:
     out = []
     for n in names:
-        info = storage.fs.info(storage.path(n))
+        info = storage.info(n)
         version = info.get("ETag") or info.get("etag") or info.get("generation") or info.get("mtime") or ""
         out.append(InputFile(path=n, size=int(info.get("size") or 0), version=str(version).strip('"')))
     return out

@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
-from airflow_provider_vllm.errors import TransientError
+from airflow_provider_vllm.storage_retry import retrying
 
 
 @dataclass(frozen=True)
@@ -58,11 +58,15 @@ class Storage:
         return Storage(self.uri(rel), self.options)
 
     # ---- reads ----------------------------------------------------------------------
+    # Reads of remote objects retry transient errors too; local ones fail at once.
+    def _call(self, fn, what: str):
+        return fn() if self.is_local else _retrying(fn, what)
+
     def exists(self, rel: str) -> bool:
-        return self.fs.exists(self.path(rel))
+        return self._call(lambda: self.fs.exists(self.path(rel)), f"exists {self.uri(rel)}")
 
     def read_bytes(self, rel: str) -> bytes:
-        return self.fs.cat_file(self.path(rel))
+        return self._call(lambda: self.fs.cat_file(self.path(rel)), f"read {self.uri(rel)}")
 
     def read_text(self, rel: str) -> str:
         return self.read_bytes(rel).decode("utf-8")
@@ -71,7 +75,7 @@ class Storage:
         """Names (not paths) directly under rel; empty when rel does not exist."""
         p = self.path(rel)
         try:
-            entries = self.fs.ls(p, detail=False)
+            entries = self._call(lambda: self.fs.ls(p, detail=False), f"list {self.uri(rel)}")
         except FileNotFoundError:
             return []
         names = [posixpath.basename(e.rstrip("/")) for e in entries]
@@ -80,15 +84,21 @@ class Storage:
     def open(self, rel: str, mode: str = "rb"):
         return self.fs.open(self.path(rel), mode)
 
+    def info(self, rel: str) -> dict[str, Any]:
+        return self._call(lambda: self.fs.info(self.path(rel)), f"stat {self.uri(rel)}")
+
     def size(self, rel: str) -> int:
-        return int(self.fs.size(self.path(rel)))
+        return int(self._call(lambda: self.fs.size(self.path(rel)), f"size {self.uri(rel)}"))
 
     def sha256(self, rel: str) -> str:
-        h = hashlib.sha256()
-        with self.open(rel) as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-        return h.hexdigest()
+        def digest() -> str:
+            h = hashlib.sha256()
+            with self.open(rel) as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    h.update(block)
+            return h.hexdigest()
+
+        return self._call(digest, f"checksum {self.uri(rel)}")
 
     # ---- writes ---------------------------------------------------------------------
     def makedirs(self, rel: str = "") -> None:
@@ -99,7 +109,7 @@ class Storage:
         """Write all of data or nothing visible at rel."""
         p = self.path(rel)
         if not self.is_local:
-            _retrying(lambda: self.fs.pipe_file(p, data))
+            _retrying(lambda: self.fs.pipe_file(p, data), f"write {self.uri(rel)}")
             return
         tmp = _local_temp_copy(p, data)
         try:
@@ -130,6 +140,10 @@ class Storage:
         pq.write_table(table, sink, compression="zstd")
         self.write_atomic(rel, sink.getvalue().to_pybytes())
 
+    def upload(self, local: str, rel: str) -> None:
+        """Copy a finished local file to rel (remote: one PUT or multipart upload, visible whole or not at all)."""
+        _retrying(lambda: self.fs.put_file(local, self.path(rel)), f"upload {self.uri(rel)}")
+
     def remove(self, rel: str, recursive: bool = False) -> None:
         try:
             self.fs.rm(self.path(rel), recursive=recursive)
@@ -140,7 +154,7 @@ class Storage:
         """Relative paths of all files under rel."""
         base = self.path(rel)
         try:
-            found = self.fs.find(base)
+            found = self._call(lambda: self.fs.find(base), f"list {self.uri(rel)}")
         except FileNotFoundError:
             return
         for p in sorted(found):
@@ -185,7 +199,7 @@ def _create_only_remote(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -
         raise NotImplementedError(f"no atomic create-only write for protocol {fs.protocol!r}")
     # s3fs sends If-None-Match: * and gcsfs ifGenerationMatch=0: the server decides, atomically.
     try:
-        _retrying(lambda: fs.pipe_file(path, data, mode="create"))
+        _retrying(lambda: fs.pipe_file(path, data, mode="create"), f"create {path}")
     except FileExistsError:
         return False
     except OSError as e:
@@ -195,19 +209,6 @@ def _create_only_remote(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -
     return True
 
 
-def _retrying(fn, attempts: int = 5):
-    """Run fn, retrying transient storage errors with exponential backoff."""
-    import random
-    import time
-
-    delay = 0.2
-    for i in range(attempts):
-        try:
-            return fn()
-        except (OSError, TimeoutError) as e:
-            if isinstance(e, (FileNotFoundError, FileExistsError, PermissionError)):
-                raise
-            if i == attempts - 1:
-                raise TransientError(f"storage operation failed after {attempts} attempts: {e}") from e
-            time.sleep(delay * (1 + random.random()))
-            delay *= 2
+def _retrying(fn, what: str = "storage operation"):
+    """Run fn, retrying transient object-store errors with backoff (see storage_retry)."""
+    return retrying(fn, what)
