@@ -98,21 +98,25 @@ def plan_job(spec: JobSpec) -> Plan:
     """Plan the job and write ``_plan.json`` under the output prefix; idempotent.
 
     Raises DatasetError for dataset faults and SpecError when the output prefix already
-    holds the plan of a different input or spec.
+    holds the plan of a different input or spec, or files but no plan (another run's).
     """
     out = Storage(spec.io.output_uri, spec.io.storage_options)
     plan = build_plan(spec)
-    if out.exists(PLAN_FILE):
-        existing = Plan.model_validate_json(out.read_bytes(PLAN_FILE))
-        if existing.fingerprint != plan.fingerprint or existing.spec_hash != plan.spec_hash:
-            raise SpecError(
-                f"output {spec.io.output_uri} already holds a run of another input or spec "
-                f"(plan fingerprint {existing.fingerprint[:12]}, spec {existing.spec_hash[:12]}); "
-                "use a new output prefix"
-            )
-        return existing
-    out.create_only(PLAN_FILE, plan.model_dump_json(indent=1).encode())
-    return Plan.model_validate_json(out.read_bytes(PLAN_FILE))
+    if not out.exists(PLAN_FILE):
+        foreign = next(out.walk_files(), None)
+        if foreign is not None:
+            raise SpecError(f"output {spec.io.output_uri} is not empty (e.g. {foreign}) and holds no plan of "
+                            "this job; use a new, empty output prefix")
+        # create-only: of two runs racing for one prefix, the loser meets the winner's plan below
+        out.create_only(PLAN_FILE, plan.model_dump_json(indent=1).encode())
+    existing = Plan.model_validate_json(out.read_bytes(PLAN_FILE))
+    if existing.fingerprint != plan.fingerprint or existing.spec_hash != plan.spec_hash:
+        raise SpecError(
+            f"output {spec.io.output_uri} already holds a run of another input or spec "
+            f"(plan fingerprint {existing.fingerprint[:12]}, spec {existing.spec_hash[:12]}); "
+            "use a new output prefix"
+        )
+    return existing
 
 
 def load_plan(spec: JobSpec) -> Plan:

@@ -17,6 +17,7 @@ from airflow_provider_vllm.operators._common import (
     overrides_document,
     spec_document,
 )
+from airflow_provider_vllm.operators.deployment import check_spec_allowed
 from airflow_provider_vllm.planning import plan_job
 from airflow_provider_vllm.spec import JobSpec
 
@@ -70,6 +71,7 @@ class VllmPlanOperator(BaseOperator):
     def execute(self, context: Any) -> list[dict[str, Any]]:
         runner = check_runner(self.runner)
         spec = self.build_spec(dict(context.get("params") or {}))
+        check_spec_allowed(spec, "plan")
         if runner == "local":
             check_local_model(spec)
         self.log.info("job %s: task=%s model=%s input=%s output=%s spec_hash=%s", spec.name, spec.task,
