@@ -32,6 +32,7 @@ from airflow_provider_vllm.errors import SpecError
 
 SCHEMES = ("s3", "s3a", "gs", "gcs", "abfs", "az", "memory", "file")
 ALLOWED_PREFIXES_ENV = "VLLM_BATCH_ALLOWED_PREFIXES"
+MAX_URI_CHARS = 1024
 _ENCODED = re.compile(r"%(2e|2f|5c|25|00)", re.IGNORECASE)
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$", re.DOTALL)
@@ -45,6 +46,8 @@ def canonical_uri(uri: str, what: str = "uri", resolve: bool = True) -> str:
     """
     if not isinstance(uri, str) or not uri:
         raise SpecError(f"{what}: must be a non-empty string")
+    if len(uri) > MAX_URI_CHARS:
+        raise SpecError(f"{what}: {len(uri)} characters; at most {MAX_URI_CHARS}")
     if _CONTROL.search(uri):
         raise SpecError(f"{what}={uri!r}: control characters are not allowed")
     if "\\" in uri:

@@ -45,6 +45,9 @@ REVISION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
 QUANTIZATION = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
 COLUMN = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,127}$")
 LABEL = re.compile(rf"^\w[\w .:/+()-]{{0,{MAX_LABEL_CHARS - 1}}}$")
+# Any other string (engine_kwargs and storage_options values, enums): plain words, numbers,
+# hosts and URLs; no quotes, no shell or template syntax.
+OTHER = re.compile(r"^[\w .,:/@+=~-]*$")
 
 _IDENTIFIERS = {
     "model.name": (MODEL_REF, "a hub id (org/name) or a local path"),
@@ -108,7 +111,8 @@ def _check_string(path: str, value: str) -> None:
                          "values are used verbatim, never rendered")
     if (_CONTROL if path in _FREE_TEXT else _ANY_CONTROL).search(value):
         raise ValueError(f"{path}={shown!r}: control characters are not allowed")
-    rule = _IDENTIFIERS.get(path)
+    rule = _IDENTIFIERS.get(path) or (None if path in _FREE_TEXT else (OTHER, "plain text (letters, digits, "
+                                                                          "spaces and _ . , : / @ + = ~ -)"))
     if rule is not None:
         pattern, what = rule
         if not pattern.match(value) or "/../" in f"/{value}/" or "/./" in f"/{value}/":

@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     # vLLM logs to stdout by default; stdout carries only the manifest
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     try:
+        from airflow_provider_vllm.param_schemas import check_spec_params
         from airflow_provider_vllm.paths import prefixes_from_env
         from airflow_provider_vllm.spec_guard import check_deployment
         from airflow_provider_vllm.worker.shard import run_shard
@@ -57,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         task = ShardTask.load(raw)
         # the allow-list comes from the deployment (environment), never from the task itself
         check_deployment(task.spec, prefixes_from_env())
+        check_spec_params(task.spec.model_dump(mode="json"))
         manifest = run_shard(task)
     except VllmBatchError as e:
         log.error("%s: %s", type(e).__name__, e)
