@@ -405,3 +405,18 @@ def test_worker_log_redacts_secret_environment_values(tmp_path):
         log.removeHandler(handler)
     text = "\n".join(records)
     assert "SENTINEL" not in text and text.count("***") >= 3
+
+
+def test_worker_cli_never_prints_a_secret_from_its_environment(allowed):
+    """A secret pasted into a param by mistake: the refusal names the field, the secret is masked."""
+    token = "hf_SENTINELpastedQ8z2"
+    doc = base_doc(allowed)
+    task = {"spec": doc, "shard_id": "shard-00000-0123abcd"}
+    task["spec"]["model"]["name"] = f"org/model;{token}"
+    env = {**os.environ, "HF_TOKEN": token, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, "-m", "airflow_provider_vllm.worker", json.dumps(task)], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == EXIT_TERMINAL
+    assert "model.name" in p.stdout + p.stderr and "***" in p.stderr
+    assert token not in p.stdout + p.stderr
+    record_malicious("secret_in_param_logged", 1, 1)
