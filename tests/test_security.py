@@ -420,3 +420,46 @@ def test_worker_cli_never_prints_a_secret_from_its_environment(allowed):
     assert "model.name" in p.stdout + p.stderr and "***" in p.stderr
     assert token not in p.stdout + p.stderr
     record_malicious("secret_in_param_logged", 1, 1)
+
+
+def test_shard_operator_refuses_a_forged_spec_before_starting_a_worker(allowed, tmp_path, monkeypatch):
+    """A spec tampered with in XCom: the shard task checks it against the deployment itself."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from airflow_provider_vllm.operators import VllmLocalShardOperator
+
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", json.dumps(prefixes(allowed)))
+    forged = base_doc(allowed)
+    forged["io"]["output_uri"] = str(tmp_path / "elsewhere")
+    launched = tmp_path / "launched"
+    python = tmp_path / "python"  # would leave a trace if the operator started it
+    python.write_text(f"#!/bin/sh\ntouch {launched}\n")
+    python.chmod(0o755)
+    ti = type("TI", (), {"map_index": 0, "try_number": 1})()
+    op = VllmLocalShardOperator(task_id="shard", spec=forged, shard={"shard_id": "shard-00000-0123abcd", "rows": 3},
+                                python=str(python))
+    with pytest.raises(AirflowFailException, match="outside the allowed prefixes"):
+        op.execute({"ti": ti})
+    assert not launched.exists() and not (tmp_path / "elsewhere").exists()
+    record_malicious("forged_spec_at_shard_operator", 1, 1)
+
+
+def test_shard_operator_hands_the_deployment_allow_list_to_the_worker(allowed, tmp_path, monkeypatch):
+    """The worker's allow-list comes from the deployment; the task's ``env`` cannot widen it."""
+    from airflow.sdk.exceptions import AirflowException
+
+    from airflow_provider_vllm.operators import VllmLocalShardOperator
+
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", json.dumps(prefixes(allowed)))
+    dump = tmp_path / "env.json"
+    python = tmp_path / "python"
+    python.write_text(f"#!{sys.executable}\nimport json, os\njson.dump(dict(os.environ), open({str(dump)!r}, 'w'))\n")
+    python.chmod(0o755)
+    ti = type("TI", (), {"map_index": 0, "try_number": 1})()
+    op = VllmLocalShardOperator(task_id="shard", spec=base_doc(allowed), python=str(python),
+                                shard={"shard_id": "shard-00000-0123abcd", "rows": 3},
+                                env={ALLOWED_PREFIXES_ENV: '["/"]'})
+    with pytest.raises(AirflowException):  # the stand-in prints no manifest
+        op.execute({"ti": ti})
+    seen = json.loads(dump.read_text())
+    assert json.loads(seen[ALLOWED_PREFIXES_ENV]) == prefixes(allowed)
