@@ -59,6 +59,9 @@ _IDENTIFIERS = {
     "sampling.structured.choice": (LABEL, f"a label of letters, digits, spaces and _ . : / + ( ) - "
                                           f"(at most {MAX_LABEL_CHARS} characters)"),
 }
+# Sections whose other strings must be plain (OTHER); strings of sections added later (e.g. a
+# pod's annotations) get the generic rules only: no Jinja, no control characters, bounded size.
+_PLAIN_SECTIONS = frozenset({"name", "task", "model", "engine", "prompt", "sampling", "io", "sharding", "qa"})
 _URIS = ("io.input_uri", "io.output_uri", "qa.previous_report_uri")
 _FREE_TEXT = {"prompt.system_prompt": MAX_TEXT_CHARS, "prompt.template": MAX_TEXT_CHARS,
               "sampling.stop": 256, "sampling.structured.regex": MAX_STRING_CHARS}
@@ -111,8 +114,9 @@ def _check_string(path: str, value: str) -> None:
                          "values are used verbatim, never rendered")
     if (_CONTROL if path in _FREE_TEXT else _ANY_CONTROL).search(value):
         raise ValueError(f"{path}={shown!r}: control characters are not allowed")
-    rule = _IDENTIFIERS.get(path) or (None if path in _FREE_TEXT else (OTHER, "plain text (letters, digits, "
-                                                                          "spaces and _ . , : / @ + = ~ -)"))
+    rule = _IDENTIFIERS.get(path)
+    if rule is None and path not in _FREE_TEXT and path.split(".", 1)[0] in _PLAIN_SECTIONS:
+        rule = (OTHER, "plain text (letters, digits, spaces and _ . , : / @ + = ~ -)")
     if rule is not None:
         pattern, what = rule
         if not pattern.match(value) or "/../" in f"/{value}/" or "/./" in f"/{value}/":
