@@ -48,7 +48,8 @@ def test_plan_task_refuses_a_path_outside_the_deployment_allow_list(airflow_sand
     box = airflow_sandbox
     outside = tmp_path / "outside"
     write_parquet(outside / "part-0.parquet", ["a", "b"], ["one", "two"])
-    env = {"AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES": json.dumps([str(box.data)])}
+    secret = "hf_SENTINELdagtestK3v9"
+    env = {"AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES": json.dumps([str(box.data)]), "HF_TOKEN": secret}
     p = box.dags_test(RERUN, "2026-11-24", conf={"input_uri": str(outside)}, env=env)
     assert p.returncode != 0
     db = box.inspect(RERUN)
@@ -57,6 +58,7 @@ def test_plan_task_refuses_a_path_outside_the_deployment_allow_list(airflow_sand
     assert tis["plan"]["state"] == "failed" and tis["plan"]["try_number"] == 1  # terminal, no retry
     assert tis["shard"]["state"] == "upstream_failed"
     assert "outside the allowed prefixes" in p.stdout + p.stderr
+    assert secret not in p.stdout + p.stderr  # the task logs never show the environment's secrets
     from airflow_provider_vllm.builder import TEMPLATE_FILTERS
 
     assert not (box.data / "reruns" / TEMPLATE_FILTERS["path_safe"](run_id) / "_plan.json").exists()
