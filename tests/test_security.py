@@ -463,3 +463,18 @@ def test_shard_operator_hands_the_deployment_allow_list_to_the_worker(allowed, t
         op.execute({"ti": ti})
     seen = json.loads(dump.read_text())
     assert json.loads(seen[ALLOWED_PREFIXES_ENV]) == prefixes(allowed)
+
+
+def test_deployment_allow_list_sources_config_wins_over_variable(monkeypatch, tmp_path):
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from airflow_provider_vllm.operators.deployment import allowed_prefixes
+
+    monkeypatch.delenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", raising=False)
+    monkeypatch.setenv("AIRFLOW_VAR_VLLM_BATCH_ALLOWED_PREFIXES", '["s3://from-variable/x"]')
+    assert allowed_prefixes() == ["s3://from-variable/x"]
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", f"s3://from-config/, {tmp_path}")
+    assert allowed_prefixes() == ["s3://from-config", str(tmp_path)]
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", "s3://ok/,ftp://bad/")
+    with pytest.raises(AirflowFailException, match="malformed"):
+        allowed_prefixes()
