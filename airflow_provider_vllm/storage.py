@@ -60,7 +60,7 @@ class Storage:
     # ---- reads ----------------------------------------------------------------------
     # Reads of remote objects retry transient errors too; local ones fail at once.
     def _call(self, fn, what: str):
-        return fn() if self.is_local else _retrying(fn, what)
+        return fn() if self.is_local else retrying(fn, what)
 
     def exists(self, rel: str) -> bool:
         return self._call(lambda: self.fs.exists(self.path(rel)), f"exists {self.uri(rel)}")
@@ -109,7 +109,7 @@ class Storage:
         """Write all of data or nothing visible at rel."""
         p = self.path(rel)
         if not self.is_local:
-            _retrying(lambda: self.fs.pipe_file(p, data), f"write {self.uri(rel)}")
+            retrying(lambda: self.fs.pipe_file(p, data), f"write {self.uri(rel)}")
             return
         tmp = _local_temp_copy(p, data)
         try:
@@ -142,7 +142,7 @@ class Storage:
 
     def upload(self, local: str, rel: str) -> None:
         """Copy a finished local file to rel (remote: one PUT or multipart upload, visible whole or not at all)."""
-        _retrying(lambda: self.fs.put_file(local, self.path(rel)), f"upload {self.uri(rel)}")
+        retrying(lambda: self.fs.put_file(local, self.path(rel)), f"upload {self.uri(rel)}")
 
     def remove(self, rel: str, recursive: bool = False) -> None:
         try:
@@ -199,7 +199,7 @@ def _create_only_remote(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -
         raise NotImplementedError(f"no atomic create-only write for protocol {fs.protocol!r}")
     # s3fs sends If-None-Match: * and gcsfs ifGenerationMatch=0: the server decides, atomically.
     try:
-        _retrying(lambda: fs.pipe_file(path, data, mode="create"), f"create {path}")
+        retrying(lambda: fs.pipe_file(path, data, mode="create"), f"create {path}")
     except FileExistsError:
         return False
     except OSError as e:
@@ -207,8 +207,3 @@ def _create_only_remote(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -
             return False
         raise
     return True
-
-
-def _retrying(fn, what: str = "storage operation"):
-    """Run fn, retrying transient object-store errors with backoff (see storage_retry)."""
-    return retrying(fn, what)

@@ -3,7 +3,7 @@
 Rules: start an attempt of a shard, write one of its chunks, crash an attempt (its in-flight
 temp file stays behind, the attempt never acts again), commit (as the worker does: reuse
 complete chunks of earlier attempts, write the missing ones, create the marker), a duplicate
-commit by another attempt of a committed shard, and merge.
+commit by another attempt of a committed shard, a retry that runs to its commit, and merge.
 
 Invariants after every step: a marker, once created, never changes; every file a marker
 names exists with the size and sha256 it records; every file that looks like a chunk opens
@@ -158,6 +158,12 @@ class CommitProtocol(RuleBasedStateMachine):
             self.markers[shard_id] = (self.out_dir / store.dir / MARKER).read_bytes()
         else:
             _TOTALS["duplicate_commits"] += 1
+
+    @rule(shard=st.integers(0, 10))
+    def retry_to_completion(self, shard):
+        """A fresh attempt (an Airflow retry) that runs its shard to the commit, as most retries do."""
+        attempt = self.start_attempt(shard)
+        self.commit(attempt)
 
     @precondition(lambda self: not self.merged)
     @rule()
