@@ -24,6 +24,22 @@ def get_provider_info() -> dict:
                 "tags": ["software"],
             }
         ],
+        "config": {
+            "vllm_batch": {
+                "description": "Limits the deployment sets on vLLM batch jobs.",
+                "options": {
+                    "allowed_uri_prefixes": {
+                        "description": "JSON list or comma-separated URI prefixes that job inputs and outputs "
+                        "must lie under (e.g. s3://ml-batch/,/data/batch). Empty: the Airflow Variable "
+                        "vllm_batch_allowed_prefixes, else no limit.",
+                        "version_added": "0.1.0",
+                        "type": "string",
+                        "example": "s3://ml-batch/,/data/batch",
+                        "default": "",
+                    }
+                },
+            }
+        },
         "operators": [
             {
                 "integration-name": "vLLM batch inference",

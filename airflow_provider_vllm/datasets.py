@@ -86,7 +86,7 @@ def input_storage(uri: str, options: dict[str, Any]) -> tuple[Storage, list[str]
 def describe_files(storage: Storage, names: list[str]) -> list[InputFile]:
     out = []
     for n in names:
-        info = storage.fs.info(storage.path(n))
+        info = storage.info(n)
         version = info.get("ETag") or info.get("etag") or info.get("generation") or info.get("mtime") or ""
         out.append(InputFile(path=n, size=int(info.get("size") or 0), version=str(version).strip('"')))
     return out
@@ -132,8 +132,11 @@ def detect_format(storage: Storage, names: list[str], declared: str) -> str:
 
 # ---- Parquet ------------------------------------------------------------------------
 def parquet_metadata(storage: Storage, name: str) -> pq.FileMetaData:
-    with storage.open(name) as f:
-        return pq.ParquetFile(f).metadata
+    try:
+        with storage.open(name) as f:
+            return pq.ParquetFile(f).metadata
+    except pa.ArrowInvalid as e:  # storage errors (OSError) stay transient
+        raise DatasetError(f"input file {name} is not a readable Parquet file: {e}") from None
 
 
 def read_parquet_range(storage: Storage, name: str, start: int, count: int, columns: list[str]) -> pa.Table:
@@ -170,6 +173,15 @@ def parquet_batch(table: pa.Table, id_column: str, columns: list[str]) -> RowBat
 
 
 # ---- JSONL --------------------------------------------------------------------------
+def is_unicode(text: str) -> bool:
+    """False for strings JSON can carry but UTF-8 cannot (unpaired surrogates from ``\ud800`` escapes)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def invalid_line_id(name: str, line_no: int) -> str:
     return f"__line__:{name}:{line_no}"
 
@@ -208,6 +220,9 @@ def scan_jsonl(storage: Storage, name: str, fmt: str, id_field: str, text_fields
             rid = parsed.get(key)
             if rid is None or isinstance(rid, (dict, list, bool)) or rid == "":
                 raise DatasetError(f"{name} line {line_no}: missing or invalid id field {key!r}")
+            if not is_unicode(str(rid)):
+                raise DatasetError(f"{name} line {line_no}: id field {key!r} is not valid Unicode "
+                                   "(an unpaired surrogate escape)")
             ids.append(str(rid))
             lengths.append(row_chars(parsed, fmt, text_fields))
             invalid.append(False)
@@ -314,6 +329,8 @@ def openai_request_fault(req: dict[str, Any]) -> tuple[str, str] | None:
                 return ("INVALID_ROW", f"body.messages[{i}] has no valid role")
             if not isinstance(m.get("content"), str):
                 return ("INVALID_ROW", f"body.messages[{i}].content must be a string")
+            if not is_unicode(m["content"]):
+                return ("INVALID_ROW", f"body.messages[{i}].content is not valid Unicode (unpaired surrogate)")
     else:
         inp = body.get("input")
         if not isinstance(inp, str) or not inp:

@@ -210,7 +210,7 @@ def _publish_file(out: Storage, local: str, rel: str) -> None:
         shutil.move(local, tmp)  # may cross filesystems; the rename below may not
         os.replace(tmp, dest)
     else:
-        out.fs.put_file(local, out.path(rel))  # one object: visible whole or not at all
+        out.upload(local, rel)  # one object: visible whole or not at all
 
 
 def _empty_chunk() -> str:

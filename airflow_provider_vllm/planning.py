@@ -101,21 +101,25 @@ def plan_job(spec: JobSpec) -> Plan:
     """Plan the job and write ``_plan.json`` under the output prefix; idempotent.
 
     Raises DatasetError for dataset faults and SpecError when the output prefix already
-    holds the plan of a different input or spec.
+    holds the plan of a different input or spec, or files but no plan (another run's).
     """
     out = Storage(spec.io.output_uri, spec.io.storage_options)
     plan = build_plan(spec)
-    if out.exists(PLAN_FILE):
-        existing = Plan.model_validate_json(out.read_bytes(PLAN_FILE))
-        if existing.fingerprint != plan.fingerprint or existing.spec_hash != plan.spec_hash:
-            raise SpecError(
-                f"output {spec.io.output_uri} already holds a run of another input or spec "
-                f"(plan fingerprint {existing.fingerprint[:12]}, spec {existing.spec_hash[:12]}); "
-                "use a new output prefix"
-            )
-        return existing
-    out.create_only(PLAN_FILE, plan.model_dump_json(indent=1).encode())
-    return Plan.model_validate_json(out.read_bytes(PLAN_FILE))
+    if not out.exists(PLAN_FILE):
+        foreign = next(out.walk_files(), None)
+        if foreign is not None:
+            raise SpecError(f"output {spec.io.output_uri} is not empty (e.g. {foreign}) and holds no plan of "
+                            "this job; use a new, empty output prefix")
+        # create-only: of two runs racing for one prefix, the loser meets the winner's plan below
+        out.create_only(PLAN_FILE, plan.model_dump_json(indent=1).encode())
+    existing = Plan.model_validate_json(out.read_bytes(PLAN_FILE))
+    if existing.fingerprint != plan.fingerprint or existing.spec_hash != plan.spec_hash:
+        raise SpecError(
+            f"output {spec.io.output_uri} already holds a run of another input or spec "
+            f"(plan fingerprint {existing.fingerprint[:12]}, spec {existing.spec_hash[:12]}); "
+            "use a new output prefix"
+        )
+    return existing
 
 
 def load_plan(spec: JobSpec) -> Plan:
@@ -138,7 +142,7 @@ def build_plan(spec: JobSpec) -> Plan:
         ids, chars, file_rows, offsets, lines, invalid = _scan_parquet(root, names, spec, per_row)
     else:
         ids, chars, file_rows, offsets, lines, invalid = _scan_jsonl(root, names, fmt, spec)
-    _check_ids(ids)
+    _check_ids(ids, names, file_rows, lines)
     total_rows = int(sum(file_rows))
     tokens = estimate_tokens(chars, sh.chars_per_token) if len(chars) else np.zeros(0, np.int64)
     fp = fingerprint(files)
@@ -217,25 +221,34 @@ def _check_parquet_ids(root: Storage, names: list[str], idc: str) -> None:
         src = f"read_parquet({duck.file_list(root, names)}, filename = true, file_row_number = true)"
         col = '"' + idc.replace('"', '""') + '"'
         # distinct hashes == rows proves distinct ids; a shortfall pays for the exact count
-        n, nulls, distinct = con.execute(
-            f"SELECT count(*), count(*) - count({col}), count(DISTINCT hash({col})) FROM {src}").fetchall()[0]
+        n, nulls, distinct, empty = con.execute(
+            f"SELECT count(*), count(*) - count({col}), count(DISTINCT hash({col})), "
+            f"count(*) FILTER (WHERE trim(CAST({col} AS VARCHAR)) = '') FROM {src}").fetchall()[0]
         if not nulls and distinct != n:
             distinct = con.execute(f"SELECT count(DISTINCT {col}) FROM {src}").fetchall()[0][0]
         if nulls:
             fname, row = con.execute(
                 f"SELECT filename, file_row_number FROM {src} WHERE {col} IS NULL LIMIT 1").fetchall()[0]
             raise DatasetError(f"{nulls} row(s) have a null id; first at {fname.rsplit('/', 1)[-1]} row {row}")
+        if empty:
+            fname, row = con.execute(f"SELECT filename, file_row_number FROM {src} "
+                                     f"WHERE trim(CAST({col} AS VARCHAR)) = '' LIMIT 1").fetchall()[0]
+            raise DatasetError(f"{empty} row(s) have an empty id in column {idc!r}; first at "
+                               f"{fname.rsplit('/', 1)[-1]} row {row}")
         if distinct != n:
             dups = con.execute(f"SELECT {col}, count(*) AS k FROM {src} GROUP BY {col} HAVING k > 1 "
                                f"ORDER BY k DESC, {col} LIMIT 5").fetchall()
-            _raise_duplicates(n, distinct, dups)
+            at = con.execute(f"SELECT filename, file_row_number FROM {src} WHERE {col} = ? "
+                             "ORDER BY filename, file_row_number LIMIT 2", [dups[0][0]]).fetchall()
+            _raise_duplicates(n, distinct, dups, [f"{f.rsplit('/', 1)[-1]} row {r}" for f, r in at])
     finally:
         con.close()
 
 
-def _raise_duplicates(n: int, distinct: int, dups: list[tuple]) -> None:
+def _raise_duplicates(n: int, distinct: int, dups: list[tuple], first_at: list[str]) -> None:
     examples = ", ".join(f"{str(r[0])!r} x{r[1]}" for r in dups)
-    raise DatasetError(f"{n - distinct} duplicate id(s) in the input ({n} rows, {distinct} distinct); e.g. {examples}")
+    raise DatasetError(f"{n - distinct} duplicate id(s) in the input ({n} rows, {distinct} distinct); e.g. "
+                       f"{examples}; {str(dups[0][0])!r} is at {' and '.join(first_at)}")
 
 
 def _chars_from_footer(md, texts: list[str], n: int) -> np.ndarray:
@@ -270,7 +283,7 @@ def _scan_jsonl(root: Storage, names: list[str], fmt: str, spec: JobSpec):
     return pa.chunked_array([pa.array(ids, pa.string())]), cat(chars), file_rows, cat(offsets), cat(lines), invalid
 
 
-def _check_ids(ids: pa.ChunkedArray | None) -> None:
+def _check_ids(ids: pa.ChunkedArray | None, names: list[str], file_rows: list[int], lines: np.ndarray) -> None:
     """Null and duplicate ids of a JSONL input (Parquet inputs are checked in _scan_parquet)."""
     if ids is None or len(ids) == 0:
         return
@@ -280,8 +293,12 @@ def _check_ids(ids: pa.ChunkedArray | None) -> None:
         import duckdb
 
         tbl = pa.table({"id": ids})
-        dups = duckdb.sql("SELECT id, count(*) AS n FROM tbl GROUP BY id HAVING n > 1 ORDER BY n DESC, id LIMIT 5")
-        _raise_duplicates(n, distinct, dups.fetchall())
+        dups = duckdb.sql("SELECT id, count(*) AS n FROM tbl GROUP BY id HAVING n > 1 "
+                          "ORDER BY n DESC, id LIMIT 5").fetchall()
+        pos = pc.indices_nonzero(pc.equal(ids, dups[0][0])).to_pylist()[:2]
+        starts = np.cumsum([0] + list(file_rows))
+        at = [f"{names[int(np.searchsorted(starts, p, side='right')) - 1]} line {int(lines[p])}" for p in pos]
+        _raise_duplicates(n, distinct, dups, at)
 
 
 # ---- cutting ------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from airflow_provider_vllm.errors import SpecError
 from airflow_provider_vllm.pod_settings import KubernetesSettings
+from airflow_provider_vllm.spec_guard import check_values
 
 # Engine options a user may pass through to vllm.LLM(...) beyond the typed fields. Anything
 # else is refused: options such as `worker_extension_cls` or `model_loader_extra_config`
@@ -303,6 +304,7 @@ class JobSpec(_Model):
                 raise ValueError(f"prompt.system_prompt does not apply to task {self.task!r}")
         if self.io.input_format == "openai_batch" and self.task not in ("chat", "embed"):
             raise ValueError("openai_batch input supports task 'chat' (/v1/chat/completions) or 'embed'")
+        check_values(self.model_dump(mode="json"))  # patterns, sizes, no Jinja: spec_guard.py
         return self
 
     # ---- identity -------------------------------------------------------------------

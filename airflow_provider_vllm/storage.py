@@ -25,6 +25,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from airflow_provider_vllm import faults
 from airflow_provider_vllm.errors import TransientError
+from airflow_provider_vllm.storage_retry import retrying
 
 
 @dataclass(frozen=True)
@@ -59,11 +60,15 @@ class Storage:
         return Storage(self.uri(rel), self.options)
 
     # ---- reads ----------------------------------------------------------------------
+    # Reads of remote objects retry transient errors too; local ones fail at once.
+    def _call(self, fn, what: str):
+        return fn() if self.is_local else retrying(fn, what)
+
     def exists(self, rel: str) -> bool:
-        return self.fs.exists(self.path(rel))
+        return self._call(lambda: self.fs.exists(self.path(rel)), f"exists {self.uri(rel)}")
 
     def read_bytes(self, rel: str) -> bytes:
-        return self.fs.cat_file(self.path(rel))
+        return self._call(lambda: self.fs.cat_file(self.path(rel)), f"read {self.uri(rel)}")
 
     def read_text(self, rel: str) -> str:
         return self.read_bytes(rel).decode("utf-8")
@@ -72,7 +77,7 @@ class Storage:
         """Names (not paths) directly under rel; empty when rel does not exist."""
         p = self.path(rel)
         try:
-            entries = self.fs.ls(p, detail=False)
+            entries = self._call(lambda: self.fs.ls(p, detail=False), f"list {self.uri(rel)}")
         except FileNotFoundError:
             return []
         names = [posixpath.basename(e.rstrip("/")) for e in entries]
@@ -81,15 +86,21 @@ class Storage:
     def open(self, rel: str, mode: str = "rb"):
         return self.fs.open(self.path(rel), mode)
 
+    def info(self, rel: str) -> dict[str, Any]:
+        return self._call(lambda: self.fs.info(self.path(rel)), f"stat {self.uri(rel)}")
+
     def size(self, rel: str) -> int:
-        return int(self.fs.size(self.path(rel)))
+        return int(self._call(lambda: self.fs.size(self.path(rel)), f"size {self.uri(rel)}"))
 
     def sha256(self, rel: str) -> str:
-        h = hashlib.sha256()
-        with self.open(rel) as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-        return h.hexdigest()
+        def digest() -> str:
+            h = hashlib.sha256()
+            with self.open(rel) as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    h.update(block)
+            return h.hexdigest()
+
+        return self._call(digest, f"checksum {self.uri(rel)}")
 
     # ---- writes ---------------------------------------------------------------------
     def makedirs(self, rel: str = "") -> None:
@@ -100,7 +111,7 @@ class Storage:
         """Write all of data or nothing visible at rel."""
         p = self.path(rel)
         if not self.is_local:
-            _retrying(lambda: self.fs.pipe_file(p, data))
+            retrying(lambda: self.fs.pipe_file(p, data), f"write {self.uri(rel)}")
             return
         tmp = _local_temp_copy(p, data)
         try:
@@ -131,6 +142,10 @@ class Storage:
         pq.write_table(table, sink, compression="zstd")
         self.write_atomic(rel, sink.getvalue().to_pybytes())
 
+    def upload(self, local: str, rel: str) -> None:
+        """Copy a finished local file to rel (remote: one PUT or multipart upload, visible whole or not at all)."""
+        retrying(lambda: self.fs.put_file(local, self.path(rel)), f"upload {self.uri(rel)}")
+
     def remove(self, rel: str, recursive: bool = False) -> None:
         try:
             self.fs.rm(self.path(rel), recursive=recursive)
@@ -141,7 +156,7 @@ class Storage:
         """Relative paths of all files under rel."""
         base = self.path(rel)
         try:
-            found = self.fs.find(base)
+            found = self._call(lambda: self.fs.find(base), f"list {self.uri(rel)}")
         except FileNotFoundError:
             return
         for p in sorted(found):
@@ -186,7 +201,7 @@ def _create_only_remote(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -
         raise NotImplementedError(f"no atomic create-only write for protocol {fs.protocol!r}")
     # s3fs sends If-None-Match: * and gcsfs ifGenerationMatch=0: the server decides, atomically.
     try:
-        _retrying(lambda: fs.pipe_file(path, data, mode="create"))
+        retrying(lambda: fs.pipe_file(path, data, mode="create"), f"create {path}")
     except FileExistsError:
         return False
     except OSError as e:
@@ -194,21 +209,3 @@ def _create_only_remote(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -
             return False
         raise
     return True
-
-
-def _retrying(fn, attempts: int = 5):
-    """Run fn, retrying transient storage errors with exponential backoff."""
-    import random
-    import time
-
-    delay = 0.2
-    for i in range(attempts):
-        try:
-            return fn()
-        except (OSError, TimeoutError) as e:
-            if isinstance(e, (FileNotFoundError, FileExistsError, PermissionError)):
-                raise
-            if i == attempts - 1:
-                raise TransientError(f"storage operation failed after {attempts} attempts: {e}") from e
-            time.sleep(delay * (1 + random.random()))
-            delay *= 2

@@ -26,10 +26,14 @@ import pendulum
 from airflow.sdk import DAG, Asset, Param
 
 from airflow_provider_vllm.builder import TEMPLATE_FILTERS, TEMPLATE_MACROS, vllm_batch_job
+from airflow_provider_vllm.param_schemas import PARAM_SCHEMAS
 from vllm_dag_defaults import DATA_ROOT, LABELS, SPEC_OVERRIDES, SYSTEM_PROMPT, ticket_spec
 
-# Absolute local paths, file://, or object stores; no spaces, no relative paths.
-URI_PATTERN = r"^(?:(?:file://)?/|(?:s3|s3a|gs|gcs|abfs|az|memory)://[A-Za-z0-9])[^\s]*$"
+
+def param(name: str, *default, **ui) -> Param:
+    """A form field with the provider's JSON schema for that param (re-checked by plan and worker)."""
+    return Param(*default, **PARAM_SCHEMAS[name], **ui)
+
 
 with DAG(
     dag_id="vllm_batch_rerun",
@@ -41,22 +45,20 @@ with DAG(
     user_defined_macros=TEMPLATE_MACROS,
     user_defined_filters=TEMPLATE_FILTERS,
     params={
-        "input_uri": Param(type="string", pattern=URI_PATTERN, title="Input dataset",
+        "input_uri": param("input_uri", title="Input dataset",
                            description="Parquet/JSONL file or folder with id and text columns: "
                            "/abs/path, file://, s3://, gs://"),
-        "output_uri": Param(None, type=["null", "string"], pattern=URI_PATTERN, title="Output prefix",
+        "output_uri": param("output_uri", None, title="Output prefix",
                             description="Empty: <vllm_batch_data_root>/reruns/<run id>/"),
-        "model": Param(None, type=["null", "string"], minLength=1, title="Model",
-                       description="Hub id or local path. Empty: the vllm_batch_model Variable"),
-        "labels": Param(LABELS, type="array", items={"type": "string", "minLength": 1}, minItems=2,
-                        uniqueItems=True, title="Labels", description="One label per line"),
-        "system_prompt": Param(SYSTEM_PROMPT, type="string", minLength=1, title="System prompt",
-                               format="multiline"),
-        "temperature": Param(0.0, type="number", minimum=0, maximum=2, title="Temperature"),
-        "max_tokens": Param(16, type="integer", minimum=1, maximum=4096, title="Max output tokens"),
-        "shard_rows": Param(1000, type="integer", minimum=1, title="Rows per shard"),
-        "runner": Param("local", type="string", enum=["local", "kubernetes"], title="Runner"),
-        "dry_run": Param(False, type="boolean", title="Dry run",
+        "model": param("model", None, title="Model", description="Hub id or local path. Empty: the vllm_batch_model "
+                       "Variable"),
+        "labels": param("labels", LABELS, title="Labels", description="One label per line"),
+        "system_prompt": param("system_prompt", SYSTEM_PROMPT, title="System prompt", format="multiline"),
+        "temperature": param("temperature", 0.0, title="Temperature"),
+        "max_tokens": param("max_tokens", 16, title="Max output tokens"),
+        "shard_rows": param("shard_rows", 1000, title="Rows per shard"),
+        "runner": param("runner", "local", title="Runner"),
+        "dry_run": param("dry_run", False, title="Dry run",
                          description="Only estimate: rows, tokens, shards, GPU-hours and the GPU memory plan in "
                          "the plan task's log and 'dry_run' XCom; nothing is written or launched"),
     },

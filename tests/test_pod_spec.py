@@ -108,11 +108,11 @@ def test_secret_values_cannot_be_put_in_the_pod_spec():
         lambda: parts({"env": {"NCCL_NVLS_ENABLE": "1"}}),
         lambda: parts({"env": {"HF_HUB_OFFLINE": "0"}, "secret_env": {"HF_HUB_OFFLINE": {"name": "a", "key": "b"}}}),
         lambda: pod_parts(JobSpec.load({**make_spec("/in", "/out").model_dump(mode="json"),
-                                        "io": {"input_uri": "s3://b/in", "output_uri": "s3://b/out",
+                                        "io": {"input_uri": "s3://bkt/in", "output_uri": "s3://bkt/out",
                                                "storage_options": {"key": "AKIA", "secret": "s3cr3t"}}}),
                           KubernetesSettings(), SHARD),
         lambda: pod_parts(JobSpec.load({**make_spec("/in", "/out").model_dump(mode="json"),
-                                        "io": {"input_uri": "gs://b/in", "output_uri": "gs://b/out",
+                                        "io": {"input_uri": "gs://bkt/in", "output_uri": "gs://bkt/out",
                                                "storage_options": {"sas_token": "x"}}}),
                           KubernetesSettings(), SHARD),
     ]

@@ -21,6 +21,7 @@ from kubernetes.client import models as k8s
 
 from airflow_provider_vllm.errors import EXIT_TERMINAL, EXIT_TRANSIENT, SpecError
 from airflow_provider_vllm.operators._common import load_spec
+from airflow_provider_vllm.operators.deployment import check_spec_allowed, worker_env
 from airflow_provider_vllm.pod_settings import KubernetesSettings
 from airflow_provider_vllm.pod_spec import WORKER_PYTHON, PodParts, container_security_context, pod_parts
 from airflow_provider_vllm.worker.task import ShardTask, worker_command
@@ -121,6 +122,7 @@ class VllmKubernetesShardOperator(KubernetesPodOperator):
     def prepare_pod(self) -> PodParts:
         """Set the pod's fields from the shard spec (idempotent); fails without retry on bad input."""
         spec = load_spec(self.spec, "shard")
+        prefixes = check_spec_allowed(spec, f"shard {self.shard_id}")  # before any pod spec exists
         try:
             task = ShardTask(spec=spec, shard_id=self.shard_id, progress_interval_s=self.progress_interval_s)
             settings = self.settings(spec)
@@ -136,7 +138,10 @@ class VllmKubernetesShardOperator(KubernetesPodOperator):
         self.container_resources = parts.resources
         self.volumes = parts.volumes
         self.volume_mounts = parts.volume_mounts
-        self.env_vars = parts.env
+        # the deployment's allow-list reaches the worker through its environment, set last (never the task JSON)
+        allow = worker_env(prefixes)
+        self.env_vars = [e for e in parts.env if e.name not in allow] + [
+            k8s.V1EnvVar(name=k, value=v) for k, v in allow.items()]
         self.env_from = parts.env_from
         self.labels = {**(self.labels or {}), **parts.labels}
         self.annotations = {**(self.annotations or {}), **parts.annotations}

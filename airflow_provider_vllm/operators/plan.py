@@ -18,6 +18,8 @@ from airflow_provider_vllm.operators._common import (
     overrides_document,
     spec_document,
 )
+from airflow_provider_vllm.operators.deployment import check_spec_allowed
+from airflow_provider_vllm.param_schemas import validate_params
 from airflow_provider_vllm.planning import plan_job
 from airflow_provider_vllm.spec import JobSpec
 
@@ -70,6 +72,7 @@ class VllmPlanOperator(BaseOperator):
         """The validated spec from the rendered fields and the run's params."""
         try:
             layered = overrides_document(self.overrides)
+            validate_params(params, self.param_overrides)  # again: runs made via the API skip no rule
             layered.update({k: params.get(k) for k in self.param_overrides})
             return JobSpec.from_params(layered, base=spec_document(self.spec))
         except SpecError as e:
@@ -78,6 +81,7 @@ class VllmPlanOperator(BaseOperator):
     def execute(self, context: Any) -> list[dict[str, Any]]:
         runner = check_runner(self.runner)
         spec = self.build_spec(dict(context.get("params") or {}))
+        check_spec_allowed(spec, "plan")
         if runner == "local":
             check_local_model(spec)
         self.log.info("job %s: task=%s model=%s input=%s output=%s spec_hash=%s", spec.name, spec.task,

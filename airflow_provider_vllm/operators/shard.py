@@ -11,6 +11,7 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from airflow_provider_vllm.errors import EXIT_OK, EXIT_TERMINAL, EXIT_TRANSIENT, SpecError
 from airflow_provider_vllm.operators._common import load_spec
+from airflow_provider_vllm.operators.deployment import check_spec_allowed, worker_env
 from airflow_provider_vllm.operators.local_runner import (
     FAULT_ENV,
     LocalWorkerProcess,
@@ -18,6 +19,7 @@ from airflow_provider_vllm.operators.local_runner import (
     fault_command,
     injected_exit,
 )
+from airflow_provider_vllm.paths import ALLOWED_PREFIXES_ENV
 from airflow_provider_vllm.worker.task import ShardTask, worker_command
 
 
@@ -69,6 +71,7 @@ class VllmLocalShardOperator(BaseOperator):
             task = ShardTask(spec=spec, shard_id=shard_id, progress_interval_s=self.progress_interval_s)
         except (SpecError, ValueError) as e:
             raise AirflowFailException(f"shard {shard_id!r}: {e}") from None
+        prefixes = check_spec_allowed(spec, f"shard {shard_id}")
         argv = worker_command(task, python=self.python)
         ti = context["ti"]
         code = injected_exit(getattr(ti, "map_index", None), ti.try_number)
@@ -76,7 +79,10 @@ class VllmLocalShardOperator(BaseOperator):
             self.log.warning("%s: replacing the worker of map index %s, try %s, by a process that exits %d",
                              FAULT_ENV, ti.map_index, ti.try_number, code)
             argv = fault_command(code)
+        # the allow-list goes last: neither the task's env nor the shard spec can widen it
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **{k: str(v) for k, v in (self.env or {}).items()}}
+        env.pop(ALLOWED_PREFIXES_ENV, None)
+        env.update(worker_env(prefixes))
         rows = self.shard.get("rows") if isinstance(self.shard, dict) else None
         self.log.info("shard %s (%s rows), try %s: %s -m airflow_provider_vllm.worker '<shard task json, %d bytes>'",
                       shard_id, rows, ti.try_number, argv[0], len(argv[-1]))

@@ -17,6 +17,7 @@ import traceback
 
 from airflow_provider_vllm.errors import EXIT_OK, EXIT_TERMINAL, EXIT_TRANSIENT, VllmBatchError
 from airflow_provider_vllm.worker.exits import emit as _emit
+from airflow_provider_vllm.worker.redact import install as install_redaction
 
 
 class Preempted(Exception):
@@ -34,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    redact = install_redaction()
     log = logging.getLogger("airflow_provider_vllm.worker")
     if len(argv) != 1 or argv[0] in ("-h", "--help"):
         print(__doc__, file=sys.stderr)
@@ -42,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     # vLLM logs to stdout by default; stdout carries only the manifest
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     try:
+        from airflow_provider_vllm.param_schemas import check_spec_params
+        from airflow_provider_vllm.paths import prefixes_from_env
+        from airflow_provider_vllm.spec_guard import check_deployment
         from airflow_provider_vllm.worker.shard import run_shard
         from airflow_provider_vllm.worker.task import ShardTask
 
@@ -50,10 +55,14 @@ def main(argv: list[str] | None = None) -> int:
             with open(raw[1:], encoding="utf-8") as f:
                 raw = f.read()
         task = ShardTask.load(raw)
+        # the allow-list comes from the deployment (environment), never from the task itself
+        check_deployment(task.spec, prefixes_from_env())
+        check_spec_params(task.spec.model_dump(mode="json"))
         manifest = run_shard(task)
     except VllmBatchError as e:
         log.error("%s: %s", type(e).__name__, e)
-        _emit({"status": "failed", "error": type(e).__name__, "message": str(e), "terminal": e.terminal})
+        _emit({"status": "failed", "error": type(e).__name__, "message": redact.redact(str(e)),
+               "terminal": e.terminal})
         return e.exit_code
     except (Preempted, KeyboardInterrupt) as e:
         log.error("stopped (%s): committed chunks are kept; a retry resumes from them", e)
@@ -61,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_TRANSIENT
     except Exception as e:  # engine crash, storage failure, OOM...: a retry may succeed
         log.error("unexpected failure: %s\n%s", e, traceback.format_exc())
-        _emit({"status": "failed", "error": type(e).__name__, "message": str(e)[:2000], "terminal": False})
+        _emit({"status": "failed", "error": type(e).__name__, "message": redact.redact(str(e))[:2000],
+               "terminal": False})
         return EXIT_TRANSIENT
     _emit(manifest)
     return EXIT_OK

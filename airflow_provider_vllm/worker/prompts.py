@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from airflow_provider_vllm.errors import SpecError
+from airflow_provider_vllm.datasets import is_unicode
 from airflow_provider_vllm.rows import EMPTY_INPUT, INVALID_ROW, PROMPT_TOO_LONG
 from airflow_provider_vllm.spec import JobSpec
 
@@ -64,6 +65,8 @@ class PromptBuilder:
                     return Prepared(fault=(INVALID_ROW, f"column {col!r} holds {type(v).__name__}, expected text"))
                 if "\x00" in v:
                     return Prepared(fault=(INVALID_ROW, f"column {col!r} contains a NUL character"))
+                if not is_unicode(v):
+                    return Prepared(fault=(INVALID_ROW, f"column {col!r} is not valid Unicode (unpaired surrogate)"))
             elif v is None:
                 v = ""
             elif not isinstance(v, _SCALARS):

@@ -334,3 +334,29 @@ def test_operator_dry_run_prints_a_manifest_kubectl_takes(capsys):
     assert doc["spec"]["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True  # camelCase keys
     assert latest_version().startswith(kubernetes_validate.validate(doc, latest_version(), strict=True))
     assert violations(doc) == {}
+
+
+@pytest.mark.reliability
+def test_allow_list_is_checked_before_the_pod_exists_and_reaches_the_worker_env(monkeypatch):
+    """The deployment's allow-list: a spec outside it fails before any pod spec; inside, the pod's
+    env carries the list (set last, so the settings' env cannot widen it)."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from airflow_provider_vllm.paths import ALLOWED_PREFIXES_ENV
+
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", "/in/,/out/")
+    widened = {**SETTINGS, "env": {ALLOWED_PREFIXES_ENV: '["/"]'}}
+    op = operator(settings=widened)
+    pod = op.build_pod_request_obj(create_context(op, map_index=3))
+    env = {e.name: e.value for e in base(pod).env if e.value is not None}
+    assert json.loads(env[ALLOWED_PREFIXES_ENV]) == ["/in", "/out"]  # canonical form
+    assert [e.name for e in base(pod).env].count(ALLOWED_PREFIXES_ENV) == 1
+
+    from airflow_provider_vllm.operators.kubernetes import VllmKubernetesShardOperator
+
+    outside = make_spec("/in", "/elsewhere/out").model_dump(mode="json")
+    bad = VllmKubernetesShardOperator(task_id="shard", spec=outside, shard=SHARD, kubernetes=json.dumps(SETTINGS))
+    with pytest.raises(AirflowFailException, match="elsewhere"):
+        bad.build_pod_request_obj(create_context(bad, map_index=3))
+    assert getattr(bad, "parts", None) is None  # refused before any pod part was built
+    record_malicious("k8s_output_outside_allow_list", 1, 1)
