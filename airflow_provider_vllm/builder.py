@@ -1,4 +1,4 @@
-"""Wire a whole batch job into a DAG: plan -> shard x N -> merge -> qa -> publish.
+"""Wire a whole batch job into a DAG: plan -> shard x N -> merge -> qa -> [review] -> publish.
 
 Usage, inside ``with DAG(...)``::
 
@@ -24,11 +24,13 @@ from airflow_provider_vllm.operators import (
     VllmPlanOperator,
     VllmPublishOperator,
     VllmQAOperator,
+    VllmQAReviewOperator,
 )
 from airflow_provider_vllm.operators._common import AVAILABLE_RUNNERS, RUNNERS, SPEC_XCOM_KEY
 from airflow_provider_vllm.spec import JobSpec
 
-SHARD_MAP_INDEX_TEMPLATE = "{{ task.shard['shard_id'] }}"
+# "shard 3/8 rows 1200-1599" (see shard_names); the id when a plan predates the names.
+SHARD_MAP_INDEX_TEMPLATE = "{{ task.shard.get('name') or task.shard['shard_id'] }}"
 _JINJA = re.compile(r"{{|{%")
 
 
@@ -47,6 +49,7 @@ def vllm_batch_job(
     progress_interval_s: float = 10.0,
     before_publish: Callable[[Any], Any] | None = None,
     publish_extra_files: Mapping[str, str] | None = None,
+    human_review: bool | str = True,
 ) -> TaskGroup:
     """Add one batch inference job to the current DAG; returns its TaskGroup.
 
@@ -67,6 +70,11 @@ def vllm_batch_job(
     :param before_publish: called with the spec XComArg inside the group; what it returns
         (tasks or XComArgs) runs after QA and before publish.
     :param publish_extra_files: name -> path under the output prefix, listed in ``_SUCCESS.json``.
+    :param human_review: add the ``review`` task after QA: a 'warn' verdict waits for a person to
+        approve (publish) or reject (the run fails, nothing published); 'pass' goes on without
+        asking. False: no review task (fully automatic: a 'warn' is logged and published). A
+        template (e.g. ``"{{ var.value.get('vllm_batch_human_review', 'true') }}"``) keeps the
+        task and decides at run time.
     """
     runner_name = str(runner).strip()
     if runner_name in RUNNERS and runner_name not in AVAILABLE_RUNNERS:
@@ -83,7 +91,7 @@ def vllm_batch_job(
     elif isinstance(asset, str):
         asset = Asset(uri=asset)
 
-    with TaskGroup(group_id, tooltip="vLLM batch job: plan -> shards -> merge -> QA -> publish") as group:
+    with TaskGroup(group_id, tooltip="vLLM batch job: plan -> shards -> merge -> QA -> review -> publish") as group:
         plan = VllmPlanOperator(task_id="plan", spec=spec, overrides=overrides,
                                 param_overrides=param_overrides, runner=runner)
         job = plan.output[SPEC_XCOM_KEY]
@@ -104,11 +112,16 @@ def vllm_batch_job(
         publish = VllmPublishOperator(task_id="publish", spec=job, outlets=[asset],
                                       extra_files=dict(publish_extra_files) if publish_extra_files else None)
         shards >> merge >> qa
+        gate = qa
+        if human_review is not False:
+            gate = VllmQAReviewOperator(task_id="review", qa_result=qa.output, qa_task_id=qa.task_id,
+                                        ask=human_review)
+            qa >> gate
         if before_publish is not None:
             extra = before_publish(job)
-            qa >> extra >> publish
+            gate >> extra >> publish
         else:
-            qa >> publish
+            gate >> publish
     return group
 
 

@@ -21,7 +21,7 @@ import pendulum
 from airflow.sdk import DAG, Asset, Param
 
 from airflow_provider_vllm.builder import TEMPLATE_FILTERS, TEMPLATE_MACROS, vllm_batch_job
-from vllm_dag_defaults import DATA_ROOT, LABELS, SPEC_OVERRIDES, SYSTEM_PROMPT, ticket_spec
+from vllm_dag_defaults import DATA_ROOT, HUMAN_REVIEW, LABELS, SPEC_OVERRIDES, SYSTEM_PROMPT, ticket_spec
 
 # Absolute local paths, file://, or object stores; no spaces, no relative paths.
 URI_PATTERN = r"^(?:(?:file://)?/|(?:s3|s3a|gs|gcs|abfs|az|memory)://[A-Za-z0-9])[^\s]*$"
@@ -61,6 +61,7 @@ with DAG(
         ),
         group_id="rerun",
         overrides=SPEC_OVERRIDES,
+        human_review=HUMAN_REVIEW,
         param_overrides=["input_uri", "output_uri", "model", "labels", "system_prompt", "temperature",
                          "max_tokens", "shard_rows"],
         runner="{{ params.runner }}",
