@@ -72,6 +72,10 @@ class Standalone:
             "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
             "AIRFLOW__CORE__DEFAULT_TASK_RETRY_DELAY": "1",
             "AIRFLOW__CORE__PARALLELISM": "4",
+            # A loaded 2-core machine (vLLM engines next to SQLite) answers slowly: without these, a
+            # task start can time out against the Execution API and fail before it ran (seen here).
+            "AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT": "60",
+            "AIRFLOW__CORE__DEFAULT_TASK_RETRIES": "2",
             # Only what the test triggers runs: no scheduled nightly run of its own.
             "AIRFLOW__SCHEDULER__USE_JOB_SCHEDULE": "False",
             "AIRFLOW__API__HOST": "127.0.0.1",
@@ -208,6 +212,23 @@ class Standalone:
             time.sleep(3)
         tis = {t["task_id"]: t["state"] for t in self.task_instances(dag_id, run_id)}
         raise TimeoutError(f"{dag_id} {run_id} not in {states} after {timeout}s: {run['state']} {tis}")
+
+    def wait_parked(self, dag_id: str, run_id: str, task_id: str, timeout: float = 120) -> None:
+        """Until the scheduler has processed the exit of the worker that parked a HITL task.
+
+        Airflow 3.3.2 races here: a response recorded before the scheduler handled that exit
+        re-queues the task, and the late "success" event of the parked try then marks the
+        re-queued task failed ("state changed externally"). A person needs seconds to answer; a
+        test answers at once, so it waits for the scheduler's log line first.
+        """
+        needle = (f"TaskInstance Finished: dag_id={dag_id}, task_id={task_id}, run_id={run_id}, ")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in (self.home / "standalone.log").read_text(errors="replace").splitlines():
+                if needle in line and "state=awaiting_input" in line:
+                    return
+            time.sleep(1)
+        raise TimeoutError(f"the scheduler did not report {task_id} of {run_id} parked in {timeout}s")
 
     def wait_task(self, dag_id: str, run_id: str, task_id: str, states, timeout: float = 600) -> dict:
         deadline = time.monotonic() + timeout

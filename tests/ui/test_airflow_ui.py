@@ -128,17 +128,16 @@ def test_a_backfill_started_from_the_ui_runs_every_date(airflow_ui, ui_data, pag
 
 
 def test_the_qa_report_opens_from_the_qa_tasks_extra_link(airflow_ui, page, shots):
-    page.goto(f"{airflow_ui.url}/dags/{RERUN}/runs/{FORM_RUN}/tasks/rerun.qa")
+    # The task's Details tab lists its extra links; a same-origin link opens in the same tab.
+    page.goto(f"{airflow_ui.url}/dags/{RERUN}/runs/{FORM_RUN}/tasks/rerun.qa/details")
     link = page.get_by_role("link", name="QA report")
-    with page.context.expect_page() as opened:
-        link.click()
-    report = opened.value
-    report.wait_for_load_state()
-    assert report.url.startswith(f"{airflow_ui.url}/vllm-batch/report?") and f"run_id={FORM_RUN}" in report.url
-    text = report.locator("body").inner_text()
-    assert "QA" in text and "PASS" in text.upper() and str(airflow_ui.home) not in text
-    shots(report, "qa-report", full_page=True)
-    report.close()
+    shots(page, "qa-task-extra-link")
+    link.click()
+    page.wait_for_url(re.compile(r"/vllm-batch/report\?"))
+    assert f"run_id={FORM_RUN}" in page.url and "task_id=rerun.qa" in page.url
+    text = page.locator("body").inner_text()
+    assert "QA" in text and "PASS" in text.upper()
+    shots(page, "qa-report", full_page=True)
 
     # The endpoint serves only a QA task's own report, and only to a logged-in user.
     base = f"/vllm-batch/report?dag_id={RERUN}&run_id={FORM_RUN}"
@@ -156,6 +155,7 @@ def test_a_qa_warning_waits_for_a_person_reject_fails_approve_publishes(airflow_
     out = ui_data / "review_out"
     hitl = f"taskInstances/rerun.review/-1/hitlDetails"
     airflow_ui.wait_task(RERUN, review_run, "rerun.review", ("awaiting_input",), timeout=900)
+    airflow_ui.wait_parked(RERUN, review_run, "rerun.review")
     detail = airflow_ui.get(f"/api/v2/dags/{RERUN}/dagRuns/{review_run}/{hitl}")
     assert detail["options"] == ["Approve", "Reject"] and "QA WARN" in detail["body"]
     assert "| error_rate | 0.05 |" in detail["body"] and "/vllm-batch/report?" in detail["body"]
@@ -172,6 +172,7 @@ def test_a_qa_warning_waits_for_a_person_reject_fails_approve_publishes(airflow_
     # Re-run the same input into the same prefix (committed shards are reused) and approve in the UI.
     airflow_ui.trigger(RERUN, review_conf(ui_data), "review_approved")
     airflow_ui.wait_task(RERUN, "review_approved", "rerun.review", ("awaiting_input",), timeout=600)
+    airflow_ui.wait_parked(RERUN, "review_approved", "rerun.review")
     page.goto(f"{airflow_ui.url}/dags/{RERUN}/runs/review_approved/tasks/rerun.review/required_actions")
     page.get_by_text("QA WARN").first.wait_for()
     shots(page, "hitl-approval")
