@@ -30,6 +30,8 @@ def get_provider_info() -> dict:
                 "python-modules": [
                     "airflow_provider_vllm.operators.plan",
                     "airflow_provider_vllm.operators.shard",
+                    "airflow_provider_vllm.operators.kubernetes",
+                    "airflow_provider_vllm.operators.runner_branch",
                     "airflow_provider_vllm.operators.merge",
                     "airflow_provider_vllm.operators.qa",
                     "airflow_provider_vllm.operators.publish",

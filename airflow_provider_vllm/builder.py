@@ -26,11 +26,15 @@ from airflow_provider_vllm.operators import (
     VllmQAOperator,
     VllmQAReviewOperator,
 )
-from airflow_provider_vllm.operators._common import AVAILABLE_RUNNERS, RUNNERS, SPEC_XCOM_KEY
+from airflow_provider_vllm.operators._common import RUNNERS, SPEC_XCOM_KEY
+from airflow_provider_vllm.operators.kubernetes import SETTINGS_VARIABLE, VllmKubernetesShardOperator
+from airflow_provider_vllm.operators.runner_branch import VllmRunnerBranchOperator
 from airflow_provider_vllm.spec import JobSpec
 
 # "shard 3/8 rows 1200-1599" (see shard_names); the id when a plan predates the names.
 SHARD_MAP_INDEX_TEMPLATE = "{{ task.shard.get('name') or task.shard['shard_id'] }}"
+KUBERNETES_SETTINGS_TEMPLATE = "{{ var.value.get('%s', '{}') }}" % SETTINGS_VARIABLE
+"""Default pod settings of the Kubernetes runner: the ``vllm_batch_kubernetes`` Variable, read at run time."""
 _JINJA = re.compile(r"{{|{%")
 
 
@@ -49,6 +53,8 @@ def vllm_batch_job(
     progress_interval_s: float = 10.0,
     before_publish: Callable[[Any], Any] | None = None,
     publish_extra_files: Mapping[str, str] | None = None,
+    kubernetes: Mapping[str, Any] | str | None = KUBERNETES_SETTINGS_TEMPLATE,
+    kubernetes_operator_kwargs: Mapping[str, Any] | None = None,
     human_review: bool | str = True,
 ) -> TaskGroup:
     """Add one batch inference job to the current DAG; returns its TaskGroup.
@@ -58,9 +64,11 @@ def vllm_batch_job(
         run time by the plan task, then handed to the other tasks as data (XCom).
     :param overrides: flat overrides (dotted keys or ``JobSpec`` param aliases), templated.
     :param param_overrides: DAG params applied over the spec (typed; ``None`` = keep).
-    :param runner: ``"local"`` (a subprocess per shard on the Airflow worker), or a template
-        such as ``"{{ params.runner }}"`` checked by the plan task. ``"kubernetes"`` is not
-        built yet and raises ``NotImplementedError``.
+    :param runner: ``"local"`` (a subprocess per shard on the Airflow worker), ``"kubernetes"``
+        (a pod per shard, ``VllmKubernetesShardOperator``), or a template such as
+        ``"{{ params.runner }}"`` checked by the plan task: then both shard tasks are in the
+        DAG (``shard`` and ``shard_kubernetes``) and a ``runner`` branch task after the plan
+        follows the chosen one; the other is skipped.
     :param asset: the Asset the publish task updates (default: the output URI when it is
         static, else ``x-vllm-batch://<group_id>``); the event's extra names the output URI.
     :param shard_retries, shard_retry_delay: for the mapped shard task (delay default:
@@ -70,6 +78,11 @@ def vllm_batch_job(
     :param before_publish: called with the spec XComArg inside the group; what it returns
         (tasks or XComArgs) runs after QA and before publish.
     :param publish_extra_files: name -> path under the output prefix, listed in ``_SUCCESS.json``.
+    :param kubernetes: Kubernetes runner: deployment defaults for the pods (``KubernetesSettings``
+        fields as a dict or JSON text, templated; default the ``vllm_batch_kubernetes`` Variable).
+        The job spec's ``kubernetes`` section wins over them. ``shard_env`` joins their ``env``.
+    :param kubernetes_operator_kwargs: more ``KubernetesPodOperator`` arguments for the shard
+        task (e.g. ``kubernetes_conn_id``, ``deferrable``).
     :param human_review: add the ``review`` task after QA: a 'warn' verdict waits for a person to
         approve (publish) or reject (the run fails, nothing published); 'pass' goes on without
         asking. False: no review task (fully automatic: a 'warn' is logged and published). A
@@ -77,12 +90,8 @@ def vllm_batch_job(
         task and decides at run time.
     """
     runner_name = str(runner).strip()
-    if runner_name in RUNNERS and runner_name not in AVAILABLE_RUNNERS:
-        raise NotImplementedError(
-            f"runner={runner_name!r}: the Kubernetes runner is not built yet (its own issue); "
-            f"use runner={AVAILABLE_RUNNERS[0]!r}"
-        )
-    if runner_name not in RUNNERS and not _JINJA.search(runner_name):
+    static = runner_name in RUNNERS
+    if not static and not _JINJA.search(runner_name):
         raise ValueError(f"runner={runner_name!r}: choose one of {list(RUNNERS)} or a template")
     if isinstance(spec, JobSpec):
         spec = spec.model_dump(mode="json")
@@ -95,23 +104,36 @@ def vllm_batch_job(
         plan = VllmPlanOperator(task_id="plan", spec=spec, overrides=overrides,
                                 param_overrides=param_overrides, runner=runner)
         job = plan.output[SPEC_XCOM_KEY]
-        retry = {"retry_delay": shard_retry_delay} if shard_retry_delay is not None else {}
-        shards = VllmLocalShardOperator.partial(
-            task_id="shard",
+        common = dict(
             spec=job,
-            env=dict(shard_env) if shard_env else None,
             progress_interval_s=progress_interval_s,
             retries=shard_retries,
             map_index_template=SHARD_MAP_INDEX_TEMPLATE,
             max_active_tis_per_dagrun=max_active_shards,
-            **retry,
-        ).expand(shard=plan.output)
-        # none_failed: an empty input plans zero shards (the mapped task is skipped); merge still runs.
-        merge = VllmMergeOperator(task_id="merge", spec=job, trigger_rule="none_failed")
+            **({"retry_delay": shard_retry_delay} if shard_retry_delay is not None else {}),
+        )
+        env = dict(shard_env) if shard_env else None
+        shard_tasks = {}
+        for name in [runner_name] if static else RUNNERS:
+            if name == "local":
+                op = VllmLocalShardOperator.partial(task_id="shard", env=env, **common)
+            else:
+                op = VllmKubernetesShardOperator.partial(
+                    task_id="shard" if static else "shard_kubernetes", kubernetes=kubernetes, env=env,
+                    **common, **dict(kubernetes_operator_kwargs or {}))
+            shard_tasks[name] = op.expand(shard=plan.output)
+        if not static:  # chosen at run time: the other runner's shard task is skipped whole
+            branch = VllmRunnerBranchOperator(task_id="runner", runner=runner,
+                                              shard_tasks={n: t.task_id for n, t in shard_tasks.items()})
+            plan >> branch >> list(shard_tasks.values())
+        # An empty input plans zero shards (the mapped task is skipped) and merge still runs after
+        # plan's success; a dry run skips plan, and then merge is skipped too.
+        merge = VllmMergeOperator(task_id="merge", spec=job, trigger_rule="none_failed_min_one_success")
         qa = VllmQAOperator(task_id="qa", spec=job)
         publish = VllmPublishOperator(task_id="publish", spec=job, outlets=[asset],
                                       extra_files=dict(publish_extra_files) if publish_extra_files else None)
-        shards >> merge >> qa
+        list(shard_tasks.values()) >> merge
+        merge >> qa
         gate = qa
         if human_review is not False:
             gate = VllmQAReviewOperator(task_id="review", qa_result=qa.output, qa_task_id=qa.task_id,

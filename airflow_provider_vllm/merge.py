@@ -10,6 +10,7 @@ pandas, no row loops.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -28,6 +29,8 @@ from airflow_provider_vllm.planning import Plan, load_plan
 from airflow_provider_vllm.rows import ERROR_COLUMNS, RESULT_COLUMNS
 from airflow_provider_vllm.spec import JobSpec
 from airflow_provider_vllm.storage import Storage
+
+log = logging.getLogger(__name__)
 
 RESULTS = "results/results.parquet"
 ERRORS = "results/errors.parquet"
@@ -104,7 +107,20 @@ def merge_run(spec: JobSpec, verify_checksums: bool = True, memory_limit: str = 
         "versions": {"airflow-provider-vllm": __version__, "duckdb": duckdb.__version__},
     }
     out.write_atomic(MERGED, json.dumps(summary, indent=1, sort_keys=True).encode())
+    _record_throughput(spec, plan, markers, summary)
     return summary
+
+
+def _record_throughput(spec: JobSpec, plan: Plan, markers: list[dict], summary: dict[str, Any]) -> None:
+    """Throughput history for shard sizing (sizing.py); a failure here must not fail a merged run."""
+    if not spec.sharding.history_uri:
+        return
+    from airflow_provider_vllm.sizing import record_run
+
+    try:
+        summary["history_record"] = record_run(spec, plan, markers)
+    except Exception as e:  # evidence for later plans, not part of this run's results
+        log.warning("could not write the throughput record to %s: %s", spec.sharding.history_uri, e)
 
 
 def committed_files(out: Storage, plan: Plan, verify_checksums: bool) -> tuple[list[str], list[dict]]:

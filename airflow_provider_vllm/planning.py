@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from dataclasses import asdict
 from typing import Any, Literal
 
 import numpy as np
@@ -28,6 +29,7 @@ from airflow_provider_vllm.datasets import (
     scan_jsonl,
 )
 from airflow_provider_vllm.errors import DatasetError, SpecError
+from airflow_provider_vllm.sizing import size_shards
 from airflow_provider_vllm.spec import JobSpec
 from airflow_provider_vllm.storage import Storage
 
@@ -78,6 +80,7 @@ class Plan(BaseModel):
     chars_per_token: float
     shards: list[ShardPlan]
     created_with: dict[str, str]
+    sizing: dict[str, Any] | None = Field(None, description="How shards were sized from throughput history.")
 
     def input_files(self) -> list[InputFile]:
         return [InputFile(**f) for f in self.files]
@@ -139,7 +142,10 @@ def build_plan(spec: JobSpec) -> Plan:
     total_rows = int(sum(file_rows))
     tokens = estimate_tokens(chars, sh.chars_per_token) if len(chars) else np.zeros(0, np.int64)
     fp = fingerprint(files)
-    shards = _cut(spec, fp, tokens, np.asarray(file_rows, dtype=np.int64), offsets, lines)
+    sizing = size_shards(spec, total_rows, int(tokens.sum()) if len(tokens) else 0)
+    cut_spec = spec if sizing is None else spec.model_copy(
+        update={"sharding": spec.sharding.model_copy(update=sizing.sharding_update())})
+    shards = _cut(cut_spec, fp, tokens, np.asarray(file_rows, dtype=np.int64), offsets, lines)
     return Plan(
         spec_hash=spec.content_hash(),
         config_hash=spec.output_hash(),
@@ -155,6 +161,7 @@ def build_plan(spec: JobSpec) -> Plan:
         chars_per_token=sh.chars_per_token,
         shards=shards,
         created_with={"airflow-provider-vllm": __version__, "pyarrow": pa.__version__},
+        sizing=asdict(sizing) if sizing is not None else None,
     )
 
 

@@ -503,6 +503,10 @@ def _throughput(shard_stats: list[dict] | None) -> dict[str, Any] | None:
         row: dict[str, Any] = {"shard_id": str(s.get("shard_id", f"#{i}"))}
         for k in ("rows", "seconds", "rows_per_s", "tokens_per_s", "tokens"):
             row[k] = _opt_float(s.get(k))
+        if row["seconds"] is None:  # commit-marker stats: wall_s is the attempt's duration
+            row["seconds"] = _opt_float(s.get("wall_s"))
+        if row["tokens"] is None and s.get("prompt_tokens") is not None:
+            row["tokens"] = _opt_float((s.get("prompt_tokens") or 0) + (s.get("completion_tokens") or 0))
         if row["rows_per_s"] is None and row["rows"] is not None and row["seconds"]:
             row["rows_per_s"] = row["rows"] / row["seconds"]
         for k, v in s.items():  # keep other scalar stats (peak memory, retries ...)

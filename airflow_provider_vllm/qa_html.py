@@ -124,8 +124,12 @@ def hbar_chart(
     colors: Iterable[str] = (BAR, BAR_PREV),
     width: int = 720,
     label_width: int = 190,
+    chart: str = "",
 ) -> str:
-    """Horizontal bars: rows of (label, values per series, value texts per series)."""
+    """Horizontal bars: rows of (label, values per series, value texts per series).
+
+    Each bar is a ``rect.bar`` with ``data-series`` (index) and ``data-label``; ``chart`` names
+    the SVG (``data-chart``) so that tests and readers can find it."""
     colors = list(colors)
     if not rows:
         return '<p class="muted">No data.</p>'
@@ -137,7 +141,7 @@ def hbar_chart(
     legend_h = 22 if series and nser > 1 else 0
     height = legend_h + len(rows) * (row_h + row_gap) + 4
     vmax = max((v for _, vals, _ in rows for v in vals if v is not None), default=0) or 1
-    out = [f'<svg role="img" width="{width}" height="{height}" viewBox="0 0 {width} {height}">']
+    out = [f'<svg role="img" data-chart="{_e(chart)}" width="{width}" height="{height}" viewBox="0 0 {width} {height}">']
     if legend_h:
         x = label_width
         for j, name in enumerate(series or []):
@@ -149,7 +153,7 @@ def hbar_chart(
         mid = y + row_h / 2 + 4
         out.append(
             f'<text x="{label_width - 8}" y="{mid:.1f}" font-size="12.5" text-anchor="end" fill="#1f2328">'
-            f"<title>{_e(label)}</title>{_e(_cut(str(label), 28))}</text>"
+            f"<title>{_e(label)}</title>{_e(_cut(str(label), max(8, (label_width - 12) // 7)))}</text>"
         )
         for j, v in enumerate(vals):
             by = y + j * (bar_h + gap)
@@ -157,7 +161,10 @@ def hbar_chart(
             if v:
                 w = max(w, 1.5)
             color = colors[j % len(colors)]
-            out.append(f'<rect x="{label_width}" y="{by}" width="{w:.1f}" height="{bar_h}" rx="2" fill="{color}"/>')
+            out.append(
+                f'<rect class="bar" data-series="{j}" data-label="{_e(label)}" x="{label_width}" y="{by}" '
+                f'width="{w:.1f}" height="{bar_h}" rx="2" fill="{color}"/>'
+            )
             t = texts[j] if j < len(texts) else ""
             out.append(
                 f'<text x="{label_width + w + 5:.1f}" y="{by + bar_h - 2}" font-size="11.5" fill="#57606a">{_e(t)}</text>'
@@ -167,7 +174,7 @@ def hbar_chart(
     return "".join(out)
 
 
-def histogram_svg(hist: dict | None, *, width: int = 520, height: int = 190, unit: str = "") -> str:
+def histogram_svg(hist: dict | None, *, width: int = 520, height: int = 190, unit: str = "", chart: str = "") -> str:
     """Vertical bars over equal-width bins (edges/counts/overflow from the report)."""
     if not hist or not hist.get("counts"):
         return '<p class="muted">No data.</p>'
@@ -181,7 +188,7 @@ def histogram_svg(hist: dict | None, *, width: int = 520, height: int = 190, uni
     n = len(bins)
     bw = pw / n
     ymax = max(bins) or 1
-    out = [f'<svg role="img" width="{width}" height="{height}" viewBox="0 0 {width} {height}">']
+    out = [f'<svg role="img" data-chart="{_e(chart)}" width="{width}" height="{height}" viewBox="0 0 {width} {height}">']
     for frac in (0.5, 1.0):
         gy = mt + ph - frac * ph
         out.append(f'<line x1="{ml}" y1="{gy:.1f}" x2="{ml + pw}" y2="{gy:.1f}" stroke="#eaeef2"/>')
@@ -206,7 +213,7 @@ def histogram_svg(hist: dict | None, *, width: int = 520, height: int = 190, uni
             tip = f"[{edge_txt(edges[i])}, {edge_txt(edges[i + 1])}){unit}: {c:,}"
         color = BAR_PREV if is_over else BAR
         out.append(
-            f'<rect x="{x + 0.5:.1f}" y="{mt + ph - h:.1f}" width="{max(bw - 1, 0.5):.1f}" height="{h:.1f}" '
+            f'<rect class="bar" x="{x + 0.5:.1f}" y="{mt + ph - h:.1f}" width="{max(bw - 1, 0.5):.1f}" height="{h:.1f}" '
             f'fill="{color}"><title>{_e(tip)}</title></rect>'
         )
     out.append(f'<line x1="{ml}" y1="{mt + ph}" x2="{ml + pw}" y2="{mt + ph}" stroke="#8c959f"/>')
@@ -361,7 +368,7 @@ def _labels(d: dict) -> str:
         sub += f", {_int(ld['unlabelled'])} without a label"
     if drift:
         sub += f" · drift vs previous run (TVD): <b>{drift.get('tvd', 0):.3f}</b>"
-    chart = hbar_chart(rows, series=["this run", "previous run"] if pf else None)
+    chart = hbar_chart(rows, series=["this run", "previous run"] if pf else None, chart="labels")
     return f'<section><h2>{title}</h2><p class="desc">{sub}</p>{chart}{note}</section>'
 
 
@@ -373,10 +380,10 @@ def _errors(d: dict) -> str:
     err_rows = [(k, [float(v.get("count", 0))], [f"{_int(v.get('count', 0))}  ({_pct(v.get('rate', 0))})"]) for k, v in by.items()]
     ok = m.get("ok") or 0
     fin_rows = [(k, [float(n)], [f"{_int(n)}  ({_pct(n / ok if ok else 0)})"]) for k, n in fin.items()]
-    err_html = hbar_chart(err_rows[:MAX_BARS], colors=[BAR_ERR], width=520, label_width=170) if err_rows else (
+    err_html = hbar_chart(err_rows[:MAX_BARS], colors=[BAR_ERR], width=520, label_width=170, chart="errors") if err_rows else (
         f'<p class="muted">No error rows among {_int(total)}.</p>'
     )
-    fin_html = hbar_chart(fin_rows[:MAX_BARS], colors=[BAR_ALT], width=520, label_width=120) if fin_rows else (
+    fin_html = hbar_chart(fin_rows[:MAX_BARS], colors=[BAR_ALT], width=520, label_width=120, chart="finish") if fin_rows else (
         '<p class="muted">No ok rows.</p>'
     )
     return (
@@ -387,20 +394,21 @@ def _errors(d: dict) -> str:
     )
 
 
-def _dist(name: str, stats: dict | None, unit: str) -> str:
+def _dist(name: str, stats: dict | None, unit: str, chart: str) -> str:
     if not stats:
         return f'<div><h3>{_e(name)}</h3><p class="muted">No data.</p></div>'
     line = " · ".join(f"{k} {_num(stats.get(k))}" for k in ("p50", "p90", "p99", "max", "mean"))
-    return f'<div><h3>{_e(name)}</h3>{histogram_svg(stats.get("histogram"), unit=unit)}<div class="stats">{_e(line)}</div></div>'
+    hist = histogram_svg(stats.get("histogram"), unit=unit, chart=chart)
+    return f'<div><h3>{_e(name)}</h3>{hist}<div class="stats">{_e(line)}</div></div>'
 
 
 def _distributions(d: dict) -> str:
     m = d.get("metrics") or {}
     return (
         "<section><h2>Latency and tokens</h2><div class=\"grid2\">"
-        + _dist("Latency (ms)", m.get("latency_ms"), " ms")
-        + _dist("Prompt tokens", m.get("prompt_tokens"), " tokens")
-        + _dist("Completion tokens", m.get("completion_tokens"), " tokens")
+        + _dist("Latency (ms)", m.get("latency_ms"), " ms", "latency")
+        + _dist("Prompt tokens", m.get("prompt_tokens"), " tokens", "prompt_tokens")
+        + _dist("Completion tokens", m.get("completion_tokens"), " tokens", "completion_tokens")
         + "</div></section>"
     )
 
@@ -416,10 +424,8 @@ def _shards(d: dict) -> str:
         shown = sorted(shards, key=lambda s: (s.get("rows_per_s") is None, s.get("rows_per_s") or 0))[:MAX_BARS]
         note = f'<p class="muted">Showing the {MAX_BARS} slowest of {len(shards)} shards.</p>'
     rps = [(s["shard_id"], [s.get("rows_per_s") or 0.0], [_num(s.get("rows_per_s")) + " rows/s"]) for s in shown]
-    sec = [
-        (s["shard_id"], [s.get("seconds") or 0.0], [f"{_num(s.get('seconds'))} s · {_int(s.get('rows'))} rows"])
-        for s in shown
-    ]
+    sec = [(s["shard_id"], [s.get("seconds") or 0.0], [_duration_text(s)]) for s in shown]
+    mem = [(s["shard_id"], [s.get("peak_rss_mb") or 0.0], [_memory_text(s)]) for s in shown if s.get("peak_rss_mb")]
     summary = (
         f"{_int(thr.get('n_shards'))} shards, {_int(thr.get('rows'))} rows, "
         f"{_num(thr.get('shard_seconds'))} shard-seconds; "
@@ -429,10 +435,26 @@ def _shards(d: dict) -> str:
     )
     return (
         f'<section><h2>Shards</h2><p class="desc">{_e(summary)}</p><div class="grid2">'
-        f"<div><h3>Throughput</h3>{hbar_chart(rps, width=520, label_width=130)}</div>"
-        f"<div><h3>Duration</h3>{hbar_chart(sec, colors=[BAR_ALT], width=520, label_width=130)}</div>"
-        f"</div>{note}</section>"
+        f"<div><h3>Throughput</h3>{hbar_chart(rps, width=520, label_width=160, chart='throughput')}</div>"
+        f"<div><h3>Duration</h3>{hbar_chart(sec, colors=[BAR_ALT], width=520, label_width=160, chart='duration')}</div>"
+        + (f"<div><h3>Peak memory</h3>{hbar_chart(mem, colors=[BAR_PREV], width=520, label_width=160, chart='memory')}"
+           "</div>" if mem else "")
+        + f"</div>{note}</section>"
     )
+
+
+def _duration_text(s: dict) -> str:
+    parts = [f"{_num(s.get('seconds'))} s", f"{_int(s.get('rows'))} rows"]
+    if isinstance(s.get("engine_start_s"), (int, float)) and s["engine_start_s"] > 0:
+        parts.append(f"start {_num(s['engine_start_s'])} s")
+    return " · ".join(parts)
+
+
+def _memory_text(s: dict) -> str:
+    text = f"{_num(s.get('peak_rss_mb'))} MB RSS"
+    if isinstance(s.get("gpu_mem_peak_mb"), (int, float)):
+        text += f" · GPU {_num(s['gpu_mem_peak_mb'])} MB"
+    return text
 
 
 def _sample(d: dict, rows: list[dict]) -> str:

@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from airflow_provider_vllm.errors import SpecError
+from airflow_provider_vllm.pod_settings import KubernetesSettings
 
 # Engine options a user may pass through to vllm.LLM(...) beyond the typed fields. Anything
 # else is refused: options such as `worker_extension_cls` or `model_loader_extra_config`
@@ -39,8 +40,12 @@ ENGINE_KWARGS_ALLOWED = frozenset(
         "override_generation_config",
         "compilation_config",
         "async_scheduling",
+        "load_format",  # values limited by LOAD_FORMATS_ALLOWED
     }
 )
+# "dummy" (random weights: benchmarks of a model shape without its checkpoint) and the safe
+# tensor formats; formats that unpickle or stream from other services stay out.
+LOAD_FORMATS_ALLOWED = frozenset({"auto", "safetensors", "dummy"})
 
 
 class _Model(BaseModel):
@@ -83,6 +88,9 @@ class EngineSpec(_Model):
         bad = sorted(set(v) - ENGINE_KWARGS_ALLOWED)
         if bad:
             raise ValueError(f"engine_kwargs keys not allowed: {bad}; allowed: {sorted(ENGINE_KWARGS_ALLOWED)}")
+        if "load_format" in v and v["load_format"] not in LOAD_FORMATS_ALLOWED:
+            raise ValueError(f"engine_kwargs.load_format {v['load_format']!r} not allowed; "
+                             f"allowed: {sorted(LOAD_FORMATS_ALLOWED)}")
         return v
 
 
@@ -212,6 +220,22 @@ class ShardingSpec(_Model):
     )
     chunk_rows: int = Field(512, ge=1, description="Rows per committed chunk inside a shard (resume granularity).")
     chars_per_token: float = Field(4.0, gt=0, description="Token estimate used by the planner (no tokenizer).")
+    history_uri: str | None = Field(
+        None,
+        description="Folder of throughput records (one small JSON-lines file per merged run, written by merge). "
+        "When set and it holds records for this model (and hardware), the planner sizes shards by "
+        "time instead of target_rows/target_tokens; see airflow_provider_vllm/sizing.py.",
+    )
+    target_minutes: float | None = Field(
+        None, gt=0, le=24 * 60,
+        description="Minutes per shard when sizing from history (engine start + inference); default: "
+        "long enough that the recorded engine start is <= 10% of a shard's time (at least 5 minutes).",
+    )
+    hardware: str | None = Field(
+        None, min_length=1,
+        description="Hardware the shards run on, as the worker records it (e.g. '1x NVIDIA H200'); "
+        "history records of other hardware are ignored. Default: the newest matching record's hardware.",
+    )
 
 
 class QASpec(_Model):
@@ -251,6 +275,10 @@ class JobSpec(_Model):
     io: IOSpec
     sharding: ShardingSpec = Field(default_factory=ShardingSpec)
     qa: QASpec = Field(default_factory=QASpec)
+    kubernetes: KubernetesSettings = Field(
+        default_factory=KubernetesSettings,
+        description="Kubernetes runner: pod resources and placement (not part of content_hash).",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:
@@ -265,7 +293,9 @@ class JobSpec(_Model):
 
     # ---- identity -------------------------------------------------------------------
     def canonical_json(self) -> str:
-        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        # where the shards run does not change what they compute
+        doc = self.model_dump(mode="json", exclude={"kubernetes"})
+        return json.dumps(doc, sort_keys=True, separators=(",", ":"))
 
     def content_hash(self) -> str:
         """sha256 of the canonical JSON; equal specs hash equal."""

@@ -9,9 +9,14 @@ Workloads:
             structured choice over the 8 labels, max_tokens 8, temperature 0 (default 600 rows)
   generate  ~500-token chat prompts, max_tokens 200, temperature 0 (default 60 rows)
 
+    .venv/bin/python benchmarks/bench_worker_vs_raw.py --workload all     # both workloads, one command
+    options: --api generate (task generate vs LLM.generate over text prompts; default chat vs
+    LLM.chat), --enforce-eager (both sides; faster engine start on the CPU build)
+
 Baseline (raw): a subprocess builds ``vllm.LLM(**engine_kwargs(spec))``, warms up with one
 request (as the worker's ``Engine.warm_up``), then times ``llm.chat(conversations,
-sampling_params(spec), use_tqdm=False)``; engine start is not timed.
+sampling_params(spec), use_tqdm=False)`` (``--api generate``: ``llm.generate(prompts, ...)``
+over the text prompts); engine start is not timed.
 Worker: the same rows as a Parquet dataset, one shard planned with ``plan_job``, the real
 worker CLI (``worker_command(ShardTask(...))``) as a subprocess; its manifest's
 ``stats.infer_s`` is the inference time after engine start and warm-up. Also reported:
@@ -84,19 +89,23 @@ def texts_for(workload: str, rows: int, seed: int = 3) -> list[str]:
     return out
 
 
-def make_spec(workload: str, model: str, input_dir: Path, out_dir: Path, rows: int):
+def make_spec(workload: str, model: str, input_dir: Path, out_dir: Path, rows: int, api: str = "chat",
+              enforce_eager: bool = False, engine: dict | None = None, max_model_len: int = 2048):
     from airflow_provider_vllm.spec import JobSpec
 
     w = WORKLOADS[workload]
     sampling = {"temperature": 0, "max_tokens": w["max_tokens"]}
     if w["structured"]:
         sampling["structured"] = {"choice": LABELS}
+    # generate: no chat template; the system prompt leads the plain-text prompt
+    prompt = {"template": "Ticket: {text}", "system_prompt": w["system"]} if api == "chat" else \
+        {"template": w["system"] + "\n\nTicket: {text}\nAnswer:"}
     return JobSpec.load({
         "name": f"bench-{workload}",
-        "task": "chat",
-        "model": {"name": model, "max_model_len": 2048},
-        "engine": {"cpu_kvcache_space_gb": 1},
-        "prompt": {"template": "Ticket: {text}", "system_prompt": w["system"]},
+        "task": api,
+        "model": {"name": model, "max_model_len": max_model_len},
+        "engine": engine if engine is not None else {"cpu_kvcache_space_gb": 1, "enforce_eager": enforce_eager},
+        "prompt": prompt,
         "sampling": sampling,
         "io": {"input_uri": str(input_dir), "output_uri": str(out_dir)},
         "sharding": {"target_rows": rows, "max_shards": 1},
@@ -119,15 +128,21 @@ def raw_child(spec_json: str, texts_file: str) -> None:
     tok = llm.get_tokenizer()
     ids = tok.encode("The quick brown fox jumps over the lazy dog. " * 4)[:32]  # as Engine.warm_up
     llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1), use_tqdm=False)
-    convs = []
-    for t in texts:
-        msgs = [{"role": "system", "content": spec.prompt.system_prompt}] if spec.prompt.system_prompt else []
-        msgs.append({"role": "user", "content": spec.prompt.template.format(text=t)})
-        convs.append(msgs)
     params = sampling_params(spec)
-    t0 = time.monotonic()
-    outs = llm.chat(convs, params, use_tqdm=False)
-    infer_s = time.monotonic() - t0
+    if spec.task == "generate":
+        prompts = [spec.prompt.template.format(text=t) for t in texts]
+        t0 = time.monotonic()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        infer_s = time.monotonic() - t0
+    else:
+        convs = []
+        for t in texts:
+            msgs = [{"role": "system", "content": spec.prompt.system_prompt}] if spec.prompt.system_prompt else []
+            msgs.append({"role": "user", "content": spec.prompt.template.format(text=t)})
+            convs.append(msgs)
+        t0 = time.monotonic()
+        outs = llm.chat(convs, params, use_tqdm=False)
+        infer_s = time.monotonic() - t0
     ptok = sum(len(o.prompt_token_ids or ()) for o in outs)
     ctok = sum(len(o.outputs[0].token_ids) for o in outs)
     print(json.dumps({"engine_start_s": round(start_s, 3), "infer_s": round(infer_s, 3), "rows": len(outs),
@@ -218,13 +233,23 @@ def main() -> int:
         raw_child(sys.argv[2], sys.argv[3])
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="classify")
+    ap.add_argument("--workload", choices=sorted(WORKLOADS) + ["all"], default="classify",
+                    help="all: classify, then generate, in one command")
     ap.add_argument("--rows", type=int, help="default: 600 (classify) / 60 (generate)")
     ap.add_argument("--model", help="model folder (default: SmolLM2 prepared by prepare_smollm2)")
     ap.add_argument("--pairs", type=int, default=2, help="raw/worker pairs, run alternately")
     ap.add_argument("--order", choices=["abab", "abba"], default="abab",
                     help="abab: raw, worker, raw, worker; abba: raw, worker, worker, raw (cancels linear drift)")
+    ap.add_argument("--api", choices=["chat", "generate"], default="chat",
+                    help="chat: task chat vs LLM.chat (default); generate: task generate vs LLM.generate(text)")
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="engine.enforce_eager on both sides (no torch.compile: engine start ~25 s instead of 65-130 s)")
     ap.add_argument("--workdir", type=Path, default=ROOT / ".cache" / "bench" / "worker_vs_raw")
+    ap.add_argument("--engine", help="JSON for the spec's engine section (default: CPU build, 1 GiB KV cache); "
+                    'GPU example: \'{"max_num_seqs": 256, "gpu_memory_utilization": 0.9, "enable_prefix_caching": '
+                    'true, "engine_kwargs": {"load_format": "dummy"}}\'')
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--results", type=Path, default=RESULTS_FILE, help="JSON lines file to append the record to")
     args = ap.parse_args()
 
     os.environ.setdefault("VLLM_BATCH_MODEL_CACHE", str(ROOT / ".cache" / "models"))
@@ -232,17 +257,29 @@ def main() -> int:
         from airflow_provider_vllm.local_models import default_cache_dir, prepare_smollm2
 
         args.model = str(prepare_smollm2(default_cache_dir() / "smollm2-135m-instruct"))
-    rows = args.rows or WORKLOADS[args.workload]["rows"]
+    summary = []
+    for workload in (sorted(WORKLOADS) if args.workload == "all" else [args.workload]):
+        summary.append((workload, run_workload(args, workload)))
+    if len(summary) > 1:
+        print("\nsummary (ratio worker/raw rows/s, goal >= %.2f):" % GOAL_RATIO)
+        for workload, ratio in summary:
+            print(f"  {workload:<9} {ratio:.3f} {'met' if ratio >= GOAL_RATIO else 'NOT met'}")
+    return 0
+
+
+def run_workload(args, workload: str) -> float:
+    """One workload: alternate raw and worker runs, print and record them; returns the ratio of medians."""
+    rows = args.rows or WORKLOADS[workload]["rows"]
     env = {**os.environ, **ENV_SETTINGS}
 
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    work = (args.workdir / args.workload).resolve()
+    work = (args.workdir / workload).resolve()
     if work.exists():
         shutil.rmtree(work)
     (work / "in").mkdir(parents=True)
-    texts = texts_for(args.workload, rows)
+    texts = texts_for(workload, rows)
     ids = [f"r{i:06d}" for i in range(rows)]
     pq.write_table(pa.table({"id": ids, "text": texts}), work / "in" / "data.parquet")
     texts_file = work / "texts.json"
@@ -254,7 +291,9 @@ def main() -> int:
     raws, workers, runs = [], [], []
     for pos, side in enumerate(seq):
         n_side = sum(1 for x in seq[:pos] if x == side)
-        spec = make_spec(args.workload, args.model, work / "in", work / f"out-{pos}", rows)
+        spec = make_spec(workload, args.model, work / "in", work / f"out-{pos}", rows, args.api,
+                         args.enforce_eager, engine=json.loads(args.engine) if args.engine else None,
+                         max_model_len=args.max_model_len)
         load = os.getloadavg()[0]
         if side == "r":
             r = derive(run_raw(spec, texts_file, env, work / f"raw-{n_side}.log"))
@@ -287,7 +326,7 @@ def main() -> int:
         adjacent.append(round(r["rows_per_s"] / statistics.mean(near), 4) if near else None)
     ptoks = (raws[0]["prompt_tokens"], workers[0]["prompt_tokens"])
 
-    print(f"\nbench_worker_vs_raw: workload {args.workload}, {rows} rows, model {args.model}, "
+    print(f"\nbench_worker_vs_raw: workload {workload}, {rows} rows, model {args.model}, "
           f"{args.pairs} pairs, order {seq}; prompt tokens raw {ptoks[0]} / worker {ptoks[1]} "
           f"(avg {ptoks[0] / rows:.0f}/row)")
     print(f"{'side':<28} {'rows/s':>8} {'out tok/s':>10} {'completion toks':>16}")
@@ -303,9 +342,10 @@ def main() -> int:
     import vllm
 
     strip = lambda d: {k: v for k, v in d.items() if k != "outputs"}  # noqa: E731
-    record = {"bench": "worker_vs_raw", "workload": args.workload,
+    record = {"bench": "worker_vs_raw", "workload": workload, "api": args.api, "enforce_eager": args.enforce_eager,
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)), "rows": rows,
-              "model": args.model, "pairs": args.pairs, "order": args.order, "sequence": seq,
+              "model": args.model, "engine": args.engine, "max_model_len": args.max_model_len,
+              "pairs": args.pairs, "order": args.order, "sequence": seq,
               "env": {**env_info, "vllm": vllm.__version__},
               "raw": [strip(r) for r in raws], "worker": [strip(w) for w in workers],
               "median": {"raw_rows_per_s": raw_rps, "worker_rows_per_s": wk_rps,
@@ -313,10 +353,10 @@ def main() -> int:
                          "raw_out_tok_per_s": raw_tps, "worker_out_tok_per_s": wk_tps},
               "ratio": round(ratio, 4), "goal": GOAL_RATIO, "met": ratio >= GOAL_RATIO,
               "ratio_to_adjacent_raw": adjacent, "identical_outputs": same}
-    with open(RESULTS_FILE, "a", encoding="utf-8") as f:
+    with open(args.results, "a", encoding="utf-8") as f:
         f.write(json.dumps(record, sort_keys=True) + "\n")
-    print(f"appended to {RESULTS_FILE}")
-    return 0
+    print(f"appended to {args.results}")
+    return ratio
 
 
 if __name__ == "__main__":

@@ -11,8 +11,13 @@ the local cache when unset) and the output `<vllm_batch_data_root>/reruns/<run i
 every run writes its own prefix. Reusing an output prefix is allowed only for the same
 input and spec (a re-run then reuses the committed shards).
 
-Runners: `local` (a worker process per shard on the Airflow worker). `kubernetes` is listed
-for the form but not built yet: choosing it fails `plan` with a message naming the param.
+*Dry run* only validates and estimates (see `python -m airflow_provider_vllm.dry_run`): the
+plan task logs rows, tokens, shards, GPU-hours and the memory plan, and the rest is skipped.
+
+Runners: `local` (a worker process per shard on the Airflow worker) or `kubernetes` (one pod
+per shard from the pinned worker image, configured by the `vllm_batch_kubernetes` Variable;
+see docs/kubernetes.md). The `runner` task after `plan` skips the shard task of the runner not chosen
+(it shows as skipped).
 """
 
 from __future__ import annotations
@@ -51,6 +56,9 @@ with DAG(
         "max_tokens": Param(16, type="integer", minimum=1, maximum=4096, title="Max output tokens"),
         "shard_rows": Param(1000, type="integer", minimum=1, title="Rows per shard"),
         "runner": Param("local", type="string", enum=["local", "kubernetes"], title="Runner"),
+        "dry_run": Param(False, type="boolean", title="Dry run",
+                         description="Only estimate: rows, tokens, shards, GPU-hours and the GPU memory plan in "
+                         "the plan task's log and 'dry_run' XCom; nothing is written or launched"),
     },
 ) as dag:
     vllm_batch_job(

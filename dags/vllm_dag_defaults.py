@@ -11,6 +11,10 @@ Variables, so it is read at run time (never while the DAG file is parsed):
                                "false": publish warned runs without asking (a 'fail' never publishes)
     vllm_batch_spec_overrides  JSON object of spec overrides, e.g. {"engine.enforce_eager": false,
                                "engine.max_num_seqs": 256, "sharding.max_shards": 64}
+    vllm_batch_runner          where shards run: local (default) or kubernetes (one pod per shard)
+    vllm_batch_kubernetes      JSON object of pod settings for the kubernetes runner (image, namespace,
+                               GPUs, node pool, Kueue queue, model-cache PVC, Secret references; see
+                               airflow_provider_vllm/pod_settings.py and docs/kubernetes.md)
 
 Set them in the UI, with `airflow variables set`, or as AIRFLOW_VAR_<NAME> environment variables.
 """
@@ -45,6 +49,7 @@ EMBEDDING_MODEL = "{{ var.value.get('vllm_batch_embedding_model', '') or vllm_mi
 SHARD_ROWS = "{{ var.value.get('vllm_batch_shard_rows', '1000') }}"
 SPEC_OVERRIDES = "{{ var.value.get('vllm_batch_spec_overrides', '{}') }}"
 HUMAN_REVIEW = "{{ var.value.get('vllm_batch_human_review', 'true') }}"
+RUNNER = "{{ var.value.get('vllm_batch_runner', 'local') }}"
 
 # Local CPU defaults: eager mode and a 1 GiB KV cache start vLLM's CPU build in ~25 s.
 # A GPU cluster overrides them through vllm_batch_spec_overrides.

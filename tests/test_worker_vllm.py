@@ -264,3 +264,77 @@ def test_classify_task_with_a_sequence_classification_model(tmp_path, tiny_model
     res = pq.read_table(tmp_path / "out" / "results" / "results.parquet").to_pylist()
     assert all(len(r["scores"]) == 3 and abs(sum(r["scores"]) - 1) < 1e-3 for r in res)
     assert all(r["label"] in LABELS for r in res)
+
+
+
+RAW_TOKENS_VS_TEXT = r"""
+import json, sys
+if __name__ == "__main__":
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from airflow_provider_vllm.spec import JobSpec
+    from airflow_provider_vllm.worker.prompts import PromptBuilder
+    a = json.loads(sys.argv[1])
+    llm = LLM(model=a["model"], max_model_len=512, enforce_eager=True, max_num_seqs=32)
+    tok = llm.get_tokenizer()
+    sp = SamplingParams(temperature=0, max_tokens=a["max_tokens"])
+    res = {}
+    for task, doc in a["specs"].items():
+        # the worker's single tokenisation (PromptBuilder over the engine's tokenizer) -> TokensPrompt
+        spec = JobSpec.load(doc)
+        builder = PromptBuilder(spec, tok, 512)
+        preps = [builder.prepare({"text": t}) for t in a["texts"]]
+        as_tokens = llm.generate([TokensPrompt(prompt_token_ids=p.token_ids) for p in preps], sp, use_tqdm=False)
+        users = [spec.prompt.template.format(text=t) for t in a["texts"]]
+        if task == "generate":
+            as_text = llm.generate(users, sp, use_tqdm=False)
+        else:
+            as_text = llm.chat([[{"role": "system", "content": spec.prompt.system_prompt},
+                                 {"role": "user", "content": u}] for u in users], sp, use_tqdm=False)
+        res[task] = {"tokens": [[list(o.prompt_token_ids), o.outputs[0].text] for o in as_tokens],
+                     "text": [[list(o.prompt_token_ids), o.outputs[0].text] for o in as_text]}
+    print("RAW " + json.dumps(res))
+"""
+
+
+def test_token_prompts_give_the_same_outputs_as_text_prompts(tmp_path, smollm2):
+    """The worker tokenises once and hands vLLM token ids (TokensPrompt). Raw vLLM given the
+    same rows as text (LLM.generate) or as conversations (LLM.chat) sees the same prompt tokens
+    and produces the same outputs, for the generate and the chat task; and the worker's
+    generate-task outputs equal raw LLM.generate over text prompts. (Worker vs LLM.chat runs
+    through the worker in test_smollm2_labels_and_equality_with_raw_llm_chat.)"""
+    n = 12
+    texts = [TICKETS[i % len(TICKETS)] + (" Übergröße, naïve café — 😀" if i % 5 == 0 else f" (ref {i})")
+             for i in range(n)]
+    write_parquet(tmp_path / "in" / "a.parquet", [f"g{i:03d}" for i in range(n)], texts)
+    gen = JobSpec.load({
+        "task": "generate",
+        "model": {"name": smollm2, "max_model_len": 512},
+        "engine": {"enforce_eager": True, "max_num_seqs": 32},
+        "io": {"input_uri": str(tmp_path / "in"), "output_uri": str(tmp_path / "out")},
+        "prompt": {"template": "Support ticket: {text}\nShort reply:"},
+        "sampling": {"temperature": 0, "max_tokens": 24},
+        "sharding": {"chunk_rows": 5},
+    })
+    chat = {**gen.model_dump(mode="json"), "task": "chat",
+            "prompt": {"system_prompt": SYSTEM, "template": "Ticket: {text}"}}
+    (shard,) = plan_job(gen).shards
+    m = manifest(run_worker(gen, shard.shard_id))
+    assert m["status"] == "committed" and m["ok_rows"] == n
+    merge_run(gen)
+    ours = {r["id"]: r for r in pq.read_table(tmp_path / "out" / "results" / "results.parquet").to_pylist()}
+
+    raw = subprocess.run(
+        [sys.executable, "-c", RAW_TOKENS_VS_TEXT, json.dumps(
+            {"model": smollm2, "max_tokens": 24, "texts": texts,
+             "specs": {"generate": gen.model_dump(mode="json"), "chat": chat}})],
+        env=ENV, capture_output=True, text=True, timeout=600,
+    )
+    assert raw.returncode == 0, raw.stderr[-3000:]
+    res = json.loads(next(x for x in raw.stdout.splitlines() if x.startswith("RAW "))[4:])
+    for task in ("generate", "chat"):
+        assert res[task]["tokens"] == res[task]["text"], task  # same prompt ids, same outputs
+        assert all(out for _, out in res[task]["text"])  # a real model answers something
+    raw_gen = res["generate"]["text"]
+    assert [ours[f"g{i:03d}"]["output"] for i in range(n)] == [out for _, out in raw_gen]
+    assert [ours[f"g{i:03d}"]["prompt_tokens"] for i in range(n)] == [len(ids) for ids, _ in raw_gen]

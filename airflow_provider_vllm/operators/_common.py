@@ -22,7 +22,6 @@ SPEC_XCOM_KEY = "spec"
 """XCom key under which the plan task pushes the validated spec (a JSON-able dict)."""
 
 RUNNERS = ("local", "kubernetes")
-AVAILABLE_RUNNERS = ("local",)
 
 
 def spec_document(value: Any) -> dict[str, Any]:
@@ -63,16 +62,11 @@ def load_spec(value: Any, what: str) -> JobSpec:
 
 
 def check_runner(runner: Any, param: str = "runner") -> str:
-    """The runner name, or a failure naming the param when it is unknown or not built yet."""
+    """The runner name, or a failure naming the param when it is unknown."""
     name = str(runner).strip()
-    if name in AVAILABLE_RUNNERS:
-        return name
     if name in RUNNERS:
-        raise AirflowFailException(
-            f"{param}={name!r} is not available yet (the Kubernetes runner comes in its own issue); "
-            f"set {param} to one of {list(AVAILABLE_RUNNERS)}"
-        )
-    raise AirflowFailException(f"{param}={name!r} is not a runner; choose one of {list(AVAILABLE_RUNNERS)}")
+        return name
+    raise AirflowFailException(f"{param}={name!r} is not a runner; choose one of {list(RUNNERS)}")
 
 
 def check_local_model(spec: JobSpec) -> None:

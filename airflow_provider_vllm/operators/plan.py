@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,6 +38,11 @@ class VllmPlanOperator(BaseOperator):
 
     Fails without retry on an invalid spec, an unknown or unavailable ``runner``, a missing
     local model folder, or a bad dataset (missing id column, duplicate ids, ...).
+
+    ``dry_run=True`` (or a run param ``dry_run`` set to true) validates the spec and the input,
+    logs the dry-run report (rows, tokens, shards, GPU-hours, memory plan; see
+    ``airflow_provider_vllm.dry_run``), pushes it under the XCom key ``dry_run``, writes
+    nothing and skips the rest of the run: no shard is launched.
     """
 
     template_fields: Sequence[str] = ("spec", "overrides", "runner")
@@ -51,9 +57,11 @@ class VllmPlanOperator(BaseOperator):
         overrides: dict[str, Any] | str | None = None,
         param_overrides: Sequence[str] = (),
         runner: str = "local",
+        dry_run: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self.dry_run = dry_run
         self.spec = spec.model_dump(mode="json") if isinstance(spec, JobSpec) else spec
         self.overrides = overrides
         self.param_overrides = list(param_overrides)
@@ -75,6 +83,8 @@ class VllmPlanOperator(BaseOperator):
             check_local_model(spec)
         self.log.info("job %s: task=%s model=%s input=%s output=%s spec_hash=%s", spec.name, spec.task,
                       spec.model.name, spec.io.input_uri, spec.io.output_uri, spec.content_hash()[:12])
+        if self.dry_run or (context.get("params") or {}).get("dry_run") is True:
+            self._dry_run(spec, context)
         with data_plane_errors("plan"):
             plan = plan_job(spec)
         self.log.info("planned %d rows (%d invalid lines) into %d shard(s), ~%d prompt tokens; plan at %s/_plan.json",
@@ -82,3 +92,15 @@ class VllmPlanOperator(BaseOperator):
                       spec.io.output_uri.rstrip("/"))
         context["ti"].xcom_push(key=SPEC_XCOM_KEY, value=spec.model_dump(mode="json"))
         return with_display_names([s.summary() for s in plan.shards])
+
+    def _dry_run(self, spec: JobSpec, context: Any) -> None:
+        from airflow.sdk.exceptions import AirflowSkipException
+
+        from airflow_provider_vllm.dry_run import dry_run_report, format_report
+
+        with data_plane_errors("plan"):
+            report = dry_run_report(spec)
+        for line in format_report(report).splitlines():
+            self.log.info("%s", line)
+        context["ti"].xcom_push(key="dry_run", value=json.loads(json.dumps(report, default=str)))
+        raise AirflowSkipException("dry run: the report is in the log and the 'dry_run' XCom; nothing was launched")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import platform
-import resource
 import time
 from typing import Any, Callable
 
@@ -32,10 +31,11 @@ from airflow_provider_vllm.planning import Plan, ShardPlan, estimate_tokens, loa
 from airflow_provider_vllm.rows import ENGINE_ERROR, rows_table
 from airflow_provider_vllm.spec import JobSpec
 from airflow_provider_vllm.storage import Storage
+from airflow_provider_vllm.worker.hardware import hardware_id
 from airflow_provider_vllm.worker.outputs import check_structured
-from airflow_provider_vllm.worker.progress import Progress
 from airflow_provider_vllm.worker.prompts import PromptBuilder, Prepared
 from airflow_provider_vllm.worker.task import ShardTask
+from airflow_provider_vllm.worker.telemetry import ShardTelemetry
 
 log = logging.getLogger("airflow_provider_vllm.worker")
 
@@ -80,25 +80,28 @@ def run_shard(task: ShardTask, engine_factory: Callable[[JobSpec], Any] | None =
                              "engine_start_s": 0.0, "infer_s": 0.0, "prompt_tokens": 0, "completion_tokens": 0}
     files = {k: store.file_entry(rel) for k, rel in reused.items()}
     engine_version = None
+    done_rows = sum(metas[k].rows for k in todo)
+    telemetry = ShardTelemetry(spec, shard.shard_id, attempt, done_rows, task.progress_interval_s)
     if todo:
         engine = (engine_factory or _default_engine)(spec)
         engine_version = engine.version
         stats["engine_start_s"] = round(engine.start_seconds, 3)
+        telemetry.engine_started(engine.start_seconds)
         engine.warm_up()
-        runner = _ChunkRunner(spec, plan, shard, batch, engine, store, attempt, metas, task.progress_interval_s)
+        runner = _ChunkRunner(spec, plan, shard, batch, engine, store, attempt, metas, telemetry.progress)
         t0 = time.monotonic()
         files.update(runner.run(todo))
         stats["infer_s"] = round(time.monotonic() - t0, 3)
         stats["prompt_tokens"] = runner.prompt_tokens
         stats["completion_tokens"] = runner.completion_tokens
-        stats["progress_lines"] = runner.progress.lines
     infer = stats["infer_s"] or 1e-9
-    done_rows = sum(metas[k].rows for k in todo)
     stats.update(
+        infer_rows=done_rows,  # rows inferred by this attempt (reused chunks excluded): the throughput basis
+        hardware=hardware_id(spec.engine.tensor_parallel_size),
         rows_per_s=round(done_rows / infer, 3) if todo else None,
         tokens_per_s=round((stats["prompt_tokens"] + stats["completion_tokens"]) / infer, 1) if todo else None,
         wall_s=round(time.monotonic() - t_start, 3),
-        peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        **telemetry.finish(),
     )
     entries = [files[k] for k in range(n_chunks)]
     marker = {
@@ -195,11 +198,11 @@ def _filter_jsonl(part: RowBatch, spec: JobSpec, plan: Plan, bucket: str) -> Row
 class _ChunkRunner:
     """Feeds rows of the chunks to do through the engine and writes each chunk when complete."""
 
-    def __init__(self, spec, plan, shard, batch, engine, store, attempt, metas, interval):
+    def __init__(self, spec, plan, shard, batch, engine, store, attempt, metas, progress):
         self.spec, self.plan, self.shard, self.batch = spec, plan, shard, batch
         self.engine, self.store, self.attempt, self.metas = engine, store, attempt, metas
         self.builder = PromptBuilder(spec, engine.tokenizer, engine.max_model_len)
-        self.progress = Progress(shard.shard_id, sum(metas[k].rows for k in metas), interval)
+        self.progress = progress
         self.prov = {
             "model": spec.model.name, "model_revision": spec.model.revision, "engine_version": engine.version,
             "config_hash": plan.config_hash, "shard_id": shard.shard_id, "attempt_id": attempt,
@@ -241,13 +244,13 @@ class _ChunkRunner:
                 prep = self._prepare(i)
                 if prep.fault is not None:
                     records[k][i] = self._error(i, *prep.fault)
-                    self._maybe_flush(k, records, files)
+                    self._row_done(k, i, records, files)
                     continue
                 try:
                     self.engine.submit((k, i), prep.token_ids, prep.overrides or None)
                 except (ValueError, TypeError) as e:  # the engine refused this one request
                     records[k][i] = self._error(i, ENGINE_ERROR, str(e)[:500])
-                    self._maybe_flush(k, records, files)
+                    self._row_done(k, i, records, files)
                     continue
                 submitted[i] = (time.monotonic(), prep.truncated)
             if not self.engine.pending():
@@ -263,8 +266,12 @@ class _ChunkRunner:
                 }
                 self.prompt_tokens += g.prompt_tokens
                 self.completion_tokens += g.completion_tokens
-                self._maybe_flush(k, records, files)
+                self._row_done(k, i, records, files)
         return files
+
+    def _row_done(self, k: int, i: int, records: dict, files: dict) -> None:
+        self.progress.add_row(records[k][i])
+        self._maybe_flush(k, records, files)
 
     def _maybe_flush(self, k: int, records: dict, files: dict) -> None:
         meta = self.metas[k]
@@ -274,8 +281,6 @@ class _ChunkRunner:
         rows = [got[i] for i in range(meta.first_row, meta.first_row + meta.rows)]
         files[k] = self.store.write_chunk(self.attempt, meta, rows_table(rows))
         del records[k]
-        toks = sum((r.get("prompt_tokens") or 0) + (r.get("completion_tokens") or 0) for r in rows)
-        self.progress.add(len(rows), toks)
 
     def _pool_chunk(self, k: int) -> dict[str, Any]:
         meta = self.metas[k]
@@ -304,5 +309,5 @@ class _ChunkRunner:
                 self.prompt_tokens += len(p.token_ids)
         ordered = [rows[i] for i in range(meta.first_row, meta.first_row + meta.rows)]
         entry = self.store.write_chunk(self.attempt, meta, rows_table(ordered))
-        self.progress.add(len(ordered), sum(r.get("prompt_tokens") or 0 for r in ordered))
+        self.progress.add_rows(ordered)
         return entry

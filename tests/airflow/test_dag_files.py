@@ -46,7 +46,8 @@ def test_rerun_params_form_schema():
     dag = dagbag().dags["vllm_batch_rerun"]
     schema = {k: dag.params.get_param(k).schema for k in dag.params}
     assert set(schema) == {"input_uri", "output_uri", "model", "labels", "system_prompt", "temperature",
-                           "max_tokens", "shard_rows", "runner"}
+                           "max_tokens", "shard_rows", "runner", "dry_run"}
+    assert schema["dry_run"]["type"] == "boolean"
     assert schema["runner"]["enum"] == ["local", "kubernetes"]
     assert schema["shard_rows"]["minimum"] == 1 and schema["shard_rows"]["type"] == "integer"
     assert schema["input_uri"]["pattern"].startswith("^") and schema["output_uri"]["pattern"].endswith("$")

@@ -99,7 +99,6 @@ def test_plan_layers_spec_overrides_and_params_and_pushes_the_spec(tmp_path):
 @pytest.mark.parametrize("change, message", [
     ({"temperature": "hot"}, "sampling.temperature"),
     ({"runner": "docker"}, "runner='docker' is not a runner"),
-    ({"runner": "kubernetes"}, "runner='kubernetes' is not available yet"),
     ({"model": {"name": "/nonexistent/model"}}, "does not exist"),
     ({"duplicate_ids": True}, "duplicate"),
 ])
@@ -301,7 +300,7 @@ def test_builder_wires_plan_shards_merge_qa_publish():
     assert shard.partial_kwargs["retries"] == 3 and shard.partial_kwargs["max_active_tis_per_dagrun"] == 2
     assert t["job.shard"].upstream_task_ids == {"job.plan"}
     assert t["job.merge"].upstream_task_ids == {"job.plan", "job.shard"}
-    assert t["job.merge"].trigger_rule == "none_failed"
+    assert t["job.merge"].trigger_rule == "none_failed_min_one_success"  # runs after an empty plan, not a dry run
     assert t["job.review"].upstream_task_ids == {"job.qa"} and t["job.review"].qa_task_id == "job.qa"
     assert t["job.extra"].upstream_task_ids == {"job.plan", "job.review"}
     assert t["job.publish"].upstream_task_ids == {"job.plan", "job.extra"}
@@ -319,12 +318,19 @@ def test_builder_static_output_is_the_asset_and_runner_switch():
     _, _ = build()
     dag, _ = build(asset="s3://bucket/table")
     assert dag.task_dict["vllm_batch.publish"].outlets[0].uri == "s3://bucket/table"
-    with pytest.raises(NotImplementedError, match="runner='kubernetes'"):
-        build(runner="kubernetes")
+    dag, _ = build(runner="kubernetes")
+    assert type(dag.task_dict["vllm_batch.shard"]).__name__ == "MappedOperator"
+    assert dag.task_dict["vllm_batch.shard"].operator_class.__name__ == "VllmKubernetesShardOperator"
     with pytest.raises(ValueError, match="runner='docker'"):
         build(runner="docker")
     dag, _ = build(runner="{{ params.runner }}")
     assert dag.task_dict["vllm_batch.plan"].runner == "{{ params.runner }}"
+    assert dag.task_dict["vllm_batch.runner"].shard_tasks == {"local": "vllm_batch.shard",
+                                                              "kubernetes": "vllm_batch.shard_kubernetes"}
+    assert dag.task_dict["vllm_batch.runner"].downstream_task_ids == {"vllm_batch.shard", "vllm_batch.shard_kubernetes"}
+    assert dag.task_dict["vllm_batch.shard"].operator_class.__name__ == "VllmLocalShardOperator"
+    assert dag.task_dict["vllm_batch.shard_kubernetes"].operator_class.__name__ == "VllmKubernetesShardOperator"
+    assert dag.task_dict["vllm_batch.merge"].upstream_task_ids >= {"vllm_batch.shard", "vllm_batch.shard_kubernetes"}
 
 
 # ---- provider registration -------------------------------------------------------------

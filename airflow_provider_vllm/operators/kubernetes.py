@@ -1,0 +1,209 @@
+"""The shard task, Kubernetes runner: one pod per shard running the worker image.
+
+A thin ``KubernetesPodOperator`` subclass in the manner of the cncf provider's
+``_KubernetesDecoratedOperator``: it sets the container command, arguments, resources,
+volumes, env and security contexts from the shard's job spec, then lets KPO do the rest
+(pod naming, reattach after a worker restart, deferral, log streaming, XCom sidecar,
+deletion on finish and on kill). Pod parts come from the pure ``pod_spec`` module.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
+from airflow.providers.common.compat.sdk import AirflowException, AirflowSkipException
+from airflow.sdk.exceptions import AirflowFailException
+from kubernetes.client import ApiClient
+from kubernetes.client import models as k8s
+
+from airflow_provider_vllm.errors import EXIT_TERMINAL, EXIT_TRANSIENT, SpecError
+from airflow_provider_vllm.operators._common import load_spec
+from airflow_provider_vllm.pod_settings import KubernetesSettings
+from airflow_provider_vllm.pod_spec import WORKER_PYTHON, PodParts, container_security_context, pod_parts
+from airflow_provider_vllm.worker.task import ShardTask, worker_command
+
+SETTINGS_VARIABLE = "vllm_batch_kubernetes"
+"""Airflow Variable (JSON object of ``KubernetesSettings`` fields): deployment-wide pod defaults."""
+
+# Set from the shard spec in execute(); never templated (the spec is data from the plan's XCom).
+_NOT_TEMPLATED = {"cmds", "arguments", "image", "container_resources", "volumes", "volume_mounts",
+                  "env_vars", "env_from", "labels", "annotations", "node_selector", "namespace",
+                  "pod_template_file"}
+
+
+class VllmKubernetesShardOperator(KubernetesPodOperator):
+    """Run one shard in a pod: ``worker_command(ShardTask(...))``, the local runner's command line.
+
+    :param spec: the validated job spec from the plan task (its ``spec`` XCom).
+    :param shard: one item of the plan's return value (``{"shard_id": ..., "rows": ...}``).
+    :param kubernetes: deployment defaults for the pod (a ``KubernetesSettings`` dict or JSON
+        text, templated; the builder passes the ``vllm_batch_kubernetes`` Variable). The job
+        spec's ``kubernetes`` section wins over it field by field. Image, GPU count and
+        resource name, CPU/memory, /dev/shm, node selector, tolerations, affinity, priority
+        class, Kueue queue, service account, model-cache and data PVCs, Secret references
+        (HF token, object-store keys) and a pod template file are all set there.
+    :param env: plain environment variables for the worker (templated; no secrets: names such
+        as ``*TOKEN*`` are refused, use ``secret_env`` in the settings), over the settings' ``env``.
+    :param progress_interval_s: seconds between the worker's progress lines (pod log).
+
+    Defaults differ from KPO's where a batch shard needs it: deferrable (the Airflow worker
+    slot is free while the pod runs), ``durable`` (a restarted task reattaches to its pod),
+    pod deleted on finish and on kill, logs streamed, the worker's manifest read from
+    ``/airflow/xcom/return.json`` as the XCom value, ``FallbackToLogsOnError`` termination
+    messages. Worker exit 2 (terminal) fails the task without retry; 75 (transient) and
+    any other failure are retried by Airflow.
+    """
+
+    template_fields: Sequence[str] = tuple(
+        {"spec", "shard", "kubernetes", "env", *KubernetesPodOperator.template_fields} - _NOT_TEMPLATED
+    )
+    template_fields_renderers = {"spec": "json", "shard": "json", "kubernetes": "json", "env": "json"}
+    ui_color = "#e3f2fd"
+
+    def __init__(
+        self,
+        *,
+        spec: Any,
+        shard: dict[str, Any] | str,
+        kubernetes: dict[str, Any] | str | None = None,
+        env: dict[str, str] | None = None,
+        progress_interval_s: float = 10.0,
+        name: str = "vllm-shard",
+        deferrable: bool = True,
+        durable: bool = True,
+        on_kill_action: str = "delete_pod",
+        on_finish_action: str = "delete_pod",
+        get_logs: bool = True,
+        do_xcom_push: bool = True,
+        log_events_on_failure: bool = True,
+        termination_message_policy: str = "FallbackToLogsOnError",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            name=name, deferrable=deferrable, durable=durable, on_kill_action=on_kill_action,
+            on_finish_action=on_finish_action, get_logs=get_logs, do_xcom_push=do_xcom_push,
+            log_events_on_failure=log_events_on_failure, termination_message_policy=termination_message_policy,
+            **kwargs,
+        )
+        self.spec = spec
+        self.shard = shard
+        self.kubernetes = kubernetes
+        self.env = env
+        self.progress_interval_s = progress_interval_s
+        self.parts: PodParts | None = None
+
+    @property
+    def shard_id(self) -> str:
+        return self.shard["shard_id"] if isinstance(self.shard, dict) else str(self.shard)
+
+    def settings(self, spec) -> KubernetesSettings:
+        """Deployment defaults (``kubernetes``) < ``env`` < the job's own ``kubernetes`` section.
+
+        A job field equal to its default does not override a deployment default (the spec
+        reaches the task as JSON, where an explicit default looks like an unset field).
+        """
+        defaults = self.kubernetes
+        try:
+            if isinstance(defaults, (str, bytes)):
+                defaults = json.loads(defaults) if defaults.strip() else None
+            job = spec.kubernetes.model_dump(exclude_defaults=True)
+            settings = KubernetesSettings.layered(defaults, job)
+            if self.env:
+                env = {**settings.env, **{k: str(v) for k, v in self.env.items()}, **job.get("env", {})}
+                settings = KubernetesSettings.layered(settings.model_dump(exclude_defaults=True), {"env": env})
+            return settings
+        except ValueError as e:  # pydantic's ValidationError and json's errors are ValueErrors
+            raise AirflowFailException(f"shard {self.shard_id}: invalid kubernetes settings: {e}") from None
+
+    def prepare_pod(self) -> PodParts:
+        """Set the pod's fields from the shard spec (idempotent); fails without retry on bad input."""
+        spec = load_spec(self.spec, "shard")
+        try:
+            task = ShardTask(spec=spec, shard_id=self.shard_id, progress_interval_s=self.progress_interval_s)
+            settings = self.settings(spec)
+            parts = pod_parts(spec, settings, task.shard_id)
+        except (SpecError, ValueError) as e:
+            raise AirflowFailException(f"shard {self.shard_id!r}: {e}") from None
+        argv = worker_command(task, python=WORKER_PYTHON)
+        self.cmds, self.arguments = argv[:-1], argv[-1:]
+        self.image = parts.image
+        self.image_pull_policy = settings.image_pull_policy or self.image_pull_policy
+        self.image_pull_secrets = parts.image_pull_secrets
+        self.namespace = settings.namespace or self.namespace
+        self.container_resources = parts.resources
+        self.volumes = parts.volumes
+        self.volume_mounts = parts.volume_mounts
+        self.env_vars = parts.env
+        self.env_from = parts.env_from
+        self.labels = {**(self.labels or {}), **parts.labels}
+        self.annotations = {**(self.annotations or {}), **parts.annotations}
+        self.node_selector = parts.node_selector
+        self.tolerations = parts.tolerations
+        self.affinity = parts.affinity or {}
+        self.priority_class_name = settings.priority_class
+        self.service_account_name = settings.service_account
+        self.automount_service_account_token = False  # the worker never calls the Kubernetes API
+        self.runtime_class_name = settings.runtime_class
+        self.security_context = parts.pod_security_context
+        self.container_security_context = parts.container_security_context
+        self.xcom_sidecar_container_security_context = container_security_context(settings)
+        self.hostnetwork = False
+        self.termination_grace_period = settings.termination_grace_period_s
+        self.active_deadline_seconds = settings.active_deadline_s
+        self.startup_timeout_seconds = self.schedule_timeout_seconds = settings.startup_timeout_s
+        self.pod_template_file = settings.pod_template_file
+        self.parts = parts
+        return parts
+
+    def build_pod_request_obj(self, context=None, *, dry_run: bool = False) -> k8s.V1Pod:
+        self.prepare_pod()
+        return super().build_pod_request_obj(context, dry_run=dry_run)
+
+    def dry_run(self) -> None:
+        """Print the pod manifest as kubectl takes it (camelCase YAML); no Kubernetes API call."""
+        import yaml
+
+        pod = self.build_pod_request_obj(dry_run=True)
+        print(yaml.safe_dump(ApiClient().sanitize_for_serialization(pod), sort_keys=False), end="")
+
+    def execute(self, context: Any) -> Any:
+        parts = self.prepare_pod()
+        self.log.info("shard %s: image %s, %d GPU(s), memory %s, /dev/shm %s: %s '<shard task json, %d bytes>'",
+                      self.shard_id, self.image, parts.gpus, parts.resources.limits.get("memory"), parts.shm_size,
+                      " ".join(self.cmds), len(self.arguments[0]))
+        return super().execute(context)
+
+    def cleanup(self, pod, remote_pod, xcom_result=None, context=None) -> None:
+        """KPO's cleanup (logs, XCom, deletion), then the worker's exit code decides retry or not."""
+        try:
+            super().cleanup(pod=pod, remote_pod=remote_pod, xcom_result=xcom_result, context=context)
+        except (AirflowSkipException, AirflowFailException):
+            raise
+        except AirflowException as e:
+            raise worker_failure(worker_exit_code(remote_pod, self.base_container_name), self.shard_id,
+                                 xcom_result) from e
+
+
+def worker_exit_code(pod: k8s.V1Pod | None, container: str) -> int | None:
+    """Exit code of ``container`` in a pod's status, when it has terminated."""
+    statuses = (pod.status.container_statuses if pod is not None and pod.status else None) or []
+    for s in statuses:
+        if s.name == container and s.state is not None and s.state.terminated is not None:
+            return s.state.terminated.exit_code
+    return None
+
+
+def worker_failure(code: int | None, shard_id: str, manifest: Any = None) -> AirflowException:
+    """The exception for a failed worker pod: exit 2 -> no retry; anything else -> retried."""
+    m = manifest if isinstance(manifest, dict) else {}
+    detail = f"{m.get('error', 'no manifest')}: {m.get('message', '')}".rstrip(": ")
+    if code == EXIT_TERMINAL:
+        return AirflowFailException(f"shard {shard_id}: terminal worker error (exit 2, not retried): {detail}")
+    if code == EXIT_TRANSIENT:
+        return AirflowException(f"shard {shard_id}: transient worker failure (exit 75, retried): {detail}")
+    if code is None:
+        return AirflowException(f"shard {shard_id}: pod failed before the worker exited (retried)")
+    return AirflowException(f"shard {shard_id}: worker exited {code} (retried): {detail}")

@@ -1,0 +1,87 @@
+"""The DAG templates with runner=kubernetes, through real Airflow (SQLite DB, CLI subprocesses):
+the pod dry run of the nightly DAG, and the run-time runner switch of the re-run DAG."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.airflow.conftest import PY, tail
+from tests.conftest import write_parquet
+from tests.pss_restricted import violations
+
+NIGHTLY = "vllm_nightly_reclassification"
+RERUN = "vllm_batch_rerun"
+POD_SETTINGS = {"namespace": "vllm-batch", "kueue_queue": "gpu-batch", "model_cache_pvc": "hf-models",
+                "image": "registry.example.com/ml/airflow-provider-vllm-worker:0.1.0@sha256:" + "cd" * 32,
+                "hf_token_secret": {"name": "hf-token", "key": "token"},
+                "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]}
+
+
+def kube_env(tmp_path: Path) -> dict[str, str]:
+    """Variables choosing the Kubernetes runner, and a connection to a cluster that is not there."""
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: t\nclusters: [{name: t, cluster: {server: "
+        "'https://127.0.0.1:9'}}]\nusers: [{name: t, user: {}}]\ncontexts: [{name: t, context: {cluster: t, user: t}}]\n")
+    return {"AIRFLOW_VAR_VLLM_BATCH_RUNNER": "kubernetes",
+            "AIRFLOW_VAR_VLLM_BATCH_KUBERNETES": json.dumps(POD_SETTINGS),
+            "AIRFLOW_CONN_KUBERNETES_DEFAULT": json.dumps({"conn_type": "kubernetes",
+                                                           "extra": {"kube_config_path": str(kubeconfig)}})}
+
+
+def test_dry_run_of_the_nightly_dag_prints_a_valid_restricted_pod_manifest(airflow_sandbox, tmp_path):
+    import kubernetes_validate
+    from kubernetes_validate.utils import latest_version
+
+    box = airflow_sandbox
+    p = box.run("dags", "reserialize")
+    assert p.returncode == 0, tail(p)
+    p = subprocess.run([PY, "-m", "airflow_provider_vllm.operators.pod_dry_run", NIGHTLY, "2026-11-28",
+                        "--map-index", "2"], env={**box.env, **kube_env(tmp_path)}, cwd=str(box.home),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, tail(p)
+    assert p.stdout.startswith("# note: example shard id")
+    pod = yaml.safe_load(p.stdout)
+    assert latest_version().startswith(kubernetes_validate.validate(pod, latest_version(), strict=True))
+    assert violations(pod) == {}
+    meta, (base, sidecar) = pod["metadata"], pod["spec"]["containers"]
+    assert meta["namespace"] == "vllm-batch" and meta["labels"]["map_index"] == "2"
+    assert meta["labels"]["kueue.x-k8s.io/queue-name"] == "gpu-batch"
+    assert meta["labels"]["task_id"] == "reclassify.shard_kubernetes" and meta["labels"]["dag_id"] == NIGHTLY
+    assert base["command"] == ["python3", "-m", "airflow_provider_vllm.worker"] and len(base["args"]) == 1
+    task = json.loads(base["args"][0])
+    assert task["shard_id"] == "shard-00002-00000000"
+    assert task["spec"]["io"]["input_uri"] == f"{box.data}/tickets/dt=2026-11-28/"  # Jinja rendered
+    assert task["spec"]["qa"]["previous_report_uri"].endswith("/dt=2026-11-27/qa/report.json")
+    assert base["image"] == POD_SETTINGS["image"] and base["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"key": "token", "name": "hf-token"}}} in base["env"]
+    assert sidecar["name"] == "airflow-xcom-sidecar"
+
+
+def test_runner_chosen_at_run_time_sends_the_shards_to_pods(airflow_sandbox, tmp_path):
+    """runner=kubernetes from the trigger form: plan, then the runner branch follows the pod task
+    (the local one is skipped); with no cluster the pod cannot be created and the shard fails
+    after its retries, the way a transient cluster error fails it."""
+    box = airflow_sandbox
+    folder = box.data / "k8s_adhoc"
+    write_parquet(folder / "part-0.parquet", [f"k{i}" for i in range(30)], [f"ticket {i}" for i in range(30)])
+    conf = {"input_uri": str(folder), "runner": "kubernetes", "shard_rows": 15}
+    p = box.dags_test(RERUN, "2026-11-24", conf=conf, env=kube_env(tmp_path), timeout=600)
+    assert p.returncode != 0
+    db = box.inspect(RERUN)
+    run_id = db["runs"][-1]["run_id"]
+    tis = {(t["task_id"].split(".")[-1], t["map_index"]): t for t in db["tis"] if t["run_id"] == run_id}
+    assert tis[("plan", -1)]["state"] == "success" and tis[("runner", -1)]["state"] == "success"
+    assert tis[("shard", -1)]["state"] == "skipped"
+    pods = {k: t for k, t in tis.items() if k[0] == "shard_kubernetes"}
+    assert sorted(k[1] for k in pods) == [0, 1]  # mapped over the plan's two shards
+    assert all(t["state"] == "failed" and t["try_number"] == 3 for t in pods.values())  # retried twice
+    assert tis[("merge", -1)]["state"] == "upstream_failed"
+    log = p.stdout + p.stderr
+    assert "runner kubernetes: shards run in rerun.shard_kubernetes" in log
+    assert "127.0.0.1" in log  # it tried the configured cluster

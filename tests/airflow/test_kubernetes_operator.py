@@ -1,0 +1,336 @@
+"""The Kubernetes shard operator without a cluster: the pod it asks for, validated against the
+Kubernetes OpenAPI schema and the Pod Security Standards "restricted" rules.
+
+Pods are built the way the cncf provider's own tests build them,
+``build_pod_request_obj(create_context(op, map_index=3))``. The KPO hook reads a kubeconfig
+that points at a closed local port: building a pod never calls the API.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import pytest
+from kubernetes.client import ApiClient
+
+from tests.airflow.k8s_context import create_context, unreachable_cluster
+from tests.conftest import make_spec
+from tests.ledger import record_malicious
+from tests.pss_restricted import violations
+
+ROOT = Path(__file__).resolve().parents[2]
+SHARD = {"shard_id": "shard-00003-0a1b2c3d", "index": 3, "rows": 1000, "est_tokens": 90000, "bucket": None}
+SETTINGS = {  # what an operator puts in the vllm_batch_kubernetes Variable
+    "namespace": "vllm-batch",
+    "image": "registry.example.com/ml/vllm-worker:0.1.0@sha256:" + "ab" * 32,
+    "kueue_queue": "gpu-batch",
+    "priority_class": "batch-low",
+    "service_account": "vllm-worker",
+    "node_selector": {"cloud.google.com/gke-spot": "true"},
+    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+                    {"key": "cloud.google.com/gke-spot", "operator": "Equal", "value": "true",
+                     "effect": "NoSchedule"}],
+    "model_cache_pvc": "hf-models",
+    "hf_token_secret": {"name": "hf-token", "key": "token"},
+    "secret_env": {"AWS_ACCESS_KEY_ID": {"name": "s3-creds", "key": "access_key_id"},
+                   "AWS_SECRET_ACCESS_KEY": {"name": "s3-creds", "key": "secret_access_key"}},
+}
+
+
+@pytest.fixture(autouse=True)
+def _no_cluster(tmp_path, monkeypatch):
+    unreachable_cluster(tmp_path, monkeypatch)
+
+
+def operator(settings=SETTINGS, task_id="shard", **spec_over):
+    from airflow_provider_vllm.operators.kubernetes import VllmKubernetesShardOperator
+
+    spec = make_spec("/in", "/out", **spec_over).model_dump(mode="json")
+    return VllmKubernetesShardOperator(task_id=task_id, spec=spec, shard=SHARD, kubernetes=json.dumps(settings))
+
+
+def manifest(pod) -> dict:
+    return ApiClient().sanitize_for_serialization(pod)
+
+
+def base(pod):
+    (c,) = [c for c in pod.spec.containers if c.name == "base"]
+    return c
+
+
+def test_pod_for_a_mapped_task_instance():
+    from airflow_provider_vllm.spec import JobSpec
+    from airflow_provider_vllm.worker.task import ShardTask, worker_command
+
+    op = operator()
+    pod = op.build_pod_request_obj(create_context(op, map_index=3))
+    labels = pod.metadata.labels
+    assert labels["map_index"] == "3" and labels["dag_id"] == "dag" and labels["task_id"] == "shard"
+    assert labels["kueue.x-k8s.io/queue-name"] == "gpu-batch" and labels["vllm-batch/shard"] == SHARD["shard_id"]
+    assert pod.metadata.namespace == "vllm-batch" and pod.metadata.name.startswith("vllm-shard-")
+    c = base(pod)
+    # exactly the entrypoint + one JSON argument, the local runner's command line
+    assert c.command == ["python3", "-m", "airflow_provider_vllm.worker"]
+    assert len(c.args) == 1
+    task = ShardTask.load(c.args[0])
+    assert task.shard_id == SHARD["shard_id"] and task.spec == JobSpec.load(op.spec)
+    assert c.command + c.args == worker_command(task, python="python3")
+    assert c.image == SETTINGS["image"]
+    assert c.resources.limits == {"memory": "34Gi", "nvidia.com/gpu": "1"}
+    assert c.resources.requests == {"cpu": "4", "memory": "34Gi"}
+    vols = {v.name: v for v in pod.spec.volumes}
+    assert {"xcom", "tmp", "cache", "dshm", "model-cache"} <= set(vols)
+    assert vols["dshm"].empty_dir.medium == "Memory" and vols["model-cache"].persistent_volume_claim.claim_name \
+        == "hf-models"
+    assert {m.mount_path for m in c.volume_mounts} == {"/airflow/xcom", "/tmp", "/cache", "/dev/shm", "/models"}
+    refs = {e.name: (e.value_from.secret_key_ref.name, e.value_from.secret_key_ref.key) for e in c.env
+            if e.value_from}
+    assert refs == {"HF_TOKEN": ("hf-token", "token"), "AWS_ACCESS_KEY_ID": ("s3-creds", "access_key_id"),
+                    "AWS_SECRET_ACCESS_KEY": ("s3-creds", "secret_access_key")}
+    assert [(t.key, t.operator, t.value, t.effect) for t in pod.spec.tolerations] == [
+        ("nvidia.com/gpu", "Exists", None, "NoSchedule"), ("cloud.google.com/gke-spot", "Equal", "true", "NoSchedule")]
+    assert pod.spec.node_selector == {"cloud.google.com/gke-spot": "true"}
+    assert pod.spec.priority_class_name == "batch-low" and pod.spec.service_account_name == "vllm-worker"
+    assert pod.spec.automount_service_account_token is False and pod.spec.restart_policy == "Never"
+    assert pod.spec.termination_grace_period_seconds == 60
+    assert c.termination_message_policy == "FallbackToLogsOnError"
+    assert [x.name for x in pod.spec.containers] == ["base", "airflow-xcom-sidecar"]  # XCom from return.json
+
+
+def test_operator_defaults_and_template_fields():
+    op = operator()
+    assert op.deferrable is True and op.durable is True and op.get_logs is True and op.do_xcom_push is True
+    assert op.on_kill_action.value == "delete_pod" and op.on_finish_action.value == "delete_pod"
+    assert {"spec", "shard", "kubernetes", "env"} <= set(op.template_fields)
+    assert not {"cmds", "arguments", "image", "env_vars"} & set(op.template_fields)  # set from the spec only
+
+
+def test_manifest_validates_against_the_kubernetes_openapi_schema():
+    import kubernetes_validate
+
+    op = operator(engine={"tensor_parallel_size": 2})
+    doc = manifest(op.build_pod_request_obj(create_context(op, map_index=3)))
+    from kubernetes_validate.utils import latest_version
+
+    for version in ("1.30", latest_version()):  # strict: unknown fields are errors too
+        assert version.startswith(kubernetes_validate.validate(doc, version, strict=True))
+    broken = json.loads(json.dumps(doc))
+    broken["spec"]["containers"][0]["resources"]["limits"]["memory"] = ["34Gi"]
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, latest_version(), strict=True)  # the validator does reject bad manifests
+
+
+def test_manifest_passes_every_pod_security_standards_restricted_rule():
+    op = operator()
+    doc = manifest(op.build_pod_request_obj(create_context(op, map_index=3)))
+    assert violations(doc) == {}
+    # the checker catches what the profile forbids
+    bad = json.loads(json.dumps(doc))
+    bad["spec"]["hostNetwork"] = True
+    bad["spec"]["volumes"].append({"name": "host", "hostPath": {"path": "/"}})
+    c = bad["spec"]["containers"][0]
+    c["securityContext"].update(privileged=True, allowPrivilegeEscalation=True, runAsUser=0,
+                                capabilities={"add": ["SYS_ADMIN"]}, readOnlyRootFilesystem=False,
+                                seccompProfile={"type": "Unconfined"})
+    c["ports"] = [{"containerPort": 80, "hostPort": 80}]
+    bad["spec"]["containers"][1]["securityContext"]["runAsNonRoot"] = False
+    found = violations(bad)
+    assert set(found) == {"baseline/host-namespaces", "baseline/privileged-containers", "baseline/capabilities",
+                          "baseline/hostpath-volumes", "baseline/host-ports", "baseline/seccomp",
+                          "restricted/volume-types", "restricted/privilege-escalation",
+                          "restricted/run-as-non-root", "restricted/run-as-non-root-user", "restricted/seccomp",
+                          "restricted/capabilities", "extra/read-only-root-filesystem"}
+
+
+def test_tensor_parallel_pod_has_two_gpus_and_shm_for_nccl():
+    op = operator({**SETTINGS, "gpu_resource": "nvidia.com/gpu"}, engine={"tensor_parallel_size": 2})
+    pod = op.build_pod_request_obj(create_context(op, map_index=0))
+    c = base(pod)
+    assert c.resources.limits["nvidia.com/gpu"] == "2"
+    (dshm,) = [v for v in pod.spec.volumes if v.name == "dshm"]
+    assert dshm.empty_dir.medium == "Memory" and dshm.empty_dir.size_limit == "16Gi"
+    assert c.resources.limits["memory"] == "80Gi"  # 2 x 32Gi + the 16Gi shm it must hold
+    env = {e.name: e.value for e in c.env}
+    assert (env["NCCL_NVLS_ENABLE"], env["TORCH_SYMM_MEM_DISABLE_MULTICAST"], env["NVSHMEM_DISABLE_NVLS"]) == \
+        ("0", "1", "1")
+
+
+def test_job_section_wins_over_the_variable_and_shard_env_joins():
+    from airflow_provider_vllm.operators.kubernetes import VllmKubernetesShardOperator
+
+    spec = make_spec("/in", "/out", kubernetes={"kueue_queue": "urgent", "gpus": 4, "env": {"LOG": "debug"}})
+    op = VllmKubernetesShardOperator(task_id="s", spec=spec.model_dump(mode="json"), shard=SHARD,
+                                     kubernetes=SETTINGS, env={"VLLM_BATCH_LOG_LEVEL": "DEBUG", "LOG": "x"})
+    pod = op.build_pod_request_obj(create_context(op, map_index=1))
+    assert pod.metadata.labels["kueue.x-k8s.io/queue-name"] == "urgent"
+    assert pod.metadata.namespace == "vllm-batch"  # from the Variable
+    env = {e.name: e.value for e in base(pod).env}
+    assert env["VLLM_BATCH_LOG_LEVEL"] == "DEBUG" and env["LOG"] == "debug"
+    assert base(pod).resources.limits["nvidia.com/gpu"] == "4"
+
+
+def test_bad_settings_fail_without_retry_naming_the_field():
+    from airflow.sdk.exceptions import AirflowFailException
+
+    op = operator({**SETTINGS, "gpus": "many"})
+    with pytest.raises(AirflowFailException, match="gpus"):
+        op.build_pod_request_obj(create_context(op, map_index=0))
+    op = operator({**SETTINGS, "env": {"HF_TOKEN": "hf_x"}})
+    with pytest.raises(AirflowFailException, match="secret_env"):
+        op.build_pod_request_obj(create_context(op, map_index=0))
+    op = operator("{not json")
+    with pytest.raises(AirflowFailException, match="invalid kubernetes settings"):
+        op.build_pod_request_obj(create_context(op, map_index=0))
+
+
+def test_pod_template_file_passes_through_and_hardening_wins(tmp_path):
+    template = tmp_path / "pod.yaml"
+    template.write_text(
+        "apiVersion: v1\nkind: Pod\nmetadata:\n  annotations: {team: ml-platform}\n"
+        "spec:\n  dnsConfig: {options: [{name: ndots, value: '2'}]}\n"
+        "  containers:\n  - name: base\n    securityContext: {privileged: true, readOnlyRootFilesystem: false}\n"
+        "    workingDir: /tmp\n")
+    op = operator({**SETTINGS, "pod_template_file": str(template)})
+    pod = op.build_pod_request_obj(create_context(op, map_index=3))
+    assert pod.metadata.annotations["team"] == "ml-platform"
+    assert pod.spec.dns_config.options[0].name == "ndots" and base(pod).working_dir == "/tmp"
+    sc = base(pod).security_context
+    assert sc.privileged is False and sc.read_only_root_filesystem is True
+    assert violations(manifest(pod)) == {}
+
+
+@pytest.mark.reliability
+def test_no_secret_value_in_args_env_literals_or_logs(monkeypatch, caplog, capsys):
+    """Secrets on the Airflow worker never reach the pod spec or the task log; the pod names Secrets."""
+    secret_values = {"HF_TOKEN": "hf_LEAKCANARY0123456789", "AWS_SECRET_ACCESS_KEY": "aws/LEAKCANARY+abcdef",
+                     "AWS_ACCESS_KEY_ID": "AKIALEAKCANARY000"}
+    for k, v in secret_values.items():
+        monkeypatch.setenv(k, v)  # present in the scheduler/worker environment, as on many deployments
+    caplog.set_level(logging.DEBUG)
+    op = operator()
+    pod = op.build_pod_request_obj(create_context(op, map_index=3))
+    op.dry_run()
+    text = json.dumps(manifest(pod)) + capsys.readouterr().out + caplog.text
+    c = base(pod)
+    literals = [e.value for e in c.env if e.value is not None]
+    leaked = [k for k, v in secret_values.items() if v in text or any(v in x for x in literals + c.args)]
+    assert {e.name for e in c.env if e.value_from} == set(secret_values)  # they arrive as Secret references
+    record_malicious("secret_value_into_pod_spec_or_log", tried=len(secret_values),
+                     rejected=len(secret_values) - len(leaked))
+    assert leaked == []
+
+
+def test_worker_exit_codes_map_to_fail_or_retry(monkeypatch):
+    from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
+    from airflow.sdk.exceptions import AirflowException, AirflowFailException
+    from kubernetes.client import models as k8s
+
+    from airflow_provider_vllm.operators.kubernetes import worker_exit_code
+
+    def pod_exited(code):
+        state = k8s.V1ContainerState(terminated=k8s.V1ContainerStateTerminated(exit_code=code))
+        return k8s.V1Pod(status=k8s.V1PodStatus(phase="Failed", container_statuses=[
+            k8s.V1ContainerStatus(name="base", state=state, image="i", image_id="", ready=False, restart_count=0)]))
+
+    def kpo_failure(self, pod, remote_pod, xcom_result=None, context=None):
+        raise AirflowException(f"Pod {pod.metadata.name} returned a failure.")  # what KPO's cleanup raises
+
+    monkeypatch.setattr(KubernetesPodOperator, "cleanup", kpo_failure)
+    op = operator()
+    pod = k8s.V1Pod(metadata=k8s.V1ObjectMeta(name="p"))
+    manifest_doc = {"status": "failed", "error": "SpecError", "message": "bad spec", "terminal": True}
+    with pytest.raises(AirflowFailException, match=r"exit 2, not retried\): SpecError: bad spec"):
+        op.cleanup(pod, pod_exited(2), xcom_result=manifest_doc)
+    for code, text in [(75, "exit 75, retried"), (137, "exited 137"), (1, "exited 1")]:
+        with pytest.raises(AirflowException, match=text) as e:
+            op.cleanup(pod, pod_exited(code))
+        assert not isinstance(e.value, AirflowFailException)
+    assert worker_exit_code(pod_exited(2), "base") == 2 and worker_exit_code(pod, "base") is None
+    monkeypatch.setattr(KubernetesPodOperator, "cleanup", lambda *a, **k: None)
+    op.cleanup(pod, pod_exited(0))  # success passes through
+
+
+def test_kpo_failure_class_is_the_one_the_operator_catches():
+    """The provider raises its compat AirflowException: the same class Airflow's retry logic sees."""
+    from airflow.providers.common.compat.sdk import AirflowException as Compat
+    from airflow.sdk.exceptions import AirflowException, AirflowFailException
+
+    assert Compat is AirflowException and issubclass(AirflowFailException, AirflowException)
+
+
+def test_dockerfile_entrypoint_is_the_worker_command_entrypoint():
+    from airflow_provider_vllm.pod_spec import WORKER_PYTHON
+    from airflow_provider_vllm.worker.task import ShardTask, worker_command
+
+    text = (ROOT / "docker" / "Dockerfile.worker").read_text()
+    (entry,) = re.findall(r"^ENTRYPOINT\s+(\[.*\])\s*$", text, re.M)
+    task = ShardTask(spec=make_spec("/in", "/out"), shard_id=SHARD["shard_id"])
+    assert json.loads(entry) == worker_command(task, python=WORKER_PYTHON)[:-1]
+    assert "CMD" not in re.findall(r"^(\w+)", text, re.M)  # the shard task is the only argument
+
+
+def test_images_are_pinned_by_digest_as_the_lock_says():
+    lock = {}
+    for line in (ROOT / "docker" / "images.lock").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, ref = line.split("=", 1)
+            lock[name.strip()] = ref.strip()
+    assert re.fullmatch(r"vllm/vllm-openai:v[\d.]+@sha256:[0-9a-f]{64}", lock["VLLM_IMAGE"])
+    worker = (ROOT / "docker" / "Dockerfile.worker").read_text()
+    assert f"ARG VLLM_IMAGE={lock['VLLM_IMAGE']}" in worker and "FROM ${VLLM_IMAGE}" in worker
+    airflow = (ROOT / "docker" / "Dockerfile.airflow").read_text()
+    assert "FROM ${AIRFLOW_IMAGE}" in airflow and lock["AIRFLOW_IMAGE"].startswith("apache/airflow:3.3.2")
+    assert re.search(r"pip install --no-cache-dir --no-deps /wheels/\*\.whl", worker) and re.search(r"^USER\s+1000", worker, re.M)
+
+
+def test_pin_digests_script_pins_and_checks(tmp_path):
+    """docker/pin-digests.sh with a stand-in for `crane` (no registry here): it pins, rewrites, checks."""
+    import shutil
+    import subprocess
+
+    work = tmp_path / "docker"
+    shutil.copytree(ROOT / "docker", work)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    digests = tmp_path / "digests"
+    (bin_dir / "crane").write_text(
+        f"#!/bin/sh\n[ \"$1\" = digest ] || exit 3\ngrep -F \"$2 \" {digests} | cut -d' ' -f2\n")
+    (bin_dir / "crane").chmod(0o755)
+    lock = dict(line.split("=", 1) for line in (work / "images.lock").read_text().splitlines()
+                if line and not line.startswith("#"))
+    vllm_tag, vllm_digest = lock["VLLM_IMAGE"].split("@")
+    new = {"AIRFLOW_IMAGE": "sha256:" + "1" * 64, "VLLM_CPU_IMAGE": "sha256:" + "2" * 64}
+    digests.write_text(f"{vllm_tag} {vllm_digest}\n{lock['AIRFLOW_IMAGE']} {new['AIRFLOW_IMAGE']}\n"
+                       f"{lock['VLLM_CPU_IMAGE']} {new['VLLM_CPU_IMAGE']}\n")
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin"}
+    run = lambda *a: subprocess.run(["bash", str(work / "pin-digests.sh"), *a], env=env, capture_output=True,
+                                    text=True, timeout=60)
+    assert run("--check").returncode == 0  # unpinned entries are not a mismatch
+    p = run()
+    assert p.returncode == 0, p.stderr
+    pinned = (work / "images.lock").read_text()
+    assert f"AIRFLOW_IMAGE={lock['AIRFLOW_IMAGE']}@{new['AIRFLOW_IMAGE']}" in pinned
+    assert f"VLLM_IMAGE={lock['VLLM_IMAGE']}" in pinned and "# VLLM_IMAGE:" in pinned  # kept, comments kept
+    digests.write_text(digests.read_text().replace(vllm_digest, "sha256:" + "3" * 64))  # the tag moved
+    p = run("--check")
+    assert p.returncode == 1 and "VLLM_IMAGE" in p.stderr and "now points to sha256:333" in p.stderr
+    assert run().returncode == 0
+    assert f"ARG VLLM_IMAGE={vllm_tag}@sha256:{'3' * 64}" in (work / "Dockerfile.worker").read_text()
+
+
+def test_operator_dry_run_prints_a_manifest_kubectl_takes(capsys):
+    import kubernetes_validate
+    import yaml
+    from kubernetes_validate.utils import latest_version
+
+    op = operator()
+    op.dry_run()
+    out = capsys.readouterr().out
+    doc = yaml.safe_load(out[out.index("apiVersion: v1\n"):])  # after Airflow's own log lines (also stdout)
+    assert doc["kind"] == "Pod" and "map_index" not in doc["metadata"]["labels"]  # no task instance in a dry run
+    assert doc["spec"]["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True  # camelCase keys
+    assert latest_version().startswith(kubernetes_validate.validate(doc, latest_version(), strict=True))
+    assert violations(doc) == {}
