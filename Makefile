@@ -1,5 +1,6 @@
 # make test  - create .venv from requirements.lock when missing, then run the test suite
 # make demo  - (the Airflow layer) run the nightly DAG end to end on this machine
+# make test-ui - only the browser tests (tests/ui: airflow standalone + headless chromium)
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -13,8 +14,9 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export VLLM_BATCH_MODEL_CACHE ?= $(CURDIR)/.cache/models
+export VLLM_BATCH_CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: venv test test-fast bench demo clean
+.PHONY: venv test test-fast test-ui chromium bench demo clean
 
 venv: $(STAMP)
 
@@ -28,8 +30,20 @@ $(STAMP): requirements.lock setup.cfg
 	rm -f $(VENV)/.installed-*
 	touch $@
 
-test: venv
+test: venv chromium
 	$(PY) -m pytest -q -p no:cacheprovider --timeout=1200
+
+test-ui: venv chromium
+	$(PY) -m pytest -q -p no:cacheprovider -m ui tests/ui
+
+# Debian's chromium for tests/ui, installed when missing; failing to install it fails the build.
+chromium:
+	@test -x $(VLLM_BATCH_CHROMIUM) || { \
+	  echo "installing Debian's chromium for the UI tests"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium; }
+	@test -x $(VLLM_BATCH_CHROMIUM) || { echo "error: $(VLLM_BATCH_CHROMIUM) is missing and could not be installed" \
+	  "(apt-get install -y chromium); tests/ui needs it" >&2; exit 1; }
 
 test-fast: venv
 	$(PY) -m pytest -q -p no:cacheprovider -m "not vllm"

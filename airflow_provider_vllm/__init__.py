@@ -51,7 +51,10 @@ def get_provider_info() -> dict:
                     "airflow_provider_vllm.operators.merge",
                     "airflow_provider_vllm.operators.qa",
                     "airflow_provider_vllm.operators.publish",
+                    "airflow_provider_vllm.operators.review",
                 ],
             }
         ],
+        "extra-links": ["airflow_provider_vllm.ui.links.VllmQAReportLink"],
+        "plugins": [{"name": "vllm_batch", "plugin-class": "airflow_provider_vllm.ui.plugin.VllmBatchPlugin"}],
     }

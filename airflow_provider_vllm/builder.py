@@ -1,4 +1,4 @@
-"""Wire a whole batch job into a DAG: plan -> shard x N -> merge -> qa -> publish.
+"""Wire a whole batch job into a DAG: plan -> shard x N -> merge -> qa -> [review] -> publish.
 
 Usage, inside ``with DAG(...)``::
 
@@ -24,13 +24,15 @@ from airflow_provider_vllm.operators import (
     VllmPlanOperator,
     VllmPublishOperator,
     VllmQAOperator,
+    VllmQAReviewOperator,
 )
 from airflow_provider_vllm.operators._common import RUNNERS, SPEC_XCOM_KEY
 from airflow_provider_vllm.operators.kubernetes import SETTINGS_VARIABLE, VllmKubernetesShardOperator
 from airflow_provider_vllm.operators.runner_branch import VllmRunnerBranchOperator
 from airflow_provider_vllm.spec import JobSpec
 
-SHARD_MAP_INDEX_TEMPLATE = "{{ task.shard['shard_id'] }}"
+# "shard 3/8 rows 1200-1599" (see shard_names); the id when a plan predates the names.
+SHARD_MAP_INDEX_TEMPLATE = "{{ task.shard.get('name') or task.shard['shard_id'] }}"
 KUBERNETES_SETTINGS_TEMPLATE = "{{ var.value.get('%s', '{}') }}" % SETTINGS_VARIABLE
 """Default pod settings of the Kubernetes runner: the ``vllm_batch_kubernetes`` Variable, read at run time."""
 _JINJA = re.compile(r"{{|{%")
@@ -53,6 +55,7 @@ def vllm_batch_job(
     publish_extra_files: Mapping[str, str] | None = None,
     kubernetes: Mapping[str, Any] | str | None = KUBERNETES_SETTINGS_TEMPLATE,
     kubernetes_operator_kwargs: Mapping[str, Any] | None = None,
+    human_review: bool | str = True,
 ) -> TaskGroup:
     """Add one batch inference job to the current DAG; returns its TaskGroup.
 
@@ -80,6 +83,11 @@ def vllm_batch_job(
         The job spec's ``kubernetes`` section wins over them. ``shard_env`` joins their ``env``.
     :param kubernetes_operator_kwargs: more ``KubernetesPodOperator`` arguments for the shard
         task (e.g. ``kubernetes_conn_id``, ``deferrable``).
+    :param human_review: add the ``review`` task after QA: a 'warn' verdict waits for a person to
+        approve (publish) or reject (the run fails, nothing published); 'pass' goes on without
+        asking. False: no review task (fully automatic: a 'warn' is logged and published). A
+        template (e.g. ``"{{ var.value.get('vllm_batch_human_review', 'true') }}"``) keeps the
+        task and decides at run time.
     """
     runner_name = str(runner).strip()
     static = runner_name in RUNNERS
@@ -92,7 +100,7 @@ def vllm_batch_job(
     elif isinstance(asset, str):
         asset = Asset(uri=asset)
 
-    with TaskGroup(group_id, tooltip="vLLM batch job: plan -> shards -> merge -> QA -> publish") as group:
+    with TaskGroup(group_id, tooltip="vLLM batch job: plan -> shards -> merge -> QA -> review -> publish") as group:
         plan = VllmPlanOperator(task_id="plan", spec=spec, overrides=overrides,
                                 param_overrides=param_overrides, runner=runner)
         job = plan.output[SPEC_XCOM_KEY]
@@ -126,11 +134,16 @@ def vllm_batch_job(
                                       extra_files=dict(publish_extra_files) if publish_extra_files else None)
         list(shard_tasks.values()) >> merge
         merge >> qa
+        gate = qa
+        if human_review is not False:
+            gate = VllmQAReviewOperator(task_id="review", qa_result=qa.output, qa_task_id=qa.task_id,
+                                        ask=human_review)
+            qa >> gate
         if before_publish is not None:
             extra = before_publish(job)
-            qa >> extra >> publish
+            gate >> extra >> publish
         else:
-            qa >> publish
+            gate >> publish
     return group
 
 

@@ -27,7 +27,7 @@ from airflow.sdk import DAG, Asset, Param
 
 from airflow_provider_vllm.builder import TEMPLATE_FILTERS, TEMPLATE_MACROS, vllm_batch_job
 from airflow_provider_vllm.param_schemas import PARAM_SCHEMAS
-from vllm_dag_defaults import DATA_ROOT, LABELS, SPEC_OVERRIDES, SYSTEM_PROMPT, ticket_spec
+from vllm_dag_defaults import DATA_ROOT, HUMAN_REVIEW, LABELS, SPEC_OVERRIDES, SYSTEM_PROMPT, ticket_spec
 
 
 def param(name: str, *default, **ui) -> Param:
@@ -71,6 +71,7 @@ with DAG(
         ),
         group_id="rerun",
         overrides=SPEC_OVERRIDES,
+        human_review=HUMAN_REVIEW,
         param_overrides=["input_uri", "output_uri", "model", "labels", "system_prompt", "temperature",
                          "max_tokens", "shard_rows"],
         runner="{{ params.runner }}",

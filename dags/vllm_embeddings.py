@@ -22,7 +22,7 @@ import pendulum
 from airflow.sdk import DAG, Asset, CronDataIntervalTimetable, task
 
 from airflow_provider_vllm.builder import TEMPLATE_FILTERS, TEMPLATE_MACROS, vllm_batch_job
-from vllm_dag_defaults import DATA_ROOT, EMBEDDING_MODEL, RUNNER, SPEC_OVERRIDES
+from vllm_dag_defaults import DATA_ROOT, EMBEDDING_MODEL, HUMAN_REVIEW, RUNNER, SPEC_OVERRIDES
 
 TABLE = "embeddings/embeddings.parquet"
 
@@ -84,6 +84,7 @@ with DAG(
         },
         group_id="embed",
         overrides=SPEC_OVERRIDES,
+        human_review=HUMAN_REVIEW,
         runner=RUNNER,
         asset=Asset(uri="x-vllm-batch://kb_embeddings", name="kb_embeddings"),
         before_publish=embedding_table,

@@ -36,7 +36,7 @@ import pendulum
 from airflow.sdk import DAG, Asset, CronDataIntervalTimetable
 
 from airflow_provider_vllm.builder import TEMPLATE_FILTERS, TEMPLATE_MACROS, vllm_batch_job
-from vllm_dag_defaults import DATA_ROOT, RUNNER, SPEC_OVERRIDES, ticket_spec
+from vllm_dag_defaults import DATA_ROOT, HUMAN_REVIEW, RUNNER, SPEC_OVERRIDES, ticket_spec
 
 with DAG(
     dag_id="vllm_nightly_reclassification",
@@ -59,6 +59,7 @@ with DAG(
         ),
         group_id="reclassify",
         overrides=SPEC_OVERRIDES,
+        human_review=HUMAN_REVIEW,
         runner=RUNNER,
         asset=Asset(uri="x-vllm-batch://ticket_reclassification", name="ticket_reclassification"),
     )

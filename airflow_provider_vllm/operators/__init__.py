@@ -1,6 +1,7 @@
 """Airflow operators: thin adapters over the pure modules (no I/O at construction).
 
-plan -> shard (mapped, one per planned shard; local process or Kubernetes pod) -> merge -> qa -> publish; wire them with
+plan -> shard (mapped, one per planned shard; local process or Kubernetes pod) -> merge -> qa ->
+review (human gate) -> publish; wire them with
 ``airflow_provider_vllm.builder.vllm_batch_job``.
 """
 
@@ -11,6 +12,7 @@ from airflow_provider_vllm.operators.merge import VllmMergeOperator
 from airflow_provider_vllm.operators.plan import VllmPlanOperator
 from airflow_provider_vllm.operators.publish import VllmPublishOperator
 from airflow_provider_vllm.operators.qa import VllmQAFailed, VllmQAOperator
+from airflow_provider_vllm.operators.review import VllmQAReviewOperator
 from airflow_provider_vllm.operators.runner_branch import VllmRunnerBranchOperator
 from airflow_provider_vllm.operators.shard import VllmLocalShardOperator
 
@@ -22,5 +24,6 @@ __all__ = [
     "VllmPublishOperator",
     "VllmQAFailed",
     "VllmQAOperator",
+    "VllmQAReviewOperator",
     "VllmRunnerBranchOperator",
 ]

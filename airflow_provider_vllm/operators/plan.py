@@ -21,6 +21,7 @@ from airflow_provider_vllm.operators._common import (
 from airflow_provider_vllm.operators.deployment import check_spec_allowed
 from airflow_provider_vllm.param_schemas import validate_params
 from airflow_provider_vllm.planning import plan_job
+from airflow_provider_vllm.shard_names import with_display_names
 from airflow_provider_vllm.spec import JobSpec
 
 
@@ -94,7 +95,7 @@ class VllmPlanOperator(BaseOperator):
                       plan.total_rows, plan.invalid_lines, len(plan.shards), plan.est_tokens,
                       spec.io.output_uri.rstrip("/"))
         context["ti"].xcom_push(key=SPEC_XCOM_KEY, value=spec.model_dump(mode="json"))
-        return [s.summary() for s in plan.shards]
+        return with_display_names([s.summary() for s in plan.shards])
 
     def _dry_run(self, spec: JobSpec, context: Any) -> None:
         from airflow.sdk.exceptions import AirflowSkipException

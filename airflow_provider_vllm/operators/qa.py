@@ -11,6 +11,7 @@ from airflow.sdk.exceptions import AirflowFailException
 from airflow_provider_vllm.operators._common import data_plane_errors, load_spec
 from airflow_provider_vllm.qa import QAFailed
 from airflow_provider_vllm.qa_stage import qa_run, qa_summary
+from airflow_provider_vllm.ui.links import VllmQAReportLink
 
 
 class VllmQAFailed(QAFailed, AirflowFailException):
@@ -27,12 +28,14 @@ class VllmQAOperator(BaseOperator):
     Pushes ``qa_summary(...)`` (status, summary line, checks, report paths) as the XCom
     return value first, then, when the verdict is 'fail', raises ``VllmQAFailed`` (a
     ``QAFailed`` and an ``AirflowFailException``: the verdict would not change on retry),
-    so publish does not run. A 'warn' verdict is logged and the run goes on.
+    so publish does not run. A 'warn' verdict is logged and the run goes on (to the
+    review task when the builder adds one). Its "QA report" extra link opens the report.
     """
 
     template_fields: Sequence[str] = ("spec",)
     template_fields_renderers = {"spec": "json"}
     ui_color = "#fce8e6"
+    operator_extra_links = (VllmQAReportLink(),)
 
     def __init__(self, *, spec: Any, **kwargs: Any) -> None:
         super().__init__(**kwargs)

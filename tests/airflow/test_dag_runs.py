@@ -73,9 +73,10 @@ def test_nightly_run_succeeds_with_complete_outputs(nightly):
     shard_ids = [s["shard_id"] for s in plan["shards"]]
     assert len(shard_ids) == 2
     assert local_states(db, run_id) == {("plan", -1): "success", ("shard", 0): "success", ("shard", 1): "success",
-                                  ("merge", -1): "success", ("qa", -1): "success", ("publish", -1): "success"}
+                                        ("merge", -1): "success", ("qa", -1): "success", ("review", -1): "success",
+                                        ("publish", -1): "success"}
     named = {t["map_index"]: t["rendered_map_index"] for t in db["tis"] if t["task_id"].endswith(".shard")}
-    assert named == {0: shard_ids[0], 1: shard_ids[1]}  # the grid shows shard names
+    assert named == {0: "shard 0/2 rows 0-119", 1: "shard 1/2 rows 120-239"}  # the grid shows shard names
     res, err = read_ids(out)
     assert sorted(res + err) == sorted(nightly["ids"]) and len(set(res + err)) == len(res + err)
     merged = json.loads((out / "_MERGED.json").read_text())

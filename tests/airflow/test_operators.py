@@ -88,7 +88,8 @@ def test_plan_layers_spec_overrides_and_params_and_pushes_the_spec(tmp_path):
     ctx = context({"shard_rows": 100, "labels": ["a", "b"], "model": None, "runner": "local"})
     shards = op.execute(ctx)
     assert len(shards) == 3 and sum(s["rows"] for s in shards) == 250  # ceil(250 / 100) balanced shards
-    assert set(shards[0]) == {"shard_id", "index", "rows", "est_tokens", "bucket"}
+    assert set(shards[0]) == {"shard_id", "index", "rows", "est_tokens", "bucket", "name"}
+    assert [s["name"] for s in shards] == ["shard 0/3 rows 0-82", "shard 1/3 rows 83-166", "shard 2/3 rows 167-249"]
     spec = JobSpec.load(ctx["ti"].xcoms["spec"])
     assert spec.sampling.max_tokens == 16 and spec.sharding.target_rows == 100
     assert spec.sampling.structured.choice == ["a", "b"] and spec.model.name == "fake"  # None keeps the spec's
@@ -293,16 +294,24 @@ def test_builder_wires_plan_shards_merge_qa_publish():
 
     dag, group = build(group_id="job", shard_retries=3, max_active_shards=2, before_publish=extra)
     t = dag.task_dict
-    assert set(t) == {"job.plan", "job.shard", "job.merge", "job.qa", "job.extra", "job.publish"}
+    assert set(t) == {"job.plan", "job.shard", "job.merge", "job.qa", "job.review", "job.extra", "job.publish"}
     shard = t["job.shard"]
-    assert shard.is_mapped and shard.partial_kwargs["map_index_template"] == "{{ task.shard['shard_id'] }}"
+    assert shard.is_mapped and "task.shard.get('name')" in shard.partial_kwargs["map_index_template"]
     assert shard.partial_kwargs["retries"] == 3 and shard.partial_kwargs["max_active_tis_per_dagrun"] == 2
     assert t["job.shard"].upstream_task_ids == {"job.plan"}
     assert t["job.merge"].upstream_task_ids == {"job.plan", "job.shard"}
     assert t["job.merge"].trigger_rule == "none_failed_min_one_success"  # runs after an empty plan, not a dry run
-    assert t["job.extra"].upstream_task_ids == {"job.plan", "job.qa"}
+    assert t["job.review"].upstream_task_ids == {"job.qa"} and t["job.review"].qa_task_id == "job.qa"
+    assert t["job.extra"].upstream_task_ids == {"job.plan", "job.review"}
     assert t["job.publish"].upstream_task_ids == {"job.plan", "job.extra"}
     assert [a.uri for a in t["job.publish"].outlets] == ["x-vllm-batch://job"]  # templated output: a named asset
+
+
+def test_builder_without_human_review_publishes_straight_after_qa():
+    dag, _ = build(human_review=False)
+    t = dag.task_dict
+    assert "vllm_batch.review" not in t
+    assert t["vllm_batch.publish"].upstream_task_ids == {"vllm_batch.plan", "vllm_batch.qa"}
 
 
 def test_builder_static_output_is_the_asset_and_runner_switch():

@@ -1,0 +1,105 @@
+"""The human gate between QA and publish: an Airflow HITL approval when QA says 'warn'.
+
+QA 'pass' -> approved without asking; 'warn' -> the task waits (Airflow 3.3: state
+``awaiting_input``) until a person chooses *Approve* (publish runs) or *Reject* (this task
+fails, so the run fails and nothing is published); 'fail' -> QA has already failed the run,
+and this task fails too if it is ever reached.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from airflow.providers.standard.exceptions import HITLRejectException
+from airflow.providers.standard.operators.hitl import ApprovalOperator
+from airflow.sdk.exceptions import AirflowFailException
+
+from airflow_provider_vllm.ui.links import VllmQAReportLink, base_url, report_url
+
+SUBJECT = "Publish this batch run? QA needs review"
+
+
+def parse_flag(value: Any, name: str) -> bool:
+    """``True``/``False`` or their usual spellings (a rendered template); anything else fails."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes", "on"):
+        return True
+    if text in ("false", "0", "no", "off"):
+        return False
+    raise AirflowFailException(f"review: {name}={value!r} is not a boolean (true/false)")
+
+
+def review_body(qa_result: Mapping[str, Any], report_link: str | None = None) -> str:
+    """The Markdown shown to the approver: the QA verdict, each check and where the report is."""
+    lines = [f"**{qa_result.get('summary', 'QA result')}**", ""]
+    checks = [c for c in qa_result.get("checks") or [] if c.get("status") != "skip"]
+    if checks:
+        lines += ["| check | value | warn above | fail above | status |", "|---|---|---|---|---|"]
+        for c in checks:
+            value = c.get("value")
+            value = f"{value:.4g}" if isinstance(value, float) else value
+            mark = f"**{c.get('status')}**" if c.get("status") in ("warn", "fail") else c.get("status")
+            lines.append(f"| {c.get('name')} | {value} | {c.get('warn')} | {c.get('fail')} | {mark} |")
+        lines.append("")
+    if report_link:
+        lines.append(f"[Open the QA report]({report_link}) (charts and sampled rows).")
+    lines.append(f"Report file: `{qa_result.get('report_html')}`")
+    lines += ["", "*Approve* publishes the results; *Reject* fails the run and publishes nothing."]
+    return "\n".join(lines)
+
+
+class VllmQAReviewOperator(ApprovalOperator):
+    """Ask a person to approve publication when QA lands between its warn and fail thresholds.
+
+    :param qa_result: the QA task's XCom (``qa_summary``: status, summary, checks, report).
+    :param qa_task_id: the QA task, for the report link shown to the approver.
+    :param ask: whether a 'warn' waits for a person (templated: e.g. an Airflow Variable, so a
+        deployment can turn review off without editing DAGs); false: a 'warn' is logged and
+        approved automatically.
+
+    Returns ``{"approved": True, "asked": False, "qa_status": "pass"}`` without asking on a
+    pass, else the HITL response (chosen option, who, when). *Reject* raises an
+    ``AirflowFailException`` naming who rejected (not retried).
+    """
+
+    template_fields: Sequence[str] = (*ApprovalOperator.template_fields, "qa_result", "ask")
+    template_fields_renderers = {"qa_result": "json", "body": "markdown"}
+    operator_extra_links = (VllmQAReportLink(),)
+    ui_color = "#fff4d6"
+
+    def __init__(self, *, qa_result: Any, qa_task_id: str | None = None, ask: bool | str = True,
+                 subject: str = SUBJECT, **kwargs: Any) -> None:
+        kwargs.setdefault("retries", 0)  # a retry would ask the person again
+        super().__init__(subject=subject, fail_on_reject=True, **kwargs)
+        self.qa_result = qa_result
+        self.qa_task_id = qa_task_id
+        self.ask = ask
+
+    def execute(self, context: Any) -> Any:
+        qa = self.qa_result if isinstance(self.qa_result, Mapping) else {}
+        status = qa.get("status")
+        if status == "pass":
+            self.log.info("QA passed (%s): publishing without review", qa.get("summary"))
+            return {"approved": True, "asked": False, "qa_status": status}
+        if status != "warn":
+            raise AirflowFailException(f"review: QA status is {status!r}, not 'pass' or 'warn'; not publishing")
+        if not parse_flag(self.ask, "ask"):
+            self.log.warning("QA warned (%s); review is off: publishing without asking", qa.get("summary"))
+            return {"approved": True, "asked": False, "qa_status": status}
+        ti = context["ti"]
+        link = report_url(ti.dag_id, ti.run_id, self.qa_task_id, base_url=base_url()) if self.qa_task_id else None
+        self.body = review_body(qa, link)
+        self.log.info("QA warned (%s): waiting for a person to approve or reject publication", qa.get("summary"))
+        return super().execute(context)
+
+    def execute_complete(self, context: Any, event: dict[str, Any]) -> Any:
+        try:
+            result = super().execute_complete(context, event)
+        except HITLRejectException:
+            who = (event.get("responded_by_user") or {}).get("name") or "a reviewer"
+            raise AirflowFailException(f"review: publication rejected by {who}; nothing is published") from None
+        self.log.info("publication approved by %s", (result.get("responded_by_user") or {}).get("name"))
+        return result

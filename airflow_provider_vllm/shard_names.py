@@ -1,0 +1,33 @@
+"""Readable names for planned shards, shown by Airflow as the mapped task's name.
+
+``shard 3/8 rows 1200-1599``: the shard's 0-based index (the Airflow map index), the shard
+count, and the 0-based input row positions it covers. Shards of a length-bucketed plan
+(``sharding.long_row_tokens``) are not contiguous in the input, so they name their bucket
+and row count instead: ``shard 5/8 long, 37 rows``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+def shard_display_names(shards: Sequence[dict[str, Any]]) -> list[str]:
+    """One name per shard summary (``index``, ``rows``, ``bucket``), in plan order."""
+    n = len(shards)
+    names: list[str] = []
+    start = 0
+    for s in shards:
+        rows = int(s["rows"])
+        head = f"shard {int(s['index'])}/{n}"
+        if s.get("bucket", "all") == "all":
+            names.append(f"{head} rows {start}-{start + rows - 1}" if rows else f"{head} (no rows)")
+            start += rows
+        else:
+            names.append(f"{head} {s['bucket']}, {rows} rows")
+    return names
+
+
+def with_display_names(shards: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The shard summaries with a ``name`` key added (the mapped task's display name)."""
+    return [{**s, "name": name} for s, name in zip(shards, shard_display_names(shards))]

@@ -1,0 +1,145 @@
+"""Fixtures for the browser tests: one real ``airflow standalone`` and headless Chromium.
+
+Chromium is Debian's (``make chromium`` installs it); a machine without it fails here with
+that instruction instead of skipping. Screenshots go to pytest's tmp folder and, with
+``VLLM_BATCH_UI_SCREENSHOTS=docs``, also to ``docs/img/`` (how the committed ones are made).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import write_parquet
+from tests.ui.standalone import ROOT, Standalone
+
+CHROMIUM = os.environ.get("VLLM_BATCH_CHROMIUM", "/usr/bin/chromium")
+QA_OVERRIDES = {
+    # The tiny random model spells the longer labels in more tokens.
+    "sampling.max_tokens": 32,
+    # 'warn' from 1% errors, 'fail' only from 50%: a run with one empty ticket in 20 needs review.
+    "qa.warn_error_rate": 0.01, "qa.fail_error_rate": 0.5,
+    # Random labels drift from day to day: not what these tests look at.
+    "qa.warn_label_drift": 1.0, "qa.fail_label_drift": 1.0,
+}
+
+
+class Shots:
+    """Saves named screenshots; the paths are test artifacts."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.docs = ROOT / "docs" / "img" if os.environ.get("VLLM_BATCH_UI_SCREENSHOTS") == "docs" else None
+        self.saved: list[Path] = []
+
+    def __call__(self, page, name: str, **kw) -> Path:
+        path = self.folder / f"{name}.png"
+        page.screenshot(path=str(path), **kw)
+        if self.docs is not None:
+            self.docs.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, self.docs / path.name)
+        self.saved.append(path)
+        return path
+
+
+def _plugin_entry_point_installed() -> bool:
+    return any(e.name == "vllm_batch" for e in entry_points(group="airflow.plugins"))
+
+
+@pytest.fixture(scope="session")
+def shots(tmp_path_factory) -> Shots:
+    return Shots(tmp_path_factory.mktemp("ui-screenshots"))
+
+
+@pytest.fixture(scope="session")
+def ui_data(tmp_path_factory) -> Path:
+    """Inputs: ad-hoc tickets (form run), two nightly days (backfill), two review runs."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from sample_tickets import write_tickets
+
+    data = tmp_path_factory.mktemp("vllm_batch_data")
+    write_tickets(data / "adhoc", 40, seed=3, truth_dir=data / "truth" / "adhoc")
+    for day in ("2026-11-20", "2026-11-21"):
+        write_tickets(data / "tickets" / f"dt={day}", 20, seed=int(day[-2:]), truth_dir=data / "truth" / day)
+    # One empty ticket in 20: an EMPTY_INPUT error row, error rate 5% -> QA 'warn'.
+    texts = [f"My invoice {i} was charged twice, please refund" for i in range(19)] + [""]
+    write_parquet(data / "review" / "tickets.parquet", [f"r{i}" for i in range(20)], texts)
+    return data
+
+
+@pytest.fixture(scope="session")
+def airflow_ui(tmp_path_factory, ui_data):
+    from airflow_provider_vllm.local_models import default_cache_dir, make_tiny_llama
+
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} is missing: run `make chromium` (apt-get install -y chromium) first")
+    tiny = make_tiny_llama(default_cache_dir() / "tiny-llama")
+    env = {
+        "AIRFLOW_VAR_VLLM_BATCH_DATA_ROOT": str(ui_data),
+        "AIRFLOW_VAR_VLLM_BATCH_MODEL": str(tiny),
+        "AIRFLOW_VAR_VLLM_BATCH_SPEC_OVERRIDES": json.dumps(QA_OVERRIDES),
+        "AIRFLOW__VLLM_BATCH__REPORT_ROOTS": str(ui_data),
+        "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1", "TOKENIZERS_PARALLELISM": "false",
+    }
+    if not _plugin_entry_point_installed():
+        # An editable install made before the entry point existed: load the provider's declared plugin.
+        env["AIRFLOW__CORE__LAZY_DISCOVER_PROVIDERS"] = "False"
+    server = Standalone(home=tmp_path_factory.mktemp("airflow_home"), env_extra=env)
+    try:
+        server.start()
+        server.wait_dags(["vllm_batch_rerun", "vllm_nightly_reclassification"])
+        yield server
+    finally:
+        killed = server.stop()
+        print(f"airflow standalone stopped; {len(killed)} leftover process(es) killed by marker")
+
+
+@pytest.fixture(scope="session")
+def browser(airflow_ui):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
+                               args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """On a failed UI test, a screenshot of where the browser was (next to the others)."""
+    outcome = yield
+    rep = outcome.get_result()
+    pg = item.funcargs.get("page") if hasattr(item, "funcargs") else None
+    if rep.when == "call" and rep.failed and pg is not None:
+        shots = item.funcargs.get("shots")
+        try:
+            for p in pg.context.pages:
+                p.screenshot(path=str(shots.folder / f"FAILED-{item.name}-{pg.context.pages.index(p)}.png"))
+        except Exception as e:  # the report matters more than the picture
+            print(f"no failure screenshot: {e}")
+
+
+@pytest.fixture(scope="session")
+def page(browser, airflow_ui):
+    """A logged-in page (the simple auth manager's admin, through its login form)."""
+    ctx = browser.new_context(viewport={"width": 1400, "height": 900})
+    ctx.set_default_timeout(60_000)  # 2 shared cores, vLLM engines running
+    pg = ctx.new_page()
+    pg.goto(airflow_ui.url + "/auth/login")
+    pg.get_by_label("Username").fill("admin")
+    pg.get_by_label("Password").fill(airflow_ui.password)
+    pg.get_by_role("button", name="Sign in").click()
+    pg.wait_for_url(lambda u: "/auth/login" not in u)
+    yield pg
+    ctx.close()

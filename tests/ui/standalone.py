@@ -1,0 +1,242 @@
+"""A real ``airflow standalone`` on 127.0.0.1 for the UI tests, and its REST client.
+
+Every process it starts carries ``VLLM_BATCH_UI_RUN=<uuid>`` in its environment; ``stop()``
+ends the standalone's process group, then any process still carrying that marker (worker
+processes and vLLM engines run in their own sessions), by pid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+MARKER = "VLLM_BATCH_UI_RUN"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def marked_pids(marker: str) -> list[int]:
+    """Processes whose environment holds ``VLLM_BATCH_UI_RUN=<marker>`` (this test's, nothing else)."""
+    needle = f"{MARKER}={marker}".encode()
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            if needle in (d / "environ").read_bytes().split(b"\0"):
+                pids.append(int(d.name))
+        except OSError:
+            continue
+    return pids
+
+
+@dataclass
+class Standalone:
+    home: Path
+    env_extra: dict[str, str] = field(default_factory=dict)
+    port: int = 0
+    marker: str = field(default_factory=lambda: uuid.uuid4().hex)
+    proc: subprocess.Popen | None = None
+    _token: str | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "VLLM_BATCH_INJECT"))}
+        env.update({
+            "PATH": f"{BIN}{os.pathsep}{env.get('PATH', '')}",  # standalone starts its parts as `airflow`
+            "PYTHONPATH": os.pathsep.join(p for p in [str(ROOT), env.get("PYTHONPATH", "")] if p),
+            "AIRFLOW_HOME": str(self.home),
+            "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
+            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+            "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
+            "AIRFLOW__CORE__DEFAULT_TASK_RETRY_DELAY": "1",
+            "AIRFLOW__CORE__PARALLELISM": "4",
+            # A loaded 2-core machine (vLLM engines next to SQLite) answers slowly: without these, a
+            # task start can time out against the Execution API and fail before it ran (seen here).
+            "AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT": "60",
+            "AIRFLOW__CORE__DEFAULT_TASK_RETRIES": "2",
+            # Only what the test triggers runs: no scheduled nightly run of its own.
+            "AIRFLOW__SCHEDULER__USE_JOB_SCHEDULE": "False",
+            "AIRFLOW__API__HOST": "127.0.0.1",
+            "AIRFLOW__API__PORT": str(self.port),
+            "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{self.url}/execution/",
+            # Other Airflows on this machine own 8793/8794.
+            "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
+            "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(free_port()),
+            MARKER: self.marker,
+        })
+        env.update(self.env_extra)
+        return env
+
+    def start(self, timeout: float = 240) -> None:
+        self.port = self.port or free_port()
+        self.home.mkdir(parents=True, exist_ok=True)
+        log = open(self.home / "standalone.log", "wb")
+        self.proc = subprocess.Popen([str(BIN / "airflow"), "standalone"], cwd=self.home, env=self.env(),
+                                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"airflow standalone exited {self.proc.returncode}: {self.log_tail()}")
+            try:
+                health = self.get("/api/v2/monitor/health", auth=False)
+                if health.get("scheduler", {}).get("status") == "healthy" and self.password_file().exists():
+                    return
+            except (OSError, urllib.error.URLError, ValueError):
+                pass
+            time.sleep(2)
+        raise TimeoutError(f"airflow standalone not healthy after {timeout}s: {self.log_tail()}")
+
+    def wait_dags(self, dag_ids, timeout: float = 180) -> None:
+        """Until the dag-processor has parsed ``dag_ids`` (the UI shows nothing before)."""
+        deadline = time.monotonic() + timeout
+        missing = set(dag_ids)
+        while missing and time.monotonic() < deadline:
+            for dag_id in list(missing):
+                try:
+                    self.get(f"/api/v2/dags/{dag_id}")
+                    missing.discard(dag_id)
+                except urllib.error.HTTPError:
+                    pass
+            time.sleep(1)
+        if missing:
+            raise TimeoutError(f"DAGs not parsed after {timeout}s: {sorted(missing)}: {self.log_tail()}")
+
+    def stop(self) -> list[int]:
+        """End everything this standalone started; returns pids that had to be killed by marker."""
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+        leftovers = marked_pids(self.marker)
+        for pid in leftovers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 20
+        while marked_pids(self.marker) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        return leftovers
+
+    def log_tail(self, n: int = 4000) -> str:
+        p = self.home / "standalone.log"
+        return p.read_text(errors="replace")[-n:] if p.exists() else ""
+
+    def password_file(self) -> Path:
+        return self.home / "simple_auth_manager_passwords.json.generated"
+
+    @property
+    def password(self) -> str:
+        return json.loads(self.password_file().read_text())["admin"]
+
+    # ---- REST --------------------------------------------------------------------------
+
+    def token(self) -> str:
+        if self._token is None:
+            self._token = self.request("POST", "/auth/token", {"username": "admin", "password": self.password},
+                                       auth=False)["access_token"]
+        return self._token
+
+    def request(self, method: str, path: str, body: Any = None, *, auth: bool = True,
+                headers: dict[str, str] | None = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        h = {"Content-Type": "application/json", **(headers or {})}
+        if auth:
+            h["Authorization"] = f"Bearer {self.token()}"
+        req = urllib.request.Request(self.url + path, data=data, method=method, headers=h)
+        with urllib.request.urlopen(req, timeout=60) as r:
+            raw = r.read()
+        return json.loads(raw) if raw else None
+
+    def status_of(self, path: str, *, auth: bool = True) -> tuple[int, bytes, dict[str, str]]:
+        """GET ``path``; (status, body, headers) also for 4xx answers."""
+        h = {"Authorization": f"Bearer {self.token()}"} if auth else {}
+        try:
+            with urllib.request.urlopen(urllib.request.Request(self.url + path, headers=h), timeout=60) as r:
+                return r.status, r.read(), dict(r.headers)
+        except urllib.error.HTTPError as e:
+            return e.code, e.read(), dict(e.headers)
+
+    def get(self, path: str, *, auth: bool = True) -> Any:
+        return self.request("GET", path, auth=auth)
+
+    def runs(self, dag_id: str) -> list[dict]:
+        return self.get(f"/api/v2/dags/{dag_id}/dagRuns?limit=100&order_by=logical_date")["dag_runs"]
+
+    def run(self, dag_id: str, run_id: str) -> dict:
+        return self.get(f"/api/v2/dags/{dag_id}/dagRuns/{urllib.parse.quote(run_id, safe='')}")
+
+    def task_instances(self, dag_id: str, run_id: str) -> list[dict]:
+        q = urllib.parse.quote(run_id, safe="")
+        return self.get(f"/api/v2/dags/{dag_id}/dagRuns/{q}/taskInstances?limit=100")["task_instances"]
+
+    def trigger(self, dag_id: str, conf: dict, run_id: str) -> dict:
+        return self.request("POST", f"/api/v2/dags/{dag_id}/dagRuns",
+                            {"dag_run_id": run_id, "logical_date": None, "conf": conf})
+
+    def wait_run(self, dag_id: str, run_id: str, states=("success", "failed"), timeout: float = 600) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            run = self.run(dag_id, run_id)
+            if run["state"] in states:
+                return run
+            time.sleep(3)
+        tis = {t["task_id"]: t["state"] for t in self.task_instances(dag_id, run_id)}
+        raise TimeoutError(f"{dag_id} {run_id} not in {states} after {timeout}s: {run['state']} {tis}")
+
+    def wait_parked(self, dag_id: str, run_id: str, task_id: str, timeout: float = 120) -> None:
+        """Until the scheduler has processed the exit of the worker that parked a HITL task.
+
+        Airflow 3.3.2 races here: a response recorded before the scheduler handled that exit
+        re-queues the task, and the late "success" event of the parked try then marks the
+        re-queued task failed ("state changed externally"). A person needs seconds to answer; a
+        test answers at once, so it waits for the scheduler's log line first.
+        """
+        needle = (f"TaskInstance Finished: dag_id={dag_id}, task_id={task_id}, run_id={run_id}, ")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in (self.home / "standalone.log").read_text(errors="replace").splitlines():
+                if needle in line and "state=awaiting_input" in line:
+                    return
+            time.sleep(1)
+        raise TimeoutError(f"the scheduler did not report {task_id} of {run_id} parked in {timeout}s")
+
+    def wait_task(self, dag_id: str, run_id: str, task_id: str, states, timeout: float = 600) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ti = next((t for t in self.task_instances(dag_id, run_id) if t["task_id"] == task_id), None)
+            if ti is not None and ti["state"] in states:
+                return ti
+            if self.run(dag_id, run_id)["state"] in ("success", "failed"):
+                raise AssertionError(f"{dag_id} {run_id} ended before {task_id} reached {states}: {ti}")
+            time.sleep(3)
+        raise TimeoutError(f"{task_id} of {run_id} not in {states} after {timeout}s")

@@ -1,0 +1,188 @@
+"""The operator's path through the Airflow UI, in headless Chromium against a real Airflow.
+
+One ``airflow standalone`` (api-server, scheduler, dag-processor, triggerer; LocalExecutor,
+SQLite) runs the DAG templates with the local runner, real vLLM CPU and a tiny random Llama:
+(a) a re-run from the trigger form, (b) a backfill of the nightly DAG from the UI, (c) the QA
+report opened through the QA task's extra link, and the human gate: a QA 'warn' waits for
+a person; approve -> published, reject -> run failed and nothing published.
+The two review runs start with (a) so that their engines overlap its engines.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.parse
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+pytestmark = [pytest.mark.ui, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
+
+RERUN, NIGHTLY = "vllm_batch_rerun", "vllm_nightly_reclassification"
+FORM_RUN = "ui_form_run"
+DAYS = ("2026-11-20", "2026-11-21")
+
+
+def q(run_id: str) -> str:
+    return urllib.parse.quote(run_id, safe="")
+
+
+def states(server, dag_id: str, run_id: str) -> dict[tuple[str, int], str]:
+    """Task states of a local-runner run, less the Kubernetes shard task its runner branch skipped."""
+    st = {(t["task_id"].split(".")[-1], t["map_index"]): t["state"] for t in server.task_instances(dag_id, run_id)}
+    assert st.pop(("shard_kubernetes", -1), "skipped") == "skipped"
+    return st
+
+
+def rows_out(out: Path) -> list[str]:
+    ids = []
+    for name in ("results", "errors"):
+        ids += pq.read_table(out / "results" / f"{name}.parquet", columns=["id"]).column("id").to_pylist()
+    return ids
+
+
+def review_conf(ui_data) -> dict:
+    return {"input_uri": str(ui_data / "review"), "output_uri": str(ui_data / "review_out") + "/"}
+
+
+@pytest.fixture(scope="module")
+def review_run(airflow_ui, ui_data):
+    """A re-run over 20 tickets, one of them empty (QA 'warn'), triggered through REST."""
+    airflow_ui.trigger(RERUN, review_conf(ui_data), "review_rejected")
+    return "review_rejected"
+
+
+def test_a_run_triggered_from_the_form_succeeds_with_named_shards(airflow_ui, ui_data, page, shots, review_run):
+    page.goto(f"{airflow_ui.url}/dags/{RERUN}")
+    page.get_by_test_id("trigger-dag-button").click()
+    form = page.get_by_role("dialog")
+    form.locator("#element_input_uri").fill(str(ui_data / "adhoc"))
+    form.get_by_role("spinbutton", name="Rows per shard").fill("20")
+    form.get_by_role("spinbutton", name="Max output tokens").fill("32")
+    page.set_viewport_size({"width": 1400, "height": 1500})  # the whole form in one picture
+    form.get_by_text("Run Parameters").scroll_into_view_if_needed()
+    shots(page, "trigger-form")
+    page.set_viewport_size({"width": 1400, "height": 900})
+    form.get_by_role("button", name="Advanced Options").click()
+    form.locator("input[name=dagRunId]").fill(FORM_RUN)
+    form.get_by_test_id("trigger-dag-submit").click()
+    page.wait_for_url(re.compile(f"/dags/{RERUN}/runs/{FORM_RUN}"))
+
+    run = airflow_ui.wait_run(RERUN, FORM_RUN, timeout=900)
+    assert run["state"] == "success", states(airflow_ui, RERUN, FORM_RUN)
+    assert run["conf"]["input_uri"] == str(ui_data / "adhoc") and run["conf"]["shard_rows"] == 20
+    assert set(states(airflow_ui, RERUN, FORM_RUN).values()) == {"success"}
+    names = sorted(t["rendered_map_index"] for t in airflow_ui.task_instances(RERUN, FORM_RUN)
+                   if t["task_id"] == "rerun.shard")
+    assert names == ["shard 0/2 rows 0-19", "shard 1/2 rows 20-39"]
+    out = ui_data / "reruns" / FORM_RUN
+    success = json.loads((out / "_SUCCESS.json").read_text())
+    assert success["rows"] == 40 and success["airflow"]["run_id"] == FORM_RUN
+    given = pq.read_table(ui_data / "adhoc" / "tickets.parquet", columns=["id"]).column("id").to_pylist()
+    assert sorted(rows_out(out)) == sorted(given)  # every row once, in results or errors
+
+    # The grid with the job's group open, and the mapped shards by name.
+    page.goto(f"{airflow_ui.url}/dags/{RERUN}/runs/{FORM_RUN}/tasks/rerun.shard/mapped")
+    page.get_by_text("shard 1/2 rows 20-39").first.wait_for()
+    expand = page.get_by_role("button", name=re.compile("expand all", re.I))
+    if expand.count():  # open the job's group in the grid, for the picture
+        expand.first.click()
+        page.get_by_text("merge", exact=True).first.wait_for(timeout=15_000)
+    shots(page, "grid-mapped-shards")
+
+
+def test_a_backfill_started_from_the_ui_runs_every_date(airflow_ui, ui_data, page, shots):
+    page.goto(f"{airflow_ui.url}/dags/{NIGHTLY}")
+    page.get_by_test_id("trigger-dag-button").click()
+    form = page.get_by_role("dialog").first
+    form.get_by_text("Backfill", exact=True).click()
+    # The nightly run of day D has logical date D 02:00: this range holds two of them.
+    for i, (day, hm) in enumerate([("2026/11/20", "00:00"), ("2026/11/21", "03:00")]):
+        page.get_by_test_id("datetime-input").nth(i).click()
+        picker = page.locator("[data-scope=popover][data-part=content][data-state=open]")
+        picker.get_by_placeholder("YYYY/MM/DD").fill(day)
+        picker.get_by_placeholder("HH:mm").fill(hm)
+        page.keyboard.press("Escape")
+    form.locator("input[name=max_active_runs]").fill("2")
+    form.get_by_text("2 runs will be triggered").wait_for()
+    shots(page, "backfill-form")
+    form.get_by_role("button", name="Run Backfill").click()
+    page.get_by_text("Backfill in progress").first.wait_for()
+
+    runs = []
+    for _ in range(60):
+        runs = [r for r in airflow_ui.runs(NIGHTLY) if r["run_type"] == "backfill"]
+        if len(runs) == 2:
+            break
+        page.wait_for_timeout(2000)
+    assert sorted(r["logical_date"][:10] for r in runs) == list(DAYS)
+    for r in runs:
+        done = airflow_ui.wait_run(NIGHTLY, r["dag_run_id"], timeout=900)
+        assert done["state"] == "success", states(airflow_ui, NIGHTLY, r["dag_run_id"])
+    for day in DAYS:
+        success = json.loads((ui_data / "reclassification" / f"dt={day}" / "_SUCCESS.json").read_text())
+        assert success["rows"] == 20 and success["qa"]["status"] == "pass"
+    page.goto(f"{airflow_ui.url}/dags/{NIGHTLY}/backfills")
+    page.get_by_text("2026-11-20").first.wait_for()
+    shots(page, "backfill-runs")
+
+
+def test_the_qa_report_opens_from_the_qa_tasks_extra_link(airflow_ui, page, shots):
+    # The task's Details tab lists its extra links; a same-origin link opens in the same tab.
+    page.goto(f"{airflow_ui.url}/dags/{RERUN}/runs/{FORM_RUN}/tasks/rerun.qa/details")
+    link = page.get_by_role("link", name="QA report")
+    shots(page, "qa-task-extra-link")
+    link.click()
+    page.wait_for_url(re.compile(r"/vllm-batch/report\?"))
+    assert f"run_id={FORM_RUN}" in page.url and "task_id=rerun.qa" in page.url
+    text = page.locator("body").inner_text()
+    assert "QA" in text and "PASS" in text.upper()
+    shots(page, "qa-report", full_page=True)
+
+    # The endpoint serves only a QA task's own report, and only to a logged-in user.
+    base = f"/vllm-batch/report?dag_id={RERUN}&run_id={FORM_RUN}"
+    status, body, headers = airflow_ui.status_of(base + "&task_id=rerun.qa")
+    assert status == 200 and b"<svg" in body and "default-src 'none'" in headers["content-security-policy"]
+    assert airflow_ui.status_of(base + "&task_id=rerun.qa", auth=False)[0] == 401
+    assert airflow_ui.status_of(base + "&task_id=rerun.plan")[0] == 404  # no QA summary there
+    assert airflow_ui.status_of(f"/vllm-batch/report?dag_id={RERUN}&run_id=nope&task_id=rerun.qa")[0] == 404
+    status, body, _ = airflow_ui.status_of(base.replace("/report?", "/report.json?") + "&task_id=rerun.qa")
+    assert status == 200 and json.loads(body)["status"] == "pass"
+
+
+def test_a_qa_warning_waits_for_a_person_reject_fails_approve_publishes(airflow_ui, ui_data, page, shots,
+                                                                         review_run):
+    out = ui_data / "review_out"
+    hitl = f"taskInstances/rerun.review/-1/hitlDetails"
+    airflow_ui.wait_task(RERUN, review_run, "rerun.review", ("awaiting_input",), timeout=900)
+    airflow_ui.wait_parked(RERUN, review_run, "rerun.review")
+    detail = airflow_ui.get(f"/api/v2/dags/{RERUN}/dagRuns/{review_run}/{hitl}")
+    assert detail["options"] == ["Approve", "Reject"] and "QA WARN" in detail["body"]
+    assert "| error_rate | 0.05 |" in detail["body"] and "/vllm-batch/report?" in detail["body"]
+    assert not (out / "_SUCCESS.json").exists()
+
+    # Reject (REST): the run fails, nothing is published, the QA report stays for the post-mortem.
+    airflow_ui.request("PATCH", f"/api/v2/dags/{RERUN}/dagRuns/{review_run}/{hitl}", {"chosen_options": ["Reject"]})
+    rejected = airflow_ui.wait_run(RERUN, review_run, timeout=300)
+    st = states(airflow_ui, RERUN, review_run)
+    assert rejected["state"] == "failed"
+    assert st[("review", -1)] == "failed" and st[("publish", -1)] == "upstream_failed"
+    assert not (out / "_SUCCESS.json").exists() and (out / "qa" / "report.html").exists()
+
+    # Re-run the same input into the same prefix (committed shards are reused) and approve in the UI.
+    airflow_ui.trigger(RERUN, review_conf(ui_data), "review_approved")
+    airflow_ui.wait_task(RERUN, "review_approved", "rerun.review", ("awaiting_input",), timeout=600)
+    airflow_ui.wait_parked(RERUN, "review_approved", "rerun.review")
+    page.goto(f"{airflow_ui.url}/dags/{RERUN}/runs/review_approved/tasks/rerun.review/required_actions")
+    page.get_by_text("QA WARN").first.wait_for()
+    shots(page, "hitl-approval")
+    page.get_by_role("button", name="Approve").click()
+    approved = airflow_ui.wait_run(RERUN, "review_approved", timeout=300)
+    assert approved["state"] == "success", states(airflow_ui, RERUN, "review_approved")
+    success = json.loads((out / "_SUCCESS.json").read_text())
+    assert success["qa"]["status"] == "warn" and success["error_rows"] == 1 and success["rows"] == 20
+    assert success["airflow"]["run_id"] == "review_approved"
+    response = airflow_ui.get(f"/api/v2/dags/{RERUN}/dagRuns/review_approved/{hitl}")
+    assert response["chosen_options"] == ["Approve"] and response["responded_by_user"]["name"] == "admin"
