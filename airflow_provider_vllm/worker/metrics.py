@@ -178,7 +178,7 @@ class _Collector:
         yield fam(G, "process_rss_bytes", "Resident memory of the worker and its children, last sample.",
                   points=[((), r.rss_last)])
         yield fam(G, "process_rss_peak_bytes", "Peak resident memory of the worker and its children.",
-                  points=[((), r.rss_peak)])
+                  points=[((), r.rss_peak_bytes())])
         gpus = list(r.gpus.values())
         if not gpus:
             return

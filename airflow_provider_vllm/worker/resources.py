@@ -162,12 +162,19 @@ class ResourceSampler:
                 pass
             self.nvml = None
 
-    def peaks(self) -> dict[str, Any]:
-        """Marker stats: ``peak_rss_mb`` (process tree), and ``gpu_*`` when GPUs were sampled."""
+    def rss_peak_bytes(self) -> int:
+        """Peak RSS: the sampled process tree, or this process's own lifetime peak if higher
+        (``ru_maxrss`` also sees spikes between samples). The marker and the metrics both use it."""
         self_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
         with self._lock:
+            return max(self.rss_peak, self_peak)
+
+    def peaks(self) -> dict[str, Any]:
+        """Marker stats: ``peak_rss_mb`` (process tree), and ``gpu_*`` when GPUs were sampled."""
+        rss_peak = self.rss_peak_bytes()
+        with self._lock:
             out: dict[str, Any] = {
-                "peak_rss_mb": round(max(self.rss_peak, self_peak) / MB, 1),
+                "peak_rss_mb": round(rss_peak / MB, 1),
                 "resource_samples": self.samples,
             }
             if self.gpus:
