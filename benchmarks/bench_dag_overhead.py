@@ -105,6 +105,7 @@ def main() -> int:
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
         "AIRFLOW_VAR_VLLM_BATCH_DATA_ROOT": str(data), "AIRFLOW_VAR_VLLM_BATCH_MODEL": model,
         "AIRFLOW_VAR_VLLM_BATCH_SHARD_ROWS": str(args.rows_per_shard),
+        "AIRFLOW_VAR_VLLM_BATCH_HUMAN_REVIEW": "false",  # nobody answers a review under `dags test`
         "AIRFLOW_VAR_VLLM_BATCH_SPEC_OVERRIDES": json.dumps(
             {"sharding.max_shards": max(args.shards, 1), "sampling.max_tokens": 32 if args.model == "tiny" else 16,
              # QA must not stop the run for a human: this measures orchestration, not label quality
