@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = os.environ.get("CHROMIUM", shutil.which("chromium") or "/usr/bin/chromium")
 EVIL = "<script>window.__pwned=1</script>"
 EVIL_IMG = "<img src=x onerror=window.__pwned=2>"
-LABELS = ["billing", "bug", "feature_request", EVIL, EVIL_IMG]
+LABELS = ["billing", "bug", "feature_request", "account", "other"]  # labels with markup are refused by the spec
 
 
 def artifacts() -> Path:
@@ -76,6 +76,8 @@ def report_page(tmp_path_factory, browser):
     tmp_path = tmp_path_factory.mktemp("report")
     n = 240
     texts = [f"my invoice {i} was charged twice" if i % 3 else f"the app crashes on page {i}" for i in range(n)]
+    # markup in the data (a ticket can hold anything): it must reach the page as text
+    texts = [f"{EVIL} {t}" if i % 4 == 1 else f"{EVIL_IMG} {t}" if i % 4 == 2 else t for i, t in enumerate(texts)]
     texts[4] = ""  # EMPTY_INPUT
     texts[50] = "   "  # EMPTY_INPUT
     texts[77] = "word " * 2000  # PROMPT_TOO_LONG (max_model_len 1024)
@@ -135,14 +137,12 @@ def test_report_page_charts_and_sample(report_page):
 
 
 @pytest.mark.reliability
-def test_injected_labels_stay_text(report_page):
+def test_injected_markup_stays_text(report_page):
     report, page, requested = report_page
-    counts = report.metrics["label_distribution"]["counts"]
-    assert counts.get(EVIL, 0) > 0 and counts.get(EVIL_IMG, 0) > 0  # the model really emitted them
     main = page.locator("main").inner_text()
     pwned = page.evaluate("window.__pwned")
     scripts, imgs = page.locator("script").count(), page.locator("main img").count()
     neutralised = (EVIL in main and pwned is None and scripts == 0) + (EVIL_IMG in main and imgs == 0 and not requested)
-    record_malicious("report_html_label_injection", 2, neutralised)
+    record_malicious("report_html_markup_injection", 2, neutralised)
     assert pwned is None and scripts == 0 and imgs == 0 and not requested
     assert EVIL in main and EVIL_IMG in main
