@@ -302,9 +302,12 @@ def test_pin_digests_script_pins_and_checks(tmp_path):
     lock = dict(line.split("=", 1) for line in (work / "images.lock").read_text().splitlines()
                 if line and not line.startswith("#"))
     vllm_tag, vllm_digest = lock["VLLM_IMAGE"].split("@")
-    new = {"AIRFLOW_IMAGE": "sha256:" + "1" * 64, "VLLM_CPU_IMAGE": "sha256:" + "2" * 64}
-    digests.write_text(f"{vllm_tag} {vllm_digest}\n{lock['AIRFLOW_IMAGE']} {new['AIRFLOW_IMAGE']}\n"
-                       f"{lock['VLLM_CPU_IMAGE']} {new['VLLM_CPU_IMAGE']}\n")
+    tags = {k: v.split("@")[0] for k, v in lock.items()}
+    # the registry's answer: what the lock pins where it pins, else a new digest
+    new = {k: lock[k].split("@")[1] if "@" in lock[k] else "sha256:" + str(i) * 64
+           for i, k in ((1, "AIRFLOW_IMAGE"), (2, "VLLM_CPU_IMAGE"))}
+    digests.write_text(f"{vllm_tag} {vllm_digest}\n{tags['AIRFLOW_IMAGE']} {new['AIRFLOW_IMAGE']}\n"
+                       f"{tags['VLLM_CPU_IMAGE']} {new['VLLM_CPU_IMAGE']}\n")
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin"}
     run = lambda *a: subprocess.run(["bash", str(work / "pin-digests.sh"), *a], env=env, capture_output=True,
                                     text=True, timeout=60)
@@ -312,7 +315,8 @@ def test_pin_digests_script_pins_and_checks(tmp_path):
     p = run()
     assert p.returncode == 0, p.stderr
     pinned = (work / "images.lock").read_text()
-    assert f"AIRFLOW_IMAGE={lock['AIRFLOW_IMAGE']}@{new['AIRFLOW_IMAGE']}" in pinned
+    assert f"AIRFLOW_IMAGE={tags['AIRFLOW_IMAGE']}@{new['AIRFLOW_IMAGE']}" in pinned
+    assert f"VLLM_CPU_IMAGE={tags['VLLM_CPU_IMAGE']}@{new['VLLM_CPU_IMAGE']}" in pinned
     assert f"VLLM_IMAGE={lock['VLLM_IMAGE']}" in pinned and "# VLLM_IMAGE:" in pinned  # kept, comments kept
     digests.write_text(digests.read_text().replace(vllm_digest, "sha256:" + "3" * 64))  # the tag moved
     p = run("--check")
