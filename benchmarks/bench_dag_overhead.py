@@ -127,7 +127,9 @@ def main() -> int:
                               stderr=subprocess.STDOUT, timeout=args.timeout)
     wall = time.monotonic() - t0
     tis = _durations(home / "airflow.db")
-    failed = [t for t in tis if t["state"] != "success"]
+    # the runner branch skips the Kubernetes shard task of a local run
+    failed = [t for t in tis if t["state"] != "success"
+              and not (t["task"] == "shard_kubernetes" and t["state"] == "skipped")]
     if proc.returncode != 0 or failed:
         raise SystemExit(f"DAG run failed (exit {proc.returncode}; not successful: {failed}); see {log}")
     merged = json.loads((data / "reclassification" / f"dt={DAY}" / "_MERGED.json").read_text())
