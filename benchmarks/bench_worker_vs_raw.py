@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -210,22 +209,11 @@ def derive(r: dict) -> dict:
 
 
 def environment() -> dict:
-    cpu = ""
-    with open("/proc/cpuinfo") as f:
-        cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
-    import duckdb
-    import pyarrow
+    """Machine, versions and the package commit under test (the data-plane benchmark's record)."""
+    sys.path.insert(0, str(HERE))
+    from bench_dataplane import environment as dataplane_environment
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True,
-                                text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "airflow_provider_vllm"], cwd=HERE,
-                               capture_output=True, text=True).stdout.strip()
-        commit += " (package modified)" if dirty else ""
-    except OSError:
-        commit = None
-    return {"machine": platform.machine(), "nproc": os.cpu_count(), "cpu": cpu, "git": commit,
-            "python": platform.python_version(), "pyarrow": pyarrow.__version__, "duckdb": duckdb.__version__}
+    return dataplane_environment()
 
 
 def main() -> int:

@@ -89,3 +89,8 @@ def data_plane_errors(what: str) -> Iterator[None]:
         if e.terminal:
             raise AirflowFailException(f"{what}: {type(e).__name__}: {e}") from e
         raise AirflowException(f"{what}: {type(e).__name__} (transient, retried): {e}") from e
+
+
+def shard_id_of(shard: Any) -> str:
+    """The shard id of one item of the plan's return value (a summary dict) or of a bare id."""
+    return shard["shard_id"] if isinstance(shard, dict) else str(shard)

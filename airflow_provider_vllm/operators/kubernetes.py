@@ -20,7 +20,7 @@ from kubernetes.client import ApiClient
 from kubernetes.client import models as k8s
 
 from airflow_provider_vllm.errors import EXIT_TERMINAL, EXIT_TRANSIENT, SpecError
-from airflow_provider_vllm.operators._common import load_spec
+from airflow_provider_vllm.operators._common import load_spec, shard_id_of
 from airflow_provider_vllm.operators.deployment import check_spec_allowed, worker_env
 from airflow_provider_vllm.pod_settings import KubernetesSettings
 from airflow_provider_vllm.pod_spec import WORKER_PYTHON, PodParts, container_security_context, pod_parts
@@ -98,7 +98,7 @@ class VllmKubernetesShardOperator(KubernetesPodOperator):
 
     @property
     def shard_id(self) -> str:
-        return self.shard["shard_id"] if isinstance(self.shard, dict) else str(self.shard)
+        return shard_id_of(self.shard)
 
     def settings(self, spec) -> KubernetesSettings:
         """Deployment defaults (``kubernetes``) < ``env`` < the job's own ``kubernetes`` section.

@@ -10,7 +10,7 @@ from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from airflow_provider_vllm.errors import EXIT_OK, EXIT_TERMINAL, EXIT_TRANSIENT, SpecError
-from airflow_provider_vllm.operators._common import load_spec
+from airflow_provider_vllm.operators._common import load_spec, shard_id_of
 from airflow_provider_vllm.operators.deployment import check_spec_allowed, worker_env
 from airflow_provider_vllm.operators.local_runner import (
     FAULT_ENV,
@@ -62,7 +62,7 @@ class VllmLocalShardOperator(BaseOperator):
 
     @property
     def shard_id(self) -> str:
-        return self.shard["shard_id"] if isinstance(self.shard, dict) else str(self.shard)
+        return shard_id_of(self.shard)
 
     def execute(self, context: Any) -> dict[str, Any]:
         spec = load_spec(self.spec, "shard")
