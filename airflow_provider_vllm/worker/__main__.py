@@ -77,5 +77,26 @@ def main(argv: list[str] | None = None) -> int:
     return EXIT_OK
 
 
+def exit_hard(code: int) -> None:
+    """Leave without interpreter teardown once the outcome is durable and reported.
+
+    Every result is committed (or the failure manifest emitted) before ``main`` returns; what is
+    left is teardown of native threads in vLLM/torch, which can abort the process (seen with
+    vLLM 0.32 CPU: ``terminate called without an active exception`` -> SIGABRT after a committed
+    classify shard) and would turn a success into a failed, retried task. Streams are flushed,
+    leftover engine processes killed, then ``os._exit`` with the real code.
+    """
+    from airflow_provider_vllm.worker.exits import kill_children
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # a closed pipe must not change the exit code
+            pass
+    logging.shutdown()
+    kill_children()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_hard(main())

@@ -296,6 +296,16 @@ class GuardedEngine:
         self.limits = self._read_limits()
         log.warning("engine rebuilt (%d) at %s", self.rebuilds, _fmt(self.limits))
 
+    def close(self) -> None:
+        """Shut the engine down while the interpreter is whole (teardown at exit can abort the process)."""
+        engine, self.engine = self.engine, None
+        if engine is None or not hasattr(engine, "shutdown"):
+            return
+        try:
+            engine.shutdown()
+        except Exception as e:  # results are already durable; a failed shutdown only leaks until exit
+            log.warning("engine shutdown: %s", e)
+
     def _abort(self) -> None:
         try:
             self.engine.abort_all()

@@ -97,13 +97,16 @@ def run_shard(task: ShardTask, engine_factory: Callable[[JobSpec], Any] | None =
             telemetry.engine_started(engine.start_seconds)
             with watchdog.paused():
                 engine.warm_up()
-            runner = _ChunkRunner(spec, plan, shard, batch, engine, store, attempt, metas, telemetry.progress)
-            t0 = time.monotonic()
-            files.update(runner.run(todo))
-        stats["infer_s"] = round(time.monotonic() - t0, 3)
+            try:
+                runner = _ChunkRunner(spec, plan, shard, batch, engine, store, attempt, metas, telemetry.progress)
+                t0 = time.monotonic()
+                files.update(runner.run(todo))
+                stats["infer_s"] = round(time.monotonic() - t0, 3)
+                stats.update(engine.stats())
+            finally:
+                engine.close()
         stats["prompt_tokens"] = runner.prompt_tokens
         stats["completion_tokens"] = runner.completion_tokens
-        stats.update(engine.stats())
     infer = stats["infer_s"] or 1e-9
     stats.update(
         infer_rows=done_rows,  # rows inferred by this attempt (reused chunks excluded): the throughput basis
