@@ -56,6 +56,8 @@ def vllm_batch_job(
     kubernetes: Mapping[str, Any] | str | None = KUBERNETES_SETTINGS_TEMPLATE,
     kubernetes_operator_kwargs: Mapping[str, Any] | None = None,
     human_review: bool | str = True,
+    review_timeout: timedelta | None = timedelta(hours=12),
+    review_notifiers: Sequence[Any] | None = None,
 ) -> TaskGroup:
     """Add one batch inference job to the current DAG; returns its TaskGroup.
 
@@ -88,6 +90,10 @@ def vllm_batch_job(
         asking. False: no review task (fully automatic: a 'warn' is logged and published). A
         template (e.g. ``"{{ var.value.get('vllm_batch_human_review', 'true') }}"``) keeps the
         task and decides at run time.
+    :param review_timeout: how long a 'warn' waits for a decision; then the review task fails
+        and nothing is published (clear the task to ask again). ``None`` waits for ever.
+    :param review_notifiers: Airflow notifiers (e.g. a Slack or SMTP notifier) told when a
+        decision is needed; the request carries the QA summary and a link to the report.
     """
     runner_name = str(runner).strip()
     static = runner_name in RUNNERS
@@ -137,7 +143,8 @@ def vllm_batch_job(
         gate = qa
         if human_review is not False:
             gate = VllmQAReviewOperator(task_id="review", qa_result=qa.output, qa_task_id=qa.task_id,
-                                        ask=human_review)
+                                        ask=human_review, response_timeout=review_timeout,
+                                        notifiers=review_notifiers)
             qa >> gate
         if before_publish is not None:
             extra = before_publish(job)

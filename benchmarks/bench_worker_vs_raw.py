@@ -147,6 +147,7 @@ def raw_child(spec_json: str, texts_file: str) -> None:
     print(json.dumps({"engine_start_s": round(start_s, 3), "infer_s": round(infer_s, 3), "rows": len(outs),
                       "prompt_tokens": ptok, "completion_tokens": ctok, "vllm": vllm.__version__,
                       "outputs": [o.outputs[0].text for o in outs]}), flush=True)
+    os._exit(0)  # the figures are out; vLLM teardown at exit may abort (SIGABRT) and fail the run
 
 
 # ---- parent ------------------------------------------------------------------------------

@@ -149,7 +149,8 @@ if __name__ == "__main__":
     convs = [[{"role": "system", "content": a["system"]}, {"role": "user", "content": "Ticket: " + t}]
              for t in a["texts"]]
     outs = llm.chat(convs, sp, use_tqdm=False)
-    print("RAW " + json.dumps([o.outputs[0].text for o in outs]))
+    print("RAW " + json.dumps([o.outputs[0].text for o in outs]), flush=True)
+    import os; os._exit(0)  # vLLM teardown at exit may abort (SIGABRT) after the answer is out
 """
 
 
@@ -302,7 +303,8 @@ if __name__ == "__main__":
                                  {"role": "user", "content": u}] for u in users], sp, use_tqdm=False)
         res[task] = {"tokens": [[list(o.prompt_token_ids), o.outputs[0].text] for o in as_tokens],
                      "text": [[list(o.prompt_token_ids), o.outputs[0].text] for o in as_text]}
-    print("RAW " + json.dumps(res))
+    print("RAW " + json.dumps(res), flush=True)
+    import os; os._exit(0)  # vLLM teardown at exit may abort (SIGABRT) after the answer is out
 """
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from airflow.providers.standard.exceptions import HITLRejectException
+from airflow.providers.standard.exceptions import HITLRejectException, HITLTimeoutError
 from airflow.providers.standard.operators.hitl import ApprovalOperator
 from airflow.sdk.exceptions import AirflowFailException
 
@@ -56,6 +56,10 @@ class VllmQAReviewOperator(ApprovalOperator):
 
     :param qa_result: the QA task's XCom (``qa_summary``: status, summary, checks, report).
     :param qa_task_id: the QA task, for the report link shown to the approver.
+    :param response_timeout: how long a 'warn' waits (Airflow's HITL timeout, enforced by the
+        scheduler); without an answer the task fails and nothing is published. No default option
+        is set on purpose: silence never approves.
+    :param notifiers: Airflow notifiers called when the request is made.
     :param ask: whether a 'warn' waits for a person (templated: e.g. an Airflow Variable, so a
         deployment can turn review off without editing DAGs); false: a 'warn' is logged and
         approved automatically.
@@ -101,5 +105,9 @@ class VllmQAReviewOperator(ApprovalOperator):
         except HITLRejectException:
             who = (event.get("responded_by_user") or {}).get("name") or "a reviewer"
             raise AirflowFailException(f"review: publication rejected by {who}; nothing is published") from None
+        except HITLTimeoutError:
+            raise AirflowFailException(
+                f"review: no decision within {self.response_timeout}; nothing is published "
+                "(clear this task to ask again)") from None
         self.log.info("publication approved by %s", (result.get("responded_by_user") or {}).get("name"))
         return result

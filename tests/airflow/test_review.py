@@ -87,3 +87,48 @@ def test_qa_report_link_points_at_the_plugin_with_ids_only():
     on_review = VllmQAReportLink().get_link(review(qa_result=SUMMARY),
                                             ti_key=SimpleNamespace(dag_id="d", run_id="r", task_id="job.review"))
     assert on_review.endswith("task_id=job.qa")
+
+
+def test_the_request_carries_a_deadline_and_silence_fails_without_publishing(monkeypatch):
+    """Airflow's scheduler resolves a timed-out request; with no default option (on purpose) it
+    resumes the task with a timeout event, which must fail the task, not approve."""
+    from datetime import timedelta
+
+    import airflow.providers.standard.operators.hitl as hitl
+    from airflow.sdk.exceptions import AirflowFailException
+
+    requests = []
+    monkeypatch.setattr(hitl, "upsert_hitl_detail", lambda **kw: requests.append(kw))
+    op = review(qa_result=SUMMARY, response_timeout=timedelta(hours=2))
+    assert op.defaults is None
+    before = datetime.now(timezone.utc)
+    with pytest.raises(hitl.TaskAwaitingInput):
+        op.execute(ctx())
+    deadline = datetime.fromisoformat(op.hitl_summary_extra["timeout_datetime"])
+    assert timedelta(hours=2) <= deadline - before < timedelta(hours=2, minutes=1)
+    # the scheduler's sweep event for "no response, no defaults"
+    timeout_event = {"error": "The Human-in-the-loop response timeout has passed without a response.",
+                     "error_type": "timeout"}
+    with pytest.raises(AirflowFailException, match=r"no decision within 2:00:00; nothing is published"):
+        op.execute_complete(ctx(), timeout_event)
+
+
+def test_the_builder_wires_the_review_deadline_and_notifiers():
+    from datetime import timedelta
+
+    from airflow.sdk import DAG, BaseNotifier
+
+    from airflow_provider_vllm.builder import vllm_batch_job
+
+    class Note(BaseNotifier):
+        def notify(self, context):  # pragma: no cover - not called here
+            pass
+
+    note = Note()
+    spec = {"model": {"name": "m"}, "io": {"input_uri": "/in", "output_uri": "/out"}}
+    with DAG("review_wiring", schedule=None) as dag:
+        vllm_batch_job(spec, group_id="a")
+        vllm_batch_job(spec, group_id="b", review_timeout=timedelta(minutes=30), review_notifiers=[note])
+    assert dag.get_task("a.review").response_timeout == timedelta(hours=12)
+    b = dag.get_task("b.review")
+    assert b.response_timeout == timedelta(minutes=30) and list(b.notifiers) == [note]
