@@ -4,6 +4,7 @@ Layout under the run's output prefix::
 
     shards/<shard_id>/attempts/<attempt_id>/chunk-00000.parquet   written atomically, one per chunk
     shards/<shard_id>/_COMMITTED.json                              create-only; names the files
+    shards/<shard_id>/_ENGINE_LIMITS.json                          engine limits an OOM lowered to (a hint)
 
 A chunk file is complete or absent (atomic write). A later attempt reuses any complete chunk
 of an earlier attempt whose footer metadata matches (same shard, chunk, rows, config), so a
@@ -31,6 +32,8 @@ from airflow_provider_vllm.errors import CommitError
 from airflow_provider_vllm.storage import Storage
 
 MARKER = "_COMMITTED.json"
+LIMITS = "_ENGINE_LIMITS.json"
+_LIMIT_KEYS = ("max_num_seqs", "max_num_batched_tokens")
 _CHUNK_RE = re.compile(r"^chunk-(\d{5})\.parquet$")
 
 
@@ -80,6 +83,28 @@ class ShardStore:
             created = self.out.create_only(f"{self.dir}/{MARKER}", body)
         faults.hit("commit.after_marker")
         return created
+
+    # ---- engine limits carried across attempts ---------------------------------------
+    def engine_limits(self) -> dict[str, int] | None:
+        """The limits an earlier attempt lowered to after running out of memory, or None.
+
+        A hint only: an unreadable or odd file is ignored (the next OOM lowers again).
+        """
+        rel = f"{self.dir}/{LIMITS}"
+        try:
+            if not self.out.exists(rel):
+                return None
+            doc = json.loads(self.out.read_bytes(rel))
+            lim = {k: int(doc[k]) for k in _LIMIT_KEYS}
+        except (ValueError, KeyError, TypeError, OSError):
+            return None
+        return lim if all(v >= 1 for v in lim.values()) else None
+
+    def save_engine_limits(self, limits: dict[str, int], attempt_id: str) -> None:
+        """Record lowered limits so a retry starts there instead of running out of memory again."""
+        doc = {k: int(limits[k]) for k in _LIMIT_KEYS}
+        doc.update(attempt_id=attempt_id, at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        self.out.write_atomic(f"{self.dir}/{LIMITS}", json.dumps(doc, sort_keys=True).encode())
 
     # ---- chunks ---------------------------------------------------------------------
     def chunk_rel(self, attempt_id: str, chunk: int) -> str:

@@ -3,6 +3,8 @@ engine death, the rebuild cap, pooling. The same paths on real vLLM: test_reliab
 
 from __future__ import annotations
 
+import json
+
 import pyarrow.parquet as pq
 import pytest
 
@@ -72,6 +74,41 @@ def test_rebuilds_are_capped_then_the_worker_fails_transiently(tmp_path, fake_en
         run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=fake_engine_factory)
     assert not e.value.terminal and e.value.exit_code == 75
     assert not (tmp_path / "out" / "shards" / shard.shard_id / MARKER).exists()
+
+
+def test_the_retry_after_the_rebuild_cap_starts_at_the_lowered_limits(tmp_path, fake_engine_factory, set_faults):
+    """16 -> 8 (rebuild 1), OOM again -> the cap: the retry starts at 4/256, not at the spec's 16."""
+    spec, shard = job(tmp_path, oom_max_rebuilds=1)
+    set_faults("engine.step#3=oom;engine.step#5=oom")
+    with pytest.raises(EngineError, match="after 1 engine rebuild"):
+        run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=fake_engine_factory)
+    hint = tmp_path / "out" / "shards" / shard.shard_id / "_ENGINE_LIMITS.json"
+    assert json.loads(hint.read_text())["max_num_seqs"] == 4
+    set_faults("")
+    fake_engine_factory.made.clear()
+    m = run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=fake_engine_factory)
+    (retry,) = fake_engine_factory.made
+    assert retry.spec.engine.max_num_seqs == 4 and retry.spec.engine.max_num_batched_tokens == 256
+    assert m["status"] == "committed" and m["stats"]["engine_limits"]["max_num_seqs"] == 4
+    merge_run(spec)
+    check(tmp_path / "out", IDS, kind="oom_limits_carried")
+
+
+def test_a_carried_hint_only_lowers_and_a_broken_one_is_ignored(tmp_path):
+    from airflow_provider_vllm.commit import ShardStore
+    from airflow_provider_vllm.storage import Storage
+    from airflow_provider_vllm.worker.shard import start_limits
+
+    spec, shard = job(tmp_path)
+    store = ShardStore(Storage(str(tmp_path / "out")), shard.shard_id)
+    assert store.engine_limits() is None and start_limits(spec, None) is spec
+    store.save_engine_limits({"max_num_seqs": 64, "max_num_batched_tokens": 512}, "a1")
+    lowered = start_limits(spec, store.engine_limits())
+    assert (lowered.engine.max_num_seqs, lowered.engine.max_num_batched_tokens) == (16, 512)
+    unset = spec.model_copy(update={"engine": spec.engine.model_copy(update={"max_num_seqs": None})})
+    assert start_limits(unset, store.engine_limits()).engine.max_num_seqs == 64
+    (tmp_path / "out" / "shards" / shard.shard_id / "_ENGINE_LIMITS.json").write_text('{"max_num_seqs": "x"')
+    assert store.engine_limits() is None
 
 
 def test_engine_death_keeps_committed_chunks_and_the_retry_completes(tmp_path, fake_engine_factory, set_faults):

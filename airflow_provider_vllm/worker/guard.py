@@ -66,8 +66,10 @@ class GuardedEngine:
     """An engine that survives OOM by backing off; see the module docstring."""
 
     def __init__(self, spec: JobSpec, factory: Callable[[JobSpec], Any], watchdog=None,
-                 label: Callable[[Hashable], str] = str):
+                 label: Callable[[Hashable], str] = str,
+                 on_lowered: Callable[[dict[str, int]], None] | None = None):
         self.spec = spec
+        self.on_lowered = on_lowered  # told the limits after each OOM rebuild (carried to retries)
         self.factory = factory
         self.watchdog = watchdog
         self.label = label
@@ -282,6 +284,8 @@ class GuardedEngine:
 
     def _rebuild(self, lim: dict[str, int]) -> None:
         if self.rebuilds >= self.spec.worker.oom_max_rebuilds:
+            if lim != self.limits:
+                self._record(lim)  # the retry starts where this attempt would have gone next
             raise EngineError(f"out of memory again after {self.rebuilds} engine rebuild(s) (now {_fmt(self.limits)}); "
                               "committed chunks are kept and a retry resumes from them")
         self.rebuilds += 1
@@ -295,6 +299,14 @@ class GuardedEngine:
         self.engine = self._build(spec)
         self.limits = self._read_limits()
         log.warning("engine rebuilt (%d) at %s", self.rebuilds, _fmt(self.limits))
+        self._record(self.limits)
+
+    def _record(self, lim: dict[str, int]) -> None:
+        if self.on_lowered is not None:
+            try:
+                self.on_lowered(dict(lim))
+            except Exception as e:  # a hint for retries; failing to keep it must not fail the shard
+                log.warning("could not record the lowered engine limits: %s", e)
 
     def close(self) -> None:
         """Shut the engine down while the interpreter is whole (teardown at exit can abort the process)."""

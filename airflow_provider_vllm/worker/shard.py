@@ -45,6 +45,23 @@ log = logging.getLogger("airflow_provider_vllm.worker")
 MIN_QUEUE = 1024
 
 
+def start_limits(spec: JobSpec, carried: dict[str, int] | None) -> JobSpec:
+    """The spec the engine starts from: lowered to the limits an earlier attempt's OOM reached.
+
+    Only lowers (never raises what the spec asks for); engine limits are not part of the
+    run's config hash, so chunks of earlier attempts stay reusable.
+    """
+    if not carried:
+        return spec
+    eng = spec.engine
+    lim = {k: v if getattr(eng, k) is None else min(v, getattr(eng, k)) for k, v in carried.items()}
+    if all(getattr(eng, k) == v for k, v in lim.items()):
+        return spec
+    log.warning("starting at %s: an earlier attempt of this shard ran out of memory above that",
+                ", ".join(f"{k}={v}" for k, v in sorted(lim.items())))
+    return spec.model_copy(update={"engine": eng.model_copy(update=lim)})
+
+
 def run_shard(task: ShardTask, engine_factory: Callable[[JobSpec], Any] | None = None,
               on_stall: Callable[[float], None] | None = None) -> dict[str, Any]:
     """Process one shard; returns the manifest (also the XCom value). Idempotent.
@@ -91,7 +108,9 @@ def run_shard(task: ShardTask, engine_factory: Callable[[JobSpec], Any] | None =
     telemetry = ShardTelemetry(spec, shard.shard_id, attempt, done_rows, task.progress_interval_s)
     if todo:
         with Watchdog(spec.worker.watchdog_s, on_stall) as watchdog:
-            engine = GuardedEngine(spec, engine_factory or _default_engine, watchdog, label=lambda key: batch.ids[key[1]])
+            engine = GuardedEngine(start_limits(spec, store.engine_limits()), engine_factory or _default_engine,
+                                   watchdog, label=lambda key: batch.ids[key[1]],
+                                   on_lowered=lambda lim: store.save_engine_limits(lim, attempt))
             engine_version = engine.version
             stats["engine_start_s"] = round(engine.start_seconds, 3)
             telemetry.engine_started(engine.start_seconds)
