@@ -142,8 +142,7 @@ class GuardedEngine:
             if kind == "oom":
                 return out + self._after_oom(e)
             if kind == "dead" or not self._alive():
-                raise EngineError(f"the engine died ({type(e).__name__}: {e}); committed chunks are kept "
-                                  "and a retry resumes from them") from e
+                raise self._died(e, len(self._sent)) from e
             raise
         for key, result in done:
             self._req.pop(key, None)
@@ -233,8 +232,7 @@ class GuardedEngine:
             except Exception as e:
                 kind = classify(e)
                 if kind == "dead" or (kind is None and not self._alive()):
-                    raise EngineError(f"the engine died ({type(e).__name__}: {e}); committed chunks are kept "
-                                      "and a retry resumes from them") from e
+                    raise self._died(e, len(batch)) from e
                 if kind != "oom":
                     raise
                 self.oom_events += 1
@@ -262,6 +260,24 @@ class GuardedEngine:
         return results
 
     # ---- engine lifecycle -----------------------------------------------------------
+    def _died(self, exc: BaseException, in_flight: int) -> EngineError:
+        """The engine core process is gone: the worker exits 75 and Airflow retries.
+
+        vLLM runs the model in its engine-core process, so a CUDA out-of-memory there (or the
+        kernel's OOM killer) reaches this process only as EngineDeadError, without the cause.
+        A death with requests in flight therefore lowers the limits carried to the retry (as
+        an OOM back-off would), so a retry does not die the same way; the cost of a death that
+        was not about memory is a retry at half the batch.
+        """
+        lower = self._lowered(self.limits)
+        if in_flight and lower != self.limits:
+            self._record(lower)
+            hint = f"; the retry starts at {_fmt(lower)} (an out-of-memory error in the engine core looks like this)"
+        else:
+            hint = ""
+        return EngineError(f"the engine died ({type(exc).__name__}: {exc}) with {in_flight} request(s) in flight "
+                           f"at {_fmt(self.limits)}; committed chunks are kept and a retry resumes from them{hint}")
+
     def _build(self, spec: JobSpec):
         if self.watchdog is None:
             return self.factory(spec)
