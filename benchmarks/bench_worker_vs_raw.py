@@ -147,7 +147,11 @@ def raw_child(spec_json: str, texts_file: str) -> None:
     print(json.dumps({"engine_start_s": round(start_s, 3), "infer_s": round(infer_s, 3), "rows": len(outs),
                       "prompt_tokens": ptok, "completion_tokens": ctok, "vllm": vllm.__version__,
                       "outputs": [o.outputs[0].text for o in outs]}), flush=True)
-    os._exit(0)  # the figures are out; vLLM teardown at exit may abort (SIGABRT) and fail the run
+    # the figures are out: leave like the worker does (exit_hard: kill the engine processes, which
+    # would otherwise keep our stdout pipe open, then os._exit; vLLM's teardown at exit can abort)
+    from airflow_provider_vllm.worker.__main__ import exit_hard
+
+    exit_hard(0)
 
 
 # ---- parent ------------------------------------------------------------------------------
