@@ -160,7 +160,7 @@ if __name__ == "__main__":
     from vllm import LLM, SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
     a = json.loads(sys.argv[1])
-    llm = LLM(model=a["model"], max_model_len=512, enforce_eager=True, max_num_seqs=32)
+    llm = LLM(model=a["model"], max_model_len=512, enforce_eager=True, max_num_seqs=32, dtype=a["dtype"])
     sp = SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=a["labels"]))
     convs = [[{"role": "system", "content": a["system"]}, {"role": "user", "content": "Ticket: " + t}]
              for t in a["texts"]]
@@ -173,7 +173,10 @@ if __name__ == "__main__":
 def test_smollm2_labels_and_equality_with_raw_llm_chat(tmp_path, smollm2):
     n = 48
     codes = planted(tmp_path, n)
+    # float32: in bf16 the worker's batches (a deep queue) and LLM.chat's differ enough to flip a
+    # greedy near-tie now and then (seen once in CI: 'billing' vs 'bug'); the claim is about prompts
     spec = spec_for(smollm2, tmp_path)
+    spec = spec.model_copy(update={"model": spec.model.model_copy(update={"dtype": "float32"})})
     (shard,) = plan_job(spec).shards
     m = manifest(run_worker(spec, shard.shard_id))
     assert m["status"] == "committed" and m["ok_rows"] == n - 3
@@ -188,7 +191,8 @@ def test_smollm2_labels_and_equality_with_raw_llm_chat(tmp_path, smollm2):
     rows = [t for t in table if t["id"] in by_id]
     raw = subprocess.run(
         [sys.executable, "-c", RAW_CHAT,
-         json.dumps({"model": smollm2, "labels": LABELS, "system": SYSTEM, "texts": [t["text"] for t in rows]})],
+         json.dumps({"model": smollm2, "labels": LABELS, "system": SYSTEM, "texts": [t["text"] for t in rows],
+                     "dtype": "float32"})],
         env=ENV, capture_output=True, text=True, timeout=600,
     )
     assert raw.returncode == 0, raw.stderr[-3000:]
