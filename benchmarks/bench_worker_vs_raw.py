@@ -149,7 +149,7 @@ def raw_child(spec_json: str, texts_file: str) -> None:
                       "outputs": [o.outputs[0].text for o in outs]}), flush=True)
     # the figures are out: leave like the worker does (exit_hard: kill the engine processes, which
     # would otherwise keep our stdout pipe open, then os._exit; vLLM's teardown at exit can abort)
-    from airflow_provider_vllm.worker.__main__ import exit_hard
+    from airflow_provider_vllm.worker.exits import exit_hard
 
     exit_hard(0)
 

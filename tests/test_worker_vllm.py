@@ -138,21 +138,10 @@ def test_kill9_mid_shard_then_rerun_reuses_chunks(tmp_path, tiny_model):
     check(tmp_path / "out", ids, kind="kill9_process_group_mid_shard")
 
 
-# Raw vLLM scripts end like the worker (airflow_provider_vllm.worker.__main__.exit_hard): the answer
-# is printed, then the engine processes are killed and the script leaves with os._exit. Python's
-# own teardown of vLLM can abort (SIGABRT); and os._exit alone would orphan the engine core, which
-# keeps our stdout pipe open so subprocess.run never returns.
-LEAVE = r"""
-def leave():
-    import os, sys, psutil
-    sys.stdout.flush(); sys.stderr.flush()
-    for child in psutil.Process().children(recursive=True):
-        try:
-            child.kill()
-        except psutil.Error:
-            pass
-    os._exit(0)
-"""
+# Raw vLLM scripts end like the worker (exits.exit_hard): the answer is printed, then the engine
+# processes are killed and the script leaves with os._exit. Python's own teardown of vLLM can abort
+# (SIGABRT); and os._exit alone would orphan the engine core, which keeps our stdout pipe open.
+LEAVE = "from airflow_provider_vllm.worker.exits import exit_hard as leave\n"
 
 RAW_CHAT = LEAVE + r"""
 import json, sys
@@ -166,7 +155,7 @@ if __name__ == "__main__":
              for t in a["texts"]]
     outs = llm.chat(convs, sp, use_tqdm=False)
     print("RAW " + json.dumps([o.outputs[0].text for o in outs]), flush=True)
-    leave()
+    leave(0)
 """
 
 
@@ -324,7 +313,7 @@ if __name__ == "__main__":
         res[task] = {"tokens": [[list(o.prompt_token_ids), o.outputs[0].text] for o in as_tokens],
                      "text": [[list(o.prompt_token_ids), o.outputs[0].text] for o in as_text]}
     print("RAW " + json.dumps(res), flush=True)
-    leave()
+    leave(0)
 """
 
 

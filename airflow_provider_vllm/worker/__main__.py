@@ -17,6 +17,7 @@ import traceback
 
 from airflow_provider_vllm.errors import EXIT_OK, EXIT_TERMINAL, EXIT_TRANSIENT, VllmBatchError
 from airflow_provider_vllm.worker.exits import emit as _emit
+from airflow_provider_vllm.worker.exits import exit_hard
 from airflow_provider_vllm.worker.redact import install as install_redaction
 
 
@@ -75,27 +76,6 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_TRANSIENT
     _emit(manifest)
     return EXIT_OK
-
-
-def exit_hard(code: int) -> None:
-    """Leave without interpreter teardown once the outcome is durable and reported.
-
-    Every result is committed (or the failure manifest emitted) before ``main`` returns; what is
-    left is teardown of native threads in vLLM/torch, which can abort the process (seen with
-    vLLM 0.32 CPU: ``terminate called without an active exception`` -> SIGABRT after a committed
-    classify shard) and would turn a success into a failed, retried task. Streams are flushed,
-    leftover engine processes killed, then ``os._exit`` with the real code.
-    """
-    from airflow_provider_vllm.worker.exits import kill_children
-
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # a closed pipe must not change the exit code
-            pass
-    logging.shutdown()
-    kill_children()
-    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import signal
+import sys
 
 from airflow_provider_vllm.errors import EXIT_TRANSIENT
 
@@ -34,10 +35,27 @@ def stalled(idle_s: float) -> None:
     msg = f"no progress for {idle_s:.0f} s: the engine or storage hangs; a retry resumes from committed chunks"
     try:
         emit({"status": "failed", "error": "Stalled", "message": msg, "terminal": False})
-        kill_children()
     finally:
-        logging.shutdown()
-        os._exit(EXIT_TRANSIENT)
+        exit_hard(EXIT_TRANSIENT)
+
+
+def exit_hard(code: int) -> None:
+    """Leave without interpreter teardown once the outcome is durable and reported.
+
+    Every result is committed (or the failure manifest emitted) before this is called; what is
+    left is teardown of native threads in vLLM/torch, which can abort the process (seen with
+    vLLM 0.32 CPU: ``terminate called without an active exception`` -> SIGABRT after a committed
+    classify shard) and would turn a success into a failed, retried task. Streams are flushed,
+    leftover engine processes killed (they would hold our stdout pipe open), then ``os._exit``.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # a closed pipe must not change the exit code
+            pass
+    logging.shutdown()
+    kill_children()
+    os._exit(code)
 
 
 def kill_children() -> None:
