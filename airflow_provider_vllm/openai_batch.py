@@ -202,12 +202,12 @@ def _content(v: Any) -> str:
             kind = part.get("type")
             if kind != "text":
                 if kind in ("image_url", "input_audio", "file", "image", "audio", "video"):
-                    raise _unsupported("content[{j}] of type {kind}: only text content is supported",
+                    raise _unsupported("content[{j}] of type {kind} is not supported: only text content is",
                                        j=j, kind=repr(kind))
                 raise _invalid("content[{j}].type must be 'text', got {kind}", j=j, kind=_short(kind))
             extra = sorted(set(part) - {"type", "text"})
             if extra:
-                raise _unsupported("content[{j}] has fields this worker does not support: {extra}",
+                raise _unsupported("content[{j}] fields {extra} are not supported",
                                    j=j, extra=", ".join(extra))
             if not isinstance(part.get("text"), str):
                 raise _invalid("content[{j}].text must be a string", j=j)
@@ -313,6 +313,13 @@ class ChatCompletionBody(BaseModel):
             raise _unsupported("{value} is not supported: {why}", field=k, value=_short(v), why=why)
         return {k: v for k, v in data.items() if k not in REFUSED_CHAT_FIELDS}
 
+    @model_validator(mode="after")
+    def _min_max(self) -> ChatCompletionBody:
+        mt = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if self.min_tokens is not None and mt is not None and self.min_tokens > mt:
+            raise _invalid("{mn} is more than max_tokens {mt}", field="min_tokens", mn=self.min_tokens, mt=mt)
+        return self
+
     def sampling(self) -> dict[str, Any]:
         """The vllm.SamplingParams keyword arguments this request sets (unset ones: the spec's)."""
         out = {
@@ -355,7 +362,7 @@ class EmbeddingsBody(BaseModel):
     @classmethod
     def _input(cls, v: Any) -> str:
         if isinstance(v, list):
-            raise _unsupported("a list of inputs: send one input string per request line")
+            raise _unsupported("a list of inputs is not supported: send one input string per request line")
         if not isinstance(v, str):
             raise _invalid("must be a string, got {kind}", kind="null" if v is None else type(v).__name__)
         if not is_unicode(v):
