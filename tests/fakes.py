@@ -173,14 +173,14 @@ class FakeEngine:
         return MirrorParams(**kw)
 
     def _check_prompt(self, ids):
-        """vLLM's input processor (InputProcessor._validate_prompt_len) for a generate model."""
+        """vLLM's prompt checks at add_request (renderer and InputProcessor._validate_prompt_len)."""
         err = validation_error(self.real_vllm)
         if not ids:
             raise err("The decoder prompt cannot be empty")
-        if len(ids) > self.max_model_len:
-            raise err(f"The decoder prompt (length {len(ids)}) is longer than the maximum model length of "
-                      f"{self.max_model_len}. Make sure that `max_model_len` is no smaller than the number of "
-                      "text tokens.")
+        if len(ids) > self.max_model_len:  # the renderer's token length check (renderers/params.py)
+            raise err(f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt "
+                      f"contains {len(ids)} input tokens, which exceeds this limit even without any output "
+                      "tokens. Please reduce the length of the input prompt.")
         if len(ids) == self.max_model_len:
             raise err(f"The decoder prompt (length {len(ids)}) plus the number of requested output tokens "
                       f"(at least 1) is longer than the maximum model length of {self.max_model_len}.")

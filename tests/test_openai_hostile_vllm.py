@@ -19,6 +19,8 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -29,7 +31,7 @@ from airflow_provider_vllm.planning import plan_job
 from airflow_provider_vllm.spec import JobSpec
 from tests.bad_inputs.corpus import good_chat_requests, hostile_chat_requests
 from tests.ledger import record_bad_rows
-from tests.test_worker_vllm import manifest, run_worker, smollm2  # noqa: F401
+from tests.test_worker_vllm import ENV, LEAVE, manifest, run_worker, smollm2, tiny_model  # noqa: F401
 
 pytestmark = [pytest.mark.vllm, pytest.mark.reliability, pytest.mark.timeout(1500)]
 
@@ -152,3 +154,52 @@ def test_the_strict_template_renders_good_rows_like_smollm2s_own(tmp_path, smoll
     with pytest.raises(TemplateError, match="alternate"):
         strict.apply_chat_template([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
                                    tokenize=False, add_generation_prompt=True)
+
+
+ENGINE_REFUSALS = LEAVE + r"""
+import json, sys
+if __name__ == "__main__":
+    from airflow_provider_vllm.spec import JobSpec
+    from airflow_provider_vllm.worker.engine import Engine
+    from airflow_provider_vllm.worker.isolation import RequestRejected
+    e = Engine(JobSpec.load(json.loads(sys.argv[1])))
+    ids = e.tokenizer.encode("hello there, a ticket about my invoice")
+    out = {}
+    for name, overrides, prompt in [("temperature", {"temperature": 3}, ids), ("top_p", {"top_p": 0}, ids),
+                                    ("stop", {"stop": [""]}, ids), ("logprobs", {"logprobs": 50}, ids),
+                                    ("empty", None, []), ("too_long", None, ids * 200)]:
+        try:
+            e.submit(name, prompt, overrides)
+            out[name] = "accepted"
+        except RequestRejected as r:
+            out[name] = [r.code, r.message, type(r.__cause__).__name__]
+    e.submit("good", ids, {"max_tokens": 3})
+    done = {}
+    while e.pending():
+        done.update({k: [g.completion_tokens, g.finish_reason] for k, g in e.step()})
+    e.probe()
+    out["good"], out["pending_after_probe"] = done, e.pending()
+    print("RAW " + json.dumps(out), flush=True)
+    e.shutdown()
+    leave(0)
+"""
+
+
+def test_the_real_engine_refuses_one_request_without_failing(tmp_path, tiny_model):  # noqa: F811
+    """Engine.submit on real vLLM: vLLM's VLLMValidationError, raised when the request's
+    SamplingParams are built or by its input processor at add_request, is that request's
+    RequestRejected; the engine goes on and the probe request runs."""
+    doc = {"task": "generate", "model": {"name": tiny_model, "max_model_len": 256},
+           "engine": {"enforce_eager": True, "max_num_seqs": 8},
+           "io": {"input_uri": str(tmp_path / "in"), "output_uri": str(tmp_path / "out")},
+           "prompt": {"template": "{text}"}, "sampling": {"temperature": 0, "max_tokens": 4}}
+    raw = subprocess.run([sys.executable, "-c", ENGINE_REFUSALS, json.dumps(doc)], env=ENV, capture_output=True,
+                         text=True, timeout=600)
+    assert raw.returncode == 0, raw.stderr[-3000:]
+    out = json.loads(next(x for x in raw.stdout.splitlines() if x.startswith("RAW "))[4:])
+    for name, fragment in [("temperature", "temperature must be in [0, 2], got 3"), ("top_p", "top_p must be in (0, 1]"),
+                           ("stop", "stop cannot contain an empty string"), ("logprobs", "greater than max allowed: 20"),
+                           ("empty", "prompt cannot be empty"), ("too_long", "maximum context length is 256 tokens")]:
+        code, message, cause = out[name]
+        assert code == "INVALID_REQUEST" and fragment in message and cause == "VLLMValidationError", (name, out[name])
+    assert out["good"] == {"good": [3, "length"]} and out["pending_after_probe"] == 0

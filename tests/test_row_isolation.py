@@ -87,7 +87,7 @@ def test_the_fake_engine_validates_per_row_settings_with_vllms_own_sampling_para
             fake.submit("k", [5, 6, 7], bad)
     with pytest.raises(RequestRejected, match="cannot be empty"):  # vLLM's input processor
         fake.submit("k", [], None)
-    with pytest.raises(RequestRejected, match="longer than the maximum model length"):
+    with pytest.raises(RequestRejected, match="maximum context length is"):
         fake.submit("k", [5] * 5000, None)
     assert fake.submitted == 0 and fake.refused == 8
 
@@ -429,3 +429,22 @@ def test_the_spec_refuses_what_vllm_would_refuse_for_every_row():
     for bad in ({"temperature": 3}, {"stop": [""]}, {"seed": 2**64}):
         with pytest.raises(SpecError):
             make_spec("/tmp/in", "/tmp/out", sampling=bad)
+
+
+def test_a_one_off_failure_with_one_request_alone_does_not_blame_it(tmp_path):
+    """Alone by chance (the last request) and failing once: it runs alone once more before a probe
+    could blame it; here it then succeeds."""
+    spec = make_spec(tmp_path / "in", tmp_path / "out", sampling={"max_tokens": 8, "structured": None})
+    calls = []
+
+    def once(ids_):
+        calls.append(1)
+        return len(calls) == 1
+
+    g = GuardedEngine(spec, lambda s: FakeEngine(s, fail_on=once))
+    g.submit("last", [5, 6, 7])
+    done = {}
+    while g.pending():
+        done.update(dict(g.step()))
+    assert not isinstance(done["last"], RowFailure) and g.step_failures == 1 and g.failed_rows == 0
+    assert g.engine.probes == 0

@@ -18,7 +18,7 @@ made by a factory (``worker.engine.Engine``, or a fake in tests):
 * Any other failure of a step (or a pooling call) with the engine alive: it may be one row's
   doing. The requests in flight are aborted and run again in halves (bisection: at most half
   as many in the engine at once after each failure) until the failure comes with one request
-  alone; then a known-good probe request runs (``engine.probe``). If the probe passes, the row
+  alone, twice; then a known-good probe request runs (``engine.probe``). If the probe passes, the row
   was the cause: an ``ENGINE_ERROR`` row, and the others go on at full width. If it fails,
   the engine is broken as a whole: ``EngineError`` (exit 75). A failure that does not come
   back costs only the re-run. Good rows are never batched less than ``max_num_seqs`` wide
@@ -102,6 +102,7 @@ class GuardedEngine:
         self._split_suspects: set[Hashable] = set()  # in flight at the last step failure, not yet done
         self.step_failures = 0
         self.failed_rows = 0  # rows that failed the engine alone while a probe passed (ENGINE_ERROR)
+        self._failed_alone: set[Hashable] = set()  # failed once alone: a second time alone blames the row
         self.engine = self._build(spec)
         self.start_seconds = getattr(self.engine, "start_seconds", 0.0)
         self.limits = self._read_limits()
@@ -212,6 +213,13 @@ class GuardedEngine:
         if self.step_failures > MAX_STEP_FAILURES:
             raise EngineError(f"{self.step_failures} engine steps failed in this attempt (last: {describe(exc)}); "
                               "committed chunks are kept and a retry resumes from them") from exc
+        if len(in_flight) == 1 and in_flight[0] not in self._failed_alone:
+            # alone, but maybe by chance (the last request, a one-off failure): once more alone first
+            self._failed_alone.add(in_flight[0])
+            self._held.appendleft(in_flight[0])
+            self._split_suspects.add(in_flight[0])
+            self._split = 1
+            return []
         if len(in_flight) == 1:
             (key,) = in_flight
             self._probe(exc)
@@ -325,7 +333,9 @@ class GuardedEngine:
                         raise EngineError(f"{self.step_failures} engine calls failed in this attempt (last: "
                                           f"{describe(e)}); committed chunks are kept and a retry resumes "
                                           "from them") from e
-                    if len(batch) > 1:
+                    if len(batch) > 1 or keys[batch[0]] not in self._failed_alone:
+                        if len(batch) == 1:  # alone, maybe by chance: once more alone first
+                            self._failed_alone.add(keys[batch[0]])
                         split = max(1, len(batch) // 2)
                         log.warning("a pooling call of %d prompts failed (%s); running them again, at most %d "
                                     "at once, to find a row that causes it", len(batch), describe(e, 200), split)
