@@ -311,7 +311,11 @@ def read_jsonl_range(
 
 
 def openai_request_fault(req: dict[str, Any]) -> tuple[str, str] | None:
-    """Why an OpenAI batch request line cannot run, or None."""
+    """Why an OpenAI batch request line is not a request at all (method, url, body), or None.
+
+    The body's fields are validated per row by the worker (``openai_batch.parse_chat_body``,
+    ``parse_embeddings_body``), against the fields it supports.
+    """
     if req.get("method", "POST") != "POST":
         return ("INVALID_ROW", f"method {req.get('method')!r} is not POST")
     url = req.get("url")
@@ -320,19 +324,4 @@ def openai_request_fault(req: dict[str, Any]) -> tuple[str, str] | None:
     body = req.get("body")
     if not isinstance(body, dict):
         return ("INVALID_ROW", "body is not an object")
-    if url == "/v1/chat/completions":
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            return ("INVALID_ROW", "body.messages must be a non-empty list")
-        for i, m in enumerate(msgs):
-            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer"):
-                return ("INVALID_ROW", f"body.messages[{i}] has no valid role")
-            if not isinstance(m.get("content"), str):
-                return ("INVALID_ROW", f"body.messages[{i}].content must be a string")
-            if not is_unicode(m["content"]):
-                return ("INVALID_ROW", f"body.messages[{i}].content is not valid Unicode (unpaired surrogate)")
-    else:
-        inp = body.get("input")
-        if not isinstance(inp, str) or not inp:
-            return ("INVALID_ROW", "body.input must be a non-empty string")
     return None

@@ -10,12 +10,18 @@ import pyarrow as pa
 
 # Reason codes of error rows.
 EMPTY_INPUT = "EMPTY_INPUT"  # null / empty / whitespace-only text
-INVALID_ROW = "INVALID_ROW"  # wrong type, unusable value, bad OpenAI request
+INVALID_ROW = "INVALID_ROW"  # wrong type or unusable value; an OpenAI request line that is not POST/url/body
 INVALID_JSON = "INVALID_JSON"  # a JSONL line that does not parse
+INVALID_REQUEST = "INVALID_REQUEST"  # an OpenAI request body value out of range / of the wrong type, or refused by vLLM
+UNSUPPORTED_PARAMETER = "UNSUPPORTED_PARAMETER"  # an OpenAI request field this worker does not do (n > 1, stream,
+#                                                  tools, logprobs, ...) or that no API has (unknown fields)
+TEMPLATE_ERROR = "TEMPLATE_ERROR"  # the model's chat template refused the row's messages (roles that do not
+#                                    alternate, a role the template does not know)
 PROMPT_TOO_LONG = "PROMPT_TOO_LONG"  # over the token budget with truncation=reject
-ENGINE_ERROR = "ENGINE_ERROR"  # the engine refused or failed this one row
+ENGINE_ERROR = "ENGINE_ERROR"  # the engine failed this one row (alone; a probe request ran fine after it)
 ENGINE_OOM = "ENGINE_OOM"  # out of memory with this row alone in the engine at the lowest limits
-ERROR_CODES = (EMPTY_INPUT, INVALID_ROW, INVALID_JSON, PROMPT_TOO_LONG, ENGINE_ERROR, ENGINE_OOM)
+ERROR_CODES = (EMPTY_INPUT, INVALID_ROW, INVALID_JSON, INVALID_REQUEST, UNSUPPORTED_PARAMETER, TEMPLATE_ERROR,
+               PROMPT_TOO_LONG, ENGINE_ERROR, ENGINE_OOM)
 
 _dict_str = pa.dictionary(pa.int32(), pa.string())
 

@@ -11,7 +11,7 @@ import hashlib
 import json
 import string
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -199,11 +199,11 @@ class StructuredOutput(_Model):
 class SamplingSpec(_Model):
     """Decoding parameters (generate and chat tasks)."""
 
-    temperature: float = Field(0.0, ge=0, le=5, description="0 = greedy.")
+    temperature: float = Field(0.0, ge=0, le=2, description="0 = greedy (vLLM's range: [0, 2]).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling.")
     max_tokens: int = Field(256, gt=0, description="Max output tokens per row.")
-    seed: int | None = Field(None, description="Per-request seed (reproducible sampling).")
-    stop: list[str] = Field(default_factory=list, description="Stop strings.")
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1, description="Per-request seed (reproducible sampling).")
+    stop: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list, description="Stop strings.")
     structured: StructuredOutput | None = Field(None, description="Structured output constraint.")
 
 

@@ -4,6 +4,12 @@
 (``submit``) and collects finished rows as the engine produces them (``step``), so
 continuous batching always has work, while chunks commit as soon as their rows finish.
 Pooling tasks (embed, classify) go through ``pool``.
+
+``submit`` builds each request's ``SamplingParams`` and hands it to vLLM's input processor
+one request at a time, so a request vLLM refuses (its ``VLLMValidationError``, not a
+``ValueError`` in vLLM 0.32) is known at once and by row: ``RequestRejected``, that row's
+error record. ``probe`` runs one known-good request, to tell a row that breaks the engine
+from an engine that is broken (``worker.guard``).
 """
 
 from __future__ import annotations
@@ -13,7 +19,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from airflow_provider_vllm.errors import SpecError
 from airflow_provider_vllm.spec import JobSpec
+from airflow_provider_vllm.worker.isolation import RequestRejected, refusal
+
+__all__ = ["Engine", "Generated", "RequestRejected", "engine_kwargs", "sampling_kwargs", "sampling_params"]
+PROBE_TEXT = "The quick brown fox jumps over the lazy dog. " * 4
+_PROBE_KEY = ("__probe__",)
 
 
 @dataclass
@@ -51,11 +63,9 @@ def engine_kwargs(spec: JobSpec) -> dict[str, Any]:
     return {k: v for k, v in kw.items() if v is not None}
 
 
-def sampling_params(spec: JobSpec, overrides: dict[str, Any] | None = None):
-    """vllm.SamplingParams for the spec, with per-row overrides (OpenAI batch bodies)."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
-
+def sampling_kwargs(spec: JobSpec, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """vllm.SamplingParams keyword arguments for the spec with per-row overrides, without the
+    structured-output constraint (the fake engine of the unit tests builds from these too)."""
     s = spec.sampling
     kw: dict[str, Any] = {
         "temperature": s.temperature,
@@ -65,6 +75,16 @@ def sampling_params(spec: JobSpec, overrides: dict[str, Any] | None = None):
         "stop": list(s.stop) or None,
     }
     kw.update(overrides or {})
+    return kw
+
+
+def sampling_params(spec: JobSpec, overrides: dict[str, Any] | None = None):
+    """vllm.SamplingParams for the spec, with per-row overrides (OpenAI batch bodies)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+    s = spec.sampling
+    kw = sampling_kwargs(spec, overrides)
     if s.structured is not None:
         st = s.structured
         kw["structured_outputs"] = StructuredOutputsParams(
@@ -91,7 +111,14 @@ class Engine:
         self.tokenizer = self.llm.get_tokenizer()
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         self._engine = self.llm.llm_engine
-        self._params = sampling_params(spec) if spec.task in ("chat", "generate") else None
+        self._params = None
+        if spec.task in ("chat", "generate"):
+            try:
+                self._params = sampling_params(spec)
+            except Exception as e:  # the job's own settings: every row and every retry would fail
+                if refusal(e) is None:
+                    raise
+                raise SpecError(f"vLLM refuses the job's sampling settings: {type(e).__name__}: {e}") from e
         self._keys: dict[str, Any] = {}  # vLLM request id -> caller's key
         self._counter = 0
         id2label = getattr(self.llm.llm_engine.model_config.hf_config, "id2label", None) or {}
@@ -157,12 +184,25 @@ class Engine:
 
     # ---- generation -----------------------------------------------------------------
     def submit(self, key: Any, token_ids: list[int], overrides: dict[str, Any] | None = None) -> None:
+        """Queue one request; RequestRejected when vLLM refuses it (its settings or its prompt)."""
         from vllm.inputs import TokensPrompt
 
-        params = sampling_params(self.spec, overrides) if overrides else self._params
+        try:
+            params = sampling_params(self.spec, overrides) if overrides else self._params
+        except Exception as e:
+            rejected = refusal(e, "request's sampling settings")
+            if rejected is None:
+                raise
+            raise rejected from e
         self._counter += 1
         rid = f"r{self._counter}"  # outputs carry this id (vLLM adds a suffix only internally)
-        self._engine.add_request(rid, TokensPrompt(prompt_token_ids=token_ids), params)
+        try:
+            self._engine.add_request(rid, TokensPrompt(prompt_token_ids=token_ids), params)
+        except Exception as e:
+            rejected = refusal(e)
+            if rejected is None or not self.alive():  # a dead engine refuses everything: not the row's fault
+                raise
+            raise rejected from e
         self._keys[rid] = key
 
     def pending(self) -> int:
@@ -174,7 +214,9 @@ class Engine:
         for out in self._engine.step():
             if not out.finished:
                 continue
-            key = self._keys.pop(out.request_id)
+            key = self._keys.pop(out.request_id, None)
+            if key is None:  # a request aborted after an error (its output arrived anyway)
+                continue
             c = out.outputs[0]
             done.append((key, Generated(
                 text=c.text,
@@ -199,10 +241,26 @@ class Engine:
             return [o.outputs.embedding for o in self.llm.embed(tp, use_tqdm=False)]
         return [o.outputs.probs for o in self.llm.classify(tp, use_tqdm=False)]
 
+    def probe(self) -> None:
+        """Run one known-good request through ``submit``/``step`` (or ``pool``) with nothing else
+        in the engine; raises when the engine cannot do even that."""
+        ids = self.tokenizer.encode(PROBE_TEXT)[:32]
+        if self.spec.task in ("embed", "classify"):
+            self.pool([ids])
+            return
+        if self._keys:
+            raise RuntimeError("probe() needs an empty engine")
+        self.submit(_PROBE_KEY, ids, {"max_tokens": 1})
+        for _ in range(1000):
+            if any(key == _PROBE_KEY for key, _ in self.step()):
+                return
+        self.abort_all()
+        raise RuntimeError("the probe request did not finish in 1000 engine steps")
+
     def warm_up(self) -> None:
         """One tiny request so that lazy initialisation is not timed as throughput."""
         # 16+ tokens: on some CPUs vLLM's CPU build dies with SIGILL on bf16 prompts of <= 4 tokens
-        ids = self.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4)[:32]
+        ids = self.tokenizer.encode(PROBE_TEXT)[:32]
         if self.spec.task in ("embed", "classify"):
             self.pool([ids])
             return

@@ -13,6 +13,16 @@ made by a factory (``worker.engine.Engine``, or a fake in tests):
   one at a time; a row that runs out of memory alone becomes an ``ENGINE_OOM`` error row.
 * Engine death (vLLM's ``EngineDeadError``, the engine core process gone):
   ``EngineError`` (exit 75); the chunks committed so far stay for the retry.
+* A request the engine refuses at submit (``RequestRejected``: vLLM's validation of its
+  settings or prompt): that row's ``RowFailure`` at the next ``step``; nothing else changes.
+* Any other failure of a step (or a pooling call) with the engine alive: it may be one row's
+  doing. The requests in flight are aborted and run again in halves (bisection: at most half
+  as many in the engine at once after each failure) until the failure comes with one request
+  alone, twice; then a known-good probe request runs (``engine.probe``). If the probe passes, the row
+  was the cause: an ``ENGINE_ERROR`` row, and the others go on at full width. If it fails,
+  the engine is broken as a whole: ``EngineError`` (exit 75). A failure that does not come
+  back costs only the re-run. Good rows are never batched less than ``max_num_seqs`` wide
+  except while a failure is being bisected.
 
 ``step`` returns ``(key, Generated)`` for finished rows and ``(key, RowFailure)`` for rows
 that cannot be done; ``pool`` returns a vector or a ``RowFailure`` per prompt.
@@ -30,6 +40,11 @@ from airflow_provider_vllm import faults
 from airflow_provider_vllm.errors import EngineError
 from airflow_provider_vllm.rows import ENGINE_ERROR, ENGINE_OOM
 from airflow_provider_vllm.spec import JobSpec
+from airflow_provider_vllm.worker.isolation import RequestRejected, describe, row_caused
+
+# Step failures bisected in one attempt before the engine is called broken whatever the probes
+# say (each halves the requests in flight, so a row is found in ~log2(queue depth) failures).
+MAX_STEP_FAILURES = 200
 
 log = logging.getLogger("airflow_provider_vllm.worker")
 
@@ -83,6 +98,11 @@ class GuardedEngine:
         self.window: int | None = None  # most requests in the engine at once (None: no bound)
         self._suspects: set[Hashable] = set()  # in flight at an OOM at the floors: run alone
         self._isolating = False
+        self._split: int | None = None  # most requests in the engine while a step failure is bisected
+        self._split_suspects: set[Hashable] = set()  # in flight at the last step failure, not yet done
+        self.step_failures = 0
+        self.failed_rows = 0  # rows that failed the engine alone while a probe passed (ENGINE_ERROR)
+        self._failed_alone: set[Hashable] = set()  # failed once alone: a second time alone blames the row
         self.engine = self._build(spec)
         self.start_seconds = getattr(self.engine, "start_seconds", 0.0)
         self.limits = self._read_limits()
@@ -109,18 +129,28 @@ class GuardedEngine:
 
     def stats(self) -> dict[str, Any]:
         return {"oom_events": self.oom_events, "engine_rebuilds": self.rebuilds, "oom_error_rows": self.oom_rows,
+                "step_failures": self.step_failures, "engine_error_rows": self.failed_rows,
                 "engine_limits": dict(self.limits)}
 
     # ---- generation -----------------------------------------------------------------
     def submit(self, key: Hashable, token_ids: list[int], overrides: dict[str, Any] | None = None) -> None:
-        """Queue a request; ValueError/TypeError when the engine refuses it at once."""
-        if self.window is None and not self._held:
-            self.engine.submit(key, token_ids, overrides)
+        """Queue a request. One the engine refuses comes back as a RowFailure from the next ``step``."""
+        if self._cap() is None and not self._held:
+            try:
+                self.engine.submit(key, token_ids, overrides)
+            except RequestRejected as e:
+                self._ready.append((key, RowFailure(e.code, e.message)))
+                return
             self._req[key] = (token_ids, overrides)
             self._sent[key] = None
             return
         self._req[key] = (token_ids, overrides)
         self._held.append(key)
+
+    def _cap(self) -> int | None:
+        """Most requests in the engine at once (None: no bound)."""
+        caps = [c for c in (self.window, self._split) if c is not None]
+        return min(caps) if caps else None
 
     def pending(self) -> int:
         return len(self._req) + len(self._ready)
@@ -143,29 +173,89 @@ class GuardedEngine:
                 return out + self._after_oom(e)
             if kind == "dead" or not self._alive():
                 raise self._died(e, len(self._sent)) from e
-            raise
+            if not row_caused(e):
+                raise
+            return out + self._after_step_failure(e)
         for key, result in done:
             self._req.pop(key, None)
             self._sent.pop(key, None)
             self._suspects.discard(key)
+            self._split_suspects.discard(key)
             out.append((key, result))
         if self._isolating and not self._suspects:
             self._end_isolation()
+        if self._split is not None and not self._split_suspects:
+            self._split = None  # every request that was in flight at the failure got through
         self._beat()
         return out
 
     def _feed(self, out: list) -> None:
-        while self._held and (self.window is None or len(self._sent) < self.window):
+        while self._held and ((cap := self._cap()) is None or len(self._sent) < cap):
             key = self._held.popleft()
             ids, overrides = self._req[key]
             try:
                 self.engine.submit(key, ids, overrides)
-            except (ValueError, TypeError) as e:  # refused when resubmitted: an error row, as at first submit
+            except RequestRejected as e:  # refused (also when resubmitted): an error row, as at first submit
                 del self._req[key]
                 self._suspects.discard(key)
-                out.append((key, RowFailure(ENGINE_ERROR, str(e)[:500])))
+                self._split_suspects.discard(key)
+                out.append((key, RowFailure(e.code, e.message)))
                 continue
             self._sent[key] = None
+
+    # ---- a step failure that may be one row's -----------------------------------------
+    def _after_step_failure(self, exc: BaseException) -> list[tuple[Hashable, Any]]:
+        """Bisect the requests in flight at a failed step down to the one that fails alone."""
+        self.step_failures += 1
+        in_flight = list(self._sent)
+        self._abort()
+        self._sent.clear()
+        if self.step_failures > MAX_STEP_FAILURES:
+            raise EngineError(f"{self.step_failures} engine steps failed in this attempt (last: {describe(exc)}); "
+                              "committed chunks are kept and a retry resumes from them") from exc
+        if len(in_flight) == 1 and in_flight[0] not in self._failed_alone:
+            # alone, but maybe by chance (the last request, a one-off failure): once more alone first
+            self._failed_alone.add(in_flight[0])
+            self._held.appendleft(in_flight[0])
+            self._split_suspects.add(in_flight[0])
+            self._split = 1
+            return []
+        if len(in_flight) == 1:
+            (key,) = in_flight
+            self._probe(exc)
+            del self._req[key]
+            self._split_suspects.discard(key)
+            self._suspects.discard(key)
+            self.failed_rows += 1
+            if not self._split_suspects:
+                self._split = None
+            log.error("row %s fails the engine alone (%s) while a probe request runs fine: an %s error row",
+                      self.label(key), describe(exc, 200), ENGINE_ERROR)
+            if self._isolating and not self._suspects:
+                self._end_isolation()
+            self._beat()
+            return [(key, RowFailure(ENGINE_ERROR, f"the engine failed on this row alone ({describe(exc)}); "
+                                                   "a probe request ran fine right after"))]
+        self._held.extendleft(reversed(in_flight))
+        self._split_suspects = set(in_flight)
+        self._split = max(1, len(in_flight) // 2)
+        log.warning("an engine step failed with %d request(s) in flight (%s); running them again, at most %d "
+                    "at once, to find a row that causes it", len(in_flight), describe(exc, 200), self._split)
+        return []
+
+    def _probe(self, cause: BaseException) -> None:
+        """A known-good request on the otherwise empty engine: EngineError when even that fails."""
+        probe = getattr(self.engine, "probe", None)
+        if probe is None:
+            return
+        try:
+            probe()
+        except Exception as e:
+            if classify(e) == "dead" or not self._alive():
+                raise self._died(e, 1) from e
+            raise EngineError(f"an engine step failed with one request in flight ({describe(cause)}) and a "
+                              f"known-good probe request failed after it ({describe(e)}): the engine fails as a "
+                              "whole; committed chunks are kept and a retry resumes from them") from e
 
     def _running(self) -> set[str]:
         """Labels of the requests the FCFS scheduler runs now: the oldest max_num_seqs in flight."""
@@ -214,13 +304,15 @@ class GuardedEngine:
 
     # ---- pooling --------------------------------------------------------------------
     def pool(self, prompts: Sequence[list[int]], keys: Sequence[Hashable] | None = None) -> list[Any]:
-        """One vector (or RowFailure) per prompt; OOM backs off, then runs prompts one at a time."""
+        """One vector (or RowFailure) per prompt; OOM backs off, then runs prompts one at a time;
+        any other failure is bisected down to the prompt that fails alone (see the module doc)."""
         keys = list(keys) if keys is not None else list(range(len(prompts)))
         results: list[Any] = [None] * len(prompts)
         todo = list(range(len(prompts)))
         alone = False
+        split: int | None = None
         while todo:
-            batch = todo[:1] if alone else todo
+            batch = todo[:1] if alone else todo[:split] if split else todo
             try:
                 if faults.active():
                     action = faults.hit("engine.step", {self.label(keys[i]) for i in batch}, handles=("oom", "dead"))
@@ -234,7 +326,31 @@ class GuardedEngine:
                 if kind == "dead" or (kind is None and not self._alive()):
                     raise self._died(e, len(batch)) from e
                 if kind != "oom":
-                    raise
+                    if not row_caused(e):
+                        raise
+                    self.step_failures += 1
+                    if self.step_failures > MAX_STEP_FAILURES:
+                        raise EngineError(f"{self.step_failures} engine calls failed in this attempt (last: "
+                                          f"{describe(e)}); committed chunks are kept and a retry resumes "
+                                          "from them") from e
+                    if len(batch) > 1 or keys[batch[0]] not in self._failed_alone:
+                        if len(batch) == 1:  # alone, maybe by chance: once more alone first
+                            self._failed_alone.add(keys[batch[0]])
+                        split = max(1, len(batch) // 2)
+                        log.warning("a pooling call of %d prompts failed (%s); running them again, at most %d "
+                                    "at once, to find a row that causes it", len(batch), describe(e, 200), split)
+                        continue
+                    self._probe(e)
+                    self.failed_rows += 1
+                    log.error("row %s fails the engine alone (%s) while a probe request runs fine: an %s error "
+                              "row", self.label(keys[batch[0]]), describe(e, 200), ENGINE_ERROR)
+                    results[batch[0]] = RowFailure(ENGINE_ERROR, f"the engine failed on this row alone "
+                                                                 f"({describe(e)}); a probe request ran fine "
+                                                                 "right after")
+                    todo = todo[1:]
+                    split = None
+                    self._beat()
+                    continue
                 self.oom_events += 1
                 lim = self.limits
                 if alone:

@@ -4,6 +4,13 @@ Pure Python over a Hugging Face style tokenizer (``encode``, ``decode``,
 ``apply_chat_template``); no vLLM import, so it is unit-testable with any tokenizer.
 Chat prompts are rendered the way ``vllm.LLM.chat`` renders them (chat template to text,
 then tokenized without extra special tokens), so outputs match raw vLLM for the same rows.
+
+Everything here works on one row's own content, so whatever fails here is that row's error
+record (``Prepared.fault``): a chat template that refuses the row's messages
+(``TEMPLATE_ERROR``), an OpenAI request body outside what the worker supports
+(``INVALID_REQUEST``, ``UNSUPPORTED_PARAMETER``: ``openai_batch``), a prompt over its budget
+(``PROMPT_TOO_LONG``). A template that refuses even the job's own minimal conversation is the
+job's fault, not a row's: ``SpecError`` when the builder is made.
 """
 
 from __future__ import annotations
@@ -12,13 +19,28 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from airflow_provider_vllm.errors import SpecError
 from airflow_provider_vllm.datasets import is_unicode
-from airflow_provider_vllm.rows import EMPTY_INPUT, INVALID_ROW, PROMPT_TOO_LONG
+from airflow_provider_vllm.errors import SpecError
+from airflow_provider_vllm.openai_batch import (
+    CHAT_URL,
+    EMBEDDINGS_URL,
+    RequestFault,
+    parse_chat_body,
+    parse_embeddings_body,
+)
+from airflow_provider_vllm.rows import (
+    EMPTY_INPUT,
+    INVALID_REQUEST,
+    INVALID_ROW,
+    PROMPT_TOO_LONG,
+    TEMPLATE_ERROR,
+)
 from airflow_provider_vllm.spec import JobSpec
+from airflow_provider_vllm.worker.isolation import describe, row_caused
 
 _SCALARS = (str, int, float, bool)
 _TRUNCATE_ROUNDS = 4
+_PROBE_TEXT = "probe"
 
 
 @dataclass
@@ -32,12 +54,18 @@ class Prepared:
 
 
 class PromptBuilder:
-    """Builds token prompts for one job with one tokenizer."""
+    """Builds token prompts for one job with one tokenizer.
 
-    def __init__(self, spec: JobSpec, tokenizer: Any, max_model_len: int):
+    ``input_format`` is the plan's (``openai_batch`` rows carry their own messages); with a
+    chat template in play the builder renders a minimal conversation once, so that a template
+    that cannot work for any row fails the job (``SpecError``) instead of every row.
+    """
+
+    def __init__(self, spec: JobSpec, tokenizer: Any, max_model_len: int, input_format: str | None = None):
         self.spec = spec
         self.tok = tokenizer
         self.max_model_len = max_model_len
+        self.openai = input_format == "openai_batch"
         p = spec.prompt
         if spec.task in ("chat", "generate"):
             default_budget = max_model_len - spec.sampling.max_tokens
@@ -49,6 +77,18 @@ class PromptBuilder:
                 f"sampling.max_tokens={spec.sampling.max_tokens} leaves no room for a prompt in "
                 f"max_model_len={max_model_len}"
             )
+        if self.openai and spec.task in ("chat", "generate"):
+            self._check_template([{"role": "user", "content": _PROBE_TEXT}], "a one-message conversation")
+        elif not self.openai and spec.task == "chat":
+            self._check_template(self._conversation(_PROBE_TEXT), "this job's prompt (system prompt + user message)")
+
+    def _check_template(self, messages: list[dict[str, str]], what: str) -> None:
+        try:
+            self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:
+            if not row_caused(e):
+                raise
+            raise SpecError(f"the model's chat template cannot render {what}: {describe(e)}") from e
 
     # ---- template rows --------------------------------------------------------------
     def prepare(self, values: dict[str, Any]) -> Prepared:
@@ -72,24 +112,53 @@ class PromptBuilder:
             elif not isinstance(v, _SCALARS):
                 return Prepared(fault=(INVALID_ROW, f"column {col!r} holds {type(v).__name__}, expected a scalar"))
             row[col] = str(v)
-        return self._fit(row)
+        try:
+            return self._fit(row)
+        except RequestFault as f:
+            return Prepared(fault=(f.code, f.message))
+
+    def _conversation(self, text: str) -> list[dict[str, str]]:
+        msgs = []
+        if self.spec.prompt.system_prompt:
+            msgs.append({"role": "system", "content": self.spec.prompt.system_prompt})
+        msgs.append({"role": "user", "content": text})
+        return msgs
 
     def _render(self, row: dict[str, str]) -> list[int]:
-        text = self.spec.prompt.template.format(**row)
+        try:
+            text = self.spec.prompt.template.format(**row)
+        except Exception as e:
+            if not row_caused(e):
+                raise
+            raise RequestFault(TEMPLATE_ERROR, f"prompt.template could not be filled: {describe(e)}") from e
         if self.spec.task == "chat":
-            msgs = []
-            if self.spec.prompt.system_prompt:
-                msgs.append({"role": "system", "content": self.spec.prompt.system_prompt})
-            msgs.append({"role": "user", "content": text})
-            return self.chat_ids(msgs)
-        return self.tok.encode(text)
+            return self.chat_ids(self._conversation(text))
+        return self._encode(text)
 
     def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        rendered = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.tok.encode(rendered, add_special_tokens=False)
+        """Token ids of a conversation; RequestFault (TEMPLATE_ERROR) when the chat template refuses it."""
+        try:
+            rendered = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:
+            if not row_caused(e):
+                raise
+            raise RequestFault(TEMPLATE_ERROR, f"the model's chat template refused the messages: {describe(e)}") from e
+        if not isinstance(rendered, str):
+            raise RequestFault(TEMPLATE_ERROR, f"the chat template gave {type(rendered).__name__}, not text")
+        return self._encode(rendered, add_special_tokens=False)
+
+    def _encode(self, text: str, **kw: Any) -> list[int]:
+        try:
+            return list(self.tok.encode(text, **kw))
+        except Exception as e:
+            if not row_caused(e):
+                raise
+            raise RequestFault(INVALID_ROW, f"the tokenizer could not encode the prompt: {describe(e)}") from e
 
     def _fit(self, row: dict[str, str]) -> Prepared:
         ids = self._render(row)
+        if not ids:
+            return Prepared(fault=(EMPTY_INPUT, "the prompt has no tokens"))
         if len(ids) <= self.budget:
             return Prepared(token_ids=ids)
         if self.spec.prompt.truncation == "reject":
@@ -98,7 +167,7 @@ class PromptBuilder:
         for _ in range(_TRUNCATE_ROUNDS):
             excess = len(ids) - self.budget
             col = max(self.spec.prompt.texts, key=lambda c: len(row[c]))
-            col_ids = self.tok.encode(row[col], add_special_tokens=False)
+            col_ids = self._encode(row[col], add_special_tokens=False)
             keep = len(col_ids) - excess - max(2, math.ceil(excess * 0.02))
             if keep <= 0:
                 break
@@ -110,23 +179,38 @@ class PromptBuilder:
 
     # ---- OpenAI batch requests ------------------------------------------------------
     def prepare_openai(self, request: dict[str, Any]) -> Prepared:
-        body = request["body"]
-        overrides = {
-            k: body[k]
-            for k in ("temperature", "top_p", "seed", "stop")
-            if k in body and body[k] is not None
-        }
-        mt = body.get("max_completion_tokens", body.get("max_tokens"))
-        if mt is not None:
-            if not isinstance(mt, int) or mt <= 0:
-                return Prepared(fault=(INVALID_ROW, f"max_tokens {mt!r} must be a positive integer"))
-            overrides["max_tokens"] = mt
-        if request["url"] == "/v1/embeddings":
-            ids = self.tok.encode(body["input"])
+        """Validate one request line's body (``openai_batch``), render and tokenise it."""
+        try:
+            return self._prepare_openai(request)
+        except RequestFault as f:
+            return Prepared(fault=(f.code, f.message))
+
+    def _prepare_openai(self, request: dict[str, Any]) -> Prepared:
+        url, body = request["url"], request["body"]
+        pooling = self.spec.task in ("embed", "classify")
+        if (url == CHAT_URL) == pooling:
+            return Prepared(fault=(INVALID_ROW, f"url {url!r} does not match this job's task {self.spec.task!r} "
+                                                f"({CHAT_URL} for chat/generate, {EMBEDDINGS_URL} for embed/classify)"))
+        if url == EMBEDDINGS_URL:
+            ids = self._encode(parse_embeddings_body(body).input)
+            overrides: dict[str, Any] = {}
+            budget = self.max_model_len
         else:
-            ids = self.chat_ids(body["messages"])
-        budget = self.max_model_len - overrides.get("max_tokens", self.spec.sampling.max_tokens) \
-            if request["url"] != "/v1/embeddings" else self.max_model_len
+            chat = parse_chat_body(body)
+            overrides = chat.sampling()
+            mt = overrides.get("max_tokens", self.spec.sampling.max_tokens)
+            if mt >= self.max_model_len:
+                return Prepared(fault=(INVALID_REQUEST, f"body.max_tokens: {mt} leaves no room for a prompt in "
+                                                        f"max_model_len {self.max_model_len} "
+                                                        f"(at most {self.max_model_len - 1})"))
+            if overrides.get("min_tokens", 0) > mt:
+                return Prepared(fault=(INVALID_REQUEST, f"body.min_tokens: {overrides['min_tokens']} is more than "
+                                                        f"max_tokens {mt}"))
+            ids = self.chat_ids(chat.conversation())
+            budget = self.max_model_len - mt
+        if not ids:
+            return Prepared(fault=(EMPTY_INPUT, "the prompt has no tokens"))
         if len(ids) > budget:
-            return Prepared(fault=(PROMPT_TOO_LONG, f"prompt has {len(ids)} tokens; budget is {budget}"))
+            why = "" if url == EMBEDDINGS_URL else f" (max_model_len {self.max_model_len} - max_tokens {mt})"
+            return Prepared(fault=(PROMPT_TOO_LONG, f"prompt has {len(ids)} tokens; budget is {budget}{why}"))
         return Prepared(token_ids=ids, overrides=overrides)

@@ -28,11 +28,12 @@ from airflow_provider_vllm.datasets import (
 )
 from airflow_provider_vllm.errors import InputChangedError, SpecError
 from airflow_provider_vllm.planning import Plan, ShardPlan, estimate_tokens, load_plan
-from airflow_provider_vllm.rows import ENGINE_ERROR, rows_table
+from airflow_provider_vllm.rows import INVALID_ROW, rows_table
 from airflow_provider_vllm.spec import JobSpec
 from airflow_provider_vllm.storage import Storage
 from airflow_provider_vllm.worker.hardware import hardware_id
 from airflow_provider_vllm.worker.guard import GuardedEngine, RowFailure
+from airflow_provider_vllm.worker.isolation import describe, row_caused
 from airflow_provider_vllm.worker.outputs import check_structured
 from airflow_provider_vllm.worker.prompts import PromptBuilder, Prepared
 from airflow_provider_vllm.worker.task import ShardTask
@@ -233,7 +234,7 @@ class _ChunkRunner:
     def __init__(self, spec, plan, shard, batch, engine, store, attempt, metas, progress):
         self.spec, self.plan, self.shard, self.batch = spec, plan, shard, batch
         self.engine, self.store, self.attempt, self.metas = engine, store, attempt, metas
-        self.builder = PromptBuilder(spec, engine.tokenizer, engine.max_model_len)
+        self.builder = PromptBuilder(spec, engine.tokenizer, engine.max_model_len, plan.format)
         self.progress = progress
         self.prov = {
             "model": spec.model.name, "model_revision": spec.model.revision, "engine_version": engine.version,
@@ -251,12 +252,19 @@ class _ChunkRunner:
         return self._generate(todo)
 
     def _prepare(self, i: int) -> Prepared:
+        """The row's prompt, or its fault: nothing one row holds can fail the shard from here."""
         fault = self.batch.faults[i]
         if fault is not None:
             return Prepared(fault=fault)
-        if self.plan.format == "openai_batch":
-            return self.builder.prepare_openai(self.batch.values["_request"][i])
-        return self.builder.prepare({c: v[i] for c, v in self.batch.values.items()})
+        try:
+            if self.plan.format == "openai_batch":
+                return self.builder.prepare_openai(self.batch.values["_request"][i])
+            return self.builder.prepare({c: v[i] for c, v in self.batch.values.items()})
+        except Exception as e:
+            if not row_caused(e):
+                raise
+            log.warning("row %s could not be prepared: %s", self.batch.ids[i], describe(e, 200))
+            return Prepared(fault=(INVALID_ROW, f"the row could not be prepared: {describe(e)}"))
 
     def _error(self, i: int, code: str, message: str) -> dict[str, Any]:
         return {"id": self.batch.ids[i], "status": "error", "error_code": code, "error_message": message,
@@ -278,13 +286,9 @@ class _ChunkRunner:
                     records[k][i] = self._error(i, *prep.fault)
                     self._row_done(k, i, records, files)
                     continue
-                try:
-                    self.engine.submit((k, i), prep.token_ids, prep.overrides or None)
-                except (ValueError, TypeError) as e:  # the engine refused this one request
-                    records[k][i] = self._error(i, ENGINE_ERROR, str(e)[:500])
-                    self._row_done(k, i, records, files)
-                    continue
                 submitted[i] = (time.monotonic(), prep.truncated)
+                # a request the engine refuses comes back from step() as a RowFailure
+                self.engine.submit((k, i), prep.token_ids, prep.overrides or None)
             if not self.engine.pending():
                 continue
             for (k, i), g in self.engine.step():
@@ -293,7 +297,7 @@ class _ChunkRunner:
                     records[k][i] = self._error(i, g.code, g.message)
                     self._row_done(k, i, records, files)
                     continue
-                label, parsed, valid = check_structured(self.spec, g.text)
+                label, parsed, valid = self._structured(i, g.text)
                 records[k][i] = {
                     "id": self.batch.ids[i], "status": "ok", "output": g.text, "label": label,
                     "parsed_json": parsed, "valid": valid, "finish_reason": g.finish_reason,
@@ -304,6 +308,15 @@ class _ChunkRunner:
                 self.completion_tokens += g.completion_tokens
                 self._row_done(k, i, records, files)
         return files
+
+    def _structured(self, i: int, text: str) -> tuple[str | None, str | None, bool | None]:
+        try:
+            return check_structured(self.spec, text)
+        except Exception as e:  # e.g. JSON nested too deep to parse: the output is not valid
+            if not row_caused(e):
+                raise
+            log.warning("row %s: structured output check failed: %s", self.batch.ids[i], describe(e, 200))
+            return None, None, False
 
     def _row_done(self, k: int, i: int, records: dict, files: dict) -> None:
         self.progress.add_row(records[k][i])

@@ -17,7 +17,15 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from airflow_provider_vllm.rows import EMPTY_INPUT, INVALID_JSON, INVALID_ROW, PROMPT_TOO_LONG
+from airflow_provider_vllm.rows import (
+    EMPTY_INPUT,
+    INVALID_JSON,
+    INVALID_REQUEST,
+    INVALID_ROW,
+    PROMPT_TOO_LONG,
+    TEMPLATE_ERROR,
+    UNSUPPORTED_PARAMETER,
+)
 
 BIG = 10 * 1024 * 1024  # a 10 MB field
 ODD_BUT_VALID = {
@@ -101,6 +109,90 @@ def jsonl_row_corpus(folder: Path) -> dict[str, str]:
     return expected
 
 
+MB = 1024 * 1024
+
+
+def hostile_chat_requests() -> list[tuple[str, dict, str]]:
+    """(custom_id, body, expected code) for chat completion bodies that must not run, each a
+    different way in which one row's own content can fail (sampling values out of vLLM's ranges,
+    refused OpenAI fields, unknown fields, messages a strict chat template refuses, a 1 MB
+    message). Shared by the fake-engine corpus and the real-vLLM acceptance test."""
+    user = [{"role": "user", "content": "My invoice shows the wrong VAT number."}]
+
+    def body(**kw):
+        return {"model": "m", "messages": user, **kw}
+
+    return [
+        ("temperature-3", body(temperature=3), INVALID_REQUEST),
+        ("temperature-nan", body(temperature=float("nan")), INVALID_REQUEST),
+        ("temperature-string", body(temperature="0.5"), INVALID_REQUEST),
+        ("top-p-0", body(top_p=0), INVALID_REQUEST),
+        ("max-tokens-negative", body(max_tokens=-5), INVALID_REQUEST),
+        ("max-tokens-huge", body(max_tokens=10**9), INVALID_REQUEST),
+        ("max-tokens-bool", body(max_tokens=True), INVALID_REQUEST),
+        ("min-tokens-over-max", body(max_tokens=4, min_tokens=50), INVALID_REQUEST),
+        ("stop-object", body(stop={"when": "done"}), INVALID_REQUEST),
+        ("stop-empty-string", body(stop=["", "x"]), INVALID_REQUEST),
+        ("presence-penalty-5", body(presence_penalty=5), INVALID_REQUEST),
+        ("seed-beyond-int64", body(seed=2**70), INVALID_REQUEST),
+        ("n-3", body(n=3), UNSUPPORTED_PARAMETER),
+        ("n-0", body(n=0), INVALID_REQUEST),
+        ("unknown-fields", body(temprature=0.5, foo={"bar": 1}), UNSUPPORTED_PARAMETER),
+        ("logprobs-true", body(logprobs=True, top_logprobs=5), UNSUPPORTED_PARAMETER),
+        ("top-logprobs-50", body(logprobs=False, top_logprobs=50), INVALID_REQUEST),
+        ("logprobs-int", body(logprobs=5), INVALID_REQUEST),
+        ("stream", body(stream=True), UNSUPPORTED_PARAMETER),
+        ("tools", body(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+         UNSUPPORTED_PARAMETER),
+        ("response-format-json", body(response_format={"type": "json_object"}), UNSUPPORTED_PARAMETER),
+        ("roles-not-alternating", body(messages=[{"role": "user", "content": "one"},
+                                                 {"role": "user", "content": "two"}]), TEMPLATE_ERROR),
+        ("assistant-first", body(messages=[{"role": "assistant", "content": "hello"},
+                                           {"role": "user", "content": "hi"}]), TEMPLATE_ERROR),
+        ("unknown-role", body(messages=[{"role": "wizard", "content": "abracadabra"}]), INVALID_REQUEST),
+        ("empty-messages", body(messages=[]), EMPTY_INPUT),
+        ("tool-message", body(messages=[*user, {"role": "assistant", "content": "calling"},
+                                        {"role": "tool", "tool_call_id": "c1", "content": "42"}]),
+         UNSUPPORTED_PARAMETER),
+        ("assistant-tool-calls", body(messages=[*user, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]), UNSUPPORTED_PARAMETER),
+        ("image-part", body(messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]}]), UNSUPPORTED_PARAMETER),
+        ("one-mb-message", body(messages=[{"role": "user", "content": "refund please " * (MB // 14)}]),
+         PROMPT_TOO_LONG),
+    ]
+
+
+def good_chat_requests() -> list[tuple[str, dict]]:
+    """(custom_id, body) of valid chat requests that use the per-row settings the worker supports."""
+    def user(text):
+        return [{"role": "user", "content": text}]
+
+    return [
+        ("good-plain", {"model": "m", "messages": user("I was charged twice this month.")}),
+        ("good-system", {"messages": [{"role": "system", "content": "Answer in one word."},
+                                      {"role": "user", "content": "The app crashes on start."}], "max_tokens": 6}),
+        ("good-overrides", {"model": "m", "messages": user("Where is your office?"), "temperature": 0, "top_p": 1,
+                            "max_tokens": 7, "stop": ["\n\n"], "seed": 7, "presence_penalty": 0,
+                            "frequency_penalty": 0, "n": 1, "stream": False, "logprobs": False, "user": "u-1",
+                            "metadata": {"batch": "nightly"}}),
+        ("good-max-completion-tokens", {"messages": user("Do you have a student discount?"),
+                                        "max_completion_tokens": 5}),
+        ("good-text-parts", {"messages": [{"role": "user", "content": [{"type": "text", "text": "Login fails"},
+                                                                       {"type": "text", "text": "with error 500."}]}]}),
+        ("good-multi-turn", {"messages": [{"role": "system", "content": "You are terse."},
+                                          {"role": "user", "content": "Hi"},
+                                          {"role": "assistant", "content": "Hello."},
+                                          {"role": "user", "content": "My refund has not arrived."}],
+                             "max_tokens": 8}),
+        ("good-stop-string", {"messages": user("Count: one, two, three"), "stop": ".", "max_tokens": 8}),
+        ("good-seeded-sampling", {"messages": user("Suggest a name for a cat."), "temperature": 0.7, "top_p": 0.9,
+                                  "top_k": 20, "seed": 1234, "max_tokens": 8}),
+        ("good-vllm-extras", {"messages": user("Say hello."), "min_p": 0.05, "repetition_penalty": 1.1,
+                              "min_tokens": 1, "max_tokens": 6}),
+    ]
+
+
 def openai_row_corpus(folder: Path) -> dict[str, str]:
     """batch.jsonl in the OpenAI batch format with bad requests; returns custom_id -> expected."""
     def req(cid, body, url="/v1/chat/completions", method="POST"):
@@ -111,15 +203,18 @@ def openai_row_corpus(folder: Path) -> dict[str, str]:
         (req("ok-1", good), "ok"),
         (req("get-method", good, method="GET"), INVALID_ROW),
         (req("bad-url", good, url="/v1/completions/../../admin"), INVALID_ROW),
+        (req("embeddings-in-chat-job", {"input": "hello"}, url="/v1/embeddings"), INVALID_ROW),
         (req("body-string", "not an object"), INVALID_ROW),
-        (req("no-messages", {"model": "m"}), INVALID_ROW),
-        (req("bad-role", {"messages": [{"role": "root", "content": "x"}]}), INVALID_ROW),
-        (req("content-int", {"messages": [{"role": "user", "content": 5}]}), INVALID_ROW),
-        (req("neg-max-tokens", {**good, "max_tokens": -1}), INVALID_ROW),
-        (req("str-max-tokens", {**good, "max_tokens": "10"}), INVALID_ROW),
-        (req("lone-surrogate", {"messages": [{"role": "user", "content": "half \ud800 pair"}]}), INVALID_ROW),
+        (req("no-messages", {"model": "m"}), INVALID_REQUEST),
+        (req("bad-role", {"messages": [{"role": "root", "content": "x"}]}), INVALID_REQUEST),
+        (req("content-int", {"messages": [{"role": "user", "content": 5}]}), INVALID_REQUEST),
+        (req("neg-max-tokens", {**good, "max_tokens": -1}), INVALID_REQUEST),
+        (req("str-max-tokens", {**good, "max_tokens": "10"}), INVALID_REQUEST),
+        (req("lone-surrogate", {"messages": [{"role": "user", "content": "half \ud800 pair"}]}), INVALID_REQUEST),
         (req("emoji-ok", {"messages": [{"role": "user", "content": "💳 charged twice"}]}), "ok"),
     ]
+    reqs += [(req(cid, body), code) for cid, body, code in hostile_chat_requests()]
+    reqs += [(req(cid, body), "ok") for cid, body in good_chat_requests()]
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "batch.jsonl").write_text("\n".join(json.dumps(r) for r, _ in reqs) + "\n")
     return {r["custom_id"]: e for r, e in reqs}
