@@ -20,6 +20,7 @@ import re
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,10 +136,15 @@ class ShardStore:
             "sha256": self.out.sha256(rel),
         }
 
-    def reusable_chunks(self, expected: dict[int, ChunkMeta]) -> dict[int, str]:
-        """Complete chunks left by any attempt whose footer matches ``expected``; chunk -> path."""
+    def reusable_chunks(self, expected: dict[int, ChunkMeta],
+                        beat: Callable[[], None] = lambda: None) -> dict[int, str]:
+        """Complete chunks left by any attempt whose footer matches ``expected``; chunk -> path.
+
+        ``beat()`` after each listing and footer read (the worker's watchdog counts them as progress).
+        """
         found: dict[int, str] = {}
         for attempt in self.out.listdir(f"{self.dir}/attempts"):
+            beat()
             for name in self.out.listdir(f"{self.dir}/attempts/{attempt}"):
                 m = _CHUNK_RE.match(name)
                 if not m:
@@ -147,8 +153,10 @@ class ShardStore:
                 if k in found or k not in expected:
                     continue
                 rel = f"{self.dir}/attempts/{attempt}/{name}"
+                faults.hit("reuse.footer")
                 if _footer_matches(self.out, rel, expected[k]):
                     found[k] = rel
+                beat()
         return found
 
 
