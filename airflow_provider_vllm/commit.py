@@ -153,7 +153,6 @@ class ShardStore:
                 if k in found or k not in expected:
                     continue
                 rel = f"{self.dir}/attempts/{attempt}/{name}"
-                faults.hit("reuse.footer")
                 if _footer_matches(self.out, rel, expected[k]):
                     found[k] = rel
                 beat()
@@ -162,9 +161,10 @@ class ShardStore:
 
 def _footer_matches(out: Storage, rel: str, meta: ChunkMeta) -> bool:
     try:
+        faults.hit("reuse.footer")  # inside the broad except: a stop request here must still stop
         with out.open(rel) as f:
             md = pq.ParquetFile(f).metadata
-    except Exception:  # unreadable: treat as absent, the chunk is redone
+    except Exception:  # unreadable: treat as absent, the chunk is redone (never a BaseException: SIGTERM)
         return False
     kv = {k.decode(): v.decode() for k, v in (md.metadata or {}).items()}
     try:
