@@ -129,6 +129,10 @@ def hit(point: str, rows: Iterable[str] = (), handles: Iterable[str] = ()) -> st
 def perform(action: str, point: str) -> None:
     """Do ``action`` here (kill, hang and raise never return)."""
     if action == "kill":
+        sys.stderr.flush()
+        redact = sys.modules.get("airflow_provider_vllm.worker.redact")
+        if redact is not None:  # the worker's redacted streams: let what was written reach the log first
+            redact.settle()
         os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(60)  # the signal is asynchronous; never run on
     if action == "hang":

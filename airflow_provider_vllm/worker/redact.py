@@ -17,10 +17,14 @@ fds 1 and 2, so their output passes through it too. ``drain()`` lets it finish b
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import re
+import struct
+import termios
 import threading
+import time
 
 SECRET_ENV = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|API_KEY|ACCESS_KEY|PRIVATE_KEY|SAS)", re.I)
 MIN_SECRET_CHARS = 6  # shorter values would mask ordinary words
@@ -97,6 +101,7 @@ class _Pump:
         os.dup2(w, fd)  # inheritable: child processes write into the pipe too
         os.close(w)
         self.r = r
+        self.busy = False
         self.thread = threading.Thread(target=self._run, name=f"vllm-batch-redact-fd{fd}", daemon=True)
         self.thread.start()
 
@@ -122,14 +127,25 @@ class _Pump:
                 data = b""
             if not data:
                 break
+            self.busy = True
             pending += data
             cut = max(pending.rfind(b"\n"), pending.rfind(b"\r"))
             if cut < 0 and len(pending) < _MAX_PENDING:
+                self.busy = False
                 continue
             cut = cut if cut >= 0 else len(pending) - 1
             out, pending = pending[: cut + 1], pending[cut + 1:]
             self._write(self.redact(out))
+            self.busy = False
         self._write(self.redact(pending))
+
+    def settled(self) -> bool:
+        """Nothing waits in the pipe and nothing read is still being written."""
+        try:
+            waiting = struct.unpack("i", fcntl.ioctl(self.r, termios.FIONREAD, b"\0\0\0\0"))[0]
+        except OSError:
+            return True
+        return waiting == 0 and not self.busy
 
     def close(self, timeout: float) -> None:
         """Stop writing into the pipe (fd -> /dev/null) and let the thread pass on what is left."""
@@ -152,6 +168,14 @@ def guard_streams(secrets: list[str] | None = None) -> bool:
     for fd in (1, 2):
         _PUMPS.append(_Pump(fd, raw))
     return True
+
+
+def settle(timeout: float = 1.0) -> None:
+    """Wait (bounded) until what was written so far has been passed on: before a deliberate SIGKILL
+    of this process (the fault harness), which would lose what still sits in the pipes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not all(p.settled() for p in _PUMPS):
+        time.sleep(0.005)
 
 
 def drain(timeout: float = 5.0) -> None:
