@@ -94,9 +94,15 @@ def reap_started():
             except (psutil.NoSuchProcess, ProcessLookupError):
                 pass
         p.wait(timeout=30)
+        if getattr(p, "own_group", False):  # engine processes a killed worker left in its group
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
 
-def started(p: subprocess.Popen) -> subprocess.Popen:
+def started(p: subprocess.Popen, own_group: bool = False) -> subprocess.Popen:
+    p.own_group = own_group
     _STARTED.append(p)
     return p
 
@@ -258,7 +264,7 @@ time.sleep(600)
 def start_holder(spec: JobSpec, shard: dict, parent: int, env: dict) -> tuple[subprocess.Popen, list[int]]:
     """An earlier attempt holding the shard's lock (leads its own group, as the local runner starts it)."""
     p = started(subprocess.Popen([sys.executable, "-c", HOLDER, spec.io.output_uri, shard["shard_id"], str(parent)],
-                                 env=env, stdout=subprocess.PIPE, text=True, start_new_session=True))
+                                 env=env, stdout=subprocess.PIPE, text=True, start_new_session=True), own_group=True)
     doc = json.loads(p.stdout.readline())
     return p, [doc["pid"], doc["child"]]
 
@@ -325,7 +331,7 @@ def start_worker(spec: JobSpec, shard: dict, python: str, env: dict, faults: str
     argv = worker_command(ShardTask(spec=spec, shard_id=shard["shard_id"], progress_interval_s=0.2), python=python)
     with open(log, "w") as f:
         return started(subprocess.Popen(argv, env={**env, "VLLM_BATCH_FAULTS": faults}, stdout=f,
-                                        stderr=subprocess.STDOUT, text=True, start_new_session=True))
+                                        stderr=subprocess.STDOUT, text=True, start_new_session=True), own_group=True)
 
 
 def last_json(log: Path) -> dict:
