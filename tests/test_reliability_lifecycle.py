@@ -405,3 +405,62 @@ def test_the_reuse_scan_is_watched_and_stoppable(tmp_path, fake_python, env, sto
     assert again.wait(timeout=300) == 0
     assert last_json(tmp_path / "w2.log")["stats"]["reused_chunks"] == 10
     check(tmp_path / "out", ids, kind=f"{stop}.reuse.footer", committed_only=True)
+
+
+# ---- the lifecycle helpers as units ------------------------------------------------------
+
+def test_holder_identity_uses_start_times_so_a_reused_pid_is_not_the_holder(tmp_path):
+    from airflow_provider_vllm.worker.lifecycle import alive, stale
+
+    me, parent = os.getpid(), os.getppid()
+    assert isinstance(start_time(me), int) and start_time(2**22 + 12345) is None
+    live = {"pid": me, "pid_start": start_time(me), "parent_pid": parent, "parent_start": start_time(parent)}
+    assert alive(me, start_time(me)) and not alive(me, start_time(me) + 1) and not alive(None, 1)
+    assert not stale(live)
+    assert stale({**live, "pid_start": live["pid_start"] - 1})  # the holder's pid now names another process
+    assert stale({**live, "parent_start": live["parent_start"] - 1})  # its task process was replaced
+    assert stale({**live, "parent_pid": 2**22 + 12345, "parent_start": 1})  # its task process is gone
+
+
+def test_a_live_holder_in_this_process_is_waited_for_with_a_bound(tmp_path):
+    from airflow_provider_vllm.errors import TransientError
+    from airflow_provider_vllm.worker.lifecycle import ShardLock
+
+    path = str(tmp_path / "s.lock")
+    first = ShardLock(path, "shard-00000-0123abcd", os.getppid())
+    first.acquire(1)
+    held = json.loads(Path(path).read_text())
+    assert held["pid"] == os.getpid() and held["parent_pid"] == os.getppid()
+    second = ShardLock(path, "shard-00000-0123abcd", os.getppid())
+    t0 = time.monotonic()
+    with pytest.raises(TransientError, match="an earlier attempt still runs on this host"):
+        second.acquire(0.3)
+    assert time.monotonic() - t0 < 30 and second.fd is None and not second.killed
+    os.close(first.fd)  # released: the next attempt takes it at once
+    second.acquire(0.3)
+    os.close(second.fd)
+
+
+def test_the_lock_folder_must_be_a_folder_of_this_user(tmp_path):
+    from airflow_provider_vllm.errors import TransientError
+    from airflow_provider_vllm.worker.lifecycle import lock_dir
+
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real", target_is_directory=True)
+    with pytest.raises(TransientError, match="not a folder owned by this user"):
+        lock_dir({LOCK_DIR_ENV: str(tmp_path / "link")})
+    assert lock_dir({LOCK_DIR_ENV: str(tmp_path / "new")}) == str(tmp_path / "new")
+    assert (tmp_path / "new").stat().st_mode & 0o777 == 0o700
+
+
+def test_preempted_is_not_an_exception():
+    from airflow_provider_vllm.worker.__main__ import Preempted
+
+    assert issubclass(Preempted, BaseException) and not issubclass(Preempted, Exception)
+    try:
+        try:
+            raise Preempted("signal 15")
+        except Exception:  # noqa: BLE001: what the broad handlers in the worker look like
+            pytest.fail("swallowed")
+    except Preempted:
+        pass
