@@ -314,7 +314,7 @@ def test_a_live_earlier_attempt_is_waited_for_then_refused_with_exit_75_and_neve
     assert rc == 0 and m["status"] == "committed", lines[-20:]
     assert any("killing stale attempt" in x and "worker is gone" in x for x in lines), lines[-20:]
     wait_for(lambda: gone(pids[1]), STOP_BOUND_S, "the orphaned child ended")
-    check(tmp_path / "out", ids, committed_only=True)
+    check(tmp_path / "out", ids, kind="live_attempt_refused_by_lock", committed_only=True)
 
 
 def test_a_worker_whose_parent_is_already_gone_does_not_start(tmp_path, fake_python, env):
@@ -404,7 +404,8 @@ def test_the_reuse_scan_is_watched_and_stoppable(tmp_path, fake_python, env, sto
     again = start_worker(spec, shard, fake_python, env, "", tmp_path / "w2.log")
     assert again.wait(timeout=300) == 0
     assert last_json(tmp_path / "w2.log")["stats"]["reused_chunks"] == 10
-    check(tmp_path / "out", ids, kind=f"{stop}.reuse.footer", committed_only=True)
+    check(tmp_path / "out", ids, kind=("sigterm" if stop == "sigterm" else "hang_watchdog") + ".reuse.footer",
+          committed_only=True)
 
 
 # ---- the lifecycle helpers as units ------------------------------------------------------
