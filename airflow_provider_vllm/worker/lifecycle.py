@@ -143,8 +143,11 @@ def group_has_members(pgid: int) -> bool:
 def lock_dir(env: Mapping[str, str] | None = None) -> str:
     env = os.environ if env is None else env
     path = env.get(LOCK_DIR_ENV) or os.path.join(tempfile.gettempdir(), f"vllm-batch-locks-{os.getuid()}")
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.lstat(path)
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        st = os.lstat(path)
+    except OSError as e:
+        raise TransientError(f"cannot use the shard lock folder {path} ({e}); set {LOCK_DIR_ENV}") from e
     if st.st_uid != os.getuid() or not os.path.isdir(path) or os.path.islink(path):
         raise TransientError(f"lock folder {path} is not a folder owned by this user; set {LOCK_DIR_ENV}")
     return path
