@@ -465,3 +465,14 @@ def test_preempted_is_not_an_exception():
             pytest.fail("swallowed")
     except Preempted:
         pass
+
+
+def test_exit_leaves_the_rest_of_a_shell_pipeline_alone():
+    """Run by hand as ``worker ... | tee log`` under job control, the worker leads its group but not a
+    session: its exit kills its own descendants only, never the pipeline's other commands."""
+    script = (f"set -m\n{sys.executable} -c 'from airflow_provider_vllm.worker.exits import exit_hard; "
+              "import os; print(os.getpid() == os.getpgrp(), flush=True); exit_hard(0)' "
+              "| (sleep 1; cat; echo pipeline-survived)\n")
+    p = subprocess.run(["bash", "-c", script], env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                       text=True, timeout=120)
+    assert p.stdout.split() == ["True", "pipeline-survived"], (p.stdout, p.stderr)

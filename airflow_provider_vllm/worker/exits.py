@@ -83,8 +83,10 @@ def orphaned() -> None:
 
 def kill_children() -> None:
     """SIGKILL every descendant process (vLLM's engine core and its workers), and, when this
-    process leads its process group (the local runner starts it so), every other member of it:
-    an engine process whose own parent died is no longer a descendant but is still in the group."""
+    process leads its own session (the local runner starts it so), every other member of its
+    process group: an engine process whose own parent died is no longer a descendant but is
+    still in the group. (A process that only leads a group, like the first command of a shell
+    pipeline, leaves the group alone: ``tee`` in ``worker ... | tee log`` is not ours to kill.)"""
     try:
         import psutil
     except ImportError:  # psutil comes with vLLM; without it the group members are still found below
@@ -96,7 +98,7 @@ def kill_children() -> None:
             except psutil.Error:
                 pass
     me = os.getpid()
-    if os.getpgrp() != me:
+    if os.getpgrp() != me or os.getsid(0) != me:
         return
     try:
         pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
