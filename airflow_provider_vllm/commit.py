@@ -20,6 +20,7 @@ import re
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,10 +136,15 @@ class ShardStore:
             "sha256": self.out.sha256(rel),
         }
 
-    def reusable_chunks(self, expected: dict[int, ChunkMeta]) -> dict[int, str]:
-        """Complete chunks left by any attempt whose footer matches ``expected``; chunk -> path."""
+    def reusable_chunks(self, expected: dict[int, ChunkMeta],
+                        beat: Callable[[], None] = lambda: None) -> dict[int, str]:
+        """Complete chunks left by any attempt whose footer matches ``expected``; chunk -> path.
+
+        ``beat()`` after each listing and footer read (the worker's watchdog counts them as progress).
+        """
         found: dict[int, str] = {}
         for attempt in self.out.listdir(f"{self.dir}/attempts"):
+            beat()
             for name in self.out.listdir(f"{self.dir}/attempts/{attempt}"):
                 m = _CHUNK_RE.match(name)
                 if not m:
@@ -149,14 +155,16 @@ class ShardStore:
                 rel = f"{self.dir}/attempts/{attempt}/{name}"
                 if _footer_matches(self.out, rel, expected[k]):
                     found[k] = rel
+                beat()
         return found
 
 
 def _footer_matches(out: Storage, rel: str, meta: ChunkMeta) -> bool:
     try:
+        faults.hit("reuse.footer")  # inside the broad except: a stop request here must still stop
         with out.open(rel) as f:
             md = pq.ParquetFile(f).metadata
-    except Exception:  # unreadable: treat as absent, the chunk is redone
+    except Exception:  # unreadable: treat as absent, the chunk is redone (never a BaseException: SIGTERM)
         return False
     kv = {k.decode(): v.decode() for k, v in (md.metadata or {}).items()}
     try:

@@ -4,7 +4,7 @@ Syntax: comma-separated items ``POINT[@ROW_ID][#N[+]]=ACTION``, e.g.
 ``VLLM_BATCH_FAULTS="chunk.mid_file#2=kill,engine.step#3=oom,engine.step@t0007=oom"``.
 
 * ``POINT``: one of ``POINTS`` (the commit steps of worker chunks, the shard commit marker
-  and merge outputs, and the engine step).
+  and merge outputs, the engine step, the plan load, row reads and the reuse scan).
 * ``@ROW_ID``: only when that row is among those the hook reports (``engine.step``: the
   requests the FCFS scheduler runs now); a row that brings OOM with it.
 * ``#N``: only the N-th matching hit in this process (1-based); ``#N+``: the N-th and every
@@ -43,6 +43,9 @@ POINTS = frozenset({
     "merge.before_write", "merge.mid_file", "merge.after_data", "merge.mid_marker", "merge.after_marker",
     # one engine step (worker.guard.GuardedEngine.step)
     "engine.step",
+    # the worker's other phases (worker.shard): before the plan is read, before each input
+    # segment is read, before each earlier attempt's chunk footer is read in the reuse scan
+    "plan.load", "read.segment", "reuse.footer",
 })
 ACTIONS = frozenset({"kill", "raise", "hang", "oom", "dead"})
 
@@ -126,6 +129,10 @@ def hit(point: str, rows: Iterable[str] = (), handles: Iterable[str] = ()) -> st
 def perform(action: str, point: str) -> None:
     """Do ``action`` here (kill, hang and raise never return)."""
     if action == "kill":
+        sys.stderr.flush()
+        redact = sys.modules.get("airflow_provider_vllm.worker.redact")
+        if redact is not None:  # the worker's redacted streams: let what was written reach the log first
+            redact.settle()
         os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(60)  # the signal is asynchronous; never run on
     if action == "hang":

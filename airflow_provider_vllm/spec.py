@@ -99,8 +99,9 @@ class WorkerSpec(_Model):
     """How the shard worker guards the engine. Does not change outputs: not in the config hash."""
 
     watchdog_s: float | None = Field(
-        600.0, gt=0, description="No progress (an engine step returned, a chunk written) for this many seconds: "
-        "the worker stops and exits 75 (retry); engine start is not counted. null: no watchdog.")
+        600.0, gt=0, description="No progress (the plan read, an input segment read, a chunk footer checked, an "
+        "engine step returned, a chunk written) for this many seconds, in any phase up to the commit: the worker "
+        "stops and exits 75 (retry); engine start is not counted. null: no watchdog.")
     oom_min_num_seqs: int = Field(1, ge=1, description="Out of memory: max_num_seqs is halved down to this floor.")
     oom_min_batched_tokens: int = Field(
         256, ge=1, description="Out of memory: max_num_batched_tokens is halved down to this floor.")

@@ -21,6 +21,8 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from airflow_provider_vllm.worker.lifecycle import PARENT_ENV
+
 FAULT_ENV = "VLLM_BATCH_INJECT_EXIT"
 MAX_LOG_LINE = 4000
 
@@ -84,9 +86,12 @@ class LocalWorkerProcess:
 
     def run(self) -> WorkerResult:
         # Own session: on kill, the worker and vLLM's engine process can be stopped together.
+        # PARENT_ENV: the worker binds its life to this process (parent-death signal, see
+        # worker/lifecycle.py), which is why it is started and waited for in this one thread.
+        env = {**self.env, PARENT_ENV: str(os.getpid())}
         self.proc = proc = subprocess.Popen(
             self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            env=self.env, text=True, encoding="utf-8", errors="replace", bufsize=1,
+            env=env, text=True, encoding="utf-8", errors="replace", bufsize=1,
             start_new_session=True,
         )
         out: list[str] = []

@@ -4,7 +4,10 @@ Exit codes: 0 done (or already committed), 2 terminal (retrying cannot help: bad
 changed input), 75 transient (retry: engine failure, storage error, preemption).
 The last stdout line is the JSON manifest; it is also written to
 ``/airflow/xcom/return.json`` when that folder exists (KubernetesPodOperator XCom sidecar).
-A hung engine is stopped by the progress watchdog (``spec.worker.watchdog_s``): exit 75.
+A hung engine, read or write is stopped by the progress watchdog (``spec.worker.watchdog_s``): exit 75.
+SIGTERM stops it at any phase (``Preempted`` is a ``BaseException``: no ``except Exception``
+swallows it): exit 75. Started by the local runner (``VLLM_BATCH_PARENT_PID``), it ends with
+the task process that started it and holds a host-local lock of its shard (``lifecycle``).
 """
 
 from __future__ import annotations
@@ -18,19 +21,29 @@ import traceback
 from airflow_provider_vllm.errors import EXIT_OK, EXIT_TERMINAL, EXIT_TRANSIENT, VllmBatchError
 from airflow_provider_vllm.worker.exits import emit as _emit
 from airflow_provider_vllm.worker.exits import exit_hard
+from airflow_provider_vllm.worker.lifecycle import bind_to_parent, hold_shard_lock
+from airflow_provider_vllm.worker.redact import guard_streams
 from airflow_provider_vllm.worker.redact import install as install_redaction
 
 
-class Preempted(Exception):
-    """SIGTERM received (node drain, spot preemption, task killed)."""
+class Preempted(BaseException):
+    """SIGTERM received (node drain, spot preemption, task killed, the task process died).
+
+    A ``BaseException`` like ``KeyboardInterrupt``: the ``except Exception`` blocks that keep a
+    shard going past a failed observer, shutdown or read never swallow a stop request.
+    """
 
 
 def _on_sigterm(signum, frame):  # noqa: ARG001
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not interrupt the stop path
     raise Preempted(f"signal {signum}")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # first: the SIGTERM handler, then the parent-death signal (SIGTERM) asked for by the local runner
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    bound = bind_to_parent()
     logging.basicConfig(
         level=os.environ.get("VLLM_BATCH_LOG_LEVEL", "INFO"),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -38,10 +51,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     redact = install_redaction()
     log = logging.getLogger("airflow_provider_vllm.worker")
+    if not bound:
+        log.error("the task process that started this worker is already gone: not starting")
+        return EXIT_TRANSIENT
     if len(argv) != 1 or argv[0] in ("-h", "--help"):
         print(__doc__, file=sys.stderr)
         return EXIT_TERMINAL
-    signal.signal(signal.SIGTERM, _on_sigterm)
     # vLLM logs to stdout by default; stdout carries only the manifest
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     try:
@@ -59,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         # the allow-list comes from the deployment (environment), never from the task itself
         check_deployment(task.spec, prefixes_from_env())
         check_spec_params(task.spec.model_dump(mode="json"))
+        hold_shard_lock(task.spec.io.output_uri, task.shard_id)  # local runner only; held until exit
         manifest = run_shard(task)
     except VllmBatchError as e:
         log.error("%s: %s", type(e).__name__, e)
@@ -66,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
                "terminal": e.terminal})
         return e.exit_code
     except (Preempted, KeyboardInterrupt) as e:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         log.error("stopped (%s): committed chunks are kept; a retry resumes from them", e)
         _emit({"status": "failed", "error": "Preempted", "message": str(e), "terminal": False})
         return EXIT_TRANSIENT
@@ -78,5 +95,17 @@ def main(argv: list[str] | None = None) -> int:
     return EXIT_OK
 
 
+def entrypoint(argv: list[str] | None = None) -> None:
+    """The process's entry: redacted streams, ``main``, then ``exit_hard`` with its code (never returns)."""
+    code = EXIT_TRANSIENT
+    try:
+        guard_streams()
+        code = main(argv)
+    except BaseException as e:  # a stop request outside main's own handlers (e.g. before its try): exit 75
+        print(f"worker stopped: {type(e).__name__}: {e}", file=sys.stderr)
+    finally:
+        exit_hard(code)
+
+
 if __name__ == "__main__":
-    exit_hard(main())
+    entrypoint()

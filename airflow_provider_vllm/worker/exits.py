@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 
 from airflow_provider_vllm.errors import EXIT_TRANSIENT
 
@@ -55,17 +56,57 @@ def exit_hard(code: int) -> None:
             pass
     logging.shutdown()
     kill_children()
+    from airflow_provider_vllm.worker.redact import drain
+
+    drain()
     os._exit(code)
 
 
+def orphaned() -> None:
+    """The task process that started this worker is gone (local runner): end everything now, exit 75.
+
+    Called from the parent-watch thread when the main thread did not act on the parent-death
+    SIGTERM (stuck in native code). The log line is written from a helper thread with a
+    bound: the stuck main thread may hold the logging lock. Committed chunks stay for the retry.
+    """
+    t = threading.Thread(target=log.error, daemon=True, args=(
+        "the task process that started this worker is gone: stopping it and its engine processes; "
+        "a retry resumes from committed chunks",))
+    t.start()
+    t.join(1.0)
+    kill_children()
+    from airflow_provider_vllm.worker.redact import drain
+
+    drain(1.0)
+    os._exit(EXIT_TRANSIENT)
+
+
 def kill_children() -> None:
-    """SIGKILL every descendant process (vLLM's engine core and its workers)."""
+    """SIGKILL every descendant process (vLLM's engine core and its workers), and, when this
+    process leads its own session (the local runner starts it so), every other member of its
+    process group: an engine process whose own parent died is no longer a descendant but is
+    still in the group. (A process that only leads a group, like the first command of a shell
+    pipeline, leaves the group alone: ``tee`` in ``worker ... | tee log`` is not ours to kill.)"""
     try:
         import psutil
-    except ImportError:  # psutil comes with vLLM; without it the engine processes see their parent die
+    except ImportError:  # psutil comes with vLLM; without it the group members are still found below
+        psutil = None
+    if psutil is not None:
+        for child in psutil.Process().children(recursive=True):
+            try:
+                child.send_signal(signal.SIGKILL)
+            except psutil.Error:
+                pass
+    me = os.getpid()
+    if os.getpgrp() != me or os.getsid(0) != me:
         return
-    for child in psutil.Process().children(recursive=True):
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return
+    for pid in pids:
         try:
-            child.send_signal(signal.SIGKILL)
-        except psutil.Error:
+            if pid != me and os.getpgid(pid) == me:
+                os.kill(pid, signal.SIGKILL)
+        except OSError:
             pass

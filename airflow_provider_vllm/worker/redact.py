@@ -4,13 +4,27 @@ The worker gets credentials only through its environment (``HF_TOKEN``, ``AWS_SE
 ...; never through the job spec, see ``spec_guard``). ``install()`` adds a logging filter
 that replaces the value of every such variable with ``***`` in each record, whoever logs it
 (this package, vLLM, botocore, a traceback).
+
+vLLM configures its own ``vllm`` logger tree (its own handler, ``propagate=False``), so a filter
+on the root logger's handlers never sees its records; ``install()`` therefore also wraps the
+log record factory, which every logger of the process uses (vLLM wraps it in turn), and which
+engine processes forked by vLLM inherit. What no Python logging of this process sees (engine
+processes started with ``spawn``, native code printing to stdout/stderr, a plain ``print``)
+is caught at the file-descriptor level: ``guard_streams()`` points fds 1 and 2 at pipes read by
+a thread that redacts each line and writes it to the original stream; child processes inherit
+fds 1 and 2, so their output passes through it too. ``drain()`` lets it finish before exit.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import re
+import struct
+import termios
+import threading
+import time
 
 SECRET_ENV = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|API_KEY|ACCESS_KEY|PRIVATE_KEY|SAS)", re.I)
 MIN_SECRET_CHARS = 6  # shorter values would mask ordinary words
@@ -46,8 +60,128 @@ class RedactSecrets(logging.Filter):
 
 
 def install(env: dict[str, str] | None = None) -> RedactSecrets:
-    """Add the filter to every handler of the root logger (filters on handlers see all loggers)."""
+    """Add the filter to every handler of the root logger, and redact every record at creation."""
     f = RedactSecrets(secret_values(env))
     for h in logging.getLogger().handlers:
         h.addFilter(f)
+    if f.secrets:
+        logging.setLogRecordFactory(_RedactingFactory(logging.getLogRecordFactory(), f))
     return f
+
+
+class _RedactingFactory:
+    """Wraps the record factory: each record leaves it redacted, whichever logger and handler take it."""
+
+    def __init__(self, factory, redactor: RedactSecrets):
+        self.factory = factory
+        self.redactor = redactor
+
+    def __call__(self, *args, **kwargs) -> logging.LogRecord:
+        record = self.factory(*args, **kwargs)
+        try:
+            self.redactor.filter(record)
+        except Exception:  # a record whose arguments do not format: leave it to the handler
+            pass
+        return record
+
+
+# ---- file-descriptor level ----------------------------------------------------------------
+_PUMPS: list[_Pump] = []
+_MAX_PENDING = 1 << 16  # a line longer than this is passed on in pieces
+
+
+class _Pump:
+    """fd ``fd`` now writes into a pipe; a thread redacts what comes out and writes it to the old target."""
+
+    def __init__(self, fd: int, secrets: list[bytes]):
+        self.fd = fd
+        self.secrets = secrets
+        self.target = os.dup(fd)
+        r, w = os.pipe()
+        os.dup2(w, fd)  # inheritable: child processes write into the pipe too
+        os.close(w)
+        self.r = r
+        self.busy = False
+        self.thread = threading.Thread(target=self._run, name=f"vllm-batch-redact-fd{fd}", daemon=True)
+        self.thread.start()
+
+    def redact(self, data: bytes) -> bytes:
+        for s in self.secrets:
+            data = data.replace(s, b"***")
+        return data
+
+    def _write(self, data: bytes) -> None:
+        while data:
+            try:
+                n = os.write(self.target, data)
+            except OSError:  # the reader is gone (broken pipe): nothing more to deliver
+                return
+            data = data[n:]
+
+    def _run(self) -> None:
+        pending = b""
+        while True:
+            try:
+                data = os.read(self.r, 1 << 16)
+            except OSError:
+                data = b""
+            if not data:
+                break
+            self.busy = True
+            pending += data
+            cut = max(pending.rfind(b"\n"), pending.rfind(b"\r"))
+            if cut < 0 and len(pending) < _MAX_PENDING:
+                self.busy = False
+                continue
+            cut = cut if cut >= 0 else len(pending) - 1
+            out, pending = pending[: cut + 1], pending[cut + 1:]
+            self._write(self.redact(out))
+            self.busy = False
+        self._write(self.redact(pending))
+
+    def settled(self) -> bool:
+        """Nothing waits in the pipe and nothing read is still being written."""
+        try:
+            waiting = struct.unpack("i", fcntl.ioctl(self.r, termios.FIONREAD, b"\0\0\0\0"))[0]
+        except OSError:
+            return True
+        return waiting == 0 and not self.busy
+
+    def close(self, timeout: float) -> None:
+        """Stop writing into the pipe (fd -> /dev/null) and let the thread pass on what is left."""
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, self.fd)
+        os.close(devnull)
+        self.thread.join(timeout)
+
+
+def guard_streams(secrets: list[str] | None = None) -> bool:
+    """Redact fds 1 and 2 of this process and its children (see the module docstring).
+
+    Only in the worker's own process (``python -m airflow_provider_vllm.worker``), and only
+    when there is something to redact. Returns True when installed.
+    """
+    secrets = secret_values() if secrets is None else secrets
+    if not secrets or _PUMPS:
+        return False
+    raw = [s.encode("utf-8", "surrogateescape") for s in secrets]
+    for fd in (1, 2):
+        _PUMPS.append(_Pump(fd, raw))
+    return True
+
+
+def settle(timeout: float = 1.0) -> None:
+    """Wait (bounded) until what was written so far has been passed on: before a deliberate SIGKILL
+    of this process (the fault harness), which would lose what still sits in the pipes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not all(p.settled() for p in _PUMPS):
+        time.sleep(0.005)
+
+
+def drain(timeout: float = 5.0) -> None:
+    """Pass on what is left in the pipes (call after child processes are gone, before ``os._exit``).
+
+    A child still holding the pipe keeps it open: then this returns after ``timeout``.
+    """
+    while _PUMPS:
+        _PUMPS.pop().close(timeout)

@@ -7,6 +7,7 @@ boundaries so the engine never drains between chunks.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import platform
 import time
@@ -16,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from airflow_provider_vllm import __version__
+from airflow_provider_vllm import __version__, faults
 from airflow_provider_vllm.commit import ChunkMeta, ShardStore, new_attempt_id
 from airflow_provider_vllm.datasets import (
     RowBatch,
@@ -67,18 +68,28 @@ def run_shard(task: ShardTask, engine_factory: Callable[[JobSpec], Any] | None =
               on_stall: Callable[[float], None] | None = None) -> dict[str, Any]:
     """Process one shard; returns the manifest (also the XCom value). Idempotent.
 
-    The engine runs behind ``GuardedEngine`` (OOM back-off, engine death -> EngineError) and a
-    progress ``Watchdog`` (``spec.worker.watchdog_s``; ``on_stall`` default: exit 75).
+    The engine runs behind ``GuardedEngine`` (OOM back-off, engine death -> EngineError). A
+    progress ``Watchdog`` (``spec.worker.watchdog_s``; ``on_stall`` default: exit 75) covers every
+    phase that can hang: plan load, row reads, the reuse scan, inference, chunk writes and the
+    commit; each completed step of them is progress (engine start and warm-up are not counted).
     """
+    with Watchdog(task.spec.worker.watchdog_s, on_stall) as watchdog:
+        return _run_shard(task, engine_factory, watchdog)
+
+
+def _run_shard(task: ShardTask, engine_factory: Callable[[JobSpec], Any] | None, watchdog: Watchdog) -> dict[str, Any]:
     spec = task.spec
     out = Storage(spec.io.output_uri, spec.io.storage_options)
+    faults.hit("plan.load")
     plan = load_plan(spec)
+    watchdog.beat()
     if plan.spec_hash != spec.content_hash():
         raise SpecError(f"the plan at {spec.io.output_uri} was made for another spec "
                         f"({plan.spec_hash[:12]} != {spec.content_hash()[:12]})")
     shard = plan.shard(task.shard_id)
     store = ShardStore(out, shard.shard_id)
     committed = store.marker()
+    watchdog.beat()
     if committed is not None:
         log.info("shard %s already committed by attempt %s: nothing to do", shard.shard_id, committed["attempt_id"])
         return _manifest(committed, status="already_committed")
@@ -87,7 +98,8 @@ def run_shard(task: ShardTask, engine_factory: Callable[[JobSpec], Any] | None =
     t_start = time.monotonic()
     in_root = Storage(plan.input_root, spec.io.storage_options)
     check_unchanged(in_root, plan.input_files())
-    batch = read_shard_rows(spec, plan, shard, in_root)
+    watchdog.beat()
+    batch = read_shard_rows(spec, plan, shard, in_root, beat=watchdog.beat)
     if len(batch) != shard.rows:
         raise InputChangedError(f"shard {shard.shard_id}: read {len(batch)} rows, the plan says {shard.rows}")
     read_s = time.monotonic() - t_start
@@ -96,7 +108,7 @@ def run_shard(task: ShardTask, engine_factory: Callable[[JobSpec], Any] | None =
     n_chunks = max(1, -(-shard.rows // chunk_rows)) if shard.rows else 0
     metas = {k: ChunkMeta(shard.shard_id, k, k * chunk_rows, min(chunk_rows, shard.rows - k * chunk_rows),
                           plan.config_hash) for k in range(n_chunks)}
-    reused = store.reusable_chunks(metas)
+    reused = store.reusable_chunks(metas, beat=watchdog.beat)
     todo = [k for k in range(n_chunks) if k not in reused]
     log.info("shard %s attempt %s: %d rows in %d chunks, %d reused from earlier attempts",
              shard.shard_id, attempt, shard.rows, n_chunks, len(reused))
@@ -108,7 +120,7 @@ def run_shard(task: ShardTask, engine_factory: Callable[[JobSpec], Any] | None =
     done_rows = sum(metas[k].rows for k in todo)
     telemetry = ShardTelemetry(spec, shard.shard_id, attempt, done_rows, task.progress_interval_s)
     if todo:
-        with Watchdog(spec.worker.watchdog_s, on_stall) as watchdog:
+        with _beating(watchdog):
             engine = GuardedEngine(start_limits(spec, store.engine_limits()), engine_factory or _default_engine,
                                    watchdog, label=lambda key: batch.ids[key[1]],
                                    on_lowered=lambda lim: store.save_engine_limits(lim, attempt))
@@ -155,6 +167,7 @@ def run_shard(task: ShardTask, engine_factory: Callable[[JobSpec], Any] | None =
     }
     if marker["rows"] != shard.rows:
         raise InputChangedError(f"shard {shard.shard_id}: chunks hold {marker['rows']} rows, plan {shard.rows}")
+    watchdog.beat()
     if store.commit(marker):
         log.info("shard %s committed by attempt %s: %d ok, %d errors",
                  shard.shard_id, attempt, marker["ok_rows"], marker["error_rows"])
@@ -163,6 +176,16 @@ def run_shard(task: ShardTask, engine_factory: Callable[[JobSpec], Any] | None =
     log.info("shard %s was committed first by attempt %s; this attempt's files are ignored",
              shard.shard_id, winner.get("attempt_id"))
     return _manifest(winner, status="already_committed")
+
+
+@contextlib.contextmanager
+def _beating(watchdog: Watchdog):
+    """A phase of the shard: progress when it starts and when it ends."""
+    watchdog.beat()
+    try:
+        yield
+    finally:
+        watchdog.beat()
 
 
 def _default_engine(spec: JobSpec):
@@ -184,12 +207,14 @@ def _manifest(marker: dict[str, Any], status: str) -> dict[str, Any]:
 
 
 # ---- reading ------------------------------------------------------------------------
-def read_shard_rows(spec: JobSpec, plan: Plan, shard: ShardPlan, root: Storage) -> RowBatch:
-    """The shard's rows in plan order (bucket filter applied)."""
+def read_shard_rows(spec: JobSpec, plan: Plan, shard: ShardPlan, root: Storage,
+                    beat: Callable[[], None] = lambda: None) -> RowBatch:
+    """The shard's rows in plan order (bucket filter applied); ``beat()`` after each segment read."""
     idc = spec.prompt.id_column
     columns = [c for c in spec.prompt.columns if c != idc]
     batch = RowBatch(ids=[], values={}, faults=[], lines=[])
     for seg in shard.segments:
+        faults.hit("read.segment")
         name = plan.files[seg.file]["path"]
         if plan.format == "parquet":
             table = read_parquet_range(root, name, seg.start, seg.count, [idc] + columns)
@@ -202,6 +227,7 @@ def read_shard_rows(spec: JobSpec, plan: Plan, shard: ShardPlan, root: Storage) 
             if shard.bucket != "all":
                 part = _filter_jsonl(part, spec, plan, shard.bucket)
         batch.extend(part)
+        beat()
     return batch
 
 

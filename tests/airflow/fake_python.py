@@ -14,4 +14,4 @@ from tests.fakes import FakeEngine  # noqa: E402
 if __name__ == "__main__":
     assert sys.argv[1:3] == ["-m", "airflow_provider_vllm.worker"], sys.argv
     shard._default_engine = lambda spec: FakeEngine(spec)
-    sys.exit(worker_main.main(sys.argv[3:]))
+    worker_main.entrypoint(sys.argv[3:])
