@@ -162,6 +162,9 @@ class FakeEngine:
         self.closed = False
         self.params_seen = []  # (key, params) of every accepted request
         self._default = self._build(None)  # the job's own settings (Engine.__init__ builds these too)
+        # vLLM's error class, resolved at engine start (importing vLLM takes seconds; the watchdog
+        # does not count engine start, but it does count the steps where the first submit happens)
+        self._err = validation_error(self.real_vllm)
 
     def warm_up(self):
         pass
@@ -174,7 +177,7 @@ class FakeEngine:
 
     def _check_prompt(self, ids):
         """vLLM's prompt checks at add_request (renderer and InputProcessor._validate_prompt_len)."""
-        err = validation_error(self.real_vllm)
+        err = self._err
         if not ids:
             raise err("The decoder prompt cannot be empty")
         if len(ids) > self.max_model_len:  # the renderer's token length check (renderers/params.py)
@@ -259,7 +262,7 @@ class FakeEngine:
         raise RuntimeError("the probe request did not finish")
 
     def pool(self, prompts):
-        err = validation_error(self.real_vllm)
+        err = self._err
         for p in prompts:  # vLLM validates each prompt of a pooling call (LLM.embed/classify)
             if not p:
                 raise err("The decoder prompt cannot be empty")
