@@ -41,7 +41,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 
-from bench_worker_vs_raw import ENV_SETTINGS, environment, make_spec, texts_for  # noqa: E402
+from bench_worker_vs_raw import ENV_SETTINGS, committed_outputs, environment, make_spec, texts_for  # noqa: E402
 
 
 def _spec(args, work: Path, out: str, tp: int = 1):
@@ -114,10 +114,6 @@ def _poll(proc):
 
 
 def _collect(spec, shard_id: str, proc, err, t0: float) -> dict:
-    import pyarrow.parquet as pq
-
-    from airflow_provider_vllm.storage import Storage
-
     proc.out_file.seek(0)
     out_text = proc.out_file.read()
     proc.out_file.close()
@@ -130,12 +126,7 @@ def _collect(spec, shard_id: str, proc, err, t0: float) -> dict:
         raise SystemExit(f"worker {shard_id} failed (exit {proc.returncode}); see {err.name}")
     m = json.loads(lines[-1])
     st = m["stats"]
-    store = Storage(spec.io.output_uri)
-    marker = json.loads(store.read_bytes(f"shards/{shard_id}/_COMMITTED.json"))
-    outputs = []
-    for f in marker["files"]:
-        with store.open(f["path"]) as fh:
-            outputs += pq.read_table(fh, columns=["output"]).column(0).to_pylist()
+    outputs = committed_outputs(spec, shard_id)
     wall = end - t0
     # Inference ends when the worker writes its manifest, i.e. close to its exit; it starts infer_s before.
     return {"shard": shard_id, "rows": m["rows"], "infer_s": st["infer_s"], "engine_start_s": st["engine_start_s"],

@@ -169,10 +169,7 @@ def run_raw(spec, texts_file: Path, env: dict, log: Path) -> dict:
 
 
 def run_worker(spec, env: dict, log: Path) -> dict:
-    import pyarrow.parquet as pq
-
     from airflow_provider_vllm.planning import plan_job
-    from airflow_provider_vllm.storage import Storage
     from airflow_provider_vllm.worker.task import ShardTask, worker_command
 
     plan = plan_job(spec)
@@ -188,12 +185,7 @@ def run_worker(spec, env: dict, log: Path) -> dict:
     m = json.loads(lines[-1])
     if m.get("status") != "committed":
         raise SystemExit(f"worker manifest: {m}")
-    out = Storage(spec.io.output_uri)
-    marker = json.loads(out.read_bytes(f"shards/{shard.shard_id}/_COMMITTED.json"))
-    outputs = []
-    for f in marker["files"]:
-        with out.open(f["path"]) as fh:
-            outputs += pq.read_table(fh, columns=["output"]).column(0).to_pylist()
+    outputs = committed_outputs(spec, shard.shard_id)
     st = m["stats"]
     return {"rows": m["rows"], "ok_rows": m["ok_rows"], "error_rows": m["error_rows"],
             "engine_start_s": st["engine_start_s"], "infer_s": st["infer_s"], "wall_s": st["wall_s"],
@@ -201,6 +193,21 @@ def run_worker(spec, env: dict, log: Path) -> dict:
             "tokens_per_s_manifest": st.get("tokens_per_s"), "prompt_tokens": st["prompt_tokens"],
             "completion_tokens": st["completion_tokens"], "peak_rss_mb": st.get("peak_rss_mb"),
             "process_s": round(wall, 3), "outputs": outputs}
+
+
+def committed_outputs(spec, shard_id: str) -> list:
+    """The ``output`` column of a committed shard, in row order (the files its marker names)."""
+    import pyarrow.parquet as pq
+
+    from airflow_provider_vllm.storage import Storage
+
+    out = Storage(spec.io.output_uri)
+    marker = json.loads(out.read_bytes(f"shards/{shard_id}/_COMMITTED.json"))
+    outputs = []
+    for f in marker["files"]:
+        with out.open(f["path"]) as fh:
+            outputs += pq.read_table(fh, columns=["output"]).column(0).to_pylist()
+    return outputs
 
 
 def derive(r: dict) -> dict:
