@@ -319,6 +319,14 @@ def test_worker_refuses_forged_shard_tasks(allowed, tmp_path):
         "another spec on the planned prefix": ("prompt", "template", "Other: {text}", "made for another spec"),
         "jinja in the model": ("model", "name", "{{ 7*7 }}", "model.name"),
         "shell in a label": ("sampling", "structured", {"choice": ["a", "b; id"]}, "choice"),
+        "history outside the allow-list": ("sharding", "history_uri", str(elsewhere / "h"), "sharding.history_uri"),
+        "model path outside the allow-list": ("model", "name", str(elsewhere / "model"), "model.name"),
+        "endpoint in storage options": ("io", "storage_options", {"endpoint_url": "http://127.0.0.1:9"},
+                                        "io.storage_options.endpoint_url"),
+        "trust_remote_code": ("model", "trust_remote_code", True, "model.trust_remote_code"),
+        "code-loading compilation backend": ("engine", "engine_kwargs",
+                                             {"compilation_config": {"backend": "evil.module.fn"}},
+                                             "compilation_config.backend"),
     }
     env = {**os.environ, ALLOWED_PREFIXES_ENV: json.dumps(prefixes(allowed)), "PYTHONPATH": str(ROOT)}
     n = 0
@@ -465,16 +473,201 @@ def test_shard_operator_hands_the_deployment_allow_list_to_the_worker(allowed, t
     assert json.loads(seen[ALLOWED_PREFIXES_ENV]) == prefixes(allowed)
 
 
-def test_deployment_allow_list_sources_config_wins_over_variable(monkeypatch, tmp_path):
+def test_allow_list_is_deployment_config_only(monkeypatch, tmp_path, fail_closed):
     from airflow.sdk.exceptions import AirflowFailException
 
     from airflow_provider_vllm.operators.deployment import allowed_prefixes
 
-    monkeypatch.delenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", raising=False)
-    monkeypatch.setenv("AIRFLOW_VAR_VLLM_BATCH_ALLOWED_PREFIXES", '["s3://from-variable/x"]')
-    assert allowed_prefixes() == ["s3://from-variable/x"]
+    monkeypatch.setenv("AIRFLOW_VAR_VLLM_BATCH_ALLOWED_PREFIXES", '["/"]')  # a Variable is not the deployment
+    assert allowed_prefixes() == []
     monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", f"s3://from-config/, {tmp_path}")
     assert allowed_prefixes() == ["s3://from-config", str(tmp_path)]
     monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", "s3://ok/,ftp://bad/")
     with pytest.raises(AirflowFailException, match="malformed"):
         allowed_prefixes()
+
+
+# ---- fail closed: the deployment's allow-list (issue 12) ------------------------------
+def _ti():
+    return type("TI", (), {"xcoms": {}, "xcom_push": lambda self, key, value: self.xcoms.update({key: value}),
+                           "map_index": 0, "try_number": 1})()
+
+
+def test_no_allow_list_refuses_every_task_naming_the_setting(allowed, tmp_path, monkeypatch, fail_closed):
+    """The default deployment (nothing configured): plan, shard, merge, QA and publish refuse; nothing is touched."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from airflow_provider_vllm.operators import (
+        VllmLocalShardOperator,
+        VllmMergeOperator,
+        VllmPlanOperator,
+        VllmPublishOperator,
+        VllmQAOperator,
+    )
+
+    launched = tmp_path / "launched"
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\ntouch {launched}\n")
+    python.chmod(0o755)
+    doc = base_doc(allowed)
+    shard = {"shard_id": "shard-00000-0123abcd", "rows": 3}
+    ops = [VllmPlanOperator(task_id="plan", spec=doc),
+           VllmLocalShardOperator(task_id="shard", spec=doc, shard=shard, python=str(python)),
+           VllmMergeOperator(task_id="merge", spec=doc), VllmQAOperator(task_id="qa", spec=doc),
+           VllmPublishOperator(task_id="publish", spec=doc)]
+    for op in ops:
+        ti = _ti()
+        with pytest.raises(AirflowFailException) as e:
+            op.execute({"ti": ti, "params": {}})
+        msg = str(e.value)
+        assert "[vllm_batch] allowed_uri_prefixes" in msg and "AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES" in msg, msg
+        assert "allow_any_location" in msg and ti.xcoms == {}
+    assert not launched.exists() and not (allowed / "out").exists()
+    record_malicious("no_allow_list_every_task", len(ops), len(ops))
+    # a Variable cannot open it (only the deployment config can) ...
+    monkeypatch.setenv("AIRFLOW_VAR_VLLM_BATCH_ALLOWED_PREFIXES", json.dumps(["/"]))
+    with pytest.raises(AirflowFailException, match="allowed_uri_prefixes"):
+        VllmPlanOperator(task_id="plan", spec=doc).execute({"ti": _ti(), "params": {}})
+    # ... an explicit allow_any_location = True does; so does an allow-list
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOW_ANY_LOCATION", "True")
+    assert VllmPlanOperator(task_id="plan", spec=doc).execute({"ti": _ti(), "params": {}})
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOW_ANY_LOCATION", "sure")  # a typo is not a yes
+    with pytest.raises(AirflowFailException, match="not a boolean"):
+        VllmPlanOperator(task_id="plan", spec=doc).execute({"ti": _ti(), "params": {}})
+
+
+def test_worker_without_an_allow_list_from_airflow_refuses(allowed, tmp_path):
+    from airflow_provider_vllm.planning import plan_job
+    from airflow_provider_vllm.worker.task import ShardTask
+
+    spec = JobSpec.load(base_doc(allowed))
+    plan = plan_job(spec)
+    task = ShardTask(spec=spec, shard_id=plan.shards[0].shard_id).model_dump_json()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_BATCH_ALLOW")}
+    env["PYTHONPATH"] = str(ROOT)
+    for extra in ({}, {"VLLM_BATCH_ALLOWED_PREFIXES": "[]"}, {"VLLM_BATCH_ALLOW_ANY_LOCATION": "0"}):
+        p = subprocess.run([sys.executable, "-m", "airflow_provider_vllm.worker", task], env={**env, **extra},
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == EXIT_TERMINAL, p.stderr[-2000:]
+        manifest = json.loads(p.stdout.strip().splitlines()[-1])
+        assert "VLLM_BATCH_ALLOWED_PREFIXES" in manifest["message"] and manifest["terminal"] is True
+    assert not (allowed / "out" / "shards").exists()
+    record_malicious("worker_without_allow_list", 3, 3)
+
+
+HOSTILE_LOCATIONS = [
+    "s3://evil/x", "s3://data-other/in", "http://169.254.169.254/latest/meta-data", "https://evil.example/x",
+    "s3://user:pass@data/in", "s3://data/in/../../other", f"{A}/in/../../etc", "/etc", "file:///root/.aws",
+    "ftp://evil/x", f"{A}-sibling/in",
+]
+LOCATION_FIELDS = {"sharding.history_uri": "", "qa.previous_report_uri": "/qa/report.json",
+                   "model.name": "", "model.tokenizer": ""}
+RELATIVE_MODEL_PATHS = [".cache/models/x", "./models/x", "~/models/x", "a/b/c", "../models/x"]
+
+
+@pytest.mark.parametrize("field", sorted(LOCATION_FIELDS))
+def test_every_location_field_is_held_to_the_allow_list(allowed, field):
+    values = [v.replace(A, str(allowed)) + LOCATION_FIELDS[field] for v in HOSTILE_LOCATIONS]
+    if field.startswith("model."):
+        values += RELATIVE_MODEL_PATHS
+    tried = rejected = 0
+    for value in values:
+        tried += 1
+        msg = refused(with_value(base_doc(allowed), field, value), prefixes(allowed))
+        if msg is not None and field in msg:
+            rejected += 1
+        else:
+            print(f"ACCEPTED or unnamed {field}={value!r}: {msg}")
+    record_malicious(f"location_{field}", tried, rejected)
+    assert rejected == tried
+    # inside the allow-list they pass (a hub id is no location)
+    ok = {"sharding.history_uri": str(allowed / "history"), "qa.previous_report_uri": str(allowed / "r.json"),
+          "model.name": str(allowed / "model"), "model.tokenizer": "org/name"}[field]
+    assert refused(with_value(base_doc(allowed), field, ok), prefixes(allowed)) is None
+
+
+HOSTILE_STORAGE_OPTIONS = [
+    {"endpoint_url": "http://127.0.0.1:9000"}, {"client_kwargs": {"endpoint_url": "http://169.254.169.254"}},
+    {"client_kwargs": {"region_name": "us-east-1", "endpoint_url": "http://evil"}}, {"endpoint": "evil:80"},
+    {"host": "evil.example"}, {"port": 8080}, {"proxy": "http://proxy.evil:3128"},
+    {"config_kwargs": {"proxies": {"https": "http://proxy.evil"}}},
+    {"client_kwargs": {"headers": {"Metadata-Flavor": "Google"}}}, {"headers": {"X-aws-ec2-metadata-token": "x"}},
+    {"anon": "http://user:pass@evil/"}, {"client_kwargs": {"region_name": "user:pass@evil"}},
+    {"profile": "admin"}, {"use_ssl": False}, {"config_kwargs": {"signature_version": "UNSIGNED"}},
+    {"s3_additional_kwargs": {"SSECustomerKey": "k"}}, {"client_kwargs": {"aws_session_token": "t"}},
+    {"key": "AKIA"}, {"token": "ya29.x"}, {"session": "x"}, {"config_kwargs": {"retries": {"mode": "x", "url": "y"}}},
+]
+
+
+def test_storage_endpoints_and_credentials_come_from_the_deployment_only(allowed):
+    tried = rejected = 0
+    for options in HOSTILE_STORAGE_OPTIONS:
+        tried += 1
+        msg = refused(with_value(base_doc(allowed), "io.storage_options", options), prefixes(allowed))
+        if msg is not None and "io.storage_options." in msg:
+            rejected += 1
+        else:
+            print(f"ACCEPTED io.storage_options={options!r}: {msg}")
+    record_malicious("storage_options_endpoint_or_credentials", tried, rejected)
+    assert rejected == tried
+    msg = refused(with_value(base_doc(allowed), "io.storage_options", {"endpoint_url": "http://x"}), prefixes(allowed))
+    assert "AWS_ENDPOINT_URL" in msg and "connection" in msg
+    fine = {"anon": True, "requester_pays": True, "client_kwargs": {"region_name": "eu-west-1"},
+            "config_kwargs": {"retries": {"max_attempts": 3}, "read_timeout": 30}}
+    assert refused(with_value(base_doc(allowed), "io.storage_options", fine), prefixes(allowed)) is None
+
+
+class _Recorder:
+    """A real HTTP server on loopback that records every request it sees (and answers 200)."""
+
+    def __enter__(self):
+        import http.server
+        import threading
+
+        seen = self.seen = []
+
+        class H(http.server.BaseHTTPRequestHandler):
+            def _any(self):
+                seen.append((self.command, self.path))
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(b"<ListBucketResult/>")
+
+            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _any
+
+            def log_message(self, *a):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_spec_endpoint_never_reaches_a_server(allowed, tmp_path, monkeypatch):
+    """endpoint_url in the spec, pointed at a real loopback server: plan and worker refuse, the server sees nothing."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from airflow_provider_vllm.operators import VllmPlanOperator
+
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", json.dumps(prefixes(allowed)))
+    with _Recorder() as server:
+        doc = base_doc(allowed)
+        doc["io"] = {"input_uri": "s3://data/in/", "output_uri": "s3://data/out/run",
+                     "storage_options": {"client_kwargs": {"endpoint_url": server.url}}}
+        ti = _ti()
+        with pytest.raises(AirflowFailException, match="io.storage_options.client_kwargs.endpoint_url"):
+            VllmPlanOperator(task_id="plan", spec=doc).execute({"ti": ti, "params": {}})
+        assert ti.xcoms == {}
+        doc["io"]["storage_options"] = {"endpoint_url": server.url}
+        task = {"spec": doc, "shard_id": "shard-00000-0123abcd"}
+        env = {**os.environ, ALLOWED_PREFIXES_ENV: json.dumps(prefixes(allowed)), "PYTHONPATH": str(ROOT)}
+        p = subprocess.run([sys.executable, "-m", "airflow_provider_vllm.worker", json.dumps(task)], env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == EXIT_TERMINAL and "io.storage_options.endpoint_url" in p.stdout, p.stdout
+        assert server.seen == []
+    record_malicious("spec_endpoint_to_loopback_server", 2, 2)

@@ -43,6 +43,7 @@ SETTINGS = {  # what an operator puts in the vllm_batch_kubernetes Variable
 @pytest.fixture(autouse=True)
 def _no_cluster(tmp_path, monkeypatch):
     unreachable_cluster(tmp_path, monkeypatch)
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", "/in,/out")  # the specs' locations
 
 
 def operator(settings=SETTINGS, task_id="shard", **spec_over):
