@@ -253,6 +253,36 @@ def code_loading_options(spec: Any) -> list[str]:
     return found
 
 
+# Settings that decide which code runs or with which identity (docs/security.md): the DAG file or
+# the deployment config may set them; Variables only with [vllm_batch] deployment_settings_from_variables;
+# trigger params never. ``code_loading_options`` adds the code-loading engine options a spec sets.
+DEPLOYMENT_OWNED = (
+    "model.trust_remote_code",
+    "kubernetes.image", "kubernetes.image_pull_secrets", "kubernetes.namespace", "kubernetes.service_account",
+    "kubernetes.env", "kubernetes.secret_env", "kubernetes.env_from_secrets", "kubernetes.hf_token_secret",
+    "kubernetes.pod_template_file", "kubernetes.runtime_class", "kubernetes.labels", "kubernetes.annotations",
+    "kubernetes.run_as_user", "kubernetes.run_as_group", "kubernetes.seccomp_profile",
+    "kubernetes.seccomp_localhost_profile", "kubernetes.model_cache_pvc", "kubernetes.model_cache_path",
+    "kubernetes.model_cache_read_only", "kubernetes.data_pvc", "kubernetes.data_path",
+)
+
+
+def owned_paths_set(spec: Any, default_doc: dict[str, Any]) -> list[str]:
+    """The deployment-owned paths ``spec`` sets to something other than the default, and its code-loading options."""
+    doc = spec.model_dump(mode="json")
+    found = []
+    for path in DEPLOYMENT_OWNED:
+        if _get(doc, path) != _get(default_doc, path):
+            found.append(path)
+    return found + [p for p in code_loading_options(spec) if p not in found]
+
+
+def _get(doc: Any, path: str) -> Any:
+    for part in path.split("."):
+        doc = doc.get(part) if isinstance(doc, dict) else None
+    return doc
+
+
 def check_remote_code(spec: Any, allowed: bool, setting: str = "[vllm_batch] allow_remote_code = True") -> None:
     """Refuse trust_remote_code and code-loading engine options unless the deployment allows them."""
     found = code_loading_options(spec)
