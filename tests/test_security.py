@@ -823,3 +823,42 @@ def test_an_included_spec_file_is_the_dag_files_unless_it_reads_params(allowed, 
     with pytest.raises(AirflowFailException, match="deployment-owned"):
         op.execute({"ti": _ti(), "params": {"f": "job.yaml"}})
     record_malicious("deployment_owned_via_include", 2, 2)
+
+
+CODE_LOADING_ENGINE_KWARGS = [
+    {"worker_cls": "evil.Worker"}, {"worker_extension_cls": "evil.Ext"}, {"model_loader_extra_config": {"a": 1}},
+    {"compilation_config": {"backend": "evil.module.compile"}},
+    {"compilation_config": {"inductor_passes": {"p": "evil.module.Pass"}}},
+    {"compilation_config": {"inductor_compile_config": {"post_grad_custom_post_pass": "evil.p"}}},
+    {"compilation_config": {"debug_dump_path": "/tmp/dump"}}, {"compilation_config": {"cache_dir": "/tmp/c"}},
+    {"compilation_config": "evil.module.compile"}, {"compilation_config": True},
+    {"hf_overrides": {"auto_map": {"AutoModel": "evil--m.Model"}}},
+    {"hf_overrides": {"text_config": {"auto_map": {"AutoConfig": "evil.C"}}}},
+    {"hf_overrides": {"tokenizer_class": "evil.Tok"}}, {"tokenizer_mode": "custom"}, {"load_format": "pt"},
+]
+
+
+def test_code_loading_engine_options_and_remote_code_need_the_deployment(allowed):
+    """Refused by the spec's reviewed list, or by the deployment's remote-code gate (the worker has the same)."""
+    from airflow_provider_vllm.spec_guard import check_remote_code
+
+    tried = rejected = 0
+    for kwargs in CODE_LOADING_ENGINE_KWARGS + [None]:
+        tried += 1
+        doc = with_value(base_doc(allowed), "model.trust_remote_code", True) if kwargs is None else \
+            with_value(base_doc(allowed), "engine.engine_kwargs", kwargs)
+        try:
+            spec = JobSpec.load(doc)
+            check_deployment(spec, prefixes(allowed))
+            check_remote_code(spec, allowed=False)
+        except SpecError as e:
+            rejected += "engine_kwargs" in str(e) or "trust_remote_code" in str(e)
+        else:
+            print(f"ACCEPTED {kwargs}")
+    record_malicious("code_loading_engine_options", tried, rejected)
+    assert rejected == tried
+    data_only = {"compilation_config": {"level": 3, "cudagraph_capture_sizes": [1, 2, 4]}, "tokenizer_mode": "auto",
+                 "hf_overrides": {"rope_scaling": {"factor": 2.0, "rope_type": "linear"}}, "block_size": 16}
+    spec = JobSpec.load(with_value(base_doc(allowed), "engine.engine_kwargs", data_only))
+    check_remote_code(spec, allowed=False)  # data-only options need nothing
+    check_remote_code(JobSpec.load(with_value(base_doc(allowed), "model.trust_remote_code", True)), allowed=True)
