@@ -172,7 +172,9 @@ def main() -> int:
         return rc
     summary(out, truth / "labels.parquet", dag_s, time.monotonic() - t0, reused)
     print(f"\n  Airflow UI over this run: AIRFLOW_HOME={home.relative_to(ROOT)} "
-          f"AIRFLOW__CORE__DAGS_FOLDER=dags .venv/bin/airflow standalone")
+          f"AIRFLOW__CORE__DAGS_FOLDER=dags "
+          f"AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES='{env['AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES']}' "
+          f".venv/bin/airflow standalone")
     return 0
 
 
