@@ -26,17 +26,59 @@ def get_provider_info() -> dict:
         ],
         "config": {
             "vllm_batch": {
-                "description": "Limits the deployment sets on vLLM batch jobs.",
+                "description": "What the deployment allows vLLM batch jobs to do. Read at task run time from the "
+                "Airflow configuration only (never from Variables, params or XCom); the defaults fail closed. "
+                "See docs/security.md.",
                 "options": {
                     "allowed_uri_prefixes": {
-                        "description": "JSON list or comma-separated URI prefixes that job inputs and outputs "
-                        "must lie under (e.g. s3://ml-batch/,/data/batch). Empty: the Airflow Variable "
-                        "vllm_batch_allowed_prefixes, else no limit.",
+                        "description": "JSON list or comma-separated URI prefixes that every location of a job "
+                        "(input, output, sharding.history_uri, qa.previous_report_uri, a local model or tokenizer "
+                        "path) must lie under, by whole path segments. Empty: nothing is allowed (plan refuses, "
+                        "naming this option) unless allow_any_location is True.",
                         "version_added": "0.1.0",
                         "type": "string",
-                        "example": "s3://ml-batch/,/data/batch",
+                        "example": "s3://ml-batch/,/data/batch,/models",
                         "default": "",
-                    }
+                    },
+                    "allow_any_location": {
+                        "description": "True: with no allowed_uri_prefixes, jobs may read and write any location "
+                        "that passes the syntax checks (a laptop, a single-tenant Airflow). Never needed when "
+                        "allowed_uri_prefixes is set.",
+                        "version_added": "0.1.0",
+                        "type": "boolean",
+                        "example": "True",
+                        "default": "False",
+                    },
+                    "allow_remote_code": {
+                        "description": "True: a DAG file may set model.trust_remote_code and engine options that "
+                        "make vLLM import code by name (compilation_config backend/inductor passes, custom "
+                        "tokenizer modes, hf_overrides auto_map). Trigger params never may.",
+                        "version_added": "0.1.0",
+                        "type": "boolean",
+                        "example": "True",
+                        "default": "False",
+                    },
+                    "deployment_settings_from_variables": {
+                        "description": "True: the vllm_batch_spec_overrides and vllm_batch_kubernetes Variables "
+                        "(and any template reading a Variable) may set deployment-owned settings: pod image, "
+                        "namespace, service account, env, Secret references, PVCs, pod template, labels, "
+                        "annotations, trust_remote_code, code-loading engine options. False: Variables may set "
+                        "the other settings only.",
+                        "version_added": "0.1.0",
+                        "type": "boolean",
+                        "example": "False",
+                        "default": "False",
+                    },
+                    "kubernetes_defaults": {
+                        "description": "JSON object of pod settings (KubernetesSettings fields: image, namespace, "
+                        "service_account, secret_env, ...) for every shard pod; the vllm_batch_kubernetes "
+                        "Variable and the DAG file's settings are layered over it.",
+                        "version_added": "0.1.0",
+                        "type": "string",
+                        "example": '{"image": "registry.example.com/ml/vllm-worker:0.1.0@sha256:...", '
+                        '"namespace": "ml-batch", "service_account": "vllm-batch"}',
+                        "default": "",
+                    },
                 },
             }
         },

@@ -65,7 +65,8 @@ def vllm_batch_job(
         ``"{% include 'job.yaml' %}"`` for a file beside the DAG), or a ``JobSpec``. Rendered and validated at
         run time by the plan task, then handed to the other tasks as data (XCom).
     :param overrides: flat overrides (dotted keys or ``JobSpec`` param aliases), templated.
-    :param param_overrides: DAG params applied over the spec (typed; ``None`` = keep).
+    :param param_overrides: DAG params applied over the spec (typed; ``None`` = keep); never a
+        deployment-owned setting (``spec_guard.DEPLOYMENT_OWNED``: a ValueError at parse time).
     :param runner: ``"local"`` (a subprocess per shard on the Airflow worker), ``"kubernetes"``
         (a pod per shard, ``VllmKubernetesShardOperator``), or a template such as
         ``"{{ params.runner }}"`` checked by the plan task: then both shard tasks are in the
@@ -80,9 +81,12 @@ def vllm_batch_job(
     :param before_publish: called with the spec XComArg inside the group; what it returns
         (tasks or XComArgs) runs after QA and before publish.
     :param publish_extra_files: name -> path under the output prefix, listed in ``_SUCCESS.json``.
-    :param kubernetes: Kubernetes runner: deployment defaults for the pods (``KubernetesSettings``
-        fields as a dict or JSON text, templated; default the ``vllm_batch_kubernetes`` Variable).
-        The job spec's ``kubernetes`` section wins over them. ``shard_env`` joins their ``env``.
+    :param kubernetes: Kubernetes runner: defaults for the pods (``KubernetesSettings`` fields as a
+        dict or JSON text, templated; default the ``vllm_batch_kubernetes`` Variable), over the
+        deployment's ``[vllm_batch] kubernetes_defaults``. The job spec's ``kubernetes`` section wins
+        over them. ``shard_env`` joins their ``env``. Deployment-owned fields (image, namespace,
+        service account, env, Secrets, PVCs, ...) set here through a Variable need
+        ``[vllm_batch] deployment_settings_from_variables``; through params they are refused.
     :param kubernetes_operator_kwargs: more ``KubernetesPodOperator`` arguments for the shard
         task (e.g. ``kubernetes_conn_id``, ``deferrable``).
     :param human_review: add the ``review`` task after QA: a 'warn' verdict waits for a person to

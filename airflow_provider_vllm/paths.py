@@ -15,10 +15,12 @@ returns the canonical URI or raises ``SpecError`` naming the parameter and the r
 * a prefix matches by whole segments: ``s3://data`` allows ``s3://data/x`` but not
   ``s3://data-other/x``.
 
-An empty allow-list means the deployment set none: every location passes the syntax checks
-(the operators log a warning). The deployment setting is read by the Airflow side
-(``operators/deployment.py``) and handed to the worker through ``ALLOWED_PREFIXES_ENV``,
-never through the shard task, so a forged task cannot widen it.
+``check_uri`` with an empty allow-list checks the syntax only; the deployment checks
+(``spec_guard.check_deployment``) fail closed instead: no allow-list and no explicit
+"any location" setting -> nothing is read or written. The deployment setting is read by the
+Airflow side (``operators/deployment.py``) and handed to the worker through
+``ALLOWED_PREFIXES_ENV`` (and ``ALLOW_ANY_LOCATION_ENV``), never through the shard task, so a
+forged task cannot widen it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ from airflow_provider_vllm.errors import SpecError
 
 SCHEMES = ("s3", "s3a", "gs", "gcs", "abfs", "az", "memory", "file")
 ALLOWED_PREFIXES_ENV = "VLLM_BATCH_ALLOWED_PREFIXES"
+ALLOW_ANY_LOCATION_ENV = "VLLM_BATCH_ALLOW_ANY_LOCATION"  # "1": the deployment allows any location
+ALLOW_REMOTE_CODE_ENV = "VLLM_BATCH_ALLOW_REMOTE_CODE"  # "1": trust_remote_code / code-loading engine options
+DEPLOYMENT_ENV = (ALLOWED_PREFIXES_ENV, ALLOW_ANY_LOCATION_ENV, ALLOW_REMOTE_CODE_ENV)
+"""The worker's deployment settings, set by the shard operator (last: nothing else may set them)."""
 MAX_URI_CHARS = 1024
 _ENCODED = re.compile(r"%(2e|2f|5c|25|00)", re.IGNORECASE)
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
@@ -155,3 +161,8 @@ def parse_prefixes(raw: str | Sequence[str] | None) -> list[str]:
 def prefixes_from_env(env: dict[str, str] | None = None) -> list[str]:
     """The allow-list the worker was started with (``ALLOWED_PREFIXES_ENV``)."""
     return parse_prefixes((env if env is not None else os.environ).get(ALLOWED_PREFIXES_ENV))
+
+
+def flag_from_env(name: str, env: dict[str, str] | None = None) -> bool:
+    """A deployment flag the worker was started with ("1"/"true"/"yes" -> True; anything else False)."""
+    return str((env if env is not None else os.environ).get(name, "")).strip().lower() in ("1", "true", "yes")

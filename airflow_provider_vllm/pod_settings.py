@@ -1,7 +1,9 @@
 """Where and how a shard pod runs: the ``kubernetes`` section of a job spec.
 
 Pure pydantic (no Kubernetes client, no Airflow): the worker image loads the job spec too.
-Deployment defaults come from the ``vllm_batch_kubernetes`` Airflow Variable and are layered
+Deployment defaults come from the ``[vllm_batch] kubernetes_defaults`` config option and the
+``vllm_batch_kubernetes`` Airflow Variable (which may set deployment-owned fields such as the
+image or service account only with the deployment's opt-in; docs/security.md) and are layered
 under a job's own section with ``KubernetesSettings.layered``. The section is left out of
 ``JobSpec.content_hash()``: moving a job to another node pool does not change its shards.
 

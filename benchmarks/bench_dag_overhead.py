@@ -104,6 +104,9 @@ def main() -> int:
         "AIRFLOW_HOME": str(home), "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
         "AIRFLOW_VAR_VLLM_BATCH_DATA_ROOT": str(data), "AIRFLOW_VAR_VLLM_BATCH_MODEL": model,
+        # the deployment's allow-list (docs/security.md): the benchmark's data and the model's folder
+        "AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES": json.dumps(
+            [str(data), *([os.path.dirname(os.path.realpath(model))] if model.startswith("/") else [])]),
         "AIRFLOW_VAR_VLLM_BATCH_SHARD_ROWS": str(args.rows_per_shard),
         "AIRFLOW_VAR_VLLM_BATCH_HUMAN_REVIEW": "false",  # nobody answers a review under `dags test`
         "AIRFLOW_VAR_VLLM_BATCH_SPEC_OVERRIDES": json.dumps(

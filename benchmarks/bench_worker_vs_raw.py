@@ -284,6 +284,10 @@ def run_workload(args, workload: str) -> float:
     pq.write_table(pa.table({"id": ids, "text": texts}), work / "in" / "data.parquet")
     texts_file = work / "texts.json"
     texts_file.write_text(json.dumps(texts))
+    # the worker refuses to run without the deployment's allow-list (docs/security.md): this workload's
+    # folder and the model's (a hub id needs none)
+    model_dir = os.path.dirname(os.path.realpath(args.model)) if args.model.startswith("/") else None
+    env["VLLM_BATCH_ALLOWED_PREFIXES"] = json.dumps([str(work), *([model_dir] if model_dir else [])])
 
     t_start = time.time()
     env_info = environment()  # at the start: the package commit under test

@@ -4,7 +4,10 @@
 Trigger this DAG with *Trigger DAG* and fill in the form. The form is validated by Airflow
 before the run is created: an unknown runner, a shard size below 1, a malformed URI or a
 temperature out of range is refused and no task runs. Then `plan` validates the whole job
-spec (a bad model path, a missing id column or duplicate ids fail it without retry).
+spec (a bad model path, a missing id column or duplicate ids fail it without retry), and the
+deployment's rules: every location (input, output, a local model path) must lie under
+`[vllm_batch] allowed_uri_prefixes`, and the form cannot set what the deployment owns (pod
+image, service account, secrets, `trust_remote_code`; docs/security.md).
 
 Empty fields keep the defaults: the model from the `vllm_batch_model` Variable (SmolLM2 from
 the local cache when unset) and the output `<vllm_batch_data_root>/reruns/<run id>/`, so

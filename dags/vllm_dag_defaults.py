@@ -12,11 +12,14 @@ Variables, so it is read at run time (never while the DAG file is parsed):
     vllm_batch_spec_overrides  JSON object of spec overrides, e.g. {"engine.enforce_eager": false,
                                "engine.max_num_seqs": 256, "sharding.max_shards": 64}
     vllm_batch_runner          where shards run: local (default) or kubernetes (one pod per shard)
-    vllm_batch_kubernetes      JSON object of pod settings for the kubernetes runner (image, namespace,
-                               GPUs, node pool, Kueue queue, model-cache PVC, Secret references; see
-                               airflow_provider_vllm/pod_settings.py and docs/kubernetes.md)
+    vllm_batch_kubernetes      JSON object of pod settings for the kubernetes runner (GPUs, node pool, Kueue
+                               queue, sizes; see airflow_provider_vllm/pod_settings.py and docs/kubernetes.md)
 
 Set them in the UI, with `airflow variables set`, or as AIRFLOW_VAR_<NAME> environment variables.
+Variables never decide where jobs may read and write, nor (unless the deployment opts in with
+[vllm_batch] deployment_settings_from_variables) the pod image, service account, env, Secrets,
+trust_remote_code or code-loading engine options: those are the deployment's [vllm_batch]
+configuration (allowed_uri_prefixes, kubernetes_defaults, ...) or the DAG file's (docs/security.md).
 """
 
 from __future__ import annotations

@@ -145,6 +145,8 @@ def main() -> int:
         # `airflow dags test` has no one to answer the review task of a QA 'warn': publish without
         # asking (the verdict is printed below). `airflow standalone` shows the review: docs/operations.md.
         "AIRFLOW_VAR_VLLM_BATCH_HUMAN_REVIEW": "false",
+        # The deployment's allow-list (docs/security.md): the demo's data folder and the model cache.
+        "AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES": json.dumps([str(data), str(default_cache_dir())]),
     })
     for k, v in {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                  "VLLM_NO_USAGE_STATS": "1", "TOKENIZERS_PARALLELISM": "false"}.items():
@@ -170,7 +172,9 @@ def main() -> int:
         return rc
     summary(out, truth / "labels.parquet", dag_s, time.monotonic() - t0, reused)
     print(f"\n  Airflow UI over this run: AIRFLOW_HOME={home.relative_to(ROOT)} "
-          f"AIRFLOW__CORE__DAGS_FOLDER=dags .venv/bin/airflow standalone")
+          f"AIRFLOW__CORE__DAGS_FOLDER=dags "
+          f"AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES='{env['AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES']}' "
+          f".venv/bin/airflow standalone")
     return 0
 
 

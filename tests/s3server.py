@@ -43,6 +43,19 @@ class MotoServer:
         return {"key": "testing", "secret": "testing", "endpoint_url": self.endpoint,
                 "client_kwargs": {"region_name": "us-east-1"}}
 
+    @property
+    def deployment_env(self) -> dict[str, str]:
+        """The deployment way to reach this server: environment (botocore honours AWS_ENDPOINT_URL), no spec option.
+
+        s3fs caches file systems by their arguments, and with the endpoint in the environment these
+        are the same for every server: the cache is cleared here, before a test sets the variables.
+        """
+        import s3fs
+
+        s3fs.S3FileSystem.clear_instance_cache()
+        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": "testing",
+                "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
     def make_bucket(self, name: str) -> None:
         import boto3
 

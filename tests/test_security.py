@@ -12,6 +12,7 @@ tests/airflow/test_security_dags.py.
 from __future__ import annotations
 
 import ast
+import itertools
 import json
 import logging
 import os
@@ -279,6 +280,9 @@ def test_audit_no_shell_no_eval_no_second_template_render():
         for node in ast.walk(tree):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and node.module == "jinja2" \
+                        and [a.name for a in node.names] == ["meta"]:
+                    continue  # operators/provenance.py: static analysis of templates (parse, never render)
                 if any(m.split(".")[0] in ("jinja2", "commands", "pty") for m in mods):
                     problems.append(f"{path.name}:{node.lineno} imports {mods}")
         for node, owner, name in _calls(tree):
@@ -319,6 +323,14 @@ def test_worker_refuses_forged_shard_tasks(allowed, tmp_path):
         "another spec on the planned prefix": ("prompt", "template", "Other: {text}", "made for another spec"),
         "jinja in the model": ("model", "name", "{{ 7*7 }}", "model.name"),
         "shell in a label": ("sampling", "structured", {"choice": ["a", "b; id"]}, "choice"),
+        "history outside the allow-list": ("sharding", "history_uri", str(elsewhere / "h"), "sharding.history_uri"),
+        "model path outside the allow-list": ("model", "name", str(elsewhere / "model"), "model.name"),
+        "endpoint in storage options": ("io", "storage_options", {"endpoint_url": "http://127.0.0.1:9"},
+                                        "io.storage_options.endpoint_url"),
+        "trust_remote_code": ("model", "trust_remote_code", True, "model.trust_remote_code"),
+        "code-loading compilation backend": ("engine", "engine_kwargs",
+                                             {"compilation_config": {"backend": "evil.module.fn"}},
+                                             "compilation_config.backend"),
     }
     env = {**os.environ, ALLOWED_PREFIXES_ENV: json.dumps(prefixes(allowed)), "PYTHONPATH": str(ROOT)}
     n = 0
@@ -465,16 +477,388 @@ def test_shard_operator_hands_the_deployment_allow_list_to_the_worker(allowed, t
     assert json.loads(seen[ALLOWED_PREFIXES_ENV]) == prefixes(allowed)
 
 
-def test_deployment_allow_list_sources_config_wins_over_variable(monkeypatch, tmp_path):
+def test_allow_list_is_deployment_config_only(monkeypatch, tmp_path, fail_closed):
     from airflow.sdk.exceptions import AirflowFailException
 
     from airflow_provider_vllm.operators.deployment import allowed_prefixes
 
-    monkeypatch.delenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", raising=False)
-    monkeypatch.setenv("AIRFLOW_VAR_VLLM_BATCH_ALLOWED_PREFIXES", '["s3://from-variable/x"]')
-    assert allowed_prefixes() == ["s3://from-variable/x"]
+    monkeypatch.setenv("AIRFLOW_VAR_VLLM_BATCH_ALLOWED_PREFIXES", '["/"]')  # a Variable is not the deployment
+    assert allowed_prefixes() == []
     monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", f"s3://from-config/, {tmp_path}")
     assert allowed_prefixes() == ["s3://from-config", str(tmp_path)]
     monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", "s3://ok/,ftp://bad/")
     with pytest.raises(AirflowFailException, match="malformed"):
         allowed_prefixes()
+
+
+# ---- fail closed: the deployment's allow-list (issue 12) ------------------------------
+def _ti():
+    return type("TI", (), {"xcoms": {}, "xcom_push": lambda self, key, value: self.xcoms.update({key: value}),
+                           "map_index": 0, "try_number": 1})()
+
+
+def test_no_allow_list_refuses_every_task_naming_the_setting(allowed, tmp_path, monkeypatch, fail_closed):
+    """The default deployment (nothing configured): plan, shard, merge, QA and publish refuse; nothing is touched."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from airflow_provider_vllm.operators import (
+        VllmLocalShardOperator,
+        VllmMergeOperator,
+        VllmPlanOperator,
+        VllmPublishOperator,
+        VllmQAOperator,
+    )
+
+    launched = tmp_path / "launched"
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\ntouch {launched}\n")
+    python.chmod(0o755)
+    doc = base_doc(allowed)
+    shard = {"shard_id": "shard-00000-0123abcd", "rows": 3}
+    ops = [VllmPlanOperator(task_id="plan", spec=doc),
+           VllmLocalShardOperator(task_id="shard", spec=doc, shard=shard, python=str(python)),
+           VllmMergeOperator(task_id="merge", spec=doc), VllmQAOperator(task_id="qa", spec=doc),
+           VllmPublishOperator(task_id="publish", spec=doc)]
+    for op in ops:
+        ti = _ti()
+        with pytest.raises(AirflowFailException) as e:
+            op.execute({"ti": ti, "params": {}})
+        msg = str(e.value)
+        assert "[vllm_batch] allowed_uri_prefixes" in msg and "AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES" in msg, msg
+        assert "allow_any_location" in msg and ti.xcoms == {}
+    assert not launched.exists() and not (allowed / "out").exists()
+    record_malicious("no_allow_list_every_task", len(ops), len(ops))
+    # a Variable cannot open it (only the deployment config can) ...
+    monkeypatch.setenv("AIRFLOW_VAR_VLLM_BATCH_ALLOWED_PREFIXES", json.dumps(["/"]))
+    with pytest.raises(AirflowFailException, match="allowed_uri_prefixes"):
+        VllmPlanOperator(task_id="plan", spec=doc).execute({"ti": _ti(), "params": {}})
+    # ... an explicit allow_any_location = True does; so does an allow-list
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOW_ANY_LOCATION", "True")
+    assert VllmPlanOperator(task_id="plan", spec=doc).execute({"ti": _ti(), "params": {}})
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOW_ANY_LOCATION", "sure")  # a typo is not a yes
+    with pytest.raises(AirflowFailException, match="not a boolean"):
+        VllmPlanOperator(task_id="plan", spec=doc).execute({"ti": _ti(), "params": {}})
+
+
+def test_worker_without_an_allow_list_from_airflow_refuses(allowed, tmp_path):
+    from airflow_provider_vllm.planning import plan_job
+    from airflow_provider_vllm.worker.task import ShardTask
+
+    spec = JobSpec.load(base_doc(allowed))
+    plan = plan_job(spec)
+    task = ShardTask(spec=spec, shard_id=plan.shards[0].shard_id).model_dump_json()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_BATCH_ALLOW")}
+    env["PYTHONPATH"] = str(ROOT)
+    for extra in ({}, {"VLLM_BATCH_ALLOWED_PREFIXES": "[]"}, {"VLLM_BATCH_ALLOW_ANY_LOCATION": "0"}):
+        p = subprocess.run([sys.executable, "-m", "airflow_provider_vllm.worker", task], env={**env, **extra},
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == EXIT_TERMINAL, p.stderr[-2000:]
+        manifest = json.loads(p.stdout.strip().splitlines()[-1])
+        assert "VLLM_BATCH_ALLOWED_PREFIXES" in manifest["message"] and manifest["terminal"] is True
+    assert not (allowed / "out" / "shards").exists()
+    record_malicious("worker_without_allow_list", 3, 3)
+
+
+HOSTILE_LOCATIONS = [
+    "s3://evil/x", "s3://data-other/in", "http://169.254.169.254/latest/meta-data", "https://evil.example/x",
+    "s3://user:pass@data/in", "s3://data/in/../../other", f"{A}/in/../../etc", "/etc", "file:///root/.aws",
+    "ftp://evil/x", f"{A}-sibling/in",
+]
+LOCATION_FIELDS = {"sharding.history_uri": "", "qa.previous_report_uri": "/qa/report.json",
+                   "model.name": "", "model.tokenizer": ""}
+RELATIVE_MODEL_PATHS = [".cache/models/x", "./models/x", "~/models/x", "a/b/c", "../models/x"]
+
+
+@pytest.mark.parametrize("field", sorted(LOCATION_FIELDS))
+def test_every_location_field_is_held_to_the_allow_list(allowed, field):
+    values = [v.replace(A, str(allowed)) + LOCATION_FIELDS[field] for v in HOSTILE_LOCATIONS]
+    if field.startswith("model."):
+        values += RELATIVE_MODEL_PATHS
+    tried = rejected = 0
+    for value in values:
+        tried += 1
+        msg = refused(with_value(base_doc(allowed), field, value), prefixes(allowed))
+        if msg is not None and field in msg:
+            rejected += 1
+        else:
+            print(f"ACCEPTED or unnamed {field}={value!r}: {msg}")
+    record_malicious(f"location_{field}", tried, rejected)
+    assert rejected == tried
+    # inside the allow-list they pass (a hub id is no location)
+    ok = {"sharding.history_uri": str(allowed / "history"), "qa.previous_report_uri": str(allowed / "r.json"),
+          "model.name": str(allowed / "model"), "model.tokenizer": "org/name"}[field]
+    assert refused(with_value(base_doc(allowed), field, ok), prefixes(allowed)) is None
+
+
+HOSTILE_STORAGE_OPTIONS = [
+    {"endpoint_url": "http://127.0.0.1:9000"}, {"client_kwargs": {"endpoint_url": "http://169.254.169.254"}},
+    {"client_kwargs": {"region_name": "us-east-1", "endpoint_url": "http://evil"}}, {"endpoint": "evil:80"},
+    {"host": "evil.example"}, {"port": 8080}, {"proxy": "http://proxy.evil:3128"},
+    {"config_kwargs": {"proxies": {"https": "http://proxy.evil"}}},
+    {"client_kwargs": {"headers": {"Metadata-Flavor": "Google"}}}, {"headers": {"X-aws-ec2-metadata-token": "x"}},
+    {"anon": "http://user:pass@evil/"}, {"client_kwargs": {"region_name": "user:pass@evil"}},
+    {"profile": "admin"}, {"use_ssl": False}, {"config_kwargs": {"signature_version": "UNSIGNED"}},
+    {"s3_additional_kwargs": {"SSECustomerKey": "k"}}, {"client_kwargs": {"aws_session_token": "t"}},
+    {"key": "AKIA"}, {"token": "ya29.x"}, {"session": "x"}, {"config_kwargs": {"retries": {"mode": "x", "url": "y"}}},
+]
+
+
+def test_storage_endpoints_and_credentials_come_from_the_deployment_only(allowed):
+    tried = rejected = 0
+    for options in HOSTILE_STORAGE_OPTIONS:
+        tried += 1
+        msg = refused(with_value(base_doc(allowed), "io.storage_options", options), prefixes(allowed))
+        if msg is not None and "io.storage_options." in msg:
+            rejected += 1
+        else:
+            print(f"ACCEPTED io.storage_options={options!r}: {msg}")
+    record_malicious("storage_options_endpoint_or_credentials", tried, rejected)
+    assert rejected == tried
+    msg = refused(with_value(base_doc(allowed), "io.storage_options", {"endpoint_url": "http://x"}), prefixes(allowed))
+    assert "AWS_ENDPOINT_URL" in msg and "connection" in msg
+    fine = {"anon": True, "requester_pays": True, "client_kwargs": {"region_name": "eu-west-1"},
+            "config_kwargs": {"retries": {"max_attempts": 3}, "read_timeout": 30}}
+    assert refused(with_value(base_doc(allowed), "io.storage_options", fine), prefixes(allowed)) is None
+
+
+class _Recorder:
+    """A real HTTP server on loopback that records every request it sees (and answers 200)."""
+
+    def __enter__(self):
+        import http.server
+        import threading
+
+        seen = self.seen = []
+
+        class H(http.server.BaseHTTPRequestHandler):
+            def _any(self):
+                seen.append((self.command, self.path))
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(b"<ListBucketResult/>")
+
+            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _any
+
+            def log_message(self, *a):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_spec_endpoint_never_reaches_a_server(allowed, tmp_path, monkeypatch):
+    """endpoint_url in the spec, pointed at a real loopback server: plan and worker refuse, the server sees nothing."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from airflow_provider_vllm.operators import VllmPlanOperator
+
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", json.dumps(prefixes(allowed)))
+    with _Recorder() as server:
+        doc = base_doc(allowed)
+        doc["io"] = {"input_uri": "s3://data/in/", "output_uri": "s3://data/out/run",
+                     "storage_options": {"client_kwargs": {"endpoint_url": server.url}}}
+        ti = _ti()
+        with pytest.raises(AirflowFailException, match="io.storage_options.client_kwargs.endpoint_url"):
+            VllmPlanOperator(task_id="plan", spec=doc).execute({"ti": ti, "params": {}})
+        assert ti.xcoms == {}
+        doc["io"]["storage_options"] = {"endpoint_url": server.url}
+        task = {"spec": doc, "shard_id": "shard-00000-0123abcd"}
+        env = {**os.environ, ALLOWED_PREFIXES_ENV: json.dumps(prefixes(allowed)), "PYTHONPATH": str(ROOT)}
+        p = subprocess.run([sys.executable, "-m", "airflow_provider_vllm.worker", json.dumps(task)], env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == EXIT_TERMINAL and "io.storage_options.endpoint_url" in p.stdout, p.stdout
+        assert server.seen == []
+    record_malicious("spec_endpoint_to_loopback_server", 2, 2)
+
+
+# ---- deployment-owned settings: who set the value (issue 12) --------------------------
+def _plan(raw_spec, rendered_spec=None, raw_overrides=None, rendered_overrides=None, dag=None, **kw):
+    """A plan operator built from DAG-file values, with its fields as Airflow's render leaves them."""
+    from airflow_provider_vllm.operators import VllmPlanOperator
+
+    n = next(_PLANS)
+    op = VllmPlanOperator(task_id=f"plan{n}", spec=raw_spec, overrides=raw_overrides, dag=dag, **kw)
+    op.spec = rendered_spec if rendered_spec is not None else raw_spec
+    op.overrides = rendered_overrides if rendered_overrides is not None else raw_overrides
+    if isinstance(op.spec, dict):  # each plan its own output prefix
+        op.spec = _set(op.spec, "io.output_uri", op.spec["io"]["output_uri"] + f"-{n}")
+    return op
+
+
+_PLANS = itertools.count()
+
+
+def _set(doc: dict, path: str, value) -> dict:
+    doc = json.loads(json.dumps(doc))
+    *parents, leaf = path.split(".")
+    node = doc
+    for p in parents:
+        node = node.setdefault(p, {})
+    node[leaf] = value
+    return doc
+
+
+OWNED_VALUES = {
+    "model.trust_remote_code": True,
+    "engine.engine_kwargs": {"compilation_config": {"backend": "evil.module.compile"}},
+    "kubernetes.image": "evil.example/miner:latest",
+    "kubernetes.service_account": "cluster-admin",
+    "kubernetes.env": {"LD_PRELOAD": "/tmp/x.so"},
+    "kubernetes.env_from_secrets": ["prod-db"],
+    "kubernetes.secret_env": {"AWS_SECRET_ACCESS_KEY": {"name": "other-team", "key": "k"}},
+    "kubernetes.pod_template_file": "/etc/kubernetes/privileged.yaml",
+    "kubernetes.namespace": "kube-system",
+    "kubernetes.annotations": {"iam.amazonaws.com/role": "admin"},
+}
+
+
+@pytest.mark.parametrize("via", ["param template", "dag_run conf", "xcom", "Variable overrides"])
+def test_deployment_owned_settings_from_a_trigger_or_a_variable_are_refused(allowed, monkeypatch, via):
+    from airflow.sdk.exceptions import AirflowFailException
+
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", json.dumps(prefixes(allowed)))
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOW_REMOTE_CODE", "True")  # the gate is open: provenance decides
+    tried = rejected = 0
+    for path, value in OWNED_VALUES.items():
+        tried += 1
+        template = {"param template": "{{ params.x }}", "dag_run conf": "{{ dag_run.conf['x'] }}",
+                    "xcom": "{{ ti.xcom_pull('t') }}"}.get(via)
+        if template is not None:
+            raw = _set(base_doc(allowed), path, template)
+            op = _plan(raw, _set(base_doc(allowed), path, value))
+        else:
+            op = _plan(base_doc(allowed), raw_overrides="{{ var.value.get('vllm_batch_spec_overrides', '{}') }}",
+                       rendered_overrides=json.dumps({path: value}))
+        ti = _ti()
+        with pytest.raises(AirflowFailException) as e:
+            op.execute({"ti": ti, "params": {"x": "y"}})
+        msg = str(e.value)
+        named = path if path != "engine.engine_kwargs" else "engine.engine_kwargs.compilation_config.backend"
+        if named in msg and "deployment-owned" in msg and ti.xcoms == {}:
+            rejected += 1
+        else:
+            print(f"NOT REFUSED AS EXPECTED {path} via {via}: {msg}")
+        if via == "Variable overrides":
+            assert "deployment_settings_from_variables" in msg
+    assert not list(allowed.glob("out*"))
+    record_malicious(f"deployment_owned_via_{via.replace(' ', '_')}", tried, rejected)
+    assert rejected == tried
+
+
+def test_deployment_owned_settings_from_the_dag_file_or_an_opted_in_variable_pass(allowed, monkeypatch):
+    from airflow.sdk.exceptions import AirflowFailException
+
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", json.dumps(prefixes(allowed)))
+    literal = _set(_set(base_doc(allowed), "kubernetes.image", "registry.example.com/w:1"),
+                   "kubernetes.service_account", "vllm-batch")
+    assert _plan(literal).execute({"ti": _ti(), "params": {}})  # a DAG-file literal
+    dated = _set(base_doc(allowed), "kubernetes.labels", {"day": "{{ ds_nodash }}"})
+    assert _plan(dated, _set(base_doc(allowed), "kubernetes.labels", {"day": "20261130"})).execute(
+        {"ti": _ti(), "params": {}})  # a template over the logical date only
+    # trust_remote_code as a DAG-file literal: still needs the deployment's allow_remote_code
+    trc = _set(base_doc(allowed), "model.trust_remote_code", True)
+    with pytest.raises(AirflowFailException, match=r"\[vllm_batch\] allow_remote_code"):
+        _plan(trc).execute({"ti": _ti(), "params": {}})
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOW_REMOTE_CODE", "True")
+    assert _plan(trc).execute({"ti": _ti(), "params": {}})
+    # a Variable may set them once the deployment opts in
+    var = "{{ var.value.get('vllm_batch_spec_overrides', '{}') }}"
+    op = _plan(base_doc(allowed), raw_overrides=var, rendered_overrides='{"kubernetes.image": "r.example.com/w:2"}')
+    with pytest.raises(AirflowFailException, match="deployment_settings_from_variables"):
+        op.execute({"ti": _ti(), "params": {}})
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__DEPLOYMENT_SETTINGS_FROM_VARIABLES", "True")
+    op = _plan(base_doc(allowed), raw_overrides=var, rendered_overrides='{"kubernetes.image": "r.example.com/w:2"}')
+    assert op.execute({"ti": _ti(), "params": {}})
+    # ... but a trigger never may, opt-in or not
+    op = _plan(_set(base_doc(allowed), "kubernetes.image", "{{ params.image }}"),
+               _set(base_doc(allowed), "kubernetes.image", "evil/x"))
+    with pytest.raises(AirflowFailException, match="trigger params"):
+        op.execute({"ti": _ti(), "params": {"image": "evil/x"}})
+    # the other settings stay free for Variables (engine sizes, sampling, ...)
+    monkeypatch.delenv("AIRFLOW__VLLM_BATCH__DEPLOYMENT_SETTINGS_FROM_VARIABLES")
+    op = _plan(base_doc(allowed), raw_overrides=var,
+               rendered_overrides='{"engine.max_num_seqs": 256, "engine.engine_kwargs": {"block_size": 32}}')
+    assert op.execute({"ti": _ti(), "params": {}})
+
+
+def test_param_overrides_cannot_name_deployment_owned_settings():
+    from airflow_provider_vllm.operators import VllmPlanOperator
+
+    names = ["model.trust_remote_code", "kubernetes", "kubernetes.image", "kubernetes.env.X",
+             "kubernetes.service_account", "kubernetes.secret_env"]
+    n = 0
+    for name in names:
+        with pytest.raises(ValueError, match="deployment-owned"):
+            VllmPlanOperator(task_id="plan", spec={}, param_overrides=["model", name])
+        n += 1
+    record_malicious("param_overrides_deployment_owned", len(names), n)
+    VllmPlanOperator(task_id="plan", spec={}, param_overrides=["model", "labels", "kubernetes.gpus"])
+
+
+def test_an_included_spec_file_is_the_dag_files_unless_it_reads_params(allowed, tmp_path, monkeypatch):
+    """``{% include 'job.yaml' %}``: the included file is read (not rendered) to see which names it uses."""
+    import yaml
+    from airflow.sdk import DAG
+    from airflow.sdk.exceptions import AirflowFailException
+
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", json.dumps(prefixes(allowed)))
+    doc = _set(base_doc(allowed), "kubernetes.image", "registry.example.com/w:1")
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(doc))
+    hostile = _set(doc, "kubernetes.service_account", "{{ params.sa }}")
+    (tmp_path / "hostile.yaml").write_text(yaml.safe_dump(hostile))
+    with DAG("d", template_searchpath=[str(tmp_path)], schedule=None) as dag:
+        pass
+    assert _plan("{% include 'job.yaml' %}", yaml.safe_dump(doc), dag=dag).execute({"ti": _ti(), "params": {}})
+    op = _plan("{% include 'hostile.yaml' %}", yaml.safe_dump(_set(doc, "kubernetes.service_account", "admin")),
+               dag=dag)
+    with pytest.raises(AirflowFailException, match=r"kubernetes.image is deployment-owned and came from trigger"):
+        op.execute({"ti": _ti(), "params": {"sa": "admin"}})
+    op = _plan("{% include params.f %}", yaml.safe_dump(doc), dag=dag)
+    with pytest.raises(AirflowFailException, match="deployment-owned"):
+        op.execute({"ti": _ti(), "params": {"f": "job.yaml"}})
+    record_malicious("deployment_owned_via_include", 2, 2)
+
+
+CODE_LOADING_ENGINE_KWARGS = [
+    {"worker_cls": "evil.Worker"}, {"worker_extension_cls": "evil.Ext"}, {"model_loader_extra_config": {"a": 1}},
+    {"compilation_config": {"backend": "evil.module.compile"}},
+    {"compilation_config": {"inductor_passes": {"p": "evil.module.Pass"}}},
+    {"compilation_config": {"inductor_compile_config": {"post_grad_custom_post_pass": "evil.p"}}},
+    {"compilation_config": {"debug_dump_path": "/tmp/dump"}}, {"compilation_config": {"cache_dir": "/tmp/c"}},
+    {"compilation_config": "evil.module.compile"}, {"compilation_config": True},
+    {"hf_overrides": {"auto_map": {"AutoModel": "evil--m.Model"}}},
+    {"hf_overrides": {"text_config": {"auto_map": {"AutoConfig": "evil.C"}}}},
+    {"hf_overrides": {"tokenizer_class": "evil.Tok"}}, {"tokenizer_mode": "custom"}, {"load_format": "pt"},
+]
+
+
+def test_code_loading_engine_options_and_remote_code_need_the_deployment(allowed):
+    """Refused by the spec's reviewed list, or by the deployment's remote-code gate (the worker has the same)."""
+    from airflow_provider_vllm.spec_guard import check_remote_code
+
+    tried = rejected = 0
+    for kwargs in CODE_LOADING_ENGINE_KWARGS + [None]:
+        tried += 1
+        doc = with_value(base_doc(allowed), "model.trust_remote_code", True) if kwargs is None else \
+            with_value(base_doc(allowed), "engine.engine_kwargs", kwargs)
+        try:
+            spec = JobSpec.load(doc)
+            check_deployment(spec, prefixes(allowed))
+            check_remote_code(spec, allowed=False)
+        except SpecError as e:
+            rejected += "engine_kwargs" in str(e) or "trust_remote_code" in str(e)
+        else:
+            print(f"ACCEPTED {kwargs}")
+    record_malicious("code_loading_engine_options", tried, rejected)
+    assert rejected == tried
+    data_only = {"compilation_config": {"level": 3, "cudagraph_capture_sizes": [1, 2, 4]}, "tokenizer_mode": "auto",
+                 "hf_overrides": {"rope_scaling": {"factor": 2.0, "rope_type": "linear"}}, "block_size": 16}
+    spec = JobSpec.load(with_value(base_doc(allowed), "engine.engine_kwargs", data_only))
+    check_remote_code(spec, allowed=False)  # data-only options need nothing
+    check_remote_code(JobSpec.load(with_value(base_doc(allowed), "model.trust_remote_code", True)), allowed=True)

@@ -161,16 +161,21 @@ def test_read_history_skips_bad_lines_and_files(tmp_path):
     assert read_history(str(tmp_path / "absent")) == []
 
 
-def test_history_on_s3(tmp_path, fake_engine_factory):
-    """The record is written and read through fsspec/DuckDB on a local S3 server (moto)."""
+def test_history_on_s3(tmp_path, fake_engine_factory, monkeypatch):
+    """The record is written and read through fsspec/DuckDB on a local S3 server (moto), reached the
+    deployment way: AWS_ENDPOINT_URL and keys in the environment, nothing in the spec."""
+    from airflow_provider_vllm.spec_guard import check_deployment
     from tests.s3server import MotoServer
 
     with MotoServer() as s3:
         s3.make_bucket("hist")
-        opts = s3.storage_options
+        for k, v in s3.deployment_env.items():
+            monkeypatch.setenv(k, v)
+        opts = {}
         write_parquet(tmp_path / "in" / "a.parquet", [f"t{i}" for i in range(40)], ["ticket"] * 40)
-        spec = make_spec(tmp_path / "in", tmp_path / "out", io={"storage_options": opts},
+        spec = make_spec(tmp_path / "in", tmp_path / "out",
                          sharding={"target_rows": 20, "history_uri": "s3://hist/throughput"})
+        check_deployment(spec, [str(tmp_path), "s3://hist/throughput"])
         plan = plan_job(spec)
         for s in plan.shards:
             run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)

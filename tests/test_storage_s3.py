@@ -42,15 +42,20 @@ def test_create_only_is_atomic_on_s3(s3):
     assert st.read_text("m.json") == f"writer {winners[0]}"
 
 
-def test_pipeline_on_s3(s3, fake_engine_factory):
+def test_pipeline_on_s3(s3, fake_engine_factory, monkeypatch):
+    """The endpoint and keys come from the deployment (environment), the spec names only s3:// locations."""
+    from airflow_provider_vllm.spec_guard import check_deployment
+
+    for k, v in s3.deployment_env.items():
+        monkeypatch.setenv(k, v)
     buf = io.BytesIO()
     n = 120
     texts = [f"ticket {i}" for i in range(n)]
     texts[7] = ""
     pq.write_table(pa.table({"id": [f"s{i}" for i in range(n)], "text": texts}), buf, row_group_size=30)
     Storage("s3://data/in", s3.storage_options).write_atomic("part-0.parquet", buf.getvalue())
-    spec = make_spec("s3://data/in", "s3://data/runs/r1", io={"storage_options": s3.storage_options},
-                     sharding={"target_rows": 50, "chunk_rows": 20})
+    spec = make_spec("s3://data/in", "s3://data/runs/r1", sharding={"target_rows": 50, "chunk_rows": 20})
+    check_deployment(spec, ["s3://data"])  # what plan, shard and the worker check
     plan = plan_job(spec)
     assert len(plan.shards) == 3
     for s in plan.shards:

@@ -1,61 +1,132 @@
-"""The deployment's limits on where jobs may read and write (Airflow side).
+"""The deployment's rules for vLLM batch jobs (Airflow side): the ``[vllm_batch]`` config section.
 
-``allowed_prefixes()`` reads, at task run time, the provider config option
-``[vllm_batch] allowed_uri_prefixes`` (``AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES``: set by
-whoever deploys Airflow) and, when that is empty, the Airflow Variable
-``vllm_batch_allowed_prefixes``. Either holds a JSON list or comma-separated prefixes such as
-``s3://ml-batch/``. The config wins over the Variable because Variables can be edited by
-more people than the deployment's configuration.
+Everything here is read at task run time from the Airflow configuration (``airflow.cfg`` or
+``AIRFLOW__VLLM_BATCH__<OPTION>`` environment variables), which only whoever deploys Airflow
+can change; never from Variables, params or XCom. The options (declared with their defaults
+in ``get_provider_info()``):
+
+* ``allowed_uri_prefixes``: JSON list or comma-separated URI prefixes (``s3://ml-batch/``,
+  ``/data/batch``) every location of a job must lie under. Unset: nothing is allowed (the
+  plan and shard tasks fail naming this option) unless ``allow_any_location = True``.
+* ``allow_any_location``: explicit opt-out of the allow-list (syntax checks only).
+* ``allow_remote_code``: ``model.trust_remote_code`` and code-loading engine options may run.
+* ``deployment_settings_from_variables``: Variables (``vllm_batch_spec_overrides``,
+  ``vllm_batch_kubernetes``) may set deployment-owned settings (pod image, env, secrets,
+  service account, ...). Off: they may set the others only.
+* ``kubernetes_defaults``: JSON object of pod settings (``KubernetesSettings``) for every shard
+  pod: the deployment's image, namespace, service account, Secret references, ...
 """
 
 from __future__ import annotations
 
+import json
 import logging
 
-from airflow.sdk import Variable
 from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_provider_vllm.errors import SpecError
-from airflow_provider_vllm.paths import ALLOWED_PREFIXES_ENV, canonical_prefixes, parse_prefixes
+from airflow_provider_vllm.paths import (
+    ALLOW_ANY_LOCATION_ENV,
+    ALLOW_REMOTE_CODE_ENV,
+    ALLOWED_PREFIXES_ENV,
+    canonical_prefixes,
+    parse_prefixes,
+)
 from airflow_provider_vllm.spec import JobSpec
-from airflow_provider_vllm.spec_guard import check_deployment
+from airflow_provider_vllm.spec_guard import check_deployment, check_remote_code
 
-CONFIG_SECTION, CONFIG_OPTION = "vllm_batch", "allowed_uri_prefixes"
-VARIABLE = "vllm_batch_allowed_prefixes"
+CONFIG_SECTION = "vllm_batch"
+CONFIG_OPTION = "allowed_uri_prefixes"
+ALLOW_ANY_OPTION = "allow_any_location"
+REMOTE_CODE_OPTION = "allow_remote_code"
+VARIABLES_OPTION = "deployment_settings_from_variables"
+KUBERNETES_OPTION = "kubernetes_defaults"
 log = logging.getLogger(__name__)
+
+
+def setting(option: str) -> str:
+    """How a person names an option: ``[vllm_batch] x (AIRFLOW__VLLM_BATCH__X)``."""
+    return f"[{CONFIG_SECTION}] {option} (AIRFLOW__{CONFIG_SECTION.upper()}__{option.upper()})"
+
+
+def _get(option: str) -> str:
+    from airflow.sdk.configuration import conf
+
+    return conf.get(CONFIG_SECTION, option, fallback="") or ""
+
+
+def flag(option: str) -> bool:
+    """A boolean ``[vllm_batch]`` option (default False; a malformed value fails the task)."""
+    raw = _get(option).strip().lower()
+    if raw in ("", "false", "0", "no", "off"):
+        return False
+    if raw in ("true", "1", "yes", "on"):
+        return True
+    raise AirflowFailException(f"{setting(option)}={raw!r} is not a boolean (True/False)")
 
 
 def allowed_prefixes() -> list[str]:
     """The canonical allow-list of URI prefixes; empty when the deployment set none."""
-    from airflow.sdk.configuration import conf
-
-    raw = conf.get(CONFIG_SECTION, CONFIG_OPTION, fallback="") or ""
-    source = f"[{CONFIG_SECTION}] {CONFIG_OPTION}"
-    if not raw.strip():
-        raw = Variable.get(VARIABLE, default="") or ""
-        source = f"Variable {VARIABLE}"
     try:
-        prefixes = canonical_prefixes(parse_prefixes(raw))
+        return canonical_prefixes(parse_prefixes(_get(CONFIG_OPTION)))
     except SpecError as e:
-        raise AirflowFailException(f"{source} is malformed: {e}") from None
-    if not prefixes:
-        log.warning("no allow-list of URI prefixes is set ([%s] %s or Variable %s): jobs may read and write "
-                    "any location that passes the syntax checks", CONFIG_SECTION, CONFIG_OPTION, VARIABLE)
-    return prefixes
+        raise AirflowFailException(f"{setting(CONFIG_OPTION)} is malformed: {e}") from None
+
+
+def allow_any_location() -> bool:
+    return flag(ALLOW_ANY_OPTION)
+
+
+def allow_remote_code() -> bool:
+    return flag(REMOTE_CODE_OPTION)
+
+
+def variables_may_set_deployment_settings() -> bool:
+    return flag(VARIABLES_OPTION)
+
+
+def kubernetes_defaults() -> dict:
+    """The deployment's pod settings (``[vllm_batch] kubernetes_defaults``, a JSON object)."""
+    raw = _get(KUBERNETES_OPTION).strip()
+    if not raw:
+        return {}
+    try:
+        doc = json.loads(raw)
+    except ValueError as e:
+        raise AirflowFailException(f"{setting(KUBERNETES_OPTION)} is not JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise AirflowFailException(f"{setting(KUBERNETES_OPTION)} must be a JSON object")
+    return doc
+
+
+NO_ALLOW_LIST = (f"no allowed locations are configured: set {setting(CONFIG_OPTION)} to the URI prefixes jobs may "
+                 f"read and write, or {setting(ALLOW_ANY_OPTION)} = True to allow any location")
 
 
 def check_spec_allowed(spec: JobSpec, what: str) -> list[str]:
-    """Fail the task (no retry) when the spec reaches outside the allow-list; returns the list."""
+    """Fail the task (no retry) when the spec reaches outside the deployment's rules; returns the allow-list.
+
+    Fails closed: no ``allowed_uri_prefixes`` and no ``allow_any_location`` -> refused.
+    """
     prefixes = allowed_prefixes()
+    any_location = allow_any_location()
     try:
-        check_deployment(spec, prefixes)
+        check_deployment(spec, prefixes, allow_any=any_location, no_allow_list=NO_ALLOW_LIST)
+        check_remote_code(spec, allow_remote_code(), f"{setting(REMOTE_CODE_OPTION)} = True")
     except SpecError as e:
         raise AirflowFailException(f"{what}: {e}") from None
+    if not prefixes:
+        log.warning("%s = True: jobs may read and write any location that passes the syntax checks",
+                    setting(ALLOW_ANY_OPTION))
     return prefixes
 
 
 def worker_env(prefixes: list[str]) -> dict[str, str]:
-    """Environment that hands the allow-list to the worker process (never the shard task JSON)."""
-    import json
+    """Environment that hands the deployment's rules to the worker process (never the shard task JSON).
 
-    return {ALLOWED_PREFIXES_ENV: json.dumps(prefixes)} if prefixes else {}
+    Always holds every key of ``paths.DEPLOYMENT_ENV`` the worker reads, so that values inherited
+    from elsewhere are overwritten (callers set it last).
+    """
+    return {ALLOWED_PREFIXES_ENV: json.dumps(prefixes),
+            ALLOW_ANY_LOCATION_ENV: "1" if allow_any_location() else "0",
+            ALLOW_REMOTE_CODE_ENV: "1" if allow_remote_code() else "0"}

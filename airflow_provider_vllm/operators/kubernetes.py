@@ -20,10 +20,17 @@ from kubernetes.client import ApiClient
 from kubernetes.client import models as k8s
 
 from airflow_provider_vllm.errors import EXIT_TERMINAL, EXIT_TRANSIENT, SpecError
+from airflow_provider_vllm.operators import provenance
 from airflow_provider_vllm.operators._common import load_spec, shard_id_of
-from airflow_provider_vllm.operators.deployment import check_spec_allowed, worker_env
+from airflow_provider_vllm.operators.deployment import (
+    check_spec_allowed,
+    kubernetes_defaults,
+    variables_may_set_deployment_settings,
+    worker_env,
+)
 from airflow_provider_vllm.pod_settings import KubernetesSettings
 from airflow_provider_vllm.pod_spec import WORKER_PYTHON, PodParts, container_security_context, pod_parts
+from airflow_provider_vllm.spec_guard import DEPLOYMENT_OWNED
 from airflow_provider_vllm.worker.task import ShardTask, worker_command
 
 SETTINGS_VARIABLE = "vllm_batch_kubernetes"
@@ -93,6 +100,7 @@ class VllmKubernetesShardOperator(KubernetesPodOperator):
         self.shard = shard
         self.kubernetes = kubernetes
         self.env = env
+        self._raw_kubernetes, self._raw_env = kubernetes, env  # before rendering: who set what (provenance)
         self.progress_interval_s = progress_interval_s
         self.parts: PodParts | None = None
 
@@ -100,18 +108,47 @@ class VllmKubernetesShardOperator(KubernetesPodOperator):
     def shard_id(self) -> str:
         return shard_id_of(self.shard)
 
+    def check_provenance(self, defaults: dict[str, Any] | None) -> None:
+        """Deployment-owned pod settings in ``kubernetes`` / ``env`` came from the DAG file, or a Variable
+        with ``[vllm_batch] deployment_settings_from_variables``; never from the trigger."""
+        try:
+            env = self.get_template_env()
+        except Exception:  # noqa: BLE001: a bare operator without a DAG
+            env = None
+        owned = [p for p in DEPLOYMENT_OWNED if p.startswith("kubernetes.") and p.split(".", 1)[1] in (defaults or {})]
+
+        def from_kubernetes(path: str):
+            raw = self._raw_kubernetes
+            if isinstance(raw, str):
+                return provenance.template_sources(raw, env)
+            return provenance.template_sources((raw or {}).get(path.split(".", 1)[1]), env)
+
+        problems = provenance.violations(owned, [from_kubernetes], variables_may_set_deployment_settings())
+        if self.env:
+            problems += provenance.violations(["kubernetes.env"], [lambda p: provenance.template_sources(
+                self._raw_env, env)], variables_may_set_deployment_settings())
+        if problems:
+            raise AirflowFailException(f"shard {self.shard_id}: " + "; ".join(problems))
+
     def settings(self, spec) -> KubernetesSettings:
-        """Deployment defaults (``kubernetes``) < ``env`` < the job's own ``kubernetes`` section.
+        """Deployment config (``[vllm_batch] kubernetes_defaults``) < ``kubernetes`` < ``env`` < the job's
+        own ``kubernetes`` section.
 
         A job field equal to its default does not override a deployment default (the spec
         reaches the task as JSON, where an explicit default looks like an unset field).
+        Deployment-owned fields (image, namespace, service account, env, Secrets, PVCs, ...) in
+        ``kubernetes`` or ``env`` must come from the DAG file, or from a Variable with the
+        deployment's opt-in; the job section's were checked by the plan task.
         """
         defaults = self.kubernetes
         try:
             if isinstance(defaults, (str, bytes)):
                 defaults = json.loads(defaults) if defaults.strip() else None
+            if defaults is not None and not isinstance(defaults, dict):
+                raise ValueError(f"kubernetes settings must be a mapping, got {type(defaults).__name__}")
+            self.check_provenance(defaults)
             job = spec.kubernetes.model_dump(exclude_defaults=True)
-            settings = KubernetesSettings.layered(defaults, job)
+            settings = KubernetesSettings.layered(kubernetes_defaults(), defaults, job)
             if self.env:
                 env = {**settings.env, **{k: str(v) for k, v in self.env.items()}, **job.get("env", {})}
                 settings = KubernetesSettings.layered(settings.model_dump(exclude_defaults=True), {"env": env})

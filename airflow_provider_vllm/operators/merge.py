@@ -9,6 +9,7 @@ from airflow.sdk import BaseOperator
 
 from airflow_provider_vllm.merge import merge_run
 from airflow_provider_vllm.operators._common import data_plane_errors, load_spec
+from airflow_provider_vllm.operators.deployment import check_spec_allowed
 
 # _MERGED.json keeps per-shard stats; XCom gets the run-level part only (10k shards stay small).
 XCOM_KEYS = ("rows", "ok_rows", "error_rows", "duplicates_dropped", "shards", "files", "checksums",
@@ -33,6 +34,7 @@ class VllmMergeOperator(BaseOperator):
 
     def execute(self, context: Any) -> dict[str, Any]:
         spec = load_spec(self.spec, "merge")
+        check_spec_allowed(spec, "merge")  # the spec came through XCom: the deployment's rules again
         with data_plane_errors("merge"):
             summary = merge_run(spec, memory_limit=self.memory_limit)
         stats = summary.get("shard_stats") or []

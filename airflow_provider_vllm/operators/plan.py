@@ -18,11 +18,17 @@ from airflow_provider_vllm.operators._common import (
     overrides_document,
     spec_document,
 )
-from airflow_provider_vllm.operators.deployment import check_spec_allowed
+from airflow_provider_vllm.operators import provenance
+from airflow_provider_vllm.operators.deployment import check_spec_allowed, variables_may_set_deployment_settings
 from airflow_provider_vllm.param_schemas import validate_params
 from airflow_provider_vllm.planning import plan_job
 from airflow_provider_vllm.shard_names import with_display_names
-from airflow_provider_vllm.spec import JobSpec
+from airflow_provider_vllm.spec import PARAM_ALIASES, JobSpec
+from airflow_provider_vllm.spec_guard import DEPLOYMENT_OWNED, owned_paths_set
+
+
+def _default_doc() -> dict[str, Any]:
+    return JobSpec.load({"model": {"name": "m"}, "io": {"input_uri": "/i", "output_uri": "/o"}}).model_dump(mode="json")
 
 
 class VllmPlanOperator(BaseOperator):
@@ -68,6 +74,13 @@ class VllmPlanOperator(BaseOperator):
         self.overrides = overrides
         self.param_overrides = list(param_overrides)
         self.runner = runner
+        # the DAG file's values before rendering: provenance of the rendered spec (operators/provenance.py)
+        self._raw_spec, self._raw_overrides = self.spec, overrides
+        owned = [k for k in self.param_overrides
+                 if any(provenance.touches(PARAM_ALIASES.get(k, k) or "", p) for p in DEPLOYMENT_OWNED)]
+        if owned:
+            raise ValueError(f"param_overrides {owned}: deployment-owned settings cannot come from "
+                             "trigger params (docs/security.md)")
 
     def build_spec(self, params: dict[str, Any]) -> JobSpec:
         """The validated spec from the rendered fields and the run's params."""
@@ -79,9 +92,30 @@ class VllmPlanOperator(BaseOperator):
         except SpecError as e:
             raise AirflowFailException(f"plan: {e}") from None
 
+    def check_provenance(self, spec: JobSpec, params: dict[str, Any]) -> None:
+        """Deployment-owned settings came from the DAG file (or, with the opt-in, a Variable); else fail."""
+        try:
+            env = self.get_template_env()
+        except Exception:  # noqa: BLE001: no DAG (a bare operator in a test): a parser without globals
+            env = None
+        rendered_spec = spec_document(self.spec) if isinstance(self._raw_spec, str) else {}
+        rendered_over = overrides_document(self.overrides)
+        given = [PARAM_ALIASES.get(k, k) for k in self.param_overrides if params.get(k) is not None]
+        layers = [
+            lambda p: {provenance.PARAMS} if any(t and provenance.touches(t, p) for t in given) else None,
+            lambda p: provenance.overrides_layer_sources(self._raw_overrides, rendered_over, p, env, PARAM_ALIASES),
+            lambda p: provenance.spec_layer_sources(self._raw_spec, rendered_spec, p, env),
+        ]
+        owned = owned_paths_set(spec, _default_doc())
+        problems = provenance.violations(owned, layers, variables_may_set_deployment_settings())
+        if problems:
+            raise AirflowFailException("plan: " + "; ".join(problems))
+
     def execute(self, context: Any) -> list[dict[str, Any]]:
         runner = check_runner(self.runner)
-        spec = self.build_spec(dict(context.get("params") or {}))
+        params = dict(context.get("params") or {})
+        spec = self.build_spec(params)
+        self.check_provenance(spec, params)  # before any location or model is looked at
         check_spec_allowed(spec, "plan")
         if runner == "local":
             check_local_model(spec)

@@ -13,6 +13,7 @@ from airflow.sdk.exceptions import AirflowFailException
 from airflow_provider_vllm import __version__
 from airflow_provider_vllm.merge import MERGED
 from airflow_provider_vllm.operators._common import data_plane_errors, load_spec
+from airflow_provider_vllm.operators.deployment import check_spec_allowed
 from airflow_provider_vllm.storage import Storage
 
 SUCCESS = "_SUCCESS.json"
@@ -41,6 +42,7 @@ class VllmPublishOperator(BaseOperator):
 
     def execute(self, context: Any) -> dict[str, Any]:
         spec = load_spec(self.spec, "publish")
+        check_spec_allowed(spec, "publish")  # the spec came through XCom: the deployment's rules again
         out = Storage(spec.io.output_uri, spec.io.storage_options)
         with data_plane_errors("publish"):
             marker = self._marker(spec, out, context)

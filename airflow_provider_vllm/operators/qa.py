@@ -9,6 +9,7 @@ from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_provider_vllm.operators._common import data_plane_errors, load_spec
+from airflow_provider_vllm.operators.deployment import check_spec_allowed
 from airflow_provider_vllm.qa import QAFailed
 from airflow_provider_vllm.qa_stage import qa_run, qa_summary
 from airflow_provider_vllm.ui.links import VllmQAReportLink
@@ -43,6 +44,7 @@ class VllmQAOperator(BaseOperator):
 
     def execute(self, context: Any) -> dict[str, Any]:
         spec = load_spec(self.spec, "qa")
+        check_spec_allowed(spec, "qa")  # the spec came through XCom: the deployment's rules again
         with data_plane_errors("qa"):
             report, paths = qa_run(spec)
         summary = qa_summary(report, paths, spec.io.output_uri)

@@ -61,8 +61,14 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     try:
         from airflow_provider_vllm.param_schemas import check_spec_params
-        from airflow_provider_vllm.paths import prefixes_from_env
-        from airflow_provider_vllm.spec_guard import check_deployment
+        from airflow_provider_vllm.paths import (
+            ALLOW_ANY_LOCATION_ENV,
+            ALLOW_REMOTE_CODE_ENV,
+            ALLOWED_PREFIXES_ENV,
+            flag_from_env,
+            prefixes_from_env,
+        )
+        from airflow_provider_vllm.spec_guard import check_deployment, check_remote_code
         from airflow_provider_vllm.worker.shard import run_shard
         from airflow_provider_vllm.worker.task import ShardTask
 
@@ -71,8 +77,12 @@ def main(argv: list[str] | None = None) -> int:
             with open(raw[1:], encoding="utf-8") as f:
                 raw = f.read()
         task = ShardTask.load(raw)
-        # the allow-list comes from the deployment (environment), never from the task itself
-        check_deployment(task.spec, prefixes_from_env())
+        # the allow-list comes from the deployment (environment), never from the task itself; none: refuse
+        check_deployment(task.spec, prefixes_from_env(), allow_any=flag_from_env(ALLOW_ANY_LOCATION_ENV),
+                         no_allow_list=f"the worker got no allow-list from the Airflow side ({ALLOWED_PREFIXES_ENV} "
+                         f"is unset and {ALLOW_ANY_LOCATION_ENV} is not 1): it reads and writes nothing")
+        check_remote_code(task.spec, flag_from_env(ALLOW_REMOTE_CODE_ENV), f"{ALLOW_REMOTE_CODE_ENV}=1 from the "
+                          "Airflow side's [vllm_batch] allow_remote_code")
         check_spec_params(task.spec.model_dump(mode="json"))
         hold_shard_lock(task.spec.io.output_uri, task.shard_id)  # local runner only; held until exit
         manifest = run_shard(task)

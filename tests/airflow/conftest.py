@@ -70,11 +70,23 @@ def tiny_model() -> str:
     return str(make_tiny_llama(default_cache_dir() / "tiny-llama"))
 
 
+def model_roots(tiny_model: str) -> list[str]:
+    """Where the DAGs' local models lie: the model cache and, when installed, MiniLM's package folder."""
+    from airflow_provider_vllm.local_models import LocalModelError, minilm_path
+
+    roots = [str(Path(tiny_model).resolve().parent)]
+    try:
+        roots.append(str(minilm_path().resolve()))
+    except LocalModelError:
+        pass
+    return roots
+
+
 @pytest.fixture(scope="session")
 def airflow_sandbox(tmp_path_factory, tiny_model) -> AirflowSandbox:
     home = tmp_path_factory.mktemp("airflow_home")
     data = tmp_path_factory.mktemp("vllm_batch_data")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "VLLM_BATCH_INJECT"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "VLLM_BATCH_INJECT", "VLLM_BATCH_ALLOW"))}
     env.update({
         "AIRFLOW_HOME": str(home),
         # This checkout's code, not whatever the venv's editable install points at (worktrees).
@@ -88,6 +100,8 @@ def airflow_sandbox(tmp_path_factory, tiny_model) -> AirflowSandbox:
         "AIRFLOW_VAR_VLLM_BATCH_SPEC_OVERRIDES": json.dumps({"sampling.max_tokens": 32}),
         # `dags test` cannot answer a review: a QA 'warn' of the random model is published unasked.
         "AIRFLOW_VAR_VLLM_BATCH_HUMAN_REVIEW": "false",
+        # The deployment's allow-list: the sandbox's data root and the model cache (tiny model, SmolLM2).
+        "AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES": json.dumps([str(data), *model_roots(tiny_model)]),
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",

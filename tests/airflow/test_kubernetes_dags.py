@@ -16,10 +16,14 @@ from tests.pss_restricted import violations
 
 NIGHTLY = "vllm_nightly_reclassification"
 RERUN = "vllm_batch_rerun"
-POD_SETTINGS = {"namespace": "vllm-batch", "kueue_queue": "gpu-batch", "model_cache_pvc": "hf-models",
-                "image": "registry.example.com/ml/airflow-provider-vllm-worker:0.1.0@sha256:" + "cd" * 32,
-                "hf_token_secret": {"name": "hf-token", "key": "token"},
+# Deployment-owned pod settings come from the deployment config ([vllm_batch] kubernetes_defaults);
+# the vllm_batch_kubernetes Variable sets the others (placement, queue). docs/security.md
+DEPLOYMENT_POD = {"namespace": "vllm-batch", "model_cache_pvc": "hf-models",
+                  "image": "registry.example.com/ml/airflow-provider-vllm-worker:0.1.0@sha256:" + "cd" * 32,
+                  "hf_token_secret": {"name": "hf-token", "key": "token"}}
+VARIABLE_POD = {"kueue_queue": "gpu-batch",
                 "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]}
+POD_SETTINGS = {**DEPLOYMENT_POD, **VARIABLE_POD}
 
 
 def kube_env(tmp_path: Path) -> dict[str, str]:
@@ -29,7 +33,8 @@ def kube_env(tmp_path: Path) -> dict[str, str]:
         "apiVersion: v1\nkind: Config\ncurrent-context: t\nclusters: [{name: t, cluster: {server: "
         "'https://127.0.0.1:9'}}]\nusers: [{name: t, user: {}}]\ncontexts: [{name: t, context: {cluster: t, user: t}}]\n")
     return {"AIRFLOW_VAR_VLLM_BATCH_RUNNER": "kubernetes",
-            "AIRFLOW_VAR_VLLM_BATCH_KUBERNETES": json.dumps(POD_SETTINGS),
+            "AIRFLOW_VAR_VLLM_BATCH_KUBERNETES": json.dumps(VARIABLE_POD),
+            "AIRFLOW__VLLM_BATCH__KUBERNETES_DEFAULTS": json.dumps(DEPLOYMENT_POD),
             "AIRFLOW_CONN_KUBERNETES_DEFAULT": json.dumps({"conn_type": "kubernetes",
                                                            "extra": {"kube_config_path": str(kubeconfig)}})}
 

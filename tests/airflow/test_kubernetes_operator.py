@@ -43,6 +43,7 @@ SETTINGS = {  # what an operator puts in the vllm_batch_kubernetes Variable
 @pytest.fixture(autouse=True)
 def _no_cluster(tmp_path, monkeypatch):
     unreachable_cluster(tmp_path, monkeypatch)
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", "/in,/out")  # the specs' locations
 
 
 def operator(settings=SETTINGS, task_id="shard", **spec_over):
@@ -364,3 +365,68 @@ def test_allow_list_is_checked_before_the_pod_exists_and_reaches_the_worker_env(
         bad.build_pod_request_obj(create_context(bad, map_index=3))
     assert getattr(bad, "parts", None) is None  # refused before any pod part was built
     record_malicious("k8s_output_outside_allow_list", 1, 1)
+
+
+VARIABLE_TEMPLATE = "{{ var.value.get('vllm_batch_kubernetes', '{}') }}"  # the builder's default
+
+
+def rendered_operator(raw_kubernetes, rendered_kubernetes, raw_env=None, rendered_env=None, spec_over=None):
+    """A shard operator built from DAG-file values, its fields as Airflow's render leaves them."""
+    from airflow_provider_vllm.operators.kubernetes import VllmKubernetesShardOperator
+
+    spec = make_spec("/in", "/out", **(spec_over or {})).model_dump(mode="json")
+    op = VllmKubernetesShardOperator(task_id="shard", spec=spec, shard=SHARD, kubernetes=raw_kubernetes, env=raw_env)
+    op.kubernetes, op.env = rendered_kubernetes, rendered_env
+    return op
+
+
+@pytest.mark.reliability
+def test_pod_identity_from_a_variable_needs_the_deployments_opt_in_and_never_comes_from_a_trigger(monkeypatch):
+    """image, service account, namespace, env, Secrets, PVCs, pod template from the vllm_batch_kubernetes
+    Variable: refused before any pod spec exists unless [vllm_batch] deployment_settings_from_variables;
+    from a trigger (params, dag_run.conf) always refused."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    hostile = {"image": "evil.example/miner:latest", "service_account": "cluster-admin", "namespace": "kube-system",
+               "env": {"LD_PRELOAD": "/tmp/x.so"}, "env_from_secrets": ["prod-db"],
+               "secret_env": {"AWS_SECRET_ACCESS_KEY": {"name": "other-team", "key": "k"}},
+               "hf_token_secret": {"name": "other-team", "key": "token"}, "pod_template_file": "/tmp/privileged.yaml",
+               "data_pvc": "other-team-data", "model_cache_read_only": False,
+               "annotations": {"iam.amazonaws.com/role": "admin"}, "runtime_class": "unconfined"}
+    tried = rejected = 0
+    for field, value in hostile.items():
+        for raw in (VARIABLE_TEMPLATE, "{{ params.pod }}", "{{ dag_run.conf['pod'] | tojson }}"):
+            tried += 1
+            op = rendered_operator(raw, json.dumps({"gpus": 1, field: value}))
+            try:
+                op.prepare_pod()
+            except AirflowFailException as e:
+                if f"kubernetes.{field} is deployment-owned" in str(e) and op.parts is None:
+                    rejected += 1
+                    continue
+                print(f"REFUSED FOR ANOTHER REASON {field} via {raw}: {e}")
+            else:
+                print(f"ACCEPTED {field} via {raw}")
+    # shard_env (the builder's templated env) from a trigger
+    for raw_env in ({"X": "{{ params.x }}"}, {"X": "{{ dag_run.conf['x'] }}"}):
+        tried += 1
+        op = rendered_operator(json.dumps({"gpus": 1}), json.dumps({"gpus": 1}), raw_env, {"X": "y"})
+        with pytest.raises(AirflowFailException, match="kubernetes.env is deployment-owned"):
+            op.prepare_pod()
+        rejected += 1
+    record_malicious("pod_identity_from_variable_or_trigger", tried, rejected)
+    assert rejected == tried
+    # placement and sizes from the Variable are fine, and the deployment config supplies the identity
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__KUBERNETES_DEFAULTS", json.dumps(
+        {"image": "registry.example.com/w:1", "service_account": "vllm-batch", "namespace": "ml"}))
+    op = rendered_operator(VARIABLE_TEMPLATE, json.dumps({"gpus": 2, "kueue_queue": "gpu", "memory": "64Gi"}))
+    pod = op.build_pod_request_obj(create_context(op, map_index=3))
+    assert base(pod).image == "registry.example.com/w:1" and pod.spec.service_account_name == "vllm-batch"
+    assert pod.metadata.namespace == "ml" and base(pod).resources.limits["nvidia.com/gpu"] == "2"
+    # with the opt-in, the Variable may set the identity too; a trigger still may not
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__DEPLOYMENT_SETTINGS_FROM_VARIABLES", "True")
+    op = rendered_operator(VARIABLE_TEMPLATE, json.dumps({"image": "registry.example.com/w:2"}))
+    assert base(op.build_pod_request_obj(create_context(op, map_index=3))).image == "registry.example.com/w:2"
+    op = rendered_operator("{{ params.pod }}", json.dumps({"image": "evil/x"}))
+    with pytest.raises(AirflowFailException, match="trigger params"):
+        op.prepare_pod()

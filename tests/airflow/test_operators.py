@@ -99,7 +99,7 @@ def test_plan_layers_spec_overrides_and_params_and_pushes_the_spec(tmp_path):
 @pytest.mark.parametrize("change, message", [
     ({"temperature": "hot"}, "sampling.temperature"),
     ({"runner": "docker"}, "runner='docker' is not a runner"),
-    ({"model": {"name": "/nonexistent/model"}}, "does not exist"),
+    ({"model": {"name": "@TMP@/nonexistent/model"}}, "does not exist"),  # inside the allow-list
     ({"duplicate_ids": True}, "duplicate"),
 ])
 def test_plan_fails_without_retry(tmp_path, change, message):
@@ -113,6 +113,8 @@ def test_plan_fails_without_retry(tmp_path, change, message):
         dataset(tmp_path, 10)
     runner = change.pop("runner", "local")
     temperature = change.pop("temperature", None)
+    if "model" in change:
+        change["model"]["name"] = change["model"]["name"].replace("@TMP@", str(tmp_path))
     doc = spec_doc(tmp_path, **change)
     if temperature is not None:
         doc["sampling"]["temperature"] = temperature  # as a bad form value would arrive

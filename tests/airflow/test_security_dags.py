@@ -63,3 +63,58 @@ def test_plan_task_refuses_a_path_outside_the_deployment_allow_list(airflow_sand
 
     assert not (box.data / "reruns" / TEMPLATE_FILTERS["path_safe"](run_id) / "_plan.json").exists()
     record_malicious("dag_allow_list", 1, 1)
+
+
+def _plan_refused(box, p, message: str) -> None:
+    """The run's plan failed on its first try (terminal), no shard ran, nothing was planned."""
+    from airflow_provider_vllm.builder import TEMPLATE_FILTERS
+
+    out = p.stdout + p.stderr
+    assert p.returncode != 0 and message in out, tail(p, 4000)
+    db = box.inspect(RERUN)
+    run_id = latest_run(db)
+    tis = {t["task_id"].split(".")[-1]: t for t in db["tis"] if t["run_id"] == run_id}
+    assert tis["plan"]["state"] == "failed" and tis["plan"]["try_number"] == 1
+    assert tis["shard"]["state"] == "upstream_failed"
+    assert not (box.data / "reruns" / TEMPLATE_FILTERS["path_safe"](run_id) / "_plan.json").exists()
+
+
+def test_rerun_dag_fails_closed_without_an_allow_list(airflow_sandbox):
+    """The default deployment: no [vllm_batch] allowed_uri_prefixes -> plan refuses, naming the setting."""
+    box = airflow_sandbox
+    write_parquet(box.data / "closed" / "part-0.parquet", ["a", "b"], ["one", "two"])
+    p = box.dags_test(RERUN, "2026-11-25", conf={"input_uri": str(box.data / "closed")},
+                      env={"AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES": ""})
+    _plan_refused(box, p, "no allowed locations are configured: set [vllm_batch] allowed_uri_prefixes")
+    record_malicious("dag_no_allow_list", 1, 1)
+
+
+HOSTILE_CONF = {  # values the form's schemas accept, refused by the deployment's rules in plan
+    "model path outside the allow-list": ({"model": "/etc/ssl"}, "model.name=/etc/ssl is outside the allowed"),
+    "another team's bucket": ({"input_uri": "s3://other-team/tickets/"}, "io.input_uri=s3://other-team/tickets"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE_CONF))
+def test_rerun_dag_refuses_a_hostile_conf_in_plan(airflow_sandbox, name):
+    box = airflow_sandbox
+    write_parquet(box.data / "hostile" / "part-0.parquet", ["a", "b"], ["one", "two"])
+    conf, message = HOSTILE_CONF[name]
+    p = box.dags_test(RERUN, "2026-11-26", conf={"input_uri": str(box.data / "hostile"), **conf})
+    _plan_refused(box, p, message)
+    record_malicious("dag_hostile_conf", 1, 1)
+
+
+def test_a_variable_cannot_turn_on_remote_code_without_the_deployments_opt_in(airflow_sandbox):
+    """vllm_batch_spec_overrides (a Variable more people can edit) sets trust_remote_code and a code-loading
+    compile backend; even with [vllm_batch] allow_remote_code the plan refuses: it came from a Variable."""
+    box = airflow_sandbox
+    write_parquet(box.data / "trc" / "part-0.parquet", ["a", "b"], ["one", "two"])
+    overrides = {"sampling.max_tokens": 32, "model.trust_remote_code": True,
+                 "engine.engine_kwargs": {"compilation_config": {"backend": "evil.module.compile"}}}
+    env = {"AIRFLOW_VAR_VLLM_BATCH_SPEC_OVERRIDES": json.dumps(overrides),
+           "AIRFLOW__VLLM_BATCH__ALLOW_REMOTE_CODE": "True"}
+    p = box.dags_test(RERUN, "2026-11-27", conf={"input_uri": str(box.data / "trc")}, env=env)
+    _plan_refused(box, p, "model.trust_remote_code is deployment-owned and came from a Variable")
+    assert "engine.engine_kwargs.compilation_config.backend is deployment-owned" in p.stdout + p.stderr
+    record_malicious("dag_variable_remote_code", 2, 2)

@@ -1,0 +1,140 @@
+"""Who set a value of the rendered job spec: the DAG file, a Variable, or whoever triggered the run.
+
+The spec is rendered from templates at run time, so its final values do not say where they
+came from. This module reads the *unrendered* values the DAG file handed to the operator and
+asks Jinja's own parser which context names each template reads (``jinja2.meta``, static
+analysis: nothing is rendered here). A literal is the DAG file's; a template that reads only
+dates, macros the DAG defines, ``conn`` or ``conf`` is too; one that reads ``var`` came from
+a Variable; ``params``, ``dag_run`` (its ``conf``), ``ti``/``task_instance`` (XCom),
+``run_id``, asset events or anything unknown came from the trigger, and an include that
+cannot be read, or whose name is itself computed, counts as the trigger's too (fail closed).
+
+``deployment_owned_violations`` applies the trust model (docs/security.md) to the layers
+the plan operator stacks (spec <- overrides <- params): deployment-owned settings
+(``spec_guard.DEPLOYMENT_OWNED`` plus whatever ``code_loading_options`` finds) may come
+from the DAG file (or the deployment config); from Variables only when
+``[vllm_batch] deployment_settings_from_variables = True``; from the trigger never.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from jinja2 import meta  # static analysis of templates only (see the module docstring)
+
+from airflow_provider_vllm.spec_guard import JINJA
+
+PARAMS = "trigger params"
+VARIABLES = "Variables"
+_SOURCE_OF = {"params": PARAMS, "var": VARIABLES}
+# Context names whose values neither a trigger nor a Variable chooses (the logical date is a
+# date; ``conf`` is the Airflow configuration; ``conn`` the deployment's Connections).
+_TRUSTED = frozenset({
+    "ds", "ds_nodash", "ts", "ts_nodash", "ts_nodash_with_tz", "logical_date", "data_interval_start",
+    "data_interval_end", "prev_data_interval_start_success", "prev_data_interval_end_success",
+    "prev_start_date_success", "prev_end_date_success", "start_date", "macros", "dag", "task", "conn", "conf",
+    "map_index_template", "test_mode", "expanded_ti_count", "try_number", "inlets", "outlets",
+})
+
+
+def template_sources(value: Any, env: Any, _depth: int = 0) -> set[str]:
+    """Who chose the strings inside ``value`` (a DAG-file value: a string, list or dict of them).
+
+    Empty set: the DAG file (a literal, or a template over trusted names only).
+    """
+    if isinstance(value, Mapping):
+        return set().union(set(), *(template_sources(v, env, _depth) for v in value.values()))
+    if isinstance(value, (list, tuple, set)):
+        return set().union(set(), *(template_sources(v, env, _depth) for v in value))
+    if not isinstance(value, str) or not JINJA.search(value):
+        return set()
+    if env is None or _depth > 8:
+        return {"the trigger (a template that could not be analysed)"}
+    try:
+        tree = env.parse(value)
+    except Exception:  # noqa: BLE001: a template Jinja cannot parse would not render either
+        return {"the trigger (a template that could not be parsed)"}
+    trusted = _TRUSTED | set(getattr(env, "globals", {}) or {})
+    sources = set()
+    for name in meta.find_undeclared_variables(tree):
+        if name in _SOURCE_OF:
+            sources.add(_SOURCE_OF[name])
+        elif name not in trusted:
+            sources.add(f"the trigger ({name})")
+    for ref in meta.find_referenced_templates(tree):
+        if ref is None:
+            sources.add("the trigger (an include whose name is computed)")
+            continue
+        try:
+            text = env.loader.get_source(env, ref)[0]
+        except Exception:  # noqa: BLE001: no loader, missing file
+            sources.add(f"the trigger (an include that could not be read: {ref})")
+            continue
+        sources |= template_sources(text, env, _depth + 1)
+    return sources
+
+
+def touches(key: str, path: str) -> bool:
+    return key == path or path.startswith(key + ".") or key.startswith(path + ".")
+
+
+def _at(node: Any, parts: list[str]) -> tuple[bool, Any]:
+    """(found, value) at ``parts`` of a raw DAG-file value; a string met on the way covers the rest."""
+    for i, part in enumerate(parts):
+        if isinstance(node, str):
+            return True, node
+        if not isinstance(node, Mapping) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
+
+
+def spec_layer_sources(raw_spec: Any, rendered_doc: Mapping[str, Any], path: str, env: Any) -> set[str] | None:
+    """Sources of ``path`` in the spec layer; None when that layer does not set it."""
+    if isinstance(raw_spec, str):  # one template for the whole spec: its sources cover every value
+        found, _ = _at(rendered_doc, path.split("."))
+        return template_sources(raw_spec, env) if found else None
+    found, node = _at(raw_spec, path.split("."))
+    return template_sources(node, env) if found else None
+
+
+def overrides_layer_sources(raw_overrides: Any, rendered: Mapping[str, Any], path: str, env: Any,
+                            aliases: Mapping[str, str | None]) -> set[str] | None:
+    """Sources of ``path`` in the overrides layer (flat dotted keys / aliases); None when it is not set there."""
+    hit = None
+    for key, value in rendered.items():
+        target = aliases.get(key, key)
+        if target is None or not touches(target, path):
+            continue
+        if isinstance(raw_overrides, Mapping):
+            got = template_sources(raw_overrides.get(key), env)
+        else:
+            got = template_sources(raw_overrides, env)
+        hit = (hit or set()) | got
+    return hit
+
+
+def violations(owned: Iterable[str], layers: list[Any], variables_allowed: bool) -> list[str]:
+    """Messages for deployment-owned ``owned`` paths set by a source that may not set them.
+
+    ``layers``: functions ``path -> set | None``, latest (winning) layer first.
+    """
+    problems = []
+    for path in owned:
+        sources = None
+        for layer in layers:
+            sources = layer(path)
+            if sources is not None:
+                break
+        if not sources:
+            continue  # the DAG file (or nothing)
+        bad = sorted(s for s in sources if s != VARIABLES)
+        if bad:
+            problems.append(f"{path} is deployment-owned and came from {', '.join(bad)}; set it in the DAG file or "
+                            "the deployment config ([vllm_batch]), never from a trigger")
+        elif not variables_allowed:
+            problems.append(f"{path} is deployment-owned and came from a Variable; Variables may set it only with "
+                            "[vllm_batch] deployment_settings_from_variables = True "
+                            "(AIRFLOW__VLLM_BATCH__DEPLOYMENT_SETTINGS_FROM_VARIABLES)")
+    return problems
