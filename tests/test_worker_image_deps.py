@@ -16,8 +16,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# What vllm/vllm-openai brings that the worker imports (vLLM's own requirements).
-VLLM_IMAGE = {"vllm", "torch", "numpy", "pydantic", "yaml", "psutil", "pynvml", "transformers"}
+# What vllm/vllm-openai brings that the worker imports (vLLM's own requirements; pydantic_core is
+# pydantic's own dependency, pinned by it).
+VLLM_IMAGE = {"vllm", "torch", "numpy", "pydantic", "pydantic_core", "yaml", "psutil", "pynvml", "transformers"}
 # Reached by the static walk but never run by the worker: planning imports DuckDB only inside
 # plan_job's helpers (the plan task, on the Airflow side).
 NOT_RUN_BY_WORKER = {"duckdb"}
