@@ -381,14 +381,14 @@ def choose_layout(shape: ModelShape, *, requested_tp: int = 1, gpu_budget: int |
                    + (f"tensor_parallel_size {fitting} fits" if fitting else
                       f"valid sizes: {', '.join(str(t) for t in plans) or 'none up to ' + str(max_tp)}"))
         reasons.append(refusal)
-    elif fitting is None:
+    elif fitting is None and not (mp_req and starts(mp_req)):  # (a TP above 8 that fits is respected)
         verdict = "does_not_fit"
         tp = requested_tp
         reasons.append(f"{fit_line} do not fit in {where} at any tensor_parallel_size up to {max_tp}")
         refusal = (f"the model does not fit {max_tp} GPU(s) of {gib:.1f} GiB at any tensor_parallel_size "
                    f"(engine.tensor_parallel_size {requested_tp}): use larger GPUs, quantization, a lower "
                    "model.max_model_len or more GPUs per pod")
-    elif requested_tp < fitting or not starts(use):
+    elif (fitting is not None and requested_tp < fitting) or not starts(use):
         verdict = "too_small"
         reasons.append(f"{fit_line} do not fit in {where}")
         refusal = (f"engine.tensor_parallel_size {requested_tp} does not fit: weights {g(use.weights_bytes)} + "
@@ -401,7 +401,7 @@ def choose_layout(shape: ModelShape, *, requested_tp: int = 1, gpu_budget: int |
         if tp == 1:
             verdict = "fits"
             reasons.append("run shards in parallel, one per GPU (" + MEASURED_SCALEOUT + ")")
-        elif tp == fitting:
+        elif fitting is None or tp == fitting:
             verdict = "fits"
             reasons.append(f"the model does not fit tensor_parallel_size {_prev(plans, tp)}: one engine per "
                            f"{tp} GPUs, shards in parallel over the TP groups")

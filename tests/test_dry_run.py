@@ -217,6 +217,12 @@ def test_70b_bf16_on_80gib_gpus_needs_tensor_parallel_and_default_tp_1_is_refuse
     none = _layout(LLAMA3_70B, 39.4, tp=1, budget=2)
     assert none.verdict == "does_not_fit" and none.fitting_tensor_parallel_size is None
     assert "does not fit 2 GPU(s)" in none.refusal
+    # 405B-like: nothing up to 8 GPUs of 80 GiB fits; an explicit TP 16 (multi-node) is respected, not refused
+    big = {**LLAMA3_70B, "num_hidden_layers": 126, "hidden_size": 16384, "num_attention_heads": 128,
+           "intermediate_size": 53248}
+    assert _layout(big, 79.2, tp=8).verdict == "does_not_fit"
+    sixteen = _layout(big, 79.2, tp=16)
+    assert sixteen.verdict == "fits" and sixteen.refusal is None and sixteen.gpus_per_pod == 16
 
 
 def test_explicit_tp_larger_than_needed_is_respected_with_the_measured_cost():
