@@ -171,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a spec field (dotted path or DAG param alias); VALUE is JSON or a string")
     ap.add_argument("--gpu-memory-gib", type=float, help="memory per GPU (default: from sharding.hardware / history)")
-    ap.add_argument("--gpus", type=_positive_int, help="GPU budget (GPUs the job may use at once): prints max_active_shards")
+    ap.add_argument("--gpus", type=_positive_int,
+                    help="GPU budget (GPUs the job may use at once): prints max_active_shards")
     ap.add_argument("--model-config", help="the model's config.json when model.name is neither a folder nor cached")
     ap.add_argument("--tokens-per-s", type=float, default=ASSUMED_TOKENS_PER_S, help="throughput without history")
     ap.add_argument("--engine-start-s", type=float, default=ASSUMED_ENGINE_START_S, help="engine start without history")

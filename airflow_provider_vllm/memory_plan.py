@@ -426,7 +426,8 @@ def choose_layout(shape: ModelShape, *, requested_tp: int = 1, gpu_budget: int |
         gpu_memory_gib=round(gib, 2), gpu_memory_utilization=util, weights_gib=round(use.weights_bytes / GiB, 2),
         kv_one_seq_gib=round(one_seq / GiB, 3), kv_available_gib=round(use.kv_available_bytes / GiB, 2),
         full_length_seqs=int(full), gpus_per_pod=tp, gpu_budget=gpu_budget,
-        max_active_shards=(gpu_budget // tp) if gpu_budget and not refusal else None, verdict=verdict, reasons=tuple(reasons),
+        max_active_shards=(gpu_budget // tp) if gpu_budget and not refusal else None, verdict=verdict,
+        reasons=tuple(reasons),
         warnings=tuple(warnings), refusal=refusal,
     )
 
