@@ -1,11 +1,15 @@
 """Dry run: what a job would cost, before anything is launched.
 
     python -m airflow_provider_vllm.dry_run examples/job.yaml [--set io.input_uri=/data/in/] [--json]
-        [--gpu-memory-gib 139.8] [--model-config path/config.json] [--tokens-per-s N] [--engine-start-s S]
+        [--gpu-memory-gib 139.8] [--gpus N] [--model-config path/config.json] [--tokens-per-s N]
+        [--engine-start-s S]
 
 Validates the spec and the input (the plan step's checks, nothing written), then prints rows,
 estimated prompt and output tokens, shards, estimated inference time and GPU-hours, and a GPU
-memory plan from the model's config.json (``memory_plan.py``). Throughput comes from the
+memory plan from the model's config.json (``memory_plan.py``) with the GPU layout it picks
+(``choose_layout``: tensor_parallel_size and GPUs per shard pod, and why; with ``--gpus N``, the
+shards to run at once). A spec whose engine.tensor_parallel_size cannot run (too small for the
+model on a GPU of known memory, or one the heads do not divide over) is refused. Throughput comes from the
 throughput history (``sharding.history_uri``, see ``sizing.py``) when it has records for the
 model; otherwise from ``--tokens-per-s`` / ``--engine-start-s``, and the report says so.
 Exit status: 0, or 2 on an invalid spec or dataset (message on stderr).
@@ -20,10 +24,11 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-from airflow_provider_vllm.errors import EXIT_TERMINAL, VllmBatchError
+from airflow_provider_vllm.errors import EXIT_TERMINAL, SpecError, VllmBatchError
 from airflow_provider_vllm.memory_plan import (
     GiB,
     ModelShape,
+    choose_layout,
     gpu_memory_gib,
     load_model_config,
     plan_memory,
@@ -40,8 +45,13 @@ ASSUMED_GPU_MEMORY_GIB = 80.0
 
 def dry_run_report(spec: JobSpec, *, tokens_per_s: float = ASSUMED_TOKENS_PER_S,
                    engine_start_s: float = ASSUMED_ENGINE_START_S, gpu_memory: float | None = None,
-                   model_config: dict[str, Any] | None = None, checkpoint_bytes: int | None = None) -> dict[str, Any]:
-    """The dry-run report as a dict (see ``format_report``); raises DatasetError/SpecError like the plan."""
+                   model_config: dict[str, Any] | None = None, checkpoint_bytes: int | None = None,
+                   gpus: int | None = None) -> dict[str, Any]:
+    """The dry-run report as a dict (see ``format_report``); raises DatasetError/SpecError like the plan.
+
+    ``gpus``: the GPU budget (GPUs the job may use at once) for ``layout.max_active_shards``. Raises
+    SpecError when the layout refuses the spec's engine.tensor_parallel_size.
+    """
     plan = build_plan(spec)
     records = read_history(spec.sharding.history_uri, spec.io.storage_options) if spec.sharding.history_uri else []
     ev = find_evidence(spec, records)
@@ -63,11 +73,16 @@ def dry_run_report(spec: JobSpec, *, tokens_per_s: float = ASSUMED_TOKENS_PER_S,
         "tensor_parallel_size": tp, "est_gpu_hours": round(gpu_s / 3600, 3),
         "assumptions": {} if ev is not None else {"tokens_per_s": tokens_per_s, "engine_start_s": engine_start_s},
     }
-    report["memory"] = _memory(spec, work, ev, gpu_memory, model_config, checkpoint_bytes)
+    report["memory"] = _memory(spec, work, ev, gpu_memory, model_config, checkpoint_bytes, gpus)
+    layout = report["memory"].pop("layout", None)
+    report["layout"] = layout
+    if layout and layout["refusal"] and (layout["verdict"] == "invalid_tp" or layout["memory_known"]):
+        raise SpecError("layout: " + layout["refusal"])
     return report
 
 
-def _memory(spec: JobSpec, work, ev, gpu_memory: float | None, cfg: dict | None, ckpt: int | None) -> dict[str, Any]:
+def _memory(spec: JobSpec, work, ev, gpu_memory: float | None, cfg: dict | None, ckpt: int | None,
+            gpus: int | None = None) -> dict[str, Any]:
     source = "given"
     if cfg is None:
         try:
@@ -95,9 +110,21 @@ def _memory(spec: JobSpec, work, ev, gpu_memory: float | None, cfg: dict | None,
             kv_cache_dtype=spec.engine.engine_kwargs.get("kv_cache_dtype"), weights_bytes=ckpt,
             expected_seq_tokens=expected,
         )
+        layout = choose_layout(
+            shape, requested_tp=spec.engine.tensor_parallel_size, gpu_budget=gpus, max_model_len=int(max_len),
+            gpu_memory_bytes=int(gib * GiB), max_num_seqs=spec.engine.max_num_seqs,
+            gpu_memory_utilization=spec.engine.gpu_memory_utilization, dtype=spec.model.dtype,
+            quantization=spec.model.quantization, kv_cache_dtype=spec.engine.engine_kwargs.get("kv_cache_dtype"),
+            weights_bytes=ckpt,
+        )
     except ValueError as e:
         return {"available": False, "reason": str(e)}
-    return {"available": True, "config": source, "gpu_memory_gib": gib, "gpu_memory_source": gib_src,
+    known = not gib_src.startswith("assumed")
+    lay = {**asdict(layout), "memory_known": known, "lines": layout.lines()}
+    if layout.refusal and not known and layout.verdict != "invalid_tp":
+        lay["lines"] = [x.replace("layout: REFUSED:", "layout: WOULD BE REFUSED (GPU memory assumed; set "
+                                  "sharding.hardware or pass --gpu-memory-gib):") for x in lay["lines"]]
+    return {"layout": lay, "available": True, "config": source, "gpu_memory_gib": gib, "gpu_memory_source": gib_src,
             "architecture": shape.architecture, **asdict(mp), "lines": mp.lines()}
 
 
@@ -126,6 +153,8 @@ def format_report(r: dict[str, Any]) -> str:
         f"per shard; ~{r['est_shard_minutes']:.1f} min per shard",
         f"  GPU-hours        ~{r['est_gpu_hours']:.2f} (tensor_parallel_size {r['tensor_parallel_size']})",
     ]
+    if r.get("layout"):
+        lines += [f"  {x}" for x in r["layout"]["lines"]]
     m = r["memory"]
     if not m["available"]:
         lines.append(f"  memory plan      not available: {m['reason']}")
@@ -142,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a spec field (dotted path or DAG param alias); VALUE is JSON or a string")
     ap.add_argument("--gpu-memory-gib", type=float, help="memory per GPU (default: from sharding.hardware / history)")
+    ap.add_argument("--gpus", type=_positive_int,
+                    help="GPU budget (GPUs the job may use at once): prints max_active_shards")
     ap.add_argument("--model-config", help="the model's config.json when model.name is neither a folder nor cached")
     ap.add_argument("--tokens-per-s", type=float, default=ASSUMED_TOKENS_PER_S, help="throughput without history")
     ap.add_argument("--engine-start-s", type=float, default=ASSUMED_ENGINE_START_S, help="engine start without history")
@@ -156,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.model_config, encoding="utf-8") as f:
                 cfg = json.load(f)
         report = dry_run_report(spec, tokens_per_s=args.tokens_per_s, engine_start_s=args.engine_start_s,
-                                gpu_memory=args.gpu_memory_gib, model_config=cfg)
+                                gpu_memory=args.gpu_memory_gib, model_config=cfg, gpus=args.gpus)
     except VllmBatchError as e:
         print(f"dry run failed: {e}", file=sys.stderr)
         return e.exit_code
@@ -165,6 +196,13 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_TERMINAL
     print(json.dumps(report, indent=1, default=str) if args.json else format_report(report))
     return 0
+
+
+def _positive_int(raw: str) -> int:
+    n = int(raw)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
 
 
 def _kv(item: str) -> tuple[str, Any]:

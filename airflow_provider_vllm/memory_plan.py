@@ -264,3 +264,174 @@ def safetensors_bytes(folder: str) -> int | None:
             header = json.loads(f.read(n))
         total += sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__")
     return total
+
+
+# ---- GPU layout: tensor parallel only when the model does not fit one GPU -------------------
+TP_SIZES = (1, 2, 4, 8)
+FEW_FULL_LENGTH_SEQS = 4  # fewer max_model_len sequences than this at the chosen TP: a warning
+MEASURED_SCALEOUT = ("measured on 2 H200s (docs/BENCHMARKS.md section 5): two shards, one per GPU, 1.97x one "
+                     "GPU; tensor_parallel_size 2 over the same two GPUs 1.13x")
+
+
+def tp_problem(shape: ModelShape, tp: int) -> str | None:
+    """Why vLLM cannot split ``shape`` over ``tp`` GPUs, or None.
+
+    vLLM needs the attention heads to divide evenly over TP; KV heads divide evenly too, or,
+    with more GPUs than KV heads, TP must be a multiple of them (each KV head is replicated).
+    """
+    if tp < 1:
+        return f"tensor_parallel_size must be >= 1, got {tp}"
+    if shape.heads % tp:
+        return f"{shape.heads} attention heads do not divide over {tp} GPUs"
+    if tp <= shape.kv_heads and shape.kv_heads % tp:
+        return f"{shape.kv_heads} KV heads do not divide over {tp} GPUs"
+    if tp > shape.kv_heads and tp % shape.kv_heads:
+        return f"{tp} GPUs are not a multiple of the {shape.kv_heads} KV heads"
+    return None
+
+
+@dataclass(frozen=True)
+class GpuLayout:
+    """Which tensor-parallel size and pod layout a job runs with, and why.
+
+    Data parallel is the layout: one shard pod (one engine) per TP group of GPUs, i.e. one
+    pod per GPU at TP 1; Kubernetes places the pods and Airflow maps the shards, so a node
+    of G GPUs runs G / TP shards at once (``max_active_shards``). TP > 1 only when one GPU
+    cannot hold the model (weights + overhead + the KV cache of one max_model_len sequence,
+    vLLM's condition to start): on a model that fits, TP costs throughput (MEASURED_SCALEOUT).
+    """
+
+    tensor_parallel_size: int  # what the job runs with: the spec's (respected when it fits)
+    fitting_tensor_parallel_size: int | None  # smallest TP that fits; None: none up to max_tensor_parallel_size
+    max_tensor_parallel_size: int
+    gpu_memory_gib: float
+    gpu_memory_utilization: float
+    weights_gib: float  # per GPU, at tensor_parallel_size
+    kv_one_seq_gib: float  # one max_model_len sequence, per GPU, at tensor_parallel_size
+    kv_available_gib: float  # per GPU, at tensor_parallel_size
+    full_length_seqs: int  # max_model_len sequences the KV cache holds at tensor_parallel_size
+    gpus_per_pod: int  # == tensor_parallel_size: the pod's GPU request
+    gpu_budget: int | None
+    max_active_shards: int | None  # gpu_budget // tensor_parallel_size
+    verdict: str  # "fits" | "larger_than_needed" | "too_small" | "invalid_tp" | "does_not_fit"
+    reasons: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
+    refusal: str | None = None  # set when the spec's tensor_parallel_size cannot run
+
+    def summary(self) -> str:
+        tp = self.tensor_parallel_size
+        gpu = "1 GPU" if tp == 1 else f"{tp} GPUs"
+        return f"{gpu} per shard pod (TP={tp})"
+
+    def lines(self) -> list[str]:
+        if self.refusal:
+            alt = self.fitting_tensor_parallel_size
+            return [f"layout: REFUSED: {self.refusal}"] + ([
+                f"layout that fits: {alt} GPU{'s' if alt > 1 else ''} per shard pod (TP={alt}), shards in parallel "
+                f"over the TP groups"] if alt else []) + [f"WARNING: {w}" for w in self.warnings]
+        out = [f"layout: {self.summary()}: " + "; ".join(self.reasons)]
+        if self.max_active_shards is not None:
+            out.append(f"max_active_shards: {self.max_active_shards} (GPU budget {self.gpu_budget} / TP "
+                       f"{self.tensor_parallel_size}): run that many shards at once, one pod per TP group")
+        else:
+            out.append(f"max_active_shards: GPUs / {self.tensor_parallel_size} for the GPUs the job may use at once "
+                       "(--gpus N prints it; builder's max_active_shards)")
+        return out + [f"WARNING: {w}" for w in self.warnings]
+
+
+def choose_layout(shape: ModelShape, *, requested_tp: int = 1, gpu_budget: int | None = None,
+                  **plan_kwargs: Any) -> GpuLayout:
+    """The GPU layout for ``shape``; ``plan_kwargs`` are ``plan_memory``'s (not tensor_parallel_size).
+
+    Tries TP 1, 2, 4, 8 (those the heads divide over, up to ``gpu_budget``) and takes the
+    smallest at which one max_model_len sequence fits next to the weights and the overhead.
+    The spec's TP (``requested_tp``) is respected when it fits: larger than needed is a
+    warning with the measured cost, smaller than needed (or one vLLM cannot split the model
+    over) is a refusal naming engine.tensor_parallel_size and the TP that fits.
+    """
+    plan_kwargs.pop("tensor_parallel_size", None)
+    max_tp = min(TP_SIZES[-1], gpu_budget) if gpu_budget else TP_SIZES[-1]
+    plans = {t: plan_memory(shape, tensor_parallel_size=t, **plan_kwargs)
+             for t in TP_SIZES if t <= max_tp and tp_problem(shape, t) is None}
+
+    def starts(mp: MemoryPlan) -> bool:
+        return mp.kv_available_bytes >= mp.kv_bytes_per_token * mp.max_model_len > 0
+
+    fitting = next((t for t, mp in plans.items() if starts(mp)), None)
+    bad = tp_problem(shape, requested_tp)
+    mp_req = plans.get(requested_tp) or (None if bad else plan_memory(shape, tensor_parallel_size=requested_tp,
+                                                                      **plan_kwargs))
+    use = mp_req or plans.get(fitting or 0) or next(iter(plans.values()), None) or plan_memory(
+        shape, tensor_parallel_size=1, **plan_kwargs)
+    tp = use.tensor_parallel_size
+    g = lambda b: f"{b / GiB:.1f} GiB"  # noqa: E731
+    gib = use.gpu_memory_bytes / GiB
+    util = use.gpu_memory_utilization
+    one_seq = use.kv_bytes_per_token * use.max_model_len
+    fit_line = (f"weights {g(use.weights_bytes)} + {g(use.overhead_bytes)} overhead + KV {g(one_seq)} "
+                f"(one sequence of {use.max_model_len} tokens) per GPU")
+    reasons: list[str] = []
+    warnings: list[str] = []
+    refusal = None
+    where = f"{util:g} x {gib:.1f} GiB"
+    if bad:
+        verdict = "invalid_tp"
+        tp = requested_tp
+        refusal = (f"engine.tensor_parallel_size {requested_tp}: {bad}; "
+                   + (f"tensor_parallel_size {fitting} fits" if fitting else
+                      f"valid sizes: {', '.join(str(t) for t in plans) or 'none up to ' + str(max_tp)}"))
+        reasons.append(refusal)
+    elif fitting is None and not (mp_req and starts(mp_req)):  # (a TP above 8 that fits is respected)
+        verdict = "does_not_fit"
+        tp = requested_tp
+        reasons.append(f"{fit_line} do not fit in {where} at any tensor_parallel_size up to {max_tp}")
+        refusal = (f"the model does not fit {max_tp} GPU(s) of {gib:.1f} GiB at any tensor_parallel_size "
+                   f"(engine.tensor_parallel_size {requested_tp}): use larger GPUs, quantization, a lower "
+                   "model.max_model_len or more GPUs per pod")
+    elif (fitting is not None and requested_tp < fitting) or not starts(use):
+        verdict = "too_small"
+        reasons.append(f"{fit_line} do not fit in {where}")
+        refusal = (f"engine.tensor_parallel_size {requested_tp} does not fit: weights {g(use.weights_bytes)} + "
+                   f"overhead {g(use.overhead_bytes)} + KV {g(one_seq)} for one {use.max_model_len}-token sequence "
+                   f"exceed {where} per GPU; tensor_parallel_size {fitting} fits "
+                   f"(set engine.tensor_parallel_size: {fitting})")
+    else:
+        seqs = use.kv_available_bytes // one_seq
+        reasons.append(f"{fit_line} fit in {where} ({seqs} full-length sequences)")
+        if tp == 1:
+            verdict = "fits"
+            reasons.append("run shards in parallel, one per GPU (" + MEASURED_SCALEOUT + ")")
+        elif fitting is None or tp == fitting:
+            verdict = "fits"
+            reasons.append(f"the model does not fit tensor_parallel_size {_prev(plans, tp)}: one engine per "
+                           f"{tp} GPUs, shards in parallel over the TP groups")
+        else:
+            verdict = "larger_than_needed"
+            reasons.append(f"engine.tensor_parallel_size {tp} respected")
+            warnings.append(f"engine.tensor_parallel_size {tp} is larger than needed: the model fits "
+                            f"tensor_parallel_size {fitting}; expect more throughput from {tp // fitting} shards at "
+                            f"TP={fitting} on the same GPUs ({MEASURED_SCALEOUT})")
+        bigger = [t for t in plans if t > tp]
+        if verdict != "larger_than_needed" and seqs < FEW_FULL_LENGTH_SEQS and bigger:
+            more = plans[bigger[0]]
+            warnings.append(f"only {seqs} sequence(s) of max_model_len {use.max_model_len} fit the KV cache at "
+                            f"TP={tp}: long rows will run few at a time; lower model.max_model_len if rows are "
+                            f"short, or set engine.tensor_parallel_size {bigger[0]} "
+                            f"({more.kv_available_bytes // (more.kv_bytes_per_token * more.max_model_len)} fit)")
+    if gpu_budget is not None and tp > gpu_budget:
+        warnings.append(f"tensor_parallel_size {tp} needs more GPUs than the budget of {gpu_budget}: no shard can run")
+    full = max(0, use.kv_available_bytes // one_seq) if one_seq else 0
+    return GpuLayout(
+        tensor_parallel_size=tp, fitting_tensor_parallel_size=fitting, max_tensor_parallel_size=max_tp,
+        gpu_memory_gib=round(gib, 2), gpu_memory_utilization=util, weights_gib=round(use.weights_bytes / GiB, 2),
+        kv_one_seq_gib=round(one_seq / GiB, 3), kv_available_gib=round(use.kv_available_bytes / GiB, 2),
+        full_length_seqs=int(full), gpus_per_pod=tp, gpu_budget=gpu_budget,
+        max_active_shards=(gpu_budget // tp) if gpu_budget and not refusal else None, verdict=verdict,
+        reasons=tuple(reasons),
+        warnings=tuple(warnings), refusal=refusal,
+    )
+
+
+def _prev(plans: dict[int, MemoryPlan], tp: int) -> int:
+    smaller = [t for t in plans if t < tp]
+    return smaller[-1] if smaller else 1

@@ -8,9 +8,10 @@ uid/gid, no privilege escalation, every capability dropped, seccomp RuntimeDefau
 namespaces, ports or paths, no service-account token. Writable places are ``emptyDir``s:
 ``/tmp``, ``/cache`` (HF, vLLM, Triton and torch caches) and ``/dev/shm`` (memory medium).
 
-GPUs: ``tensor_parallel_size * pipeline_parallel_size`` of ``settings.gpu_resource`` unless
-``settings.gpus`` says otherwise. NVLink multicast (NVLS) stays off in every pod: on a shared
-host it can take GPUs out of service for every tenant.
+GPUs: ``tensor_parallel_size * pipeline_parallel_size`` of ``settings.gpu_resource`` (one
+engine per pod; ``settings.gpus`` may only say 0, a CPU pod, or the same count). NVLink
+multicast (NVLS) stays off in every pod: on a shared host it can take GPUs out of service for
+every tenant.
 """
 
 from __future__ import annotations
@@ -57,13 +58,23 @@ BASE_ENV = {
 
 
 def gpu_count(spec: JobSpec, settings: KubernetesSettings) -> int:
-    """GPUs one shard pod requests: ``settings.gpus`` or TP x PP of the spec's engine."""
-    if settings.gpus is not None:
-        return settings.gpus
+    """GPUs one shard pod requests: TP x PP of the spec's engine (one engine per pod).
+
+    ``settings.gpus`` may say 0 (a CPU pod) or repeat TP x PP; any other count is refused: fewer
+    GPUs than the engine spans cannot start it, more sit idle in the pod (run more shards at
+    once instead, one pod per TP group: memory_plan.choose_layout).
+    """
     pp = spec.engine.engine_kwargs.get("pipeline_parallel_size", 1)
-    if not isinstance(pp, int) or pp < 1:
+    if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
         raise SpecError(f"engine.engine_kwargs.pipeline_parallel_size must be a positive integer, got {pp!r}")
-    return spec.engine.tensor_parallel_size * pp
+    engine_gpus = spec.engine.tensor_parallel_size * pp
+    if settings.gpus is not None and settings.gpus not in (0, engine_gpus):
+        raise SpecError(
+            f"kubernetes.gpus={settings.gpus} but the engine spans engine.tensor_parallel_size x "
+            f"pipeline_parallel_size = {engine_gpus} GPU(s): the pod's GPU request must equal it (0 for a CPU pod); "
+            "to use more GPUs run more shards at once (one pod per GPU at tensor_parallel_size 1)"
+        )
+    return engine_gpus if settings.gpus is None else settings.gpus
 
 
 def shm_bytes(settings: KubernetesSettings, gpus: int) -> int:

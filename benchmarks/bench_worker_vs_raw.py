@@ -6,8 +6,12 @@
 
 Workloads:
   classify  ~120-token chat prompts (system prompt listing 8 labels + "Ticket: {text}"),
-            structured choice over the 8 labels, max_tokens 8, temperature 0 (default 600 rows)
-  generate  ~500-token chat prompts, max_tokens 200, temperature 0 (default 60 rows)
+            structured choice over the 8 labels, max_tokens 8, temperature 0 (default 600 rows;
+            --gpu: 20,000)
+  generate  ~500-token chat prompts, max_tokens 200, temperature 0 (default 60 rows; --gpu: 1,000)
+
+The defaults are for the CPU build (slow). ``--gpu`` sets GPU run lengths: >= 20 s of inference per side
+on one H200 (Llama-3-8B shape), long enough to tell a regression from run-to-run drift.
 
     .venv/bin/python benchmarks/bench_worker_vs_raw.py --workload all     # both workloads, one command
     options: --api generate (task generate vs LLM.generate over text prompts; default chat vs
@@ -57,9 +61,14 @@ SYSTEM_GENERATE = (
     "summarise the problem, apologise where appropriate, and list the next steps."
 )
 WORKLOADS = {
-    "classify": {"rows": 600, "max_tokens": 8, "sentences": 1, "system": SYSTEM_CLASSIFY, "structured": True},
-    "generate": {"rows": 60, "max_tokens": 200, "sentences": 25, "system": SYSTEM_GENERATE, "structured": False},
+    "classify": {"rows": 600, "gpu_rows": 20000, "max_tokens": 8, "sentences": 1, "system": SYSTEM_CLASSIFY,
+                 "structured": True},
+    "generate": {"rows": 60, "gpu_rows": 1000, "max_tokens": 200, "sentences": 25, "system": SYSTEM_GENERATE,
+                 "structured": False},
 }
+"""``rows``: CPU defaults (the CPU build is slow). ``gpu_rows`` (``--gpu``): >= 20 s of inference per side
+on one H200 with the Llama-3-8B shape (classify ran ~600-900 rows/s: 20,000 rows ~25-35 s; generate ~37 rows/s:
+1,000 rows ~27 s). Shorter GPU runs (4,000 classify rows, 5-7 s) were too noisy to tell a regression from drift."""
 
 ENV_SETTINGS = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -235,7 +244,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workload", choices=sorted(WORKLOADS) + ["all"], default="classify",
                     help="all: classify, then generate, in one command")
-    ap.add_argument("--rows", type=int, help="default: 600 (classify) / 60 (generate)")
+    ap.add_argument("--rows", type=int, help="default: 600 (classify) / 60 (generate); with --gpu 20000 / 1000")
+    ap.add_argument("--gpu", action="store_true",
+                    help="GPU run lengths (>= 20 s of inference per side on an H200): 20000 classify / 1000 "
+                    "generate rows, unless --rows")
     ap.add_argument("--model", help="model folder (default: SmolLM2 prepared by prepare_smollm2)")
     ap.add_argument("--pairs", type=int, default=2, help="raw/worker pairs, run alternately")
     ap.add_argument("--order", choices=["abab", "abba"], default="abab",
@@ -269,7 +281,7 @@ def main() -> int:
 
 def run_workload(args, workload: str) -> float:
     """One workload: alternate raw and worker runs, print and record them; returns the ratio of medians."""
-    rows = args.rows or WORKLOADS[workload]["rows"]
+    rows = args.rows or WORKLOADS[workload]["gpu_rows" if getattr(args, "gpu", False) else "rows"]
     env = {**os.environ, **ENV_SETTINGS}
 
     import pyarrow as pa

@@ -175,3 +175,136 @@ def test_engine_kwargs_load_format_is_limited_to_safe_formats(tmp_path):
     assert ok.engine.engine_kwargs == {"load_format": "dummy"}  # 8B-shape GPU benchmarks without a checkpoint
     with pytest.raises(SpecError, match="load_format 'pt' not allowed"):
         make_spec(tmp_path / "in", tmp_path / "out", engine={"engine_kwargs": {"load_format": "pt"}})
+
+
+# ---- the GPU layout ------------------------------------------------------------------------------
+LLAMA3_70B = {**LLAMA3_8B, "num_hidden_layers": 80, "hidden_size": 8192, "num_attention_heads": 64,
+              "intermediate_size": 28672}
+
+
+def _layout(cfg, gib, tp=1, budget=None, **kw):
+    from airflow_provider_vllm.memory_plan import choose_layout
+
+    return choose_layout(ModelShape.from_config(cfg), requested_tp=tp, gpu_budget=budget,
+                         max_model_len=kw.pop("max_model_len", 8192), gpu_memory_bytes=int(gib * GiB), **kw)
+
+
+@pytest.mark.parametrize("hardware", ["1x NVIDIA H200", "NVIDIA A100-SXM4-80GB", "H100"])
+def test_8b_fits_one_gpu_so_the_layout_is_one_pod_per_gpu(hardware):
+    lay = _layout(LLAMA3_8B, gpu_memory_gib(hardware), budget=8)
+    assert lay.verdict == "fits" and lay.tensor_parallel_size == lay.fitting_tensor_parallel_size == 1
+    assert lay.gpus_per_pod == 1 and lay.max_active_shards == 8 and not lay.refusal and not lay.warnings
+    assert lay.weights_gib == round(8_030_261_248 * 2 / GiB, 2)
+    text = "\n".join(lay.lines())
+    assert text.startswith("layout: 1 GPU per shard pod (TP=1): weights 15.0 GiB") and "1.97x" in text
+    assert "1.13x" in text and "max_active_shards: 8" in text
+
+
+def test_70b_bf16_on_80gib_gpus_needs_tensor_parallel_and_default_tp_1_is_refused():
+    lay = _layout(LLAMA3_70B, 79.2, tp=1, budget=8)
+    assert lay.verdict == "too_small" and lay.fitting_tensor_parallel_size == 2 and lay.max_active_shards is None
+    assert "engine.tensor_parallel_size 1 does not fit" in lay.refusal and "tensor_parallel_size: 2" in lay.refusal
+    assert lay.lines()[0].startswith("layout: REFUSED") and "TP=2" in lay.lines()[1]
+    two = _layout(LLAMA3_70B, 79.2, tp=2, budget=8)
+    assert two.verdict == "fits" and two.gpus_per_pod == 2 and two.max_active_shards == 4 and not two.refusal
+    # 65.7 GiB of weights per GPU leave room for only 2 sequences of 8192 tokens: said, with the TP that holds more
+    assert two.full_length_seqs == 2 and "set engine.tensor_parallel_size 4" in two.warnings[0]
+    assert not _layout(LLAMA3_70B, 79.2, tp=2, max_model_len=2048).warnings  # short context: 2 is plenty
+    # on 40 GiB GPUs 70B bf16 at 8192 tokens needs 8 (at 4: 0.6 GiB of KV, less than one 0.62 GiB sequence)
+    assert _layout(LLAMA3_70B, 39.4, tp=8).verdict == "fits"
+    assert _layout(LLAMA3_70B, 39.4, tp=4).fitting_tensor_parallel_size == 8
+    assert _layout(LLAMA3_70B, 39.4, tp=4, max_model_len=4096).verdict == "fits"
+    none = _layout(LLAMA3_70B, 39.4, tp=1, budget=2)
+    assert none.verdict == "does_not_fit" and none.fitting_tensor_parallel_size is None
+    assert "does not fit 2 GPU(s)" in none.refusal
+    # 405B-like: nothing up to 8 GPUs of 80 GiB fits; an explicit TP 16 (multi-node) is respected, not refused
+    big = {**LLAMA3_70B, "num_hidden_layers": 126, "hidden_size": 16384, "num_attention_heads": 128,
+           "intermediate_size": 53248}
+    assert _layout(big, 79.2, tp=8).verdict == "does_not_fit"
+    sixteen = _layout(big, 79.2, tp=16)
+    assert sixteen.verdict == "fits" and sixteen.refusal is None and sixteen.gpus_per_pod == 16
+
+
+def test_explicit_tp_larger_than_needed_is_respected_with_the_measured_cost():
+    lay = _layout(LLAMA3_8B, 139.8, tp=2, budget=2)
+    assert lay.verdict == "larger_than_needed" and lay.tensor_parallel_size == lay.gpus_per_pod == 2
+    assert lay.fitting_tensor_parallel_size == 1 and lay.max_active_shards == 1 and lay.refusal is None
+    assert "larger than needed" in lay.warnings[0] and "1.97x" in lay.warnings[0] and "1.13x" in lay.warnings[0]
+    over = _layout(LLAMA3_8B, 139.8, tp=4, budget=2)  # more GPUs per engine than the budget holds
+    assert over.max_active_shards == 0 and any("budget of 2" in w for w in over.warnings)
+
+
+@pytest.mark.parametrize("tp, msg", [(3, "32 attention heads do not divide over 3 GPUs"),
+                                     (6, "32 attention heads do not divide over 6 GPUs")])
+def test_tp_the_heads_do_not_divide_over_is_refused(tp, msg):
+    lay = _layout(LLAMA3_8B, 79.2, tp=tp)
+    assert lay.verdict == "invalid_tp" and msg in lay.refusal and "tensor_parallel_size 1 fits" in lay.refusal
+
+
+def test_kv_head_divisibility_limits_the_candidates():
+    from airflow_provider_vllm.memory_plan import tp_problem
+
+    # 40 attention heads, 10 KV heads: 2 divides both; 4 and 8 divide the heads but not the KV heads
+    odd = ModelShape.from_config({**LLAMA3_70B, "num_attention_heads": 40, "num_key_value_heads": 10,
+                                  "head_dim": 128})
+    assert tp_problem(odd, 2) is None and tp_problem(odd, 4) == "10 KV heads do not divide over 4 GPUs"
+    assert tp_problem(odd, 8) == "10 KV heads do not divide over 8 GPUs"
+    assert tp_problem(odd, 3) == "40 attention heads do not divide over 3 GPUs"
+    gqa = ModelShape.from_config({**LLAMA3_8B, "num_attention_heads": 48, "num_key_value_heads": 12,
+                                  "head_dim": 128})
+    assert tp_problem(gqa, 8) == "12 KV heads do not divide over 8 GPUs" and tp_problem(gqa, 4) is None
+    mqa = ModelShape.from_config({**LLAMA3_8B, "num_key_value_heads": 1})
+    assert tp_problem(mqa, 8) is None  # one KV head replicated on every GPU
+    few = ModelShape.from_config({**LLAMA3_8B, "num_attention_heads": 24, "num_key_value_heads": 3,
+                                  "head_dim": 128})
+    assert tp_problem(few, 4) == "4 GPUs are not a multiple of the 3 KV heads"
+    # a 70B-sized model whose heads only split in two: the only TP that fits on 40 GiB GPUs is out of reach
+    lay = _layout({**LLAMA3_70B, "num_attention_heads": 40, "num_key_value_heads": 10, "head_dim": 128}, 39.4)
+    assert lay.verdict == "does_not_fit" and lay.max_tensor_parallel_size == 8
+
+
+def test_dry_run_prints_the_layout_and_max_active_shards(tmp_path, capsys):
+    _dataset(tmp_path)
+    spec = make_spec(tmp_path / "in", tmp_path / "out", sharding={"hardware": "1x NVIDIA H200"})
+    r = dry_run_report(spec, model_config=LLAMA3_8B, gpus=2)
+    assert r["layout"]["tensor_parallel_size"] == 1 and r["layout"]["max_active_shards"] == 2
+    assert r["layout"]["memory_known"] and "layout" not in r["memory"]
+    spec_file = tmp_path / "job.json"
+    spec_file.write_text(json.dumps(spec.model_dump(mode="json")))
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(LLAMA3_8B))
+    assert main([str(spec_file), "--model-config", str(cfg), "--gpus", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "  layout: 1 GPU per shard pod (TP=1): weights 15.0 GiB" in out and "in 0.9 x 139.8 GiB" in out
+    assert "max_active_shards: 2 (GPU budget 2 / TP 1)" in out and "1.97x" in out
+    # explicit TP 2: respected, with the warning
+    assert main([str(spec_file), "--model-config", str(cfg), "--gpus", "2",
+                 "--set", "engine.tensor_parallel_size=2"]) == 0
+    out = capsys.readouterr().out
+    assert "layout: 2 GPUs per shard pod (TP=2)" in out and "WARNING: engine.tensor_parallel_size 2 is larger" in out
+    with pytest.raises(SystemExit):
+        main([str(spec_file), "--model-config", str(cfg), "--gpus", "0"])
+    assert "--gpus: must be >= 1" in capsys.readouterr().err
+    # 70B on the H200 at TP 1: refused, naming the field and the TP that fits
+    cfg.write_text(json.dumps(LLAMA3_70B))
+    assert main([str(spec_file), "--model-config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "engine.tensor_parallel_size 1 does not fit" in err and "tensor_parallel_size 2 fits" in err
+    assert main([str(spec_file), "--model-config", str(cfg), "--set", "engine.tensor_parallel_size=3"]) == 2
+    assert "64 attention heads do not divide over 3 GPUs" in capsys.readouterr().err
+    assert main([str(spec_file), "--model-config", str(cfg), "--set", "engine.tensor_parallel_size=2"]) == 0
+    assert "layout: 2 GPUs per shard pod (TP=2)" in capsys.readouterr().out
+
+
+def test_dry_run_with_assumed_gpu_memory_reports_instead_of_refusing(tmp_path):
+    _dataset(tmp_path)
+    spec = make_spec(tmp_path / "in", tmp_path / "out")  # no hardware, no history, no --gpu-memory-gib
+    r = dry_run_report(spec, model_config=LLAMA3_70B)
+    assert r["memory"]["gpu_memory_source"].startswith("assumed") and not r["layout"]["memory_known"]
+    assert r["layout"]["refusal"] and r["layout"]["lines"][0].startswith("layout: WOULD BE REFUSED (GPU memory assumed")
+    with pytest.raises(Exception, match="engine.tensor_parallel_size 1 does not fit"):
+        dry_run_report(spec, model_config=LLAMA3_70B, gpu_memory=79.2)
+    # the plan operator's dry run (rerun DAG's dry_run param) logs the same lines
+    from airflow_provider_vllm.dry_run import format_report
+
+    assert "WOULD BE REFUSED" in format_report(r)

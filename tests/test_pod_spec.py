@@ -72,6 +72,35 @@ def test_memory_must_leave_room_beyond_shm_and_pipeline_size_must_be_an_int():
         gpu_count(spec, KubernetesSettings())
 
 
+@pytest.mark.parametrize("tp, pp, gpus", [(1, 1, 2), (1, 1, 8), (2, 1, 1), (2, 1, 4), (4, 1, 2), (2, 2, 2)])
+def test_pod_gpu_request_must_equal_the_engines_gpus(tp, pp, gpus):
+    """One engine per pod: a GPU count other than TP x PP (or 0, a CPU pod) is refused, naming the fields."""
+    kw = {"tensor_parallel_size": tp}
+    if pp > 1:
+        kw["engine_kwargs"] = {"pipeline_parallel_size": pp}
+    with pytest.raises(SpecError, match=rf"kubernetes.gpus={gpus} but .*engine.tensor_parallel_size x "
+                                        rf"pipeline_parallel_size = {tp * pp} GPU"):
+        parts({"gpus": gpus}, **kw)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_pod_gpu_request_equals_the_layouts_tensor_parallel_size(tp):
+    """The dry run's layout (gpus_per_pod) and the pod's nvidia.com/gpu limit agree, with or without kubernetes.gpus."""
+    from airflow_provider_vllm.memory_plan import GiB as G, ModelShape, choose_layout
+
+    shape = ModelShape.from_config({"num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+                                    "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256})
+    lay = choose_layout(shape, requested_tp=tp, max_model_len=8192, gpu_memory_bytes=int(79.2 * G))
+    assert lay.refusal is None and lay.gpus_per_pod == tp
+    for settings in ({}, {"gpus": tp}):
+        p = parts(settings, tensor_parallel_size=tp)
+        assert p.gpus == lay.gpus_per_pod and p.resources.limits["nvidia.com/gpu"] == str(tp)
+    assert parts({"gpus": 0, "memory": "6Gi"}, tensor_parallel_size=tp).gpus == 0  # CPU pod: no GPU request
+    spec = make_spec("/in", "/out", engine={"engine_kwargs": {"pipeline_parallel_size": True}})
+    with pytest.raises(SpecError, match="pipeline_parallel_size must be a positive integer"):
+        gpu_count(spec, KubernetesSettings())
+
+
 def test_caches_tmp_and_model_cache_volumes_and_env():
     p = parts({"model_cache_pvc": "hf-models", "data_pvc": "batch-data"})
     vols = {v.name: v for v in p.volumes}

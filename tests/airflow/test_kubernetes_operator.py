@@ -162,7 +162,8 @@ def test_tensor_parallel_pod_has_two_gpus_and_shm_for_nccl():
 def test_job_section_wins_over_the_variable_and_shard_env_joins():
     from airflow_provider_vllm.operators.kubernetes import VllmKubernetesShardOperator
 
-    spec = make_spec("/in", "/out", kubernetes={"kueue_queue": "urgent", "gpus": 4, "env": {"LOG": "debug"}})
+    spec = make_spec("/in", "/out", kubernetes={"kueue_queue": "urgent", "gpus": 4, "env": {"LOG": "debug"}},
+                     engine={"tensor_parallel_size": 4})
     op = VllmKubernetesShardOperator(task_id="s", spec=spec.model_dump(mode="json"), shard=SHARD,
                                      kubernetes=SETTINGS, env={"VLLM_BATCH_LOG_LEVEL": "DEBUG", "LOG": "x"})
     pod = op.build_pod_request_obj(create_context(op, map_index=1))
