@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
+import os
+import uuid
 from dataclasses import asdict
 from typing import Any, Literal
 
@@ -35,7 +38,10 @@ from airflow_provider_vllm.spec import JobSpec
 from airflow_provider_vllm.storage import Storage
 
 PLAN_FILE = "_plan.json"
+PROBE_DIR = "_probes"  # create-only probe objects (removed after the probe; ignored if one stays)
 DEFAULT_TARGET_ROWS = 10_000
+
+log = logging.getLogger(__name__)
 
 
 class Segment(BaseModel):
@@ -109,10 +115,11 @@ def plan_job(spec: JobSpec, max_shards: int | None = None) -> Plan:
     out = Storage(spec.io.output_uri, spec.io.storage_options)
     plan = build_plan(spec, max_shards=max_shards)
     if not out.exists(PLAN_FILE):
-        foreign = next(out.walk_files(), None)
+        foreign = next((f for f in out.walk_files() if not f.startswith(PROBE_DIR + "/")), None)
         if foreign is not None:
             raise SpecError(f"output {spec.io.output_uri} is not empty (e.g. {foreign}) and holds no plan of "
                             "this job; use a new, empty output prefix")
+        probe_create_only(out, _store_name(spec))
         # create-only: of two runs racing for one prefix, the loser meets the winner's plan below
         out.create_only(PLAN_FILE, plan.model_dump_json(indent=1).encode())
     existing = Plan.model_validate_json(out.read_bytes(PLAN_FILE))
@@ -123,6 +130,52 @@ def plan_job(spec: JobSpec, max_shards: int | None = None) -> Plan:
             "use a new output prefix"
         )
     return existing
+
+
+def probe_create_only(out: Storage, store: str) -> None:
+    """Refuse (SpecError, terminal) a store that does not honour create-only writes.
+
+    The commit protocol rests on write-if-absent (``Storage.create_only``: link locally,
+    ``If-None-Match: *`` on S3, ``ifGenerationMatch=0`` on GCS): the first attempt to commit a
+    shard wins and a marker never changes. Stores differ (s3fs documents ``mode="create"`` as
+    known to work on AWS S3 only; S3-compatible servers and emulators may ignore the
+    precondition and overwrite), so before anything is planned this writes one new probe
+    object create-only twice: the first write must succeed, the second must be refused, and
+    the object must still hold the first body. Transient storage errors stay transient.
+    """
+    rel = f"{PROBE_DIR}/create-only-{uuid.uuid4().hex}"
+    first, second = f"probe 1 {rel}".encode(), f"probe 2 {rel}".encode()
+    need = ("the commit protocol needs write-if-absent (S3: If-None-Match: *, GCS: ifGenerationMatch=0, local "
+            "files: link) so that a shard's commit marker is written once and never replaced; use a store that "
+            "enforces it")
+    try:
+        try:
+            made = out.create_only(rel, first)
+            again = out.create_only(rel, second) if made else None
+            body = out.read_bytes(rel) if made else None
+        except (NotImplementedError, OSError) as e:
+            raise SpecError(f"output store {store}: a create-only write of the probe object {out.uri(rel)} failed "
+                            f"({type(e).__name__}: {e}); {need}") from None
+    finally:
+        try:
+            out.remove(rel)
+            if out.is_local:
+                os.rmdir(out.path(PROBE_DIR))  # only when empty: a racing plan's probe may be there
+        except Exception as e:  # e.g. no delete permission: the probe object stays, ignored by the plan
+            if not out.is_local or out.exists(rel):
+                log.warning("could not remove the create-only probe object %s: %s", out.uri(rel), e)
+    if not made:
+        raise SpecError(f"output store {store}: the first create-only write of a new probe object {out.uri(rel)} "
+                        f"was refused as if it existed; {need}")
+    if again or body != first:
+        what = "succeeded and replaced it" if again else "was reported refused, but the object was replaced"
+        raise SpecError(f"output store {store} does not honour create-only writes: a second create-only write of "
+                        f"the probe object {out.uri(rel)} {what}. {need[0].upper()}{need[1:]}")
+
+
+def _store_name(spec: JobSpec) -> str:
+    ep = (spec.io.storage_options or {}).get("endpoint_url")
+    return f"{spec.io.output_uri} (endpoint_url {ep})" if ep else spec.io.output_uri
 
 
 def load_plan(spec: JobSpec) -> Plan:
