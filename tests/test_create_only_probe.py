@@ -121,6 +121,7 @@ def test_s3_honours_create_only_and_passes_the_probe(s3):
     assert list(out.walk_files()) == [PLAN_FILE]  # the probe object was deleted
 
 
+@pytest.mark.reliability
 def test_an_s3_compatible_store_that_ignores_if_none_match_is_refused(s3, monkeypatch):
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
@@ -167,6 +168,7 @@ def test_gcsfs_sends_if_generation_match_and_the_emulator_ignores_it(gcs, caplog
     assert second is True and st.read_bytes("m.json") == b"two"
 
 
+@pytest.mark.reliability
 def test_the_probe_refuses_the_gcs_emulator_as_a_store(gcs, tmp_path):
     spec = make_spec(_input(tmp_path), "gs://gbucket/runs/r1", io={"storage_options": gcs})
     with pytest.raises(SpecError) as e:

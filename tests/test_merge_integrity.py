@@ -24,7 +24,7 @@ from airflow_provider_vllm.qa_stage import qa_run, qa_summary
 from airflow_provider_vllm.worker.shard import run_shard
 from airflow_provider_vllm.worker.task import ShardTask
 from tests.conftest import make_spec, write_parquet
-from tests.ledger import record_malicious
+from tests.ledger import record_bad_rows, record_malicious
 
 IDS = [f"r{i:03d}" for i in range(60)]
 
@@ -121,6 +121,7 @@ def test_a_hostile_marker_is_refused_terminally_and_nothing_is_published(run, ca
     assert nothing_published(out)
 
 
+@pytest.mark.reliability
 def test_every_hostile_marker_kind_is_refused(run):
     """The same cases in one run, recorded for the reliability figures."""
     spec, plan, out = run
@@ -159,11 +160,13 @@ def _copy_into_new_attempt(out: Path, plan, shard_index: int, edit=None) -> str:
     return t.column("id").to_pylist()
 
 
+@pytest.mark.reliability
 def test_identical_duplicates_are_counted_before_the_dedupe_dropped_and_reported(run):
     spec, plan, out = run
     repeated = _copy_into_new_attempt(out, plan, 0)
     assert len(repeated) == 10
     s = merge_run(spec)
+    record_bad_rows("committed_duplicates_identical_counted", len(repeated), s["duplicates"]["ids"])
     assert s["duplicates"] == {"ids": 10, "rows_dropped": 10, "examples": sorted(repeated)}
     assert s["duplicates_dropped"] == 10 and s["ok_rows"] + s["error_rows"] == len(IDS)
     on_disk = json.loads((out / MERGED).read_text())["duplicates"]
@@ -178,6 +181,7 @@ def test_identical_duplicates_are_counted_before_the_dedupe_dropped_and_reported
     assert "Duplicate ids" in (out / "qa" / "report.html").read_text()
 
 
+@pytest.mark.reliability
 def test_two_committed_outputs_that_differ_fail_the_merge_naming_the_id(run):
     spec, plan, out = run
     victim = json.loads(marker_path(out, plan.shards[0].shard_id).read_text())["files"][0]
@@ -191,6 +195,7 @@ def test_two_committed_outputs_that_differ_fail_the_merge_naming_the_id(run):
     with pytest.raises(VerificationError) as e:
         merge_run(spec)
     msg = str(e.value)
+    record_bad_rows("committed_duplicates_differing_refused", 1, int(repr(ids[3]) in msg))
     assert e.value.terminal
     assert "1 id(s) have committed outputs that differ" in msg and repr(ids[3]) in msg
     assert "a-forged-copy" in msg and victim["path"].split("/")[3] in msg  # both attempts named

@@ -86,6 +86,7 @@ def test_whitespace_only_ids_are_refused_in_every_format(tmp_path, blank):
         build_plan(make_spec(tmp_path / "in.parquet", tmp_path / "o3"))
 
 
+@pytest.mark.reliability
 def test_blank_id_refusals_are_recorded(tmp_path):
     """All blank ids of BLANKS, planted one per file in the three formats: each refused by the plan."""
     planted = refused = 0

@@ -38,8 +38,8 @@ class VllmMergeOperator(BaseOperator):
             summary = merge_run(spec, memory_limit=self.memory_limit)
         stats = summary.get("shard_stats") or []
         infer_s = sum(s.get("infer_s") or 0 for s in stats)
-        self.log.info("merged %s: %d rows = %d ok + %d errors, %d duplicate id(s) committed (identical, %d extra row(s) "
-                      "dropped), %d shard(s); "
+        self.log.info("merged %s: %d rows = %d ok + %d errors, %d duplicate id(s) committed (identical, "
+                      "%d extra row(s) dropped), %d shard(s); "
                       "inference %.1f s over all shards (%.2f rows/s); merge %.2f s",
                       spec.io.output_uri, summary["rows"], summary["ok_rows"], summary["error_rows"],
                       summary["duplicates"]["ids"], summary["duplicates_dropped"], summary["shards"], infer_s,
