@@ -197,7 +197,7 @@ def check_marker_path(path: Any, shard_id: str, where: str) -> None:
         raise CommitError(
             f"commit marker {where} names {path!r}, which is not a chunk file of shard {shard_id}'s own attempts "
             f"(shards/{shard_id}/attempts/<attempt>/chunk-NNNNN.parquet); refusing to merge a forged or corrupt "
-            "marker: delete it and rerun the shard"
+            "marker: delete the shard's folder and rerun the shard"
         )
 
 
@@ -221,7 +221,7 @@ def check_duplicates(con: duckdb.DuckDBPyConnection, total: int, distinct: int) 
         shown = "; ".join(f"{i!r} x{n} (from {by})" for i, n, by in bad)
         raise VerificationError(
             f"{n_differ} id(s) have committed outputs that differ: {shown}; refusing to pick one. Each id must be "
-            "committed once; delete the markers of the shards involved and rerun them"
+            "committed once; delete the folders of the shards involved and rerun them"
         )
     examples = [r[0] for r in con.execute(f"SELECT id FROM dup_ids ORDER BY id LIMIT {DUPLICATE_EXAMPLES}").fetchall()]
     return {"ids": int(n_ids), "rows_dropped": int(total - distinct), "examples": examples}
