@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -46,7 +47,7 @@ def run_suite(ledger: Path, pytest_args: list[str]) -> tuple[int, str]:
     env = {**os.environ, "RELIABILITY_LEDGER": str(ledger), "PYTHONPATH": str(ROOT)}
     args = pytest_args or ["-m", "reliability"]
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", *args]
-    print("$", " ".join(cmd), flush=True)
+    print("$", shlex.join(cmd), flush=True)
     p = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     sys.stdout.write(p.stdout[-6000:])
     lines = [x for x in p.stdout.splitlines() if re.search(r"\d+ (passed|failed|error)", x)]
@@ -133,7 +134,7 @@ def block(s: dict, outcome: str, code: int, args: list[str]) -> str:
     out = [START, ""]
     out += [f"- **{h}.**" for h in headlines(s)]
     out += ["", f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} at commit `{commit}` by "
-                f"`python scripts/reliability_report.py{' -- ' + ' '.join(args) if args else ''}`; "
+                f"`python scripts/reliability_report.py{' -- ' + shlex.join(args) if args else ''}`; "
                 f"pytest: {outcome} (exit {code})."]
     for level, title in LEVELS.items():
         rows = s["faults"].get(level) or {}
