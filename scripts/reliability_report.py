@@ -43,6 +43,11 @@ LEVELS = {
 FAULT_KEYS = ("faults", "rows", "lost", "duplicates", "partial_visible")
 
 
+def outcome_file(ledger: Path) -> Path:
+    """Beside the ledger: how the run that wrote it ended (so --ledger can state it again)."""
+    return ledger.with_name(ledger.name + ".outcome.json")
+
+
 def run_suite(ledger: Path, pytest_args: list[str]) -> tuple[int, str]:
     env = {**os.environ, "RELIABILITY_LEDGER": str(ledger), "PYTHONPATH": str(ROOT)}
     args = pytest_args or ["-m", "reliability"]
@@ -55,7 +60,7 @@ def run_suite(ledger: Path, pytest_args: list[str]) -> tuple[int, str]:
 
 
 def _new_row() -> dict:
-    return {"tests": set(), **{k: 0 for k in FAULT_KEYS}, "examples": 0, "steps": 0}
+    return {"tests": set(), "rows_by_test": defaultdict(int), **{k: 0 for k in FAULT_KEYS}, "examples": 0, "steps": 0}
 
 
 def summarise(records: list[dict]) -> dict:
@@ -73,6 +78,7 @@ def summarise(records: list[dict]) -> dict:
             row["examples"] += int(r.get("examples", 0))
             row["steps"] += int(r.get("steps", 0))
             row["tests"].add(test)
+            row["rows_by_test"][test] = max(row["rows_by_test"][test], int(r.get("rows", 0)))
         elif r["type"] == "bad_rows":
             bad[r["kind"]]["planted"] += int(r["planted"])
             bad[r["kind"]]["right"] += int(r["reported_right"])
@@ -88,6 +94,16 @@ def _total(rows: dict[str, dict], key: str) -> int:
     return sum(v[key] for v in rows.values())
 
 
+def run_rows(rows: dict[str, dict]) -> int:
+    """Input rows of the reconciled runs, each run once: a test that injects several fault kinds
+    into one run records that run's rows with each kind, so the per-kind rows are not summed."""
+    per_test: dict[str, int] = defaultdict(int)
+    for v in rows.values():
+        for t, n in v["rows_by_test"].items():
+            per_test[t] = max(per_test[t], n)
+    return sum(per_test.values())
+
+
 def headlines(s: dict) -> list[str]:
     """One line per kind of evidence; counts of different kinds are never added together."""
     out = []
@@ -96,8 +112,8 @@ def headlines(s: dict) -> list[str]:
         if not rows:
             continue
         kinds = sum(1 for v in rows.values() if v["faults"])
-        out.append(f"{title.split(' (')[0]}: {_total(rows, 'faults')} injected across {kinds} kinds on "
-                   f"{_total(rows, 'rows')} reconciled rows: {_total(rows, 'lost')} lost, "
+        out.append(f"{title.split(' (')[0]}: {_total(rows, 'faults')} injected across {kinds} kinds into runs of "
+                   f"{run_rows(rows)} input rows in all, each reconciled: {_total(rows, 'lost')} lost, "
                    f"{_total(rows, 'duplicates')} duplicates (counted before merge's dedupe), "
                    f"{_total(rows, 'partial_visible')} partial files visible")
     hyp = s["faults"].get("hypothesis") or {}
@@ -108,7 +124,7 @@ def headlines(s: dict) -> list[str]:
         dup_commits = hyp.get("commit_protocol_duplicate_commit", _new_row())
         out.append(f"Hypothesis state machine over the commit protocol (simulated in one process, not process "
                    f"faults): {examples} examples, {steps} steps, {crashes['faults']} simulated crashes and "
-                   f"{dup_commits['faults']} duplicate commits; {_total(hyp, 'rows')} rows merged: "
+                   f"{dup_commits['faults']} duplicate commits; {run_rows(hyp)} rows merged: "
                    f"{_total(hyp, 'lost')} lost, {_total(hyp, 'duplicates')} duplicates (counted before merge's "
                    f"dedupe), {_total(hyp, 'partial_visible')} partial files visible")
     if s["bad"]:
@@ -128,12 +144,18 @@ def _tests(names: set[str]) -> str:
     return "<br>".join(f"`{t}`" + (f" ({k} params)" if k > 1 else "") for t, k in sorted(folded.items()))
 
 
-def block(s: dict, outcome: str, code: int, args: list[str]) -> str:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip() or "unknown"
+def git_commit() -> str:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip() or "unknown"
+
+
+def block(s: dict, outcome: str, code: int, args: list[str], commit: str | None = None,
+          when: str | None = None) -> str:
+    commit = commit or git_commit()
+    when = when or time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     out = [START, ""]
     out += [f"- **{h}.**" for h in headlines(s)]
-    out += ["", f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} at commit `{commit}` by "
+    out += ["", f"Measured {when} at commit `{commit}` by "
                 f"`python scripts/reliability_report.py{' -- ' + shlex.join(args) if args else ''}`; "
                 f"pytest: {outcome} (exit {code})."]
     for level, title in LEVELS.items():
@@ -143,14 +165,14 @@ def block(s: dict, outcome: str, code: int, args: list[str]) -> str:
         out += ["", f"**{title}**", "",
                 "| fault kind | injected | rows | lost | duplicates | partial visible | test |",
                 "|---|---:|---:|---:|---:|---:|---|"]
-        out += [f"| {k} | {v['faults']} | {v['rows']} | {v['lost']} | {v['duplicates']} | {v['partial_visible']} "
-                f"| {_tests(v['tests'])} |" for k, v in sorted(rows.items())]
+        out += [f"| {k} | {v['faults']} | {run_rows({k: v})} | {v['lost']} | {v['duplicates']} | "
+                f"{v['partial_visible']} | {_tests(v['tests'])} |" for k, v in sorted(rows.items())]
     hyp = s["faults"].get("hypothesis") or {}
     if hyp:
         out += ["", "**Hypothesis state machine (simulated steps in one process)**", "",
                 "| kind | examples | steps | simulated | rows merged | lost | duplicates | partial visible | test |",
                 "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
-        out += [f"| {k} | {v['examples']} | {v['steps']} | {v['faults']} | {v['rows']} | {v['lost']} | "
+        out += [f"| {k} | {v['examples']} | {v['steps']} | {v['faults']} | {run_rows({k: v})} | {v['lost']} | "
                 f"{v['duplicates']} | {v['partial_visible']} | {_tests(v['tests'])} |" for k, v in sorted(hyp.items())]
     out += ["", "| bad input kind | planted | reported right | test |", "|---|---:|---:|---|"]
     out += [f"| {k} | {v['planted']} | {v['right']} | {_tests(v['tests'])} |" for k, v in sorted(s["bad"].items())]
@@ -174,15 +196,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--doc", default=str(DOC), help="the document to rewrite (default: docs/RELIABILITY.md)")
     ap.add_argument("pytest_args", nargs="*", help="pytest arguments (after --); default: -m reliability")
     a = ap.parse_args(argv)
+    run: dict = {"args": a.pytest_args}
     if a.ledger:
-        ledger, code, outcome = Path(a.ledger), 0, "not re-run (summed an existing ledger)"
+        ledger = Path(a.ledger)
+        side = outcome_file(ledger)
+        run = json.loads(side.read_text()) if side.exists() else {
+            "code": 0, "outcome": "not re-run (summed an existing ledger)", "args": a.pytest_args}
     else:
         ledger = Path(tempfile.mkdtemp(prefix="reliability-")) / "ledger.jsonl"
+        commit, when = git_commit(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         code, outcome = run_suite(ledger, a.pytest_args)
+        run.update(code=code, outcome=outcome, commit=commit, when=when)
+        outcome_file(ledger).write_text(json.dumps(run))
+    code = int(run["code"])
     records = [json.loads(x) for x in ledger.read_text().splitlines() if x.strip()] if ledger.exists() else []
     s = summarise(records)
     doc = Path(a.doc)
-    rewrite(doc, block(s, outcome, code, a.pytest_args))
+    rewrite(doc, block(s, run["outcome"], code, run.get("args") or [], run.get("commit"), run.get("when")))
     print("\n".join(headlines(s)))
     print(f"ledger: {ledger} ({len(records)} records); wrote {doc}")
     return code

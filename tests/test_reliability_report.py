@@ -48,9 +48,10 @@ LEDGER = [
 def test_levels_are_reported_on_separate_lines_and_never_summed(report):
     s = report.summarise(LEDGER)
     lines = report.headlines(s)
-    assert lines[0].startswith("Process-level faults: 2 injected across 2 kinds on 480 reconciled rows: 0 lost, "
-                               "1 duplicates (counted before merge's dedupe)")
-    assert lines[1].startswith("Object-store faults: 10 injected across 1 kinds on 120 reconciled rows")
+    # two kinds injected into one run of 240 rows: the run's rows count once
+    assert lines[0].startswith("Process-level faults: 2 injected across 2 kinds into runs of 240 input rows in all, "
+                               "each reconciled: 0 lost, 1 duplicates (counted before merge's dedupe)")
+    assert lines[1].startswith("Object-store faults: 10 injected across 1 kinds into runs of 120 input rows")
     assert lines[2].startswith("In-process faults: 2 injected")  # the record without a level: the weakest claim
     assert "500 examples, 5712 steps, 254 simulated crashes and 1199 duplicate commits" in lines[3]
     assert "not process faults" in lines[3]
@@ -86,6 +87,14 @@ def test_the_script_sums_an_existing_ledger_into_a_document(report, tmp_path):
     doc.write_text(f"{report.START}\n{report.END}\n")
     assert report.main(["--ledger", str(ledger), "--doc", str(doc)]) == 0
     assert "**Process-level faults: 2 injected" in doc.read_text()
+    assert "not re-run (summed an existing ledger)" in doc.read_text()
+    # the outcome of the run that wrote the ledger is stated again when it is known
+    report.outcome_file(ledger).write_text(json.dumps({"code": 1, "outcome": "1 failed, 8 passed", "commit": "abc1234",
+                                                       "when": "2026-01-01 00:00 UTC", "args": ["-m", "a and b"]}))
+    assert report.main(["--ledger", str(ledger), "--doc", str(doc)]) == 1
+    text = doc.read_text()
+    assert ("Measured 2026-01-01 00:00 UTC at commit `abc1234` by `python scripts/reliability_report.py -- -m "
+            "'a and b'`; pytest: 1 failed, 8 passed (exit 1).") in text
 
 
 def test_the_ledger_refuses_an_unknown_level(monkeypatch, tmp_path):
