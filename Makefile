@@ -1,6 +1,7 @@
 # make test  - create .venv from requirements.lock when missing, then run the test suite
 # make demo  - (the Airflow layer) run the nightly DAG end to end on this machine
 # make test-ui - only the browser tests (tests/ui: airflow standalone + headless chromium)
+# make reliability - re-run every test marked `reliability` and rewrite the figures in docs/RELIABILITY.md
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -16,7 +17,7 @@ export TOKENIZERS_PARALLELISM := false
 export VLLM_BATCH_MODEL_CACHE ?= $(CURDIR)/.cache/models
 export VLLM_BATCH_CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: venv test test-fast test-ui chromium bench demo clean
+.PHONY: venv test test-fast test-ui chromium bench demo reliability clean
 
 venv: $(STAMP)
 
@@ -54,6 +55,9 @@ bench: venv
 
 demo: venv
 	$(PY) scripts/demo.py
+
+reliability: venv
+	$(PY) scripts/reliability_report.py
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache

@@ -25,6 +25,15 @@ from airflow_provider_vllm.storage import Storage
 PARQUET_EXT = (".parquet", ".pq", ".parq")
 JSONL_EXT = (".jsonl", ".ndjson", ".json")
 OPENAI_URLS = ("/v1/chat/completions", "/v1/embeddings")
+# An id that is empty or only whitespace cannot name a row: refused by the plan in every format.
+# Whitespace is Python's (str.isspace); this RE2 pattern (DuckDB, Parquet ids) matches exactly
+# the same characters (tests/test_planning.py checks every code point).
+BLANK_ID_PATTERN = r"^[\s\x{0b}\x{1c}-\x{1f}\x{85}\p{Z}]*$"
+
+
+def is_blank_id(value: str) -> bool:
+    """True for '' and for ids made only of whitespace (the JSONL / OpenAI batch side of the rule)."""
+    return not value.strip()
 
 
 @dataclass(frozen=True)
@@ -220,6 +229,9 @@ def scan_jsonl(storage: Storage, name: str, fmt: str, id_field: str, text_fields
             rid = parsed.get(key)
             if rid is None or isinstance(rid, (dict, list, bool)) or rid == "":
                 raise DatasetError(f"{name} line {line_no}: missing or invalid id field {key!r}")
+            if is_blank_id(str(rid)):
+                raise DatasetError(f"{name} line {line_no}: id field {key!r} is {str(rid)!r}, only whitespace; "
+                                   "an id must have a visible character")
             if not is_unicode(str(rid)):
                 raise DatasetError(f"{name} line {line_no}: id field {key!r} is not valid Unicode "
                                    "(an unpaired surrogate escape)")

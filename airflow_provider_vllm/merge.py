@@ -1,10 +1,15 @@
 """Merge: committed shards -> final results and errors, verified against the input ids.
 
-Reads only files that commit markers name (checking size and sha256), drops duplicate ids
-(keeping an ok row over an error row), verifies that input ids == result ids + error ids
-with no id twice, and writes ``results/results.parquet`` and ``results/errors.parquet``
-atomically, in plan order (input order within each length bucket). DuckDB over Arrow; no
-pandas, no row loops.
+Reads only files that commit markers name, and only when each lies under its own shard's
+attempt folders (``shards/<shard_id>/attempts/<attempt>/chunk-NNNNN.parquet``; a marker naming
+another shard's file, or any other path, is refused) and matches the size and sha256 the
+marker records. Counts duplicate ids across the committed chunks *before* anything is
+dropped: identical duplicates (same status and output; provenance columns such as the
+attempt may differ) are dropped and reported (``duplicates`` in ``_MERGED.json`` and in QA);
+two committed rows for one id whose content differs fail the merge, naming the ids. Then it
+verifies that input ids == result ids + error ids with no id twice, and writes
+``results/results.parquet`` and ``results/errors.parquet`` atomically, in plan order (input
+order within each length bucket). DuckDB over Arrow; no pandas, no row loops.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -22,11 +28,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from airflow_provider_vllm import __version__, duck, faults
-from airflow_provider_vllm.commit import ShardStore
+from airflow_provider_vllm.commit import MARKER, ShardStore
 from airflow_provider_vllm.datasets import check_unchanged, scan_jsonl
 from airflow_provider_vllm.errors import CommitError, VerificationError
 from airflow_provider_vllm.planning import Plan, load_plan
-from airflow_provider_vllm.rows import ERROR_COLUMNS, RESULT_COLUMNS
+from airflow_provider_vllm.rows import ERROR_COLUMNS, RESULT_COLUMNS, ROW_SCHEMA
 from airflow_provider_vllm.spec import JobSpec
 from airflow_provider_vllm.storage import Storage
 
@@ -37,6 +43,12 @@ ERRORS = "results/errors.parquet"
 MERGED = "_MERGED.json"
 OPENAI_OUT = "results/output.jsonl"
 OPENAI_ERR = "results/errors.jsonl"
+# Columns that say where and how fast a row was made, not what it is: two committed rows of one
+# id that differ only here are the same result (e.g. one chunk named twice), anything else differs.
+PROVENANCE_COLUMNS = ("shard_id", "attempt_id", "latency_ms")
+DUPLICATE_EXAMPLES = 10
+_ATTEMPT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_CHUNK_NAME = re.compile(r"^chunk-\d{5}\.parquet$")
 
 
 def merge_run(spec: JobSpec, verify_checksums: bool = True, memory_limit: str = "1GB") -> dict[str, Any]:
@@ -63,14 +75,20 @@ def merge_run(spec: JobSpec, verify_checksums: bool = True, memory_limit: str = 
         if distinct != total:
             distinct = con.execute("SELECT count(DISTINCT id) FROM chunks").fetchall()[0][0]
         source = "chunks"
+        duplicates = {"ids": 0, "rows_dropped": 0, "examples": []}
         if total != distinct:
-            # Only a bug or a hand-edited marker gets here: keep one row per id, ok before error.
+            # Only a bug or a hand-edited marker gets here. Counted before anything is dropped;
+            # identical copies are dropped (one row per id), differing ones fail the merge.
+            duplicates = check_duplicates(con, total, distinct)
             con.execute(
                 "CREATE TEMP TABLE deduped AS SELECT * EXCLUDE (rn) FROM (SELECT *, row_number() OVER "
                 "(PARTITION BY id ORDER BY (status = 'ok') DESC, shard_id, attempt_id) AS rn FROM chunks) "
                 "WHERE rn = 1"
             ).fetchall()
             source = "deduped"
+            log.warning("merge: %d id(s) were committed more than once with identical content; dropped %d "
+                        "extra row(s), e.g. %s", duplicates["ids"], duplicates["rows_dropped"],
+                        duplicates["examples"][:5])
         check_unchanged(in_root, plan.input_files())
         register_input_ids(con, spec, plan, in_root)
         verify(con, source, plan.total_rows)
@@ -98,6 +116,8 @@ def merge_run(spec: JobSpec, verify_checksums: bool = True, memory_limit: str = 
         "ok_rows": int(counts.get("ok", 0)),
         "error_rows": int(counts.get("error", 0)),
         "duplicates_dropped": int(total - distinct),
+        # counted over the committed chunks before the dedupe: ids seen more than once, extra rows
+        "duplicates": duplicates,
         "shards": len(plan.shards),
         "files": {"results": RESULTS, "errors": ERRORS, **extra},
         "checksums": {RESULTS: out.sha256(RESULTS), ERRORS: out.sha256(ERRORS)},
@@ -128,23 +148,83 @@ def _record_throughput(spec: JobSpec, plan: Plan, markers: list[dict], summary: 
 
 
 def committed_files(out: Storage, plan: Plan, verify_checksums: bool) -> tuple[list[str], list[dict]]:
-    """Files named by the markers of every planned shard, in plan order; raises if any is missing."""
+    """Files named by the markers of every planned shard, in plan order; raises if any is missing.
+
+    A marker must be this shard's (its ``shard_id``) and every path it names must be a chunk
+    file under this shard's own attempt folders, named once: a forged or corrupt marker that
+    names another shard's file, the merged outputs, the plan or anything outside the shard is
+    refused (``CommitError``, terminal) before any file is opened.
+    """
     files, markers, missing = [], [], []
     for shard in plan.shards:
-        m = ShardStore(out, shard.shard_id).marker()
+        store = ShardStore(out, shard.shard_id)
+        m = store.marker()
         if m is None:
             missing.append(shard.shard_id)
             continue
-        if m["rows"] != shard.rows:
-            raise CommitError(f"shard {shard.shard_id}: marker says {m['rows']} rows, plan {shard.rows}")
-        for f in m["files"]:
-            if out.size(f["path"]) != f["bytes"] or (verify_checksums and out.sha256(f["path"]) != f["sha256"]):
-                raise CommitError(f"{f['path']} does not match its commit marker (size or sha256)")
-            files.append(f["path"])
+        where = out.uri(f"{store.dir}/{MARKER}")
+        if not isinstance(m, dict) or m.get("shard_id") != shard.shard_id:
+            got = m.get("shard_id") if isinstance(m, dict) else type(m).__name__
+            raise CommitError(f"commit marker {where} is not shard {shard.shard_id}'s (it names shard {got!r})")
+        entries = m.get("files")
+        if not isinstance(entries, list) or not all(isinstance(f, dict) for f in entries):
+            raise CommitError(f"commit marker {where}: 'files' is not a list of file entries")
+        if m.get("rows") != shard.rows:
+            raise CommitError(f"shard {shard.shard_id}: marker says {m.get('rows')} rows, plan {shard.rows}")
+        seen: set[str] = set()
+        for f in entries:
+            path = f.get("path")
+            check_marker_path(path, shard.shard_id, where)
+            if path in seen:
+                raise CommitError(f"commit marker {where} names {path} twice")
+            seen.add(path)
+            if out.size(path) != f.get("bytes") or (verify_checksums and out.sha256(path) != f.get("sha256")):
+                raise CommitError(f"{path} does not match its commit marker (size or sha256)")
+            files.append(path)
         markers.append(m)
     if missing:
         raise CommitError(f"{len(missing)} of {len(plan.shards)} shard(s) not committed: {missing[:10]}")
     return files, markers
+
+
+def check_marker_path(path: Any, shard_id: str, where: str) -> None:
+    """``path`` is ``shards/<shard_id>/attempts/<attempt>/chunk-NNNNN.parquet``; CommitError otherwise."""
+    parts = path.split("/") if isinstance(path, str) else []
+    ok = (len(parts) == 5 and parts[0] == "shards" and parts[1] == shard_id and parts[2] == "attempts"
+          and _ATTEMPT.match(parts[3]) is not None and parts[3] not in (".", "..")
+          and _CHUNK_NAME.match(parts[4]) is not None)
+    if not ok:
+        raise CommitError(
+            f"commit marker {where} names {path!r}, which is not a chunk file of shard {shard_id}'s own attempts "
+            f"(shards/{shard_id}/attempts/<attempt>/chunk-NNNNN.parquet); refusing to merge a forged or corrupt "
+            "marker: delete the shard's folder and rerun the shard"
+        )
+
+
+def check_duplicates(con: duckdb.DuckDBPyConnection, total: int, distinct: int) -> dict[str, Any]:
+    """Ids committed more than once (counted before any dedupe); VerificationError when copies differ.
+
+    Copies are the same result when every column but ``PROVENANCE_COLUMNS`` is equal.
+    """
+    content = ", ".join(f.name for f in ROW_SCHEMA if f.name not in ("id", *PROVENANCE_COLUMNS))
+    con.execute(
+        "CREATE TEMP TABLE dup_ids AS SELECT id, count(*) AS n, "
+        f"count(DISTINCT row({content})) AS versions, "
+        "string_agg(DISTINCT shard_id || '/' || attempt_id, ', ' ORDER BY shard_id || '/' || attempt_id) AS made_by "
+        "FROM chunks GROUP BY id HAVING count(*) > 1"
+    ).fetchall()
+    n_ids, n_differ = con.execute(
+        "SELECT count(*), count(*) FILTER (WHERE versions > 1) FROM dup_ids").fetchall()[0]
+    if n_differ:
+        bad = con.execute("SELECT id, n, made_by FROM dup_ids WHERE versions > 1 ORDER BY id "
+                          f"LIMIT {DUPLICATE_EXAMPLES}").fetchall()
+        shown = "; ".join(f"{i!r} x{n} (from {by})" for i, n, by in bad)
+        raise VerificationError(
+            f"{n_differ} id(s) have committed outputs that differ: {shown}; refusing to pick one. Each id must be "
+            "committed once; delete the folders of the shards involved and rerun them"
+        )
+    examples = [r[0] for r in con.execute(f"SELECT id FROM dup_ids ORDER BY id LIMIT {DUPLICATE_EXAMPLES}").fetchall()]
+    return {"ids": int(n_ids), "rows_dropped": int(total - distinct), "examples": examples}
 
 
 def register_input_ids(con: duckdb.DuckDBPyConnection, spec: JobSpec, plan: Plan, root: Storage) -> None:

@@ -26,7 +26,7 @@ from airflow_provider_vllm.spec_guard import (
 # ECMA-262 and Python both read these. No '..' or '.' segments, no percent-encoded dots or
 # slashes, no whitespace; a scheme from paths.SCHEMES or an absolute path.
 URI_PATTERN = (r"^(?![\s\S]*(?:/\.{1,2}(?:/|$)|%2[eEfF]|%5[cC]|%25|\\))"
-               r"(?:(?:file://)?/|(?:s3|s3a|gs|gcs|abfs|az|memory)://[a-z0-9])[^\s]*$")
+               r"(?:(?:file://)?/|(?:s3|s3a|gs|gcs|memory)://[a-z0-9])[^\s]*$")
 NO_JINJA = r"^(?![\s\S]*(?:\{\{|\}\}|\{%|%\}|\{#|#\}))[\s\S]*$"
 
 PARAM_SCHEMAS: dict[str, dict[str, Any]] = {

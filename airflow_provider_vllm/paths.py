@@ -32,7 +32,14 @@ from collections.abc import Iterable, Sequence
 
 from airflow_provider_vllm.errors import SpecError
 
-SCHEMES = ("s3", "s3a", "gs", "gcs", "abfs", "az", "memory", "file")
+SCHEMES = ("s3", "s3a", "gs", "gcs", "memory", "file")
+# Stores fsspec can reach but the commit protocol cannot use: no tested create-only
+# (write-if-absent) path here, so a run would plan and then fail at its first commit.
+UNSUPPORTED_SCHEMES = {
+    s: "Azure storage has no tested create-only (write-if-absent) write in this provider, which the commit "
+       "protocol needs"
+    for s in ("abfs", "abfss", "az", "adl")
+}
 ALLOWED_PREFIXES_ENV = "VLLM_BATCH_ALLOWED_PREFIXES"
 ALLOW_ANY_LOCATION_ENV = "VLLM_BATCH_ALLOW_ANY_LOCATION"  # "1": the deployment allows any location
 ALLOW_REMOTE_CODE_ENV = "VLLM_BATCH_ALLOW_REMOTE_CODE"  # "1": trust_remote_code / code-loading engine options
@@ -68,6 +75,9 @@ def canonical_uri(uri: str, what: str = "uri", resolve: bool = True) -> str:
             raise SpecError(f"{what}={uri!r}: unknown scheme; use one of {list(SCHEMES)} or an absolute path")
         return _local(uri, uri, what, resolve)
     scheme, rest = m.group(1).lower(), m.group(2)
+    if scheme in UNSUPPORTED_SCHEMES:
+        raise SpecError(f"{what}={uri!r}: scheme {scheme!r} is not supported: {UNSUPPORTED_SCHEMES[scheme]}; "
+                        f"use one of {list(SCHEMES)}")
     if scheme not in SCHEMES:
         raise SpecError(f"{what}={uri!r}: scheme {scheme!r} is not allowed; use one of {list(SCHEMES)}")
     if scheme == "file":

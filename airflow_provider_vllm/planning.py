@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
+import os
+import uuid
 from dataclasses import asdict
 from typing import Any, Literal
 
@@ -20,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from airflow_provider_vllm import __version__
 from airflow_provider_vllm.datasets import (
+    BLANK_ID_PATTERN,
     InputFile,
     describe_files,
     detect_format,
@@ -34,7 +38,10 @@ from airflow_provider_vllm.spec import JobSpec
 from airflow_provider_vllm.storage import Storage
 
 PLAN_FILE = "_plan.json"
+PROBE_DIR = "_probes"  # create-only probe objects (removed after the probe; ignored if one stays)
 DEFAULT_TARGET_ROWS = 10_000
+
+log = logging.getLogger(__name__)
 
 
 class Segment(BaseModel):
@@ -97,19 +104,22 @@ def estimate_tokens(chars: np.ndarray | int, chars_per_token: float) -> np.ndarr
     return np.ceil(np.asarray(chars, dtype=np.float64) / chars_per_token).astype(np.int64)
 
 
-def plan_job(spec: JobSpec) -> Plan:
+def plan_job(spec: JobSpec, max_shards: int | None = None) -> Plan:
     """Plan the job and write ``_plan.json`` under the output prefix; idempotent.
 
     Raises DatasetError for dataset faults and SpecError when the output prefix already
-    holds the plan of a different input or spec, or files but no plan (another run's).
+    holds the plan of a different input or spec, or files but no plan (another run's), or
+    when the plan would have more than ``max_shards`` shards (the orchestrator's limit on
+    mapped tasks, e.g. Airflow's ``[core] max_map_length``; None: no limit).
     """
     out = Storage(spec.io.output_uri, spec.io.storage_options)
-    plan = build_plan(spec)
+    plan = build_plan(spec, max_shards=max_shards)
     if not out.exists(PLAN_FILE):
-        foreign = next(out.walk_files(), None)
+        foreign = next((f for f in out.walk_files() if not f.startswith(PROBE_DIR + "/")), None)
         if foreign is not None:
             raise SpecError(f"output {spec.io.output_uri} is not empty (e.g. {foreign}) and holds no plan of "
                             "this job; use a new, empty output prefix")
+        probe_create_only(out, _store_name(spec))
         # create-only: of two runs racing for one prefix, the loser meets the winner's plan below
         out.create_only(PLAN_FILE, plan.model_dump_json(indent=1).encode())
     existing = Plan.model_validate_json(out.read_bytes(PLAN_FILE))
@@ -122,6 +132,52 @@ def plan_job(spec: JobSpec) -> Plan:
     return existing
 
 
+def probe_create_only(out: Storage, store: str) -> None:
+    """Refuse (SpecError, terminal) a store that does not honour create-only writes.
+
+    The commit protocol rests on write-if-absent (``Storage.create_only``: link locally,
+    ``If-None-Match: *`` on S3, ``ifGenerationMatch=0`` on GCS): the first attempt to commit a
+    shard wins and a marker never changes. Stores differ (s3fs documents ``mode="create"`` as
+    known to work on AWS S3 only; S3-compatible servers and emulators may ignore the
+    precondition and overwrite), so before anything is planned this writes one new probe
+    object create-only twice: the first write must succeed, the second must be refused, and
+    the object must still hold the first body. Transient storage errors stay transient.
+    """
+    rel = f"{PROBE_DIR}/create-only-{uuid.uuid4().hex}"
+    first, second = f"probe 1 {rel}".encode(), f"probe 2 {rel}".encode()
+    need = ("the commit protocol needs write-if-absent (S3: If-None-Match: *, GCS: ifGenerationMatch=0, local "
+            "files: link) so that a shard's commit marker is written once and never replaced; use a store that "
+            "enforces it")
+    try:
+        try:
+            made = out.create_only(rel, first)
+            again = out.create_only(rel, second) if made else None
+            body = out.read_bytes(rel) if made else None
+        except (NotImplementedError, OSError) as e:
+            raise SpecError(f"output store {store}: a create-only write of the probe object {out.uri(rel)} failed "
+                            f"({type(e).__name__}: {e}); {need}") from None
+    finally:
+        try:
+            out.remove(rel)
+            if out.is_local:
+                os.rmdir(out.path(PROBE_DIR))  # only when empty: a racing plan's probe may be there
+        except Exception as e:  # e.g. no delete permission: the probe object stays, ignored by the plan
+            if not out.is_local or out.exists(rel):
+                log.warning("could not remove the create-only probe object %s: %s", out.uri(rel), e)
+    if not made:
+        raise SpecError(f"output store {store}: the first create-only write of a new probe object {out.uri(rel)} "
+                        f"was refused as if it existed; {need}")
+    if again or body != first:
+        what = "succeeded and replaced it" if again else "was reported refused, but the object was replaced"
+        raise SpecError(f"output store {store} does not honour create-only writes: a second create-only write of "
+                        f"the probe object {out.uri(rel)} {what}. {need[0].upper()}{need[1:]}")
+
+
+def _store_name(spec: JobSpec) -> str:
+    ep = (spec.io.storage_options or {}).get("endpoint_url")
+    return f"{spec.io.output_uri} (endpoint_url {ep})" if ep else spec.io.output_uri
+
+
 def load_plan(spec: JobSpec) -> Plan:
     out = Storage(spec.io.output_uri, spec.io.storage_options)
     if not out.exists(PLAN_FILE):
@@ -129,8 +185,8 @@ def load_plan(spec: JobSpec) -> Plan:
     return Plan.model_validate_json(out.read_bytes(PLAN_FILE))
 
 
-def build_plan(spec: JobSpec) -> Plan:
-    """Validate the input and compute shards, without writing anything."""
+def build_plan(spec: JobSpec, max_shards: int | None = None) -> Plan:
+    """Validate the input and compute shards, without writing anything (see ``plan_job``)."""
     root, names = input_storage(spec.io.input_uri, spec.io.storage_options)
     files = describe_files(root, names)
     fmt = detect_format(root, names, spec.io.input_format)
@@ -150,6 +206,9 @@ def build_plan(spec: JobSpec) -> Plan:
     cut_spec = spec if sizing is None else spec.model_copy(
         update={"sharding": spec.sharding.model_copy(update=sizing.sharding_update())})
     shards = _cut(cut_spec, fp, tokens, np.asarray(file_rows, dtype=np.int64), offsets, lines)
+    if max_shards is not None and len(shards) > max_shards:
+        _refuse_shard_count(cut_spec, len(shards), max_shards, total_rows, int(tokens.sum()) if len(tokens) else 0,
+                            from_history=sizing is not None)
     return Plan(
         spec_hash=spec.content_hash(),
         config_hash=spec.output_hash(),
@@ -166,6 +225,24 @@ def build_plan(spec: JobSpec) -> Plan:
         shards=shards,
         created_with={"airflow-provider-vllm": __version__, "pyarrow": pa.__version__},
         sizing=asdict(sizing) if sizing is not None else None,
+    )
+
+
+def _refuse_shard_count(spec: JobSpec, n: int, limit: int, rows: int, tokens: int, from_history: bool) -> None:
+    """SpecError naming the sharding setting to raise (or lower) so that at most ``limit`` shards are cut."""
+    sh = spec.sharding
+    if sh.target_tokens is not None and sh.target_rows is None:
+        need = math.ceil(tokens / limit)
+        setting = f"sharding.target_tokens (now {sh.target_tokens}; at least {need} for {tokens} estimated tokens)"
+    else:
+        need = math.ceil(rows / limit)
+        now = sh.target_rows or DEFAULT_TARGET_ROWS
+        setting = f"sharding.target_rows (now {now}; at least {need} for {rows} rows)"
+    how = " (sized from the throughput history: raise sharding.target_minutes instead)" if from_history else ""
+    raise SpecError(
+        f"the plan has {n} shards, more than the {limit} mapped tasks Airflow allows ([core] max_map_length); "
+        f"raise {setting}{how}, or set sharding.max_shards to at most {limit}, or raise [core] max_map_length "
+        "(AIRFLOW__CORE__MAX_MAP_LENGTH)"
     )
 
 
@@ -221,9 +298,10 @@ def _check_parquet_ids(root: Storage, names: list[str], idc: str) -> None:
         src = f"read_parquet({duck.file_list(root, names)}, filename = true, file_row_number = true)"
         col = '"' + idc.replace('"', '""') + '"'
         # distinct hashes == rows proves distinct ids; a shortfall pays for the exact count
+        blank = f"regexp_matches(CAST({col} AS VARCHAR), '{BLANK_ID_PATTERN}')"
         n, nulls, distinct, empty = con.execute(
             f"SELECT count(*), count(*) - count({col}), count(DISTINCT hash({col})), "
-            f"count(*) FILTER (WHERE trim(CAST({col} AS VARCHAR)) = '') FROM {src}").fetchall()[0]
+            f"count(*) FILTER (WHERE {blank}) FROM {src}").fetchall()[0]
         if not nulls and distinct != n:
             distinct = con.execute(f"SELECT count(DISTINCT {col}) FROM {src}").fetchall()[0][0]
         if nulls:
@@ -232,9 +310,9 @@ def _check_parquet_ids(root: Storage, names: list[str], idc: str) -> None:
             raise DatasetError(f"{nulls} row(s) have a null id; first at {fname.rsplit('/', 1)[-1]} row {row}")
         if empty:
             fname, row = con.execute(f"SELECT filename, file_row_number FROM {src} "
-                                     f"WHERE trim(CAST({col} AS VARCHAR)) = '' LIMIT 1").fetchall()[0]
-            raise DatasetError(f"{empty} row(s) have an empty id in column {idc!r}; first at "
-                               f"{fname.rsplit('/', 1)[-1]} row {row}")
+                                     f"WHERE {blank} LIMIT 1").fetchall()[0]
+            raise DatasetError(f"{empty} row(s) have an empty id (empty or only whitespace) in column {idc!r}; "
+                               f"first at {fname.rsplit('/', 1)[-1]} row {row}")
         if distinct != n:
             dups = con.execute(f"SELECT {col}, count(*) AS k FROM {src} GROUP BY {col} HAVING k > 1 "
                                f"ORDER BY k DESC, {col} LIMIT 5").fetchall()

@@ -107,6 +107,8 @@ class QAReport:
     def summary_line(self) -> str:
         m = self.metrics
         parts = [f"QA {self.status.upper()}: rows={m.get('total', 0)} ok={m.get('ok', 0)} errors={m.get('errors', 0)}"]
+        if m.get("duplicates") is not None:
+            parts.append(f"duplicates={m['duplicates']['ids']}")
         for c in self.checks:
             if c["status"] == "skip":
                 continue
@@ -158,13 +160,15 @@ def run_qa(
     shard_stats: list[dict] | None = None,
     previous: dict | None = None,
     run_info: dict[str, Any] | None = None,
+    duplicates: dict[str, Any] | None = None,
 ) -> QAReport:
     """Metrics, threshold checks and a deterministic stratified sample (pure computation).
 
     ``results`` has RESULT_COLUMNS (extra columns such as ``input_excerpt`` are kept in the
     sample), ``errors`` has ERROR_COLUMNS; either may be empty. ``previous`` is an earlier
     report dict (``QAReport.to_dict()``) for label drift. ``run_info`` (optional, small,
-    JSON-serialisable) is copied into the report header (run id, job name ...).
+    JSON-serialisable) is copied into the report header (run id, job name ...). ``duplicates``
+    is merge's count of ids committed more than once, taken before its dedupe (``_MERGED.json``).
     """
     results = _conform(results, _RESULT_NEEDS)
     errors = _conform(errors, _ERROR_NEEDS)
@@ -175,6 +179,7 @@ def run_qa(
         con.register("e", errors)
         metrics = _metrics(results, errors, labels=labels, structured=structured, notes=notes)
         metrics["throughput"] = _throughput(shard_stats)
+        metrics["duplicates"] = _duplicates(duplicates, notes)
         _drift(metrics, previous, notes)
         ld = metrics["label_distribution"] or {}
         label_sizes = None
@@ -199,6 +204,18 @@ def run_qa(
         run_info=_jsonable(run_info or {}),
         sample=sample,
     )
+
+
+def _duplicates(dup: dict[str, Any] | None, notes: list[str]) -> dict[str, Any] | None:
+    """Merge's duplicate count (before its dedupe), or None when the caller has none."""
+    if dup is None:
+        return None
+    out = {"ids": int(dup.get("ids") or 0), "rows_dropped": int(dup.get("rows_dropped") or 0),
+           "examples": [str(x) for x in (dup.get("examples") or [])][:10]}
+    if out["ids"]:
+        notes.append(f"{out['ids']} id(s) were committed more than once with identical content; merge kept one "
+                     f"row each and dropped {out['rows_dropped']} (e.g. {', '.join(out['examples'][:5])})")
+    return out
 
 
 # ---- input conformance ------------------------------------------------------------------

@@ -282,6 +282,8 @@ def _header(d: dict) -> str:
         ("OK", _int(m.get("ok", 0)), ""),
         ("Errors", _int(m.get("errors", 0)), _pct(err) if err is not None else ""),
         ("Sample", _int(sample.get("rows", 0)), f"seed {sample.get('seed', '–')}"),
+        *([("Duplicate ids", _int(dup.get("ids", 0)), f"{_int(dup.get('rows_dropped', 0))} rows dropped at merge")]
+          if (dup := m.get("duplicates")) is not None else []),
         ("Prompt tokens", _int(tokens.get("prompt_total", 0)), ""),
         ("Completion tokens", _int(tokens.get("completion_total", 0)), ""),
     ]

@@ -49,6 +49,7 @@ def qa_run(spec: JobSpec) -> tuple[QAReport, dict[str, str]]:
         structured=st is not None,
         shard_stats=merged.get("shard_stats"),
         previous=previous,
+        duplicates=merged.get("duplicates"),
         run_info={"job": spec.name, "model": spec.model.name, "output_uri": spec.io.output_uri,
                   "config_hash": merged.get("config_hash"), "rows": merged.get("rows")},
     )
@@ -87,6 +88,7 @@ def qa_summary(report: QAReport, paths: dict[str, str], out_uri: str) -> dict[st
     return {
         "status": report.status,
         "summary": report.summary_line(),
+        "duplicates": (report.metrics.get("duplicates") or {}).get("ids"),
         "checks": [{k: c.get(k) for k in ("name", "value", "warn", "fail", "status")} for c in d["checks"]],
         "report_html": f"{out_uri.rstrip('/')}/{paths['report_html']}",
         "report_json": f"{out_uri.rstrip('/')}/{paths['report_json']}",

@@ -4,6 +4,9 @@
 
 * every input id is in results + errors exactly once, and no other id is there (merged
   outputs when ``results/`` exists, else the chunks named by the shards' commit markers);
+* duplicates are counted *before* merge's dedupe: an id named twice across the committed
+  chunks counts even when merge dropped the copy (and so does ``duplicates.ids`` of
+  ``_MERGED.json``), as well as an id twice in the merged outputs;
 * every committed file opens: each file a commit marker names exists with its recorded size
   and sha256 and reads as Parquet, and every other visible file (not an attempt's temp file
   ``*.tmp-*``) opens as what its name says (Parquet, JSON), so no partial file is visible.
@@ -73,10 +76,34 @@ def reconcile(out: str | Path, input_ids: Iterable[str], committed_only: bool = 
                 rec.error_codes.update({r["id"]: r["error_code"] for r in t if r["status"] == "error"})
     counts = collections.Counter(ids)
     want = set(inputs)
-    rec.duplicates = sorted(i for i, n in counts.items() if n > 1)
+    dup = {i for i, n in counts.items() if n > 1}
+    if (out / "results" / "results.parquet").exists() and not committed_only:
+        # merge drops identical copies: count them where they were committed, before that dedupe
+        committed = collections.Counter(_committed_ids(out))
+        dup |= {i for i, n in committed.items() if n > 1}
+        merged = out / "_MERGED.json"
+        if merged.exists():
+            reported = (json.loads(merged.read_text()).get("duplicates") or {}).get("examples") or []
+            dup |= set(reported)
+    rec.duplicates = sorted(dup)
     rec.lost = sorted(want - set(counts))
     rec.unknown = sorted(set(counts) - want)
     return rec
+
+
+def _committed_ids(out: Path) -> list[str]:
+    """Ids of every row in the chunks that commit markers name (as written, before any dedupe)."""
+    ids: list[str] = []
+    for marker_path in sorted(out.glob(f"shards/*/{MARKER}")):
+        try:
+            files = json.loads(marker_path.read_text())["files"]
+        except (ValueError, KeyError):
+            continue  # counted as a partial/unreadable file
+        for f in files:
+            p = out / f["path"]
+            if p.exists():
+                ids += pq.read_table(p, columns=["id"]).column("id").to_pylist()
+    return ids
 
 
 def _unreadable_visible_files(out: Path) -> list[str]:
@@ -111,12 +138,12 @@ def _sha256(p: Path) -> str:
 
 
 def check(out: str | Path, input_ids: Iterable[str], kind: str | None = None, faults: int = 1,
-          committed_only: bool = False) -> Reconciliation:
-    """Reconcile, record ``faults`` faults of ``kind`` in the ledger (when given), then assert clean."""
+          committed_only: bool = False, level: str = "in_process") -> Reconciliation:
+    """Reconcile, record ``faults`` faults of ``kind`` at ``level`` in the ledger (when given), then assert clean."""
     rec = reconcile(out, input_ids, committed_only=committed_only)
     if kind is not None:
         record_fault(kind, rec.rows, faults=faults, lost=len(rec.lost), duplicates=len(rec.duplicates),
-                     partial_visible=len(rec.partial_visible))
+                     partial_visible=len(rec.partial_visible), level=level)
     assert rec.clean, str(rec)
     return rec
 

@@ -14,6 +14,8 @@ request (0-based), with one of these faults:
   connections: the server sees an upload that ends early.
 
 ``proxy.fired`` lists what was injected (kind, method, path), for assertions and the ledger.
+``strip_headers`` (lower-case names) are dropped from every request before it is forwarded:
+``{"if-none-match"}`` makes the server a store that ignores create-only writes and overwrites.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ class FaultProxy:
     rules: list[Rule] = field(default_factory=list)
     fired: list[tuple[str, str, str]] = field(default_factory=list)
     requests: list[tuple[str, str]] = field(default_factory=list)
+    strip_headers: set[str] = field(default_factory=set)
 
     def __post_init__(self):
         self.port = free_port()
@@ -159,7 +162,7 @@ class _Handler(BaseHTTPRequestHandler):
         method, path = self.command, self.path
         body = self._body()
         rule = self.owner.pick(method, path)
-        headers = {k: v for k, v in self.headers.items()}
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in self.owner.strip_headers}
         if rule is not None and rule.kind in _BODIES:
             status, code, msg = _BODIES[rule.kind]
             xml = (f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code><Message>{msg}</Message>'

@@ -40,7 +40,7 @@ pytestmark = pytest.mark.reliability
 N_ROWS, CHUNK_ROWS = 7, 2
 IDS = [f"r{i}" for i in range(N_ROWS)]
 _BASE: dict = {}
-_TOTALS = {"examples": 0, "crashes": 0, "duplicate_commits": 0, "merges": 0, "lost": 0, "dups": 0}
+_TOTALS = {"examples": 0, "steps": 0, "crashes": 0, "duplicate_commits": 0, "merges": 0, "lost": 0, "dups": 0}
 
 
 def _base(tmp_root: Path) -> dict:
@@ -177,12 +177,17 @@ class CommitProtocol(RuleBasedStateMachine):
                 if (self.out_dir / "results").exists() else []
             assert after == before == []  # nothing published
             return
-        merge_run(self.spec, memory_limit="256MB")
+        # duplicates are counted where they were committed, before merge could drop any
+        committed = [i for raw in self.markers.values() for f in json.loads(raw)["files"]
+                     for i in pq.read_table(self.out_dir / f["path"], columns=["id"]).column("id").to_pylist()]
+        summary = merge_run(self.spec, memory_limit="256MB")
         self.merged = True
         _TOTALS["merges"] += 1
         res = pq.read_table(self.out_dir / RESULTS, columns=["id"]).column("id").to_pylist()
         err = pq.read_table(self.out_dir / ERRORS, columns=["id"]).column("id").to_pylist()
-        lost, dups = len(set(IDS) - set(res + err)), len(res + err) - len(set(res + err))
+        lost = len(set(IDS) - set(res + err))
+        dups = max(len(committed) - len(set(committed)), len(res + err) - len(set(res + err)),
+                   summary["duplicates"]["rows_dropped"])
         _TOTALS["lost"] += lost
         _TOTALS["dups"] += dups
         assert lost == 0 and dups == 0 and sorted(res + err) == sorted(IDS)
@@ -195,6 +200,10 @@ class CommitProtocol(RuleBasedStateMachine):
             assert owners <= {p.split("/")[3] for p in named}
 
     # ---- invariants -------------------------------------------------------------------
+    @invariant()
+    def count_steps(self):
+        _TOTALS["steps"] += 1  # invariants run once after init and once after every step
+
     @invariant()
     def markers_never_change_and_name_good_files(self):
         for shard_id, raw in self.markers.items():
@@ -227,7 +236,10 @@ def test_commit_protocol_state_machine(tmp_path_factory):
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
     CommitProtocol.TestCase().runTest()
     # partial_visible is 0: no_partial_chunk_is_visible held after every step of every example
+    steps = _TOTALS["steps"] - _TOTALS["examples"]
     record_fault("commit_protocol_crash", rows=N_ROWS * _TOTALS["merges"], faults=_TOTALS["crashes"],
-                 lost=_TOTALS["lost"], duplicates=_TOTALS["dups"], partial_visible=0)
-    record_fault("commit_protocol_duplicate_commit", rows=0, faults=_TOTALS["duplicate_commits"])
+                 lost=_TOTALS["lost"], duplicates=_TOTALS["dups"], partial_visible=0, level="hypothesis",
+                 examples=_TOTALS["examples"], steps=steps)
+    record_fault("commit_protocol_duplicate_commit", rows=0, faults=_TOTALS["duplicate_commits"], level="hypothesis",
+                 examples=_TOTALS["examples"], steps=steps)
     assert _TOTALS["examples"] >= 500 and _TOTALS["merges"] > 0 and _TOTALS["crashes"] > 0

@@ -216,8 +216,8 @@ def test_one_shard_through_every_process_fault_then_merge_killed_at_every_write(
 
     rec = check(out, ids)
     assert len(rec.ok_ids) == 240
-    for kind in injected:
-        record_fault(kind, len(ids))
+    for kind in injected:  # real processes: the worker, its engine core, the merge process
+        record_fault(kind, len(ids), level="process")
 
 
 def test_real_engine_oom_back_off_and_an_oom_row_at_the_floor(tmp_path, tiny_model):

@@ -9,6 +9,7 @@ and matches its marker, and no object under the output prefix is a partial file.
 
 from __future__ import annotations
 
+import collections
 import io
 
 import boto3
@@ -71,7 +72,7 @@ def test_transient_errors_are_retried_by_our_layer(proxy, s3):
     assert direct(s3).get_object(Bucket="data", Key="unit/retry/obj")["Body"].read() == b"x" * 1000
     proxy.add("internal", method="GET", path=r"/unit/retry/obj", count=2)
     assert st.read_bytes("obj") == b"x" * 1000
-    record_fault("s3_internal_unit", rows=0, faults=len(proxy.fired))
+    record_fault("s3_internal_unit", rows=0, faults=len(proxy.fired), level="store")
 
 
 def test_permanent_errors_are_not_retried(proxy):
@@ -103,7 +104,7 @@ def test_failed_upload_never_leaves_a_partial_object(proxy, s3, kind, monkeypatc
     with pytest.raises(TransientError):
         st.write_atomic("obj", bytes(range(256)) * 4096)  # 1 MiB
     assert keys(s3, f"unit/{kind}/") == []
-    record_fault(f"s3_{kind}_exhausted", rows=0, faults=len(proxy.fired), partial_visible=0)
+    record_fault(f"s3_{kind}_exhausted", rows=0, faults=len(proxy.fired), partial_visible=0, level="store")
 
 
 def test_is_transient_sorts_botocore_and_s3fs_errors():
@@ -172,7 +173,8 @@ def test_pipeline_survives_faults(proxy, s3, fake_engine_factory, kind):
     proxy.clear()
 
     lost, dups, partial = reconcile(s3, spec, plan, N_ROWS)
-    record_fault(f"s3_{kind}", rows=N_ROWS, faults=fired, lost=lost, duplicates=dups, partial_visible=partial)
+    record_fault(f"s3_{kind}", rows=N_ROWS, faults=fired, lost=lost, duplicates=dups, partial_visible=partial,
+                 level="store")
     assert fired >= 5, proxy.fired
     assert set(statuses) <= {"committed", "already_committed"}
     assert summary["ok_rows"] == N_ROWS - 1 and summary["error_rows"] == 1
@@ -180,7 +182,10 @@ def test_pipeline_survives_faults(proxy, s3, fake_engine_factory, kind):
 
 
 def reconcile(s3, spec, plan, n_rows: int) -> tuple[int, int, int]:
-    """(lost ids, duplicate ids, partial/unreadable files) of a merged run, read around the proxy."""
+    """(lost ids, duplicate ids, partial/unreadable files) of a merged run, read around the proxy.
+
+    Duplicates are counted in the merged files and, before merge's dedupe, across the chunks
+    the commit markers name."""
     out = Storage(spec.io.output_uri, {"endpoint_url": s3.endpoint, "key": "testing", "secret": "testing",
                                        "client_kwargs": {"region_name": "us-east-1"}})
     ids = []
@@ -189,8 +194,9 @@ def reconcile(s3, spec, plan, n_rows: int) -> tuple[int, int, int]:
             ids += pq.read_table(f, columns=["id"]).column("id").to_pylist()
     want = {f"r{i}" for i in range(n_rows)}
     lost = len(want - set(ids))
-    dups = len(ids) - len(set(ids))
+    dup_ids = {i for i, n in collections.Counter(ids).items() if n > 1}
     partial = 0
+    committed: list[str] = []
     prefix = spec.io.output_uri.split("://", 1)[1].split("/", 1)[1] + "/"
     for key in keys(s3, prefix):
         if key.endswith(".parquet"):
@@ -206,4 +212,7 @@ def reconcile(s3, spec, plan, n_rows: int) -> tuple[int, int, int]:
         for f in json.loads(marker)["files"]:
             if out.sha256(f["path"]) != f["sha256"]:
                 partial += 1
-    return lost, dups, partial
+            with out.open(f["path"]) as fh:
+                committed += pq.read_table(fh, columns=["id"]).column("id").to_pylist()
+    dup_ids |= {i for i, n in collections.Counter(committed).items() if n > 1}
+    return lost, len(dup_ids), partial

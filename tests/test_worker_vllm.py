@@ -135,7 +135,7 @@ def test_kill9_mid_shard_then_rerun_reuses_chunks(tmp_path, tiny_model):
     summary = merge_run(spec)
     assert summary["ok_rows"] == n and summary["duplicates_dropped"] == 0
     check_exactly_once(tmp_path / "out", n, {})
-    check(tmp_path / "out", ids, kind="kill9_process_group_mid_shard")
+    check(tmp_path / "out", ids, kind="kill9_process_group_mid_shard", level="process")
 
 
 # Raw vLLM scripts end like the worker (exits.exit_hard): the answer is printed, then the engine
@@ -215,7 +215,7 @@ def test_two_real_attempts_at_once_commit_exactly_once(tmp_path, tiny_model):
     assert summary["ok_rows"] == n and summary["duplicates_dropped"] == 0
     res = pq.read_table(tmp_path / "out" / "results" / "results.parquet")
     assert set(res.column("attempt_id").to_pylist()) == {marker["attempt_id"]}
-    check(tmp_path / "out", [f"t{i:04d}" for i in range(n)], kind="concurrent_attempts_real")
+    check(tmp_path / "out", [f"t{i:04d}" for i in range(n)], kind="concurrent_attempts_real", level="process")
 
 
 def test_embed_task_with_minilm(tmp_path):

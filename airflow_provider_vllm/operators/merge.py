@@ -12,15 +12,16 @@ from airflow_provider_vllm.operators._common import data_plane_errors, load_spec
 from airflow_provider_vllm.operators.deployment import check_spec_allowed
 
 # _MERGED.json keeps per-shard stats; XCom gets the run-level part only (10k shards stay small).
-XCOM_KEYS = ("rows", "ok_rows", "error_rows", "duplicates_dropped", "shards", "files", "checksums",
+XCOM_KEYS = ("rows", "ok_rows", "error_rows", "duplicates_dropped", "duplicates", "shards", "files", "checksums",
              "config_hash", "spec_hash", "merge_s")
 
 
 class VllmMergeOperator(BaseOperator):
     """Run ``merge_run(spec)``; return the merge summary without per-shard stats.
 
-    Fails without retry when a shard is not committed, a file does not match its marker, or
-    input ids != result ids + error ids (each once).
+    Fails without retry when a shard is not committed, a marker names a file outside its
+    shard's attempts or one that does not match it, two committed outputs of one id differ,
+    or input ids != result ids + error ids (each once).
     """
 
     template_fields: Sequence[str] = ("spec",)
@@ -39,9 +40,10 @@ class VllmMergeOperator(BaseOperator):
             summary = merge_run(spec, memory_limit=self.memory_limit)
         stats = summary.get("shard_stats") or []
         infer_s = sum(s.get("infer_s") or 0 for s in stats)
-        self.log.info("merged %s: %d rows = %d ok + %d errors, %d duplicates dropped, %d shard(s); "
+        self.log.info("merged %s: %d rows = %d ok + %d errors, %d duplicate id(s) committed (identical, "
+                      "%d extra row(s) dropped), %d shard(s); "
                       "inference %.1f s over all shards (%.2f rows/s); merge %.2f s",
                       spec.io.output_uri, summary["rows"], summary["ok_rows"], summary["error_rows"],
-                      summary["duplicates_dropped"], summary["shards"], infer_s,
+                      summary["duplicates"]["ids"], summary["duplicates_dropped"], summary["shards"], infer_s,
                       summary["rows"] / infer_s if infer_s else 0.0, summary["merge_s"])
         return {k: summary[k] for k in XCOM_KEYS if k in summary}

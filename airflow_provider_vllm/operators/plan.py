@@ -31,6 +31,13 @@ def _default_doc() -> dict[str, Any]:
     return JobSpec.load({"model": {"name": "m"}, "io": {"input_uri": "/i", "output_uri": "/o"}}).model_dump(mode="json")
 
 
+def max_map_length() -> int:
+    """Airflow's ``[core] max_map_length``: the most mapped shard tasks one expand() may create."""
+    from airflow.sdk.configuration import conf
+
+    return conf.getint("core", "max_map_length", fallback=1024)
+
+
 class VllmPlanOperator(BaseOperator):
     """Validate the job spec and the input dataset, write ``_plan.json``, return the shards.
 
@@ -45,7 +52,9 @@ class VllmPlanOperator(BaseOperator):
     ``[shard.summary() ...]`` for ``.expand(shard=...)``.
 
     Fails without retry on an invalid spec, an unknown or unavailable ``runner``, a missing
-    local model folder, or a bad dataset (missing id column, duplicate ids, ...).
+    local model folder, a bad dataset (missing id column, duplicate or blank ids, ...), an
+    output store that does not honour create-only writes, or a plan with more shards than
+    Airflow's ``[core] max_map_length`` (the message names the sharding setting to raise).
 
     ``dry_run=True`` (or a run param ``dry_run`` set to true) validates the spec and the input,
     logs the dry-run report (rows, tokens, shards, GPU-hours, memory plan; see
@@ -124,7 +133,7 @@ class VllmPlanOperator(BaseOperator):
         if self.dry_run or (context.get("params") or {}).get("dry_run") is True:
             self._dry_run(spec, context)
         with data_plane_errors("plan"):
-            plan = plan_job(spec)
+            plan = plan_job(spec, max_shards=max_map_length())
         self.log.info("planned %d rows (%d invalid lines) into %d shard(s), ~%d prompt tokens; plan at %s/_plan.json",
                       plan.total_rows, plan.invalid_lines, len(plan.shards), plan.est_tokens,
                       spec.io.output_uri.rstrip("/"))

@@ -275,4 +275,16 @@ def dataset_fault_cases(root: Path) -> dict[str, tuple[Path, list[str]]]:
     f.mkdir(parents=True)
     (f / "a.jsonl").write_text('{"id": "ok", "text": "x"}\n{"id": "bad\\udc80", "text": "y"}\n')
     cases["jsonl id that is not valid Unicode"] = (f, ["a.jsonl line 2", "not valid Unicode"])
+    f = root / "whitespace-id-parquet"
+    pq_file(f, "a.parquet", id=["1", "\t \u00a0"], text=["x", "y"])
+    cases["parquet id that is only whitespace"] = (f, ["empty id", "only whitespace", "a.parquet row 1"])
+    f = root / "whitespace-id-jsonl"
+    f.mkdir(parents=True)
+    (f / "a.jsonl").write_text('{"id": "1", "text": "x"}\n{"id": " \\t ", "text": "y"}\n')
+    cases["jsonl id that is only whitespace"] = (f, ["a.jsonl line 2", "'id'", "only whitespace"])
+    f = root / "whitespace-custom-id"
+    f.mkdir(parents=True)
+    (f / "a.jsonl").write_text("\n".join(json.dumps({"custom_id": c, "method": "POST", "url": "/v1/embeddings",
+                                                     "body": {"input": "x"}}) for c in ("a", "\u3000")) + "\n")
+    cases["openai batch custom_id that is only whitespace"] = (f, ["a.jsonl line 2", "'custom_id'", "only whitespace"])
     return cases
