@@ -121,12 +121,17 @@ export AIRFLOW_VAR_VLLM_BATCH_RUNNER=kubernetes
 export AIRFLOW_VAR_VLLM_BATCH_DATA_ROOT=s3://demo/support
 export AIRFLOW_VAR_VLLM_BATCH_MODEL=/models/tiny-llama
 export AIRFLOW_VAR_VLLM_BATCH_SHARD_ROWS=100
-export AIRFLOW_VAR_VLLM_BATCH_SPEC_OVERRIDES="{\"io.storage_options\": {\"client_kwargs\": {\"endpoint_url\": \"$ENDPOINT\"}}, \"sampling.max_tokens\": 32}"
+# The Airflow side (plan, merge, QA, publish, the report page) reaches S3 through this Connection only;
+# the pods get keys from the Secret and the endpoint from the deployment's pod env, never from the job spec.
+export AIRFLOW_CONN_AWS_DEFAULT="{\"conn_type\": \"aws\", \"login\": \"demo\", \"password\": \"demo-secret\",
+  \"extra\": {\"endpoint_url\": \"$ENDPOINT\", \"region_name\": \"us-east-1\"}}"
+export AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES="s3://demo/support,/models"
+export AIRFLOW_VAR_VLLM_BATCH_SPEC_OVERRIDES="{\"sampling.max_tokens\": 32}"
 export AIRFLOW_VAR_VLLM_BATCH_KUBERNETES="{\"image\": \"$IMAGE\", \"image_pull_policy\": \"Never\", \"namespace\": \"$NS\",
   \"gpus\": 0, \"cpu\": \"1\", \"memory\": \"6Gi\", \"model_cache_pvc\": \"models\",
   \"secret_env\": {\"AWS_ACCESS_KEY_ID\": {\"name\": \"s3-demo\", \"key\": \"access_key_id\"},
                  \"AWS_SECRET_ACCESS_KEY\": {\"name\": \"s3-demo\", \"key\": \"secret_access_key\"}},
-  \"env\": {\"AWS_DEFAULT_REGION\": \"us-east-1\", \"VLLM_CPU_KVCACHE_SPACE\": \"1\"}}"
+  \"env\": {\"AWS_DEFAULT_REGION\": \"us-east-1\", \"AWS_ENDPOINT_URL_S3\": \"$ENDPOINT\", \"VLLM_CPU_KVCACHE_SPACE\": \"1\"}}"
 "$ROOT/.venv/bin/airflow" db migrate >/dev/null
 "$ROOT/.venv/bin/airflow" dags reserialize >/dev/null
 echo "-- shard 0's pod, as it will be created:"

@@ -77,6 +77,8 @@ def airflow_sandbox(tmp_path_factory, tiny_model) -> AirflowSandbox:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "VLLM_BATCH_INJECT"))}
     env.update({
         "AIRFLOW_HOME": str(home),
+        # This checkout's code, not whatever the venv's editable install points at (worktrees).
+        "PYTHONPATH": os.pathsep.join(p for p in [str(ROOT), env.get("PYTHONPATH", "")] if p),
         "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS),
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
         "AIRFLOW__CORE__DEFAULT_TASK_RETRY_DELAY": "1",

@@ -86,6 +86,8 @@ def airflow_ui(tmp_path_factory, ui_data):
         "AIRFLOW_VAR_VLLM_BATCH_MODEL": str(tiny),
         "AIRFLOW_VAR_VLLM_BATCH_SPEC_OVERRIDES": json.dumps(QA_OVERRIDES),
         "AIRFLOW__VLLM_BATCH__REPORT_ROOTS": str(ui_data),
+        # the deployment's allow-list: the jobs' and the report page's (no allow-list -> 403)
+        "AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES": f"{ui_data},{tiny.parent}",
         "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1", "TOKENIZERS_PARALLELISM": "false",
     }
