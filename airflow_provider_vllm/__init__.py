@@ -79,6 +79,33 @@ def get_provider_info() -> dict:
                         '"namespace": "ml-batch", "service_account": "vllm-batch"}',
                         "default": "",
                     },
+                    "aws_conn_id": {
+                        "description": "Airflow Connection through which the Airflow-side tasks (plan, merge, QA, "
+                        "publish), the local runner's workers and the QA report page reach s3:// locations "
+                        "(the amazon provider's fsspec helper). A DAG can name another one (aws_conn_id of "
+                        "vllm_batch_job); a missing Connection means the default AWS credential chain.",
+                        "version_added": "0.1.0",
+                        "type": "string",
+                        "example": "aws_default",
+                        "default": "aws_default",
+                    },
+                    "gcp_conn_id": {
+                        "description": "Airflow Connection through which the Airflow-side tasks and the QA report "
+                        "page reach gs:// locations (the google provider's fsspec helper); a missing Connection "
+                        "means Application Default Credentials.",
+                        "version_added": "0.1.0",
+                        "type": "string",
+                        "example": "google_cloud_default",
+                        "default": "google_cloud_default",
+                    },
+                    "report_roots": {
+                        "description": "Optional: comma-separated URI prefixes that narrow, within "
+                        "allowed_uri_prefixes, which run outputs the QA report page may read.",
+                        "version_added": "0.1.0",
+                        "type": "string",
+                        "example": "s3://ml-batch/reports/",
+                        "default": "",
+                    },
                 },
             }
         },

@@ -58,6 +58,11 @@ def vllm_batch_job(
     human_review: bool | str = True,
     review_timeout: timedelta | None = timedelta(hours=12),
     review_notifiers: Sequence[Any] | None = None,
+    aws_conn_id: str | None = None,
+    gcp_conn_id: str | None = None,
+    kubernetes_conn_id: str | None = None,
+    namespace: str | None = None,
+    in_cluster: bool | None = None,
 ) -> TaskGroup:
     """Add one batch inference job to the current DAG; returns its TaskGroup.
 
@@ -98,6 +103,16 @@ def vllm_batch_job(
         and nothing is published (clear the task to ask again). ``None`` waits for ever.
     :param review_notifiers: Airflow notifiers (e.g. a Slack or SMTP notifier) told when a
         decision is needed; the request carries the QA summary and a link to the report.
+    :param aws_conn_id, gcp_conn_id: the Airflow Connections through which plan, the local
+        shards, merge, QA and publish reach ``s3://`` / ``gs://`` (the amazon / google providers'
+        fsspec helpers; the local worker gets the identity through its environment). DAG-file
+        settings, never trigger params; None: ``[vllm_batch] aws_conn_id`` / ``gcp_conn_id``,
+        else ``aws_default`` / ``google_cloud_default``. Pods use workload identity or Secret
+        references instead (docs/kubernetes.md).
+    :param kubernetes_conn_id, namespace, in_cluster: Kubernetes runner: the cluster Connection,
+        the pods' namespace and whether Airflow runs inside that cluster (``KubernetesPodOperator``
+        arguments; None: KPO's defaults, ``kubernetes_default``). They win over the same keys in
+        ``kubernetes_operator_kwargs``.
     """
     runner_name = str(runner).strip()
     static = runner_name in RUNNERS
@@ -111,8 +126,9 @@ def vllm_batch_job(
         asset = Asset(uri=asset)
 
     with TaskGroup(group_id, tooltip="vLLM batch job: plan -> shards -> merge -> QA -> review -> publish") as group:
+        conns = {"aws_conn_id": aws_conn_id, "gcp_conn_id": gcp_conn_id}
         plan = VllmPlanOperator(task_id="plan", spec=spec, overrides=overrides,
-                                param_overrides=param_overrides, runner=runner)
+                                param_overrides=param_overrides, runner=runner, **conns)
         job = plan.output[SPEC_XCOM_KEY]
         common = dict(
             spec=job,
@@ -123,14 +139,17 @@ def vllm_batch_job(
             **({"retry_delay": shard_retry_delay} if shard_retry_delay is not None else {}),
         )
         env = dict(shard_env) if shard_env else None
+        cluster = {**dict(kubernetes_operator_kwargs or {}),
+                   **{k: v for k, v in {"kubernetes_conn_id": kubernetes_conn_id, "namespace": namespace,
+                                        "in_cluster": in_cluster}.items() if v is not None}}
         shard_tasks = {}
         for name in [runner_name] if static else RUNNERS:
             if name == "local":
-                op = VllmLocalShardOperator.partial(task_id="shard", env=env, **common)
+                op = VllmLocalShardOperator.partial(task_id="shard", env=env, **common, **conns)
             else:
                 op = VllmKubernetesShardOperator.partial(
                     task_id="shard" if static else "shard_kubernetes", kubernetes=kubernetes, env=env,
-                    **common, **dict(kubernetes_operator_kwargs or {}))
+                    **common, **cluster)
             shard_tasks[name] = op.expand(shard=plan.output)
         if not static:  # chosen at run time: the other runner's shard task is skipped whole
             branch = VllmRunnerBranchOperator(task_id="runner", runner=runner,
@@ -138,9 +157,9 @@ def vllm_batch_job(
             plan >> branch >> list(shard_tasks.values())
         # An empty input plans zero shards (the mapped task is skipped) and merge still runs after
         # plan's success; a dry run skips plan, and then merge is skipped too.
-        merge = VllmMergeOperator(task_id="merge", spec=job, trigger_rule="none_failed_min_one_success")
-        qa = VllmQAOperator(task_id="qa", spec=job)
-        publish = VllmPublishOperator(task_id="publish", spec=job, outlets=[asset],
+        merge = VllmMergeOperator(task_id="merge", spec=job, trigger_rule="none_failed_min_one_success", **conns)
+        qa = VllmQAOperator(task_id="qa", spec=job, **conns)
+        publish = VllmPublishOperator(task_id="publish", spec=job, outlets=[asset], **conns,
                                       extra_files=dict(publish_extra_files) if publish_extra_files else None)
         list(shard_tasks.values()) >> merge
         merge >> qa

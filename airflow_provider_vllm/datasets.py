@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from airflow_provider_vllm.errors import DatasetError, InputChangedError
-from airflow_provider_vllm.storage import Storage
+from airflow_provider_vllm.storage import FileSystems, Storage
 
 PARQUET_EXT = (".parquet", ".pq", ".parq")
 JSONL_EXT = (".jsonl", ".ndjson", ".json")
@@ -68,9 +68,10 @@ class RowBatch:
         self.lines += other.lines
 
 
-def input_storage(uri: str, options: dict[str, Any]) -> tuple[Storage, list[str]]:
+def input_storage(uri: str, options: dict[str, Any],
+                  filesystems: FileSystems | None = None) -> tuple[Storage, list[str]]:
     """The folder holding the input and the relative paths of its data files, sorted."""
-    whole = Storage(uri, options)
+    whole = Storage(uri, options, filesystems)
     fs = whole.fs
     try:
         is_dir = fs.isdir(whole.base)
@@ -89,7 +90,7 @@ def input_storage(uri: str, options: dict[str, Any]) -> tuple[Storage, list[str]
     if not fs.exists(whole.base):
         raise DatasetError(f"input {uri}: not found")
     parent, name = uri.rstrip("/").rsplit("/", 1) if "/" in uri.rstrip("/") else (".", uri)
-    return Storage(parent, options), [name]
+    return whole.at(parent), [name]
 
 
 def describe_files(storage: Storage, names: list[str]) -> list[InputFile]:

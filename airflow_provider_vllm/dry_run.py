@@ -36,6 +36,7 @@ from airflow_provider_vllm.memory_plan import (
 from airflow_provider_vllm.planning import build_plan
 from airflow_provider_vllm.sizing import estimate_workload, find_evidence, read_history
 from airflow_provider_vllm.spec import JobSpec
+from airflow_provider_vllm.storage import FileSystems
 
 # Used only without history, and labelled "assumed" in the report.
 ASSUMED_TOKENS_PER_S = 2000.0  # prompt + output tokens per second per model replica
@@ -46,14 +47,16 @@ ASSUMED_GPU_MEMORY_GIB = 80.0
 def dry_run_report(spec: JobSpec, *, tokens_per_s: float = ASSUMED_TOKENS_PER_S,
                    engine_start_s: float = ASSUMED_ENGINE_START_S, gpu_memory: float | None = None,
                    model_config: dict[str, Any] | None = None, checkpoint_bytes: int | None = None,
-                   gpus: int | None = None) -> dict[str, Any]:
+                   gpus: int | None = None, filesystems: FileSystems | None = None) -> dict[str, Any]:
     """The dry-run report as a dict (see ``format_report``); raises DatasetError/SpecError like the plan.
 
     ``gpus``: the GPU budget (GPUs the job may use at once) for ``layout.max_active_shards``. Raises
-    SpecError when the layout refuses the spec's engine.tensor_parallel_size.
+    SpecError when the layout refuses the spec's engine.tensor_parallel_size. ``filesystems``: how
+    object stores are reached (``storage.FileSystems``; default fsspec).
     """
-    plan = build_plan(spec)
-    records = read_history(spec.sharding.history_uri, spec.io.storage_options) if spec.sharding.history_uri else []
+    plan = build_plan(spec, filesystems)
+    records = (read_history(spec.sharding.history_uri, spec.io.storage_options, filesystems)
+               if spec.sharding.history_uri else [])
     ev = find_evidence(spec, records)
     work = estimate_workload(spec, plan.total_rows, plan.est_tokens, ev, tokens_per_s, engine_start_s)
     shards = len(plan.shards)

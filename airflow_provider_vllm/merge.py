@@ -34,7 +34,7 @@ from airflow_provider_vllm.errors import CommitError, VerificationError
 from airflow_provider_vllm.planning import Plan, load_plan
 from airflow_provider_vllm.rows import ERROR_COLUMNS, RESULT_COLUMNS, ROW_SCHEMA
 from airflow_provider_vllm.spec import JobSpec
-from airflow_provider_vllm.storage import Storage
+from airflow_provider_vllm.storage import FileSystems, Storage
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +51,17 @@ _ATTEMPT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _CHUNK_NAME = re.compile(r"^chunk-\d{5}\.parquet$")
 
 
-def merge_run(spec: JobSpec, verify_checksums: bool = True, memory_limit: str = "1GB") -> dict[str, Any]:
-    """Merge a run whose shards are all committed; returns the merge summary (also ``_MERGED.json``)."""
+def merge_run(spec: JobSpec, verify_checksums: bool = True, memory_limit: str = "1GB",
+              filesystems: FileSystems | None = None) -> dict[str, Any]:
+    """Merge a run whose shards are all committed; returns the merge summary (also ``_MERGED.json``).
+
+    ``filesystems``: how object stores are reached (``storage.FileSystems``; default fsspec).
+    """
     t0 = time.monotonic()
-    out = Storage(spec.io.output_uri, spec.io.storage_options)
-    plan = load_plan(spec)
+    out = Storage(spec.io.output_uri, spec.io.storage_options, filesystems)
+    plan = load_plan(spec, filesystems)
     files, markers = committed_files(out, plan, verify_checksums)
-    in_root = Storage(plan.input_root, spec.io.storage_options)
+    in_root = out.at(plan.input_root)
     con = duck.connect(out, in_root, memory_limit=memory_limit)
     try:
         if files:
@@ -131,18 +135,19 @@ def merge_run(spec: JobSpec, verify_checksums: bool = True, memory_limit: str = 
     with faults.writing("merge.mid_marker"):
         out.write_atomic(MERGED, json.dumps(summary, indent=1, sort_keys=True).encode())
     faults.hit("merge.after_marker")
-    _record_throughput(spec, plan, markers, summary)
+    _record_throughput(spec, plan, markers, summary, filesystems)
     return summary
 
 
-def _record_throughput(spec: JobSpec, plan: Plan, markers: list[dict], summary: dict[str, Any]) -> None:
+def _record_throughput(spec: JobSpec, plan: Plan, markers: list[dict], summary: dict[str, Any],
+                       filesystems: FileSystems | None = None) -> None:
     """Throughput history for shard sizing (sizing.py); a failure here must not fail a merged run."""
     if not spec.sharding.history_uri:
         return
     from airflow_provider_vllm.sizing import record_run
 
     try:
-        summary["history_record"] = record_run(spec, plan, markers)
+        summary["history_record"] = record_run(spec, plan, markers, filesystems)
     except Exception as e:  # evidence for later plans, not part of this run's results
         log.warning("could not write the throughput record to %s: %s", spec.sharding.history_uri, e)
 

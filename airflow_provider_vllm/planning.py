@@ -35,7 +35,7 @@ from airflow_provider_vllm.datasets import (
 from airflow_provider_vllm.errors import DatasetError, SpecError
 from airflow_provider_vllm.sizing import size_shards
 from airflow_provider_vllm.spec import JobSpec
-from airflow_provider_vllm.storage import Storage
+from airflow_provider_vllm.storage import FileSystems, Storage
 
 PLAN_FILE = "_plan.json"
 PROBE_DIR = "_probes"  # create-only probe objects (removed after the probe; ignored if one stays)
@@ -104,16 +104,17 @@ def estimate_tokens(chars: np.ndarray | int, chars_per_token: float) -> np.ndarr
     return np.ceil(np.asarray(chars, dtype=np.float64) / chars_per_token).astype(np.int64)
 
 
-def plan_job(spec: JobSpec, max_shards: int | None = None) -> Plan:
+def plan_job(spec: JobSpec, filesystems: FileSystems | None = None, max_shards: int | None = None) -> Plan:
     """Plan the job and write ``_plan.json`` under the output prefix; idempotent.
 
     Raises DatasetError for dataset faults and SpecError when the output prefix already
     holds the plan of a different input or spec, or files but no plan (another run's), or
     when the plan would have more than ``max_shards`` shards (the orchestrator's limit on
     mapped tasks, e.g. Airflow's ``[core] max_map_length``; None: no limit).
+    ``filesystems``: how object stores are reached (``storage.FileSystems``; default fsspec).
     """
-    out = Storage(spec.io.output_uri, spec.io.storage_options)
-    plan = build_plan(spec, max_shards=max_shards)
+    out = Storage(spec.io.output_uri, spec.io.storage_options, filesystems)
+    plan = build_plan(spec, filesystems, max_shards=max_shards)
     if not out.exists(PLAN_FILE):
         foreign = next((f for f in out.walk_files() if not f.startswith(PROBE_DIR + "/")), None)
         if foreign is not None:
@@ -178,16 +179,16 @@ def _store_name(spec: JobSpec) -> str:
     return f"{spec.io.output_uri} (endpoint_url {ep})" if ep else spec.io.output_uri
 
 
-def load_plan(spec: JobSpec) -> Plan:
-    out = Storage(spec.io.output_uri, spec.io.storage_options)
+def load_plan(spec: JobSpec, filesystems: FileSystems | None = None) -> Plan:
+    out = Storage(spec.io.output_uri, spec.io.storage_options, filesystems)
     if not out.exists(PLAN_FILE):
         raise SpecError(f"no plan at {out.uri(PLAN_FILE)}; run the plan step first")
     return Plan.model_validate_json(out.read_bytes(PLAN_FILE))
 
 
-def build_plan(spec: JobSpec, max_shards: int | None = None) -> Plan:
+def build_plan(spec: JobSpec, filesystems: FileSystems | None = None, max_shards: int | None = None) -> Plan:
     """Validate the input and compute shards, without writing anything (see ``plan_job``)."""
-    root, names = input_storage(spec.io.input_uri, spec.io.storage_options)
+    root, names = input_storage(spec.io.input_uri, spec.io.storage_options, filesystems)
     files = describe_files(root, names)
     fmt = detect_format(root, names, spec.io.input_format)
     sh = spec.sharding
@@ -202,7 +203,7 @@ def build_plan(spec: JobSpec, max_shards: int | None = None) -> Plan:
     total_rows = int(sum(file_rows))
     tokens = estimate_tokens(chars, sh.chars_per_token) if len(chars) else np.zeros(0, np.int64)
     fp = fingerprint(files)
-    sizing = size_shards(spec, total_rows, int(tokens.sum()) if len(tokens) else 0)
+    sizing = size_shards(spec, total_rows, int(tokens.sum()) if len(tokens) else 0, filesystems=filesystems)
     cut_spec = spec if sizing is None else spec.model_copy(
         update={"sharding": spec.sharding.model_copy(update=sizing.sharding_update())})
     shards = _cut(cut_spec, fp, tokens, np.asarray(file_rows, dtype=np.int64), offsets, lines)

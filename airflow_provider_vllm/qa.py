@@ -38,7 +38,7 @@ import pyarrow.compute as pc
 from airflow_provider_vllm.errors import VllmBatchError
 from airflow_provider_vllm.rows import ROW_SCHEMA
 from airflow_provider_vllm.spec import QASpec
-from airflow_provider_vllm.storage import Storage
+from airflow_provider_vllm.storage import FileSystems, Storage
 
 REPORT_FORMAT = "airflow-provider-vllm/qa-report"
 REPORT_VERSION = 1
@@ -852,14 +852,15 @@ def dumps_report(d: dict[str, Any]) -> str:
     return json.dumps(d, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
 
 
-def load_report(uri: str | None, storage_options: dict[str, Any] | None = None) -> dict[str, Any] | None:
+def load_report(uri: str | None, storage_options: dict[str, Any] | None = None,
+                filesystems: FileSystems | None = None) -> dict[str, Any] | None:
     """A stored report.json (e.g. ``QASpec.previous_report_uri``) as a dict; None if absent."""
     if not uri:
         return None
     parent, name = posixpath.split(uri.rstrip("/"))
     if parent.endswith(":/"):  # 'memory://report.json' and the like
         parent += "/"
-    st = Storage(parent or ".", storage_options or {})
+    st = Storage(parent or ".", storage_options or {}, filesystems)
     try:
         raw = st.read_bytes(name)
     except FileNotFoundError:

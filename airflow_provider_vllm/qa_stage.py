@@ -12,17 +12,18 @@ from airflow_provider_vllm.merge import ERRORS, MERGED, RESULTS
 from airflow_provider_vllm.planning import load_plan
 from airflow_provider_vllm.qa import QAReport, load_report, run_qa, write_qa
 from airflow_provider_vllm.spec import JobSpec
-from airflow_provider_vllm.storage import Storage
+from airflow_provider_vllm.storage import FileSystems, Storage
 
 EXCERPT_CHARS = 300
 
 
-def qa_run(spec: JobSpec) -> tuple[QAReport, dict[str, str]]:
+def qa_run(spec: JobSpec, filesystems: FileSystems | None = None) -> tuple[QAReport, dict[str, str]]:
     """Compute QA over a merged run and write ``qa/report.{json,html}`` and ``qa/sample.parquet``.
 
     Returns the report and the written paths; the caller decides what a 'fail' does.
+    ``filesystems``: how object stores are reached (``storage.FileSystems``; default fsspec).
     """
-    out = Storage(spec.io.output_uri, spec.io.storage_options)
+    out = Storage(spec.io.output_uri, spec.io.storage_options, filesystems)
     con = duck.connect(out)
     try:
         # Only what QA reads; vectors are replaced by a presence marker (10M x 384 floats would not fit).
@@ -39,7 +40,7 @@ def qa_run(spec: JobSpec) -> tuple[QAReport, dict[str, str]]:
     merged = json.loads(out.read_bytes(MERGED))
     previous = None
     if spec.qa.previous_report_uri:
-        previous = load_report(spec.qa.previous_report_uri, spec.io.storage_options)
+        previous = load_report(spec.qa.previous_report_uri, spec.io.storage_options, filesystems)
     st = spec.sampling.structured
     report = run_qa(
         results,
@@ -53,17 +54,17 @@ def qa_run(spec: JobSpec) -> tuple[QAReport, dict[str, str]]:
         run_info={"job": spec.name, "model": spec.model.name, "output_uri": spec.io.output_uri,
                   "config_hash": merged.get("config_hash"), "rows": merged.get("rows")},
     )
-    report.sample = _with_input_excerpt(spec, report.sample)
+    report.sample = _with_input_excerpt(spec, report.sample, out)
     paths = write_qa(report, out)
     return report, paths
 
 
-def _with_input_excerpt(spec: JobSpec, sample: pa.Table) -> pa.Table:
+def _with_input_excerpt(spec: JobSpec, sample: pa.Table, out: Storage) -> pa.Table:
     """Add the sampled rows' input text (first text column) for the report; Parquet inputs only."""
-    plan = load_plan(spec)
+    plan = load_plan(spec, out.filesystems)
     if plan.format != "parquet" or sample.num_rows == 0 or not spec.prompt.texts:
         return sample
-    root = Storage(plan.input_root, spec.io.storage_options)
+    root = out.at(plan.input_root)
     q = lambda c: '"' + c.replace('"', '""') + '"'  # noqa: E731
     wanted = pa.table({"id": pa.array(sample.column("id").to_pylist(), pa.string())})
     con = duck.connect(root)

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from airflow_provider_vllm.spec import JobSpec
-from airflow_provider_vllm.storage import Storage
+from airflow_provider_vllm.storage import FileSystems, Storage
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,8 @@ def run_records(spec: JobSpec, plan: Any, markers: list[dict[str, Any]]) -> list
     return out
 
 
-def record_run(spec: JobSpec, plan: Any, markers: list[dict[str, Any]]) -> str | None:
+def record_run(spec: JobSpec, plan: Any, markers: list[dict[str, Any]],
+               filesystems: FileSystems | None = None) -> str | None:
     """Write the run's records under ``sharding.history_uri``; returns the file's URI (None: nothing to record)."""
     uri = spec.sharding.history_uri
     if not uri:
@@ -100,7 +101,7 @@ def record_run(spec: JobSpec, plan: Any, markers: list[dict[str, Any]]) -> str |
     records = run_records(spec, plan, markers)
     if not records:
         return None
-    store = Storage(uri, spec.io.storage_options)
+    store = Storage(uri, spec.io.storage_options, filesystems)
     name = f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{plan.spec_hash[:16]}-{plan.fingerprint[:16]}.jsonl"
     # a re-merge of the same run replaces its earlier file (same spec and input): one record set per run
     stale = [n for n in _names(store) if n.endswith(f"-{plan.spec_hash[:16]}-{plan.fingerprint[:16]}.jsonl")]
@@ -116,7 +117,8 @@ def _names(store: Storage) -> list[str]:
     return [n for n in store.listdir("") if n.endswith(".jsonl") and not n.startswith((".", "_"))]
 
 
-def read_history(uri: str, storage_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+def read_history(uri: str, storage_options: dict[str, Any] | None = None,
+                 filesystems: FileSystems | None = None) -> list[dict[str, Any]]:
     """Records under ``uri``, newest file first; an absent folder is an empty history.
 
     Lines that are not JSON objects of this record version are skipped (a history is
@@ -124,7 +126,7 @@ def read_history(uri: str, storage_options: dict[str, Any] | None = None) -> lis
     """
     from airflow_provider_vllm import duck
 
-    store = Storage(uri, storage_options or {})
+    store = Storage(uri, storage_options or {}, filesystems)
     names = _names(store)[-HISTORY_FILES:]
     if not names:
         return []
@@ -273,14 +275,14 @@ class Sizing:
 
 
 def size_shards(spec: JobSpec, rows: int, est_text_tokens: int,
-                records: list[dict[str, Any]] | None = None) -> Sizing | None:
+                records: list[dict[str, Any]] | None = None, filesystems: FileSystems | None = None) -> Sizing | None:
     """Shard targets from history, or None (no history_uri, no matching record, no rows)."""
     sh = spec.sharding
     if not sh.history_uri or rows == 0:
         return None
     if records is None:
         try:
-            records = read_history(sh.history_uri, spec.io.storage_options)
+            records = read_history(sh.history_uri, spec.io.storage_options, filesystems)
         except Exception as e:  # unreadable evidence: plan as if there were none, and say so
             log.warning("cannot read the throughput history under %s (%s): using target_rows/tokens",
                         sh.history_uri, e)

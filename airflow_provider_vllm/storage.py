@@ -7,6 +7,12 @@ Two write primitives carry the commit protocol:
 * ``create_only``: write if absent, atomically; returns False when something is there
   (local: temp file + hard link, which fails on an existing name; S3: ``If-None-Match: *``;
   GCS: ``ifGenerationMatch=0``).
+
+Which file system serves a URI: plain fsspec (``url_to_fs(uri, **options)``: the process's own
+credentials), or, when a ``FileSystems`` factory is given, whatever it returns for that URI
+(the Airflow side passes one built from the deployment's Airflow Connections, see
+``airflow_provider_vllm.connections``). The factory is an argument, never global state, and
+never travels: a Storage made from it holds a reference to the factory only.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import os
 import posixpath
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import fsspec
 import pyarrow as pa
@@ -28,21 +34,34 @@ from airflow_provider_vllm.errors import TransientError
 from airflow_provider_vllm.storage_retry import retrying
 
 
+FileSystems = Callable[[str, dict[str, Any]], "fsspec.AbstractFileSystem | None"]
+"""``(uri, options) -> file system`` for that URI, or None for plain fsspec (``url_to_fs``).
+
+The Airflow side's factory builds object-store file systems from Airflow Connections
+(``connections.ConnectionFileSystems``); it owns caching and decides which ``options`` apply.
+"""
+
+
 @dataclass(frozen=True)
 class Storage:
-    """A folder (prefix) on some filesystem; paths given to methods are relative to it."""
+    """A folder (prefix) on some filesystem; paths given to methods are relative to it.
+
+    ``filesystems``: optional factory of the file system for ``root`` (see ``FileSystems``);
+    ``sub()`` keeps it. Without it, ``fsspec.core.url_to_fs(root, **options)``.
+    """
 
     root: str
     options: dict[str, Any] = field(default_factory=dict)
+    filesystems: FileSystems | None = field(default=None, compare=False, repr=False)
 
     @property
     def fs(self) -> fsspec.AbstractFileSystem:
-        return _fs_and_path(self.root, self.options)[0]
+        return _fs_and_path(self.root, self.options, self.filesystems)[0]
 
     @property
     def base(self) -> str:
         """The root as the filesystem sees it (no protocol)."""
-        return _fs_and_path(self.root, self.options)[1].rstrip("/")
+        return _fs_and_path(self.root, self.options, self.filesystems)[1].rstrip("/")
 
     @property
     def is_local(self) -> bool:
@@ -57,7 +76,11 @@ class Storage:
         return f"{root}/{rel}" if rel else root
 
     def sub(self, rel: str) -> Storage:
-        return Storage(self.uri(rel), self.options)
+        return Storage(self.uri(rel), self.options, self.filesystems)
+
+    def at(self, root: str) -> Storage:
+        """Another folder with the same options and file system factory."""
+        return Storage(root, self.options, self.filesystems)
 
     # ---- reads ----------------------------------------------------------------------
     # Reads of remote objects retry transient errors too; local ones fail at once.
@@ -174,7 +197,12 @@ def _local_temp_copy(path: str, data: bytes) -> str:
     return tmp
 
 
-def _fs_and_path(uri: str, options: dict[str, Any]) -> tuple[fsspec.AbstractFileSystem, str]:
+def _fs_and_path(uri: str, options: dict[str, Any],
+                 filesystems: FileSystems | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
+    if filesystems is not None:
+        fs = filesystems(uri, options)
+        if fs is not None:
+            return fs, fs._strip_protocol(uri)
     return _cached_fs(uri, tuple(sorted((k, repr(v)) for k, v in options.items())), options)
 
 

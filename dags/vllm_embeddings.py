@@ -36,12 +36,14 @@ def embedding_table(spec: dict[str, Any]) -> str:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from airflow_provider_vllm.connections import task_filesystems
     from airflow_provider_vllm.merge import RESULTS
     from airflow_provider_vllm.spec import JobSpec
     from airflow_provider_vllm.storage import Storage
 
     job = JobSpec.load(spec)
-    out = Storage(job.io.output_uri, job.io.storage_options)
+    # object stores through the deployment's Connections ([vllm_batch] aws_conn_id / gcp_conn_id)
+    out = Storage(job.io.output_uri, job.io.storage_options, task_filesystems())
     with out.open(RESULTS) as src, tempfile.TemporaryDirectory() as tmp:
         local = os.path.join(tmp, "embeddings.parquet")
         reader = pq.ParquetFile(src)

@@ -122,10 +122,13 @@ export AIRFLOW_VAR_VLLM_BATCH_DATA_ROOT=s3://demo/support
 export AIRFLOW_VAR_VLLM_BATCH_MODEL=/models/tiny-llama
 export AIRFLOW_VAR_VLLM_BATCH_SHARD_ROWS=100
 export AIRFLOW_VAR_VLLM_BATCH_SPEC_OVERRIDES="{\"sampling.max_tokens\": 32}"
-# The deployment (docs/security.md): where jobs may read and write, the S3 endpoint (environment, never
-# the job spec; botocore reads AWS_ENDPOINT_URL), and the pod settings that decide what runs and as whom.
+# The deployment (docs/security.md): where jobs may read and write; the Airflow side (plan, merge, QA,
+# publish, the report page) reaches S3 through this Connection only; the pods get keys from the Secret
+# and the endpoint from the deployment's pod env, never from the job spec; the pod settings that decide
+# what runs and as whom come from the deployment's config.
 export AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES="s3://demo/support,/models"
-export AWS_ENDPOINT_URL=$ENDPOINT
+export AIRFLOW_CONN_AWS_DEFAULT="{\"conn_type\": \"aws\", \"login\": \"demo\", \"password\": \"demo-secret\",
+  \"extra\": {\"endpoint_url\": \"$ENDPOINT\", \"region_name\": \"us-east-1\"}}"
 export AIRFLOW__VLLM_BATCH__KUBERNETES_DEFAULTS="{\"image\": \"$IMAGE\", \"image_pull_policy\": \"Never\",
   \"namespace\": \"$NS\", \"model_cache_pvc\": \"models\",
   \"secret_env\": {\"AWS_ACCESS_KEY_ID\": {\"name\": \"s3-demo\", \"key\": \"access_key_id\"},

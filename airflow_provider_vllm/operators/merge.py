@@ -7,6 +7,7 @@ from typing import Any
 
 from airflow.sdk import BaseOperator
 
+from airflow_provider_vllm.connections import task_filesystems
 from airflow_provider_vllm.merge import merge_run
 from airflow_provider_vllm.operators._common import data_plane_errors, load_spec
 from airflow_provider_vllm.operators.deployment import check_spec_allowed
@@ -22,14 +23,22 @@ class VllmMergeOperator(BaseOperator):
     Fails without retry when a shard is not committed, a marker names a file outside its
     shard's attempts or one that does not match it, two committed outputs of one id differ,
     or input ids != result ids + error ids (each once).
+
+    ``aws_conn_id`` / ``gcp_conn_id``: the Airflow Connections through which this task reaches
+    ``s3://`` / ``gs://`` locations (DAG-file settings, never templated; None: ``[vllm_batch]
+    aws_conn_id`` / ``gcp_conn_id``, else ``aws_default`` / ``google_cloud_default``). See
+    ``airflow_provider_vllm.connections``.
     """
 
     template_fields: Sequence[str] = ("spec",)
     template_fields_renderers = {"spec": "json"}
     ui_color = "#e6f4ea"
 
-    def __init__(self, *, spec: Any, memory_limit: str = "1GB", **kwargs: Any) -> None:
+    def __init__(self, *, spec: Any, memory_limit: str = "1GB", aws_conn_id: str | None = None,
+                 gcp_conn_id: str | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self.aws_conn_id = aws_conn_id
+        self.gcp_conn_id = gcp_conn_id
         self.spec = spec
         self.memory_limit = memory_limit
 
@@ -37,7 +46,8 @@ class VllmMergeOperator(BaseOperator):
         spec = load_spec(self.spec, "merge")
         check_spec_allowed(spec, "merge")  # the spec came through XCom: the deployment's rules again
         with data_plane_errors("merge"):
-            summary = merge_run(spec, memory_limit=self.memory_limit)
+            summary = merge_run(spec, memory_limit=self.memory_limit,
+                                filesystems=task_filesystems(self.aws_conn_id, self.gcp_conn_id))
         stats = summary.get("shard_stats") or []
         infer_s = sum(s.get("infer_s") or 0 for s in stats)
         self.log.info("merged %s: %d rows = %d ok + %d errors, %d duplicate id(s) committed (identical, "

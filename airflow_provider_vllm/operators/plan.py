@@ -9,6 +9,7 @@ from typing import Any
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException
 
+from airflow_provider_vllm.connections import ConnectionFileSystems, task_filesystems
 from airflow_provider_vllm.errors import SpecError
 from airflow_provider_vllm.operators._common import (
     SPEC_XCOM_KEY,
@@ -60,6 +61,11 @@ class VllmPlanOperator(BaseOperator):
     logs the dry-run report (rows, tokens, shards, GPU-hours, memory plan; see
     ``airflow_provider_vllm.dry_run``), pushes it under the XCom key ``dry_run``, writes
     nothing and skips the rest of the run: no shard is launched.
+
+    ``aws_conn_id`` / ``gcp_conn_id``: the Airflow Connections through which this task reaches
+    ``s3://`` / ``gs://`` locations (DAG-file settings, never templated; None: ``[vllm_batch]
+    aws_conn_id`` / ``gcp_conn_id``, else ``aws_default`` / ``google_cloud_default``). See
+    ``airflow_provider_vllm.connections``.
     """
 
     template_fields: Sequence[str] = ("spec", "overrides", "runner")
@@ -75,9 +81,13 @@ class VllmPlanOperator(BaseOperator):
         param_overrides: Sequence[str] = (),
         runner: str = "local",
         dry_run: bool = False,
+        aws_conn_id: str | None = None,
+        gcp_conn_id: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self.aws_conn_id = aws_conn_id
+        self.gcp_conn_id = gcp_conn_id
         self.dry_run = dry_run
         self.spec = spec.model_dump(mode="json") if isinstance(spec, JobSpec) else spec
         self.overrides = overrides
@@ -90,6 +100,10 @@ class VllmPlanOperator(BaseOperator):
         if owned:
             raise ValueError(f"param_overrides {owned}: deployment-owned settings cannot come from "
                              "trigger params (docs/security.md)")
+
+    def filesystems(self) -> ConnectionFileSystems:
+        """How this task reaches object stores: the deployment's Connections (never the spec's credentials)."""
+        return task_filesystems(self.aws_conn_id, self.gcp_conn_id)
 
     def build_spec(self, params: dict[str, Any]) -> JobSpec:
         """The validated spec from the rendered fields and the run's params."""
@@ -133,7 +147,7 @@ class VllmPlanOperator(BaseOperator):
         if self.dry_run or (context.get("params") or {}).get("dry_run") is True:
             self._dry_run(spec, context)
         with data_plane_errors("plan"):
-            plan = plan_job(spec, max_shards=max_map_length())
+            plan = plan_job(spec, filesystems=self.filesystems(), max_shards=max_map_length())
         self.log.info("planned %d rows (%d invalid lines) into %d shard(s), ~%d prompt tokens; plan at %s/_plan.json",
                       plan.total_rows, plan.invalid_lines, len(plan.shards), plan.est_tokens,
                       spec.io.output_uri.rstrip("/"))
@@ -146,7 +160,7 @@ class VllmPlanOperator(BaseOperator):
         from airflow_provider_vllm.dry_run import dry_run_report, format_report
 
         with data_plane_errors("plan"):
-            report = dry_run_report(spec)
+            report = dry_run_report(spec, filesystems=self.filesystems())
         for line in format_report(report).splitlines():
             self.log.info("%s", line)
         context["ti"].xcom_push(key="dry_run", value=json.loads(json.dumps(report, default=str)))

@@ -39,13 +39,13 @@ def _tasks(dag: Any) -> tuple[Any, Any]:
     return plans[0], shard
 
 
-def _shard(spec: Any, map_index: int, from_plan: bool) -> tuple[dict[str, Any], str | None]:
+def _shard(spec: Any, map_index: int, from_plan: bool, filesystems: Any = None) -> tuple[dict[str, Any], str | None]:
     if not from_plan:
         return {"shard_id": f"shard-{map_index:05d}-00000000", "rows": 0}, "example shard id (--from-plan reads " \
             "the run's _plan.json)"
     from airflow_provider_vllm.planning import load_plan
 
-    plan = load_plan(spec)
+    plan = load_plan(spec, filesystems)
     if map_index >= len(plan.shards):
         raise SystemExit(f"map index {map_index} out of range: the plan has {len(plan.shards)} shard(s)")
     return plan.shards[map_index].summary(), None
@@ -73,7 +73,7 @@ def render_shard_pod(dag_id: str, logical_date: str, *, map_index: int = 0,
     if runner != "kubernetes":
         notes.append(f"runner renders to {runner!r} for this run: the pod below is what runner=kubernetes launches")
     spec = plan.build_spec(dict(context["params"]))
-    shard, note = _shard(spec, map_index, from_plan)
+    shard, note = _shard(spec, map_index, from_plan, plan.filesystems() if from_plan else None)
     if note:
         notes.append(note)
     op = mapped.unmap({"shard": shard}) if hasattr(mapped, "unmap") else mapped

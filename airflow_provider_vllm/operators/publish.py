@@ -11,6 +11,7 @@ from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_provider_vllm import __version__
+from airflow_provider_vllm.connections import task_filesystems
 from airflow_provider_vllm.merge import MERGED
 from airflow_provider_vllm.operators._common import data_plane_errors, load_spec
 from airflow_provider_vllm.operators.deployment import check_spec_allowed
@@ -29,21 +30,30 @@ class VllmPublishOperator(BaseOperator):
     run. For each Asset in ``outlets`` the Asset event carries the concrete output URI in
     its ``extra`` (the Asset names the dataset; the URI names this run's partition).
     ``extra_files`` (name -> path under the prefix) are checked and listed too.
+
+    ``aws_conn_id`` / ``gcp_conn_id``: the Airflow Connections through which this task reaches
+    ``s3://`` / ``gs://`` locations (DAG-file settings, never templated; None: ``[vllm_batch]
+    aws_conn_id`` / ``gcp_conn_id``, else ``aws_default`` / ``google_cloud_default``). See
+    ``airflow_provider_vllm.connections``.
     """
 
     template_fields: Sequence[str] = ("spec", "extra_files")
     template_fields_renderers = {"spec": "json", "extra_files": "json"}
     ui_color = "#f3e8fd"
 
-    def __init__(self, *, spec: Any, extra_files: dict[str, str] | None = None, **kwargs: Any) -> None:
+    def __init__(self, *, spec: Any, extra_files: dict[str, str] | None = None, aws_conn_id: str | None = None,
+                 gcp_conn_id: str | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self.aws_conn_id = aws_conn_id
+        self.gcp_conn_id = gcp_conn_id
         self.spec = spec
         self.extra_files = extra_files
 
     def execute(self, context: Any) -> dict[str, Any]:
         spec = load_spec(self.spec, "publish")
         check_spec_allowed(spec, "publish")  # the spec came through XCom: the deployment's rules again
-        out = Storage(spec.io.output_uri, spec.io.storage_options)
+        out = Storage(spec.io.output_uri, spec.io.storage_options,
+                      task_filesystems(self.aws_conn_id, self.gcp_conn_id))
         with data_plane_errors("publish"):
             marker = self._marker(spec, out, context)
             out.write_atomic(SUCCESS, json.dumps(marker, indent=1, sort_keys=True).encode())

@@ -8,6 +8,7 @@ from typing import Any
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException
 
+from airflow_provider_vllm.connections import task_filesystems
 from airflow_provider_vllm.operators._common import data_plane_errors, load_spec
 from airflow_provider_vllm.operators.deployment import check_spec_allowed
 from airflow_provider_vllm.qa import QAFailed
@@ -31,6 +32,11 @@ class VllmQAOperator(BaseOperator):
     ``QAFailed`` and an ``AirflowFailException``: the verdict would not change on retry),
     so publish does not run. A 'warn' verdict is logged and the run goes on (to the
     review task when the builder adds one). Its "QA report" extra link opens the report.
+
+    ``aws_conn_id`` / ``gcp_conn_id``: the Airflow Connections through which this task reaches
+    ``s3://`` / ``gs://`` locations (DAG-file settings, never templated; None: ``[vllm_batch]
+    aws_conn_id`` / ``gcp_conn_id``, else ``aws_default`` / ``google_cloud_default``). See
+    ``airflow_provider_vllm.connections``.
     """
 
     template_fields: Sequence[str] = ("spec",)
@@ -38,15 +44,18 @@ class VllmQAOperator(BaseOperator):
     ui_color = "#fce8e6"
     operator_extra_links = (VllmQAReportLink(),)
 
-    def __init__(self, *, spec: Any, **kwargs: Any) -> None:
+    def __init__(self, *, spec: Any, aws_conn_id: str | None = None, gcp_conn_id: str | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self.aws_conn_id = aws_conn_id
+        self.gcp_conn_id = gcp_conn_id
         self.spec = spec
 
     def execute(self, context: Any) -> dict[str, Any]:
         spec = load_spec(self.spec, "qa")
         check_spec_allowed(spec, "qa")  # the spec came through XCom: the deployment's rules again
         with data_plane_errors("qa"):
-            report, paths = qa_run(spec)
+            report, paths = qa_run(spec, filesystems=task_filesystems(self.aws_conn_id, self.gcp_conn_id))
         summary = qa_summary(report, paths, spec.io.output_uri)
         self.log.info("%s", summary["summary"])
         self.log.info("QA report: %s", summary["report_html"])

@@ -9,6 +9,8 @@ from typing import Any
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
+from airflow_provider_vllm.connections import child_env, conn_ids_from_config
+from airflow_provider_vllm.connections import worker_env as connection_worker_env
 from airflow_provider_vllm.errors import EXIT_OK, EXIT_TERMINAL, EXIT_TRANSIENT, SpecError
 from airflow_provider_vllm.operators._common import load_spec, shard_id_of
 from airflow_provider_vllm.operators.deployment import check_spec_allowed, worker_env
@@ -36,6 +38,12 @@ class VllmLocalShardOperator(BaseOperator):
 
     ``spec`` is the validated spec from the plan task (its ``spec`` XCom), ``shard`` one item
     of the plan's return value. See ``local_runner`` for the ``VLLM_BATCH_INJECT_EXIT`` test hook.
+
+    ``aws_conn_id`` / ``gcp_conn_id`` (DAG-file settings; None: ``[vllm_batch]`` config, else the
+    providers' defaults): when the job reads or writes ``s3://`` / ``gs://``, the worker gets that
+    Connection's identity through its environment (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
+    ``AWS_SESSION_TOKEN``, ``AWS_ENDPOINT_URL_S3``, ``AWS_DEFAULT_REGION``;
+    ``GOOGLE_APPLICATION_CREDENTIALS``), never its command line; see ``connections.worker_env``.
     """
 
     template_fields: Sequence[str] = ("spec", "shard", "env")
@@ -50,9 +58,13 @@ class VllmLocalShardOperator(BaseOperator):
         env: dict[str, str] | None = None,
         python: str | None = None,
         progress_interval_s: float = 10.0,
+        aws_conn_id: str | None = None,
+        gcp_conn_id: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self.aws_conn_id = aws_conn_id
+        self.gcp_conn_id = gcp_conn_id
         self.spec = spec
         self.shard = shard
         self.env = env
@@ -81,6 +93,7 @@ class VllmLocalShardOperator(BaseOperator):
             argv = fault_command(code)
         # the allow-list goes last: neither the task's env nor the shard spec can widen it
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **{k: str(v) for k, v in (self.env or {}).items()}}
+        env = child_env(env, self._credentials_env(spec))  # the Connection's identity, in the environment only
         env.pop(ALLOWED_PREFIXES_ENV, None)
         env.update(worker_env(prefixes))
         rows = self.shard.get("rows") if isinstance(self.shard, dict) else None
@@ -89,6 +102,15 @@ class VllmLocalShardOperator(BaseOperator):
         self._process = LocalWorkerProcess(argv, env, self._worker_line)
         result = self._process.run()
         return self._outcome(shard_id, result)
+
+    def _credentials_env(self, spec: Any) -> dict[str, str]:
+        from airflow.sdk.configuration import conf
+
+        aws, gcp = conn_ids_from_config(conf, self.aws_conn_id, self.gcp_conn_id)
+        try:
+            return connection_worker_env(spec, aws, gcp)
+        except SpecError as e:
+            raise AirflowFailException(f"shard {self.shard_id}: {e}") from None
 
     def _worker_line(self, line: str) -> None:
         self.log.info("worker | %s", line)

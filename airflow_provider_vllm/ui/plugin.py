@@ -4,13 +4,20 @@
 ``qa/report.html`` (``/report.json``: the JSON report). The caller must be logged in to
 Airflow (the UI's session cookie or a ``Bearer`` token) and allowed to read the DAG's task
 instances. The file is located from the run's own XComs (see ``report_access``), never
-from a path in the request; ``[vllm_batch] report_roots`` can narrow it further.
+from a path in the request, and must pass the job's URI rules and the deployment's
+allow-list (``[vllm_batch] allowed_uri_prefixes``; none configured -> 403 unless
+``[vllm_batch] allow_any_location = True``); ``[vllm_batch] report_roots`` can narrow it
+further. The file is read with the deployment's credentials only: the Airflow Connections
+named by ``[vllm_batch] aws_conn_id`` / ``gcp_conn_id`` (defaults ``aws_default`` /
+``google_cloud_default``), never with options, headers or endpoints taken from XCom or the
+request. Every refusal is a 403 with its reason, answered before any file system exists.
 
 Registered through the ``airflow.plugins`` entry point (``vllm_batch``).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity
@@ -22,11 +29,14 @@ from airflow.plugins_manager import AirflowPlugin
 from fastapi import Depends, FastAPI, HTTPException
 from fastapi.responses import Response
 
+from airflow_provider_vllm.connections import ConnectionFileSystems, conn_ids_from_config
+from airflow_provider_vllm.errors import SpecError
 from airflow_provider_vllm.storage import Storage
 from airflow_provider_vllm.ui.links import URL_PREFIX
 from airflow_provider_vllm.ui.report_access import (
     ReportAccessError,
-    parse_roots,
+    ReportPolicy,
+    check_local_file,
     plan_task_id,
     resolve_report,
 )
@@ -51,16 +61,48 @@ def _xcom(session: Any, *, dag_id: str, run_id: str, task_id: str, key: str, map
     return None if row is None else XComModel.deserialize_value(row)
 
 
+def policy() -> ReportPolicy:
+    """The deployment's rules, from this API server's Airflow config (never a Variable)."""
+    return ReportPolicy.from_settings(
+        conf.get("vllm_batch", "allowed_uri_prefixes", fallback=""),
+        conf.getboolean("vllm_batch", "allow_any_location", fallback=False),
+        conf.get("vllm_batch", "report_roots", fallback=""),
+    )
+
+
+_FS_TTL_S = 300.0
+_fs_cache: dict[tuple[str, str], tuple[float, ConnectionFileSystems]] = {}
+
+
+def filesystems() -> ConnectionFileSystems:
+    """The deployment's object-store identity: the Connections named in ``[vllm_batch]``.
+
+    Kept for a few minutes per pair of Connection ids (one client per store, not one per
+    request); an edited Connection takes effect after that.
+    """
+    ids = conn_ids_from_config(conf)
+    now = time.monotonic()
+    hit = _fs_cache.get(ids)
+    if hit is None or now - hit[0] > _FS_TTL_S:
+        hit = _fs_cache[ids] = (now, ConnectionFileSystems(*ids))
+    return hit[1]
+
+
 def _serve(kind: str, session: Any, dag_id: str, run_id: str, task_id: str, map_index: int) -> Response:
     try:
+        rules = policy()
         loc = resolve_report(
             _xcom(session, dag_id=dag_id, run_id=run_id, task_id=task_id, key="return_value",
                   map_index=map_index),
             _xcom(session, dag_id=dag_id, run_id=run_id, task_id=plan_task_id(task_id), key="spec",
                   map_index=-1),
-            parse_roots(conf.get("vllm_batch", "report_roots", fallback="")),
+            rules,
         )
-        body = Storage(loc.output_uri, loc.storage_options).read_bytes(loc.rel(kind))
+        check_local_file(loc, kind, rules)
+        # no options from XCom: the location alone, opened with the deployment's Connections
+        body = Storage(loc.output_uri, {}, filesystems()).read_bytes(loc.rel(kind))
+    except SpecError as e:  # e.g. the object store's provider package is missing
+        raise HTTPException(status_code=403, detail=f"refused: {e}") from None
     except ReportAccessError as e:
         raise HTTPException(status_code=e.status, detail=str(e)) from None
     except FileNotFoundError:

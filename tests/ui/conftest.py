@@ -86,7 +86,8 @@ def airflow_ui(tmp_path_factory, ui_data):
         "AIRFLOW_VAR_VLLM_BATCH_MODEL": str(tiny),
         "AIRFLOW_VAR_VLLM_BATCH_SPEC_OVERRIDES": json.dumps(QA_OVERRIDES),
         "AIRFLOW__VLLM_BATCH__REPORT_ROOTS": str(ui_data),
-        # the deployment's allow-list (docs/security.md): without it every plan fails closed
+        # the deployment's allow-list (docs/security.md): without it every plan fails closed and the
+        # report page answers 403
         "AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES": json.dumps([str(ui_data), str(Path(tiny).resolve().parent)]),
         "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1", "TOKENIZERS_PARALLELISM": "false",

@@ -1,0 +1,157 @@
+"""Object-store access through Airflow Connections: the factory, the worker's environment, the wiring.
+
+S3 end to end (moto) is in test_s3_connection.py. The google provider is not in the lock (its
+dependency tree is large): its code path is covered here with the helper monkeypatched.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import pytest
+from fsspec.implementations.memory import MemoryFileSystem
+
+from airflow_provider_vllm.connections import (
+    DEFAULT_AWS_CONN_ID,
+    DEFAULT_GCP_CONN_ID,
+    ConnectionFileSystems,
+    child_env,
+    conn_ids_from_config,
+    gcs_helper_options,
+    s3_helper_options,
+    worker_env,
+)
+from airflow_provider_vllm.errors import SpecError
+from airflow_provider_vllm.storage import Storage
+from tests.conftest import make_spec
+
+
+class FakeGCS(MemoryFileSystem):
+    """An in-memory stand-in for gcsfs: ``gs://bucket/key`` -> ``/bucket/key``."""
+
+    protocol = ("gs", "gcs")
+    cachable = False
+
+    @classmethod
+    def _strip_protocol(cls, path):
+        return "/" + str(path).split("://", 1)[-1].strip("/")
+
+
+@pytest.fixture
+def fake_google(monkeypatch):
+    """``airflow.providers.google.cloud.fs.gcs.get_fs`` and ``gcsfs.GCSFileSystem``, recording their calls."""
+    calls = []
+    FakeGCS.store, FakeGCS.pseudo_dirs = {}, [""]
+
+    def get_fs(conn_id, storage_options=None):
+        calls.append(("get_fs", conn_id, storage_options))
+        return FakeGCS()
+
+    def gcs_file_system(**options):
+        calls.append(("GCSFileSystem", None, options))
+        return FakeGCS()
+
+    mod = types.ModuleType("airflow.providers.google.cloud.fs.gcs")
+    mod.get_fs = get_fs
+    for name in ("airflow.providers.google", "airflow.providers.google.cloud", "airflow.providers.google.cloud.fs"):
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "airflow.providers.google.cloud.fs.gcs", mod)
+    monkeypatch.setitem(sys.modules, "gcsfs", types.SimpleNamespace(GCSFileSystem=gcs_file_system))
+    return calls
+
+
+def test_gcs_goes_through_the_google_providers_helper_with_the_connection(fake_google, monkeypatch):
+    monkeypatch.setenv("AIRFLOW_CONN_GCP_BATCH", json.dumps({"conn_type": "google_cloud_platform",
+                                                            "extra": {"key_path": "/var/secrets/key.json"}}))
+    fs = ConnectionFileSystems(aws_conn_id="unused", gcp_conn_id="gcp_batch")
+    st = Storage("gs://bucket/runs/r1", {"requester_pays": True}, fs)
+    st.write_atomic("a.txt", b"hello")
+    assert st.read_bytes("a.txt") == b"hello" and st.sub("x").filesystems is fs
+    assert fake_google == [("get_fs", "gcp_batch", {"requester_pays": True})]  # once: cached per options
+    # a Connection that does not exist: Application Default Credentials (Workload Identity)
+    Storage("gs://bucket/x", {}, ConnectionFileSystems(gcp_conn_id="missing")).exists("y")
+    assert fake_google[-1] == ("GCSFileSystem", None, {})
+    # the local worker gets the key file's path through its environment
+    spec = make_spec("gs://bucket/in", "gs://bucket/out")
+    assert worker_env(spec, None, "gcp_batch") == {"GOOGLE_APPLICATION_CREDENTIALS": "/var/secrets/key.json"}
+    assert worker_env(spec, None, "missing") == {}
+
+
+@pytest.mark.parametrize("options", [
+    {"token": "ya29.secret"}, {"endpoint_url": "http://127.0.0.1:1"}, {"project": "other"},
+    {"session_kwargs": {"proxy": "http://127.0.0.1:1"}},
+])
+def test_gcs_options_the_connection_owns_are_refused(fake_google, options):
+    with pytest.raises(SpecError, match="gcp_conn_id"):
+        Storage("gs://bucket/x", options, ConnectionFileSystems()).fs
+    assert fake_google == []
+
+
+def test_s3_options_only_tune_botocore_timeouts_and_retries():
+    assert s3_helper_options(None) == {}
+    ok = {"config_kwargs": {"read_timeout": 5, "retries": {"max_attempts": 2}}}
+    assert s3_helper_options(ok) == ok["config_kwargs"]
+    for bad in ({"endpoint_url": "http://x"}, {"key": "k", "secret": "s"}, {"client_kwargs": {"region_name": "x"}},
+                {"config_kwargs": {"proxies": {"https": "http://x"}}}, {"config_kwargs": "x"},
+                {"config_kwargs": {"signature_version": "UNSIGNED"}}):
+        with pytest.raises(SpecError):
+            s3_helper_options(bad)
+    assert gcs_helper_options({"consistency": "md5"}) == {"consistency": "md5"}
+
+
+def test_other_schemes_use_plain_fsspec(tmp_path):
+    fs = ConnectionFileSystems()
+    assert fs(str(tmp_path), {}) is None and fs(f"file://{tmp_path}", {}) is None and fs("memory://x", {}) is None
+    st = Storage(str(tmp_path), {}, fs)
+    st.write_atomic("a", b"1")
+    assert st.is_local and (tmp_path / "a").read_bytes() == b"1"
+
+
+def test_connection_ids_come_from_arguments_then_config_then_provider_defaults():
+    class Conf:
+        def __init__(self, values):
+            self.values = values
+
+        def get(self, section, option, fallback=None):
+            return self.values.get((section, option), fallback)
+
+    assert conn_ids_from_config(Conf({})) == (DEFAULT_AWS_CONN_ID, DEFAULT_GCP_CONN_ID) == \
+        ("aws_default", "google_cloud_default")
+    cfg = Conf({("vllm_batch", "aws_conn_id"): "team_s3", ("vllm_batch", "gcp_conn_id"): " team_gcs "})
+    assert conn_ids_from_config(cfg) == ("team_s3", "team_gcs")
+    assert conn_ids_from_config(cfg, "dag_s3", "dag_gcs") == ("dag_s3", "dag_gcs")
+
+
+def test_the_workers_environment_takes_the_connection_over_stale_ambient_credentials():
+    base = {"PATH": "/bin", "AWS_SESSION_TOKEN": "stale", "AWS_ACCESS_KEY_ID": "ambient", "AWS_PROFILE": "x"}
+    got = child_env(base, {"AWS_ACCESS_KEY_ID": "conn", "AWS_SECRET_ACCESS_KEY": "s"})
+    assert got == {"PATH": "/bin", "AWS_PROFILE": "x", "AWS_ACCESS_KEY_ID": "conn", "AWS_SECRET_ACCESS_KEY": "s"}
+    assert child_env(base, {}) == base  # no Connection credentials: the worker keeps the default chain
+    # a job that touches no object store asks no Connection at all
+    assert worker_env(make_spec("/in", "/out"), "does_not_matter", "does_not_matter") == {}
+
+
+def test_builder_passes_connections_to_every_airflow_side_task_and_the_cluster_to_the_pods():
+    import pendulum
+    from airflow.sdk import DAG
+
+    from airflow_provider_vllm.builder import vllm_batch_job
+
+    spec = {"model": {"name": "m"}, "io": {"input_uri": "s3://b1/in/", "output_uri": "s3://b1/out/"}}
+    with DAG("t", schedule=None, start_date=pendulum.datetime(2026, 1, 1)) as dag:
+        vllm_batch_job(spec, group_id="j", runner="{{ params.runner }}", aws_conn_id="team_s3",
+                       gcp_conn_id="team_gcs", kubernetes_conn_id="gke", namespace="batch", in_cluster=False,
+                       kubernetes_operator_kwargs={"namespace": "overridden", "startup_timeout_seconds": 60})
+    t = dag.task_dict
+    for tid in ("j.plan", "j.merge", "j.qa", "j.publish"):
+        assert (t[tid].aws_conn_id, t[tid].gcp_conn_id) == ("team_s3", "team_gcs"), tid
+    local = t["j.shard"].partial_kwargs
+    assert (local["aws_conn_id"], local["gcp_conn_id"]) == ("team_s3", "team_gcs")
+    pods = t["j.shard_kubernetes"].partial_kwargs
+    assert pods["kubernetes_conn_id"] == "gke" and pods["namespace"] == "batch" and pods["in_cluster"] is False
+    assert pods["startup_timeout_seconds"] == 60 and "aws_conn_id" not in pods  # pods: workload identity
+    # conn ids are DAG-file settings: never templated, so a trigger param cannot pick one
+    for tid in ("j.plan", "j.merge", "j.qa", "j.publish"):
+        assert not {"aws_conn_id", "gcp_conn_id"} & set(t[tid].template_fields)
