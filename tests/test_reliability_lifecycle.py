@@ -202,7 +202,7 @@ def test_kill9_of_the_task_process_ends_the_worker_and_its_engine_process_and_th
     assert m["status"] == "committed" and m["rows"] == len(ids) and m["stats"]["reused_chunks"] == 2
     assert "killing stale attempt" not in log2.read_text()  # nothing was left to kill
     check(tmp_path / "out", ids, kind="kill9.task_process" + (".stuck_main_thread" if stuck else ""),
-          committed_only=True)
+          committed_only=True, level="process")
 
 
 @pytest.mark.vllm
@@ -241,7 +241,7 @@ def test_kill9_of_the_task_process_on_real_vllm_leaves_no_engine_core_behind(tmp
     assert retry.wait(timeout=900) == 0, log2.read_text()[-4000:]
     m = task_manifest(log2)
     assert m["status"] == "committed" and m["rows"] == n and m["stats"]["reused_chunks"] >= done
-    check(tmp_path / "out", ids, kind="kill9.task_process.real_engine", committed_only=True)
+    check(tmp_path / "out", ids, kind="kill9.task_process.real_engine", committed_only=True, level="process")
 
 
 # ---- the per-shard lock: never two attempts side by side --------------------------------
@@ -293,7 +293,7 @@ def test_a_stale_attempt_whose_task_process_is_gone_is_killed_and_the_new_one_ru
         wait_for(lambda: all(gone(p) for p in pids), STOP_BOUND_S, "stale attempt's processes ended")
     finally:
         holder.kill()
-    check(tmp_path / "out", ids, kind="stale_attempt_killed_by_lock", committed_only=True)
+    check(tmp_path / "out", ids, kind="stale_attempt_killed_by_lock", committed_only=True, level="process")
 
 
 def test_a_live_earlier_attempt_is_waited_for_then_refused_with_exit_75_and_never_run_beside(
@@ -314,7 +314,7 @@ def test_a_live_earlier_attempt_is_waited_for_then_refused_with_exit_75_and_neve
     assert rc == 0 and m["status"] == "committed", lines[-20:]
     assert any("killing stale attempt" in x and "worker is gone" in x for x in lines), lines[-20:]
     wait_for(lambda: gone(pids[1]), STOP_BOUND_S, "the orphaned child ended")
-    check(tmp_path / "out", ids, kind="live_attempt_refused_by_lock", committed_only=True)
+    check(tmp_path / "out", ids, kind="live_attempt_refused_by_lock", committed_only=True, level="process")
 
 
 def test_a_worker_whose_parent_is_already_gone_does_not_start(tmp_path, fake_python, env):
@@ -365,7 +365,7 @@ def test_sigterm_while_parked_in_a_phase_exits_75_within_a_bound_and_the_rerun_c
     assert m2["status"] == "committed", m2
     if reused is not None:
         assert m2["stats"]["reused_chunks"] == reused
-    check(tmp_path / "out", ids, kind=f"sigterm.{point.split('#')[0]}", committed_only=True)
+    check(tmp_path / "out", ids, kind=f"sigterm.{point.split('#')[0]}", committed_only=True, level="process")
     assert stop_s < STOP_BOUND_S
 
 
@@ -385,7 +385,7 @@ def test_the_watchdog_stops_a_worker_hung_in_any_phase_with_exit_75(tmp_path, fa
     check_no_partial(tmp_path / "out")
     again = start_worker(spec, shard, fake_python, env, "", tmp_path / "w2.log")
     assert again.wait(timeout=300) == 0
-    check(tmp_path / "out", ids, kind=f"hang_watchdog.{point.split('#')[0]}", committed_only=True)
+    check(tmp_path / "out", ids, kind=f"hang_watchdog.{point.split('#')[0]}", committed_only=True, level="process")
 
 
 @pytest.mark.parametrize("stop", ["sigterm", "watchdog"])
@@ -405,7 +405,7 @@ def test_the_reuse_scan_is_watched_and_stoppable(tmp_path, fake_python, env, sto
     assert again.wait(timeout=300) == 0
     assert last_json(tmp_path / "w2.log")["stats"]["reused_chunks"] == 10
     check(tmp_path / "out", ids, kind=("sigterm" if stop == "sigterm" else "hang_watchdog") + ".reuse.footer",
-          committed_only=True)
+          committed_only=True, level="process")
 
 
 # ---- the lifecycle helpers as units ------------------------------------------------------
