@@ -420,10 +420,11 @@ def test_pod_identity_from_a_variable_needs_the_deployments_opt_in_and_never_com
     # placement and sizes from the Variable are fine, and the deployment config supplies the identity
     monkeypatch.setenv("AIRFLOW__VLLM_BATCH__KUBERNETES_DEFAULTS", json.dumps(
         {"image": "registry.example.com/w:1", "service_account": "vllm-batch", "namespace": "ml"}))
-    op = rendered_operator(VARIABLE_TEMPLATE, json.dumps({"gpus": 2, "kueue_queue": "gpu", "memory": "64Gi"}))
+    # (gpus must equal the engine's tensor x pipeline parallel size: 1 here)
+    op = rendered_operator(VARIABLE_TEMPLATE, json.dumps({"gpus": 1, "kueue_queue": "gpu", "memory": "64Gi"}))
     pod = op.build_pod_request_obj(create_context(op, map_index=3))
     assert base(pod).image == "registry.example.com/w:1" and pod.spec.service_account_name == "vllm-batch"
-    assert pod.metadata.namespace == "ml" and base(pod).resources.limits["nvidia.com/gpu"] == "2"
+    assert pod.metadata.namespace == "ml" and base(pod).resources.limits["nvidia.com/gpu"] == "1"
     # with the opt-in, the Variable may set the identity too; a trigger still may not
     monkeypatch.setenv("AIRFLOW__VLLM_BATCH__DEPLOYMENT_SETTINGS_FROM_VARIABLES", "True")
     op = rendered_operator(VARIABLE_TEMPLATE, json.dumps({"image": "registry.example.com/w:2"}))
