@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import psutil
 import pytest
@@ -28,9 +29,16 @@ def test_a_killed_worker_with_an_orphaned_engine_process_neither_hangs_nor_leaks
     result = LocalWorkerProcess([sys.executable, "-c", SCRIPT], dict(os.environ), lines.append).run()
     assert result.returncode == -9 and lines == ["engine started"]
     child = result.manifest["child"]
+    # Killed: gone, or a zombie until init reaps it (psutil's wait() on a zombie that is not our
+    # child would wait for it to disappear, which depends on init, not on the runner).
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not _dead(child):
+        time.sleep(0.1)
+    assert _dead(child), f"the orphaned engine process {child} is still running"
+
+
+def _dead(pid: int) -> bool:
     try:
-        proc = psutil.Process(child)
-        proc.wait(timeout=10)  # reaped by init once killed
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
-        pass
-    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+        return True
