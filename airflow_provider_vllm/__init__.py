@@ -124,6 +124,6 @@ def get_provider_info() -> dict:
                 ],
             }
         ],
-        "extra-links": ["airflow_provider_vllm.ui.links.VllmQAReportLink"],
-        "plugins": [{"name": "vllm_batch", "plugin-class": "airflow_provider_vllm.ui.plugin.VllmBatchPlugin"}],
+        "extra-links": ["airflow_provider_vllm.links.report.VllmQAReportLink"],
+        "plugins": [{"name": "vllm_batch", "plugin-class": "airflow_provider_vllm.plugins.report.VllmBatchPlugin"}],
     }

@@ -123,7 +123,7 @@ def generate_dataset(folder: Path, rows: int, seed: int = 7) -> dict:
 
 # ---- spec -----------------------------------------------------------------------------
 def bench_spec(input_dir: Path, run_dir: Path, chunk_rows: int):
-    from airflow_provider_vllm.spec import JobSpec
+    from airflow_provider_vllm.core.spec import JobSpec
 
     return JobSpec.load({
         "name": "bench-dataplane",
@@ -143,7 +143,7 @@ def _synth_chunk(ids, rng, labels_arr, prov: dict):
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    from airflow_provider_vllm.rows import ROW_SCHEMA
+    from airflow_provider_vllm.core.rows import ROW_SCHEMA
 
     n = len(ids)
     err_np = rng.random(n) < 0.01
@@ -185,9 +185,9 @@ def synthesise_commits(spec) -> dict:
     import pyarrow.parquet as pq
 
     from airflow_provider_vllm import __version__
-    from airflow_provider_vllm.commit import ChunkMeta, ShardStore
-    from airflow_provider_vllm.planning import load_plan
-    from airflow_provider_vllm.storage import Storage
+    from airflow_provider_vllm.core.commit import ChunkMeta, ShardStore
+    from airflow_provider_vllm.core.plan import load_plan
+    from airflow_provider_vllm.core.storage import Storage
 
     plan = load_plan(spec)
     out = Storage(spec.io.output_uri, spec.io.storage_options)
@@ -296,12 +296,12 @@ def _install_sql_timers(log: list) -> None:
         return shim
 
     try:
-        duck = importlib.import_module("airflow_provider_vllm.duck")
+        duck = importlib.import_module("airflow_provider_vllm.core.duck")
         orig = duck.connect
         duck.connect = lambda *a, **kw: _TimedCon(orig(*a, **kw), log)
     except ImportError:
         pass
-    for mod in ("airflow_provider_vllm.merge", "airflow_provider_vllm.qa", "airflow_provider_vllm.planning"):
+    for mod in ("airflow_provider_vllm.steps.merge", "airflow_provider_vllm.steps.qa.evaluate", "airflow_provider_vllm.steps.plan"):
         m = importlib.import_module(mod)
         if getattr(m, "duckdb", None) is duckdb:
             m.duckdb = shim_module()
@@ -309,9 +309,9 @@ def _install_sql_timers(log: list) -> None:
 
 # ---- child: one stage -------------------------------------------------------------------
 def child(stage: str, input_dir: Path, run_dir: Path, chunk_rows: int, profile: str | None) -> None:
-    from airflow_provider_vllm.merge import merge_run
-    from airflow_provider_vllm.planning import plan_job
-    from airflow_provider_vllm.qa_stage import qa_run
+    from airflow_provider_vllm.steps.merge import merge_run
+    from airflow_provider_vllm.steps.plan import plan_job
+    from airflow_provider_vllm.steps.qa.stage import qa_run
 
     spec = bench_spec(input_dir, run_dir, chunk_rows)
     rss_imports = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -440,9 +440,9 @@ def main() -> int:
     setup = run_child("setup", args, input_dir, run_dir)
     print(f"setup (not timed as a stage): {setup['shards']} shards, {setup['chunk_files']} chunk files "
           f"committed in {setup['seconds']:.1f}s", file=sys.stderr)
-    for rep in range(args.repeat):
+    for _ in range(args.repeat):
         measured["merge"].append(run_child("merge", args, input_dir, run_dir))
-    for rep in range(args.repeat):
+    for _ in range(args.repeat):
         measured["qa"].append(run_child("qa", args, input_dir, run_dir))
 
     stages = []

@@ -45,7 +45,7 @@ from bench_worker_vs_raw import ENV_SETTINGS, committed_outputs, environment, ma
 
 
 def _spec(args, work: Path, out: str, tp: int = 1):
-    from airflow_provider_vllm.spec import JobSpec
+    from airflow_provider_vllm.core.spec import JobSpec
 
     engine = json.loads(args.engine) if args.engine else None
     base = make_spec("classify", args.model, work / "in", work / out, args.rows, "chat",
@@ -173,7 +173,7 @@ def run_mode(mode: str, args, work: Path, shard_ids: list[str], env: dict, k: in
 
 
 def _plan(spec) -> list[str]:
-    from airflow_provider_vllm.planning import plan_job
+    from airflow_provider_vllm.steps.plan import plan_job
 
     return [s.shard_id for s in plan_job(spec).shards]
 

@@ -99,7 +99,7 @@ def texts_for(workload: str, rows: int, seed: int = 3) -> list[str]:
 
 def make_spec(workload: str, model: str, input_dir: Path, out_dir: Path, rows: int, api: str = "chat",
               enforce_eager: bool = False, engine: dict | None = None, max_model_len: int = 2048):
-    from airflow_provider_vllm.spec import JobSpec
+    from airflow_provider_vllm.core.spec import JobSpec
 
     w = WORKLOADS[workload]
     sampling = {"temperature": 0, "max_tokens": w["max_tokens"]}
@@ -125,7 +125,7 @@ def raw_child(spec_json: str, texts_file: str) -> None:
     import vllm
     from vllm import SamplingParams
 
-    from airflow_provider_vllm.spec import JobSpec
+    from airflow_provider_vllm.core.spec import JobSpec
     from airflow_provider_vllm.worker.engine import engine_kwargs, sampling_params
 
     spec = JobSpec.load(spec_json)
@@ -178,7 +178,7 @@ def run_raw(spec, texts_file: Path, env: dict, log: Path) -> dict:
 
 
 def run_worker(spec, env: dict, log: Path) -> dict:
-    from airflow_provider_vllm.planning import plan_job
+    from airflow_provider_vllm.steps.plan import plan_job
     from airflow_provider_vllm.worker.task import ShardTask, worker_command
 
     plan = plan_job(spec)
@@ -208,7 +208,7 @@ def committed_outputs(spec, shard_id: str) -> list:
     """The ``output`` column of a committed shard, in row order (the files its marker names)."""
     import pyarrow.parquet as pq
 
-    from airflow_provider_vllm.storage import Storage
+    from airflow_provider_vllm.core.storage import Storage
 
     out = Storage(spec.io.output_uri)
     marker = json.loads(out.read_bytes(f"shards/{shard_id}/_COMMITTED.json"))
@@ -266,7 +266,7 @@ def main() -> int:
 
     os.environ.setdefault("VLLM_BATCH_MODEL_CACHE", str(ROOT / ".cache" / "models"))
     if args.model is None:
-        from airflow_provider_vllm.local_models import default_cache_dir, prepare_smollm2
+        from airflow_provider_vllm.testing.local_models import default_cache_dir, prepare_smollm2
 
         args.model = str(prepare_smollm2(default_cache_dir() / "smollm2-135m-instruct"))
     summary = []

@@ -14,7 +14,7 @@ the local cache when unset) and the output `<vllm_batch_data_root>/reruns/<run i
 every run writes its own prefix. Reusing an output prefix is allowed only for the same
 input and spec (a re-run then reuses the committed shards).
 
-*Dry run* only validates and estimates (see `python -m airflow_provider_vllm.dry_run`): the
+*Dry run* only validates and estimates (see `python -m airflow_provider_vllm.cli.dry_run`): the
 plan task logs rows, tokens, shards, GPU-hours and the memory plan, and the rest is skipped.
 
 Runners: `local` (a worker process per shard on the Airflow worker) or `kubernetes` (one pod
@@ -27,10 +27,18 @@ from __future__ import annotations
 
 import pendulum
 from airflow.sdk import DAG, Asset, Param
+from vllm_dag_defaults import (
+    DATA_ROOT,
+    HUMAN_REVIEW,
+    LABELS,
+    SPEC_OVERRIDES,
+    SYSTEM_PROMPT,
+    TEMPLATE_MACROS,
+    ticket_spec,
+)
 
-from airflow_provider_vllm.builder import TEMPLATE_FILTERS, TEMPLATE_MACROS, vllm_batch_job
-from airflow_provider_vllm.param_schemas import PARAM_SCHEMAS
-from vllm_dag_defaults import DATA_ROOT, HUMAN_REVIEW, LABELS, SPEC_OVERRIDES, SYSTEM_PROMPT, ticket_spec
+from airflow_provider_vllm.core.param_schemas import PARAM_SCHEMAS
+from airflow_provider_vllm.task_groups.batch_job import TEMPLATE_FILTERS, vllm_batch_job
 
 
 def param(name: str, *default, **ui) -> Param:

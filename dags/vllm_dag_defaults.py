@@ -13,7 +13,7 @@ Variables, so it is read at run time (never while the DAG file is parsed):
                                "engine.max_num_seqs": 256, "sharding.max_shards": 64}
     vllm_batch_runner          where shards run: local (default) or kubernetes (one pod per shard)
     vllm_batch_kubernetes      JSON object of pod settings for the kubernetes runner (GPUs, node pool, Kueue
-                               queue, sizes; see airflow_provider_vllm/pod_settings.py and docs/kubernetes.md)
+                               queue, sizes; see airflow_provider_vllm/core/pod_settings.py and docs/kubernetes.md)
 
 Set them in the UI, with `airflow variables set`, or as AIRFLOW_VAR_<NAME> environment variables.
 Variables never decide where jobs may read and write, nor (unless the deployment opts in with
@@ -24,7 +24,29 @@ configuration (allowed_uri_prefixes, kubernetes_defaults, ...) or the DAG file's
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
+
+
+def _model_cache() -> str:
+    # The laptop/demo models (airflow_provider_vllm.testing builds them): the product never
+    # imports that module; only these example templates reach it, at run time.
+    from airflow_provider_vllm.testing.local_models import default_cache_dir
+
+    return str(default_cache_dir())
+
+
+def _minilm_path() -> str:
+    from airflow_provider_vllm.testing.local_models import minilm_path
+
+    return str(minilm_path())
+
+
+TEMPLATE_MACROS: dict[str, Callable[..., str]] = {
+    "vllm_model_cache": _model_cache,
+    "vllm_minilm_path": _minilm_path,
+}
+"""``user_defined_macros`` for the example DAGs: the local model cache folder and MiniLM's folder, at run time."""
 
 LABELS = ["billing", "bug", "feature_request", "account", "other"]
 

@@ -20,9 +20,9 @@ from typing import Any
 
 import pendulum
 from airflow.sdk import DAG, Asset, CronDataIntervalTimetable, task
+from vllm_dag_defaults import DATA_ROOT, EMBEDDING_MODEL, HUMAN_REVIEW, RUNNER, SPEC_OVERRIDES, TEMPLATE_MACROS
 
-from airflow_provider_vllm.builder import TEMPLATE_FILTERS, TEMPLATE_MACROS, vllm_batch_job
-from vllm_dag_defaults import DATA_ROOT, EMBEDDING_MODEL, HUMAN_REVIEW, RUNNER, SPEC_OVERRIDES
+from airflow_provider_vllm.task_groups.batch_job import TEMPLATE_FILTERS, vllm_batch_job
 
 TABLE = "embeddings/embeddings.parquet"
 
@@ -36,10 +36,10 @@ def embedding_table(spec: dict[str, Any]) -> str:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from airflow_provider_vllm.connections import task_filesystems
-    from airflow_provider_vllm.merge import RESULTS
-    from airflow_provider_vllm.spec import JobSpec
-    from airflow_provider_vllm.storage import Storage
+    from airflow_provider_vllm.core.spec import JobSpec
+    from airflow_provider_vllm.core.storage import Storage
+    from airflow_provider_vllm.hooks.filesystems import task_filesystems
+    from airflow_provider_vllm.steps.merge import RESULTS
 
     job = JobSpec.load(spec)
     # object stores through the deployment's Connections ([vllm_batch] aws_conn_id / gcp_conn_id)

@@ -25,7 +25,7 @@ settings such as image, namespace, GPUs, node pool and Kueue queue come from the
 `vllm_batch_kubernetes` Variable, see docs/kubernetes.md). Both shard tasks are in the DAG;
 a `runner` task after `plan` follows the chosen one and skips the other.
 To change the prompt, labels or columns, copy this file and edit the `ticket_spec(...)`
-call: any job spec field can be set there (see `airflow_provider_vllm/spec.py`), and any
+call: any job spec field can be set there (see `airflow_provider_vllm/core/spec.py`), and any
 string may use Jinja (`{{ ds }}`, `{{ var.value.get(...) }}`). The spec is rendered and
 validated by `plan` at run time; an invalid spec or dataset fails `plan` without retry.
 """
@@ -34,9 +34,9 @@ from __future__ import annotations
 
 import pendulum
 from airflow.sdk import DAG, Asset, CronDataIntervalTimetable
+from vllm_dag_defaults import DATA_ROOT, HUMAN_REVIEW, RUNNER, SPEC_OVERRIDES, TEMPLATE_MACROS, ticket_spec
 
-from airflow_provider_vllm.builder import TEMPLATE_FILTERS, TEMPLATE_MACROS, vllm_batch_job
-from vllm_dag_defaults import DATA_ROOT, HUMAN_REVIEW, RUNNER, SPEC_OVERRIDES, ticket_spec
+from airflow_provider_vllm.task_groups.batch_job import TEMPLATE_FILTERS, vllm_batch_job
 
 with DAG(
     dag_id="vllm_nightly_reclassification",

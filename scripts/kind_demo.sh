@@ -13,7 +13,7 @@
 #   - kind cluster "vllm-batch-demo", namespace vllm-batch labelled
 #     pod-security.kubernetes.io/enforce=restricted (a pod that is not hardened is refused)
 #   - docker/Dockerfile.worker built on vLLM's CPU release image (as docker/build.sh --cpu does), loaded into kind
-#   - a model-cache PVC holding the tiny test model (airflow_provider_vllm.local_models tiny)
+#   - a model-cache PVC holding the tiny test model (airflow_provider_vllm.testing.local_models tiny)
 #   - an S3 stand-in (moto_server) on the kind Docker network's gateway address (Linux hosts only: on
 #     Docker Desktop that address is not the host's); its dummy keys reach the pods only as a Secret reference
 #   - Airflow (SQLite, project-local AIRFLOW_HOME=.airflow-kind/) running `airflow dags test`
@@ -85,7 +85,7 @@ fs.put(str(paths["tickets"]), f"demo/support/tickets/dt={day}/tickets.parquet")
 EOF
 
 echo "== model-cache PVC with the tiny test model"
-PYTHONPATH=$ROOT "$PY" -m airflow_provider_vllm.local_models tiny --dest "$STATE/tiny-llama" >/dev/null
+PYTHONPATH=$ROOT "$PY" -m airflow_provider_vllm.testing.local_models tiny --dest "$STATE/tiny-llama" >/dev/null
 kubectl -n "$NS" apply -f - <<'EOF'
 apiVersion: v1
 kind: PersistentVolumeClaim

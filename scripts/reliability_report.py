@@ -6,13 +6,13 @@
     python scripts/reliability_report.py --ledger FILE   # re-sum an existing ledger, run nothing
 
 Runs ``pytest -m reliability`` with ``RELIABILITY_LEDGER`` pointing at a fresh file; each
-fault, bad-input and security test appends what it checked (tests/ledger.py), with the pytest
+fault, bad-input and security test appends what it checked (tests/support/ledger.py), with the pytest
 node id of the test that checked it. The script sums the records and replaces the block
 between the figure markers in docs/RELIABILITY.md: one headline line per kind of evidence
 (process-level faults, object-store faults, in-process faults, hypothesis state-machine
 steps, bad rows, malicious params; never added together), then one table per kind, each row
 naming the test(s) behind it. Duplicates are the ones the tests counted before merge's dedupe
-(tests/reconcile.py). Exits with pytest's exit status (figures are written either way, with
+(tests/support/reconcile.py). Exits with pytest's exit status (figures are written either way, with
 the outcome stated, so a failing run cannot pass for a clean one).
 """
 
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "RELIABILITY.md"
 START, END = "<!-- reliability-figures:start -->", "<!-- reliability-figures:end -->"
 
-# fault levels (tests/ledger.py), in the order they are reported
+# fault levels (tests/support/ledger.py), in the order they are reported
 LEVELS = {
     "process": "Process-level faults (a real worker, engine core or merge process killed, stopped, crashed or hung)",
     "store": "Object-store faults (requests of a real run faulted on the wire; stores that overwrite)",

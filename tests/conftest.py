@@ -6,8 +6,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,30 +24,6 @@ TEST_PREFIXES = json.dumps([os.path.realpath(tempfile.gettempdir()),
 os.environ.setdefault("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", TEST_PREFIXES)
 os.environ.setdefault("VLLM_BATCH_ALLOWED_PREFIXES", TEST_PREFIXES)  # a worker CLI a test starts itself
 
-LABELS = ["billing", "bug", "feature_request", "account", "other"]
-
-
-def write_parquet(path: Path, ids, texts, row_group_size=64, **extra):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.table({"id": ids, "text": texts, **extra}), path, row_group_size=row_group_size)
-    return path
-
-
-def make_spec(input_uri, output_uri, **over):
-    from airflow_provider_vllm.spec import JobSpec
-
-    doc = {
-        "model": {"name": "fake", "max_model_len": 1024},
-        "io": {"input_uri": str(input_uri), "output_uri": str(output_uri)},
-        "prompt": {"system_prompt": "Classify the ticket.", "template": "Ticket: {text}"},
-        "sampling": {"max_tokens": 8, "structured": {"choice": LABELS}},
-        "sharding": {"target_rows": 100, "chunk_rows": 16},
-    }
-    for k, v in over.items():
-        doc[k] = {**doc.get(k, {}), **v} if isinstance(v, dict) else v
-    return JobSpec.load(doc)
-
-
 @pytest.fixture
 def fail_closed(monkeypatch):
     """The default deployment: no allow-list, no "any location" (Airflow side and worker side)."""
@@ -60,7 +34,7 @@ def fail_closed(monkeypatch):
 
 @pytest.fixture
 def fake_engine_factory():
-    from tests.fakes import FakeEngine
+    from tests.support.fakes import FakeEngine
 
     made = []
 
@@ -76,10 +50,21 @@ def fake_engine_factory():
 @pytest.fixture
 def set_faults():
     """``set_faults("engine.step#3=oom")``: arm the fault harness in this process (reset after the test)."""
-    from airflow_provider_vllm import faults
+    from airflow_provider_vllm.core import faults
 
     def set_(value: str) -> None:
         faults.reload({faults.ENV: value})
 
     yield set_
     faults.reload({})
+
+
+TIERS = ("unit", "vllm", "s3", "airflow", "ui")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark every test with its tier, the folder under tests/ it lives in (``-m unit``, ``-m s3`` ...)."""
+    for item in items:
+        parts = Path(str(item.fspath)).resolve().relative_to(ROOT / "tests").parts
+        if parts and parts[0] in TIERS:
+            item.add_marker(getattr(pytest.mark, parts[0]))

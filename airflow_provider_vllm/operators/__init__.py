@@ -2,7 +2,7 @@
 
 plan -> shard (mapped, one per planned shard; local process or Kubernetes pod) -> merge -> qa ->
 review (human gate) -> publish; wire them with
-``airflow_provider_vllm.builder.vllm_batch_job``.
+``airflow_provider_vllm.task_groups.batch_job.vllm_batch_job``.
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ from typing import Any
 import yaml
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
-from airflow_provider_vllm.errors import SpecError, VllmBatchError
-from airflow_provider_vllm.spec import JobSpec
+from airflow_provider_vllm.core.errors import SpecError, VllmBatchError
+from airflow_provider_vllm.core.spec import JobSpec
 
 SPEC_XCOM_KEY = "spec"
 """XCom key under which the plan task pushes the validated spec (a JSON-able dict)."""
@@ -76,7 +76,7 @@ def check_local_model(spec: JobSpec) -> None:
     if path.startswith(("/", "./", "../", "~")) and not os.path.exists(os.path.expanduser(path)):
         raise AirflowFailException(
             f"model.name {name!r} is a local path that does not exist on this machine; "
-            "prepare it first (e.g. python -m airflow_provider_vllm.local_models smollm2)"
+            "prepare it first (e.g. python -m airflow_provider_vllm.testing.local_models smollm2)"
         )
 
 

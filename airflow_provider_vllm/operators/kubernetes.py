@@ -19,7 +19,9 @@ from airflow.sdk.exceptions import AirflowFailException
 from kubernetes.client import ApiClient
 from kubernetes.client import models as k8s
 
-from airflow_provider_vllm.errors import EXIT_TERMINAL, EXIT_TRANSIENT, SpecError
+from airflow_provider_vllm.core.errors import EXIT_TERMINAL, EXIT_TRANSIENT, SpecError
+from airflow_provider_vllm.core.pod_settings import KubernetesSettings
+from airflow_provider_vllm.core.spec_guard import DEPLOYMENT_OWNED
 from airflow_provider_vllm.operators import provenance
 from airflow_provider_vllm.operators._common import load_spec, shard_id_of
 from airflow_provider_vllm.operators.deployment import (
@@ -28,9 +30,7 @@ from airflow_provider_vllm.operators.deployment import (
     variables_may_set_deployment_settings,
     worker_env,
 )
-from airflow_provider_vllm.pod_settings import KubernetesSettings
-from airflow_provider_vllm.pod_spec import WORKER_PYTHON, PodParts, container_security_context, pod_parts
-from airflow_provider_vllm.spec_guard import DEPLOYMENT_OWNED
+from airflow_provider_vllm.steps.pod_spec import WORKER_PYTHON, PodParts, container_security_context, pod_parts
 from airflow_provider_vllm.worker.task import ShardTask, worker_command
 
 SETTINGS_VARIABLE = "vllm_batch_kubernetes"
@@ -113,7 +113,7 @@ class VllmKubernetesShardOperator(KubernetesPodOperator):
         with ``[vllm_batch] deployment_settings_from_variables``; never from the trigger."""
         try:
             env = self.get_template_env()
-        except Exception:  # noqa: BLE001: a bare operator without a DAG
+        except Exception:  # noqa: BLE001 - a bare operator without a DAG
             env = None
         owned = [p for p in DEPLOYMENT_OWNED if p.startswith("kubernetes.") and p.split(".", 1)[1] in (defaults or {})]
 

@@ -7,10 +7,10 @@ from typing import Any
 
 from airflow.sdk import BaseOperator
 
-from airflow_provider_vllm.connections import task_filesystems
-from airflow_provider_vllm.merge import merge_run
+from airflow_provider_vllm.hooks.filesystems import task_filesystems
 from airflow_provider_vllm.operators._common import data_plane_errors, load_spec
 from airflow_provider_vllm.operators.deployment import check_spec_allowed
+from airflow_provider_vllm.steps.merge import merge_run
 
 # _MERGED.json keeps per-shard stats; XCom gets the run-level part only (10k shards stay small).
 XCOM_KEYS = ("rows", "ok_rows", "error_rows", "duplicates_dropped", "duplicates", "shards", "files", "checksums",
@@ -27,7 +27,7 @@ class VllmMergeOperator(BaseOperator):
     ``aws_conn_id`` / ``gcp_conn_id``: the Airflow Connections through which this task reaches
     ``s3://`` / ``gs://`` locations (DAG-file settings, never templated; None: ``[vllm_batch]
     aws_conn_id`` / ``gcp_conn_id``, else ``aws_default`` / ``google_cloud_default``). See
-    ``airflow_provider_vllm.connections``.
+    ``airflow_provider_vllm.hooks.filesystems``.
     """
 
     template_fields: Sequence[str] = ("spec",)

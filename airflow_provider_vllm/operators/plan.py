@@ -9,8 +9,13 @@ from typing import Any
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException
 
-from airflow_provider_vllm.connections import ConnectionFileSystems, task_filesystems
-from airflow_provider_vllm.errors import SpecError
+from airflow_provider_vllm.core.errors import SpecError
+from airflow_provider_vllm.core.param_schemas import validate_params
+from airflow_provider_vllm.core.shard_names import with_display_names
+from airflow_provider_vllm.core.spec import PARAM_ALIASES, JobSpec
+from airflow_provider_vllm.core.spec_guard import DEPLOYMENT_OWNED, owned_paths_set
+from airflow_provider_vllm.hooks.filesystems import ConnectionFileSystems, task_filesystems
+from airflow_provider_vllm.operators import provenance
 from airflow_provider_vllm.operators._common import (
     SPEC_XCOM_KEY,
     check_local_model,
@@ -19,13 +24,8 @@ from airflow_provider_vllm.operators._common import (
     overrides_document,
     spec_document,
 )
-from airflow_provider_vllm.operators import provenance
 from airflow_provider_vllm.operators.deployment import check_spec_allowed, variables_may_set_deployment_settings
-from airflow_provider_vllm.param_schemas import validate_params
-from airflow_provider_vllm.planning import plan_job
-from airflow_provider_vllm.shard_names import with_display_names
-from airflow_provider_vllm.spec import PARAM_ALIASES, JobSpec
-from airflow_provider_vllm.spec_guard import DEPLOYMENT_OWNED, owned_paths_set
+from airflow_provider_vllm.steps.plan import plan_job
 
 
 def _default_doc() -> dict[str, Any]:
@@ -59,13 +59,13 @@ class VllmPlanOperator(BaseOperator):
 
     ``dry_run=True`` (or a run param ``dry_run`` set to true) validates the spec and the input,
     logs the dry-run report (rows, tokens, shards, GPU-hours, memory plan; see
-    ``airflow_provider_vllm.dry_run``), pushes it under the XCom key ``dry_run``, writes
+    ``airflow_provider_vllm.cli.dry_run``), pushes it under the XCom key ``dry_run``, writes
     nothing and skips the rest of the run: no shard is launched.
 
     ``aws_conn_id`` / ``gcp_conn_id``: the Airflow Connections through which this task reaches
     ``s3://`` / ``gs://`` locations (DAG-file settings, never templated; None: ``[vllm_batch]
     aws_conn_id`` / ``gcp_conn_id``, else ``aws_default`` / ``google_cloud_default``). See
-    ``airflow_provider_vllm.connections``.
+    ``airflow_provider_vllm.hooks.filesystems``.
     """
 
     template_fields: Sequence[str] = ("spec", "overrides", "runner")
@@ -119,7 +119,7 @@ class VllmPlanOperator(BaseOperator):
         """Deployment-owned settings came from the DAG file (or, with the opt-in, a Variable); else fail."""
         try:
             env = self.get_template_env()
-        except Exception:  # noqa: BLE001: no DAG (a bare operator in a test): a parser without globals
+        except Exception:  # noqa: BLE001 - no DAG (a bare operator in a test): a parser without globals
             env = None
         rendered_spec = spec_document(self.spec) if isinstance(self._raw_spec, str) else {}
         rendered_over = overrides_document(self.overrides)
@@ -157,7 +157,7 @@ class VllmPlanOperator(BaseOperator):
     def _dry_run(self, spec: JobSpec, context: Any) -> None:
         from airflow.sdk.exceptions import AirflowSkipException
 
-        from airflow_provider_vllm.dry_run import dry_run_report, format_report
+        from airflow_provider_vllm.steps.dry_run import dry_run_report, format_report
 
         with data_plane_errors("plan"):
             report = dry_run_report(spec, filesystems=self.filesystems())

@@ -22,7 +22,6 @@ from typing import Any
 from kubernetes.client import ApiClient
 
 
-
 def _tasks(dag: Any) -> tuple[Any, Any]:
     """The plan task and the Kubernetes shard task (mapped) of the DAG's first vLLM batch job."""
     from airflow_provider_vllm.operators.kubernetes import VllmKubernetesShardOperator
@@ -43,7 +42,7 @@ def _shard(spec: Any, map_index: int, from_plan: bool, filesystems: Any = None) 
     if not from_plan:
         return {"shard_id": f"shard-{map_index:05d}-00000000", "rows": 0}, "example shard id (--from-plan reads " \
             "the run's _plan.json)"
-    from airflow_provider_vllm.planning import load_plan
+    from airflow_provider_vllm.core.plan import load_plan
 
     plan = load_plan(spec, filesystems)
     if map_index >= len(plan.shards):

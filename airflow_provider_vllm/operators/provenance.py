@@ -23,7 +23,7 @@ from typing import Any
 
 from jinja2 import meta  # static analysis of templates only (see the module docstring)
 
-from airflow_provider_vllm.spec_guard import JINJA
+from airflow_provider_vllm.core.spec_guard import JINJA
 
 PARAMS = "trigger params"
 VARIABLES = "Variables"
@@ -53,7 +53,7 @@ def template_sources(value: Any, env: Any, _depth: int = 0) -> set[str]:
         return {"the trigger (a template that could not be analysed)"}
     try:
         tree = env.parse(value)
-    except Exception:  # noqa: BLE001: a template Jinja cannot parse would not render either
+    except Exception:  # noqa: BLE001 - a template Jinja cannot parse would not render either
         return {"the trigger (a template that could not be parsed)"}
     trusted = _TRUSTED | set(getattr(env, "globals", {}) or {})
     sources = set()
@@ -68,7 +68,7 @@ def template_sources(value: Any, env: Any, _depth: int = 0) -> set[str]:
             continue
         try:
             text = env.loader.get_source(env, ref)[0]
-        except Exception:  # noqa: BLE001: no loader, missing file
+        except Exception:  # noqa: BLE001 - no loader, missing file
             sources.add(f"the trigger (an include that could not be read: {ref})")
             continue
         sources |= template_sources(text, env, _depth + 1)
@@ -81,7 +81,7 @@ def touches(key: str, path: str) -> bool:
 
 def _at(node: Any, parts: list[str]) -> tuple[bool, Any]:
     """(found, value) at ``parts`` of a raw DAG-file value; a string met on the way covers the rest."""
-    for i, part in enumerate(parts):
+    for part in parts:
         if isinstance(node, str):
             return True, node
         if not isinstance(node, Mapping) or part not in node:
@@ -103,7 +103,7 @@ def overrides_layer_sources(raw_overrides: Any, rendered: Mapping[str, Any], pat
                             aliases: Mapping[str, str | None]) -> set[str] | None:
     """Sources of ``path`` in the overrides layer (flat dotted keys / aliases); None when it is not set there."""
     hit = None
-    for key, value in rendered.items():
+    for key in rendered:
         target = aliases.get(key, key)
         if target is None or not touches(target, path):
             continue

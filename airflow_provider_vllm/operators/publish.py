@@ -11,11 +11,11 @@ from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_provider_vllm import __version__
-from airflow_provider_vllm.connections import task_filesystems
-from airflow_provider_vllm.merge import MERGED
+from airflow_provider_vllm.core.storage import Storage
+from airflow_provider_vllm.hooks.filesystems import task_filesystems
 from airflow_provider_vllm.operators._common import data_plane_errors, load_spec
 from airflow_provider_vllm.operators.deployment import check_spec_allowed
-from airflow_provider_vllm.storage import Storage
+from airflow_provider_vllm.steps.merge import MERGED
 
 SUCCESS = "_SUCCESS.json"
 QA_FILES = {"qa_report_json": "qa/report.json", "qa_report_html": "qa/report.html", "qa_sample": "qa/sample.parquet"}
@@ -34,7 +34,7 @@ class VllmPublishOperator(BaseOperator):
     ``aws_conn_id`` / ``gcp_conn_id``: the Airflow Connections through which this task reaches
     ``s3://`` / ``gs://`` locations (DAG-file settings, never templated; None: ``[vllm_batch]
     aws_conn_id`` / ``gcp_conn_id``, else ``aws_default`` / ``google_cloud_default``). See
-    ``airflow_provider_vllm.connections``.
+    ``airflow_provider_vllm.hooks.filesystems``.
     """
 
     template_fields: Sequence[str] = ("spec", "extra_files")

@@ -8,12 +8,12 @@ from typing import Any
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException
 
-from airflow_provider_vllm.connections import task_filesystems
+from airflow_provider_vllm.hooks.filesystems import task_filesystems
+from airflow_provider_vllm.links.report import VllmQAReportLink
 from airflow_provider_vllm.operators._common import data_plane_errors, load_spec
 from airflow_provider_vllm.operators.deployment import check_spec_allowed
-from airflow_provider_vllm.qa import QAFailed
-from airflow_provider_vllm.qa_stage import qa_run, qa_summary
-from airflow_provider_vllm.ui.links import VllmQAReportLink
+from airflow_provider_vllm.steps.qa.evaluate import QAFailed
+from airflow_provider_vllm.steps.qa.stage import qa_run, qa_summary
 
 
 class VllmQAFailed(QAFailed, AirflowFailException):
@@ -36,7 +36,7 @@ class VllmQAOperator(BaseOperator):
     ``aws_conn_id`` / ``gcp_conn_id``: the Airflow Connections through which this task reaches
     ``s3://`` / ``gs://`` locations (DAG-file settings, never templated; None: ``[vllm_batch]
     aws_conn_id`` / ``gcp_conn_id``, else ``aws_default`` / ``google_cloud_default``). See
-    ``airflow_provider_vllm.connections``.
+    ``airflow_provider_vllm.hooks.filesystems``.
     """
 
     template_fields: Sequence[str] = ("spec",)

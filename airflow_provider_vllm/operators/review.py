@@ -15,7 +15,7 @@ from airflow.providers.standard.exceptions import HITLRejectException, HITLTimeo
 from airflow.providers.standard.operators.hitl import ApprovalOperator
 from airflow.sdk.exceptions import AirflowFailException
 
-from airflow_provider_vllm.ui.links import VllmQAReportLink, base_url, report_url
+from airflow_provider_vllm.links.report import VllmQAReportLink, base_url, report_url
 
 SUBJECT = "Publish this batch run? QA needs review"
 

@@ -9,9 +9,10 @@ from typing import Any
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
-from airflow_provider_vllm.connections import child_env, conn_ids_from_config
-from airflow_provider_vllm.connections import worker_env as connection_worker_env
-from airflow_provider_vllm.errors import EXIT_OK, EXIT_TERMINAL, EXIT_TRANSIENT, SpecError
+from airflow_provider_vllm.core.errors import EXIT_OK, EXIT_TERMINAL, EXIT_TRANSIENT, SpecError
+from airflow_provider_vllm.core.paths import ALLOWED_PREFIXES_ENV
+from airflow_provider_vllm.hooks.filesystems import child_env, conn_ids_from_config
+from airflow_provider_vllm.hooks.filesystems import worker_env as connection_worker_env
 from airflow_provider_vllm.operators._common import load_spec, shard_id_of
 from airflow_provider_vllm.operators.deployment import check_spec_allowed, worker_env
 from airflow_provider_vllm.operators.local_runner import (
@@ -21,7 +22,6 @@ from airflow_provider_vllm.operators.local_runner import (
     fault_command,
     injected_exit,
 )
-from airflow_provider_vllm.paths import ALLOWED_PREFIXES_ENV
 from airflow_provider_vllm.worker.task import ShardTask, worker_command
 
 

@@ -19,8 +19,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from airflow_provider_vllm.errors import SpecError
-from airflow_provider_vllm.spec import JobSpec
+from airflow_provider_vllm.core.errors import SpecError
+from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.worker.isolation import RequestRejected, refusal
 
 __all__ = ["Engine", "Generated", "RequestRejected", "engine_kwargs", "sampling_kwargs", "sampling_params"]

@@ -13,7 +13,7 @@ import signal
 import sys
 import threading
 
-from airflow_provider_vllm.errors import EXIT_TRANSIENT
+from airflow_provider_vllm.core.errors import EXIT_TRANSIENT
 
 log = logging.getLogger("airflow_provider_vllm.worker")
 

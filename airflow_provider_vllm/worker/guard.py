@@ -36,10 +36,10 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from airflow_provider_vllm import faults
-from airflow_provider_vllm.errors import EngineError
-from airflow_provider_vllm.rows import ENGINE_ERROR, ENGINE_OOM
-from airflow_provider_vllm.spec import JobSpec
+from airflow_provider_vllm.core import faults
+from airflow_provider_vllm.core.errors import EngineError
+from airflow_provider_vllm.core.rows import ENGINE_ERROR, ENGINE_OOM
+from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.worker.isolation import RequestRejected, describe, row_caused
 
 # Step failures bisected in one attempt before the engine is called broken whatever the probes

@@ -11,8 +11,8 @@ fake engine of the unit tests (which raises vLLM's own classes when vLLM is impo
 
 from __future__ import annotations
 
-from airflow_provider_vllm.errors import VllmBatchError
-from airflow_provider_vllm.rows import ENGINE_ERROR, INVALID_REQUEST
+from airflow_provider_vllm.core.errors import VllmBatchError
+from airflow_provider_vllm.core.rows import ENGINE_ERROR, INVALID_REQUEST
 
 # Never a row's fault: memory, a dead engine, SIGTERM (worker.__main__.Preempted).
 _RUN_LEVEL = frozenset({"OutOfMemoryError", "EngineDeadError", "Preempted"})

@@ -48,7 +48,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
-from airflow_provider_vllm.errors import TransientError
+from airflow_provider_vllm.core.errors import TransientError
 
 PARENT_ENV = "VLLM_BATCH_PARENT_PID"
 LOCK_DIR_ENV = "VLLM_BATCH_LOCK_DIR"

@@ -19,11 +19,12 @@ import logging
 import os
 import re
 import time
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from airflow_provider_vllm.errors import SpecError
+from airflow_provider_vllm.core.errors import SpecError
 
 log = logging.getLogger("airflow_provider_vllm.worker")
 

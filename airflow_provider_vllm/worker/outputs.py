@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 
-from airflow_provider_vllm.spec import JobSpec
+from airflow_provider_vllm.core.spec import JobSpec
 
 
 def check_structured(spec: JobSpec, text: str) -> tuple[str | None, str | None, bool | None]:

@@ -19,23 +19,23 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from airflow_provider_vllm.datasets import is_unicode
-from airflow_provider_vllm.errors import SpecError
-from airflow_provider_vllm.openai_batch import (
+from airflow_provider_vllm.core.datasets import is_unicode
+from airflow_provider_vllm.core.errors import SpecError
+from airflow_provider_vllm.core.openai_batch import (
     CHAT_URL,
     EMBEDDINGS_URL,
     RequestFault,
     parse_chat_body,
     parse_embeddings_body,
 )
-from airflow_provider_vllm.rows import (
+from airflow_provider_vllm.core.rows import (
     EMPTY_INPUT,
     INVALID_REQUEST,
     INVALID_ROW,
     PROMPT_TOO_LONG,
     TEMPLATE_ERROR,
 )
-from airflow_provider_vllm.spec import JobSpec
+from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.worker.isolation import describe, row_caused
 
 _SCALARS = (str, int, float, bool)

@@ -11,15 +11,17 @@ import contextlib
 import logging
 import platform
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from airflow_provider_vllm import __version__, faults
-from airflow_provider_vllm.commit import ChunkMeta, ShardStore, new_attempt_id
-from airflow_provider_vllm.datasets import (
+from airflow_provider_vllm import __version__
+from airflow_provider_vllm.core import faults
+from airflow_provider_vllm.core.commit import ChunkMeta, ShardStore, new_attempt_id
+from airflow_provider_vllm.core.datasets import (
     RowBatch,
     check_unchanged,
     line_chars,
@@ -27,16 +29,16 @@ from airflow_provider_vllm.datasets import (
     read_jsonl_range,
     read_parquet_range,
 )
-from airflow_provider_vllm.errors import InputChangedError, SpecError
-from airflow_provider_vllm.planning import Plan, ShardPlan, estimate_tokens, load_plan
-from airflow_provider_vllm.rows import INVALID_ROW, rows_table
-from airflow_provider_vllm.spec import JobSpec
-from airflow_provider_vllm.storage import Storage
-from airflow_provider_vllm.worker.hardware import hardware_id
+from airflow_provider_vllm.core.errors import InputChangedError, SpecError
+from airflow_provider_vllm.core.plan import Plan, ShardPlan, estimate_tokens, load_plan
+from airflow_provider_vllm.core.rows import INVALID_ROW, rows_table
+from airflow_provider_vllm.core.spec import JobSpec
+from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.worker.guard import GuardedEngine, RowFailure
+from airflow_provider_vllm.worker.hardware import hardware_id
 from airflow_provider_vllm.worker.isolation import describe, row_caused
 from airflow_provider_vllm.worker.outputs import check_structured
-from airflow_provider_vllm.worker.prompts import PromptBuilder, Prepared
+from airflow_provider_vllm.worker.prompts import Prepared, PromptBuilder
 from airflow_provider_vllm.worker.task import ShardTask
 from airflow_provider_vllm.worker.telemetry import ShardTelemetry
 from airflow_provider_vllm.worker.watchdog import Watchdog

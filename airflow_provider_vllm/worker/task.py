@@ -11,8 +11,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from airflow_provider_vllm.errors import SpecError
-from airflow_provider_vllm.spec import JobSpec, format_validation_error
+from airflow_provider_vllm.core.errors import SpecError
+from airflow_provider_vllm.core.spec import JobSpec, format_validation_error
 
 ENTRYPOINT = ["-m", "airflow_provider_vllm.worker"]
 

@@ -8,9 +8,10 @@ into the marker's ``stats`` (progress line count, peak RSS, GPU peaks).
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
-from airflow_provider_vllm.spec import JobSpec
+from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.worker.metrics import MetricsConfig
 from airflow_provider_vllm.worker.progress import Progress
 from airflow_provider_vllm.worker.resources import ResourceSampler

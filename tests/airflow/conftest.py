@@ -9,18 +9,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-DAGS = ROOT / "dags"
-PY = sys.executable
-AIRFLOW = str(Path(PY).with_name("airflow"))
+from tests.support import ROOT
+from tests.support.airflow_env import AIRFLOW, DAGS, PY, AirflowSandbox, tail  # noqa: F401  (re-used by fixtures)
 
 sys.path.insert(0, str(ROOT / "scripts"))
 # Unit tests import Airflow in this process: point it at a throwaway home first (it would
@@ -30,49 +26,16 @@ os.environ.setdefault("AIRFLOW__CORE__DAGS_FOLDER", str(DAGS))
 os.environ.setdefault("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
 
 
-@dataclass
-class AirflowSandbox:
-    home: Path
-    data: Path
-    env: dict[str, str] = field(default_factory=dict)
-
-    def run(self, *args: str, env: dict[str, str] | None = None, timeout: int = 900,
-            log: Path | None = None) -> subprocess.CompletedProcess:
-        """Run ``airflow <args>``; stdout+stderr also go to ``log`` when given."""
-        p = subprocess.run([AIRFLOW, *args], env={**self.env, **(env or {})}, cwd=str(self.home),
-                           capture_output=True, text=True, timeout=timeout)
-        if log is not None:
-            log.write_text(p.stdout + p.stderr)
-        return p
-
-    def dags_test(self, dag_id: str, date: str, conf: dict | None = None, env: dict[str, str] | None = None,
-                  timeout: int = 900) -> subprocess.CompletedProcess:
-        args = ["dags", "test", dag_id, date] + (["-c", json.dumps(conf)] if conf is not None else [])
-        log = self.home / f"{dag_id}-{date}-{len(list(self.home.glob('*.log')))}.log"
-        return self.run(*args, env=env, timeout=timeout, log=log)
-
-    def inspect(self, dag_id: str) -> dict:
-        """Runs, task instances, earlier tries, XComs and asset events of ``dag_id``, from the DB."""
-        p = subprocess.run([PY, str(Path(__file__).with_name("inspect_db.py")), dag_id], env=self.env,
-                           capture_output=True, text=True, timeout=300)
-        assert p.returncode == 0, p.stderr[-3000:]
-        return json.loads(p.stdout)
-
-
-def tail(p: subprocess.CompletedProcess, n: int = 6000) -> str:
-    return (p.stdout + p.stderr)[-n:]
-
-
 @pytest.fixture(scope="session")
 def tiny_model() -> str:
-    from airflow_provider_vllm.local_models import default_cache_dir, make_tiny_llama
+    from airflow_provider_vllm.testing.local_models import default_cache_dir, make_tiny_llama
 
     return str(make_tiny_llama(default_cache_dir() / "tiny-llama"))
 
 
 def model_roots(tiny_model: str) -> list[str]:
     """Where the DAGs' local models lie: the model cache and, when installed, MiniLM's package folder."""
-    from airflow_provider_vllm.local_models import LocalModelError, minilm_path
+    from airflow_provider_vllm.testing.local_models import LocalModelError, minilm_path
 
     roots = [str(Path(tiny_model).resolve().parent)]
     try:

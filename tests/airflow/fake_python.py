@@ -9,7 +9,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from airflow_provider_vllm.worker import __main__ as worker_main  # noqa: E402
 from airflow_provider_vllm.worker import shard  # noqa: E402
-from tests.fakes import FakeEngine  # noqa: E402
+from tests.support.fakes import FakeEngine  # noqa: E402
 
 if __name__ == "__main__":
     assert sys.argv[1:3] == ["-m", "airflow_provider_vllm.worker"], sys.argv

@@ -7,14 +7,13 @@ from __future__ import annotations
 import json
 import sys
 
-from sqlalchemy import select
-
 from airflow.models.asset import AssetEvent, AssetModel
 from airflow.models.dagrun import DagRun
 from airflow.models.taskinstance import TaskInstance
 from airflow.models.taskinstancehistory import TaskInstanceHistory
 from airflow.models.xcom import XComModel
 from airflow.utils.session import create_session
+from sqlalchemy import select
 
 
 def _decoded(value):

@@ -20,7 +20,7 @@ sys.dont_write_bytecode = True  # importing must not be what writes files
 from airflow.dag_processing.dagbag import BundleDagBag  # noqa: E402
 from airflow.sdk import Variable  # noqa: E402
 
-import airflow_provider_vllm.builder  # noqa: E402,F401
+import airflow_provider_vllm.task_groups.batch_job  # noqa: E402,F401
 
 warm = BundleDagBag(dag_folder=str(folder), bundle_path=folder)
 files = sorted(p for p in folder.glob("*.py") if p.name != "vllm_dag_defaults.py")

@@ -13,7 +13,9 @@ import types
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
-from airflow_provider_vllm.connections import (
+from airflow_provider_vllm.core.errors import SpecError
+from airflow_provider_vllm.core.storage import Storage
+from airflow_provider_vllm.hooks.filesystems import (
     DEFAULT_AWS_CONN_ID,
     DEFAULT_GCP_CONN_ID,
     ConnectionFileSystems,
@@ -23,9 +25,7 @@ from airflow_provider_vllm.connections import (
     s3_helper_options,
     worker_env,
 )
-from airflow_provider_vllm.errors import SpecError
-from airflow_provider_vllm.storage import Storage
-from tests.conftest import make_spec
+from tests.support.data import make_spec
 
 
 class FakeGCS(MemoryFileSystem):
@@ -85,7 +85,7 @@ def test_gcs_goes_through_the_google_providers_helper_with_the_connection(fake_g
 ])
 def test_gcs_options_the_connection_owns_are_refused(fake_google, options):
     with pytest.raises(SpecError, match="gcp_conn_id"):
-        Storage("gs://bucket/x", options, ConnectionFileSystems()).fs
+        _ = Storage("gs://bucket/x", options, ConnectionFileSystems()).fs
     assert fake_google == []
 
 
@@ -137,7 +137,7 @@ def test_builder_passes_connections_to_every_airflow_side_task_and_the_cluster_t
     import pendulum
     from airflow.sdk import DAG
 
-    from airflow_provider_vllm.builder import vllm_batch_job
+    from airflow_provider_vllm.task_groups.batch_job import vllm_batch_job
 
     spec = {"model": {"name": "m"}, "io": {"input_uri": "s3://b1/in/", "output_uri": "s3://b1/out/"}}
     with DAG("t", schedule=None, start_date=pendulum.datetime(2026, 1, 1)) as dag:

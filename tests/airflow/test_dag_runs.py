@@ -12,8 +12,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from tests.airflow.conftest import tail
-from tests.conftest import write_parquet
+from tests.support.airflow_env import tail
+from tests.support.data import write_parquet
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1500)]
 

@@ -7,12 +7,11 @@ import json
 import subprocess
 from pathlib import Path
 
-import pytest
 import yaml
 
-from tests.airflow.conftest import PY, tail
-from tests.conftest import write_parquet
-from tests.pss_restricted import violations
+from tests.support.airflow_env import PY, tail
+from tests.support.data import write_parquet
+from tests.support.pss_restricted import violations
 
 NIGHTLY = "vllm_nightly_reclassification"
 RERUN = "vllm_batch_rerun"

@@ -17,9 +17,9 @@ import pytest
 from kubernetes.client import ApiClient
 
 from tests.airflow.k8s_context import create_context, unreachable_cluster
-from tests.conftest import make_spec
-from tests.ledger import record_malicious
-from tests.pss_restricted import violations
+from tests.support.data import make_spec
+from tests.support.ledger import record_malicious
+from tests.support.pss_restricted import violations
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARD = {"shard_id": "shard-00003-0a1b2c3d", "index": 3, "rows": 1000, "est_tokens": 90000, "bucket": None}
@@ -63,7 +63,7 @@ def base(pod):
 
 
 def test_pod_for_a_mapped_task_instance():
-    from airflow_provider_vllm.spec import JobSpec
+    from airflow_provider_vllm.core.spec import JobSpec
     from airflow_provider_vllm.worker.task import ShardTask, worker_command
 
     op = operator()
@@ -264,7 +264,7 @@ def test_kpo_failure_class_is_the_one_the_operator_catches():
 
 
 def test_dockerfile_entrypoint_is_the_worker_command_entrypoint():
-    from airflow_provider_vllm.pod_spec import WORKER_PYTHON
+    from airflow_provider_vllm.steps.pod_spec import WORKER_PYTHON
     from airflow_provider_vllm.worker.task import ShardTask, worker_command
 
     text = (ROOT / "docker" / "Dockerfile.worker").read_text()
@@ -348,7 +348,7 @@ def test_allow_list_is_checked_before_the_pod_exists_and_reaches_the_worker_env(
     env carries the list (set last, so the settings' env cannot widen it)."""
     from airflow.sdk.exceptions import AirflowFailException
 
-    from airflow_provider_vllm.paths import ALLOWED_PREFIXES_ENV
+    from airflow_provider_vllm.core.paths import ALLOWED_PREFIXES_ENV
 
     monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", "/in/,/out/")
     widened = {**SETTINGS, "env": {ALLOWED_PREFIXES_ENV: '["/"]'}}

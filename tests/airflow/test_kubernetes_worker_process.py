@@ -8,7 +8,6 @@ venv's interpreter, as it is the vLLM image's. The argv is exactly the pod's com
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,16 +15,16 @@ from pathlib import Path
 import pytest
 
 from tests.airflow.k8s_context import create_context, unreachable_cluster
-from tests.conftest import make_spec, write_parquet
+from tests.support.data import make_spec, write_parquet
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_pod_command_line_runs_a_real_shard(tmp_path, monkeypatch, tiny_model):
-    from airflow_provider_vllm.commit import MARKER
+    from airflow_provider_vllm.core.commit import MARKER
     from airflow_provider_vllm.operators.kubernetes import VllmKubernetesShardOperator
-    from airflow_provider_vllm.planning import plan_job
+    from airflow_provider_vllm.steps.plan import plan_job
 
     unreachable_cluster(tmp_path, monkeypatch)
     n = 24

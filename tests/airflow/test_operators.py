@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import make_spec, write_parquet
+from tests.support.data import make_spec, write_parquet
 
 HERE = Path(__file__).resolve().parent
 
@@ -77,8 +77,8 @@ def spec_doc(tmp_path, **over):
 # ---- plan --------------------------------------------------------------------------------
 
 def test_plan_layers_spec_overrides_and_params_and_pushes_the_spec(tmp_path):
+    from airflow_provider_vllm.core.spec import JobSpec
     from airflow_provider_vllm.operators import VllmPlanOperator
-    from airflow_provider_vllm.spec import JobSpec
 
     dataset(tmp_path, 250)
     doc = spec_doc(tmp_path)
@@ -240,7 +240,7 @@ def test_qa_fail_pushes_the_summary_then_raises_and_publish_refuses(tmp_path, fa
     from airflow.sdk.exceptions import AirflowFailException
 
     from airflow_provider_vllm.operators import VllmPublishOperator, VllmQAFailed, VllmQAOperator
-    from airflow_provider_vllm.qa import QAFailed
+    from airflow_provider_vllm.steps.qa.evaluate import QAFailed
 
     dataset(tmp_path, 50, empty=(3, 4))
     doc = spec_doc(tmp_path, qa={"warn_error_rate": 0.0, "fail_error_rate": 0.01})
@@ -279,7 +279,7 @@ def build(**kw):
     import pendulum
     from airflow.sdk import DAG
 
-    from airflow_provider_vllm.builder import vllm_batch_job
+    from airflow_provider_vllm.task_groups.batch_job import vllm_batch_job
 
     spec = {"model": {"name": "m"}, "io": {"input_uri": "/in/dt={{ ds }}/", "output_uri": "/out/dt={{ ds }}/"}}
     with DAG("t", schedule=None, start_date=pendulum.datetime(2026, 1, 1)) as dag:
@@ -341,10 +341,10 @@ def test_provider_info_lists_importable_operators_and_importing_the_package_need
     import importlib
     import subprocess
 
+    import airflow
     import jsonschema
     from airflow.sdk import BaseOperator
 
-    import airflow
     import airflow_provider_vllm
 
     info = airflow_provider_vllm.get_provider_info()

@@ -43,8 +43,8 @@ def test_plan_dry_run_on_a_bad_dataset_fails_without_retry(tmp_path):
 def test_rerun_dag_dry_run_param_skips_the_run_in_real_airflow(airflow_sandbox, tiny_model):
     """`airflow dags test` with dry_run true: plan logs the report and pushes it, every other task
     is skipped, the run succeeds and nothing is written under the data root's outputs."""
-    from tests.airflow.conftest import tail
-    from tests.conftest import write_parquet
+    from tests.support.airflow_env import tail
+    from tests.support.data import write_parquet
 
     box = airflow_sandbox
     write_parquet(box.data / "dry" / "t.parquet", [f"d{i}" for i in range(50)], ["I was charged twice."] * 50)
@@ -68,8 +68,8 @@ def test_plan_dry_run_logs_the_gpu_layout_and_refuses_a_tp_the_model_cannot_spli
     a tensor_parallel_size vLLM cannot split the model over fails the task (no retry), naming the field."""
     from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
-    from airflow_provider_vllm.local_models import default_cache_dir, make_tiny_llama
     from airflow_provider_vllm.operators import VllmPlanOperator
+    from airflow_provider_vllm.testing.local_models import default_cache_dir, make_tiny_llama
 
     model = str(make_tiny_llama(default_cache_dir() / "tiny-llama"))  # 2 attention heads, 2 KV heads
     dataset(tmp_path, n=40)

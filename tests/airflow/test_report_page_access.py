@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.ledger import record_malicious
-from tests.loopback import SECRET_BODY, RecordingServer, aws_connection, s3_client
-from tests.s3server import MotoServer
+from tests.support.ledger import record_malicious
+from tests.support.loopback import SECRET_BODY, RecordingServer, aws_connection, s3_client
+from tests.support.s3server import MotoServer
 
 REPORT = b"<!doctype html><title>QA report</title><p>the run's own report</p>"
 
@@ -28,7 +28,7 @@ def page(monkeypatch):
     from airflow.api_fastapi.common.db.common import _get_session
     from fastapi.testclient import TestClient
 
-    from airflow_provider_vllm.ui import plugin
+    from airflow_provider_vllm.plugins import report as plugin
 
     for k in [k for k in os.environ if k.startswith("AWS_")]:
         monkeypatch.delenv(k)

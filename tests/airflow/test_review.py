@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from types import SimpleNamespace
 
 import pytest
@@ -69,7 +69,7 @@ def test_approve_returns_the_response_and_reject_fails_the_task():
     from airflow.sdk.exceptions import AirflowFailException
 
     def event(option):
-        return {"chosen_options": [option], "params_input": {}, "responded_at": datetime.now(timezone.utc),
+        return {"chosen_options": [option], "params_input": {}, "responded_at": datetime.now(UTC),
                 "responded_by_user": {"id": "admin", "name": "admin"}}
 
     assert review(qa_result=SUMMARY).execute_complete(ctx(), event("Approve"))["chosen_options"] == ["Approve"]
@@ -78,8 +78,8 @@ def test_approve_returns_the_response_and_reject_fails_the_task():
 
 
 def test_qa_report_link_points_at_the_plugin_with_ids_only():
+    from airflow_provider_vllm.links.report import VllmQAReportLink
     from airflow_provider_vllm.operators import VllmQAOperator
-    from airflow_provider_vllm.ui.links import VllmQAReportLink
 
     key = SimpleNamespace(dag_id="d", run_id="scheduled__2026-01-01T02:00:00+00:00", task_id="job.qa", map_index=-1)
     link = VllmQAReportLink().get_link(VllmQAOperator(task_id="qa", spec={}), ti_key=key)
@@ -101,7 +101,7 @@ def test_the_request_carries_a_deadline_and_silence_fails_without_publishing(mon
     monkeypatch.setattr(hitl, "upsert_hitl_detail", lambda **kw: requests.append(kw))
     op = review(qa_result=SUMMARY, response_timeout=timedelta(hours=2))
     assert op.defaults is None
-    before = datetime.now(timezone.utc)
+    before = datetime.now(UTC)
     with pytest.raises(hitl.TaskAwaitingInput):
         op.execute(ctx())
     deadline = datetime.fromisoformat(op.hitl_summary_extra["timeout_datetime"])
@@ -118,7 +118,7 @@ def test_the_builder_wires_the_review_deadline_and_notifiers():
 
     from airflow.sdk import DAG, BaseNotifier
 
-    from airflow_provider_vllm.builder import vllm_batch_job
+    from airflow_provider_vllm.task_groups.batch_job import vllm_batch_job
 
     class Note(BaseNotifier):
         def notify(self, context):  # pragma: no cover - not called here

@@ -22,9 +22,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.airflow.test_operators import context, fake_python  # noqa: F401 (fixture)
-from tests.conftest import make_spec
-from tests.loopback import CONN_KEY, CONN_SECRET, RecordingServer, aws_connection, s3_client
-from tests.s3server import MotoServer
+from tests.support.data import make_spec
+from tests.support.loopback import CONN_KEY, CONN_SECRET, RecordingServer, aws_connection, s3_client
+from tests.support.s3server import MotoServer
 
 CONN_ID = "vllm_s3"
 
@@ -123,7 +123,7 @@ def test_plan_shards_merge_qa_publish_and_report_page_through_a_connection_only(
     from airflow.api_fastapi.common.db.common import _get_session
     from fastapi.testclient import TestClient
 
-    from airflow_provider_vllm.ui import plugin
+    from airflow_provider_vllm.plugins import report as plugin
 
     monkeypatch.setenv("AIRFLOW__VLLM_BATCH__AWS_CONN_ID", CONN_ID)
     xcoms = {("job.plan", "spec"): spec, ("job.qa", "return_value"): qa_summary}
@@ -148,7 +148,7 @@ def test_storage_options_that_belong_to_the_connection_are_refused(moto_conn):
     from airflow.sdk.exceptions import AirflowFailException
 
     from airflow_provider_vllm.operators import VllmPlanOperator
-    from tests.ledger import record_malicious
+    from tests.support.ledger import record_malicious
 
     moto, s3 = moto_conn
     put_parquet(s3, "in/part-0.parquet", ["a", "b"], ["x", "y"])
@@ -182,7 +182,7 @@ def test_storage_options_that_belong_to_the_connection_are_refused(moto_conn):
 @pytest.mark.timeout(1500)
 def test_rerun_dag_on_s3_through_a_connection_only(airflow_sandbox, tiny_model, tmp_path):
     """`airflow dags test` of the re-run DAG: input and output on moto, credentials only in AIRFLOW_CONN_AWS_DEFAULT."""
-    from tests.airflow.conftest import AirflowSandbox, tail
+    from tests.support.airflow_env import AirflowSandbox, tail
 
     box = airflow_sandbox
     env = {k: v for k, v in box.env.items() if not k.startswith("AWS_")}

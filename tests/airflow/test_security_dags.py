@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from tests.airflow.conftest import tail
 from tests.airflow.test_dag_runs import latest_run
-from tests.conftest import write_parquet
-from tests.ledger import record_malicious
+from tests.support.airflow_env import tail
+from tests.support.data import write_parquet
+from tests.support.ledger import record_malicious
 
 pytestmark = pytest.mark.reliability
 RERUN = "vllm_batch_rerun"
@@ -59,7 +59,7 @@ def test_plan_task_refuses_a_path_outside_the_deployment_allow_list(airflow_sand
     assert tis["shard"]["state"] == "upstream_failed"
     assert "outside the allowed prefixes" in p.stdout + p.stderr
     assert secret not in p.stdout + p.stderr  # the task logs never show the environment's secrets
-    from airflow_provider_vllm.builder import TEMPLATE_FILTERS
+    from airflow_provider_vllm.task_groups.batch_job import TEMPLATE_FILTERS
 
     assert not (box.data / "reruns" / TEMPLATE_FILTERS["path_safe"](run_id) / "_plan.json").exists()
     record_malicious("dag_allow_list", 1, 1)
@@ -67,7 +67,7 @@ def test_plan_task_refuses_a_path_outside_the_deployment_allow_list(airflow_sand
 
 def _plan_refused(box, p, message: str) -> None:
     """The run's plan failed on its first try (terminal), no shard ran, nothing was planned."""
-    from airflow_provider_vllm.builder import TEMPLATE_FILTERS
+    from airflow_provider_vllm.task_groups.batch_job import TEMPLATE_FILTERS
 
     out = p.stdout + p.stderr
     assert p.returncode != 0 and message in out, tail(p, 4000)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import write_parquet
+from tests.support.data import write_parquet
 from tests.ui.standalone import ROOT, Standalone
 
 CHROMIUM = os.environ.get("VLLM_BATCH_CHROMIUM", "/usr/bin/chromium")
@@ -76,7 +76,7 @@ def ui_data(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def airflow_ui(tmp_path_factory, ui_data):
-    from airflow_provider_vllm.local_models import default_cache_dir, make_tiny_llama
+    from airflow_provider_vllm.testing.local_models import default_cache_dir, make_tiny_llama
 
     if not Path(CHROMIUM).exists():
         pytest.fail(f"{CHROMIUM} is missing: run `make chromium` (apt-get install -y chromium) first")

@@ -155,7 +155,7 @@ def test_the_qa_report_opens_from_the_qa_tasks_extra_link(airflow_ui, page, shot
 def test_a_qa_warning_waits_for_a_person_reject_fails_approve_publishes(airflow_ui, ui_data, page, shots,
                                                                          review_run):
     out = ui_data / "review_out"
-    hitl = f"taskInstances/rerun.review/-1/hitlDetails"
+    hitl = "taskInstances/rerun.review/-1/hitlDetails"
     airflow_ui.wait_task(RERUN, review_run, "rerun.review", ("awaiting_input",), timeout=900)
     airflow_ui.wait_parked(RERUN, review_run, "rerun.review")
     detail = airflow_ui.get(f"/api/v2/dags/{RERUN}/dagRuns/{review_run}/{hitl}")

@@ -1,0 +1,405 @@
+"""The job spec: one typed, JSON-serialisable description of a batch inference job.
+
+Validated at the edge (DAG params -> plan) and again in the worker, which receives it as
+one JSON argument. ``JobSpec.content_hash()`` is stable across processes and versions of
+this package as long as the spec's values are equal.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import string
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from airflow_provider_vllm.core.errors import SpecError
+from airflow_provider_vllm.core.pod_settings import KubernetesSettings
+from airflow_provider_vllm.core.spec_guard import check_values
+
+# Engine options a user may pass through to vllm.LLM(...) beyond the typed fields. Anything
+# else is refused: options such as `worker_extension_cls` or `model_loader_extra_config`
+# load code, and the spec may come from a trigger form.
+ENGINE_KWARGS_ALLOWED = frozenset(
+    {
+        "block_size",
+        "cpu_offload_gb",
+        "disable_custom_all_reduce",
+        "enable_chunked_prefill",
+        "kv_cache_dtype",
+        "max_logprobs",
+        "max_seq_len_to_capture",
+        "num_gpu_blocks_override",
+        "pipeline_parallel_size",
+        "swap_space",
+        "tokenizer_mode",
+        "limit_mm_per_prompt",
+        "hf_overrides",
+        "override_generation_config",
+        "compilation_config",
+        "async_scheduling",
+        "load_format",  # values limited by LOAD_FORMATS_ALLOWED
+    }
+)
+# "dummy" (random weights: benchmarks of a model shape without its checkpoint) and the safe
+# tensor formats; formats that unpickle or stream from other services stay out.
+LOAD_FORMATS_ALLOWED = frozenset({"auto", "safetensors", "dummy"})
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(_Model):
+    """Which weights to load."""
+
+    name: str = Field(min_length=1, description="Model name on the hub, or a local/mounted path.")
+    revision: str | None = Field(None, description="Hub revision (commit sha or tag); recorded in outputs.")
+    tokenizer: str | None = Field(None, description="Tokenizer name or path when it differs from the model.")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field("auto", description="Weight/activation dtype.")
+    quantization: str | None = Field(None, description="vLLM quantization method (awq, gptq, fp8, ...).")
+    max_model_len: int | None = Field(None, gt=0, description="Context length; defaults to the model's.")
+    trust_remote_code: bool = Field(False, description="Allow model repos to run their own code. Off by default.")
+
+
+class EngineSpec(_Model):
+    """vLLM engine arguments. Typed fields for the common ones, a reviewed pass-through for the rest."""
+
+    max_num_seqs: int | None = Field(None, gt=0, description="Max sequences scheduled at once.")
+    max_num_batched_tokens: int | None = Field(None, gt=0, description="Max tokens per engine step.")
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="Fraction of GPU memory for vLLM.")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per model replica.")
+    enable_prefix_caching: bool | None = Field(None, description="Cache shared prompt prefixes (system prompt).")
+    enforce_eager: bool = Field(False, description="Disable CUDA graphs / torch.compile (faster start, slower run).")
+    seed: int = Field(0, description="Engine seed.")
+    cpu_kvcache_space_gb: int | None = Field(
+        None, gt=0, description="CPU build only: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)."
+    )
+    engine_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description=f"Extra vllm.LLM kwargs; only these keys: {sorted(ENGINE_KWARGS_ALLOWED)}.",
+    )
+
+    @field_validator("engine_kwargs")
+    @classmethod
+    def _reviewed_keys(cls, v: dict[str, Any]) -> dict[str, Any]:
+        bad = sorted(set(v) - ENGINE_KWARGS_ALLOWED)
+        if bad:
+            raise ValueError(f"engine_kwargs keys not allowed: {bad}; allowed: {sorted(ENGINE_KWARGS_ALLOWED)}")
+        if "load_format" in v and v["load_format"] not in LOAD_FORMATS_ALLOWED:
+            raise ValueError(f"engine_kwargs.load_format {v['load_format']!r} not allowed; "
+                             f"allowed: {sorted(LOAD_FORMATS_ALLOWED)}")
+        return v
+
+
+class WorkerSpec(_Model):
+    """How the shard worker guards the engine. Does not change outputs: not in the config hash."""
+
+    watchdog_s: float | None = Field(
+        600.0, gt=0, description="No progress (the plan read, an input segment read, a chunk footer checked, an "
+        "engine step returned, a chunk written) for this many seconds, in any phase up to the commit: the worker "
+        "stops and exits 75 (retry); engine start is not counted. null: no watchdog.")
+    oom_min_num_seqs: int = Field(1, ge=1, description="Out of memory: max_num_seqs is halved down to this floor.")
+    oom_min_batched_tokens: int = Field(
+        256, ge=1, description="Out of memory: max_num_batched_tokens is halved down to this floor.")
+    oom_max_rebuilds: int = Field(
+        8, ge=0, description="Engine rebuilds after OOM per worker process; beyond, the worker exits 75 (retry).")
+
+
+class PromptSpec(_Model):
+    """How a row becomes a prompt."""
+
+    id_column: str = Field("id", min_length=1, description="Column with a unique row id.")
+    template: str = Field(
+        "{text}",
+        min_length=1,
+        description="User message / prompt, with {column} placeholders over the row's columns "
+        "(plain names only: no attribute or index access).",
+    )
+    text_columns: list[str] | None = Field(
+        None,
+        description="Template columns that must be non-empty text and that truncation cuts "
+        "(default: all template columns).",
+    )
+    system_prompt: str | None = Field(None, description="System message for chat; shared by all rows.")
+    truncation: Literal["reject", "truncate"] = Field(
+        "reject",
+        description="Over-long prompts: reject as PROMPT_TOO_LONG, or cut the row's text to fit.",
+    )
+    max_prompt_tokens: int | None = Field(
+        None, gt=0, description="Prompt token budget; default max_model_len - sampling.max_tokens."
+    )
+
+    @field_validator("template")
+    @classmethod
+    def _plain_placeholders(cls, v: str) -> str:
+        template_columns(v)
+        return v
+
+    @model_validator(mode="after")
+    def _text_in_template(self) -> PromptSpec:
+        extra = sorted(set(self.text_columns or []) - set(self.columns))
+        if extra:
+            raise ValueError(f"text_columns {extra} are not used by the template")
+        return self
+
+    @property
+    def columns(self) -> list[str]:
+        """Columns the template reads, in order of first use."""
+        return template_columns(self.template)
+
+    @property
+    def texts(self) -> list[str]:
+        """Columns that must hold non-empty text."""
+        return list(self.text_columns) if self.text_columns else self.columns
+
+
+def template_columns(template: str) -> list[str]:
+    """Names used by a ``{column}`` template; refuses format specs, conversions and lookups."""
+    cols: list[str] = []
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as e:
+        raise ValueError(f"template is not a valid {{column}} template: {e}") from None
+    for _, field, spec, conv in parsed:
+        if field is None:
+            continue
+        if not field.isidentifier() or spec or conv:
+            raise ValueError(
+                f"template placeholder {{{field}{'!' + conv if conv else ''}{':' + spec if spec else ''}}} "
+                "must be a plain column name like {text}"
+            )
+        if field not in cols:
+            cols.append(field)
+    return cols
+
+
+class StructuredOutput(_Model):
+    """Constrain the output: exactly one of choice, json_schema, regex."""
+
+    choice: list[str] | None = Field(None, min_length=1, max_length=1000, description="Output is one of these labels.")
+    json_schema: dict[str, Any] | None = Field(None, description="Output is JSON valid against this schema.")
+    regex: str | None = Field(None, min_length=1, description="Output matches this regular expression.")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutput:
+        n = sum(x is not None for x in (self.choice, self.json_schema, self.regex))
+        if n != 1:
+            raise ValueError("set exactly one of choice, json_schema, regex")
+        if self.choice is not None:
+            if len(set(self.choice)) != len(self.choice):
+                raise ValueError("choice labels must be unique")
+            if any(not c for c in self.choice):
+                raise ValueError("choice labels must be non-empty")
+        return self
+
+
+class SamplingSpec(_Model):
+    """Decoding parameters (generate and chat tasks)."""
+
+    temperature: float = Field(0.0, ge=0, le=2, description="0 = greedy (vLLM's range: [0, 2]).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling.")
+    max_tokens: int = Field(256, gt=0, description="Max output tokens per row.")
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1, description="Per-request seed (reproducible sampling).")
+    stop: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list, description="Stop strings.")
+    structured: StructuredOutput | None = Field(None, description="Structured output constraint.")
+
+
+class IOSpec(_Model):
+    """Where data comes from and goes."""
+
+    input_uri: str = Field(min_length=1, description="File or folder: local path, s3://, gs://, file://.")
+    input_format: Literal["auto", "parquet", "jsonl", "openai_batch"] = Field(
+        "auto", description="auto: by extension (.parquet; .jsonl with custom_id -> openai_batch)."
+    )
+    output_uri: str = Field(min_length=1, description="Run output prefix (folder).")
+    output_format: Literal["parquet", "openai_batch"] = Field(
+        "parquet", description="Merged results format; parquet is always written, openai_batch adds JSONL files."
+    )
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict, description="fsspec options (e.g. endpoint_url); never put secrets here."
+    )
+
+
+class ShardingSpec(_Model):
+    """How the planner splits rows into shards and the worker into chunks."""
+
+    target_rows: int | None = Field(None, gt=0, description="Rows per shard (default: 10000 when no token target).")
+    target_tokens: int | None = Field(None, gt=0, description="Estimated prompt tokens per shard.")
+    max_shards: int = Field(256, ge=1, le=100_000, description="Upper bound on shard count.")
+    long_row_tokens: int | None = Field(
+        None, gt=0, description="Rows estimated above this many tokens go to separate 'long' shards."
+    )
+    chunk_rows: int = Field(512, ge=1, description="Rows per committed chunk inside a shard (resume granularity).")
+    chars_per_token: float = Field(4.0, gt=0, description="Token estimate used by the planner (no tokenizer).")
+    history_uri: str | None = Field(
+        None,
+        description="Folder of throughput records (one small JSON-lines file per merged run, written by merge). "
+        "When set and it holds records for this model (and hardware), the planner sizes shards by "
+        "time instead of target_rows/target_tokens; see airflow_provider_vllm/steps/sizing.py.",
+    )
+    target_minutes: float | None = Field(
+        None, gt=0, le=24 * 60,
+        description="Minutes per shard when sizing from history (engine start + inference); default: "
+        "long enough that the recorded engine start is <= 10% of a shard's time (at least 5 minutes).",
+    )
+    hardware: str | None = Field(
+        None, min_length=1,
+        description="Hardware the shards run on, as the worker records it (e.g. '1x NVIDIA H200'); "
+        "history records of other hardware are ignored. Default: the newest matching record's hardware.",
+    )
+
+
+class QASpec(_Model):
+    """Sampling and publication thresholds. warn_* -> human review, fail_* -> the run fails."""
+
+    sample_size: int = Field(200, ge=0, description="Rows in the QA sample.")
+    seed: int = Field(0, description="Sample seed.")
+    warn_error_rate: float = Field(0.01, ge=0, le=1)
+    fail_error_rate: float = Field(0.05, ge=0, le=1)
+    warn_empty_rate: float = Field(0.01, ge=0, le=1)
+    fail_empty_rate: float = Field(0.05, ge=0, le=1)
+    warn_invalid_rate: float = Field(0.01, ge=0, le=1, description="Structured outputs that do not parse/match.")
+    fail_invalid_rate: float = Field(0.05, ge=0, le=1)
+    warn_truncation_rate: float = Field(0.05, ge=0, le=1)
+    fail_truncation_rate: float = Field(0.2, ge=0, le=1)
+    warn_label_drift: float = Field(0.1, ge=0, le=1, description="Total variation distance vs previous run.")
+    fail_label_drift: float = Field(0.3, ge=0, le=1)
+    previous_report_uri: str | None = Field(None, description="report.json of the run to compare against.")
+
+    @model_validator(mode="after")
+    def _warn_below_fail(self) -> QASpec:
+        for m in ("error_rate", "empty_rate", "invalid_rate", "truncation_rate", "label_drift"):
+            if getattr(self, f"warn_{m}") > getattr(self, f"fail_{m}"):
+                raise ValueError(f"warn_{m} must be <= fail_{m}")
+        return self
+
+
+class JobSpec(_Model):
+    """A whole batch inference job."""
+
+    name: str = Field("job", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$", description="Job name (labels, paths).")
+    task: Literal["generate", "chat", "embed", "classify"] = Field("chat", description="What vLLM does per row.")
+    model: ModelSpec
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    worker: WorkerSpec = Field(default_factory=WorkerSpec)
+    prompt: PromptSpec = Field(default_factory=PromptSpec)
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    io: IOSpec
+    sharding: ShardingSpec = Field(default_factory=ShardingSpec)
+    qa: QASpec = Field(default_factory=QASpec)
+    kubernetes: KubernetesSettings = Field(
+        default_factory=KubernetesSettings,
+        description="Kubernetes runner: pod resources and placement (not part of content_hash).",
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> JobSpec:
+        if self.task in ("embed", "classify"):
+            if self.sampling.structured is not None:
+                raise ValueError(f"sampling.structured does not apply to task {self.task!r}")
+            if self.prompt.system_prompt:
+                raise ValueError(f"prompt.system_prompt does not apply to task {self.task!r}")
+        if self.io.input_format == "openai_batch" and self.task not in ("chat", "embed"):
+            raise ValueError("openai_batch input supports task 'chat' (/v1/chat/completions) or 'embed'")
+        check_values(self.model_dump(mode="json"))  # patterns, sizes, no Jinja: spec_guard.py
+        return self
+
+    # ---- identity -------------------------------------------------------------------
+    def canonical_json(self) -> str:
+        # where the shards run does not change what they compute
+        doc = self.model_dump(mode="json", exclude={"kubernetes"})
+        return json.dumps(doc, sort_keys=True, separators=(",", ":"))
+
+    def content_hash(self) -> str:
+        """sha256 of the canonical JSON; equal specs hash equal."""
+        return hashlib.sha256(self.canonical_json().encode()).hexdigest()
+
+    def output_hash(self) -> str:
+        """Hash of what decides a row's output (model, engine, task, prompt, sampling): the 'config hash'."""
+        d = self.model_dump(mode="json", include={"task", "model", "engine", "prompt", "sampling"})
+        return hashlib.sha256(json.dumps(d, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+    # ---- loading --------------------------------------------------------------------
+    @classmethod
+    def load(cls, data: Any) -> JobSpec:
+        """From a dict, JSON string, or an existing spec; raises SpecError naming the fields."""
+        if isinstance(data, JobSpec):
+            return data
+        try:
+            if isinstance(data, (str, bytes)):
+                return cls.model_validate_json(data)
+            return cls.model_validate(data)
+        except ValidationError as e:
+            raise SpecError(format_validation_error(e)) from None
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> JobSpec:
+        """From a YAML file (a ``job:`` key or the spec at top level)."""
+        try:
+            doc = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError) as e:
+            raise SpecError(f"cannot read job spec {path}: {e}") from None
+        if isinstance(doc, dict) and "job" in doc and "model" not in doc:
+            doc = doc["job"]
+        return cls.load(doc)
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any], base: JobSpec | dict | None = None) -> JobSpec:
+        """From flat DAG params layered over a base spec.
+
+        Keys are dotted paths (``sampling.max_tokens``) or the short names listed in
+        ``PARAM_ALIASES`` (``labels``, ``model``, ``input_uri`` ...). ``None`` values are
+        ignored so that empty form fields keep the base's value.
+        """
+        doc = base.model_dump(mode="json") if isinstance(base, JobSpec) else json.loads(json.dumps(base or {}))
+        for key, value in params.items():
+            if value is None:
+                continue
+            path = PARAM_ALIASES.get(key, key)
+            if path is None:
+                continue
+            if path == "sampling.structured.choice":
+                value = list(value)
+                doc.setdefault("sampling", {})["structured"] = {"choice": value}
+                continue
+            parts = path.split(".")
+            node = doc
+            for p in parts[:-1]:
+                node = node.setdefault(p, {})
+                if not isinstance(node, dict):
+                    raise SpecError(f"param {key!r}: {p!r} is not a section")
+            node[parts[-1]] = value
+        return cls.load(doc)
+
+
+# Short names used by DAG params / trigger forms.
+PARAM_ALIASES: dict[str, str | None] = {
+    "model": "model.name",
+    "model_revision": "model.revision",
+    "input_uri": "io.input_uri",
+    "input_format": "io.input_format",
+    "output_uri": "io.output_uri",
+    "output_format": "io.output_format",
+    "system_prompt": "prompt.system_prompt",
+    "template": "prompt.template",
+    "id_column": "prompt.id_column",
+    "labels": "sampling.structured.choice",
+    "temperature": "sampling.temperature",
+    "max_tokens": "sampling.max_tokens",
+    "shard_rows": "sharding.target_rows",
+    "max_shards": "sharding.max_shards",
+    "task": "task",
+    "runner": None,  # read by the Airflow layer, not part of the job
+}
+
+
+def format_validation_error(e: ValidationError) -> str:
+    lines = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"]) or "<spec>"
+        lines.append(f"{loc}: {err['msg']}")
+    return "invalid job spec: " + "; ".join(lines)

@@ -1,0 +1,238 @@
+"""One storage layer over local paths and fsspec URLs (s3://, gs://, file://, memory://).
+
+Two write primitives carry the commit protocol:
+
+* ``write_atomic``: readers see the old object or the whole new one, never a part
+  (local: temp file + rename; object stores: a single PUT is already atomic);
+* ``create_only``: write if absent, atomically; returns False when something is there
+  (local: temp file + hard link, which fails on an existing name; S3: ``If-None-Match: *``;
+  GCS: ``ifGenerationMatch=0``).
+
+Which file system serves a URI: plain fsspec (``url_to_fs(uri, **options)``: the process's own
+credentials), or, when a ``FileSystems`` factory is given, whatever it returns for that URI
+(the Airflow side passes one built from the deployment's Airflow Connections, see
+``airflow_provider_vllm.hooks.filesystems``). The factory is an argument, never global state, and
+never travels: a Storage made from it holds a reference to the factory only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import posixpath
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+from fsspec.implementations.local import LocalFileSystem
+
+from airflow_provider_vllm.core import faults
+from airflow_provider_vllm.core.storage_retry import retrying
+
+FileSystems = Callable[[str, dict[str, Any]], "fsspec.AbstractFileSystem | None"]
+"""``(uri, options) -> file system`` for that URI, or None for plain fsspec (``url_to_fs``).
+
+The Airflow side's factory builds object-store file systems from Airflow Connections
+(``connections.ConnectionFileSystems``); it owns caching and decides which ``options`` apply.
+"""
+
+
+@dataclass(frozen=True)
+class Storage:
+    """A folder (prefix) on some filesystem; paths given to methods are relative to it.
+
+    ``filesystems``: optional factory of the file system for ``root`` (see ``FileSystems``);
+    ``sub()`` keeps it. Without it, ``fsspec.core.url_to_fs(root, **options)``.
+    """
+
+    root: str
+    options: dict[str, Any] = field(default_factory=dict)
+    filesystems: FileSystems | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def fs(self) -> fsspec.AbstractFileSystem:
+        return _fs_and_path(self.root, self.options, self.filesystems)[0]
+
+    @property
+    def base(self) -> str:
+        """The root as the filesystem sees it (no protocol)."""
+        return _fs_and_path(self.root, self.options, self.filesystems)[1].rstrip("/")
+
+    @property
+    def is_local(self) -> bool:
+        return isinstance(self.fs, LocalFileSystem)
+
+    def path(self, rel: str = "") -> str:
+        return posixpath.join(self.base, rel) if rel else self.base
+
+    def uri(self, rel: str = "") -> str:
+        """Full URI of a relative path (with protocol for remote filesystems)."""
+        root = self.root.rstrip("/")
+        return f"{root}/{rel}" if rel else root
+
+    def sub(self, rel: str) -> Storage:
+        return Storage(self.uri(rel), self.options, self.filesystems)
+
+    def at(self, root: str) -> Storage:
+        """Another folder with the same options and file system factory."""
+        return Storage(root, self.options, self.filesystems)
+
+    # ---- reads ----------------------------------------------------------------------
+    # Reads of remote objects retry transient errors too; local ones fail at once.
+    def _call(self, fn, what: str):
+        return fn() if self.is_local else retrying(fn, what)
+
+    def exists(self, rel: str) -> bool:
+        return self._call(lambda: self.fs.exists(self.path(rel)), f"exists {self.uri(rel)}")
+
+    def read_bytes(self, rel: str) -> bytes:
+        return self._call(lambda: self.fs.cat_file(self.path(rel)), f"read {self.uri(rel)}")
+
+    def read_text(self, rel: str) -> str:
+        return self.read_bytes(rel).decode("utf-8")
+
+    def listdir(self, rel: str = "") -> list[str]:
+        """Names (not paths) directly under rel; empty when rel does not exist."""
+        p = self.path(rel)
+        try:
+            entries = self._call(lambda: self.fs.ls(p, detail=False), f"list {self.uri(rel)}")
+        except FileNotFoundError:
+            return []
+        names = [posixpath.basename(e.rstrip("/")) for e in entries]
+        return sorted(n for n in names if n)
+
+    def open(self, rel: str, mode: str = "rb"):
+        return self.fs.open(self.path(rel), mode)
+
+    def info(self, rel: str) -> dict[str, Any]:
+        return self._call(lambda: self.fs.info(self.path(rel)), f"stat {self.uri(rel)}")
+
+    def size(self, rel: str) -> int:
+        return int(self._call(lambda: self.fs.size(self.path(rel)), f"size {self.uri(rel)}"))
+
+    def sha256(self, rel: str) -> str:
+        def digest() -> str:
+            h = hashlib.sha256()
+            with self.open(rel) as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    h.update(block)
+            return h.hexdigest()
+
+        return self._call(digest, f"checksum {self.uri(rel)}")
+
+    # ---- writes ---------------------------------------------------------------------
+    def makedirs(self, rel: str = "") -> None:
+        if self.is_local:
+            os.makedirs(self.path(rel), exist_ok=True)
+
+    def write_atomic(self, rel: str, data: bytes) -> None:
+        """Write all of data or nothing visible at rel."""
+        p = self.path(rel)
+        if not self.is_local:
+            retrying(lambda: self.fs.pipe_file(p, data), f"write {self.uri(rel)}")
+            return
+        tmp = _local_temp_copy(p, data)
+        try:
+            os.replace(tmp, p)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    def create_only(self, rel: str, data: bytes) -> bool:
+        """Atomically create rel with data; False (and nothing written) when rel exists."""
+        p = self.path(rel)
+        if not self.is_local:
+            return _create_only_remote(self.fs, p, data)
+        tmp = _local_temp_copy(p, data)
+        try:
+            os.link(tmp, p)  # fails if p exists: the create-only primitive
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(tmp)
+
+    def write_parquet_atomic(self, rel: str, table: pa.Table, metadata: dict[str, str] | None = None) -> None:
+        """Write a Parquet file so that readers never see a partial one."""
+        if metadata:
+            table = table.replace_schema_metadata({**(table.schema.metadata or {}), **metadata})
+        sink = pa.BufferOutputStream()
+        pq.write_table(table, sink, compression="zstd")
+        self.write_atomic(rel, sink.getvalue().to_pybytes())
+
+    def upload(self, local: str, rel: str) -> None:
+        """Copy a finished local file to rel (remote: one PUT or multipart upload, visible whole or not at all)."""
+        retrying(lambda: self.fs.put_file(local, self.path(rel)), f"upload {self.uri(rel)}")
+
+    def remove(self, rel: str, recursive: bool = False) -> None:
+        try:
+            self.fs.rm(self.path(rel), recursive=recursive)
+        except FileNotFoundError:
+            pass
+
+    def walk_files(self, rel: str = "") -> Iterator[str]:
+        """Relative paths of all files under rel."""
+        base = self.path(rel)
+        try:
+            found = self._call(lambda: self.fs.find(base), f"list {self.uri(rel)}")
+        except FileNotFoundError:
+            return
+        for p in sorted(found):
+            yield posixpath.relpath(p, self.base)
+
+
+def _local_temp_copy(path: str, data: bytes) -> str:
+    """data, fsynced, in a unique temp file beside path (same filesystem, for rename/link)."""
+    os.makedirs(posixpath.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+    with open(tmp, "wb") as f:
+        faults.write(f, data)  # f.write(data), with the mid-file fault hook
+        f.flush()
+        os.fsync(f.fileno())
+    return tmp
+
+
+def _fs_and_path(uri: str, options: dict[str, Any],
+                 filesystems: FileSystems | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
+    if filesystems is not None:
+        fs = filesystems(uri, options)
+        if fs is not None:
+            return fs, fs._strip_protocol(uri)
+    return _cached_fs(uri, tuple(sorted((k, repr(v)) for k, v in options.items())), options)
+
+
+_FS_CACHE: dict[tuple, tuple] = {}
+
+
+def _cached_fs(uri: str, key: tuple, options: dict[str, Any]):
+    k = (uri, key)
+    hit = _FS_CACHE.get(k)
+    if hit is None:
+        hit = fsspec.core.url_to_fs(uri, **options)
+        _FS_CACHE[k] = hit
+    return hit
+
+
+def _create_only_remote(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> bool:
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    if "memory" in protocols:  # tests only: single process, check-then-write is enough
+        if fs.exists(path):
+            return False
+        fs.pipe_file(path, data)
+        return True
+    if not {"s3", "s3a", "gs", "gcs"} & set(protocols):
+        raise NotImplementedError(f"no atomic create-only write for protocol {fs.protocol!r}")
+    # s3fs sends If-None-Match: * and gcsfs ifGenerationMatch=0: the server decides, atomically.
+    try:
+        retrying(lambda: fs.pipe_file(path, data, mode="create"), f"create {path}")
+    except FileExistsError:
+        return False
+    except OSError as e:
+        if "PreconditionFailed" in str(e) or "412" in str(e):
+            return False
+        raise
+    return True

@@ -1,0 +1,129 @@
+"""Airflow plugin: a FastAPI app under ``/vllm-batch`` that serves a run's QA report.
+
+``GET /vllm-batch/report?dag_id=&run_id=&task_id=[&map_index=]`` returns that QA task's
+``qa/report.html`` (``/report.json``: the JSON report). The caller must be logged in to
+Airflow (the UI's session cookie or a ``Bearer`` token) and allowed to read the DAG's task
+instances. The file is located from the run's own XComs (see ``report_access``), never
+from a path in the request, and must pass the job's URI rules and the deployment's
+allow-list (``[vllm_batch] allowed_uri_prefixes``; none configured -> 403 unless
+``[vllm_batch] allow_any_location = True``); ``[vllm_batch] report_roots`` can narrow it
+further. The file is read with the deployment's credentials only: the Airflow Connections
+named by ``[vllm_batch] aws_conn_id`` / ``gcp_conn_id`` (defaults ``aws_default`` /
+``google_cloud_default``), never with options, headers or endpoints taken from XCom or the
+request. Every refusal is a 403 with its reason, answered before any file system exists.
+
+Registered through the ``airflow.plugins`` entry point (``vllm_batch``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity
+from airflow.api_fastapi.common.db.common import SessionDep
+from airflow.api_fastapi.core_api.security import requires_access_dag
+from airflow.configuration import conf
+from airflow.models.xcom import XComModel
+from airflow.plugins_manager import AirflowPlugin
+from fastapi import Depends, FastAPI, HTTPException
+from fastapi.responses import Response
+
+from airflow_provider_vllm.core.errors import SpecError
+from airflow_provider_vllm.core.storage import Storage
+from airflow_provider_vllm.hooks.filesystems import ConnectionFileSystems, conn_ids_from_config
+from airflow_provider_vllm.links.report import URL_PREFIX
+from airflow_provider_vllm.plugins.report_access import (
+    ReportAccessError,
+    ReportPolicy,
+    check_local_file,
+    plan_task_id,
+    resolve_report,
+)
+
+# The report is self-contained (inline CSS and SVG): nothing else may load, nor may it be framed elsewhere.
+HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; img-src data:; "
+                               "frame-ancestors 'self'",
+    "X-Content-Type-Options": "nosniff",
+    "Cache-Control": "no-store",
+}
+MEDIA = {"html": "text/html; charset=utf-8", "json": "application/json"}
+
+app = FastAPI(title="vLLM batch QA reports", docs_url=None, redoc_url=None, openapi_url=None)
+_can_read_task_instances = Depends(requires_access_dag("GET", DagAccessEntity.TASK_INSTANCE))
+
+
+def _xcom(session: Any, *, dag_id: str, run_id: str, task_id: str, key: str, map_index: int) -> Any:
+    query = XComModel.get_many(run_id=run_id, key=key, task_ids=task_id, dag_ids=dag_id,
+                               map_indexes=map_index).limit(1)
+    row = session.scalar(query)
+    return None if row is None else XComModel.deserialize_value(row)
+
+
+def policy() -> ReportPolicy:
+    """The deployment's rules, from this API server's Airflow config (never a Variable)."""
+    return ReportPolicy.from_settings(
+        conf.get("vllm_batch", "allowed_uri_prefixes", fallback=""),
+        conf.getboolean("vllm_batch", "allow_any_location", fallback=False),
+        conf.get("vllm_batch", "report_roots", fallback=""),
+    )
+
+
+_FS_TTL_S = 300.0
+_fs_cache: dict[tuple[str, str], tuple[float, ConnectionFileSystems]] = {}
+
+
+def filesystems() -> ConnectionFileSystems:
+    """The deployment's object-store identity: the Connections named in ``[vllm_batch]``.
+
+    Kept for a few minutes per pair of Connection ids (one client per store, not one per
+    request); an edited Connection takes effect after that.
+    """
+    ids = conn_ids_from_config(conf)
+    now = time.monotonic()
+    hit = _fs_cache.get(ids)
+    if hit is None or now - hit[0] > _FS_TTL_S:
+        hit = _fs_cache[ids] = (now, ConnectionFileSystems(*ids))
+    return hit[1]
+
+
+def _serve(kind: str, session: Any, dag_id: str, run_id: str, task_id: str, map_index: int) -> Response:
+    try:
+        rules = policy()
+        loc = resolve_report(
+            _xcom(session, dag_id=dag_id, run_id=run_id, task_id=task_id, key="return_value",
+                  map_index=map_index),
+            _xcom(session, dag_id=dag_id, run_id=run_id, task_id=plan_task_id(task_id), key="spec",
+                  map_index=-1),
+            rules,
+        )
+        check_local_file(loc, kind, rules)
+        # no options from XCom: the location alone, opened with the deployment's Connections
+        body = Storage(loc.output_uri, {}, filesystems()).read_bytes(loc.rel(kind))
+    except SpecError as e:  # e.g. the object store's provider package is missing
+        raise HTTPException(status_code=403, detail=f"refused: {e}") from None
+    except ReportAccessError as e:
+        raise HTTPException(status_code=e.status, detail=str(e)) from None
+    except FileNotFoundError:
+        raise HTTPException(status_code=404, detail=f"{loc.rel(kind)} does not exist under the run's output") from None
+    return Response(content=body, media_type=MEDIA[kind], headers=HEADERS)
+
+
+@app.get("/report", dependencies=[_can_read_task_instances])
+def report_html(dag_id: str, run_id: str, task_id: str, session: SessionDep, map_index: int = -1) -> Response:
+    """The QA task's ``qa/report.html``."""
+    return _serve("html", session, dag_id, run_id, task_id, map_index)
+
+
+@app.get("/report.json", dependencies=[_can_read_task_instances])
+def report_json(dag_id: str, run_id: str, task_id: str, session: SessionDep, map_index: int = -1) -> Response:
+    """The QA task's ``qa/report.json``."""
+    return _serve("json", session, dag_id, run_id, task_id, map_index)
+
+
+class VllmBatchPlugin(AirflowPlugin):
+    """Mounts the report app at ``/vllm-batch`` in Airflow's API server."""
+
+    name = "vllm_batch"
+    fastapi_apps = [{"app": app, "url_prefix": URL_PREFIX, "name": "vLLM batch QA reports"}]

@@ -1,0 +1,407 @@
+"""The planner: validate the input once, group its rows into shards, write the plan manifest.
+
+Deterministic: the same input files (same sizes and versions) and the same spec give the
+same shards with the same ids. Parquet inputs are planned from footers plus the id column
+(and the text columns only when length bucketing is on); JSONL inputs take one pass.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import uuid
+from dataclasses import asdict
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from airflow_provider_vllm import __version__
+from airflow_provider_vllm.core.datasets import (
+    BLANK_ID_PATTERN,
+    describe_files,
+    detect_format,
+    fingerprint,
+    input_storage,
+    parquet_metadata,
+    scan_jsonl,
+)
+from airflow_provider_vllm.core.errors import DatasetError, SpecError
+from airflow_provider_vllm.core.plan import PLAN_FILE, Plan, Segment, ShardPlan, estimate_tokens
+from airflow_provider_vllm.core.spec import JobSpec
+from airflow_provider_vllm.core.storage import FileSystems, Storage
+from airflow_provider_vllm.steps.sizing import size_shards
+
+PROBE_DIR = "_probes"  # create-only probe objects (removed after the probe; ignored if one stays)
+DEFAULT_TARGET_ROWS = 10_000
+
+log = logging.getLogger(__name__)
+
+
+def plan_job(spec: JobSpec, filesystems: FileSystems | None = None, max_shards: int | None = None) -> Plan:
+    """Plan the job and write ``_plan.json`` under the output prefix; idempotent.
+
+    Raises DatasetError for dataset faults and SpecError when the output prefix already
+    holds the plan of a different input or spec, or files but no plan (another run's), or
+    when the plan would have more than ``max_shards`` shards (the orchestrator's limit on
+    mapped tasks, e.g. Airflow's ``[core] max_map_length``; None: no limit).
+    ``filesystems``: how object stores are reached (``storage.FileSystems``; default fsspec).
+    """
+    out = Storage(spec.io.output_uri, spec.io.storage_options, filesystems)
+    plan = build_plan(spec, filesystems, max_shards=max_shards)
+    if not out.exists(PLAN_FILE):
+        foreign = next((f for f in out.walk_files() if not f.startswith(PROBE_DIR + "/")), None)
+        if foreign is not None:
+            raise SpecError(f"output {spec.io.output_uri} is not empty (e.g. {foreign}) and holds no plan of "
+                            "this job; use a new, empty output prefix")
+        probe_create_only(out, _store_name(spec))
+        # create-only: of two runs racing for one prefix, the loser meets the winner's plan below
+        out.create_only(PLAN_FILE, plan.model_dump_json(indent=1).encode())
+    existing = Plan.model_validate_json(out.read_bytes(PLAN_FILE))
+    if existing.fingerprint != plan.fingerprint or existing.spec_hash != plan.spec_hash:
+        raise SpecError(
+            f"output {spec.io.output_uri} already holds a run of another input or spec "
+            f"(plan fingerprint {existing.fingerprint[:12]}, spec {existing.spec_hash[:12]}); "
+            "use a new output prefix"
+        )
+    return existing
+
+
+def probe_create_only(out: Storage, store: str) -> None:
+    """Refuse (SpecError, terminal) a store that does not honour create-only writes.
+
+    The commit protocol rests on write-if-absent (``Storage.create_only``: link locally,
+    ``If-None-Match: *`` on S3, ``ifGenerationMatch=0`` on GCS): the first attempt to commit a
+    shard wins and a marker never changes. Stores differ (s3fs documents ``mode="create"`` as
+    known to work on AWS S3 only; S3-compatible servers and emulators may ignore the
+    precondition and overwrite), so before anything is planned this writes one new probe
+    object create-only twice: the first write must succeed, the second must be refused, and
+    the object must still hold the first body. Transient storage errors stay transient.
+    """
+    rel = f"{PROBE_DIR}/create-only-{uuid.uuid4().hex}"
+    first, second = f"probe 1 {rel}".encode(), f"probe 2 {rel}".encode()
+    need = ("the commit protocol needs write-if-absent (S3: If-None-Match: *, GCS: ifGenerationMatch=0, local "
+            "files: link) so that a shard's commit marker is written once and never replaced; use a store that "
+            "enforces it")
+    try:
+        try:
+            made = out.create_only(rel, first)
+            again = out.create_only(rel, second) if made else None
+            body = out.read_bytes(rel) if made else None
+        except (NotImplementedError, OSError) as e:
+            raise SpecError(f"output store {store}: a create-only write of the probe object {out.uri(rel)} failed "
+                            f"({type(e).__name__}: {e}); {need}") from None
+    finally:
+        try:
+            out.remove(rel)
+            if out.is_local:
+                os.rmdir(out.path(PROBE_DIR))  # only when empty: a racing plan's probe may be there
+        except Exception as e:  # e.g. no delete permission: the probe object stays, ignored by the plan
+            if not out.is_local or out.exists(rel):
+                log.warning("could not remove the create-only probe object %s: %s", out.uri(rel), e)
+    if not made:
+        raise SpecError(f"output store {store}: the first create-only write of a new probe object {out.uri(rel)} "
+                        f"was refused as if it existed; {need}")
+    if again or body != first:
+        what = "succeeded and replaced it" if again else "was reported refused, but the object was replaced"
+        raise SpecError(f"output store {store} does not honour create-only writes: a second create-only write of "
+                        f"the probe object {out.uri(rel)} {what}. {need[0].upper()}{need[1:]}")
+
+
+def _store_name(spec: JobSpec) -> str:
+    ep = (spec.io.storage_options or {}).get("endpoint_url")
+    return f"{spec.io.output_uri} (endpoint_url {ep})" if ep else spec.io.output_uri
+
+
+def build_plan(spec: JobSpec, filesystems: FileSystems | None = None, max_shards: int | None = None) -> Plan:
+    """Validate the input and compute shards, without writing anything (see ``plan_job``)."""
+    root, names = input_storage(spec.io.input_uri, spec.io.storage_options, filesystems)
+    files = describe_files(root, names)
+    fmt = detect_format(root, names, spec.io.input_format)
+    sh = spec.sharding
+    # Exact per-row lengths need the text columns; footers (dictionary-encoded pages make
+    # them approximate) are enough when shards are sized by rows only.
+    per_row = sh.long_row_tokens is not None or (sh.target_tokens is not None and sh.target_rows is None)
+    if fmt == "parquet":
+        ids, chars, file_rows, offsets, lines, invalid = _scan_parquet(root, names, spec, per_row)
+    else:
+        ids, chars, file_rows, offsets, lines, invalid = _scan_jsonl(root, names, fmt, spec)
+    _check_ids(ids, names, file_rows, lines)
+    total_rows = int(sum(file_rows))
+    tokens = estimate_tokens(chars, sh.chars_per_token) if len(chars) else np.zeros(0, np.int64)
+    fp = fingerprint(files)
+    sizing = size_shards(spec, total_rows, int(tokens.sum()) if len(tokens) else 0, filesystems=filesystems)
+    cut_spec = spec if sizing is None else spec.model_copy(
+        update={"sharding": spec.sharding.model_copy(update=sizing.sharding_update())})
+    shards = _cut(cut_spec, fp, tokens, np.asarray(file_rows, dtype=np.int64), offsets, lines)
+    if max_shards is not None and len(shards) > max_shards:
+        _refuse_shard_count(cut_spec, len(shards), max_shards, total_rows, int(tokens.sum()) if len(tokens) else 0,
+                            from_history=sizing is not None)
+    return Plan(
+        spec_hash=spec.content_hash(),
+        config_hash=spec.output_hash(),
+        input_uri=spec.io.input_uri,
+        input_root=root.root,
+        format=fmt,
+        files=[f.to_dict() for f in files],
+        fingerprint=fp,
+        total_rows=total_rows,
+        invalid_lines=int(invalid),
+        est_tokens=int(tokens.sum()) if len(tokens) else 0,
+        long_row_tokens=sh.long_row_tokens,
+        chars_per_token=sh.chars_per_token,
+        shards=shards,
+        created_with={"airflow-provider-vllm": __version__, "pyarrow": pa.__version__},
+        sizing=asdict(sizing) if sizing is not None else None,
+    )
+
+
+def _refuse_shard_count(spec: JobSpec, n: int, limit: int, rows: int, tokens: int, from_history: bool) -> None:
+    """SpecError naming the sharding setting to raise (or lower) so that at most ``limit`` shards are cut."""
+    sh = spec.sharding
+    if sh.target_tokens is not None and sh.target_rows is None:
+        need = math.ceil(tokens / limit)
+        setting = f"sharding.target_tokens (now {sh.target_tokens}; at least {need} for {tokens} estimated tokens)"
+    else:
+        need = math.ceil(rows / limit)
+        now = sh.target_rows or DEFAULT_TARGET_ROWS
+        setting = f"sharding.target_rows (now {now}; at least {need} for {rows} rows)"
+    how = " (sized from the throughput history: raise sharding.target_minutes instead)" if from_history else ""
+    raise SpecError(
+        f"the plan has {n} shards, more than the {limit} mapped tasks Airflow allows ([core] max_map_length); "
+        f"raise {setting}{how}, or set sharding.max_shards to at most {limit}, or raise [core] max_map_length "
+        "(AIRFLOW__CORE__MAX_MAP_LENGTH)"
+    )
+
+
+# ---- scanning -----------------------------------------------------------------------
+def _scan_parquet(root: Storage, names: list[str], spec: JobSpec, per_row: bool):
+    """Schema checks and row counts from footers; ids are checked by DuckDB, never loaded here."""
+    import pyarrow.parquet as pq
+
+    idc = spec.prompt.id_column
+    texts = spec.prompt.texts
+    needed = [idc] + [c for c in spec.prompt.columns if c != idc]
+    chars_parts, file_rows = [], []
+    first_schema = None
+    for name in names:
+        md = parquet_metadata(root, name)
+        schema = md.schema.to_arrow_schema()
+        missing = [c for c in needed if c not in schema.names]
+        if missing:
+            raise DatasetError(f"input file {name}: missing column(s) {missing}; it has {schema.names[:20]}")
+        id_type = schema.field(idc).type
+        if not (pa.types.is_string(id_type) or pa.types.is_large_string(id_type) or pa.types.is_integer(id_type)):
+            raise DatasetError(f"input file {name}: id column {idc!r} has type {id_type}; expected string or integer")
+        for c in texts:
+            t = schema.field(c).type
+            if not (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_null(t)):
+                raise DatasetError(f"input file {name}: text column {c!r} has type {t}; expected string")
+        if first_schema is None:
+            first_schema = schema
+        elif id_type != first_schema.field(idc).type:
+            raise DatasetError(f"input file {name}: id column type {id_type} differs from "
+                               f"{names[0]}'s {first_schema.field(idc).type}")
+        file_rows.append(md.num_rows)
+        if per_row:
+            with root.open(name) as f:
+                t = pq.read_table(f, columns=texts)
+            total = np.zeros(t.num_rows, dtype=np.int64)
+            for c in texts:
+                total += pc.fill_null(pc.utf8_length(t.column(c)), 0).to_numpy()
+            chars_parts.append(total)
+        else:
+            chars_parts.append(_chars_from_footer(md, texts, md.num_rows))
+    if sum(file_rows):
+        _check_parquet_ids(root, names, idc)
+    chars = np.concatenate(chars_parts) if chars_parts else np.zeros(0, np.int64)
+    return None, chars, file_rows, None, None, 0
+
+
+def _check_parquet_ids(root: Storage, names: list[str], idc: str) -> None:
+    from airflow_provider_vllm.core import duck
+
+    con = duck.connect(root)
+    try:
+        src = f"read_parquet({duck.file_list(root, names)}, filename = true, file_row_number = true)"
+        col = '"' + idc.replace('"', '""') + '"'
+        # distinct hashes == rows proves distinct ids; a shortfall pays for the exact count
+        blank = f"regexp_matches(CAST({col} AS VARCHAR), '{BLANK_ID_PATTERN}')"
+        n, nulls, distinct, empty = con.execute(
+            f"SELECT count(*), count(*) - count({col}), count(DISTINCT hash({col})), "
+            f"count(*) FILTER (WHERE {blank}) FROM {src}").fetchall()[0]
+        if not nulls and distinct != n:
+            distinct = con.execute(f"SELECT count(DISTINCT {col}) FROM {src}").fetchall()[0][0]
+        if nulls:
+            fname, row = con.execute(
+                f"SELECT filename, file_row_number FROM {src} WHERE {col} IS NULL LIMIT 1").fetchall()[0]
+            raise DatasetError(f"{nulls} row(s) have a null id; first at {fname.rsplit('/', 1)[-1]} row {row}")
+        if empty:
+            fname, row = con.execute(f"SELECT filename, file_row_number FROM {src} "
+                                     f"WHERE {blank} LIMIT 1").fetchall()[0]
+            raise DatasetError(f"{empty} row(s) have an empty id (empty or only whitespace) in column {idc!r}; "
+                               f"first at {fname.rsplit('/', 1)[-1]} row {row}")
+        if distinct != n:
+            dups = con.execute(f"SELECT {col}, count(*) AS k FROM {src} GROUP BY {col} HAVING k > 1 "
+                               f"ORDER BY k DESC, {col} LIMIT 5").fetchall()
+            at = con.execute(f"SELECT filename, file_row_number FROM {src} WHERE {col} = ? "
+                             "ORDER BY filename, file_row_number LIMIT 2", [dups[0][0]]).fetchall()
+            _raise_duplicates(n, distinct, dups, [f"{f.rsplit('/', 1)[-1]} row {r}" for f, r in at])
+    finally:
+        con.close()
+
+
+def _raise_duplicates(n: int, distinct: int, dups: list[tuple], first_at: list[str]) -> None:
+    examples = ", ".join(f"{str(r[0])!r} x{r[1]}" for r in dups)
+    raise DatasetError(f"{n - distinct} duplicate id(s) in the input ({n} rows, {distinct} distinct); e.g. "
+                       f"{examples}; {str(dups[0][0])!r} is at {' and '.join(first_at)}")
+
+
+def _chars_from_footer(md, texts: list[str], n: int) -> np.ndarray:
+    """Per-row character estimate from row-group column sizes (no data read)."""
+    out = np.zeros(n, dtype=np.int64)
+    pos = 0
+    names = [md.schema.column(i).path for i in range(md.num_columns)]
+    for g in range(md.num_row_groups):
+        rg = md.row_group(g)
+        size = sum(rg.column(names.index(c)).total_uncompressed_size for c in texts if c in names)
+        k = rg.num_rows
+        if k:
+            # uncompressed plain strings carry a 4-byte length prefix per value
+            out[pos:pos + k] = max(0, size // k - 4 * len(texts))
+        pos += k
+    return out
+
+
+def _scan_jsonl(root: Storage, names: list[str], fmt: str, spec: JobSpec):
+    ids: list[str] = []
+    chars, file_rows, offsets, lines = [], [], [], []
+    invalid = 0
+    for name in names:
+        s = scan_jsonl(root, name, fmt, spec.prompt.id_column, spec.prompt.texts)
+        ids += s.ids
+        chars.append(np.asarray(s.lengths, dtype=np.int64))
+        offsets.append(np.asarray(s.offsets, dtype=np.int64))
+        lines.append(np.asarray(s.line_numbers, dtype=np.int64))
+        file_rows.append(len(s.ids))
+        invalid += sum(s.invalid)
+    cat = lambda parts: np.concatenate(parts) if parts else np.zeros(0, np.int64)  # noqa: E731
+    return pa.chunked_array([pa.array(ids, pa.string())]), cat(chars), file_rows, cat(offsets), cat(lines), invalid
+
+
+def _check_ids(ids: pa.ChunkedArray | None, names: list[str], file_rows: list[int], lines: np.ndarray) -> None:
+    """Null and duplicate ids of a JSONL input (Parquet inputs are checked in _scan_parquet)."""
+    if ids is None or len(ids) == 0:
+        return
+    n = len(ids)
+    distinct = pc.count_distinct(ids).as_py()
+    if distinct != n:
+        import duckdb
+
+        tbl = pa.table({"id": ids})  # noqa: F841 (read by name in the SQL: a DuckDB replacement scan)
+        dups = duckdb.sql("SELECT id, count(*) AS n FROM tbl GROUP BY id HAVING n > 1 "
+                          "ORDER BY n DESC, id LIMIT 5").fetchall()
+        pos = pc.indices_nonzero(pc.equal(ids, dups[0][0])).to_pylist()[:2]
+        starts = np.cumsum([0] + list(file_rows))
+        at = [f"{names[int(np.searchsorted(starts, p, side='right')) - 1]} line {int(lines[p])}" for p in pos]
+        _raise_duplicates(n, distinct, dups, at)
+
+
+# ---- cutting ------------------------------------------------------------------------
+def _cut(spec: JobSpec, fp: str, tokens: np.ndarray, file_rows: np.ndarray, offsets, lines) -> list[ShardPlan]:
+    sh = spec.sharding
+    n = len(tokens)
+    if n == 0:
+        return []
+    by_tokens = sh.target_tokens is not None and sh.target_rows is None
+    target = sh.target_tokens if by_tokens else (sh.target_rows or DEFAULT_TARGET_ROWS)
+    buckets: list[tuple[str, np.ndarray | None]]  # None: all rows, in order
+    if sh.long_row_tokens is not None and sh.max_shards >= 2:
+        long_mask = tokens > sh.long_row_tokens
+        buckets = [(b, np.nonzero(m)[0]) for b, m in (("short", ~long_mask), ("long", long_mask))]
+        buckets = [(b, idx) for b, idx in buckets if len(idx)]
+    else:
+        buckets = [("all", None)]
+    sizes = [n if idx is None else len(idx) for _, idx in buckets]
+    if by_tokens:
+        weights = [tokens if idx is None else tokens[idx] for _, idx in buckets]
+        wanted = [min(m, max(1, math.ceil(float(w.sum()) / target))) for m, w in zip(sizes, weights)]
+    else:
+        weights = [None] * len(buckets)
+        wanted = [min(m, max(1, math.ceil(m / target))) for m in sizes]
+    counts = _cap(wanted, sh.max_shards)
+    plan_key = hashlib.sha256(
+        json.dumps([fp, spec.prompt.id_column, spec.sharding.model_dump(mode="json")], sort_keys=True).encode()
+    ).hexdigest()
+    file_starts = np.concatenate([[0], np.cumsum(file_rows)]).astype(np.int64)
+    shards: list[ShardPlan] = []
+    for (bucket, idx), w, m, k in zip(buckets, weights, sizes, counts):
+        if w is None:  # equal row counts: no per-row arrays needed
+            cuts = np.rint(m * np.arange(1, k) / k).astype(np.int64)
+        else:
+            cum = np.cumsum(w, dtype=np.float64)
+            cuts = np.searchsorted(cum, cum[-1] * np.arange(1, k) / k, side="left") + 1
+        inner = np.clip(cuts, 1, m - 1) if m > 1 else np.zeros(0, np.int64)
+        bounds = np.unique(np.concatenate([[0], inner, [m]]).astype(np.int64)).tolist()
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            if idx is None:
+                segs = _range_segments(a, b, file_starts, offsets, lines)
+                est = int(tokens[a:b].sum())
+            else:
+                segs = _segments(idx[a:b], file_starts, offsets, lines)
+                est = int(tokens[idx[a:b]].sum())
+            index = len(shards)
+            key = hashlib.sha256(
+                f"{plan_key}:{bucket}:{json.dumps([s.model_dump() for s in segs])}".encode()
+            ).hexdigest()
+            shards.append(ShardPlan(
+                shard_id=f"shard-{index:05d}-{key[:8]}", index=index, bucket=bucket, rows=int(b - a),
+                est_tokens=est, segments=segs,
+            ))
+    return shards
+
+
+def _cap(wanted: list[int], max_shards: int) -> list[int]:
+    """Scale shard counts down so their sum fits max_shards, keeping >= 1 per bucket."""
+    counts = list(wanted)
+    while sum(counts) > max_shards:
+        i = max(range(len(counts)), key=lambda j: counts[j])
+        if counts[i] == 1:
+            break
+        counts[i] -= max(1, (sum(counts) - max_shards) // len(counts))
+        counts[i] = max(1, counts[i])
+    return counts
+
+
+def _segment(fid: int, start: int, end: int, global_start: int, offsets, lines) -> Segment:
+    seg = Segment(file=fid, start=start, count=end - start)
+    if offsets is not None:  # JSONL: where the first row's line starts
+        seg.offset, seg.line = int(offsets[global_start]), int(lines[global_start])
+    return seg
+
+
+def _range_segments(a: int, b: int, file_starts: np.ndarray, offsets, lines) -> list[Segment]:
+    """Segments of the global row range [a, b)."""
+    segs = []
+    first = int(np.searchsorted(file_starts, a, side="right")) - 1
+    for fid in range(first, len(file_starts) - 1):
+        lo, hi = max(a, int(file_starts[fid])), min(b, int(file_starts[fid + 1]))
+        if lo >= b:
+            break
+        if hi > lo:
+            segs.append(_segment(fid, lo - int(file_starts[fid]), hi - int(file_starts[fid]), lo, offsets, lines))
+    return segs
+
+
+def _segments(rows: np.ndarray, file_starts: np.ndarray, offsets, lines) -> list[Segment]:
+    """Segments covering the given (sorted) global rows: per file, first to last row."""
+    segs = []
+    fids = np.searchsorted(file_starts, rows, side="right") - 1
+    for fid in np.unique(fids):
+        r = rows[fids == fid]
+        lo, hi = int(r.min()), int(r.max()) + 1
+        segs.append(_segment(int(fid), lo - int(file_starts[fid]), hi - int(file_starts[fid]), lo, offsets, lines))
+    return segs

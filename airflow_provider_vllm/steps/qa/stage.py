@@ -1,0 +1,96 @@
+"""The QA step of a run: merged outputs -> report files + a pass/warn/fail verdict."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pyarrow as pa
+
+from airflow_provider_vllm.core import duck
+from airflow_provider_vllm.core.plan import load_plan
+from airflow_provider_vllm.core.spec import JobSpec
+from airflow_provider_vllm.core.storage import FileSystems, Storage
+from airflow_provider_vllm.steps.merge import ERRORS, MERGED, RESULTS
+from airflow_provider_vllm.steps.qa.evaluate import QAReport, load_report, run_qa, write_qa
+
+EXCERPT_CHARS = 300
+
+
+def qa_run(spec: JobSpec, filesystems: FileSystems | None = None) -> tuple[QAReport, dict[str, str]]:
+    """Compute QA over a merged run and write ``qa/report.{json,html}`` and ``qa/sample.parquet``.
+
+    Returns the report and the written paths; the caller decides what a 'fail' does.
+    ``filesystems``: how object stores are reached (``storage.FileSystems``; default fsspec).
+    """
+    out = Storage(spec.io.output_uri, spec.io.storage_options, filesystems)
+    con = duck.connect(out)
+    try:
+        # Only what QA reads; vectors are replaced by a presence marker (10M x 384 floats would not fit).
+        results = con.sql(
+            f"SELECT id, output, label, valid, "
+            f"CASE WHEN embedding IS NULL THEN NULL ELSE []::FLOAT[] END AS embedding, scores, finish_reason, "
+            f"prompt_tokens, completion_tokens, truncated, latency_ms, model, model_revision, shard_id "
+            f"FROM read_parquet({duck.file_list(out, [RESULTS])})").to_arrow_table()
+        errors = con.sql(
+            f"SELECT id, error_code, error_message, shard_id FROM read_parquet({duck.file_list(out, [ERRORS])})"
+        ).to_arrow_table()
+    finally:
+        con.close()
+    merged = json.loads(out.read_bytes(MERGED))
+    previous = None
+    if spec.qa.previous_report_uri:
+        previous = load_report(spec.qa.previous_report_uri, spec.io.storage_options, filesystems)
+    st = spec.sampling.structured
+    report = run_qa(
+        results,
+        errors,
+        spec=spec.qa,
+        labels=list(st.choice) if st is not None and st.choice else None,
+        structured=st is not None,
+        shard_stats=merged.get("shard_stats"),
+        previous=previous,
+        duplicates=merged.get("duplicates"),
+        run_info={"job": spec.name, "model": spec.model.name, "output_uri": spec.io.output_uri,
+                  "config_hash": merged.get("config_hash"), "rows": merged.get("rows")},
+    )
+    report.sample = _with_input_excerpt(spec, report.sample, out)
+    paths = write_qa(report, out)
+    return report, paths
+
+
+def _with_input_excerpt(spec: JobSpec, sample: pa.Table, out: Storage) -> pa.Table:
+    """Add the sampled rows' input text (first text column) for the report; Parquet inputs only."""
+    plan = load_plan(spec, out.filesystems)
+    if plan.format != "parquet" or sample.num_rows == 0 or not spec.prompt.texts:
+        return sample
+    root = out.at(plan.input_root)
+    q = lambda c: '"' + c.replace('"', '""') + '"'  # noqa: E731
+    wanted = pa.table({"id": pa.array(sample.column("id").to_pylist(), pa.string())})
+    con = duck.connect(root)
+    try:
+        con.register("wanted", wanted)
+        rows = con.execute(
+            f"SELECT CAST({q(spec.prompt.id_column)} AS VARCHAR), left({q(spec.prompt.texts[0])}, {EXCERPT_CHARS}) "
+            f"FROM read_parquet({duck.file_list(root, [f['path'] for f in plan.files])}) "
+            f"WHERE CAST({q(spec.prompt.id_column)} AS VARCHAR) IN (SELECT id FROM wanted)").fetchall()
+    finally:
+        con.close()
+    found = {i: t or "" for i, t in rows}
+    excerpts = pa.array([found.get(i) for i in sample.column("id").to_pylist()], pa.string())
+    if "input_excerpt" in sample.column_names:
+        sample = sample.drop_columns(["input_excerpt"])
+    return sample.append_column("input_excerpt", excerpts)
+
+
+def qa_summary(report: QAReport, paths: dict[str, str], out_uri: str) -> dict[str, Any]:
+    """The small dict pushed to XCom / printed: status, failing checks, where the report is."""
+    d = report.to_dict()
+    return {
+        "status": report.status,
+        "summary": report.summary_line(),
+        "duplicates": (report.metrics.get("duplicates") or {}).get("ids"),
+        "checks": [{k: c.get(k) for k in ("name", "value", "warn", "fail", "status")} for c in d["checks"]],
+        "report_html": f"{out_uri.rstrip('/')}/{paths['report_html']}",
+        "report_json": f"{out_uri.rstrip('/')}/{paths['report_json']}",
+    }

@@ -1,0 +1,195 @@
+"""Wire a whole batch job into a DAG: plan -> shard x N -> merge -> qa -> [review] -> publish.
+
+Usage, inside ``with DAG(...)``::
+
+    from airflow_provider_vllm.task_groups.batch_job import vllm_batch_job
+
+    vllm_batch_job({"model": {"name": "..."}, "io": {"input_uri": ".../dt={{ ds }}/", ...}, ...})
+
+Nothing here does I/O: the spec is rendered and validated at run time by the plan task.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+from airflow.sdk import Asset, TaskGroup
+
+from airflow_provider_vllm.core.spec import JobSpec
+from airflow_provider_vllm.operators import (
+    VllmLocalShardOperator,
+    VllmMergeOperator,
+    VllmPlanOperator,
+    VllmPublishOperator,
+    VllmQAOperator,
+    VllmQAReviewOperator,
+)
+from airflow_provider_vllm.operators._common import RUNNERS, SPEC_XCOM_KEY
+from airflow_provider_vllm.operators.kubernetes import SETTINGS_VARIABLE, VllmKubernetesShardOperator
+from airflow_provider_vllm.operators.runner_branch import VllmRunnerBranchOperator
+
+# "shard 3/8 rows 1200-1599" (see shard_names); the id when a plan predates the names.
+SHARD_MAP_INDEX_TEMPLATE = "{{ task.shard.get('name') or task.shard['shard_id'] }}"
+KUBERNETES_SETTINGS_TEMPLATE = "{{ var.value.get('%s', '{}') }}" % SETTINGS_VARIABLE
+"""Default pod settings of the Kubernetes runner: the ``vllm_batch_kubernetes`` Variable, read at run time."""
+_JINJA = re.compile(r"{{|{%")
+
+
+def vllm_batch_job(
+    spec: Mapping[str, Any] | str | JobSpec,
+    *,
+    group_id: str = "vllm_batch",
+    overrides: Mapping[str, Any] | str | None = None,
+    param_overrides: Sequence[str] = (),
+    runner: str = "local",
+    asset: Asset | str | None = None,
+    shard_retries: int = 2,
+    shard_retry_delay: timedelta | None = None,
+    shard_env: Mapping[str, str] | None = None,
+    max_active_shards: int | None = None,
+    progress_interval_s: float = 10.0,
+    before_publish: Callable[[Any], Any] | None = None,
+    publish_extra_files: Mapping[str, str] | None = None,
+    kubernetes: Mapping[str, Any] | str | None = KUBERNETES_SETTINGS_TEMPLATE,
+    kubernetes_operator_kwargs: Mapping[str, Any] | None = None,
+    human_review: bool | str = True,
+    review_timeout: timedelta | None = timedelta(hours=12),
+    review_notifiers: Sequence[Any] | None = None,
+    aws_conn_id: str | None = None,
+    gcp_conn_id: str | None = None,
+    kubernetes_conn_id: str | None = None,
+    namespace: str | None = None,
+    in_cluster: bool | None = None,
+) -> TaskGroup:
+    """Add one batch inference job to the current DAG; returns its TaskGroup.
+
+    :param spec: the job spec: a dict (Jinja allowed in any string), YAML/JSON text (e.g.
+        ``"{% include 'job.yaml' %}"`` for a file beside the DAG), or a ``JobSpec``. Rendered and validated at
+        run time by the plan task, then handed to the other tasks as data (XCom).
+    :param overrides: flat overrides (dotted keys or ``JobSpec`` param aliases), templated.
+    :param param_overrides: DAG params applied over the spec (typed; ``None`` = keep); never a
+        deployment-owned setting (``spec_guard.DEPLOYMENT_OWNED``: a ValueError at parse time).
+    :param runner: ``"local"`` (a subprocess per shard on the Airflow worker), ``"kubernetes"``
+        (a pod per shard, ``VllmKubernetesShardOperator``), or a template such as
+        ``"{{ params.runner }}"`` checked by the plan task: then both shard tasks are in the
+        DAG (``shard`` and ``shard_kubernetes``) and a ``runner`` branch task after the plan
+        follows the chosen one; the other is skipped.
+    :param asset: the Asset the publish task updates (default: the output URI when it is
+        static, else ``x-vllm-batch://<group_id>``); the event's extra names the output URI.
+    :param shard_retries, shard_retry_delay: for the mapped shard task (delay default:
+        Airflow's ``[core] default_task_retry_delay``).
+    :param shard_env: extra environment for the worker processes (templated).
+    :param max_active_shards: at most this many shards of one run at once.
+    :param before_publish: called with the spec XComArg inside the group; what it returns
+        (tasks or XComArgs) runs after QA and before publish.
+    :param publish_extra_files: name -> path under the output prefix, listed in ``_SUCCESS.json``.
+    :param kubernetes: Kubernetes runner: defaults for the pods (``KubernetesSettings`` fields as a
+        dict or JSON text, templated; default the ``vllm_batch_kubernetes`` Variable), over the
+        deployment's ``[vllm_batch] kubernetes_defaults``. The job spec's ``kubernetes`` section wins
+        over them. ``shard_env`` joins their ``env``. Deployment-owned fields (image, namespace,
+        service account, env, Secrets, PVCs, ...) set here through a Variable need
+        ``[vllm_batch] deployment_settings_from_variables``; through params they are refused.
+    :param kubernetes_operator_kwargs: more ``KubernetesPodOperator`` arguments for the shard
+        task (e.g. ``kubernetes_conn_id``, ``deferrable``).
+    :param human_review: add the ``review`` task after QA: a 'warn' verdict waits for a person to
+        approve (publish) or reject (the run fails, nothing published); 'pass' goes on without
+        asking. False: no review task (fully automatic: a 'warn' is logged and published). A
+        template (e.g. ``"{{ var.value.get('vllm_batch_human_review', 'true') }}"``) keeps the
+        task and decides at run time.
+    :param review_timeout: how long a 'warn' waits for a decision; then the review task fails
+        and nothing is published (clear the task to ask again). ``None`` waits for ever.
+    :param review_notifiers: Airflow notifiers (e.g. a Slack or SMTP notifier) told when a
+        decision is needed; the request carries the QA summary and a link to the report.
+    :param aws_conn_id, gcp_conn_id: the Airflow Connections through which plan, the local
+        shards, merge, QA and publish reach ``s3://`` / ``gs://`` (the amazon / google providers'
+        fsspec helpers; the local worker gets the identity through its environment). DAG-file
+        settings, never trigger params; None: ``[vllm_batch] aws_conn_id`` / ``gcp_conn_id``,
+        else ``aws_default`` / ``google_cloud_default``. Pods use workload identity or Secret
+        references instead (docs/kubernetes.md).
+    :param kubernetes_conn_id, namespace, in_cluster: Kubernetes runner: the cluster Connection,
+        the pods' namespace and whether Airflow runs inside that cluster (``KubernetesPodOperator``
+        arguments; None: KPO's defaults, ``kubernetes_default``). They win over the same keys in
+        ``kubernetes_operator_kwargs``.
+    """
+    runner_name = str(runner).strip()
+    static = runner_name in RUNNERS
+    if not static and not _JINJA.search(runner_name):
+        raise ValueError(f"runner={runner_name!r}: choose one of {list(RUNNERS)} or a template")
+    if isinstance(spec, JobSpec):
+        spec = spec.model_dump(mode="json")
+    if asset is None:
+        asset = _default_asset(spec, group_id)
+    elif isinstance(asset, str):
+        asset = Asset(uri=asset)
+
+    with TaskGroup(group_id, tooltip="vLLM batch job: plan -> shards -> merge -> QA -> review -> publish") as group:
+        conns = {"aws_conn_id": aws_conn_id, "gcp_conn_id": gcp_conn_id}
+        plan = VllmPlanOperator(task_id="plan", spec=spec, overrides=overrides,
+                                param_overrides=param_overrides, runner=runner, **conns)
+        job = plan.output[SPEC_XCOM_KEY]
+        common = dict(
+            spec=job,
+            progress_interval_s=progress_interval_s,
+            retries=shard_retries,
+            map_index_template=SHARD_MAP_INDEX_TEMPLATE,
+            max_active_tis_per_dagrun=max_active_shards,
+            **({"retry_delay": shard_retry_delay} if shard_retry_delay is not None else {}),
+        )
+        env = dict(shard_env) if shard_env else None
+        cluster = {**dict(kubernetes_operator_kwargs or {}),
+                   **{k: v for k, v in {"kubernetes_conn_id": kubernetes_conn_id, "namespace": namespace,
+                                        "in_cluster": in_cluster}.items() if v is not None}}
+        shard_tasks = {}
+        for name in [runner_name] if static else RUNNERS:
+            if name == "local":
+                op = VllmLocalShardOperator.partial(task_id="shard", env=env, **common, **conns)
+            else:
+                op = VllmKubernetesShardOperator.partial(
+                    task_id="shard" if static else "shard_kubernetes", kubernetes=kubernetes, env=env,
+                    **common, **cluster)
+            shard_tasks[name] = op.expand(shard=plan.output)
+        if not static:  # chosen at run time: the other runner's shard task is skipped whole
+            branch = VllmRunnerBranchOperator(task_id="runner", runner=runner,
+                                              shard_tasks={n: t.task_id for n, t in shard_tasks.items()})
+            plan >> branch >> list(shard_tasks.values())
+        # An empty input plans zero shards (the mapped task is skipped) and merge still runs after
+        # plan's success; a dry run skips plan, and then merge is skipped too.
+        merge = VllmMergeOperator(task_id="merge", spec=job, trigger_rule="none_failed_min_one_success", **conns)
+        qa = VllmQAOperator(task_id="qa", spec=job, **conns)
+        publish = VllmPublishOperator(task_id="publish", spec=job, outlets=[asset], **conns,
+                                      extra_files=dict(publish_extra_files) if publish_extra_files else None)
+        list(shard_tasks.values()) >> merge
+        merge >> qa
+        gate = qa
+        if human_review is not False:
+            gate = VllmQAReviewOperator(task_id="review", qa_result=qa.output, qa_task_id=qa.task_id,
+                                        ask=human_review, response_timeout=review_timeout,
+                                        notifiers=review_notifiers)
+            qa >> gate
+        if before_publish is not None:
+            extra = before_publish(job)
+            gate >> extra >> publish
+        else:
+            gate >> publish
+    return group
+
+
+def _default_asset(spec: Any, group_id: str) -> Asset:
+    uri = spec.get("io", {}).get("output_uri") if isinstance(spec, Mapping) else None
+    if isinstance(uri, str) and not _JINJA.search(uri):
+        if "://" in uri:
+            return Asset(uri=uri.rstrip("/"))
+        if uri.startswith("/"):
+            return Asset(uri=f"file://{uri.rstrip('/')}")
+    return Asset(uri=f"x-vllm-batch://{group_id}")
+
+
+def _path_safe(value: Any) -> str:
+    return re.sub(r"[^A-Za-z0-9_.=-]+", "-", str(value)).strip("-")
+
+
+TEMPLATE_FILTERS: dict[str, Callable[..., str]] = {"path_safe": _path_safe}
+"""``user_defined_filters``: ``{{ run_id | path_safe }}`` -> a string safe in a path."""

@@ -1,0 +1,48 @@
+"""Real Airflow in subprocesses: a sandboxed AIRFLOW_HOME and the ``airflow`` CLI of this venv."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.support import ROOT
+
+DAGS = ROOT / "dags"
+PY = sys.executable
+AIRFLOW = str(Path(PY).with_name("airflow"))
+
+
+@dataclass
+class AirflowSandbox:
+    home: Path
+    data: Path
+    env: dict[str, str] = field(default_factory=dict)
+
+    def run(self, *args: str, env: dict[str, str] | None = None, timeout: int = 900,
+            log: Path | None = None) -> subprocess.CompletedProcess:
+        """Run ``airflow <args>``; stdout+stderr also go to ``log`` when given."""
+        p = subprocess.run([AIRFLOW, *args], env={**self.env, **(env or {})}, cwd=str(self.home),
+                           capture_output=True, text=True, timeout=timeout)
+        if log is not None:
+            log.write_text(p.stdout + p.stderr)
+        return p
+
+    def dags_test(self, dag_id: str, date: str, conf: dict | None = None, env: dict[str, str] | None = None,
+                  timeout: int = 900) -> subprocess.CompletedProcess:
+        args = ["dags", "test", dag_id, date] + (["-c", json.dumps(conf)] if conf is not None else [])
+        log = self.home / f"{dag_id}-{date}-{len(list(self.home.glob('*.log')))}.log"
+        return self.run(*args, env=env, timeout=timeout, log=log)
+
+    def inspect(self, dag_id: str) -> dict:
+        """Runs, task instances, earlier tries, XComs and asset events of ``dag_id``, from the DB."""
+        p = subprocess.run([PY, str(ROOT / "tests" / "airflow" / "inspect_db.py"), dag_id], env=self.env,
+                           capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+        return json.loads(p.stdout)
+
+
+def tail(p: subprocess.CompletedProcess, n: int = 6000) -> str:
+    return (p.stdout + p.stderr)[-n:]

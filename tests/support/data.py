@@ -1,0 +1,31 @@
+"""Test data builders shared by every tier: a Parquet writer and a job spec with the fake model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+LABELS = ["billing", "bug", "feature_request", "account", "other"]
+
+
+def write_parquet(path: Path, ids, texts, row_group_size=64, **extra):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"id": ids, "text": texts, **extra}), path, row_group_size=row_group_size)
+    return path
+
+
+def make_spec(input_uri, output_uri, **over):
+    from airflow_provider_vllm.core.spec import JobSpec
+
+    doc = {
+        "model": {"name": "fake", "max_model_len": 1024},
+        "io": {"input_uri": str(input_uri), "output_uri": str(output_uri)},
+        "prompt": {"system_prompt": "Classify the ticket.", "template": "Ticket: {text}"},
+        "sampling": {"max_tokens": 8, "structured": {"choice": LABELS}},
+        "sharding": {"target_rows": 100, "chunk_rows": 16},
+    }
+    for k, v in over.items():
+        doc[k] = {**doc.get(k, {}), **v} if isinstance(v, dict) else v
+    return JobSpec.load(doc)

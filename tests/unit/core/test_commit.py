@@ -1,0 +1,246 @@
+"""A hypothesis state machine over the commit protocol (real ShardStore, real merge, tmp dir).
+
+Rules: start an attempt of a shard, write one of its chunks, crash an attempt (its in-flight
+temp file stays behind, the attempt never acts again), commit (as the worker does: reuse
+complete chunks of earlier attempts, write the missing ones, create the marker), a duplicate
+commit by another attempt of a committed shard, a retry that runs to its commit, and merge.
+
+Invariants after every step: a marker, once created, never changes; every file a marker
+names exists with the size and sha256 it records; every file that looks like a chunk opens
+as a complete Parquet file with the footer of its chunk (no partial file is visible: temp
+files never match the chunk name readers look for). At merge: every input id exactly once
+in results + errors when all shards are committed, and a refusal (with nothing published)
+when one is not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
+
+from airflow_provider_vllm.core.commit import _CHUNK_RE, MARKER, ChunkMeta, ShardStore
+from airflow_provider_vllm.core.errors import CommitError
+from airflow_provider_vllm.core.plan import PLAN_FILE
+from airflow_provider_vllm.core.rows import rows_table
+from airflow_provider_vllm.core.storage import Storage
+from airflow_provider_vllm.steps.merge import ERRORS, RESULTS, merge_run
+from airflow_provider_vllm.steps.plan import plan_job
+from tests.support.data import make_spec, write_parquet
+from tests.support.ledger import record_fault
+
+pytestmark = pytest.mark.reliability
+N_ROWS, CHUNK_ROWS = 7, 2
+IDS = [f"r{i}" for i in range(N_ROWS)]
+_BASE: dict = {}
+_TOTALS = {"examples": 0, "steps": 0, "crashes": 0, "duplicate_commits": 0, "merges": 0, "lost": 0, "dups": 0}
+
+
+def _base(tmp_root: Path) -> dict:
+    """One input and one plan for all examples; each example copies the plan into a fresh prefix."""
+    if not _BASE:
+        write_parquet(tmp_root / "in" / "p.parquet", IDS, [f"text {i}" for i in IDS], row_group_size=3)
+        spec = make_spec(tmp_root / "in", tmp_root / "plan", sharding={"target_rows": 4, "chunk_rows": CHUNK_ROWS})
+        plan = plan_job(spec)
+        # the rows of each shard, in plan order (the planner cuts by row ranges here)
+        rows, pos = {}, 0
+        for s in plan.shards:
+            rows[s.shard_id] = IDS[pos:pos + s.rows]
+            pos += s.rows
+        _BASE.update(root=tmp_root, spec=spec, plan=plan, rows=rows)
+    return _BASE
+
+
+class CommitProtocol(RuleBasedStateMachine):
+    attempts = Bundle("attempts")
+
+    def __init__(self):
+        super().__init__()
+        base = _BASE
+        self.out_dir = base["root"] / f"out-{uuid.uuid4().hex[:8]}"
+        self.out_dir.mkdir()
+        shutil.copy(base["root"] / "plan" / PLAN_FILE, self.out_dir / PLAN_FILE)
+        self.spec = base["spec"].model_copy(update={"io": base["spec"].io.model_copy(
+            update={"output_uri": str(self.out_dir)})})
+        self.plan = base["plan"]
+        self.rows = base["rows"]
+        self.out = Storage(str(self.out_dir))
+        self.written: dict[str, set[int]] = {}  # attempt -> chunks it wrote
+        self.shard_of: dict[str, str] = {}
+        self.dead: set[str] = set()
+        self.markers: dict[str, bytes] = {}  # shard -> marker bytes when first committed
+        self.merged = False
+        _TOTALS["examples"] += 1
+
+    def teardown(self):
+        shutil.rmtree(self.out_dir, ignore_errors=True)
+
+    # ---- helpers ----------------------------------------------------------------------
+    def metas(self, shard_id: str) -> dict[int, ChunkMeta]:
+        n = len(self.rows[shard_id])
+        return {k: ChunkMeta(shard_id, k, k * CHUNK_ROWS, min(CHUNK_ROWS, n - k * CHUNK_ROWS), self.plan.config_hash)
+                for k in range(-(-n // CHUNK_ROWS))}
+
+    def table(self, shard_id: str, attempt: str, meta: ChunkMeta):
+        ids = self.rows[shard_id][meta.first_row:meta.first_row + meta.rows]
+        return rows_table([{"id": i, "status": "error" if i == "r3" else "ok", "output": f"{i}@{attempt}",
+                            "error_code": "EMPTY_INPUT" if i == "r3" else None, "shard_id": shard_id,
+                            "attempt_id": attempt} for i in ids])
+
+    # ---- rules ------------------------------------------------------------------------
+    @rule(target=attempts, shard=st.integers(0, 10))
+    def start_attempt(self, shard):
+        shard_id = self.plan.shards[shard % len(self.plan.shards)].shard_id
+        attempt = f"a{len(self.shard_of):03d}-{uuid.uuid4().hex[:6]}"
+        self.shard_of[attempt] = shard_id
+        self.written[attempt] = set()
+        return attempt
+
+    @rule(attempt=attempts, k=st.integers(0, 10))
+    def write_chunk(self, attempt, k):
+        if attempt in self.dead:
+            return
+        shard_id = self.shard_of[attempt]
+        metas = self.metas(shard_id)
+        meta = metas[k % len(metas)]
+        ShardStore(self.out, shard_id).write_chunk(attempt, meta, self.table(shard_id, attempt, meta))
+        self.written[attempt].add(meta.chunk)
+
+    @rule(attempt=consumes(attempts), k=st.integers(0, 10), cut=st.floats(0.0, 0.99))
+    def crash(self, attempt, k, cut):
+        """The attempt dies while writing a chunk: a partial temp file stays, nothing else happens."""
+        if attempt in self.dead:
+            return
+        shard_id = self.shard_of[attempt]
+        store = ShardStore(self.out, shard_id)
+        metas = self.metas(shard_id)
+        meta = metas[k % len(metas)]
+        sink = Path(self.out.path(store.chunk_rel(attempt, meta.chunk)))
+        sink.parent.mkdir(parents=True, exist_ok=True)
+        import io
+
+        buf = io.BytesIO()
+        pq.write_table(self.table(shard_id, attempt, meta), buf)
+        data = buf.getvalue()
+        Path(f"{sink}.tmp-{uuid.uuid4().hex}").write_bytes(data[: int(len(data) * cut)])
+        self.dead.add(attempt)
+        _TOTALS["crashes"] += 1
+
+    @rule(attempt=attempts)
+    def commit(self, attempt):
+        if attempt in self.dead:
+            return
+        shard_id = self.shard_of[attempt]
+        store = ShardStore(self.out, shard_id)
+        metas = self.metas(shard_id)
+        own = {k: store.chunk_rel(attempt, k) for k in self.written[attempt]}
+        reused = store.reusable_chunks({k: m for k, m in metas.items() if k not in own})
+        for k in sorted(set(metas) - set(own) - set(reused)):  # as the worker: write what is missing first
+            store.write_chunk(attempt, metas[k], self.table(shard_id, attempt, metas[k]))
+            own[k] = store.chunk_rel(attempt, k)
+        files = {**reused, **own}
+        entries = [store.file_entry(files[k]) for k in sorted(files)]
+        marker = {"shard_id": shard_id, "attempt_id": attempt, "config_hash": self.plan.config_hash,
+                  "files": entries, "rows": sum(e["rows"] for e in entries),
+                  "ok_rows": sum(e["ok_rows"] for e in entries), "error_rows": sum(e["error_rows"] for e in entries),
+                  "stats": {}}
+        first = shard_id not in self.markers
+        won = store.commit(marker)
+        assert won == first, "create-only: exactly the first commit of a shard wins"
+        if won:
+            self.markers[shard_id] = (self.out_dir / store.dir / MARKER).read_bytes()
+        else:
+            _TOTALS["duplicate_commits"] += 1
+
+    @rule(shard=st.integers(0, 10))
+    def retry_to_completion(self, shard):
+        """A fresh attempt (an Airflow retry) that runs its shard to the commit, as most retries do."""
+        attempt = self.start_attempt(shard)
+        self.commit(attempt)
+
+    @precondition(lambda self: not self.merged)
+    @rule()
+    def merge(self):
+        before = sorted(p.name for p in (self.out_dir / "results").glob("*")) if (self.out_dir / "results").exists() \
+            else []
+        if len(self.markers) < len(self.plan.shards):
+            with pytest.raises(CommitError, match="not committed"):
+                merge_run(self.spec, memory_limit="256MB")
+            after = sorted(p.name for p in (self.out_dir / "results").glob("*")) \
+                if (self.out_dir / "results").exists() else []
+            assert after == before == []  # nothing published
+            return
+        # duplicates are counted where they were committed, before merge could drop any
+        committed = [i for raw in self.markers.values() for f in json.loads(raw)["files"]
+                     for i in pq.read_table(self.out_dir / f["path"], columns=["id"]).column("id").to_pylist()]
+        summary = merge_run(self.spec, memory_limit="256MB")
+        self.merged = True
+        _TOTALS["merges"] += 1
+        res = pq.read_table(self.out_dir / RESULTS, columns=["id"]).column("id").to_pylist()
+        err = pq.read_table(self.out_dir / ERRORS, columns=["id"]).column("id").to_pylist()
+        lost = len(set(IDS) - set(res + err))
+        dups = max(len(committed) - len(set(committed)), len(res + err) - len(set(res + err)),
+                   summary["duplicates"]["rows_dropped"])
+        _TOTALS["lost"] += lost
+        _TOTALS["dups"] += dups
+        assert lost == 0 and dups == 0 and sorted(res + err) == sorted(IDS)
+        assert err == ["r3"]
+        # each row comes from the chunk files its shard's marker names, and from no other attempt
+        for shard_id, raw in self.markers.items():
+            named = {f["path"] for f in json.loads(raw)["files"]}
+            got = pq.read_table(self.out_dir / RESULTS, columns=["id", "attempt_id"]).to_pylist()
+            owners = {r["attempt_id"] for r in got if r["id"] in self.rows[shard_id]}
+            assert owners <= {p.split("/")[3] for p in named}
+
+    # ---- invariants -------------------------------------------------------------------
+    @invariant()
+    def count_steps(self):
+        _TOTALS["steps"] += 1  # invariants run once after init and once after every step
+
+    @invariant()
+    def markers_never_change_and_name_good_files(self):
+        for shard_id, raw in self.markers.items():
+            path = self.out_dir / "shards" / shard_id / MARKER
+            assert path.read_bytes() == raw
+            m = json.loads(raw)
+            assert m["rows"] == len(self.rows[shard_id])
+            for f in m["files"]:
+                assert self.out.size(f["path"]) == f["bytes"] and self.out.sha256(f["path"]) == f["sha256"]
+
+    @invariant()
+    def no_partial_chunk_is_visible(self):
+        shards = self.out_dir / "shards"
+        if not shards.exists():
+            return
+        for dirpath, _, names in os.walk(shards):
+            for name in names:
+                if _CHUNK_RE.match(name):
+                    md = pq.ParquetFile(os.path.join(dirpath, name)).metadata  # opens: complete
+                    meta = json.loads(md.metadata[b"vllm_batch.chunk"])
+                    assert md.num_rows == meta["rows"] and name == f"chunk-{meta['chunk']:05d}.parquet"
+                elif name != MARKER:
+                    assert ".tmp-" in name, name  # only a crashed writer's temp file
+
+
+def test_commit_protocol_state_machine(tmp_path_factory):
+    _base(tmp_path_factory.mktemp("commit_sm"))
+    CommitProtocol.TestCase.settings = settings(
+        max_examples=500, stateful_step_count=12, deadline=None, database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+    CommitProtocol.TestCase().runTest()
+    # partial_visible is 0: no_partial_chunk_is_visible held after every step of every example
+    steps = _TOTALS["steps"] - _TOTALS["examples"]
+    record_fault("commit_protocol_crash", rows=N_ROWS * _TOTALS["merges"], faults=_TOTALS["crashes"],
+                 lost=_TOTALS["lost"], duplicates=_TOTALS["dups"], partial_visible=0, level="hypothesis",
+                 examples=_TOTALS["examples"], steps=steps)
+    record_fault("commit_protocol_duplicate_commit", rows=0, faults=_TOTALS["duplicate_commits"], level="hypothesis",
+                 examples=_TOTALS["examples"], steps=steps)
+    assert _TOTALS["examples"] >= 500 and _TOTALS["merges"] > 0 and _TOTALS["crashes"] > 0

@@ -1,0 +1,82 @@
+import json
+
+import pytest
+
+from airflow_provider_vllm.core.errors import SpecError
+from airflow_provider_vllm.core.spec import JobSpec, template_columns
+
+BASE = {"model": {"name": "m"}, "io": {"input_uri": "/in", "output_uri": "/out"}}
+
+
+def test_defaults_and_hash_stable():
+    a = JobSpec.load(BASE)
+    b = JobSpec.load(json.dumps(BASE))
+    assert a.content_hash() == b.content_hash()
+    assert a.output_hash() == b.output_hash()
+    c = JobSpec.load({**BASE, "sampling": {"max_tokens": 9}})
+    assert c.content_hash() != a.content_hash() and c.output_hash() != a.output_hash()
+    # output location does not change the config hash recorded in rows
+    d = JobSpec.load({**BASE, "io": {"input_uri": "/in", "output_uri": "/elsewhere"}})
+    assert d.output_hash() == a.output_hash() and d.content_hash() != a.content_hash()
+
+
+@pytest.mark.parametrize(
+    "patch, field",
+    [
+        ({"sampling": {"max_tokens": -1}}, "sampling.max_tokens"),
+        ({"task": "summarise"}, "task"),
+        ({"engine": {"engine_kwargs": {"worker_extension_cls": "x.Y"}}}, "engine.engine_kwargs"),
+        ({"prompt": {"template": "{text.__class__}"}}, "prompt.template"),
+        ({"prompt": {"template": "{text!r}"}}, "prompt.template"),
+        ({"sampling": {"structured": {"choice": ["a"], "regex": "a"}}}, "sampling.structured"),
+        ({"sampling": {"structured": {"choice": ["a", "a"]}}}, "sampling.structured"),
+        ({"qa": {"warn_error_rate": 0.5, "fail_error_rate": 0.1}}, "qa"),
+        ({"unknown": 1}, "unknown"),
+        ({"name": "bad name/../x"}, "name"),
+    ],
+)
+def test_invalid_specs_name_the_field(patch, field):
+    with pytest.raises(SpecError) as e:
+        JobSpec.load({**BASE, **patch})
+    assert field in str(e.value)
+
+
+def test_template_columns():
+    assert template_columns("A {title} and {body} and {title}") == ["title", "body"]
+    with pytest.raises(ValueError):
+        template_columns("{x[0]}")
+    with pytest.raises(ValueError):
+        template_columns("{x:>10}")
+
+
+def test_from_yaml(tmp_path):
+    p = tmp_path / "config.yaml"
+    p.write_text(
+        "job:\n  model: {name: m}\n  io: {input_uri: /in, output_uri: /out}\n"
+        "  sampling:\n    structured: {choice: [a, b]}\n"
+    )
+    spec = JobSpec.from_yaml(p)
+    assert spec.sampling.structured.choice == ["a", "b"]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {name: m}\nio: {input_uri: /in}\n")
+    with pytest.raises(SpecError, match="io.output_uri"):
+        JobSpec.from_yaml(bad)
+
+
+def test_from_params_layers_over_base():
+    base = JobSpec.load(BASE)
+    spec = JobSpec.from_params(
+        {"model": "other", "labels": ["x", "y"], "max_tokens": 4, "shard_rows": 50, "runner": "local",
+         "system_prompt": None},
+        base=base,
+    )
+    assert spec.model.name == "other"
+    assert spec.sampling.structured.choice == ["x", "y"]
+    assert spec.sampling.max_tokens == 4 and spec.sharding.target_rows == 50
+    with pytest.raises(SpecError, match="sharding.target_rows"):
+        JobSpec.from_params({"shard_rows": -5}, base=base)
+
+
+def test_embed_task_rejects_chat_only_fields():
+    with pytest.raises(SpecError, match="structured"):
+        JobSpec.load({**BASE, "task": "embed", "sampling": {"structured": {"choice": ["a"]}}})

@@ -1,0 +1,148 @@
+"""report.html of a real small run (fake engine for the data), opened in headless Chromium.
+
+Two runs over the same input: the second compares its labels with the first's report. The
+page must show every chart with visible bars (one bar per label, error code and shard), the
+sample table, and render an injected '<script>' label as text without running it. The
+screenshot is kept under ``$VLLM_BATCH_TEST_ARTIFACTS`` (default ``test-artifacts/``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from airflow_provider_vllm.steps.merge import merge_run
+from airflow_provider_vllm.steps.plan import plan_job
+from airflow_provider_vllm.steps.qa.stage import qa_run
+from airflow_provider_vllm.worker.shard import run_shard
+from airflow_provider_vllm.worker.task import ShardTask
+from tests.support import ROOT  # noqa: E402
+from tests.support.data import make_spec, write_parquet
+from tests.support.ledger import record_malicious
+
+CHROMIUM = os.environ.get("CHROMIUM", shutil.which("chromium") or "/usr/bin/chromium")
+EVIL = "<script>window.__pwned=1</script>"
+EVIL_IMG = "<img src=x onerror=window.__pwned=2>"
+LABELS = ["billing", "bug", "feature_request", "account", "other"]  # labels with markup are refused by the spec
+
+
+def artifacts() -> Path:
+    d = Path(os.environ.get("VLLM_BATCH_TEST_ARTIFACTS", ROOT / "test-artifacts"))
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def run_pipeline(tmp_path: Path, name: str, template: str, previous: str | None):
+    spec = make_spec(
+        tmp_path / "in", tmp_path / name,
+        prompt={"template": template},
+        sampling={"structured": {"choice": LABELS}},
+        sharding={"target_rows": 80, "chunk_rows": 16},
+        qa={"sample_size": 24, "previous_report_uri": previous, "warn_error_rate": 0.001},
+    )
+    from tests.support.fakes import FakeEngine
+
+    for shard in plan_job(spec).shards:
+        run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=FakeEngine)
+    merge_run(spec)
+    report, paths = qa_run(spec)
+    return spec, report, tmp_path / name / paths["report_html"]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    sync_api = pytest.importorskip("playwright.sync_api")
+    if not os.path.exists(CHROMIUM):
+        pytest.skip(f"no Chromium at {CHROMIUM} (Debian package 'chromium')")
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM,
+                              args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        yield b
+        b.close()
+
+
+def bars(page, chart: str, series: int | None = None):
+    sel = f'svg[data-chart="{chart}"] rect.bar' + ("" if series is None else f'[data-series="{series}"]')
+    return page.locator(sel)
+
+
+@pytest.fixture(scope="module")
+def report_page(tmp_path_factory, browser):
+    """(report, page) of the second of two runs, the page loaded in Chromium; requests it tried."""
+    tmp_path = tmp_path_factory.mktemp("report")
+    n = 240
+    texts = [f"my invoice {i} was charged twice" if i % 3 else f"the app crashes on page {i}" for i in range(n)]
+    # markup in the data (a ticket can hold anything): it must reach the page as text
+    texts = [f"{EVIL} {t}" if i % 4 == 1 else f"{EVIL_IMG} {t}" if i % 4 == 2 else t for i, t in enumerate(texts)]
+    texts[4] = ""  # EMPTY_INPUT
+    texts[50] = "   "  # EMPTY_INPUT
+    texts[77] = "word " * 2000  # PROMPT_TOO_LONG (max_model_len 1024)
+    write_parquet(tmp_path / "in" / "part-0.parquet", [f"t{i:04d}" for i in range(n)], texts)
+    run_pipeline(tmp_path, "run1", "Ticket: {text}", None)
+    _, report, html_path = run_pipeline(tmp_path, "run2", "Support ticket: {text}",
+                                        str(tmp_path / "run1" / "qa" / "report.json"))
+    page = browser.new_page(viewport={"width": 1200, "height": 900})
+    requested = []
+    page.on("request", lambda r: None if r.url.startswith(("file:", "data:")) else requested.append(r.url))
+    page.goto(html_path.as_uri())
+    page.wait_for_load_state("load")
+    yield report, page, requested
+    page.close()
+
+
+def test_report_page_charts_and_sample(report_page):
+    report, page, _ = report_page
+    m = report.metrics
+    ld = m["label_distribution"]
+    assert m["label_drift"] is not None
+    shards = m["throughput"]["shards"]
+    assert len(shards) == 3 and all(s["seconds"] and s["peak_rss_mb"] for s in shards)  # from the markers
+    shot = artifacts() / "qa-report.png"
+    page.screenshot(path=str(shot), full_page=True)
+    assert shot.stat().st_size > 20_000
+    (artifacts() / "qa-report.json").write_text(json.dumps(report.to_dict(), indent=1))
+
+    labels = list(dict.fromkeys(list(ld["counts"]) + list(m["label_drift"]["previous_fractions"])))
+    for series in (0, 1):  # this run, previous run: one bar per label each
+        got = bars(page, "labels", series)
+        assert got.count() == len(labels)
+        assert [got.nth(i).get_attribute("data-label") for i in range(got.count())] == labels
+    for i, lab in enumerate(labels):
+        box = bars(page, "labels", 0).nth(i).bounding_box()
+        assert box["height"] > 5 and (box["width"] > 1) == (ld["counts"].get(lab, 0) > 0)
+    assert bars(page, "errors").count() == len(m["errors_by_code"]) == 2
+    for chart in ("latency", "prompt_tokens", "completion_tokens"):
+        hist = m[{"latency": "latency_ms"}.get(chart, chart)]["histogram"]
+        hb = bars(page, chart)
+        assert hb.count() == len(hist["counts"]) + (1 if hist["overflow"] else 0)
+        svg_box = page.locator(f'svg[data-chart="{chart}"]').bounding_box()
+        assert svg_box["width"] > 200 and svg_box["height"] > 100
+        assert sum(1 for i in range(hb.count()) if hb.nth(i).bounding_box()["height"] > 0) >= 1
+    for chart in ("throughput", "duration", "memory"):
+        b = bars(page, chart)
+        assert b.count() == len(shards)
+        assert all(b.nth(i).bounding_box()["width"] > 1 for i in range(b.count()))
+        assert page.locator(f'svg[data-chart="{chart}"]').is_visible()
+
+    rows = page.locator("section.sample tbody tr")
+    assert rows.count() == m["sample"]["rows"] == 24
+    head = [h.inner_text().strip() for h in page.locator("section.sample thead th").all()]
+    assert head == ["#", "id", "status", "label", "input", "output / error"]
+    inputs = [rows.nth(i).locator("td").nth(4).inner_text() for i in range(rows.count())]
+    assert sum(("invoice" in t or "crashes" in t) for t in inputs) >= 20
+
+
+@pytest.mark.reliability
+def test_injected_markup_stays_text(report_page):
+    report, page, requested = report_page
+    main = page.locator("main").inner_text()
+    pwned = page.evaluate("window.__pwned")
+    scripts, imgs = page.locator("script").count(), page.locator("main img").count()
+    neutralised = (EVIL in main and pwned is None and scripts == 0) + (EVIL_IMG in main and imgs == 0 and not requested)
+    record_malicious("report_html_markup_injection", 2, neutralised)
+    assert pwned is None and scripts == 0 and imgs == 0 and not requested
+    assert EVIL in main and EVIL_IMG in main

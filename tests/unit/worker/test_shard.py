@@ -1,0 +1,264 @@
+"""The worker's logic around the engine, with a fake engine (fast). Real vLLM: test_worker_vllm.py."""
+
+import json
+import threading
+
+import pyarrow.parquet as pq
+import pytest
+
+from airflow_provider_vllm.core.commit import MARKER
+from airflow_provider_vllm.core.errors import CommitError, EngineError, SpecError, VerificationError
+from airflow_provider_vllm.steps.merge import merge_run
+from airflow_provider_vllm.steps.plan import plan_job
+from airflow_provider_vllm.worker.shard import run_shard
+from airflow_provider_vllm.worker.task import ShardTask
+from tests.support.data import LABELS, make_spec, write_parquet
+from tests.support.reconcile import check
+
+
+def planted_parquet(tmp_path, n=300):
+    ids = [f"t{i:04d}" for i in range(n)]
+    texts = [f"my invoice number {i} was charged twice" for i in range(n)]
+    texts[3] = None  # EMPTY_INPUT
+    texts[10] = "   "  # EMPTY_INPUT
+    texts[42] = "word " * 2000  # PROMPT_TOO_LONG (max_model_len 1024)
+    texts[99] = "bad\x00byte"  # INVALID_ROW
+    write_parquet(tmp_path / "in" / "part-0.parquet", ids[:200], texts[:200], row_group_size=32)
+    write_parquet(tmp_path / "in" / "part-1.parquet", ids[200:], texts[200:], row_group_size=32)
+    return {"t0003": "EMPTY_INPUT", "t0010": "EMPTY_INPUT", "t0042": "PROMPT_TOO_LONG", "t0099": "INVALID_ROW"}
+
+
+def run_all(spec, factory, **kw):
+    plan = plan_job(spec)
+    return plan, [run_shard(ShardTask(spec=spec, shard_id=s.shard_id, **kw), engine_factory=factory)
+                  for s in plan.shards]
+
+
+def read_out(out):
+    return (pq.read_table(out / "results" / "results.parquet").to_pylist(),
+            pq.read_table(out / "results" / "errors.parquet").to_pylist())
+
+
+def test_planted_bad_rows_exactly_once(tmp_path, fake_engine_factory):
+    planted = planted_parquet(tmp_path)
+    spec = make_spec(tmp_path / "in", tmp_path / "out")
+    plan, manifests = run_all(spec, fake_engine_factory)
+    assert all(m["status"] == "committed" for m in manifests)
+    summary = merge_run(spec)
+    res, err = read_out(tmp_path / "out")
+    assert summary["ok_rows"] == len(res) == 296 and summary["error_rows"] == len(err) == 4
+    assert {e["id"]: e["error_code"] for e in err} == planted
+    ids = [r["id"] for r in res] + [e["id"] for e in err]
+    assert sorted(ids) == [f"t{i:04d}" for i in range(300)]
+    assert all(r["label"] in LABELS and r["valid"] for r in res)
+    r0 = res[0]
+    assert r0["config_hash"] == spec.output_hash() and r0["engine_version"] == "fake-0"
+    assert r0["shard_id"].startswith("shard-") and r0["attempt_id"].startswith("a")
+    assert r0["prompt_tokens"] > 0 and r0["latency_ms"] >= 0 and r0["finish_reason"] == "stop"
+
+
+def test_truncate_policy_cuts_long_rows(tmp_path, fake_engine_factory):
+    planted_parquet(tmp_path)
+    spec = make_spec(tmp_path / "in", tmp_path / "out", prompt={"truncation": "truncate"})
+    run_all(spec, fake_engine_factory)
+    merge_run(spec)
+    res, err = read_out(tmp_path / "out")
+    row = next(r for r in res if r["id"] == "t0042")
+    assert row["truncated"] is True and row["prompt_tokens"] <= 1024 - 8
+    assert "t0042" not in {e["id"] for e in err}
+
+
+def test_jsonl_bad_lines(tmp_path, fake_engine_factory):
+    p = tmp_path / "in.jsonl"
+    lines = [json.dumps({"id": f"j{i}", "text": f"ticket {i}"}) for i in range(40)]
+    lines[5] = '{"id": "j5", "text": '  # truncated JSON
+    lines[6] = json.dumps({"id": "j6", "text": 12345})  # int where text is expected
+    lines[7] = json.dumps({"id": "j7", "text": ""})
+    lines[8] = "[1, 2, 3]"  # valid JSON, not an object
+    lines.insert(9, "")  # blank line: not a row
+    p.write_bytes(("\ufeff" + "\r\n".join(lines) + "\r\n").encode())  # BOM + CRLF
+    spec = make_spec(p, tmp_path / "out")
+    run_all(spec, fake_engine_factory)
+    merge_run(spec)
+    res, err = read_out(tmp_path / "out")
+    codes = {e["id"]: e["error_code"] for e in err}
+    assert codes == {"__line__:in.jsonl:6": "INVALID_JSON", "j6": "INVALID_ROW", "j7": "EMPTY_INPUT",
+                     "__line__:in.jsonl:9": "INVALID_JSON"}
+    assert len(res) + len(err) == 40 and "j0" in {r["id"] for r in res}
+
+
+@pytest.mark.reliability
+def test_crash_then_resume_reuses_finished_chunks(tmp_path, fake_engine_factory):
+    write_parquet(tmp_path / "in.parquet", [f"r{i}" for i in range(100)], [f"text {i}" for i in range(100)])
+    spec = make_spec(tmp_path / "in.parquet", tmp_path / "out", sharding={"target_rows": 100, "chunk_rows": 10})
+    plan = plan_job(spec)
+    (shard,) = plan.shards
+    # every step fails from the 46th row on: bisected down to one request, then the probe fails
+    # too, so it is the engine (exit 75), not a row
+    with pytest.raises(EngineError, match=r"probe request failed .*injected"):
+        run_shard(ShardTask(spec=spec, shard_id=shard.shard_id),
+                  engine_factory=lambda s: fake_engine_factory(s, crash_after=45))
+    shard_dir = tmp_path / "out" / "shards" / shard.shard_id
+    assert not (shard_dir / MARKER).exists()
+    done_before = list(shard_dir.glob("attempts/*/chunk-*.parquet"))
+    assert 1 <= len(done_before) < 10
+    m = run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=fake_engine_factory)
+    assert m["status"] == "committed" and m["stats"]["reused_chunks"] == len(done_before)
+    assert fake_engine_factory.made[-1].submitted == 100 - 10 * len(done_before)
+    marker = json.loads((shard_dir / MARKER).read_text())
+    assert len({f["path"].split("/")[3] for f in marker["files"]}) == 2  # chunks of both attempts
+    merge_run(spec)
+    res, err = read_out(tmp_path / "out")
+    assert sorted(r["id"] for r in res) == sorted(f"r{i}" for i in range(100)) and not err
+    check(tmp_path / "out", [f"r{i}" for i in range(100)], kind="engine_crash_mid_shard")
+
+
+@pytest.mark.reliability
+def test_rerun_after_success_is_a_noop(tmp_path, fake_engine_factory):
+    write_parquet(tmp_path / "in.parquet", [f"r{i}" for i in range(30)], ["x"] * 30)
+    spec = make_spec(tmp_path / "in.parquet", tmp_path / "out")
+    plan, _ = run_all(spec, fake_engine_factory)
+    n = len(fake_engine_factory.made)
+    marker_before = (tmp_path / "out" / "shards" / plan.shards[0].shard_id / MARKER).read_bytes()
+    _, again = run_all(spec, fake_engine_factory)
+    assert [m["status"] for m in again] == ["already_committed"]
+    assert len(fake_engine_factory.made) == n  # no engine started
+    assert (tmp_path / "out" / "shards" / plan.shards[0].shard_id / MARKER).read_bytes() == marker_before
+    first = merge_run(spec)
+    second = merge_run(spec)
+    assert first["checksums"] == second["checksums"]  # byte-identical merged output
+    check(tmp_path / "out", [f"r{i}" for i in range(30)], kind="rerun_after_success")
+
+
+@pytest.mark.reliability
+def test_two_concurrent_attempts_commit_once(tmp_path, fake_engine_factory):
+    write_parquet(tmp_path / "in.parquet", [f"r{i}" for i in range(200)], ["some text"] * 200)
+    spec = make_spec(tmp_path / "in.parquet", tmp_path / "out", sharding={"target_rows": 200, "chunk_rows": 20})
+    (shard,) = plan_job(spec).shards
+    barrier = threading.Barrier(2)
+    results = {}
+
+    def attempt(name):
+        def factory(s):
+            barrier.wait()  # both attempts are past the marker check before either infers
+            return fake_engine_factory(s, per_step=3)
+        results[name] = run_shard(ShardTask(spec=spec, shard_id=shard.shard_id, attempt_id=name),
+                                  engine_factory=factory)
+
+    threads = [threading.Thread(target=attempt, args=(n,)) for n in ("attempt-a", "attempt-b")]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    statuses = sorted(r["status"] for r in results.values())
+    assert statuses == ["already_committed", "committed"]
+    winner = json.loads((tmp_path / "out" / "shards" / shard.shard_id / MARKER).read_text())["attempt_id"]
+    assert {r["attempt_id"] for r in results.values()} == {winner}
+    merge_run(spec)
+    res, _ = read_out(tmp_path / "out")
+    assert len(res) == 200 and len({r["id"] for r in res}) == 200
+    assert {r["attempt_id"] for r in res} == {winner}
+    check(tmp_path / "out", [f"r{i}" for i in range(200)], kind="concurrent_attempts")
+
+
+def test_merge_refuses_uncommitted_and_tampered(tmp_path, fake_engine_factory):
+    write_parquet(tmp_path / "in.parquet", [f"r{i}" for i in range(50)], ["x"] * 50)
+    spec = make_spec(tmp_path / "in.parquet", tmp_path / "out", sharding={"target_rows": 25})
+    plan = plan_job(spec)
+    run_shard(ShardTask(spec=spec, shard_id=plan.shards[0].shard_id), engine_factory=fake_engine_factory)
+    with pytest.raises(CommitError, match="1 of 2 shard"):
+        merge_run(spec)
+    run_shard(ShardTask(spec=spec, shard_id=plan.shards[1].shard_id), engine_factory=fake_engine_factory)
+    marker = json.loads((tmp_path / "out" / "shards" / plan.shards[1].shard_id / MARKER).read_text())
+    path = tmp_path / "out" / marker["files"][0]["path"]
+    path.write_bytes(path.read_bytes()[:-10] + b"0123456789")
+    with pytest.raises(CommitError, match="does not match its commit marker"):
+        merge_run(spec)
+
+
+def test_merge_verification_catches_a_lost_row(tmp_path, fake_engine_factory):
+    """If a committed chunk lacked a row (a bug), merge names the missing id."""
+    import pyarrow as pa
+
+    from airflow_provider_vllm.core.commit import ShardStore
+
+    write_parquet(tmp_path / "in.parquet", [f"r{i}" for i in range(20)], ["x"] * 20)
+    spec = make_spec(tmp_path / "in.parquet", tmp_path / "out", sharding={"chunk_rows": 20})
+    (shard,) = plan_job(spec).shards
+    run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=fake_engine_factory)
+    store = ShardStore(__import__("airflow_provider_vllm.core.storage", fromlist=["Storage"]).Storage(
+        str(tmp_path / "out")), shard.shard_id)
+    marker = store.marker()
+    rel = marker["files"][0]["path"]
+    t = pq.read_table(tmp_path / "out" / rel)
+    t = t.filter(pa.compute.not_equal(t.column("id"), "r7"))
+    t = pa.concat_tables([t, t.slice(0, 1)])  # same count, r0 twice, r7 lost
+    pq.write_table(t, tmp_path / "out" / rel)
+    marker["files"][0].update(bytes=(tmp_path / "out" / rel).stat().st_size, sha256=store.out.sha256(rel))
+    (tmp_path / "out" / "shards" / shard.shard_id / MARKER).write_text(json.dumps(marker))
+    with pytest.raises(VerificationError, match=r"1 missing \(e.g. \['r7'\]\)"):
+        merge_run(spec)
+
+
+def test_openai_batch_in_and_out(tmp_path, fake_engine_factory):
+    reqs = [{"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"model": "m", "messages": [{"role": "system", "content": "Classify."},
+                                                 {"role": "user", "content": f"ticket {i}"}],
+                      "max_tokens": 5}} for i in range(12)]
+    reqs[3]["body"]["messages"] = []
+    reqs[4]["url"] = "/v1/completions"
+    p = tmp_path / "batch.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in reqs))
+    spec = make_spec(p, tmp_path / "out", io={"output_format": "openai_batch"},
+                     prompt={"system_prompt": None, "template": "{text}"})
+    plan, _ = run_all(spec, fake_engine_factory)
+    assert plan.format == "openai_batch"
+    summary = merge_run(spec)
+    assert summary["ok_rows"] == 10 and summary["error_rows"] == 2
+    out = [json.loads(x) for x in (tmp_path / "out" / "results" / "output.jsonl").read_text().splitlines()]
+    errs = [json.loads(x) for x in (tmp_path / "out" / "results" / "errors.jsonl").read_text().splitlines()]
+    assert len(out) == 10 and out[0]["response"]["status_code"] == 200
+    assert out[0]["response"]["body"]["choices"][0]["message"]["content"] in LABELS
+    assert {e["custom_id"]: e["error"]["code"] for e in errs} == {"req-3": "EMPTY_INPUT", "req-4": "INVALID_ROW"}
+
+
+def test_worker_refuses_a_spec_that_does_not_match_the_plan(tmp_path, fake_engine_factory):
+    write_parquet(tmp_path / "in.parquet", ["a"], ["x"])
+    spec = make_spec(tmp_path / "in.parquet", tmp_path / "out")
+    (shard,) = plan_job(spec).shards
+    other = make_spec(tmp_path / "in.parquet", tmp_path / "out", sampling={"max_tokens": 4})
+    with pytest.raises(SpecError, match="another spec"):
+        run_shard(ShardTask(spec=other, shard_id=shard.shard_id), engine_factory=fake_engine_factory)
+
+
+def test_empty_input_gives_no_shards_and_an_empty_merge(tmp_path, fake_engine_factory):
+    import pyarrow as pa
+
+    write_parquet(tmp_path / "in.parquet", pa.array([], pa.string()), pa.array([], pa.string()))
+    spec = make_spec(tmp_path / "in.parquet", tmp_path / "out")
+    plan, _ = run_all(spec, fake_engine_factory)
+    assert plan.shards == []
+    s = merge_run(spec)
+    assert s["rows"] == 0 and s["ok_rows"] == 0
+    res, err = read_out(tmp_path / "out")
+    assert res == [] and err == []
+
+
+def test_qa_stage_writes_report_with_input_excerpts(tmp_path, fake_engine_factory):
+    from airflow_provider_vllm.steps.qa.stage import qa_run, qa_summary
+
+    planted_parquet(tmp_path)
+    spec = make_spec(tmp_path / "in", tmp_path / "out", qa={"sample_size": 20})
+    run_all(spec, fake_engine_factory)
+    merge_run(spec)
+    report, paths = qa_run(spec)
+    assert report.status in ("pass", "warn", "fail")
+    html = (tmp_path / "out" / paths["report_html"]).read_text()
+    assert "<svg" in html and "billing" in html
+    sample = pq.read_table(tmp_path / "out" / paths["sample"]).to_pylist()
+    assert len(sample) == 20
+    ok = [r for r in sample if r["status"] == "ok"]
+    assert ok and all("invoice" in r["input_excerpt"] for r in ok)
+    s = qa_summary(report, paths, str(tmp_path / "out"))
+    assert s["report_html"].endswith("qa/report.html") and {c["name"] for c in s["checks"]} >= {"error_rate"}
+    # 4 of 300 rows are errors: 1.3% > warn 1% -> warn
+    err = next(c for c in s["checks"] if c["name"] == "error_rate")
+    assert err["status"] == "warn"
