@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from airflow_provider_vllm.core.compat import check_vllm_version
 from airflow_provider_vllm.core.errors import SpecError
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.worker.isolation import RequestRejected, refusal
@@ -104,6 +105,7 @@ class Engine:
         t0 = time.monotonic()  # engine start includes `import vllm` (15-25 s on a GPU image)
         import vllm
 
+        check_vllm_version(vllm.__version__)
         self.spec = spec
         self.version = vllm.__version__
         self.llm = vllm.LLM(**engine_kwargs(spec))
