@@ -12,7 +12,7 @@ from airflow_provider_vllm.hooks.filesystems import task_filesystems
 from airflow_provider_vllm.links.report import VllmQAReportLink
 from airflow_provider_vllm.operators._common import data_plane_errors, load_spec
 from airflow_provider_vllm.operators.deployment import check_spec_allowed
-from airflow_provider_vllm.steps.qa.evaluate import QAFailed
+from airflow_provider_vllm.steps.qa.report import QAFailed
 from airflow_provider_vllm.steps.qa.stage import qa_run, qa_summary
 
 

@@ -240,7 +240,7 @@ def test_qa_fail_pushes_the_summary_then_raises_and_publish_refuses(tmp_path, fa
     from airflow.sdk.exceptions import AirflowFailException
 
     from airflow_provider_vllm.operators import VllmPublishOperator, VllmQAFailed, VllmQAOperator
-    from airflow_provider_vllm.steps.qa.evaluate import QAFailed
+    from airflow_provider_vllm.steps.qa.report import QAFailed
 
     dataset(tmp_path, 50, empty=(3, 4))
     doc = spec_doc(tmp_path, qa={"warn_error_rate": 0.0, "fail_error_rate": 0.01})

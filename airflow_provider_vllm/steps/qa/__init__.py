@@ -1,0 +1,12 @@
+"""QA of a run's merged output (pure step logic; no Airflow). Modules, low to high:
+
+* ``report``: ``QAReport`` (the outcome, and its JSON form) and ``QAFailed``.
+* ``metrics``: input conformance, rates, label distribution and drift, token / latency
+  statistics and histograms, throughput, duplicate counts (the metric definitions).
+* ``checks``: each metric against its warn / fail thresholds, and the overall verdict.
+* ``sample``: the deterministic, stratified sample of rows for review.
+* ``html``: renders a report dict and sample rows as one self-contained page.
+* ``store``: writes report.json / report.html / sample.parquet; loads a stored report.
+* ``evaluate``: ``evaluate(results, errors, ...)`` measures a result set into a ``QAReport``.
+* ``stage``: the QA step, ``qa_run(spec)``: reads the merged output, evaluates, writes the report.
+"""

@@ -3,7 +3,7 @@
 Everything from the data (labels, ids, model outputs, error messages, run info) is untrusted
 and goes through ``html.escape``; a Content-Security-Policy that allows no scripts and no
 external resources backs that up. All numbers, including histogram bins, come from the
-report dict (``qa.run_qa`` computes them); this module only renders.
+report dict (``evaluate.evaluate`` computes them); this module only renders.
 """
 
 from __future__ import annotations

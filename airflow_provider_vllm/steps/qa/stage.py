@@ -12,7 +12,9 @@ from airflow_provider_vllm.core.plan import load_plan
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
 from airflow_provider_vllm.steps.merge import ERRORS, MERGED, RESULTS
-from airflow_provider_vllm.steps.qa.evaluate import QAReport, load_report, run_qa, write_qa
+from airflow_provider_vllm.steps.qa.evaluate import evaluate
+from airflow_provider_vllm.steps.qa.report import QAReport
+from airflow_provider_vllm.steps.qa.store import load_report, write_qa
 
 EXCERPT_CHARS = 300
 
@@ -42,7 +44,7 @@ def qa_run(spec: JobSpec, filesystems: FileSystems | None = None) -> tuple[QARep
     if spec.qa.previous_report_uri:
         previous = load_report(spec.qa.previous_report_uri, spec.io.storage_options, filesystems)
     st = spec.sampling.structured
-    report = run_qa(
+    report = evaluate(
         results,
         errors,
         spec=spec.qa,

@@ -10,19 +10,24 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
 import pytest
 
+from airflow_provider_vllm.core.spec import QASpec
 from airflow_provider_vllm.steps.merge import merge_run
 from airflow_provider_vllm.steps.plan import plan_job
+from airflow_provider_vllm.steps.qa.evaluate import evaluate
+from airflow_provider_vllm.steps.qa.html import render_report_html
 from airflow_provider_vllm.steps.qa.stage import qa_run
 from airflow_provider_vllm.worker.shard import run_shard
 from airflow_provider_vllm.worker.task import ShardTask
 from tests.support import ROOT  # noqa: E402
 from tests.support.data import make_spec, write_parquet
 from tests.support.ledger import record_malicious
+from tests.support.qa_rows import err_row, ok_row, split
 
 CHROMIUM = os.environ.get("CHROMIUM", shutil.which("chromium") or "/usr/bin/chromium")
 EVIL = "<script>window.__pwned=1</script>"
@@ -146,3 +151,27 @@ def test_injected_markup_stays_text(report_page):
     record_malicious("report_html_markup_injection", 2, neutralised)
     assert pwned is None and scripts == 0 and imgs == 0 and not requested
     assert EVIL in main and EVIL_IMG in main
+
+
+def test_html_escapes_and_is_self_contained():
+    evil = "<script>alert('x')</script>"
+    recs = [ok_row(i, label="positive", output=evil + " & more") for i in range(20)]
+    recs.append(ok_row(99, label="<b>neg</b>"))
+    recs.append(err_row(1) | {"error_message": evil})
+    results, errors = split(recs)
+    rep = evaluate(
+        results,
+        errors,
+        spec=QASpec(sample_size=30),
+        labels=["positive", "<b>neg</b>"],
+        structured=True,
+        shard_stats=[{"shard_id": "<i>s0</i>", "rows": 21, "seconds": 2.0}],
+        run_info={"job": "<img src=x onerror=alert(1)>", "run_id": "manual__1"},
+    )
+    html = render_report_html(rep.to_dict(), rep.sample.to_pylist())
+    assert "<script" not in html.lower()
+    assert "&lt;script&gt;" in html
+    assert "<b>neg</b>" not in html and "<img" not in html and "<i>s0</i>" not in html
+    assert "<svg" in html and "<rect" in html
+    assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:)?//""", html, re.I)
+    assert "@import" not in html and "url(" not in html

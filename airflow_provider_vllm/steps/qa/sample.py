@@ -1,0 +1,180 @@
+"""The QA sample: a deterministic, stratified draw of result and error rows for human review.
+
+Ok rows are stratified by label (else by shard id) and error rows by error code; at most
+``ERROR_SAMPLE_FRACTION`` of the sample comes from error rows. Inside each stratum rows are
+ranked by ``md5(f"{seed}:{id}")``: the same inputs and seed give the same sample in any
+process, with any DuckDB version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Hashable
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from airflow_provider_vllm.core.rows import ROW_SCHEMA
+from airflow_provider_vllm.core.spec import QASpec
+from airflow_provider_vllm.steps.qa.metrics import json_key, value_counts
+
+ERROR_SAMPLE_FRACTION = 0.10  # at most this share of the sample comes from error rows
+
+
+def sample_key(seed: int, row_id: str) -> str:
+    """The sample's ranking key of a row: md5 hex of ``f"{seed}:{id}"`` (same as DuckDB md5)."""
+    return hashlib.md5(f"{seed}:{row_id}".encode()).hexdigest()
+
+
+def allocate(sizes: dict[Hashable, int], k: int) -> dict[Hashable, int]:
+    """Split k draws over strata proportionally to their sizes (largest remainder), with at
+    least one per non-empty stratum when k allows it; never more than a stratum holds. When k
+    is smaller than the number of strata the k largest strata get one each."""
+    alloc = {s: 0 for s in sizes}
+    total = sum(max(0, n) for n in sizes.values())
+    k = min(max(0, k), total)
+    if k == 0:
+        return alloc
+    nonempty = sorted((s for s, n in sizes.items() if n > 0), key=lambda s: (-sizes[s], str(s)))
+    if k < len(nonempty):
+        for s in nonempty[:k]:
+            alloc[s] = 1
+        return alloc
+    quota = {s: k * sizes[s] / total for s in nonempty}
+    for s in nonempty:
+        alloc[s] = min(sizes[s], max(1, math.floor(quota[s])))
+    diff = k - sum(alloc.values())
+    while diff > 0:
+        room = sorted((s for s in nonempty if alloc[s] < sizes[s]), key=lambda s: (alloc[s] - quota[s], -sizes[s], str(s)))
+        for s in room[:diff]:
+            alloc[s] += 1
+        diff = k - sum(alloc.values())
+    while diff < 0:
+        over = sorted((s for s in nonempty if alloc[s] > 1), key=lambda s: (quota[s] - alloc[s], sizes[s], str(s)))
+        for s in over[:-diff]:
+            alloc[s] -= 1
+        diff = k - sum(alloc.values())
+    return alloc
+
+
+def _top_by_stratum(con, table: str, stratum: str | None, seed: int, kmax: int) -> dict[Any, list[str]]:
+    """Per stratum, the kmax ids with the smallest md5(seed:id), in rank order."""
+    if kmax <= 0:
+        return {}
+    skey = stratum or "NULL"
+    rows = con.execute(
+        f"""
+        SELECT s, min_by(id, h, {int(kmax)}) FROM (
+            SELECT {skey} AS s, id, md5($seed || ':' || id) AS h FROM {table} WHERE id IS NOT NULL
+        ) GROUP BY s
+        """,
+        {"seed": str(seed)},
+    ).fetchall()
+    return {s: ids for s, ids in rows}
+
+
+def _pick(con, table: str, stratum: str | None, sizes: dict[Any, int], k: int, seed: int) -> list[tuple[Any, str]]:
+    alloc = allocate(sizes, k)
+    kmax = max(alloc.values(), default=0)
+    tops = _top_by_stratum(con, table, stratum, seed, kmax)
+    picked: list[tuple[Any, str]] = []
+    for s in sorted(alloc, key=lambda s: (s is None, str(s))):
+        ids = sorted(tops.get(s) or [], key=lambda i: (sample_key(seed, i), i))
+        picked += [(s, i) for i in ids[: alloc[s]]]
+    return picked
+
+
+def draw_sample(
+    con, results: pa.Table, errors: pa.Table, *, spec: QASpec, label_sizes: dict[Any, int] | None
+) -> tuple[pa.Table, dict]:
+    """(sample table, sample info) of ``spec.sample_size`` rows drawn from ``results`` and ``errors``,
+    which ``con`` (DuckDB) has registered as ``r`` and ``e``. ``label_sizes`` (label -> ok rows,
+    None for unlabelled) stratifies by label; without it the draw is stratified by shard id."""
+    seed, k = spec.seed, spec.sample_size
+    n_ok, n_err = results.num_rows, errors.num_rows
+    stratum = "label" if label_sizes else ("shard_id" if results.column("shard_id").null_count < n_ok else None)
+
+    err_quota = max(1, round(ERROR_SAMPLE_FRACTION * k)) if k >= 2 and n_err else 0
+    k_err = min(n_err, err_quota)
+    k_ok = min(n_ok, k - k_err)
+    k_err = min(n_err, k - k_ok)  # few ok rows: fill up with errors
+
+    ok_sizes: dict[Any, int] = {}
+    if k_ok:
+        if stratum == "label":
+            ok_sizes = dict(label_sizes or {})
+        elif stratum:
+            ok_sizes = value_counts(results.column(stratum))
+        else:
+            ok_sizes = {None: n_ok}
+    err_sizes = value_counts(errors.column("error_code")) if k_err else {}
+    ok_pick = _pick(con, "r", stratum, ok_sizes, k_ok, seed) if k_ok else []
+    err_pick = _pick(con, "e", "error_code", err_sizes, k_err, seed) if k_err else []
+
+    ok_part = _take(results, ok_pick, "ok", seed)
+    err_part = _take(errors, err_pick, "error", seed)
+    sample = pa.concat_tables([ok_part, err_part], promote_options="permissive")
+    info = {
+        "requested": k,
+        "seed": seed,
+        "rows": sample.num_rows,
+        "ok_rows": ok_part.num_rows,
+        "error_rows": err_part.num_rows,
+        "stratified_by": stratum,
+        "allocation": {json_key(s): n for s, n in allocate(ok_sizes, k_ok).items() if n} if k_ok else {},
+        "error_allocation": {json_key(s): n for s, n in allocate(err_sizes, k_err).items() if n} if k_err else {},
+        "ids": [i for _, i in ok_pick] + [i for _, i in err_pick],
+    }
+    return sample, info
+
+
+def _take(table: pa.Table, picked: list[tuple[Any, str]], status: str, seed: int) -> pa.Table:
+    """The picked rows in pick order, conformed to ROW_SCHEMA (+ extra columns, + qa columns)."""
+    ids = [i for _, i in picked]
+    if ids:
+        value_set = pa.array(ids, pa.string())
+        idcol = table.column("id")
+        if idcol.type != pa.string():
+            idcol = pc.cast(idcol, pa.string())
+        mask = pc.is_in(idcol, value_set=value_set)
+        sub = table.filter(mask)
+        pos = pc.index_in(pc.cast(sub.column("id"), pa.string()), value_set=value_set).to_pylist()
+        seen: set[int] = set()
+        order = []
+        for row, p in sorted(enumerate(pos), key=lambda t: (t[1], t[0])):
+            if p not in seen:  # ids are unique after merge; keep the first if not
+                seen.add(p)
+                order.append(row)
+        sub = sub.take(pa.array(order, pa.int64()))
+        strata = [picked[p][0] for p in sorted(seen)]
+    else:
+        sub = table.slice(0, 0)
+        strata = []
+    n = sub.num_rows
+    cols, fields = [], []
+    names = set(sub.column_names)
+    for f in ROW_SCHEMA:
+        if f.name == "status":
+            cols.append(pa.array([status] * n, pa.string()))
+        elif f.name in names:
+            col = sub.column(f.name)
+            if col.type != f.type:
+                try:
+                    col = pc.cast(col, f.type)
+                except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+                    f = pa.field(f.name, col.type)
+            cols.append(col)
+        else:
+            cols.append(pa.nulls(n, f.type))
+        fields.append(pa.field(f.name, cols[-1].type, nullable=f.nullable or cols[-1].null_count > 0))
+    for name in sub.column_names:  # extra columns (input_excerpt ...)
+        if name not in ROW_SCHEMA.names and name not in ("qa_stratum", "qa_sample_key"):
+            cols.append(sub.column(name))
+            fields.append(pa.field(name, sub.column(name).type))
+    cols.append(pa.array([None if s is None else str(s) for s in strata], pa.string()))
+    fields.append(pa.field("qa_stratum", pa.string()))
+    cols.append(pa.array([sample_key(seed, i) for i in sub.column("id").to_pylist()], pa.string()))
+    fields.append(pa.field("qa_sample_key", pa.string()))
+    return pa.Table.from_arrays(cols, schema=pa.schema(fields))

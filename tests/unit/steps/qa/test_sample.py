@@ -1,0 +1,139 @@
+"""QA sample: deterministic, seeded, stratified; allocation over strata."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from airflow_provider_vllm.core.spec import QASpec
+from airflow_provider_vllm.steps.qa.evaluate import evaluate
+from airflow_provider_vllm.steps.qa.sample import allocate, sample_key
+from tests.support.qa_rows import LABELS, empty_tables, err_row, labelled_tables, ok_row, sample_ids, split
+
+
+def test_sample_deterministic_and_seeded():
+    results, errors = labelled_tables(500, 40)
+    a = evaluate(results, errors, spec=QASpec(sample_size=50, seed=1), labels=LABELS, structured=True)
+    b = evaluate(results, errors, spec=QASpec(sample_size=50, seed=1), labels=LABELS, structured=True)
+    c = evaluate(results, errors, spec=QASpec(sample_size=50, seed=2), labels=LABELS, structured=True)
+    assert sample_ids(a) == sample_ids(b)
+    assert set(sample_ids(a)) != set(sample_ids(c))
+    assert a.sample.num_rows == 50
+    # order of the input does not matter
+    rev = evaluate(results.take(pa.array(range(499, -1, -1))), errors, spec=QASpec(sample_size=50, seed=1), labels=LABELS, structured=True)
+    assert sample_ids(rev) == sample_ids(a)
+    # errors are in the sample, about 10%
+    st_ = a.sample.column("status").to_pylist()
+    assert st_.count("error") == 5 and st_.count("ok") == 45
+    assert a.metrics["sample"]["ids"] == sample_ids(a)
+
+
+def test_sample_stable_across_processes(tmp_path):
+    results, errors = labelled_tables(300, 10)
+    pq.write_table(results, tmp_path / "r.parquet")
+    pq.write_table(errors, tmp_path / "e.parquet")
+    rep = evaluate(results, errors, spec=QASpec(sample_size=30, seed=7), labels=LABELS, structured=True)
+    code = textwrap.dedent(
+        f"""
+        import json, sys
+        import pyarrow.parquet as pq
+        from airflow_provider_vllm.steps.qa.evaluate import evaluate
+        from airflow_provider_vllm.core.spec import QASpec
+        r = pq.read_table({str(tmp_path / "r.parquet")!r})
+        e = pq.read_table({str(tmp_path / "e.parquet")!r})
+        rep = evaluate(r, e, spec=QASpec(sample_size=30, seed=7), labels={LABELS!r}, structured=True)
+        print(json.dumps(rep.sample.column("id").to_pylist()))
+        """
+    )
+    env = {"PYTHONHASHSEED": "123", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert json.loads(out.stdout) == sample_ids(rep)
+
+
+def test_sample_keys_are_md5_of_seed_and_id():
+    results, errors = labelled_tables(200)
+    rep = evaluate(results, errors, spec=QASpec(sample_size=10, seed=3), labels=LABELS, structured=True)
+    ids = sample_ids(rep)
+    assert rep.sample.column("qa_sample_key").to_pylist() == [sample_key(3, i) for i in ids]
+    # within each stratum the chosen ids are those with the smallest keys
+    all_ids = results.column("id").to_pylist()
+    all_labels = results.column("label").to_pylist()
+    for lab in LABELS:
+        chosen = [i for i, s in zip(ids, rep.sample.column("qa_stratum").to_pylist()) if s == lab]
+        pool = sorted((sample_key(3, i) for i, lb in zip(all_ids, all_labels) if lb == lab))
+        assert sorted(sample_key(3, i) for i in chosen) == pool[: len(chosen)]
+
+
+def test_sample_stratified_every_label_present():
+    # a very skewed distribution: the rare labels still show up
+    recs = [ok_row(i, label="positive") for i in range(1000)]
+    recs += [ok_row(1000 + i, label="negative") for i in range(3)]
+    recs += [ok_row(2000, label="neutral")]
+    results, errors = split(recs)
+    rep = evaluate(results, errors, spec=QASpec(sample_size=3), labels=LABELS, structured=True)
+    assert sorted(rep.sample.column("label").to_pylist()) == sorted(LABELS)
+    rep = evaluate(results, errors, spec=QASpec(sample_size=40), labels=LABELS, structured=True)
+    assert set(rep.sample.column("label").to_pylist()) == set(LABELS)
+    assert rep.metrics["sample"]["stratified_by"] == "label"
+
+
+def test_sample_by_shard_without_labels():
+    results, errors = split([ok_row(i, shard_id=f"s{i % 4}") for i in range(400)])
+    rep = evaluate(results, errors, spec=QASpec(sample_size=8), labels=None, structured=False)
+    assert rep.metrics["sample"]["stratified_by"] == "shard_id"
+    assert rep.metrics["sample"]["allocation"] == {"s0": 2, "s1": 2, "s2": 2, "s3": 2}
+
+
+def test_sample_larger_than_rows():
+    results, errors = labelled_tables(7, 3)
+    rep = evaluate(results, errors, spec=QASpec(sample_size=500), labels=LABELS, structured=True)
+    assert rep.sample.num_rows == 10
+    assert sorted(sample_ids(rep)) == sorted([f"r{i}" for i in range(7)] + [f"e{i}" for i in range(3)])
+
+
+def test_sample_size_zero_and_only_errors():
+    results, errors = labelled_tables(20, 5)
+    assert evaluate(results, errors, spec=QASpec(sample_size=0), labels=LABELS, structured=True).sample.num_rows == 0
+    r0, _ = empty_tables()
+    rep = evaluate(r0, errors, spec=QASpec(sample_size=3), labels=LABELS, structured=True)
+    assert rep.sample.num_rows == 3 and set(rep.sample.column("status").to_pylist()) == {"error"}
+    assert rep.metrics["rates"]["error_rate"]["value"] == 1.0 and rep.status == "fail"
+
+
+def test_allocate():
+    assert allocate({"a": 90, "b": 9, "c": 1}, 10) == {"a": 8, "b": 1, "c": 1}
+    assert allocate({"a": 50, "b": 50}, 3) in ({"a": 2, "b": 1}, {"a": 1, "b": 2})
+    assert allocate({"a": 5, "b": 1, "c": 0}, 2) == {"a": 1, "b": 1, "c": 0}
+    assert allocate({"a": 5, "b": 3, "c": 1}, 1) == {"a": 1, "b": 0, "c": 0}
+    assert allocate({"a": 2, "b": 2}, 100) == {"a": 2, "b": 2}
+    assert sum(allocate({i: i + 1 for i in range(50)}, 200).values()) == 200
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    labels=st.lists(st.sampled_from(["a", "b", "c", "d", None]), min_size=0, max_size=60),
+    n_err=st.integers(0, 15),
+    sample_size=st.integers(0, 80),
+    seed=st.integers(-5, 10**6),
+)
+def test_property_sample_size_unique_from_input(labels, n_err, sample_size, seed):
+    recs = [ok_row(i, label=lab) for i, lab in enumerate(labels)]
+    recs += [err_row(i, ["ENGINE_ERROR", "INVALID_ROW", "EMPTY_INPUT"][i % 3]) for i in range(n_err)]
+    results, errors = split(recs)
+    rep = evaluate(results, errors, spec=QASpec(sample_size=sample_size, seed=seed), labels=None, structured=True)
+    ids = sample_ids(rep)
+    n = len(labels) + n_err
+    assert len(ids) == min(sample_size, n)
+    assert len(set(ids)) == len(ids)
+    assert set(ids) <= {r["id"] for r in recs}
+    present = set(labels)
+    if any(lab is not None for lab in labels) and sample_size - min(n_err, max(1, round(0.1 * sample_size)) if sample_size >= 2 and n_err else 0) >= len(present):
+        assert set(rep.sample.filter(pa.compute.equal(rep.sample["status"], "ok"))["qa_stratum"].to_pylist()) == present
