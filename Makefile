@@ -2,6 +2,8 @@
 # make lock  - regenerate the locks in requirements/*.txt from requirements/*.in and setup.cfg (uv)
 # make demo  - (the Airflow layer) run the nightly DAG end to end on this machine
 # make test-ui - only the browser tests (tests/ui: airflow standalone + headless chromium)
+# make test-TIER - one tier: test-unit, test-s3, test-vllm, test-airflow (folders under tests/)
+# make lint  - ruff over the repository, the import contracts (lint-imports), mypy on core/ and worker/
 # make reliability - re-run every test marked `reliability` and rewrite the figures in docs/RELIABILITY.md
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -20,7 +22,7 @@ export TOKENIZERS_PARALLELISM := false
 export VLLM_BATCH_MODEL_CACHE ?= $(CURDIR)/.cache/models
 export VLLM_BATCH_CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: venv lock test test-fast test-ui chromium bench demo reliability clean
+.PHONY: venv lock lint test test-fast test-ui test-unit test-s3 test-vllm test-airflow chromium bench demo reliability clean
 
 venv: $(STAMP)
 
@@ -40,6 +42,15 @@ test: venv chromium
 
 test-ui: venv chromium
 	$(PY) -m pytest -q -p no:cacheprovider -m ui tests/ui
+
+test-unit test-s3 test-vllm test-airflow: test-%: venv
+	$(PY) -m pytest -q -p no:cacheprovider --timeout=1200 tests/$*
+
+# The pod side (core/, worker/) is type-checked; the import contracts live in pyproject.toml.
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports --no-cache
+	$(PY) -m mypy airflow_provider_vllm/core airflow_provider_vllm/worker
 
 # Debian's chromium for tests/ui, installed when missing; failing to install it fails the build.
 chromium:

@@ -31,11 +31,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from airflow_provider_vllm.core.errors import SpecError
+from airflow_provider_vllm.provider import AWS_CONN_ID as AWS_CONN_OPTION
+from airflow_provider_vllm.provider import CONFIG_SECTION
+from airflow_provider_vllm.provider import GCP_CONN_ID as GCP_CONN_OPTION
 
 log = logging.getLogger(__name__)
 
-CONFIG_SECTION = "vllm_batch"
-AWS_CONN_OPTION, GCP_CONN_OPTION = "aws_conn_id", "gcp_conn_id"
 DEFAULT_AWS_CONN_ID = "aws_default"  # the amazon provider's default
 DEFAULT_GCP_CONN_ID = "google_cloud_default"  # the google provider's default
 S3_SCHEMES = ("s3", "s3a")

@@ -34,19 +34,14 @@ from airflow_provider_vllm.core.paths import (
 )
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.spec_guard import check_deployment, check_remote_code
+from airflow_provider_vllm.provider import ALLOW_ANY_LOCATION as ALLOW_ANY_OPTION
+from airflow_provider_vllm.provider import ALLOW_REMOTE_CODE as REMOTE_CODE_OPTION
+from airflow_provider_vllm.provider import ALLOWED_URI_PREFIXES as CONFIG_OPTION
+from airflow_provider_vllm.provider import CONFIG_SECTION, setting
+from airflow_provider_vllm.provider import DEPLOYMENT_SETTINGS_FROM_VARIABLES as VARIABLES_OPTION
+from airflow_provider_vllm.provider import KUBERNETES_DEFAULTS as KUBERNETES_OPTION
 
-CONFIG_SECTION = "vllm_batch"
-CONFIG_OPTION = "allowed_uri_prefixes"
-ALLOW_ANY_OPTION = "allow_any_location"
-REMOTE_CODE_OPTION = "allow_remote_code"
-VARIABLES_OPTION = "deployment_settings_from_variables"
-KUBERNETES_OPTION = "kubernetes_defaults"
 log = logging.getLogger(__name__)
-
-
-def setting(option: str) -> str:
-    """How a person names an option: ``[vllm_batch] x (AIRFLOW__VLLM_BATCH__X)``."""
-    return f"[{CONFIG_SECTION}] {option} (AIRFLOW__{CONFIG_SECTION.upper()}__{option.upper()})"
 
 
 def _get(option: str) -> str:

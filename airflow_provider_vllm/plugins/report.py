@@ -40,6 +40,7 @@ from airflow_provider_vllm.plugins.report_access import (
     plan_task_id,
     resolve_report,
 )
+from airflow_provider_vllm.provider import ALLOW_ANY_LOCATION, ALLOWED_URI_PREFIXES, CONFIG_SECTION, REPORT_ROOTS
 
 # The report is self-contained (inline CSS and SVG): nothing else may load, nor may it be framed elsewhere.
 HEADERS = {
@@ -64,9 +65,9 @@ def _xcom(session: Any, *, dag_id: str, run_id: str, task_id: str, key: str, map
 def policy() -> ReportPolicy:
     """The deployment's rules, from this API server's Airflow config (never a Variable)."""
     return ReportPolicy.from_settings(
-        conf.get("vllm_batch", "allowed_uri_prefixes", fallback=""),
-        conf.getboolean("vllm_batch", "allow_any_location", fallback=False),
-        conf.get("vllm_batch", "report_roots", fallback=""),
+        conf.get(CONFIG_SECTION, ALLOWED_URI_PREFIXES, fallback=""),
+        conf.getboolean(CONFIG_SECTION, ALLOW_ANY_LOCATION, fallback=False),
+        conf.get(CONFIG_SECTION, REPORT_ROOTS, fallback=""),
     )
 
 

@@ -347,7 +347,7 @@ def test_provider_info_lists_importable_operators_and_importing_the_package_need
 
     import airflow_provider_vllm
 
-    info = airflow_provider_vllm.get_provider_info()
+    info = airflow_provider_vllm.provider.get_provider_info()
     schema = json.loads((Path(airflow.__file__).parent / "provider_info.schema.json").read_text())
     jsonschema.validate(info, schema)
     (ops,) = info["operators"]
@@ -355,7 +355,7 @@ def test_provider_info_lists_importable_operators_and_importing_the_package_need
         mod = importlib.import_module(name)
         assert any(isinstance(v, type) and issubclass(v, BaseOperator) and v.__module__ == name
                    for v in vars(mod).values()), name
-    code = ("import sys, airflow_provider_vllm; airflow_provider_vllm.get_provider_info(); "
+    code = ("import sys, airflow_provider_vllm.provider; airflow_provider_vllm.provider.get_provider_info(); "
             "assert not [m for m in sys.modules if m == 'airflow' or m.startswith('airflow.')], 'airflow imported'")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ})
 

@@ -1,0 +1,147 @@
+"""The provider's metadata in one place: what Airflow reads through the ``apache_airflow_provider``
+entry point (``get_provider_info``), and the ``[vllm_batch]`` configuration options every
+Airflow-side module reads by these names (``tests/unit/test_provider_info.py`` checks that each
+option read anywhere is declared here and each declared option is read).
+
+Pure: no Airflow import, no I/O.
+"""
+
+from __future__ import annotations
+
+from airflow_provider_vllm import __version__
+
+PACKAGE_NAME = "airflow-provider-vllm"
+CONFIG_SECTION = "vllm_batch"
+ALLOWED_URI_PREFIXES = "allowed_uri_prefixes"
+ALLOW_ANY_LOCATION = "allow_any_location"
+ALLOW_REMOTE_CODE = "allow_remote_code"
+DEPLOYMENT_SETTINGS_FROM_VARIABLES = "deployment_settings_from_variables"
+KUBERNETES_DEFAULTS = "kubernetes_defaults"
+AWS_CONN_ID = "aws_conn_id"
+GCP_CONN_ID = "gcp_conn_id"
+REPORT_ROOTS = "report_roots"
+
+
+def setting(option: str) -> str:
+    """How a person sets ``option``: ``[vllm_batch] option (AIRFLOW__VLLM_BATCH__OPTION)``."""
+    return f"[{CONFIG_SECTION}] {option} (AIRFLOW__{CONFIG_SECTION.upper()}__{option.upper()})"
+
+
+def get_provider_info() -> dict:
+    """Provider metadata read by Airflow through the ``apache_airflow_provider`` entry point."""
+    return {
+        "package-name": PACKAGE_NAME,
+        "name": "vLLM batch inference",
+        "description": "Offline LLM inference with vLLM: plan, shard, merge, QA and publish "
+        "datasets of any size from Airflow DAGs.",
+        "versions": [__version__],
+        "integrations": [
+            {
+                "integration-name": "vLLM batch inference",
+                "external-doc-url": "https://docs.vllm.ai/",
+                "tags": ["software"],
+            }
+        ],
+        "config": {
+            CONFIG_SECTION: {
+                "description": "What the deployment allows vLLM batch jobs to do. Read at task run time from the "
+                "Airflow configuration only (never from Variables, params or XCom); the defaults fail closed. "
+                "See docs/security.md.",
+                "options": {
+                    ALLOWED_URI_PREFIXES: {
+                        "description": "JSON list or comma-separated URI prefixes that every location of a job "
+                        "(input, output, sharding.history_uri, qa.previous_report_uri, a local model or tokenizer "
+                        "path) must lie under, by whole path segments. Empty: nothing is allowed (plan refuses, "
+                        "naming this option) unless allow_any_location is True.",
+                        "version_added": "0.1.0",
+                        "type": "string",
+                        "example": "s3://ml-batch/,/data/batch,/models",
+                        "default": "",
+                    },
+                    ALLOW_ANY_LOCATION: {
+                        "description": "True: with no allowed_uri_prefixes, jobs may read and write any location "
+                        "that passes the syntax checks (a laptop, a single-tenant Airflow). Never needed when "
+                        "allowed_uri_prefixes is set.",
+                        "version_added": "0.1.0",
+                        "type": "boolean",
+                        "example": "True",
+                        "default": "False",
+                    },
+                    ALLOW_REMOTE_CODE: {
+                        "description": "True: a DAG file may set model.trust_remote_code and engine options that "
+                        "make vLLM import code by name (compilation_config backend/inductor passes, custom "
+                        "tokenizer modes, hf_overrides auto_map). Trigger params never may.",
+                        "version_added": "0.1.0",
+                        "type": "boolean",
+                        "example": "True",
+                        "default": "False",
+                    },
+                    DEPLOYMENT_SETTINGS_FROM_VARIABLES: {
+                        "description": "True: the vllm_batch_spec_overrides and vllm_batch_kubernetes Variables "
+                        "(and any template reading a Variable) may set deployment-owned settings: pod image, "
+                        "namespace, service account, env, Secret references, PVCs, pod template, labels, "
+                        "annotations, trust_remote_code, code-loading engine options. False: Variables may set "
+                        "the other settings only.",
+                        "version_added": "0.1.0",
+                        "type": "boolean",
+                        "example": "False",
+                        "default": "False",
+                    },
+                    KUBERNETES_DEFAULTS: {
+                        "description": "JSON object of pod settings (KubernetesSettings fields: image, namespace, "
+                        "service_account, secret_env, ...) for every shard pod; the vllm_batch_kubernetes "
+                        "Variable and the DAG file's settings are layered over it.",
+                        "version_added": "0.1.0",
+                        "type": "string",
+                        "example": '{"image": "registry.example.com/ml/vllm-worker:0.1.0@sha256:...", '
+                        '"namespace": "ml-batch", "service_account": "vllm-batch"}',
+                        "default": "",
+                    },
+                    AWS_CONN_ID: {
+                        "description": "Airflow Connection through which the Airflow-side tasks (plan, merge, QA, "
+                        "publish), the local runner's workers and the QA report page reach s3:// locations "
+                        "(the amazon provider's fsspec helper). A DAG can name another one (aws_conn_id of "
+                        "vllm_batch_job); a missing Connection means the default AWS credential chain.",
+                        "version_added": "0.1.0",
+                        "type": "string",
+                        "example": "aws_default",
+                        "default": "aws_default",
+                    },
+                    GCP_CONN_ID: {
+                        "description": "Airflow Connection through which the Airflow-side tasks and the QA report "
+                        "page reach gs:// locations (the google provider's fsspec helper); a missing Connection "
+                        "means Application Default Credentials.",
+                        "version_added": "0.1.0",
+                        "type": "string",
+                        "example": "google_cloud_default",
+                        "default": "google_cloud_default",
+                    },
+                    REPORT_ROOTS: {
+                        "description": "Optional: comma-separated URI prefixes that narrow, within "
+                        "allowed_uri_prefixes, which run outputs the QA report page may read.",
+                        "version_added": "0.1.0",
+                        "type": "string",
+                        "example": "s3://ml-batch/reports/",
+                        "default": "",
+                    },
+                },
+            }
+        },
+        "operators": [
+            {
+                "integration-name": "vLLM batch inference",
+                "python-modules": [
+                    "airflow_provider_vllm.operators.plan",
+                    "airflow_provider_vllm.operators.shard",
+                    "airflow_provider_vllm.operators.kubernetes",
+                    "airflow_provider_vllm.operators.runner_branch",
+                    "airflow_provider_vllm.operators.merge",
+                    "airflow_provider_vllm.operators.qa",
+                    "airflow_provider_vllm.operators.publish",
+                    "airflow_provider_vllm.operators.review",
+                ],
+            }
+        ],
+        "extra-links": ["airflow_provider_vllm.links.report.VllmQAReportLink"],
+        "plugins": [{"name": "vllm_batch", "plugin-class": "airflow_provider_vllm.plugins.report.VllmBatchPlugin"}],
+    }
