@@ -79,7 +79,10 @@ def check_spec_params(spec_doc: dict[str, Any]) -> None:
     values: dict[str, Any] = {}
     for name in STRING_PARAMS:
         node: Any = spec_doc
-        for part in PARAM_ALIASES[name].split("."):
+        alias = PARAM_ALIASES[name]
+        if alias is None:
+            continue
+        for part in alias.split("."):
             node = node.get(part) if isinstance(node, dict) else None
         if node is not None:
             values[name] = node

@@ -51,6 +51,8 @@ def _client_error_transient(e: BaseException) -> bool | None:
     status = (resp.get("ResponseMetadata") or {}).get("HTTPStatusCode")
     if code in RETRYABLE_CODES:
         return True
+    if status is None:
+        return None
     try:
         return int(status) >= 500 or int(status) == 429
     except (TypeError, ValueError):

@@ -196,6 +196,8 @@ class Engine:
             if rejected is None:
                 raise
             raise rejected from e
+        if params is None:  # submit() is for chat/generate, whose params are built at start
+            raise SpecError(f"submit() needs a chat or generate job, not task {self.spec.task!r}")
         self._counter += 1
         rid = f"r{self._counter}"  # outputs carry this id (vLLM adds a suffix only internally)
         try:
@@ -219,7 +221,7 @@ class Engine:
             key = self._keys.pop(out.request_id, None)
             if key is None:  # a request aborted after an error (its output arrived anyway)
                 continue
-            c = out.outputs[0]
+            c = out.outputs[0]  # type: ignore[index]  # a generate engine's step() yields RequestOutput
             done.append((key, Generated(
                 text=c.text,
                 finish_reason=c.finish_reason,
@@ -267,5 +269,6 @@ class Engine:
             self.pool([ids])
             return
         from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
 
-        self.llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1), use_tqdm=False)
+        self.llm.generate([TokensPrompt(prompt_token_ids=ids)], SamplingParams(max_tokens=1), use_tqdm=False)

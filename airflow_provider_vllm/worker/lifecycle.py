@@ -126,7 +126,9 @@ def start_time(pid: int) -> int | None:
 
 def alive(pid: int | None, started: int | None) -> bool:
     """The process ``pid`` runs and is the one that started at ``started`` (not a reused pid)."""
-    return bool(pid) and started is not None and start_time(int(pid)) == started
+    if not pid or started is None:
+        return False
+    return start_time(int(pid)) == started
 
 
 def group_has_members(pgid: int) -> bool:
@@ -183,6 +185,7 @@ class ShardLock:
         return doc if isinstance(doc, dict) else None
 
     def _try(self) -> bool:
+        assert self.fd is not None, "the lock file is opened before it is tried"
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return True
@@ -216,6 +219,7 @@ class ShardLock:
         previous = self.read()
         if previous is not None and previous.get("pid") != os.getpid():
             self._reap_leftovers(previous)
+        assert self.fd is not None
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, json.dumps(self.record(), sort_keys=True).encode(), 0)
 
@@ -230,10 +234,11 @@ class ShardLock:
             # so the group is the earlier attempt's (its worker, or what is left of it)
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pgid, signal.SIGKILL)
-        elif alive(pid, holder.get("pid_start")):
+        elif pid and alive(pid, holder.get("pid_start")):
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-        self.killed.append(pgid or pid)
+                os.kill(int(pid), signal.SIGKILL)
+        if pgid or pid:
+            self.killed.append(int(pgid or pid))
 
     def _reap_leftovers(self, previous: dict) -> None:
         """The lock was free; if the previous holder's worker and task are gone but its group lives, kill it."""

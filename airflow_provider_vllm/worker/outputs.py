@@ -31,4 +31,6 @@ def check_structured(spec: JobSpec, text: str) -> tuple[str | None, str | None, 
         except Exception:
             valid = False
         return None, json.dumps(doc, sort_keys=True, ensure_ascii=False), valid
+    if st.regex is None:  # the spec allows exactly one of choice, json_schema, regex
+        return None, None, None
     return None, None, re.fullmatch(st.regex, text) is not None

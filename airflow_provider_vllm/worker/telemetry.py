@@ -34,7 +34,8 @@ class ShardTelemetry:
         self.progress = Progress(shard_id, total, interval, on_update=self._on_progress if self.metrics else None)
 
     def _on_progress(self, progress: Progress, final: bool) -> None:
-        self.metrics.update(progress, self.resources, final=final)
+        if self.metrics is not None:  # only registered as the callback when metrics are on
+            self.metrics.update(progress, self.resources, final=final)
 
     def engine_started(self, seconds: float) -> None:
         if self.metrics is not None:

@@ -82,6 +82,8 @@ class Watchdog:
         return True
 
     def _run(self) -> None:
+        if self.timeout_s is None:  # start() never starts the thread then
+            return
         tick = min(max(self.timeout_s / 10, 0.05), 5.0)
         while not self._stop.wait(tick):
             if self.check():
