@@ -10,6 +10,7 @@ from airflow.sdk import BaseOperator
 from airflow_provider_vllm.hooks.filesystems import task_filesystems
 from airflow_provider_vllm.operators._common import data_plane_errors, load_spec
 from airflow_provider_vllm.operators.deployment import check_spec_allowed
+from airflow_provider_vllm.steps.lineage import merge_lineage
 from airflow_provider_vllm.steps.merge import merge_run
 
 # _MERGED.json keeps per-shard stats; XCom gets the run-level part only (10k shards stay small).
@@ -48,6 +49,7 @@ class VllmMergeOperator(BaseOperator):
         with data_plane_errors("merge"):
             summary = merge_run(spec, memory_limit=self.memory_limit,
                                 filesystems=task_filesystems(self.aws_conn_id, self.gcp_conn_id))
+        self._lineage = merge_lineage(spec, summary)
         stats = summary.get("shard_stats") or []
         infer_s = sum(s.get("infer_s") or 0 for s in stats)
         self.log.info("merged %s: %d rows = %d ok + %d errors, %d duplicate id(s) committed (identical, "
@@ -57,3 +59,9 @@ class VllmMergeOperator(BaseOperator):
                       summary["duplicates"]["ids"], summary["duplicates_dropped"], summary["shards"], infer_s,
                       summary["rows"] / infer_s if infer_s else 0.0, summary["merge_s"])
         return {k: summary[k] for k in XCOM_KEYS if k in summary}
+
+    def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
+        """OpenLineage: the input location in; results and errors out, with row counts and columns (recorded by ``execute``)."""
+        from airflow_provider_vllm.operators.lineage import operator_lineage
+
+        return operator_lineage(getattr(self, "_lineage", None))

@@ -25,6 +25,7 @@ from airflow_provider_vllm.operators._common import (
     spec_document,
 )
 from airflow_provider_vllm.operators.deployment import check_spec_allowed, variables_may_set_deployment_settings
+from airflow_provider_vllm.steps.lineage import plan_lineage
 from airflow_provider_vllm.steps.plan import plan_job
 
 
@@ -152,7 +153,14 @@ class VllmPlanOperator(BaseOperator):
                       plan.total_rows, plan.invalid_lines, len(plan.shards), plan.est_tokens,
                       spec.io.output_uri.rstrip("/"))
         context["ti"].xcom_push(key=SPEC_XCOM_KEY, value=spec.model_dump(mode="json"))
+        self._lineage = plan_lineage(spec, rows=plan.total_rows, files=len(plan.files))
         return with_display_names([s.summary() for s in plan.shards])
+
+    def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
+        """OpenLineage: the input location (rows, files) in, ``_plan.json`` out (recorded by ``execute``)."""
+        from airflow_provider_vllm.operators.lineage import operator_lineage
+
+        return operator_lineage(getattr(self, "_lineage", None))
 
     def _dry_run(self, spec: JobSpec, context: Any) -> None:
         from airflow.sdk.exceptions import AirflowSkipException

@@ -15,6 +15,7 @@ from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.hooks.filesystems import task_filesystems
 from airflow_provider_vllm.operators._common import data_plane_errors, load_spec
 from airflow_provider_vllm.operators.deployment import check_spec_allowed
+from airflow_provider_vllm.steps.lineage import publish_lineage
 from airflow_provider_vllm.steps.merge import MERGED
 
 SUCCESS = "_SUCCESS.json"
@@ -62,9 +63,16 @@ class VllmPublishOperator(BaseOperator):
         event = {"output_uri": spec.io.output_uri, "success_marker": out.uri(SUCCESS), "job": spec.name,
                  "rows": marker["rows"], "ok_rows": marker["ok_rows"], "error_rows": marker["error_rows"],
                  "qa_status": marker["qa"]["status"], "config_hash": marker["config_hash"]}
+        self._lineage = publish_lineage(spec, event)
         for outlet in self.outlets or []:
             context["outlet_events"][outlet].extra = event
         return event
+
+    def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
+        """OpenLineage: results and errors in; the published output location out (recorded by ``execute``)."""
+        from airflow_provider_vllm.operators.lineage import operator_lineage
+
+        return operator_lineage(getattr(self, "_lineage", None))
 
     def _marker(self, spec: Any, out: Storage, context: Any) -> dict[str, Any]:
         try:

@@ -12,6 +12,7 @@ from airflow_provider_vllm.hooks.filesystems import task_filesystems
 from airflow_provider_vllm.links.report import VllmQAReportLink
 from airflow_provider_vllm.operators._common import data_plane_errors, load_spec
 from airflow_provider_vllm.operators.deployment import check_spec_allowed
+from airflow_provider_vllm.steps.lineage import qa_lineage
 from airflow_provider_vllm.steps.qa.report import QAFailed
 from airflow_provider_vllm.steps.qa.stage import qa_run, qa_summary
 
@@ -57,6 +58,7 @@ class VllmQAOperator(BaseOperator):
         with data_plane_errors("qa"):
             report, paths = qa_run(spec, filesystems=task_filesystems(self.aws_conn_id, self.gcp_conn_id))
         summary = qa_summary(report, paths, spec.io.output_uri)
+        self._lineage = qa_lineage(spec, summary)  # before a 'fail' raises: the failure event carries it too
         self.log.info("%s", summary["summary"])
         self.log.info("QA report: %s", summary["report_html"])
         for c in report.warning_checks:
@@ -65,3 +67,9 @@ class VllmQAOperator(BaseOperator):
             context["ti"].xcom_push(key="return_value", value=summary)
             raise VllmQAFailed(report.to_dict(), report.failing_checks)
         return summary
+
+    def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
+        """OpenLineage: the results in, with the QA checks and verdict as data-quality assertions; the report out (recorded by ``execute``)."""
+        from airflow_provider_vllm.operators.lineage import operator_lineage
+
+        return operator_lineage(getattr(self, "_lineage", None))

@@ -11,12 +11,13 @@ Nothing here does I/O: the spec is rendered and validated at run time by the pla
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
-from airflow.sdk import Asset, TaskGroup
+from airflow.sdk import Asset, BaseOperator, TaskGroup
 
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.operators import (
@@ -36,6 +37,20 @@ SHARD_MAP_INDEX_TEMPLATE = "{{ task.shard.get('name') or task.shard['shard_id'] 
 KUBERNETES_SETTINGS_TEMPLATE = "{{ var.value.get('%s', '{}') }}" % SETTINGS_VARIABLE
 """Default pod settings of the Kubernetes runner: the ``vllm_batch_kubernetes`` Variable, read at run time."""
 _JINJA = re.compile(r"{{|{%")
+FORBIDDEN_SHARD_TASK_KWARGS = frozenset({
+    # identity and wiring of the mapped task
+    "task_id", "map_index_template", "task_group", "dag", "shard", "expand", "trigger_rule",
+    "do_xcom_push", "multiple_outputs", "inlets", "outlets", "default_args",
+    # what runs: the spec and the worker command
+    "spec", "python", "env", "progress_interval_s", "kubernetes", "cmds", "arguments", "image",
+    "env_vars", "env_from", "secrets", "volumes", "volume_mounts",
+    # pod identity and trust (deployment-owned: docs/security.md)
+    "service_account_name", "namespace", "in_cluster", "kubernetes_conn_id", "cluster_context",
+    "config_file", "security_context", "container_security_context", "automount_service_account_token",
+    "host_network", "pod_template_file", "pod_template_dict", "full_pod_spec", "labels", "annotations",
+    "name", "trust", "trusted", "run_as_user", "aws_conn_id", "gcp_conn_id",
+})
+"""Keys ``shard_task_kwargs`` refuses: they belong to the builder, the spec or the deployment."""
 
 
 def vllm_batch_job(
@@ -50,6 +65,7 @@ def vllm_batch_job(
     shard_retry_delay: timedelta | None = None,
     shard_env: Mapping[str, str] | None = None,
     max_active_shards: int | None = None,
+    shard_task_kwargs: Mapping[str, Any] | None = None,
     progress_interval_s: float = 10.0,
     before_publish: Callable[[Any], Any] | None = None,
     publish_extra_files: Mapping[str, str] | None = None,
@@ -79,10 +95,18 @@ def vllm_batch_job(
         follows the chosen one; the other is skipped.
     :param asset: the Asset the publish task updates (default: the output URI when it is
         static, else ``x-vllm-batch://<group_id>``); the event's extra names the output URI.
+        When the input URI is static, the plan task has it as an inlet Asset (``s3://``,
+        ``gs://``, ``file://``).
     :param shard_retries, shard_retry_delay: for the mapped shard task (delay default:
         Airflow's ``[core] default_task_retry_delay``).
     :param shard_env: extra environment for the worker processes (templated).
     :param max_active_shards: at most this many shards of one run at once.
+    :param shard_task_kwargs: more ``BaseOperator`` arguments for the mapped shard task(s) of
+        either runner (``pool``, ``pool_slots``, ``queue``, ``executor_config``, ``priority_weight``,
+        ``weight_rule``, ``execution_timeout``, ...); they win over ``shard_retries`` /
+        ``shard_retry_delay`` / ``max_active_shards``. Keys that would break the job's contract
+        (``FORBIDDEN_SHARD_TASK_KWARGS``: task id, map index, the spec, the worker command, pod
+        identity and settings) are a ValueError naming them.
     :param before_publish: called with the spec XComArg inside the group; what it returns
         (tasks or XComArgs) runs after QA and before publish.
     :param publish_extra_files: name -> path under the output prefix, listed in ``_SUCCESS.json``.
@@ -124,11 +148,14 @@ def vllm_batch_job(
         asset = _default_asset(spec, group_id)
     elif isinstance(asset, str):
         asset = Asset(uri=asset)
+    shard_kwargs = checked_shard_task_kwargs(shard_task_kwargs)
+    source = _static_asset(spec.get("io", {}).get("input_uri") if isinstance(spec, Mapping) else None)
 
     with TaskGroup(group_id, tooltip="vLLM batch job: plan -> shards -> merge -> QA -> review -> publish") as group:
         conns = {"aws_conn_id": aws_conn_id, "gcp_conn_id": gcp_conn_id}
         plan = VllmPlanOperator(task_id="plan", spec=spec, overrides=overrides,
-                                param_overrides=param_overrides, runner=runner, **conns)
+                                param_overrides=param_overrides, runner=runner,
+                                inlets=[source] if source is not None else [], **conns)
         job = plan.output[SPEC_XCOM_KEY]
         common = dict(
             spec=job,
@@ -138,6 +165,7 @@ def vllm_batch_job(
             max_active_tis_per_dagrun=max_active_shards,
             **({"retry_delay": shard_retry_delay} if shard_retry_delay is not None else {}),
         )
+        common.update(shard_kwargs)
         env = dict(shard_env) if shard_env else None
         cluster = {**dict(kubernetes_operator_kwargs or {}),
                    **{k: v for k, v in {"kubernetes_conn_id": kubernetes_conn_id, "namespace": namespace,
@@ -177,14 +205,34 @@ def vllm_batch_job(
     return group
 
 
-def _default_asset(spec: Any, group_id: str) -> Asset:
-    uri = spec.get("io", {}).get("output_uri") if isinstance(spec, Mapping) else None
-    if isinstance(uri, str) and not _JINJA.search(uri):
+def checked_shard_task_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``shard_task_kwargs`` as a dict; a ValueError naming any key the builder owns."""
+    given = dict(kwargs or {})
+    bad = sorted(k for k in given if k in FORBIDDEN_SHARD_TASK_KWARGS)
+    if bad:
+        raise ValueError(f"shard_task_kwargs {bad}: set by vllm_batch_job and the job spec, not per task "
+                         f"(refused: {sorted(FORBIDDEN_SHARD_TASK_KWARGS)})")
+    allowed = inspect.signature(BaseOperator.__init__).parameters
+    unknown = sorted(k for k in given if k not in allowed or k in ("self", "kwargs"))
+    if unknown:
+        raise ValueError(f"shard_task_kwargs {unknown}: not BaseOperator arguments (Kubernetes pod arguments go "
+                         "in kubernetes_operator_kwargs)")
+    return given
+
+
+def _static_asset(uri: Any) -> Asset | None:
+    """The Asset of a location known when the DAG is parsed (no template): s3://, gs://, file://."""
+    if isinstance(uri, str) and uri.strip() and not _JINJA.search(uri):
         if "://" in uri:
             return Asset(uri=uri.rstrip("/"))
         if uri.startswith("/"):
             return Asset(uri=f"file://{uri.rstrip('/')}")
-    return Asset(uri=f"x-vllm-batch://{group_id}")
+    return None
+
+
+def _default_asset(spec: Any, group_id: str) -> Asset:
+    asset = _static_asset(spec.get("io", {}).get("output_uri") if isinstance(spec, Mapping) else None)
+    return asset if asset is not None else Asset(uri=f"x-vllm-batch://{group_id}")
 
 
 def _path_safe(value: Any) -> str:

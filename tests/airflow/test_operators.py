@@ -335,6 +335,57 @@ def test_builder_static_output_is_the_asset_and_runner_switch():
     assert dag.task_dict["vllm_batch.merge"].upstream_task_ids >= {"vllm_batch.shard", "vllm_batch.shard_kubernetes"}
 
 
+def build_static(io, **kw):
+    import pendulum
+    from airflow.sdk import DAG
+
+    from airflow_provider_vllm.task_groups.batch_job import vllm_batch_job
+
+    with DAG("t", schedule=None, start_date=pendulum.datetime(2026, 1, 1)) as dag:
+        vllm_batch_job({"model": {"name": "m"}, "io": io}, group_id="job", **kw)
+    return dag
+
+
+@pytest.mark.parametrize("io, inlets, outlets", [
+    ({"input_uri": "s3://in-bucket/tickets/", "output_uri": "s3://out-bucket/labels/"},
+     ["s3://in-bucket/tickets"], ["s3://out-bucket/labels"]),
+    ({"input_uri": "/data/tickets/", "output_uri": "/data/labels/"}, ["file:///data/tickets"], ["file:///data/labels"]),
+    ({"input_uri": "/data/dt={{ ds }}/", "output_uri": "s3://out-bucket/dt={{ ds }}/"}, [], ["x-vllm-batch://job"]),
+])
+def test_builder_static_locations_are_real_asset_uris_templated_ones_fall_back(io, inlets, outlets):
+    t = build_static(io).task_dict
+    assert [a.uri for a in t["job.plan"].inlets] == inlets
+    assert [a.uri for a in t["job.publish"].outlets] == outlets
+
+
+@pytest.mark.parametrize("runner, shard_ids", [("local", ["job.shard"]), ("kubernetes", ["job.shard"]),
+                                               ("{{ params.runner }}", ["job.shard", "job.shard_kubernetes"])])
+def test_shard_task_kwargs_reach_the_mapped_shard_tasks_of_both_runners(runner, shard_ids):
+    io = {"input_uri": "/data/in/", "output_uri": "/data/out/"}
+    dag = build_static(io, runner=runner, shard_retries=1,
+                       shard_task_kwargs={"pool": "gpu", "queue": "gpu", "priority_weight": 7, "retries": 4})
+    for task_id in shard_ids:
+        shard = dag.task_dict[task_id]
+        assert shard.is_mapped
+        kw = shard.partial_kwargs
+        assert (shard.pool, shard.queue, shard.priority_weight) == ("gpu", "gpu", 7), task_id
+        assert kw["retries"] == 4  # wins over shard_retries
+        assert "task.shard.get('name')" in kw["map_index_template"]  # the builder's own keys stay
+    assert dag.task_dict["job.merge"].pool != "gpu"  # only the shard tasks
+
+
+@pytest.mark.parametrize("key", ["task_id", "map_index_template", "spec", "python", "env", "service_account_name",
+                                 "run_as_user", "trust", "namespace"])
+def test_shard_task_kwargs_refuses_keys_that_break_the_contract(key):
+    with pytest.raises(ValueError, match=rf"shard_task_kwargs \['{key}'\]"):
+        build_static({"input_uri": "/d/in", "output_uri": "/d/out"}, shard_task_kwargs={key: "x"})
+
+
+def test_shard_task_kwargs_refuses_what_is_not_a_base_operator_argument():
+    with pytest.raises(ValueError, match=r"\['deferrable'\]: not BaseOperator arguments"):
+        build_static({"input_uri": "/d/in", "output_uri": "/d/out"}, shard_task_kwargs={"deferrable": False})
+
+
 # ---- provider registration -------------------------------------------------------------
 
 def test_provider_info_lists_importable_operators_and_importing_the_package_needs_no_airflow():

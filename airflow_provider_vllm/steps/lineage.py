@@ -1,0 +1,139 @@
+"""What each task of a batch job read and wrote, as lineage facts (no Airflow, no OpenLineage).
+
+Datasets are named by the OpenLineage naming conventions: ``s3://bucket/key`` -> namespace
+``s3://bucket``, name ``key`` (the same for ``gs://`` and other ``scheme://authority/path``
+stores); a local path or ``file://`` URI -> namespace ``file``, name the absolute path.
+Folders are named without a trailing slash. ``operators/lineage.py`` turns these facts into
+OpenLineage objects; the operators record them in ``execute()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from airflow_provider_vllm.core.plan import PLAN_FILE
+from airflow_provider_vllm.core.rows import ERROR_COLUMNS, RESULT_COLUMNS, ROW_SCHEMA
+from airflow_provider_vllm.core.spec import JobSpec
+from airflow_provider_vllm.steps.merge import ERRORS, RESULTS
+
+QA_REPORT = "qa/report.json"
+_TYPES = {f.name: str(f.type) for f in ROW_SCHEMA}
+
+
+@dataclass(frozen=True)
+class Assertion:
+    """One QA check as a data-quality assertion: ``success`` is False when it crossed a threshold."""
+
+    name: str
+    success: bool
+    severity: str | None  # "warn" / "error" (the check's fail threshold) when it did not pass
+    expected: str | None = None
+    actual: str | None = None
+    description: str | None = None
+
+
+@dataclass(frozen=True)
+class DatasetFacts:
+    """One dataset a task read or wrote: its OpenLineage name and what is cheaply known of it."""
+
+    namespace: str
+    name: str
+    rows: int | None = None
+    files: int | None = None
+    fields: tuple[tuple[str, str], ...] = ()  # (column, type)
+    assertions: tuple[Assertion, ...] = ()
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """A task's inputs and outputs."""
+
+    inputs: tuple[DatasetFacts, ...] = field(default_factory=tuple)
+    outputs: tuple[DatasetFacts, ...] = field(default_factory=tuple)
+
+
+def dataset_id(uri: str) -> tuple[str, str]:
+    """(namespace, name) of a location, by the OpenLineage naming conventions."""
+    text = str(uri).strip()
+    stripped = text.rstrip("/")
+    if "://" not in text:
+        return "file", stripped or "/"
+    scheme, rest = stripped.split("://", 1)
+    if scheme == "file":
+        return "file", rest or "/"  # file:///data/x -> /data/x
+    authority, _, path = rest.partition("/")
+    return f"{scheme}://{authority}", path or "/"
+
+
+def under(uri: str, rel: str) -> str:
+    """``rel`` under the folder ``uri``."""
+    return f"{uri.rstrip('/')}/{rel.lstrip('/')}"
+
+
+def _dataset(uri: str, **facts: Any) -> DatasetFacts:
+    namespace, name = dataset_id(uri)
+    return DatasetFacts(namespace=namespace, name=name, **facts)
+
+
+def _fields(columns: Sequence[str]) -> tuple[tuple[str, str], ...]:
+    return tuple((c, _TYPES.get(c, "string")) for c in columns)
+
+
+def plan_lineage(spec: JobSpec, *, rows: int, files: int | None = None) -> Lineage:
+    """Plan read the input (``rows`` valid rows in ``files`` files) and wrote ``_plan.json``."""
+    return Lineage(inputs=(_dataset(spec.io.input_uri, rows=rows, files=files),),
+                   outputs=(_dataset(under(spec.io.output_uri, PLAN_FILE)),))
+
+
+def merge_lineage(spec: JobSpec, summary: Mapping[str, Any]) -> Lineage:
+    """Merge checked the input's ids and wrote the results and errors files (row counts, columns)."""
+    files = summary.get("files") or {}
+    out = spec.io.output_uri
+    return Lineage(
+        inputs=(_dataset(spec.io.input_uri, rows=summary.get("rows")),),
+        outputs=(
+            _dataset(under(out, files.get("results", RESULTS)), rows=summary.get("ok_rows"), files=1,
+                     fields=_fields(RESULT_COLUMNS)),
+            _dataset(under(out, files.get("errors", ERRORS)), rows=summary.get("error_rows"), files=1,
+                     fields=_fields(ERROR_COLUMNS)),
+        ),
+    )
+
+
+def qa_assertions(qa: Mapping[str, Any]) -> tuple[Assertion, ...]:
+    """The QA checks that ran, then the verdict itself (``qa_verdict``), as assertions."""
+    out = []
+    for c in qa.get("checks") or []:
+        status = c.get("status")
+        if status not in ("pass", "warn", "fail"):
+            continue  # 'skip': not evaluated for this job
+        out.append(Assertion(
+            name=str(c.get("name")), success=status == "pass",
+            severity={"warn": "warn", "fail": "error"}.get(status),
+            expected=f"<= {c.get('warn')} (fails above {c.get('fail')})", actual=str(c.get("value")),
+        ))
+    status = qa.get("status")
+    out.append(Assertion(name="qa_verdict", success=status != "fail", severity="error" if status == "fail" else None,
+                         expected="pass or warn", actual=str(status), description=qa.get("summary")))
+    return tuple(out)
+
+
+def qa_lineage(spec: JobSpec, qa: Mapping[str, Any]) -> Lineage:
+    """QA read the results (its checks are their assertions) and the errors, and wrote the report."""
+    out = spec.io.output_uri
+    return Lineage(
+        inputs=(_dataset(under(out, RESULTS), assertions=qa_assertions(qa)), _dataset(under(out, ERRORS))),
+        outputs=(_dataset(qa.get("report_json") or under(out, QA_REPORT)),),
+    )
+
+
+def publish_lineage(spec: JobSpec, event: Mapping[str, Any]) -> Lineage:
+    """Publish marked the output folder current (the Asset it updates), over results and errors."""
+    out = spec.io.output_uri
+    return Lineage(
+        inputs=(_dataset(under(out, RESULTS), rows=event.get("ok_rows")),
+                _dataset(under(out, ERRORS), rows=event.get("error_rows"))),
+        outputs=(_dataset(out, rows=event.get("rows")),),
+    )

@@ -1,0 +1,67 @@
+"""Lineage facts: OpenLineage dataset names and what each task read and wrote (pure, no Airflow)."""
+
+from __future__ import annotations
+
+import pytest
+
+from airflow_provider_vllm.steps.lineage import (
+    dataset_id,
+    merge_lineage,
+    plan_lineage,
+    publish_lineage,
+    qa_assertions,
+    qa_lineage,
+)
+from tests.support.data import make_spec
+
+
+@pytest.mark.parametrize("uri, expected", [
+    ("s3://bucket/tickets/dt=2026-11-27/", ("s3://bucket", "tickets/dt=2026-11-27")),
+    ("gs://bkt/a/b.parquet", ("gs://bkt", "a/b.parquet")),
+    ("s3://bucket", ("s3://bucket", "/")),
+    ("/data/out/", ("file", "/data/out")),
+    ("file:///data/in.jsonl", ("file", "/data/in.jsonl")),
+])
+def test_dataset_names_follow_the_openlineage_naming(uri, expected):
+    assert dataset_id(uri) == expected
+
+
+def test_plan_reads_the_input_and_writes_the_plan_file():
+    spec = make_spec("s3://jobs-bucket/in/", "s3://jobs-bucket/out/")
+    lin = plan_lineage(spec, rows=300, files=2)
+    assert [(d.namespace, d.name, d.rows, d.files) for d in lin.inputs] == [("s3://jobs-bucket", "in", 300, 2)]
+    assert [(d.namespace, d.name) for d in lin.outputs] == [("s3://jobs-bucket", "out/_plan.json")]
+
+
+def test_merge_writes_results_and_errors_with_counts_and_columns():
+    spec = make_spec("/d/in", "/d/out")
+    lin = merge_lineage(spec, {"rows": 10, "ok_rows": 9, "error_rows": 1,
+                               "files": {"results": "results/results.parquet", "errors": "results/errors.parquet"}})
+    assert [(d.name, d.rows) for d in lin.inputs] == [("/d/in", 10)]
+    results, errors = lin.outputs
+    assert (results.namespace, results.name, results.rows) == ("file", "/d/out/results/results.parquet", 9)
+    assert (errors.name, errors.rows) == ("/d/out/results/errors.parquet", 1)
+    assert ("id", "string") in results.fields and "error_message" in dict(errors.fields)
+    assert "error_message" not in dict(results.fields)
+
+
+def test_qa_checks_and_verdict_become_assertions_on_the_results():
+    qa = {"status": "fail", "summary": "QA fail: error_rate 0.2 > 0.1",
+          "checks": [{"name": "error_rate", "value": 0.2, "warn": 0.05, "fail": 0.1, "status": "fail"},
+                     {"name": "truncation_rate", "value": 0.06, "warn": 0.05, "fail": 0.5, "status": "warn"},
+                     {"name": "label_drift", "value": None, "warn": 0.1, "fail": 0.3, "status": "skip"},
+                     {"name": "parse_failure_rate", "value": 0.0, "warn": 0.01, "fail": 0.05, "status": "pass"}]}
+    got = {a.name: (a.success, a.severity, a.actual) for a in qa_assertions(qa)}
+    assert got == {"error_rate": (False, "error", "0.2"), "truncation_rate": (False, "warn", "0.06"),
+                   "parse_failure_rate": (True, None, "0.0"), "qa_verdict": (False, "error", "fail")}
+    lin = qa_lineage(make_spec("/d/in", "/d/out"), {**qa, "report_json": "/d/out/qa/report.json"})
+    assert lin.inputs[0].name == "/d/out/results/results.parquet" and lin.inputs[0].assertions
+    assert [d.name for d in lin.outputs] == ["/d/out/qa/report.json"]
+    passed = qa_assertions({"status": "warn", "checks": []})
+    assert [(a.name, a.success) for a in passed] == [("qa_verdict", True)]
+
+
+def test_publish_marks_the_output_folder():
+    lin = publish_lineage(make_spec("/d/in", "gs://jobs-bucket/out/"), {"rows": 5, "ok_rows": 4, "error_rows": 1})
+    assert [(d.namespace, d.name, d.rows) for d in lin.outputs] == [("gs://jobs-bucket", "out", 5)]
+    assert [d.rows for d in lin.inputs] == [4, 1]
