@@ -237,8 +237,9 @@ class ShardLock:
         elif pid and alive(pid, holder.get("pid_start")):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(int(pid), signal.SIGKILL)
-        if pgid or pid:
-            self.killed.append(int(pgid or pid))
+        who = pgid or pid
+        if who:
+            self.killed.append(int(who))
 
     def _reap_leftovers(self, previous: dict) -> None:
         """The lock was free; if the previous holder's worker and task are gone but its group lives, kill it."""

@@ -25,15 +25,16 @@ import struct
 import termios
 import threading
 import time
+from collections.abc import Mapping
 
 SECRET_ENV = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|API_KEY|ACCESS_KEY|PRIVATE_KEY|SAS)", re.I)
 MIN_SECRET_CHARS = 6  # shorter values would mask ordinary words
 
 
-def secret_values(env: dict[str, str] | None = None) -> list[str]:
+def secret_values(env: Mapping[str, str] | None = None) -> list[str]:
     """Values of environment variables whose names say they hold secrets, longest first."""
-    env = os.environ if env is None else env
-    vals = {v for k, v in env.items() if SECRET_ENV.search(k) and len(v) >= MIN_SECRET_CHARS}
+    source: Mapping[str, str] = os.environ if env is None else env
+    vals = {v for k, v in source.items() if SECRET_ENV.search(k) and len(v) >= MIN_SECRET_CHARS}
     return sorted(vals, key=len, reverse=True)
 
 

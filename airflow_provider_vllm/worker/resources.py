@@ -24,15 +24,19 @@ MB = 1024 * 1024
 
 def load_nvml():
     """The pynvml module with NVML initialised, or None (no package, no driver, no GPU)."""
-    mod = None
+    mod: Any = None
     try:
-        import pynvml as mod  # nvidia-ml-py
+        import pynvml  # nvidia-ml-py
+
+        mod = pynvml
     except ImportError:
         spec = importlib.util.find_spec("vllm")  # finding it does not import vLLM
         for loc in (spec.submodule_search_locations or []) if spec else []:
             path = os.path.join(loc, "third_party", "pynvml.py")
             if os.path.exists(path):
                 s = importlib.util.spec_from_file_location("_vllm_batch_pynvml", path)
+                if s is None or s.loader is None:
+                    continue
                 mod = importlib.util.module_from_spec(s)
                 try:
                     s.loader.exec_module(mod)
