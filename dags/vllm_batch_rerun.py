@@ -27,18 +27,34 @@ from __future__ import annotations
 
 import pendulum
 from airflow.sdk import DAG, Asset, Param
-from vllm_dag_defaults import (
-    DATA_ROOT,
-    HUMAN_REVIEW,
-    LABELS,
-    SPEC_OVERRIDES,
-    SYSTEM_PROMPT,
-    TEMPLATE_MACROS,
-    ticket_spec,
-)
 
 from airflow_provider_vllm.core.param_schemas import PARAM_SCHEMAS
 from airflow_provider_vllm.task_groups.batch_job import TEMPLATE_FILTERS, vllm_batch_job
+
+# The shared defaults sit beside the DAG files (the repository's dags/ folder, the installed
+# package's example_dags/); a DAG file copied alone into another dags folder finds them in the package.
+try:
+    from vllm_dag_defaults import (
+        DATA_ROOT,
+        HUMAN_REVIEW,
+        LABELS,
+        SPEC_OVERRIDES,
+        SYSTEM_PROMPT,
+        TEMPLATE_MACROS,
+        ticket_spec,
+    )
+except ModuleNotFoundError as missing:
+    if missing.name != "vllm_dag_defaults":
+        raise
+    from airflow_provider_vllm.example_dags.vllm_dag_defaults import (
+        DATA_ROOT,
+        HUMAN_REVIEW,
+        LABELS,
+        SPEC_OVERRIDES,
+        SYSTEM_PROMPT,
+        TEMPLATE_MACROS,
+        ticket_spec,
+    )
 
 
 def param(name: str, *default, **ui) -> Param:

@@ -28,18 +28,26 @@ from collections.abc import Callable
 from typing import Any
 
 
-def _model_cache() -> str:
+def _local_models():
     # The laptop/demo models (airflow_provider_vllm.testing builds them): the product never
-    # imports that module; only these example templates reach it, at run time.
-    from airflow_provider_vllm.testing.local_models import default_cache_dir
+    # imports that module; only these example templates reach it, at run time. It is in a
+    # source checkout, not in the wheel.
+    try:
+        from airflow_provider_vllm.testing import local_models
+    except ModuleNotFoundError as missing:
+        raise RuntimeError(
+            "the demo models come with a source checkout of airflow-provider-vllm, not with the installed "
+            "package: set the vllm_batch_model / vllm_batch_embedding_model Variable"
+        ) from missing
+    return local_models
 
-    return str(default_cache_dir())
+
+def _model_cache() -> str:
+    return str(_local_models().default_cache_dir())
 
 
 def _minilm_path() -> str:
-    from airflow_provider_vllm.testing.local_models import minilm_path
-
-    return str(minilm_path())
+    return str(_local_models().minilm_path())
 
 
 TEMPLATE_MACROS: dict[str, Callable[..., str]] = {

@@ -34,9 +34,24 @@ from __future__ import annotations
 
 import pendulum
 from airflow.sdk import DAG, Asset, CronDataIntervalTimetable
-from vllm_dag_defaults import DATA_ROOT, HUMAN_REVIEW, RUNNER, SPEC_OVERRIDES, TEMPLATE_MACROS, ticket_spec
 
 from airflow_provider_vllm.task_groups.batch_job import TEMPLATE_FILTERS, vllm_batch_job
+
+# The shared defaults sit beside the DAG files (the repository's dags/ folder, the installed
+# package's example_dags/); a DAG file copied alone into another dags folder finds them in the package.
+try:
+    from vllm_dag_defaults import DATA_ROOT, HUMAN_REVIEW, RUNNER, SPEC_OVERRIDES, TEMPLATE_MACROS, ticket_spec
+except ModuleNotFoundError as missing:
+    if missing.name != "vllm_dag_defaults":
+        raise
+    from airflow_provider_vllm.example_dags.vllm_dag_defaults import (
+        DATA_ROOT,
+        HUMAN_REVIEW,
+        RUNNER,
+        SPEC_OVERRIDES,
+        TEMPLATE_MACROS,
+        ticket_spec,
+    )
 
 with DAG(
     dag_id="vllm_nightly_reclassification",

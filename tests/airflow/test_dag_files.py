@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -66,3 +67,26 @@ def test_parsing_the_dag_files_does_no_io_and_reads_no_variable(tmp_path):
     assert sorted(d for _, ids in report["parsed"] for d in ids) == sorted(DAG_IDS)
     assert report["events"] == {"open": [], "fs": [], "net": [], "proc": [], "variable_get": []}
     assert not [p for p in tmp_path.rglob("*") if "home" not in p.parts]  # nothing written beside
+
+
+PARSE_ONE_FOLDER = """
+import json, sys
+from airflow.dag_processing.dagbag import BundleDagBag
+bag = BundleDagBag(dag_folder=sys.argv[1], bundle_path=sys.argv[1])
+print(json.dumps({"errors": {k: v[-300:] for k, v in bag.import_errors.items()}, "dags": sorted(bag.dags)}))
+"""
+
+
+def test_a_template_copied_alone_finds_the_defaults_in_the_package(tmp_path):
+    """Without vllm_dag_defaults.py beside it, a DAG file imports airflow_provider_vllm.example_dags' copy."""
+    alone = tmp_path / "dags"
+    alone.mkdir()
+    shutil.copy2(DAGS / "vllm_batch_rerun.py", alone)
+    env = {**os.environ, "AIRFLOW_HOME": str(tmp_path / "home"), "AIRFLOW__CORE__DAGS_FOLDER": str(alone),
+           "AIRFLOW__CORE__LOAD_EXAMPLES": "False", "PYTHONPATH": str(HERE.parents[1])}
+    p = subprocess.run([sys.executable, "-c", PARSE_ONE_FOLDER, str(alone)], env=env, cwd=str(tmp_path),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == {"errors": {}, "dags": ["vllm_batch_rerun"]}
+    # and the fallback is the only way it could have parsed: no defaults module in that folder
+    assert [f.name for f in alone.iterdir() if f.suffix == ".py"] == ["vllm_batch_rerun.py"]

@@ -1,0 +1,105 @@
+"""Acceptance: the wheel, installed into a clean venv next to the pinned Airflow side, is a provider that
+Airflow lists, and the example DAGs it ships parse from the installed package.
+
+Slow (a venv and ~150 pinned packages; pip's local cache makes later runs faster). No vLLM, no torch.
+"""
+
+from __future__ import annotations
+
+import email
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from tests.support import ROOT
+from tests.support.locks import airflow_lock, airflow_side
+
+pytestmark = pytest.mark.slow
+
+DAG_IDS = {"vllm_nightly_reclassification", "vllm_batch_rerun", "vllm_embeddings"}
+EXAMPLE_FILES = {"vllm_nightly_reclassification.py", "vllm_batch_rerun.py", "vllm_embeddings.py",
+                 "vllm_dag_defaults.py", ".airflowignore"}
+SOURCES = ("setup.cfg", "pyproject.toml", "README.md", "LICENSE", "airflow_provider_vllm", "dags")
+
+
+def run(argv: list, timeout: int = 600, **kwargs) -> subprocess.CompletedProcess:
+    p = subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=timeout, **kwargs)
+    assert p.returncode == 0, f"{argv}\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}"
+    return p
+
+
+def cli_json(p: subprocess.CompletedProcess):
+    """The JSON table of an ``airflow ... -o json`` command: its last stdout line (warnings are logged above it)."""
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def build_wheel(tmp: Path) -> Path:
+    """The wheel of a copy of the sources (not of the checkout, whose build/ may hold stale files)."""
+    src = tmp / "src"
+    src.mkdir()
+    for name in SOURCES:
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, src / name, symlinks=True,
+                            ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+        else:
+            shutil.copy2(ROOT / name, src / name)
+    run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", tmp / "dist", src])
+    (wheel,) = (tmp / "dist").glob("airflow_provider_vllm-*.whl")
+    return wheel
+
+
+def test_wheel_installs_into_a_clean_venv_as_a_provider_with_its_example_dags(tmp_path):
+    wheel = build_wheel(tmp_path)
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        meta = email.message_from_bytes(z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))))
+    assert {n.rsplit("/", 1)[1] for n in names if n.startswith("airflow_provider_vllm/example_dags/")} \
+        == EXAMPLE_FILES
+    assert not [n for n in names if n.startswith(("tests/", "airflow_provider_vllm/testing/"))]
+    assert not [n for n in names if n.endswith((".safetensors", ".gguf", ".bin", ".parquet"))]
+
+    # The Airflow side only: what the provider's requirements need, pinned by the lock (no vLLM, no torch).
+    requires = [r for r in meta.get_all("Requires-Dist") if "extra ==" not in r]
+    pins = airflow_side(requires, airflow_lock())
+    assert pins and not [p for p in pins if p.lower().startswith(("vllm", "torch"))]
+    (tmp_path / "airflow-side.txt").write_text("\n".join(pins) + "\n")
+    # Nothing of this checkout or of the test's own venv may leak in (PYTHONPATH would show pip this
+    # checkout's egg-info as an installed provider).
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "PYTHON", "VIRTUAL_ENV", "VLLM"))}
+    env.update(AIRFLOW_HOME=str(tmp_path / "home"), AIRFLOW__CORE__LOAD_EXAMPLES="False")
+    venv = tmp_path / "venv"
+    run([sys.executable, "-m", "venv", venv], env=env, cwd=tmp_path)
+    py = venv / "bin" / "python"
+    run([py, "-m", "pip", "install", "-q", "--no-deps", "-r", tmp_path / "airflow-side.txt"], env=env, cwd=tmp_path)
+    run([py, "-m", "pip", "install", "-q", "--no-deps", wheel], env=env, cwd=tmp_path)
+
+    installed = Path(run([py, "-c", "import airflow_provider_vllm as p, pathlib; "
+                                    "print(pathlib.Path(p.__file__).parent)"], env=env, cwd=tmp_path).stdout.strip())
+    assert installed.is_relative_to(venv) and not (installed / "testing").exists()
+    airflow = venv / "bin" / "airflow"
+
+    provider = cli_json(run([airflow, "providers", "get", "airflow-provider-vllm", "-o", "json"],
+                            env=env, cwd=tmp_path))
+    assert provider[0]["Provider"] == "airflow-provider-vllm" and provider[0]["Version"] == meta["Version"]
+
+    run([airflow, "db", "migrate"], env=env, cwd=tmp_path)
+
+    def parsed(dags_folder: Path) -> tuple[list, set]:
+        folder_env = {**env, "AIRFLOW__CORE__DAGS_FOLDER": str(dags_folder)}
+        errors = cli_json(run([airflow, "dags", "list-import-errors", "--local", "-o", "json"],
+                              env=folder_env, cwd=tmp_path))
+        dags = cli_json(run([airflow, "dags", "list", "--local", "-o", "json"], env=folder_env, cwd=tmp_path))
+        return errors, {d["dag_id"] for d in dags}
+
+    assert parsed(installed / "example_dags") == ([], DAG_IDS)
+    # One template copied alone into a user's dags folder finds the shared defaults in the package.
+    alone = tmp_path / "my_dags"
+    alone.mkdir()
+    shutil.copy2(installed / "example_dags" / "vllm_nightly_reclassification.py", alone)
+    assert parsed(alone) == ([], {"vllm_nightly_reclassification"})
