@@ -68,3 +68,27 @@ def test_the_extractor_reads_only_python_blocks():
     assert python_blocks(md) == ["a = 1\n", "b = (\n"]
     with pytest.raises(SyntaxError):
         compile(python_blocks(md)[1], "README.md", "exec")
+
+
+def relative_links(markdown: str) -> list[str]:
+    """Targets of the Markdown links and images that point into the repository (no scheme, anchor dropped)."""
+    targets = re.findall(r"\]\(([^)\s]+)\)", markdown)
+    return [t.split("#", 1)[0] for t in targets if "://" not in t and not t.startswith("#")]
+
+
+@pytest.mark.parametrize("page", ["README.md", "CONTRIBUTING.md", "docs/airflow.md"])
+def test_links_and_pictures_point_at_files_that_exist(page):
+    path = ROOT / page
+    links = relative_links(path.read_text())
+    assert links
+    assert [t for t in links if not (path.parent / t).exists()] == []
+
+
+def test_the_readme_shows_a_picture_from_docs():
+    pictures = re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", (ROOT / "README.md").read_text())
+    assert len(pictures) == 1 and pictures[0].startswith("docs/img/") and (ROOT / pictures[0]).is_file()
+
+
+def test_the_link_finder_sees_a_missing_target():
+    assert relative_links("[a](docs/nope.md#x) [b](https://x.org/y) ![c](img/p.png) [d](#top)") \
+        == ["docs/nope.md", "img/p.png"]
