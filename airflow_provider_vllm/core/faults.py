@@ -31,6 +31,8 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+from airflow_provider_vllm.core import envs
+
 ENV = "VLLM_BATCH_FAULTS"
 
 POINTS = frozenset({
@@ -100,7 +102,7 @@ _WRITING: contextvars.ContextVar[str | None] = contextvars.ContextVar("vllm_batc
 def reload(env: dict[str, str] | None = None) -> None:
     """(Re-)read the variable; hit counters start again."""
     global _ITEMS
-    raw = (os.environ if env is None else env).get(ENV, "").strip()
+    raw = envs.FAULTS.get(env) or ""
     _ITEMS = parse(raw) or None if raw else None
 
 
