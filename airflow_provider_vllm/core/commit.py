@@ -29,7 +29,7 @@ from pydantic import ConfigDict, Field, ValidationError
 
 from airflow_provider_vllm.core import faults
 from airflow_provider_vllm.core.errors import CommitError
-from airflow_provider_vllm.core.records import Record, ShardStats
+from airflow_provider_vllm.core.records import Record, RowCounts, ShardStats
 from airflow_provider_vllm.core.storage import Storage
 
 MARKER = "_COMMITTED.json"
@@ -60,19 +60,16 @@ class ChunkMeta(Record):
         return {FOOTER_KEY: json.dumps(self.model_dump(), sort_keys=True)}
 
 
-class FileEntry(Record):
-    """One chunk file named by a commit marker."""
+class FileEntry(RowCounts):
+    """One chunk file named by a commit marker, with its rows."""
 
     path: str = Field(description="path under the output prefix: shards/<shard>/attempts/<attempt>/chunk-NNNNN.parquet")
-    rows: int = Field(description="rows in the file")
-    ok_rows: int = Field(description="rows with status 'ok'")
-    error_rows: int = Field(description="rows with status 'error'")
     bytes: int = Field(description="file size")
     sha256: str = Field(description="sha256 of the file's bytes")
 
 
-class CommitMarker(Record):
-    """``shards/<shard_id>/_COMMITTED.json``: the files of the shard's winning attempt and how it ran."""
+class CommitMarker(RowCounts):
+    """``shards/<shard_id>/_COMMITTED.json``: the files of the shard's winning attempt, their rows, how it ran."""
 
     shard_id: str = Field(description="the shard")
     attempt_id: str = Field(description="the attempt that committed")
@@ -80,9 +77,6 @@ class CommitMarker(Record):
     spec_hash: str = Field(description="the plan's spec hash")
     plan_fingerprint: str = Field(description="the plan's input fingerprint")
     files: list[FileEntry] = Field(description="the shard's chunk files, in chunk order")
-    rows: int = Field(description="rows over all files (= the shard's planned rows)")
-    ok_rows: int = Field(description="rows with status 'ok'")
-    error_rows: int = Field(description="rows with status 'error'")
     stats: ShardStats = Field(default_factory=ShardStats, description="the committing attempt's statistics")
     versions: dict[str, str | None] = Field(default_factory=dict, description="package, engine and model versions")
     committed_at: str = Field(description="UTC time of the commit")

@@ -31,6 +31,14 @@ class Record(BaseModel):
         return self.model_dump(mode="json", exclude_unset=True)
 
 
+class RowCounts(Record):
+    """Rows and how they ended; shared by the file entry, the marker, the manifest and the merge summary."""
+
+    rows: int = Field(description="rows (a shard's or a run's: the planned rows)")
+    ok_rows: int = Field(description="rows with status 'ok' (after a merge: in results/results.parquet)")
+    error_rows: int = Field(description="rows with status 'error' (after a merge: in results/errors.parquet)")
+
+
 class GpuPeak(Record):
     """One GPU's sampled utilisation and memory over a shard attempt."""
 
@@ -71,16 +79,13 @@ class ShardStats(Record):
     gpu_mem_peak_mb: float | None = Field(None, description="highest memory in use over all GPUs, MB")
 
 
-class WorkerManifest(Record):
+class WorkerManifest(RowCounts):
     """A finished shard: the worker's manifest, also the shard task's XCom value."""
 
     status: Literal["committed", "already_committed"] = Field(
         description="'committed' by this attempt, or 'already_committed' by an earlier or concurrent one")
     shard_id: str = Field(description="the shard")
     attempt_id: str = Field(description="the attempt whose commit marker won")
-    rows: int = Field(description="rows of the shard")
-    ok_rows: int = Field(description="rows with status 'ok'")
-    error_rows: int = Field(description="rows with status 'error'")
     stats: ShardStats = Field(default_factory=ShardStats, description="the committing attempt's statistics")
 
 
@@ -119,12 +124,9 @@ class Duplicates(Record):
     examples: list[str] = Field(description="a few of those ids")
 
 
-class MergeSummary(Record):
+class MergeSummary(RowCounts):
     """``_MERGED.json``; the merge task's XCom is ``xcom()`` (no per-shard stats: 10k shards stay small)."""
 
-    rows: int = Field(description="planned (= input) rows")
-    ok_rows: int = Field(description="rows in results/results.parquet")
-    error_rows: int = Field(description="rows in results/errors.parquet")
     duplicates_dropped: int = Field(description="committed rows dropped as identical duplicates")
     duplicates: Duplicates = Field(description="duplicate ids, counted before the dedupe")
     shards: int = Field(description="shards of the plan")
@@ -138,8 +140,8 @@ class MergeSummary(Record):
     history_record: str | None = Field(
         None, description="URI of the throughput record written after the merge (return value only)")
 
-    XCOM_FIELDS: ClassVar[tuple[str, ...]] = ("rows", "ok_rows", "error_rows", "duplicates_dropped", "duplicates", "shards",
-                                    "files", "checksums", "config_hash", "spec_hash", "merge_s")
+    XCOM_FIELDS: ClassVar[tuple[str, ...]] = ("rows", "ok_rows", "error_rows", "duplicates_dropped", "duplicates",
+                                              "shards", "files", "checksums", "config_hash", "spec_hash", "merge_s")
 
     def xcom(self) -> dict[str, Any]:
         """The run-level part pushed to XCom."""
