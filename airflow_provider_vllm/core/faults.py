@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from airflow_provider_vllm.core import envs
 
-ENV = "VLLM_BATCH_FAULTS"
+ENV = envs.FAULTS.name
 
 POINTS = frozenset({
     # a worker chunk file (commit.ShardStore.write_chunk)
