@@ -185,7 +185,7 @@ def synthesise_commits(spec) -> dict:
     import pyarrow.parquet as pq
 
     from airflow_provider_vllm import __version__
-    from airflow_provider_vllm.core.commit import ChunkMeta, ShardStore
+    from airflow_provider_vllm.core.commit import ChunkMeta, CommitMarker, ShardStore
     from airflow_provider_vllm.core.plan import load_plan
     from airflow_provider_vllm.core.storage import Storage
 
@@ -216,8 +216,8 @@ def synthesise_commits(spec) -> dict:
             first = k * chunk_rows
             n = min(chunk_rows, shard.rows - first)
             table = _synth_chunk(ids.slice(first, n), rng, labels_arr, prov)
-            entries.append(store.write_chunk(attempt, ChunkMeta(shard.shard_id, k, first, n, plan.config_hash),
-                                             table))
+            meta = ChunkMeta(shard_id=shard.shard_id, chunk=k, first_row=first, rows=n, config_hash=plan.config_hash)
+            entries.append(store.write_chunk(attempt, meta, table))
             n_files += 1
         ptoks = shard.rows * 100
         infer_s = shard.rows / 14.0
@@ -225,17 +225,17 @@ def synthesise_commits(spec) -> dict:
                  "infer_s": round(infer_s, 3), "prompt_tokens": ptoks, "completion_tokens": shard.rows * 2,
                  "progress_lines": 10, "rows_per_s": 14.0, "tokens_per_s": round(ptoks * 1.02 / infer_s, 1),
                  "wall_s": round(infer_s + 27, 3), "peak_rss_mb": 1100.0}
-        marker = {
-            "shard_id": shard.shard_id, "attempt_id": attempt, "config_hash": plan.config_hash,
-            "spec_hash": plan.spec_hash, "plan_fingerprint": plan.fingerprint, "files": entries,
-            "rows": sum(e["rows"] for e in entries), "ok_rows": sum(e["ok_rows"] for e in entries),
-            "error_rows": sum(e["error_rows"] for e in entries), "stats": stats,
-            "versions": {"airflow-provider-vllm": __version__, "vllm": "0.32.0",
-                         "python": platform.python_version(), "model": spec.model.name,
-                         "model_revision": spec.model.revision},
-            "committed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        }
-        assert marker["rows"] == shard.rows
+        marker = CommitMarker(
+            shard_id=shard.shard_id, attempt_id=attempt, config_hash=plan.config_hash,
+            spec_hash=plan.spec_hash, plan_fingerprint=plan.fingerprint, files=entries,
+            rows=sum(e.rows for e in entries), ok_rows=sum(e.ok_rows for e in entries),
+            error_rows=sum(e.error_rows for e in entries), stats=stats,
+            versions={"airflow-provider-vllm": __version__, "vllm": "0.32.0",
+                      "python": platform.python_version(), "model": spec.model.name,
+                      "model_revision": spec.model.revision},
+            committed_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        )
+        assert marker.rows == shard.rows
         assert store.commit(marker), f"{shard.shard_id} was already committed"
     return {"shards": len(plan.shards), "chunk_files": n_files}
 

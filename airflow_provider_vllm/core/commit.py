@@ -21,19 +21,20 @@ import socket
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+from pydantic import ConfigDict, Field, ValidationError
 
 from airflow_provider_vllm.core import faults
 from airflow_provider_vllm.core.errors import CommitError
+from airflow_provider_vllm.core.records import Record, RowCounts, ShardStats
 from airflow_provider_vllm.core.storage import Storage
 
 MARKER = "_COMMITTED.json"
 LIMITS = "_ENGINE_LIMITS.json"
+FOOTER_KEY = "vllm_batch.chunk"
 _LIMIT_KEYS = ("max_num_seqs", "max_num_batched_tokens")
 _CHUNK_RE = re.compile(r"^chunk-(\d{5})\.parquet$")
 
@@ -44,18 +45,41 @@ def new_attempt_id() -> str:
     return f"a{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
-@dataclass(frozen=True)
-class ChunkMeta:
+class ChunkMeta(Record):
     """What identifies a chunk's content; stored in the Parquet footer and checked on reuse."""
 
-    shard_id: str
-    chunk: int
-    first_row: int
-    rows: int
-    config_hash: str
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    shard_id: str = Field(description="the shard")
+    chunk: int = Field(description="chunk number within the shard")
+    first_row: int = Field(description="shard-relative index of the chunk's first row")
+    rows: int = Field(description="rows in the chunk")
+    config_hash: str = Field(description="the plan's output-affecting config hash")
 
     def to_kv(self) -> dict[str, str]:
-        return {"vllm_batch.chunk": json.dumps(self.__dict__, sort_keys=True)}
+        return {FOOTER_KEY: json.dumps(self.model_dump(), sort_keys=True)}
+
+
+class FileEntry(RowCounts):
+    """One chunk file named by a commit marker, with its rows."""
+
+    path: str = Field(description="path under the output prefix: shards/<shard>/attempts/<attempt>/chunk-NNNNN.parquet")
+    bytes: int = Field(description="file size")
+    sha256: str = Field(description="sha256 of the file's bytes")
+
+
+class CommitMarker(RowCounts):
+    """``shards/<shard_id>/_COMMITTED.json``: the files of the shard's winning attempt, their rows, how it ran."""
+
+    shard_id: str = Field(description="the shard")
+    attempt_id: str = Field(description="the attempt that committed")
+    config_hash: str = Field(description="the plan's output-affecting config hash")
+    spec_hash: str = Field(description="the plan's spec hash")
+    plan_fingerprint: str = Field(description="the plan's input fingerprint")
+    files: list[FileEntry] = Field(description="the shard's chunk files, in chunk order")
+    stats: ShardStats = Field(default_factory=ShardStats, description="the committing attempt's statistics")
+    versions: dict[str, str | None] = Field(default_factory=dict, description="package, engine and model versions")
+    committed_at: str = Field(description="UTC time of the commit")
 
 
 class ShardStore:
@@ -67,18 +91,21 @@ class ShardStore:
         self.dir = f"shards/{shard_id}"
 
     # ---- marker ---------------------------------------------------------------------
-    def marker(self) -> dict[str, Any] | None:
+    def marker(self) -> CommitMarker | None:
+        """The shard's commit marker, None when absent; CommitError when it is not a valid marker."""
         rel = f"{self.dir}/{MARKER}"
         if not self.out.exists(rel):
             return None
+        raw = self.out.read_bytes(rel)
         try:
-            return json.loads(self.out.read_bytes(rel))
-        except ValueError as e:
-            raise CommitError(f"commit marker {self.out.uri(rel)} is not valid JSON: {e}") from e
+            return CommitMarker.model_validate_json(raw)
+        except ValidationError as e:
+            what = "is not valid JSON" if any(x["type"] == "json_invalid" for x in e.errors()) else "is not a valid marker"
+            raise CommitError(f"commit marker {self.out.uri(rel)} {what}: {e}") from e
 
-    def commit(self, marker: dict[str, Any]) -> bool:
+    def commit(self, marker: CommitMarker) -> bool:
         """Create the marker; False when another attempt committed first (then nothing changes)."""
-        body = json.dumps(marker, indent=1, sort_keys=True).encode()
+        body = json.dumps(marker.dump(), indent=1, sort_keys=True).encode()
         faults.hit("commit.after_data")
         with faults.writing("commit.mid_marker"):
             created = self.out.create_only(f"{self.dir}/{MARKER}", body)
@@ -111,7 +138,7 @@ class ShardStore:
     def chunk_rel(self, attempt_id: str, chunk: int) -> str:
         return f"{self.dir}/attempts/{attempt_id}/chunk-{chunk:05d}.parquet"
 
-    def write_chunk(self, attempt_id: str, meta: ChunkMeta, table: pa.Table) -> dict[str, Any]:
+    def write_chunk(self, attempt_id: str, meta: ChunkMeta, table: pa.Table) -> FileEntry:
         """Write one chunk atomically; returns its file entry for the marker."""
         if table.num_rows != meta.rows:
             raise CommitError(f"chunk {meta.chunk} of {self.shard_id}: {table.num_rows} rows, expected {meta.rows}")
@@ -122,19 +149,13 @@ class ShardStore:
         faults.hit("chunk.after_write")
         return self.file_entry(rel, table)
 
-    def file_entry(self, rel: str, table: pa.Table | None = None) -> dict[str, Any]:
+    def file_entry(self, rel: str, table: pa.Table | None = None) -> FileEntry:
         if table is None:
             with self.out.open(rel) as f:
                 table = pq.read_table(f, columns=["status"])
         ok = int(pc.sum(pc.equal(table.column("status"), "ok")).as_py() or 0)
-        return {
-            "path": rel,
-            "rows": table.num_rows,
-            "ok_rows": ok,
-            "error_rows": table.num_rows - ok,
-            "bytes": self.out.size(rel),
-            "sha256": self.out.sha256(rel),
-        }
+        return FileEntry(path=rel, rows=table.num_rows, ok_rows=ok, error_rows=table.num_rows - ok,
+                         bytes=self.out.size(rel), sha256=self.out.sha256(rel))
 
     def reusable_chunks(self, expected: dict[int, ChunkMeta],
                         beat: Callable[[], None] = lambda: None) -> dict[int, str]:
@@ -166,9 +187,11 @@ def _footer_matches(out: Storage, rel: str, meta: ChunkMeta) -> bool:
             md = pq.ParquetFile(f).metadata
     except Exception:  # unreadable: treat as absent, the chunk is redone (never a BaseException: SIGTERM)
         return False
-    kv = {k.decode(): v.decode() for k, v in (md.metadata or {}).items()}
-    try:
-        stored = json.loads(kv.get("vllm_batch.chunk", "null"))
-    except ValueError:
+    raw = (md.metadata or {}).get(FOOTER_KEY.encode())
+    if raw is None:
         return False
-    return stored == meta.__dict__ and md.num_rows == meta.rows
+    try:
+        stored = ChunkMeta.model_validate_json(raw)
+    except ValidationError:
+        return False
+    return stored == meta and md.num_rows == meta.rows

@@ -1,15 +1,18 @@
-"""Exception classes and the worker's exit codes.
+"""Exception classes, each carrying the worker's exit code for it.
 
 Terminal errors fail the same way on every retry (bad spec, bad dataset); transient ones
-may succeed when retried (engine crash, storage hiccup, preemption). The runner maps exit
-codes to fail-without-retry vs retry.
+may succeed when retried (engine crash, storage hiccup, preemption). The runners map exit
+codes to fail-without-retry vs retry through one table, ``core/exit_codes.py``.
 """
 
 from __future__ import annotations
 
-EXIT_OK = 0
-EXIT_TERMINAL = 2  # retrying cannot help
-EXIT_TRANSIENT = 75  # EX_TEMPFAIL: retry the task
+from airflow_provider_vllm.core.exit_codes import ExitCode
+
+# Aliases of ExitCode members (older imports)
+EXIT_OK = ExitCode.OK
+EXIT_TERMINAL = ExitCode.TERMINAL  # retrying cannot help
+EXIT_TRANSIENT = ExitCode.TRANSIENT  # EX_TEMPFAIL: retry the task
 
 
 class VllmBatchError(Exception):

@@ -31,7 +31,9 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-ENV = "VLLM_BATCH_FAULTS"
+from airflow_provider_vllm.core import envs
+
+ENV = envs.FAULTS.name
 
 POINTS = frozenset({
     # a worker chunk file (commit.ShardStore.write_chunk)
@@ -100,7 +102,7 @@ _WRITING: contextvars.ContextVar[str | None] = contextvars.ContextVar("vllm_batc
 def reload(env: dict[str, str] | None = None) -> None:
     """(Re-)read the variable; hit counters start again."""
     global _ITEMS
-    raw = (os.environ if env is None else env).get(ENV, "").strip()
+    raw = envs.FAULTS.get(env) or ""
     _ITEMS = parse(raw) or None if raw else None
 
 

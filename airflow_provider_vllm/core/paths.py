@@ -30,6 +30,7 @@ import os
 import re
 from collections.abc import Iterable, Sequence
 
+from airflow_provider_vllm.core import envs
 from airflow_provider_vllm.core.errors import SpecError
 
 SCHEMES = ("s3", "s3a", "gs", "gcs", "memory", "file")
@@ -40,9 +41,9 @@ UNSUPPORTED_SCHEMES = {
        "protocol needs"
     for s in ("abfs", "abfss", "az", "adl")
 }
-ALLOWED_PREFIXES_ENV = "VLLM_BATCH_ALLOWED_PREFIXES"
-ALLOW_ANY_LOCATION_ENV = "VLLM_BATCH_ALLOW_ANY_LOCATION"  # "1": the deployment allows any location
-ALLOW_REMOTE_CODE_ENV = "VLLM_BATCH_ALLOW_REMOTE_CODE"  # "1": trust_remote_code / code-loading engine options
+ALLOWED_PREFIXES_ENV = envs.ALLOWED_PREFIXES.name
+ALLOW_ANY_LOCATION_ENV = envs.ALLOW_ANY_LOCATION.name  # "1": the deployment allows any location
+ALLOW_REMOTE_CODE_ENV = envs.ALLOW_REMOTE_CODE.name  # "1": trust_remote_code / code-loading engine options
 DEPLOYMENT_ENV = (ALLOWED_PREFIXES_ENV, ALLOW_ANY_LOCATION_ENV, ALLOW_REMOTE_CODE_ENV)
 """The worker's deployment settings, set by the shard operator (last: nothing else may set them)."""
 MAX_URI_CHARS = 1024
@@ -170,9 +171,9 @@ def parse_prefixes(raw: str | Sequence[str] | None) -> list[str]:
 
 def prefixes_from_env(env: dict[str, str] | None = None) -> list[str]:
     """The allow-list the worker was started with (``ALLOWED_PREFIXES_ENV``)."""
-    return parse_prefixes((env if env is not None else os.environ).get(ALLOWED_PREFIXES_ENV))
+    return parse_prefixes(envs.ALLOWED_PREFIXES.get(env))
 
 
 def flag_from_env(name: str, env: dict[str, str] | None = None) -> bool:
     """A deployment flag the worker was started with ("1"/"true"/"yes" -> True; anything else False)."""
-    return str((env if env is not None else os.environ).get(name, "")).strip().lower() in ("1", "true", "yes")
+    return envs.by_name()[name].flag(env)

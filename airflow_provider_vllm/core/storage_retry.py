@@ -16,16 +16,16 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import random
 import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from airflow_provider_vllm.core import envs
 from airflow_provider_vllm.core.errors import TransientError
 
 T = TypeVar("T")
-ATTEMPTS_ENV = "VLLM_BATCH_STORAGE_ATTEMPTS"
+ATTEMPTS_ENV = envs.STORAGE_ATTEMPTS.name
 log = logging.getLogger(__name__)
 
 RETRYABLE_CODES = frozenset({
@@ -99,7 +99,7 @@ def retrying(fn: Callable[[], T], what: str = "storage operation", attempts: int
     ``$VLLM_BATCH_STORAGE_ATTEMPTS`` or 6) transient failures a ``TransientError`` is raised
     (the worker exits 75 and Airflow retries the task).
     """
-    attempts = attempts or int(os.environ.get(ATTEMPTS_ENV, "6"))
+    attempts = attempts or int(envs.STORAGE_ATTEMPTS.get())
     for i in range(attempts):
         try:
             return fn()

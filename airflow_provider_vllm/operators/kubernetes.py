@@ -19,7 +19,8 @@ from airflow.sdk.exceptions import AirflowFailException
 from kubernetes.client import ApiClient
 from kubernetes.client import models as k8s
 
-from airflow_provider_vllm.core.errors import EXIT_TERMINAL, EXIT_TRANSIENT, SpecError
+from airflow_provider_vllm.core.errors import SpecError
+from airflow_provider_vllm.core.exit_codes import ExitCode
 from airflow_provider_vllm.core.pod_settings import KubernetesSettings
 from airflow_provider_vllm.core.spec_guard import DEPLOYMENT_OWNED
 from airflow_provider_vllm.operators import provenance
@@ -30,6 +31,7 @@ from airflow_provider_vllm.operators.deployment import (
     variables_may_set_deployment_settings,
     worker_env,
 )
+from airflow_provider_vllm.operators.worker_outcome import worker_failure, worker_result
 from airflow_provider_vllm.steps.pod_spec import WORKER_PYTHON, PodParts, container_security_context, pod_parts
 from airflow_provider_vllm.worker.task import ShardTask, worker_command
 
@@ -219,7 +221,9 @@ class VllmKubernetesShardOperator(KubernetesPodOperator):
         return super().execute(context)
 
     def cleanup(self, pod, remote_pod, xcom_result=None, context=None) -> None:
-        """KPO's cleanup (logs, XCom, deletion), then the worker's exit code decides retry or not."""
+        """KPO's cleanup (logs, XCom, deletion), then the worker's exit code decides retry or not
+        (``core/exit_codes.py``, shared with the local runner); a succeeded worker must have left
+        this shard's manifest (``WorkerManifest``), as with the local runner, else the task is retried."""
         try:
             super().cleanup(pod=pod, remote_pod=remote_pod, xcom_result=xcom_result, context=context)
         except (AirflowSkipException, AirflowFailException):
@@ -227,6 +231,8 @@ class VllmKubernetesShardOperator(KubernetesPodOperator):
         except AirflowException as e:
             raise worker_failure(worker_exit_code(remote_pod, self.base_container_name), self.shard_id,
                                  xcom_result) from e
+        if remote_pod is not None and self.do_xcom_push and not getattr(self, "_killed", False):
+            worker_result(ExitCode.OK, self.shard_id, xcom_result)
 
 
 def worker_exit_code(pod: k8s.V1Pod | None, container: str) -> int | None:
@@ -237,15 +243,3 @@ def worker_exit_code(pod: k8s.V1Pod | None, container: str) -> int | None:
             return s.state.terminated.exit_code
     return None
 
-
-def worker_failure(code: int | None, shard_id: str, manifest: Any = None) -> AirflowException:
-    """The exception for a failed worker pod: exit 2 -> no retry; anything else -> retried."""
-    m = manifest if isinstance(manifest, dict) else {}
-    detail = f"{m.get('error', 'no manifest')}: {m.get('message', '')}".rstrip(": ")
-    if code == EXIT_TERMINAL:
-        return AirflowFailException(f"shard {shard_id}: terminal worker error (exit 2, not retried): {detail}")
-    if code == EXIT_TRANSIENT:
-        return AirflowException(f"shard {shard_id}: transient worker failure (exit 75, retried): {detail}")
-    if code is None:
-        return AirflowException(f"shard {shard_id}: pod failed before the worker exited (retried)")
-    return AirflowException(f"shard {shard_id}: worker exited {code} (retried): {detail}")

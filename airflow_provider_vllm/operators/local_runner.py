@@ -21,9 +21,12 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from airflow_provider_vllm.core import envs
+from airflow_provider_vllm.core.exit_codes import Outcome, outcome
+from airflow_provider_vllm.core.records import FailureManifest
 from airflow_provider_vllm.worker.lifecycle import PARENT_ENV
 
-FAULT_ENV = "VLLM_BATCH_INJECT_EXIT"
+FAULT_ENV = envs.INJECT_EXIT.name
 MAX_LOG_LINE = 4000
 
 
@@ -51,9 +54,9 @@ def parse_manifest(stdout_lines: Sequence[str]) -> dict | None:
     return None
 
 
-def injected_exit(map_index: int | None, try_number: int, env: Mapping[str, str] = os.environ) -> int | None:
+def injected_exit(map_index: int | None, try_number: int, env: Mapping[str, str] | None = None) -> int | None:
     """The exit code ``VLLM_BATCH_INJECT_EXIT`` asks for on this map index and try, else None."""
-    raw = env.get(FAULT_ENV, "").strip()
+    raw = envs.INJECT_EXIT.get(env)
     if not raw:
         return None
     for item in raw.split(","):
@@ -68,8 +71,8 @@ def injected_exit(map_index: int | None, try_number: int, env: Mapping[str, str]
 
 def fault_command(code: int) -> list[str]:
     """A stand-in for the worker that prints a failure manifest and exits with ``code``."""
-    manifest = json.dumps({"status": "failed", "error": "InjectedFault", "terminal": code == 2,
-                           "message": f"fault injected by {FAULT_ENV}: exit {code}"})
+    manifest = json.dumps(FailureManifest(status="failed", error="InjectedFault", terminal=outcome(code) is Outcome.FAIL,
+                                          message=f"fault injected by {FAULT_ENV}: exit {code}").dump())
     script = (f"import sys; print('fault injected by {FAULT_ENV}: exit {code}', file=sys.stderr); "
               f"print({manifest!r}); sys.exit({code})")
     return [sys.executable, "-c", script]

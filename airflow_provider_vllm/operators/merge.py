@@ -11,15 +11,11 @@ from airflow_provider_vllm.hooks.filesystems import task_filesystems
 from airflow_provider_vllm.operators._common import data_plane_errors, load_spec
 from airflow_provider_vllm.operators.deployment import check_spec_allowed
 from airflow_provider_vllm.steps.lineage import merge_lineage
-from airflow_provider_vllm.steps.merge import merge_run
-
-# _MERGED.json keeps per-shard stats; XCom gets the run-level part only (10k shards stay small).
-XCOM_KEYS = ("rows", "ok_rows", "error_rows", "duplicates_dropped", "duplicates", "shards", "files", "checksums",
-             "config_hash", "spec_hash", "merge_s")
+from airflow_provider_vllm.steps.merge import merge
 
 
 class VllmMergeOperator(BaseOperator):
-    """Run ``merge_run(spec)``; return the merge summary without per-shard stats.
+    """Run ``merge(spec)``; return the merge summary without per-shard stats (``MergeSummary.xcom()``).
 
     Fails without retry when a shard is not committed, a marker names a file outside its
     shard's attempts or one that does not match it, two committed outputs of one id differ,
@@ -47,18 +43,17 @@ class VllmMergeOperator(BaseOperator):
         spec = load_spec(self.spec, "merge")
         check_spec_allowed(spec, "merge")  # the spec came through XCom: the deployment's rules again
         with data_plane_errors("merge"):
-            summary = merge_run(spec, memory_limit=self.memory_limit,
-                                filesystems=task_filesystems(self.aws_conn_id, self.gcp_conn_id))
-        self._lineage = merge_lineage(spec, summary)
-        stats = summary.get("shard_stats") or []
-        infer_s = sum(s.get("infer_s") or 0 for s in stats)
+            summary = merge(spec, memory_limit=self.memory_limit,
+                            filesystems=task_filesystems(self.aws_conn_id, self.gcp_conn_id))
+        infer_s = sum(s.infer_s or 0 for s in summary.shard_stats or [])
         self.log.info("merged %s: %d rows = %d ok + %d errors, %d duplicate id(s) committed (identical, "
                       "%d extra row(s) dropped), %d shard(s); "
                       "inference %.1f s over all shards (%.2f rows/s); merge %.2f s",
-                      spec.io.output_uri, summary["rows"], summary["ok_rows"], summary["error_rows"],
-                      summary["duplicates"]["ids"], summary["duplicates_dropped"], summary["shards"], infer_s,
-                      summary["rows"] / infer_s if infer_s else 0.0, summary["merge_s"])
-        return {k: summary[k] for k in XCOM_KEYS if k in summary}
+                      spec.io.output_uri, summary.rows, summary.ok_rows, summary.error_rows,
+                      summary.duplicates.ids, summary.duplicates_dropped, summary.shards, infer_s,
+                      summary.rows / infer_s if infer_s else 0.0, summary.merge_s)
+        self._lineage = merge_lineage(spec, summary.model_dump(mode="json", exclude_unset=True))
+        return summary.xcom()
 
     def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
         """OpenLineage: the input location in; results and errors out, with row counts and columns (recorded by ``execute``)."""

@@ -16,7 +16,7 @@ from airflow_provider_vllm.hooks.filesystems import task_filesystems
 from airflow_provider_vllm.operators._common import data_plane_errors, load_spec
 from airflow_provider_vllm.operators.deployment import check_spec_allowed
 from airflow_provider_vllm.steps.lineage import publish_lineage
-from airflow_provider_vllm.steps.merge import MERGED
+from airflow_provider_vllm.steps.merge import MERGED, read_merged
 
 SUCCESS = "_SUCCESS.json"
 QA_FILES = {"qa_report_json": "qa/report.json", "qa_report_html": "qa/report.html", "qa_sample": "qa/sample.parquet"}
@@ -76,15 +76,17 @@ class VllmPublishOperator(BaseOperator):
 
     def _marker(self, spec: Any, out: Storage, context: Any) -> dict[str, Any]:
         try:
-            merged = json.loads(out.read_bytes(MERGED))
+            merged = read_merged(out)
             report = json.loads(out.read_bytes(QA_FILES["qa_report_json"]))
         except FileNotFoundError as e:
             raise AirflowFailException(f"publish: nothing to publish under {spec.io.output_uri}: {e}") from None
-        if merged.get("spec_hash") != spec.content_hash():
+        except ValueError as e:  # pydantic's ValidationError is a ValueError
+            raise AirflowFailException(f"publish: {out.uri(MERGED)} is not a merge summary: {e}") from None
+        if merged.spec_hash != spec.content_hash():
             raise AirflowFailException(f"publish: {out.uri(MERGED)} was merged for another spec")
         if report.get("status") == "fail":
             raise AirflowFailException(f"publish: QA failed ({report.get('summary')}); not publishing")
-        files = {**merged.get("files", {}), **QA_FILES, **(self.extra_files or {})}
+        files = {**merged.files, **QA_FILES, **(self.extra_files or {})}
         missing = sorted(p for p in files.values() if not out.exists(p))
         if missing:
             raise AirflowFailException(f"publish: files missing under {spec.io.output_uri}: {missing}")
@@ -95,13 +97,13 @@ class VllmPublishOperator(BaseOperator):
             "version": 1,
             "job": spec.name,
             "output_uri": spec.io.output_uri,
-            "rows": merged["rows"],
-            "ok_rows": merged["ok_rows"],
-            "error_rows": merged["error_rows"],
+            "rows": merged.rows,
+            "ok_rows": merged.ok_rows,
+            "error_rows": merged.error_rows,
             "files": files,
-            "checksums": merged.get("checksums", {}),
-            "spec_hash": merged.get("spec_hash"),
-            "config_hash": merged.get("config_hash"),
+            "checksums": merged.checksums,
+            "spec_hash": merged.spec_hash,
+            "config_hash": merged.config_hash,
             "qa": {"status": report.get("status"), "summary": report.get("summary")},
             "airflow": {
                 "dag_id": getattr(dag_run, "dag_id", None),

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
 from airflow.sdk import BaseOperator
-from airflow.sdk.exceptions import AirflowException, AirflowFailException
+from airflow.sdk.exceptions import AirflowFailException
 
-from airflow_provider_vllm.core.errors import EXIT_OK, EXIT_TERMINAL, EXIT_TRANSIENT, SpecError
+from airflow_provider_vllm.core import envs
+from airflow_provider_vllm.core.errors import SpecError
 from airflow_provider_vllm.core.paths import ALLOWED_PREFIXES_ENV
 from airflow_provider_vllm.hooks.filesystems import child_env, conn_ids_from_config
 from airflow_provider_vllm.hooks.filesystems import worker_env as connection_worker_env
@@ -22,6 +22,7 @@ from airflow_provider_vllm.operators.local_runner import (
     fault_command,
     injected_exit,
 )
+from airflow_provider_vllm.operators.worker_outcome import worker_result
 from airflow_provider_vllm.worker.task import ShardTask, worker_command
 
 
@@ -92,7 +93,7 @@ class VllmLocalShardOperator(BaseOperator):
                              FAULT_ENV, ti.map_index, ti.try_number, code)
             argv = fault_command(code)
         # the allow-list goes last: neither the task's env nor the shard spec can widen it
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **{k: str(v) for k, v in (self.env or {}).items()}}
+        env = {**envs.environ(), "PYTHONUNBUFFERED": "1", **{k: str(v) for k, v in (self.env or {}).items()}}
         env = child_env(env, self._credentials_env(spec))  # the Connection's identity, in the environment only
         env.pop(ALLOWED_PREFIXES_ENV, None)
         env.update(worker_env(prefixes))
@@ -116,26 +117,13 @@ class VllmLocalShardOperator(BaseOperator):
         self.log.info("worker | %s", line)
 
     def _outcome(self, shard_id: str, result: WorkerResult) -> dict[str, Any]:
-        m = result.manifest or {}
-        detail = f"{m.get('error', 'no manifest')}: {m.get('message', '')}".rstrip(": ")
-        rc = result.returncode
-        if rc == EXIT_OK:
-            if m.get("shard_id") != shard_id:
-                raise AirflowException(f"shard {shard_id}: worker exited 0 without its manifest "
-                                       f"(stdout tail: {result.stdout_tail})")
-            stats = m.get("stats") or {}
-            self.log.info("shard %s %s by attempt %s: %s rows, %s ok, %s errors; rows/s=%s tokens/s=%s "
-                          "engine_start_s=%s wall_s=%s", shard_id, m.get("status"), m.get("attempt_id"),
-                          m.get("rows"), m.get("ok_rows"), m.get("error_rows"), stats.get("rows_per_s"),
-                          stats.get("tokens_per_s"), stats.get("engine_start_s"), stats.get("wall_s"))
-            return m
-        if rc == EXIT_TERMINAL:
-            raise AirflowFailException(f"shard {shard_id}: terminal worker error (exit 2, not retried): {detail}")
-        if rc == EXIT_TRANSIENT:
-            raise AirflowException(f"shard {shard_id}: transient worker failure (exit 75, retried): {detail}")
-        if rc < 0:
-            raise AirflowException(f"shard {shard_id}: worker killed by signal {-rc} (retried)")
-        raise AirflowException(f"shard {shard_id}: worker exited {rc} (retried): {detail}")
+        """The exit code decides (``core/exit_codes.py``, shared with the Kubernetes runner)."""
+        m = worker_result(result.returncode, shard_id, result.manifest, result.stdout_tail)
+        st = m.stats
+        self.log.info("shard %s %s by attempt %s: %s rows, %s ok, %s errors; rows/s=%s tokens/s=%s "
+                      "engine_start_s=%s wall_s=%s", shard_id, m.status, m.attempt_id, m.rows, m.ok_rows,
+                      m.error_rows, st.rows_per_s, st.tokens_per_s, st.engine_start_s, st.wall_s)
+        return m.dump()
 
     def on_kill(self) -> None:
         if self._process is not None:

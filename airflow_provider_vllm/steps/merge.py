@@ -29,10 +29,11 @@ import pyarrow.parquet as pq
 
 from airflow_provider_vllm import __version__
 from airflow_provider_vllm.core import duck, faults
-from airflow_provider_vllm.core.commit import MARKER, ShardStore
+from airflow_provider_vllm.core.commit import MARKER, CommitMarker, ShardStore
 from airflow_provider_vllm.core.datasets import check_unchanged, scan_jsonl
 from airflow_provider_vllm.core.errors import CommitError, VerificationError
 from airflow_provider_vllm.core.plan import Plan, load_plan
+from airflow_provider_vllm.core.records import Duplicates, MergeSummary, ShardStatsEntry
 from airflow_provider_vllm.core.rows import ERROR_COLUMNS, RESULT_COLUMNS, ROW_SCHEMA
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
@@ -54,6 +55,12 @@ _CHUNK_NAME = re.compile(r"^chunk-\d{5}\.parquet$")
 
 def merge_run(spec: JobSpec, verify_checksums: bool = True, memory_limit: str = "1GB",
               filesystems: FileSystems | None = None) -> dict[str, Any]:
+    """``merge`` as JSON data: the merge summary's ``dump()`` (what ``_MERGED.json`` holds, plus ``history_record``)."""
+    return merge(spec, verify_checksums, memory_limit, filesystems).dump()
+
+
+def merge(spec: JobSpec, verify_checksums: bool = True, memory_limit: str = "1GB",
+          filesystems: FileSystems | None = None) -> MergeSummary:
     """Merge a run whose shards are all committed; returns the merge summary (also ``_MERGED.json``).
 
     ``filesystems``: how object stores are reached (``storage.FileSystems``; default fsspec).
@@ -80,7 +87,7 @@ def merge_run(spec: JobSpec, verify_checksums: bool = True, memory_limit: str = 
         if distinct != total:
             distinct = con.execute("SELECT count(DISTINCT id) FROM chunks").fetchall()[0][0]
         source = "chunks"
-        duplicates = {"ids": 0, "rows_dropped": 0, "examples": []}
+        duplicates = Duplicates(ids=0, rows_dropped=0, examples=[])
         if total != distinct:
             # Only a bug or a hand-edited marker gets here. Counted before anything is dropped;
             # identical copies are dropped (one row per id), differing ones fail the merge.
@@ -92,14 +99,13 @@ def merge_run(spec: JobSpec, verify_checksums: bool = True, memory_limit: str = 
             ).fetchall()
             source = "deduped"
             log.warning("merge: %d id(s) were committed more than once with identical content; dropped %d "
-                        "extra row(s), e.g. %s", duplicates["ids"], duplicates["rows_dropped"],
-                        duplicates["examples"][:5])
+                        "extra row(s), e.g. %s", duplicates.ids, duplicates.rows_dropped,
+                        duplicates.examples[:5])
         check_unchanged(in_root, plan.input_files())
         register_input_ids(con, spec, plan, in_root)
         verify(con, source, plan.total_rows)
         if source != "chunks":
             ok = con.execute("SELECT count(*) FROM deduped WHERE status = 'ok'").fetchall()[0][0]
-        counts = {"ok": ok, "error": distinct - ok}
         with tempfile.TemporaryDirectory() as tmp:
             res_local, err_local = os.path.join(tmp, "r.parquet"), os.path.join(tmp, "e.parquet")
             cols_r = ", ".join(RESULT_COLUMNS)
@@ -116,31 +122,37 @@ def merge_run(spec: JobSpec, verify_checksums: bool = True, memory_limit: str = 
             extra = write_openai_outputs(out, spec, plan)
     finally:
         con.close()
-    summary = {
-        "rows": plan.total_rows,
-        "ok_rows": int(counts.get("ok", 0)),
-        "error_rows": int(counts.get("error", 0)),
-        "duplicates_dropped": int(total - distinct),
+    summary = MergeSummary(
+        rows=plan.total_rows,
+        ok_rows=int(ok),
+        error_rows=int(distinct - ok),
+        duplicates_dropped=int(total - distinct),
         # counted over the committed chunks before the dedupe: ids seen more than once, extra rows
-        "duplicates": duplicates,
-        "shards": len(plan.shards),
-        "files": {"results": RESULTS, "errors": ERRORS, **extra},
-        "checksums": {RESULTS: out.sha256(RESULTS), ERRORS: out.sha256(ERRORS)},
-        "shard_stats": [dict(m["stats"], shard_id=m["shard_id"], attempt_id=m["attempt_id"]) for m in markers],
-        "config_hash": plan.config_hash,
-        "spec_hash": plan.spec_hash,
-        "merge_s": round(time.monotonic() - t0, 3),
-        "versions": {"airflow-provider-vllm": __version__, "duckdb": duckdb.__version__},
-    }
+        duplicates=duplicates,
+        shards=len(plan.shards),
+        files={"results": RESULTS, "errors": ERRORS, **extra},
+        checksums={RESULTS: out.sha256(RESULTS), ERRORS: out.sha256(ERRORS)},
+        shard_stats=[ShardStatsEntry(**m.stats.dump(), shard_id=m.shard_id, attempt_id=m.attempt_id)
+                     for m in markers],
+        config_hash=plan.config_hash,
+        spec_hash=plan.spec_hash,
+        merge_s=round(time.monotonic() - t0, 3),
+        versions={"airflow-provider-vllm": __version__, "duckdb": duckdb.__version__},
+    )
     faults.hit("merge.after_data")
     with faults.writing("merge.mid_marker"):
-        out.write_atomic(MERGED, json.dumps(summary, indent=1, sort_keys=True).encode())
+        out.write_atomic(MERGED, json.dumps(summary.dump(), indent=1, sort_keys=True).encode())
     faults.hit("merge.after_marker")
     _record_throughput(spec, plan, markers, summary, filesystems)
     return summary
 
 
-def _record_throughput(spec: JobSpec, plan: Plan, markers: list[dict], summary: dict[str, Any],
+def read_merged(out: Storage) -> MergeSummary:
+    """``_MERGED.json`` of the run under ``out``, validated."""
+    return MergeSummary.model_validate_json(out.read_bytes(MERGED))
+
+
+def _record_throughput(spec: JobSpec, plan: Plan, markers: list[CommitMarker], summary: MergeSummary,
                        filesystems: FileSystems | None = None) -> None:
     """Throughput history for shard sizing (sizing.py); a failure here must not fail a merged run."""
     if not spec.sharding.history_uri:
@@ -148,12 +160,12 @@ def _record_throughput(spec: JobSpec, plan: Plan, markers: list[dict], summary: 
     from airflow_provider_vllm.steps.sizing import record_run
 
     try:
-        summary["history_record"] = record_run(spec, plan, markers, filesystems)
+        summary.history_record = record_run(spec, plan, markers, filesystems)
     except Exception as e:  # evidence for later plans, not part of this run's results
         log.warning("could not write the throughput record to %s: %s", spec.sharding.history_uri, e)
 
 
-def committed_files(out: Storage, plan: Plan, verify_checksums: bool) -> tuple[list[str], list[dict]]:
+def committed_files(out: Storage, plan: Plan, verify_checksums: bool) -> tuple[list[str], list[CommitMarker]]:
     """Files named by the markers of every planned shard, in plan order; raises if any is missing.
 
     A marker must be this shard's (its ``shard_id``) and every path it names must be a chunk
@@ -169,22 +181,18 @@ def committed_files(out: Storage, plan: Plan, verify_checksums: bool) -> tuple[l
             missing.append(shard.shard_id)
             continue
         where = out.uri(f"{store.dir}/{MARKER}")
-        if not isinstance(m, dict) or m.get("shard_id") != shard.shard_id:
-            got = m.get("shard_id") if isinstance(m, dict) else type(m).__name__
-            raise CommitError(f"commit marker {where} is not shard {shard.shard_id}'s (it names shard {got!r})")
-        entries = m.get("files")
-        if not isinstance(entries, list) or not all(isinstance(f, dict) for f in entries):
-            raise CommitError(f"commit marker {where}: 'files' is not a list of file entries")
-        if m.get("rows") != shard.rows:
-            raise CommitError(f"shard {shard.shard_id}: marker says {m.get('rows')} rows, plan {shard.rows}")
+        if m.shard_id != shard.shard_id:
+            raise CommitError(f"commit marker {where} is not shard {shard.shard_id}'s (it names shard {m.shard_id!r})")
+        if m.rows != shard.rows:
+            raise CommitError(f"shard {shard.shard_id}: marker says {m.rows} rows, plan {shard.rows}")
         seen: set[str] = set()
-        for f in entries:
-            path = f.get("path")
+        for f in m.files:
+            path = f.path
             check_marker_path(path, shard.shard_id, where)
             if path in seen:
                 raise CommitError(f"commit marker {where} names {path} twice")
             seen.add(path)
-            if out.size(path) != f.get("bytes") or (verify_checksums and out.sha256(path) != f.get("sha256")):
+            if out.size(path) != f.bytes or (verify_checksums and out.sha256(path) != f.sha256):
                 raise CommitError(f"{path} does not match its commit marker (size or sha256)")
             files.append(path)
         markers.append(m)
@@ -207,7 +215,7 @@ def check_marker_path(path: Any, shard_id: str, where: str) -> None:
         )
 
 
-def check_duplicates(con: duckdb.DuckDBPyConnection, total: int, distinct: int) -> dict[str, Any]:
+def check_duplicates(con: duckdb.DuckDBPyConnection, total: int, distinct: int) -> Duplicates:
     """Ids committed more than once (counted before any dedupe); VerificationError when copies differ.
 
     Copies are the same result when every column but ``PROVENANCE_COLUMNS`` is equal.
@@ -230,7 +238,7 @@ def check_duplicates(con: duckdb.DuckDBPyConnection, total: int, distinct: int) 
             "committed once; delete the folders of the shards involved and rerun them"
         )
     examples = [r[0] for r in con.execute(f"SELECT id FROM dup_ids ORDER BY id LIMIT {DUPLICATE_EXAMPLES}").fetchall()]
-    return {"ids": int(n_ids), "rows_dropped": int(total - distinct), "examples": examples}
+    return Duplicates(ids=int(n_ids), rows_dropped=int(total - distinct), examples=[str(e) for e in examples])
 
 
 def register_input_ids(con: duckdb.DuckDBPyConnection, spec: JobSpec, plan: Plan, root: Storage) -> None:

@@ -32,6 +32,10 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from pydantic import ValidationError
+
+from airflow_provider_vllm.core.commit import CommitMarker
+from airflow_provider_vllm.core.records import ThroughputRecord
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
 
@@ -45,54 +49,54 @@ START_SHARE = 0.10  # engine start's largest share of a shard's time
 
 
 # ---- writing --------------------------------------------------------------------------
-def run_records(spec: JobSpec, plan: Any, markers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def run_records(spec: JobSpec, plan: Any, markers: list[CommitMarker]) -> list[ThroughputRecord]:
     """Throughput records of one merged run, one per hardware; shards that inferred nothing are left out."""
-    by_hw: dict[str, list[dict]] = {}
+    by_hw: dict[str, list] = {}
     for m in markers:
-        st = m.get("stats") or {}
-        rows = st.get("infer_rows")
-        if rows is None and st.get("rows_per_s") and st.get("infer_s"):  # markers before infer_rows existed
-            rows = round(st["rows_per_s"] * st["infer_s"])
-        if not rows or not st.get("infer_s"):
+        st = m.stats
+        rows = st.infer_rows
+        if rows is None and st.rows_per_s and st.infer_s:  # markers before infer_rows existed
+            rows = round(st.rows_per_s * st.infer_s)
+        if not rows or not st.infer_s:
             continue
-        by_hw.setdefault(st.get("hardware") or "unknown", []).append({**st, "infer_rows": int(rows)})
+        by_hw.setdefault(st.hardware or "unknown", []).append(st.model_copy(update={"infer_rows": int(rows)}))
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     est_per_row = plan.est_tokens / plan.total_rows if plan.total_rows else None
     out = []
     for hw, stats in sorted(by_hw.items()):
-        rows = sum(s["infer_rows"] for s in stats)
-        infer_s = sum(float(s["infer_s"]) for s in stats)
-        ptok = sum(int(s.get("prompt_tokens") or 0) for s in stats)
-        ctok = sum(int(s.get("completion_tokens") or 0) for s in stats)
-        starts = [float(s["engine_start_s"]) for s in stats if s.get("engine_start_s")]
-        out.append({
-            "version": HISTORY_VERSION,
-            "recorded_at": now,
-            "job": spec.name,
-            "task": spec.task,
-            "model": spec.model.name,
-            "model_revision": spec.model.revision,
-            "hardware": hw,
-            "tensor_parallel_size": spec.engine.tensor_parallel_size,
-            "max_num_seqs": spec.engine.max_num_seqs,
-            "config_hash": plan.config_hash,
-            "spec_hash": plan.spec_hash,
-            "shards": len(stats),
-            "rows": rows,
-            "infer_s": round(infer_s, 3),
-            "prompt_tokens": ptok,
-            "completion_tokens": ctok,
-            "engine_start_s": round(statistics.median(starts), 3) if starts else None,
-            "rows_per_s": round(rows / infer_s, 4),
-            "tokens_per_s": round((ptok + ctok) / infer_s, 2),
-            "prompt_tokens_per_row": round(ptok / rows, 2),
-            "completion_tokens_per_row": round(ctok / rows, 2),
-            "est_prompt_tokens_per_row": round(est_per_row, 2) if est_per_row is not None else None,
-        })
+        rows = sum(s.infer_rows for s in stats)
+        infer_s = sum(float(s.infer_s) for s in stats)
+        ptok = sum(int(s.prompt_tokens or 0) for s in stats)
+        ctok = sum(int(s.completion_tokens or 0) for s in stats)
+        starts = [float(s.engine_start_s) for s in stats if s.engine_start_s]
+        out.append(ThroughputRecord(
+            version=HISTORY_VERSION,
+            recorded_at=now,
+            job=spec.name,
+            task=spec.task,
+            model=spec.model.name,
+            model_revision=spec.model.revision,
+            hardware=hw,
+            tensor_parallel_size=spec.engine.tensor_parallel_size,
+            max_num_seqs=spec.engine.max_num_seqs,
+            config_hash=plan.config_hash,
+            spec_hash=plan.spec_hash,
+            shards=len(stats),
+            rows=rows,
+            infer_s=round(infer_s, 3),
+            prompt_tokens=ptok,
+            completion_tokens=ctok,
+            engine_start_s=round(statistics.median(starts), 3) if starts else None,
+            rows_per_s=round(rows / infer_s, 4),
+            tokens_per_s=round((ptok + ctok) / infer_s, 2),
+            prompt_tokens_per_row=round(ptok / rows, 2),
+            completion_tokens_per_row=round(ctok / rows, 2),
+            est_prompt_tokens_per_row=round(est_per_row, 2) if est_per_row is not None else None,
+        ))
     return out
 
 
-def record_run(spec: JobSpec, plan: Any, markers: list[dict[str, Any]],
+def record_run(spec: JobSpec, plan: Any, markers: list[CommitMarker],
                filesystems: FileSystems | None = None) -> str | None:
     """Write the run's records under ``sharding.history_uri``; returns the file's URI (None: nothing to record)."""
     uri = spec.sharding.history_uri
@@ -105,7 +109,7 @@ def record_run(spec: JobSpec, plan: Any, markers: list[dict[str, Any]],
     name = f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{plan.spec_hash[:16]}-{plan.fingerprint[:16]}.jsonl"
     # a re-merge of the same run replaces its earlier file (same spec and input): one record set per run
     stale = [n for n in _names(store) if n.endswith(f"-{plan.spec_hash[:16]}-{plan.fingerprint[:16]}.jsonl")]
-    store.write_atomic(name, "".join(json.dumps(r, sort_keys=True) + "\n" for r in records).encode())
+    store.write_atomic(name, "".join(json.dumps(r.dump(), sort_keys=True) + "\n" for r in records).encode())
     for n in stale:
         if n != name:
             store.remove(n)
@@ -118,11 +122,11 @@ def _names(store: Storage) -> list[str]:
 
 
 def read_history(uri: str, storage_options: dict[str, Any] | None = None,
-                 filesystems: FileSystems | None = None) -> list[dict[str, Any]]:
+                 filesystems: FileSystems | None = None) -> list[ThroughputRecord]:
     """Records under ``uri``, newest file first; an absent folder is an empty history.
 
-    Lines that are not JSON objects of this record version are skipped (a history is
-    evidence, not input: one bad file must not stop a plan).
+    Lines that are not valid records of this version, or that hold no rows or no inference
+    time, are skipped (a history is evidence, not input: one bad file must not stop a plan).
     """
     from airflow_provider_vllm.core import duck
 
@@ -140,10 +144,10 @@ def read_history(uri: str, storage_options: dict[str, Any] | None = None,
     out = []
     for (raw,) in rows:
         try:
-            r = json.loads(raw)
-        except (TypeError, ValueError):
+            r = ThroughputRecord.model_validate_json(raw)
+        except (TypeError, ValidationError):
             continue
-        if isinstance(r, dict) and r.get("version") == HISTORY_VERSION and r.get("rows") and r.get("infer_s"):
+        if r.version == HISTORY_VERSION and r.rows and r.infer_s:
             out.append(r)
     return out
 
@@ -165,23 +169,23 @@ class Evidence:
     engine_start_s: float | None
 
 
-def find_evidence(spec: JobSpec, records: list[dict[str, Any]]) -> Evidence | None:
+def find_evidence(spec: JobSpec, records: list[ThroughputRecord]) -> Evidence | None:
     """The evidence for ``spec`` among ``records`` (newest first), or None."""
-    cand = [r for r in records if r.get("model") == spec.model.name and r.get("task") == spec.task
-            and int(r.get("tensor_parallel_size") or 1) == spec.engine.tensor_parallel_size]
+    cand = [r for r in records if r.model == spec.model.name and r.task == spec.task
+            and (r.tensor_parallel_size or 1) == spec.engine.tensor_parallel_size]
     if not cand:
         return None
-    hw = spec.sharding.hardware or cand[0].get("hardware")
-    cand = [r for r in cand if r.get("hardware") == hw]
+    hw = spec.sharding.hardware or cand[0].hardware
+    cand = [r for r in cand if r.hardware == hw]
     if not cand:
         return None
-    same = [r for r in cand if r.get("config_hash") == spec.output_hash()]
+    same = [r for r in cand if r.config_hash == spec.output_hash()]
     use = (same or cand)[:HISTORY_RECORDS]
-    rows = sum(int(r["rows"]) for r in use)
-    infer_s = sum(float(r["infer_s"]) for r in use)
-    ptok = sum(float(r.get("prompt_tokens") or 0) for r in use)
-    ctok = sum(float(r.get("completion_tokens") or 0) for r in use)
-    starts = [float(r["engine_start_s"]) for r in use if r.get("engine_start_s")]
+    rows = sum(r.rows for r in use)
+    infer_s = sum(r.infer_s for r in use)
+    ptok = sum(float(r.prompt_tokens) for r in use)
+    ctok = sum(float(r.completion_tokens) for r in use)
+    starts = [float(r.engine_start_s) for r in use if r.engine_start_s]
     return Evidence(
         basis="config" if same else "model", hardware=hw, records=len(use), rows=rows, infer_s=infer_s,
         rows_per_s=rows / infer_s, tokens_per_s=(ptok + ctok) / infer_s, prompt_tokens_per_row=ptok / rows,
@@ -275,7 +279,7 @@ class Sizing:
 
 
 def size_shards(spec: JobSpec, rows: int, est_text_tokens: int,
-                records: list[dict[str, Any]] | None = None, filesystems: FileSystems | None = None) -> Sizing | None:
+                records: list[ThroughputRecord] | None = None, filesystems: FileSystems | None = None) -> Sizing | None:
     """Shard targets from history, or None (no history_uri, no matching record, no rows)."""
     sh = spec.sharding
     if not sh.history_uri or rows == 0:

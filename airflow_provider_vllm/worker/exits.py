@@ -13,14 +13,19 @@ import signal
 import sys
 import threading
 
-from airflow_provider_vllm.core.errors import EXIT_TRANSIENT
+from airflow_provider_vllm.core import envs
+from airflow_provider_vllm.core.exit_codes import ExitCode
+from airflow_provider_vllm.core.records import FailureManifest, WorkerManifest, read_manifest
 
 log = logging.getLogger("airflow_provider_vllm.worker")
 
 
-def emit(manifest: dict) -> None:
-    xcom_dir = os.environ.get("VLLM_BATCH_XCOM_DIR", "/airflow/xcom")
-    line = json.dumps(manifest, sort_keys=True, default=str)
+def emit(manifest: WorkerManifest | FailureManifest | dict) -> None:
+    """Print the manifest as the last stdout line (and write the XCom file); a dict is validated first."""
+    if isinstance(manifest, dict):
+        manifest = read_manifest(manifest)
+    xcom_dir = envs.XCOM_DIR.get()
+    line = json.dumps(manifest.dump(), sort_keys=True)
     if os.path.isdir(xcom_dir):
         with open(os.path.join(xcom_dir, "return.json"), "w", encoding="utf-8") as f:
             f.write(line)
@@ -35,9 +40,9 @@ def stalled(idle_s: float) -> None:
     """
     msg = f"no progress for {idle_s:.0f} s: the engine or storage hangs; a retry resumes from committed chunks"
     try:
-        emit({"status": "failed", "error": "Stalled", "message": msg, "terminal": False})
+        emit(FailureManifest(status="failed", error="Stalled", message=msg, terminal=False))
     finally:
-        exit_hard(EXIT_TRANSIENT)
+        exit_hard(ExitCode.TRANSIENT)
 
 
 def exit_hard(code: int) -> None:
@@ -78,7 +83,7 @@ def orphaned() -> None:
     from airflow_provider_vllm.worker.redact import drain
 
     drain(1.0)
-    os._exit(EXIT_TRANSIENT)
+    os._exit(ExitCode.TRANSIENT)
 
 
 def kill_children() -> None:

@@ -11,12 +11,14 @@ from __future__ import annotations
 import os
 import sys
 
-HARDWARE_ENV = "VLLM_BATCH_HARDWARE"
+from airflow_provider_vllm.core import envs
+
+HARDWARE_ENV = envs.HARDWARE.name
 
 
 def hardware_id(tensor_parallel_size: int = 1) -> str:
     """The hardware name for one model replica of ``tensor_parallel_size`` devices."""
-    forced = os.environ.get(HARDWARE_ENV, "").strip()
+    forced = envs.HARDWARE.get()
     if forced:
         return forced
     gpu = _gpu_name()

@@ -48,12 +48,12 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
+from airflow_provider_vllm.core import envs
 from airflow_provider_vllm.core.errors import TransientError
 
-PARENT_ENV = "VLLM_BATCH_PARENT_PID"
-LOCK_DIR_ENV = "VLLM_BATCH_LOCK_DIR"
-LOCK_WAIT_ENV = "VLLM_BATCH_LOCK_WAIT_S"
-DEFAULT_LOCK_WAIT_S = 600.0
+PARENT_ENV = envs.PARENT_PID.name
+LOCK_DIR_ENV = envs.LOCK_DIR.name
+LOCK_WAIT_ENV = envs.LOCK_WAIT_S.name
 STALE_KILL_WAIT_S = 60.0
 PR_SET_PDEATHSIG = 1
 
@@ -61,7 +61,7 @@ log = logging.getLogger("airflow_provider_vllm.worker")
 
 
 def expected_parent(env: Mapping[str, str] | None = None) -> int | None:
-    raw = (os.environ if env is None else env).get(PARENT_ENV, "").strip()
+    raw = envs.PARENT_PID.get(env)
     try:
         return int(raw) if raw else None
     except ValueError:
@@ -143,8 +143,7 @@ def group_has_members(pgid: int) -> bool:
 
 # ---- the per-shard lock ----------------------------------------------------------------
 def lock_dir(env: Mapping[str, str] | None = None) -> str:
-    env = os.environ if env is None else env
-    path = env.get(LOCK_DIR_ENV) or os.path.join(tempfile.gettempdir(), f"vllm-batch-locks-{os.getuid()}")
+    path = envs.LOCK_DIR.get(env) or os.path.join(tempfile.gettempdir(), f"vllm-batch-locks-{os.getuid()}")
     try:
         os.makedirs(path, mode=0o700, exist_ok=True)
         st = os.lstat(path)
@@ -273,11 +272,10 @@ _HELD: list[ShardLock] = []  # kept for the process's life: closing the fd would
 
 def hold_shard_lock(output_uri: str, shard_id: str, env: Mapping[str, str] | None = None) -> ShardLock | None:
     """Take the shard's host-local lock when this worker was started by the local runner; else None."""
-    env = os.environ if env is None else env
     parent = expected_parent(env)
     if parent is None:
         return None
     lock = ShardLock(lock_path(output_uri, shard_id, env), shard_id, parent)
-    lock.acquire(float(env.get(LOCK_WAIT_ENV) or DEFAULT_LOCK_WAIT_S))
+    lock.acquire(float(envs.LOCK_WAIT_S.get(env)))
     _HELD.append(lock)
     return lock

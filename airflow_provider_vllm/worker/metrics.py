@@ -24,15 +24,16 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from airflow_provider_vllm.core import envs
 from airflow_provider_vllm.core.errors import SpecError
 
 log = logging.getLogger("airflow_provider_vllm.worker")
 
-ENV_PUSHGATEWAY = "VLLM_BATCH_METRICS_PUSHGATEWAY"
-ENV_TEXTFILE_DIR = "VLLM_BATCH_METRICS_TEXTFILE_DIR"
-ENV_INTERVAL = "VLLM_BATCH_METRICS_INTERVAL_S"
-ENV_JOB = "VLLM_BATCH_METRICS_JOB"
-ENV_RUN = "VLLM_BATCH_RUN_ID"
+ENV_PUSHGATEWAY = envs.METRICS_PUSHGATEWAY.name
+ENV_TEXTFILE_DIR = envs.METRICS_TEXTFILE_DIR.name
+ENV_INTERVAL = envs.METRICS_INTERVAL_S.name
+ENV_JOB = envs.METRICS_JOB.name
+ENV_RUN = envs.RUN_ID.name
 PREFIX = "vllm_batch_"
 LABELS = ("batch_job", "run", "shard", "attempt")
 
@@ -51,14 +52,13 @@ class MetricsConfig(BaseModel):
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> MetricsConfig | None:
         """The config from the environment; None (metrics off) when no exporter is named."""
-        env = os.environ if environ is None else environ
-        push, textdir = env.get(ENV_PUSHGATEWAY) or None, env.get(ENV_TEXTFILE_DIR) or None
+        push, textdir = envs.METRICS_PUSHGATEWAY.get(environ), envs.METRICS_TEXTFILE_DIR.get(environ)
         if push is None and textdir is None:
             return None
         doc: dict[str, Any] = {"pushgateway": push, "textfile_dir": textdir}
-        for key, var in (("interval_s", ENV_INTERVAL), ("job", ENV_JOB), ("run", ENV_RUN)):
-            if env.get(var):
-                doc[key] = env[var]
+        for key, var in (("interval_s", envs.METRICS_INTERVAL_S), ("job", envs.METRICS_JOB), ("run", envs.RUN_ID)):
+            if var.get(environ) is not None:
+                doc[key] = var.get(environ)
         try:
             return cls.model_validate(doc)
         except ValidationError as e:

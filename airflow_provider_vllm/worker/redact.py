@@ -27,14 +27,15 @@ import threading
 import time
 from collections.abc import Mapping
 
+from airflow_provider_vllm.core import envs
+
 SECRET_ENV = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|API_KEY|ACCESS_KEY|PRIVATE_KEY|SAS)", re.I)
 MIN_SECRET_CHARS = 6  # shorter values would mask ordinary words
 
 
 def secret_values(env: Mapping[str, str] | None = None) -> list[str]:
     """Values of environment variables whose names say they hold secrets, longest first."""
-    source: Mapping[str, str] = os.environ if env is None else env
-    vals = {v for k, v in source.items() if SECRET_ENV.search(k) and len(v) >= MIN_SECRET_CHARS}
+    vals = {v for k, v in envs.environ(env).items() if SECRET_ENV.search(k) and len(v) >= MIN_SECRET_CHARS}
     return sorted(vals, key=len, reverse=True)
 
 

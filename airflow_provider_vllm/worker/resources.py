@@ -17,6 +17,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
+from airflow_provider_vllm.core import envs
+
 log = logging.getLogger("airflow_provider_vllm.worker")
 
 MB = 1024 * 1024
@@ -58,7 +60,7 @@ def load_nvml():
 def _visible_gpus(nvml) -> list[int]:
     """NVML indices of the GPUs this process may use (CUDA_VISIBLE_DEVICES when it lists indices)."""
     n = nvml.nvmlDeviceGetCount()
-    vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+    vis = envs.CUDA_VISIBLE_DEVICES.get()
     if vis is not None and vis.strip():
         parts = [p.strip() for p in vis.split(",") if p.strip()]
         if all(p.isdigit() for p in parts):

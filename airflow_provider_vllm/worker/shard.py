@@ -20,7 +20,7 @@ import pyarrow.compute as pc
 
 from airflow_provider_vllm import __version__
 from airflow_provider_vllm.core import faults
-from airflow_provider_vllm.core.commit import ChunkMeta, ShardStore, new_attempt_id
+from airflow_provider_vllm.core.commit import ChunkMeta, CommitMarker, FileEntry, ShardStore, new_attempt_id
 from airflow_provider_vllm.core.datasets import (
     RowBatch,
     check_unchanged,
@@ -29,8 +29,9 @@ from airflow_provider_vllm.core.datasets import (
     read_jsonl_range,
     read_parquet_range,
 )
-from airflow_provider_vllm.core.errors import InputChangedError, SpecError
+from airflow_provider_vllm.core.errors import InputChangedError, SpecError, TransientError
 from airflow_provider_vllm.core.plan import Plan, ShardPlan, estimate_tokens, load_plan
+from airflow_provider_vllm.core.records import ShardStats, WorkerManifest
 from airflow_provider_vllm.core.rows import INVALID_ROW, rows_table
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import Storage
@@ -68,7 +69,7 @@ def start_limits(spec: JobSpec, carried: dict[str, int] | None) -> JobSpec:
 
 def run_shard(task: ShardTask, engine_factory: Callable[[JobSpec], Any] | None = None,
               on_stall: Callable[[float], None] | None = None) -> dict[str, Any]:
-    """Process one shard; returns the manifest (also the XCom value). Idempotent.
+    """Process one shard; returns the manifest as JSON data (``WorkerManifest.dump()``, also the XCom value). Idempotent.
 
     The engine runs behind ``GuardedEngine`` (OOM back-off, engine death -> EngineError). A
     progress ``Watchdog`` (``spec.worker.watchdog_s``; ``on_stall`` default: exit 75) covers every
@@ -93,7 +94,7 @@ def _run_shard(task: ShardTask, engine_factory: Callable[[JobSpec], Any] | None,
     committed = store.marker()
     watchdog.beat()
     if committed is not None:
-        log.info("shard %s already committed by attempt %s: nothing to do", shard.shard_id, committed["attempt_id"])
+        log.info("shard %s already committed by attempt %s: nothing to do", shard.shard_id, committed.attempt_id)
         return _manifest(committed, status="already_committed")
 
     attempt = task.attempt_id or new_attempt_id()
@@ -108,8 +109,9 @@ def _run_shard(task: ShardTask, engine_factory: Callable[[JobSpec], Any] | None,
 
     chunk_rows = spec.sharding.chunk_rows
     n_chunks = max(1, -(-shard.rows // chunk_rows)) if shard.rows else 0
-    metas = {k: ChunkMeta(shard.shard_id, k, k * chunk_rows, min(chunk_rows, shard.rows - k * chunk_rows),
-                          plan.config_hash) for k in range(n_chunks)}
+    metas = {k: ChunkMeta(shard_id=shard.shard_id, chunk=k, first_row=k * chunk_rows,
+                          rows=min(chunk_rows, shard.rows - k * chunk_rows), config_hash=plan.config_hash)
+             for k in range(n_chunks)}
     reused = store.reusable_chunks(metas, beat=watchdog.beat)
     todo = [k for k in range(n_chunks) if k not in reused]
     log.info("shard %s attempt %s: %d rows in %d chunks, %d reused from earlier attempts",
@@ -151,32 +153,34 @@ def _run_shard(task: ShardTask, engine_factory: Callable[[JobSpec], Any] | None,
         **telemetry.finish(),
     )
     entries = [files[k] for k in range(n_chunks)]
-    marker = {
-        "shard_id": shard.shard_id,
-        "attempt_id": attempt,
-        "config_hash": plan.config_hash,
-        "spec_hash": plan.spec_hash,
-        "plan_fingerprint": plan.fingerprint,
-        "files": entries,
-        "rows": sum(e["rows"] for e in entries),
-        "ok_rows": sum(e["ok_rows"] for e in entries),
-        "error_rows": sum(e["error_rows"] for e in entries),
-        "stats": stats,
-        "versions": {"airflow-provider-vllm": __version__, "vllm": engine_version,
-                     "python": platform.python_version(), "model": spec.model.name,
-                     "model_revision": spec.model.revision},
-        "committed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-    if marker["rows"] != shard.rows:
-        raise InputChangedError(f"shard {shard.shard_id}: chunks hold {marker['rows']} rows, plan {shard.rows}")
+    marker = CommitMarker(
+        shard_id=shard.shard_id,
+        attempt_id=attempt,
+        config_hash=plan.config_hash,
+        spec_hash=plan.spec_hash,
+        plan_fingerprint=plan.fingerprint,
+        files=entries,
+        rows=sum(e.rows for e in entries),
+        ok_rows=sum(e.ok_rows for e in entries),
+        error_rows=sum(e.error_rows for e in entries),
+        stats=ShardStats.model_validate(stats),
+        versions={"airflow-provider-vllm": __version__, "vllm": engine_version,
+                  "python": platform.python_version(), "model": spec.model.name,
+                  "model_revision": spec.model.revision},
+        committed_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    )
+    if marker.rows != shard.rows:
+        raise InputChangedError(f"shard {shard.shard_id}: chunks hold {marker.rows} rows, plan {shard.rows}")
     watchdog.beat()
     if store.commit(marker):
         log.info("shard %s committed by attempt %s: %d ok, %d errors",
-                 shard.shard_id, attempt, marker["ok_rows"], marker["error_rows"])
+                 shard.shard_id, attempt, marker.ok_rows, marker.error_rows)
         return _manifest(marker, status="committed")
-    winner = store.marker() or {}
+    winner = store.marker()
+    if winner is None:  # create_only refused but no marker: storage lost it; a retry commits again
+        raise TransientError(f"shard {shard.shard_id}: the commit marker was refused but cannot be read back")
     log.info("shard %s was committed first by attempt %s; this attempt's files are ignored",
-             shard.shard_id, winner.get("attempt_id"))
+             shard.shard_id, winner.attempt_id)
     return _manifest(winner, status="already_committed")
 
 
@@ -196,16 +200,9 @@ def _default_engine(spec: JobSpec):
     return Engine(spec)
 
 
-def _manifest(marker: dict[str, Any], status: str) -> dict[str, Any]:
-    return {
-        "status": status,
-        "shard_id": marker.get("shard_id"),
-        "attempt_id": marker.get("attempt_id"),
-        "rows": marker.get("rows"),
-        "ok_rows": marker.get("ok_rows"),
-        "error_rows": marker.get("error_rows"),
-        "stats": marker.get("stats", {}),
-    }
+def _manifest(marker: CommitMarker, status: str) -> dict[str, Any]:
+    return WorkerManifest(status=status, shard_id=marker.shard_id, attempt_id=marker.attempt_id, rows=marker.rows,
+                          ok_rows=marker.ok_rows, error_rows=marker.error_rows, stats=marker.stats).dump()
 
 
 # ---- reading ------------------------------------------------------------------------
@@ -272,7 +269,7 @@ class _ChunkRunner:
         self.completion_tokens = 0
         self.depth = max(MIN_QUEUE, 4 * (spec.engine.max_num_seqs or 256))
 
-    def run(self, todo: list[int]) -> dict[int, dict[str, Any]]:
+    def run(self, todo: list[int]) -> dict[int, FileEntry]:
         self.progress.total = sum(self.metas[k].rows for k in todo)
         self.progress.restart()
         if self.spec.task in ("embed", "classify"):
@@ -298,10 +295,10 @@ class _ChunkRunner:
         return {"id": self.batch.ids[i], "status": "error", "error_code": code, "error_message": message,
                 **self.prov}
 
-    def _generate(self, todo: list[int]) -> dict[int, dict[str, Any]]:
+    def _generate(self, todo: list[int]) -> dict[int, FileEntry]:
         records: dict[int, dict[int, dict]] = {k: {} for k in todo}
         submitted: dict[int, tuple[float, bool]] = {}
-        files: dict[int, dict[str, Any]] = {}
+        files: dict[int, FileEntry] = {}
         queue = [(k, i) for k in todo for i in range(self.metas[k].first_row,
                                                      self.metas[k].first_row + self.metas[k].rows)]
         pos = 0
@@ -359,7 +356,7 @@ class _ChunkRunner:
         files[k] = self.store.write_chunk(self.attempt, meta, rows_table(rows))
         del records[k]
 
-    def _pool_chunk(self, k: int) -> dict[str, Any]:
+    def _pool_chunk(self, k: int) -> FileEntry:
         meta = self.metas[k]
         rows: dict[int, dict] = {}
         ok: list[tuple[int, Prepared]] = []

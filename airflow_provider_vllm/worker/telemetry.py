@@ -7,30 +7,29 @@ into the marker's ``stats`` (progress line count, peak RSS, GPU peaks).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import Any
 
+from airflow_provider_vllm.core import envs
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.worker.metrics import MetricsConfig
 from airflow_provider_vllm.worker.progress import Progress
 from airflow_provider_vllm.worker.resources import ResourceSampler
 
-ENV_SAMPLE_S = "VLLM_BATCH_RESOURCE_SAMPLE_S"
+ENV_SAMPLE_S = envs.RESOURCE_SAMPLE_S.name
 
 
 class ShardTelemetry:
     def __init__(self, spec: JobSpec, shard_id: str, attempt_id: str, total: int, interval: float,
                  environ: Mapping[str, str] | None = None):
-        env = os.environ if environ is None else environ
-        cfg = MetricsConfig.from_env(env)
+        cfg = MetricsConfig.from_env(environ)
         self.metrics = None
         if cfg is not None:
             from airflow_provider_vllm.worker.metrics import ShardMetrics
 
             self.metrics = ShardMetrics(cfg, batch_job=spec.name, run=cfg.run or spec.content_hash()[:12],
                                         shard_id=shard_id, attempt_id=attempt_id)
-        self.resources = ResourceSampler.start(interval=float(env.get(ENV_SAMPLE_S) or 2.0))
+        self.resources = ResourceSampler.start(interval=float(envs.RESOURCE_SAMPLE_S.get(environ)))
         self.progress = Progress(shard_id, total, interval, on_update=self._on_progress if self.metrics else None)
 
     def _on_progress(self, progress: Progress, final: bool) -> None:

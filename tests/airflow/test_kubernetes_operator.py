@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from kubernetes.client import ApiClient
 
+from airflow_provider_vllm.core.exit_codes import ExitCode
 from tests.airflow.k8s_context import create_context, unreachable_cluster
 from tests.support.data import make_spec
 from tests.support.ledger import record_malicious
@@ -252,7 +253,12 @@ def test_worker_exit_codes_map_to_fail_or_retry(monkeypatch):
         assert not isinstance(e.value, AirflowFailException)
     assert worker_exit_code(pod_exited(2), "base") == 2 and worker_exit_code(pod, "base") is None
     monkeypatch.setattr(KubernetesPodOperator, "cleanup", lambda *a, **k: None)
-    op.cleanup(pod, pod_exited(0))  # success passes through
+    done = {"status": "committed", "shard_id": SHARD["shard_id"], "attempt_id": "a1", "rows": 5, "ok_rows": 5,
+            "error_rows": 0, "stats": {}}
+    op.cleanup(pod, pod_exited(0), xcom_result=done)  # success passes through
+    with pytest.raises(AirflowException, match="exited 0 without its manifest") as e:  # as the local runner
+        op.cleanup(pod, pod_exited(0), xcom_result={"status": "committed", "shard_id": "another"})
+    assert not isinstance(e.value, AirflowFailException)
 
 
 def test_kpo_failure_class_is_the_one_the_operator_catches():
@@ -432,3 +438,52 @@ def test_pod_identity_from_a_variable_needs_the_deployments_opt_in_and_never_com
     op = rendered_operator("{{ params.pod }}", json.dumps({"image": "evil/x"}))
     with pytest.raises(AirflowFailException, match="trigger params"):
         op.prepare_pod()
+
+
+@pytest.mark.parametrize("code", [*ExitCode, 1, 137, -9])
+def test_both_runners_map_every_exit_code_through_the_one_table(monkeypatch, code):
+    """The local runner and the Kubernetes operator end a shard the same way for each exit code, as
+    ``core/exit_codes.py`` says: success returns the manifest, FAIL -> AirflowFailException, RETRY -> retried."""
+    from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
+    from airflow.sdk.exceptions import AirflowException, AirflowFailException
+    from kubernetes.client import models as k8s
+
+    from airflow_provider_vllm.core.exit_codes import Outcome, outcome
+    from airflow_provider_vllm.operators.local_runner import WorkerResult
+    from airflow_provider_vllm.operators.shard import VllmLocalShardOperator
+
+    shard_id = SHARD["shard_id"]
+    if outcome(code) is Outcome.SUCCESS:
+        doc = {"status": "committed", "shard_id": shard_id, "attempt_id": "a1", "rows": 5, "ok_rows": 5,
+               "error_rows": 0, "stats": {}}
+    else:
+        doc = {"status": "failed", "error": "SpecError", "message": "bad", "terminal": code == 2}
+    local = VllmLocalShardOperator(task_id="local", spec={}, shard=SHARD)
+    state = k8s.V1ContainerState(terminated=k8s.V1ContainerStateTerminated(exit_code=code))
+    pod_done = k8s.V1Pod(status=k8s.V1PodStatus(phase="Failed" if code else "Succeeded", container_statuses=[
+        k8s.V1ContainerStatus(name="base", state=state, image="i", image_id="", ready=False, restart_count=0)]))
+
+    def kpo_cleanup(self, pod, remote_pod, xcom_result=None, context=None):
+        if code != 0:
+            raise AirflowException("Pod p returned a failure.")  # what KPO's cleanup raises
+
+    monkeypatch.setattr(KubernetesPodOperator, "cleanup", kpo_cleanup)
+    kube = operator()
+
+    def ending(run):
+        try:
+            return run(), None
+        except AirflowException as e:
+            return None, type(e)
+
+    local_value, local_exc = ending(lambda: local._outcome(shard_id, WorkerResult(code, doc, [])))
+    _, kube_exc = ending(lambda: kube.cleanup(k8s.V1Pod(metadata=k8s.V1ObjectMeta(name="p")), pod_done,
+                                              xcom_result=doc))
+    expected = {Outcome.SUCCESS: None, Outcome.FAIL: AirflowFailException, Outcome.RETRY: AirflowException}
+    assert local_exc is kube_exc is expected[outcome(code)]
+    if local_exc is None:
+        assert local_value == doc
+        # success without this shard's manifest: retried by both
+        _, local_exc = ending(lambda: local._outcome(shard_id, WorkerResult(code, None, [])))
+        _, kube_exc = ending(lambda: kube.cleanup(k8s.V1Pod(metadata=k8s.V1ObjectMeta(name="p")), pod_done))
+        assert local_exc is kube_exc is AirflowException

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pyarrow as pa
@@ -11,7 +10,7 @@ from airflow_provider_vllm.core import duck
 from airflow_provider_vllm.core.plan import load_plan
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
-from airflow_provider_vllm.steps.merge import ERRORS, MERGED, RESULTS
+from airflow_provider_vllm.steps.merge import ERRORS, RESULTS, read_merged
 from airflow_provider_vllm.steps.qa.evaluate import evaluate
 from airflow_provider_vllm.steps.qa.report import QAReport
 from airflow_provider_vllm.steps.qa.store import load_report, write_qa
@@ -39,7 +38,7 @@ def qa_run(spec: JobSpec, filesystems: FileSystems | None = None) -> tuple[QARep
         ).to_arrow_table()
     finally:
         con.close()
-    merged = json.loads(out.read_bytes(MERGED))
+    merged = read_merged(out)
     previous = None
     if spec.qa.previous_report_uri:
         previous = load_report(spec.qa.previous_report_uri, spec.io.storage_options, filesystems)
@@ -50,11 +49,11 @@ def qa_run(spec: JobSpec, filesystems: FileSystems | None = None) -> tuple[QARep
         spec=spec.qa,
         labels=list(st.choice) if st is not None and st.choice else None,
         structured=st is not None,
-        shard_stats=merged.get("shard_stats"),
+        shard_stats=[s.dump() for s in merged.shard_stats] if merged.shard_stats is not None else None,
         previous=previous,
-        duplicates=merged.get("duplicates"),
+        duplicates=merged.duplicates.dump(),
         run_info={"job": spec.name, "model": spec.model.name, "output_uri": spec.io.output_uri,
-                  "config_hash": merged.get("config_hash"), "rows": merged.get("rows")},
+                  "config_hash": merged.config_hash, "rows": merged.rows},
     )
     report.sample = _with_input_excerpt(spec, report.sample, out)
     paths = write_qa(report, out)

@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
 
-from airflow_provider_vllm.core.commit import _CHUNK_RE, MARKER, ChunkMeta, ShardStore
+from airflow_provider_vllm.core.commit import _CHUNK_RE, MARKER, ChunkMeta, CommitMarker, ShardStore
 from airflow_provider_vllm.core.errors import CommitError
 from airflow_provider_vllm.core.plan import PLAN_FILE
 from airflow_provider_vllm.core.rows import rows_table
@@ -86,7 +86,8 @@ class CommitProtocol(RuleBasedStateMachine):
     # ---- helpers ----------------------------------------------------------------------
     def metas(self, shard_id: str) -> dict[int, ChunkMeta]:
         n = len(self.rows[shard_id])
-        return {k: ChunkMeta(shard_id, k, k * CHUNK_ROWS, min(CHUNK_ROWS, n - k * CHUNK_ROWS), self.plan.config_hash)
+        return {k: ChunkMeta(shard_id=shard_id, chunk=k, first_row=k * CHUNK_ROWS,
+                             rows=min(CHUNK_ROWS, n - k * CHUNK_ROWS), config_hash=self.plan.config_hash)
                 for k in range(-(-n // CHUNK_ROWS))}
 
     def table(self, shard_id: str, attempt: str, meta: ChunkMeta):
@@ -148,10 +149,11 @@ class CommitProtocol(RuleBasedStateMachine):
             own[k] = store.chunk_rel(attempt, k)
         files = {**reused, **own}
         entries = [store.file_entry(files[k]) for k in sorted(files)]
-        marker = {"shard_id": shard_id, "attempt_id": attempt, "config_hash": self.plan.config_hash,
-                  "files": entries, "rows": sum(e["rows"] for e in entries),
-                  "ok_rows": sum(e["ok_rows"] for e in entries), "error_rows": sum(e["error_rows"] for e in entries),
-                  "stats": {}}
+        marker = CommitMarker(shard_id=shard_id, attempt_id=attempt, config_hash=self.plan.config_hash,
+                              spec_hash=self.plan.spec_hash, plan_fingerprint=self.plan.fingerprint,
+                              files=entries, rows=sum(e.rows for e in entries),
+                              ok_rows=sum(e.ok_rows for e in entries), error_rows=sum(e.error_rows for e in entries),
+                              stats={}, committed_at="2026-11-30T00:00:00Z")
         first = shard_id not in self.markers
         won = store.commit(marker)
         assert won == first, "create-only: exactly the first commit of a shard wins"

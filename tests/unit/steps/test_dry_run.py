@@ -119,7 +119,10 @@ def test_report_with_history_and_the_cli(tmp_path, capsys):
     hist.mkdir()
     rec = {"version": HISTORY_VERSION, "model": "fake", "task": "chat", "tensor_parallel_size": 1,
            "hardware": "1x NVIDIA H200", "config_hash": spec.output_hash(), "rows": 600, "infer_s": 600.0,
-           "prompt_tokens": 60_000, "completion_tokens": 1200, "engine_start_s": 90.0}
+           "prompt_tokens": 60_000, "completion_tokens": 1200, "engine_start_s": 90.0,
+           # the rest of a record as merge writes it (a history line is validated as a ThroughputRecord)
+           "recorded_at": "2026-11-28T00:00:00Z", "job": "job", "spec_hash": "s" * 64, "shards": 2,
+           "rows_per_s": 1.0, "tokens_per_s": 102.0, "prompt_tokens_per_row": 100.0, "completion_tokens_per_row": 2.0}
     (hist / "20261128T000000Z-a-b.jsonl").write_text(json.dumps(rec) + "\n")
     r = dry_run_report(spec, model_config=LLAMA3_8B)
     # 1 row/s from the same job; 10-minute shards, 90 s start -> ceil(1000 / 510) = 2 shards

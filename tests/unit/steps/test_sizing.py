@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from airflow_provider_vllm.core.records import ThroughputRecord
 from airflow_provider_vllm.steps.merge import merge_run
 from airflow_provider_vllm.steps.plan import DEFAULT_TARGET_ROWS, build_plan, plan_job
 from airflow_provider_vllm.steps.sizing import (
@@ -29,13 +30,14 @@ def record(spec, **over):
          "tokens_per_s": 1520.0, "prompt_tokens_per_row": 150.0, "completion_tokens_per_row": 2.0,
          "est_prompt_tokens_per_row": 20.0}
     r.update(over)
-    return r
+    return ThroughputRecord.model_validate(r)
 
 
 def write_history(folder, files: dict[str, list[dict]]):
     folder.mkdir(parents=True, exist_ok=True)
     for name, recs in files.items():
-        (folder / name).write_text("".join(json.dumps(r) + "\n" for r in recs))
+        (folder / name).write_text("".join(json.dumps(r.dump() if isinstance(r, ThroughputRecord) else r) + "\n"
+                                           for r in recs))
 
 
 def spec_with_history(tmp_path, **sharding):
@@ -58,10 +60,10 @@ def test_history_round_trip_merge_writes_a_record_that_the_next_plan_reads(tmp_p
     files = sorted((tmp_path / "history").glob("*.jsonl"))
     assert len(files) == 1 and summary["history_record"].endswith(files[0].name)
     (rec,) = read_history(str(tmp_path / "history"))
-    assert rec["rows"] == n and rec["shards"] == 3 and rec["model"] == "fake" and rec["task"] == "chat"
-    assert rec["config_hash"] == spec.output_hash() and rec["hardware"] == marker["stats"]["hardware"]
-    assert rec["completion_tokens_per_row"] == 2.0  # the fake engine's two tokens per row
-    assert rec["prompt_tokens"] == sum(json.loads(
+    assert rec.rows == n and rec.shards == 3 and rec.model == "fake" and rec.task == "chat"
+    assert rec.config_hash == spec.output_hash() and rec.hardware == marker["stats"]["hardware"]
+    assert rec.completion_tokens_per_row == 2.0  # the fake engine's two tokens per row
+    assert rec.prompt_tokens == sum(json.loads(
         (tmp_path / "out" / "shards" / s.shard_id / "_COMMITTED.json").read_text())["stats"]["prompt_tokens"]
         for s in plan.shards)
     # re-merging the run replaces its record instead of adding a second one
@@ -157,7 +159,7 @@ def test_read_history_skips_bad_lines_and_files(tmp_path):
                       "20261128T030000Z-a-b.jsonl": [record(spec, rows=8), {"version": 99, "rows": 1, "infer_s": 1}]})
     (h / "20261129T030000Z-c-d.jsonl").write_text('not json\n{"version": 1, "rows": 0, "infer_s": 1}\n[1, 2]\n')
     (h / "notes.txt").write_text("ignored")
-    assert [r["rows"] for r in read_history(str(h))] == [8, 7]  # newest file first
+    assert [r.rows for r in read_history(str(h))] == [8, 7]  # newest file first
     assert read_history(str(tmp_path / "absent")) == []
 
 
@@ -181,7 +183,7 @@ def test_history_on_s3(tmp_path, fake_engine_factory, monkeypatch):
             run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
         merge_run(spec)
         (rec,) = read_history("s3://hist/throughput", opts)
-        assert rec["rows"] == 40 and rec["shards"] == 2
+        assert rec.rows == 40 and rec.shards == 2
 
 
 def test_unreadable_history_falls_back_with_a_warning(tmp_path, caplog):

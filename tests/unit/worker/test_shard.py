@@ -187,13 +187,14 @@ def test_merge_verification_catches_a_lost_row(tmp_path, fake_engine_factory):
     store = ShardStore(__import__("airflow_provider_vllm.core.storage", fromlist=["Storage"]).Storage(
         str(tmp_path / "out")), shard.shard_id)
     marker = store.marker()
-    rel = marker["files"][0]["path"]
+    rel = marker.files[0].path
     t = pq.read_table(tmp_path / "out" / rel)
     t = t.filter(pa.compute.not_equal(t.column("id"), "r7"))
     t = pa.concat_tables([t, t.slice(0, 1)])  # same count, r0 twice, r7 lost
     pq.write_table(t, tmp_path / "out" / rel)
-    marker["files"][0].update(bytes=(tmp_path / "out" / rel).stat().st_size, sha256=store.out.sha256(rel))
-    (tmp_path / "out" / "shards" / shard.shard_id / MARKER).write_text(json.dumps(marker))
+    marker.files[0] = marker.files[0].model_copy(update={"bytes": (tmp_path / "out" / rel).stat().st_size,
+                                                          "sha256": store.out.sha256(rel)})
+    (tmp_path / "out" / "shards" / shard.shard_id / MARKER).write_text(json.dumps(marker.dump()))
     with pytest.raises(VerificationError, match=r"1 missing \(e.g. \['r7'\]\)"):
         merge_run(spec)
 
