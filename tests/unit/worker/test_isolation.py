@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from airflow_provider_vllm.core.errors import EngineError, SpecError
-from airflow_provider_vllm.core.openai_batch import RequestFault, parse_chat_body, parse_embeddings_body
+from airflow_provider_vllm.core.formats.openai_requests import RequestFault, parse_chat_body, parse_embeddings_body
 from airflow_provider_vllm.steps.merge import merge_run
 from airflow_provider_vllm.steps.plan import plan_job
 from airflow_provider_vllm.worker.engine import sampling_params
