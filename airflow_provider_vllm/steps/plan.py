@@ -1,8 +1,9 @@
 """The planner: validate the input once, group its rows into shards, write the plan manifest.
 
 Deterministic: the same input files (same sizes and versions) and the same spec give the
-same shards with the same ids. Parquet inputs are planned from footers plus the id column
-(and the text columns only when length bucketing is on); JSONL inputs take one pass.
+same shards with the same ids. The input is read only through its format
+(``core.formats.input_format``: ``scan`` checks the ids and sizes the rows); the planner
+cuts the sized rows into shards.
 """
 
 from __future__ import annotations

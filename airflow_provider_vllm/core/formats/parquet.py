@@ -78,10 +78,11 @@ class ParquetFormat(InputFormat):
 
 
 def _text_chars(table: pa.Table, texts: list[str]) -> np.ndarray:
-    """Per row: the characters of its text columns (null: 0)."""
+    """Per row: the characters of its text columns (null, and a column of type null: 0)."""
     total = np.zeros(table.num_rows, dtype=np.int64)
     for c in texts:
-        total += pc.fill_null(pc.utf8_length(table.column(c)), 0).to_numpy()
+        if not pa.types.is_null(table.column(c).type):  # utf8_length has no kernel for it
+            total += pc.fill_null(pc.utf8_length(table.column(c)), 0).to_numpy()
     return total
 
 
