@@ -110,36 +110,33 @@ def recorded_stacks(within: str | None = None):
         sys.setprofile(None)
 
 
-def _inputs(d: Path, fmt: str) -> dict:
+FORMATS = ["parquet", "jsonl", "openai_batch"]
+SHARDING = {"target_rows": 4, "long_row_tokens": 30}  # several shards, long rows apart
+
+
+def _write_input(d: Path, fmt: str) -> None:
     """An input of the format with every kind of row the planner and the reader treat apart."""
-    over: dict = {"sharding": {"target_rows": 4, "long_row_tokens": 30}}
     texts = [("long text " * 40 if i % 5 == 2 else f"ticket {i}") for i in range(12)]
     if fmt == "parquet":
         write_parquet(d / "a.parquet", [f"r{i}" for i in range(8)], texts[:8], row_group_size=3)
         write_parquet(d / "b.parquet", [f"r{i}" for i in range(8, 12)], texts[8:], row_group_size=3)
-        return over
+        return
     d.mkdir(parents=True)
     if fmt == "jsonl":
         lines = [json.dumps({"id": f"r{i}", "text": t}) for i, t in enumerate(texts)]
     else:
         lines = [json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
                              "body": {"messages": [{"role": "user", "content": t}]}}) for i, t in enumerate(texts)]
-        over["sampling"] = {"max_tokens": 8, "structured": None}
     lines.insert(3, "{not json")
     (d / "a.jsonl").write_text("\n".join(lines) + "\n")
-    return over
-
-
-FORMATS = ["parquet", "jsonl", "openai_batch"]
 
 
 def _spec(tmp_path: Path, fmt: str, run: str):
-    over = _inputs(tmp_path / "in", fmt) if not (tmp_path / "in").exists() else _OVER[fmt]
-    _OVER[fmt] = over
-    return make_spec(tmp_path / "in", tmp_path / run, **over)
-
-
-_OVER: dict[str, dict] = {}
+    """The job over ``tmp_path/in`` (written on first use) with its output in ``tmp_path/run``."""
+    if not (tmp_path / "in").exists():
+        _write_input(tmp_path / "in", fmt)
+    over = {"sampling": {"max_tokens": 8, "structured": None}} if fmt == "openai_batch" else {}
+    return make_spec(tmp_path / "in", tmp_path / run, sharding=SHARDING, **over)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
