@@ -11,8 +11,8 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from airflow_provider_vllm.core.datasets import InputFile
 from airflow_provider_vllm.core.errors import SpecError
+from airflow_provider_vllm.core.formats.files import InputFile
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
 

@@ -30,8 +30,9 @@ import pyarrow.parquet as pq
 from airflow_provider_vllm import __version__
 from airflow_provider_vllm.core import duck, faults
 from airflow_provider_vllm.core.commit import MARKER, CommitMarker, ShardStore
-from airflow_provider_vllm.core.datasets import check_unchanged, scan_jsonl
 from airflow_provider_vllm.core.errors import CommitError, VerificationError
+from airflow_provider_vllm.core.formats import input_format
+from airflow_provider_vllm.core.formats.files import check_unchanged
 from airflow_provider_vllm.core.plan import Plan, load_plan
 from airflow_provider_vllm.core.records import Duplicates, MergeSummary, ShardStatsEntry
 from airflow_provider_vllm.core.rows import ERROR_COLUMNS, RESULT_COLUMNS, ROW_SCHEMA
@@ -252,7 +253,7 @@ def register_input_ids(con: duckdb.DuckDBPyConnection, spec: JobSpec, plan: Plan
     ids: list[str] = []
     if plan.format != "parquet":
         for name in names:
-            ids += scan_jsonl(root, name, plan.format, spec.prompt.id_column, []).ids
+            ids += input_format(plan.format).file_ids(root, name, spec)
     con.register("input_ids", pa.table({"id": pa.array(ids, pa.string())}))
 
 
@@ -281,7 +282,7 @@ def verify(con: duckdb.DuckDBPyConnection, source: str, planned_rows: int) -> No
 
 def write_openai_outputs(out: Storage, spec: JobSpec, plan: Plan) -> dict[str, str]:
     """results/output.jsonl and results/errors.jsonl in the OpenAI Batch API line formats."""
-    from airflow_provider_vllm.core.openai_batch import error_line, response_line
+    from airflow_provider_vllm.core.openai_output import error_line, response_line
 
     for rel, fn in ((RESULTS, response_line), (ERRORS, error_line)):
         dest = OPENAI_OUT if rel == RESULTS else OPENAI_ERR

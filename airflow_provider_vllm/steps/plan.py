@@ -1,8 +1,9 @@
 """The planner: validate the input once, group its rows into shards, write the plan manifest.
 
 Deterministic: the same input files (same sizes and versions) and the same spec give the
-same shards with the same ids. Parquet inputs are planned from footers plus the id column
-(and the text columns only when length bucketing is on); JSONL inputs take one pass.
+same shards with the same ids. The input is read only through its format
+(``core.formats.input_format``: ``scan`` checks the ids and sizes the rows); the planner
+cuts the sized rows into shards.
 """
 
 from __future__ import annotations
@@ -17,19 +18,11 @@ from dataclasses import asdict
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from airflow_provider_vllm import __version__
-from airflow_provider_vllm.core.datasets import (
-    BLANK_ID_PATTERN,
-    describe_files,
-    detect_format,
-    fingerprint,
-    input_storage,
-    parquet_metadata,
-    scan_jsonl,
-)
-from airflow_provider_vllm.core.errors import DatasetError, SpecError
+from airflow_provider_vllm.core.errors import SpecError
+from airflow_provider_vllm.core.formats import input_format
+from airflow_provider_vllm.core.formats.files import find_input
 from airflow_provider_vllm.core.plan import PLAN_FILE, Plan, Segment, ShardPlan, estimate_tokens
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
@@ -118,25 +111,19 @@ def _store_name(spec: JobSpec) -> str:
 
 def build_plan(spec: JobSpec, filesystems: FileSystems | None = None, max_shards: int | None = None) -> Plan:
     """Validate the input and compute shards, without writing anything (see ``plan_job``)."""
-    root, names = input_storage(spec.io.input_uri, spec.io.storage_options, filesystems)
-    files = describe_files(root, names)
-    fmt = detect_format(root, names, spec.io.input_format)
+    found = find_input(spec.io.input_uri, spec.io.storage_options, spec.io.input_format, filesystems)
     sh = spec.sharding
     # Exact per-row lengths need the text columns; footers (dictionary-encoded pages make
     # them approximate) are enough when shards are sized by rows only.
     per_row = sh.long_row_tokens is not None or (sh.target_tokens is not None and sh.target_rows is None)
-    if fmt == "parquet":
-        ids, chars, file_rows, offsets, lines, invalid = _scan_parquet(root, names, spec, per_row)
-    else:
-        ids, chars, file_rows, offsets, lines, invalid = _scan_jsonl(root, names, fmt, spec)
-    _check_ids(ids, names, file_rows, lines)
-    total_rows = int(sum(file_rows))
-    tokens = estimate_tokens(chars, sh.chars_per_token) if len(chars) else np.zeros(0, np.int64)
-    fp = fingerprint(files)
+    scan = input_format(found.format).scan(found.root, found.names, spec, per_row)
+    total_rows = int(sum(scan.file_rows))
+    tokens = estimate_tokens(scan.chars, sh.chars_per_token) if len(scan.chars) else np.zeros(0, np.int64)
     sizing = size_shards(spec, total_rows, int(tokens.sum()) if len(tokens) else 0, filesystems=filesystems)
     cut_spec = spec if sizing is None else spec.model_copy(
         update={"sharding": spec.sharding.model_copy(update=sizing.sharding_update())})
-    shards = _cut(cut_spec, fp, tokens, np.asarray(file_rows, dtype=np.int64), offsets, lines)
+    shards = _cut(cut_spec, found.fingerprint, tokens, np.asarray(scan.file_rows, dtype=np.int64), scan.offsets,
+                  scan.lines)
     if max_shards is not None and len(shards) > max_shards:
         _refuse_shard_count(cut_spec, len(shards), max_shards, total_rows, int(tokens.sum()) if len(tokens) else 0,
                             from_history=sizing is not None)
@@ -144,12 +131,12 @@ def build_plan(spec: JobSpec, filesystems: FileSystems | None = None, max_shards
         spec_hash=spec.content_hash(),
         config_hash=spec.output_hash(),
         input_uri=spec.io.input_uri,
-        input_root=root.root,
-        format=fmt,
-        files=[f.to_dict() for f in files],
-        fingerprint=fp,
+        input_root=found.root.root,
+        format=found.format,
+        files=[f.to_dict() for f in found.files],
+        fingerprint=found.fingerprint,
         total_rows=total_rows,
-        invalid_lines=int(invalid),
+        invalid_lines=int(scan.invalid),
         est_tokens=int(tokens.sum()) if len(tokens) else 0,
         long_row_tokens=sh.long_row_tokens,
         chars_per_token=sh.chars_per_token,
@@ -175,139 +162,6 @@ def _refuse_shard_count(spec: JobSpec, n: int, limit: int, rows: int, tokens: in
         f"raise {setting}{how}, or set sharding.max_shards to at most {limit}, or raise [core] max_map_length "
         "(AIRFLOW__CORE__MAX_MAP_LENGTH)"
     )
-
-
-# ---- scanning -----------------------------------------------------------------------
-def _scan_parquet(root: Storage, names: list[str], spec: JobSpec, per_row: bool):
-    """Schema checks and row counts from footers; ids are checked by DuckDB, never loaded here."""
-    import pyarrow.parquet as pq
-
-    idc = spec.prompt.id_column
-    texts = spec.prompt.texts
-    needed = [idc] + [c for c in spec.prompt.columns if c != idc]
-    chars_parts, file_rows = [], []
-    first_schema = None
-    for name in names:
-        md = parquet_metadata(root, name)
-        schema = md.schema.to_arrow_schema()
-        missing = [c for c in needed if c not in schema.names]
-        if missing:
-            raise DatasetError(f"input file {name}: missing column(s) {missing}; it has {schema.names[:20]}")
-        id_type = schema.field(idc).type
-        if not (pa.types.is_string(id_type) or pa.types.is_large_string(id_type) or pa.types.is_integer(id_type)):
-            raise DatasetError(f"input file {name}: id column {idc!r} has type {id_type}; expected string or integer")
-        for c in texts:
-            t = schema.field(c).type
-            if not (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_null(t)):
-                raise DatasetError(f"input file {name}: text column {c!r} has type {t}; expected string")
-        if first_schema is None:
-            first_schema = schema
-        elif id_type != first_schema.field(idc).type:
-            raise DatasetError(f"input file {name}: id column type {id_type} differs from "
-                               f"{names[0]}'s {first_schema.field(idc).type}")
-        file_rows.append(md.num_rows)
-        if per_row:
-            with root.open(name) as f:
-                t = pq.read_table(f, columns=texts)
-            total = np.zeros(t.num_rows, dtype=np.int64)
-            for c in texts:
-                total += pc.fill_null(pc.utf8_length(t.column(c)), 0).to_numpy()
-            chars_parts.append(total)
-        else:
-            chars_parts.append(_chars_from_footer(md, texts, md.num_rows))
-    if sum(file_rows):
-        _check_parquet_ids(root, names, idc)
-    chars = np.concatenate(chars_parts) if chars_parts else np.zeros(0, np.int64)
-    return None, chars, file_rows, None, None, 0
-
-
-def _check_parquet_ids(root: Storage, names: list[str], idc: str) -> None:
-    from airflow_provider_vllm.core import duck
-
-    con = duck.connect(root)
-    try:
-        src = f"read_parquet({duck.file_list(root, names)}, filename = true, file_row_number = true)"
-        col = '"' + idc.replace('"', '""') + '"'
-        # distinct hashes == rows proves distinct ids; a shortfall pays for the exact count
-        blank = f"regexp_matches(CAST({col} AS VARCHAR), '{BLANK_ID_PATTERN}')"
-        n, nulls, distinct, empty = con.execute(
-            f"SELECT count(*), count(*) - count({col}), count(DISTINCT hash({col})), "
-            f"count(*) FILTER (WHERE {blank}) FROM {src}").fetchall()[0]
-        if not nulls and distinct != n:
-            distinct = con.execute(f"SELECT count(DISTINCT {col}) FROM {src}").fetchall()[0][0]
-        if nulls:
-            fname, row = con.execute(
-                f"SELECT filename, file_row_number FROM {src} WHERE {col} IS NULL LIMIT 1").fetchall()[0]
-            raise DatasetError(f"{nulls} row(s) have a null id; first at {fname.rsplit('/', 1)[-1]} row {row}")
-        if empty:
-            fname, row = con.execute(f"SELECT filename, file_row_number FROM {src} "
-                                     f"WHERE {blank} LIMIT 1").fetchall()[0]
-            raise DatasetError(f"{empty} row(s) have an empty id (empty or only whitespace) in column {idc!r}; "
-                               f"first at {fname.rsplit('/', 1)[-1]} row {row}")
-        if distinct != n:
-            dups = con.execute(f"SELECT {col}, count(*) AS k FROM {src} GROUP BY {col} HAVING k > 1 "
-                               f"ORDER BY k DESC, {col} LIMIT 5").fetchall()
-            at = con.execute(f"SELECT filename, file_row_number FROM {src} WHERE {col} = ? "
-                             "ORDER BY filename, file_row_number LIMIT 2", [dups[0][0]]).fetchall()
-            _raise_duplicates(n, distinct, dups, [f"{f.rsplit('/', 1)[-1]} row {r}" for f, r in at])
-    finally:
-        con.close()
-
-
-def _raise_duplicates(n: int, distinct: int, dups: list[tuple], first_at: list[str]) -> None:
-    examples = ", ".join(f"{str(r[0])!r} x{r[1]}" for r in dups)
-    raise DatasetError(f"{n - distinct} duplicate id(s) in the input ({n} rows, {distinct} distinct); e.g. "
-                       f"{examples}; {str(dups[0][0])!r} is at {' and '.join(first_at)}")
-
-
-def _chars_from_footer(md, texts: list[str], n: int) -> np.ndarray:
-    """Per-row character estimate from row-group column sizes (no data read)."""
-    out = np.zeros(n, dtype=np.int64)
-    pos = 0
-    names = [md.schema.column(i).path for i in range(md.num_columns)]
-    for g in range(md.num_row_groups):
-        rg = md.row_group(g)
-        size = sum(rg.column(names.index(c)).total_uncompressed_size for c in texts if c in names)
-        k = rg.num_rows
-        if k:
-            # uncompressed plain strings carry a 4-byte length prefix per value
-            out[pos:pos + k] = max(0, size // k - 4 * len(texts))
-        pos += k
-    return out
-
-
-def _scan_jsonl(root: Storage, names: list[str], fmt: str, spec: JobSpec):
-    ids: list[str] = []
-    chars, file_rows, offsets, lines = [], [], [], []
-    invalid = 0
-    for name in names:
-        s = scan_jsonl(root, name, fmt, spec.prompt.id_column, spec.prompt.texts)
-        ids += s.ids
-        chars.append(np.asarray(s.lengths, dtype=np.int64))
-        offsets.append(np.asarray(s.offsets, dtype=np.int64))
-        lines.append(np.asarray(s.line_numbers, dtype=np.int64))
-        file_rows.append(len(s.ids))
-        invalid += sum(s.invalid)
-    cat = lambda parts: np.concatenate(parts) if parts else np.zeros(0, np.int64)  # noqa: E731
-    return pa.chunked_array([pa.array(ids, pa.string())]), cat(chars), file_rows, cat(offsets), cat(lines), invalid
-
-
-def _check_ids(ids: pa.ChunkedArray | None, names: list[str], file_rows: list[int], lines: np.ndarray) -> None:
-    """Null and duplicate ids of a JSONL input (Parquet inputs are checked in _scan_parquet)."""
-    if ids is None or len(ids) == 0:
-        return
-    n = len(ids)
-    distinct = pc.count_distinct(ids).as_py()
-    if distinct != n:
-        import duckdb
-
-        tbl = pa.table({"id": ids})  # noqa: F841 (read by name in the SQL: a DuckDB replacement scan)
-        dups = duckdb.sql("SELECT id, count(*) AS n FROM tbl GROUP BY id HAVING n > 1 "
-                          "ORDER BY n DESC, id LIMIT 5").fetchall()
-        pos = pc.indices_nonzero(pc.equal(ids, dups[0][0])).to_pylist()[:2]
-        starts = np.cumsum([0] + list(file_rows))
-        at = [f"{names[int(np.searchsorted(starts, p, side='right')) - 1]} line {int(lines[p])}" for p in pos]
-        _raise_duplicates(n, distinct, dups, at)
 
 
 # ---- cutting ------------------------------------------------------------------------

@@ -19,9 +19,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from airflow_provider_vllm.core.datasets import is_unicode
+from airflow_provider_vllm.core import formats
 from airflow_provider_vllm.core.errors import SpecError
-from airflow_provider_vllm.core.openai_batch import (
+from airflow_provider_vllm.core.formats.base import is_unicode
+from airflow_provider_vllm.core.formats.openai_requests import (
     CHAT_URL,
     EMBEDDINGS_URL,
     RequestFault,
@@ -56,7 +57,8 @@ class Prepared:
 class PromptBuilder:
     """Builds token prompts for one job with one tokenizer.
 
-    ``input_format`` is the plan's (``openai_batch`` rows carry their own messages); with a
+    ``input_format`` is the plan's (a format that carries requests, ``openai_batch``, brings
+    each row's own messages; None: template rows); with a
     chat template in play the builder renders a minimal conversation once, so that a template
     that cannot work for any row fails the job (``SpecError``) instead of every row.
     """
@@ -65,7 +67,7 @@ class PromptBuilder:
         self.spec = spec
         self.tok = tokenizer
         self.max_model_len = max_model_len
-        self.openai = input_format == "openai_batch"
+        self.openai = input_format is not None and formats.input_format(input_format).carries_requests
         p = spec.prompt
         if spec.task in ("chat", "generate"):
             default_budget = max_model_len - spec.sampling.max_tokens

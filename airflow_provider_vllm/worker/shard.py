@@ -15,21 +15,14 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 
 from airflow_provider_vllm import __version__
 from airflow_provider_vllm.core import faults
 from airflow_provider_vllm.core.commit import ChunkMeta, CommitMarker, FileEntry, ShardStore, new_attempt_id
-from airflow_provider_vllm.core.datasets import (
-    RowBatch,
-    check_unchanged,
-    line_chars,
-    parquet_batch,
-    read_jsonl_range,
-    read_parquet_range,
-)
 from airflow_provider_vllm.core.errors import InputChangedError, SpecError, TransientError
+from airflow_provider_vllm.core.formats import RowBatch, input_format
+from airflow_provider_vllm.core.formats.files import check_unchanged
+from airflow_provider_vllm.core.formats.openai_batch import REQUEST
 from airflow_provider_vllm.core.plan import Plan, ShardPlan, estimate_tokens, load_plan
 from airflow_provider_vllm.core.records import ShardStats, WorkerManifest
 from airflow_provider_vllm.core.rows import INVALID_ROW, rows_table
@@ -209,47 +202,17 @@ def _manifest(marker: CommitMarker, status: str) -> dict[str, Any]:
 def read_shard_rows(spec: JobSpec, plan: Plan, shard: ShardPlan, root: Storage,
                     beat: Callable[[], None] = lambda: None) -> RowBatch:
     """The shard's rows in plan order (bucket filter applied); ``beat()`` after each segment read."""
-    idc = spec.prompt.id_column
-    columns = [c for c in spec.prompt.columns if c != idc]
+    fmt = input_format(plan.format)
     batch = RowBatch(ids=[], values={}, faults=[], lines=[])
     for seg in shard.segments:
         faults.hit("read.segment")
-        name = plan.files[seg.file]["path"]
-        if plan.format == "parquet":
-            table = read_parquet_range(root, name, seg.start, seg.count, [idc] + columns)
-            if shard.bucket != "all":
-                table = table.filter(_bucket_mask(table, spec, plan, shard.bucket))
-            part = parquet_batch(table, idc, columns)
-        else:
-            cols = ["_request"] if plan.format == "openai_batch" else columns
-            part = read_jsonl_range(root, name, plan.format, idc, cols, seg.offset, seg.count, seg.line)
-            if shard.bucket != "all":
-                part = _filter_jsonl(part, spec, plan, shard.bucket)
+        part = fmt.read_rows(root, plan.files[seg.file]["path"], seg, spec)
+        if shard.bucket != "all":
+            long = estimate_tokens(np.asarray(part.chars, dtype=np.int64), plan.chars_per_token) > plan.long_row_tokens
+            part = part.select(long if shard.bucket == "long" else ~long)
         batch.extend(part)
         beat()
     return batch
-
-
-def _bucket_mask(table: pa.Table, spec: JobSpec, plan: Plan, bucket: str) -> pa.Array:
-    chars = np.zeros(table.num_rows, dtype=np.int64)
-    for c in spec.prompt.texts:
-        chars += pc.fill_null(pc.utf8_length(table.column(c)), 0).to_numpy()
-    long = estimate_tokens(chars, plan.chars_per_token) > plan.long_row_tokens
-    return pa.array(long if bucket == "long" else ~long)
-
-
-def _filter_jsonl(part: RowBatch, spec: JobSpec, plan: Plan, bucket: str) -> RowBatch:
-    keep = []
-    for i in range(len(part)):
-        chars = line_chars(part, i, plan.format, spec.prompt.texts)
-        is_long = int(estimate_tokens(chars, plan.chars_per_token)) > plan.long_row_tokens
-        keep.append(is_long == (bucket == "long"))
-    return RowBatch(
-        ids=[x for x, k in zip(part.ids, keep) if k],
-        values={c: [x for x, k in zip(v, keep) if k] for c, v in part.values.items()},
-        faults=[x for x, k in zip(part.faults, keep) if k],
-        lines=[x for x, k in zip(part.lines, keep) if k],
-    )
 
 
 # ---- inference ----------------------------------------------------------------------
@@ -260,6 +223,7 @@ class _ChunkRunner:
         self.spec, self.plan, self.shard, self.batch = spec, plan, shard, batch
         self.engine, self.store, self.attempt, self.metas = engine, store, attempt, metas
         self.builder = PromptBuilder(spec, engine.tokenizer, engine.max_model_len, plan.format)
+        self.requests = input_format(plan.format).carries_requests
         self.progress = progress
         self.prov = {
             "model": spec.model.name, "model_revision": spec.model.revision, "engine_version": engine.version,
@@ -282,8 +246,8 @@ class _ChunkRunner:
         if fault is not None:
             return Prepared(fault=fault)
         try:
-            if self.plan.format == "openai_batch":
-                return self.builder.prepare_openai(self.batch.values["_request"][i])
+            if self.requests:
+                return self.builder.prepare_openai(self.batch.values[REQUEST][i])
             return self.builder.prepare({c: v[i] for c, v in self.batch.values.items()})
         except Exception as e:
             if not row_caused(e):

@@ -145,7 +145,7 @@ def test_the_strict_template_renders_good_rows_like_smollm2s_own(tmp_path, smoll
 
     strict = AutoTokenizer.from_pretrained(str(strict_template_model(smollm2, tmp_path / "strict")))
     stock = AutoTokenizer.from_pretrained(smollm2)
-    from airflow_provider_vllm.core.openai_batch import parse_chat_body
+    from airflow_provider_vllm.core.formats.openai_requests import parse_chat_body
 
     for _, body in good_chat_requests():
         conv = parse_chat_body(body).conversation()

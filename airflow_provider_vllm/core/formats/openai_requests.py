@@ -1,16 +1,15 @@
-"""The OpenAI Batch API format: request bodies in, output lines out.
+"""OpenAI batch request bodies: validated per row against the fields this worker supports.
 
-Input: each request line's ``body`` is validated per row against the fields this worker
-supports (``ChatCompletionBody``, ``EmbeddingsBody``) before any of it reaches the engine;
-a body that cannot run exactly as asked becomes that row's error record, with the reason.
-
-Output lines work with OpenAI's Batch API and `vllm run-batch` alike. They are deterministic
-(no timestamps, ids derived from ``custom_id``) so that a re-run produces byte-identical files.
+A request line's body is validated here, per row, before anything of it reaches the
+engine: a body the worker cannot run exactly as asked becomes that row's error record
+(INVALID_REQUEST: a value out of range or of the wrong type; UNSUPPORTED_PARAMETER: a field
+of OpenAI's API this worker does not do, or a field no API has). Ranges are vLLM's (the
+engine refuses anything outside them), so a request that passes here is one vLLM accepts.
+The lines themselves (custom_id, method, url) are the input format's: ``openai_batch``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from typing import Annotated, Any
@@ -18,69 +17,8 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, BaseModel, ConfigDict, StrictStr, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from airflow_provider_vllm.core.datasets import is_unicode
+from airflow_provider_vllm.core.formats.base import is_unicode
 from airflow_provider_vllm.core.rows import EMPTY_INPUT, INVALID_REQUEST, UNSUPPORTED_PARAMETER
-from airflow_provider_vllm.core.spec import JobSpec
-
-
-def _rid(custom_id: str, prefix: str) -> str:
-    return f"{prefix}-{hashlib.sha256(custom_id.encode()).hexdigest()[:24]}"
-
-
-def response_line(row: dict[str, Any], spec: JobSpec) -> dict[str, Any]:
-    """One output line for a result row (chat completion or embedding)."""
-    usage = {
-        "prompt_tokens": row.get("prompt_tokens") or 0,
-        "completion_tokens": row.get("completion_tokens") or 0,
-    }
-    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-    if row.get("embedding") is not None:
-        body: dict[str, Any] = {
-            "object": "list",
-            "data": [{"object": "embedding", "index": 0, "embedding": row["embedding"]}],
-            "model": spec.model.name,
-            "usage": usage,
-        }
-    else:
-        body = {
-            "id": _rid(row["id"], "chatcmpl"),
-            "object": "chat.completion",
-            "created": 0,
-            "model": spec.model.name,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": row.get("output")},
-                    "finish_reason": row.get("finish_reason"),
-                }
-            ],
-            "usage": usage,
-        }
-    return {
-        "id": _rid(row["id"], "batch_req"),
-        "custom_id": row["id"],
-        "response": {"status_code": 200, "request_id": _rid(row["id"], "req"), "body": body},
-        "error": None,
-    }
-
-
-def error_line(row: dict[str, Any], spec: JobSpec) -> dict[str, Any]:  # noqa: ARG001
-    """One error line for an error row."""
-    return {
-        "id": _rid(row["id"], "batch_req"),
-        "custom_id": row["id"],
-        "response": None,
-        "error": {"code": row.get("error_code"), "message": row.get("error_message")},
-    }
-
-
-# ---- request bodies (input) ---------------------------------------------------------
-#
-# A request line's body is validated here, per row, before anything of it reaches the
-# engine: a body the worker cannot run exactly as asked becomes that row's error record
-# (INVALID_REQUEST: a value out of range or of the wrong type; UNSUPPORTED_PARAMETER: a field
-# of OpenAI's API this worker does not do, or a field no API has). Ranges are vLLM's (the
-# engine refuses anything outside them), so a request that passes here is one vLLM accepts.
 
 CHAT_URL = "/v1/chat/completions"
 EMBEDDINGS_URL = "/v1/embeddings"

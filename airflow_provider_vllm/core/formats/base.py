@@ -1,0 +1,114 @@
+"""The input-format interface: what the planner and the worker ask of a format.
+
+``InputFormat.scan`` checks a whole input once for the planner (ids present, valid and
+distinct; per-row prompt sizes; row counts); ``InputFormat.read_rows`` is the one call the
+worker reads a segment of its shard with. Rows are addressed by (file, first row, row count)
+in the file's own order (JSONL also by byte offset and line number), so the planner and the
+worker agree on a shard's rows without sharing any state but the plan.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from airflow_provider_vllm.core.errors import DatasetError
+from airflow_provider_vllm.core.storage import Storage
+
+if TYPE_CHECKING:
+    from airflow_provider_vllm.core.plan import Segment
+    from airflow_provider_vllm.core.spec import JobSpec
+
+# An id that is empty or only whitespace cannot name a row: refused by the plan in every format.
+# Whitespace is Python's (str.isspace); this RE2 pattern (DuckDB, Parquet ids) matches exactly
+# the same characters (tests/unit/steps/test_plan_refusals.py checks every code point).
+BLANK_ID_PATTERN = r"^[\s\x{0b}\x{1c}-\x{1f}\x{85}\p{Z}]*$"
+
+
+def is_blank_id(value: str) -> bool:
+    """True for '' and for ids made only of whitespace (the JSONL / OpenAI batch side of the rule)."""
+    return not value.strip()
+
+
+def is_unicode(text: str) -> bool:
+    """False for strings JSON can carry but UTF-8 cannot (unpaired surrogates from ``\\ud800`` escapes)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+@dataclass
+class RowBatch:
+    """Rows read from one segment: ids, the needed column values, per-row read faults and sizes."""
+
+    ids: list[str]
+    values: dict[str, list[Any]]
+    faults: list[tuple[str, str] | None]  # (reason code, message) for rows that could not be read
+    lines: list[int | None] = field(default_factory=list)
+    chars: list[int] = field(default_factory=list)  # characters of each row's prompt text (as the plan counts)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def extend(self, other: RowBatch) -> None:
+        self.ids += other.ids
+        for k, v in other.values.items():
+            self.values.setdefault(k, []).extend(v)
+        self.faults += other.faults
+        self.lines += other.lines
+        self.chars += other.chars
+
+    def select(self, keep: np.ndarray) -> RowBatch:
+        """The rows where ``keep`` (one bool per row) is true, in order."""
+        pick = lambda xs: [x for x, k in zip(xs, keep) if k]  # noqa: E731
+        return RowBatch(ids=pick(self.ids), values={c: pick(v) for c, v in self.values.items()},
+                        faults=pick(self.faults), lines=pick(self.lines), chars=pick(self.chars))
+
+
+@dataclass
+class Scan:
+    """What the planner needs of a whole input: per-row sizes and where each file's rows are."""
+
+    chars: np.ndarray  # per row: characters of the prompt text (the token estimate's basis)
+    file_rows: list[int]
+    offsets: np.ndarray | None = None  # per row: byte offset of its line (line-addressed formats)
+    lines: np.ndarray | None = None  # per row: its line number
+    invalid: int = 0  # lines that are not a JSON object (they become error rows)
+
+
+class InputFormat(ABC):
+    """One input format. Instances are stateless; get them with ``core.formats.input_format``."""
+
+    name: str
+    #: rows are whole requests (the worker prepares ``values["_request"]``), not template columns
+    carries_requests: bool = False
+
+    @abstractmethod
+    def scan(self, root: Storage, names: list[str], spec: JobSpec, per_row: bool) -> Scan:
+        """Check the input (DatasetError for a fault no row error can carry) and size its rows.
+
+        ``per_row``: exact per-row sizes are needed (a format may estimate them otherwise).
+        """
+
+    @abstractmethod
+    def read_rows(self, root: Storage, name: str, segment: Segment, spec: JobSpec) -> RowBatch:
+        """The segment's rows of file ``name``, with the columns the spec's prompt needs.
+
+        Rows that cannot be read carry a fault (reason code, message) instead of values.
+        """
+
+    @abstractmethod
+    def file_ids(self, root: Storage, name: str, spec: JobSpec) -> list[str]:
+        """Every row id of one file, in order (the merge's independent check of the output)."""
+
+
+def raise_duplicates(n: int, distinct: int, dups: list[tuple], first_at: list[str]) -> None:
+    """DatasetError naming the duplicate ids (``dups``: (id, count), most frequent first) and where."""
+    examples = ", ".join(f"{str(r[0])!r} x{r[1]}" for r in dups)
+    raise DatasetError(f"{n - distinct} duplicate id(s) in the input ({n} rows, {distinct} distinct); e.g. "
+                       f"{examples}; {str(dups[0][0])!r} is at {' and '.join(first_at)}")

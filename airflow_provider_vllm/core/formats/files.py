@@ -1,0 +1,119 @@
+"""Input files: discovery, what identifies their content (the fingerprint), and the format.
+
+Shared by every input format; nothing here reads a row.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from airflow_provider_vllm.core.errors import DatasetError, InputChangedError
+from airflow_provider_vllm.core.storage import FileSystems, Storage
+
+PARQUET_EXT = (".parquet", ".pq", ".parq")
+JSONL_EXT = (".jsonl", ".ndjson", ".json")
+
+
+@dataclass(frozen=True)
+class InputFile:
+    """One input file as planned: its path under the input root and what identifies its content."""
+
+    path: str
+    size: int
+    version: str  # etag / generation / mtime: changes when the content changes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "size": self.size, "version": self.version}
+
+
+def input_storage(uri: str, options: dict[str, Any],
+                  filesystems: FileSystems | None = None) -> tuple[Storage, list[str]]:
+    """The folder holding the input and the relative paths of its data files, sorted."""
+    whole = Storage(uri, options, filesystems)
+    fs = whole.fs
+    try:
+        is_dir = fs.isdir(whole.base)
+    except FileNotFoundError:
+        is_dir = False
+    if is_dir:
+        names = [
+            rel
+            for rel in whole.walk_files()
+            if not any(part.startswith(("_", ".")) for part in rel.split("/"))
+            and rel.lower().endswith(PARQUET_EXT + JSONL_EXT)
+        ]
+        if not names:
+            raise DatasetError(f"input {uri}: no .parquet or .jsonl files in the folder")
+        return whole, names
+    if not fs.exists(whole.base):
+        raise DatasetError(f"input {uri}: not found")
+    parent, name = uri.rstrip("/").rsplit("/", 1) if "/" in uri.rstrip("/") else (".", uri)
+    return whole.at(parent), [name]
+
+
+def describe_files(storage: Storage, names: list[str]) -> list[InputFile]:
+    out = []
+    for n in names:
+        info = storage.info(n)
+        version = info.get("ETag") or info.get("etag") or info.get("generation") or info.get("mtime") or ""
+        out.append(InputFile(path=n, size=int(info.get("size") or 0), version=str(version).strip('"')))
+    return out
+
+
+def fingerprint(files: list[InputFile]) -> str:
+    doc = json.dumps([f.to_dict() for f in files], sort_keys=True).encode()
+    return hashlib.sha256(doc).hexdigest()
+
+
+def check_unchanged(storage: Storage, planned: list[InputFile]) -> None:
+    """Raise InputChangedError when any planned file's size or version changed since the plan."""
+    now = describe_files(storage, [f.path for f in planned])
+    for a, b in zip(planned, now):
+        if a != b:
+            raise InputChangedError(f"input file {a.path} changed since the plan ({a.to_dict()} -> {b.to_dict()})")
+
+
+def detect_format(storage: Storage, names: list[str], declared: str) -> str:
+    """'parquet', 'jsonl' or 'openai_batch'; all files of one input share a format."""
+    kinds = {"parquet" if n.lower().endswith(PARQUET_EXT) else "jsonl" for n in names}
+    if len(kinds) > 1:
+        raise DatasetError(f"input mixes Parquet and JSONL files: {names[:5]}")
+    kind = kinds.pop()
+    if declared != "auto":
+        if (declared == "parquet") != (kind == "parquet"):
+            raise DatasetError(f"input_format={declared!r} but the files are {kind}")
+        return declared
+    if kind == "parquet":
+        return "parquet"
+    with storage.open(names[0]) as f:
+        for raw in f:
+            if raw.strip():
+                try:
+                    first = json.loads(raw.decode("utf-8-sig"))
+                except (ValueError, UnicodeDecodeError):
+                    return "jsonl"
+                if isinstance(first, dict) and "custom_id" in first and "body" in first:
+                    return "openai_batch"
+                return "jsonl"
+    return "jsonl"
+
+
+@dataclass(frozen=True)
+class Input:
+    """A job's input as found: where it lives, its files, their fingerprint and their format."""
+
+    root: Storage
+    names: list[str]
+    files: list[InputFile]
+    fingerprint: str
+    format: str
+
+
+def find_input(uri: str, options: dict[str, Any], declared: str, filesystems: FileSystems | None = None) -> Input:
+    """Discover the input's files, describe them and detect their format (DatasetError if unusable)."""
+    root, names = input_storage(uri, options, filesystems)
+    files = describe_files(root, names)
+    return Input(root, names, files, fingerprint(files), detect_format(root, names, declared))

@@ -1,0 +1,192 @@
+"""JSONL inputs: one JSON object per line, a row's id and columns are its fields.
+
+Planned in one pass over every line. A line that is not a JSON object cannot name its id;
+it gets the synthetic id ``__line__:<file>:<line number>`` so that it still ends up, exactly
+once, in the errors (``INVALID_JSON``). A line without a usable id fails the plan: it could
+not be tracked.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from airflow_provider_vllm.core.errors import DatasetError, InputChangedError
+from airflow_provider_vllm.core.formats.base import (
+    InputFormat,
+    RowBatch,
+    Scan,
+    is_blank_id,
+    is_unicode,
+    raise_duplicates,
+)
+from airflow_provider_vllm.core.storage import Storage
+
+if TYPE_CHECKING:
+    from airflow_provider_vllm.core.plan import Segment
+    from airflow_provider_vllm.core.spec import JobSpec
+
+_BLANK = b" \t\r\n\xef\xbb\xbf"
+
+
+def invalid_line_id(name: str, line_no: int) -> str:
+    return f"__line__:{name}:{line_no}"
+
+
+@dataclass
+class _FileScan:
+    """One pass over a JSONL file: per data line its id, byte offset, size and line number."""
+
+    ids: list[str]
+    offsets: list[int]  # byte offset of each data line
+    lengths: list[int]  # characters of the fields the prompt uses (token estimate)
+    line_numbers: list[int]
+    invalid: int
+
+
+class JsonlFormat(InputFormat):
+    """JSON objects whose fields are the prompt's columns; subclasses change what a line holds."""
+
+    name = "jsonl"
+
+    # ---- what one line holds (overridden by line formats of another shape) -------------------
+    def id_key(self, spec: JobSpec) -> str:
+        return spec.prompt.id_column
+
+    def columns(self, spec: JobSpec) -> list[str]:
+        """The value columns a read row carries (the worker's prompt inputs)."""
+        return [c for c in spec.prompt.columns if c != spec.prompt.id_column]
+
+    def row_chars(self, row: dict[str, Any], spec: JobSpec) -> int:
+        """Characters of a row's prompt text (the planner's token estimate)."""
+        return sum(len(str(row.get(c) or "")) for c in spec.prompt.texts)
+
+    def row_fault(self, row: dict[str, Any]) -> tuple[str, str] | None:  # noqa: ARG002
+        """Why a line that parsed is still not a row this format can run (reason code, message), or None."""
+        return None
+
+    def row_values(self, row: dict[str, Any], columns: list[str]) -> list[Any]:
+        return [row.get(c) for c in columns]
+
+    # ---- the interface ----------------------------------------------------------------
+    def scan(self, root: Storage, names: list[str], spec: JobSpec, per_row: bool) -> Scan:  # noqa: ARG002
+        ids: list[str] = []
+        chars, file_rows, offsets, lines = [], [], [], []
+        invalid = 0
+        for name in names:
+            s = self._scan_file(root, name, spec, sizes=True)
+            ids += s.ids
+            chars.append(np.asarray(s.lengths, dtype=np.int64))
+            offsets.append(np.asarray(s.offsets, dtype=np.int64))
+            lines.append(np.asarray(s.line_numbers, dtype=np.int64))
+            file_rows.append(len(s.ids))
+            invalid += s.invalid
+        cat = lambda parts: np.concatenate(parts) if parts else np.zeros(0, np.int64)  # noqa: E731
+        scan = Scan(chars=cat(chars), file_rows=file_rows, offsets=cat(offsets), lines=cat(lines), invalid=invalid)
+        _check_distinct(pa.chunked_array([pa.array(ids, pa.string())]), names, file_rows, scan.lines)
+        return scan
+
+    def file_ids(self, root: Storage, name: str, spec: JobSpec) -> list[str]:
+        return self._scan_file(root, name, spec, sizes=False).ids
+
+    def read_rows(self, root: Storage, name: str, segment: Segment, spec: JobSpec) -> RowBatch:
+        """``segment.count`` data lines from byte ``segment.offset`` (line number ``segment.line``) on.
+
+        Invalid lines become rows with a fault (``INVALID_JSON``) and their synthetic id.
+        """
+        columns = self.columns(spec)
+        key = self.id_key(spec)
+        batch = RowBatch(ids=[], values={c: [] for c in columns}, faults=[], lines=[])
+        line_no = segment.line - 1
+        with root.open(name) as f:
+            f.seek(segment.offset)
+            while len(batch.ids) < segment.count:
+                raw = f.readline()
+                line_no += 1
+                if not raw:
+                    raise InputChangedError(f"{name}: ended before the planned rows (offset {segment.offset})")
+                if not raw.strip(_BLANK):
+                    continue
+                parsed = _parse_line(raw, line_no == 1)
+                batch.lines.append(line_no)
+                if not isinstance(parsed, dict):
+                    batch.ids.append(invalid_line_id(name, line_no))
+                    for c in columns:
+                        batch.values[c].append(None)
+                    why = "not valid UTF-8 JSON" if parsed is None else f"a JSON {type(parsed).__name__}, not an object"
+                    batch.faults.append(("INVALID_JSON", f"line is {why}"))
+                    batch.chars.append(0)
+                    continue
+                batch.ids.append(str(parsed.get(key)))
+                batch.faults.append(self.row_fault(parsed))
+                for c, v in zip(columns, self.row_values(parsed, columns)):
+                    batch.values[c].append(v)
+                batch.chars.append(self.row_chars(parsed, spec))
+        return batch
+
+    def _scan_file(self, root: Storage, name: str, spec: JobSpec, sizes: bool) -> _FileScan:
+        """Read every line once; raise DatasetError for a line without an id (it cannot be tracked)."""
+        key = self.id_key(spec)
+        ids, offsets, lengths, lines = [], [], [], []
+        invalid = 0
+        pos = 0
+        with root.open(name) as f:
+            for line_no, raw in enumerate(f, start=1):
+                here = pos
+                pos += len(raw)
+                if not raw.strip(_BLANK):
+                    continue
+                parsed = _parse_line(raw, line_no == 1)
+                offsets.append(here)
+                lines.append(line_no)
+                if not isinstance(parsed, dict):
+                    ids.append(invalid_line_id(name, line_no))
+                    lengths.append(0)
+                    invalid += 1
+                    continue
+                ids.append(_checked_id(parsed.get(key), name, line_no, key))
+                lengths.append(self.row_chars(parsed, spec) if sizes else 0)
+        return _FileScan(ids, offsets, lengths, lines, invalid)
+
+
+def _checked_id(rid: Any, name: str, line_no: int, key: str) -> str:
+    if rid is None or isinstance(rid, (dict, list, bool)) or rid == "":
+        raise DatasetError(f"{name} line {line_no}: missing or invalid id field {key!r}")
+    if is_blank_id(str(rid)):
+        raise DatasetError(f"{name} line {line_no}: id field {key!r} is {str(rid)!r}, only whitespace; "
+                           "an id must have a visible character")
+    if not is_unicode(str(rid)):
+        raise DatasetError(f"{name} line {line_no}: id field {key!r} is not valid Unicode "
+                           "(an unpaired surrogate escape)")
+    return str(rid)
+
+
+def _check_distinct(ids: pa.ChunkedArray, names: list[str], file_rows: list[int], lines: np.ndarray) -> None:
+    """DatasetError naming duplicate ids and the lines of the first one."""
+    n = len(ids)
+    if n == 0:
+        return
+    distinct = pc.count_distinct(ids).as_py()
+    if distinct != n:
+        import duckdb
+
+        tbl = pa.table({"id": ids})  # noqa: F841 (read by name in the SQL: a DuckDB replacement scan)
+        dups = duckdb.sql("SELECT id, count(*) AS n FROM tbl GROUP BY id HAVING n > 1 "
+                          "ORDER BY n DESC, id LIMIT 5").fetchall()
+        pos = pc.indices_nonzero(pc.equal(ids, dups[0][0])).to_pylist()[:2]
+        starts = np.cumsum([0] + list(file_rows))
+        at = [f"{names[int(np.searchsorted(starts, p, side='right')) - 1]} line {int(lines[p])}" for p in pos]
+        raise_duplicates(n, distinct, dups, at)
+
+
+def _parse_line(raw: bytes, first: bool) -> Any:
+    try:
+        text = raw.decode("utf-8-sig" if first else "utf-8")
+        return json.loads(text)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None

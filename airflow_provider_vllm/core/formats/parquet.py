@@ -1,0 +1,177 @@
+"""Parquet inputs: a file or a folder of files, any number of row groups.
+
+Planned from footers plus the id column (checked by DuckDB, never loaded into Python); the
+text columns are read only when exact per-row sizes are asked for. The worker reads only
+the row groups that hold its segment.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from airflow_provider_vllm.core.errors import DatasetError
+from airflow_provider_vllm.core.formats.base import BLANK_ID_PATTERN, InputFormat, RowBatch, Scan, raise_duplicates
+from airflow_provider_vllm.core.storage import Storage
+
+if TYPE_CHECKING:
+    from airflow_provider_vllm.core.plan import Segment
+    from airflow_provider_vllm.core.spec import JobSpec
+
+
+class ParquetFormat(InputFormat):
+    name = "parquet"
+
+    def scan(self, root: Storage, names: list[str], spec: JobSpec, per_row: bool) -> Scan:
+        """Schema checks and row counts from footers; ids are checked by DuckDB, never loaded here."""
+        idc = spec.prompt.id_column
+        texts = spec.prompt.texts
+        needed = [idc] + [c for c in spec.prompt.columns if c != idc]
+        chars_parts, file_rows = [], []
+        first_schema = None
+        for name in names:
+            md = parquet_metadata(root, name)
+            schema = md.schema.to_arrow_schema()
+            missing = [c for c in needed if c not in schema.names]
+            if missing:
+                raise DatasetError(f"input file {name}: missing column(s) {missing}; it has {schema.names[:20]}")
+            id_type = schema.field(idc).type
+            if not (pa.types.is_string(id_type) or pa.types.is_large_string(id_type) or pa.types.is_integer(id_type)):
+                raise DatasetError(f"input file {name}: id column {idc!r} has type {id_type}; "
+                                   "expected string or integer")
+            for c in texts:
+                t = schema.field(c).type
+                if not (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_null(t)):
+                    raise DatasetError(f"input file {name}: text column {c!r} has type {t}; expected string")
+            if first_schema is None:
+                first_schema = schema
+            elif id_type != first_schema.field(idc).type:
+                raise DatasetError(f"input file {name}: id column type {id_type} differs from "
+                                   f"{names[0]}'s {first_schema.field(idc).type}")
+            file_rows.append(md.num_rows)
+            if per_row:
+                with root.open(name) as f:
+                    chars_parts.append(_text_chars(pq.read_table(f, columns=texts), texts))
+            else:
+                chars_parts.append(_chars_from_footer(md, texts, md.num_rows))
+        if sum(file_rows):
+            _check_ids(root, names, idc)
+        chars = np.concatenate(chars_parts) if chars_parts else np.zeros(0, np.int64)
+        return Scan(chars=chars, file_rows=file_rows)
+
+    def read_rows(self, root: Storage, name: str, segment: Segment, spec: JobSpec) -> RowBatch:
+        idc = spec.prompt.id_column
+        columns = [c for c in spec.prompt.columns if c != idc]
+        table = read_parquet_range(root, name, segment.start, segment.count, [idc] + columns)
+        batch = parquet_batch(table, idc, columns)
+        batch.chars = _text_chars(table, spec.prompt.texts).tolist()
+        return batch
+
+    def file_ids(self, root: Storage, name: str, spec: JobSpec) -> list[str]:
+        with root.open(name) as f:
+            ids = pq.read_table(f, columns=[spec.prompt.id_column]).column(0)
+        return ids.cast(pa.string()).to_pylist()
+
+
+def _text_chars(table: pa.Table, texts: list[str]) -> np.ndarray:
+    """Per row: the characters of its text columns (null, and a column of type null: 0)."""
+    total = np.zeros(table.num_rows, dtype=np.int64)
+    for c in texts:
+        if not pa.types.is_null(table.column(c).type):  # utf8_length has no kernel for it
+            total += pc.fill_null(pc.utf8_length(table.column(c)), 0).to_numpy()
+    return total
+
+
+def _check_ids(root: Storage, names: list[str], idc: str) -> None:
+    """DatasetError for null, blank or duplicate ids, naming the first file and row of each."""
+    from airflow_provider_vllm.core import duck
+
+    con = duck.connect(root)
+    try:
+        src = f"read_parquet({duck.file_list(root, names)}, filename = true, file_row_number = true)"
+        col = '"' + idc.replace('"', '""') + '"'
+        # distinct hashes == rows proves distinct ids; a shortfall pays for the exact count
+        blank = f"regexp_matches(CAST({col} AS VARCHAR), '{BLANK_ID_PATTERN}')"
+        n, nulls, distinct, empty = con.execute(
+            f"SELECT count(*), count(*) - count({col}), count(DISTINCT hash({col})), "
+            f"count(*) FILTER (WHERE {blank}) FROM {src}").fetchall()[0]
+        if not nulls and distinct != n:
+            distinct = con.execute(f"SELECT count(DISTINCT {col}) FROM {src}").fetchall()[0][0]
+        if nulls:
+            fname, row = con.execute(
+                f"SELECT filename, file_row_number FROM {src} WHERE {col} IS NULL LIMIT 1").fetchall()[0]
+            raise DatasetError(f"{nulls} row(s) have a null id; first at {fname.rsplit('/', 1)[-1]} row {row}")
+        if empty:
+            fname, row = con.execute(f"SELECT filename, file_row_number FROM {src} "
+                                     f"WHERE {blank} LIMIT 1").fetchall()[0]
+            raise DatasetError(f"{empty} row(s) have an empty id (empty or only whitespace) in column {idc!r}; "
+                               f"first at {fname.rsplit('/', 1)[-1]} row {row}")
+        if distinct != n:
+            dups = con.execute(f"SELECT {col}, count(*) AS k FROM {src} GROUP BY {col} HAVING k > 1 "
+                               f"ORDER BY k DESC, {col} LIMIT 5").fetchall()
+            at = con.execute(f"SELECT filename, file_row_number FROM {src} WHERE {col} = ? "
+                             "ORDER BY filename, file_row_number LIMIT 2", [dups[0][0]]).fetchall()
+            raise_duplicates(n, distinct, dups, [f"{f.rsplit('/', 1)[-1]} row {r}" for f, r in at])
+    finally:
+        con.close()
+
+
+def _chars_from_footer(md: pq.FileMetaData, texts: list[str], n: int) -> np.ndarray:
+    """Per-row character estimate from row-group column sizes (no data read)."""
+    out = np.zeros(n, dtype=np.int64)
+    pos = 0
+    names = [md.schema.column(i).path for i in range(md.num_columns)]
+    for g in range(md.num_row_groups):
+        rg = md.row_group(g)
+        size = sum(rg.column(names.index(c)).total_uncompressed_size for c in texts if c in names)
+        k = rg.num_rows
+        if k:
+            # uncompressed plain strings carry a 4-byte length prefix per value
+            out[pos:pos + k] = max(0, size // k - 4 * len(texts))
+        pos += k
+    return out
+
+
+def parquet_metadata(storage: Storage, name: str) -> pq.FileMetaData:
+    try:
+        with storage.open(name) as f:
+            return pq.ParquetFile(f).metadata
+    except pa.ArrowInvalid as e:  # storage errors (OSError) stay transient
+        raise DatasetError(f"input file {name} is not a readable Parquet file: {e}") from None
+
+
+def read_parquet_range(storage: Storage, name: str, start: int, count: int, columns: list[str]) -> pa.Table:
+    """Rows [start, start+count) of one Parquet file, reading only the row groups that hold them."""
+    with storage.open(name) as f:
+        pf = pq.ParquetFile(f)
+        md = pf.metadata
+        groups, first_row, pos = [], None, 0
+        for i in range(md.num_row_groups):
+            n = md.row_group(i).num_rows
+            if pos + n > start and pos < start + count:
+                groups.append(i)
+                if first_row is None:
+                    first_row = pos
+            pos += n
+        missing = [c for c in columns if c not in pf.schema_arrow.names]
+        if missing:
+            raise DatasetError(f"{name}: missing columns {missing}")
+        if not groups:
+            return pf.schema_arrow.empty_table().select(columns)
+        table = pf.read_row_groups(groups, columns=columns)
+    return table.slice(start - first_row, count)
+
+
+def parquet_batch(table: pa.Table, id_column: str, columns: list[str]) -> RowBatch:
+    ids_col = table.column(id_column)
+    if not pa.types.is_string(ids_col.type) and not pa.types.is_large_string(ids_col.type):
+        ids_col = ids_col.cast(pa.string())
+    ids = ids_col.to_pylist()
+    values = {c: table.column(c).to_pylist() for c in columns if c != id_column}
+    if id_column in columns:
+        values[id_column] = table.column(id_column).to_pylist()
+    return RowBatch(ids=ids, values=values, faults=[None] * len(ids), lines=[None] * len(ids))

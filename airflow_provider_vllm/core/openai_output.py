@@ -1,0 +1,63 @@
+"""The OpenAI Batch API format's output lines (the input side is ``core.formats.openai_batch``).
+
+Output lines work with OpenAI's Batch API and `vllm run-batch` alike. They are deterministic
+(no timestamps, ids derived from ``custom_id``) so that a re-run produces byte-identical files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from airflow_provider_vllm.core.spec import JobSpec
+
+
+def _rid(custom_id: str, prefix: str) -> str:
+    return f"{prefix}-{hashlib.sha256(custom_id.encode()).hexdigest()[:24]}"
+
+
+def response_line(row: dict[str, Any], spec: JobSpec) -> dict[str, Any]:
+    """One output line for a result row (chat completion or embedding)."""
+    usage = {
+        "prompt_tokens": row.get("prompt_tokens") or 0,
+        "completion_tokens": row.get("completion_tokens") or 0,
+    }
+    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    if row.get("embedding") is not None:
+        body: dict[str, Any] = {
+            "object": "list",
+            "data": [{"object": "embedding", "index": 0, "embedding": row["embedding"]}],
+            "model": spec.model.name,
+            "usage": usage,
+        }
+    else:
+        body = {
+            "id": _rid(row["id"], "chatcmpl"),
+            "object": "chat.completion",
+            "created": 0,
+            "model": spec.model.name,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": row.get("output")},
+                    "finish_reason": row.get("finish_reason"),
+                }
+            ],
+            "usage": usage,
+        }
+    return {
+        "id": _rid(row["id"], "batch_req"),
+        "custom_id": row["id"],
+        "response": {"status_code": 200, "request_id": _rid(row["id"], "req"), "body": body},
+        "error": None,
+    }
+
+
+def error_line(row: dict[str, Any], spec: JobSpec) -> dict[str, Any]:  # noqa: ARG001
+    """One error line for an error row."""
+    return {
+        "id": _rid(row["id"], "batch_req"),
+        "custom_id": row["id"],
+        "response": None,
+        "error": {"code": row.get("error_code"), "message": row.get("error_message")},
+    }

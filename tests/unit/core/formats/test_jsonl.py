@@ -1,0 +1,68 @@
+"""JSONL inputs: one pass of the scan (ids, sizes, line positions) and the worker's reads from a line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from airflow_provider_vllm.core.errors import DatasetError, InputChangedError
+from airflow_provider_vllm.core.formats import input_format
+from airflow_provider_vllm.core.plan import Segment
+from airflow_provider_vllm.core.storage import Storage
+from airflow_provider_vllm.steps.plan import build_plan
+from tests.support.data import make_spec
+
+JSONL = input_format("jsonl")
+
+
+def test_jsonl_missing_id_is_dataset_error(tmp_path):
+    p = tmp_path / "in.jsonl"
+    p.write_text('{"id": "1", "text": "a"}\n{"text": "no id"}\n')
+    with pytest.raises(DatasetError, match="line 2: missing or invalid id"):
+        build_plan(make_spec(p, tmp_path / "out"))
+
+
+def _write(tmp_path):
+    lines = ["\ufeff" + json.dumps({"id": "a", "text": "hello"}), "", "{oops", json.dumps({"id": 7, "text": None}),
+             "[1]", json.dumps({"id": "c", "text": "xyz", "other": 1})]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return Storage(str(tmp_path)), make_spec(tmp_path / "in.jsonl", tmp_path / "out")
+
+
+def test_scan_positions_every_data_line(tmp_path):
+    root, spec = _write(tmp_path)
+    scan = JSONL.scan(root, ["in.jsonl"], spec, per_row=False)
+    assert scan.file_rows == [5] and scan.invalid == 2
+    assert scan.lines.tolist() == [1, 3, 4, 5, 6]
+    raw = (tmp_path / "in.jsonl").read_bytes()
+    assert [raw[o:].split(b"\n", 1)[0][:2] for o in scan.offsets.tolist()] == [b"\xef\xbb", b"{o", b'{"', b"[1", b'{"']
+    assert scan.chars.tolist() == [5, 0, 0, 0, 3]
+
+
+def test_read_rows_from_a_line_gives_faults_and_the_scans_sizes(tmp_path):
+    root, spec = _write(tmp_path)
+    scan = JSONL.scan(root, ["in.jsonl"], spec, per_row=False)
+    seg = Segment(file=0, start=1, count=4, offset=int(scan.offsets[1]), line=int(scan.lines[1]))
+    batch = JSONL.read_rows(root, "in.jsonl", seg, spec)
+    assert batch.ids == ["__line__:in.jsonl:3", "7", "__line__:in.jsonl:5", "c"]
+    assert [f and f[0] for f in batch.faults] == ["INVALID_JSON", None, "INVALID_JSON", None]
+    assert "a JSON list, not an object" in batch.faults[2][1]
+    assert batch.values == {"text": [None, None, None, "xyz"]} and batch.lines == [3, 4, 5, 6]
+    assert batch.chars == scan.chars[1:].tolist()
+    with pytest.raises(InputChangedError, match="ended before the planned rows"):
+        JSONL.read_rows(root, "in.jsonl", Segment(file=0, start=1, count=6, offset=seg.offset, line=3), spec)
+
+
+def test_duplicates_are_named_with_their_lines(tmp_path):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl").write_text('{"id": "x", "text": "t"}\n{"id": "y", "text": "t"}\n')
+    (tmp_path / "in" / "b.jsonl").write_text('\n{"id": "x", "text": "t"}\n')
+    spec = make_spec(tmp_path / "in", tmp_path / "out")
+    with pytest.raises(DatasetError, match=r"1 duplicate id\(s\) .*'x' is at a.jsonl line 1 and b.jsonl line 2"):
+        JSONL.scan(Storage(str(tmp_path / "in")), ["a.jsonl", "b.jsonl"], spec, per_row=False)
+
+
+def test_file_ids(tmp_path):
+    root, spec = _write(tmp_path)
+    assert JSONL.file_ids(root, "in.jsonl", spec) == ["a", "__line__:in.jsonl:3", "7", "__line__:in.jsonl:5", "c"]

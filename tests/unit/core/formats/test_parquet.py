@@ -1,0 +1,86 @@
+"""Parquet inputs: schema and id checks of the scan, and the worker's reads of a segment."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from airflow_provider_vllm.core.errors import DatasetError
+from airflow_provider_vllm.core.formats import input_format
+from airflow_provider_vllm.core.plan import Segment
+from airflow_provider_vllm.core.storage import Storage
+from airflow_provider_vllm.steps.plan import build_plan
+from tests.support.data import make_spec, write_parquet
+
+PARQUET = input_format("parquet")
+
+
+def test_missing_id_column(tmp_path):
+    pq.write_table(pa.table({"text": ["a"]}), tmp_path / "in.parquet")
+    with pytest.raises(DatasetError, match="missing column.*'id'"):
+        build_plan(make_spec(tmp_path / "in.parquet", tmp_path / "out"))
+
+
+def test_null_ids_and_wrong_text_type(tmp_path):
+    write_parquet(tmp_path / "a" / "a.parquet", ["1", None], ["t", "t"])
+    with pytest.raises(DatasetError, match="null id; first at a.parquet row 1"):
+        build_plan(make_spec(tmp_path / "a", tmp_path / "out"))
+    pq.write_table(pa.table({"id": ["1"], "text": [3]}), tmp_path / "b.parquet")
+    with pytest.raises(DatasetError, match="text column 'text' has type int64"):
+        build_plan(make_spec(tmp_path / "b.parquet", tmp_path / "out"))
+
+
+def test_id_type_must_agree_across_files(tmp_path):
+    write_parquet(tmp_path / "in" / "a.parquet", ["1"], ["t"])
+    write_parquet(tmp_path / "in" / "b.parquet", [2], ["t"])
+    spec = make_spec(tmp_path / "in", tmp_path / "out")
+    with pytest.raises(DatasetError, match="b.parquet: id column type int64 differs from a.parquet's string"):
+        PARQUET.scan(Storage(str(tmp_path / "in")), ["a.parquet", "b.parquet"], spec, per_row=False)
+
+
+def test_scan_sizes_rows_exactly_or_from_footers(tmp_path):
+    texts = ["a" * 10, None, "é" * 3, "b" * 40]
+    write_parquet(tmp_path / "in" / "a.parquet", ["w", "x", "y", "z"], texts, row_group_size=2)
+    spec, root = make_spec(tmp_path / "in", tmp_path / "out"), Storage(str(tmp_path / "in"))
+    exact = PARQUET.scan(root, ["a.parquet"], spec, per_row=True)
+    assert exact.chars.tolist() == [10, 0, 3, 40] and exact.file_rows == [4]
+    assert exact.offsets is None and exact.invalid == 0
+    approx = PARQUET.scan(root, ["a.parquet"], spec, per_row=False)
+    assert len(approx.chars) == 4 and approx.chars[0] == approx.chars[1]  # one estimate per row group
+    assert approx.chars[2] == approx.chars[3] and approx.chars[3] > approx.chars[0]
+
+
+def test_read_rows_reads_the_segment_with_its_sizes(tmp_path):
+    ids = [f"r{i}" for i in range(10)]
+    write_parquet(tmp_path / "in" / "a.parquet", ids, [f"text {i}" for i in range(10)], row_group_size=3,
+                  extra=list(range(10)))
+    spec = make_spec(tmp_path / "in", tmp_path / "out", prompt={"template": "{text} {extra}", "text_columns": ["text"]})
+    root = Storage(str(tmp_path / "in"))
+    batch = PARQUET.read_rows(root, "a.parquet", Segment(file=0, start=4, count=5), spec)
+    assert batch.ids == ids[4:9]
+    assert batch.values == {"text": [f"text {i}" for i in range(4, 9)], "extra": list(range(4, 9))}
+    assert batch.faults == [None] * 5 and batch.chars == [6] * 5
+    keep = batch.select([i % 2 == 0 for i in range(5)])
+    assert keep.ids == ["r4", "r6", "r8"] and keep.values["extra"] == [4, 6, 8] and keep.chars == [6] * 3
+
+
+def test_a_text_column_of_type_null_counts_no_characters(tmp_path):
+    """Planned with bucketing and read by the worker: its rows are empty (EMPTY_INPUT later), not a crash."""
+    pq.write_table(pa.table({"id": ["a", "b"], "text": pa.nulls(2)}), tmp_path / "in.parquet")
+    spec = make_spec(tmp_path / "in.parquet", tmp_path / "out", sharding={"long_row_tokens": 10})
+    plan = build_plan(spec)
+    assert plan.total_rows == 2 and plan.est_tokens == 0
+    batch = PARQUET.read_rows(Storage(plan.input_root), "in.parquet", plan.shards[0].segments[0], spec)
+    assert batch.ids == ["a", "b"] and batch.values == {"text": [None, None]} and batch.chars == [0, 0]
+
+
+def test_file_ids_are_strings_in_file_order(tmp_path):
+    write_parquet(tmp_path / "a.parquet", [30, 10, 20], ["t"] * 3)
+    spec = make_spec(tmp_path / "a.parquet", tmp_path / "out")
+    assert PARQUET.file_ids(Storage(str(tmp_path)), "a.parquet", spec) == ["30", "10", "20"]
+
+
+def test_unknown_format_name():
+    with pytest.raises(ValueError, match="unknown input format 'csv'"):
+        input_format("csv")
