@@ -21,6 +21,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -130,7 +131,7 @@ class ShardStore:
 
     def save_engine_limits(self, limits: dict[str, int], attempt_id: str) -> None:
         """Record lowered limits so a retry starts there instead of running out of memory again."""
-        doc = {k: int(limits[k]) for k in _LIMIT_KEYS}
+        doc: dict[str, Any] = {k: int(limits[k]) for k in _LIMIT_KEYS}
         doc.update(attempt_id=attempt_id, at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         self.out.write_atomic(f"{self.dir}/{LIMITS}", json.dumps(doc, sort_keys=True).encode())
 

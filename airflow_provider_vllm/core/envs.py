@@ -28,6 +28,13 @@ class EnvVar:
         value = value.strip() if value is not None else ""
         return value if value else self.default
 
+    def value(self, env: Mapping[str, str] | None = None) -> str:
+        """``get`` for a variable with a default (never None)."""
+        value = self.get(env)
+        if value is None:
+            raise ValueError(f"{self.name} is not set and has no default")
+        return value
+
     def flag(self, env: Mapping[str, str] | None = None) -> bool:
         """A yes/no switch: "1", "true" or "yes" (any case) -> True, anything else False."""
         return str(self.get(env) or "").lower() in ("1", "true", "yes")

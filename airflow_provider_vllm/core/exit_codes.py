@@ -49,6 +49,8 @@ OUTCOMES: dict[ExitCode, Outcome] = {
 
 def outcome(code: int | None) -> Outcome:
     """The task outcome of a worker exit code; None (no code: the pod ended first) -> RETRY."""
+    if code is None:
+        return Outcome.RETRY
     try:
         return OUTCOMES[ExitCode(code)]
     except ValueError:

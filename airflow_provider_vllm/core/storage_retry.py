@@ -99,7 +99,7 @@ def retrying(fn: Callable[[], T], what: str = "storage operation", attempts: int
     ``$VLLM_BATCH_STORAGE_ATTEMPTS`` or 6) transient failures a ``TransientError`` is raised
     (the worker exits 75 and Airflow retries the task).
     """
-    attempts = attempts or int(envs.STORAGE_ATTEMPTS.get())
+    attempts = attempts or int(envs.STORAGE_ATTEMPTS.value())
     for i in range(attempts):
         try:
             return fn()

@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def entrypoint(argv: list[str] | None = None) -> None:
     """The process's entry: redacted streams, ``main``, then ``exit_hard`` with its code (never returns)."""
-    code = ExitCode.TRANSIENT
+    code: int = ExitCode.TRANSIENT
     try:
         guard_streams()
         code = main(argv)

@@ -24,7 +24,7 @@ def emit(manifest: WorkerManifest | FailureManifest | dict) -> None:
     """Print the manifest as the last stdout line (and write the XCom file); a dict is validated first."""
     if isinstance(manifest, dict):
         manifest = read_manifest(manifest)
-    xcom_dir = envs.XCOM_DIR.get()
+    xcom_dir = envs.XCOM_DIR.value()
     line = json.dumps(manifest.dump(), sort_keys=True)
     if os.path.isdir(xcom_dir):
         with open(os.path.join(xcom_dir, "return.json"), "w", encoding="utf-8") as f:

@@ -276,6 +276,6 @@ def hold_shard_lock(output_uri: str, shard_id: str, env: Mapping[str, str] | Non
     if parent is None:
         return None
     lock = ShardLock(lock_path(output_uri, shard_id, env), shard_id, parent)
-    lock.acquire(float(envs.LOCK_WAIT_S.get(env)))
+    lock.acquire(float(envs.LOCK_WAIT_S.value(env)))
     _HELD.append(lock)
     return lock

@@ -12,7 +12,7 @@ import logging
 import platform
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -119,7 +119,7 @@ def _run_shard(task: ShardTask, engine_factory: Callable[[JobSpec], Any] | None,
     if todo:
         with _beating(watchdog):
             engine = GuardedEngine(start_limits(spec, store.engine_limits()), engine_factory or _default_engine,
-                                   watchdog, label=lambda key: batch.ids[key[1]],
+                                   watchdog, label=lambda key: batch.ids[cast(tuple, key)[1]],
                                    on_lowered=lambda lim: store.save_engine_limits(lim, attempt))
             engine_version = engine.version
             stats["engine_start_s"] = round(engine.start_seconds, 3)
@@ -208,7 +208,9 @@ def read_shard_rows(spec: JobSpec, plan: Plan, shard: ShardPlan, root: Storage,
         faults.hit("read.segment")
         part = fmt.read_rows(root, plan.files[seg.file]["path"], seg, spec)
         if shard.bucket != "all":
-            long = estimate_tokens(np.asarray(part.chars, dtype=np.int64), plan.chars_per_token) > plan.long_row_tokens
+            assert plan.long_row_tokens is not None  # the planner buckets only with a threshold
+            tokens = np.asarray(estimate_tokens(np.asarray(part.chars, dtype=np.int64), plan.chars_per_token))
+            long = tokens > plan.long_row_tokens
             part = part.select(long if shard.bucket == "long" else ~long)
         batch.extend(part)
         beat()
@@ -344,10 +346,11 @@ class _ChunkRunner:
                 if col == "scores" and len(vec):
                     best = max(range(len(vec)), key=lambda j: vec[j])
                     label = names[best] if best < len(names) else str(best)
+                n_tokens = len(p.token_ids or ())
                 rows[i] = {"id": self.batch.ids[i], "status": "ok", col: [float(x) for x in vec], "label": label,
-                           "prompt_tokens": len(p.token_ids), "completion_tokens": 0, "truncated": p.truncated,
+                           "prompt_tokens": n_tokens, "completion_tokens": 0, "truncated": p.truncated,
                            "latency_ms": per_row_ms, **self.prov}
-                self.prompt_tokens += len(p.token_ids)
+                self.prompt_tokens += n_tokens
         ordered = [rows[i] for i in range(meta.first_row, meta.first_row + meta.rows)]
         entry = self.store.write_chunk(self.attempt, meta, rows_table(ordered))
         self.progress.add_rows(ordered)

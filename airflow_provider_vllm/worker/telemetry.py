@@ -29,7 +29,7 @@ class ShardTelemetry:
 
             self.metrics = ShardMetrics(cfg, batch_job=spec.name, run=cfg.run or spec.content_hash()[:12],
                                         shard_id=shard_id, attempt_id=attempt_id)
-        self.resources = ResourceSampler.start(interval=float(envs.RESOURCE_SAMPLE_S.get(environ)))
+        self.resources = ResourceSampler.start(interval=float(envs.RESOURCE_SAMPLE_S.value(environ)))
         self.progress = Progress(shard_id, total, interval, on_update=self._on_progress if self.metrics else None)
 
     def _on_progress(self, progress: Progress, final: bool) -> None:

@@ -88,7 +88,7 @@ class JsonlFormat(InputFormat):
             invalid += s.invalid
         cat = lambda parts: np.concatenate(parts) if parts else np.zeros(0, np.int64)  # noqa: E731
         scan = Scan(chars=cat(chars), file_rows=file_rows, offsets=cat(offsets), lines=cat(lines), invalid=invalid)
-        _check_distinct(pa.chunked_array([pa.array(ids, pa.string())]), names, file_rows, scan.lines)
+        _check_distinct(pa.chunked_array([pa.array(ids, pa.string())]), names, file_rows, cat(lines))
         return scan
 
     def file_ids(self, root: Storage, name: str, spec: JobSpec) -> list[str]:
@@ -176,8 +176,9 @@ def _check_distinct(ids: pa.ChunkedArray, names: list[str], file_rows: list[int]
         import duckdb
 
         tbl = pa.table({"id": ids})  # noqa: F841 (read by name in the SQL: a DuckDB replacement scan)
-        dups = duckdb.sql("SELECT id, count(*) AS n FROM tbl GROUP BY id HAVING n > 1 "
-                          "ORDER BY n DESC, id LIMIT 5").fetchall()
+        rel = duckdb.sql("SELECT id, count(*) AS n FROM tbl GROUP BY id HAVING n > 1 ORDER BY n DESC, id LIMIT 5")
+        assert rel is not None  # a SELECT always gives a relation
+        dups = rel.fetchall()
         pos = pc.indices_nonzero(pc.equal(ids, dups[0][0])).to_pylist()[:2]
         starts = np.cumsum([0] + list(file_rows))
         at = [f"{names[int(np.searchsorted(starts, p, side='right')) - 1]} line {int(lines[p])}" for p in pos]

@@ -41,7 +41,8 @@ class OpenAIBatchFormat(JsonlFormat):
         if isinstance(msgs, list):
             return sum(len(m.get("content") or "") for m in msgs if isinstance(m, dict)
                        and isinstance(m.get("content"), str))
-        return len(body.get("input")) if isinstance(body.get("input"), str) else 0
+        text = body.get("input")
+        return len(text) if isinstance(text, str) else 0
 
     def row_fault(self, row: dict[str, Any]) -> tuple[str, str] | None:
         """Why a request line is not a request at all (method, url, body), or None.

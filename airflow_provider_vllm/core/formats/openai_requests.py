@@ -196,8 +196,9 @@ class ChatMessage(BaseModel):
         return data
 
 
-def _opt(check):
-    return Annotated[Any, AfterValidator(lambda v: None if v is None else check(v))]
+def _opt(check: Any) -> AfterValidator:
+    """``Annotated[Any, _opt(check)]``: ``check`` for a value, None left as it is."""
+    return AfterValidator(lambda v: None if v is None else check(v))
 
 
 class ChatCompletionBody(BaseModel):
@@ -214,19 +215,19 @@ class ChatCompletionBody(BaseModel):
     model: StrictStr | None = None
     user: StrictStr | None = None
     metadata: dict[str, Any] | None = None
-    max_completion_tokens: _opt(_ranged(1, None, integer=True)) = None
-    max_tokens: _opt(_ranged(1, None, integer=True)) = None
-    temperature: _opt(_ranged(0, 2)) = None
-    top_p: _opt(_ranged(0, 1, lo_open=True)) = None
-    stop: _opt(_stop) = None
-    seed: _opt(_ranged(*_INT64, integer=True)) = None
-    presence_penalty: _opt(_ranged(-2, 2)) = None
-    frequency_penalty: _opt(_ranged(-2, 2)) = None
+    max_completion_tokens: Annotated[Any, _opt(_ranged(1, None, integer=True))] = None
+    max_tokens: Annotated[Any, _opt(_ranged(1, None, integer=True))] = None
+    temperature: Annotated[Any, _opt(_ranged(0, 2))] = None
+    top_p: Annotated[Any, _opt(_ranged(0, 1, lo_open=True))] = None
+    stop: Annotated[Any, _opt(_stop)] = None
+    seed: Annotated[Any, _opt(_ranged(*_INT64, integer=True))] = None
+    presence_penalty: Annotated[Any, _opt(_ranged(-2, 2))] = None
+    frequency_penalty: Annotated[Any, _opt(_ranged(-2, 2))] = None
     # vLLM's extensions (accepted by `vllm run-batch` too)
-    top_k: _opt(_ranged(-1, None, integer=True)) = None
-    min_p: _opt(_ranged(0, 1)) = None
-    repetition_penalty: _opt(_ranged(0, None, lo_open=True)) = None
-    min_tokens: _opt(_ranged(0, None, integer=True)) = None
+    top_k: Annotated[Any, _opt(_ranged(-1, None, integer=True))] = None
+    min_p: Annotated[Any, _opt(_ranged(0, 1))] = None
+    repetition_penalty: Annotated[Any, _opt(_ranged(0, None, lo_open=True))] = None
+    min_tokens: Annotated[Any, _opt(_ranged(0, None, integer=True))] = None
 
     @model_validator(mode="before")
     @classmethod

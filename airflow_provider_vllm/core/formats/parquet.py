@@ -160,7 +160,7 @@ def read_parquet_range(storage: Storage, name: str, start: int, count: int, colu
         missing = [c for c in columns if c not in pf.schema_arrow.names]
         if missing:
             raise DatasetError(f"{name}: missing columns {missing}")
-        if not groups:
+        if not groups or first_row is None:
             return pf.schema_arrow.empty_table().select(columns)
         table = pf.read_row_groups(groups, columns=columns)
     return table.slice(start - first_row, count)
