@@ -52,7 +52,7 @@ subprocess.run(["sh", "-c", 'echo "native stderr $MODEL_STORE_TOKEN" >&2; printf
 os.write(2, ("\rprogress " + secret + "\r").encode())
 print("python stdout " + secret, flush=True)
 sys.stderr.write("vllm-style handler got (hex): " + own.getvalue().encode().hex() + "\n")  # hex: past the pipe
-emit({"status": "failed", "message": "last line"})
+emit({"status": "failed", "error": "Stalled", "message": "last line", "terminal": False})
 exit_hard(75)
 """
 
@@ -67,7 +67,8 @@ def test_every_output_path_of_the_worker_and_its_children_is_redacted_and_nothin
                  "root path ***", "spawned child prints ***", "native stderr ***", "no newline ***",
                  "progress ***", "python stdout ***"):
         assert line in out, (line, out)
-    assert p.stdout.splitlines()[-1] == json.dumps({"message": "last line", "status": "failed"}, sort_keys=True)
+    assert json.loads(p.stdout.splitlines()[-1]) == {"error": "Stalled", "message": "last line", "status": "failed",
+                                                   "terminal": False}
     # what the logger's own handler received was redacted before any stream (the record factory)
     own = bytes.fromhex(p.stderr.split("vllm-style handler got (hex): ")[1].split()[0]).decode()
     assert "model='/models/***'" in own and "load failed for ***" in own and SECRET not in own
