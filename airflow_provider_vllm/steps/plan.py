@@ -118,14 +118,15 @@ def build_plan(spec: JobSpec, filesystems: FileSystems | None = None, max_shards
     per_row = sh.long_row_tokens is not None or (sh.target_tokens is not None and sh.target_rows is None)
     scan = input_format(found.format).scan(found.root, found.names, spec, per_row)
     total_rows = int(sum(scan.file_rows))
-    tokens = estimate_tokens(scan.chars, sh.chars_per_token) if len(scan.chars) else np.zeros(0, np.int64)
-    sizing = size_shards(spec, total_rows, int(tokens.sum()) if len(tokens) else 0, filesystems=filesystems)
+    tokens = _row_tokens(scan, sh.chars_per_token)
+    est_tokens = tokens.total
+    sizing = size_shards(spec, total_rows, est_tokens, filesystems=filesystems)
     cut_spec = spec if sizing is None else spec.model_copy(
         update={"sharding": spec.sharding.model_copy(update=sizing.sharding_update())})
     shards = _cut(cut_spec, found.fingerprint, tokens, np.asarray(scan.file_rows, dtype=np.int64), scan.offsets,
                   scan.lines)
     if max_shards is not None and len(shards) > max_shards:
-        _refuse_shard_count(cut_spec, len(shards), max_shards, total_rows, int(tokens.sum()) if len(tokens) else 0,
+        _refuse_shard_count(cut_spec, len(shards), max_shards, total_rows, est_tokens,
                             from_history=sizing is not None)
     return Plan(
         spec_hash=spec.content_hash(),
@@ -137,7 +138,7 @@ def build_plan(spec: JobSpec, filesystems: FileSystems | None = None, max_shards
         fingerprint=found.fingerprint,
         total_rows=total_rows,
         invalid_lines=int(scan.invalid),
-        est_tokens=int(tokens.sum()) if len(tokens) else 0,
+        est_tokens=est_tokens,
         long_row_tokens=sh.long_row_tokens,
         chars_per_token=sh.chars_per_token,
         shards=shards,
@@ -164,16 +165,67 @@ def _refuse_shard_count(spec: JobSpec, n: int, limit: int, rows: int, tokens: in
     )
 
 
+# ---- token estimates ----------------------------------------------------------------
+class RunTokens:
+    """Per-row token estimates as runs (one per Parquet row group): the sum over any row range
+    from cumulative sums at run boundaries, in memory proportional to the runs, not the rows."""
+
+    def __init__(self, values: np.ndarray, counts: np.ndarray) -> None:
+        self.values = np.asarray(values, np.int64)
+        self.starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+        self.cum = np.concatenate([[0], np.cumsum(self.values * np.asarray(counts, np.int64))])
+        self.total = int(self.cum[-1])
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def _prefix(self, x: int) -> int:
+        i = int(np.searchsorted(self.starts, x, side="right")) - 1
+        if i >= len(self.values):
+            return self.total
+        return int(self.cum[i] + self.values[i] * (x - int(self.starts[i])))
+
+    def range_sum(self, a: int, b: int) -> int:
+        return self._prefix(b) - self._prefix(a)
+
+
+class RowTokens:
+    """Per-row token estimates as one array (exact sizes, or line-addressed formats)."""
+
+    def __init__(self, values: np.ndarray) -> None:
+        self.values = values
+        self.total = int(values.sum()) if len(values) else 0
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def range_sum(self, a: int, b: int) -> int:
+        return int(self.values[a:b].sum())
+
+
+def _row_tokens(scan, chars_per_token: float) -> RunTokens | RowTokens:
+    if scan.runs is not None:
+        return RunTokens(estimate_tokens(scan.runs.values, chars_per_token), scan.runs.counts)
+    chars = scan.chars
+    return RowTokens(estimate_tokens(chars, chars_per_token) if len(chars) else np.zeros(0, np.int64))
+
+
 # ---- cutting ------------------------------------------------------------------------
-def _cut(spec: JobSpec, fp: str, tokens: np.ndarray, file_rows: np.ndarray, offsets, lines) -> list[ShardPlan]:
+def _cut(spec: JobSpec, fp: str, row_tokens: RunTokens | RowTokens, file_rows: np.ndarray, offsets,
+         lines) -> list[ShardPlan]:
     sh = spec.sharding
-    n = len(tokens)
+    n = len(row_tokens)
     if n == 0:
         return []
     by_tokens = sh.target_tokens is not None and sh.target_rows is None
     target = sh.target_tokens if by_tokens else (sh.target_rows or DEFAULT_TARGET_ROWS)
+    per_row = sh.long_row_tokens is not None and sh.max_shards >= 2 or by_tokens
+    # runs are expanded only where rows are weighed one by one (the scan then gave exact sizes)
+    tokens = row_tokens.values if isinstance(row_tokens, RowTokens) else (
+        np.repeat(row_tokens.values, np.diff(row_tokens.starts)) if per_row else None)
     buckets: list[tuple[str, np.ndarray | None]]  # None: all rows, in order
     if sh.long_row_tokens is not None and sh.max_shards >= 2:
+        assert tokens is not None
         long_mask = tokens > sh.long_row_tokens
         buckets = [(b, np.nonzero(m)[0]) for b, m in (("short", ~long_mask), ("long", long_mask))]
         buckets = [(b, idx) for b, idx in buckets if len(idx)]
@@ -181,6 +233,7 @@ def _cut(spec: JobSpec, fp: str, tokens: np.ndarray, file_rows: np.ndarray, offs
         buckets = [("all", None)]
     sizes = [n if idx is None else len(idx) for _, idx in buckets]
     if by_tokens:
+        assert tokens is not None
         weights = [tokens if idx is None else tokens[idx] for _, idx in buckets]
         wanted = [min(m, max(1, math.ceil(float(w.sum()) / target))) for m, w in zip(sizes, weights)]
     else:
@@ -203,8 +256,9 @@ def _cut(spec: JobSpec, fp: str, tokens: np.ndarray, file_rows: np.ndarray, offs
         for a, b in zip(bounds[:-1], bounds[1:]):
             if idx is None:
                 segs = _range_segments(a, b, file_starts, offsets, lines)
-                est = int(tokens[a:b].sum())
+                est = row_tokens.range_sum(a, b)
             else:
+                assert tokens is not None
                 segs = _segments(idx[a:b], file_starts, offsets, lines)
                 est = int(tokens[idx[a:b]].sum())
             index = len(shards)

@@ -71,14 +71,41 @@ class RowBatch:
 
 
 @dataclass
-class Scan:
-    """What the planner needs of a whole input: per-row sizes and where each file's rows are."""
+class RowRuns:
+    """Per-row values as runs: ``counts[i]`` consecutive rows hold ``values[i]`` (footer estimates)."""
 
-    chars: np.ndarray  # per row: characters of the prompt text (the token estimate's basis)
-    file_rows: list[int]
-    offsets: np.ndarray | None = None  # per row: byte offset of its line (line-addressed formats)
-    lines: np.ndarray | None = None  # per row: its line number
-    invalid: int = 0  # lines that are not a JSON object (they become error rows)
+    values: np.ndarray
+    counts: np.ndarray
+
+    def expand(self) -> np.ndarray:
+        return np.repeat(np.asarray(self.values, np.int64), np.asarray(self.counts, np.int64))
+
+
+class Scan:
+    """What the planner needs of a whole input: per-row sizes and where each file's rows are.
+
+    ``chars``: per row, the characters of the prompt text (the token estimate's basis). A
+    format that sizes rows from footers gives ``runs`` instead (one value per row group): the
+    planner then never builds a per-row array; ``chars`` expands the runs when asked.
+    ``offsets`` / ``lines``: per row, the byte offset and line number of its line
+    (line-addressed formats); ``invalid``: lines that are not a JSON object (they become error rows).
+    """
+
+    def __init__(self, chars: np.ndarray | None = None, file_rows: list[int] | None = None,
+                 offsets: np.ndarray | None = None, lines: np.ndarray | None = None, invalid: int = 0,
+                 runs: RowRuns | None = None) -> None:
+        if (chars is None) == (runs is None):
+            raise ValueError("Scan: give exactly one of chars (per row) or runs")
+        self._chars, self.runs = chars, runs
+        self.file_rows = list(file_rows or [])
+        self.offsets, self.lines, self.invalid = offsets, lines, invalid
+
+    @property
+    def chars(self) -> np.ndarray:
+        if self._chars is None:
+            assert self.runs is not None
+            return self.runs.expand()
+        return self._chars
 
 
 class InputFormat(ABC):

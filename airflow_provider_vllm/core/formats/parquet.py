@@ -15,7 +15,14 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from airflow_provider_vllm.core.errors import DatasetError
-from airflow_provider_vllm.core.formats.base import BLANK_ID_PATTERN, InputFormat, RowBatch, Scan, raise_duplicates
+from airflow_provider_vllm.core.formats.base import (
+    BLANK_ID_PATTERN,
+    InputFormat,
+    RowBatch,
+    RowRuns,
+    Scan,
+    raise_duplicates,
+)
 from airflow_provider_vllm.core.storage import Storage
 
 if TYPE_CHECKING:
@@ -31,7 +38,7 @@ class ParquetFormat(InputFormat):
         idc = spec.prompt.id_column
         texts = spec.prompt.texts
         needed = [idc] + [c for c in spec.prompt.columns if c != idc]
-        chars_parts, file_rows = [], []
+        chars_parts, runs, file_rows = [], [], []
         first_schema = None
         for name in names:
             md = parquet_metadata(root, name)
@@ -57,9 +64,12 @@ class ParquetFormat(InputFormat):
                 with root.open(name) as f:
                     chars_parts.append(_text_chars(pq.read_table(f, columns=texts), texts))
             else:
-                chars_parts.append(_chars_from_footer(md, texts, md.num_rows))
+                runs.append(_chars_from_footer(md, texts))
         if sum(file_rows):
             _check_ids(root, names, idc)
+        if not per_row:  # one estimate per row group: runs, never a per-row array
+            cat = lambda k: np.concatenate([r[k] for r in runs]) if runs else np.zeros(0, np.int64)  # noqa: E731
+            return Scan(runs=RowRuns(values=cat(0), counts=cat(1)), file_rows=file_rows)
         chars = np.concatenate(chars_parts) if chars_parts else np.zeros(0, np.int64)
         return Scan(chars=chars, file_rows=file_rows)
 
@@ -120,20 +130,19 @@ def _check_ids(root: Storage, names: list[str], idc: str) -> None:
         con.close()
 
 
-def _chars_from_footer(md: pq.FileMetaData, texts: list[str], n: int) -> np.ndarray:
-    """Per-row character estimate from row-group column sizes (no data read)."""
-    out = np.zeros(n, dtype=np.int64)
-    pos = 0
+def _chars_from_footer(md: pq.FileMetaData, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row character estimate from row-group column sizes (no data read), as runs:
+    (estimate, rows) per row group."""
     names = [md.schema.column(i).path for i in range(md.num_columns)]
+    values, counts = [], []
     for g in range(md.num_row_groups):
         rg = md.row_group(g)
         size = sum(rg.column(names.index(c)).total_uncompressed_size for c in texts if c in names)
         k = rg.num_rows
-        if k:
-            # uncompressed plain strings carry a 4-byte length prefix per value
-            out[pos:pos + k] = max(0, size // k - 4 * len(texts))
-        pos += k
-    return out
+        # uncompressed plain strings carry a 4-byte length prefix per value
+        values.append(max(0, size // k - 4 * len(texts)) if k else 0)
+        counts.append(k)
+    return np.asarray(values, np.int64), np.asarray(counts, np.int64)
 
 
 def parquet_metadata(storage: Storage, name: str) -> pq.FileMetaData:

@@ -3,10 +3,13 @@
 * ``report``: ``QAReport`` (the outcome, and its JSON form) and ``QAFailed``.
 * ``metrics``: input conformance, rates, label distribution and drift, token / latency
   statistics and histograms, throughput, duplicate counts (the metric definitions).
+* ``metrics_stream``: the same metrics added up over record batches (outputs too large to load).
 * ``checks``: each metric against its warn / fail thresholds, and the overall verdict.
 * ``sample``: the deterministic, stratified sample of rows for review.
 * ``html``: renders a report dict and sample rows as one self-contained page.
 * ``store``: writes report.json / report.html / sample.parquet; loads a stored report.
-* ``evaluate``: ``evaluate(results, errors, ...)`` measures a result set into a ``QAReport``.
-* ``stage``: the QA step, ``qa_run(spec)``: reads the merged output, evaluates, writes the report.
+* ``evaluate``: ``evaluate(results, errors, ...)`` measures a result set into a ``QAReport``;
+  ``evaluate_stream`` does the same over DuckDB views of the files, in bounded memory.
+* ``stage``: the QA step, ``qa_run(spec)``: reads the merged output (streamed above
+  ``STREAM_ABOVE_ROWS`` rows), evaluates, writes the report.
 """

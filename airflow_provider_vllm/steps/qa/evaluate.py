@@ -26,8 +26,9 @@ from airflow_provider_vllm.steps.qa.metrics import (
     duplicate_metrics,
     throughput_metrics,
 )
+from airflow_provider_vllm.steps.qa.metrics_stream import ResultTally
 from airflow_provider_vllm.steps.qa.report import QAReport
-from airflow_provider_vllm.steps.qa.sample import draw_sample
+from airflow_provider_vllm.steps.qa.sample import draw_sample, draw_sample_by
 
 
 def evaluate(
@@ -58,20 +59,68 @@ def evaluate(
         con.register("r", results)
         con.register("e", errors)
         metrics = compute_metrics(results, errors, labels=labels, structured=structured, notes=notes)
-        metrics["throughput"] = throughput_metrics(shard_stats)
-        metrics["duplicates"] = duplicate_metrics(duplicates, notes)
-        add_label_drift(metrics, previous, notes)
-        ld = metrics["label_distribution"] or {}
-        label_sizes = None
-        if ld.get("labelled"):  # stratify by label, reusing the counts
-            label_sizes = {k: n for k, n in ld["counts"].items() if n}
-            if ld["unlabelled"]:
-                label_sizes[None] = ld["unlabelled"]
-        sample, sample_info = draw_sample(con, results, errors, spec=spec, label_sizes=label_sizes)
-        metrics["sample"] = sample_info
+        return _report(metrics, notes, lambda sizes: draw_sample(con, results, errors, spec=spec, label_sizes=sizes),
+                       spec=spec, structured=structured, shard_stats=shard_stats, previous=previous,
+                       run_info=run_info, duplicates=duplicates)
     finally:
         con.close()
 
+
+def evaluate_stream(
+    con,
+    *,
+    result_rows: int,
+    spec: QASpec,
+    labels: list[str] | None,
+    structured: bool,
+    shard_stats: list[dict] | None = None,
+    previous: dict | None = None,
+    run_info: dict[str, Any] | None = None,
+    duplicates: dict[str, Any] | None = None,
+    batch_rows: int = 1 << 20,
+) -> QAReport:
+    """``evaluate`` over DuckDB relations ``r`` and ``e`` of ``con`` (views over the merged files)
+    that need not fit in memory: metrics from streamed batches (``metrics_stream``), the sample
+    by DuckDB over the views. ``result_rows``: the rows of ``r`` (from footers), for one buffer."""
+    notes: list[str] = []
+    tally = ResultTally(capacity=result_rows)
+    for table, add in (("r", tally.add_results), ("e", tally.add_errors)):
+        reader = con.sql(f"SELECT * FROM {table}").to_arrow_reader(batch_rows)
+        for batch in reader:
+            add(batch)
+    metrics = tally.metrics(labels=labels, structured=structured, notes=notes)
+    needs = {"r": RESULT_NEEDS, "e": ERROR_NEEDS}
+
+    def rows(table: str, ids: list[str]) -> pa.Table:
+        con.register("qa_picked", pa.table({"id": pa.array(ids, pa.string())}))
+        try:
+            return conform(con.sql(f"SELECT * FROM {table} WHERE id IN (SELECT id FROM qa_picked)").to_arrow_table(),
+                           needs[table])
+        finally:
+            con.unregister("qa_picked")
+
+    def draw(sizes):
+        return draw_sample_by(con, spec=spec, label_sizes=sizes, n_ok=tally.ok, n_err=tally.n_err,
+                              some_shard_ids=tally.counts["shard_id"][None] < tally.ok,
+                              counts=lambda _t, c: tally.value_counts(c), rows=rows)
+
+    return _report(metrics, notes, draw, spec=spec, structured=structured, shard_stats=shard_stats,
+                   previous=previous, run_info=run_info, duplicates=duplicates)
+
+
+def _report(metrics, notes, draw, *, spec, structured, shard_stats, previous, run_info, duplicates) -> QAReport:
+    """Throughput, duplicates, drift, the sample (``draw(label_sizes)``), checks: the report."""
+    metrics["throughput"] = throughput_metrics(shard_stats)
+    metrics["duplicates"] = duplicate_metrics(duplicates, notes)
+    add_label_drift(metrics, previous, notes)
+    ld = metrics["label_distribution"] or {}
+    label_sizes = None
+    if ld.get("labelled"):  # stratify by label, reusing the counts
+        label_sizes = {k: n for k, n in ld["counts"].items() if n}
+        if ld["unlabelled"]:
+            label_sizes[None] = ld["unlabelled"]
+    sample, sample_info = draw(label_sizes)
+    metrics["sample"] = sample_info
     checks = run_checks(metrics, spec, structured=structured)
     return QAReport(
         status=overall_status(checks),

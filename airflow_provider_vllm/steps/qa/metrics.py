@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import pyarrow as pa
@@ -84,9 +84,12 @@ def value_counts(col: pa.ChunkedArray) -> dict[Any, int]:
     if col.null_count == len(col):
         return {None: len(col)}
     vc = pc.value_counts(col)
-    pairs = list(zip(vc.field("values").to_pylist(), vc.field("counts").to_pylist()))
-    pairs.sort(key=lambda p: (-p[1], p[0] is None, str(p[0])))
-    return {v: int(n) for v, n in pairs}
+    return sort_counts(zip(vc.field("values").to_pylist(), vc.field("counts").to_pylist()))
+
+
+def sort_counts(pairs: Iterable[tuple[Any, int]]) -> dict[Any, int]:
+    """(value, count) pairs as ``value_counts`` orders them: largest first, ties by value, None last."""
+    return {v: int(n) for v, n in sorted(pairs, key=lambda p: (-p[1], p[0] is None, str(p[0])))}
 
 
 def compute_metrics(results: pa.Table, errors: pa.Table, *, labels, structured, notes) -> dict[str, Any]:
@@ -99,17 +102,38 @@ def compute_metrics(results: pa.Table, errors: pa.Table, *, labels, structured, 
         notes.append("no rows in results or errors: all rates are 0 and nothing was sampled")
 
     col = results.column
-    invalid = _count(pc.equal(col("valid"), False))
-    truncated = _count(col("truncated"))
-    length_finish = _count(pc.equal(col("finish_reason"), "length"))
     expects_text = pc.and_(pc.is_null(col("embedding")), pc.is_null(col("scores")))
-    text_rows = _count(expects_text)
-    empty = _count_empty(col("output"), expects_text)
     labelled = ok - col("label").null_count
+    return assemble_metrics(
+        ok=ok, n_err=n_err,
+        invalid=_count(pc.equal(col("valid"), False)),
+        truncated=_count(col("truncated")),
+        length_finish=_count(pc.equal(col("finish_reason"), "length")),
+        text_rows=_count(expects_text),
+        empty=_count_empty(col("output"), expects_text),
+        labelled=labelled,
+        no_valid_flag=ok > 0 and col("valid").null_count == ok,
+        code_counts=value_counts(errors.column("error_code")),
+        finish_counts=value_counts(col("finish_reason")),
+        label_counts=value_counts(col("label")) if labelled else {},
+        prompt_total=int(pc.sum(col("prompt_tokens")).as_py() or 0) if ok else 0,
+        completion_total=int(pc.sum(col("completion_tokens")).as_py() or 0) if ok else 0,
+        prompt_stats=_int_stats(col("prompt_tokens")),
+        completion_stats=_int_stats(col("completion_tokens")),
+        latency_stats=_float_stats(col("latency_ms")),
+        models=_models(results),
+        labels=labels, structured=structured, notes=notes,
+    )
 
-    by_code = {json_key(k): n for k, n in value_counts(errors.column("error_code")).items()}
-    finish = {json_key(k): n for k, n in value_counts(col("finish_reason")).items()}
 
+def assemble_metrics(*, ok: int, n_err: int, invalid: int, truncated: int, length_finish: int, text_rows: int,
+                     empty: int, labelled: int, no_valid_flag: bool, code_counts: dict, finish_counts: dict,
+                     label_counts: dict, prompt_total: int, completion_total: int, prompt_stats, completion_stats,
+                     latency_stats, models: list[dict[str, Any]], labels, structured, notes) -> dict[str, Any]:
+    """The metrics dict from counts (in memory: ``compute_metrics``; streamed: ``metrics_stream``)."""
+    total = ok + n_err
+    by_code = {json_key(k): n for k, n in code_counts.items()}
+    finish = {json_key(k): n for k, n in finish_counts.items()}
     rates = {
         "error_rate": _rate(n_err, total),
         "empty_rate": _rate(empty, text_rows),
@@ -117,10 +141,10 @@ def compute_metrics(results: pa.Table, errors: pa.Table, *, labels, structured, 
         "truncation_rate": _rate(truncated, ok),
         "length_finish_rate": _rate(length_finish, ok),
     }
-    if structured and ok and col("valid").null_count == ok:
+    if structured and no_valid_flag:
         notes.append("structured output requested but no row carries a 'valid' flag")
 
-    label_counts = value_counts(col("label")) if labelled else {}
+    label_counts = dict(label_counts)
     label_counts.pop(None, None)
     label_dist = _label_distribution(label_counts, labels, labelled, ok, notes)
 
@@ -132,35 +156,37 @@ def compute_metrics(results: pa.Table, errors: pa.Table, *, labels, structured, 
         "errors_by_code": {k: {"count": n, "rate": n / total if total else 0.0} for k, n in by_code.items()},
         "finish_reasons": finish,
         "label_distribution": label_dist,
-        "tokens": {
-            "prompt_total": int(pc.sum(col("prompt_tokens")).as_py() or 0) if ok else 0,
-            "completion_total": int(pc.sum(col("completion_tokens")).as_py() or 0) if ok else 0,
-        },
-        "prompt_tokens": _int_stats(col("prompt_tokens")),
-        "completion_tokens": _int_stats(col("completion_tokens")),
-        "latency_ms": _float_stats(col("latency_ms")),
-        "models": _models(results),
+        "tokens": {"prompt_total": int(prompt_total), "completion_total": int(completion_total)},
+        "prompt_tokens": prompt_stats,
+        "completion_tokens": completion_stats,
+        "latency_ms": latency_stats,
+        "models": models,
     }
 
 
 def _models(results: pa.Table) -> list[dict[str, Any]]:
     """(model, revision, rows); one cheap pass per column unless both vary."""
-    models = value_counts(results.column("model"))
-    revs = value_counts(results.column("model_revision"))
+    def pairs() -> list[tuple[Any, Any, int]]:
+        g = results.select(["model", "model_revision"]).group_by(["model", "model_revision"]).aggregate([([], "count_all")])
+        return list(zip(g["model"].to_pylist(), g["model_revision"].to_pylist(), g["count_all"].to_pylist()))
+
+    return models_list(value_counts(results.column("model")), value_counts(results.column("model_revision")),
+                       results.num_rows, pairs)
+
+
+def models_list(models: dict[Any, int], revs: dict[Any, int], n_rows: int,
+                pairs: Callable[[], list[tuple[Any, Any, int]]]) -> list[dict[str, Any]]:
+    """``_models`` from the value counts of both columns; ``pairs()`` (model, revision, rows) only when both vary."""
     if len(models) <= 1 or len(revs) <= 1:
         rev = next(iter(revs), None) if len(revs) == 1 else None
         if len(models) <= 1:
             m = next(iter(models), None)
-            pairs = [(m, r, n) for r, n in revs.items()] if len(revs) > 1 else ([(m, rev, results.num_rows)] if results.num_rows else [])
+            found = [(m, r, n) for r, n in revs.items()] if len(revs) > 1 else ([(m, rev, n_rows)] if n_rows else [])
         else:
-            pairs = [(m, rev, n) for m, n in models.items()]
+            found = [(m, rev, n) for m, n in models.items()]
     else:
-        g = results.select(["model", "model_revision"]).group_by(["model", "model_revision"]).aggregate([([], "count_all")])
-        pairs = sorted(
-            zip(g["model"].to_pylist(), g["model_revision"].to_pylist(), g["count_all"].to_pylist()),
-            key=lambda p: (-p[2], str(p[0]), str(p[1])),
-        )
-    return [{"model": m, "revision": r, "rows": int(n)} for m, r, n in pairs[:20]]
+        found = sorted(pairs(), key=lambda p: (-p[2], str(p[0]), str(p[1])))
+    return [{"model": m, "revision": r, "rows": int(n)} for m, r, n in found[:20]]
 
 
 def _count_empty(output: pa.ChunkedArray, expects_text: pa.ChunkedArray) -> int:
@@ -218,7 +244,12 @@ def _int_stats(col: pa.ChunkedArray) -> dict[str, Any] | None:
     if vc.num_rows > _MAX_DISTINCT_EXACT:
         return _float_stats(col, integer=True)
     vc = vc.sort_by("v")
-    values, counts = vc["v"].to_pylist(), vc["count_all"].to_pylist()
+    return int_stats_from_counts(vc["v"].to_pylist(), vc["count_all"].to_pylist())
+
+
+def int_stats_from_counts(values: list[int], counts: list[int]) -> dict[str, Any]:
+    """``_int_stats`` from (ascending distinct values, their counts); shared by the streamed path."""
+    n = sum(counts)
     cum, acc = [], 0
     for c in counts:
         acc += c
@@ -269,10 +300,15 @@ def _float_stats(col: pa.ChunkedArray, integer: bool = False) -> dict[str, Any] 
         "mean": pc.mean(x).as_py(),
     }
     lo, w, nb, _ = _hist_plan(mn, mx, p99, integer)
+    stats["histogram"] = _histogram(lo, w, nb, bin_counts(x, lo, w), integer)
+    return stats
+
+
+def bin_counts(x: pa.Array | pa.ChunkedArray, lo: float, w: float) -> Iterable[tuple[int, int]]:
+    """(bin index, count) of float64 values: floor((x - lo) / w)."""
     b = pc.cast(pc.floor(pc.divide(pc.subtract(x, lo), w)), pa.int64())
     g = pa.table({"b": b}).group_by("b").aggregate([([], "count_all")])
-    stats["histogram"] = _histogram(lo, w, nb, zip(g["b"].to_pylist(), g["count_all"].to_pylist()), integer)
-    return stats
+    return zip(g["b"].to_pylist(), g["count_all"].to_pylist())
 
 
 # ---- histograms -------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import pyarrow as pa
@@ -92,9 +92,22 @@ def draw_sample(
     """(sample table, sample info) of ``spec.sample_size`` rows drawn from ``results`` and ``errors``,
     which ``con`` (DuckDB) has registered as ``r`` and ``e``. ``label_sizes`` (label -> ok rows,
     None for unlabelled) stratifies by label; without it the draw is stratified by shard id."""
+    tables = {"r": results, "e": errors}
+    return draw_sample_by(
+        con, spec=spec, label_sizes=label_sizes, n_ok=results.num_rows, n_err=errors.num_rows,
+        some_shard_ids=results.column("shard_id").null_count < results.num_rows,
+        counts=lambda t, c: value_counts(tables[t].column(c)), rows=lambda t, ids: tables[t])
+
+
+def draw_sample_by(
+    con, *, spec: QASpec, label_sizes: dict[Any, int] | None, n_ok: int, n_err: int, some_shard_ids: bool,
+    counts: Callable[[str, str], dict[Any, int]], rows: Callable[[str, list[str]], pa.Table],
+) -> tuple[pa.Table, dict]:
+    """``draw_sample`` over tables known by their sizes: ``counts(table, column)`` is
+    ``value_counts`` of a column of ``r`` or ``e`` and ``rows(table, ids)`` a table holding
+    (at least) those rows of it; ``con`` has ``r`` and ``e`` (tables or views over files)."""
     seed, k = spec.seed, spec.sample_size
-    n_ok, n_err = results.num_rows, errors.num_rows
-    stratum = "label" if label_sizes else ("shard_id" if results.column("shard_id").null_count < n_ok else None)
+    stratum = "label" if label_sizes else ("shard_id" if some_shard_ids else None)
 
     err_quota = max(1, round(ERROR_SAMPLE_FRACTION * k)) if k >= 2 and n_err else 0
     k_err = min(n_err, err_quota)
@@ -106,15 +119,15 @@ def draw_sample(
         if stratum == "label":
             ok_sizes = dict(label_sizes or {})
         elif stratum:
-            ok_sizes = value_counts(results.column(stratum))
+            ok_sizes = counts("r", stratum)
         else:
             ok_sizes = {None: n_ok}
-    err_sizes = value_counts(errors.column("error_code")) if k_err else {}
+    err_sizes = counts("e", "error_code") if k_err else {}
     ok_pick = _pick(con, "r", stratum, ok_sizes, k_ok, seed) if k_ok else []
     err_pick = _pick(con, "e", "error_code", err_sizes, k_err, seed) if k_err else []
 
-    ok_part = _take(results, ok_pick, "ok", seed)
-    err_part = _take(errors, err_pick, "error", seed)
+    ok_part = _take(rows("r", [i for _, i in ok_pick]), ok_pick, "ok", seed)
+    err_part = _take(rows("e", [i for _, i in err_pick]), err_pick, "error", seed)
     sample = pa.concat_tables([ok_part, err_part], promote_options="permissive")
     info = {
         "requested": k,

@@ -5,17 +5,20 @@ from __future__ import annotations
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from airflow_provider_vllm.core import duck
 from airflow_provider_vllm.core.plan import load_plan
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
 from airflow_provider_vllm.steps.merge import ERRORS, RESULTS, read_merged
-from airflow_provider_vllm.steps.qa.evaluate import evaluate
+from airflow_provider_vllm.steps.qa.evaluate import evaluate, evaluate_stream
 from airflow_provider_vllm.steps.qa.report import QAReport
 from airflow_provider_vllm.steps.qa.store import load_report, write_qa
 
 EXCERPT_CHARS = 300
+# Above this many merged rows QA streams the files (bounded memory) instead of loading them as tables.
+STREAM_ABOVE_ROWS = 2_000_000
 
 
 def qa_run(spec: JobSpec, filesystems: FileSystems | None = None) -> tuple[QAReport, dict[str, str]]:
@@ -25,27 +28,12 @@ def qa_run(spec: JobSpec, filesystems: FileSystems | None = None) -> tuple[QARep
     ``filesystems``: how object stores are reached (``storage.FileSystems``; default fsspec).
     """
     out = Storage(spec.io.output_uri, spec.io.storage_options, filesystems)
-    con = duck.connect(out)
-    try:
-        # Only what QA reads; vectors are replaced by a presence marker (10M x 384 floats would not fit).
-        results = con.sql(
-            f"SELECT id, output, label, valid, "
-            f"CASE WHEN embedding IS NULL THEN NULL ELSE []::FLOAT[] END AS embedding, scores, finish_reason, "
-            f"prompt_tokens, completion_tokens, truncated, latency_ms, model, model_revision, shard_id "
-            f"FROM read_parquet({duck.file_list(out, [RESULTS])})").to_arrow_table()
-        errors = con.sql(
-            f"SELECT id, error_code, error_message, shard_id FROM read_parquet({duck.file_list(out, [ERRORS])})"
-        ).to_arrow_table()
-    finally:
-        con.close()
     merged = read_merged(out)
     previous = None
     if spec.qa.previous_report_uri:
         previous = load_report(spec.qa.previous_report_uri, spec.io.storage_options, filesystems)
     st = spec.sampling.structured
-    report = evaluate(
-        results,
-        errors,
+    args: dict[str, Any] = dict(
         spec=spec.qa,
         labels=list(st.choice) if st is not None and st.choice else None,
         structured=st is not None,
@@ -55,9 +43,32 @@ def qa_run(spec: JobSpec, filesystems: FileSystems | None = None) -> tuple[QARep
         run_info={"job": spec.name, "model": spec.model.name, "output_uri": spec.io.output_uri,
                   "config_hash": merged.config_hash, "rows": merged.rows},
     )
+    con = duck.connect(out)
+    try:
+        # Only what QA reads; vectors are replaced by a presence marker (10M x 384 floats would not fit).
+        con.execute(
+            f"CREATE TEMP VIEW r AS SELECT id, output, label, valid, "
+            f"CASE WHEN embedding IS NULL THEN NULL ELSE []::FLOAT[] END AS embedding, scores, finish_reason, "
+            f"prompt_tokens, completion_tokens, truncated, latency_ms, model, model_revision, shard_id "
+            f"FROM read_parquet({duck.file_list(out, [RESULTS])})")
+        con.execute(f"CREATE TEMP VIEW e AS SELECT id, error_code, error_message, shard_id "
+                    f"FROM read_parquet({duck.file_list(out, [ERRORS])})")
+        result_rows = _footer_rows(out, RESULTS)
+        if result_rows + _footer_rows(out, ERRORS) > STREAM_ABOVE_ROWS:
+            report = evaluate_stream(con, result_rows=result_rows, **args)
+        else:
+            report = evaluate(con.sql("SELECT * FROM r").to_arrow_table(), con.sql("SELECT * FROM e").to_arrow_table(),
+                              **args)
+    finally:
+        con.close()
     report.sample = _with_input_excerpt(spec, report.sample, out)
     paths = write_qa(report, out)
     return report, paths
+
+
+def _footer_rows(out: Storage, rel: str) -> int:
+    with out.open(rel) as f:
+        return pq.ParquetFile(f).metadata.num_rows
 
 
 def _with_input_excerpt(spec: JobSpec, sample: pa.Table, out: Storage) -> pa.Table:

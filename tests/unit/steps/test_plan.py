@@ -123,3 +123,27 @@ def test_property_every_row_in_exactly_one_shard(tmp_path_factory, data):
     assert len(got) == len(set(got))
     if not expected:
         assert plan.shards == []
+
+
+def test_footer_sizing_never_builds_per_row_arrays_and_cuts_the_same(tmp_path, monkeypatch):
+    """Sized by rows from Parquet footers, the planner keeps one token estimate per row group
+    (memory bounded by row groups, not rows: 100M-row inputs) and cuts exactly the shards that
+    per-row arrays would."""
+    from airflow_provider_vllm.core.formats.base import RowRuns
+    from airflow_provider_vllm.steps import plan as plan_mod
+
+    for f in range(3):
+        n = 500 + 137 * f
+        write_parquet(tmp_path / "in" / f"p{f}.parquet", [f"{f}-{i}" for i in range(n)],
+                      ["t" * (1 + (i // 50) % 9 * 20) for i in range(n)], row_group_size=50 + 13 * f)
+    spec = make_spec(tmp_path / "in", tmp_path / "out", sharding={"target_rows": 97})
+    monkeypatch.setattr(RowRuns, "expand", lambda self: pytest.fail("expanded runs into a per-row array"))
+    runs = plan_mod.build_plan(spec)
+    monkeypatch.undo()
+    real = plan_mod._row_tokens
+    monkeypatch.setattr(plan_mod, "_row_tokens", lambda scan, cpt: plan_mod.RowTokens(real(scan, cpt).values if
+                        scan.runs is None else plan_mod.estimate_tokens(scan.chars, cpt)))
+    per_row = plan_mod.build_plan(spec).model_dump()
+    assert runs.model_dump() == per_row
+    assert len(runs.shards) == 20 and len({s.est_tokens for s in runs.shards}) > 3
+    assert runs.est_tokens == sum(s.est_tokens for s in runs.shards)

@@ -1,0 +1,118 @@
+"""The streamed QA path (``evaluate_stream``: bounded memory for 100M-row runs) reports what the
+in-memory ``evaluate`` reports, on files read in many small batches."""
+
+from __future__ import annotations
+
+import random
+
+import duckdb
+import pyarrow.parquet as pq
+import pytest
+
+from airflow_provider_vllm.core.spec import QASpec
+from airflow_provider_vllm.steps.qa import evaluate as evaluate_mod
+from airflow_provider_vllm.steps.qa.evaluate import evaluate, evaluate_stream
+from tests.support.qa_rows import LABELS, err_row, ok_row, split
+
+
+def _tables(n_ok=5000, n_err=300, seed=3):
+    rnd = random.Random(seed)
+    recs = [ok_row(i, label=rnd.choice(LABELS + [None]), valid=rnd.choice([True, True, False, None]),
+                   finish_reason=rnd.choice(["stop", "length", None]), truncated=rnd.random() < 0.05,
+                   output=rnd.choice(["x", "", "  ", None, "positive"]),
+                   prompt_tokens=rnd.choice([None, rnd.randint(1, 900)]),
+                   latency_ms=rnd.choice([None, float("nan"), rnd.expovariate(0.01)]),
+                   model=rnd.choice(["m", "m2"]), model_revision=rnd.choice(["r1", "r2"]))
+            for i in range(n_ok)]
+    recs += [err_row(i, rnd.choice(["ENGINE_ERROR", "EMPTY_INPUT", "PROMPT_TOO_LONG"]), shard_id=f"s{i % 4}")
+             for i in range(n_err)]
+    return split(recs)
+
+
+def _streamed(tmp_path, results, errors, **kw):
+    pq.write_table(results, tmp_path / "r.parquet", row_group_size=700)  # many row groups
+    pq.write_table(errors, tmp_path / "e.parquet", row_group_size=50)
+    con = duckdb.connect()
+    try:
+        con.execute(f"CREATE VIEW r AS SELECT * FROM read_parquet('{tmp_path / 'r.parquet'}')")
+        con.execute(f"CREATE VIEW e AS SELECT * FROM read_parquet('{tmp_path / 'e.parquet'}')")
+        return evaluate_stream(con, result_rows=results.num_rows, batch_rows=512, **kw)
+    finally:
+        con.close()
+
+
+@pytest.mark.parametrize("labels", [LABELS, None])
+def test_streamed_report_equals_the_in_memory_report(tmp_path, labels):
+    results, errors = _tables()
+    kw = dict(spec=QASpec(sample_size=60, seed=9), labels=labels, structured=True,
+              duplicates={"ids": 0, "rows_dropped": 0, "examples": []})
+    mem = evaluate(results, errors, **kw)
+    streamed = _streamed(tmp_path, results, errors, **kw)
+    a, b = mem.to_dict(), streamed.to_dict()
+    # the mean is summed per batch: equal up to float rounding; everything else exactly
+    assert b["metrics"]["latency_ms"].pop("mean") == pytest.approx(a["metrics"]["latency_ms"].pop("mean"), rel=1e-12)
+    assert a["metrics"]["latency_ms"]["count"] > 1000 and len(a["metrics"]["models"]) == 4
+    assert b == a
+    assert streamed.sample.schema == mem.sample.schema and streamed.sample.num_rows == 60
+    assert str(streamed.sample.to_pylist()) == str(mem.sample.to_pylist())  # str: NaN latencies compare equal
+
+
+def test_streamed_latency_buffer_grows_past_a_wrong_capacity(tmp_path):
+    results, errors = _tables(n_ok=3000, n_err=0)
+    kw = dict(spec=QASpec(sample_size=10), labels=None, structured=False)
+    mem = evaluate(results, errors, **kw).metrics["latency_ms"]
+    pq.write_table(results, tmp_path / "r.parquet", row_group_size=700)
+    pq.write_table(errors, tmp_path / "e.parquet")
+    con = duckdb.connect()
+    con.execute(f"CREATE VIEW r AS SELECT * FROM read_parquet('{tmp_path / 'r.parquet'}')")
+    con.execute(f"CREATE VIEW e AS SELECT * FROM read_parquet('{tmp_path / 'e.parquet'}')")
+    got = evaluate_stream(con, result_rows=1, batch_rows=256, **kw).metrics["latency_ms"]
+    assert got.pop("mean") == pytest.approx(mem.pop("mean"), rel=1e-12)
+    assert got == mem
+
+
+def test_the_streamed_path_never_builds_the_whole_tables(tmp_path, monkeypatch):
+    """Bounded memory by construction: no batch it is handed is larger than batch_rows."""
+    results, errors = _tables(n_ok=4000, n_err=100)
+    seen = []
+    real = evaluate_mod.ResultTally.add_results
+
+    def spy(self, batch):
+        seen.append(batch.num_rows)
+        return real(self, batch)
+
+    monkeypatch.setattr(evaluate_mod.ResultTally, "add_results", spy)
+    rep = _streamed(tmp_path, results, errors, spec=QASpec(sample_size=20), labels=LABELS, structured=True)
+    assert sum(seen) == 4000 and max(seen) <= 512 and len(seen) >= 8
+    assert rep.metrics["ok"] == 4000 and rep.metrics["errors"] == 100
+
+
+def test_qa_run_streams_above_the_threshold_and_reports_the_same(tmp_path, monkeypatch):
+    from airflow_provider_vllm.steps.merge import merge_run
+    from airflow_provider_vllm.steps.plan import plan_job
+    from airflow_provider_vllm.steps.qa import stage
+    from airflow_provider_vllm.worker.shard import run_shard
+    from airflow_provider_vllm.worker.task import ShardTask
+    from tests.support.data import LABELS as INPUT_LABELS
+    from tests.support.data import make_spec, write_parquet
+    from tests.support.fakes import FakeEngine
+
+    write_parquet(tmp_path / "in" / "a.parquet", [f"row-{i}" for i in range(300)],
+                  [f"ticket {i} " + "x" * (i % 13) for i in range(300)], row_group_size=64)
+    spec = make_spec(tmp_path / "in", tmp_path / "out", sampling={"structured": {"choice": INPUT_LABELS}},
+                     sharding={"target_rows": 80, "chunk_rows": 16}, qa={"sample_size": 24})
+    for shard in plan_job(spec).shards:
+        run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=FakeEngine)
+    merge_run(spec)
+    mem, _ = stage.qa_run(spec)
+    calls = []
+    real = stage.evaluate_stream
+    monkeypatch.setattr(stage, "evaluate_stream", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(stage, "STREAM_ABOVE_ROWS", 0)
+    streamed, _ = stage.qa_run(spec)
+    assert calls == [1]
+    a, b = mem.to_dict(), streamed.to_dict()
+    assert b["metrics"]["latency_ms"].pop("mean") == pytest.approx(a["metrics"]["latency_ms"].pop("mean"), rel=1e-12)
+    assert b == a and a["metrics"]["ok"] + a["metrics"]["errors"] == 300
+    assert str(streamed.sample.to_pylist()) == str(mem.sample.to_pylist())
+    assert "input_excerpt" in streamed.sample.column_names
