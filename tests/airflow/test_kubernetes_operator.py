@@ -257,7 +257,10 @@ def test_worker_exit_codes_map_to_fail_or_retry(monkeypatch):
             "error_rows": 0, "stats": {}}
     op.cleanup(pod, pod_exited(0), xcom_result=done)  # success passes through
     with pytest.raises(AirflowException, match="exited 0 without its manifest") as e:  # as the local runner
-        op.cleanup(pod, pod_exited(0), xcom_result={"status": "committed", "shard_id": "another"})
+        op.cleanup(pod, pod_exited(0), xcom_result={**done, "shard_id": "another"})
+    assert not isinstance(e.value, AirflowFailException)
+    with pytest.raises(AirflowException, match="its manifest is not one this provider reads .*rows") as e:
+        op.cleanup(pod, pod_exited(0), xcom_result={"status": "committed", "shard_id": SHARD["shard_id"]})
     assert not isinstance(e.value, AirflowFailException)
 
 
