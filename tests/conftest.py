@@ -59,12 +59,20 @@ def set_faults():
     faults.reload({})
 
 
-TIERS = ("unit", "vllm", "s3", "airflow", "ui")
+TIERS = ("unit", "s3", "vllm", "airflow", "ui")  # also the run order: cheapest first, the browser last
+
+
+def _tier(item) -> str | None:
+    parts = Path(str(item.fspath)).resolve().relative_to(ROOT / "tests").parts
+    return parts[0] if parts and parts[0] in TIERS else None
 
 
 def pytest_collection_modifyitems(config, items):
-    """Mark every test with its tier, the folder under tests/ it lives in (``-m unit``, ``-m s3`` ...)."""
+    """Mark every test with its tier, the folder under tests/ it lives in (``-m unit``, ``-m s3`` ...), and
+    run the tiers in ``TIERS`` order. The ui tier goes last: its session-wide Playwright would make any
+    later sync Playwright (tests/unit/steps/qa/test_html.py) fail with "Sync API inside the asyncio loop"."""
     for item in items:
-        parts = Path(str(item.fspath)).resolve().relative_to(ROOT / "tests").parts
-        if parts and parts[0] in TIERS:
-            item.add_marker(getattr(pytest.mark, parts[0]))
+        tier = _tier(item)
+        if tier is not None:
+            item.add_marker(getattr(pytest.mark, tier))
+    items.sort(key=lambda item: TIERS.index(_tier(item) or "unit"))  # stable: file order within a tier
