@@ -48,15 +48,15 @@ def worker_result(code: int, shard_id: str, manifest: Any, stdout_tail: Any = No
     """
     if outcome(code) is not Outcome.SUCCESS:
         raise worker_failure(code, shard_id, manifest)
+    m = None
     if manifest is not None:
         try:
-            read_manifest(manifest)
+            m = read_manifest(manifest)
         except ValidationError as e:  # e.g. a worker image of another provider version
             raise AirflowException(
                 f"shard {shard_id}: worker exited 0 but its manifest is not one this provider reads "
                 f"({e.error_count()} error(s): {_first_error(e)}); run the worker image built from the same "
                 "airflow-provider-vllm version as the Airflow side") from None
-    m = parse(manifest)
     if not isinstance(m, WorkerManifest) or m.shard_id != shard_id:
         raise AirflowException(f"shard {shard_id}: worker exited 0 without its manifest (stdout tail: {stdout_tail})")
     return m
