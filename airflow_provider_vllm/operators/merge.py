@@ -52,7 +52,7 @@ class VllmMergeOperator(BaseOperator):
                       spec.io.output_uri, summary.rows, summary.ok_rows, summary.error_rows,
                       summary.duplicates.ids, summary.duplicates_dropped, summary.shards, infer_s,
                       summary.rows / infer_s if infer_s else 0.0, summary.merge_s)
-        self._lineage = merge_lineage(spec, summary.model_dump(mode="json", exclude_unset=True))
+        self._lineage = merge_lineage(spec, summary)
         return summary.xcom()
 
     def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:

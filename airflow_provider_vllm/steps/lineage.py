@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from airflow_provider_vllm.core.plan import PLAN_FILE
+from airflow_provider_vllm.core.records import MergeSummary
 from airflow_provider_vllm.core.rows import ERROR_COLUMNS, RESULT_COLUMNS, ROW_SCHEMA
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.steps.merge import ERRORS, RESULTS
@@ -87,16 +88,16 @@ def plan_lineage(spec: JobSpec, *, rows: int, files: int | None = None) -> Linea
                    outputs=(_dataset(under(spec.io.output_uri, PLAN_FILE)),))
 
 
-def merge_lineage(spec: JobSpec, summary: Mapping[str, Any]) -> Lineage:
+def merge_lineage(spec: JobSpec, summary: MergeSummary) -> Lineage:
     """Merge checked the input's ids and wrote the results and errors files (row counts, columns)."""
-    files = summary.get("files") or {}
+    files = summary.files
     out = spec.io.output_uri
     return Lineage(
-        inputs=(_dataset(spec.io.input_uri, rows=summary.get("rows")),),
+        inputs=(_dataset(spec.io.input_uri, rows=summary.rows),),
         outputs=(
-            _dataset(under(out, files.get("results", RESULTS)), rows=summary.get("ok_rows"), files=1,
+            _dataset(under(out, files.get("results", RESULTS)), rows=summary.ok_rows, files=1,
                      fields=_fields(RESULT_COLUMNS)),
-            _dataset(under(out, files.get("errors", ERRORS)), rows=summary.get("error_rows"), files=1,
+            _dataset(under(out, files.get("errors", ERRORS)), rows=summary.error_rows, files=1,
                      fields=_fields(ERROR_COLUMNS)),
         ),
     )

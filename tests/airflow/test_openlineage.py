@@ -10,7 +10,7 @@ import pytest
 
 from tests.airflow.test_operators import fake_python  # noqa: F401 (fixture)
 from tests.support.airflow_env import tail
-from tests.support.data import make_spec, write_parquet
+from tests.support.data import make_spec, merge_summary, write_parquet
 
 pytest.importorskip("airflow.providers.openlineage", reason="apache-airflow-providers-openlineage (test extra)")
 
@@ -37,7 +37,7 @@ def test_operator_lineage_builds_openlineage_datasets_with_facets():
     from airflow_provider_vllm.steps.lineage import merge_lineage, qa_lineage
 
     spec = make_spec("s3://in-bucket/tickets/", "s3://out-bucket/labels/")
-    merged = operator_lineage(merge_lineage(spec, {"rows": 3, "ok_rows": 2, "error_rows": 1, "files": {}}))
+    merged = operator_lineage(merge_lineage(spec, merge_summary(3, 2, 1)))
     assert [(d.namespace, d.name) for d in merged.inputs] == [("s3://in-bucket", "tickets")]
     results = json.loads(Serde.to_json(merged.outputs[0]))
     assert results["name"] == "labels/results/results.parquet"

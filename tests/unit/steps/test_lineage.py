@@ -12,7 +12,7 @@ from airflow_provider_vllm.steps.lineage import (
     qa_assertions,
     qa_lineage,
 )
-from tests.support.data import make_spec
+from tests.support.data import make_spec, merge_summary
 
 
 @pytest.mark.parametrize("uri, expected", [
@@ -35,8 +35,8 @@ def test_plan_reads_the_input_and_writes_the_plan_file():
 
 def test_merge_writes_results_and_errors_with_counts_and_columns():
     spec = make_spec("/d/in", "/d/out")
-    lin = merge_lineage(spec, {"rows": 10, "ok_rows": 9, "error_rows": 1,
-                               "files": {"results": "results/results.parquet", "errors": "results/errors.parquet"}})
+    lin = merge_lineage(spec, merge_summary(10, 9, 1, {"results": "results/results.parquet",
+                                                        "errors": "results/errors.parquet"}))
     assert [(d.name, d.rows) for d in lin.inputs] == [("/d/in", 10)]
     results, errors = lin.outputs
     assert (results.namespace, results.name, results.rows) == ("file", "/d/out/results/results.parquet", 9)
