@@ -269,13 +269,35 @@ class QASpec(_Model):
     warn_label_drift: float = Field(0.1, ge=0, le=1, description="Total variation distance vs previous run.")
     fail_label_drift: float = Field(0.3, ge=0, le=1)
     previous_report_uri: str | None = Field(None, description="report.json of the run to compare against.")
+    warn_churn_rate: float = Field(
+        1.0, ge=0, le=1, description="Share of the ids in both this run and changes.previous_uri whose answer "
+        "changed (1.0: never warns).")
+    fail_churn_rate: float = Field(1.0, ge=0, le=1, description="As warn_churn_rate, failing the run.")
 
     @model_validator(mode="after")
     def _warn_below_fail(self) -> QASpec:
-        for m in ("error_rate", "empty_rate", "invalid_rate", "truncation_rate", "label_drift"):
+        for m in ("error_rate", "empty_rate", "invalid_rate", "truncation_rate", "label_drift", "churn_rate"):
             if getattr(self, f"warn_{m}") > getattr(self, f"fail_{m}"):
                 raise ValueError(f"warn_{m} must be <= fail_{m}")
         return self
+
+
+class CacheSpec(_Model):
+    """The result cache: rows whose answer is already known are not sent to the engine again."""
+
+    uri: str | None = Field(
+        None, description="Cache folder (local, s3://, gs://) shared by the runs of one job; null: no cache. "
+        "Entries are keyed by everything that decides a row's answer (steps/cache.py).")
+    allow_sampling: bool = Field(
+        False, description="Cache answers made with sampling.temperature > 0 (not reproducible); refused otherwise.")
+
+
+class ChangesSpec(_Model):
+    """What moved since the previous run: ``changes/`` output and the QA churn matrix."""
+
+    previous_uri: str | None = Field(
+        None, description="Output prefix of the run to compare against (its merged results); null: no changes "
+        "output. A missing previous run is not an error: every id is 'added'.")
 
 
 class JobSpec(_Model):
@@ -291,6 +313,8 @@ class JobSpec(_Model):
     io: IOSpec
     sharding: ShardingSpec = Field(default_factory=ShardingSpec)
     qa: QASpec = Field(default_factory=QASpec)
+    cache: CacheSpec = Field(default_factory=CacheSpec)
+    changes: ChangesSpec = Field(default_factory=ChangesSpec)
     kubernetes: KubernetesSettings = Field(
         default_factory=KubernetesSettings,
         description="Kubernetes runner: pod resources and placement (not part of content_hash).",

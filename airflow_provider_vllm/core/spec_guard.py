@@ -10,7 +10,7 @@ Two layers, both pure:
 * ``check_deployment(spec, allowed, allow_any=...)`` adds what depends on the deployment; it
   fails closed: with no allow-list it refuses everything unless the deployment said any
   location is fine. Every location-like field (input, output, ``sharding.history_uri``,
-  ``qa.previous_report_uri``, a local ``model.name`` / ``model.tokenizer``) lies inside the
+  ``qa.previous_report_uri``, ``cache.uri``, ``changes.previous_uri``, a local ``model.name`` / ``model.tokenizer``) lies inside the
   allowed prefixes (symlinks resolved); ``io.storage_options`` holds only reviewed data
   options (no credentials, endpoints, hosts, proxies or headers: those come from the
   deployment's Connection or environment, e.g. ``AWS_ENDPOINT_URL``); output and input not
@@ -68,8 +68,9 @@ _IDENTIFIERS = {
 }
 # Sections whose other strings must be plain (OTHER); strings of sections added later (e.g. a
 # pod's annotations) get the generic rules only: no Jinja, no control characters, bounded size.
-_PLAIN_SECTIONS = frozenset({"name", "task", "model", "engine", "prompt", "sampling", "io", "sharding", "qa"})
-_URIS = ("io.input_uri", "io.output_uri", "qa.previous_report_uri")
+_PLAIN_SECTIONS = frozenset({"name", "task", "model", "engine", "prompt", "sampling", "io", "sharding", "qa",
+                             "cache", "changes"})
+_URIS = ("io.input_uri", "io.output_uri", "qa.previous_report_uri", "cache.uri", "changes.previous_uri")
 _FREE_TEXT = {"prompt.system_prompt": MAX_TEXT_CHARS, "prompt.template": MAX_TEXT_CHARS,
               "sampling.stop": 256, "sampling.structured.regex": MAX_STRING_CHARS}
 # storage_options keys that hold credentials: the deployment provides them (environment,
@@ -178,6 +179,10 @@ def check_deployment(spec: Any, allowed: Sequence[str] | None, *, allow_any: boo
         check_uri(spec.qa.previous_report_uri, allowed, "qa.previous_report_uri")
     if spec.sharding.history_uri:  # merge writes (and replaces) files there
         check_uri(spec.sharding.history_uri, allowed, "sharding.history_uri")
+    if spec.cache.uri:  # plan reads it, merge appends to it
+        check_uri(spec.cache.uri, allowed, "cache.uri")
+    if spec.changes.previous_uri:
+        check_uri(spec.changes.previous_uri, allowed, "changes.previous_uri")
     for what in ("model.name", "model.tokenizer"):
         local = local_model_path(getattr(spec.model, what.split(".")[1]), what)
         if local is not None:

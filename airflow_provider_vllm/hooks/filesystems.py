@@ -184,7 +184,8 @@ AWS_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "A
 
 def spec_schemes(spec: Any) -> set[str]:
     """Schemes of the locations a job's worker reads or writes (input, output, QA previous report, history)."""
-    uris = [spec.io.input_uri, spec.io.output_uri, spec.qa.previous_report_uri, spec.sharding.history_uri]
+    uris = [spec.io.input_uri, spec.io.output_uri, spec.qa.previous_report_uri, spec.sharding.history_uri,
+            spec.cache.uri, spec.changes.previous_uri]
     return {scheme_of(u) for u in uris if u}
 
 
