@@ -217,3 +217,59 @@ def test_kill_at_each_write_step_then_rerun(tmp_path, point):
     assert read_changes(Storage(str(tmp_path / "now"))) == s
     leftovers = [f for f in os.listdir(tmp_path / "now" / "changes") if f not in ("changes.parquet", "_changes.json")]
     assert leftovers == [] or all(".tmp-" in f for f in leftovers)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_qa_of_a_second_run_reports_exactly_the_moved_labels(tmp_path, fake_engine_factory, monkeypatch, stream):
+    """The whole pipeline twice (fake engine): 10% of texts edited, 5 rows new, 4 gone; QA computes the changes."""
+    from airflow_provider_vllm.steps import merge as merge_mod
+    from airflow_provider_vllm.steps.merge import merge_run
+    from airflow_provider_vllm.steps.plan import plan_job
+    from airflow_provider_vllm.steps.qa import stage
+    from airflow_provider_vllm.worker.shard import run_shard
+    from airflow_provider_vllm.worker.task import ShardTask
+    from tests.support.data import write_parquet
+
+    if stream:
+        monkeypatch.setattr(stage, "STREAM_ABOVE_ROWS", 0)
+    ids1 = [f"t{i:03d}" for i in range(60)]
+    texts1 = {i: f"ticket {i} about my invoice" for i in ids1}
+    texts2 = {i: t + (" (edited)" if n % 10 == 3 else "") for n, (i, t) in enumerate(texts1.items()) if n >= 4}
+    texts2.update({f"n{i}": f"new ticket {i}" for i in range(5)})
+    texts2["t010"] = ""  # an error now (EMPTY_INPUT)
+
+    def run(name, texts, previous=None):
+        write_parquet(tmp_path / name / "in.parquet", list(texts), list(texts.values()))
+        spec = make_spec(tmp_path / name / "in.parquet", tmp_path / name / "out", sharding={"target_rows": 25},
+                         changes={"previous_uri": previous}, qa={"warn_churn_rate": 0.01, "fail_churn_rate": 0.9})
+        for s in plan_job(spec).shards:
+            run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+        merge_run(spec)
+        return spec, stage.qa_run(spec)[0]
+
+    _, rep1 = run("d1", texts1, str(tmp_path / "d0" / "out"))  # the day before never ran
+    assert rep1.metrics["changes"]["counts"]["added"] == 60 and rep1.metrics["changes"]["previous_state"] == "absent"
+    assert next(c for c in rep1.checks if c["name"] == "churn_rate")["status"] == "skip"
+    spec2, rep2 = run("d2", texts2, str(tmp_path / "d1" / "out"))
+
+    def labels(day):
+        return dict(zip(*pq.read_table(tmp_path / day / "out" / merge_mod.RESULTS, columns=["id", "label"])
+                        .to_pydict().values()))
+    old, new = labels("d1"), labels("d2")
+    moved = {i for i in set(old) & set(new) if old[i] != new[i]}
+    assert moved, "the edits should move some labels"
+    rows = changes_of(tmp_path / "d2" / "out")
+    assert {i for i, r in rows.items() if r["change"] == "changed"} == moved
+    assert all(rows[i]["old_value"] == old[i] and rows[i]["new_value"] == new[i] for i in moved)
+    assert {i for i, r in rows.items() if r["change"] == "added"} == {f"n{i}" for i in range(5)}
+    assert {i for i, r in rows.items() if r["change"] == "removed"} == set(ids1[:4])
+    assert rows["t010"]["change"] == "error" and rows["t010"]["new_error_code"] == "EMPTY_INPUT"
+    ch = rep2.metrics["changes"]
+    assert ch["churn_rate"] == len(moved) / ch["in_both"] and ch["in_both"] == 60 - 4 - 1
+    c = next(c for c in rep2.checks if c["name"] == "churn_rate")
+    assert c["status"] in ("warn", "fail") and c["value"] == ch["churn_rate"]
+    assert sum(x["count"] for x in ch["matrix"] if x["old"] != x["new"] and x["old"] and x["new"]) == len(moved)
+    html = (tmp_path / "d2" / "out" / "qa" / "report.html").read_text()
+    assert "What changed since the last run" in html and 'data-chart="churn"' in html
+    stored = json.loads((tmp_path / "d2" / "out" / "qa" / "report.json").read_text())
+    assert stored["metrics"]["changes"] == ch
