@@ -212,7 +212,8 @@ def changes_page(tmp_path_factory, browser):
     day2 = {k: v + (" - still broken, please help" if j % 16 == 3 else "") for j, (k, v) in enumerate(day1.items())
             if j >= 5}
     day2.update({f"t{n + i:04d}": topics[i % 5].format(n + i) for i in range(10)})
-    cache = {"uri": str(tmp_path / "_cache")} if "cache" in Plan.model_fields else {}  # the result cache, once it exists
+    # the result cache, once it exists (a hub model name must be pinned to a revision for it)
+    cache = {"uri": str(tmp_path / "_cache")} if "cache" in Plan.model_fields else {}
     reports = []
     for day, texts in (("d1", day1), ("d2", day2)):
         write_parquet(tmp_path / day / "in" / "part-0.parquet", list(texts), list(texts.values()))
@@ -220,9 +221,11 @@ def changes_page(tmp_path_factory, browser):
             tmp_path / day / "in", tmp_path / day / "out", name="nightly_reclassification",
             sampling={"structured": {"choice": LABELS}}, sharding={"target_rows": 80, "chunk_rows": 16},
             qa={"sample_size": 12, "warn_churn_rate": 0.05, "fail_churn_rate": 0.5}, cache=cache,
+            model={"revision": "r1"} if cache else {},
             changes={"previous_uri": str(tmp_path / "d1" / "out") if day == "d2" else None},
         )
-        for shard in plan_job(spec).shards:
+        plan = plan_job(spec, **({"engine_identity": "fake-engine"} if cache else {}))  # part of the cache key
+        for shard in plan.shards:
             run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=FakeEngine)
         merge_run(spec)
         reports.append(qa_run(spec))
@@ -247,7 +250,8 @@ def test_report_page_shows_what_changed_and_the_cache(changes_page):
     for c in moved:  # every moved cell is in the table with its count
         cell = section.locator(f'td[data-old="{c["old"]}"][data-new="{c["new"]}"]')
         assert cell.inner_text() == str(c["count"]) and cell.bounding_box()["width"] > 20
-    if report.metrics.get("cache"):
+    if report.metrics.get("cache"):  # day 2: every unedited ticket of day 1 is a hit
+        assert report.metrics["cache"]["hits"] == 200 - 5 - sum(1 for j in range(5, 200) if j % 16 == 3)
         assert page.get_by_text("Cache hits").is_visible()
     box = section.bounding_box()
     shot = artifacts() / "qa-report-changes.png"
