@@ -31,6 +31,8 @@ import os
 import shutil
 import tempfile
 
+import duckdb
+
 from airflow_provider_vllm.core import duck, faults
 from airflow_provider_vllm.core.errors import SpecError
 from airflow_provider_vllm.core.records import (
@@ -85,9 +87,12 @@ def _side(out: Storage, col: str) -> str:
             f"UNION ALL SELECT id, 'error', NULL, NULL, error_code FROM {_results_relation(out, 'errors')}")
 
 
-def _previous_state(prev: Storage) -> tuple[str, MergeSummary | None]:
+def _previous_state(prev: Storage, where: str) -> tuple[str, MergeSummary | None]:
     if prev.exists(MERGED):
-        return "complete", read_merged(prev)
+        try:
+            return "complete", read_merged(prev)
+        except ValueError as e:  # pydantic's ValidationError: not a merge summary this provider wrote
+            raise SpecError(f"{where}: its {MERGED} is not a merge summary ({str(e).splitlines()[0]})") from e
     return ("incomplete" if prev.exists("_plan.json") else "absent"), None
 
 
@@ -105,8 +110,9 @@ def _check_foreign(spec: JobSpec, prev: Storage, merged: MergeSummary, con, col:
     try:
         ok, with_value = con.execute(
             f"SELECT count(*), count({value}) FROM {_results_relation(prev, 'results')}").fetchall()[0]
-    except Exception as e:  # a file of another schema
-        raise SpecError(f"{where}: its results cannot be read as this job's ({type(e).__name__}: {e})") from e
+    except (duckdb.BinderException, duckdb.InvalidInputException) as e:  # a file of another schema
+        raise SpecError(f"{where}: its results cannot be read as this job's ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0]})") from e
     if ok and not with_value and merged.ok_rows:
         raise SpecError(f"{where}: none of its {ok} answers has a {col!r} value, which this job compares: "
                         "a run of another task or structured setting")
@@ -127,7 +133,7 @@ def compute_changes(spec: JobSpec, filesystems: FileSystems | None = None,
         raise SpecError(f"changes.previous_uri {spec.changes.previous_uri!r} is this run's own output prefix")
     merged = read_merged(out)
     col = compared_column(spec)
-    state, prev_merged = _previous_state(prev)
+    state, prev_merged = _previous_state(prev, f"changes.previous_uri {spec.changes.previous_uri!r}")
     notes: list[str] = []
     con = duck.connect(out, prev, memory_limit=memory_limit)
     with tempfile.TemporaryDirectory() as tmp:

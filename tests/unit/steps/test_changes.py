@@ -117,9 +117,26 @@ def test_a_previous_run_of_another_task_or_id_column_is_refused(tmp_path, spec_f
     write_run(tmp_path / "old_text", {"a": "free text"}, col="output", task=None, id_column=None)
     with pytest.raises(SpecError, match=r"changes.previous_uri .*old_text.*'label'"):
         compute_changes(spec_for(tmp_path / "old_text"))
+    # results of another schema (no label column at all), a _MERGED.json that is not ours
+    write_run(tmp_path / "schema", {"a": "bug"})
+    pq.write_table(pa.table({"id": ["a"], "text": ["x"]}), tmp_path / "schema" / RESULTS)
+    with pytest.raises(SpecError, match=r"changes.previous_uri .*schema.*cannot be read as this job's"):
+        compute_changes(spec_for(tmp_path / "schema"))
+    write_run(tmp_path / "forged", {"a": "bug"})
+    (tmp_path / "forged" / MERGED).write_text('{"rows": "many", "evil": true}')
+    with pytest.raises(SpecError, match=r"changes.previous_uri .*forged.*not a merge summary"):
+        compute_changes(spec_for(tmp_path / "forged"))
     with pytest.raises(SpecError, match="own output prefix"):
         compute_changes(spec_for(tmp_path / "now"))
     assert not (tmp_path / "now" / SUMMARY).exists()
+
+
+def test_an_empty_run_removes_every_previous_id(tmp_path, spec_for):
+    write_run(tmp_path / "prev", {"a": "bug", "b": "other"}, {"c": "EMPTY_INPUT"})
+    write_run(tmp_path / "now", {})
+    s = compute_changes(spec_for(tmp_path / "prev"))
+    assert (s.counts.removed, s.ids, s.churn_rate) == (3, 3, None)
+    assert {(c.old, c.new) for c in s.matrix} == {("bug", None), ("other", None)}  # the error side is left out
 
 
 def test_hostile_ids_and_labels_round_trip(tmp_path, spec_for):
