@@ -23,6 +23,7 @@ from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.steps.changes import CHANGES, SUMMARY, compared_column, compute_changes, read_changes
 from airflow_provider_vllm.steps.merge import ERRORS, MERGED, RESULTS
 from tests.support.data import LABELS, make_spec, merge_summary
+from tests.support.ledger import record_fault
 
 pytestmark = pytest.mark.unit
 
@@ -224,12 +225,18 @@ def test_kill_at_each_write_step_then_rerun(tmp_path, point):
     env = {**os.environ, "VLLM_BATCH_FAULTS": f"{point}=kill"}
     p = subprocess.run([sys.executable, "-c", code, spec.model_dump_json()], env=env, capture_output=True)
     assert p.returncode == -9, p.stderr.decode()[-2000:]
+    partial = 0
     if (tmp_path / "now" / SUMMARY).exists():  # a visible summary is a whole one, naming the visible file
         s = read_changes(Storage(str(tmp_path / "now")))
-        assert s.checksums[CHANGES] == Storage(str(tmp_path / "now")).sha256(CHANGES)
+        partial += s.checksums[CHANGES] != Storage(str(tmp_path / "now")).sha256(CHANGES)
     if (tmp_path / "now" / CHANGES).exists():  # a visible Parquet is a whole one
-        assert pq.read_metadata(tmp_path / "now" / CHANGES).num_rows == 60
+        partial += pq.read_metadata(tmp_path / "now" / CHANGES).num_rows != 60
     s = compute_changes(spec)
+    ids = pq.read_table(tmp_path / "now" / CHANGES, columns=["id"]).column("id").to_pylist()
+    expected = {f"r{i}" for i in range(60)}
+    record_fault(f"kill9.{point}", rows=60, lost=len(expected - set(ids)), duplicates=len(ids) - len(set(ids)),
+                 partial_visible=partial, level="process")
+    assert partial == 0 and set(ids) == expected and len(ids) == 60
     assert s.ids == 60 and s.counts.added == 10 and s.counts.removed == 10
     assert read_changes(Storage(str(tmp_path / "now"))) == s
     leftovers = [f for f in os.listdir(tmp_path / "now" / "changes") if f not in ("changes.parquet", "_changes.json")]
