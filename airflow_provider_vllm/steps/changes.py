@@ -75,7 +75,7 @@ def _results_relation(out: Storage, kind: str) -> str:
 
 
 def _side(out: Storage, col: str) -> str:
-    """One run as (id, st, v, h, code): status, compared value, the value compared, error code."""
+    """One run's rows as (id, st 'ok'|'error', v the compared value, h a vector's hash, code the error code)."""
     if col == "embedding":
         v, h = "NULL::VARCHAR", "hash(embedding)"
     elif col == "label":

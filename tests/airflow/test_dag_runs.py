@@ -93,6 +93,36 @@ def test_nightly_run_succeeds_with_complete_outputs(nightly):
     log = p.stdout + p.stderr
     assert "worker | " in log and " progress shard-" in log  # worker stderr streamed into the task log
     assert "QA report: " in log
+    # the day before never ran: every ticket is 'added', the churn check skipped
+    changes = json.loads((out / "changes" / "_changes.json").read_text())
+    assert changes["previous_state"] == "absent" and changes["ids"] == 240
+    assert changes["counts"]["added"] + changes["counts"]["error"] == 240 and changes["churn_rate"] is None
+
+
+def test_a_rerun_compared_with_the_nightly_writes_what_changed(nightly, airflow_sandbox):
+    """The re-run form's 'Compare with' (changes.previous_uri) against the nightly output of the same tickets."""
+    from airflow_provider_vllm.task_groups.batch_job import TEMPLATE_FILTERS
+
+    box = airflow_sandbox
+    assert nightly["proc"].returncode == 0
+    conf = {"input_uri": str(box.data / "tickets" / f"dt={DAY}"), "compare_with": f"{nightly['out']}/",
+            "shard_rows": 120}
+    p = box.dags_test(RERUN, "2026-11-23", conf=conf)
+    assert p.returncode == 0, tail(p)
+    db = box.inspect(RERUN)
+    run_id = latest_run(db)
+    assert set(local_states(db, run_id).values()) == {"success"}
+    out = box.data / "reruns" / TEMPLATE_FILTERS["path_safe"](run_id)
+    changes = json.loads((out / "changes" / "_changes.json").read_text())
+    assert changes["previous_state"] == "complete" and changes["previous_uri"] == f"{nightly['out']}/"
+    c = changes["counts"]
+    assert changes["ids"] == 240 and c["added"] == 0 and c["removed"] == 0
+    assert changes["in_both"] + c["error"] + c["recovered"] == 240
+    rows = pq.read_table(out / "changes" / "changes.parquet").to_pylist()
+    assert sorted(r["id"] for r in rows) == sorted(nightly["ids"])
+    report = json.loads((out / "qa" / "report.json").read_text())
+    assert report["metrics"]["changes"]["counts"] == c
+    assert any(ch["name"] == "churn_rate" and ch["status"] != "skip" for ch in report["checks"])
 
 
 def test_clearing_and_rerunning_a_finished_run_gives_identical_outputs(nightly, airflow_sandbox):
