@@ -94,6 +94,10 @@ class Plan(BaseModel):
     cache: CachePlan | None = Field(
         None, description="The result cache (cache.uri set): shards' segments then index the misses file.")
 
+    def dump_json(self) -> bytes:
+        """``_plan.json``'s bytes; ``cache`` only when set (plans without it stay as they were)."""
+        return self.model_dump_json(indent=1, exclude={"cache"} if self.cache is None else None).encode()
+
     def input_files(self) -> list[InputFile]:
         return [InputFile(**f) for f in self.files]
 

@@ -140,6 +140,11 @@ def kubernetes_engine_identity(spec: JobSpec) -> str:
     return f"image {spec.kubernetes.image or DEFAULT_IMAGE}"
 
 
+def engine_identity(spec: JobSpec, runner: str) -> str:
+    """The engine the shards of ``runner`` ('local' or 'kubernetes') run: part of the cache key."""
+    return kubernetes_engine_identity(spec) if runner == "kubernetes" else local_engine_identity()
+
+
 def key_config(spec: JobSpec, engine_identity: str | None = None) -> dict[str, Any]:
     """Everything but the row's own values that decides a row's answer (the key config)."""
     m = spec.model

@@ -56,7 +56,7 @@ def plan_job(spec: JobSpec, filesystems: FileSystems | None = None, max_shards: 
         if not out.exists(PLAN_FILE):
             _check_empty(spec, out)
             # create-only: of two runs racing for one prefix, the loser meets the winner's plan below
-            out.create_only(PLAN_FILE, plan.model_dump_json(indent=1).encode())
+            out.create_only(PLAN_FILE, plan.dump_json())
     existing = Plan.model_validate_json(out.read_bytes(PLAN_FILE))
     if existing.fingerprint != plan.fingerprint or existing.spec_hash != plan.spec_hash:
         raise SpecError(
@@ -88,7 +88,7 @@ def _plan_cached(spec: JobSpec, out: Storage, filesystems: FileSystems | None, m
         return existing.model_copy(update={"fingerprint": found.fingerprint, "spec_hash": spec.content_hash()})
     _check_empty(spec, out)
     plan = build_plan(spec, filesystems, max_shards=max_shards, cache_out=out, engine_identity=engine_identity)
-    out.create_only(PLAN_FILE, plan.model_dump_json(indent=1).encode())
+    out.create_only(PLAN_FILE, plan.dump_json())
     return plan
 
 

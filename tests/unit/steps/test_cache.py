@@ -330,3 +330,20 @@ def test_merge_failing_at_a_cache_step_converges(tmp_path, fake_engine_factory, 
     # a third merge appends nothing new
     assert merge(s1).dump()["cache"]["committed_by"] == "earlier_merge"
     assert len(list((store / "entries").iterdir())) == 1
+
+
+# ---- dry run ------------------------------------------------------------------------------
+def test_dry_run_reports_expected_hits_and_saved_gpu_hours(tmp_path, fake_engine_factory):
+    from airflow_provider_vllm.steps.dry_run import dry_run_report, format_report
+
+    write_parquet(tmp_path / "in-a.parquet", IDS, TEXTS)
+    run_job(spec_for(tmp_path, "a"), fake_engine_factory)
+    write_parquet(tmp_path / "in-b.parquet", IDS + ["n1"], TEXTS[:-1] + ["edited", "new"])
+    s2 = spec_for(tmp_path, "b")
+    r = dry_run_report(s2, model_config={}, engine_identity="fake-engine")
+    c = r["cache"]
+    assert (c["rows"], c["hits"], c["misses"], c["commits"]) == (51, 49, 2, 1)
+    assert 0 < c["est_gpu_hours_saved"] < r["est_gpu_hours"]
+    assert "49 of 51 rows answered by 1 committed entry, 2 to infer" in format_report(r)
+    assert not (tmp_path / "out-b").exists()  # nothing written
+    assert "cache" not in dry_run_report(spec_for(tmp_path, "b", cache={"uri": None}), model_config={})
