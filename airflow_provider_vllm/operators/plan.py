@@ -25,8 +25,8 @@ from airflow_provider_vllm.operators._common import (
     spec_document,
 )
 from airflow_provider_vllm.operators.deployment import check_spec_allowed, variables_may_set_deployment_settings
-from airflow_provider_vllm.steps.lineage import plan_lineage
 from airflow_provider_vllm.steps.cache import engine_identity
+from airflow_provider_vllm.steps.lineage import plan_lineage
 from airflow_provider_vllm.steps.plan import plan_job
 
 

@@ -29,7 +29,7 @@ import os
 import re
 import shutil
 import tempfile
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import duckdb
@@ -461,7 +461,7 @@ def append_results(con: duckdb.DuckDBPyConnection, spec: JobSpec, plan: Plan, so
         rows=rows, source_output_uri=origin, source_config_hash=plan.config_hash, source_spec_hash=plan.spec_hash,
         versions={"airflow-provider-vllm": __version__, "duckdb": duckdb.__version__,
                   "engine": str(cp.key_config.get("engine_identity"))},
-        created=datetime.now(timezone.utc).isoformat(timespec="microseconds"),
+        created=datetime.now(UTC).isoformat(timespec="microseconds"),
     )
     with faults.writing("cache.mid_commit"):
         made = store.st.create_only(f"{COMMITS}/{eid}.json", json.dumps(commit.dump(), indent=1).encode())

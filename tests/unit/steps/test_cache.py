@@ -30,6 +30,7 @@ from airflow_provider_vllm.steps.plan import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
 from airflow_provider_vllm.worker.task import ShardTask
 from tests.support.data import make_spec, write_parquet
+from tests.support.ledger import record_fault
 
 ROOT = Path(__file__).resolve().parents[3]
 IDS = [f"r{i:03d}" for i in range(50)]
@@ -166,6 +167,11 @@ def test_second_run_infers_only_changed_and_new_rows(tmp_path, fake_engine_facto
             assert r2[i]["label"] == r1[i]["label"] and r2[i]["cached_from"] == str(tmp_path / "out-a")
         else:
             assert r2[i]["cached_from"] is None
+    # QA runs over results that mix computed and cached rows
+    from airflow_provider_vllm.steps.qa.stage import qa_run
+
+    report, _ = qa_run(s2)
+    assert report.run_info["rows"] == 51 and report.sample.num_rows > 0
     # a full recompute (no cache) gives the same answers on every row
     s3 = make_spec(tmp_path / "in-b.parquet", tmp_path / "out-full", model={"name": "fake", "max_model_len": 1024,
                                                                             "revision": "r1"})
@@ -298,8 +304,11 @@ def test_plan_killed_at_a_cache_step_converges(tmp_path, fake_engine_factory, po
     assert not (tmp_path / "out-b" / PLAN_FILE).exists()
     fake_engine_factory.made.clear()
     plan, summary = run_job(s2, fake_engine_factory)
+    got = pq.read_table(tmp_path / "out-b" / RESULTS).column("id").to_pylist()
+    record_fault(f"kill9.{point}", len(ids2), lost=len(set(ids2) - set(got)), duplicates=len(got) - len(set(got)),
+                 level="process")
     assert plan.cache.hits == 50 and inferred(fake_engine_factory) == 1
-    assert summary["ok_rows"] == 51 and set(results(s2)) == set(ids2)
+    assert summary["ok_rows"] == 51 and sorted(got) == sorted(ids2)
 
 
 @pytest.mark.reliability
@@ -323,6 +332,11 @@ def test_merge_failing_at_a_cache_step_converges(tmp_path, fake_engine_factory, 
     seen = plan_job(spec_for(tmp_path, "x"), engine_identity="fake-engine").cache.hits
     assert seen == (50 if committed else 0)
     summary = merge(s1).dump()
+    entry = pq.read_table(store / "entries" / cache.entry_id(plan, s1.io.output_uri) / "part-00000.parquet")
+    got = entry.column("source_id").to_pylist()
+    record_fault(f"raise.{point}", len(IDS), lost=len(set(IDS) - set(got)), duplicates=len(got) - len(set(got)),
+                 partial_visible=int(seen not in (0, 50)))
+    assert sorted(got) == IDS
     assert summary["cache"]["appended"] == 50
     assert summary["cache"]["committed_by"] == ("earlier_merge" if committed else "this_merge")
     assert _entries(store) == [f"{cache.entry_id(plan, s1.io.output_uri)}.json"]
