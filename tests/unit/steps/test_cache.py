@@ -361,3 +361,43 @@ def test_dry_run_reports_expected_hits_and_saved_gpu_hours(tmp_path, fake_engine
     assert "49 of 51 rows answered by 1 committed entry, 2 to infer" in format_report(r)
     assert not (tmp_path / "out-b").exists()  # nothing written
     assert "cache" not in dry_run_report(spec_for(tmp_path, "b", cache={"uri": None}), model_config={})
+
+
+def test_careless_inputs_integer_ids_repeated_texts_and_error_rows(tmp_path, fake_engine_factory):
+    """Integer ids, a non-text template column, the same text under two ids, empty texts (errors: not cached)."""
+    n = 30
+    texts = [f"same text {i % 10}" for i in range(n)]
+    texts[3] = ""  # EMPTY_INPUT: an error row, retried next run
+    over = {"prompt": {"template": "{kind}: {text}", "text_columns": ["text"]}}
+    for run in ("a", "b"):
+        pq.write_table(pa.table({"id": list(range(n)), "text": texts, "kind": [i % 2 for i in range(n)]}),
+                       tmp_path / f"in-{run}.parquet")
+    s1 = spec_for(tmp_path, "a", **over)
+    p1, m1 = run_job(s1, fake_engine_factory)
+    assert m1["error_rows"] == 1 and m1["cache"]["appended"] == n - 1
+    s2 = spec_for(tmp_path, "b", **over)
+    fake_engine_factory.made.clear()
+    p2, m2 = run_job(s2, fake_engine_factory)
+    assert (p2.cache.hits, p2.cache.misses) == (n - 1, 1)  # only the error row is tried again
+    assert m2["error_rows"] == 1 and m2["ok_rows"] == n - 1 and m2["cache"]["appended"] == 0
+    r1, r2 = results(s1), results(s2)
+    assert {i: r["label"] for i, r in r1.items()} == {i: r["label"] for i, r in r2.items()}
+    assert set(r2) == {str(i) for i in range(n) if i != 3}
+
+
+def test_long_row_buckets_and_an_empty_input(tmp_path, fake_engine_factory):
+    texts = [("long " * 60 if i % 7 == 0 else "short") + f" {i}" for i in range(50)]
+    write_parquet(tmp_path / "in-a.parquet", IDS, texts)
+    over = {"sharding": {"target_rows": 10, "chunk_rows": 4, "long_row_tokens": 40}}
+    p1, m1 = run_job(spec_for(tmp_path, "a", **over), fake_engine_factory)
+    assert {s.bucket for s in p1.shards} == {"short", "long"} and m1["ok_rows"] == 50
+    write_parquet(tmp_path / "in-b.parquet", IDS + ["n1"], texts[:-1] + ["long " * 60 + "x", "short new"])
+    s2 = spec_for(tmp_path, "b", **over)
+    fake_engine_factory.made.clear()
+    p2, m2 = run_job(s2, fake_engine_factory)
+    assert (p2.cache.hits, p2.cache.misses) == (49, 2) and {s.bucket for s in p2.shards} == {"short", "long"}
+    assert inferred(fake_engine_factory) == 2 and m2["ok_rows"] == 51
+
+    write_parquet(tmp_path / "in-e.parquet", pa.array([], pa.string()), pa.array([], pa.string()))
+    pe, me = run_job(spec_for(tmp_path, "e"), fake_engine_factory)
+    assert (pe.cache.rows, pe.shards, me["rows"], me["cache"]["appended"]) == (0, [], 0, 0)
