@@ -214,6 +214,8 @@ class CacheMergeSummary(Record):
     entry_id: str | None = Field(None, description="this run's cache entry (None: nothing to append)")
     committed_by: Literal["this_merge", "earlier_merge"] | None = Field(
         None, description="whether this merge wrote the entry's commit marker or found it (a rerun)")
+    skipped: str | None = Field(
+        None, description="why this run's rows were not appended (e.g. made by another engine than the key's)")
 
 
 MergeSummary.model_rebuild()  # its ``cache`` field names a record defined below it

