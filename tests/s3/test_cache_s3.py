@@ -21,6 +21,7 @@ from airflow_provider_vllm.steps.plan import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
 from airflow_provider_vllm.worker.task import ShardTask
 from tests.support.data import make_spec
+from tests.support.ledger import record_fault
 from tests.support.s3server import MotoServer
 
 pytestmark = pytest.mark.reliability
@@ -72,7 +73,11 @@ def test_cache_commit_rules_on_s3(s3, fake_engine_factory, set_faults, monkeypat
     assert plan_job(spec(s3, "b"), engine_identity="fake-engine").cache.hits == 0  # uncommitted: invisible
 
     first = merge(sa).cache
+    with st.open(f"entries/{eid}/part-00000.parquet") as f:
+        got = pq.read_table(f, columns=["source_id"]).column(0).to_pylist()
+    record_fault("raise.cache.entry_data.s3", N, lost=len(set(ids) - set(got)), duplicates=len(got) - len(set(got)))
     assert first is not None and (first.appended, first.committed_by) == (N, "this_merge")
+    assert sorted(got) == sorted(ids)
     again = merge(sa).cache
     assert again is not None and again.committed_by == "earlier_merge"
     assert st.listdir("commits") == [f"{eid}.json"]

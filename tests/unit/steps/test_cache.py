@@ -312,18 +312,29 @@ def test_plan_killed_at_a_cache_step_converges(tmp_path, fake_engine_factory, po
 
 
 @pytest.mark.reliability
+@pytest.mark.parametrize("action", ["raise", "kill"])
 @pytest.mark.parametrize("point", ["cache.entry_data", "cache.mid_commit", "cache.after_commit"])
-def test_merge_failing_at_a_cache_step_converges(tmp_path, fake_engine_factory, set_faults, point):
+def test_merge_failing_at_a_cache_step_converges(tmp_path, fake_engine_factory, set_faults, point, action):
     """The cache never shows part of an entry; the merge rerun appends the entry exactly once."""
     write_parquet(tmp_path / "in-a.parquet", IDS, TEXTS)
     s1 = spec_for(tmp_path, "a")
     plan = plan_job(s1, engine_identity="fake-engine")
     for s in plan.shards:
         run_shard(ShardTask(spec=s1, shard_id=s.shard_id), engine_factory=fake_engine_factory)
-    set_faults(f"{point}=raise")
-    with pytest.raises(faults.InjectedFault):
-        merge(s1)
-    set_faults("")
+    if action == "raise":
+        set_faults(f"{point}=raise")
+        with pytest.raises(faults.InjectedFault):
+            merge(s1)
+        set_faults("")
+    else:  # kill -9 of a real merge process: no clean-up, temp files stay
+        code = ("import sys; from airflow_provider_vllm.core.spec import JobSpec; "
+                "from airflow_provider_vllm.steps.merge import merge; merge(JobSpec.load(sys.argv[1]))")
+        env = {**os.environ, faults.ENV: f"{point}=kill", "PYTHONPATH": str(ROOT)}
+        p = subprocess.run([sys.executable, "-c", code, s1.model_dump_json()], env=env, capture_output=True,
+                           text=True, timeout=120)
+        assert p.returncode == -9, p.stderr[-2000:]
+        if point == "cache.mid_commit":  # the marker's half-written temp file is there, and ignored
+            assert list((tmp_path / "cache" / "commits").glob("*.tmp-*"))
     store = tmp_path / "cache"
     committed = point == "cache.after_commit"
     assert _entries(store) == ([f"{cache.entry_id(plan, s1.io.output_uri)}.json"] if committed else [])
@@ -334,8 +345,9 @@ def test_merge_failing_at_a_cache_step_converges(tmp_path, fake_engine_factory, 
     summary = merge(s1).dump()
     entry = pq.read_table(store / "entries" / cache.entry_id(plan, s1.io.output_uri) / "part-00000.parquet")
     got = entry.column("source_id").to_pylist()
-    record_fault(f"raise.{point}", len(IDS), lost=len(set(IDS) - set(got)), duplicates=len(got) - len(set(got)),
-                 partial_visible=int(seen not in (0, 50)))
+    record_fault(f"{'kill9' if action == 'kill' else 'raise'}.{point}", len(IDS), lost=len(set(IDS) - set(got)),
+                 duplicates=len(got) - len(set(got)), partial_visible=int(seen not in (0, 50)),
+                 level="process" if action == "kill" else "in_process")
     assert sorted(got) == IDS
     assert summary["cache"]["appended"] == 50
     assert summary["cache"]["committed_by"] == ("earlier_merge" if committed else "this_merge")
@@ -416,3 +428,15 @@ def test_rows_made_by_another_engine_than_the_key_are_not_appended(tmp_path, fak
     assert c is not None and c.appended == 0 and "fake-0" in (c.skipped or "")
     assert not (tmp_path / "cache" / "commits").exists()
     assert results(s1).keys() == set(IDS)
+
+
+def test_embeddings_are_cached_too(tmp_path, fake_engine_factory):
+    write_parquet(tmp_path / "in-a.parquet", IDS, TEXTS)
+    write_parquet(tmp_path / "in-b.parquet", IDS, TEXTS)
+    over = {"task": "embed", "prompt": {"template": "{text}", "system_prompt": None}, "sampling": {"structured": None}}
+    s1, s2 = spec_for(tmp_path, "a", **over), spec_for(tmp_path, "b", **over)
+    run_job(s1, fake_engine_factory)
+    p2, m2 = run_job(s2, fake_engine_factory)
+    assert p2.cache.hits == 50 and m2["ok_rows"] == 50
+    r1, r2 = results(s1), results(s2)
+    assert all(r2[i]["embedding"] == r1[i]["embedding"] and r2[i]["embedding"] for i in IDS)
