@@ -35,10 +35,13 @@ def s3():
         yield server
 
 
-def put_input(s3, name: str, ids, texts) -> str:
-    buf = io.BytesIO()
-    pq.write_table(pa.table({"id": ids, "text": texts}), buf, row_group_size=16)
-    Storage("s3://data/in", s3.storage_options).write_atomic(f"{name}/part-0.parquet", buf.getvalue())
+def put_input(s3, name: str, ids, texts, files: int = 1) -> str:
+    step = -(-len(ids) // files)
+    for k in range(files):
+        buf = io.BytesIO()
+        pq.write_table(pa.table({"id": ids[k * step:(k + 1) * step], "text": texts[k * step:(k + 1) * step]}), buf,
+                       row_group_size=16)
+        Storage("s3://data/in", s3.storage_options).write_atomic(f"{name}/part-{k}.parquet", buf.getvalue())
     return f"s3://data/in/{name}"
 
 
@@ -82,12 +85,18 @@ def test_cache_commit_rules_on_s3(s3, fake_engine_factory, set_faults, monkeypat
     assert again is not None and again.committed_by == "earlier_merge"
     assert st.listdir("commits") == [f"{eid}.json"]
 
-    put_input(s3, "c", ids + ["new"], texts[:-1] + ["edited", "brand new"])
+    # in reverse order over two files: the hits and misses files keep the input's order
+    put_input(s3, "c", (ids + ["new"])[::-1], (texts[:-1] + ["edited", "brand new"])[::-1], files=2)
     sc = spec(s3, "c")
     fake_engine_factory.made.clear()
     plan_c = shards(sc, fake_engine_factory)
     assert (plan_c.cache.hits, plan_c.cache.misses) == (N - 1, 2)
     assert sum(e.submitted for e in fake_engine_factory.made) == 2
+    out_c = Storage("s3://data/runs/c", s3.storage_options)
+    with out_c.open(plan_c.cache.hits_file.path) as f:
+        assert pq.read_table(f).column("id").to_pylist() == ids[:-1][::-1]
+    with out_c.open(plan_c.cache.misses_file.path) as f:
+        assert pq.read_table(f).column("id").to_pylist() == ["new", ids[-1]]
     summary = merge(sc)
     assert summary.ok_rows == N + 1 and summary.cache is not None and summary.cache.appended == 2
     with Storage("s3://data/runs/c", s3.storage_options).open("results/results.parquet") as f:
