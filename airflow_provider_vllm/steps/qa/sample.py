@@ -2,17 +2,20 @@
 
 Ok rows are stratified by label (else by shard id) and error rows by error code; at most
 ``ERROR_SAMPLE_FRACTION`` of the sample comes from error rows. Inside each stratum rows are
-ranked by ``md5(f"{seed}:{id}")``: the same inputs and seed give the same sample in any
-process, with any DuckDB version.
+ranked by DuckDB's 64-bit ``hash(id, 'seed')`` (``SAMPLE_KEY``, ties by id): the same inputs and
+seed give the same sample in any process and on either QA path. The key is DuckDB's hash
+function, so a DuckDB release that changes it changes the sample (the report records the key
+and the DuckDB version in ``metrics["sample"]``). Before this key ("duckdb-hash-v1") it was
+``md5(f"{seed}:{id}")`` (see docs/BENCHMARKS.md for what the change saves at 100M rows).
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Callable, Hashable
 from typing import Any
 
+import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -21,11 +24,27 @@ from airflow_provider_vllm.core.spec import QASpec
 from airflow_provider_vllm.steps.qa.metrics import json_key, value_counts
 
 ERROR_SAMPLE_FRACTION = 0.10  # at most this share of the sample comes from error rows
+SAMPLE_KEY = "duckdb-hash-v1"  # the ranking key's definition, recorded in the report (was md5 of "seed:id")
+_KEY_SQL = "hash(CAST(id AS VARCHAR), $seed)"  # $seed: str(seed), so any Python int works
+
+
+def sample_keys(seed: int, ids: list[str], con=None) -> list[str]:
+    """The sample's ranking keys of ``ids``: DuckDB ``hash(id, str(seed))`` as 16 hex digits (so
+    string order is numeric order); ``con``: a DuckDB connection to reuse (default: a new one)."""
+    if not ids:
+        return []
+    sql = f"SELECT list_transform($ids, lambda id: {_KEY_SQL})"
+    if con is None:
+        with duckdb.connect() as own:
+            keys = own.execute(sql, {"ids": ids, "seed": str(seed)}).fetchall()[0][0]
+    else:
+        keys = con.execute(sql, {"ids": ids, "seed": str(seed)}).fetchall()[0][0]
+    return [f"{k:016x}" for k in keys]
 
 
 def sample_key(seed: int, row_id: str) -> str:
-    """The sample's ranking key of a row: md5 hex of ``f"{seed}:{id}"`` (same as DuckDB md5)."""
-    return hashlib.md5(f"{seed}:{row_id}".encode()).hexdigest()
+    """The ranking key of one row (``sample_keys`` of one id)."""
+    return sample_keys(seed, [row_id])[0]
 
 
 def allocate(sizes: dict[Hashable, int], k: int) -> dict[Hashable, int]:
@@ -59,20 +78,38 @@ def allocate(sizes: dict[Hashable, int], k: int) -> dict[Hashable, int]:
     return alloc
 
 
-def _top_by_stratum(con, table: str, stratum: str | None, seed: int, kmax: int) -> dict[Any, list[str]]:
-    """Per stratum, the kmax ids with the smallest md5(seed:id), in rank order."""
+def _top_by_stratum(con, table: str, stratum: str | None, seed: int, kmax: int) -> dict[Any, list[tuple[int, str]]]:
+    """Per stratum, the kmax (key, id) with the smallest keys, ascending. One parallel scan of
+    the id and stratum columns; the k + 1st key is kept so that a tie at the cut is seen."""
     if kmax <= 0:
         return {}
     skey = stratum or "NULL"
     rows = con.execute(
         f"""
-        SELECT s, min_by(id, h, {int(kmax)}) FROM (
-            SELECT {skey} AS s, id, md5($seed || ':' || id) AS h FROM {table} WHERE id IS NOT NULL
+        SELECT s, min_by(id, h, {int(kmax) + 1}) FROM (
+            SELECT {skey} AS s, CAST(id AS VARCHAR) AS id, {_KEY_SQL} AS h FROM {table} WHERE id IS NOT NULL
         ) GROUP BY s
         """,
         {"seed": str(seed)},
     ).fetchall()
-    return {s: ids for s, ids in rows}
+    out = {}
+    for s, ids in rows:
+        keys = [int(k, 16) for k in sample_keys(seed, ids, con)]
+        ranked = sorted(zip(keys, ids))
+        if len(ranked) > kmax and ranked[kmax - 1][0] == ranked[kmax][0]:
+            ranked = _ties_at_the_cut(con, table, skey, s, seed, ranked, kmax)
+        out[s] = ranked[:kmax]
+    return out
+
+
+def _ties_at_the_cut(con, table, skey, s, seed, ranked, kmax):
+    """All rows of stratum ``s`` whose key equals the key at the cut, so that ties go by id (a 64-bit
+    collision at the cut: practically never, but the sample must not depend on scan order)."""
+    cut = ranked[kmax - 1][0]
+    rows = con.execute(
+        f"SELECT DISTINCT CAST(id AS VARCHAR) FROM {table} WHERE id IS NOT NULL AND {skey} IS NOT DISTINCT FROM $s "
+        f"AND {_KEY_SQL} = $cut", {"seed": str(seed), "s": s, "cut": cut}).fetchall()
+    return sorted([(k, i) for k, i in ranked if k < cut] + [(cut, i) for (i,) in rows])
 
 
 def _pick(con, table: str, stratum: str | None, sizes: dict[Any, int], k: int, seed: int) -> list[tuple[Any, str]]:
@@ -81,8 +118,7 @@ def _pick(con, table: str, stratum: str | None, sizes: dict[Any, int], k: int, s
     tops = _top_by_stratum(con, table, stratum, seed, kmax)
     picked: list[tuple[Any, str]] = []
     for s in sorted(alloc, key=lambda s: (s is None, str(s))):
-        ids = sorted(tops.get(s) or [], key=lambda i: (sample_key(seed, i), i))
-        picked += [(s, i) for i in ids[: alloc[s]]]
+        picked += [(s, i) for _, i in (tops.get(s) or [])[: alloc[s]]]
     return picked
 
 
@@ -132,6 +168,8 @@ def draw_sample_by(
     info = {
         "requested": k,
         "seed": seed,
+        "key": SAMPLE_KEY,
+        "duckdb": duckdb.__version__,
         "rows": sample.num_rows,
         "ok_rows": ok_part.num_rows,
         "error_rows": err_part.num_rows,
@@ -188,6 +226,6 @@ def _take(table: pa.Table, picked: list[tuple[Any, str]], status: str, seed: int
             fields.append(pa.field(name, sub.column(name).type))
     cols.append(pa.array([None if s is None else str(s) for s in strata], pa.string()))
     fields.append(pa.field("qa_stratum", pa.string()))
-    cols.append(pa.array([sample_key(seed, i) for i in sub.column("id").to_pylist()], pa.string()))
+    cols.append(pa.array(sample_keys(seed, sub.column("id").to_pylist()), pa.string()))
     fields.append(pa.field("qa_sample_key", pa.string()))
     return pa.Table.from_arrays(cols, schema=pa.schema(fields))

@@ -8,14 +8,16 @@ import subprocess
 import sys
 import textwrap
 
+import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from airflow_provider_vllm.core.spec import QASpec
+from airflow_provider_vllm.steps.qa import sample as sample_mod
 from airflow_provider_vllm.steps.qa.evaluate import evaluate
-from airflow_provider_vllm.steps.qa.sample import allocate, sample_key
+from airflow_provider_vllm.steps.qa.sample import SAMPLE_KEY, allocate, sample_key
 from tests.support.qa_rows import LABELS, empty_tables, err_row, labelled_tables, ok_row, sample_ids, split
 
 
@@ -58,11 +60,15 @@ def test_sample_stable_across_processes(tmp_path):
     assert json.loads(out.stdout) == sample_ids(rep)
 
 
-def test_sample_keys_are_md5_of_seed_and_id():
+def test_sample_keys_are_duckdb_hash_of_id_and_seed():
     results, errors = labelled_tables(200)
     rep = evaluate(results, errors, spec=QASpec(sample_size=10, seed=3), labels=LABELS, structured=True)
     ids = sample_ids(rep)
     assert rep.sample.column("qa_sample_key").to_pylist() == [sample_key(3, i) for i in ids]
+    assert int(sample_key(3, "r1"), 16) == duckdb.sql("SELECT hash('r1', '3')").fetchall()[0][0]
+    assert rep.metrics["sample"]["key"] == SAMPLE_KEY == "duckdb-hash-v1"
+    assert rep.metrics["sample"]["duckdb"] == duckdb.__version__
+    assert sample_key(2**70, "r1") != sample_key(-(2**70), "r1")  # any int seed
     # within each stratum the chosen ids are those with the smallest keys
     all_ids = results.column("id").to_pylist()
     all_labels = results.column("label").to_pylist()
@@ -70,6 +76,21 @@ def test_sample_keys_are_md5_of_seed_and_id():
         chosen = [i for i, s in zip(ids, rep.sample.column("qa_stratum").to_pylist()) if s == lab]
         pool = sorted((sample_key(3, i) for i, lb in zip(all_ids, all_labels) if lb == lab))
         assert sorted(sample_key(3, i) for i in chosen) == pool[: len(chosen)]
+
+
+def test_ties_at_the_cut_go_by_id_whatever_the_scan_order(monkeypatch):
+    """A key collision at a stratum's cut (64-bit: practically never) is forced with a 3-valued key."""
+    monkeypatch.setattr(sample_mod, "_KEY_SQL", "(hash(CAST(id AS VARCHAR), $seed) % 3)")
+    results, errors = labelled_tables(300, 0)
+    spec = QASpec(sample_size=12, seed=5)
+    a = evaluate(results, errors, spec=spec, labels=LABELS, structured=True)
+    b = evaluate(results.take(pa.array(range(299, -1, -1))), errors, spec=spec, labels=LABELS, structured=True)
+    assert sample_ids(a) == sample_ids(b) and len(sample_ids(a)) == 12
+    keys = dict(zip(results.column("id").to_pylist(), sample_mod.sample_keys(5, results.column("id").to_pylist())))
+    for lab in LABELS:
+        chosen = [i for i, s in zip(sample_ids(a), a.sample.column("qa_stratum").to_pylist()) if s == lab]
+        pool = sorted((keys[i], i) for i, lb in zip(keys, results.column("label").to_pylist()) if lb == lab)
+        assert [(keys[i], i) for i in chosen] == pool[: len(chosen)]
 
 
 def test_sample_stratified_every_label_present():
