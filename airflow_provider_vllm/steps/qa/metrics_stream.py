@@ -1,9 +1,9 @@
 """QA metrics over merged outputs too large to hold: the numbers of ``metrics.compute_metrics``,
 from DuckDB aggregates over views of the files (``tally``), never the rows themselves.
 
-One parallel ``GROUP BY GROUPING SETS`` scan of ``r`` gives every count: the value counts
-(finish reason, label, shard, token counts, model x revision) and the row flags (invalid,
-truncated, expects text, empty); token sums and integer statistics come from the token value
+Two parallel scans of ``r`` give every count: one aggregate with ``FILTER`` clauses for the
+row flags (invalid, truncated, expects text, empty) and one ``GROUP BY GROUPING SETS`` for the
+value counts (label x finish reason x model x revision x shard, token counts); token sums and integer statistics come from the token value
 counts, so they are exact and equal the in-memory ones. Empty outputs are decided as Arrow's
 ``utf8_is_space`` decides them (``SPACE_CLASS``). Float statistics (latency) fetch only the
 finite values as float32 (4 bytes a row, the column's own type), batch by batch into one
@@ -34,16 +34,10 @@ from airflow_provider_vllm.steps.qa.metrics import (
 SPACE_CLASS = (r"[\x{9}-\x{d}\x{1c}-\x{20}\x{85}\x{a0}\x{1680}\x{2000}-\x{200a}\x{2028}\x{2029}\x{202f}"
                r"\x{205f}\x{3000}]")
 _COUNTED = ("finish_reason", "label", "shard_id", "prompt_tokens", "completion_tokens")
-# Row flags, one grouping set; blank: output null, '' or only space (a cheap test of the first character first).
-_FLAGS = {
-    "valid_null": "valid IS NULL",
-    "invalid": "coalesce(NOT valid, false)",
-    "truncated": "coalesce(truncated, false)",
-    "expects_text": "(embedding IS NULL AND scores IS NULL)",
-    "blank": (f"CASE WHEN output IS NULL OR CAST(output AS VARCHAR) = '' THEN true "
-              f"WHEN ord(CAST(output AS VARCHAR)) BETWEEN 33 AND 126 THEN false "
-              f"ELSE regexp_full_match(CAST(output AS VARCHAR), '{SPACE_CLASS}+') END"),
-}
+_KEYS = ("label", "finish_reason", "model", "model_revision", "shard_id")  # few distinct values: one grouping set
+# output null, '' or only space; the first branch (an ASCII letter, digit or sign first) decides most rows cheaply
+_BLANK = (f"CASE WHEN output >= '!' AND output < chr(127) THEN false WHEN output IS NULL OR output = '' THEN true "
+          f"ELSE regexp_full_match(output, '{SPACE_CLASS}+') END")
 
 
 class ResultTally:
@@ -68,28 +62,30 @@ class ResultTally:
         self._fetch_latency(con, batch_rows)
 
     def _count_results(self, con) -> None:
-        cols = [*_COUNTED, "model", "model_revision", *_FLAGS]
-        inner = ", ".join([f"{c}" for c in (*_COUNTED, "model", "model_revision")]
-                          + [f"{sql} AS {name}" for name, sql in _FLAGS.items()])
-        sets = [f"({c})" for c in _COUNTED] + ["(model, model_revision)", "(" + ", ".join(_FLAGS) + ")"]
+        # Rows with vectors: two scans that DuckDB answers from the row groups' null counts where all are
+        # null (the usual text run), so that the flags below need not decode the list columns.
+        vectors = sum(con.execute(f"SELECT count(*) FROM r WHERE {c} IS NOT NULL").fetchall()[0][0]
+                      for c in ("embedding", "scores"))
+        text = "(embedding IS NULL AND scores IS NULL)" if vectors else "true"
+        out = "CAST(output AS VARCHAR)"
+        (self.ok, self.valid_nulls, self.invalid, self.truncated, self.text_rows, self.empty), = con.execute(
+            f"SELECT count(*), count(*) FILTER (WHERE valid IS NULL), count(*) FILTER (WHERE NOT valid), "
+            f"count(*) FILTER (WHERE truncated), count(*) FILTER (WHERE {text}), "
+            f"count(*) FILTER (WHERE {text} AND {_BLANK.replace('output', out)}) FROM r").fetchall()
+        cols = [*_KEYS, "prompt_tokens", "completion_tokens"]
         rows = con.execute(
-            f"SELECT grouping({', '.join(cols)}) AS g, {', '.join(cols)}, count(*) FROM (SELECT {inner} FROM r) "
-            f"GROUP BY GROUPING SETS ({', '.join(sets)})").fetchall()
-        bit = {c: 1 << (len(cols) - 1 - i) for i, c in enumerate(cols)}  # grouping(): 1 = not grouped by c
-        for row in rows:
-            g, v, n = row[0], dict(zip(cols, row[1:-1])), row[-1]
-            grouped = [c for c in cols if not g & bit[c]]
-            if grouped == ["model", "model_revision"]:
+            f"SELECT grouping({', '.join(cols)}), {', '.join(cols)}, count(*) FROM r "
+            f"GROUP BY GROUPING SETS (({', '.join(_KEYS)}), (prompt_tokens), (completion_tokens))").fetchall()
+        for g, *values, n in rows:
+            v = dict(zip(cols, values))
+            if g & 1 == 0:  # grouped by completion_tokens (grouping(): bit set = not grouped by that column)
+                self.counts["completion_tokens"][v["completion_tokens"]] += n
+            elif g & 2 == 0:
+                self.counts["prompt_tokens"][v["prompt_tokens"]] += n
+            else:
+                for c in ("label", "finish_reason", "shard_id"):
+                    self.counts[c][v[c]] += n
                 self.counts["pairs"][(v["model"], v["model_revision"])] += n
-            elif len(grouped) == 1:
-                self.counts[grouped[0]][v[grouped[0]]] += n
-            else:  # the flags
-                self.ok += n
-                self.valid_nulls += n if v["valid_null"] else 0
-                self.invalid += n if v["invalid"] else 0
-                self.truncated += n if v["truncated"] else 0
-                self.text_rows += n if v["expects_text"] else 0
-                self.empty += n if v["expects_text"] and v["blank"] else 0
         self.length_finish = self.counts["finish_reason"].get("length", 0)
         self.label_nulls = self.counts["label"].get(None, 0)
         for name, total in (("prompt_tokens", "prompt_total"), ("completion_tokens", "completion_total")):

@@ -11,6 +11,7 @@ import textwrap
 import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -65,7 +66,7 @@ def test_sample_keys_are_duckdb_hash_of_id_and_seed():
     rep = evaluate(results, errors, spec=QASpec(sample_size=10, seed=3), labels=LABELS, structured=True)
     ids = sample_ids(rep)
     assert rep.sample.column("qa_sample_key").to_pylist() == [sample_key(3, i) for i in ids]
-    assert int(sample_key(3, "r1"), 16) == duckdb.sql("SELECT hash('r1', '3')").fetchall()[0][0]
+    assert int(sample_key(3, "r1"), 16) == duckdb.sql("SELECT hash(xor(hash('r1'), hash('3')))").fetchall()[0][0]
     assert rep.metrics["sample"]["key"] == SAMPLE_KEY == "duckdb-hash-v1"
     assert rep.metrics["sample"]["duckdb"] == duckdb.__version__
     assert sample_key(2**70, "r1") != sample_key(-(2**70), "r1")  # any int seed
@@ -91,6 +92,26 @@ def test_ties_at_the_cut_go_by_id_whatever_the_scan_order(monkeypatch):
         chosen = [i for i, s in zip(sample_ids(a), a.sample.column("qa_stratum").to_pylist()) if s == lab]
         pool = sorted((keys[i], i) for i, lb in zip(keys, results.column("label").to_pylist()) if lb == lab)
         assert [(keys[i], i) for i in chosen] == pool[: len(chosen)]
+
+
+# (0.001, 1e-6): too few keys pass the filter, those strata are scanned again
+@pytest.mark.parametrize(("share", "margin"), [(0.25, 0.01), (0.001, 1e-6)])
+def test_the_prefilter_picks_what_a_whole_scan_picks(monkeypatch, share, margin):
+    recs = [ok_row(i, label=LABELS[i % 3] if i % 50 else None) for i in range(3000)]
+    recs += [err_row(i, ["ENGINE_ERROR", "EMPTY_INPUT"][i % 2]) for i in range(400)]
+    results, errors = split(recs)
+    kw = dict(spec=QASpec(sample_size=40, seed=11), labels=LABELS, structured=True)
+    monkeypatch.setattr(sample_mod, "_PREFILTER_MAX", 0.0)  # every stratum scanned whole
+    whole = evaluate(results, errors, **kw)
+    calls = []
+    real = sample_mod._top_query
+    monkeypatch.setattr(sample_mod, "_top_query", lambda *a: calls.append(a[4]) or real(*a))
+    monkeypatch.setattr(sample_mod, "_PREFILTER_MAX", share)
+    monkeypatch.setattr(sample_mod, "_MARGIN", margin)
+    filtered = evaluate(results, errors, **kw)
+    assert sample_ids(filtered) == sample_ids(whole) and len(sample_ids(whole)) == 40
+    assert all("$cut" in w for w in calls[:1]) and len(calls) == (2 if share > 0.1 else 4)  # ok, errors (+ again)
+    assert filtered.sample.column("qa_sample_key").to_pylist() == whole.sample.column("qa_sample_key").to_pylist()
 
 
 def test_sample_stratified_every_label_present():
