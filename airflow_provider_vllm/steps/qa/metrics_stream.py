@@ -157,18 +157,17 @@ class ResultTally:
 
 
 def _float_stats(x: np.ndarray, total: float, integer: bool = False) -> dict[str, Any] | None:
-    """``metrics._float_stats`` of the finite values ``x`` (reordered in place); ``total``: their sum."""
+    """``metrics._float_stats`` of the finite values ``x`` (maybe reordered); ``total``: their sum."""
     if len(x) == 0:
         return None
     n = len(x)
     mn, mx = float(x.min()), float(x.max())
-    ranks = sorted({r for q in (0.5, 0.9, 0.99) for r in _ranks(q, n)})
-    x.partition(ranks)
+    at = _order_stats(x, {q: _ranks(q, n) for q in (0.5, 0.9, 0.99)})
 
     def quantile(q: float) -> float:  # Arrow's 'linear': fraction * higher + (1 - fraction) * lower
         pos = q * (n - 1)
         lo = math.floor(pos)
-        a, b = float(x[lo]), float(x[min(lo + 1, n - 1)])
+        a, b = at[lo], at[min(lo + 1, n - 1)]
         f = pos - lo
         return f * b + (1 - f) * a
 
@@ -183,6 +182,36 @@ def _float_stats(x: np.ndarray, total: float, integer: bool = False) -> dict[str
         bins += np.bincount(np.minimum(k, nb).astype(np.int64), minlength=nb + 1)
     stats["histogram"] = _histogram(lo, w, nb, enumerate(bins.tolist()), integer)
     return stats
+
+
+_SUBSAMPLE = 1 << 16
+
+
+def _order_stats(x: np.ndarray, wanted: dict[float, tuple[int, int]]) -> dict[int, float]:
+    """The values at the 0-based ranks ``wanted`` (quantile -> (rank, next rank)) of the sorted ``x``,
+    exactly. A sorted random subsample brackets each pair of ranks by two values a <= b; one pass
+    counts the values below a and keeps those in [a, b] (about 1 % of x), where the ranks are then
+    selected. If a bracket misses (a chance of about 1e-9), that pair is selected from all of x."""
+    n = len(x)
+    out: dict[int, float] = {}
+    if n <= 4 * _SUBSAMPLE:
+        ranks = sorted({r for pair in wanted.values() for r in pair})
+        x.partition(ranks)
+        return {r: float(x[r]) for r in ranks}
+    sub = np.sort(x[np.random.default_rng(0).integers(0, n, _SUBSAMPLE)])
+    for q, (lo, hi) in wanted.items():
+        m = int(6 * math.sqrt(q * (1 - q) * _SUBSAMPLE)) + 16  # ~6 standard deviations of the sample's rank
+        a = sub[max(0, int(lo / n * _SUBSAMPLE) - m)]
+        b = sub[min(_SUBSAMPLE - 1, int(hi / n * _SUBSAMPLE) + m)]
+        below = int(np.count_nonzero(x < a))
+        window = x[(x >= a) & (x <= b)]
+        if below <= lo and below + len(window) > hi:
+            window.partition(sorted({lo - below, hi - below}))
+            out[lo], out[hi] = float(window[lo - below]), float(window[hi - below])
+        else:
+            x.partition(sorted({lo, hi}))
+            out[lo], out[hi] = float(x[lo]), float(x[hi])
+    return out
 
 
 def _ranks(q: float, n: int) -> tuple[int, int]:

@@ -148,3 +148,27 @@ def test_qa_run_streams_above_the_threshold_and_reports_the_same(tmp_path, monke
     assert b == a and a["metrics"]["ok"] + a["metrics"]["errors"] == 300
     assert str(streamed.sample.to_pylist()) == str(mem.sample.to_pylist())
     assert "input_excerpt" in streamed.sample.column_names
+
+
+@pytest.mark.parametrize("kind", ["uniform", "ties", "sorted", "negative", "miss"])
+def test_order_stats_are_exact(monkeypatch, kind):
+    """The bracketed selection of the latency quantiles returns what a full sort returns, also when
+    the subsample's bracket misses (forced: every draw is the first value) and it falls back."""
+    import numpy as np
+
+    from airflow_provider_vllm.steps.qa import metrics_stream as ms
+
+    monkeypatch.setattr(ms, "_SUBSAMPLE", 256)
+    rng = np.random.default_rng(1)
+    x = {"uniform": rng.random(20_000), "ties": rng.integers(0, 7, 20_000).astype(np.float64),
+         "sorted": np.arange(20_000, dtype=np.float64), "negative": -rng.exponential(3, 20_000),
+         "miss": rng.random(20_000)}[kind].astype(np.float32)
+    if kind == "miss":
+        class FirstOnly:
+            def integers(self, lo, hi, size):
+                return np.zeros(size, np.int64)
+        monkeypatch.setattr(ms.np.random, "default_rng", lambda seed: FirstOnly())
+    want = np.sort(x)
+    pairs = {q: ms._ranks(q, len(x)) for q in (0.5, 0.9, 0.99)}
+    got = ms._order_stats(x.copy(), pairs)
+    assert got == {r: float(want[r]) for pair in pairs.values() for r in pair}
