@@ -172,3 +172,18 @@ def test_order_stats_are_exact(monkeypatch, kind):
     pairs = {q: ms._ranks(q, len(x)) for q in (0.5, 0.9, 0.99)}
     got = ms._order_stats(x.copy(), pairs)
     assert got == {r: float(want[r]) for pair in pairs.values() for r in pair}
+
+
+def test_hostile_ids_and_labels_stream_like_in_memory(tmp_path):
+    """Quotes, backslashes, SQL and non-ASCII in ids, labels and error codes: same report, same sample."""
+    odd = ["o'brien", "a\\b", "x'); DROP TABLE r; --", "é ü", "日本", "", " "]
+    recs = [ok_row(i, id=f"{odd[i % len(odd)]}#{i}", label=odd[i % 3] if i % 5 else None) for i in range(400)]
+    recs += [err_row(i, odd[i % 4], id=f"err'{i}") for i in range(40)]
+    results, errors = split(recs)
+    kw = dict(spec=QASpec(sample_size=30, seed=4), labels=None, structured=True)
+    mem = evaluate(results, errors, **kw)
+    streamed = _streamed(tmp_path, results, errors, **kw)
+    a, b = mem.to_dict(), streamed.to_dict()
+    assert b["metrics"]["latency_ms"].pop("mean") == pytest.approx(a["metrics"]["latency_ms"].pop("mean"), rel=1e-12)
+    assert b == a and streamed.sample.num_rows == 30
+    assert str(streamed.sample.to_pylist()) == str(mem.sample.to_pylist())
