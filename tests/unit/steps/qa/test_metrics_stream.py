@@ -187,3 +187,12 @@ def test_hostile_ids_and_labels_stream_like_in_memory(tmp_path):
     assert b["metrics"]["latency_ms"].pop("mean") == pytest.approx(a["metrics"]["latency_ms"].pop("mean"), rel=1e-12)
     assert b == a and streamed.sample.num_rows == 30
     assert str(streamed.sample.to_pylist()) == str(mem.sample.to_pylist())
+
+
+def test_a_sample_over_the_in_list_limit_reads_the_rows_by_a_join(tmp_path, monkeypatch):
+    results, errors = _tables(n_ok=600, n_err=50)
+    kw = dict(spec=QASpec(sample_size=40, seed=2), labels=LABELS, structured=True)
+    listed = _streamed(tmp_path, results, errors, **kw)
+    monkeypatch.setattr(evaluate_mod, "IN_LIST_MAX", 3)
+    joined = _streamed(tmp_path, results, errors, **kw)
+    assert str(joined.sample.to_pylist()) == str(listed.sample.to_pylist()) and joined.sample.num_rows == 40
