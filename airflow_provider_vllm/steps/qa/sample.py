@@ -32,8 +32,8 @@ _PREFILTER_MAX = 1 / 32  # a stratum that needs a larger share of its keys is sc
 
 
 def sample_keys(seed: int, ids: list[str], con=None) -> list[str]:
-    """The sample's ranking keys of ``ids``: DuckDB ``hash(id, str(seed))`` as 16 hex digits (so
-    string order is numeric order); ``con``: a DuckDB connection to reuse (default: a new one)."""
+    """The sample's ranking keys of ``ids`` (``_KEY_SQL``: DuckDB ``hash(xor(hash(id), hash(str(seed))))``)
+    as 16 hex digits, so string order is numeric order; ``con``: a DuckDB connection to reuse (default: a new one)."""
     if not ids:
         return []
     sql = f"SELECT list_transform($ids, lambda id: {_KEY_SQL})"
