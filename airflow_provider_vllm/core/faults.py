@@ -4,7 +4,7 @@ Syntax: comma-separated items ``POINT[@ROW_ID][#N[+]]=ACTION``, e.g.
 ``VLLM_BATCH_FAULTS="chunk.mid_file#2=kill,engine.step#3=oom,engine.step@t0007=oom"``.
 
 * ``POINT``: one of ``POINTS`` (the commit steps of worker chunks, the shard commit marker
-  and merge outputs, the engine step, the plan load, row reads and the reuse scan).
+  and merge outputs, the engine step, the plan load, row reads, the reuse scan and the result cache).
 * ``@ROW_ID``: only when that row is among those the hook reports (``engine.step``: the
   requests the FCFS scheduler runs now); a row that brings OOM with it.
 * ``#N``: only the N-th matching hit in this process (1-based); ``#N+``: the N-th and every
@@ -50,6 +50,10 @@ POINTS = frozenset({
     # the worker's other phases (worker.shard): before the plan is read, before each input
     # segment is read, before each earlier attempt's chunk footer is read in the reuse scan
     "plan.load", "read.segment", "reuse.footer",
+    # the result cache (steps.cache): in plan, before the hits/misses files and after them (no
+    # plan yet); in merge, the entry's part visible with no commit marker, the marker's temp file
+    # half written, the marker visible (the merge summary not yet)
+    "cache.before_files", "cache.after_files", "cache.entry_data", "cache.mid_commit", "cache.after_commit",
 })
 ACTIONS = frozenset({"kill", "raise", "hang", "oom", "dead"})
 

@@ -45,6 +45,34 @@ class ShardPlan(BaseModel):
                 "est_tokens": self.est_tokens, "bucket": self.bucket}
 
 
+class CacheFile(BaseModel):
+    """One file the plan wrote under ``_cache/`` (named by its content: ``hits-<sha16>.parquet``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    path: str = Field(description="path under the output prefix")
+    bytes: int
+    sha256: str
+    rows: int
+    version: str = Field("", description="etag / generation / mtime when written (the worker checks it)")
+
+
+class CachePlan(BaseModel):
+    """The result cache as the plan applied it (``steps/cache.py``); shards hold the misses only."""
+
+    model_config = ConfigDict(extra="forbid")
+    uri: str = Field(description="the cache folder")
+    key_hash: str = Field(description="hash of the key config: everything but the row that decides an answer")
+    key_config: dict[str, Any] = Field(description="what key_hash covers (model, weights, prompt, sampling, ...)")
+    commits_read: list[str] = Field(description="entry ids of the committed cache entries joined against")
+    rows: int = Field(description="input rows")
+    hits: int = Field(description="rows answered from the cache")
+    misses: int = Field(description="rows sent to the shards")
+    hits_file: CacheFile = Field(description="id + cached answer columns + cached_from, in input order")
+    misses_file: CacheFile = Field(description="the miss rows (id, template columns, key), in input order")
+    misses_root: str = Field(description="folder of misses_file: the shards' input root")
+    hit_est_tokens: int = Field(0, description="estimated prompt tokens of the hit rows (not inferred)")
+
+
 class Plan(BaseModel):
     model_config = ConfigDict(extra="forbid")
     version: int = 1
@@ -63,9 +91,23 @@ class Plan(BaseModel):
     shards: list[ShardPlan]
     created_with: dict[str, str]
     sizing: dict[str, Any] | None = Field(None, description="How shards were sized from throughput history.")
+    cache: CachePlan | None = Field(
+        None, description="The result cache (cache.uri set): shards' segments then index the misses file.")
+
+    def dump_json(self) -> bytes:
+        """``_plan.json``'s bytes; ``cache`` only when set (plans without it stay as they were)."""
+        return self.model_dump_json(indent=1, exclude={"cache"} if self.cache is None else None).encode()
 
     def input_files(self) -> list[InputFile]:
         return [InputFile(**f) for f in self.files]
+
+    def shard_input(self) -> tuple[str, list[InputFile]]:
+        """The shards' input root and files: the input, or with the cache the misses file alone."""
+        if self.cache is None:
+            return self.input_root, self.input_files()
+        m = self.cache.misses_file
+        name = m.path.rsplit("/", 1)[-1]
+        return self.cache.misses_root, [InputFile(path=name, size=m.bytes, version=m.version)]
 
     def shard(self, shard_id: str) -> ShardPlan:
         for s in self.shards:

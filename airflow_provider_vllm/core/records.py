@@ -7,6 +7,8 @@
 - ``MergeSummary``: ``_MERGED.json`` and, without per-shard stats, the merge task's XCom.
 - ``ChangesSummary``: ``changes/_changes.json``, what moved since the previous run (``steps/changes.py``).
 - ``ThroughputRecord``: one line of the throughput history (``steps/sizing.py``).
+- ``CacheCommit`` / ``CacheMergeSummary``: the result cache's commit marker and what a merge did
+  with the cache (``steps/cache.py``).
 
 The commit marker and its file entries live beside their protocol in ``core/commit.py``.
 The JSON shape is the one the dict-writing code produced (same field names and meaning), so
@@ -142,9 +144,12 @@ class MergeSummary(RowCounts):
         None, description="URI of the throughput record written after the merge (return value only)")
     task: str | None = Field(None, description="the job's task (absent in summaries written before it was recorded)")
     id_column: str | None = Field(None, description="the input column the ids came from (absent in older summaries)")
+    cache: CacheMergeSummary | None = Field(
+        None, description="what the merge took from and added to the result cache (cache.uri set)")
 
     XCOM_FIELDS: ClassVar[tuple[str, ...]] = ("rows", "ok_rows", "error_rows", "duplicates_dropped", "duplicates",
-                                              "shards", "files", "checksums", "config_hash", "spec_hash", "merge_s")
+                                              "shards", "files", "checksums", "config_hash", "spec_hash", "merge_s",
+                                              "cache")
 
     def xcom(self) -> dict[str, Any]:
         """The run-level part pushed to XCom."""
@@ -224,3 +229,44 @@ class ChangesSummary(Record):
     files: dict[str, str] = Field(description="output kind -> path under the output prefix")
     checksums: dict[str, str] = Field(description="path -> sha256 of changes.parquet")
     notes: list[str] = Field(default_factory=list, description="what the reader should know (no previous run ...)")
+
+
+class CacheFileEntry(Record):
+    """One Parquet part of a cache entry, as its commit marker names it."""
+
+    path: str = Field(description="path under the cache folder: entries/<entry_id>/part-NNNNN.parquet")
+    bytes: int = Field(description="size in bytes")
+    sha256: str = Field(description="sha256 of the file")
+    rows: int = Field(description="rows in the file")
+
+
+class CacheCommit(Record):
+    """``<cache.uri>/commits/<entry_id>.json``: written create-only, after every file it names."""
+
+    version: int = Field(1, description="marker format version")
+    entry_id: str = Field(description="derived from the run that computed the answers (spec hash + output URI)")
+    key_hash: str = Field(description="the job's key config hash (steps/cache.key_config): rows of other "
+                                      "configurations are never read")
+    files: list[CacheFileEntry] = Field(description="the entry's Parquet parts")
+    rows: int = Field(description="rows over all parts")
+    source_output_uri: str = Field(description="output prefix of the run that computed the answers")
+    source_config_hash: str = Field(description="that run's config hash")
+    source_spec_hash: str = Field(description="that run's spec hash")
+    versions: dict[str, str | None] = Field(description="package versions of the writer")
+    created: str = Field(description="UTC time of the commit (ISO 8601); the newest entry wins a key")
+
+
+class CacheMergeSummary(Record):
+    """What a merge took from the result cache and added to it."""
+
+    uri: str = Field(description="the cache folder")
+    hits: int = Field(description="rows answered from the cache (in results, with cached_from set)")
+    appended: int = Field(description="ok rows of this run in this run's cache entry (0: none computed)")
+    entry_id: str | None = Field(None, description="this run's cache entry (None: nothing to append)")
+    committed_by: Literal["this_merge", "earlier_merge"] | None = Field(
+        None, description="whether this merge wrote the entry's commit marker or found it (a rerun)")
+    skipped: str | None = Field(
+        None, description="why this run's rows were not appended (e.g. made by another engine than the key's)")
+
+
+MergeSummary.model_rebuild()  # its ``cache`` field names a record defined below it

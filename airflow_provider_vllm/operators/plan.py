@@ -25,6 +25,7 @@ from airflow_provider_vllm.operators._common import (
     spec_document,
 )
 from airflow_provider_vllm.operators.deployment import check_spec_allowed, variables_may_set_deployment_settings
+from airflow_provider_vllm.steps.cache import engine_identity
 from airflow_provider_vllm.steps.lineage import plan_lineage
 from airflow_provider_vllm.steps.plan import plan_job
 
@@ -148,10 +149,15 @@ class VllmPlanOperator(BaseOperator):
         if self.dry_run or (context.get("params") or {}).get("dry_run") is True:
             self._dry_run(spec, context)
         with data_plane_errors("plan"):
-            plan = plan_job(spec, filesystems=self.filesystems(), max_shards=max_map_length())
+            plan = plan_job(spec, filesystems=self.filesystems(), max_shards=max_map_length(),
+                            engine_identity=engine_identity(spec, runner) if spec.cache.uri else None)
         self.log.info("planned %d rows (%d invalid lines) into %d shard(s), ~%d prompt tokens; plan at %s/_plan.json",
                       plan.total_rows, plan.invalid_lines, len(plan.shards), plan.est_tokens,
                       spec.io.output_uri.rstrip("/"))
+        if plan.cache is not None:
+            self.log.info("result cache %s: %d of %d rows answered from %d committed entries; shards hold the %d "
+                          "misses", plan.cache.uri, plan.cache.hits, plan.cache.rows, len(plan.cache.commits_read),
+                          plan.cache.misses)
         context["ti"].xcom_push(key=SPEC_XCOM_KEY, value=spec.model_dump(mode="json"))
         self._lineage = plan_lineage(spec, rows=plan.total_rows, files=len(plan.files))
         return with_display_names([s.summary() for s in plan.shards])
@@ -168,7 +174,8 @@ class VllmPlanOperator(BaseOperator):
         from airflow_provider_vllm.steps.dry_run import dry_run_report, format_report
 
         with data_plane_errors("plan"):
-            report = dry_run_report(spec, filesystems=self.filesystems())
+            report = dry_run_report(spec, filesystems=self.filesystems(),
+                                    engine_identity=engine_identity(spec, check_runner(self.runner)))
         for line in format_report(report).splitlines():
             self.log.info("%s", line)
         context["ti"].xcom_push(key="dry_run", value=json.loads(json.dumps(report, default=str)))

@@ -35,12 +35,15 @@ ASSUMED_GPU_MEMORY_GIB = 80.0
 def dry_run_report(spec: JobSpec, *, tokens_per_s: float = ASSUMED_TOKENS_PER_S,
                    engine_start_s: float = ASSUMED_ENGINE_START_S, gpu_memory: float | None = None,
                    model_config: dict[str, Any] | None = None, checkpoint_bytes: int | None = None,
-                   gpus: int | None = None, filesystems: FileSystems | None = None) -> dict[str, Any]:
+                   gpus: int | None = None, filesystems: FileSystems | None = None,
+                   engine_identity: str | None = None) -> dict[str, Any]:
     """The dry-run report as a dict (see ``format_report``); raises DatasetError/SpecError like the plan.
 
     ``gpus``: the GPU budget (GPUs the job may use at once) for ``layout.max_active_shards``. Raises
     SpecError when the layout refuses the spec's engine.tensor_parallel_size. ``filesystems``: how
-    object stores are reached (``storage.FileSystems``; default fsspec).
+    object stores are reached (``storage.FileSystems``; default fsspec). With ``cache.uri``: the
+    ``cache`` section (hits and misses the cache gives now, the GPU-hours the hits save; the
+    other figures are for the whole input); ``engine_identity`` as for ``plan_job``.
     """
     plan = build_plan(spec, filesystems)
     records = (read_history(spec.sharding.history_uri, spec.io.storage_options, filesystems)
@@ -64,12 +67,28 @@ def dry_run_report(spec: JobSpec, *, tokens_per_s: float = ASSUMED_TOKENS_PER_S,
         "tensor_parallel_size": tp, "est_gpu_hours": round(gpu_s / 3600, 3),
         "assumptions": {} if ev is not None else {"tokens_per_s": tokens_per_s, "engine_start_s": engine_start_s},
     }
+    if spec.cache.uri is not None:
+        report["cache"] = _cache(spec, ev, tokens_per_s, engine_start_s, engine_identity, filesystems)
     report["memory"] = _memory(spec, work, ev, gpu_memory, model_config, checkpoint_bytes, gpus)
     layout = report["memory"].pop("layout", None)
     report["layout"] = layout
     if layout and layout["refusal"] and (layout["verdict"] == "invalid_tp" or layout["memory_known"]):
         raise SpecError("layout: " + layout["refusal"])
     return report
+
+
+def _cache(spec: JobSpec, ev, tokens_per_s: float, engine_start_s: float, engine_identity: str | None,
+           filesystems: FileSystems | None) -> dict[str, Any]:
+    """Expected hits and misses (nothing written) and the inference GPU-hours the hits save."""
+    from airflow_provider_vllm.core.formats.files import find_input
+    from airflow_provider_vllm.steps.cache import expected
+
+    found = find_input(spec.io.input_uri, spec.io.storage_options, spec.io.input_format, filesystems)
+    exp = expected(spec, found, engine_identity, filesystems)
+    saved = estimate_workload(spec, exp["hits"], exp["hit_est_tokens"], ev, tokens_per_s, engine_start_s)
+    exp["est_inference_s_saved"] = round(saved.infer_s, 3)
+    exp["est_gpu_hours_saved"] = round(saved.infer_s * spec.engine.tensor_parallel_size / 3600, 6)
+    return exp
 
 
 def _memory(spec: JobSpec, work, ev, gpu_memory: float | None, cfg: dict | None, ckpt: int | None,
@@ -144,6 +163,11 @@ def format_report(r: dict[str, Any]) -> str:
         f"per shard; ~{r['est_shard_minutes']:.1f} min per shard",
         f"  GPU-hours        ~{r['est_gpu_hours']:.2f} (tensor_parallel_size {r['tensor_parallel_size']})",
     ]
+    if r.get("cache"):
+        c = r["cache"]
+        lines.append(f"  result cache     {c['hits']:,} of {c['rows']:,} rows answered by {c['commits']} committed "
+                     f"entr{'y' if c['commits'] == 1 else 'ies'}, {c['misses']:,} to infer; saves "
+                     f"~{c['est_gpu_hours_saved']:.2f} GPU-hours of inference (figures above: whole input)")
     if r.get("layout"):
         lines += [f"  {x}" for x in r["layout"]["lines"]]
     m = r["memory"]

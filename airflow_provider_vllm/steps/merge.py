@@ -38,6 +38,7 @@ from airflow_provider_vllm.core.records import Duplicates, MergeSummary, ShardSt
 from airflow_provider_vllm.core.rows import ERROR_COLUMNS, RESULT_COLUMNS, ROW_SCHEMA
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
+from airflow_provider_vllm.steps import cache
 
 log = logging.getLogger(__name__)
 
@@ -104,15 +105,21 @@ def merge(spec: JobSpec, verify_checksums: bool = True, memory_limit: str = "1GB
                         duplicates.examples[:5])
         check_unchanged(in_root, plan.input_files())
         register_input_ids(con, spec, plan, in_root)
-        verify(con, source, plan.total_rows)
+        # ---- result cache (steps/cache.py; moves onto the results parts layout): hits join the results
+        hits = cache.register_hits(con, out, plan) if plan.cache is not None else 0
+        verify(con, cache.accounted_ids(con, source) if plan.cache is not None else source, plan.total_rows)
+        # ---- end result cache
         if source != "chunks":
             ok = con.execute("SELECT count(*) FROM deduped WHERE status = 'ok'").fetchall()[0][0]
         with tempfile.TemporaryDirectory() as tmp:
             res_local, err_local = os.path.join(tmp, "r.parquet"), os.path.join(tmp, "e.parquet")
             cols_r = ", ".join(RESULT_COLUMNS)
             cols_e = ", ".join(ERROR_COLUMNS)
-            con.execute(f"COPY (SELECT {cols_r} FROM {source} WHERE status = 'ok') TO '{res_local}' "
-                        "(FORMAT parquet, COMPRESSION zstd)").fetchall()
+            ok_rows = f"SELECT {cols_r} FROM {source} WHERE status = 'ok'"
+            if plan.cache is not None:  # result cache: computed rows, then the hits, with cached_from
+                ok_rows = (f"SELECT {cols_r}, NULL::VARCHAR AS {cache.CACHED_FROM} FROM {source} WHERE status = 'ok' "
+                           f"UNION ALL BY NAME SELECT {cols_r}, {cache.CACHED_FROM} FROM cache_hits")
+            con.execute(f"COPY ({ok_rows}) TO '{res_local}' (FORMAT parquet, COMPRESSION zstd)").fetchall()
             con.execute(f"COPY (SELECT {cols_e} FROM {source} WHERE status = 'error') TO '{err_local}' "
                         "(FORMAT parquet, COMPRESSION zstd)").fetchall()
             faults.hit("merge.before_write")
@@ -121,11 +128,13 @@ def merge(spec: JobSpec, verify_checksums: bool = True, memory_limit: str = "1GB
         extra = {}
         if spec.io.output_format == "openai_batch":
             extra = write_openai_outputs(out, spec, plan)
+        # result cache: this run's computed ok rows become its cache entry (committed create-only)
+        cache_summary = cache.append_results(con, spec, plan, source, filesystems) if plan.cache else None
     finally:
         con.close()
     summary = MergeSummary(
         rows=plan.total_rows,
-        ok_rows=int(ok),
+        ok_rows=int(ok) + hits,
         error_rows=int(distinct - ok),
         duplicates_dropped=int(total - distinct),
         # counted over the committed chunks before the dedupe: ids seen more than once, extra rows
@@ -141,6 +150,7 @@ def merge(spec: JobSpec, verify_checksums: bool = True, memory_limit: str = "1GB
         versions={"airflow-provider-vllm": __version__, "duckdb": duckdb.__version__},
         task=spec.task,
         id_column=spec.prompt.id_column,
+        **({"cache": cache_summary} if cache_summary is not None else {}),
     )
     faults.hit("merge.after_data")
     with faults.writing("merge.mid_marker"):

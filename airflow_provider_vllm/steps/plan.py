@@ -34,7 +34,8 @@ DEFAULT_TARGET_ROWS = 10_000
 log = logging.getLogger(__name__)
 
 
-def plan_job(spec: JobSpec, filesystems: FileSystems | None = None, max_shards: int | None = None) -> Plan:
+def plan_job(spec: JobSpec, filesystems: FileSystems | None = None, max_shards: int | None = None,
+             engine_identity: str | None = None) -> Plan:
     """Plan the job and write ``_plan.json`` under the output prefix; idempotent.
 
     Raises DatasetError for dataset faults and SpecError when the output prefix already
@@ -42,17 +43,20 @@ def plan_job(spec: JobSpec, filesystems: FileSystems | None = None, max_shards: 
     when the plan would have more than ``max_shards`` shards (the orchestrator's limit on
     mapped tasks, e.g. Airflow's ``[core] max_map_length``; None: no limit).
     ``filesystems``: how object stores are reached (``storage.FileSystems``; default fsspec).
+    With ``cache.uri`` (steps/cache.py) the plan also writes ``_cache/`` hits and misses files
+    before the plan (``engine_identity``: the engine the shards run, part of the cache key;
+    default the vLLM installed here); an existing plan is returned as it is, however the cache
+    grew since (the create-only plan file wins).
     """
     out = Storage(spec.io.output_uri, spec.io.storage_options, filesystems)
-    plan = build_plan(spec, filesystems, max_shards=max_shards)
-    if not out.exists(PLAN_FILE):
-        foreign = next((f for f in out.walk_files() if not f.startswith(PROBE_DIR + "/")), None)
-        if foreign is not None:
-            raise SpecError(f"output {spec.io.output_uri} is not empty (e.g. {foreign}) and holds no plan of "
-                            "this job; use a new, empty output prefix")
-        probe_create_only(out, _store_name(spec))
-        # create-only: of two runs racing for one prefix, the loser meets the winner's plan below
-        out.create_only(PLAN_FILE, plan.model_dump_json(indent=1).encode())
+    if spec.cache.uri is not None:
+        plan = _plan_cached(spec, out, filesystems, max_shards, engine_identity)
+    else:
+        plan = build_plan(spec, filesystems, max_shards=max_shards)
+        if not out.exists(PLAN_FILE):
+            _check_empty(spec, out)
+            # create-only: of two runs racing for one prefix, the loser meets the winner's plan below
+            out.create_only(PLAN_FILE, plan.dump_json())
     existing = Plan.model_validate_json(out.read_bytes(PLAN_FILE))
     if existing.fingerprint != plan.fingerprint or existing.spec_hash != plan.spec_hash:
         raise SpecError(
@@ -61,6 +65,31 @@ def plan_job(spec: JobSpec, filesystems: FileSystems | None = None, max_shards: 
             "use a new output prefix"
         )
     return existing
+
+
+def _check_empty(spec: JobSpec, out: Storage) -> None:
+    """SpecError unless the prefix is empty (create-only probes and orphaned ``_cache/`` files aside), then probe."""
+    from airflow_provider_vllm.steps.cache import CACHE_DIR
+
+    foreign = next((f for f in out.walk_files() if not f.startswith((PROBE_DIR + "/", CACHE_DIR + "/"))), None)
+    if foreign is not None:
+        raise SpecError(f"output {spec.io.output_uri} is not empty (e.g. {foreign}) and holds no plan of "
+                        "this job; use a new, empty output prefix")
+    probe_create_only(out, _store_name(spec))
+
+
+def _plan_cached(spec: JobSpec, out: Storage, filesystems: FileSystems | None, max_shards: int | None,
+                 engine_identity: str | None) -> Plan:
+    """With the result cache: an existing plan wins (only its input and spec are compared); else a new one."""
+    if out.exists(PLAN_FILE):
+        found = find_input(spec.io.input_uri, spec.io.storage_options, spec.io.input_format, filesystems)
+        existing = Plan.model_validate_json(out.read_bytes(PLAN_FILE))
+        # what plan_job compares with the stored plan: this input's fingerprint and this spec's hash
+        return existing.model_copy(update={"fingerprint": found.fingerprint, "spec_hash": spec.content_hash()})
+    _check_empty(spec, out)
+    plan = build_plan(spec, filesystems, max_shards=max_shards, cache_out=out, engine_identity=engine_identity)
+    out.create_only(PLAN_FILE, plan.dump_json())
+    return plan
 
 
 def probe_create_only(out: Storage, store: str) -> None:
@@ -109,8 +138,13 @@ def _store_name(spec: JobSpec) -> str:
     return f"{spec.io.output_uri} (endpoint_url {ep})" if ep else spec.io.output_uri
 
 
-def build_plan(spec: JobSpec, filesystems: FileSystems | None = None, max_shards: int | None = None) -> Plan:
-    """Validate the input and compute shards, without writing anything (see ``plan_job``)."""
+def build_plan(spec: JobSpec, filesystems: FileSystems | None = None, max_shards: int | None = None,
+               cache_out: Storage | None = None, engine_identity: str | None = None) -> Plan:
+    """Validate the input and compute shards, without writing anything (see ``plan_job``).
+
+    ``cache_out``: the output prefix, with ``cache.uri`` set: the hits and misses files are
+    written there (``steps.cache.plan_cache``) and the shards are cut over the misses only.
+    """
     found = find_input(spec.io.input_uri, spec.io.storage_options, spec.io.input_format, filesystems)
     sh = spec.sharding
     # Exact per-row lengths need the text columns; footers (dictionary-encoded pages make
@@ -120,13 +154,22 @@ def build_plan(spec: JobSpec, filesystems: FileSystems | None = None, max_shards
     total_rows = int(sum(scan.file_rows))
     tokens = _row_tokens(scan, sh.chars_per_token)
     est_tokens = tokens.total
-    sizing = size_shards(spec, total_rows, est_tokens, filesystems=filesystems)
+    cache, cut_scan, cut_tokens, cut_fp = None, scan, tokens, found.fingerprint
+    if cache_out is not None and spec.cache.uri is not None:
+        from airflow_provider_vllm.steps.cache import plan_cache
+
+        cache = plan_cache(spec, found, cache_out, engine_identity, filesystems=filesystems)
+        folder, name = cache.misses_file.path.rsplit("/", 1)
+        cut_scan = input_format("parquet").scan(cache_out.sub(folder), [name], spec, per_row)
+        cut_tokens = _row_tokens(cut_scan, sh.chars_per_token)
+        cut_fp = hashlib.sha256(f"{found.fingerprint}:{cache.misses_file.sha256}".encode()).hexdigest()
+    sizing = size_shards(spec, len(cut_tokens), cut_tokens.total, filesystems=filesystems)
     cut_spec = spec if sizing is None else spec.model_copy(
         update={"sharding": spec.sharding.model_copy(update=sizing.sharding_update())})
-    shards = _cut(cut_spec, found.fingerprint, tokens, np.asarray(scan.file_rows, dtype=np.int64), scan.offsets,
-                  scan.lines)
+    shards = _cut(cut_spec, cut_fp, cut_tokens, np.asarray(cut_scan.file_rows, dtype=np.int64), cut_scan.offsets,
+                  cut_scan.lines)
     if max_shards is not None and len(shards) > max_shards:
-        _refuse_shard_count(cut_spec, len(shards), max_shards, total_rows, est_tokens,
+        _refuse_shard_count(cut_spec, len(shards), max_shards, len(cut_tokens), cut_tokens.total,
                             from_history=sizing is not None)
     return Plan(
         spec_hash=spec.content_hash(),
@@ -144,6 +187,7 @@ def build_plan(spec: JobSpec, filesystems: FileSystems | None = None, max_shards
         shards=shards,
         created_with={"airflow-provider-vllm": __version__, "pyarrow": pa.__version__},
         sizing=asdict(sizing) if sizing is not None else None,
+        cache=cache,
     )
 
 

@@ -92,8 +92,9 @@ def _run_shard(task: ShardTask, engine_factory: Callable[[JobSpec], Any] | None,
 
     attempt = task.attempt_id or new_attempt_id()
     t_start = time.monotonic()
-    in_root = Storage(plan.input_root, spec.io.storage_options)
-    check_unchanged(in_root, plan.input_files())
+    shard_root, shard_files = plan.shard_input()  # with the result cache: the plan's misses file
+    in_root = Storage(shard_root, spec.io.storage_options)
+    check_unchanged(in_root, shard_files)
     watchdog.beat()
     batch = read_shard_rows(spec, plan, shard, in_root, beat=watchdog.beat)
     if len(batch) != shard.rows:
@@ -206,7 +207,7 @@ def read_shard_rows(spec: JobSpec, plan: Plan, shard: ShardPlan, root: Storage,
     batch = RowBatch(ids=[], values={}, faults=[], lines=[])
     for seg in shard.segments:
         faults.hit("read.segment")
-        part = fmt.read_rows(root, plan.files[seg.file]["path"], seg, spec)
+        part = fmt.read_rows(root, plan.shard_input()[1][seg.file].path, seg, spec)
         if shard.bucket != "all":
             assert plan.long_row_tokens is not None  # the planner buckets only with a threshold
             tokens = np.asarray(estimate_tokens(np.asarray(part.chars, dtype=np.int64), plan.chars_per_token))

@@ -3,7 +3,7 @@
 * ``report``: ``QAReport`` (the outcome, and its JSON form) and ``QAFailed``.
 * ``metrics``: input conformance, rates, label distribution and drift, token / latency
   statistics and histograms, throughput, duplicate counts (the metric definitions).
-* ``metrics_stream``: the same metrics added up over record batches (outputs too large to load).
+* ``metrics_stream``: the same metrics from DuckDB aggregates over the files (outputs too large to load).
 * ``checks``: each metric against its warn / fail thresholds, and the overall verdict.
 * ``sample``: the deterministic, stratified sample of rows for review.
 * ``html``: renders a report dict and sample rows as one self-contained page.

@@ -1,11 +1,14 @@
 """QA metrics over merged outputs too large to hold: the numbers of ``metrics.compute_metrics``,
-accumulated over Arrow record batches (DuckDB streams them from the Parquet files).
+from DuckDB aggregates over views of the files (``tally``), never the rows themselves.
 
-Counts, value counts, token sums and integer statistics are exact and equal the in-memory
-ones (integer statistics come from merged value counts, as in memory). Float statistics
-(latency) keep only the finite values as float32 (4 bytes a row, the column's own type) and
-take the same order statistics and histogram bins; the mean is summed per batch, so it may
-differ from the in-memory mean in the last bits.
+Two parallel scans of ``r`` give every count: one aggregate with ``FILTER`` clauses for the
+row flags (invalid, truncated, expects text, empty) and one ``GROUP BY GROUPING SETS`` for the
+value counts (label x finish reason x model x revision x shard, token counts); token sums and integer statistics come from the token value
+counts, so they are exact and equal the in-memory ones. Empty outputs are decided as Arrow's
+``utf8_is_space`` decides them (``SPACE_CLASS``). Float statistics (latency) fetch only the
+finite values as float32 (4 bytes a row, the column's own type), batch by batch into one
+buffer, and take the same order statistics and histogram bins; the mean is summed per batch,
+so it may differ from the in-memory mean in the last bits.
 """
 
 from __future__ import annotations
@@ -16,38 +19,29 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from airflow_provider_vllm.steps.qa.metrics import (
     _MAX_DISTINCT_EXACT,
-    ERROR_NEEDS,
-    RESULT_NEEDS,
-    _count,
-    _count_empty,
     _hist_plan,
     _histogram,
     assemble_metrics,
-    bin_counts,
-    conform,
     int_stats_from_counts,
     models_list,
     sort_counts,
 )
 
-
-def _add_counts(counter: Counter, col: pa.ChunkedArray | pa.Array) -> None:
-    if len(col) == 0:
-        return
-    if col.null_count == len(col):
-        counter[None] += len(col)
-        return
-    vc = pc.value_counts(col)
-    for v, n in zip(vc.field("values").to_pylist(), vc.field("counts").to_pylist()):
-        counter[v] += n
+# The code points Arrow's utf8_is_space counts as space (tests check it against Arrow over all code points).
+SPACE_CLASS = (r"[\x{9}-\x{d}\x{1c}-\x{20}\x{85}\x{a0}\x{1680}\x{2000}-\x{200a}\x{2028}\x{2029}\x{202f}"
+               r"\x{205f}\x{3000}]")
+_COUNTED = ("finish_reason", "label", "shard_id", "prompt_tokens", "completion_tokens")
+_KEYS = ("label", "finish_reason", "model", "model_revision", "shard_id")  # few distinct values: one grouping set
+# output null, '' or only space; the first branch (an ASCII letter, digit or sign first) decides most rows cheaply
+_BLANK = (f"CASE WHEN output >= '!' AND output < chr(127) THEN false WHEN output IS NULL OR output = '' THEN true "
+          f"ELSE regexp_full_match(output, '{SPACE_CLASS}+') END")
 
 
 class ResultTally:
-    """Everything ``compute_metrics`` needs, added up batch by batch (memory: distinct values + latencies)."""
+    """Everything ``compute_metrics`` needs, as counts from DuckDB (memory: distinct values + latencies)."""
 
     def __init__(self, capacity: int = 0) -> None:
         """``capacity``: the expected result rows (footers), so the latency buffer is allocated once."""
@@ -55,55 +49,59 @@ class ResultTally:
         self.text_rows = self.empty = self.label_nulls = self.valid_nulls = 0
         self.prompt_total = self.completion_total = 0
         self.latency_sum = 0.0
-        self.counts: dict[str, Counter] = {k: Counter() for k in (
-            "finish_reason", "label", "shard_id", "prompt_tokens", "completion_tokens", "error_code", "pairs")}
+        self.counts: dict[str, Counter] = {k: Counter() for k in (*_COUNTED, "error_code", "pairs")}
         self._lat = np.empty(capacity, np.float32)  # finite latencies; float64 once a batch needs it
         self._n_lat = 0
 
-    def add_results(self, batch: pa.RecordBatch | pa.Table) -> None:
-        t = conform(pa.Table.from_batches([batch]) if isinstance(batch, pa.RecordBatch) else batch, RESULT_NEEDS)
-        col = t.column
-        self.ok += t.num_rows
-        self.invalid += _count(pc.equal(col("valid"), False))
-        self.truncated += _count(col("truncated"))
-        self.length_finish += _count(pc.equal(col("finish_reason"), "length"))
-        expects_text = pc.and_(pc.is_null(col("embedding")), pc.is_null(col("scores")))
-        self.text_rows += _count(expects_text)
-        self.empty += _count_empty(col("output"), expects_text)
-        self.label_nulls += col("label").null_count
-        self.valid_nulls += col("valid").null_count
-        for name in ("finish_reason", "label", "shard_id", "prompt_tokens", "completion_tokens"):
-            _add_counts(self.counts[name], col(name))
-        self.prompt_total += int(pc.sum(col("prompt_tokens")).as_py() or 0)
-        self.completion_total += int(pc.sum(col("completion_tokens")).as_py() or 0)
-        self._add_model_pairs(t)
-        x = pc.drop_null(pc.cast(col("latency_ms"), pa.float64()))
-        x = x.filter(pc.is_finite(x)) if len(x) else x
-        if len(x):
-            self.latency_sum += pc.sum(x).as_py()
-            self._keep_latency(x.to_numpy(), exact32=pa.types.is_float32(col("latency_ms").type))
+    def tally(self, con, batch_rows: int = 1 << 20) -> None:
+        """Count the rows of the DuckDB relations ``r`` (results) and ``e`` (errors) of ``con``."""
+        self._count_results(con)
+        for code, n in con.execute("SELECT error_code, count(*) FROM e GROUP BY ALL").fetchall():
+            self.counts["error_code"][code] += n
+            self.n_err += n
+        self._fetch_latency(con, batch_rows)
 
-    def _add_model_pairs(self, t: pa.Table) -> None:
-        """(model, revision) counts; the two-column group-by only in a batch where both vary."""
-        if not t.num_rows:
-            return
-        models, revs = Counter(), Counter()
-        _add_counts(models, t.column("model"))
-        _add_counts(revs, t.column("model_revision"))
-        pairs = self.counts["pairs"]
-        if len(models) == 1:
-            m = next(iter(models))
-            for r, n in revs.items():
-                pairs[(m, r)] += n
-        elif len(revs) == 1:
-            r = next(iter(revs))
-            for m, n in models.items():
-                pairs[(m, r)] += n
-        else:
-            g = t.select(["model", "model_revision"]).group_by(["model", "model_revision"]).aggregate(
-                [([], "count_all")])
-            for m, r, n in zip(g["model"].to_pylist(), g["model_revision"].to_pylist(), g["count_all"].to_pylist()):
-                pairs[(m, r)] += n
+    def _count_results(self, con) -> None:
+        # Rows with vectors: two scans that DuckDB answers from the row groups' null counts where all are
+        # null (the usual text run), so that the flags below need not decode the list columns.
+        vectors = sum(con.execute(f"SELECT count(*) FROM r WHERE {c} IS NOT NULL").fetchall()[0][0]
+                      for c in ("embedding", "scores"))
+        text = "(embedding IS NULL AND scores IS NULL)" if vectors else "true"
+        out = "CAST(output AS VARCHAR)"
+        (self.ok, self.valid_nulls, self.invalid, self.truncated, self.text_rows, self.empty), = con.execute(
+            f"SELECT count(*), count(*) FILTER (WHERE valid IS NULL), count(*) FILTER (WHERE NOT valid), "
+            f"count(*) FILTER (WHERE truncated), count(*) FILTER (WHERE {text}), "
+            f"count(*) FILTER (WHERE {text} AND {_BLANK.replace('output', out)}) FROM r").fetchall()
+        cols = [*_KEYS, "prompt_tokens", "completion_tokens"]
+        rows = con.execute(
+            f"SELECT grouping({', '.join(cols)}), {', '.join(cols)}, count(*) FROM r "
+            f"GROUP BY GROUPING SETS (({', '.join(_KEYS)}), (prompt_tokens), (completion_tokens))").fetchall()
+        for g, *values, n in rows:
+            v = dict(zip(cols, values))
+            if g & 1 == 0:  # grouped by completion_tokens (grouping(): bit set = not grouped by that column)
+                self.counts["completion_tokens"][v["completion_tokens"]] += n
+            elif g & 2 == 0:
+                self.counts["prompt_tokens"][v["prompt_tokens"]] += n
+            else:
+                for c in ("label", "finish_reason", "shard_id"):
+                    self.counts[c][v[c]] += n
+                self.counts["pairs"][(v["model"], v["model_revision"])] += n
+        self.length_finish = self.counts["finish_reason"].get("length", 0)
+        self.label_nulls = self.counts["label"].get(None, 0)
+        for name, total in (("prompt_tokens", "prompt_total"), ("completion_tokens", "completion_total")):
+            setattr(self, total, sum(int(v) * n for v, n in self.counts[name].items() if v is not None))
+
+    def _fetch_latency(self, con, batch_rows: int) -> None:
+        reader = con.sql("SELECT latency_ms FROM r WHERE latency_ms IS NOT NULL AND isfinite(latency_ms)"
+                         ).to_arrow_reader(batch_rows)
+        for batch in reader:
+            col = batch.column(0)
+            if not len(col):
+                continue
+            exact32 = pa.types.is_float32(col.type)
+            x = col.to_numpy(zero_copy_only=False).astype(np.float32 if exact32 else np.float64, copy=False)
+            self.latency_sum += float(x.sum(dtype=np.float64))
+            self._keep_latency(x, exact32=exact32)
 
     def _keep_latency(self, x: np.ndarray, exact32: bool) -> None:
         if not exact32 and self._lat.dtype != np.float64:
@@ -115,11 +113,6 @@ class ResultTally:
             self._lat = grown
         self._lat[self._n_lat:need] = x
         self._n_lat = need
-
-    def add_errors(self, batch: pa.RecordBatch | pa.Table) -> None:
-        t = conform(pa.Table.from_batches([batch]) if isinstance(batch, pa.RecordBatch) else batch, ERROR_NEEDS)
-        self.n_err += t.num_rows
-        _add_counts(self.counts["error_code"], t.column("error_code"))
 
     def value_counts(self, name: str) -> dict[Any, int]:
         """As ``metrics.value_counts`` of the whole column."""
@@ -159,23 +152,22 @@ class ResultTally:
             return None
         if len(vc) > _MAX_DISTINCT_EXACT:  # as in memory: float stats of the values
             values = np.repeat(np.array([v for v, _ in vc], np.float64), [n for _, n in vc])
-            return _float_stats(values, float(pc.sum(pa.array(values)).as_py()), integer=True)
+            return _float_stats(values, float(pa.compute.sum(pa.array(values)).as_py()), integer=True)
         return int_stats_from_counts([v for v, _ in vc], [n for _, n in vc])
 
 
 def _float_stats(x: np.ndarray, total: float, integer: bool = False) -> dict[str, Any] | None:
-    """``metrics._float_stats`` of the finite values ``x`` (reordered in place); ``total``: their sum."""
+    """``metrics._float_stats`` of the finite values ``x`` (maybe reordered); ``total``: their sum."""
     if len(x) == 0:
         return None
     n = len(x)
     mn, mx = float(x.min()), float(x.max())
-    ranks = sorted({r for q in (0.5, 0.9, 0.99) for r in _ranks(q, n)})
-    x.partition(ranks)
+    at = _order_stats(x, {q: _ranks(q, n) for q in (0.5, 0.9, 0.99)})
 
     def quantile(q: float) -> float:  # Arrow's 'linear': fraction * higher + (1 - fraction) * lower
         pos = q * (n - 1)
         lo = math.floor(pos)
-        a, b = float(x[lo]), float(x[min(lo + 1, n - 1)])
+        a, b = at[lo], at[min(lo + 1, n - 1)]
         f = pos - lo
         return f * b + (1 - f) * a
 
@@ -183,12 +175,43 @@ def _float_stats(x: np.ndarray, total: float, integer: bool = False) -> dict[str
     stats = {"count": n, "min": int(mn) if integer else mn, "p50": p50, "p90": p90, "p99": p99,
              "max": int(mx) if integer else mx, "mean": total / n}
     lo, w, nb, _ = _hist_plan(mn, mx, p99, integer)
-    bins: Counter = Counter()
+    bins = np.zeros(nb + 1, np.int64)  # the last: overflow
     step = 1 << 22
-    for i in range(0, n, step):
-        bins.update(dict(bin_counts(pa.array(x[i:i + step].astype(np.float64)), lo, w)))
-    stats["histogram"] = _histogram(lo, w, nb, bins.items(), integer)
+    for i in range(0, n, step):  # floor((x - lo) / w) in float64, as metrics.bin_counts; x >= lo
+        k = np.floor((x[i:i + step].astype(np.float64) - lo) / w)
+        bins += np.bincount(np.minimum(k, nb).astype(np.int64), minlength=nb + 1)
+    stats["histogram"] = _histogram(lo, w, nb, enumerate(bins.tolist()), integer)
     return stats
+
+
+_SUBSAMPLE = 1 << 16
+
+
+def _order_stats(x: np.ndarray, wanted: dict[float, tuple[int, int]]) -> dict[int, float]:
+    """The values at the 0-based ranks ``wanted`` (quantile -> (rank, next rank)) of the sorted ``x``,
+    exactly. A sorted random subsample brackets each pair of ranks by two values a <= b; one pass
+    counts the values below a and keeps those in [a, b] (about 1 % of x), where the ranks are then
+    selected. If a bracket misses (a chance of about 1e-9), that pair is selected from all of x."""
+    n = len(x)
+    out: dict[int, float] = {}
+    if n <= 4 * _SUBSAMPLE:
+        ranks = sorted({r for pair in wanted.values() for r in pair})
+        x.partition(ranks)
+        return {r: float(x[r]) for r in ranks}
+    sub = np.sort(x[np.random.default_rng(0).integers(0, n, _SUBSAMPLE)])
+    for q, (lo, hi) in wanted.items():
+        m = int(6 * math.sqrt(q * (1 - q) * _SUBSAMPLE)) + 16  # ~6 standard deviations of the sample's rank
+        a = sub[max(0, int(lo / n * _SUBSAMPLE) - m)]
+        b = sub[min(_SUBSAMPLE - 1, int(hi / n * _SUBSAMPLE) + m)]
+        below = int(np.count_nonzero(x < a))
+        window = x[(x >= a) & (x <= b)]
+        if below <= lo and below + len(window) > hi:
+            window.partition(sorted({lo - below, hi - below}))
+            out[lo], out[hi] = float(window[lo - below]), float(window[hi - below])
+        else:
+            x.partition(sorted({lo, hi}))
+            out[lo], out[hi] = float(x[lo]), float(x[hi])
+    return out
 
 
 def _ranks(q: float, n: int) -> tuple[int, int]:

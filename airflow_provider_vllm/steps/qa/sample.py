@@ -2,17 +2,20 @@
 
 Ok rows are stratified by label (else by shard id) and error rows by error code; at most
 ``ERROR_SAMPLE_FRACTION`` of the sample comes from error rows. Inside each stratum rows are
-ranked by ``md5(f"{seed}:{id}")``: the same inputs and seed give the same sample in any
-process, with any DuckDB version.
+ranked by a 64-bit DuckDB hash of id and seed (``SAMPLE_KEY``, ``_KEY_SQL``; ties by id): the same inputs and
+seed give the same sample in any process and on either QA path. The key is DuckDB's hash
+function, so a DuckDB release that changes it changes the sample (the report records the key
+and the DuckDB version in ``metrics["sample"]``). Before this key ("duckdb-hash-v1") it was
+``md5(f"{seed}:{id}")`` (see docs/BENCHMARKS.md for what the change saves at 100M rows).
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Callable, Hashable
 from typing import Any
 
+import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -21,11 +24,30 @@ from airflow_provider_vllm.core.spec import QASpec
 from airflow_provider_vllm.steps.qa.metrics import json_key, value_counts
 
 ERROR_SAMPLE_FRACTION = 0.10  # at most this share of the sample comes from error rows
+SAMPLE_KEY = "duckdb-hash-v1"  # the ranking key's definition, recorded in the report (was md5 of "seed:id")
+# $seed is str(seed), so any Python int works; hashing the id's hash with the seed's costs half of hash(id, seed)
+_KEY_SQL = "hash(xor(hash(CAST(id AS VARCHAR)), hash($seed)))"
+_MARGIN = 4  # a prefilter keeps about this many times the keys a stratum needs
+_PREFILTER_MAX = 1 / 32  # a stratum that needs a larger share of its keys is scanned whole
+
+
+def sample_keys(seed: int, ids: list[str], con=None) -> list[str]:
+    """The sample's ranking keys of ``ids`` (``_KEY_SQL``: DuckDB ``hash(xor(hash(id), hash(str(seed))))``)
+    as 16 hex digits, so string order is numeric order; ``con``: a DuckDB connection to reuse (default: a new one)."""
+    if not ids:
+        return []
+    sql = f"SELECT list_transform($ids, lambda id: {_KEY_SQL})"
+    if con is None:
+        with duckdb.connect() as own:
+            keys = own.execute(sql, {"ids": ids, "seed": str(seed)}).fetchall()[0][0]
+    else:
+        keys = con.execute(sql, {"ids": ids, "seed": str(seed)}).fetchall()[0][0]
+    return [f"{k:016x}" for k in keys]
 
 
 def sample_key(seed: int, row_id: str) -> str:
-    """The sample's ranking key of a row: md5 hex of ``f"{seed}:{id}"`` (same as DuckDB md5)."""
-    return hashlib.md5(f"{seed}:{row_id}".encode()).hexdigest()
+    """The ranking key of one row (``sample_keys`` of one id)."""
+    return sample_keys(seed, [row_id])[0]
 
 
 def allocate(sizes: dict[Hashable, int], k: int) -> dict[Hashable, int]:
@@ -59,30 +81,73 @@ def allocate(sizes: dict[Hashable, int], k: int) -> dict[Hashable, int]:
     return alloc
 
 
-def _top_by_stratum(con, table: str, stratum: str | None, seed: int, kmax: int) -> dict[Any, list[str]]:
-    """Per stratum, the kmax ids with the smallest md5(seed:id), in rank order."""
-    if kmax <= 0:
+def _top_by_stratum(con, table: str, stratum: str | None, seed: int, alloc: dict[Any, int],
+                    sizes: dict[Any, int]) -> dict[Any, list[tuple[int, str]]]:
+    """Per stratum, the alloc[s] (key, id) with the smallest keys, ascending. One parallel scan of
+    the id and stratum columns; the keys are uniform, so a stratum whose ``sizes[s]`` rows are many
+    more than it needs keeps only keys below a threshold (a cheap filter before the group-by) and
+    is scanned again whole in the unlikely case that too few pass. The k + 1st key is kept so that a
+    tie at the cut is seen."""
+    need = {s: n + 1 for s, n in alloc.items() if n > 0}
+    if not need:
         return {}
-    skey = stratum or "NULL"
+    kmax = max(need.values())
+    frac = {s: _MARGIN * n / max(1, sizes.get(s) or 0) for s, n in need.items()}
+    whole = [s for s, f in frac.items() if f > _PREFILTER_MAX]
+    params = {"seed": str(seed)}
+    where = ""
+    if len(whole) < len(need):
+        params.update(cut=min(int(_PREFILTER_MAX * 2**64), 2**64 - 1), whole=[str(s) for s in whole if s is not None],
+                      whole_null=None in whole)
+        where = ("WHERE h < $cut OR list_contains($whole, CAST(s AS VARCHAR)) OR (s IS NULL AND $whole_null)")
+    found = dict(_top_query(con, table, stratum, kmax, where, params))
+    short = [s for s in need if s not in whole and len(found.get(s) or []) < need[s]]
+    if short:  # fewer keys under the threshold than needed: that stratum whole
+        again = {"seed": str(seed), "whole": [str(s) for s in short if s is not None], "whole_null": None in short}
+        found.update(_top_query(con, table, stratum, kmax, "WHERE list_contains($whole, CAST(s AS VARCHAR)) "
+                                "OR (s IS NULL AND $whole_null)", again))
+    out = {}
+    for s, ids in found.items():
+        if s not in need:
+            continue
+        keys = [int(k, 16) for k in sample_keys(seed, ids, con)]
+        ranked = sorted(zip(keys, ids))
+        k = need[s] - 1
+        if len(ranked) > k and ranked[k - 1][0] == ranked[k][0]:
+            ranked = _ties_at_the_cut(con, table, stratum or "NULL", s, seed, ranked, k)
+        out[s] = ranked[:k]
+    return out
+
+
+def _top_query(con, table, stratum, kmax, where, params) -> list[tuple[Any, list[str]]]:
     rows = con.execute(
         f"""
         SELECT s, min_by(id, h, {int(kmax)}) FROM (
-            SELECT {skey} AS s, id, md5($seed || ':' || id) AS h FROM {table} WHERE id IS NOT NULL
-        ) GROUP BY s
+            SELECT {stratum or "NULL"} AS s, CAST(id AS VARCHAR) AS id, {_KEY_SQL} AS h FROM {table}
+            WHERE id IS NOT NULL
+        ) {where} GROUP BY s
         """,
-        {"seed": str(seed)},
+        params,
     ).fetchall()
-    return {s: ids for s, ids in rows}
+    return [(s, ids) for s, ids in rows]
+
+
+def _ties_at_the_cut(con, table, skey, s, seed, ranked, kmax):
+    """All rows of stratum ``s`` whose key equals the key at the cut, so that ties go by id (a 64-bit
+    collision at the cut: practically never, but the sample must not depend on scan order)."""
+    cut = ranked[kmax - 1][0]
+    rows = con.execute(
+        f"SELECT DISTINCT CAST(id AS VARCHAR) FROM {table} WHERE id IS NOT NULL AND {skey} IS NOT DISTINCT FROM $s "
+        f"AND {_KEY_SQL} = $cut", {"seed": str(seed), "s": s, "cut": cut}).fetchall()
+    return sorted([(k, i) for k, i in ranked if k < cut] + [(cut, i) for (i,) in rows])
 
 
 def _pick(con, table: str, stratum: str | None, sizes: dict[Any, int], k: int, seed: int) -> list[tuple[Any, str]]:
     alloc = allocate(sizes, k)
-    kmax = max(alloc.values(), default=0)
-    tops = _top_by_stratum(con, table, stratum, seed, kmax)
+    tops = _top_by_stratum(con, table, stratum, seed, alloc, sizes)
     picked: list[tuple[Any, str]] = []
     for s in sorted(alloc, key=lambda s: (s is None, str(s))):
-        ids = sorted(tops.get(s) or [], key=lambda i: (sample_key(seed, i), i))
-        picked += [(s, i) for i in ids[: alloc[s]]]
+        picked += [(s, i) for _, i in (tops.get(s) or [])[: alloc[s]]]
     return picked
 
 
@@ -132,6 +197,8 @@ def draw_sample_by(
     info = {
         "requested": k,
         "seed": seed,
+        "key": SAMPLE_KEY,
+        "duckdb": duckdb.__version__,
         "rows": sample.num_rows,
         "ok_rows": ok_part.num_rows,
         "error_rows": err_part.num_rows,
@@ -188,6 +255,6 @@ def _take(table: pa.Table, picked: list[tuple[Any, str]], status: str, seed: int
             fields.append(pa.field(name, sub.column(name).type))
     cols.append(pa.array([None if s is None else str(s) for s in strata], pa.string()))
     fields.append(pa.field("qa_stratum", pa.string()))
-    cols.append(pa.array([sample_key(seed, i) for i in sub.column("id").to_pylist()], pa.string()))
+    cols.append(pa.array(sample_keys(seed, sub.column("id").to_pylist()), pa.string()))
     fields.append(pa.field("qa_sample_key", pa.string()))
     return pa.Table.from_arrays(cols, schema=pa.schema(fields))

@@ -6,12 +6,15 @@ from __future__ import annotations
 import random
 
 import duckdb
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
 from airflow_provider_vllm.core.spec import QASpec
 from airflow_provider_vllm.steps.qa import evaluate as evaluate_mod
 from airflow_provider_vllm.steps.qa.evaluate import evaluate, evaluate_stream
+from airflow_provider_vllm.steps.qa.metrics_stream import SPACE_CLASS
 from tests.support.qa_rows import LABELS, err_row, ok_row, split
 
 
@@ -72,19 +75,48 @@ def test_streamed_latency_buffer_grows_past_a_wrong_capacity(tmp_path):
 
 
 def test_the_streamed_path_never_builds_the_whole_tables(tmp_path, monkeypatch):
-    """Bounded memory by construction: no batch it is handed is larger than batch_rows."""
+    """Bounded memory by construction: counts come from DuckDB aggregates, latencies in batches of at
+    most batch_rows, and the only rows fetched whole are the sample's."""
     results, errors = _tables(n_ok=4000, n_err=100)
-    seen = []
-    real = evaluate_mod.ResultTally.add_results
+    batches, fetched = [], []
+    real_keep, real_conform = evaluate_mod.ResultTally._keep_latency, evaluate_mod.conform
 
-    def spy(self, batch):
-        seen.append(batch.num_rows)
-        return real(self, batch)
+    def keep(self, x, exact32):
+        batches.append(len(x))
+        return real_keep(self, x, exact32)
 
-    monkeypatch.setattr(evaluate_mod.ResultTally, "add_results", spy)
+    def conform(table, needs):
+        fetched.append(table.num_rows)
+        return real_conform(table, needs)
+
+    monkeypatch.setattr(evaluate_mod.ResultTally, "_keep_latency", keep)
+    monkeypatch.setattr(evaluate_mod, "conform", conform)
     rep = _streamed(tmp_path, results, errors, spec=QASpec(sample_size=20), labels=LABELS, structured=True)
-    assert sum(seen) == 4000 and max(seen) <= 512 and len(seen) >= 8
+    assert sum(batches) == rep.metrics["latency_ms"]["count"] > 1000 and max(batches) <= 512 and len(batches) >= 3
+    assert fetched and max(fetched) <= 20 and sum(fetched) == 20
     assert rep.metrics["ok"] == 4000 and rep.metrics["errors"] == 100
+
+
+def test_empty_outputs_are_counted_as_arrow_counts_them(tmp_path):
+    """Unicode space, mixed strings and rows that carry vectors: streamed == in memory."""
+    outputs = ["", " ", "\u3000", " \u00a0\t", "\u200b", "\ufeff", "x", " x", "\u2003y", "é", "\u0085", None,
+               "\x1c", "\u180e", "\u205f\u2029"]  # ok_row: None -> 'text i'
+    recs = [ok_row(i, output=o) for i, o in enumerate(outputs)]
+    recs += [ok_row(100 + i, output=o, scores=[0.5]) for i, o in enumerate(outputs)]
+    results, errors = split(recs)
+    kw = dict(spec=QASpec(sample_size=5), labels=None, structured=False)
+    mem = evaluate(results, errors, **kw).metrics["rates"]["empty_rate"]
+    assert _streamed(tmp_path, results, errors, **kw).metrics["rates"]["empty_rate"] == mem
+    assert mem["of"] == len(outputs) and mem["count"] == 7  # '', 4 all-space, NEL, FS; not ZWSP, BOM, MVS
+
+
+def test_space_class_is_arrows_utf8_is_space_over_every_code_point():
+    chars = pa.array([chr(c) for c in range(0x110000) if not 0xD800 <= c <= 0xDFFF])
+    arrow = pc.utf8_is_space(chars)
+    con = duckdb.connect()
+    con.register("t", pa.table({"s": chars}))
+    duck = con.sql(f"SELECT regexp_full_match(s, '{SPACE_CLASS}+') AS m FROM t").to_arrow_table().column("m")
+    assert duck.combine_chunks().equals(arrow)
 
 
 def test_qa_run_streams_above_the_threshold_and_reports_the_same(tmp_path, monkeypatch):
@@ -116,3 +148,51 @@ def test_qa_run_streams_above_the_threshold_and_reports_the_same(tmp_path, monke
     assert b == a and a["metrics"]["ok"] + a["metrics"]["errors"] == 300
     assert str(streamed.sample.to_pylist()) == str(mem.sample.to_pylist())
     assert "input_excerpt" in streamed.sample.column_names
+
+
+@pytest.mark.parametrize("kind", ["uniform", "ties", "sorted", "negative", "miss"])
+def test_order_stats_are_exact(monkeypatch, kind):
+    """The bracketed selection of the latency quantiles returns what a full sort returns, also when
+    the subsample's bracket misses (forced: every draw is the first value) and it falls back."""
+    import numpy as np
+
+    from airflow_provider_vllm.steps.qa import metrics_stream as ms
+
+    monkeypatch.setattr(ms, "_SUBSAMPLE", 256)
+    rng = np.random.default_rng(1)
+    x = {"uniform": rng.random(20_000), "ties": rng.integers(0, 7, 20_000).astype(np.float64),
+         "sorted": np.arange(20_000, dtype=np.float64), "negative": -rng.exponential(3, 20_000),
+         "miss": rng.random(20_000)}[kind].astype(np.float32)
+    if kind == "miss":
+        class FirstOnly:
+            def integers(self, lo, hi, size):
+                return np.zeros(size, np.int64)
+        monkeypatch.setattr(ms.np.random, "default_rng", lambda seed: FirstOnly())
+    want = np.sort(x)
+    pairs = {q: ms._ranks(q, len(x)) for q in (0.5, 0.9, 0.99)}
+    got = ms._order_stats(x.copy(), pairs)
+    assert got == {r: float(want[r]) for pair in pairs.values() for r in pair}
+
+
+def test_hostile_ids_and_labels_stream_like_in_memory(tmp_path):
+    """Quotes, backslashes, SQL and non-ASCII in ids, labels and error codes: same report, same sample."""
+    odd = ["o'brien", "a\\b", "x'); DROP TABLE r; --", "é ü", "日本", "", " "]
+    recs = [ok_row(i, id=f"{odd[i % len(odd)]}#{i}", label=odd[i % 3] if i % 5 else None) for i in range(400)]
+    recs += [err_row(i, odd[i % 4], id=f"err'{i}") for i in range(40)]
+    results, errors = split(recs)
+    kw = dict(spec=QASpec(sample_size=30, seed=4), labels=None, structured=True)
+    mem = evaluate(results, errors, **kw)
+    streamed = _streamed(tmp_path, results, errors, **kw)
+    a, b = mem.to_dict(), streamed.to_dict()
+    assert b["metrics"]["latency_ms"].pop("mean") == pytest.approx(a["metrics"]["latency_ms"].pop("mean"), rel=1e-12)
+    assert b == a and streamed.sample.num_rows == 30
+    assert str(streamed.sample.to_pylist()) == str(mem.sample.to_pylist())
+
+
+def test_a_sample_over_the_in_list_limit_reads_the_rows_by_a_join(tmp_path, monkeypatch):
+    results, errors = _tables(n_ok=600, n_err=50)
+    kw = dict(spec=QASpec(sample_size=40, seed=2), labels=LABELS, structured=True)
+    listed = _streamed(tmp_path, results, errors, **kw)
+    monkeypatch.setattr(evaluate_mod, "IN_LIST_MAX", 3)
+    joined = _streamed(tmp_path, results, errors, **kw)
+    assert str(joined.sample.to_pylist()) == str(listed.sample.to_pylist()) and joined.sample.num_rows == 40

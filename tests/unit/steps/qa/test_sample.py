@@ -8,14 +8,17 @@ import subprocess
 import sys
 import textwrap
 
+import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from airflow_provider_vllm.core.spec import QASpec
+from airflow_provider_vllm.steps.qa import sample as sample_mod
 from airflow_provider_vllm.steps.qa.evaluate import evaluate
-from airflow_provider_vllm.steps.qa.sample import allocate, sample_key
+from airflow_provider_vllm.steps.qa.sample import SAMPLE_KEY, allocate, sample_key
 from tests.support.qa_rows import LABELS, empty_tables, err_row, labelled_tables, ok_row, sample_ids, split
 
 
@@ -58,11 +61,15 @@ def test_sample_stable_across_processes(tmp_path):
     assert json.loads(out.stdout) == sample_ids(rep)
 
 
-def test_sample_keys_are_md5_of_seed_and_id():
+def test_sample_keys_are_duckdb_hash_of_id_and_seed():
     results, errors = labelled_tables(200)
     rep = evaluate(results, errors, spec=QASpec(sample_size=10, seed=3), labels=LABELS, structured=True)
     ids = sample_ids(rep)
     assert rep.sample.column("qa_sample_key").to_pylist() == [sample_key(3, i) for i in ids]
+    assert int(sample_key(3, "r1"), 16) == duckdb.sql("SELECT hash(xor(hash('r1'), hash('3')))").fetchall()[0][0]
+    assert rep.metrics["sample"]["key"] == SAMPLE_KEY == "duckdb-hash-v1"
+    assert rep.metrics["sample"]["duckdb"] == duckdb.__version__
+    assert sample_key(2**70, "r1") != sample_key(-(2**70), "r1")  # any int seed
     # within each stratum the chosen ids are those with the smallest keys
     all_ids = results.column("id").to_pylist()
     all_labels = results.column("label").to_pylist()
@@ -70,6 +77,41 @@ def test_sample_keys_are_md5_of_seed_and_id():
         chosen = [i for i, s in zip(ids, rep.sample.column("qa_stratum").to_pylist()) if s == lab]
         pool = sorted((sample_key(3, i) for i, lb in zip(all_ids, all_labels) if lb == lab))
         assert sorted(sample_key(3, i) for i in chosen) == pool[: len(chosen)]
+
+
+def test_ties_at_the_cut_go_by_id_whatever_the_scan_order(monkeypatch):
+    """A key collision at a stratum's cut (64-bit: practically never) is forced with a 3-valued key."""
+    monkeypatch.setattr(sample_mod, "_KEY_SQL", "(hash(CAST(id AS VARCHAR), $seed) % 3)")
+    results, errors = labelled_tables(300, 0)
+    spec = QASpec(sample_size=12, seed=5)
+    a = evaluate(results, errors, spec=spec, labels=LABELS, structured=True)
+    b = evaluate(results.take(pa.array(range(299, -1, -1))), errors, spec=spec, labels=LABELS, structured=True)
+    assert sample_ids(a) == sample_ids(b) and len(sample_ids(a)) == 12
+    keys = dict(zip(results.column("id").to_pylist(), sample_mod.sample_keys(5, results.column("id").to_pylist())))
+    for lab in LABELS:
+        chosen = [i for i, s in zip(sample_ids(a), a.sample.column("qa_stratum").to_pylist()) if s == lab]
+        pool = sorted((keys[i], i) for i, lb in zip(keys, results.column("label").to_pylist()) if lb == lab)
+        assert [(keys[i], i) for i in chosen] == pool[: len(chosen)]
+
+
+# (0.001, 1e-6): too few keys pass the filter, those strata are scanned again
+@pytest.mark.parametrize(("share", "margin"), [(0.25, 0.01), (0.001, 1e-6)])
+def test_the_prefilter_picks_what_a_whole_scan_picks(monkeypatch, share, margin):
+    recs = [ok_row(i, label=LABELS[i % 3] if i % 50 else None) for i in range(3000)]
+    recs += [err_row(i, ["ENGINE_ERROR", "EMPTY_INPUT"][i % 2]) for i in range(400)]
+    results, errors = split(recs)
+    kw = dict(spec=QASpec(sample_size=40, seed=11), labels=LABELS, structured=True)
+    monkeypatch.setattr(sample_mod, "_PREFILTER_MAX", 0.0)  # every stratum scanned whole
+    whole = evaluate(results, errors, **kw)
+    calls = []
+    real = sample_mod._top_query
+    monkeypatch.setattr(sample_mod, "_top_query", lambda *a: calls.append(a[4]) or real(*a))
+    monkeypatch.setattr(sample_mod, "_PREFILTER_MAX", share)
+    monkeypatch.setattr(sample_mod, "_MARGIN", margin)
+    filtered = evaluate(results, errors, **kw)
+    assert sample_ids(filtered) == sample_ids(whole) and len(sample_ids(whole)) == 40
+    assert all("$cut" in w for w in calls[:1]) and len(calls) == (2 if share > 0.1 else 4)  # ok, errors (+ again)
+    assert filtered.sample.column("qa_sample_key").to_pylist() == whole.sample.column("qa_sample_key").to_pylist()
 
 
 def test_sample_stratified_every_label_present():
