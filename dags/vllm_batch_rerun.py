@@ -14,6 +14,13 @@ the local cache when unset) and the output `<vllm_batch_data_root>/reruns/<run i
 every run writes its own prefix. Reusing an output prefix is allowed only for the same
 input and spec (a re-run then reuses the committed shards).
 
+*Compare with* names an earlier run's output prefix (a nightly date, another re-run): the run
+then writes `changes/` (every id added, removed, changed or unchanged against it) and the QA
+page shows the old x new label matrix, e.g. to see what a new prompt or model would move. Like
+every location it must lie under `allowed_uri_prefixes`. The form offers no cache location:
+a re-run recomputes every row (the point of most re-runs); a deployment that wants one sets
+`cache.uri` in `vllm_batch_spec_overrides`.
+
 *Dry run* only validates and estimates (see `python -m airflow_provider_vllm.cli.dry_run`): the
 plan task logs rows, tokens, shards, GPU-hours and the memory plan, and the rest is skipped.
 
@@ -84,6 +91,10 @@ with DAG(
         "temperature": param("temperature", 0.0, title="Temperature"),
         "max_tokens": param("max_tokens", 16, title="Max output tokens"),
         "shard_rows": param("shard_rows", 1000, title="Rows per shard"),
+        "compare_with": param("compare_with", None, title="Compare with",
+                              description="Output prefix of an earlier run (e.g. a nightly date's). Set: the run "
+                              "writes changes/ (labels added, removed, changed against it) and QA shows the churn "
+                              "matrix. Empty: no comparison"),
         "runner": param("runner", "local", title="Runner"),
         "dry_run": param("dry_run", False, title="Dry run",
                          description="Only estimate: rows, tokens, shards, GPU-hours and the GPU memory plan in "
@@ -100,7 +111,7 @@ with DAG(
         overrides=SPEC_OVERRIDES,
         human_review=HUMAN_REVIEW,
         param_overrides=["input_uri", "output_uri", "model", "labels", "system_prompt", "temperature",
-                         "max_tokens", "shard_rows"],
+                         "max_tokens", "shard_rows", "compare_with"],
         runner="{{ params.runner }}",
         asset=Asset(uri="x-vllm-batch://ticket_reclassification_reruns", name="ticket_reclassification_reruns"),
     )

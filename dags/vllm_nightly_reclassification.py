@@ -14,6 +14,25 @@ and a backfill over a date range from the UI (*Trigger* -> *Backfill*) just work
 `_SUCCESS.json` under the prefix is written last; read nothing before it exists. QA compares
 the label distribution with the day before (`dt=D-1/qa/report.json`) when that exists.
 
+**Only what changed.** Most tickets are the same as last night's. The result cache
+(`cache.uri` = `<root>/reclassification/_cache/`, shared by every date) answers a row whose
+model, prompt, sampling and text are unchanged from an earlier run without the GPU; `plan`
+sends only the misses to the shards. It needs answers that repeat: greedy decoding
+(temperature 0, as here) and, for a hub model, a pinned `model.revision` (set it in
+`vllm_batch_spec_overrides`, or turn the cache off with `{"cache.uri": null}`).
+`changes/changes.parquet` under each date's prefix lists every ticket id as added, removed,
+changed (old and new label), unchanged, error or recovered against `dt=D-1`; sync the rows
+where `change = 'changed'` to the ticketing system (docs/operations.md). The QA page shows the
+counts, the old x new label matrix and the cache hit rate.
+
+**Churn thresholds.** QA warns when more than 5% of the tickets labelled on both days moved
+to another label, and fails above 50%. The same model on the same text gives the same label,
+so moved labels come from edited tickets; a few percent is a normal night, while a large
+share means the model, prompt or labelling changed under the data, or the input is not the
+corpus it claims to be: a person looks before it is published (`vllm_batch_human_review`),
+and past half the corpus the run is not published at all. Both are spec fields
+(`qa.warn_churn_rate`, `qa.fail_churn_rate`) that `vllm_batch_spec_overrides` can change.
+
 **Adapting it.** Set Airflow Variables (or `AIRFLOW_VAR_*` environment variables):
 `vllm_batch_data_root` (e.g. `s3://bucket/support`), `vllm_batch_model` (a hub id or a
 mounted path), `vllm_batch_shard_rows`, and `vllm_batch_spec_overrides` (a JSON object of
@@ -70,7 +89,10 @@ with DAG(
             input_uri=DATA_ROOT + "/tickets/dt={{ ds }}/",
             output_uri=DATA_ROOT + "/reclassification/dt={{ ds }}/",
             qa={"previous_report_uri": DATA_ROOT
-                + "/reclassification/dt={{ macros.ds_add(ds, -1) }}/qa/report.json"},
+                + "/reclassification/dt={{ macros.ds_add(ds, -1) }}/qa/report.json",
+                "warn_churn_rate": 0.05, "fail_churn_rate": 0.5},
+            cache={"uri": DATA_ROOT + "/reclassification/_cache/"},
+            changes={"previous_uri": DATA_ROOT + "/reclassification/dt={{ macros.ds_add(ds, -1) }}/"},
         ),
         group_id="reclassify",
         overrides=SPEC_OVERRIDES,

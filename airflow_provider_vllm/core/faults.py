@@ -43,6 +43,8 @@ POINTS = frozenset({
     "commit.after_data", "commit.mid_marker", "commit.after_marker",
     # merge outputs (merge.merge_run): results/errors, then _MERGED.json
     "merge.before_write", "merge.mid_file", "merge.after_data", "merge.mid_marker", "merge.after_marker",
+    # the changes output (steps.changes.compute_changes): changes.parquet, then _changes.json
+    "changes.before_write", "changes.mid_file", "changes.after_data", "changes.mid_marker", "changes.after_marker",
     # one engine step (worker.guard.GuardedEngine.step)
     "engine.step",
     # the worker's other phases (worker.shard): before the plan is read, before each input

@@ -32,6 +32,7 @@ NO_JINJA = r"^(?![\s\S]*(?:\{\{|\}\}|\{%|%\}|\{#|#\}))[\s\S]*$"
 PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
     "input_uri": {"type": "string", "pattern": URI_PATTERN, "maxLength": 1024},
     "output_uri": {"type": ["null", "string"], "pattern": URI_PATTERN, "maxLength": 1024},
+    "compare_with": {"type": ["null", "string"], "pattern": URI_PATTERN, "maxLength": 1024},
     "model": {"type": ["null", "string"], "minLength": 1, "maxLength": 512, "pattern": MODEL_REF.pattern},
     "labels": {"type": "array", "minItems": 2, "maxItems": MAX_LABELS, "uniqueItems": True,
                "items": {"type": "string", "minLength": 1, "maxLength": MAX_LABEL_CHARS,
@@ -49,7 +50,7 @@ PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
 }
 # The string params: their spec values are re-checked in the worker (numbers are bounded by JobSpec).
 STRING_PARAMS = ("input_uri", "output_uri", "model", "labels", "system_prompt", "template", "id_column",
-                 "model_revision")
+                 "model_revision", "compare_with")
 
 
 def validate_params(params: dict[str, Any], names: list[str] | None = None) -> None:

@@ -5,6 +5,7 @@
 - ``WorkerManifest`` / ``FailureManifest``: the worker's last stdout line (and
   ``/airflow/xcom/return.json``), the shard task's XCom value; ``read_manifest`` tells them apart.
 - ``MergeSummary``: ``_MERGED.json`` and, without per-shard stats, the merge task's XCom.
+- ``ChangesSummary``: ``changes/_changes.json``, what moved since the previous run (``steps/changes.py``).
 - ``ThroughputRecord``: one line of the throughput history (``steps/sizing.py``).
 - ``CacheCommit`` / ``CacheMergeSummary``: the result cache's commit marker and what a merge did
   with the cache (``steps/cache.py``).
@@ -141,6 +142,8 @@ class MergeSummary(RowCounts):
     versions: dict[str, str | None] | None = Field(None, description="package versions of the merge")
     history_record: str | None = Field(
         None, description="URI of the throughput record written after the merge (return value only)")
+    task: str | None = Field(None, description="the job's task (absent in summaries written before it was recorded)")
+    id_column: str | None = Field(None, description="the input column the ids came from (absent in older summaries)")
     cache: CacheMergeSummary | None = Field(
         None, description="what the merge took from and added to the result cache (cache.uri set)")
 
@@ -178,6 +181,54 @@ class ThroughputRecord(Record):
     prompt_tokens_per_row: float = Field(description="prompt tokens per row")
     completion_tokens_per_row: float = Field(description="completion tokens per row")
     est_prompt_tokens_per_row: float | None = Field(None, description="the planner's estimate, for comparison")
+
+
+ChangeKind = Literal["added", "removed", "changed", "unchanged", "error", "recovered"]
+CHANGE_KINDS: tuple[str, ...] = ("added", "removed", "changed", "unchanged", "error", "recovered")
+
+
+class ChangeCounts(Record):
+    """Ids per change kind (``steps/changes.py`` defines the kinds)."""
+
+    added: int = Field(description="an answer now, the id was not in the previous run")
+    removed: int = Field(description="in the previous run (answer or error), not in this one")
+    changed: int = Field(description="an answer in both runs, and they differ")
+    unchanged: int = Field(description="an answer in both runs, and they are equal")
+    error: int = Field(description="an error row in this run (old_status says what it was before, if anything)")
+    recovered: int = Field(description="an error row in the previous run, an answer now")
+
+
+class MatrixCell(Record):
+    """One cell of the old x new label matrix; null on a side: the id is absent from that run."""
+
+    old: str | None = Field(description="label in the previous run (null: added)")
+    new: str | None = Field(description="label in this run (null: removed)")
+    count: int = Field(description="ids")
+
+
+class ChangesSummary(Record):
+    """``changes/_changes.json``: what moved between the previous run and this one (written after the Parquet)."""
+
+    version: int = Field(description="record format version")
+    previous_uri: str = Field(description="changes.previous_uri, the previous run's output prefix")
+    previous_state: Literal["complete", "incomplete", "absent"] = Field(
+        description="complete: its _MERGED.json exists and was compared; incomplete / absent: not compared, "
+        "every id of this run is 'added' (or 'error')")
+    previous_config_hash: str | None = Field(None, description="the previous run's config hash (complete only)")
+    config_hash: str = Field(description="this run's config hash")
+    compared: Literal["label", "parsed_json", "output", "embedding"] = Field(
+        description="the result column compared (embedding: equal or not, no values in the file)")
+    ids: int = Field(description="rows of changes.parquet: ids in this run or the previous one")
+    counts: ChangeCounts = Field(description="ids per change kind")
+    in_both: int = Field(description="ids with an answer in both runs (changed + unchanged)")
+    churn_rate: float | None = Field(description="changed / in_both; null when no id has an answer in both")
+    matrix: list[MatrixCell] | None = Field(
+        None, description="old x new label counts, largest first (label jobs: structured choice, classify); "
+        "ids with an error on either side are not in it")
+    matrix_cells: int | None = Field(None, description="non-empty cells of the full matrix (matrix may hold fewer)")
+    files: dict[str, str] = Field(description="output kind -> path under the output prefix")
+    checksums: dict[str, str] = Field(description="path -> sha256 of changes.parquet")
+    notes: list[str] = Field(default_factory=list, description="what the reader should know (no previous run ...)")
 
 
 class CacheFileEntry(Record):

@@ -417,6 +417,7 @@ PARAM_ALIASES: dict[str, str | None] = {
     "shard_rows": "sharding.target_rows",
     "max_shards": "sharding.max_shards",
     "task": "task",
+    "compare_with": "changes.previous_uri",
     "runner": None,  # read by the Airflow layer, not part of the job
 }
 

@@ -15,6 +15,8 @@ from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.hooks.filesystems import task_filesystems
 from airflow_provider_vllm.operators._common import data_plane_errors, load_spec
 from airflow_provider_vllm.operators.deployment import check_spec_allowed
+from airflow_provider_vllm.steps.changes import CHANGES
+from airflow_provider_vllm.steps.changes import SUMMARY as CHANGES_SUMMARY
 from airflow_provider_vllm.steps.lineage import publish_lineage
 from airflow_provider_vllm.steps.merge import MERGED, read_merged
 
@@ -86,7 +88,9 @@ class VllmPublishOperator(BaseOperator):
             raise AirflowFailException(f"publish: {out.uri(MERGED)} was merged for another spec")
         if report.get("status") == "fail":
             raise AirflowFailException(f"publish: QA failed ({report.get('summary')}); not publishing")
-        files = {**merged.files, **QA_FILES, **(self.extra_files or {})}
+        # changes.previous_uri set: QA wrote changes/ (what moved since that run); a reader syncs from it
+        changes = {"changes": CHANGES, "changes_summary": CHANGES_SUMMARY} if spec.changes.previous_uri else {}
+        files = {**merged.files, **QA_FILES, **changes, **(self.extra_files or {})}
         missing = sorted(p for p in files.values() if not out.exists(p))
         if missing:
             raise AirflowFailException(f"publish: files missing under {spec.io.output_uri}: {missing}")

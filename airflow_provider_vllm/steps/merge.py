@@ -148,6 +148,8 @@ def merge(spec: JobSpec, verify_checksums: bool = True, memory_limit: str = "1GB
         spec_hash=plan.spec_hash,
         merge_s=round(time.monotonic() - t0, 3),
         versions={"airflow-provider-vllm": __version__, "duckdb": duckdb.__version__},
+        task=spec.task,
+        id_column=spec.prompt.id_column,
         **({"cache": cache_summary} if cache_summary is not None else {}),
     )
     faults.hit("merge.after_data")

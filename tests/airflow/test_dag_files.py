@@ -41,17 +41,22 @@ def test_nightly_is_a_cron_data_interval_over_the_logical_date_partition():
     assert plan.spec["io"]["input_uri"].endswith("/tickets/dt={{ ds }}/")
     assert plan.spec["io"]["output_uri"].endswith("/reclassification/dt={{ ds }}/")
     assert "var.value.get('vllm_batch_data_root'" in plan.spec["io"]["input_uri"]
+    # the result cache (shared by every date) and the changes against the day before
+    assert plan.spec["cache"]["uri"].endswith("/reclassification/_cache/")
+    assert plan.spec["changes"]["previous_uri"].endswith("/reclassification/dt={{ macros.ds_add(ds, -1) }}/")
+    assert (plan.spec["qa"]["warn_churn_rate"], plan.spec["qa"]["fail_churn_rate"]) == (0.05, 0.5)
 
 
 def test_rerun_params_form_schema():
     dag = dagbag().dags["vllm_batch_rerun"]
     schema = {k: dag.params.get_param(k).schema for k in dag.params}
     assert set(schema) == {"input_uri", "output_uri", "model", "labels", "system_prompt", "temperature",
-                           "max_tokens", "shard_rows", "runner", "dry_run"}
+                           "max_tokens", "shard_rows", "compare_with", "runner", "dry_run"}
     assert schema["dry_run"]["type"] == "boolean"
     assert schema["runner"]["enum"] == ["local", "kubernetes"]
     assert schema["shard_rows"]["minimum"] == 1 and schema["shard_rows"]["type"] == "integer"
     assert schema["input_uri"]["pattern"].startswith("^") and schema["output_uri"]["pattern"].endswith("$")
+    assert schema["compare_with"]["pattern"] == schema["output_uri"]["pattern"]
     plan = dag.task_dict["rerun.plan"]
     assert plan.runner == "{{ params.runner }}" and "shard_rows" in plan.param_overrides
 

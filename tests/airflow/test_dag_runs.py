@@ -93,6 +93,78 @@ def test_nightly_run_succeeds_with_complete_outputs(nightly):
     log = p.stdout + p.stderr
     assert "worker | " in log and " progress shard-" in log  # worker stderr streamed into the task log
     assert "QA report: " in log
+    # the day before never ran: every ticket is 'added', the churn check skipped
+    changes = json.loads((out / "changes" / "_changes.json").read_text())
+    assert changes["previous_state"] == "absent" and changes["ids"] == 240
+    assert changes["counts"]["added"] + changes["counts"]["error"] == 240 and changes["churn_rate"] is None
+
+
+def test_the_next_night_infers_only_new_and_edited_tickets_and_lists_the_moved_labels(nightly, airflow_sandbox):
+    """Day D+1 of the nightly template: 12 tickets edited, 5 gone, 6 new; the cache answers the rest."""
+    import pyarrow as pa
+
+    box, day2 = airflow_sandbox, "2026-11-28"
+    assert nightly["proc"].returncode == 0
+    day1 = pq.read_table(box.data / "tickets" / f"dt={DAY}").to_pylist()
+    edited = {r["id"] for i, r in enumerate(day1) if i % 20 == 7}
+    gone = {r["id"] for r in day1[:5]}
+    rows = [{**r, "text": r["text"] + " It happened again today." if r["id"] in edited else r["text"]}
+            for r in day1 if r["id"] not in gone]
+    rows += [{"id": f"new-{i}", "text": f"I was charged twice for order {i}, please refund", "channel": "email"}
+             for i in range(6)]
+    (box.data / "tickets" / f"dt={day2}").mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist(rows), box.data / "tickets" / f"dt={day2}" / "tickets.parquet")
+    p = box.dags_test(NIGHTLY, day2, env={"AIRFLOW_VAR_VLLM_BATCH_SHARD_ROWS": "120"})
+    assert p.returncode == 0, tail(p)
+    out1, out2 = nightly["out"], box.data / "reclassification" / f"dt={day2}"
+    ok1 = set(read_ids(out1)[0])
+    plan = json.loads((out2 / "_plan.json").read_text())
+    assert plan["cache"]["hits"] == len(ok1 - gone - edited)  # only edited and new tickets reach the engine
+    assert plan["cache"]["misses"] == len(rows) - plan["cache"]["hits"]
+
+    def labels(out):
+        return dict(zip(*pq.read_table(out / "results" / "results.parquet", columns=["id", "label"])
+                        .to_pydict().values()))
+    old, new = labels(out1), labels(out2)
+    moved = {i for i in set(old) & set(new) if old[i] != new[i]}
+    assert moved <= edited  # an unedited ticket keeps its label (answered by the cache)
+    changes = {r["id"]: r for r in pq.read_table(out2 / "changes" / "changes.parquet").to_pylist()}
+    assert {i for i, r in changes.items() if r["change"] == "changed"} == moved
+    assert {i for i, r in changes.items() if r["change"] == "removed"} == gone
+    assert {i for i, r in changes.items() if r["old_status"] is None} == {f"new-{i}" for i in range(6)}
+    summary = json.loads((out2 / "changes" / "_changes.json").read_text())
+    assert summary["previous_state"] == "complete" and summary["previous_uri"] == f"{out1}/"
+    report = json.loads((out2 / "qa" / "report.json").read_text())
+    assert report["metrics"]["cache"]["hits"] == plan["cache"]["hits"]
+    churn = next(c for c in report["checks"] if c["name"] == "churn_rate")
+    assert churn["value"] == summary["churn_rate"] == len(moved) / summary["in_both"]
+    assert json.loads((out2 / "_SUCCESS.json").read_text())["files"]["changes"] == "changes/changes.parquet"
+
+
+def test_a_rerun_compared_with_the_nightly_writes_what_changed(nightly, airflow_sandbox):
+    """The re-run form's 'Compare with' (changes.previous_uri) against the nightly output of the same tickets."""
+    from airflow_provider_vllm.task_groups.batch_job import TEMPLATE_FILTERS
+
+    box = airflow_sandbox
+    assert nightly["proc"].returncode == 0
+    conf = {"input_uri": str(box.data / "tickets" / f"dt={DAY}"), "compare_with": f"{nightly['out']}/",
+            "shard_rows": 120}
+    p = box.dags_test(RERUN, "2026-11-23", conf=conf)
+    assert p.returncode == 0, tail(p)
+    db = box.inspect(RERUN)
+    run_id = latest_run(db)
+    assert set(local_states(db, run_id).values()) == {"success"}
+    out = box.data / "reruns" / TEMPLATE_FILTERS["path_safe"](run_id)
+    changes = json.loads((out / "changes" / "_changes.json").read_text())
+    assert changes["previous_state"] == "complete" and changes["previous_uri"] == f"{nightly['out']}/"
+    c = changes["counts"]
+    assert changes["ids"] == 240 and c["added"] == 0 and c["removed"] == 0
+    assert changes["in_both"] + c["error"] + c["recovered"] == 240
+    rows = pq.read_table(out / "changes" / "changes.parquet").to_pylist()
+    assert sorted(r["id"] for r in rows) == sorted(nightly["ids"])
+    report = json.loads((out / "qa" / "report.json").read_text())
+    assert report["metrics"]["changes"]["counts"] == c
+    assert any(ch["name"] == "churn_rate" and ch["status"] != "skip" for ch in report["checks"])
 
 
 def test_clearing_and_rerunning_a_finished_run_gives_identical_outputs(nightly, airflow_sandbox):

@@ -259,6 +259,26 @@ def test_merge_qa_publish_write_the_marker_last_and_fill_the_asset_event(tmp_pat
     assert newest.name == "_SUCCESS.json"
     assert pub_ctx["outlet_events"][asset].extra == event
     assert event["output_uri"] == str(out) and event["rows"] == 300
+    assert "changes" not in marker["files"]  # no changes.previous_uri
+
+
+def test_qa_writes_changes_against_a_previous_run_and_publish_lists_them(tmp_path, fake_python):
+    from airflow_provider_vllm.operators import VllmPublishOperator, VllmQAOperator
+
+    dataset(tmp_path, 60)
+    first, *_ = run_job(tmp_path, fake_python, spec_doc(tmp_path))
+    doc = spec_doc(tmp_path)
+    doc["io"]["output_uri"] = str(tmp_path / "out2")
+    doc["changes"] = {"previous_uri": str(tmp_path / "out")}
+    spec, *_ = run_job(tmp_path, fake_python, doc)
+    summary = VllmQAOperator(task_id="qa", spec=spec).execute(context())
+    assert any(c["name"] == "churn_rate" and c["value"] == 0 for c in summary["checks"])  # same input, same answers
+    VllmPublishOperator(task_id="publish", spec=spec).execute(context())
+    marker = json.loads((tmp_path / "out2" / "_SUCCESS.json").read_text())
+    assert marker["files"]["changes"] == "changes/changes.parquet"
+    assert marker["files"]["changes_summary"] == "changes/_changes.json"
+    changes = json.loads((tmp_path / "out2" / "changes" / "_changes.json").read_text())
+    assert changes["counts"]["unchanged"] + changes["counts"]["error"] == 60 and changes["churn_rate"] == 0
 
 
 def test_qa_fail_pushes_the_summary_then_raises_and_publish_refuses(tmp_path, fake_python):

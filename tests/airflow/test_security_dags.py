@@ -92,6 +92,8 @@ def test_rerun_dag_fails_closed_without_an_allow_list(airflow_sandbox):
 HOSTILE_CONF = {  # values the form's schemas accept, refused by the deployment's rules in plan
     "model path outside the allow-list": ({"model": "/etc/ssl"}, "model.name=/etc/ssl is outside the allowed"),
     "another team's bucket": ({"input_uri": "s3://other-team/tickets/"}, "io.input_uri=s3://other-team/tickets"),
+    "compare with another team's run": ({"compare_with": "s3://other-team/runs/dt=1/"},
+                                        "changes.previous_uri=s3://other-team/runs/dt=1 is outside"),
 }
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from airflow_provider_vllm.core.errors import EXIT_TERMINAL, SpecError
+from airflow_provider_vllm.core.param_schemas import validate_params
 from airflow_provider_vllm.core.paths import ALLOWED_PREFIXES_ENV, check_uri
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.spec_guard import MAX_LABELS, check_deployment
@@ -214,13 +215,20 @@ def test_from_params_refuses_the_forms_payloads(allowed):
     """The trigger-form path: flat params over the DAG's base spec."""
     bad = [{"input_uri": "s3://data/in/%2e%2e/x"}, {"model": "m; curl evil | sh"}, {"labels": ["ok", "{{ 7*7 }}"]},
            {"system_prompt": "{% for x in range(10**9) %}{% endfor %}"}, {"template": "{text.__class__}"},
-           {"id_column": "id; DROP"}, {"output_uri": "file://evil/x"}, {"labels": [f"l{i}" for i in range(300)]}]
+           {"id_column": "id; DROP"}, {"output_uri": "file://evil/x"}, {"labels": [f"l{i}" for i in range(300)]},
+           {"compare_with": "http://169.254.169.254/latest/"}, {"compare_with": "s3://data/out/%2e%2e/x"}]
     n = 0
     for params in bad:
         with pytest.raises(SpecError):
             JobSpec.from_params(params, base=base_doc(allowed))
         n += 1
     record_malicious("from_params", len(bad), n)
+    # the form's schema refuses them too, before a run exists; a good one becomes changes.previous_uri
+    for value in ("http://169.254.169.254/latest/", "s3://data/out/%2e%2e/x", "relative/out", "/a/{{ ds }}/"):
+        with pytest.raises(SpecError, match="param compare_with"):
+            validate_params({"compare_with": value})
+    spec = JobSpec.from_params({"compare_with": str(allowed / "out" / "dt=1") + "/"}, base=base_doc(allowed))
+    assert spec.changes.previous_uri == str(allowed / "out" / "dt=1") + "/"
 
 
 # ---- verbatim to the engine, never a shell --------------------------------------------
@@ -566,7 +574,7 @@ HOSTILE_LOCATIONS = [
     "ftp://evil/x", f"{A}-sibling/in",
 ]
 LOCATION_FIELDS = {"sharding.history_uri": "", "qa.previous_report_uri": "/qa/report.json",
-                   "model.name": "", "model.tokenizer": ""}
+                   "model.name": "", "model.tokenizer": "", "changes.previous_uri": "/"}
 RELATIVE_MODEL_PATHS = [".cache/models/x", "./models/x", "~/models/x", "a/b/c", "../models/x"]
 
 
@@ -587,7 +595,8 @@ def test_every_location_field_is_held_to_the_allow_list(allowed, field):
     assert rejected == tried
     # inside the allow-list they pass (a hub id is no location)
     ok = {"sharding.history_uri": str(allowed / "history"), "qa.previous_report_uri": str(allowed / "r.json"),
-          "model.name": str(allowed / "model"), "model.tokenizer": "org/name"}[field]
+          "model.name": str(allowed / "model"), "model.tokenizer": "org/name",
+          "changes.previous_uri": str(allowed / "out" / "dt=2026-11-29") + "/"}[field]
     assert refused(with_value(base_doc(allowed), field, ok), prefixes(allowed)) is None
 
 

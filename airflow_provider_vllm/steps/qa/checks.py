@@ -7,7 +7,7 @@ from typing import Any
 
 from airflow_provider_vllm.core.spec import QASpec
 
-CHECKS = ("error_rate", "empty_rate", "invalid_rate", "truncation_rate", "label_drift")
+CHECKS = ("error_rate", "empty_rate", "invalid_rate", "truncation_rate", "label_drift", "churn_rate")
 STATUS_ORDER = {"skip": -1, "pass": 0, "warn": 1, "fail": 2}
 
 _CHECK_TEXT = {
@@ -16,12 +16,13 @@ _CHECK_TEXT = {
     "invalid_rate": "structured outputs that do not parse / match",
     "truncation_rate": "ok rows whose prompt was truncated",
     "label_drift": "total variation distance of the label distribution vs the previous run",
+    "churn_rate": "ids answered in both runs whose answer changed (changes.previous_uri)",
 }
 
 
 def run_checks(metrics: dict[str, Any], spec: QASpec, *, structured: bool) -> list[dict[str, Any]]:
     """One check dict per name in ``CHECKS`` (value, warn, fail, status, detail, description);
-    a check whose metric is absent (not structured, no previous run) is ``skip``."""
+    a check whose metric is absent (not structured, no previous run, no changes) is ``skip``."""
     out = []
     for name in CHECKS:
         warn, fail = getattr(spec, f"warn_{name}"), getattr(spec, f"fail_{name}")
@@ -29,6 +30,16 @@ def run_checks(metrics: dict[str, Any], spec: QASpec, *, structured: bool) -> li
             d = metrics.get("label_drift")
             value = None if d is None else d["tvd"]
             detail = "no previous run to compare" if d is None else "vs previous run"
+        elif name == "churn_rate":
+            ch = metrics.get("changes")
+            value = None if ch is None else ch.get("churn_rate")
+            if ch is None:
+                detail = "changes.previous_uri not set"
+            elif value is None:
+                detail = "no id answered in both runs" if ch.get("previous_state") == "complete" else \
+                    "no complete previous run"
+            else:
+                detail = f"{ch['counts']['changed']} / {ch['in_both']}"
         else:
             r = metrics["rates"].get(name)
             value = None if r is None else r["value"]

@@ -44,6 +44,8 @@ def evaluate(
     previous: dict | None = None,
     run_info: dict[str, Any] | None = None,
     duplicates: dict[str, Any] | None = None,
+    changes: dict[str, Any] | None = None,
+    cache: dict[str, Any] | None = None,
 ) -> QAReport:
     """Metrics, threshold checks and a deterministic stratified sample (pure computation).
 
@@ -52,6 +54,8 @@ def evaluate(
     report dict (``QAReport.to_dict()``) for label drift. ``run_info`` (optional, small,
     JSON-serialisable) is copied into the report header (run id, job name ...). ``duplicates``
     is merge's count of ids committed more than once, taken before its dedupe (``_MERGED.json``).
+    ``changes``: ``ChangesSummary.dump()`` (``steps/changes.py``) for the churn_rate check and the
+    churn matrix; ``cache``: ``{rows, hits, misses, hit_rate}`` of the result cache (``stage.cache_metrics``).
     """
     results = conform(results, RESULT_NEEDS)
     errors = conform(errors, ERROR_NEEDS)
@@ -63,7 +67,7 @@ def evaluate(
         metrics = compute_metrics(results, errors, labels=labels, structured=structured, notes=notes)
         return _report(metrics, notes, lambda sizes: draw_sample(con, results, errors, spec=spec, label_sizes=sizes),
                        spec=spec, structured=structured, shard_stats=shard_stats, previous=previous,
-                       run_info=run_info, duplicates=duplicates)
+                       run_info=run_info, duplicates=duplicates, changes=changes, cache=cache)
     finally:
         con.close()
 
@@ -79,6 +83,8 @@ def evaluate_stream(
     previous: dict | None = None,
     run_info: dict[str, Any] | None = None,
     duplicates: dict[str, Any] | None = None,
+    changes: dict[str, Any] | None = None,
+    cache: dict[str, Any] | None = None,
     batch_rows: int = 1 << 20,
 ) -> QAReport:
     """``evaluate`` over DuckDB relations ``r`` and ``e`` of ``con`` (views over the merged files)
@@ -111,12 +117,18 @@ def evaluate_stream(
                               counts=lambda _t, c: tally.value_counts(c), rows=rows)
 
     return _report(metrics, notes, draw, spec=spec, structured=structured, shard_stats=shard_stats,
-                   previous=previous, run_info=run_info, duplicates=duplicates)
+                   previous=previous, run_info=run_info, duplicates=duplicates, changes=changes, cache=cache)
 
 
-def _report(metrics, notes, draw, *, spec, structured, shard_stats, previous, run_info, duplicates) -> QAReport:
-    """Throughput, duplicates, drift, the sample (``draw(label_sizes)``), checks: the report."""
+def _report(metrics, notes, draw, *, spec, structured, shard_stats, previous, run_info, duplicates, changes,
+            cache) -> QAReport:
+    """Throughput, duplicates, drift, changes, cache, the sample (``draw(label_sizes)``), checks: the report."""
     metrics["throughput"] = throughput_metrics(shard_stats)
+    if changes is not None:  # steps/changes.py's summary (ChangesSummary.dump()); drives the churn_rate check
+        metrics["changes"] = _jsonable(changes)
+        notes.extend(f"changes: {n}" for n in changes.get("notes") or [])
+    if cache is not None:  # the result cache's share of this run's rows (plan.cache)
+        metrics["cache"] = _jsonable(cache)
     metrics["duplicates"] = duplicate_metrics(duplicates, notes)
     add_label_drift(metrics, previous, notes)
     ld = metrics["label_distribution"] or {}

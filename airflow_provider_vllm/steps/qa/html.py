@@ -21,6 +21,7 @@ BAR_PREV = "#b7c1cc"
 BAR_ERR = "#d1495b"
 BAR_ALT = "#7a5cc2"
 MAX_BARS = 40
+MAX_MATRIX = 20  # labels per side of the churn matrix shown (the largest); the JSON has up to 10,000 cells
 EXCERPT = 200
 
 _CSS = """
@@ -57,6 +58,10 @@ td.num,th.num{text-align:right;font-variant-numeric:tabular-nums;white-space:now
 .sample td.out{white-space:pre-wrap;word-break:break-word;max-width:460px}
 .sample td.id{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;min-width:9em;max-width:240px;overflow-wrap:anywhere}
 .sample td.err{color:#8c1d18}
+table.matrix{width:auto}
+table.matrix td,table.matrix th{border:1px solid #eaeef2;text-align:right;min-width:4.5em}
+table.matrix th.lab{text-align:left;max-width:14em;overflow-wrap:anywhere}
+table.matrix td.same{background:#f0f2f4;color:#57606a}
 svg{max-width:100%;height:auto}
 svg text{font-family:-apple-system,"Segoe UI",Roboto,Helvetica,Arial,sans-serif}
 """
@@ -292,6 +297,14 @@ def _header(d: dict) -> str:
         cards.append(("Rows / shard-s", _num(thr["rows_per_s"]), f"{_int(thr.get('n_shards'))} shards"))
     if thr.get("tokens_per_s") is not None:
         cards.append(("Tokens / shard-s", _num(thr["tokens_per_s"]), ""))
+    cache = m.get("cache") or {}
+    if cache.get("rows") is not None:
+        cards.append(("Cache hits", _pct(cache.get("hit_rate"), 1),
+                      f"{_int(cache.get('hits'))} of {_int(cache.get('rows'))} rows not inferred"))
+    ch = m.get("changes") or {}
+    if ch.get("counts"):
+        cards.append(("Changed", _int(ch["counts"].get("changed", 0)),
+                      f"churn {_pct(ch.get('churn_rate'))}" if ch.get("churn_rate") is not None else "no previous run"))
     prev = m.get("previous") or {}
     if prev:
         cards.append(("Previous run", str(prev.get("status") or "?").upper(), f"{_int(prev.get('total'))} rows"))
@@ -373,6 +386,75 @@ def _labels(d: dict) -> str:
         sub += f" · drift vs previous run (TVD): <b>{drift.get('tvd', 0):.3f}</b>"
     chart = hbar_chart(rows, series=["this run", "previous run"] if pf else None, chart="labels")
     return f'<section><h2>{title}</h2><p class="desc">{sub}</p>{chart}{note}</section>'
+
+
+def _changes(d: dict) -> str:
+    """Counts per change kind and the old x new label matrix (steps/changes.py's summary)."""
+    ch = (d.get("metrics") or {}).get("changes")
+    if not ch:
+        return ""
+    counts = ch.get("counts") or {}
+    kinds = [("unchanged", "same answer"), ("changed", "answer moved"), ("added", "new ids"),
+             ("removed", "ids gone"), ("recovered", "error before, answer now"), ("error", "error now")]
+    cards = "".join(
+        f'<div class="card" data-change="{_e(k)}"><div class="k">{_e(k)}</div><div class="v">{_int(counts.get(k, 0))}'
+        f'</div><div class="s">{_e(t)}</div></div>' for k, t in kinds)
+    prev = ch.get("previous_uri")
+    sub = (f"vs <b>{_e(prev)}</b> ({_e(ch.get('previous_state'))}) · compared: {_e(ch.get('compared'))} · "
+           f"churn {_e(_pct(ch.get('churn_rate')))} of {_int(ch.get('in_both'))} ids answered in both runs · "
+           "rows in changes/changes.parquet")
+    return (f'<section data-section="changes"><h2>What changed since the last run</h2><p class="desc">{sub}</p>'
+            f'<div class="cards">{cards}</div>{_matrix(ch)}</section>')
+
+
+def _matrix(ch: dict) -> str:
+    cells = ch.get("matrix")
+    if not cells:
+        return ""
+    old_tot: dict[Any, int] = {}
+    new_tot: dict[Any, int] = {}
+    grid: dict[tuple[Any, Any], int] = {}
+    for c in cells:
+        o, n, k = c.get("old"), c.get("new"), int(c.get("count") or 0)
+        grid[(o, n)] = grid.get((o, n), 0) + k
+        old_tot[o] = old_tot.get(o, 0) + k
+        new_tot[n] = new_tot.get(n, 0) + k
+    labels = sorted({x for x in (*old_tot, *new_tot) if x is not None},
+                    key=lambda x: (-(old_tot.get(x, 0) + new_tot.get(x, 0)), str(x)))
+    note = ""
+    if len(labels) > MAX_MATRIX:
+        note = f'<p class="muted">Showing the {MAX_MATRIX} largest of {len(labels)} labels.</p>'
+        labels = labels[:MAX_MATRIX]
+    rows_keys = labels + ([None] if None in old_tot else [])
+    cols_keys = labels + ([None] if None in new_tot else [])
+    peak = max((k for (o, n), k in grid.items() if o != n), default=0) or 1
+
+    def name(x: Any, side: str) -> str:
+        return f'<i class="muted">{"(new id)" if side == "old" else "(removed)"}</i>' if x is None else _e(x)
+
+    head = "".join(f'<th class="lab" title="{_e(x)}">{name(x, "new")}</th>' for x in cols_keys)
+    body = []
+    for o in rows_keys:
+        tds = []
+        for n in cols_keys:
+            k = grid.get((o, n), 0)
+            if o == n and o is not None:
+                tds.append(f'<td class="same" data-old="{_e(o)}" data-new="{_e(n)}">{_int(k) if k else ""}</td>')
+            elif k:
+                a = 0.12 + 0.6 * k / peak
+                rgb = "59,111,212" if o is None or n is None else "207,34,46"  # blue: added / removed; red: moved
+                tds.append(f'<td data-old="{_e(o)}" data-new="{_e(n)}" style="background:rgba({rgb},{a:.2f})">'
+                           f"<b>{_int(k)}</b></td>")
+            else:
+                tds.append('<td class="muted"></td>')
+        body.append(f'<tr><th class="lab" title="{_e(o)}">{name(o, "old")}</th>{"".join(tds)}</tr>')
+    if ch.get("matrix_cells") and ch["matrix_cells"] > len(cells):
+        note += f'<p class="muted">{_int(ch["matrix_cells"])} cells in all; the largest {_int(len(cells))} are listed.</p>'
+    return (
+        '<h3>Churn matrix: previous label (rows) x this run\'s label (columns); the grey diagonal did not move, blue cells are new or gone ids</h3>'
+        f'<table class="matrix" data-chart="churn"><thead><tr><th class="lab">previous \\ now</th>{head}</tr></thead>'
+        f'<tbody>{"".join(body)}</tbody></table>{note}'
+    )
 
 
 def _errors(d: dict) -> str:
@@ -524,6 +606,7 @@ def render_report_html(report_dict: dict, sample_rows: list[dict]) -> str:
         f"<title>{_e(title)}</title><style>{_CSS}</style></head><body><main>",
         _header(d),
         _checks(d),
+        _changes(d),
         _labels(d),
         _errors(d),
         _distributions(d),

@@ -8,9 +8,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from airflow_provider_vllm.core import duck
-from airflow_provider_vllm.core.plan import load_plan
+from airflow_provider_vllm.core.plan import Plan, load_plan
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
+from airflow_provider_vllm.steps.changes import compute_changes
 from airflow_provider_vllm.steps.merge import ERRORS, RESULTS, read_merged
 from airflow_provider_vllm.steps.qa.evaluate import evaluate, evaluate_stream
 from airflow_provider_vllm.steps.qa.report import QAReport
@@ -32,6 +33,9 @@ def qa_run(spec: JobSpec, filesystems: FileSystems | None = None) -> tuple[QARep
     previous = None
     if spec.qa.previous_report_uri:
         previous = load_report(spec.qa.previous_report_uri, spec.io.storage_options, filesystems)
+    # what moved since the previous run (changes/ output), before the checks that read it
+    changes = compute_changes(spec, filesystems).dump() if spec.changes.previous_uri else None
+    plan = load_plan(spec, filesystems)
     st = spec.sampling.structured
     args: dict[str, Any] = dict(
         spec=spec.qa,
@@ -40,6 +44,8 @@ def qa_run(spec: JobSpec, filesystems: FileSystems | None = None) -> tuple[QARep
         shard_stats=[s.dump() for s in merged.shard_stats] if merged.shard_stats is not None else None,
         previous=previous,
         duplicates=merged.duplicates.dump(),
+        changes=changes,
+        cache=cache_metrics(plan),
         run_info={"job": spec.name, "model": spec.model.name, "output_uri": spec.io.output_uri,
                   "config_hash": merged.config_hash, "rows": merged.rows},
     )
@@ -61,7 +67,7 @@ def qa_run(spec: JobSpec, filesystems: FileSystems | None = None) -> tuple[QARep
                               **args)
     finally:
         con.close()
-    report.sample = _with_input_excerpt(spec, report.sample, out)
+    report.sample = _with_input_excerpt(spec, report.sample, out, plan)
     paths = write_qa(report, out)
     return report, paths
 
@@ -71,9 +77,19 @@ def _footer_rows(out: Storage, rel: str) -> int:
         return pq.ParquetFile(f).metadata.num_rows
 
 
-def _with_input_excerpt(spec: JobSpec, sample: pa.Table, out: Storage) -> pa.Table:
+def cache_metrics(plan: Plan) -> dict[str, Any] | None:
+    """The result cache's share of the plan (``plan.cache``: rows, hits, misses), when the plan has one."""
+    c = getattr(plan, "cache", None)  # an optional Plan field (steps/cache.py); older plans lack it
+    rows, hits = getattr(c, "rows", None), getattr(c, "hits", None)
+    if c is None or rows is None or hits is None:
+        return None
+    misses = getattr(c, "misses", None)
+    return {"rows": int(rows), "hits": int(hits), "misses": int(misses if misses is not None else rows - hits),
+            "hit_rate": hits / rows if rows else None}
+
+
+def _with_input_excerpt(spec: JobSpec, sample: pa.Table, out: Storage, plan: Plan) -> pa.Table:
     """Add the sampled rows' input text (first text column) for the report; Parquet inputs only."""
-    plan = load_plan(spec, out.filesystems)
     if plan.format != "parquet" or sample.num_rows == 0 or not spec.prompt.texts:
         return sample
     root = out.at(plan.input_root)

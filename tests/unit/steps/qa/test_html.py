@@ -175,3 +175,88 @@ def test_html_escapes_and_is_self_contained():
     assert "<svg" in html and "<rect" in html
     assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:)?//""", html, re.I)
     assert "@import" not in html and "url(" not in html
+
+
+def test_the_changes_section_escapes_labels_and_shows_the_matrix():
+    evil = "<script>alert('x')</script>"
+    recs = [ok_row(i, label="positive") for i in range(5)]
+    results, errors = split(recs)
+    changes = {"previous_uri": "/data/dt=<u>1</u>", "previous_state": "complete", "compared": "label", "in_both": 9,
+               "churn_rate": 2 / 9, "counts": {"added": 1, "removed": 1, "changed": 2, "unchanged": 7, "error": 0,
+                                               "recovered": 0},
+               "matrix": [{"old": "positive", "new": "positive", "count": 7}, {"old": evil, "new": "positive", "count": 2},
+                          {"old": None, "new": "positive", "count": 1}, {"old": "<b>neg</b>", "new": None, "count": 1}],
+               "matrix_cells": 4, "notes": []}
+    rep = evaluate(results, errors, spec=QASpec(sample_size=3), labels=["positive"], structured=True, changes=changes,
+                   cache={"rows": 10, "hits": 9, "misses": 1, "hit_rate": 0.9})
+    html = render_report_html(rep.to_dict(), rep.sample.to_pylist())
+    assert "<script" not in html.lower() and "<b>neg</b>" not in html and "<u>" not in html
+    assert "&lt;script&gt;" in html and "/data/dt=&lt;u&gt;1&lt;/u&gt;" in html
+    assert "What changed since the last run" in html and 'data-chart="churn"' in html
+    assert "90.0%" in html and "Cache hits" in html  # the hit rate card
+    assert "(new id)" in html and "(removed)" in html
+    assert re.search(r'data-old="positive" data-new="positive">7<', html)  # the diagonal: did not move
+
+
+@pytest.fixture(scope="module")
+def changes_page(tmp_path_factory, browser):
+    """A nightly-like second day: 6% of tickets edited, 10 new, 5 gone; the page of its QA report."""
+    from airflow_provider_vllm.core.plan import Plan
+    from tests.support.fakes import FakeEngine
+
+    tmp_path = tmp_path_factory.mktemp("changes")
+    n = 200
+    topics = ["my invoice {} was charged twice", "the app crashes on page {}", "please add dark mode {}",
+              "I cannot log in to account {}", "question {} about your office hours"]
+    day1 = {f"t{i:04d}": topics[i % 5].format(i) for i in range(n)}
+    day2 = {k: v + (" - still broken, please help" if j % 16 == 3 else "") for j, (k, v) in enumerate(day1.items())
+            if j >= 5}
+    day2.update({f"t{n + i:04d}": topics[i % 5].format(n + i) for i in range(10)})
+    # the result cache, once it exists (a hub model name must be pinned to a revision for it)
+    cache = {"uri": str(tmp_path / "_cache")} if "cache" in Plan.model_fields else {}
+    reports = []
+    for day, texts in (("d1", day1), ("d2", day2)):
+        write_parquet(tmp_path / day / "in" / "part-0.parquet", list(texts), list(texts.values()))
+        spec = make_spec(
+            tmp_path / day / "in", tmp_path / day / "out", name="nightly_reclassification",
+            sampling={"structured": {"choice": LABELS}}, sharding={"target_rows": 80, "chunk_rows": 16},
+            qa={"sample_size": 12, "warn_churn_rate": 0.05, "fail_churn_rate": 0.5}, cache=cache,
+            model={"revision": "r1"} if cache else {},
+            changes={"previous_uri": str(tmp_path / "d1" / "out") if day == "d2" else None},
+        )
+        plan = plan_job(spec, **({"engine_identity": "fake-engine"} if cache else {}))  # part of the cache key
+        for shard in plan.shards:
+            run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=FakeEngine)
+        merge_run(spec)
+        reports.append(qa_run(spec))
+    report, paths = reports[-1]
+    page = browser.new_page(viewport={"width": 1200, "height": 900})
+    page.goto((tmp_path / "d2" / "out" / paths["report_html"]).as_uri())
+    page.wait_for_load_state("load")
+    yield report, page
+    page.close()
+
+
+def test_report_page_shows_what_changed_and_the_cache(changes_page):
+    """The screenshot in docs/operations.md ('What changed since the last run'): header cards + the churn matrix."""
+    report, page = changes_page
+    ch = report.metrics["changes"]
+    assert ch["counts"]["added"] == 10 and ch["counts"]["removed"] == 5 and 0 < ch["counts"]["changed"] < 20
+    section = page.locator('section[data-section="changes"]')
+    assert section.is_visible()
+    for kind, n in ch["counts"].items():
+        assert section.locator(f'[data-change="{kind}"] .v').inner_text() == f"{n:,}"
+    moved = [c for c in ch["matrix"] if c["old"] != c["new"] and c["old"] and c["new"]]
+    for c in moved:  # every moved cell is in the table with its count
+        cell = section.locator(f'td[data-old="{c["old"]}"][data-new="{c["new"]}"]')
+        assert cell.inner_text() == str(c["count"]) and cell.bounding_box()["width"] > 20
+    if report.metrics.get("cache"):  # day 2: every unedited ticket of day 1 is a hit
+        assert report.metrics["cache"]["hits"] == 200 - 5 - sum(1 for j in range(5, 200) if j % 16 == 3)
+        assert page.get_by_text("Cache hits").is_visible()
+    box = section.bounding_box()
+    shot = artifacts() / "qa-report-changes.png"
+    page.screenshot(path=str(shot), full_page=True,
+                    clip={"x": 0, "y": 0, "width": 1200, "height": box["y"] + box["height"] + 24})
+    assert shot.stat().st_size > 20_000
+    if os.environ.get("VLLM_BATCH_UI_SCREENSHOTS") == "docs":  # how the committed picture is made
+        shutil.copyfile(shot, ROOT / "docs" / "img" / shot.name)
