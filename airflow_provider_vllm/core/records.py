@@ -158,6 +158,7 @@ class MergeSummary(RowCounts):
                     "and for openai_batch output 'openai_output' and 'openai_errors'")
     checksums: dict[str, str] = Field(
         description="path -> sha256 of the two manifests (which carry the sha256 of every part)")
+    parts: dict[str, int] = Field(default_factory=dict, description="'results' / 'errors' -> Parquet parts in the folder")
     shard_stats: list[ShardStatsEntry] | None = Field(None, description="per-shard statistics (not in the XCom)")
     config_hash: str = Field(description="the plan's output-affecting config hash")
     spec_hash: str = Field(description="the plan's spec hash")

@@ -148,6 +148,7 @@ def merge(spec: JobSpec, verify_checksums: bool = True, memory_limit: str = "1GB
         files={RESULTS: f"{RESULTS}/", ERRORS: f"{ERRORS}/", "results_manifest": manifest_rel(RESULTS),
                "errors_manifest": manifest_rel(ERRORS), **extra},
         checksums={manifest_rel(k): out.sha256(manifest_rel(k)) for k in KINDS},
+        parts={k: len(manifests[k].parts) for k in KINDS},
         shard_stats=[ShardStatsEntry(**m.stats.dump(), shard_id=m.shard_id, attempt_id=m.attempt_id)
                      for m in markers],
         config_hash=plan.config_hash,

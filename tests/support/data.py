@@ -31,10 +31,11 @@ def make_spec(input_uri, output_uri, **over):
     return JobSpec.load(doc)
 
 
-def merge_summary(rows: int, ok_rows: int, error_rows: int, files: dict[str, str] | None = None):
+def merge_summary(rows: int, ok_rows: int, error_rows: int, files: dict[str, str] | None = None,
+                  parts: dict[str, int] | None = None):
     """A ``MergeSummary`` with these counts and files, everything else neutral."""
     from airflow_provider_vllm.core.records import Duplicates, MergeSummary
 
     return MergeSummary(rows=rows, ok_rows=ok_rows, error_rows=error_rows, duplicates_dropped=0,
                         duplicates=Duplicates(ids=0, rows_dropped=0, examples=[]), shards=1, files=files or {},
-                        checksums={}, config_hash="c", spec_hash="s", merge_s=0.0)
+                        checksums={}, config_hash="c", spec_hash="s", merge_s=0.0, parts=parts or {})

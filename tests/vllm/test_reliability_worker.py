@@ -102,7 +102,7 @@ def run(spec: JobSpec, shard_id: str, faults: str = "") -> Worker:
 
 
 def chunks(shard_dir: Path) -> list[Path]:
-    return sorted(shard_dir.glob("attempts/*/chunk-*.parquet"))
+    return sorted(shard_dir.glob("attempts/*/chunk-?????.parquet"))
 
 
 def temps(shard_dir: Path) -> list[Path]:
@@ -238,7 +238,7 @@ def test_real_engine_oom_back_off_and_an_oom_row_at_the_floor(tmp_path, tiny_mod
     merge_run(spec)
     rec = check(tmp_path / "out", ids)
     assert rec.error_codes == {"t0030": "ENGINE_OOM"}
-    res = pq.read_table(tmp_path / "out" / "results" / "results.parquet").to_pylist()
+    res = pq.read_table(tmp_path / "out" / "results").to_pylist()
     assert all(r["valid"] for r in res)  # rows redone after the rebuilds are complete outputs
     record_fault("oom_transient_real_engine", len(ids))
     record_fault("oom_persistent_row_real_engine", len(ids), faults=s["oom_events"] - 1)
