@@ -51,10 +51,10 @@ def embedding_table(spec: dict[str, Any]) -> str:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from airflow_provider_vllm.core.rows import RESULT_SCHEMA
     from airflow_provider_vllm.core.spec import JobSpec
     from airflow_provider_vllm.core.storage import Storage
     from airflow_provider_vllm.hooks.filesystems import task_filesystems
-    from airflow_provider_vllm.core.rows import RESULT_SCHEMA
     from airflow_provider_vllm.steps.merge import result_parts
 
     job = JobSpec.load(spec)

@@ -448,7 +448,7 @@ def _publish_reference(out: Storage, src: SourcePart, rel: str) -> None:
             out.path(rel), out.path(src.rel)) or out.sha256(rel) == src.sha256):
         return
     if not out.is_local:
-        out.fs.copy(out.path(src.rel), out.path(rel))  # one object: visible whole or not at all
+        out.copy(src.rel, rel)  # server-side: one object, visible whole or not at all
         return
     dest = out.path(rel)
     os.makedirs(os.path.dirname(dest), exist_ok=True)

@@ -12,14 +12,13 @@ import shutil
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
 from airflow_provider_vllm.core.commit import MARKER, ChunkMeta, ShardStore, errors_rel
+from airflow_provider_vllm.core.errors import CommitError, VerificationError
 from airflow_provider_vllm.core.rows import ROW_SCHEMA
 from airflow_provider_vllm.core.storage import Storage
-from airflow_provider_vllm.core.errors import CommitError, VerificationError
 from airflow_provider_vllm.steps.merge import MERGED, merge_run, result_parts
 from airflow_provider_vllm.steps.plan import plan_job
 from airflow_provider_vllm.steps.qa.stage import qa_run, qa_summary
