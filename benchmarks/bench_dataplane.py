@@ -354,6 +354,10 @@ def child(stage: str, input_dir: Path, run_dir: Path, chunk_rows: int, profile: 
         else:
             raise SystemExit(f"unknown stage {stage}")
 
+    if stage == "merge":  # every timed merge publishes from nothing (a rerun would find its parts in place)
+        for name in ("results", "errors", "openai"):
+            shutil.rmtree(run_dir / name, ignore_errors=True)
+        (run_dir / "_MERGED.json").unlink(missing_ok=True)
     t0 = time.perf_counter()
     if profile:
         import cProfile
