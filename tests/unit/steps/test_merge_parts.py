@@ -30,7 +30,7 @@ from airflow_provider_vllm.steps.plan import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
 from airflow_provider_vllm.worker.task import ShardTask
 from tests.support.data import make_spec, write_parquet
-from tests.support.reconcile import check, check_no_partial
+from tests.support.reconcile import check, check_no_partial, reconcile
 
 IDS = [f"r{i:03d}" for i in range(60)]
 EMPTY = {7, 23, 24, 41}  # empty texts: EMPTY_INPUT error rows in 3 of the 6 chunks
@@ -172,3 +172,34 @@ def test_a_worker_killed_between_a_chunks_two_files_redoes_that_chunk(tmp_path, 
     assert m["status"] == "committed" and m["stats"]["reused_chunks"] == 2  # chunk 2 is redone, not reused
     merge_run(spec)
     check(tmp_path / "out", IDS, kind="chunk_between_parts")
+
+
+@pytest.mark.reliability
+def test_a_dropped_duplicate_re_encodes_only_the_part_that_held_it(tmp_path, fake_engine_factory):
+    """A forged chunk named first repeats 5 rows of chunk 0: those copies in chunk 0's part are the
+    later ones, so that one part is rewritten without them; every other part stays a link."""
+    from airflow_provider_vllm.core.commit import ChunkMeta, ShardStore
+    from tests.unit.steps.test_merge import chunk_rows, edit_marker
+
+    spec, plan, out = _run(tmp_path, fake_engine_factory, texts=[f"ticket {i}" for i in range(len(IDS))])
+    shard_id = plan.shards[0].shard_id
+    first = json.loads((out / "shards" / shard_id / MARKER).read_text())["files"][0]
+    t = chunk_rows(out, first["path"]).slice(0, 5)
+    meta = ChunkMeta(shard_id=shard_id, chunk=0, first_row=0, rows=5, config_hash="forged")
+    entry = ShardStore(Storage(str(out)), shard_id).write_chunk("a-forged-copy", meta, t)
+    edit_marker(out, shard_id, lambda m: m["files"].insert(0, entry.dump()))
+    s = merge_run(spec)
+    assert s["duplicates"]["ids"] == 5 and s["ok_rows"] == len(IDS)
+    o = Storage(str(out))
+    parts = read_manifest(o, "results").parts
+    assert [p.rows for p in parts] == [5, 5] + [10] * 5
+    rewritten = out / "results" / parts[1].name
+    assert not os.path.samefile(rewritten, out / first["path"]) and o.sha256(f"results/{parts[1].name}") == \
+        parts[1].sha256
+    assert os.path.samefile(out / "results" / parts[0].name, out / entry.path)  # the kept copies: a link
+    assert sorted(pd.read_parquet(out / "results")["id"]) == IDS
+    before = _folder(out)
+    merge_run(spec)
+    assert _folder(out) == before  # the rewrite is deterministic: a rerun converges
+    rec = reconcile(out, IDS)  # committed twice is reported as such; nothing lost, nothing foreign
+    assert rec.duplicates == IDS[:5] and not rec.lost and not rec.unknown and not rec.partial_visible
