@@ -100,9 +100,10 @@ def merge(spec: JobSpec, verify_checksums: bool = True, memory_limit: str = "1GB
     out = Storage(spec.io.output_uri, spec.io.storage_options, filesystems)
     plan = load_plan(spec, filesystems)
     sources, markers = committed_parts(out, plan, verify_checksums)
-    # One more list of result parts (e.g. result-cache hits, each with its expected size, sha256
-    # and rows) goes into sources[RESULTS] here: verification, dedupe and publishing take every
-    # part from this dict.
+    # The one place for more result parts (e.g. result-cache hits): append ``SourcePart``s (a
+    # RESULT_SCHEMA file under the output prefix, its expected bytes, sha256 and rows, and a
+    # published name matching _PART_NAME that sorts where it belongs) to sources[RESULTS] here.
+    # The id verification, duplicate accounting and publishing read every part from this dict.
     for kind in KINDS:
         check_folder(out, kind)
     in_root = out.at(plan.input_root)
@@ -256,12 +257,6 @@ def committed_parts(out: Storage, plan: Plan, verify_checksums: bool
             sources[kind].append(SourcePart(rel=part.path, bytes=part.bytes, sha256=part.sha256, rows=part.rows,
                                             name=f"part-{n:0{width}d}-{shard_id}-{chunk:05d}.parquet"))
     return sources, markers
-
-
-def committed_files(out: Storage, plan: Plan, verify_checksums: bool) -> tuple[list[str], list[CommitMarker]]:
-    """Every committed part path (results parts, then errors parts), in plan order; see ``committed_parts``."""
-    sources, markers = committed_parts(out, plan, verify_checksums)
-    return [p.rel for kind in KINDS for p in sources[kind]], markers
 
 
 def check_marker_path(path: Any, shard_id: str, where: str, kind: str = RESULTS) -> int:
