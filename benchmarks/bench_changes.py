@@ -27,8 +27,8 @@ LABELS = ["billing", "bug", "feature_request", "account", "other"]
 
 
 def write_run(con, out: Path, rows: int, offset: int, moved: float) -> None:
-    from airflow_provider_vllm.core.rows import ERROR_COLUMNS, RESULT_COLUMNS, ROW_SCHEMA
-    from tests.support.data import merge_summary
+    from airflow_provider_vllm.core.rows import ERROR_COLUMNS, ERROR_SCHEMA, RESULT_COLUMNS, RESULT_SCHEMA
+    from tests.support.data import merge_summary, write_manifest
 
     (out / "results").mkdir(parents=True)
     labels = "['" + "','".join(LABELS) + "']"
@@ -39,12 +39,15 @@ def write_run(con, out: Path, rows: int, offset: int, moved: float) -> None:
          "label": f"{labels}[1 + CAST((i + {shift}) % 5 AS INTEGER)] AS label",
          "output": f"{labels}[1 + CAST((i + {shift}) % 5 AS INTEGER)] AS output",
          "valid": "true AS valid", "model": "'m' AS model", "config_hash": "'c' AS config_hash"}.get(
-            c, f"NULL::{_duck_type(ROW_SCHEMA.field(c).type)} AS {c}") for c in RESULT_COLUMNS)
-    con.execute(f"COPY (SELECT {cols} FROM range({offset}, {offset + rows}) t(i)) TO '{out}/results/results.parquet' "
+            c, f"NULL::{_duck_type(RESULT_SCHEMA.field(c).type)} AS {c}") for c in RESULT_COLUMNS)
+    con.execute(f"COPY (SELECT {cols} FROM range({offset}, {offset + rows}) t(i)) TO '{out}/results/part-00000.parquet' "
                 "(FORMAT parquet, COMPRESSION zstd)")
-    ecols = ", ".join(f"NULL::{_duck_type(ROW_SCHEMA.field(c).type)} AS {c}" if c != "id" else "'e' AS id"
+    ecols = ", ".join(f"NULL::{_duck_type(ERROR_SCHEMA.field(c).type)} AS {c}" if c != "id" else "'e' AS id"
                       for c in ERROR_COLUMNS)
-    con.execute(f"COPY (SELECT {ecols} LIMIT 0) TO '{out}/results/errors.parquet' (FORMAT parquet)")
+    (out / "errors").mkdir(parents=True)
+    con.execute(f"COPY (SELECT {ecols} LIMIT 0) TO '{out}/errors/part-00000.parquet' (FORMAT parquet)")
+    write_manifest(out, "results")
+    write_manifest(out, "errors")
     s = merge_summary(rows, rows, 0).model_copy(update={"task": "chat", "id_column": "id"})
     (out / "_MERGED.json").write_text(json.dumps(s.dump()))
 
@@ -85,8 +88,8 @@ def main() -> None:
         write_run(con, d / "prev", a.rows, 0, 0.0)
         write_run(con, d / "now", a.rows, gone, a.changed)  # 1% removed at the start, 1% added at the end
         t0 = time.monotonic()
-        con.execute(f"COPY (SELECT * FROM read_parquet(['{d}/prev/results/results.parquet', "
-                    f"'{d}/now/results/results.parquet'])) TO '{d}/copy.parquet' (FORMAT parquet, COMPRESSION zstd)")
+        con.execute(f"COPY (SELECT * FROM read_parquet(['{d}/prev/results/part-00000.parquet', "
+                    f"'{d}/now/results/part-00000.parquet'])) TO '{d}/copy.parquet' (FORMAT parquet, COMPRESSION zstd)")
         base_s = time.monotonic() - t0
         con.close()
         spec = make_spec(d / "in.parquet", d / "now", changes={"previous_uri": str(d / "prev")})

@@ -7,7 +7,8 @@
                                                    [--profile [missed|all]]
 
 Sizes: 10M (default; goals GOALS) and 100M (``--rows 100000000``; goals GOALS_100M, issue 17:
-about 0.3 GB of input and 1.5 GB of run output on disk, ~2 min to generate and set up).
+about 0.3 GB of input and 1.5 GB of run output on disk, ~2 min to generate and set up; the merged
+folders are hard links to the committed parts, so merge adds no data on a local disk).
 
 1. Generates the input once (vectorised, one row group at a time; reused while rows/files
    match): ``id`` like ``row-000000001`` and short ticket-like ``text`` picked from a few
@@ -16,8 +17,9 @@ about 0.3 GB of input and 1.5 GB of run output on disk, ~2 min to generate and s
 3. Setup (not timed): committed shard outputs synthesised with the real commit protocol
    (``ShardStore.write_chunk`` + ``ShardStore.commit`` with a marker shaped like the one
    ``worker/shard.py::run_shard`` writes); ~99% 'ok' rows, ~1% 'error' rows.
-4. merge: ``merge_run(spec)`` (checksums, dedupe check, verification against the input
-   ids, atomic write).
+4. merge: ``merge_run(spec)`` (checksums, verification against the input ids, the parts
+   published by reference into results/ and errors/, manifests, ``_MERGED.json``); each timed
+   merge starts with those folders removed, as a first merge does.
 5. QA: ``qa_run(spec)``.
 
 ``--stages`` times only the named stages; without ``plan`` the previous run under
@@ -235,7 +237,7 @@ def synthesise_commits(spec) -> dict:
             table = _synth_chunk(ids.slice(first, n), rng, labels_arr, prov)
             meta = ChunkMeta(shard_id=shard.shard_id, chunk=k, first_row=first, rows=n, config_hash=plan.config_hash)
             entries.append(store.write_chunk(attempt, meta, table))
-            n_files += 1
+            n_files += 1  # one chunk: its ok part and its errors part
         ptoks = shard.rows * 100
         infer_s = shard.rows / 14.0
         stats = {"rows": shard.rows, "read_s": 0.4, "reused_chunks": 0, "engine_start_s": 25.0,
@@ -354,6 +356,10 @@ def child(stage: str, input_dir: Path, run_dir: Path, chunk_rows: int, profile: 
         else:
             raise SystemExit(f"unknown stage {stage}")
 
+    if stage == "merge":  # every timed merge publishes from nothing (a rerun would find its parts in place)
+        for name in ("results", "errors", "openai"):
+            shutil.rmtree(run_dir / name, ignore_errors=True)
+        (run_dir / "_MERGED.json").unlink(missing_ok=True)
     t0 = time.perf_counter()
     if profile:
         import cProfile

@@ -44,35 +44,32 @@ TABLE = "embeddings/embeddings.parquet"
 
 @task
 def embedding_table(spec: dict[str, Any]) -> str:
-    """results/results.parquet -> embeddings/embeddings.parquet (id, vector, model), streamed."""
+    """The parts of results/ -> embeddings/embeddings.parquet (id, vector, model), streamed part by part."""
     import os
     import tempfile
 
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from airflow_provider_vllm.core.rows import RESULT_SCHEMA
     from airflow_provider_vllm.core.spec import JobSpec
     from airflow_provider_vllm.core.storage import Storage
     from airflow_provider_vllm.hooks.filesystems import task_filesystems
-    from airflow_provider_vllm.steps.merge import RESULTS
+    from airflow_provider_vllm.steps.merge import result_parts
 
     job = JobSpec.load(spec)
     # object stores through the deployment's Connections ([vllm_batch] aws_conn_id / gcp_conn_id)
     out = Storage(job.io.output_uri, job.io.storage_options, task_filesystems())
-    with out.open(RESULTS) as src, tempfile.TemporaryDirectory() as tmp:
+    sch = RESULT_SCHEMA
+    schema = pa.schema([sch.field("id"), sch.field("embedding").with_name("vector"), sch.field("model")])
+    with tempfile.TemporaryDirectory() as tmp:
         local = os.path.join(tmp, "embeddings.parquet")
-        reader = pq.ParquetFile(src)
-        writer = None
-        for batch in reader.iter_batches(columns=["id", "embedding", "model"], batch_size=8192):
-            batch = batch.rename_columns(["id", "vector", "model"])
-            if writer is None:
-                writer = pq.ParquetWriter(local, batch.schema, compression="zstd")
-            writer.write_batch(batch)
-        if writer is None:  # no result rows: an empty table with the same columns
-            sch = reader.schema_arrow
-            writer = pq.ParquetWriter(local, pa.schema([sch.field("id"), sch.field("embedding").with_name("vector"),
-                                                        sch.field("model")]))
-        writer.close()
+        with pq.ParquetWriter(local, schema, compression="zstd") as writer:
+            for rel in result_parts(out):  # an empty run: one empty part, so an empty table with these columns
+                with out.open(rel) as src:
+                    for batch in pq.ParquetFile(src).iter_batches(columns=["id", "embedding", "model"],
+                                                                  batch_size=8192):
+                        writer.write_batch(batch.rename_columns(["id", "vector", "model"]))
         with open(local, "rb") as fh:
             out.write_atomic(TABLE, fh.read())
     return out.uri(TABLE)

@@ -71,7 +71,7 @@ def summary(out: Path, truth: Path, dag_s: float, total_s: float, reused: bool) 
 
     merged = json.loads((out / "_MERGED.json").read_text())
     report = json.loads((out / "qa" / "report.json").read_text())
-    results = pq.read_table(out / "results" / "results.parquet", columns=["id", "label"]).to_pylist()
+    results = pq.read_table(out / "results", columns=["id", "label"]).to_pylist()
     known = {r["id"]: r["label"] for r in pq.read_table(truth, columns=["id", "label"]).to_pylist()}
     predicted = {r["id"]: r["label"] for r in results}
     correct = sum(predicted.get(i) == lab for i, lab in known.items())
@@ -95,8 +95,8 @@ def summary(out: Path, truth: Path, dag_s: float, total_s: float, reused: bool) 
         said = sum(v == lab for v in predicted.values())
         print(f"    {lab:<16} recall {100 * hit / len(ids):5.1f}% of {len(ids):4d}   predicted {said:4d} times")
     print(f"  QA              {report['summary']}")
-    print(f"  results         {out / 'results' / 'results.parquet'}")
-    print(f"  errors          {out / 'results' / 'errors.parquet'}")
+    print(f"  results         {out / 'results'}")
+    print(f"  errors          {out / 'errors'}")
     print(f"  QA report       {out / 'qa' / 'report.html'}  (and report.json, sample.parquet)")
     print(f"  final marker    {out / '_SUCCESS.json'}")
     if reused:

@@ -2,13 +2,17 @@
 
 Layout under the run's output prefix::
 
-    shards/<shard_id>/attempts/<attempt_id>/chunk-00000.parquet   written atomically, one per chunk
-    shards/<shard_id>/_COMMITTED.json                              create-only; names the files
+    shards/<shard_id>/attempts/<attempt_id>/chunk-00000.errors.parquet  the chunk's error rows (ERROR_SCHEMA)
+    shards/<shard_id>/attempts/<attempt_id>/chunk-00000.parquet         the chunk's ok rows (RESULT_SCHEMA)
+    shards/<shard_id>/_COMMITTED.json                                   create-only; names the files
     shards/<shard_id>/_ENGINE_LIMITS.json                          engine limits an OOM lowered to (a hint)
 
-A chunk file is complete or absent (atomic write). A later attempt reuses any complete chunk
-of an earlier attempt whose footer metadata matches (same shard, chunk, rows, config), so a
-retry after a crash only redoes unfinished chunks. The first attempt to create the marker
+A chunk is two part files, each already in its published schema (merge publishes them without
+decoding): its error rows (always written, possibly empty, first) and its ok rows (written
+last: its presence says the chunk is complete). Each file is complete or absent (atomic
+write). A later attempt reuses a chunk of an earlier attempt when both its files are there and
+both footers match (same shard, chunk, rows, config; which part; their rows add up), so a retry
+after a crash only redoes unfinished chunks. The first attempt to create the marker
 wins; a second commit is a no-op, and nothing downstream reads files the marker does not name.
 """
 
@@ -24,20 +28,22 @@ from collections.abc import Callable
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from pydantic import ConfigDict, Field, ValidationError
 
 from airflow_provider_vllm.core import faults
 from airflow_provider_vllm.core.errors import CommitError
 from airflow_provider_vllm.core.records import Record, RowCounts, ShardStats
+from airflow_provider_vllm.core.rows import split_rows
 from airflow_provider_vllm.core.storage import Storage
 
 MARKER = "_COMMITTED.json"
 LIMITS = "_ENGINE_LIMITS.json"
 FOOTER_KEY = "vllm_batch.chunk"
+PART_KEY = "vllm_batch.part"  # footer: 'results' or 'errors'
 _LIMIT_KEYS = ("max_num_seqs", "max_num_batched_tokens")
 _CHUNK_RE = re.compile(r"^chunk-(\d{5})\.parquet$")
+ERRORS_SUFFIX = ".errors.parquet"
 
 
 def new_attempt_id() -> str:
@@ -61,12 +67,31 @@ class ChunkMeta(Record):
         return {FOOTER_KEY: json.dumps(self.model_dump(), sort_keys=True)}
 
 
-class FileEntry(RowCounts):
-    """One chunk file named by a commit marker, with its rows."""
+class PartFile(Record):
+    """One Parquet part file: where it is, its size, checksum and rows."""
 
-    path: str = Field(description="path under the output prefix: shards/<shard>/attempts/<attempt>/chunk-NNNNN.parquet")
+    path: str = Field(description="path under the output prefix")
     bytes: int = Field(description="file size")
     sha256: str = Field(description="sha256 of the file's bytes")
+    rows: int = Field(description="rows in the file")
+
+
+class FileEntry(RowCounts):
+    """One chunk named by a commit marker: its ok-rows file (``path``) and its error-rows file (``errors``).
+
+    ``rows`` = ``ok_rows`` (in ``path``) + ``error_rows`` (in ``errors``). ``errors`` is None only
+    in markers of workers before 0.2 (one file of mixed rows), which merge refuses.
+    """
+
+    path: str = Field(description="the ok rows: shards/<shard>/attempts/<attempt>/chunk-NNNNN.parquet (RESULT_SCHEMA)")
+    bytes: int = Field(description="size of the ok-rows file")
+    sha256: str = Field(description="sha256 of the ok-rows file's bytes")
+    errors: PartFile | None = Field(
+        None, description="the error rows: .../chunk-NNNNN.errors.parquet (ERROR_SCHEMA), written even when empty")
+
+    def parts(self) -> tuple[PartFile, PartFile | None]:
+        """(ok-rows part, error-rows part)."""
+        return PartFile(path=self.path, bytes=self.bytes, sha256=self.sha256, rows=self.ok_rows), self.errors
 
 
 class CommitMarker(RowCounts):
@@ -137,26 +162,36 @@ class ShardStore:
 
     # ---- chunks ---------------------------------------------------------------------
     def chunk_rel(self, attempt_id: str, chunk: int) -> str:
+        """The chunk's ok-rows file (its presence marks the chunk complete)."""
         return f"{self.dir}/attempts/{attempt_id}/chunk-{chunk:05d}.parquet"
 
     def write_chunk(self, attempt_id: str, meta: ChunkMeta, table: pa.Table) -> FileEntry:
-        """Write one chunk atomically; returns its file entry for the marker."""
+        """Write one chunk (a ``ROW_SCHEMA`` table) as its two part files, atomically each; returns its entry.
+
+        The error rows first, the ok rows last: a crash in between leaves no ok-rows file, so
+        the chunk is not complete and a retry redoes it.
+        """
         if table.num_rows != meta.rows:
             raise CommitError(f"chunk {meta.chunk} of {self.shard_id}: {table.num_rows} rows, expected {meta.rows}")
+        ok, err = split_rows(table)
         rel = self.chunk_rel(attempt_id, meta.chunk)
+        err_rel = errors_rel(rel)
         faults.hit("chunk.before_write")
         with faults.writing("chunk.mid_file"):
-            self.out.write_parquet_atomic(rel, table, metadata=meta.to_kv())
+            self.out.write_parquet_atomic(err_rel, err, metadata={**meta.to_kv(), PART_KEY: "errors"})
+            faults.hit("chunk.between_parts")
+            self.out.write_parquet_atomic(rel, ok, metadata={**meta.to_kv(), PART_KEY: "results"})
         faults.hit("chunk.after_write")
-        return self.file_entry(rel, table)
+        return self.file_entry(rel, ok.num_rows, err.num_rows)
 
-    def file_entry(self, rel: str, table: pa.Table | None = None) -> FileEntry:
-        if table is None:
-            with self.out.open(rel) as f:
-                table = pq.read_table(f, columns=["status"])
-        ok = int(pc.sum(pc.equal(table.column("status"), "ok")).as_py() or 0)
-        return FileEntry(path=rel, rows=table.num_rows, ok_rows=ok, error_rows=table.num_rows - ok,
-                         bytes=self.out.size(rel), sha256=self.out.sha256(rel))
+    def file_entry(self, rel: str, ok_rows: int | None = None, error_rows: int | None = None) -> FileEntry:
+        """The marker entry of the chunk whose ok-rows file is ``rel`` (rows from the footers when not given)."""
+        err_rel = errors_rel(rel)
+        if ok_rows is None or error_rows is None:
+            ok_rows, error_rows = _footer_rows(self.out, rel), _footer_rows(self.out, err_rel)
+        errors = PartFile(path=err_rel, rows=error_rows, bytes=self.out.size(err_rel), sha256=self.out.sha256(err_rel))
+        return FileEntry(path=rel, rows=ok_rows + error_rows, ok_rows=ok_rows, error_rows=error_rows,
+                         bytes=self.out.size(rel), sha256=self.out.sha256(rel), errors=errors)
 
     def reusable_chunks(self, expected: dict[int, ChunkMeta],
                         beat: Callable[[], None] = lambda: None) -> dict[int, str]:
@@ -175,24 +210,38 @@ class ShardStore:
                 if k in found or k not in expected:
                     continue
                 rel = f"{self.dir}/attempts/{attempt}/{name}"
-                if _footer_matches(self.out, rel, expected[k]):
+                ok_rows = _footer_matches(self.out, rel, expected[k], "results")
+                err_rows = _footer_matches(self.out, errors_rel(rel), expected[k], "errors") if ok_rows is not None else None
+                if ok_rows is not None and err_rows is not None and ok_rows + err_rows == expected[k].rows:
                     found[k] = rel
                 beat()
         return found
 
 
-def _footer_matches(out: Storage, rel: str, meta: ChunkMeta) -> bool:
+def errors_rel(rel: str) -> str:
+    """The error-rows file next to the ok-rows file ``rel`` (chunk-NNNNN.parquet -> chunk-NNNNN.errors.parquet)."""
+    return rel[: -len(".parquet")] + ERRORS_SUFFIX
+
+
+def _footer_rows(out: Storage, rel: str) -> int:
+    with out.open(rel) as f:
+        return int(pq.ParquetFile(f).metadata.num_rows)
+
+
+def _footer_matches(out: Storage, rel: str, meta: ChunkMeta, part: str) -> int | None:
+    """The file's rows when its footer is this chunk's ``part`` ('results' | 'errors'); None otherwise."""
     try:
         faults.hit("reuse.footer")  # inside the broad except: a stop request here must still stop
         with out.open(rel) as f:
             md = pq.ParquetFile(f).metadata
-    except Exception:  # unreadable: treat as absent, the chunk is redone (never a BaseException: SIGTERM)
-        return False
-    raw = (md.metadata or {}).get(FOOTER_KEY.encode())
-    if raw is None:
-        return False
+    except Exception:  # unreadable or absent: the chunk is redone (never a BaseException: SIGTERM)
+        return None
+    kv = md.metadata or {}
+    raw = kv.get(FOOTER_KEY.encode())
+    if raw is None or kv.get(PART_KEY.encode()) != part.encode():
+        return None
     try:
         stored = ChunkMeta.model_validate_json(raw)
     except ValidationError:
-        return False
-    return stored == meta and md.num_rows == meta.rows
+        return None
+    return int(md.num_rows) if stored == meta and md.num_rows <= meta.rows else None

@@ -38,8 +38,8 @@ class RowCounts(Record):
     """Rows and how they ended; shared by the file entry, the marker, the manifest and the merge summary."""
 
     rows: int = Field(description="rows (a shard's or a run's: the planned rows)")
-    ok_rows: int = Field(description="rows with status 'ok' (after a merge: in results/results.parquet)")
-    error_rows: int = Field(description="rows with status 'error' (after a merge: in results/errors.parquet)")
+    ok_rows: int = Field(description="rows with status 'ok' (after a merge: in the parts of results/)")
+    error_rows: int = Field(description="rows with status 'error' (after a merge: in the parts of errors/)")
 
 
 class GpuPeak(Record):
@@ -127,14 +127,41 @@ class Duplicates(Record):
     examples: list[str] = Field(description="a few of those ids")
 
 
+class PartEntry(Record):
+    """One published Parquet part of a merged folder."""
+
+    name: str = Field(description="file name inside the folder, e.g. part-00000-<shard>-00000.parquet")
+    bytes: int = Field(description="file size")
+    sha256: str = Field(description="sha256 of the file's bytes")
+    rows: int = Field(description="rows in the part")
+
+
+class PartsManifest(Record):
+    """``results/_manifest.json`` / ``errors/_manifest.json``: every part of the folder, in plan order.
+
+    The folder is exactly these parts (merge removes any other ``part-*.parquet`` and refuses
+    foreign files); it is complete once ``_MERGED.json`` is written after it.
+    """
+
+    version: int = Field(1, description="manifest format version")
+    kind: Literal["results", "errors"] = Field(description="which folder")
+    rows: int = Field(description="rows over all parts")
+    parts: list[PartEntry] = Field(description="the parts, in plan order (their names sort in this order)")
+
+
 class MergeSummary(RowCounts):
     """``_MERGED.json``; the merge task's XCom is ``xcom()`` (no per-shard stats: 10k shards stay small)."""
 
     duplicates_dropped: int = Field(description="committed rows dropped as identical duplicates")
     duplicates: Duplicates = Field(description="duplicate ids, counted before the dedupe")
     shards: int = Field(description="shards of the plan")
-    files: dict[str, str] = Field(description="output kind -> path under the output prefix")
-    checksums: dict[str, str] = Field(description="path -> sha256 of the results and errors files")
+    files: dict[str, str] = Field(
+        description="output kind -> path under the output prefix: 'results' and 'errors' (folders of Parquet "
+                    "parts, ending in '/'), 'results_manifest' and 'errors_manifest' (their _manifest.json), "
+                    "and for openai_batch output 'openai_output' and 'openai_errors'")
+    checksums: dict[str, str] = Field(
+        description="path -> sha256 of the two manifests (which carry the sha256 of every part)")
+    parts: dict[str, int] = Field(default_factory=dict, description="'results' / 'errors' -> Parquet parts in the folder")
     shard_stats: list[ShardStatsEntry] | None = Field(None, description="per-shard statistics (not in the XCom)")
     config_hash: str = Field(description="the plan's output-affecting config hash")
     spec_hash: str = Field(description="the plan's spec hash")

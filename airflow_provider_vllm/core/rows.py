@@ -1,12 +1,15 @@
-"""The per-row output record: one Arrow schema for worker chunks, and the merged files.
+"""The per-row output records: the worker's row schema and the two published part schemas.
 
-A worker chunk holds every row of its range exactly once, with ``status`` 'ok' or 'error'.
-Merge splits them into ``results`` (status ok) and ``errors`` (status error).
+A worker builds every row of a chunk exactly once as a ``ROW_SCHEMA`` row (``status`` 'ok' or
+'error') and writes them as two part files, each already in its published schema: ok rows as
+``RESULT_SCHEMA``, error rows as ``ERROR_SCHEMA`` (``split_rows``). Merge publishes those part
+files as they are (no decoding), so these two schemas are the schemas of ``results/`` and ``errors/``.
 """
 
 from __future__ import annotations
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 # Reason codes of error rows.
 EMPTY_INPUT = "EMPTY_INPUT"  # null / empty / whitespace-only text
@@ -52,6 +55,10 @@ ROW_SCHEMA = pa.schema(
 )
 
 RESULT_COLUMNS = [f.name for f in ROW_SCHEMA if f.name not in ("status", "error_code", "error_message")]
+# ``cached_from``: the output URI of the run that computed a row served from the result cache;
+# always null in rows this run's workers computed.
+RESULT_SCHEMA = pa.schema([ROW_SCHEMA.field(c) for c in RESULT_COLUMNS] + [pa.field("cached_from", pa.string())])
+RESULT_COLUMNS = RESULT_SCHEMA.names
 ERROR_COLUMNS = [
     "id",
     "error_code",
@@ -65,7 +72,19 @@ ERROR_COLUMNS = [
     "attempt_id",
 ]
 
+ERROR_SCHEMA = pa.schema([ROW_SCHEMA.field(c) for c in ERROR_COLUMNS])
+
 
 def rows_table(records: list[dict]) -> pa.Table:
     """A chunk table from row dicts (missing keys are null)."""
     return pa.Table.from_pylist(records, schema=ROW_SCHEMA)
+
+
+def split_rows(table: pa.Table) -> tuple[pa.Table, pa.Table]:
+    """A ``ROW_SCHEMA`` table -> (ok rows as ``RESULT_SCHEMA``, error rows as ``ERROR_SCHEMA``), order kept."""
+    ok_mask = pc.equal(table.column("status"), "ok")
+    ok = table.filter(ok_mask)
+    err = table.filter(pc.invert(ok_mask))
+    res = pa.Table.from_arrays(
+        [ok.column(c) for c in RESULT_COLUMNS[:-1]] + [pa.nulls(ok.num_rows, pa.string())], schema=RESULT_SCHEMA)
+    return res, pa.Table.from_arrays([err.column(c) for c in ERROR_COLUMNS], schema=ERROR_SCHEMA)

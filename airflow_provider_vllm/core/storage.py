@@ -168,6 +168,11 @@ class Storage:
         """Copy a finished local file to rel (remote: one PUT or multipart upload, visible whole or not at all)."""
         retrying(lambda: self.fs.put_file(local, self.path(rel)), f"upload {self.uri(rel)}")
 
+    def copy(self, src: str, rel: str) -> None:
+        """Copy ``src`` to ``rel`` on the same filesystem without reading it here (object stores: a
+        server-side copy, visible whole or not at all); transient errors retried."""
+        self._call(lambda: self.fs.copy(self.path(src), self.path(rel)), f"copy {self.uri(src)} -> {self.uri(rel)}")
+
     def remove(self, rel: str, recursive: bool = False) -> None:
         try:
             self.fs.rm(self.path(rel), recursive=recursive)

@@ -18,7 +18,7 @@ from airflow_provider_vllm.operators.deployment import check_spec_allowed
 from airflow_provider_vllm.steps.changes import CHANGES
 from airflow_provider_vllm.steps.changes import SUMMARY as CHANGES_SUMMARY
 from airflow_provider_vllm.steps.lineage import publish_lineage
-from airflow_provider_vllm.steps.merge import MERGED, read_merged
+from airflow_provider_vllm.steps.merge import ERRORS, MERGED, RESULTS, manifest_rel, read_manifest, read_merged
 
 SUCCESS = "_SUCCESS.json"
 QA_FILES = {"qa_report_json": "qa/report.json", "qa_report_html": "qa/report.html", "qa_sample": "qa/sample.parquet"}
@@ -92,6 +92,10 @@ class VllmPublishOperator(BaseOperator):
         changes = {"changes": CHANGES, "changes_summary": CHANGES_SUMMARY} if spec.changes.previous_uri else {}
         files = {**merged.files, **QA_FILES, **changes, **(self.extra_files or {})}
         missing = sorted(p for p in files.values() if not out.exists(p))
+        for kind in (RESULTS, ERRORS):  # the folders: every part their manifest names (one listing each)
+            if kind in merged.files and out.exists(manifest_rel(kind)):
+                there = set(out.listdir(kind))
+                missing += [f"{kind}/{p.name}" for p in read_manifest(out, kind).parts if p.name not in there]
         if missing:
             raise AirflowFailException(f"publish: files missing under {spec.io.output_uri}: {missing}")
         dag_run = context.get("dag_run")

@@ -43,7 +43,7 @@ from airflow_provider_vllm.core.errors import CommitError, SpecError
 from airflow_provider_vllm.core.formats.files import Input, describe_files
 from airflow_provider_vllm.core.plan import CacheFile, CachePlan, Plan
 from airflow_provider_vllm.core.records import CacheCommit, CacheFileEntry, CacheMergeSummary
-from airflow_provider_vllm.core.rows import RESULT_COLUMNS, ROW_SCHEMA
+from airflow_provider_vllm.core.rows import RESULT_COLUMNS, RESULT_SCHEMA
 from airflow_provider_vllm.core.spec import ENGINE_KWARGS_ALLOWED, JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
 
@@ -53,9 +53,10 @@ CACHE_DIR = "_cache"  # under the run's output prefix
 ENTRIES, COMMITS = "entries", "commits"  # under cache.uri
 KEY_COLUMN = "_vllm_cache_key"  # the key in the misses file (beside the input's own columns)
 CACHED_FROM = "cached_from"
-ANSWER_COLUMNS = [c for c in RESULT_COLUMNS if c != "id"]
+ANSWER_COLUMNS = [c for c in RESULT_COLUMNS if c not in ("id", CACHED_FROM)]
 ENTRY_SCHEMA = pa.schema([pa.field("key", pa.string(), nullable=False), pa.field("source_id", pa.string())]
-                         + [ROW_SCHEMA.field(c) for c in ANSWER_COLUMNS] + [pa.field(CACHED_FROM, pa.string())])
+                         + [RESULT_SCHEMA.field(c) for c in ANSWER_COLUMNS] + [pa.field(CACHED_FROM, pa.string())])
+HITS_BATCH_ROWS = 1 << 17
 MISSES_ROW_GROUP = 4096  # the worker reads the row groups that hold its segment
 
 # engine_kwargs that change what a row's answer is, by design: in the key. The rest change speed,
@@ -350,10 +351,15 @@ def plan_cache(spec: JobSpec, found: Input, out: Storage, engine_identity: str |
         with tempfile.TemporaryDirectory() as tmp:
             hits_local, misses_local = os.path.join(tmp, "hits.parquet"), os.path.join(tmp, "misses.parquet")
             answer = ", ".join(f"b.{_q(c)}" for c in ANSWER_COLUMNS)
-            con.execute(
-                f"COPY (SELECT CAST(k.{_q(idc)} AS VARCHAR) AS id, {answer}, b.{CACHED_FROM} FROM keyed k "
-                f"JOIN best b ON k.{KEY_COLUMN} = b.key ORDER BY k._f, k._r) TO '{_sql_str(hits_local)}' "
-                "(FORMAT parquet, COMPRESSION zstd)").fetchall()
+            # The hits file is published by merge as one more part of results/, by reference: it
+            # is written here in exactly the parts' schema (core.rows.RESULT_SCHEMA).
+            batches = con.sql(
+                f"SELECT CAST(k.{_q(idc)} AS VARCHAR) AS id, {answer}, b.{CACHED_FROM} FROM keyed k "
+                f"JOIN best b ON k.{KEY_COLUMN} = b.key ORDER BY k._f, k._r").to_arrow_reader(HITS_BATCH_ROWS)
+            with pq.ParquetWriter(hits_local, RESULT_SCHEMA, compression="zstd") as w:
+                for b in batches:
+                    w.write_batch(pa.RecordBatch.from_arrays(
+                        [b.column(i).cast(f.type) for i, f in enumerate(RESULT_SCHEMA)], schema=RESULT_SCHEMA))
             con.execute(
                 f"COPY (SELECT {', '.join('k.' + _q(c) for c in needed)}, k.{KEY_COLUMN} FROM keyed k "
                 f"ANTI JOIN best b ON k.{KEY_COLUMN} = b.key ORDER BY k._f, k._r) TO '{_sql_str(misses_local)}' "
@@ -422,41 +428,37 @@ def _checked(out: Storage, f: CacheFile) -> None:
                           "the plan's cache files must not change: delete the output prefix and rerun the job")
 
 
-def register_hits(con: duckdb.DuckDBPyConnection, out: Storage, plan: Plan) -> int:
-    """View ``cache_hits`` (the plan's hits file, checked against its sha256) and ``cache_misses``; hit rows."""
-    assert plan.cache is not None
-    for f in (plan.cache.hits_file, plan.cache.misses_file):
+def hits_part(out: Storage, plan: Plan, index: int) -> dict[str, Any]:
+    """The plan's hits file as one more part of ``results/`` (``merge.SourcePart`` fields), checked first.
+
+    It must still be what the plan wrote (size and sha256; the misses file too, which the shards
+    read) and hold the rows the plan counted; it is published as ``part-<index>-cache-hits.parquet``
+    (``index`` = the computed parts before it, so it sorts after them).
+    """
+    cp = plan.cache
+    assert cp is not None
+    for f in (cp.hits_file, cp.misses_file):
         _checked(out, f)
-    con.execute(f"CREATE TEMP VIEW cache_hits AS SELECT * FROM read_parquet("
-                f"{duck.file_list(out, [plan.cache.hits_file.path])})").fetchall()
-    con.execute(f"CREATE TEMP VIEW cache_misses AS SELECT * FROM read_parquet("
-                f"{duck.file_list(out, [plan.cache.misses_file.path])})").fetchall()
-    n = con.execute("SELECT count(*) FROM cache_hits").fetchall()[0][0]
-    if n != plan.cache.hits:
-        raise CommitError(f"{out.uri(plan.cache.hits_file.path)} holds {n} rows, the plan says {plan.cache.hits}")
-    return int(n)
+    if cp.hits_file.rows != cp.hits:
+        raise CommitError(f"{out.uri(cp.hits_file.path)}: the plan names {cp.hits_file.rows} rows and {cp.hits} hits")
+    with out.open(cp.hits_file.path) as fh:
+        schema = pq.ParquetFile(fh).schema_arrow
+    if not schema.equals(RESULT_SCHEMA):
+        raise CommitError(f"{out.uri(cp.hits_file.path)} is not in the results schema (a plan of an older version): "
+                          "delete the output prefix and rerun the job")
+    width = max(5, len(str(index)))
+    return {"rel": cp.hits_file.path, "bytes": cp.hits_file.bytes, "sha256": cp.hits_file.sha256,
+            "rows": cp.hits_file.rows, "name": f"part-{index:0{width}d}-cache-hits.parquet"}
 
 
-def accounted_ids(con: duckdb.DuckDBPyConnection, source: str) -> str:
-    """View ``accounted`` (computed ids + hit ids); VerificationError when an id is in both."""
-    from airflow_provider_vllm.core.errors import VerificationError
-
-    con.execute(f"CREATE TEMP VIEW accounted AS SELECT id FROM {source} UNION ALL SELECT id FROM cache_hits"
-                ).fetchall()
-    both = con.execute(f"SELECT id FROM cache_hits WHERE id IN (SELECT id FROM {source}) ORDER BY id LIMIT 5"
-                       ).fetchall()
-    if both:
-        raise VerificationError(f"ids both answered from the cache and computed by a shard, e.g. "
-                                f"{[r[0] for r in both]}")
-    return "accounted"
-
-
-def append_results(con: duckdb.DuckDBPyConnection, spec: JobSpec, plan: Plan, source: str,
+def append_results(out: Storage, spec: JobSpec, plan: Plan, computed: list[str],
                    filesystems: FileSystems | None = None) -> CacheMergeSummary:
-    """This run's ok rows (the ones computed, not the hits) -> this run's entry; marker create-only, last.
+    """This run's ok rows (``computed``: the published result parts this run's shards made, not the hits)
+    -> this run's entry; marker create-only, last.
 
     Idempotent: a merge rerun finds the marker and appends nothing; one killed before it rewrites
-    the part (the same path) and commits. Entry rows: key, source_id, the answer columns, cached_from.
+    the part (the same path) and commits. Entry rows: key (from the plan's misses file), source_id,
+    the answer columns, cached_from.
     """
     cp = plan.cache
     assert cp is not None
@@ -470,13 +472,20 @@ def append_results(con: duckdb.DuckDBPyConnection, spec: JobSpec, plan: Plan, so
     answer = ", ".join(f"s.{_q(c)}" for c in ANSWER_COLUMNS)
     rel = f"{ENTRIES}/{eid}/part-00000.parquet"
     origin = spec.io.output_uri.rstrip("/")
+    if not computed:
+        return CacheMergeSummary(uri=cp.uri, hits=cp.hits, appended=0)
+    con = duck.connect(out)
     with tempfile.TemporaryDirectory() as tmp:
         local = os.path.join(tmp, "part.parquet")
-        con.execute(
-            f"COPY (SELECT m.{KEY_COLUMN} AS key, s.id AS source_id, {answer}, '{_sql_str(origin)}' AS "
-            f"{CACHED_FROM} FROM {source} s JOIN cache_misses m ON s.id = CAST(m.{idc} AS VARCHAR) "
-            f"WHERE s.status = 'ok' ORDER BY s.id) TO '{_sql_str(local)}' (FORMAT parquet, COMPRESSION zstd)"
-        ).fetchall()
+        try:
+            con.execute(
+                f"COPY (SELECT m.{KEY_COLUMN} AS key, s.id AS source_id, {answer}, '{_sql_str(origin)}' AS "
+                f"{CACHED_FROM} FROM read_parquet({duck.file_list(out, computed)}) s "
+                f"JOIN read_parquet({duck.file_list(out, [cp.misses_file.path])}) m "
+                f"ON s.id = CAST(m.{idc} AS VARCHAR) ORDER BY s.id) TO '{_sql_str(local)}' "
+                "(FORMAT parquet, COMPRESSION zstd)").fetchall()
+        finally:
+            con.close()
         rows = pq.ParquetFile(local).metadata.num_rows
         if rows == 0:
             return CacheMergeSummary(uri=cp.uri, hits=cp.hits, appended=0)

@@ -44,7 +44,10 @@ from airflow_provider_vllm.core.records import (
 )
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
-from airflow_provider_vllm.steps.merge import ERRORS, MERGED, RESULTS, read_merged
+from airflow_provider_vllm.steps.merge import ERRORS, MERGED, RESULTS, manifest_rel, read_merged, result_parts
+
+# A run merged before results/ became a folder of parts (provider < 0.2): its two files.
+_SINGLE_FILE_LAYOUT = {RESULTS: "results/results.parquet", ERRORS: "results/errors.parquet"}
 
 CHANGES = "changes/changes.parquet"
 SUMMARY = "changes/_changes.json"
@@ -71,7 +74,11 @@ def compared_column(spec: JobSpec) -> str:
 
 def _results_relation(out: Storage, kind: str) -> str:
     """SQL for a merged run's ``results`` or ``errors`` rows: the one place that knows the file layout."""
-    return f"read_parquet({duck.file_list(out, [RESULTS if kind == 'results' else ERRORS])})"
+    kind = RESULTS if kind == "results" else ERRORS
+    if not out.exists(manifest_rel(kind)) and out.exists(_SINGLE_FILE_LAYOUT[kind]):
+        # the previous run of a nightly that merged before the upgrade: compared as it is
+        return f"read_parquet({duck.file_list(out, [_SINGLE_FILE_LAYOUT[kind]])})"
+    return f"read_parquet({duck.file_list(out, result_parts(out, kind))})"
 
 
 def _side(out: Storage, col: str) -> str:

@@ -89,16 +89,17 @@ def plan_lineage(spec: JobSpec, *, rows: int, files: int | None = None) -> Linea
 
 
 def merge_lineage(spec: JobSpec, summary: MergeSummary) -> Lineage:
-    """Merge checked the input's ids and wrote the results and errors files (row counts, columns)."""
+    """Merge checked the input's ids and published the results/ and errors/ folders (row counts, part counts, columns)."""
     files = summary.files
+    parts = summary.parts
     out = spec.io.output_uri
     return Lineage(
         inputs=(_dataset(spec.io.input_uri, rows=summary.rows),),
         outputs=(
-            _dataset(under(out, files.get("results", RESULTS)), rows=summary.ok_rows, files=1,
-                     fields=_fields(RESULT_COLUMNS)),
-            _dataset(under(out, files.get("errors", ERRORS)), rows=summary.error_rows, files=1,
-                     fields=_fields(ERROR_COLUMNS)),
+            _dataset(under(out, files.get("results", RESULTS).rstrip("/")), rows=summary.ok_rows,
+                     files=parts.get(RESULTS), fields=_fields(RESULT_COLUMNS)),
+            _dataset(under(out, files.get("errors", ERRORS).rstrip("/")), rows=summary.error_rows,
+                     files=parts.get(ERRORS), fields=_fields(ERROR_COLUMNS)),
         ),
     )
 

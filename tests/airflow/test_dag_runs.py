@@ -30,8 +30,8 @@ def write_day(data: Path, day: str, n: int) -> list[str]:
 
 
 def read_ids(out: Path) -> tuple[list[str], list[str]]:
-    res = pq.read_table(out / "results" / "results.parquet", columns=["id"]).column("id").to_pylist()
-    err = pq.read_table(out / "results" / "errors.parquet", columns=["id"]).column("id").to_pylist()
+    res = pq.read_table(out / "results", columns=["id"]).column("id").to_pylist()
+    err = pq.read_table(out / "errors", columns=["id"]).column("id").to_pylist()
     return res, err
 
 
@@ -123,7 +123,7 @@ def test_the_next_night_infers_only_new_and_edited_tickets_and_lists_the_moved_l
     assert plan["cache"]["misses"] == len(rows) - plan["cache"]["hits"]
 
     def labels(out):
-        return dict(zip(*pq.read_table(out / "results" / "results.parquet", columns=["id", "label"])
+        return dict(zip(*pq.read_table(out / "results", columns=["id", "label"])
                         .to_pydict().values()))
     old, new = labels(out1), labels(out2)
     moved = {i for i in set(old) & set(new) if old[i] != new[i]}
@@ -185,7 +185,7 @@ def test_clearing_and_rerunning_a_finished_run_gives_identical_outputs(nightly, 
     after = files_under(out)
     merged_after = json.loads(after["_MERGED.json"])
     assert merged_after["checksums"] == merged_before["checksums"]
-    for rel in ("results/results.parquet", "results/errors.parquet", "_plan.json"):
+    for rel in ("results/_manifest.json", "errors/_manifest.json", "_plan.json"):
         assert after[rel] == before[rel], rel
     assert {k: v for k, v in after.items() if "_COMMITTED" in k} == {k: v for k, v in before.items()
                                                                       if "_COMMITTED" in k}
@@ -215,7 +215,7 @@ def test_rerun_dag_from_params_retries_an_injected_shard_failure(airflow_sandbox
     assert out.parent == box.data / "reruns" and event["rows"] == 90
     res, err = read_ids(out)
     assert sorted(res + err) == sorted(ids) and len(set(res)) == len(res)
-    labels = set(pq.read_table(out / "results" / "results.parquet", columns=["label"]).column("label").to_pylist())
+    labels = set(pq.read_table(out / "results", columns=["label"]).column("label").to_pylist())
     assert labels <= {"billing", "bug", "other"}  # the labels param reached the worker
 
 

@@ -40,7 +40,7 @@ def test_operator_lineage_builds_openlineage_datasets_with_facets():
     merged = operator_lineage(merge_lineage(spec, merge_summary(3, 2, 1)))
     assert [(d.namespace, d.name) for d in merged.inputs] == [("s3://in-bucket", "tickets")]
     results = json.loads(Serde.to_json(merged.outputs[0]))
-    assert results["name"] == "labels/results/results.parquet"
+    assert results["name"] == "labels/results"
     assert results["outputFacets"]["outputStatistics"]["rowCount"] == 2
     assert ("id", "string") in [(f["name"], f["type"]) for f in results["facets"]["schema"]["fields"]]
     qa = operator_lineage(qa_lineage(spec, {"status": "warn", "checks": [
@@ -100,8 +100,7 @@ def test_a_dag_run_emits_input_output_datasets_and_the_qa_facet(airflow_sandbox,
 
     merge = by_task["merge"][-1]
     assert names(merge["inputs"]) == [("file", str(src))]
-    assert names(merge["outputs"]) == [("file", f"{out}/results/results.parquet"),
-                                       ("file", f"{out}/results/errors.parquet")]
+    assert names(merge["outputs"]) == [("file", f"{out}/results"), ("file", f"{out}/errors")]
     counts = [d["outputFacets"]["outputStatistics"]["rowCount"] for d in merge["outputs"]]
     assert sum(counts) == 30 and merge["outputs"][0]["facets"]["schema"]["fields"]
 

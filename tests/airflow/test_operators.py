@@ -243,8 +243,8 @@ def test_merge_qa_publish_write_the_marker_last_and_fill_the_asset_event(tmp_pat
     spec, shards, manifests, merged = run_job(tmp_path, fake_python, spec_doc(tmp_path))
     assert len(shards) == 3 and all(m["status"] == "committed" for m in manifests)
     assert merged["rows"] == 300 and merged["ok_rows"] == 299 and merged["error_rows"] == 1
-    assert "shard_stats" not in merged and set(merged["checksums"]) == {"results/results.parquet",
-                                                                        "results/errors.parquet"}
+    assert "shard_stats" not in merged and set(merged["checksums"]) == {"results/_manifest.json",
+                                                                        "errors/_manifest.json"}
     qa_ctx = context()
     summary = VllmQAOperator(task_id="qa", spec=spec).execute(qa_ctx)
     assert summary["status"] in ("pass", "warn") and summary["report_html"].endswith("qa/report.html")

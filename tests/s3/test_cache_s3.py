@@ -99,7 +99,11 @@ def test_cache_commit_rules_on_s3(s3, fake_engine_factory, set_faults, monkeypat
         assert pq.read_table(f).column("id").to_pylist() == ["new", ids[-1]]
     summary = merge(sc)
     assert summary.ok_rows == N + 1 and summary.cache is not None and summary.cache.appended == 2
-    with Storage("s3://data/runs/c", s3.storage_options).open("results/results.parquet") as f:
-        res = pq.read_table(f).to_pylist()
+    from airflow_provider_vllm.steps.merge import result_parts
+
+    res = []
+    for rel in result_parts(out_c):
+        with out_c.open(rel) as f:
+            res += pq.read_table(f).to_pylist()
     assert sorted(r["id"] for r in res) == sorted(ids + ["new"])
     assert sum(r["cached_from"] == "s3://data/runs/a" for r in res) == N - 1

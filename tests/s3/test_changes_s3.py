@@ -10,7 +10,7 @@ import pytest
 
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.steps.changes import CHANGES, SUMMARY, read_changes
-from airflow_provider_vllm.steps.merge import RESULTS, merge_run
+from airflow_provider_vllm.steps.merge import RESULTS, merge_run, result_parts
 from airflow_provider_vllm.steps.plan import plan_job
 from airflow_provider_vllm.steps.qa.stage import qa_run
 from airflow_provider_vllm.worker.shard import run_shard
@@ -56,8 +56,12 @@ def test_changes_between_two_runs_on_s3(s3, fake_engine_factory, monkeypatch):
         rows = {r["id"]: r for r in pq.read_table(f).to_pylist()}
 
     def labels(day):
-        with Storage(f"s3://data/runs/{day}", s3.storage_options).open(RESULTS) as f:
-            return dict(zip(*pq.read_table(f, columns=["id", "label"]).to_pydict().values()))
+        st = Storage(f"s3://data/runs/{day}", s3.storage_options)
+        got: dict = {}
+        for rel in result_parts(st, RESULTS):
+            with st.open(rel) as f:
+                got.update(zip(*pq.read_table(f, columns=["id", "label"]).to_pydict().values()))
+        return got
     old, new = labels("d1"), labels("d2")
     assert {i for i, r in rows.items() if r["change"] == "changed"} == {i for i in new if i in old and old[i] != new[i]}
     assert {i for i, r in rows.items() if r["change"] == "removed"} == {"s0", "s1", "s2"}

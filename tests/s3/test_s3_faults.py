@@ -21,7 +21,7 @@ from airflow_provider_vllm.core.commit import MARKER
 from airflow_provider_vllm.core.errors import TransientError
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.core.storage_retry import ATTEMPTS_ENV, is_transient
-from airflow_provider_vllm.steps.merge import ERRORS, RESULTS, merge_run
+from airflow_provider_vllm.steps.merge import ERRORS, RESULTS, merge_run, result_parts
 from airflow_provider_vllm.steps.plan import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
 from airflow_provider_vllm.worker.task import ShardTask
@@ -143,7 +143,7 @@ FAULT_PLAN = [  # (method, path regex, nth, count): every step of the commit pro
     ("PUT", r"/attempts/.*chunk-", 1, 2),  # chunk uploads
     ("PUT", r"/" + MARKER, 0, 1),  # the create-only commit marker
     ("PUT", r"/_plan\.json", 0, 1),  # the create-only plan
-    ("PUT", r"/results/", 0, 1),  # merged files
+    ("PUT", r"/results/", 0, 1),  # merged parts (server-side copies) and the manifest
     ("GET", r"/attempts/.*chunk-", 0, 1),  # merge reading chunks
 ]
 
@@ -189,7 +189,7 @@ def reconcile(s3, spec, plan, n_rows: int) -> tuple[int, int, int]:
     out = Storage(spec.io.output_uri, {"endpoint_url": s3.endpoint, "key": "testing", "secret": "testing",
                                        "client_kwargs": {"region_name": "us-east-1"}})
     ids = []
-    for rel in (RESULTS, ERRORS):
+    for rel in result_parts(out, RESULTS) + result_parts(out, ERRORS):
         with out.open(rel) as f:
             ids += pq.read_table(f, columns=["id"]).column("id").to_pylist()
     want = {f"r{i}" for i in range(n_rows)}
@@ -210,9 +210,10 @@ def reconcile(s3, spec, plan, n_rows: int) -> tuple[int, int, int]:
         import json
 
         for f in json.loads(marker)["files"]:
-            if out.sha256(f["path"]) != f["sha256"]:
-                partial += 1
-            with out.open(f["path"]) as fh:
-                committed += pq.read_table(fh, columns=["id"]).column("id").to_pylist()
+            for part in (f, f["errors"]):
+                if out.sha256(part["path"]) != part["sha256"]:
+                    partial += 1
+                with out.open(part["path"]) as fh:
+                    committed += pq.read_table(fh, columns=["id"]).column("id").to_pylist()
     dup_ids |= {i for i, n in collections.Counter(committed).items() if n > 1}
     return lost, len(dup_ids), partial

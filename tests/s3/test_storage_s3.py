@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from airflow_provider_vllm.core.storage import Storage
-from airflow_provider_vllm.steps.merge import merge_run
+from airflow_provider_vllm.steps.merge import merge_run, result_parts
 from airflow_provider_vllm.steps.plan import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
 from airflow_provider_vllm.worker.task import ShardTask
@@ -64,8 +64,7 @@ def test_pipeline_on_s3(s3, fake_engine_factory, monkeypatch):
     summary = merge_run(spec)
     assert summary["ok_rows"] == n - 1 and summary["error_rows"] == 1
     out = Storage("s3://data/runs/r1", s3.storage_options)
-    with out.open("results/results.parquet") as f:
-        res = pq.read_table(f)
+    res = pa.concat_tables([pq.read_table(out.open(rel)) for rel in result_parts(out)])
     assert res.num_rows == n - 1 and set(res.column("label").to_pylist()) <= set(LABELS)
     # a re-run of a shard is a no-op on S3 too
     again = run_shard(ShardTask(spec=spec, shard_id=plan.shards[0].shard_id), engine_factory=fake_engine_factory)

@@ -3,7 +3,9 @@
 ``reconcile(out, input_ids)`` checks a run's output prefix:
 
 * every input id is in results + errors exactly once, and no other id is there (merged
-  outputs when ``results/`` exists, else the chunks named by the shards' commit markers);
+  outputs when ``results/_manifest.json`` exists: every ``*.parquet`` in ``results/`` and
+  ``errors/``, as a glob reader sees them, which must be exactly the parts the manifests name
+  with their sizes and sha256; else the ok and error parts named by the shards' commit markers);
 * duplicates are counted *before* merge's dedupe: an id named twice across the committed
   chunks counts even when merge dropped the copy (and so does ``duplicates.ids`` of
   ``_MERGED.json``), as well as an id twice in the merged outputs;
@@ -60,9 +62,13 @@ def reconcile(out: str | Path, input_ids: Iterable[str], committed_only: bool = 
     rec = Reconciliation(rows=len(inputs))
     rec.partial_visible = _unreadable_visible_files(out)
     ids: list[str] = []
-    if (out / "results" / "results.parquet").exists() and not committed_only:
-        res = pq.read_table(out / "results" / "results.parquet", columns=["id"]).column("id").to_pylist()
-        err = pq.read_table(out / "results" / "errors.parquet", columns=["id", "error_code"]).to_pylist()
+    merged = (out / "results" / "_manifest.json").exists() and not committed_only
+    if merged:
+        rec.partial_visible += _manifest_mismatches(out)
+        res = [i for p in sorted((out / "results").glob("*.parquet"))
+               for i in pq.read_table(p, columns=["id"]).column("id").to_pylist()]
+        err = [e for p in sorted((out / "errors").glob("*.parquet"))
+               for e in pq.read_table(p, columns=["id", "error_code"]).to_pylist()]
         ids = res + [e["id"] for e in err]
         rec.ok_ids = set(res)
         rec.error_codes = {e["id"]: e["error_code"] for e in err}
@@ -70,14 +76,15 @@ def reconcile(out: str | Path, input_ids: Iterable[str], committed_only: bool = 
         for marker_path in sorted(out.glob(f"shards/*/{MARKER}")):
             marker = json.loads(marker_path.read_text())
             for f in marker["files"]:
-                t = pq.read_table(out / f["path"], columns=["id", "status", "error_code"]).to_pylist()
-                ids += [r["id"] for r in t]
-                rec.ok_ids |= {r["id"] for r in t if r["status"] == "ok"}
-                rec.error_codes.update({r["id"]: r["error_code"] for r in t if r["status"] == "error"})
+                res = pq.read_table(out / f["path"], columns=["id"]).column("id").to_pylist()
+                err = pq.read_table(out / f["errors"]["path"], columns=["id", "error_code"]).to_pylist()
+                ids += res + [e["id"] for e in err]
+                rec.ok_ids |= set(res)
+                rec.error_codes.update({e["id"]: e["error_code"] for e in err})
     counts = collections.Counter(ids)
     want = set(inputs)
     dup = {i for i, n in counts.items() if n > 1}
-    if (out / "results" / "results.parquet").exists() and not committed_only:
+    if merged:
         # merge drops identical copies: count them where they were committed, before that dedupe
         committed = collections.Counter(_committed_ids(out))
         dup |= {i for i, n in committed.items() if n > 1}
@@ -100,10 +107,29 @@ def _committed_ids(out: Path) -> list[str]:
         except (ValueError, KeyError):
             continue  # counted as a partial/unreadable file
         for f in files:
-            p = out / f["path"]
-            if p.exists():
-                ids += pq.read_table(p, columns=["id"]).column("id").to_pylist()
+            for rel in (f["path"], (f.get("errors") or {}).get("path")):
+                if rel and (out / rel).exists():
+                    ids += pq.read_table(out / rel, columns=["id"]).column("id").to_pylist()
     return ids
+
+
+def _manifest_mismatches(out: Path) -> list[str]:
+    """What a glob reader of results/ and errors/ would see beyond (or short of) the manifests' parts."""
+    bad = []
+    for kind in ("results", "errors"):
+        try:
+            manifest = json.loads((out / kind / "_manifest.json").read_text())
+        except (OSError, ValueError):
+            return [f"{kind}/_manifest.json"]
+        named = {p["name"]: p for p in manifest["parts"]}
+        on_disk = {p.name for p in (out / kind).glob("*.parquet")}
+        bad += [f"{kind}/{n} (not in the manifest)" for n in sorted(on_disk - set(named))]
+        bad += [f"{kind}/{n} (in the manifest, missing)" for n in sorted(set(named) - on_disk)]
+        for n in sorted(on_disk & set(named)):
+            p = out / kind / n
+            if p.stat().st_size != named[n]["bytes"] or _sha256(p) != named[n]["sha256"]:
+                bad.append(f"{kind}/{n} (size or sha256 differs from the manifest)")
+    return bad
 
 
 def _unreadable_visible_files(out: Path) -> list[str]:
@@ -115,9 +141,10 @@ def _unreadable_visible_files(out: Path) -> list[str]:
             bad.append(str(marker_path.relative_to(out)))
             continue
         for f in marker["files"]:
-            p = out / f["path"]
-            if not p.exists() or p.stat().st_size != f["bytes"] or _sha256(p) != f["sha256"]:
-                bad.append(f["path"])
+            for part in (f, f.get("errors") or {"path": f["path"] + " (no errors part)", "bytes": -1, "sha256": ""}):
+                p = out / part["path"]
+                if not p.exists() or p.stat().st_size != part["bytes"] or _sha256(p) != part["sha256"]:
+                    bad.append(part["path"])
     for p in sorted(out.rglob("*")):
         if not p.is_file() or ".tmp-" in p.name:
             continue  # temp files of killed writers: never named by a marker, never read

@@ -39,7 +39,7 @@ def states(server, dag_id: str, run_id: str) -> dict[tuple[str, int], str]:
 def rows_out(out: Path) -> list[str]:
     ids = []
     for name in ("results", "errors"):
-        ids += pq.read_table(out / "results" / f"{name}.parquet", columns=["id"]).column("id").to_pylist()
+        ids += pq.read_table(out / name, columns=["id"]).column("id").to_pylist()
     return ids
 
 

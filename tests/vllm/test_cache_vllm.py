@@ -62,7 +62,7 @@ def run(spec: JobSpec) -> tuple[list[dict], dict]:
 
 
 def labels(spec: JobSpec) -> dict[str, tuple[str, str | None]]:
-    t = pq.read_table(Path(spec.io.output_uri) / "results" / "results.parquet")
+    t = pq.read_table(Path(spec.io.output_uri) / "results")
     cached = t.column("cached_from").to_pylist() if "cached_from" in t.column_names else [None] * t.num_rows
     return {i: (lab, c) for i, lab, c in zip(t.column("id").to_pylist(), t.column("label").to_pylist(), cached)}
 

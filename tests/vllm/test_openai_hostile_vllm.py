@@ -109,7 +109,7 @@ def test_hostile_openai_rows_do_not_fail_the_shard_and_good_rows_are_unchanged(t
     assert m["rows"] == len(mixed) and m["error_rows"] == len(hostile) and m["ok_rows"] == len(good)
     assert m["stats"]["engine_error_rows"] == 0 and m["stats"]["step_failures"] == 0  # all refused before vLLM
 
-    errors = [json.loads(x) for x in (tmp_path / "out-mixed" / "results" / "errors.jsonl").read_text().splitlines()]
+    errors = [json.loads(x) for x in (tmp_path / "out-mixed" / "openai" / "errors.jsonl").read_text().splitlines()]
     got = {e["custom_id"]: e["error"]["code"] for e in errors}
     expected = {cid: code for cid, _, code in hostile}
     record_bad_rows("openai_hostile_rows_real_vllm", len(expected), sum(got.get(c) == e for c, e in expected.items()))
@@ -126,9 +126,9 @@ def test_hostile_openai_rows_do_not_fail_the_shard_and_good_rows_are_unchanged(t
     m_clean, _ = run_batch(model, tmp_path / "clean", tmp_path / "out-clean")
     assert m_clean["ok_rows"] == len(good) and m_clean["error_rows"] == 0
     cols = ["id", "output", "finish_reason", "prompt_tokens", "completion_tokens"]
-    mixed_ok = {r["id"]: r for r in pq.read_table(tmp_path / "out-mixed" / "results" / "results.parquet",
+    mixed_ok = {r["id"]: r for r in pq.read_table(tmp_path / "out-mixed" / "results",
                                                   columns=cols).to_pylist()}
-    clean_ok = {r["id"]: r for r in pq.read_table(tmp_path / "out-clean" / "results" / "results.parquet",
+    clean_ok = {r["id"]: r for r in pq.read_table(tmp_path / "out-clean" / "results",
                                                   columns=cols).to_pylist()}
     assert set(mixed_ok) == set(clean_ok) == {cid for cid, _ in good}
     assert mixed_ok == clean_ok

@@ -135,7 +135,7 @@ def job(tmp_path: Path, n: int = 160, **over) -> tuple[JobSpec, dict, list[str]]
 
 
 def chunks(tmp_path: Path) -> list[Path]:
-    return sorted((tmp_path / "out" / "shards").glob("*/attempts/*/chunk-*.parquet"))
+    return sorted((tmp_path / "out" / "shards").glob("*/attempts/*/chunk-?????.parquet"))
 
 
 def wait_for(cond, bound_s: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None):

@@ -102,7 +102,20 @@ def run(spec: JobSpec, shard_id: str, faults: str = "") -> Worker:
 
 
 def chunks(shard_dir: Path) -> list[Path]:
-    return sorted(shard_dir.glob("attempts/*/chunk-*.parquet"))
+    return sorted(shard_dir.glob("attempts/*/chunk-?????.parquet"))
+
+
+def merged_files(out: Path) -> dict[str, bytes]:
+    """Every file under results/ and errors/ (temp files too) -> its bytes."""
+    return {f"{kind}/{p.name}": p.read_bytes() for kind in (RESULTS, ERRORS) if (out / kind).exists()
+            for p in sorted((out / kind).iterdir())}
+
+
+def clear_merged(out: Path) -> None:
+    for kind in (RESULTS, ERRORS):
+        for p in (out / kind).iterdir() if (out / kind).exists() else ():
+            p.unlink()
+    (out / MERGED).unlink(missing_ok=True)
 
 
 def temps(shard_dir: Path) -> list[Path]:
@@ -133,7 +146,9 @@ def test_one_shard_through_every_process_fault_then_merge_killed_at_every_write(
     injected.append("sigterm")
 
     # 2-4. SIGKILL before a chunk write, with half a chunk in its temp file, after a chunk write
-    for point, new_chunks in (("chunk.before_write", 0), ("chunk.mid_file", 0), ("chunk.after_write", 1)):
+    # (and between a chunk's errors part and its ok part: the chunk is not complete, so not reused)
+    for point, new_chunks in (("chunk.before_write", 0), ("chunk.mid_file", 0), ("chunk.between_parts", 0),
+                              ("chunk.after_write", 1)):
         before = len(chunks(sd))
         w = run(spec, shard.shard_id, f"{point}#1=kill")
         assert w.proc.returncode == -signal.SIGKILL, (point, w.stderr[-3000:])
@@ -190,28 +205,25 @@ def test_one_shard_through_every_process_fault_then_merge_killed_at_every_write(
     # merge: an uninterrupted merge is the reference; then kill merge at every write and re-run
     out = tmp_path / "out"
     ref = merge_run(spec)
-    ref_bytes = {rel: (out / rel).read_bytes() for rel in (RESULTS, ERRORS)}
-    for rel in (RESULTS, ERRORS, MERGED):
-        (out / rel).unlink()
-    steps = (("merge.before_write", set()), ("merge.mid_file#1", set()), ("merge.mid_file#2", {RESULTS}),
-             ("merge.after_data", {RESULTS, ERRORS}), ("merge.mid_marker", {RESULTS, ERRORS}),
-             ("merge.after_marker", {RESULTS, ERRORS, MERGED}))
-    for point, visible in steps:
+    ref_bytes = merged_files(out)
+    clear_merged(out)
+    steps = ("merge.before_write", "merge.mid_file#1", "merge.between_parts#1", "merge.between_parts#2",
+             "merge.after_manifests", "merge.after_data", "merge.mid_marker", "merge.after_marker")
+    for point in steps:
         p = subprocess.run([sys.executable, "-c", MERGE, spec.model_dump_json()], env={**ENV, "VLLM_BATCH_FAULTS":
                            f"{point}=kill"}, capture_output=True, text=True, timeout=300)
         assert p.returncode == -signal.SIGKILL, (point, p.stderr[-3000:])
-        assert {rel for rel in (RESULTS, ERRORS, MERGED) if (out / rel).exists()} == visible, point
-        for rel in visible - {MERGED}:
-            assert (out / rel).read_bytes() == ref_bytes[rel], point  # visible means whole
+        assert (out / MERGED).exists() == (point == "merge.after_marker"), point  # "complete" only at the end
+        visible = {rel: data for rel, data in merged_files(out).items() if "/." not in rel}
+        assert all(ref_bytes[rel] == data for rel, data in visible.items()), point  # visible means whole
         check_no_partial(out)
         if point == "merge.mid_file#1":
-            assert any(".tmp-" in p.name for p in (out / "results").iterdir())
+            assert any(".tmp-" in p.name for p in (out / RESULTS).iterdir())
         injected.append(f"kill9.{point.split('#')[0]}")
-        for rel in (RESULTS, ERRORS, MERGED):  # the next kill starts from nothing again
-            if point != "merge.after_marker" and (out / rel).exists():
-                (out / rel).unlink()
+        if point != "merge.after_marker":
+            clear_merged(out)  # the next kill starts from nothing again
     again = merge_run(spec)
-    assert {rel: (out / rel).read_bytes() for rel in (RESULTS, ERRORS)} == ref_bytes  # byte-identical
+    assert merged_files(out) == ref_bytes  # byte-identical parts and manifests
     assert again["checksums"] == ref["checksums"]
 
     rec = check(out, ids)
@@ -238,7 +250,7 @@ def test_real_engine_oom_back_off_and_an_oom_row_at_the_floor(tmp_path, tiny_mod
     merge_run(spec)
     rec = check(tmp_path / "out", ids)
     assert rec.error_codes == {"t0030": "ENGINE_OOM"}
-    res = pq.read_table(tmp_path / "out" / "results" / "results.parquet").to_pylist()
+    res = pq.read_table(tmp_path / "out" / "results").to_pylist()
     assert all(r["valid"] for r in res)  # rows redone after the rebuilds are complete outputs
     record_fault("oom_transient_real_engine", len(ids))
     record_fault("oom_persistent_row_real_engine", len(ids), faults=s["oom_events"] - 1)

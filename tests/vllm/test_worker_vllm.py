@@ -87,8 +87,8 @@ def manifest(proc: subprocess.CompletedProcess) -> dict:
 
 
 def check_exactly_once(out: Path, n: int, planted_codes: dict[str, str]):
-    res = pq.read_table(out / "results" / "results.parquet").to_pylist()
-    err = pq.read_table(out / "results" / "errors.parquet").to_pylist()
+    res = pq.read_table(out / "results").to_pylist()
+    err = pq.read_table(out / "errors").to_pylist()
     ids = [r["id"] for r in res] + [e["id"] for e in err]
     assert sorted(ids) == [f"t{i:04d}" for i in range(n)]
     assert {e["id"]: e["error_code"] for e in err} == planted_codes
@@ -123,12 +123,12 @@ def test_kill9_mid_shard_then_rerun_reuses_chunks(tmp_path, tiny_model):
     proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
     shard_dir = tmp_path / "out" / "shards" / shard.shard_id
     deadline = time.time() + 300
-    while time.time() < deadline and len(list(shard_dir.glob("attempts/*/chunk-*.parquet"))) < 2:
+    while time.time() < deadline and len(list(shard_dir.glob("attempts/*/chunk-?????.parquet"))) < 2:
         assert proc.poll() is None, "worker ended before it could be killed"
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL)  # the worker and its engine processes, no clean-up
     proc.wait()
-    done = list(shard_dir.glob("attempts/*/chunk-*.parquet"))
+    done = list(shard_dir.glob("attempts/*/chunk-?????.parquet"))
     assert 2 <= len(done) < n // 20 and not (shard_dir / MARKER).exists()
     m = manifest(run_worker(spec, shard.shard_id))
     assert m["status"] == "committed" and m["stats"]["reused_chunks"] >= len(done)
@@ -213,7 +213,7 @@ def test_two_real_attempts_at_once_commit_exactly_once(tmp_path, tiny_model):
     assert all(m["attempt_id"] == marker["attempt_id"] for m in manifests)
     summary = merge_run(spec)
     assert summary["ok_rows"] == n and summary["duplicates_dropped"] == 0
-    res = pq.read_table(tmp_path / "out" / "results" / "results.parquet")
+    res = pq.read_table(tmp_path / "out" / "results")
     assert set(res.column("attempt_id").to_pylist()) == {marker["attempt_id"]}
     check(tmp_path / "out", [f"t{i:04d}" for i in range(n)], kind="concurrent_attempts_real", level="process")
 
@@ -237,7 +237,7 @@ def test_embed_task_with_minilm(tmp_path):
     m = manifest(run_worker(spec, shard.shard_id))
     assert m["ok_rows"] == 29 and m["error_rows"] == 1
     merge_run(spec)
-    res = pq.read_table(tmp_path / "out" / "results" / "results.parquet").to_pylist()
+    res = pq.read_table(tmp_path / "out" / "results").to_pylist()
     assert len(res) == 29 and all(len(r["embedding"]) == 384 for r in res)
     import numpy as np
 
@@ -276,7 +276,7 @@ def test_classify_task_with_a_sequence_classification_model(tmp_path, tiny_model
     m = manifest(run_worker(spec, shard.shard_id))
     assert m["ok_rows"] == 19 and m["error_rows"] == 1
     merge_run(spec)
-    res = pq.read_table(tmp_path / "out" / "results" / "results.parquet").to_pylist()
+    res = pq.read_table(tmp_path / "out" / "results").to_pylist()
     assert all(len(r["scores"]) == 3 and abs(sum(r["scores"]) - 1) < 1e-3 for r in res)
     assert all(r["label"] in LABELS for r in res)
 
@@ -344,7 +344,7 @@ def test_token_prompts_give_the_same_outputs_as_text_prompts(tmp_path, smollm2):
     m = manifest(run_worker(gen, shard.shard_id))
     assert m["status"] == "committed" and m["ok_rows"] == n
     merge_run(gen)
-    ours = {r["id"]: r for r in pq.read_table(tmp_path / "out" / "results" / "results.parquet").to_pylist()}
+    ours = {r["id"]: r for r in pq.read_table(tmp_path / "out" / "results").to_pylist()}
 
     raw = subprocess.run(
         [sys.executable, "-c", RAW_TOKENS_VS_TEXT, json.dumps(

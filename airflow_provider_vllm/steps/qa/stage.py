@@ -5,14 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from airflow_provider_vllm.core import duck
 from airflow_provider_vllm.core.plan import Plan, load_plan
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
 from airflow_provider_vllm.steps.changes import compute_changes
-from airflow_provider_vllm.steps.merge import ERRORS, RESULTS, read_merged
+from airflow_provider_vllm.steps.merge import ERRORS, RESULTS, read_manifest, read_merged, result_parts
 from airflow_provider_vllm.steps.qa.evaluate import evaluate, evaluate_stream
 from airflow_provider_vllm.steps.qa.report import QAReport
 from airflow_provider_vllm.steps.qa.store import load_report, write_qa
@@ -56,11 +55,11 @@ def qa_run(spec: JobSpec, filesystems: FileSystems | None = None) -> tuple[QARep
             f"CREATE TEMP VIEW r AS SELECT id, output, label, valid, "
             f"CASE WHEN embedding IS NULL THEN NULL ELSE []::FLOAT[] END AS embedding, scores, finish_reason, "
             f"prompt_tokens, completion_tokens, truncated, latency_ms, model, model_revision, shard_id "
-            f"FROM read_parquet({duck.file_list(out, [RESULTS])})")
+            f"FROM read_parquet({duck.file_list(out, result_parts(out, RESULTS))})")
         con.execute(f"CREATE TEMP VIEW e AS SELECT id, error_code, error_message, shard_id "
-                    f"FROM read_parquet({duck.file_list(out, [ERRORS])})")
-        result_rows = _footer_rows(out, RESULTS)
-        if result_rows + _footer_rows(out, ERRORS) > STREAM_ABOVE_ROWS:
+                    f"FROM read_parquet({duck.file_list(out, result_parts(out, ERRORS))})")
+        result_rows = read_manifest(out, RESULTS).rows
+        if result_rows + read_manifest(out, ERRORS).rows > STREAM_ABOVE_ROWS:
             report = evaluate_stream(con, result_rows=result_rows, **args)
         else:
             report = evaluate(con.sql("SELECT * FROM r").to_arrow_table(), con.sql("SELECT * FROM e").to_arrow_table(),
@@ -70,11 +69,6 @@ def qa_run(spec: JobSpec, filesystems: FileSystems | None = None) -> tuple[QARep
     report.sample = _with_input_excerpt(spec, report.sample, out, plan)
     paths = write_qa(report, out)
     return report, paths
-
-
-def _footer_rows(out: Storage, rel: str) -> int:
-    with out.open(rel) as f:
-        return pq.ParquetFile(f).metadata.num_rows
 
 
 def cache_metrics(plan: Plan) -> dict[str, Any] | None:

@@ -27,10 +27,19 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
 
-from airflow_provider_vllm.core.commit import _CHUNK_RE, MARKER, ChunkMeta, CommitMarker, ShardStore
+from airflow_provider_vllm.core.commit import (
+    _CHUNK_RE,
+    ERRORS_SUFFIX,
+    MARKER,
+    PART_KEY,
+    ChunkMeta,
+    CommitMarker,
+    ShardStore,
+    errors_rel,
+)
 from airflow_provider_vllm.core.errors import CommitError
 from airflow_provider_vllm.core.plan import PLAN_FILE
-from airflow_provider_vllm.core.rows import rows_table
+from airflow_provider_vllm.core.rows import rows_table, split_rows
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.steps.merge import ERRORS, RESULTS, merge_run
 from airflow_provider_vllm.steps.plan import plan_job
@@ -128,6 +137,10 @@ class CommitProtocol(RuleBasedStateMachine):
         sink.parent.mkdir(parents=True, exist_ok=True)
         import io
 
+        if cut >= 0.5:  # killed between the chunk's two files: its errors part is complete, its ok part is not
+            _, err = split_rows(self.table(shard_id, attempt, meta))
+            self.out.write_parquet_atomic(errors_rel(store.chunk_rel(attempt, meta.chunk)), err,
+                                          metadata={**meta.to_kv(), PART_KEY: "errors"})
         buf = io.BytesIO()
         pq.write_table(self.table(shard_id, attempt, meta), buf)
         data = buf.getvalue()
@@ -215,7 +228,10 @@ class CommitProtocol(RuleBasedStateMachine):
             m = json.loads(raw)
             assert m["rows"] == len(self.rows[shard_id])
             for f in m["files"]:
-                assert self.out.size(f["path"]) == f["bytes"] and self.out.sha256(f["path"]) == f["sha256"]
+                for part in (f, f["errors"]):
+                    assert self.out.size(part["path"]) == part["bytes"]
+                    assert self.out.sha256(part["path"]) == part["sha256"]
+                assert f["ok_rows"] + f["errors"]["rows"] == f["rows"]
 
     @invariant()
     def no_partial_chunk_is_visible(self):
@@ -224,10 +240,14 @@ class CommitProtocol(RuleBasedStateMachine):
             return
         for dirpath, _, names in os.walk(shards):
             for name in names:
-                if _CHUNK_RE.match(name):
+                if _CHUNK_RE.match(name):  # a chunk's ok part: complete, and so is its errors part
                     md = pq.ParquetFile(os.path.join(dirpath, name)).metadata  # opens: complete
+                    emd = pq.ParquetFile(os.path.join(dirpath, errors_rel(name))).metadata
                     meta = json.loads(md.metadata[b"vllm_batch.chunk"])
-                    assert md.num_rows == meta["rows"] and name == f"chunk-{meta['chunk']:05d}.parquet"
+                    assert md.num_rows + emd.num_rows == meta["rows"] and name == f"chunk-{meta['chunk']:05d}.parquet"
+                    assert md.metadata[PART_KEY.encode()] == b"results" and emd.metadata[PART_KEY.encode()] == b"errors"
+                elif name.endswith(ERRORS_SUFFIX):
+                    pq.ParquetFile(os.path.join(dirpath, name))  # opens: an errors part is written whole too
                 elif name != MARKER:
                     assert ".tmp-" in name, name  # only a crashed writer's temp file
 

@@ -18,11 +18,11 @@ import pytest
 
 from airflow_provider_vllm.core.errors import SpecError
 from airflow_provider_vllm.core.records import ChangesSummary
-from airflow_provider_vllm.core.rows import ERROR_COLUMNS, RESULT_COLUMNS, ROW_SCHEMA
+from airflow_provider_vllm.core.rows import ERROR_SCHEMA, RESULT_SCHEMA
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.steps.changes import CHANGES, SUMMARY, compared_column, compute_changes, read_changes
 from airflow_provider_vllm.steps.merge import ERRORS, MERGED, RESULTS
-from tests.support.data import LABELS, make_spec, merge_summary
+from tests.support.data import LABELS, make_spec, merge_summary, write_merged_folder
 from tests.support.ledger import record_fault
 
 pytestmark = pytest.mark.unit
@@ -32,13 +32,10 @@ def write_run(out: Path, ok: dict[str, object], errors: dict[str, str] | None = 
               task: str | None = "chat", id_column: str | None = "id", config_hash: str = "c") -> Path:
     """A merged run under ``out``: ``ok`` id -> value of ``col``, ``errors`` id -> error code."""
     errors = errors or {}
-    schema = pa.schema([ROW_SCHEMA.field(c) for c in RESULT_COLUMNS])
     rows = [{"id": i, col: v, "model": "fake", "config_hash": config_hash} for i, v in ok.items()]
-    (out / "results").mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(rows, schema=schema), out / RESULTS)
-    eschema = pa.schema([ROW_SCHEMA.field(c) for c in ERROR_COLUMNS])
-    pq.write_table(pa.Table.from_pylist([{"id": i, "error_code": c, "error_message": "x"} for i, c in errors.items()],
-                                        schema=eschema), out / ERRORS)
+    write_merged_folder(out, RESULTS, pa.Table.from_pylist(rows, schema=RESULT_SCHEMA))
+    write_merged_folder(out, ERRORS, pa.Table.from_pylist(
+        [{"id": i, "error_code": c, "error_message": "x"} for i, c in errors.items()], schema=ERROR_SCHEMA))
     summary = merge_summary(len(ok) + len(errors), len(ok), len(errors))
     summary = summary.model_copy(update={"config_hash": config_hash, "task": task, "id_column": id_column})
     (out / MERGED).write_text(json.dumps(summary.dump()))
@@ -120,7 +117,7 @@ def test_a_previous_run_of_another_task_or_id_column_is_refused(tmp_path, spec_f
         compute_changes(spec_for(tmp_path / "old_text"))
     # results of another schema (no label column at all), a _MERGED.json that is not ours
     write_run(tmp_path / "schema", {"a": "bug"})
-    pq.write_table(pa.table({"id": ["a"], "text": ["x"]}), tmp_path / "schema" / RESULTS)
+    write_merged_folder(tmp_path / "schema", RESULTS, pa.table({"id": ["a"], "text": ["x"]}))
     with pytest.raises(SpecError, match=r"changes.previous_uri .*schema.*cannot be read as this job's"):
         compute_changes(spec_for(tmp_path / "schema"))
     write_run(tmp_path / "forged", {"a": "bug"})

@@ -35,12 +35,13 @@ def test_plan_reads_the_input_and_writes_the_plan_file():
 
 def test_merge_writes_results_and_errors_with_counts_and_columns():
     spec = make_spec("/d/in", "/d/out")
-    lin = merge_lineage(spec, merge_summary(10, 9, 1, {"results": "results/results.parquet",
-                                                        "errors": "results/errors.parquet"}))
+    lin = merge_lineage(spec, merge_summary(10, 9, 1, {"results": "results/", "errors": "errors/"},
+                                                 parts={"results": 3, "errors": 1}))
     assert [(d.name, d.rows) for d in lin.inputs] == [("/d/in", 10)]
     results, errors = lin.outputs
-    assert (results.namespace, results.name, results.rows) == ("file", "/d/out/results/results.parquet", 9)
-    assert (errors.name, errors.rows) == ("/d/out/results/errors.parquet", 1)
+    assert (results.namespace, results.name, results.rows) == ("file", "/d/out/results", 9)
+    assert (errors.name, errors.rows) == ("/d/out/errors", 1)
+    assert (results.files, errors.files) == (3, 1)  # Parquet parts in each folder
     assert ("id", "string") in results.fields and "error_message" in dict(errors.fields)
     assert "error_message" not in dict(results.fields)
 
@@ -55,7 +56,7 @@ def test_qa_checks_and_verdict_become_assertions_on_the_results():
     assert got == {"error_rate": (False, "error", "0.2"), "truncation_rate": (False, "warn", "0.06"),
                    "parse_failure_rate": (True, None, "0.0"), "qa_verdict": (False, "error", "fail")}
     lin = qa_lineage(make_spec("/d/in", "/d/out"), {**qa, "report_json": "/d/out/qa/report.json"})
-    assert lin.inputs[0].name == "/d/out/results/results.parquet" and lin.inputs[0].assertions
+    assert lin.inputs[0].name == "/d/out/results" and lin.inputs[0].assertions
     assert [d.name for d in lin.outputs] == ["/d/out/qa/report.json"]
     passed = qa_assertions({"status": "warn", "checks": []})
     assert [(a.name, a.success) for a in passed] == [("qa_verdict", True)]

@@ -1,8 +1,8 @@
 """Merge against hostile commit markers and duplicate committed rows (fake engine, local dir).
 
-A marker may only name chunk files under its own shard's attempt folders; duplicates are
-counted over the committed chunks before merge drops anything; identical copies are dropped
-and reported (``_MERGED.json``, QA), differing copies fail the merge naming the ids.
+A marker may only name chunk files (ok and error parts) under its own shard's attempt folders;
+duplicates are counted over the committed parts before merge drops anything; identical copies
+are dropped and reported (``_MERGED.json``, QA), differing copies fail the merge naming the ids.
 """
 
 from __future__ import annotations
@@ -12,13 +12,14 @@ import shutil
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from airflow_provider_vllm.core.commit import MARKER
+from airflow_provider_vllm.core.commit import MARKER, ChunkMeta, ShardStore, errors_rel
 from airflow_provider_vllm.core.errors import CommitError, VerificationError
-from airflow_provider_vllm.steps.merge import MERGED, merge_run
+from airflow_provider_vllm.core.rows import ROW_SCHEMA
+from airflow_provider_vllm.core.storage import Storage
+from airflow_provider_vllm.steps.merge import MERGED, merge_run, result_parts
 from airflow_provider_vllm.steps.plan import plan_job
 from airflow_provider_vllm.steps.qa.stage import qa_run, qa_summary
 from airflow_provider_vllm.worker.shard import run_shard
@@ -54,19 +55,34 @@ def edit_marker(out: Path, shard_id: str, fn) -> None:
 
 
 def entry_for(out: Path, rel: str) -> dict:
+    """A marker entry with the right sizes and checksums for ``rel`` (a chunk's ok part: with its errors part)."""
     import hashlib
 
     data = (out / rel).read_bytes()
     entry = {"path": rel, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     if rel.endswith(".parquet"):
-        t = pq.read_table(out / rel, columns=["status"])
-        ok = pc.sum(pc.equal(t.column("status"), "ok")).as_py() or 0
-        entry.update(rows=t.num_rows, ok_rows=ok, error_rows=t.num_rows - ok)
+        ok = pq.ParquetFile(out / rel).metadata.num_rows
+        err = errors_rel(rel)
+        n_err = pq.ParquetFile(out / err).metadata.num_rows
+        edata = (out / err).read_bytes()
+        entry.update(rows=ok + n_err, ok_rows=ok, error_rows=n_err, errors={
+            "path": err, "bytes": len(edata), "sha256": hashlib.sha256(edata).hexdigest(), "rows": n_err})
     return entry
 
 
+def chunk_rows(out: Path, rel: str) -> pa.Table:
+    """The chunk whose ok part is ``rel`` as one ``ROW_SCHEMA`` table (ok rows, then error rows)."""
+    ok = pq.read_table(out / rel)
+    err = pq.read_table(out / errors_rel(rel))
+    ok = ok.append_column("status", pa.array(["ok"] * ok.num_rows, pa.string()))
+    err = err.append_column("status", pa.array(["error"] * err.num_rows, pa.string()))
+    t = pa.concat_tables([ok, err], promote_options="default")
+    return pa.Table.from_arrays([t.column(f.name) if f.name in t.column_names else pa.nulls(t.num_rows, f.type)
+                                 for f in ROW_SCHEMA], schema=ROW_SCHEMA)
+
+
 def nothing_published(out: Path) -> bool:
-    return not (out / "results").exists() and not (out / MERGED).exists()
+    return not (out / "results").exists() and not (out / "errors").exists() and not (out / MERGED).exists()
 
 
 def test_a_clean_run_reports_zero_duplicates_counted_before_dedupe(run):
@@ -146,17 +162,16 @@ def _copy_into_new_attempt(out: Path, plan, shard_index: int, edit=None) -> str:
     in the rows; ``edit`` may change the table), add it to the marker; returns the ids it repeats."""
     shard_id = plan.shards[shard_index].shard_id
     first = json.loads(marker_path(out, shard_id).read_text())["files"][0]["path"]
-    rel = f"shards/{shard_id}/attempts/a-forged-copy/chunk-00000.parquet"
-    t = pq.read_table(out / first)
+    t = chunk_rows(out, first)
     t = t.set_column(t.column_names.index("attempt_id"), "attempt_id",
                      pa.array(["a-forged-copy"] * t.num_rows, t.schema.field("attempt_id").type))
     t = t.set_column(t.column_names.index("latency_ms"), "latency_ms",
                      pa.array([1.5] * t.num_rows, t.schema.field("latency_ms").type))
     if edit is not None:
         t = edit(t)
-    (out / rel).parent.mkdir(parents=True)
-    pq.write_table(t, out / rel)
-    edit_marker(out, shard_id, lambda m: m["files"].append(entry_for(out, rel)))
+    meta = ChunkMeta(shard_id=shard_id, chunk=0, first_row=0, rows=t.num_rows, config_hash="forged")
+    entry = ShardStore(Storage(str(out)), shard_id).write_chunk("a-forged-copy", meta, t)
+    edit_marker(out, shard_id, lambda m: m["files"].append(entry.dump()))
     return t.column("id").to_pylist()
 
 
@@ -171,9 +186,12 @@ def test_identical_duplicates_are_counted_before_the_dedupe_dropped_and_reported
     assert s["duplicates_dropped"] == 10 and s["ok_rows"] + s["error_rows"] == len(IDS)
     on_disk = json.loads((out / MERGED).read_text())["duplicates"]
     assert on_disk["ids"] == 10 and on_disk["rows_dropped"] == 10
-    res = pq.read_table(out / "results" / "results.parquet", columns=["id"]).column("id").to_pylist()
-    err = pq.read_table(out / "results" / "errors.parquet", columns=["id"]).column("id").to_pylist()
+    o = Storage(str(out))
+    res = [i for rel in result_parts(o, "results") for i in pq.read_table(out / rel, columns=["id"])["id"].to_pylist()]
+    err = [i for rel in result_parts(o, "errors") for i in pq.read_table(out / rel, columns=["id"])["id"].to_pylist()]
     assert sorted(res + err) == IDS  # each id once after the dedupe
+    # only the part that held the dropped copies was re-encoded; the others are the committed files
+    assert pq.read_table(out / "results").num_rows == len(res)
     report, paths = qa_run(spec)
     assert report.metrics["duplicates"]["ids"] == 10 and "duplicates=10" in report.summary_line()
     assert any("committed more than once" in n for n in report.notes)

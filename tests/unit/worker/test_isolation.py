@@ -56,8 +56,8 @@ def run(spec, shard, factory):
     assert m["status"] == "committed"
     merge_run(spec)
     out = spec.io.output_uri
-    res = {r["id"]: r for r in pq.read_table(f"{out}/results/results.parquet").to_pylist()}
-    err = {r["id"]: r for r in pq.read_table(f"{out}/results/errors.parquet").to_pylist()}
+    res = {r["id"]: r for r in pq.read_table(f"{out}/results").to_pylist()}
+    err = {r["id"]: r for r in pq.read_table(f"{out}/errors").to_pylist()}
     return m, res, err
 
 

@@ -35,8 +35,8 @@ def run_all(spec, factory, **kw):
 
 
 def read_out(out):
-    return (pq.read_table(out / "results" / "results.parquet").to_pylist(),
-            pq.read_table(out / "results" / "errors.parquet").to_pylist())
+    return (pq.read_table(out / "results").to_pylist(),
+            pq.read_table(out / "errors").to_pylist())
 
 
 def test_planted_bad_rows_exactly_once(tmp_path, fake_engine_factory):
@@ -100,7 +100,7 @@ def test_crash_then_resume_reuses_finished_chunks(tmp_path, fake_engine_factory)
                   engine_factory=lambda s: fake_engine_factory(s, crash_after=45))
     shard_dir = tmp_path / "out" / "shards" / shard.shard_id
     assert not (shard_dir / MARKER).exists()
-    done_before = list(shard_dir.glob("attempts/*/chunk-*.parquet"))
+    done_before = list(shard_dir.glob("attempts/*/chunk-?????.parquet"))  # ok parts: complete chunks
     assert 1 <= len(done_before) < 10
     m = run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=fake_engine_factory)
     assert m["status"] == "committed" and m["stats"]["reused_chunks"] == len(done_before)
@@ -214,8 +214,8 @@ def test_openai_batch_in_and_out(tmp_path, fake_engine_factory):
     assert plan.format == "openai_batch"
     summary = merge_run(spec)
     assert summary["ok_rows"] == 10 and summary["error_rows"] == 2
-    out = [json.loads(x) for x in (tmp_path / "out" / "results" / "output.jsonl").read_text().splitlines()]
-    errs = [json.loads(x) for x in (tmp_path / "out" / "results" / "errors.jsonl").read_text().splitlines()]
+    out = [json.loads(x) for x in (tmp_path / "out" / "openai" / "output.jsonl").read_text().splitlines()]
+    errs = [json.loads(x) for x in (tmp_path / "out" / "openai" / "errors.jsonl").read_text().splitlines()]
     assert len(out) == 10 and out[0]["response"]["status_code"] == 200
     assert out[0]["response"]["body"]["choices"][0]["message"]["content"] in LABELS
     assert {e["custom_id"]: e["error"]["code"] for e in errs} == {"req-3": "EMPTY_INPUT", "req-4": "INVALID_ROW"}
