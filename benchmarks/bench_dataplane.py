@@ -210,7 +210,8 @@ def synthesise_commits(spec) -> dict:
 
     plan = load_plan(spec)
     out = Storage(spec.io.output_uri, spec.io.storage_options)
-    in_root = Storage(plan.input_root, spec.io.storage_options)
+    root, files = plan.shard_input()  # the input, or with the result cache the plan's misses file
+    in_root = Storage(root, spec.io.storage_options)
     rng = np.random.default_rng(11)
     labels_arr = pa.array(LABELS)
     id_cols: dict[int, pa.Array] = {}
@@ -221,7 +222,7 @@ def synthesise_commits(spec) -> dict:
         parts = []
         for seg in shard.segments:
             if seg.file not in id_cols:
-                with in_root.open(plan.files[seg.file]["path"]) as fh:
+                with in_root.open(files[seg.file].path) as fh:
                     id_cols[seg.file] = pq.read_table(fh, columns=[spec.prompt.id_column]).column(0).combine_chunks()
             parts.append(id_cols[seg.file].slice(seg.start, seg.count))
         ids = pa.concat_arrays(parts)

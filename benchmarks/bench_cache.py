@@ -1,0 +1,187 @@
+#!/usr/bin/env python
+"""Result cache, data plane: plan + merge of a nightly run with a 10M-row cache and 2% changed rows,
+as a ratio to the same run without the cache (no vLLM: shard outputs are synthesised).
+
+    .venv/bin/python benchmarks/bench_cache.py [--rows 10000000] [--changed 0.02] [--repeat 2]
+                                               [--workdir .cache/bench/cache]
+
+1. Input A: ``bench_dataplane.generate_dataset`` (``--rows`` rows, 10 files); input B: A with
+   ``--changed`` of the texts edited (same ids; picked by ``hash(id)``), written once with DuckDB.
+2. Warm-up, not timed: run 1 over A with an empty cache (plan, synthesised commits, merge), which
+   appends all of A's answers to the cache: the "10M-row cache".
+3. Timed, alternated ``nocache cache cache nocache`` per repeat: run 2 over B into a fresh output
+   prefix, plan (timed) -> synthesised commits for the planned shards (not timed: they stand in
+   for the GPU) -> merge (timed). The cache side starts each time from a hard-linked copy of the
+   warm cache, so every repeat sees the same 10M-row cache.
+
+Baseline: the no-cache side in the same invocation. Prints per side the plan and merge seconds
+(medians), peak RSS of each stage (its own subprocess), the rows the shards would infer (the
+GPU work), and ratio = (plan + merge with cache) / (plan + merge without). One JSON line goes to
+benchmarks/results.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import bench_dataplane as dp  # noqa: E402
+
+ENGINE = "vllm==0.32.0"  # the engine identity in the key; the synthesised rows say engine_version 0.32.0
+
+
+def spec_for(input_dir: Path, run_dir: Path, cache_dir: Path | None):
+    from airflow_provider_vllm.core.spec import JobSpec
+
+    doc = dp.bench_spec(input_dir, run_dir, 50_000).model_dump(mode="json")
+    doc["model"]["revision"] = "bench-rev"  # a hub model must be pinned for the cache
+    doc["cache"] = {"uri": str(cache_dir) if cache_dir else None}
+    return JobSpec.load(doc)
+
+
+def make_changed(src: Path, dst: Path, changed: float) -> int:
+    """``dst`` = ``src`` with ``changed`` of the texts edited (same ids, same files); returns edited rows."""
+    import duckdb
+
+    marker = dst / "_DATASET.json"
+    want = {"from": json.loads((src / "_DATASET.json").read_text()), "changed": changed, "recipe": 1}
+    if marker.exists() and json.loads(marker.read_text())["spec"] == want:
+        return json.loads(marker.read_text())["edited"]
+    shutil.rmtree(dst, ignore_errors=True)
+    dst.mkdir(parents=True)
+    con = duckdb.connect()
+    edited = 0
+    cut = int(changed * 10_000)
+    for f in sorted(src.glob("part-*.parquet")):
+        con.execute(f"COPY (SELECT id, CASE WHEN hash(id) % 10000 < {cut} THEN text || ' (edited)' ELSE text END "
+                    f"AS text FROM read_parquet('{f}')) TO '{dst / f.name}' "
+                    f"(FORMAT parquet, COMPRESSION zstd, ROW_GROUP_SIZE {dp.ROW_GROUP})")
+        edited += con.execute(f"SELECT count(*) FROM read_parquet('{f}') WHERE hash(id) % 10000 < {cut}"
+                              ).fetchall()[0][0]
+    marker.write_text(json.dumps({"spec": want, "edited": edited}))
+    return edited
+
+
+def child(stage: str, input_dir: Path, run_dir: Path, cache_dir: str) -> None:
+    import resource
+
+    from airflow_provider_vllm.steps.merge import merge
+    from airflow_provider_vllm.steps.plan import plan_job
+
+    spec = spec_for(input_dir, run_dir, Path(cache_dir) if cache_dir else None)
+    extra: dict = {}
+    t0 = time.perf_counter()
+    if stage == "plan":
+        plan = plan_job(spec, engine_identity=ENGINE)
+        extra.update(shards=len(plan.shards), infer_rows=sum(s.rows for s in plan.shards),
+                     hits=plan.cache.hits if plan.cache else 0)
+    elif stage == "setup":
+        extra.update(dp.synthesise_commits(spec))
+    elif stage == "merge":
+        s = merge(spec)
+        extra.update(ok_rows=s.ok_rows, error_rows=s.error_rows,
+                     appended=s.cache.appended if s.cache else None, skipped=s.cache.skipped if s.cache else None)
+    else:
+        raise SystemExit(f"unknown stage {stage}")
+    seconds = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"stage": stage, "seconds": round(seconds, 3), "peak_rss_mib": round(peak, 1), **extra}))
+
+
+def run_child(stage: str, input_dir: Path, run_dir: Path, cache_dir: Path | None) -> dict:
+    cmd = [sys.executable, __file__, "--child", stage, "--input-dir", str(input_dir), "--run-dir", str(run_dir),
+           "--cache-dir", str(cache_dir or "")]
+    load = os.getloadavg()[0]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stderr[-4000:])
+        raise SystemExit(f"stage {stage} failed (exit {proc.returncode})")
+    r = json.loads([x for x in proc.stdout.splitlines() if x.startswith("{")][-1])
+    r["load1_before"] = round(load, 2)
+    return r
+
+
+def one_run(input_dir: Path, run_dir: Path, cache_dir: Path | None) -> dict:
+    shutil.rmtree(run_dir, ignore_errors=True)
+    plan = run_child("plan", input_dir, run_dir, cache_dir)
+    run_child("setup", input_dir, run_dir, cache_dir)
+    merged = run_child("merge", input_dir, run_dir, cache_dir)
+    return {"plan": plan, "merge": merged, "total_s": round(plan["seconds"] + merged["seconds"], 3)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=10_000_000)
+    ap.add_argument("--changed", type=float, default=0.02)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--workdir", type=Path, default=HERE.parent / ".cache" / "bench" / "cache")
+    ap.add_argument("--child")
+    ap.add_argument("--input-dir", type=Path)
+    ap.add_argument("--run-dir", type=Path)
+    ap.add_argument("--cache-dir", default="")
+    args = ap.parse_args()
+    if args.child:
+        child(args.child, args.input_dir, args.run_dir, args.cache_dir)
+        return 0
+    if not 0 < args.changed < 1:
+        raise SystemExit("--changed must be a fraction in (0, 1)")
+    w = args.workdir.resolve()
+    w.mkdir(parents=True, exist_ok=True)
+    a, b = w / "in-a", w / "in-b"
+    dp.generate_dataset(a, args.rows)
+    edited = make_changed(a, b, args.changed)
+    warm = w / "cache-warm"
+    done = w / "cache-warm.json"
+    if not (done.exists() and json.loads(done.read_text()).get("rows") == args.rows):
+        shutil.rmtree(warm, ignore_errors=True)
+        t0 = time.monotonic()
+        run1 = one_run(a, w / "run1", warm)
+        done.write_text(json.dumps({"rows": args.rows, "appended": run1["merge"]["appended"]}))
+        print(f"warm-up (run 1, cold cache): {json.dumps(run1)} in {time.monotonic() - t0:.0f}s", file=sys.stderr)
+    sides: dict[str, list[dict]] = {"nocache": [], "cache": []}
+    order = [("nocache", "cache"), ("cache", "nocache")]
+    for rep in range(args.repeat):
+        for side in order[rep % 2]:
+            cache_dir = None
+            if side == "cache":
+                cache_dir = w / "cache-run"
+                shutil.rmtree(cache_dir, ignore_errors=True)
+                shutil.copytree(warm, cache_dir, copy_function=os.link)
+            r = one_run(b, w / f"run2-{side}", cache_dir)
+            sides[side].append(r)
+            print(f"{side:8s} plan {r['plan']['seconds']:7.2f}s ({r['plan']['peak_rss_mib']:.0f} MiB)  "
+                  f"merge {r['merge']['seconds']:7.2f}s ({r['merge']['peak_rss_mib']:.0f} MiB)  "
+                  f"infer rows {r['plan']['infer_rows']}  load {r['plan']['load1_before']}", file=sys.stderr)
+
+    def med(side: str, key: str) -> float:
+        vals = [r[key]["seconds"] if key in ("plan", "merge") else r[key] for r in sides[side]]
+        return round(statistics.median(vals), 3)
+
+    summary = {side: {"plan_s": med(side, "plan"), "merge_s": med(side, "merge"), "total_s": med(side, "total_s"),
+                      "infer_rows": sides[side][0]["plan"]["infer_rows"], "hits": sides[side][0]["plan"]["hits"],
+                      "peak_rss_mib": max(max(r["plan"]["peak_rss_mib"], r["merge"]["peak_rss_mib"])
+                                          for r in sides[side])}
+               for side in sides}
+    ratio = round(summary["cache"]["total_s"] / summary["nocache"]["total_s"], 3)
+    line = {"bench": "cache", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": args.rows,
+            "changed": args.changed, "edited_rows": edited, "repeat": args.repeat, "env": dp.environment(),
+            "summary": summary, "ratio_plan_merge_cache_vs_nocache": ratio,
+            "infer_rows_ratio": round(summary["cache"]["infer_rows"] / summary["nocache"]["infer_rows"], 4),
+            "runs": sides}
+    with open(dp.RESULTS_FILE, "a") as f:
+        f.write(json.dumps(line) + "\n")
+    print(json.dumps({k: v for k, v in line.items() if k != "runs"}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
