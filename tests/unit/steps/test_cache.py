@@ -180,6 +180,34 @@ def test_second_run_infers_only_changed_and_new_rows(tmp_path, fake_engine_facto
     assert {i: full[i]["label"] for i in full} == {i: r2[i]["label"] for i in r2}
 
 
+def test_hits_are_published_by_reference_as_the_last_results_part(tmp_path, fake_engine_factory):
+    """The plan writes the hits in the results schema; merge links that file into results/ (no re-encoding)."""
+    from airflow_provider_vllm.core.rows import RESULT_SCHEMA
+    from airflow_provider_vllm.steps.merge import read_manifest
+
+    write_parquet(tmp_path / "in-a.parquet", IDS, TEXTS)
+    run_job(spec_for(tmp_path, "a"), fake_engine_factory)
+    write_parquet(tmp_path / "in-b.parquet", IDS + ["new"], TEXTS + ["a new ticket"])
+    s2 = spec_for(tmp_path, "b")
+    p2, m2 = run_job(s2, fake_engine_factory)
+    out = Path(s2.io.output_uri)
+    hits = out / p2.cache.hits_file.path
+    assert pq.ParquetFile(hits).schema_arrow.equals(RESULT_SCHEMA)
+    manifest = read_manifest(Storage(str(out)), RESULTS)
+    last = manifest.parts[-1]
+    assert last.name.endswith("-cache-hits.parquet") and last.rows == 50 == p2.cache.hits
+    assert [p.name for p in manifest.parts] == sorted(p.name for p in manifest.parts)  # names sort in order
+    assert os.path.samefile(out / RESULTS / last.name, hits)  # a hard link: the same bytes, not a copy
+    assert last.sha256 == p2.cache.hits_file.sha256
+    # every reader sees one table with the computed row and the 50 hits
+    import pandas as pd
+
+    df = pd.read_parquet(out / RESULTS)
+    assert len(df) == 51 and df["cached_from"].notna().sum() == 50
+    # the cache entry of run b holds only what run b computed
+    assert m2["cache"]["appended"] == 1
+
+
 def test_changed_settings_give_no_hits(tmp_path, fake_engine_factory):
     write_parquet(tmp_path / "in-a.parquet", IDS, TEXTS)
     run_job(spec_for(tmp_path, "a"), fake_engine_factory)
