@@ -5,8 +5,9 @@ as a ratio to the same run without the cache (no vLLM: shard outputs are synthes
     .venv/bin/python benchmarks/bench_cache.py [--rows 10000000] [--changed 0.02] [--repeat 2]
                                                [--workdir .cache/bench/cache]
 
-1. Input A: ``bench_dataplane.generate_dataset`` (``--rows`` rows, 10 files); input B: A with
-   ``--changed`` of the texts edited (same ids; picked by ``hash(id)``), written once with DuckDB.
+1. Input A: ``bench_dataplane.generate_dataset`` (``--rows`` rows, 10 files) with the id appended
+   to each text (its texts come from a few thousand template pairs; tickets are unique); input B:
+   A with ``--changed`` of the texts edited (same ids; picked by ``hash(id)``), written once with DuckDB.
 2. Warm-up, not timed: run 1 over A with an empty cache (plan, synthesised commits, merge), which
    appends all of A's answers to the cache: the "10M-row cache".
 3. Timed, alternated ``nocache cache cache nocache`` per repeat: run 2 over B into a fresh output
@@ -48,27 +49,26 @@ def spec_for(input_dir: Path, run_dir: Path, cache_dir: Path | None):
     return JobSpec.load(doc)
 
 
-def make_changed(src: Path, dst: Path, changed: float) -> int:
-    """``dst`` = ``src`` with ``changed`` of the texts edited (same ids, same files); returns edited rows."""
+def derive(src: Path, dst: Path, text_sql: str, recipe: dict) -> int:
+    """``dst`` = ``src`` file by file with ``text`` replaced by ``text_sql`` (same ids, same row groups),
+    written once with DuckDB; returns the rows whose text changed."""
     import duckdb
 
     marker = dst / "_DATASET.json"
-    want = {"from": json.loads((src / "_DATASET.json").read_text()), "changed": changed, "recipe": 1}
+    want = {"from": json.loads((src / "_DATASET.json").read_text()), **recipe}
     if marker.exists() and json.loads(marker.read_text())["spec"] == want:
-        return json.loads(marker.read_text())["edited"]
+        return json.loads(marker.read_text())["changed"]
     shutil.rmtree(dst, ignore_errors=True)
     dst.mkdir(parents=True)
     con = duckdb.connect()
-    edited = 0
-    cut = int(changed * 10_000)
+    changed = 0
     for f in sorted(src.glob("part-*.parquet")):
-        con.execute(f"COPY (SELECT id, CASE WHEN hash(id) % 10000 < {cut} THEN text || ' (edited)' ELSE text END "
-                    f"AS text FROM read_parquet('{f}')) TO '{dst / f.name}' "
+        con.execute(f"COPY (SELECT id, {text_sql} AS text FROM read_parquet('{f}')) TO '{dst / f.name}' "
                     f"(FORMAT parquet, COMPRESSION zstd, ROW_GROUP_SIZE {dp.ROW_GROUP})")
-        edited += con.execute(f"SELECT count(*) FROM read_parquet('{f}') WHERE hash(id) % 10000 < {cut}"
-                              ).fetchall()[0][0]
-    marker.write_text(json.dumps({"spec": want, "edited": edited}))
-    return edited
+        changed += con.execute(f"SELECT count(*) FROM read_parquet('{f}') WHERE {text_sql} IS DISTINCT FROM text"
+                               ).fetchall()[0][0]
+    marker.write_text(json.dumps({"spec": want, "changed": changed}))
+    return changed
 
 
 def child(stage: str, input_dir: Path, run_dir: Path, cache_dir: str) -> None:
@@ -101,7 +101,7 @@ def run_child(stage: str, input_dir: Path, run_dir: Path, cache_dir: Path | None
     cmd = [sys.executable, __file__, "--child", stage, "--input-dir", str(input_dir), "--run-dir", str(run_dir),
            "--cache-dir", str(cache_dir or "")]
     load = os.getloadavg()[0]
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr[-4000:])
         raise SystemExit(f"stage {stage} failed (exit {proc.returncode})")
@@ -136,9 +136,13 @@ def main() -> int:
         raise SystemExit("--changed must be a fraction in (0, 1)")
     w = args.workdir.resolve()
     w.mkdir(parents=True, exist_ok=True)
-    a, b = w / "in-a", w / "in-b"
-    dp.generate_dataset(a, args.rows)
-    edited = make_changed(a, b, args.changed)
+    gen, a, b = w / "in-gen", w / "in-a", w / "in-b"
+    dp.generate_dataset(gen, args.rows)
+    # bench_dataplane's texts come from a few thousand template pairs; tickets are unique, so is each text here
+    derive(gen, a, "text || ' [' || id || ']'", {"unique": 1})
+    cut = int(args.changed * 10_000)
+    edited = derive(a, b, f"CASE WHEN hash(id) % 10000 < {cut} THEN text || ' (edited)' ELSE text END",
+                    {"changed": args.changed})
     warm = w / "cache-warm"
     done = w / "cache-warm.json"
     if not (done.exists() and json.loads(done.read_text()).get("rows") == args.rows):

@@ -314,10 +314,16 @@ def _join(spec: JobSpec, found: Input, engine_identity: str | None, verify_check
         f"{KEY_COLUMN}, list_position({files}, filename) AS _f, file_row_number AS _r "
         f"FROM read_parquet({files}, filename = true, file_row_number = true)").fetchall()
     _entries_view(con, store, commits)
-    con.execute(
-        "CREATE TEMP TABLE best AS SELECT * EXCLUDE (rn) FROM (SELECT *, row_number() OVER (PARTITION BY key "
-        "ORDER BY _created DESC, _entry DESC, source_id) AS rn FROM cache_entries "
-        f"WHERE key IN (SELECT {KEY_COLUMN} FROM keyed)) WHERE rn = 1").fetchall()
+    con.execute(f"CREATE TEMP TABLE best AS SELECT * FROM cache_entries WHERE key IN (SELECT {KEY_COLUMN} FROM keyed)"
+                ).fetchall()
+    # An entry holds each key once (append_results); a key in several entries (runs that computed
+    # it at the same time) keeps the newest. Distinct 64-bit hashes == rows proves distinct keys,
+    # so the window (a sort of every hit row) runs only when a key really repeats.
+    total, distinct = con.execute("SELECT count(*), count(DISTINCT hash(key)) FROM best").fetchall()[0]
+    if total != distinct:
+        con.execute(
+            "CREATE OR REPLACE TEMP TABLE best AS SELECT * FROM best QUALIFY row_number() OVER (PARTITION BY key "
+            "ORDER BY _created DESC, _entry DESC, source_id) = 1").fetchall()
     texts = spec.prompt.texts
     chars = " + ".join(f"coalesce(length(CAST(k.{_q(c)} AS VARCHAR)), 0)" for c in texts) or "0"
     rows, hits, hit_tokens = con.execute(
@@ -478,12 +484,17 @@ def append_results(out: Storage, spec: JobSpec, plan: Plan, computed: list[str],
     with tempfile.TemporaryDirectory() as tmp:
         local = os.path.join(tmp, "part.parquet")
         try:
+            # one row per key: rows of equal text (and settings) have one answer; the first id names it
             con.execute(
-                f"COPY (SELECT m.{KEY_COLUMN} AS key, s.id AS source_id, {answer}, '{_sql_str(origin)}' AS "
-                f"{CACHED_FROM} FROM read_parquet({duck.file_list(out, computed)}) s "
+                f"CREATE TEMP TABLE entry AS SELECT m.{KEY_COLUMN} AS key, s.id AS source_id, {answer}, "
+                f"'{_sql_str(origin)}' AS {CACHED_FROM} FROM read_parquet({duck.file_list(out, computed)}) s "
                 f"JOIN read_parquet({duck.file_list(out, [cp.misses_file.path])}) m "
-                f"ON s.id = CAST(m.{idc} AS VARCHAR) ORDER BY s.id) TO '{_sql_str(local)}' "
-                "(FORMAT parquet, COMPRESSION zstd)").fetchall()
+                f"ON s.id = CAST(m.{idc} AS VARCHAR)").fetchall()
+            total, distinct = con.execute("SELECT count(*), count(DISTINCT key) FROM entry").fetchall()[0]
+            once = "entry" if total == distinct else (
+                "(SELECT * FROM entry QUALIFY row_number() OVER (PARTITION BY key ORDER BY source_id) = 1)")
+            con.execute(f"COPY (SELECT * FROM {once} ORDER BY source_id) TO '{_sql_str(local)}' "
+                        "(FORMAT parquet, COMPRESSION zstd)").fetchall()
         finally:
             con.close()
         rows = pq.ParquetFile(local).metadata.num_rows

@@ -414,7 +414,10 @@ def test_careless_inputs_integer_ids_repeated_texts_and_error_rows(tmp_path, fak
                        tmp_path / f"in-{run}.parquet")
     s1 = spec_for(tmp_path, "a", **over)
     p1, m1 = run_job(s1, fake_engine_factory)
-    assert m1["error_rows"] == 1 and m1["cache"]["appended"] == n - 1
+    # 29 ok rows of 10 distinct (kind, text) pairs: the entry holds each key once
+    assert m1["error_rows"] == 1 and m1["cache"]["appended"] == 10
+    entry = pq.read_table(tmp_path / "cache" / "entries" / m1["cache"]["entry_id"] / "part-00000.parquet")
+    assert entry.num_rows == len(set(entry.column("key").to_pylist())) == 10
     s2 = spec_for(tmp_path, "b", **over)
     fake_engine_factory.made.clear()
     p2, m2 = run_job(s2, fake_engine_factory)
