@@ -57,6 +57,7 @@ ANSWER_COLUMNS = [c for c in RESULT_COLUMNS if c not in ("id", CACHED_FROM)]
 ENTRY_SCHEMA = pa.schema([pa.field("key", pa.string(), nullable=False), pa.field("source_id", pa.string())]
                          + [RESULT_SCHEMA.field(c) for c in ANSWER_COLUMNS] + [pa.field(CACHED_FROM, pa.string())])
 HITS_BATCH_ROWS = 1 << 17
+ANSWER_PREFIX = "_vllm_cached_"  # the cached answer's columns beside the input's in the plan's join
 MISSES_ROW_GROUP = 4096  # the worker reads the row groups that hold its segment
 
 # engine_kwargs that change what a row's answer is, by design: in the key. The rest change speed,
@@ -101,8 +102,10 @@ def check_cacheable(spec: JobSpec, input_format: str | None = None) -> None:
         raise SpecError(f"cache.uri is set but the input is {input_format}: the result cache needs Parquet input "
                         "(io.input_format parquet); convert the input or unset cache.uri")
     cols = {spec.prompt.id_column, *spec.prompt.columns}
-    if KEY_COLUMN in cols:
-        raise SpecError(f"prompt: column name {KEY_COLUMN!r} is reserved by the result cache (cache.uri)")
+    reserved = sorted(c for c in cols if c.startswith("_vllm_"))
+    if reserved:
+        raise SpecError(f"prompt: column names starting with '_vllm_' ({reserved}) are reserved by the result "
+                        "cache (cache.uri)")
 
 
 def weights_fingerprint(folder: str) -> str:
@@ -298,7 +301,8 @@ class _Joined:
 
 def _join(spec: JobSpec, found: Input, engine_identity: str | None, verify_checksums: bool,
           filesystems: FileSystems | None) -> _Joined:
-    """Tables ``keyed`` (the input with its keys and order) and ``best`` (the newest entry per hit key)."""
+    """Table ``joined``: the input's rows with their keys, order (``_vllm_f``, ``_vllm_r``), the newest cached answer
+    (columns prefixed ``ANSWER_PREFIX``; NULL for a miss) and ``_vllm_hit``."""
     check_cacheable(spec, found.format)
     assert spec.cache.uri is not None
     cfg = key_config(spec, engine_identity)
@@ -311,25 +315,29 @@ def _join(spec: JobSpec, found: Input, engine_identity: str | None, verify_check
     files = duck.file_list(found.root, found.names)
     con.execute(
         f"CREATE TEMP TABLE keyed AS SELECT {', '.join(_q(c) for c in needed)}, {key_sql(spec, khash)} AS "
-        f"{KEY_COLUMN}, list_position({files}, filename) AS _f, file_row_number AS _r "
+        f"{KEY_COLUMN}, list_position({files}, filename) AS _vllm_f, file_row_number AS _vllm_r "
         f"FROM read_parquet({files}, filename = true, file_row_number = true)").fetchall()
     _entries_view(con, store, commits)
-    con.execute(f"CREATE TEMP TABLE best AS SELECT * FROM cache_entries WHERE key IN (SELECT {KEY_COLUMN} FROM keyed)"
-                ).fetchall()
     # An entry holds each key once (append_results); a key in several entries (runs that computed
     # it at the same time) keeps the newest. Distinct 64-bit hashes == rows proves distinct keys,
-    # so the window (a sort of every hit row) runs only when a key really repeats.
-    total, distinct = con.execute("SELECT count(*), count(DISTINCT hash(key)) FROM best").fetchall()[0]
+    # so the window (a sort of every entry) runs only when a key really repeats.
+    total, distinct = con.execute("SELECT count(*), count(DISTINCT hash(key)) FROM cache_entries").fetchall()[0]
+    entries = "cache_entries"
     if total != distinct:
         con.execute(
-            "CREATE OR REPLACE TEMP TABLE best AS SELECT * FROM best QUALIFY row_number() OVER (PARTITION BY key "
+            "CREATE TEMP TABLE newest AS SELECT * FROM cache_entries QUALIFY row_number() OVER (PARTITION BY key "
             "ORDER BY _created DESC, _entry DESC, source_id) = 1").fetchall()
+        entries = "newest"
+    # One join: every input row with its cached answer (NULL: a miss); the answer columns are
+    # prefixed so that an input column named like one (label, output ...) cannot clash.
+    answer = ", ".join(f"b.{_q(c)} AS {_q(ANSWER_PREFIX + c)}" for c in [*ANSWER_COLUMNS, CACHED_FROM])
+    con.execute(f"CREATE TEMP TABLE joined AS SELECT k.*, {answer}, b.key IS NOT NULL AS _vllm_hit FROM keyed k "
+                f"LEFT JOIN {entries} b ON k.{KEY_COLUMN} = b.key").fetchall()
     texts = spec.prompt.texts
-    chars = " + ".join(f"coalesce(length(CAST(k.{_q(c)} AS VARCHAR)), 0)" for c in texts) or "0"
+    chars = " + ".join(f"coalesce(length(CAST({_q(c)} AS VARCHAR)), 0)" for c in texts) or "0"
     rows, hits, hit_tokens = con.execute(
-        f"SELECT (SELECT count(*) FROM keyed), count(*), coalesce(sum(ceil(({chars}) / "
-        f"{float(spec.sharding.chars_per_token)})), 0) FROM keyed k JOIN best b ON k.{KEY_COLUMN} = b.key"
-    ).fetchall()[0]
+        f"SELECT count(*), count(*) FILTER (WHERE _vllm_hit), coalesce(sum(ceil(({chars}) / "
+        f"{float(spec.sharding.chars_per_token)})) FILTER (WHERE _vllm_hit), 0) FROM joined").fetchall()[0]
     return _Joined(con, khash, cfg, commits, int(rows), int(hits), int(hit_tokens))
 
 
@@ -356,19 +364,19 @@ def plan_cache(spec: JobSpec, found: Input, out: Storage, engine_identity: str |
     try:
         with tempfile.TemporaryDirectory() as tmp:
             hits_local, misses_local = os.path.join(tmp, "hits.parquet"), os.path.join(tmp, "misses.parquet")
-            answer = ", ".join(f"b.{_q(c)}" for c in ANSWER_COLUMNS)
+            answer = ", ".join(f"{_q(ANSWER_PREFIX + c)} AS {_q(c)}" for c in [*ANSWER_COLUMNS, CACHED_FROM])
             # The hits file is published by merge as one more part of results/, by reference: it
             # is written here in exactly the parts' schema (core.rows.RESULT_SCHEMA).
             batches = con.sql(
-                f"SELECT CAST(k.{_q(idc)} AS VARCHAR) AS id, {answer}, b.{CACHED_FROM} FROM keyed k "
-                f"JOIN best b ON k.{KEY_COLUMN} = b.key ORDER BY k._f, k._r").to_arrow_reader(HITS_BATCH_ROWS)
+                f"SELECT CAST({_q(idc)} AS VARCHAR) AS id, {answer} FROM joined WHERE _vllm_hit "
+                "ORDER BY _vllm_f, _vllm_r").to_arrow_reader(HITS_BATCH_ROWS)
             with pq.ParquetWriter(hits_local, RESULT_SCHEMA, compression="zstd") as w:
                 for b in batches:
                     w.write_batch(pa.RecordBatch.from_arrays(
                         [b.column(i).cast(f.type) for i, f in enumerate(RESULT_SCHEMA)], schema=RESULT_SCHEMA))
             con.execute(
-                f"COPY (SELECT {', '.join('k.' + _q(c) for c in needed)}, k.{KEY_COLUMN} FROM keyed k "
-                f"ANTI JOIN best b ON k.{KEY_COLUMN} = b.key ORDER BY k._f, k._r) TO '{_sql_str(misses_local)}' "
+                f"COPY (SELECT {', '.join(_q(c) for c in needed)}, {KEY_COLUMN} FROM joined WHERE NOT _vllm_hit "
+                f"ORDER BY _vllm_f, _vllm_r) TO '{_sql_str(misses_local)}' "
                 f"(FORMAT parquet, COMPRESSION zstd, ROW_GROUP_SIZE {MISSES_ROW_GROUP})").fetchall()
             faults.hit("cache.before_files")
             hits_file = _put(out, hits_local, "hits", j.hits)

@@ -111,6 +111,9 @@ def test_refusals_name_the_field(tmp_path):
                                    cache={"uri": str(tmp_path / "c"), "allow_sampling": True}))
     with pytest.raises(SpecError, match="cache.uri.*jsonl"):
         cache.check_cacheable(spec_for(tmp_path, "a"), "jsonl")
+    for col in ("_vllm_cache_key", "_vllm_f", "_vllm_hit"):  # the plan's own columns beside the input's
+        with pytest.raises(SpecError, match="'_vllm_' .* reserved"):
+            cache.check_cacheable(spec_for(tmp_path, "a", prompt={"template": "{%s}" % col}))
 
 
 def test_jsonl_input_is_refused_by_the_plan(tmp_path):
@@ -471,3 +474,19 @@ def test_embeddings_are_cached_too(tmp_path, fake_engine_factory):
     assert p2.cache.hits == 50 and m2["ok_rows"] == 50
     r1, r2 = results(s1), results(s2)
     assert all(r2[i]["embedding"] == r1[i]["embedding"] and r2[i]["embedding"] for i in IDS)
+
+
+def test_input_columns_named_like_answer_columns(tmp_path, fake_engine_factory):
+    """A template column called ``label`` or ``output`` must not be mistaken for the cached answer."""
+    over = {"prompt": {"template": "{label} / {output}: {text}", "text_columns": ["text"]}}
+    for run in ("a", "b"):
+        pq.write_table(pa.table({"id": IDS, "text": TEXTS, "label": ["input-label"] * 50,
+                                 "output": ["input-output"] * 50}), tmp_path / f"in-{run}.parquet")
+    s1 = spec_for(tmp_path, "a", **over)
+    run_job(s1, fake_engine_factory)
+    s2 = spec_for(tmp_path, "b", **over)
+    p2, _ = run_job(s2, fake_engine_factory)
+    assert p2.cache.hits == 50
+    r1, r2 = results(s1), results(s2)
+    assert {i: (r["label"], r["output"]) for i, r in r2.items()} == {i: (r["label"], r["output"]) for i, r in r1.items()}
+    assert all(r["output"] != "input-output" for r in r2.values())
