@@ -43,6 +43,7 @@ ROOT = HERE.parent
 RESULTS_FILE = HERE / "results.jsonl"
 DAG_ID = "vllm_nightly_reclassification"
 DAY = "2026-11-20"
+AIRFLOW = str(Path(sys.executable).with_name("airflow"))
 GOAL_OVERHEAD = 0.10
 
 
@@ -57,10 +58,12 @@ def _model(name: str) -> str:
 
 
 def _durations(db: Path) -> list[dict]:
+    """Task instances of the newest run of DAG_ID (one Airflow home may hold several runs)."""
     con = sqlite3.connect(db)
     try:
         rows = con.execute("SELECT task_id, map_index, state, start_date, end_date FROM task_instance "
-                           "WHERE dag_id = ?", (DAG_ID,)).fetchall()
+                           "WHERE dag_id = ? AND run_id = (SELECT run_id FROM dag_run WHERE dag_id = ? "
+                           "ORDER BY id DESC LIMIT 1)", (DAG_ID, DAG_ID)).fetchall()
     finally:
         con.close()
     out = []
@@ -70,6 +73,59 @@ def _durations(db: Path) -> list[dict]:
             secs = (datetime.fromisoformat(str(end)) - datetime.fromisoformat(str(start))).total_seconds()
         out.append({"task": task_id.split(".")[-1], "map_index": map_index, "state": state, "seconds": secs})
     return out
+
+
+def airflow_env(home: Path, data: Path, model: str, rows_per_shard: int, max_shards: int, max_tokens: int,
+                overrides: dict | None = None) -> dict[str, str]:
+    """The environment of `airflow` for the nightly DAG over ``data`` (QA never stops the run for a human)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "VLLM_BATCH_INJECT"))}
+    env.update({
+        "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+        "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}".rstrip(":"),
+        "AIRFLOW_HOME": str(home), "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False", "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db",
+        "AIRFLOW_VAR_VLLM_BATCH_DATA_ROOT": str(data), "AIRFLOW_VAR_VLLM_BATCH_MODEL": model,
+        # the deployment's allow-list (docs/security.md): the benchmark's data and the model's folder
+        "AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES": json.dumps(
+            [str(data), *([os.path.dirname(os.path.realpath(model))] if model.startswith("/") else [])]),
+        "AIRFLOW_VAR_VLLM_BATCH_SHARD_ROWS": str(rows_per_shard),
+        "AIRFLOW_VAR_VLLM_BATCH_HUMAN_REVIEW": "false",  # nobody answers a review under `dags test`
+        "AIRFLOW_VAR_VLLM_BATCH_SPEC_OVERRIDES": json.dumps(
+            {"sharding.max_shards": max(max_shards, 1), "sampling.max_tokens": max_tokens,
+             # QA must not stop the run for a human: this measures orchestration, not label quality
+             **{f"qa.{level}_{check}": 1 for level in ("warn", "fail")
+                for check in ("error_rate", "invalid_rate", "empty_rate", "truncation_rate", "label_drift",
+                              "churn_rate")},
+             **(overrides or {})}),
+        "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1", "TOKENIZERS_PARALLELISM": "false",
+    })
+    return env
+
+
+def migrate(env: dict[str, str], home: Path) -> None:
+    home.mkdir(parents=True, exist_ok=True)
+    mig = subprocess.run([AIRFLOW, "db", "migrate"], env=env, cwd=home, capture_output=True, text=True)
+    if mig.returncode != 0:
+        raise SystemExit(f"airflow db migrate failed:\n{mig.stderr[-3000:]}")
+
+
+def dags_test(env: dict[str, str], day: str, log: Path, timeout: int) -> tuple[float, list[dict]]:
+    """`airflow dags test DAG_ID day`: its wall seconds and task instances; exits unless every task succeeded."""
+    home = Path(env["AIRFLOW_HOME"])
+    t0 = time.monotonic()
+    with open(log, "w") as fh:
+        proc = subprocess.run([AIRFLOW, "dags", "test", DAG_ID, day], env=env, cwd=home, stdout=fh,
+                              stderr=subprocess.STDOUT, timeout=timeout)
+    wall = time.monotonic() - t0
+    tis = _durations(home / "airflow.db")
+    # the runner branch skips the Kubernetes shard task of a local run; a plan of no shards (every row
+    # answered by the result cache) skips the unexpanded shard task
+    failed = [t for t in tis if t["state"] != "success"
+              and not (t["state"] == "skipped" and (t["task"] == "shard_kubernetes" or t["map_index"] == -1))]
+    if proc.returncode != 0 or failed:
+        raise SystemExit(f"DAG run failed (exit {proc.returncode}; not successful: {failed}); see {log}")
+    return wall, tis
 
 
 def main() -> int:
@@ -96,45 +152,10 @@ def main() -> int:
     rows = args.shards * args.rows_per_shard
     write_tickets(data / "tickets" / f"dt={DAY}", rows, seed=5, truth_dir=work / "truth")
 
-    airflow = str(Path(sys.executable).with_name("airflow"))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "VLLM_BATCH_INJECT"))}
-    env.update({
-        "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
-        "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}".rstrip(":"),
-        "AIRFLOW_HOME": str(home), "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW_VAR_VLLM_BATCH_DATA_ROOT": str(data), "AIRFLOW_VAR_VLLM_BATCH_MODEL": model,
-        # the deployment's allow-list (docs/security.md): the benchmark's data and the model's folder
-        "AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES": json.dumps(
-            [str(data), *([os.path.dirname(os.path.realpath(model))] if model.startswith("/") else [])]),
-        "AIRFLOW_VAR_VLLM_BATCH_SHARD_ROWS": str(args.rows_per_shard),
-        "AIRFLOW_VAR_VLLM_BATCH_HUMAN_REVIEW": "false",  # nobody answers a review under `dags test`
-        "AIRFLOW_VAR_VLLM_BATCH_SPEC_OVERRIDES": json.dumps(
-            {"sharding.max_shards": max(args.shards, 1), "sampling.max_tokens": 32 if args.model == "tiny" else 16,
-             # QA must not stop the run for a human: this measures orchestration, not label quality
-             "qa.warn_error_rate": 1, "qa.fail_error_rate": 1, "qa.warn_invalid_rate": 1, "qa.fail_invalid_rate": 1,
-             "qa.warn_empty_rate": 1, "qa.fail_empty_rate": 1, "qa.warn_truncation_rate": 1,
-             "qa.fail_truncation_rate": 1, "qa.warn_label_drift": 1, "qa.fail_label_drift": 1}),
-        "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1", "TOKENIZERS_PARALLELISM": "false",
-    })
-    mig = subprocess.run([airflow, "db", "migrate"], env=env, cwd=home, capture_output=True, text=True)
-    if mig.returncode != 0:
-        raise SystemExit(f"airflow db migrate failed:\n{mig.stderr[-3000:]}")
-
+    env = airflow_env(home, data, model, args.rows_per_shard, args.shards, 32 if args.model == "tiny" else 16)
+    migrate(env, home)
     t_start = time.time()
-    t0 = time.monotonic()
-    log = work / "dags_test.log"
-    with open(log, "w") as fh:
-        proc = subprocess.run([airflow, "dags", "test", DAG_ID, DAY], env=env, cwd=home, stdout=fh,
-                              stderr=subprocess.STDOUT, timeout=args.timeout)
-    wall = time.monotonic() - t0
-    tis = _durations(home / "airflow.db")
-    # the runner branch skips the Kubernetes shard task of a local run
-    failed = [t for t in tis if t["state"] != "success"
-              and not (t["task"] == "shard_kubernetes" and t["state"] == "skipped")]
-    if proc.returncode != 0 or failed:
-        raise SystemExit(f"DAG run failed (exit {proc.returncode}; not successful: {failed}); see {log}")
+    wall, tis = dags_test(env, DAY, work / "dags_test.log", args.timeout)
     merged = json.loads((data / "reclassification" / f"dt={DAY}" / "_MERGED.json").read_text())
     stats = merged["shard_stats"]
     n_shards = len(stats)
