@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import string
+from collections.abc import Collection
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -372,23 +373,24 @@ class JobSpec(_Model):
         return cls.load(doc)
 
     @classmethod
-    def from_params(cls, params: dict[str, Any], base: JobSpec | dict | None = None) -> JobSpec:
+    def from_params(cls, params: dict[str, Any], base: JobSpec | dict | None = None,
+                    keep_null: Collection[str] = ()) -> JobSpec:
         """From flat DAG params layered over a base spec.
 
         Keys are dotted paths (``sampling.max_tokens``) or the short names listed in
         ``PARAM_ALIASES`` (``labels``, ``model``, ``input_uri`` ...). ``None`` values are
-        ignored so that empty form fields keep the base's value.
+        ignored so that empty form fields keep the base's value, except for the keys in
+        ``keep_null``, which are set to null (a deployment override such as ``{"cache.uri": null}``).
         """
         doc = base.model_dump(mode="json") if isinstance(base, JobSpec) else json.loads(json.dumps(base or {}))
         for key, value in params.items():
-            if value is None:
+            if value is None and key not in keep_null:
                 continue
             path = PARAM_ALIASES.get(key, key)
             if path is None:
                 continue
             if path == "sampling.structured.choice":
-                value = list(value)
-                doc.setdefault("sampling", {})["structured"] = {"choice": value}
+                doc.setdefault("sampling", {})["structured"] = None if value is None else {"choice": list(value)}
                 continue
             parts = path.split(".")
             node = doc

@@ -112,8 +112,12 @@ class VllmPlanOperator(BaseOperator):
         try:
             layered = overrides_document(self.overrides)
             validate_params(params, self.param_overrides)  # again: runs made via the API skip no rule
-            layered.update({k: params.get(k) for k in self.param_overrides})
-            return JobSpec.from_params(layered, base=spec_document(self.spec))
+            # a null in the overrides sets the field to null ({"cache.uri": null} turns the cache
+            # off); an empty form field (a None param) keeps what the overrides or the spec say
+            given = {k: params[k] for k in self.param_overrides if params.get(k) is not None}
+            nulls = {k for k, v in layered.items() if v is None} - set(given)
+            layered.update(given)
+            return JobSpec.from_params(layered, base=spec_document(self.spec), keep_null=nulls)
         except SpecError as e:
             raise AirflowFailException(f"plan: {e}") from None
 

@@ -32,7 +32,6 @@ TESTED_ELSEWHERE: dict[str, list[str]] = {
     "operators/kubernetes.py": ["tests/airflow/test_kubernetes_operator.py"],
     "operators/lineage.py": ["tests/airflow/test_openlineage.py"],
     "operators/merge.py": ["tests/airflow/test_operators.py"],
-    "operators/plan.py": ["tests/airflow/test_operators.py", "tests/airflow/test_plan_dry_run.py"],
     "operators/pod_dry_run.py": ["tests/airflow/test_kubernetes_dags.py"],
     "operators/provenance.py": ["tests/unit/test_security.py"],
     "operators/publish.py": ["tests/airflow/test_operators.py", "tests/airflow/test_dag_runs.py"],

@@ -80,3 +80,14 @@ def test_from_params_layers_over_base():
 def test_embed_task_rejects_chat_only_fields():
     with pytest.raises(SpecError, match="structured"):
         JobSpec.load({**BASE, "task": "embed", "sampling": {"structured": {"choice": ["a"]}}})
+
+
+def test_from_params_keeps_only_the_nulls_asked_for():
+    base = JobSpec.load({**BASE, "cache": {"uri": "/c"}, "sampling": {"structured": {"choice": ["a", "b"]}}})
+    # an empty form field keeps the base's value
+    assert JobSpec.from_params({"cache.uri": None, "labels": None}, base=base).cache.uri == "/c"
+    # a deployment override's null is a value: the cache off, the choice constraint gone
+    spec = JobSpec.from_params({"cache.uri": None, "labels": None}, base=base, keep_null={"cache.uri", "labels"})
+    assert spec.cache.uri is None and spec.sampling.structured is None
+    with pytest.raises(SpecError, match="model.name"):  # a null where a value is required still fails by name
+        JobSpec.from_params({"model": None}, base=base, keep_null={"model"})
