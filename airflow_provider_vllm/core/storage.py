@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import os
 import posixpath
+import shutil
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -167,6 +168,18 @@ class Storage:
     def upload(self, local: str, rel: str) -> None:
         """Copy a finished local file to rel (remote: one PUT or multipart upload, visible whole or not at all)."""
         retrying(lambda: self.fs.put_file(local, self.path(rel)), f"upload {self.uri(rel)}")
+
+    def publish(self, local: str, rel: str) -> None:
+        """A finished local file at ``rel``, seen whole or not at all (local: a copy beside it, then a
+        rename; remote: one upload)."""
+        if not self.is_local:
+            self.upload(local, rel)
+            return
+        dest = self.path(rel)
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        tmp = f"{dest}.tmp-{os.getpid()}"
+        shutil.copyfile(local, tmp)
+        os.replace(tmp, dest)
 
     def copy(self, src: str, rel: str) -> None:
         """Copy ``src`` to ``rel`` on the same filesystem without reading it here (object stores: a

@@ -27,7 +27,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import tempfile
 from datetime import UTC, datetime
 from typing import Any
@@ -405,21 +404,9 @@ def _put(out: Storage, local: str, kind: str, rows: int) -> CacheFile:
     sha, size = h.hexdigest(), os.path.getsize(local)
     rel = f"{CACHE_DIR}/{kind}-{sha[:16]}.parquet"
     if not (out.exists(rel) and out.size(rel) == size):
-        _publish(out, local, rel)
+        out.publish(local, rel)
     version = describe_files(out.sub(CACHE_DIR), [rel.split("/", 1)[1]])[0].version
     return CacheFile(path=rel, bytes=size, sha256=sha, rows=rows, version=version)
-
-
-def _publish(st: Storage, local: str, rel: str) -> None:
-    """Readers see the whole file at rel or none (local: copy beside it, rename; remote: one upload)."""
-    if st.is_local:
-        dest = st.path(rel)
-        os.makedirs(os.path.dirname(dest), exist_ok=True)
-        tmp = f"{dest}.tmp-{os.getpid()}"
-        shutil.copyfile(local, tmp)
-        os.replace(tmp, dest)
-    else:
-        st.upload(local, rel)
 
 
 # ---- merge ------------------------------------------------------------------------------
@@ -512,7 +499,7 @@ def append_results(out: Storage, spec: JobSpec, plan: Plan, computed: list[str],
         if wrong:
             log.warning("cache %s: not appending run %s: %s", cp.uri, origin, wrong)
             return CacheMergeSummary(uri=cp.uri, hits=cp.hits, appended=0, skipped=wrong)
-        _publish(store.st, local, rel)
+        store.st.publish(local, rel)
     faults.hit("cache.entry_data")
     commit = CacheCommit(
         entry_id=eid, key_hash=cp.key_hash,
