@@ -50,8 +50,10 @@ def get_provider_info() -> dict:
                 "options": {
                     ALLOWED_URI_PREFIXES: {
                         "description": "JSON list or comma-separated URI prefixes that every location of a job "
-                        "(input, output, sharding.history_uri, qa.previous_report_uri, cache.uri, changes.previous_uri, "
-                        "a local model or tokenizer path) must lie under, by whole path segments. Empty: nothing is allowed (plan refuses, "
+                        "(input, output, sharding.history_uri, qa.previous_report_uri, cache.uri, "
+                        "changes.previous_uri, "
+                        "a local model or tokenizer path) must lie under, by whole path segments. "
+                        "Empty: nothing is allowed (plan refuses, "
                         "naming this option) unless allow_any_location is True.",
                         "version_added": "0.1.0",
                         "type": "string",

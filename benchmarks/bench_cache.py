@@ -63,10 +63,13 @@ def derive(src: Path, dst: Path, text_sql: str, recipe: dict) -> int:
     con = duckdb.connect()
     changed = 0
     for f in sorted(src.glob("part-*.parquet")):
-        con.execute(f"COPY (SELECT id, {text_sql} AS text FROM read_parquet('{f}')) TO '{dst / f.name}' "
-                    f"(FORMAT parquet, COMPRESSION zstd, ROW_GROUP_SIZE {dp.ROW_GROUP})")
-        changed += con.execute(f"SELECT count(*) FROM read_parquet('{f}') WHERE {text_sql} IS DISTINCT FROM text"
-                               ).fetchall()[0][0]
+        con.execute(
+            f"COPY (SELECT id, {text_sql} AS text FROM read_parquet('{f}')) TO '{dst / f.name}' "
+            f"(FORMAT parquet, COMPRESSION zstd, ROW_GROUP_SIZE {dp.ROW_GROUP})"
+        )
+        changed += con.execute(
+            f"SELECT count(*) FROM read_parquet('{f}') WHERE {text_sql} IS DISTINCT FROM text"
+        ).fetchall()[0][0]
     marker.write_text(json.dumps({"spec": want, "changed": changed}))
     return changed
 
@@ -82,14 +85,21 @@ def child(stage: str, input_dir: Path, run_dir: Path, cache_dir: str) -> None:
     t0 = time.perf_counter()
     if stage == "plan":
         plan = plan_job(spec, engine_identity=ENGINE)
-        extra.update(shards=len(plan.shards), infer_rows=sum(s.rows for s in plan.shards),
-                     hits=plan.cache.hits if plan.cache else 0)
+        extra.update(
+            shards=len(plan.shards),
+            infer_rows=sum(s.rows for s in plan.shards),
+            hits=plan.cache.hits if plan.cache else 0,
+        )
     elif stage == "setup":
         extra.update(dp.synthesise_commits(spec))
     elif stage == "merge":
         s = merge(spec)
-        extra.update(ok_rows=s.ok_rows, error_rows=s.error_rows,
-                     appended=s.cache.appended if s.cache else None, skipped=s.cache.skipped if s.cache else None)
+        extra.update(
+            ok_rows=s.ok_rows,
+            error_rows=s.error_rows,
+            appended=s.cache.appended if s.cache else None,
+            skipped=s.cache.skipped if s.cache else None,
+        )
     else:
         raise SystemExit(f"unknown stage {stage}")
     seconds = time.perf_counter() - t0
@@ -98,8 +108,18 @@ def child(stage: str, input_dir: Path, run_dir: Path, cache_dir: str) -> None:
 
 
 def run_child(stage: str, input_dir: Path, run_dir: Path, cache_dir: Path | None) -> dict:
-    cmd = [sys.executable, __file__, "--child", stage, "--input-dir", str(input_dir), "--run-dir", str(run_dir),
-           "--cache-dir", str(cache_dir or "")]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        stage,
+        "--input-dir",
+        str(input_dir),
+        "--run-dir",
+        str(run_dir),
+        "--cache-dir",
+        str(cache_dir or ""),
+    ]
     load = os.getloadavg()[0]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -141,8 +161,9 @@ def main() -> int:
     # bench_dataplane's texts come from a few thousand template pairs; tickets are unique, so is each text here
     derive(gen, a, "text || ' [' || id || ']'", {"unique": 1})
     cut = int(args.changed * 10_000)
-    edited = derive(a, b, f"CASE WHEN hash(id) % 10000 < {cut} THEN text || ' (edited)' ELSE text END",
-                    {"changed": args.changed})
+    edited = derive(
+        a, b, f"CASE WHEN hash(id) % 10000 < {cut} THEN text || ' (edited)' ELSE text END", {"changed": args.changed}
+    )
     warm = w / "cache-warm"
     done = w / "cache-warm.json"
     if not (done.exists() and json.loads(done.read_text()).get("rows") == args.rows):
@@ -162,25 +183,42 @@ def main() -> int:
                 shutil.copytree(warm, cache_dir, copy_function=os.link)
             r = one_run(b, w / f"run2-{side}", cache_dir)
             sides[side].append(r)
-            print(f"{side:8s} plan {r['plan']['seconds']:7.2f}s ({r['plan']['peak_rss_mib']:.0f} MiB)  "
-                  f"merge {r['merge']['seconds']:7.2f}s ({r['merge']['peak_rss_mib']:.0f} MiB)  "
-                  f"infer rows {r['plan']['infer_rows']}  load {r['plan']['load1_before']}", file=sys.stderr)
+            print(
+                f"{side:8s} plan {r['plan']['seconds']:7.2f}s ({r['plan']['peak_rss_mib']:.0f} MiB)  "
+                f"merge {r['merge']['seconds']:7.2f}s ({r['merge']['peak_rss_mib']:.0f} MiB)  "
+                f"infer rows {r['plan']['infer_rows']}  load {r['plan']['load1_before']}",
+                file=sys.stderr,
+            )
 
     def med(side: str, key: str) -> float:
         vals = [r[key]["seconds"] if key in ("plan", "merge") else r[key] for r in sides[side]]
         return round(statistics.median(vals), 3)
 
-    summary = {side: {"plan_s": med(side, "plan"), "merge_s": med(side, "merge"), "total_s": med(side, "total_s"),
-                      "infer_rows": sides[side][0]["plan"]["infer_rows"], "hits": sides[side][0]["plan"]["hits"],
-                      "peak_rss_mib": max(max(r["plan"]["peak_rss_mib"], r["merge"]["peak_rss_mib"])
-                                          for r in sides[side])}
-               for side in sides}
+    summary = {
+        side: {
+            "plan_s": med(side, "plan"),
+            "merge_s": med(side, "merge"),
+            "total_s": med(side, "total_s"),
+            "infer_rows": sides[side][0]["plan"]["infer_rows"],
+            "hits": sides[side][0]["plan"]["hits"],
+            "peak_rss_mib": max(max(r["plan"]["peak_rss_mib"], r["merge"]["peak_rss_mib"]) for r in sides[side]),
+        }
+        for side in sides
+    }
     ratio = round(summary["cache"]["total_s"] / summary["nocache"]["total_s"], 3)
-    line = {"bench": "cache", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": args.rows,
-            "changed": args.changed, "edited_rows": edited, "repeat": args.repeat, "env": dp.environment(),
-            "summary": summary, "ratio_plan_merge_cache_vs_nocache": ratio,
-            "infer_rows_ratio": round(summary["cache"]["infer_rows"] / summary["nocache"]["infer_rows"], 4),
-            "runs": sides}
+    line = {
+        "bench": "cache",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "rows": args.rows,
+        "changed": args.changed,
+        "edited_rows": edited,
+        "repeat": args.repeat,
+        "env": dp.environment(),
+        "summary": summary,
+        "ratio_plan_merge_cache_vs_nocache": ratio,
+        "infer_rows_ratio": round(summary["cache"]["infer_rows"] / summary["nocache"]["infer_rows"], 4),
+        "runs": sides,
+    }
     with open(dp.RESULTS_FILE, "a") as f:
         f.write(json.dumps(line) + "\n")
     print(json.dumps({k: v for k, v in line.items() if k != "runs"}, indent=1))

@@ -82,14 +82,20 @@ def measure(env: dict[str, str], day: str, out: Path, log: Path, timeout: int) -
     stats = merged.get("shard_stats") or []
     cache = plan.get("cache")
     rows = merged["rows"]
-    return {"dags_test_wall_s": round(wall, 3), "all_tasks_s": round(sum(e["seconds"] for e in tasks.values()), 3),
-            "tasks": tasks, "rows": rows, "ok_rows": merged["ok_rows"], "shards": merged["shards"],
-            "rows_to_shards": cache["misses"] if cache else rows,
-            "rows_inferred": sum(s.get("infer_rows") or 0 for s in stats),
-            "infer_s": round(sum(s.get("infer_s") or 0 for s in stats), 3),
-            "engine_start_s": round(sum(s.get("engine_start_s") or 0 for s in stats), 3),
-            "cache_hits": cache["hits"] if cache else None,
-            "cache_hit_rate": round(cache["hits"] / cache["rows"], 4) if cache and cache["rows"] else None}
+    return {
+        "dags_test_wall_s": round(wall, 3),
+        "all_tasks_s": round(sum(e["seconds"] for e in tasks.values()), 3),
+        "tasks": tasks,
+        "rows": rows,
+        "ok_rows": merged["ok_rows"],
+        "shards": merged["shards"],
+        "rows_to_shards": cache["misses"] if cache else rows,
+        "rows_inferred": sum(s.get("infer_rows") or 0 for s in stats),
+        "infer_s": round(sum(s.get("infer_s") or 0 for s in stats), 3),
+        "engine_start_s": round(sum(s.get("engine_start_s") or 0 for s in stats), 3),
+        "cache_hits": cache["hits"] if cache else None,
+        "cache_hit_rate": round(cache["hits"] / cache["rows"], 4) if cache and cache["rows"] else None,
+    }
 
 
 def main() -> int:
@@ -144,8 +150,11 @@ def main() -> int:
 
     runs = {"run1": run1, "run2": run2, "run2_nocache": base}
     ratio = lambda a, b, k: round(runs[a][k] / runs[b][k], 4)  # noqa: E731
-    ratios = {f"{k}_{a}_vs_{b}": ratio(a, b, k) for a, b in (("run2", "run1"), ("run2", "run2_nocache"))
-              for k in ("dags_test_wall_s", "all_tasks_s")}
+    ratios = {
+        f"{k}_{a}_vs_{b}": ratio(a, b, k)
+        for a, b in (("run2", "run1"), ("run2", "run2_nocache"))
+        for k in ("dags_test_wall_s", "all_tasks_s")
+    }
     print(f"\nbench_cache_dag: day D {len(day1)} rows; D+1 {len(day2)} rows ({counts}); model {model}")
     names = ["plan", "runner", "shard", "merge", "qa", "review", "publish"]
     print(f"{'':<28}" + "".join(f"{n:>14}" for n in runs))
@@ -164,11 +173,25 @@ def main() -> int:
         print(f"{k:<44} {v:.3f}")
     print(f"run 2 changes: {changes['counts']}")
 
-    record = {"bench": "cache_dag", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)),
-              "rows_day1": len(day1), "rows_day2": len(day2), "day2": counts, "shard_rows": args.shard_rows,
-              "model": model, "runs": runs, "ratios": ratios, "changes_counts": changes["counts"],
-              "env": {"git": head.stdout.strip(), "machine": platform.machine(), "nproc": os.cpu_count(),
-                      "python": platform.python_version(), "load1_at_end": round(os.getloadavg()[0], 2)}}
+    record = {
+        "bench": "cache_dag",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)),
+        "rows_day1": len(day1),
+        "rows_day2": len(day2),
+        "day2": counts,
+        "shard_rows": args.shard_rows,
+        "model": model,
+        "runs": runs,
+        "ratios": ratios,
+        "changes_counts": changes["counts"],
+        "env": {
+            "git": head.stdout.strip(),
+            "machine": platform.machine(),
+            "nproc": os.cpu_count(),
+            "python": platform.python_version(),
+            "load1_at_end": round(os.getloadavg()[0], 2),
+        },
+    }
     with open(RESULTS_FILE, "a", encoding="utf-8") as f:
         f.write(json.dumps(record, sort_keys=True, default=str) + "\n")
     print(f"appended to {RESULTS_FILE}")

@@ -35,15 +35,23 @@ def write_run(con, out: Path, rows: int, offset: int, moved: float) -> None:
     # label of id i: stable, except a `moved` share that shifts by one
     shift = f"(CASE WHEN hash(i) % 10000 < {int(moved * 10000)} THEN 1 ELSE 0 END)"
     cols = ", ".join(
-        {"id": "'t' || lpad(CAST(i AS VARCHAR), 10, '0') AS id",
-         "label": f"{labels}[1 + CAST((i + {shift}) % 5 AS INTEGER)] AS label",
-         "output": f"{labels}[1 + CAST((i + {shift}) % 5 AS INTEGER)] AS output",
-         "valid": "true AS valid", "model": "'m' AS model", "config_hash": "'c' AS config_hash"}.get(
-            c, f"NULL::{_duck_type(RESULT_SCHEMA.field(c).type)} AS {c}") for c in RESULT_COLUMNS)
-    con.execute(f"COPY (SELECT {cols} FROM range({offset}, {offset + rows}) t(i)) TO '{out}/results/part-00000.parquet' "
-                "(FORMAT parquet, COMPRESSION zstd)")
-    ecols = ", ".join(f"NULL::{_duck_type(ERROR_SCHEMA.field(c).type)} AS {c}" if c != "id" else "'e' AS id"
-                      for c in ERROR_COLUMNS)
+        {
+            "id": "'t' || lpad(CAST(i AS VARCHAR), 10, '0') AS id",
+            "label": f"{labels}[1 + CAST((i + {shift}) % 5 AS INTEGER)] AS label",
+            "output": f"{labels}[1 + CAST((i + {shift}) % 5 AS INTEGER)] AS output",
+            "valid": "true AS valid",
+            "model": "'m' AS model",
+            "config_hash": "'c' AS config_hash",
+        }.get(c, f"NULL::{_duck_type(RESULT_SCHEMA.field(c).type)} AS {c}")
+        for c in RESULT_COLUMNS
+    )
+    con.execute(
+        f"COPY (SELECT {cols} FROM range({offset}, {offset + rows}) t(i)) TO '{out}/results/part-00000.parquet' "
+        "(FORMAT parquet, COMPRESSION zstd)"
+    )
+    ecols = ", ".join(
+        f"NULL::{_duck_type(ERROR_SCHEMA.field(c).type)} AS {c}" if c != "id" else "'e' AS id" for c in ERROR_COLUMNS
+    )
     (out / "errors").mkdir(parents=True)
     con.execute(f"COPY (SELECT {ecols} LIMIT 0) TO '{out}/errors/part-00000.parquet' (FORMAT parquet)")
     write_manifest(out, "results")
@@ -88,20 +96,37 @@ def main() -> None:
         write_run(con, d / "prev", a.rows, 0, 0.0)
         write_run(con, d / "now", a.rows, gone, a.changed)  # 1% removed at the start, 1% added at the end
         t0 = time.monotonic()
-        con.execute(f"COPY (SELECT * FROM read_parquet(['{d}/prev/results/part-00000.parquet', "
-                    f"'{d}/now/results/part-00000.parquet'])) TO '{d}/copy.parquet' (FORMAT parquet, COMPRESSION zstd)")
+        con.execute(
+            f"COPY (SELECT * FROM read_parquet(['{d}/prev/results/part-00000.parquet', "
+            f"'{d}/now/results/part-00000.parquet'])) TO '{d}/copy.parquet' (FORMAT parquet, COMPRESSION zstd)"
+        )
         base_s = time.monotonic() - t0
         con.close()
         spec = make_spec(d / "in.parquet", d / "now", changes={"previous_uri": str(d / "prev")})
-        p = subprocess.run([sys.executable, "-c", CHILD, spec.model_dump_json()], capture_output=True, text=True,
-                           env={**os.environ, "PYTHONPATH": str(ROOT)})
+        p = subprocess.run(
+            [sys.executable, "-c", CHILD, spec.model_dump_json()],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
         if p.returncode:
             sys.exit(p.stderr[-3000:])
         r = json.loads(p.stdout.strip().splitlines()[-1])
-        print(json.dumps({"bench": "changes", "rows": a.rows, "changes_s": round(r["s"], 2),
-                          "baseline_copy_s": round(base_s, 2), "ratio_to_copy": round(r["s"] / base_s, 2),
-                          "peak_rss_mb": round(r["rss_mb"]), "counts": r["counts"],
-                          "churn_rate": round(r["churn_rate"], 4), "cpus": os.cpu_count()}))
+        print(
+            json.dumps(
+                {
+                    "bench": "changes",
+                    "rows": a.rows,
+                    "changes_s": round(r["s"], 2),
+                    "baseline_copy_s": round(base_s, 2),
+                    "ratio_to_copy": round(r["s"] / base_s, 2),
+                    "peak_rss_mb": round(r["rss_mb"]),
+                    "counts": r["counts"],
+                    "churn_rate": round(r["churn_rate"], 4),
+                    "cpus": os.cpu_count(),
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -61,9 +61,12 @@ def _durations(db: Path) -> list[dict]:
     """Task instances of the newest run of DAG_ID (one Airflow home may hold several runs)."""
     con = sqlite3.connect(db)
     try:
-        rows = con.execute("SELECT task_id, map_index, state, start_date, end_date FROM task_instance "
-                           "WHERE dag_id = ? AND run_id = (SELECT run_id FROM dag_run WHERE dag_id = ? "
-                           "ORDER BY id DESC LIMIT 1)", (DAG_ID, DAG_ID)).fetchall()
+        rows = con.execute(
+            "SELECT task_id, map_index, state, start_date, end_date FROM task_instance "
+            "WHERE dag_id = ? AND run_id = (SELECT run_id FROM dag_run WHERE dag_id = ? "
+            "ORDER BY id DESC LIMIT 1)",
+            (DAG_ID, DAG_ID),
+        ).fetchall()
     finally:
         con.close()
     out = []
@@ -75,31 +78,60 @@ def _durations(db: Path) -> list[dict]:
     return out
 
 
-def airflow_env(home: Path, data: Path, model: str, rows_per_shard: int, max_shards: int, max_tokens: int,
-                overrides: dict | None = None) -> dict[str, str]:
+def airflow_env(
+    home: Path,
+    data: Path,
+    model: str,
+    rows_per_shard: int,
+    max_shards: int,
+    max_tokens: int,
+    overrides: dict | None = None,
+) -> dict[str, str]:
     """The environment of `airflow` for the nightly DAG over ``data`` (QA never stops the run for a human)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "VLLM_BATCH_INJECT"))}
-    env.update({
-        "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
-        "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}".rstrip(":"),
-        "AIRFLOW_HOME": str(home), "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False", "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db",
-        "AIRFLOW_VAR_VLLM_BATCH_DATA_ROOT": str(data), "AIRFLOW_VAR_VLLM_BATCH_MODEL": model,
-        # the deployment's allow-list (docs/security.md): the benchmark's data and the model's folder
-        "AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES": json.dumps(
-            [str(data), *([os.path.dirname(os.path.realpath(model))] if model.startswith("/") else [])]),
-        "AIRFLOW_VAR_VLLM_BATCH_SHARD_ROWS": str(rows_per_shard),
-        "AIRFLOW_VAR_VLLM_BATCH_HUMAN_REVIEW": "false",  # nobody answers a review under `dags test`
-        "AIRFLOW_VAR_VLLM_BATCH_SPEC_OVERRIDES": json.dumps(
-            {"sharding.max_shards": max(max_shards, 1), "sampling.max_tokens": max_tokens,
-             # QA must not stop the run for a human: this measures orchestration, not label quality
-             **{f"qa.{level}_{check}": 1 for level in ("warn", "fail")
-                for check in ("error_rate", "invalid_rate", "empty_rate", "truncation_rate", "label_drift",
-                              "churn_rate")},
-             **(overrides or {})}),
-        "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1", "TOKENIZERS_PARALLELISM": "false",
-    })
+    env.update(
+        {
+            "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+            "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}".rstrip(":"),
+            "AIRFLOW_HOME": str(home),
+            "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
+            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db",
+            "AIRFLOW_VAR_VLLM_BATCH_DATA_ROOT": str(data),
+            "AIRFLOW_VAR_VLLM_BATCH_MODEL": model,
+            # the deployment's allow-list (docs/security.md): the benchmark's data and the model's folder
+            "AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES": json.dumps(
+                [str(data), *([os.path.dirname(os.path.realpath(model))] if model.startswith("/") else [])]
+            ),
+            "AIRFLOW_VAR_VLLM_BATCH_SHARD_ROWS": str(rows_per_shard),
+            "AIRFLOW_VAR_VLLM_BATCH_HUMAN_REVIEW": "false",  # nobody answers a review under `dags test`
+            "AIRFLOW_VAR_VLLM_BATCH_SPEC_OVERRIDES": json.dumps(
+                {
+                    "sharding.max_shards": max(max_shards, 1),
+                    "sampling.max_tokens": max_tokens,
+                    # QA must not stop the run for a human: this measures orchestration, not label quality
+                    **{
+                        f"qa.{level}_{check}": 1
+                        for level in ("warn", "fail")
+                        for check in (
+                            "error_rate",
+                            "invalid_rate",
+                            "empty_rate",
+                            "truncation_rate",
+                            "label_drift",
+                            "churn_rate",
+                        )
+                    },
+                    **(overrides or {}),
+                }
+            ),
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+    )
     return env
 
 
@@ -115,14 +147,24 @@ def dags_test(env: dict[str, str], day: str, log: Path, timeout: int) -> tuple[f
     home = Path(env["AIRFLOW_HOME"])
     t0 = time.monotonic()
     with open(log, "w") as fh:
-        proc = subprocess.run([AIRFLOW, "dags", "test", DAG_ID, day], env=env, cwd=home, stdout=fh,
-                              stderr=subprocess.STDOUT, timeout=timeout)
+        proc = subprocess.run(
+            [AIRFLOW, "dags", "test", DAG_ID, day],
+            env=env,
+            cwd=home,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            timeout=timeout,
+        )
     wall = time.monotonic() - t0
     tis = _durations(home / "airflow.db")
     # the runner branch skips the Kubernetes shard task of a local run; a plan of no shards (every row
     # answered by the result cache) skips the unexpanded shard task
-    failed = [t for t in tis if t["state"] != "success"
-              and not (t["state"] == "skipped" and (t["task"] == "shard_kubernetes" or t["map_index"] == -1))]
+    failed = [
+        t
+        for t in tis
+        if t["state"] != "success"
+        and not (t["state"] == "skipped" and (t["task"] == "shard_kubernetes" or t["map_index"] == -1))
+    ]
     if proc.returncode != 0 or failed:
         raise SystemExit(f"DAG run failed (exit {proc.returncode}; not successful: {failed}); see {log}")
     return wall, tis
@@ -131,9 +173,13 @@ def dags_test(env: dict[str, str], day: str, log: Path, timeout: int) -> tuple[f
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shards", type=int, default=8)
-    ap.add_argument("--rows-per-shard", type=int, default=5000,
-                    help="default 5000: ~4-6 min of SmolLM2 inference per shard here, >= 9x its ~25-30 s eager "
-                    "engine start, as sizing.py's default target would choose")
+    ap.add_argument(
+        "--rows-per-shard",
+        type=int,
+        default=5000,
+        help="default 5000: ~4-6 min of SmolLM2 inference per shard here, >= 9x its ~25-30 s eager "
+        "engine start, as sizing.py's default target would choose",
+    )
     ap.add_argument("--model", default="smollm2", help="smollm2 | tiny | a model folder")
     ap.add_argument("--workdir", type=Path, default=ROOT / ".cache" / "bench" / "dag_overhead")
     ap.add_argument("--timeout", type=int, default=4 * 3600)
@@ -180,16 +226,31 @@ def main() -> int:
     part("figure: sum of all task durations", total)
     verdict = "met" if overhead <= GOAL_OVERHEAD else "NOT met"
     print(f"ratio all tasks / inference: {ratio:.3f}; overhead {overhead:.1%} (goal <= {GOAL_OVERHEAD:.0%}: {verdict})")
-    print(f"excluding engine starts: overhead {(total - start) / infer - 1:.1%}; "
-          f"`airflow dags test` wall {wall:.1f} s (serial shards)")
+    print(
+        f"excluding engine starts: overhead {(total - start) / infer - 1:.1%}; "
+        f"`airflow dags test` wall {wall:.1f} s (serial shards)"
+    )
 
-    record = {"bench": "dag_overhead", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)),
-              "rows": rows, "shards": n_shards, "rows_per_shard": args.rows_per_shard, "model": model,
-              "infer_s": round(infer, 3), "engine_start_s": round(start, 3), "worker_wall_s": round(worker_wall, 3),
-              "shard_tasks_s": round(shard_tasks, 3), "other_tasks_s": other_tasks, "all_tasks_s": round(total, 3),
-              "ratio": round(ratio, 4), "overhead": round(overhead, 4), "goal_overhead": GOAL_OVERHEAD,
-              "dags_test_wall_s": round(wall, 3), "per_shard": stats,
-              "env": {"machine": platform.machine(), "nproc": os.cpu_count(), "python": platform.python_version()}}
+    record = {
+        "bench": "dag_overhead",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)),
+        "rows": rows,
+        "shards": n_shards,
+        "rows_per_shard": args.rows_per_shard,
+        "model": model,
+        "infer_s": round(infer, 3),
+        "engine_start_s": round(start, 3),
+        "worker_wall_s": round(worker_wall, 3),
+        "shard_tasks_s": round(shard_tasks, 3),
+        "other_tasks_s": other_tasks,
+        "all_tasks_s": round(total, 3),
+        "ratio": round(ratio, 4),
+        "overhead": round(overhead, 4),
+        "goal_overhead": GOAL_OVERHEAD,
+        "dags_test_wall_s": round(wall, 3),
+        "per_shard": stats,
+        "env": {"machine": platform.machine(), "nproc": os.cpu_count(), "python": platform.python_version()},
+    }
     with open(RESULTS_FILE, "a", encoding="utf-8") as f:
         f.write(json.dumps(record, sort_keys=True, default=str) + "\n")
     print(f"appended to {RESULTS_FILE}")

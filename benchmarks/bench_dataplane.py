@@ -23,7 +23,8 @@ folders are hard links to the committed parts, so merge adds no data on a local 
 5. QA: ``qa_run(spec)``.
 
 ``--stages`` times only the named stages; without ``plan`` the previous run under
-``--workdir`` (plan, commits, merged output) is reused. Every stage runs in its own subprocess, so peak RSS (``ru_maxrss`` of that child) is the
+``--workdir`` (plan, commits, merged output) is reused. Every stage runs in its own subprocess, so peak RSS
+(``ru_maxrss`` of that child) is the
 stage's own. The "baseline" of this benchmark is the goal: each stage prints its seconds,
 the goal and the ratio (seconds / goal; <= 1 meets it). ``--profile`` re-runs stages that
 miss a goal under cProfile (and, for merge, with per-SQL timers) and prints where the time
@@ -82,18 +83,46 @@ def _templates() -> tuple[list[str], list[str]]:
         "The {p} checkout page keeps timing out",
         "I want to cancel my {p} plan and get my money back",
     ]
-    products = ["Acme Cloud", "PhotoBox", "TaskFlow", "ShopNow", "MailDash", "FitTrack", "CodeHub",
-                "PayLite", "StreamIt", "HomeHub", "NoteWise", "TravelGo", "BankEasy", "GameZone",
-                "LearnPro", "DriveShare", "SafeVault", "MusicMix", "DocuSign-ish", "CartPal"]
+    products = [
+        "Acme Cloud",
+        "PhotoBox",
+        "TaskFlow",
+        "ShopNow",
+        "MailDash",
+        "FitTrack",
+        "CodeHub",
+        "PayLite",
+        "StreamIt",
+        "HomeHub",
+        "NoteWise",
+        "TravelGo",
+        "BankEasy",
+        "GameZone",
+        "LearnPro",
+        "DriveShare",
+        "SafeVault",
+        "MusicMix",
+        "DocuSign-ish",
+        "CartPal",
+    ]
     templates = [o.format(p=p) + "." for o in openers for p in products]  # 300 templates
     details = [
-        "This is the second time it happened.", "Please help as soon as possible.",
-        "I already tried restarting.", "Order number is in my account.", "Thanks in advance!",
-        "It started yesterday evening.", "My colleague has the same problem.",
-        "I am on the latest version.", "This is really frustrating.", "No rush, just curious.",
-        "I attached a screenshot earlier.", "The support chat did not answer.",
-        "It works on my phone but not on the laptop.", "I have been a customer for years.",
-        "Can someone call me back?", "The error code was E42.",
+        "This is the second time it happened.",
+        "Please help as soon as possible.",
+        "I already tried restarting.",
+        "Order number is in my account.",
+        "Thanks in advance!",
+        "It started yesterday evening.",
+        "My colleague has the same problem.",
+        "I am on the latest version.",
+        "This is really frustrating.",
+        "No rush, just curious.",
+        "I attached a screenshot earlier.",
+        "The support chat did not answer.",
+        "It works on my phone but not on the laptop.",
+        "I have been a customer for years.",
+        "Can someone call me back?",
+        "The error code was E42.",
     ]
     return templates, details
 
@@ -124,19 +153,22 @@ def generate_dataset(folder: Path, rows: int, seed: int = 7) -> dict:
         # the same draws as one whole-file table (same bytes as before), written one row group
         # at a time so that 100M rows fit: only the small index arrays span the file
         t_idx, d_idx = rng.integers(0, len(templates), n), rng.integers(0, len(details), n)
-        with pq.ParquetWriter(folder / f"part-{f:03d}.parquet", pa.schema({"id": pa.string(), "text": pa.string()}),
-                              compression="zstd") as w:
+        with pq.ParquetWriter(
+            folder / f"part-{f:03d}.parquet", pa.schema({"id": pa.string(), "text": pa.string()}), compression="zstd"
+        ) as w:
             for a in range(0, n, ROW_GROUP):
                 b = min(n, a + ROW_GROUP)
                 ids = pc.binary_join_element_wise(
-                    "row-", pc.utf8_lpad(pa.array(np.arange(lo + a + 1, lo + b + 1, dtype=np.int64)).cast(pa.string()),
-                                         9, "0"), "")
-                text = pc.binary_join_element_wise(t_arr.take(pa.array(t_idx[a:b])), d_arr.take(pa.array(d_idx[a:b])),
-                                                   " ")
+                    "row-",
+                    pc.utf8_lpad(pa.array(np.arange(lo + a + 1, lo + b + 1, dtype=np.int64)).cast(pa.string()), 9, "0"),
+                    "",
+                )
+                text = pc.binary_join_element_wise(
+                    t_arr.take(pa.array(t_idx[a:b])), d_arr.take(pa.array(d_idx[a:b])), " "
+                )
                 w.write_table(pa.table({"id": ids, "text": text}), row_group_size=ROW_GROUP)
     marker.write_text(json.dumps(want))
-    print(f"generated {rows} rows in {N_FILES} files under {folder} in {time.monotonic() - t0:.1f}s",
-          file=sys.stderr)
+    print(f"generated {rows} rows in {N_FILES} files under {folder} in {time.monotonic() - t0:.1f}s", file=sys.stderr)
     return want
 
 
@@ -144,16 +176,20 @@ def generate_dataset(folder: Path, rows: int, seed: int = 7) -> dict:
 def bench_spec(input_dir: Path, run_dir: Path, chunk_rows: int):
     from airflow_provider_vllm.core.spec import JobSpec
 
-    return JobSpec.load({
-        "name": "bench-dataplane",
-        "task": "chat",
-        "model": {"name": "bench"},
-        "prompt": {"template": "Ticket: {text}",
-                   "system_prompt": "Classify the support ticket. Labels: " + ", ".join(LABELS) + "."},
-        "sampling": {"temperature": 0, "max_tokens": 8, "structured": {"choice": LABELS}},
-        "io": {"input_uri": str(input_dir), "output_uri": str(run_dir)},
-        "sharding": {"target_rows": 100_000, "max_shards": 256, "chunk_rows": chunk_rows},
-    })
+    return JobSpec.load(
+        {
+            "name": "bench-dataplane",
+            "task": "chat",
+            "model": {"name": "bench"},
+            "prompt": {
+                "template": "Ticket: {text}",
+                "system_prompt": "Classify the support ticket. Labels: " + ", ".join(LABELS) + ".",
+            },
+            "sampling": {"temperature": 0, "max_tokens": 8, "structured": {"choice": LABELS}},
+            "io": {"input_uri": str(input_dir), "output_uri": str(run_dir)},
+            "sharding": {"target_rows": 100_000, "max_shards": 256, "chunk_rows": chunk_rows},
+        }
+    )
 
 
 # ---- synthesised committed shards (setup, not timed) --------------------------------
@@ -170,8 +206,9 @@ def _synth_chunk(ids, rng, labels_arr, prov: dict):
     null_s = pa.scalar(None, pa.string())
     label = pc.if_else(err, null_s, labels_arr.take(pa.array(rng.integers(0, len(LABELS), n))))
     codes = pa.array(["EMPTY_INPUT", "PROMPT_TOO_LONG", "INVALID_ROW"]).take(pa.array(rng.integers(0, 3, n)))
-    msgs = pa.array(["column 'text' is empty", "prompt has 9000 tokens; budget is 8184",
-                     "column 'text' contains a NUL character"])
+    msgs = pa.array(
+        ["column 'text' is empty", "prompt has 9000 tokens; budget is 8184", "column 'text' contains a NUL character"]
+    )
     ptok = pa.array(rng.integers(60, 140, n).astype(np.int32))
     ctok = pa.array(rng.integers(1, 4, n).astype(np.int32))
     lat = pa.array(rng.gamma(2.0, 900.0, n).astype(np.float32))
@@ -228,8 +265,14 @@ def synthesise_commits(spec) -> dict:
         ids = pa.concat_arrays(parts)
         assert len(ids) == shard.rows
         attempt = f"abench-{shard.index:05d}"
-        prov = {"model": spec.model.name, "model_revision": spec.model.revision, "engine_version": "0.32.0",
-                "config_hash": plan.config_hash, "shard_id": shard.shard_id, "attempt_id": attempt}
+        prov = {
+            "model": spec.model.name,
+            "model_revision": spec.model.revision,
+            "engine_version": "0.32.0",
+            "config_hash": plan.config_hash,
+            "shard_id": shard.shard_id,
+            "attempt_id": attempt,
+        }
         store = ShardStore(out, shard.shard_id)
         entries = []
         for k in range(max(1, -(-shard.rows // chunk_rows))):
@@ -241,18 +284,38 @@ def synthesise_commits(spec) -> dict:
             n_files += 1  # one chunk: its ok part and its errors part
         ptoks = shard.rows * 100
         infer_s = shard.rows / 14.0
-        stats = {"rows": shard.rows, "read_s": 0.4, "reused_chunks": 0, "engine_start_s": 25.0,
-                 "infer_s": round(infer_s, 3), "prompt_tokens": ptoks, "completion_tokens": shard.rows * 2,
-                 "progress_lines": 10, "rows_per_s": 14.0, "tokens_per_s": round(ptoks * 1.02 / infer_s, 1),
-                 "wall_s": round(infer_s + 27, 3), "peak_rss_mb": 1100.0}
+        stats = {
+            "rows": shard.rows,
+            "read_s": 0.4,
+            "reused_chunks": 0,
+            "engine_start_s": 25.0,
+            "infer_s": round(infer_s, 3),
+            "prompt_tokens": ptoks,
+            "completion_tokens": shard.rows * 2,
+            "progress_lines": 10,
+            "rows_per_s": 14.0,
+            "tokens_per_s": round(ptoks * 1.02 / infer_s, 1),
+            "wall_s": round(infer_s + 27, 3),
+            "peak_rss_mb": 1100.0,
+        }
         marker = CommitMarker(
-            shard_id=shard.shard_id, attempt_id=attempt, config_hash=plan.config_hash,
-            spec_hash=plan.spec_hash, plan_fingerprint=plan.fingerprint, files=entries,
-            rows=sum(e.rows for e in entries), ok_rows=sum(e.ok_rows for e in entries),
-            error_rows=sum(e.error_rows for e in entries), stats=stats,
-            versions={"airflow-provider-vllm": __version__, "vllm": "0.32.0",
-                      "python": platform.python_version(), "model": spec.model.name,
-                      "model_revision": spec.model.revision},
+            shard_id=shard.shard_id,
+            attempt_id=attempt,
+            config_hash=plan.config_hash,
+            spec_hash=plan.spec_hash,
+            plan_fingerprint=plan.fingerprint,
+            files=entries,
+            rows=sum(e.rows for e in entries),
+            ok_rows=sum(e.ok_rows for e in entries),
+            error_rows=sum(e.error_rows for e in entries),
+            stats=stats,
+            versions={
+                "airflow-provider-vllm": __version__,
+                "vllm": "0.32.0",
+                "python": platform.python_version(),
+                "model": spec.model.name,
+                "model_revision": spec.model.revision,
+            },
             committed_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         )
         assert marker.rows == shard.rows
@@ -299,6 +362,7 @@ class _TimedResult:
                 return attr(*a, **kw)
             finally:
                 self._log.append([time.monotonic() - t0, f"[{name}] {self._label}"])
+
         return timed
 
 
@@ -321,7 +385,11 @@ def _install_sql_timers(log: list) -> None:
         duck.connect = lambda *a, **kw: _TimedCon(orig(*a, **kw), log)
     except ImportError:
         pass
-    for mod in ("airflow_provider_vllm.steps.merge", "airflow_provider_vllm.steps.qa.evaluate", "airflow_provider_vllm.steps.plan"):
+    for mod in (
+        "airflow_provider_vllm.steps.merge",
+        "airflow_provider_vllm.steps.qa.evaluate",
+        "airflow_provider_vllm.steps.plan",
+    ):
         m = importlib.import_module(mod)
         if getattr(m, "duckdb", None) is duckdb:
             m.duckdb = shim_module()
@@ -382,14 +450,32 @@ def child(stage: str, input_dir: Path, run_dir: Path, chunk_rows: int, profile: 
         work()
         seconds = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"stage": stage, "seconds": round(seconds, 3), "peak_rss_mib": round(peak, 1),
-                      "rss_after_imports_mib": round(rss_imports, 1), **extra}))
+    print(
+        json.dumps(
+            {
+                "stage": stage,
+                "seconds": round(seconds, 3),
+                "peak_rss_mib": round(peak, 1),
+                "rss_after_imports_mib": round(rss_imports, 1),
+                **extra,
+            }
+        )
+    )
 
 
-def run_child(stage: str, args, input_dir: Path, run_dir: Path, profile: str | None = None,
-              quiet: bool = True) -> dict:
-    cmd = [sys.executable, __file__, "--child", stage, "--input-dir", str(input_dir), "--run-dir", str(run_dir),
-           "--chunk-rows", str(args.chunk_rows)]
+def run_child(stage: str, args, input_dir: Path, run_dir: Path, profile: str | None = None, quiet: bool = True) -> dict:
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        stage,
+        "--input-dir",
+        str(input_dir),
+        "--run-dir",
+        str(run_dir),
+        "--chunk-rows",
+        str(args.chunk_rows),
+    ]
     if profile:
         cmd += ["--profile-out", profile]
     load = os.getloadavg()[0]
@@ -416,17 +502,29 @@ def environment() -> dict:
     import pyarrow
 
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True,
-                                text=True).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True
+        ).stdout.strip()
         # cwd: the repository root (a pathspec is relative to cwd; from benchmarks/ it matched nothing)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "airflow_provider_vllm"], cwd=HERE.parent,
-                               capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "airflow_provider_vllm"],
+            cwd=HERE.parent,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
         commit += " (package modified)" if dirty else ""
     except OSError:
         commit = None
-    return {"machine": platform.machine(), "nproc": os.cpu_count(), "cpu": cpu, "git": commit,
-            "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-            "python": platform.python_version(), "pyarrow": pyarrow.__version__, "duckdb": duckdb.__version__}
+    return {
+        "machine": platform.machine(),
+        "nproc": os.cpu_count(),
+        "cpu": cpu,
+        "git": commit,
+        "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "python": platform.python_version(),
+        "pyarrow": pyarrow.__version__,
+        "duckdb": duckdb.__version__,
+    }
 
 
 def main() -> int:
@@ -435,11 +533,19 @@ def main() -> int:
     ap.add_argument("--workdir", type=Path, default=Path(".cache/bench/dataplane"))
     ap.add_argument("--chunk-rows", type=int, default=50_000, help="sharding.chunk_rows of the bench spec")
     ap.add_argument("--repeat", type=int, default=3, help="timed runs per stage (median seconds, max RSS)")
-    ap.add_argument("--profile", nargs="?", const="missed", choices=["missed", "all"],
-                    help="afterwards, profile the stages that missed a goal (or all) under cProfile + SQL timers")
-    ap.add_argument("--stages", default="plan,merge,qa",
-                    help="comma-separated stages to time (default all); without plan, the previous run's "
-                         "plan, commits and merged output under --workdir are reused")
+    ap.add_argument(
+        "--profile",
+        nargs="?",
+        const="missed",
+        choices=["missed", "all"],
+        help="afterwards, profile the stages that missed a goal (or all) under cProfile + SQL timers",
+    )
+    ap.add_argument(
+        "--stages",
+        default="plan,merge,qa",
+        help="comma-separated stages to time (default all); without plan, the previous run's "
+        "plan, commits and merged output under --workdir are reused",
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--input-dir", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--run-dir", type=Path, help=argparse.SUPPRESS)
@@ -474,8 +580,11 @@ def main() -> int:
             measured["plan"].append(run_child("plan", args, input_dir, run_dir if rep == 0 else runs / f"plan-{rep}"))
     if ("merge" in wanted or "qa" in wanted) and not (run_dir / "shards").exists():
         setup = run_child("setup", args, input_dir, run_dir)
-        print(f"setup (not timed as a stage): {setup['shards']} shards, {setup['chunk_files']} chunk files "
-              f"committed in {setup['seconds']:.1f}s", file=sys.stderr)
+        print(
+            f"setup (not timed as a stage): {setup['shards']} shards, {setup['chunk_files']} chunk files "
+            f"committed in {setup['seconds']:.1f}s",
+            file=sys.stderr,
+        )
     for _ in range(args.repeat if "merge" in wanted else 0):
         measured["merge"].append(run_child("merge", args, input_dir, run_dir))
     if "qa" in wanted and not (run_dir / "_MERGED.json").exists():
@@ -493,30 +602,57 @@ def main() -> int:
         rss = max(r["peak_rss_mib"] for r in rs)
         met_s = secs <= g["seconds"]
         met_m = rss <= g.get("rss_mib", float("inf"))
-        stages.append({"stage": name, "seconds": round(secs, 3), "runs_s": [r["seconds"] for r in rs],
-                       "peak_rss_mib": rss, "rss_after_imports_mib": rs[0]["rss_after_imports_mib"],
-                       "goal_s": g["seconds"], "goal_rss_mib": g.get("rss_mib"),
-                       "ratio_s_to_goal": round(secs / g["seconds"], 3),
-                       "ratio_rss_to_goal": round(rss / g["rss_mib"], 3) if "rss_mib" in g else None,
-                       "met": met_s and met_m, "load1_before": [r["load1_before"] for r in rs],
-                       **{k: v for k, v in rs[0].items() if k not in ("stage", "seconds", "peak_rss_mib",
-                                                                     "rss_after_imports_mib", "load1_before")}})
+        stages.append(
+            {
+                "stage": name,
+                "seconds": round(secs, 3),
+                "runs_s": [r["seconds"] for r in rs],
+                "peak_rss_mib": rss,
+                "rss_after_imports_mib": rs[0]["rss_after_imports_mib"],
+                "goal_s": g["seconds"],
+                "goal_rss_mib": g.get("rss_mib"),
+                "ratio_s_to_goal": round(secs / g["seconds"], 3),
+                "ratio_rss_to_goal": round(rss / g["rss_mib"], 3) if "rss_mib" in g else None,
+                "met": met_s and met_m,
+                "load1_before": [r["load1_before"] for r in rs],
+                **{
+                    k: v
+                    for k, v in rs[0].items()
+                    if k not in ("stage", "seconds", "peak_rss_mib", "rss_after_imports_mib", "load1_before")
+                },
+            }
+        )
 
-    print(f"\nbench_dataplane: {args.rows:,} rows, {n_shards} shards, chunk_rows {args.chunk_rows}, "
-          f"{n_chunks if n_chunks is not None else 'reused'} chunk files, repeat {args.repeat}, "
-          f"stages {','.join(measured)}")
-    print(f"{'stage':<6} {'seconds':>8} {'goal s':>7} {'s/goal':>7} {'peak RSS MiB':>13} {'goal MiB':>9} "
-          f"{'RSS/goal':>9} {'met?':>5}")
+    print(
+        f"\nbench_dataplane: {args.rows:,} rows, {n_shards} shards, chunk_rows {args.chunk_rows}, "
+        f"{n_chunks if n_chunks is not None else 'reused'} chunk files, repeat {args.repeat}, "
+        f"stages {','.join(measured)}"
+    )
+    print(
+        f"{'stage':<6} {'seconds':>8} {'goal s':>7} {'s/goal':>7} {'peak RSS MiB':>13} {'goal MiB':>9} "
+        f"{'RSS/goal':>9} {'met?':>5}"
+    )
     for s in stages:
-        print(f"{s['stage']:<6} {s['seconds']:>8.2f} {s['goal_s']:>7.1f} {s['ratio_s_to_goal']:>7.2f} "
-              f"{s['peak_rss_mib']:>13.0f} {s['goal_rss_mib'] or '-':>9} {s['ratio_rss_to_goal'] or '-':>9} "
-              f"{'yes' if s['met'] else 'NO':>5}")
+        print(
+            f"{s['stage']:<6} {s['seconds']:>8.2f} {s['goal_s']:>7.1f} {s['ratio_s_to_goal']:>7.2f} "
+            f"{s['peak_rss_mib']:>13.0f} {s['goal_rss_mib'] or '-':>9} {s['ratio_rss_to_goal'] or '-':>9} "
+            f"{'yes' if s['met'] else 'NO':>5}"
+        )
 
-    record = {"bench": "dataplane", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)),
-              "rows": args.rows, "chunk_rows": args.chunk_rows, "repeat": args.repeat,
-              "shards": n_shards, "chunk_files": n_chunks, "setup_s": setup["seconds"] if setup else None,
-              "stages_run": list(measured), "gen_s": gen.get("seconds"),
-              "env": env, "stages": stages}
+    record = {
+        "bench": "dataplane",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)),
+        "rows": args.rows,
+        "chunk_rows": args.chunk_rows,
+        "repeat": args.repeat,
+        "shards": n_shards,
+        "chunk_files": n_chunks,
+        "setup_s": setup["seconds"] if setup else None,
+        "stages_run": list(measured),
+        "gen_s": gen.get("seconds"),
+        "env": env,
+        "stages": stages,
+    }
     with open(RESULTS_FILE, "a", encoding="utf-8") as f:
         f.write(json.dumps(record, sort_keys=True) + "\n")
     print(f"appended to {RESULTS_FILE}")
@@ -527,8 +663,9 @@ def main() -> int:
                 prof = str(work / f"{s['stage']}.prof")
                 why = "missed its goal" if not s["met"] else "--profile all"
                 print(f"\n==== profile of {s['stage']} ({why}) -> {prof}", flush=True)
-                r = run_child(s["stage"], args, input_dir, run_dir if s["stage"] != "plan" else runs / "plan-prof",
-                              profile=prof)
+                r = run_child(
+                    s["stage"], args, input_dir, run_dir if s["stage"] != "plan" else runs / "plan-prof", profile=prof
+                )
                 print(f"profiled run: {r['seconds']:.2f}s", flush=True)
     return 0
 

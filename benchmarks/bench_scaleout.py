@@ -48,8 +48,16 @@ def _spec(args, work: Path, out: str, tp: int = 1):
     from airflow_provider_vllm.core.spec import JobSpec
 
     engine = json.loads(args.engine) if args.engine else None
-    base = make_spec("classify", args.model, work / "in", work / out, args.rows, "chat",
-                     engine=engine, max_model_len=args.max_model_len)
+    base = make_spec(
+        "classify",
+        args.model,
+        work / "in",
+        work / out,
+        args.rows,
+        "chat",
+        engine=engine,
+        max_model_len=args.max_model_len,
+    )
     doc = base.model_dump(mode="json")
     doc["sharding"]["max_shards"] = args.gpus
     if tp > 1:
@@ -60,7 +68,7 @@ def _spec(args, work: Path, out: str, tp: int = 1):
 def _cpu_slices(n: int) -> list[set[int]]:
     cores = sorted(os.sched_getaffinity(0))
     per = max(1, len(cores) // n)
-    return [set(cores[i * per:(i + 1) * per]) for i in range(n)]
+    return [set(cores[i * per : (i + 1) * per]) for i in range(n)]
 
 
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -96,8 +104,7 @@ def _launch(spec, shard_id: str, env: dict, log: Path, cpus: set[int] | None):
     pre = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
     err = open(log, "w")
     out = open(log.with_suffix(".out"), "w+")
-    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, text=True, cwd=ROOT,
-                            preexec_fn=pre)  # noqa: PLW1509 (single-threaded parent)
+    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, text=True, cwd=ROOT, preexec_fn=pre)  # noqa: PLW1509 (single-threaded parent)
     proc.out_file = out
     return proc, err, time.monotonic()
 
@@ -129,10 +136,19 @@ def _collect(spec, shard_id: str, proc, err, t0: float) -> dict:
     outputs = committed_outputs(spec, shard_id)
     wall = end - t0
     # Inference ends when the worker writes its manifest, i.e. close to its exit; it starts infer_s before.
-    return {"shard": shard_id, "rows": m["rows"], "infer_s": st["infer_s"], "engine_start_s": st["engine_start_s"],
-            "rows_per_s": round(m["rows"] / st["infer_s"], 2), "wall_s": round(wall, 2),
-            "cpu_s": round(ru.ru_utime + ru.ru_stime, 1), "cores_busy": round((ru.ru_utime + ru.ru_stime) / wall, 2),
-            "infer_end": end, "infer_start": end - st["infer_s"], "outputs": outputs}
+    return {
+        "shard": shard_id,
+        "rows": m["rows"],
+        "infer_s": st["infer_s"],
+        "engine_start_s": st["engine_start_s"],
+        "rows_per_s": round(m["rows"] / st["infer_s"], 2),
+        "wall_s": round(wall, 2),
+        "cpu_s": round(ru.ru_utime + ru.ru_stime, 1),
+        "cores_busy": round((ru.ru_utime + ru.ru_stime) / wall, 2),
+        "infer_end": end,
+        "infer_start": end - st["infer_s"],
+        "outputs": outputs,
+    }
 
 
 def run_mode(mode: str, args, work: Path, shard_ids: list[str], env: dict, k: int) -> dict:
@@ -168,8 +184,13 @@ def run_mode(mode: str, args, work: Path, shard_ids: list[str], env: dict, k: in
     window = max(r["infer_end"] for r in res) - min(r["infer_start"] for r in res)
     overlap = min(r["infer_end"] for r in res) - max(r["infer_start"] for r in res)
     total = sum(r["rows"] for r in res)
-    return {"mode": mode, "workers": res, "aggregate_rows_per_s": round(total / window, 2),
-            "window_s": round(window, 2), "overlap_s": round(max(0.0, overlap), 2)}
+    return {
+        "mode": mode,
+        "workers": res,
+        "aggregate_rows_per_s": round(total / window, 2),
+        "window_s": round(window, 2),
+        "overlap_s": round(max(0.0, overlap), 2),
+    }
 
 
 def _plan(spec) -> list[str]:
@@ -197,8 +218,11 @@ def main() -> int:
     shutil.rmtree(work, ignore_errors=True)
     (work / "in").mkdir(parents=True)
     total = args.rows * args.gpus
-    pq.write_table(pa.table({"id": [f"r{i:08d}" for i in range(total)], "text": texts_for("classify", total)}),
-                   work / "in" / "data.parquet", row_group_size=max(1, args.rows // 4))
+    pq.write_table(
+        pa.table({"id": [f"r{i:08d}" for i in range(total)], "text": texts_for("classify", total)}),
+        work / "in" / "data.parquet",
+        row_group_size=max(1, args.rows // 4),
+    )
     env = {**os.environ, **ENV_SETTINGS}
     shard_ids = _plan(_spec(args, work, "out-probe"))
     if len(shard_ids) != args.gpus:
@@ -209,10 +233,16 @@ def main() -> int:
     for k, mode in enumerate(args.modes.split(",")):
         r = run_mode(mode, args, work, shard_ids, env, k)
         runs.append(r)
-        ws = ", ".join(f"{w['rows_per_s']:.1f} rows/s (infer {w['infer_s']:.1f}s, start {w['engine_start_s']:.0f}s, "
-                       f"{w['tree_cores_busy']:.2f} cores)" for w in r["workers"])
-        print(f"{mode:<7} #{k}: aggregate {r['aggregate_rows_per_s']:.1f} rows/s over {r['window_s']:.1f}s "
-              f"(overlap {r['overlap_s']:.1f}s); workers: {ws}", flush=True)
+        ws = ", ".join(
+            f"{w['rows_per_s']:.1f} rows/s (infer {w['infer_s']:.1f}s, start {w['engine_start_s']:.0f}s, "
+            f"{w['tree_cores_busy']:.2f} cores)"
+            for w in r["workers"]
+        )
+        print(
+            f"{mode:<7} #{k}: aggregate {r['aggregate_rows_per_s']:.1f} rows/s over {r['window_s']:.1f}s "
+            f"(overlap {r['overlap_s']:.1f}s); workers: {ws}",
+            flush=True,
+        )
 
     one = [r["workers"][0]["rows_per_s"] for r in runs if r["mode"] == "one"]
     base = statistics.median(one) if one else None
@@ -222,21 +252,44 @@ def main() -> int:
     for mode in dict.fromkeys(r["mode"] for r in runs):
         agg = statistics.median(r["aggregate_rows_per_s"] for r in runs if r["mode"] == mode)
         per = [w["rows_per_s"] for r in runs if r["mode"] == mode for w in r["workers"]]
-        same = [sum(a == b for a, b in zip(ref, r["workers"][0]["outputs"])) for r in runs if r["mode"] == mode] \
-            if ref else []
-        summary[mode] = {"aggregate_median": agg, "ratio_to_one": round(agg / base, 3) if base else None,
-                         "per_worker_ratio": [round(p / base, 3) for p in per] if base else None,
-                         "identical_to_one_shard0": same}
-        print(f"{mode:<7} aggregate median {agg:8.1f} rows/s  ratio to one GPU {summary[mode]['ratio_to_one']}  "
-              f"per worker {summary[mode]['per_worker_ratio']}  identical outputs (shard 0) {same} of {args.rows}")
+        same = (
+            [sum(a == b for a, b in zip(ref, r["workers"][0]["outputs"])) for r in runs if r["mode"] == mode]
+            if ref
+            else []
+        )
+        summary[mode] = {
+            "aggregate_median": agg,
+            "ratio_to_one": round(agg / base, 3) if base else None,
+            "per_worker_ratio": [round(p / base, 3) for p in per] if base else None,
+            "identical_to_one_shard0": same,
+        }
+        print(
+            f"{mode:<7} aggregate median {agg:8.1f} rows/s  ratio to one GPU {summary[mode]['ratio_to_one']}  "
+            f"per worker {summary[mode]['per_worker_ratio']}  identical outputs (shard 0) {same} of {args.rows}"
+        )
     import vllm
 
-    strip = [{**r, "workers": [{k: v for k, v in w.items() if k not in ("outputs", "infer_end", "infer_start")}
-                               for w in r["workers"]]} for r in runs]
-    record = {"bench": "scaleout", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)),
-              "rows_per_shard": args.rows, "gpus": args.gpus, "model": args.model, "engine": args.engine,
-              "modes": args.modes, "env": {**info, "vllm": vllm.__version__, "host_cores": os.cpu_count()},
-              "runs": strip, "summary": summary}
+    strip = [
+        {
+            **r,
+            "workers": [
+                {k: v for k, v in w.items() if k not in ("outputs", "infer_end", "infer_start")} for w in r["workers"]
+            ],
+        }
+        for r in runs
+    ]
+    record = {
+        "bench": "scaleout",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)),
+        "rows_per_shard": args.rows,
+        "gpus": args.gpus,
+        "model": args.model,
+        "engine": args.engine,
+        "modes": args.modes,
+        "env": {**info, "vllm": vllm.__version__, "host_cores": os.cpu_count()},
+        "runs": strip,
+        "summary": summary,
+    }
     with open(args.results, "a", encoding="utf-8") as f:
         f.write(json.dumps(record, sort_keys=True) + "\n")
     print(f"appended to {args.results}")

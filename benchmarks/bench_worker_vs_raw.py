@@ -61,10 +61,22 @@ SYSTEM_GENERATE = (
     "summarise the problem, apologise where appropriate, and list the next steps."
 )
 WORKLOADS = {
-    "classify": {"rows": 600, "gpu_rows": 20000, "max_tokens": 8, "sentences": 1, "system": SYSTEM_CLASSIFY,
-                 "structured": True},
-    "generate": {"rows": 60, "gpu_rows": 1000, "max_tokens": 200, "sentences": 25, "system": SYSTEM_GENERATE,
-                 "structured": False},
+    "classify": {
+        "rows": 600,
+        "gpu_rows": 20000,
+        "max_tokens": 8,
+        "sentences": 1,
+        "system": SYSTEM_CLASSIFY,
+        "structured": True,
+    },
+    "generate": {
+        "rows": 60,
+        "gpu_rows": 1000,
+        "max_tokens": 200,
+        "sentences": 25,
+        "system": SYSTEM_GENERATE,
+        "structured": False,
+    },
 }
 """``rows``: CPU defaults (the CPU build is slow). ``gpu_rows`` (``--gpu``): >= 20 s of inference per side
 on one H200 with the Llama-3-8B shape (classify ran ~600-900 rows/s: 20,000 rows ~25-35 s; generate ~37 rows/s:
@@ -97,8 +109,17 @@ def texts_for(workload: str, rows: int, seed: int = 3) -> list[str]:
     return out
 
 
-def make_spec(workload: str, model: str, input_dir: Path, out_dir: Path, rows: int, api: str = "chat",
-              enforce_eager: bool = False, engine: dict | None = None, max_model_len: int = 2048):
+def make_spec(
+    workload: str,
+    model: str,
+    input_dir: Path,
+    out_dir: Path,
+    rows: int,
+    api: str = "chat",
+    enforce_eager: bool = False,
+    engine: dict | None = None,
+    max_model_len: int = 2048,
+):
     from airflow_provider_vllm.core.spec import JobSpec
 
     w = WORKLOADS[workload]
@@ -106,18 +127,23 @@ def make_spec(workload: str, model: str, input_dir: Path, out_dir: Path, rows: i
     if w["structured"]:
         sampling["structured"] = {"choice": LABELS}
     # generate: no chat template; the system prompt leads the plain-text prompt
-    prompt = {"template": "Ticket: {text}", "system_prompt": w["system"]} if api == "chat" else \
-        {"template": w["system"] + "\n\nTicket: {text}\nAnswer:"}
-    return JobSpec.load({
-        "name": f"bench-{workload}",
-        "task": api,
-        "model": {"name": model, "max_model_len": max_model_len},
-        "engine": engine if engine is not None else {"cpu_kvcache_space_gb": 1, "enforce_eager": enforce_eager},
-        "prompt": prompt,
-        "sampling": sampling,
-        "io": {"input_uri": str(input_dir), "output_uri": str(out_dir)},
-        "sharding": {"target_rows": rows, "max_shards": 1},
-    })
+    prompt = (
+        {"template": "Ticket: {text}", "system_prompt": w["system"]}
+        if api == "chat"
+        else {"template": w["system"] + "\n\nTicket: {text}\nAnswer:"}
+    )
+    return JobSpec.load(
+        {
+            "name": f"bench-{workload}",
+            "task": api,
+            "model": {"name": model, "max_model_len": max_model_len},
+            "engine": engine if engine is not None else {"cpu_kvcache_space_gb": 1, "enforce_eager": enforce_eager},
+            "prompt": prompt,
+            "sampling": sampling,
+            "io": {"input_uri": str(input_dir), "output_uri": str(out_dir)},
+            "sharding": {"target_rows": rows, "max_shards": 1},
+        }
+    )
 
 
 # ---- baseline child: raw vllm.LLM.chat -------------------------------------------------
@@ -153,9 +179,20 @@ def raw_child(spec_json: str, texts_file: str) -> None:
         infer_s = time.monotonic() - t0
     ptok = sum(len(o.prompt_token_ids or ()) for o in outs)
     ctok = sum(len(o.outputs[0].token_ids) for o in outs)
-    print(json.dumps({"engine_start_s": round(start_s, 3), "infer_s": round(infer_s, 3), "rows": len(outs),
-                      "prompt_tokens": ptok, "completion_tokens": ctok, "vllm": vllm.__version__,
-                      "outputs": [o.outputs[0].text for o in outs]}), flush=True)
+    print(
+        json.dumps(
+            {
+                "engine_start_s": round(start_s, 3),
+                "infer_s": round(infer_s, 3),
+                "rows": len(outs),
+                "prompt_tokens": ptok,
+                "completion_tokens": ctok,
+                "vllm": vllm.__version__,
+                "outputs": [o.outputs[0].text for o in outs],
+            }
+        ),
+        flush=True,
+    )
     # the figures are out: leave like the worker does (exit_hard: kill the engine processes, which
     # would otherwise keep our stdout pipe open, then os._exit; vLLM's teardown at exit can abort)
     from airflow_provider_vllm.worker.exits import exit_hard
@@ -196,12 +233,22 @@ def run_worker(spec, env: dict, log: Path) -> dict:
         raise SystemExit(f"worker manifest: {m}")
     outputs = committed_outputs(spec, shard.shard_id)
     st = m["stats"]
-    return {"rows": m["rows"], "ok_rows": m["ok_rows"], "error_rows": m["error_rows"],
-            "engine_start_s": st["engine_start_s"], "infer_s": st["infer_s"], "wall_s": st["wall_s"],
-            "read_s": st.get("read_s"), "rows_per_s_manifest": st.get("rows_per_s"),
-            "tokens_per_s_manifest": st.get("tokens_per_s"), "prompt_tokens": st["prompt_tokens"],
-            "completion_tokens": st["completion_tokens"], "peak_rss_mb": st.get("peak_rss_mb"),
-            "process_s": round(wall, 3), "outputs": outputs}
+    return {
+        "rows": m["rows"],
+        "ok_rows": m["ok_rows"],
+        "error_rows": m["error_rows"],
+        "engine_start_s": st["engine_start_s"],
+        "infer_s": st["infer_s"],
+        "wall_s": st["wall_s"],
+        "read_s": st.get("read_s"),
+        "rows_per_s_manifest": st.get("rows_per_s"),
+        "tokens_per_s_manifest": st.get("tokens_per_s"),
+        "prompt_tokens": st["prompt_tokens"],
+        "completion_tokens": st["completion_tokens"],
+        "peak_rss_mb": st.get("peak_rss_mb"),
+        "process_s": round(wall, 3),
+        "outputs": outputs,
+    }
 
 
 def committed_outputs(spec, shard_id: str) -> list:
@@ -242,24 +289,45 @@ def main() -> int:
         raw_child(sys.argv[2], sys.argv[3])
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workload", choices=sorted(WORKLOADS) + ["all"], default="classify",
-                    help="all: classify, then generate, in one command")
+    ap.add_argument(
+        "--workload",
+        choices=sorted(WORKLOADS) + ["all"],
+        default="classify",
+        help="all: classify, then generate, in one command",
+    )
     ap.add_argument("--rows", type=int, help="default: 600 (classify) / 60 (generate); with --gpu 20000 / 1000")
-    ap.add_argument("--gpu", action="store_true",
-                    help="GPU run lengths (>= 20 s of inference per side on an H200): 20000 classify / 1000 "
-                    "generate rows, unless --rows")
+    ap.add_argument(
+        "--gpu",
+        action="store_true",
+        help="GPU run lengths (>= 20 s of inference per side on an H200): 20000 classify / 1000 "
+        "generate rows, unless --rows",
+    )
     ap.add_argument("--model", help="model folder (default: SmolLM2 prepared by prepare_smollm2)")
     ap.add_argument("--pairs", type=int, default=2, help="raw/worker pairs, run alternately")
-    ap.add_argument("--order", choices=["abab", "abba"], default="abab",
-                    help="abab: raw, worker, raw, worker; abba: raw, worker, worker, raw (cancels linear drift)")
-    ap.add_argument("--api", choices=["chat", "generate"], default="chat",
-                    help="chat: task chat vs LLM.chat (default); generate: task generate vs LLM.generate(text)")
-    ap.add_argument("--enforce-eager", action="store_true",
-                    help="engine.enforce_eager on both sides (no torch.compile: engine start ~25 s instead of 65-130 s)")
+    ap.add_argument(
+        "--order",
+        choices=["abab", "abba"],
+        default="abab",
+        help="abab: raw, worker, raw, worker; abba: raw, worker, worker, raw (cancels linear drift)",
+    )
+    ap.add_argument(
+        "--api",
+        choices=["chat", "generate"],
+        default="chat",
+        help="chat: task chat vs LLM.chat (default); generate: task generate vs LLM.generate(text)",
+    )
+    ap.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="engine.enforce_eager on both sides (no torch.compile: engine start ~25 s instead of 65-130 s)",
+    )
     ap.add_argument("--workdir", type=Path, default=ROOT / ".cache" / "bench" / "worker_vs_raw")
-    ap.add_argument("--engine", help="JSON for the spec's engine section (default: CPU build, 1 GiB KV cache); "
-                    'GPU example: \'{"max_num_seqs": 256, "gpu_memory_utilization": 0.9, "enable_prefix_caching": '
-                    'true, "engine_kwargs": {"load_format": "dummy"}}\'')
+    ap.add_argument(
+        "--engine",
+        help="JSON for the spec's engine section (default: CPU build, 1 GiB KV cache); "
+        'GPU example: \'{"max_num_seqs": 256, "gpu_memory_utilization": 0.9, "enable_prefix_caching": '
+        'true, "engine_kwargs": {"load_format": "dummy"}}\'',
+    )
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--results", type=Path, default=RESULTS_FILE, help="JSON lines file to append the record to")
     args = ap.parse_args()
@@ -270,7 +338,7 @@ def main() -> int:
 
         args.model = str(prepare_smollm2(default_cache_dir() / "smollm2-135m-instruct"))
     summary = []
-    for workload in (sorted(WORKLOADS) if args.workload == "all" else [args.workload]):
+    for workload in sorted(WORKLOADS) if args.workload == "all" else [args.workload]:
         summary.append((workload, run_workload(args, workload)))
     if len(summary) > 1:
         print("\nsummary (ratio worker/raw rows/s, goal >= %.2f):" % GOAL_RATIO)
@@ -307,24 +375,37 @@ def run_workload(args, workload: str) -> float:
     raws, workers, runs = [], [], []
     for pos, side in enumerate(seq):
         n_side = sum(1 for x in seq[:pos] if x == side)
-        spec = make_spec(workload, args.model, work / "in", work / f"out-{pos}", rows, args.api,
-                         args.enforce_eager, engine=json.loads(args.engine) if args.engine else None,
-                         max_model_len=args.max_model_len)
+        spec = make_spec(
+            workload,
+            args.model,
+            work / "in",
+            work / f"out-{pos}",
+            rows,
+            args.api,
+            args.enforce_eager,
+            engine=json.loads(args.engine) if args.engine else None,
+            max_model_len=args.max_model_len,
+        )
         load = os.getloadavg()[0]
         if side == "r":
             r = derive(run_raw(spec, texts_file, env, work / f"raw-{n_side}.log"))
             r["load1_before"] = round(load, 2)
             raws.append(r)
-            print(f"raw    #{n_side}: {r['rows_per_s']:.2f} rows/s, {r['out_tok_per_s']:.1f} out tok/s "
-                  f"(infer {r['infer_s']:.2f}s, engine start {r['engine_start_s']:.1f}s, load1 {load:.2f})",
-                  flush=True)
+            print(
+                f"raw    #{n_side}: {r['rows_per_s']:.2f} rows/s, {r['out_tok_per_s']:.1f} out tok/s "
+                f"(infer {r['infer_s']:.2f}s, engine start {r['engine_start_s']:.1f}s, load1 {load:.2f})",
+                flush=True,
+            )
         else:
             r = derive(run_worker(spec, env, work / f"worker-{n_side}.log"))
             r["load1_before"] = round(load, 2)
             workers.append(r)
-            print(f"worker #{n_side}: {r['rows_per_s']:.2f} rows/s, {r['out_tok_per_s']:.1f} out tok/s "
-                  f"(infer {r['infer_s']:.2f}s, engine start {r['engine_start_s']:.1f}s, "
-                  f"wall-excl-start {r['rows_per_s_wall_excl_start']:.2f} rows/s, load1 {load:.2f})", flush=True)
+            print(
+                f"worker #{n_side}: {r['rows_per_s']:.2f} rows/s, {r['out_tok_per_s']:.1f} out tok/s "
+                f"(infer {r['infer_s']:.2f}s, engine start {r['engine_start_s']:.1f}s, "
+                f"wall-excl-start {r['rows_per_s_wall_excl_start']:.2f} rows/s, load1 {load:.2f})",
+                flush=True,
+            )
         runs.append((side, r))
 
     med = lambda xs, k: statistics.median(x[k] for x in xs)  # noqa: E731
@@ -342,33 +423,55 @@ def run_workload(args, workload: str) -> float:
         adjacent.append(round(r["rows_per_s"] / statistics.mean(near), 4) if near else None)
     ptoks = (raws[0]["prompt_tokens"], workers[0]["prompt_tokens"])
 
-    print(f"\nbench_worker_vs_raw: workload {workload}, {rows} rows, model {args.model}, "
-          f"{args.pairs} pairs, order {seq}; prompt tokens raw {ptoks[0]} / worker {ptoks[1]} "
-          f"(avg {ptoks[0] / rows:.0f}/row)")
+    print(
+        f"\nbench_worker_vs_raw: workload {workload}, {rows} rows, model {args.model}, "
+        f"{args.pairs} pairs, order {seq}; prompt tokens raw {ptoks[0]} / worker {ptoks[1]} "
+        f"(avg {ptoks[0] / rows:.0f}/row)"
+    )
     print(f"{'side':<28} {'rows/s':>8} {'out tok/s':>10} {'completion toks':>16}")
     print(f"{'raw LLM.chat (baseline)':<28} {raw_rps:>8.2f} {raw_tps:>10.1f} {med(raws, 'completion_tokens'):>16.0f}")
     print(f"{'worker (stats.infer_s)':<28} {wk_rps:>8.2f} {wk_tps:>10.1f} {med(workers, 'completion_tokens'):>16.0f}")
     print(f"{'worker (wall - engine start)':<28} {wk_wall_rps:>8.2f}")
     verdict = "met" if ratio >= GOAL_RATIO else "NOT met"
-    print(f"ratio worker/raw rows/s: {ratio:.3f} (goal >= {GOAL_RATIO}: {verdict}); "
-          f"wall-excl-start ratio {wk_wall_rps / raw_rps:.3f}; out tok/s ratio {wk_tps / raw_tps:.3f}")
+    print(
+        f"ratio worker/raw rows/s: {ratio:.3f} (goal >= {GOAL_RATIO}: {verdict}); "
+        f"wall-excl-start ratio {wk_wall_rps / raw_rps:.3f}; out tok/s ratio {wk_tps / raw_tps:.3f}"
+    )
     print(f"per worker run, ratio to the adjacent raw run(s): {adjacent}")
     print(f"identical outputs worker vs raw per pair: {same} of {rows}")
 
     import vllm
 
     strip = lambda d: {k: v for k, v in d.items() if k != "outputs"}  # noqa: E731
-    record = {"bench": "worker_vs_raw", "workload": workload, "api": args.api, "enforce_eager": args.enforce_eager,
-              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)), "rows": rows,
-              "model": args.model, "engine": args.engine, "max_model_len": args.max_model_len,
-              "pairs": args.pairs, "order": args.order, "sequence": seq,
-              "env": {**env_info, "vllm": vllm.__version__},
-              "raw": [strip(r) for r in raws], "worker": [strip(w) for w in workers],
-              "median": {"raw_rows_per_s": raw_rps, "worker_rows_per_s": wk_rps,
-                         "worker_rows_per_s_wall_excl_start": wk_wall_rps,
-                         "raw_out_tok_per_s": raw_tps, "worker_out_tok_per_s": wk_tps},
-              "ratio": round(ratio, 4), "goal": GOAL_RATIO, "met": ratio >= GOAL_RATIO,
-              "ratio_to_adjacent_raw": adjacent, "identical_outputs": same}
+    record = {
+        "bench": "worker_vs_raw",
+        "workload": workload,
+        "api": args.api,
+        "enforce_eager": args.enforce_eager,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)),
+        "rows": rows,
+        "model": args.model,
+        "engine": args.engine,
+        "max_model_len": args.max_model_len,
+        "pairs": args.pairs,
+        "order": args.order,
+        "sequence": seq,
+        "env": {**env_info, "vllm": vllm.__version__},
+        "raw": [strip(r) for r in raws],
+        "worker": [strip(w) for w in workers],
+        "median": {
+            "raw_rows_per_s": raw_rps,
+            "worker_rows_per_s": wk_rps,
+            "worker_rows_per_s_wall_excl_start": wk_wall_rps,
+            "raw_out_tok_per_s": raw_tps,
+            "worker_out_tok_per_s": wk_tps,
+        },
+        "ratio": round(ratio, 4),
+        "goal": GOAL_RATIO,
+        "met": ratio >= GOAL_RATIO,
+        "ratio_to_adjacent_raw": adjacent,
+        "identical_outputs": same,
+    }
     with open(args.results, "a", encoding="utf-8") as f:
         f.write(json.dumps(record, sort_keys=True) + "\n")
     print(f"appended to {args.results}")

@@ -79,26 +79,38 @@ with DAG(
     user_defined_macros=TEMPLATE_MACROS,
     user_defined_filters=TEMPLATE_FILTERS,
     params={
-        "input_uri": param("input_uri", title="Input dataset",
-                           description="Parquet/JSONL file or folder with id and text columns: "
-                           "/abs/path, file://, s3://, gs://"),
-        "output_uri": param("output_uri", None, title="Output prefix",
-                            description="Empty: <vllm_batch_data_root>/reruns/<run id>/"),
-        "model": param("model", None, title="Model", description="Hub id or local path. Empty: the vllm_batch_model "
-                       "Variable"),
+        "input_uri": param(
+            "input_uri",
+            title="Input dataset",
+            description="Parquet/JSONL file or folder with id and text columns: /abs/path, file://, s3://, gs://",
+        ),
+        "output_uri": param(
+            "output_uri", None, title="Output prefix", description="Empty: <vllm_batch_data_root>/reruns/<run id>/"
+        ),
+        "model": param(
+            "model", None, title="Model", description="Hub id or local path. Empty: the vllm_batch_model Variable"
+        ),
         "labels": param("labels", LABELS, title="Labels", description="One label per line"),
         "system_prompt": param("system_prompt", SYSTEM_PROMPT, title="System prompt", format="multiline"),
         "temperature": param("temperature", 0.0, title="Temperature"),
         "max_tokens": param("max_tokens", 16, title="Max output tokens"),
         "shard_rows": param("shard_rows", 1000, title="Rows per shard"),
-        "compare_with": param("compare_with", None, title="Compare with",
-                              description="Output prefix of an earlier run (e.g. a nightly date's). Set: the run "
-                              "writes changes/ (labels added, removed, changed against it) and QA shows the churn "
-                              "matrix. Empty: no comparison"),
+        "compare_with": param(
+            "compare_with",
+            None,
+            title="Compare with",
+            description="Output prefix of an earlier run (e.g. a nightly date's). Set: the run "
+            "writes changes/ (labels added, removed, changed against it) and QA shows the churn "
+            "matrix. Empty: no comparison",
+        ),
         "runner": param("runner", "local", title="Runner"),
-        "dry_run": param("dry_run", False, title="Dry run",
-                         description="Only estimate: rows, tokens, shards, GPU-hours and the GPU memory plan in "
-                         "the plan task's log and 'dry_run' XCom; nothing is written or launched"),
+        "dry_run": param(
+            "dry_run",
+            False,
+            title="Dry run",
+            description="Only estimate: rows, tokens, shards, GPU-hours and the GPU memory plan in "
+            "the plan task's log and 'dry_run' XCom; nothing is written or launched",
+        ),
     },
 ) as dag:
     vllm_batch_job(
@@ -110,8 +122,17 @@ with DAG(
         group_id="rerun",
         overrides=SPEC_OVERRIDES,
         human_review=HUMAN_REVIEW,
-        param_overrides=["input_uri", "output_uri", "model", "labels", "system_prompt", "temperature",
-                         "max_tokens", "shard_rows", "compare_with"],
+        param_overrides=[
+            "input_uri",
+            "output_uri",
+            "model",
+            "labels",
+            "system_prompt",
+            "temperature",
+            "max_tokens",
+            "shard_rows",
+            "compare_with",
+        ],
         runner="{{ params.runner }}",
         asset=Asset(uri="x-vllm-batch://ticket_reclassification_reruns", name="ticket_reclassification_reruns"),
     )

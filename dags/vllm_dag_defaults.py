@@ -96,8 +96,12 @@ def ticket_spec(name: str, input_uri: str, output_uri: str, **sections: Any) -> 
         "task": "chat",
         "model": {"name": CHAT_MODEL, "max_model_len": 2048},
         "engine": dict(LOCAL_ENGINE),
-        "prompt": {"id_column": "id", "template": "Ticket: {text}", "system_prompt": SYSTEM_PROMPT,
-                   "truncation": "truncate"},
+        "prompt": {
+            "id_column": "id",
+            "template": "Ticket: {text}",
+            "system_prompt": SYSTEM_PROMPT,
+            "truncation": "truncate",
+        },
         # 16: xgrammar may spell a label in more tokens than the tokenizer's shortest split
         "sampling": {"temperature": 0, "max_tokens": 16, "structured": {"choice": list(LABELS)}},
         "io": {"input_uri": input_uri, "output_uri": output_uri},

@@ -67,8 +67,9 @@ def embedding_table(spec: dict[str, Any]) -> str:
         with pq.ParquetWriter(local, schema, compression="zstd") as writer:
             for rel in result_parts(out):  # an empty run: one empty part, so an empty table with these columns
                 with out.open(rel) as src:
-                    for batch in pq.ParquetFile(src).iter_batches(columns=["id", "embedding", "model"],
-                                                                  batch_size=8192):
+                    for batch in pq.ParquetFile(src).iter_batches(
+                        columns=["id", "embedding", "model"], batch_size=8192
+                    ):
                         writer.write_batch(batch.rename_columns(["id", "vector", "model"]))
         with open(local, "rb") as fh:
             out.write_atomic(TABLE, fh.read())
@@ -92,8 +93,10 @@ with DAG(
             "model": {"name": EMBEDDING_MODEL},
             "engine": {"enforce_eager": True, "cpu_kvcache_space_gb": 1},
             "prompt": {"id_column": "id", "template": "{text}", "truncation": "truncate"},
-            "io": {"input_uri": DATA_ROOT + "/knowledge_base/",
-                   "output_uri": DATA_ROOT + "/kb_embeddings/dt={{ ds }}/"},
+            "io": {
+                "input_uri": DATA_ROOT + "/knowledge_base/",
+                "output_uri": DATA_ROOT + "/kb_embeddings/dt={{ ds }}/",
+            },
             "sharding": {"target_rows": 5000, "chunk_rows": 512},
         },
         group_id="embed",

@@ -88,9 +88,11 @@ with DAG(
             name="nightly-reclassification",
             input_uri=DATA_ROOT + "/tickets/dt={{ ds }}/",
             output_uri=DATA_ROOT + "/reclassification/dt={{ ds }}/",
-            qa={"previous_report_uri": DATA_ROOT
-                + "/reclassification/dt={{ macros.ds_add(ds, -1) }}/qa/report.json",
-                "warn_churn_rate": 0.05, "fail_churn_rate": 0.5},
+            qa={
+                "previous_report_uri": DATA_ROOT + "/reclassification/dt={{ macros.ds_add(ds, -1) }}/qa/report.json",
+                "warn_churn_rate": 0.05,
+                "fail_churn_rate": 0.5,
+            },
             cache={"uri": DATA_ROOT + "/reclassification/_cache/"},
             changes={"previous_uri": DATA_ROOT + "/reclassification/dt={{ macros.ds_add(ds, -1) }}/"},
         ),

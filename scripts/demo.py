@@ -48,8 +48,15 @@ def run_dag(env: dict[str, str], day: str, log_path: Path) -> tuple[int, float, 
     t0 = time.monotonic()
     reused = False
     with open(log_path, "w", encoding="utf-8") as log:
-        proc = subprocess.Popen([AIRFLOW, "dags", "test", DAG_ID, day], env=env, cwd=ROOT,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        proc = subprocess.Popen(
+            [AIRFLOW, "dags", "test", DAG_ID, day],
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+        )
         for line in proc.stdout:
             log.write(line)
             reused = reused or "already_committed by attempt" in line
@@ -81,11 +88,15 @@ def summary(out: Path, truth: Path, dag_s: float, total_s: float, reused: bool) 
     rows = merged["rows"]
 
     print("\n== Summary")
-    print(f"  rows            {rows} ({merged['ok_rows']} ok, {merged['error_rows']} errors), "
-          f"{merged['shards']} shards, duplicates dropped: {merged['duplicates_dropped']}")
+    print(
+        f"  rows            {rows} ({merged['ok_rows']} ok, {merged['error_rows']} errors), "
+        f"{merged['shards']} shards, duplicates dropped: {merged['duplicates_dropped']}"
+    )
     if infer_s:
-        print(f"  throughput      {rows / infer_s:.1f} rows/s during inference (sum over shards), "
-              f"engine start {sum(start_s) / len(start_s):.0f} s per shard")
+        print(
+            f"  throughput      {rows / infer_s:.1f} rows/s during inference (sum over shards), "
+            f"engine start {sum(start_s) / len(start_s):.0f} s per shard"
+        )
     print(f"  end to end      {rows / dag_s:.1f} rows/s over the DAG run ({dag_s:.0f} s); demo total {total_s:.0f} s")
     print(f"  accuracy        {correct}/{len(known)} = {100 * correct / len(known):.1f}% against the known labels")
     labels = sorted(set(known.values()))
@@ -100,8 +111,9 @@ def summary(out: Path, truth: Path, dag_s: float, total_s: float, reused: bool) 
     print(f"  QA report       {out / 'qa' / 'report.html'}  (and report.json, sample.parquet)")
     print(f"  final marker    {out / '_SUCCESS.json'}")
     if reused:
-        print("  note            shards committed by an earlier run were reused (--keep-output); "
-              "throughput is that run's")
+        print(
+            "  note            shards committed by an earlier run were reused (--keep-output); throughput is that run's"
+        )
 
 
 def main() -> int:
@@ -109,8 +121,9 @@ def main() -> int:
     ap.add_argument("--date", default="2026-11-28", help="logical date (the tickets partition)")
     ap.add_argument("--rows", type=int, default=2000)
     ap.add_argument("--shard-rows", type=int, default=1000)
-    ap.add_argument("--keep-output", action="store_true",
-                    help="re-run over the previous output (committed shards are reused)")
+    ap.add_argument(
+        "--keep-output", action="store_true", help="re-run over the previous output (committed shards are reused)"
+    )
     args = ap.parse_args()
     t0 = time.monotonic()
     home, data = ROOT / ".airflow", ROOT / ".cache" / "demo"
@@ -135,21 +148,28 @@ def main() -> int:
         print(f"  reusing {tickets / 'tickets.parquet'} (delete it for a new sample)")
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}
-    env.update({
-        "AIRFLOW_HOME": str(home),
-        "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW_VAR_VLLM_BATCH_DATA_ROOT": str(data),
-        "AIRFLOW_VAR_VLLM_BATCH_MODEL": str(model),
-        "AIRFLOW_VAR_VLLM_BATCH_SHARD_ROWS": str(args.shard_rows),
-        # `airflow dags test` has no one to answer the review task of a QA 'warn': publish without
-        # asking (the verdict is printed below). `airflow standalone` shows the review: docs/operations.md.
-        "AIRFLOW_VAR_VLLM_BATCH_HUMAN_REVIEW": "false",
-        # The deployment's allow-list (docs/security.md): the demo's data folder and the model cache.
-        "AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES": json.dumps([str(data), str(default_cache_dir())]),
-    })
-    for k, v in {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                 "VLLM_NO_USAGE_STATS": "1", "TOKENIZERS_PARALLELISM": "false"}.items():
+    env.update(
+        {
+            "AIRFLOW_HOME": str(home),
+            "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
+            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+            "AIRFLOW_VAR_VLLM_BATCH_DATA_ROOT": str(data),
+            "AIRFLOW_VAR_VLLM_BATCH_MODEL": str(model),
+            "AIRFLOW_VAR_VLLM_BATCH_SHARD_ROWS": str(args.shard_rows),
+            # `airflow dags test` has no one to answer the review task of a QA 'warn': publish without
+            # asking (the verdict is printed below). `airflow standalone` shows the review: docs/operations.md.
+            "AIRFLOW_VAR_VLLM_BATCH_HUMAN_REVIEW": "false",
+            # The deployment's allow-list (docs/security.md): the demo's data folder and the model cache.
+            "AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES": json.dumps([str(data), str(default_cache_dir())]),
+        }
+    )
+    for k, v in {
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }.items():
         env.setdefault(k, v)
 
     step(f"airflow db migrate (AIRFLOW_HOME={home})")
@@ -165,16 +185,22 @@ def main() -> int:
     step(f"airflow dags test {DAG_ID} {args.date}   (full log: {log_path})")
     rc, dag_s, reused = run_dag(env, args.date, log_path)
     if rc:
-        reasons = sorted({line.split("Exception: ", 1)[1].strip() for line in log_path.read_text().splitlines()
-                          if line.startswith(("airflow.sdk.exceptions.", "airflow_provider_vllm."))
-                          and "Exception: " in line})
+        reasons = sorted(
+            {
+                line.split("Exception: ", 1)[1].strip()
+                for line in log_path.read_text().splitlines()
+                if line.startswith(("airflow.sdk.exceptions.", "airflow_provider_vllm.")) and "Exception: " in line
+            }
+        )
         print(f"\nthe DAG run failed (exit {rc}): {'; '.join(reasons) or 'see the log'}\nfull log: {log_path}")
         return rc
     summary(out, truth / "labels.parquet", dag_s, time.monotonic() - t0, reused)
-    print(f"\n  Airflow UI over this run: AIRFLOW_HOME={home.relative_to(ROOT)} "
-          f"AIRFLOW__CORE__DAGS_FOLDER=dags "
-          f"AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES='{env['AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES']}' "
-          f".venv/bin/airflow standalone")
+    print(
+        f"\n  Airflow UI over this run: AIRFLOW_HOME={home.relative_to(ROOT)} "
+        f"AIRFLOW__CORE__DAGS_FOLDER=dags "
+        f"AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES='{env['AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES']}' "
+        f".venv/bin/airflow standalone"
+    )
     return 0
 
 

@@ -112,27 +112,35 @@ def headlines(s: dict) -> list[str]:
         if not rows:
             continue
         kinds = sum(1 for v in rows.values() if v["faults"])
-        out.append(f"{title.split(' (')[0]}: {_total(rows, 'faults')} injected across {kinds} kinds into runs of "
-                   f"{run_rows(rows)} input rows in all, each reconciled: {_total(rows, 'lost')} lost, "
-                   f"{_total(rows, 'duplicates')} duplicates (counted before merge's dedupe), "
-                   f"{_total(rows, 'partial_visible')} partial files visible")
+        out.append(
+            f"{title.split(' (')[0]}: {_total(rows, 'faults')} injected across {kinds} kinds into runs of "
+            f"{run_rows(rows)} input rows in all, each reconciled: {_total(rows, 'lost')} lost, "
+            f"{_total(rows, 'duplicates')} duplicates (counted before merge's dedupe), "
+            f"{_total(rows, 'partial_visible')} partial files visible"
+        )
     hyp = s["faults"].get("hypothesis") or {}
     if hyp:
         examples = max(v["examples"] for v in hyp.values())  # every kind of one state machine saw the same run
         steps = max(v["steps"] for v in hyp.values())
         crashes = hyp.get("commit_protocol_crash", _new_row())
         dup_commits = hyp.get("commit_protocol_duplicate_commit", _new_row())
-        out.append(f"Hypothesis state machine over the commit protocol (simulated in one process, not process "
-                   f"faults): {examples} examples, {steps} steps, {crashes['faults']} simulated crashes and "
-                   f"{dup_commits['faults']} duplicate commits; {run_rows(hyp)} rows merged: "
-                   f"{_total(hyp, 'lost')} lost, {_total(hyp, 'duplicates')} duplicates (counted before merge's "
-                   f"dedupe), {_total(hyp, 'partial_visible')} partial files visible")
+        out.append(
+            f"Hypothesis state machine over the commit protocol (simulated in one process, not process "
+            f"faults): {examples} examples, {steps} steps, {crashes['faults']} simulated crashes and "
+            f"{dup_commits['faults']} duplicate commits; {run_rows(hyp)} rows merged: "
+            f"{_total(hyp, 'lost')} lost, {_total(hyp, 'duplicates')} duplicates (counted before merge's "
+            f"dedupe), {_total(hyp, 'partial_visible')} partial files visible"
+        )
     if s["bad"]:
-        out.append(f"Bad inputs: {_total(s['bad'], 'planted')} planted, {_total(s['bad'], 'right')} reported with "
-                   "the right code (or refused by the plan with the right message)")
+        out.append(
+            f"Bad inputs: {_total(s['bad'], 'planted')} planted, {_total(s['bad'], 'right')} reported with "
+            "the right code (or refused by the plan with the right message)"
+        )
     if s["mal"]:
-        out.append(f"Malicious params and forged files: {_total(s['mal'], 'tried')} tried, "
-                   f"{_total(s['mal'], 'rejected')} rejected")
+        out.append(
+            f"Malicious params and forged files: {_total(s['mal'], 'tried')} tried, "
+            f"{_total(s['mal'], 'rejected')} rejected"
+        )
     return out
 
 
@@ -145,35 +153,53 @@ def _tests(names: set[str]) -> str:
 
 
 def git_commit() -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                          text=True).stdout.strip() or "unknown"
+    return (
+        subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        or "unknown"
+    )
 
 
-def block(s: dict, outcome: str, code: int, args: list[str], commit: str | None = None,
-          when: str | None = None) -> str:
+def block(s: dict, outcome: str, code: int, args: list[str], commit: str | None = None, when: str | None = None) -> str:
     commit = commit or git_commit()
     when = when or time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     out = [START, ""]
     out += [f"- **{h}.**" for h in headlines(s)]
-    out += ["", f"Measured {when} at commit `{commit}` by "
-                f"`python scripts/reliability_report.py{' -- ' + shlex.join(args) if args else ''}`; "
-                f"pytest: {outcome} (exit {code})."]
+    out += [
+        "",
+        f"Measured {when} at commit `{commit}` by "
+        f"`python scripts/reliability_report.py{' -- ' + shlex.join(args) if args else ''}`; "
+        f"pytest: {outcome} (exit {code}).",
+    ]
     for level, title in LEVELS.items():
         rows = s["faults"].get(level) or {}
         if not rows:
             continue
-        out += ["", f"**{title}**", "",
-                "| fault kind | injected | rows | lost | duplicates | partial visible | test |",
-                "|---|---:|---:|---:|---:|---:|---|"]
-        out += [f"| {k} | {v['faults']} | {run_rows({k: v})} | {v['lost']} | {v['duplicates']} | "
-                f"{v['partial_visible']} | {_tests(v['tests'])} |" for k, v in sorted(rows.items())]
+        out += [
+            "",
+            f"**{title}**",
+            "",
+            "| fault kind | injected | rows | lost | duplicates | partial visible | test |",
+            "|---|---:|---:|---:|---:|---:|---|",
+        ]
+        out += [
+            f"| {k} | {v['faults']} | {run_rows({k: v})} | {v['lost']} | {v['duplicates']} | "
+            f"{v['partial_visible']} | {_tests(v['tests'])} |"
+            for k, v in sorted(rows.items())
+        ]
     hyp = s["faults"].get("hypothesis") or {}
     if hyp:
-        out += ["", "**Hypothesis state machine (simulated steps in one process)**", "",
-                "| kind | examples | steps | simulated | rows merged | lost | duplicates | partial visible | test |",
-                "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
-        out += [f"| {k} | {v['examples']} | {v['steps']} | {v['faults']} | {run_rows({k: v})} | {v['lost']} | "
-                f"{v['duplicates']} | {v['partial_visible']} | {_tests(v['tests'])} |" for k, v in sorted(hyp.items())]
+        out += [
+            "",
+            "**Hypothesis state machine (simulated steps in one process)**",
+            "",
+            "| kind | examples | steps | simulated | rows merged | lost | duplicates | partial visible | test |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        ]
+        out += [
+            f"| {k} | {v['examples']} | {v['steps']} | {v['faults']} | {run_rows({k: v})} | {v['lost']} | "
+            f"{v['duplicates']} | {v['partial_visible']} | {_tests(v['tests'])} |"
+            for k, v in sorted(hyp.items())
+        ]
     out += ["", "| bad input kind | planted | reported right | test |", "|---|---:|---:|---|"]
     out += [f"| {k} | {v['planted']} | {v['right']} | {_tests(v['tests'])} |" for k, v in sorted(s["bad"].items())]
     out += ["", "| malicious param kind | tried | rejected | test |", "|---|---:|---:|---|"]
@@ -200,8 +226,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.ledger:
         ledger = Path(a.ledger)
         side = outcome_file(ledger)
-        run = json.loads(side.read_text()) if side.exists() else {
-            "code": 0, "outcome": "not re-run (summed an existing ledger)", "args": a.pytest_args}
+        run = (
+            json.loads(side.read_text())
+            if side.exists()
+            else {"code": 0, "outcome": "not re-run (summed an existing ledger)", "args": a.pytest_args}
+        )
     else:
         ledger = Path(tempfile.mkdtemp(prefix="reliability-")) / "ledger.jsonl"
         commit, when = git_commit(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())

@@ -19,26 +19,92 @@ LABELS = ["billing", "bug", "feature_request", "account", "other"]
 WEIGHTS = [0.26, 0.26, 0.16, 0.18, 0.14]
 
 SLOTS = {
-    "product": ["the mobile app", "the web dashboard", "the desktop client", "the API", "the Android app",
-                "the iOS app", "the browser extension", "the reporting module", "the admin console"],
+    "product": [
+        "the mobile app",
+        "the web dashboard",
+        "the desktop client",
+        "the API",
+        "the Android app",
+        "the iOS app",
+        "the browser extension",
+        "the reporting module",
+        "the admin console",
+    ],
     "plan": ["Pro", "Team", "Business", "Starter", "Enterprise", "Premium"],
     "amount": ["$9.99", "$19", "$49.00", "$120", "EUR 29", "$299", "$15.50", "GBP 12"],
-    "month": ["January", "February", "March", "April", "May", "June", "July", "August", "September",
-              "October", "November", "December"],
-    "device": ["my iPhone 14", "a Pixel 7", "Windows 11", "my MacBook", "an iPad", "Ubuntu 22.04",
-               "a Samsung Galaxy S23", "Chrome on Linux"],
+    "month": [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ],
+    "device": [
+        "my iPhone 14",
+        "a Pixel 7",
+        "Windows 11",
+        "my MacBook",
+        "an iPad",
+        "Ubuntu 22.04",
+        "a Samsung Galaxy S23",
+        "Chrome on Linux",
+    ],
     "browser": ["Chrome", "Firefox", "Safari", "Edge"],
-    "feature": ["dark mode", "export to CSV", "a calendar view", "bulk editing", "keyboard shortcuts",
-                "an offline mode", "Slack notifications", "custom fields", "two-way sync with Google Sheets",
-                "recurring tasks", "a public API for reports", "SSO with Okta", "a Gantt chart"],
-    "error": ["error 500", "a blank white screen", "'Something went wrong'", "error code E102",
-              "a timeout", "'Unexpected token'", "a spinning wheel forever", "HTTP 403"],
-    "action": ["upload a file", "save my changes", "open the settings page", "export a report",
-               "sync my data", "log out", "share a document", "print an invoice", "search for a contact"],
+    "feature": [
+        "dark mode",
+        "export to CSV",
+        "a calendar view",
+        "bulk editing",
+        "keyboard shortcuts",
+        "an offline mode",
+        "Slack notifications",
+        "custom fields",
+        "two-way sync with Google Sheets",
+        "recurring tasks",
+        "a public API for reports",
+        "SSO with Okta",
+        "a Gantt chart",
+    ],
+    "error": [
+        "error 500",
+        "a blank white screen",
+        "'Something went wrong'",
+        "error code E102",
+        "a timeout",
+        "'Unexpected token'",
+        "a spinning wheel forever",
+        "HTTP 403",
+    ],
+    "action": [
+        "upload a file",
+        "save my changes",
+        "open the settings page",
+        "export a report",
+        "sync my data",
+        "log out",
+        "share a document",
+        "print an invoice",
+        "search for a contact",
+    ],
     "days": ["two days", "a week", "three days", "since yesterday", "10 days", "since the last update"],
     "email": ["anna@example.com", "j.smith@example.org", "mark.t@example.net", "li.wei@example.com"],
-    "topic": ["your office hours", "a partnership", "your company's history", "a speaking opportunity",
-              "your privacy policy", "job openings", "a press interview", "where your servers are located"],
+    "topic": [
+        "your office hours",
+        "a partnership",
+        "your company's history",
+        "a speaking opportunity",
+        "your privacy policy",
+        "job openings",
+        "a press interview",
+        "where your servers are located",
+    ],
 }
 
 TEMPLATES = {
@@ -154,8 +220,15 @@ def generate_kb(n: int, seed: int = 0) -> list[dict[str, str]]:
     rows = []
     for i in range(n):
         title, body = KB_TOPICS[i % len(KB_TOPICS)]
-        extra = rng.choice(["", " Contact support if this does not help.", " This applies to all plans.",
-                            " See also the related articles below.", " Updated for the latest release."])
+        extra = rng.choice(
+            [
+                "",
+                " Contact support if this does not help.",
+                " This applies to all plans.",
+                " See also the related articles below.",
+                " Updated for the latest release.",
+            ]
+        )
         rows.append({"id": f"kb-{i:05d}", "text": f"{title}. {body}{extra}"})
     return rows
 

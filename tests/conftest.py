@@ -18,17 +18,26 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The deployment's allow-list for the tests (docs/security.md): the temp folder (pytest's
 # tmp_path), the model cache and this checkout. Without it every plan is refused (fail closed);
 # tests of that default remove both variables (the ``fail_closed`` fixture).
-TEST_PREFIXES = json.dumps([os.path.realpath(tempfile.gettempdir()),
-                            os.path.realpath(os.environ.get("VLLM_BATCH_MODEL_CACHE", ROOT / ".cache" / "models")),
-                            str(ROOT)])
+TEST_PREFIXES = json.dumps(
+    [
+        os.path.realpath(tempfile.gettempdir()),
+        os.path.realpath(os.environ.get("VLLM_BATCH_MODEL_CACHE", ROOT / ".cache" / "models")),
+        str(ROOT),
+    ]
+)
 os.environ.setdefault("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", TEST_PREFIXES)
 os.environ.setdefault("VLLM_BATCH_ALLOWED_PREFIXES", TEST_PREFIXES)  # a worker CLI a test starts itself
+
 
 @pytest.fixture
 def fail_closed(monkeypatch):
     """The default deployment: no allow-list, no "any location" (Airflow side and worker side)."""
-    for name in ("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", "AIRFLOW__VLLM_BATCH__ALLOW_ANY_LOCATION",
-                 "VLLM_BATCH_ALLOWED_PREFIXES", "VLLM_BATCH_ALLOW_ANY_LOCATION"):
+    for name in (
+        "AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES",
+        "AIRFLOW__VLLM_BATCH__ALLOW_ANY_LOCATION",
+        "VLLM_BATCH_ALLOWED_PREFIXES",
+        "VLLM_BATCH_ALLOW_ANY_LOCATION",
+    ):
         monkeypatch.delenv(name, raising=False)
 
 

@@ -33,13 +33,21 @@ from airflow_provider_vllm.steps.dry_run import (
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m airflow_provider_vllm.cli.dry_run", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m airflow_provider_vllm.cli.dry_run", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("spec", help="job spec: YAML file (a 'job:' key or the spec at top level) or JSON file")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a spec field (dotted path or DAG param alias); VALUE is JSON or a string")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a spec field (dotted path or DAG param alias); VALUE is JSON or a string",
+    )
     ap.add_argument("--gpu-memory-gib", type=float, help="memory per GPU (default: from sharding.hardware / history)")
-    ap.add_argument("--gpus", type=_positive_int,
-                    help="GPU budget (GPUs the job may use at once): prints max_active_shards")
+    ap.add_argument(
+        "--gpus", type=_positive_int, help="GPU budget (GPUs the job may use at once): prints max_active_shards"
+    )
     ap.add_argument("--model-config", help="the model's config.json when model.name is neither a folder nor cached")
     ap.add_argument("--tokens-per-s", type=float, default=ASSUMED_TOKENS_PER_S, help="throughput without history")
     ap.add_argument("--engine-start-s", type=float, default=ASSUMED_ENGINE_START_S, help="engine start without history")
@@ -53,8 +61,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.model_config:
             with open(args.model_config, encoding="utf-8") as f:
                 cfg = json.load(f)
-        report = dry_run_report(spec, tokens_per_s=args.tokens_per_s, engine_start_s=args.engine_start_s,
-                                gpu_memory=args.gpu_memory_gib, model_config=cfg, gpus=args.gpus)
+        report = dry_run_report(
+            spec,
+            tokens_per_s=args.tokens_per_s,
+            engine_start_s=args.engine_start_s,
+            gpu_memory=args.gpu_memory_gib,
+            model_config=cfg,
+            gpus=args.gpus,
+        )
     except VllmBatchError as e:
         print(f"dry run failed: {e}", file=sys.stderr)
         return e.exit_code

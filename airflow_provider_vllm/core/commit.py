@@ -87,7 +87,8 @@ class FileEntry(RowCounts):
     bytes: int = Field(description="size of the ok-rows file")
     sha256: str = Field(description="sha256 of the ok-rows file's bytes")
     errors: PartFile | None = Field(
-        None, description="the error rows: .../chunk-NNNNN.errors.parquet (ERROR_SCHEMA), written even when empty")
+        None, description="the error rows: .../chunk-NNNNN.errors.parquet (ERROR_SCHEMA), written even when empty"
+    )
 
     def parts(self) -> tuple[PartFile, PartFile | None]:
         """(ok-rows part, error-rows part)."""
@@ -126,7 +127,9 @@ class ShardStore:
         try:
             return CommitMarker.model_validate_json(raw)
         except ValidationError as e:
-            what = "is not valid JSON" if any(x["type"] == "json_invalid" for x in e.errors()) else "is not a valid marker"
+            what = (
+                "is not valid JSON" if any(x["type"] == "json_invalid" for x in e.errors()) else "is not a valid marker"
+            )
             raise CommitError(f"commit marker {self.out.uri(rel)} {what}: {e}") from e
 
     def commit(self, marker: CommitMarker) -> bool:
@@ -190,11 +193,19 @@ class ShardStore:
         if ok_rows is None or error_rows is None:
             ok_rows, error_rows = _footer_rows(self.out, rel), _footer_rows(self.out, err_rel)
         errors = PartFile(path=err_rel, rows=error_rows, bytes=self.out.size(err_rel), sha256=self.out.sha256(err_rel))
-        return FileEntry(path=rel, rows=ok_rows + error_rows, ok_rows=ok_rows, error_rows=error_rows,
-                         bytes=self.out.size(rel), sha256=self.out.sha256(rel), errors=errors)
+        return FileEntry(
+            path=rel,
+            rows=ok_rows + error_rows,
+            ok_rows=ok_rows,
+            error_rows=error_rows,
+            bytes=self.out.size(rel),
+            sha256=self.out.sha256(rel),
+            errors=errors,
+        )
 
-    def reusable_chunks(self, expected: dict[int, ChunkMeta],
-                        beat: Callable[[], None] = lambda: None) -> dict[int, str]:
+    def reusable_chunks(
+        self, expected: dict[int, ChunkMeta], beat: Callable[[], None] = lambda: None
+    ) -> dict[int, str]:
         """Complete chunks left by any attempt whose footer matches ``expected``; chunk -> path.
 
         ``beat()`` after each listing and footer read (the worker's watchdog counts them as progress).
@@ -211,7 +222,9 @@ class ShardStore:
                     continue
                 rel = f"{self.dir}/attempts/{attempt}/{name}"
                 ok_rows = _footer_matches(self.out, rel, expected[k], "results")
-                err_rows = _footer_matches(self.out, errors_rel(rel), expected[k], "errors") if ok_rows is not None else None
+                err_rows = (
+                    _footer_matches(self.out, errors_rel(rel), expected[k], "errors") if ok_rows is not None else None
+                )
                 if ok_rows is not None and err_rows is not None and ok_rows + err_rows == expected[k].rows:
                     found[k] = rel
                 beat()

@@ -34,11 +34,13 @@ def check_vllm_version(version: str) -> Version:
     try:
         parsed = Version(version)
     except InvalidVersion as e:
-        raise UnsupportedVllmError(f"vLLM reports an unparseable version {version!r}; this worker supports "
-                                   f"vLLM {SUPPORTED_VLLM}") from e
+        raise UnsupportedVllmError(
+            f"vLLM reports an unparseable version {version!r}; this worker supports vLLM {SUPPORTED_VLLM}"
+        ) from e
     if not SUPPORTED_VLLM.contains(parsed, prereleases=True):
         raise UnsupportedVllmError(
             f"vLLM {version} is installed, but this worker supports vLLM {SUPPORTED_VLLM} "
             f"(run on {TESTED_VLLM['gpu']} on GPUs and {TESTED_VLLM['cpu']} on the CPU build); "
-            "use the provider's worker image or a vLLM in that range")
+            "use the provider's worker image or a vLLM in that range"
+        )
     return parsed

@@ -11,8 +11,9 @@ from airflow_provider_vllm.core.storage import Storage
 
 def connect(*storages: Storage, memory_limit: str = "1GB") -> duckdb.DuckDBPyConnection:
     """A connection that can read the given storages' files (remote ones through fsspec)."""
-    con = duckdb.connect(config={"memory_limit": memory_limit, "threads": os.cpu_count() or 2,
-                                 "preserve_insertion_order": True})
+    con = duckdb.connect(
+        config={"memory_limit": memory_limit, "threads": os.cpu_count() or 2, "preserve_insertion_order": True}
+    )
     seen = set()
     for st in storages:
         if not st.is_local and id(st.fs) not in seen:

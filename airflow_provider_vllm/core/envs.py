@@ -55,55 +55,96 @@ def _var(name: str, default: str | None, description: str, read_by: str) -> EnvV
 
 
 # ---- deployment rules handed to the worker by the Airflow side --------------------------------
-ALLOWED_PREFIXES = _var("VLLM_BATCH_ALLOWED_PREFIXES", None,
-                        "URI prefixes the worker may read and write (JSON list or comma/newline separated); "
-                        "set by the shard operators from [vllm_batch] allowed_uri_prefixes", "worker")
-ALLOW_ANY_LOCATION = _var("VLLM_BATCH_ALLOW_ANY_LOCATION", None,
-                          "1: the deployment allows any location (no allow-list)", "worker")
-ALLOW_REMOTE_CODE = _var("VLLM_BATCH_ALLOW_REMOTE_CODE", None,
-                         "1: trust_remote_code and code-loading engine options are allowed", "worker")
+ALLOWED_PREFIXES = _var(
+    "VLLM_BATCH_ALLOWED_PREFIXES",
+    None,
+    "URI prefixes the worker may read and write (JSON list or comma/newline separated); "
+    "set by the shard operators from [vllm_batch] allowed_uri_prefixes",
+    "worker",
+)
+ALLOW_ANY_LOCATION = _var(
+    "VLLM_BATCH_ALLOW_ANY_LOCATION", None, "1: the deployment allows any location (no allow-list)", "worker"
+)
+ALLOW_REMOTE_CODE = _var(
+    "VLLM_BATCH_ALLOW_REMOTE_CODE", None, "1: trust_remote_code and code-loading engine options are allowed", "worker"
+)
 
 # ---- worker process -------------------------------------------------------------------------
-XCOM_DIR = _var("VLLM_BATCH_XCOM_DIR", "/airflow/xcom",
-                "folder where the worker also writes its manifest as return.json (the KPO XCom sidecar's)", "worker")
+XCOM_DIR = _var(
+    "VLLM_BATCH_XCOM_DIR",
+    "/airflow/xcom",
+    "folder where the worker also writes its manifest as return.json (the KPO XCom sidecar's)",
+    "worker",
+)
 LOG_LEVEL = _var("VLLM_BATCH_LOG_LEVEL", "INFO", "the worker's log level", "worker")
-HARDWARE = _var("VLLM_BATCH_HARDWARE", None,
-                "hardware name recorded in throughput history instead of the detected one", "worker")
-PARENT_PID = _var("VLLM_BATCH_PARENT_PID", None,
-                  "pid of the task process that started the worker (local runner): the worker ends with it",
-                  "worker")
-LOCK_DIR = _var("VLLM_BATCH_LOCK_DIR", None,
-                "folder of the host-local shard locks (unset: $TMPDIR/vllm-batch-locks-$UID)", "worker")
-LOCK_WAIT_S = _var("VLLM_BATCH_LOCK_WAIT_S", "600",
-                   "seconds a local worker waits for its shard's lock held by another worker", "worker")
-RESOURCE_SAMPLE_S = _var("VLLM_BATCH_RESOURCE_SAMPLE_S", "2",
-                         "seconds between two memory/GPU samples of the worker", "worker")
-STORAGE_ATTEMPTS = _var("VLLM_BATCH_STORAGE_ATTEMPTS", "6",
-                        "tries of a storage call on transient errors before the worker exits 75", "worker")
-CUDA_VISIBLE_DEVICES = _var("CUDA_VISIBLE_DEVICES", None,
-                            "GPU indices the worker may use (resource sampling only samples these)", "worker")
+HARDWARE = _var(
+    "VLLM_BATCH_HARDWARE", None, "hardware name recorded in throughput history instead of the detected one", "worker"
+)
+PARENT_PID = _var(
+    "VLLM_BATCH_PARENT_PID",
+    None,
+    "pid of the task process that started the worker (local runner): the worker ends with it",
+    "worker",
+)
+LOCK_DIR = _var(
+    "VLLM_BATCH_LOCK_DIR", None, "folder of the host-local shard locks (unset: $TMPDIR/vllm-batch-locks-$UID)", "worker"
+)
+LOCK_WAIT_S = _var(
+    "VLLM_BATCH_LOCK_WAIT_S",
+    "600",
+    "seconds a local worker waits for its shard's lock held by another worker",
+    "worker",
+)
+RESOURCE_SAMPLE_S = _var(
+    "VLLM_BATCH_RESOURCE_SAMPLE_S", "2", "seconds between two memory/GPU samples of the worker", "worker"
+)
+STORAGE_ATTEMPTS = _var(
+    "VLLM_BATCH_STORAGE_ATTEMPTS",
+    "6",
+    "tries of a storage call on transient errors before the worker exits 75",
+    "worker",
+)
+CUDA_VISIBLE_DEVICES = _var(
+    "CUDA_VISIBLE_DEVICES", None, "GPU indices the worker may use (resource sampling only samples these)", "worker"
+)
 
 # ---- worker metrics (off unless a push gateway or textfile folder is named) ----------------------
-METRICS_PUSHGATEWAY = _var("VLLM_BATCH_METRICS_PUSHGATEWAY", None,
-                           "Prometheus push gateway (host:port or URL) for the worker's metrics", "worker")
-METRICS_TEXTFILE_DIR = _var("VLLM_BATCH_METRICS_TEXTFILE_DIR", None,
-                            "node_exporter textfile collector folder for the worker's metrics", "worker")
-METRICS_INTERVAL_S = _var("VLLM_BATCH_METRICS_INTERVAL_S", None,
-                          "least seconds between two metric exports (unset: MetricsConfig's 15)", "worker")
+METRICS_PUSHGATEWAY = _var(
+    "VLLM_BATCH_METRICS_PUSHGATEWAY",
+    None,
+    "Prometheus push gateway (host:port or URL) for the worker's metrics",
+    "worker",
+)
+METRICS_TEXTFILE_DIR = _var(
+    "VLLM_BATCH_METRICS_TEXTFILE_DIR",
+    None,
+    "node_exporter textfile collector folder for the worker's metrics",
+    "worker",
+)
+METRICS_INTERVAL_S = _var(
+    "VLLM_BATCH_METRICS_INTERVAL_S",
+    None,
+    "least seconds between two metric exports (unset: MetricsConfig's 15)",
+    "worker",
+)
 METRICS_JOB = _var("VLLM_BATCH_METRICS_JOB", None, "push gateway job name (unset: vllm_batch)", "worker")
-RUN_ID = _var("VLLM_BATCH_RUN_ID", None, "run label of the metrics (unset: first 12 hex of the spec hash)",
-              "worker")
+RUN_ID = _var("VLLM_BATCH_RUN_ID", None, "run label of the metrics (unset: first 12 hex of the spec hash)", "worker")
 
 # ---- fault injection (tests and drills only) ------------------------------------------------
-FAULTS = _var("VLLM_BATCH_FAULTS", None, "fault points to trigger in the data plane (core/faults.py)",
-              "worker, airflow")
-INJECT_EXIT = _var("VLLM_BATCH_INJECT_EXIT", None,
-                   "MAP_INDEX:TRY:EXIT[,...]: the local runner replaces those worker tries by a process that "
-                   "exits EXIT", "airflow")
+FAULTS = _var(
+    "VLLM_BATCH_FAULTS", None, "fault points to trigger in the data plane (core/faults.py)", "worker, airflow"
+)
+INJECT_EXIT = _var(
+    "VLLM_BATCH_INJECT_EXIT",
+    None,
+    "MAP_INDEX:TRY:EXIT[,...]: the local runner replaces those worker tries by a process that exits EXIT",
+    "airflow",
+)
 
 # ---- demo and test models ------------------------------------------------------------------------
-MODEL_CACHE = _var("VLLM_BATCH_MODEL_CACHE", ".cache/models",
-                   "folder of the demo/test models (testing/local_models.py)", "tests")
+MODEL_CACHE = _var(
+    "VLLM_BATCH_MODEL_CACHE", ".cache/models", "folder of the demo/test models (testing/local_models.py)", "tests"
+)
 
 
 def by_name() -> dict[str, EnvVar]:

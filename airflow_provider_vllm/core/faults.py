@@ -35,28 +35,50 @@ from airflow_provider_vllm.core import envs
 
 ENV = envs.FAULTS.name
 
-POINTS = frozenset({
-    # a worker chunk's two files (commit.ShardStore.write_chunk): errors part, between, ok part
-    "chunk.before_write", "chunk.mid_file", "chunk.between_parts", "chunk.after_write",
-    # the shard commit marker (commit.ShardStore.commit): every chunk visible, no marker yet;
-    # marker temp file half written; marker visible
-    "commit.after_data", "commit.mid_marker", "commit.after_marker",
-    # the changes output (steps.changes.compute_changes): changes.parquet, then _changes.json
-    "changes.before_write", "changes.mid_file", "changes.after_data", "changes.mid_marker", "changes.after_marker",
-    # merge outputs (merge.merge): before any part, a part copy half done, after each part is
-    # published, after both _manifest.json files, before / amid / after _MERGED.json
-    "merge.before_write", "merge.mid_file", "merge.between_parts", "merge.after_manifests", "merge.after_data",
-    "merge.mid_marker", "merge.after_marker",
-    # one engine step (worker.guard.GuardedEngine.step)
-    "engine.step",
-    # the worker's other phases (worker.shard): before the plan is read, before each input
-    # segment is read, before each earlier attempt's chunk footer is read in the reuse scan
-    "plan.load", "read.segment", "reuse.footer",
-    # the result cache (steps.cache): in plan, before the hits/misses files and after them (no
-    # plan yet); in merge, the entry's part visible with no commit marker, the marker's temp file
-    # half written, the marker visible (the merge summary not yet)
-    "cache.before_files", "cache.after_files", "cache.entry_data", "cache.mid_commit", "cache.after_commit",
-})
+POINTS = frozenset(
+    {
+        # a worker chunk's two files (commit.ShardStore.write_chunk): errors part, between, ok part
+        "chunk.before_write",
+        "chunk.mid_file",
+        "chunk.between_parts",
+        "chunk.after_write",
+        # the shard commit marker (commit.ShardStore.commit): every chunk visible, no marker yet;
+        # marker temp file half written; marker visible
+        "commit.after_data",
+        "commit.mid_marker",
+        "commit.after_marker",
+        # the changes output (steps.changes.compute_changes): changes.parquet, then _changes.json
+        "changes.before_write",
+        "changes.mid_file",
+        "changes.after_data",
+        "changes.mid_marker",
+        "changes.after_marker",
+        # merge outputs (merge.merge): before any part, a part copy half done, after each part is
+        # published, after both _manifest.json files, before / amid / after _MERGED.json
+        "merge.before_write",
+        "merge.mid_file",
+        "merge.between_parts",
+        "merge.after_manifests",
+        "merge.after_data",
+        "merge.mid_marker",
+        "merge.after_marker",
+        # one engine step (worker.guard.GuardedEngine.step)
+        "engine.step",
+        # the worker's other phases (worker.shard): before the plan is read, before each input
+        # segment is read, before each earlier attempt's chunk footer is read in the reuse scan
+        "plan.load",
+        "read.segment",
+        "reuse.footer",
+        # the result cache (steps.cache): in plan, before the hits/misses files and after them (no
+        # plan yet); in merge, the entry's part visible with no commit marker, the marker's temp file
+        # half written, the marker visible (the merge summary not yet)
+        "cache.before_files",
+        "cache.after_files",
+        "cache.entry_data",
+        "cache.mid_commit",
+        "cache.after_commit",
+    }
+)
 ACTIONS = frozenset({"kill", "raise", "hang", "oom", "dead"})
 
 _ITEM = re.compile(r"^(?P<point>[a-z_.]+)(?:@(?P<row>[^#=]+))?(?:#(?P<n>\d+)(?P<plus>\+)?)?=(?P<action>[a-z]+)$")

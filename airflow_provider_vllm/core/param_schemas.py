@@ -25,8 +25,10 @@ from airflow_provider_vllm.core.spec_guard import (
 
 # ECMA-262 and Python both read these. No '..' or '.' segments, no percent-encoded dots or
 # slashes, no whitespace; a scheme from paths.SCHEMES or an absolute path.
-URI_PATTERN = (r"^(?![\s\S]*(?:/\.{1,2}(?:/|$)|%2[eEfF]|%5[cC]|%25|\\))"
-               r"(?:(?:file://)?/|(?:s3|s3a|gs|gcs|memory)://[a-z0-9])[^\s]*$")
+URI_PATTERN = (
+    r"^(?![\s\S]*(?:/\.{1,2}(?:/|$)|%2[eEfF]|%5[cC]|%25|\\))"
+    r"(?:(?:file://)?/|(?:s3|s3a|gs|gcs|memory)://[a-z0-9])[^\s]*$"
+)
 NO_JINJA = r"^(?![\s\S]*(?:\{\{|\}\}|\{%|%\}|\{#|#\}))[\s\S]*$"
 
 PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
@@ -34,9 +36,13 @@ PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
     "output_uri": {"type": ["null", "string"], "pattern": URI_PATTERN, "maxLength": 1024},
     "compare_with": {"type": ["null", "string"], "pattern": URI_PATTERN, "maxLength": 1024},
     "model": {"type": ["null", "string"], "minLength": 1, "maxLength": 512, "pattern": MODEL_REF.pattern},
-    "labels": {"type": "array", "minItems": 2, "maxItems": MAX_LABELS, "uniqueItems": True,
-               "items": {"type": "string", "minLength": 1, "maxLength": MAX_LABEL_CHARS,
-                         "pattern": LABEL.pattern}},
+    "labels": {
+        "type": "array",
+        "minItems": 2,
+        "maxItems": MAX_LABELS,
+        "uniqueItems": True,
+        "items": {"type": "string", "minLength": 1, "maxLength": MAX_LABEL_CHARS, "pattern": LABEL.pattern},
+    },
     "system_prompt": {"type": "string", "minLength": 1, "maxLength": MAX_TEXT_CHARS, "pattern": NO_JINJA},
     "template": {"type": "string", "minLength": 1, "maxLength": MAX_TEXT_CHARS, "pattern": NO_JINJA},
     "id_column": {"type": "string", "pattern": COLUMN.pattern},
@@ -49,8 +55,17 @@ PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
     "dry_run": {"type": "boolean"},
 }
 # The string params: their spec values are re-checked in the worker (numbers are bounded by JobSpec).
-STRING_PARAMS = ("input_uri", "output_uri", "model", "labels", "system_prompt", "template", "id_column",
-                 "model_revision", "compare_with")
+STRING_PARAMS = (
+    "input_uri",
+    "output_uri",
+    "model",
+    "labels",
+    "system_prompt",
+    "template",
+    "id_column",
+    "model_revision",
+    "compare_with",
+)
 
 
 def validate_params(params: dict[str, Any], names: list[str] | None = None) -> None:
@@ -71,8 +86,7 @@ def validate_params(params: dict[str, Any], names: list[str] | None = None) -> N
         except jsonschema.ValidationError as e:
             where = "".join(f"[{p}]" for p in e.absolute_path)
             shown = repr(e.instance)[:120]
-            raise SpecError(f"param {name}{where}={shown}: {e.validator} {e.validator_value!r} "
-                            "not satisfied") from None
+            raise SpecError(f"param {name}{where}={shown}: {e.validator} {e.validator_value!r} not satisfied") from None
 
 
 def check_spec_params(spec_doc: dict[str, Any]) -> None:

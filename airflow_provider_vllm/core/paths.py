@@ -38,7 +38,7 @@ SCHEMES = ("s3", "s3a", "gs", "gcs", "memory", "file")
 # (write-if-absent) path here, so a run would plan and then fail at its first commit.
 UNSUPPORTED_SCHEMES = {
     s: "Azure storage has no tested create-only (write-if-absent) write in this provider, which the commit "
-       "protocol needs"
+    "protocol needs"
     for s in ("abfs", "abfss", "az", "adl")
 }
 ALLOWED_PREFIXES_ENV = envs.ALLOWED_PREFIXES.name
@@ -77,8 +77,10 @@ def canonical_uri(uri: str, what: str = "uri", resolve: bool = True) -> str:
         return _local(uri, uri, what, resolve)
     scheme, rest = m.group(1).lower(), m.group(2)
     if scheme in UNSUPPORTED_SCHEMES:
-        raise SpecError(f"{what}={uri!r}: scheme {scheme!r} is not supported: {UNSUPPORTED_SCHEMES[scheme]}; "
-                        f"use one of {list(SCHEMES)}")
+        raise SpecError(
+            f"{what}={uri!r}: scheme {scheme!r} is not supported: {UNSUPPORTED_SCHEMES[scheme]}; "
+            f"use one of {list(SCHEMES)}"
+        )
     if scheme not in SCHEMES:
         raise SpecError(f"{what}={uri!r}: scheme {scheme!r} is not allowed; use one of {list(SCHEMES)}")
     if scheme == "file":

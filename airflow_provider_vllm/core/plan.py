@@ -41,8 +41,13 @@ class ShardPlan(BaseModel):
 
     def summary(self) -> dict[str, Any]:
         """The small dict passed through XCom to each mapped shard task."""
-        return {"shard_id": self.shard_id, "index": self.index, "rows": self.rows,
-                "est_tokens": self.est_tokens, "bucket": self.bucket}
+        return {
+            "shard_id": self.shard_id,
+            "index": self.index,
+            "rows": self.rows,
+            "est_tokens": self.est_tokens,
+            "bucket": self.bucket,
+        }
 
 
 class CacheFile(BaseModel):
@@ -92,7 +97,8 @@ class Plan(BaseModel):
     created_with: dict[str, str]
     sizing: dict[str, Any] | None = Field(None, description="How shards were sized from throughput history.")
     cache: CachePlan | None = Field(
-        None, description="The result cache (cache.uri set): shards' segments then index the misses file.")
+        None, description="The result cache (cache.uri set): shards' segments then index the misses file."
+    )
 
     def dump_json(self) -> bytes:
         """``_plan.json``'s bytes; ``cache`` only when set (plans without it stay as they were)."""

@@ -53,8 +53,9 @@ class KubernetesSettings(_Section):
     """Pod settings for the Kubernetes runner; every field optional, defaults are safe."""
 
     image: str | None = Field(
-        None, description="Worker image; default the pinned worker image built from docker/ "
-        "(pin production images by digest: repo/name:tag@sha256:...)."
+        None,
+        description="Worker image; default the pinned worker image built from docker/ "
+        "(pin production images by digest: repo/name:tag@sha256:...).",
     )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(None, description="Image pull policy.")
     image_pull_secrets: list[str] = Field(default_factory=list, description="Secret names for private registries.")
@@ -63,25 +64,34 @@ class KubernetesSettings(_Section):
     )
     service_account: str | None = Field(None, pattern=_DNS_SUBDOMAIN, description="Service account of the pod.")
     gpu_resource: str = Field(
-        "nvidia.com/gpu", pattern=r"^[a-z0-9.-]+/[a-z0-9._-]+$",
+        "nvidia.com/gpu",
+        pattern=r"^[a-z0-9.-]+/[a-z0-9._-]+$",
         description="Extended resource name of a GPU: nvidia.com/gpu (device plugin / GPU operator), or a "
         "virtualised one such as HAMi's where the cluster has it.",
     )
     gpus: int | None = Field(
-        None, ge=0, description="GPUs per pod; default tensor_parallel_size * pipeline_parallel_size. "
+        None,
+        ge=0,
+        description="GPUs per pod; default tensor_parallel_size * pipeline_parallel_size. "
         "0: a CPU pod (vLLM's CPU image, e.g. the kind demo).",
     )
     extra_resources: dict[str, str] = Field(
         default_factory=dict, description="More extended resources as limits, e.g. {'nvidia.com/gpumem': '20000'}."
     )
-    cpu: str | None = Field(None, pattern=_QUANTITY, description="CPU request, e.g. '8'; default 4 per GPU (2 without).")
+    cpu: str | None = Field(
+        None, pattern=_QUANTITY, description="CPU request, e.g. '8'; default 4 per GPU (2 without)."
+    )
     memory: str | None = Field(
-        None, pattern=_QUANTITY, description="Memory request and limit, e.g. '64Gi'; default 32Gi per GPU (8Gi "
+        None,
+        pattern=_QUANTITY,
+        description="Memory request and limit, e.g. '64Gi'; default 32Gi per GPU (8Gi "
         "without) plus /dev/shm, which counts against the limit.",
     )
     cpu_limit: str | None = Field(None, pattern=_QUANTITY, description="CPU limit; default none (no throttling).")
     shm_size: str | None = Field(
-        None, pattern=_QUANTITY, description="/dev/shm (memory-backed emptyDir) size; default 2Gi, or 8Gi per GPU "
+        None,
+        pattern=_QUANTITY,
+        description="/dev/shm (memory-backed emptyDir) size; default 2Gi, or 8Gi per GPU "
         "when the model spans several GPUs (NCCL and vLLM's workers exchange tensors through it).",
     )
     node_selector: dict[str, str] = Field(default_factory=dict, description="Node labels the pod must match.")
@@ -93,8 +103,10 @@ class KubernetesSettings(_Section):
     )
     runtime_class: str | None = Field(None, pattern=_DNS_SUBDOMAIN, description="RuntimeClass, e.g. 'nvidia'.")
     model_cache_pvc: str | None = Field(
-        None, pattern=_DNS_SUBDOMAIN, description="PVC with model weights, mounted at model_cache_path and used "
-        "as the Hugging Face hub cache (HF_HUB_CACHE=<path>/hub)."
+        None,
+        pattern=_DNS_SUBDOMAIN,
+        description="PVC with model weights, mounted at model_cache_path and used "
+        "as the Hugging Face hub cache (HF_HUB_CACHE=<path>/hub).",
     )
     model_cache_path: str = Field("/models", pattern=r"^/[^:]*$", description="Where the model-cache PVC is mounted.")
     model_cache_read_only: bool = Field(
@@ -104,8 +116,8 @@ class KubernetesSettings(_Section):
     data_path: str = Field("/data", pattern=r"^/[^:]*$", description="Where data_pvc is mounted.")
     hf_token_secret: SecretKeyRef | None = Field(None, description="Secret key holding the HF token (-> HF_TOKEN).")
     secret_env: dict[str, SecretKeyRef] = Field(
-        default_factory=dict, description="Env var -> Secret key, e.g. object-store keys "
-        "{'AWS_ACCESS_KEY_ID': {'name': 's3', 'key': 'id'}}."
+        default_factory=dict,
+        description="Env var -> Secret key, e.g. object-store keys {'AWS_ACCESS_KEY_ID': {'name': 's3', 'key': 'id'}}.",
     )
     env_from_secrets: list[str] = Field(
         default_factory=list, description="Secrets whose every key becomes an env var (envFrom)."
@@ -120,16 +132,18 @@ class KubernetesSettings(_Section):
     seccomp_profile: Literal["RuntimeDefault", "Localhost"] = Field("RuntimeDefault", description="Seccomp profile.")
     seccomp_localhost_profile: str | None = Field(None, description="Profile file with seccomp_profile=Localhost.")
     termination_grace_period_s: int = Field(
-        60, ge=1, description="Seconds between SIGTERM (the worker stops and exits 75, keeping committed chunks) "
-        "and SIGKILL."
+        60,
+        ge=1,
+        description="Seconds between SIGTERM (the worker stops and exits 75, keeping committed chunks) and SIGKILL.",
     )
     active_deadline_s: int | None = Field(None, ge=1, description="Hard wall-clock limit of the pod.")
     startup_timeout_s: int = Field(
         900, ge=1, description="Seconds to wait for the pod to be scheduled and start (image pulls are large)."
     )
     pod_template_file: str | None = Field(
-        None, description="A pod template YAML on the Airflow workers for anything not covered here; "
-        "these settings win over it."
+        None,
+        description="A pod template YAML on the Airflow workers for anything not covered here; "
+        "these settings win over it.",
     )
 
     @field_validator("env")

@@ -86,7 +86,8 @@ class WorkerManifest(RowCounts):
     """A finished shard: the worker's manifest, also the shard task's XCom value."""
 
     status: Literal["committed", "already_committed"] = Field(
-        description="'committed' by this attempt, or 'already_committed' by an earlier or concurrent one")
+        description="'committed' by this attempt, or 'already_committed' by an earlier or concurrent one"
+    )
     shard_id: str = Field(description="the shard")
     attempt_id: str = Field(description="the attempt whose commit marker won")
     stats: ShardStats = Field(default_factory=ShardStats, description="the committing attempt's statistics")
@@ -157,26 +158,43 @@ class MergeSummary(RowCounts):
     shards: int = Field(description="shards of the plan")
     files: dict[str, str] = Field(
         description="output kind -> path under the output prefix: 'results' and 'errors' (folders of Parquet "
-                    "parts, ending in '/'), 'results_manifest' and 'errors_manifest' (their _manifest.json), "
-                    "and for openai_batch output 'openai_output' and 'openai_errors'")
+        "parts, ending in '/'), 'results_manifest' and 'errors_manifest' (their _manifest.json), "
+        "and for openai_batch output 'openai_output' and 'openai_errors'"
+    )
     checksums: dict[str, str] = Field(
-        description="path -> sha256 of the two manifests (which carry the sha256 of every part)")
-    parts: dict[str, int] = Field(default_factory=dict, description="'results' / 'errors' -> Parquet parts in the folder")
+        description="path -> sha256 of the two manifests (which carry the sha256 of every part)"
+    )
+    parts: dict[str, int] = Field(
+        default_factory=dict, description="'results' / 'errors' -> Parquet parts in the folder"
+    )
     shard_stats: list[ShardStatsEntry] | None = Field(None, description="per-shard statistics (not in the XCom)")
     config_hash: str = Field(description="the plan's output-affecting config hash")
     spec_hash: str = Field(description="the plan's spec hash")
     merge_s: float = Field(description="seconds the merge took")
     versions: dict[str, str | None] | None = Field(None, description="package versions of the merge")
     history_record: str | None = Field(
-        None, description="URI of the throughput record written after the merge (return value only)")
+        None, description="URI of the throughput record written after the merge (return value only)"
+    )
     task: str | None = Field(None, description="the job's task (absent in summaries written before it was recorded)")
     id_column: str | None = Field(None, description="the input column the ids came from (absent in older summaries)")
     cache: CacheMergeSummary | None = Field(
-        None, description="what the merge took from and added to the result cache (cache.uri set)")
+        None, description="what the merge took from and added to the result cache (cache.uri set)"
+    )
 
-    XCOM_FIELDS: ClassVar[tuple[str, ...]] = ("rows", "ok_rows", "error_rows", "duplicates_dropped", "duplicates",
-                                              "shards", "files", "checksums", "config_hash", "spec_hash", "merge_s",
-                                              "cache")
+    XCOM_FIELDS: ClassVar[tuple[str, ...]] = (
+        "rows",
+        "ok_rows",
+        "error_rows",
+        "duplicates_dropped",
+        "duplicates",
+        "shards",
+        "files",
+        "checksums",
+        "config_hash",
+        "spec_hash",
+        "merge_s",
+        "cache",
+    )
 
     def xcom(self) -> dict[str, Any]:
         """The run-level part pushed to XCom."""
@@ -240,18 +258,22 @@ class ChangesSummary(Record):
     previous_uri: str = Field(description="changes.previous_uri, the previous run's output prefix")
     previous_state: Literal["complete", "incomplete", "absent"] = Field(
         description="complete: its _MERGED.json exists and was compared; incomplete / absent: not compared, "
-        "every id of this run is 'added' (or 'error')")
+        "every id of this run is 'added' (or 'error')"
+    )
     previous_config_hash: str | None = Field(None, description="the previous run's config hash (complete only)")
     config_hash: str = Field(description="this run's config hash")
     compared: Literal["label", "parsed_json", "output", "embedding"] = Field(
-        description="the result column compared (embedding: equal or not, no values in the file)")
+        description="the result column compared (embedding: equal or not, no values in the file)"
+    )
     ids: int = Field(description="rows of changes.parquet: ids in this run or the previous one")
     counts: ChangeCounts = Field(description="ids per change kind")
     in_both: int = Field(description="ids with an answer in both runs (changed + unchanged)")
     churn_rate: float | None = Field(description="changed / in_both; null when no id has an answer in both")
     matrix: list[MatrixCell] | None = Field(
-        None, description="old x new label counts, largest first (label jobs: structured choice, classify); "
-        "ids with an error on either side are not in it")
+        None,
+        description="old x new label counts, largest first (label jobs: structured choice, classify); "
+        "ids with an error on either side are not in it",
+    )
     matrix_cells: int | None = Field(None, description="non-empty cells of the full matrix (matrix may hold fewer)")
     files: dict[str, str] = Field(description="output kind -> path under the output prefix")
     checksums: dict[str, str] = Field(description="path -> sha256 of changes.parquet")
@@ -272,8 +294,9 @@ class CacheCommit(Record):
 
     version: int = Field(1, description="marker format version")
     entry_id: str = Field(description="derived from the run that computed the answers (spec hash + output URI)")
-    key_hash: str = Field(description="the job's key config hash (steps/cache.key_config): rows of other "
-                                      "configurations are never read")
+    key_hash: str = Field(
+        description="the job's key config hash (steps/cache.key_config): rows of other configurations are never read"
+    )
     files: list[CacheFileEntry] = Field(description="the entry's Parquet parts")
     rows: int = Field(description="rows over all parts")
     source_output_uri: str = Field(description="output prefix of the run that computed the answers")
@@ -291,9 +314,11 @@ class CacheMergeSummary(Record):
     appended: int = Field(description="ok rows of this run in this run's cache entry (0: none computed)")
     entry_id: str | None = Field(None, description="this run's cache entry (None: nothing to append)")
     committed_by: Literal["this_merge", "earlier_merge"] | None = Field(
-        None, description="whether this merge wrote the entry's commit marker or found it (a rerun)")
+        None, description="whether this merge wrote the entry's commit marker or found it (a rerun)"
+    )
     skipped: str | None = Field(
-        None, description="why this run's rows were not appended (e.g. made by another engine than the key's)")
+        None, description="why this run's rows were not appended (e.g. made by another engine than the key's)"
+    )
 
 
 MergeSummary.model_rebuild()  # its ``cache`` field names a record defined below it

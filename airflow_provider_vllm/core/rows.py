@@ -23,8 +23,17 @@ TEMPLATE_ERROR = "TEMPLATE_ERROR"  # the model's chat template refused the row's
 PROMPT_TOO_LONG = "PROMPT_TOO_LONG"  # over the token budget with truncation=reject
 ENGINE_ERROR = "ENGINE_ERROR"  # the engine failed this one row (alone; a probe request ran fine after it)
 ENGINE_OOM = "ENGINE_OOM"  # out of memory with this row alone in the engine at the lowest limits
-ERROR_CODES = (EMPTY_INPUT, INVALID_ROW, INVALID_JSON, INVALID_REQUEST, UNSUPPORTED_PARAMETER, TEMPLATE_ERROR,
-               PROMPT_TOO_LONG, ENGINE_ERROR, ENGINE_OOM)
+ERROR_CODES = (
+    EMPTY_INPUT,
+    INVALID_ROW,
+    INVALID_JSON,
+    INVALID_REQUEST,
+    UNSUPPORTED_PARAMETER,
+    TEMPLATE_ERROR,
+    PROMPT_TOO_LONG,
+    ENGINE_ERROR,
+    ENGINE_OOM,
+)
 
 _dict_str = pa.dictionary(pa.int32(), pa.string())
 
@@ -86,5 +95,6 @@ def split_rows(table: pa.Table) -> tuple[pa.Table, pa.Table]:
     ok = table.filter(ok_mask)
     err = table.filter(pc.invert(ok_mask))
     res = pa.Table.from_arrays(
-        [ok.column(c) for c in RESULT_COLUMNS[:-1]] + [pa.nulls(ok.num_rows, pa.string())], schema=RESULT_SCHEMA)
+        [ok.column(c) for c in RESULT_COLUMNS[:-1]] + [pa.nulls(ok.num_rows, pa.string())], schema=RESULT_SCHEMA
+    )
     return res, pa.Table.from_arrays([err.column(c) for c in ERROR_COLUMNS], schema=ERROR_SCHEMA)

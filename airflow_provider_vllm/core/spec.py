@@ -91,8 +91,9 @@ class EngineSpec(_Model):
         if bad:
             raise ValueError(f"engine_kwargs keys not allowed: {bad}; allowed: {sorted(ENGINE_KWARGS_ALLOWED)}")
         if "load_format" in v and v["load_format"] not in LOAD_FORMATS_ALLOWED:
-            raise ValueError(f"engine_kwargs.load_format {v['load_format']!r} not allowed; "
-                             f"allowed: {sorted(LOAD_FORMATS_ALLOWED)}")
+            raise ValueError(
+                f"engine_kwargs.load_format {v['load_format']!r} not allowed; allowed: {sorted(LOAD_FORMATS_ALLOWED)}"
+            )
         return v
 
 
@@ -100,14 +101,19 @@ class WorkerSpec(_Model):
     """How the shard worker guards the engine. Does not change outputs: not in the config hash."""
 
     watchdog_s: float | None = Field(
-        600.0, gt=0, description="No progress (the plan read, an input segment read, a chunk footer checked, an "
+        600.0,
+        gt=0,
+        description="No progress (the plan read, an input segment read, a chunk footer checked, an "
         "engine step returned, a chunk written) for this many seconds, in any phase up to the commit: the worker "
-        "stops and exits 75 (retry); engine start is not counted. null: no watchdog.")
+        "stops and exits 75 (retry); engine start is not counted. null: no watchdog.",
+    )
     oom_min_num_seqs: int = Field(1, ge=1, description="Out of memory: max_num_seqs is halved down to this floor.")
     oom_min_batched_tokens: int = Field(
-        256, ge=1, description="Out of memory: max_num_batched_tokens is halved down to this floor.")
+        256, ge=1, description="Out of memory: max_num_batched_tokens is halved down to this floor."
+    )
     oom_max_rebuilds: int = Field(
-        8, ge=0, description="Engine rebuilds after OOM per worker process; beyond, the worker exits 75 (retry).")
+        8, ge=0, description="Engine rebuilds after OOM per worker process; beyond, the worker exits 75 (retry)."
+    )
 
 
 class PromptSpec(_Model):
@@ -243,12 +249,15 @@ class ShardingSpec(_Model):
         "time instead of target_rows/target_tokens; see airflow_provider_vllm/steps/sizing.py.",
     )
     target_minutes: float | None = Field(
-        None, gt=0, le=24 * 60,
+        None,
+        gt=0,
+        le=24 * 60,
         description="Minutes per shard when sizing from history (engine start + inference); default: "
         "long enough that the recorded engine start is <= 10% of a shard's time (at least 5 minutes).",
     )
     hardware: str | None = Field(
-        None, min_length=1,
+        None,
+        min_length=1,
         description="Hardware the shards run on, as the worker records it (e.g. '1x NVIDIA H200'); "
         "history records of other hardware are ignored. Default: the newest matching record's hardware.",
     )
@@ -271,8 +280,12 @@ class QASpec(_Model):
     fail_label_drift: float = Field(0.3, ge=0, le=1)
     previous_report_uri: str | None = Field(None, description="report.json of the run to compare against.")
     warn_churn_rate: float = Field(
-        1.0, ge=0, le=1, description="Share of the ids in both this run and changes.previous_uri whose answer "
-        "changed (1.0: never warns).")
+        1.0,
+        ge=0,
+        le=1,
+        description="Share of the ids in both this run and changes.previous_uri whose answer "
+        "changed (1.0: never warns).",
+    )
     fail_churn_rate: float = Field(1.0, ge=0, le=1, description="As warn_churn_rate, failing the run.")
 
     @model_validator(mode="after")
@@ -287,18 +300,23 @@ class CacheSpec(_Model):
     """The result cache: rows whose answer is already known are not sent to the engine again."""
 
     uri: str | None = Field(
-        None, description="Cache folder (local, s3://, gs://) shared by the runs of one job; null: no cache. "
-        "Entries are keyed by everything that decides a row's answer (steps/cache.py).")
+        None,
+        description="Cache folder (local, s3://, gs://) shared by the runs of one job; null: no cache. "
+        "Entries are keyed by everything that decides a row's answer (steps/cache.py).",
+    )
     allow_sampling: bool = Field(
-        False, description="Cache answers made with sampling.temperature > 0 (not reproducible); refused otherwise.")
+        False, description="Cache answers made with sampling.temperature > 0 (not reproducible); refused otherwise."
+    )
 
 
 class ChangesSpec(_Model):
     """What moved since the previous run: ``changes/`` output and the QA churn matrix."""
 
     previous_uri: str | None = Field(
-        None, description="Output prefix of the run to compare against (its merged results); null: no changes "
-        "output. A missing previous run is not an error: every id is 'added'.")
+        None,
+        description="Output prefix of the run to compare against (its merged results); null: no changes "
+        "output. A missing previous run is not an error: every id is 'added'.",
+    )
 
 
 class JobSpec(_Model):
@@ -373,8 +391,9 @@ class JobSpec(_Model):
         return cls.load(doc)
 
     @classmethod
-    def from_params(cls, params: dict[str, Any], base: JobSpec | dict | None = None,
-                    keep_null: Collection[str] = ()) -> JobSpec:
+    def from_params(
+        cls, params: dict[str, Any], base: JobSpec | dict | None = None, keep_null: Collection[str] = ()
+    ) -> JobSpec:
         """From flat DAG params layered over a base spec.
 
         Keys are dotted paths (``sampling.max_tokens``) or the short names listed in

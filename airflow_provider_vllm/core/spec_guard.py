@@ -10,7 +10,8 @@ Two layers, both pure:
 * ``check_deployment(spec, allowed, allow_any=...)`` adds what depends on the deployment; it
   fails closed: with no allow-list it refuses everything unless the deployment said any
   location is fine. Every location-like field (input, output, ``sharding.history_uri``,
-  ``qa.previous_report_uri``, ``cache.uri``, ``changes.previous_uri``, a local ``model.name`` / ``model.tokenizer``) lies inside the
+  ``qa.previous_report_uri``, ``cache.uri``, ``changes.previous_uri``, a local ``model.name`` / ``model.tokenizer``)
+  lies inside the
   allowed prefixes (symlinks resolved); ``io.storage_options`` holds only reviewed data
   options (no credentials, endpoints, hosts, proxies or headers: those come from the
   deployment's Connection or environment, e.g. ``AWS_ENDPOINT_URL``); output and input not
@@ -63,16 +64,23 @@ _IDENTIFIERS = {
     "model.quantization": (QUANTIZATION, "a vLLM quantization method name"),
     "prompt.id_column": (COLUMN, "a column name (letters, digits, _ . -)"),
     "prompt.text_columns": (COLUMN, "a column name (letters, digits, _ . -)"),
-    "sampling.structured.choice": (LABEL, f"a label of letters, digits, spaces and _ . : / + ( ) - "
-                                          f"(at most {MAX_LABEL_CHARS} characters)"),
+    "sampling.structured.choice": (
+        LABEL,
+        f"a label of letters, digits, spaces and _ . : / + ( ) - (at most {MAX_LABEL_CHARS} characters)",
+    ),
 }
 # Sections whose other strings must be plain (OTHER); strings of sections added later (e.g. a
 # pod's annotations) get the generic rules only: no Jinja, no control characters, bounded size.
-_PLAIN_SECTIONS = frozenset({"name", "task", "model", "engine", "prompt", "sampling", "io", "sharding", "qa",
-                             "cache", "changes"})
+_PLAIN_SECTIONS = frozenset(
+    {"name", "task", "model", "engine", "prompt", "sampling", "io", "sharding", "qa", "cache", "changes"}
+)
 _URIS = ("io.input_uri", "io.output_uri", "qa.previous_report_uri", "cache.uri", "changes.previous_uri")
-_FREE_TEXT = {"prompt.system_prompt": MAX_TEXT_CHARS, "prompt.template": MAX_TEXT_CHARS,
-              "sampling.stop": 256, "sampling.structured.regex": MAX_STRING_CHARS}
+_FREE_TEXT = {
+    "prompt.system_prompt": MAX_TEXT_CHARS,
+    "prompt.template": MAX_TEXT_CHARS,
+    "sampling.stop": 256,
+    "sampling.structured.regex": MAX_STRING_CHARS,
+}
 # storage_options keys that hold credentials: the deployment provides them (environment,
 # instance roles, Airflow connections), never the job spec.
 SECRET_KEYS = re.compile(r"(^|_)(key|secret|token|password|passwd|credentials?|sas|signature)($|_)", re.I)
@@ -118,8 +126,10 @@ def _check_string(path: str, value: str) -> None:
     if len(value) > limit:
         raise ValueError(f"{path}: {len(value)} characters; at most {limit}")
     if JINJA.search(value):
-        raise ValueError(f"{path}={shown!r}: Jinja delimiters ({{{{ }}}}, {{% %}}, {{# #}}) are not allowed; "
-                         "values are used verbatim, never rendered")
+        raise ValueError(
+            f"{path}={shown!r}: Jinja delimiters ({{{{ }}}}, {{% %}}, {{# #}}) are not allowed; "
+            "values are used verbatim, never rendered"
+        )
     if (_CONTROL if path in _FREE_TEXT else _ANY_CONTROL).search(value):
         raise ValueError(f"{path}={shown!r}: control characters are not allowed")
     rule = _IDENTIFIERS.get(path)
@@ -131,40 +141,74 @@ def _check_string(path: str, value: str) -> None:
             raise ValueError(f"{path}={shown!r}: must be {what}")
 
 
-NO_ALLOW_LIST = ("no allowed locations are configured: set [vllm_batch] allowed_uri_prefixes "
-                 "(AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES) to the URI prefixes jobs may read and write, or "
-                 "[vllm_batch] allow_any_location = True to allow any location")
+NO_ALLOW_LIST = (
+    "no allowed locations are configured: set [vllm_batch] allowed_uri_prefixes "
+    "(AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES) to the URI prefixes jobs may read and write, or "
+    "[vllm_batch] allow_any_location = True to allow any location"
+)
 # io.storage_options: reviewed fsspec options that change neither where requests go nor who makes
 # them. Anything else (endpoint_url, client_kwargs.endpoint_url, host, port, proxy, headers,
 # profile, use_ssl, ...) is refused: endpoints and credentials belong to the deployment.
 STORAGE_OPTIONS_ALLOWED: dict[str, Any] = {
-    "anon": None, "requester_pays": None, "default_block_size": None, "block_size": None,
-    "default_cache_type": None, "cache_type": None, "default_fill_cache": None, "fill_cache": None,
-    "version_aware": None, "cache_regions": None, "use_listings_cache": None, "listings_expiry_time": None,
-    "max_concurrency": None, "fixed_upload_size": None, "skip_instance_cache": None, "consistency": None,
-    "config_kwargs": {"retries": {"max_attempts": None, "total_max_attempts": None, "mode": None},
-                      "read_timeout": None, "connect_timeout": None, "max_pool_connections": None,
-                      "tcp_keepalive": None, "request_checksum_calculation": None,
-                      "response_checksum_validation": None},
+    "anon": None,
+    "requester_pays": None,
+    "default_block_size": None,
+    "block_size": None,
+    "default_cache_type": None,
+    "cache_type": None,
+    "default_fill_cache": None,
+    "fill_cache": None,
+    "version_aware": None,
+    "cache_regions": None,
+    "use_listings_cache": None,
+    "listings_expiry_time": None,
+    "max_concurrency": None,
+    "fixed_upload_size": None,
+    "skip_instance_cache": None,
+    "consistency": None,
+    "config_kwargs": {
+        "retries": {"max_attempts": None, "total_max_attempts": None, "mode": None},
+        "read_timeout": None,
+        "connect_timeout": None,
+        "max_pool_connections": None,
+        "tcp_keepalive": None,
+        "request_checksum_calculation": None,
+        "response_checksum_validation": None,
+    },
     "client_kwargs": {"region_name": None},
     "s3_additional_kwargs": {"ServerSideEncryption": None, "SSEKMSKeyId": None, "ACL": None, "StorageClass": None},
 }
-_ENDPOINTISH = re.compile(r"(endpoint|host|port|proxy|proxies|url|uri|headers?|profile|ssl|verify|session|role)",
-                          re.I)
+_ENDPOINTISH = re.compile(r"(endpoint|host|port|proxy|proxies|url|uri|headers?|profile|ssl|verify|session|role)", re.I)
 _URL_VALUE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://|@")
 # compilation_config keys that are data (sizes, levels, switches). The others (backend,
 # inductor_passes, inductor_compile_config, debug_dump_path, cache_dir, ...) import code by
 # name or write files: deployment-owned, like trust_remote_code.
-COMPILATION_CONFIG_DATA = frozenset({
-    "level", "mode", "cudagraph_mode", "use_cudagraph", "cudagraph_num_of_warmups", "cudagraph_capture_sizes",
-    "max_capture_size", "max_cudagraph_capture_size", "compile_sizes", "full_cuda_graph", "use_inductor",
-    "custom_ops", "splitting_ops", "pass_config", "cudagraph_copy_inputs", "use_inductor_graph_partition",
-})
+COMPILATION_CONFIG_DATA = frozenset(
+    {
+        "level",
+        "mode",
+        "cudagraph_mode",
+        "use_cudagraph",
+        "cudagraph_num_of_warmups",
+        "cudagraph_capture_sizes",
+        "max_capture_size",
+        "max_cudagraph_capture_size",
+        "compile_sizes",
+        "full_cuda_graph",
+        "use_inductor",
+        "custom_ops",
+        "splitting_ops",
+        "pass_config",
+        "cudagraph_copy_inputs",
+        "use_inductor_graph_partition",
+    }
+)
 TOKENIZER_MODES = frozenset({"auto", "slow", "hf", "mistral"})  # "custom" and others pick code by name
 
 
-def check_deployment(spec: Any, allowed: Sequence[str] | None, *, allow_any: bool = False,
-                     no_allow_list: str = NO_ALLOW_LIST) -> None:
+def check_deployment(
+    spec: Any, allowed: Sequence[str] | None, *, allow_any: bool = False, no_allow_list: str = NO_ALLOW_LIST
+) -> None:
     """Raise SpecError when ``spec`` (a JobSpec) reaches outside what the deployment allows.
 
     Fails closed: an empty ``allowed`` refuses every spec unless ``allow_any`` (the deployment's
@@ -190,8 +234,9 @@ def check_deployment(spec: Any, allowed: Sequence[str] | None, *, allow_any: boo
             check_local_tree(canonical_uri(local, what), allowed, what)
     check_local_tree(canon_in, allowed, "io.input_uri")
     if is_under(canon_out, canon_in) or is_under(canon_in, canon_out):
-        raise SpecError(f"io.output_uri={io.output_uri} and io.input_uri={io.input_uri} overlap; "
-                        "write outputs outside the input")
+        raise SpecError(
+            f"io.output_uri={io.output_uri} and io.input_uri={io.input_uri} overlap; write outputs outside the input"
+        )
     check_storage_options(io.storage_options)
 
 
@@ -207,29 +252,38 @@ def local_model_path(name: str | None, what: str = "model.name") -> str | None:
     if name.startswith("file://") or name.startswith("/"):
         return name
     if name.startswith((".", "~")) or name.count("/") > 1:
-        raise SpecError(f"{what}={name!r}: a local model path must be absolute (/models/x or file:///models/x); "
-                        "a hub id is org/name")
+        raise SpecError(
+            f"{what}={name!r}: a local model path must be absolute (/models/x or file:///models/x); "
+            "a hub id is org/name"
+        )
     return None
 
 
-def check_storage_options(options: dict[str, Any], path: str = "io.storage_options",
-                          allowed: dict[str, Any] | None = STORAGE_OPTIONS_ALLOWED) -> None:
+def check_storage_options(
+    options: dict[str, Any], path: str = "io.storage_options", allowed: dict[str, Any] | None = STORAGE_OPTIONS_ALLOWED
+) -> None:
     """Only reviewed keys; no credentials, endpoints, hosts, proxies, headers or URLs with user@."""
     for key, value in options.items():
         where = f"{path}.{key}"
         if SECRET_KEYS.search(str(key)):
-            raise SpecError(f"{where}: credentials do not belong in the job spec (it travels through XCom and "
-                            "the worker's command line); give them to the deployment (Airflow connection, "
-                            "environment, instance role / workload identity)")
+            raise SpecError(
+                f"{where}: credentials do not belong in the job spec (it travels through XCom and "
+                "the worker's command line); give them to the deployment (Airflow connection, "
+                "environment, instance role / workload identity)"
+            )
         if isinstance(value, str) and _URL_VALUE.search(value):
-            raise SpecError(f"{where}: URLs (and user@ in any value) are not allowed in storage options; the "
-                            "endpoint comes from the deployment (Airflow connection, or AWS_ENDPOINT_URL in the "
-                            "environment)")
+            raise SpecError(
+                f"{where}: URLs (and user@ in any value) are not allowed in storage options; the "
+                "endpoint comes from the deployment (Airflow connection, or AWS_ENDPOINT_URL in the "
+                "environment)"
+            )
         if allowed is None or key not in allowed:
-            why = ("endpoints, hosts, proxies and headers come from the deployment (Airflow connection, or "
-                   "AWS_ENDPOINT_URL in the worker's environment), never from the job spec"
-                   if _ENDPOINTISH.search(str(key)) else
-                   f"not a reviewed storage option (allowed: {sorted(allowed or {})})")
+            why = (
+                "endpoints, hosts, proxies and headers come from the deployment (Airflow connection, or "
+                "AWS_ENDPOINT_URL in the worker's environment), never from the job spec"
+                if _ENDPOINTISH.search(str(key))
+                else f"not a reviewed storage option (allowed: {sorted(allowed or {})})"
+            )
             raise SpecError(f"{where}: {why}")
         sub = allowed[key]
         if sub is not None:
@@ -250,8 +304,11 @@ def code_loading_options(spec: Any) -> list[str]:
     elif cc is not None and (isinstance(cc, bool) or not isinstance(cc, int)):
         found.append("engine.engine_kwargs.compilation_config")  # a string is parsed by vLLM as a config
     if "hf_overrides" in kw:
-        found += [p for p, _ in _keys(kw["hf_overrides"], "engine.engine_kwargs.hf_overrides")
-                  if re.search(r"(auto_map|class|module|remote_code)", p.rsplit(".", 1)[-1], re.I)]
+        found += [
+            p
+            for p, _ in _keys(kw["hf_overrides"], "engine.engine_kwargs.hf_overrides")
+            if re.search(r"(auto_map|class|module|remote_code)", p.rsplit(".", 1)[-1], re.I)
+        ]
     mode = kw.get("tokenizer_mode")
     if mode is not None and mode not in TOKENIZER_MODES:
         found.append("engine.engine_kwargs.tokenizer_mode")
@@ -263,12 +320,27 @@ def code_loading_options(spec: Any) -> list[str]:
 # trigger params never. ``code_loading_options`` adds the code-loading engine options a spec sets.
 DEPLOYMENT_OWNED = (
     "model.trust_remote_code",
-    "kubernetes.image", "kubernetes.image_pull_secrets", "kubernetes.namespace", "kubernetes.service_account",
-    "kubernetes.env", "kubernetes.secret_env", "kubernetes.env_from_secrets", "kubernetes.hf_token_secret",
-    "kubernetes.pod_template_file", "kubernetes.runtime_class", "kubernetes.labels", "kubernetes.annotations",
-    "kubernetes.run_as_user", "kubernetes.run_as_group", "kubernetes.seccomp_profile",
-    "kubernetes.seccomp_localhost_profile", "kubernetes.model_cache_pvc", "kubernetes.model_cache_path",
-    "kubernetes.model_cache_read_only", "kubernetes.data_pvc", "kubernetes.data_path",
+    "kubernetes.image",
+    "kubernetes.image_pull_secrets",
+    "kubernetes.namespace",
+    "kubernetes.service_account",
+    "kubernetes.env",
+    "kubernetes.secret_env",
+    "kubernetes.env_from_secrets",
+    "kubernetes.hf_token_secret",
+    "kubernetes.pod_template_file",
+    "kubernetes.runtime_class",
+    "kubernetes.labels",
+    "kubernetes.annotations",
+    "kubernetes.run_as_user",
+    "kubernetes.run_as_group",
+    "kubernetes.seccomp_profile",
+    "kubernetes.seccomp_localhost_profile",
+    "kubernetes.model_cache_pvc",
+    "kubernetes.model_cache_path",
+    "kubernetes.model_cache_read_only",
+    "kubernetes.data_pvc",
+    "kubernetes.data_path",
 )
 
 
@@ -292,8 +364,10 @@ def check_remote_code(spec: Any, allowed: bool, setting: str = "[vllm_batch] all
     """Refuse trust_remote_code and code-loading engine options unless the deployment allows them."""
     found = code_loading_options(spec)
     if found and not allowed:
-        raise SpecError(f"{', '.join(found)}: make vLLM run code from the model repo or import code by name; "
-                        f"only the deployment can allow that ({setting})")
+        raise SpecError(
+            f"{', '.join(found)}: make vLLM run code from the model repo or import code by name; "
+            f"only the deployment can allow that ({setting})"
+        )
 
 
 def _keys(node: Any, path: str):

@@ -214,8 +214,9 @@ def _local_temp_copy(path: str, data: bytes) -> str:
     return tmp
 
 
-def _fs_and_path(uri: str, options: dict[str, Any],
-                 filesystems: FileSystems | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
+def _fs_and_path(
+    uri: str, options: dict[str, Any], filesystems: FileSystems | None = None
+) -> tuple[fsspec.AbstractFileSystem, str]:
     if filesystems is not None:
         fs = filesystems(uri, options)
         if fs is not None:

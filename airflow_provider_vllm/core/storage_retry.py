@@ -28,18 +28,47 @@ T = TypeVar("T")
 ATTEMPTS_ENV = envs.STORAGE_ATTEMPTS.name
 log = logging.getLogger(__name__)
 
-RETRYABLE_CODES = frozenset({
-    "SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests",
-    "RequestTimeout", "RequestTimeoutException", "InternalError", "ServiceUnavailable",
-    "ConditionalRequestConflict", "OperationAborted", "BadDigest", "IncompleteBody",
-    "XAmzContentSHA256Mismatch",
-})
+RETRYABLE_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestLimitExceeded",
+        "TooManyRequests",
+        "RequestTimeout",
+        "RequestTimeoutException",
+        "InternalError",
+        "ServiceUnavailable",
+        "ConditionalRequestConflict",
+        "OperationAborted",
+        "BadDigest",
+        "IncompleteBody",
+        "XAmzContentSHA256Mismatch",
+    }
+)
 _PERMANENT_OS = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)
-_PERMANENT_ERRNO = {errno.EINVAL, errno.EPERM, errno.ENOSYS, errno.EACCES, errno.ENOENT, errno.EEXIST,
-                    getattr(errno, "EREMCHG", -1)}
-_TRANSIENT_ERRNO = {errno.EIO, errno.EBUSY, getattr(errno, "EREMOTEIO", -1), errno.ECONNRESET,
-                    errno.ECONNREFUSED, errno.ECONNABORTED, errno.ETIMEDOUT, errno.EPIPE, errno.EAGAIN,
-                    errno.ENETUNREACH, errno.EHOSTUNREACH}
+_PERMANENT_ERRNO = {
+    errno.EINVAL,
+    errno.EPERM,
+    errno.ENOSYS,
+    errno.EACCES,
+    errno.ENOENT,
+    errno.EEXIST,
+    getattr(errno, "EREMCHG", -1),
+}
+_TRANSIENT_ERRNO = {
+    errno.EIO,
+    errno.EBUSY,
+    getattr(errno, "EREMOTEIO", -1),
+    errno.ECONNRESET,
+    errno.ECONNREFUSED,
+    errno.ECONNABORTED,
+    errno.ETIMEDOUT,
+    errno.EPIPE,
+    errno.EAGAIN,
+    errno.ENETUNREACH,
+    errno.EHOSTUNREACH,
+}
 
 
 def _client_error_transient(e: BaseException) -> bool | None:
@@ -80,8 +109,7 @@ def is_transient(e: BaseException) -> bool:
     if mod.startswith("aiohttp"):
         import aiohttp
 
-        return isinstance(e, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError,
-                              aiohttp.ServerTimeoutError))
+        return isinstance(e, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, aiohttp.ServerTimeoutError))
     if type(e).__name__ == "FSTimeoutError":
         return True
     if isinstance(e, OSError):
@@ -91,8 +119,14 @@ def is_transient(e: BaseException) -> bool:
     return False
 
 
-def retrying(fn: Callable[[], T], what: str = "storage operation", attempts: int | None = None,
-             base_s: float = 0.2, cap_s: float = 10.0, sleep: Callable[[float], None] = time.sleep) -> T:
+def retrying(
+    fn: Callable[[], T],
+    what: str = "storage operation",
+    attempts: int | None = None,
+    base_s: float = 0.2,
+    cap_s: float = 10.0,
+    sleep: Callable[[float], None] = time.sleep,
+) -> T:
     """Run ``fn``; on a transient error wait (exponential backoff, full jitter) and run it again.
 
     Permanent errors propagate unchanged at once; after ``attempts`` (default
@@ -108,8 +142,15 @@ def retrying(fn: Callable[[], T], what: str = "storage operation", attempts: int
                 raise
             if i == attempts - 1:
                 raise TransientError(f"{what} failed after {attempts} attempts: {type(e).__name__}: {e}") from e
-            delay = random.uniform(0, min(cap_s, base_s * 2 ** i))
-            log.warning("%s: transient %s (%s); retry %d/%d in %.2f s", what, type(e).__name__,
-                        str(e)[:200], i + 1, attempts - 1, delay)
+            delay = random.uniform(0, min(cap_s, base_s * 2**i))
+            log.warning(
+                "%s: transient %s (%s); retry %d/%d in %.2f s",
+                what,
+                type(e).__name__,
+                str(e)[:200],
+                i + 1,
+                attempts - 1,
+                delay,
+            )
             sleep(delay)
     raise AssertionError("unreachable")

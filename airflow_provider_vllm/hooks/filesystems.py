@@ -43,8 +43,17 @@ S3_SCHEMES = ("s3", "s3a")
 GCS_SCHEMES = ("gs", "gcs")
 # botocore Config fields a spec may tune; the rest (proxies, endpoints, signing, client certs,
 # user agent) belongs to the Connection.
-S3_CONFIG_KWARGS = frozenset({"connect_timeout", "read_timeout", "retries", "max_pool_connections",
-                              "tcp_keepalive", "request_checksum_calculation", "response_checksum_validation"})
+S3_CONFIG_KWARGS = frozenset(
+    {
+        "connect_timeout",
+        "read_timeout",
+        "retries",
+        "max_pool_connections",
+        "tcp_keepalive",
+        "request_checksum_calculation",
+        "response_checksum_validation",
+    }
+)
 GCS_OPTIONS = frozenset({"requester_pays", "consistency", "cache_timeout", "version_aware", "default_location"})
 
 
@@ -53,8 +62,7 @@ def scheme_of(uri: str) -> str:
     return head.lower() if sep else ""
 
 
-def conn_ids_from_config(conf: Any, aws_conn_id: str | None = None,
-                         gcp_conn_id: str | None = None) -> tuple[str, str]:
+def conn_ids_from_config(conf: Any, aws_conn_id: str | None = None, gcp_conn_id: str | None = None) -> tuple[str, str]:
     """``(aws_conn_id, gcp_conn_id)``: the arguments when given, else ``[vllm_batch]``, else the providers' defaults."""
     aws = aws_conn_id or (conf.get(CONFIG_SECTION, AWS_CONN_OPTION, fallback="") or "").strip() or DEFAULT_AWS_CONN_ID
     gcp = gcp_conn_id or (conf.get(CONFIG_SECTION, GCP_CONN_OPTION, fallback="") or "").strip() or DEFAULT_GCP_CONN_ID
@@ -66,16 +74,20 @@ def s3_helper_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
     options = dict(options or {})
     other = sorted(k for k in options if k != "config_kwargs")
     if other:
-        raise SpecError(f"io.storage_options {other}: with an Airflow Connection, the endpoint, region, credentials "
-                        "and client options of S3 come from the Connection (aws_conn_id), not the job spec; only "
-                        f"config_kwargs {sorted(S3_CONFIG_KWARGS)} may be set here")
+        raise SpecError(
+            f"io.storage_options {other}: with an Airflow Connection, the endpoint, region, credentials "
+            "and client options of S3 come from the Connection (aws_conn_id), not the job spec; only "
+            f"config_kwargs {sorted(S3_CONFIG_KWARGS)} may be set here"
+        )
     config = options.get("config_kwargs") or {}
     if not isinstance(config, Mapping):
         raise SpecError("io.storage_options.config_kwargs must be a mapping")
     bad = sorted(k for k in config if k not in S3_CONFIG_KWARGS)
     if bad:
-        raise SpecError(f"io.storage_options.config_kwargs {bad}: not allowed in a job spec (they belong to the "
-                        f"Connection); allowed: {sorted(S3_CONFIG_KWARGS)}")
+        raise SpecError(
+            f"io.storage_options.config_kwargs {bad}: not allowed in a job spec (they belong to the "
+            f"Connection); allowed: {sorted(S3_CONFIG_KWARGS)}"
+        )
     return dict(config)
 
 
@@ -84,9 +96,11 @@ def gcs_helper_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
     options = dict(options or {})
     bad = sorted(k for k in options if k not in GCS_OPTIONS)
     if bad:
-        raise SpecError(f"io.storage_options {bad}: with an Airflow Connection, the project, token, endpoint and "
-                        "session options of GCS come from the Connection (gcp_conn_id), not the job spec; "
-                        f"allowed here: {sorted(GCS_OPTIONS)}")
+        raise SpecError(
+            f"io.storage_options {bad}: with an Airflow Connection, the project, token, endpoint and "
+            "session options of GCS come from the Connection (gcp_conn_id), not the job spec; "
+            f"allowed here: {sorted(GCS_OPTIONS)}"
+        )
     return options
 
 
@@ -110,8 +124,9 @@ class ConnectionFileSystems:
     local data all the same.
     """
 
-    def __init__(self, aws_conn_id: str | None = DEFAULT_AWS_CONN_ID,
-                 gcp_conn_id: str | None = DEFAULT_GCP_CONN_ID) -> None:
+    def __init__(
+        self, aws_conn_id: str | None = DEFAULT_AWS_CONN_ID, gcp_conn_id: str | None = DEFAULT_GCP_CONN_ID
+    ) -> None:
         self.aws_conn_id = aws_conn_id
         self.gcp_conn_id = gcp_conn_id
         self._cache: dict[tuple, Any] = {}
@@ -143,8 +158,10 @@ def s3_fs(conn_id: str | None, config_kwargs: dict[str, Any] | None = None):
     try:
         from airflow.providers.amazon.aws.fs.s3 import get_fs
     except ImportError as e:
-        raise SpecError(f"s3:// locations need apache-airflow-providers-amazon on the Airflow side "
-                        f"(pip install 'airflow-provider-vllm[s3]'): {e}") from None
+        raise SpecError(
+            f"s3:// locations need apache-airflow-providers-amazon on the Airflow side "
+            f"(pip install 'airflow-provider-vllm[s3]'): {e}"
+        ) from None
     return get_fs(conn_id, dict(config_kwargs or {}) or None)
 
 
@@ -153,8 +170,10 @@ def gcs_fs(conn_id: str | None, options: dict[str, Any] | None = None):
     try:
         from airflow.providers.google.cloud.fs.gcs import get_fs
     except ImportError as e:
-        raise SpecError(f"gs:// locations need apache-airflow-providers-google on the Airflow side "
-                        f"(pip install 'airflow-provider-vllm[gcs]'): {e}") from None
+        raise SpecError(
+            f"gs:// locations need apache-airflow-providers-google on the Airflow side "
+            f"(pip install 'airflow-provider-vllm[gcs]'): {e}"
+        ) from None
     if conn_id and not _connection_exists(conn_id):
         log.info("no Airflow Connection %r: GCS through Application Default Credentials", conn_id)
         conn_id = None
@@ -178,14 +197,27 @@ def _connection_exists(conn_id: str) -> bool:
 
 
 # ---- the local runner's worker process ---------------------------------------------------
-AWS_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN",
-           "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION", "AWS_REGION")
+AWS_ENV = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_SECURITY_TOKEN",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_DEFAULT_REGION",
+    "AWS_REGION",
+)
 
 
 def spec_schemes(spec: Any) -> set[str]:
     """Schemes of the locations a job's worker reads or writes (input, output, QA previous report, history)."""
-    uris = [spec.io.input_uri, spec.io.output_uri, spec.qa.previous_report_uri, spec.sharding.history_uri,
-            spec.cache.uri, spec.changes.previous_uri]
+    uris = [
+        spec.io.input_uri,
+        spec.io.output_uri,
+        spec.qa.previous_report_uri,
+        spec.sharding.history_uri,
+        spec.cache.uri,
+        spec.changes.previous_uri,
+    ]
     return {scheme_of(u) for u in uris if u}
 
 
@@ -239,8 +271,11 @@ def _gcp_env(conn_id: str) -> dict[str, str]:
     if key_path:
         return {"GOOGLE_APPLICATION_CREDENTIALS": str(key_path)}
     if extra.get("keyfile_dict") or extra.get("extra__google_cloud_platform__keyfile_dict"):
-        log.warning("Connection %r holds a key as keyfile_dict: the local worker cannot take it through its "
-                    "environment; give it a key_path or use Application Default Credentials", conn_id)
+        log.warning(
+            "Connection %r holds a key as keyfile_dict: the local worker cannot take it through its "
+            "environment; give it a key_path or use Application Default Credentials",
+            conn_id,
+        )
     return {}
 
 

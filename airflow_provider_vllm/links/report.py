@@ -15,8 +15,9 @@ from airflow.sdk import BaseOperatorLink
 URL_PREFIX = "/vllm-batch"
 
 
-def report_url(dag_id: str, run_id: str, task_id: str, map_index: int = -1, *, kind: str = "html",
-               base_url: str | None = None) -> str:
+def report_url(
+    dag_id: str, run_id: str, task_id: str, map_index: int = -1, *, kind: str = "html", base_url: str | None = None
+) -> str:
     """The plugin URL of a QA task's report; relative unless ``base_url`` is given."""
     query = {"dag_id": dag_id, "run_id": run_id, "task_id": task_id}
     if map_index not in (-1, None):

@@ -72,7 +72,7 @@ def check_runner(runner: Any, param: str = "runner") -> str:
 def check_local_model(spec: JobSpec) -> None:
     """With the local runner, a model given as a local path must exist on this machine."""
     name = spec.model.name
-    path = name[len("file://"):] if name.startswith("file://") else name
+    path = name[len("file://") :] if name.startswith("file://") else name
     if path.startswith(("/", "./", "../", "~")) and not os.path.exists(os.path.expanduser(path)):
         raise AirflowFailException(
             f"model.name {name!r} is a local path that does not exist on this machine; "

@@ -94,8 +94,10 @@ def kubernetes_defaults() -> dict:
     return doc
 
 
-NO_ALLOW_LIST = (f"no allowed locations are configured: set {setting(CONFIG_OPTION)} to the URI prefixes jobs may "
-                 f"read and write, or {setting(ALLOW_ANY_OPTION)} = True to allow any location")
+NO_ALLOW_LIST = (
+    f"no allowed locations are configured: set {setting(CONFIG_OPTION)} to the URI prefixes jobs may "
+    f"read and write, or {setting(ALLOW_ANY_OPTION)} = True to allow any location"
+)
 
 
 def check_spec_allowed(spec: JobSpec, what: str) -> list[str]:
@@ -111,8 +113,9 @@ def check_spec_allowed(spec: JobSpec, what: str) -> list[str]:
     except SpecError as e:
         raise AirflowFailException(f"{what}: {e}") from None
     if not prefixes:
-        log.warning("%s = True: jobs may read and write any location that passes the syntax checks",
-                    setting(ALLOW_ANY_OPTION))
+        log.warning(
+            "%s = True: jobs may read and write any location that passes the syntax checks", setting(ALLOW_ANY_OPTION)
+        )
     return prefixes
 
 
@@ -122,6 +125,8 @@ def worker_env(prefixes: list[str]) -> dict[str, str]:
     Always holds every key of ``paths.DEPLOYMENT_ENV`` the worker reads, so that values inherited
     from elsewhere are overwritten (callers set it last).
     """
-    return {ALLOWED_PREFIXES_ENV: json.dumps(prefixes),
-            ALLOW_ANY_LOCATION_ENV: "1" if allow_any_location() else "0",
-            ALLOW_REMOTE_CODE_ENV: "1" if allow_remote_code() else "0"}
+    return {
+        ALLOWED_PREFIXES_ENV: json.dumps(prefixes),
+        ALLOW_ANY_LOCATION_ENV: "1" if allow_any_location() else "0",
+        ALLOW_REMOTE_CODE_ENV: "1" if allow_remote_code() else "0",
+    }

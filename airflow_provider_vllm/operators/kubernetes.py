@@ -39,9 +39,21 @@ SETTINGS_VARIABLE = "vllm_batch_kubernetes"
 """Airflow Variable (JSON object of ``KubernetesSettings`` fields): deployment-wide pod defaults."""
 
 # Set from the shard spec in execute(); never templated (the spec is data from the plan's XCom).
-_NOT_TEMPLATED = {"cmds", "arguments", "image", "container_resources", "volumes", "volume_mounts",
-                  "env_vars", "env_from", "labels", "annotations", "node_selector", "namespace",
-                  "pod_template_file"}
+_NOT_TEMPLATED = {
+    "cmds",
+    "arguments",
+    "image",
+    "container_resources",
+    "volumes",
+    "volume_mounts",
+    "env_vars",
+    "env_from",
+    "labels",
+    "annotations",
+    "node_selector",
+    "namespace",
+    "pod_template_file",
+}
 
 
 class VllmKubernetesShardOperator(KubernetesPodOperator):
@@ -93,9 +105,15 @@ class VllmKubernetesShardOperator(KubernetesPodOperator):
         **kwargs: Any,
     ) -> None:
         super().__init__(
-            name=name, deferrable=deferrable, durable=durable, on_kill_action=on_kill_action,
-            on_finish_action=on_finish_action, get_logs=get_logs, do_xcom_push=do_xcom_push,
-            log_events_on_failure=log_events_on_failure, termination_message_policy=termination_message_policy,
+            name=name,
+            deferrable=deferrable,
+            durable=durable,
+            on_kill_action=on_kill_action,
+            on_finish_action=on_finish_action,
+            get_logs=get_logs,
+            do_xcom_push=do_xcom_push,
+            log_events_on_failure=log_events_on_failure,
+            termination_message_policy=termination_message_policy,
             **kwargs,
         )
         self.spec = spec
@@ -127,8 +145,11 @@ class VllmKubernetesShardOperator(KubernetesPodOperator):
 
         problems = provenance.violations(owned, [from_kubernetes], variables_may_set_deployment_settings())
         if self.env:
-            problems += provenance.violations(["kubernetes.env"], [lambda p: provenance.template_sources(
-                self._raw_env, env)], variables_may_set_deployment_settings())
+            problems += provenance.violations(
+                ["kubernetes.env"],
+                [lambda p: provenance.template_sources(self._raw_env, env)],
+                variables_may_set_deployment_settings(),
+            )
         if problems:
             raise AirflowFailException(f"shard {self.shard_id}: " + "; ".join(problems))
 
@@ -180,7 +201,8 @@ class VllmKubernetesShardOperator(KubernetesPodOperator):
         # the deployment's allow-list reaches the worker through its environment, set last (never the task JSON)
         allow = worker_env(prefixes)
         self.env_vars = [e for e in parts.env if e.name not in allow] + [
-            k8s.V1EnvVar(name=k, value=v) for k, v in allow.items()]
+            k8s.V1EnvVar(name=k, value=v) for k, v in allow.items()
+        ]
         self.env_from = parts.env_from
         self.labels = {**(self.labels or {}), **parts.labels}
         self.annotations = {**(self.annotations or {}), **parts.annotations}
@@ -215,9 +237,16 @@ class VllmKubernetesShardOperator(KubernetesPodOperator):
 
     def execute(self, context: Any) -> Any:
         parts = self.prepare_pod()
-        self.log.info("shard %s: image %s, %d GPU(s), memory %s, /dev/shm %s: %s '<shard task json, %d bytes>'",
-                      self.shard_id, self.image, parts.gpus, parts.resources.limits.get("memory"), parts.shm_size,
-                      " ".join(self.cmds), len(self.arguments[0]))
+        self.log.info(
+            "shard %s: image %s, %d GPU(s), memory %s, /dev/shm %s: %s '<shard task json, %d bytes>'",
+            self.shard_id,
+            self.image,
+            parts.gpus,
+            parts.resources.limits.get("memory"),
+            parts.shm_size,
+            " ".join(self.cmds),
+            len(self.arguments[0]),
+        )
         return super().execute(context)
 
     def cleanup(self, pod, remote_pod, xcom_result=None, context=None) -> None:
@@ -229,8 +258,9 @@ class VllmKubernetesShardOperator(KubernetesPodOperator):
         except (AirflowSkipException, AirflowFailException):
             raise
         except AirflowException as e:
-            raise worker_failure(worker_exit_code(remote_pod, self.base_container_name), self.shard_id,
-                                 xcom_result) from e
+            raise worker_failure(
+                worker_exit_code(remote_pod, self.base_container_name), self.shard_id, xcom_result
+            ) from e
         if remote_pod is not None and self.do_xcom_push and not getattr(self, "_killed", False):
             worker_result(ExitCode.OK, self.shard_id, xcom_result)
 
@@ -242,4 +272,3 @@ def worker_exit_code(pod: k8s.V1Pod | None, container: str) -> int | None:
         if s.name == container and s.state is not None and s.state.terminated is not None:
             return s.state.terminated.exit_code
     return None
-

@@ -38,11 +38,20 @@ def _input(d: DatasetFacts) -> Any:
     if d.rows is not None or d.files is not None:
         facets["inputStatistics"] = InputStatisticsInputDatasetFacet(rowCount=d.rows, fileCount=d.files)
     if d.assertions:
-        facets["dataQualityAssertions"] = dqa.DataQualityAssertionsDatasetFacet(assertions=[
-            dqa.Assertion(assertion=a.name, name=a.name, success=a.success, severity=a.severity,
-                          expected=a.expected, actual=a.actual, description=a.description)
-            for a in d.assertions
-        ])
+        facets["dataQualityAssertions"] = dqa.DataQualityAssertionsDatasetFacet(
+            assertions=[
+                dqa.Assertion(
+                    assertion=a.name,
+                    name=a.name,
+                    success=a.success,
+                    severity=a.severity,
+                    expected=a.expected,
+                    actual=a.actual,
+                    description=a.description,
+                )
+                for a in d.assertions
+            ]
+        )
     return InputDataset(namespace=d.namespace, name=d.name, facets=_facets(d), inputFacets=facets)
 
 

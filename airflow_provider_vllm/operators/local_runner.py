@@ -71,10 +71,18 @@ def injected_exit(map_index: int | None, try_number: int, env: Mapping[str, str]
 
 def fault_command(code: int) -> list[str]:
     """A stand-in for the worker that prints a failure manifest and exits with ``code``."""
-    manifest = json.dumps(FailureManifest(status="failed", error="InjectedFault", terminal=outcome(code) is Outcome.FAIL,
-                                          message=f"fault injected by {FAULT_ENV}: exit {code}").dump())
-    script = (f"import sys; print('fault injected by {FAULT_ENV}: exit {code}', file=sys.stderr); "
-              f"print({manifest!r}); sys.exit({code})")
+    manifest = json.dumps(
+        FailureManifest(
+            status="failed",
+            error="InjectedFault",
+            terminal=outcome(code) is Outcome.FAIL,
+            message=f"fault injected by {FAULT_ENV}: exit {code}",
+        ).dump()
+    )
+    script = (
+        f"import sys; print('fault injected by {FAULT_ENV}: exit {code}', file=sys.stderr); "
+        f"print({manifest!r}); sys.exit({code})"
+    )
     return [sys.executable, "-c", script]
 
 
@@ -93,8 +101,15 @@ class LocalWorkerProcess:
         # worker/lifecycle.py), which is why it is started and waited for in this one thread.
         env = {**self.env, PARENT_ENV: str(os.getpid())}
         self.proc = proc = subprocess.Popen(
-            self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            env=env, text=True, encoding="utf-8", errors="replace", bufsize=1,
+            self.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            text=True,
+            encoding="utf-8",
+            errors="replace",
+            bufsize=1,
             start_new_session=True,
         )
         out: list[str] = []

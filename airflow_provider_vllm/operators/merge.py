@@ -31,8 +31,15 @@ class VllmMergeOperator(BaseOperator):
     template_fields_renderers = {"spec": "json"}
     ui_color = "#e6f4ea"
 
-    def __init__(self, *, spec: Any, memory_limit: str = "1GB", aws_conn_id: str | None = None,
-                 gcp_conn_id: str | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        spec: Any,
+        memory_limit: str = "1GB",
+        aws_conn_id: str | None = None,
+        gcp_conn_id: str | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self.aws_conn_id = aws_conn_id
         self.gcp_conn_id = gcp_conn_id
@@ -43,20 +50,33 @@ class VllmMergeOperator(BaseOperator):
         spec = load_spec(self.spec, "merge")
         check_spec_allowed(spec, "merge")  # the spec came through XCom: the deployment's rules again
         with data_plane_errors("merge"):
-            summary = merge(spec, memory_limit=self.memory_limit,
-                            filesystems=task_filesystems(self.aws_conn_id, self.gcp_conn_id))
+            summary = merge(
+                spec, memory_limit=self.memory_limit, filesystems=task_filesystems(self.aws_conn_id, self.gcp_conn_id)
+            )
         infer_s = sum(s.infer_s or 0 for s in summary.shard_stats or [])
-        self.log.info("merged %s: %d rows = %d ok + %d errors, %d duplicate id(s) committed (identical, "
-                      "%d extra row(s) dropped), %d shard(s); "
-                      "inference %.1f s over all shards (%.2f rows/s); merge %.2f s",
-                      spec.io.output_uri, summary.rows, summary.ok_rows, summary.error_rows,
-                      summary.duplicates.ids, summary.duplicates_dropped, summary.shards, infer_s,
-                      summary.rows / infer_s if infer_s else 0.0, summary.merge_s)
+        self.log.info(
+            "merged %s: %d rows = %d ok + %d errors, %d duplicate id(s) committed (identical, "
+            "%d extra row(s) dropped), %d shard(s); "
+            "inference %.1f s over all shards (%.2f rows/s); merge %.2f s",
+            spec.io.output_uri,
+            summary.rows,
+            summary.ok_rows,
+            summary.error_rows,
+            summary.duplicates.ids,
+            summary.duplicates_dropped,
+            summary.shards,
+            infer_s,
+            summary.rows / infer_s if infer_s else 0.0,
+            summary.merge_s,
+        )
         self._lineage = merge_lineage(spec, summary)
         return summary.xcom()
 
     def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
-        """OpenLineage: the input location in; results and errors out, with row counts and columns (recorded by ``execute``)."""
+        """OpenLineage: the input location in; results and errors out, with row counts and columns.
+
+        Recorded by ``execute``.
+        """
         from airflow_provider_vllm.operators.lineage import operator_lineage
 
         return operator_lineage(getattr(self, "_lineage", None))

@@ -97,11 +97,15 @@ class VllmPlanOperator(BaseOperator):
         self.runner = runner
         # the DAG file's values before rendering: provenance of the rendered spec (operators/provenance.py)
         self._raw_spec, self._raw_overrides = self.spec, overrides
-        owned = [k for k in self.param_overrides
-                 if any(provenance.touches(PARAM_ALIASES.get(k, k) or "", p) for p in DEPLOYMENT_OWNED)]
+        owned = [
+            k
+            for k in self.param_overrides
+            if any(provenance.touches(PARAM_ALIASES.get(k, k) or "", p) for p in DEPLOYMENT_OWNED)
+        ]
         if owned:
-            raise ValueError(f"param_overrides {owned}: deployment-owned settings cannot come from "
-                             "trigger params (docs/security.md)")
+            raise ValueError(
+                f"param_overrides {owned}: deployment-owned settings cannot come from trigger params (docs/security.md)"
+            )
 
     def filesystems(self) -> ConnectionFileSystems:
         """How this task reaches object stores: the deployment's Connections (never the spec's credentials)."""
@@ -148,20 +152,41 @@ class VllmPlanOperator(BaseOperator):
         check_spec_allowed(spec, "plan")
         if runner == "local":
             check_local_model(spec)
-        self.log.info("job %s: task=%s model=%s input=%s output=%s spec_hash=%s", spec.name, spec.task,
-                      spec.model.name, spec.io.input_uri, spec.io.output_uri, spec.content_hash()[:12])
+        self.log.info(
+            "job %s: task=%s model=%s input=%s output=%s spec_hash=%s",
+            spec.name,
+            spec.task,
+            spec.model.name,
+            spec.io.input_uri,
+            spec.io.output_uri,
+            spec.content_hash()[:12],
+        )
         if self.dry_run or (context.get("params") or {}).get("dry_run") is True:
             self._dry_run(spec, context)
         with data_plane_errors("plan"):
-            plan = plan_job(spec, filesystems=self.filesystems(), max_shards=max_map_length(),
-                            engine_identity=engine_identity(spec, runner) if spec.cache.uri else None)
-        self.log.info("planned %d rows (%d invalid lines) into %d shard(s), ~%d prompt tokens; plan at %s/_plan.json",
-                      plan.total_rows, plan.invalid_lines, len(plan.shards), plan.est_tokens,
-                      spec.io.output_uri.rstrip("/"))
+            plan = plan_job(
+                spec,
+                filesystems=self.filesystems(),
+                max_shards=max_map_length(),
+                engine_identity=engine_identity(spec, runner) if spec.cache.uri else None,
+            )
+        self.log.info(
+            "planned %d rows (%d invalid lines) into %d shard(s), ~%d prompt tokens; plan at %s/_plan.json",
+            plan.total_rows,
+            plan.invalid_lines,
+            len(plan.shards),
+            plan.est_tokens,
+            spec.io.output_uri.rstrip("/"),
+        )
         if plan.cache is not None:
-            self.log.info("result cache %s: %d of %d rows answered from %d committed entries; shards hold the %d "
-                          "misses", plan.cache.uri, plan.cache.hits, plan.cache.rows, len(plan.cache.commits_read),
-                          plan.cache.misses)
+            self.log.info(
+                "result cache %s: %d of %d rows answered from %d committed entries; shards hold the %d misses",
+                plan.cache.uri,
+                plan.cache.hits,
+                plan.cache.rows,
+                len(plan.cache.commits_read),
+                plan.cache.misses,
+            )
         context["ti"].xcom_push(key=SPEC_XCOM_KEY, value=spec.model_dump(mode="json"))
         self._lineage = plan_lineage(spec, rows=plan.total_rows, files=len(plan.files))
         return with_display_names([s.summary() for s in plan.shards])
@@ -178,8 +203,9 @@ class VllmPlanOperator(BaseOperator):
         from airflow_provider_vllm.steps.dry_run import dry_run_report, format_report
 
         with data_plane_errors("plan"):
-            report = dry_run_report(spec, filesystems=self.filesystems(),
-                                    engine_identity=engine_identity(spec, check_runner(self.runner)))
+            report = dry_run_report(
+                spec, filesystems=self.filesystems(), engine_identity=engine_identity(spec, check_runner(self.runner))
+            )
         for line in format_report(report).splitlines():
             self.log.info("%s", line)
         context["ti"].xcom_push(key="dry_run", value=json.loads(json.dumps(report, default=str)))

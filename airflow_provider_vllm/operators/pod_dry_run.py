@@ -28,11 +28,16 @@ def _tasks(dag: Any) -> tuple[Any, Any]:
     from airflow_provider_vllm.operators.plan import VllmPlanOperator
 
     plans = [t for t in dag.tasks if isinstance(t, VllmPlanOperator)]
-    shards = [t for t in dag.tasks if getattr(t, "operator_class", None) is VllmKubernetesShardOperator
-              or isinstance(t, VllmKubernetesShardOperator)]
+    shards = [
+        t
+        for t in dag.tasks
+        if getattr(t, "operator_class", None) is VllmKubernetesShardOperator
+        or isinstance(t, VllmKubernetesShardOperator)
+    ]
     if not plans or not shards:
-        raise SystemExit(f"{dag.dag_id}: no Kubernetes shard task (build it with runner='kubernetes' or a "
-                         "templated runner)")
+        raise SystemExit(
+            f"{dag.dag_id}: no Kubernetes shard task (build it with runner='kubernetes' or a templated runner)"
+        )
     group = plans[0].task_id.rpartition(".")[0]
     shard = next((s for s in shards if s.task_id.rpartition(".")[0] == group), shards[0])
     return plans[0], shard
@@ -40,8 +45,10 @@ def _tasks(dag: Any) -> tuple[Any, Any]:
 
 def _shard(spec: Any, map_index: int, from_plan: bool, filesystems: Any = None) -> tuple[dict[str, Any], str | None]:
     if not from_plan:
-        return {"shard_id": f"shard-{map_index:05d}-00000000", "rows": 0}, "example shard id (--from-plan reads " \
-            "the run's _plan.json)"
+        return {
+            "shard_id": f"shard-{map_index:05d}-00000000",
+            "rows": 0,
+        }, "example shard id (--from-plan reads the run's _plan.json)"
     from airflow_provider_vllm.core.plan import load_plan
 
     plan = load_plan(spec, filesystems)
@@ -50,8 +57,9 @@ def _shard(spec: Any, map_index: int, from_plan: bool, filesystems: Any = None) 
     return plan.shards[map_index].summary(), None
 
 
-def render_shard_pod(dag_id: str, logical_date: str, *, map_index: int = 0,
-                     conf: dict[str, Any] | None = None, from_plan: bool = False) -> tuple[dict[str, Any], list[str]]:
+def render_shard_pod(
+    dag_id: str, logical_date: str, *, map_index: int = 0, conf: dict[str, Any] | None = None, from_plan: bool = False
+) -> tuple[dict[str, Any], list[str]]:
     """(pod manifest, notes) for shard ``map_index`` of ``dag_id``'s run at ``logical_date``."""
     from airflow.cli.commands.task_command import _get_template_context, _get_ti
     from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
@@ -61,8 +69,12 @@ def render_shard_pod(dag_id: str, logical_date: str, *, map_index: int = 0,
 
     sdk_dag = get_bagged_dag(None, dag_id)
     plan, mapped = _tasks(sdk_dag)
-    ti, _ = _get_ti(get_db_dag(None, dag_id).get_task(plan.task_id), -1,
-                    logical_date_or_run_id=logical_date, create_if_necessary="memory")
+    ti, _ = _get_ti(
+        get_db_dag(None, dag_id).get_task(plan.task_id),
+        -1,
+        logical_date_or_run_id=logical_date,
+        create_if_necessary="memory",
+    )
     context = _get_template_context(ti, plan)
     if conf:
         context["params"].update(conf)
@@ -78,7 +90,8 @@ def render_shard_pod(dag_id: str, logical_date: str, *, map_index: int = 0,
     op = mapped.unmap({"shard": shard}) if hasattr(mapped, "unmap") else mapped
     op.dag = sdk_dag
     shard_ti = RuntimeTaskInstance.model_construct(
-        dag_id=dag_id, task_id=op.task_id, run_id=context["run_id"], try_number=1, map_index=map_index, task=op)
+        dag_id=dag_id, task_id=op.task_id, run_id=context["run_id"], try_number=1, map_index=map_index, task=op
+    )
     shard_context = {**context, "ti": shard_ti, "task_instance": shard_ti, "task": op}
     op.spec = None  # data from the plan, never templated (a real run resolves the plan's XCom)
     op.render_template_fields(shard_context)
@@ -91,8 +104,9 @@ def render_shard_pod(dag_id: str, logical_date: str, *, map_index: int = 0,
 def main(argv: list[str] | None = None) -> int:
     import yaml
 
-    p = argparse.ArgumentParser(prog="python -m airflow_provider_vllm.operators.pod_dry_run",
-                                description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m airflow_provider_vllm.operators.pod_dry_run", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("dag_id")
     p.add_argument("logical_date", help="logical date (or run id) of the run to render")
     p.add_argument("--map-index", type=int, default=0, help="which shard (default 0)")
@@ -105,8 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     manifest_fd = os.dup(1)
     os.dup2(2, 1)
     try:
-        manifest, notes = render_shard_pod(args.dag_id, args.logical_date, map_index=args.map_index, conf=conf,
-                                           from_plan=args.from_plan)
+        manifest, notes = render_shard_pod(
+            args.dag_id, args.logical_date, map_index=args.map_index, conf=conf, from_plan=args.from_plan
+        )
     finally:
         sys.stdout.flush()
         os.dup2(manifest_fd, 1)

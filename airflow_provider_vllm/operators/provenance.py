@@ -30,12 +30,34 @@ VARIABLES = "Variables"
 _SOURCE_OF = {"params": PARAMS, "var": VARIABLES}
 # Context names whose values neither a trigger nor a Variable chooses (the logical date is a
 # date; ``conf`` is the Airflow configuration; ``conn`` the deployment's Connections).
-_TRUSTED = frozenset({
-    "ds", "ds_nodash", "ts", "ts_nodash", "ts_nodash_with_tz", "logical_date", "data_interval_start",
-    "data_interval_end", "prev_data_interval_start_success", "prev_data_interval_end_success",
-    "prev_start_date_success", "prev_end_date_success", "start_date", "macros", "dag", "task", "conn", "conf",
-    "map_index_template", "test_mode", "expanded_ti_count", "try_number", "inlets", "outlets",
-})
+_TRUSTED = frozenset(
+    {
+        "ds",
+        "ds_nodash",
+        "ts",
+        "ts_nodash",
+        "ts_nodash_with_tz",
+        "logical_date",
+        "data_interval_start",
+        "data_interval_end",
+        "prev_data_interval_start_success",
+        "prev_data_interval_end_success",
+        "prev_start_date_success",
+        "prev_end_date_success",
+        "start_date",
+        "macros",
+        "dag",
+        "task",
+        "conn",
+        "conf",
+        "map_index_template",
+        "test_mode",
+        "expanded_ti_count",
+        "try_number",
+        "inlets",
+        "outlets",
+    }
+)
 
 
 def template_sources(value: Any, env: Any, _depth: int = 0) -> set[str]:
@@ -99,8 +121,9 @@ def spec_layer_sources(raw_spec: Any, rendered_doc: Mapping[str, Any], path: str
     return template_sources(node, env) if found else None
 
 
-def overrides_layer_sources(raw_overrides: Any, rendered: Mapping[str, Any], path: str, env: Any,
-                            aliases: Mapping[str, str | None]) -> set[str] | None:
+def overrides_layer_sources(
+    raw_overrides: Any, rendered: Mapping[str, Any], path: str, env: Any, aliases: Mapping[str, str | None]
+) -> set[str] | None:
     """Sources of ``path`` in the overrides layer (flat dotted keys / aliases); None when it is not set there."""
     hit = None
     for key in rendered:
@@ -131,10 +154,14 @@ def violations(owned: Iterable[str], layers: list[Any], variables_allowed: bool)
             continue  # the DAG file (or nothing)
         bad = sorted(s for s in sources if s != VARIABLES)
         if bad:
-            problems.append(f"{path} is deployment-owned and came from {', '.join(bad)}; set it in the DAG file or "
-                            "the deployment config ([vllm_batch]), never from a trigger")
+            problems.append(
+                f"{path} is deployment-owned and came from {', '.join(bad)}; set it in the DAG file or "
+                "the deployment config ([vllm_batch]), never from a trigger"
+            )
         elif not variables_allowed:
-            problems.append(f"{path} is deployment-owned and came from a Variable; Variables may set it only with "
-                            "[vllm_batch] deployment_settings_from_variables = True "
-                            "(AIRFLOW__VLLM_BATCH__DEPLOYMENT_SETTINGS_FROM_VARIABLES)")
+            problems.append(
+                f"{path} is deployment-owned and came from a Variable; Variables may set it only with "
+                "[vllm_batch] deployment_settings_from_variables = True "
+                "(AIRFLOW__VLLM_BATCH__DEPLOYMENT_SETTINGS_FROM_VARIABLES)"
+            )
     return problems

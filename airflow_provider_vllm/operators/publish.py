@@ -44,8 +44,15 @@ class VllmPublishOperator(BaseOperator):
     template_fields_renderers = {"spec": "json", "extra_files": "json"}
     ui_color = "#f3e8fd"
 
-    def __init__(self, *, spec: Any, extra_files: dict[str, str] | None = None, aws_conn_id: str | None = None,
-                 gcp_conn_id: str | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        spec: Any,
+        extra_files: dict[str, str] | None = None,
+        aws_conn_id: str | None = None,
+        gcp_conn_id: str | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self.aws_conn_id = aws_conn_id
         self.gcp_conn_id = gcp_conn_id
@@ -55,16 +62,28 @@ class VllmPublishOperator(BaseOperator):
     def execute(self, context: Any) -> dict[str, Any]:
         spec = load_spec(self.spec, "publish")
         check_spec_allowed(spec, "publish")  # the spec came through XCom: the deployment's rules again
-        out = Storage(spec.io.output_uri, spec.io.storage_options,
-                      task_filesystems(self.aws_conn_id, self.gcp_conn_id))
+        out = Storage(spec.io.output_uri, spec.io.storage_options, task_filesystems(self.aws_conn_id, self.gcp_conn_id))
         with data_plane_errors("publish"):
             marker = self._marker(spec, out, context)
             out.write_atomic(SUCCESS, json.dumps(marker, indent=1, sort_keys=True).encode())
-        self.log.info("published %s (%d rows: %d ok, %d errors; QA %s)", out.uri(SUCCESS), marker["rows"],
-                      marker["ok_rows"], marker["error_rows"], marker["qa"]["status"])
-        event = {"output_uri": spec.io.output_uri, "success_marker": out.uri(SUCCESS), "job": spec.name,
-                 "rows": marker["rows"], "ok_rows": marker["ok_rows"], "error_rows": marker["error_rows"],
-                 "qa_status": marker["qa"]["status"], "config_hash": marker["config_hash"]}
+        self.log.info(
+            "published %s (%d rows: %d ok, %d errors; QA %s)",
+            out.uri(SUCCESS),
+            marker["rows"],
+            marker["ok_rows"],
+            marker["error_rows"],
+            marker["qa"]["status"],
+        )
+        event = {
+            "output_uri": spec.io.output_uri,
+            "success_marker": out.uri(SUCCESS),
+            "job": spec.name,
+            "rows": marker["rows"],
+            "ok_rows": marker["ok_rows"],
+            "error_rows": marker["error_rows"],
+            "qa_status": marker["qa"]["status"],
+            "config_hash": marker["config_hash"],
+        }
         self._lineage = publish_lineage(spec, event)
         for outlet in self.outlets or []:
             context["outlet_events"][outlet].extra = event

@@ -45,8 +45,9 @@ class VllmQAOperator(BaseOperator):
     ui_color = "#fce8e6"
     operator_extra_links = (VllmQAReportLink(),)
 
-    def __init__(self, *, spec: Any, aws_conn_id: str | None = None, gcp_conn_id: str | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, *, spec: Any, aws_conn_id: str | None = None, gcp_conn_id: str | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         self.aws_conn_id = aws_conn_id
         self.gcp_conn_id = gcp_conn_id
@@ -69,7 +70,10 @@ class VllmQAOperator(BaseOperator):
         return summary
 
     def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
-        """OpenLineage: the results in, with the QA checks and verdict as data-quality assertions; the report out (recorded by ``execute``)."""
+        """OpenLineage: the results in, with the QA checks and verdict as data-quality assertions; the report out.
+
+        Recorded by ``execute``.
+        """
         from airflow_provider_vllm.operators.lineage import operator_lineage
 
         return operator_lineage(getattr(self, "_lineage", None))

@@ -74,8 +74,15 @@ class VllmQAReviewOperator(ApprovalOperator):
     operator_extra_links = (VllmQAReportLink(),)
     ui_color = "#fff4d6"
 
-    def __init__(self, *, qa_result: Any, qa_task_id: str | None = None, ask: bool | str = True,
-                 subject: str = SUBJECT, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        qa_result: Any,
+        qa_task_id: str | None = None,
+        ask: bool | str = True,
+        subject: str = SUBJECT,
+        **kwargs: Any,
+    ) -> None:
         kwargs.setdefault("retries", 0)  # a retry would ask the person again
         super().__init__(subject=subject, fail_on_reject=True, **kwargs)
         self.qa_result = qa_result
@@ -108,6 +115,7 @@ class VllmQAReviewOperator(ApprovalOperator):
         except HITLTimeoutError:
             raise AirflowFailException(
                 f"review: no decision within {self.response_timeout}; nothing is published "
-                "(clear this task to ask again)") from None
+                "(clear this task to ask again)"
+            ) from None
         self.log.info("publication approved by %s", (result.get("responded_by_user") or {}).get("name"))
         return result

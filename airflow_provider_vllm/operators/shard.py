@@ -89,8 +89,13 @@ class VllmLocalShardOperator(BaseOperator):
         ti = context["ti"]
         code = injected_exit(getattr(ti, "map_index", None), ti.try_number)
         if code is not None:
-            self.log.warning("%s: replacing the worker of map index %s, try %s, by a process that exits %d",
-                             FAULT_ENV, ti.map_index, ti.try_number, code)
+            self.log.warning(
+                "%s: replacing the worker of map index %s, try %s, by a process that exits %d",
+                FAULT_ENV,
+                ti.map_index,
+                ti.try_number,
+                code,
+            )
             argv = fault_command(code)
         # the allow-list goes last: neither the task's env nor the shard spec can widen it
         env = {**envs.environ(), "PYTHONUNBUFFERED": "1", **{k: str(v) for k, v in (self.env or {}).items()}}
@@ -98,8 +103,14 @@ class VllmLocalShardOperator(BaseOperator):
         env.pop(ALLOWED_PREFIXES_ENV, None)
         env.update(worker_env(prefixes))
         rows = self.shard.get("rows") if isinstance(self.shard, dict) else None
-        self.log.info("shard %s (%s rows), try %s: %s -m airflow_provider_vllm.worker '<shard task json, %d bytes>'",
-                      shard_id, rows, ti.try_number, argv[0], len(argv[-1]))
+        self.log.info(
+            "shard %s (%s rows), try %s: %s -m airflow_provider_vllm.worker '<shard task json, %d bytes>'",
+            shard_id,
+            rows,
+            ti.try_number,
+            argv[0],
+            len(argv[-1]),
+        )
         self._process = LocalWorkerProcess(argv, env, self._worker_line)
         result = self._process.run()
         return self._outcome(shard_id, result)
@@ -120,9 +131,19 @@ class VllmLocalShardOperator(BaseOperator):
         """The exit code decides (``core/exit_codes.py``, shared with the Kubernetes runner)."""
         m = worker_result(result.returncode, shard_id, result.manifest, result.stdout_tail)
         st = m.stats
-        self.log.info("shard %s %s by attempt %s: %s rows, %s ok, %s errors; rows/s=%s tokens/s=%s "
-                      "engine_start_s=%s wall_s=%s", shard_id, m.status, m.attempt_id, m.rows, m.ok_rows,
-                      m.error_rows, st.rows_per_s, st.tokens_per_s, st.engine_start_s, st.wall_s)
+        self.log.info(
+            "shard %s %s by attempt %s: %s rows, %s ok, %s errors; rows/s=%s tokens/s=%s engine_start_s=%s wall_s=%s",
+            shard_id,
+            m.status,
+            m.attempt_id,
+            m.rows,
+            m.ok_rows,
+            m.error_rows,
+            st.rows_per_s,
+            st.tokens_per_s,
+            st.engine_start_s,
+            st.wall_s,
+        )
         return m.dump()
 
     def on_kill(self) -> None:

@@ -56,7 +56,8 @@ def worker_result(code: int, shard_id: str, manifest: Any, stdout_tail: Any = No
             raise AirflowException(
                 f"shard {shard_id}: worker exited 0 but its manifest is not one this provider reads "
                 f"({e.error_count()} error(s): {_first_error(e)}); run the worker image built from the same "
-                "airflow-provider-vllm version as the Airflow side") from None
+                "airflow-provider-vllm version as the Airflow side"
+            ) from None
     if not isinstance(m, WorkerManifest) or m.shard_id != shard_id:
         raise AirflowException(f"shard {shard_id}: worker exited 0 without its manifest (stdout tail: {stdout_tail})")
     return m

@@ -44,8 +44,7 @@ from airflow_provider_vllm.provider import ALLOW_ANY_LOCATION, ALLOWED_URI_PREFI
 
 # The report is self-contained (inline CSS and SVG): nothing else may load, nor may it be framed elsewhere.
 HEADERS = {
-    "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; img-src data:; "
-                               "frame-ancestors 'self'",
+    "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; img-src data:; frame-ancestors 'self'",
     "X-Content-Type-Options": "nosniff",
     "Cache-Control": "no-store",
 }
@@ -56,8 +55,7 @@ _can_read_task_instances = Depends(requires_access_dag("GET", DagAccessEntity.TA
 
 
 def _xcom(session: Any, *, dag_id: str, run_id: str, task_id: str, key: str, map_index: int) -> Any:
-    query = XComModel.get_many(run_id=run_id, key=key, task_ids=task_id, dag_ids=dag_id,
-                               map_indexes=map_index).limit(1)
+    query = XComModel.get_many(run_id=run_id, key=key, task_ids=task_id, dag_ids=dag_id, map_indexes=map_index).limit(1)
     row = session.scalar(query)
     return None if row is None else XComModel.deserialize_value(row)
 
@@ -93,10 +91,8 @@ def _serve(kind: str, session: Any, dag_id: str, run_id: str, task_id: str, map_
     try:
         rules = policy()
         loc = resolve_report(
-            _xcom(session, dag_id=dag_id, run_id=run_id, task_id=task_id, key="return_value",
-                  map_index=map_index),
-            _xcom(session, dag_id=dag_id, run_id=run_id, task_id=plan_task_id(task_id), key="spec",
-                  map_index=-1),
+            _xcom(session, dag_id=dag_id, run_id=run_id, task_id=task_id, key="return_value", map_index=map_index),
+            _xcom(session, dag_id=dag_id, run_id=run_id, task_id=plan_task_id(task_id), key="spec", map_index=-1),
             rules,
         )
         check_local_file(loc, kind, rules)

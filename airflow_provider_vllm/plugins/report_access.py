@@ -119,8 +119,11 @@ def resolve_report(qa_result: Any, plan_spec: Any, policy: ReportPolicy) -> Repo
     if not isinstance(output_uri, str) or not output_uri:
         raise ReportAccessError(404, "the run's spec names no output_uri")
     if not policy.allowed and not policy.allow_any:
-        raise ReportAccessError(403, f"no allow-list of locations is configured: set {ALLOW_LIST_SETTING} "
-                                f"(or {ALLOW_ANY_SETTING} = True) for the API server to read QA reports")
+        raise ReportAccessError(
+            403,
+            f"no allow-list of locations is configured: set {ALLOW_LIST_SETTING} "
+            f"(or {ALLOW_ANY_SETTING} = True) for the API server to read QA reports",
+        )
     try:
         syntax = canonical_uri(output_uri, "io.output_uri", resolve=False)
         canon = canonical_uri(output_uri, "io.output_uri")  # local: symlinks resolved
@@ -130,8 +133,9 @@ def resolve_report(qa_result: Any, plan_spec: Any, policy: ReportPolicy) -> Repo
     if report != f"{syntax.rstrip('/')}/{REPORT_FILES['html']}":
         raise ReportAccessError(403, "the QA summary's report is not under this run's output prefix")
     if policy.allowed and not any(is_under(canon, p) for p in policy.allowed):
-        raise ReportAccessError(403, f"the run's output prefix {canon} is outside {ALLOW_LIST_SETTING} "
-                                f"{list(policy.allowed)}")
+        raise ReportAccessError(
+            403, f"the run's output prefix {canon} is outside {ALLOW_LIST_SETTING} {list(policy.allowed)}"
+        )
     if policy.roots and not any(is_under(canon, r) for r in policy.roots):
         raise ReportAccessError(403, f"the run's output prefix is not under {ROOTS_SETTING}")
     return ReportLocation(output_uri=canon)

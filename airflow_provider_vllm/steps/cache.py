@@ -53,8 +53,11 @@ ENTRIES, COMMITS = "entries", "commits"  # under cache.uri
 KEY_COLUMN = "_vllm_cache_key"  # the key in the misses file (beside the input's own columns)
 CACHED_FROM = "cached_from"
 ANSWER_COLUMNS = [c for c in RESULT_COLUMNS if c not in ("id", CACHED_FROM)]
-ENTRY_SCHEMA = pa.schema([pa.field("key", pa.string(), nullable=False), pa.field("source_id", pa.string())]
-                         + [RESULT_SCHEMA.field(c) for c in ANSWER_COLUMNS] + [pa.field(CACHED_FROM, pa.string())])
+ENTRY_SCHEMA = pa.schema(
+    [pa.field("key", pa.string(), nullable=False), pa.field("source_id", pa.string())]
+    + [RESULT_SCHEMA.field(c) for c in ANSWER_COLUMNS]
+    + [pa.field(CACHED_FROM, pa.string())]
+)
 HITS_BATCH_ROWS = 1 << 17
 ANSWER_PREFIX = "_vllm_cached_"  # the cached answer's columns beside the input's in the plan's join
 MISSES_ROW_GROUP = 4096  # the worker reads the row groups that hold its segment
@@ -63,12 +66,25 @@ MISSES_ROW_GROUP = 4096  # the worker reads the row groups that hold its segment
 # memory or scheduling; they (like max_num_seqs, tensor_parallel_size, enforce_eager) can move
 # floating-point low bits through batch composition and kernel choice, which the key does not
 # cover (docs/cache.md). A new allowed key must be sorted into one of the two sets (a unit test).
-KEY_ENGINE_KWARGS = frozenset({"hf_overrides", "override_generation_config", "load_format", "kv_cache_dtype",
-                               "tokenizer_mode"})
-NON_KEY_ENGINE_KWARGS = frozenset({"block_size", "cpu_offload_gb", "disable_custom_all_reduce",
-                                   "enable_chunked_prefill", "max_logprobs", "max_seq_len_to_capture",
-                                   "num_gpu_blocks_override", "pipeline_parallel_size", "swap_space",
-                                   "limit_mm_per_prompt", "compilation_config", "async_scheduling"})
+KEY_ENGINE_KWARGS = frozenset(
+    {"hf_overrides", "override_generation_config", "load_format", "kv_cache_dtype", "tokenizer_mode"}
+)
+NON_KEY_ENGINE_KWARGS = frozenset(
+    {
+        "block_size",
+        "cpu_offload_gb",
+        "disable_custom_all_reduce",
+        "enable_chunked_prefill",
+        "max_logprobs",
+        "max_seq_len_to_capture",
+        "num_gpu_blocks_override",
+        "pipeline_parallel_size",
+        "swap_space",
+        "limit_mm_per_prompt",
+        "compilation_config",
+        "async_scheduling",
+    }
+)
 assert KEY_ENGINE_KWARGS | NON_KEY_ENGINE_KWARGS == ENGINE_KWARGS_ALLOWED
 
 # Weights folder fingerprint: names + sizes of every file; the whole content of the small
@@ -91,20 +107,27 @@ def check_cacheable(spec: JobSpec, input_format: str | None = None) -> None:
         raise SpecError("cache.uri is not set")
     m = spec.model
     if not is_local_model(m.name) and not m.revision:
-        raise SpecError(f"cache.uri is set but model.revision is not: hub model {m.name!r} must be pinned to a "
-                        "commit sha or tag (a moving branch would silently serve answers of older weights)")
+        raise SpecError(
+            f"cache.uri is set but model.revision is not: hub model {m.name!r} must be pinned to a "
+            "commit sha or tag (a moving branch would silently serve answers of older weights)"
+        )
     if spec.sampling.temperature > 0 and not spec.cache.allow_sampling:
-        raise SpecError(f"cache.uri is set with sampling.temperature={spec.sampling.temperature} > 0: sampled "
-                        "answers are not reproducible; set cache.allow_sampling: true to cache them anyway, or "
-                        "temperature 0")
+        raise SpecError(
+            f"cache.uri is set with sampling.temperature={spec.sampling.temperature} > 0: sampled "
+            "answers are not reproducible; set cache.allow_sampling: true to cache them anyway, or "
+            "temperature 0"
+        )
     if input_format is not None and input_format != "parquet":
-        raise SpecError(f"cache.uri is set but the input is {input_format}: the result cache needs Parquet input "
-                        "(io.input_format parquet); convert the input or unset cache.uri")
+        raise SpecError(
+            f"cache.uri is set but the input is {input_format}: the result cache needs Parquet input "
+            "(io.input_format parquet); convert the input or unset cache.uri"
+        )
     cols = {spec.prompt.id_column, *spec.prompt.columns}
     reserved = sorted(c for c in cols if c.startswith("_vllm_"))
     if reserved:
-        raise SpecError(f"prompt: column names starting with '_vllm_' ({reserved}) are reserved by the result "
-                        "cache (cache.uri)")
+        raise SpecError(
+            f"prompt: column names starting with '_vllm_' ({reserved}) are reserved by the result cache (cache.uri)"
+        )
 
 
 def weights_fingerprint(folder: str) -> str:
@@ -171,9 +194,11 @@ def key_config(spec: JobSpec, engine_identity: str | None = None) -> dict[str, A
         if os.path.isdir(folder):
             model["weights_sha256"] = weights_fingerprint(folder)
         elif not m.revision:
-            raise SpecError(f"cache.uri is set and model.name {m.name!r} is a path this process cannot read: the "
-                            "cache fingerprints the weights folder; make it readable here or pin model.revision "
-                            "to an identity of those weights")
+            raise SpecError(
+                f"cache.uri is set and model.name {m.name!r} is a path this process cannot read: the "
+                "cache fingerprints the weights folder; make it readable here or pin model.revision "
+                "to an identity of those weights"
+            )
     if m.tokenizer and is_local_model(m.tokenizer) and os.path.isdir(os.path.expanduser(m.tokenizer)):
         model["tokenizer_sha256"] = weights_fingerprint(m.tokenizer)
     kwargs = {k: v for k, v in spec.engine.engine_kwargs.items() if k in KEY_ENGINE_KWARGS}
@@ -277,18 +302,27 @@ def _entries_view(con: duckdb.DuckDBPyConnection, store: CacheStore, commits: li
     rels = [f.path for c in commits for f in c.files]
     if not rels:
         st, name = _empty_parquet(ENTRY_SCHEMA, "cache_entry")
-        con.execute(f"CREATE TEMP VIEW cache_entries AS SELECT *, '' AS _created, '' AS _entry "
-                    f"FROM read_parquet({duck.file_list(st, [name])})").fetchall()
+        con.execute(
+            f"CREATE TEMP VIEW cache_entries AS SELECT *, '' AS _created, '' AS _entry "
+            f"FROM read_parquet({duck.file_list(st, [name])})"
+        ).fetchall()
         return
     files = duck.file_list(store.st, rels)
-    meta = pa.table({"_file": [store.st.path(f.path) if store.st.is_local else store.st.uri(f.path)
-                               for c in commits for f in c.files],
-                     "_created": [c.created for c in commits for _ in c.files],
-                     "_entry": [c.entry_id for c in commits for _ in c.files]})
+    meta = pa.table(
+        {
+            "_file": [
+                store.st.path(f.path) if store.st.is_local else store.st.uri(f.path) for c in commits for f in c.files
+            ],
+            "_created": [c.created for c in commits for _ in c.files],
+            "_entry": [c.entry_id for c in commits for _ in c.files],
+        }
+    )
     con.register("cache_meta", meta)
-    con.execute(f"CREATE TEMP VIEW cache_entries AS SELECT e.* EXCLUDE (filename), m._created, m._entry "
-                f"FROM read_parquet({files}, filename = true, union_by_name = true) e "
-                "JOIN cache_meta m ON e.filename = m._file").fetchall()
+    con.execute(
+        f"CREATE TEMP VIEW cache_entries AS SELECT e.* EXCLUDE (filename), m._created, m._entry "
+        f"FROM read_parquet({files}, filename = true, union_by_name = true) e "
+        "JOIN cache_meta m ON e.filename = m._file"
+    ).fetchall()
 
 
 # ---- plan -------------------------------------------------------------------------------
@@ -298,8 +332,9 @@ class _Joined:
         self.rows, self.hits, self.hit_tokens = rows, hits, hit_tokens
 
 
-def _join(spec: JobSpec, found: Input, engine_identity: str | None, verify_checksums: bool,
-          filesystems: FileSystems | None) -> _Joined:
+def _join(
+    spec: JobSpec, found: Input, engine_identity: str | None, verify_checksums: bool, filesystems: FileSystems | None
+) -> _Joined:
     """Table ``joined``: the input's rows with their keys, order (``_vllm_f``, ``_vllm_r``), the newest cached answer
     (columns prefixed ``ANSWER_PREFIX``; NULL for a miss) and ``_vllm_hit``."""
     check_cacheable(spec, found.format)
@@ -315,7 +350,8 @@ def _join(spec: JobSpec, found: Input, engine_identity: str | None, verify_check
     con.execute(
         f"CREATE TEMP TABLE keyed AS SELECT {', '.join(_q(c) for c in needed)}, {key_sql(spec, khash)} AS "
         f"{KEY_COLUMN}, list_position({files}, filename) AS _vllm_f, file_row_number AS _vllm_r "
-        f"FROM read_parquet({files}, filename = true, file_row_number = true)").fetchall()
+        f"FROM read_parquet({files}, filename = true, file_row_number = true)"
+    ).fetchall()
     _entries_view(con, store, commits)
     # An entry holds each key once (append_results); a key in several entries (runs that computed
     # it at the same time) keeps the newest. Distinct 64-bit hashes == rows proves distinct keys,
@@ -325,32 +361,50 @@ def _join(spec: JobSpec, found: Input, engine_identity: str | None, verify_check
     if total != distinct:
         con.execute(
             "CREATE TEMP TABLE newest AS SELECT * FROM cache_entries QUALIFY row_number() OVER (PARTITION BY key "
-            "ORDER BY _created DESC, _entry DESC, source_id) = 1").fetchall()
+            "ORDER BY _created DESC, _entry DESC, source_id) = 1"
+        ).fetchall()
         entries = "newest"
     # One join: every input row with its cached answer (NULL: a miss); the answer columns are
     # prefixed so that an input column named like one (label, output ...) cannot clash.
     answer = ", ".join(f"b.{_q(c)} AS {_q(ANSWER_PREFIX + c)}" for c in [*ANSWER_COLUMNS, CACHED_FROM])
-    con.execute(f"CREATE TEMP TABLE joined AS SELECT k.*, {answer}, b.key IS NOT NULL AS _vllm_hit FROM keyed k "
-                f"LEFT JOIN {entries} b ON k.{KEY_COLUMN} = b.key").fetchall()
+    con.execute(
+        f"CREATE TEMP TABLE joined AS SELECT k.*, {answer}, b.key IS NOT NULL AS _vllm_hit FROM keyed k "
+        f"LEFT JOIN {entries} b ON k.{KEY_COLUMN} = b.key"
+    ).fetchall()
     texts = spec.prompt.texts
     chars = " + ".join(f"coalesce(length(CAST({_q(c)} AS VARCHAR)), 0)" for c in texts) or "0"
     rows, hits, hit_tokens = con.execute(
         f"SELECT count(*), count(*) FILTER (WHERE _vllm_hit), coalesce(sum(ceil(({chars}) / "
-        f"{float(spec.sharding.chars_per_token)})) FILTER (WHERE _vllm_hit), 0) FROM joined").fetchall()[0]
+        f"{float(spec.sharding.chars_per_token)})) FILTER (WHERE _vllm_hit), 0) FROM joined"
+    ).fetchall()[0]
     return _Joined(con, khash, cfg, commits, int(rows), int(hits), int(hit_tokens))
 
 
-def expected(spec: JobSpec, found: Input, engine_identity: str | None = None,
-             filesystems: FileSystems | None = None) -> dict[str, Any]:
+def expected(
+    spec: JobSpec, found: Input, engine_identity: str | None = None, filesystems: FileSystems | None = None
+) -> dict[str, Any]:
     """Hits and misses the cache would give now (the dry run); nothing written."""
     j = _join(spec, found, engine_identity, False, filesystems)
     j.con.close()
-    return {"uri": spec.cache.uri, "key_hash": j.khash, "commits": len(j.commits), "rows": j.rows,
-            "hits": j.hits, "misses": j.rows - j.hits, "hit_est_tokens": j.hit_tokens}
+    return {
+        "uri": spec.cache.uri,
+        "key_hash": j.khash,
+        "commits": len(j.commits),
+        "rows": j.rows,
+        "hits": j.hits,
+        "misses": j.rows - j.hits,
+        "hit_est_tokens": j.hit_tokens,
+    }
 
 
-def plan_cache(spec: JobSpec, found: Input, out: Storage, engine_identity: str | None = None,
-               verify_checksums: bool = False, filesystems: FileSystems | None = None) -> CachePlan:
+def plan_cache(
+    spec: JobSpec,
+    found: Input,
+    out: Storage,
+    engine_identity: str | None = None,
+    verify_checksums: bool = False,
+    filesystems: FileSystems | None = None,
+) -> CachePlan:
     """Join the input against the cache; write the hits and misses files under ``_cache/``; the CachePlan.
 
     The files are named by their sha256, so a plan killed (or beaten by a racing plan) before its
@@ -368,27 +422,47 @@ def plan_cache(spec: JobSpec, found: Input, out: Storage, engine_identity: str |
             # is written here in exactly the parts' schema (core.rows.RESULT_SCHEMA).
             batches = con.sql(
                 f"SELECT CAST({_q(idc)} AS VARCHAR) AS id, {answer} FROM joined WHERE _vllm_hit "
-                "ORDER BY _vllm_f, _vllm_r").to_arrow_reader(HITS_BATCH_ROWS)
+                "ORDER BY _vllm_f, _vllm_r"
+            ).to_arrow_reader(HITS_BATCH_ROWS)
             with pq.ParquetWriter(hits_local, RESULT_SCHEMA, compression="zstd") as w:
                 for b in batches:
-                    w.write_batch(pa.RecordBatch.from_arrays(
-                        [b.column(i).cast(f.type) for i, f in enumerate(RESULT_SCHEMA)], schema=RESULT_SCHEMA))
+                    w.write_batch(
+                        pa.RecordBatch.from_arrays(
+                            [b.column(i).cast(f.type) for i, f in enumerate(RESULT_SCHEMA)], schema=RESULT_SCHEMA
+                        )
+                    )
             con.execute(
                 f"COPY (SELECT {', '.join(_q(c) for c in needed)}, {KEY_COLUMN} FROM joined WHERE NOT _vllm_hit "
                 f"ORDER BY _vllm_f, _vllm_r) TO '{_sql_str(misses_local)}' "
-                f"(FORMAT parquet, COMPRESSION zstd, ROW_GROUP_SIZE {MISSES_ROW_GROUP})").fetchall()
+                f"(FORMAT parquet, COMPRESSION zstd, ROW_GROUP_SIZE {MISSES_ROW_GROUP})"
+            ).fetchall()
             faults.hit("cache.before_files")
             hits_file = _put(out, hits_local, "hits", j.hits)
             misses_file = _put(out, misses_local, "misses", j.rows - j.hits)
             faults.hit("cache.after_files")
     finally:
         con.close()
-    log.info("cache %s: %d of %d rows answered from %d committed entries; %d to infer",
-             spec.cache.uri, j.hits, j.rows, len(j.commits), j.rows - j.hits)
-    return CachePlan(uri=str(spec.cache.uri), key_hash=j.khash, key_config=j.cfg,
-                     commits_read=[c.entry_id for c in j.commits], rows=j.rows, hits=j.hits,
-                     misses=j.rows - j.hits, hits_file=hits_file, misses_file=misses_file,
-                     misses_root=out.uri(CACHE_DIR), hit_est_tokens=j.hit_tokens)
+    log.info(
+        "cache %s: %d of %d rows answered from %d committed entries; %d to infer",
+        spec.cache.uri,
+        j.hits,
+        j.rows,
+        len(j.commits),
+        j.rows - j.hits,
+    )
+    return CachePlan(
+        uri=str(spec.cache.uri),
+        key_hash=j.khash,
+        key_config=j.cfg,
+        commits_read=[c.entry_id for c in j.commits],
+        rows=j.rows,
+        hits=j.hits,
+        misses=j.rows - j.hits,
+        hits_file=hits_file,
+        misses_file=misses_file,
+        misses_root=out.uri(CACHE_DIR),
+        hit_est_tokens=j.hit_tokens,
+    )
 
 
 def _sql_str(s: str) -> str:
@@ -419,14 +493,18 @@ def _other_engines(part: str, identity: str) -> str | None:
     other = sorted(str(v) for v in made if v not in want)
     if not other:
         return None
-    return (f"rows were made by engine version(s) {other}, the cache key names {identity} (the vLLM where the plan "
-            "ran): a shard ran on another installation")
+    return (
+        f"rows were made by engine version(s) {other}, the cache key names {identity} (the vLLM where the plan "
+        "ran): a shard ran on another installation"
+    )
 
 
 def _checked(out: Storage, f: CacheFile) -> None:
     if not out.exists(f.path) or out.size(f.path) != f.bytes or out.sha256(f.path) != f.sha256:
-        raise CommitError(f"{out.uri(f.path)} does not match the plan (missing, or size or sha256 differ); "
-                          "the plan's cache files must not change: delete the output prefix and rerun the job")
+        raise CommitError(
+            f"{out.uri(f.path)} does not match the plan (missing, or size or sha256 differ); "
+            "the plan's cache files must not change: delete the output prefix and rerun the job"
+        )
 
 
 def hits_part(out: Storage, plan: Plan, index: int) -> dict[str, Any]:
@@ -445,15 +523,23 @@ def hits_part(out: Storage, plan: Plan, index: int) -> dict[str, Any]:
     with out.open(cp.hits_file.path) as fh:
         schema = pq.ParquetFile(fh).schema_arrow
     if not schema.equals(RESULT_SCHEMA):
-        raise CommitError(f"{out.uri(cp.hits_file.path)} is not in the results schema (a plan of an older version): "
-                          "delete the output prefix and rerun the job")
+        raise CommitError(
+            f"{out.uri(cp.hits_file.path)} is not in the results schema (a plan of an older version): "
+            "delete the output prefix and rerun the job"
+        )
     width = max(5, len(str(index)))
-    return {"rel": cp.hits_file.path, "bytes": cp.hits_file.bytes, "sha256": cp.hits_file.sha256,
-            "rows": cp.hits_file.rows, "name": f"part-{index:0{width}d}-cache-hits.parquet"}
+    return {
+        "rel": cp.hits_file.path,
+        "bytes": cp.hits_file.bytes,
+        "sha256": cp.hits_file.sha256,
+        "rows": cp.hits_file.rows,
+        "name": f"part-{index:0{width}d}-cache-hits.parquet",
+    }
 
 
-def append_results(out: Storage, spec: JobSpec, plan: Plan, computed: list[str],
-                   filesystems: FileSystems | None = None) -> CacheMergeSummary:
+def append_results(
+    out: Storage, spec: JobSpec, plan: Plan, computed: list[str], filesystems: FileSystems | None = None
+) -> CacheMergeSummary:
     """This run's ok rows (``computed``: the published result parts this run's shards made, not the hits)
     -> this run's entry; marker create-only, last.
 
@@ -467,8 +553,9 @@ def append_results(out: Storage, spec: JobSpec, plan: Plan, computed: list[str],
     eid = entry_id(plan, spec.io.output_uri)
     done = store.read_commit(eid)
     if done is not None:
-        return CacheMergeSummary(uri=cp.uri, hits=cp.hits, appended=done.rows, entry_id=eid,
-                                 committed_by="earlier_merge")
+        return CacheMergeSummary(
+            uri=cp.uri, hits=cp.hits, appended=done.rows, entry_id=eid, committed_by="earlier_merge"
+        )
     idc = _q(spec.prompt.id_column)
     answer = ", ".join(f"s.{_q(c)}" for c in ANSWER_COLUMNS)
     rel = f"{ENTRIES}/{eid}/part-00000.parquet"
@@ -484,12 +571,18 @@ def append_results(out: Storage, spec: JobSpec, plan: Plan, computed: list[str],
                 f"CREATE TEMP TABLE entry AS SELECT m.{KEY_COLUMN} AS key, s.id AS source_id, {answer}, "
                 f"'{_sql_str(origin)}' AS {CACHED_FROM} FROM read_parquet({duck.file_list(out, computed)}) s "
                 f"JOIN read_parquet({duck.file_list(out, [cp.misses_file.path])}) m "
-                f"ON s.id = CAST(m.{idc} AS VARCHAR)").fetchall()
+                f"ON s.id = CAST(m.{idc} AS VARCHAR)"
+            ).fetchall()
             total, distinct = con.execute("SELECT count(*), count(DISTINCT key) FROM entry").fetchall()[0]
-            once = "entry" if total == distinct else (
-                "(SELECT * FROM entry QUALIFY row_number() OVER (PARTITION BY key ORDER BY source_id) = 1)")
-            con.execute(f"COPY (SELECT * FROM {once} ORDER BY source_id) TO '{_sql_str(local)}' "
-                        "(FORMAT parquet, COMPRESSION zstd)").fetchall()
+            once = (
+                "entry"
+                if total == distinct
+                else ("(SELECT * FROM entry QUALIFY row_number() OVER (PARTITION BY key ORDER BY source_id) = 1)")
+            )
+            con.execute(
+                f"COPY (SELECT * FROM {once} ORDER BY source_id) TO '{_sql_str(local)}' "
+                "(FORMAT parquet, COMPRESSION zstd)"
+            ).fetchall()
         finally:
             con.close()
         rows = pq.ParquetFile(local).metadata.num_rows
@@ -502,16 +595,24 @@ def append_results(out: Storage, spec: JobSpec, plan: Plan, computed: list[str],
         store.st.publish(local, rel)
     faults.hit("cache.entry_data")
     commit = CacheCommit(
-        entry_id=eid, key_hash=cp.key_hash,
+        entry_id=eid,
+        key_hash=cp.key_hash,
         files=[CacheFileEntry(path=rel, bytes=store.st.size(rel), sha256=store.st.sha256(rel), rows=rows)],
-        rows=rows, source_output_uri=origin, source_config_hash=plan.config_hash, source_spec_hash=plan.spec_hash,
-        versions={"airflow-provider-vllm": __version__, "duckdb": duckdb.__version__,
-                  "engine": str(cp.key_config.get("engine_identity"))},
+        rows=rows,
+        source_output_uri=origin,
+        source_config_hash=plan.config_hash,
+        source_spec_hash=plan.spec_hash,
+        versions={
+            "airflow-provider-vllm": __version__,
+            "duckdb": duckdb.__version__,
+            "engine": str(cp.key_config.get("engine_identity")),
+        },
         created=datetime.now(UTC).isoformat(timespec="microseconds"),
     )
     with faults.writing("cache.mid_commit"):
         made = store.st.create_only(f"{COMMITS}/{eid}.json", json.dumps(commit.dump(), indent=1).encode())
     faults.hit("cache.after_commit")
     log.info("cache %s: entry %s %s with %d rows", cp.uri, eid, "committed" if made else "already committed", rows)
-    return CacheMergeSummary(uri=cp.uri, hits=cp.hits, appended=rows, entry_id=eid,
-                             committed_by="this_merge" if made else "earlier_merge")
+    return CacheMergeSummary(
+        uri=cp.uri, hits=cp.hits, appended=rows, entry_id=eid, committed_by="this_merge" if made else "earlier_merge"
+    )

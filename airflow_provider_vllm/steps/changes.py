@@ -54,8 +54,10 @@ SUMMARY = "changes/_changes.json"
 VERSION = 1
 # The matrix in the summary keeps the largest cells; 1000 labels could make a million of them.
 MAX_MATRIX_CELLS = 10_000
-_EMPTY = "SELECT NULL::VARCHAR AS id, NULL::VARCHAR AS st, NULL::VARCHAR AS v, NULL::UBIGINT AS h, " \
-         "NULL::VARCHAR AS code WHERE false"
+_EMPTY = (
+    "SELECT NULL::VARCHAR AS id, NULL::VARCHAR AS st, NULL::VARCHAR AS v, NULL::UBIGINT AS h, "
+    "NULL::VARCHAR AS code WHERE false"
+)
 
 
 def compared_column(spec: JobSpec) -> str:
@@ -90,8 +92,10 @@ def _side(out: Storage, col: str) -> str:
         v, h = "coalesce(label, CAST(scores AS VARCHAR))", "NULL::UBIGINT"
     else:
         v, h = f"{col}", "NULL::UBIGINT"
-    return (f"SELECT id, 'ok' AS st, {v} AS v, {h} AS h, NULL::VARCHAR AS code FROM {_results_relation(out, 'results')} "
-            f"UNION ALL SELECT id, 'error', NULL, NULL, error_code FROM {_results_relation(out, 'errors')}")
+    return (
+        f"SELECT id, 'ok' AS st, {v} AS v, {h} AS h, NULL::VARCHAR AS code FROM {_results_relation(out, 'results')} "
+        f"UNION ALL SELECT id, 'error', NULL, NULL, error_code FROM {_results_relation(out, 'errors')}"
+    )
 
 
 def _previous_state(prev: Storage, where: str) -> tuple[str, MergeSummary | None]:
@@ -107,26 +111,35 @@ def _check_foreign(spec: JobSpec, prev: Storage, merged: MergeSummary, con, col:
     """Refuse a previous run of another task or id column (SpecError naming changes.previous_uri)."""
     where = f"changes.previous_uri {spec.changes.previous_uri!r}"
     if merged.task is not None and merged.task != spec.task:
-        raise SpecError(f"{where} is a run of task {merged.task!r}, this job's task is {spec.task!r}: "
-                        "its answers cannot be compared; point it at a run of this job")
+        raise SpecError(
+            f"{where} is a run of task {merged.task!r}, this job's task is {spec.task!r}: "
+            "its answers cannot be compared; point it at a run of this job"
+        )
     if merged.id_column is not None and merged.id_column != spec.prompt.id_column:
-        raise SpecError(f"{where} took its ids from column {merged.id_column!r}, this job from "
-                        f"{spec.prompt.id_column!r}: the ids do not name the same rows")
+        raise SpecError(
+            f"{where} took its ids from column {merged.id_column!r}, this job from "
+            f"{spec.prompt.id_column!r}: the ids do not name the same rows"
+        )
     # Older summaries lack task/id_column: the data must at least have the compared values.
-    value = "embedding" if col == "embedding" else ("coalesce(label, CAST(scores AS VARCHAR))" if col == "label" else col)
+    value = (
+        "embedding" if col == "embedding" else ("coalesce(label, CAST(scores AS VARCHAR))" if col == "label" else col)
+    )
     try:
         ok, with_value = con.execute(
-            f"SELECT count(*), count({value}) FROM {_results_relation(prev, 'results')}").fetchall()[0]
+            f"SELECT count(*), count({value}) FROM {_results_relation(prev, 'results')}"
+        ).fetchall()[0]
     except (duckdb.BinderException, duckdb.InvalidInputException) as e:  # a file of another schema
-        raise SpecError(f"{where}: its results cannot be read as this job's ({type(e).__name__}: "
-                        f"{str(e).splitlines()[0]})") from e
+        raise SpecError(
+            f"{where}: its results cannot be read as this job's ({type(e).__name__}: {str(e).splitlines()[0]})"
+        ) from e
     if ok and not with_value and merged.ok_rows:
-        raise SpecError(f"{where}: none of its {ok} answers has a {col!r} value, which this job compares: "
-                        "a run of another task or structured setting")
+        raise SpecError(
+            f"{where}: none of its {ok} answers has a {col!r} value, which this job compares: "
+            "a run of another task or structured setting"
+        )
 
 
-def compute_changes(spec: JobSpec, filesystems: FileSystems | None = None,
-                    memory_limit: str = "1GB") -> ChangesSummary:
+def compute_changes(spec: JobSpec, filesystems: FileSystems | None = None, memory_limit: str = "1GB") -> ChangesSummary:
     """Write ``changes/changes.parquet`` and ``changes/_changes.json`` for a merged run; return the summary.
 
     Needs this run's ``_MERGED.json`` and ``changes.previous_uri`` set. Raises SpecError for a
@@ -151,9 +164,11 @@ def compute_changes(spec: JobSpec, filesystems: FileSystems | None = None,
                 old = _side(prev, col)
             else:
                 old = _EMPTY
-                notes.append(f"no previous run to compare: {spec.changes.previous_uri} "
-                             + ("has no _MERGED.json (not complete)" if state == "incomplete" else "holds no run")
-                             + "; every id is 'added'")
+                notes.append(
+                    f"no previous run to compare: {spec.changes.previous_uri} "
+                    + ("has no _MERGED.json (not complete)" if state == "incomplete" else "holds no run")
+                    + "; every id is 'added'"
+                )
             local = os.path.join(tmp, "changes.parquet")
             values = "" if col == "embedding" else "o.v AS old_value, n.v AS new_value, "
             cmp = "o.h IS NOT DISTINCT FROM n.h" if col == "embedding" else "o.v IS NOT DISTINCT FROM n.v"
@@ -164,7 +179,8 @@ def compute_changes(spec: JobSpec, filesystems: FileSystems | None = None,
                 f"o.st AS old_status, n.st AS new_status, {values}"
                 f"o.code AS old_error_code, n.code AS new_error_code "
                 f"FROM ({old}) o FULL OUTER JOIN ({_side(out, col)}) n ON o.id = n.id ORDER BY 1) "
-                f"TO '{local.replace(chr(39), chr(39) * 2)}' (FORMAT parquet, COMPRESSION zstd)").fetchall()
+                f"TO '{local.replace(chr(39), chr(39) * 2)}' (FORMAT parquet, COMPRESSION zstd)"
+            ).fetchall()
             src = f"read_parquet('{local.replace(chr(39), chr(39) * 2)}')"
             by_kind = dict(con.execute(f"SELECT change, count(*) FROM {src} GROUP BY 1").fetchall())
             counts = ChangeCounts(**{k: int(by_kind.get(k, 0)) for k in CHANGE_KINDS})
@@ -172,12 +188,18 @@ def compute_changes(spec: JobSpec, filesystems: FileSystems | None = None,
             if col == "label":
                 cells = con.execute(
                     f"SELECT count(*) FROM (SELECT DISTINCT old_value, new_value FROM {src} "
-                    f"WHERE change IN ('added', 'removed', 'changed', 'unchanged') AND coalesce(old_status, 'ok') = 'ok')"
+                    f"WHERE change IN ('added', 'removed', 'changed', 'unchanged') "
+                    "AND coalesce(old_status, 'ok') = 'ok')"
                 ).fetchall()[0][0]
-                matrix = [MatrixCell(old=o, new=n, count=c) for o, n, c in con.execute(
-                    f"SELECT old_value, new_value, count(*) AS c FROM {src} "
-                    f"WHERE change IN ('added', 'removed', 'changed', 'unchanged') AND coalesce(old_status, 'ok') = 'ok' "
-                    f"GROUP BY 1, 2 ORDER BY c DESC, 1 NULLS FIRST, 2 NULLS FIRST LIMIT {MAX_MATRIX_CELLS}").fetchall()]
+                matrix = [
+                    MatrixCell(old=o, new=n, count=c)
+                    for o, n, c in con.execute(
+                        f"SELECT old_value, new_value, count(*) AS c FROM {src} "
+                        f"WHERE change IN ('added', 'removed', 'changed', 'unchanged') "
+                        "AND coalesce(old_status, 'ok') = 'ok' "
+                        f"GROUP BY 1, 2 ORDER BY c DESC, 1 NULLS FIRST, 2 NULLS FIRST LIMIT {MAX_MATRIX_CELLS}"
+                    ).fetchall()
+                ]
                 if cells > MAX_MATRIX_CELLS:
                     notes.append(f"the label matrix has {cells} cells; the {MAX_MATRIX_CELLS} largest are listed")
             faults.hit("changes.before_write")
@@ -187,8 +209,10 @@ def compute_changes(spec: JobSpec, filesystems: FileSystems | None = None,
     faults.hit("changes.after_data")
     in_both = counts.changed + counts.unchanged
     if prev_merged is not None and prev_merged.config_hash != merged.config_hash:
-        notes.append("the previous run had another config (model, prompt or sampling): "
-                     "changed answers may come from that, not from the input")
+        notes.append(
+            "the previous run had another config (model, prompt or sampling): "
+            "changed answers may come from that, not from the input"
+        )
     summary = ChangesSummary(
         version=VERSION,
         previous_uri=spec.changes.previous_uri,

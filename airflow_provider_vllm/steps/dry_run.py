@@ -5,7 +5,6 @@ estimated prompt and output tokens, shards, inference time, GPU-hours and the GP
 with the layout ``choose_layout`` picks.
 """
 
-
 from __future__ import annotations
 
 import math
@@ -32,11 +31,18 @@ ASSUMED_ENGINE_START_S = 60.0
 ASSUMED_GPU_MEMORY_GIB = 80.0
 
 
-def dry_run_report(spec: JobSpec, *, tokens_per_s: float = ASSUMED_TOKENS_PER_S,
-                   engine_start_s: float = ASSUMED_ENGINE_START_S, gpu_memory: float | None = None,
-                   model_config: dict[str, Any] | None = None, checkpoint_bytes: int | None = None,
-                   gpus: int | None = None, filesystems: FileSystems | None = None,
-                   engine_identity: str | None = None) -> dict[str, Any]:
+def dry_run_report(
+    spec: JobSpec,
+    *,
+    tokens_per_s: float = ASSUMED_TOKENS_PER_S,
+    engine_start_s: float = ASSUMED_ENGINE_START_S,
+    gpu_memory: float | None = None,
+    model_config: dict[str, Any] | None = None,
+    checkpoint_bytes: int | None = None,
+    gpus: int | None = None,
+    filesystems: FileSystems | None = None,
+    engine_identity: str | None = None,
+) -> dict[str, Any]:
     """The dry-run report as a dict (see ``format_report``); raises DatasetError/SpecError like the plan.
 
     ``gpus``: the GPU budget (GPUs the job may use at once) for ``layout.max_active_shards``. Raises
@@ -46,25 +52,36 @@ def dry_run_report(spec: JobSpec, *, tokens_per_s: float = ASSUMED_TOKENS_PER_S,
     other figures are for the whole input); ``engine_identity`` as for ``plan_job``.
     """
     plan = build_plan(spec, filesystems)
-    records = (read_history(spec.sharding.history_uri, spec.io.storage_options, filesystems)
-               if spec.sharding.history_uri else [])
+    records = (
+        read_history(spec.sharding.history_uri, spec.io.storage_options, filesystems)
+        if spec.sharding.history_uri
+        else []
+    )
     ev = find_evidence(spec, records)
     work = estimate_workload(spec, plan.total_rows, plan.est_tokens, ev, tokens_per_s, engine_start_s)
     shards = len(plan.shards)
     tp = spec.engine.tensor_parallel_size
     gpu_s = (shards * work.engine_start_s + work.infer_s) * tp
     report: dict[str, Any] = {
-        "job": spec.name, "task": spec.task, "model": spec.model.name, "input_uri": spec.io.input_uri,
-        "rows": plan.total_rows, "invalid_lines": plan.invalid_lines,
-        "est_prompt_tokens": work.prompt_tokens, "est_output_tokens": work.completion_tokens,
+        "job": spec.name,
+        "task": spec.task,
+        "model": spec.model.name,
+        "input_uri": spec.io.input_uri,
+        "rows": plan.total_rows,
+        "invalid_lines": plan.invalid_lines,
+        "est_prompt_tokens": work.prompt_tokens,
+        "est_output_tokens": work.completion_tokens,
         "output_tokens_basis": work.completion_basis,
-        "shards": shards, "largest_shard_rows": max((s.rows for s in plan.shards), default=0),
+        "shards": shards,
+        "largest_shard_rows": max((s.rows for s in plan.shards), default=0),
         "sized_from_history": plan.sizing is not None,
         "throughput_basis": work.throughput_basis,
         "evidence": asdict(ev) if ev is not None else None,
-        "est_inference_s": round(work.infer_s, 1), "engine_start_s": round(work.engine_start_s, 1),
+        "est_inference_s": round(work.infer_s, 1),
+        "engine_start_s": round(work.engine_start_s, 1),
         "est_shard_minutes": round((work.engine_start_s + work.infer_s / shards) / 60, 2) if shards else 0.0,
-        "tensor_parallel_size": tp, "est_gpu_hours": round(gpu_s / 3600, 3),
+        "tensor_parallel_size": tp,
+        "est_gpu_hours": round(gpu_s / 3600, 3),
         "assumptions": {} if ev is not None else {"tokens_per_s": tokens_per_s, "engine_start_s": engine_start_s},
     }
     if spec.cache.uri is not None:
@@ -77,8 +94,14 @@ def dry_run_report(spec: JobSpec, *, tokens_per_s: float = ASSUMED_TOKENS_PER_S,
     return report
 
 
-def _cache(spec: JobSpec, ev, tokens_per_s: float, engine_start_s: float, engine_identity: str | None,
-           filesystems: FileSystems | None) -> dict[str, Any]:
+def _cache(
+    spec: JobSpec,
+    ev,
+    tokens_per_s: float,
+    engine_start_s: float,
+    engine_identity: str | None,
+    filesystems: FileSystems | None,
+) -> dict[str, Any]:
     """Expected hits and misses (nothing written) and the inference GPU-hours the hits save."""
     from airflow_provider_vllm.core.formats.files import find_input
     from airflow_provider_vllm.steps.cache import expected
@@ -91,8 +114,9 @@ def _cache(spec: JobSpec, ev, tokens_per_s: float, engine_start_s: float, engine
     return exp
 
 
-def _memory(spec: JobSpec, work, ev, gpu_memory: float | None, cfg: dict | None, ckpt: int | None,
-            gpus: int | None = None) -> dict[str, Any]:
+def _memory(
+    spec: JobSpec, work, ev, gpu_memory: float | None, cfg: dict | None, ckpt: int | None, gpus: int | None = None
+) -> dict[str, Any]:
     source = "given"
     if cfg is None:
         try:
@@ -113,18 +137,29 @@ def _memory(spec: JobSpec, work, ev, gpu_memory: float | None, cfg: dict | None,
     expected = math.ceil((work.prompt_tokens + work.completion_tokens) / work.rows) if work.rows else None
     try:
         mp = plan_memory(
-            shape, max_model_len=int(max_len), gpu_memory_bytes=int(gib * GiB), max_num_seqs=spec.engine.max_num_seqs,
+            shape,
+            max_model_len=int(max_len),
+            gpu_memory_bytes=int(gib * GiB),
+            max_num_seqs=spec.engine.max_num_seqs,
             gpu_memory_utilization=spec.engine.gpu_memory_utilization,
             tensor_parallel_size=spec.engine.tensor_parallel_size,
-            dtype=spec.model.dtype, quantization=spec.model.quantization,
-            kv_cache_dtype=spec.engine.engine_kwargs.get("kv_cache_dtype"), weights_bytes=ckpt,
+            dtype=spec.model.dtype,
+            quantization=spec.model.quantization,
+            kv_cache_dtype=spec.engine.engine_kwargs.get("kv_cache_dtype"),
+            weights_bytes=ckpt,
             expected_seq_tokens=expected,
         )
         layout = choose_layout(
-            shape, requested_tp=spec.engine.tensor_parallel_size, gpu_budget=gpus, max_model_len=int(max_len),
-            gpu_memory_bytes=int(gib * GiB), max_num_seqs=spec.engine.max_num_seqs,
-            gpu_memory_utilization=spec.engine.gpu_memory_utilization, dtype=spec.model.dtype,
-            quantization=spec.model.quantization, kv_cache_dtype=spec.engine.engine_kwargs.get("kv_cache_dtype"),
+            shape,
+            requested_tp=spec.engine.tensor_parallel_size,
+            gpu_budget=gpus,
+            max_model_len=int(max_len),
+            gpu_memory_bytes=int(gib * GiB),
+            max_num_seqs=spec.engine.max_num_seqs,
+            gpu_memory_utilization=spec.engine.gpu_memory_utilization,
+            dtype=spec.model.dtype,
+            quantization=spec.model.quantization,
+            kv_cache_dtype=spec.engine.engine_kwargs.get("kv_cache_dtype"),
             weights_bytes=ckpt,
         )
     except ValueError as e:
@@ -132,10 +167,23 @@ def _memory(spec: JobSpec, work, ev, gpu_memory: float | None, cfg: dict | None,
     known = not gib_src.startswith("assumed")
     lay = {**asdict(layout), "memory_known": known, "lines": layout.lines()}
     if layout.refusal and not known and layout.verdict != "invalid_tp":
-        lay["lines"] = [x.replace("layout: REFUSED:", "layout: WOULD BE REFUSED (GPU memory assumed; set "
-                                  "sharding.hardware or pass --gpu-memory-gib):") for x in lay["lines"]]
-    return {"layout": lay, "available": True, "config": source, "gpu_memory_gib": gib, "gpu_memory_source": gib_src,
-            "architecture": shape.architecture, **asdict(mp), "lines": mp.lines()}
+        lay["lines"] = [
+            x.replace(
+                "layout: REFUSED:",
+                "layout: WOULD BE REFUSED (GPU memory assumed; set sharding.hardware or pass --gpu-memory-gib):",
+            )
+            for x in lay["lines"]
+        ]
+    return {
+        "layout": lay,
+        "available": True,
+        "config": source,
+        "gpu_memory_gib": gib,
+        "gpu_memory_source": gib_src,
+        "architecture": shape.architecture,
+        **asdict(mp),
+        "lines": mp.lines(),
+    }
 
 
 def format_report(r: dict[str, Any]) -> str:
@@ -151,13 +199,17 @@ def format_report(r: dict[str, Any]) -> str:
     ]
     if r["evidence"]:
         e = r["evidence"]
-        lines.append(f"  throughput       {e['rows_per_s']:.2f} rows/s, {e['tokens_per_s']:.0f} tokens/s per replica "
-                     f"on {e['hardware']} ({e['records']} record(s), basis: {e['basis']})")
+        lines.append(
+            f"  throughput       {e['rows_per_s']:.2f} rows/s, {e['tokens_per_s']:.0f} tokens/s per replica "
+            f"on {e['hardware']} ({e['records']} record(s), basis: {e['basis']})"
+        )
     else:
         a = r["assumptions"]
-        lines.append(f"  throughput       ASSUMED {a['tokens_per_s']:.0f} tokens/s and "
-                     f"{a['engine_start_s']:.0f} s engine "
-                     "start (no history: set sharding.history_uri or pass --tokens-per-s/--engine-start-s)")
+        lines.append(
+            f"  throughput       ASSUMED {a['tokens_per_s']:.0f} tokens/s and "
+            f"{a['engine_start_s']:.0f} s engine "
+            "start (no history: set sharding.history_uri or pass --tokens-per-s/--engine-start-s)"
+        )
     lines += [
         f"  inference        ~{r['est_inference_s'] / 3600:.2f} h in total; engine start {r['engine_start_s']:.0f} s "
         f"per shard; ~{r['est_shard_minutes']:.1f} min per shard",
@@ -165,16 +217,20 @@ def format_report(r: dict[str, Any]) -> str:
     ]
     if r.get("cache"):
         c = r["cache"]
-        lines.append(f"  result cache     {c['hits']:,} of {c['rows']:,} rows answered by {c['commits']} committed "
-                     f"entr{'y' if c['commits'] == 1 else 'ies'}, {c['misses']:,} to infer; saves "
-                     f"~{c['est_gpu_hours_saved']:.2f} GPU-hours of inference (figures above: whole input)")
+        lines.append(
+            f"  result cache     {c['hits']:,} of {c['rows']:,} rows answered by {c['commits']} committed "
+            f"entr{'y' if c['commits'] == 1 else 'ies'}, {c['misses']:,} to infer; saves "
+            f"~{c['est_gpu_hours_saved']:.2f} GPU-hours of inference (figures above: whole input)"
+        )
     if r.get("layout"):
         lines += [f"  {x}" for x in r["layout"]["lines"]]
     m = r["memory"]
     if not m["available"]:
         lines.append(f"  memory plan      not available: {m['reason']}")
     else:
-        lines.append(f"  memory plan      {m['architecture']} from {m['config']}; GPU {m['gpu_memory_gib']} GiB "
-                     f"({m['gpu_memory_source']})")
+        lines.append(
+            f"  memory plan      {m['architecture']} from {m['config']}; GPU {m['gpu_memory_gib']} GiB "
+            f"({m['gpu_memory_source']})"
+        )
         lines += [f"    {x}" for x in m["lines"]]
     return "\n".join(lines)

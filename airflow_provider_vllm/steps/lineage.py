@@ -84,22 +84,35 @@ def _fields(columns: Sequence[str]) -> tuple[tuple[str, str], ...]:
 
 def plan_lineage(spec: JobSpec, *, rows: int, files: int | None = None) -> Lineage:
     """Plan read the input (``rows`` valid rows in ``files`` files) and wrote ``_plan.json``."""
-    return Lineage(inputs=(_dataset(spec.io.input_uri, rows=rows, files=files),),
-                   outputs=(_dataset(under(spec.io.output_uri, PLAN_FILE)),))
+    return Lineage(
+        inputs=(_dataset(spec.io.input_uri, rows=rows, files=files),),
+        outputs=(_dataset(under(spec.io.output_uri, PLAN_FILE)),),
+    )
 
 
 def merge_lineage(spec: JobSpec, summary: MergeSummary) -> Lineage:
-    """Merge checked the input's ids and published the results/ and errors/ folders (row counts, part counts, columns)."""
+    """Merge checked the input's ids and published the results/ and errors/ folders.
+
+    Row counts, part counts, columns.
+    """
     files = summary.files
     parts = summary.parts
     out = spec.io.output_uri
     return Lineage(
         inputs=(_dataset(spec.io.input_uri, rows=summary.rows),),
         outputs=(
-            _dataset(under(out, files.get("results", RESULTS).rstrip("/")), rows=summary.ok_rows,
-                     files=parts.get(RESULTS), fields=_fields(RESULT_COLUMNS)),
-            _dataset(under(out, files.get("errors", ERRORS).rstrip("/")), rows=summary.error_rows,
-                     files=parts.get(ERRORS), fields=_fields(ERROR_COLUMNS)),
+            _dataset(
+                under(out, files.get("results", RESULTS).rstrip("/")),
+                rows=summary.ok_rows,
+                files=parts.get(RESULTS),
+                fields=_fields(RESULT_COLUMNS),
+            ),
+            _dataset(
+                under(out, files.get("errors", ERRORS).rstrip("/")),
+                rows=summary.error_rows,
+                files=parts.get(ERRORS),
+                fields=_fields(ERROR_COLUMNS),
+            ),
         ),
     )
 
@@ -111,14 +124,26 @@ def qa_assertions(qa: Mapping[str, Any]) -> tuple[Assertion, ...]:
         status = c.get("status")
         if status not in ("pass", "warn", "fail"):
             continue  # 'skip': not evaluated for this job
-        out.append(Assertion(
-            name=str(c.get("name")), success=status == "pass",
-            severity={"warn": "warn", "fail": "error"}.get(status),
-            expected=f"<= {c.get('warn')} (fails above {c.get('fail')})", actual=str(c.get("value")),
-        ))
+        out.append(
+            Assertion(
+                name=str(c.get("name")),
+                success=status == "pass",
+                severity={"warn": "warn", "fail": "error"}.get(status),
+                expected=f"<= {c.get('warn')} (fails above {c.get('fail')})",
+                actual=str(c.get("value")),
+            )
+        )
     status = qa.get("status")
-    out.append(Assertion(name="qa_verdict", success=status != "fail", severity="error" if status == "fail" else None,
-                         expected="pass or warn", actual=str(status), description=qa.get("summary")))
+    out.append(
+        Assertion(
+            name="qa_verdict",
+            success=status != "fail",
+            severity="error" if status == "fail" else None,
+            expected="pass or warn",
+            actual=str(status),
+            description=qa.get("summary"),
+        )
+    )
     return tuple(out)
 
 
@@ -135,7 +160,9 @@ def publish_lineage(spec: JobSpec, event: Mapping[str, Any]) -> Lineage:
     """Publish marked the output folder current (the Asset it updates), over results and errors."""
     out = spec.io.output_uri
     return Lineage(
-        inputs=(_dataset(under(out, RESULTS), rows=event.get("ok_rows")),
-                _dataset(under(out, ERRORS), rows=event.get("error_rows"))),
+        inputs=(
+            _dataset(under(out, RESULTS), rows=event.get("ok_rows")),
+            _dataset(under(out, ERRORS), rows=event.get("error_rows")),
+        ),
         outputs=(_dataset(out, rows=event.get("rows")),),
     )

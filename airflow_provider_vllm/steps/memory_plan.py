@@ -23,7 +23,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-GiB = 1024 ** 3
+GiB = 1024**3
 KiB = 1024
 DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "fp8": 1, "float8": 1, "int8": 1}
 # bytes per parameter of quantized weights (scales and zeros included, roughly)
@@ -31,8 +31,20 @@ QUANT_BYTES = {"awq": 0.53, "gptq": 0.53, "bitsandbytes": 0.53, "fp8": 1.0, "com
 DEFAULT_OVERHEAD_GIB = 2.0
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
 # Total memory per device as torch reports it (GiB), for hardware names in history / sharding.hardware.
-GPU_MEMORY_GIB = {"H200": 139.8, "H100": 79.2, "A100-SXM4-80GB": 79.2, "A100 80GB": 79.2, "A100-SXM4-40GB": 39.4,
-                  "A100 40GB": 39.4, "L40S": 44.4, "L4": 22.0, "A10G": 22.0, "A10": 22.0, "T4": 14.6, "B200": 178.4}
+GPU_MEMORY_GIB = {
+    "H200": 139.8,
+    "H100": 79.2,
+    "A100-SXM4-80GB": 79.2,
+    "A100 80GB": 79.2,
+    "A100-SXM4-40GB": 39.4,
+    "A100 40GB": 39.4,
+    "L40S": 44.4,
+    "L4": 22.0,
+    "A10G": 22.0,
+    "A10": 22.0,
+    "T4": 14.6,
+    "B200": 178.4,
+}
 
 
 def gpu_memory_gib(hardware: str | None) -> float | None:
@@ -75,8 +87,13 @@ class ModelShape:
         kv = int(cfg.get("num_key_value_heads") or heads)
         head_dim = int(cfg.get("head_dim") or hidden // heads)
         return cls(
-            layers=layers, hidden=hidden, heads=heads, kv_heads=kv, head_dim=head_dim,
-            intermediate=int(cfg.get("intermediate_size") or 4 * hidden), vocab=int(cfg.get("vocab_size") or 0),
+            layers=layers,
+            hidden=hidden,
+            heads=heads,
+            kv_heads=kv,
+            head_dim=head_dim,
+            intermediate=int(cfg.get("intermediate_size") or 4 * hidden),
+            vocab=int(cfg.get("vocab_size") or 0),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
             max_position=cfg.get("max_position_embeddings"),
@@ -143,16 +160,28 @@ class MemoryPlan:
             f"largest max_num_seqs with every sequence at max_model_len: {self.suggested_max_num_seqs}",
         ]
         if self.expected_seq_tokens:
-            out.append(f"sequences that fit at this job's expected length (~{self.expected_seq_tokens} tokens): "
-                       f"{self.seqs_at_expected_len}")
+            out.append(
+                f"sequences that fit at this job's expected length (~{self.expected_seq_tokens} tokens): "
+                f"{self.seqs_at_expected_len}"
+            )
         return out + [f"WARNING: {w}" for w in self.warnings]
 
 
-def plan_memory(shape: ModelShape, *, max_model_len: int, gpu_memory_bytes: int, max_num_seqs: int | None = None,
-                gpu_memory_utilization: float | None = None, tensor_parallel_size: int = 1,
-                dtype: str = "auto", quantization: str | None = None, kv_cache_dtype: str | None = None,
-                weights_bytes: int | None = None, overhead_bytes: int = int(DEFAULT_OVERHEAD_GIB * GiB),
-                expected_seq_tokens: int | None = None) -> MemoryPlan:
+def plan_memory(
+    shape: ModelShape,
+    *,
+    max_model_len: int,
+    gpu_memory_bytes: int,
+    max_num_seqs: int | None = None,
+    gpu_memory_utilization: float | None = None,
+    tensor_parallel_size: int = 1,
+    dtype: str = "auto",
+    quantization: str | None = None,
+    kv_cache_dtype: str | None = None,
+    weights_bytes: int | None = None,
+    overhead_bytes: int = int(DEFAULT_OVERHEAD_GIB * GiB),
+    expected_seq_tokens: int | None = None,
+) -> MemoryPlan:
     """The memory plan of one model replica; ``weights_bytes`` (whole model) overrides the parameter estimate."""
     warnings: list[str] = []
     act_dtype = shape.dtype if dtype == "auto" else dtype
@@ -171,8 +200,10 @@ def plan_memory(shape: ModelShape, *, max_model_len: int, gpu_memory_bytes: int,
         if quantization:
             q = QUANT_BYTES.get(quantization.lower())
             if q is None:
-                warnings.append(f"quantization {quantization!r}: weight size not modelled; assumed {act_bytes} "
-                                "bytes/parameter (an upper bound)")
+                warnings.append(
+                    f"quantization {quantization!r}: weight size not modelled; assumed {act_bytes} "
+                    "bytes/parameter (an upper bound)"
+                )
             else:
                 per = q
         w_total = int(params * per)
@@ -187,8 +218,9 @@ def plan_memory(shape: ModelShape, *, max_model_len: int, gpu_memory_bytes: int,
     util = gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
     if max_num_seqs is None:
         # vLLM's offline (LLM class) default: 1024 on >= 70 GiB GPUs except A100, else 256
-        seqs, seqs_src = (1024, "vLLM default for >= 70 GiB GPUs") if gpu_memory_bytes >= 70 * GiB else \
-            (256, "vLLM default")
+        seqs, seqs_src = (
+            (1024, "vLLM default for >= 70 GiB GPUs") if gpu_memory_bytes >= 70 * GiB else (256, "vLLM default")
+        )
     else:
         seqs, seqs_src = max_num_seqs, "engine.max_num_seqs"
     budget = int(util * gpu_memory_bytes)
@@ -198,30 +230,50 @@ def plan_memory(shape: ModelShape, *, max_model_len: int, gpu_memory_bytes: int,
     suggested = max(0, kv_avail // per_seq) if per_seq else 0
     fits = kv_avail >= needed
     if kv_avail <= 0:
-        warnings.append(f"the weights ({weights / GiB:.2f} GiB) and overhead do not fit the budget "
-                        f"({budget / GiB:.2f} GiB): use more GPUs (tensor_parallel_size), quantization or a "
-                        "larger gpu_memory_utilization")
+        warnings.append(
+            f"the weights ({weights / GiB:.2f} GiB) and overhead do not fit the budget "
+            f"({budget / GiB:.2f} GiB): use more GPUs (tensor_parallel_size), quantization or a "
+            "larger gpu_memory_utilization"
+        )
     elif kv_avail < per_seq:
-        warnings.append(f"not even one sequence of max_model_len {max_model_len} fits the KV cache "
-                        f"({kv_avail / GiB:.2f} GiB): vLLM will refuse to start; lower max_model_len to "
-                        f"{kv_avail // per_token} or less")
+        warnings.append(
+            f"not even one sequence of max_model_len {max_model_len} fits the KV cache "
+            f"({kv_avail / GiB:.2f} GiB): vLLM will refuse to start; lower max_model_len to "
+            f"{kv_avail // per_token} or less"
+        )
     at_expected = None
     if expected_seq_tokens and per_token:
         at_expected = max(0, kv_avail // (per_token * expected_seq_tokens))
     if kv_avail >= per_seq and not fits:
-        msg = (f"max_num_seqs {seqs} x max_model_len {max_model_len} needs {needed / GiB:.1f} GiB of KV cache, "
-               f"{kv_avail / GiB:.1f} GiB fit: when sequences run long vLLM preempts and recomputes; set "
-               f"engine.max_num_seqs to {suggested} (or lower max_model_len)")
+        msg = (
+            f"max_num_seqs {seqs} x max_model_len {max_model_len} needs {needed / GiB:.1f} GiB of KV cache, "
+            f"{kv_avail / GiB:.1f} GiB fit: when sequences run long vLLM preempts and recomputes; set "
+            f"engine.max_num_seqs to {suggested} (or lower max_model_len)"
+        )
         if at_expected is not None and at_expected >= seqs:
-            msg += (f"; at this job's expected ~{expected_seq_tokens} tokens per sequence {at_expected} "
-                    f"sequences fit, so {seqs} is safe unless rows are much longer than estimated")
+            msg += (
+                f"; at this job's expected ~{expected_seq_tokens} tokens per sequence {at_expected} "
+                f"sequences fit, so {seqs} is safe unless rows are much longer than estimated"
+            )
         warnings.append(msg)
     return MemoryPlan(
-        weights_bytes=weights, weights_source=w_src, kv_bytes_per_token=per_token, max_model_len=max_model_len,
-        max_num_seqs=seqs, max_num_seqs_source=seqs_src, tensor_parallel_size=tp, gpu_memory_bytes=gpu_memory_bytes,
-        gpu_memory_utilization=util, overhead_bytes=overhead_bytes, budget_bytes=budget,
-        kv_available_bytes=kv_avail, kv_needed_bytes=needed, fits=fits, suggested_max_num_seqs=int(suggested),
-        expected_seq_tokens=expected_seq_tokens, seqs_at_expected_len=None if at_expected is None else int(at_expected),
+        weights_bytes=weights,
+        weights_source=w_src,
+        kv_bytes_per_token=per_token,
+        max_model_len=max_model_len,
+        max_num_seqs=seqs,
+        max_num_seqs_source=seqs_src,
+        tensor_parallel_size=tp,
+        gpu_memory_bytes=gpu_memory_bytes,
+        gpu_memory_utilization=util,
+        overhead_bytes=overhead_bytes,
+        budget_bytes=budget,
+        kv_available_bytes=kv_avail,
+        kv_needed_bytes=needed,
+        fits=fits,
+        suggested_max_num_seqs=int(suggested),
+        expected_seq_tokens=expected_seq_tokens,
+        seqs_at_expected_len=None if at_expected is None else int(at_expected),
         warnings=warnings,
     )
 
@@ -246,8 +298,10 @@ def load_model_config(name: str, revision: str | None = None) -> tuple[dict[str,
         raise FileNotFoundError(f"{name}: not a folder and huggingface_hub is not installed") from None
     path = try_to_load_from_cache(name, "config.json", revision=revision)
     if not isinstance(path, str):
-        raise FileNotFoundError(f"{name}: config.json is not a local folder nor in the Hugging Face cache; "
-                                "pass its config.json (dry run: --model-config)")
+        raise FileNotFoundError(
+            f"{name}: config.json is not a local folder nor in the Hugging Face cache; "
+            "pass its config.json (dry run: --model-config)"
+        )
     with open(path, encoding="utf-8") as f:
         return json.load(f), safetensors_bytes(os.path.dirname(path)), path
 
@@ -269,8 +323,10 @@ def safetensors_bytes(folder: str) -> int | None:
 # ---- GPU layout: tensor parallel only when the model does not fit one GPU -------------------
 TP_SIZES = (1, 2, 4, 8)
 FEW_FULL_LENGTH_SEQS = 4  # fewer max_model_len sequences than this at the chosen TP: a warning
-MEASURED_SCALEOUT = ("measured on 2 H200s (docs/BENCHMARKS.md section 5): two shards, one per GPU, 1.97x one "
-                     "GPU; tensor_parallel_size 2 over the same two GPUs 1.13x")
+MEASURED_SCALEOUT = (
+    "measured on 2 H200s (docs/BENCHMARKS.md section 5): two shards, one per GPU, 1.97x one "
+    "GPU; tensor_parallel_size 2 over the same two GPUs 1.13x"
+)
 
 
 def tp_problem(shape: ModelShape, tp: int) -> str | None:
@@ -326,21 +382,36 @@ class GpuLayout:
     def lines(self) -> list[str]:
         if self.refusal:
             alt = self.fitting_tensor_parallel_size
-            return [f"layout: REFUSED: {self.refusal}"] + ([
-                f"layout that fits: {alt} GPU{'s' if alt > 1 else ''} per shard pod (TP={alt}), shards in parallel "
-                f"over the TP groups"] if alt else []) + [f"WARNING: {w}" for w in self.warnings]
+            return (
+                [f"layout: REFUSED: {self.refusal}"]
+                + (
+                    [
+                        f"layout that fits: {alt} GPU{'s' if alt > 1 else ''} per shard pod (TP={alt}), "
+                        "shards in parallel "
+                        f"over the TP groups"
+                    ]
+                    if alt
+                    else []
+                )
+                + [f"WARNING: {w}" for w in self.warnings]
+            )
         out = [f"layout: {self.summary()}: " + "; ".join(self.reasons)]
         if self.max_active_shards is not None:
-            out.append(f"max_active_shards: {self.max_active_shards} (GPU budget {self.gpu_budget} / TP "
-                       f"{self.tensor_parallel_size}): run that many shards at once, one pod per TP group")
+            out.append(
+                f"max_active_shards: {self.max_active_shards} (GPU budget {self.gpu_budget} / TP "
+                f"{self.tensor_parallel_size}): run that many shards at once, one pod per TP group"
+            )
         else:
-            out.append(f"max_active_shards: GPUs / {self.tensor_parallel_size} for the GPUs the job may use at once "
-                       "(--gpus N prints it; builder's max_active_shards)")
+            out.append(
+                f"max_active_shards: GPUs / {self.tensor_parallel_size} for the GPUs the job may use at once "
+                "(--gpus N prints it; builder's max_active_shards)"
+            )
         return out + [f"WARNING: {w}" for w in self.warnings]
 
 
-def choose_layout(shape: ModelShape, *, requested_tp: int = 1, gpu_budget: int | None = None,
-                  **plan_kwargs: Any) -> GpuLayout:
+def choose_layout(
+    shape: ModelShape, *, requested_tp: int = 1, gpu_budget: int | None = None, **plan_kwargs: Any
+) -> GpuLayout:
     """The GPU layout for ``shape``; ``plan_kwargs`` are ``plan_memory``'s (not tensor_parallel_size).
 
     Tries TP 1, 2, 4, 8 (those the heads divide over, up to ``gpu_budget``) and takes the
@@ -351,25 +422,35 @@ def choose_layout(shape: ModelShape, *, requested_tp: int = 1, gpu_budget: int |
     """
     plan_kwargs.pop("tensor_parallel_size", None)
     max_tp = min(TP_SIZES[-1], gpu_budget) if gpu_budget else TP_SIZES[-1]
-    plans = {t: plan_memory(shape, tensor_parallel_size=t, **plan_kwargs)
-             for t in TP_SIZES if t <= max_tp and tp_problem(shape, t) is None}
+    plans = {
+        t: plan_memory(shape, tensor_parallel_size=t, **plan_kwargs)
+        for t in TP_SIZES
+        if t <= max_tp and tp_problem(shape, t) is None
+    }
 
     def starts(mp: MemoryPlan) -> bool:
         return mp.kv_available_bytes >= mp.kv_bytes_per_token * mp.max_model_len > 0
 
     fitting = next((t for t, mp in plans.items() if starts(mp)), None)
     bad = tp_problem(shape, requested_tp)
-    mp_req = plans.get(requested_tp) or (None if bad else plan_memory(shape, tensor_parallel_size=requested_tp,
-                                                                      **plan_kwargs))
-    use = mp_req or plans.get(fitting or 0) or next(iter(plans.values()), None) or plan_memory(
-        shape, tensor_parallel_size=1, **plan_kwargs)
+    mp_req = plans.get(requested_tp) or (
+        None if bad else plan_memory(shape, tensor_parallel_size=requested_tp, **plan_kwargs)
+    )
+    use = (
+        mp_req
+        or plans.get(fitting or 0)
+        or next(iter(plans.values()), None)
+        or plan_memory(shape, tensor_parallel_size=1, **plan_kwargs)
+    )
     tp = use.tensor_parallel_size
     g = lambda b: f"{b / GiB:.1f} GiB"  # noqa: E731
     gib = use.gpu_memory_bytes / GiB
     util = use.gpu_memory_utilization
     one_seq = use.kv_bytes_per_token * use.max_model_len
-    fit_line = (f"weights {g(use.weights_bytes)} + {g(use.overhead_bytes)} overhead + KV {g(one_seq)} "
-                f"(one sequence of {use.max_model_len} tokens) per GPU")
+    fit_line = (
+        f"weights {g(use.weights_bytes)} + {g(use.overhead_bytes)} overhead + KV {g(one_seq)} "
+        f"(one sequence of {use.max_model_len} tokens) per GPU"
+    )
     reasons: list[str] = []
     warnings: list[str] = []
     refusal = None
@@ -377,24 +458,30 @@ def choose_layout(shape: ModelShape, *, requested_tp: int = 1, gpu_budget: int |
     if bad:
         verdict = "invalid_tp"
         tp = requested_tp
-        refusal = (f"engine.tensor_parallel_size {requested_tp}: {bad}; "
-                   + (f"tensor_parallel_size {fitting} fits" if fitting else
-                      f"valid sizes: {', '.join(str(t) for t in plans) or 'none up to ' + str(max_tp)}"))
+        refusal = f"engine.tensor_parallel_size {requested_tp}: {bad}; " + (
+            f"tensor_parallel_size {fitting} fits"
+            if fitting
+            else f"valid sizes: {', '.join(str(t) for t in plans) or 'none up to ' + str(max_tp)}"
+        )
         reasons.append(refusal)
     elif fitting is None and not (mp_req and starts(mp_req)):  # (a TP above 8 that fits is respected)
         verdict = "does_not_fit"
         tp = requested_tp
         reasons.append(f"{fit_line} do not fit in {where} at any tensor_parallel_size up to {max_tp}")
-        refusal = (f"the model does not fit {max_tp} GPU(s) of {gib:.1f} GiB at any tensor_parallel_size "
-                   f"(engine.tensor_parallel_size {requested_tp}): use larger GPUs, quantization, a lower "
-                   "model.max_model_len or more GPUs per pod")
+        refusal = (
+            f"the model does not fit {max_tp} GPU(s) of {gib:.1f} GiB at any tensor_parallel_size "
+            f"(engine.tensor_parallel_size {requested_tp}): use larger GPUs, quantization, a lower "
+            "model.max_model_len or more GPUs per pod"
+        )
     elif (fitting is not None and requested_tp < fitting) or not starts(use):
         verdict = "too_small"
         reasons.append(f"{fit_line} do not fit in {where}")
-        refusal = (f"engine.tensor_parallel_size {requested_tp} does not fit: weights {g(use.weights_bytes)} + "
-                   f"overhead {g(use.overhead_bytes)} + KV {g(one_seq)} for one {use.max_model_len}-token sequence "
-                   f"exceed {where} per GPU; tensor_parallel_size {fitting} fits "
-                   f"(set engine.tensor_parallel_size: {fitting})")
+        refusal = (
+            f"engine.tensor_parallel_size {requested_tp} does not fit: weights {g(use.weights_bytes)} + "
+            f"overhead {g(use.overhead_bytes)} + KV {g(one_seq)} for one {use.max_model_len}-token sequence "
+            f"exceed {where} per GPU; tensor_parallel_size {fitting} fits "
+            f"(set engine.tensor_parallel_size: {fitting})"
+        )
     else:
         seqs = use.kv_available_bytes // one_seq
         reasons.append(f"{fit_line} fit in {where} ({seqs} full-length sequences)")
@@ -403,32 +490,47 @@ def choose_layout(shape: ModelShape, *, requested_tp: int = 1, gpu_budget: int |
             reasons.append("run shards in parallel, one per GPU (" + MEASURED_SCALEOUT + ")")
         elif fitting is None or tp == fitting:
             verdict = "fits"
-            reasons.append(f"the model does not fit tensor_parallel_size {_prev(plans, tp)}: one engine per "
-                           f"{tp} GPUs, shards in parallel over the TP groups")
+            reasons.append(
+                f"the model does not fit tensor_parallel_size {_prev(plans, tp)}: one engine per "
+                f"{tp} GPUs, shards in parallel over the TP groups"
+            )
         else:
             verdict = "larger_than_needed"
             reasons.append(f"engine.tensor_parallel_size {tp} respected")
-            warnings.append(f"engine.tensor_parallel_size {tp} is larger than needed: the model fits "
-                            f"tensor_parallel_size {fitting}; expect more throughput from {tp // fitting} shards at "
-                            f"TP={fitting} on the same GPUs ({MEASURED_SCALEOUT})")
+            warnings.append(
+                f"engine.tensor_parallel_size {tp} is larger than needed: the model fits "
+                f"tensor_parallel_size {fitting}; expect more throughput from {tp // fitting} shards at "
+                f"TP={fitting} on the same GPUs ({MEASURED_SCALEOUT})"
+            )
         bigger = [t for t in plans if t > tp]
         if verdict != "larger_than_needed" and seqs < FEW_FULL_LENGTH_SEQS and bigger:
             more = plans[bigger[0]]
-            warnings.append(f"only {seqs} sequence(s) of max_model_len {use.max_model_len} fit the KV cache at "
-                            f"TP={tp}: long rows will run few at a time; lower model.max_model_len if rows are "
-                            f"short, or set engine.tensor_parallel_size {bigger[0]} "
-                            f"({more.kv_available_bytes // (more.kv_bytes_per_token * more.max_model_len)} fit)")
+            warnings.append(
+                f"only {seqs} sequence(s) of max_model_len {use.max_model_len} fit the KV cache at "
+                f"TP={tp}: long rows will run few at a time; lower model.max_model_len if rows are "
+                f"short, or set engine.tensor_parallel_size {bigger[0]} "
+                f"({more.kv_available_bytes // (more.kv_bytes_per_token * more.max_model_len)} fit)"
+            )
     if gpu_budget is not None and tp > gpu_budget:
         warnings.append(f"tensor_parallel_size {tp} needs more GPUs than the budget of {gpu_budget}: no shard can run")
     full = max(0, use.kv_available_bytes // one_seq) if one_seq else 0
     return GpuLayout(
-        tensor_parallel_size=tp, fitting_tensor_parallel_size=fitting, max_tensor_parallel_size=max_tp,
-        gpu_memory_gib=round(gib, 2), gpu_memory_utilization=util, weights_gib=round(use.weights_bytes / GiB, 2),
-        kv_one_seq_gib=round(one_seq / GiB, 3), kv_available_gib=round(use.kv_available_bytes / GiB, 2),
-        full_length_seqs=int(full), gpus_per_pod=tp, gpu_budget=gpu_budget,
-        max_active_shards=(gpu_budget // tp) if gpu_budget and not refusal else None, verdict=verdict,
+        tensor_parallel_size=tp,
+        fitting_tensor_parallel_size=fitting,
+        max_tensor_parallel_size=max_tp,
+        gpu_memory_gib=round(gib, 2),
+        gpu_memory_utilization=util,
+        weights_gib=round(use.weights_bytes / GiB, 2),
+        kv_one_seq_gib=round(one_seq / GiB, 3),
+        kv_available_gib=round(use.kv_available_bytes / GiB, 2),
+        full_length_seqs=int(full),
+        gpus_per_pod=tp,
+        gpu_budget=gpu_budget,
+        max_active_shards=(gpu_budget // tp) if gpu_budget and not refusal else None,
+        verdict=verdict,
         reasons=tuple(reasons),
-        warnings=tuple(warnings), refusal=refusal,
+        warnings=tuple(warnings),
+        refusal=refusal,
     )
 
 

@@ -66,7 +66,10 @@ SCHEMAS = {RESULTS: RESULT_SCHEMA, ERRORS: ERROR_SCHEMA}
 PROVENANCE_COLUMNS = ("shard_id", "attempt_id", "latency_ms", "cached_from")
 DUPLICATE_EXAMPLES = 10
 _ATTEMPT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_CHUNK_NAME = {RESULTS: re.compile(r"^chunk-(\d{5})\.parquet$"), ERRORS: re.compile(r"^chunk-(\d{5})\.errors\.parquet$")}
+_CHUNK_NAME = {
+    RESULTS: re.compile(r"^chunk-(\d{5})\.parquet$"),
+    ERRORS: re.compile(r"^chunk-(\d{5})\.errors\.parquet$"),
+}
 _PART_NAME = re.compile(r"^part-\d+(-[A-Za-z0-9._-]+)?\.parquet$")
 _TMP_NAME = re.compile(r"^\.part-.*\.tmp-\d+$")
 
@@ -82,14 +85,16 @@ class SourcePart:
     name: str  # the published name inside results/ or errors/
 
 
-def merge_run(spec: JobSpec, verify_checksums: bool = True, memory_limit: str = "1GB",
-              filesystems: FileSystems | None = None) -> dict[str, Any]:
+def merge_run(
+    spec: JobSpec, verify_checksums: bool = True, memory_limit: str = "1GB", filesystems: FileSystems | None = None
+) -> dict[str, Any]:
     """``merge`` as JSON data: the merge summary's ``dump()`` (what ``_MERGED.json`` holds, plus ``history_record``)."""
     return merge(spec, verify_checksums, memory_limit, filesystems).dump()
 
 
-def merge(spec: JobSpec, verify_checksums: bool = True, memory_limit: str = "1GB",
-          filesystems: FileSystems | None = None) -> MergeSummary:
+def merge(
+    spec: JobSpec, verify_checksums: bool = True, memory_limit: str = "1GB", filesystems: FileSystems | None = None
+) -> MergeSummary:
     """Merge a run whose shards are all committed; returns the merge summary (also ``_MERGED.json``).
 
     ``filesystems``: how object stores are reached (``storage.FileSystems``; default fsspec).
@@ -130,9 +135,13 @@ def merge(spec: JobSpec, verify_checksums: bool = True, memory_limit: str = "1GB
                 # Only a bug or a hand-edited marker gets here. Counted before anything is dropped;
                 # identical copies are dropped (the first in plan order stays), differing ones fail.
                 duplicates, drop = check_duplicates(con, out, sources, total, distinct)
-                log.warning("merge: %d id(s) were committed more than once with identical content; dropped %d "
-                            "extra row(s), e.g. %s", duplicates.ids, duplicates.rows_dropped,
-                            duplicates.examples[:5])
+                log.warning(
+                    "merge: %d id(s) were committed more than once with identical content; dropped %d "
+                    "extra row(s), e.g. %s",
+                    duplicates.ids,
+                    duplicates.rows_dropped,
+                    duplicates.examples[:5],
+                )
             verify(con, "ids" if not drop else "(SELECT DISTINCT id FROM ids)", plan.total_rows)
     finally:
         con.close()
@@ -157,12 +166,16 @@ def merge(spec: JobSpec, verify_checksums: bool = True, memory_limit: str = "1GB
         # counted over the committed parts before the dedupe: ids seen more than once, extra rows
         duplicates=duplicates,
         shards=len(plan.shards),
-        files={RESULTS: f"{RESULTS}/", ERRORS: f"{ERRORS}/", "results_manifest": manifest_rel(RESULTS),
-               "errors_manifest": manifest_rel(ERRORS), **extra},
+        files={
+            RESULTS: f"{RESULTS}/",
+            ERRORS: f"{ERRORS}/",
+            "results_manifest": manifest_rel(RESULTS),
+            "errors_manifest": manifest_rel(ERRORS),
+            **extra,
+        },
         checksums={manifest_rel(k): out.sha256(manifest_rel(k)) for k in KINDS},
         parts={k: len(manifests[k].parts) for k in KINDS},
-        shard_stats=[ShardStatsEntry(**m.stats.dump(), shard_id=m.shard_id, attempt_id=m.attempt_id)
-                     for m in markers],
+        shard_stats=[ShardStatsEntry(**m.stats.dump(), shard_id=m.shard_id, attempt_id=m.attempt_id) for m in markers],
         config_hash=plan.config_hash,
         spec_hash=plan.spec_hash,
         merge_s=round(time.monotonic() - t0, 3),
@@ -202,8 +215,13 @@ def read_merged(out: Storage) -> MergeSummary:
     return MergeSummary.model_validate_json(out.read_bytes(MERGED))
 
 
-def _record_throughput(spec: JobSpec, plan: Plan, markers: list[CommitMarker], summary: MergeSummary,
-                       filesystems: FileSystems | None = None) -> None:
+def _record_throughput(
+    spec: JobSpec,
+    plan: Plan,
+    markers: list[CommitMarker],
+    summary: MergeSummary,
+    filesystems: FileSystems | None = None,
+) -> None:
     """Throughput history for shard sizing (sizing.py); a failure here must not fail a merged run."""
     if not spec.sharding.history_uri:
         return
@@ -215,8 +233,9 @@ def _record_throughput(spec: JobSpec, plan: Plan, markers: list[CommitMarker], s
         log.warning("could not write the throughput record to %s: %s", spec.sharding.history_uri, e)
 
 
-def committed_parts(out: Storage, plan: Plan, verify_checksums: bool
-                    ) -> tuple[dict[str, list[SourcePart]], list[CommitMarker]]:
+def committed_parts(
+    out: Storage, plan: Plan, verify_checksums: bool
+) -> tuple[dict[str, list[SourcePart]], list[CommitMarker]]:
     """The part files named by the markers of every planned shard, in plan order, per kind; raises if any is missing.
 
     A marker must be this shard's (its ``shard_id``) and every path it names must be a part
@@ -242,7 +261,8 @@ def committed_parts(out: Storage, plan: Plan, verify_checksums: bool
             if f.errors is None:
                 raise CommitError(
                     f"commit marker {where} was written by a worker before the results/ and errors/ part layout "
-                    f"(one mixed chunk file, {f.path}); delete shards/{shard.shard_id} and rerun the shard")
+                    f"(one mixed chunk file, {f.path}); delete shards/{shard.shard_id} and rerun the shard"
+                )
             entries.append((where, shard.shard_id, f))
         markers.append(m)
     if missing:
@@ -253,21 +273,35 @@ def committed_parts(out: Storage, plan: Plan, verify_checksums: bool
     for n, (where, shard_id, f) in enumerate(entries):
         ok_part, err_part = f.parts()
         chunk = check_marker_path(ok_part.path, shard_id, where, RESULTS)
-        if err_part is None or check_marker_path(err_part.path, shard_id, where, ERRORS) != chunk or \
-                err_part.path.rsplit("/", 1)[0] != ok_part.path.rsplit("/", 1)[0]:
-            raise CommitError(f"commit marker {where}: the error rows of {ok_part.path} are not its sibling "
-                              f"chunk-{chunk:05d}.errors.parquet")
+        if (
+            err_part is None
+            or check_marker_path(err_part.path, shard_id, where, ERRORS) != chunk
+            or err_part.path.rsplit("/", 1)[0] != ok_part.path.rsplit("/", 1)[0]
+        ):
+            raise CommitError(
+                f"commit marker {where}: the error rows of {ok_part.path} are not its sibling "
+                f"chunk-{chunk:05d}.errors.parquet"
+            )
         if err_part.rows + ok_part.rows != f.rows:
-            raise CommitError(f"commit marker {where}: {ok_part.path} has {ok_part.rows} ok + {err_part.rows} error "
-                              f"rows, the entry says {f.rows}")
+            raise CommitError(
+                f"commit marker {where}: {ok_part.path} has {ok_part.rows} ok + {err_part.rows} error "
+                f"rows, the entry says {f.rows}"
+            )
         for kind, part in ((RESULTS, ok_part), (ERRORS, err_part)):
             if part.path in seen:
                 raise CommitError(f"commit marker {where} names {part.path} twice")
             seen.add(part.path)
             if out.size(part.path) != part.bytes or (verify_checksums and out.sha256(part.path) != part.sha256):
                 raise CommitError(f"{part.path} does not match its commit marker (size or sha256)")
-            sources[kind].append(SourcePart(rel=part.path, bytes=part.bytes, sha256=part.sha256, rows=part.rows,
-                                            name=f"part-{n:0{width}d}-{shard_id}-{chunk:05d}.parquet"))
+            sources[kind].append(
+                SourcePart(
+                    rel=part.path,
+                    bytes=part.bytes,
+                    sha256=part.sha256,
+                    rows=part.rows,
+                    name=f"part-{n:0{width}d}-{shard_id}-{chunk:05d}.parquet",
+                )
+            )
     return sources, markers
 
 
@@ -276,8 +310,14 @@ def check_marker_path(path: Any, shard_id: str, where: str, kind: str = RESULTS)
     ``chunk-NNNNN.errors.parquet``); returns the chunk number; CommitError otherwise."""
     parts = path.split("/") if isinstance(path, str) else []
     m = _CHUNK_NAME[kind].match(parts[4]) if len(parts) == 5 else None
-    ok = (m is not None and parts[0] == "shards" and parts[1] == shard_id and parts[2] == "attempts"
-          and _ATTEMPT.match(parts[3]) is not None and parts[3] not in (".", ".."))
+    ok = (
+        m is not None
+        and parts[0] == "shards"
+        and parts[1] == shard_id
+        and parts[2] == "attempts"
+        and _ATTEMPT.match(parts[3]) is not None
+        and parts[3] not in (".", "..")
+    )
     if not ok or m is None:
         name = "chunk-NNNNN.parquet" if kind == RESULTS else "chunk-NNNNN.errors.parquet"
         raise CommitError(
@@ -290,8 +330,9 @@ def check_marker_path(path: Any, shard_id: str, where: str, kind: str = RESULTS)
 
 def _ids_view(con: duckdb.DuckDBPyConnection, out: Storage, sources: dict[str, list[SourcePart]]) -> None:
     """View ``ids(id)``: the id column of every committed part (the other columns are never decoded)."""
-    selects = [f"SELECT id FROM read_parquet({duck.file_list(out, [p.rel for p in sources[k]])})"
-               for k in KINDS if sources[k]]
+    selects = [
+        f"SELECT id FROM read_parquet({duck.file_list(out, [p.rel for p in sources[k]])})" for k in KINDS if sources[k]
+    ]
     con.execute("CREATE VIEW ids AS " + (" UNION ALL ".join(selects) or "SELECT NULL::VARCHAR AS id WHERE false"))
 
 
@@ -302,14 +343,17 @@ def _rows_view(con: duckdb.DuckDBPyConnection, out: Storage, sources: dict[str, 
         if not sources[kind]:
             continue
         status = "ok" if kind == RESULTS else "error"
-        selects.append(f"SELECT '{status}' AS status, * EXCLUDE (file_row_number, filename), filename AS part, "
-                       f"file_row_number AS pos FROM read_parquet({duck.file_list(out, [p.rel for p in sources[kind]])}, "
-                       "filename = true, file_row_number = true)")
+        selects.append(
+            f"SELECT '{status}' AS status, * EXCLUDE (file_row_number, filename), filename AS part, "
+            f"file_row_number AS pos FROM read_parquet({duck.file_list(out, [p.rel for p in sources[kind]])}, "
+            "filename = true, file_row_number = true)"
+        )
     con.execute("CREATE VIEW chunks AS " + " UNION ALL BY NAME ".join(selects))
 
 
-def check_duplicates(con: duckdb.DuckDBPyConnection, out: Storage, sources: dict[str, list[SourcePart]],
-                     total: int, distinct: int) -> tuple[Duplicates, dict[str, list[int]]]:
+def check_duplicates(
+    con: duckdb.DuckDBPyConnection, out: Storage, sources: dict[str, list[SourcePart]], total: int, distinct: int
+) -> tuple[Duplicates, dict[str, list[int]]]:
     """Ids committed more than once (counted before any dedupe); VerificationError when copies differ.
 
     Copies are the same result when every column but ``PROVENANCE_COLUMNS`` is equal. Returns
@@ -324,19 +368,21 @@ def check_duplicates(con: duckdb.DuckDBPyConnection, out: Storage, sources: dict
         "string_agg(DISTINCT shard_id || '/' || attempt_id, ', ' ORDER BY shard_id || '/' || attempt_id) AS made_by "
         "FROM chunks GROUP BY id HAVING count(*) > 1"
     ).fetchall()
-    n_ids, n_differ = con.execute(
-        "SELECT count(*), count(*) FILTER (WHERE versions > 1) FROM dup_ids").fetchall()[0]
+    n_ids, n_differ = con.execute("SELECT count(*), count(*) FILTER (WHERE versions > 1) FROM dup_ids").fetchall()[0]
     if n_differ:
-        bad = con.execute("SELECT id, n, made_by FROM dup_ids WHERE versions > 1 ORDER BY id "
-                          f"LIMIT {DUPLICATE_EXAMPLES}").fetchall()
+        bad = con.execute(
+            f"SELECT id, n, made_by FROM dup_ids WHERE versions > 1 ORDER BY id LIMIT {DUPLICATE_EXAMPLES}"
+        ).fetchall()
         shown = "; ".join(f"{i!r} x{n} (from {by})" for i, n, by in bad)
         raise VerificationError(
             f"{n_differ} id(s) have committed outputs that differ: {shown}; refusing to pick one. Each id must be "
             "committed once; delete the folders of the shards involved and rerun them"
         )
     examples = [r[0] for r in con.execute(f"SELECT id FROM dup_ids ORDER BY id LIMIT {DUPLICATE_EXAMPLES}").fetchall()]
-    order = {out.path(p.rel) if out.is_local else out.uri(p.rel): i
-             for i, p in enumerate(p for k in KINDS for p in sources[k])}
+    order = {
+        out.path(p.rel) if out.is_local else out.uri(p.rel): i
+        for i, p in enumerate(p for k in KINDS for p in sources[k])
+    }
     by_path = {out.path(p.rel) if out.is_local else out.uri(p.rel): p.rel for k in KINDS for p in sources[k]}
     copies = con.execute("SELECT id, part, pos FROM chunks WHERE id IN (SELECT id FROM dup_ids)").fetchall()
     first: dict[str, tuple[int, int]] = {}
@@ -347,8 +393,10 @@ def check_duplicates(con: duckdb.DuckDBPyConnection, out: Storage, sources: dict
     for i, part, pos in copies:
         if (order.get(part, len(order)), int(pos)) != first[i]:
             drop.setdefault(by_path.get(part, part), []).append(int(pos))
-    return (Duplicates(ids=int(n_ids), rows_dropped=int(total - distinct), examples=[str(e) for e in examples]),
-            {k: sorted(v) for k, v in drop.items()})
+    return (
+        Duplicates(ids=int(n_ids), rows_dropped=int(total - distinct), examples=[str(e) for e in examples]),
+        {k: sorted(v) for k, v in drop.items()},
+    )
 
 
 def register_input_ids(con: duckdb.DuckDBPyConnection, spec: JobSpec, plan: Plan, root: Storage) -> None:
@@ -356,8 +404,10 @@ def register_input_ids(con: duckdb.DuckDBPyConnection, spec: JobSpec, plan: Plan
     names = [f["path"] for f in plan.files]
     if plan.format == "parquet" and plan.total_rows:
         col = '"' + spec.prompt.id_column.replace('"', '""') + '"'
-        con.execute(f"CREATE VIEW input_ids AS SELECT CAST({col} AS VARCHAR) AS id "
-                    f"FROM read_parquet({duck.file_list(root, names)})").fetchall()
+        con.execute(
+            f"CREATE VIEW input_ids AS SELECT CAST({col} AS VARCHAR) AS id "
+            f"FROM read_parquet({duck.file_list(root, names)})"
+        ).fetchall()
         return
     ids: list[str] = []
     if plan.format != "parquet":
@@ -395,10 +445,18 @@ def verify(con: duckdb.DuckDBPyConnection, source: str, planned_rows: int) -> No
     ).fetchall()[0]
     if n_in == planned_rows == n_out == n_found:
         return
-    ex_missing = [r[0] for r in con.execute(
-        f"SELECT id FROM input_ids WHERE id NOT IN (SELECT id FROM {source}) ORDER BY id LIMIT 5").fetchall()]
-    ex_extra = [r[0] for r in con.execute(
-        f"SELECT id FROM {source} WHERE id NOT IN (SELECT id FROM input_ids) ORDER BY id LIMIT 5").fetchall()]
+    ex_missing = [
+        r[0]
+        for r in con.execute(
+            f"SELECT id FROM input_ids WHERE id NOT IN (SELECT id FROM {source}) ORDER BY id LIMIT 5"
+        ).fetchall()
+    ]
+    ex_extra = [
+        r[0]
+        for r in con.execute(
+            f"SELECT id FROM {source} WHERE id NOT IN (SELECT id FROM input_ids) ORDER BY id LIMIT 5"
+        ).fetchall()
+    ]
     raise VerificationError(
         f"row accounting failed: {n_in} input ids (plan: {planned_rows}), {n_out} output rows; "
         f"{n_in - n_found} missing (e.g. {ex_missing}), {n_out - n_found} not in the input (e.g. {ex_extra})"
@@ -429,13 +487,13 @@ def check_folder(out: Storage, kind: str) -> None:
     (e.g. ``results/results.parquet`` of the layout before 0.2, or a user's file) is refused
     rather than deleted or silently served as part of the results.
     """
-    foreign = [n for n in out.listdir(kind)
-               if n != MANIFEST and not _PART_NAME.match(n) and not _TMP_NAME.match(n)]
+    foreign = [n for n in out.listdir(kind) if n != MANIFEST and not _PART_NAME.match(n) and not _TMP_NAME.match(n)]
     if foreign:
         raise CommitError(
             f"{out.uri(kind)}/ holds {foreign[:5]}, which merge did not write; it publishes {kind}/ as a folder of "
             f"part-*.parquet files named by {kind}/{MANIFEST} (results/results.parquet and results/errors.parquet "
-            f"are the layout before 0.2). Move those files away and rerun the merge")
+            f"are the layout before 0.2). Move those files away and rerun the merge"
+        )
 
 
 def publish_parts(out: Storage, kind: str, sources: list[SourcePart], drop: dict[str, list[int]]) -> PartsManifest:
@@ -469,8 +527,11 @@ def publish_parts(out: Storage, kind: str, sources: list[SourcePart], drop: dict
 
 def _publish_reference(out: Storage, src: SourcePart, rel: str) -> None:
     """``src`` visible whole at ``rel`` without decoding it: hard link, else copy (local), server-side copy (remote)."""
-    if out.exists(rel) and out.size(rel) == src.bytes and (not out.is_local or os.path.samefile(
-            out.path(rel), out.path(src.rel)) or out.sha256(rel) == src.sha256):
+    if (
+        out.exists(rel)
+        and out.size(rel) == src.bytes
+        and (not out.is_local or os.path.samefile(out.path(rel), out.path(src.rel)) or out.sha256(rel) == src.sha256)
+    ):
         return
     if not out.is_local:
         out.copy(src.rel, rel)  # server-side: one object, visible whole or not at all

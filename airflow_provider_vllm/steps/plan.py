@@ -34,8 +34,12 @@ DEFAULT_TARGET_ROWS = 10_000
 log = logging.getLogger(__name__)
 
 
-def plan_job(spec: JobSpec, filesystems: FileSystems | None = None, max_shards: int | None = None,
-             engine_identity: str | None = None) -> Plan:
+def plan_job(
+    spec: JobSpec,
+    filesystems: FileSystems | None = None,
+    max_shards: int | None = None,
+    engine_identity: str | None = None,
+) -> Plan:
     """Plan the job and write ``_plan.json`` under the output prefix; idempotent.
 
     Raises DatasetError for dataset faults and SpecError when the output prefix already
@@ -73,13 +77,16 @@ def _check_empty(spec: JobSpec, out: Storage) -> None:
 
     foreign = next((f for f in out.walk_files() if not f.startswith((PROBE_DIR + "/", CACHE_DIR + "/"))), None)
     if foreign is not None:
-        raise SpecError(f"output {spec.io.output_uri} is not empty (e.g. {foreign}) and holds no plan of "
-                        "this job; use a new, empty output prefix")
+        raise SpecError(
+            f"output {spec.io.output_uri} is not empty (e.g. {foreign}) and holds no plan of "
+            "this job; use a new, empty output prefix"
+        )
     probe_create_only(out, _store_name(spec))
 
 
-def _plan_cached(spec: JobSpec, out: Storage, filesystems: FileSystems | None, max_shards: int | None,
-                 engine_identity: str | None) -> Plan:
+def _plan_cached(
+    spec: JobSpec, out: Storage, filesystems: FileSystems | None, max_shards: int | None, engine_identity: str | None
+) -> Plan:
     """With the result cache: an existing plan wins (only its input and spec are compared); else a new one."""
     if out.exists(PLAN_FILE):
         found = find_input(spec.io.input_uri, spec.io.storage_options, spec.io.input_format, filesystems)
@@ -105,17 +112,21 @@ def probe_create_only(out: Storage, store: str) -> None:
     """
     rel = f"{PROBE_DIR}/create-only-{uuid.uuid4().hex}"
     first, second = f"probe 1 {rel}".encode(), f"probe 2 {rel}".encode()
-    need = ("the commit protocol needs write-if-absent (S3: If-None-Match: *, GCS: ifGenerationMatch=0, local "
-            "files: link) so that a shard's commit marker is written once and never replaced; use a store that "
-            "enforces it")
+    need = (
+        "the commit protocol needs write-if-absent (S3: If-None-Match: *, GCS: ifGenerationMatch=0, local "
+        "files: link) so that a shard's commit marker is written once and never replaced; use a store that "
+        "enforces it"
+    )
     try:
         try:
             made = out.create_only(rel, first)
             again = out.create_only(rel, second) if made else None
             body = out.read_bytes(rel) if made else None
         except (NotImplementedError, OSError) as e:
-            raise SpecError(f"output store {store}: a create-only write of the probe object {out.uri(rel)} failed "
-                            f"({type(e).__name__}: {e}); {need}") from None
+            raise SpecError(
+                f"output store {store}: a create-only write of the probe object {out.uri(rel)} failed "
+                f"({type(e).__name__}: {e}); {need}"
+            ) from None
     finally:
         try:
             out.remove(rel)
@@ -125,12 +136,16 @@ def probe_create_only(out: Storage, store: str) -> None:
             if not out.is_local or out.exists(rel):
                 log.warning("could not remove the create-only probe object %s: %s", out.uri(rel), e)
     if not made:
-        raise SpecError(f"output store {store}: the first create-only write of a new probe object {out.uri(rel)} "
-                        f"was refused as if it existed; {need}")
+        raise SpecError(
+            f"output store {store}: the first create-only write of a new probe object {out.uri(rel)} "
+            f"was refused as if it existed; {need}"
+        )
     if again or body != first:
         what = "succeeded and replaced it" if again else "was reported refused, but the object was replaced"
-        raise SpecError(f"output store {store} does not honour create-only writes: a second create-only write of "
-                        f"the probe object {out.uri(rel)} {what}. {need[0].upper()}{need[1:]}")
+        raise SpecError(
+            f"output store {store} does not honour create-only writes: a second create-only write of "
+            f"the probe object {out.uri(rel)} {what}. {need[0].upper()}{need[1:]}"
+        )
 
 
 def _store_name(spec: JobSpec) -> str:
@@ -138,8 +153,13 @@ def _store_name(spec: JobSpec) -> str:
     return f"{spec.io.output_uri} (endpoint_url {ep})" if ep else spec.io.output_uri
 
 
-def build_plan(spec: JobSpec, filesystems: FileSystems | None = None, max_shards: int | None = None,
-               cache_out: Storage | None = None, engine_identity: str | None = None) -> Plan:
+def build_plan(
+    spec: JobSpec,
+    filesystems: FileSystems | None = None,
+    max_shards: int | None = None,
+    cache_out: Storage | None = None,
+    engine_identity: str | None = None,
+) -> Plan:
     """Validate the input and compute shards, without writing anything (see ``plan_job``).
 
     ``cache_out``: the output prefix, with ``cache.uri`` set: the hits and misses files are
@@ -164,13 +184,18 @@ def build_plan(spec: JobSpec, filesystems: FileSystems | None = None, max_shards
         cut_tokens = _row_tokens(cut_scan, sh.chars_per_token)
         cut_fp = hashlib.sha256(f"{found.fingerprint}:{cache.misses_file.sha256}".encode()).hexdigest()
     sizing = size_shards(spec, len(cut_tokens), cut_tokens.total, filesystems=filesystems)
-    cut_spec = spec if sizing is None else spec.model_copy(
-        update={"sharding": spec.sharding.model_copy(update=sizing.sharding_update())})
-    shards = _cut(cut_spec, cut_fp, cut_tokens, np.asarray(cut_scan.file_rows, dtype=np.int64), cut_scan.offsets,
-                  cut_scan.lines)
+    cut_spec = (
+        spec
+        if sizing is None
+        else spec.model_copy(update={"sharding": spec.sharding.model_copy(update=sizing.sharding_update())})
+    )
+    shards = _cut(
+        cut_spec, cut_fp, cut_tokens, np.asarray(cut_scan.file_rows, dtype=np.int64), cut_scan.offsets, cut_scan.lines
+    )
     if max_shards is not None and len(shards) > max_shards:
-        _refuse_shard_count(cut_spec, len(shards), max_shards, len(cut_tokens), cut_tokens.total,
-                            from_history=sizing is not None)
+        _refuse_shard_count(
+            cut_spec, len(shards), max_shards, len(cut_tokens), cut_tokens.total, from_history=sizing is not None
+        )
     return Plan(
         spec_hash=spec.content_hash(),
         config_hash=spec.output_hash(),
@@ -255,8 +280,9 @@ def _row_tokens(scan, chars_per_token: float) -> RunTokens | RowTokens:
 
 
 # ---- cutting ------------------------------------------------------------------------
-def _cut(spec: JobSpec, fp: str, row_tokens: RunTokens | RowTokens, file_rows: np.ndarray, offsets,
-         lines) -> list[ShardPlan]:
+def _cut(
+    spec: JobSpec, fp: str, row_tokens: RunTokens | RowTokens, file_rows: np.ndarray, offsets, lines
+) -> list[ShardPlan]:
     sh = spec.sharding
     n = len(row_tokens)
     if n == 0:
@@ -265,8 +291,11 @@ def _cut(spec: JobSpec, fp: str, row_tokens: RunTokens | RowTokens, file_rows: n
     target = sh.target_tokens if by_tokens else (sh.target_rows or DEFAULT_TARGET_ROWS)
     per_row = sh.long_row_tokens is not None and sh.max_shards >= 2 or by_tokens
     # runs are expanded only where rows are weighed one by one (the scan then gave exact sizes)
-    tokens = row_tokens.values if isinstance(row_tokens, RowTokens) else (
-        np.repeat(row_tokens.values, np.diff(row_tokens.starts)) if per_row else None)
+    tokens = (
+        row_tokens.values
+        if isinstance(row_tokens, RowTokens)
+        else (np.repeat(row_tokens.values, np.diff(row_tokens.starts)) if per_row else None)
+    )
     buckets: list[tuple[str, np.ndarray | None]]  # None: all rows, in order
     if sh.long_row_tokens is not None and sh.max_shards >= 2:
         assert tokens is not None
@@ -309,10 +338,16 @@ def _cut(spec: JobSpec, fp: str, row_tokens: RunTokens | RowTokens, file_rows: n
             key = hashlib.sha256(
                 f"{plan_key}:{bucket}:{json.dumps([s.model_dump() for s in segs])}".encode()
             ).hexdigest()
-            shards.append(ShardPlan(
-                shard_id=f"shard-{index:05d}-{key[:8]}", index=index, bucket=bucket, rows=int(b - a),
-                est_tokens=est, segments=segs,
-            ))
+            shards.append(
+                ShardPlan(
+                    shard_id=f"shard-{index:05d}-{key[:8]}",
+                    index=index,
+                    bucket=bucket,
+                    rows=int(b - a),
+                    est_tokens=est,
+                    segments=segs,
+                )
+            )
     return shards
 
 

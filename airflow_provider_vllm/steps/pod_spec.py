@@ -174,13 +174,26 @@ def volumes(settings: KubernetesSettings, shm: int) -> tuple[list[k8s.V1Volume],
         k8s.V1VolumeMount(name="dshm", mount_path="/dev/shm"),
     ]
     if settings.model_cache_pvc:
-        vols.append(k8s.V1Volume(name="model-cache", persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(
-            claim_name=settings.model_cache_pvc, read_only=settings.model_cache_read_only)))
-        mounts.append(k8s.V1VolumeMount(name="model-cache", mount_path=settings.model_cache_path,
-                                        read_only=settings.model_cache_read_only))
+        vols.append(
+            k8s.V1Volume(
+                name="model-cache",
+                persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(
+                    claim_name=settings.model_cache_pvc, read_only=settings.model_cache_read_only
+                ),
+            )
+        )
+        mounts.append(
+            k8s.V1VolumeMount(
+                name="model-cache", mount_path=settings.model_cache_path, read_only=settings.model_cache_read_only
+            )
+        )
     if settings.data_pvc:
-        vols.append(k8s.V1Volume(name="data", persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(
-            claim_name=settings.data_pvc)))
+        vols.append(
+            k8s.V1Volume(
+                name="data",
+                persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(claim_name=settings.data_pvc),
+            )
+        )
         mounts.append(k8s.V1VolumeMount(name="data", mount_path=settings.data_path))
     return vols, mounts
 
@@ -203,23 +216,32 @@ def environment(settings: KubernetesSettings) -> tuple[list[k8s.V1EnvVar], list[
     if dup:
         raise SpecError(f"kubernetes: {dup} set both as plain env and as a Secret reference")
     out = [k8s.V1EnvVar(name=k, value=v) for k, v in env.items()]
-    out += [k8s.V1EnvVar(name=k, value_from=k8s.V1EnvVarSource(
-        secret_key_ref=k8s.V1SecretKeySelector(name=r.name, key=r.key))) for k, r in sorted(refs.items())]
+    out += [
+        k8s.V1EnvVar(
+            name=k, value_from=k8s.V1EnvVarSource(secret_key_ref=k8s.V1SecretKeySelector(name=r.name, key=r.key))
+        )
+        for k, r in sorted(refs.items())
+    ]
     env_from = [k8s.V1EnvFromSource(secret_ref=k8s.V1SecretEnvSource(name=n)) for n in settings.env_from_secrets]
     return out, env_from
 
 
 # fsspec option names that carry credentials (s3fs key/secret/token, gcsfs token, adlfs keys).
-_CREDENTIAL_OPTION = re.compile(r"^(key|secret|token|password|passwd|sas_token|account_key|client_secret|"
-                                r"aws_secret_access_key|aws_session_token|credentials?)$", re.I)
+_CREDENTIAL_OPTION = re.compile(
+    r"^(key|secret|token|password|passwd|sas_token|account_key|client_secret|"
+    r"aws_secret_access_key|aws_session_token|credentials?)$",
+    re.I,
+)
 
 
 def check_no_credentials_in_spec(spec: JobSpec) -> None:
     """The spec becomes the pod's argument (visible to whoever can read pods): no credentials in it."""
     bad = sorted(k for k in spec.io.storage_options if _CREDENTIAL_OPTION.match(k) or _SECRETISH.search(k))
     if bad:
-        raise SpecError(f"io.storage_options {bad} look like credentials; the job spec is the pod's argument, so "
-                        "pass them as Secret references (kubernetes.secret_env / env_from_secrets) instead")
+        raise SpecError(
+            f"io.storage_options {bad} look like credentials; the job spec is the pod's argument, so "
+            "pass them as Secret references (kubernetes.secret_env / env_from_secrets) instead"
+        )
 
 
 _SECRETISH = re.compile(r"(secret|token|password|credential)", re.I)
@@ -280,6 +302,5 @@ def _affinity(doc: dict | None) -> k8s.V1Affinity | None:
     except (ValueError, TypeError, AttributeError) as e:
         raise SpecError(f"kubernetes.affinity is not a valid Affinity: {e}") from None
     if client.sanitize_for_serialization(model) != doc:
-        raise SpecError("kubernetes.affinity has fields an Affinity does not have (check the camelCase names): "
-                        f"{doc}")
+        raise SpecError(f"kubernetes.affinity has fields an Affinity does not have (check the camelCase names): {doc}")
     return model

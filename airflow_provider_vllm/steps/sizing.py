@@ -69,35 +69,38 @@ def run_records(spec: JobSpec, plan: Any, markers: list[CommitMarker]) -> list[T
         ptok = sum(int(s.prompt_tokens or 0) for s in stats)
         ctok = sum(int(s.completion_tokens or 0) for s in stats)
         starts = [float(s.engine_start_s) for s in stats if s.engine_start_s]
-        out.append(ThroughputRecord(
-            version=HISTORY_VERSION,
-            recorded_at=now,
-            job=spec.name,
-            task=spec.task,
-            model=spec.model.name,
-            model_revision=spec.model.revision,
-            hardware=hw,
-            tensor_parallel_size=spec.engine.tensor_parallel_size,
-            max_num_seqs=spec.engine.max_num_seqs,
-            config_hash=plan.config_hash,
-            spec_hash=plan.spec_hash,
-            shards=len(stats),
-            rows=rows,
-            infer_s=round(infer_s, 3),
-            prompt_tokens=ptok,
-            completion_tokens=ctok,
-            engine_start_s=round(statistics.median(starts), 3) if starts else None,
-            rows_per_s=round(rows / infer_s, 4),
-            tokens_per_s=round((ptok + ctok) / infer_s, 2),
-            prompt_tokens_per_row=round(ptok / rows, 2),
-            completion_tokens_per_row=round(ctok / rows, 2),
-            est_prompt_tokens_per_row=round(est_per_row, 2) if est_per_row is not None else None,
-        ))
+        out.append(
+            ThroughputRecord(
+                version=HISTORY_VERSION,
+                recorded_at=now,
+                job=spec.name,
+                task=spec.task,
+                model=spec.model.name,
+                model_revision=spec.model.revision,
+                hardware=hw,
+                tensor_parallel_size=spec.engine.tensor_parallel_size,
+                max_num_seqs=spec.engine.max_num_seqs,
+                config_hash=plan.config_hash,
+                spec_hash=plan.spec_hash,
+                shards=len(stats),
+                rows=rows,
+                infer_s=round(infer_s, 3),
+                prompt_tokens=ptok,
+                completion_tokens=ctok,
+                engine_start_s=round(statistics.median(starts), 3) if starts else None,
+                rows_per_s=round(rows / infer_s, 4),
+                tokens_per_s=round((ptok + ctok) / infer_s, 2),
+                prompt_tokens_per_row=round(ptok / rows, 2),
+                completion_tokens_per_row=round(ctok / rows, 2),
+                est_prompt_tokens_per_row=round(est_per_row, 2) if est_per_row is not None else None,
+            )
+        )
     return out
 
 
-def record_run(spec: JobSpec, plan: Any, markers: list[CommitMarker],
-               filesystems: FileSystems | None = None) -> str | None:
+def record_run(
+    spec: JobSpec, plan: Any, markers: list[CommitMarker], filesystems: FileSystems | None = None
+) -> str | None:
     """Write the run's records under ``sharding.history_uri``; returns the file's URI (None: nothing to record)."""
     uri = spec.sharding.history_uri
     if not uri:
@@ -121,8 +124,9 @@ def _names(store: Storage) -> list[str]:
     return [n for n in store.listdir("") if n.endswith(".jsonl") and not n.startswith((".", "_"))]
 
 
-def read_history(uri: str, storage_options: dict[str, Any] | None = None,
-                 filesystems: FileSystems | None = None) -> list[ThroughputRecord]:
+def read_history(
+    uri: str, storage_options: dict[str, Any] | None = None, filesystems: FileSystems | None = None
+) -> list[ThroughputRecord]:
     """Records under ``uri``, newest file first; an absent folder is an empty history.
 
     Lines that are not valid records of this version, or that hold no rows or no inference
@@ -138,7 +142,8 @@ def read_history(uri: str, storage_options: dict[str, Any] | None = None,
     try:
         rows = con.execute(
             f"SELECT json FROM read_json_objects({duck.file_list(store, names)}, format = 'newline_delimited', "
-            "ignore_errors = true, filename = true) ORDER BY filename DESC").fetchall()
+            "ignore_errors = true, filename = true) ORDER BY filename DESC"
+        ).fetchall()
     finally:
         con.close()
     out = []
@@ -171,8 +176,13 @@ class Evidence:
 
 def find_evidence(spec: JobSpec, records: list[ThroughputRecord]) -> Evidence | None:
     """The evidence for ``spec`` among ``records`` (newest first), or None."""
-    cand = [r for r in records if r.model == spec.model.name and r.task == spec.task
-            and (r.tensor_parallel_size or 1) == spec.engine.tensor_parallel_size]
+    cand = [
+        r
+        for r in records
+        if r.model == spec.model.name
+        and r.task == spec.task
+        and (r.tensor_parallel_size or 1) == spec.engine.tensor_parallel_size
+    ]
     if not cand:
         return None
     hw = spec.sharding.hardware or cand[0].hardware
@@ -187,9 +197,16 @@ def find_evidence(spec: JobSpec, records: list[ThroughputRecord]) -> Evidence | 
     ctok = sum(float(r.completion_tokens) for r in use)
     starts = [float(r.engine_start_s) for r in use if r.engine_start_s]
     return Evidence(
-        basis="config" if same else "model", hardware=hw, records=len(use), rows=rows, infer_s=infer_s,
-        rows_per_s=rows / infer_s, tokens_per_s=(ptok + ctok) / infer_s, prompt_tokens_per_row=ptok / rows,
-        completion_tokens_per_row=ctok / rows, engine_start_s=statistics.median(starts) if starts else None,
+        basis="config" if same else "model",
+        hardware=hw,
+        records=len(use),
+        rows=rows,
+        infer_s=infer_s,
+        rows_per_s=rows / infer_s,
+        tokens_per_s=(ptok + ctok) / infer_s,
+        prompt_tokens_per_row=ptok / rows,
+        completion_tokens_per_row=ctok / rows,
+        engine_start_s=statistics.median(starts) if starts else None,
     )
 
 
@@ -215,8 +232,14 @@ class Workload:
     throughput_basis: str  # "history:config", "history:model" or "assumed"
 
 
-def estimate_workload(spec: JobSpec, rows: int, est_text_tokens: int, evidence: Evidence | None,
-                      assumed_tokens_per_s: float, assumed_engine_start_s: float) -> Workload:
+def estimate_workload(
+    spec: JobSpec,
+    rows: int,
+    est_text_tokens: int,
+    evidence: Evidence | None,
+    assumed_tokens_per_s: float,
+    assumed_engine_start_s: float,
+) -> Workload:
     """Tokens and inference seconds of ``rows`` rows whose text columns hold ``est_text_tokens`` (planner estimate)."""
     generates = spec.task in ("chat", "generate")
     prompt = est_text_tokens + rows * prompt_overhead_tokens(spec)
@@ -234,8 +257,15 @@ def estimate_workload(spec: JobSpec, rows: int, est_text_tokens: int, evidence: 
     else:
         infer_s, basis = (prompt + completion) / assumed_tokens_per_s, "assumed"
     start = evidence.engine_start_s if evidence is not None and evidence.engine_start_s else assumed_engine_start_s
-    return Workload(rows=rows, prompt_tokens=int(prompt), completion_tokens=int(completion), completion_basis=c_basis,
-                    infer_s=float(infer_s), engine_start_s=float(start), throughput_basis=basis)
+    return Workload(
+        rows=rows,
+        prompt_tokens=int(prompt),
+        completion_tokens=int(completion),
+        completion_basis=c_basis,
+        infer_s=float(infer_s),
+        engine_start_s=float(start),
+        throughput_basis=basis,
+    )
 
 
 def shard_seconds(spec: JobSpec, engine_start_s: float) -> float:
@@ -278,8 +308,13 @@ class Sizing:
         return {"target_rows": self.target_rows, "target_tokens": self.target_tokens}
 
 
-def size_shards(spec: JobSpec, rows: int, est_text_tokens: int,
-                records: list[ThroughputRecord] | None = None, filesystems: FileSystems | None = None) -> Sizing | None:
+def size_shards(
+    spec: JobSpec,
+    rows: int,
+    est_text_tokens: int,
+    records: list[ThroughputRecord] | None = None,
+    filesystems: FileSystems | None = None,
+) -> Sizing | None:
     """Shard targets from history, or None (no history_uri, no matching record, no rows)."""
     sh = spec.sharding
     if not sh.history_uri or rows == 0:
@@ -288,13 +323,17 @@ def size_shards(spec: JobSpec, rows: int, est_text_tokens: int,
         try:
             records = read_history(sh.history_uri, spec.io.storage_options, filesystems)
         except Exception as e:  # unreadable evidence: plan as if there were none, and say so
-            log.warning("cannot read the throughput history under %s (%s): using target_rows/tokens",
-                        sh.history_uri, e)
+            log.warning("cannot read the throughput history under %s (%s): using target_rows/tokens", sh.history_uri, e)
             return None
     ev = find_evidence(spec, records)
     if ev is None:
-        log.info("no throughput history for model %s (task %s, hardware %s) under %s: using target_rows/tokens",
-                 spec.model.name, spec.task, sh.hardware or "any", sh.history_uri)
+        log.info(
+            "no throughput history for model %s (task %s, hardware %s) under %s: using target_rows/tokens",
+            spec.model.name,
+            spec.task,
+            sh.hardware or "any",
+            sh.history_uri,
+        )
         return None
     work = estimate_workload(spec, rows, est_text_tokens, ev, 1.0, 0.0)
     target_s = shard_seconds(spec, work.engine_start_s)
@@ -304,9 +343,18 @@ def size_shards(spec: JobSpec, rows: int, est_text_tokens: int,
         shards=k,
         target_rows=None if by_tokens else math.ceil(rows / k),
         target_tokens=max(1, math.ceil(est_text_tokens / k)) if by_tokens else None,
-        target_s=round(target_s, 1), est_infer_s=round(work.infer_s, 1), engine_start_s=round(work.engine_start_s, 1),
+        target_s=round(target_s, 1),
+        est_infer_s=round(work.infer_s, 1),
+        engine_start_s=round(work.engine_start_s, 1),
         evidence={k2: (round(v, 4) if isinstance(v, float) else v) for k2, v in asdict(ev).items()},
     )
-    log.info("sized %d rows into %d shard(s) of ~%.0f s from %d history record(s) (%s, %s)", rows, k, target_s,
-             ev.records, ev.basis, ev.hardware)
+    log.info(
+        "sized %d rows into %d shard(s) of ~%.0f s from %d history record(s) (%s, %s)",
+        rows,
+        k,
+        target_s,
+        ev.records,
+        ev.basis,
+        ev.hardware,
+    )
     return sizing

@@ -37,19 +37,59 @@ SHARD_MAP_INDEX_TEMPLATE = "{{ task.shard.get('name') or task.shard['shard_id'] 
 KUBERNETES_SETTINGS_TEMPLATE = "{{ var.value.get('%s', '{}') }}" % SETTINGS_VARIABLE
 """Default pod settings of the Kubernetes runner: the ``vllm_batch_kubernetes`` Variable, read at run time."""
 _JINJA = re.compile(r"{{|{%")
-FORBIDDEN_SHARD_TASK_KWARGS = frozenset({
-    # identity and wiring of the mapped task
-    "task_id", "map_index_template", "task_group", "dag", "shard", "expand", "trigger_rule",
-    "do_xcom_push", "multiple_outputs", "inlets", "outlets", "default_args",
-    # what runs: the spec and the worker command
-    "spec", "python", "env", "progress_interval_s", "kubernetes", "cmds", "arguments", "image",
-    "env_vars", "env_from", "secrets", "volumes", "volume_mounts",
-    # pod identity and trust (deployment-owned: docs/security.md)
-    "service_account_name", "namespace", "in_cluster", "kubernetes_conn_id", "cluster_context",
-    "config_file", "security_context", "container_security_context", "automount_service_account_token",
-    "host_network", "pod_template_file", "pod_template_dict", "full_pod_spec", "labels", "annotations",
-    "name", "trust", "trusted", "run_as_user", "aws_conn_id", "gcp_conn_id",
-})
+FORBIDDEN_SHARD_TASK_KWARGS = frozenset(
+    {
+        # identity and wiring of the mapped task
+        "task_id",
+        "map_index_template",
+        "task_group",
+        "dag",
+        "shard",
+        "expand",
+        "trigger_rule",
+        "do_xcom_push",
+        "multiple_outputs",
+        "inlets",
+        "outlets",
+        "default_args",
+        # what runs: the spec and the worker command
+        "spec",
+        "python",
+        "env",
+        "progress_interval_s",
+        "kubernetes",
+        "cmds",
+        "arguments",
+        "image",
+        "env_vars",
+        "env_from",
+        "secrets",
+        "volumes",
+        "volume_mounts",
+        # pod identity and trust (deployment-owned: docs/security.md)
+        "service_account_name",
+        "namespace",
+        "in_cluster",
+        "kubernetes_conn_id",
+        "cluster_context",
+        "config_file",
+        "security_context",
+        "container_security_context",
+        "automount_service_account_token",
+        "host_network",
+        "pod_template_file",
+        "pod_template_dict",
+        "full_pod_spec",
+        "labels",
+        "annotations",
+        "name",
+        "trust",
+        "trusted",
+        "run_as_user",
+        "aws_conn_id",
+        "gcp_conn_id",
+    }
+)
 """Keys ``shard_task_kwargs`` refuses: they belong to the builder, the spec or the deployment."""
 
 
@@ -153,9 +193,15 @@ def vllm_batch_job(
 
     with TaskGroup(group_id, tooltip="vLLM batch job: plan -> shards -> merge -> QA -> review -> publish") as group:
         conns = {"aws_conn_id": aws_conn_id, "gcp_conn_id": gcp_conn_id}
-        plan = VllmPlanOperator(task_id="plan", spec=spec, overrides=overrides,
-                                param_overrides=param_overrides, runner=runner,
-                                inlets=[source] if source is not None else [], **conns)
+        plan = VllmPlanOperator(
+            task_id="plan",
+            spec=spec,
+            overrides=overrides,
+            param_overrides=param_overrides,
+            runner=runner,
+            inlets=[source] if source is not None else [],
+            **conns,
+        )
         job = plan.output[SPEC_XCOM_KEY]
         common = dict(
             spec=job,
@@ -167,35 +213,59 @@ def vllm_batch_job(
         )
         common.update(shard_kwargs)
         env = dict(shard_env) if shard_env else None
-        cluster = {**dict(kubernetes_operator_kwargs or {}),
-                   **{k: v for k, v in {"kubernetes_conn_id": kubernetes_conn_id, "namespace": namespace,
-                                        "in_cluster": in_cluster}.items() if v is not None}}
+        cluster = {
+            **dict(kubernetes_operator_kwargs or {}),
+            **{
+                k: v
+                for k, v in {
+                    "kubernetes_conn_id": kubernetes_conn_id,
+                    "namespace": namespace,
+                    "in_cluster": in_cluster,
+                }.items()
+                if v is not None
+            },
+        }
         shard_tasks = {}
         for name in [runner_name] if static else RUNNERS:
             if name == "local":
                 op = VllmLocalShardOperator.partial(task_id="shard", env=env, **common, **conns)
             else:
                 op = VllmKubernetesShardOperator.partial(
-                    task_id="shard" if static else "shard_kubernetes", kubernetes=kubernetes, env=env,
-                    **common, **cluster)
+                    task_id="shard" if static else "shard_kubernetes",
+                    kubernetes=kubernetes,
+                    env=env,
+                    **common,
+                    **cluster,
+                )
             shard_tasks[name] = op.expand(shard=plan.output)
         if not static:  # chosen at run time: the other runner's shard task is skipped whole
-            branch = VllmRunnerBranchOperator(task_id="runner", runner=runner,
-                                              shard_tasks={n: t.task_id for n, t in shard_tasks.items()})
+            branch = VllmRunnerBranchOperator(
+                task_id="runner", runner=runner, shard_tasks={n: t.task_id for n, t in shard_tasks.items()}
+            )
             plan >> branch >> list(shard_tasks.values())
         # An empty input plans zero shards (the mapped task is skipped) and merge still runs after
         # plan's success; a dry run skips plan, and then merge is skipped too.
         merge = VllmMergeOperator(task_id="merge", spec=job, trigger_rule="none_failed_min_one_success", **conns)
         qa = VllmQAOperator(task_id="qa", spec=job, **conns)
-        publish = VllmPublishOperator(task_id="publish", spec=job, outlets=[asset], **conns,
-                                      extra_files=dict(publish_extra_files) if publish_extra_files else None)
+        publish = VllmPublishOperator(
+            task_id="publish",
+            spec=job,
+            outlets=[asset],
+            **conns,
+            extra_files=dict(publish_extra_files) if publish_extra_files else None,
+        )
         list(shard_tasks.values()) >> merge
         merge >> qa
         gate = qa
         if human_review is not False:
-            gate = VllmQAReviewOperator(task_id="review", qa_result=qa.output, qa_task_id=qa.task_id,
-                                        ask=human_review, response_timeout=review_timeout,
-                                        notifiers=review_notifiers)
+            gate = VllmQAReviewOperator(
+                task_id="review",
+                qa_result=qa.output,
+                qa_task_id=qa.task_id,
+                ask=human_review,
+                response_timeout=review_timeout,
+                notifiers=review_notifiers,
+            )
             qa >> gate
         if before_publish is not None:
             extra = before_publish(job)
@@ -210,13 +280,17 @@ def checked_shard_task_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any
     given = dict(kwargs or {})
     bad = sorted(k for k in given if k in FORBIDDEN_SHARD_TASK_KWARGS)
     if bad:
-        raise ValueError(f"shard_task_kwargs {bad}: set by vllm_batch_job and the job spec, not per task "
-                         f"(refused: {sorted(FORBIDDEN_SHARD_TASK_KWARGS)})")
+        raise ValueError(
+            f"shard_task_kwargs {bad}: set by vllm_batch_job and the job spec, not per task "
+            f"(refused: {sorted(FORBIDDEN_SHARD_TASK_KWARGS)})"
+        )
     allowed = inspect.signature(BaseOperator.__init__).parameters
     unknown = sorted(k for k in given if k not in allowed or k in ("self", "kwargs"))
     if unknown:
-        raise ValueError(f"shard_task_kwargs {unknown}: not BaseOperator arguments (Kubernetes pod arguments go "
-                         "in kubernetes_operator_kwargs)")
+        raise ValueError(
+            f"shard_task_kwargs {unknown}: not BaseOperator arguments (Kubernetes pod arguments go "
+            "in kubernetes_operator_kwargs)"
+        )
     return given
 
 

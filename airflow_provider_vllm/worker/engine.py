@@ -88,9 +88,7 @@ def sampling_params(spec: JobSpec, overrides: dict[str, Any] | None = None):
     kw = sampling_kwargs(spec, overrides)
     if s.structured is not None:
         st = s.structured
-        kw["structured_outputs"] = StructuredOutputsParams(
-            choice=st.choice, json=st.json_schema, regex=st.regex
-        )
+        kw["structured_outputs"] = StructuredOutputsParams(choice=st.choice, json=st.json_schema, regex=st.regex)
     params = SamplingParams(**kw)
     params.output_kind = RequestOutputKind.FINAL_ONLY
     return params
@@ -222,12 +220,17 @@ class Engine:
             if key is None:  # a request aborted after an error (its output arrived anyway)
                 continue
             c = out.outputs[0]  # type: ignore[index]  # a generate engine's step() yields RequestOutput
-            done.append((key, Generated(
-                text=c.text,
-                finish_reason=c.finish_reason,
-                prompt_tokens=len(out.prompt_token_ids or ()),
-                completion_tokens=len(c.token_ids),
-            )))
+            done.append(
+                (
+                    key,
+                    Generated(
+                        text=c.text,
+                        finish_reason=c.finish_reason,
+                        prompt_tokens=len(out.prompt_token_ids or ()),
+                        completion_tokens=len(c.token_ids),
+                    ),
+                )
+            )
         return done
 
     def abort_all(self) -> None:

@@ -74,9 +74,14 @@ def orphaned() -> None:
     SIGTERM (stuck in native code). The log line is written from a helper thread with a
     bound: the stuck main thread may hold the logging lock. Committed chunks stay for the retry.
     """
-    t = threading.Thread(target=log.error, daemon=True, args=(
-        "the task process that started this worker is gone: stopping it and its engine processes; "
-        "a retry resumes from committed chunks",))
+    t = threading.Thread(
+        target=log.error,
+        daemon=True,
+        args=(
+            "the task process that started this worker is gone: stopping it and its engine processes; "
+            "a retry resumes from committed chunks",
+        ),
+    )
     t.start()
     t.join(1.0)
     kill_children()

@@ -80,9 +80,14 @@ def classify(exc: BaseException) -> str | None:
 class GuardedEngine:
     """An engine that survives OOM by backing off; see the module docstring."""
 
-    def __init__(self, spec: JobSpec, factory: Callable[[JobSpec], Any], watchdog=None,
-                 label: Callable[[Hashable], str] = str,
-                 on_lowered: Callable[[dict[str, int]], None] | None = None):
+    def __init__(
+        self,
+        spec: JobSpec,
+        factory: Callable[[JobSpec], Any],
+        watchdog=None,
+        label: Callable[[Hashable], str] = str,
+        on_lowered: Callable[[dict[str, int]], None] | None = None,
+    ):
         self.spec = spec
         self.on_lowered = on_lowered  # told the limits after each OOM rebuild (carried to retries)
         self.factory = factory
@@ -128,9 +133,14 @@ class GuardedEngine:
         self.engine.warm_up()
 
     def stats(self) -> dict[str, Any]:
-        return {"oom_events": self.oom_events, "engine_rebuilds": self.rebuilds, "oom_error_rows": self.oom_rows,
-                "step_failures": self.step_failures, "engine_error_rows": self.failed_rows,
-                "engine_limits": dict(self.limits)}
+        return {
+            "oom_events": self.oom_events,
+            "engine_rebuilds": self.rebuilds,
+            "oom_error_rows": self.oom_rows,
+            "step_failures": self.step_failures,
+            "engine_error_rows": self.failed_rows,
+            "engine_limits": dict(self.limits),
+        }
 
     # ---- generation -----------------------------------------------------------------
     def submit(self, key: Hashable, token_ids: list[int], overrides: dict[str, Any] | None = None) -> None:
@@ -211,8 +221,10 @@ class GuardedEngine:
         self._abort()
         self._sent.clear()
         if self.step_failures > MAX_STEP_FAILURES:
-            raise EngineError(f"{self.step_failures} engine steps failed in this attempt (last: {describe(exc)}); "
-                              "committed chunks are kept and a retry resumes from them") from exc
+            raise EngineError(
+                f"{self.step_failures} engine steps failed in this attempt (last: {describe(exc)}); "
+                "committed chunks are kept and a retry resumes from them"
+            ) from exc
         if len(in_flight) == 1 and in_flight[0] not in self._failed_alone:
             # alone, but maybe by chance (the last request, a one-off failure): once more alone first
             self._failed_alone.add(in_flight[0])
@@ -229,18 +241,34 @@ class GuardedEngine:
             self.failed_rows += 1
             if not self._split_suspects:
                 self._split = None
-            log.error("row %s fails the engine alone (%s) while a probe request runs fine: an %s error row",
-                      self.label(key), describe(exc, 200), ENGINE_ERROR)
+            log.error(
+                "row %s fails the engine alone (%s) while a probe request runs fine: an %s error row",
+                self.label(key),
+                describe(exc, 200),
+                ENGINE_ERROR,
+            )
             if self._isolating and not self._suspects:
                 self._end_isolation()
             self._beat()
-            return [(key, RowFailure(ENGINE_ERROR, f"the engine failed on this row alone ({describe(exc)}); "
-                                                   "a probe request ran fine right after"))]
+            return [
+                (
+                    key,
+                    RowFailure(
+                        ENGINE_ERROR,
+                        f"the engine failed on this row alone ({describe(exc)}); a probe request ran fine right after",
+                    ),
+                )
+            ]
         self._held.extendleft(reversed(in_flight))
         self._split_suspects = set(in_flight)
         self._split = max(1, len(in_flight) // 2)
-        log.warning("an engine step failed with %d request(s) in flight (%s); running them again, at most %d "
-                    "at once, to find a row that causes it", len(in_flight), describe(exc, 200), self._split)
+        log.warning(
+            "an engine step failed with %d request(s) in flight (%s); running them again, at most %d "
+            "at once, to find a row that causes it",
+            len(in_flight),
+            describe(exc, 200),
+            self._split,
+        )
         return []
 
     def _probe(self, cause: BaseException) -> None:
@@ -253,9 +281,11 @@ class GuardedEngine:
         except Exception as e:
             if classify(e) == "dead" or not self._alive():
                 raise self._died(e, 1) from e
-            raise EngineError(f"an engine step failed with one request in flight ({describe(cause)}) and a "
-                              f"known-good probe request failed after it ({describe(e)}): the engine fails as a "
-                              "whole; committed chunks are kept and a retry resumes from them") from e
+            raise EngineError(
+                f"an engine step failed with one request in flight ({describe(cause)}) and a "
+                f"known-good probe request failed after it ({describe(e)}): the engine fails as a "
+                "whole; committed chunks are kept and a retry resumes from them"
+            ) from e
 
     def _running(self) -> set[str]:
         """Labels of the requests the FCFS scheduler runs now: the oldest max_num_seqs in flight."""
@@ -274,23 +304,43 @@ class GuardedEngine:
             del self._req[key]
             self._suspects.discard(key)
             self.oom_rows += 1
-            log.error("out of memory with row %s alone in the engine at %s: an %s error row",
-                      self.label(key), _fmt(lim), ENGINE_OOM)
+            log.error(
+                "out of memory with row %s alone in the engine at %s: an %s error row",
+                self.label(key),
+                _fmt(lim),
+                ENGINE_OOM,
+            )
             if not self._alive():
                 self._rebuild(lim)
             if not self._suspects:
                 self._end_isolation()
-            return [(key, RowFailure(ENGINE_OOM, f"out of memory with this row alone in the engine at "
-                                                 f"{_fmt(lim)} (the floors): {str(exc)[:300]}"))]
+            return [
+                (
+                    key,
+                    RowFailure(
+                        ENGINE_OOM,
+                        f"out of memory with this row alone in the engine at "
+                        f"{_fmt(lim)} (the floors): {str(exc)[:300]}",
+                    ),
+                )
+            ]
         lower = self._lowered(lim)
         if lower != lim:
-            log.warning("out of memory at %s (%s); %d request(s) in flight run again after a rebuild at %s",
-                        _fmt(lim), str(exc)[:200], len(in_flight), _fmt(lower))
+            log.warning(
+                "out of memory at %s (%s); %d request(s) in flight run again after a rebuild at %s",
+                _fmt(lim),
+                str(exc)[:200],
+                len(in_flight),
+                _fmt(lower),
+            )
             self._rebuild(lower)
             self.window = self.limits["max_num_seqs"]
             return []
-        log.warning("out of memory at the floors %s; running the %d request(s) that were in flight one at a time",
-                    _fmt(lim), len(in_flight))
+        log.warning(
+            "out of memory at the floors %s; running the %d request(s) that were in flight one at a time",
+            _fmt(lim),
+            len(in_flight),
+        )
         self._isolating = True
         self._suspects = set(in_flight)
         self.window = 1
@@ -330,23 +380,35 @@ class GuardedEngine:
                         raise
                     self.step_failures += 1
                     if self.step_failures > MAX_STEP_FAILURES:
-                        raise EngineError(f"{self.step_failures} engine calls failed in this attempt (last: "
-                                          f"{describe(e)}); committed chunks are kept and a retry resumes "
-                                          "from them") from e
+                        raise EngineError(
+                            f"{self.step_failures} engine calls failed in this attempt (last: "
+                            f"{describe(e)}); committed chunks are kept and a retry resumes "
+                            "from them"
+                        ) from e
                     if len(batch) > 1 or keys[batch[0]] not in self._failed_alone:
                         if len(batch) == 1:  # alone, maybe by chance: once more alone first
                             self._failed_alone.add(keys[batch[0]])
                         split = max(1, len(batch) // 2)
-                        log.warning("a pooling call of %d prompts failed (%s); running them again, at most %d "
-                                    "at once, to find a row that causes it", len(batch), describe(e, 200), split)
+                        log.warning(
+                            "a pooling call of %d prompts failed (%s); running them again, at most %d "
+                            "at once, to find a row that causes it",
+                            len(batch),
+                            describe(e, 200),
+                            split,
+                        )
                         continue
                     self._probe(e)
                     self.failed_rows += 1
-                    log.error("row %s fails the engine alone (%s) while a probe request runs fine: an %s error "
-                              "row", self.label(keys[batch[0]]), describe(e, 200), ENGINE_ERROR)
-                    results[batch[0]] = RowFailure(ENGINE_ERROR, f"the engine failed on this row alone "
-                                                                 f"({describe(e)}); a probe request ran fine "
-                                                                 "right after")
+                    log.error(
+                        "row %s fails the engine alone (%s) while a probe request runs fine: an %s error row",
+                        self.label(keys[batch[0]]),
+                        describe(e, 200),
+                        ENGINE_ERROR,
+                    )
+                    results[batch[0]] = RowFailure(
+                        ENGINE_ERROR,
+                        f"the engine failed on this row alone ({describe(e)}); a probe request ran fine right after",
+                    )
                     todo = todo[1:]
                     split = None
                     self._beat()
@@ -355,8 +417,9 @@ class GuardedEngine:
                 lim = self.limits
                 if alone:
                     self.oom_rows += 1
-                    results[batch[0]] = RowFailure(ENGINE_OOM, f"out of memory with this row alone at {_fmt(lim)}: "
-                                                               f"{str(e)[:300]}")
+                    results[batch[0]] = RowFailure(
+                        ENGINE_OOM, f"out of memory with this row alone at {_fmt(lim)}: {str(e)[:300]}"
+                    )
                     todo = todo[1:]
                     if not self._alive():
                         self._rebuild(lim)
@@ -371,7 +434,7 @@ class GuardedEngine:
                 continue
             for i, v in zip(batch, vectors):
                 results[i] = v
-            todo = todo[len(batch):]
+            todo = todo[len(batch) :]
             self._beat()
         return results
 
@@ -391,8 +454,10 @@ class GuardedEngine:
             hint = f"; the retry starts at {_fmt(lower)} (an out-of-memory error in the engine core looks like this)"
         else:
             hint = ""
-        return EngineError(f"the engine died ({type(exc).__name__}: {exc}) with {in_flight} request(s) in flight "
-                           f"at {_fmt(self.limits)}; committed chunks are kept and a retry resumes from them{hint}")
+        return EngineError(
+            f"the engine died ({type(exc).__name__}: {exc}) with {in_flight} request(s) in flight "
+            f"at {_fmt(self.limits)}; committed chunks are kept and a retry resumes from them{hint}"
+        )
 
     def _build(self, spec: JobSpec):
         if self.watchdog is None:
@@ -410,16 +475,19 @@ class GuardedEngine:
     def _lowered(self, lim: dict[str, int]) -> dict[str, int]:
         w = self.spec.worker
         seqs = min(lim["max_num_seqs"], max(w.oom_min_num_seqs, lim["max_num_seqs"] // 2))
-        toks = min(lim["max_num_batched_tokens"],
-                   max(w.oom_min_batched_tokens, lim["max_num_batched_tokens"] // 2, seqs))
+        toks = min(
+            lim["max_num_batched_tokens"], max(w.oom_min_batched_tokens, lim["max_num_batched_tokens"] // 2, seqs)
+        )
         return {"max_num_seqs": seqs, "max_num_batched_tokens": toks}
 
     def _rebuild(self, lim: dict[str, int]) -> None:
         if self.rebuilds >= self.spec.worker.oom_max_rebuilds:
             if lim != self.limits:
                 self._record(lim)  # the retry starts where this attempt would have gone next
-            raise EngineError(f"out of memory again after {self.rebuilds} engine rebuild(s) (now {_fmt(self.limits)}); "
-                              "committed chunks are kept and a retry resumes from them")
+            raise EngineError(
+                f"out of memory again after {self.rebuilds} engine rebuild(s) (now {_fmt(self.limits)}); "
+                "committed chunks are kept and a retry resumes from them"
+            )
         self.rebuilds += 1
         old, self.engine = self.engine, None
         try:

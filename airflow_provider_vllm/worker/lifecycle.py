@@ -77,8 +77,9 @@ def set_parent_death_signal(sig: int) -> bool:
         return False
 
 
-def bind_to_parent(env: Mapping[str, str] | None = None, poll_s: float = 0.25,
-                   on_orphan: Callable[[], None] | None = None) -> bool:
+def bind_to_parent(
+    env: Mapping[str, str] | None = None, poll_s: float = 0.25, on_orphan: Callable[[], None] | None = None
+) -> bool:
     """Bind this process's life to ``$VLLM_BATCH_PARENT_PID`` (see the module docstring).
 
     Returns False when the parent is already gone (the caller exits at once); True when bound
@@ -115,7 +116,7 @@ def start_time(pid: int) -> int | None:
             stat = f.read()
     except OSError:
         return None
-    fields = stat[stat.rfind(b")") + 2:].split()
+    fields = stat[stat.rfind(b")") + 2 :].split()
     try:
         if fields[0] == b"Z":  # a zombie has ended; it only waits to be reaped
             return None
@@ -171,9 +172,15 @@ class ShardLock:
 
     def record(self) -> dict:
         me = os.getpid()
-        return {"shard_id": self.shard_id, "pid": me, "pid_start": start_time(me), "pgid": os.getpgrp(),
-                "parent_pid": self.parent, "parent_start": start_time(self.parent) if self.parent else None,
-                "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        return {
+            "shard_id": self.shard_id,
+            "pid": me,
+            "pid_start": start_time(me),
+            "pgid": os.getpgrp(),
+            "parent_pid": self.parent,
+            "parent_start": start_time(self.parent) if self.parent else None,
+            "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
 
     def read(self) -> dict | None:
         try:
@@ -201,19 +208,28 @@ class ShardLock:
         while not self._try():
             holder = self.read()
             if holder is not None and stale(holder):
-                self._kill(holder, "its Airflow task process is gone" if not alive(
-                    holder.get("parent_pid"), holder.get("parent_start")) else "its worker is gone")
+                self._kill(
+                    holder,
+                    "its Airflow task process is gone"
+                    if not alive(holder.get("parent_pid"), holder.get("parent_start"))
+                    else "its worker is gone",
+                )
                 deadline = max(deadline, time.monotonic() + STALE_KILL_WAIT_S)
             elif not waited:
                 waited = True
-                log.warning("shard %s: an earlier attempt still runs on this host (%s); waiting up to %.0f s "
-                            "for it to end", self.shard_id, _describe(holder), wait_s)
+                log.warning(
+                    "shard %s: an earlier attempt still runs on this host (%s); waiting up to %.0f s for it to end",
+                    self.shard_id,
+                    _describe(holder),
+                    wait_s,
+                )
             if time.monotonic() >= deadline:
                 os.close(self.fd)
                 self.fd = None
                 raise TransientError(
                     f"shard {self.shard_id}: an earlier attempt still runs on this host ({_describe(self.read())}) "
-                    f"after {wait_s:.0f} s; not starting a second one next to it (lock {self.path})")
+                    f"after {wait_s:.0f} s; not starting a second one next to it (lock {self.path})"
+                )
             time.sleep(poll_s)
         previous = self.read()
         if previous is not None and previous.get("pid") != os.getpid():
@@ -263,8 +279,10 @@ def stale(holder: dict) -> bool:
 def _describe(holder: dict | None) -> str:
     if not holder:
         return "holder not recorded yet"
-    return (f"worker pid {holder.get('pid')}, process group {holder.get('pgid')}, "
-            f"task process pid {holder.get('parent_pid')}, since {holder.get('at')}")
+    return (
+        f"worker pid {holder.get('pid')}, process group {holder.get('pgid')}, "
+        f"task process pid {holder.get('parent_pid')}, since {holder.get('at')}"
+    )
 
 
 _HELD: list[ShardLock] = []  # kept for the process's life: closing the fd would release the lock

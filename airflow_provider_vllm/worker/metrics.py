@@ -70,8 +70,16 @@ class MetricsConfig(BaseModel):
 class ShardMetrics:
     """Metric values of one attempt, refreshed from ``Progress`` and the resource sampler."""
 
-    def __init__(self, config: MetricsConfig, *, batch_job: str, run: str, shard_id: str, attempt_id: str,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        config: MetricsConfig,
+        *,
+        batch_job: str,
+        run: str,
+        shard_id: str,
+        attempt_id: str,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         from prometheus_client import CollectorRegistry
 
         self.config = config
@@ -101,10 +109,17 @@ class ShardMetrics:
         """Take the progress counters (and resource readings); export when due, ``final`` or ``force``."""
         s = progress.snapshot()
         self.values.update(
-            shard_rows=progress.total, ok=progress.ok, errors=progress.errors,
-            errors_by_code=dict(progress.errors_by_code), prompt_tokens=progress.prompt_tokens,
-            output_tokens=progress.completion_tokens, rows_per_s=s["rows_per_s"], tokens_per_s=s["tokens_per_s"],
-            elapsed_s=s["elapsed_s"], eta_s=s["eta_s"], finished=1 if final else 0,
+            shard_rows=progress.total,
+            ok=progress.ok,
+            errors=progress.errors,
+            errors_by_code=dict(progress.errors_by_code),
+            prompt_tokens=progress.prompt_tokens,
+            output_tokens=progress.completion_tokens,
+            rows_per_s=s["rows_per_s"],
+            tokens_per_s=s["tokens_per_s"],
+            elapsed_s=s["elapsed_s"],
+            eta_s=s["eta_s"],
+            finished=1 if final else 0,
         )
         if resources is not None:
             self.values["resources"] = resources
@@ -120,8 +135,13 @@ class ShardMetrics:
         self.exports += 1
         if self.config.pushgateway:
             try:
-                push_to_gateway(self.config.pushgateway, job=self.config.job, registry=self.push_registry,
-                                grouping_key=self.labels, timeout=self.config.push_timeout_s)
+                push_to_gateway(
+                    self.config.pushgateway,
+                    job=self.config.job,
+                    registry=self.push_registry,
+                    grouping_key=self.labels,
+                    timeout=self.config.push_timeout_s,
+                )
             except Exception as e:
                 self.failures += 1
                 log.warning("metrics push to %s failed (%d so far): %s", self.config.pushgateway, self.failures, e)
@@ -156,19 +176,41 @@ class _Collector:
             return m
 
         G, C = GaugeMetricFamily, CounterMetricFamily
-        yield fam(G, "shard_rows", "Rows this attempt has to process (planned rows less reused chunks).",
-                  points=[((), v.get("shard_rows"))])
-        yield fam(C, "rows", "Rows finished by this attempt, by outcome.", ["outcome"],
-                  [(("ok",), v.get("ok", 0)), (("error",), v.get("errors", 0))])
-        yield fam(C, "errors", "Error rows by reason code.", ["code"],
-                  [((code,), n) for code, n in sorted((v.get("errors_by_code") or {}).items())])
+        yield fam(
+            G,
+            "shard_rows",
+            "Rows this attempt has to process (planned rows less reused chunks).",
+            points=[((), v.get("shard_rows"))],
+        )
+        yield fam(
+            C,
+            "rows",
+            "Rows finished by this attempt, by outcome.",
+            ["outcome"],
+            [(("ok",), v.get("ok", 0)), (("error",), v.get("errors", 0))],
+        )
+        yield fam(
+            C,
+            "errors",
+            "Error rows by reason code.",
+            ["code"],
+            [((code,), n) for code, n in sorted((v.get("errors_by_code") or {}).items())],
+        )
         yield fam(C, "prompt_tokens", "Prompt tokens of finished rows.", points=[((), v.get("prompt_tokens", 0))])
         yield fam(C, "output_tokens", "Generated tokens of finished rows.", points=[((), v.get("output_tokens", 0))])
-        yield fam(G, "engine_start_seconds", "Seconds to import vLLM and load the model.",
-                  points=[((), v.get("engine_start_seconds"))])
+        yield fam(
+            G,
+            "engine_start_seconds",
+            "Seconds to import vLLM and load the model.",
+            points=[((), v.get("engine_start_seconds"))],
+        )
         yield fam(G, "rows_per_second", "Rows per second since inference started.", points=[((), v.get("rows_per_s"))])
-        yield fam(G, "tokens_per_second", "Prompt + output tokens per second since inference started.",
-                  points=[((), v.get("tokens_per_s"))])
+        yield fam(
+            G,
+            "tokens_per_second",
+            "Prompt + output tokens per second since inference started.",
+            points=[((), v.get("tokens_per_s"))],
+        )
         yield fam(G, "inference_seconds", "Seconds since inference started.", points=[((), v.get("elapsed_s"))])
         yield fam(G, "eta_seconds", "Estimated seconds left.", points=[((), v.get("eta_s"))])
         yield fam(G, "finished", "1 once the attempt has processed all its rows.", points=[((), v.get("finished"))])
@@ -176,18 +218,46 @@ class _Collector:
         r = v.get("resources")
         if r is None:
             return
-        yield fam(G, "process_rss_bytes", "Resident memory of the worker and its children, last sample.",
-                  points=[((), r.rss_last)])
-        yield fam(G, "process_rss_peak_bytes", "Peak resident memory of the worker and its children.",
-                  points=[((), r.rss_peak_bytes())])
+        yield fam(
+            G,
+            "process_rss_bytes",
+            "Resident memory of the worker and its children, last sample.",
+            points=[((), r.rss_last)],
+        )
+        yield fam(
+            G,
+            "process_rss_peak_bytes",
+            "Peak resident memory of the worker and its children.",
+            points=[((), r.rss_peak_bytes())],
+        )
         gpus = list(r.gpus.values())
         if not gpus:
             return
-        yield fam(G, "gpu_utilization_percent", "GPU utilisation (NVML), last sample.", ["gpu"],
-                  [((str(g.index),), g.util_last) for g in gpus])
-        yield fam(G, "gpu_utilization_peak_percent", "Peak GPU utilisation (NVML).", ["gpu"],
-                  [((str(g.index),), g.util_peak) for g in gpus])
-        yield fam(G, "gpu_memory_used_bytes", "GPU memory used (NVML), last sample.", ["gpu"],
-                  [((str(g.index),), g.mem_last) for g in gpus])
-        yield fam(G, "gpu_memory_peak_bytes", "Peak GPU memory used (NVML).", ["gpu"],
-                  [((str(g.index),), g.mem_peak) for g in gpus])
+        yield fam(
+            G,
+            "gpu_utilization_percent",
+            "GPU utilisation (NVML), last sample.",
+            ["gpu"],
+            [((str(g.index),), g.util_last) for g in gpus],
+        )
+        yield fam(
+            G,
+            "gpu_utilization_peak_percent",
+            "Peak GPU utilisation (NVML).",
+            ["gpu"],
+            [((str(g.index),), g.util_peak) for g in gpus],
+        )
+        yield fam(
+            G,
+            "gpu_memory_used_bytes",
+            "GPU memory used (NVML), last sample.",
+            ["gpu"],
+            [((str(g.index),), g.mem_last) for g in gpus],
+        )
+        yield fam(
+            G,
+            "gpu_memory_peak_bytes",
+            "Peak GPU memory used (NVML).",
+            ["gpu"],
+            [((str(g.index),), g.mem_peak) for g in gpus],
+        )

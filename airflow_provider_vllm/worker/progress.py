@@ -21,8 +21,14 @@ log = logging.getLogger("airflow_provider_vllm.worker")
 class Progress:
     """Rows done/total, rows/s, prompt+output tokens/s, errors and ETA of one shard attempt."""
 
-    def __init__(self, shard_id: str, total: int, interval: float = 10.0, clock: Callable[[], float] = time.monotonic,
-                 on_update: Callable[[Progress, bool], None] | None = None):
+    def __init__(
+        self,
+        shard_id: str,
+        total: int,
+        interval: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+        on_update: Callable[[Progress, bool], None] | None = None,
+    ):
         if interval <= 0:
             raise ValueError(f"progress interval must be > 0 seconds, got {interval!r}")
         self.shard_id = shard_id
@@ -104,8 +110,17 @@ class Progress:
         eta = "?" if s["eta_s"] is None else _duration(s["eta_s"])
         log.info(
             "progress %s rows=%d/%d (%.1f%%) rows/s=%.2f tokens/s=%.1f (prompt %.1f + output %.1f) errors=%d eta=%s %s",
-            self.shard_id, s["rows_done"], s["rows_total"], s["pct"], s["rows_per_s"], s["tokens_per_s"],
-            s["prompt_tokens_per_s"], s["output_tokens_per_s"], s["errors"], eta, _json(s),
+            self.shard_id,
+            s["rows_done"],
+            s["rows_total"],
+            s["pct"],
+            s["rows_per_s"],
+            s["tokens_per_s"],
+            s["prompt_tokens_per_s"],
+            s["output_tokens_per_s"],
+            s["errors"],
+            eta,
+            _json(s),
         )
         self._notify(final=False)
 
@@ -120,9 +135,18 @@ class Progress:
         log.info(
             "progress %s done rows=%d/%d ok=%d errors=%d%s in %s rows/s=%.2f tokens/s=%.1f "
             "(prompt %.1f + output %.1f) %s",
-            self.shard_id, s["rows_done"], s["rows_total"], s["ok"], s["errors"], f" ({codes})" if codes else "",
-            _duration(s["elapsed_s"]), s["rows_per_s"], s["tokens_per_s"], s["prompt_tokens_per_s"],
-            s["output_tokens_per_s"], _json({**s, "final": True}),
+            self.shard_id,
+            s["rows_done"],
+            s["rows_total"],
+            s["ok"],
+            s["errors"],
+            f" ({codes})" if codes else "",
+            _duration(s["elapsed_s"]),
+            s["rows_per_s"],
+            s["tokens_per_s"],
+            s["prompt_tokens_per_s"],
+            s["output_tokens_per_s"],
+            _json({**s, "final": True}),
         )
         self._notify(final=True)
         return s

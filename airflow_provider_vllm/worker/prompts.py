@@ -191,8 +191,13 @@ class PromptBuilder:
         url, body = request["url"], request["body"]
         pooling = self.spec.task in ("embed", "classify")
         if (url == CHAT_URL) == pooling:
-            return Prepared(fault=(INVALID_ROW, f"url {url!r} does not match this job's task {self.spec.task!r} "
-                                                f"({CHAT_URL} for chat/generate, {EMBEDDINGS_URL} for embed/classify)"))
+            return Prepared(
+                fault=(
+                    INVALID_ROW,
+                    f"url {url!r} does not match this job's task {self.spec.task!r} "
+                    f"({CHAT_URL} for chat/generate, {EMBEDDINGS_URL} for embed/classify)",
+                )
+            )
         if url == EMBEDDINGS_URL:
             ids = self._encode(parse_embeddings_body(body).input)
             overrides: dict[str, Any] = {}
@@ -202,12 +207,18 @@ class PromptBuilder:
             overrides = chat.sampling()
             mt = overrides.get("max_tokens", self.spec.sampling.max_tokens)
             if mt >= self.max_model_len:
-                return Prepared(fault=(INVALID_REQUEST, f"body.max_tokens: {mt} leaves no room for a prompt in "
-                                                        f"max_model_len {self.max_model_len} "
-                                                        f"(at most {self.max_model_len - 1})"))
+                return Prepared(
+                    fault=(
+                        INVALID_REQUEST,
+                        f"body.max_tokens: {mt} leaves no room for a prompt in "
+                        f"max_model_len {self.max_model_len} "
+                        f"(at most {self.max_model_len - 1})",
+                    )
+                )
             if overrides.get("min_tokens", 0) > mt:
-                return Prepared(fault=(INVALID_REQUEST, f"body.min_tokens: {overrides['min_tokens']} is more than "
-                                                        f"max_tokens {mt}"))
+                return Prepared(
+                    fault=(INVALID_REQUEST, f"body.min_tokens: {overrides['min_tokens']} is more than max_tokens {mt}")
+                )
             ids = self.chat_ids(chat.conversation())
             budget = self.max_model_len - mt
         if not ids:

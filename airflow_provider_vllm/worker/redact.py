@@ -136,7 +136,7 @@ class _Pump:
                 self.busy = False
                 continue
             cut = cut if cut >= 0 else len(pending) - 1
-            out, pending = pending[: cut + 1], pending[cut + 1:]
+            out, pending = pending[: cut + 1], pending[cut + 1 :]
             self._write(self.redact(out))
             self.busy = False
         self._write(self.redact(pending))

@@ -125,12 +125,16 @@ class ResourceSampler:
             for i in _visible_gpus(s.nvml):
                 h = s.nvml.nvmlDeviceGetHandleByIndex(i)
                 name = s.nvml.nvmlDeviceGetName(h)
-                s.gpus[i] = GpuPeak(index=i, name=name.decode() if isinstance(name, bytes) else str(name),
-                                    mem_total=int(s.nvml.nvmlDeviceGetMemoryInfo(h).total))
+                s.gpus[i] = GpuPeak(
+                    index=i,
+                    name=name.decode() if isinstance(name, bytes) else str(name),
+                    mem_total=int(s.nvml.nvmlDeviceGetMemoryInfo(h).total),
+                )
         s.sample()
         # the thread holds only a weak reference: an attempt that dies without stop() ends it too
-        s._thread = threading.Thread(target=_sample_loop, args=(weakref.ref(s), s._stop, interval),
-                                     name="vllm-batch-resources", daemon=True)
+        s._thread = threading.Thread(
+            target=_sample_loop, args=(weakref.ref(s), s._stop, interval), name="vllm-batch-resources", daemon=True
+        )
         s._thread.start()
         return s
 
@@ -185,10 +189,17 @@ class ResourceSampler:
             }
             if self.gpus:
                 gs = list(self.gpus.values())
-                out["gpus"] = [{"index": g.index, "name": g.name, "util_peak_pct": g.util_peak,
-                                "util_mean_pct": round(g.util_sum / g.samples, 1) if g.samples else None,
-                                "mem_peak_mb": round(g.mem_peak / MB, 1), "mem_total_mb": round(g.mem_total / MB, 1)}
-                               for g in gs]
+                out["gpus"] = [
+                    {
+                        "index": g.index,
+                        "name": g.name,
+                        "util_peak_pct": g.util_peak,
+                        "util_mean_pct": round(g.util_sum / g.samples, 1) if g.samples else None,
+                        "mem_peak_mb": round(g.mem_peak / MB, 1),
+                        "mem_total_mb": round(g.mem_total / MB, 1),
+                    }
+                    for g in gs
+                ]
                 out["gpu_util_peak_pct"] = max(g.util_peak for g in gs)
                 out["gpu_mem_peak_mb"] = round(max(g.mem_peak for g in gs) / MB, 1)
         return out

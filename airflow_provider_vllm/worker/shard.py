@@ -55,14 +55,21 @@ def start_limits(spec: JobSpec, carried: dict[str, int] | None) -> JobSpec:
     lim = {k: v if getattr(eng, k) is None else min(v, getattr(eng, k)) for k, v in carried.items()}
     if all(getattr(eng, k) == v for k, v in lim.items()):
         return spec
-    log.warning("starting at %s: an earlier attempt of this shard ran out of memory above that",
-                ", ".join(f"{k}={v}" for k, v in sorted(lim.items())))
+    log.warning(
+        "starting at %s: an earlier attempt of this shard ran out of memory above that",
+        ", ".join(f"{k}={v}" for k, v in sorted(lim.items())),
+    )
     return spec.model_copy(update={"engine": eng.model_copy(update=lim)})
 
 
-def run_shard(task: ShardTask, engine_factory: Callable[[JobSpec], Any] | None = None,
-              on_stall: Callable[[float], None] | None = None) -> dict[str, Any]:
-    """Process one shard; returns the manifest as JSON data (``WorkerManifest.dump()``, also the XCom value). Idempotent.
+def run_shard(
+    task: ShardTask,
+    engine_factory: Callable[[JobSpec], Any] | None = None,
+    on_stall: Callable[[float], None] | None = None,
+) -> dict[str, Any]:
+    """Process one shard; returns the manifest as JSON data (``WorkerManifest.dump()``, the XCom value).
+
+    Idempotent.
 
     The engine runs behind ``GuardedEngine`` (OOM back-off, engine death -> EngineError). A
     progress ``Watchdog`` (``spec.worker.watchdog_s``; ``on_stall`` default: exit 75) covers every
@@ -80,8 +87,10 @@ def _run_shard(task: ShardTask, engine_factory: Callable[[JobSpec], Any] | None,
     plan = load_plan(spec)
     watchdog.beat()
     if plan.spec_hash != spec.content_hash():
-        raise SpecError(f"the plan at {spec.io.output_uri} was made for another spec "
-                        f"({plan.spec_hash[:12]} != {spec.content_hash()[:12]})")
+        raise SpecError(
+            f"the plan at {spec.io.output_uri} was made for another spec "
+            f"({plan.spec_hash[:12]} != {spec.content_hash()[:12]})"
+        )
     shard = plan.shard(task.shard_id)
     store = ShardStore(out, shard.shard_id)
     committed = store.marker()
@@ -103,25 +112,49 @@ def _run_shard(task: ShardTask, engine_factory: Callable[[JobSpec], Any] | None,
 
     chunk_rows = spec.sharding.chunk_rows
     n_chunks = max(1, -(-shard.rows // chunk_rows)) if shard.rows else 0
-    metas = {k: ChunkMeta(shard_id=shard.shard_id, chunk=k, first_row=k * chunk_rows,
-                          rows=min(chunk_rows, shard.rows - k * chunk_rows), config_hash=plan.config_hash)
-             for k in range(n_chunks)}
+    metas = {
+        k: ChunkMeta(
+            shard_id=shard.shard_id,
+            chunk=k,
+            first_row=k * chunk_rows,
+            rows=min(chunk_rows, shard.rows - k * chunk_rows),
+            config_hash=plan.config_hash,
+        )
+        for k in range(n_chunks)
+    }
     reused = store.reusable_chunks(metas, beat=watchdog.beat)
     todo = [k for k in range(n_chunks) if k not in reused]
-    log.info("shard %s attempt %s: %d rows in %d chunks, %d reused from earlier attempts",
-             shard.shard_id, attempt, shard.rows, n_chunks, len(reused))
+    log.info(
+        "shard %s attempt %s: %d rows in %d chunks, %d reused from earlier attempts",
+        shard.shard_id,
+        attempt,
+        shard.rows,
+        n_chunks,
+        len(reused),
+    )
 
-    stats: dict[str, Any] = {"rows": shard.rows, "read_s": round(read_s, 3), "reused_chunks": len(reused),
-                             "engine_start_s": 0.0, "infer_s": 0.0, "prompt_tokens": 0, "completion_tokens": 0}
+    stats: dict[str, Any] = {
+        "rows": shard.rows,
+        "read_s": round(read_s, 3),
+        "reused_chunks": len(reused),
+        "engine_start_s": 0.0,
+        "infer_s": 0.0,
+        "prompt_tokens": 0,
+        "completion_tokens": 0,
+    }
     files = {k: store.file_entry(rel) for k, rel in reused.items()}
     engine_version = None
     done_rows = sum(metas[k].rows for k in todo)
     telemetry = ShardTelemetry(spec, shard.shard_id, attempt, done_rows, task.progress_interval_s)
     if todo:
         with _beating(watchdog):
-            engine = GuardedEngine(start_limits(spec, store.engine_limits()), engine_factory or _default_engine,
-                                   watchdog, label=lambda key: batch.ids[cast(tuple, key)[1]],
-                                   on_lowered=lambda lim: store.save_engine_limits(lim, attempt))
+            engine = GuardedEngine(
+                start_limits(spec, store.engine_limits()),
+                engine_factory or _default_engine,
+                watchdog,
+                label=lambda key: batch.ids[cast(tuple, key)[1]],
+                on_lowered=lambda lim: store.save_engine_limits(lim, attempt),
+            )
             engine_version = engine.version
             stats["engine_start_s"] = round(engine.start_seconds, 3)
             telemetry.engine_started(engine.start_seconds)
@@ -158,23 +191,35 @@ def _run_shard(task: ShardTask, engine_factory: Callable[[JobSpec], Any] | None,
         ok_rows=sum(e.ok_rows for e in entries),
         error_rows=sum(e.error_rows for e in entries),
         stats=ShardStats.model_validate(stats),
-        versions={"airflow-provider-vllm": __version__, "vllm": engine_version,
-                  "python": platform.python_version(), "model": spec.model.name,
-                  "model_revision": spec.model.revision},
+        versions={
+            "airflow-provider-vllm": __version__,
+            "vllm": engine_version,
+            "python": platform.python_version(),
+            "model": spec.model.name,
+            "model_revision": spec.model.revision,
+        },
         committed_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     )
     if marker.rows != shard.rows:
         raise InputChangedError(f"shard {shard.shard_id}: chunks hold {marker.rows} rows, plan {shard.rows}")
     watchdog.beat()
     if store.commit(marker):
-        log.info("shard %s committed by attempt %s: %d ok, %d errors",
-                 shard.shard_id, attempt, marker.ok_rows, marker.error_rows)
+        log.info(
+            "shard %s committed by attempt %s: %d ok, %d errors",
+            shard.shard_id,
+            attempt,
+            marker.ok_rows,
+            marker.error_rows,
+        )
         return _manifest(marker, status="committed")
     winner = store.marker()
     if winner is None:  # create_only refused but no marker: storage lost it; a retry commits again
         raise TransientError(f"shard {shard.shard_id}: the commit marker was refused but cannot be read back")
-    log.info("shard %s was committed first by attempt %s; this attempt's files are ignored",
-             shard.shard_id, winner.attempt_id)
+    log.info(
+        "shard %s was committed first by attempt %s; this attempt's files are ignored",
+        shard.shard_id,
+        winner.attempt_id,
+    )
     return _manifest(winner, status="already_committed")
 
 
@@ -195,13 +240,21 @@ def _default_engine(spec: JobSpec):
 
 
 def _manifest(marker: CommitMarker, status: str) -> dict[str, Any]:
-    return WorkerManifest(status=status, shard_id=marker.shard_id, attempt_id=marker.attempt_id, rows=marker.rows,
-                          ok_rows=marker.ok_rows, error_rows=marker.error_rows, stats=marker.stats).dump()
+    return WorkerManifest(
+        status=status,
+        shard_id=marker.shard_id,
+        attempt_id=marker.attempt_id,
+        rows=marker.rows,
+        ok_rows=marker.ok_rows,
+        error_rows=marker.error_rows,
+        stats=marker.stats,
+    ).dump()
 
 
 # ---- reading ------------------------------------------------------------------------
-def read_shard_rows(spec: JobSpec, plan: Plan, shard: ShardPlan, root: Storage,
-                    beat: Callable[[], None] = lambda: None) -> RowBatch:
+def read_shard_rows(
+    spec: JobSpec, plan: Plan, shard: ShardPlan, root: Storage, beat: Callable[[], None] = lambda: None
+) -> RowBatch:
     """The shard's rows in plan order (bucket filter applied); ``beat()`` after each segment read."""
     fmt = input_format(plan.format)
     batch = RowBatch(ids=[], values={}, faults=[], lines=[])
@@ -229,8 +282,12 @@ class _ChunkRunner:
         self.requests = input_format(plan.format).carries_requests
         self.progress = progress
         self.prov = {
-            "model": spec.model.name, "model_revision": spec.model.revision, "engine_version": engine.version,
-            "config_hash": plan.config_hash, "shard_id": shard.shard_id, "attempt_id": attempt,
+            "model": spec.model.name,
+            "model_revision": spec.model.revision,
+            "engine_version": engine.version,
+            "config_hash": plan.config_hash,
+            "shard_id": shard.shard_id,
+            "attempt_id": attempt,
         }
         self.prompt_tokens = 0
         self.completion_tokens = 0
@@ -259,15 +316,15 @@ class _ChunkRunner:
             return Prepared(fault=(INVALID_ROW, f"the row could not be prepared: {describe(e)}"))
 
     def _error(self, i: int, code: str, message: str) -> dict[str, Any]:
-        return {"id": self.batch.ids[i], "status": "error", "error_code": code, "error_message": message,
-                **self.prov}
+        return {"id": self.batch.ids[i], "status": "error", "error_code": code, "error_message": message, **self.prov}
 
     def _generate(self, todo: list[int]) -> dict[int, FileEntry]:
         records: dict[int, dict[int, dict]] = {k: {} for k in todo}
         submitted: dict[int, tuple[float, bool]] = {}
         files: dict[int, FileEntry] = {}
-        queue = [(k, i) for k in todo for i in range(self.metas[k].first_row,
-                                                     self.metas[k].first_row + self.metas[k].rows)]
+        queue = [
+            (k, i) for k in todo for i in range(self.metas[k].first_row, self.metas[k].first_row + self.metas[k].rows)
+        ]
         pos = 0
         while pos < len(queue) or self.engine.pending():
             while pos < len(queue) and self.engine.pending() < self.depth:
@@ -291,10 +348,18 @@ class _ChunkRunner:
                     continue
                 label, parsed, valid = self._structured(i, g.text)
                 records[k][i] = {
-                    "id": self.batch.ids[i], "status": "ok", "output": g.text, "label": label,
-                    "parsed_json": parsed, "valid": valid, "finish_reason": g.finish_reason,
-                    "prompt_tokens": g.prompt_tokens, "completion_tokens": g.completion_tokens,
-                    "truncated": truncated, "latency_ms": (time.monotonic() - t_sub) * 1000.0, **self.prov,
+                    "id": self.batch.ids[i],
+                    "status": "ok",
+                    "output": g.text,
+                    "label": label,
+                    "parsed_json": parsed,
+                    "valid": valid,
+                    "finish_reason": g.finish_reason,
+                    "prompt_tokens": g.prompt_tokens,
+                    "completion_tokens": g.completion_tokens,
+                    "truncated": truncated,
+                    "latency_ms": (time.monotonic() - t_sub) * 1000.0,
+                    **self.prov,
                 }
                 self.prompt_tokens += g.prompt_tokens
                 self.completion_tokens += g.completion_tokens
@@ -348,9 +413,17 @@ class _ChunkRunner:
                     best = max(range(len(vec)), key=lambda j: vec[j])
                     label = names[best] if best < len(names) else str(best)
                 n_tokens = len(p.token_ids or ())
-                rows[i] = {"id": self.batch.ids[i], "status": "ok", col: [float(x) for x in vec], "label": label,
-                           "prompt_tokens": n_tokens, "completion_tokens": 0, "truncated": p.truncated,
-                           "latency_ms": per_row_ms, **self.prov}
+                rows[i] = {
+                    "id": self.batch.ids[i],
+                    "status": "ok",
+                    col: [float(x) for x in vec],
+                    "label": label,
+                    "prompt_tokens": n_tokens,
+                    "completion_tokens": 0,
+                    "truncated": p.truncated,
+                    "latency_ms": per_row_ms,
+                    **self.prov,
+                }
                 self.prompt_tokens += n_tokens
         ordered = [rows[i] for i in range(meta.first_row, meta.first_row + meta.rows)]
         entry = self.store.write_chunk(self.attempt, meta, rows_table(ordered))

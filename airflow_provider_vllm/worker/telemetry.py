@@ -20,15 +20,27 @@ ENV_SAMPLE_S = envs.RESOURCE_SAMPLE_S.name
 
 
 class ShardTelemetry:
-    def __init__(self, spec: JobSpec, shard_id: str, attempt_id: str, total: int, interval: float,
-                 environ: Mapping[str, str] | None = None):
+    def __init__(
+        self,
+        spec: JobSpec,
+        shard_id: str,
+        attempt_id: str,
+        total: int,
+        interval: float,
+        environ: Mapping[str, str] | None = None,
+    ):
         cfg = MetricsConfig.from_env(environ)
         self.metrics = None
         if cfg is not None:
             from airflow_provider_vllm.worker.metrics import ShardMetrics
 
-            self.metrics = ShardMetrics(cfg, batch_job=spec.name, run=cfg.run or spec.content_hash()[:12],
-                                        shard_id=shard_id, attempt_id=attempt_id)
+            self.metrics = ShardMetrics(
+                cfg,
+                batch_job=spec.name,
+                run=cfg.run or spec.content_hash()[:12],
+                shard_id=shard_id,
+                attempt_id=attempt_id,
+            )
         self.resources = ResourceSampler.start(interval=float(envs.RESOURCE_SAMPLE_S.value(environ)))
         self.progress = Progress(shard_id, total, interval, on_update=self._on_progress if self.metrics else None)
 

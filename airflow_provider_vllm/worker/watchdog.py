@@ -25,8 +25,12 @@ class Watchdog:
     ``paused()`` (engine start or rebuild) does not count.
     """
 
-    def __init__(self, timeout_s: float | None, on_stall: Callable[[float], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        timeout_s: float | None,
+        on_stall: Callable[[float], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.timeout_s = timeout_s
         self.on_stall = on_stall or _default_on_stall
         self.clock = clock

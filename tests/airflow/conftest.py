@@ -49,28 +49,32 @@ def model_roots(tiny_model: str) -> list[str]:
 def airflow_sandbox(tmp_path_factory, tiny_model) -> AirflowSandbox:
     home = tmp_path_factory.mktemp("airflow_home")
     data = tmp_path_factory.mktemp("vllm_batch_data")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "VLLM_BATCH_INJECT", "VLLM_BATCH_ALLOW"))}
-    env.update({
-        "AIRFLOW_HOME": str(home),
-        # This checkout's code, not whatever the venv's editable install points at (worktrees).
-        "PYTHONPATH": os.pathsep.join(p for p in [str(ROOT), env.get("PYTHONPATH", "")] if p),
-        "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS),
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW__CORE__DEFAULT_TASK_RETRY_DELAY": "1",
-        "AIRFLOW_VAR_VLLM_BATCH_DATA_ROOT": str(data),
-        "AIRFLOW_VAR_VLLM_BATCH_MODEL": tiny_model,
-        # The tiny random model needs room to spell the longer labels through its small vocabulary.
-        "AIRFLOW_VAR_VLLM_BATCH_SPEC_OVERRIDES": json.dumps({"sampling.max_tokens": 32}),
-        # `dags test` cannot answer a review: a QA 'warn' of the random model is published unasked.
-        "AIRFLOW_VAR_VLLM_BATCH_HUMAN_REVIEW": "false",
-        # The deployment's allow-list: the sandbox's data root and the model cache (tiny model, SmolLM2).
-        "AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES": json.dumps([str(data), *model_roots(tiny_model)]),
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-    })
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "VLLM_BATCH_INJECT", "VLLM_BATCH_ALLOW"))
+    }
+    env.update(
+        {
+            "AIRFLOW_HOME": str(home),
+            # This checkout's code, not whatever the venv's editable install points at (worktrees).
+            "PYTHONPATH": os.pathsep.join(p for p in [str(ROOT), env.get("PYTHONPATH", "")] if p),
+            "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS),
+            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+            "AIRFLOW__CORE__DEFAULT_TASK_RETRY_DELAY": "1",
+            "AIRFLOW_VAR_VLLM_BATCH_DATA_ROOT": str(data),
+            "AIRFLOW_VAR_VLLM_BATCH_MODEL": tiny_model,
+            # The tiny random model needs room to spell the longer labels through its small vocabulary.
+            "AIRFLOW_VAR_VLLM_BATCH_SPEC_OVERRIDES": json.dumps({"sampling.max_tokens": 32}),
+            # `dags test` cannot answer a review: a QA 'warn' of the random model is published unasked.
+            "AIRFLOW_VAR_VLLM_BATCH_HUMAN_REVIEW": "false",
+            # The deployment's allow-list: the sandbox's data root and the model cache (tiny model, SmolLM2).
+            "AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES": json.dumps([str(data), *model_roots(tiny_model)]),
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+    )
     box = AirflowSandbox(home=home, data=data, env=env)
     p = box.run("db", "migrate", timeout=600)
     assert p.returncode == 0, tail(p)

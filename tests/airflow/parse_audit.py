@@ -52,8 +52,21 @@ def hook(event: str, args: tuple) -> None:
         if mode in (None, "r", "rb") and path.endswith(SOURCE_SUFFIXES) and path.startswith(str(folder)):
             return  # the DAG file itself, read by the import system
         events["open"].append([path, mode])
-    elif event in ("os.mkdir", "os.rename", "os.remove", "os.rmdir", "os.unlink", "os.listdir", "os.scandir",
-                   "shutil.rmtree", "shutil.copyfile", "os.truncate", "os.chmod", "os.link", "os.symlink"):
+    elif event in (
+        "os.mkdir",
+        "os.rename",
+        "os.remove",
+        "os.rmdir",
+        "os.unlink",
+        "os.listdir",
+        "os.scandir",
+        "shutil.rmtree",
+        "shutil.copyfile",
+        "os.truncate",
+        "os.chmod",
+        "os.link",
+        "os.symlink",
+    ):
         events["fs"].append([event, repr(args)[:200]])
     elif event.startswith("socket.") and event in ("socket.connect", "socket.bind", "socket.getaddrinfo"):
         events["net"].append([event, repr(args)[:200]])
@@ -71,6 +84,7 @@ for i, path in enumerate(files):
         spec.loader.exec_module(module)
     finally:
         active = False
-    parsed.append([path.name, sorted(getattr(d, "dag_id", "?") for d in vars(module).values()
-                                     if type(d).__name__ == "DAG")])
+    parsed.append(
+        [path.name, sorted(getattr(d, "dag_id", "?") for d in vars(module).values() if type(d).__name__ == "DAG")]
+    )
 print(json.dumps({"warm_import_errors": warm.import_errors, "parsed": parsed, "events": events}))

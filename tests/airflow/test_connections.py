@@ -63,8 +63,10 @@ def fake_google(monkeypatch):
 
 
 def test_gcs_goes_through_the_google_providers_helper_with_the_connection(fake_google, monkeypatch):
-    monkeypatch.setenv("AIRFLOW_CONN_GCP_BATCH", json.dumps({"conn_type": "google_cloud_platform",
-                                                            "extra": {"key_path": "/var/secrets/key.json"}}))
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_GCP_BATCH",
+        json.dumps({"conn_type": "google_cloud_platform", "extra": {"key_path": "/var/secrets/key.json"}}),
+    )
     fs = ConnectionFileSystems(aws_conn_id="unused", gcp_conn_id="gcp_batch")
     st = Storage("gs://bucket/runs/r1", {"requester_pays": True}, fs)
     st.write_atomic("a.txt", b"hello")
@@ -79,10 +81,15 @@ def test_gcs_goes_through_the_google_providers_helper_with_the_connection(fake_g
     assert worker_env(spec, None, "missing") == {}
 
 
-@pytest.mark.parametrize("options", [
-    {"token": "ya29.secret"}, {"endpoint_url": "http://127.0.0.1:1"}, {"project": "other"},
-    {"session_kwargs": {"proxy": "http://127.0.0.1:1"}},
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"token": "ya29.secret"},
+        {"endpoint_url": "http://127.0.0.1:1"},
+        {"project": "other"},
+        {"session_kwargs": {"proxy": "http://127.0.0.1:1"}},
+    ],
+)
 def test_gcs_options_the_connection_owns_are_refused(fake_google, options):
     with pytest.raises(SpecError, match="gcp_conn_id"):
         _ = Storage("gs://bucket/x", options, ConnectionFileSystems()).fs
@@ -93,9 +100,14 @@ def test_s3_options_only_tune_botocore_timeouts_and_retries():
     assert s3_helper_options(None) == {}
     ok = {"config_kwargs": {"read_timeout": 5, "retries": {"max_attempts": 2}}}
     assert s3_helper_options(ok) == ok["config_kwargs"]
-    for bad in ({"endpoint_url": "http://x"}, {"key": "k", "secret": "s"}, {"client_kwargs": {"region_name": "x"}},
-                {"config_kwargs": {"proxies": {"https": "http://x"}}}, {"config_kwargs": "x"},
-                {"config_kwargs": {"signature_version": "UNSIGNED"}}):
+    for bad in (
+        {"endpoint_url": "http://x"},
+        {"key": "k", "secret": "s"},
+        {"client_kwargs": {"region_name": "x"}},
+        {"config_kwargs": {"proxies": {"https": "http://x"}}},
+        {"config_kwargs": "x"},
+        {"config_kwargs": {"signature_version": "UNSIGNED"}},
+    ):
         with pytest.raises(SpecError):
             s3_helper_options(bad)
     assert gcs_helper_options({"consistency": "md5"}) == {"consistency": "md5"}
@@ -117,8 +129,11 @@ def test_connection_ids_come_from_arguments_then_config_then_provider_defaults()
         def get(self, section, option, fallback=None):
             return self.values.get((section, option), fallback)
 
-    assert conn_ids_from_config(Conf({})) == (DEFAULT_AWS_CONN_ID, DEFAULT_GCP_CONN_ID) == \
-        ("aws_default", "google_cloud_default")
+    assert (
+        conn_ids_from_config(Conf({}))
+        == (DEFAULT_AWS_CONN_ID, DEFAULT_GCP_CONN_ID)
+        == ("aws_default", "google_cloud_default")
+    )
     cfg = Conf({("vllm_batch", "aws_conn_id"): "team_s3", ("vllm_batch", "gcp_conn_id"): " team_gcs "})
     assert conn_ids_from_config(cfg) == ("team_s3", "team_gcs")
     assert conn_ids_from_config(cfg, "dag_s3", "dag_gcs") == ("dag_s3", "dag_gcs")
@@ -141,9 +156,17 @@ def test_builder_passes_connections_to_every_airflow_side_task_and_the_cluster_t
 
     spec = {"model": {"name": "m"}, "io": {"input_uri": "s3://b1/in/", "output_uri": "s3://b1/out/"}}
     with DAG("t", schedule=None, start_date=pendulum.datetime(2026, 1, 1)) as dag:
-        vllm_batch_job(spec, group_id="j", runner="{{ params.runner }}", aws_conn_id="team_s3",
-                       gcp_conn_id="team_gcs", kubernetes_conn_id="gke", namespace="batch", in_cluster=False,
-                       kubernetes_operator_kwargs={"namespace": "overridden", "startup_timeout_seconds": 60})
+        vllm_batch_job(
+            spec,
+            group_id="j",
+            runner="{{ params.runner }}",
+            aws_conn_id="team_s3",
+            gcp_conn_id="team_gcs",
+            kubernetes_conn_id="gke",
+            namespace="batch",
+            in_cluster=False,
+            kubernetes_operator_kwargs={"namespace": "overridden", "startup_timeout_seconds": 60},
+        )
     t = dag.task_dict
     for tid in ("j.plan", "j.merge", "j.qa", "j.publish"):
         assert (t[tid].aws_conn_id, t[tid].gcp_conn_id) == ("team_s3", "team_gcs"), tid

@@ -50,8 +50,19 @@ def test_nightly_is_a_cron_data_interval_over_the_logical_date_partition():
 def test_rerun_params_form_schema():
     dag = dagbag().dags["vllm_batch_rerun"]
     schema = {k: dag.params.get_param(k).schema for k in dag.params}
-    assert set(schema) == {"input_uri", "output_uri", "model", "labels", "system_prompt", "temperature",
-                           "max_tokens", "shard_rows", "compare_with", "runner", "dry_run"}
+    assert set(schema) == {
+        "input_uri",
+        "output_uri",
+        "model",
+        "labels",
+        "system_prompt",
+        "temperature",
+        "max_tokens",
+        "shard_rows",
+        "compare_with",
+        "runner",
+        "dry_run",
+    }
     assert schema["dry_run"]["type"] == "boolean"
     assert schema["runner"]["enum"] == ["local", "kubernetes"]
     assert schema["shard_rows"]["minimum"] == 1 and schema["shard_rows"]["type"] == "integer"
@@ -62,10 +73,20 @@ def test_rerun_params_form_schema():
 
 
 def test_parsing_the_dag_files_does_no_io_and_reads_no_variable(tmp_path):
-    env = {**os.environ, "AIRFLOW_HOME": str(tmp_path / "home"), "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS),
-           "AIRFLOW__CORE__LOAD_EXAMPLES": "False"}
-    p = subprocess.run([sys.executable, str(HERE / "parse_audit.py"), str(DAGS)], env=env, cwd=str(tmp_path),
-                       capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "AIRFLOW_HOME": str(tmp_path / "home"),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+    }
+    p = subprocess.run(
+        [sys.executable, str(HERE / "parse_audit.py"), str(DAGS)],
+        env=env,
+        cwd=str(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     report = json.loads(p.stdout.strip().splitlines()[-1])
     assert report["warm_import_errors"] == {}
@@ -87,10 +108,21 @@ def test_a_template_copied_alone_finds_the_defaults_in_the_package(tmp_path):
     alone = tmp_path / "dags"
     alone.mkdir()
     shutil.copy2(DAGS / "vllm_batch_rerun.py", alone)
-    env = {**os.environ, "AIRFLOW_HOME": str(tmp_path / "home"), "AIRFLOW__CORE__DAGS_FOLDER": str(alone),
-           "AIRFLOW__CORE__LOAD_EXAMPLES": "False", "PYTHONPATH": str(HERE.parents[1])}
-    p = subprocess.run([sys.executable, "-c", PARSE_ONE_FOLDER, str(alone)], env=env, cwd=str(tmp_path),
-                       capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "AIRFLOW_HOME": str(tmp_path / "home"),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(alone),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "PYTHONPATH": str(HERE.parents[1]),
+    }
+    p = subprocess.run(
+        [sys.executable, "-c", PARSE_ONE_FOLDER, str(alone)],
+        env=env,
+        cwd=str(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     assert json.loads(p.stdout.strip().splitlines()[-1]) == {"errors": {}, "dags": ["vllm_batch_rerun"]}
     # and the fallback is the only way it could have parsed: no defaults module in that folder

@@ -36,8 +36,11 @@ def read_ids(out: Path) -> tuple[list[str], list[str]]:
 
 
 def states(db: dict, run_id: str | None = None) -> dict[tuple[str, int], str]:
-    return {(t["task_id"].split(".")[-1], t["map_index"]): t["state"] for t in db["tis"]
-            if run_id is None or t["run_id"] == run_id}
+    return {
+        (t["task_id"].split(".")[-1], t["map_index"]): t["state"]
+        for t in db["tis"]
+        if run_id is None or t["run_id"] == run_id
+    }
 
 
 def local_states(db: dict, run_id: str) -> dict[tuple[str, int], str]:
@@ -72,9 +75,15 @@ def test_nightly_run_succeeds_with_complete_outputs(nightly):
     plan = json.loads((out / "_plan.json").read_text())
     shard_ids = [s["shard_id"] for s in plan["shards"]]
     assert len(shard_ids) == 2
-    assert local_states(db, run_id) == {("plan", -1): "success", ("shard", 0): "success", ("shard", 1): "success",
-                                        ("merge", -1): "success", ("qa", -1): "success", ("review", -1): "success",
-                                        ("publish", -1): "success"}
+    assert local_states(db, run_id) == {
+        ("plan", -1): "success",
+        ("shard", 0): "success",
+        ("shard", 1): "success",
+        ("merge", -1): "success",
+        ("qa", -1): "success",
+        ("review", -1): "success",
+        ("publish", -1): "success",
+    }
     named = {t["map_index"]: t["rendered_map_index"] for t in db["tis"] if t["task_id"].endswith(".shard")}
     assert named == {0: "shard 0/2 rows 0-119", 1: "shard 1/2 rows 120-239"}  # the grid shows shard names
     res, err = read_ids(out)
@@ -108,10 +117,15 @@ def test_the_next_night_infers_only_new_and_edited_tickets_and_lists_the_moved_l
     day1 = pq.read_table(box.data / "tickets" / f"dt={DAY}").to_pylist()
     edited = {r["id"] for i, r in enumerate(day1) if i % 20 == 7}
     gone = {r["id"] for r in day1[:5]}
-    rows = [{**r, "text": r["text"] + " It happened again today." if r["id"] in edited else r["text"]}
-            for r in day1 if r["id"] not in gone]
-    rows += [{"id": f"new-{i}", "text": f"I was charged twice for order {i}, please refund", "channel": "email"}
-             for i in range(6)]
+    rows = [
+        {**r, "text": r["text"] + " It happened again today." if r["id"] in edited else r["text"]}
+        for r in day1
+        if r["id"] not in gone
+    ]
+    rows += [
+        {"id": f"new-{i}", "text": f"I was charged twice for order {i}, please refund", "channel": "email"}
+        for i in range(6)
+    ]
     (box.data / "tickets" / f"dt={day2}").mkdir(parents=True)
     pq.write_table(pa.Table.from_pylist(rows), box.data / "tickets" / f"dt={day2}" / "tickets.parquet")
     p = box.dags_test(NIGHTLY, day2, env={"AIRFLOW_VAR_VLLM_BATCH_SHARD_ROWS": "120"})
@@ -123,8 +137,8 @@ def test_the_next_night_infers_only_new_and_edited_tickets_and_lists_the_moved_l
     assert plan["cache"]["misses"] == len(rows) - plan["cache"]["hits"]
 
     def labels(out):
-        return dict(zip(*pq.read_table(out / "results", columns=["id", "label"])
-                        .to_pydict().values()))
+        return dict(zip(*pq.read_table(out / "results", columns=["id", "label"]).to_pydict().values()))
+
     old, new = labels(out1), labels(out2)
     moved = {i for i in set(old) & set(new) if old[i] != new[i]}
     assert moved <= edited  # an unedited ticket keeps its label (answered by the cache)
@@ -147,8 +161,11 @@ def test_a_rerun_compared_with_the_nightly_writes_what_changed(nightly, airflow_
 
     box = airflow_sandbox
     assert nightly["proc"].returncode == 0
-    conf = {"input_uri": str(box.data / "tickets" / f"dt={DAY}"), "compare_with": f"{nightly['out']}/",
-            "shard_rows": 120}
+    conf = {
+        "input_uri": str(box.data / "tickets" / f"dt={DAY}"),
+        "compare_with": f"{nightly['out']}/",
+        "shard_rows": 120,
+    }
     p = box.dags_test(RERUN, "2026-11-23", conf=conf)
     assert p.returncode == 0, tail(p)
     db = box.inspect(RERUN)
@@ -179,16 +196,20 @@ def test_clearing_and_rerunning_a_finished_run_gives_identical_outputs(nightly, 
     db = box.inspect(NIGHTLY)
     run_id = latest_run(db)
     assert set(local_states(db, run_id).values()) == {"success"}
-    manifests = [x["value"] for x in db["xcoms"] if x["run_id"] == run_id and x["task_id"].endswith(".shard")
-                 and x["key"] == "return_value"]
+    manifests = [
+        x["value"]
+        for x in db["xcoms"]
+        if x["run_id"] == run_id and x["task_id"].endswith(".shard") and x["key"] == "return_value"
+    ]
     assert [m["status"] for m in manifests] == ["already_committed"] * 2  # no shard recomputed
     after = files_under(out)
     merged_after = json.loads(after["_MERGED.json"])
     assert merged_after["checksums"] == merged_before["checksums"]
     for rel in ("results/_manifest.json", "errors/_manifest.json", "_plan.json"):
         assert after[rel] == before[rel], rel
-    assert {k: v for k, v in after.items() if "_COMMITTED" in k} == {k: v for k, v in before.items()
-                                                                      if "_COMMITTED" in k}
+    assert {k: v for k, v in after.items() if "_COMMITTED" in k} == {
+        k: v for k, v in before.items() if "_COMMITTED" in k
+    }
     res, err = read_ids(out)
     assert len(res) + len(err) == len(set(res + err)) == 240
 
@@ -196,10 +217,19 @@ def test_clearing_and_rerunning_a_finished_run_gives_identical_outputs(nightly, 
 def test_rerun_dag_from_params_retries_an_injected_shard_failure(airflow_sandbox, tiny_model):
     box = airflow_sandbox
     ids = [f"adhoc-{i:04d}" for i in range(90)]
-    write_parquet(box.data / "adhoc" / "tickets.parquet", ids, [f"Please refund order {i}, I was charged twice."
-                                                                 for i in range(90)])
-    conf = {"input_uri": str(box.data / "adhoc"), "model": tiny_model, "labels": ["billing", "bug", "other"],
-            "shard_rows": 500, "max_tokens": 24, "temperature": 0.0}
+    write_parquet(
+        box.data / "adhoc" / "tickets.parquet",
+        ids,
+        [f"Please refund order {i}, I was charged twice." for i in range(90)],
+    )
+    conf = {
+        "input_uri": str(box.data / "adhoc"),
+        "model": tiny_model,
+        "labels": ["billing", "bug", "other"],
+        "shard_rows": 500,
+        "max_tokens": 24,
+        "temperature": 0.0,
+    }
     p = box.dags_test(RERUN, "2026-11-20", conf=conf, env={"VLLM_BATCH_INJECT_EXIT": "0:1:75"})
     assert p.returncode == 0, tail(p)
     db = box.inspect(RERUN)
@@ -262,13 +292,16 @@ def test_an_empty_partition_maps_zero_shards_and_publishes_an_empty_result(airfl
     import pyarrow as pa
 
     box, day = airflow_sandbox, "2026-11-10"
-    write_parquet(box.data / "tickets" / f"dt={day}" / "tickets.parquet", pa.array([], pa.string()),
-                  pa.array([], pa.string()))
+    write_parquet(
+        box.data / "tickets" / f"dt={day}" / "tickets.parquet", pa.array([], pa.string()), pa.array([], pa.string())
+    )
     p = box.dags_test(NIGHTLY, day)
     assert p.returncode == 0, tail(p)
     db = box.inspect(NIGHTLY)
     st = local_states(db, latest_run(db))
-    assert st.pop(("shard", -1)) == "skipped" and set(st.values()) == {"success"}  # merge runs (none_failed_min_one_success)
+    assert st.pop(("shard", -1)) == "skipped" and set(st.values()) == {
+        "success"
+    }  # merge runs (none_failed_min_one_success)
     success = json.loads((box.data / "reclassification" / f"dt={day}" / "_SUCCESS.json").read_text())
     assert success["rows"] == 0
 

@@ -17,11 +17,16 @@ NIGHTLY = "vllm_nightly_reclassification"
 RERUN = "vllm_batch_rerun"
 # Deployment-owned pod settings come from the deployment config ([vllm_batch] kubernetes_defaults);
 # the vllm_batch_kubernetes Variable sets the others (placement, queue). docs/security.md
-DEPLOYMENT_POD = {"namespace": "vllm-batch", "model_cache_pvc": "hf-models",
-                  "image": "registry.example.com/ml/airflow-provider-vllm-worker:0.1.0@sha256:" + "cd" * 32,
-                  "hf_token_secret": {"name": "hf-token", "key": "token"}}
-VARIABLE_POD = {"kueue_queue": "gpu-batch",
-                "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]}
+DEPLOYMENT_POD = {
+    "namespace": "vllm-batch",
+    "model_cache_pvc": "hf-models",
+    "image": "registry.example.com/ml/airflow-provider-vllm-worker:0.1.0@sha256:" + "cd" * 32,
+    "hf_token_secret": {"name": "hf-token", "key": "token"},
+}
+VARIABLE_POD = {
+    "kueue_queue": "gpu-batch",
+    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+}
 POD_SETTINGS = {**DEPLOYMENT_POD, **VARIABLE_POD}
 
 
@@ -30,12 +35,17 @@ def kube_env(tmp_path: Path) -> dict[str, str]:
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(
         "apiVersion: v1\nkind: Config\ncurrent-context: t\nclusters: [{name: t, cluster: {server: "
-        "'https://127.0.0.1:9'}}]\nusers: [{name: t, user: {}}]\ncontexts: [{name: t, context: {cluster: t, user: t}}]\n")
-    return {"AIRFLOW_VAR_VLLM_BATCH_RUNNER": "kubernetes",
-            "AIRFLOW_VAR_VLLM_BATCH_KUBERNETES": json.dumps(VARIABLE_POD),
-            "AIRFLOW__VLLM_BATCH__KUBERNETES_DEFAULTS": json.dumps(DEPLOYMENT_POD),
-            "AIRFLOW_CONN_KUBERNETES_DEFAULT": json.dumps({"conn_type": "kubernetes",
-                                                           "extra": {"kube_config_path": str(kubeconfig)}})}
+        "'https://127.0.0.1:9'}}]\nusers: [{name: t, user: {}}]\n"
+        "contexts: [{name: t, context: {cluster: t, user: t}}]\n"
+    )
+    return {
+        "AIRFLOW_VAR_VLLM_BATCH_RUNNER": "kubernetes",
+        "AIRFLOW_VAR_VLLM_BATCH_KUBERNETES": json.dumps(VARIABLE_POD),
+        "AIRFLOW__VLLM_BATCH__KUBERNETES_DEFAULTS": json.dumps(DEPLOYMENT_POD),
+        "AIRFLOW_CONN_KUBERNETES_DEFAULT": json.dumps(
+            {"conn_type": "kubernetes", "extra": {"kube_config_path": str(kubeconfig)}}
+        ),
+    }
 
 
 def test_dry_run_of_the_nightly_dag_prints_a_valid_restricted_pod_manifest(airflow_sandbox, tmp_path):
@@ -45,9 +55,14 @@ def test_dry_run_of_the_nightly_dag_prints_a_valid_restricted_pod_manifest(airfl
     box = airflow_sandbox
     p = box.run("dags", "reserialize")
     assert p.returncode == 0, tail(p)
-    p = subprocess.run([PY, "-m", "airflow_provider_vllm.operators.pod_dry_run", NIGHTLY, "2026-11-28",
-                        "--map-index", "2"], env={**box.env, **kube_env(tmp_path)}, cwd=str(box.home),
-                       capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [PY, "-m", "airflow_provider_vllm.operators.pod_dry_run", NIGHTLY, "2026-11-28", "--map-index", "2"],
+        env={**box.env, **kube_env(tmp_path)},
+        cwd=str(box.home),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, tail(p)
     assert p.stdout.startswith("# note: example shard id")
     pod = yaml.safe_load(p.stdout)

@@ -31,13 +31,16 @@ SETTINGS = {  # what an operator puts in the vllm_batch_kubernetes Variable
     "priority_class": "batch-low",
     "service_account": "vllm-worker",
     "node_selector": {"cloud.google.com/gke-spot": "true"},
-    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
-                    {"key": "cloud.google.com/gke-spot", "operator": "Equal", "value": "true",
-                     "effect": "NoSchedule"}],
+    "tolerations": [
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+        {"key": "cloud.google.com/gke-spot", "operator": "Equal", "value": "true", "effect": "NoSchedule"},
+    ],
     "model_cache_pvc": "hf-models",
     "hf_token_secret": {"name": "hf-token", "key": "token"},
-    "secret_env": {"AWS_ACCESS_KEY_ID": {"name": "s3-creds", "key": "access_key_id"},
-                   "AWS_SECRET_ACCESS_KEY": {"name": "s3-creds", "key": "secret_access_key"}},
+    "secret_env": {
+        "AWS_ACCESS_KEY_ID": {"name": "s3-creds", "key": "access_key_id"},
+        "AWS_SECRET_ACCESS_KEY": {"name": "s3-creds", "key": "secret_access_key"},
+    },
 }
 
 
@@ -85,15 +88,21 @@ def test_pod_for_a_mapped_task_instance():
     assert c.resources.requests == {"cpu": "4", "memory": "34Gi"}
     vols = {v.name: v for v in pod.spec.volumes}
     assert {"xcom", "tmp", "cache", "dshm", "model-cache"} <= set(vols)
-    assert vols["dshm"].empty_dir.medium == "Memory" and vols["model-cache"].persistent_volume_claim.claim_name \
-        == "hf-models"
+    assert (
+        vols["dshm"].empty_dir.medium == "Memory"
+        and vols["model-cache"].persistent_volume_claim.claim_name == "hf-models"
+    )
     assert {m.mount_path for m in c.volume_mounts} == {"/airflow/xcom", "/tmp", "/cache", "/dev/shm", "/models"}
-    refs = {e.name: (e.value_from.secret_key_ref.name, e.value_from.secret_key_ref.key) for e in c.env
-            if e.value_from}
-    assert refs == {"HF_TOKEN": ("hf-token", "token"), "AWS_ACCESS_KEY_ID": ("s3-creds", "access_key_id"),
-                    "AWS_SECRET_ACCESS_KEY": ("s3-creds", "secret_access_key")}
+    refs = {e.name: (e.value_from.secret_key_ref.name, e.value_from.secret_key_ref.key) for e in c.env if e.value_from}
+    assert refs == {
+        "HF_TOKEN": ("hf-token", "token"),
+        "AWS_ACCESS_KEY_ID": ("s3-creds", "access_key_id"),
+        "AWS_SECRET_ACCESS_KEY": ("s3-creds", "secret_access_key"),
+    }
     assert [(t.key, t.operator, t.value, t.effect) for t in pod.spec.tolerations] == [
-        ("nvidia.com/gpu", "Exists", None, "NoSchedule"), ("cloud.google.com/gke-spot", "Equal", "true", "NoSchedule")]
+        ("nvidia.com/gpu", "Exists", None, "NoSchedule"),
+        ("cloud.google.com/gke-spot", "Equal", "true", "NoSchedule"),
+    ]
     assert pod.spec.node_selector == {"cloud.google.com/gke-spot": "true"}
     assert pod.spec.priority_class_name == "batch-low" and pod.spec.service_account_name == "vllm-worker"
     assert pod.spec.automount_service_account_token is False and pod.spec.restart_policy == "Never"
@@ -134,17 +143,32 @@ def test_manifest_passes_every_pod_security_standards_restricted_rule():
     bad["spec"]["hostNetwork"] = True
     bad["spec"]["volumes"].append({"name": "host", "hostPath": {"path": "/"}})
     c = bad["spec"]["containers"][0]
-    c["securityContext"].update(privileged=True, allowPrivilegeEscalation=True, runAsUser=0,
-                                capabilities={"add": ["SYS_ADMIN"]}, readOnlyRootFilesystem=False,
-                                seccompProfile={"type": "Unconfined"})
+    c["securityContext"].update(
+        privileged=True,
+        allowPrivilegeEscalation=True,
+        runAsUser=0,
+        capabilities={"add": ["SYS_ADMIN"]},
+        readOnlyRootFilesystem=False,
+        seccompProfile={"type": "Unconfined"},
+    )
     c["ports"] = [{"containerPort": 80, "hostPort": 80}]
     bad["spec"]["containers"][1]["securityContext"]["runAsNonRoot"] = False
     found = violations(bad)
-    assert set(found) == {"baseline/host-namespaces", "baseline/privileged-containers", "baseline/capabilities",
-                          "baseline/hostpath-volumes", "baseline/host-ports", "baseline/seccomp",
-                          "restricted/volume-types", "restricted/privilege-escalation",
-                          "restricted/run-as-non-root", "restricted/run-as-non-root-user", "restricted/seccomp",
-                          "restricted/capabilities", "extra/read-only-root-filesystem"}
+    assert set(found) == {
+        "baseline/host-namespaces",
+        "baseline/privileged-containers",
+        "baseline/capabilities",
+        "baseline/hostpath-volumes",
+        "baseline/host-ports",
+        "baseline/seccomp",
+        "restricted/volume-types",
+        "restricted/privilege-escalation",
+        "restricted/run-as-non-root",
+        "restricted/run-as-non-root-user",
+        "restricted/seccomp",
+        "restricted/capabilities",
+        "extra/read-only-root-filesystem",
+    }
 
 
 def test_tensor_parallel_pod_has_two_gpus_and_shm_for_nccl():
@@ -156,17 +180,29 @@ def test_tensor_parallel_pod_has_two_gpus_and_shm_for_nccl():
     assert dshm.empty_dir.medium == "Memory" and dshm.empty_dir.size_limit == "16Gi"
     assert c.resources.limits["memory"] == "80Gi"  # 2 x 32Gi + the 16Gi shm it must hold
     env = {e.name: e.value for e in c.env}
-    assert (env["NCCL_NVLS_ENABLE"], env["TORCH_SYMM_MEM_DISABLE_MULTICAST"], env["NVSHMEM_DISABLE_NVLS"]) == \
-        ("0", "1", "1")
+    assert (env["NCCL_NVLS_ENABLE"], env["TORCH_SYMM_MEM_DISABLE_MULTICAST"], env["NVSHMEM_DISABLE_NVLS"]) == (
+        "0",
+        "1",
+        "1",
+    )
 
 
 def test_job_section_wins_over_the_variable_and_shard_env_joins():
     from airflow_provider_vllm.operators.kubernetes import VllmKubernetesShardOperator
 
-    spec = make_spec("/in", "/out", kubernetes={"kueue_queue": "urgent", "gpus": 4, "env": {"LOG": "debug"}},
-                     engine={"tensor_parallel_size": 4})
-    op = VllmKubernetesShardOperator(task_id="s", spec=spec.model_dump(mode="json"), shard=SHARD,
-                                     kubernetes=SETTINGS, env={"VLLM_BATCH_LOG_LEVEL": "DEBUG", "LOG": "x"})
+    spec = make_spec(
+        "/in",
+        "/out",
+        kubernetes={"kueue_queue": "urgent", "gpus": 4, "env": {"LOG": "debug"}},
+        engine={"tensor_parallel_size": 4},
+    )
+    op = VllmKubernetesShardOperator(
+        task_id="s",
+        spec=spec.model_dump(mode="json"),
+        shard=SHARD,
+        kubernetes=SETTINGS,
+        env={"VLLM_BATCH_LOG_LEVEL": "DEBUG", "LOG": "x"},
+    )
     pod = op.build_pod_request_obj(create_context(op, map_index=1))
     assert pod.metadata.labels["kueue.x-k8s.io/queue-name"] == "urgent"
     assert pod.metadata.namespace == "vllm-batch"  # from the Variable
@@ -195,7 +231,8 @@ def test_pod_template_file_passes_through_and_hardening_wins(tmp_path):
         "apiVersion: v1\nkind: Pod\nmetadata:\n  annotations: {team: ml-platform}\n"
         "spec:\n  dnsConfig: {options: [{name: ndots, value: '2'}]}\n"
         "  containers:\n  - name: base\n    securityContext: {privileged: true, readOnlyRootFilesystem: false}\n"
-        "    workingDir: /tmp\n")
+        "    workingDir: /tmp\n"
+    )
     op = operator({**SETTINGS, "pod_template_file": str(template)})
     pod = op.build_pod_request_obj(create_context(op, map_index=3))
     assert pod.metadata.annotations["team"] == "ml-platform"
@@ -208,8 +245,11 @@ def test_pod_template_file_passes_through_and_hardening_wins(tmp_path):
 @pytest.mark.reliability
 def test_no_secret_value_in_args_env_literals_or_logs(monkeypatch, caplog, capsys):
     """Secrets on the Airflow worker never reach the pod spec or the task log; the pod names Secrets."""
-    secret_values = {"HF_TOKEN": "hf_LEAKCANARY0123456789", "AWS_SECRET_ACCESS_KEY": "aws/LEAKCANARY+abcdef",
-                     "AWS_ACCESS_KEY_ID": "AKIALEAKCANARY000"}
+    secret_values = {
+        "HF_TOKEN": "hf_LEAKCANARY0123456789",
+        "AWS_SECRET_ACCESS_KEY": "aws/LEAKCANARY+abcdef",
+        "AWS_ACCESS_KEY_ID": "AKIALEAKCANARY000",
+    }
     for k, v in secret_values.items():
         monkeypatch.setenv(k, v)  # present in the scheduler/worker environment, as on many deployments
     caplog.set_level(logging.DEBUG)
@@ -221,8 +261,9 @@ def test_no_secret_value_in_args_env_literals_or_logs(monkeypatch, caplog, capsy
     literals = [e.value for e in c.env if e.value is not None]
     leaked = [k for k, v in secret_values.items() if v in text or any(v in x for x in literals + c.args)]
     assert {e.name for e in c.env if e.value_from} == set(secret_values)  # they arrive as Secret references
-    record_malicious("secret_value_into_pod_spec_or_log", tried=len(secret_values),
-                     rejected=len(secret_values) - len(leaked))
+    record_malicious(
+        "secret_value_into_pod_spec_or_log", tried=len(secret_values), rejected=len(secret_values) - len(leaked)
+    )
     assert leaked == []
 
 
@@ -235,8 +276,16 @@ def test_worker_exit_codes_map_to_fail_or_retry(monkeypatch):
 
     def pod_exited(code):
         state = k8s.V1ContainerState(terminated=k8s.V1ContainerStateTerminated(exit_code=code))
-        return k8s.V1Pod(status=k8s.V1PodStatus(phase="Failed", container_statuses=[
-            k8s.V1ContainerStatus(name="base", state=state, image="i", image_id="", ready=False, restart_count=0)]))
+        return k8s.V1Pod(
+            status=k8s.V1PodStatus(
+                phase="Failed",
+                container_statuses=[
+                    k8s.V1ContainerStatus(
+                        name="base", state=state, image="i", image_id="", ready=False, restart_count=0
+                    )
+                ],
+            )
+        )
 
     def kpo_failure(self, pod, remote_pod, xcom_result=None, context=None):
         raise AirflowException(f"Pod {pod.metadata.name} returned a failure.")  # what KPO's cleanup raises
@@ -253,8 +302,15 @@ def test_worker_exit_codes_map_to_fail_or_retry(monkeypatch):
         assert not isinstance(e.value, AirflowFailException)
     assert worker_exit_code(pod_exited(2), "base") == 2 and worker_exit_code(pod, "base") is None
     monkeypatch.setattr(KubernetesPodOperator, "cleanup", lambda *a, **k: None)
-    done = {"status": "committed", "shard_id": SHARD["shard_id"], "attempt_id": "a1", "rows": 5, "ok_rows": 5,
-            "error_rows": 0, "stats": {}}
+    done = {
+        "status": "committed",
+        "shard_id": SHARD["shard_id"],
+        "attempt_id": "a1",
+        "rows": 5,
+        "ok_rows": 5,
+        "error_rows": 0,
+        "stats": {},
+    }
     op.cleanup(pod, pod_exited(0), xcom_result=done)  # success passes through
     with pytest.raises(AirflowException, match="exited 0 without its manifest") as e:  # as the local runner
         op.cleanup(pod, pod_exited(0), xcom_result={**done, "shard_id": "another"})
@@ -294,7 +350,9 @@ def test_images_are_pinned_by_digest_as_the_lock_says():
     assert f"ARG VLLM_IMAGE={lock['VLLM_IMAGE']}" in worker and "FROM ${VLLM_IMAGE}" in worker
     airflow = (ROOT / "docker" / "Dockerfile.airflow").read_text()
     assert "FROM ${AIRFLOW_IMAGE}" in airflow and lock["AIRFLOW_IMAGE"].startswith("apache/airflow:3.3.2")
-    assert re.search(r"pip install --no-cache-dir --no-deps /wheels/\*\.whl", worker) and re.search(r"^USER\s+1000", worker, re.M)
+    assert re.search(r"pip install --no-cache-dir --no-deps /wheels/\*\.whl", worker) and re.search(
+        r"^USER\s+1000", worker, re.M
+    )
 
 
 def test_pin_digests_script_pins_and_checks(tmp_path):
@@ -308,20 +366,29 @@ def test_pin_digests_script_pins_and_checks(tmp_path):
     bin_dir.mkdir()
     digests = tmp_path / "digests"
     (bin_dir / "crane").write_text(
-        f"#!/bin/sh\n[ \"$1\" = digest ] || exit 3\ngrep -F \"$2 \" {digests} | cut -d' ' -f2\n")
+        f'#!/bin/sh\n[ "$1" = digest ] || exit 3\ngrep -F "$2 " {digests} | cut -d\' \' -f2\n'
+    )
     (bin_dir / "crane").chmod(0o755)
-    lock = dict(line.split("=", 1) for line in (work / "images.lock").read_text().splitlines()
-                if line and not line.startswith("#"))
+    lock = dict(
+        line.split("=", 1)
+        for line in (work / "images.lock").read_text().splitlines()
+        if line and not line.startswith("#")
+    )
     vllm_tag, vllm_digest = lock["VLLM_IMAGE"].split("@")
     tags = {k: v.split("@")[0] for k, v in lock.items()}
     # the registry's answer: what the lock pins where it pins, else a new digest
-    new = {k: lock[k].split("@")[1] if "@" in lock[k] else "sha256:" + str(i) * 64
-           for i, k in ((1, "AIRFLOW_IMAGE"), (2, "VLLM_CPU_IMAGE"))}
-    digests.write_text(f"{vllm_tag} {vllm_digest}\n{tags['AIRFLOW_IMAGE']} {new['AIRFLOW_IMAGE']}\n"
-                       f"{tags['VLLM_CPU_IMAGE']} {new['VLLM_CPU_IMAGE']}\n")
+    new = {
+        k: lock[k].split("@")[1] if "@" in lock[k] else "sha256:" + str(i) * 64
+        for i, k in ((1, "AIRFLOW_IMAGE"), (2, "VLLM_CPU_IMAGE"))
+    }
+    digests.write_text(
+        f"{vllm_tag} {vllm_digest}\n{tags['AIRFLOW_IMAGE']} {new['AIRFLOW_IMAGE']}\n"
+        f"{tags['VLLM_CPU_IMAGE']} {new['VLLM_CPU_IMAGE']}\n"
+    )
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin"}
-    run = lambda *a: subprocess.run(["bash", str(work / "pin-digests.sh"), *a], env=env, capture_output=True,
-                                    text=True, timeout=60)
+    run = lambda *a: subprocess.run(
+        ["bash", str(work / "pin-digests.sh"), *a], env=env, capture_output=True, text=True, timeout=60
+    )
     assert run("--check").returncode == 0  # unpinned entries are not a mismatch
     p = run()
     assert p.returncode == 0, p.stderr
@@ -344,7 +411,7 @@ def test_operator_dry_run_prints_a_manifest_kubectl_takes(capsys):
     op = operator()
     op.dry_run()
     out = capsys.readouterr().out
-    doc = yaml.safe_load(out[out.index("apiVersion: v1\n"):])  # after Airflow's own log lines (also stdout)
+    doc = yaml.safe_load(out[out.index("apiVersion: v1\n") :])  # after Airflow's own log lines (also stdout)
     assert doc["kind"] == "Pod" and "map_index" not in doc["metadata"]["labels"]  # no task instance in a dry run
     assert doc["spec"]["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True  # camelCase keys
     assert latest_version().startswith(kubernetes_validate.validate(doc, latest_version(), strict=True))
@@ -397,12 +464,20 @@ def test_pod_identity_from_a_variable_needs_the_deployments_opt_in_and_never_com
     from a trigger (params, dag_run.conf) always refused."""
     from airflow.sdk.exceptions import AirflowFailException
 
-    hostile = {"image": "evil.example/miner:latest", "service_account": "cluster-admin", "namespace": "kube-system",
-               "env": {"LD_PRELOAD": "/tmp/x.so"}, "env_from_secrets": ["prod-db"],
-               "secret_env": {"AWS_SECRET_ACCESS_KEY": {"name": "other-team", "key": "k"}},
-               "hf_token_secret": {"name": "other-team", "key": "token"}, "pod_template_file": "/tmp/privileged.yaml",
-               "data_pvc": "other-team-data", "model_cache_read_only": False,
-               "annotations": {"iam.amazonaws.com/role": "admin"}, "runtime_class": "unconfined"}
+    hostile = {
+        "image": "evil.example/miner:latest",
+        "service_account": "cluster-admin",
+        "namespace": "kube-system",
+        "env": {"LD_PRELOAD": "/tmp/x.so"},
+        "env_from_secrets": ["prod-db"],
+        "secret_env": {"AWS_SECRET_ACCESS_KEY": {"name": "other-team", "key": "k"}},
+        "hf_token_secret": {"name": "other-team", "key": "token"},
+        "pod_template_file": "/tmp/privileged.yaml",
+        "data_pvc": "other-team-data",
+        "model_cache_read_only": False,
+        "annotations": {"iam.amazonaws.com/role": "admin"},
+        "runtime_class": "unconfined",
+    }
     tried = rejected = 0
     for field, value in hostile.items():
         for raw in (VARIABLE_TEMPLATE, "{{ params.pod }}", "{{ dag_run.conf['pod'] | tojson }}"):
@@ -427,8 +502,10 @@ def test_pod_identity_from_a_variable_needs_the_deployments_opt_in_and_never_com
     record_malicious("pod_identity_from_variable_or_trigger", tried, rejected)
     assert rejected == tried
     # placement and sizes from the Variable are fine, and the deployment config supplies the identity
-    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__KUBERNETES_DEFAULTS", json.dumps(
-        {"image": "registry.example.com/w:1", "service_account": "vllm-batch", "namespace": "ml"}))
+    monkeypatch.setenv(
+        "AIRFLOW__VLLM_BATCH__KUBERNETES_DEFAULTS",
+        json.dumps({"image": "registry.example.com/w:1", "service_account": "vllm-batch", "namespace": "ml"}),
+    )
     # (gpus must equal the engine's tensor x pipeline parallel size: 1 here)
     op = rendered_operator(VARIABLE_TEMPLATE, json.dumps({"gpus": 1, "kueue_queue": "gpu", "memory": "64Gi"}))
     pod = op.build_pod_request_obj(create_context(op, map_index=3))
@@ -457,14 +534,27 @@ def test_both_runners_map_every_exit_code_through_the_one_table(monkeypatch, cod
 
     shard_id = SHARD["shard_id"]
     if outcome(code) is Outcome.SUCCESS:
-        doc = {"status": "committed", "shard_id": shard_id, "attempt_id": "a1", "rows": 5, "ok_rows": 5,
-               "error_rows": 0, "stats": {}}
+        doc = {
+            "status": "committed",
+            "shard_id": shard_id,
+            "attempt_id": "a1",
+            "rows": 5,
+            "ok_rows": 5,
+            "error_rows": 0,
+            "stats": {},
+        }
     else:
         doc = {"status": "failed", "error": "SpecError", "message": "bad", "terminal": code == 2}
     local = VllmLocalShardOperator(task_id="local", spec={}, shard=SHARD)
     state = k8s.V1ContainerState(terminated=k8s.V1ContainerStateTerminated(exit_code=code))
-    pod_done = k8s.V1Pod(status=k8s.V1PodStatus(phase="Failed" if code else "Succeeded", container_statuses=[
-        k8s.V1ContainerStatus(name="base", state=state, image="i", image_id="", ready=False, restart_count=0)]))
+    pod_done = k8s.V1Pod(
+        status=k8s.V1PodStatus(
+            phase="Failed" if code else "Succeeded",
+            container_statuses=[
+                k8s.V1ContainerStatus(name="base", state=state, image="i", image_id="", ready=False, restart_count=0)
+            ],
+        )
+    )
 
     def kpo_cleanup(self, pod, remote_pod, xcom_result=None, context=None):
         if code != 0:
@@ -480,8 +570,9 @@ def test_both_runners_map_every_exit_code_through_the_one_table(monkeypatch, cod
             return None, type(e)
 
     local_value, local_exc = ending(lambda: local._outcome(shard_id, WorkerResult(code, doc, [])))
-    _, kube_exc = ending(lambda: kube.cleanup(k8s.V1Pod(metadata=k8s.V1ObjectMeta(name="p")), pod_done,
-                                              xcom_result=doc))
+    _, kube_exc = ending(
+        lambda: kube.cleanup(k8s.V1Pod(metadata=k8s.V1ObjectMeta(name="p")), pod_done, xcom_result=doc)
+    )
     expected = {Outcome.SUCCESS: None, Outcome.FAIL: AirflowFailException, Outcome.RETRY: AirflowException}
     assert local_exc is kube_exc is expected[outcome(code)]
     if local_exc is None:

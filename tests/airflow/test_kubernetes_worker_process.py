@@ -28,17 +28,29 @@ def test_pod_command_line_runs_a_real_shard(tmp_path, monkeypatch, tiny_model):
 
     unreachable_cluster(tmp_path, monkeypatch)
     n = 24
-    write_parquet(tmp_path / "in" / "part-0.parquet", [f"t{i:03d}" for i in range(n)],
-                  [f"ticket {i}: I was charged twice, please refund" for i in range(n)])
-    spec = make_spec(tmp_path / "in", tmp_path / "out", model={"name": tiny_model, "max_model_len": 512},
-                     engine={"enforce_eager": True, "cpu_kvcache_space_gb": 1, "max_num_seqs": 16},
-                     sampling={"max_tokens": 32}, sharding={"target_rows": 12, "chunk_rows": 8})
+    write_parquet(
+        tmp_path / "in" / "part-0.parquet",
+        [f"t{i:03d}" for i in range(n)],
+        [f"ticket {i}: I was charged twice, please refund" for i in range(n)],
+    )
+    spec = make_spec(
+        tmp_path / "in",
+        tmp_path / "out",
+        model={"name": tiny_model, "max_model_len": 512},
+        engine={"enforce_eager": True, "cpu_kvcache_space_gb": 1, "max_num_seqs": 16},
+        sampling={"max_tokens": 32},
+        sharding={"target_rows": 12, "chunk_rows": 8},
+    )
     plan = plan_job(spec)
     assert len(plan.shards) == 2
     shard = plan.shards[1].summary()
-    op = VllmKubernetesShardOperator(task_id="shard", spec=spec.model_dump(mode="json"), shard=shard,
-                                     kubernetes={"gpus": 0, "memory": "6Gi", "namespace": "batch"},
-                                     progress_interval_s=1.0)
+    op = VllmKubernetesShardOperator(
+        task_id="shard",
+        spec=spec.model_dump(mode="json"),
+        shard=shard,
+        kubernetes={"gpus": 0, "memory": "6Gi", "namespace": "batch"},
+        progress_interval_s=1.0,
+    )
     pod = op.build_pod_request_obj(create_context(op, map_index=1))
     (c,) = [c for c in pod.spec.containers if c.name == "base"]
     argv = c.command + c.args
@@ -50,13 +62,20 @@ def test_pod_command_line_runs_a_real_shard(tmp_path, monkeypatch, tiny_model):
     def local(value: str) -> str:
         for path, folder in mounts.items():
             if value == path or value.startswith(path + "/"):
-                return str(folder) + value[len(path):]
+                return str(folder) + value[len(path) :]
         return value
 
     env = {e.name: local(e.value) for e in c.env if e.value is not None}
     assert not [e for e in c.env if e.value_from]  # no Secret references in this pod
-    env.update({"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "PYTHONPATH": str(ROOT),
-                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+    env.update(
+        {
+            "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
+            "PYTHONPATH": str(ROOT),
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+    )
     p = subprocess.run(argv, env=env, cwd=mounts["/tmp"], capture_output=True, text=True, timeout=800)
     assert p.returncode == 0, p.stderr[-4000:]
     manifest = json.loads((mounts["/airflow/xcom"] / "return.json").read_text())  # what the KPO sidecar reads

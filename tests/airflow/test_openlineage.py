@@ -15,7 +15,7 @@ from tests.support.data import make_spec, merge_summary, write_parquet
 pytest.importorskip("airflow.providers.openlineage", reason="apache-airflow-providers-openlineage (test extra)")
 
 DAG_ID = "vllm_openlineage"
-DAG_FILE = '''
+DAG_FILE = """
 import json
 
 import pendulum
@@ -27,7 +27,7 @@ with DAG({dag_id!r}, schedule=None, start_date=pendulum.datetime(2026, 1, 1)) as
     vllm_batch_job(json.loads({spec!r}), group_id="job", human_review=False)
 # the fake engine instead of vLLM: the shard task runs the real worker CLI through this interpreter
 dag.task_dict["job.shard"].partial_kwargs["python"] = {python!r}
-'''
+"""
 
 
 def test_operator_lineage_builds_openlineage_datasets_with_facets():
@@ -43,10 +43,20 @@ def test_operator_lineage_builds_openlineage_datasets_with_facets():
     assert results["name"] == "labels/results"
     assert results["outputFacets"]["outputStatistics"]["rowCount"] == 2
     assert ("id", "string") in [(f["name"], f["type"]) for f in results["facets"]["schema"]["fields"]]
-    qa = operator_lineage(qa_lineage(spec, {"status": "warn", "checks": [
-        {"name": "error_rate", "value": 0.1, "warn": 0.05, "fail": 0.2, "status": "warn"}]}))
+    qa = operator_lineage(
+        qa_lineage(
+            spec,
+            {
+                "status": "warn",
+                "checks": [{"name": "error_rate", "value": 0.1, "warn": 0.05, "fail": 0.2, "status": "warn"}],
+            },
+        )
+    )
     facet = json.loads(Serde.to_json(qa.inputs[0]))["inputFacets"]["dataQualityAssertions"]
-    assert [(a["assertion"], a["success"]) for a in facet["assertions"]] == [("error_rate", False), ("qa_verdict", True)]
+    assert [(a["assertion"], a["success"]) for a in facet["assertions"]] == [
+        ("error_rate", False),
+        ("qa_verdict", True),
+    ]
     assert operator_lineage(None).inputs == []  # nothing recorded (a task that failed early)
 
 
@@ -83,11 +93,17 @@ def test_a_dag_run_emits_input_output_datasets_and_the_qa_facet(airflow_sandbox,
     spec = json.dumps(make_spec(src, out).model_dump(mode="json"))
     (dags / "vllm_openlineage.py").write_text(DAG_FILE.format(dag_id=DAG_ID, spec=spec, python=fake_python))
     events = tmp_path / "openlineage.jsonl"
-    p = box.dags_test(DAG_ID, "2026-11-28", env={
-        "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
-        "AIRFLOW__OPENLINEAGE__TRANSPORT": json.dumps({"type": "file", "log_file_path": str(events), "append": True}),
-        "AIRFLOW__OPENLINEAGE__NAMESPACE": "vllm-batch-test",
-    })
+    p = box.dags_test(
+        DAG_ID,
+        "2026-11-28",
+        env={
+            "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
+            "AIRFLOW__OPENLINEAGE__TRANSPORT": json.dumps(
+                {"type": "file", "log_file_path": str(events), "append": True}
+            ),
+            "AIRFLOW__OPENLINEAGE__NAMESPACE": "vllm-batch-test",
+        },
+    )
     assert p.returncode == 0, tail(p)
     assert (out / "_SUCCESS.json").exists(), tail(p)
     by_task = events_by_task(events)
@@ -107,8 +123,9 @@ def test_a_dag_run_emits_input_output_datasets_and_the_qa_facet(airflow_sandbox,
     qa = by_task["qa"][-1]
     verdict = json.loads((out / "qa" / "report.json").read_text())["status"]
     assertions = qa["inputs"][0]["inputFacets"]["dataQualityAssertions"]["assertions"]
-    assert {"assertion": "qa_verdict", "success": verdict != "fail"}.items() <= \
-        next(a for a in assertions if a["assertion"] == "qa_verdict").items()
+    assert {"assertion": "qa_verdict", "success": verdict != "fail"}.items() <= next(
+        a for a in assertions if a["assertion"] == "qa_verdict"
+    ).items()
     assert assertions[-1]["actual"] == verdict
 
     assert by_task["qa"][-1]["eventType"] == "COMPLETE"

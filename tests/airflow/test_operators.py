@@ -34,8 +34,13 @@ class OutletEvents(dict):
 
 
 def context(params=None, map_index=-1, try_number=1):
-    return {"ti": FakeTI(map_index, try_number), "params": params or {}, "outlet_events": OutletEvents(),
-            "dag_run": SimpleNamespace(dag_id="d", run_id="r1"), "logical_date": None}
+    return {
+        "ti": FakeTI(map_index, try_number),
+        "params": params or {},
+        "outlet_events": OutletEvents(),
+        "dag_run": SimpleNamespace(dag_id="d", run_id="r1"),
+        "logical_date": None,
+    }
 
 
 @pytest.fixture
@@ -43,7 +48,9 @@ def fake_python(tmp_path) -> str:
     """An executable that runs the worker CLI with the fake engine (stands in for `python`)."""
     path = tmp_path / "fake-python"
     root = str(HERE.parents[1])
-    path.write_text(f"#!{sys.executable}\nimport sys; sys.path.insert(0, {root!r})\n" + (HERE / "fake_python.py").read_text())
+    path.write_text(
+        f"#!{sys.executable}\nimport sys; sys.path.insert(0, {root!r})\n" + (HERE / "fake_python.py").read_text()
+    )
     path.chmod(0o755)
     return str(path)
 
@@ -63,9 +70,12 @@ def run_job(tmp_path, fake_python, spec_doc, params=None):
     plan_ctx = context(params)
     shards = VllmPlanOperator(task_id="plan", spec=spec_doc).execute(plan_ctx)
     spec = plan_ctx["ti"].xcoms["spec"]
-    manifests = [VllmLocalShardOperator(task_id="shard", spec=spec, shard=s, python=fake_python,
-                                        progress_interval_s=0.01).execute(context(map_index=i))
-                 for i, s in enumerate(shards)]
+    manifests = [
+        VllmLocalShardOperator(
+            task_id="shard", spec=spec, shard=s, python=fake_python, progress_interval_s=0.01
+        ).execute(context(map_index=i))
+        for i, s in enumerate(shards)
+    ]
     merged = VllmMergeOperator(task_id="merge", spec=spec).execute(context())
     return spec, shards, manifests, merged
 
@@ -76,6 +86,7 @@ def spec_doc(tmp_path, **over):
 
 # ---- plan --------------------------------------------------------------------------------
 
+
 def test_plan_layers_spec_overrides_and_params_and_pushes_the_spec(tmp_path):
     from airflow_provider_vllm.core.spec import JobSpec
     from airflow_provider_vllm.operators import VllmPlanOperator
@@ -83,8 +94,12 @@ def test_plan_layers_spec_overrides_and_params_and_pushes_the_spec(tmp_path):
     dataset(tmp_path, 250)
     doc = spec_doc(tmp_path)
     doc["sharding"]["target_rows"] = "1000"  # rendered templates are strings; the spec coerces them
-    op = VllmPlanOperator(task_id="plan", spec=doc, overrides='{"sampling.max_tokens": 16, "shard_rows": 200}',
-                          param_overrides=["shard_rows", "labels", "model"])
+    op = VllmPlanOperator(
+        task_id="plan",
+        spec=doc,
+        overrides='{"sampling.max_tokens": 16, "shard_rows": 200}',
+        param_overrides=["shard_rows", "labels", "model"],
+    )
     ctx = context({"shard_rows": 100, "labels": ["a", "b"], "model": None, "runner": "local"})
     shards = op.execute(ctx)
     assert len(shards) == 3 and sum(s["rows"] for s in shards) == 250  # ceil(250 / 100) balanced shards
@@ -96,12 +111,15 @@ def test_plan_layers_spec_overrides_and_params_and_pushes_the_spec(tmp_path):
     assert json.loads((tmp_path / "out" / "_plan.json").read_text())["spec_hash"] == spec.content_hash()
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"temperature": "hot"}, "sampling.temperature"),
-    ({"runner": "docker"}, "runner='docker' is not a runner"),
-    ({"model": {"name": "@TMP@/nonexistent/model"}}, "does not exist"),  # inside the allow-list
-    ({"duplicate_ids": True}, "duplicate"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"temperature": "hot"}, "sampling.temperature"),
+        ({"runner": "docker"}, "runner='docker' is not a runner"),
+        ({"model": {"name": "@TMP@/nonexistent/model"}}, "does not exist"),  # inside the allow-list
+        ({"duplicate_ids": True}, "duplicate"),
+    ],
+)
 def test_plan_fails_without_retry(tmp_path, change, message):
     from airflow.sdk.exceptions import AirflowFailException
 
@@ -150,8 +168,12 @@ def test_plan_with_the_result_cache_keys_on_the_runners_engine(tmp_path, fake_py
     assert plan["cache"]["key_config"]["engine_identity"] == local_engine_identity()
     assert (plan["cache"]["hits"], plan["cache"]["misses"]) == (0, 30) and sum(s["rows"] for s in shards) == 30
     assert merged["ok_rows"] == 30 and merged["cache"]["appended"] == 0 and "fake-0" in merged["cache"]["skipped"]
-    k8s = spec_doc(tmp_path, model={"name": "fake", "revision": "r1"}, cache={"uri": str(tmp_path / "cache")},
-                   io={"output_uri": str(tmp_path / "out-k8s")})
+    k8s = spec_doc(
+        tmp_path,
+        model={"name": "fake", "revision": "r1"},
+        cache={"uri": str(tmp_path / "cache")},
+        io={"output_uri": str(tmp_path / "out-k8s")},
+    )
     from airflow_provider_vllm.core.spec import JobSpec
 
     assert kubernetes_engine_identity(JobSpec.load(k8s)).startswith("image airflow-provider-vllm-worker:")
@@ -162,14 +184,21 @@ def test_plan_with_the_result_cache_keys_on_the_runners_engine(tmp_path, fake_py
 
 # ---- shard -------------------------------------------------------------------------------
 
+
 def test_shard_runs_the_worker_command_streams_progress_and_returns_its_manifest(tmp_path, fake_python):
     from airflow_provider_vllm.operators import VllmLocalShardOperator, VllmPlanOperator
 
     dataset(tmp_path, 100)
     ctx = context()
     (shard,) = VllmPlanOperator(task_id="plan", spec=spec_doc(tmp_path)).execute(ctx)
-    op = VllmLocalShardOperator(task_id="shard", spec=ctx["ti"].xcoms["spec"], shard=shard, python=fake_python,
-                                progress_interval_s=0.01, env={"VLLM_BATCH_LOG_LEVEL": "DEBUG"})
+    op = VllmLocalShardOperator(
+        task_id="shard",
+        spec=ctx["ti"].xcoms["spec"],
+        shard=shard,
+        python=fake_python,
+        progress_interval_s=0.01,
+        env={"VLLM_BATCH_LOG_LEVEL": "DEBUG"},
+    )
     lines: list[str] = []
     op._worker_line = lines.append
     manifest = op.execute(context(map_index=0))
@@ -180,13 +209,16 @@ def test_shard_runs_the_worker_command_streams_progress_and_returns_its_manifest
     assert again["status"] == "already_committed" and again["attempt_id"] == manifest["attempt_id"]
 
 
-@pytest.mark.parametrize("inject, try_number, outcome", [
-    ("0:1:75", 1, "retry"),
-    ("0:1:2", 1, "fail"),
-    ("*:1:137", 1, "retry"),
-    ("0:1:75", 2, "ok"),   # the retry runs the real worker
-    ("1:1:75", 1, "ok"),   # another map index
-])
+@pytest.mark.parametrize(
+    "inject, try_number, outcome",
+    [
+        ("0:1:75", 1, "retry"),
+        ("0:1:2", 1, "fail"),
+        ("*:1:137", 1, "retry"),
+        ("0:1:75", 2, "ok"),  # the retry runs the real worker
+        ("1:1:75", 1, "ok"),  # another map index
+    ],
+)
 def test_shard_exit_codes_map_to_retry_or_fail(tmp_path, fake_python, monkeypatch, inject, try_number, outcome):
     from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
@@ -234,6 +266,7 @@ def test_local_runner_helpers():
 
 # ---- merge, QA, publish ----------------------------------------------------------------
 
+
 def test_merge_qa_publish_write_the_marker_last_and_fill_the_asset_event(tmp_path, fake_python):
     from airflow.sdk import Asset
 
@@ -243,8 +276,10 @@ def test_merge_qa_publish_write_the_marker_last_and_fill_the_asset_event(tmp_pat
     spec, shards, manifests, merged = run_job(tmp_path, fake_python, spec_doc(tmp_path))
     assert len(shards) == 3 and all(m["status"] == "committed" for m in manifests)
     assert merged["rows"] == 300 and merged["ok_rows"] == 299 and merged["error_rows"] == 1
-    assert "shard_stats" not in merged and set(merged["checksums"]) == {"results/_manifest.json",
-                                                                        "errors/_manifest.json"}
+    assert "shard_stats" not in merged and set(merged["checksums"]) == {
+        "results/_manifest.json",
+        "errors/_manifest.json",
+    }
     qa_ctx = context()
     summary = VllmQAOperator(task_id="qa", spec=spec).execute(qa_ctx)
     assert summary["status"] in ("pass", "warn") and summary["report_html"].endswith("qa/report.html")
@@ -306,12 +341,15 @@ def test_embedding_table_task(tmp_path, fake_python):
     import importlib.util
 
     sys.path.insert(0, str(HERE.parents[1] / "dags"))
-    mod_spec = importlib.util.spec_from_file_location("vllm_embeddings_dag", HERE.parents[1] / "dags" / "vllm_embeddings.py")
+    mod_spec = importlib.util.spec_from_file_location(
+        "vllm_embeddings_dag", HERE.parents[1] / "dags" / "vllm_embeddings.py"
+    )
     mod = importlib.util.module_from_spec(mod_spec)
     mod_spec.loader.exec_module(mod)
     dataset(tmp_path, 40)
-    doc = spec_doc(tmp_path, task="embed", prompt={"system_prompt": None, "template": "{text}"},
-                   sampling={"structured": None})
+    doc = spec_doc(
+        tmp_path, task="embed", prompt={"system_prompt": None, "template": "{text}"}, sampling={"structured": None}
+    )
     spec, *_ = run_job(tmp_path, fake_python, doc)
     uri = mod.embedding_table.function(spec)
     table = pq.read_table(uri)
@@ -319,6 +357,7 @@ def test_embedding_table_task(tmp_path, fake_python):
 
 
 # ---- builder -----------------------------------------------------------------------------
+
 
 def build(**kw):
     import pendulum
@@ -372,8 +411,10 @@ def test_builder_static_output_is_the_asset_and_runner_switch():
         build(runner="docker")
     dag, _ = build(runner="{{ params.runner }}")
     assert dag.task_dict["vllm_batch.plan"].runner == "{{ params.runner }}"
-    assert dag.task_dict["vllm_batch.runner"].shard_tasks == {"local": "vllm_batch.shard",
-                                                              "kubernetes": "vllm_batch.shard_kubernetes"}
+    assert dag.task_dict["vllm_batch.runner"].shard_tasks == {
+        "local": "vllm_batch.shard",
+        "kubernetes": "vllm_batch.shard_kubernetes",
+    }
     assert dag.task_dict["vllm_batch.runner"].downstream_task_ids == {"vllm_batch.shard", "vllm_batch.shard_kubernetes"}
     assert dag.task_dict["vllm_batch.shard"].operator_class.__name__ == "VllmLocalShardOperator"
     assert dag.task_dict["vllm_batch.shard_kubernetes"].operator_class.__name__ == "VllmKubernetesShardOperator"
@@ -391,24 +432,44 @@ def build_static(io, **kw):
     return dag
 
 
-@pytest.mark.parametrize("io, inlets, outlets", [
-    ({"input_uri": "s3://in-bucket/tickets/", "output_uri": "s3://out-bucket/labels/"},
-     ["s3://in-bucket/tickets"], ["s3://out-bucket/labels"]),
-    ({"input_uri": "/data/tickets/", "output_uri": "/data/labels/"}, ["file:///data/tickets"], ["file:///data/labels"]),
-    ({"input_uri": "/data/dt={{ ds }}/", "output_uri": "s3://out-bucket/dt={{ ds }}/"}, [], ["x-vllm-batch://job"]),
-])
+@pytest.mark.parametrize(
+    "io, inlets, outlets",
+    [
+        (
+            {"input_uri": "s3://in-bucket/tickets/", "output_uri": "s3://out-bucket/labels/"},
+            ["s3://in-bucket/tickets"],
+            ["s3://out-bucket/labels"],
+        ),
+        (
+            {"input_uri": "/data/tickets/", "output_uri": "/data/labels/"},
+            ["file:///data/tickets"],
+            ["file:///data/labels"],
+        ),
+        ({"input_uri": "/data/dt={{ ds }}/", "output_uri": "s3://out-bucket/dt={{ ds }}/"}, [], ["x-vllm-batch://job"]),
+    ],
+)
 def test_builder_static_locations_are_real_asset_uris_templated_ones_fall_back(io, inlets, outlets):
     t = build_static(io).task_dict
     assert [a.uri for a in t["job.plan"].inlets] == inlets
     assert [a.uri for a in t["job.publish"].outlets] == outlets
 
 
-@pytest.mark.parametrize("runner, shard_ids", [("local", ["job.shard"]), ("kubernetes", ["job.shard"]),
-                                               ("{{ params.runner }}", ["job.shard", "job.shard_kubernetes"])])
+@pytest.mark.parametrize(
+    "runner, shard_ids",
+    [
+        ("local", ["job.shard"]),
+        ("kubernetes", ["job.shard"]),
+        ("{{ params.runner }}", ["job.shard", "job.shard_kubernetes"]),
+    ],
+)
 def test_shard_task_kwargs_reach_the_mapped_shard_tasks_of_both_runners(runner, shard_ids):
     io = {"input_uri": "/data/in/", "output_uri": "/data/out/"}
-    dag = build_static(io, runner=runner, shard_retries=1,
-                       shard_task_kwargs={"pool": "gpu", "queue": "gpu", "priority_weight": 7, "retries": 4})
+    dag = build_static(
+        io,
+        runner=runner,
+        shard_retries=1,
+        shard_task_kwargs={"pool": "gpu", "queue": "gpu", "priority_weight": 7, "retries": 4},
+    )
     for task_id in shard_ids:
         shard = dag.task_dict[task_id]
         assert shard.is_mapped
@@ -419,8 +480,20 @@ def test_shard_task_kwargs_reach_the_mapped_shard_tasks_of_both_runners(runner, 
     assert dag.task_dict["job.merge"].pool != "gpu"  # only the shard tasks
 
 
-@pytest.mark.parametrize("key", ["task_id", "map_index_template", "spec", "python", "env", "service_account_name",
-                                 "run_as_user", "trust", "namespace"])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "task_id",
+        "map_index_template",
+        "spec",
+        "python",
+        "env",
+        "service_account_name",
+        "run_as_user",
+        "trust",
+        "namespace",
+    ],
+)
 def test_shard_task_kwargs_refuses_keys_that_break_the_contract(key):
     with pytest.raises(ValueError, match=rf"shard_task_kwargs \['{key}'\]"):
         build_static({"input_uri": "/d/in", "output_uri": "/d/out"}, shard_task_kwargs={key: "x"})
@@ -432,6 +505,7 @@ def test_shard_task_kwargs_refuses_what_is_not_a_base_operator_argument():
 
 
 # ---- provider registration -------------------------------------------------------------
+
 
 def test_provider_info_lists_importable_operators_and_importing_the_package_needs_no_airflow():
     import importlib
@@ -449,10 +523,13 @@ def test_provider_info_lists_importable_operators_and_importing_the_package_need
     (ops,) = info["operators"]
     for name in ops["python-modules"]:
         mod = importlib.import_module(name)
-        assert any(isinstance(v, type) and issubclass(v, BaseOperator) and v.__module__ == name
-                   for v in vars(mod).values()), name
-    code = ("import sys, airflow_provider_vllm.provider; airflow_provider_vllm.provider.get_provider_info(); "
-            "assert not [m for m in sys.modules if m == 'airflow' or m.startswith('airflow.')], 'airflow imported'")
+        assert any(
+            isinstance(v, type) and issubclass(v, BaseOperator) and v.__module__ == name for v in vars(mod).values()
+        ), name
+    code = (
+        "import sys, airflow_provider_vllm.provider; airflow_provider_vllm.provider.get_provider_info(); "
+        "assert not [m for m in sys.modules if m == 'airflow' or m.startswith('airflow.')], 'airflow imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ})
 
 
@@ -461,7 +538,7 @@ def test_airflow_lists_the_provider(airflow_sandbox):
     assert p.returncode == 0, p.stderr[-2000:]
     assert "airflow_provider_vllm.operators.shard" in p.stdout and "vLLM batch inference" in p.stdout
     p = airflow_sandbox.run("providers", "list", "-o", "json")
-    listed = {e["package_name"]: e for e in json.loads(p.stdout[p.stdout.index("["):])}
+    listed = {e["package_name"]: e for e in json.loads(p.stdout[p.stdout.index("[") :])}
     assert listed["airflow-provider-vllm"]["version"] == "0.1.0"
 
 

@@ -73,16 +73,18 @@ def test_plan_dry_run_logs_the_gpu_layout_and_refuses_a_tp_the_model_cannot_spli
 
     model = str(make_tiny_llama(default_cache_dir() / "tiny-llama"))  # 2 attention heads, 2 KV heads
     dataset(tmp_path, n=40)
-    op = VllmPlanOperator(task_id="plan", spec=spec_doc(tmp_path, model={"name": model},
-                                                        sharding={"hardware": "1x NVIDIA H200"}))
+    op = VllmPlanOperator(
+        task_id="plan", spec=spec_doc(tmp_path, model={"name": model}, sharding={"hardware": "1x NVIDIA H200"})
+    )
     ctx = context({"dry_run": True})
     with pytest.raises(AirflowSkipException):
         op.execute(ctx)
     layout = ctx["ti"].xcoms["dry_run"]["layout"]
     assert layout["tensor_parallel_size"] == layout["gpus_per_pod"] == 1 and layout["verdict"] == "fits"
     assert "layout: 1 GPU per shard pod (TP=1)" in capsys.readouterr().out
-    bad = VllmPlanOperator(task_id="plan", spec=spec_doc(tmp_path, model={"name": model},
-                                                         engine={"tensor_parallel_size": 4}))
+    bad = VllmPlanOperator(
+        task_id="plan", spec=spec_doc(tmp_path, model={"name": model}, engine={"tensor_parallel_size": 4})
+    )
     with pytest.raises(AirflowFailException, match=r"engine.tensor_parallel_size 4: 2 attention heads do not divide"):
         bad.execute(context({"dry_run": True}))
     assert not (tmp_path / "out").exists()

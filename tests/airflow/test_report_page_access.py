@@ -33,8 +33,9 @@ def page(monkeypatch):
     for k in [k for k in os.environ if k.startswith("AWS_")]:
         monkeypatch.delenv(k)
     xcoms: dict[tuple[str, str], object] = {}
-    monkeypatch.setattr(plugin, "_xcom", lambda session, *, dag_id, run_id, task_id, key, map_index:
-                        xcoms.get((task_id, key)))
+    monkeypatch.setattr(
+        plugin, "_xcom", lambda session, *, dag_id, run_id, task_id, key, map_index: xcoms.get((task_id, key))
+    )
     plugin.app.dependency_overrides[plugin._can_read_task_instances.dependency] = lambda: None
     plugin.app.dependency_overrides[_get_session] = lambda: None
     plugin._fs_cache.clear()  # each test brings its own Connection
@@ -49,7 +50,9 @@ def plant(xcoms: dict, output_uri: str, report_html: str | None = None, **io) ->
     """The attacker's XComs: the plan task's ``spec`` and the QA task's summary of one run."""
     xcoms[("job.plan", "spec")] = {"io": {"input_uri": "s3://data/in", "output_uri": output_uri, **io}}
     xcoms[("job.qa", "return_value")] = {
-        "status": "pass", "report_html": report_html or f"{output_uri.rstrip('/')}/qa/report.html"}
+        "status": "pass",
+        "report_html": report_html or f"{output_uri.rstrip('/')}/qa/report.html",
+    }
 
 
 def get(client, kind: str = "report"):
@@ -59,41 +62,54 @@ def get(client, kind: str = "report"):
 def hostile_cases(srv: RecordingServer, tmp: Path) -> dict[str, tuple[dict, str]]:
     """name -> (planted XComs, expected words in the 403 reason)."""
     u = srv.url
-    headers = {"client_kwargs": {"endpoint_url": u, "headers": {"Metadata-Flavor": "Google",
-                                                                "X-aws-ec2-metadata-token": "x"}}}
+    headers = {
+        "client_kwargs": {"endpoint_url": u, "headers": {"Metadata-Flavor": "Google", "X-aws-ec2-metadata-token": "x"}}
+    }
     return {
         # the reproduction from the issue: the page fetched this and returned the server's body
         "http output_uri": ({"output_uri": f"{u}/creds#"}, "scheme 'http' is not allowed"),
-        "http output, report in it": ({"output_uri": f"{u}/latest/meta-data/iam", "report_html":
-                                       f"{u}/latest/meta-data/iam/qa/report.html"}, "not allowed"),
+        "http output, report in it": (
+            {"output_uri": f"{u}/latest/meta-data/iam", "report_html": f"{u}/latest/meta-data/iam/qa/report.html"},
+            "not allowed",
+        ),
         "https output_uri": ({"output_uri": "https://169.254.169.254/latest/"}, "not allowed"),
         "upper-case HTTP": ({"output_uri": f"HTTP://127.0.0.1:{srv.port}/x"}, "not allowed"),
         "chained fsspec url": ({"output_uri": f"simplecache::{u}/x"}, "chained"),
         "chained s3 over http": ({"output_uri": f"s3::{u}/data/x"}, "chained"),
-        "allowed bucket, report_html on http": ({"output_uri": "s3://data/runs/r1",
-                                                 "report_html": f"{u}/creds#/qa/report.html"}, "not allowed"),
+        "allowed bucket, report_html on http": (
+            {"output_uri": "s3://data/runs/r1", "report_html": f"{u}/creds#/qa/report.html"},
+            "not allowed",
+        ),
         # options in the XCom must never reach a file system: refused here as the bucket is not allowed
         "storage_options endpoint+headers, other bucket": (
             {"output_uri": "s3://other-team/runs/r1", "storage_options": {"endpoint_url": u, **headers}},
-            "outside [vllm_batch] allowed_uri_prefixes"),
+            "outside [vllm_batch] allowed_uri_prefixes",
+        ),
         "other bucket": ({"output_uri": "s3://other-team/runs/r1"}, "outside"),
         "sibling bucket by prefix": ({"output_uri": "s3://data-other/runs/r1"}, "outside"),
         "gs instead of s3": ({"output_uri": "gs://data/runs/r1"}, "outside"),
         "dot-dot out of the allowed prefix": ({"output_uri": "s3://data/runs/../../other-team/x"}, "'..'"),
         "encoded dot-dot": ({"output_uri": "s3://data/runs/%2e%2e/other"}, "percent-encoded"),
         "credentials in the s3 url": ({"output_uri": "s3://AKIA:secret@data/runs/r1"}, "not a valid bucket"),
-        "credentials and port in an http url": ({"output_uri": f"http://user:pw@127.0.0.1:{srv.port}/x"},
-                                                "not allowed"),
+        "credentials and port in an http url": (
+            {"output_uri": f"http://user:pw@127.0.0.1:{srv.port}/x"},
+            "not allowed",
+        ),
         "local path outside": ({"output_uri": "/etc"}, "outside"),
         "file url outside": ({"output_uri": "file:///etc/ssl"}, "outside"),
         "relative local path": ({"output_uri": "etc/passwd"}, "absolute"),
-        "report_html elsewhere in the allowed bucket": ({"output_uri": "s3://data/runs/r1",
-                                                         "report_html": "s3://data/runs/r2/qa/report.html"},
-                                                        "not under this run's output prefix"),
-        "report_html dot-dot": ({"output_uri": "s3://data/runs/r1",
-                                 "report_html": "s3://data/runs/r1/../r2/qa/report.html"}, "'..'"),
-        "symlinked report leaves the prefix": ({"output_uri": str(tmp / "allowed" / "run")},
-                                               "leads outside the run's output prefix"),
+        "report_html elsewhere in the allowed bucket": (
+            {"output_uri": "s3://data/runs/r1", "report_html": "s3://data/runs/r2/qa/report.html"},
+            "not under this run's output prefix",
+        ),
+        "report_html dot-dot": (
+            {"output_uri": "s3://data/runs/r1", "report_html": "s3://data/runs/r1/../r2/qa/report.html"},
+            "'..'",
+        ),
+        "symlinked report leaves the prefix": (
+            {"output_uri": str(tmp / "allowed" / "run")},
+            "leads outside the run's output prefix",
+        ),
     }
 
 
@@ -180,16 +196,32 @@ def test_s3_report_is_read_through_the_connection_only_never_xcom_options(page, 
         monkeypatch.setenv("AIRFLOW_CONN_VLLM_REPORTS", aws_connection(moto.endpoint))
         monkeypatch.setenv("AIRFLOW__VLLM_BATCH__AWS_CONN_ID", "vllm_reports")
         monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", "s3://data/runs")
-        plant(xcoms, "s3://data/runs/r1/", storage_options={
-            "endpoint_url": srv.url, "key": "attacker", "secret": "attacker",
-            "client_kwargs": {"endpoint_url": srv.url, "headers": {"Metadata-Flavor": "Google"}}})
+        plant(
+            xcoms,
+            "s3://data/runs/r1/",
+            storage_options={
+                "endpoint_url": srv.url,
+                "key": "attacker",
+                "secret": "attacker",
+                "client_kwargs": {"endpoint_url": srv.url, "headers": {"Metadata-Flavor": "Google"}},
+            },
+        )
         r = get(client)
         assert r.status_code == 200 and r.content == REPORT, r.text[:500]
         r = get(client, "report.json")
         assert r.status_code == 404 and "does not exist" in r.json()["detail"]
         # the request cannot name a Connection, an endpoint or a path either: extra query fields are ignored
         monkeypatch.setenv("AIRFLOW_CONN_EVIL", aws_connection(srv.url))
-        r = client.get("/report", params={"dag_id": "d", "run_id": "r", "task_id": "job.qa", "aws_conn_id": "evil",
-                                          "endpoint_url": srv.url, "output_uri": f"{srv.url}/creds#"})
+        r = client.get(
+            "/report",
+            params={
+                "dag_id": "d",
+                "run_id": "r",
+                "task_id": "job.qa",
+                "aws_conn_id": "evil",
+                "endpoint_url": srv.url,
+                "output_uri": f"{srv.url}/creds#",
+            },
+        )
         assert r.status_code == 200 and r.content == REPORT
         assert srv.requests == []

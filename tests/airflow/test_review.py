@@ -12,8 +12,10 @@ from tests.airflow.test_operators import context
 SUMMARY = {
     "status": "warn",
     "summary": "QA WARN: rows=40 ok=39 errors=1 error_rate=0.025(warn)",
-    "checks": [{"name": "error_rate", "value": 0.025, "warn": 0.01, "fail": 0.05, "status": "warn"},
-               {"name": "label_drift", "value": None, "warn": 0.1, "fail": 0.3, "status": "skip"}],
+    "checks": [
+        {"name": "error_rate", "value": 0.025, "warn": 0.01, "fail": 0.05, "status": "warn"},
+        {"name": "label_drift", "value": None, "warn": 0.1, "fail": 0.3, "status": "skip"},
+    ],
     "report_html": "/data/out/qa/report.html",
     "report_json": "/data/out/qa/report.json",
 }
@@ -27,8 +29,9 @@ def review(**kw):
 
 def ctx():
     c = context()
-    c["ti"] = SimpleNamespace(dag_id="d", run_id="manual__1", task_id="job.review", map_index=-1, id="ti-1",
-                              try_number=1)
+    c["ti"] = SimpleNamespace(
+        dag_id="d", run_id="manual__1", task_id="job.review", map_index=-1, id="ti-1", try_number=1
+    )
     c["task_instance"] = c["ti"]
     return c
 
@@ -69,8 +72,12 @@ def test_approve_returns_the_response_and_reject_fails_the_task():
     from airflow.sdk.exceptions import AirflowFailException
 
     def event(option):
-        return {"chosen_options": [option], "params_input": {}, "responded_at": datetime.now(UTC),
-                "responded_by_user": {"id": "admin", "name": "admin"}}
+        return {
+            "chosen_options": [option],
+            "params_input": {},
+            "responded_at": datetime.now(UTC),
+            "responded_by_user": {"id": "admin", "name": "admin"},
+        }
 
     assert review(qa_result=SUMMARY).execute_complete(ctx(), event("Approve"))["chosen_options"] == ["Approve"]
     with pytest.raises(AirflowFailException, match="rejected by admin; nothing is published"):
@@ -84,8 +91,9 @@ def test_qa_report_link_points_at_the_plugin_with_ids_only():
     key = SimpleNamespace(dag_id="d", run_id="scheduled__2026-01-01T02:00:00+00:00", task_id="job.qa", map_index=-1)
     link = VllmQAReportLink().get_link(VllmQAOperator(task_id="qa", spec={}), ti_key=key)
     assert link == "/vllm-batch/report?dag_id=d&run_id=scheduled__2026-01-01T02%3A00%3A00%2B00%3A00&task_id=job.qa"
-    on_review = VllmQAReportLink().get_link(review(qa_result=SUMMARY),
-                                            ti_key=SimpleNamespace(dag_id="d", run_id="r", task_id="job.review"))
+    on_review = VllmQAReportLink().get_link(
+        review(qa_result=SUMMARY), ti_key=SimpleNamespace(dag_id="d", run_id="r", task_id="job.review")
+    )
     assert on_review.endswith("task_id=job.qa")
 
 
@@ -107,8 +115,10 @@ def test_the_request_carries_a_deadline_and_silence_fails_without_publishing(mon
     deadline = datetime.fromisoformat(op.hitl_summary_extra["timeout_datetime"])
     assert timedelta(hours=2) <= deadline - before < timedelta(hours=2, minutes=1)
     # the scheduler's sweep event for "no response, no defaults"
-    timeout_event = {"error": "The Human-in-the-loop response timeout has passed without a response.",
-                     "error_type": "timeout"}
+    timeout_event = {
+        "error": "The Human-in-the-loop response timeout has passed without a response.",
+        "error_type": "timeout",
+    }
     with pytest.raises(AirflowFailException, match=r"no decision within 2:00:00; nothing is published"):
         op.execute_complete(ctx(), timeout_event)
 

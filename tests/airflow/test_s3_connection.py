@@ -55,8 +55,12 @@ def s3_text(s3, key: str) -> str:
     return s3.get_object(Bucket="data", Key=key)["Body"].read().decode()
 
 
-def test_plan_shards_merge_qa_publish_and_report_page_through_a_connection_only(moto_conn, fake_python,  # noqa: F811
-                                                                                 monkeypatch, caplog):
+def test_plan_shards_merge_qa_publish_and_report_page_through_a_connection_only(
+    moto_conn,
+    fake_python,  # noqa: F811
+    monkeypatch,
+    caplog,
+):
     from airflow_provider_vllm.operators import (
         VllmLocalShardOperator,
         VllmMergeOperator,
@@ -71,8 +75,9 @@ def test_plan_shards_merge_qa_publish_and_report_page_through_a_connection_only(
     texts = [f"ticket {i}: I was charged twice" for i in range(n)]
     texts[9] = ""
     put_parquet(s3, "in/part-0.parquet", [f"s{i:03d}" for i in range(n)], texts)
-    doc = make_spec("s3://data/in", "s3://data/runs/r1", sharding={"target_rows": 60, "chunk_rows": 20},
-                    qa={"fail_error_rate": 0.5}).model_dump(mode="json")
+    doc = make_spec(
+        "s3://data/in", "s3://data/runs/r1", sharding={"target_rows": 60, "chunk_rows": 20}, qa={"fail_error_rate": 0.5}
+    ).model_dump(mode="json")
     conn = {"aws_conn_id": CONN_ID}
 
     launched: list[tuple[list[str], dict[str, str]]] = []
@@ -89,9 +94,12 @@ def test_plan_shards_merge_qa_publish_and_report_page_through_a_connection_only(
     shards = VllmPlanOperator(task_id="plan", spec=doc, **conn).execute(plan_ctx)
     spec = plan_ctx["ti"].xcoms["spec"]
     assert len(shards) == 3
-    manifests = [VllmLocalShardOperator(task_id="shard", spec=spec, shard=s, python=fake_python,
-                                        progress_interval_s=0.05, **conn).execute(context(map_index=i))
-                 for i, s in enumerate(shards)]
+    manifests = [
+        VllmLocalShardOperator(
+            task_id="shard", spec=spec, shard=s, python=fake_python, progress_interval_s=0.05, **conn
+        ).execute(context(map_index=i))
+        for i, s in enumerate(shards)
+    ]
     assert [m["status"] for m in manifests] == ["committed"] * 3
     merged = VllmMergeOperator(task_id="merge", spec=spec, **conn).execute(context())
     assert merged["rows"] == n and merged["ok_rows"] == n - 1 and merged["error_rows"] == 1
@@ -109,11 +117,17 @@ def test_plan_shards_merge_qa_publish_and_report_page_through_a_connection_only(
         assert not any(CONN_SECRET in a or CONN_KEY in a or moto.endpoint in a for a in argv)
     assert not [k for k in os.environ if k.startswith("AWS_")]  # nor did this process get them
     # ... and nowhere in what the job keeps or shows
-    kept = {"spec xcom": json.dumps(spec), "_plan.json": s3_text(s3, "runs/r1/_plan.json"),
-            "manifests": json.dumps(manifests), "merge": json.dumps(merged), "qa": json.dumps(qa_summary),
-            "_SUCCESS.json": json.dumps(marker), "_MERGED.json": s3_text(s3, "runs/r1/_MERGED.json"),
-            # what a task log shows (INFO and up); the secret key at no level at all
-            "logs": "\n".join(r.getMessage() for r in caplog.records if r.levelno >= logging.INFO)}
+    kept = {
+        "spec xcom": json.dumps(spec),
+        "_plan.json": s3_text(s3, "runs/r1/_plan.json"),
+        "manifests": json.dumps(manifests),
+        "merge": json.dumps(merged),
+        "qa": json.dumps(qa_summary),
+        "_SUCCESS.json": json.dumps(marker),
+        "_MERGED.json": s3_text(s3, "runs/r1/_MERGED.json"),
+        # what a task log shows (INFO and up); the secret key at no level at all
+        "logs": "\n".join(r.getMessage() for r in caplog.records if r.levelno >= logging.INFO),
+    }
     for name, text in kept.items():
         assert CONN_SECRET not in text and CONN_KEY not in text, name
         assert moto.endpoint not in text, name
@@ -127,8 +141,9 @@ def test_plan_shards_merge_qa_publish_and_report_page_through_a_connection_only(
 
     monkeypatch.setenv("AIRFLOW__VLLM_BATCH__AWS_CONN_ID", CONN_ID)
     xcoms = {("job.plan", "spec"): spec, ("job.qa", "return_value"): qa_summary}
-    monkeypatch.setattr(plugin, "_xcom", lambda session, *, dag_id, run_id, task_id, key, map_index:
-                        xcoms.get((task_id, key)))
+    monkeypatch.setattr(
+        plugin, "_xcom", lambda session, *, dag_id, run_id, task_id, key, map_index: xcoms.get((task_id, key))
+    )
     plugin.app.dependency_overrides[plugin._can_read_task_instances.dependency] = lambda: None
     plugin.app.dependency_overrides[_get_session] = lambda: None
     plugin._fs_cache.clear()
@@ -177,6 +192,7 @@ def test_storage_options_that_belong_to_the_connection_are_refused(moto_conn):
 
 # ---- a real DAG run ----------------------------------------------------------------------
 
+
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
@@ -190,16 +206,27 @@ def test_rerun_dag_on_s3_through_a_connection_only(airflow_sandbox, tiny_model, 
         s3 = s3_client(moto.endpoint)
         s3.create_bucket(Bucket="data")
         n = 40
-        put_parquet(s3, "adhoc/tickets.parquet", [f"c{i:03d}" for i in range(n)],
-                    [f"Please refund order {i}, I was charged twice." for i in range(n)])
-        env.update({
-            "AIRFLOW_CONN_AWS_DEFAULT": aws_connection(moto.endpoint),
-            "AIRFLOW_VAR_VLLM_BATCH_DATA_ROOT": "s3://data/support",
-            "AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES": f"s3://data,{Path(tiny_model).parent},{box.data}",
-        })
+        put_parquet(
+            s3,
+            "adhoc/tickets.parquet",
+            [f"c{i:03d}" for i in range(n)],
+            [f"Please refund order {i}, I was charged twice." for i in range(n)],
+        )
+        env.update(
+            {
+                "AIRFLOW_CONN_AWS_DEFAULT": aws_connection(moto.endpoint),
+                "AIRFLOW_VAR_VLLM_BATCH_DATA_ROOT": "s3://data/support",
+                "AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES": f"s3://data,{Path(tiny_model).parent},{box.data}",
+            }
+        )
         s3box = AirflowSandbox(home=box.home, data=box.data, env=env)
-        conf = {"input_uri": "s3://data/adhoc/", "model": tiny_model, "labels": ["billing", "bug", "other"],
-                "shard_rows": 20, "max_tokens": 16}
+        conf = {
+            "input_uri": "s3://data/adhoc/",
+            "model": tiny_model,
+            "labels": ["billing", "bug", "other"],
+            "shard_rows": 20,
+            "max_tokens": 16,
+        }
         p = s3box.dags_test("vllm_batch_rerun", "2026-11-24", conf=conf)
         assert p.returncode == 0, tail(p)
         log = p.stdout + p.stderr
@@ -211,7 +238,7 @@ def test_rerun_dag_on_s3_through_a_connection_only(airflow_sandbox, tiny_model, 
         event = next(x["value"] for x in db["xcoms"] if x["run_id"] == run_id and x["task_id"] == "rerun.publish")
         out = event["output_uri"].rstrip("/")
         assert out.startswith("s3://data/support/reruns/") and event["rows"] == n
-        key = out[len("s3://data/"):]
+        key = out[len("s3://data/") :]
         marker = json.loads(s3_text(s3, f"{key}/_SUCCESS.json"))
         assert marker["rows"] == n and marker["qa"]["status"] in ("pass", "warn")
         for x in db["xcoms"]:
@@ -239,9 +266,18 @@ def _report_page_in_api_server(box, run_id: str) -> dict:
     """GET the report through Airflow's whole API app (plugins, auth: every user an admin) over the sandbox DB."""
     import subprocess
 
-    env = {**box.env, "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
-           "AIRFLOW__CORE__LAZY_DISCOVER_PROVIDERS": "False"}
-    p = subprocess.run([sys.executable, "-c", PAGE_SCRIPT, run_id], env=env, cwd=str(box.home),
-                       capture_output=True, text=True, timeout=300)
+    env = {
+        **box.env,
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
+        "AIRFLOW__CORE__LAZY_DISCOVER_PROVIDERS": "False",
+    }
+    p = subprocess.run(
+        [sys.executable, "-c", PAGE_SCRIPT, run_id],
+        env=env,
+        cwd=str(box.home),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     return json.loads(p.stdout.strip().splitlines()[-1])

@@ -83,8 +83,12 @@ def test_rerun_dag_fails_closed_without_an_allow_list(airflow_sandbox):
     """The default deployment: no [vllm_batch] allowed_uri_prefixes -> plan refuses, naming the setting."""
     box = airflow_sandbox
     write_parquet(box.data / "closed" / "part-0.parquet", ["a", "b"], ["one", "two"])
-    p = box.dags_test(RERUN, "2026-11-25", conf={"input_uri": str(box.data / "closed")},
-                      env={"AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES": ""})
+    p = box.dags_test(
+        RERUN,
+        "2026-11-25",
+        conf={"input_uri": str(box.data / "closed")},
+        env={"AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES": ""},
+    )
     _plan_refused(box, p, "no allowed locations are configured: set [vllm_batch] allowed_uri_prefixes")
     record_malicious("dag_no_allow_list", 1, 1)
 
@@ -92,8 +96,10 @@ def test_rerun_dag_fails_closed_without_an_allow_list(airflow_sandbox):
 HOSTILE_CONF = {  # values the form's schemas accept, refused by the deployment's rules in plan
     "model path outside the allow-list": ({"model": "/etc/ssl"}, "model.name=/etc/ssl is outside the allowed"),
     "another team's bucket": ({"input_uri": "s3://other-team/tickets/"}, "io.input_uri=s3://other-team/tickets"),
-    "compare with another team's run": ({"compare_with": "s3://other-team/runs/dt=1/"},
-                                        "changes.previous_uri=s3://other-team/runs/dt=1 is outside"),
+    "compare with another team's run": (
+        {"compare_with": "s3://other-team/runs/dt=1/"},
+        "changes.previous_uri=s3://other-team/runs/dt=1 is outside",
+    ),
 }
 
 
@@ -112,10 +118,15 @@ def test_a_variable_cannot_turn_on_remote_code_without_the_deployments_opt_in(ai
     compile backend; even with [vllm_batch] allow_remote_code the plan refuses: it came from a Variable."""
     box = airflow_sandbox
     write_parquet(box.data / "trc" / "part-0.parquet", ["a", "b"], ["one", "two"])
-    overrides = {"sampling.max_tokens": 32, "model.trust_remote_code": True,
-                 "engine.engine_kwargs": {"compilation_config": {"backend": "evil.module.compile"}}}
-    env = {"AIRFLOW_VAR_VLLM_BATCH_SPEC_OVERRIDES": json.dumps(overrides),
-           "AIRFLOW__VLLM_BATCH__ALLOW_REMOTE_CODE": "True"}
+    overrides = {
+        "sampling.max_tokens": 32,
+        "model.trust_remote_code": True,
+        "engine.engine_kwargs": {"compilation_config": {"backend": "evil.module.compile"}},
+    }
+    env = {
+        "AIRFLOW_VAR_VLLM_BATCH_SPEC_OVERRIDES": json.dumps(overrides),
+        "AIRFLOW__VLLM_BATCH__ALLOW_REMOTE_CODE": "True",
+    }
     p = box.dags_test(RERUN, "2026-11-27", conf={"input_uri": str(box.data / "trc")}, env=env)
     _plan_refused(box, p, "model.trust_remote_code is deployment-owned and came from a Variable")
     assert "engine.engine_kwargs.compilation_config.backend is deployment-owned" in p.stdout + p.stderr

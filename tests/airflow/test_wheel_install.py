@@ -23,8 +23,13 @@ from tests.support.locks import airflow_lock, airflow_side
 pytestmark = pytest.mark.slow
 
 DAG_IDS = {"vllm_nightly_reclassification", "vllm_batch_rerun", "vllm_embeddings"}
-EXAMPLE_FILES = {"vllm_nightly_reclassification.py", "vllm_batch_rerun.py", "vllm_embeddings.py",
-                 "vllm_dag_defaults.py", ".airflowignore"}
+EXAMPLE_FILES = {
+    "vllm_nightly_reclassification.py",
+    "vllm_batch_rerun.py",
+    "vllm_embeddings.py",
+    "vllm_dag_defaults.py",
+    ".airflowignore",
+}
 SOURCES = ("setup.cfg", "pyproject.toml", "README.md", "LICENSE", "airflow_provider_vllm", "dags")
 
 
@@ -45,8 +50,9 @@ def build_wheel(tmp: Path) -> Path:
     src.mkdir()
     for name in SOURCES:
         if (ROOT / name).is_dir():
-            shutil.copytree(ROOT / name, src / name, symlinks=True,
-                            ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+            shutil.copytree(
+                ROOT / name, src / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info")
+            )
         else:
             shutil.copy2(ROOT / name, src / name)
     run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", tmp / "dist", src])
@@ -59,8 +65,7 @@ def test_wheel_installs_into_a_clean_venv_as_a_provider_with_its_example_dags(tm
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
         meta = email.message_from_bytes(z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))))
-    assert {n.rsplit("/", 1)[1] for n in names if n.startswith("airflow_provider_vllm/example_dags/")} \
-        == EXAMPLE_FILES
+    assert {n.rsplit("/", 1)[1] for n in names if n.startswith("airflow_provider_vllm/example_dags/")} == EXAMPLE_FILES
     assert not [n for n in names if n.startswith(("tests/", "airflow_provider_vllm/testing/"))]
     assert not [n for n in names if n.endswith((".safetensors", ".gguf", ".bin", ".parquet"))]
 
@@ -79,21 +84,28 @@ def test_wheel_installs_into_a_clean_venv_as_a_provider_with_its_example_dags(tm
     run([py, "-m", "pip", "install", "-q", "--no-deps", "-r", tmp_path / "airflow-side.txt"], env=env, cwd=tmp_path)
     run([py, "-m", "pip", "install", "-q", "--no-deps", wheel], env=env, cwd=tmp_path)
 
-    installed = Path(run([py, "-c", "import airflow_provider_vllm as p, pathlib; "
-                                    "print(pathlib.Path(p.__file__).parent)"], env=env, cwd=tmp_path).stdout.strip())
+    installed = Path(
+        run(
+            [py, "-c", "import airflow_provider_vllm as p, pathlib; print(pathlib.Path(p.__file__).parent)"],
+            env=env,
+            cwd=tmp_path,
+        ).stdout.strip()
+    )
     assert installed.is_relative_to(venv) and not (installed / "testing").exists()
     airflow = venv / "bin" / "airflow"
 
-    provider = cli_json(run([airflow, "providers", "get", "airflow-provider-vllm", "-o", "json"],
-                            env=env, cwd=tmp_path))
+    provider = cli_json(
+        run([airflow, "providers", "get", "airflow-provider-vllm", "-o", "json"], env=env, cwd=tmp_path)
+    )
     assert provider[0]["Provider"] == "airflow-provider-vllm" and provider[0]["Version"] == meta["Version"]
 
     run([airflow, "db", "migrate"], env=env, cwd=tmp_path)
 
     def parsed(dags_folder: Path) -> tuple[list, set]:
         folder_env = {**env, "AIRFLOW__CORE__DAGS_FOLDER": str(dags_folder)}
-        errors = cli_json(run([airflow, "dags", "list-import-errors", "--local", "-o", "json"],
-                              env=folder_env, cwd=tmp_path))
+        errors = cli_json(
+            run([airflow, "dags", "list-import-errors", "--local", "-o", "json"], env=folder_env, cwd=tmp_path)
+        )
         dags = cli_json(run([airflow, "dags", "list", "--local", "-o", "json"], env=folder_env, cwd=tmp_path))
         return errors, {d["dag_id"] for d in dags}
 

@@ -39,16 +39,24 @@ def put_input(s3, name: str, ids, texts, files: int = 1) -> str:
     step = -(-len(ids) // files)
     for k in range(files):
         buf = io.BytesIO()
-        pq.write_table(pa.table({"id": ids[k * step:(k + 1) * step], "text": texts[k * step:(k + 1) * step]}), buf,
-                       row_group_size=16)
+        pq.write_table(
+            pa.table({"id": ids[k * step : (k + 1) * step], "text": texts[k * step : (k + 1) * step]}),
+            buf,
+            row_group_size=16,
+        )
         Storage("s3://data/in", s3.storage_options).write_atomic(f"{name}/part-{k}.parquet", buf.getvalue())
     return f"s3://data/in/{name}"
 
 
 def spec(s3, name: str):
-    return make_spec(f"s3://data/in/{name}", f"s3://data/runs/{name}", model={"name": "fake", "revision": "r1"},
-                     io={"storage_options": s3.storage_options}, cache={"uri": "s3://data/cache"},
-                     sharding={"target_rows": 20, "chunk_rows": 10})
+    return make_spec(
+        f"s3://data/in/{name}",
+        f"s3://data/runs/{name}",
+        model={"name": "fake", "revision": "r1"},
+        io={"storage_options": s3.storage_options},
+        cache={"uri": "s3://data/cache"},
+        sharding={"target_rows": 20, "chunk_rows": 10},
+    )
 
 
 def shards(sp, factory):

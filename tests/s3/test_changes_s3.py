@@ -40,8 +40,12 @@ def test_changes_between_two_runs_on_s3(s3, fake_engine_factory, monkeypatch):
         buf = io.BytesIO()
         pq.write_table(pa.table({"id": list(texts), "text": list(texts.values())}), buf)
         Storage(f"s3://data/in/{day}", s3.storage_options).write_atomic("part-0.parquet", buf.getvalue())
-        spec = make_spec(f"s3://data/in/{day}", f"s3://data/runs/{day}", sharding={"target_rows": 40},
-                         changes={"previous_uri": previous})
+        spec = make_spec(
+            f"s3://data/in/{day}",
+            f"s3://data/runs/{day}",
+            sharding={"target_rows": 40},
+            changes={"previous_uri": previous},
+        )
         check_deployment(spec, ["s3://data"])  # changes.previous_uri is held to the allow-list like the others
         for s in plan_job(spec).shards:
             run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
@@ -62,6 +66,7 @@ def test_changes_between_two_runs_on_s3(s3, fake_engine_factory, monkeypatch):
             with st.open(rel) as f:
                 got.update(zip(*pq.read_table(f, columns=["id", "label"]).to_pydict().values()))
         return got
+
     old, new = labels("d1"), labels("d2")
     assert {i for i, r in rows.items() if r["change"] == "changed"} == {i for i in new if i in old and old[i] != new[i]}
     assert {i for i, r in rows.items() if r["change"] == "removed"} == {"s0", "s1", "s2"}

@@ -48,6 +48,7 @@ def test_local_store_passes_the_probe_and_leaves_nothing(tmp_path):
 
 def test_a_local_store_that_overwrites_is_refused_before_the_plan_is_written(tmp_path, monkeypatch):
     """A filesystem whose create-only write silently replaces (simulated: create_only always 'creates')."""
+
     def overwrite(self, rel, data):
         self.write_atomic(rel, data)
         return True
@@ -187,8 +188,9 @@ def test_gcs_reads_and_atomic_writes_work_against_the_emulator(gcs, tmp_path):
     buf = io.BytesIO()
     pq.write_table(pa.table({"id": IDS, "text": [f"t {i}" for i in range(len(IDS))]}), buf, row_group_size=4)
     Storage("gs://gbucket/in", gcs).write_atomic("part-0.parquet", buf.getvalue())
-    spec = make_spec("gs://gbucket/in", tmp_path / "out", io={"storage_options": gcs},
-                     sharding={"target_rows": 6, "chunk_rows": 3})
+    spec = make_spec(
+        "gs://gbucket/in", tmp_path / "out", io={"storage_options": gcs}, sharding={"target_rows": 6, "chunk_rows": 3}
+    )
     plan = plan_job(spec)  # the output is local: the probe passes; the input is read from GCS
     assert plan.total_rows == len(IDS) and len(plan.shards) == 2
     assert plan.files[0]["version"]  # generation / etag recorded for the unchanged-input check

@@ -53,8 +53,13 @@ def proxy(s3, monkeypatch):
 
 def direct(s3):
     """A boto3 client straight to the server (no proxy): what any reader would see."""
-    return boto3.client("s3", endpoint_url=s3.endpoint, aws_access_key_id="testing",
-                        aws_secret_access_key="testing", region_name="us-east-1")
+    return boto3.client(
+        "s3",
+        endpoint_url=s3.endpoint,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    )
 
 
 def keys(s3, prefix: str) -> list[str]:
@@ -113,8 +118,9 @@ def test_is_transient_sorts_botocore_and_s3fs_errors():
     from botocore.exceptions import ClientError, ConnectionClosedError, EndpointConnectionError, ReadTimeoutError
 
     def client_error(code, status):
-        return ClientError({"Error": {"Code": code, "Message": code},
-                            "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
+        return ClientError(
+            {"Error": {"Code": code, "Message": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject"
+        )
 
     def translated(code, status, err):
         e = OSError(err, code)
@@ -159,22 +165,30 @@ def test_pipeline_survives_faults(proxy, s3, fake_engine_factory, kind):
     for method, path, nth, count in FAULT_PLAN:
         if kind == "truncate" and method != "PUT":
             continue  # a request body to cut exists only on uploads
-        proxy.add(kind, method=method, path=path.replace("/data/in-", f"/data/in-{run}/"), nth=nth, count=count,
-                  stall_s=2.5)
+        proxy.add(
+            kind, method=method, path=path.replace("/data/in-", f"/data/in-{run}/"), nth=nth, count=count, stall_s=2.5
+        )
     opts = proxy.storage_options(read_timeout=2)
-    spec = make_spec(f"s3://data/in-{run}", f"s3://data/runs/{run}", io={"storage_options": opts},
-                     sharding={"target_rows": 50, "chunk_rows": 20})
+    spec = make_spec(
+        f"s3://data/in-{run}",
+        f"s3://data/runs/{run}",
+        io={"storage_options": opts},
+        sharding={"target_rows": 50, "chunk_rows": 20},
+    )
     plan = plan_job(spec)
     assert len(plan.shards) == 3
-    statuses = [run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)["status"]
-                for s in plan.shards]
+    statuses = [
+        run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)["status"]
+        for s in plan.shards
+    ]
     summary = merge_run(spec)
     fired = len(proxy.fired)
     proxy.clear()
 
     lost, dups, partial = reconcile(s3, spec, plan, N_ROWS)
-    record_fault(f"s3_{kind}", rows=N_ROWS, faults=fired, lost=lost, duplicates=dups, partial_visible=partial,
-                 level="store")
+    record_fault(
+        f"s3_{kind}", rows=N_ROWS, faults=fired, lost=lost, duplicates=dups, partial_visible=partial, level="store"
+    )
     assert fired >= 5, proxy.fired
     assert set(statuses) <= {"committed", "already_committed"}
     assert summary["ok_rows"] == N_ROWS - 1 and summary["error_rows"] == 1
@@ -186,8 +200,15 @@ def reconcile(s3, spec, plan, n_rows: int) -> tuple[int, int, int]:
 
     Duplicates are counted in the merged files and, before merge's dedupe, across the chunks
     the commit markers name."""
-    out = Storage(spec.io.output_uri, {"endpoint_url": s3.endpoint, "key": "testing", "secret": "testing",
-                                       "client_kwargs": {"region_name": "us-east-1"}})
+    out = Storage(
+        spec.io.output_uri,
+        {
+            "endpoint_url": s3.endpoint,
+            "key": "testing",
+            "secret": "testing",
+            "client_kwargs": {"region_name": "us-east-1"},
+        },
+    )
     ids = []
     for rel in result_parts(out, RESULTS) + result_parts(out, ERRORS):
         with out.open(rel) as f:

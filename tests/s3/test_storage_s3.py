@@ -59,8 +59,10 @@ def test_pipeline_on_s3(s3, fake_engine_factory, monkeypatch):
     plan = plan_job(spec)
     assert len(plan.shards) == 3
     for s in plan.shards:
-        assert run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)["status"] \
+        assert (
+            run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)["status"]
             == "committed"
+        )
     summary = merge_run(spec)
     assert summary["ok_rows"] == n - 1 and summary["error_rows"] == 1
     out = Storage("s3://data/runs/r1", s3.storage_options)

@@ -21,25 +21,38 @@ class AirflowSandbox:
     data: Path
     env: dict[str, str] = field(default_factory=dict)
 
-    def run(self, *args: str, env: dict[str, str] | None = None, timeout: int = 900,
-            log: Path | None = None) -> subprocess.CompletedProcess:
+    def run(
+        self, *args: str, env: dict[str, str] | None = None, timeout: int = 900, log: Path | None = None
+    ) -> subprocess.CompletedProcess:
         """Run ``airflow <args>``; stdout+stderr also go to ``log`` when given."""
-        p = subprocess.run([AIRFLOW, *args], env={**self.env, **(env or {})}, cwd=str(self.home),
-                           capture_output=True, text=True, timeout=timeout)
+        p = subprocess.run(
+            [AIRFLOW, *args],
+            env={**self.env, **(env or {})},
+            cwd=str(self.home),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         if log is not None:
             log.write_text(p.stdout + p.stderr)
         return p
 
-    def dags_test(self, dag_id: str, date: str, conf: dict | None = None, env: dict[str, str] | None = None,
-                  timeout: int = 900) -> subprocess.CompletedProcess:
+    def dags_test(
+        self, dag_id: str, date: str, conf: dict | None = None, env: dict[str, str] | None = None, timeout: int = 900
+    ) -> subprocess.CompletedProcess:
         args = ["dags", "test", dag_id, date] + (["-c", json.dumps(conf)] if conf is not None else [])
         log = self.home / f"{dag_id}-{date}-{len(list(self.home.glob('*.log')))}.log"
         return self.run(*args, env=env, timeout=timeout, log=log)
 
     def inspect(self, dag_id: str) -> dict:
         """Runs, task instances, earlier tries, XComs and asset events of ``dag_id``, from the DB."""
-        p = subprocess.run([PY, str(ROOT / "tests" / "airflow" / "inspect_db.py"), dag_id], env=self.env,
-                           capture_output=True, text=True, timeout=300)
+        p = subprocess.run(
+            [PY, str(ROOT / "tests" / "airflow" / "inspect_db.py"), dag_id],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert p.returncode == 0, p.stderr[-3000:]
         return json.loads(p.stdout)
 

@@ -31,19 +31,33 @@ def make_spec(input_uri, output_uri, **over):
     return JobSpec.load(doc)
 
 
-def merge_summary(rows: int, ok_rows: int, error_rows: int, files: dict[str, str] | None = None,
-                  parts: dict[str, int] | None = None):
+def merge_summary(
+    rows: int, ok_rows: int, error_rows: int, files: dict[str, str] | None = None, parts: dict[str, int] | None = None
+):
     """A ``MergeSummary`` with these counts and files, everything else neutral."""
     from airflow_provider_vllm.core.records import Duplicates, MergeSummary
 
-    return MergeSummary(rows=rows, ok_rows=ok_rows, error_rows=error_rows, duplicates_dropped=0,
-                        duplicates=Duplicates(ids=0, rows_dropped=0, examples=[]), shards=1, files=files or {},
-                        checksums={}, config_hash="c", spec_hash="s", merge_s=0.0, parts=parts or {})
-
+    return MergeSummary(
+        rows=rows,
+        ok_rows=ok_rows,
+        error_rows=error_rows,
+        duplicates_dropped=0,
+        duplicates=Duplicates(ids=0, rows_dropped=0, examples=[]),
+        shards=1,
+        files=files or {},
+        checksums={},
+        config_hash="c",
+        spec_hash="s",
+        merge_s=0.0,
+        parts=parts or {},
+    )
 
 
 def write_merged_folder(out: Path, kind: str, table: pa.Table) -> Path:
-    """``out/<kind>/part-00000.parquet`` + ``_manifest.json``: a merged folder as merge lays it out (tests, benchmarks)."""
+    """``out/<kind>/part-00000.parquet`` + ``_manifest.json``: a merged folder as merge lays it out.
+
+    For tests and benchmarks.
+    """
     part = out / kind / "part-00000.parquet"
     part.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(table, part)
@@ -57,7 +71,14 @@ def write_manifest(out: Path, kind: str) -> None:
 
     from airflow_provider_vllm.core.records import PartEntry, PartsManifest
 
-    parts = [PartEntry(name=p.name, bytes=p.stat().st_size, sha256=hashlib.sha256(p.read_bytes()).hexdigest(),
-                       rows=pq.ParquetFile(p).metadata.num_rows) for p in sorted((out / kind).glob("part-*.parquet"))]
+    parts = [
+        PartEntry(
+            name=p.name,
+            bytes=p.stat().st_size,
+            sha256=hashlib.sha256(p.read_bytes()).hexdigest(),
+            rows=pq.ParquetFile(p).metadata.num_rows,
+        )
+        for p in sorted((out / kind).glob("part-*.parquet"))
+    ]
     manifest = PartsManifest(kind=kind, rows=sum(p.rows for p in parts), parts=parts)  # type: ignore[arg-type]
     (out / kind / "_manifest.json").write_text(manifest.model_dump_json(indent=1))

@@ -24,8 +24,10 @@ from airflow_provider_vllm.worker.isolation import refusal
 try:
     from jinja2.exceptions import TemplateError  # what HF chat templates raise (raise_exception)
 except ImportError:  # pragma: no cover
+
     class TemplateError(Exception):
         pass
+
 
 SAMPLING_EPS = 1e-5  # vLLM's: below this temperature decoding is greedy
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
@@ -85,9 +87,22 @@ class FakeTokenizer:
 class MirrorParams:
     """vLLM 0.32's SamplingParams checks (``_verify_args``), for when vLLM is not importable."""
 
-    def __init__(self, n=1, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=None, stop=None,
-                 max_tokens=16, min_tokens=0, presence_penalty=0.0, frequency_penalty=0.0,
-                 repetition_penalty=1.0, logprobs=None):
+    def __init__(
+        self,
+        n=1,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        min_p=0.0,
+        seed=None,
+        stop=None,
+        max_tokens=16,
+        min_tokens=0,
+        presence_penalty=0.0,
+        frequency_penalty=0.0,
+        repetition_penalty=1.0,
+        logprobs=None,
+    ):
         err = VLLMValidationError
         self.temperature, self.top_p, self.seed, self.max_tokens = temperature, top_p, seed, max_tokens
         self.stop = [stop] if isinstance(stop, str) else list(stop or [])
@@ -143,8 +158,9 @@ class FakeEngine:
     version = "fake-0"
     start_seconds = 0.0
 
-    def __init__(self, spec, max_model_len=None, crash_after=None, per_step=7, real_vllm=None, fail_on=None,
-                 strict_roles=True):
+    def __init__(
+        self, spec, max_model_len=None, crash_after=None, per_step=7, real_vllm=None, fail_on=None, strict_roles=True
+    ):
         self.spec = spec
         self.tokenizer = FakeTokenizer(strict_roles=strict_roles)
         self.max_model_len = max_model_len or spec.model.max_model_len or 2048
@@ -181,12 +197,16 @@ class FakeEngine:
         if not ids:
             raise err("The decoder prompt cannot be empty")
         if len(ids) > self.max_model_len:  # the renderer's token length check (renderers/params.py)
-            raise err(f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt "
-                      f"contains {len(ids)} input tokens, which exceeds this limit even without any output "
-                      "tokens. Please reduce the length of the input prompt.")
+            raise err(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt "
+                f"contains {len(ids)} input tokens, which exceeds this limit even without any output "
+                "tokens. Please reduce the length of the input prompt."
+            )
         if len(ids) == self.max_model_len:
-            raise err(f"The decoder prompt (length {len(ids)}) plus the number of requested output tokens "
-                      f"(at least 1) is longer than the maximum model length of {self.max_model_len}.")
+            raise err(
+                f"The decoder prompt (length {len(ids)}) plus the number of requested output tokens "
+                f"(at least 1) is longer than the maximum model length of {self.max_model_len}."
+            )
 
     def submit(self, key, token_ids, overrides=None):
         """Like Engine.submit: RequestRejected when the settings or the prompt are refused."""
@@ -234,7 +254,7 @@ class FakeEngine:
         if self.dead:
             raise EngineDeadError()
         self.steps += 1
-        out, self.queue = self.queue[: self.per_step], self.queue[self.per_step:]
+        out, self.queue = self.queue[: self.per_step], self.queue[self.per_step :]
         if self.fail_on is not None and any(self.fail_on(ids) for _, ids, _ in out):
             self.queue = out + self.queue  # still in the engine, as in vLLM after a failed step
             raise ValueError("output processing failed (injected by fail_on)")
@@ -267,8 +287,10 @@ class FakeEngine:
             if not p:
                 raise err("The decoder prompt cannot be empty")
             if len(p) > self.max_model_len:
-                raise err(f"The decoder prompt (length {len(p)}) is longer than the maximum model length of "
-                          f"{self.max_model_len}.")
+                raise err(
+                    f"The decoder prompt (length {len(p)}) is longer than the maximum model length of "
+                    f"{self.max_model_len}."
+                )
         if self.fail_on is not None and any(self.fail_on(p) for p in prompts):
             raise ValueError("pooling failed (injected by fail_on)")
         return [[float(len(p)), 1.0, 0.5] for p in prompts]
@@ -293,8 +315,9 @@ def generate(spec, ids, params) -> Generated:
     text = answer(spec, ids, seed)
     for s in params.stop or ():
         if s in text:
-            return Generated(text=text[: text.index(s)], finish_reason="stop", prompt_tokens=len(ids),
-                             completion_tokens=1)
+            return Generated(
+                text=text[: text.index(s)], finish_reason="stop", prompt_tokens=len(ids), completion_tokens=1
+            )
     if params.max_tokens is not None and params.max_tokens < 2:  # the answer, but no room for the EOS
         return Generated(text=text, finish_reason="length", prompt_tokens=len(ids), completion_tokens=1)
     return Generated(text=text, finish_reason="stop", prompt_tokens=len(ids), completion_tokens=2)

@@ -23,6 +23,7 @@ Each fault record names its ``level``, and the report keeps the levels apart:
 
 Every record carries the pytest node id of the test that made it (``test``).
 """
+
 from __future__ import annotations
 
 import json
@@ -43,16 +44,34 @@ def _append(doc: dict) -> None:
         f.write(json.dumps(doc, sort_keys=True) + "\n")
 
 
-def record_fault(kind: str, rows: int, *, faults: int = 1, lost: int = 0, duplicates: int = 0,
-                 partial_visible: int = 0, level: str = "in_process", examples: int = 0, steps: int = 0) -> None:
+def record_fault(
+    kind: str,
+    rows: int,
+    *,
+    faults: int = 1,
+    lost: int = 0,
+    duplicates: int = 0,
+    partial_visible: int = 0,
+    level: str = "in_process",
+    examples: int = 0,
+    steps: int = 0,
+) -> None:
     """``faults`` injections of type ``kind`` over a job of ``rows`` input rows, and the reconciliation.
 
     ``level``: one of LEVELS (see the module docstring); ``examples``/``steps``: hypothesis only.
     """
     if level not in LEVELS:
         raise ValueError(f"level {level!r} is not one of {LEVELS}")
-    doc = {"type": "fault", "kind": kind, "level": level, "faults": faults, "rows": rows, "lost": lost,
-           "duplicates": duplicates, "partial_visible": partial_visible}
+    doc = {
+        "type": "fault",
+        "kind": kind,
+        "level": level,
+        "faults": faults,
+        "rows": rows,
+        "lost": lost,
+        "duplicates": duplicates,
+        "partial_visible": partial_visible,
+    }
     if level == "hypothesis":
         doc.update(examples=examples, steps=steps)
     _append(doc)

@@ -50,13 +50,24 @@ class RecordingServer:
 
 def aws_connection(endpoint: str) -> str:
     """An ``AIRFLOW_CONN_<ID>`` value (JSON form) for moto: keys, region and endpoint in the Connection."""
-    return json.dumps({"conn_type": "aws", "login": CONN_KEY, "password": CONN_SECRET,
-                       "extra": {"endpoint_url": endpoint, "region_name": "us-east-1"}})
+    return json.dumps(
+        {
+            "conn_type": "aws",
+            "login": CONN_KEY,
+            "password": CONN_SECRET,
+            "extra": {"endpoint_url": endpoint, "region_name": "us-east-1"},
+        }
+    )
 
 
 def s3_client(endpoint: str):
     """A boto3 client with explicit keys (the test's own setup, never the process environment)."""
     import boto3
 
-    return boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=CONN_KEY,
-                        aws_secret_access_key=CONN_SECRET, region_name="us-east-1")
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id=CONN_KEY,
+        aws_secret_access_key=CONN_SECRET,
+        region_name="us-east-1",
+    )

@@ -10,14 +10,43 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-ALLOWED_VOLUME_SOURCES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
-                          "projected", "secret"}
-BASELINE_CAPABILITIES = {"AUDIT_WRITE", "CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "MKNOD",
-                         "NET_BIND_SERVICE", "SETFCAP", "SETGID", "SETPCAP", "SETUID", "SYS_CHROOT"}
-SAFE_SYSCTLS = {"kernel.shm_rmid_forced", "net.ipv4.ip_local_port_range", "net.ipv4.ip_unprivileged_port_start",
-                "net.ipv4.tcp_syncookies", "net.ipv4.ping_group_range", "net.ipv4.ip_local_reserved_ports",
-                "net.ipv4.tcp_keepalive_time", "net.ipv4.tcp_fin_timeout", "net.ipv4.tcp_keepalive_intvl",
-                "net.ipv4.tcp_keepalive_probes"}
+ALLOWED_VOLUME_SOURCES = {
+    "configMap",
+    "csi",
+    "downwardAPI",
+    "emptyDir",
+    "ephemeral",
+    "persistentVolumeClaim",
+    "projected",
+    "secret",
+}
+BASELINE_CAPABILITIES = {
+    "AUDIT_WRITE",
+    "CHOWN",
+    "DAC_OVERRIDE",
+    "FOWNER",
+    "FSETID",
+    "KILL",
+    "MKNOD",
+    "NET_BIND_SERVICE",
+    "SETFCAP",
+    "SETGID",
+    "SETPCAP",
+    "SETUID",
+    "SYS_CHROOT",
+}
+SAFE_SYSCTLS = {
+    "kernel.shm_rmid_forced",
+    "net.ipv4.ip_local_port_range",
+    "net.ipv4.ip_unprivileged_port_start",
+    "net.ipv4.tcp_syncookies",
+    "net.ipv4.ping_group_range",
+    "net.ipv4.ip_local_reserved_ports",
+    "net.ipv4.tcp_keepalive_time",
+    "net.ipv4.tcp_fin_timeout",
+    "net.ipv4.tcp_keepalive_intvl",
+    "net.ipv4.tcp_keepalive_probes",
+}
 SELINUX_TYPES = {None, "", "container_t", "container_init_t", "container_kvm_t", "container_engine_t"}
 
 
@@ -42,6 +71,7 @@ def _effective(spec: dict, c: dict, key: str):
 
 # ---- baseline ----------------------------------------------------------------------------
 
+
 def host_process(spec):
     sc = [_psc(spec)] + [_csc(c) for c in _containers(spec)]
     return [s for s in sc if (s.get("windowsOptions") or {}).get("hostProcess")]
@@ -56,8 +86,12 @@ def privileged(spec):
 
 
 def capabilities_baseline(spec):
-    return [(c["name"], a) for c in _containers(spec)
-            for a in ((_csc(c).get("capabilities") or {}).get("add") or []) if a not in BASELINE_CAPABILITIES]
+    return [
+        (c["name"], a)
+        for c in _containers(spec)
+        for a in ((_csc(c).get("capabilities") or {}).get("add") or [])
+        if a not in BASELINE_CAPABILITIES
+    ]
 
 
 def host_path_volumes(spec):
@@ -65,8 +99,12 @@ def host_path_volumes(spec):
 
 
 def host_ports(spec):
-    return [(c["name"], p.get("hostPort")) for c in _containers(spec) for p in c.get("ports") or []
-            if p.get("hostPort") not in (None, 0)]
+    return [
+        (c["name"], p.get("hostPort"))
+        for c in _containers(spec)
+        for p in c.get("ports") or []
+        if p.get("hostPort") not in (None, 0)
+    ]
 
 
 def apparmor(spec):
@@ -94,6 +132,7 @@ def sysctls(spec):
 
 # ---- restricted --------------------------------------------------------------------------
 
+
 def volume_types(spec):
     out = []
     for v in spec.get("volumes") or []:
@@ -118,8 +157,11 @@ def run_as_user_not_root(spec):
 
 def seccomp_set(spec):
     ok = ("RuntimeDefault", "Localhost")
-    return [c["name"] for c in _containers(spec)
-            if (_csc(c).get("seccompProfile") or _psc(spec).get("seccompProfile") or {}).get("type") not in ok]
+    return [
+        c["name"]
+        for c in _containers(spec)
+        if (_csc(c).get("seccompProfile") or _psc(spec).get("seccompProfile") or {}).get("type") not in ok
+    ]
 
 
 def capabilities_restricted(spec):
@@ -135,6 +177,7 @@ def capabilities_restricted(spec):
 
 
 # ---- ours --------------------------------------------------------------------------------
+
 
 def read_only_root_filesystem(spec):
     return [c["name"] for c in _containers(spec) if _csc(c).get("readOnlyRootFilesystem") is not True]

@@ -47,9 +47,11 @@ class Reconciliation:
         return not (self.lost or self.duplicates or self.unknown or self.partial_visible)
 
     def __str__(self) -> str:
-        return (f"{self.rows} input rows: {len(self.lost)} lost {self.lost[:5]}, {len(self.duplicates)} duplicated "
-                f"{self.duplicates[:5]}, {len(self.unknown)} unknown {self.unknown[:5]}, "
-                f"{len(self.partial_visible)} partial files visible {self.partial_visible[:5]}")
+        return (
+            f"{self.rows} input rows: {len(self.lost)} lost {self.lost[:5]}, {len(self.duplicates)} duplicated "
+            f"{self.duplicates[:5]}, {len(self.unknown)} unknown {self.unknown[:5]}, "
+            f"{len(self.partial_visible)} partial files visible {self.partial_visible[:5]}"
+        )
 
 
 def reconcile(out: str | Path, input_ids: Iterable[str], committed_only: bool = False) -> Reconciliation:
@@ -65,10 +67,16 @@ def reconcile(out: str | Path, input_ids: Iterable[str], committed_only: bool = 
     merged = (out / "results" / "_manifest.json").exists() and not committed_only
     if merged:
         rec.partial_visible += _manifest_mismatches(out)
-        res = [i for p in sorted((out / "results").glob("*.parquet"))
-               for i in pq.read_table(p, columns=["id"]).column("id").to_pylist()]
-        err = [e for p in sorted((out / "errors").glob("*.parquet"))
-               for e in pq.read_table(p, columns=["id", "error_code"]).to_pylist()]
+        res = [
+            i
+            for p in sorted((out / "results").glob("*.parquet"))
+            for i in pq.read_table(p, columns=["id"]).column("id").to_pylist()
+        ]
+        err = [
+            e
+            for p in sorted((out / "errors").glob("*.parquet"))
+            for e in pq.read_table(p, columns=["id", "error_code"]).to_pylist()
+        ]
         ids = res + [e["id"] for e in err]
         rec.ok_ids = set(res)
         rec.error_codes = {e["id"]: e["error_code"] for e in err}
@@ -164,13 +172,26 @@ def _sha256(p: Path) -> str:
     return hashlib.sha256(p.read_bytes()).hexdigest()
 
 
-def check(out: str | Path, input_ids: Iterable[str], kind: str | None = None, faults: int = 1,
-          committed_only: bool = False, level: str = "in_process") -> Reconciliation:
+def check(
+    out: str | Path,
+    input_ids: Iterable[str],
+    kind: str | None = None,
+    faults: int = 1,
+    committed_only: bool = False,
+    level: str = "in_process",
+) -> Reconciliation:
     """Reconcile, record ``faults`` faults of ``kind`` at ``level`` in the ledger (when given), then assert clean."""
     rec = reconcile(out, input_ids, committed_only=committed_only)
     if kind is not None:
-        record_fault(kind, rec.rows, faults=faults, lost=len(rec.lost), duplicates=len(rec.duplicates),
-                     partial_visible=len(rec.partial_visible), level=level)
+        record_fault(
+            kind,
+            rec.rows,
+            faults=faults,
+            lost=len(rec.lost),
+            duplicates=len(rec.duplicates),
+            partial_visible=len(rec.partial_visible),
+            level=level,
+        )
     assert rec.clean, str(rec)
     return rec
 

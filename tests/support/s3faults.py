@@ -116,8 +116,7 @@ class FaultProxy:
         config: dict = {"read_timeout": read_timeout, "connect_timeout": 2}
         if max_attempts is not None:
             config["retries"] = {"max_attempts": max_attempts, "mode": "standard"}
-        return {"endpoint_url": self.endpoint, "config_kwargs": config,
-                "client_kwargs": {"region_name": "us-east-1"}}
+        return {"endpoint_url": self.endpoint, "config_kwargs": config, "client_kwargs": {"region_name": "us-east-1"}}
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -165,8 +164,10 @@ class _Handler(BaseHTTPRequestHandler):
         headers = {k: v for k, v in self.headers.items() if k.lower() not in self.owner.strip_headers}
         if rule is not None and rule.kind in _BODIES:
             status, code, msg = _BODIES[rule.kind]
-            xml = (f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code><Message>{msg}</Message>'
-                   f"<RequestId>fault</RequestId></Error>").encode()
+            xml = (
+                f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code><Message>{msg}</Message>'
+                f"<RequestId>fault</RequestId></Error>"
+            ).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/xml")
             self.send_header("Content-Length", str(len(xml) if method != "HEAD" else 0))
@@ -200,8 +201,9 @@ class _Handler(BaseHTTPRequestHandler):
         for k, v in resp.getheaders():
             if k.lower() not in ("transfer-encoding", "connection", "content-length", "server", "date"):
                 self.send_header(k, v)
-        self.send_header("Content-Length", str(len(data)) if method != "HEAD"
-                         else resp.getheader("Content-Length", "0"))
+        self.send_header(
+            "Content-Length", str(len(data)) if method != "HEAD" else resp.getheader("Content-Length", "0")
+        )
         self.end_headers()
         if method != "HEAD":
             self.wfile.write(data)

@@ -24,8 +24,11 @@ class MotoServer:
 
     def __enter__(self):
         bindir = os.path.dirname(sys.executable)
-        self.proc = subprocess.Popen([os.path.join(bindir, "moto_server"), "-H", "127.0.0.1", "-p", str(self.port)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [os.path.join(bindir, "moto_server"), "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         for _ in range(100):
             try:
                 urllib.request.urlopen(self.endpoint + "/moto-api/", timeout=1)
@@ -40,8 +43,12 @@ class MotoServer:
 
     @property
     def storage_options(self) -> dict:
-        return {"key": "testing", "secret": "testing", "endpoint_url": self.endpoint,
-                "client_kwargs": {"region_name": "us-east-1"}}
+        return {
+            "key": "testing",
+            "secret": "testing",
+            "endpoint_url": self.endpoint,
+            "client_kwargs": {"region_name": "us-east-1"},
+        }
 
     @property
     def deployment_env(self) -> dict[str, str]:
@@ -53,11 +60,20 @@ class MotoServer:
         import s3fs
 
         s3fs.S3FileSystem.clear_instance_cache()
-        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": "testing",
-                "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
 
     def make_bucket(self, name: str) -> None:
         import boto3
 
-        boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id="testing",
-                     aws_secret_access_key="testing", region_name="us-east-1").create_bucket(Bucket=name)
+        boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+            region_name="us-east-1",
+        ).create_bucket(Bucket=name)

@@ -23,11 +23,14 @@ QA_OVERRIDES = {
     # The tiny random model spells the longer labels in more tokens.
     "sampling.max_tokens": 32,
     # 'warn' from 1% errors, 'fail' only from 50%: a run with one empty ticket in 20 needs review.
-    "qa.warn_error_rate": 0.01, "qa.fail_error_rate": 0.5,
+    "qa.warn_error_rate": 0.01,
+    "qa.fail_error_rate": 0.5,
     # Random labels drift from day to day: not what these tests look at (nor is the churn the
     # nightly template warns on: the two backfilled days are different tickets under the same ids).
-    "qa.warn_label_drift": 1.0, "qa.fail_label_drift": 1.0,
-    "qa.warn_churn_rate": 1.0, "qa.fail_churn_rate": 1.0,
+    "qa.warn_label_drift": 1.0,
+    "qa.fail_label_drift": 1.0,
+    "qa.warn_churn_rate": 1.0,
+    "qa.fail_churn_rate": 1.0,
 }
 
 
@@ -91,8 +94,11 @@ def airflow_ui(tmp_path_factory, ui_data):
         # the deployment's allow-list (docs/security.md): without it every plan fails closed and the
         # report page answers 403
         "AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES": json.dumps([str(ui_data), str(Path(tiny).resolve().parent)]),
-        "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1", "TOKENIZERS_PARALLELISM": "false",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
     }
     if not _plugin_entry_point_installed():
         # An editable install made before the entry point existed: load the provider's declared plugin.
@@ -112,8 +118,11 @@ def browser(airflow_ui):
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
-                               args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        b = pw.chromium.launch(
+            executable_path=CHROMIUM,
+            headless=True,
+            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"],
+        )
         try:
             yield b
         finally:

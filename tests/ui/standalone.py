@@ -63,29 +63,31 @@ class Standalone:
 
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "VLLM_BATCH_INJECT"))}
-        env.update({
-            "PATH": f"{BIN}{os.pathsep}{env.get('PATH', '')}",  # standalone starts its parts as `airflow`
-            "PYTHONPATH": os.pathsep.join(p for p in [str(ROOT), env.get("PYTHONPATH", "")] if p),
-            "AIRFLOW_HOME": str(self.home),
-            "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
-            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-            "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
-            "AIRFLOW__CORE__DEFAULT_TASK_RETRY_DELAY": "1",
-            "AIRFLOW__CORE__PARALLELISM": "4",
-            # A loaded 2-core machine (vLLM engines next to SQLite) answers slowly: without these, a
-            # task start can time out against the Execution API and fail before it ran (seen here).
-            "AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT": "60",
-            "AIRFLOW__CORE__DEFAULT_TASK_RETRIES": "2",
-            # Only what the test triggers runs: no scheduled nightly run of its own.
-            "AIRFLOW__SCHEDULER__USE_JOB_SCHEDULE": "False",
-            "AIRFLOW__API__HOST": "127.0.0.1",
-            "AIRFLOW__API__PORT": str(self.port),
-            "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{self.url}/execution/",
-            # Other Airflows on this machine own 8793/8794.
-            "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
-            "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(free_port()),
-            MARKER: self.marker,
-        })
+        env.update(
+            {
+                "PATH": f"{BIN}{os.pathsep}{env.get('PATH', '')}",  # standalone starts its parts as `airflow`
+                "PYTHONPATH": os.pathsep.join(p for p in [str(ROOT), env.get("PYTHONPATH", "")] if p),
+                "AIRFLOW_HOME": str(self.home),
+                "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
+                "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+                "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
+                "AIRFLOW__CORE__DEFAULT_TASK_RETRY_DELAY": "1",
+                "AIRFLOW__CORE__PARALLELISM": "4",
+                # A loaded 2-core machine (vLLM engines next to SQLite) answers slowly: without these, a
+                # task start can time out against the Execution API and fail before it ran (seen here).
+                "AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT": "60",
+                "AIRFLOW__CORE__DEFAULT_TASK_RETRIES": "2",
+                # Only what the test triggers runs: no scheduled nightly run of its own.
+                "AIRFLOW__SCHEDULER__USE_JOB_SCHEDULE": "False",
+                "AIRFLOW__API__HOST": "127.0.0.1",
+                "AIRFLOW__API__PORT": str(self.port),
+                "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{self.url}/execution/",
+                # Other Airflows on this machine own 8793/8794.
+                "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
+                "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(free_port()),
+                MARKER: self.marker,
+            }
+        )
         env.update(self.env_extra)
         return env
 
@@ -93,9 +95,15 @@ class Standalone:
         self.port = self.port or free_port()
         self.home.mkdir(parents=True, exist_ok=True)
         log = open(self.home / "standalone.log", "wb")
-        self.proc = subprocess.Popen([str(BIN / "airflow"), "standalone"], cwd=self.home, env=self.env(),
-                                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            [str(BIN / "airflow"), "standalone"],
+            cwd=self.home,
+            env=self.env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -162,12 +170,14 @@ class Standalone:
 
     def token(self) -> str:
         if self._token is None:
-            self._token = self.request("POST", "/auth/token", {"username": "admin", "password": self.password},
-                                       auth=False)["access_token"]
+            self._token = self.request(
+                "POST", "/auth/token", {"username": "admin", "password": self.password}, auth=False
+            )["access_token"]
         return self._token
 
-    def request(self, method: str, path: str, body: Any = None, *, auth: bool = True,
-                headers: dict[str, str] | None = None) -> Any:
+    def request(
+        self, method: str, path: str, body: Any = None, *, auth: bool = True, headers: dict[str, str] | None = None
+    ) -> Any:
         data = None if body is None else json.dumps(body).encode()
         h = {"Content-Type": "application/json", **(headers or {})}
         if auth:
@@ -200,8 +210,9 @@ class Standalone:
         return self.get(f"/api/v2/dags/{dag_id}/dagRuns/{q}/taskInstances?limit=100")["task_instances"]
 
     def trigger(self, dag_id: str, conf: dict, run_id: str) -> dict:
-        return self.request("POST", f"/api/v2/dags/{dag_id}/dagRuns",
-                            {"dag_run_id": run_id, "logical_date": None, "conf": conf})
+        return self.request(
+            "POST", f"/api/v2/dags/{dag_id}/dagRuns", {"dag_run_id": run_id, "logical_date": None, "conf": conf}
+        )
 
     def wait_run(self, dag_id: str, run_id: str, states=("success", "failed"), timeout: float = 600) -> dict:
         deadline = time.monotonic() + timeout
@@ -221,7 +232,7 @@ class Standalone:
         re-queued task failed ("state changed externally"). A person needs seconds to answer; a
         test answers at once, so it waits for the scheduler's log line first.
         """
-        needle = (f"TaskInstance Finished: dag_id={dag_id}, task_id={task_id}, run_id={run_id}, ")
+        needle = f"TaskInstance Finished: dag_id={dag_id}, task_id={task_id}, run_id={run_id}, "
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for line in (self.home / "standalone.log").read_text(errors="replace").splitlines():

@@ -74,8 +74,9 @@ def test_a_run_triggered_from_the_form_succeeds_with_named_shards(airflow_ui, ui
     assert run["state"] == "success", states(airflow_ui, RERUN, FORM_RUN)
     assert run["conf"]["input_uri"] == str(ui_data / "adhoc") and run["conf"]["shard_rows"] == 20
     assert set(states(airflow_ui, RERUN, FORM_RUN).values()) == {"success"}
-    names = sorted(t["rendered_map_index"] for t in airflow_ui.task_instances(RERUN, FORM_RUN)
-                   if t["task_id"] == "rerun.shard")
+    names = sorted(
+        t["rendered_map_index"] for t in airflow_ui.task_instances(RERUN, FORM_RUN) if t["task_id"] == "rerun.shard"
+    )
     assert names == ["shard 0/2 rows 0-19", "shard 1/2 rows 20-39"]
     out = ui_data / "reruns" / FORM_RUN
     success = json.loads((out / "_SUCCESS.json").read_text())
@@ -152,8 +153,7 @@ def test_the_qa_report_opens_from_the_qa_tasks_extra_link(airflow_ui, page, shot
     assert status == 200 and json.loads(body)["status"] == "pass"
 
 
-def test_a_qa_warning_waits_for_a_person_reject_fails_approve_publishes(airflow_ui, ui_data, page, shots,
-                                                                         review_run):
+def test_a_qa_warning_waits_for_a_person_reject_fails_approve_publishes(airflow_ui, ui_data, page, shots, review_run):
     out = ui_data / "review_out"
     hitl = "taskInstances/rerun.review/-1/hitlDetails"
     airflow_ui.wait_task(RERUN, review_run, "rerun.review", ("awaiting_input",), timeout=900)

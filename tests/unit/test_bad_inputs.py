@@ -40,8 +40,11 @@ def score(expected: dict[str, str], got: dict[str, str]) -> tuple[int, int]:
 @pytest.mark.parametrize("fmt", sorted(CORPORA))
 def test_row_fault_corpus_with_the_fake_engine(tmp_path, fake_engine_factory, fmt):
     expected = CORPORA[fmt](tmp_path / "in")
-    over = {"sharding": {"target_rows": 7, "chunk_rows": 3}, "prompt": {"truncation": "reject"},
-            "model": {"name": "fake", "max_model_len": 4096}}
+    over = {
+        "sharding": {"target_rows": 7, "chunk_rows": 3},
+        "prompt": {"truncation": "reject"},
+        "model": {"name": "fake", "max_model_len": 4096},
+    }
     if fmt == "openai_batch":
         over["sampling"] = {"max_tokens": 8, "structured": None}
     spec = make_spec(tmp_path / "in", tmp_path / "out", **over)

@@ -31,8 +31,10 @@ def test_next_day_edits_5_percent_removes_2_percent_and_appends_the_new_rows():
 
 
 def test_by_task_sums_mapped_shards_and_leaves_out_skipped_tasks():
-    tis = [{"task": "plan", "map_index": -1, "state": "success", "seconds": 2.0},
-           {"task": "shard", "map_index": 0, "state": "success", "seconds": 10.0},
-           {"task": "shard", "map_index": 1, "state": "success", "seconds": 12.5},
-           {"task": "shard_kubernetes", "map_index": -1, "state": "skipped", "seconds": None}]
+    tis = [
+        {"task": "plan", "map_index": -1, "state": "success", "seconds": 2.0},
+        {"task": "shard", "map_index": 0, "state": "success", "seconds": 10.0},
+        {"task": "shard", "map_index": 1, "state": "success", "seconds": 12.5},
+        {"task": "shard_kubernetes", "map_index": -1, "state": "skipped", "seconds": None},
+    ]
     assert _bench().by_task(tis) == {"plan": {"seconds": 2.0, "count": 1}, "shard": {"seconds": 22.5, "count": 2}}

@@ -37,8 +37,13 @@ print("OK")
 
 
 def _lint_imports(root: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([LINT_IMPORTS, "--config", str(root / "pyproject.toml"), "--no-cache"], cwd=root,
-                          env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True)
+    return subprocess.run(
+        [LINT_IMPORTS, "--config", str(root / "pyproject.toml"), "--no-cache"],
+        cwd=root,
+        env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+    )
 
 
 def test_the_layer_contracts_hold():
@@ -47,13 +52,16 @@ def test_the_layer_contracts_hold():
     assert "3 kept, 0 broken" in r.stdout
 
 
-@pytest.mark.parametrize("module, line, contract", [
-    ("core/errors.py", "import airflow_provider_vllm.operators", "Layers"),
-    ("worker/progress.py", "import airflow_provider_vllm.steps.merge", "Layers"),
-    ("steps/sizing.py", "import airflow_provider_vllm.task_groups.batch_job", "Layers"),
-    ("worker/redact.py", "import airflow.sdk", "import no Airflow"),
-    ("operators/review.py", "import airflow_provider_vllm.testing.local_models", "test/demo models"),
-])
+@pytest.mark.parametrize(
+    "module, line, contract",
+    [
+        ("core/errors.py", "import airflow_provider_vllm.operators", "Layers"),
+        ("worker/progress.py", "import airflow_provider_vllm.steps.merge", "Layers"),
+        ("steps/sizing.py", "import airflow_provider_vllm.task_groups.batch_job", "Layers"),
+        ("worker/redact.py", "import airflow.sdk", "import no Airflow"),
+        ("operators/review.py", "import airflow_provider_vllm.testing.local_models", "test/demo models"),
+    ],
+)
 def test_the_contracts_catch_a_violation(tmp_path, module, line, contract):
     """The same contracts on a copy of the package with one forbidden import added: broken."""
     shutil.copytree(ROOT / PACKAGE, tmp_path / PACKAGE, ignore=shutil.ignore_patterns("__pycache__"))
@@ -133,13 +141,17 @@ def test_worker_imports_without_airflow():
 
 def test_block_is_effective():
     """The blocker really blocks (so the test above could fail)."""
-    r = subprocess.run([sys.executable, "-c", BLOCK_AIRFLOW.replace("print(\"OK\")", "import airflow")],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-c", BLOCK_AIRFLOW.replace('print("OK")', "import airflow")], capture_output=True, text=True
+    )
     assert r.returncode != 0 and "not installed in the worker image" in r.stderr
 
 
 def test_worker_cli_rejects_bad_task_with_terminal_exit():
-    r = subprocess.run([sys.executable, "-m", "airflow_provider_vllm.worker", '{"spec": {}, "shard_id": "x"}'],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "airflow_provider_vllm.worker", '{"spec": {}, "shard_id": "x"}'],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 2
     assert "shard_id" in r.stderr and '"terminal": true' in r.stdout

@@ -33,8 +33,13 @@ def test_every_vllm_batch_option_is_declared_with_a_fail_closed_default():
     from airflow_provider_vllm.operators import deployment
 
     options = airflow_provider_vllm.provider.get_provider_info()["config"]["vllm_batch"]["options"]
-    read = {deployment.CONFIG_OPTION, deployment.ALLOW_ANY_OPTION, deployment.REMOTE_CODE_OPTION,
-            deployment.VARIABLES_OPTION, deployment.KUBERNETES_OPTION}
+    read = {
+        deployment.CONFIG_OPTION,
+        deployment.ALLOW_ANY_OPTION,
+        deployment.REMOTE_CODE_OPTION,
+        deployment.VARIABLES_OPTION,
+        deployment.KUBERNETES_OPTION,
+    }
     assert read <= set(options)
     for name in read:
         assert options[name]["description"] and options[name]["type"] in ("string", "boolean"), name
@@ -63,11 +68,16 @@ def _config_reads() -> dict[str, set[str]]:
                 for a in node.names:
                     names[a.asname or a.name] = getattr(provider, a.name)
         for node in ast.walk(tree):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                    and node.func.attr in ("get", "getboolean", "getint", "getfloat", "getjson")
-                    and len(node.args) >= 2):
-                section, option = (names.get(a.id) if isinstance(a, ast.Name)
-                                   else a.value if isinstance(a, ast.Constant) else None for a in node.args[:2])
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("get", "getboolean", "getint", "getfloat", "getjson")
+                and len(node.args) >= 2
+            ):
+                section, option = (
+                    names.get(a.id) if isinstance(a, ast.Name) else a.value if isinstance(a, ast.Constant) else None
+                    for a in node.args[:2]
+                )
                 if section == provider.CONFIG_SECTION:
                     indirect = [v for k, v in names.items() if k != "CONFIG_SECTION" and isinstance(v, str)]
                     for opt in [option] if isinstance(option, str) else indirect:
@@ -87,6 +97,10 @@ def test_every_option_read_is_declared_and_every_declared_option_is_read():
 
 def test_the_section_name_is_written_once():
     """Only provider.py spells the section; everyone else imports CONFIG_SECTION."""
-    spelled = [p.relative_to(ROOT).as_posix() for p in (ROOT / "airflow_provider_vllm").rglob("*.py")
-               if '"vllm_batch", "' in p.read_text(encoding="utf-8") or 'SECTION = "vllm_batch"' in p.read_text(encoding="utf-8")]
+    spelled = [
+        p.relative_to(ROOT).as_posix()
+        for p in (ROOT / "airflow_provider_vllm").rglob("*.py")
+        if '"vllm_batch", "' in p.read_text(encoding="utf-8")
+        or 'SECTION = "vllm_batch"' in p.read_text(encoding="utf-8")
+    ]
     assert spelled == ["airflow_provider_vllm/provider.py"]

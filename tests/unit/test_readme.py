@@ -52,12 +52,17 @@ def test_readme_snippets_compile_and_their_provider_imports_resolve():
     assert ("airflow_provider_vllm.task_groups.batch_job", "vllm_batch_job") in imported
 
 
-@pytest.mark.parametrize("code, missing", [
-    ("from airflow_provider_vllm.task_groups.batch_job import no_such_builder",
-     ["airflow_provider_vllm.task_groups.batch_job.no_such_builder"]),
-    ("import airflow_provider_vllm.no_such_module", ["airflow_provider_vllm.no_such_module: "]),
-    ("from airflow_provider_vllm.core.spec import JobSpec\nimport os", []),
-])
+@pytest.mark.parametrize(
+    "code, missing",
+    [
+        (
+            "from airflow_provider_vllm.task_groups.batch_job import no_such_builder",
+            ["airflow_provider_vllm.task_groups.batch_job.no_such_builder"],
+        ),
+        ("import airflow_provider_vllm.no_such_module", ["airflow_provider_vllm.no_such_module: "]),
+        ("from airflow_provider_vllm.core.spec import JobSpec\nimport os", []),
+    ],
+)
 def test_a_stale_import_is_caught(code, missing):
     found = missing_names(code)
     assert [f.split("No module")[0] for f in found] == missing
@@ -90,5 +95,7 @@ def test_the_readme_shows_a_picture_from_docs():
 
 
 def test_the_link_finder_sees_a_missing_target():
-    assert relative_links("[a](docs/nope.md#x) [b](https://x.org/y) ![c](img/p.png) [d](#top)") \
-        == ["docs/nope.md", "img/p.png"]
+    assert relative_links("[a](docs/nope.md#x) [b](https://x.org/y) ![c](img/p.png) [d](#top)") == [
+        "docs/nope.md",
+        "img/p.png",
+    ]

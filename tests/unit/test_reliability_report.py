@@ -25,22 +25,86 @@ def report():
 
 
 LEDGER = [
-    {"type": "fault", "kind": "kill9.commit.mid_marker", "level": "process", "faults": 1, "rows": 240, "lost": 0,
-     "duplicates": 0, "partial_visible": 0, "test": "tests/vllm/test_reliability_worker.py::test_one"},
-    {"type": "fault", "kind": "sigterm", "level": "process", "faults": 1, "rows": 240, "lost": 0, "duplicates": 1,
-     "partial_visible": 0, "test": "tests/vllm/test_reliability_worker.py::test_one"},
-    {"type": "fault", "kind": "s3_drop", "level": "store", "faults": 8, "rows": 120, "lost": 0, "duplicates": 0,
-     "partial_visible": 0, "test": "tests/s3/test_s3_faults.py::test_pipeline_survives_faults[drop]"},
-    {"type": "fault", "kind": "s3_drop", "level": "store", "faults": 2, "rows": 0, "lost": 0, "duplicates": 0,
-     "partial_visible": 0, "test": "tests/s3/test_s3_faults.py::test_pipeline_survives_faults[slowdown]"},
-    {"type": "fault", "kind": "engine_death", "faults": 2, "rows": 120, "lost": 0, "duplicates": 0,
-     "partial_visible": 0, "test": "tests/unit/worker/test_guard.py::test_death"},  # no level: an older record
-    {"type": "fault", "kind": "commit_protocol_crash", "level": "hypothesis", "faults": 254, "rows": 742,
-     "lost": 0, "duplicates": 0, "partial_visible": 0, "examples": 500, "steps": 5712,
-     "test": "tests/unit/core/test_commit.py::test_sm"},
-    {"type": "fault", "kind": "commit_protocol_duplicate_commit", "level": "hypothesis", "faults": 1199, "rows": 0,
-     "lost": 0, "duplicates": 0, "partial_visible": 0, "examples": 500, "steps": 5712,
-     "test": "tests/unit/core/test_commit.py::test_sm"},
+    {
+        "type": "fault",
+        "kind": "kill9.commit.mid_marker",
+        "level": "process",
+        "faults": 1,
+        "rows": 240,
+        "lost": 0,
+        "duplicates": 0,
+        "partial_visible": 0,
+        "test": "tests/vllm/test_reliability_worker.py::test_one",
+    },
+    {
+        "type": "fault",
+        "kind": "sigterm",
+        "level": "process",
+        "faults": 1,
+        "rows": 240,
+        "lost": 0,
+        "duplicates": 1,
+        "partial_visible": 0,
+        "test": "tests/vllm/test_reliability_worker.py::test_one",
+    },
+    {
+        "type": "fault",
+        "kind": "s3_drop",
+        "level": "store",
+        "faults": 8,
+        "rows": 120,
+        "lost": 0,
+        "duplicates": 0,
+        "partial_visible": 0,
+        "test": "tests/s3/test_s3_faults.py::test_pipeline_survives_faults[drop]",
+    },
+    {
+        "type": "fault",
+        "kind": "s3_drop",
+        "level": "store",
+        "faults": 2,
+        "rows": 0,
+        "lost": 0,
+        "duplicates": 0,
+        "partial_visible": 0,
+        "test": "tests/s3/test_s3_faults.py::test_pipeline_survives_faults[slowdown]",
+    },
+    {
+        "type": "fault",
+        "kind": "engine_death",
+        "faults": 2,
+        "rows": 120,
+        "lost": 0,
+        "duplicates": 0,
+        "partial_visible": 0,
+        "test": "tests/unit/worker/test_guard.py::test_death",
+    },  # no level: an older record
+    {
+        "type": "fault",
+        "kind": "commit_protocol_crash",
+        "level": "hypothesis",
+        "faults": 254,
+        "rows": 742,
+        "lost": 0,
+        "duplicates": 0,
+        "partial_visible": 0,
+        "examples": 500,
+        "steps": 5712,
+        "test": "tests/unit/core/test_commit.py::test_sm",
+    },
+    {
+        "type": "fault",
+        "kind": "commit_protocol_duplicate_commit",
+        "level": "hypothesis",
+        "faults": 1199,
+        "rows": 0,
+        "lost": 0,
+        "duplicates": 0,
+        "partial_visible": 0,
+        "examples": 500,
+        "steps": 5712,
+        "test": "tests/unit/core/test_commit.py::test_sm",
+    },
     {"type": "bad_rows", "kind": "jsonl_rows", "planted": 16, "reported_right": 16, "test": "tests/t.py::test_b"},
     {"type": "malicious", "kind": "uri_dotdot", "tried": 12, "rejected": 11, "test": "tests/t.py::test_m"},
 ]
@@ -50,14 +114,17 @@ def test_levels_are_reported_on_separate_lines_and_never_summed(report):
     s = report.summarise(LEDGER)
     lines = report.headlines(s)
     # two kinds injected into one run of 240 rows: the run's rows count once
-    assert lines[0].startswith("Process-level faults: 2 injected across 2 kinds into runs of 240 input rows in all, "
-                               "each reconciled: 0 lost, 1 duplicates (counted before merge's dedupe)")
+    assert lines[0].startswith(
+        "Process-level faults: 2 injected across 2 kinds into runs of 240 input rows in all, "
+        "each reconciled: 0 lost, 1 duplicates (counted before merge's dedupe)"
+    )
     assert lines[1].startswith("Object-store faults: 10 injected across 1 kinds into runs of 120 input rows")
     assert lines[2].startswith("In-process faults: 2 injected")  # the record without a level: the weakest claim
     assert "500 examples, 5712 steps, 254 simulated crashes and 1199 duplicate commits" in lines[3]
     assert "not process faults" in lines[3]
-    assert lines[4] == ("Bad inputs: 16 planted, 16 reported with the right code (or refused by the plan with the "
-                        "right message)")
+    assert lines[4] == (
+        "Bad inputs: 16 planted, 16 reported with the right code (or refused by the plan with the right message)"
+    )
     assert lines[5] == "Malicious params and forged files: 12 tried, 11 rejected"
     assert not any("1467" in x or "1456" in x for x in lines)  # hypothesis steps never join the fault count
 
@@ -69,16 +136,24 @@ def test_every_table_row_names_its_tests(report, tmp_path):
     text = doc.read_text()
     assert "old" not in text and text.endswith("tail\n")
     row = next(x for x in text.splitlines() if x.startswith("| s3_drop |"))
-    assert row == ("| s3_drop | 10 | 120 | 0 | 0 | 0 | `tests/s3/test_s3_faults.py::test_pipeline_survives_faults` "
-                   "(2 params) |")
+    assert row == (
+        "| s3_drop | 10 | 120 | 0 | 0 | 0 | `tests/s3/test_s3_faults.py::test_pipeline_survives_faults` (2 params) |"
+    )
     hyp = next(x for x in text.splitlines() if x.startswith("| commit_protocol_crash |"))
-    assert hyp == ("| commit_protocol_crash | 500 | 5712 | 254 | 742 | 0 | 0 | 0 | "
-                   "`tests/unit/core/test_commit.py::test_sm` |")
+    assert hyp == (
+        "| commit_protocol_crash | 500 | 5712 | 254 | 742 | 0 | 0 | 0 | `tests/unit/core/test_commit.py::test_sm` |"
+    )
     assert "| uri_dotdot | 12 | 11 | `tests/t.py::test_m` |" in text
     # the process table and the hypothesis table are separate tables
-    assert text.index("**Process-level faults (") < text.index("| kill9.commit.mid_marker |") < \
-        text.index("**Object-store faults (") < text.index("| s3_drop |") < text.index("**In-process faults (") \
-        < text.index("| engine_death |") < text.index("**Hypothesis state machine (")
+    assert (
+        text.index("**Process-level faults (")
+        < text.index("| kill9.commit.mid_marker |")
+        < text.index("**Object-store faults (")
+        < text.index("| s3_drop |")
+        < text.index("**In-process faults (")
+        < text.index("| engine_death |")
+        < text.index("**Hypothesis state machine (")
+    )
 
 
 def test_the_script_sums_an_existing_ledger_into_a_document(report, tmp_path):
@@ -90,12 +165,23 @@ def test_the_script_sums_an_existing_ledger_into_a_document(report, tmp_path):
     assert "**Process-level faults: 2 injected" in doc.read_text()
     assert "not re-run (summed an existing ledger)" in doc.read_text()
     # the outcome of the run that wrote the ledger is stated again when it is known
-    report.outcome_file(ledger).write_text(json.dumps({"code": 1, "outcome": "1 failed, 8 passed", "commit": "abc1234",
-                                                       "when": "2026-01-01 00:00 UTC", "args": ["-m", "a and b"]}))
+    report.outcome_file(ledger).write_text(
+        json.dumps(
+            {
+                "code": 1,
+                "outcome": "1 failed, 8 passed",
+                "commit": "abc1234",
+                "when": "2026-01-01 00:00 UTC",
+                "args": ["-m", "a and b"],
+            }
+        )
+    )
     assert report.main(["--ledger", str(ledger), "--doc", str(doc)]) == 1
     text = doc.read_text()
-    assert ("Measured 2026-01-01 00:00 UTC at commit `abc1234` by `python scripts/reliability_report.py -- -m "
-            "'a and b'`; pytest: 1 failed, 8 passed (exit 1).") in text
+    assert (
+        "Measured 2026-01-01 00:00 UTC at commit `abc1234` by `python scripts/reliability_report.py -- -m "
+        "'a and b'`; pytest: 1 failed, 8 passed (exit 1)."
+    ) in text
 
 
 def test_the_ledger_refuses_an_unknown_level(monkeypatch, tmp_path):
@@ -119,6 +205,5 @@ def test_every_test_the_document_names_exists():
     text = DOC.read_text()
     named = set(re.findall(r"`(tests/[\w/]+\.py)::(\w+)(?:\[[^\]`]*\])?`", text))
     assert len(named) >= 20, "the document should name the tests behind its claims"
-    missing = [f"{f}::{t}" for f, t in sorted(named)
-               if not (ROOT / f).exists() or t not in _test_functions(ROOT / f)]
+    missing = [f"{f}::{t}" for f, t in sorted(named) if not (ROOT / f).exists() or t not in _test_functions(ROOT / f)]
     assert missing == []

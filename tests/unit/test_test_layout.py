@@ -23,7 +23,11 @@ TESTED_ELSEWHERE: dict[str, list[str]] = {
     "core/pod_settings.py": ["tests/unit/steps/test_pod_spec.py"],
     "core/rows.py": ["tests/unit/core/test_commit.py", "tests/unit/worker/test_isolation.py"],
     "core/spec_guard.py": ["tests/unit/test_security.py"],
-    "core/storage.py": ["tests/s3/test_storage_s3.py", "tests/s3/test_s3_faults.py", "tests/airflow/test_connections.py"],
+    "core/storage.py": [
+        "tests/s3/test_storage_s3.py",
+        "tests/s3/test_s3_faults.py",
+        "tests/airflow/test_connections.py",
+    ],
     "core/storage_retry.py": ["tests/s3/test_s3_faults.py"],
     "hooks/filesystems.py": ["tests/airflow/test_connections.py"],
     "links/report.py": ["tests/airflow/test_review.py"],
@@ -58,8 +62,11 @@ TESTED_ELSEWHERE: dict[str, list[str]] = {
 
 
 def _modules() -> list[str]:
-    return sorted(p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py")
-                  if p.name != "__init__.py" and "__pycache__" not in p.parts and "example_dags" not in p.parts)
+    return sorted(
+        p.relative_to(PACKAGE).as_posix()
+        for p in PACKAGE.rglob("*.py")
+        if p.name != "__init__.py" and "__pycache__" not in p.parts and "example_dags" not in p.parts
+    )
 
 
 def _mirror(rel: str) -> Path:
@@ -71,9 +78,16 @@ def _names(rel: str) -> set[str]:
     """How a test can name the module: its dotted path, its package's, or a public name it defines."""
     dotted = "airflow_provider_vllm." + rel[:-3].replace("/", ".")
     tree = ast.parse((PACKAGE / rel).read_text(encoding="utf-8"))
-    public = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and not n.name.startswith("_")}
-    public |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets
-               if isinstance(t, ast.Name) and t.id.isupper()}
+    public = {
+        n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and not n.name.startswith("_")
+    }
+    public |= {
+        t.id
+        for n in tree.body
+        if isinstance(n, ast.Assign)
+        for t in n.targets
+        if isinstance(t, ast.Name) and t.id.isupper()
+    }
     return {dotted, dotted.rsplit(".", 1)[0] + " import", *public}
 
 

@@ -20,20 +20,25 @@ from tests.unit.test_bad_inputs import outcomes, score
 from tests.vllm.test_worker_vllm import ENV, LABELS, SYSTEM, manifest, run_worker, tiny_model  # noqa: F401
 
 pytestmark = [pytest.mark.vllm, pytest.mark.reliability, pytest.mark.timeout(900)]
-SECRETS = {"HF_TOKEN": "hf_SENTINELtokenQ7w", "AWS_SECRET_ACCESS_KEY": "awsSENTINELsecretZ9x",
-           "AWS_ACCESS_KEY_ID": "AKIASENTINELKEYID01"}
+SECRETS = {
+    "HF_TOKEN": "hf_SENTINELtokenQ7w",
+    "AWS_SECRET_ACCESS_KEY": "awsSENTINELsecretZ9x",
+    "AWS_ACCESS_KEY_ID": "AKIASENTINELKEYID01",
+}
 
 
 def test_row_fault_corpus_on_real_vllm(tmp_path, tiny_model, monkeypatch):  # noqa: F811
     expected = jsonl_row_corpus(tmp_path / "in")
-    spec = JobSpec.load({
-        "model": {"name": tiny_model, "max_model_len": 512},
-        "engine": {"enforce_eager": True, "max_num_seqs": 16},
-        "io": {"input_uri": str(tmp_path / "in"), "output_uri": str(tmp_path / "out")},
-        "prompt": {"system_prompt": SYSTEM, "template": "Ticket: {text}", "truncation": "reject"},
-        "sampling": {"temperature": 0, "max_tokens": 8, "structured": {"choice": LABELS}},
-        "sharding": {"target_rows": 10_000, "chunk_rows": 8},
-    })
+    spec = JobSpec.load(
+        {
+            "model": {"name": tiny_model, "max_model_len": 512},
+            "engine": {"enforce_eager": True, "max_num_seqs": 16},
+            "io": {"input_uri": str(tmp_path / "in"), "output_uri": str(tmp_path / "out")},
+            "prompt": {"system_prompt": SYSTEM, "template": "Ticket: {text}", "truncation": "reject"},
+            "sampling": {"temperature": 0, "max_tokens": 8, "structured": {"choice": LABELS}},
+            "sharding": {"target_rows": 10_000, "chunk_rows": 8},
+        }
+    )
     (shard,) = plan_job(spec).shards
     for k, v in SECRETS.items():
         ENV[k] = v  # run_worker's environment

@@ -32,30 +32,43 @@ TICKETS = [
     "My invoice shows the wrong VAT number.",
     "After the last update the export button does nothing and the page freezes.",
 ]
-ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-       "VLLM_NO_USAGE_STATS": "1", "TOKENIZERS_PARALLELISM": "false",
-       "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+ENV = {
+    **os.environ,
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+}
 N = 60
 
 
 def spec_for(model: str, tmp: Path, run: str, cache: bool = True, template: str = "Ticket: {text}") -> JobSpec:
-    return JobSpec.load({
-        "model": {"name": model, "max_model_len": 512},
-        "engine": {"enforce_eager": True, "max_num_seqs": 16},
-        "io": {"input_uri": str(tmp / f"in-{run}"), "output_uri": str(tmp / f"out-{run}")},
-        "prompt": {"system_prompt": "Classify the ticket.", "template": template},
-        "sampling": {"temperature": 0, "max_tokens": 8, "structured": {"choice": LABELS}},
-        "sharding": {"target_rows": 10_000, "chunk_rows": 16},
-        "cache": {"uri": str(tmp / "cache") if cache else None},
-    })
+    return JobSpec.load(
+        {
+            "model": {"name": model, "max_model_len": 512},
+            "engine": {"enforce_eager": True, "max_num_seqs": 16},
+            "io": {"input_uri": str(tmp / f"in-{run}"), "output_uri": str(tmp / f"out-{run}")},
+            "prompt": {"system_prompt": "Classify the ticket.", "template": template},
+            "sampling": {"temperature": 0, "max_tokens": 8, "structured": {"choice": LABELS}},
+            "sharding": {"target_rows": 10_000, "chunk_rows": 16},
+            "cache": {"uri": str(tmp / "cache") if cache else None},
+        }
+    )
 
 
 def run(spec: JobSpec) -> tuple[list[dict], dict]:
     """Plan, every shard in the real worker CLI, merge: (worker manifests, merge summary)."""
     manifests = []
     for shard in plan_job(spec).shards:
-        p = subprocess.run(worker_command(ShardTask(spec=spec, shard_id=shard.shard_id)), env=ENV,
-                           capture_output=True, text=True, timeout=600)
+        p = subprocess.run(
+            worker_command(ShardTask(spec=spec, shard_id=shard.shard_id)),
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert p.returncode == 0, p.stderr[-4000:]
         manifests.append(json.loads([x for x in p.stdout.splitlines() if x.startswith("{")][-1]))
     return manifests, merge_run(spec)
@@ -81,8 +94,12 @@ def test_second_run_infers_only_edited_and_new_rows(tmp_path):
     removed = {ids[50]}  # 2% of the rows (1 of 60)
     ids2 = [i for i in ids if i not in removed] + ["n1", "n2", "n3"]  # 5% new rows
     by_id = dict(zip(ids, texts))
-    texts2 = [(by_id[i] + " It happened again today." if i in edited else by_id[i]) if i in by_id
-              else f"A brand new ticket {i}: my card was charged twice." for i in ids2]
+    texts2 = [
+        (by_id[i] + " It happened again today." if i in edited else by_id[i])
+        if i in by_id
+        else f"A brand new ticket {i}: my card was charged twice."
+        for i in ids2
+    ]
     write_parquet(tmp_path / "in-b" / "b.parquet", ids2, texts2, row_group_size=16)
     s2 = spec_for(model, tmp_path, "b")
     m2, merged2 = run(s2)
@@ -98,14 +115,22 @@ def test_second_run_infers_only_edited_and_new_rows(tmp_path):
 
     # a full recompute (no cache) of run 2's input answers every row the same
     s_full = spec_for(model, tmp_path, "b", cache=False)
-    s_full = JobSpec.load({**s_full.model_dump(mode="json"),
-                           "io": {**s_full.io.model_dump(mode="json"), "output_uri": str(tmp_path / "out-full")}})
+    s_full = JobSpec.load(
+        {
+            **s_full.model_dump(mode="json"),
+            "io": {**s_full.io.model_dump(mode="json"), "output_uri": str(tmp_path / "out-full")},
+        }
+    )
     run(s_full)
     full = labels(s_full)
     assert {i: v[0] for i, v in full.items()} == {i: v[0] for i, v in second.items()}
 
     # another prompt: no hit (checked at plan time: nothing to infer here)
     other = spec_for(model, tmp_path, "b", template="Support ticket: {text}")
-    other = JobSpec.load({**other.model_dump(mode="json"),
-                          "io": {**other.io.model_dump(mode="json"), "output_uri": str(tmp_path / "out-other")}})
+    other = JobSpec.load(
+        {
+            **other.model_dump(mode="json"),
+            "io": {**other.io.model_dump(mode="json"), "output_uri": str(tmp_path / "out-other")},
+        }
+    )
     assert plan_job(other).cache.hits == 0

@@ -33,8 +33,9 @@ def test_worker_refuses_an_unsupported_vllm_naming_it(tmp_path):
     spec = make_spec(tmp_path / "in", tmp_path / "out", model={"name": str(tmp_path / "no-model-needed")})
     plan = plan_job(spec)
     task = ShardTask(spec=spec, shard_id=plan.shards[0].shard_id).model_dump_json()
-    r = subprocess.run([sys.executable, "-c", RUN_WITH_VERSION, "0.40.1", task], capture_output=True, text=True,
-                       timeout=500)
+    r = subprocess.run(
+        [sys.executable, "-c", RUN_WITH_VERSION, "0.40.1", task], capture_output=True, text=True, timeout=500
+    )
     assert r.returncode == 2, r.stderr[-3000:]  # terminal: no retry on the same image
     assert "vLLM 0.40.1 is installed" in r.stderr and ">=0.25.0" in r.stderr, r.stderr[-3000:]
     manifest = json.loads(r.stdout.strip().splitlines()[-1])

@@ -17,10 +17,7 @@ CHAT = [
     {"role": "system", "content": "Classify the ticket."},
     {"role": "user", "content": "I was charged twice."},
 ]
-CHAT_RENDERED = (
-    "<|im_start|>system\nClassify the ticket.<|im_end|>\n"
-    "<|im_start|>user\nI was charged twice.<|im_end|>\n"
-)
+CHAT_RENDERED = "<|im_start|>system\nClassify the ticket.<|im_end|>\n<|im_start|>user\nI was charged twice.<|im_end|>\n"
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +46,13 @@ def test_import_does_not_load_heavy_modules():
 def test_tiny_folder_layout_and_config(tiny):
     assert tiny.is_absolute()
     assert lm.is_complete(tiny)
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                 "generation_config.json"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ):
         assert (tiny / name).is_file(), name
     cfg = json.loads((tiny / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLM"]
@@ -69,7 +71,10 @@ def test_tiny_config_as_transformers_reads_it(tiny):
     tok = transformers.AutoTokenizer.from_pretrained(tiny)
     assert cfg.vocab_size == len(tok)
     assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (
-        tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
+        tok.bos_token_id,
+        tok.eos_token_id,
+        tok.pad_token_id,
+    )
 
 
 def test_tiny_weights_have_llama_shapes(tiny):
@@ -95,13 +100,16 @@ def test_tiny_model_runs_in_transformers(tiny):
     assert torch.isfinite(logits.float()).all()
 
 
-@pytest.mark.parametrize("text", [
-    "Hello, world!",
-    "I was charged twice for my subscription.",
-    "  leading spaces, tabs\tand\nnewlines  ",
-    "Unicode: naïve café — 日本語 🚀",
-    "",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Hello, world!",
+        "I was charged twice for my subscription.",
+        "  leading spaces, tabs\tand\nnewlines  ",
+        "Unicode: naïve café — 日本語 🚀",
+        "",
+    ],
+)
 def test_tiny_tokenizer_round_trips(tiny, text):
     from tokenizers import Tokenizer
 
@@ -116,8 +124,7 @@ def test_tiny_tokenizer_round_trips(tiny, text):
 def test_tiny_special_tokens_are_single_ids(tiny):
     transformers = pytest.importorskip("transformers")
     tok = transformers.AutoTokenizer.from_pretrained(tiny)
-    assert (tok.bos_token, tok.eos_token, tok.pad_token) == (
-        "<|im_start|>", "<|im_end|>", "<|endoftext|>")
+    assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
     assert len({tok.bos_token_id, tok.eos_token_id, tok.pad_token_id}) == 3
     ids = tok("<|im_start|>user\nhi<|im_end|>")["input_ids"]
     assert ids[0] == tok.bos_token_id and ids[-1] == tok.eos_token_id
@@ -250,9 +257,10 @@ def test_cli_tiny_and_minilm(tmp_path, capsys, monkeypatch):
 
 def test_cli_as_module(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "airflow_provider_vllm.testing.local_models", "tiny",
-         "--dest", str(tmp_path / "t")],
-        check=True, capture_output=True, text=True,
+        [sys.executable, "-m", "airflow_provider_vllm.testing.local_models", "tiny", "--dest", str(tmp_path / "t")],
+        check=True,
+        capture_output=True,
+        text=True,
     )
     assert out.stdout.strip() == str((tmp_path / "t").resolve())
     assert lm.is_complete(tmp_path / "t")

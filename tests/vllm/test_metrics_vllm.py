@@ -27,11 +27,20 @@ def test_real_worker_exports_metrics_and_peaks(tmp_path, tiny_model):  # noqa: F
     srv = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
     srv.requests = []
     threading.Thread(target=srv.serve_forever, daemon=True).start()
-    env = {**ENV, "VLLM_BATCH_METRICS_TEXTFILE_DIR": str(tmp_path / "prom"),
-           "VLLM_BATCH_METRICS_PUSHGATEWAY": f"127.0.0.1:{srv.server_port}", "VLLM_BATCH_RUN_ID": "manual__1"}
+    env = {
+        **ENV,
+        "VLLM_BATCH_METRICS_TEXTFILE_DIR": str(tmp_path / "prom"),
+        "VLLM_BATCH_METRICS_PUSHGATEWAY": f"127.0.0.1:{srv.server_port}",
+        "VLLM_BATCH_RUN_ID": "manual__1",
+    }
     try:
-        proc = subprocess.run(worker_command(ShardTask(spec=spec, shard_id=shard.shard_id, progress_interval_s=1)),
-                              env=env, capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(
+            worker_command(ShardTask(spec=spec, shard_id=shard.shard_id, progress_interval_s=1)),
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
     finally:
         srv.shutdown()
         srv.server_close()

@@ -67,20 +67,23 @@ def write_batch(path: Path, rows: list[tuple[str, dict]]) -> None:
     path.parent.mkdir(parents=True)
     with path.open("w") as f:
         for cid, body in rows:
-            f.write(json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
-                                "body": body}) + "\n")
+            f.write(
+                json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": body}) + "\n"
+            )
 
 
 def run_batch(model: Path, inp: Path, out: Path) -> tuple[dict, JobSpec]:
-    spec = JobSpec.load({
-        "task": "chat",
-        "model": {"name": str(model), "max_model_len": 1024, "dtype": "float32"},
-        "engine": {"enforce_eager": True, "max_num_seqs": 16},
-        "io": {"input_uri": str(inp), "output_uri": str(out), "output_format": "openai_batch"},
-        "prompt": {"system_prompt": None, "template": "{text}"},
-        "sampling": {"temperature": 0, "max_tokens": 12},
-        "sharding": {"target_rows": 10_000, "chunk_rows": 8},
-    })
+    spec = JobSpec.load(
+        {
+            "task": "chat",
+            "model": {"name": str(model), "max_model_len": 1024, "dtype": "float32"},
+            "engine": {"enforce_eager": True, "max_num_seqs": 16},
+            "io": {"input_uri": str(inp), "output_uri": str(out), "output_format": "openai_batch"},
+            "prompt": {"system_prompt": None, "template": "{text}"},
+            "sampling": {"temperature": 0, "max_tokens": 12},
+            "sharding": {"target_rows": 10_000, "chunk_rows": 8},
+        }
+    )
     (shard,) = plan_job(spec).shards
     m = manifest(run_worker(spec, shard.shard_id))  # the worker CLI; asserts exit 0
     assert m["status"] == "committed"
@@ -126,10 +129,8 @@ def test_hostile_openai_rows_do_not_fail_the_shard_and_good_rows_are_unchanged(t
     m_clean, _ = run_batch(model, tmp_path / "clean", tmp_path / "out-clean")
     assert m_clean["ok_rows"] == len(good) and m_clean["error_rows"] == 0
     cols = ["id", "output", "finish_reason", "prompt_tokens", "completion_tokens"]
-    mixed_ok = {r["id"]: r for r in pq.read_table(tmp_path / "out-mixed" / "results",
-                                                  columns=cols).to_pylist()}
-    clean_ok = {r["id"]: r for r in pq.read_table(tmp_path / "out-clean" / "results",
-                                                  columns=cols).to_pylist()}
+    mixed_ok = {r["id"]: r for r in pq.read_table(tmp_path / "out-mixed" / "results", columns=cols).to_pylist()}
+    clean_ok = {r["id"]: r for r in pq.read_table(tmp_path / "out-clean" / "results", columns=cols).to_pylist()}
     assert set(mixed_ok) == set(clean_ok) == {cid for cid, _ in good}
     assert mixed_ok == clean_ok
     assert all(r["output"] for r in clean_ok.values())  # a real model answers
@@ -149,14 +150,20 @@ def test_the_strict_template_renders_good_rows_like_smollm2s_own(tmp_path, smoll
 
     for _, body in good_chat_requests():
         conv = parse_chat_body(body).conversation()
-        assert strict.apply_chat_template(conv, tokenize=False, add_generation_prompt=True) == \
-            stock.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+        assert strict.apply_chat_template(
+            conv, tokenize=False, add_generation_prompt=True
+        ) == stock.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
     with pytest.raises(TemplateError, match="alternate"):
-        strict.apply_chat_template([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
-                                   tokenize=False, add_generation_prompt=True)
+        strict.apply_chat_template(
+            [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
 
 
-ENGINE_REFUSALS = LEAVE + r"""
+ENGINE_REFUSALS = (
+    LEAVE
+    + r"""
 import json, sys
 if __name__ == "__main__":
     from airflow_provider_vllm.core.spec import JobSpec
@@ -183,23 +190,34 @@ if __name__ == "__main__":
     e.shutdown()
     leave(0)
 """
+)
 
 
 def test_the_real_engine_refuses_one_request_without_failing(tmp_path, tiny_model):  # noqa: F811
     """Engine.submit on real vLLM: vLLM's VLLMValidationError, raised when the request's
     SamplingParams are built or by its input processor at add_request, is that request's
     RequestRejected; the engine goes on and the probe request runs."""
-    doc = {"task": "generate", "model": {"name": tiny_model, "max_model_len": 256},
-           "engine": {"enforce_eager": True, "max_num_seqs": 8},
-           "io": {"input_uri": str(tmp_path / "in"), "output_uri": str(tmp_path / "out")},
-           "prompt": {"template": "{text}"}, "sampling": {"temperature": 0, "max_tokens": 4}}
-    raw = subprocess.run([sys.executable, "-c", ENGINE_REFUSALS, json.dumps(doc)], env=ENV, capture_output=True,
-                         text=True, timeout=600)
+    doc = {
+        "task": "generate",
+        "model": {"name": tiny_model, "max_model_len": 256},
+        "engine": {"enforce_eager": True, "max_num_seqs": 8},
+        "io": {"input_uri": str(tmp_path / "in"), "output_uri": str(tmp_path / "out")},
+        "prompt": {"template": "{text}"},
+        "sampling": {"temperature": 0, "max_tokens": 4},
+    }
+    raw = subprocess.run(
+        [sys.executable, "-c", ENGINE_REFUSALS, json.dumps(doc)], env=ENV, capture_output=True, text=True, timeout=600
+    )
     assert raw.returncode == 0, raw.stderr[-3000:]
     out = json.loads(next(x for x in raw.stdout.splitlines() if x.startswith("RAW "))[4:])
-    for name, fragment in [("temperature", "temperature must be in [0, 2], got 3"), ("top_p", "top_p must be in (0, 1]"),
-                           ("stop", "stop cannot contain an empty string"), ("logprobs", "greater than max allowed: 20"),
-                           ("empty", "prompt cannot be empty"), ("too_long", "maximum context length is 256 tokens")]:
+    for name, fragment in [
+        ("temperature", "temperature must be in [0, 2], got 3"),
+        ("top_p", "top_p must be in (0, 1]"),
+        ("stop", "stop cannot contain an empty string"),
+        ("logprobs", "greater than max allowed: 20"),
+        ("empty", "prompt cannot be empty"),
+        ("too_long", "maximum context length is 256 tokens"),
+    ]:
         code, message, cause = out[name]
         assert code == "INVALID_REQUEST" and fragment in message and cause == "VLLMValidationError", (name, out[name])
     assert out["good"] == {"good": [3, "length"]} and out["pending_after_probe"] == 0

@@ -63,12 +63,23 @@ def test_every_output_path_of_the_worker_and_its_children_is_redacted_and_nothin
     assert p.returncode == 75, p.stderr[-3000:]
     out = p.stdout + p.stderr
     assert SECRET not in out, out
-    for line in ("Initializing engine with config: model='/models/***'", "load failed for ***",
-                 "root path ***", "spawned child prints ***", "native stderr ***", "no newline ***",
-                 "progress ***", "python stdout ***"):
+    for line in (
+        "Initializing engine with config: model='/models/***'",
+        "load failed for ***",
+        "root path ***",
+        "spawned child prints ***",
+        "native stderr ***",
+        "no newline ***",
+        "progress ***",
+        "python stdout ***",
+    ):
         assert line in out, (line, out)
-    assert json.loads(p.stdout.splitlines()[-1]) == {"error": "Stalled", "message": "last line", "status": "failed",
-                                                   "terminal": False}
+    assert json.loads(p.stdout.splitlines()[-1]) == {
+        "error": "Stalled",
+        "message": "last line",
+        "status": "failed",
+        "terminal": False,
+    }
     # what the logger's own handler received was redacted before any stream (the record factory)
     own = bytes.fromhex(p.stderr.split("vllm-style handler got (hex): ")[1].split()[0]).decode()
     assert "model='/models/***'" in own and "load failed for ***" in own and SECRET not in own

@@ -118,17 +118,28 @@ def fake_python(tmp_path) -> str:
 
 @pytest.fixture
 def env(tmp_path) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT), LOCK_DIR_ENV: str(tmp_path / "locks"),
-            "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-            "VLLM_NO_USAGE_STATS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        LOCK_DIR_ENV: str(tmp_path / "locks"),
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
 
 
 def job(tmp_path: Path, n: int = 160, **over) -> tuple[JobSpec, dict, list[str]]:
     ids = [f"t{i:04d}" for i in range(n)]
     half = n // 2  # two input files: two segments to read
     for k, part in enumerate((ids[:half], ids[half:])):
-        write_parquet(tmp_path / "in" / f"part-{k}.parquet", part, [f"ticket {i}: I was charged twice" for i in part],
-                      row_group_size=32)
+        write_parquet(
+            tmp_path / "in" / f"part-{k}.parquet",
+            part,
+            [f"ticket {i}: I was charged twice" for i in part],
+            row_group_size=32,
+        )
     spec = make_spec(tmp_path / "in", tmp_path / "out", sharding={"target_rows": 10_000, "chunk_rows": 16}, **over)
     (shard,) = plan_job(spec).shards
     return spec, {"shard_id": shard.shard_id, "rows": shard.rows}, ids
@@ -145,8 +156,7 @@ def wait_for(cond, bound_s: float, what: str, proc: subprocess.Popen | None = No
         if value:
             return value
         if proc is not None and proc.poll() is not None:
-            pytest.fail(f"{what}: process ended first (rc {proc.returncode}): "
-                        f"{log.read_text()[-3000:] if log else ''}")
+            pytest.fail(f"{what}: process ended first (rc {proc.returncode}): {log.read_text()[-3000:] if log else ''}")
         time.sleep(0.05)
     pytest.fail(f"{what}: not within {bound_s} s; {log.read_text()[-3000:] if log else ''}")
 
@@ -161,26 +171,41 @@ def gone(pid: int) -> bool:
 
 def start_task(spec: JobSpec, shard: dict, python: str, try_number: int, env: dict, log: Path) -> subprocess.Popen:
     with open(log, "w") as f:
-        return started(subprocess.Popen([sys.executable, "-c", TASK, spec.model_dump_json(), json.dumps(shard), python,
-                                         str(try_number)], env=env, stdout=f, stderr=subprocess.STDOUT, text=True))
+        return started(
+            subprocess.Popen(
+                [sys.executable, "-c", TASK, spec.model_dump_json(), json.dumps(shard), python, str(try_number)],
+                env=env,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
 
 
 def task_manifest(log: Path) -> dict:
     lines = [x for x in log.read_text().splitlines() if x.startswith("MANIFEST ")]
     assert lines, log.read_text()[-3000:]
-    return json.loads(lines[-1][len("MANIFEST "):])
+    return json.loads(lines[-1][len("MANIFEST ") :])
 
 
 # ---- kill -9 of the Airflow task process ------------------------------------------------
 
+
 @pytest.mark.parametrize("stuck", [False, True], ids=["signal_path", "main_thread_stuck"])
 def test_kill9_of_the_task_process_ends_the_worker_and_its_engine_process_and_the_retry_completes(
-        tmp_path, fake_python, env, stuck):
+    tmp_path, fake_python, env, stuck
+):
     spec, shard, ids = job(tmp_path)
     log1 = tmp_path / "try1.log"
     # the worker parks after its 2nd chunk (mid-shard); stuck: with SIGTERM blocked in every thread
-    task = start_task(spec, shard, fake_python, 1, {**env, "VLLM_BATCH_FAULTS": "chunk.after_write#2=hang",
-                                                     "FAKE_BLOCK_SIGTERM": "1" if stuck else "0"}, log1)
+    task = start_task(
+        spec,
+        shard,
+        fake_python,
+        1,
+        {**env, "VLLM_BATCH_FAULTS": "chunk.after_write#2=hang", "FAKE_BLOCK_SIGTERM": "1" if stuck else "0"},
+        log1,
+    )
     wait_for(lambda: "hang at chunk.after_write" in log1.read_text(), 120, "worker parked mid-shard", task, log1)
     procs = psutil.Process(task.pid).children(recursive=True)
     worker = [p for p in procs if p.ppid() == task.pid]
@@ -202,8 +227,13 @@ def test_kill9_of_the_task_process_ends_the_worker_and_its_engine_process_and_th
     m = task_manifest(log2)
     assert m["status"] == "committed" and m["rows"] == len(ids) and m["stats"]["reused_chunks"] == 2
     assert "killing stale attempt" not in log2.read_text()  # nothing was left to kill
-    check(tmp_path / "out", ids, kind="kill9.task_process" + (".stuck_main_thread" if stuck else ""),
-          committed_only=True, level="process")
+    check(
+        tmp_path / "out",
+        ids,
+        kind="kill9.task_process" + (".stuck_main_thread" if stuck else ""),
+        committed_only=True,
+        level="process",
+    )
 
 
 @pytest.mark.vllm
@@ -227,8 +257,9 @@ def test_kill9_of_the_task_process_on_real_vllm_leaves_no_engine_core_behind(tmp
     procs = psutil.Process(task.pid).children(recursive=True)
     pids = [p.pid for p in procs]
     assert len(procs) >= 2, procs  # the worker and vLLM's engine core (at least)
-    assert any("EngineCore" in " ".join(p.cmdline()) or p.name().startswith("VLLM") or p.ppid() != task.pid
-               for p in procs)
+    assert any(
+        "EngineCore" in " ".join(p.cmdline()) or p.name().startswith("VLLM") or p.ppid() != task.pid for p in procs
+    )
     task.kill()
     task.wait(timeout=30)
     wait_for(lambda: all(gone(p) for p in pids), STOP_BOUND_S, f"worker and vLLM engine processes {pids} ended")
@@ -264,8 +295,16 @@ time.sleep(600)
 
 def start_holder(spec: JobSpec, shard: dict, parent: int, env: dict) -> tuple[subprocess.Popen, list[int]]:
     """An earlier attempt holding the shard's lock (leads its own group, as the local runner starts it)."""
-    p = started(subprocess.Popen([sys.executable, "-c", HOLDER, spec.io.output_uri, shard["shard_id"], str(parent)],
-                                 env=env, stdout=subprocess.PIPE, text=True, start_new_session=True), own_group=True)
+    p = started(
+        subprocess.Popen(
+            [sys.executable, "-c", HOLDER, spec.io.output_uri, shard["shard_id"], str(parent)],
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        ),
+        own_group=True,
+    )
     doc = json.loads(p.stdout.readline())
     return p, [doc["pid"], doc["child"]]
 
@@ -298,7 +337,8 @@ def test_a_stale_attempt_whose_task_process_is_gone_is_killed_and_the_new_one_ru
 
 
 def test_a_live_earlier_attempt_is_waited_for_then_refused_with_exit_75_and_never_run_beside(
-        tmp_path, fake_python, env):
+    tmp_path, fake_python, env
+):
     spec, shard, ids = job(tmp_path)
     holder, pids = start_holder(spec, shard, os.getpid(), env)  # its task process (this one) is alive
     try:
@@ -328,11 +368,21 @@ def test_a_worker_whose_parent_is_already_gone_does_not_start(tmp_path, fake_pyt
 
 # ---- SIGTERM and the watchdog at every phase -------------------------------------------
 
+
 def start_worker(spec: JobSpec, shard: dict, python: str, env: dict, faults: str, log: Path) -> subprocess.Popen:
     argv = worker_command(ShardTask(spec=spec, shard_id=shard["shard_id"], progress_interval_s=0.2), python=python)
     with open(log, "w") as f:
-        return started(subprocess.Popen(argv, env={**env, "VLLM_BATCH_FAULTS": faults}, stdout=f,
-                                        stderr=subprocess.STDOUT, text=True, start_new_session=True), own_group=True)
+        return started(
+            subprocess.Popen(
+                argv,
+                env={**env, "VLLM_BATCH_FAULTS": faults},
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            ),
+            own_group=True,
+        )
 
 
 def last_json(log: Path) -> dict:
@@ -340,13 +390,19 @@ def last_json(log: Path) -> dict:
 
 
 # (point, what a rerun reuses): chunk.before_write#3 parks before the 3rd part file
-PHASES = [("plan.load", None), ("read.segment#2", None), ("chunk.before_write#3", 2), ("commit.after_data", 10),
-          ("commit.mid_marker", 10)]
+PHASES = [
+    ("plan.load", None),
+    ("read.segment#2", None),
+    ("chunk.before_write#3", 2),
+    ("commit.after_data", 10),
+    ("commit.mid_marker", 10),
+]
 
 
 @pytest.mark.parametrize("point, reused", PHASES, ids=[p for p, _ in PHASES])
 def test_sigterm_while_parked_in_a_phase_exits_75_within_a_bound_and_the_rerun_completes(
-        tmp_path, fake_python, env, point, reused):
+    tmp_path, fake_python, env, point, reused
+):
     spec, shard, ids = job(tmp_path)
     log = tmp_path / "w1.log"
     w = start_worker(spec, shard, fake_python, env, f"{point}=hang", log)
@@ -405,11 +461,17 @@ def test_the_reuse_scan_is_watched_and_stoppable(tmp_path, fake_python, env, sto
     again = start_worker(spec, shard, fake_python, env, "", tmp_path / "w2.log")
     assert again.wait(timeout=300) == 0
     assert last_json(tmp_path / "w2.log")["stats"]["reused_chunks"] == 10
-    check(tmp_path / "out", ids, kind=("sigterm" if stop == "sigterm" else "hang_watchdog") + ".reuse.footer",
-          committed_only=True, level="process")
+    check(
+        tmp_path / "out",
+        ids,
+        kind=("sigterm" if stop == "sigterm" else "hang_watchdog") + ".reuse.footer",
+        committed_only=True,
+        level="process",
+    )
 
 
 # ---- the lifecycle helpers as units ------------------------------------------------------
+
 
 def test_holder_identity_uses_start_times_so_a_reused_pid_is_not_the_holder(tmp_path):
     from airflow_provider_vllm.worker.lifecycle import alive, stale
@@ -471,9 +533,12 @@ def test_preempted_is_not_an_exception():
 def test_exit_leaves_the_rest_of_a_shell_pipeline_alone():
     """Run by hand as ``worker ... | tee log`` under job control, the worker leads its group but not a
     session: its exit kills its own descendants only, never the pipeline's other commands."""
-    script = (f"set -m\n{sys.executable} -c 'from airflow_provider_vllm.worker.exits import exit_hard; "
-              "import os; print(os.getpid() == os.getpgrp(), flush=True); exit_hard(0)' "
-              "| (sleep 1; cat; echo pipeline-survived)\n")
-    p = subprocess.run(["bash", "-c", script], env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
-                       text=True, timeout=120)
+    script = (
+        f"set -m\n{sys.executable} -c 'from airflow_provider_vllm.worker.exits import exit_hard; "
+        "import os; print(os.getpid() == os.getpgrp(), flush=True); exit_hard(0)' "
+        "| (sleep 1; cat; echo pipeline-survived)\n"
+    )
+    p = subprocess.run(
+        ["bash", "-c", script], env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120
+    )
     assert p.stdout.split() == ["True", "pipeline-survived"], (p.stdout, p.stderr)

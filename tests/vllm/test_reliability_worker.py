@@ -35,8 +35,11 @@ from tests.vllm.test_worker_vllm import ENV, TICKETS, spec_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.reliability, pytest.mark.timeout(1500)]
 
-MERGE = ("import sys\nfrom airflow_provider_vllm.steps.merge import merge_run\nfrom airflow_provider_vllm.core.spec import JobSpec\n"
-         "merge_run(JobSpec.load(sys.argv[1]))\n")
+MERGE = (
+    "import sys\nfrom airflow_provider_vllm.steps.merge import merge_run\n"
+    "from airflow_provider_vllm.core.spec import JobSpec\n"
+    "merge_run(JobSpec.load(sys.argv[1]))\n"
+)
 
 
 @pytest.fixture(scope="module")
@@ -107,8 +110,12 @@ def chunks(shard_dir: Path) -> list[Path]:
 
 def merged_files(out: Path) -> dict[str, bytes]:
     """Every file under results/ and errors/ (temp files too) -> its bytes."""
-    return {f"{kind}/{p.name}": p.read_bytes() for kind in (RESULTS, ERRORS) if (out / kind).exists()
-            for p in sorted((out / kind).iterdir())}
+    return {
+        f"{kind}/{p.name}": p.read_bytes()
+        for kind in (RESULTS, ERRORS)
+        if (out / kind).exists()
+        for p in sorted((out / kind).iterdir())
+    }
 
 
 def clear_merged(out: Path) -> None:
@@ -147,8 +154,12 @@ def test_one_shard_through_every_process_fault_then_merge_killed_at_every_write(
 
     # 2-4. SIGKILL before a chunk write, with half a chunk in its temp file, after a chunk write
     # (and between a chunk's errors part and its ok part: the chunk is not complete, so not reused)
-    for point, new_chunks in (("chunk.before_write", 0), ("chunk.mid_file", 0), ("chunk.between_parts", 0),
-                              ("chunk.after_write", 1)):
+    for point, new_chunks in (
+        ("chunk.before_write", 0),
+        ("chunk.mid_file", 0),
+        ("chunk.between_parts", 0),
+        ("chunk.after_write", 1),
+    ):
         before = len(chunks(sd))
         w = run(spec, shard.shard_id, f"{point}#1=kill")
         assert w.proc.returncode == -signal.SIGKILL, (point, w.stderr[-3000:])
@@ -207,11 +218,24 @@ def test_one_shard_through_every_process_fault_then_merge_killed_at_every_write(
     ref = merge_run(spec)
     ref_bytes = merged_files(out)
     clear_merged(out)
-    steps = ("merge.before_write", "merge.mid_file#1", "merge.between_parts#1", "merge.between_parts#2",
-             "merge.after_manifests", "merge.after_data", "merge.mid_marker", "merge.after_marker")
+    steps = (
+        "merge.before_write",
+        "merge.mid_file#1",
+        "merge.between_parts#1",
+        "merge.between_parts#2",
+        "merge.after_manifests",
+        "merge.after_data",
+        "merge.mid_marker",
+        "merge.after_marker",
+    )
     for point in steps:
-        p = subprocess.run([sys.executable, "-c", MERGE, spec.model_dump_json()], env={**ENV, "VLLM_BATCH_FAULTS":
-                           f"{point}=kill"}, capture_output=True, text=True, timeout=300)
+        p = subprocess.run(
+            [sys.executable, "-c", MERGE, spec.model_dump_json()],
+            env={**ENV, "VLLM_BATCH_FAULTS": f"{point}=kill"},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert p.returncode == -signal.SIGKILL, (point, p.stderr[-3000:])
         assert (out / MERGED).exists() == (point == "merge.after_marker"), point  # "complete" only at the end
         visible = {rel: data for rel, data in merged_files(out).items() if "/." not in rel}
@@ -236,8 +260,13 @@ def test_real_engine_oom_back_off_and_an_oom_row_at_the_floor(tmp_path, tiny_mod
     """3 real engine starts in one worker: 8 seqs -> OOM at step 3 -> rebuilt at 4; row t0030 brings
     OOM whenever it runs -> rebuilt at 2 (the floor) -> t0030 alone -> ENGINE_OOM; every other row ok."""
     ids = dataset(tmp_path, 60)
-    spec = make_job(tiny_model, tmp_path, {"max_num_seqs": 8, "max_num_batched_tokens": 512},
-                    {"oom_min_num_seqs": 2, "oom_min_batched_tokens": 128}, chunk_rows=20)
+    spec = make_job(
+        tiny_model,
+        tmp_path,
+        {"max_num_seqs": 8, "max_num_batched_tokens": 512},
+        {"oom_min_num_seqs": 2, "oom_min_batched_tokens": 128},
+        chunk_rows=20,
+    )
     (shard,) = plan_job(spec).shards
     w = run(spec, shard.shard_id, "engine.step#3=oom,engine.step@t0030=oom")
     assert w.proc.returncode == 0, w.stderr[-4000:]

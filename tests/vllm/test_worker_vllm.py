@@ -28,8 +28,10 @@ from tests.support.reconcile import check
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 LABELS = ["billing", "bug", "other"]
-SYSTEM = ("You classify support tickets. billing = money, charges, refunds, invoices. "
-          "bug = the software crashes or is broken. other = anything else. Answer with one word.")
+SYSTEM = (
+    "You classify support tickets. billing = money, charges, refunds, invoices. "
+    "bug = the software crashes or is broken. other = anything else. Answer with one word."
+)
 TICKETS = [
     "I was charged twice for my subscription this month, please refund one payment.",
     "The app crashes every time I open the settings page on Android.",
@@ -40,8 +42,15 @@ TICKETS = [
     "The refund you promised two weeks ago has not arrived on my card.",
     "Login fails with error 500 since yesterday.",
 ]
-ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-       "VLLM_NO_USAGE_STATS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+ENV = {
+    **os.environ,
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+}
 
 
 @pytest.fixture(scope="session")
@@ -61,19 +70,21 @@ def planted(tmp_path: Path, n: int) -> dict[str, str]:
     texts[5] = "  "
     texts[11] = "please help " * 600  # far beyond max_model_len 512
     write_parquet(tmp_path / "in" / "part-0.parquet", ids[: n // 2], texts[: n // 2], row_group_size=16)
-    write_parquet(tmp_path / "in" / "part-1.parquet", ids[n // 2:], texts[n // 2:], row_group_size=16)
+    write_parquet(tmp_path / "in" / "part-1.parquet", ids[n // 2 :], texts[n // 2 :], row_group_size=16)
     return {"t0002": "EMPTY_INPUT", "t0005": "EMPTY_INPUT", "t0011": "PROMPT_TOO_LONG"}
 
 
 def spec_for(model: str, tmp_path: Path, **sharding) -> JobSpec:
-    return JobSpec.load({
-        "model": {"name": model, "max_model_len": 512},
-        "engine": {"enforce_eager": True, "max_num_seqs": 32},
-        "io": {"input_uri": str(tmp_path / "in"), "output_uri": str(tmp_path / "out")},
-        "prompt": {"system_prompt": SYSTEM, "template": "Ticket: {text}"},
-        "sampling": {"temperature": 0, "max_tokens": 8, "structured": {"choice": LABELS}},
-        "sharding": {"target_rows": 10_000, "chunk_rows": 16, **sharding},
-    })
+    return JobSpec.load(
+        {
+            "model": {"name": model, "max_model_len": 512},
+            "engine": {"enforce_eager": True, "max_num_seqs": 32},
+            "io": {"input_uri": str(tmp_path / "in"), "output_uri": str(tmp_path / "out")},
+            "prompt": {"system_prompt": SYSTEM, "template": "Ticket: {text}"},
+            "sampling": {"temperature": 0, "max_tokens": 8, "structured": {"choice": LABELS}},
+            "sharding": {"target_rows": 10_000, "chunk_rows": 16, **sharding},
+        }
+    )
 
 
 def run_worker(spec: JobSpec, shard_id: str, **popen) -> subprocess.CompletedProcess:
@@ -143,7 +154,9 @@ def test_kill9_mid_shard_then_rerun_reuses_chunks(tmp_path, tiny_model):
 # (SIGABRT); and os._exit alone would orphan the engine core, which keeps our stdout pipe open.
 LEAVE = "from airflow_provider_vllm.worker.exits import exit_hard as leave\n"
 
-RAW_CHAT = LEAVE + r"""
+RAW_CHAT = (
+    LEAVE
+    + r"""
 import json, sys
 if __name__ == "__main__":
     from vllm import LLM, SamplingParams
@@ -157,6 +170,7 @@ if __name__ == "__main__":
     print("RAW " + json.dumps([o.outputs[0].text for o in outs]), flush=True)
     leave(0)
 """
+)
 
 
 def test_smollm2_labels_and_equality_with_raw_llm_chat(tmp_path, smollm2):
@@ -179,10 +193,24 @@ def test_smollm2_labels_and_equality_with_raw_llm_chat(tmp_path, smollm2):
     table = pq.read_table(tmp_path / "in").to_pylist()
     rows = [t for t in table if t["id"] in by_id]
     raw = subprocess.run(
-        [sys.executable, "-c", RAW_CHAT,
-         json.dumps({"model": smollm2, "labels": LABELS, "system": SYSTEM, "texts": [t["text"] for t in rows],
-                     "dtype": "float32"})],
-        env=ENV, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-c",
+            RAW_CHAT,
+            json.dumps(
+                {
+                    "model": smollm2,
+                    "labels": LABELS,
+                    "system": SYSTEM,
+                    "texts": [t["text"] for t in rows],
+                    "dtype": "float32",
+                }
+            ),
+        ],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert raw.returncode == 0, raw.stderr[-3000:]
     raw_out = json.loads(next(x for x in raw.stdout.splitlines() if x.startswith("RAW "))[4:])
@@ -201,8 +229,15 @@ def test_two_real_attempts_at_once_commit_exactly_once(tmp_path, tiny_model):
     for name, d in zip(("attempt-a", "attempt-b"), xcom):
         d.mkdir()
         cmd = worker_command(ShardTask(spec=spec, shard_id=shard.shard_id, attempt_id=name))
-        procs.append(subprocess.Popen(cmd, env={**ENV, "VLLM_BATCH_XCOM_DIR": str(d)}, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                env={**ENV, "VLLM_BATCH_XCOM_DIR": str(d)},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     outs = [p.communicate(timeout=600) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
     manifests = [json.loads((d / "return.json").read_text()) for d in xcom]  # the KPO XCom file
@@ -225,14 +260,16 @@ def test_embed_task_with_minilm(tmp_path):
     texts = [f"How do I reset my password? variant {i}" for i in range(30)]
     texts[4] = ""
     write_parquet(tmp_path / "in" / "kb.parquet", ids, texts)
-    spec = JobSpec.load({
-        "task": "embed",
-        "model": {"name": str(minilm_path())},
-        "engine": {"enforce_eager": True},
-        "io": {"input_uri": str(tmp_path / "in"), "output_uri": str(tmp_path / "out")},
-        "prompt": {"template": "{text}"},
-        "sharding": {"chunk_rows": 8},
-    })
+    spec = JobSpec.load(
+        {
+            "task": "embed",
+            "model": {"name": str(minilm_path())},
+            "engine": {"enforce_eager": True},
+            "io": {"input_uri": str(tmp_path / "in"), "output_uri": str(tmp_path / "out")},
+            "prompt": {"template": "{text}"},
+            "sharding": {"chunk_rows": 8},
+        }
+    )
     (shard,) = plan_job(spec).shards
     m = manifest(run_worker(spec, shard.shard_id))
     assert m["ok_rows"] == 29 and m["error_rows"] == 1
@@ -255,23 +292,34 @@ def test_classify_task_with_a_sequence_classification_model(tmp_path, tiny_model
     model = tmp_path / "tiny-cls"
     shutil.copytree(tiny_model, model)
     cfg = json.loads((model / "config.json").read_text())
-    cfg.update(architectures=["LlamaForSequenceClassification"], num_labels=3,
-               id2label={"0": "billing", "1": "bug", "2": "other"}, label2id={"billing": 0, "bug": 1, "other": 2})
+    cfg.update(
+        architectures=["LlamaForSequenceClassification"],
+        num_labels=3,
+        id2label={"0": "billing", "1": "bug", "2": "other"},
+        label2id={"billing": 0, "bug": 1, "other": 2},
+    )
     (model / "config.json").write_text(json.dumps(cfg))
     w = load_file(model / "model.safetensors")
     w.pop("lm_head.weight")
-    w["score.weight"] = (torch.randn(3, cfg["hidden_size"], generator=torch.Generator().manual_seed(0)) * 0.02
-                         ).to(torch.bfloat16)
+    w["score.weight"] = (torch.randn(3, cfg["hidden_size"], generator=torch.Generator().manual_seed(0)) * 0.02).to(
+        torch.bfloat16
+    )
     save_file(w, model / "model.safetensors", metadata={"format": "pt"})
 
-    write_parquet(tmp_path / "in" / "a.parquet", [f"c{i}" for i in range(20)],
-                  [TICKETS[i % 8] if i != 3 else None for i in range(20)])
-    spec = JobSpec.load({
-        "task": "classify", "model": {"name": str(model), "max_model_len": 512},
-        "engine": {"enforce_eager": True},
-        "io": {"input_uri": str(tmp_path / "in"), "output_uri": str(tmp_path / "out")},
-        "sharding": {"chunk_rows": 8},
-    })
+    write_parquet(
+        tmp_path / "in" / "a.parquet",
+        [f"c{i}" for i in range(20)],
+        [TICKETS[i % 8] if i != 3 else None for i in range(20)],
+    )
+    spec = JobSpec.load(
+        {
+            "task": "classify",
+            "model": {"name": str(model), "max_model_len": 512},
+            "engine": {"enforce_eager": True},
+            "io": {"input_uri": str(tmp_path / "in"), "output_uri": str(tmp_path / "out")},
+            "sharding": {"chunk_rows": 8},
+        }
+    )
     (shard,) = plan_job(spec).shards
     m = manifest(run_worker(spec, shard.shard_id))
     assert m["ok_rows"] == 19 and m["error_rows"] == 1
@@ -281,8 +329,9 @@ def test_classify_task_with_a_sequence_classification_model(tmp_path, tiny_model
     assert all(r["label"] in LABELS for r in res)
 
 
-
-RAW_TOKENS_VS_TEXT = LEAVE + r"""
+RAW_TOKENS_VS_TEXT = (
+    LEAVE
+    + r"""
 import json, sys
 if __name__ == "__main__":
     from vllm import LLM, SamplingParams
@@ -315,6 +364,7 @@ if __name__ == "__main__":
     print("RAW " + json.dumps(res), flush=True)
     leave(0)
 """
+)
 
 
 def test_token_prompts_give_the_same_outputs_as_text_prompts(tmp_path, smollm2):
@@ -324,22 +374,28 @@ def test_token_prompts_give_the_same_outputs_as_text_prompts(tmp_path, smollm2):
     generate-task outputs equal raw LLM.generate over text prompts. (Worker vs LLM.chat runs
     through the worker in test_smollm2_labels_and_equality_with_raw_llm_chat.)"""
     n = 12
-    texts = [TICKETS[i % len(TICKETS)] + (" Übergröße, naïve café — 😀" if i % 5 == 0 else f" (ref {i})")
-             for i in range(n)]
+    texts = [
+        TICKETS[i % len(TICKETS)] + (" Übergröße, naïve café — 😀" if i % 5 == 0 else f" (ref {i})") for i in range(n)
+    ]
     write_parquet(tmp_path / "in" / "a.parquet", [f"g{i:03d}" for i in range(n)], texts)
-    gen = JobSpec.load({
-        "task": "generate",
-        # float32: bf16 rounding leaves near-ties that greedy decoding may break either way
-        # when anything about the batch differs; the claim tested here is about the prompt
-        "model": {"name": smollm2, "max_model_len": 512, "dtype": "float32"},
-        "engine": {"enforce_eager": True, "max_num_seqs": 32},
-        "io": {"input_uri": str(tmp_path / "in"), "output_uri": str(tmp_path / "out")},
-        "prompt": {"template": "Support ticket: {text}\nShort reply:"},
-        "sampling": {"temperature": 0, "max_tokens": 24},
-        "sharding": {"chunk_rows": 5},
-    })
-    chat = {**gen.model_dump(mode="json"), "task": "chat",
-            "prompt": {"system_prompt": SYSTEM, "template": "Ticket: {text}"}}
+    gen = JobSpec.load(
+        {
+            "task": "generate",
+            # float32: bf16 rounding leaves near-ties that greedy decoding may break either way
+            # when anything about the batch differs; the claim tested here is about the prompt
+            "model": {"name": smollm2, "max_model_len": 512, "dtype": "float32"},
+            "engine": {"enforce_eager": True, "max_num_seqs": 32},
+            "io": {"input_uri": str(tmp_path / "in"), "output_uri": str(tmp_path / "out")},
+            "prompt": {"template": "Support ticket: {text}\nShort reply:"},
+            "sampling": {"temperature": 0, "max_tokens": 24},
+            "sharding": {"chunk_rows": 5},
+        }
+    )
+    chat = {
+        **gen.model_dump(mode="json"),
+        "task": "chat",
+        "prompt": {"system_prompt": SYSTEM, "template": "Ticket: {text}"},
+    }
     (shard,) = plan_job(gen).shards
     m = manifest(run_worker(gen, shard.shard_id))
     assert m["status"] == "committed" and m["ok_rows"] == n
@@ -347,10 +403,24 @@ def test_token_prompts_give_the_same_outputs_as_text_prompts(tmp_path, smollm2):
     ours = {r["id"]: r for r in pq.read_table(tmp_path / "out" / "results").to_pylist()}
 
     raw = subprocess.run(
-        [sys.executable, "-c", RAW_TOKENS_VS_TEXT, json.dumps(
-            {"model": smollm2, "max_tokens": 24, "texts": texts, "dtype": "float32",
-             "specs": {"generate": gen.model_dump(mode="json"), "chat": chat}})],
-        env=ENV, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-c",
+            RAW_TOKENS_VS_TEXT,
+            json.dumps(
+                {
+                    "model": smollm2,
+                    "max_tokens": 24,
+                    "texts": texts,
+                    "dtype": "float32",
+                    "specs": {"generate": gen.model_dump(mode="json"), "chat": chat},
+                }
+            ),
+        ],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert raw.returncode == 0, raw.stderr[-3000:]
     res = json.loads(next(x for x in raw.stdout.splitlines() if x.startswith("RAW "))[4:])

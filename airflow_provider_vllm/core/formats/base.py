@@ -66,8 +66,13 @@ class RowBatch:
     def select(self, keep: np.ndarray) -> RowBatch:
         """The rows where ``keep`` (one bool per row) is true, in order."""
         pick = lambda xs: [x for x, k in zip(xs, keep) if k]  # noqa: E731
-        return RowBatch(ids=pick(self.ids), values={c: pick(v) for c, v in self.values.items()},
-                        faults=pick(self.faults), lines=pick(self.lines), chars=pick(self.chars))
+        return RowBatch(
+            ids=pick(self.ids),
+            values={c: pick(v) for c, v in self.values.items()},
+            faults=pick(self.faults),
+            lines=pick(self.lines),
+            chars=pick(self.chars),
+        )
 
 
 @dataclass
@@ -91,9 +96,15 @@ class Scan:
     (line-addressed formats); ``invalid``: lines that are not a JSON object (they become error rows).
     """
 
-    def __init__(self, chars: np.ndarray | None = None, file_rows: list[int] | None = None,
-                 offsets: np.ndarray | None = None, lines: np.ndarray | None = None, invalid: int = 0,
-                 runs: RowRuns | None = None) -> None:
+    def __init__(
+        self,
+        chars: np.ndarray | None = None,
+        file_rows: list[int] | None = None,
+        offsets: np.ndarray | None = None,
+        lines: np.ndarray | None = None,
+        invalid: int = 0,
+        runs: RowRuns | None = None,
+    ) -> None:
         if (chars is None) == (runs is None):
             raise ValueError("Scan: give exactly one of chars (per row) or runs")
         self._chars, self.runs = chars, runs
@@ -137,5 +148,7 @@ class InputFormat(ABC):
 def raise_duplicates(n: int, distinct: int, dups: list[tuple], first_at: list[str]) -> None:
     """DatasetError naming the duplicate ids (``dups``: (id, count), most frequent first) and where."""
     examples = ", ".join(f"{str(r[0])!r} x{r[1]}" for r in dups)
-    raise DatasetError(f"{n - distinct} duplicate id(s) in the input ({n} rows, {distinct} distinct); e.g. "
-                       f"{examples}; {str(dups[0][0])!r} is at {' and '.join(first_at)}")
+    raise DatasetError(
+        f"{n - distinct} duplicate id(s) in the input ({n} rows, {distinct} distinct); e.g. "
+        f"{examples}; {str(dups[0][0])!r} is at {' and '.join(first_at)}"
+    )

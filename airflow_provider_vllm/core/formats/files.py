@@ -29,8 +29,9 @@ class InputFile:
         return {"path": self.path, "size": self.size, "version": self.version}
 
 
-def input_storage(uri: str, options: dict[str, Any],
-                  filesystems: FileSystems | None = None) -> tuple[Storage, list[str]]:
+def input_storage(
+    uri: str, options: dict[str, Any], filesystems: FileSystems | None = None
+) -> tuple[Storage, list[str]]:
     """The folder holding the input and the relative paths of its data files, sorted."""
     whole = Storage(uri, options, filesystems)
     fs = whole.fs

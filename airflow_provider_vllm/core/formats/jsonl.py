@@ -158,11 +158,14 @@ def _checked_id(rid: Any, name: str, line_no: int, key: str) -> str:
     if rid is None or isinstance(rid, (dict, list, bool)) or rid == "":
         raise DatasetError(f"{name} line {line_no}: missing or invalid id field {key!r}")
     if is_blank_id(str(rid)):
-        raise DatasetError(f"{name} line {line_no}: id field {key!r} is {str(rid)!r}, only whitespace; "
-                           "an id must have a visible character")
+        raise DatasetError(
+            f"{name} line {line_no}: id field {key!r} is {str(rid)!r}, only whitespace; "
+            "an id must have a visible character"
+        )
     if not is_unicode(str(rid)):
-        raise DatasetError(f"{name} line {line_no}: id field {key!r} is not valid Unicode "
-                           "(an unpaired surrogate escape)")
+        raise DatasetError(
+            f"{name} line {line_no}: id field {key!r} is not valid Unicode (an unpaired surrogate escape)"
+        )
     return str(rid)
 
 

@@ -39,8 +39,9 @@ class OpenAIBatchFormat(JsonlFormat):
             return 0
         msgs = body.get("messages")
         if isinstance(msgs, list):
-            return sum(len(m.get("content") or "") for m in msgs if isinstance(m, dict)
-                       and isinstance(m.get("content"), str))
+            return sum(
+                len(m.get("content") or "") for m in msgs if isinstance(m, dict) and isinstance(m.get("content"), str)
+            )
         text = body.get("input")
         return len(text) if isinstance(text, str) else 0
 

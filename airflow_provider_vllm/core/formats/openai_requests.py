@@ -50,9 +50,16 @@ REFUSED_CHAT_FIELDS: dict[str, str] = {
     "service_tier": "service tiers do not apply",
 }
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "n": (1,), "stream": (False,), "logprobs": (False,), "top_logprobs": (0,), "tools": ([],),
-    "tool_choice": ("none",), "response_format": ({"type": "text"},), "store": (False,),
-    "modalities": (["text"],), "service_tier": ("auto", "default"),
+    "n": (1,),
+    "stream": (False,),
+    "logprobs": (False,),
+    "top_logprobs": (0,),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "response_format": ({"type": "text"},),
+    "store": (False,),
+    "modalities": (["text"],),
+    "service_tier": ("auto", "default"),
 }
 REFUSED_MESSAGE_FIELDS: dict[str, str] = {
     "tool_calls": "tool calling is not supported",
@@ -109,16 +116,24 @@ def _integer(v: Any) -> int:
 
 def _ranged(lo: float | None, hi: float | None, lo_open: bool = False, integer: bool = False):
     """A validator: a number (or integer) in [lo, hi] (lo excluded when lo_open), vLLM's messages."""
+
     def check(v: Any) -> Any:
         x = _integer(v) if integer else _number(v)
         low_ok = lo is None or (x > lo if lo_open else x >= lo)
         if not low_ok or (hi is not None and x > hi):
             left = "(" if lo_open else "["
-            rng = (f"{left}{_fmt_num(lo)}, {_fmt_num(hi)}]" if hi is not None
-                   else f"{'>' if lo_open else '>='} {_fmt_num(lo)}")
-            raise _invalid("must be in {rng}, got {value}" if hi is not None else "must be {rng}, got {value}",
-                           rng=rng, value=_fmt_num(x))
+            rng = (
+                f"{left}{_fmt_num(lo)}, {_fmt_num(hi)}]"
+                if hi is not None
+                else f"{'>' if lo_open else '>='} {_fmt_num(lo)}"
+            )
+            raise _invalid(
+                "must be in {rng}, got {value}" if hi is not None else "must be {rng}, got {value}",
+                rng=rng,
+                value=_fmt_num(x),
+            )
         return x
+
     return check
 
 
@@ -140,20 +155,22 @@ def _content(v: Any) -> str:
             kind = part.get("type")
             if kind != "text":
                 if kind in ("image_url", "input_audio", "file", "image", "audio", "video"):
-                    raise _unsupported("content[{j}] of type {kind} is not supported: only text content is",
-                                       j=j, kind=repr(kind))
+                    raise _unsupported(
+                        "content[{j}] of type {kind} is not supported: only text content is", j=j, kind=repr(kind)
+                    )
                 raise _invalid("content[{j}].type must be 'text', got {kind}", j=j, kind=_short(kind))
             extra = sorted(set(part) - {"type", "text"})
             if extra:
-                raise _unsupported("content[{j}] fields {extra} are not supported",
-                                   j=j, extra=", ".join(extra))
+                raise _unsupported("content[{j}] fields {extra} are not supported", j=j, extra=", ".join(extra))
             if not isinstance(part.get("text"), str):
                 raise _invalid("content[{j}].text must be a string", j=j)
             texts.append(part["text"])
         text = "\n".join(texts)
     else:
-        raise _invalid("content must be a string or a list of text parts, got {kind}",
-                       kind="null" if v is None else type(v).__name__)
+        raise _invalid(
+            "content must be a string or a list of text parts, got {kind}",
+            kind="null" if v is None else type(v).__name__,
+        )
     if not is_unicode(text):
         raise _invalid("content is not valid Unicode (an unpaired surrogate)")
     return text
@@ -243,10 +260,12 @@ class ChatCompletionBody(BaseModel):
                     raise _invalid("must be a positive integer, got {value}", field=k, value=_short(v))
             elif k == "logprobs" and not isinstance(v, bool):
                 raise _invalid("must be a boolean, got {value}", field=k, value=_short(v))
-            elif k == "top_logprobs" and (isinstance(v, bool) or not isinstance(v, int)
-                                          or not 0 <= v <= MAX_TOP_LOGPROBS):
-                raise _invalid("must be an integer in [0, {hi}], got {value}",
-                               field=k, hi=MAX_TOP_LOGPROBS, value=_short(v))
+            elif k == "top_logprobs" and (
+                isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_TOP_LOGPROBS
+            ):
+                raise _invalid(
+                    "must be an integer in [0, {hi}], got {value}", field=k, hi=MAX_TOP_LOGPROBS, value=_short(v)
+                )
             if any(type(v) is type(ok) and v == ok for ok in NEUTRAL.get(k, ())):
                 continue
             raise _unsupported("{value} is not supported: {why}", field=k, value=_short(v), why=why)
@@ -263,17 +282,25 @@ class ChatCompletionBody(BaseModel):
         """The vllm.SamplingParams keyword arguments this request sets (unset ones: the spec's)."""
         out = {
             "max_tokens": self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens,
-            "temperature": self.temperature, "top_p": self.top_p, "stop": self.stop, "seed": self.seed,
-            "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-            "top_k": self.top_k, "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "stop": self.stop,
+            "seed": self.seed,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
             "min_tokens": self.min_tokens,
         }
         return {k: v for k, v in out.items() if v is not None}
 
     def conversation(self) -> list[dict[str, str]]:
         """The messages as the chat template takes them."""
-        return [{"role": m.role, "content": m.content, **({"name": m.name} if m.name is not None else {})}
-                for m in self.messages]
+        return [
+            {"role": m.role, "content": m.content, **({"name": m.name} if m.name is not None else {})}
+            for m in self.messages
+        ]
 
 
 class EmbeddingsBody(BaseModel):
@@ -338,8 +365,10 @@ def _fault(e: ValidationError, accepted: tuple[str, ...]) -> RequestFault:
             invalid.append(f"{loc}: {err['msg']}")
     for fields in dict.fromkeys(acc for _, acc in unknown):
         locs = [loc for loc, acc in unknown if acc == fields]
-        unsupported.append(f"unknown field{'s' if len(locs) > 1 else ''} {', '.join(locs[:5])}"
-                           f"{' ...' if len(locs) > 5 else ''} (accepted: {', '.join(fields)})")
+        unsupported.append(
+            f"unknown field{'s' if len(locs) > 1 else ''} {', '.join(locs[:5])}"
+            f"{' ...' if len(locs) > 5 else ''} (accepted: {', '.join(fields)})"
+        )
     code = UNSUPPORTED_PARAMETER if unsupported else INVALID_REQUEST
     parts = unsupported + invalid
     text = "; ".join(parts[:3]) + (f"; and {len(parts) - 3} more" if len(parts) > 3 else "")

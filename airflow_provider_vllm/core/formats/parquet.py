@@ -48,8 +48,9 @@ class ParquetFormat(InputFormat):
                 raise DatasetError(f"input file {name}: missing column(s) {missing}; it has {schema.names[:20]}")
             id_type = schema.field(idc).type
             if not (pa.types.is_string(id_type) or pa.types.is_large_string(id_type) or pa.types.is_integer(id_type)):
-                raise DatasetError(f"input file {name}: id column {idc!r} has type {id_type}; "
-                                   "expected string or integer")
+                raise DatasetError(
+                    f"input file {name}: id column {idc!r} has type {id_type}; expected string or integer"
+                )
             for c in texts:
                 t = schema.field(c).type
                 if not (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_null(t)):
@@ -57,8 +58,10 @@ class ParquetFormat(InputFormat):
             if first_schema is None:
                 first_schema = schema
             elif id_type != first_schema.field(idc).type:
-                raise DatasetError(f"input file {name}: id column type {id_type} differs from "
-                                   f"{names[0]}'s {first_schema.field(idc).type}")
+                raise DatasetError(
+                    f"input file {name}: id column type {id_type} differs from "
+                    f"{names[0]}'s {first_schema.field(idc).type}"
+                )
             file_rows.append(md.num_rows)
             if per_row:
                 with root.open(name) as f:
@@ -108,23 +111,30 @@ def _check_ids(root: Storage, names: list[str], idc: str) -> None:
         blank = f"regexp_matches(CAST({col} AS VARCHAR), '{BLANK_ID_PATTERN}')"
         n, nulls, distinct, empty = con.execute(
             f"SELECT count(*), count(*) - count({col}), count(DISTINCT hash({col})), "
-            f"count(*) FILTER (WHERE {blank}) FROM {src}").fetchall()[0]
+            f"count(*) FILTER (WHERE {blank}) FROM {src}"
+        ).fetchall()[0]
         if not nulls and distinct != n:
             distinct = con.execute(f"SELECT count(DISTINCT {col}) FROM {src}").fetchall()[0][0]
         if nulls:
             fname, row = con.execute(
-                f"SELECT filename, file_row_number FROM {src} WHERE {col} IS NULL LIMIT 1").fetchall()[0]
+                f"SELECT filename, file_row_number FROM {src} WHERE {col} IS NULL LIMIT 1"
+            ).fetchall()[0]
             raise DatasetError(f"{nulls} row(s) have a null id; first at {fname.rsplit('/', 1)[-1]} row {row}")
         if empty:
-            fname, row = con.execute(f"SELECT filename, file_row_number FROM {src} "
-                                     f"WHERE {blank} LIMIT 1").fetchall()[0]
-            raise DatasetError(f"{empty} row(s) have an empty id (empty or only whitespace) in column {idc!r}; "
-                               f"first at {fname.rsplit('/', 1)[-1]} row {row}")
+            fname, row = con.execute(f"SELECT filename, file_row_number FROM {src} WHERE {blank} LIMIT 1").fetchall()[0]
+            raise DatasetError(
+                f"{empty} row(s) have an empty id (empty or only whitespace) in column {idc!r}; "
+                f"first at {fname.rsplit('/', 1)[-1]} row {row}"
+            )
         if distinct != n:
-            dups = con.execute(f"SELECT {col}, count(*) AS k FROM {src} GROUP BY {col} HAVING k > 1 "
-                               f"ORDER BY k DESC, {col} LIMIT 5").fetchall()
-            at = con.execute(f"SELECT filename, file_row_number FROM {src} WHERE {col} = ? "
-                             "ORDER BY filename, file_row_number LIMIT 2", [dups[0][0]]).fetchall()
+            dups = con.execute(
+                f"SELECT {col}, count(*) AS k FROM {src} GROUP BY {col} HAVING k > 1 ORDER BY k DESC, {col} LIMIT 5"
+            ).fetchall()
+            at = con.execute(
+                f"SELECT filename, file_row_number FROM {src} WHERE {col} = ? "
+                "ORDER BY filename, file_row_number LIMIT 2",
+                [dups[0][0]],
+            ).fetchall()
             raise_duplicates(n, distinct, dups, [f"{f.rsplit('/', 1)[-1]} row {r}" for f, r in at])
     finally:
         con.close()

@@ -36,8 +36,11 @@ def run_checks(metrics: dict[str, Any], spec: QASpec, *, structured: bool) -> li
             if ch is None:
                 detail = "changes.previous_uri not set"
             elif value is None:
-                detail = "no id answered in both runs" if ch.get("previous_state") == "complete" else \
-                    "no complete previous run"
+                detail = (
+                    "no id answered in both runs"
+                    if ch.get("previous_state") == "complete"
+                    else "no complete previous run"
+                )
             else:
                 detail = f"{ch['counts']['changed']} / {ch['in_both']}"
         else:

@@ -65,9 +65,19 @@ def evaluate(
         con.register("r", results)
         con.register("e", errors)
         metrics = compute_metrics(results, errors, labels=labels, structured=structured, notes=notes)
-        return _report(metrics, notes, lambda sizes: draw_sample(con, results, errors, spec=spec, label_sizes=sizes),
-                       spec=spec, structured=structured, shard_stats=shard_stats, previous=previous,
-                       run_info=run_info, duplicates=duplicates, changes=changes, cache=cache)
+        return _report(
+            metrics,
+            notes,
+            lambda sizes: draw_sample(con, results, errors, spec=spec, label_sizes=sizes),
+            spec=spec,
+            structured=structured,
+            shard_stats=shard_stats,
+            previous=previous,
+            run_info=run_info,
+            duplicates=duplicates,
+            changes=changes,
+            cache=cache,
+        )
     finally:
         con.close()
 
@@ -103,8 +113,10 @@ def evaluate_stream(
         if len(ids) > IN_LIST_MAX:  # a huge sample: a semi-join (a SQL text of that size would be slow to parse)
             con.register("qa_picked", pa.table({"id": pa.array(ids, pa.string())}))
             try:
-                return conform(con.sql(f"SELECT * FROM {table} WHERE id IN (SELECT id FROM qa_picked)")
-                               .to_arrow_table(), needs[table])
+                return conform(
+                    con.sql(f"SELECT * FROM {table} WHERE id IN (SELECT id FROM qa_picked)").to_arrow_table(),
+                    needs[table],
+                )
             finally:
                 con.unregister("qa_picked")
         # a constant IN list: DuckDB filters inside the scan (4x faster than the join at 100M rows)
@@ -112,16 +124,35 @@ def evaluate_stream(
         return conform(con.sql(f"SELECT * FROM {table} WHERE id IN ({listed})").to_arrow_table(), needs[table])
 
     def draw(sizes):
-        return draw_sample_by(con, spec=spec, label_sizes=sizes, n_ok=tally.ok, n_err=tally.n_err,
-                              some_shard_ids=tally.counts["shard_id"][None] < tally.ok,
-                              counts=lambda _t, c: tally.value_counts(c), rows=rows)
+        return draw_sample_by(
+            con,
+            spec=spec,
+            label_sizes=sizes,
+            n_ok=tally.ok,
+            n_err=tally.n_err,
+            some_shard_ids=tally.counts["shard_id"][None] < tally.ok,
+            counts=lambda _t, c: tally.value_counts(c),
+            rows=rows,
+        )
 
-    return _report(metrics, notes, draw, spec=spec, structured=structured, shard_stats=shard_stats,
-                   previous=previous, run_info=run_info, duplicates=duplicates, changes=changes, cache=cache)
+    return _report(
+        metrics,
+        notes,
+        draw,
+        spec=spec,
+        structured=structured,
+        shard_stats=shard_stats,
+        previous=previous,
+        run_info=run_info,
+        duplicates=duplicates,
+        changes=changes,
+        cache=cache,
+    )
 
 
-def _report(metrics, notes, draw, *, spec, structured, shard_stats, previous, run_info, duplicates, changes,
-            cache) -> QAReport:
+def _report(
+    metrics, notes, draw, *, spec, structured, shard_stats, previous, run_info, duplicates, changes, cache
+) -> QAReport:
     """Throughput, duplicates, drift, changes, cache, the sample (``draw(label_sizes)``), checks: the report."""
     metrics["throughput"] = throughput_metrics(shard_stats)
     if changes is not None:  # steps/changes.py's summary (ChangesSummary.dump()); drives the churn_rate check

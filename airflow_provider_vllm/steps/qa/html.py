@@ -26,7 +26,8 @@ EXCERPT = 200
 
 _CSS = """
 *{box-sizing:border-box}
-body{margin:0;font:14px/1.45 -apple-system,"Segoe UI",Roboto,Helvetica,Arial,sans-serif;color:#1f2328;background:#f6f8fa}
+body{margin:0;font:14px/1.45 -apple-system,"Segoe UI",Roboto,Helvetica,Arial,sans-serif;color:#1f2328;
+  background:#f6f8fa}
 main{max-width:1120px;margin:0 auto;padding:24px}
 header{background:#fff;border:1px solid #d0d7de;border-radius:8px;padding:20px 24px;margin-bottom:18px}
 h1{font-size:22px;margin:0 0 4px}
@@ -34,7 +35,8 @@ h2{font-size:17px;margin:0 0 12px}
 h3{font-size:14px;margin:14px 0 6px;color:#57606a}
 section{background:#fff;border:1px solid #d0d7de;border-radius:8px;padding:18px 24px;margin-bottom:18px}
 .top{display:flex;align-items:center;gap:16px;flex-wrap:wrap}
-.badge{display:inline-block;padding:4px 14px;border-radius:999px;font-weight:700;font-size:15px;letter-spacing:.04em;color:#fff}
+.badge{display:inline-block;padding:4px 14px;border-radius:999px;font-weight:700;font-size:15px;
+  letter-spacing:.04em;color:#fff}
 .pill{display:inline-block;padding:1px 9px;border-radius:999px;font-weight:600;font-size:12px}
 .meta{color:#57606a;font-size:13px;margin-top:6px}
 .meta span{margin-right:14px}
@@ -43,7 +45,8 @@ section{background:#fff;border:1px solid #d0d7de;border-radius:8px;padding:18px 
 .card .k{font-size:12px;color:#57606a}
 .card .v{font-size:19px;font-weight:600}
 .card .s{font-size:12px;color:#57606a}
-.summary{font:12px/1.4 ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;color:#57606a;margin-top:12px;word-break:break-word}
+.summary{font:12px/1.4 ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;color:#57606a;margin-top:12px;
+  word-break:break-word}
 .notes{background:#fff8c5;border:1px solid #d4a72c;border-radius:6px;padding:8px 14px 8px 30px;margin:14px 0 0}
 table{border-collapse:collapse;width:100%}
 th,td{text-align:left;padding:6px 8px;border-bottom:1px solid #eaeef2;vertical-align:top}
@@ -56,7 +59,8 @@ td.num,th.num{text-align:right;font-variant-numeric:tabular-nums;white-space:now
 .muted{color:#6e7781}
 .sample td{font-size:12.5px}
 .sample td.out{white-space:pre-wrap;word-break:break-word;max-width:460px}
-.sample td.id{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;min-width:9em;max-width:240px;overflow-wrap:anywhere}
+.sample td.id{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;min-width:9em;max-width:240px;
+  overflow-wrap:anywhere}
 .sample td.err{color:#8c1d18}
 table.matrix{width:auto}
 table.matrix td,table.matrix th{border:1px solid #eaeef2;text-align:right;min-width:4.5em}
@@ -147,7 +151,9 @@ def hbar_chart(
     legend_h = 22 if series and nser > 1 else 0
     height = legend_h + len(rows) * (row_h + row_gap) + 4
     vmax = max((v for _, vals, _ in rows for v in vals if v is not None), default=0) or 1
-    out = [f'<svg role="img" data-chart="{_e(chart)}" width="{width}" height="{height}" viewBox="0 0 {width} {height}">']
+    out = [
+        f'<svg role="img" data-chart="{_e(chart)}" width="{width}" height="{height}" viewBox="0 0 {width} {height}">'
+    ]
     if legend_h:
         x = label_width
         for j, name in enumerate(series or []):
@@ -173,7 +179,8 @@ def hbar_chart(
             )
             t = texts[j] if j < len(texts) else ""
             out.append(
-                f'<text x="{label_width + w + 5:.1f}" y="{by + bar_h - 2}" font-size="11.5" fill="#57606a">{_e(t)}</text>'
+                f'<text x="{label_width + w + 5:.1f}" y="{by + bar_h - 2}" font-size="11.5" '
+                f'fill="#57606a">{_e(t)}</text>'
             )
         y += row_h + row_gap
     out.append("</svg>")
@@ -194,7 +201,9 @@ def histogram_svg(hist: dict | None, *, width: int = 520, height: int = 190, uni
     n = len(bins)
     bw = pw / n
     ymax = max(bins) or 1
-    out = [f'<svg role="img" data-chart="{_e(chart)}" width="{width}" height="{height}" viewBox="0 0 {width} {height}">']
+    out = [
+        f'<svg role="img" data-chart="{_e(chart)}" width="{width}" height="{height}" viewBox="0 0 {width} {height}">'
+    ]
     for frac in (0.5, 1.0):
         gy = mt + ph - frac * ph
         out.append(f'<line x1="{ml}" y1="{gy:.1f}" x2="{ml + pw}" y2="{gy:.1f}" stroke="#eaeef2"/>')
@@ -219,7 +228,8 @@ def histogram_svg(hist: dict | None, *, width: int = 520, height: int = 190, uni
             tip = f"[{edge_txt(edges[i])}, {edge_txt(edges[i + 1])}){unit}: {c:,}"
         color = BAR_PREV if is_over else BAR
         out.append(
-            f'<rect class="bar" x="{x + 0.5:.1f}" y="{mt + ph - h:.1f}" width="{max(bw - 1, 0.5):.1f}" height="{h:.1f}" '
+            f'<rect class="bar" x="{x + 0.5:.1f}" y="{mt + ph - h:.1f}" width="{max(bw - 1, 0.5):.1f}" '
+            f'height="{h:.1f}" '
             f'fill="{color}"><title>{_e(tip)}</title></rect>'
         )
     out.append(f'<line x1="{ml}" y1="{mt + ph}" x2="{ml + pw}" y2="{mt + ph}" stroke="#8c959f"/>')
@@ -240,7 +250,8 @@ def histogram_svg(hist: dict | None, *, width: int = 520, height: int = 190, uni
         )
     if unit:
         out.append(
-            f'<text x="{ml + pw}" y="{height - 2}" font-size="11" text-anchor="end" fill="#57606a">{_e(unit.strip())}</text>'
+            f'<text x="{ml + pw}" y="{height - 2}" font-size="11" text-anchor="end" '
+            f'fill="#57606a">{_e(unit.strip())}</text>'
         )
     out.append("</svg>")
     return "".join(out)
@@ -288,8 +299,11 @@ def _header(d: dict) -> str:
         ("OK", _int(m.get("ok", 0)), ""),
         ("Errors", _int(m.get("errors", 0)), _pct(err) if err is not None else ""),
         ("Sample", _int(sample.get("rows", 0)), f"seed {sample.get('seed', '–')}"),
-        *([("Duplicate ids", _int(dup.get("ids", 0)), f"{_int(dup.get('rows_dropped', 0))} rows dropped at merge")]
-          if (dup := m.get("duplicates")) is not None else []),
+        *(
+            [("Duplicate ids", _int(dup.get("ids", 0)), f"{_int(dup.get('rows_dropped', 0))} rows dropped at merge")]
+            if (dup := m.get("duplicates")) is not None
+            else []
+        ),
         ("Prompt tokens", _int(tokens.get("prompt_total", 0)), ""),
         ("Completion tokens", _int(tokens.get("completion_total", 0)), ""),
     ]
@@ -299,25 +313,32 @@ def _header(d: dict) -> str:
         cards.append(("Tokens / shard-s", _num(thr["tokens_per_s"]), ""))
     cache = m.get("cache") or {}
     if cache.get("rows") is not None:
-        cards.append(("Cache hits", _pct(cache.get("hit_rate"), 1),
-                      f"{_int(cache.get('hits'))} of {_int(cache.get('rows'))} rows not inferred"))
+        cards.append(
+            (
+                "Cache hits",
+                _pct(cache.get("hit_rate"), 1),
+                f"{_int(cache.get('hits'))} of {_int(cache.get('rows'))} rows not inferred",
+            )
+        )
     ch = m.get("changes") or {}
     if ch.get("counts"):
-        cards.append(("Changed", _int(ch["counts"].get("changed", 0)),
-                      f"churn {_pct(ch.get('churn_rate'))}" if ch.get("churn_rate") is not None else "no previous run"))
+        cards.append(
+            (
+                "Changed",
+                _int(ch["counts"].get("changed", 0)),
+                f"churn {_pct(ch.get('churn_rate'))}" if ch.get("churn_rate") is not None else "no previous run",
+            )
+        )
     prev = m.get("previous") or {}
     if prev:
         cards.append(("Previous run", str(prev.get("status") or "?").upper(), f"{_int(prev.get('total'))} rows"))
     card_html = "".join(
-        f'<div class="card"><div class="k">{_e(k)}</div><div class="v">{_e(v)}</div>'
-        f'<div class="s">{_e(s)}</div></div>'
+        f'<div class="card"><div class="k">{_e(k)}</div><div class="v">{_e(v)}</div><div class="s">{_e(s)}</div></div>'
         for k, v, s in cards
     )
     st = status if status in COLORS else "skip"
     notes = d.get("notes") or []
-    notes_html = (
-        '<ul class="notes">' + "".join(f"<li>{_e(n)}</li>" for n in notes) + "</ul>" if notes else ""
-    )
+    notes_html = '<ul class="notes">' + "".join(f"<li>{_e(n)}</li>" for n in notes) + "</ul>" if notes else ""
     return (
         "<header>"
         f'<div class="top"><h1>{_e(title)}</h1>'
@@ -336,10 +357,14 @@ def _checks(d: dict) -> str:
     for c in d.get("checks") or []:
         st = str(c.get("status", "skip"))
         color = BG.get(st, "#fff") if st in ("warn", "fail") else "#fff"
-        gauge = gauge_svg(c.get("value"), float(c.get("warn") or 0), float(c.get("fail") or 0)) if c.get("value") is not None else ""
+        gauge = (
+            gauge_svg(c.get("value"), float(c.get("warn") or 0), float(c.get("fail") or 0))
+            if c.get("value") is not None
+            else ""
+        )
         rows.append(
             f'<tr style="background:{color}">'
-            f"<td><b>{_e(c.get('name'))}</b><div class=\"desc\">{_e(c.get('description', ''))}</div></td>"
+            f'<td><b>{_e(c.get("name"))}</b><div class="desc">{_e(c.get("description", ""))}</div></td>'
             f'<td class="num"><b>{_e(_check_value(c))}</b><div class="desc">{_e(c.get("detail", ""))}</div></td>'
             f"<td>{gauge}</td>"
             f'<td class="num">{_e(_check_threshold(c, "warn"))}</td>'
@@ -347,7 +372,7 @@ def _checks(d: dict) -> str:
             f"<td>{_pill(st)}</td></tr>"
         )
     return (
-        "<section><h2>Checks</h2><table><thead><tr><th>Check</th><th class=\"num\">Value</th><th>Scale</th>"
+        '<section><h2>Checks</h2><table><thead><tr><th>Check</th><th class="num">Value</th><th>Scale</th>'
         '<th class="num">Warn &gt;</th><th class="num">Fail &gt;</th><th>Status</th></tr></thead><tbody>'
         + "".join(rows)
         + "</tbody></table></section>"
@@ -394,17 +419,29 @@ def _changes(d: dict) -> str:
     if not ch:
         return ""
     counts = ch.get("counts") or {}
-    kinds = [("unchanged", "same answer"), ("changed", "answer moved"), ("added", "new ids"),
-             ("removed", "ids gone"), ("recovered", "error before, answer now"), ("error", "error now")]
+    kinds = [
+        ("unchanged", "same answer"),
+        ("changed", "answer moved"),
+        ("added", "new ids"),
+        ("removed", "ids gone"),
+        ("recovered", "error before, answer now"),
+        ("error", "error now"),
+    ]
     cards = "".join(
         f'<div class="card" data-change="{_e(k)}"><div class="k">{_e(k)}</div><div class="v">{_int(counts.get(k, 0))}'
-        f'</div><div class="s">{_e(t)}</div></div>' for k, t in kinds)
+        f'</div><div class="s">{_e(t)}</div></div>'
+        for k, t in kinds
+    )
     prev = ch.get("previous_uri")
-    sub = (f"vs <b>{_e(prev)}</b> ({_e(ch.get('previous_state'))}) · compared: {_e(ch.get('compared'))} · "
-           f"churn {_e(_pct(ch.get('churn_rate')))} of {_int(ch.get('in_both'))} ids answered in both runs · "
-           "rows in changes/changes.parquet")
-    return (f'<section data-section="changes"><h2>What changed since the last run</h2><p class="desc">{sub}</p>'
-            f'<div class="cards">{cards}</div>{_matrix(ch)}</section>')
+    sub = (
+        f"vs <b>{_e(prev)}</b> ({_e(ch.get('previous_state'))}) · compared: {_e(ch.get('compared'))} · "
+        f"churn {_e(_pct(ch.get('churn_rate')))} of {_int(ch.get('in_both'))} ids answered in both runs · "
+        "rows in changes/changes.parquet"
+    )
+    return (
+        f'<section data-section="changes"><h2>What changed since the last run</h2><p class="desc">{sub}</p>'
+        f'<div class="cards">{cards}</div>{_matrix(ch)}</section>'
+    )
 
 
 def _matrix(ch: dict) -> str:
@@ -419,8 +456,10 @@ def _matrix(ch: dict) -> str:
         grid[(o, n)] = grid.get((o, n), 0) + k
         old_tot[o] = old_tot.get(o, 0) + k
         new_tot[n] = new_tot.get(n, 0) + k
-    labels = sorted({x for x in (*old_tot, *new_tot) if x is not None},
-                    key=lambda x: (-(old_tot.get(x, 0) + new_tot.get(x, 0)), str(x)))
+    labels = sorted(
+        {x for x in (*old_tot, *new_tot) if x is not None},
+        key=lambda x: (-(old_tot.get(x, 0) + new_tot.get(x, 0)), str(x)),
+    )
     note = ""
     if len(labels) > MAX_MATRIX:
         note = f'<p class="muted">Showing the {MAX_MATRIX} largest of {len(labels)} labels.</p>'
@@ -443,17 +482,22 @@ def _matrix(ch: dict) -> str:
             elif k:
                 a = 0.12 + 0.6 * k / peak
                 rgb = "59,111,212" if o is None or n is None else "207,34,46"  # blue: added / removed; red: moved
-                tds.append(f'<td data-old="{_e(o)}" data-new="{_e(n)}" style="background:rgba({rgb},{a:.2f})">'
-                           f"<b>{_int(k)}</b></td>")
+                tds.append(
+                    f'<td data-old="{_e(o)}" data-new="{_e(n)}" style="background:rgba({rgb},{a:.2f})">'
+                    f"<b>{_int(k)}</b></td>"
+                )
             else:
                 tds.append('<td class="muted"></td>')
         body.append(f'<tr><th class="lab" title="{_e(o)}">{name(o, "old")}</th>{"".join(tds)}</tr>')
     if ch.get("matrix_cells") and ch["matrix_cells"] > len(cells):
-        note += f'<p class="muted">{_int(ch["matrix_cells"])} cells in all; the largest {_int(len(cells))} are listed.</p>'
+        note += (
+            f'<p class="muted">{_int(ch["matrix_cells"])} cells in all; the largest {_int(len(cells))} are listed.</p>'
+        )
     return (
-        '<h3>Churn matrix: previous label (rows) x this run\'s label (columns); the grey diagonal did not move, blue cells are new or gone ids</h3>'
+        "<h3>Churn matrix: previous label (rows) x this run's label (columns); "
+        "the grey diagonal did not move, blue cells are new or gone ids</h3>"
         f'<table class="matrix" data-chart="churn"><thead><tr><th class="lab">previous \\ now</th>{head}</tr></thead>'
-        f'<tbody>{"".join(body)}</tbody></table>{note}'
+        f"<tbody>{''.join(body)}</tbody></table>{note}"
     )
 
 
@@ -462,14 +506,21 @@ def _errors(d: dict) -> str:
     by = m.get("errors_by_code") or {}
     fin = m.get("finish_reasons") or {}
     total = m.get("total") or 0
-    err_rows = [(k, [float(v.get("count", 0))], [f"{_int(v.get('count', 0))}  ({_pct(v.get('rate', 0))})"]) for k, v in by.items()]
+    err_rows = [
+        (k, [float(v.get("count", 0))], [f"{_int(v.get('count', 0))}  ({_pct(v.get('rate', 0))})"])
+        for k, v in by.items()
+    ]
     ok = m.get("ok") or 0
     fin_rows = [(k, [float(n)], [f"{_int(n)}  ({_pct(n / ok if ok else 0)})"]) for k, n in fin.items()]
-    err_html = hbar_chart(err_rows[:MAX_BARS], colors=[BAR_ERR], width=520, label_width=170, chart="errors") if err_rows else (
-        f'<p class="muted">No error rows among {_int(total)}.</p>'
+    err_html = (
+        hbar_chart(err_rows[:MAX_BARS], colors=[BAR_ERR], width=520, label_width=170, chart="errors")
+        if err_rows
+        else (f'<p class="muted">No error rows among {_int(total)}.</p>')
     )
-    fin_html = hbar_chart(fin_rows[:MAX_BARS], colors=[BAR_ALT], width=520, label_width=120, chart="finish") if fin_rows else (
-        '<p class="muted">No ok rows.</p>'
+    fin_html = (
+        hbar_chart(fin_rows[:MAX_BARS], colors=[BAR_ALT], width=520, label_width=120, chart="finish")
+        if fin_rows
+        else ('<p class="muted">No ok rows.</p>')
     )
     return (
         '<section><div class="grid2">'
@@ -490,7 +541,7 @@ def _dist(name: str, stats: dict | None, unit: str, chart: str) -> str:
 def _distributions(d: dict) -> str:
     m = d.get("metrics") or {}
     return (
-        "<section><h2>Latency and tokens</h2><div class=\"grid2\">"
+        '<section><h2>Latency and tokens</h2><div class="grid2">'
         + _dist("Latency (ms)", m.get("latency_ms"), " ms", "latency")
         + _dist("Prompt tokens", m.get("prompt_tokens"), " tokens", "prompt_tokens")
         + _dist("Completion tokens", m.get("completion_tokens"), " tokens", "completion_tokens")
@@ -522,8 +573,12 @@ def _shards(d: dict) -> str:
         f'<section><h2>Shards</h2><p class="desc">{_e(summary)}</p><div class="grid2">'
         f"<div><h3>Throughput</h3>{hbar_chart(rps, width=520, label_width=160, chart='throughput')}</div>"
         f"<div><h3>Duration</h3>{hbar_chart(sec, colors=[BAR_ALT], width=520, label_width=160, chart='duration')}</div>"
-        + (f"<div><h3>Peak memory</h3>{hbar_chart(mem, colors=[BAR_PREV], width=520, label_width=160, chart='memory')}"
-           "</div>" if mem else "")
+        + (
+            f"<div><h3>Peak memory</h3>{hbar_chart(mem, colors=[BAR_PREV], width=520, label_width=160, chart='memory')}"
+            "</div>"
+            if mem
+            else ""
+        )
         + f"</div>{note}</section>"
     )
 
@@ -569,14 +624,17 @@ def _sample(d: dict, rows: list[dict]) -> str:
             st = "ok"
             if r.get("valid") is False:
                 st = "invalid"
-            status = f'<span class="pill" style="background:{BG["pass"] if st == "ok" else BG["warn"]};color:{COLORS["pass"] if st == "ok" else COLORS["warn"]}">{_e(st)}</span>'
+            tone = "pass" if st == "ok" else "warn"
+            status = f'<span class="pill" style="background:{BG[tone]};color:{COLORS[tone]}">{_e(st)}</span>'
             if r.get("finish_reason") not in (None, "", "stop"):
                 status += f'<div class="desc">{_e(r.get("finish_reason"))}</div>'
             text = r.get("output")
             if text is None:
                 text = r.get("parsed_json")
-        out_cell = _e(_cut(str(text), EXCERPT)) if text not in (None, "") and str(text).strip() else (
-            '<span class="muted">(empty)</span>'
+        out_cell = (
+            _e(_cut(str(text), EXCERPT))
+            if text not in (None, "") and str(text).strip()
+            else ('<span class="muted">(empty)</span>')
         )
         label = r.get("label")
         label_cell = _e(label) if label is not None else '<span class="muted">–</span>'
@@ -601,7 +659,8 @@ def render_report_html(report_dict: dict, sample_rows: list[dict]) -> str:
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
-        '<meta http-equiv="Content-Security-Policy" content="default-src \'none\'; style-src \'unsafe-inline\'; img-src data:">',
+        '<meta http-equiv="Content-Security-Policy" '
+        "content=\"default-src 'none'; style-src 'unsafe-inline'; img-src data:\">",
         '<meta name="viewport" content="width=device-width, initial-scale=1">',
         f"<title>{_e(title)}</title><style>{_CSS}</style></head><body><main>",
         _header(d),

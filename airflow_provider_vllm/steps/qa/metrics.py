@@ -105,7 +105,8 @@ def compute_metrics(results: pa.Table, errors: pa.Table, *, labels, structured, 
     expects_text = pc.and_(pc.is_null(col("embedding")), pc.is_null(col("scores")))
     labelled = ok - col("label").null_count
     return assemble_metrics(
-        ok=ok, n_err=n_err,
+        ok=ok,
+        n_err=n_err,
         invalid=_count(pc.equal(col("valid"), False)),
         truncated=_count(col("truncated")),
         length_finish=_count(pc.equal(col("finish_reason"), "length")),
@@ -122,14 +123,36 @@ def compute_metrics(results: pa.Table, errors: pa.Table, *, labels, structured, 
         completion_stats=_int_stats(col("completion_tokens")),
         latency_stats=_float_stats(col("latency_ms")),
         models=_models(results),
-        labels=labels, structured=structured, notes=notes,
+        labels=labels,
+        structured=structured,
+        notes=notes,
     )
 
 
-def assemble_metrics(*, ok: int, n_err: int, invalid: int, truncated: int, length_finish: int, text_rows: int,
-                     empty: int, labelled: int, no_valid_flag: bool, code_counts: dict, finish_counts: dict,
-                     label_counts: dict, prompt_total: int, completion_total: int, prompt_stats, completion_stats,
-                     latency_stats, models: list[dict[str, Any]], labels, structured, notes) -> dict[str, Any]:
+def assemble_metrics(
+    *,
+    ok: int,
+    n_err: int,
+    invalid: int,
+    truncated: int,
+    length_finish: int,
+    text_rows: int,
+    empty: int,
+    labelled: int,
+    no_valid_flag: bool,
+    code_counts: dict,
+    finish_counts: dict,
+    label_counts: dict,
+    prompt_total: int,
+    completion_total: int,
+    prompt_stats,
+    completion_stats,
+    latency_stats,
+    models: list[dict[str, Any]],
+    labels,
+    structured,
+    notes,
+) -> dict[str, Any]:
     """The metrics dict from counts (in memory: ``compute_metrics``; streamed: ``metrics_stream``)."""
     total = ok + n_err
     by_code = {json_key(k): n for k, n in code_counts.items()}
@@ -166,16 +189,23 @@ def assemble_metrics(*, ok: int, n_err: int, invalid: int, truncated: int, lengt
 
 def _models(results: pa.Table) -> list[dict[str, Any]]:
     """(model, revision, rows); one cheap pass per column unless both vary."""
+
     def pairs() -> list[tuple[Any, Any, int]]:
-        g = results.select(["model", "model_revision"]).group_by(["model", "model_revision"]).aggregate([([], "count_all")])
+        g = (
+            results.select(["model", "model_revision"])
+            .group_by(["model", "model_revision"])
+            .aggregate([([], "count_all")])
+        )
         return list(zip(g["model"].to_pylist(), g["model_revision"].to_pylist(), g["count_all"].to_pylist()))
 
-    return models_list(value_counts(results.column("model")), value_counts(results.column("model_revision")),
-                       results.num_rows, pairs)
+    return models_list(
+        value_counts(results.column("model")), value_counts(results.column("model_revision")), results.num_rows, pairs
+    )
 
 
-def models_list(models: dict[Any, int], revs: dict[Any, int], n_rows: int,
-                pairs: Callable[[], list[tuple[Any, Any, int]]]) -> list[dict[str, Any]]:
+def models_list(
+    models: dict[Any, int], revs: dict[Any, int], n_rows: int, pairs: Callable[[], list[tuple[Any, Any, int]]]
+) -> list[dict[str, Any]]:
     """``_models`` from the value counts of both columns; ``pairs()`` (model, revision, rows) only when both vary."""
     if len(models) <= 1 or len(revs) <= 1:
         rev = next(iter(revs), None) if len(revs) == 1 else None
@@ -381,7 +411,11 @@ def throughput_metrics(shard_stats: list[dict] | None) -> dict[str, Any] | None:
         if row["rows_per_s"] is None and row["rows"] is not None and row["seconds"]:
             row["rows_per_s"] = row["rows"] / row["seconds"]
         for k, v in s.items():  # keep other scalar stats (peak memory, retries ...)
-            if k not in row and isinstance(v, (str, int, float, bool)) and not (isinstance(v, float) and not math.isfinite(v)):
+            if (
+                k not in row
+                and isinstance(v, (str, int, float, bool))
+                and not (isinstance(v, float) and not math.isfinite(v))
+            ):
                 row[k] = v
         if row["rows"] is not None and float(row["rows"]).is_integer():
             row["rows"] = int(row["rows"])
@@ -463,9 +497,14 @@ def duplicate_metrics(dup: dict[str, Any] | None, notes: list[str]) -> dict[str,
     """Merge's duplicate count (before its dedupe), or None when the caller has none."""
     if dup is None:
         return None
-    out = {"ids": int(dup.get("ids") or 0), "rows_dropped": int(dup.get("rows_dropped") or 0),
-           "examples": [str(x) for x in (dup.get("examples") or [])][:10]}
+    out = {
+        "ids": int(dup.get("ids") or 0),
+        "rows_dropped": int(dup.get("rows_dropped") or 0),
+        "examples": [str(x) for x in (dup.get("examples") or [])][:10],
+    }
     if out["ids"]:
-        notes.append(f"{out['ids']} id(s) were committed more than once with identical content; merge kept one "
-                     f"row each and dropped {out['rows_dropped']} (e.g. {', '.join(out['examples'][:5])})")
+        notes.append(
+            f"{out['ids']} id(s) were committed more than once with identical content; merge kept one "
+            f"row each and dropped {out['rows_dropped']} (e.g. {', '.join(out['examples'][:5])})"
+        )
     return out

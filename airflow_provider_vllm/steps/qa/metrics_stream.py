@@ -3,7 +3,8 @@ from DuckDB aggregates over views of the files (``tally``), never the rows thems
 
 Two parallel scans of ``r`` give every count: one aggregate with ``FILTER`` clauses for the
 row flags (invalid, truncated, expects text, empty) and one ``GROUP BY GROUPING SETS`` for the
-value counts (label x finish reason x model x revision x shard, token counts); token sums and integer statistics come from the token value
+value counts (label x finish reason x model x revision x shard, token counts); token sums and integer
+statistics come from the token value
 counts, so they are exact and equal the in-memory ones. Empty outputs are decided as Arrow's
 ``utf8_is_space`` decides them (``SPACE_CLASS``). Float statistics (latency) fetch only the
 finite values as float32 (4 bytes a row, the column's own type), batch by batch into one
@@ -31,13 +32,17 @@ from airflow_provider_vllm.steps.qa.metrics import (
 )
 
 # The code points Arrow's utf8_is_space counts as space (tests check it against Arrow over all code points).
-SPACE_CLASS = (r"[\x{9}-\x{d}\x{1c}-\x{20}\x{85}\x{a0}\x{1680}\x{2000}-\x{200a}\x{2028}\x{2029}\x{202f}"
-               r"\x{205f}\x{3000}]")
+SPACE_CLASS = (
+    r"[\x{9}-\x{d}\x{1c}-\x{20}\x{85}\x{a0}\x{1680}\x{2000}-\x{200a}\x{2028}\x{2029}\x{202f}"
+    r"\x{205f}\x{3000}]"
+)
 _COUNTED = ("finish_reason", "label", "shard_id", "prompt_tokens", "completion_tokens")
 _KEYS = ("label", "finish_reason", "model", "model_revision", "shard_id")  # few distinct values: one grouping set
 # output null, '' or only space; the first branch (an ASCII letter, digit or sign first) decides most rows cheaply
-_BLANK = (f"CASE WHEN output >= '!' AND output < chr(127) THEN false WHEN output IS NULL OR output = '' THEN true "
-          f"ELSE regexp_full_match(output, '{SPACE_CLASS}+') END")
+_BLANK = (
+    f"CASE WHEN output >= '!' AND output < chr(127) THEN false WHEN output IS NULL OR output = '' THEN true "
+    f"ELSE regexp_full_match(output, '{SPACE_CLASS}+') END"
+)
 
 
 class ResultTally:
@@ -64,18 +69,22 @@ class ResultTally:
     def _count_results(self, con) -> None:
         # Rows with vectors: two scans that DuckDB answers from the row groups' null counts where all are
         # null (the usual text run), so that the flags below need not decode the list columns.
-        vectors = sum(con.execute(f"SELECT count(*) FROM r WHERE {c} IS NOT NULL").fetchall()[0][0]
-                      for c in ("embedding", "scores"))
+        vectors = sum(
+            con.execute(f"SELECT count(*) FROM r WHERE {c} IS NOT NULL").fetchall()[0][0]
+            for c in ("embedding", "scores")
+        )
         text = "(embedding IS NULL AND scores IS NULL)" if vectors else "true"
         out = "CAST(output AS VARCHAR)"
-        (self.ok, self.valid_nulls, self.invalid, self.truncated, self.text_rows, self.empty), = con.execute(
+        ((self.ok, self.valid_nulls, self.invalid, self.truncated, self.text_rows, self.empty),) = con.execute(
             f"SELECT count(*), count(*) FILTER (WHERE valid IS NULL), count(*) FILTER (WHERE NOT valid), "
             f"count(*) FILTER (WHERE truncated), count(*) FILTER (WHERE {text}), "
-            f"count(*) FILTER (WHERE {text} AND {_BLANK.replace('output', out)}) FROM r").fetchall()
+            f"count(*) FILTER (WHERE {text} AND {_BLANK.replace('output', out)}) FROM r"
+        ).fetchall()
         cols = [*_KEYS, "prompt_tokens", "completion_tokens"]
         rows = con.execute(
             f"SELECT grouping({', '.join(cols)}), {', '.join(cols)}, count(*) FROM r "
-            f"GROUP BY GROUPING SETS (({', '.join(_KEYS)}), (prompt_tokens), (completion_tokens))").fetchall()
+            f"GROUP BY GROUPING SETS (({', '.join(_KEYS)}), (prompt_tokens), (completion_tokens))"
+        ).fetchall()
         for g, *values, n in rows:
             v = dict(zip(cols, values))
             if g & 1 == 0:  # grouped by completion_tokens (grouping(): bit set = not grouped by that column)
@@ -92,8 +101,9 @@ class ResultTally:
             setattr(self, total, sum(int(v) * n for v, n in self.counts[name].items() if v is not None))
 
     def _fetch_latency(self, con, batch_rows: int) -> None:
-        reader = con.sql("SELECT latency_ms FROM r WHERE latency_ms IS NOT NULL AND isfinite(latency_ms)"
-                         ).to_arrow_reader(batch_rows)
+        reader = con.sql(
+            "SELECT latency_ms FROM r WHERE latency_ms IS NOT NULL AND isfinite(latency_ms)"
+        ).to_arrow_reader(batch_rows)
         for batch in reader:
             col = batch.column(0)
             if not len(col):
@@ -109,9 +119,9 @@ class ResultTally:
         need = self._n_lat + len(x)
         if need > len(self._lat):
             grown = np.empty(max(need, 2 * len(self._lat)), self._lat.dtype)
-            grown[:self._n_lat] = self._lat[:self._n_lat]
+            grown[: self._n_lat] = self._lat[: self._n_lat]
             self._lat = grown
-        self._lat[self._n_lat:need] = x
+        self._lat[self._n_lat : need] = x
         self._n_lat = need
 
     def value_counts(self, name: str) -> dict[Any, int]:
@@ -129,21 +139,36 @@ class ResultTally:
             by_model[m] += n
             by_rev[r] += n
         return assemble_metrics(
-            ok=self.ok, n_err=self.n_err, invalid=self.invalid, truncated=self.truncated,
-            length_finish=self.length_finish, text_rows=self.text_rows, empty=self.empty, labelled=labelled,
+            ok=self.ok,
+            n_err=self.n_err,
+            invalid=self.invalid,
+            truncated=self.truncated,
+            length_finish=self.length_finish,
+            text_rows=self.text_rows,
+            empty=self.empty,
+            labelled=labelled,
             no_valid_flag=self.ok > 0 and self.valid_nulls == self.ok,
-            code_counts=self.value_counts("error_code"), finish_counts=self.value_counts("finish_reason"),
+            code_counts=self.value_counts("error_code"),
+            finish_counts=self.value_counts("finish_reason"),
             label_counts=self.value_counts("label") if labelled else {},
-            prompt_total=self.prompt_total, completion_total=self.completion_total,
-            prompt_stats=self._int_stats("prompt_tokens"), completion_stats=self._int_stats("completion_tokens"),
+            prompt_total=self.prompt_total,
+            completion_total=self.completion_total,
+            prompt_stats=self._int_stats("prompt_tokens"),
+            completion_stats=self._int_stats("completion_tokens"),
             latency_stats=self._latency_stats(),
-            models=models_list(sort_counts(by_model.items()), sort_counts(by_rev.items()), self.ok,
-                               lambda: [(m, r, n) for (m, r), n in pairs.items()]),
-            labels=labels, structured=structured, notes=notes,
+            models=models_list(
+                sort_counts(by_model.items()),
+                sort_counts(by_rev.items()),
+                self.ok,
+                lambda: [(m, r, n) for (m, r), n in pairs.items()],
+            ),
+            labels=labels,
+            structured=structured,
+            notes=notes,
         )
 
     def _latency_stats(self) -> dict[str, Any] | None:
-        x, self._lat = self._lat[:self._n_lat], np.empty(0, np.float32)  # partitioned in place
+        x, self._lat = self._lat[: self._n_lat], np.empty(0, np.float32)  # partitioned in place
         return _float_stats(x, self.latency_sum)
 
     def _int_stats(self, name: str) -> dict[str, Any] | None:
@@ -172,13 +197,20 @@ def _float_stats(x: np.ndarray, total: float, integer: bool = False) -> dict[str
         return f * b + (1 - f) * a
 
     p50, p90, p99 = quantile(0.5), quantile(0.9), quantile(0.99)
-    stats = {"count": n, "min": int(mn) if integer else mn, "p50": p50, "p90": p90, "p99": p99,
-             "max": int(mx) if integer else mx, "mean": total / n}
+    stats = {
+        "count": n,
+        "min": int(mn) if integer else mn,
+        "p50": p50,
+        "p90": p90,
+        "p99": p99,
+        "max": int(mx) if integer else mx,
+        "mean": total / n,
+    }
     lo, w, nb, _ = _hist_plan(mn, mx, p99, integer)
     bins = np.zeros(nb + 1, np.int64)  # the last: overflow
     step = 1 << 22
     for i in range(0, n, step):  # floor((x - lo) / w) in float64, as metrics.bin_counts; x >= lo
-        k = np.floor((x[i:i + step].astype(np.float64) - lo) / w)
+        k = np.floor((x[i : i + step].astype(np.float64) - lo) / w)
         bins += np.bincount(np.minimum(k, nb).astype(np.int64), minlength=nb + 1)
     stats["histogram"] = _histogram(lo, w, nb, enumerate(bins.tolist()), integer)
     return stats

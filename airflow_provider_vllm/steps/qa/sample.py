@@ -69,7 +69,9 @@ def allocate(sizes: dict[Hashable, int], k: int) -> dict[Hashable, int]:
         alloc[s] = min(sizes[s], max(1, math.floor(quota[s])))
     diff = k - sum(alloc.values())
     while diff > 0:
-        room = sorted((s for s in nonempty if alloc[s] < sizes[s]), key=lambda s: (alloc[s] - quota[s], -sizes[s], str(s)))
+        room = sorted(
+            (s for s in nonempty if alloc[s] < sizes[s]), key=lambda s: (alloc[s] - quota[s], -sizes[s], str(s))
+        )
         for s in room[:diff]:
             alloc[s] += 1
         diff = k - sum(alloc.values())
@@ -81,8 +83,9 @@ def allocate(sizes: dict[Hashable, int], k: int) -> dict[Hashable, int]:
     return alloc
 
 
-def _top_by_stratum(con, table: str, stratum: str | None, seed: int, alloc: dict[Any, int],
-                    sizes: dict[Any, int]) -> dict[Any, list[tuple[int, str]]]:
+def _top_by_stratum(
+    con, table: str, stratum: str | None, seed: int, alloc: dict[Any, int], sizes: dict[Any, int]
+) -> dict[Any, list[tuple[int, str]]]:
     """Per stratum, the alloc[s] (key, id) with the smallest keys, ascending. One parallel scan of
     the id and stratum columns; the keys are uniform, so a stratum whose ``sizes[s]`` rows are many
     more than it needs keeps only keys below a threshold (a cheap filter before the group-by) and
@@ -97,15 +100,26 @@ def _top_by_stratum(con, table: str, stratum: str | None, seed: int, alloc: dict
     params = {"seed": str(seed)}
     where = ""
     if len(whole) < len(need):
-        params.update(cut=min(int(_PREFILTER_MAX * 2**64), 2**64 - 1), whole=[str(s) for s in whole if s is not None],
-                      whole_null=None in whole)
-        where = ("WHERE h < $cut OR list_contains($whole, CAST(s AS VARCHAR)) OR (s IS NULL AND $whole_null)")
+        params.update(
+            cut=min(int(_PREFILTER_MAX * 2**64), 2**64 - 1),
+            whole=[str(s) for s in whole if s is not None],
+            whole_null=None in whole,
+        )
+        where = "WHERE h < $cut OR list_contains($whole, CAST(s AS VARCHAR)) OR (s IS NULL AND $whole_null)"
     found = dict(_top_query(con, table, stratum, kmax, where, params))
     short = [s for s in need if s not in whole and len(found.get(s) or []) < need[s]]
     if short:  # fewer keys under the threshold than needed: that stratum whole
         again = {"seed": str(seed), "whole": [str(s) for s in short if s is not None], "whole_null": None in short}
-        found.update(_top_query(con, table, stratum, kmax, "WHERE list_contains($whole, CAST(s AS VARCHAR)) "
-                                "OR (s IS NULL AND $whole_null)", again))
+        found.update(
+            _top_query(
+                con,
+                table,
+                stratum,
+                kmax,
+                "WHERE list_contains($whole, CAST(s AS VARCHAR)) OR (s IS NULL AND $whole_null)",
+                again,
+            )
+        )
     out = {}
     for s, ids in found.items():
         if s not in need:
@@ -138,7 +152,9 @@ def _ties_at_the_cut(con, table, skey, s, seed, ranked, kmax):
     cut = ranked[kmax - 1][0]
     rows = con.execute(
         f"SELECT DISTINCT CAST(id AS VARCHAR) FROM {table} WHERE id IS NOT NULL AND {skey} IS NOT DISTINCT FROM $s "
-        f"AND {_KEY_SQL} = $cut", {"seed": str(seed), "s": s, "cut": cut}).fetchall()
+        f"AND {_KEY_SQL} = $cut",
+        {"seed": str(seed), "s": s, "cut": cut},
+    ).fetchall()
     return sorted([(k, i) for k, i in ranked if k < cut] + [(cut, i) for (i,) in rows])
 
 
@@ -159,14 +175,27 @@ def draw_sample(
     None for unlabelled) stratifies by label; without it the draw is stratified by shard id."""
     tables = {"r": results, "e": errors}
     return draw_sample_by(
-        con, spec=spec, label_sizes=label_sizes, n_ok=results.num_rows, n_err=errors.num_rows,
+        con,
+        spec=spec,
+        label_sizes=label_sizes,
+        n_ok=results.num_rows,
+        n_err=errors.num_rows,
         some_shard_ids=results.column("shard_id").null_count < results.num_rows,
-        counts=lambda t, c: value_counts(tables[t].column(c)), rows=lambda t, ids: tables[t])
+        counts=lambda t, c: value_counts(tables[t].column(c)),
+        rows=lambda t, ids: tables[t],
+    )
 
 
 def draw_sample_by(
-    con, *, spec: QASpec, label_sizes: dict[Any, int] | None, n_ok: int, n_err: int, some_shard_ids: bool,
-    counts: Callable[[str, str], dict[Any, int]], rows: Callable[[str, list[str]], pa.Table],
+    con,
+    *,
+    spec: QASpec,
+    label_sizes: dict[Any, int] | None,
+    n_ok: int,
+    n_err: int,
+    some_shard_ids: bool,
+    counts: Callable[[str, str], dict[Any, int]],
+    rows: Callable[[str, list[str]], pa.Table],
 ) -> tuple[pa.Table, dict]:
     """``draw_sample`` over tables known by their sizes: ``counts(table, column)`` is
     ``value_counts`` of a column of ``r`` or ``e`` and ``rows(table, ids)`` a table holding

@@ -45,8 +45,13 @@ def qa_run(spec: JobSpec, filesystems: FileSystems | None = None) -> tuple[QARep
         duplicates=merged.duplicates.dump(),
         changes=changes,
         cache=cache_metrics(plan),
-        run_info={"job": spec.name, "model": spec.model.name, "output_uri": spec.io.output_uri,
-                  "config_hash": merged.config_hash, "rows": merged.rows},
+        run_info={
+            "job": spec.name,
+            "model": spec.model.name,
+            "output_uri": spec.io.output_uri,
+            "config_hash": merged.config_hash,
+            "rows": merged.rows,
+        },
     )
     con = duck.connect(out)
     try:
@@ -55,15 +60,19 @@ def qa_run(spec: JobSpec, filesystems: FileSystems | None = None) -> tuple[QARep
             f"CREATE TEMP VIEW r AS SELECT id, output, label, valid, "
             f"CASE WHEN embedding IS NULL THEN NULL ELSE []::FLOAT[] END AS embedding, scores, finish_reason, "
             f"prompt_tokens, completion_tokens, truncated, latency_ms, model, model_revision, shard_id "
-            f"FROM read_parquet({duck.file_list(out, result_parts(out, RESULTS))})")
-        con.execute(f"CREATE TEMP VIEW e AS SELECT id, error_code, error_message, shard_id "
-                    f"FROM read_parquet({duck.file_list(out, result_parts(out, ERRORS))})")
+            f"FROM read_parquet({duck.file_list(out, result_parts(out, RESULTS))})"
+        )
+        con.execute(
+            f"CREATE TEMP VIEW e AS SELECT id, error_code, error_message, shard_id "
+            f"FROM read_parquet({duck.file_list(out, result_parts(out, ERRORS))})"
+        )
         result_rows = read_manifest(out, RESULTS).rows
         if result_rows + read_manifest(out, ERRORS).rows > STREAM_ABOVE_ROWS:
             report = evaluate_stream(con, result_rows=result_rows, **args)
         else:
-            report = evaluate(con.sql("SELECT * FROM r").to_arrow_table(), con.sql("SELECT * FROM e").to_arrow_table(),
-                              **args)
+            report = evaluate(
+                con.sql("SELECT * FROM r").to_arrow_table(), con.sql("SELECT * FROM e").to_arrow_table(), **args
+            )
     finally:
         con.close()
     report.sample = _with_input_excerpt(spec, report.sample, out, plan)
@@ -78,8 +87,12 @@ def cache_metrics(plan: Plan) -> dict[str, Any] | None:
     if c is None or rows is None or hits is None:
         return None
     misses = getattr(c, "misses", None)
-    return {"rows": int(rows), "hits": int(hits), "misses": int(misses if misses is not None else rows - hits),
-            "hit_rate": hits / rows if rows else None}
+    return {
+        "rows": int(rows),
+        "hits": int(hits),
+        "misses": int(misses if misses is not None else rows - hits),
+        "hit_rate": hits / rows if rows else None,
+    }
 
 
 def _with_input_excerpt(spec: JobSpec, sample: pa.Table, out: Storage, plan: Plan) -> pa.Table:
@@ -98,7 +111,8 @@ def _with_input_excerpt(spec: JobSpec, sample: pa.Table, out: Storage, plan: Pla
         rows = con.execute(
             f"SELECT CAST({q(spec.prompt.id_column)} AS VARCHAR), left({q(spec.prompt.texts[0])}, {EXCERPT_CHARS}) "
             f"FROM read_parquet({duck.file_list(root, [f['path'] for f in plan.files])}) "
-            f"WHERE CAST({q(spec.prompt.id_column)} AS VARCHAR) IN ({listed})").fetchall()
+            f"WHERE CAST({q(spec.prompt.id_column)} AS VARCHAR) IN ({listed})"
+        ).fetchall()
     finally:
         con.close()
     found = {i: t or "" for i, t in rows}

@@ -60,8 +60,9 @@ def dumps_report(d: dict[str, Any]) -> str:
     return json.dumps(d, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
 
 
-def load_report(uri: str | None, storage_options: dict[str, Any] | None = None,
-                filesystems: FileSystems | None = None) -> dict[str, Any] | None:
+def load_report(
+    uri: str | None, storage_options: dict[str, Any] | None = None, filesystems: FileSystems | None = None
+) -> dict[str, Any] | None:
     """A stored report.json (e.g. ``QASpec.previous_report_uri``) as a dict; None if absent."""
     if not uri:
         return None

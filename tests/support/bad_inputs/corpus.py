@@ -56,12 +56,14 @@ def parquet_row_corpus(folder: Path) -> dict[str, str]:
     rows += [(k, v, "ok") for k, v in ODD_BUT_VALID.items()]
     rows += [(f"plain-{i}", f"ordinary ticket {i}", "ok") for i in range(6)]
     folder.mkdir(parents=True, exist_ok=True)
-    table = pa.table({
-        "id": [r[0] for r in rows],
-        "text": pa.array([r[1] for r in rows], pa.large_string()),
-        "extra_col": [1.5] * len(rows),  # extra columns are ignored
-        "nested_extra": [{"a": 1}] * len(rows),
-    })
+    table = pa.table(
+        {
+            "id": [r[0] for r in rows],
+            "text": pa.array([r[1] for r in rows], pa.large_string()),
+            "extra_col": [1.5] * len(rows),  # extra columns are ignored
+            "nested_extra": [{"a": 1}] * len(rows),
+        }
+    )
     pq.write_table(table, folder / "input.parquet", row_group_size=4)
     return {r[0]: r[2] for r in rows}
 
@@ -92,7 +94,7 @@ def jsonl_row_corpus(folder: Path) -> dict[str, str]:
         obj(k, "ok", text=v)
     lines.append((b'{"id": "broken", "text": "no closing brace"', None, INVALID_JSON))
     lines.append((b'\xff\xfe{"id": "latin1", "text": "caf\xe9"}', None, INVALID_JSON))
-    lines.append((b'[1, 2, 3]', None, INVALID_JSON))
+    lines.append((b"[1, 2, 3]", None, INVALID_JSON))
     lines.append((b'"just a string"', None, INVALID_JSON))
     lines.append((b'{"id": "deep", "text": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None, INVALID_JSON))
     lines.append((b"", None, "skip"))  # blank lines are not rows
@@ -142,59 +144,161 @@ def hostile_chat_requests() -> list[tuple[str, dict, str]]:
         ("top-logprobs-50", body(logprobs=False, top_logprobs=50), INVALID_REQUEST),
         ("logprobs-int", body(logprobs=5), INVALID_REQUEST),
         ("stream", body(stream=True), UNSUPPORTED_PARAMETER),
-        ("tools", body(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-         UNSUPPORTED_PARAMETER),
+        (
+            "tools",
+            body(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+            UNSUPPORTED_PARAMETER,
+        ),
         ("response-format-json", body(response_format={"type": "json_object"}), UNSUPPORTED_PARAMETER),
-        ("roles-not-alternating", body(messages=[{"role": "user", "content": "one"},
-                                                 {"role": "user", "content": "two"}]), TEMPLATE_ERROR),
-        ("assistant-first", body(messages=[{"role": "assistant", "content": "hello"},
-                                           {"role": "user", "content": "hi"}]), TEMPLATE_ERROR),
+        (
+            "roles-not-alternating",
+            body(messages=[{"role": "user", "content": "one"}, {"role": "user", "content": "two"}]),
+            TEMPLATE_ERROR,
+        ),
+        (
+            "assistant-first",
+            body(messages=[{"role": "assistant", "content": "hello"}, {"role": "user", "content": "hi"}]),
+            TEMPLATE_ERROR,
+        ),
         ("unknown-role", body(messages=[{"role": "wizard", "content": "abracadabra"}]), INVALID_REQUEST),
         ("empty-messages", body(messages=[]), EMPTY_INPUT),
-        ("tool-message", body(messages=[*user, {"role": "assistant", "content": "calling"},
-                                        {"role": "tool", "tool_call_id": "c1", "content": "42"}]),
-         UNSUPPORTED_PARAMETER),
-        ("assistant-tool-calls", body(messages=[*user, {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]), UNSUPPORTED_PARAMETER),
-        ("image-part", body(messages=[{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]}]), UNSUPPORTED_PARAMETER),
-        ("one-mb-message", body(messages=[{"role": "user", "content": "refund please " * (MB // 14)}]),
-         PROMPT_TOO_LONG),
+        (
+            "tool-message",
+            body(
+                messages=[
+                    *user,
+                    {"role": "assistant", "content": "calling"},
+                    {"role": "tool", "tool_call_id": "c1", "content": "42"},
+                ]
+            ),
+            UNSUPPORTED_PARAMETER,
+        ),
+        (
+            "assistant-tool-calls",
+            body(
+                messages=[
+                    *user,
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+                    },
+                ]
+            ),
+            UNSUPPORTED_PARAMETER,
+        ),
+        (
+            "image-part",
+            body(
+                messages=[
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]}
+                ]
+            ),
+            UNSUPPORTED_PARAMETER,
+        ),
+        (
+            "one-mb-message",
+            body(messages=[{"role": "user", "content": "refund please " * (MB // 14)}]),
+            PROMPT_TOO_LONG,
+        ),
     ]
 
 
 def good_chat_requests() -> list[tuple[str, dict]]:
     """(custom_id, body) of valid chat requests that use the per-row settings the worker supports."""
+
     def user(text):
         return [{"role": "user", "content": text}]
 
     return [
         ("good-plain", {"model": "m", "messages": user("I was charged twice this month.")}),
-        ("good-system", {"messages": [{"role": "system", "content": "Answer in one word."},
-                                      {"role": "user", "content": "The app crashes on start."}], "max_tokens": 6}),
-        ("good-overrides", {"model": "m", "messages": user("Where is your office?"), "temperature": 0, "top_p": 1,
-                            "max_tokens": 7, "stop": ["\n\n"], "seed": 7, "presence_penalty": 0,
-                            "frequency_penalty": 0, "n": 1, "stream": False, "logprobs": False, "user": "u-1",
-                            "metadata": {"batch": "nightly"}}),
-        ("good-max-completion-tokens", {"messages": user("Do you have a student discount?"),
-                                        "max_completion_tokens": 5}),
-        ("good-text-parts", {"messages": [{"role": "user", "content": [{"type": "text", "text": "Login fails"},
-                                                                       {"type": "text", "text": "with error 500."}]}]}),
-        ("good-multi-turn", {"messages": [{"role": "system", "content": "You are terse."},
-                                          {"role": "user", "content": "Hi"},
-                                          {"role": "assistant", "content": "Hello."},
-                                          {"role": "user", "content": "My refund has not arrived."}],
-                             "max_tokens": 8}),
+        (
+            "good-system",
+            {
+                "messages": [
+                    {"role": "system", "content": "Answer in one word."},
+                    {"role": "user", "content": "The app crashes on start."},
+                ],
+                "max_tokens": 6,
+            },
+        ),
+        (
+            "good-overrides",
+            {
+                "model": "m",
+                "messages": user("Where is your office?"),
+                "temperature": 0,
+                "top_p": 1,
+                "max_tokens": 7,
+                "stop": ["\n\n"],
+                "seed": 7,
+                "presence_penalty": 0,
+                "frequency_penalty": 0,
+                "n": 1,
+                "stream": False,
+                "logprobs": False,
+                "user": "u-1",
+                "metadata": {"batch": "nightly"},
+            },
+        ),
+        (
+            "good-max-completion-tokens",
+            {"messages": user("Do you have a student discount?"), "max_completion_tokens": 5},
+        ),
+        (
+            "good-text-parts",
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "Login fails"},
+                            {"type": "text", "text": "with error 500."},
+                        ],
+                    }
+                ]
+            },
+        ),
+        (
+            "good-multi-turn",
+            {
+                "messages": [
+                    {"role": "system", "content": "You are terse."},
+                    {"role": "user", "content": "Hi"},
+                    {"role": "assistant", "content": "Hello."},
+                    {"role": "user", "content": "My refund has not arrived."},
+                ],
+                "max_tokens": 8,
+            },
+        ),
         ("good-stop-string", {"messages": user("Count: one, two, three"), "stop": ".", "max_tokens": 8}),
-        ("good-seeded-sampling", {"messages": user("Suggest a name for a cat."), "temperature": 0.7, "top_p": 0.9,
-                                  "top_k": 20, "seed": 1234, "max_tokens": 8}),
-        ("good-vllm-extras", {"messages": user("Say hello."), "min_p": 0.05, "repetition_penalty": 1.1,
-                              "min_tokens": 1, "max_tokens": 6}),
+        (
+            "good-seeded-sampling",
+            {
+                "messages": user("Suggest a name for a cat."),
+                "temperature": 0.7,
+                "top_p": 0.9,
+                "top_k": 20,
+                "seed": 1234,
+                "max_tokens": 8,
+            },
+        ),
+        (
+            "good-vllm-extras",
+            {
+                "messages": user("Say hello."),
+                "min_p": 0.05,
+                "repetition_penalty": 1.1,
+                "min_tokens": 1,
+                "max_tokens": 6,
+            },
+        ),
     ]
 
 
 def openai_row_corpus(folder: Path) -> dict[str, str]:
     """batch.jsonl in the OpenAI batch format with bad requests; returns custom_id -> expected."""
+
     def req(cid, body, url="/v1/chat/completions", method="POST"):
         return {"custom_id": cid, "method": method, "url": url, "body": body}
 
@@ -284,7 +388,12 @@ def dataset_fault_cases(root: Path) -> dict[str, tuple[Path, list[str]]]:
     cases["jsonl id that is only whitespace"] = (f, ["a.jsonl line 2", "'id'", "only whitespace"])
     f = root / "whitespace-custom-id"
     f.mkdir(parents=True)
-    (f / "a.jsonl").write_text("\n".join(json.dumps({"custom_id": c, "method": "POST", "url": "/v1/embeddings",
-                                                     "body": {"input": "x"}}) for c in ("a", "\u3000")) + "\n")
+    (f / "a.jsonl").write_text(
+        "\n".join(
+            json.dumps({"custom_id": c, "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}})
+            for c in ("a", "\u3000")
+        )
+        + "\n"
+    )
     cases["openai batch custom_id that is only whitespace"] = (f, ["a.jsonl line 2", "'custom_id'", "only whitespace"])
     return cases

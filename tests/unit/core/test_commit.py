@@ -62,7 +62,7 @@ def _base(tmp_root: Path) -> dict:
         # the rows of each shard, in plan order (the planner cuts by row ranges here)
         rows, pos = {}, 0
         for s in plan.shards:
-            rows[s.shard_id] = IDS[pos:pos + s.rows]
+            rows[s.shard_id] = IDS[pos : pos + s.rows]
             pos += s.rows
         _BASE.update(root=tmp_root, spec=spec, plan=plan, rows=rows)
     return _BASE
@@ -77,8 +77,9 @@ class CommitProtocol(RuleBasedStateMachine):
         self.out_dir = base["root"] / f"out-{uuid.uuid4().hex[:8]}"
         self.out_dir.mkdir()
         shutil.copy(base["root"] / "plan" / PLAN_FILE, self.out_dir / PLAN_FILE)
-        self.spec = base["spec"].model_copy(update={"io": base["spec"].io.model_copy(
-            update={"output_uri": str(self.out_dir)})})
+        self.spec = base["spec"].model_copy(
+            update={"io": base["spec"].io.model_copy(update={"output_uri": str(self.out_dir)})}
+        )
         self.plan = base["plan"]
         self.rows = base["rows"]
         self.out = Storage(str(self.out_dir))
@@ -95,15 +96,32 @@ class CommitProtocol(RuleBasedStateMachine):
     # ---- helpers ----------------------------------------------------------------------
     def metas(self, shard_id: str) -> dict[int, ChunkMeta]:
         n = len(self.rows[shard_id])
-        return {k: ChunkMeta(shard_id=shard_id, chunk=k, first_row=k * CHUNK_ROWS,
-                             rows=min(CHUNK_ROWS, n - k * CHUNK_ROWS), config_hash=self.plan.config_hash)
-                for k in range(-(-n // CHUNK_ROWS))}
+        return {
+            k: ChunkMeta(
+                shard_id=shard_id,
+                chunk=k,
+                first_row=k * CHUNK_ROWS,
+                rows=min(CHUNK_ROWS, n - k * CHUNK_ROWS),
+                config_hash=self.plan.config_hash,
+            )
+            for k in range(-(-n // CHUNK_ROWS))
+        }
 
     def table(self, shard_id: str, attempt: str, meta: ChunkMeta):
-        ids = self.rows[shard_id][meta.first_row:meta.first_row + meta.rows]
-        return rows_table([{"id": i, "status": "error" if i == "r3" else "ok", "output": f"{i}@{attempt}",
-                            "error_code": "EMPTY_INPUT" if i == "r3" else None, "shard_id": shard_id,
-                            "attempt_id": attempt} for i in ids])
+        ids = self.rows[shard_id][meta.first_row : meta.first_row + meta.rows]
+        return rows_table(
+            [
+                {
+                    "id": i,
+                    "status": "error" if i == "r3" else "ok",
+                    "output": f"{i}@{attempt}",
+                    "error_code": "EMPTY_INPUT" if i == "r3" else None,
+                    "shard_id": shard_id,
+                    "attempt_id": attempt,
+                }
+                for i in ids
+            ]
+        )
 
     # ---- rules ------------------------------------------------------------------------
     @rule(target=attempts, shard=st.integers(0, 10))
@@ -139,8 +157,9 @@ class CommitProtocol(RuleBasedStateMachine):
 
         if cut >= 0.5:  # killed between the chunk's two files: its errors part is complete, its ok part is not
             _, err = split_rows(self.table(shard_id, attempt, meta))
-            self.out.write_parquet_atomic(errors_rel(store.chunk_rel(attempt, meta.chunk)), err,
-                                          metadata={**meta.to_kv(), PART_KEY: "errors"})
+            self.out.write_parquet_atomic(
+                errors_rel(store.chunk_rel(attempt, meta.chunk)), err, metadata={**meta.to_kv(), PART_KEY: "errors"}
+            )
         buf = io.BytesIO()
         pq.write_table(self.table(shard_id, attempt, meta), buf)
         data = buf.getvalue()
@@ -162,11 +181,19 @@ class CommitProtocol(RuleBasedStateMachine):
             own[k] = store.chunk_rel(attempt, k)
         files = {**reused, **own}
         entries = [store.file_entry(files[k]) for k in sorted(files)]
-        marker = CommitMarker(shard_id=shard_id, attempt_id=attempt, config_hash=self.plan.config_hash,
-                              spec_hash=self.plan.spec_hash, plan_fingerprint=self.plan.fingerprint,
-                              files=entries, rows=sum(e.rows for e in entries),
-                              ok_rows=sum(e.ok_rows for e in entries), error_rows=sum(e.error_rows for e in entries),
-                              stats={}, committed_at="2026-11-30T00:00:00Z")
+        marker = CommitMarker(
+            shard_id=shard_id,
+            attempt_id=attempt,
+            config_hash=self.plan.config_hash,
+            spec_hash=self.plan.spec_hash,
+            plan_fingerprint=self.plan.fingerprint,
+            files=entries,
+            rows=sum(e.rows for e in entries),
+            ok_rows=sum(e.ok_rows for e in entries),
+            error_rows=sum(e.error_rows for e in entries),
+            stats={},
+            committed_at="2026-11-30T00:00:00Z",
+        )
         first = shard_id not in self.markers
         won = store.commit(marker)
         assert won == first, "create-only: exactly the first commit of a shard wins"
@@ -184,26 +211,37 @@ class CommitProtocol(RuleBasedStateMachine):
     @precondition(lambda self: not self.merged)
     @rule()
     def merge(self):
-        before = sorted(p.name for p in (self.out_dir / "results").glob("*")) if (self.out_dir / "results").exists() \
-            else []
+        before = (
+            sorted(p.name for p in (self.out_dir / "results").glob("*")) if (self.out_dir / "results").exists() else []
+        )
         if len(self.markers) < len(self.plan.shards):
             with pytest.raises(CommitError, match="not committed"):
                 merge_run(self.spec, memory_limit="256MB")
-            after = sorted(p.name for p in (self.out_dir / "results").glob("*")) \
-                if (self.out_dir / "results").exists() else []
+            after = (
+                sorted(p.name for p in (self.out_dir / "results").glob("*"))
+                if (self.out_dir / "results").exists()
+                else []
+            )
             assert after == before == []  # nothing published
             return
         # duplicates are counted where they were committed, before merge could drop any
-        committed = [i for raw in self.markers.values() for f in json.loads(raw)["files"]
-                     for i in pq.read_table(self.out_dir / f["path"], columns=["id"]).column("id").to_pylist()]
+        committed = [
+            i
+            for raw in self.markers.values()
+            for f in json.loads(raw)["files"]
+            for i in pq.read_table(self.out_dir / f["path"], columns=["id"]).column("id").to_pylist()
+        ]
         summary = merge_run(self.spec, memory_limit="256MB")
         self.merged = True
         _TOTALS["merges"] += 1
         res = pq.read_table(self.out_dir / RESULTS, columns=["id"]).column("id").to_pylist()
         err = pq.read_table(self.out_dir / ERRORS, columns=["id"]).column("id").to_pylist()
         lost = len(set(IDS) - set(res + err))
-        dups = max(len(committed) - len(set(committed)), len(res + err) - len(set(res + err)),
-                   summary["duplicates"]["rows_dropped"])
+        dups = max(
+            len(committed) - len(set(committed)),
+            len(res + err) - len(set(res + err)),
+            summary["duplicates"]["rows_dropped"],
+        )
         _TOTALS["lost"] += lost
         _TOTALS["dups"] += dups
         assert lost == 0 and dups == 0 and sorted(res + err) == sorted(IDS)
@@ -255,14 +293,32 @@ class CommitProtocol(RuleBasedStateMachine):
 def test_commit_protocol_state_machine(tmp_path_factory):
     _base(tmp_path_factory.mktemp("commit_sm"))
     CommitProtocol.TestCase.settings = settings(
-        max_examples=500, stateful_step_count=12, deadline=None, database=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+        max_examples=500,
+        stateful_step_count=12,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    )
     CommitProtocol.TestCase().runTest()
     # partial_visible is 0: no_partial_chunk_is_visible held after every step of every example
     steps = _TOTALS["steps"] - _TOTALS["examples"]
-    record_fault("commit_protocol_crash", rows=N_ROWS * _TOTALS["merges"], faults=_TOTALS["crashes"],
-                 lost=_TOTALS["lost"], duplicates=_TOTALS["dups"], partial_visible=0, level="hypothesis",
-                 examples=_TOTALS["examples"], steps=steps)
-    record_fault("commit_protocol_duplicate_commit", rows=0, faults=_TOTALS["duplicate_commits"], level="hypothesis",
-                 examples=_TOTALS["examples"], steps=steps)
+    record_fault(
+        "commit_protocol_crash",
+        rows=N_ROWS * _TOTALS["merges"],
+        faults=_TOTALS["crashes"],
+        lost=_TOTALS["lost"],
+        duplicates=_TOTALS["dups"],
+        partial_visible=0,
+        level="hypothesis",
+        examples=_TOTALS["examples"],
+        steps=steps,
+    )
+    record_fault(
+        "commit_protocol_duplicate_commit",
+        rows=0,
+        faults=_TOTALS["duplicate_commits"],
+        level="hypothesis",
+        examples=_TOTALS["examples"],
+        steps=steps,
+    )
     assert _TOTALS["examples"] >= 500 and _TOTALS["merges"] > 0 and _TOTALS["crashes"] > 0

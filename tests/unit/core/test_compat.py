@@ -12,8 +12,9 @@ from airflow_provider_vllm.core.errors import EXIT_TERMINAL
 from tests.support import ROOT
 
 
-@pytest.mark.parametrize("version", ["0.25.0", "0.25.0+cu130", "0.28.0", "0.32.0", "0.32.0+cpu", "0.32.3",
-                                     "0.26.0.dev12+g1234abc"])
+@pytest.mark.parametrize(
+    "version", ["0.25.0", "0.25.0+cu130", "0.28.0", "0.32.0", "0.32.0+cpu", "0.32.3", "0.26.0.dev12+g1234abc"]
+)
 def test_supported_versions_pass(version):
     assert str(check_vllm_version(version)).startswith(version.split("+")[0].split(".dev")[0])
 

@@ -26,13 +26,22 @@ def environ_uses(source: str) -> list[tuple[str, str | None, int]]:
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module == "os":
             uses += [("read", a.name, node.lineno) for a in node.names if a.name in ("environ", "getenv", "environb")]
-        if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "os"
-                and node.attr in ("environ", "getenv", "environb", "putenv", "unsetenv")):
+        if not (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "os"
+            and node.attr in ("environ", "getenv", "environb", "putenv", "unsetenv")
+        ):
             continue
         parent = parents.get(node)
         call = parents.get(parent)
-        if (isinstance(parent, ast.Attribute) and parent.attr == "setdefault" and isinstance(call, ast.Call)
-                and call.args and isinstance(call.args[0], ast.Constant)):
+        if (
+            isinstance(parent, ast.Attribute)
+            and parent.attr == "setdefault"
+            and isinstance(call, ast.Call)
+            and call.args
+            and isinstance(call.args[0], ast.Constant)
+        ):
             uses.append(("write", call.args[0].value, node.lineno))
         elif isinstance(parent, ast.Subscript) and isinstance(parent.ctx, ast.Store):
             key = parent.slice.value if isinstance(parent.slice, ast.Constant) else None
@@ -61,14 +70,17 @@ def test_only_envs_reads_the_environment():
     assert writes == WRITES
 
 
-@pytest.mark.parametrize(("source", "kind"), [
-    ("import os\nx = os.environ.get('A')", "read"),
-    ("import os\nx = os.getenv('A')", "read"),
-    ("import os\nenv = {**os.environ}", "read"),
-    ("from os import environ", "read"),
-    ("import os\nos.environ.setdefault('A', '1')", "write"),
-    ("import os\nos.environ['A'] = '1'", "write"),
-])
+@pytest.mark.parametrize(
+    ("source", "kind"),
+    [
+        ("import os\nx = os.environ.get('A')", "read"),
+        ("import os\nx = os.getenv('A')", "read"),
+        ("import os\nenv = {**os.environ}", "read"),
+        ("from os import environ", "read"),
+        ("import os\nos.environ.setdefault('A', '1')", "write"),
+        ("import os\nos.environ['A'] = '1'", "write"),
+    ],
+)
 def test_the_scan_tells_reads_from_writes(source, kind):
     assert [u[0] for u in environ_uses(source)] == [kind]
 

@@ -20,13 +20,16 @@ def test_any_other_end_is_retried(code):
     assert outcome(code) is Outcome.RETRY
 
 
-@pytest.mark.parametrize(("code", "text"), [
-    (2, "terminal worker error (exit 2, not retried): SpecError: bad"),
-    (75, "transient worker failure (exit 75, retried): SpecError: bad"),
-    (137, "worker exited 137 (retried): SpecError: bad"),
-    (-9, "worker killed by signal 9 (retried)"),
-    (None, "pod failed before the worker exited (retried)"),
-])
+@pytest.mark.parametrize(
+    ("code", "text"),
+    [
+        (2, "terminal worker error (exit 2, not retried): SpecError: bad"),
+        (75, "transient worker failure (exit 75, retried): SpecError: bad"),
+        (137, "worker exited 137 (retried): SpecError: bad"),
+        (-9, "worker killed by signal 9 (retried)"),
+        (None, "pod failed before the worker exited (retried)"),
+    ],
+)
 def test_failure_text_names_the_code_and_whether_it_is_retried(code, text):
     assert failure_text(code, "s1", "SpecError: bad") == f"shard s1: {text}"
 

@@ -29,7 +29,9 @@ def test_parse_rejects_typos_and_names_the_item():
         faults.parse("engine.step#0=oom")
     items = faults.parse(" commit.after_data=kill ; engine.step@t0007#2+=oom,")
     assert [(i.point, i.row, i.n, i.plus, i.action) for i in items] == [
-        ("commit.after_data", None, None, False, "kill"), ("engine.step", "t0007", 2, True, "oom")]
+        ("commit.after_data", None, None, False, "kill"),
+        ("engine.step", "t0007", 2, True, "oom"),
+    ]
 
 
 def test_hit_counts_per_item_and_honours_row_selectors(set_faults):
@@ -75,9 +77,15 @@ def test_classify_out_of_memory_and_engine_death():
         pass
 
     assert classify(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")) == "oom"
-    assert classify(RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: "
-                                 "you tried to allocate 1 bytes. Error code 12 (Cannot allocate memory) out of memory"
-                                 )) == "oom"
+    assert (
+        classify(
+            RuntimeError(
+                "[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: "
+                "you tried to allocate 1 bytes. Error code 12 (Cannot allocate memory) out of memory"
+            )
+        )
+        == "oom"
+    )
     assert classify(MemoryError()) == "oom"
     try:
         try:

@@ -29,12 +29,29 @@ OLD_MERGED = '{"checksums": {"results/errors.parquet": "1e91561bc52f647382ac9938
 OLD_HISTORY = '{"completion_tokens": 12, "completion_tokens_per_row": 2.0, "config_hash": "6b960d960a8bd64498b66740fa02247f89fb898c8f5d18d112efa4dfe19cee24", "engine_start_s": null, "est_prompt_tokens_per_row": 5.0, "hardware": "cpu:AMD EPYC:2", "infer_s": 0.03, "job": "job", "max_num_seqs": null, "model": "fake", "model_revision": null, "prompt_tokens": 378, "prompt_tokens_per_row": 63.0, "recorded_at": "2026-11-30T15:39:04Z", "rows": 6, "rows_per_s": 200.0, "shards": 2, "spec_hash": "511448a9a5eb626d77601d6fe57fa29ce778629f7c8ec276b56a2d1a36aa2645", "task": "chat", "tensor_parallel_size": 1, "tokens_per_s": 13000.0, "version": 1}'
 OLD_FOOTER = '{"chunk": 0, "config_hash": "6b960d960a8bd64498b66740fa02247f89fb898c8f5d18d112efa4dfe19cee24", "first_row": 0, "rows": 2, "shard_id": "shard-00001-672c298a"}'
 # resources.peaks() on a GPU host adds these to the stats
-GPU_STATS = {"gpus": [{"index": 0, "name": "NVIDIA H200", "util_peak_pct": 97, "util_mean_pct": 80.5,
-                       "mem_peak_mb": 120000.0, "mem_total_mb": 143771.0}],
-             "gpu_util_peak_pct": 97, "gpu_mem_peak_mb": 120000.0}
+GPU_STATS = {
+    "gpus": [
+        {
+            "index": 0,
+            "name": "NVIDIA H200",
+            "util_peak_pct": 97,
+            "util_mean_pct": 80.5,
+            "mem_peak_mb": 120000.0,
+            "mem_total_mb": 143771.0,
+        }
+    ],
+    "gpu_util_peak_pct": 97,
+    "gpu_mem_peak_mb": 120000.0,
+}
 
-SAMPLES = [(CommitMarker, OLD_MARKER), (WorkerManifest, OLD_MANIFEST), (FailureManifest, OLD_FAILURE),
-           (MergeSummary, OLD_MERGED), (ThroughputRecord, OLD_HISTORY), (ChunkMeta, OLD_FOOTER)]
+SAMPLES = [
+    (CommitMarker, OLD_MARKER),
+    (WorkerManifest, OLD_MANIFEST),
+    (FailureManifest, OLD_FAILURE),
+    (MergeSummary, OLD_MERGED),
+    (ThroughputRecord, OLD_HISTORY),
+    (ChunkMeta, OLD_FOOTER),
+]
 
 
 @pytest.mark.parametrize(("model", "raw"), SAMPLES, ids=lambda x: getattr(x, "__name__", ""))

@@ -66,8 +66,14 @@ def test_from_yaml(tmp_path):
 def test_from_params_layers_over_base():
     base = JobSpec.load(BASE)
     spec = JobSpec.from_params(
-        {"model": "other", "labels": ["x", "y"], "max_tokens": 4, "shard_rows": 50, "runner": "local",
-         "system_prompt": None},
+        {
+            "model": "other",
+            "labels": ["x", "y"],
+            "max_tokens": 4,
+            "shard_rows": 50,
+            "runner": "local",
+            "system_prompt": None,
+        },
         base=base,
     )
     assert spec.model.name == "other"

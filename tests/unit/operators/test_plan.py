@@ -8,8 +8,12 @@ from airflow_provider_vllm.operators.plan import VllmPlanOperator
 
 pytestmark = pytest.mark.unit
 
-SPEC = {"model": {"name": "m", "revision": "r"}, "io": {"input_uri": "/in", "output_uri": "/out"},
-        "cache": {"uri": "/cache"}, "sharding": {"target_rows": 100}}
+SPEC = {
+    "model": {"name": "m", "revision": "r"},
+    "io": {"input_uri": "/in", "output_uri": "/out"},
+    "cache": {"uri": "/cache"},
+    "sharding": {"target_rows": 100},
+}
 
 
 def op(overrides, param_overrides=()):

@@ -30,8 +30,11 @@ def qa(report):
 
 
 def test_a_runs_own_report_resolves_to_its_canonical_prefix_and_nothing_else():
-    loc = resolve_report(qa("s3://bucket/out/dt=1/qa/report.html"),
-                         spec("s3://bucket/out/dt=1/", storage_options={"endpoint_url": "http://127.0.0.1:1"}), ALLOW)
+    loc = resolve_report(
+        qa("s3://bucket/out/dt=1/qa/report.html"),
+        spec("s3://bucket/out/dt=1/", storage_options={"endpoint_url": "http://127.0.0.1:1"}),
+        ALLOW,
+    )
     assert loc == ReportLocation(output_uri="s3://bucket/out/dt=1")  # no storage_options from XCom
     assert loc.rel("html") == "qa/report.html" and loc.rel("json") == "qa/report.json"
     assert resolve_report(qa("/data/r/qa/report.html"), spec("file:///data/r"), ALLOW).output_uri == "/data/r"
@@ -44,8 +47,12 @@ def test_plan_task_follows_the_builder_names():
 
 
 def test_missing_xcoms_are_404():
-    for q, s in [(None, spec("/o")), ({"status": "pass"}, spec("/o")), (qa("/o/qa/report.html"), None),
-                 (qa("/o/qa/report.html"), {"io": {}})]:
+    for q, s in [
+        (None, spec("/o")),
+        ({"status": "pass"}, spec("/o")),
+        (qa("/o/qa/report.html"), None),
+        (qa("/o/qa/report.html"), {"io": {}}),
+    ]:
         with pytest.raises(ReportAccessError) as e:
             resolve_report(q, s, ALLOW)
         assert e.value.status == 404

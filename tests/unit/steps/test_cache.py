@@ -66,18 +66,21 @@ def test_every_allowed_engine_kwarg_is_sorted_into_key_or_not():
     assert not cache.KEY_ENGINE_KWARGS & cache.NON_KEY_ENGINE_KWARGS
 
 
-@pytest.mark.parametrize("change", [
-    {"model": {"name": "fake", "max_model_len": 1024, "revision": "r2"}},
-    {"model": {"name": "fake", "max_model_len": 2048, "revision": "r1"}},
-    {"model": {"name": "fake", "max_model_len": 1024, "revision": "r1", "dtype": "float16"}},
-    {"prompt": {"template": "Ticket:  {text}"}},
-    {"prompt": {"system_prompt": "Classify it."}},
-    {"sampling": {"max_tokens": 9}},
-    {"sampling": {"structured": {"choice": ["billing", "bug"]}}},
-    {"engine": {"seed": 1}},
-    {"engine": {"engine_kwargs": {"kv_cache_dtype": "fp8"}}},
-    {"task": "generate"},
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"model": {"name": "fake", "max_model_len": 1024, "revision": "r2"}},
+        {"model": {"name": "fake", "max_model_len": 2048, "revision": "r1"}},
+        {"model": {"name": "fake", "max_model_len": 1024, "revision": "r1", "dtype": "float16"}},
+        {"prompt": {"template": "Ticket:  {text}"}},
+        {"prompt": {"system_prompt": "Classify it."}},
+        {"sampling": {"max_tokens": 9}},
+        {"sampling": {"structured": {"choice": ["billing", "bug"]}}},
+        {"engine": {"seed": 1}},
+        {"engine": {"engine_kwargs": {"kv_cache_dtype": "fp8"}}},
+        {"task": "generate"},
+    ],
+)
 def test_what_decides_an_answer_changes_the_key_hash(tmp_path, change):
     base = cache.key_hash(cache.key_config(spec_for(tmp_path, "a"), "e"))
     assert cache.key_hash(cache.key_config(spec_for(tmp_path, "a", **change), "e")) != base
@@ -86,15 +89,30 @@ def test_what_decides_an_answer_changes_the_key_hash(tmp_path, change):
 
 def test_speed_settings_do_not_change_the_key_hash(tmp_path):
     base = cache.key_hash(cache.key_config(spec_for(tmp_path, "a"), "e"))
-    tuned = spec_for(tmp_path, "a", engine={"max_num_seqs": 8, "engine_kwargs": {"block_size": 32}},
-                     sharding={"target_rows": 7}, io={"output_uri": str(tmp_path / "elsewhere")})
+    tuned = spec_for(
+        tmp_path,
+        "a",
+        engine={"max_num_seqs": 8, "engine_kwargs": {"block_size": 32}},
+        sharding={"target_rows": 7},
+        io={"output_uri": str(tmp_path / "elsewhere")},
+    )
     assert cache.key_hash(cache.key_config(tuned, "e")) == base
 
 
 def test_row_key_encoding_is_injective_over_nulls_and_separators(tmp_path):
     spec = spec_for(tmp_path, "a", prompt={"template": "{a}{b}"})
-    rows = [("x", None), (None, "x"), ("x", ""), ("", "x"), ("xS1:", "y"), ("x", "S1:y"), ("N", None),
-            (None, "N"), (None, None), ("", "")]
+    rows = [
+        ("x", None),
+        (None, "x"),
+        ("x", ""),
+        ("", "x"),
+        ("xS1:", "y"),
+        ("x", "S1:y"),
+        ("N", None),
+        (None, "N"),
+        (None, None),
+        ("", ""),
+    ]
     con = duckdb.connect()
     con.register("t", pa.table({"a": [r[0] for r in rows], "b": [r[1] for r in rows]}))
     keys = [k for (k,) in con.execute(f"SELECT {cache.key_sql(spec, 'h' * 64)} FROM t").fetchall()]
@@ -107,8 +125,11 @@ def test_refusals_name_the_field(tmp_path):
         cache.check_cacheable(spec_for(tmp_path, "a", model={"name": "org/model"}))
     with pytest.raises(SpecError, match="cache.allow_sampling"):
         cache.check_cacheable(spec_for(tmp_path, "a", sampling={"temperature": 0.7}))
-    cache.check_cacheable(spec_for(tmp_path, "a", sampling={"temperature": 0.7},
-                                   cache={"uri": str(tmp_path / "c"), "allow_sampling": True}))
+    cache.check_cacheable(
+        spec_for(
+            tmp_path, "a", sampling={"temperature": 0.7}, cache={"uri": str(tmp_path / "c"), "allow_sampling": True}
+        )
+    )
     with pytest.raises(SpecError, match="cache.uri.*jsonl"):
         cache.check_cacheable(spec_for(tmp_path, "a"), "jsonl")
     for col in ("_vllm_cache_key", "_vllm_f", "_vllm_hit"):  # the plan's own columns beside the input's
@@ -117,8 +138,7 @@ def test_refusals_name_the_field(tmp_path):
 
 
 def test_jsonl_input_is_refused_by_the_plan(tmp_path):
-    (tmp_path / "in-a.jsonl").write_text("".join(json.dumps({"id": i, "text": t}) + "\n"
-                                                 for i, t in zip(IDS, TEXTS)))
+    (tmp_path / "in-a.jsonl").write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in zip(IDS, TEXTS)))
     spec = spec_for(tmp_path, "a", io={"input_uri": str(tmp_path / "in-a.jsonl")})
     with pytest.raises(SpecError, match="cache.uri.*jsonl"):
         plan_job(spec)
@@ -160,9 +180,18 @@ def test_second_run_infers_only_changed_and_new_rows(tmp_path, fake_engine_facto
     assert (p2.cache.rows, p2.cache.hits, p2.cache.misses) == (51, 46, 5)
     assert inferred(fake_engine_factory) == 5
     assert sum(s.rows for s in p2.shards) == 5
-    assert m2["rows"] == 51 and m2["ok_rows"] == 51 and m2["cache"] == {
-        "uri": str(tmp_path / "cache"), "hits": 46, "appended": 5, "entry_id": cache.entry_id(p2, s2.io.output_uri),
-        "committed_by": "this_merge"}
+    assert (
+        m2["rows"] == 51
+        and m2["ok_rows"] == 51
+        and m2["cache"]
+        == {
+            "uri": str(tmp_path / "cache"),
+            "hits": 46,
+            "appended": 5,
+            "entry_id": cache.entry_id(p2, s2.io.output_uri),
+            "committed_by": "this_merge",
+        }
+    )
     r2 = results(s2)
     assert set(r2) == set(ids2)
     for i in ids2:
@@ -176,8 +205,11 @@ def test_second_run_infers_only_changed_and_new_rows(tmp_path, fake_engine_facto
     report, _ = qa_run(s2)
     assert report.run_info["rows"] == 51 and report.sample.num_rows > 0
     # a full recompute (no cache) gives the same answers on every row
-    s3 = make_spec(tmp_path / "in-b.parquet", tmp_path / "out-full", model={"name": "fake", "max_model_len": 1024,
-                                                                            "revision": "r1"})
+    s3 = make_spec(
+        tmp_path / "in-b.parquet",
+        tmp_path / "out-full",
+        model={"name": "fake", "max_model_len": 1024, "revision": "r1"},
+    )
     run_job(s3, fake_engine_factory)
     full = results(s3)
     assert {i: full[i]["label"] for i in full} == {i: r2[i]["label"] for i in r2}
@@ -300,10 +332,18 @@ def test_newest_commit_wins_a_key(tmp_path, fake_engine_factory):
     pq.write_table(t, store / "entries" / new / "part-00000.parquet")
     doc = json.loads((store / "commits" / f"{eid}.json").read_text())
     st = Storage(str(store))
-    doc.update(entry_id=new, created="2999-01-01T00:00:00+00:00",
-               files=[{"path": f"entries/{new}/part-00000.parquet", "rows": t.num_rows,
-                       "bytes": st.size(f"entries/{new}/part-00000.parquet"),
-                       "sha256": st.sha256(f"entries/{new}/part-00000.parquet")}])
+    doc.update(
+        entry_id=new,
+        created="2999-01-01T00:00:00+00:00",
+        files=[
+            {
+                "path": f"entries/{new}/part-00000.parquet",
+                "rows": t.num_rows,
+                "bytes": st.size(f"entries/{new}/part-00000.parquet"),
+                "sha256": st.sha256(f"entries/{new}/part-00000.parquet"),
+            }
+        ],
+    )
     (store / "commits" / f"{new}.json").write_text(json.dumps(doc))
     write_parquet(tmp_path / "in-b.parquet", IDS, TEXTS)
     s2 = spec_for(tmp_path, "b")
@@ -325,19 +365,27 @@ def test_plan_killed_at_a_cache_step_converges(tmp_path, fake_engine_factory, po
     ids2, texts2 = IDS + ["n1"], TEXTS + ["new"]
     write_parquet(tmp_path / "in-b.parquet", ids2, texts2)
     s2 = spec_for(tmp_path, "b")
-    code = ("import sys; from airflow_provider_vllm.core.spec import JobSpec; "
-            "from airflow_provider_vllm.steps.plan import plan_job; "
-            "plan_job(JobSpec.load(sys.argv[1]), engine_identity='fake-engine')")
+    code = (
+        "import sys; from airflow_provider_vllm.core.spec import JobSpec; "
+        "from airflow_provider_vllm.steps.plan import plan_job; "
+        "plan_job(JobSpec.load(sys.argv[1]), engine_identity='fake-engine')"
+    )
     env = {**os.environ, faults.ENV: f"{point}=kill", "PYTHONPATH": str(ROOT)}
-    p = subprocess.run([sys.executable, "-c", code, s2.model_dump_json()], env=env, capture_output=True, text=True,
-                       timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-c", code, s2.model_dump_json()], env=env, capture_output=True, text=True, timeout=120
+    )
     assert p.returncode == -9, p.stderr[-2000:]
     assert not (tmp_path / "out-b" / PLAN_FILE).exists()
     fake_engine_factory.made.clear()
     plan, summary = run_job(s2, fake_engine_factory)
     got = pq.read_table(tmp_path / "out-b" / RESULTS).column("id").to_pylist()
-    record_fault(f"kill9.{point}", len(ids2), lost=len(set(ids2) - set(got)), duplicates=len(got) - len(set(got)),
-                 level="process")
+    record_fault(
+        f"kill9.{point}",
+        len(ids2),
+        lost=len(set(ids2) - set(got)),
+        duplicates=len(got) - len(set(got)),
+        level="process",
+    )
     assert plan.cache.hits == 50 and inferred(fake_engine_factory) == 1
     assert summary["ok_rows"] == 51 and sorted(got) == sorted(ids2)
 
@@ -358,11 +406,14 @@ def test_merge_failing_at_a_cache_step_converges(tmp_path, fake_engine_factory, 
             merge(s1)
         set_faults("")
     else:  # kill -9 of a real merge process: no clean-up, temp files stay
-        code = ("import sys; from airflow_provider_vllm.core.spec import JobSpec; "
-                "from airflow_provider_vllm.steps.merge import merge; merge(JobSpec.load(sys.argv[1]))")
+        code = (
+            "import sys; from airflow_provider_vllm.core.spec import JobSpec; "
+            "from airflow_provider_vllm.steps.merge import merge; merge(JobSpec.load(sys.argv[1]))"
+        )
         env = {**os.environ, faults.ENV: f"{point}=kill", "PYTHONPATH": str(ROOT)}
-        p = subprocess.run([sys.executable, "-c", code, s1.model_dump_json()], env=env, capture_output=True,
-                           text=True, timeout=120)
+        p = subprocess.run(
+            [sys.executable, "-c", code, s1.model_dump_json()], env=env, capture_output=True, text=True, timeout=120
+        )
         assert p.returncode == -9, p.stderr[-2000:]
         if point == "cache.mid_commit":  # the marker's half-written temp file is there, and ignored
             assert list((tmp_path / "cache" / "commits").glob("*.tmp-*"))
@@ -376,9 +427,14 @@ def test_merge_failing_at_a_cache_step_converges(tmp_path, fake_engine_factory, 
     summary = merge(s1).dump()
     entry = pq.read_table(store / "entries" / cache.entry_id(plan, s1.io.output_uri) / "part-00000.parquet")
     got = entry.column("source_id").to_pylist()
-    record_fault(f"{'kill9' if action == 'kill' else 'raise'}.{point}", len(IDS), lost=len(set(IDS) - set(got)),
-                 duplicates=len(got) - len(set(got)), partial_visible=int(seen not in (0, 50)),
-                 level="process" if action == "kill" else "in_process")
+    record_fault(
+        f"{'kill9' if action == 'kill' else 'raise'}.{point}",
+        len(IDS),
+        lost=len(set(IDS) - set(got)),
+        duplicates=len(got) - len(set(got)),
+        partial_visible=int(seen not in (0, 50)),
+        level="process" if action == "kill" else "in_process",
+    )
     assert sorted(got) == IDS
     assert summary["cache"]["appended"] == 50
     assert summary["cache"]["committed_by"] == ("earlier_merge" if committed else "this_merge")
@@ -413,8 +469,10 @@ def test_careless_inputs_integer_ids_repeated_texts_and_error_rows(tmp_path, fak
     texts[3] = ""  # EMPTY_INPUT: an error row, retried next run
     over = {"prompt": {"template": "{kind}: {text}", "text_columns": ["text"]}}
     for run in ("a", "b"):
-        pq.write_table(pa.table({"id": list(range(n)), "text": texts, "kind": [i % 2 for i in range(n)]}),
-                       tmp_path / f"in-{run}.parquet")
+        pq.write_table(
+            pa.table({"id": list(range(n)), "text": texts, "kind": [i % 2 for i in range(n)]}),
+            tmp_path / f"in-{run}.parquet",
+        )
     s1 = spec_for(tmp_path, "a", **over)
     p1, m1 = run_job(s1, fake_engine_factory)
     # 29 ok rows of 10 distinct (kind, text) pairs: the entry holds each key once
@@ -480,13 +538,17 @@ def test_input_columns_named_like_answer_columns(tmp_path, fake_engine_factory):
     """A template column called ``label`` or ``output`` must not be mistaken for the cached answer."""
     over = {"prompt": {"template": "{label} / {output}: {text}", "text_columns": ["text"]}}
     for run in ("a", "b"):
-        pq.write_table(pa.table({"id": IDS, "text": TEXTS, "label": ["input-label"] * 50,
-                                 "output": ["input-output"] * 50}), tmp_path / f"in-{run}.parquet")
+        pq.write_table(
+            pa.table({"id": IDS, "text": TEXTS, "label": ["input-label"] * 50, "output": ["input-output"] * 50}),
+            tmp_path / f"in-{run}.parquet",
+        )
     s1 = spec_for(tmp_path, "a", **over)
     run_job(s1, fake_engine_factory)
     s2 = spec_for(tmp_path, "b", **over)
     p2, _ = run_job(s2, fake_engine_factory)
     assert p2.cache.hits == 50
     r1, r2 = results(s1), results(s2)
-    assert {i: (r["label"], r["output"]) for i, r in r2.items()} == {i: (r["label"], r["output"]) for i, r in r1.items()}
+    assert {i: (r["label"], r["output"]) for i, r in r2.items()} == {
+        i: (r["label"], r["output"]) for i, r in r1.items()
+    }
     assert all(r["output"] != "input-output" for r in r2.values())

@@ -28,14 +28,27 @@ from tests.support.ledger import record_fault
 pytestmark = pytest.mark.unit
 
 
-def write_run(out: Path, ok: dict[str, object], errors: dict[str, str] | None = None, *, col: str = "label",
-              task: str | None = "chat", id_column: str | None = "id", config_hash: str = "c") -> Path:
+def write_run(
+    out: Path,
+    ok: dict[str, object],
+    errors: dict[str, str] | None = None,
+    *,
+    col: str = "label",
+    task: str | None = "chat",
+    id_column: str | None = "id",
+    config_hash: str = "c",
+) -> Path:
     """A merged run under ``out``: ``ok`` id -> value of ``col``, ``errors`` id -> error code."""
     errors = errors or {}
     rows = [{"id": i, col: v, "model": "fake", "config_hash": config_hash} for i, v in ok.items()]
     write_merged_folder(out, RESULTS, pa.Table.from_pylist(rows, schema=RESULT_SCHEMA))
-    write_merged_folder(out, ERRORS, pa.Table.from_pylist(
-        [{"id": i, "error_code": c, "error_message": "x"} for i, c in errors.items()], schema=ERROR_SCHEMA))
+    write_merged_folder(
+        out,
+        ERRORS,
+        pa.Table.from_pylist(
+            [{"id": i, "error_code": c, "error_message": "x"} for i, c in errors.items()], schema=ERROR_SCHEMA
+        ),
+    )
     summary = merge_summary(len(ok) + len(errors), len(ok), len(errors))
     summary = summary.model_copy(update={"config_hash": config_hash, "task": task, "id_column": id_column})
     (out / MERGED).write_text(json.dumps(summary.dump()))
@@ -50,27 +63,47 @@ def changes_of(out: Path) -> dict[str, dict]:
 def spec_for(tmp_path):
     def make(prev: Path | str | None = None, **over):
         s = make_spec(tmp_path / "in.parquet", tmp_path / "now", **over)
-        return s.model_copy(update={"changes": s.changes.model_copy(update={"previous_uri": str(prev)})}) \
-            if prev is not None else s
+        return (
+            s.model_copy(update={"changes": s.changes.model_copy(update={"previous_uri": str(prev)})})
+            if prev is not None
+            else s
+        )
+
     return make
 
 
 def test_every_kind_with_old_and_new_values(tmp_path, spec_for):
-    write_run(tmp_path / "prev", {"a": "bug", "b": "billing", "c": "other", "e": "bug"}, {"f": "ENGINE_ERROR",
-                                                                                        "g": "EMPTY_INPUT"})
-    write_run(tmp_path / "now", {"a": "bug", "b": "bug", "d": "account", "f": "billing"}, {"e": "ENGINE_OOM",
-                                                                                         "h": "EMPTY_INPUT"})
+    write_run(
+        tmp_path / "prev",
+        {"a": "bug", "b": "billing", "c": "other", "e": "bug"},
+        {"f": "ENGINE_ERROR", "g": "EMPTY_INPUT"},
+    )
+    write_run(
+        tmp_path / "now",
+        {"a": "bug", "b": "bug", "d": "account", "f": "billing"},
+        {"e": "ENGINE_OOM", "h": "EMPTY_INPUT"},
+    )
     s = compute_changes(spec_for(tmp_path / "prev"))
     rows = changes_of(tmp_path / "now")
     kinds = {i: r["change"] for i, r in rows.items()}
-    assert kinds == {"a": "unchanged", "b": "changed", "c": "removed", "d": "added", "e": "error",
-                     "f": "recovered", "g": "removed", "h": "error"}
+    assert kinds == {
+        "a": "unchanged",
+        "b": "changed",
+        "c": "removed",
+        "d": "added",
+        "e": "error",
+        "f": "recovered",
+        "g": "removed",
+        "h": "error",
+    }
     assert (rows["b"]["old_value"], rows["b"]["new_value"]) == ("billing", "bug")
-    assert (rows["e"]["old_status"], rows["e"]["new_status"], rows["e"]["new_error_code"]) == ("ok", "error",
-                                                                                              "ENGINE_OOM")
+    assert (rows["e"]["old_status"], rows["e"]["new_status"], rows["e"]["new_error_code"]) == (
+        "ok",
+        "error",
+        "ENGINE_OOM",
+    )
     assert rows["h"]["old_status"] is None and rows["g"]["old_error_code"] == "EMPTY_INPUT"
-    assert s.counts.model_dump() == {"added": 1, "removed": 2, "changed": 1, "unchanged": 1, "error": 2,
-                                     "recovered": 1}
+    assert s.counts.model_dump() == {"added": 1, "removed": 2, "changed": 1, "unchanged": 1, "error": 2, "recovered": 1}
     assert (s.in_both, s.churn_rate, s.ids, s.previous_state, s.compared) == (2, 0.5, 8, "complete", "label")
     # the matrix: answers on both sides or one side absent; errors on either side left out
     cells = {(c.old, c.new): c.count for c in s.matrix}
@@ -159,12 +192,15 @@ def test_a_quote_in_the_output_path(tmp_path, spec_for):
     assert compute_changes(spec).counts.changed == 1
 
 
-@pytest.mark.parametrize("task,structured,col", [
-    ("chat", {"json_schema": {"type": "object"}}, "parsed_json"),
-    ("chat", {"regex": "[a-z]+"}, "output"),
-    ("generate", None, "output"),
-    ("classify", None, "label"),
-])
+@pytest.mark.parametrize(
+    "task,structured,col",
+    [
+        ("chat", {"json_schema": {"type": "object"}}, "parsed_json"),
+        ("chat", {"regex": "[a-z]+"}, "output"),
+        ("generate", None, "output"),
+        ("classify", None, "label"),
+    ],
+)
 def test_compared_column_by_job(tmp_path, task, structured, col):
     over = {"task": task, "sampling": {"structured": structured, "max_tokens": 8}}
     if task == "classify":
@@ -176,8 +212,12 @@ def test_compared_column_by_job(tmp_path, task, structured, col):
 def test_json_outputs_compare_parsed_json(tmp_path):
     write_run(tmp_path / "prev", {"a": '{"k":1}', "b": '{"k":2}'}, col="parsed_json")
     write_run(tmp_path / "now", {"a": '{"k":1}', "b": '{"k":3}'}, col="parsed_json")
-    spec = make_spec(tmp_path / "in.parquet", tmp_path / "now", sampling={"structured": {"json_schema": {}}},
-                     changes={"previous_uri": str(tmp_path / "prev")})
+    spec = make_spec(
+        tmp_path / "in.parquet",
+        tmp_path / "now",
+        sampling={"structured": {"json_schema": {}}},
+        changes={"previous_uri": str(tmp_path / "prev")},
+    )
     s = compute_changes(spec)
     assert (s.compared, s.counts.changed, s.counts.unchanged, s.matrix) == ("parsed_json", 1, 1, None)
     assert changes_of(tmp_path / "now")["b"]["old_value"] == '{"k":2}'
@@ -186,9 +226,14 @@ def test_json_outputs_compare_parsed_json(tmp_path):
 def test_embeddings_compare_equal_or_not_without_values(tmp_path):
     write_run(tmp_path / "prev", {"a": [1.0, 2.0], "b": [0.5, 0.5]}, col="embedding", task="embed")
     write_run(tmp_path / "now", {"a": [1.0, 2.0], "b": [0.5, 0.25]}, col="embedding", task="embed")
-    spec = make_spec(tmp_path / "in.parquet", tmp_path / "now", task="embed",
-                     prompt={"system_prompt": None, "template": "{text}"}, sampling={"structured": None},
-                     changes={"previous_uri": str(tmp_path / "prev")})
+    spec = make_spec(
+        tmp_path / "in.parquet",
+        tmp_path / "now",
+        task="embed",
+        prompt={"system_prompt": None, "template": "{text}"},
+        sampling={"structured": None},
+        changes={"previous_uri": str(tmp_path / "prev")},
+    )
     s = compute_changes(spec)
     assert (s.compared, s.counts.changed, s.counts.unchanged) == ("embedding", 1, 1)
     cols = pq.read_schema(tmp_path / "now" / CHANGES).names
@@ -209,16 +254,20 @@ def test_a_summary_with_an_unknown_field_is_refused():
 
 
 @pytest.mark.reliability
-@pytest.mark.parametrize("point", ["changes.before_write", "changes.mid_file", "changes.after_data",
-                                   "changes.mid_marker", "changes.after_marker"])
+@pytest.mark.parametrize(
+    "point",
+    ["changes.before_write", "changes.mid_file", "changes.after_data", "changes.mid_marker", "changes.after_marker"],
+)
 def test_kill_at_each_write_step_then_rerun(tmp_path, point):
     """kill -9 at each commit step of the changes output; the rerun's outputs equal a clean run's."""
     write_run(tmp_path / "prev", {f"r{i}": LABELS[i % 5] for i in range(50)})
     write_run(tmp_path / "now", {f"r{i}": LABELS[(i // 2) % 5] for i in range(10, 60)})
     spec = make_spec(tmp_path / "in.parquet", tmp_path / "now", changes={"previous_uri": str(tmp_path / "prev")})
-    code = ("import sys; from airflow_provider_vllm.core.spec import JobSpec; "
-            "from airflow_provider_vllm.steps.changes import compute_changes; "
-            "compute_changes(JobSpec.model_validate_json(sys.argv[1]))")
+    code = (
+        "import sys; from airflow_provider_vllm.core.spec import JobSpec; "
+        "from airflow_provider_vllm.steps.changes import compute_changes; "
+        "compute_changes(JobSpec.model_validate_json(sys.argv[1]))"
+    )
     env = {**os.environ, "VLLM_BATCH_FAULTS": f"{point}=kill"}
     p = subprocess.run([sys.executable, "-c", code, spec.model_dump_json()], env=env, capture_output=True)
     assert p.returncode == -9, p.stderr.decode()[-2000:]
@@ -231,8 +280,14 @@ def test_kill_at_each_write_step_then_rerun(tmp_path, point):
     s = compute_changes(spec)
     ids = pq.read_table(tmp_path / "now" / CHANGES, columns=["id"]).column("id").to_pylist()
     expected = {f"r{i}" for i in range(60)}
-    record_fault(f"kill9.{point}", rows=60, lost=len(expected - set(ids)), duplicates=len(ids) - len(set(ids)),
-                 partial_visible=partial, level="process")
+    record_fault(
+        f"kill9.{point}",
+        rows=60,
+        lost=len(expected - set(ids)),
+        duplicates=len(ids) - len(set(ids)),
+        partial_visible=partial,
+        level="process",
+    )
     assert partial == 0 and set(ids) == expected and len(ids) == 60
     assert s.ids == 60 and s.counts.added == 10 and s.counts.removed == 10
     assert read_changes(Storage(str(tmp_path / "now"))) == s
@@ -261,8 +316,13 @@ def test_qa_of_a_second_run_reports_exactly_the_moved_labels(tmp_path, fake_engi
 
     def run(name, texts, previous=None):
         write_parquet(tmp_path / name / "in.parquet", list(texts), list(texts.values()))
-        spec = make_spec(tmp_path / name / "in.parquet", tmp_path / name / "out", sharding={"target_rows": 25},
-                         changes={"previous_uri": previous}, qa={"warn_churn_rate": 0.01, "fail_churn_rate": 0.9})
+        spec = make_spec(
+            tmp_path / name / "in.parquet",
+            tmp_path / name / "out",
+            sharding={"target_rows": 25},
+            changes={"previous_uri": previous},
+            qa={"warn_churn_rate": 0.01, "fail_churn_rate": 0.9},
+        )
         for s in plan_job(spec).shards:
             run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
         merge_run(spec)
@@ -274,8 +334,12 @@ def test_qa_of_a_second_run_reports_exactly_the_moved_labels(tmp_path, fake_engi
     spec2, rep2 = run("d2", texts2, str(tmp_path / "d1" / "out"))
 
     def labels(day):
-        return dict(zip(*pq.read_table(tmp_path / day / "out" / merge_mod.RESULTS, columns=["id", "label"])
-                        .to_pydict().values()))
+        return dict(
+            zip(
+                *pq.read_table(tmp_path / day / "out" / merge_mod.RESULTS, columns=["id", "label"]).to_pydict().values()
+            )
+        )
+
     old, new = labels("d1"), labels("d2")
     moved = {i for i in set(old) & set(new) if old[i] != new[i]}
     assert moved, "the edits should move some labels"

@@ -22,12 +22,29 @@ from airflow_provider_vllm.steps.plan import build_plan
 from airflow_provider_vllm.steps.sizing import HISTORY_VERSION, prompt_overhead_tokens
 from tests.support.data import make_spec, write_parquet
 
-LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 32, "hidden_size": 4096,
-             "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256,
-             "max_position_embeddings": 8192, "torch_dtype": "bfloat16", "tie_word_embeddings": False}
-LLAMA2_7B = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 32, "hidden_size": 4096,
-             "num_attention_heads": 32, "num_key_value_heads": 32, "intermediate_size": 11008, "vocab_size": 32000,
-             "max_position_embeddings": 4096, "torch_dtype": "float16"}
+LLAMA3_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "num_hidden_layers": 32,
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "intermediate_size": 14336,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+    "torch_dtype": "bfloat16",
+    "tie_word_embeddings": False,
+}
+LLAMA2_7B = {
+    "architectures": ["LlamaForCausalLM"],
+    "num_hidden_layers": 32,
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "intermediate_size": 11008,
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+    "torch_dtype": "float16",
+}
 
 
 def test_kv_cache_per_token_worked_numbers():
@@ -114,15 +131,32 @@ def test_report_without_history_uses_stated_assumptions(tmp_path):
 def test_report_with_history_and_the_cli(tmp_path, capsys):
     _dataset(tmp_path)
     hist = tmp_path / "history"
-    spec = make_spec(tmp_path / "in", tmp_path / "out",
-                     sharding={"target_rows": 300, "history_uri": str(hist), "target_minutes": 10})
+    spec = make_spec(
+        tmp_path / "in", tmp_path / "out", sharding={"target_rows": 300, "history_uri": str(hist), "target_minutes": 10}
+    )
     hist.mkdir()
-    rec = {"version": HISTORY_VERSION, "model": "fake", "task": "chat", "tensor_parallel_size": 1,
-           "hardware": "1x NVIDIA H200", "config_hash": spec.output_hash(), "rows": 600, "infer_s": 600.0,
-           "prompt_tokens": 60_000, "completion_tokens": 1200, "engine_start_s": 90.0,
-           # the rest of a record as merge writes it (a history line is validated as a ThroughputRecord)
-           "recorded_at": "2026-11-28T00:00:00Z", "job": "job", "spec_hash": "s" * 64, "shards": 2,
-           "rows_per_s": 1.0, "tokens_per_s": 102.0, "prompt_tokens_per_row": 100.0, "completion_tokens_per_row": 2.0}
+    rec = {
+        "version": HISTORY_VERSION,
+        "model": "fake",
+        "task": "chat",
+        "tensor_parallel_size": 1,
+        "hardware": "1x NVIDIA H200",
+        "config_hash": spec.output_hash(),
+        "rows": 600,
+        "infer_s": 600.0,
+        "prompt_tokens": 60_000,
+        "completion_tokens": 1200,
+        "engine_start_s": 90.0,
+        # the rest of a record as merge writes it (a history line is validated as a ThroughputRecord)
+        "recorded_at": "2026-11-28T00:00:00Z",
+        "job": "job",
+        "spec_hash": "s" * 64,
+        "shards": 2,
+        "rows_per_s": 1.0,
+        "tokens_per_s": 102.0,
+        "prompt_tokens_per_row": 100.0,
+        "completion_tokens_per_row": 2.0,
+    }
     (hist / "20261128T000000Z-a-b.jsonl").write_text(json.dumps(rec) + "\n")
     r = dry_run_report(spec, model_config=LLAMA3_8B)
     # 1 row/s from the same job; 10-minute shards, 90 s start -> ceil(1000 / 510) = 2 shards
@@ -135,8 +169,22 @@ def test_report_with_history_and_the_cli(tmp_path, capsys):
     spec_file.write_text(json.dumps(spec.model_dump(mode="json")))
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(LLAMA2_7B))
-    assert main([str(spec_file), "--model-config", str(cfg), "--gpu-memory-gib", "80",
-                 "--set", "engine.max_num_seqs=256", "--set", "model.max_model_len=4096"]) == 0
+    assert (
+        main(
+            [
+                str(spec_file),
+                "--model-config",
+                str(cfg),
+                "--gpu-memory-gib",
+                "80",
+                "--set",
+                "engine.max_num_seqs=256",
+                "--set",
+                "model.max_model_len=4096",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "rows             1,000" in out and "GPU-hours" in out and "512 KiB" in out
     assert "set engine.max_num_seqs to 28" in out
@@ -182,15 +230,26 @@ def test_engine_kwargs_load_format_is_limited_to_safe_formats(tmp_path):
 
 
 # ---- the GPU layout ------------------------------------------------------------------------------
-LLAMA3_70B = {**LLAMA3_8B, "num_hidden_layers": 80, "hidden_size": 8192, "num_attention_heads": 64,
-              "intermediate_size": 28672}
+LLAMA3_70B = {
+    **LLAMA3_8B,
+    "num_hidden_layers": 80,
+    "hidden_size": 8192,
+    "num_attention_heads": 64,
+    "intermediate_size": 28672,
+}
 
 
 def _layout(cfg, gib, tp=1, budget=None, **kw):
     from airflow_provider_vllm.steps.memory_plan import choose_layout
 
-    return choose_layout(ModelShape.from_config(cfg), requested_tp=tp, gpu_budget=budget,
-                         max_model_len=kw.pop("max_model_len", 8192), gpu_memory_bytes=int(gib * GiB), **kw)
+    return choose_layout(
+        ModelShape.from_config(cfg),
+        requested_tp=tp,
+        gpu_budget=budget,
+        max_model_len=kw.pop("max_model_len", 8192),
+        gpu_memory_bytes=int(gib * GiB),
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("hardware", ["1x NVIDIA H200", "NVIDIA A100-SXM4-80GB", "H100"])
@@ -222,8 +281,13 @@ def test_70b_bf16_on_80gib_gpus_needs_tensor_parallel_and_default_tp_1_is_refuse
     assert none.verdict == "does_not_fit" and none.fitting_tensor_parallel_size is None
     assert "does not fit 2 GPU(s)" in none.refusal
     # 405B-like: nothing up to 8 GPUs of 80 GiB fits; an explicit TP 16 (multi-node) is respected, not refused
-    big = {**LLAMA3_70B, "num_hidden_layers": 126, "hidden_size": 16384, "num_attention_heads": 128,
-           "intermediate_size": 53248}
+    big = {
+        **LLAMA3_70B,
+        "num_hidden_layers": 126,
+        "hidden_size": 16384,
+        "num_attention_heads": 128,
+        "intermediate_size": 53248,
+    }
     assert _layout(big, 79.2, tp=8).verdict == "does_not_fit"
     sixteen = _layout(big, 79.2, tp=16)
     assert sixteen.verdict == "fits" and sixteen.refusal is None and sixteen.gpus_per_pod == 16
@@ -238,8 +302,10 @@ def test_explicit_tp_larger_than_needed_is_respected_with_the_measured_cost():
     assert over.max_active_shards == 0 and any("budget of 2" in w for w in over.warnings)
 
 
-@pytest.mark.parametrize("tp, msg", [(3, "32 attention heads do not divide over 3 GPUs"),
-                                     (6, "32 attention heads do not divide over 6 GPUs")])
+@pytest.mark.parametrize(
+    "tp, msg",
+    [(3, "32 attention heads do not divide over 3 GPUs"), (6, "32 attention heads do not divide over 6 GPUs")],
+)
 def test_tp_the_heads_do_not_divide_over_is_refused(tp, msg):
     lay = _layout(LLAMA3_8B, 79.2, tp=tp)
     assert lay.verdict == "invalid_tp" and msg in lay.refusal and "tensor_parallel_size 1 fits" in lay.refusal
@@ -249,18 +315,15 @@ def test_kv_head_divisibility_limits_the_candidates():
     from airflow_provider_vllm.steps.memory_plan import tp_problem
 
     # 40 attention heads, 10 KV heads: 2 divides both; 4 and 8 divide the heads but not the KV heads
-    odd = ModelShape.from_config({**LLAMA3_70B, "num_attention_heads": 40, "num_key_value_heads": 10,
-                                  "head_dim": 128})
+    odd = ModelShape.from_config({**LLAMA3_70B, "num_attention_heads": 40, "num_key_value_heads": 10, "head_dim": 128})
     assert tp_problem(odd, 2) is None and tp_problem(odd, 4) == "10 KV heads do not divide over 4 GPUs"
     assert tp_problem(odd, 8) == "10 KV heads do not divide over 8 GPUs"
     assert tp_problem(odd, 3) == "40 attention heads do not divide over 3 GPUs"
-    gqa = ModelShape.from_config({**LLAMA3_8B, "num_attention_heads": 48, "num_key_value_heads": 12,
-                                  "head_dim": 128})
+    gqa = ModelShape.from_config({**LLAMA3_8B, "num_attention_heads": 48, "num_key_value_heads": 12, "head_dim": 128})
     assert tp_problem(gqa, 8) == "12 KV heads do not divide over 8 GPUs" and tp_problem(gqa, 4) is None
     mqa = ModelShape.from_config({**LLAMA3_8B, "num_key_value_heads": 1})
     assert tp_problem(mqa, 8) is None  # one KV head replicated on every GPU
-    few = ModelShape.from_config({**LLAMA3_8B, "num_attention_heads": 24, "num_key_value_heads": 3,
-                                  "head_dim": 128})
+    few = ModelShape.from_config({**LLAMA3_8B, "num_attention_heads": 24, "num_key_value_heads": 3, "head_dim": 128})
     assert tp_problem(few, 4) == "4 GPUs are not a multiple of the 3 KV heads"
     # a 70B-sized model whose heads only split in two: the only TP that fits on 40 GiB GPUs is out of reach
     lay = _layout({**LLAMA3_70B, "num_attention_heads": 40, "num_key_value_heads": 10, "head_dim": 128}, 39.4)
@@ -282,8 +345,9 @@ def test_dry_run_prints_the_layout_and_max_active_shards(tmp_path, capsys):
     assert "  layout: 1 GPU per shard pod (TP=1): weights 15.0 GiB" in out and "in 0.9 x 139.8 GiB" in out
     assert "max_active_shards: 2 (GPU budget 2 / TP 1)" in out and "1.97x" in out
     # explicit TP 2: respected, with the warning
-    assert main([str(spec_file), "--model-config", str(cfg), "--gpus", "2",
-                 "--set", "engine.tensor_parallel_size=2"]) == 0
+    assert (
+        main([str(spec_file), "--model-config", str(cfg), "--gpus", "2", "--set", "engine.tensor_parallel_size=2"]) == 0
+    )
     out = capsys.readouterr().out
     assert "layout: 2 GPUs per shard pod (TP=2)" in out and "WARNING: engine.tensor_parallel_size 2 is larger" in out
     with pytest.raises(SystemExit):

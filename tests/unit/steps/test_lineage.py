@@ -15,13 +15,16 @@ from airflow_provider_vllm.steps.lineage import (
 from tests.support.data import make_spec, merge_summary
 
 
-@pytest.mark.parametrize("uri, expected", [
-    ("s3://bucket/tickets/dt=2026-11-27/", ("s3://bucket", "tickets/dt=2026-11-27")),
-    ("gs://bkt/a/b.parquet", ("gs://bkt", "a/b.parquet")),
-    ("s3://bucket", ("s3://bucket", "/")),
-    ("/data/out/", ("file", "/data/out")),
-    ("file:///data/in.jsonl", ("file", "/data/in.jsonl")),
-])
+@pytest.mark.parametrize(
+    "uri, expected",
+    [
+        ("s3://bucket/tickets/dt=2026-11-27/", ("s3://bucket", "tickets/dt=2026-11-27")),
+        ("gs://bkt/a/b.parquet", ("gs://bkt", "a/b.parquet")),
+        ("s3://bucket", ("s3://bucket", "/")),
+        ("/data/out/", ("file", "/data/out")),
+        ("file:///data/in.jsonl", ("file", "/data/in.jsonl")),
+    ],
+)
 def test_dataset_names_follow_the_openlineage_naming(uri, expected):
     assert dataset_id(uri) == expected
 
@@ -35,8 +38,9 @@ def test_plan_reads_the_input_and_writes_the_plan_file():
 
 def test_merge_writes_results_and_errors_with_counts_and_columns():
     spec = make_spec("/d/in", "/d/out")
-    lin = merge_lineage(spec, merge_summary(10, 9, 1, {"results": "results/", "errors": "errors/"},
-                                                 parts={"results": 3, "errors": 1}))
+    lin = merge_lineage(
+        spec, merge_summary(10, 9, 1, {"results": "results/", "errors": "errors/"}, parts={"results": 3, "errors": 1})
+    )
     assert [(d.name, d.rows) for d in lin.inputs] == [("/d/in", 10)]
     results, errors = lin.outputs
     assert (results.namespace, results.name, results.rows) == ("file", "/d/out/results", 9)
@@ -47,14 +51,23 @@ def test_merge_writes_results_and_errors_with_counts_and_columns():
 
 
 def test_qa_checks_and_verdict_become_assertions_on_the_results():
-    qa = {"status": "fail", "summary": "QA fail: error_rate 0.2 > 0.1",
-          "checks": [{"name": "error_rate", "value": 0.2, "warn": 0.05, "fail": 0.1, "status": "fail"},
-                     {"name": "truncation_rate", "value": 0.06, "warn": 0.05, "fail": 0.5, "status": "warn"},
-                     {"name": "label_drift", "value": None, "warn": 0.1, "fail": 0.3, "status": "skip"},
-                     {"name": "parse_failure_rate", "value": 0.0, "warn": 0.01, "fail": 0.05, "status": "pass"}]}
+    qa = {
+        "status": "fail",
+        "summary": "QA fail: error_rate 0.2 > 0.1",
+        "checks": [
+            {"name": "error_rate", "value": 0.2, "warn": 0.05, "fail": 0.1, "status": "fail"},
+            {"name": "truncation_rate", "value": 0.06, "warn": 0.05, "fail": 0.5, "status": "warn"},
+            {"name": "label_drift", "value": None, "warn": 0.1, "fail": 0.3, "status": "skip"},
+            {"name": "parse_failure_rate", "value": 0.0, "warn": 0.01, "fail": 0.05, "status": "pass"},
+        ],
+    }
     got = {a.name: (a.success, a.severity, a.actual) for a in qa_assertions(qa)}
-    assert got == {"error_rate": (False, "error", "0.2"), "truncation_rate": (False, "warn", "0.06"),
-                   "parse_failure_rate": (True, None, "0.0"), "qa_verdict": (False, "error", "fail")}
+    assert got == {
+        "error_rate": (False, "error", "0.2"),
+        "truncation_rate": (False, "warn", "0.06"),
+        "parse_failure_rate": (True, None, "0.0"),
+        "qa_verdict": (False, "error", "fail"),
+    }
     lin = qa_lineage(make_spec("/d/in", "/d/out"), {**qa, "report_json": "/d/out/qa/report.json"})
     assert lin.inputs[0].name == "/d/out/results" and lin.inputs[0].assertions
     assert [d.name for d in lin.outputs] == ["/d/out/qa/report.json"]

@@ -38,8 +38,10 @@ def run(tmp_path, fake_engine_factory):
     plan = plan_job(spec)
     assert len(plan.shards) == 3
     for s in plan.shards:
-        assert run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)["status"] \
+        assert (
+            run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)["status"]
             == "committed"
+        )
     return spec, plan, tmp_path / "out"
 
 
@@ -65,8 +67,12 @@ def entry_for(out: Path, rel: str) -> dict:
         err = errors_rel(rel)
         n_err = pq.ParquetFile(out / err).metadata.num_rows
         edata = (out / err).read_bytes()
-        entry.update(rows=ok + n_err, ok_rows=ok, error_rows=n_err, errors={
-            "path": err, "bytes": len(edata), "sha256": hashlib.sha256(edata).hexdigest(), "rows": n_err})
+        entry.update(
+            rows=ok + n_err,
+            ok_rows=ok,
+            error_rows=n_err,
+            errors={"path": err, "bytes": len(edata), "sha256": hashlib.sha256(edata).hexdigest(), "rows": n_err},
+        )
     return entry
 
 
@@ -77,8 +83,10 @@ def chunk_rows(out: Path, rel: str) -> pa.Table:
     ok = ok.append_column("status", pa.array(["ok"] * ok.num_rows, pa.string()))
     err = err.append_column("status", pa.array(["error"] * err.num_rows, pa.string()))
     t = pa.concat_tables([ok, err], promote_options="default")
-    return pa.Table.from_arrays([t.column(f.name) if f.name in t.column_names else pa.nulls(t.num_rows, f.type)
-                                 for f in ROW_SCHEMA], schema=ROW_SCHEMA)
+    return pa.Table.from_arrays(
+        [t.column(f.name) if f.name in t.column_names else pa.nulls(t.num_rows, f.type) for f in ROW_SCHEMA],
+        schema=ROW_SCHEMA,
+    )
 
 
 def nothing_published(out: Path) -> bool:
@@ -103,21 +111,30 @@ def _other_shards_chunk(out: Path, plan) -> str:
 HOSTILE = {
     # each: marker edit -> what the message must say; the entry's bytes/sha256 are right where a file exists
     "another shard's chunk": lambda out, plan, m: m["files"].__setitem__(
-        0, entry_for(out, _other_shards_chunk(out, plan))),
+        0, entry_for(out, _other_shards_chunk(out, plan))
+    ),
     "the plan file": lambda out, plan, m: m["files"].__setitem__(0, entry_for(out, "_plan.json")),
-    "a dot-dot path into another shard": lambda out, plan, m: m["files"].__setitem__(0, {
-        **entry_for(out, _other_shards_chunk(out, plan)),
-        "path": f"shards/{plan.shards[0].shard_id}/attempts/../../{plan.shards[1].shard_id}/attempts/"
-                f"{_other_shards_chunk(out, plan).split('/')[3]}/chunk-00000.parquet"}),
-    "an attempt folder named ..": lambda out, plan, m: m["files"].__setitem__(0, {
-        **m["files"][0], "path": f"shards/{plan.shards[0].shard_id}/attempts/../chunk-00000.parquet"}),
+    "a dot-dot path into another shard": lambda out, plan, m: m["files"].__setitem__(
+        0,
+        {
+            **entry_for(out, _other_shards_chunk(out, plan)),
+            "path": f"shards/{plan.shards[0].shard_id}/attempts/../../{plan.shards[1].shard_id}/attempts/"
+            f"{_other_shards_chunk(out, plan).split('/')[3]}/chunk-00000.parquet",
+        },
+    ),
+    "an attempt folder named ..": lambda out, plan, m: m["files"].__setitem__(
+        0, {**m["files"][0], "path": f"shards/{plan.shards[0].shard_id}/attempts/../chunk-00000.parquet"}
+    ),
     "an absolute path": lambda out, plan, m: m["files"].__setitem__(0, {**m["files"][0], "path": "/etc/passwd"}),
-    "a file outside the run": lambda out, plan, m: m["files"].__setitem__(0, {
-        **m["files"][0], "path": "../in.parquet"}),
-    "a non-chunk name in its own attempt": lambda out, plan, m: m["files"].__setitem__(0, {
-        **m["files"][0], "path": m["files"][0]["path"].replace("chunk-00000.parquet", "x.parquet")}),
-    "a temp file of its own attempt": lambda out, plan, m: m["files"].__setitem__(0, {
-        **m["files"][0], "path": m["files"][0]["path"] + ".tmp-0123"}),
+    "a file outside the run": lambda out, plan, m: m["files"].__setitem__(
+        0, {**m["files"][0], "path": "../in.parquet"}
+    ),
+    "a non-chunk name in its own attempt": lambda out, plan, m: m["files"].__setitem__(
+        0, {**m["files"][0], "path": m["files"][0]["path"].replace("chunk-00000.parquet", "x.parquet")}
+    ),
+    "a temp file of its own attempt": lambda out, plan, m: m["files"].__setitem__(
+        0, {**m["files"][0], "path": m["files"][0]["path"] + ".tmp-0123"}
+    ),
     "a path that is not a string": lambda out, plan, m: m["files"].__setitem__(0, {**m["files"][0], "path": 7}),
     "the same chunk twice": lambda out, plan, m: m["files"].append(dict(m["files"][0])),
     "another shard's id": lambda out, plan, m: m.__setitem__("shard_id", plan.shards[1].shard_id),
@@ -163,10 +180,16 @@ def _copy_into_new_attempt(out: Path, plan, shard_index: int, edit=None) -> str:
     shard_id = plan.shards[shard_index].shard_id
     first = json.loads(marker_path(out, shard_id).read_text())["files"][0]["path"]
     t = chunk_rows(out, first)
-    t = t.set_column(t.column_names.index("attempt_id"), "attempt_id",
-                     pa.array(["a-forged-copy"] * t.num_rows, t.schema.field("attempt_id").type))
-    t = t.set_column(t.column_names.index("latency_ms"), "latency_ms",
-                     pa.array([1.5] * t.num_rows, t.schema.field("latency_ms").type))
+    t = t.set_column(
+        t.column_names.index("attempt_id"),
+        "attempt_id",
+        pa.array(["a-forged-copy"] * t.num_rows, t.schema.field("attempt_id").type),
+    )
+    t = t.set_column(
+        t.column_names.index("latency_ms"),
+        "latency_ms",
+        pa.array([1.5] * t.num_rows, t.schema.field("latency_ms").type),
+    )
     if edit is not None:
         t = edit(t)
     meta = ChunkMeta(shard_id=shard_id, chunk=0, first_row=0, rows=t.num_rows, config_hash="forged")

@@ -34,13 +34,15 @@ from tests.support.reconcile import check, check_no_partial, reconcile
 
 IDS = [f"r{i:03d}" for i in range(60)]
 EMPTY = {7, 23, 24, 41}  # empty texts: EMPTY_INPUT error rows in 3 of the 6 chunks
-MERGE = ("import sys\nfrom airflow_provider_vllm.steps.merge import merge_run\nfrom airflow_provider_vllm.core.spec "
-         "import JobSpec\nmerge_run(JobSpec.load(sys.argv[1]))\n")
+MERGE = (
+    "import sys\nfrom airflow_provider_vllm.steps.merge import merge_run\nfrom airflow_provider_vllm.core.spec "
+    "import JobSpec\nmerge_run(JobSpec.load(sys.argv[1]))\n"
+)
 
 
 def _run(tmp_path: Path, factory, texts=None, name="out"):
     texts = texts or ["" if i in EMPTY else f"ticket {i}" for i in range(len(IDS))]
-    write_parquet(tmp_path / "in.parquet", IDS[:len(texts)], texts)
+    write_parquet(tmp_path / "in.parquet", IDS[: len(texts)], texts)
     spec = make_spec(tmp_path / "in.parquet", tmp_path / name, sharding={"target_rows": 20, "chunk_rows": 10})
     plan = plan_job(spec)
     for s in plan.shards:
@@ -50,8 +52,12 @@ def _run(tmp_path: Path, factory, texts=None, name="out"):
 
 def _folder(out: Path) -> dict[str, bytes]:
     """Every file under results/ and errors/ (temp files included) -> its bytes."""
-    return {str(p.relative_to(out)): p.read_bytes() for kind in ("results", "errors")
-            for p in sorted((out / kind).iterdir()) if p.is_file()}
+    return {
+        str(p.relative_to(out)): p.read_bytes()
+        for kind in ("results", "errors")
+        for p in sorted((out / kind).iterdir())
+        if p.is_file()
+    }
 
 
 def test_duckdb_pandas_and_pyarrow_dataset_read_the_folders_as_one_table(tmp_path, fake_engine_factory):
@@ -80,8 +86,9 @@ def test_parts_are_the_committed_files_named_in_plan_order_with_a_manifest(tmp_p
     man = read_manifest(o, "results")
     names = [p.name for p in man.parts]
     assert names == sorted(names) == sorted(p.name for p in (out / "results").glob("*.parquet"))
-    committed = [f for s in plan.shards
-                 for f in json.loads((out / "shards" / s.shard_id / MARKER).read_text())["files"]]
+    committed = [
+        f for s in plan.shards for f in json.loads((out / "shards" / s.shard_id / MARKER).read_text())["files"]
+    ]
     assert len(names) == len(committed) == 6
     for part, f in zip(man.parts, committed):
         assert os.path.samefile(out / "results" / part.name, out / f["path"])  # by reference: a hard link
@@ -127,9 +134,18 @@ def test_foreign_files_are_refused_and_stale_parts_removed(tmp_path, fake_engine
 
 
 @pytest.mark.reliability
-@pytest.mark.parametrize("point", ["merge.before_write", "merge.mid_file#2", "merge.between_parts#1",
-                                   "merge.between_parts#7", "merge.after_manifests", "merge.after_data",
-                                   "merge.after_marker"])
+@pytest.mark.parametrize(
+    "point",
+    [
+        "merge.before_write",
+        "merge.mid_file#2",
+        "merge.between_parts#1",
+        "merge.between_parts#7",
+        "merge.after_manifests",
+        "merge.after_data",
+        "merge.after_marker",
+    ],
+)
 def test_merge_killed_at_each_step_reruns_to_the_same_bytes(tmp_path, fake_engine_factory, point):
     spec, plan, out = _run(tmp_path, fake_engine_factory)
     ref = merge_run(spec)
@@ -139,8 +155,9 @@ def test_merge_killed_at_each_step_reruns_to_the_same_bytes(tmp_path, fake_engin
             p.unlink()
     (out / MERGED).unlink()
     env = {**os.environ, "VLLM_BATCH_FAULTS": f"{point}=kill"}
-    p = subprocess.run([sys.executable, "-c", MERGE, spec.model_dump_json()], env=env, capture_output=True,
-                       text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-c", MERGE, spec.model_dump_json()], env=env, capture_output=True, text=True, timeout=120
+    )
     assert p.returncode == -signal.SIGKILL, p.stderr[-3000:]
     assert (out / MERGED).exists() == (point == "merge.after_marker")  # never "complete" before the end
     check_no_partial(out)
@@ -148,8 +165,9 @@ def test_merge_killed_at_each_step_reruns_to_the_same_bytes(tmp_path, fake_engin
     assert all(ref_files[k] == v for k, v in visible.items())  # what is visible is whole and final
     again = merge_run(spec)
     assert _folder(out) == ref_files and again["checksums"] == ref["checksums"]
-    assert {k: v for k, v in json.loads((out / MERGED).read_text()).items() if k != "merge_s"} == \
-        {k: v for k, v in ref_merged.items() if k != "merge_s"}
+    assert {k: v for k, v in json.loads((out / MERGED).read_text()).items() if k != "merge_s"} == {
+        k: v for k, v in ref_merged.items() if k != "merge_s"
+    }
     check(out, IDS, kind=f"kill9.{point.split('#')[0]}", level="process")
 
 
@@ -194,8 +212,9 @@ def test_a_dropped_duplicate_re_encodes_only_the_part_that_held_it(tmp_path, fak
     parts = read_manifest(o, "results").parts
     assert [p.rows for p in parts] == [5, 5] + [10] * 5
     rewritten = out / "results" / parts[1].name
-    assert not os.path.samefile(rewritten, out / first["path"]) and o.sha256(f"results/{parts[1].name}") == \
-        parts[1].sha256
+    assert (
+        not os.path.samefile(rewritten, out / first["path"]) and o.sha256(f"results/{parts[1].name}") == parts[1].sha256
+    )
     assert os.path.samefile(out / "results" / parts[0].name, out / entry.path)  # the kept copies: a link
     assert sorted(pd.read_parquet(out / "results")["id"]) == IDS
     before = _folder(out)

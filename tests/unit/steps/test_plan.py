@@ -78,8 +78,10 @@ def test_target_tokens(tmp_path):
 def datasets(draw):
     n_files = draw(st.integers(1, 4))
     sizes = [draw(st.integers(0, 60)) for _ in range(n_files)]
-    lengths = [[draw(st.integers(0, 3000)) if draw(st.booleans()) else draw(st.integers(0, 40))
-                for _ in range(n)] for n in sizes]
+    lengths = [
+        [draw(st.integers(0, 3000)) if draw(st.booleans()) else draw(st.integers(0, 40)) for _ in range(n)]
+        for n in sizes
+    ]
     rg = draw(st.integers(1, 25))
     target = draw(st.integers(1, 80))
     max_shards = draw(st.integers(1, 12))
@@ -104,13 +106,18 @@ def test_property_every_row_in_exactly_one_shard(tmp_path_factory, data):
         expected += ids
         texts = ["y" * n if n else "z" for n in lens]
         if fmt == "parquet":
-            pq.write_table(pa.table({"id": pa.array(ids, pa.string()), "text": pa.array(texts, pa.string())}),
-                           d / "in" / f"part-{f}.parquet", row_group_size=rg)
+            pq.write_table(
+                pa.table({"id": pa.array(ids, pa.string()), "text": pa.array(texts, pa.string())}),
+                d / "in" / f"part-{f}.parquet",
+                row_group_size=rg,
+            )
         else:
-            (d / "in" / f"part-{f}.jsonl").write_text("".join(json.dumps({"id": i, "text": t}) + "\n"
-                                                              for i, t in zip(ids, texts)))
-    spec = make_spec(d / "in", d / "out",
-                     sharding={"target_rows": target, "max_shards": max_shards, "long_row_tokens": bucket})
+            (d / "in" / f"part-{f}.jsonl").write_text(
+                "".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in zip(ids, texts))
+            )
+    spec = make_spec(
+        d / "in", d / "out", sharding={"target_rows": target, "max_shards": max_shards, "long_row_tokens": bucket}
+    )
     plan = build_plan(spec)
     again = build_plan(spec)
     assert [s.model_dump() for s in plan.shards] == [s.model_dump() for s in again.shards]  # deterministic
@@ -134,15 +141,24 @@ def test_footer_sizing_never_builds_per_row_arrays_and_cuts_the_same(tmp_path, m
 
     for f in range(3):
         n = 500 + 137 * f
-        write_parquet(tmp_path / "in" / f"p{f}.parquet", [f"{f}-{i}" for i in range(n)],
-                      ["t" * (1 + (i // 50) % 9 * 20) for i in range(n)], row_group_size=50 + 13 * f)
+        write_parquet(
+            tmp_path / "in" / f"p{f}.parquet",
+            [f"{f}-{i}" for i in range(n)],
+            ["t" * (1 + (i // 50) % 9 * 20) for i in range(n)],
+            row_group_size=50 + 13 * f,
+        )
     spec = make_spec(tmp_path / "in", tmp_path / "out", sharding={"target_rows": 97})
     monkeypatch.setattr(RowRuns, "expand", lambda self: pytest.fail("expanded runs into a per-row array"))
     runs = plan_mod.build_plan(spec)
     monkeypatch.undo()
     real = plan_mod._row_tokens
-    monkeypatch.setattr(plan_mod, "_row_tokens", lambda scan, cpt: plan_mod.RowTokens(real(scan, cpt).values if
-                        scan.runs is None else plan_mod.estimate_tokens(scan.chars, cpt)))
+    monkeypatch.setattr(
+        plan_mod,
+        "_row_tokens",
+        lambda scan, cpt: plan_mod.RowTokens(
+            real(scan, cpt).values if scan.runs is None else plan_mod.estimate_tokens(scan.chars, cpt)
+        ),
+    )
     per_row = plan_mod.build_plan(spec).model_dump()
     assert runs.model_dump() == per_row
     assert len(runs.shards) == 20 and len({s.est_tokens for s in runs.shards}) > 3

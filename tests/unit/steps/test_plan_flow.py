@@ -125,8 +125,17 @@ def _write_input(d: Path, fmt: str) -> None:
     if fmt == "jsonl":
         lines = [json.dumps({"id": f"r{i}", "text": t}) for i, t in enumerate(texts)]
     else:
-        lines = [json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
-                             "body": {"messages": [{"role": "user", "content": t}]}}) for i, t in enumerate(texts)]
+        lines = [
+            json.dumps(
+                {
+                    "custom_id": f"r{i}",
+                    "method": "POST",
+                    "url": "/v1/chat/completions",
+                    "body": {"messages": [{"role": "user", "content": t}]},
+                }
+            )
+            for i, t in enumerate(texts)
+        ]
     lines.insert(3, "{not json")
     (d / "a.jsonl").write_text("\n".join(lines) + "\n")
 

@@ -26,8 +26,9 @@ MTIME = 1_700_000_000  # fixed file versions (local files: mtime), so the finger
 
 
 def _texts(n: int, long_every: int) -> list[str]:
-    return [("long ticket text " * 60 if i % long_every == 3 else f"{LABELS[i % len(LABELS)]} ticket {i}")
-            for i in range(n)]
+    return [
+        ("long ticket text " * 60 if i % long_every == 3 else f"{LABELS[i % len(LABELS)]} ticket {i}") for i in range(n)
+    ]
 
 
 def _parquet(d: Path) -> dict:
@@ -57,19 +58,22 @@ def _openai_batch(d: Path) -> dict:
     lines = []
     for i, t in enumerate(_texts(30, 5)):
         body = {"model": "m", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": t}]}
-        lines.append(json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
-                                 "body": body}))
+        lines.append(
+            json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body})
+        )
     lines.insert(4, "{broken")
     lines.insert(9, json.dumps({"custom_id": "get", "method": "GET", "url": "/v1/chat/completions", "body": {}}))
-    lines.insert(12, json.dumps({"custom_id": "body-str", "method": "POST", "url": "/v1/chat/completions",
-                                 "body": "text"}))
+    lines.insert(
+        12, json.dumps({"custom_id": "body-str", "method": "POST", "url": "/v1/chat/completions", "body": "text"})
+    )
     (d / "in" / "batch.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return {"sharding": {"target_tokens": 300, "target_rows": None, "long_row_tokens": 60},
-            "sampling": {"max_tokens": 8, "structured": None}}
+    return {
+        "sharding": {"target_tokens": 300, "target_rows": None, "long_row_tokens": 60},
+        "sampling": {"max_tokens": 8, "structured": None},
+    }
 
 
-CASES = {"parquet": _parquet, "parquet_footer": _parquet_footer, "jsonl": _jsonl_lines,
-         "openai_batch": _openai_batch}
+CASES = {"parquet": _parquet, "parquet_footer": _parquet_footer, "jsonl": _jsonl_lines, "openai_batch": _openai_batch}
 
 
 def _normalised(doc: dict, tmp: Path) -> dict:

@@ -19,8 +19,13 @@ from tests.support.data import make_spec, write_parquet
 from tests.support.ledger import record_bad_rows
 
 # ---- schemes ------------------------------------------------------------------------------
-UNSUPPORTED = ["abfs://container/in", "az://container/runs/r1", "abfss://c@acct.dfs.core.windows.net/x",
-               "adl://store/x", "AZ://container/x"]
+UNSUPPORTED = [
+    "abfs://container/in",
+    "az://container/runs/r1",
+    "abfss://c@acct.dfs.core.windows.net/x",
+    "adl://store/x",
+    "AZ://container/x",
+]
 
 
 @pytest.mark.parametrize("uri", UNSUPPORTED)
@@ -74,15 +79,25 @@ def test_whitespace_only_ids_are_refused_in_every_format(tmp_path, blank):
     with pytest.raises(DatasetError, match=r"in\.jsonl line 5: id field 'id' is .*only whitespace"):
         build_plan(make_spec(tmp_path / "in.jsonl", tmp_path / "o1"))
     # OpenAI batch: custom_id
-    reqs = [{"custom_id": r["id"], "method": "POST", "url": "/v1/chat/completions",
-             "body": {"messages": [{"role": "user", "content": r["text"]}]}} for r in rows]
+    reqs = [
+        {
+            "custom_id": r["id"],
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": r["text"]}]},
+        }
+        for r in rows
+    ]
     (tmp_path / "batch.jsonl").write_text("\n".join(json.dumps(r) for r in reqs) + "\n")
     with pytest.raises(DatasetError, match=r"batch\.jsonl line 5: id field 'custom_id' is .*only whitespace"):
         build_plan(make_spec(tmp_path / "batch.jsonl", tmp_path / "o2", io={"input_format": "openai_batch"}))
     # Parquet
     write_parquet(tmp_path / "in.parquet", [r["id"] for r in rows], [r["text"] for r in rows])
-    with pytest.raises(DatasetError, match=r"1 row\(s\) have an empty id \(empty or only whitespace\).*"
-                                           r"in\.parquet row 4"):
+    with pytest.raises(
+        DatasetError,
+        match=r"1 row\(s\) have an empty id \(empty or only whitespace\).*"
+        r"in\.parquet row 4",
+    ):
         build_plan(make_spec(tmp_path / "in.parquet", tmp_path / "o3"))
 
 
@@ -100,8 +115,11 @@ def test_blank_id_refusals_are_recorded(tmp_path):
                 src = d / "in.parquet"
             else:
                 key = "custom_id" if fmt == "openai_batch" else "id"
-                line = {key: blank, "text": "y"} if fmt == "jsonl" else {
-                    key: blank, "method": "POST", "url": "/v1/embeddings", "body": {"input": "y"}}
+                line = (
+                    {key: blank, "text": "y"}
+                    if fmt == "jsonl"
+                    else {key: blank, "method": "POST", "url": "/v1/embeddings", "body": {"input": "y"}}
+                )
                 (d / "in.jsonl").write_text(json.dumps(line) + "\n")
                 src = d / "in.jsonl"
             try:
@@ -139,8 +157,11 @@ def test_more_shards_than_max_shards_is_refused_naming_target_rows(tmp_path):
 
 def test_by_tokens_the_message_names_target_tokens(tmp_path):
     write_parquet(tmp_path / "in.parquet", [f"r{i}" for i in range(50)], ["word " * 40] * 50)
-    spec = make_spec(tmp_path / "in.parquet", tmp_path / "out",
-                     sharding={"target_rows": None, "target_tokens": 100, "chars_per_token": 4.0})
+    spec = make_spec(
+        tmp_path / "in.parquet",
+        tmp_path / "out",
+        sharding={"target_rows": None, "target_tokens": 100, "chars_per_token": 4.0},
+    )
     n = len(build_plan(spec).shards)
     assert n > 3
     with pytest.raises(SpecError, match=r"raise sharding\.target_tokens \(now 100; at least \d+ for \d+ estimated"):

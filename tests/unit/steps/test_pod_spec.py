@@ -32,14 +32,18 @@ def test_one_gpu_per_shard_layout():
     assert p.gpus == 1 and p.resources.limits["nvidia.com/gpu"] == "1"
     assert p.shm_size == "2Gi"
     assert p.resources.requests == {"cpu": "4", "memory": "34Gi"} and p.resources.limits["memory"] == "34Gi"
-    assert {k: env_of(p)[k] for k in NVLS_OFF} == {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                                                   "NVSHMEM_DISABLE_NVLS": "1"}
+    assert {k: env_of(p)[k] for k in NVLS_OFF} == {
+        "NCCL_NVLS_ENABLE": "0",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+        "NVSHMEM_DISABLE_NVLS": "1",
+    }
     (dshm,) = [v for v in p.volumes if v.name == "dshm"]
     assert dshm.empty_dir.medium == "Memory" and dshm.empty_dir.size_limit == "2Gi"
 
 
-@pytest.mark.parametrize("tp, pp, gpus, shm", [(2, 1, 2, "16Gi"), (4, 1, 4, "32Gi"), (2, 2, 4, "32Gi"),
-                                               (8, 1, 8, "64Gi")])
+@pytest.mark.parametrize(
+    "tp, pp, gpus, shm", [(2, 1, 2, "16Gi"), (4, 1, 4, "32Gi"), (2, 2, 4, "32Gi"), (8, 1, 8, "64Gi")]
+)
 def test_tensor_and_pipeline_parallel_pods_get_tp_x_pp_gpus_and_shm_for_nccl(tp, pp, gpus, shm):
     kw = {"tensor_parallel_size": tp}
     if pp > 1:
@@ -55,8 +59,9 @@ def test_tensor_and_pipeline_parallel_pods_get_tp_x_pp_gpus_and_shm_for_nccl(tp,
 
 
 def test_gpu_resource_name_and_count_are_configurable_and_cpu_pods_have_none():
-    p = parts({"gpu_resource": "nvidia.com/vgpu", "extra_resources": {"nvidia.com/gpumem": "20000"}},
-              tensor_parallel_size=2)
+    p = parts(
+        {"gpu_resource": "nvidia.com/vgpu", "extra_resources": {"nvidia.com/gpumem": "20000"}}, tensor_parallel_size=2
+    )
     assert p.resources.limits["nvidia.com/vgpu"] == "2" and "nvidia.com/gpu" not in p.resources.limits
     assert p.resources.limits["nvidia.com/gpumem"] == "20000"
     cpu = parts({"gpus": 0, "cpu": "2", "memory": "6Gi"})
@@ -78,8 +83,11 @@ def test_pod_gpu_request_must_equal_the_engines_gpus(tp, pp, gpus):
     kw = {"tensor_parallel_size": tp}
     if pp > 1:
         kw["engine_kwargs"] = {"pipeline_parallel_size": pp}
-    with pytest.raises(SpecError, match=rf"kubernetes.gpus={gpus} but .*engine.tensor_parallel_size x "
-                                        rf"pipeline_parallel_size = {tp * pp} GPU"):
+    with pytest.raises(
+        SpecError,
+        match=rf"kubernetes.gpus={gpus} but .*engine.tensor_parallel_size x "
+        rf"pipeline_parallel_size = {tp * pp} GPU",
+    ):
         parts({"gpus": gpus}, **kw)
 
 
@@ -89,8 +97,16 @@ def test_pod_gpu_request_equals_the_layouts_tensor_parallel_size(tp):
     from airflow_provider_vllm.steps.memory_plan import GiB as G
     from airflow_provider_vllm.steps.memory_plan import ModelShape, choose_layout
 
-    shape = ModelShape.from_config({"num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
-                                    "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256})
+    shape = ModelShape.from_config(
+        {
+            "num_hidden_layers": 32,
+            "hidden_size": 4096,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "intermediate_size": 14336,
+            "vocab_size": 128256,
+        }
+    )
     lay = choose_layout(shape, requested_tp=tp, max_model_len=8192, gpu_memory_bytes=int(79.2 * G))
     assert lay.refusal is None and lay.gpus_per_pod == tp
     for settings in ({}, {"gpus": tp}):
@@ -118,13 +134,22 @@ def test_caches_tmp_and_model_cache_volumes_and_env():
 
 
 def test_secrets_only_as_references():
-    p = parts({"hf_token_secret": {"name": "hf", "key": "token"},
-               "secret_env": {"AWS_ACCESS_KEY_ID": {"name": "s3", "key": "id"},
-                              "AWS_SECRET_ACCESS_KEY": {"name": "s3", "key": "secret"}},
-               "env_from_secrets": ["gcs-creds"]})
+    p = parts(
+        {
+            "hf_token_secret": {"name": "hf", "key": "token"},
+            "secret_env": {
+                "AWS_ACCESS_KEY_ID": {"name": "s3", "key": "id"},
+                "AWS_SECRET_ACCESS_KEY": {"name": "s3", "key": "secret"},
+            },
+            "env_from_secrets": ["gcs-creds"],
+        }
+    )
     refs = {e.name: (e.value_from.secret_key_ref.name, e.value_from.secret_key_ref.key) for e in p.env if e.value_from}
-    assert refs == {"HF_TOKEN": ("hf", "token"), "AWS_ACCESS_KEY_ID": ("s3", "id"),
-                    "AWS_SECRET_ACCESS_KEY": ("s3", "secret")}
+    assert refs == {
+        "HF_TOKEN": ("hf", "token"),
+        "AWS_ACCESS_KEY_ID": ("s3", "id"),
+        "AWS_SECRET_ACCESS_KEY": ("s3", "secret"),
+    }
     assert all(e.value is None for e in p.env if e.value_from)
     assert [f.secret_ref.name for f in p.env_from] == ["gcs-creds"]
 
@@ -137,14 +162,34 @@ def test_secret_values_cannot_be_put_in_the_pod_spec():
         lambda: KubernetesSettings(env={"DB_PASSWORD": "x"}),
         lambda: parts({"env": {"NCCL_NVLS_ENABLE": "1"}}),
         lambda: parts({"env": {"HF_HUB_OFFLINE": "0"}, "secret_env": {"HF_HUB_OFFLINE": {"name": "a", "key": "b"}}}),
-        lambda: pod_parts(JobSpec.load({**make_spec("/in", "/out").model_dump(mode="json"),
-                                        "io": {"input_uri": "s3://bkt/in", "output_uri": "s3://bkt/out",
-                                               "storage_options": {"key": "AKIA", "secret": "s3cr3t"}}}),
-                          KubernetesSettings(), SHARD),
-        lambda: pod_parts(JobSpec.load({**make_spec("/in", "/out").model_dump(mode="json"),
-                                        "io": {"input_uri": "gs://bkt/in", "output_uri": "gs://bkt/out",
-                                               "storage_options": {"sas_token": "x"}}}),
-                          KubernetesSettings(), SHARD),
+        lambda: pod_parts(
+            JobSpec.load(
+                {
+                    **make_spec("/in", "/out").model_dump(mode="json"),
+                    "io": {
+                        "input_uri": "s3://bkt/in",
+                        "output_uri": "s3://bkt/out",
+                        "storage_options": {"key": "AKIA", "secret": "s3cr3t"},
+                    },
+                }
+            ),
+            KubernetesSettings(),
+            SHARD,
+        ),
+        lambda: pod_parts(
+            JobSpec.load(
+                {
+                    **make_spec("/in", "/out").model_dump(mode="json"),
+                    "io": {
+                        "input_uri": "gs://bkt/in",
+                        "output_uri": "gs://bkt/out",
+                        "storage_options": {"sas_token": "x"},
+                    },
+                }
+            ),
+            KubernetesSettings(),
+            SHARD,
+        ),
     ]
     rejected = 0
     for attempt in tries:
@@ -157,11 +202,26 @@ def test_secret_values_cannot_be_put_in_the_pod_spec():
 
 
 def test_placement_labels_and_affinity():
-    p = parts({"node_selector": {"cloud.google.com/gke-spot": "true"}, "kueue_queue": "gpu-batch",
-               "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
-               "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
-                   "nodeSelectorTerms": [{"matchExpressions": [
-                       {"key": "nvidia.com/gpu.product", "operator": "In", "values": ["NVIDIA-H200"]}]}]}}}})
+    p = parts(
+        {
+            "node_selector": {"cloud.google.com/gke-spot": "true"},
+            "kueue_queue": "gpu-batch",
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            "affinity": {
+                "nodeAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": {
+                        "nodeSelectorTerms": [
+                            {
+                                "matchExpressions": [
+                                    {"key": "nvidia.com/gpu.product", "operator": "In", "values": ["NVIDIA-H200"]}
+                                ]
+                            }
+                        ]
+                    }
+                }
+            },
+        }
+    )
     assert p.labels["kueue.x-k8s.io/queue-name"] == "gpu-batch" and p.labels["vllm-batch/shard"] == SHARD
     assert p.node_selector == {"cloud.google.com/gke-spot": "true"}
     assert p.tolerations[0].key == "nvidia.com/gpu" and p.tolerations[0].operator == "Exists"
@@ -185,9 +245,16 @@ def test_settings_layering_and_the_spec_hash_ignores_the_kubernetes_section():
 def test_security_contexts_are_restricted():
     p = parts()
     c = ApiClient().sanitize_for_serialization(p.container_security_context)
-    assert c == {"allowPrivilegeEscalation": False, "privileged": False, "readOnlyRootFilesystem": True,
-                 "runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "capabilities": {"drop": ["ALL"]},
-                 "seccompProfile": {"type": "RuntimeDefault"}}
+    assert c == {
+        "allowPrivilegeEscalation": False,
+        "privileged": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "runAsUser": 1000,
+        "runAsGroup": 1000,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
     pod = ApiClient().sanitize_for_serialization(p.pod_security_context)
     assert pod["runAsNonRoot"] is True and pod["seccompProfile"] == {"type": "RuntimeDefault"}
     with pytest.raises(ValueError, match="run_as_user"):

@@ -23,12 +23,29 @@ from tests.support.data import make_spec, write_parquet
 
 
 def record(spec, **over):
-    r = {"version": HISTORY_VERSION, "recorded_at": "2026-11-28T03:00:00Z", "job": spec.name, "task": spec.task,
-         "model": spec.model.name, "model_revision": None, "hardware": "1x NVIDIA H200", "tensor_parallel_size": 1,
-         "config_hash": spec.output_hash(), "spec_hash": "s" * 64, "shards": 4, "rows": 10_000, "infer_s": 1000.0,
-         "prompt_tokens": 1_500_000, "completion_tokens": 20_000, "engine_start_s": 30.0, "rows_per_s": 10.0,
-         "tokens_per_s": 1520.0, "prompt_tokens_per_row": 150.0, "completion_tokens_per_row": 2.0,
-         "est_prompt_tokens_per_row": 20.0}
+    r = {
+        "version": HISTORY_VERSION,
+        "recorded_at": "2026-11-28T03:00:00Z",
+        "job": spec.name,
+        "task": spec.task,
+        "model": spec.model.name,
+        "model_revision": None,
+        "hardware": "1x NVIDIA H200",
+        "tensor_parallel_size": 1,
+        "config_hash": spec.output_hash(),
+        "spec_hash": "s" * 64,
+        "shards": 4,
+        "rows": 10_000,
+        "infer_s": 1000.0,
+        "prompt_tokens": 1_500_000,
+        "completion_tokens": 20_000,
+        "engine_start_s": 30.0,
+        "rows_per_s": 10.0,
+        "tokens_per_s": 1520.0,
+        "prompt_tokens_per_row": 150.0,
+        "completion_tokens_per_row": 2.0,
+        "est_prompt_tokens_per_row": 20.0,
+    }
     r.update(over)
     return ThroughputRecord.model_validate(r)
 
@@ -36,19 +53,24 @@ def record(spec, **over):
 def write_history(folder, files: dict[str, list[dict]]):
     folder.mkdir(parents=True, exist_ok=True)
     for name, recs in files.items():
-        (folder / name).write_text("".join(json.dumps(r.dump() if isinstance(r, ThroughputRecord) else r) + "\n"
-                                           for r in recs))
+        (folder / name).write_text(
+            "".join(json.dumps(r.dump() if isinstance(r, ThroughputRecord) else r) + "\n" for r in recs)
+        )
 
 
 def spec_with_history(tmp_path, **sharding):
-    return make_spec(tmp_path / "in", tmp_path / "out",
-                     sharding={"target_rows": 100, "history_uri": str(tmp_path / "history"), **sharding})
+    return make_spec(
+        tmp_path / "in",
+        tmp_path / "out",
+        sharding={"target_rows": 100, "history_uri": str(tmp_path / "history"), **sharding},
+    )
 
 
 def test_history_round_trip_merge_writes_a_record_that_the_next_plan_reads(tmp_path, fake_engine_factory):
     n = 300
-    write_parquet(tmp_path / "in" / "a.parquet", [f"t{i:04d}" for i in range(n)],
-                  [f"ticket {i} text" for i in range(n)])
+    write_parquet(
+        tmp_path / "in" / "a.parquet", [f"t{i:04d}" for i in range(n)], [f"ticket {i} text" for i in range(n)]
+    )
     spec = spec_with_history(tmp_path)
     plan = plan_job(spec)
     assert plan.sizing is None and len(plan.shards) == 3  # empty history: target_rows 100 applies
@@ -63,9 +85,10 @@ def test_history_round_trip_merge_writes_a_record_that_the_next_plan_reads(tmp_p
     assert rec.rows == n and rec.shards == 3 and rec.model == "fake" and rec.task == "chat"
     assert rec.config_hash == spec.output_hash() and rec.hardware == marker["stats"]["hardware"]
     assert rec.completion_tokens_per_row == 2.0  # the fake engine's two tokens per row
-    assert rec.prompt_tokens == sum(json.loads(
-        (tmp_path / "out" / "shards" / s.shard_id / "_COMMITTED.json").read_text())["stats"]["prompt_tokens"]
-        for s in plan.shards)
+    assert rec.prompt_tokens == sum(
+        json.loads((tmp_path / "out" / "shards" / s.shard_id / "_COMMITTED.json").read_text())["stats"]["prompt_tokens"]
+        for s in plan.shards
+    )
     # re-merging the run replaces its record instead of adding a second one
     merge_run(spec)
     assert len(list((tmp_path / "history").glob("*.jsonl"))) == 1
@@ -113,8 +136,9 @@ def test_model_basis_uses_tokens_per_s_and_the_jobs_own_token_estimate(tmp_path)
     other_job = record(spec, config_hash="x" * 64, rows_per_s=99.0)  # same model, another prompt
     ev = find_evidence(spec, [other_job])
     assert ev.basis == "model" and ev.tokens_per_s == pytest.approx(1520.0)
-    work = estimate_workload(spec, rows=1000, est_text_tokens=50_000, evidence=ev, assumed_tokens_per_s=1.0,
-                             assumed_engine_start_s=0.0)
+    work = estimate_workload(
+        spec, rows=1000, est_text_tokens=50_000, evidence=ev, assumed_tokens_per_s=1.0, assumed_engine_start_s=0.0
+    )
     overhead = prompt_overhead_tokens(spec)  # system prompt + "Ticket: " of make_spec
     assert overhead == -(-len("Classify the ticket.Ticket: ") // 4)
     assert work.prompt_tokens == 50_000 + 1000 * overhead
@@ -155,8 +179,13 @@ def test_no_matching_history_falls_back_to_target_rows(tmp_path):
 def test_read_history_skips_bad_lines_and_files(tmp_path):
     spec = spec_with_history(tmp_path)
     h = tmp_path / "history"
-    write_history(h, {"20261127T030000Z-a-b.jsonl": [record(spec, rows=7)],
-                      "20261128T030000Z-a-b.jsonl": [record(spec, rows=8), {"version": 99, "rows": 1, "infer_s": 1}]})
+    write_history(
+        h,
+        {
+            "20261127T030000Z-a-b.jsonl": [record(spec, rows=7)],
+            "20261128T030000Z-a-b.jsonl": [record(spec, rows=8), {"version": 99, "rows": 1, "infer_s": 1}],
+        },
+    )
     (h / "20261129T030000Z-c-d.jsonl").write_text('not json\n{"version": 1, "rows": 0, "infer_s": 1}\n[1, 2]\n')
     (h / "notes.txt").write_text("ignored")
     assert [r.rows for r in read_history(str(h))] == [8, 7]  # newest file first
@@ -175,8 +204,9 @@ def test_history_on_s3(tmp_path, fake_engine_factory, monkeypatch):
             monkeypatch.setenv(k, v)
         opts = {}
         write_parquet(tmp_path / "in" / "a.parquet", [f"t{i}" for i in range(40)], ["ticket"] * 40)
-        spec = make_spec(tmp_path / "in", tmp_path / "out",
-                         sharding={"target_rows": 20, "history_uri": "s3://hist/throughput"})
+        spec = make_spec(
+            tmp_path / "in", tmp_path / "out", sharding={"target_rows": 20, "history_uri": "s3://hist/throughput"}
+        )
         check_deployment(spec, [str(tmp_path), "s3://hist/throughput"])
         plan = plan_job(spec)
         for s in plan.shards:
@@ -189,8 +219,9 @@ def test_history_on_s3(tmp_path, fake_engine_factory, monkeypatch):
 def test_unreadable_history_falls_back_with_a_warning(tmp_path, caplog):
     write_parquet(tmp_path / "in" / "a.parquet", [f"t{i}" for i in range(150)], ["x"] * 150)
     (tmp_path / "h" / "20261128T000000Z-a-b.jsonl").mkdir(parents=True)  # a folder DuckDB cannot read as a file
-    spec = make_spec(tmp_path / "in", tmp_path / "out",
-                     sharding={"target_rows": 100, "history_uri": str(tmp_path / "h")})
+    spec = make_spec(
+        tmp_path / "in", tmp_path / "out", sharding={"target_rows": 100, "history_uri": str(tmp_path / "h")}
+    )
     with caplog.at_level("WARNING"):
         assert size_shards(spec, 150, 1000) is None
     assert "cannot read the throughput history" in caplog.text

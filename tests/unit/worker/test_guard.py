@@ -24,9 +24,11 @@ IDS = [f"r{i:04d}" for i in range(120)]
 
 def job(tmp_path, task="chat", **worker):
     write_parquet(tmp_path / "in.parquet", IDS, [f"ticket {i} about my invoice" for i in range(len(IDS))])
-    over = {"engine": {"max_num_seqs": 16, "max_num_batched_tokens": 1024},
-            "worker": {"oom_min_num_seqs": 2, "oom_min_batched_tokens": 128, **worker},
-            "sharding": {"target_rows": 1000, "chunk_rows": 20}}
+    over = {
+        "engine": {"max_num_seqs": 16, "max_num_batched_tokens": 1024},
+        "worker": {"oom_min_num_seqs": 2, "oom_min_batched_tokens": 128, **worker},
+        "sharding": {"target_rows": 1000, "chunk_rows": 20},
+    }
     if task == "embed":
         over.update(task="embed", prompt={"system_prompt": None, "template": "{text}"}, sampling={"structured": None})
     spec = make_spec(tmp_path / "in.parquet", tmp_path / "out", **over)

@@ -19,8 +19,18 @@ from tests.support import ROOT  # noqa: E402
 
 # What vllm/vllm-openai brings that the worker imports (vLLM's own requirements; pydantic_core is
 # pydantic's own dependency, pinned by it; packaging is transformers' and torch's).
-VLLM_IMAGE = {"vllm", "torch", "numpy", "pydantic", "pydantic_core", "yaml", "psutil", "pynvml", "transformers",
-              "packaging"}
+VLLM_IMAGE = {
+    "vllm",
+    "torch",
+    "numpy",
+    "pydantic",
+    "pydantic_core",
+    "yaml",
+    "psutil",
+    "pynvml",
+    "transformers",
+    "packaging",
+}
 # Reached by the static walk but never run by the worker: planning imports DuckDB only inside
 # plan_job's helpers (the plan task, on the Airflow side).
 NOT_RUN_BY_WORKER = {"duckdb"}

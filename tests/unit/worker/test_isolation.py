@@ -39,11 +39,19 @@ def openai_job(tmp_path, rows, task="chat", **over):
     p.parent.mkdir(parents=True, exist_ok=True)
     with p.open("w") as f:
         for cid, body, *url in rows:
-            f.write(json.dumps({"custom_id": cid, "method": "POST", "url": url[0] if url else "/v1/chat/completions",
-                                "body": body}) + "\n")
-    doc = {"io": {"output_format": "openai_batch"}, "prompt": {"system_prompt": None, "template": "{text}"},
-           "sampling": {"max_tokens": 8, "structured": None}, "sharding": {"target_rows": 1000, "chunk_rows": 5},
-           **over}
+            f.write(
+                json.dumps(
+                    {"custom_id": cid, "method": "POST", "url": url[0] if url else "/v1/chat/completions", "body": body}
+                )
+                + "\n"
+            )
+    doc = {
+        "io": {"output_format": "openai_batch"},
+        "prompt": {"system_prompt": None, "template": "{text}"},
+        "sampling": {"max_tokens": 8, "structured": None},
+        "sharding": {"target_rows": 1000, "chunk_rows": 5},
+        **over,
+    }
     if task != "chat":
         doc["task"] = task
     spec = make_spec(p, tmp_path / "out", **doc)
@@ -79,10 +87,13 @@ def test_the_fake_engine_validates_per_row_settings_with_vllms_own_sampling_para
     cause = e.value.__cause__
     # the bug's class: vLLM 0.32 raises its own class, not a ValueError, so `except ValueError` missed it
     assert isinstance(cause, VLLMValidationError) and not isinstance(cause, ValueError)
-    for bad, fragment in [({"top_p": 0}, "top_p must be in (0, 1]"), ({"max_tokens": -5}, "max_tokens must be at least 1"),
-                          ({"stop": [""]}, "stop cannot contain an empty string"),
-                          ({"presence_penalty": 5}, "presence_penalty must be in [-2, 2]"),
-                          ({"min_tokens": 9, "max_tokens": 2}, "min_tokens must be less than or equal")]:
+    for bad, fragment in [
+        ({"top_p": 0}, "top_p must be in (0, 1]"),
+        ({"max_tokens": -5}, "max_tokens must be at least 1"),
+        ({"stop": [""]}, "stop cannot contain an empty string"),
+        ({"presence_penalty": 5}, "presence_penalty must be in [-2, 2]"),
+        ({"min_tokens": 9, "max_tokens": 2}, "min_tokens must be less than or equal"),
+    ]:
         with pytest.raises(RequestRejected, match=fragment.replace("(", r"\(").replace("[", r"\[")):
             fake.submit("k", [5, 6, 7], bad)
     with pytest.raises(RequestRejected, match="cannot be empty"):  # vLLM's input processor
@@ -93,8 +104,18 @@ def test_the_fake_engine_validates_per_row_settings_with_vllms_own_sampling_para
 
 
 @needs_vllm
-@pytest.mark.parametrize("cid", ["temperature-3", "temperature-nan", "top-p-0", "max-tokens-negative",
-                                 "stop-empty-string", "presence-penalty-5", "min-tokens-over-max"])
+@pytest.mark.parametrize(
+    "cid",
+    [
+        "temperature-3",
+        "temperature-nan",
+        "top-p-0",
+        "max-tokens-negative",
+        "stop-empty-string",
+        "presence-penalty-5",
+        "min-tokens-over-max",
+    ],
+)
 def test_our_ranges_are_vllms(cid):
     """Every sampling value the body model refuses, vLLM's SamplingParams refuses too..."""
     from vllm import SamplingParams
@@ -110,11 +131,21 @@ def test_our_ranges_are_vllms(cid):
 
 
 @needs_vllm
-@pytest.mark.parametrize("body", [b for _, b in good_chat_requests()] + [
-    {"messages": user(), "temperature": 2, "top_p": 1e-9, "max_tokens": 1},
-    {"messages": user(), "temperature": 0, "top_p": 1, "top_k": -1, "min_p": 1, "seed": -(2**63)},
-    {"messages": user(), "presence_penalty": -2, "frequency_penalty": 2, "repetition_penalty": 0.01, "seed": 2**63 - 1},
-])
+@pytest.mark.parametrize(
+    "body",
+    [b for _, b in good_chat_requests()]
+    + [
+        {"messages": user(), "temperature": 2, "top_p": 1e-9, "max_tokens": 1},
+        {"messages": user(), "temperature": 0, "top_p": 1, "top_k": -1, "min_p": 1, "seed": -(2**63)},
+        {
+            "messages": user(),
+            "presence_penalty": -2,
+            "frequency_penalty": 2,
+            "repetition_penalty": 0.01,
+            "seed": 2**63 - 1,
+        },
+    ],
+)
 def test_what_the_body_model_accepts_vllm_accepts(body, tmp_path):
     """... and every body it accepts becomes SamplingParams vLLM takes (the edges included)."""
     spec = make_spec(tmp_path / "in", tmp_path / "out", sampling={"max_tokens": 8, "structured": None})
@@ -125,8 +156,9 @@ def test_what_the_body_model_accepts_vllm_accepts(body, tmp_path):
 # ---- the body model: each hostile case, its code and a message that says why -----------
 @pytest.mark.parametrize("cid,body,code", hostile_chat_requests(), ids=[c for c, _, _ in hostile_chat_requests()])
 def test_each_hostile_body_is_its_rows_error_with_a_reason(cid, body, code):
-    spec = make_spec("/tmp/in", "/tmp/out", io={"output_format": "openai_batch"}, sampling={"max_tokens": 8,
-                                                                                           "structured": None})
+    spec = make_spec(
+        "/tmp/in", "/tmp/out", io={"output_format": "openai_batch"}, sampling={"max_tokens": 8, "structured": None}
+    )
     builder = PromptBuilder(spec, FakeTokenizer(), max_model_len=4096, input_format="openai_batch")
     prep = builder.prepare_openai({"url": "/v1/chat/completions", "body": body})
     assert prep.fault is not None and prep.token_ids is None
@@ -155,17 +187,20 @@ def test_hostile_rows_among_good_ones_leave_the_good_rows_as_without_them(tmp_pa
     spec2, shard2 = openai_job(tmp_path / "b", clean)
     _, res2, err2 = run(spec2, shard2, fake_engine_factory)
     cols = ("output", "finish_reason", "prompt_tokens", "completion_tokens")
-    assert not err2 and {i: [r[c] for c in cols] for i, r in res.items()} == \
-        {i: [r[c] for c in cols] for i, r in res2.items()}
+    assert not err2 and {i: [r[c] for c in cols] for i, r in res.items()} == {
+        i: [r[c] for c in cols] for i, r in res2.items()
+    }
 
 
 def test_per_row_settings_reach_the_engine_and_are_honoured(tmp_path, fake_engine_factory):
-    rows = [("greedy", {"messages": user("same prompt")}),
-            ("greedy-seed", {"messages": user("same prompt"), "seed": 99}),  # greedy ignores the seed
-            ("sampled-a", {"messages": user("same prompt"), "temperature": 1, "seed": 1}),
-            ("sampled-a2", {"messages": user("same prompt"), "temperature": 1, "seed": 1}),
-            ("one-token", {"messages": user("same prompt"), "max_tokens": 1}),
-            ("stopped", {"messages": user("same prompt"), "stop": ["-"]})]
+    rows = [
+        ("greedy", {"messages": user("same prompt")}),
+        ("greedy-seed", {"messages": user("same prompt"), "seed": 99}),  # greedy ignores the seed
+        ("sampled-a", {"messages": user("same prompt"), "temperature": 1, "seed": 1}),
+        ("sampled-a2", {"messages": user("same prompt"), "temperature": 1, "seed": 1}),
+        ("one-token", {"messages": user("same prompt"), "max_tokens": 1}),
+        ("stopped", {"messages": user("same prompt"), "stop": ["-"]}),
+    ]
     spec, shard = openai_job(tmp_path, rows)
     _, res, err = run(spec, shard, fake_engine_factory)
     assert not err
@@ -179,8 +214,9 @@ def test_per_row_settings_reach_the_engine_and_are_honoured(tmp_path, fake_engin
     assert seen[4].max_tokens == 1 and seen[2].temperature == 1 and seen[2].seed == 1
 
 
-def test_a_refusal_that_slips_past_the_body_model_is_still_only_that_rows_error(tmp_path, fake_engine_factory,
-                                                                                monkeypatch):
+def test_a_refusal_that_slips_past_the_body_model_is_still_only_that_rows_error(
+    tmp_path, fake_engine_factory, monkeypatch
+):
     """Defence in depth: with the body model bypassed, vLLM's own refusal (at submit) is the row's
     INVALID_REQUEST; before isolation it was an uncaught VLLMValidationError (exit 75)."""
     rows = [("ok", {"messages": user()}), ("t3", {"messages": user("x")}), ("ok2", {"messages": user("y")})]
@@ -213,7 +249,7 @@ def test_a_row_that_breaks_an_engine_step_is_bisected_out_and_batching_stays(tmp
     poison = FakeTokenizer().encode("POISON", add_special_tokens=False)
 
     def contains(ids_):
-        return any(ids_[j:j + len(poison)] == poison for j in range(len(ids_) - len(poison) + 1))
+        return any(ids_[j : j + len(poison)] == poison for j in range(len(ids_) - len(poison) + 1))
 
     m, res, err = run(spec, shard, lambda s: fake_engine_factory(s, fail_on=contains, per_step=16))
     assert set(err) == {"r0137"} and err["r0137"]["error_code"] == "ENGINE_ERROR"
@@ -248,8 +284,10 @@ def test_a_step_that_fails_with_a_broken_engine_is_the_engines_failure(tmp_path,
     spec = make_spec(tmp_path / "in.parquet", tmp_path / "out", sharding={"target_rows": 1000, "chunk_rows": 50})
     (shard,) = plan_job(spec).shards
     with pytest.raises(EngineError, match="probe request failed") as e:
-        run_shard(ShardTask(spec=spec, shard_id=shard.shard_id),
-                  engine_factory=lambda s: fake_engine_factory(s, fail_on=lambda ids_: True))
+        run_shard(
+            ShardTask(spec=spec, shard_id=shard.shard_id),
+            engine_factory=lambda s: fake_engine_factory(s, fail_on=lambda ids_: True),
+        )
     assert e.value.exit_code == 75
     assert not list((tmp_path / "out" / "shards").glob("*/attempts/*/chunk-*.parquet"))  # no row blamed
 
@@ -259,9 +297,14 @@ def test_pooling_bisects_a_prompt_that_breaks_the_call(tmp_path, fake_engine_fac
     texts = [f"kb article {i}" for i in range(40)]
     texts[11] = "POISON article"
     write_parquet(tmp_path / "in.parquet", ids, texts)
-    spec = make_spec(tmp_path / "in.parquet", tmp_path / "out", task="embed",
-                     prompt={"system_prompt": None, "template": "{text}"}, sampling={"structured": None},
-                     sharding={"target_rows": 1000, "chunk_rows": 16})
+    spec = make_spec(
+        tmp_path / "in.parquet",
+        tmp_path / "out",
+        task="embed",
+        prompt={"system_prompt": None, "template": "{text}"},
+        sampling={"structured": None},
+        sharding={"target_rows": 1000, "chunk_rows": 16},
+    )
     (shard,) = plan_job(spec).shards
     poison = ord("P") + 3
     m, res, err = run(spec, shard, lambda s: fake_engine_factory(s, fail_on=lambda p: poison in p))
@@ -302,6 +345,7 @@ def test_template_and_tokenizer_failures_of_one_row(tmp_path, fake_engine_factor
 
 def test_a_template_that_refuses_the_jobs_own_prompt_is_the_jobs_error(tmp_path, fake_engine_factory):
     """Not a row's fault: every row would fail. Terminal (exit 2), before any row is done."""
+
     class NoSystem(FakeTokenizer):
         def apply_chat_template(self, messages, **kw):
             if messages[0]["role"] == "system":
@@ -368,13 +412,20 @@ def test_url_and_task_must_match(tmp_path, fake_engine_factory):
     _, res, err = run(spec, shard, fake_engine_factory)
     assert set(res) == {"chat-ok"} and err["emb"]["error_code"] == "INVALID_ROW"
     assert "does not match this job's task 'chat'" in err["emb"]["error_message"]
-    rows = [("emb-ok", {"input": "x"}, "/v1/embeddings"), ("chat", {"messages": user()}),
-            ("emb-empty", {"input": ""}, "/v1/embeddings"), ("emb-list", {"input": ["a"]}, "/v1/embeddings")]
+    rows = [
+        ("emb-ok", {"input": "x"}, "/v1/embeddings"),
+        ("chat", {"messages": user()}),
+        ("emb-empty", {"input": ""}, "/v1/embeddings"),
+        ("emb-list", {"input": ["a"]}, "/v1/embeddings"),
+    ]
     spec, shard = openai_job(tmp_path / "emb", rows, task="embed")
     _, res, err = run(spec, shard, fake_engine_factory)
     assert set(res) == {"emb-ok"}
-    assert {i: e["error_code"] for i, e in err.items()} == {"chat": "INVALID_ROW", "emb-empty": "EMPTY_INPUT",
-                                                           "emb-list": "UNSUPPORTED_PARAMETER"}
+    assert {i: e["error_code"] for i, e in err.items()} == {
+        "chat": "INVALID_ROW",
+        "emb-empty": "EMPTY_INPUT",
+        "emb-list": "UNSUPPORTED_PARAMETER",
+    }
 
 
 def test_the_spec_refuses_what_vllm_would_refuse_for_every_row():

@@ -24,8 +24,13 @@ from tests.support import ROOT  # noqa: E402
 from tests.support.data import make_spec, write_parquet
 from tests.support.ledger import record_fault
 
-METRIC_ENV = ("VLLM_BATCH_METRICS_PUSHGATEWAY", "VLLM_BATCH_METRICS_TEXTFILE_DIR", "VLLM_BATCH_METRICS_INTERVAL_S",
-              "VLLM_BATCH_METRICS_JOB", "VLLM_BATCH_RUN_ID")
+METRIC_ENV = (
+    "VLLM_BATCH_METRICS_PUSHGATEWAY",
+    "VLLM_BATCH_METRICS_TEXTFILE_DIR",
+    "VLLM_BATCH_METRICS_INTERVAL_S",
+    "VLLM_BATCH_METRICS_JOB",
+    "VLLM_BATCH_RUN_ID",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -92,8 +97,12 @@ def test_textfile_collector_file(tmp_path, monkeypatch):
     marker = json.loads((tmp_path / "out" / "shards" / shard.shard_id / MARKER).read_text())
     assert os.listdir(prom_dir) == [f"vllm_batch-tickets-{shard.shard_id}.prom"]  # no temp files left
     got = samples((prom_dir / f"vllm_batch-tickets-{shard.shard_id}.prom").read_text())
-    labels = {"batch_job": "tickets", "run": spec.content_hash()[:12], "shard": shard.shard_id,
-              "attempt": m["attempt_id"]}
+    labels = {
+        "batch_job": "tickets",
+        "run": spec.content_hash()[:12],
+        "shard": shard.shard_id,
+        "attempt": m["attempt_id"],
+    }
     check_counts(got, marker, labels)
     assert marker["stats"]["peak_rss_mb"] > 10 and marker["stats"]["resource_samples"] >= 2
 
@@ -133,7 +142,11 @@ def test_push_gateway_puts_grouped_metrics(tmp_path, monkeypatch, gateway):
         assert method == "PUT" and path.startswith("/metrics/job/vllm_batch/")
         parts = path.removeprefix("/metrics/job/vllm_batch/").split("/")
         assert dict(zip(parts[::2], parts[1::2])) == {
-            "batch_job": "tickets", "run": "scheduled__2026-11-29", "shard": shard.shard_id, "attempt": m["attempt_id"]}
+            "batch_job": "tickets",
+            "run": "scheduled__2026-11-29",
+            "shard": shard.shard_id,
+            "attempt": m["attempt_id"],
+        }
     first = samples(gateway.requests[0][2])
     assert first[("vllm_batch_engine_start_seconds", frozenset())] == 1.25
     assert first[("vllm_batch_finished", frozenset())] == 0
@@ -188,8 +201,16 @@ def test_config_from_env_names_bad_variable():
 
 def test_rss_peak_covers_child_processes():
     # vLLM runs its engine core in a child process: its memory must count
-    child = subprocess.Popen([sys.executable, "-c", "import sys,time; b=bytearray(300*2**20); b[::4096]=b'x'*len(b[::4096]);"
-                              "print('ready', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys,time; b=bytearray(300*2**20); b[::4096]=b'x'*len(b[::4096]);"
+            "print('ready', flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert child.stdout.readline().strip() == "ready"
         own = process_tree_rss()

@@ -36,15 +36,16 @@ def payloads(caplog):
     for r in caplog.records:
         msg = r.getMessage()
         if msg.startswith("progress "):
-            out.append((msg, json.loads(msg[msg.index("{"):])))
+            out.append((msg, json.loads(msg[msg.index("{") :])))
     return out
 
 
 def test_rate_is_bounded_whatever_the_row_rate(caplog):
     clock = Clock()
     emitted_at = []
-    p = Progress("s", total=10_000, interval=10.0, clock=clock,
-                 on_update=lambda prog, final: emitted_at.append((clock.t, final)))
+    p = Progress(
+        "s", total=10_000, interval=10.0, clock=clock, on_update=lambda prog, final: emitted_at.append((clock.t, final))
+    )
     with caplog.at_level(logging.INFO, logger="airflow_provider_vllm.worker"):
         for _ in range(10_000):  # 100 rows/s for 100 s
             clock.t += 0.01
@@ -130,8 +131,9 @@ def test_shard_logs_summary_and_counts_in_marker(tmp_path, fake_engine_factory, 
     spec = make_spec(tmp_path / "in.parquet", tmp_path / "out")
     (shard,) = plan_job(spec).shards
     with caplog.at_level(logging.INFO, logger="airflow_provider_vllm.worker"):
-        m = run_shard(ShardTask(spec=spec, shard_id=shard.shard_id, progress_interval_s=3600),
-                      engine_factory=fake_engine_factory)
+        m = run_shard(
+            ShardTask(spec=spec, shard_id=shard.shard_id, progress_interval_s=3600), engine_factory=fake_engine_factory
+        )
     lines = payloads(caplog)
     assert len(lines) == 1 == m["stats"]["progress_lines"]  # the interval never elapsed: summary only
     msg, s = lines[0]

@@ -30,13 +30,13 @@ def planted_parquet(tmp_path, n=300):
 
 def run_all(spec, factory, **kw):
     plan = plan_job(spec)
-    return plan, [run_shard(ShardTask(spec=spec, shard_id=s.shard_id, **kw), engine_factory=factory)
-                  for s in plan.shards]
+    return plan, [
+        run_shard(ShardTask(spec=spec, shard_id=s.shard_id, **kw), engine_factory=factory) for s in plan.shards
+    ]
 
 
 def read_out(out):
-    return (pq.read_table(out / "results").to_pylist(),
-            pq.read_table(out / "errors").to_pylist())
+    return (pq.read_table(out / "results").to_pylist(), pq.read_table(out / "errors").to_pylist())
 
 
 def test_planted_bad_rows_exactly_once(tmp_path, fake_engine_factory):
@@ -82,8 +82,12 @@ def test_jsonl_bad_lines(tmp_path, fake_engine_factory):
     merge_run(spec)
     res, err = read_out(tmp_path / "out")
     codes = {e["id"]: e["error_code"] for e in err}
-    assert codes == {"__line__:in.jsonl:6": "INVALID_JSON", "j6": "INVALID_ROW", "j7": "EMPTY_INPUT",
-                     "__line__:in.jsonl:9": "INVALID_JSON"}
+    assert codes == {
+        "__line__:in.jsonl:6": "INVALID_JSON",
+        "j6": "INVALID_ROW",
+        "j7": "EMPTY_INPUT",
+        "__line__:in.jsonl:9": "INVALID_JSON",
+    }
     assert len(res) + len(err) == 40 and "j0" in {r["id"] for r in res}
 
 
@@ -96,8 +100,10 @@ def test_crash_then_resume_reuses_finished_chunks(tmp_path, fake_engine_factory)
     # every step fails from the 46th row on: bisected down to one request, then the probe fails
     # too, so it is the engine (exit 75), not a row
     with pytest.raises(EngineError, match=r"probe request failed .*injected"):
-        run_shard(ShardTask(spec=spec, shard_id=shard.shard_id),
-                  engine_factory=lambda s: fake_engine_factory(s, crash_after=45))
+        run_shard(
+            ShardTask(spec=spec, shard_id=shard.shard_id),
+            engine_factory=lambda s: fake_engine_factory(s, crash_after=45),
+        )
     shard_dir = tmp_path / "out" / "shards" / shard.shard_id
     assert not (shard_dir / MARKER).exists()
     done_before = list(shard_dir.glob("attempts/*/chunk-?????.parquet"))  # ok parts: complete chunks
@@ -142,8 +148,10 @@ def test_two_concurrent_attempts_commit_once(tmp_path, fake_engine_factory):
         def factory(s):
             barrier.wait()  # both attempts are past the marker check before either infers
             return fake_engine_factory(s, per_step=3)
-        results[name] = run_shard(ShardTask(spec=spec, shard_id=shard.shard_id, attempt_id=name),
-                                  engine_factory=factory)
+
+        results[name] = run_shard(
+            ShardTask(spec=spec, shard_id=shard.shard_id, attempt_id=name), engine_factory=factory
+        )
 
     threads = [threading.Thread(target=attempt, args=(n,)) for n in ("attempt-a", "attempt-b")]
     [t.start() for t in threads]
@@ -184,32 +192,45 @@ def test_merge_verification_catches_a_lost_row(tmp_path, fake_engine_factory):
     spec = make_spec(tmp_path / "in.parquet", tmp_path / "out", sharding={"chunk_rows": 20})
     (shard,) = plan_job(spec).shards
     run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=fake_engine_factory)
-    store = ShardStore(__import__("airflow_provider_vllm.core.storage", fromlist=["Storage"]).Storage(
-        str(tmp_path / "out")), shard.shard_id)
+    store = ShardStore(
+        __import__("airflow_provider_vllm.core.storage", fromlist=["Storage"]).Storage(str(tmp_path / "out")),
+        shard.shard_id,
+    )
     marker = store.marker()
     rel = marker.files[0].path
     t = pq.read_table(tmp_path / "out" / rel)
     t = t.filter(pa.compute.not_equal(t.column("id"), "r7"))
     t = pa.concat_tables([t, t.slice(0, 1)])  # same count, r0 twice, r7 lost
     pq.write_table(t, tmp_path / "out" / rel)
-    marker.files[0] = marker.files[0].model_copy(update={"bytes": (tmp_path / "out" / rel).stat().st_size,
-                                                          "sha256": store.out.sha256(rel)})
+    marker.files[0] = marker.files[0].model_copy(
+        update={"bytes": (tmp_path / "out" / rel).stat().st_size, "sha256": store.out.sha256(rel)}
+    )
     (tmp_path / "out" / "shards" / shard.shard_id / MARKER).write_text(json.dumps(marker.dump()))
     with pytest.raises(VerificationError, match=r"1 missing \(e.g. \['r7'\]\)"):
         merge_run(spec)
 
 
 def test_openai_batch_in_and_out(tmp_path, fake_engine_factory):
-    reqs = [{"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
-             "body": {"model": "m", "messages": [{"role": "system", "content": "Classify."},
-                                                 {"role": "user", "content": f"ticket {i}"}],
-                      "max_tokens": 5}} for i in range(12)]
+    reqs = [
+        {
+            "custom_id": f"req-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": "m",
+                "messages": [{"role": "system", "content": "Classify."}, {"role": "user", "content": f"ticket {i}"}],
+                "max_tokens": 5,
+            },
+        }
+        for i in range(12)
+    ]
     reqs[3]["body"]["messages"] = []
     reqs[4]["url"] = "/v1/completions"
     p = tmp_path / "batch.jsonl"
     p.write_text("".join(json.dumps(r) + "\n" for r in reqs))
-    spec = make_spec(p, tmp_path / "out", io={"output_format": "openai_batch"},
-                     prompt={"system_prompt": None, "template": "{text}"})
+    spec = make_spec(
+        p, tmp_path / "out", io={"output_format": "openai_batch"}, prompt={"system_prompt": None, "template": "{text}"}
+    )
     plan, _ = run_all(spec, fake_engine_factory)
     assert plan.format == "openai_batch"
     summary = merge_run(spec)

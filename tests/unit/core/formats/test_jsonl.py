@@ -24,8 +24,14 @@ def test_jsonl_missing_id_is_dataset_error(tmp_path):
 
 
 def _write(tmp_path):
-    lines = ["\ufeff" + json.dumps({"id": "a", "text": "hello"}), "", "{oops", json.dumps({"id": 7, "text": None}),
-             "[1]", json.dumps({"id": "c", "text": "xyz", "other": 1})]
+    lines = [
+        "\ufeff" + json.dumps({"id": "a", "text": "hello"}),
+        "",
+        "{oops",
+        json.dumps({"id": 7, "text": None}),
+        "[1]",
+        json.dumps({"id": "c", "text": "xyz", "other": 1}),
+    ]
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
     return Storage(str(tmp_path)), make_spec(tmp_path / "in.jsonl", tmp_path / "out")
 

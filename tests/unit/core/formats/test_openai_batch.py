@@ -19,10 +19,20 @@ def req(cid, body, url=CHAT, method="POST"):
 
 
 def test_request_lines_are_rows_with_their_faults(tmp_path):
-    msgs = {"messages": [{"role": "system", "content": "ab"}, {"role": "user", "content": "cde"},
-                         {"role": "user", "content": [{"type": "text", "text": "not counted"}]}]}
-    reqs = [req("ok", msgs), req("get", msgs, method="GET"), req("url", msgs, url="/v1/completions"),
-            req("str", "text"), req("emb", {"input": "four"}, url="/v1/embeddings")]
+    msgs = {
+        "messages": [
+            {"role": "system", "content": "ab"},
+            {"role": "user", "content": "cde"},
+            {"role": "user", "content": [{"type": "text", "text": "not counted"}]},
+        ]
+    }
+    reqs = [
+        req("ok", msgs),
+        req("get", msgs, method="GET"),
+        req("url", msgs, url="/v1/completions"),
+        req("str", "text"),
+        req("emb", {"input": "four"}, url="/v1/embeddings"),
+    ]
     (tmp_path / "b.jsonl").write_text("\n".join(json.dumps(r) for r in reqs) + "\n")
     root = Storage(str(tmp_path))
     assert detect_format(root, ["b.jsonl"], "auto") == "openai_batch" and OPENAI.carries_requests

@@ -11,17 +11,23 @@ def user(text="hello"):
     return [{"role": "user", "content": text}]
 
 
-@pytest.mark.parametrize("body,fragment", [
-    ({"messages": user(), "foo": 1}, "unknown field body.foo (accepted: messages, model"),
-    ({"messages": user(), "n": 2}, "body.n: 2 is not supported: one completion per request"),
-    ({"messages": user(), "stream": True}, "streaming does not apply to batch requests"),
-    ({"messages": user(), "logprobs": True}, "log probabilities are not returned"),
-    ({"messages": user(), "tools": [{"type": "function"}]}, "tool calling is not supported"),
-    ({"messages": user(), "response_format": {"type": "json_schema"}}, "set sampling.structured in the job spec"),
-    ({"messages": [{"role": "tool", "content": "1", "tool_call_id": "x"}]}, "role 'tool': tool messages"),
-    ({"messages": [{"role": "user", "content": "x", "foo": 1}]}, "unknown field body.messages[0].foo (accepted: role"),
-    ({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, "only text content is"),
-])
+@pytest.mark.parametrize(
+    "body,fragment",
+    [
+        ({"messages": user(), "foo": 1}, "unknown field body.foo (accepted: messages, model"),
+        ({"messages": user(), "n": 2}, "body.n: 2 is not supported: one completion per request"),
+        ({"messages": user(), "stream": True}, "streaming does not apply to batch requests"),
+        ({"messages": user(), "logprobs": True}, "log probabilities are not returned"),
+        ({"messages": user(), "tools": [{"type": "function"}]}, "tool calling is not supported"),
+        ({"messages": user(), "response_format": {"type": "json_schema"}}, "set sampling.structured in the job spec"),
+        ({"messages": [{"role": "tool", "content": "1", "tool_call_id": "x"}]}, "role 'tool': tool messages"),
+        (
+            {"messages": [{"role": "user", "content": "x", "foo": 1}]},
+            "unknown field body.messages[0].foo (accepted: role",
+        ),
+        ({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, "only text content is"),
+    ],
+)
 def test_refused_fields_say_which_and_why(body, fragment):
     with pytest.raises(RequestFault) as e:
         parse_chat_body(body)
@@ -29,9 +35,23 @@ def test_refused_fields_say_which_and_why(body, fragment):
 
 
 def test_neutral_values_of_refused_fields_are_accepted():
-    b = parse_chat_body({"messages": user(), "n": 1, "stream": False, "logprobs": False, "top_logprobs": 0,
-                         "tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "store": False,
-                         "stream_options": None, "model": "gpt-4o-mini", "user": "u", "metadata": {"k": "v"}})
+    b = parse_chat_body(
+        {
+            "messages": user(),
+            "n": 1,
+            "stream": False,
+            "logprobs": False,
+            "top_logprobs": 0,
+            "tools": [],
+            "tool_choice": "none",
+            "response_format": {"type": "text"},
+            "store": False,
+            "stream_options": None,
+            "model": "gpt-4o-mini",
+            "user": "u",
+            "metadata": {"k": "v"},
+        }
+    )
     assert b.sampling() == {}
     # neutral means the same value and type: true is not 1, 1.0 is not 1
     for bad in ({"n": True}, {"n": 1.0}, {"logprobs": 0}, {"top_logprobs": False}):
@@ -40,20 +60,32 @@ def test_neutral_values_of_refused_fields_are_accepted():
 
 
 def test_text_parts_are_joined_like_vllm_and_max_completion_tokens_wins():
-    b = parse_chat_body({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
-                                                                   {"type": "text", "text": "b"}]}],
-                         "max_tokens": 9, "max_completion_tokens": 3, "stop": "x", "seed": 5})
+    b = parse_chat_body(
+        {
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+            "max_tokens": 9,
+            "max_completion_tokens": 3,
+            "stop": "x",
+            "seed": 5,
+        }
+    )
     assert b.conversation() == [{"role": "user", "content": "a\nb"}]
     assert b.sampling() == {"max_tokens": 3, "stop": "x", "seed": 5}
 
 
 def test_embeddings_bodies():
     assert parse_embeddings_body({"input": "x", "encoding_format": "float", "model": "m"}).input == "x"
-    for body, code in [({"input": ""}, "EMPTY_INPUT"), ({"input": "   "}, "EMPTY_INPUT"), ({"input": None}, "EMPTY_INPUT"),
-                       ({"input": ["a", "b"]}, "UNSUPPORTED_PARAMETER"), ({"input": 3}, "INVALID_REQUEST"),
-                       ({"input": "x", "encoding_format": "base64"}, "UNSUPPORTED_PARAMETER"),
-                       ({"input": "x", "dimensions": 8}, "UNSUPPORTED_PARAMETER"), ({}, "INVALID_REQUEST"),
-                       ({"input": "x", "extra": 1}, "UNSUPPORTED_PARAMETER")]:
+    for body, code in [
+        ({"input": ""}, "EMPTY_INPUT"),
+        ({"input": "   "}, "EMPTY_INPUT"),
+        ({"input": None}, "EMPTY_INPUT"),
+        ({"input": ["a", "b"]}, "UNSUPPORTED_PARAMETER"),
+        ({"input": 3}, "INVALID_REQUEST"),
+        ({"input": "x", "encoding_format": "base64"}, "UNSUPPORTED_PARAMETER"),
+        ({"input": "x", "dimensions": 8}, "UNSUPPORTED_PARAMETER"),
+        ({}, "INVALID_REQUEST"),
+        ({"input": "x", "extra": 1}, "UNSUPPORTED_PARAMETER"),
+    ]:
         with pytest.raises(RequestFault) as e:
             parse_embeddings_body(body)
         assert e.value.code == code, (body, e.value.message)

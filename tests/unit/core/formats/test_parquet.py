@@ -53,8 +53,9 @@ def test_scan_sizes_rows_exactly_or_from_footers(tmp_path):
 
 def test_read_rows_reads_the_segment_with_its_sizes(tmp_path):
     ids = [f"r{i}" for i in range(10)]
-    write_parquet(tmp_path / "in" / "a.parquet", ids, [f"text {i}" for i in range(10)], row_group_size=3,
-                  extra=list(range(10)))
+    write_parquet(
+        tmp_path / "in" / "a.parquet", ids, [f"text {i}" for i in range(10)], row_group_size=3, extra=list(range(10))
+    )
     spec = make_spec(tmp_path / "in", tmp_path / "out", prompt={"template": "{text} {extra}", "text_columns": ["text"]})
     root = Storage(str(tmp_path / "in"))
     batch = PARQUET.read_rows(root, "a.parquet", Segment(file=0, start=4, count=5), spec)

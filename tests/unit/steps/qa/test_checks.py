@@ -49,18 +49,28 @@ def test_overall_status_is_worst_and_qafailed():
 
 def _changes(changed: int, unchanged: int, state: str = "complete") -> dict:
     both = changed + unchanged
-    return {"previous_state": state, "in_both": both, "churn_rate": changed / both if both else None,
-            "counts": {"added": 0, "removed": 0, "changed": changed, "unchanged": unchanged, "error": 0,
-                       "recovered": 0}, "notes": ["a note"]}
+    return {
+        "previous_state": state,
+        "in_both": both,
+        "churn_rate": changed / both if both else None,
+        "counts": {"added": 0, "removed": 0, "changed": changed, "unchanged": unchanged, "error": 0, "recovered": 0},
+        "notes": ["a note"],
+    }
 
 
 @pytest.mark.parametrize("changed, expected", [(0, "pass"), (5, "pass"), (6, "warn"), (50, "warn"), (51, "fail")])
 def test_churn_rate_check(changed, expected):
     results, errors = split([ok_row(i) for i in range(10)])
     spec = QASpec(warn_churn_rate=0.05, fail_churn_rate=0.5)
-    rep = evaluate(results, errors, spec=spec, labels=None, structured=False,
-                   changes=_changes(changed, 100 - changed), cache={"rows": 10, "hits": 7, "misses": 3,
-                                                                    "hit_rate": 0.7})
+    rep = evaluate(
+        results,
+        errors,
+        spec=spec,
+        labels=None,
+        structured=False,
+        changes=_changes(changed, 100 - changed),
+        cache={"rows": 10, "hits": 7, "misses": 3, "hit_rate": 0.7},
+    )
     c = check(rep, "churn_rate")
     assert (c["status"], c["value"], c["detail"]) == (expected, changed / 100, f"{changed} / 100")
     assert rep.status == expected
@@ -69,13 +79,24 @@ def test_churn_rate_check(changed, expected):
     assert ("churn_rate=" in rep.summary_line()) and f"{changed:.2f}%" in rep.summary_line()
 
 
-@pytest.mark.parametrize("changes, detail", [(None, "changes.previous_uri not set"),
-                                             (_changes(0, 0, "absent"), "no complete previous run"),
-                                             (_changes(0, 0), "no id answered in both runs")])
+@pytest.mark.parametrize(
+    "changes, detail",
+    [
+        (None, "changes.previous_uri not set"),
+        (_changes(0, 0, "absent"), "no complete previous run"),
+        (_changes(0, 0), "no id answered in both runs"),
+    ],
+)
 def test_churn_rate_skips_without_a_comparison(changes, detail):
     results, errors = split([ok_row(i) for i in range(10)])
-    rep = evaluate(results, errors, spec=QASpec(warn_churn_rate=0, fail_churn_rate=0), labels=None,
-                   structured=False, changes=changes)
+    rep = evaluate(
+        results,
+        errors,
+        spec=QASpec(warn_churn_rate=0, fail_churn_rate=0),
+        labels=None,
+        structured=False,
+        changes=changes,
+    )
     c = check(rep, "churn_rate")
     assert (c["status"], c["value"], c["detail"]) == ("skip", None, detail)
     assert rep.status == "pass" and "cache" not in rep.metrics

@@ -43,7 +43,8 @@ def artifacts() -> Path:
 
 def run_pipeline(tmp_path: Path, name: str, template: str, previous: str | None):
     spec = make_spec(
-        tmp_path / "in", tmp_path / name,
+        tmp_path / "in",
+        tmp_path / name,
         prompt={"template": template},
         sampling={"structured": {"choice": LABELS}},
         sharding={"target_rows": 80, "chunk_rows": 16},
@@ -64,8 +65,9 @@ def browser():
     if not os.path.exists(CHROMIUM):
         pytest.skip(f"no Chromium at {CHROMIUM} (Debian package 'chromium')")
     with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM,
-                              args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        b = p.chromium.launch(
+            executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"]
+        )
         yield b
         b.close()
 
@@ -88,8 +90,9 @@ def report_page(tmp_path_factory, browser):
     texts[77] = "word " * 2000  # PROMPT_TOO_LONG (max_model_len 1024)
     write_parquet(tmp_path / "in" / "part-0.parquet", [f"t{i:04d}" for i in range(n)], texts)
     run_pipeline(tmp_path, "run1", "Ticket: {text}", None)
-    _, report, html_path = run_pipeline(tmp_path, "run2", "Support ticket: {text}",
-                                        str(tmp_path / "run1" / "qa" / "report.json"))
+    _, report, html_path = run_pipeline(
+        tmp_path, "run2", "Support ticket: {text}", str(tmp_path / "run1" / "qa" / "report.json")
+    )
     page = browser.new_page(viewport={"width": 1200, "height": 900})
     requested = []
     page.on("request", lambda r: None if r.url.startswith(("file:", "data:")) else requested.append(r.url))
@@ -181,14 +184,31 @@ def test_the_changes_section_escapes_labels_and_shows_the_matrix():
     evil = "<script>alert('x')</script>"
     recs = [ok_row(i, label="positive") for i in range(5)]
     results, errors = split(recs)
-    changes = {"previous_uri": "/data/dt=<u>1</u>", "previous_state": "complete", "compared": "label", "in_both": 9,
-               "churn_rate": 2 / 9, "counts": {"added": 1, "removed": 1, "changed": 2, "unchanged": 7, "error": 0,
-                                               "recovered": 0},
-               "matrix": [{"old": "positive", "new": "positive", "count": 7}, {"old": evil, "new": "positive", "count": 2},
-                          {"old": None, "new": "positive", "count": 1}, {"old": "<b>neg</b>", "new": None, "count": 1}],
-               "matrix_cells": 4, "notes": []}
-    rep = evaluate(results, errors, spec=QASpec(sample_size=3), labels=["positive"], structured=True, changes=changes,
-                   cache={"rows": 10, "hits": 9, "misses": 1, "hit_rate": 0.9})
+    changes = {
+        "previous_uri": "/data/dt=<u>1</u>",
+        "previous_state": "complete",
+        "compared": "label",
+        "in_both": 9,
+        "churn_rate": 2 / 9,
+        "counts": {"added": 1, "removed": 1, "changed": 2, "unchanged": 7, "error": 0, "recovered": 0},
+        "matrix": [
+            {"old": "positive", "new": "positive", "count": 7},
+            {"old": evil, "new": "positive", "count": 2},
+            {"old": None, "new": "positive", "count": 1},
+            {"old": "<b>neg</b>", "new": None, "count": 1},
+        ],
+        "matrix_cells": 4,
+        "notes": [],
+    }
+    rep = evaluate(
+        results,
+        errors,
+        spec=QASpec(sample_size=3),
+        labels=["positive"],
+        structured=True,
+        changes=changes,
+        cache={"rows": 10, "hits": 9, "misses": 1, "hit_rate": 0.9},
+    )
     html = render_report_html(rep.to_dict(), rep.sample.to_pylist())
     assert "<script" not in html.lower() and "<b>neg</b>" not in html and "<u>" not in html
     assert "&lt;script&gt;" in html and "/data/dt=&lt;u&gt;1&lt;/u&gt;" in html
@@ -206,11 +226,19 @@ def changes_page(tmp_path_factory, browser):
 
     tmp_path = tmp_path_factory.mktemp("changes")
     n = 200
-    topics = ["my invoice {} was charged twice", "the app crashes on page {}", "please add dark mode {}",
-              "I cannot log in to account {}", "question {} about your office hours"]
+    topics = [
+        "my invoice {} was charged twice",
+        "the app crashes on page {}",
+        "please add dark mode {}",
+        "I cannot log in to account {}",
+        "question {} about your office hours",
+    ]
     day1 = {f"t{i:04d}": topics[i % 5].format(i) for i in range(n)}
-    day2 = {k: v + (" - still broken, please help" if j % 16 == 3 else "") for j, (k, v) in enumerate(day1.items())
-            if j >= 5}
+    day2 = {
+        k: v + (" - still broken, please help" if j % 16 == 3 else "")
+        for j, (k, v) in enumerate(day1.items())
+        if j >= 5
+    }
     day2.update({f"t{n + i:04d}": topics[i % 5].format(n + i) for i in range(10)})
     # the result cache, once it exists (a hub model name must be pinned to a revision for it)
     cache = {"uri": str(tmp_path / "_cache")} if "cache" in Plan.model_fields else {}
@@ -218,9 +246,13 @@ def changes_page(tmp_path_factory, browser):
     for day, texts in (("d1", day1), ("d2", day2)):
         write_parquet(tmp_path / day / "in" / "part-0.parquet", list(texts), list(texts.values()))
         spec = make_spec(
-            tmp_path / day / "in", tmp_path / day / "out", name="nightly_reclassification",
-            sampling={"structured": {"choice": LABELS}}, sharding={"target_rows": 80, "chunk_rows": 16},
-            qa={"sample_size": 12, "warn_churn_rate": 0.05, "fail_churn_rate": 0.5}, cache=cache,
+            tmp_path / day / "in",
+            tmp_path / day / "out",
+            name="nightly_reclassification",
+            sampling={"structured": {"choice": LABELS}},
+            sharding={"target_rows": 80, "chunk_rows": 16},
+            qa={"sample_size": 12, "warn_churn_rate": 0.05, "fail_churn_rate": 0.5},
+            cache=cache,
             model={"revision": "r1"} if cache else {},
             changes={"previous_uri": str(tmp_path / "d1" / "out") if day == "d2" else None},
         )
@@ -255,8 +287,9 @@ def test_report_page_shows_what_changed_and_the_cache(changes_page):
         assert page.get_by_text("Cache hits").is_visible()
     box = section.bounding_box()
     shot = artifacts() / "qa-report-changes.png"
-    page.screenshot(path=str(shot), full_page=True,
-                    clip={"x": 0, "y": 0, "width": 1200, "height": box["y"] + box["height"] + 24})
+    page.screenshot(
+        path=str(shot), full_page=True, clip={"x": 0, "y": 0, "width": 1200, "height": box["y"] + box["height"] + 24}
+    )
     assert shot.stat().st_size > 20_000
     if os.environ.get("VLLM_BATCH_UI_SCREENSHOTS") == "docs":  # how the committed picture is made
         shutil.copyfile(shot, ROOT / "docs" / "img" / shot.name)

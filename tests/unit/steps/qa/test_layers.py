@@ -40,5 +40,7 @@ def test_modules_import_only_lower_ones():
 
 def test_qa_imports_sees_both_import_forms(tmp_path):
     src = tmp_path / "m.py"
-    src.write_text(f"from {PKG}.stage import qa_run\n\ndef f():\n    import {PKG}.store\n    from {PKG} import sample\n")
+    src.write_text(
+        f"from {PKG}.stage import qa_run\n\ndef f():\n    import {PKG}.store\n    from {PKG} import sample\n"
+    )
     assert qa_imports(src) == {"stage", "store", "sample"}

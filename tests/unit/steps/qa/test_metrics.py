@@ -79,7 +79,9 @@ def test_not_structured_skips_invalid_and_nan_latency():
     assert rep.metrics["rates"]["invalid_rate"] is None
     assert rep.metrics["label_distribution"] is None
     assert rep.metrics["latency_ms"]["count"] == 9
-    assert sum(rep.metrics["latency_ms"]["histogram"]["counts"]) + rep.metrics["latency_ms"]["histogram"]["overflow"] == 9
+    assert (
+        sum(rep.metrics["latency_ms"]["histogram"]["counts"]) + rep.metrics["latency_ms"]["histogram"]["overflow"] == 9
+    )
     assert rep.status == "pass"
     json.dumps(rep.to_dict(), allow_nan=False)
 
@@ -119,7 +121,9 @@ def test_drift_against_previous():
     # 70/20/10 vs 50/50/0: TVD = 0.5 * (0.2 + 0.3 + 0.1) = 0.3
     recs = [ok_row(i, label="positive" if i < 70 else "negative" if i < 90 else "neutral") for i in range(100)]
     r1, e1 = split(recs)
-    rep = evaluate(r1, e1, spec=QASpec(warn_label_drift=0.1, fail_label_drift=0.25), labels=LABELS, structured=True, previous=prev)
+    rep = evaluate(
+        r1, e1, spec=QASpec(warn_label_drift=0.1, fail_label_drift=0.25), labels=LABELS, structured=True, previous=prev
+    )
     d = rep.metrics["label_drift"]
     assert d["tvd"] == pytest.approx(0.3)
     assert d["delta"] == pytest.approx({"positive": 0.2, "negative": -0.3, "neutral": 0.1})

@@ -20,15 +20,25 @@ from tests.support.qa_rows import LABELS, err_row, ok_row, split
 
 def _tables(n_ok=5000, n_err=300, seed=3):
     rnd = random.Random(seed)
-    recs = [ok_row(i, label=rnd.choice(LABELS + [None]), valid=rnd.choice([True, True, False, None]),
-                   finish_reason=rnd.choice(["stop", "length", None]), truncated=rnd.random() < 0.05,
-                   output=rnd.choice(["x", "", "  ", None, "positive"]),
-                   prompt_tokens=rnd.choice([None, rnd.randint(1, 900)]),
-                   latency_ms=rnd.choice([None, float("nan"), rnd.expovariate(0.01)]),
-                   model=rnd.choice(["m", "m2"]), model_revision=rnd.choice(["r1", "r2"]))
-            for i in range(n_ok)]
-    recs += [err_row(i, rnd.choice(["ENGINE_ERROR", "EMPTY_INPUT", "PROMPT_TOO_LONG"]), shard_id=f"s{i % 4}")
-             for i in range(n_err)]
+    recs = [
+        ok_row(
+            i,
+            label=rnd.choice(LABELS + [None]),
+            valid=rnd.choice([True, True, False, None]),
+            finish_reason=rnd.choice(["stop", "length", None]),
+            truncated=rnd.random() < 0.05,
+            output=rnd.choice(["x", "", "  ", None, "positive"]),
+            prompt_tokens=rnd.choice([None, rnd.randint(1, 900)]),
+            latency_ms=rnd.choice([None, float("nan"), rnd.expovariate(0.01)]),
+            model=rnd.choice(["m", "m2"]),
+            model_revision=rnd.choice(["r1", "r2"]),
+        )
+        for i in range(n_ok)
+    ]
+    recs += [
+        err_row(i, rnd.choice(["ENGINE_ERROR", "EMPTY_INPUT", "PROMPT_TOO_LONG"]), shard_id=f"s{i % 4}")
+        for i in range(n_err)
+    ]
     return split(recs)
 
 
@@ -47,8 +57,12 @@ def _streamed(tmp_path, results, errors, **kw):
 @pytest.mark.parametrize("labels", [LABELS, None])
 def test_streamed_report_equals_the_in_memory_report(tmp_path, labels):
     results, errors = _tables()
-    kw = dict(spec=QASpec(sample_size=60, seed=9), labels=labels, structured=True,
-              duplicates={"ids": 0, "rows_dropped": 0, "examples": []})
+    kw = dict(
+        spec=QASpec(sample_size=60, seed=9),
+        labels=labels,
+        structured=True,
+        duplicates={"ids": 0, "rows_dropped": 0, "examples": []},
+    )
     mem = evaluate(results, errors, **kw)
     streamed = _streamed(tmp_path, results, errors, **kw)
     a, b = mem.to_dict(), streamed.to_dict()
@@ -99,8 +113,23 @@ def test_the_streamed_path_never_builds_the_whole_tables(tmp_path, monkeypatch):
 
 def test_empty_outputs_are_counted_as_arrow_counts_them(tmp_path):
     """Unicode space, mixed strings and rows that carry vectors: streamed == in memory."""
-    outputs = ["", " ", "\u3000", " \u00a0\t", "\u200b", "\ufeff", "x", " x", "\u2003y", "é", "\u0085", None,
-               "\x1c", "\u180e", "\u205f\u2029"]  # ok_row: None -> 'text i'
+    outputs = [
+        "",
+        " ",
+        "\u3000",
+        " \u00a0\t",
+        "\u200b",
+        "\ufeff",
+        "x",
+        " x",
+        "\u2003y",
+        "é",
+        "\u0085",
+        None,
+        "\x1c",
+        "\u180e",
+        "\u205f\u2029",
+    ]  # ok_row: None -> 'text i'
     recs = [ok_row(i, output=o) for i, o in enumerate(outputs)]
     recs += [ok_row(100 + i, output=o, scores=[0.5]) for i, o in enumerate(outputs)]
     results, errors = split(recs)
@@ -129,10 +158,19 @@ def test_qa_run_streams_above_the_threshold_and_reports_the_same(tmp_path, monke
     from tests.support.data import make_spec, write_parquet
     from tests.support.fakes import FakeEngine
 
-    write_parquet(tmp_path / "in" / "a.parquet", [f"row-{i}" for i in range(300)],
-                  [f"ticket {i} " + "x" * (i % 13) for i in range(300)], row_group_size=64)
-    spec = make_spec(tmp_path / "in", tmp_path / "out", sampling={"structured": {"choice": INPUT_LABELS}},
-                     sharding={"target_rows": 80, "chunk_rows": 16}, qa={"sample_size": 24})
+    write_parquet(
+        tmp_path / "in" / "a.parquet",
+        [f"row-{i}" for i in range(300)],
+        [f"ticket {i} " + "x" * (i % 13) for i in range(300)],
+        row_group_size=64,
+    )
+    spec = make_spec(
+        tmp_path / "in",
+        tmp_path / "out",
+        sampling={"structured": {"choice": INPUT_LABELS}},
+        sharding={"target_rows": 80, "chunk_rows": 16},
+        qa={"sample_size": 24},
+    )
     for shard in plan_job(spec).shards:
         run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=FakeEngine)
     merge_run(spec)
@@ -160,13 +198,19 @@ def test_order_stats_are_exact(monkeypatch, kind):
 
     monkeypatch.setattr(ms, "_SUBSAMPLE", 256)
     rng = np.random.default_rng(1)
-    x = {"uniform": rng.random(20_000), "ties": rng.integers(0, 7, 20_000).astype(np.float64),
-         "sorted": np.arange(20_000, dtype=np.float64), "negative": -rng.exponential(3, 20_000),
-         "miss": rng.random(20_000)}[kind].astype(np.float32)
+    x = {
+        "uniform": rng.random(20_000),
+        "ties": rng.integers(0, 7, 20_000).astype(np.float64),
+        "sorted": np.arange(20_000, dtype=np.float64),
+        "negative": -rng.exponential(3, 20_000),
+        "miss": rng.random(20_000),
+    }[kind].astype(np.float32)
     if kind == "miss":
+
         class FirstOnly:
             def integers(self, lo, hi, size):
                 return np.zeros(size, np.int64)
+
         monkeypatch.setattr(ms.np.random, "default_rng", lambda seed: FirstOnly())
     want = np.sort(x)
     pairs = {q: ms._ranks(q, len(x)) for q in (0.5, 0.9, 0.99)}

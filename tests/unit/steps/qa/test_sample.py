@@ -31,7 +31,13 @@ def test_sample_deterministic_and_seeded():
     assert set(sample_ids(a)) != set(sample_ids(c))
     assert a.sample.num_rows == 50
     # order of the input does not matter
-    rev = evaluate(results.take(pa.array(range(499, -1, -1))), errors, spec=QASpec(sample_size=50, seed=1), labels=LABELS, structured=True)
+    rev = evaluate(
+        results.take(pa.array(range(499, -1, -1))),
+        errors,
+        spec=QASpec(sample_size=50, seed=1),
+        labels=LABELS,
+        structured=True,
+    )
     assert sample_ids(rev) == sample_ids(a)
     # errors are in the sample, about 10%
     st_ = a.sample.column("status").to_pylist()
@@ -177,5 +183,7 @@ def test_property_sample_size_unique_from_input(labels, n_err, sample_size, seed
     assert len(set(ids)) == len(ids)
     assert set(ids) <= {r["id"] for r in recs}
     present = set(labels)
-    if any(lab is not None for lab in labels) and sample_size - min(n_err, max(1, round(0.1 * sample_size)) if sample_size >= 2 and n_err else 0) >= len(present):
+    if any(lab is not None for lab in labels) and sample_size - min(
+        n_err, max(1, round(0.1 * sample_size)) if sample_size >= 2 and n_err else 0
+    ) >= len(present):
         assert set(rep.sample.filter(pa.compute.equal(rep.sample["status"], "ok"))["qa_stratum"].to_pylist()) == present
