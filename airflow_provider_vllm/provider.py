@@ -20,6 +20,9 @@ KUBERNETES_DEFAULTS = "kubernetes_defaults"
 AWS_CONN_ID = "aws_conn_id"
 GCP_CONN_ID = "gcp_conn_id"
 REPORT_ROOTS = "report_roots"
+SIGNING_KEY = "signing_key"
+KUBERNETES_SIGNING_SECRET = "kubernetes_signing_secret"
+CACHE_URI_PREFIXES = "cache_uri_prefixes"
 
 
 def setting(option: str) -> str:
@@ -117,6 +120,41 @@ def get_provider_info() -> dict:
                         "type": "string",
                         "example": "google_cloud_default",
                         "default": "google_cloud_default",
+                    },
+                    SIGNING_KEY: {
+                        "description": "Required. The secret key (or keys, comma separated: the first signs, all "
+                        "verify) with which the pipeline seals what it writes and later trusts: the plan, each "
+                        "chunk and commit marker of a shard, the merge summary, _SUCCESS.json and every result "
+                        "cache entry. Whoever can write an output prefix or the cache folder but lacks this key "
+                        "cannot make the pipeline publish or reuse an answer. At least 32 characters, e.g. "
+                        "python -c 'import secrets; print(secrets.token_urlsafe(48))'. Keep it in a secrets "
+                        "backend (AIRFLOW__VLLM_BATCH__SIGNING_KEY_SECRET) or the environment; unset: every run "
+                        "fails in plan, naming this option. See docs/adr/0007-sealed-records.md.",
+                        "version_added": "0.3.0",
+                        "type": "string",
+                        "sensitive": True,
+                        "example": None,
+                        "default": "",
+                    },
+                    KUBERNETES_SIGNING_SECRET: {
+                        "description": "Kubernetes runner: the Secret key holding signing_key for the shard pods, "
+                        "as <secret name>:<key> in the pods' namespace; the pods get it as "
+                        "VLLM_BATCH_SIGNING_KEY through a secretKeyRef, never as a literal. Unset: the "
+                        "Kubernetes runner refuses to start pods, naming this option.",
+                        "version_added": "0.3.0",
+                        "type": "string",
+                        "example": "vllm-batch-signing:key",
+                        "default": "",
+                    },
+                    CACHE_URI_PREFIXES: {
+                        "description": "JSON list or comma-separated URI prefixes under which a job's result "
+                        "cache (cache.uri) may live, by whole path segments (each also inside "
+                        "allowed_uri_prefixes). Empty: no job may use a result cache (plan refuses cache.uri, "
+                        "naming this option), so that one team's job cannot read or fill another team's cache.",
+                        "version_added": "0.3.0",
+                        "type": "string",
+                        "example": "s3://ml-batch/cache/triage/",
+                        "default": "",
                     },
                     REPORT_ROOTS: {
                         "description": "Optional: comma-separated URI prefixes that narrow, within "

@@ -27,6 +27,14 @@ TEST_PREFIXES = json.dumps(
 )
 os.environ.setdefault("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", TEST_PREFIXES)
 os.environ.setdefault("VLLM_BATCH_ALLOWED_PREFIXES", TEST_PREFIXES)  # a worker CLI a test starts itself
+# The deployment's signing key for the tests (core/seal.py): the Airflow side's option and the
+# worker's variable (a worker a test starts itself). Tests of the unset default remove both.
+TEST_SIGNING_KEY = "test-signing-key-" + "k" * 40
+os.environ.setdefault("AIRFLOW__VLLM_BATCH__SIGNING_KEY", TEST_SIGNING_KEY)
+os.environ.setdefault("VLLM_BATCH_SIGNING_KEY", TEST_SIGNING_KEY)
+os.environ.setdefault("AIRFLOW__VLLM_BATCH__KUBERNETES_SIGNING_SECRET", "vllm-batch-signing:key")
+# result caches may live under the test folders (the deployment's choice: [vllm_batch] cache_uri_prefixes)
+os.environ.setdefault("AIRFLOW__VLLM_BATCH__CACHE_URI_PREFIXES", TEST_PREFIXES)
 
 
 @pytest.fixture

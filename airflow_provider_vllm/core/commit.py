@@ -4,46 +4,67 @@ Layout under the run's output prefix::
 
     shards/<shard_id>/attempts/<attempt_id>/chunk-00000.errors.parquet  the chunk's error rows (ERROR_SCHEMA)
     shards/<shard_id>/attempts/<attempt_id>/chunk-00000.parquet         the chunk's ok rows (RESULT_SCHEMA)
-    shards/<shard_id>/_COMMITTED.json                                   create-only; names the files
+    shards/<shard_id>/attempts/<attempt_id>/chunk-00000.seal.json       the worker's seal over both (written last)
+    shards/<shard_id>/_COMMITTED.json                                   create-only, sealed; names the files
     shards/<shard_id>/_ENGINE_LIMITS.json                          engine limits an OOM lowered to (a hint)
 
 A chunk is two part files, each already in its published schema (merge publishes them without
 decoding): its error rows (always written, possibly empty, first) and its ok rows (written
-last: its presence says the chunk is complete). Each file is complete or absent (atomic
-write). A later attempt reuses a chunk of an earlier attempt when both its files are there and
-both footers match (same shard, chunk, rows, config; which part; their rows add up), so a retry
-after a crash only redoes unfinished chunks. The first attempt to create the marker
-wins; a second commit is a no-op, and nothing downstream reads files the marker does not name.
+last), then its seal (``ChunkSeal``: both files' sizes, sha256 and rows, the chunk's identity and
+the plan it was made under, sealed with the deployment's key, ``core/seal.py``): the seal says the
+chunk is complete. Each file is complete or absent (atomic write). A later attempt reuses a chunk
+of an earlier attempt only when its seal verifies, names this chunk of this plan, and both files
+still have the sealed size and sha256, so a retry after a crash only redoes unfinished chunks,
+and a file that another writer of the bucket put there is never reused. The commit marker is
+sealed the same way. The first attempt to create the marker wins; a second commit is a no-op, and
+nothing downstream reads files that a verified marker does not name.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import socket
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
-from pydantic import ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError, field_validator
 
 from airflow_provider_vllm.core import faults
-from airflow_provider_vllm.core.errors import CommitError
-from airflow_provider_vllm.core.records import Record, RowCounts, ShardStats
+from airflow_provider_vllm.core import seal as seals
+from airflow_provider_vllm.core.errors import CommitError, SealError, SpecError
+from airflow_provider_vllm.core.records import FileRef, Record, RowCounts, ShardStats, plain_relative_path
 from airflow_provider_vllm.core.rows import split_rows
+from airflow_provider_vllm.core.seal import Keyring, Seal
 from airflow_provider_vllm.core.storage import Storage
 
+log = logging.getLogger(__name__)
+PROBE_DIR = "_probes"  # create-only probe objects (removed after the probe; ignored if one stays)
+PartFile = FileRef  # one part file: path, bytes, sha256, rows
 MARKER = "_COMMITTED.json"
 LIMITS = "_ENGINE_LIMITS.json"
 FOOTER_KEY = "vllm_batch.chunk"
 PART_KEY = "vllm_batch.part"  # footer: 'results' or 'errors'
 _LIMIT_KEYS = ("max_num_seqs", "max_num_batched_tokens")
 _CHUNK_RE = re.compile(r"^chunk-(\d{5})\.parquet$")
+_SEAL_RE = re.compile(r"^chunk-(\d{5})\.seal\.json$")
 ERRORS_SUFFIX = ".errors.parquet"
+SEAL_SUFFIX = ".seal.json"
+
+
+@dataclass(frozen=True)
+class RunSeal:
+    """How one run's shard records are sealed and checked: the deployment's keys, and the plan's own seal
+    (``plan_mac``), so that a chunk or marker of another plan, run or folder never verifies here."""
+
+    keyring: Keyring
+    plan_mac: str
 
 
 def new_attempt_id() -> str:
@@ -67,15 +88,6 @@ class ChunkMeta(Record):
         return {FOOTER_KEY: json.dumps(self.model_dump(), sort_keys=True)}
 
 
-class PartFile(Record):
-    """One Parquet part file: where it is, its size, checksum and rows."""
-
-    path: str = Field(description="path under the output prefix")
-    bytes: int = Field(description="file size")
-    sha256: str = Field(description="sha256 of the file's bytes")
-    rows: int = Field(description="rows in the file")
-
-
 class FileEntry(RowCounts):
     """One chunk named by a commit marker: its ok-rows file (``path``) and its error-rows file (``errors``).
 
@@ -89,6 +101,11 @@ class FileEntry(RowCounts):
     errors: PartFile | None = Field(
         None, description="the error rows: .../chunk-NNNNN.errors.parquet (ERROR_SCHEMA), written even when empty"
     )
+
+    @field_validator("path")
+    @classmethod
+    def _relative(cls, v: str) -> str:
+        return plain_relative_path(v)
 
     def parts(self) -> tuple[PartFile, PartFile | None]:
         """(ok-rows part, error-rows part)."""
@@ -107,34 +124,66 @@ class CommitMarker(RowCounts):
     stats: ShardStats = Field(default_factory=ShardStats, description="the committing attempt's statistics")
     versions: dict[str, str | None] = Field(default_factory=dict, description="package, engine and model versions")
     committed_at: str = Field(description="UTC time of the commit")
+    plan_mac: str | None = Field(None, description="the seal of the plan the shard ran under (its mac)")
+    engine_identity: str | None = Field(
+        None,
+        description="the engine that ran (vLLM distribution and version, the env that reached it; "
+        "steps/cache_key.py), as the worker saw it: the result cache appends rows only when it is the key's",
+    )
+    seal: Seal | None = Field(None, description="the committing worker's seal (core/seal.py, domain commit)")
+
+
+class ChunkSeal(Record):
+    """``chunk-NNNNN.seal.json`` beside a chunk's two files: the writing worker vouches for both (written last)."""
+
+    meta: ChunkMeta = Field(description="which chunk of which shard (and config)")
+    plan_mac: str = Field(description="the seal of the plan the chunk was made under (its mac)")
+    entry: FileEntry = Field(description="the chunk's files: the ok rows (path) and the error rows (errors)")
+    seal: Seal | None = Field(None, description="the worker's seal (core/seal.py, domain chunk)")
 
 
 class ShardStore:
     """The files of one shard under a run's output prefix."""
 
-    def __init__(self, out: Storage, shard_id: str):
+    def __init__(self, out: Storage, shard_id: str, run: RunSeal):
         self.out = out
         self.shard_id = shard_id
         self.dir = f"shards/{shard_id}"
+        self.run = run
+        self.scope = seals.scope_of(out.uri())
 
     # ---- marker ---------------------------------------------------------------------
     def marker(self) -> CommitMarker | None:
-        """The shard's commit marker, None when absent; CommitError when it is not a valid marker."""
+        """The shard's commit marker, None when absent.
+
+        CommitError when it is not a valid marker; SealError when it is not sealed by this deployment's worker
+        for this shard of this run's plan (another writer of the bucket wrote or changed it).
+        """
         rel = f"{self.dir}/{MARKER}"
         if not self.out.exists(rel):
             return None
         raw = self.out.read_bytes(rel)
         try:
-            return CommitMarker.model_validate_json(raw)
+            m = CommitMarker.model_validate_json(raw)
         except ValidationError as e:
             what = (
                 "is not valid JSON" if any(x["type"] == "json_invalid" for x in e.errors()) else "is not a valid marker"
             )
             raise CommitError(f"commit marker {self.out.uri(rel)} {what}: {e}") from e
+        seals.verify_record(self.run.keyring, seals.COMMIT, self.scope, m, f"commit marker {self.out.uri(rel)}")
+        if m.shard_id != self.shard_id or m.plan_mac != self.run.plan_mac:
+            raise SealError(
+                f"commit marker {self.out.uri(rel)} is sealed for shard {m.shard_id!r} of another plan, not shard "
+                f"{self.shard_id} of this run's plan; refusing it"
+            )
+        return m
 
     def commit(self, marker: CommitMarker) -> bool:
-        """Create the marker; False when another attempt committed first (then nothing changes)."""
-        body = json.dumps(marker.dump(), indent=1, sort_keys=True).encode()
+        """Seal and create the marker; False when another attempt committed first (then nothing changes)."""
+        marker = seals.seal_record(
+            self.run.keyring, seals.COMMIT, self.scope, marker.model_copy(update={"plan_mac": self.run.plan_mac})
+        )
+        body = seals.record_bytes(marker)
         faults.hit("commit.after_data")
         with faults.writing("commit.mid_marker"):
             created = self.out.create_only(f"{self.dir}/{MARKER}", body)
@@ -169,10 +218,11 @@ class ShardStore:
         return f"{self.dir}/attempts/{attempt_id}/chunk-{chunk:05d}.parquet"
 
     def write_chunk(self, attempt_id: str, meta: ChunkMeta, table: pa.Table) -> FileEntry:
-        """Write one chunk (a ``ROW_SCHEMA`` table) as its two part files, atomically each; returns its entry.
+        """Write one chunk (a ``ROW_SCHEMA`` table) as its two part files, atomically each, then its seal;
+        returns its entry.
 
-        The error rows first, the ok rows last: a crash in between leaves no ok-rows file, so
-        the chunk is not complete and a retry redoes it.
+        The error rows first, the ok rows next, the seal last: a crash before the seal leaves a chunk
+        that is not complete, and a retry redoes it.
         """
         if table.num_rows != meta.rows:
             raise CommitError(f"chunk {meta.chunk} of {self.shard_id}: {table.num_rows} rows, expected {meta.rows}")
@@ -181,54 +231,82 @@ class ShardStore:
         err_rel = errors_rel(rel)
         faults.hit("chunk.before_write")
         with faults.writing("chunk.mid_file"):
-            self.out.write_parquet_atomic(err_rel, err, metadata={**meta.to_kv(), PART_KEY: "errors"})
+            err_size, err_sha = self.out.write_parquet_atomic(
+                err_rel, err, metadata={**meta.to_kv(), PART_KEY: "errors"}
+            )
             faults.hit("chunk.between_parts")
-            self.out.write_parquet_atomic(rel, ok, metadata={**meta.to_kv(), PART_KEY: "results"})
-        faults.hit("chunk.after_write")
-        return self.file_entry(rel, ok.num_rows, err.num_rows)
-
-    def file_entry(self, rel: str, ok_rows: int | None = None, error_rows: int | None = None) -> FileEntry:
-        """The marker entry of the chunk whose ok-rows file is ``rel`` (rows from the footers when not given)."""
-        err_rel = errors_rel(rel)
-        if ok_rows is None or error_rows is None:
-            ok_rows, error_rows = _footer_rows(self.out, rel), _footer_rows(self.out, err_rel)
-        errors = PartFile(path=err_rel, rows=error_rows, bytes=self.out.size(err_rel), sha256=self.out.sha256(err_rel))
-        return FileEntry(
+            ok_size, ok_sha = self.out.write_parquet_atomic(rel, ok, metadata={**meta.to_kv(), PART_KEY: "results"})
+        entry = FileEntry(
             path=rel,
-            rows=ok_rows + error_rows,
-            ok_rows=ok_rows,
-            error_rows=error_rows,
-            bytes=self.out.size(rel),
-            sha256=self.out.sha256(rel),
-            errors=errors,
+            rows=ok.num_rows + err.num_rows,
+            ok_rows=ok.num_rows,
+            error_rows=err.num_rows,
+            bytes=ok_size,
+            sha256=ok_sha,
+            errors=PartFile(path=err_rel, rows=err.num_rows, bytes=err_size, sha256=err_sha),
         )
+        faults.hit("chunk.before_seal")
+        sealed = seals.seal_record(
+            self.run.keyring, seals.CHUNK, self.scope, ChunkSeal(meta=meta, plan_mac=self.run.plan_mac, entry=entry)
+        )
+        self.out.write_atomic(seal_rel(rel), seals.record_bytes(sealed))
+        faults.hit("chunk.after_write")
+        return entry
 
     def reusable_chunks(
         self, expected: dict[int, ChunkMeta], beat: Callable[[], None] = lambda: None
-    ) -> dict[int, str]:
-        """Complete chunks left by any attempt whose footer matches ``expected``; chunk -> path.
+    ) -> dict[int, FileEntry]:
+        """Complete chunks left by any attempt that this deployment's worker sealed for ``expected``; chunk -> entry.
 
-        ``beat()`` after each listing and footer read (the worker's watchdog counts them as progress).
+        A chunk is reused only when its seal verifies (this run, this plan, this chunk's identity) and both
+        its files still have the sealed size and sha256; anything else (a writer's temp file, a chunk
+        killed before its seal, a file another writer of the bucket put or changed) is ignored and the
+        chunk is redone. ``beat()`` after each listing and file check (the worker's watchdog counts them).
         """
-        found: dict[int, str] = {}
+        found: dict[int, FileEntry] = {}
         for attempt in self.out.listdir(f"{self.dir}/attempts"):
             beat()
             for name in self.out.listdir(f"{self.dir}/attempts/{attempt}"):
-                m = _CHUNK_RE.match(name)
+                m = _SEAL_RE.match(name)
                 if not m:
-                    continue  # temp files of a killed writer
+                    continue  # the part files themselves, temp files of a killed writer
                 k = int(m.group(1))
                 if k in found or k not in expected:
                     continue
-                rel = f"{self.dir}/attempts/{attempt}/{name}"
-                ok_rows = _footer_matches(self.out, rel, expected[k], "results")
-                err_rows = (
-                    _footer_matches(self.out, errors_rel(rel), expected[k], "errors") if ok_rows is not None else None
-                )
-                if ok_rows is not None and err_rows is not None and ok_rows + err_rows == expected[k].rows:
-                    found[k] = rel
+                entry = self._sealed_chunk(f"{self.dir}/attempts/{attempt}", k, expected[k])
+                if entry is not None:
+                    found[k] = entry
                 beat()
         return found
+
+    def _sealed_chunk(self, folder: str, k: int, meta: ChunkMeta) -> FileEntry | None:
+        """The entry of chunk ``k`` in ``folder`` when its seal and both files check out, else None."""
+        rel = f"{folder}/chunk-{k:05d}.parquet"
+        try:
+            faults.hit("reuse.footer")  # inside the broad except: a stop request here must still stop
+            doc = ChunkSeal.model_validate_json(self.out.read_bytes(seal_rel(rel)))
+            seals.verify_record(self.run.keyring, seals.CHUNK, self.scope, doc, self.out.uri(seal_rel(rel)))
+            e = doc.entry
+            if (
+                doc.meta != meta
+                or doc.plan_mac != self.run.plan_mac
+                or e.path != rel
+                or e.errors is None
+                or e.errors.path != errors_rel(rel)
+                or e.ok_rows + e.errors.rows != meta.rows
+            ):
+                return None
+            for f in e.parts():
+                if f is None or self.out.size(f.path) != f.bytes or self.out.sha256(f.path) != f.sha256:
+                    return None
+        except Exception:  # unreadable, absent, forged: the chunk is redone (never a BaseException: SIGTERM)
+            return None
+        return e
+
+
+def seal_rel(rel: str) -> str:
+    """The seal next to the ok-rows file ``rel`` (chunk-NNNNN.parquet -> chunk-NNNNN.seal.json)."""
+    return rel[: -len(".parquet")] + SEAL_SUFFIX
 
 
 def errors_rel(rel: str) -> str:
@@ -236,25 +314,50 @@ def errors_rel(rel: str) -> str:
     return rel[: -len(".parquet")] + ERRORS_SUFFIX
 
 
-def _footer_rows(out: Storage, rel: str) -> int:
-    with out.open(rel) as f:
-        return int(pq.ParquetFile(f).metadata.num_rows)
+def probe_create_only(out: Storage, store: str) -> None:
+    """Refuse (SpecError, terminal) a store that does not honour create-only writes.
 
-
-def _footer_matches(out: Storage, rel: str, meta: ChunkMeta, part: str) -> int | None:
-    """The file's rows when its footer is this chunk's ``part`` ('results' | 'errors'); None otherwise."""
+    The commit protocol rests on write-if-absent (``Storage.create_only``: link locally,
+    ``If-None-Match: *`` on S3, ``ifGenerationMatch=0`` on GCS): the first attempt to commit a
+    shard wins and a marker never changes. Stores differ (s3fs documents ``mode="create"`` as
+    known to work on AWS S3 only; S3-compatible servers and emulators may ignore the
+    precondition and overwrite), so before anything is planned this writes one new probe
+    object create-only twice: the first write must succeed, the second must be refused, and
+    the object must still hold the first body. Transient storage errors stay transient.
+    """
+    rel = f"{PROBE_DIR}/create-only-{uuid.uuid4().hex}"
+    first, second = f"probe 1 {rel}".encode(), f"probe 2 {rel}".encode()
+    need = (
+        "the commit protocol needs write-if-absent (S3: If-None-Match: *, GCS: ifGenerationMatch=0, local "
+        "files: link) so that a shard's commit marker is written once and never replaced; use a store that "
+        "enforces it"
+    )
     try:
-        faults.hit("reuse.footer")  # inside the broad except: a stop request here must still stop
-        with out.open(rel) as f:
-            md = pq.ParquetFile(f).metadata
-    except Exception:  # unreadable or absent: the chunk is redone (never a BaseException: SIGTERM)
-        return None
-    kv = md.metadata or {}
-    raw = kv.get(FOOTER_KEY.encode())
-    if raw is None or kv.get(PART_KEY.encode()) != part.encode():
-        return None
-    try:
-        stored = ChunkMeta.model_validate_json(raw)
-    except ValidationError:
-        return None
-    return int(md.num_rows) if stored == meta and md.num_rows <= meta.rows else None
+        try:
+            made = out.create_only(rel, first)
+            again = out.create_only(rel, second) if made else None
+            body = out.read_bytes(rel) if made else None
+        except (NotImplementedError, OSError) as e:
+            raise SpecError(
+                f"output store {store}: a create-only write of the probe object {out.uri(rel)} failed "
+                f"({type(e).__name__}: {e}); {need}"
+            ) from None
+    finally:
+        try:
+            out.remove(rel)
+            if out.is_local:
+                os.rmdir(out.path(PROBE_DIR))  # only when empty: a racing plan's probe may be there
+        except Exception as e:  # e.g. no delete permission: the probe object stays, ignored by the plan
+            if not out.is_local or out.exists(rel):
+                log.warning("could not remove the create-only probe object %s: %s", out.uri(rel), e)
+    if not made:
+        raise SpecError(
+            f"output store {store}: the first create-only write of a new probe object {out.uri(rel)} "
+            f"was refused as if it existed; {need}"
+        )
+    if again or body != first:
+        what = "succeeded and replaced it" if again else "was reported refused, but the object was replaced"
+        raise SpecError(
+            f"output store {store} does not honour create-only writes: a second create-only write of "
+            f"the probe object {out.uri(rel)} {what}. {need[0].upper()}{need[1:]}"
+        )

@@ -26,3 +26,8 @@ def file_list(storage: Storage, rels: list[str]) -> str:
     """A SQL list literal of the files' paths, as DuckDB reads them."""
     paths = [storage.path(r) if storage.is_local else storage.uri(r) for r in rels]
     return "[" + ", ".join("'" + p.replace("'", "''") + "'" for p in paths) + "]"
+
+
+def local_list(paths: list[str]) -> str:
+    """A SQL list literal of local file paths."""
+    return "[" + ", ".join("'" + p.replace("'", "''") + "'" for p in paths) + "]"

@@ -35,6 +35,10 @@ class EnvVar:
             raise ValueError(f"{self.name} is not set and has no default")
         return value
 
+    def drop(self) -> None:
+        """Remove the variable from this process's environment (child processes no longer inherit it)."""
+        os.environ.pop(self.name, None)
+
     def flag(self, env: Mapping[str, str] | None = None) -> bool:
         """A yes/no switch: "1", "true" or "yes" (any case) -> True, anything else False."""
         return str(self.get(env) or "").lower() in ("1", "true", "yes")
@@ -67,6 +71,15 @@ ALLOW_ANY_LOCATION = _var(
 )
 ALLOW_REMOTE_CODE = _var(
     "VLLM_BATCH_ALLOW_REMOTE_CODE", None, "1: trust_remote_code and code-loading engine options are allowed", "worker"
+)
+
+SIGNING_KEY = _var(
+    "VLLM_BATCH_SIGNING_KEY",
+    None,
+    "the deployment's signing key(s) the worker seals its chunks and commit marker with and checks the plan "
+    "against (comma separated, the first seals); the local runner passes [vllm_batch] signing_key, pods get it "
+    "from the Secret named by [vllm_batch] kubernetes_signing_secret. Never logged",
+    "worker",
 )
 
 # ---- worker process -------------------------------------------------------------------------

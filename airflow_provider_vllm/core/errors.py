@@ -38,6 +38,10 @@ class CommitError(VllmBatchError):
     """The commit protocol found state it cannot reconcile (e.g. a corrupt marker)."""
 
 
+class SealError(CommitError):
+    """A record the pipeline must trust carries no valid seal of this deployment's key, or no key is set."""
+
+
 class VerificationError(VllmBatchError):
     """Merge found input ids missing from, or duplicated in, results + errors."""
 

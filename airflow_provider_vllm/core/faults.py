@@ -37,10 +37,12 @@ ENV = envs.FAULTS.name
 
 POINTS = frozenset(
     {
-        # a worker chunk's two files (commit.ShardStore.write_chunk): errors part, between, ok part
+        # a worker chunk's two files (commit.ShardStore.write_chunk): errors part, between, ok part,
+        # both parts visible with no seal yet, the seal visible
         "chunk.before_write",
         "chunk.mid_file",
         "chunk.between_parts",
+        "chunk.before_seal",
         "chunk.after_write",
         # the shard commit marker (commit.ShardStore.commit): every chunk visible, no marker yet;
         # marker temp file half written; marker visible
@@ -65,7 +67,7 @@ POINTS = frozenset(
         # one engine step (worker.guard.GuardedEngine.step)
         "engine.step",
         # the worker's other phases (worker.shard): before the plan is read, before each input
-        # segment is read, before each earlier attempt's chunk footer is read in the reuse scan
+        # segment is read, before each earlier attempt's chunk seal is read in the reuse scan
         "plan.load",
         "read.segment",
         "reuse.footer",

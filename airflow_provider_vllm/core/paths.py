@@ -132,6 +132,24 @@ def check_uri(uri: str, allowed: Sequence[str] | None, what: str = "uri") -> str
     return canon
 
 
+def check_cache_location(uri: str, cache_prefixes: Sequence[str], setting: str) -> str:
+    """Canonical ``cache.uri``, or SpecError when the deployment allows no cache there (none configured: nowhere).
+
+    Where caches live is the deployment's choice, so that one team's job cannot read or fill another's.
+    """
+    canon = canonical_uri(uri, "cache.uri")
+    if not cache_prefixes:
+        raise SpecError(
+            f"cache.uri={uri} is set, but the deployment allows no result cache: {setting} is empty "
+            "(name the prefixes result caches may live under, or unset cache.uri)"
+        )
+    if not any(is_under(canon, p) for p in cache_prefixes):
+        raise SpecError(
+            f"cache.uri={uri} is outside the deployment's cache locations {list(cache_prefixes)} ({setting})"
+        )
+    return canon
+
+
 def check_local_tree(canon: str, allowed: Sequence[str] | None, what: str = "uri") -> None:
     """Every file under a local folder resolves inside ``allowed`` (catches symlinks inside it)."""
     prefixes = canonical_prefixes(allowed)

@@ -11,8 +11,11 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from airflow_provider_vllm.core import seal as seals
 from airflow_provider_vllm.core.errors import SpecError
 from airflow_provider_vllm.core.formats.files import InputFile
+from airflow_provider_vllm.core.records import FileRef
+from airflow_provider_vllm.core.seal import Keyring, Seal
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
 
@@ -38,6 +41,11 @@ class ShardPlan(BaseModel):
     rows: int
     est_tokens: int
     segments: list[Segment]
+    input_file: FileRef | None = Field(
+        None,
+        description="With the result cache: the shard's own input file (its miss rows, in order) under the "
+        "output prefix; the worker reads exactly these bytes (size and sha256 checked) and its segments index it",
+    )
 
     def summary(self) -> dict[str, Any]:
         """The small dict passed through XCom to each mapped shard task."""
@@ -50,15 +58,10 @@ class ShardPlan(BaseModel):
         }
 
 
-class CacheFile(BaseModel):
+class CacheFile(FileRef):
     """One file the plan wrote under ``_cache/`` (named by its content: ``hits-<sha16>.parquet``)."""
 
-    model_config = ConfigDict(extra="forbid")
-    path: str = Field(description="path under the output prefix")
-    bytes: int
-    sha256: str
-    rows: int
-    version: str = Field("", description="etag / generation / mtime when written (the worker checks it)")
+    version: str = Field("", description="etag / generation / mtime when written")
 
 
 class CachePlan(BaseModel):
@@ -73,12 +76,14 @@ class CachePlan(BaseModel):
     hits: int = Field(description="rows answered from the cache")
     misses: int = Field(description="rows sent to the shards")
     hits_file: CacheFile = Field(description="id + cached answer columns + cached_from, in input order")
-    misses_file: CacheFile = Field(description="the miss rows (id, template columns, key), in input order")
-    misses_root: str = Field(description="folder of misses_file: the shards' input root")
+    misses_root: str = Field(description="folder of the shards' input files (ShardPlan.input_file): the miss rows")
     hit_est_tokens: int = Field(0, description="estimated prompt tokens of the hit rows (not inferred)")
 
 
 class Plan(BaseModel):
+    """``_plan.json``: written once (create-only) and sealed by the plan task (``core/seal.py``, domain ``plan``,
+    scope the output URI); every reader checks the seal (``load_plan``)."""
+
     model_config = ConfigDict(extra="forbid")
     version: int = 1
     spec_hash: str
@@ -97,23 +102,33 @@ class Plan(BaseModel):
     created_with: dict[str, str]
     sizing: dict[str, Any] | None = Field(None, description="How shards were sized from throughput history.")
     cache: CachePlan | None = Field(
-        None, description="The result cache (cache.uri set): shards' segments then index the misses file."
+        None, description="The result cache (cache.uri set): shards then read their own input files of misses."
     )
+    seal: Seal | None = Field(None, description="the plan task's seal (core/seal.py): what every reader checks")
 
     def dump_json(self) -> bytes:
-        """``_plan.json``'s bytes; ``cache`` only when set (plans without it stay as they were)."""
-        return self.model_dump_json(indent=1, exclude={"cache"} if self.cache is None else None).encode()
+        """``_plan.json``'s bytes: the fields that were set, and the seal."""
+        return seals.record_bytes(self)
+
+    def sealed(self, keyring: Keyring, output_uri: str) -> Plan:
+        """This plan sealed for the run at ``output_uri``."""
+        return seals.seal_record(keyring, seals.PLAN, seals.scope_of(output_uri), self)
+
+    def verify(self, keyring: Keyring, output_uri: str) -> None:
+        """SealError unless the plan task of this deployment wrote this plan for the run at ``output_uri``."""
+        where = f"{output_uri.rstrip('/')}/{PLAN_FILE}"
+        seals.verify_record(keyring, seals.PLAN, seals.scope_of(output_uri), self, f"the plan {where}")
 
     def input_files(self) -> list[InputFile]:
         return [InputFile(**f) for f in self.files]
 
-    def shard_input(self) -> tuple[str, list[InputFile]]:
-        """The shards' input root and files: the input, or with the cache the misses file alone."""
-        if self.cache is None:
+    def shard_input(self, shard: ShardPlan) -> tuple[str, list[InputFile]]:
+        """The shard's input root and files (its segments index them): the input, or the shard's own input file."""
+        if shard.input_file is None:
             return self.input_root, self.input_files()
-        m = self.cache.misses_file
-        name = m.path.rsplit("/", 1)[-1]
-        return self.cache.misses_root, [InputFile(path=name, size=m.bytes, version=m.version)]
+        f = shard.input_file
+        root, name = self.cache.misses_root if self.cache else "", f.path.rsplit("/", 1)[-1]
+        return root, [InputFile(path=name, size=f.bytes, version="")]
 
     def shard(self, shard_id: str) -> ShardPlan:
         for s in self.shards:
@@ -127,8 +142,14 @@ def estimate_tokens(chars: np.ndarray | int, chars_per_token: float) -> np.ndarr
     return np.ceil(np.asarray(chars, dtype=np.float64) / chars_per_token).astype(np.int64)
 
 
-def load_plan(spec: JobSpec, filesystems: FileSystems | None = None) -> Plan:
+def load_plan(spec: JobSpec, filesystems: FileSystems | None = None, keyring: Keyring | None = None) -> Plan:
+    """The run's plan, its seal checked (``keyring`` default: the worker's, ``VLLM_BATCH_SIGNING_KEY``).
+
+    SpecError when there is none; SealError when this deployment's plan task did not write it for this run.
+    """
     out = Storage(spec.io.output_uri, spec.io.storage_options, filesystems)
     if not out.exists(PLAN_FILE):
         raise SpecError(f"no plan at {out.uri(PLAN_FILE)}; run the plan step first")
-    return Plan.model_validate_json(out.read_bytes(PLAN_FILE))
+    plan = Plan.model_validate_json(out.read_bytes(PLAN_FILE))
+    plan.verify(keyring or Keyring.from_env(), spec.io.output_uri)
+    return plan

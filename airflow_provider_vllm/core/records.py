@@ -19,9 +19,12 @@ ours, hence ``extra="forbid"``: an unknown field or a wrong type is refused, nam
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
+
+from airflow_provider_vllm.core.seal import Seal
 
 
 class Record(BaseModel):
@@ -128,13 +131,48 @@ class Duplicates(Record):
     examples: list[str] = Field(description="a few of those ids")
 
 
-class PartEntry(Record):
+PART_NAME = re.compile(r"^part-\d+(-[A-Za-z0-9._-]+)?\.parquet$")
+_SEGMENT = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+def plain_relative_path(v: str) -> str:
+    """``v`` when it is a relative path of plain segments (letters, digits, ``._-``; no ``.``/``..``); ValueError."""
+    if not all(_SEGMENT.match(seg) and seg not in (".", "..") for seg in v.split("/")):
+        raise ValueError(f"{v!r} is not a plain relative path (segments of letters, digits, '._-'; no '..')")
+    return v
+
+
+class FileDigest(Record):
+    """What one file must be: its size, sha256 and rows (the shape every file record shares)."""
+
+    bytes: int = Field(ge=0, description="file size")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="sha256 of the file's bytes")
+    rows: int = Field(ge=0, description="rows in the file")
+
+
+class FileRef(FileDigest):
+    """One file by its path under a folder (a run's output prefix, the cache folder) and what it must be.
+
+    ``path`` is relative, made of plain segments (letters, digits, ``._-``; no ``.``/``..``, no glob or URL
+    characters): a record read from a bucket can never name a file outside its folder with it.
+    """
+
+    path: str = Field(max_length=1024, description="path under the folder")
+
+    @field_validator("path")
+    @classmethod
+    def _relative(cls, v: str) -> str:
+        return plain_relative_path(v)
+
+
+class PartEntry(FileDigest):
     """One published Parquet part of a merged folder."""
 
-    name: str = Field(description="file name inside the folder, e.g. part-00000-<shard>-00000.parquet")
-    bytes: int = Field(description="file size")
-    sha256: str = Field(description="sha256 of the file's bytes")
-    rows: int = Field(description="rows in the part")
+    name: str = Field(
+        pattern=PART_NAME.pattern,
+        max_length=255,
+        description="file name inside the folder (one path segment), e.g. part-00000-<shard>-00000.parquet",
+    )
 
 
 class PartsManifest(Record):
@@ -180,6 +218,8 @@ class MergeSummary(RowCounts):
     cache: CacheMergeSummary | None = Field(
         None, description="what the merge took from and added to the result cache (cache.uri set)"
     )
+    plan_mac: str | None = Field(None, description="the seal of the plan the run was merged under (its mac)")
+    seal: Seal | None = Field(None, description="the merge's seal (core/seal.py, domain merged, scope the run)")
 
     XCOM_FIELDS: ClassVar[tuple[str, ...]] = (
         "rows",
@@ -256,8 +296,9 @@ class ChangesSummary(Record):
 
     version: int = Field(description="record format version")
     previous_uri: str = Field(description="changes.previous_uri, the previous run's output prefix")
-    previous_state: Literal["complete", "incomplete", "absent"] = Field(
-        description="complete: its _MERGED.json exists and was compared; incomplete / absent: not compared, "
+    previous_state: Literal["complete", "incomplete", "absent", "unverified"] = Field(
+        description="complete: its _MERGED.json exists, carries this deployment's seal, and was compared; "
+        "incomplete / absent / unverified (no valid seal: nothing of it is read): not compared, "
         "every id of this run is 'added' (or 'error')"
     )
     previous_config_hash: str | None = Field(None, description="the previous run's config hash (complete only)")
@@ -278,32 +319,36 @@ class ChangesSummary(Record):
     files: dict[str, str] = Field(description="output kind -> path under the output prefix")
     checksums: dict[str, str] = Field(description="path -> sha256 of changes.parquet")
     notes: list[str] = Field(default_factory=list, description="what the reader should know (no previous run ...)")
-
-
-class CacheFileEntry(Record):
-    """One Parquet part of a cache entry, as its commit marker names it."""
-
-    path: str = Field(description="path under the cache folder: entries/<entry_id>/part-NNNNN.parquet")
-    bytes: int = Field(description="size in bytes")
-    sha256: str = Field(description="sha256 of the file")
-    rows: int = Field(description="rows in the file")
+    seal: Seal | None = Field(None, description="the QA task's seal (core/seal.py, domain changes, scope the run)")
 
 
 class CacheCommit(Record):
-    """``<cache.uri>/commits/<entry_id>.json``: written create-only, after every file it names."""
+    """``<cache.uri>/commits/<key_hash[:32]>/<entry_id>.json``: written create-only after every file it names,
+    sealed by the merge that wrote the entry (``core/seal.py``, domain ``cache-entry``, scope the cache folder)."""
 
-    version: int = Field(1, description="marker format version")
-    entry_id: str = Field(description="derived from the run that computed the answers (spec hash + output URI)")
-    key_hash: str = Field(
-        description="the job's key config hash (steps/cache.key_config): rows of other configurations are never read"
+    version: int = Field(2, description="marker format version (2: sealed, per-row computed_at, compaction)")
+    entry_id: str = Field(
+        pattern=r"^[0-9a-f]{32}$",
+        description="derived from the run that computed the answers (spec hash + output URI), or from the "
+        "entries a compaction merged",
     )
-    files: list[CacheFileEntry] = Field(description="the entry's Parquet parts")
-    rows: int = Field(description="rows over all parts")
-    source_output_uri: str = Field(description="output prefix of the run that computed the answers")
+    key_hash: str = Field(
+        pattern=r"^[0-9a-f]{64}$",
+        description="the job's key config hash (steps/cache_key.py): rows of other configurations are never read",
+    )
+    files: list[FileRef] = Field(description="the entry's Parquet parts: entries/<entry_id>/part-NNNNN.parquet")
+    rows: int = Field(ge=0, description="rows over all parts")
+    source_output_uri: str = Field(description="output prefix of the run that computed the answers ('' compaction)")
     source_config_hash: str = Field(description="that run's config hash")
     source_spec_hash: str = Field(description="that run's spec hash")
     versions: dict[str, str | None] = Field(description="package versions of the writer")
-    created: str = Field(description="UTC time of the commit (ISO 8601); the newest entry wins a key")
+    created: str = Field(description="UTC time of the commit (ISO 8601), as the sealing merge wrote it")
+    supersedes: list[str] = Field(
+        default_factory=list,
+        description="a compaction: the entries whose rows this entry holds (their newest answer per key); "
+        "readers skip them",
+    )
+    seal: Seal | None = Field(None, description="the writing merge's seal; an entry without a valid one is never read")
 
 
 class CacheMergeSummary(Record):
@@ -318,6 +363,9 @@ class CacheMergeSummary(Record):
     )
     skipped: str | None = Field(
         None, description="why this run's rows were not appended (e.g. made by another engine than the key's)"
+    )
+    compacted_into: str | None = Field(
+        None, description="the entry a compaction after this append merged the key config's live entries into"
     )
 
 

@@ -24,7 +24,7 @@ import shutil
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import fsspec
 import pyarrow as pa
@@ -33,6 +33,9 @@ from fsspec.implementations.local import LocalFileSystem
 
 from airflow_provider_vllm.core import faults
 from airflow_provider_vllm.core.storage_retry import retrying
+
+if TYPE_CHECKING:
+    from airflow_provider_vllm.core.records import FileDigest
 
 FileSystems = Callable[[str, dict[str, Any]], "fsspec.AbstractFileSystem | None"]
 """``(uri, options) -> file system`` for that URI, or None for plain fsspec (``url_to_fs``).
@@ -125,6 +128,31 @@ class Storage:
 
         return self._call(digest, f"checksum {self.uri(rel)}")
 
+    def fetch_verified(self, rel: str, want: FileDigest, dest: str) -> None:
+        """Copy ``rel`` to the local file ``dest`` while hashing it; CommitError (and no ``dest``) unless it
+        has exactly ``want``'s size and sha256. Readers then read ``dest``: the bytes that were checked."""
+        from airflow_provider_vllm.core.errors import CommitError
+
+        def fetch() -> tuple[int, str]:
+            h, n = hashlib.sha256(), 0
+            with self.open(rel) as src, open(dest, "wb") as out:
+                for block in iter(lambda: src.read(1 << 20), b""):
+                    h.update(block)
+                    n += len(block)
+                    if n > want.bytes:
+                        break
+                    out.write(block)
+            return n, h.hexdigest()
+
+        os.makedirs(os.path.dirname(dest) or ".", exist_ok=True)
+        size, digest = self._call(fetch, f"read {self.uri(rel)}")
+        if size != want.bytes or digest != want.sha256:
+            os.unlink(dest)
+            raise CommitError(
+                f"{self.uri(rel)} is not the file its sealed record names (size {size} vs {want.bytes}, or sha256 "
+                "differs): it was changed after it was written; refusing to read it"
+            )
+
     # ---- writes ---------------------------------------------------------------------
     def makedirs(self, rel: str = "") -> None:
         if self.is_local:
@@ -157,13 +185,17 @@ class Storage:
         finally:
             os.unlink(tmp)
 
-    def write_parquet_atomic(self, rel: str, table: pa.Table, metadata: dict[str, str] | None = None) -> None:
-        """Write a Parquet file so that readers never see a partial one."""
+    def write_parquet_atomic(
+        self, rel: str, table: pa.Table, metadata: dict[str, str] | None = None
+    ) -> tuple[int, str]:
+        """Write a Parquet file so that readers never see a partial one; returns its size and sha256."""
         if metadata:
             table = table.replace_schema_metadata({**(table.schema.metadata or {}), **metadata})
         sink = pa.BufferOutputStream()
         pq.write_table(table, sink, compression="zstd")
-        self.write_atomic(rel, sink.getvalue().to_pybytes())
+        data = sink.getvalue().to_pybytes()
+        self.write_atomic(rel, data)
+        return len(data), hashlib.sha256(data).hexdigest()
 
     def upload(self, local: str, rel: str) -> None:
         """Copy a finished local file to rel (remote: one PUT or multipart upload, visible whole or not at all)."""

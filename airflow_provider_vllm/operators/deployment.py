@@ -15,6 +15,9 @@ in ``get_provider_info()``):
   service account, ...). Off: they may set the others only.
 * ``kubernetes_defaults``: JSON object of pod settings (``KubernetesSettings``) for every shard
   pod: the deployment's image, namespace, service account, Secret references, ...
+* ``signing_key``: the key(s) the pipeline seals what it trusts with (``core/seal.py``); required.
+* ``kubernetes_signing_secret``: ``<secret>:<key>`` holding that key for the shard pods.
+* ``cache_uri_prefixes``: where result caches may live (empty: no cache).
 """
 
 from __future__ import annotations
@@ -30,16 +33,19 @@ from airflow_provider_vllm.core.paths import (
     ALLOW_REMOTE_CODE_ENV,
     ALLOWED_PREFIXES_ENV,
     canonical_prefixes,
+    check_cache_location,
     parse_prefixes,
 )
+from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.spec_guard import check_deployment, check_remote_code
 from airflow_provider_vllm.provider import ALLOW_ANY_LOCATION as ALLOW_ANY_OPTION
 from airflow_provider_vllm.provider import ALLOW_REMOTE_CODE as REMOTE_CODE_OPTION
 from airflow_provider_vllm.provider import ALLOWED_URI_PREFIXES as CONFIG_OPTION
-from airflow_provider_vllm.provider import CONFIG_SECTION, setting
+from airflow_provider_vllm.provider import CACHE_URI_PREFIXES, CONFIG_SECTION, KUBERNETES_SIGNING_SECRET, setting
 from airflow_provider_vllm.provider import DEPLOYMENT_SETTINGS_FROM_VARIABLES as VARIABLES_OPTION
 from airflow_provider_vllm.provider import KUBERNETES_DEFAULTS as KUBERNETES_OPTION
+from airflow_provider_vllm.provider import SIGNING_KEY as SIGNING_OPTION
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +100,37 @@ def kubernetes_defaults() -> dict:
     return doc
 
 
+def signing_keyring() -> Keyring:
+    """The deployment's signing keys (``[vllm_batch] signing_key``); fails the task (no retry) when unset or weak."""
+    from airflow_provider_vllm.core.errors import SealError
+
+    try:
+        return Keyring.from_text(_get(SIGNING_OPTION), setting(SIGNING_OPTION))
+    except SealError as e:
+        raise AirflowFailException(str(e)) from None
+
+
+def kubernetes_signing_secret() -> tuple[str, str]:
+    """``[vllm_batch] kubernetes_signing_secret`` as (Secret name, key); fails the task when unset or malformed."""
+    raw = _get(KUBERNETES_SIGNING_SECRET).strip()
+    name, _, key = raw.partition(":")
+    if not raw or not name or not key:
+        raise AirflowFailException(
+            f"{setting(KUBERNETES_SIGNING_SECRET)} is {'not set' if not raw else f'{raw!r}, not <secret>:<key>'}: "
+            "the shard pods need the deployment's signing key from a Kubernetes Secret (a secretKeyRef) to seal "
+            "their chunks and commit markers; create the Secret in the pods' namespace and name it here"
+        )
+    return name, key
+
+
+def cache_prefixes() -> list[str]:
+    """Where result caches may live (``[vllm_batch] cache_uri_prefixes``); empty: nowhere."""
+    try:
+        return canonical_prefixes(parse_prefixes(_get(CACHE_URI_PREFIXES)))
+    except SpecError as e:
+        raise AirflowFailException(f"{setting(CACHE_URI_PREFIXES)} is malformed: {e}") from None
+
+
 NO_ALLOW_LIST = (
     f"no allowed locations are configured: set {setting(CONFIG_OPTION)} to the URI prefixes jobs may "
     f"read and write, or {setting(ALLOW_ANY_OPTION)} = True to allow any location"
@@ -110,6 +147,8 @@ def check_spec_allowed(spec: JobSpec, what: str) -> list[str]:
     try:
         check_deployment(spec, prefixes, allow_any=any_location, no_allow_list=NO_ALLOW_LIST)
         check_remote_code(spec, allow_remote_code(), f"{setting(REMOTE_CODE_OPTION)} = True")
+        if spec.cache.uri is not None:
+            check_cache_location(spec.cache.uri, cache_prefixes(), setting(CACHE_URI_PREFIXES))
     except SpecError as e:
         raise AirflowFailException(f"{what}: {e}") from None
     if not prefixes:

@@ -19,18 +19,22 @@ from airflow.sdk.exceptions import AirflowFailException
 from kubernetes.client import ApiClient
 from kubernetes.client import models as k8s
 
+from airflow_provider_vllm.core import envs
 from airflow_provider_vllm.core.errors import SpecError
 from airflow_provider_vllm.core.exit_codes import ExitCode
 from airflow_provider_vllm.core.pod_settings import KubernetesSettings
+from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.spec_guard import DEPLOYMENT_OWNED
 from airflow_provider_vllm.operators import provenance
-from airflow_provider_vllm.operators._common import load_spec, shard_id_of
+from airflow_provider_vllm.operators._common import data_plane_errors, load_spec, shard_id_of
 from airflow_provider_vllm.operators.deployment import (
     check_spec_allowed,
-    kubernetes_defaults,
+    kubernetes_signing_secret,
+    signing_keyring,
     variables_may_set_deployment_settings,
     worker_env,
 )
+from airflow_provider_vllm.operators.engine_identity import layered_pod_settings, pod_engine_identity
 from airflow_provider_vllm.operators.worker_outcome import worker_failure, worker_result
 from airflow_provider_vllm.steps.pod_spec import WORKER_PYTHON, PodParts, container_security_context, pod_parts
 from airflow_provider_vllm.worker.task import ShardTask, worker_command
@@ -170,12 +174,7 @@ class VllmKubernetesShardOperator(KubernetesPodOperator):
             if defaults is not None and not isinstance(defaults, dict):
                 raise ValueError(f"kubernetes settings must be a mapping, got {type(defaults).__name__}")
             self.check_provenance(defaults)
-            job = spec.kubernetes.model_dump(exclude_defaults=True)
-            settings = KubernetesSettings.layered(kubernetes_defaults(), defaults, job)
-            if self.env:
-                env = {**settings.env, **{k: str(v) for k, v in self.env.items()}, **job.get("env", {})}
-                settings = KubernetesSettings.layered(settings.model_dump(exclude_defaults=True), {"env": env})
-            return settings
+            return layered_pod_settings(spec, defaults, self.env)
         except ValueError as e:  # pydantic's ValidationError and json's errors are ValueErrors
             raise AirflowFailException(f"shard {self.shard_id}: invalid kubernetes settings: {e}") from None
 
@@ -189,6 +188,7 @@ class VllmKubernetesShardOperator(KubernetesPodOperator):
             parts = pod_parts(spec, settings, task.shard_id)
         except (SpecError, ValueError) as e:
             raise AirflowFailException(f"shard {self.shard_id!r}: {e}") from None
+        self.check_engine(spec, settings)
         argv = worker_command(task, python=WORKER_PYTHON)
         self.cmds, self.arguments = argv[:-1], argv[-1:]
         self.image = parts.image
@@ -198,11 +198,19 @@ class VllmKubernetesShardOperator(KubernetesPodOperator):
         self.container_resources = parts.resources
         self.volumes = parts.volumes
         self.volume_mounts = parts.volume_mounts
-        # the deployment's allow-list reaches the worker through its environment, set last (never the task JSON)
+        # the deployment's allow-list reaches the worker through its environment, set last (never the task JSON),
+        # and its signing key through a secretKeyRef ([vllm_batch] kubernetes_signing_secret), never a literal
         allow = worker_env(prefixes)
-        self.env_vars = [e for e in parts.env if e.name not in allow] + [
-            k8s.V1EnvVar(name=k, value=v) for k, v in allow.items()
-        ]
+        secret, key = kubernetes_signing_secret()
+        signing = k8s.V1EnvVar(
+            name=envs.SIGNING_KEY.name,
+            value_from=k8s.V1EnvVarSource(secret_key_ref=k8s.V1SecretKeySelector(name=secret, key=key)),
+        )
+        self.env_vars = (
+            [e for e in parts.env if e.name not in allow and e.name != signing.name]
+            + [k8s.V1EnvVar(name=k, value=v) for k, v in allow.items()]
+            + [signing]
+        )
         self.env_from = parts.env_from
         self.labels = {**(self.labels or {}), **parts.labels}
         self.annotations = {**(self.annotations or {}), **parts.annotations}
@@ -223,6 +231,24 @@ class VllmKubernetesShardOperator(KubernetesPodOperator):
         self.pod_template_file = settings.pod_template_file
         self.parts = parts
         return parts
+
+    def check_engine(self, spec: JobSpec, settings: KubernetesSettings) -> None:
+        """With the result cache: the pod about to start must be the engine the plan keyed (same image by digest,
+        same engine variables); the deployment's pod settings changing between plan and shard fails the task."""
+        if not spec.cache.uri:
+            return
+        from airflow_provider_vllm.core.plan import load_plan
+        from airflow_provider_vllm.hooks.filesystems import task_filesystems
+
+        with data_plane_errors(f"shard {self.shard_id}"):
+            plan = load_plan(spec, task_filesystems(None, None), signing_keyring())
+        keyed = plan.cache.key_config.get("engine_identity") if plan.cache is not None else None
+        now = pod_engine_identity(spec, settings)
+        if keyed is not None and keyed != now:
+            raise AirflowFailException(
+                f"shard {self.shard_id}: the pod would run {now}, but the plan keyed the result cache with {keyed}: "
+                "the deployment's pod settings changed since the plan; rerun the job from the plan"
+            )
 
     def build_pod_request_obj(self, context=None, *, dry_run: bool = False) -> k8s.V1Pod:
         self.prepare_pod()

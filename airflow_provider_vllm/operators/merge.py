@@ -9,7 +9,7 @@ from airflow.sdk import BaseOperator
 
 from airflow_provider_vllm.hooks.filesystems import task_filesystems
 from airflow_provider_vllm.operators._common import data_plane_errors, load_spec
-from airflow_provider_vllm.operators.deployment import check_spec_allowed
+from airflow_provider_vllm.operators.deployment import check_spec_allowed, signing_keyring
 from airflow_provider_vllm.steps.lineage import merge_lineage
 from airflow_provider_vllm.steps.merge import merge
 
@@ -51,7 +51,10 @@ class VllmMergeOperator(BaseOperator):
         check_spec_allowed(spec, "merge")  # the spec came through XCom: the deployment's rules again
         with data_plane_errors("merge"):
             summary = merge(
-                spec, memory_limit=self.memory_limit, filesystems=task_filesystems(self.aws_conn_id, self.gcp_conn_id)
+                spec,
+                memory_limit=self.memory_limit,
+                filesystems=task_filesystems(self.aws_conn_id, self.gcp_conn_id),
+                keyring=signing_keyring(),
             )
         infer_s = sum(s.infer_s or 0 for s in summary.shard_stats or [])
         self.log.info(

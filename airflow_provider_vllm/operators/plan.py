@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from airflow.sdk import BaseOperator
@@ -24,8 +24,12 @@ from airflow_provider_vllm.operators._common import (
     overrides_document,
     spec_document,
 )
-from airflow_provider_vllm.operators.deployment import check_spec_allowed, variables_may_set_deployment_settings
-from airflow_provider_vllm.steps.cache import engine_identity
+from airflow_provider_vllm.operators.deployment import (
+    check_spec_allowed,
+    signing_keyring,
+    variables_may_set_deployment_settings,
+)
+from airflow_provider_vllm.operators.engine_identity import shard_engine_identity
 from airflow_provider_vllm.steps.lineage import plan_lineage
 from airflow_provider_vllm.steps.plan import plan_job
 
@@ -70,7 +74,7 @@ class VllmPlanOperator(BaseOperator):
     ``airflow_provider_vllm.hooks.filesystems``.
     """
 
-    template_fields: Sequence[str] = ("spec", "overrides", "runner")
+    template_fields: Sequence[str] = ("spec", "overrides", "runner", "kubernetes", "shard_env")
     # No template_ext: it would turn any spec string ending in .json (a URI) into a file name.
     template_fields_renderers = {"spec": "json", "overrides": "json"}
     ui_color = "#e8f0fe"
@@ -82,6 +86,8 @@ class VllmPlanOperator(BaseOperator):
         overrides: dict[str, Any] | str | None = None,
         param_overrides: Sequence[str] = (),
         runner: str = "local",
+        kubernetes: Mapping[str, Any] | str | None = None,
+        shard_env: Mapping[str, str] | None = None,
         dry_run: bool = False,
         aws_conn_id: str | None = None,
         gcp_conn_id: str | None = None,
@@ -95,6 +101,8 @@ class VllmPlanOperator(BaseOperator):
         self.overrides = overrides
         self.param_overrides = list(param_overrides)
         self.runner = runner
+        self.kubernetes = kubernetes
+        self.shard_env = shard_env
         # the DAG file's values before rendering: provenance of the rendered spec (operators/provenance.py)
         self._raw_spec, self._raw_overrides = self.spec, overrides
         owned = [
@@ -163,12 +171,15 @@ class VllmPlanOperator(BaseOperator):
         )
         if self.dry_run or (context.get("params") or {}).get("dry_run") is True:
             self._dry_run(spec, context)
+        keyring = signing_keyring()
+        identity = self.engine_identity(spec, runner) if spec.cache.uri else None
         with data_plane_errors("plan"):
             plan = plan_job(
                 spec,
                 filesystems=self.filesystems(),
                 max_shards=max_map_length(),
-                engine_identity=engine_identity(spec, runner) if spec.cache.uri else None,
+                engine_identity=identity,
+                keyring=keyring,
             )
         self.log.info(
             "planned %d rows (%d invalid lines) into %d shard(s), ~%d prompt tokens; plan at %s/_plan.json",
@@ -191,6 +202,10 @@ class VllmPlanOperator(BaseOperator):
         self._lineage = plan_lineage(spec, rows=plan.total_rows, files=len(plan.files))
         return with_display_names([s.summary() for s in plan.shards])
 
+    def engine_identity(self, spec: JobSpec, runner: str) -> str:
+        """The engine the shard tasks will start, resolved from the same settings they use (the cache key's)."""
+        return shard_engine_identity(spec, runner, self.kubernetes, self.shard_env)
+
     def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
         """OpenLineage: the input location (rows, files) in, ``_plan.json`` out (recorded by ``execute``)."""
         from airflow_provider_vllm.operators.lineage import operator_lineage
@@ -204,7 +219,10 @@ class VllmPlanOperator(BaseOperator):
 
         with data_plane_errors("plan"):
             report = dry_run_report(
-                spec, filesystems=self.filesystems(), engine_identity=engine_identity(spec, check_runner(self.runner))
+                spec,
+                filesystems=self.filesystems(),
+                engine_identity=self.engine_identity(spec, check_runner(self.runner)),
+                keyring=signing_keyring() if spec.cache.uri else None,
             )
         for line in format_report(report).splitlines():
             self.log.info("%s", line)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Sequence
@@ -11,16 +12,18 @@ from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_provider_vllm import __version__
+from airflow_provider_vllm.core.errors import SealError
+from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.hooks.filesystems import task_filesystems
 from airflow_provider_vllm.operators._common import data_plane_errors, load_spec
-from airflow_provider_vllm.operators.deployment import check_spec_allowed
-from airflow_provider_vllm.steps.changes import CHANGES
+from airflow_provider_vllm.operators.deployment import check_spec_allowed, signing_keyring
+from airflow_provider_vllm.steps.changes import CHANGES, read_changes
 from airflow_provider_vllm.steps.changes import SUMMARY as CHANGES_SUMMARY
 from airflow_provider_vllm.steps.lineage import publish_lineage
-from airflow_provider_vllm.steps.merge import ERRORS, MERGED, RESULTS, manifest_rel, read_manifest, read_merged
+from airflow_provider_vllm.steps.merge import ERRORS, MERGED, RESULTS, read_merged, verified_parts
+from airflow_provider_vllm.steps.publish import SUCCESS, success_bytes
 
-SUCCESS = "_SUCCESS.json"
 QA_FILES = {"qa_report_json": "qa/report.json", "qa_report_html": "qa/report.html", "qa_sample": "qa/sample.parquet"}
 
 
@@ -63,9 +66,11 @@ class VllmPublishOperator(BaseOperator):
         spec = load_spec(self.spec, "publish")
         check_spec_allowed(spec, "publish")  # the spec came through XCom: the deployment's rules again
         out = Storage(spec.io.output_uri, spec.io.storage_options, task_filesystems(self.aws_conn_id, self.gcp_conn_id))
+        keyring = signing_keyring()
         with data_plane_errors("publish"):
-            marker = self._marker(spec, out, context)
-            out.write_atomic(SUCCESS, json.dumps(marker, indent=1, sort_keys=True).encode())
+            marker = self._marker(spec, out, context, keyring)
+            body = success_bytes(marker, keyring, spec.io.output_uri)
+            out.write_atomic(SUCCESS, body)
         self.log.info(
             "published %s (%d rows: %d ok, %d errors; QA %s)",
             out.uri(SUCCESS),
@@ -83,6 +88,8 @@ class VllmPublishOperator(BaseOperator):
             "error_rows": marker["error_rows"],
             "qa_status": marker["qa"]["status"],
             "config_hash": marker["config_hash"],
+            # the consumer's check of the files, through Airflow's metadata database (steps/publish.py)
+            "success_sha256": hashlib.sha256(body).hexdigest(),
         }
         self._lineage = publish_lineage(spec, event)
         for outlet in self.outlets or []:
@@ -95,12 +102,14 @@ class VllmPublishOperator(BaseOperator):
 
         return operator_lineage(getattr(self, "_lineage", None))
 
-    def _marker(self, spec: Any, out: Storage, context: Any) -> dict[str, Any]:
+    def _marker(self, spec: Any, out: Storage, context: Any, keyring: Keyring) -> dict[str, Any]:
         try:
-            merged = read_merged(out)
+            merged = read_merged(out, keyring)
             report = json.loads(out.read_bytes(QA_FILES["qa_report_json"]))
         except FileNotFoundError as e:
             raise AirflowFailException(f"publish: nothing to publish under {spec.io.output_uri}: {e}") from None
+        except SealError as e:
+            raise AirflowFailException(f"publish: {e}") from None
         except ValueError as e:  # pydantic's ValidationError is a ValueError
             raise AirflowFailException(f"publish: {out.uri(MERGED)} is not a merge summary: {e}") from None
         if merged.spec_hash != spec.content_hash():
@@ -111,12 +120,13 @@ class VllmPublishOperator(BaseOperator):
         changes = {"changes": CHANGES, "changes_summary": CHANGES_SUMMARY} if spec.changes.previous_uri else {}
         files = {**merged.files, **QA_FILES, **changes, **(self.extra_files or {})}
         missing = sorted(p for p in files.values() if not out.exists(p))
-        for kind in (RESULTS, ERRORS):  # the folders: every part their manifest names (one listing each)
-            if kind in merged.files and out.exists(manifest_rel(kind)):
-                there = set(out.listdir(kind))
-                missing += [f"{kind}/{p.name}" for p in read_manifest(out, kind).parts if p.name not in there]
         if missing:
             raise AirflowFailException(f"publish: files missing under {spec.io.output_uri}: {missing}")
+        # the folders: every part their sealed manifests name, with exactly its size and sha256 (a streaming read)
+        for kind in (RESULTS, ERRORS):
+            verified_parts(out, kind, merged)
+        if changes:
+            read_changes(out, keyring)  # sealed by QA, changes.parquet as it wrote it
         dag_run = context.get("dag_run")
         logical_date = context.get("logical_date")
         return {

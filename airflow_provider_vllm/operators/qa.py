@@ -11,7 +11,7 @@ from airflow.sdk.exceptions import AirflowFailException
 from airflow_provider_vllm.hooks.filesystems import task_filesystems
 from airflow_provider_vllm.links.report import VllmQAReportLink
 from airflow_provider_vllm.operators._common import data_plane_errors, load_spec
-from airflow_provider_vllm.operators.deployment import check_spec_allowed
+from airflow_provider_vllm.operators.deployment import check_spec_allowed, signing_keyring
 from airflow_provider_vllm.steps.lineage import qa_lineage
 from airflow_provider_vllm.steps.qa.report import QAFailed
 from airflow_provider_vllm.steps.qa.stage import qa_run, qa_summary
@@ -57,7 +57,9 @@ class VllmQAOperator(BaseOperator):
         spec = load_spec(self.spec, "qa")
         check_spec_allowed(spec, "qa")  # the spec came through XCom: the deployment's rules again
         with data_plane_errors("qa"):
-            report, paths = qa_run(spec, filesystems=task_filesystems(self.aws_conn_id, self.gcp_conn_id))
+            report, paths = qa_run(
+                spec, filesystems=task_filesystems(self.aws_conn_id, self.gcp_conn_id), keyring=signing_keyring()
+            )
         summary = qa_summary(report, paths, spec.io.output_uri)
         self._lineage = qa_lineage(spec, summary)  # before a 'fail' raises: the failure event carries it too
         self.log.info("%s", summary["summary"])

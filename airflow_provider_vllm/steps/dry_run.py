@@ -12,6 +12,7 @@ from dataclasses import asdict
 from typing import Any
 
 from airflow_provider_vllm.core.errors import SpecError
+from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems
 from airflow_provider_vllm.steps.memory_plan import (
@@ -42,6 +43,7 @@ def dry_run_report(
     gpus: int | None = None,
     filesystems: FileSystems | None = None,
     engine_identity: str | None = None,
+    keyring: Keyring | None = None,
 ) -> dict[str, Any]:
     """The dry-run report as a dict (see ``format_report``); raises DatasetError/SpecError like the plan.
 
@@ -49,7 +51,8 @@ def dry_run_report(
     SpecError when the layout refuses the spec's engine.tensor_parallel_size. ``filesystems``: how
     object stores are reached (``storage.FileSystems``; default fsspec). With ``cache.uri``: the
     ``cache`` section (hits and misses the cache gives now, the GPU-hours the hits save; the
-    other figures are for the whole input); ``engine_identity`` as for ``plan_job``.
+    other figures are for the whole input); ``engine_identity`` and ``keyring`` (only sealed cache entries
+    count) as for ``plan_job``.
     """
     plan = build_plan(spec, filesystems)
     records = (
@@ -85,7 +88,7 @@ def dry_run_report(
         "assumptions": {} if ev is not None else {"tokens_per_s": tokens_per_s, "engine_start_s": engine_start_s},
     }
     if spec.cache.uri is not None:
-        report["cache"] = _cache(spec, ev, tokens_per_s, engine_start_s, engine_identity, filesystems)
+        report["cache"] = _cache(spec, ev, tokens_per_s, engine_start_s, engine_identity, filesystems, keyring)
     report["memory"] = _memory(spec, work, ev, gpu_memory, model_config, checkpoint_bytes, gpus)
     layout = report["memory"].pop("layout", None)
     report["layout"] = layout
@@ -101,13 +104,14 @@ def _cache(
     engine_start_s: float,
     engine_identity: str | None,
     filesystems: FileSystems | None,
+    keyring: Keyring | None = None,
 ) -> dict[str, Any]:
     """Expected hits and misses (nothing written) and the inference GPU-hours the hits save."""
     from airflow_provider_vllm.core.formats.files import find_input
     from airflow_provider_vllm.steps.cache import expected
 
     found = find_input(spec.io.input_uri, spec.io.storage_options, spec.io.input_format, filesystems)
-    exp = expected(spec, found, engine_identity, filesystems)
+    exp = expected(spec, found, engine_identity, filesystems, keyring)
     saved = estimate_workload(spec, exp["hits"], exp["hit_est_tokens"], ev, tokens_per_s, engine_start_s)
     exp["est_inference_s_saved"] = round(saved.infer_s, 3)
     exp["est_gpu_hours_saved"] = round(saved.infer_s * spec.engine.tensor_parallel_size / 3600, 6)

@@ -23,6 +23,7 @@ A rerun after a crash at any step converges to the same bytes; files in ``result
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -30,23 +31,32 @@ import re
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+from pydantic import Field
 
 from airflow_provider_vllm import __version__
 from airflow_provider_vllm.core import duck, faults
-from airflow_provider_vllm.core.commit import MARKER, CommitMarker, ShardStore
+from airflow_provider_vllm.core import seal as seals
+from airflow_provider_vllm.core.commit import MARKER, CommitMarker, RunSeal, ShardStore
 from airflow_provider_vllm.core.errors import CommitError, VerificationError
 from airflow_provider_vllm.core.formats import input_format
 from airflow_provider_vllm.core.formats.files import check_unchanged
 from airflow_provider_vllm.core.plan import Plan, load_plan
-from airflow_provider_vllm.core.records import Duplicates, MergeSummary, PartEntry, PartsManifest, ShardStatsEntry
+from airflow_provider_vllm.core.records import (
+    Duplicates,
+    FileRef,
+    MergeSummary,
+    PartEntry,
+    PartsManifest,
+    ShardStatsEntry,
+)
 from airflow_provider_vllm.core.rows import ERROR_SCHEMA, RESULT_SCHEMA, ROW_SCHEMA
+from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
 from airflow_provider_vllm.steps import cache
@@ -74,45 +84,53 @@ _PART_NAME = re.compile(r"^part-\d+(-[A-Za-z0-9._-]+)?\.parquet$")
 _TMP_NAME = re.compile(r"^\.part-.*\.tmp-\d+$")
 
 
-@dataclass(frozen=True)
-class SourcePart:
-    """A committed part file to publish: where it is (under the output prefix), what it must be, its name."""
+class SourcePart(FileRef):
+    """A committed part file to publish: where it is (``path`` under the output prefix), what it must be (its
+    sealed size, sha256 and rows), and its published name inside results/ or errors/."""
 
-    rel: str
-    bytes: int
-    sha256: str
-    rows: int
-    name: str  # the published name inside results/ or errors/
+    name: str = Field(description="the published name inside results/ or errors/")
+
+    @property
+    def rel(self) -> str:
+        return self.path
 
 
 def merge_run(
-    spec: JobSpec, verify_checksums: bool = True, memory_limit: str = "1GB", filesystems: FileSystems | None = None
+    spec: JobSpec, memory_limit: str = "1GB", filesystems: FileSystems | None = None, keyring: Keyring | None = None
 ) -> dict[str, Any]:
     """``merge`` as JSON data: the merge summary's ``dump()`` (what ``_MERGED.json`` holds, plus ``history_record``)."""
-    return merge(spec, verify_checksums, memory_limit, filesystems).dump()
+    return merge(spec, memory_limit, filesystems, keyring).dump()
 
 
 def merge(
-    spec: JobSpec, verify_checksums: bool = True, memory_limit: str = "1GB", filesystems: FileSystems | None = None
+    spec: JobSpec, memory_limit: str = "1GB", filesystems: FileSystems | None = None, keyring: Keyring | None = None
 ) -> MergeSummary:
-    """Merge a run whose shards are all committed; returns the merge summary (also ``_MERGED.json``).
+    """Merge a run whose shards are all committed; returns the merge summary (also ``_MERGED.json``, sealed).
 
     ``filesystems``: how object stores are reached (``storage.FileSystems``; default fsspec).
+    ``keyring``: the deployment's signing keys (default ``VLLM_BATCH_SIGNING_KEY``): the plan and every
+    commit marker must carry this deployment's seal for this run, and every published part must have the
+    size and sha256 its sealed marker (or the sealed plan, for the cache's hits) names.
     Raises CommitError (a marker missing, forged or not matching its files; a foreign file in
-    results/ or errors/) or VerificationError (ids missing, extra, or committed twice with
-    differing content).
+    results/ or errors/; a part whose bytes changed), SealError (a record not sealed by this deployment's
+    pipeline for this run) or VerificationError (ids missing, extra, or committed twice with differing
+    content).
     """
     t0 = time.monotonic()
+    keyring = keyring or Keyring.from_env()
     out = Storage(spec.io.output_uri, spec.io.storage_options, filesystems)
-    plan = load_plan(spec, filesystems)
-    sources, markers = committed_parts(out, plan, verify_checksums)
+    plan = load_plan(spec, filesystems, keyring)
+    if plan.spec_hash != spec.content_hash():
+        raise CommitError(f"the plan at {spec.io.output_uri} was made for another spec; refusing to merge")
+    assert plan.seal is not None
+    sources, markers = committed_parts(out, plan, RunSeal(keyring, plan.seal.mac))
     # The one place for more result parts: the result cache's hits (the plan's hits file, a
-    # RESULT_SCHEMA file checked against the plan's sha256) are published like any committed
+    # RESULT_SCHEMA file checked against the sealed plan's sha256) are published like any committed
     # part, after the computed ones. The id verification, duplicate accounting and publishing
     # read every part from this dict.
     hits = cache.hits_part(out, plan, len(sources[RESULTS])) if plan.cache is not None else None
     if hits is not None:
-        sources[RESULTS].append(SourcePart(**hits))
+        sources[RESULTS].append(SourcePart(**hits[0].model_dump(), name=hits[1]))
     for kind in KINDS:
         check_folder(out, kind)
     in_root = out.at(plan.input_root)
@@ -147,6 +165,9 @@ def merge(
         con.close()
     faults.hit("merge.before_write")
     manifests = {kind: publish_parts(out, kind, sources[kind], drop) for kind in KINDS}
+    if not out.is_local:  # a server-side copy of a checked source: check what readers will read (local: links)
+        for kind in KINDS:
+            verify_parts(out, kind, manifests[kind])
     for kind in KINDS:
         out.write_atomic(manifest_rel(kind), json.dumps(manifests[kind].dump(), indent=1, sort_keys=True).encode())
     faults.hit("merge.after_manifests")
@@ -156,8 +177,9 @@ def merge(
     # result cache: this run's computed ok rows (as published) become its entry, committed create-only
     cache_summary = None
     if hits is not None:
-        computed = [f"{RESULTS}/{p.name}" for p in manifests[RESULTS].parts if p.name != hits["name"] and p.rows]
-        cache_summary = cache.append_results(out, spec, plan, computed, filesystems)
+        computed = [f"{RESULTS}/{p.name}" for p in manifests[RESULTS].parts if p.name != hits[1] and p.rows]
+        made_by = [m.engine_identity for m in markers]
+        cache_summary = cache.append_results(out, spec, plan, computed, made_by, keyring, filesystems)
     summary = MergeSummary(
         rows=plan.total_rows,
         ok_rows=manifests[RESULTS].rows,
@@ -184,9 +206,12 @@ def merge(
         id_column=spec.prompt.id_column,
         **({"cache": cache_summary} if cache_summary is not None else {}),
     )
+    summary = seals.seal_record(
+        keyring, seals.MERGED, seals.scope_of(out.uri()), summary.model_copy(update={"plan_mac": plan.seal.mac})
+    )
     faults.hit("merge.after_data")
     with faults.writing("merge.mid_marker"):
-        out.write_atomic(MERGED, json.dumps(summary.dump(), indent=1, sort_keys=True).encode())
+        out.write_atomic(MERGED, seals.record_bytes(summary))
     faults.hit("merge.after_marker")
     _record_throughput(spec, plan, markers, summary, filesystems)
     return summary
@@ -210,9 +235,44 @@ def result_parts(out: Storage, kind: str = RESULTS) -> list[str]:
     return [f"{kind}/{p.name}" for p in read_manifest(out, kind).parts]
 
 
-def read_merged(out: Storage) -> MergeSummary:
-    """``_MERGED.json`` of the run under ``out``, validated."""
-    return MergeSummary.model_validate_json(out.read_bytes(MERGED))
+def read_merged(out: Storage, keyring: Keyring | None = None) -> MergeSummary:
+    """``_MERGED.json`` of the run under ``out``, validated and its seal checked (SealError: not written by this
+    deployment's merge for this run)."""
+    summary = MergeSummary.model_validate_json(out.read_bytes(MERGED))
+    seals.verify_record(
+        keyring or Keyring.from_env(), seals.MERGED, seals.scope_of(out.uri()), summary, out.uri(MERGED)
+    )
+    return summary
+
+
+def verified_manifest(out: Storage, kind: str, merged: MergeSummary) -> PartsManifest:
+    """``kind``/_manifest.json of the run under ``out``, read only when its sha256 is the one the sealed
+    ``_MERGED.json`` (``merged``, from ``read_merged``) names; CommitError otherwise."""
+    rel = manifest_rel(kind)
+    raw = out.read_bytes(rel)
+    if hashlib.sha256(raw).hexdigest() != merged.checksums.get(rel):
+        raise CommitError(f"{out.uri(rel)} is not the manifest the sealed {MERGED} names (sha256 differs)")
+    return PartsManifest.model_validate_json(raw)
+
+
+def verified_parts(out: Storage, kind: str, merged: MergeSummary) -> list[str]:
+    """The parts of ``kind``/ as paths under ``out`` (like ``result_parts``), each checked first against the
+    sealed merge summary's manifest: size and sha256, a streaming read of every part."""
+    manifest = verified_manifest(out, kind, merged)
+    verify_parts(out, kind, manifest)
+    return [f"{kind}/{p.name}" for p in manifest.parts]
+
+
+def verify_parts(out: Storage, kind: str, manifest: PartsManifest) -> None:
+    """CommitError unless every part ``manifest`` names under ``kind``/ has exactly its size and sha256 (a
+    streaming read of each); readers can trust the manifest's digests after this."""
+    for p in manifest.parts:
+        rel = f"{kind}/{p.name}"
+        if out.size(rel) != p.bytes or out.sha256(rel) != p.sha256:
+            raise CommitError(
+                f"{out.uri(rel)} does not have the size and sha256 its manifest names (the part was changed while "
+                "it was being published); rerun the merge"
+            )
 
 
 def _record_throughput(
@@ -233,21 +293,22 @@ def _record_throughput(
         log.warning("could not write the throughput record to %s: %s", spec.sharding.history_uri, e)
 
 
-def committed_parts(
-    out: Storage, plan: Plan, verify_checksums: bool
-) -> tuple[dict[str, list[SourcePart]], list[CommitMarker]]:
+def committed_parts(out: Storage, plan: Plan, run: RunSeal) -> tuple[dict[str, list[SourcePart]], list[CommitMarker]]:
     """The part files named by the markers of every planned shard, in plan order, per kind; raises if any is missing.
 
     A marker must be this shard's (its ``shard_id``) and every path it names must be a part
     file under this shard's own attempt folders, named once: a forged or corrupt marker that
     names another shard's file, the merged outputs, the plan or anything outside the shard is
-    refused (``CommitError``, terminal) before any file is opened. Each part gets its
-    published name: ``part-<n>-<shard>-<chunk>.parquet``, ``n`` its chunk's index in plan order.
+    refused (``CommitError``, terminal) before any file is opened. A marker is read only when it
+    carries this deployment's worker seal for this shard of this run's plan (``ShardStore.marker``);
+    its files' sizes and sha256 are checked here (a streaming read; on object stores the published copies
+    are checked again after publishing, ``verify_parts``). Each part
+    gets its published name: ``part-<n>-<shard>-<chunk>.parquet``, ``n`` its chunk's index in plan order.
     """
     entries: list[tuple[str, str, Any]] = []
     markers, missing = [], []
     for shard in plan.shards:
-        store = ShardStore(out, shard.shard_id)
+        store = ShardStore(out, shard.shard_id, run)
         m = store.marker()
         if m is None:
             missing.append(shard.shard_id)
@@ -291,11 +352,11 @@ def committed_parts(
             if part.path in seen:
                 raise CommitError(f"commit marker {where} names {part.path} twice")
             seen.add(part.path)
-            if out.size(part.path) != part.bytes or (verify_checksums and out.sha256(part.path) != part.sha256):
+            if out.size(part.path) != part.bytes or out.sha256(part.path) != part.sha256:
                 raise CommitError(f"{part.path} does not match its commit marker (size or sha256)")
             sources[kind].append(
                 SourcePart(
-                    rel=part.path,
+                    path=part.path,
                     bytes=part.bytes,
                     sha256=part.sha256,
                     rows=part.rows,
@@ -526,11 +587,14 @@ def publish_parts(out: Storage, kind: str, sources: list[SourcePart], drop: dict
 
 
 def _publish_reference(out: Storage, src: SourcePart, rel: str) -> None:
-    """``src`` visible whole at ``rel`` without decoding it: hard link, else copy (local), server-side copy (remote)."""
+    """``src`` visible whole at ``rel`` without decoding it: hard link, else copy (local), server-side copy (remote).
+
+    A part already there (a rerun) is kept only when it is the same file (local) or has the source's sealed
+    sha256; its bytes are checked again after publishing (``verify_parts``)."""
     if (
         out.exists(rel)
         and out.size(rel) == src.bytes
-        and (not out.is_local or os.path.samefile(out.path(rel), out.path(src.rel)) or out.sha256(rel) == src.sha256)
+        and ((out.is_local and os.path.samefile(out.path(rel), out.path(src.rel))) or out.sha256(rel) == src.sha256)
     ):
         return
     if not out.is_local:

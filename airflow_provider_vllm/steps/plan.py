@@ -13,23 +13,25 @@ import json
 import logging
 import math
 import os
-import uuid
+import tempfile
 from dataclasses import asdict
 
 import numpy as np
 import pyarrow as pa
 
 from airflow_provider_vllm import __version__
+from airflow_provider_vllm.core.commit import PROBE_DIR, probe_create_only
 from airflow_provider_vllm.core.errors import SpecError
 from airflow_provider_vllm.core.formats import input_format
 from airflow_provider_vllm.core.formats.files import find_input
 from airflow_provider_vllm.core.plan import PLAN_FILE, Plan, Segment, ShardPlan, estimate_tokens
+from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
 from airflow_provider_vllm.steps.sizing import size_shards
 
-PROBE_DIR = "_probes"  # create-only probe objects (removed after the probe; ignored if one stays)
 DEFAULT_TARGET_ROWS = 10_000
+PLAN_VERSION = 2  # 2: sealed (core/seal.py); with the result cache, one input file per shard
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +41,9 @@ def plan_job(
     filesystems: FileSystems | None = None,
     max_shards: int | None = None,
     engine_identity: str | None = None,
+    keyring: Keyring | None = None,
 ) -> Plan:
-    """Plan the job and write ``_plan.json`` under the output prefix; idempotent.
+    """Plan the job and write ``_plan.json`` under the output prefix, sealed; idempotent.
 
     Raises DatasetError for dataset faults and SpecError when the output prefix already
     holds the plan of a different input or spec, or files but no plan (another run's), or
@@ -51,23 +54,35 @@ def plan_job(
     before the plan (``engine_identity``: the engine the shards run, part of the cache key;
     default the vLLM installed here); an existing plan is returned as it is, however the cache
     grew since (the create-only plan file wins).
+
+    ``keyring``: the deployment's signing keys (default ``VLLM_BATCH_SIGNING_KEY``): the plan is sealed
+    with it for this output prefix (``core/seal.py``), and a plan already there is accepted only with
+    this deployment's seal (SealError otherwise).
     """
+    keyring = keyring or Keyring.from_env()
     out = Storage(spec.io.output_uri, spec.io.storage_options, filesystems)
     if spec.cache.uri is not None:
-        plan = _plan_cached(spec, out, filesystems, max_shards, engine_identity)
+        plan = _plan_cached(spec, out, filesystems, max_shards, engine_identity, keyring)
     else:
         plan = build_plan(spec, filesystems, max_shards=max_shards)
         if not out.exists(PLAN_FILE):
             _check_empty(spec, out)
             # create-only: of two runs racing for one prefix, the loser meets the winner's plan below
-            out.create_only(PLAN_FILE, plan.dump_json())
-    existing = Plan.model_validate_json(out.read_bytes(PLAN_FILE))
+            out.create_only(PLAN_FILE, plan.sealed(keyring, spec.io.output_uri).dump_json())
+    existing = _existing(spec, out, keyring)
     if existing.fingerprint != plan.fingerprint or existing.spec_hash != plan.spec_hash:
         raise SpecError(
             f"output {spec.io.output_uri} already holds a run of another input or spec "
             f"(plan fingerprint {existing.fingerprint[:12]}, spec {existing.spec_hash[:12]}); "
             "use a new output prefix"
         )
+    return existing
+
+
+def _existing(spec: JobSpec, out: Storage, keyring: Keyring) -> Plan:
+    """The plan already under the output prefix, its seal checked (SealError: not this deployment's plan task's)."""
+    existing = Plan.model_validate_json(out.read_bytes(PLAN_FILE))
+    existing.verify(keyring, spec.io.output_uri)
     return existing
 
 
@@ -85,67 +100,25 @@ def _check_empty(spec: JobSpec, out: Storage) -> None:
 
 
 def _plan_cached(
-    spec: JobSpec, out: Storage, filesystems: FileSystems | None, max_shards: int | None, engine_identity: str | None
+    spec: JobSpec,
+    out: Storage,
+    filesystems: FileSystems | None,
+    max_shards: int | None,
+    engine_identity: str | None,
+    keyring: Keyring,
 ) -> Plan:
     """With the result cache: an existing plan wins (only its input and spec are compared); else a new one."""
     if out.exists(PLAN_FILE):
         found = find_input(spec.io.input_uri, spec.io.storage_options, spec.io.input_format, filesystems)
-        existing = Plan.model_validate_json(out.read_bytes(PLAN_FILE))
+        existing = _existing(spec, out, keyring)
         # what plan_job compares with the stored plan: this input's fingerprint and this spec's hash
         return existing.model_copy(update={"fingerprint": found.fingerprint, "spec_hash": spec.content_hash()})
     _check_empty(spec, out)
-    plan = build_plan(spec, filesystems, max_shards=max_shards, cache_out=out, engine_identity=engine_identity)
-    out.create_only(PLAN_FILE, plan.dump_json())
-    return plan
-
-
-def probe_create_only(out: Storage, store: str) -> None:
-    """Refuse (SpecError, terminal) a store that does not honour create-only writes.
-
-    The commit protocol rests on write-if-absent (``Storage.create_only``: link locally,
-    ``If-None-Match: *`` on S3, ``ifGenerationMatch=0`` on GCS): the first attempt to commit a
-    shard wins and a marker never changes. Stores differ (s3fs documents ``mode="create"`` as
-    known to work on AWS S3 only; S3-compatible servers and emulators may ignore the
-    precondition and overwrite), so before anything is planned this writes one new probe
-    object create-only twice: the first write must succeed, the second must be refused, and
-    the object must still hold the first body. Transient storage errors stay transient.
-    """
-    rel = f"{PROBE_DIR}/create-only-{uuid.uuid4().hex}"
-    first, second = f"probe 1 {rel}".encode(), f"probe 2 {rel}".encode()
-    need = (
-        "the commit protocol needs write-if-absent (S3: If-None-Match: *, GCS: ifGenerationMatch=0, local "
-        "files: link) so that a shard's commit marker is written once and never replaced; use a store that "
-        "enforces it"
+    plan = build_plan(
+        spec, filesystems, max_shards=max_shards, cache_out=out, engine_identity=engine_identity, keyring=keyring
     )
-    try:
-        try:
-            made = out.create_only(rel, first)
-            again = out.create_only(rel, second) if made else None
-            body = out.read_bytes(rel) if made else None
-        except (NotImplementedError, OSError) as e:
-            raise SpecError(
-                f"output store {store}: a create-only write of the probe object {out.uri(rel)} failed "
-                f"({type(e).__name__}: {e}); {need}"
-            ) from None
-    finally:
-        try:
-            out.remove(rel)
-            if out.is_local:
-                os.rmdir(out.path(PROBE_DIR))  # only when empty: a racing plan's probe may be there
-        except Exception as e:  # e.g. no delete permission: the probe object stays, ignored by the plan
-            if not out.is_local or out.exists(rel):
-                log.warning("could not remove the create-only probe object %s: %s", out.uri(rel), e)
-    if not made:
-        raise SpecError(
-            f"output store {store}: the first create-only write of a new probe object {out.uri(rel)} "
-            f"was refused as if it existed; {need}"
-        )
-    if again or body != first:
-        what = "succeeded and replaced it" if again else "was reported refused, but the object was replaced"
-        raise SpecError(
-            f"output store {store} does not honour create-only writes: a second create-only write of "
-            f"the probe object {out.uri(rel)} {what}. {need[0].upper()}{need[1:]}"
-        )
+    out.create_only(PLAN_FILE, plan.sealed(keyring, spec.io.output_uri).dump_json())
+    return plan
 
 
 def _store_name(spec: JobSpec) -> str:
@@ -159,11 +132,13 @@ def build_plan(
     max_shards: int | None = None,
     cache_out: Storage | None = None,
     engine_identity: str | None = None,
+    keyring: Keyring | None = None,
 ) -> Plan:
-    """Validate the input and compute shards, without writing anything (see ``plan_job``).
+    """Validate the input and compute shards, without writing anything but the cache's files (see ``plan_job``).
 
-    ``cache_out``: the output prefix, with ``cache.uri`` set: the hits and misses files are
-    written there (``steps.cache.plan_cache``) and the shards are cut over the misses only.
+    ``cache_out``: the output prefix, with ``cache.uri`` set: the hits file and one input file per shard
+    are written there (``steps.cache.plan_cache``, ``write_shard_inputs``); the shards are cut over the
+    misses only. The plan is returned unsealed.
     """
     found = find_input(spec.io.input_uri, spec.io.storage_options, spec.io.input_format, filesystems)
     sh = spec.sharding
@@ -175,28 +150,26 @@ def build_plan(
     tokens = _row_tokens(scan, sh.chars_per_token)
     est_tokens = tokens.total
     cache, cut_scan, cut_tokens, cut_fp = None, scan, tokens, found.fingerprint
-    if cache_out is not None and spec.cache.uri is not None:
-        from airflow_provider_vllm.steps.cache import plan_cache
+    with tempfile.TemporaryDirectory(prefix="vllm-batch-plan-") as workdir:
+        misses = None
+        if cache_out is not None and spec.cache.uri is not None:
+            from airflow_provider_vllm.steps.cache import plan_cache
 
-        cache = plan_cache(spec, found, cache_out, engine_identity, filesystems=filesystems)
-        folder, name = cache.misses_file.path.rsplit("/", 1)
-        cut_scan = input_format("parquet").scan(cache_out.sub(folder), [name], spec, per_row)
-        cut_tokens = _row_tokens(cut_scan, sh.chars_per_token)
-        cut_fp = hashlib.sha256(f"{found.fingerprint}:{cache.misses_file.sha256}".encode()).hexdigest()
-    sizing = size_shards(spec, len(cut_tokens), cut_tokens.total, filesystems=filesystems)
-    cut_spec = (
-        spec
-        if sizing is None
-        else spec.model_copy(update={"sharding": spec.sharding.model_copy(update=sizing.sharding_update())})
-    )
-    shards = _cut(
-        cut_spec, cut_fp, cut_tokens, np.asarray(cut_scan.file_rows, dtype=np.int64), cut_scan.offsets, cut_scan.lines
-    )
-    if max_shards is not None and len(shards) > max_shards:
-        _refuse_shard_count(
-            cut_spec, len(shards), max_shards, len(cut_tokens), cut_tokens.total, from_history=sizing is not None
-        )
+            cache, misses = plan_cache(
+                spec, found, cache_out, workdir, engine_identity, filesystems=filesystems, keyring=keyring
+            )
+            cut_scan = input_format("parquet").scan(Storage(workdir), [os.path.basename(misses)], spec, per_row)
+            cut_tokens = _row_tokens(cut_scan, sh.chars_per_token)
+            cut_fp = hashlib.sha256(
+                f"{found.fingerprint}:{cache.hits_file.sha256}:{_sha256(misses)}".encode()
+            ).hexdigest()
+        shards, sizing = _cut_all(spec, cut_scan, cut_tokens, cut_fp, filesystems, max_shards)
+        if cache_out is not None and misses is not None:
+            from airflow_provider_vllm.steps.cache import write_shard_inputs
+
+            shards = write_shard_inputs(cache_out, misses, shards)
     return Plan(
+        version=PLAN_VERSION,
         spec_hash=spec.content_hash(),
         config_hash=spec.output_hash(),
         input_uri=spec.io.input_uri,
@@ -212,8 +185,34 @@ def build_plan(
         shards=shards,
         created_with={"airflow-provider-vllm": __version__, "pyarrow": pa.__version__},
         sizing=asdict(sizing) if sizing is not None else None,
-        cache=cache,
+        **({"cache": cache} if cache is not None else {}),
     )
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _cut_all(spec: JobSpec, cut_scan, cut_tokens, cut_fp: str, filesystems, max_shards: int | None):
+    """The shards over the scanned rows (sized from the throughput history when it has a record), and that sizing."""
+    sizing = size_shards(spec, len(cut_tokens), cut_tokens.total, filesystems=filesystems)
+    cut_spec = (
+        spec
+        if sizing is None
+        else spec.model_copy(update={"sharding": spec.sharding.model_copy(update=sizing.sharding_update())})
+    )
+    shards = _cut(
+        cut_spec, cut_fp, cut_tokens, np.asarray(cut_scan.file_rows, dtype=np.int64), cut_scan.offsets, cut_scan.lines
+    )
+    if max_shards is not None and len(shards) > max_shards:
+        _refuse_shard_count(
+            cut_spec, len(shards), max_shards, len(cut_tokens), cut_tokens.total, from_history=sizing is not None
+        )
+    return shards, sizing
 
 
 def _refuse_shard_count(spec: JobSpec, n: int, limit: int, rows: int, tokens: int, from_history: bool) -> None:

@@ -199,6 +199,8 @@ def vllm_batch_job(
             overrides=overrides,
             param_overrides=param_overrides,
             runner=runner,
+            kubernetes=kubernetes,
+            shard_env=dict(shard_env) if shard_env else None,
             inlets=[source] if source is not None else [],
             **conns,
         )

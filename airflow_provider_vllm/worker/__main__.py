@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             flag_from_env,
             prefixes_from_env,
         )
+        from airflow_provider_vllm.core.seal import Keyring
         from airflow_provider_vllm.core.spec_guard import check_deployment, check_remote_code
         from airflow_provider_vllm.worker.shard import run_shard
         from airflow_provider_vllm.worker.task import ShardTask
@@ -94,8 +95,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{ALLOW_REMOTE_CODE_ENV}=1 from the Airflow side's [vllm_batch] allow_remote_code",
         )
         check_spec_params(task.spec.model_dump(mode="json"))
+        # the deployment's signing key: read once, then out of the environment (vLLM's processes and the
+        # model's code never inherit it)
+        keyring = Keyring.from_env()
+        envs.SIGNING_KEY.drop()
         hold_shard_lock(task.spec.io.output_uri, task.shard_id)  # local runner only; held until exit
-        manifest = run_shard(task)
+        manifest = run_shard(task, keyring=keyring)
     except VllmBatchError as e:
         log.error("%s: %s", type(e).__name__, e)
         _emit(

@@ -29,13 +29,17 @@ from collections.abc import Mapping
 
 from airflow_provider_vllm.core import envs
 
-SECRET_ENV = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|API_KEY|ACCESS_KEY|PRIVATE_KEY|SAS)", re.I)
+SECRET_ENV = re.compile(
+    r"(TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|API_KEY|ACCESS_KEY|PRIVATE_KEY|SIGNING_KEY|SAS)", re.I
+)
 MIN_SECRET_CHARS = 6  # shorter values would mask ordinary words
 
 
 def secret_values(env: Mapping[str, str] | None = None) -> list[str]:
     """Values of environment variables whose names say they hold secrets, longest first."""
     vals = {v for k, v in envs.environ(env).items() if SECRET_ENV.search(k) and len(v) >= MIN_SECRET_CHARS}
+    # a key list (VLLM_BATCH_SIGNING_KEY="new,old"): each key alone too
+    vals |= {p for v in list(vals) for p in re.split(r"[\s,]+", v) if len(p) >= MIN_SECRET_CHARS}
     return sorted(vals, key=len, reverse=True)
 
 

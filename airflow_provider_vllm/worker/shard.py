@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import platform
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import numpy as np
 
 from airflow_provider_vllm import __version__
 from airflow_provider_vllm.core import faults
-from airflow_provider_vllm.core.commit import ChunkMeta, CommitMarker, FileEntry, ShardStore, new_attempt_id
+from airflow_provider_vllm.core.commit import ChunkMeta, CommitMarker, FileEntry, RunSeal, ShardStore, new_attempt_id
+from airflow_provider_vllm.core.engine_identity import local_engine_identity
 from airflow_provider_vllm.core.errors import InputChangedError, SpecError, TransientError
 from airflow_provider_vllm.core.formats import RowBatch, input_format
 from airflow_provider_vllm.core.formats.files import check_unchanged
@@ -26,6 +29,7 @@ from airflow_provider_vllm.core.formats.openai_batch import REQUEST
 from airflow_provider_vllm.core.plan import Plan, ShardPlan, estimate_tokens, load_plan
 from airflow_provider_vllm.core.records import ShardStats, WorkerManifest
 from airflow_provider_vllm.core.rows import INVALID_ROW, rows_table
+from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.worker.guard import GuardedEngine, RowFailure
@@ -66,6 +70,7 @@ def run_shard(
     task: ShardTask,
     engine_factory: Callable[[JobSpec], Any] | None = None,
     on_stall: Callable[[float], None] | None = None,
+    keyring: Keyring | None = None,
 ) -> dict[str, Any]:
     """Process one shard; returns the manifest as JSON data (``WorkerManifest.dump()``, the XCom value).
 
@@ -75,16 +80,23 @@ def run_shard(
     progress ``Watchdog`` (``spec.worker.watchdog_s``; ``on_stall`` default: exit 75) covers every
     phase that can hang: plan load, row reads, the reuse scan, inference, chunk writes and the
     commit; each completed step of them is progress (engine start and warm-up are not counted).
+
+    ``keyring``: the deployment's signing keys (default ``VLLM_BATCH_SIGNING_KEY``): the plan must carry
+    the plan task's seal, chunks of earlier attempts are reused only under this worker's seal, and the
+    chunks and the commit marker are sealed with it (``core/seal.py``).
     """
     with Watchdog(task.spec.worker.watchdog_s, on_stall) as watchdog:
-        return _run_shard(task, engine_factory, watchdog)
+        return _run_shard(task, engine_factory, watchdog, keyring or Keyring.from_env())
 
 
-def _run_shard(task: ShardTask, engine_factory: Callable[[JobSpec], Any] | None, watchdog: Watchdog) -> dict[str, Any]:
+def _run_shard(
+    task: ShardTask, engine_factory: Callable[[JobSpec], Any] | None, watchdog: Watchdog, keyring: Keyring
+) -> dict[str, Any]:
     spec = task.spec
     out = Storage(spec.io.output_uri, spec.io.storage_options)
     faults.hit("plan.load")
-    plan = load_plan(spec)
+    plan = load_plan(spec, keyring=keyring)
+    assert plan.seal is not None  # load_plan verified it
     watchdog.beat()
     if plan.spec_hash != spec.content_hash():
         raise SpecError(
@@ -92,7 +104,7 @@ def _run_shard(task: ShardTask, engine_factory: Callable[[JobSpec], Any] | None,
             f"({plan.spec_hash[:12]} != {spec.content_hash()[:12]})"
         )
     shard = plan.shard(task.shard_id)
-    store = ShardStore(out, shard.shard_id)
+    store = ShardStore(out, shard.shard_id, RunSeal(keyring, plan.seal.mac))
     committed = store.marker()
     watchdog.beat()
     if committed is not None:
@@ -101,11 +113,9 @@ def _run_shard(task: ShardTask, engine_factory: Callable[[JobSpec], Any] | None,
 
     attempt = task.attempt_id or new_attempt_id()
     t_start = time.monotonic()
-    shard_root, shard_files = plan.shard_input()  # with the result cache: the plan's misses file
-    in_root = Storage(shard_root, spec.io.storage_options)
-    check_unchanged(in_root, shard_files)
-    watchdog.beat()
-    batch = read_shard_rows(spec, plan, shard, in_root, beat=watchdog.beat)
+    with shard_input(spec, plan, shard) as in_root:
+        watchdog.beat()
+        batch = read_shard_rows(spec, plan, shard, in_root, beat=watchdog.beat)
     if len(batch) != shard.rows:
         raise InputChangedError(f"shard {shard.shard_id}: read {len(batch)} rows, the plan says {shard.rows}")
     read_s = time.monotonic() - t_start
@@ -142,7 +152,7 @@ def _run_shard(task: ShardTask, engine_factory: Callable[[JobSpec], Any] | None,
         "prompt_tokens": 0,
         "completion_tokens": 0,
     }
-    files = {k: store.file_entry(rel) for k, rel in reused.items()}
+    files = dict(reused)
     engine_version = None
     done_rows = sum(metas[k].rows for k in todo)
     telemetry = ShardTelemetry(spec, shard.shard_id, attempt, done_rows, task.progress_interval_s)
@@ -191,6 +201,7 @@ def _run_shard(task: ShardTask, engine_factory: Callable[[JobSpec], Any] | None,
         ok_rows=sum(e.ok_rows for e in entries),
         error_rows=sum(e.error_rows for e in entries),
         stats=ShardStats.model_validate(stats),
+        engine_identity=local_engine_identity(),
         versions={
             "airflow-provider-vllm": __version__,
             "vllm": engine_version,
@@ -212,7 +223,7 @@ def _run_shard(task: ShardTask, engine_factory: Callable[[JobSpec], Any] | None,
             marker.error_rows,
         )
         return _manifest(marker, status="committed")
-    winner = store.marker()
+    winner = store.marker()  # sealed by the attempt that won (checked), or a SealError
     if winner is None:  # create_only refused but no marker: storage lost it; a retry commits again
         raise TransientError(f"shard {shard.shard_id}: the commit marker was refused but cannot be read back")
     log.info(
@@ -252,6 +263,25 @@ def _manifest(marker: CommitMarker, status: str) -> dict[str, Any]:
 
 
 # ---- reading ------------------------------------------------------------------------
+@contextlib.contextmanager
+def shard_input(spec: JobSpec, plan: Plan, shard: ShardPlan) -> Iterator[Storage]:
+    """The folder the shard's segments are read from.
+
+    The input itself, checked unchanged since the plan; or, with the result cache, the shard's own
+    input file, fetched whole into a private temp folder and read only when it has the size and
+    sha256 of the sealed plan: the rows the engine answers are the rows the plan keyed.
+    """
+    root, files = plan.shard_input(shard)
+    src = Storage(root, spec.io.storage_options)
+    if shard.input_file is None:
+        check_unchanged(src, files)
+        yield src
+        return
+    with tempfile.TemporaryDirectory(prefix="vllm-batch-shard-") as tmp:
+        src.fetch_verified(files[0].path, shard.input_file, os.path.join(tmp, files[0].path))
+        yield Storage(tmp)
+
+
 def read_shard_rows(
     spec: JobSpec, plan: Plan, shard: ShardPlan, root: Storage, beat: Callable[[], None] = lambda: None
 ) -> RowBatch:
@@ -260,7 +290,7 @@ def read_shard_rows(
     batch = RowBatch(ids=[], values={}, faults=[], lines=[])
     for seg in shard.segments:
         faults.hit("read.segment")
-        part = fmt.read_rows(root, plan.shard_input()[1][seg.file].path, seg, spec)
+        part = fmt.read_rows(root, plan.shard_input(shard)[1][seg.file].path, seg, spec)
         if shard.bucket != "all":
             assert plan.long_row_tokens is not None  # the planner buckets only with a threshold
             tokens = np.asarray(estimate_tokens(np.asarray(part.chars, dtype=np.int64), plan.chars_per_token))

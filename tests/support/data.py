@@ -82,3 +82,21 @@ def write_manifest(out: Path, kind: str) -> None:
     ]
     manifest = PartsManifest(kind=kind, rows=sum(p.rows for p in parts), parts=parts)  # type: ignore[arg-type]
     (out / kind / "_manifest.json").write_text(manifest.model_dump_json(indent=1))
+
+
+def write_merged_summary(out: Path, summary) -> None:
+    """``out/_MERGED.json`` as the merge writes it: naming the sha256 of the manifests there, sealed with the
+    test deployment's key for this folder (``core/seal.py``)."""
+    import hashlib
+
+    from airflow_provider_vllm.core import seal as seals
+    from airflow_provider_vllm.core.seal import Keyring
+
+    checksums = {
+        f"{kind}/_manifest.json": hashlib.sha256((out / kind / "_manifest.json").read_bytes()).hexdigest()
+        for kind in ("results", "errors")
+        if (out / kind / "_manifest.json").exists()
+    }
+    summary = summary.model_copy(update={"checksums": checksums})
+    sealed = seals.seal_record(Keyring.from_env(), seals.MERGED, seals.scope_of(str(out)), summary)
+    (out / "_MERGED.json").write_bytes(seals.record_bytes(sealed))

@@ -8,10 +8,11 @@ import pyarrow as pa
 
 from airflow_provider_vllm.core import duck
 from airflow_provider_vllm.core.plan import Plan, load_plan
+from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
 from airflow_provider_vllm.steps.changes import compute_changes
-from airflow_provider_vllm.steps.merge import ERRORS, RESULTS, read_manifest, read_merged, result_parts
+from airflow_provider_vllm.steps.merge import ERRORS, RESULTS, read_manifest, read_merged, verified_parts
 from airflow_provider_vllm.steps.qa.evaluate import evaluate, evaluate_stream
 from airflow_provider_vllm.steps.qa.report import QAReport
 from airflow_provider_vllm.steps.qa.store import load_report, write_qa
@@ -21,20 +22,26 @@ EXCERPT_CHARS = 300
 STREAM_ABOVE_ROWS = 2_000_000
 
 
-def qa_run(spec: JobSpec, filesystems: FileSystems | None = None) -> tuple[QAReport, dict[str, str]]:
+def qa_run(
+    spec: JobSpec, filesystems: FileSystems | None = None, keyring: Keyring | None = None
+) -> tuple[QAReport, dict[str, str]]:
     """Compute QA over a merged run and write ``qa/report.{json,html}`` and ``qa/sample.parquet``.
 
     Returns the report and the written paths; the caller decides what a 'fail' does.
     ``filesystems``: how object stores are reached (``storage.FileSystems``; default fsspec).
+    ``keyring``: the deployment's signing keys (default ``VLLM_BATCH_SIGNING_KEY``): QA measures only a run
+    whose ``_MERGED.json`` this deployment's merge sealed, and only parts with the sealed sha256.
     """
+    keyring = keyring or Keyring.from_env()
     out = Storage(spec.io.output_uri, spec.io.storage_options, filesystems)
-    merged = read_merged(out)
+    merged = read_merged(out, keyring)
+    parts = {kind: verified_parts(out, kind, merged) for kind in (RESULTS, ERRORS)}
     previous = None
     if spec.qa.previous_report_uri:
         previous = load_report(spec.qa.previous_report_uri, spec.io.storage_options, filesystems)
     # what moved since the previous run (changes/ output), before the checks that read it
-    changes = compute_changes(spec, filesystems).dump() if spec.changes.previous_uri else None
-    plan = load_plan(spec, filesystems)
+    changes = compute_changes(spec, filesystems, keyring=keyring).dump() if spec.changes.previous_uri else None
+    plan = load_plan(spec, filesystems, keyring)
     st = spec.sampling.structured
     args: dict[str, Any] = dict(
         spec=spec.qa,
@@ -60,11 +67,11 @@ def qa_run(spec: JobSpec, filesystems: FileSystems | None = None) -> tuple[QARep
             f"CREATE TEMP VIEW r AS SELECT id, output, label, valid, "
             f"CASE WHEN embedding IS NULL THEN NULL ELSE []::FLOAT[] END AS embedding, scores, finish_reason, "
             f"prompt_tokens, completion_tokens, truncated, latency_ms, model, model_revision, shard_id "
-            f"FROM read_parquet({duck.file_list(out, result_parts(out, RESULTS))})"
+            f"FROM read_parquet({duck.file_list(out, parts[RESULTS])})"
         )
         con.execute(
             f"CREATE TEMP VIEW e AS SELECT id, error_code, error_message, shard_id "
-            f"FROM read_parquet({duck.file_list(out, result_parts(out, ERRORS))})"
+            f"FROM read_parquet({duck.file_list(out, parts[ERRORS])})"
         )
         result_rows = read_manifest(out, RESULTS).rows
         if result_rows + read_manifest(out, ERRORS).rows > STREAM_ABOVE_ROWS:

@@ -32,14 +32,17 @@ from airflow_provider_vllm.core.commit import (
     ERRORS_SUFFIX,
     MARKER,
     PART_KEY,
+    SEAL_SUFFIX,
     ChunkMeta,
     CommitMarker,
+    RunSeal,
     ShardStore,
     errors_rel,
 )
 from airflow_provider_vllm.core.errors import CommitError
 from airflow_provider_vllm.core.plan import PLAN_FILE
 from airflow_provider_vllm.core.rows import rows_table, split_rows
+from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.steps.merge import ERRORS, RESULTS, merge_run
 from airflow_provider_vllm.steps.plan import plan_job
@@ -54,7 +57,8 @@ _TOTALS = {"examples": 0, "steps": 0, "crashes": 0, "duplicate_commits": 0, "mer
 
 
 def _base(tmp_root: Path) -> dict:
-    """One input and one plan for all examples; each example copies the plan into a fresh prefix."""
+    """One input and one plan for all examples; each example copies the plan into a fresh prefix (sealed
+    again for it: a seal names its run's folder)."""
     if not _BASE:
         write_parquet(tmp_root / "in" / "p.parquet", IDS, [f"text {i}" for i in IDS], row_group_size=3)
         spec = make_spec(tmp_root / "in", tmp_root / "plan", sharding={"target_rows": 4, "chunk_rows": CHUNK_ROWS})
@@ -76,14 +80,18 @@ class CommitProtocol(RuleBasedStateMachine):
         base = _BASE
         self.out_dir = base["root"] / f"out-{uuid.uuid4().hex[:8]}"
         self.out_dir.mkdir()
-        shutil.copy(base["root"] / "plan" / PLAN_FILE, self.out_dir / PLAN_FILE)
+        keyring = Keyring.from_env()
         self.spec = base["spec"].model_copy(
             update={"io": base["spec"].io.model_copy(update={"output_uri": str(self.out_dir)})}
         )
-        self.plan = base["plan"]
+        plan = base["plan"].model_copy(update={"seal": None, "spec_hash": self.spec.content_hash()})
+        plan = plan.sealed(keyring, str(self.out_dir))
+        (self.out_dir / PLAN_FILE).write_bytes(plan.dump_json())
+        self.run = RunSeal(keyring, plan.seal.mac)
+        self.plan = plan
         self.rows = base["rows"]
         self.out = Storage(str(self.out_dir))
-        self.written: dict[str, set[int]] = {}  # attempt -> chunks it wrote
+        self.written: dict[str, dict] = {}  # attempt -> chunk -> the entry write_chunk returned
         self.shard_of: dict[str, str] = {}
         self.dead: set[str] = set()
         self.markers: dict[str, bytes] = {}  # shard -> marker bytes when first committed
@@ -129,7 +137,7 @@ class CommitProtocol(RuleBasedStateMachine):
         shard_id = self.plan.shards[shard % len(self.plan.shards)].shard_id
         attempt = f"a{len(self.shard_of):03d}-{uuid.uuid4().hex[:6]}"
         self.shard_of[attempt] = shard_id
-        self.written[attempt] = set()
+        self.written[attempt] = {}
         return attempt
 
     @rule(attempt=attempts, k=st.integers(0, 10))
@@ -139,8 +147,8 @@ class CommitProtocol(RuleBasedStateMachine):
         shard_id = self.shard_of[attempt]
         metas = self.metas(shard_id)
         meta = metas[k % len(metas)]
-        ShardStore(self.out, shard_id).write_chunk(attempt, meta, self.table(shard_id, attempt, meta))
-        self.written[attempt].add(meta.chunk)
+        entry = ShardStore(self.out, shard_id, self.run).write_chunk(attempt, meta, self.table(shard_id, attempt, meta))
+        self.written[attempt][meta.chunk] = entry
 
     @rule(attempt=consumes(attempts), k=st.integers(0, 10), cut=st.floats(0.0, 0.99))
     def crash(self, attempt, k, cut):
@@ -148,7 +156,7 @@ class CommitProtocol(RuleBasedStateMachine):
         if attempt in self.dead:
             return
         shard_id = self.shard_of[attempt]
-        store = ShardStore(self.out, shard_id)
+        store = ShardStore(self.out, shard_id, self.run)
         metas = self.metas(shard_id)
         meta = metas[k % len(metas)]
         sink = Path(self.out.path(store.chunk_rel(attempt, meta.chunk)))
@@ -172,15 +180,14 @@ class CommitProtocol(RuleBasedStateMachine):
         if attempt in self.dead:
             return
         shard_id = self.shard_of[attempt]
-        store = ShardStore(self.out, shard_id)
+        store = ShardStore(self.out, shard_id, self.run)
         metas = self.metas(shard_id)
-        own = {k: store.chunk_rel(attempt, k) for k in self.written[attempt]}
+        own = dict(self.written[attempt])
         reused = store.reusable_chunks({k: m for k, m in metas.items() if k not in own})
         for k in sorted(set(metas) - set(own) - set(reused)):  # as the worker: write what is missing first
-            store.write_chunk(attempt, metas[k], self.table(shard_id, attempt, metas[k]))
-            own[k] = store.chunk_rel(attempt, k)
+            own[k] = store.write_chunk(attempt, metas[k], self.table(shard_id, attempt, metas[k]))
         files = {**reused, **own}
-        entries = [store.file_entry(files[k]) for k in sorted(files)]
+        entries = [files[k] for k in sorted(files)]
         marker = CommitMarker(
             shard_id=shard_id,
             attempt_id=attempt,
@@ -286,7 +293,7 @@ class CommitProtocol(RuleBasedStateMachine):
                     assert md.metadata[PART_KEY.encode()] == b"results" and emd.metadata[PART_KEY.encode()] == b"errors"
                 elif name.endswith(ERRORS_SUFFIX):
                     pq.ParquetFile(os.path.join(dirpath, name))  # opens: an errors part is written whole too
-                elif name != MARKER:
+                elif name != MARKER and not name.endswith(SEAL_SUFFIX):
                     assert ".tmp-" in name, name  # only a crashed writer's temp file
 
 

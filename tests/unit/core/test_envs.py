@@ -14,7 +14,10 @@ from tests.support import ROOT
 PACKAGE = ROOT / "airflow_provider_vllm"
 ENVS = "core/envs.py"
 # The only other touches of os.environ: writes to this process's own environment for vLLM, by name.
-WRITES = {("worker/engine.py", "VLLM_CPU_KVCACHE_SPACE"), ("worker/__main__.py", "VLLM_LOGGING_STREAM")}
+WRITES = {
+    ("worker/engine.py", "VLLM_CPU_KVCACHE_SPACE"),
+    ("worker/__main__.py", "VLLM_LOGGING_STREAM"),
+}
 NAME = re.compile(r"(?<![A-Z0-9_])VLLM_BATCH_[A-Z0-9_]*[A-Z0-9](?![A-Z0-9_*])")
 
 

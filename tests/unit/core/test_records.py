@@ -9,8 +9,8 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from airflow_provider_vllm.core.commit import MARKER, ChunkMeta, CommitMarker, ShardStore
-from airflow_provider_vllm.core.errors import CommitError
+from airflow_provider_vllm.core.commit import MARKER, ChunkMeta, CommitMarker, RunSeal, ShardStore
+from airflow_provider_vllm.core.errors import CommitError, SealError
 from airflow_provider_vllm.core.records import (
     FailureManifest,
     MergeSummary,
@@ -19,6 +19,7 @@ from airflow_provider_vllm.core.records import (
     WorkerManifest,
     read_manifest,
 )
+from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.storage import Storage
 
 # Written by the dict-based code at c8257f6 (fake engine, local folder); one file entry / shard kept.
@@ -111,12 +112,15 @@ def test_unknown_field_or_wrong_type_is_refused_naming_the_field(model, raw, pat
     assert named in str(e.value)
 
 
-def test_the_store_reads_an_old_marker_and_refuses_a_bad_one_naming_the_field(tmp_path):
-    store = ShardStore(Storage(str(tmp_path)), "shard-00000-4f84e2c7")
+def test_the_store_refuses_an_unsealed_old_marker_and_a_bad_one_naming_the_field(tmp_path):
+    """A marker written before seals parses (the model reads it) but is refused: nothing vouches for it."""
+    m = CommitMarker.model_validate_json(OLD_MARKER)
+    assert m.files[0].path.endswith("chunk-00000.parquet") and m.stats.infer_rows == 3
+    store = ShardStore(Storage(str(tmp_path)), "shard-00000-4f84e2c7", RunSeal(Keyring.from_env(), "0" * 64))
     (tmp_path / store.dir).mkdir(parents=True)
     (tmp_path / store.dir / MARKER).write_text(OLD_MARKER)
-    m = store.marker()
-    assert m.files[0].path.endswith("chunk-00000.parquet") and m.stats.infer_rows == 3
+    with pytest.raises(SealError, match="carries no seal"):
+        store.marker()
     doc = json.loads(OLD_MARKER)
     doc["files"][0]["bytes"] = "big"
     (tmp_path / store.dir / MARKER).write_text(json.dumps(doc))

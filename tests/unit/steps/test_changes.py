@@ -16,13 +16,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from airflow_provider_vllm.core.errors import SpecError
-from airflow_provider_vllm.core.records import ChangesSummary
+from airflow_provider_vllm.core.errors import CommitError, SpecError
+from airflow_provider_vllm.core.records import ChangesSummary, MergeSummary
 from airflow_provider_vllm.core.rows import ERROR_SCHEMA, RESULT_SCHEMA
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.steps.changes import CHANGES, SUMMARY, compared_column, compute_changes, read_changes
 from airflow_provider_vllm.steps.merge import ERRORS, MERGED, RESULTS
-from tests.support.data import LABELS, make_spec, merge_summary, write_merged_folder
+from tests.support.data import LABELS, make_spec, merge_summary, write_merged_folder, write_merged_summary
 from tests.support.ledger import record_fault
 
 pytestmark = pytest.mark.unit
@@ -51,7 +51,7 @@ def write_run(
     )
     summary = merge_summary(len(ok) + len(errors), len(ok), len(errors))
     summary = summary.model_copy(update={"config_hash": config_hash, "task": task, "id_column": id_column})
-    (out / MERGED).write_text(json.dumps(summary.dump()))
+    write_merged_summary(out, summary)
     return out
 
 
@@ -151,6 +151,10 @@ def test_a_previous_run_of_another_task_or_id_column_is_refused(tmp_path, spec_f
     # results of another schema (no label column at all), a _MERGED.json that is not ours
     write_run(tmp_path / "schema", {"a": "bug"})
     write_merged_folder(tmp_path / "schema", RESULTS, pa.table({"id": ["a"], "text": ["x"]}))
+    with pytest.raises(CommitError, match=r"schema/results/_manifest.json is not the manifest the sealed"):
+        compute_changes(spec_for(tmp_path / "schema"))  # a folder changed after its merge: not read at all
+    merged = MergeSummary.model_validate_json((tmp_path / "schema" / MERGED).read_bytes())
+    write_merged_summary(tmp_path / "schema", merged.model_copy(update={"seal": None}))
     with pytest.raises(SpecError, match=r"changes.previous_uri .*schema.*cannot be read as this job's"):
         compute_changes(spec_for(tmp_path / "schema"))
     write_run(tmp_path / "forged", {"a": "bug"})

@@ -14,10 +14,13 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from pydantic import ValidationError
 
-from airflow_provider_vllm.core.commit import MARKER, ChunkMeta, ShardStore, errors_rel
+from airflow_provider_vllm.core.commit import MARKER, ChunkMeta, CommitMarker, RunSeal, ShardStore, errors_rel
 from airflow_provider_vllm.core.errors import CommitError, VerificationError
+from airflow_provider_vllm.core.plan import PLAN_FILE, Plan
 from airflow_provider_vllm.core.rows import ROW_SCHEMA
+from airflow_provider_vllm.core.seal import COMMIT, Keyring, record_bytes, seal_record
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.steps.merge import MERGED, merge_run, result_parts
 from airflow_provider_vllm.steps.plan import plan_job
@@ -49,11 +52,28 @@ def marker_path(out: Path, shard_id: str) -> Path:
     return out / "shards" / shard_id / MARKER
 
 
-def edit_marker(out: Path, shard_id: str, fn) -> None:
+def edit_marker(out: Path, shard_id: str, fn, reseal: bool = True) -> None:
+    """Edit a shard's commit marker. ``reseal``: seal the edited marker again with the deployment's key, as a
+    worker with a bug would (so merge's own path and content checks are what refuses it); without, it is what
+    any other writer of the bucket can do (the seal no longer matches)."""
     p = marker_path(out, shard_id)
     m = json.loads(p.read_text())
     fn(m)
-    p.write_text(json.dumps(m))
+    m.pop("seal", None)
+    try:
+        marker = CommitMarker.model_validate(m)
+    except ValidationError:
+        p.write_text(json.dumps(m))  # not even a marker: no seal can be made for it
+        return
+    if reseal:
+        marker = seal_record(Keyring.from_env(), COMMIT, str(out), marker)
+    p.write_bytes(record_bytes(marker))
+
+
+def run_seal(out: Path) -> RunSeal:
+    """The sealing context of the run under ``out`` (its plan's seal), as its workers have it."""
+    plan = Plan.model_validate_json((out / PLAN_FILE).read_bytes())
+    return RunSeal(Keyring.from_env(), plan.seal.mac)
 
 
 def entry_for(out: Path, rel: str) -> dict:
@@ -154,6 +174,17 @@ def test_a_hostile_marker_is_refused_terminally_and_nothing_is_published(run, ca
     assert nothing_published(out)
 
 
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_a_hostile_marker_from_a_writer_without_the_key_is_refused_by_its_seal(run, case):
+    """What any writer of the output prefix can do: edit the marker (its sizes and sha256 right); the seal then
+    no longer matches and merge refuses it before it opens any file it names."""
+    spec, plan, out = run
+    edit_marker(out, plan.shards[0].shard_id, lambda m, case=case: HOSTILE[case](out, plan, m), reseal=False)
+    with pytest.raises(CommitError, match=plan.shards[0].shard_id) as e:
+        merge_run(spec)
+    assert e.value.terminal and nothing_published(out)
+
+
 @pytest.mark.reliability
 def test_every_hostile_marker_kind_is_refused(run):
     """The same cases in one run, recorded for the reliability figures."""
@@ -193,7 +224,7 @@ def _copy_into_new_attempt(out: Path, plan, shard_index: int, edit=None) -> str:
     if edit is not None:
         t = edit(t)
     meta = ChunkMeta(shard_id=shard_id, chunk=0, first_row=0, rows=t.num_rows, config_hash="forged")
-    entry = ShardStore(Storage(str(out)), shard_id).write_chunk("a-forged-copy", meta, t)
+    entry = ShardStore(Storage(str(out)), shard_id, run_seal(out)).write_chunk("a-forged-copy", meta, t)
     edit_marker(out, shard_id, lambda m: m["files"].append(entry.dump()))
     return t.column("id").to_pylist()
 
@@ -261,10 +292,13 @@ def test_a_status_flip_is_a_difference_too(run):
     assert nothing_published(out)
 
 
-def test_a_copied_run_folder_is_not_a_hostile_marker(run, tmp_path):
-    """Marker paths are relative to the output prefix, so a run moved as a whole still merges."""
+def test_a_copied_run_folder_is_refused_by_its_seals(run, tmp_path):
+    """Seals name the run's folder: records copied into another prefix (a moved run, or genuine records planted
+    in another run) are not trusted there; the original still merges."""
     spec, plan, out = run
     moved = tmp_path / "moved"
     shutil.copytree(out, moved)
     spec2 = spec.model_copy(update={"io": spec.io.model_copy(update={"output_uri": str(moved)})})
-    assert merge_run(spec2)["ok_rows"] == len(IDS)
+    with pytest.raises(CommitError, match=r"moved/_plan.json.*moved from another run or folder"):
+        merge_run(spec2)
+    assert merge_run(spec)["ok_rows"] == len(IDS)

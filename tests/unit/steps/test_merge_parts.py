@@ -165,8 +165,8 @@ def test_merge_killed_at_each_step_reruns_to_the_same_bytes(tmp_path, fake_engin
     assert all(ref_files[k] == v for k, v in visible.items())  # what is visible is whole and final
     again = merge_run(spec)
     assert _folder(out) == ref_files and again["checksums"] == ref["checksums"]
-    assert {k: v for k, v in json.loads((out / MERGED).read_text()).items() if k != "merge_s"} == {
-        k: v for k, v in ref_merged.items() if k != "merge_s"
+    assert {k: v for k, v in json.loads((out / MERGED).read_text()).items() if k not in ("merge_s", "seal")} == {
+        k: v for k, v in ref_merged.items() if k not in ("merge_s", "seal")
     }
     check(out, IDS, kind=f"kill9.{point.split('#')[0]}", level="process")
 
@@ -197,14 +197,14 @@ def test_a_dropped_duplicate_re_encodes_only_the_part_that_held_it(tmp_path, fak
     """A forged chunk named first repeats 5 rows of chunk 0: those copies in chunk 0's part are the
     later ones, so that one part is rewritten without them; every other part stays a link."""
     from airflow_provider_vllm.core.commit import ChunkMeta, ShardStore
-    from tests.unit.steps.test_merge import chunk_rows, edit_marker
+    from tests.unit.steps.test_merge import chunk_rows, edit_marker, run_seal
 
     spec, plan, out = _run(tmp_path, fake_engine_factory, texts=[f"ticket {i}" for i in range(len(IDS))])
     shard_id = plan.shards[0].shard_id
     first = json.loads((out / "shards" / shard_id / MARKER).read_text())["files"][0]
     t = chunk_rows(out, first["path"]).slice(0, 5)
     meta = ChunkMeta(shard_id=shard_id, chunk=0, first_row=0, rows=5, config_hash="forged")
-    entry = ShardStore(Storage(str(out)), shard_id).write_chunk("a-forged-copy", meta, t)
+    entry = ShardStore(Storage(str(out)), shard_id, run_seal(out)).write_chunk("a-forged-copy", meta, t)
     edit_marker(out, shard_id, lambda m: m["files"].insert(0, entry.dump()))
     s = merge_run(spec)
     assert s["duplicates"]["ids"] == 5 and s["ok_rows"] == len(IDS)

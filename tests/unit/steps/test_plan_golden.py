@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from airflow_provider_vllm.core.plan import PLAN_FILE
+from airflow_provider_vllm.core.plan import PLAN_FILE, load_plan
 from airflow_provider_vllm.steps.plan import plan_job
 from tests.support.data import LABELS, make_spec, write_parquet
 
@@ -93,6 +93,8 @@ def test_plan_matches_the_golden_file(tmp_path, case):
     doc = json.loads((tmp_path / "out" / PLAN_FILE).read_text())
     assert doc.pop("spec_hash") == spec.content_hash()
     assert doc.pop("config_hash") == spec.output_hash()
+    seal = doc.pop("seal")  # depends on the folder's path; checked by loading the plan
+    assert load_plan(spec).seal.mac == seal["mac"]
     got = _normalised(doc, tmp_path)
     path = GOLDEN / f"{case}_plan.json"
     if os.environ.get("UPDATE_GOLDEN"):

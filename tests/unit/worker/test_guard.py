@@ -100,9 +100,10 @@ def test_a_carried_hint_only_lowers_and_a_broken_one_is_ignored(tmp_path):
     from airflow_provider_vllm.core.commit import ShardStore
     from airflow_provider_vllm.core.storage import Storage
     from airflow_provider_vllm.worker.shard import start_limits
+    from tests.unit.steps.test_merge import run_seal
 
     spec, shard = job(tmp_path)
-    store = ShardStore(Storage(str(tmp_path / "out")), shard.shard_id)
+    store = ShardStore(Storage(str(tmp_path / "out")), shard.shard_id, run_seal(tmp_path / "out"))
     assert store.engine_limits() is None and start_limits(spec, None) is spec
     store.save_engine_limits({"max_num_seqs": 64, "max_num_batched_tokens": 512}, "a1")
     lowered = start_limits(spec, store.engine_limits())

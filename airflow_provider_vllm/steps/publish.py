@@ -1,0 +1,73 @@
+"""Publishing a merged run, and how a consumer checks what was published (no Airflow).
+
+``_SUCCESS.json`` is written last by the publish task. It names every published file and carries
+the sha256 of the two part manifests (which carry the sha256 of every part), and it is sealed with
+the deployment's signing key (``core/seal.py``, domain ``success``, scope the run's output URI).
+The Airflow Asset event of the publish task carries the sha256 of the ``_SUCCESS.json`` bytes, so a
+consumer that has no signing key can still tie the files to the run Airflow published, through
+Airflow's metadata database rather than the bucket.
+
+``verify_published`` does the whole check for a consumer: the marker (by its seal, or by the
+sha256 from the Asset event), each manifest against the marker, each part against its manifest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from airflow_provider_vllm.core import seal as seals
+from airflow_provider_vllm.core.errors import CommitError
+from airflow_provider_vllm.core.records import PartsManifest
+from airflow_provider_vllm.core.seal import Keyring, Seal
+from airflow_provider_vllm.core.storage import FileSystems, Storage
+from airflow_provider_vllm.steps.merge import ERRORS, RESULTS, manifest_rel, verify_parts
+
+SUCCESS = "_SUCCESS.json"
+
+
+def success_bytes(doc: dict[str, Any], keyring: Keyring, output_uri: str) -> bytes:
+    """``_SUCCESS.json``'s bytes: ``doc`` plus its seal."""
+    sealed = dict(doc, seal=keyring.seal(seals.SUCCESS, seals.scope_of(output_uri), doc).model_dump(mode="json"))
+    return json.dumps(sealed, indent=1, sort_keys=True).encode()
+
+
+def verify_published(
+    output_uri: str,
+    *,
+    keyring: Keyring | None = None,
+    success_sha256: str | None = None,
+    storage_options: dict[str, Any] | None = None,
+    filesystems: FileSystems | None = None,
+) -> dict[str, Any]:
+    """Check a published run before reading it; returns its ``_SUCCESS.json`` (without the seal).
+
+    Give ``keyring`` (the deployment's signing keys) to check the marker's seal, or ``success_sha256``
+    (the Asset event's ``success_sha256``) to check its bytes; at least one. Then every part of
+    ``results/`` and ``errors/`` must have the size and sha256 of its manifest, and each manifest the
+    sha256 the marker names. Raises CommitError (SealError) naming the first file that does not.
+    """
+    if keyring is None and success_sha256 is None:
+        raise ValueError("give keyring or success_sha256: a file in a bucket proves nothing by itself")
+    out = Storage(output_uri, storage_options or {}, filesystems)
+    raw = out.read_bytes(SUCCESS)
+    if success_sha256 is not None and hashlib.sha256(raw).hexdigest() != success_sha256:
+        raise CommitError(f"{out.uri(SUCCESS)} is not the marker the publish task wrote (sha256 differs)")
+    doc = json.loads(raw)
+    seal = doc.pop("seal", None)
+    if keyring is not None:
+        keyring.verify(
+            seals.SUCCESS,
+            seals.scope_of(output_uri),
+            doc,
+            Seal.model_validate(seal) if seal else None,
+            out.uri(SUCCESS),
+        )
+    for kind in (RESULTS, ERRORS):
+        rel = manifest_rel(kind)
+        body = out.read_bytes(rel)
+        if hashlib.sha256(body).hexdigest() != doc.get("checksums", {}).get(rel):
+            raise CommitError(f"{out.uri(rel)} is not the manifest {SUCCESS} names (sha256 differs)")
+        verify_parts(out, kind, PartsManifest.model_validate_json(body))
+    return doc
