@@ -38,7 +38,7 @@ TESTED_ELSEWHERE: dict[str, list[str]] = {
     "operators/merge.py": ["tests/airflow/test_operators.py"],
     "operators/pod_dry_run.py": ["tests/airflow/test_kubernetes_dags.py"],
     "operators/provenance.py": ["tests/unit/test_security.py"],
-    "operators/publish.py": ["tests/airflow/test_operators.py", "tests/airflow/test_dag_runs.py"],
+    "operators/publish.py": ["tests/airflow/test_operators.py"],
     "operators/qa.py": ["tests/airflow/test_operators.py"],
     "operators/review.py": ["tests/airflow/test_review.py"],
     "operators/runner_branch.py": ["tests/airflow/test_operators.py"],

@@ -594,3 +594,76 @@ def test_input_columns_named_like_answer_columns(tmp_path, fake_engine_factory):
         i: (r["label"], r["output"]) for i, r in r1.items()
     }
     assert all(r["output"] != "input-output" for r in r2.values())
+
+
+# ---- laundering ---------------------------------------------------------------------------
+def _forge_committed_run(out: Path) -> int:
+    """What any writer of a run's output prefix can do before merge: rewrite every committed chunk with other
+    labels and update each marker's sizes and sha256 (no signing key). Returns the rows forged."""
+    import hashlib
+
+    forged = 0
+    for marker in (out / "shards").glob("*/_COMMITTED.json"):
+        doc = json.loads(marker.read_text())
+        for f in doc["files"]:
+            path = out / f["path"]
+            t = pq.read_table(path)
+            t = t.set_column(t.schema.get_field_index("label"), "label", pa.array(["forged"] * t.num_rows))
+            pq.write_table(t, path)
+            f["bytes"], f["sha256"] = path.stat().st_size, hashlib.sha256(path.read_bytes()).hexdigest()
+            forged += t.num_rows
+        marker.write_text(json.dumps(doc))
+    return forged
+
+
+@pytest.mark.reliability
+def test_forged_chunks_and_markers_are_never_merged_cached_or_served(tmp_path, fake_engine_factory):
+    """The laundering path: forged chunks and markers in run a's prefix before its merge. Merge refuses them
+    (nothing published, nothing appended to the cache), and run b with the same settings infers every row."""
+    write_parquet(tmp_path / "in-a.parquet", IDS, TEXTS)
+    s1 = spec_for(tmp_path, "a")
+    plan = plan_job(s1, engine_identity=ENGINE)
+    for s in plan.shards:
+        run_shard(ShardTask(spec=s1, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+    forged = _forge_committed_run(tmp_path / "out-a")
+    with pytest.raises(CommitError, match="seal does not match"):
+        merge(s1)
+    assert not (tmp_path / "out-a" / MERGED).exists() and not (tmp_path / "out-a" / RESULTS).exists()
+    assert not (tmp_path / "cache" / "commits").exists()
+    write_parquet(tmp_path / "in-b.parquet", IDS, TEXTS)
+    s2 = spec_for(tmp_path, "b")
+    fake_engine_factory.made.clear()
+    p2, _ = run_job(s2, fake_engine_factory)
+    assert p2.cache.hits == 0 and inferred(fake_engine_factory) == 50
+    assert "forged" not in {r["label"] for r in results(s2).values()}
+    record_fault("laundering_forged_chunks_and_markers", forged, lost=0, duplicates=0, level="in_process")
+
+
+@pytest.mark.reliability
+def test_a_planted_chunk_is_never_reused_by_a_retry(tmp_path, fake_engine_factory):
+    """A writer of the prefix plants a complete-looking chunk (right footer, a copied seal) in an attempt folder
+    before the shard runs: the worker's reuse scan checks the seal against the bytes and redoes the chunk."""
+    import shutil
+
+    write_parquet(tmp_path / "in-a.parquet", IDS, TEXTS)
+    s1 = spec_for(tmp_path, "a", sharding={"target_rows": 50, "chunk_rows": 10})
+    plan = plan_job(s1, engine_identity=ENGINE)
+    (shard,) = plan.shards
+    # a genuine run elsewhere gives the attacker well-formed chunks and seals to copy
+    s_other = spec_for(tmp_path, "other", sharding={"target_rows": 50, "chunk_rows": 10})
+    write_parquet(tmp_path / "in-other.parquet", IDS, TEXTS)
+    other = plan_job(s_other, engine_identity=ENGINE)
+    run_shard(ShardTask(spec=s_other, shard_id=other.shards[0].shard_id), engine_factory=fake_engine_factory)
+    src = next((tmp_path / "out-other" / "shards").glob("*/attempts/*"))
+    planted = tmp_path / "out-a" / "shards" / shard.shard_id / "attempts" / "a-planted"
+    shutil.copytree(src, planted)
+    for f in planted.glob("chunk-*.parquet"):
+        if not f.name.endswith(".errors.parquet"):
+            t = pq.read_table(f)
+            pq.write_table(
+                t.set_column(t.schema.get_field_index("label"), "label", pa.array(["forged"] * t.num_rows)), f
+            )
+    m = run_shard(ShardTask(spec=s1, shard_id=shard.shard_id), engine_factory=fake_engine_factory)
+    assert m["stats"]["reused_chunks"] == 0
+    merge(s1)
+    assert "forged" not in {r["label"] for r in results(s1).values()}

