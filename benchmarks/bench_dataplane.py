@@ -386,9 +386,9 @@ def _install_sql_timers(log: list) -> None:
     except ImportError:
         pass
     for mod in (
-        "airflow_provider_vllm.steps.merge",
+        "airflow_provider_vllm.steps.merge.merger",
         "airflow_provider_vllm.steps.qa.evaluate",
-        "airflow_provider_vllm.steps.plan",
+        "airflow_provider_vllm.steps.plan.planner",
     ):
         m = importlib.import_module(mod)
         if getattr(m, "duckdb", None) is duckdb:
@@ -397,8 +397,8 @@ def _install_sql_timers(log: list) -> None:
 
 # ---- child: one stage -------------------------------------------------------------------
 def child(stage: str, input_dir: Path, run_dir: Path, chunk_rows: int, profile: str | None) -> None:
-    from airflow_provider_vllm.steps.merge import merge_run
-    from airflow_provider_vllm.steps.plan import plan_job
+    from airflow_provider_vllm.steps.merge.merger import merge_run
+    from airflow_provider_vllm.steps.plan.planner import plan_job
     from airflow_provider_vllm.steps.qa.stage import qa_run
 
     spec = bench_spec(input_dir, run_dir, chunk_rows)

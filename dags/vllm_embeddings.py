@@ -55,7 +55,7 @@ def embedding_table(spec: dict[str, Any]) -> str:
     from airflow_provider_vllm.core.spec import JobSpec
     from airflow_provider_vllm.core.storage import Storage
     from airflow_provider_vllm.hooks.filesystems import task_filesystems
-    from airflow_provider_vllm.steps.merge import result_parts
+    from airflow_provider_vllm.steps.merge.merger import result_parts
 
     job = JobSpec.load(spec)
     # object stores through the deployment's Connections ([vllm_batch] aws_conn_id / gcp_conn_id)

@@ -62,7 +62,7 @@ class CacheFile(BaseModel):
 
 
 class CachePlan(BaseModel):
-    """The result cache as the plan applied it (``steps/cache.py``); shards hold the misses only."""
+    """The result cache as the plan applied it (``steps/cache/result_cache.py``); shards hold the misses only."""
 
     model_config = ConfigDict(extra="forbid")
     uri: str = Field(description="the cache folder")

@@ -13,12 +13,12 @@ from airflow.sdk.exceptions import AirflowFailException
 from airflow_provider_vllm import __version__
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.hooks.filesystems import task_filesystems
-from airflow_provider_vllm.operators._common import data_plane_errors, load_spec
-from airflow_provider_vllm.operators.deployment import check_spec_allowed
-from airflow_provider_vllm.steps.changes import CHANGES
-from airflow_provider_vllm.steps.changes import SUMMARY as CHANGES_SUMMARY
 from airflow_provider_vllm.steps.lineage import publish_lineage
-from airflow_provider_vllm.steps.merge import ERRORS, MERGED, RESULTS, manifest_rel, read_manifest, read_merged
+from airflow_provider_vllm.steps.merge.changes import CHANGES
+from airflow_provider_vllm.steps.merge.changes import SUMMARY as CHANGES_SUMMARY
+from airflow_provider_vllm.steps.merge.merger import ERRORS, MERGED, RESULTS, manifest_rel, read_manifest, read_merged
+from airflow_provider_vllm.utils.deployment import check_spec_allowed
+from airflow_provider_vllm.utils.job_spec import data_plane_errors, load_spec
 
 SUCCESS = "_SUCCESS.json"
 QA_FILES = {"qa_report_json": "qa/report.json", "qa_report_html": "qa/report.html", "qa_sample": "qa/sample.parquet"}
@@ -91,7 +91,7 @@ class VllmPublishOperator(BaseOperator):
 
     def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
         """OpenLineage: results and errors in; the published output location out (recorded by ``execute``)."""
-        from airflow_provider_vllm.operators.lineage import operator_lineage
+        from airflow_provider_vllm.utils.openlineage_facets import operator_lineage
 
         return operator_lineage(getattr(self, "_lineage", None))
 

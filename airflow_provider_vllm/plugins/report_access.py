@@ -27,8 +27,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from airflow_provider_vllm.core.allow_list import canonical_prefixes, canonical_uri, is_under, parse_prefixes
 from airflow_provider_vllm.core.errors import SpecError
-from airflow_provider_vllm.core.paths import canonical_prefixes, canonical_uri, is_under, parse_prefixes
 
 REPORT_FILES = {"html": "qa/report.html", "json": "qa/report.json"}
 PLAN_TASK = "plan"

@@ -9,9 +9,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from airflow_provider_vllm.core.storage import Storage
-from airflow_provider_vllm.steps.changes import CHANGES, SUMMARY, read_changes
-from airflow_provider_vllm.steps.merge import RESULTS, merge_run, result_parts
-from airflow_provider_vllm.steps.plan import plan_job
+from airflow_provider_vllm.steps.merge.changes import CHANGES, SUMMARY, read_changes
+from airflow_provider_vllm.steps.merge.merger import RESULTS, merge_run, result_parts
+from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.steps.qa.stage import qa_run
 from airflow_provider_vllm.worker.shard import run_shard
 from airflow_provider_vllm.worker.task import ShardTask

@@ -8,8 +8,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from airflow_provider_vllm.core.storage import Storage
-from airflow_provider_vllm.steps.merge import merge_run, result_parts
-from airflow_provider_vllm.steps.plan import plan_job
+from airflow_provider_vllm.steps.merge.merger import merge_run, result_parts
+from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
 from airflow_provider_vllm.worker.task import ShardTask
 from tests.support.data import LABELS, make_spec

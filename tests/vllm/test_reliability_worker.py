@@ -24,8 +24,8 @@ import pytest
 
 from airflow_provider_vllm.core.commit import MARKER
 from airflow_provider_vllm.core.spec import JobSpec
-from airflow_provider_vllm.steps.merge import ERRORS, MERGED, RESULTS, merge_run
-from airflow_provider_vllm.steps.plan import plan_job
+from airflow_provider_vllm.steps.merge.merger import ERRORS, MERGED, RESULTS, merge_run
+from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.testing.local_models import default_cache_dir, make_tiny_llama
 from airflow_provider_vllm.worker.task import ShardTask, worker_command
 from tests.support.data import write_parquet
@@ -36,7 +36,7 @@ from tests.vllm.test_worker_vllm import ENV, TICKETS, spec_for
 pytestmark = [pytest.mark.vllm, pytest.mark.reliability, pytest.mark.timeout(1500)]
 
 MERGE = (
-    "import sys\nfrom airflow_provider_vllm.steps.merge import merge_run\n"
+    "import sys\nfrom airflow_provider_vllm.steps.merge.merger import merge_run\n"
     "from airflow_provider_vllm.core.spec import JobSpec\n"
     "merge_run(JobSpec.load(sys.argv[1]))\n"
 )

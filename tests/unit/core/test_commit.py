@@ -41,8 +41,8 @@ from airflow_provider_vllm.core.errors import CommitError
 from airflow_provider_vllm.core.plan import PLAN_FILE
 from airflow_provider_vllm.core.rows import rows_table, split_rows
 from airflow_provider_vllm.core.storage import Storage
-from airflow_provider_vllm.steps.merge import ERRORS, RESULTS, merge_run
-from airflow_provider_vllm.steps.plan import plan_job
+from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS, merge_run
+from airflow_provider_vllm.steps.plan.planner import plan_job
 from tests.support.data import make_spec, write_parquet
 from tests.support.ledger import record_fault
 

@@ -17,8 +17,8 @@ import pytest
 
 from airflow_provider_vllm.core.errors import EngineError, SpecError
 from airflow_provider_vllm.core.formats.openai_requests import RequestFault, parse_chat_body
-from airflow_provider_vllm.steps.merge import merge_run
-from airflow_provider_vllm.steps.plan import plan_job
+from airflow_provider_vllm.steps.merge.merger import merge_run
+from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.engine import sampling_params
 from airflow_provider_vllm.worker.guard import GuardedEngine, RowFailure
 from airflow_provider_vllm.worker.isolation import RequestRejected, refusal, row_caused

@@ -8,8 +8,8 @@ import pytest
 
 from airflow_provider_vllm.core.errors import SpecError
 from airflow_provider_vllm.core.plan import PLAN_FILE
-from airflow_provider_vllm.steps.merge import merge_run
-from airflow_provider_vllm.steps.plan import plan_job
+from airflow_provider_vllm.steps.merge.merger import merge_run
+from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
 from airflow_provider_vllm.worker.task import ShardTask
 from tests.support.data import make_spec, write_parquet

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from airflow_provider_vllm.core.spec import QASpec
-from airflow_provider_vllm.steps.merge import merge_run
-from airflow_provider_vllm.steps.plan import plan_job
+from airflow_provider_vllm.steps.merge.merger import merge_run
+from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.steps.qa.evaluate import evaluate
 from airflow_provider_vllm.steps.qa.html import render_report_html
 from airflow_provider_vllm.steps.qa.stage import qa_run

@@ -26,7 +26,7 @@ from airflow_provider_vllm.core.formats.files import find_input
 from airflow_provider_vllm.core.plan import PLAN_FILE, Plan, Segment, ShardPlan, estimate_tokens
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
-from airflow_provider_vllm.steps.sizing import size_shards
+from airflow_provider_vllm.steps.plan.sizing import size_shards
 
 PROBE_DIR = "_probes"  # create-only probe objects (removed after the probe; ignored if one stays)
 DEFAULT_TARGET_ROWS = 10_000
@@ -47,7 +47,7 @@ def plan_job(
     when the plan would have more than ``max_shards`` shards (the orchestrator's limit on
     mapped tasks, e.g. Airflow's ``[core] max_map_length``; None: no limit).
     ``filesystems``: how object stores are reached (``storage.FileSystems``; default fsspec).
-    With ``cache.uri`` (steps/cache.py) the plan also writes ``_cache/`` hits and misses files
+    With ``cache.uri`` (steps/cache/result_cache.py) the plan also writes ``_cache/`` hits and misses files
     before the plan (``engine_identity``: the engine the shards run, part of the cache key;
     default the vLLM installed here); an existing plan is returned as it is, however the cache
     grew since (the create-only plan file wins).
@@ -73,7 +73,7 @@ def plan_job(
 
 def _check_empty(spec: JobSpec, out: Storage) -> None:
     """SpecError unless the prefix is empty (create-only probes and orphaned ``_cache/`` files aside), then probe."""
-    from airflow_provider_vllm.steps.cache import CACHE_DIR
+    from airflow_provider_vllm.steps.cache.result_cache import CACHE_DIR
 
     foreign = next((f for f in out.walk_files() if not f.startswith((PROBE_DIR + "/", CACHE_DIR + "/"))), None)
     if foreign is not None:
@@ -176,7 +176,7 @@ def build_plan(
     est_tokens = tokens.total
     cache, cut_scan, cut_tokens, cut_fp = None, scan, tokens, found.fingerprint
     if cache_out is not None and spec.cache.uri is not None:
-        from airflow_provider_vllm.steps.cache import plan_cache
+        from airflow_provider_vllm.steps.cache.result_cache import plan_cache
 
         cache = plan_cache(spec, found, cache_out, engine_identity, filesystems=filesystems)
         folder, name = cache.misses_file.path.rsplit("/", 1)

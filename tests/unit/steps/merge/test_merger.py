@@ -19,8 +19,8 @@ from airflow_provider_vllm.core.commit import MARKER, ChunkMeta, ShardStore, err
 from airflow_provider_vllm.core.errors import CommitError, VerificationError
 from airflow_provider_vllm.core.rows import ROW_SCHEMA
 from airflow_provider_vllm.core.storage import Storage
-from airflow_provider_vllm.steps.merge import MERGED, merge_run, result_parts
-from airflow_provider_vllm.steps.plan import plan_job
+from airflow_provider_vllm.steps.merge.merger import MERGED, merge_run, result_parts
+from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.steps.qa.stage import qa_run, qa_summary
 from airflow_provider_vllm.worker.shard import run_shard
 from airflow_provider_vllm.worker.task import ShardTask

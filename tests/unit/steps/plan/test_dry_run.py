@@ -8,8 +8,8 @@ import math
 import pytest
 
 from airflow_provider_vllm.cli.dry_run import main
-from airflow_provider_vllm.steps.dry_run import ASSUMED_ENGINE_START_S, ASSUMED_TOKENS_PER_S, dry_run_report
-from airflow_provider_vllm.steps.memory_plan import (
+from airflow_provider_vllm.steps.plan.dry_run import ASSUMED_ENGINE_START_S, ASSUMED_TOKENS_PER_S, dry_run_report
+from airflow_provider_vllm.steps.plan.memory import (
     GiB,
     KiB,
     ModelShape,
@@ -18,8 +18,8 @@ from airflow_provider_vllm.steps.memory_plan import (
     plan_memory,
     safetensors_bytes,
 )
-from airflow_provider_vllm.steps.plan import build_plan
-from airflow_provider_vllm.steps.sizing import HISTORY_VERSION, prompt_overhead_tokens
+from airflow_provider_vllm.steps.plan.planner import build_plan
+from airflow_provider_vllm.steps.plan.sizing import HISTORY_VERSION, prompt_overhead_tokens
 from tests.support.data import make_spec, write_parquet
 
 LLAMA3_8B = {
@@ -240,7 +240,7 @@ LLAMA3_70B = {
 
 
 def _layout(cfg, gib, tp=1, budget=None, **kw):
-    from airflow_provider_vllm.steps.memory_plan import choose_layout
+    from airflow_provider_vllm.steps.plan.memory import choose_layout
 
     return choose_layout(
         ModelShape.from_config(cfg),
@@ -312,7 +312,7 @@ def test_tp_the_heads_do_not_divide_over_is_refused(tp, msg):
 
 
 def test_kv_head_divisibility_limits_the_candidates():
-    from airflow_provider_vllm.steps.memory_plan import tp_problem
+    from airflow_provider_vllm.steps.plan.memory import tp_problem
 
     # 40 attention heads, 10 KV heads: 2 divides both; 4 and 8 divide the heads but not the KV heads
     odd = ModelShape.from_config({**LLAMA3_70B, "num_attention_heads": 40, "num_key_value_heads": 10, "head_dim": 128})
@@ -373,6 +373,6 @@ def test_dry_run_with_assumed_gpu_memory_reports_instead_of_refusing(tmp_path):
     with pytest.raises(Exception, match="engine.tensor_parallel_size 1 does not fit"):
         dry_run_report(spec, model_config=LLAMA3_70B, gpu_memory=79.2)
     # the plan operator's dry run (rerun DAG's dry_run param) logs the same lines
-    from airflow_provider_vllm.steps.dry_run import format_report
+    from airflow_provider_vllm.steps.plan.dry_run import format_report
 
     assert "WOULD BE REFUSED" in format_report(r)

@@ -49,7 +49,7 @@ from airflow_provider_vllm.core.records import Duplicates, MergeSummary, PartEnt
 from airflow_provider_vllm.core.rows import ERROR_SCHEMA, RESULT_SCHEMA, ROW_SCHEMA
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
-from airflow_provider_vllm.steps import cache
+from airflow_provider_vllm.steps.cache import result_cache as cache
 
 log = logging.getLogger(__name__)
 
@@ -222,10 +222,10 @@ def _record_throughput(
     summary: MergeSummary,
     filesystems: FileSystems | None = None,
 ) -> None:
-    """Throughput history for shard sizing (sizing.py); a failure here must not fail a merged run."""
+    """Throughput history for shard sizing (steps/plan/sizing.py); a failure here must not fail a merged run."""
     if not spec.sharding.history_uri:
         return
-    from airflow_provider_vllm.steps.sizing import record_run
+    from airflow_provider_vllm.steps.plan.sizing import record_run
 
     try:
         summary.history_record = record_run(spec, plan, markers, filesystems)

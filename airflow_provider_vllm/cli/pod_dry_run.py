@@ -1,6 +1,6 @@
 """Print the pod a DAG's Kubernetes shard task would launch, without a cluster and without a run.
 
-    python -m airflow_provider_vllm.operators.pod_dry_run DAG_ID LOGICAL_DATE [--map-index N] [--conf JSON]
+    python -m airflow_provider_vllm.cli.pod_dry_run DAG_ID LOGICAL_DATE [--map-index N] [--conf JSON]
 
 Renders the DAG's plan task for that logical date the way ``airflow tasks render`` does
 (same CLI helpers: DAG from the DAG folder and the metadata DB, Variables, params, macros),
@@ -65,7 +65,7 @@ def render_shard_pod(
     from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
     from airflow.utils.cli import get_bagged_dag, get_db_dag
 
-    from airflow_provider_vllm.operators._common import check_runner
+    from airflow_provider_vllm.utils.job_spec import check_runner
 
     sdk_dag = get_bagged_dag(None, dag_id)
     plan, mapped = _tasks(sdk_dag)
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     import yaml
 
     p = argparse.ArgumentParser(
-        prog="python -m airflow_provider_vllm.operators.pod_dry_run", description=__doc__.split("\n\n")[0]
+        prog="python -m airflow_provider_vllm.cli.pod_dry_run", description=__doc__.split("\n\n")[0]
     )
     p.add_argument("dag_id")
     p.add_argument("logical_date", help="logical date (or run id) of the run to render")

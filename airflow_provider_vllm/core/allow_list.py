@@ -18,7 +18,7 @@ returns the canonical URI or raises ``SpecError`` naming the parameter and the r
 ``check_uri`` with an empty allow-list checks the syntax only; the deployment checks
 (``spec_guard.check_deployment``) fail closed instead: no allow-list and no explicit
 "any location" setting -> nothing is read or written. The deployment setting is read by the
-Airflow side (``operators/deployment.py``) and handed to the worker through
+Airflow side (``utils/deployment.py``) and handed to the worker through
 ``ALLOWED_PREFIXES_ENV`` (and ``ALLOW_ANY_LOCATION_ENV``), never through the shard task, so a
 forged task cannot widen it.
 """

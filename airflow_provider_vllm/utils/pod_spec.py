@@ -26,11 +26,8 @@ from kubernetes.utils.quantity import parse_quantity
 
 from airflow_provider_vllm import __version__
 from airflow_provider_vllm.core.errors import SpecError
-from airflow_provider_vllm.core.pod_settings import KubernetesSettings
+from airflow_provider_vllm.core.pod_settings import DEFAULT_IMAGE, KubernetesSettings
 from airflow_provider_vllm.core.spec import JobSpec
-
-DEFAULT_IMAGE = f"airflow-provider-vllm-worker:{__version__}"
-"""The worker image as docker/README.md tags it; production pins ``repo/name:tag@sha256:...``."""
 
 WORKER_PYTHON = "python3"
 """The interpreter on the worker image's PATH (argv[0] of ``worker_command`` in the pod)."""
@@ -62,7 +59,7 @@ def gpu_count(spec: JobSpec, settings: KubernetesSettings) -> int:
 
     ``settings.gpus`` may say 0 (a CPU pod) or repeat TP x PP; any other count is refused: fewer
     GPUs than the engine spans cannot start it, more sit idle in the pod (run more shards at
-    once instead, one pod per TP group: memory_plan.choose_layout).
+    once instead, one pod per TP group: memory.choose_layout).
     """
     pp = spec.engine.engine_kwargs.get("pipeline_parallel_size", 1)
     if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:

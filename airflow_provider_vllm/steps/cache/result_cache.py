@@ -41,6 +41,7 @@ from airflow_provider_vllm.core import duck, faults
 from airflow_provider_vllm.core.errors import CommitError, SpecError
 from airflow_provider_vllm.core.formats.files import Input, describe_files
 from airflow_provider_vllm.core.plan import CacheFile, CachePlan, Plan
+from airflow_provider_vllm.core.pod_settings import DEFAULT_IMAGE
 from airflow_provider_vllm.core.records import CacheCommit, CacheFileEntry, CacheMergeSummary
 from airflow_provider_vllm.core.rows import RESULT_COLUMNS, RESULT_SCHEMA
 from airflow_provider_vllm.core.spec import ENGINE_KWARGS_ALLOWED, JobSpec
@@ -175,8 +176,6 @@ def identity_versions(identity: str) -> set[str] | None:
 
 def kubernetes_engine_identity(spec: JobSpec) -> str:
     """The worker image the kubernetes runner starts (pin it by digest: a moving tag is not an identity)."""
-    from airflow_provider_vllm.steps.pod_spec import DEFAULT_IMAGE
-
     return f"image {spec.kubernetes.image or DEFAULT_IMAGE}"
 
 

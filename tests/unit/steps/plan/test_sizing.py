@@ -7,9 +7,9 @@ import json
 import pytest
 
 from airflow_provider_vllm.core.records import ThroughputRecord
-from airflow_provider_vllm.steps.merge import merge_run
-from airflow_provider_vllm.steps.plan import DEFAULT_TARGET_ROWS, build_plan, plan_job
-from airflow_provider_vllm.steps.sizing import (
+from airflow_provider_vllm.steps.merge.merger import merge_run
+from airflow_provider_vllm.steps.plan.planner import DEFAULT_TARGET_ROWS, build_plan, plan_job
+from airflow_provider_vllm.steps.plan.sizing import (
     HISTORY_VERSION,
     estimate_workload,
     find_evidence,

@@ -9,7 +9,7 @@ import time
 import psutil
 import pytest
 
-from airflow_provider_vllm.operators.local_runner import LocalWorkerProcess
+from airflow_provider_vllm.utils.worker_process import LocalWorkerProcess
 
 pytestmark = [pytest.mark.reliability, pytest.mark.timeout(120)]
 

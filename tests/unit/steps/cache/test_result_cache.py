@@ -1,4 +1,4 @@
-"""The result cache (steps/cache.py) end to end on local files with the fake engine.
+"""The result cache (steps/cache/result_cache.py) end to end on local files with the fake engine.
 
 Key (what busts it, injective encoding), store (only committed entries are read), plan (hits and
 misses files, shards over the misses, a rerun keeps its plan), merge (hits in the results, the
@@ -24,9 +24,9 @@ from airflow_provider_vllm.core.errors import CommitError, SpecError
 from airflow_provider_vllm.core.plan import PLAN_FILE, Plan
 from airflow_provider_vllm.core.spec import ENGINE_KWARGS_ALLOWED
 from airflow_provider_vllm.core.storage import Storage
-from airflow_provider_vllm.steps import cache
-from airflow_provider_vllm.steps.merge import MERGED, RESULTS, merge
-from airflow_provider_vllm.steps.plan import plan_job
+from airflow_provider_vllm.steps.cache import result_cache as cache
+from airflow_provider_vllm.steps.merge.merger import MERGED, RESULTS, merge
+from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
 from airflow_provider_vllm.worker.task import ShardTask
 from tests.support.data import make_spec, write_parquet
@@ -218,7 +218,7 @@ def test_second_run_infers_only_changed_and_new_rows(tmp_path, fake_engine_facto
 def test_hits_are_published_by_reference_as_the_last_results_part(tmp_path, fake_engine_factory):
     """The plan writes the hits in the results schema; merge links that file into results/ (no re-encoding)."""
     from airflow_provider_vllm.core.rows import RESULT_SCHEMA
-    from airflow_provider_vllm.steps.merge import read_manifest
+    from airflow_provider_vllm.steps.merge.merger import read_manifest
 
     write_parquet(tmp_path / "in-a.parquet", IDS, TEXTS)
     run_job(spec_for(tmp_path, "a"), fake_engine_factory)
@@ -367,7 +367,7 @@ def test_plan_killed_at_a_cache_step_converges(tmp_path, fake_engine_factory, po
     s2 = spec_for(tmp_path, "b")
     code = (
         "import sys; from airflow_provider_vllm.core.spec import JobSpec; "
-        "from airflow_provider_vllm.steps.plan import plan_job; "
+        "from airflow_provider_vllm.steps.plan.planner import plan_job; "
         "plan_job(JobSpec.load(sys.argv[1]), engine_identity='fake-engine')"
     )
     env = {**os.environ, faults.ENV: f"{point}=kill", "PYTHONPATH": str(ROOT)}
@@ -408,7 +408,7 @@ def test_merge_failing_at_a_cache_step_converges(tmp_path, fake_engine_factory, 
     else:  # kill -9 of a real merge process: no clean-up, temp files stay
         code = (
             "import sys; from airflow_provider_vllm.core.spec import JobSpec; "
-            "from airflow_provider_vllm.steps.merge import merge; merge(JobSpec.load(sys.argv[1]))"
+            "from airflow_provider_vllm.steps.merge.merger import merge; merge(JobSpec.load(sys.argv[1]))"
         )
         env = {**os.environ, faults.ENV: f"{point}=kill", "PYTHONPATH": str(ROOT)}
         p = subprocess.run(
@@ -447,7 +447,7 @@ def test_merge_failing_at_a_cache_step_converges(tmp_path, fake_engine_factory, 
 
 # ---- dry run ------------------------------------------------------------------------------
 def test_dry_run_reports_expected_hits_and_saved_gpu_hours(tmp_path, fake_engine_factory):
-    from airflow_provider_vllm.steps.dry_run import dry_run_report, format_report
+    from airflow_provider_vllm.steps.plan.dry_run import dry_run_report, format_report
 
     write_parquet(tmp_path / "in-a.parquet", IDS, TEXTS)
     run_job(spec_for(tmp_path, "a"), fake_engine_factory)

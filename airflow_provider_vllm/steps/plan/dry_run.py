@@ -14,7 +14,7 @@ from typing import Any
 from airflow_provider_vllm.core.errors import SpecError
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems
-from airflow_provider_vllm.steps.memory_plan import (
+from airflow_provider_vllm.steps.plan.memory import (
     GiB,
     ModelShape,
     choose_layout,
@@ -22,8 +22,8 @@ from airflow_provider_vllm.steps.memory_plan import (
     load_model_config,
     plan_memory,
 )
-from airflow_provider_vllm.steps.plan import build_plan
-from airflow_provider_vllm.steps.sizing import estimate_workload, find_evidence, read_history
+from airflow_provider_vllm.steps.plan.planner import build_plan
+from airflow_provider_vllm.steps.plan.sizing import estimate_workload, find_evidence, read_history
 
 # Used only without history, and labelled "assumed" in the report.
 ASSUMED_TOKENS_PER_S = 2000.0  # prompt + output tokens per second per model replica
@@ -104,7 +104,7 @@ def _cache(
 ) -> dict[str, Any]:
     """Expected hits and misses (nothing written) and the inference GPU-hours the hits save."""
     from airflow_provider_vllm.core.formats.files import find_input
-    from airflow_provider_vllm.steps.cache import expected
+    from airflow_provider_vllm.steps.cache.result_cache import expected
 
     found = find_input(spec.io.input_uri, spec.io.storage_options, spec.io.input_format, filesystems)
     exp = expected(spec, found, engine_identity, filesystems)

@@ -9,7 +9,7 @@ from kubernetes.client import ApiClient
 from airflow_provider_vllm.core.errors import SpecError
 from airflow_provider_vllm.core.pod_settings import KubernetesSettings
 from airflow_provider_vllm.core.spec import JobSpec
-from airflow_provider_vllm.steps.pod_spec import NVLS_OFF, gpu_count, pod_parts
+from airflow_provider_vllm.utils.pod_spec import NVLS_OFF, gpu_count, pod_parts
 from tests.support.data import make_spec
 from tests.support.ledger import record_malicious
 
@@ -94,8 +94,8 @@ def test_pod_gpu_request_must_equal_the_engines_gpus(tp, pp, gpus):
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
 def test_pod_gpu_request_equals_the_layouts_tensor_parallel_size(tp):
     """The dry run's layout (gpus_per_pod) and the pod's nvidia.com/gpu limit agree, with or without kubernetes.gpus."""
-    from airflow_provider_vllm.steps.memory_plan import GiB as G
-    from airflow_provider_vllm.steps.memory_plan import ModelShape, choose_layout
+    from airflow_provider_vllm.steps.plan.memory import GiB as G
+    from airflow_provider_vllm.steps.plan.memory import ModelShape, choose_layout
 
     shape = ModelShape.from_config(
         {

@@ -10,11 +10,11 @@ import re
 import pyarrow as pa
 import pytest
 
+from airflow_provider_vllm.core.allow_list import SCHEMES, canonical_uri
 from airflow_provider_vllm.core.errors import DatasetError, SpecError
 from airflow_provider_vllm.core.formats.base import BLANK_ID_PATTERN, is_blank_id
-from airflow_provider_vllm.core.paths import SCHEMES, canonical_uri
 from airflow_provider_vllm.core.plan import PLAN_FILE
-from airflow_provider_vllm.steps.plan import build_plan, plan_job
+from airflow_provider_vllm.steps.plan.planner import build_plan, plan_job
 from tests.support.data import make_spec, write_parquet
 from tests.support.ledger import record_bad_rows
 

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from airflow_provider_vllm.core import envs
 from airflow_provider_vllm.core.exit_codes import Outcome, outcome
 from airflow_provider_vllm.core.records import FailureManifest
-from airflow_provider_vllm.worker.lifecycle import PARENT_ENV
 
 FAULT_ENV = envs.INJECT_EXIT.name
 MAX_LOG_LINE = 4000
@@ -97,9 +96,9 @@ class LocalWorkerProcess:
 
     def run(self) -> WorkerResult:
         # Own session: on kill, the worker and vLLM's engine process can be stopped together.
-        # PARENT_ENV: the worker binds its life to this process (parent-death signal, see
+        # VLLM_BATCH_PARENT_PID: the worker binds its life to this process (parent-death signal, see
         # worker/lifecycle.py), which is why it is started and waited for in this one thread.
-        env = {**self.env, PARENT_ENV: str(os.getpid())}
+        env = {**self.env, envs.PARENT_PID.name: str(os.getpid())}
         self.proc = proc = subprocess.Popen(
             self.argv,
             stdin=subprocess.DEVNULL,

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from airflow_provider_vllm.core.plan import PLAN_FILE
-from airflow_provider_vllm.steps.plan import plan_job
+from airflow_provider_vllm.steps.plan.planner import plan_job
 from tests.support.data import LABELS, make_spec, write_parquet
 
 GOLDEN = Path(__file__).parent / "golden"

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from airflow_provider_vllm.core.errors import DatasetError, SpecError
 from airflow_provider_vllm.core.plan import PLAN_FILE
 from airflow_provider_vllm.core.storage import Storage
-from airflow_provider_vllm.steps.plan import build_plan, plan_job
+from airflow_provider_vllm.steps.plan.planner import build_plan, plan_job
 from airflow_provider_vllm.worker.shard import read_shard_rows
 from tests.support.data import make_spec, write_parquet
 
@@ -137,7 +137,7 @@ def test_footer_sizing_never_builds_per_row_arrays_and_cuts_the_same(tmp_path, m
     (memory bounded by row groups, not rows: 100M-row inputs) and cuts exactly the shards that
     per-row arrays would."""
     from airflow_provider_vllm.core.formats.base import RowRuns
-    from airflow_provider_vllm.steps import plan as plan_mod
+    from airflow_provider_vllm.steps.plan import planner as plan_mod
 
     for f in range(3):
         n = 500 + 137 * f

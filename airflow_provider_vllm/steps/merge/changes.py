@@ -44,7 +44,7 @@ from airflow_provider_vllm.core.records import (
 )
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
-from airflow_provider_vllm.steps.merge import ERRORS, MERGED, RESULTS, manifest_rel, read_merged, result_parts
+from airflow_provider_vllm.steps.merge.merger import ERRORS, MERGED, RESULTS, manifest_rel, read_merged, result_parts
 
 # A run merged before results/ became a folder of parts (provider < 0.2): its two files.
 _SINGLE_FILE_LAYOUT = {RESULTS: "results/results.parquet", ERRORS: "results/errors.parquet"}

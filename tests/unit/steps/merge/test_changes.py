@@ -20,8 +20,8 @@ from airflow_provider_vllm.core.errors import SpecError
 from airflow_provider_vllm.core.records import ChangesSummary
 from airflow_provider_vllm.core.rows import ERROR_SCHEMA, RESULT_SCHEMA
 from airflow_provider_vllm.core.storage import Storage
-from airflow_provider_vllm.steps.changes import CHANGES, SUMMARY, compared_column, compute_changes, read_changes
-from airflow_provider_vllm.steps.merge import ERRORS, MERGED, RESULTS
+from airflow_provider_vllm.steps.merge.changes import CHANGES, SUMMARY, compared_column, compute_changes, read_changes
+from airflow_provider_vllm.steps.merge.merger import ERRORS, MERGED, RESULTS
 from tests.support.data import LABELS, make_spec, merge_summary, write_merged_folder
 from tests.support.ledger import record_fault
 
@@ -265,7 +265,7 @@ def test_kill_at_each_write_step_then_rerun(tmp_path, point):
     spec = make_spec(tmp_path / "in.parquet", tmp_path / "now", changes={"previous_uri": str(tmp_path / "prev")})
     code = (
         "import sys; from airflow_provider_vllm.core.spec import JobSpec; "
-        "from airflow_provider_vllm.steps.changes import compute_changes; "
+        "from airflow_provider_vllm.steps.merge.changes import compute_changes; "
         "compute_changes(JobSpec.model_validate_json(sys.argv[1]))"
     )
     env = {**os.environ, "VLLM_BATCH_FAULTS": f"{point}=kill"}
@@ -298,9 +298,9 @@ def test_kill_at_each_write_step_then_rerun(tmp_path, point):
 @pytest.mark.parametrize("stream", [False, True])
 def test_qa_of_a_second_run_reports_exactly_the_moved_labels(tmp_path, fake_engine_factory, monkeypatch, stream):
     """The whole pipeline twice (fake engine): 10% of texts edited, 5 rows new, 4 gone; QA computes the changes."""
-    from airflow_provider_vllm.steps import merge as merge_mod
-    from airflow_provider_vllm.steps.merge import merge_run
-    from airflow_provider_vllm.steps.plan import plan_job
+    from airflow_provider_vllm.steps.merge import merger as merge_mod
+    from airflow_provider_vllm.steps.merge.merger import merge_run
+    from airflow_provider_vllm.steps.plan.planner import plan_job
     from airflow_provider_vllm.steps.qa import stage
     from airflow_provider_vllm.worker.shard import run_shard
     from airflow_provider_vllm.worker.task import ShardTask

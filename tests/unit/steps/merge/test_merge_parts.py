@@ -25,8 +25,8 @@ from airflow_provider_vllm.core.commit import MARKER
 from airflow_provider_vllm.core.errors import CommitError
 from airflow_provider_vllm.core.rows import ERROR_SCHEMA, RESULT_SCHEMA
 from airflow_provider_vllm.core.storage import Storage
-from airflow_provider_vllm.steps.merge import MERGED, merge_run, read_manifest, result_parts
-from airflow_provider_vllm.steps.plan import plan_job
+from airflow_provider_vllm.steps.merge.merger import MERGED, merge_run, read_manifest, result_parts
+from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
 from airflow_provider_vllm.worker.task import ShardTask
 from tests.support.data import make_spec, write_parquet
@@ -35,7 +35,7 @@ from tests.support.reconcile import check, check_no_partial, reconcile
 IDS = [f"r{i:03d}" for i in range(60)]
 EMPTY = {7, 23, 24, 41}  # empty texts: EMPTY_INPUT error rows in 3 of the 6 chunks
 MERGE = (
-    "import sys\nfrom airflow_provider_vllm.steps.merge import merge_run\nfrom airflow_provider_vllm.core.spec "
+    "import sys\nfrom airflow_provider_vllm.steps.merge.merger import merge_run\nfrom airflow_provider_vllm.core.spec "
     "import JobSpec\nmerge_run(JobSpec.load(sys.argv[1]))\n"
 )
 
@@ -197,7 +197,7 @@ def test_a_dropped_duplicate_re_encodes_only_the_part_that_held_it(tmp_path, fak
     """A forged chunk named first repeats 5 rows of chunk 0: those copies in chunk 0's part are the
     later ones, so that one part is rewritten without them; every other part stays a link."""
     from airflow_provider_vllm.core.commit import ChunkMeta, ShardStore
-    from tests.unit.steps.test_merge import chunk_rows, edit_marker
+    from tests.unit.steps.merge.test_merger import chunk_rows, edit_marker
 
     spec, plan, out = _run(tmp_path, fake_engine_factory, texts=[f"ticket {i}" for i in range(len(IDS))])
     shard_id = plan.shards[0].shard_id

@@ -24,14 +24,14 @@ import logging
 
 from airflow.sdk.exceptions import AirflowFailException
 
-from airflow_provider_vllm.core.errors import SpecError
-from airflow_provider_vllm.core.paths import (
+from airflow_provider_vllm.core.allow_list import (
     ALLOW_ANY_LOCATION_ENV,
     ALLOW_REMOTE_CODE_ENV,
     ALLOWED_PREFIXES_ENV,
     canonical_prefixes,
     parse_prefixes,
 )
+from airflow_provider_vllm.core.errors import SpecError
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.spec_guard import check_deployment, check_remote_code
 from airflow_provider_vllm.provider import ALLOW_ANY_LOCATION as ALLOW_ANY_OPTION

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
-from airflow_provider_vllm.operators.worker_outcome import worker_result
+from airflow_provider_vllm.utils.worker_outcome import worker_result
 
 GOOD = {"status": "committed", "shard_id": "s-0", "attempt_id": "a1", "rows": 2, "ok_rows": 2, "error_rows": 0}
 

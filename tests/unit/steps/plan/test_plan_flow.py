@@ -26,7 +26,7 @@ import pytest
 
 from airflow_provider_vllm.core.plan import load_plan
 from airflow_provider_vllm.core.storage import Storage
-from airflow_provider_vllm.steps.plan import plan_job
+from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import read_shard_rows, run_shard
 from airflow_provider_vllm.worker.task import ShardTask
 from tests.support.data import make_spec, write_parquet
@@ -155,7 +155,7 @@ def test_planning_enters_each_module_once(tmp_path, fmt):
     with recorded_stacks() as stacks:
         plan = plan_job(spec)
     assert plan.total_rows >= 12 and plan.format == fmt
-    assert any("airflow_provider_vllm.steps.plan" in s for s in stacks)  # the recorder saw the planner
+    assert any("airflow_provider_vllm.steps.plan.planner" in s for s in stacks)  # the recorder saw the planner
     back = sorted(s for s in stacks if climbs_back(s))
     assert back == [], "\n".join(" -> ".join(m.removeprefix(PKG + ".") for m in s) for s in back[:10])
     assert {lib for _, lib in stacks.readers} >= {"pyarrow"}  # the recorder saw the input being read
