@@ -85,13 +85,6 @@ class SourcePart:
     name: str  # the published name inside results/ or errors/
 
 
-def merge_run(
-    spec: JobSpec, verify_checksums: bool = True, memory_limit: str = "1GB", filesystems: FileSystems | None = None
-) -> dict[str, Any]:
-    """``merge`` as JSON data: the merge summary's ``dump()`` (what ``_MERGED.json`` holds, plus ``history_record``)."""
-    return merge(spec, verify_checksums, memory_limit, filesystems).dump()
-
-
 def merge(
     spec: JobSpec, verify_checksums: bool = True, memory_limit: str = "1GB", filesystems: FileSystems | None = None
 ) -> MergeSummary:

@@ -1,7 +1,7 @@
 """Shard sizing from evidence: throughput recorded by earlier runs.
 
 Where the history lives: ``sharding.history_uri`` (a folder, local or s3://, gs://). After a
-run is merged, ``merge_run`` writes one small JSON-lines file there,
+run is merged, ``merge`` writes one small JSON-lines file there,
 ``<UTC time>-<spec hash>-<plan fingerprint>.jsonl``, holding one record per hardware the
 run's shards reported (``record_run``). One file per run, named by the run: no appends, so
 concurrent runs never race and re-merging a run rewrites the same file. The planner reads the

@@ -299,7 +299,7 @@ def test_kill_at_each_write_step_then_rerun(tmp_path, point):
 def test_qa_of_a_second_run_reports_exactly_the_moved_labels(tmp_path, fake_engine_factory, monkeypatch, stream):
     """The whole pipeline twice (fake engine): 10% of texts edited, 5 rows new, 4 gone; QA computes the changes."""
     from airflow_provider_vllm.steps.merge import merger as merge_mod
-    from airflow_provider_vllm.steps.merge.merger import merge_run
+    from airflow_provider_vllm.steps.merge.merger import merge
     from airflow_provider_vllm.steps.plan.planner import plan_job
     from airflow_provider_vllm.steps.qa import stage
     from airflow_provider_vllm.worker.shard import run_shard
@@ -325,7 +325,7 @@ def test_qa_of_a_second_run_reports_exactly_the_moved_labels(tmp_path, fake_engi
         )
         for s in plan_job(spec).shards:
             run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
-        merge_run(spec)
+        merge(spec)
         return spec, stage.qa_run(spec)[0]
 
     _, rep1 = run("d1", texts1, str(tmp_path / "d0" / "out"))  # the day before never ran

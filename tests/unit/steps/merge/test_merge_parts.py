@@ -25,7 +25,7 @@ from airflow_provider_vllm.core.commit import MARKER
 from airflow_provider_vllm.core.errors import CommitError
 from airflow_provider_vllm.core.rows import ERROR_SCHEMA, RESULT_SCHEMA
 from airflow_provider_vllm.core.storage import Storage
-from airflow_provider_vllm.steps.merge.merger import MERGED, merge_run, read_manifest, result_parts
+from airflow_provider_vllm.steps.merge.merger import MERGED, merge, read_manifest, result_parts
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
 from airflow_provider_vllm.worker.task import ShardTask
@@ -35,8 +35,8 @@ from tests.support.reconcile import check, check_no_partial, reconcile
 IDS = [f"r{i:03d}" for i in range(60)]
 EMPTY = {7, 23, 24, 41}  # empty texts: EMPTY_INPUT error rows in 3 of the 6 chunks
 MERGE = (
-    "import sys\nfrom airflow_provider_vllm.steps.merge.merger import merge_run\nfrom airflow_provider_vllm.core.spec "
-    "import JobSpec\nmerge_run(JobSpec.load(sys.argv[1]))\n"
+    "import sys\nfrom airflow_provider_vllm.steps.merge.merger import merge\nfrom airflow_provider_vllm.core.spec "
+    "import JobSpec\nmerge(JobSpec.load(sys.argv[1]))\n"
 )
 
 
@@ -62,7 +62,7 @@ def _folder(out: Path) -> dict[str, bytes]:
 
 def test_duckdb_pandas_and_pyarrow_dataset_read_the_folders_as_one_table(tmp_path, fake_engine_factory):
     spec, plan, out = _run(tmp_path, fake_engine_factory)
-    s = merge_run(spec)
+    s = merge(spec).dump()
     assert (s["ok_rows"], s["error_rows"]) == (len(IDS) - len(EMPTY), len(EMPTY))
     o = Storage(str(out))
     via_parts = pq.ParquetDataset([str(out / r) for r in result_parts(o)]).read().sort_by("id")
@@ -81,7 +81,7 @@ def test_duckdb_pandas_and_pyarrow_dataset_read_the_folders_as_one_table(tmp_pat
 
 def test_parts_are_the_committed_files_named_in_plan_order_with_a_manifest(tmp_path, fake_engine_factory):
     spec, plan, out = _run(tmp_path, fake_engine_factory)
-    merge_run(spec)
+    merge(spec)
     o = Storage(str(out))
     man = read_manifest(o, "results")
     names = [p.name for p in man.parts]
@@ -105,7 +105,7 @@ def test_parts_are_the_committed_files_named_in_plan_order_with_a_manifest(tmp_p
 
 def test_an_empty_folder_is_one_empty_part_every_reader_opens(tmp_path, fake_engine_factory):
     spec, plan, out = _run(tmp_path, fake_engine_factory, texts=[""] * 20)  # every row an error
-    s = merge_run(spec)
+    s = merge(spec).dump()
     assert (s["ok_rows"], s["error_rows"]) == (0, 20)
     o = Storage(str(out))
     (part,) = read_manifest(o, "results").parts
@@ -121,14 +121,14 @@ def test_foreign_files_are_refused_and_stale_parts_removed(tmp_path, fake_engine
     (out / "results").mkdir(parents=True)
     (out / "results" / "results.parquet").write_bytes(b"the layout before 0.2")
     with pytest.raises(CommitError, match=r"results\.parquet.*merge did not write"):
-        merge_run(spec)
+        merge(spec)
     assert (out / "results" / "results.parquet").exists() and not (out / MERGED).exists()  # nothing deleted
     (out / "results" / "results.parquet").unlink()
-    ref = merge_run(spec)
+    ref = merge(spec).dump()
     before = _folder(out)
     (out / "results" / "part-99999-stale-00000.parquet").write_bytes(b"a part of an older merge")
     (out / "errors" / ".part-00001-x-00000.parquet.tmp-123").write_bytes(b"half a copy")
-    assert merge_run(spec)["checksums"] == ref["checksums"]
+    assert merge(spec).dump()["checksums"] == ref["checksums"]
     assert _folder(out) == before  # stale part and temp file gone, the rest byte-identical
     check(out, IDS)
 
@@ -148,7 +148,7 @@ def test_foreign_files_are_refused_and_stale_parts_removed(tmp_path, fake_engine
 )
 def test_merge_killed_at_each_step_reruns_to_the_same_bytes(tmp_path, fake_engine_factory, point):
     spec, plan, out = _run(tmp_path, fake_engine_factory)
-    ref = merge_run(spec)
+    ref = merge(spec).dump()
     ref_files, ref_merged = _folder(out), json.loads((out / MERGED).read_text())
     for kind in ("results", "errors"):
         for p in (out / kind).iterdir():
@@ -163,7 +163,7 @@ def test_merge_killed_at_each_step_reruns_to_the_same_bytes(tmp_path, fake_engin
     check_no_partial(out)
     visible = {k: v for k, v in _folder(out).items() if "/." not in k}
     assert all(ref_files[k] == v for k, v in visible.items())  # what is visible is whole and final
-    again = merge_run(spec)
+    again = merge(spec).dump()
     assert _folder(out) == ref_files and again["checksums"] == ref["checksums"]
     assert {k: v for k, v in json.loads((out / MERGED).read_text()).items() if k != "merge_s"} == {
         k: v for k, v in ref_merged.items() if k != "merge_s"
@@ -188,7 +188,7 @@ def test_a_worker_killed_between_a_chunks_two_files_redoes_that_chunk(tmp_path, 
     assert (first / "chunk-00002.errors.parquet").exists() and not (first / "chunk-00002.parquet").exists()
     m = run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=fake_engine_factory)
     assert m["status"] == "committed" and m["stats"]["reused_chunks"] == 2  # chunk 2 is redone, not reused
-    merge_run(spec)
+    merge(spec)
     check(tmp_path / "out", IDS, kind="chunk_between_parts")
 
 
@@ -206,7 +206,7 @@ def test_a_dropped_duplicate_re_encodes_only_the_part_that_held_it(tmp_path, fak
     meta = ChunkMeta(shard_id=shard_id, chunk=0, first_row=0, rows=5, config_hash="forged")
     entry = ShardStore(Storage(str(out)), shard_id).write_chunk("a-forged-copy", meta, t)
     edit_marker(out, shard_id, lambda m: m["files"].insert(0, entry.dump()))
-    s = merge_run(spec)
+    s = merge(spec).dump()
     assert s["duplicates"]["ids"] == 5 and s["ok_rows"] == len(IDS)
     o = Storage(str(out))
     parts = read_manifest(o, "results").parts
@@ -218,7 +218,7 @@ def test_a_dropped_duplicate_re_encodes_only_the_part_that_held_it(tmp_path, fak
     assert os.path.samefile(out / "results" / parts[0].name, out / entry.path)  # the kept copies: a link
     assert sorted(pd.read_parquet(out / "results")["id"]) == IDS
     before = _folder(out)
-    merge_run(spec)
+    merge(spec)
     assert _folder(out) == before  # the rewrite is deterministic: a rerun converges
     rec = reconcile(out, IDS)  # committed twice is reported as such; nothing lost, nothing foreign
     assert rec.duplicates == IDS[:5] and not rec.lost and not rec.unknown and not rec.partial_visible

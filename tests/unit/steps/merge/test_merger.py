@@ -19,7 +19,7 @@ from airflow_provider_vllm.core.commit import MARKER, ChunkMeta, ShardStore, err
 from airflow_provider_vllm.core.errors import CommitError, VerificationError
 from airflow_provider_vllm.core.rows import ROW_SCHEMA
 from airflow_provider_vllm.core.storage import Storage
-from airflow_provider_vllm.steps.merge.merger import MERGED, merge_run, result_parts
+from airflow_provider_vllm.steps.merge.merger import MERGED, merge, result_parts
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.steps.qa.stage import qa_run, qa_summary
 from airflow_provider_vllm.worker.shard import run_shard
@@ -95,7 +95,7 @@ def nothing_published(out: Path) -> bool:
 
 def test_a_clean_run_reports_zero_duplicates_counted_before_dedupe(run):
     spec, plan, out = run
-    s = merge_run(spec)
+    s = merge(spec).dump()
     assert s["duplicates"] == {"ids": 0, "rows_dropped": 0, "examples": []} and s["duplicates_dropped"] == 0
     assert json.loads((out / MERGED).read_text())["duplicates"]["ids"] == 0
     report, paths = qa_run(spec)
@@ -147,7 +147,7 @@ def test_a_hostile_marker_is_refused_terminally_and_nothing_is_published(run, ca
     spec, plan, out = run
     edit_marker(out, plan.shards[0].shard_id, lambda m, case=case: HOSTILE[case](out, plan, m))
     with pytest.raises(CommitError) as e:
-        merge_run(spec)
+        merge(spec)
     msg = str(e.value)
     assert e.value.terminal and e.value.exit_code == 2
     assert plan.shards[0].shard_id in msg and MARKER in msg
@@ -164,14 +164,14 @@ def test_every_hostile_marker_kind_is_refused(run):
         marker_path(out, plan.shards[0].shard_id).write_text(original)
         edit_marker(out, plan.shards[0].shard_id, lambda m, case=case: HOSTILE[case](out, plan, m))
         try:
-            merge_run(spec)
+            merge(spec)
         except CommitError:
             refused += 1
         assert nothing_published(out)
     record_malicious("forged_commit_marker", len(HOSTILE), refused)
     assert refused == len(HOSTILE)
     marker_path(out, plan.shards[0].shard_id).write_text(original)
-    assert merge_run(spec)["ok_rows"] == len(IDS)  # the genuine marker still merges
+    assert merge(spec).dump()["ok_rows"] == len(IDS)  # the genuine marker still merges
 
 
 def _copy_into_new_attempt(out: Path, plan, shard_index: int, edit=None) -> str:
@@ -203,7 +203,7 @@ def test_identical_duplicates_are_counted_before_the_dedupe_dropped_and_reported
     spec, plan, out = run
     repeated = _copy_into_new_attempt(out, plan, 0)
     assert len(repeated) == 10
-    s = merge_run(spec)
+    s = merge(spec).dump()
     record_bad_rows("committed_duplicates_identical_counted", len(repeated), s["duplicates"]["ids"])
     assert s["duplicates"] == {"ids": 10, "rows_dropped": 10, "examples": sorted(repeated)}
     assert s["duplicates_dropped"] == 10 and s["ok_rows"] + s["error_rows"] == len(IDS)
@@ -234,7 +234,7 @@ def test_two_committed_outputs_that_differ_fail_the_merge_naming_the_id(run):
 
     ids = _copy_into_new_attempt(out, plan, 0, edit=change_one)
     with pytest.raises(VerificationError) as e:
-        merge_run(spec)
+        merge(spec)
     msg = str(e.value)
     record_bad_rows("committed_duplicates_differing_refused", 1, int(repr(ids[3]) in msg))
     assert e.value.terminal
@@ -257,7 +257,7 @@ def test_a_status_flip_is_a_difference_too(run):
 
     ids = _copy_into_new_attempt(out, plan, 2, edit=flip)
     with pytest.raises(VerificationError, match=repr(ids[0])):
-        merge_run(spec)
+        merge(spec)
     assert nothing_published(out)
 
 
@@ -267,4 +267,4 @@ def test_a_copied_run_folder_is_not_a_hostile_marker(run, tmp_path):
     moved = tmp_path / "moved"
     shutil.copytree(out, moved)
     spec2 = spec.model_copy(update={"io": spec.io.model_copy(update={"output_uri": str(moved)})})
-    assert merge_run(spec2)["ok_rows"] == len(IDS)
+    assert merge(spec2).dump()["ok_rows"] == len(IDS)

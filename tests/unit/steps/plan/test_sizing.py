@@ -7,7 +7,7 @@ import json
 import pytest
 
 from airflow_provider_vllm.core.records import ThroughputRecord
-from airflow_provider_vllm.steps.merge.merger import merge_run
+from airflow_provider_vllm.steps.merge.merger import merge
 from airflow_provider_vllm.steps.plan.planner import DEFAULT_TARGET_ROWS, build_plan, plan_job
 from airflow_provider_vllm.steps.plan.sizing import (
     HISTORY_VERSION,
@@ -78,7 +78,7 @@ def test_history_round_trip_merge_writes_a_record_that_the_next_plan_reads(tmp_p
         run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
     marker = json.loads((tmp_path / "out" / "shards" / plan.shards[0].shard_id / "_COMMITTED.json").read_text())
     assert marker["stats"]["infer_rows"] == 100 and marker["stats"]["hardware"]  # what the worker now records
-    summary = merge_run(spec)
+    summary = merge(spec).dump()
     files = sorted((tmp_path / "history").glob("*.jsonl"))
     assert len(files) == 1 and summary["history_record"].endswith(files[0].name)
     (rec,) = read_history(str(tmp_path / "history"))
@@ -90,7 +90,7 @@ def test_history_round_trip_merge_writes_a_record_that_the_next_plan_reads(tmp_p
         for s in plan.shards
     )
     # re-merging the run replaces its record instead of adding a second one
-    merge_run(spec)
+    merge(spec)
     assert len(list((tmp_path / "history").glob("*.jsonl"))) == 1
     # the next run (new output prefix) is sized from the record: the fake engine is fast -> one shard
     nxt = spec.model_copy(update={"io": spec.io.model_copy(update={"output_uri": str(tmp_path / "out2")})})
@@ -211,7 +211,7 @@ def test_history_on_s3(tmp_path, fake_engine_factory, monkeypatch):
         plan = plan_job(spec)
         for s in plan.shards:
             run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
-        merge_run(spec)
+        merge(spec)
         (rec,) = read_history("s3://hist/throughput", opts)
         assert rec.rows == 40 and rec.shards == 2
 
