@@ -122,8 +122,8 @@ class Plan(BaseModel):
         raise SpecError(f"shard {shard_id!r} is not in the plan")
 
 
-def estimate_tokens(chars: np.ndarray | int, chars_per_token: float) -> np.ndarray | int:
-    """Prompt-token estimate from characters; worker and planner must agree on it."""
+def estimate_tokens(chars: np.ndarray | int, chars_per_token: float) -> np.ndarray:
+    """Prompt-token estimate from characters (an int64 array; 0-d for an int); worker and planner must agree on it."""
     return np.ceil(np.asarray(chars, dtype=np.float64) / chars_per_token).astype(np.int64)
 
 

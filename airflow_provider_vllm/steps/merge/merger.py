@@ -116,8 +116,9 @@ def merge(
         register_input_ids(con, spec, plan, in_root)
         duplicates = Duplicates(ids=0, rows_dropped=0, examples=[])
         drop: dict[str, list[int]] = {}
-        total = distinct = exactly_once(con, plan.total_rows)
-        if total is None:  # something is off: count duplicates first (they explain a shortfall), then name it
+        proven = exactly_once(con, plan.total_rows)
+        total = distinct = proven or 0
+        if proven is None:  # something is off: count duplicates first (they explain a shortfall), then name it
             # Distinct 64-bit hashes == rows proves distinct ids (equal ids hash equal) and is
             # cheaper than distinct strings; only a shortfall (a duplicate or a collision) pays for
             # the exact count.
@@ -515,7 +516,7 @@ def publish_parts(out: Storage, kind: str, sources: list[SourcePart], drop: dict
     for name in out.listdir(kind):
         if name not in keep:
             out.remove(f"{kind}/{name}")
-    return PartsManifest(kind=kind, rows=sum(e.rows for e in entries), parts=entries)  # type: ignore[arg-type]
+    return PartsManifest(kind=kind, rows=sum(e.rows for e in entries), parts=entries)
 
 
 def _publish_reference(out: Storage, src: SourcePart, rel: str) -> None:

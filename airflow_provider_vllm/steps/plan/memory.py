@@ -296,14 +296,14 @@ def load_model_config(name: str, revision: str | None = None) -> tuple[dict[str,
         from huggingface_hub import try_to_load_from_cache
     except ImportError:  # pragma: no cover - transformers brings it
         raise FileNotFoundError(f"{name}: not a folder and huggingface_hub is not installed") from None
-    path = try_to_load_from_cache(name, "config.json", revision=revision)
-    if not isinstance(path, str):
+    cached = try_to_load_from_cache(name, "config.json", revision=revision)
+    if not isinstance(cached, str):
         raise FileNotFoundError(
             f"{name}: config.json is not a local folder nor in the Hugging Face cache; "
             "pass its config.json (dry run: --model-config)"
         )
-    with open(path, encoding="utf-8") as f:
-        return json.load(f), safetensors_bytes(os.path.dirname(path)), path
+    with open(cached, encoding="utf-8") as f:
+        return json.load(f), safetensors_bytes(os.path.dirname(cached)), cached
 
 
 def safetensors_bytes(folder: str) -> int | None:

@@ -287,8 +287,9 @@ def _cut(
     n = len(row_tokens)
     if n == 0:
         return []
-    by_tokens = sh.target_tokens is not None and sh.target_rows is None
-    target = sh.target_tokens if by_tokens else (sh.target_rows or DEFAULT_TARGET_ROWS)
+    target_tokens = sh.target_tokens if sh.target_rows is None else None  # rows win when both are set
+    by_tokens = target_tokens is not None
+    target: int = target_tokens if target_tokens is not None else (sh.target_rows or DEFAULT_TARGET_ROWS)
     per_row = sh.long_row_tokens is not None and sh.max_shards >= 2 or by_tokens
     # runs are expanded only where rows are weighed one by one (the scan then gave exact sizes)
     tokens = (
@@ -300,8 +301,8 @@ def _cut(
     if sh.long_row_tokens is not None and sh.max_shards >= 2:
         assert tokens is not None
         long_mask = tokens > sh.long_row_tokens
-        buckets = [(b, np.nonzero(m)[0]) for b, m in (("short", ~long_mask), ("long", long_mask))]
-        buckets = [(b, idx) for b, idx in buckets if len(idx)]
+        split = [(b, np.nonzero(m)[0]) for b, m in (("short", ~long_mask), ("long", long_mask))]
+        buckets = [(b, idx) for b, idx in split if len(idx)]
     else:
         buckets = [("all", None)]
     sizes = [n if idx is None else len(idx) for _, idx in buckets]
