@@ -1,7 +1,7 @@
 """The plan: the typed manifest (``_plan.json``) that plan writes and every shard and merge reads.
 
 Pure data plus the one token estimate planner and worker must agree on; the planner that
-builds it is ``steps.plan``.
+builds it is ``steps.plan.planner``.
 """
 
 from __future__ import annotations

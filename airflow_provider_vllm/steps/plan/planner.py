@@ -163,7 +163,7 @@ def build_plan(
     """Validate the input and compute shards, without writing anything (see ``plan_job``).
 
     ``cache_out``: the output prefix, with ``cache.uri`` set: the hits and misses files are
-    written there (``steps.cache.plan_cache``) and the shards are cut over the misses only.
+    written there (``steps.cache.result_cache.plan_cache``) and the shards are cut over the misses only.
     """
     found = find_input(spec.io.input_uri, spec.io.storage_options, spec.io.input_format, filesystems)
     sh = spec.sharding

@@ -9,7 +9,7 @@ Every case runs once before it is recorded, so lazy imports do not change the st
 
 The same recording shows who reads the input: every call into a reader library (pyarrow,
 DuckDB) is attributed to the innermost package module on the stack; the planner
-(``steps.plan``) and the worker's reader (``worker.shard``) must not be among them: they ask
+(``steps.plan.planner``) and the worker's reader (``worker.shard``) must not be among them: they ask
 ``core.formats.input_format`` for the format once and go through its interface.
 """
 
@@ -52,7 +52,7 @@ def climbs_back(stack: tuple[str, ...]) -> bool:
 
 
 READERS = ("pyarrow", "duckdb")  # what reads input data (json also hashes plans; fsspec also writes them)
-NO_READING = {PKG + ".steps.plan", PKG + ".worker.shard"}  # they go through the format interface
+NO_READING = {PKG + ".steps.plan.planner", PKG + ".worker.shard"}  # they go through the format interface
 
 
 def _library(frame, event, arg) -> str:
