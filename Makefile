@@ -3,7 +3,7 @@
 # make demo  - (the Airflow layer) run the nightly DAG end to end on this machine
 # make test-ui - only the browser tests (tests/ui: airflow standalone + headless chromium)
 # make test-TIER - one tier: test-unit, test-s3, test-vllm, test-airflow (folders under tests/)
-# make lint  - ruff format --check and ruff check over the repository, the import contracts (lint-imports), mypy on core/ and worker/
+# make lint  - ruff format --check and ruff check over the repository, the import contracts (lint-imports), mypy on core/, worker/ and steps/
 # make reliability - re-run every test marked `reliability` and rewrite the figures in docs/RELIABILITY.md
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -51,7 +51,7 @@ lint: venv
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports --no-cache
-	$(PY) -m mypy airflow_provider_vllm/core airflow_provider_vllm/worker
+	$(PY) -m mypy airflow_provider_vllm/core airflow_provider_vllm/worker airflow_provider_vllm/steps
 
 # Debian's chromium for tests/ui, installed when missing; failing to install it fails the build.
 chromium:

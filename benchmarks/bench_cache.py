@@ -77,8 +77,8 @@ def derive(src: Path, dst: Path, text_sql: str, recipe: dict) -> int:
 def child(stage: str, input_dir: Path, run_dir: Path, cache_dir: str) -> None:
     import resource
 
-    from airflow_provider_vllm.steps.merge import merge
-    from airflow_provider_vllm.steps.plan import plan_job
+    from airflow_provider_vllm.steps.merge.merger import merge
+    from airflow_provider_vllm.steps.plan.planner import plan_job
 
     spec = spec_for(input_dir, run_dir, Path(cache_dir) if cache_dir else None)
     extra: dict = {}

@@ -71,7 +71,7 @@ def _duck_type(t) -> str:
 CHILD = """
 import json, sys, time
 from airflow_provider_vllm.core.spec import JobSpec
-from airflow_provider_vllm.steps.changes import compute_changes
+from airflow_provider_vllm.steps.merge.changes import compute_changes
 t0 = time.monotonic()
 s = compute_changes(JobSpec.model_validate_json(sys.argv[1]))
 hwm = next(int(x.split()[1]) for x in open("/proc/self/status") if x.startswith("VmHWM"))  # kB; this process only

@@ -17,7 +17,7 @@ overhead = ratio - 1 (goal <= 10%). The breakdown names where the rest goes: eng
 (model load, compile), the workers' other time (read, warm-up, chunk writes, commit), the
 worker process outside run_shard (interpreter, imports) plus the operator, and the
 plan/merge/qa/publish tasks. Engine start per shard is what shard sizing trades against (see
-``airflow_provider_vllm/steps/sizing.py``): with rows-per-shard too small it dominates.
+``airflow_provider_vllm/steps/plan/sizing.py``): with rows-per-shard too small it dominates.
 
 Model: ``smollm2`` (SmolLM2-135M-Instruct, default) or ``tiny`` (the tiny random Llama, for a
 quick check that the script works), or a model folder. The DAG's local engine defaults apply

@@ -17,7 +17,7 @@ folders are hard links to the committed parts, so merge adds no data on a local 
 3. Setup (not timed): committed shard outputs synthesised with the real commit protocol
    (``ShardStore.write_chunk`` + ``ShardStore.commit`` with a marker shaped like the one
    ``worker/shard.py::run_shard`` writes); ~99% 'ok' rows, ~1% 'error' rows.
-4. merge: ``merge_run(spec)`` (checksums, verification against the input ids, the parts
+4. merge: ``merge(spec).dump()`` (checksums, verification against the input ids, the parts
    published by reference into results/ and errors/, manifests, ``_MERGED.json``); each timed
    merge starts with those folders removed, as a first merge does.
 5. QA: ``qa_run(spec)``.
@@ -386,9 +386,9 @@ def _install_sql_timers(log: list) -> None:
     except ImportError:
         pass
     for mod in (
-        "airflow_provider_vllm.steps.merge",
+        "airflow_provider_vllm.steps.merge.merger",
         "airflow_provider_vllm.steps.qa.evaluate",
-        "airflow_provider_vllm.steps.plan",
+        "airflow_provider_vllm.steps.plan.planner",
     ):
         m = importlib.import_module(mod)
         if getattr(m, "duckdb", None) is duckdb:
@@ -397,8 +397,8 @@ def _install_sql_timers(log: list) -> None:
 
 # ---- child: one stage -------------------------------------------------------------------
 def child(stage: str, input_dir: Path, run_dir: Path, chunk_rows: int, profile: str | None) -> None:
-    from airflow_provider_vllm.steps.merge import merge_run
-    from airflow_provider_vllm.steps.plan import plan_job
+    from airflow_provider_vllm.steps.merge.merger import merge
+    from airflow_provider_vllm.steps.plan.planner import plan_job
     from airflow_provider_vllm.steps.qa.stage import qa_run
 
     spec = bench_spec(input_dir, run_dir, chunk_rows)
@@ -417,7 +417,7 @@ def child(stage: str, input_dir: Path, run_dir: Path, chunk_rows: int, profile: 
         elif stage == "setup":
             extra.update(synthesise_commits(spec))
         elif stage == "merge":
-            s = merge_run(spec)
+            s = merge(spec).dump()
             extra.update(ok_rows=s["ok_rows"], error_rows=s["error_rows"], merge_s=s["merge_s"])
         elif stage == "qa":
             report, _ = qa_run(spec)

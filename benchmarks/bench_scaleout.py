@@ -194,7 +194,7 @@ def run_mode(mode: str, args, work: Path, shard_ids: list[str], env: dict, k: in
 
 
 def _plan(spec) -> list[str]:
-    from airflow_provider_vllm.steps.plan import plan_job
+    from airflow_provider_vllm.steps.plan.planner import plan_job
 
     return [s.shard_id for s in plan_job(spec).shards]
 

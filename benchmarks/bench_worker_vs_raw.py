@@ -215,7 +215,7 @@ def run_raw(spec, texts_file: Path, env: dict, log: Path) -> dict:
 
 
 def run_worker(spec, env: dict, log: Path) -> dict:
-    from airflow_provider_vllm.steps.plan import plan_job
+    from airflow_provider_vllm.steps.plan.planner import plan_job
     from airflow_provider_vllm.worker.task import ShardTask, worker_command
 
     plan = plan_job(spec)

@@ -9,8 +9,8 @@ deployment's rules: every location (input, output, a local model path) must lie 
 `[vllm_batch] allowed_uri_prefixes`, and the form cannot set what the deployment owns (pod
 image, service account, secrets, `trust_remote_code`; docs/security.md).
 
-Empty fields keep the defaults: the model from the `vllm_batch_model` Variable (SmolLM2 from
-the local cache when unset) and the output `<vllm_batch_data_root>/reruns/<run id>/`, so
+Empty fields keep the defaults: the model from the `vllm_batch_model` Variable (which this DAG
+needs set; the plan task fails naming it otherwise) and the output `<vllm_batch_data_root>/reruns/<run id>/`, so
 every run writes its own prefix. Reusing an output prefix is allowed only for the same
 input and spec (a re-run then reuses the committed shards).
 

@@ -4,8 +4,8 @@ Every value that differs between a laptop and a cluster is a Jinja template over
 Variables, so it is read at run time (never while the DAG file is parsed):
 
     vllm_batch_data_root       root of inputs and outputs (default /tmp/vllm-batch); s3://... in a cluster
-    vllm_batch_model           chat model name or path (default: SmolLM2-135M-Instruct in the local cache)
-    vllm_batch_embedding_model embedding model (default: all-MiniLM-L6-v2 from its PyPI package)
+    vllm_batch_model           chat model name or path (required by the ticket DAGs)
+    vllm_batch_embedding_model embedding model name or path (required by vllm_embeddings)
     vllm_batch_shard_rows      rows per shard (default 1000)
     vllm_batch_human_review    "true" (default): a QA 'warn' waits for a person to approve publication;
                                "false": publish warned runs without asking (a 'fail' never publishes)
@@ -28,33 +28,16 @@ from collections.abc import Callable
 from typing import Any
 
 
-def _local_models():
-    # The laptop/demo models (airflow_provider_vllm.testing builds them): the product never
-    # imports that module; only these example templates reach it, at run time. It is in a
-    # source checkout, not in the wheel.
-    try:
-        from airflow_provider_vllm.testing import local_models
-    except ModuleNotFoundError as missing:
-        raise RuntimeError(
-            "the demo models come with a source checkout of airflow-provider-vllm, not with the installed "
-            "package: set the vllm_batch_model / vllm_batch_embedding_model Variable"
-        ) from missing
-    return local_models
+def _required_variable(name: str) -> str:
+    """An unset model Variable: the run's plan task fails here, naming the Variable to set."""
+    raise ValueError(
+        f"the example DAG needs the Airflow Variable {name!r} (a model name on the hub or a path the "
+        f"workers can read): `airflow variables set {name} <model>` or AIRFLOW_VAR_{name.upper()}=<model>"
+    )
 
 
-def _model_cache() -> str:
-    return str(_local_models().default_cache_dir())
-
-
-def _minilm_path() -> str:
-    return str(_local_models().minilm_path())
-
-
-TEMPLATE_MACROS: dict[str, Callable[..., str]] = {
-    "vllm_model_cache": _model_cache,
-    "vllm_minilm_path": _minilm_path,
-}
-"""``user_defined_macros`` for the example DAGs: the local model cache folder and MiniLM's folder, at run time."""
+TEMPLATE_MACROS: dict[str, Callable[..., str]] = {"vllm_required_variable": _required_variable}
+"""``user_defined_macros`` for the example DAGs: a clear failure, at run time, for a model Variable left unset."""
 
 LABELS = ["billing", "bug", "feature_request", "account", "other"]
 
@@ -77,8 +60,10 @@ SYSTEM_PROMPT = (
 )
 
 DATA_ROOT = "{{ var.value.get('vllm_batch_data_root', '/tmp/vllm-batch').rstrip('/') }}"
-CHAT_MODEL = "{{ var.value.get('vllm_batch_model', '') or vllm_model_cache() ~ '/smollm2-135m-instruct' }}"
-EMBEDDING_MODEL = "{{ var.value.get('vllm_batch_embedding_model', '') or vllm_minilm_path() }}"
+CHAT_MODEL = "{{ var.value.get('vllm_batch_model', '') or vllm_required_variable('vllm_batch_model') }}"
+EMBEDDING_MODEL = (
+    "{{ var.value.get('vllm_batch_embedding_model', '') or vllm_required_variable('vllm_batch_embedding_model') }}"
+)
 SHARD_ROWS = "{{ var.value.get('vllm_batch_shard_rows', '1000') }}"
 SPEC_OVERRIDES = "{{ var.value.get('vllm_batch_spec_overrides', '{}') }}"
 HUMAN_REVIEW = "{{ var.value.get('vllm_batch_human_review', 'true') }}"

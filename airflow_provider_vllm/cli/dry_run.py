@@ -6,7 +6,7 @@
 
 Validates the spec and the input (the plan step's checks, nothing written), then prints rows,
 estimated prompt and output tokens, shards, estimated inference time and GPU-hours, and a GPU
-memory plan from the model's config.json (``memory_plan.py``) with the GPU layout it picks
+memory plan from the model's config.json (``steps/plan/memory.py``) with the GPU layout it picks
 (``choose_layout``: tensor_parallel_size and GPUs per shard pod, and why; with ``--gpus N``, the
 shards to run at once). A spec whose engine.tensor_parallel_size cannot run (too small for the
 model on a GPU of known memory, or one the heads do not divide over) is refused. Throughput comes from the
@@ -24,7 +24,7 @@ from typing import Any
 
 from airflow_provider_vllm.core.errors import EXIT_TERMINAL, VllmBatchError
 from airflow_provider_vllm.core.spec import JobSpec
-from airflow_provider_vllm.steps.dry_run import (
+from airflow_provider_vllm.steps.plan.dry_run import (
     ASSUMED_ENGINE_START_S,
     ASSUMED_TOKENS_PER_S,
     dry_run_report,

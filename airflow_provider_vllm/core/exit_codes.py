@@ -3,7 +3,7 @@
 The worker (``python -m airflow_provider_vllm.worker``) ends with an ``ExitCode``; the local
 runner (``operators/shard.py``) and the Kubernetes runner (``operators/kubernetes.py``) turn
 the code into the task's outcome through ``outcome`` and ``failure_text`` (the Airflow
-exception type is chosen in ``operators/_common.worker_failure``, the one place that knows
+exception type is chosen in ``utils/worker_outcome.worker_failure``, the one place that knows
 Airflow). Decision record: ``docs/adr/0003-exit-codes.md``.
 
 =========  ====  ==============================================================================

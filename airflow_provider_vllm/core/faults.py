@@ -49,7 +49,7 @@ POINTS = frozenset(
         "commit.after_data",
         "commit.mid_marker",
         "commit.after_marker",
-        # the changes output (steps.changes.compute_changes): changes.parquet, then _changes.json
+        # the changes output (steps.merge.changes.compute_changes): changes.parquet, then _changes.json
         "changes.before_write",
         "changes.mid_file",
         "changes.after_data",
@@ -71,7 +71,7 @@ POINTS = frozenset(
         "plan.load",
         "read.segment",
         "reuse.footer",
-        # the result cache (steps.cache): in plan, before the hits/misses files and after them (no
+        # the result cache (steps.cache.result_cache): in plan, before the hits/misses files and after them (no
         # plan yet); in merge, the entry's part visible with no commit marker, the marker's temp file
         # half written, the marker visible (the merge summary not yet)
         "cache.before_files",

@@ -1,7 +1,7 @@
 """The plan: the typed manifest (``_plan.json``) that plan writes and every shard and merge reads.
 
 Pure data plus the one token estimate planner and worker must agree on; the planner that
-builds it is ``steps.plan``.
+builds it is ``steps.plan.planner``.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class CacheFile(FileRef):
 
 
 class CachePlan(BaseModel):
-    """The result cache as the plan applied it (``steps/cache.py``); shards hold the misses only."""
+    """The result cache as the plan applied it (``steps/cache/result_cache.py``); shards hold the misses only."""
 
     model_config = ConfigDict(extra="forbid")
     uri: str = Field(description="the cache folder")
@@ -137,8 +137,8 @@ class Plan(BaseModel):
         raise SpecError(f"shard {shard_id!r} is not in the plan")
 
 
-def estimate_tokens(chars: np.ndarray | int, chars_per_token: float) -> np.ndarray | int:
-    """Prompt-token estimate from characters; worker and planner must agree on it."""
+def estimate_tokens(chars: np.ndarray | int, chars_per_token: float) -> np.ndarray:
+    """Prompt-token estimate from characters (an int64 array; 0-d for an int); worker and planner must agree on it."""
     return np.ceil(np.asarray(chars, dtype=np.float64) / chars_per_token).astype(np.int64)
 
 

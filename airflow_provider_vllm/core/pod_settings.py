@@ -18,6 +18,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from airflow_provider_vllm import __version__
+
+DEFAULT_IMAGE = f"airflow-provider-vllm-worker:{__version__}"
+"""The worker image as docker/README.md tags it; production pins ``repo/name:tag@sha256:...``."""
+
 _DNS_LABEL = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
 _DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$"
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")

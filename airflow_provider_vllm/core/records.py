@@ -5,10 +5,10 @@
 - ``WorkerManifest`` / ``FailureManifest``: the worker's last stdout line (and
   ``/airflow/xcom/return.json``), the shard task's XCom value; ``read_manifest`` tells them apart.
 - ``MergeSummary``: ``_MERGED.json`` and, without per-shard stats, the merge task's XCom.
-- ``ChangesSummary``: ``changes/_changes.json``, what moved since the previous run (``steps/changes.py``).
-- ``ThroughputRecord``: one line of the throughput history (``steps/sizing.py``).
+- ``ChangesSummary``: ``changes/_changes.json``, what moved since the previous run (``steps/merge/changes.py``).
+- ``ThroughputRecord``: one line of the throughput history (``steps/plan/sizing.py``).
 - ``CacheCommit`` / ``CacheMergeSummary``: the result cache's commit marker and what a merge did
-  with the cache (``steps/cache.py``).
+  with the cache (``steps/cache/result_cache.py``).
 
 The commit marker and its file entries live beside their protocol in ``core/commit.py``.
 The JSON shape is the one the dict-writing code produced (same field names and meaning), so
@@ -273,7 +273,7 @@ CHANGE_KINDS: tuple[str, ...] = ("added", "removed", "changed", "unchanged", "er
 
 
 class ChangeCounts(Record):
-    """Ids per change kind (``steps/changes.py`` defines the kinds)."""
+    """Ids per change kind (``steps/merge/changes.py`` defines the kinds)."""
 
     added: int = Field(description="an answer now, the id was not in the previous run")
     removed: int = Field(description="in the previous run (answer or error), not in this one")

@@ -246,7 +246,7 @@ class ShardingSpec(_Model):
         None,
         description="Folder of throughput records (one small JSON-lines file per merged run, written by merge). "
         "When set and it holds records for this model (and hardware), the planner sizes shards by "
-        "time instead of target_rows/target_tokens; see airflow_provider_vllm/steps/sizing.py.",
+        "time instead of target_rows/target_tokens; see airflow_provider_vllm/steps/plan/sizing.py.",
     )
     target_minutes: float | None = Field(
         None,
@@ -302,7 +302,7 @@ class CacheSpec(_Model):
     uri: str | None = Field(
         None,
         description="Cache folder (local, s3://, gs://) shared by the runs of one job; null: no cache. "
-        "Entries are keyed by everything that decides a row's answer (steps/cache.py).",
+        "Entries are keyed by everything that decides a row's answer (steps/cache/result_cache.py).",
     )
     allow_sampling: bool = Field(
         False, description="Cache answers made with sampling.temperature > 0 (not reproducible); refused otherwise."

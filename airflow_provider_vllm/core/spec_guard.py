@@ -34,8 +34,14 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from airflow_provider_vllm.core.allow_list import (
+    canonical_prefixes,
+    canonical_uri,
+    check_local_tree,
+    check_uri,
+    is_under,
+)
 from airflow_provider_vllm.core.errors import SpecError
-from airflow_provider_vllm.core.paths import canonical_prefixes, canonical_uri, check_local_tree, check_uri, is_under
 
 MAX_LABELS = 256
 MAX_LABEL_CHARS = 100

@@ -25,18 +25,18 @@ from airflow_provider_vllm.core.exit_codes import ExitCode
 from airflow_provider_vllm.core.pod_settings import KubernetesSettings
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.spec_guard import DEPLOYMENT_OWNED
-from airflow_provider_vllm.operators import provenance
-from airflow_provider_vllm.operators._common import data_plane_errors, load_spec, shard_id_of
-from airflow_provider_vllm.operators.deployment import (
+from airflow_provider_vllm.utils import provenance
+from airflow_provider_vllm.utils.deployment import (
     check_spec_allowed,
     kubernetes_signing_secret,
     signing_keyring,
     variables_may_set_deployment_settings,
     worker_env,
 )
-from airflow_provider_vllm.operators.engine_identity import layered_pod_settings, pod_engine_identity
-from airflow_provider_vllm.operators.worker_outcome import worker_failure, worker_result
-from airflow_provider_vllm.steps.pod_spec import WORKER_PYTHON, PodParts, container_security_context, pod_parts
+from airflow_provider_vllm.utils.engine_identity import layered_pod_settings, pod_engine_identity
+from airflow_provider_vllm.utils.job_spec import data_plane_errors, load_spec, shard_id_of
+from airflow_provider_vllm.utils.pod_spec import WORKER_PYTHON, PodParts, container_security_context, pod_parts
+from airflow_provider_vllm.utils.worker_outcome import worker_failure, worker_result
 from airflow_provider_vllm.worker.task import ShardTask, worker_command
 
 SETTINGS_VARIABLE = "vllm_batch_kubernetes"

@@ -8,10 +8,10 @@ from typing import Any
 from airflow.sdk import BaseOperator
 
 from airflow_provider_vllm.hooks.filesystems import task_filesystems
-from airflow_provider_vllm.operators._common import data_plane_errors, load_spec
-from airflow_provider_vllm.operators.deployment import check_spec_allowed, signing_keyring
 from airflow_provider_vllm.steps.lineage import merge_lineage
-from airflow_provider_vllm.steps.merge import merge
+from airflow_provider_vllm.steps.merge.merger import merge
+from airflow_provider_vllm.utils.deployment import check_spec_allowed, signing_keyring
+from airflow_provider_vllm.utils.job_spec import data_plane_errors, load_spec
 
 
 class VllmMergeOperator(BaseOperator):
@@ -80,6 +80,6 @@ class VllmMergeOperator(BaseOperator):
 
         Recorded by ``execute``.
         """
-        from airflow_provider_vllm.operators.lineage import operator_lineage
+        from airflow_provider_vllm.utils.openlineage_facets import operator_lineage
 
         return operator_lineage(getattr(self, "_lineage", None))

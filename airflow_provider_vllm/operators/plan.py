@@ -15,8 +15,16 @@ from airflow_provider_vllm.core.shard_names import with_display_names
 from airflow_provider_vllm.core.spec import PARAM_ALIASES, JobSpec
 from airflow_provider_vllm.core.spec_guard import DEPLOYMENT_OWNED, owned_paths_set
 from airflow_provider_vllm.hooks.filesystems import ConnectionFileSystems, task_filesystems
-from airflow_provider_vllm.operators import provenance
-from airflow_provider_vllm.operators._common import (
+from airflow_provider_vllm.steps.lineage import plan_lineage
+from airflow_provider_vllm.steps.plan.planner import plan_job
+from airflow_provider_vllm.utils import provenance
+from airflow_provider_vllm.utils.deployment import (
+    check_spec_allowed,
+    signing_keyring,
+    variables_may_set_deployment_settings,
+)
+from airflow_provider_vllm.utils.engine_identity import shard_engine_identity
+from airflow_provider_vllm.utils.job_spec import (
     SPEC_XCOM_KEY,
     check_local_model,
     check_runner,
@@ -24,14 +32,6 @@ from airflow_provider_vllm.operators._common import (
     overrides_document,
     spec_document,
 )
-from airflow_provider_vllm.operators.deployment import (
-    check_spec_allowed,
-    signing_keyring,
-    variables_may_set_deployment_settings,
-)
-from airflow_provider_vllm.operators.engine_identity import shard_engine_identity
-from airflow_provider_vllm.steps.lineage import plan_lineage
-from airflow_provider_vllm.steps.plan import plan_job
 
 
 def _default_doc() -> dict[str, Any]:
@@ -103,7 +103,7 @@ class VllmPlanOperator(BaseOperator):
         self.runner = runner
         self.kubernetes = kubernetes
         self.shard_env = shard_env
-        # the DAG file's values before rendering: provenance of the rendered spec (operators/provenance.py)
+        # the DAG file's values before rendering: provenance of the rendered spec (utils/provenance.py)
         self._raw_spec, self._raw_overrides = self.spec, overrides
         owned = [
             k
@@ -208,14 +208,14 @@ class VllmPlanOperator(BaseOperator):
 
     def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
         """OpenLineage: the input location (rows, files) in, ``_plan.json`` out (recorded by ``execute``)."""
-        from airflow_provider_vllm.operators.lineage import operator_lineage
+        from airflow_provider_vllm.utils.openlineage_facets import operator_lineage
 
         return operator_lineage(getattr(self, "_lineage", None))
 
     def _dry_run(self, spec: JobSpec, context: Any) -> None:
         from airflow.sdk.exceptions import AirflowSkipException
 
-        from airflow_provider_vllm.steps.dry_run import dry_run_report, format_report
+        from airflow_provider_vllm.steps.plan.dry_run import dry_run_report, format_report
 
         with data_plane_errors("plan"):
             report = dry_run_report(

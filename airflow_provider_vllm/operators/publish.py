@@ -16,13 +16,13 @@ from airflow_provider_vllm.core.errors import SealError
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.hooks.filesystems import task_filesystems
-from airflow_provider_vllm.operators._common import data_plane_errors, load_spec
-from airflow_provider_vllm.operators.deployment import check_spec_allowed, signing_keyring
-from airflow_provider_vllm.steps.changes import CHANGES, read_changes
-from airflow_provider_vllm.steps.changes import SUMMARY as CHANGES_SUMMARY
 from airflow_provider_vllm.steps.lineage import publish_lineage
-from airflow_provider_vllm.steps.merge import ERRORS, MERGED, RESULTS, read_merged, verified_parts
+from airflow_provider_vllm.steps.merge.changes import CHANGES, read_changes
+from airflow_provider_vllm.steps.merge.changes import SUMMARY as CHANGES_SUMMARY
+from airflow_provider_vllm.steps.merge.merger import ERRORS, MERGED, RESULTS, read_merged, verified_parts
 from airflow_provider_vllm.steps.publish import SUCCESS, success_bytes
+from airflow_provider_vllm.utils.deployment import check_spec_allowed, signing_keyring
+from airflow_provider_vllm.utils.job_spec import data_plane_errors, load_spec
 
 QA_FILES = {"qa_report_json": "qa/report.json", "qa_report_html": "qa/report.html", "qa_sample": "qa/sample.parquet"}
 
@@ -98,7 +98,7 @@ class VllmPublishOperator(BaseOperator):
 
     def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
         """OpenLineage: results and errors in; the published output location out (recorded by ``execute``)."""
-        from airflow_provider_vllm.operators.lineage import operator_lineage
+        from airflow_provider_vllm.utils.openlineage_facets import operator_lineage
 
         return operator_lineage(getattr(self, "_lineage", None))
 

@@ -10,11 +10,11 @@ from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_provider_vllm.hooks.filesystems import task_filesystems
 from airflow_provider_vllm.links.report import VllmQAReportLink
-from airflow_provider_vllm.operators._common import data_plane_errors, load_spec
-from airflow_provider_vllm.operators.deployment import check_spec_allowed, signing_keyring
 from airflow_provider_vllm.steps.lineage import qa_lineage
 from airflow_provider_vllm.steps.qa.report import QAFailed
 from airflow_provider_vllm.steps.qa.stage import qa_run, qa_summary
+from airflow_provider_vllm.utils.deployment import check_spec_allowed, signing_keyring
+from airflow_provider_vllm.utils.job_spec import data_plane_errors, load_spec
 
 
 class VllmQAFailed(QAFailed, AirflowFailException):
@@ -76,6 +76,6 @@ class VllmQAOperator(BaseOperator):
 
         Recorded by ``execute``.
         """
-        from airflow_provider_vllm.operators.lineage import operator_lineage
+        from airflow_provider_vllm.utils.openlineage_facets import operator_lineage
 
         return operator_lineage(getattr(self, "_lineage", None))

@@ -7,7 +7,7 @@ from typing import Any
 
 from airflow.providers.common.compat.sdk import BaseBranchOperator
 
-from airflow_provider_vllm.operators._common import check_runner
+from airflow_provider_vllm.utils.job_spec import check_runner
 
 
 class VllmRunnerBranchOperator(BaseBranchOperator):

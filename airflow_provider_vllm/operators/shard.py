@@ -9,20 +9,20 @@ from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_provider_vllm.core import envs
+from airflow_provider_vllm.core.allow_list import ALLOWED_PREFIXES_ENV
 from airflow_provider_vllm.core.errors import SpecError
-from airflow_provider_vllm.core.paths import ALLOWED_PREFIXES_ENV
 from airflow_provider_vllm.hooks.filesystems import child_env, conn_ids_from_config
 from airflow_provider_vllm.hooks.filesystems import worker_env as connection_worker_env
-from airflow_provider_vllm.operators._common import load_spec, shard_id_of
-from airflow_provider_vllm.operators.deployment import check_spec_allowed, signing_keyring, worker_env
-from airflow_provider_vllm.operators.local_runner import (
+from airflow_provider_vllm.utils.deployment import check_spec_allowed, signing_keyring, worker_env
+from airflow_provider_vllm.utils.job_spec import load_spec, shard_id_of
+from airflow_provider_vllm.utils.worker_outcome import worker_result
+from airflow_provider_vllm.utils.worker_process import (
     FAULT_ENV,
     LocalWorkerProcess,
     WorkerResult,
     fault_command,
     injected_exit,
 )
-from airflow_provider_vllm.operators.worker_outcome import worker_result
 from airflow_provider_vllm.worker.task import ShardTask, worker_command
 
 
@@ -38,7 +38,7 @@ class VllmLocalShardOperator(BaseOperator):
     shard that is already committed is a no-op.
 
     ``spec`` is the validated spec from the plan task (its ``spec`` XCom), ``shard`` one item
-    of the plan's return value. See ``local_runner`` for the ``VLLM_BATCH_INJECT_EXIT`` test hook.
+    of the plan's return value. See ``utils/worker_process.py`` for the ``VLLM_BATCH_INJECT_EXIT`` test hook.
 
     ``aws_conn_id`` / ``gcp_conn_id`` (DAG-file settings; None: ``[vllm_batch]`` config, else the
     providers' defaults): when the job reads or writes ``s3://`` / ``gs://``, the worker gets that

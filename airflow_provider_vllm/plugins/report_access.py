@@ -3,7 +3,7 @@
 A request names a task instance (DAG, run, QA task), never a path. The report's location is
 the run's output prefix from the plan task's ``spec`` XCom of that exact run, and:
 
-* it must pass the job's own URI rules (``paths.canonical_uri``: the ``SCHEMES`` list only, so
+* it must pass the job's own URI rules (``allow_list.canonical_uri``: the ``SCHEMES`` list only, so
   no ``http://``; no ``..``, percent-encoded separators, credentials or ports in a bucket
   name, chained ``a::b`` URLs, relative paths);
 * it must lie under the deployment's allow-list (``[vllm_batch] allowed_uri_prefixes``);
@@ -27,8 +27,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from airflow_provider_vllm.core.allow_list import canonical_prefixes, canonical_uri, is_under, parse_prefixes
 from airflow_provider_vllm.core.errors import SpecError
-from airflow_provider_vllm.core.paths import canonical_prefixes, canonical_uri, is_under, parse_prefixes
 
 REPORT_FILES = {"html": "qa/report.html", "json": "qa/report.json"}
 PLAN_TASK = "plan"

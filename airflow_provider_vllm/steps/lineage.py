@@ -3,7 +3,7 @@
 Datasets are named by the OpenLineage naming conventions: ``s3://bucket/key`` -> namespace
 ``s3://bucket``, name ``key`` (the same for ``gs://`` and other ``scheme://authority/path``
 stores); a local path or ``file://`` URI -> namespace ``file``, name the absolute path.
-Folders are named without a trailing slash. ``operators/lineage.py`` turns these facts into
+Folders are named without a trailing slash. ``utils/openlineage_facets.py`` turns these facts into
 OpenLineage objects; the operators record them in ``execute()``.
 """
 
@@ -17,7 +17,7 @@ from airflow_provider_vllm.core.plan import PLAN_FILE
 from airflow_provider_vllm.core.records import MergeSummary
 from airflow_provider_vllm.core.rows import ERROR_COLUMNS, RESULT_COLUMNS, ROW_SCHEMA
 from airflow_provider_vllm.core.spec import JobSpec
-from airflow_provider_vllm.steps.merge import ERRORS, RESULTS
+from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS
 
 QA_REPORT = "qa/report.json"
 _TYPES = {f.name: str(f.type) for f in ROW_SCHEMA}

@@ -22,7 +22,7 @@ from airflow_provider_vllm.core.errors import CommitError
 from airflow_provider_vllm.core.records import PartsManifest
 from airflow_provider_vllm.core.seal import Keyring, Seal
 from airflow_provider_vllm.core.storage import FileSystems, Storage
-from airflow_provider_vllm.steps.merge import ERRORS, RESULTS, manifest_rel, verify_parts
+from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS, manifest_rel, verify_parts
 
 SUCCESS = "_SUCCESS.json"
 

@@ -28,9 +28,9 @@ from airflow_provider_vllm.operators import (
     VllmQAOperator,
     VllmQAReviewOperator,
 )
-from airflow_provider_vllm.operators._common import RUNNERS, SPEC_XCOM_KEY
 from airflow_provider_vllm.operators.kubernetes import SETTINGS_VARIABLE, VllmKubernetesShardOperator
 from airflow_provider_vllm.operators.runner_branch import VllmRunnerBranchOperator
+from airflow_provider_vllm.utils.job_spec import RUNNERS, SPEC_XCOM_KEY
 
 # "shard 3/8 rows 1200-1599" (see shard_names); the id when a plan predates the names.
 SHARD_MAP_INDEX_TEMPLATE = "{{ task.shard.get('name') or task.shard['shard_id'] }}"

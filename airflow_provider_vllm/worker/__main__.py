@@ -63,14 +63,14 @@ def main(argv: list[str] | None = None) -> int:
     # vLLM logs to stdout by default; stdout carries only the manifest
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     try:
-        from airflow_provider_vllm.core.param_schemas import check_spec_params
-        from airflow_provider_vllm.core.paths import (
+        from airflow_provider_vllm.core.allow_list import (
             ALLOW_ANY_LOCATION_ENV,
             ALLOW_REMOTE_CODE_ENV,
             ALLOWED_PREFIXES_ENV,
             flag_from_env,
             prefixes_from_env,
         )
+        from airflow_provider_vllm.core.param_schemas import check_spec_params
         from airflow_provider_vllm.core.seal import Keyring
         from airflow_provider_vllm.core.spec_guard import check_deployment, check_remote_code
         from airflow_provider_vllm.worker.shard import run_shard

@@ -51,7 +51,6 @@ from collections.abc import Callable, Mapping
 from airflow_provider_vllm.core import envs
 from airflow_provider_vllm.core.errors import TransientError
 
-PARENT_ENV = envs.PARENT_PID.name
 LOCK_DIR_ENV = envs.LOCK_DIR.name
 LOCK_WAIT_ENV = envs.LOCK_WAIT_S.name
 STALE_KILL_WAIT_S = 60.0

@@ -33,16 +33,20 @@ def tiny_model() -> str:
     return str(make_tiny_llama(default_cache_dir() / "tiny-llama"))
 
 
-def model_roots(tiny_model: str) -> list[str]:
-    """Where the DAGs' local models lie: the model cache and, when installed, MiniLM's package folder."""
+def minilm_model() -> str | None:
+    """MiniLM's folder in its PyPI package (the embeddings DAG's model), or None when not installed."""
     from airflow_provider_vllm.testing.local_models import LocalModelError, minilm_path
 
-    roots = [str(Path(tiny_model).resolve().parent)]
     try:
-        roots.append(str(minilm_path().resolve()))
+        return str(minilm_path().resolve())
     except LocalModelError:
-        pass
-    return roots
+        return None
+
+
+def model_roots(tiny_model: str) -> list[str]:
+    """Where the DAGs' local models lie: the model cache and, when installed, MiniLM's package folder."""
+    minilm = minilm_model()
+    return [str(Path(tiny_model).resolve().parent), *([minilm] if minilm else [])]
 
 
 @pytest.fixture(scope="session")
@@ -62,6 +66,8 @@ def airflow_sandbox(tmp_path_factory, tiny_model) -> AirflowSandbox:
             "AIRFLOW__CORE__DEFAULT_TASK_RETRY_DELAY": "1",
             "AIRFLOW_VAR_VLLM_BATCH_DATA_ROOT": str(data),
             "AIRFLOW_VAR_VLLM_BATCH_MODEL": tiny_model,
+            # The example DAGs name no model of their own (the wheel has no demo models): the Variables do.
+            **({"AIRFLOW_VAR_VLLM_BATCH_EMBEDDING_MODEL": minilm_model()} if minilm_model() else {}),
             # The tiny random model needs room to spell the longer labels through its small vocabulary.
             "AIRFLOW_VAR_VLLM_BATCH_SPEC_OVERRIDES": json.dumps({"sampling.max_tokens": 32}),
             # `dags test` cannot answer a review: a QA 'warn' of the random model is published unasked.

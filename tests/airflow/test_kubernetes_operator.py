@@ -329,7 +329,7 @@ def test_kpo_failure_class_is_the_one_the_operator_catches():
 
 
 def test_dockerfile_entrypoint_is_the_worker_command_entrypoint():
-    from airflow_provider_vllm.steps.pod_spec import WORKER_PYTHON
+    from airflow_provider_vllm.utils.pod_spec import WORKER_PYTHON
     from airflow_provider_vllm.worker.task import ShardTask, worker_command
 
     text = (ROOT / "docker" / "Dockerfile.worker").read_text()
@@ -424,7 +424,7 @@ def test_allow_list_is_checked_before_the_pod_exists_and_reaches_the_worker_env(
     env carries the list (set last, so the settings' env cannot widen it)."""
     from airflow.sdk.exceptions import AirflowFailException
 
-    from airflow_provider_vllm.core.paths import ALLOWED_PREFIXES_ENV
+    from airflow_provider_vllm.core.allow_list import ALLOWED_PREFIXES_ENV
 
     monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", "/in/,/out/")
     widened = {**SETTINGS, "env": {ALLOWED_PREFIXES_ENV: '["/"]'}}
@@ -529,8 +529,8 @@ def test_both_runners_map_every_exit_code_through_the_one_table(monkeypatch, cod
     from kubernetes.client import models as k8s
 
     from airflow_provider_vllm.core.exit_codes import Outcome, outcome
-    from airflow_provider_vllm.operators.local_runner import WorkerResult
     from airflow_provider_vllm.operators.shard import VllmLocalShardOperator
+    from airflow_provider_vllm.utils.worker_process import WorkerResult
 
     shard_id = SHARD["shard_id"]
     if outcome(code) is Outcome.SUCCESS:

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_pod_command_line_runs_a_real_shard(tmp_path, monkeypatch, tiny_model):
     from airflow_provider_vllm.core.commit import MARKER
     from airflow_provider_vllm.operators.kubernetes import VllmKubernetesShardOperator
-    from airflow_provider_vllm.steps.plan import plan_job
+    from airflow_provider_vllm.steps.plan.planner import plan_job
 
     unreachable_cluster(tmp_path, monkeypatch)
     n = 24

@@ -33,8 +33,8 @@ dag.task_dict["job.shard"].partial_kwargs["python"] = {python!r}
 def test_operator_lineage_builds_openlineage_datasets_with_facets():
     from openlineage.client.serde import Serde
 
-    from airflow_provider_vllm.operators.lineage import operator_lineage
     from airflow_provider_vllm.steps.lineage import merge_lineage, qa_lineage
+    from airflow_provider_vllm.utils.openlineage_facets import operator_lineage
 
     spec = make_spec("s3://in-bucket/tickets/", "s3://out-bucket/labels/")
     merged = operator_lineage(merge_lineage(spec, merge_summary(3, 2, 1)))

@@ -159,7 +159,7 @@ def test_plan_with_the_result_cache_keys_on_the_runners_engine(tmp_path, fake_py
     from airflow.sdk.exceptions import AirflowFailException
 
     from airflow_provider_vllm.operators import VllmPlanOperator
-    from airflow_provider_vllm.steps.cache import kubernetes_engine_identity, local_engine_identity
+    from airflow_provider_vllm.steps.cache.result_cache import kubernetes_engine_identity, local_engine_identity
 
     dataset(tmp_path, 30)
     doc = spec_doc(tmp_path, model={"name": "fake", "revision": "r1"}, cache={"uri": str(tmp_path / "cache")})
@@ -254,7 +254,7 @@ def test_shard_with_an_invalid_spec_fails_without_retry(tmp_path):
 
 
 def test_local_runner_helpers():
-    from airflow_provider_vllm.operators.local_runner import injected_exit, parse_manifest
+    from airflow_provider_vllm.utils.worker_process import injected_exit, parse_manifest
 
     assert parse_manifest(['{"a": 1}', "noise", '{"status": "ok"}', "tail"]) == {"status": "ok"}
     assert parse_manifest(["{not json", "x"]) is None

@@ -15,9 +15,9 @@ import pytest
 
 from airflow_provider_vllm.core import faults
 from airflow_provider_vllm.core.storage import Storage
-from airflow_provider_vllm.steps import cache
-from airflow_provider_vllm.steps.merge import merge
-from airflow_provider_vllm.steps.plan import plan_job
+from airflow_provider_vllm.steps.cache import result_cache as cache
+from airflow_provider_vllm.steps.merge.merger import merge
+from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
 from airflow_provider_vllm.worker.task import ShardTask
 from tests.support.data import make_spec
@@ -107,7 +107,7 @@ def test_cache_commit_rules_on_s3(s3, fake_engine_factory, set_faults, monkeypat
         assert pq.read_table(f).column("id").to_pylist() == ["new", ids[-1]]
     summary = merge(sc)
     assert summary.ok_rows == N + 1 and summary.cache is not None and summary.cache.appended == 2
-    from airflow_provider_vllm.steps.merge import result_parts
+    from airflow_provider_vllm.steps.merge.merger import result_parts
 
     res = []
     for rel in result_parts(out_c):

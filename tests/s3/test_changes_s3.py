@@ -9,9 +9,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from airflow_provider_vllm.core.storage import Storage
-from airflow_provider_vllm.steps.changes import CHANGES, SUMMARY, read_changes
-from airflow_provider_vllm.steps.merge import RESULTS, merge_run, result_parts
-from airflow_provider_vllm.steps.plan import plan_job
+from airflow_provider_vllm.steps.merge.changes import CHANGES, SUMMARY, read_changes
+from airflow_provider_vllm.steps.merge.merger import RESULTS, merge, result_parts
+from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.steps.qa.stage import qa_run
 from airflow_provider_vllm.worker.shard import run_shard
 from airflow_provider_vllm.worker.task import ShardTask
@@ -49,7 +49,7 @@ def test_changes_between_two_runs_on_s3(s3, fake_engine_factory, monkeypatch):
         check_deployment(spec, ["s3://data"])  # changes.previous_uri is held to the allow-list like the others
         for s in plan_job(spec).shards:
             run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
-        merge_run(spec)
+        merge(spec)
         return qa_run(spec)[0]
 
     rep1 = run("d1", day1, "s3://data/runs/d0/")  # nothing there: every id added

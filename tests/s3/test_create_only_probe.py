@@ -22,7 +22,7 @@ import pytest
 from airflow_provider_vllm.core.errors import SpecError
 from airflow_provider_vllm.core.plan import PLAN_FILE
 from airflow_provider_vllm.core.storage import Storage
-from airflow_provider_vllm.steps.plan import PROBE_DIR, plan_job, probe_create_only
+from airflow_provider_vllm.steps.plan.planner import PROBE_DIR, plan_job, probe_create_only
 from tests.support.data import make_spec, write_parquet
 from tests.support.ledger import record_fault
 from tests.support.s3faults import FaultProxy

@@ -21,8 +21,8 @@ from airflow_provider_vllm.core.commit import MARKER
 from airflow_provider_vllm.core.errors import TransientError
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.core.storage_retry import ATTEMPTS_ENV, is_transient
-from airflow_provider_vllm.steps.merge import ERRORS, RESULTS, merge_run, result_parts
-from airflow_provider_vllm.steps.plan import plan_job
+from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS, merge, result_parts
+from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
 from airflow_provider_vllm.worker.task import ShardTask
 from tests.support.data import make_spec
@@ -181,7 +181,7 @@ def test_pipeline_survives_faults(proxy, s3, fake_engine_factory, kind):
         run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)["status"]
         for s in plan.shards
     ]
-    summary = merge_run(spec)
+    summary = merge(spec).dump()
     fired = len(proxy.fired)
     proxy.clear()
 

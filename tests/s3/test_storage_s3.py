@@ -8,8 +8,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from airflow_provider_vllm.core.storage import Storage
-from airflow_provider_vllm.steps.merge import merge_run, result_parts
-from airflow_provider_vllm.steps.plan import plan_job
+from airflow_provider_vllm.steps.merge.merger import merge, result_parts
+from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
 from airflow_provider_vllm.worker.task import ShardTask
 from tests.support.data import LABELS, make_spec
@@ -63,7 +63,7 @@ def test_pipeline_on_s3(s3, fake_engine_factory, monkeypatch):
             run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)["status"]
             == "committed"
         )
-    summary = merge_run(spec)
+    summary = merge(spec).dump()
     assert summary["ok_rows"] == n - 1 and summary["error_rows"] == 1
     out = Storage("s3://data/runs/r1", s3.storage_options)
     res = pa.concat_tables([pq.read_table(out.open(rel)) for rel in result_parts(out)])

@@ -8,8 +8,8 @@ import pytest
 
 from airflow_provider_vllm.core.errors import DatasetError
 from airflow_provider_vllm.core.plan import PLAN_FILE
-from airflow_provider_vllm.steps.merge import ERRORS, RESULTS, merge_run
-from airflow_provider_vllm.steps.plan import plan_job
+from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS, merge
+from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
 from airflow_provider_vllm.worker.task import ShardTask
 from tests.support.bad_inputs.corpus import dataset_fault_cases, jsonl_row_corpus, openai_row_corpus, parquet_row_corpus
@@ -51,7 +51,7 @@ def test_row_fault_corpus_with_the_fake_engine(tmp_path, fake_engine_factory, fm
     plan = plan_job(spec)
     for s in plan.shards:
         run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
-    summary = merge_run(spec)
+    summary = merge(spec).dump()
     got = outcomes(tmp_path / "out")
     planted, right = score(expected, got)
     record_bad_rows(f"{fmt}_rows", planted, right)

@@ -30,7 +30,7 @@ def test_example_yaml_loads():
 
 
 def test_every_vllm_batch_option_is_declared_with_a_fail_closed_default():
-    from airflow_provider_vllm.operators import deployment
+    from airflow_provider_vllm.utils import deployment
 
     options = airflow_provider_vllm.provider.get_provider_info()["config"]["vllm_batch"]["options"]
     read = {

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pytest
 
+from airflow_provider_vllm.core.allow_list import ALLOWED_PREFIXES_ENV, check_uri
 from airflow_provider_vllm.core.errors import EXIT_TERMINAL, SpecError
 from airflow_provider_vllm.core.param_schemas import validate_params
-from airflow_provider_vllm.core.paths import ALLOWED_PREFIXES_ENV, check_uri
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.spec_guard import MAX_LABELS, check_deployment
 from tests.support.data import write_parquet
@@ -311,7 +311,7 @@ def test_from_params_refuses_the_forms_payloads(allowed):
 
 # ---- verbatim to the engine, never a shell --------------------------------------------
 def test_shell_text_reaches_the_engine_verbatim(allowed, tmp_path, fake_engine_factory):
-    from airflow_provider_vllm.steps.plan import plan_job
+    from airflow_provider_vllm.steps.plan.planner import plan_job
     from airflow_provider_vllm.worker.shard import run_shard
     from airflow_provider_vllm.worker.task import ShardTask, worker_command
     from tests.support.fakes import FakeTokenizer
@@ -372,7 +372,7 @@ def test_audit_no_shell_no_eval_no_second_template_render():
                     and node.module == "jinja2"
                     and [a.name for a in node.names] == ["meta"]
                 ):
-                    continue  # operators/provenance.py: static analysis of templates (parse, never render)
+                    continue  # utils/provenance.py: static analysis of templates (parse, never render)
                 if any(m.split(".")[0] in ("jinja2", "commands", "pty") for m in mods):
                     problems.append(f"{path.name}:{node.lineno} imports {mods}")
         for node, owner, name in _calls(tree):
@@ -399,13 +399,13 @@ def test_audit_no_shell_no_eval_no_second_template_render():
                 problems.append(f"{where} {name}()")
     assert problems == []
     # the one process launch in the package takes argv from worker_command (a list)
-    src = (ROOT / "airflow_provider_vllm" / "operators" / "local_runner.py").read_text()
+    src = (ROOT / "airflow_provider_vllm" / "utils" / "worker_process.py").read_text()
     assert "subprocess.Popen(\n            self.argv," in src
 
 
 # ---- forged shard tasks at the worker -------------------------------------------------
 def test_worker_refuses_forged_shard_tasks(allowed, tmp_path):
-    from airflow_provider_vllm.steps.plan import plan_job
+    from airflow_provider_vllm.steps.plan.planner import plan_job
     from airflow_provider_vllm.worker.task import ShardTask
 
     spec = JobSpec.load(base_doc(allowed))
@@ -508,7 +508,7 @@ def test_plan_operator_refuses_before_planning(allowed, monkeypatch):
 
 
 def test_non_empty_foreign_output_prefix_is_refused(allowed):
-    from airflow_provider_vllm.steps.plan import plan_job
+    from airflow_provider_vllm.steps.plan.planner import plan_job
 
     (allowed / "out").mkdir()
     (allowed / "out" / "someone-elses.parquet").write_bytes(b"PAR1")
@@ -618,7 +618,7 @@ def test_shard_operator_hands_the_deployment_allow_list_to_the_worker(allowed, t
 def test_allow_list_is_deployment_config_only(monkeypatch, tmp_path, fail_closed):
     from airflow.sdk.exceptions import AirflowFailException
 
-    from airflow_provider_vllm.operators.deployment import allowed_prefixes
+    from airflow_provider_vllm.utils.deployment import allowed_prefixes
 
     monkeypatch.setenv("AIRFLOW_VAR_VLLM_BATCH_ALLOWED_PREFIXES", '["/"]')  # a Variable is not the deployment
     assert allowed_prefixes() == []
@@ -690,7 +690,7 @@ def test_no_allow_list_refuses_every_task_naming_the_setting(allowed, tmp_path, 
 
 
 def test_worker_without_an_allow_list_from_airflow_refuses(allowed, tmp_path):
-    from airflow_provider_vllm.steps.plan import plan_job
+    from airflow_provider_vllm.steps.plan.planner import plan_job
     from airflow_provider_vllm.worker.task import ShardTask
 
     spec = JobSpec.load(base_doc(allowed))

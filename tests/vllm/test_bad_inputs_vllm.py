@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 
 from airflow_provider_vllm.core.spec import JobSpec
-from airflow_provider_vllm.steps.merge import merge_run
-from airflow_provider_vllm.steps.plan import plan_job
+from airflow_provider_vllm.steps.merge.merger import merge
+from airflow_provider_vllm.steps.plan.planner import plan_job
 from tests.support.bad_inputs.corpus import jsonl_row_corpus
 from tests.support.ledger import record_bad_rows
 from tests.unit.test_bad_inputs import outcomes, score
@@ -49,7 +49,7 @@ def test_row_fault_corpus_on_real_vllm(tmp_path, tiny_model, monkeypatch):  # no
             ENV.pop(k, None)
     m = manifest(proc)
     assert m["status"] == "committed" and m["rows"] == len(expected)
-    merge_run(spec)
+    merge(spec)
     got = outcomes(tmp_path / "out")
     planted, right = score(expected, got)
     record_bad_rows("jsonl_rows_real_vllm", planted, right)

@@ -16,8 +16,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from airflow_provider_vllm.core.spec import JobSpec
-from airflow_provider_vllm.steps.merge import merge_run
-from airflow_provider_vllm.steps.plan import plan_job
+from airflow_provider_vllm.steps.merge.merger import merge
+from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.testing.local_models import default_cache_dir, make_tiny_llama
 from airflow_provider_vllm.worker.task import ShardTask, worker_command
 from tests.support.data import write_parquet
@@ -71,7 +71,7 @@ def run(spec: JobSpec) -> tuple[list[dict], dict]:
         )
         assert p.returncode == 0, p.stderr[-4000:]
         manifests.append(json.loads([x for x in p.stdout.splitlines() if x.startswith("{")][-1]))
-    return manifests, merge_run(spec)
+    return manifests, merge(spec).dump()
 
 
 def labels(spec: JobSpec) -> dict[str, tuple[str, str | None]]:

@@ -10,7 +10,7 @@ from http.server import ThreadingHTTPServer
 import pytest
 
 from airflow_provider_vllm.core.commit import MARKER
-from airflow_provider_vllm.steps.plan import plan_job
+from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.task import ShardTask, worker_command
 from tests.unit.worker.test_metrics import _Recorder, samples
 from tests.vllm.test_worker_vllm import ENV, manifest, planted, spec_for, tiny_model  # noqa: F401 (fixture)

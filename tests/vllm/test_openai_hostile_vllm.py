@@ -27,8 +27,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from airflow_provider_vllm.core.spec import JobSpec
-from airflow_provider_vllm.steps.merge import merge_run
-from airflow_provider_vllm.steps.plan import plan_job
+from airflow_provider_vllm.steps.merge.merger import merge
+from airflow_provider_vllm.steps.plan.planner import plan_job
 from tests.support.bad_inputs.corpus import good_chat_requests, hostile_chat_requests
 from tests.support.ledger import record_bad_rows
 from tests.vllm.test_worker_vllm import ENV, LEAVE, manifest, run_worker, smollm2, tiny_model  # noqa: F401
@@ -87,7 +87,7 @@ def run_batch(model: Path, inp: Path, out: Path) -> tuple[dict, JobSpec]:
     (shard,) = plan_job(spec).shards
     m = manifest(run_worker(spec, shard.shard_id))  # the worker CLI; asserts exit 0
     assert m["status"] == "committed"
-    merge_run(spec)
+    merge(spec)
     return m, spec
 
 

@@ -99,7 +99,7 @@ def test_real_vllm_engine_core_output_never_shows_a_secret_from_the_environment(
     engine core (started with ``spawn`` here, so it inherits no Python logging set-up of the
     worker) logs that path in its "Initializing a V1 LLM engine" line."""
     from airflow_provider_vllm.core.spec import JobSpec
-    from airflow_provider_vllm.steps.plan import plan_job
+    from airflow_provider_vllm.steps.plan.planner import plan_job
     from airflow_provider_vllm.testing.local_models import default_cache_dir, make_tiny_llama
     from airflow_provider_vllm.worker.task import ShardTask, worker_command
     from tests.support.data import write_parquet

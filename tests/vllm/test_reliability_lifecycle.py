@@ -25,7 +25,7 @@ import psutil
 import pytest
 
 from airflow_provider_vllm.core.spec import JobSpec
-from airflow_provider_vllm.steps.plan import plan_job
+from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.lifecycle import LOCK_DIR_ENV, LOCK_WAIT_ENV, lock_path, start_time
 from airflow_provider_vllm.worker.task import ShardTask, worker_command
 from tests.support.data import make_spec, write_parquet
@@ -310,7 +310,7 @@ def start_holder(spec: JobSpec, shard: dict, parent: int, env: dict) -> tuple[su
 
 
 def run_local(spec: JobSpec, shard: dict, python: str, env: dict) -> tuple[int, dict | None, list[str]]:
-    from airflow_provider_vllm.operators.local_runner import LocalWorkerProcess
+    from airflow_provider_vllm.utils.worker_process import LocalWorkerProcess
 
     lines: list[str] = []
     argv = worker_command(ShardTask(spec=spec, shard_id=shard["shard_id"], progress_interval_s=0.2), python=python)

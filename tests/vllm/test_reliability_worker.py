@@ -24,8 +24,8 @@ import pytest
 
 from airflow_provider_vllm.core.commit import MARKER
 from airflow_provider_vllm.core.spec import JobSpec
-from airflow_provider_vllm.steps.merge import ERRORS, MERGED, RESULTS, merge_run
-from airflow_provider_vllm.steps.plan import plan_job
+from airflow_provider_vllm.steps.merge.merger import ERRORS, MERGED, RESULTS, merge
+from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.testing.local_models import default_cache_dir, make_tiny_llama
 from airflow_provider_vllm.worker.task import ShardTask, worker_command
 from tests.support.data import write_parquet
@@ -36,9 +36,9 @@ from tests.vllm.test_worker_vllm import ENV, TICKETS, spec_for
 pytestmark = [pytest.mark.vllm, pytest.mark.reliability, pytest.mark.timeout(1500)]
 
 MERGE = (
-    "import sys\nfrom airflow_provider_vllm.steps.merge import merge_run\n"
+    "import sys\nfrom airflow_provider_vllm.steps.merge.merger import merge\n"
     "from airflow_provider_vllm.core.spec import JobSpec\n"
-    "merge_run(JobSpec.load(sys.argv[1]))\n"
+    "merge(JobSpec.load(sys.argv[1]))\n"
 )
 
 
@@ -215,7 +215,7 @@ def test_one_shard_through_every_process_fault_then_merge_killed_at_every_write(
 
     # merge: an uninterrupted merge is the reference; then kill merge at every write and re-run
     out = tmp_path / "out"
-    ref = merge_run(spec)
+    ref = merge(spec).dump()
     ref_bytes = merged_files(out)
     clear_merged(out)
     steps = (
@@ -246,7 +246,7 @@ def test_one_shard_through_every_process_fault_then_merge_killed_at_every_write(
         injected.append(f"kill9.{point.split('#')[0]}")
         if point != "merge.after_marker":
             clear_merged(out)  # the next kill starts from nothing again
-    again = merge_run(spec)
+    again = merge(spec).dump()
     assert merged_files(out) == ref_bytes  # byte-identical parts and manifests
     assert again["checksums"] == ref["checksums"]
 
@@ -276,7 +276,7 @@ def test_real_engine_oom_back_off_and_an_oom_row_at_the_floor(tmp_path, tiny_mod
     assert s["engine_rebuilds"] == 2 and s["oom_events"] == 4 and s["oom_error_rows"] == 1
     assert s["engine_limits"] == {"max_num_seqs": 2, "max_num_batched_tokens": 128}  # read back from vLLM
     assert w.stderr.count("Initializing a V1 LLM engine") == 3
-    merge_run(spec)
+    merge(spec)
     rec = check(tmp_path / "out", ids)
     assert rec.error_codes == {"t0030": "ENGINE_OOM"}
     res = pq.read_table(tmp_path / "out" / "results").to_pylist()

@@ -18,8 +18,8 @@ import pytest
 
 from airflow_provider_vllm.core.commit import MARKER
 from airflow_provider_vllm.core.spec import JobSpec
-from airflow_provider_vllm.steps.merge import merge_run
-from airflow_provider_vllm.steps.plan import plan_job
+from airflow_provider_vllm.steps.merge.merger import merge
+from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.testing.local_models import default_cache_dir, make_tiny_llama, prepare_smollm2
 from airflow_provider_vllm.worker.task import ShardTask, worker_command
 from tests.support.data import write_parquet
@@ -114,7 +114,7 @@ def test_tiny_model_worker_cli_planted_rows_and_rerun(tmp_path, tiny_model):
     m = manifest(proc)
     assert m["status"] == "committed" and m["rows"] == 80 and m["error_rows"] == 3
     assert "progress shard-" in proc.stderr and "rows=80/80" in proc.stderr
-    merge_run(spec)
+    merge(spec)
     res, _ = check_exactly_once(tmp_path / "out", 80, codes)
     assert all(r["label"] in LABELS and r["valid"] for r in res)  # structured choice holds on random weights
     assert res[0]["engine_version"] and res[0]["model"] == tiny_model
@@ -143,7 +143,7 @@ def test_kill9_mid_shard_then_rerun_reuses_chunks(tmp_path, tiny_model):
     assert 2 <= len(done) < n // 20 and not (shard_dir / MARKER).exists()
     m = manifest(run_worker(spec, shard.shard_id))
     assert m["status"] == "committed" and m["stats"]["reused_chunks"] >= len(done)
-    summary = merge_run(spec)
+    summary = merge(spec).dump()
     assert summary["ok_rows"] == n and summary["duplicates_dropped"] == 0
     check_exactly_once(tmp_path / "out", n, {})
     check(tmp_path / "out", ids, kind="kill9_process_group_mid_shard", level="process")
@@ -183,7 +183,7 @@ def test_smollm2_labels_and_equality_with_raw_llm_chat(tmp_path, smollm2):
     (shard,) = plan_job(spec).shards
     m = manifest(run_worker(spec, shard.shard_id))
     assert m["status"] == "committed" and m["ok_rows"] == n - 3
-    merge_run(spec)
+    merge(spec)
     res, _ = check_exactly_once(tmp_path / "out", n, codes)
     assert all(r["label"] in LABELS for r in res)
     # a real model classifies: the crash and charge tickets get their labels
@@ -246,7 +246,7 @@ def test_two_real_attempts_at_once_commit_exactly_once(tmp_path, tiny_model):
     # one commits; the other saw the marker at start or lost the create-only race at the end
     assert statuses == ["already_committed", "committed"]
     assert all(m["attempt_id"] == marker["attempt_id"] for m in manifests)
-    summary = merge_run(spec)
+    summary = merge(spec).dump()
     assert summary["ok_rows"] == n and summary["duplicates_dropped"] == 0
     res = pq.read_table(tmp_path / "out" / "results")
     assert set(res.column("attempt_id").to_pylist()) == {marker["attempt_id"]}
@@ -273,7 +273,7 @@ def test_embed_task_with_minilm(tmp_path):
     (shard,) = plan_job(spec).shards
     m = manifest(run_worker(spec, shard.shard_id))
     assert m["ok_rows"] == 29 and m["error_rows"] == 1
-    merge_run(spec)
+    merge(spec)
     res = pq.read_table(tmp_path / "out" / "results").to_pylist()
     assert len(res) == 29 and all(len(r["embedding"]) == 384 for r in res)
     import numpy as np
@@ -323,7 +323,7 @@ def test_classify_task_with_a_sequence_classification_model(tmp_path, tiny_model
     (shard,) = plan_job(spec).shards
     m = manifest(run_worker(spec, shard.shard_id))
     assert m["ok_rows"] == 19 and m["error_rows"] == 1
-    merge_run(spec)
+    merge(spec)
     res = pq.read_table(tmp_path / "out" / "results").to_pylist()
     assert all(len(r["scores"]) == 3 and abs(sum(r["scores"]) - 1) < 1e-3 for r in res)
     assert all(r["label"] in LABELS for r in res)
@@ -399,7 +399,7 @@ def test_token_prompts_give_the_same_outputs_as_text_prompts(tmp_path, smollm2):
     (shard,) = plan_job(gen).shards
     m = manifest(run_worker(gen, shard.shard_id))
     assert m["status"] == "committed" and m["ok_rows"] == n
-    merge_run(gen)
+    merge(gen)
     ours = {r["id"]: r for r in pq.read_table(tmp_path / "out" / "results").to_pylist()}
 
     raw = subprocess.run(

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 # An id that is empty or only whitespace cannot name a row: refused by the plan in every format.
 # Whitespace is Python's (str.isspace); this RE2 pattern (DuckDB, Parquet ids) matches exactly
-# the same characters (tests/unit/steps/test_plan_refusals.py checks every code point).
+# the same characters (tests/unit/steps/plan/test_plan_refusals.py checks every code point).
 BLANK_ID_PATTERN = r"^[\s\x{0b}\x{1c}-\x{1f}\x{85}\p{Z}]*$"
 
 

@@ -54,7 +54,7 @@ def evaluate(
     report dict (``QAReport.to_dict()``) for label drift. ``run_info`` (optional, small,
     JSON-serialisable) is copied into the report header (run id, job name ...). ``duplicates``
     is merge's count of ids committed more than once, taken before its dedupe (``_MERGED.json``).
-    ``changes``: ``ChangesSummary.dump()`` (``steps/changes.py``) for the churn_rate check and the
+    ``changes``: ``ChangesSummary.dump()`` (``steps/merge/changes.py``) for the churn_rate check and the
     churn matrix; ``cache``: ``{rows, hits, misses, hit_rate}`` of the result cache (``stage.cache_metrics``).
     """
     results = conform(results, RESULT_NEEDS)
@@ -155,7 +155,7 @@ def _report(
 ) -> QAReport:
     """Throughput, duplicates, drift, changes, cache, the sample (``draw(label_sizes)``), checks: the report."""
     metrics["throughput"] = throughput_metrics(shard_stats)
-    if changes is not None:  # steps/changes.py's summary (ChangesSummary.dump()); drives the churn_rate check
+    if changes is not None:  # steps/merge/changes.py's summary (ChangesSummary.dump()); drives the churn_rate check
         metrics["changes"] = _jsonable(changes)
         notes.extend(f"changes: {n}" for n in changes.get("notes") or [])
     if cache is not None:  # the result cache's share of this run's rows (plan.cache)

@@ -414,7 +414,7 @@ def _labels(d: dict) -> str:
 
 
 def _changes(d: dict) -> str:
-    """Counts per change kind and the old x new label matrix (steps/changes.py's summary)."""
+    """Counts per change kind and the old x new label matrix (steps/merge/changes.py's summary)."""
     ch = (d.get("metrics") or {}).get("changes")
     if not ch:
         return ""

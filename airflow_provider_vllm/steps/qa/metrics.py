@@ -294,7 +294,7 @@ def int_stats_from_counts(values: list[int], counts: list[int]) -> dict[str, Any
         a, b = at(lo), at(min(lo + 1, n - 1))
         return float(a + (b - a) * (pos - lo))
 
-    stats = {
+    stats: dict[str, Any] = {
         "count": n,
         "min": int(values[0]),
         "p50": quantile(0.5),
@@ -497,14 +497,12 @@ def duplicate_metrics(dup: dict[str, Any] | None, notes: list[str]) -> dict[str,
     """Merge's duplicate count (before its dedupe), or None when the caller has none."""
     if dup is None:
         return None
-    out = {
-        "ids": int(dup.get("ids") or 0),
-        "rows_dropped": int(dup.get("rows_dropped") or 0),
-        "examples": [str(x) for x in (dup.get("examples") or [])][:10],
-    }
-    if out["ids"]:
+    ids = int(dup.get("ids") or 0)
+    rows_dropped = int(dup.get("rows_dropped") or 0)
+    examples = [str(x) for x in (dup.get("examples") or [])][:10]
+    if ids:
         notes.append(
-            f"{out['ids']} id(s) were committed more than once with identical content; merge kept one "
-            f"row each and dropped {out['rows_dropped']} (e.g. {', '.join(out['examples'][:5])})"
+            f"{ids} id(s) were committed more than once with identical content; merge kept one "
+            f"row each and dropped {rows_dropped} (e.g. {', '.join(examples[:5])})"
         )
-    return out
+    return {"ids": ids, "rows_dropped": rows_dropped, "examples": examples}

@@ -197,7 +197,7 @@ def _float_stats(x: np.ndarray, total: float, integer: bool = False) -> dict[str
         return f * b + (1 - f) * a
 
     p50, p90, p99 = quantile(0.5), quantile(0.9), quantile(0.99)
-    stats = {
+    stats: dict[str, Any] = {
         "count": n,
         "min": int(mn) if integer else mn,
         "p50": p50,

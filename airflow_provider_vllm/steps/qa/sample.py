@@ -97,7 +97,7 @@ def _top_by_stratum(
     kmax = max(need.values())
     frac = {s: _MARGIN * n / max(1, sizes.get(s) or 0) for s, n in need.items()}
     whole = [s for s, f in frac.items() if f > _PREFILTER_MAX]
-    params = {"seed": str(seed)}
+    params: dict[str, Any] = {"seed": str(seed)}
     where = ""
     if len(whole) < len(need):
         params.update(

@@ -11,8 +11,8 @@ from airflow_provider_vllm.core.plan import Plan, load_plan
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
-from airflow_provider_vllm.steps.changes import compute_changes
-from airflow_provider_vllm.steps.merge import ERRORS, RESULTS, read_manifest, read_merged, verified_parts
+from airflow_provider_vllm.steps.merge.changes import compute_changes
+from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS, read_manifest, read_merged, verified_parts
 from airflow_provider_vllm.steps.qa.evaluate import evaluate, evaluate_stream
 from airflow_provider_vllm.steps.qa.report import QAReport
 from airflow_provider_vllm.steps.qa.store import load_report, write_qa
@@ -89,7 +89,7 @@ def qa_run(
 
 def cache_metrics(plan: Plan) -> dict[str, Any] | None:
     """The result cache's share of the plan (``plan.cache``: rows, hits, misses), when the plan has one."""
-    c = getattr(plan, "cache", None)  # an optional Plan field (steps/cache.py); older plans lack it
+    c = getattr(plan, "cache", None)  # an optional Plan field (steps/cache/result_cache.py); older plans lack it
     rows, hits = getattr(c, "rows", None), getattr(c, "hits", None)
     if c is None or rows is None or hits is None:
         return None

@@ -44,8 +44,8 @@ from airflow_provider_vllm.core.plan import PLAN_FILE
 from airflow_provider_vllm.core.rows import rows_table, split_rows
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.storage import Storage
-from airflow_provider_vllm.steps.merge import ERRORS, RESULTS, merge_run
-from airflow_provider_vllm.steps.plan import plan_job
+from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS, merge
+from airflow_provider_vllm.steps.plan.planner import plan_job
 from tests.support.data import make_spec, write_parquet
 from tests.support.ledger import record_fault
 
@@ -223,7 +223,7 @@ class CommitProtocol(RuleBasedStateMachine):
         )
         if len(self.markers) < len(self.plan.shards):
             with pytest.raises(CommitError, match="not committed"):
-                merge_run(self.spec, memory_limit="256MB")
+                merge(self.spec, memory_limit="256MB")
             after = (
                 sorted(p.name for p in (self.out_dir / "results").glob("*"))
                 if (self.out_dir / "results").exists()
@@ -238,7 +238,7 @@ class CommitProtocol(RuleBasedStateMachine):
             for f in json.loads(raw)["files"]
             for i in pq.read_table(self.out_dir / f["path"], columns=["id"]).column("id").to_pylist()
         ]
-        summary = merge_run(self.spec, memory_limit="256MB")
+        summary = merge(self.spec, memory_limit="256MB").dump()
         self.merged = True
         _TOTALS["merges"] += 1
         res = pq.read_table(self.out_dir / RESULTS, columns=["id"]).column("id").to_pylist()

@@ -10,8 +10,8 @@ import pytest
 
 from airflow_provider_vllm.core.errors import CommitError, SealError
 from airflow_provider_vllm.core.seal import Keyring
-from airflow_provider_vllm.steps.merge import RESULTS, merge
-from airflow_provider_vllm.steps.plan import plan_job
+from airflow_provider_vllm.steps.merge.merger import RESULTS, merge
+from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.steps.publish import SUCCESS, success_bytes, verify_published
 from airflow_provider_vllm.worker.shard import run_shard
 from airflow_provider_vllm.worker.task import ShardTask

@@ -10,8 +10,8 @@ import pytest
 
 from airflow_provider_vllm.core.commit import MARKER
 from airflow_provider_vllm.core.errors import EngineError, SpecError
-from airflow_provider_vllm.steps.merge import merge_run
-from airflow_provider_vllm.steps.plan import plan_job
+from airflow_provider_vllm.steps.merge.merger import merge
+from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
 from airflow_provider_vllm.worker.task import ShardTask
 from tests.support.data import make_spec, write_parquet
@@ -47,7 +47,7 @@ def test_transient_oom_backs_off_rebuilds_and_finishes_every_row(tmp_path, fake_
     first, second = fake_engine_factory.made
     assert first.closed and second.spec.engine.max_num_seqs == 8
     assert second.spec.output_hash() != spec.output_hash()  # the rebuild's engine args ...
-    merge_run(spec)
+    merge(spec)
     res = pq.read_table(tmp_path / "out" / "results").to_pylist()
     assert {r["config_hash"] for r in res} == {spec.output_hash()}  # ... do not change the run's config hash
     check(tmp_path / "out", IDS, kind="oom_transient")
@@ -62,7 +62,7 @@ def test_oom_that_persists_at_the_floor_makes_one_error_row(tmp_path, fake_engin
     # 16 -> 8 -> 4 -> 2 (the floor), then the 2 in flight run alone: r0050 fails alone
     assert s["engine_rebuilds"] == 3 and s["oom_events"] == 5 and s["oom_error_rows"] == 1
     assert s["engine_limits"] == {"max_num_seqs": 2, "max_num_batched_tokens": 128}
-    merge_run(spec)
+    merge(spec)
     rec = check(tmp_path / "out", IDS, kind="oom_persistent_row", faults=s["oom_events"])
     assert rec.error_codes == {"r0050": "ENGINE_OOM"}
     err = pq.read_table(tmp_path / "out" / "errors").to_pylist()
@@ -92,7 +92,7 @@ def test_the_retry_after_the_rebuild_cap_starts_at_the_lowered_limits(tmp_path, 
     (retry,) = fake_engine_factory.made
     assert retry.spec.engine.max_num_seqs == 4 and retry.spec.engine.max_num_batched_tokens == 256
     assert m["status"] == "committed" and m["stats"]["engine_limits"]["max_num_seqs"] == 4
-    merge_run(spec)
+    merge(spec)
     check(tmp_path / "out", IDS, kind="oom_limits_carried")
 
 
@@ -100,7 +100,7 @@ def test_a_carried_hint_only_lowers_and_a_broken_one_is_ignored(tmp_path):
     from airflow_provider_vllm.core.commit import ShardStore
     from airflow_provider_vllm.core.storage import Storage
     from airflow_provider_vllm.worker.shard import start_limits
-    from tests.unit.steps.test_merge import run_seal
+    from tests.unit.steps.merge.test_merger import run_seal
 
     spec, shard = job(tmp_path)
     store = ShardStore(Storage(str(tmp_path / "out")), shard.shard_id, run_seal(tmp_path / "out"))
@@ -130,7 +130,7 @@ def test_engine_death_keeps_committed_chunks_and_the_retry_completes(tmp_path, f
     m = run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=fake_engine_factory)
     assert m["status"] == "committed" and m["stats"]["reused_chunks"] == len(kept)
     assert fake_engine_factory.made[0].spec.engine.max_num_seqs == 8
-    merge_run(spec)
+    merge(spec)
     check(tmp_path / "out", IDS, kind="engine_death")
 
 
@@ -139,7 +139,7 @@ def test_pooling_oom_backs_off_and_isolates_the_row(tmp_path, fake_engine_factor
     set_faults("engine.step#2=oom,engine.step@r0033=oom")
     m = run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=fake_engine_factory)
     assert m["error_rows"] == 1 and m["stats"]["oom_error_rows"] == 1
-    merge_run(spec)
+    merge(spec)
     rec = check(tmp_path / "out", IDS, kind="oom_pooling", faults=m["stats"]["oom_events"])
     assert rec.error_codes == {"r0033": "ENGINE_OOM"}
 

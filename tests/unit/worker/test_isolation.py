@@ -17,8 +17,8 @@ import pytest
 
 from airflow_provider_vllm.core.errors import EngineError, SpecError
 from airflow_provider_vllm.core.formats.openai_requests import RequestFault, parse_chat_body
-from airflow_provider_vllm.steps.merge import merge_run
-from airflow_provider_vllm.steps.plan import plan_job
+from airflow_provider_vllm.steps.merge.merger import merge
+from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.engine import sampling_params
 from airflow_provider_vllm.worker.guard import GuardedEngine, RowFailure
 from airflow_provider_vllm.worker.isolation import RequestRejected, refusal, row_caused
@@ -62,7 +62,7 @@ def openai_job(tmp_path, rows, task="chat", **over):
 def run(spec, shard, factory):
     m = run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=factory)
     assert m["status"] == "committed"
-    merge_run(spec)
+    merge(spec)
     out = spec.io.output_uri
     res = {r["id"]: r for r in pq.read_table(f"{out}/results").to_pylist()}
     err = {r["id"]: r for r in pq.read_table(f"{out}/errors").to_pylist()}

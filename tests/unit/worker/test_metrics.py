@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from airflow_provider_vllm.core.commit import MARKER
 from airflow_provider_vllm.core.errors import SpecError
-from airflow_provider_vllm.steps.plan import plan_job
+from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.metrics import MetricsConfig
 from airflow_provider_vllm.worker.resources import ResourceSampler, load_nvml, process_tree_rss
 from airflow_provider_vllm.worker.shard import run_shard
@@ -170,7 +170,7 @@ def test_gateway_down_does_not_fail_the_shard(tmp_path, monkeypatch, caplog):
 def test_metrics_off_by_default_imports_nothing(tmp_path):
     code = f"""
 import sys
-from airflow_provider_vllm.steps.plan import plan_job
+from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
 from airflow_provider_vllm.worker.task import ShardTask
 from tests.support.data import make_spec, write_parquet

@@ -8,8 +8,8 @@ import pytest
 
 from airflow_provider_vllm.core.errors import SpecError
 from airflow_provider_vllm.core.plan import PLAN_FILE
-from airflow_provider_vllm.steps.merge import merge_run
-from airflow_provider_vllm.steps.plan import plan_job
+from airflow_provider_vllm.steps.merge.merger import merge
+from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
 from airflow_provider_vllm.worker.task import ShardTask
 from tests.support.data import make_spec, write_parquet
@@ -43,11 +43,11 @@ def test_two_runs_racing_for_one_prefix(tmp_path, fake_engine_factory):
     winner = specs[won[0]]
     for s in results[won[0]].shards:
         run_shard(ShardTask(spec=winner, shard_id=s.shard_id), engine_factory=fake_engine_factory)
-    summary = merge_run(winner)
+    summary = merge(winner).dump()
     # the loser, retried later, is still refused; the winner's outputs are untouched
     with pytest.raises(SpecError):
         plan_job(specs[lost[0]])
-    assert merge_run(winner)["checksums"] == summary["checksums"]
+    assert merge(winner).dump()["checksums"] == summary["checksums"]
     rows = summary["rows"]
     record_fault("two_runs_one_prefix", rows=rows, lost=rows - summary["ok_rows"] - summary["error_rows"])
     assert rows == (40 if won[0] == 0 else 30)

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from airflow_provider_vllm.steps.plan import plan_job
+from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.progress import Progress
 from airflow_provider_vllm.worker.shard import run_shard
 from airflow_provider_vllm.worker.task import ShardTask

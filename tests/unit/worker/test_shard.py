@@ -8,8 +8,8 @@ import pytest
 
 from airflow_provider_vllm.core.commit import MARKER
 from airflow_provider_vllm.core.errors import CommitError, EngineError, SpecError, VerificationError
-from airflow_provider_vllm.steps.merge import merge_run
-from airflow_provider_vllm.steps.plan import plan_job
+from airflow_provider_vllm.steps.merge.merger import merge
+from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
 from airflow_provider_vllm.worker.task import ShardTask
 from tests.support.data import LABELS, make_spec, write_parquet
@@ -44,7 +44,7 @@ def test_planted_bad_rows_exactly_once(tmp_path, fake_engine_factory):
     spec = make_spec(tmp_path / "in", tmp_path / "out")
     plan, manifests = run_all(spec, fake_engine_factory)
     assert all(m["status"] == "committed" for m in manifests)
-    summary = merge_run(spec)
+    summary = merge(spec).dump()
     res, err = read_out(tmp_path / "out")
     assert summary["ok_rows"] == len(res) == 296 and summary["error_rows"] == len(err) == 4
     assert {e["id"]: e["error_code"] for e in err} == planted
@@ -61,7 +61,7 @@ def test_truncate_policy_cuts_long_rows(tmp_path, fake_engine_factory):
     planted_parquet(tmp_path)
     spec = make_spec(tmp_path / "in", tmp_path / "out", prompt={"truncation": "truncate"})
     run_all(spec, fake_engine_factory)
-    merge_run(spec)
+    merge(spec)
     res, err = read_out(tmp_path / "out")
     row = next(r for r in res if r["id"] == "t0042")
     assert row["truncated"] is True and row["prompt_tokens"] <= 1024 - 8
@@ -79,7 +79,7 @@ def test_jsonl_bad_lines(tmp_path, fake_engine_factory):
     p.write_bytes(("\ufeff" + "\r\n".join(lines) + "\r\n").encode())  # BOM + CRLF
     spec = make_spec(p, tmp_path / "out")
     run_all(spec, fake_engine_factory)
-    merge_run(spec)
+    merge(spec)
     res, err = read_out(tmp_path / "out")
     codes = {e["id"]: e["error_code"] for e in err}
     assert codes == {
@@ -113,7 +113,7 @@ def test_crash_then_resume_reuses_finished_chunks(tmp_path, fake_engine_factory)
     assert fake_engine_factory.made[-1].submitted == 100 - 10 * len(done_before)
     marker = json.loads((shard_dir / MARKER).read_text())
     assert len({f["path"].split("/")[3] for f in marker["files"]}) == 2  # chunks of both attempts
-    merge_run(spec)
+    merge(spec)
     res, err = read_out(tmp_path / "out")
     assert sorted(r["id"] for r in res) == sorted(f"r{i}" for i in range(100)) and not err
     check(tmp_path / "out", [f"r{i}" for i in range(100)], kind="engine_crash_mid_shard")
@@ -130,8 +130,8 @@ def test_rerun_after_success_is_a_noop(tmp_path, fake_engine_factory):
     assert [m["status"] for m in again] == ["already_committed"]
     assert len(fake_engine_factory.made) == n  # no engine started
     assert (tmp_path / "out" / "shards" / plan.shards[0].shard_id / MARKER).read_bytes() == marker_before
-    first = merge_run(spec)
-    second = merge_run(spec)
+    first = merge(spec).dump()
+    second = merge(spec).dump()
     assert first["checksums"] == second["checksums"]  # byte-identical merged output
     check(tmp_path / "out", [f"r{i}" for i in range(30)], kind="rerun_after_success")
 
@@ -160,7 +160,7 @@ def test_two_concurrent_attempts_commit_once(tmp_path, fake_engine_factory):
     assert statuses == ["already_committed", "committed"]
     winner = json.loads((tmp_path / "out" / "shards" / shard.shard_id / MARKER).read_text())["attempt_id"]
     assert {r["attempt_id"] for r in results.values()} == {winner}
-    merge_run(spec)
+    merge(spec)
     res, _ = read_out(tmp_path / "out")
     assert len(res) == 200 and len({r["id"] for r in res}) == 200
     assert {r["attempt_id"] for r in res} == {winner}
@@ -173,13 +173,13 @@ def test_merge_refuses_uncommitted_and_tampered(tmp_path, fake_engine_factory):
     plan = plan_job(spec)
     run_shard(ShardTask(spec=spec, shard_id=plan.shards[0].shard_id), engine_factory=fake_engine_factory)
     with pytest.raises(CommitError, match="1 of 2 shard"):
-        merge_run(spec)
+        merge(spec)
     run_shard(ShardTask(spec=spec, shard_id=plan.shards[1].shard_id), engine_factory=fake_engine_factory)
     marker = json.loads((tmp_path / "out" / "shards" / plan.shards[1].shard_id / MARKER).read_text())
     path = tmp_path / "out" / marker["files"][0]["path"]
     path.write_bytes(path.read_bytes()[:-10] + b"0123456789")
     with pytest.raises(CommitError, match="does not match its commit marker"):
-        merge_run(spec)
+        merge(spec)
 
 
 def test_merge_verification_catches_a_lost_row(tmp_path, fake_engine_factory):
@@ -193,7 +193,7 @@ def test_merge_verification_catches_a_lost_row(tmp_path, fake_engine_factory):
     spec = make_spec(tmp_path / "in.parquet", tmp_path / "out", sharding={"chunk_rows": 20})
     (shard,) = plan_job(spec).shards
     run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=fake_engine_factory)
-    from tests.unit.steps.test_merge import run_seal
+    from tests.unit.steps.merge.test_merger import run_seal
 
     store = ShardStore(
         __import__("airflow_provider_vllm.core.storage", fromlist=["Storage"]).Storage(str(tmp_path / "out")),
@@ -213,7 +213,7 @@ def test_merge_verification_catches_a_lost_row(tmp_path, fake_engine_factory):
     resealed = seal_record(store.run.keyring, COMMIT, str(tmp_path / "out"), marker.model_copy(update={"seal": None}))
     (tmp_path / "out" / "shards" / shard.shard_id / MARKER).write_bytes(record_bytes(resealed))
     with pytest.raises(VerificationError, match=r"1 missing \(e.g. \['r7'\]\)"):
-        merge_run(spec)
+        merge(spec)
 
 
 def test_openai_batch_in_and_out(tmp_path, fake_engine_factory):
@@ -239,7 +239,7 @@ def test_openai_batch_in_and_out(tmp_path, fake_engine_factory):
     )
     plan, _ = run_all(spec, fake_engine_factory)
     assert plan.format == "openai_batch"
-    summary = merge_run(spec)
+    summary = merge(spec).dump()
     assert summary["ok_rows"] == 10 and summary["error_rows"] == 2
     out = [json.loads(x) for x in (tmp_path / "out" / "openai" / "output.jsonl").read_text().splitlines()]
     errs = [json.loads(x) for x in (tmp_path / "out" / "openai" / "errors.jsonl").read_text().splitlines()]
@@ -264,7 +264,7 @@ def test_empty_input_gives_no_shards_and_an_empty_merge(tmp_path, fake_engine_fa
     spec = make_spec(tmp_path / "in.parquet", tmp_path / "out")
     plan, _ = run_all(spec, fake_engine_factory)
     assert plan.shards == []
-    s = merge_run(spec)
+    s = merge(spec).dump()
     assert s["rows"] == 0 and s["ok_rows"] == 0
     res, err = read_out(tmp_path / "out")
     assert res == [] and err == []
@@ -276,7 +276,7 @@ def test_qa_stage_writes_report_with_input_excerpts(tmp_path, fake_engine_factor
     planted_parquet(tmp_path)
     spec = make_spec(tmp_path / "in", tmp_path / "out", qa={"sample_size": 20})
     run_all(spec, fake_engine_factory)
-    merge_run(spec)
+    merge(spec)
     report, paths = qa_run(spec)
     assert report.status in ("pass", "warn", "fail")
     html = (tmp_path / "out" / paths["report_html"]).read_text()

@@ -10,7 +10,7 @@ from airflow_provider_vllm.core.errors import DatasetError, InputChangedError
 from airflow_provider_vllm.core.formats import input_format
 from airflow_provider_vllm.core.plan import Segment
 from airflow_provider_vllm.core.storage import Storage
-from airflow_provider_vllm.steps.plan import build_plan
+from airflow_provider_vllm.steps.plan.planner import build_plan
 from tests.support.data import make_spec
 
 JSONL = input_format("jsonl")

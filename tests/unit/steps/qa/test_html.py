@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from airflow_provider_vllm.core.spec import QASpec
-from airflow_provider_vllm.steps.merge import merge_run
-from airflow_provider_vllm.steps.plan import plan_job
+from airflow_provider_vllm.steps.merge.merger import merge
+from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.steps.qa.evaluate import evaluate
 from airflow_provider_vllm.steps.qa.html import render_report_html
 from airflow_provider_vllm.steps.qa.stage import qa_run
@@ -54,7 +54,7 @@ def run_pipeline(tmp_path: Path, name: str, template: str, previous: str | None)
 
     for shard in plan_job(spec).shards:
         run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=FakeEngine)
-    merge_run(spec)
+    merge(spec)
     report, paths = qa_run(spec)
     return spec, report, tmp_path / name / paths["report_html"]
 
@@ -259,7 +259,7 @@ def changes_page(tmp_path_factory, browser):
         plan = plan_job(spec, **({"engine_identity": "fake-engine"} if cache else {}))  # part of the cache key
         for shard in plan.shards:
             run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=FakeEngine)
-        merge_run(spec)
+        merge(spec)
         reports.append(qa_run(spec))
     report, paths = reports[-1]
     page = browser.new_page(viewport={"width": 1200, "height": 900})

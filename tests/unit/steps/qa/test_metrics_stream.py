@@ -149,8 +149,8 @@ def test_space_class_is_arrows_utf8_is_space_over_every_code_point():
 
 
 def test_qa_run_streams_above_the_threshold_and_reports_the_same(tmp_path, monkeypatch):
-    from airflow_provider_vllm.steps.merge import merge_run
-    from airflow_provider_vllm.steps.plan import plan_job
+    from airflow_provider_vllm.steps.merge.merger import merge
+    from airflow_provider_vllm.steps.plan.planner import plan_job
     from airflow_provider_vllm.steps.qa import stage
     from airflow_provider_vllm.worker.shard import run_shard
     from airflow_provider_vllm.worker.task import ShardTask
@@ -173,7 +173,7 @@ def test_qa_run_streams_above_the_threshold_and_reports_the_same(tmp_path, monke
     )
     for shard in plan_job(spec).shards:
         run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=FakeEngine)
-    merge_run(spec)
+    merge(spec)
     mem, _ = stage.qa_run(spec)
     calls = []
     real = stage.evaluate_stream

@@ -1,0 +1,136 @@
+"""Print the pod a DAG's Kubernetes shard task would launch, without a cluster and without a run.
+
+    python -m airflow_provider_vllm.cli.pod_dry_run DAG_ID LOGICAL_DATE [--map-index N] [--conf JSON]
+
+Renders the DAG's plan task for that logical date the way ``airflow tasks render`` does
+(same CLI helpers: DAG from the DAG folder and the metadata DB, Variables, params, macros),
+builds and validates the job spec, unmaps the Kubernetes shard task for shard ``N`` and prints
+its pod manifest (camelCase YAML, ready for ``kubectl apply --dry-run=server -f -``). The
+shard id is an example unless ``--from-plan`` reads it from the run's ``_plan.json``;
+nothing is written, and no Kubernetes API is called. The DAG must be serialized in the
+metadata DB (``airflow dags reserialize``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from kubernetes.client import ApiClient
+
+
+def _tasks(dag: Any) -> tuple[Any, Any]:
+    """The plan task and the Kubernetes shard task (mapped) of the DAG's first vLLM batch job."""
+    from airflow_provider_vllm.operators.kubernetes import VllmKubernetesShardOperator
+    from airflow_provider_vllm.operators.plan import VllmPlanOperator
+
+    plans = [t for t in dag.tasks if isinstance(t, VllmPlanOperator)]
+    shards = [
+        t
+        for t in dag.tasks
+        if getattr(t, "operator_class", None) is VllmKubernetesShardOperator
+        or isinstance(t, VllmKubernetesShardOperator)
+    ]
+    if not plans or not shards:
+        raise SystemExit(
+            f"{dag.dag_id}: no Kubernetes shard task (build it with runner='kubernetes' or a templated runner)"
+        )
+    group = plans[0].task_id.rpartition(".")[0]
+    shard = next((s for s in shards if s.task_id.rpartition(".")[0] == group), shards[0])
+    return plans[0], shard
+
+
+def _shard(spec: Any, map_index: int, from_plan: bool, filesystems: Any = None) -> tuple[dict[str, Any], str | None]:
+    if not from_plan:
+        return {
+            "shard_id": f"shard-{map_index:05d}-00000000",
+            "rows": 0,
+        }, "example shard id (--from-plan reads the run's _plan.json)"
+    from airflow_provider_vllm.core.plan import load_plan
+
+    plan = load_plan(spec, filesystems)
+    if map_index >= len(plan.shards):
+        raise SystemExit(f"map index {map_index} out of range: the plan has {len(plan.shards)} shard(s)")
+    return plan.shards[map_index].summary(), None
+
+
+def render_shard_pod(
+    dag_id: str, logical_date: str, *, map_index: int = 0, conf: dict[str, Any] | None = None, from_plan: bool = False
+) -> tuple[dict[str, Any], list[str]]:
+    """(pod manifest, notes) for shard ``map_index`` of ``dag_id``'s run at ``logical_date``."""
+    from airflow.cli.commands.task_command import _get_template_context, _get_ti
+    from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
+    from airflow.utils.cli import get_bagged_dag, get_db_dag
+
+    from airflow_provider_vllm.utils.job_spec import check_runner
+
+    sdk_dag = get_bagged_dag(None, dag_id)
+    plan, mapped = _tasks(sdk_dag)
+    ti, _ = _get_ti(
+        get_db_dag(None, dag_id).get_task(plan.task_id),
+        -1,
+        logical_date_or_run_id=logical_date,
+        create_if_necessary="memory",
+    )
+    context = _get_template_context(ti, plan)
+    if conf:
+        context["params"].update(conf)
+    plan.render_template_fields(context)
+    notes = []
+    runner = check_runner(plan.runner)
+    if runner != "kubernetes":
+        notes.append(f"runner renders to {runner!r} for this run: the pod below is what runner=kubernetes launches")
+    spec = plan.build_spec(dict(context["params"]))
+    shard, note = _shard(spec, map_index, from_plan, plan.filesystems() if from_plan else None)
+    if note:
+        notes.append(note)
+    op = mapped.unmap({"shard": shard}) if hasattr(mapped, "unmap") else mapped
+    op.dag = sdk_dag
+    shard_ti = RuntimeTaskInstance.model_construct(
+        dag_id=dag_id, task_id=op.task_id, run_id=context["run_id"], try_number=1, map_index=map_index, task=op
+    )
+    shard_context = {**context, "ti": shard_ti, "task_instance": shard_ti, "task": op}
+    op.spec = None  # data from the plan, never templated (a real run resolves the plan's XCom)
+    op.render_template_fields(shard_context)
+    op.spec = spec.model_dump(mode="json")
+    op.shard = shard
+    pod = op.build_pod_request_obj(shard_context, dry_run=True)
+    return ApiClient().sanitize_for_serialization(pod), notes
+
+
+def main(argv: list[str] | None = None) -> int:
+    import yaml
+
+    p = argparse.ArgumentParser(
+        prog="python -m airflow_provider_vllm.cli.pod_dry_run", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument("dag_id")
+    p.add_argument("logical_date", help="logical date (or run id) of the run to render")
+    p.add_argument("--map-index", type=int, default=0, help="which shard (default 0)")
+    p.add_argument("--conf", default=None, help="JSON object of DAG params for this run")
+    p.add_argument("--from-plan", action="store_true", help="take the shard from the run's _plan.json")
+    args = p.parse_args(argv)
+    conf = json.loads(args.conf) if args.conf else None
+    # Airflow logs to stdout; stdout carries only the manifest, so everything else goes to stderr.
+    sys.stdout.flush()
+    manifest_fd = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        manifest, notes = render_shard_pod(
+            args.dag_id, args.logical_date, map_index=args.map_index, conf=conf, from_plan=args.from_plan
+        )
+    finally:
+        sys.stdout.flush()
+        os.dup2(manifest_fd, 1)
+        os.close(manifest_fd)
+    for n in notes:
+        print(f"# note: {n}")
+    print(yaml.safe_dump(manifest, sort_keys=False), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

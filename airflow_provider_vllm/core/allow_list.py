@@ -1,0 +1,199 @@
+"""Input/output URIs: canonical form and the deployment's allow-list of prefixes.
+
+Pure (no Airflow, no I/O except resolving local symlinks). ``check_uri(uri, allowed)``
+returns the canonical URI or raises ``SpecError`` naming the parameter and the reason:
+
+* schemes: local absolute paths, ``file://``, and the object stores listed in ``SCHEMES``;
+  anything else (``http://``, ``ftp://``, ``hdfs://``, ``zip::``, chained ``a::b``) is refused;
+* ``..`` and ``.`` segments, their percent-encoded forms (``%2e%2e``, ``%2f``, ``%5c``,
+  double-encoded ``%25...``), backslashes, control characters and empty segments are refused,
+  not resolved: a path that needs cleaning is a path someone is probing with;
+* ``file://`` must be ``file:///abs/path`` (or ``file://localhost/...``); relative local paths
+  are refused;
+* local paths are resolved with ``realpath``, so a symlink that leads out of an allowed
+  prefix is caught (``check_local_tree`` does the same for every file under a folder);
+* a prefix matches by whole segments: ``s3://data`` allows ``s3://data/x`` but not
+  ``s3://data-other/x``.
+
+``check_uri`` with an empty allow-list checks the syntax only; the deployment checks
+(``spec_guard.check_deployment``) fail closed instead: no allow-list and no explicit
+"any location" setting -> nothing is read or written. The deployment setting is read by the
+Airflow side (``utils/deployment.py``) and handed to the worker through
+``ALLOWED_PREFIXES_ENV`` (and ``ALLOW_ANY_LOCATION_ENV``), never through the shard task, so a
+forged task cannot widen it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable, Sequence
+
+from airflow_provider_vllm.core import envs
+from airflow_provider_vllm.core.errors import SpecError
+
+SCHEMES = ("s3", "s3a", "gs", "gcs", "memory", "file")
+# Stores fsspec can reach but the commit protocol cannot use: no tested create-only
+# (write-if-absent) path here, so a run would plan and then fail at its first commit.
+UNSUPPORTED_SCHEMES = {
+    s: "Azure storage has no tested create-only (write-if-absent) write in this provider, which the commit "
+    "protocol needs"
+    for s in ("abfs", "abfss", "az", "adl")
+}
+ALLOWED_PREFIXES_ENV = envs.ALLOWED_PREFIXES.name
+ALLOW_ANY_LOCATION_ENV = envs.ALLOW_ANY_LOCATION.name  # "1": the deployment allows any location
+ALLOW_REMOTE_CODE_ENV = envs.ALLOW_REMOTE_CODE.name  # "1": trust_remote_code / code-loading engine options
+DEPLOYMENT_ENV = (ALLOWED_PREFIXES_ENV, ALLOW_ANY_LOCATION_ENV, ALLOW_REMOTE_CODE_ENV)
+"""The worker's deployment settings, set by the shard operator (last: nothing else may set them)."""
+MAX_URI_CHARS = 1024
+_ENCODED = re.compile(r"%(2e|2f|5c|25|00)", re.IGNORECASE)
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$", re.DOTALL)
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9._-]{1,254}$")
+
+
+def canonical_uri(uri: str, what: str = "uri", resolve: bool = True) -> str:
+    """The canonical form of ``uri`` (local: absolute real path; remote: ``scheme://bucket/key``).
+
+    ``resolve=False`` skips resolving local symlinks (a syntax check only, no I/O).
+    """
+    if not isinstance(uri, str) or not uri:
+        raise SpecError(f"{what}: must be a non-empty string")
+    if len(uri) > MAX_URI_CHARS:
+        raise SpecError(f"{what}: {len(uri)} characters; at most {MAX_URI_CHARS}")
+    if _CONTROL.search(uri):
+        raise SpecError(f"{what}={uri!r}: control characters are not allowed")
+    if "\\" in uri:
+        raise SpecError(f"{what}={uri!r}: backslashes are not allowed")
+    if _ENCODED.search(uri):
+        raise SpecError(f"{what}={uri!r}: percent-encoded '.', '/', '\\', '%' or NUL are not allowed")
+    if "::" in uri:
+        raise SpecError(f"{what}={uri!r}: chained fsspec URLs (a::b) are not allowed")
+    m = _SCHEME.match(uri)
+    if m is None:
+        if ":" in uri.split("/", 1)[0]:
+            raise SpecError(f"{what}={uri!r}: unknown scheme; use one of {list(SCHEMES)} or an absolute path")
+        return _local(uri, uri, what, resolve)
+    scheme, rest = m.group(1).lower(), m.group(2)
+    if scheme in UNSUPPORTED_SCHEMES:
+        raise SpecError(
+            f"{what}={uri!r}: scheme {scheme!r} is not supported: {UNSUPPORTED_SCHEMES[scheme]}; "
+            f"use one of {list(SCHEMES)}"
+        )
+    if scheme not in SCHEMES:
+        raise SpecError(f"{what}={uri!r}: scheme {scheme!r} is not allowed; use one of {list(SCHEMES)}")
+    if scheme == "file":
+        host, sep, path = rest.partition("/")
+        if host not in ("", "localhost") or not sep:
+            raise SpecError(f"{what}={uri!r}: file URIs must be file:///absolute/path")
+        return _local("/" + path, uri, what, resolve)
+    bucket, _, key = rest.partition("/")
+    if scheme != "memory" and not _BUCKET.match(bucket):
+        raise SpecError(f"{what}={uri!r}: {bucket!r} is not a valid bucket name")
+    segments = _segments(key.rstrip("/"), uri, what) if key.strip("/") else []
+    return f"{scheme}://" + "/".join([bucket, *segments])
+
+
+def _segments(path: str, uri: str, what: str) -> list[str]:
+    parts = path.split("/")
+    for p in parts:
+        if p in ("..", "."):
+            raise SpecError(f"{what}={uri!r}: '{p}' path segments are not allowed")
+        if p == "":
+            raise SpecError(f"{what}={uri!r}: empty path segments ('//') are not allowed")
+    return parts
+
+
+def _local(path: str, uri: str, what: str, resolve: bool) -> str:
+    if not path.startswith("/"):
+        raise SpecError(f"{what}={uri!r}: local paths must be absolute")
+    body = path.rstrip("/")
+    if body:
+        _segments(body[1:], uri, what)
+    if not resolve:
+        return body or "/"
+    return os.path.realpath(path)  # resolves symlinks, so an escape shows in the result
+
+
+def is_under(uri: str, prefix: str) -> bool:
+    """True when canonical ``uri`` equals canonical ``prefix`` or lies below it (whole segments)."""
+    prefix = prefix.rstrip("/")
+    return uri == prefix or uri.startswith(prefix + "/") or (prefix == "" and uri.startswith("/"))
+
+
+def check_uri(uri: str, allowed: Sequence[str] | None, what: str = "uri") -> str:
+    """Canonical ``uri``, or SpecError when it is malformed or under none of ``allowed``."""
+    canon = canonical_uri(uri, what)
+    prefixes = canonical_prefixes(allowed)
+    if prefixes and not any(is_under(canon, p) for p in prefixes):
+        shown = canon if canon == uri.rstrip("/") else f"{uri} (= {canon})"
+        raise SpecError(f"{what}={shown} is outside the allowed prefixes {prefixes}")
+    return canon
+
+
+def check_cache_location(uri: str, cache_prefixes: Sequence[str], setting: str) -> str:
+    """Canonical ``cache.uri``, or SpecError when the deployment allows no cache there (none configured: nowhere).
+
+    Where caches live is the deployment's choice, so that one team's job cannot read or fill another's.
+    """
+    canon = canonical_uri(uri, "cache.uri")
+    if not cache_prefixes:
+        raise SpecError(
+            f"cache.uri={uri} is set, but the deployment allows no result cache: {setting} is empty "
+            "(name the prefixes result caches may live under, or unset cache.uri)"
+        )
+    if not any(is_under(canon, p) for p in cache_prefixes):
+        raise SpecError(
+            f"cache.uri={uri} is outside the deployment's cache locations {list(cache_prefixes)} ({setting})"
+        )
+    return canon
+
+
+def check_local_tree(canon: str, allowed: Sequence[str] | None, what: str = "uri") -> None:
+    """Every file under a local folder resolves inside ``allowed`` (catches symlinks inside it)."""
+    prefixes = canonical_prefixes(allowed)
+    if not prefixes or not canon.startswith("/") or not os.path.isdir(canon):
+        return
+    for dirpath, dirnames, filenames in os.walk(canon, followlinks=False):
+        for name in [*dirnames, *filenames]:
+            p = os.path.join(dirpath, name)
+            if os.path.islink(p):
+                real = os.path.realpath(p)
+                if not any(is_under(real, q) for q in prefixes):
+                    raise SpecError(f"{what}: {p} is a symlink to {real}, outside the allowed prefixes {prefixes}")
+
+
+def canonical_prefixes(allowed: Iterable[str] | None) -> list[str]:
+    """The allow-list in canonical form; raises SpecError on a malformed entry (a deployment error)."""
+    return [canonical_uri(p, "allowed prefix") for p in (allowed or []) if p and p.strip()]
+
+
+def parse_prefixes(raw: str | Sequence[str] | None) -> list[str]:
+    """An allow-list from a JSON list, a comma/newline-separated string, or a list."""
+    if raw is None:
+        return []
+    if isinstance(raw, str):
+        text = raw.strip()
+        if not text:
+            return []
+        if text.startswith("["):
+            try:
+                items = json.loads(text)
+            except ValueError as e:
+                raise SpecError(f"allowed prefixes {raw!r}: not a JSON list: {e}") from None
+        else:
+            items = re.split(r"[,\n]", text)
+    else:
+        items = list(raw)
+    return [str(i).strip() for i in items if str(i).strip()]
+
+
+def prefixes_from_env(env: dict[str, str] | None = None) -> list[str]:
+    """The allow-list the worker was started with (``ALLOWED_PREFIXES_ENV``)."""
+    return parse_prefixes(envs.ALLOWED_PREFIXES.get(env))
+
+
+def flag_from_env(name: str, env: dict[str, str] | None = None) -> bool:
+    """A deployment flag the worker was started with ("1"/"true"/"yes" -> True; anything else False)."""
+    return envs.by_name()[name].flag(env)

@@ -1,0 +1,282 @@
+"""What moved since the previous run: ``changes/changes.parquet`` (one row per id) and
+``changes/_changes.json`` (``records.ChangesSummary``: counts, churn rate, the label matrix).
+
+Every id in this run's merged output or the previous run's (``changes.previous_uri``) gets one
+``change``:
+
+- ``added``: an answer now, the id was not in the previous run;
+- ``removed``: in the previous run (an answer or an error), not in this one;
+- ``changed`` / ``unchanged``: an answer in both runs, different / equal;
+- ``error``: an error row in this run (``old_status`` says what it was before: 'ok', 'error' or null);
+- ``recovered``: an error row in the previous run, an answer now.
+
+The compared value (``compared``): structured choice and classify -> ``label`` (classify: the
+argmax label); json_schema -> ``parsed_json``; otherwise ``output``; embed -> the vector, equal or
+not (by a 64-bit hash of it; the file carries no vector values). ``churn_rate`` = changed /
+(changed + unchanged): ids whose answer could move; errors have their own QA check.
+
+The previous run counts only when it is complete (its ``_MERGED.json`` exists); otherwise
+every id of this run is 'added' (or 'error') and the summary says why. A previous run of
+another task or id column is refused (``SpecError`` naming ``changes.previous_uri``).
+
+DuckDB does all of it (a full outer join on id, spilled to a local temp folder under a memory
+limit; no Python loop over rows). Writes: the Parquet, then the summary, each atomically; a
+rerun overwrites both, so a crash between them is repaired by running the step again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+
+import duckdb
+
+from airflow_provider_vllm.core import duck, faults
+from airflow_provider_vllm.core import seal as seals
+from airflow_provider_vllm.core.errors import CommitError, SealError, SpecError
+from airflow_provider_vllm.core.records import (
+    CHANGE_KINDS,
+    ChangeCounts,
+    ChangesSummary,
+    MatrixCell,
+    MergeSummary,
+)
+from airflow_provider_vllm.core.seal import Keyring
+from airflow_provider_vllm.core.spec import JobSpec
+from airflow_provider_vllm.core.storage import FileSystems, Storage
+from airflow_provider_vllm.steps.merge.merger import ERRORS, MERGED, RESULTS, read_merged, verified_parts
+
+# A run merged before results/ became a folder of parts (provider < 0.2): its two files.
+
+CHANGES = "changes/changes.parquet"
+SUMMARY = "changes/_changes.json"
+VERSION = 1
+# The matrix in the summary keeps the largest cells; 1000 labels could make a million of them.
+MAX_MATRIX_CELLS = 10_000
+_EMPTY = (
+    "SELECT NULL::VARCHAR AS id, NULL::VARCHAR AS st, NULL::VARCHAR AS v, NULL::UBIGINT AS h, "
+    "NULL::VARCHAR AS code WHERE false"
+)
+
+
+log = logging.getLogger(__name__)
+
+
+def compared_column(spec: JobSpec) -> str:
+    """The result column whose value decides 'changed' for this job."""
+    if spec.task == "embed":
+        return "embedding"
+    if spec.task == "classify":
+        return "label"
+    st = spec.sampling.structured
+    if st is not None and st.choice:
+        return "label"
+    if st is not None and st.json_schema is not None:
+        return "parsed_json"
+    return "output"
+
+
+def _results_relation(out: Storage, kind: str, merged: MergeSummary) -> str:
+    """SQL for a merged run's ``results`` or ``errors`` rows: the one place that knows the file layout.
+
+    Only parts the run's sealed ``_MERGED.json`` names, each checked (size and sha256) before it is read.
+    """
+    return f"read_parquet({duck.file_list(out, verified_parts(out, kind, merged))})"
+
+
+def _side(out: Storage, col: str, merged: MergeSummary) -> str:
+    """One run's rows as (id, st 'ok'|'error', v the compared value, h a vector's hash, code the error code)."""
+    if col == "embedding":
+        v, h = "NULL::VARCHAR", "hash(embedding)"
+    elif col == "label":
+        # classify rows have scores; a label-less one (no class names) compares by its scores
+        v, h = "coalesce(label, CAST(scores AS VARCHAR))", "NULL::UBIGINT"
+    else:
+        v, h = f"{col}", "NULL::UBIGINT"
+    return (
+        f"SELECT id, 'ok' AS st, {v} AS v, {h} AS h, NULL::VARCHAR AS code "
+        f"FROM {_results_relation(out, RESULTS, merged)} "
+        f"UNION ALL SELECT id, 'error', NULL, NULL, error_code FROM {_results_relation(out, ERRORS, merged)}"
+    )
+
+
+def _previous_state(prev: Storage, where: str, keyring: Keyring) -> tuple[str, MergeSummary | None]:
+    """The previous run's state and, when complete, its merge summary, sealed by this deployment's merge.
+
+    A summary without that seal (forged, moved from another folder, or written before seals) is
+    ``unverified``: nothing of that run is read, every id of this run is then 'added'.
+    """
+    if prev.exists(MERGED):
+        try:
+            return "complete", read_merged(prev, keyring)
+        except SealError as e:
+            log.warning("%s: not compared: %s", where, e)
+            return "unverified", None
+        except ValueError as e:  # pydantic's ValidationError: not a merge summary this provider wrote
+            raise SpecError(f"{where}: its {MERGED} is not a merge summary ({str(e).splitlines()[0]})") from e
+    return ("incomplete" if prev.exists("_plan.json") else "absent"), None
+
+
+def _check_foreign(spec: JobSpec, prev: Storage, merged: MergeSummary, con, col: str) -> None:
+    """Refuse a previous run of another task or id column (SpecError naming changes.previous_uri)."""
+    where = f"changes.previous_uri {spec.changes.previous_uri!r}"
+    if merged.task is not None and merged.task != spec.task:
+        raise SpecError(
+            f"{where} is a run of task {merged.task!r}, this job's task is {spec.task!r}: "
+            "its answers cannot be compared; point it at a run of this job"
+        )
+    if merged.id_column is not None and merged.id_column != spec.prompt.id_column:
+        raise SpecError(
+            f"{where} took its ids from column {merged.id_column!r}, this job from "
+            f"{spec.prompt.id_column!r}: the ids do not name the same rows"
+        )
+    # Older summaries lack task/id_column: the data must at least have the compared values.
+    value = (
+        "embedding" if col == "embedding" else ("coalesce(label, CAST(scores AS VARCHAR))" if col == "label" else col)
+    )
+    try:
+        ok, with_value = con.execute(
+            f"SELECT count(*), count({value}) FROM {_results_relation(prev, RESULTS, merged)}"
+        ).fetchall()[0]
+    except (duckdb.BinderException, duckdb.InvalidInputException) as e:  # a file of another schema
+        raise SpecError(
+            f"{where}: its results cannot be read as this job's ({type(e).__name__}: {str(e).splitlines()[0]})"
+        ) from e
+    if ok and not with_value and merged.ok_rows:
+        raise SpecError(
+            f"{where}: none of its {ok} answers has a {col!r} value, which this job compares: "
+            "a run of another task or structured setting"
+        )
+
+
+def compute_changes(
+    spec: JobSpec, filesystems: FileSystems | None = None, memory_limit: str = "1GB", keyring: Keyring | None = None
+) -> ChangesSummary:
+    """Write ``changes/changes.parquet`` and ``changes/_changes.json`` for a merged run; return the summary.
+
+    Needs this run's ``_MERGED.json`` and ``changes.previous_uri`` set. Raises SpecError for a
+    previous run of another task / id column; a missing or incomplete one is not an error.
+    """
+    if not spec.changes.previous_uri:
+        raise SpecError("changes.previous_uri is not set: nothing to compare against")
+    out = Storage(spec.io.output_uri, spec.io.storage_options, filesystems)
+    prev = Storage(spec.changes.previous_uri, spec.io.storage_options, filesystems)
+    if prev.uri().rstrip("/") == out.uri().rstrip("/"):
+        raise SpecError(f"changes.previous_uri {spec.changes.previous_uri!r} is this run's own output prefix")
+    keyring = keyring or Keyring.from_env()
+    merged = read_merged(out, keyring)
+    col = compared_column(spec)
+    state, prev_merged = _previous_state(prev, f"changes.previous_uri {spec.changes.previous_uri!r}", keyring)
+    notes: list[str] = []
+    con = duck.connect(out, prev, memory_limit=memory_limit)
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            con.execute(f"SET temp_directory = '{tmp.replace(chr(39), chr(39) * 2)}/spill'")
+            if prev_merged is not None:
+                _check_foreign(spec, prev, prev_merged, con, col)
+                old = _side(prev, col, prev_merged)
+            else:
+                old = _EMPTY
+                notes.append(
+                    f"no previous run to compare: {spec.changes.previous_uri} "
+                    + {
+                        "incomplete": "has no _MERGED.json (not complete)",
+                        "unverified": "has a _MERGED.json without this deployment's seal (not read)",
+                    }.get(state, "holds no run")
+                    + "; every id is 'added'"
+                )
+            local = os.path.join(tmp, "changes.parquet")
+            values = "" if col == "embedding" else "o.v AS old_value, n.v AS new_value, "
+            cmp = "o.h IS NOT DISTINCT FROM n.h" if col == "embedding" else "o.v IS NOT DISTINCT FROM n.v"
+            con.execute(
+                f"COPY (SELECT coalesce(n.id, o.id) AS id, CASE "
+                f"WHEN n.id IS NULL THEN 'removed' WHEN n.st = 'error' THEN 'error' WHEN o.id IS NULL THEN 'added' "
+                f"WHEN o.st = 'error' THEN 'recovered' WHEN {cmp} THEN 'unchanged' ELSE 'changed' END AS change, "
+                f"o.st AS old_status, n.st AS new_status, {values}"
+                f"o.code AS old_error_code, n.code AS new_error_code "
+                f"FROM ({old}) o FULL OUTER JOIN ({_side(out, col, merged)}) n ON o.id = n.id ORDER BY 1) "
+                f"TO '{local.replace(chr(39), chr(39) * 2)}' (FORMAT parquet, COMPRESSION zstd)"
+            ).fetchall()
+            src = f"read_parquet('{local.replace(chr(39), chr(39) * 2)}')"
+            by_kind = dict(con.execute(f"SELECT change, count(*) FROM {src} GROUP BY 1").fetchall())
+            counts = ChangeCounts(**{k: int(by_kind.get(k, 0)) for k in CHANGE_KINDS})
+            matrix, cells = None, None
+            if col == "label":
+                cells = con.execute(
+                    f"SELECT count(*) FROM (SELECT DISTINCT old_value, new_value FROM {src} "
+                    f"WHERE change IN ('added', 'removed', 'changed', 'unchanged') "
+                    "AND coalesce(old_status, 'ok') = 'ok')"
+                ).fetchall()[0][0]
+                matrix = [
+                    MatrixCell(old=o, new=n, count=c)
+                    for o, n, c in con.execute(
+                        f"SELECT old_value, new_value, count(*) AS c FROM {src} "
+                        f"WHERE change IN ('added', 'removed', 'changed', 'unchanged') "
+                        "AND coalesce(old_status, 'ok') = 'ok' "
+                        f"GROUP BY 1, 2 ORDER BY c DESC, 1 NULLS FIRST, 2 NULLS FIRST LIMIT {MAX_MATRIX_CELLS}"
+                    ).fetchall()
+                ]
+                if cells > MAX_MATRIX_CELLS:
+                    notes.append(f"the label matrix has {cells} cells; the {MAX_MATRIX_CELLS} largest are listed")
+            faults.hit("changes.before_write")
+            digest = Storage(tmp).sha256("changes.parquet")  # what this step wrote, not what the bucket holds later
+            _publish(out, local, CHANGES)
+        finally:
+            con.close()
+    faults.hit("changes.after_data")
+    in_both = counts.changed + counts.unchanged
+    if prev_merged is not None and prev_merged.config_hash != merged.config_hash:
+        notes.append(
+            "the previous run had another config (model, prompt or sampling): "
+            "changed answers may come from that, not from the input"
+        )
+    summary = ChangesSummary(
+        version=VERSION,
+        previous_uri=spec.changes.previous_uri,
+        previous_state=state,
+        previous_config_hash=prev_merged.config_hash if prev_merged is not None else None,
+        config_hash=merged.config_hash,
+        compared=col,
+        ids=sum(by_kind.values()),
+        counts=counts,
+        in_both=in_both,
+        churn_rate=counts.changed / in_both if in_both else None,
+        matrix=matrix,
+        matrix_cells=cells,
+        files={"changes": CHANGES},
+        checksums={CHANGES: digest},
+        notes=notes,
+    )
+    summary = seals.seal_record(keyring, seals.CHANGES, seals.scope_of(out.uri()), summary)
+    with faults.writing("changes.mid_marker"):
+        out.write_atomic(SUMMARY, seals.record_bytes(summary))
+    faults.hit("changes.after_marker")
+    return summary
+
+
+def read_changes(out: Storage, keyring: Keyring | None = None) -> ChangesSummary:
+    """``changes/_changes.json`` of the run under ``out``, validated, its seal checked, and ``changes.parquet``
+    checked against it (size is not recorded; sha256, a streaming read); CommitError/SealError otherwise."""
+    summary = ChangesSummary.model_validate_json(out.read_bytes(SUMMARY))
+    seals.verify_record(
+        keyring or Keyring.from_env(), seals.CHANGES, seals.scope_of(out.uri()), summary, out.uri(SUMMARY)
+    )
+    for rel, sha in summary.checksums.items():
+        if rel != CHANGES or out.sha256(rel) != sha:
+            raise CommitError(f"{out.uri(rel)} is not the file the sealed {SUMMARY} names (sha256 differs)")
+    return summary
+
+
+def _publish(out: Storage, local: str, rel: str) -> None:
+    """Move a finished local file to rel: readers see all of it or nothing."""
+    if not out.is_local:
+        out.upload(local, rel)
+        return
+    dest = out.path(rel)
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    tmp = f"{dest}.tmp-{os.getpid()}"
+    faults.partial_copy(local, tmp, "changes.mid_file")
+    shutil.move(local, tmp)
+    os.replace(tmp, dest)

@@ -1,0 +1,636 @@
+"""Merge: committed shards -> the published ``results/`` and ``errors/`` folders, verified against the input ids.
+
+Reads only files that commit markers name, and only when each lies under its own shard's
+attempt folders (``shards/<shard_id>/attempts/<attempt>/chunk-NNNNN.parquet`` for ok rows,
+``chunk-NNNNN.errors.parquet`` for error rows; a marker naming another shard's file, or any
+other path, is refused) and matches the size and sha256 the marker records. The workers wrote
+each part in its published schema (``core.rows.RESULT_SCHEMA`` / ``ERROR_SCHEMA``), so merge
+publishes them *by reference*, without decoding: a hard link (a copy across filesystems) or a
+server-side copy on object stores, into ``results/part-<n>-<shard>-<chunk>.parquet`` and
+``errors/...`` (names sort in plan order; empty error parts are left out; a folder with no rows
+gets one empty part so every reader sees the schema), then ``_manifest.json`` per folder
+(``PartsManifest``), then ``_MERGED.json`` last: the "complete" signal.
+
+Verification reads only the id column of the parts: duplicate ids across committed parts are
+counted *before* anything is dropped; identical duplicates (same status and content;
+provenance columns such as the attempt may differ) are dropped and reported (``duplicates``),
+which re-encodes only the parts that held the dropped copies; copies whose content differs
+fail the merge, naming the ids. Then input ids == result ids + error ids, no id twice.
+A rerun after a crash at any step converges to the same bytes; files in ``results/`` or
+``errors/`` that merge did not write are refused, stale parts of its own are removed.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+from typing import Any
+
+import duckdb
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from pydantic import Field
+
+from airflow_provider_vllm import __version__
+from airflow_provider_vllm.core import duck, faults
+from airflow_provider_vllm.core import seal as seals
+from airflow_provider_vllm.core.commit import MARKER, CommitMarker, RunSeal, ShardStore
+from airflow_provider_vllm.core.errors import CommitError, VerificationError
+from airflow_provider_vllm.core.formats import input_format
+from airflow_provider_vllm.core.formats.files import check_unchanged
+from airflow_provider_vllm.core.plan import Plan, load_plan
+from airflow_provider_vllm.core.records import (
+    Duplicates,
+    FileRef,
+    MergeSummary,
+    PartEntry,
+    PartsManifest,
+    ShardStatsEntry,
+)
+from airflow_provider_vllm.core.rows import ERROR_SCHEMA, RESULT_SCHEMA, ROW_SCHEMA
+from airflow_provider_vllm.core.seal import Keyring
+from airflow_provider_vllm.core.spec import JobSpec
+from airflow_provider_vllm.core.storage import FileSystems, Storage
+from airflow_provider_vllm.steps.cache import result_cache as cache
+
+log = logging.getLogger(__name__)
+
+RESULTS = "results"  # folder of Parquet parts (RESULT_SCHEMA)
+ERRORS = "errors"  # folder of Parquet parts (ERROR_SCHEMA)
+KINDS = (RESULTS, ERRORS)
+MANIFEST = "_manifest.json"
+MERGED = "_MERGED.json"
+OPENAI_OUT = "openai/output.jsonl"
+OPENAI_ERR = "openai/errors.jsonl"
+SCHEMAS = {RESULTS: RESULT_SCHEMA, ERRORS: ERROR_SCHEMA}
+# Columns that say where and how fast a row was made, not what it is: two committed rows of one
+# id that differ only here are the same result (e.g. one chunk named twice), anything else differs.
+PROVENANCE_COLUMNS = ("shard_id", "attempt_id", "latency_ms", "cached_from")
+DUPLICATE_EXAMPLES = 10
+_ATTEMPT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_CHUNK_NAME = {
+    RESULTS: re.compile(r"^chunk-(\d{5})\.parquet$"),
+    ERRORS: re.compile(r"^chunk-(\d{5})\.errors\.parquet$"),
+}
+_PART_NAME = re.compile(r"^part-\d+(-[A-Za-z0-9._-]+)?\.parquet$")
+_TMP_NAME = re.compile(r"^\.part-.*\.tmp-\d+$")
+
+
+class SourcePart(FileRef):
+    """A committed part file to publish: where it is (``path`` under the output prefix), what it must be (its
+    sealed size, sha256 and rows), and its published name inside results/ or errors/."""
+
+    name: str = Field(description="the published name inside results/ or errors/")
+
+    @property
+    def rel(self) -> str:
+        return self.path
+
+
+def merge(
+    spec: JobSpec, memory_limit: str = "1GB", filesystems: FileSystems | None = None, keyring: Keyring | None = None
+) -> MergeSummary:
+    """Merge a run whose shards are all committed; returns the merge summary (also ``_MERGED.json``, sealed).
+
+    ``filesystems``: how object stores are reached (``storage.FileSystems``; default fsspec).
+    ``keyring``: the deployment's signing keys (default ``VLLM_BATCH_SIGNING_KEY``): the plan and every
+    commit marker must carry this deployment's seal for this run, and every published part must have the
+    size and sha256 its sealed marker (or the sealed plan, for the cache's hits) names.
+    Raises CommitError (a marker missing, forged or not matching its files; a foreign file in
+    results/ or errors/; a part whose bytes changed), SealError (a record not sealed by this deployment's
+    pipeline for this run) or VerificationError (ids missing, extra, or committed twice with differing
+    content).
+    """
+    t0 = time.monotonic()
+    keyring = keyring or Keyring.from_env()
+    out = Storage(spec.io.output_uri, spec.io.storage_options, filesystems)
+    plan = load_plan(spec, filesystems, keyring)
+    if plan.spec_hash != spec.content_hash():
+        raise CommitError(f"the plan at {spec.io.output_uri} was made for another spec; refusing to merge")
+    assert plan.seal is not None
+    sources, markers = committed_parts(out, plan, RunSeal(keyring, plan.seal.mac))
+    # The one place for more result parts: the result cache's hits (the plan's hits file, a
+    # RESULT_SCHEMA file checked against the sealed plan's sha256) are published like any committed
+    # part, after the computed ones. The id verification, duplicate accounting and publishing
+    # read every part from this dict.
+    hits = cache.hits_part(out, plan, len(sources[RESULTS])) if plan.cache is not None else None
+    if hits is not None:
+        sources[RESULTS].append(SourcePart(**hits[0].model_dump(), name=hits[1]))
+    for kind in KINDS:
+        check_folder(out, kind)
+    in_root = out.at(plan.input_root)
+    con = duck.connect(out, in_root, memory_limit=memory_limit)
+    try:
+        _ids_view(con, out, sources)
+        check_unchanged(in_root, plan.input_files())
+        register_input_ids(con, spec, plan, in_root)
+        duplicates = Duplicates(ids=0, rows_dropped=0, examples=[])
+        drop: dict[str, list[int]] = {}
+        proven = exactly_once(con, plan.total_rows)
+        total = distinct = proven or 0
+        if proven is None:  # something is off: count duplicates first (they explain a shortfall), then name it
+            # Distinct 64-bit hashes == rows proves distinct ids (equal ids hash equal) and is
+            # cheaper than distinct strings; only a shortfall (a duplicate or a collision) pays for
+            # the exact count.
+            total, distinct = con.execute("SELECT count(*), count(DISTINCT hash(id)) FROM ids").fetchall()[0]
+            if distinct != total:
+                distinct = con.execute("SELECT count(DISTINCT id) FROM ids").fetchall()[0][0]
+            if total != distinct:
+                # Only a bug or a hand-edited marker gets here. Counted before anything is dropped;
+                # identical copies are dropped (the first in plan order stays), differing ones fail.
+                duplicates, drop = check_duplicates(con, out, sources, total, distinct)
+                log.warning(
+                    "merge: %d id(s) were committed more than once with identical content; dropped %d "
+                    "extra row(s), e.g. %s",
+                    duplicates.ids,
+                    duplicates.rows_dropped,
+                    duplicates.examples[:5],
+                )
+            verify(con, "ids" if not drop else "(SELECT DISTINCT id FROM ids)", plan.total_rows)
+    finally:
+        con.close()
+    faults.hit("merge.before_write")
+    manifests = {kind: publish_parts(out, kind, sources[kind], drop) for kind in KINDS}
+    if not out.is_local:  # a server-side copy of a checked source: check what readers will read (local: links)
+        for kind in KINDS:
+            verify_parts(out, kind, manifests[kind])
+    for kind in KINDS:
+        out.write_atomic(manifest_rel(kind), json.dumps(manifests[kind].dump(), indent=1, sort_keys=True).encode())
+    faults.hit("merge.after_manifests")
+    extra = {}
+    if spec.io.output_format == "openai_batch":
+        extra = write_openai_outputs(out, spec, plan)
+    # result cache: this run's computed ok rows (as published) become its entry, committed create-only
+    cache_summary = None
+    if hits is not None:
+        computed = [f"{RESULTS}/{p.name}" for p in manifests[RESULTS].parts if p.name != hits[1] and p.rows]
+        made_by = [m.engine_identity for m in markers]
+        cache_summary = cache.append_results(out, spec, plan, computed, made_by, keyring, filesystems)
+    summary = MergeSummary(
+        rows=plan.total_rows,
+        ok_rows=manifests[RESULTS].rows,
+        error_rows=manifests[ERRORS].rows,
+        duplicates_dropped=int(total - distinct),
+        # counted over the committed parts before the dedupe: ids seen more than once, extra rows
+        duplicates=duplicates,
+        shards=len(plan.shards),
+        files={
+            RESULTS: f"{RESULTS}/",
+            ERRORS: f"{ERRORS}/",
+            "results_manifest": manifest_rel(RESULTS),
+            "errors_manifest": manifest_rel(ERRORS),
+            **extra,
+        },
+        checksums={manifest_rel(k): out.sha256(manifest_rel(k)) for k in KINDS},
+        parts={k: len(manifests[k].parts) for k in KINDS},
+        shard_stats=[ShardStatsEntry(**m.stats.dump(), shard_id=m.shard_id, attempt_id=m.attempt_id) for m in markers],
+        config_hash=plan.config_hash,
+        spec_hash=plan.spec_hash,
+        merge_s=round(time.monotonic() - t0, 3),
+        versions={"airflow-provider-vllm": __version__, "duckdb": duckdb.__version__},
+        task=spec.task,
+        id_column=spec.prompt.id_column,
+        **({"cache": cache_summary} if cache_summary is not None else {}),
+    )
+    summary = seals.seal_record(
+        keyring, seals.MERGED, seals.scope_of(out.uri()), summary.model_copy(update={"plan_mac": plan.seal.mac})
+    )
+    faults.hit("merge.after_data")
+    with faults.writing("merge.mid_marker"):
+        out.write_atomic(MERGED, seals.record_bytes(summary))
+    faults.hit("merge.after_marker")
+    _record_throughput(spec, plan, markers, summary, filesystems)
+    return summary
+
+
+def manifest_rel(kind: str) -> str:
+    return f"{kind}/{MANIFEST}"
+
+
+def read_manifest(out: Storage, kind: str) -> PartsManifest:
+    """The manifest of ``results/`` or ``errors/`` of the run under ``out``, validated."""
+    return PartsManifest.model_validate_json(out.read_bytes(manifest_rel(kind)))
+
+
+def result_parts(out: Storage, kind: str = RESULTS) -> list[str]:
+    """The merged ``kind`` ('results' | 'errors') as part paths under ``out``, in plan order (from its manifest).
+
+    Never empty: a folder without rows holds one empty part. Open them as one table with
+    ``duck.file_list(out, result_parts(out))`` in ``read_parquet(...)``, or pyarrow.dataset.
+    """
+    return [f"{kind}/{p.name}" for p in read_manifest(out, kind).parts]
+
+
+def read_merged(out: Storage, keyring: Keyring | None = None) -> MergeSummary:
+    """``_MERGED.json`` of the run under ``out``, validated and its seal checked (SealError: not written by this
+    deployment's merge for this run)."""
+    summary = MergeSummary.model_validate_json(out.read_bytes(MERGED))
+    seals.verify_record(
+        keyring or Keyring.from_env(), seals.MERGED, seals.scope_of(out.uri()), summary, out.uri(MERGED)
+    )
+    return summary
+
+
+def verified_manifest(out: Storage, kind: str, merged: MergeSummary) -> PartsManifest:
+    """``kind``/_manifest.json of the run under ``out``, read only when its sha256 is the one the sealed
+    ``_MERGED.json`` (``merged``, from ``read_merged``) names; CommitError otherwise."""
+    rel = manifest_rel(kind)
+    raw = out.read_bytes(rel)
+    if hashlib.sha256(raw).hexdigest() != merged.checksums.get(rel):
+        raise CommitError(f"{out.uri(rel)} is not the manifest the sealed {MERGED} names (sha256 differs)")
+    return PartsManifest.model_validate_json(raw)
+
+
+def verified_parts(out: Storage, kind: str, merged: MergeSummary) -> list[str]:
+    """The parts of ``kind``/ as paths under ``out`` (like ``result_parts``), each checked first against the
+    sealed merge summary's manifest: size and sha256, a streaming read of every part."""
+    manifest = verified_manifest(out, kind, merged)
+    verify_parts(out, kind, manifest)
+    return [f"{kind}/{p.name}" for p in manifest.parts]
+
+
+def verify_parts(out: Storage, kind: str, manifest: PartsManifest) -> None:
+    """CommitError unless every part ``manifest`` names under ``kind``/ has exactly its size and sha256 (a
+    streaming read of each); readers can trust the manifest's digests after this."""
+    for p in manifest.parts:
+        rel = f"{kind}/{p.name}"
+        if out.size(rel) != p.bytes or out.sha256(rel) != p.sha256:
+            raise CommitError(
+                f"{out.uri(rel)} does not have the size and sha256 its manifest names (the part was changed while "
+                "it was being published); rerun the merge"
+            )
+
+
+def _record_throughput(
+    spec: JobSpec,
+    plan: Plan,
+    markers: list[CommitMarker],
+    summary: MergeSummary,
+    filesystems: FileSystems | None = None,
+) -> None:
+    """Throughput history for shard sizing (steps/plan/sizing.py); a failure here must not fail a merged run."""
+    if not spec.sharding.history_uri:
+        return
+    from airflow_provider_vllm.steps.plan.sizing import record_run
+
+    try:
+        summary.history_record = record_run(spec, plan, markers, filesystems)
+    except Exception as e:  # evidence for later plans, not part of this run's results
+        log.warning("could not write the throughput record to %s: %s", spec.sharding.history_uri, e)
+
+
+def committed_parts(out: Storage, plan: Plan, run: RunSeal) -> tuple[dict[str, list[SourcePart]], list[CommitMarker]]:
+    """The part files named by the markers of every planned shard, in plan order, per kind; raises if any is missing.
+
+    A marker must be this shard's (its ``shard_id``) and every path it names must be a part
+    file under this shard's own attempt folders, named once: a forged or corrupt marker that
+    names another shard's file, the merged outputs, the plan or anything outside the shard is
+    refused (``CommitError``, terminal) before any file is opened. A marker is read only when it
+    carries this deployment's worker seal for this shard of this run's plan (``ShardStore.marker``);
+    its files' sizes and sha256 are checked here (a streaming read; on object stores the published copies
+    are checked again after publishing, ``verify_parts``). Each part
+    gets its published name: ``part-<n>-<shard>-<chunk>.parquet``, ``n`` its chunk's index in plan order.
+    """
+    entries: list[tuple[str, str, Any]] = []
+    markers, missing = [], []
+    for shard in plan.shards:
+        store = ShardStore(out, shard.shard_id, run)
+        m = store.marker()
+        if m is None:
+            missing.append(shard.shard_id)
+            continue
+        where = out.uri(f"{store.dir}/{MARKER}")
+        if m.shard_id != shard.shard_id:
+            raise CommitError(f"commit marker {where} is not shard {shard.shard_id}'s (it names shard {m.shard_id!r})")
+        if m.rows != shard.rows:
+            raise CommitError(f"shard {shard.shard_id}: marker says {m.rows} rows, plan {shard.rows}")
+        for f in m.files:
+            if f.errors is None:
+                raise CommitError(
+                    f"commit marker {where} was written by a worker before the results/ and errors/ part layout "
+                    f"(one mixed chunk file, {f.path}); delete shards/{shard.shard_id} and rerun the shard"
+                )
+            entries.append((where, shard.shard_id, f))
+        markers.append(m)
+    if missing:
+        raise CommitError(f"{len(missing)} of {len(plan.shards)} shard(s) not committed: {missing[:10]}")
+    width = max(5, len(str(len(entries))))
+    sources: dict[str, list[SourcePart]] = {RESULTS: [], ERRORS: []}
+    seen: set[str] = set()
+    for n, (where, shard_id, f) in enumerate(entries):
+        ok_part, err_part = f.parts()
+        chunk = check_marker_path(ok_part.path, shard_id, where, RESULTS)
+        if (
+            err_part is None
+            or check_marker_path(err_part.path, shard_id, where, ERRORS) != chunk
+            or err_part.path.rsplit("/", 1)[0] != ok_part.path.rsplit("/", 1)[0]
+        ):
+            raise CommitError(
+                f"commit marker {where}: the error rows of {ok_part.path} are not its sibling "
+                f"chunk-{chunk:05d}.errors.parquet"
+            )
+        if err_part.rows + ok_part.rows != f.rows:
+            raise CommitError(
+                f"commit marker {where}: {ok_part.path} has {ok_part.rows} ok + {err_part.rows} error "
+                f"rows, the entry says {f.rows}"
+            )
+        for kind, part in ((RESULTS, ok_part), (ERRORS, err_part)):
+            if part.path in seen:
+                raise CommitError(f"commit marker {where} names {part.path} twice")
+            seen.add(part.path)
+            if out.size(part.path) != part.bytes or out.sha256(part.path) != part.sha256:
+                raise CommitError(f"{part.path} does not match its commit marker (size or sha256)")
+            sources[kind].append(
+                SourcePart(
+                    path=part.path,
+                    bytes=part.bytes,
+                    sha256=part.sha256,
+                    rows=part.rows,
+                    name=f"part-{n:0{width}d}-{shard_id}-{chunk:05d}.parquet",
+                )
+            )
+    return sources, markers
+
+
+def check_marker_path(path: Any, shard_id: str, where: str, kind: str = RESULTS) -> int:
+    """``path`` is ``shards/<shard_id>/attempts/<attempt>/chunk-NNNNN.parquet`` (``kind`` errors:
+    ``chunk-NNNNN.errors.parquet``); returns the chunk number; CommitError otherwise."""
+    parts = path.split("/") if isinstance(path, str) else []
+    m = _CHUNK_NAME[kind].match(parts[4]) if len(parts) == 5 else None
+    ok = (
+        m is not None
+        and parts[0] == "shards"
+        and parts[1] == shard_id
+        and parts[2] == "attempts"
+        and _ATTEMPT.match(parts[3]) is not None
+        and parts[3] not in (".", "..")
+    )
+    if not ok or m is None:
+        name = "chunk-NNNNN.parquet" if kind == RESULTS else "chunk-NNNNN.errors.parquet"
+        raise CommitError(
+            f"commit marker {where} names {path!r}, which is not a chunk file of shard {shard_id}'s own attempts "
+            f"(shards/{shard_id}/attempts/<attempt>/{name}); refusing to merge a forged or corrupt "
+            "marker: delete the shard's folder and rerun the shard"
+        )
+    return int(m.group(1))
+
+
+def _ids_view(con: duckdb.DuckDBPyConnection, out: Storage, sources: dict[str, list[SourcePart]]) -> None:
+    """View ``ids(id)``: the id column of every committed part (the other columns are never decoded)."""
+    selects = [
+        f"SELECT id FROM read_parquet({duck.file_list(out, [p.rel for p in sources[k]])})" for k in KINDS if sources[k]
+    ]
+    con.execute("CREATE VIEW ids AS " + (" UNION ALL ".join(selects) or "SELECT NULL::VARCHAR AS id WHERE false"))
+
+
+def _rows_view(con: duckdb.DuckDBPyConnection, out: Storage, sources: dict[str, list[SourcePart]]) -> None:
+    """View ``chunks``: every committed row in ``ROW_SCHEMA`` columns plus its part and position (duplicates only)."""
+    selects = []
+    for kind in KINDS:
+        if not sources[kind]:
+            continue
+        status = "ok" if kind == RESULTS else "error"
+        selects.append(
+            f"SELECT '{status}' AS status, * EXCLUDE (file_row_number, filename), filename AS part, "
+            f"file_row_number AS pos FROM read_parquet({duck.file_list(out, [p.rel for p in sources[kind]])}, "
+            "filename = true, file_row_number = true)"
+        )
+    con.execute("CREATE VIEW chunks AS " + " UNION ALL BY NAME ".join(selects))
+
+
+def check_duplicates(
+    con: duckdb.DuckDBPyConnection, out: Storage, sources: dict[str, list[SourcePart]], total: int, distinct: int
+) -> tuple[Duplicates, dict[str, list[int]]]:
+    """Ids committed more than once (counted before any dedupe); VerificationError when copies differ.
+
+    Copies are the same result when every column but ``PROVENANCE_COLUMNS`` is equal. Returns
+    the accounting and the rows to drop: source part path -> row positions (every copy but the
+    first in plan order).
+    """
+    _rows_view(con, out, sources)
+    content = ", ".join(f.name for f in ROW_SCHEMA if f.name not in ("id", *PROVENANCE_COLUMNS))
+    con.execute(
+        "CREATE TEMP TABLE dup_ids AS SELECT id, count(*) AS n, "
+        f"count(DISTINCT row({content})) AS versions, "
+        "string_agg(DISTINCT shard_id || '/' || attempt_id, ', ' ORDER BY shard_id || '/' || attempt_id) AS made_by "
+        "FROM chunks GROUP BY id HAVING count(*) > 1"
+    ).fetchall()
+    n_ids, n_differ = con.execute("SELECT count(*), count(*) FILTER (WHERE versions > 1) FROM dup_ids").fetchall()[0]
+    if n_differ:
+        bad = con.execute(
+            f"SELECT id, n, made_by FROM dup_ids WHERE versions > 1 ORDER BY id LIMIT {DUPLICATE_EXAMPLES}"
+        ).fetchall()
+        shown = "; ".join(f"{i!r} x{n} (from {by})" for i, n, by in bad)
+        raise VerificationError(
+            f"{n_differ} id(s) have committed outputs that differ: {shown}; refusing to pick one. Each id must be "
+            "committed once; delete the folders of the shards involved and rerun them"
+        )
+    examples = [r[0] for r in con.execute(f"SELECT id FROM dup_ids ORDER BY id LIMIT {DUPLICATE_EXAMPLES}").fetchall()]
+    order = {
+        out.path(p.rel) if out.is_local else out.uri(p.rel): i
+        for i, p in enumerate(p for k in KINDS for p in sources[k])
+    }
+    by_path = {out.path(p.rel) if out.is_local else out.uri(p.rel): p.rel for k in KINDS for p in sources[k]}
+    copies = con.execute("SELECT id, part, pos FROM chunks WHERE id IN (SELECT id FROM dup_ids)").fetchall()
+    first: dict[str, tuple[int, int]] = {}
+    for i, part, pos in copies:
+        key = (order.get(part, len(order)), int(pos))
+        first[i] = min(first.get(i, key), key)
+    drop: dict[str, list[int]] = {}
+    for i, part, pos in copies:
+        if (order.get(part, len(order)), int(pos)) != first[i]:
+            drop.setdefault(by_path.get(part, part), []).append(int(pos))
+    return (
+        Duplicates(ids=int(n_ids), rows_dropped=int(total - distinct), examples=[str(e) for e in examples]),
+        {k: sorted(v) for k, v in drop.items()},
+    )
+
+
+def register_input_ids(con: duckdb.DuckDBPyConnection, spec: JobSpec, plan: Plan, root: Storage) -> None:
+    """View ``input_ids(id VARCHAR)``: all input ids, the independent side of the verification."""
+    names = [f["path"] for f in plan.files]
+    if plan.format == "parquet" and plan.total_rows:
+        col = '"' + spec.prompt.id_column.replace('"', '""') + '"'
+        con.execute(
+            f"CREATE VIEW input_ids AS SELECT CAST({col} AS VARCHAR) AS id "
+            f"FROM read_parquet({duck.file_list(root, names)})"
+        ).fetchall()
+        return
+    ids: list[str] = []
+    if plan.format != "parquet":
+        for name in names:
+            ids += input_format(plan.format).file_ids(root, name, spec)
+    con.register("input_ids", pa.table({"id": pa.array(ids, pa.string())}))
+
+
+def exactly_once(con: duckdb.DuckDBPyConnection, planned_rows: int) -> int | None:
+    """The rows when every input id is in ``ids`` exactly once and nothing else is; None when not proven.
+
+    One semi-join over strings (exact): ``covered`` = input ids found among the output ids. The
+    input's ids are distinct (checked by the plan, files unchanged since), so ``covered ==
+    n_in`` rows of output covering ``n_in`` distinct input ids with ``n_out == n_in`` rows leaves
+    no row for a duplicate or a foreign id (pigeonhole). This replaces a distinct count plus a
+    semi-join on the common path; any shortfall goes to the detailed checks.
+    """
+    n_in, n_out, covered = con.execute(
+        "SELECT (SELECT count(*) FROM input_ids), (SELECT count(*) FROM ids), "
+        "(SELECT count(*) FROM input_ids WHERE id IN (SELECT id FROM ids))"
+    ).fetchall()[0]
+    return int(n_out) if n_in == planned_rows == n_out == covered else None
+
+
+def verify(con: duckdb.DuckDBPyConnection, source: str, planned_rows: int) -> None:
+    """input ids == output ids, each once; raises VerificationError naming counts and examples.
+
+    ``source`` has distinct ids (deduped) and the input's ids are distinct (checked by the
+    plan, files unchanged since), so equal counts plus every output id found in the input
+    prove the two sets equal; one semi-join instead of a full outer join.
+    """
+    n_in, n_out, n_found = con.execute(
+        f"SELECT (SELECT count(*) FROM input_ids), (SELECT count(*) FROM {source}), "
+        f"(SELECT count(*) FROM {source} WHERE id IN (SELECT id FROM input_ids))"
+    ).fetchall()[0]
+    if n_in == planned_rows == n_out == n_found:
+        return
+    ex_missing = [
+        r[0]
+        for r in con.execute(
+            f"SELECT id FROM input_ids WHERE id NOT IN (SELECT id FROM {source}) ORDER BY id LIMIT 5"
+        ).fetchall()
+    ]
+    ex_extra = [
+        r[0]
+        for r in con.execute(
+            f"SELECT id FROM {source} WHERE id NOT IN (SELECT id FROM input_ids) ORDER BY id LIMIT 5"
+        ).fetchall()
+    ]
+    raise VerificationError(
+        f"row accounting failed: {n_in} input ids (plan: {planned_rows}), {n_out} output rows; "
+        f"{n_in - n_found} missing (e.g. {ex_missing}), {n_out - n_found} not in the input (e.g. {ex_extra})"
+    )
+
+
+def write_openai_outputs(out: Storage, spec: JobSpec, plan: Plan) -> dict[str, str]:
+    """openai/output.jsonl and openai/errors.jsonl in the OpenAI Batch API line formats, from the published parts.
+
+    (Outside results/ so that a Parquet reader of that folder never meets a JSONL file.)
+    """
+    from airflow_provider_vllm.core.openai_output import error_line, response_line
+
+    for kind, fn, dest in ((RESULTS, response_line, OPENAI_OUT), (ERRORS, error_line, OPENAI_ERR)):
+        lines = []
+        for rel in result_parts(out, kind):
+            with out.open(rel) as fh:
+                for batch in pq.ParquetFile(fh).iter_batches(batch_size=8192):
+                    lines += [json.dumps(fn(r, spec), ensure_ascii=False) for r in batch.to_pylist()]
+        out.write_atomic(dest, ("\n".join(lines) + ("\n" if lines else "")).encode())
+    return {"openai_output": OPENAI_OUT, "openai_errors": OPENAI_ERR}
+
+
+def check_folder(out: Storage, kind: str) -> None:
+    """CommitError when ``kind``/ holds a file merge does not write (its parts, its manifest, its temp files).
+
+    Merge owns these folders: its own stale parts are removed when it publishes, anything else
+    (e.g. ``results/results.parquet`` of the layout before 0.2, or a user's file) is refused
+    rather than deleted or silently served as part of the results.
+    """
+    foreign = [n for n in out.listdir(kind) if n != MANIFEST and not _PART_NAME.match(n) and not _TMP_NAME.match(n)]
+    if foreign:
+        raise CommitError(
+            f"{out.uri(kind)}/ holds {foreign[:5]}, which merge did not write; it publishes {kind}/ as a folder of "
+            f"part-*.parquet files named by {kind}/{MANIFEST} (results/results.parquet and results/errors.parquet "
+            f"are the layout before 0.2). Move those files away and rerun the merge"
+        )
+
+
+def publish_parts(out: Storage, kind: str, sources: list[SourcePart], drop: dict[str, list[int]]) -> PartsManifest:
+    """Publish ``sources`` into ``kind``/ by reference, in order; returns the folder's manifest (not yet written).
+
+    Empty parts are left out, except that a folder with no rows gets one (the first source,
+    or a fresh empty file) so readers see the schema. A part that lost dropped duplicate rows
+    is re-encoded without them. A part already published with the right size is kept, so a
+    rerun only does what a crash left undone; stale ``part-*`` files and temp files are removed.
+    """
+    chosen = [p for p in sources if p.rows - len(drop.get(p.rel, ())) > 0] or sources[:1]
+    entries: list[PartEntry] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        if not chosen:
+            local = os.path.join(tmp, "empty.parquet")
+            pq.write_table(SCHEMAS[kind].empty_table(), local, compression="zstd")
+            entries.append(_publish_local(out, kind, local, "part-00000.parquet"))
+        for p in chosen:
+            if p.rel in drop:
+                entries.append(_publish_local(out, kind, _without_rows(out, p, drop[p.rel], tmp), p.name))
+            else:
+                _publish_reference(out, p, f"{kind}/{p.name}")
+                entries.append(PartEntry(name=p.name, bytes=p.bytes, sha256=p.sha256, rows=p.rows))
+            faults.hit("merge.between_parts")
+    keep = {e.name for e in entries} | {MANIFEST}
+    for name in out.listdir(kind):
+        if name not in keep:
+            out.remove(f"{kind}/{name}")
+    return PartsManifest(kind=kind, rows=sum(e.rows for e in entries), parts=entries)
+
+
+def _publish_reference(out: Storage, src: SourcePart, rel: str) -> None:
+    """``src`` visible whole at ``rel`` without decoding it: hard link, else copy (local), server-side copy (remote).
+
+    A part already there (a rerun) is kept only when it is the same file (local) or has the source's sealed
+    sha256; its bytes are checked again after publishing (``verify_parts``)."""
+    if (
+        out.exists(rel)
+        and out.size(rel) == src.bytes
+        and ((out.is_local and os.path.samefile(out.path(rel), out.path(src.rel))) or out.sha256(rel) == src.sha256)
+    ):
+        return
+    if not out.is_local:
+        out.copy(src.rel, rel)  # server-side: one object, visible whole or not at all
+        return
+    dest = out.path(rel)
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    tmp = os.path.join(os.path.dirname(dest), f".{os.path.basename(dest)}.tmp-{os.getpid()}")
+    faults.partial_copy(out.path(src.rel), tmp, "merge.mid_file")  # drills: what a copy killed half-way leaves
+    if os.path.lexists(tmp):
+        os.unlink(tmp)
+    try:
+        os.link(out.path(src.rel), tmp)
+    except OSError as e:  # another filesystem, or one without hard links
+        if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise
+        shutil.copyfile(out.path(src.rel), tmp)
+    os.replace(tmp, dest)
+
+
+def _publish_local(out: Storage, kind: str, local: str, name: str) -> PartEntry:
+    """A file merge wrote itself (an empty part, a part re-encoded without dropped duplicates) at ``kind/name``."""
+    rel = f"{kind}/{name}"
+    size, digest = os.path.getsize(local), Storage(os.path.dirname(local)).sha256(os.path.basename(local))
+    if not (out.exists(rel) and out.size(rel) == size and out.sha256(rel) == digest):
+        if out.is_local:
+            dest = out.path(rel)
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            tmp = os.path.join(os.path.dirname(dest), f".{name}.tmp-{os.getpid()}")
+            faults.partial_copy(local, tmp, "merge.mid_file")
+            shutil.copyfile(local, tmp)
+            os.replace(tmp, dest)
+        else:
+            out.upload(local, rel)  # one object: visible whole or not at all
+    return PartEntry(name=name, bytes=size, sha256=digest, rows=pq.ParquetFile(local).metadata.num_rows)
+
+
+def _without_rows(out: Storage, p: SourcePart, positions: list[int], tmp: str) -> str:
+    """A local copy of part ``p`` without the rows at ``positions`` (re-encoded; deterministic bytes)."""
+    with out.open(p.rel) as f:
+        table = pq.read_table(f)
+    keep = pc.invert(pc.is_in(pa.array(range(table.num_rows), pa.int64()), pa.array(positions, pa.int64())))
+    local = os.path.join(tmp, p.name)
+    pq.write_table(table.filter(keep), local, compression="zstd")
+    return local

@@ -1,0 +1,394 @@
+"""The planner: validate the input once, group its rows into shards, write the plan manifest.
+
+Deterministic: the same input files (same sizes and versions) and the same spec give the
+same shards with the same ids. The input is read only through its format
+(``core.formats.input_format``: ``scan`` checks the ids and sizes the rows); the planner
+cuts the sized rows into shards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import tempfile
+from dataclasses import asdict
+
+import numpy as np
+import pyarrow as pa
+
+from airflow_provider_vllm import __version__
+from airflow_provider_vllm.core.commit import PROBE_DIR, probe_create_only
+from airflow_provider_vllm.core.errors import SpecError
+from airflow_provider_vllm.core.formats import input_format
+from airflow_provider_vllm.core.formats.files import find_input
+from airflow_provider_vllm.core.plan import PLAN_FILE, Plan, Segment, ShardPlan, estimate_tokens
+from airflow_provider_vllm.core.seal import Keyring
+from airflow_provider_vllm.core.spec import JobSpec
+from airflow_provider_vllm.core.storage import FileSystems, Storage
+from airflow_provider_vllm.steps.plan.sizing import size_shards
+
+DEFAULT_TARGET_ROWS = 10_000
+PLAN_VERSION = 2  # 2: sealed (core/seal.py); with the result cache, one input file per shard
+
+log = logging.getLogger(__name__)
+
+
+def plan_job(
+    spec: JobSpec,
+    filesystems: FileSystems | None = None,
+    max_shards: int | None = None,
+    engine_identity: str | None = None,
+    keyring: Keyring | None = None,
+) -> Plan:
+    """Plan the job and write ``_plan.json`` under the output prefix, sealed; idempotent.
+
+    Raises DatasetError for dataset faults and SpecError when the output prefix already
+    holds the plan of a different input or spec, or files but no plan (another run's), or
+    when the plan would have more than ``max_shards`` shards (the orchestrator's limit on
+    mapped tasks, e.g. Airflow's ``[core] max_map_length``; None: no limit).
+    ``filesystems``: how object stores are reached (``storage.FileSystems``; default fsspec).
+    With ``cache.uri`` (steps/cache/result_cache.py) the plan also writes ``_cache/`` hits and misses files
+    before the plan (``engine_identity``: the engine the shards run, part of the cache key;
+    default the vLLM installed here); an existing plan is returned as it is, however the cache
+    grew since (the create-only plan file wins).
+
+    ``keyring``: the deployment's signing keys (default ``VLLM_BATCH_SIGNING_KEY``): the plan is sealed
+    with it for this output prefix (``core/seal.py``), and a plan already there is accepted only with
+    this deployment's seal (SealError otherwise).
+    """
+    keyring = keyring or Keyring.from_env()
+    out = Storage(spec.io.output_uri, spec.io.storage_options, filesystems)
+    if spec.cache.uri is not None:
+        plan = _plan_cached(spec, out, filesystems, max_shards, engine_identity, keyring)
+    else:
+        plan = build_plan(spec, filesystems, max_shards=max_shards)
+        if not out.exists(PLAN_FILE):
+            _check_empty(spec, out)
+            # create-only: of two runs racing for one prefix, the loser meets the winner's plan below
+            out.create_only(PLAN_FILE, plan.sealed(keyring, spec.io.output_uri).dump_json())
+    existing = _existing(spec, out, keyring)
+    if existing.fingerprint != plan.fingerprint or existing.spec_hash != plan.spec_hash:
+        raise SpecError(
+            f"output {spec.io.output_uri} already holds a run of another input or spec "
+            f"(plan fingerprint {existing.fingerprint[:12]}, spec {existing.spec_hash[:12]}); "
+            "use a new output prefix"
+        )
+    return existing
+
+
+def _existing(spec: JobSpec, out: Storage, keyring: Keyring) -> Plan:
+    """The plan already under the output prefix, its seal checked (SealError: not this deployment's plan task's)."""
+    existing = Plan.model_validate_json(out.read_bytes(PLAN_FILE))
+    existing.verify(keyring, spec.io.output_uri)
+    return existing
+
+
+def _check_empty(spec: JobSpec, out: Storage) -> None:
+    """SpecError unless the prefix is empty (create-only probes and orphaned ``_cache/`` files aside), then probe."""
+    from airflow_provider_vllm.steps.cache.result_cache import CACHE_DIR
+
+    foreign = next((f for f in out.walk_files() if not f.startswith((PROBE_DIR + "/", CACHE_DIR + "/"))), None)
+    if foreign is not None:
+        raise SpecError(
+            f"output {spec.io.output_uri} is not empty (e.g. {foreign}) and holds no plan of "
+            "this job; use a new, empty output prefix"
+        )
+    probe_create_only(out, _store_name(spec))
+
+
+def _plan_cached(
+    spec: JobSpec,
+    out: Storage,
+    filesystems: FileSystems | None,
+    max_shards: int | None,
+    engine_identity: str | None,
+    keyring: Keyring,
+) -> Plan:
+    """With the result cache: an existing plan wins (only its input and spec are compared); else a new one."""
+    if out.exists(PLAN_FILE):
+        found = find_input(spec.io.input_uri, spec.io.storage_options, spec.io.input_format, filesystems)
+        existing = _existing(spec, out, keyring)
+        # what plan_job compares with the stored plan: this input's fingerprint and this spec's hash
+        return existing.model_copy(update={"fingerprint": found.fingerprint, "spec_hash": spec.content_hash()})
+    _check_empty(spec, out)
+    plan = build_plan(
+        spec, filesystems, max_shards=max_shards, cache_out=out, engine_identity=engine_identity, keyring=keyring
+    )
+    out.create_only(PLAN_FILE, plan.sealed(keyring, spec.io.output_uri).dump_json())
+    return plan
+
+
+def _store_name(spec: JobSpec) -> str:
+    ep = (spec.io.storage_options or {}).get("endpoint_url")
+    return f"{spec.io.output_uri} (endpoint_url {ep})" if ep else spec.io.output_uri
+
+
+def build_plan(
+    spec: JobSpec,
+    filesystems: FileSystems | None = None,
+    max_shards: int | None = None,
+    cache_out: Storage | None = None,
+    engine_identity: str | None = None,
+    keyring: Keyring | None = None,
+) -> Plan:
+    """Validate the input and compute shards, without writing anything but the cache's files (see ``plan_job``).
+
+    ``cache_out``: the output prefix, with ``cache.uri`` set: the hits file and one input file per shard
+    are written there (``steps.cache.result_cache.plan_cache``, ``write_shard_inputs``); the shards are cut
+    over the misses only. The plan is returned unsealed.
+    """
+    found = find_input(spec.io.input_uri, spec.io.storage_options, spec.io.input_format, filesystems)
+    sh = spec.sharding
+    # Exact per-row lengths need the text columns; footers (dictionary-encoded pages make
+    # them approximate) are enough when shards are sized by rows only.
+    per_row = sh.long_row_tokens is not None or (sh.target_tokens is not None and sh.target_rows is None)
+    scan = input_format(found.format).scan(found.root, found.names, spec, per_row)
+    total_rows = int(sum(scan.file_rows))
+    tokens = _row_tokens(scan, sh.chars_per_token)
+    est_tokens = tokens.total
+    cache, cut_scan, cut_tokens, cut_fp = None, scan, tokens, found.fingerprint
+    with tempfile.TemporaryDirectory(prefix="vllm-batch-plan-") as workdir:
+        misses = None
+        if cache_out is not None and spec.cache.uri is not None:
+            from airflow_provider_vllm.steps.cache.result_cache import plan_cache
+
+            cache, misses = plan_cache(
+                spec, found, cache_out, workdir, engine_identity, filesystems=filesystems, keyring=keyring
+            )
+            cut_scan = input_format("parquet").scan(Storage(workdir), [os.path.basename(misses)], spec, per_row)
+            cut_tokens = _row_tokens(cut_scan, sh.chars_per_token)
+            cut_fp = hashlib.sha256(
+                f"{found.fingerprint}:{cache.hits_file.sha256}:{_sha256(misses)}".encode()
+            ).hexdigest()
+        shards, sizing = _cut_all(spec, cut_scan, cut_tokens, cut_fp, filesystems, max_shards)
+        if cache_out is not None and misses is not None:
+            from airflow_provider_vllm.steps.cache.result_cache import write_shard_inputs
+
+            shards = write_shard_inputs(cache_out, misses, shards)
+    return Plan(
+        version=PLAN_VERSION,
+        spec_hash=spec.content_hash(),
+        config_hash=spec.output_hash(),
+        input_uri=spec.io.input_uri,
+        input_root=found.root.root,
+        format=found.format,
+        files=[f.to_dict() for f in found.files],
+        fingerprint=found.fingerprint,
+        total_rows=total_rows,
+        invalid_lines=int(scan.invalid),
+        est_tokens=est_tokens,
+        long_row_tokens=sh.long_row_tokens,
+        chars_per_token=sh.chars_per_token,
+        shards=shards,
+        created_with={"airflow-provider-vllm": __version__, "pyarrow": pa.__version__},
+        sizing=asdict(sizing) if sizing is not None else None,
+        **({"cache": cache} if cache is not None else {}),
+    )
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _cut_all(spec: JobSpec, cut_scan, cut_tokens, cut_fp: str, filesystems, max_shards: int | None):
+    """The shards over the scanned rows (sized from the throughput history when it has a record), and that sizing."""
+    sizing = size_shards(spec, len(cut_tokens), cut_tokens.total, filesystems=filesystems)
+    cut_spec = (
+        spec
+        if sizing is None
+        else spec.model_copy(update={"sharding": spec.sharding.model_copy(update=sizing.sharding_update())})
+    )
+    shards = _cut(
+        cut_spec, cut_fp, cut_tokens, np.asarray(cut_scan.file_rows, dtype=np.int64), cut_scan.offsets, cut_scan.lines
+    )
+    if max_shards is not None and len(shards) > max_shards:
+        _refuse_shard_count(
+            cut_spec, len(shards), max_shards, len(cut_tokens), cut_tokens.total, from_history=sizing is not None
+        )
+    return shards, sizing
+
+
+def _refuse_shard_count(spec: JobSpec, n: int, limit: int, rows: int, tokens: int, from_history: bool) -> None:
+    """SpecError naming the sharding setting to raise (or lower) so that at most ``limit`` shards are cut."""
+    sh = spec.sharding
+    if sh.target_tokens is not None and sh.target_rows is None:
+        need = math.ceil(tokens / limit)
+        setting = f"sharding.target_tokens (now {sh.target_tokens}; at least {need} for {tokens} estimated tokens)"
+    else:
+        need = math.ceil(rows / limit)
+        now = sh.target_rows or DEFAULT_TARGET_ROWS
+        setting = f"sharding.target_rows (now {now}; at least {need} for {rows} rows)"
+    how = " (sized from the throughput history: raise sharding.target_minutes instead)" if from_history else ""
+    raise SpecError(
+        f"the plan has {n} shards, more than the {limit} mapped tasks Airflow allows ([core] max_map_length); "
+        f"raise {setting}{how}, or set sharding.max_shards to at most {limit}, or raise [core] max_map_length "
+        "(AIRFLOW__CORE__MAX_MAP_LENGTH)"
+    )
+
+
+# ---- token estimates ----------------------------------------------------------------
+class RunTokens:
+    """Per-row token estimates as runs (one per Parquet row group): the sum over any row range
+    from cumulative sums at run boundaries, in memory proportional to the runs, not the rows."""
+
+    def __init__(self, values: np.ndarray, counts: np.ndarray) -> None:
+        self.values = np.asarray(values, np.int64)
+        self.starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+        self.cum = np.concatenate([[0], np.cumsum(self.values * np.asarray(counts, np.int64))])
+        self.total = int(self.cum[-1])
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def _prefix(self, x: int) -> int:
+        i = int(np.searchsorted(self.starts, x, side="right")) - 1
+        if i >= len(self.values):
+            return self.total
+        return int(self.cum[i] + self.values[i] * (x - int(self.starts[i])))
+
+    def range_sum(self, a: int, b: int) -> int:
+        return self._prefix(b) - self._prefix(a)
+
+
+class RowTokens:
+    """Per-row token estimates as one array (exact sizes, or line-addressed formats)."""
+
+    def __init__(self, values: np.ndarray) -> None:
+        self.values = values
+        self.total = int(values.sum()) if len(values) else 0
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def range_sum(self, a: int, b: int) -> int:
+        return int(self.values[a:b].sum())
+
+
+def _row_tokens(scan, chars_per_token: float) -> RunTokens | RowTokens:
+    if scan.runs is not None:
+        return RunTokens(estimate_tokens(scan.runs.values, chars_per_token), scan.runs.counts)
+    chars = scan.chars
+    return RowTokens(estimate_tokens(chars, chars_per_token) if len(chars) else np.zeros(0, np.int64))
+
+
+# ---- cutting ------------------------------------------------------------------------
+def _cut(
+    spec: JobSpec, fp: str, row_tokens: RunTokens | RowTokens, file_rows: np.ndarray, offsets, lines
+) -> list[ShardPlan]:
+    sh = spec.sharding
+    n = len(row_tokens)
+    if n == 0:
+        return []
+    target_tokens = sh.target_tokens if sh.target_rows is None else None  # rows win when both are set
+    by_tokens = target_tokens is not None
+    target: int = target_tokens if target_tokens is not None else (sh.target_rows or DEFAULT_TARGET_ROWS)
+    per_row = sh.long_row_tokens is not None and sh.max_shards >= 2 or by_tokens
+    # runs are expanded only where rows are weighed one by one (the scan then gave exact sizes)
+    tokens = (
+        row_tokens.values
+        if isinstance(row_tokens, RowTokens)
+        else (np.repeat(row_tokens.values, np.diff(row_tokens.starts)) if per_row else None)
+    )
+    buckets: list[tuple[str, np.ndarray | None]]  # None: all rows, in order
+    if sh.long_row_tokens is not None and sh.max_shards >= 2:
+        assert tokens is not None
+        long_mask = tokens > sh.long_row_tokens
+        split = [(b, np.nonzero(m)[0]) for b, m in (("short", ~long_mask), ("long", long_mask))]
+        buckets = [(b, idx) for b, idx in split if len(idx)]
+    else:
+        buckets = [("all", None)]
+    sizes = [n if idx is None else len(idx) for _, idx in buckets]
+    if by_tokens:
+        assert tokens is not None
+        weights = [tokens if idx is None else tokens[idx] for _, idx in buckets]
+        wanted = [min(m, max(1, math.ceil(float(w.sum()) / target))) for m, w in zip(sizes, weights)]
+    else:
+        weights = [None] * len(buckets)
+        wanted = [min(m, max(1, math.ceil(m / target))) for m in sizes]
+    counts = _cap(wanted, sh.max_shards)
+    plan_key = hashlib.sha256(
+        json.dumps([fp, spec.prompt.id_column, spec.sharding.model_dump(mode="json")], sort_keys=True).encode()
+    ).hexdigest()
+    file_starts = np.concatenate([[0], np.cumsum(file_rows)]).astype(np.int64)
+    shards: list[ShardPlan] = []
+    for (bucket, idx), w, m, k in zip(buckets, weights, sizes, counts):
+        if w is None:  # equal row counts: no per-row arrays needed
+            cuts = np.rint(m * np.arange(1, k) / k).astype(np.int64)
+        else:
+            cum = np.cumsum(w, dtype=np.float64)
+            cuts = np.searchsorted(cum, cum[-1] * np.arange(1, k) / k, side="left") + 1
+        inner = np.clip(cuts, 1, m - 1) if m > 1 else np.zeros(0, np.int64)
+        bounds = np.unique(np.concatenate([[0], inner, [m]]).astype(np.int64)).tolist()
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            if idx is None:
+                segs = _range_segments(a, b, file_starts, offsets, lines)
+                est = row_tokens.range_sum(a, b)
+            else:
+                assert tokens is not None
+                segs = _segments(idx[a:b], file_starts, offsets, lines)
+                est = int(tokens[idx[a:b]].sum())
+            index = len(shards)
+            key = hashlib.sha256(
+                f"{plan_key}:{bucket}:{json.dumps([s.model_dump() for s in segs])}".encode()
+            ).hexdigest()
+            shards.append(
+                ShardPlan(
+                    shard_id=f"shard-{index:05d}-{key[:8]}",
+                    index=index,
+                    bucket=bucket,
+                    rows=int(b - a),
+                    est_tokens=est,
+                    segments=segs,
+                )
+            )
+    return shards
+
+
+def _cap(wanted: list[int], max_shards: int) -> list[int]:
+    """Scale shard counts down so their sum fits max_shards, keeping >= 1 per bucket."""
+    counts = list(wanted)
+    while sum(counts) > max_shards:
+        i = max(range(len(counts)), key=lambda j: counts[j])
+        if counts[i] == 1:
+            break
+        counts[i] -= max(1, (sum(counts) - max_shards) // len(counts))
+        counts[i] = max(1, counts[i])
+    return counts
+
+
+def _segment(fid: int, start: int, end: int, global_start: int, offsets, lines) -> Segment:
+    seg = Segment(file=fid, start=start, count=end - start)
+    if offsets is not None:  # JSONL: where the first row's line starts
+        seg.offset, seg.line = int(offsets[global_start]), int(lines[global_start])
+    return seg
+
+
+def _range_segments(a: int, b: int, file_starts: np.ndarray, offsets, lines) -> list[Segment]:
+    """Segments of the global row range [a, b)."""
+    segs = []
+    first = int(np.searchsorted(file_starts, a, side="right")) - 1
+    for fid in range(first, len(file_starts) - 1):
+        lo, hi = max(a, int(file_starts[fid])), min(b, int(file_starts[fid + 1]))
+        if lo >= b:
+            break
+        if hi > lo:
+            segs.append(_segment(fid, lo - int(file_starts[fid]), hi - int(file_starts[fid]), lo, offsets, lines))
+    return segs
+
+
+def _segments(rows: np.ndarray, file_starts: np.ndarray, offsets, lines) -> list[Segment]:
+    """Segments covering the given (sorted) global rows: per file, first to last row."""
+    segs = []
+    fids = np.searchsorted(file_starts, rows, side="right") - 1
+    for fid in np.unique(fids):
+        r = rows[fids == fid]
+        lo, hi = int(r.min()), int(r.max()) + 1
+        segs.append(_segment(int(fid), lo - int(file_starts[fid]), hi - int(file_starts[fid]), lo, offsets, lines))
+    return segs

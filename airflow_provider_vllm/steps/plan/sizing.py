@@ -1,0 +1,360 @@
+"""Shard sizing from evidence: throughput recorded by earlier runs.
+
+Where the history lives: ``sharding.history_uri`` (a folder, local or s3://, gs://). After a
+run is merged, ``merge`` writes one small JSON-lines file there,
+``<UTC time>-<spec hash>-<plan fingerprint>.jsonl``, holding one record per hardware the
+run's shards reported (``record_run``). One file per run, named by the run: no appends, so
+concurrent runs never race and re-merging a run rewrites the same file. The planner reads the
+newest records with DuckDB (``read_history``) and sizes shards to a number of minutes
+(``size_shards``); with no history_uri, or no matching record, it falls back to
+``target_rows`` / ``target_tokens``.
+
+Which records count (``find_evidence``): same model name, task and tensor_parallel_size,
+and the hardware named in ``sharding.hardware`` (default: the hardware of the newest
+matching record, so that different GPUs are never averaged). Records of the same job
+configuration (``config_hash``: model, engine, prompt, sampling) are preferred; their
+rows/s carries over as is. Otherwise the model's tokens/s (prompt + completion tokens per
+second of inference) is applied to this job's estimated tokens. The newest
+``HISTORY_RECORDS`` matching records are pooled (sum of rows / sum of inference seconds).
+
+Shard time = engine start + inference. With ``target_minutes`` unset, a shard lasts at least
+``10 x`` the recorded median engine start (so start-up is <= 10% of it) and at least
+``MIN_SHARD_MINUTES``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from airflow_provider_vllm.core.commit import CommitMarker
+from airflow_provider_vllm.core.records import ThroughputRecord
+from airflow_provider_vllm.core.spec import JobSpec
+from airflow_provider_vllm.core.storage import FileSystems, Storage
+
+log = logging.getLogger(__name__)
+
+HISTORY_VERSION = 1
+HISTORY_RECORDS = 20  # newest matching records pooled
+HISTORY_FILES = 500  # newest files read
+MIN_SHARD_MINUTES = 5.0
+START_SHARE = 0.10  # engine start's largest share of a shard's time
+
+
+# ---- writing --------------------------------------------------------------------------
+def run_records(spec: JobSpec, plan: Any, markers: list[CommitMarker]) -> list[ThroughputRecord]:
+    """Throughput records of one merged run, one per hardware; shards that inferred nothing are left out."""
+    by_hw: dict[str, list] = {}
+    for m in markers:
+        st = m.stats
+        rows = st.infer_rows
+        if rows is None and st.rows_per_s and st.infer_s:  # markers before infer_rows existed
+            rows = round(st.rows_per_s * st.infer_s)
+        if not rows or not st.infer_s:
+            continue
+        by_hw.setdefault(st.hardware or "unknown", []).append(st.model_copy(update={"infer_rows": int(rows)}))
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    est_per_row = plan.est_tokens / plan.total_rows if plan.total_rows else None
+    out = []
+    for hw, stats in sorted(by_hw.items()):
+        rows = sum(s.infer_rows for s in stats)
+        infer_s = sum(float(s.infer_s) for s in stats)
+        ptok = sum(int(s.prompt_tokens or 0) for s in stats)
+        ctok = sum(int(s.completion_tokens or 0) for s in stats)
+        starts = [float(s.engine_start_s) for s in stats if s.engine_start_s]
+        out.append(
+            ThroughputRecord(
+                version=HISTORY_VERSION,
+                recorded_at=now,
+                job=spec.name,
+                task=spec.task,
+                model=spec.model.name,
+                model_revision=spec.model.revision,
+                hardware=hw,
+                tensor_parallel_size=spec.engine.tensor_parallel_size,
+                max_num_seqs=spec.engine.max_num_seqs,
+                config_hash=plan.config_hash,
+                spec_hash=plan.spec_hash,
+                shards=len(stats),
+                rows=rows,
+                infer_s=round(infer_s, 3),
+                prompt_tokens=ptok,
+                completion_tokens=ctok,
+                engine_start_s=round(statistics.median(starts), 3) if starts else None,
+                rows_per_s=round(rows / infer_s, 4),
+                tokens_per_s=round((ptok + ctok) / infer_s, 2),
+                prompt_tokens_per_row=round(ptok / rows, 2),
+                completion_tokens_per_row=round(ctok / rows, 2),
+                est_prompt_tokens_per_row=round(est_per_row, 2) if est_per_row is not None else None,
+            )
+        )
+    return out
+
+
+def record_run(
+    spec: JobSpec, plan: Any, markers: list[CommitMarker], filesystems: FileSystems | None = None
+) -> str | None:
+    """Write the run's records under ``sharding.history_uri``; returns the file's URI (None: nothing to record)."""
+    uri = spec.sharding.history_uri
+    if not uri:
+        return None
+    records = run_records(spec, plan, markers)
+    if not records:
+        return None
+    store = Storage(uri, spec.io.storage_options, filesystems)
+    name = f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{plan.spec_hash[:16]}-{plan.fingerprint[:16]}.jsonl"
+    # a re-merge of the same run replaces its earlier file (same spec and input): one record set per run
+    stale = [n for n in _names(store) if n.endswith(f"-{plan.spec_hash[:16]}-{plan.fingerprint[:16]}.jsonl")]
+    store.write_atomic(name, "".join(json.dumps(r.dump(), sort_keys=True) + "\n" for r in records).encode())
+    for n in stale:
+        if n != name:
+            store.remove(n)
+    return store.uri(name)
+
+
+# ---- reading --------------------------------------------------------------------------
+def _names(store: Storage) -> list[str]:
+    return [n for n in store.listdir("") if n.endswith(".jsonl") and not n.startswith((".", "_"))]
+
+
+def read_history(
+    uri: str, storage_options: dict[str, Any] | None = None, filesystems: FileSystems | None = None
+) -> list[ThroughputRecord]:
+    """Records under ``uri``, newest file first; an absent folder is an empty history.
+
+    Lines that are not valid records of this version, or that hold no rows or no inference
+    time, are skipped (a history is evidence, not input: one bad file must not stop a plan).
+    """
+    from airflow_provider_vllm.core import duck
+
+    store = Storage(uri, storage_options or {}, filesystems)
+    names = _names(store)[-HISTORY_FILES:]
+    if not names:
+        return []
+    con = duck.connect(store)
+    try:
+        rows = con.execute(
+            f"SELECT json FROM read_json_objects({duck.file_list(store, names)}, format = 'newline_delimited', "
+            "ignore_errors = true, filename = true) ORDER BY filename DESC"
+        ).fetchall()
+    finally:
+        con.close()
+    out = []
+    for (raw,) in rows:
+        try:
+            r = ThroughputRecord.model_validate_json(raw)
+        except (TypeError, ValidationError):
+            continue
+        if r.version == HISTORY_VERSION and r.rows and r.infer_s:
+            out.append(r)
+    return out
+
+
+# ---- deciding ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Evidence:
+    """Pooled throughput of the history records that match a job."""
+
+    basis: str  # "config": same job configuration; "model": same model, task and hardware
+    hardware: str
+    records: int
+    rows: int
+    infer_s: float
+    rows_per_s: float
+    tokens_per_s: float
+    prompt_tokens_per_row: float
+    completion_tokens_per_row: float
+    engine_start_s: float | None
+
+
+def find_evidence(spec: JobSpec, records: list[ThroughputRecord]) -> Evidence | None:
+    """The evidence for ``spec`` among ``records`` (newest first), or None."""
+    cand = [
+        r
+        for r in records
+        if r.model == spec.model.name
+        and r.task == spec.task
+        and (r.tensor_parallel_size or 1) == spec.engine.tensor_parallel_size
+    ]
+    if not cand:
+        return None
+    hw = spec.sharding.hardware or cand[0].hardware
+    cand = [r for r in cand if r.hardware == hw]
+    if not cand:
+        return None
+    same = [r for r in cand if r.config_hash == spec.output_hash()]
+    use = (same or cand)[:HISTORY_RECORDS]
+    rows = sum(r.rows for r in use)
+    infer_s = sum(r.infer_s for r in use)
+    ptok = sum(float(r.prompt_tokens) for r in use)
+    ctok = sum(float(r.completion_tokens) for r in use)
+    starts = [float(r.engine_start_s) for r in use if r.engine_start_s]
+    return Evidence(
+        basis="config" if same else "model",
+        hardware=hw,
+        records=len(use),
+        rows=rows,
+        infer_s=infer_s,
+        rows_per_s=rows / infer_s,
+        tokens_per_s=(ptok + ctok) / infer_s,
+        prompt_tokens_per_row=ptok / rows,
+        completion_tokens_per_row=ctok / rows,
+        engine_start_s=statistics.median(starts) if starts else None,
+    )
+
+
+def prompt_overhead_tokens(spec: JobSpec) -> int:
+    """Estimated prompt tokens per row beyond the row's text: system prompt and template literal text."""
+    literal = len(spec.prompt.template)
+    for c in spec.prompt.columns:
+        literal -= len(c) + 2 * spec.prompt.template.count("{" + c + "}")
+    chars = max(0, literal) + len(spec.prompt.system_prompt or "")
+    return math.ceil(chars / spec.sharding.chars_per_token)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a job will cost: tokens and inference seconds (the latter from evidence or an assumption)."""
+
+    rows: int
+    prompt_tokens: int
+    completion_tokens: int
+    completion_basis: str  # "history" or "max_tokens (upper bound)"
+    infer_s: float
+    engine_start_s: float
+    throughput_basis: str  # "history:config", "history:model" or "assumed"
+
+
+def estimate_workload(
+    spec: JobSpec,
+    rows: int,
+    est_text_tokens: int,
+    evidence: Evidence | None,
+    assumed_tokens_per_s: float,
+    assumed_engine_start_s: float,
+) -> Workload:
+    """Tokens and inference seconds of ``rows`` rows whose text columns hold ``est_text_tokens`` (planner estimate)."""
+    generates = spec.task in ("chat", "generate")
+    prompt = est_text_tokens + rows * prompt_overhead_tokens(spec)
+    if generates and evidence is not None:
+        per_row = min(float(spec.sampling.max_tokens), evidence.completion_tokens_per_row)
+        completion, c_basis = round(rows * per_row), "history"
+    elif generates:
+        completion, c_basis = rows * spec.sampling.max_tokens, "max_tokens (upper bound)"
+    else:
+        completion, c_basis = 0, "none (pooling task)"
+    if evidence is not None and evidence.basis == "config":
+        infer_s, basis = rows / evidence.rows_per_s, "history:config"
+    elif evidence is not None:
+        infer_s, basis = (prompt + completion) / evidence.tokens_per_s, "history:model"
+    else:
+        infer_s, basis = (prompt + completion) / assumed_tokens_per_s, "assumed"
+    start = evidence.engine_start_s if evidence is not None and evidence.engine_start_s else assumed_engine_start_s
+    return Workload(
+        rows=rows,
+        prompt_tokens=int(prompt),
+        completion_tokens=int(completion),
+        completion_basis=c_basis,
+        infer_s=float(infer_s),
+        engine_start_s=float(start),
+        throughput_basis=basis,
+    )
+
+
+def shard_seconds(spec: JobSpec, engine_start_s: float) -> float:
+    """Target seconds per shard (engine start + inference)."""
+    if spec.sharding.target_minutes is not None:
+        return spec.sharding.target_minutes * 60.0
+    return max(MIN_SHARD_MINUTES * 60.0, engine_start_s / START_SHARE)
+
+
+def shard_count(work: Workload, target_s: float, max_shards: int, at_least: bool) -> int:
+    """Shards of about ``target_s`` each (engine start included), within [1, min(rows, max_shards)].
+
+    ``at_least``: shards last no less than ``target_s`` (the default target, a floor that keeps
+    engine start <= 10%); otherwise no more than ``target_s`` (an explicit target_minutes).
+    """
+    if work.rows == 0:
+        return 0
+    per_shard_infer = target_s - work.engine_start_s
+    if per_shard_infer <= 0:
+        k = 1  # the engine start alone exceeds the target: as few shards as possible
+    else:
+        ratio = work.infer_s / per_shard_infer
+        k = math.floor(ratio) if at_least else math.ceil(ratio)
+    return max(1, min(k, work.rows, max_shards))
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """How the plan was sized from history (stored in ``_plan.json`` as ``sizing``)."""
+
+    shards: int
+    target_rows: int | None
+    target_tokens: int | None
+    target_s: float
+    est_infer_s: float
+    engine_start_s: float
+    evidence: dict[str, Any]
+
+    def sharding_update(self) -> dict[str, Any]:
+        return {"target_rows": self.target_rows, "target_tokens": self.target_tokens}
+
+
+def size_shards(
+    spec: JobSpec,
+    rows: int,
+    est_text_tokens: int,
+    records: list[ThroughputRecord] | None = None,
+    filesystems: FileSystems | None = None,
+) -> Sizing | None:
+    """Shard targets from history, or None (no history_uri, no matching record, no rows)."""
+    sh = spec.sharding
+    if not sh.history_uri or rows == 0:
+        return None
+    if records is None:
+        try:
+            records = read_history(sh.history_uri, spec.io.storage_options, filesystems)
+        except Exception as e:  # unreadable evidence: plan as if there were none, and say so
+            log.warning("cannot read the throughput history under %s (%s): using target_rows/tokens", sh.history_uri, e)
+            return None
+    ev = find_evidence(spec, records)
+    if ev is None:
+        log.info(
+            "no throughput history for model %s (task %s, hardware %s) under %s: using target_rows/tokens",
+            spec.model.name,
+            spec.task,
+            sh.hardware or "any",
+            sh.history_uri,
+        )
+        return None
+    work = estimate_workload(spec, rows, est_text_tokens, ev, 1.0, 0.0)
+    target_s = shard_seconds(spec, work.engine_start_s)
+    k = shard_count(work, target_s, sh.max_shards, at_least=sh.target_minutes is None)
+    by_tokens = sh.target_tokens is not None and sh.target_rows is None
+    sizing = Sizing(
+        shards=k,
+        target_rows=None if by_tokens else math.ceil(rows / k),
+        target_tokens=max(1, math.ceil(est_text_tokens / k)) if by_tokens else None,
+        target_s=round(target_s, 1),
+        est_infer_s=round(work.infer_s, 1),
+        engine_start_s=round(work.engine_start_s, 1),
+        evidence={k2: (round(v, 4) if isinstance(v, float) else v) for k2, v in asdict(ev).items()},
+    )
+    log.info(
+        "sized %d rows into %d shard(s) of ~%.0f s from %d history record(s) (%s, %s)",
+        rows,
+        k,
+        target_s,
+        ev.records,
+        ev.basis,
+        ev.hardware,
+    )
+    return sizing

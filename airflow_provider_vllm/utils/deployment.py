@@ -1,0 +1,171 @@
+"""The deployment's rules for vLLM batch jobs (Airflow side): the ``[vllm_batch]`` config section.
+
+Everything here is read at task run time from the Airflow configuration (``airflow.cfg`` or
+``AIRFLOW__VLLM_BATCH__<OPTION>`` environment variables), which only whoever deploys Airflow
+can change; never from Variables, params or XCom. The options (declared with their defaults
+in ``get_provider_info()``):
+
+* ``allowed_uri_prefixes``: JSON list or comma-separated URI prefixes (``s3://ml-batch/``,
+  ``/data/batch``) every location of a job must lie under. Unset: nothing is allowed (the
+  plan and shard tasks fail naming this option) unless ``allow_any_location = True``.
+* ``allow_any_location``: explicit opt-out of the allow-list (syntax checks only).
+* ``allow_remote_code``: ``model.trust_remote_code`` and code-loading engine options may run.
+* ``deployment_settings_from_variables``: Variables (``vllm_batch_spec_overrides``,
+  ``vllm_batch_kubernetes``) may set deployment-owned settings (pod image, env, secrets,
+  service account, ...). Off: they may set the others only.
+* ``kubernetes_defaults``: JSON object of pod settings (``KubernetesSettings``) for every shard
+  pod: the deployment's image, namespace, service account, Secret references, ...
+* ``signing_key``: the key(s) the pipeline seals what it trusts with (``core/seal.py``); required.
+* ``kubernetes_signing_secret``: ``<secret>:<key>`` holding that key for the shard pods.
+* ``cache_uri_prefixes``: where result caches may live (empty: no cache).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from airflow.sdk.exceptions import AirflowFailException
+
+from airflow_provider_vllm.core.allow_list import (
+    ALLOW_ANY_LOCATION_ENV,
+    ALLOW_REMOTE_CODE_ENV,
+    ALLOWED_PREFIXES_ENV,
+    canonical_prefixes,
+    check_cache_location,
+    parse_prefixes,
+)
+from airflow_provider_vllm.core.errors import SpecError
+from airflow_provider_vllm.core.seal import Keyring
+from airflow_provider_vllm.core.spec import JobSpec
+from airflow_provider_vllm.core.spec_guard import check_deployment, check_remote_code
+from airflow_provider_vllm.provider import ALLOW_ANY_LOCATION as ALLOW_ANY_OPTION
+from airflow_provider_vllm.provider import ALLOW_REMOTE_CODE as REMOTE_CODE_OPTION
+from airflow_provider_vllm.provider import ALLOWED_URI_PREFIXES as CONFIG_OPTION
+from airflow_provider_vllm.provider import CACHE_URI_PREFIXES, CONFIG_SECTION, KUBERNETES_SIGNING_SECRET, setting
+from airflow_provider_vllm.provider import DEPLOYMENT_SETTINGS_FROM_VARIABLES as VARIABLES_OPTION
+from airflow_provider_vllm.provider import KUBERNETES_DEFAULTS as KUBERNETES_OPTION
+from airflow_provider_vllm.provider import SIGNING_KEY as SIGNING_OPTION
+
+log = logging.getLogger(__name__)
+
+
+def _get(option: str) -> str:
+    from airflow.sdk.configuration import conf
+
+    return conf.get(CONFIG_SECTION, option, fallback="") or ""
+
+
+def flag(option: str) -> bool:
+    """A boolean ``[vllm_batch]`` option (default False; a malformed value fails the task)."""
+    raw = _get(option).strip().lower()
+    if raw in ("", "false", "0", "no", "off"):
+        return False
+    if raw in ("true", "1", "yes", "on"):
+        return True
+    raise AirflowFailException(f"{setting(option)}={raw!r} is not a boolean (True/False)")
+
+
+def allowed_prefixes() -> list[str]:
+    """The canonical allow-list of URI prefixes; empty when the deployment set none."""
+    try:
+        return canonical_prefixes(parse_prefixes(_get(CONFIG_OPTION)))
+    except SpecError as e:
+        raise AirflowFailException(f"{setting(CONFIG_OPTION)} is malformed: {e}") from None
+
+
+def allow_any_location() -> bool:
+    return flag(ALLOW_ANY_OPTION)
+
+
+def allow_remote_code() -> bool:
+    return flag(REMOTE_CODE_OPTION)
+
+
+def variables_may_set_deployment_settings() -> bool:
+    return flag(VARIABLES_OPTION)
+
+
+def kubernetes_defaults() -> dict:
+    """The deployment's pod settings (``[vllm_batch] kubernetes_defaults``, a JSON object)."""
+    raw = _get(KUBERNETES_OPTION).strip()
+    if not raw:
+        return {}
+    try:
+        doc = json.loads(raw)
+    except ValueError as e:
+        raise AirflowFailException(f"{setting(KUBERNETES_OPTION)} is not JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise AirflowFailException(f"{setting(KUBERNETES_OPTION)} must be a JSON object")
+    return doc
+
+
+def signing_keyring() -> Keyring:
+    """The deployment's signing keys (``[vllm_batch] signing_key``); fails the task (no retry) when unset or weak."""
+    from airflow_provider_vllm.core.errors import SealError
+
+    try:
+        return Keyring.from_text(_get(SIGNING_OPTION), setting(SIGNING_OPTION))
+    except SealError as e:
+        raise AirflowFailException(str(e)) from None
+
+
+def kubernetes_signing_secret() -> tuple[str, str]:
+    """``[vllm_batch] kubernetes_signing_secret`` as (Secret name, key); fails the task when unset or malformed."""
+    raw = _get(KUBERNETES_SIGNING_SECRET).strip()
+    name, _, key = raw.partition(":")
+    if not raw or not name or not key:
+        raise AirflowFailException(
+            f"{setting(KUBERNETES_SIGNING_SECRET)} is {'not set' if not raw else f'{raw!r}, not <secret>:<key>'}: "
+            "the shard pods need the deployment's signing key from a Kubernetes Secret (a secretKeyRef) to seal "
+            "their chunks and commit markers; create the Secret in the pods' namespace and name it here"
+        )
+    return name, key
+
+
+def cache_prefixes() -> list[str]:
+    """Where result caches may live (``[vllm_batch] cache_uri_prefixes``); empty: nowhere."""
+    try:
+        return canonical_prefixes(parse_prefixes(_get(CACHE_URI_PREFIXES)))
+    except SpecError as e:
+        raise AirflowFailException(f"{setting(CACHE_URI_PREFIXES)} is malformed: {e}") from None
+
+
+NO_ALLOW_LIST = (
+    f"no allowed locations are configured: set {setting(CONFIG_OPTION)} to the URI prefixes jobs may "
+    f"read and write, or {setting(ALLOW_ANY_OPTION)} = True to allow any location"
+)
+
+
+def check_spec_allowed(spec: JobSpec, what: str) -> list[str]:
+    """Fail the task (no retry) when the spec reaches outside the deployment's rules; returns the allow-list.
+
+    Fails closed: no ``allowed_uri_prefixes`` and no ``allow_any_location`` -> refused.
+    """
+    prefixes = allowed_prefixes()
+    any_location = allow_any_location()
+    try:
+        check_deployment(spec, prefixes, allow_any=any_location, no_allow_list=NO_ALLOW_LIST)
+        check_remote_code(spec, allow_remote_code(), f"{setting(REMOTE_CODE_OPTION)} = True")
+        if spec.cache.uri is not None:
+            check_cache_location(spec.cache.uri, cache_prefixes(), setting(CACHE_URI_PREFIXES))
+    except SpecError as e:
+        raise AirflowFailException(f"{what}: {e}") from None
+    if not prefixes:
+        log.warning(
+            "%s = True: jobs may read and write any location that passes the syntax checks", setting(ALLOW_ANY_OPTION)
+        )
+    return prefixes
+
+
+def worker_env(prefixes: list[str]) -> dict[str, str]:
+    """Environment that hands the deployment's rules to the worker process (never the shard task JSON).
+
+    Always holds every key of ``paths.DEPLOYMENT_ENV`` the worker reads, so that values inherited
+    from elsewhere are overwritten (callers set it last).
+    """
+    return {
+        ALLOWED_PREFIXES_ENV: json.dumps(prefixes),
+        ALLOW_ANY_LOCATION_ENV: "1" if allow_any_location() else "0",
+        ALLOW_REMOTE_CODE_ENV: "1" if allow_remote_code() else "0",
+    }

@@ -1,0 +1,303 @@
+"""The shard pod's parts as Kubernetes client models: hardened by default, sized for the model.
+
+Pure: Kubernetes client models in, models out; no Airflow, no API calls. The Kubernetes
+runner's operator hands these parts to ``KubernetesPodOperator``.
+
+Hardening (Pod Security Standards "restricted" plus a read-only root filesystem): non-root
+uid/gid, no privilege escalation, every capability dropped, seccomp RuntimeDefault, no host
+namespaces, ports or paths, no service-account token. Writable places are ``emptyDir``s:
+``/tmp``, ``/cache`` (HF, vLLM, Triton and torch caches) and ``/dev/shm`` (memory medium).
+
+GPUs: ``tensor_parallel_size * pipeline_parallel_size`` of ``settings.gpu_resource`` (one
+engine per pod; ``settings.gpus`` may only say 0, a CPU pod, or the same count). NVLink
+multicast (NVLS) stays off in every pod: on a shared host it can take GPUs out of service for
+every tenant.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from decimal import Decimal
+
+from kubernetes.client import ApiClient
+from kubernetes.client import models as k8s
+from kubernetes.utils.quantity import parse_quantity
+
+from airflow_provider_vllm import __version__
+from airflow_provider_vllm.core.errors import SpecError
+from airflow_provider_vllm.core.pod_settings import DEFAULT_IMAGE, KubernetesSettings
+from airflow_provider_vllm.core.spec import JobSpec
+
+WORKER_PYTHON = "python3"
+"""The interpreter on the worker image's PATH (argv[0] of ``worker_command`` in the pod)."""
+
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+XCOM_DIR = "/airflow/xcom"
+CACHE_DIR = "/cache"
+GiB = 1024**3
+
+# Always set in the worker container; settings.env cannot change them.
+NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+BASE_ENV = {
+    "PYTHONUNBUFFERED": "1",
+    "HOME": "/tmp",  # read-only root filesystem: the non-root user's home is not writable
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "HF_HOME": f"{CACHE_DIR}/huggingface",
+    "VLLM_CACHE_ROOT": f"{CACHE_DIR}/vllm",
+    "XDG_CACHE_HOME": CACHE_DIR,
+    "TRITON_CACHE_DIR": f"{CACHE_DIR}/triton",
+    "TORCHINDUCTOR_CACHE_DIR": f"{CACHE_DIR}/torchinductor",
+    "VLLM_BATCH_XCOM_DIR": XCOM_DIR,
+    **NVLS_OFF,
+}
+
+
+def gpu_count(spec: JobSpec, settings: KubernetesSettings) -> int:
+    """GPUs one shard pod requests: TP x PP of the spec's engine (one engine per pod).
+
+    ``settings.gpus`` may say 0 (a CPU pod) or repeat TP x PP; any other count is refused: fewer
+    GPUs than the engine spans cannot start it, more sit idle in the pod (run more shards at
+    once instead, one pod per TP group: memory.choose_layout).
+    """
+    pp = spec.engine.engine_kwargs.get("pipeline_parallel_size", 1)
+    if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
+        raise SpecError(f"engine.engine_kwargs.pipeline_parallel_size must be a positive integer, got {pp!r}")
+    engine_gpus = spec.engine.tensor_parallel_size * pp
+    if settings.gpus is not None and settings.gpus not in (0, engine_gpus):
+        raise SpecError(
+            f"kubernetes.gpus={settings.gpus} but the engine spans engine.tensor_parallel_size x "
+            f"pipeline_parallel_size = {engine_gpus} GPU(s): the pod's GPU request must equal it (0 for a CPU pod); "
+            "to use more GPUs run more shards at once (one pod per GPU at tensor_parallel_size 1)"
+        )
+    return engine_gpus if settings.gpus is None else settings.gpus
+
+
+def shm_bytes(settings: KubernetesSettings, gpus: int) -> int:
+    """/dev/shm size: the setting, else 2 GiB for one GPU or none, 8 GiB per GPU across several."""
+    if settings.shm_size is not None:
+        return int(parse_quantity(settings.shm_size))
+    return 8 * GiB * gpus if gpus > 1 else 2 * GiB
+
+
+def _quantity(n: int | Decimal) -> str:
+    n = int(n)
+    return f"{n // GiB}Gi" if n % GiB == 0 else str(n)
+
+
+@dataclass
+class PodParts:
+    """Everything the runner sets on the pod and its worker container."""
+
+    gpus: int
+    shm_size: str
+    resources: k8s.V1ResourceRequirements
+    pod_security_context: k8s.V1PodSecurityContext
+    container_security_context: k8s.V1SecurityContext
+    volumes: list[k8s.V1Volume]
+    volume_mounts: list[k8s.V1VolumeMount]
+    env: list[k8s.V1EnvVar]
+    env_from: list[k8s.V1EnvFromSource]
+    tolerations: list[k8s.V1Toleration]
+    node_selector: dict[str, str]
+    affinity: k8s.V1Affinity | None
+    labels: dict[str, str]
+    annotations: dict[str, str]
+    image: str
+    image_pull_secrets: list[k8s.V1LocalObjectReference] = field(default_factory=list)
+
+
+def container_security_context(settings: KubernetesSettings) -> k8s.V1SecurityContext:
+    """PSS restricted + read-only root filesystem, for the worker and the XCom sidecar."""
+    return k8s.V1SecurityContext(
+        allow_privilege_escalation=False,
+        privileged=False,
+        read_only_root_filesystem=True,
+        run_as_non_root=True,
+        run_as_user=settings.run_as_user,
+        run_as_group=settings.run_as_group,
+        capabilities=k8s.V1Capabilities(drop=["ALL"]),
+        seccomp_profile=_seccomp(settings),
+    )
+
+
+def pod_security_context(settings: KubernetesSettings) -> k8s.V1PodSecurityContext:
+    return k8s.V1PodSecurityContext(
+        run_as_non_root=True,
+        run_as_user=settings.run_as_user,
+        run_as_group=settings.run_as_group,
+        fs_group=settings.run_as_group,
+        seccomp_profile=_seccomp(settings),
+    )
+
+
+def _seccomp(settings: KubernetesSettings) -> k8s.V1SeccompProfile:
+    return k8s.V1SeccompProfile(type=settings.seccomp_profile, localhost_profile=settings.seccomp_localhost_profile)
+
+
+def resources(settings: KubernetesSettings, gpus: int, shm: int) -> k8s.V1ResourceRequirements:
+    """Requests and limits; memory limit = request, and it covers /dev/shm (memory-backed)."""
+    if settings.memory is not None:
+        memory = int(parse_quantity(settings.memory))
+        if memory <= shm:
+            raise SpecError(
+                f"kubernetes.memory={settings.memory} must exceed the /dev/shm size ({_quantity(shm)}): "
+                "a memory-backed emptyDir counts against the container's memory limit"
+            )
+    else:
+        memory = (32 * GiB * gpus if gpus else 8 * GiB) + shm
+    cpu = settings.cpu or str(4 * gpus if gpus else 2)
+    requests = {"cpu": cpu, "memory": _quantity(memory)}
+    limits: dict[str, str] = {"memory": _quantity(memory)}
+    if settings.cpu_limit:
+        limits["cpu"] = settings.cpu_limit
+    if gpus:
+        limits[settings.gpu_resource] = str(gpus)
+    for name, value in settings.extra_resources.items():
+        limits[name] = value
+    return k8s.V1ResourceRequirements(requests=requests, limits=limits)
+
+
+def volumes(settings: KubernetesSettings, shm: int) -> tuple[list[k8s.V1Volume], list[k8s.V1VolumeMount]]:
+    vols = [
+        k8s.V1Volume(name="tmp", empty_dir=k8s.V1EmptyDirVolumeSource(size_limit="4Gi")),
+        k8s.V1Volume(name="cache", empty_dir=k8s.V1EmptyDirVolumeSource(size_limit="50Gi")),
+        k8s.V1Volume(name="dshm", empty_dir=k8s.V1EmptyDirVolumeSource(medium="Memory", size_limit=_quantity(shm))),
+    ]
+    mounts = [
+        k8s.V1VolumeMount(name="tmp", mount_path="/tmp"),
+        k8s.V1VolumeMount(name="cache", mount_path=CACHE_DIR),
+        k8s.V1VolumeMount(name="dshm", mount_path="/dev/shm"),
+    ]
+    if settings.model_cache_pvc:
+        vols.append(
+            k8s.V1Volume(
+                name="model-cache",
+                persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(
+                    claim_name=settings.model_cache_pvc, read_only=settings.model_cache_read_only
+                ),
+            )
+        )
+        mounts.append(
+            k8s.V1VolumeMount(
+                name="model-cache", mount_path=settings.model_cache_path, read_only=settings.model_cache_read_only
+            )
+        )
+    if settings.data_pvc:
+        vols.append(
+            k8s.V1Volume(
+                name="data",
+                persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(claim_name=settings.data_pvc),
+            )
+        )
+        mounts.append(k8s.V1VolumeMount(name="data", mount_path=settings.data_path))
+    return vols, mounts
+
+
+def environment(settings: KubernetesSettings) -> tuple[list[k8s.V1EnvVar], list[k8s.V1EnvFromSource]]:
+    """Literal env (no secrets) + Secret references; NVLS stays off whatever ``settings.env`` says."""
+    clash = sorted(set(settings.env) & set(NVLS_OFF))
+    if clash:
+        raise SpecError(f"kubernetes.env cannot change {clash}: NVLink multicast stays off on shared hosts")
+    env = dict(BASE_ENV)
+    if settings.model_cache_pvc:
+        env["HF_HUB_CACHE"] = f"{settings.model_cache_path.rstrip('/')}/hub"
+        if settings.model_cache_read_only:
+            env["HF_HUB_OFFLINE"] = "1"
+    env.update(settings.env)
+    refs = dict(settings.secret_env)
+    if settings.hf_token_secret is not None:
+        refs["HF_TOKEN"] = settings.hf_token_secret
+    dup = sorted(set(refs) & set(env))
+    if dup:
+        raise SpecError(f"kubernetes: {dup} set both as plain env and as a Secret reference")
+    out = [k8s.V1EnvVar(name=k, value=v) for k, v in env.items()]
+    out += [
+        k8s.V1EnvVar(
+            name=k, value_from=k8s.V1EnvVarSource(secret_key_ref=k8s.V1SecretKeySelector(name=r.name, key=r.key))
+        )
+        for k, r in sorted(refs.items())
+    ]
+    env_from = [k8s.V1EnvFromSource(secret_ref=k8s.V1SecretEnvSource(name=n)) for n in settings.env_from_secrets]
+    return out, env_from
+
+
+# fsspec option names that carry credentials (s3fs key/secret/token, gcsfs token, adlfs keys).
+_CREDENTIAL_OPTION = re.compile(
+    r"^(key|secret|token|password|passwd|sas_token|account_key|client_secret|"
+    r"aws_secret_access_key|aws_session_token|credentials?)$",
+    re.I,
+)
+
+
+def check_no_credentials_in_spec(spec: JobSpec) -> None:
+    """The spec becomes the pod's argument (visible to whoever can read pods): no credentials in it."""
+    bad = sorted(k for k in spec.io.storage_options if _CREDENTIAL_OPTION.match(k) or _SECRETISH.search(k))
+    if bad:
+        raise SpecError(
+            f"io.storage_options {bad} look like credentials; the job spec is the pod's argument, so "
+            "pass them as Secret references (kubernetes.secret_env / env_from_secrets) instead"
+        )
+
+
+_SECRETISH = re.compile(r"(secret|token|password|credential)", re.I)
+
+
+def label_value(value: str) -> str:
+    """A valid label value (63 chars of [A-Za-z0-9_.-], alphanumeric at both ends)."""
+    v = re.sub(r"[^A-Za-z0-9_.-]+", "-", value)[:63]
+    return re.sub(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$", "", v)
+
+
+def pod_parts(spec: JobSpec, settings: KubernetesSettings, shard_id: str) -> PodParts:
+    """The pod for one shard of ``spec``; raises SpecError naming the setting that is wrong."""
+    check_no_credentials_in_spec(spec)
+    gpus = gpu_count(spec, settings)
+    shm = shm_bytes(settings, gpus)
+    vols, mounts = volumes(settings, shm)
+    env, env_from = environment(settings)
+    labels = {
+        "app.kubernetes.io/name": "airflow-provider-vllm",
+        "app.kubernetes.io/component": "shard-worker",
+        "app.kubernetes.io/version": label_value(__version__),
+        "vllm-batch/job": label_value(spec.name),
+        "vllm-batch/shard": label_value(shard_id),
+        **settings.labels,
+    }
+    if settings.kueue_queue:
+        labels[KUEUE_QUEUE_LABEL] = settings.kueue_queue
+    annotations = {"vllm-batch/config-hash": spec.output_hash()[:16], **settings.annotations}
+    affinity = _affinity(settings.affinity)
+    return PodParts(
+        gpus=gpus,
+        shm_size=_quantity(shm),
+        resources=resources(settings, gpus, shm),
+        pod_security_context=pod_security_context(settings),
+        container_security_context=container_security_context(settings),
+        volumes=vols,
+        volume_mounts=mounts,
+        env=env,
+        env_from=env_from,
+        tolerations=[k8s.V1Toleration(**t.model_dump(exclude_none=True)) for t in settings.tolerations],
+        node_selector=dict(settings.node_selector),
+        affinity=affinity,
+        labels=labels,
+        annotations=annotations,
+        image=settings.image or DEFAULT_IMAGE,
+        image_pull_secrets=[k8s.V1LocalObjectReference(name=n) for n in settings.image_pull_secrets],
+    )
+
+
+def _affinity(doc: dict | None) -> k8s.V1Affinity | None:
+    """A camelCase affinity document as the client's model; refuses keys the model drops."""
+    if not doc:
+        return None
+    client = ApiClient()
+    try:
+        model = client._ApiClient__deserialize(doc, k8s.V1Affinity)  # what the cncf provider does too
+    except (ValueError, TypeError, AttributeError) as e:
+        raise SpecError(f"kubernetes.affinity is not a valid Affinity: {e}") from None
+    if client.sanitize_for_serialization(model) != doc:
+        raise SpecError(f"kubernetes.affinity has fields an Affinity does not have (check the camelCase names): {doc}")
+    return model

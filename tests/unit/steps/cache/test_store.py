@@ -1,0 +1,76 @@
+"""The cache folder (steps/cache_store.py): sealed commits only, verified copies, compaction."""
+
+from __future__ import annotations
+
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from airflow_provider_vllm.core.seal import Keyring
+from airflow_provider_vllm.steps.cache.result_cache import ENTRY_SCHEMA
+from airflow_provider_vllm.steps.cache.store import COMPACT_AFTER, CacheStore
+
+KH = "a" * 64
+
+
+def entry_file(path, keys: list[str], label: str, at: str) -> int:
+    cols = {f.name: pa.nulls(len(keys), f.type) for f in ENTRY_SCHEMA}
+    cols.update(
+        key=pa.array(keys),
+        source_id=pa.array([f"id-{k}" for k in keys]),
+        label=pa.array([label] * len(keys)),
+        computed_at=pa.array([at] * len(keys)),
+    )
+    pq.write_table(pa.table(cols, schema=ENTRY_SCHEMA), path)
+    return len(keys)
+
+
+@pytest.fixture
+def store(tmp_path):
+    return CacheStore(str(tmp_path / "cache"), {}, Keyring.from_env())
+
+
+def write(store, tmp_path, n: int, keys: list[str], label: str) -> str:
+    eid = f"{n:032x}"
+    local = tmp_path / f"e{n}.parquet"
+    rows = entry_file(local, keys, label, f"2026-12-01T00:00:{n:02d}.000000+00:00")
+    assert store.write(KH, eid, str(local), rows, {"output_uri": f"/runs/{n}"})
+    return eid
+
+
+def test_commits_live_per_key_config_and_a_rewrite_is_a_no_op(store, tmp_path):
+    eid = write(store, tmp_path, 1, ["k1"], "a")
+    assert [c.entry_id for c in store.committed(KH)] == [eid]
+    assert store.committed("b" * 64) == []
+    assert os.listdir(tmp_path / "cache" / "commits") == [KH[:32]]
+    local = tmp_path / "again.parquet"
+    entry_file(local, ["k1"], "other", "2026-12-01T00:00:01.000000+00:00")
+    assert store.write(KH, eid, str(local), 1, {}) is False  # create-only: the first commit stays
+
+
+def test_compaction_keeps_the_newest_answer_per_key_and_bounds_what_a_plan_reads(store, tmp_path):
+    for n in range(COMPACT_AFTER):
+        write(store, tmp_path, n, [f"k{n}", "shared"], f"label{n}")
+    assert store.compact(KH, str(tmp_path / "w1")) is None  # not yet over the bound
+    write(store, tmp_path, COMPACT_AFTER, [f"k{COMPACT_AFTER}", "shared"], "newest")
+    eid = store.compact(KH, str(tmp_path / "w2"))
+    assert eid is not None
+    live = store.committed(KH)
+    assert [c.entry_id for c in live] == [eid] and live[0].supersedes and len(live[0].supersedes) == COMPACT_AFTER + 1
+    _, files = store.fetch(live, str(tmp_path / "read"))
+    t = pq.read_table(files[0]).to_pydict()
+    got = dict(zip(t["key"], t["label"]))
+    assert len(got) == COMPACT_AFTER + 2 and got["shared"] == "newest" and got["k3"] == "label3"
+    assert sorted(os.listdir(tmp_path / "cache" / "entries")) == [eid]  # superseded entries removed
+
+
+def test_an_entry_removed_after_the_listing_is_skipped_not_fatal(store, tmp_path, caplog):
+    a = write(store, tmp_path, 1, ["k1"], "a")
+    b = write(store, tmp_path, 2, ["k2"], "b")
+    commits = store.committed(KH)
+    os.remove(tmp_path / "cache" / "entries" / a / "part-00000.parquet")  # a compaction elsewhere
+    kept, files = store.fetch(commits, str(tmp_path / "read"))
+    assert [c.entry_id for c in kept] == [b] and len(files) == 1
+    assert "skipping entry" in caplog.text

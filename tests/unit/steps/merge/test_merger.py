@@ -1,0 +1,304 @@
+"""Merge against hostile commit markers and duplicate committed rows (fake engine, local dir).
+
+A marker may only name chunk files (ok and error parts) under its own shard's attempt folders;
+duplicates are counted over the committed parts before merge drops anything; identical copies
+are dropped and reported (``_MERGED.json``, QA), differing copies fail the merge naming the ids.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from pydantic import ValidationError
+
+from airflow_provider_vllm.core.commit import MARKER, ChunkMeta, CommitMarker, RunSeal, ShardStore, errors_rel
+from airflow_provider_vllm.core.errors import CommitError, VerificationError
+from airflow_provider_vllm.core.plan import PLAN_FILE, Plan
+from airflow_provider_vllm.core.rows import ROW_SCHEMA
+from airflow_provider_vllm.core.seal import COMMIT, Keyring, record_bytes, seal_record
+from airflow_provider_vllm.core.storage import Storage
+from airflow_provider_vllm.steps.merge.merger import MERGED, merge, result_parts
+from airflow_provider_vllm.steps.plan.planner import plan_job
+from airflow_provider_vllm.steps.qa.stage import qa_run, qa_summary
+from airflow_provider_vllm.worker.shard import run_shard
+from airflow_provider_vllm.worker.task import ShardTask
+from tests.support.data import make_spec, write_parquet
+from tests.support.ledger import record_bad_rows, record_malicious
+
+IDS = [f"r{i:03d}" for i in range(60)]
+
+
+@pytest.fixture
+def run(tmp_path, fake_engine_factory):
+    """A planned and fully committed 3-shard run, not merged yet: (spec, plan, out dir)."""
+    write_parquet(tmp_path / "in.parquet", IDS, [f"ticket {i}" for i in range(len(IDS))])
+    spec = make_spec(tmp_path / "in.parquet", tmp_path / "out", sharding={"target_rows": 20, "chunk_rows": 10})
+    plan = plan_job(spec)
+    assert len(plan.shards) == 3
+    for s in plan.shards:
+        assert (
+            run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)["status"]
+            == "committed"
+        )
+    return spec, plan, tmp_path / "out"
+
+
+def marker_path(out: Path, shard_id: str) -> Path:
+    return out / "shards" / shard_id / MARKER
+
+
+def edit_marker(out: Path, shard_id: str, fn, reseal: bool = True) -> None:
+    """Edit a shard's commit marker. ``reseal``: seal the edited marker again with the deployment's key, as a
+    worker with a bug would (so merge's own path and content checks are what refuses it); without, it is what
+    any other writer of the bucket can do (the seal no longer matches)."""
+    p = marker_path(out, shard_id)
+    m = json.loads(p.read_text())
+    fn(m)
+    m.pop("seal", None)
+    try:
+        marker = CommitMarker.model_validate(m)
+    except ValidationError:
+        p.write_text(json.dumps(m))  # not even a marker: no seal can be made for it
+        return
+    if reseal:
+        marker = seal_record(Keyring.from_env(), COMMIT, str(out), marker)
+    p.write_bytes(record_bytes(marker))
+
+
+def run_seal(out: Path) -> RunSeal:
+    """The sealing context of the run under ``out`` (its plan's seal), as its workers have it."""
+    plan = Plan.model_validate_json((out / PLAN_FILE).read_bytes())
+    return RunSeal(Keyring.from_env(), plan.seal.mac)
+
+
+def entry_for(out: Path, rel: str) -> dict:
+    """A marker entry with the right sizes and checksums for ``rel`` (a chunk's ok part: with its errors part)."""
+    import hashlib
+
+    data = (out / rel).read_bytes()
+    entry = {"path": rel, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    if rel.endswith(".parquet"):
+        ok = pq.ParquetFile(out / rel).metadata.num_rows
+        err = errors_rel(rel)
+        n_err = pq.ParquetFile(out / err).metadata.num_rows
+        edata = (out / err).read_bytes()
+        entry.update(
+            rows=ok + n_err,
+            ok_rows=ok,
+            error_rows=n_err,
+            errors={"path": err, "bytes": len(edata), "sha256": hashlib.sha256(edata).hexdigest(), "rows": n_err},
+        )
+    return entry
+
+
+def chunk_rows(out: Path, rel: str) -> pa.Table:
+    """The chunk whose ok part is ``rel`` as one ``ROW_SCHEMA`` table (ok rows, then error rows)."""
+    ok = pq.read_table(out / rel)
+    err = pq.read_table(out / errors_rel(rel))
+    ok = ok.append_column("status", pa.array(["ok"] * ok.num_rows, pa.string()))
+    err = err.append_column("status", pa.array(["error"] * err.num_rows, pa.string()))
+    t = pa.concat_tables([ok, err], promote_options="default")
+    return pa.Table.from_arrays(
+        [t.column(f.name) if f.name in t.column_names else pa.nulls(t.num_rows, f.type) for f in ROW_SCHEMA],
+        schema=ROW_SCHEMA,
+    )
+
+
+def nothing_published(out: Path) -> bool:
+    return not (out / "results").exists() and not (out / "errors").exists() and not (out / MERGED).exists()
+
+
+def test_a_clean_run_reports_zero_duplicates_counted_before_dedupe(run):
+    spec, plan, out = run
+    s = merge(spec).dump()
+    assert s["duplicates"] == {"ids": 0, "rows_dropped": 0, "examples": []} and s["duplicates_dropped"] == 0
+    assert json.loads((out / MERGED).read_text())["duplicates"]["ids"] == 0
+    report, paths = qa_run(spec)
+    assert report.metrics["duplicates"]["ids"] == 0 and "duplicates=0" in report.summary_line()
+    assert qa_summary(report, paths, str(out))["duplicates"] == 0
+
+
+def _other_shards_chunk(out: Path, plan) -> str:
+    m = json.loads(marker_path(out, plan.shards[1].shard_id).read_text())
+    return m["files"][0]["path"]
+
+
+HOSTILE = {
+    # each: marker edit -> what the message must say; the entry's bytes/sha256 are right where a file exists
+    "another shard's chunk": lambda out, plan, m: m["files"].__setitem__(
+        0, entry_for(out, _other_shards_chunk(out, plan))
+    ),
+    "the plan file": lambda out, plan, m: m["files"].__setitem__(0, entry_for(out, "_plan.json")),
+    "a dot-dot path into another shard": lambda out, plan, m: m["files"].__setitem__(
+        0,
+        {
+            **entry_for(out, _other_shards_chunk(out, plan)),
+            "path": f"shards/{plan.shards[0].shard_id}/attempts/../../{plan.shards[1].shard_id}/attempts/"
+            f"{_other_shards_chunk(out, plan).split('/')[3]}/chunk-00000.parquet",
+        },
+    ),
+    "an attempt folder named ..": lambda out, plan, m: m["files"].__setitem__(
+        0, {**m["files"][0], "path": f"shards/{plan.shards[0].shard_id}/attempts/../chunk-00000.parquet"}
+    ),
+    "an absolute path": lambda out, plan, m: m["files"].__setitem__(0, {**m["files"][0], "path": "/etc/passwd"}),
+    "a file outside the run": lambda out, plan, m: m["files"].__setitem__(
+        0, {**m["files"][0], "path": "../in.parquet"}
+    ),
+    "a non-chunk name in its own attempt": lambda out, plan, m: m["files"].__setitem__(
+        0, {**m["files"][0], "path": m["files"][0]["path"].replace("chunk-00000.parquet", "x.parquet")}
+    ),
+    "a temp file of its own attempt": lambda out, plan, m: m["files"].__setitem__(
+        0, {**m["files"][0], "path": m["files"][0]["path"] + ".tmp-0123"}
+    ),
+    "a path that is not a string": lambda out, plan, m: m["files"].__setitem__(0, {**m["files"][0], "path": 7}),
+    "the same chunk twice": lambda out, plan, m: m["files"].append(dict(m["files"][0])),
+    "another shard's id": lambda out, plan, m: m.__setitem__("shard_id", plan.shards[1].shard_id),
+    "files that are not a list": lambda out, plan, m: m.__setitem__("files", {"path": m["files"][0]["path"]}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_a_hostile_marker_is_refused_terminally_and_nothing_is_published(run, case):
+    spec, plan, out = run
+    edit_marker(out, plan.shards[0].shard_id, lambda m, case=case: HOSTILE[case](out, plan, m))
+    with pytest.raises(CommitError) as e:
+        merge(spec)
+    msg = str(e.value)
+    assert e.value.terminal and e.value.exit_code == 2
+    assert plan.shards[0].shard_id in msg and MARKER in msg
+    assert nothing_published(out)
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_a_hostile_marker_from_a_writer_without_the_key_is_refused_by_its_seal(run, case):
+    """What any writer of the output prefix can do: edit the marker (its sizes and sha256 right); the seal then
+    no longer matches and merge refuses it before it opens any file it names."""
+    spec, plan, out = run
+    edit_marker(out, plan.shards[0].shard_id, lambda m, case=case: HOSTILE[case](out, plan, m), reseal=False)
+    with pytest.raises(CommitError, match=plan.shards[0].shard_id) as e:
+        merge(spec).dump()
+    assert e.value.terminal and nothing_published(out)
+
+
+@pytest.mark.reliability
+def test_every_hostile_marker_kind_is_refused(run):
+    """The same cases in one run, recorded for the reliability figures."""
+    spec, plan, out = run
+    original = marker_path(out, plan.shards[0].shard_id).read_text()
+    refused = 0
+    for case in sorted(HOSTILE):
+        marker_path(out, plan.shards[0].shard_id).write_text(original)
+        edit_marker(out, plan.shards[0].shard_id, lambda m, case=case: HOSTILE[case](out, plan, m))
+        try:
+            merge(spec)
+        except CommitError:
+            refused += 1
+        assert nothing_published(out)
+    record_malicious("forged_commit_marker", len(HOSTILE), refused)
+    assert refused == len(HOSTILE)
+    marker_path(out, plan.shards[0].shard_id).write_text(original)
+    assert merge(spec).dump()["ok_rows"] == len(IDS)  # the genuine marker still merges
+
+
+def _copy_into_new_attempt(out: Path, plan, shard_index: int, edit=None) -> str:
+    """Copy the shard's first chunk into a new attempt folder of the same shard (other attempt id
+    in the rows; ``edit`` may change the table), add it to the marker; returns the ids it repeats."""
+    shard_id = plan.shards[shard_index].shard_id
+    first = json.loads(marker_path(out, shard_id).read_text())["files"][0]["path"]
+    t = chunk_rows(out, first)
+    t = t.set_column(
+        t.column_names.index("attempt_id"),
+        "attempt_id",
+        pa.array(["a-forged-copy"] * t.num_rows, t.schema.field("attempt_id").type),
+    )
+    t = t.set_column(
+        t.column_names.index("latency_ms"),
+        "latency_ms",
+        pa.array([1.5] * t.num_rows, t.schema.field("latency_ms").type),
+    )
+    if edit is not None:
+        t = edit(t)
+    meta = ChunkMeta(shard_id=shard_id, chunk=0, first_row=0, rows=t.num_rows, config_hash="forged")
+    entry = ShardStore(Storage(str(out)), shard_id, run_seal(out)).write_chunk("a-forged-copy", meta, t)
+    edit_marker(out, shard_id, lambda m: m["files"].append(entry.dump()))
+    return t.column("id").to_pylist()
+
+
+@pytest.mark.reliability
+def test_identical_duplicates_are_counted_before_the_dedupe_dropped_and_reported(run):
+    spec, plan, out = run
+    repeated = _copy_into_new_attempt(out, plan, 0)
+    assert len(repeated) == 10
+    s = merge(spec).dump()
+    record_bad_rows("committed_duplicates_identical_counted", len(repeated), s["duplicates"]["ids"])
+    assert s["duplicates"] == {"ids": 10, "rows_dropped": 10, "examples": sorted(repeated)}
+    assert s["duplicates_dropped"] == 10 and s["ok_rows"] + s["error_rows"] == len(IDS)
+    on_disk = json.loads((out / MERGED).read_text())["duplicates"]
+    assert on_disk["ids"] == 10 and on_disk["rows_dropped"] == 10
+    o = Storage(str(out))
+    res = [i for rel in result_parts(o, "results") for i in pq.read_table(out / rel, columns=["id"])["id"].to_pylist()]
+    err = [i for rel in result_parts(o, "errors") for i in pq.read_table(out / rel, columns=["id"])["id"].to_pylist()]
+    assert sorted(res + err) == IDS  # each id once after the dedupe
+    # only the part that held the dropped copies was re-encoded; the others are the committed files
+    assert pq.read_table(out / "results").num_rows == len(res)
+    report, paths = qa_run(spec)
+    assert report.metrics["duplicates"]["ids"] == 10 and "duplicates=10" in report.summary_line()
+    assert any("committed more than once" in n for n in report.notes)
+    assert qa_summary(report, paths, str(out))["duplicates"] == 10
+    assert "Duplicate ids" in (out / "qa" / "report.html").read_text()
+
+
+@pytest.mark.reliability
+def test_two_committed_outputs_that_differ_fail_the_merge_naming_the_id(run):
+    spec, plan, out = run
+    victim = json.loads(marker_path(out, plan.shards[0].shard_id).read_text())["files"][0]
+
+    def change_one(t: pa.Table) -> pa.Table:
+        out_col = t.column("output").to_pylist()
+        out_col[3] = (out_col[3] or "") + " (a different answer)"
+        return t.set_column(t.column_names.index("output"), "output", pa.array(out_col, pa.string()))
+
+    ids = _copy_into_new_attempt(out, plan, 0, edit=change_one)
+    with pytest.raises(VerificationError) as e:
+        merge(spec)
+    msg = str(e.value)
+    record_bad_rows("committed_duplicates_differing_refused", 1, int(repr(ids[3]) in msg))
+    assert e.value.terminal
+    assert "1 id(s) have committed outputs that differ" in msg and repr(ids[3]) in msg
+    assert "a-forged-copy" in msg and victim["path"].split("/")[3] in msg  # both attempts named
+    assert repr(ids[2]) not in msg  # identical copies are not blamed
+    assert nothing_published(out)
+
+
+def test_a_status_flip_is_a_difference_too(run):
+    """An ok row and an error row for one id are two different outputs, not a choice to make."""
+    spec, plan, out = run
+
+    def flip(t: pa.Table) -> pa.Table:
+        st = t.column("status").to_pylist()
+        code = t.column("error_code").to_pylist()
+        st[0], code[0] = "error", "ENGINE_ERROR"
+        t = t.set_column(t.column_names.index("status"), "status", pa.array(st, pa.string()))
+        return t.set_column(t.column_names.index("error_code"), "error_code", pa.array(code, pa.string()))
+
+    ids = _copy_into_new_attempt(out, plan, 2, edit=flip)
+    with pytest.raises(VerificationError, match=repr(ids[0])):
+        merge(spec)
+    assert nothing_published(out)
+
+
+def test_a_copied_run_folder_is_refused_by_its_seals(run, tmp_path):
+    """Seals name the run's folder: records copied into another prefix (a moved run, or genuine records planted
+    in another run) are not trusted there; the original still merges."""
+    spec, plan, out = run
+    moved = tmp_path / "moved"
+    shutil.copytree(out, moved)
+    spec2 = spec.model_copy(update={"io": spec.io.model_copy(update={"output_uri": str(moved)})})
+    with pytest.raises(CommitError, match=r"moved/_plan.json.*moved from another run or folder"):
+        merge(spec2)
+    assert merge(spec).dump()["ok_rows"] == len(IDS)

@@ -1,0 +1,185 @@
+"""What the plan refuses, terminally and with a message, before any worker runs: stores without a
+tested create-only write (abfs://, az://), ids that are only whitespace (every input format), and a
+plan with more shards than Airflow's ``[core] max_map_length``."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pyarrow as pa
+import pytest
+
+from airflow_provider_vllm.core.allow_list import SCHEMES, canonical_uri
+from airflow_provider_vllm.core.errors import DatasetError, SpecError
+from airflow_provider_vllm.core.formats.base import BLANK_ID_PATTERN, is_blank_id
+from airflow_provider_vllm.core.plan import PLAN_FILE
+from airflow_provider_vllm.steps.plan.planner import build_plan, plan_job
+from tests.support.data import make_spec, write_parquet
+from tests.support.ledger import record_bad_rows
+
+# ---- schemes ------------------------------------------------------------------------------
+UNSUPPORTED = [
+    "abfs://container/in",
+    "az://container/runs/r1",
+    "abfss://c@acct.dfs.core.windows.net/x",
+    "adl://store/x",
+    "AZ://container/x",
+]
+
+
+@pytest.mark.parametrize("uri", UNSUPPORTED)
+@pytest.mark.parametrize("field", ["input_uri", "output_uri"])
+def test_azure_schemes_are_refused_at_validation_naming_why(tmp_path, uri, field):
+    io = {"input_uri": str(tmp_path / "in.parquet"), "output_uri": str(tmp_path / "out"), field: uri}
+    with pytest.raises(SpecError) as e:
+        make_spec(io["input_uri"], io["output_uri"])
+    msg = str(e.value)
+    assert f"io.{field}" in msg and "not supported" in msg and "create-only" in msg
+    assert e.value.terminal
+
+
+def test_supported_schemes_are_exactly_those_with_a_create_only_write():
+    assert set(SCHEMES) == {"s3", "s3a", "gs", "gcs", "memory", "file"}
+    for uri in ("s3://bk/x", "gs://bk/x", "gcs://bk/x", "s3a://bk/x", "memory://x/y"):
+        assert canonical_uri(uri) == uri
+
+
+def test_the_dag_param_schema_refuses_them_too():
+    from airflow_provider_vllm.core.param_schemas import URI_PATTERN
+
+    for uri in UNSUPPORTED[:4]:
+        assert re.match(URI_PATTERN, uri) is None, uri
+    assert re.match(URI_PATTERN, "s3://b/x") and re.match(URI_PATTERN, "gs://b/x")
+
+
+# ---- blank ids ------------------------------------------------------------------------------
+BLANKS = [" ", "   ", "\t", "\n", "\r\n", "\u00a0", "\u3000", "\u2028", " \t\u2003 ", "\x0b", "\x1f", "\x85"]
+
+
+def test_the_duckdb_blank_pattern_matches_exactly_pythons_whitespace():
+    """Parquet ids are checked in DuckDB, JSONL ids in Python: one definition, every code point."""
+    import duckdb
+
+    chars = [chr(c) for c in range(0x110000) if not 0xD800 <= c <= 0xDFFF]
+    t = pa.table({"c": chars})  # noqa: F841 (read by name in the SQL: a DuckDB replacement scan)
+    got = {r[0] for r in duckdb.sql(f"SELECT c FROM t WHERE regexp_matches(c, '{BLANK_ID_PATTERN}')").fetchall()}
+    assert got == {c for c in chars if c.isspace()} and len(got) > 20
+    assert is_blank_id("") and all(is_blank_id(b) for b in BLANKS)
+    assert not any(is_blank_id(x) for x in ("a", " a ", "\u200b", "0", "_"))  # zero-width space is not whitespace
+
+
+@pytest.mark.parametrize("blank", BLANKS)
+def test_whitespace_only_ids_are_refused_in_every_format(tmp_path, blank):
+    ids = [f"r{i}" for i in range(6)]
+    rows = [{"id": i, "text": f"ticket {i}"} for i in ids]
+    rows[4]["id"] = blank
+    # JSONL
+    (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    with pytest.raises(DatasetError, match=r"in\.jsonl line 5: id field 'id' is .*only whitespace"):
+        build_plan(make_spec(tmp_path / "in.jsonl", tmp_path / "o1"))
+    # OpenAI batch: custom_id
+    reqs = [
+        {
+            "custom_id": r["id"],
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": r["text"]}]},
+        }
+        for r in rows
+    ]
+    (tmp_path / "batch.jsonl").write_text("\n".join(json.dumps(r) for r in reqs) + "\n")
+    with pytest.raises(DatasetError, match=r"batch\.jsonl line 5: id field 'custom_id' is .*only whitespace"):
+        build_plan(make_spec(tmp_path / "batch.jsonl", tmp_path / "o2", io={"input_format": "openai_batch"}))
+    # Parquet
+    write_parquet(tmp_path / "in.parquet", [r["id"] for r in rows], [r["text"] for r in rows])
+    with pytest.raises(
+        DatasetError,
+        match=r"1 row\(s\) have an empty id \(empty or only whitespace\).*"
+        r"in\.parquet row 4",
+    ):
+        build_plan(make_spec(tmp_path / "in.parquet", tmp_path / "o3"))
+
+
+@pytest.mark.reliability
+def test_blank_id_refusals_are_recorded(tmp_path):
+    """All blank ids of BLANKS, planted one per file in the three formats: each refused by the plan."""
+    planted = refused = 0
+    for n, blank in enumerate(BLANKS):
+        for fmt in ("jsonl", "openai_batch", "parquet"):
+            planted += 1
+            d = tmp_path / f"{fmt}{n}"
+            d.mkdir()
+            if fmt == "parquet":
+                write_parquet(d / "in.parquet", ["a", blank], ["x", "y"])
+                src = d / "in.parquet"
+            else:
+                key = "custom_id" if fmt == "openai_batch" else "id"
+                line = (
+                    {key: blank, "text": "y"}
+                    if fmt == "jsonl"
+                    else {key: blank, "method": "POST", "url": "/v1/embeddings", "body": {"input": "y"}}
+                )
+                (d / "in.jsonl").write_text(json.dumps(line) + "\n")
+                src = d / "in.jsonl"
+            try:
+                build_plan(make_spec(src, d / "out"))
+            except DatasetError as e:
+                refused += "whitespace" in str(e)
+    record_bad_rows("blank_ids_refused_at_plan", planted, refused)
+    assert refused == planted == 3 * len(BLANKS)
+
+
+def test_ids_with_surrounding_spaces_are_still_ids(tmp_path):
+    (tmp_path / "in.jsonl").write_text("\n".join(json.dumps({"id": i, "text": "t"}) for i in [" a", "a", "a "]))
+    plan = build_plan(make_spec(tmp_path / "in.jsonl", tmp_path / "out"))
+    assert plan.total_rows == 3
+
+
+# ---- more shards than the orchestrator can map ---------------------------------------------
+def test_more_shards_than_max_shards_is_refused_naming_target_rows(tmp_path):
+    write_parquet(tmp_path / "in.parquet", [f"r{i}" for i in range(100)], ["t"] * 100)
+    spec = make_spec(tmp_path / "in.parquet", tmp_path / "out", sharding={"target_rows": 10})
+    assert len(build_plan(spec).shards) == 10
+    assert len(plan_job(spec.model_copy(), max_shards=10).shards) == 10  # at the limit: fine
+    out2 = make_spec(tmp_path / "in.parquet", tmp_path / "out2", sharding={"target_rows": 10})
+    with pytest.raises(SpecError) as e:
+        plan_job(out2, max_shards=4)
+    msg = str(e.value)
+    assert "10 shards, more than the 4 mapped tasks" in msg and "[core] max_map_length" in msg
+    assert "sharding.target_rows (now 10; at least 25 for 100 rows)" in msg and "sharding.max_shards" in msg
+    assert "AIRFLOW__CORE__MAX_MAP_LENGTH" in msg and e.value.terminal
+    assert not (tmp_path / "out2").exists() or not any((tmp_path / "out2").iterdir())  # nothing written
+    # following the message works
+    fixed = make_spec(tmp_path / "in.parquet", tmp_path / "out3", sharding={"target_rows": 25})
+    assert len(plan_job(fixed, max_shards=4).shards) == 4
+
+
+def test_by_tokens_the_message_names_target_tokens(tmp_path):
+    write_parquet(tmp_path / "in.parquet", [f"r{i}" for i in range(50)], ["word " * 40] * 50)
+    spec = make_spec(
+        tmp_path / "in.parquet",
+        tmp_path / "out",
+        sharding={"target_rows": None, "target_tokens": 100, "chars_per_token": 4.0},
+    )
+    n = len(build_plan(spec).shards)
+    assert n > 3
+    with pytest.raises(SpecError, match=r"raise sharding\.target_tokens \(now 100; at least \d+ for \d+ estimated"):
+        build_plan(spec, max_shards=3)
+
+
+def test_the_plan_operator_reads_max_map_length_from_airflow(tmp_path, monkeypatch):
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from airflow_provider_vllm.operators import VllmPlanOperator
+
+    write_parquet(tmp_path / "in.parquet", [f"r{i}" for i in range(30)], ["t"] * 30)
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", str(tmp_path))
+    monkeypatch.setenv("AIRFLOW__CORE__MAX_MAP_LENGTH", "2")
+    doc = make_spec(tmp_path / "in.parquet", tmp_path / "out", sharding={"target_rows": 10}).model_dump(mode="json")
+    ti = type("TI", (), {"xcoms": {}, "xcom_push": lambda self, key, value: self.xcoms.update({key: value})})()
+    with pytest.raises(AirflowFailException, match=r"3 shards, more than the 2 mapped tasks.*target_rows"):
+        VllmPlanOperator(task_id="plan", spec=doc).execute({"ti": ti, "params": {}})
+    assert ti.xcoms == {} and not (tmp_path / "out" / PLAN_FILE).exists()
+    monkeypatch.setenv("AIRFLOW__CORE__MAX_MAP_LENGTH", "3")
+    assert len(VllmPlanOperator(task_id="plan", spec=doc).execute({"ti": ti, "params": {}})) == 3

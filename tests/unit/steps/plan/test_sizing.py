@@ -1,0 +1,227 @@
+"""Shard sizing from throughput history: records written by merge, read by the planner."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from airflow_provider_vllm.core.records import ThroughputRecord
+from airflow_provider_vllm.steps.merge.merger import merge
+from airflow_provider_vllm.steps.plan.planner import DEFAULT_TARGET_ROWS, build_plan, plan_job
+from airflow_provider_vllm.steps.plan.sizing import (
+    HISTORY_VERSION,
+    estimate_workload,
+    find_evidence,
+    prompt_overhead_tokens,
+    read_history,
+    size_shards,
+)
+from airflow_provider_vllm.worker.shard import run_shard
+from airflow_provider_vllm.worker.task import ShardTask
+from tests.support.data import make_spec, write_parquet
+
+
+def record(spec, **over):
+    r = {
+        "version": HISTORY_VERSION,
+        "recorded_at": "2026-11-28T03:00:00Z",
+        "job": spec.name,
+        "task": spec.task,
+        "model": spec.model.name,
+        "model_revision": None,
+        "hardware": "1x NVIDIA H200",
+        "tensor_parallel_size": 1,
+        "config_hash": spec.output_hash(),
+        "spec_hash": "s" * 64,
+        "shards": 4,
+        "rows": 10_000,
+        "infer_s": 1000.0,
+        "prompt_tokens": 1_500_000,
+        "completion_tokens": 20_000,
+        "engine_start_s": 30.0,
+        "rows_per_s": 10.0,
+        "tokens_per_s": 1520.0,
+        "prompt_tokens_per_row": 150.0,
+        "completion_tokens_per_row": 2.0,
+        "est_prompt_tokens_per_row": 20.0,
+    }
+    r.update(over)
+    return ThroughputRecord.model_validate(r)
+
+
+def write_history(folder, files: dict[str, list[dict]]):
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, recs in files.items():
+        (folder / name).write_text(
+            "".join(json.dumps(r.dump() if isinstance(r, ThroughputRecord) else r) + "\n" for r in recs)
+        )
+
+
+def spec_with_history(tmp_path, **sharding):
+    return make_spec(
+        tmp_path / "in",
+        tmp_path / "out",
+        sharding={"target_rows": 100, "history_uri": str(tmp_path / "history"), **sharding},
+    )
+
+
+def test_history_round_trip_merge_writes_a_record_that_the_next_plan_reads(tmp_path, fake_engine_factory):
+    n = 300
+    write_parquet(
+        tmp_path / "in" / "a.parquet", [f"t{i:04d}" for i in range(n)], [f"ticket {i} text" for i in range(n)]
+    )
+    spec = spec_with_history(tmp_path)
+    plan = plan_job(spec)
+    assert plan.sizing is None and len(plan.shards) == 3  # empty history: target_rows 100 applies
+    for s in plan.shards:
+        run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+    marker = json.loads((tmp_path / "out" / "shards" / plan.shards[0].shard_id / "_COMMITTED.json").read_text())
+    assert marker["stats"]["infer_rows"] == 100 and marker["stats"]["hardware"]  # what the worker now records
+    summary = merge(spec).dump()
+    files = sorted((tmp_path / "history").glob("*.jsonl"))
+    assert len(files) == 1 and summary["history_record"].endswith(files[0].name)
+    (rec,) = read_history(str(tmp_path / "history"))
+    assert rec.rows == n and rec.shards == 3 and rec.model == "fake" and rec.task == "chat"
+    assert rec.config_hash == spec.output_hash() and rec.hardware == marker["stats"]["hardware"]
+    assert rec.completion_tokens_per_row == 2.0  # the fake engine's two tokens per row
+    assert rec.prompt_tokens == sum(
+        json.loads((tmp_path / "out" / "shards" / s.shard_id / "_COMMITTED.json").read_text())["stats"]["prompt_tokens"]
+        for s in plan.shards
+    )
+    # re-merging the run replaces its record instead of adding a second one
+    merge(spec)
+    assert len(list((tmp_path / "history").glob("*.jsonl"))) == 1
+    # the next run (new output prefix) is sized from the record: the fake engine is fast -> one shard
+    nxt = spec.model_copy(update={"io": spec.io.model_copy(update={"output_uri": str(tmp_path / "out2")})})
+    plan2 = build_plan(nxt)
+    assert plan2.sizing is not None and plan2.sizing["evidence"]["basis"] == "config"
+    assert len(plan2.shards) == 1 and plan2.shards[0].rows == n
+
+
+def test_config_basis_sizes_to_the_default_target_with_start_at_most_10_percent(tmp_path):
+    write_parquet(tmp_path / "in" / "a.parquet", [f"t{i:05d}" for i in range(10_000)], ["some ticket"] * 10_000)
+    spec = spec_with_history(tmp_path)
+    # 10 rows/s, 60 s engine start -> shards of >= 600 s, i.e. >= 540 s (5400 rows) of inference each
+    write_history(tmp_path / "history", {"20261128T030000Z-a-b.jsonl": [record(spec, engine_start_s=60.0)]})
+    plan = build_plan(spec)
+    assert plan.sizing["target_s"] == 600.0 and plan.sizing["est_infer_s"] == 1000.0
+    rows = [s.rows for s in plan.shards]
+    assert sum(rows) == 10_000 and len(rows) == 1  # floor(1000 / 540) = 1: two shards would each start > 10%
+    for r in rows:
+        infer = r / 10.0
+        assert 60.0 / (60.0 + infer) <= 0.10
+
+    # engine start 30 s -> the 5-minute floor rules: 270 s of inference per shard -> 3 shards
+    write_history(tmp_path / "history", {"20261128T030000Z-a-b.jsonl": [record(spec)]})
+    plan = build_plan(spec)
+    assert plan.sizing["target_s"] == 300.0 and len(plan.shards) == 3
+    assert all(30.0 / (30.0 + s.rows / 10.0) <= 0.10 for s in plan.shards)
+
+
+def test_explicit_target_minutes_and_max_shards(tmp_path):
+    write_parquet(tmp_path / "in" / "a.parquet", [f"t{i:05d}" for i in range(10_000)], ["some ticket"] * 10_000)
+    spec = spec_with_history(tmp_path, target_minutes=2.0)
+    write_history(tmp_path / "history", {"20261128T030000Z-a-b.jsonl": [record(spec)]})
+    plan = build_plan(spec)
+    # 120 s shards, 30 s start: 90 s of inference = 900 rows at most -> ceil(1000 / 90) = 12 shards
+    assert plan.sizing["shards"] == 12 and plan.sizing["target_rows"] == 834
+    assert all(s.rows <= 900 for s in plan.shards) and sum(s.rows for s in plan.shards) == 10_000
+    capped = spec_with_history(tmp_path, target_minutes=2.0, max_shards=5)
+    assert len(build_plan(capped).shards) == 5
+
+
+def test_model_basis_uses_tokens_per_s_and_the_jobs_own_token_estimate(tmp_path):
+    spec = spec_with_history(tmp_path)
+    other_job = record(spec, config_hash="x" * 64, rows_per_s=99.0)  # same model, another prompt
+    ev = find_evidence(spec, [other_job])
+    assert ev.basis == "model" and ev.tokens_per_s == pytest.approx(1520.0)
+    work = estimate_workload(
+        spec, rows=1000, est_text_tokens=50_000, evidence=ev, assumed_tokens_per_s=1.0, assumed_engine_start_s=0.0
+    )
+    overhead = prompt_overhead_tokens(spec)  # system prompt + "Ticket: " of make_spec
+    assert overhead == -(-len("Classify the ticket.Ticket: ") // 4)
+    assert work.prompt_tokens == 50_000 + 1000 * overhead
+    assert work.completion_tokens == 2000 and work.completion_basis == "history"
+    assert work.infer_s == pytest.approx((work.prompt_tokens + 2000) / 1520.0)
+    assert work.throughput_basis == "history:model" and work.engine_start_s == 30.0
+    # completion per row never exceeds this job's max_tokens
+    long_gen = record(spec, config_hash="y" * 64, completion_tokens=10_000_000, completion_tokens_per_row=1000.0)
+    assert estimate_workload(spec, 1000, 0, find_evidence(spec, [long_gen]), 1.0, 0.0).completion_tokens == 8 * 1000
+
+
+def test_evidence_matches_model_task_tp_and_hardware(tmp_path):
+    spec = spec_with_history(tmp_path)
+    newest_a100 = record(spec, hardware="1x NVIDIA A100-SXM4-80GB", rows=100, infer_s=100.0)
+    older_h200 = record(spec, rows=1000, infer_s=50.0)
+    other_model = record(spec, model="other", rows=1, infer_s=1.0)
+    tp2 = record(spec, tensor_parallel_size=2, rows=1, infer_s=1.0)
+    recs = [other_model, tp2, newest_a100, older_h200]
+    assert find_evidence(spec, recs).hardware == "1x NVIDIA A100-SXM4-80GB"  # default: the newest's hardware
+    h200 = spec_with_history(tmp_path, hardware="1x NVIDIA H200")
+    ev = find_evidence(h200, recs)
+    assert ev.hardware == "1x NVIDIA H200" and ev.rows_per_s == 20.0 and ev.records == 1
+    assert find_evidence(spec_with_history(tmp_path, hardware="8x B200"), recs) is None
+    assert find_evidence(spec, [other_model, tp2]) is None
+
+
+def test_no_matching_history_falls_back_to_target_rows(tmp_path):
+    write_parquet(tmp_path / "in" / "a.parquet", [f"t{i:05d}" for i in range(250)], ["x y"] * 250)
+    spec = spec_with_history(tmp_path)
+    write_history(tmp_path / "history", {"20261128T030000Z-a-b.jsonl": [record(spec, model="another-model")]})
+    plan = build_plan(spec)
+    assert plan.sizing is None and sorted(s.rows for s in plan.shards) == [83, 83, 84]  # ceil(250/100) = 3
+    no_history = make_spec(tmp_path / "in", tmp_path / "out", sharding={"target_rows": None})
+    assert size_shards(no_history, 250, 1000) is None
+    assert len(build_plan(no_history).shards) == -(-250 // DEFAULT_TARGET_ROWS)
+
+
+def test_read_history_skips_bad_lines_and_files(tmp_path):
+    spec = spec_with_history(tmp_path)
+    h = tmp_path / "history"
+    write_history(
+        h,
+        {
+            "20261127T030000Z-a-b.jsonl": [record(spec, rows=7)],
+            "20261128T030000Z-a-b.jsonl": [record(spec, rows=8), {"version": 99, "rows": 1, "infer_s": 1}],
+        },
+    )
+    (h / "20261129T030000Z-c-d.jsonl").write_text('not json\n{"version": 1, "rows": 0, "infer_s": 1}\n[1, 2]\n')
+    (h / "notes.txt").write_text("ignored")
+    assert [r.rows for r in read_history(str(h))] == [8, 7]  # newest file first
+    assert read_history(str(tmp_path / "absent")) == []
+
+
+def test_history_on_s3(tmp_path, fake_engine_factory, monkeypatch):
+    """The record is written and read through fsspec/DuckDB on a local S3 server (moto), reached the
+    deployment way: AWS_ENDPOINT_URL and keys in the environment, nothing in the spec."""
+    from airflow_provider_vllm.core.spec_guard import check_deployment
+    from tests.support.s3server import MotoServer
+
+    with MotoServer() as s3:
+        s3.make_bucket("hist")
+        for k, v in s3.deployment_env.items():
+            monkeypatch.setenv(k, v)
+        opts = {}
+        write_parquet(tmp_path / "in" / "a.parquet", [f"t{i}" for i in range(40)], ["ticket"] * 40)
+        spec = make_spec(
+            tmp_path / "in", tmp_path / "out", sharding={"target_rows": 20, "history_uri": "s3://hist/throughput"}
+        )
+        check_deployment(spec, [str(tmp_path), "s3://hist/throughput"])
+        plan = plan_job(spec)
+        for s in plan.shards:
+            run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+        merge(spec)
+        (rec,) = read_history("s3://hist/throughput", opts)
+        assert rec.rows == 40 and rec.shards == 2
+
+
+def test_unreadable_history_falls_back_with_a_warning(tmp_path, caplog):
+    write_parquet(tmp_path / "in" / "a.parquet", [f"t{i}" for i in range(150)], ["x"] * 150)
+    (tmp_path / "h" / "20261128T000000Z-a-b.jsonl").mkdir(parents=True)  # a folder DuckDB cannot read as a file
+    spec = make_spec(
+        tmp_path / "in", tmp_path / "out", sharding={"target_rows": 100, "history_uri": str(tmp_path / "h")}
+    )
+    with caplog.at_level("WARNING"):
+        assert size_shards(spec, 150, 1000) is None
+    assert "cannot read the throughput history" in caplog.text

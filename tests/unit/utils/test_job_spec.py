@@ -1,0 +1,52 @@
+"""The job spec as a task receives it, and data-plane errors mapped to Airflow's retry / no-retry."""
+
+from __future__ import annotations
+
+import pytest
+from airflow.sdk.exceptions import AirflowException, AirflowFailException
+
+from airflow_provider_vllm.core.errors import DatasetError, SpecError, TransientError
+from airflow_provider_vllm.utils.job_spec import (
+    check_runner,
+    data_plane_errors,
+    overrides_document,
+    shard_id_of,
+    spec_document,
+)
+
+
+def test_a_spec_document_from_yaml_text_drops_the_job_key():
+    assert spec_document("job:\n  name: j\n  model: {name: m}\n") == {"name": "j", "model": {"name": "m"}}
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", "just text", "a: [unclosed"])
+def test_a_spec_that_is_not_a_mapping_is_a_spec_error(text):
+    with pytest.raises(SpecError, match="job spec"):
+        spec_document(text)
+
+
+def test_overrides_empty_or_mapping_only():
+    assert overrides_document("") == {} and overrides_document(None) == {} and overrides_document("null") == {}
+    assert overrides_document('{"engine.max_num_seqs": 8}') == {"engine.max_num_seqs": 8}
+    with pytest.raises(SpecError, match="spec overrides must be a mapping"):
+        overrides_document("[1]")
+
+
+def test_an_unknown_runner_fails_without_retry_naming_the_param():
+    assert check_runner(" kubernetes ") == "kubernetes"
+    with pytest.raises(AirflowFailException, match="mode='gpu' is not a runner"):
+        check_runner("gpu", param="mode")
+
+
+def test_terminal_errors_fail_and_transient_ones_are_retried():
+    with pytest.raises(AirflowFailException, match="merge: DatasetError: bad"):
+        with data_plane_errors("merge"):
+            raise DatasetError("bad")
+    with pytest.raises(AirflowException, match="transient, retried") as caught:
+        with data_plane_errors("merge"):
+            raise TransientError("storage hiccup")
+    assert not isinstance(caught.value, AirflowFailException)
+
+
+def test_shard_id_of_a_summary_or_a_bare_id():
+    assert shard_id_of({"shard_id": "s-3", "rows": 1}) == "s-3" and shard_id_of("s-4") == "s-4"

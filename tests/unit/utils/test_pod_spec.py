@@ -1,0 +1,261 @@
+"""The pure pod builder: GPU counts, /dev/shm, memory, env and Secret references, for tensor
+parallel and one-shard-per-GPU layouts. No Airflow, no cluster."""
+
+from __future__ import annotations
+
+import pytest
+from kubernetes.client import ApiClient
+
+from airflow_provider_vllm.core.errors import SpecError
+from airflow_provider_vllm.core.pod_settings import KubernetesSettings
+from airflow_provider_vllm.core.spec import JobSpec
+from airflow_provider_vllm.utils.pod_spec import NVLS_OFF, gpu_count, pod_parts
+from tests.support.data import make_spec
+from tests.support.ledger import record_malicious
+
+SHARD = "shard-00003-abcdef12"
+GiB = 1024**3
+
+
+def parts(settings=None, **engine):
+    spec = make_spec("/in", "/out", engine=engine)
+    return pod_parts(spec, KubernetesSettings.model_validate(settings or {}), SHARD)
+
+
+def env_of(p):
+    return {e.name: e.value for e in p.env if e.value is not None}
+
+
+def test_one_gpu_per_shard_layout():
+    """Data parallel on one host: one shard per pod, one GPU each; NVLS off even so."""
+    p = parts()
+    assert p.gpus == 1 and p.resources.limits["nvidia.com/gpu"] == "1"
+    assert p.shm_size == "2Gi"
+    assert p.resources.requests == {"cpu": "4", "memory": "34Gi"} and p.resources.limits["memory"] == "34Gi"
+    assert {k: env_of(p)[k] for k in NVLS_OFF} == {
+        "NCCL_NVLS_ENABLE": "0",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+        "NVSHMEM_DISABLE_NVLS": "1",
+    }
+    (dshm,) = [v for v in p.volumes if v.name == "dshm"]
+    assert dshm.empty_dir.medium == "Memory" and dshm.empty_dir.size_limit == "2Gi"
+
+
+@pytest.mark.parametrize(
+    "tp, pp, gpus, shm", [(2, 1, 2, "16Gi"), (4, 1, 4, "32Gi"), (2, 2, 4, "32Gi"), (8, 1, 8, "64Gi")]
+)
+def test_tensor_and_pipeline_parallel_pods_get_tp_x_pp_gpus_and_shm_for_nccl(tp, pp, gpus, shm):
+    kw = {"tensor_parallel_size": tp}
+    if pp > 1:
+        kw["engine_kwargs"] = {"pipeline_parallel_size": pp}
+    p = parts(**kw)
+    assert p.gpus == gpus and p.resources.limits["nvidia.com/gpu"] == str(gpus)
+    assert p.shm_size == shm
+    (dshm,) = [v for v in p.volumes if v.name == "dshm"]
+    assert dshm.empty_dir.size_limit == shm
+    mem = int(p.resources.limits["memory"].removesuffix("Gi"))
+    assert mem == 32 * gpus + int(shm.removesuffix("Gi"))  # memory-backed shm counts against the limit
+    assert all(env_of(p)[k] == v for k, v in NVLS_OFF.items())
+
+
+def test_gpu_resource_name_and_count_are_configurable_and_cpu_pods_have_none():
+    p = parts(
+        {"gpu_resource": "nvidia.com/vgpu", "extra_resources": {"nvidia.com/gpumem": "20000"}}, tensor_parallel_size=2
+    )
+    assert p.resources.limits["nvidia.com/vgpu"] == "2" and "nvidia.com/gpu" not in p.resources.limits
+    assert p.resources.limits["nvidia.com/gpumem"] == "20000"
+    cpu = parts({"gpus": 0, "cpu": "2", "memory": "6Gi"})
+    assert cpu.gpus == 0 and set(cpu.resources.limits) == {"memory"} and cpu.resources.requests["cpu"] == "2"
+    assert cpu.shm_size == "2Gi"
+
+
+def test_memory_must_leave_room_beyond_shm_and_pipeline_size_must_be_an_int():
+    with pytest.raises(SpecError, match=r"kubernetes.memory=8Gi must exceed the /dev/shm size \(16Gi\)"):
+        parts({"memory": "8Gi"}, tensor_parallel_size=2)
+    spec = make_spec("/in", "/out", engine={"engine_kwargs": {"pipeline_parallel_size": "2"}})
+    with pytest.raises(SpecError, match="pipeline_parallel_size must be a positive integer"):
+        gpu_count(spec, KubernetesSettings())
+
+
+@pytest.mark.parametrize("tp, pp, gpus", [(1, 1, 2), (1, 1, 8), (2, 1, 1), (2, 1, 4), (4, 1, 2), (2, 2, 2)])
+def test_pod_gpu_request_must_equal_the_engines_gpus(tp, pp, gpus):
+    """One engine per pod: a GPU count other than TP x PP (or 0, a CPU pod) is refused, naming the fields."""
+    kw = {"tensor_parallel_size": tp}
+    if pp > 1:
+        kw["engine_kwargs"] = {"pipeline_parallel_size": pp}
+    with pytest.raises(
+        SpecError,
+        match=rf"kubernetes.gpus={gpus} but .*engine.tensor_parallel_size x "
+        rf"pipeline_parallel_size = {tp * pp} GPU",
+    ):
+        parts({"gpus": gpus}, **kw)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_pod_gpu_request_equals_the_layouts_tensor_parallel_size(tp):
+    """The dry run's layout (gpus_per_pod) and the pod's nvidia.com/gpu limit agree, with or without kubernetes.gpus."""
+    from airflow_provider_vllm.steps.plan.memory import GiB as G
+    from airflow_provider_vllm.steps.plan.memory import ModelShape, choose_layout
+
+    shape = ModelShape.from_config(
+        {
+            "num_hidden_layers": 32,
+            "hidden_size": 4096,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "intermediate_size": 14336,
+            "vocab_size": 128256,
+        }
+    )
+    lay = choose_layout(shape, requested_tp=tp, max_model_len=8192, gpu_memory_bytes=int(79.2 * G))
+    assert lay.refusal is None and lay.gpus_per_pod == tp
+    for settings in ({}, {"gpus": tp}):
+        p = parts(settings, tensor_parallel_size=tp)
+        assert p.gpus == lay.gpus_per_pod and p.resources.limits["nvidia.com/gpu"] == str(tp)
+    assert parts({"gpus": 0, "memory": "6Gi"}, tensor_parallel_size=tp).gpus == 0  # CPU pod: no GPU request
+    spec = make_spec("/in", "/out", engine={"engine_kwargs": {"pipeline_parallel_size": True}})
+    with pytest.raises(SpecError, match="pipeline_parallel_size must be a positive integer"):
+        gpu_count(spec, KubernetesSettings())
+
+
+def test_caches_tmp_and_model_cache_volumes_and_env():
+    p = parts({"model_cache_pvc": "hf-models", "data_pvc": "batch-data"})
+    vols = {v.name: v for v in p.volumes}
+    assert vols["tmp"].empty_dir is not None and vols["cache"].empty_dir is not None
+    assert vols["model-cache"].persistent_volume_claim.claim_name == "hf-models"
+    assert vols["model-cache"].persistent_volume_claim.read_only is True
+    mounts = {m.mount_path: m for m in p.volume_mounts}
+    assert set(mounts) == {"/tmp", "/cache", "/dev/shm", "/models", "/data"}
+    assert mounts["/models"].read_only is True
+    env = env_of(p)
+    assert env["HF_HUB_CACHE"] == "/models/hub" and env["HF_HUB_OFFLINE"] == "1"
+    assert env["HF_HOME"].startswith("/cache/") and env["VLLM_CACHE_ROOT"].startswith("/cache/")
+    assert env["HOME"] == "/tmp"
+
+
+def test_secrets_only_as_references():
+    p = parts(
+        {
+            "hf_token_secret": {"name": "hf", "key": "token"},
+            "secret_env": {
+                "AWS_ACCESS_KEY_ID": {"name": "s3", "key": "id"},
+                "AWS_SECRET_ACCESS_KEY": {"name": "s3", "key": "secret"},
+            },
+            "env_from_secrets": ["gcs-creds"],
+        }
+    )
+    refs = {e.name: (e.value_from.secret_key_ref.name, e.value_from.secret_key_ref.key) for e in p.env if e.value_from}
+    assert refs == {
+        "HF_TOKEN": ("hf", "token"),
+        "AWS_ACCESS_KEY_ID": ("s3", "id"),
+        "AWS_SECRET_ACCESS_KEY": ("s3", "secret"),
+    }
+    assert all(e.value is None for e in p.env if e.value_from)
+    assert [f.secret_ref.name for f in p.env_from] == ["gcs-creds"]
+
+
+@pytest.mark.reliability
+def test_secret_values_cannot_be_put_in_the_pod_spec():
+    tries = [
+        lambda: KubernetesSettings(env={"HF_TOKEN": "hf_abc"}),
+        lambda: KubernetesSettings(env={"AWS_SECRET_ACCESS_KEY": "x"}),
+        lambda: KubernetesSettings(env={"DB_PASSWORD": "x"}),
+        lambda: parts({"env": {"NCCL_NVLS_ENABLE": "1"}}),
+        lambda: parts({"env": {"HF_HUB_OFFLINE": "0"}, "secret_env": {"HF_HUB_OFFLINE": {"name": "a", "key": "b"}}}),
+        lambda: pod_parts(
+            JobSpec.load(
+                {
+                    **make_spec("/in", "/out").model_dump(mode="json"),
+                    "io": {
+                        "input_uri": "s3://bkt/in",
+                        "output_uri": "s3://bkt/out",
+                        "storage_options": {"key": "AKIA", "secret": "s3cr3t"},
+                    },
+                }
+            ),
+            KubernetesSettings(),
+            SHARD,
+        ),
+        lambda: pod_parts(
+            JobSpec.load(
+                {
+                    **make_spec("/in", "/out").model_dump(mode="json"),
+                    "io": {
+                        "input_uri": "gs://bkt/in",
+                        "output_uri": "gs://bkt/out",
+                        "storage_options": {"sas_token": "x"},
+                    },
+                }
+            ),
+            KubernetesSettings(),
+            SHARD,
+        ),
+    ]
+    rejected = 0
+    for attempt in tries:
+        with pytest.raises((SpecError, ValueError)) as e:
+            attempt()
+        assert "secret" in str(e.value).lower() or "nvlink" in str(e.value).lower() or "both" in str(e.value)
+        rejected += 1
+    record_malicious("secret_literal_in_pod_spec", tried=len(tries), rejected=rejected)
+    assert rejected == len(tries)
+
+
+def test_placement_labels_and_affinity():
+    p = parts(
+        {
+            "node_selector": {"cloud.google.com/gke-spot": "true"},
+            "kueue_queue": "gpu-batch",
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            "affinity": {
+                "nodeAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": {
+                        "nodeSelectorTerms": [
+                            {
+                                "matchExpressions": [
+                                    {"key": "nvidia.com/gpu.product", "operator": "In", "values": ["NVIDIA-H200"]}
+                                ]
+                            }
+                        ]
+                    }
+                }
+            },
+        }
+    )
+    assert p.labels["kueue.x-k8s.io/queue-name"] == "gpu-batch" and p.labels["vllm-batch/shard"] == SHARD
+    assert p.node_selector == {"cloud.google.com/gke-spot": "true"}
+    assert p.tolerations[0].key == "nvidia.com/gpu" and p.tolerations[0].operator == "Exists"
+    term = p.affinity.node_affinity.required_during_scheduling_ignored_during_execution.node_selector_terms[0]
+    assert term.match_expressions[0].values == ["NVIDIA-H200"]
+    with pytest.raises(SpecError, match="affinity has fields"):
+        parts({"affinity": {"nodeAfinity": {}}})
+
+
+def test_settings_layering_and_the_spec_hash_ignores_the_kubernetes_section():
+    merged = KubernetesSettings.layered({"namespace": "batch", "kueue_queue": "q1"}, {"kueue_queue": "q2"})
+    assert merged.namespace == "batch" and merged.kueue_queue == "q2"
+    a = make_spec("/in", "/out")
+    b = make_spec("/in", "/out", kubernetes={"namespace": "other", "gpus": 2})
+    assert a.content_hash() == b.content_hash() and b.kubernetes.gpus == 2
+    assert "kubernetes" not in a.canonical_json()
+    with pytest.raises(SpecError, match="kubernetes.gpus"):
+        make_spec("/in", "/out", kubernetes={"gpus": -1})
+
+
+def test_security_contexts_are_restricted():
+    p = parts()
+    c = ApiClient().sanitize_for_serialization(p.container_security_context)
+    assert c == {
+        "allowPrivilegeEscalation": False,
+        "privileged": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "runAsUser": 1000,
+        "runAsGroup": 1000,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    pod = ApiClient().sanitize_for_serialization(p.pod_security_context)
+    assert pod["runAsNonRoot"] is True and pod["seccompProfile"] == {"type": "RuntimeDefault"}
+    with pytest.raises(ValueError, match="run_as_user"):
+        KubernetesSettings(run_as_user=0)

@@ -1,0 +1,44 @@
+"""The local runner's process handling when a worker dies hard (no Airflow needed)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import psutil
+import pytest
+
+from airflow_provider_vllm.utils.worker_process import LocalWorkerProcess
+
+pytestmark = [pytest.mark.reliability, pytest.mark.timeout(120)]
+
+# a stand-in worker: starts a long-lived child (like vLLM's engine core) that inherits its
+# stdout/stderr, reports the child's pid, then is SIGKILLed (like the OOM killer would)
+SCRIPT = """
+import os, signal, subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+print('{"child": %d}' % child.pid, flush=True)
+print("engine started", file=sys.stderr, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_killed_worker_with_an_orphaned_engine_process_neither_hangs_nor_leaks_it():
+    lines: list[str] = []
+    result = LocalWorkerProcess([sys.executable, "-c", SCRIPT], dict(os.environ), lines.append).run()
+    assert result.returncode == -9 and lines == ["engine started"]
+    child = result.manifest["child"]
+    # Killed: gone, or a zombie until init reaps it (psutil's wait() on a zombie that is not our
+    # child would wait for it to disappear, which depends on init, not on the runner).
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not _dead(child):
+        time.sleep(0.1)
+    assert _dead(child), f"the orphaned engine process {child} is still running"
+
+
+def _dead(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
