@@ -27,6 +27,11 @@ TEST_PREFIXES = json.dumps(
 )
 os.environ.setdefault("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", TEST_PREFIXES)
 os.environ.setdefault("VLLM_BATCH_ALLOWED_PREFIXES", TEST_PREFIXES)  # a worker CLI a test starts itself
+# The weights fingerprint's memo (steps/fingerprint_memo.py) of the tests: not the user's ~/.cache
+os.environ.setdefault(
+    "VLLM_BATCH_FINGERPRINT_MEMO",
+    os.path.join(tempfile.gettempdir(), f"vllm-batch-test-fingerprints-{os.getuid()}.json"),
+)
 
 
 @pytest.fixture
