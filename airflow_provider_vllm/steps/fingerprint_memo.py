@@ -102,8 +102,9 @@ def default_path() -> str | None:
 class FingerprintMemo:
     """sha256 by ``FileStat``, loaded from ``path`` on first use; ``save`` writes what ``put`` added."""
 
-    def __init__(self, path: str | None) -> None:
+    def __init__(self, path: str | None, racy_ns: int = RACY_NS) -> None:
         self.path = path
+        self.racy_ns = racy_ns
         self._known: dict[FileStat, str] | None = None
         self._new: dict[FileStat, str] = {}
 
@@ -117,8 +118,8 @@ class FingerprintMemo:
         return self._new.get(st) or self._known.get(st)
 
     def put(self, st: FileStat, sha256: str, hashed_from_ns: int) -> None:
-        """Remember ``sha256`` for ``st`` unless the file changed less than RACY_NS before ``hashed_from_ns``."""
-        if max(st.mtime_ns, st.ctime_ns) < hashed_from_ns - RACY_NS:
+        """Remember ``sha256`` for ``st`` unless the file changed less than ``racy_ns`` before ``hashed_from_ns``."""
+        if max(st.mtime_ns, st.ctime_ns) < hashed_from_ns - self.racy_ns:
             self._new[st] = sha256
 
     def _read(self) -> dict[FileStat, str]:
