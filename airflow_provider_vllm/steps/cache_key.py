@@ -27,6 +27,7 @@ import json
 import os
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import duckdb
@@ -62,6 +63,7 @@ NON_KEY_ENGINE_KWARGS = frozenset(
 )
 assert KEY_ENGINE_KWARGS | NON_KEY_ENGINE_KWARGS == ENGINE_KWARGS_ALLOWED
 
+HASH_THREADS = 8  # at most, and at most one per CPU
 COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")  # a hub (git) commit: the only revision that cannot move
 
 # DuckDB types of a template column and the text of a value that the key hashes; each text is
@@ -196,9 +198,13 @@ def weights_fingerprint(folder: str, memo: FingerprintMemo | None = None) -> str
             continue
         seen_dirs.add(real)
         files += [(os.path.relpath(os.path.join(d, f), folder), os.path.join(d, f)) for f in fs]
+    files.sort()
+    memo.load()
+    # hashlib and file reads release the GIL: big weight files are hashed side by side
+    with ThreadPoolExecutor(max_workers=max(1, min(HASH_THREADS, os.cpu_count() or 1, len(files)))) as pool:
+        sums = list(pool.map(lambda f: _file_sha256(f[1], f[0], folder, memo), files))
     h = hashlib.sha256()
-    for rel, path in sorted(files):
-        size, digest = _file_sha256(path, rel, folder, memo)
+    for (rel, _), (size, digest) in zip(files, sums, strict=True):
         h.update(json.dumps([rel, size, digest]).encode() + b"\n")
     memo.save()
     return h.hexdigest()

@@ -112,9 +112,14 @@ class FingerprintMemo:
     def default(cls) -> FingerprintMemo:
         return cls(default_path())
 
-    def get(self, st: FileStat) -> str | None:
+    def load(self) -> None:
+        """Read the memo now (else at the first ``get``)."""
         if self._known is None:
             self._known = self._read()
+
+    def get(self, st: FileStat) -> str | None:
+        self.load()
+        assert self._known is not None
         return self._new.get(st) or self._known.get(st)
 
     def put(self, st: FileStat, sha256: str, hashed_from_ns: int) -> None:
