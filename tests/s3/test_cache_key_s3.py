@@ -87,8 +87,9 @@ def test_a_column_type_change_between_runs_on_s3(s3, fake_engine_factory, monkey
 def test_a_moving_revision_is_refused_before_anything_is_written_on_s3(s3, monkeypatch, revision):
     for k, v in s3.deployment_env.items():
         monkeypatch.setenv(k, v)
-    put_input(s3, "moving", pa.float32())
+    name = "moving-" + revision[:8].replace(".", "-")
+    put_input(s3, name, pa.float32())
     with pytest.raises(SpecError, match="model.revision"):
-        plan_job(spec(s3, f"moving-{len(revision)}", revision), engine_identity="fake-engine")
-    out = Storage(f"s3://data/runs/moving-{len(revision)}", s3.storage_options)
+        plan_job(spec(s3, name, revision), engine_identity="fake-engine")
+    out = Storage(f"s3://data/runs/{name}", s3.storage_options)
     assert not out.exists(PLAN_FILE) and out.listdir("_cache") == []
