@@ -182,7 +182,7 @@ def weights_fingerprint(folder: str, memo: FingerprintMemo | None = None) -> str
     """sha256 over every file of the folder: its name in the folder, its size and the sha256 of all its bytes.
 
     Symbolic links are followed (files and folders, as vLLM reads them) and keyed by their target's
-    content under the link's own name; a folder reached twice (a link loop) is read once. Each file's
+    content under the link's own name; a link to a folder above it (a loop) is not followed. Each file's
     sha256 comes from ``memo`` (default: ``FingerprintMemo.default()``) when its stat is unchanged.
     SpecError for a broken link or an unreadable file; TransientError when a file keeps changing
     while it is read.
@@ -190,13 +190,13 @@ def weights_fingerprint(folder: str, memo: FingerprintMemo | None = None) -> str
     folder = _local_folder(folder)
     memo = FingerprintMemo.default() if memo is None else memo
     files: list[tuple[str, str]] = []
-    seen_dirs: set[str] = set()
     for d, dirs, fs in os.walk(folder, followlinks=True):
-        real = os.path.realpath(d)
-        if real in seen_dirs:
-            dirs[:] = []
+        parts = os.path.relpath(d, folder).split(os.sep)
+        if d != folder and os.path.realpath(d) in {
+            os.path.realpath(os.path.join(folder, *parts[:i])) for i in range(len(parts))
+        }:
+            dirs[:] = []  # a link back to a folder above: a loop, read once
             continue
-        seen_dirs.add(real)
         files += [(os.path.relpath(os.path.join(d, f), folder), os.path.join(d, f)) for f in fs]
     files.sort()
     memo.load()
@@ -215,7 +215,8 @@ def _file_sha256(path: str, rel: str, folder: str, memo: FingerprintMemo) -> tup
         try:
             before = FileStat.of(path)
         except FileNotFoundError:
-            raise SpecError(f"model folder {folder}: {rel} is a broken symbolic link") from None
+            what = "is a broken symbolic link" if os.path.islink(path) else "was removed while the folder was read"
+            raise SpecError(f"model folder {folder}: {rel} {what}") from None
         except OSError as e:
             raise SpecError(f"model folder {folder}: cannot read {rel}: {e}") from e
         known = memo.get(before)

@@ -291,12 +291,23 @@ def test_symlinked_files_and_folders_are_followed_and_keyed_by_content(tmp_path)
     assert weights_fingerprint(str(linked), memo(tmp_path)) != weights_fingerprint(str(plain), memo(tmp_path))
 
 
-def test_a_link_loop_is_read_once(tmp_path):
+def test_a_link_loop_is_read_once_and_two_links_to_one_folder_count_twice(tmp_path):
     m = model_folder(tmp_path, big=MIB)
+    (m / "sub").mkdir()
+    (m / "sub" / "up").symlink_to(m, target_is_directory=True)  # a loop two levels down
     (m / "loop").symlink_to(m, target_is_directory=True)
-    with_loop = weights_fingerprint(str(m), FingerprintMemo(None))
+    with_loops = weights_fingerprint(str(m), FingerprintMemo(None))
     (m / "loop").unlink()
-    assert with_loop == weights_fingerprint(str(m), FingerprintMemo(None))  # the loop adds no file
+    (m / "sub" / "up").unlink()
+    assert with_loops == weights_fingerprint(str(m), FingerprintMemo(None))  # the loops add no file
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "vocab.txt").write_text("a b c")
+    (m / "a").symlink_to(shared, target_is_directory=True)
+    (m / "b").symlink_to(shared, target_is_directory=True)
+    both = weights_fingerprint(str(m), FingerprintMemo(None))
+    (m / "b").unlink()  # what vLLM finds under b/ is gone: another key
+    assert weights_fingerprint(str(m), FingerprintMemo(None)) != both
 
 
 def test_broken_links_and_special_files_are_refused_by_name(tmp_path):
