@@ -44,7 +44,7 @@ def spec_for(input_dir: Path, run_dir: Path, cache_dir: Path | None):
     from airflow_provider_vllm.core.spec import JobSpec
 
     doc = dp.bench_spec(input_dir, run_dir, 50_000).model_dump(mode="json")
-    doc["model"]["revision"] = "bench-rev"  # a hub model must be pinned for the cache
+    doc["model"]["revision"] = "0" * 40  # a hub model must be pinned to a commit for the cache
     doc["cache"] = {"uri": str(cache_dir) if cache_dir else None}
     return JobSpec.load(doc)
 

@@ -18,8 +18,9 @@ the label distribution with the day before (`dt=D-1/qa/report.json`) when that e
 (`cache.uri` = `<root>/reclassification/_cache/`, shared by every date) answers a row whose
 model, prompt, sampling and text are unchanged from an earlier run without the GPU; `plan`
 sends only the misses to the shards. It needs answers that repeat: greedy decoding
-(temperature 0, as here) and, for a hub model, a pinned `model.revision` (set it in
-`vllm_batch_spec_overrides`, or turn the cache off with `{"cache": {"uri": null}}`).
+(temperature 0, as here) and, for a hub model, `model.revision` pinned to a full commit hash
+(40 hex characters; set it in `vllm_batch_spec_overrides`, or turn the cache off with
+`{"cache": {"uri": null}}`).
 `changes/changes.parquet` under each date's prefix lists every ticket id as added, removed,
 changed (old and new label), unchanged, error or recovered against `dt=D-1`; sync the rows
 where `change = 'changed'` to the ticketing system (docs/operations.md). The QA page shows the

@@ -35,6 +35,11 @@ os.environ.setdefault("VLLM_BATCH_SIGNING_KEY", TEST_SIGNING_KEY)
 os.environ.setdefault("AIRFLOW__VLLM_BATCH__KUBERNETES_SIGNING_SECRET", "vllm-batch-signing:key")
 # result caches may live under the test folders (the deployment's choice: [vllm_batch] cache_uri_prefixes)
 os.environ.setdefault("AIRFLOW__VLLM_BATCH__CACHE_URI_PREFIXES", TEST_PREFIXES)
+# The weights fingerprint's memo (steps/cache/fingerprint_memo.py) of the tests: not the user's ~/.cache
+os.environ.setdefault(
+    "VLLM_BATCH_FINGERPRINT_MEMO",
+    os.path.join(tempfile.gettempdir(), f"vllm-batch-test-fingerprints-{os.getuid()}.json"),
+)
 
 
 @pytest.fixture

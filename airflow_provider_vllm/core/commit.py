@@ -128,7 +128,7 @@ class CommitMarker(RowCounts):
     engine_identity: str | None = Field(
         None,
         description="the engine that ran (vLLM distribution and version, the env that reached it; "
-        "steps/cache_key.py), as the worker saw it: the result cache appends rows only when it is the key's",
+        "steps/cache/key.py), as the worker saw it: the result cache appends rows only when it is the key's",
     )
     seal: Seal | None = Field(None, description="the committing worker's seal (core/seal.py, domain commit)")
 

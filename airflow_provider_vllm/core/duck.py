@@ -10,10 +10,18 @@ from airflow_provider_vllm.core.storage import Storage
 
 
 def connect(*storages: Storage, memory_limit: str = "1GB") -> duckdb.DuckDBPyConnection:
-    """A connection that can read the given storages' files (remote ones through fsspec)."""
+    """A connection that can read the given storages' files (remote ones through fsspec), in UTC.
+
+    The TimeZone is pinned so that no text made of a TIMESTAMPTZ depends on the machine's zone (the
+    setting comes with the ICU extension, loaded by the first SET; without ICU, DuckDB renders UTC).
+    """
     con = duckdb.connect(
         config={"memory_limit": memory_limit, "threads": os.cpu_count() or 2, "preserve_insertion_order": True}
     )
+    try:
+        con.execute("SET TimeZone = 'UTC'")
+    except (duckdb.CatalogException, duckdb.InvalidInputException):  # no ICU in this build: DuckDB renders UTC
+        pass
     seen = set()
     for st in storages:
         if not st.is_local and id(st.fs) not in seen:

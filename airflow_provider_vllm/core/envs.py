@@ -143,6 +143,17 @@ METRICS_INTERVAL_S = _var(
 METRICS_JOB = _var("VLLM_BATCH_METRICS_JOB", None, "push gateway job name (unset: vllm_batch)", "worker")
 RUN_ID = _var("VLLM_BATCH_RUN_ID", None, "run label of the metrics (unset: first 12 hex of the spec hash)", "worker")
 
+# ---- plan (Airflow task) -----------------------------------------------------------------------
+FINGERPRINT_MEMO = _var(
+    "VLLM_BATCH_FINGERPRINT_MEMO",
+    None,
+    "file that memoises the sha256 of local weights files by path, size, mtime, ctime, inode and device "
+    "(result cache key); 'off': none (unset: airflow-provider-vllm/weights-fingerprints.json under "
+    "$XDG_CACHE_HOME, else ~/.cache)",
+    "airflow",
+)
+XDG_CACHE_HOME = _var("XDG_CACHE_HOME", None, "the user's cache folder (unset: ~/.cache)", "airflow")
+
 # ---- fault injection (tests and drills only) ------------------------------------------------
 FAULTS = _var(
     "VLLM_BATCH_FAULTS", None, "fault points to trigger in the data plane (core/faults.py)", "worker, airflow"

@@ -334,7 +334,7 @@ class CacheCommit(Record):
     )
     key_hash: str = Field(
         pattern=r"^[0-9a-f]{64}$",
-        description="the job's key config hash (steps/cache_key.py): rows of other configurations are never read",
+        description="the job's key config hash (steps/cache/key.py): rows of other configurations are never read",
     )
     files: list[FileRef] = Field(description="the entry's Parquet parts: entries/<entry_id>/part-NNNNN.parquet")
     rows: int = Field(ge=0, description="rows over all parts")

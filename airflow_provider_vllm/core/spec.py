@@ -58,8 +58,17 @@ class ModelSpec(_Model):
     """Which weights to load."""
 
     name: str = Field(min_length=1, description="Model name on the hub, or a local/mounted path.")
-    revision: str | None = Field(None, description="Hub revision (commit sha or tag); recorded in outputs.")
+    revision: str | None = Field(
+        None,
+        description="Hub revision (commit sha, tag or branch); recorded in outputs. With cache.uri: the full "
+        "40-hex commit sha.",
+    )
     tokenizer: str | None = Field(None, description="Tokenizer name or path when it differs from the model.")
+    tokenizer_revision: str | None = Field(
+        None,
+        description="Hub revision of the tokenizer (vLLM's tokenizer_revision); unset: model.revision. With "
+        "cache.uri and a hub model.tokenizer of another repo: required, the full 40-hex commit sha.",
+    )
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field("auto", description="Weight/activation dtype.")
     quantization: str | None = Field(None, description="vLLM quantization method (awq, gptq, fp8, ...).")
     max_model_len: int | None = Field(None, gt=0, description="Context length; defaults to the model's.")

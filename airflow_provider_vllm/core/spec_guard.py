@@ -67,6 +67,7 @@ _IDENTIFIERS = {
     "model.name": (MODEL_REF, "a hub id (org/name) or a local path"),
     "model.tokenizer": (MODEL_REF, "a hub id (org/name) or a local path"),
     "model.revision": (REVISION, "a commit sha, tag or branch"),
+    "model.tokenizer_revision": (REVISION, "a commit sha, tag or branch"),
     "model.quantization": (QUANTIZATION, "a vLLM quantization method name"),
     "prompt.id_column": (COLUMN, "a column name (letters, digits, _ . -)"),
     "prompt.text_columns": (COLUMN, "a column name (letters, digits, _ . -)"),

@@ -46,6 +46,7 @@ def engine_kwargs(spec: JobSpec) -> dict[str, Any]:
         "model": m.name,
         "revision": m.revision,
         "tokenizer": m.tokenizer,
+        "tokenizer_revision": m.tokenizer_revision,
         "dtype": m.dtype,
         "quantization": m.quantization,
         "max_model_len": m.max_model_len,

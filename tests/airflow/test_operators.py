@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pyarrow.parquet as pq
 import pytest
 
-from tests.support.data import make_spec, write_parquet
+from tests.support.data import PINNED_REVISION, make_spec, write_parquet
 
 HERE = Path(__file__).resolve().parent
 
@@ -162,7 +162,9 @@ def test_plan_with_the_result_cache_keys_on_the_runners_engine(tmp_path, fake_py
     from airflow_provider_vllm.steps.cache.result_cache import kubernetes_engine_identity, local_engine_identity
 
     dataset(tmp_path, 30)
-    doc = spec_doc(tmp_path, model={"name": "fake", "revision": "r1"}, cache={"uri": str(tmp_path / "cache")})
+    doc = spec_doc(
+        tmp_path, model={"name": "fake", "revision": PINNED_REVISION}, cache={"uri": str(tmp_path / "cache")}
+    )
     spec, shards, _, merged = run_job(tmp_path, fake_python, doc)
     plan = json.loads((tmp_path / "out" / "_plan.json").read_text())
     assert plan["cache"]["key_config"]["engine_identity"] == local_engine_identity()
@@ -170,7 +172,7 @@ def test_plan_with_the_result_cache_keys_on_the_runners_engine(tmp_path, fake_py
     assert merged["ok_rows"] == 30 and merged["cache"]["appended"] == 0 and "fake-0" in merged["cache"]["skipped"]
     k8s = spec_doc(
         tmp_path,
-        model={"name": "fake", "revision": "r1"},
+        model={"name": "fake", "revision": PINNED_REVISION},
         cache={"uri": str(tmp_path / "cache")},
         io={"output_uri": str(tmp_path / "out-k8s")},
     )

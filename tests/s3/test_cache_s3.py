@@ -20,7 +20,7 @@ from airflow_provider_vllm.steps.merge.merger import merge
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
 from airflow_provider_vllm.worker.task import ShardTask
-from tests.support.data import make_spec
+from tests.support.data import PINNED_REVISION, make_spec
 from tests.support.ledger import record_fault
 from tests.support.s3server import MotoServer
 
@@ -52,7 +52,7 @@ def spec(s3, name: str):
     return make_spec(
         f"s3://data/in/{name}",
         f"s3://data/runs/{name}",
-        model={"name": "fake", "revision": "r1"},
+        model={"name": "fake", "revision": PINNED_REVISION},
         io={"storage_options": s3.storage_options},
         cache={"uri": "s3://data/cache"},
         sharding={"target_rows": 20, "chunk_rows": 10},

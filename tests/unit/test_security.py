@@ -112,6 +112,7 @@ IDENTIFIER_FIELDS = [
     "name",
     "model.name",
     "model.revision",
+    "model.tokenizer_revision",
     "model.tokenizer",
     "model.quantization",
     "prompt.id_column",

@@ -2,7 +2,8 @@
 
 Run 1 fills the cache; run 2 over an edited input (5% texts edited, 5% rows added, 2% removed)
 sends only the edited and new rows to the engine, serves the rest from run 1, and equals a full
-recompute on every row; another prompt gets no hit.
+recompute on every row; another prompt gets no hit, and neither does the same input with the
+template's float32 column re-exported as double (the worker would render other prompts).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 import subprocess
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -44,13 +46,15 @@ ENV = {
 N = 60
 
 
-def spec_for(model: str, tmp: Path, run: str, cache: bool = True, template: str = "Ticket: {text}") -> JobSpec:
+def spec_for(
+    model: str, tmp: Path, run: str, cache: bool = True, template: str = "Ticket: {text} (priority {priority})"
+) -> JobSpec:
     return JobSpec.load(
         {
             "model": {"name": model, "max_model_len": 512},
             "engine": {"enforce_eager": True, "max_num_seqs": 16},
             "io": {"input_uri": str(tmp / f"in-{run}"), "output_uri": str(tmp / f"out-{run}")},
-            "prompt": {"system_prompt": "Classify the ticket.", "template": template},
+            "prompt": {"system_prompt": "Classify the ticket.", "template": template, "text_columns": ["text"]},
             "sampling": {"temperature": 0, "max_tokens": 8, "structured": {"choice": LABELS}},
             "sharding": {"target_rows": 10_000, "chunk_rows": 16},
             "cache": {"uri": str(tmp / "cache") if cache else None},
@@ -84,7 +88,14 @@ def test_second_run_infers_only_edited_and_new_rows(tmp_path):
     model = str(make_tiny_llama(default_cache_dir() / "tiny-llama"))
     ids = [f"t{i:03d}" for i in range(N)]
     texts = [TICKETS[i % len(TICKETS)] + f" (ref {i})" for i in range(N)]
-    write_parquet(tmp_path / "in-a" / "a.parquet", ids, texts, row_group_size=16)
+    priority = {i: 0.1 * (n % 7) for n, i in enumerate(ids)}  # a float32 column: rendered 0.10000000149011612
+    write_parquet(
+        tmp_path / "in-a" / "a.parquet",
+        ids,
+        texts,
+        row_group_size=16,
+        priority=pa.array(list(priority.values()), pa.float32()),
+    )
     s1 = spec_for(model, tmp_path, "a")
     m1, merged1 = run(s1)
     assert sum(m["stats"]["infer_rows"] for m in m1) == N and merged1["cache"]["appended"] == N
@@ -100,7 +111,10 @@ def test_second_run_infers_only_edited_and_new_rows(tmp_path):
         else f"A brand new ticket {i}: my card was charged twice."
         for i in ids2
     ]
-    write_parquet(tmp_path / "in-b" / "b.parquet", ids2, texts2, row_group_size=16)
+    prio2 = [priority.get(i, 0.5) for i in ids2]
+    write_parquet(
+        tmp_path / "in-b" / "b.parquet", ids2, texts2, row_group_size=16, priority=pa.array(prio2, pa.float32())
+    )
     s2 = spec_for(model, tmp_path, "b")
     m2, merged2 = run(s2)
     assert sum(m["stats"]["infer_rows"] for m in m2) == len(edited) + 3  # only edited + new reach the engine
@@ -126,7 +140,7 @@ def test_second_run_infers_only_edited_and_new_rows(tmp_path):
     assert {i: v[0] for i, v in full.items()} == {i: v[0] for i, v in second.items()}
 
     # another prompt: no hit (checked at plan time: nothing to infer here)
-    other = spec_for(model, tmp_path, "b", template="Support ticket: {text}")
+    other = spec_for(model, tmp_path, "b", template="Support ticket: {text} (priority {priority})")
     other = JobSpec.load(
         {
             **other.model_dump(mode="json"),
@@ -134,3 +148,10 @@ def test_second_run_infers_only_edited_and_new_rows(tmp_path):
         }
     )
     assert plan_job(other).cache.hits == 0
+
+    # run 2's input re-exported with the priority as double: other prompts, so no hit (plan time)
+    write_parquet(
+        tmp_path / "in-c" / "c.parquet", ids2, texts2, row_group_size=16, priority=pa.array(prio2, pa.float64())
+    )
+    retyped = plan_job(spec_for(model, tmp_path, "c"))
+    assert (retyped.cache.hits, retyped.cache.misses) == (0, len(ids2))

@@ -1,10 +1,10 @@
 """The result cache: input rows whose answer a committed earlier run already computed skip the engine.
 
-* Key (``key_config``, ``key_sql``): per job a key config hash over everything but the row that
-  decides an answer (model, pinned revision or weights fingerprint, tokenizer, dtype,
+* Key (``steps/cache/key.py``: ``key_config``, ``key_sql``): per job a key config hash over everything
+  but the row that decides an answer (model, pinned commit or weights fingerprint, tokenizer, dtype,
   quantization, context length, task, the prompt and sampling sections, the engine seed and the
-  output-changing ``engine_kwargs``, the engine identity); per row sha256 over that hash and the
-  row's template column values, length-prefixed (NULL and separators cannot collide), in DuckDB.
+  output-changing ``engine_kwargs``, the engine identity); per row sha256 over that hash and each
+  template column's DuckDB type and value text, length-prefixed (equal keys: identical prompts), in DuckDB.
 * Store (``CacheStore``): ``<cache.uri>/entries/<entry_id>/part-NNNNN.parquet`` and
   ``<cache.uri>/commits/<entry_id>.json`` (``records.CacheCommit``), the marker written
   create-only and last; readers read only files that a committed marker of this key config
@@ -32,15 +32,25 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from airflow_provider_vllm.core import duck, faults
-from airflow_provider_vllm.core.engine_identity import local_engine_identity
-from airflow_provider_vllm.core.errors import CommitError, SpecError
+from airflow_provider_vllm.core.errors import CommitError
 from airflow_provider_vllm.core.formats.files import Input
 from airflow_provider_vllm.core.plan import CacheFile, CachePlan, Plan, Segment, ShardPlan
 from airflow_provider_vllm.core.records import CacheMergeSummary, FileRef
 from airflow_provider_vllm.core.rows import RESULT_COLUMNS, RESULT_SCHEMA
 from airflow_provider_vllm.core.seal import Keyring
-from airflow_provider_vllm.core.spec import ENGINE_KWARGS_ALLOWED, JobSpec
+from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
+from airflow_provider_vllm.steps.cache.key import (  # noqa: F401 (the key's names, also reached through this module)
+    KEY_ENGINE_KWARGS,
+    NON_KEY_ENGINE_KWARGS,
+    check_cacheable,
+    column_types,
+    is_local_model,
+    key_config,
+    key_hash,
+    key_sql,
+    weights_fingerprint,
+)
 from airflow_provider_vllm.steps.cache.store import COMPUTED_AT, CacheStore, now
 
 log = logging.getLogger(__name__)
@@ -59,136 +69,9 @@ HITS_BATCH_ROWS = 1 << 17
 ANSWER_PREFIX = "_vllm_cached_"  # the cached answer's columns beside the input's in the plan's join
 MISSES_ROW_GROUP = 4096  # the worker reads the row groups that hold its segment
 
-# engine_kwargs that change what a row's answer is, by design: in the key. The rest change speed,
-# memory or scheduling; they (like max_num_seqs, tensor_parallel_size, enforce_eager) can move
-# floating-point low bits through batch composition and kernel choice, which the key does not
-# cover (docs/cache.md). A new allowed key must be sorted into one of the two sets (a unit test).
-KEY_ENGINE_KWARGS = frozenset(
-    {"hf_overrides", "override_generation_config", "load_format", "kv_cache_dtype", "tokenizer_mode"}
-)
-NON_KEY_ENGINE_KWARGS = frozenset(
-    {
-        "block_size",
-        "cpu_offload_gb",
-        "disable_custom_all_reduce",
-        "enable_chunked_prefill",
-        "max_logprobs",
-        "max_seq_len_to_capture",
-        "num_gpu_blocks_override",
-        "pipeline_parallel_size",
-        "swap_space",
-        "limit_mm_per_prompt",
-        "compilation_config",
-        "async_scheduling",
-    }
-)
-assert KEY_ENGINE_KWARGS | NON_KEY_ENGINE_KWARGS == ENGINE_KWARGS_ALLOWED
-
-# Weights folder fingerprint: names + sizes of every file; the whole content of the small
-# files and of every config/tokenizer/template file; the first and last MiB of big files.
-EDGE_BYTES = 1 << 20
-FULL_HASH_SUFFIXES = (".json", ".jinja", ".txt", ".model", ".tiktoken", ".py", ".yaml", ".yml")
-
-
-# ---- key --------------------------------------------------------------------------------
-def is_local_model(name: str) -> bool:
-    """True for a folder that exists here or a name written as a path (``/``, ``./``, ``~``, ``file:``)."""
-    return os.path.isdir(os.path.expanduser(name)) or name.startswith(("/", "./", "../", "~", "file:"))
-
-
-def check_cacheable(spec: JobSpec, input_format: str | None = None) -> None:
-    """SpecError naming the field when answers of this job cannot be cached safely."""
-    if spec.cache.uri is None:
-        raise SpecError("cache.uri is not set")
-    m = spec.model
-    if not is_local_model(m.name) and not m.revision:
-        raise SpecError(
-            f"cache.uri is set but model.revision is not: hub model {m.name!r} must be pinned to a "
-            "commit sha or tag (a moving branch would silently serve answers of older weights)"
-        )
-    if spec.sampling.temperature > 0 and not spec.cache.allow_sampling:
-        raise SpecError(
-            f"cache.uri is set with sampling.temperature={spec.sampling.temperature} > 0: sampled "
-            "answers are not reproducible; set cache.allow_sampling: true to cache them anyway, or "
-            "temperature 0"
-        )
-    if input_format is not None and input_format != "parquet":
-        raise SpecError(
-            f"cache.uri is set but the input is {input_format}: the result cache needs Parquet input "
-            "(io.input_format parquet); convert the input or unset cache.uri"
-        )
-    cols = {spec.prompt.id_column, *spec.prompt.columns}
-    reserved = sorted(c for c in cols if c.startswith("_vllm_"))
-    if reserved:
-        raise SpecError(
-            f"prompt: column names starting with '_vllm_' ({reserved}) are reserved by the result cache (cache.uri)"
-        )
-
-
-def weights_fingerprint(folder: str) -> str:
-    """sha256 over the folder's file names and sizes, small/config files whole, big ones' first and last MiB."""
-    folder = os.path.expanduser(folder.removeprefix("file://"))
-    h = hashlib.sha256()
-    names = sorted(os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(folder) for f in fs)
-    for rel in names:
-        path = os.path.join(folder, rel)
-        size = os.path.getsize(path)
-        fh = hashlib.sha256()
-        with open(path, "rb") as f:
-            if size <= 2 * EDGE_BYTES or rel.lower().endswith(FULL_HASH_SUFFIXES):
-                for block in iter(lambda: f.read(1 << 20), b""):
-                    fh.update(block)
-            else:
-                fh.update(f.read(EDGE_BYTES))
-                f.seek(size - EDGE_BYTES)
-                fh.update(f.read(EDGE_BYTES))
-        h.update(json.dumps([rel, size, fh.hexdigest()]).encode() + b"\n")
-    return h.hexdigest()
-
-
-def key_config(spec: JobSpec, engine_identity: str | None = None) -> dict[str, Any]:
-    """Everything but the row's own values that decides a row's answer (the key config)."""
-    m = spec.model
-    model = m.model_dump(mode="json")
-    if is_local_model(m.name):
-        folder = os.path.expanduser(m.name.removeprefix("file://"))
-        if os.path.isdir(folder):
-            model["weights_sha256"] = weights_fingerprint(folder)
-        elif not m.revision:
-            raise SpecError(
-                f"cache.uri is set and model.name {m.name!r} is a path this process cannot read: the "
-                "cache fingerprints the weights folder; make it readable here or pin model.revision "
-                "to an identity of those weights"
-            )
-    if m.tokenizer and is_local_model(m.tokenizer) and os.path.isdir(os.path.expanduser(m.tokenizer)):
-        model["tokenizer_sha256"] = weights_fingerprint(m.tokenizer)
-    kwargs = {k: v for k, v in spec.engine.engine_kwargs.items() if k in KEY_ENGINE_KWARGS}
-    return {
-        "version": 1,
-        "model": model,
-        "task": spec.task,
-        "prompt": spec.prompt.model_dump(mode="json"),
-        "sampling": spec.sampling.model_dump(mode="json"),
-        "engine": {"seed": spec.engine.seed, "engine_kwargs": kwargs},
-        "engine_identity": engine_identity or local_engine_identity(),
-    }
-
-
-def key_hash(config: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(config, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
 
 def _q(col: str) -> str:
     return '"' + col.replace('"', '""') + '"'
-
-
-def key_sql(spec: JobSpec, khash: str) -> str:
-    """DuckDB expression: sha256 over the key hash and each template column as N (NULL) or S<len>:<text>."""
-    parts = [f"'{khash}|'"]
-    for c in spec.prompt.columns:
-        v = f"CAST({_q(c)} AS VARCHAR)"
-        parts.append(f"(CASE WHEN {v} IS NULL THEN 'N' ELSE 'S' || CAST(strlen({v}) AS VARCHAR) || ':' || {v} END)")
-    return f"sha256({' || '.join(parts)})"
 
 
 def entry_id(plan: Plan, output_uri: str) -> str:
@@ -227,10 +110,11 @@ def _join(
     idc = spec.prompt.id_column
     needed = [idc] + [c for c in spec.prompt.columns if c != idc]
     files = duck.file_list(found.root, found.names)
+    source = f"read_parquet({files}, filename = true, file_row_number = true)"
+    types = column_types(con, source, spec)  # SpecError for a template column the key cannot encode
     con.execute(
-        f"CREATE TEMP TABLE keyed AS SELECT {', '.join(_q(c) for c in needed)}, {key_sql(spec, khash)} AS "
-        f"{KEY_COLUMN}, list_position({files}, filename) AS _vllm_f, file_row_number AS _vllm_r "
-        f"FROM read_parquet({files}, filename = true, file_row_number = true)"
+        f"CREATE TEMP TABLE keyed AS SELECT {', '.join(_q(c) for c in needed)}, {key_sql(spec, khash, types)} AS "
+        f"{KEY_COLUMN}, list_position({files}, filename) AS _vllm_f, file_row_number AS _vllm_r FROM {source}"
     ).fetchall()
     if local:
         con.execute(

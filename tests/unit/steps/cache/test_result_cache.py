@@ -1,9 +1,9 @@
 """The result cache (steps/cache/result_cache.py) end to end on local files with the fake engine.
 
-Key (what busts it, injective encoding), store (only committed entries are read), plan (hits and
-misses files, shards over the misses, a rerun keeps its plan), merge (hits in the results, the
-verification against the original input, this run's entry appended once) and the kill/raise
-drills at each cache step.
+Store (only committed entries are read), plan (hits and misses files, shards over the misses, a
+rerun keeps its plan), merge (hits in the results, the verification against the original input,
+this run's entry appended once) and the kill/raise drills at each cache step. The key (what busts
+it, the typed injective encoding, pinned revisions, the weights fingerprint): test_cache_key.py.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -25,7 +24,6 @@ from airflow_provider_vllm.core.errors import CommitError, SpecError
 from airflow_provider_vllm.core.plan import PLAN_FILE, Plan
 from airflow_provider_vllm.core.records import CacheCommit
 from airflow_provider_vllm.core.seal import CACHE_ENTRY, Keyring, record_bytes, seal_record
-from airflow_provider_vllm.core.spec import ENGINE_KWARGS_ALLOWED
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.steps.cache import result_cache as cache
 from airflow_provider_vllm.steps.cache.store import CacheStore
@@ -33,7 +31,7 @@ from airflow_provider_vllm.steps.merge.merger import MERGED, RESULTS, merge
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
 from airflow_provider_vllm.worker.task import ShardTask
-from tests.support.data import make_spec, write_parquet
+from tests.support.data import PINNED_REVISION, make_spec, write_parquet
 from tests.support.ledger import record_fault
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -43,7 +41,7 @@ TEXTS = [f"ticket {i} about {'billing' if i % 3 else 'a bug'}" for i in range(50
 
 
 def spec_for(tmp: Path, run: str, cache_dir: Path | None = None, **over):
-    over.setdefault("model", {"name": "fake", "max_model_len": 1024, "revision": "r1"})
+    over.setdefault("model", {"name": "fake", "max_model_len": 1024, "revision": PINNED_REVISION})
     over.setdefault("cache", {"uri": str(cache_dir or tmp / "cache")})
     over.setdefault("sharding", {"target_rows": 20, "chunk_rows": 8})
     return make_spec(tmp / f"in-{run}.parquet", tmp / f"out-{run}", **over)
@@ -65,83 +63,7 @@ def inferred(factory) -> int:
     return sum(e.submitted for e in factory.made)
 
 
-# ---- key ----------------------------------------------------------------------------------
-def test_every_allowed_engine_kwarg_is_sorted_into_key_or_not():
-    assert cache.KEY_ENGINE_KWARGS | cache.NON_KEY_ENGINE_KWARGS == ENGINE_KWARGS_ALLOWED
-    assert not cache.KEY_ENGINE_KWARGS & cache.NON_KEY_ENGINE_KWARGS
-
-
-@pytest.mark.parametrize(
-    "change",
-    [
-        {"model": {"name": "fake", "max_model_len": 1024, "revision": "r2"}},
-        {"model": {"name": "fake", "max_model_len": 2048, "revision": "r1"}},
-        {"model": {"name": "fake", "max_model_len": 1024, "revision": "r1", "dtype": "float16"}},
-        {"prompt": {"template": "Ticket:  {text}"}},
-        {"prompt": {"system_prompt": "Classify it."}},
-        {"sampling": {"max_tokens": 9}},
-        {"sampling": {"structured": {"choice": ["billing", "bug"]}}},
-        {"engine": {"seed": 1}},
-        {"engine": {"engine_kwargs": {"kv_cache_dtype": "fp8"}}},
-        {"task": "generate"},
-    ],
-)
-def test_what_decides_an_answer_changes_the_key_hash(tmp_path, change):
-    base = cache.key_hash(cache.key_config(spec_for(tmp_path, "a"), "e"))
-    assert cache.key_hash(cache.key_config(spec_for(tmp_path, "a", **change), "e")) != base
-    assert cache.key_hash(cache.key_config(spec_for(tmp_path, "a"), "other engine")) != base
-
-
-def test_speed_settings_do_not_change_the_key_hash(tmp_path):
-    base = cache.key_hash(cache.key_config(spec_for(tmp_path, "a"), "e"))
-    tuned = spec_for(
-        tmp_path,
-        "a",
-        engine={"max_num_seqs": 8, "engine_kwargs": {"block_size": 32}},
-        sharding={"target_rows": 7},
-        io={"output_uri": str(tmp_path / "elsewhere")},
-    )
-    assert cache.key_hash(cache.key_config(tuned, "e")) == base
-
-
-def test_row_key_encoding_is_injective_over_nulls_and_separators(tmp_path):
-    spec = spec_for(tmp_path, "a", prompt={"template": "{a}{b}"})
-    rows = [
-        ("x", None),
-        (None, "x"),
-        ("x", ""),
-        ("", "x"),
-        ("xS1:", "y"),
-        ("x", "S1:y"),
-        ("N", None),
-        (None, "N"),
-        (None, None),
-        ("", ""),
-    ]
-    con = duckdb.connect()
-    con.register("t", pa.table({"a": [r[0] for r in rows], "b": [r[1] for r in rows]}))
-    keys = [k for (k,) in con.execute(f"SELECT {cache.key_sql(spec, 'h' * 64)} FROM t").fetchall()]
-    assert len(set(keys)) == len(rows)
-    assert all(len(k) == 64 for k in keys)
-
-
-def test_refusals_name_the_field(tmp_path):
-    with pytest.raises(SpecError, match="model.revision"):
-        cache.check_cacheable(spec_for(tmp_path, "a", model={"name": "org/model"}))
-    with pytest.raises(SpecError, match="cache.allow_sampling"):
-        cache.check_cacheable(spec_for(tmp_path, "a", sampling={"temperature": 0.7}))
-    cache.check_cacheable(
-        spec_for(
-            tmp_path, "a", sampling={"temperature": 0.7}, cache={"uri": str(tmp_path / "c"), "allow_sampling": True}
-        )
-    )
-    with pytest.raises(SpecError, match="cache.uri.*jsonl"):
-        cache.check_cacheable(spec_for(tmp_path, "a"), "jsonl")
-    for col in ("_vllm_cache_key", "_vllm_f", "_vllm_hit"):  # the plan's own columns beside the input's
-        with pytest.raises(SpecError, match="'_vllm_' .* reserved"):
-            cache.check_cacheable(spec_for(tmp_path, "a", prompt={"template": "{%s}" % col}))
-
-
+# ---- key (more in test_cache_key.py) ---------------------------------------------------
 def test_jsonl_input_is_refused_by_the_plan(tmp_path):
     (tmp_path / "in-a.jsonl").write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in zip(IDS, TEXTS)))
     spec = spec_for(tmp_path, "a", io={"input_uri": str(tmp_path / "in-a.jsonl")})
@@ -213,7 +135,7 @@ def test_second_run_infers_only_changed_and_new_rows(tmp_path, fake_engine_facto
     s3 = make_spec(
         tmp_path / "in-b.parquet",
         tmp_path / "out-full",
-        model={"name": "fake", "max_model_len": 1024, "revision": "r1"},
+        model={"name": "fake", "max_model_len": 1024, "revision": PINNED_REVISION},
     )
     run_job(s3, fake_engine_factory)
     full = results(s3)

@@ -25,7 +25,7 @@ from airflow_provider_vllm.steps.qa.stage import qa_run
 from airflow_provider_vllm.worker.shard import run_shard
 from airflow_provider_vllm.worker.task import ShardTask
 from tests.support import ROOT  # noqa: E402
-from tests.support.data import make_spec, write_parquet
+from tests.support.data import PINNED_REVISION, make_spec, write_parquet
 from tests.support.ledger import record_malicious
 from tests.support.qa_rows import err_row, ok_row, split
 
@@ -253,7 +253,7 @@ def changes_page(tmp_path_factory, browser):
             sharding={"target_rows": 80, "chunk_rows": 16},
             qa={"sample_size": 12, "warn_churn_rate": 0.05, "fail_churn_rate": 0.5},
             cache=cache,
-            model={"revision": "r1"} if cache else {},
+            model={"revision": PINNED_REVISION} if cache else {},
             changes={"previous_uri": str(tmp_path / "d1" / "out") if day == "d2" else None},
         )
         plan = plan_job(spec, **({"engine_identity": "fake-engine"} if cache else {}))  # part of the cache key

@@ -1,0 +1,328 @@
+"""The result cache's key: equal keys only where the engine would see the same prompt under the same settings.
+
+* ``key_config`` / ``key_hash``: per job, everything but the row that decides an answer (model with a
+  pinned commit or the weights' fingerprint, tokenizer likewise, dtype, quantization, context length,
+  task, the prompt and sampling sections, the engine seed and the output-changing ``engine_kwargs``,
+  the engine identity), hashed.
+* ``key_sql``: per row, sha256 over that hash and each template column as its DuckDB type and an
+  injective text of its value. With the cache on the worker renders a row from the plan's misses
+  file, which DuckDB writes from the very columns the key reads, so its prompt is a function of
+  (DuckDB type, value) of every template column: equal keys give byte-identical prompts. A float32
+  ``0.1`` and a double ``0.1`` (rendered ``0.10000000149011612`` and ``0.1``), ``true`` and ``'true'``,
+  differ in type and so in key. Nested types are refused (``check_key_types``).
+* ``check_cacheable``: what the cache refuses (``SpecError`` naming the field): hub model and
+  tokenizer revisions that are not full commit hashes, sampling, non-Parquet input, reserved names.
+* ``weights_fingerprint``: sha256 over every byte of a local weights folder, memoised per file by
+  its stat (``steps/cache/fingerprint_memo.py``).
+
+A change to what the key means, or to how the worker renders a (type, value) (``worker/prompts.py``),
+must bump ``KEY_FORMAT_VERSION``: entries of the older format then simply stop matching.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import duckdb
+
+from airflow_provider_vllm.core.engine_identity import local_engine_identity
+from airflow_provider_vllm.core.errors import SpecError, TransientError
+from airflow_provider_vllm.core.spec import ENGINE_KWARGS_ALLOWED, JobSpec
+from airflow_provider_vllm.steps.cache.fingerprint_memo import FileStat, FingerprintMemo
+
+KEY_FORMAT_VERSION = 2  # 1: CAST(col AS VARCHAR) per column, edge-hashed weights; 2: typed values, every byte
+
+# engine_kwargs that change what a row's answer is, by design: in the key. The rest change speed,
+# memory or scheduling; they (like max_num_seqs, tensor_parallel_size, enforce_eager) can move
+# floating-point low bits through batch composition and kernel choice, which the key does not
+# cover (docs/cache.md). A new allowed key must be sorted into one of the two sets (a unit test).
+KEY_ENGINE_KWARGS = frozenset(
+    {"hf_overrides", "override_generation_config", "load_format", "kv_cache_dtype", "tokenizer_mode"}
+)
+NON_KEY_ENGINE_KWARGS = frozenset(
+    {
+        "block_size",
+        "cpu_offload_gb",
+        "disable_custom_all_reduce",
+        "enable_chunked_prefill",
+        "max_logprobs",
+        "max_seq_len_to_capture",
+        "num_gpu_blocks_override",
+        "pipeline_parallel_size",
+        "swap_space",
+        "limit_mm_per_prompt",
+        "compilation_config",
+        "async_scheduling",
+    }
+)
+assert KEY_ENGINE_KWARGS | NON_KEY_ENGINE_KWARGS == ENGINE_KWARGS_ALLOWED
+
+HASH_THREADS = 8  # at most, and at most one per CPU
+COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")  # a hub (git) commit: the only revision that cannot move
+
+# DuckDB types of a template column and the text of a value that the key hashes; each text is
+# injective within its type (tests/unit/steps/test_cache_key.py checks every one): shortest
+# round-trip text for FLOAT/DOUBLE (-0.0 and 0.0 differ), fixed scale for DECIMAL(p,s), ISO text
+# for dates and times (BC dates, infinities), the canonical UUID. CAST(BLOB AS VARCHAR) escapes
+# bytes in a way older DuckDB releases did not make injective: hex. TIMESTAMPTZ: microseconds
+# since the epoch (its VARCHAR text follows the connection's TimeZone), the text for infinities.
+_AS_VARCHAR = frozenset(
+    {
+        "VARCHAR",
+        "JSON",
+        "BOOLEAN",
+        "TINYINT",
+        "SMALLINT",
+        "INTEGER",
+        "BIGINT",
+        "HUGEINT",
+        "UTINYINT",
+        "USMALLINT",
+        "UINTEGER",
+        "UBIGINT",
+        "UHUGEINT",
+        "FLOAT",
+        "DOUBLE",
+        "DATE",
+        "TIME",
+        "TIME_NS",
+        "TIME WITH TIME ZONE",
+        "TIMESTAMP",
+        "TIMESTAMP_NS",
+        "TIMESTAMP_MS",
+        "TIMESTAMP_S",
+        "UUID",
+        "INTERVAL",
+        '"NULL"',  # a column of Parquet's null type: every value is NULL
+    }
+)
+_OWN_TEXT = {
+    "BLOB": "hex({c})",
+    "TIMESTAMP WITH TIME ZONE": "coalesce(CAST(epoch_us({c}) AS VARCHAR), CAST({c} AS VARCHAR))",
+}
+_DECIMAL = re.compile(r"^DECIMAL\(\d{1,2},\d{1,2}\)$")
+_NESTED = re.compile(r"\[|^(STRUCT|MAP|UNION)\(")
+
+
+# ---- what the cache refuses ---------------------------------------------------------------
+def is_local_model(name: str) -> bool:
+    """True for a folder that exists here or a name written as a path (``/``, ``./``, ``~``, ``file:``)."""
+    return os.path.isdir(os.path.expanduser(name)) or name.startswith(("/", "./", "../", "~", "file:"))
+
+
+def _not_a_commit(value: str) -> str:
+    """Why ``value`` is not a full commit hash, in words (for the SpecError)."""
+    if re.fullmatch(r"[0-9a-fA-F]{40}", value):
+        return "has upper-case letters; write the commit hash in lower case"
+    if re.fullmatch(r"[0-9a-fA-F]{64}", value):
+        return "is 64 hex characters: a sha256 (of a file, say), not a commit of the hub (40 hex characters)"
+    if re.fullmatch(r"[0-9a-fA-F]{4,39}", value):
+        return f"looks like an abbreviated commit hash ({len(value)} characters): give all 40"
+    if len(value) == 40:
+        return "is 40 characters but not hexadecimal: a branch or tag name, which can move"
+    return "is a branch or tag name, which can move to other files"
+
+
+def check_revision(field: str, value: str | None, what: str) -> None:
+    """SpecError naming ``field`` unless ``value`` is a full, lower-case 40-hex commit hash."""
+    how = (
+        f"with cache.uri set, {what} must be pinned to its full commit hash (40 hex characters, e.g. "
+        "huggingface_hub.HfApi().model_info(repo, revision='main').sha), or a moved name would keep "
+        "serving answers made from the old files; or unset cache.uri"
+    )
+    if value is None:
+        raise SpecError(f"{field} is not set: {how}")
+    if not COMMIT_SHA.match(value):
+        raise SpecError(f"{field} {value!r} {_not_a_commit(value)}: {how}")
+
+
+def check_cacheable(spec: JobSpec, input_format: str | None = None) -> None:
+    """SpecError naming the field when answers of this job cannot be cached safely."""
+    if spec.cache.uri is None:
+        raise SpecError("cache.uri is not set")
+    m = spec.model
+    if not is_local_model(m.name):
+        check_revision("model.revision", m.revision, f"hub model {m.name!r}")
+    tokenizer = m.tokenizer or m.name
+    if not is_local_model(tokenizer) and (tokenizer != m.name or m.tokenizer_revision is not None):
+        # vLLM loads the tokenizer at tokenizer_revision, or (unset) at model.revision: right only
+        # for the model's own repo
+        check_revision("model.tokenizer_revision", m.tokenizer_revision, f"hub tokenizer {tokenizer!r}")
+    if spec.sampling.temperature > 0 and not spec.cache.allow_sampling:
+        raise SpecError(
+            f"cache.uri is set with sampling.temperature={spec.sampling.temperature} > 0: sampled "
+            "answers are not reproducible; set cache.allow_sampling: true to cache them anyway, or "
+            "temperature 0"
+        )
+    if input_format is not None and input_format != "parquet":
+        raise SpecError(
+            f"cache.uri is set but the input is {input_format}: the result cache needs Parquet input "
+            "(io.input_format parquet); convert the input or unset cache.uri"
+        )
+    cols = {spec.prompt.id_column, *spec.prompt.columns}
+    reserved = sorted(c for c in cols if c.startswith("_vllm_"))
+    if reserved:
+        raise SpecError(
+            f"prompt: column names starting with '_vllm_' ({reserved}) are reserved by the result cache (cache.uri)"
+        )
+
+
+# ---- per job ------------------------------------------------------------------------------
+def _local_folder(name: str) -> str:
+    return os.path.expanduser(name.removeprefix("file://"))
+
+
+def weights_fingerprint(folder: str, memo: FingerprintMemo | None = None) -> str:
+    """sha256 over every file of the folder: its name in the folder, its size and the sha256 of all its bytes.
+
+    Symbolic links are followed (files and folders, as vLLM reads them) and keyed by their target's
+    content under the link's own name; a link to a folder above it (a loop) is not followed. Each file's
+    sha256 comes from ``memo`` (default: ``FingerprintMemo.default()``) when its stat is unchanged.
+    SpecError for a broken link or an unreadable file; TransientError when a file keeps changing
+    while it is read.
+    """
+    folder = _local_folder(folder)
+    memo = FingerprintMemo.default() if memo is None else memo
+    files: list[tuple[str, str]] = []
+    for d, dirs, fs in os.walk(folder, followlinks=True):
+        parts = os.path.relpath(d, folder).split(os.sep)
+        if d != folder and os.path.realpath(d) in {
+            os.path.realpath(os.path.join(folder, *parts[:i])) for i in range(len(parts))
+        }:
+            dirs[:] = []  # a link back to a folder above: a loop, read once
+            continue
+        files += [(os.path.relpath(os.path.join(d, f), folder), os.path.join(d, f)) for f in fs]
+    files.sort()
+    memo.load()
+    # hashlib and file reads release the GIL: big weight files are hashed side by side
+    with ThreadPoolExecutor(max_workers=max(1, min(HASH_THREADS, os.cpu_count() or 1, len(files)))) as pool:
+        sums = list(pool.map(lambda f: _file_sha256(f[1], f[0], folder, memo), files))
+    h = hashlib.sha256()
+    for (rel, _), (size, digest) in zip(files, sums, strict=True):
+        h.update(json.dumps([rel, size, digest]).encode() + b"\n")
+    memo.save()
+    return h.hexdigest()
+
+
+def _file_sha256(path: str, rel: str, folder: str, memo: FingerprintMemo) -> tuple[int, str]:
+    for _ in range(3):
+        try:
+            before = FileStat.of(path)
+        except FileNotFoundError:
+            what = "is a broken symbolic link" if os.path.islink(path) else "was removed while the folder was read"
+            raise SpecError(f"model folder {folder}: {rel} {what}") from None
+        except OSError as e:
+            raise SpecError(f"model folder {folder}: cannot read {rel}: {e}") from e
+        known = memo.get(before)
+        if known is not None:
+            return before.size, known
+        started = time.time_ns()
+        try:
+            with open(path, "rb") as f:
+                digest = hashlib.file_digest(f, "sha256").hexdigest()
+        except OSError as e:
+            raise SpecError(f"model folder {folder}: cannot read {rel}: {e}") from e
+        if FileStat.of(path) == before:
+            memo.put(before, digest, started)
+            return before.size, digest
+    raise TransientError(f"model folder {folder}: {rel} kept changing while its fingerprint was taken; retry")
+
+
+def key_config(spec: JobSpec, engine_identity: str | None = None) -> dict[str, Any]:
+    """Everything but the row's own values that decides a row's answer (the key config)."""
+    m = spec.model
+    model = m.model_dump(mode="json")
+    if is_local_model(m.name):
+        folder = _local_folder(m.name)
+        if os.path.isdir(folder):
+            model["weights_sha256"] = weights_fingerprint(folder)
+        elif not m.revision:
+            raise SpecError(
+                f"cache.uri is set and model.name {m.name!r} is a path this process cannot read: the "
+                "cache fingerprints the weights folder; make it readable here or pin model.revision "
+                "to an identity of those weights"
+            )
+    if m.tokenizer and is_local_model(m.tokenizer):
+        folder = _local_folder(m.tokenizer)
+        if os.path.isdir(folder):
+            model["tokenizer_sha256"] = weights_fingerprint(folder)
+        elif not m.tokenizer_revision:
+            raise SpecError(
+                f"cache.uri is set and model.tokenizer {m.tokenizer!r} is a path this process cannot read: "
+                "the cache fingerprints the tokenizer folder; make it readable here or pin "
+                "model.tokenizer_revision to an identity of that tokenizer"
+            )
+    kwargs = {k: v for k, v in spec.engine.engine_kwargs.items() if k in KEY_ENGINE_KWARGS}
+    return {
+        "version": KEY_FORMAT_VERSION,
+        "model": model,
+        "task": spec.task,
+        "prompt": spec.prompt.model_dump(mode="json"),
+        "sampling": spec.sampling.model_dump(mode="json"),
+        "engine": {"seed": spec.engine.seed, "engine_kwargs": kwargs},
+        "engine_identity": engine_identity or local_engine_identity(),
+    }
+
+
+def key_hash(config: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(config, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+# ---- per row ------------------------------------------------------------------------------
+def _q(col: str) -> str:
+    return '"' + col.replace('"', '""') + '"'
+
+
+def column_types(con: duckdb.DuckDBPyConnection, source: str, spec: JobSpec) -> dict[str, str]:
+    """The DuckDB type of each template column in ``SELECT ... FROM {source}``, checked (``check_key_types``)."""
+    cols = spec.prompt.columns
+    rows = con.execute(f"DESCRIBE SELECT {', '.join(_q(c) for c in cols)} FROM {source}").fetchall()
+    types = {str(r[0]): str(r[1]) for r in rows}
+    check_key_types(types)
+    return types
+
+
+def check_key_types(types: dict[str, str]) -> None:
+    """SpecError naming the first template column whose DuckDB type the key cannot encode injectively."""
+    for col, t in types.items():
+        if t in _AS_VARCHAR or t in _OWN_TEXT or _DECIMAL.match(t):
+            continue
+        if _NESTED.search(t):
+            raise SpecError(
+                f"cache.uri is set but template column {col!r} has the nested type {t}: the result cache keys "
+                "a row by its template values and does not encode nested values (and the worker renders only "
+                "scalars: text, numbers, booleans); store the column as text in the input (e.g. a JSON "
+                "string), leave it out of prompt.template, or unset cache.uri"
+            )
+        raise SpecError(
+            f"cache.uri is set but template column {col!r} has the type {t}, which the result cache key does "
+            "not encode; store it as text (VARCHAR) in the input, leave it out of prompt.template, or unset "
+            "cache.uri"
+        )
+
+
+def _text(col: str, duck_type: str) -> str:
+    c = _q(col)
+    return _OWN_TEXT[duck_type].format(c=c) if duck_type in _OWN_TEXT else f"CAST({c} AS VARCHAR)"
+
+
+def key_sql(spec: JobSpec, khash: str, types: dict[str, str]) -> str:
+    """DuckDB expression: sha256 over the key hash and, per template column, its type and value.
+
+    Each column is ``T<bytes>:<typeof>`` then ``N`` (NULL) or ``S<bytes>:<text>``: prefix-free, so the
+    concatenation is injective whenever each ``<text>`` is injective within its type. ``types``:
+    ``column_types`` of the same source (it picks the text; the hash takes the type from ``typeof``).
+    """
+    parts = [f"'{khash}|'"]
+    for col in spec.prompt.columns:
+        c = _q(col)
+        v = _text(col, types[col])
+        parts.append(f"'T' || CAST(strlen(typeof({c})) AS VARCHAR) || ':' || typeof({c})")
+        parts.append(f"(CASE WHEN {c} IS NULL THEN 'N' ELSE 'S' || CAST(strlen({v}) AS VARCHAR) || ':' || {v} END)")
+    return f"sha256({' || '.join(parts)})"
