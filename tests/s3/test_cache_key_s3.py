@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from airflow_provider_vllm.core.engine_identity import local_engine_identity
 from airflow_provider_vllm.core.errors import SpecError
 from airflow_provider_vllm.core.plan import PLAN_FILE
 from airflow_provider_vllm.core.storage import Storage
@@ -58,7 +59,7 @@ def spec(s3, name: str, revision: str = PINNED_REVISION):
 
 def run(sp, factory):
     factory.prompts.clear()
-    plan = plan_job(sp, engine_identity="fake-engine")
+    plan = plan_job(sp, engine_identity=local_engine_identity())
     for s in plan.shards:
         assert run_shard(ShardTask(spec=sp, shard_id=s.shard_id), engine_factory=factory)["status"] == "committed"
     return plan, merge(sp), sorted(factory.prompts)
@@ -90,6 +91,6 @@ def test_a_moving_revision_is_refused_before_anything_is_written_on_s3(s3, monke
     name = "moving-" + revision[:8].replace(".", "-")
     put_input(s3, name, pa.float32())
     with pytest.raises(SpecError, match="model.revision"):
-        plan_job(spec(s3, name, revision), engine_identity="fake-engine")
+        plan_job(spec(s3, name, revision), engine_identity=local_engine_identity())
     out = Storage(f"s3://data/runs/{name}", s3.storage_options)
     assert not out.exists(PLAN_FILE) and out.listdir("_cache") == []

@@ -14,8 +14,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from airflow_provider_vllm.core import faults
+from airflow_provider_vllm.core.engine_identity import local_engine_identity
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.steps.cache import result_cache as cache
+from airflow_provider_vllm.steps.cache.store import CacheStore
 from airflow_provider_vllm.steps.merge.merger import merge
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
@@ -25,6 +27,7 @@ from tests.support.ledger import record_fault
 from tests.support.s3server import MotoServer
 
 pytestmark = pytest.mark.reliability
+ENGINE = local_engine_identity()  # what the in-process workers seal
 N = 40
 
 
@@ -60,7 +63,7 @@ def spec(s3, name: str):
 
 
 def shards(sp, factory):
-    plan = plan_job(sp, engine_identity="fake-engine")
+    plan = plan_job(sp, engine_identity=ENGINE)
     for s in plan.shards:
         assert run_shard(ShardTask(spec=sp, shard_id=s.shard_id), engine_factory=factory)["status"] == "committed"
     return plan
@@ -79,9 +82,10 @@ def test_cache_commit_rules_on_s3(s3, fake_engine_factory, set_faults, monkeypat
     set_faults("")
     st = Storage("s3://data/cache", s3.storage_options)
     eid = cache.entry_id(plan_a, sa.io.output_uri)
-    assert st.exists(f"entries/{eid}/part-00000.parquet") and not st.exists(f"commits/{eid}.json")
+    commit = f"{CacheStore.commit_dir(plan_a.cache.key_hash)}/{eid}.json"
+    assert st.exists(f"entries/{eid}/part-00000.parquet") and not st.exists(commit)
     put_input(s3, "b", ids, texts)
-    assert plan_job(spec(s3, "b"), engine_identity="fake-engine").cache.hits == 0  # uncommitted: invisible
+    assert plan_job(spec(s3, "b"), engine_identity=ENGINE).cache.hits == 0  # uncommitted: invisible
 
     first = merge(sa).cache
     with st.open(f"entries/{eid}/part-00000.parquet") as f:
@@ -91,7 +95,7 @@ def test_cache_commit_rules_on_s3(s3, fake_engine_factory, set_faults, monkeypat
     assert sorted(got) == sorted(ids)
     again = merge(sa).cache
     assert again is not None and again.committed_by == "earlier_merge"
-    assert st.listdir("commits") == [f"{eid}.json"]
+    assert st.listdir(CacheStore.commit_dir(plan_a.cache.key_hash)) == [f"{eid}.json"]
 
     # in reverse order over two files: the hits and misses files keep the input's order
     put_input(s3, "c", (ids + ["new"])[::-1], (texts[:-1] + ["edited", "brand new"])[::-1], files=2)
@@ -103,8 +107,11 @@ def test_cache_commit_rules_on_s3(s3, fake_engine_factory, set_faults, monkeypat
     out_c = Storage("s3://data/runs/c", s3.storage_options)
     with out_c.open(plan_c.cache.hits_file.path) as f:
         assert pq.read_table(f).column("id").to_pylist() == ids[:-1][::-1]
-    with out_c.open(plan_c.cache.misses_file.path) as f:
-        assert pq.read_table(f).column("id").to_pylist() == ["new", ids[-1]]
+    shard_inputs = []  # each shard's own input file: its miss rows, in input order
+    for s in plan_c.shards:
+        with out_c.open(s.input_file.path) as f:
+            shard_inputs += pq.read_table(f).column("id").to_pylist()
+    assert shard_inputs == ["new", ids[-1]]
     summary = merge(sc)
     assert summary.ok_rows == N + 1 and summary.cache is not None and summary.cache.appended == 2
     from airflow_provider_vllm.steps.merge.merger import result_parts

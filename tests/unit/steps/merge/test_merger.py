@@ -302,3 +302,15 @@ def test_a_copied_run_folder_is_refused_by_its_seals(run, tmp_path):
     with pytest.raises(CommitError, match=r"moved/_plan.json.*moved from another run or folder"):
         merge(spec2)
     assert merge(spec).dump()["ok_rows"] == len(IDS)
+
+
+@pytest.mark.reliability
+def test_a_spec_changed_through_xcom_is_not_merged(run):
+    """Whoever can write XCom changes the spec the merge task receives (another id column, another cache): the
+    sealed plan names the spec it was made for, and merge refuses any other."""
+    spec, plan, out = run
+    changed = spec.model_copy(update={"prompt": spec.prompt.model_copy(update={"id_column": "text"})})
+    with pytest.raises(CommitError, match="made for another spec"):
+        merge(changed)
+    assert nothing_published(out)
+    record_malicious("xcom_spec_changed_before_merge", 1, 1)
