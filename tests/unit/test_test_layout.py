@@ -46,7 +46,6 @@ TESTED_ELSEWHERE: dict[str, list[str]] = {
     "steps/qa/stage.py": ["tests/unit/steps/qa/test_html.py", "tests/unit/worker/test_shard.py"],
     "task_groups/batch_job.py": ["tests/airflow/test_operators.py", "tests/airflow/test_security_dags.py"],
     "testing/local_models.py": ["tests/vllm/test_local_models.py"],
-    "utils/deployment.py": ["tests/unit/test_security.py", "tests/unit/test_provider_info.py"],
     "utils/openlineage_facets.py": ["tests/airflow/test_openlineage.py"],
     "utils/provenance.py": ["tests/unit/test_security.py"],
     "worker/__main__.py": ["tests/unit/worker/test_exits.py", "tests/unit/test_layers.py"],
