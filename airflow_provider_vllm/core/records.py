@@ -21,7 +21,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter
+
+from airflow_provider_vllm.core.part_names import cache_part_path, part_name, run_file
+
+# Names read back from bucket files, checked on every read (``core/part_names.py``)
+PartName = Annotated[str, AfterValidator(part_name)]
+RunFile = Annotated[str, AfterValidator(run_file)]
+CachePartPath = Annotated[str, AfterValidator(cache_part_path)]
 
 
 class Record(BaseModel):
@@ -131,7 +138,9 @@ class Duplicates(Record):
 class PartEntry(Record):
     """One published Parquet part of a merged folder."""
 
-    name: str = Field(description="file name inside the folder, e.g. part-00000-<shard>-00000.parquet")
+    name: PartName = Field(
+        description="file name inside the folder, e.g. part-00000-<shard>-00000.parquet: one segment, no glob"
+    )
     bytes: int = Field(description="file size")
     sha256: str = Field(description="sha256 of the file's bytes")
     rows: int = Field(description="rows in the part")
@@ -156,12 +165,12 @@ class MergeSummary(RowCounts):
     duplicates_dropped: int = Field(description="committed rows dropped as identical duplicates")
     duplicates: Duplicates = Field(description="duplicate ids, counted before the dedupe")
     shards: int = Field(description="shards of the plan")
-    files: dict[str, str] = Field(
+    files: dict[str, RunFile] = Field(
         description="output kind -> path under the output prefix: 'results' and 'errors' (folders of Parquet "
         "parts, ending in '/'), 'results_manifest' and 'errors_manifest' (their _manifest.json), "
         "and for openai_batch output 'openai_output' and 'openai_errors'"
     )
-    checksums: dict[str, str] = Field(
+    checksums: dict[RunFile, str] = Field(
         description="path -> sha256 of the two manifests (which carry the sha256 of every part)"
     )
     parts: dict[str, int] = Field(
@@ -275,15 +284,15 @@ class ChangesSummary(Record):
         "ids with an error on either side are not in it",
     )
     matrix_cells: int | None = Field(None, description="non-empty cells of the full matrix (matrix may hold fewer)")
-    files: dict[str, str] = Field(description="output kind -> path under the output prefix")
-    checksums: dict[str, str] = Field(description="path -> sha256 of changes.parquet")
+    files: dict[str, RunFile] = Field(description="output kind -> path under the output prefix")
+    checksums: dict[RunFile, str] = Field(description="path -> sha256 of changes.parquet")
     notes: list[str] = Field(default_factory=list, description="what the reader should know (no previous run ...)")
 
 
 class CacheFileEntry(Record):
     """One Parquet part of a cache entry, as its commit marker names it."""
 
-    path: str = Field(description="path under the cache folder: entries/<entry_id>/part-NNNNN.parquet")
+    path: CachePartPath = Field(description="path under the cache folder: entries/<entry_id>/part-NNNNN.parquet")
     bytes: int = Field(description="size in bytes")
     sha256: str = Field(description="sha256 of the file")
     rows: int = Field(description="rows in the file")

@@ -146,12 +146,16 @@ NO_ALLOW_LIST = (
     "(AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES) to the URI prefixes jobs may read and write, or "
     "[vllm_batch] allow_any_location = True to allow any location"
 )
-# io.storage_options: reviewed fsspec options that change neither where requests go nor who makes
-# them. Anything else (endpoint_url, client_kwargs.endpoint_url, host, port, proxy, headers,
-# profile, use_ssl, ...) is refused: endpoints and credentials belong to the deployment.
+# io.storage_options: an allow-list of reviewed fsspec options (s3fs, gcsfs) that change neither
+# where requests go, nor who makes them, nor who may read what they write. Anything else is
+# refused: endpoint_url, client_kwargs.endpoint_url, host, port, proxy, headers, profile, use_ssl,
+# credentials and sessions (the deployment's Connection or environment); anon and requester_pays
+# (who is asked, who pays); ACL, Grant*, ObjectOwnership, object lock, SSE-C and KMS key ids
+# (access control on objects: bucket policy, Object Ownership, uniform bucket-level access and
+# default encryption, all the deployment's). A leaf is None (any plain value), a set of allowed
+# values, or a pattern the value must match whole.
+S3_REGION = re.compile(r"[a-z]{2}(-[a-z0-9]+){1,3}-[0-9]{1,2}")
 STORAGE_OPTIONS_ALLOWED: dict[str, Any] = {
-    "anon": None,
-    "requester_pays": None,
     "default_block_size": None,
     "block_size": None,
     "default_cache_type": None,
@@ -175,11 +179,18 @@ STORAGE_OPTIONS_ALLOWED: dict[str, Any] = {
         "request_checksum_calculation": None,
         "response_checksum_validation": None,
     },
-    "client_kwargs": {"region_name": None},
-    "s3_additional_kwargs": {"ServerSideEncryption": None, "SSEKMSKeyId": None, "ACL": None, "StorageClass": None},
+    "client_kwargs": {"region_name": S3_REGION},
+    # encryption with the bucket's own (or the AWS-managed) key, and storage classes readable at once
+    "s3_additional_kwargs": {
+        "ServerSideEncryption": frozenset({"AES256", "aws:kms", "aws:kms:dsse"}),
+        "StorageClass": frozenset(
+            {"STANDARD", "STANDARD_IA", "ONEZONE_IA", "INTELLIGENT_TIERING", "GLACIER_IR", "REDUCED_REDUNDANCY"}
+        ),
+    },
 }
 _ENDPOINTISH = re.compile(r"(endpoint|host|port|proxy|proxies|url|uri|headers?|profile|ssl|verify|session|role)", re.I)
 _URL_VALUE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://|@")
+_ACCESSISH = re.compile(r"(acl|grant|owner|anon|requester|payer|access|policy|lock|sse|kms|encryption)", re.I)
 # compilation_config keys that are data (sizes, levels, switches). The others (backend,
 # inductor_passes, inductor_compile_config, debug_dump_path, cache_dir, ...) import code by
 # name or write files: deployment-owned, like trust_remote_code.
@@ -278,20 +289,32 @@ def check_storage_options(
                 "environment)"
             )
         if allowed is None or key not in allowed:
-            why = (
-                "endpoints, hosts, proxies and headers come from the deployment (Airflow connection, or "
-                "AWS_ENDPOINT_URL in the worker's environment), never from the job spec"
-                if _ENDPOINTISH.search(str(key))
-                else f"not a reviewed storage option (allowed: {sorted(allowed or {})})"
-            )
+            if _ENDPOINTISH.search(str(key)):
+                why = (
+                    "endpoints, hosts, proxies and headers come from the deployment (Airflow connection, or "
+                    "AWS_ENDPOINT_URL in the worker's environment), never from the job spec"
+                )
+            elif _ACCESSISH.search(str(key)):
+                why = (
+                    "access control, identity and billing of objects (ACLs, grants, ownership, object lock, "
+                    "encryption keys, anonymous or requester-pays access) are the deployment's: bucket policy, "
+                    "Object Ownership / uniform bucket-level access, default encryption, or FSSPEC_S3_* / "
+                    "FSSPEC_GCS_* variables in the worker's environment; never the job spec's"
+                )
+            else:
+                why = f"not a reviewed storage option (allowed: {sorted(allowed or {})})"
             raise SpecError(f"{where}: {why}")
         sub = allowed[key]
-        if sub is not None:
+        if isinstance(sub, dict):
             if not isinstance(value, dict):
                 raise SpecError(f"{where}: must be a mapping")
             check_storage_options(value, where, sub)
         elif isinstance(value, (dict, list)):
             raise SpecError(f"{where}: must be a plain value")
+        elif isinstance(sub, frozenset) and value not in sub:
+            raise SpecError(f"{where}={value!r}: must be one of {sorted(sub)}")
+        elif isinstance(sub, re.Pattern) and not (isinstance(value, str) and sub.fullmatch(value)):
+            raise SpecError(f"{where}={value!r}: must be a region name like eu-west-1")
 
 
 def code_loading_options(spec: Any) -> list[str]:

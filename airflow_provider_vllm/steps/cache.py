@@ -40,6 +40,7 @@ from airflow_provider_vllm import __version__
 from airflow_provider_vllm.core import duck, faults
 from airflow_provider_vllm.core.errors import CommitError, SpecError
 from airflow_provider_vllm.core.formats.files import Input, describe_files
+from airflow_provider_vllm.core.part_names import check_inside
 from airflow_provider_vllm.core.plan import CacheFile, CachePlan, Plan
 from airflow_provider_vllm.core.records import CacheCommit, CacheFileEntry, CacheMergeSummary
 from airflow_provider_vllm.core.rows import RESULT_COLUMNS, RESULT_SCHEMA
@@ -271,8 +272,12 @@ class CacheStore:
             return "its files' rows do not add up to its rows"
         for f in c.files:
             parts = f.path.split("/")
-            if len(parts) != 3 or parts[0] != ENTRIES or parts[1] != eid or not _PART.match(parts[2]):
+            if len(parts) != 3 or parts[0] != ENTRIES or parts[1] != eid or not _PART.fullmatch(parts[2]):
                 return f"it names {f.path!r}, not a part of its own entry"
+            try:
+                check_inside(self.st, f.path, f"{COMMITS}/{eid}.json")
+            except CommitError as e:
+                return str(e)
             try:
                 size = self.st.size(f.path)
             except FileNotFoundError:

@@ -32,9 +32,11 @@ import shutil
 import tempfile
 
 import duckdb
+from pydantic import ValidationError
 
 from airflow_provider_vllm.core import duck, faults
-from airflow_provider_vllm.core.errors import SpecError
+from airflow_provider_vllm.core.errors import CommitError, SpecError
+from airflow_provider_vllm.core.part_names import check_inside
 from airflow_provider_vllm.core.records import (
     CHANGE_KINDS,
     ChangeCounts,
@@ -44,7 +46,15 @@ from airflow_provider_vllm.core.records import (
 )
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
-from airflow_provider_vllm.steps.merge import ERRORS, MERGED, RESULTS, manifest_rel, read_merged, result_parts
+from airflow_provider_vllm.steps.merge import (
+    ERRORS,
+    MERGED,
+    RESULTS,
+    manifest_rel,
+    read_merged,
+    result_parts,
+    validation_detail,
+)
 
 # A run merged before results/ became a folder of parts (provider < 0.2): its two files.
 _SINGLE_FILE_LAYOUT = {RESULTS: "results/results.parquet", ERRORS: "results/errors.parquet"}
@@ -79,6 +89,7 @@ def _results_relation(out: Storage, kind: str) -> str:
     kind = RESULTS if kind == "results" else ERRORS
     if not out.exists(manifest_rel(kind)) and out.exists(_SINGLE_FILE_LAYOUT[kind]):
         # the previous run of a nightly that merged before the upgrade: compared as it is
+        check_inside(out, _SINGLE_FILE_LAYOUT[kind], out.uri())
         return f"read_parquet({duck.file_list(out, [_SINGLE_FILE_LAYOUT[kind]])})"
     return f"read_parquet({duck.file_list(out, result_parts(out, kind))})"
 
@@ -102,7 +113,9 @@ def _previous_state(prev: Storage, where: str) -> tuple[str, MergeSummary | None
     if prev.exists(MERGED):
         try:
             return "complete", read_merged(prev)
-        except ValueError as e:  # pydantic's ValidationError: not a merge summary this provider wrote
+        except ValidationError as e:  # not a merge summary this provider wrote (e.g. files outside its run)
+            raise SpecError(f"{where}: its {MERGED} is not a merge summary ({validation_detail(e)})") from e
+        except ValueError as e:
             raise SpecError(f"{where}: its {MERGED} is not a merge summary ({str(e).splitlines()[0]})") from e
     return ("incomplete" if prev.exists("_plan.json") else "absent"), None
 
@@ -160,8 +173,13 @@ def compute_changes(spec: JobSpec, filesystems: FileSystems | None = None, memor
         try:
             con.execute(f"SET temp_directory = '{tmp.replace(chr(39), chr(39) * 2)}/spill'")
             if prev_merged is not None:
-                _check_foreign(spec, prev, prev_merged, con, col)
-                old = _side(prev, col)
+                try:
+                    _check_foreign(spec, prev, prev_merged, con, col)
+                    old = _side(prev, col)
+                except CommitError as e:  # a name in its manifests leaves the run, or is a glob
+                    raise CommitError(
+                        f"changes.previous_uri {spec.changes.previous_uri!r}: refusing the previous run: {e}"
+                    ) from None
             else:
                 old = _EMPTY
                 notes.append(

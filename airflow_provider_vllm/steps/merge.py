@@ -37,6 +37,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+from pydantic import ValidationError
 
 from airflow_provider_vllm import __version__
 from airflow_provider_vllm.core import duck, faults
@@ -44,6 +45,7 @@ from airflow_provider_vllm.core.commit import MARKER, CommitMarker, ShardStore
 from airflow_provider_vllm.core.errors import CommitError, VerificationError
 from airflow_provider_vllm.core.formats import input_format
 from airflow_provider_vllm.core.formats.files import check_unchanged
+from airflow_provider_vllm.core.part_names import PART_NAME, check_inside
 from airflow_provider_vllm.core.plan import Plan, load_plan
 from airflow_provider_vllm.core.records import Duplicates, MergeSummary, PartEntry, PartsManifest, ShardStatsEntry
 from airflow_provider_vllm.core.rows import ERROR_SCHEMA, RESULT_SCHEMA, ROW_SCHEMA
@@ -70,7 +72,6 @@ _CHUNK_NAME = {
     RESULTS: re.compile(r"^chunk-(\d{5})\.parquet$"),
     ERRORS: re.compile(r"^chunk-(\d{5})\.errors\.parquet$"),
 }
-_PART_NAME = re.compile(r"^part-\d+(-[A-Za-z0-9._-]+)?\.parquet$")
 _TMP_NAME = re.compile(r"^\.part-.*\.tmp-\d+$")
 
 
@@ -197,8 +198,21 @@ def manifest_rel(kind: str) -> str:
 
 
 def read_manifest(out: Storage, kind: str) -> PartsManifest:
-    """The manifest of ``results/`` or ``errors/`` of the run under ``out``, validated."""
-    return PartsManifest.model_validate_json(out.read_bytes(manifest_rel(kind)))
+    """The manifest of ``results/`` or ``errors/`` of the run under ``out``, validated.
+
+    CommitError naming the file when it is not a manifest this provider writes: among others,
+    a part name that is not one ``part-*.parquet`` segment (``../``, ``/``, glob characters).
+    """
+    rel = manifest_rel(kind)
+    try:
+        manifest = PartsManifest.model_validate_json(out.read_bytes(rel))
+    except ValidationError as e:
+        raise CommitError(
+            f"{out.uri(rel)} is not a parts manifest this provider writes: {validation_detail(e)}"
+        ) from None
+    if manifest.kind != kind:
+        raise CommitError(f"{out.uri(rel)} is the manifest of {manifest.kind}/, not of {kind}/")
+    return manifest
 
 
 def result_parts(out: Storage, kind: str = RESULTS) -> list[str]:
@@ -206,8 +220,20 @@ def result_parts(out: Storage, kind: str = RESULTS) -> list[str]:
 
     Never empty: a folder without rows holds one empty part. Open them as one table with
     ``duck.file_list(out, result_parts(out))`` in ``read_parquet(...)``, or pyarrow.dataset.
+    Every reader of a merged run's parts goes through here: each name is one part-name segment
+    (``read_manifest``) and, on local disk, the file itself, not a symlink out of ``kind``/
+    (CommitError naming the manifest and the name).
     """
-    return [f"{kind}/{p.name}" for p in read_manifest(out, kind).parts]
+    rels = [f"{kind}/{p.name}" for p in read_manifest(out, kind).parts]
+    for rel in rels:
+        check_inside(out, rel, out.uri(manifest_rel(kind)))
+    return rels
+
+
+def validation_detail(e: ValidationError) -> str:
+    """pydantic's first error as 'field.path: message' (the message names the offending value)."""
+    err = e.errors()[0]
+    return f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}"
 
 
 def read_merged(out: Storage) -> MergeSummary:
@@ -487,7 +513,7 @@ def check_folder(out: Storage, kind: str) -> None:
     (e.g. ``results/results.parquet`` of the layout before 0.2, or a user's file) is refused
     rather than deleted or silently served as part of the results.
     """
-    foreign = [n for n in out.listdir(kind) if n != MANIFEST and not _PART_NAME.match(n) and not _TMP_NAME.match(n)]
+    foreign = [n for n in out.listdir(kind) if n != MANIFEST and not PART_NAME.fullmatch(n) and not _TMP_NAME.match(n)]
     if foreign:
         raise CommitError(
             f"{out.uri(kind)}/ holds {foreign[:5]}, which merge did not write; it publishes {kind}/ as a folder of "
