@@ -42,7 +42,8 @@ MAX_LABEL_CHARS = 100
 MAX_TEXT_CHARS = 65_536  # system prompt, template
 MAX_STRING_CHARS = 4_096  # any other string
 MAX_JSON_SCHEMA_BYTES = 65_536
-MAX_STOP = 16
+MAX_STOP = 16  # stop strings of the spec and of a request row (core/formats/openai_requests.py)
+MAX_STOP_CHARS = 256  # characters of one stop string
 
 JINJA = re.compile(r"{{|}}|{%|%}|{#|#}")
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")  # allows \t \n \r in free text
@@ -78,7 +79,7 @@ _URIS = ("io.input_uri", "io.output_uri", "qa.previous_report_uri", "cache.uri",
 _FREE_TEXT = {
     "prompt.system_prompt": MAX_TEXT_CHARS,
     "prompt.template": MAX_TEXT_CHARS,
-    "sampling.stop": 256,
+    "sampling.stop": MAX_STOP_CHARS,
     "sampling.structured.regex": MAX_STRING_CHARS,
 }
 # storage_options keys that hold credentials: the deployment provides them (environment,
@@ -92,13 +93,30 @@ def check_values(doc: dict[str, Any]) -> None:
     if len(choice) > MAX_LABELS:
         raise ValueError(f"sampling.structured.choice: {len(choice)} labels; at most {MAX_LABELS}")
     stop = (doc.get("sampling") or {}).get("stop") or []
-    if len(stop) > MAX_STOP:
-        raise ValueError(f"sampling.stop: {len(stop)} stop strings; at most {MAX_STOP}")
+    problem = stop_problem(stop)
+    if problem:
+        raise ValueError(f"sampling.stop: {problem}")
     schema = ((doc.get("sampling") or {}).get("structured") or {}).get("json_schema")
     if schema is not None and len(json.dumps(schema)) > MAX_JSON_SCHEMA_BYTES:
         raise ValueError(f"sampling.structured.json_schema: larger than {MAX_JSON_SCHEMA_BYTES} bytes")
     for path, value in _strings(doc, ""):
         _check_string(path, value)
+
+
+def stop_problem(stop: list[str]) -> str | None:
+    """What is wrong with a list of stop strings, or None: the one rule for the spec's
+    ``sampling.stop`` and a request row's ``stop`` (count, empty, length, control characters)."""
+    if len(stop) > MAX_STOP:
+        return f"{len(stop)} stop strings; at most {MAX_STOP}"
+    for s in stop:
+        shown = s if len(s) <= 40 else s[:37] + "..."
+        if not s:
+            return "an empty stop string"
+        if len(s) > MAX_STOP_CHARS:
+            return f"a stop string of {len(s)} characters ({shown!r}); at most {MAX_STOP_CHARS}"
+        if _CONTROL.search(s):
+            return f"stop string {shown!r}: control characters are not allowed"
+    return None
 
 
 def _strings(node: Any, path: str):
