@@ -17,7 +17,10 @@ not (by a 64-bit hash of it; the file carries no vector values). ``churn_rate`` 
 
 The previous run counts only when it is complete (its ``_MERGED.json`` exists); otherwise
 every id of this run is 'added' (or 'error') and the summary says why. A previous run of
-another task or id column is refused (``SpecError`` naming ``changes.previous_uri``).
+another task or id column is refused (``SpecError`` naming ``changes.previous_uri``), and so is
+one whose manifests name anything but its own part files (``../``, a glob, an absolute path, a
+local symlink: ``CommitError`` naming the manifest and the name; ``core/part_names.py``): nothing
+outside that run is read.
 
 DuckDB does all of it (a full outer join on id, spilled to a local temp folder under a memory
 limit; no Python loop over rows). Writes: the Parquet, then the summary, each atomically; a
@@ -156,7 +159,8 @@ def compute_changes(spec: JobSpec, filesystems: FileSystems | None = None, memor
     """Write ``changes/changes.parquet`` and ``changes/_changes.json`` for a merged run; return the summary.
 
     Needs this run's ``_MERGED.json`` and ``changes.previous_uri`` set. Raises SpecError for a
-    previous run of another task / id column; a missing or incomplete one is not an error.
+    previous run of another task / id column, CommitError for one whose manifests name files
+    outside it; a missing or incomplete one is not an error.
     """
     if not spec.changes.previous_uri:
         raise SpecError("changes.previous_uri is not set: nothing to compare against")
