@@ -39,7 +39,8 @@ from pydantic import ConfigDict, Field, ValidationError, field_validator
 from airflow_provider_vllm.core import faults
 from airflow_provider_vllm.core import seal as seals
 from airflow_provider_vllm.core.errors import CommitError, SealError, SpecError
-from airflow_provider_vllm.core.records import FileRef, Record, RowCounts, ShardStats, plain_relative_path
+from airflow_provider_vllm.core.part_names import run_file
+from airflow_provider_vllm.core.records import FileRef, Record, RowCounts, ShardStats
 from airflow_provider_vllm.core.rows import split_rows
 from airflow_provider_vllm.core.seal import Keyring, Seal
 from airflow_provider_vllm.core.storage import Storage
@@ -105,7 +106,7 @@ class FileEntry(RowCounts):
     @field_validator("path")
     @classmethod
     def _relative(cls, v: str) -> str:
-        return plain_relative_path(v)
+        return run_file(v)
 
     def parts(self) -> tuple[PartFile, PartFile | None]:
         """(ok-rows part, error-rows part)."""

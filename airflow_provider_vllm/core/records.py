@@ -19,12 +19,17 @@ ours, hence ``extra="forbid"``: an unknown field or a wrong type is refused, nam
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, field_validator
 
+from airflow_provider_vllm.core.part_names import cache_part_path, part_name, run_file
 from airflow_provider_vllm.core.seal import Seal
+
+# Names read back from bucket files, checked on every read (``core/part_names.py``)
+PartName = Annotated[str, AfterValidator(part_name)]
+RunFile = Annotated[str, AfterValidator(run_file)]
+CachePartPath = Annotated[str, AfterValidator(cache_part_path)]
 
 
 class Record(BaseModel):
@@ -131,17 +136,6 @@ class Duplicates(Record):
     examples: list[str] = Field(description="a few of those ids")
 
 
-PART_NAME = re.compile(r"^part-\d+(-[A-Za-z0-9._-]+)?\.parquet$")
-_SEGMENT = re.compile(r"^[A-Za-z0-9_.-]+$")
-
-
-def plain_relative_path(v: str) -> str:
-    """``v`` when it is a relative path of plain segments (letters, digits, ``._-``; no ``.``/``..``); ValueError."""
-    if not all(_SEGMENT.match(seg) and seg not in (".", "..") for seg in v.split("/")):
-        raise ValueError(f"{v!r} is not a plain relative path (segments of letters, digits, '._-'; no '..')")
-    return v
-
-
 class FileDigest(Record):
     """What one file must be: its size, sha256 and rows (the shape every file record shares)."""
 
@@ -162,16 +156,24 @@ class FileRef(FileDigest):
     @field_validator("path")
     @classmethod
     def _relative(cls, v: str) -> str:
-        return plain_relative_path(v)
+        return run_file(v)
+
+
+class CacheFileEntry(FileRef):
+    """One Parquet part of a cache entry: ``entries/<entry_id>/part-NNNNN.parquet`` (the cache folder's own)."""
+
+    @field_validator("path")
+    @classmethod
+    def _relative(cls, v: str) -> str:  # replaces FileRef's: stricter, and names what it must be
+        return cache_part_path(v)
 
 
 class PartEntry(FileDigest):
     """One published Parquet part of a merged folder."""
 
-    name: str = Field(
-        pattern=PART_NAME.pattern,
+    name: PartName = Field(
         max_length=255,
-        description="file name inside the folder (one path segment), e.g. part-00000-<shard>-00000.parquet",
+        description="file name inside the folder, e.g. part-00000-<shard>-00000.parquet: one segment, no glob",
     )
 
 
@@ -194,12 +196,12 @@ class MergeSummary(RowCounts):
     duplicates_dropped: int = Field(description="committed rows dropped as identical duplicates")
     duplicates: Duplicates = Field(description="duplicate ids, counted before the dedupe")
     shards: int = Field(description="shards of the plan")
-    files: dict[str, str] = Field(
+    files: dict[str, RunFile] = Field(
         description="output kind -> path under the output prefix: 'results' and 'errors' (folders of Parquet "
         "parts, ending in '/'), 'results_manifest' and 'errors_manifest' (their _manifest.json), "
         "and for openai_batch output 'openai_output' and 'openai_errors'"
     )
-    checksums: dict[str, str] = Field(
+    checksums: dict[RunFile, str] = Field(
         description="path -> sha256 of the two manifests (which carry the sha256 of every part)"
     )
     parts: dict[str, int] = Field(
@@ -316,8 +318,8 @@ class ChangesSummary(Record):
         "ids with an error on either side are not in it",
     )
     matrix_cells: int | None = Field(None, description="non-empty cells of the full matrix (matrix may hold fewer)")
-    files: dict[str, str] = Field(description="output kind -> path under the output prefix")
-    checksums: dict[str, str] = Field(description="path -> sha256 of changes.parquet")
+    files: dict[str, RunFile] = Field(description="output kind -> path under the output prefix")
+    checksums: dict[RunFile, str] = Field(description="path -> sha256 of changes.parquet")
     notes: list[str] = Field(default_factory=list, description="what the reader should know (no previous run ...)")
     seal: Seal | None = Field(None, description="the QA task's seal (core/seal.py, domain changes, scope the run)")
 
@@ -336,7 +338,7 @@ class CacheCommit(Record):
         pattern=r"^[0-9a-f]{64}$",
         description="the job's key config hash (steps/cache/key.py): rows of other configurations are never read",
     )
-    files: list[FileRef] = Field(description="the entry's Parquet parts: entries/<entry_id>/part-NNNNN.parquet")
+    files: list[CacheFileEntry] = Field(description="the entry's Parquet parts: entries/<entry_id>/part-NNNNN.parquet")
     rows: int = Field(ge=0, description="rows over all parts")
     source_output_uri: str = Field(description="output prefix of the run that computed the answers ('' compaction)")
     source_config_hash: str = Field(description="that run's config hash")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import os
 import re
 from collections.abc import Mapping
 from typing import Any, Protocol, TypeVar
@@ -130,8 +131,12 @@ class Keyring:
 
 
 def scope_of(uri: str) -> str:
-    """A location as a seal scope: the same folder always gives the same text (no trailing slash)."""
-    return uri.rstrip("/")
+    """A location as a seal scope: the same folder always gives the same text (no trailing slash; a local
+    folder by its real path, so a symbolic link to a run is that run, while a copy is another folder)."""
+    uri = uri.rstrip("/")
+    if "://" not in uri or uri.startswith("file://"):
+        return os.path.realpath(uri.removeprefix("file://"))
+    return uri
 
 
 class Sealable(Protocol):

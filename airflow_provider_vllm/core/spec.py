@@ -236,7 +236,10 @@ class IOSpec(_Model):
         "parquet", description="Merged results format; parquet is always written, openai_batch adds JSONL files."
     )
     storage_options: dict[str, Any] = Field(
-        default_factory=dict, description="fsspec options (e.g. endpoint_url); never put secrets here."
+        default_factory=dict,
+        description="Reviewed fsspec options only (cache and block sizes, retries and timeouts, region, "
+        "server-side encryption); endpoints, credentials and access control are the deployment's "
+        "(docs/security.md).",
     )
 
 

@@ -48,7 +48,8 @@ MAX_LABEL_CHARS = 100
 MAX_TEXT_CHARS = 65_536  # system prompt, template
 MAX_STRING_CHARS = 4_096  # any other string
 MAX_JSON_SCHEMA_BYTES = 65_536
-MAX_STOP = 16
+MAX_STOP = 16  # stop strings of the spec and of a request row (core/formats/openai_requests.py)
+MAX_STOP_CHARS = 256  # characters of one stop string
 
 JINJA = re.compile(r"{{|}}|{%|%}|{#|#}")
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")  # allows \t \n \r in free text
@@ -85,7 +86,7 @@ _URIS = ("io.input_uri", "io.output_uri", "qa.previous_report_uri", "cache.uri",
 _FREE_TEXT = {
     "prompt.system_prompt": MAX_TEXT_CHARS,
     "prompt.template": MAX_TEXT_CHARS,
-    "sampling.stop": 256,
+    "sampling.stop": MAX_STOP_CHARS,
     "sampling.structured.regex": MAX_STRING_CHARS,
 }
 # storage_options keys that hold credentials: the deployment provides them (environment,
@@ -99,13 +100,30 @@ def check_values(doc: dict[str, Any]) -> None:
     if len(choice) > MAX_LABELS:
         raise ValueError(f"sampling.structured.choice: {len(choice)} labels; at most {MAX_LABELS}")
     stop = (doc.get("sampling") or {}).get("stop") or []
-    if len(stop) > MAX_STOP:
-        raise ValueError(f"sampling.stop: {len(stop)} stop strings; at most {MAX_STOP}")
+    problem = stop_problem(stop)
+    if problem:
+        raise ValueError(f"sampling.stop: {problem}")
     schema = ((doc.get("sampling") or {}).get("structured") or {}).get("json_schema")
     if schema is not None and len(json.dumps(schema)) > MAX_JSON_SCHEMA_BYTES:
         raise ValueError(f"sampling.structured.json_schema: larger than {MAX_JSON_SCHEMA_BYTES} bytes")
     for path, value in _strings(doc, ""):
         _check_string(path, value)
+
+
+def stop_problem(stop: list[str]) -> str | None:
+    """What is wrong with a list of stop strings, or None: the one rule for the spec's
+    ``sampling.stop`` and a request row's ``stop`` (count, empty, length, control characters)."""
+    if len(stop) > MAX_STOP:
+        return f"{len(stop)} stop strings; at most {MAX_STOP}"
+    for s in stop:
+        shown = s if len(s) <= 40 else s[:37] + "..."
+        if not s:
+            return "an empty stop string"
+        if len(s) > MAX_STOP_CHARS:
+            return f"a stop string of {len(s)} characters ({shown!r}); at most {MAX_STOP_CHARS}"
+        if _CONTROL.search(s):
+            return f"stop string {shown!r}: control characters are not allowed"
+    return None
 
 
 def _strings(node: Any, path: str):
@@ -153,12 +171,16 @@ NO_ALLOW_LIST = (
     "(AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES) to the URI prefixes jobs may read and write, or "
     "[vllm_batch] allow_any_location = True to allow any location"
 )
-# io.storage_options: reviewed fsspec options that change neither where requests go nor who makes
-# them. Anything else (endpoint_url, client_kwargs.endpoint_url, host, port, proxy, headers,
-# profile, use_ssl, ...) is refused: endpoints and credentials belong to the deployment.
+# io.storage_options: an allow-list of reviewed fsspec options (s3fs, gcsfs) that change neither
+# where requests go, nor who makes them, nor who may read what they write. Anything else is
+# refused: endpoint_url, client_kwargs.endpoint_url, host, port, proxy, headers, profile, use_ssl,
+# credentials and sessions (the deployment's Connection or environment); anon and requester_pays
+# (who is asked, who pays); ACL, Grant*, ObjectOwnership, object lock, SSE-C and KMS key ids
+# (access control on objects: bucket policy, Object Ownership, uniform bucket-level access and
+# default encryption, all the deployment's). A leaf is None (any plain value), a set of allowed
+# values, or a pattern the value must match whole.
+S3_REGION = re.compile(r"[a-z]{2}(-[a-z0-9]+){1,3}-[0-9]{1,2}")
 STORAGE_OPTIONS_ALLOWED: dict[str, Any] = {
-    "anon": None,
-    "requester_pays": None,
     "default_block_size": None,
     "block_size": None,
     "default_cache_type": None,
@@ -182,11 +204,18 @@ STORAGE_OPTIONS_ALLOWED: dict[str, Any] = {
         "request_checksum_calculation": None,
         "response_checksum_validation": None,
     },
-    "client_kwargs": {"region_name": None},
-    "s3_additional_kwargs": {"ServerSideEncryption": None, "SSEKMSKeyId": None, "ACL": None, "StorageClass": None},
+    "client_kwargs": {"region_name": S3_REGION},
+    # encryption with the bucket's own (or the AWS-managed) key, and storage classes readable at once
+    "s3_additional_kwargs": {
+        "ServerSideEncryption": frozenset({"AES256", "aws:kms", "aws:kms:dsse"}),
+        "StorageClass": frozenset(
+            {"STANDARD", "STANDARD_IA", "ONEZONE_IA", "INTELLIGENT_TIERING", "GLACIER_IR", "REDUCED_REDUNDANCY"}
+        ),
+    },
 }
 _ENDPOINTISH = re.compile(r"(endpoint|host|port|proxy|proxies|url|uri|headers?|profile|ssl|verify|session|role)", re.I)
 _URL_VALUE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://|@")
+_ACCESSISH = re.compile(r"(acl|grant|owner|anon|requester|payer|access|policy|lock|sse|kms|encryption)", re.I)
 # compilation_config keys that are data (sizes, levels, switches). The others (backend,
 # inductor_passes, inductor_compile_config, debug_dump_path, cache_dir, ...) import code by
 # name or write files: deployment-owned, like trust_remote_code.
@@ -285,20 +314,32 @@ def check_storage_options(
                 "environment)"
             )
         if allowed is None or key not in allowed:
-            why = (
-                "endpoints, hosts, proxies and headers come from the deployment (Airflow connection, or "
-                "AWS_ENDPOINT_URL in the worker's environment), never from the job spec"
-                if _ENDPOINTISH.search(str(key))
-                else f"not a reviewed storage option (allowed: {sorted(allowed or {})})"
-            )
+            if _ENDPOINTISH.search(str(key)):
+                why = (
+                    "endpoints, hosts, proxies and headers come from the deployment (Airflow connection, or "
+                    "AWS_ENDPOINT_URL in the worker's environment), never from the job spec"
+                )
+            elif _ACCESSISH.search(str(key)):
+                why = (
+                    "access control, identity and billing of objects (ACLs, grants, ownership, object lock, "
+                    "encryption keys, anonymous or requester-pays access) are the deployment's: bucket policy, "
+                    "Object Ownership / uniform bucket-level access, default encryption, or FSSPEC_S3_* / "
+                    "FSSPEC_GCS_* variables in the worker's environment; never the job spec's"
+                )
+            else:
+                why = f"not a reviewed storage option (allowed: {sorted(allowed or {})})"
             raise SpecError(f"{where}: {why}")
         sub = allowed[key]
-        if sub is not None:
+        if isinstance(sub, dict):
             if not isinstance(value, dict):
                 raise SpecError(f"{where}: must be a mapping")
             check_storage_options(value, where, sub)
         elif isinstance(value, (dict, list)):
             raise SpecError(f"{where}: must be a plain value")
+        elif isinstance(sub, frozenset) and value not in sub:
+            raise SpecError(f"{where}={value!r}: must be one of {sorted(sub)}")
+        elif isinstance(sub, re.Pattern) and not (isinstance(value, str) and sub.fullmatch(value)):
+            raise SpecError(f"{where}={value!r}: must be a region name like eu-west-1")
 
 
 def code_loading_options(spec: Any) -> list[str]:

@@ -24,7 +24,7 @@ import shutil
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import fsspec
 import pyarrow as pa
@@ -33,9 +33,6 @@ from fsspec.implementations.local import LocalFileSystem
 
 from airflow_provider_vllm.core import faults
 from airflow_provider_vllm.core.storage_retry import retrying
-
-if TYPE_CHECKING:
-    from airflow_provider_vllm.core.records import FileDigest
 
 FileSystems = Callable[[str, dict[str, Any]], "fsspec.AbstractFileSystem | None"]
 """``(uri, options) -> file system`` for that URI, or None for plain fsspec (``url_to_fs``).
@@ -128,9 +125,9 @@ class Storage:
 
         return self._call(digest, f"checksum {self.uri(rel)}")
 
-    def fetch_verified(self, rel: str, want: FileDigest, dest: str) -> None:
+    def fetch_verified(self, rel: str, size: int, sha256: str, dest: str) -> None:
         """Copy ``rel`` to the local file ``dest`` while hashing it; CommitError (and no ``dest``) unless it
-        has exactly ``want``'s size and sha256. Readers then read ``dest``: the bytes that were checked."""
+        has exactly this ``size`` and ``sha256``. Readers then read ``dest``: the bytes that were checked."""
         from airflow_provider_vllm.core.errors import CommitError
 
         def fetch() -> tuple[int, str]:
@@ -139,17 +136,17 @@ class Storage:
                 for block in iter(lambda: src.read(1 << 20), b""):
                     h.update(block)
                     n += len(block)
-                    if n > want.bytes:
+                    if n > size:
                         break
                     out.write(block)
             return n, h.hexdigest()
 
         os.makedirs(os.path.dirname(dest) or ".", exist_ok=True)
-        size, digest = self._call(fetch, f"read {self.uri(rel)}")
-        if size != want.bytes or digest != want.sha256:
+        got, digest = self._call(fetch, f"read {self.uri(rel)}")
+        if got != size or digest != sha256:
             os.unlink(dest)
             raise CommitError(
-                f"{self.uri(rel)} is not the file its sealed record names (size {size} vs {want.bytes}, or sha256 "
+                f"{self.uri(rel)} is not the file its sealed record names (size {got} vs {size}, or sha256 "
                 "differs): it was changed after it was written; refusing to read it"
             )
 

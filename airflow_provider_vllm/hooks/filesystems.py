@@ -54,7 +54,7 @@ S3_CONFIG_KWARGS = frozenset(
         "response_checksum_validation",
     }
 )
-GCS_OPTIONS = frozenset({"requester_pays", "consistency", "cache_timeout", "version_aware", "default_location"})
+GCS_OPTIONS = frozenset({"consistency", "cache_timeout", "version_aware", "default_location"})
 
 
 def scheme_of(uri: str) -> str:

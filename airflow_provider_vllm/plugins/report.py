@@ -3,8 +3,10 @@
 ``GET /vllm-batch/report?dag_id=&run_id=&task_id=[&map_index=]`` returns that QA task's
 ``qa/report.html`` (``/report.json``: the JSON report). The caller must be logged in to
 Airflow (the UI's session cookie or a ``Bearer`` token) and allowed to read the DAG's task
-instances. The file is located from the run's own XComs (see ``report_access``), never
-from a path in the request, and must pass the job's URI rules and the deployment's
+instances. The run and its QA and plan task instances must exist in the metadata DB, and the
+XComs used must have been written by those task instances while they ran (``tie_to_tasks``);
+the file is located from them (see ``report_access``), never from a path or a location in the
+request, and must pass the job's URI rules and the deployment's
 allow-list (``[vllm_batch] allowed_uri_prefixes``; none configured -> 403 unless
 ``[vllm_batch] allow_any_location = True``); ``[vllm_batch] report_roots`` can narrow it
 further. The file is read with the deployment's credentials only: the Airflow Connections
@@ -24,10 +26,13 @@ from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessE
 from airflow.api_fastapi.common.db.common import SessionDep
 from airflow.api_fastapi.core_api.security import requires_access_dag
 from airflow.configuration import conf
+from airflow.models.dagrun import DagRun
+from airflow.models.taskinstance import TaskInstance
 from airflow.models.xcom import XComModel
 from airflow.plugins_manager import AirflowPlugin
 from fastapi import Depends, FastAPI, HTTPException
 from fastapi.responses import Response
+from sqlalchemy import select
 
 from airflow_provider_vllm.core.errors import SpecError
 from airflow_provider_vllm.core.storage import Storage
@@ -36,9 +41,13 @@ from airflow_provider_vllm.links.report import URL_PREFIX
 from airflow_provider_vllm.plugins.report_access import (
     ReportAccessError,
     ReportPolicy,
+    RunRecords,
+    TaskRecord,
+    XComRecord,
     check_local_file,
     plan_task_id,
     resolve_report,
+    tie_to_tasks,
 )
 from airflow_provider_vllm.provider import ALLOW_ANY_LOCATION, ALLOWED_URI_PREFIXES, CONFIG_SECTION, REPORT_ROOTS
 
@@ -54,10 +63,37 @@ app = FastAPI(title="vLLM batch QA reports", docs_url=None, redoc_url=None, open
 _can_read_task_instances = Depends(requires_access_dag("GET", DagAccessEntity.TASK_INSTANCE))
 
 
-def _xcom(session: Any, *, dag_id: str, run_id: str, task_id: str, key: str, map_index: int) -> Any:
+def _xcom(session: Any, *, dag_id: str, run_id: str, task_id: str, key: str, map_index: int) -> XComRecord | None:
     query = XComModel.get_many(run_id=run_id, key=key, task_ids=task_id, dag_ids=dag_id, map_indexes=map_index).limit(1)
     row = session.scalar(query)
-    return None if row is None else XComModel.deserialize_value(row)
+    return None if row is None else XComRecord(XComModel.deserialize_value(row), row.timestamp)
+
+
+def _task(session: Any, *, dag_id: str, run_id: str, task_id: str, map_index: int) -> TaskRecord | None:
+    ti = session.scalar(
+        select(TaskInstance).where(
+            TaskInstance.dag_id == dag_id,
+            TaskInstance.run_id == run_id,
+            TaskInstance.task_id == task_id,
+            TaskInstance.map_index == map_index,
+        )
+    )
+    return None if ti is None else TaskRecord(task_id, ti.state, ti.start_date, ti.end_date)
+
+
+def _records(session: Any, dag_id: str, run_id: str, task_id: str, map_index: int) -> RunRecords:
+    """The run, its QA task instance (the request's), its plan task instance and their XComs, from the DB."""
+    run = session.scalar(select(DagRun.id).where(DagRun.dag_id == dag_id, DagRun.run_id == run_id))
+    plan = plan_task_id(task_id)
+    return RunRecords(
+        run_found=run is not None,
+        qa=_task(session, dag_id=dag_id, run_id=run_id, task_id=task_id, map_index=map_index),
+        plan=_task(session, dag_id=dag_id, run_id=run_id, task_id=plan, map_index=-1),
+        qa_summary=_xcom(
+            session, dag_id=dag_id, run_id=run_id, task_id=task_id, key="return_value", map_index=map_index
+        ),
+        spec=_xcom(session, dag_id=dag_id, run_id=run_id, task_id=plan, key="spec", map_index=-1),
+    )
 
 
 def policy() -> ReportPolicy:
@@ -90,11 +126,8 @@ def filesystems() -> ConnectionFileSystems:
 def _serve(kind: str, session: Any, dag_id: str, run_id: str, task_id: str, map_index: int) -> Response:
     try:
         rules = policy()
-        loc = resolve_report(
-            _xcom(session, dag_id=dag_id, run_id=run_id, task_id=task_id, key="return_value", map_index=map_index),
-            _xcom(session, dag_id=dag_id, run_id=run_id, task_id=plan_task_id(task_id), key="spec", map_index=-1),
-            rules,
-        )
+        qa_summary, spec = tie_to_tasks(_records(session, dag_id, run_id, task_id, map_index))
+        loc = resolve_report(qa_summary, spec, rules)
         check_local_file(loc, kind, rules)
         # no options from XCom: the location alone, opened with the deployment's Connections
         body = Storage(loc.output_uri, {}, filesystems()).read_bytes(loc.rel(kind))

@@ -1,7 +1,12 @@
 """Which QA report a request may read: pure checks, no Airflow, no I/O but local ``realpath``.
 
-A request names a task instance (DAG, run, QA task), never a path. The report's location is
-the run's output prefix from the plan task's ``spec`` XCom of that exact run, and:
+A request names a task instance (DAG, run, QA task), never a path. The user must be allowed
+to read that DAG's task instances (the plugin's route), and the metadata DB must tie the
+report to that run (``tie_to_tasks``): the DAG run, its QA task instance and its plan task
+instance exist; the plan task succeeded and the QA task finished; and each XCom used (the plan
+task's ``spec``, the QA task's summary) was written while that task instance ran, which an
+XCom set afterwards (e.g. through the REST API's XCom endpoints, by whoever may edit the DAG's
+XComs) is not. The report's location is the run's output prefix from that ``spec``, and:
 
 * it must pass the job's own URI rules (``allow_list.canonical_uri``: the ``SCHEMES`` list only, so
   no ``http://``; no ``..``, percent-encoded separators, credentials or ports in a bucket
@@ -25,6 +30,7 @@ import os
 import posixpath
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any
 
 from airflow_provider_vllm.core.allow_list import canonical_prefixes, canonical_uri, is_under, parse_prefixes
@@ -35,6 +41,9 @@ PLAN_TASK = "plan"
 ALLOW_LIST_SETTING = "[vllm_batch] allowed_uri_prefixes"
 ALLOW_ANY_SETTING = "[vllm_batch] allow_any_location"
 ROOTS_SETTING = "[vllm_batch] report_roots"
+# Task instance dates and XCom timestamps are taken by the API servers' clocks; replicas may differ
+# by this much. An XCom written later than this after its task ended is not the task's.
+CLOCK_SKEW = timedelta(seconds=2)
 
 
 class ReportAccessError(Exception):
@@ -79,6 +88,72 @@ class ReportPolicy:
         except SpecError as e:
             raise ReportAccessError(403, f"{ROOTS_SETTING} is malformed: {e}") from None
         return cls(allowed=allowed, allow_any=bool(allow_any), roots=roots)
+
+
+@dataclass(frozen=True)
+class TaskRecord:
+    """One task instance of the run, as the metadata DB has it (never from the request or an XCom)."""
+
+    task_id: str
+    state: str | None
+    start_date: datetime | None
+    end_date: datetime | None
+
+
+@dataclass(frozen=True)
+class XComRecord:
+    """An XCom's value and when it was written (the DB's timestamp, not the writer's claim)."""
+
+    value: Any
+    timestamp: datetime
+
+
+@dataclass(frozen=True)
+class RunRecords:
+    """What the metadata DB holds for the request's DAG run: the run, its QA and plan tasks, their XComs."""
+
+    run_found: bool
+    qa: TaskRecord | None
+    plan: TaskRecord | None
+    qa_summary: XComRecord | None
+    spec: XComRecord | None
+
+
+def tie_to_tasks(records: RunRecords) -> tuple[Any, Any]:
+    """``(qa summary, spec)`` when the DB ties both to this run's own task instances; ReportAccessError otherwise.
+
+    404: the run, the QA task instance or the plan task instance does not exist, the plan task has
+    not succeeded, the QA task has not finished, or an XCom is missing. 403: an XCom was not written
+    while its task instance ran (set before it started or after it ended: not the task's).
+    """
+    if not records.run_found:
+        raise ReportAccessError(404, "no such run of this DAG")
+    if records.qa is None:
+        raise ReportAccessError(404, "this run has no such task instance")
+    if records.plan is None:
+        raise ReportAccessError(404, f"this run has no plan task ({plan_task_id(records.qa.task_id)})")
+    if records.plan.state != "success":
+        raise ReportAccessError(404, f"the run's plan task is {records.plan.state or 'not run'}, not success")
+    if records.qa.end_date is None:
+        raise ReportAccessError(404, "the QA task has not finished")
+    if records.qa_summary is None:
+        raise ReportAccessError(404, "this task has no QA report (yet): it pushed no qa summary")
+    if records.spec is None:
+        raise ReportAccessError(404, "this run has no validated spec from its plan task")
+    _written_by(records.spec, records.plan, "the plan task's spec XCom")
+    _written_by(records.qa_summary, records.qa, "the QA task's summary XCom")
+    return records.qa_summary.value, records.spec.value
+
+
+def _written_by(x: XComRecord, ti: TaskRecord, what: str) -> None:
+    start, end = ti.start_date, ti.end_date
+    if start is None or end is None or not start - CLOCK_SKEW <= x.timestamp <= end + CLOCK_SKEW:
+        raise ReportAccessError(
+            403,
+            f"{what} was not written by task {ti.task_id} while it ran (written {x.timestamp.isoformat()}, "
+            f"the task ran {start.isoformat() if start else '-'} to {end.isoformat() if end else '-'}): "
+            "an XCom set outside the task's own run is not trusted",
+        )
 
 
 def plan_task_id(qa_task_id: str) -> str:

@@ -278,7 +278,8 @@ def shard_input(spec: JobSpec, plan: Plan, shard: ShardPlan) -> Iterator[Storage
         yield src
         return
     with tempfile.TemporaryDirectory(prefix="vllm-batch-shard-") as tmp:
-        src.fetch_verified(files[0].path, shard.input_file, os.path.join(tmp, files[0].path))
+        f = shard.input_file
+        src.fetch_verified(files[0].path, f.bytes, f.sha256, os.path.join(tmp, files[0].path))
         yield Storage(tmp)
 
 

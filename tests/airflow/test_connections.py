@@ -68,10 +68,10 @@ def test_gcs_goes_through_the_google_providers_helper_with_the_connection(fake_g
         json.dumps({"conn_type": "google_cloud_platform", "extra": {"key_path": "/var/secrets/key.json"}}),
     )
     fs = ConnectionFileSystems(aws_conn_id="unused", gcp_conn_id="gcp_batch")
-    st = Storage("gs://bucket/runs/r1", {"requester_pays": True}, fs)
+    st = Storage("gs://bucket/runs/r1", {"consistency": "md5"}, fs)
     st.write_atomic("a.txt", b"hello")
     assert st.read_bytes("a.txt") == b"hello" and st.sub("x").filesystems is fs
-    assert fake_google == [("get_fs", "gcp_batch", {"requester_pays": True})]  # once: cached per options
+    assert fake_google == [("get_fs", "gcp_batch", {"consistency": "md5"})]  # once: cached per options
     # a Connection that does not exist: Application Default Credentials (Workload Identity)
     Storage("gs://bucket/x", {}, ConnectionFileSystems(gcp_conn_id="missing")).exists("y")
     assert fake_google[-1] == ("GCSFileSystem", None, {})
@@ -111,6 +111,9 @@ def test_s3_options_only_tune_botocore_timeouts_and_retries():
         with pytest.raises(SpecError):
             s3_helper_options(bad)
     assert gcs_helper_options({"consistency": "md5"}) == {"consistency": "md5"}
+    for bad in ({"requester_pays": True}, {"access": "full_control"}, {"project": "other"}, {"token": "anon"}):
+        with pytest.raises(SpecError, match=next(iter(bad))):
+            gcs_helper_options(bad)
 
 
 def test_other_schemes_use_plain_fsspec(tmp_path):

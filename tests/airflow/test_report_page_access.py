@@ -11,6 +11,8 @@ seen nothing. The readable case goes to moto's S3 through an Airflow Connection 
 from __future__ import annotations
 
 import os
+import sys
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -33,9 +35,7 @@ def page(monkeypatch):
     for k in [k for k in os.environ if k.startswith("AWS_")]:
         monkeypatch.delenv(k)
     xcoms: dict[tuple[str, str], object] = {}
-    monkeypatch.setattr(
-        plugin, "_xcom", lambda session, *, dag_id, run_id, task_id, key, map_index: xcoms.get((task_id, key))
-    )
+    monkeypatch.setattr(plugin, "_records", lambda session, dag_id, run_id, task_id, map_index: finished_run(xcoms))
     plugin.app.dependency_overrides[plugin._can_read_task_instances.dependency] = lambda: None
     plugin.app.dependency_overrides[_get_session] = lambda: None
     plugin._fs_cache.clear()  # each test brings its own Connection
@@ -44,6 +44,21 @@ def page(monkeypatch):
     finally:
         plugin.app.dependency_overrides.clear()
         plugin._fs_cache.clear()
+
+
+def finished_run(xcoms: dict):
+    """The DB's records of a finished run whose own plan and QA tasks wrote ``xcoms`` while they ran."""
+    from airflow_provider_vllm.plugins.report_access import RunRecords, TaskRecord, XComRecord
+
+    t0 = datetime(2026, 12, 1, tzinfo=UTC)
+    plan = TaskRecord("job.plan", "success", t0, t0 + timedelta(minutes=1))
+    qa = TaskRecord("job.qa", "success", t0 + timedelta(minutes=5), t0 + timedelta(minutes=6))
+
+    def x(task: str, key: str, ti: TaskRecord):
+        v = xcoms.get((task, key))
+        return None if v is None else XComRecord(v, ti.end_date - timedelta(seconds=1))
+
+    return RunRecords(True, qa, plan, x("job.qa", "return_value", qa), x("job.plan", "spec", plan))
 
 
 def plant(xcoms: dict, output_uri: str, report_html: str | None = None, **io) -> None:
@@ -225,3 +240,122 @@ def test_s3_report_is_read_through_the_connection_only_never_xcom_options(page, 
         )
         assert r.status_code == 200 and r.content == REPORT
         assert srv.requests == []
+
+
+# ---- against a real metadata DB: real runs of two teams' DAGs, then forged XComs -------------
+TEAM_DAGS = """
+import json
+from pathlib import Path
+
+import pendulum
+from airflow.sdk import DAG, TaskGroup, get_current_context, task
+
+DATA = {data!r}
+
+for team in ("team_a", "team_b"):
+    with DAG(team, schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False):
+        out = f"{{DATA}}/{{team}}/run"
+
+        with TaskGroup("job"):
+
+            @task(task_id="plan")
+            def plan(out=out):
+                spec = {{"io": {{"input_uri": f"{{DATA}}/in", "output_uri": out}}}}
+                get_current_context()["ti"].xcom_push(key="spec", value=spec)
+
+            @task(task_id="qa")
+            def qa(out=out, team=team):
+                Path(out, "qa").mkdir(parents=True, exist_ok=True)
+                Path(out, "qa", "report.html").write_text(f"<p>report of {{team}}</p>")
+                return {{"status": "pass", "report_html": f"{{out}}/qa/report.html"}}
+
+            plan() >> qa()
+"""
+
+PROBE = """
+import json, sys
+from fastapi.testclient import TestClient
+from sqlalchemy import select
+from airflow.models.dagrun import DagRun
+from airflow.models.xcom import XComModel
+from airflow.utils.session import create_session
+from airflow_provider_vllm.plugins import report as plugin
+
+plugin.app.dependency_overrides[plugin._can_read_task_instances.dependency] = lambda: None  # the user may read
+client = TestClient(plugin.app)
+with create_session() as s:
+    runs = {d: r for d, r in s.execute(select(DagRun.dag_id, DagRun.run_id))}
+out = []
+for step in json.loads(sys.argv[1]):
+    if "forge" in step:  # what the REST API's POST/PATCH .../xcomEntries does: XComModel.set, stamped now
+        f = step["forge"]
+        with create_session() as s:
+            XComModel.set(key=f["key"], value=f["value"], dag_id=f["dag_id"], task_id=f["task_id"],
+                          run_id=runs[f["dag_id"]], map_index=-1, serialize=False, session=s)
+        continue
+    q = {**step["get"]}
+    q["run_id"] = runs.get(q.pop("run_of"), "no-such-run")
+    r = client.get("/report", params=q)
+    out.append([r.status_code, r.text[:300]])
+print("PROBE " + json.dumps(out))
+"""
+
+
+@pytest.mark.reliability
+def test_real_runs_the_page_reads_only_what_the_runs_own_tasks_wrote(tmp_path):
+    """Two teams' DAGs ran (``airflow dags test``, SQLite); team A's XComs are then forged to team B's run."""
+    import json
+    import subprocess
+
+    from tests.support.airflow_env import AirflowSandbox, tail
+
+    data, dags = tmp_path / "data", tmp_path / "dags"
+    dags.mkdir()
+    (dags / "teams.py").write_text(TEAM_DAGS.format(data=str(data)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "AWS_"))}
+    env.update(
+        AIRFLOW_HOME=str(tmp_path / "home"),
+        AIRFLOW__CORE__DAGS_FOLDER=str(dags),
+        AIRFLOW__CORE__LOAD_EXAMPLES="False",
+        AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES=str(data),
+        PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")]),
+    )
+    box = AirflowSandbox(home=tmp_path / "home", data=data, env=env)
+    (tmp_path / "home").mkdir()
+    for args in (["db", "migrate"], ["dags", "test", "team_a"], ["dags", "test", "team_b"]):
+        p = box.run(*args, timeout=600)
+        assert p.returncode == 0, tail(p)
+    own = {"get": {"dag_id": "team_a", "run_of": "team_a", "task_id": "job.qa"}}
+    b_out = str(data / "team_b" / "run")
+    steps = [
+        own,
+        {"get": {"dag_id": "team_a", "run_of": "team_b", "task_id": "job.qa"}},  # B's run id under A's DAG
+        {"get": {"dag_id": "team_a", "run_of": "team_a", "task_id": "job.plan"}},  # not a QA task: no summary
+        {"get": {"dag_id": "team_a", "run_of": "team_a", "task_id": "other.qa"}},
+        {"get": {"dag_id": "team_a", "run_of": "team_a", "task_id": "job.qa", "map_index": 3}},
+        {"get": {"dag_id": "~", "run_of": "team_a", "task_id": "job.qa"}},
+        # whoever may edit team A's XComs points A's run at team B's report
+        {"forge": {"dag_id": "team_a", "task_id": "job.plan", "key": "spec", "value": {"io": {"output_uri": b_out}}}},
+        {
+            "forge": {
+                "dag_id": "team_a",
+                "task_id": "job.qa",
+                "key": "return_value",
+                "value": {"status": "pass", "report_html": f"{b_out}/qa/report.html"},
+            }
+        },
+        own,
+        {"get": {"dag_id": "team_b", "run_of": "team_b", "task_id": "job.qa"}},  # B's own page is B's report
+    ]
+    p = subprocess.run(
+        [sys.executable, "-c", PROBE, json.dumps(steps)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(next(x for x in p.stdout.splitlines() if x.startswith("PROBE "))[6:])
+    assert got[0] == [200, "<p>report of team_a</p>"], got[0]
+    assert got[1][0] == 404 and "no such run" in got[1][1], got[1]
+    assert got[2][0] == 404 and got[3][0] == 404 and got[4][0] == 404 and got[5][0] == 404, got[2:6]
+    assert got[6][0] == 403 and "not written by task job.plan while it ran" in got[6][1], got[6]
+    assert "report of team_b" not in got[6][1]
+    assert got[7] == [200, "<p>report of team_b</p>"], got[7]
+    record_malicious("report page: real runs, forged XComs and foreign run ids", 6, 6)

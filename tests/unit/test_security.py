@@ -786,6 +786,49 @@ HOSTILE_STORAGE_OPTIONS = [
     {"session": "x"},
     {"config_kwargs": {"retries": {"mode": "x", "url": "y"}}},
 ]
+# Access control, identity and billing of objects: the deployment's (bucket policy, Object Ownership,
+# default encryption, FSSPEC_S3_* / FSSPEC_GCS_* in the worker's environment), never a job's.
+HOSTILE_ACCESS_OPTIONS = [
+    {"s3_additional_kwargs": {"ACL": "public-read"}},
+    {"s3_additional_kwargs": {"ACL": "bucket-owner-full-control"}},
+    {"s3_additional_kwargs": {"acl": "public-read-write"}},
+    {"s3_additional_kwargs": {"GrantRead": "uri=http://acs.amazonaws.com/groups/global/AllUsers"}},
+    {"s3_additional_kwargs": {"GrantRead": "id=0123456789abcdef"}},
+    {"s3_additional_kwargs": {"GrantFullControl": "id=0123456789abcdef"}},
+    {"s3_additional_kwargs": {"GrantReadACP": "id=0123456789abcdef"}},
+    {"s3_additional_kwargs": {"GrantWriteACP": "id=0123456789abcdef"}},
+    {"s3_additional_kwargs": {"GrantWrite": "id=0123456789abcdef"}},
+    {"s3_additional_kwargs": {"ObjectOwnership": "ObjectWriter"}},
+    {"s3_additional_kwargs": {"ExpectedBucketOwner": "111122223333"}},
+    {"s3_additional_kwargs": {"ObjectLockMode": "COMPLIANCE"}},
+    {"s3_additional_kwargs": {"ObjectLockRetainUntilDate": "2099-01-01"}},
+    {"s3_additional_kwargs": {"ObjectLockLegalHoldStatus": "ON"}},
+    {"s3_additional_kwargs": {"SSEKMSKeyId": "arn:aws:kms:us-east-1:999999999999:key/x"}},
+    {"s3_additional_kwargs": {"SSEKMSKeyId": "alias/other-team"}},
+    {"s3_additional_kwargs": {"SSECustomerAlgorithm": "AES256"}},
+    {"s3_additional_kwargs": {"SSEKMSEncryptionContext": "e30="}},
+    {"s3_additional_kwargs": {"BucketKeyEnabled": False}},
+    {"s3_additional_kwargs": {"RequestPayer": "requester"}},
+    {"s3_additional_kwargs": {"WebsiteRedirectLocation": "/phish"}},
+    {"s3_additional_kwargs": {"Tagging": "public=true"}},
+    {"s3_additional_kwargs": {"Metadata": {"x": "y"}}},
+    {"s3_additional_kwargs": {"ServerSideEncryption": "none"}},
+    {"s3_additional_kwargs": {"StorageClass": "DEEP_ARCHIVE"}},
+    {"s3_additional_kwargs": {"StorageClass": "GLACIER"}},
+    {"s3_additional_kwargs": ["ACL", "public-read"]},
+    {"anon": True},
+    {"anon": False},
+    {"requester_pays": True},
+    {"access": "full_control"},
+    {"project": "other-team"},
+    {"default_acl": "publicRead"},
+    {"fixed_acl": "publicRead"},
+    {"acl": "public-read"},
+    {"session_kwargs": {"trust_env": True}},
+    {"username": "u"},
+    {"client_kwargs": {"region_name": "us-east-1.evil.example"}},
+    {"client_kwargs": {"region_name": True}},
+]
 
 
 def test_storage_endpoints_and_credentials_come_from_the_deployment_only(allowed):
@@ -802,12 +845,38 @@ def test_storage_endpoints_and_credentials_come_from_the_deployment_only(allowed
     msg = refused(with_value(base_doc(allowed), "io.storage_options", {"endpoint_url": "http://x"}), prefixes(allowed))
     assert "AWS_ENDPOINT_URL" in msg and "connection" in msg
     fine = {
-        "anon": True,
-        "requester_pays": True,
         "client_kwargs": {"region_name": "eu-west-1"},
         "config_kwargs": {"retries": {"max_attempts": 3}, "read_timeout": 30},
+        "s3_additional_kwargs": {"ServerSideEncryption": "aws:kms", "StorageClass": "INTELLIGENT_TIERING"},
+        "version_aware": True,
     }
     assert refused(with_value(base_doc(allowed), "io.storage_options", fine), prefixes(allowed)) is None
+    for region in ("us-east-1", "us-gov-west-1", "ap-southeast-2", "il-central-1"):
+        doc = with_value(base_doc(allowed), "io.storage_options", {"client_kwargs": {"region_name": region}})
+        assert refused(doc, prefixes(allowed)) is None, region
+
+
+def test_access_control_on_objects_is_the_deployments(allowed):
+    """ACLs, grants, ownership, object lock, KMS keys, anonymous or requester-pays access: refused, naming the key."""
+    tried = rejected = 0
+    for options in HOSTILE_ACCESS_OPTIONS:
+        tried += 1
+        msg = refused(with_value(base_doc(allowed), "io.storage_options", options), prefixes(allowed))
+        key = next(iter(options))
+        sub = options[key]
+        nested = isinstance(sub, dict) and key in ("s3_additional_kwargs", "client_kwargs")
+        named = f"io.storage_options.{key}" + (f".{next(iter(sub))}" if nested else "")
+        if msg is not None and named in msg:
+            rejected += 1
+        else:
+            print(f"ACCEPTED or unnamed io.storage_options={options!r}: {msg}")
+    record_malicious("storage_options_access_control", tried, rejected)
+    assert rejected == tried
+    msg = refused(
+        with_value(base_doc(allowed), "io.storage_options", {"s3_additional_kwargs": {"ACL": "public-read"}}),
+        prefixes(allowed),
+    )
+    assert "io.storage_options.s3_additional_kwargs.ACL" in msg and "bucket policy" in msg
 
 
 class _Recorder:

@@ -125,6 +125,7 @@ def test_hostile_openai_rows_do_not_fail_the_shard_and_good_rows_are_unchanged(t
     assert "n must be 1" in msg["n-3"] and "tool" in msg["tool-message"] and "stream" in msg["stream"]
     assert "must alternate" in msg["roles-not-alternating"] and "chat template" in msg["roles-not-alternating"]
     assert "wizard" in msg["unknown-role"] and "budget" in msg["one-mb-message"]
+    assert "10000 stop strings; at most 16" in msg["stop-ten-thousand"] and len(msg["stop-ten-thousand"]) < 200
 
     m_clean, _ = run_batch(model, tmp_path / "clean", tmp_path / "out-clean")
     assert m_clean["ok_rows"] == len(good) and m_clean["error_rows"] == 0

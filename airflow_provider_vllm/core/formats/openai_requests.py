@@ -3,9 +3,12 @@
 A request line's body is validated here, per row, before anything of it reaches the
 engine: a body the worker cannot run exactly as asked becomes that row's error record
 (INVALID_REQUEST: a value out of range or of the wrong type; UNSUPPORTED_PARAMETER: a field
-of OpenAI's API this worker does not do, or a field no API has). Ranges are vLLM's (the
-engine refuses anything outside them), so a request that passes here is one vLLM accepts.
-The lines themselves (custom_id, method, url) are the input format's: ``openai_batch``.
+of OpenAI's API this worker does not do, or a field no API has). A field the job spec also
+has takes the spec's own bounds (``SamplingSpec``'s ranges, ``spec_guard.stop_problem`` for
+stop strings: at most 16, each 1-256 characters): a row may not ask for what the DAG author
+could not. The other ranges are vLLM's (the engine refuses anything outside them), so a
+request that passes here is one vLLM accepts. The lines themselves (custom_id, method, url)
+are the input format's: ``openai_batch``.
 """
 
 from __future__ import annotations
@@ -14,17 +17,19 @@ import json
 import math
 from typing import Annotated, Any
 
+import annotated_types
 from pydantic import AfterValidator, BaseModel, ConfigDict, StrictStr, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from airflow_provider_vllm.core.formats.base import is_unicode
 from airflow_provider_vllm.core.rows import EMPTY_INPUT, INVALID_REQUEST, UNSUPPORTED_PARAMETER
+from airflow_provider_vllm.core.spec import SamplingSpec
+from airflow_provider_vllm.core.spec_guard import stop_problem
 
 CHAT_URL = "/v1/chat/completions"
 EMBEDDINGS_URL = "/v1/embeddings"
 ROLES = ("system", "developer", "user", "assistant")
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound (and vLLM's default max_logprobs)
-_INT64 = (-(2**63), 2**63 - 1)
 
 # Fields of OpenAI's chat completions API that are refused, and why. A refused field is
 # still accepted with its neutral value (``NEUTRAL``): e.g. ``"stream": false``, ``"n": 1``.
@@ -137,6 +142,25 @@ def _ranged(lo: float | None, hi: float | None, lo_open: bool = False, integer: 
     return check
 
 
+def _spec_range(field: str, integer: bool = False):
+    """The validator of ``sampling.<field>``'s own bounds in the job spec (``SamplingSpec``'s ge/gt/le)."""
+    lo: float | None = None
+    hi: float | None = None
+    lo_open = False
+    for m in SamplingSpec.model_fields[field].metadata:
+        if isinstance(m, annotated_types.Ge):
+            lo = m.ge  # type: ignore[assignment]
+        elif isinstance(m, annotated_types.Gt):
+            lo, lo_open = m.gt, True  # type: ignore[assignment]
+        elif isinstance(m, annotated_types.Le):
+            hi = m.le  # type: ignore[assignment]
+        elif isinstance(m, (annotated_types.Lt, annotated_types.MultipleOf)):
+            raise TypeError(f"sampling.{field}: a bound the row validator does not translate ({m!r})")
+    if integer and lo_open and lo is not None:  # an integer > 0 is one >= 1 (vLLM's wording)
+        lo, lo_open = int(lo) + 1, False
+    return _ranged(lo, hi, lo_open, integer)
+
+
 def _fmt_num(x: float | int | None) -> str:
     if isinstance(x, float) and x.is_integer() and abs(x) < 1e15:
         return str(int(x))
@@ -188,6 +212,9 @@ def _stop(v: Any) -> str | list[str]:
         raise _invalid("must be a string or a list of strings, got {kind}", kind=type(v).__name__)
     if any(not s for s in items):
         raise _invalid("stop cannot contain an empty string")
+    problem = stop_problem(items)
+    if problem:
+        raise _invalid("{problem} (the job spec's sampling.stop rule)", problem=problem)
     return v
 
 
@@ -232,12 +259,14 @@ class ChatCompletionBody(BaseModel):
     model: StrictStr | None = None
     user: StrictStr | None = None
     metadata: dict[str, Any] | None = None
-    max_completion_tokens: Annotated[Any, _opt(_ranged(1, None, integer=True))] = None
-    max_tokens: Annotated[Any, _opt(_ranged(1, None, integer=True))] = None
-    temperature: Annotated[Any, _opt(_ranged(0, 2))] = None
-    top_p: Annotated[Any, _opt(_ranged(0, 1, lo_open=True))] = None
+    # the job spec's own fields: the spec's bounds (SamplingSpec), so a row asks for nothing the DAG could not
+    max_completion_tokens: Annotated[Any, _opt(_spec_range("max_tokens", integer=True))] = None
+    max_tokens: Annotated[Any, _opt(_spec_range("max_tokens", integer=True))] = None
+    temperature: Annotated[Any, _opt(_spec_range("temperature"))] = None
+    top_p: Annotated[Any, _opt(_spec_range("top_p"))] = None
     stop: Annotated[Any, _opt(_stop)] = None
-    seed: Annotated[Any, _opt(_ranged(*_INT64, integer=True))] = None
+    seed: Annotated[Any, _opt(_spec_range("seed", integer=True))] = None
+    # OpenAI's other sampling fields, with vLLM's ranges
     presence_penalty: Annotated[Any, _opt(_ranged(-2, 2))] = None
     frequency_penalty: Annotated[Any, _opt(_ranged(-2, 2))] = None
     # vLLM's extensions (accepted by `vllm run-batch` too)

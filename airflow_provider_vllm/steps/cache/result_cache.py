@@ -410,7 +410,8 @@ def append_results(
         for shard in plan.shards:
             assert shard.input_file is not None  # a cached plan gives every shard its own input file
             local = os.path.join(tmp, "in", f"{shard.shard_id}.parquet")
-            out.fetch_verified(shard.input_file.path, shard.input_file, local)
+            f = shard.input_file
+            out.fetch_verified(f.path, f.bytes, f.sha256, local)
             inputs.append(local)
         local = os.path.join(tmp, "part.parquet")
         con = duck.connect(out)

@@ -37,7 +37,8 @@ from airflow_provider_vllm import __version__
 from airflow_provider_vllm.core import duck, faults
 from airflow_provider_vllm.core import seal as seals
 from airflow_provider_vllm.core.errors import CommitError
-from airflow_provider_vllm.core.records import CacheCommit, FileRef
+from airflow_provider_vllm.core.part_names import check_inside
+from airflow_provider_vllm.core.records import CacheCommit, CacheFileEntry
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.storage import FileSystems, Storage
 
@@ -112,7 +113,8 @@ class CacheStore:
             local = [os.path.join(dest, c.entry_id, f.path.rsplit("/", 1)[-1]) for f in c.files]
             try:
                 for f, path in zip(c.files, local):
-                    self.st.fetch_verified(f.path, f, path)
+                    check_inside(self.st, f.path, self.st.uri(f"{self.commit_dir(c.key_hash)}/{c.entry_id}.json"))
+                    self.st.fetch_verified(f.path, f.bytes, f.sha256, path)
             except (FileNotFoundError, CommitError) as e:
                 log.warning("cache: skipping entry %s: %s", c.entry_id, str(e)[:300])
                 continue
@@ -131,7 +133,7 @@ class CacheStore:
         commit = CacheCommit(
             entry_id=eid,
             key_hash=khash,
-            files=[FileRef(path=rel, bytes=size, sha256=digest, rows=rows)],
+            files=[CacheFileEntry(path=rel, bytes=size, sha256=digest, rows=rows)],
             rows=rows,
             source_output_uri=origin.get("output_uri", ""),
             source_config_hash=origin.get("config_hash", ""),

@@ -17,7 +17,10 @@ not (by a 64-bit hash of it; the file carries no vector values). ``churn_rate`` 
 
 The previous run counts only when it is complete (its ``_MERGED.json`` exists); otherwise
 every id of this run is 'added' (or 'error') and the summary says why. A previous run of
-another task or id column is refused (``SpecError`` naming ``changes.previous_uri``).
+another task or id column is refused (``SpecError`` naming ``changes.previous_uri``), and so is
+one whose manifests name anything but its own part files (``../``, a glob, an absolute path, a
+local symlink: ``CommitError`` naming the manifest and the name; ``core/part_names.py``): nothing
+outside that run is read.
 
 DuckDB does all of it (a full outer join on id, spilled to a local temp folder under a memory
 limit; no Python loop over rows). Writes: the Parquet, then the summary, each atomically; a
@@ -32,6 +35,7 @@ import shutil
 import tempfile
 
 import duckdb
+from pydantic import ValidationError
 
 from airflow_provider_vllm.core import duck, faults
 from airflow_provider_vllm.core import seal as seals
@@ -46,7 +50,14 @@ from airflow_provider_vllm.core.records import (
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
-from airflow_provider_vllm.steps.merge.merger import ERRORS, MERGED, RESULTS, read_merged, verified_parts
+from airflow_provider_vllm.steps.merge.merger import (
+    ERRORS,
+    MERGED,
+    RESULTS,
+    read_merged,
+    validation_detail,
+    verified_parts,
+)
 
 # A run merged before results/ became a folder of parts (provider < 0.2): its two files.
 
@@ -114,7 +125,9 @@ def _previous_state(prev: Storage, where: str, keyring: Keyring) -> tuple[str, M
         except SealError as e:
             log.warning("%s: not compared: %s", where, e)
             return "unverified", None
-        except ValueError as e:  # pydantic's ValidationError: not a merge summary this provider wrote
+        except ValidationError as e:  # not a merge summary this provider wrote (e.g. files outside its run)
+            raise SpecError(f"{where}: its {MERGED} is not a merge summary ({validation_detail(e)})") from e
+        except ValueError as e:
             raise SpecError(f"{where}: its {MERGED} is not a merge summary ({str(e).splitlines()[0]})") from e
     return ("incomplete" if prev.exists("_plan.json") else "absent"), None
 
@@ -157,7 +170,8 @@ def compute_changes(
     """Write ``changes/changes.parquet`` and ``changes/_changes.json`` for a merged run; return the summary.
 
     Needs this run's ``_MERGED.json`` and ``changes.previous_uri`` set. Raises SpecError for a
-    previous run of another task / id column; a missing or incomplete one is not an error.
+    previous run of another task / id column, CommitError for one whose manifests name files
+    outside it; a missing or incomplete one is not an error.
     """
     if not spec.changes.previous_uri:
         raise SpecError("changes.previous_uri is not set: nothing to compare against")
@@ -175,8 +189,13 @@ def compute_changes(
         try:
             con.execute(f"SET temp_directory = '{tmp.replace(chr(39), chr(39) * 2)}/spill'")
             if prev_merged is not None:
-                _check_foreign(spec, prev, prev_merged, con, col)
-                old = _side(prev, col, prev_merged)
+                try:
+                    _check_foreign(spec, prev, prev_merged, con, col)
+                    old = _side(prev, col, prev_merged)
+                except CommitError as e:  # a name in its manifests leaves the run, or is a glob
+                    raise CommitError(
+                        f"changes.previous_uri {spec.changes.previous_uri!r}: refusing the previous run: {e}"
+                    ) from None
             else:
                 old = _EMPTY
                 notes.append(

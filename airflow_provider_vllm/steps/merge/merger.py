@@ -37,7 +37,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from pydantic import Field
+from pydantic import Field, ValidationError
 
 from airflow_provider_vllm import __version__
 from airflow_provider_vllm.core import duck, faults
@@ -46,6 +46,7 @@ from airflow_provider_vllm.core.commit import MARKER, CommitMarker, RunSeal, Sha
 from airflow_provider_vllm.core.errors import CommitError, VerificationError
 from airflow_provider_vllm.core.formats import input_format
 from airflow_provider_vllm.core.formats.files import check_unchanged
+from airflow_provider_vllm.core.part_names import PART_NAME, check_inside
 from airflow_provider_vllm.core.plan import Plan, load_plan
 from airflow_provider_vllm.core.records import (
     Duplicates,
@@ -80,7 +81,6 @@ _CHUNK_NAME = {
     RESULTS: re.compile(r"^chunk-(\d{5})\.parquet$"),
     ERRORS: re.compile(r"^chunk-(\d{5})\.errors\.parquet$"),
 }
-_PART_NAME = re.compile(r"^part-\d+(-[A-Za-z0-9._-]+)?\.parquet$")
 _TMP_NAME = re.compile(r"^\.part-.*\.tmp-\d+$")
 
 
@@ -216,8 +216,26 @@ def manifest_rel(kind: str) -> str:
 
 
 def read_manifest(out: Storage, kind: str) -> PartsManifest:
-    """The manifest of ``results/`` or ``errors/`` of the run under ``out``, validated."""
-    return PartsManifest.model_validate_json(out.read_bytes(manifest_rel(kind)))
+    """The manifest of ``results/`` or ``errors/`` of the run under ``out``, validated.
+
+    CommitError naming the file when it is not a manifest this provider writes: among others,
+    a part name that is not one ``part-*.parquet`` segment (``../``, ``/``, glob characters).
+    """
+    rel = manifest_rel(kind)
+    return _parse_manifest(out, kind, out.read_bytes(rel))
+
+
+def _parse_manifest(out: Storage, kind: str, raw: bytes) -> PartsManifest:
+    rel = manifest_rel(kind)
+    try:
+        manifest = PartsManifest.model_validate_json(raw)
+    except ValidationError as e:
+        raise CommitError(
+            f"{out.uri(rel)} is not a parts manifest this provider writes: {validation_detail(e)}"
+        ) from None
+    if manifest.kind != kind:
+        raise CommitError(f"{out.uri(rel)} is the manifest of {manifest.kind}/, not of {kind}/")
+    return manifest
 
 
 def result_parts(out: Storage, kind: str = RESULTS) -> list[str]:
@@ -225,8 +243,20 @@ def result_parts(out: Storage, kind: str = RESULTS) -> list[str]:
 
     Never empty: a folder without rows holds one empty part. Open them as one table with
     ``duck.file_list(out, result_parts(out))`` in ``read_parquet(...)``, or pyarrow.dataset.
+    Every reader of a merged run's parts goes through here: each name is one part-name segment
+    (``read_manifest``) and, on local disk, the file itself, not a symlink out of ``kind``/
+    (CommitError naming the manifest and the name).
     """
-    return [f"{kind}/{p.name}" for p in read_manifest(out, kind).parts]
+    rels = [f"{kind}/{p.name}" for p in read_manifest(out, kind).parts]
+    for rel in rels:
+        check_inside(out, rel, out.uri(manifest_rel(kind)))
+    return rels
+
+
+def validation_detail(e: ValidationError) -> str:
+    """pydantic's first error as 'field.path: message' (the message names the offending value)."""
+    err = e.errors()[0]
+    return f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}"
 
 
 def read_merged(out: Storage, keyring: Keyring | None = None) -> MergeSummary:
@@ -243,10 +273,14 @@ def verified_manifest(out: Storage, kind: str, merged: MergeSummary) -> PartsMan
     """``kind``/_manifest.json of the run under ``out``, read only when its sha256 is the one the sealed
     ``_MERGED.json`` (``merged``, from ``read_merged``) names; CommitError otherwise."""
     rel = manifest_rel(kind)
-    raw = out.read_bytes(rel)
+    check_inside(out, rel, out.uri(MERGED))
+    try:
+        raw = out.read_bytes(rel)
+    except FileNotFoundError:
+        raise CommitError(f"{out.uri(rel)} is missing; the sealed {MERGED} names it") from None
     if hashlib.sha256(raw).hexdigest() != merged.checksums.get(rel):
         raise CommitError(f"{out.uri(rel)} is not the manifest the sealed {MERGED} names (sha256 differs)")
-    return PartsManifest.model_validate_json(raw)
+    return _parse_manifest(out, kind, raw)
 
 
 def verified_parts(out: Storage, kind: str, merged: MergeSummary) -> list[str]:
@@ -262,6 +296,7 @@ def verify_parts(out: Storage, kind: str, manifest: PartsManifest) -> None:
     streaming read of each); readers can trust the manifest's digests after this."""
     for p in manifest.parts:
         rel = f"{kind}/{p.name}"
+        check_inside(out, rel, out.uri(manifest_rel(kind)))  # a local symlink leaving the run: refused
         if out.size(rel) != p.bytes or out.sha256(rel) != p.sha256:
             raise CommitError(
                 f"{out.uri(rel)} does not have the size and sha256 its manifest names (the part was changed while "
@@ -542,7 +577,7 @@ def check_folder(out: Storage, kind: str) -> None:
     (e.g. ``results/results.parquet`` of the layout before 0.2, or a user's file) is refused
     rather than deleted or silently served as part of the results.
     """
-    foreign = [n for n in out.listdir(kind) if n != MANIFEST and not _PART_NAME.match(n) and not _TMP_NAME.match(n)]
+    foreign = [n for n in out.listdir(kind) if n != MANIFEST and not PART_NAME.fullmatch(n) and not _TMP_NAME.match(n)]
     if foreign:
         raise CommitError(
             f"{out.uri(kind)}/ holds {foreign[:5]}, which merge did not write; it publishes {kind}/ as a folder of "

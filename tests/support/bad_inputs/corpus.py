@@ -135,6 +135,13 @@ def hostile_chat_requests() -> list[tuple[str, dict, str]]:
         ("min-tokens-over-max", body(max_tokens=4, min_tokens=50), INVALID_REQUEST),
         ("stop-object", body(stop={"when": "done"}), INVALID_REQUEST),
         ("stop-empty-string", body(stop=["", "x"]), INVALID_REQUEST),
+        # the job spec's own stop rule (at most 16, each 1-256 characters, no control characters)
+        ("stop-ten-thousand", body(stop=[f"s{i}" for i in range(10_000)]), INVALID_REQUEST),
+        ("stop-seventeen", body(stop=[f"s{i}" for i in range(17)]), INVALID_REQUEST),
+        ("stop-too-long", body(stop="x" * 257), INVALID_REQUEST),
+        ("stop-control-char", body(stop=["\x00"]), INVALID_REQUEST),
+        ("max-completion-tokens-0", body(max_completion_tokens=0), INVALID_REQUEST),
+        ("logit-bias-ten-thousand", body(logit_bias={str(i): 100 for i in range(10_000)}), UNSUPPORTED_PARAMETER),
         ("presence-penalty-5", body(presence_penalty=5), INVALID_REQUEST),
         ("seed-beyond-int64", body(seed=2**70), INVALID_REQUEST),
         ("n-3", body(n=3), UNSUPPORTED_PARAMETER),

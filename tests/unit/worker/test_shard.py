@@ -187,7 +187,7 @@ def test_merge_verification_catches_a_lost_row(tmp_path, fake_engine_factory):
     import pyarrow as pa
 
     from airflow_provider_vllm.core.commit import ShardStore
-    from airflow_provider_vllm.core.seal import COMMIT, record_bytes, seal_record
+    from airflow_provider_vllm.core.seal import COMMIT, record_bytes, scope_of, seal_record
 
     write_parquet(tmp_path / "in.parquet", [f"r{i}" for i in range(20)], ["x"] * 20)
     spec = make_spec(tmp_path / "in.parquet", tmp_path / "out", sharding={"chunk_rows": 20})
@@ -210,7 +210,8 @@ def test_merge_verification_catches_a_lost_row(tmp_path, fake_engine_factory):
         update={"bytes": (tmp_path / "out" / rel).stat().st_size, "sha256": store.out.sha256(rel)}
     )
     # written and sealed by a worker with a bug: merge's own verification is what catches it
-    resealed = seal_record(store.run.keyring, COMMIT, str(tmp_path / "out"), marker.model_copy(update={"seal": None}))
+    unsealed = marker.model_copy(update={"seal": None})
+    resealed = seal_record(store.run.keyring, COMMIT, scope_of(str(tmp_path / "out")), unsealed)
     (tmp_path / "out" / "shards" / shard.shard_id / MARKER).write_bytes(record_bytes(resealed))
     with pytest.raises(VerificationError, match=r"1 missing \(e.g. \['r7'\]\)"):
         merge(spec)

@@ -89,3 +89,96 @@ def test_embeddings_bodies():
         with pytest.raises(RequestFault) as e:
             parse_embeddings_body(body)
         assert e.value.code == code, (body, e.value.message)
+
+
+# ---- a row asks for nothing the job spec could not (one rule: the spec's own fields) ----------
+SHARED_VALUES = {
+    "temperature": [-0.001, 0, 0.7, 2, 2.0001, 1e308],
+    "top_p": [-1, 0, 1e-9, 0.5, 1, 1.0001],
+    "max_tokens": [-5, 0, 1, 4096, 10**9],
+    "seed": [-(2**63) - 1, -(2**63), 0, 2**63 - 1, 2**63, 2**70],
+    "stop": [
+        [],
+        ["a"] * 16,
+        ["a"] * 17,
+        ["a"] * 10_000,
+        ["x" * 256],
+        ["x" * 257],
+        ["x" * 100_000],
+        [""],
+        ["\t", "\n\n", "\r\n"],
+        ["\x00"],
+        ["a\x1bb"],
+        ["\x7f"],
+        ["END"],
+    ],
+}
+
+
+def _spec_takes(field: str, value) -> bool:
+    from airflow_provider_vllm.core.spec import JobSpec
+
+    doc = {
+        "model": {"name": "fake"},
+        "io": {"input_uri": "/data/in", "output_uri": "/data/out"},
+        "prompt": {"template": "{text}"},
+        "sampling": {field: value},
+    }
+    try:
+        JobSpec.load(doc)
+    except ValueError:
+        return False
+    return True
+
+
+def _row_takes(field: str, value) -> bool:
+    try:
+        parse_chat_body({"messages": user(), field: value})
+    except RequestFault as e:
+        assert e.code == "INVALID_REQUEST" and f"body.{field}" in e.message, e.message
+        return False
+    return True
+
+
+@pytest.mark.parametrize("field", sorted(SHARED_VALUES))
+def test_a_row_takes_exactly_the_values_the_spec_takes(field):
+    """temperature, top_p, max_tokens, seed and stop: the row validator is the spec's own rule."""
+    from tests.support.ledger import record_malicious
+
+    for value in SHARED_VALUES[field]:
+        assert _row_takes(field, value) == _spec_takes(field, value), (field, str(value)[:80])
+    if field == "max_tokens":  # max_completion_tokens is the same field under OpenAI's newer name
+        for value in SHARED_VALUES[field]:
+            assert _row_takes("max_completion_tokens", value) == _spec_takes(field, value), value
+    refused = [v for v in SHARED_VALUES[field] if not _spec_takes(field, v)]
+    record_malicious(f"openai_row_{field}_outside_the_spec", len(refused), len(refused))
+
+
+def test_ten_thousand_stop_strings_are_one_rows_error_naming_the_rule():
+    with pytest.raises(RequestFault) as e:
+        parse_chat_body({"messages": user(), "stop": [f"s{i}" for i in range(10_000)]})
+    assert e.value.code == "INVALID_REQUEST"
+    assert e.value.message.startswith("body.stop: 10000 stop strings; at most 16 (the job spec's sampling.stop rule)")
+    assert len(e.value.message) < 200  # the message does not echo the strings
+
+
+def test_jinja_delimiters_are_data_in_a_row():
+    """The spec refuses them (a spec value carrying them was meant for a template engine); a row is
+    never rendered, and '}}' is an ordinary stop string for JSON output."""
+    assert parse_chat_body({"messages": user(), "stop": ["}}", "{%"]}).sampling()["stop"] == ["}}", "{%"]
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") is None, reason="vLLM is not importable here")
+def test_what_a_row_may_set_vllms_sampling_params_take():
+    """The edges the row validator accepts are values vLLM's own SamplingParams accepts: never looser."""
+    from vllm import SamplingParams
+
+    edges = [
+        {"temperature": 0, "top_p": 1e-9, "max_tokens": 1, "seed": -(2**63)},
+        {"temperature": 2, "top_p": 1, "max_tokens": 10**6, "seed": 2**63 - 1},
+        {"stop": ["x" * 256] * 15 + ["\t\n"]},
+        {"top_k": -1, "min_p": 0, "repetition_penalty": 1e-9, "min_tokens": 0, "presence_penalty": -2},
+        {"top_k": 10**9, "min_p": 1, "repetition_penalty": 1e9, "frequency_penalty": 2, "max_completion_tokens": 3},
+    ]
+    for kw in edges:
+        SamplingParams(**parse_chat_body({"messages": user(), **kw}).sampling())

@@ -23,7 +23,7 @@ from airflow_provider_vllm.core.engine_identity import local_engine_identity
 from airflow_provider_vllm.core.errors import CommitError, SpecError
 from airflow_provider_vllm.core.plan import PLAN_FILE, Plan
 from airflow_provider_vllm.core.records import CacheCommit
-from airflow_provider_vllm.core.seal import CACHE_ENTRY, Keyring, record_bytes, seal_record
+from airflow_provider_vllm.core.seal import CACHE_ENTRY, Keyring, record_bytes, scope_of, seal_record
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.steps.cache import result_cache as cache
 from airflow_provider_vllm.steps.cache.store import CacheStore
@@ -250,7 +250,7 @@ def test_only_sealed_committed_entries_of_this_key_are_read(tmp_path, fake_engin
     assert "seal does not match its content" in caplog.text
     # even sealed with the deployment's key (a writer bug), a commit naming another entry's part is not read
     c = CacheCommit.model_validate(doc | {"seal": None})
-    sealed = seal_record(Keyring.from_env(), CACHE_ENTRY, str(store), c)
+    sealed = seal_record(Keyring.from_env(), CACHE_ENTRY, scope_of(str(store)), c)
     marker.write_bytes(record_bytes(sealed))
     write_parquet(tmp_path / "in-d.parquet", IDS, TEXTS)
     assert plan_job(spec_for(tmp_path, "d"), engine_identity=ENGINE).cache.hits == 0
@@ -276,7 +276,7 @@ def _forged_entry(store: Path, plan, template_eid: str, eid: str, label: str, cr
     )
     c = CacheCommit.model_validate(doc)
     if key is not None:
-        c = seal_record(key, CACHE_ENTRY, str(store), c)
+        c = seal_record(key, CACHE_ENTRY, scope_of(str(store)), c)
     _commit(store, plan, eid).write_bytes(record_bytes(c))
 
 

@@ -20,7 +20,7 @@ from airflow_provider_vllm.core.commit import MARKER, ChunkMeta, CommitMarker, R
 from airflow_provider_vllm.core.errors import CommitError, VerificationError
 from airflow_provider_vllm.core.plan import PLAN_FILE, Plan
 from airflow_provider_vllm.core.rows import ROW_SCHEMA
-from airflow_provider_vllm.core.seal import COMMIT, Keyring, record_bytes, seal_record
+from airflow_provider_vllm.core.seal import COMMIT, Keyring, record_bytes, scope_of, seal_record
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.steps.merge.merger import MERGED, merge, result_parts
 from airflow_provider_vllm.steps.plan.planner import plan_job
@@ -66,7 +66,7 @@ def edit_marker(out: Path, shard_id: str, fn, reseal: bool = True) -> None:
         p.write_text(json.dumps(m))  # not even a marker: no seal can be made for it
         return
     if reseal:
-        marker = seal_record(Keyring.from_env(), COMMIT, str(out), marker)
+        marker = seal_record(Keyring.from_env(), COMMIT, scope_of(str(out)), marker)
     p.write_bytes(record_bytes(marker))
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from airflow_provider_vllm.core.engine_identity import local_engine_identity
 from airflow_provider_vllm.core.spec import QASpec
 from airflow_provider_vllm.steps.merge.merger import merge
 from airflow_provider_vllm.steps.plan.planner import plan_job
@@ -256,7 +257,7 @@ def changes_page(tmp_path_factory, browser):
             model={"revision": PINNED_REVISION} if cache else {},
             changes={"previous_uri": str(tmp_path / "d1" / "out") if day == "d2" else None},
         )
-        plan = plan_job(spec, **({"engine_identity": "fake-engine"} if cache else {}))  # part of the cache key
+        plan = plan_job(spec, **({"engine_identity": local_engine_identity()} if cache else {}))  # the cache key's
         for shard in plan.shards:
             run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=FakeEngine)
         merge(spec)
