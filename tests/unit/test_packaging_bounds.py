@@ -60,6 +60,51 @@ def test_amazon_provider_lower_bound_is_the_locked_version(extra_name):
     assert lower_bound(req) == Version(lock("airflow")["apache-airflow-providers-amazon"])
 
 
+@pytest.mark.parametrize(
+    "extra_name, provider",
+    [
+        ("gcs", "apache-airflow-providers-google"),  # its fs.gcs.get_fs is what hooks/filesystems.py calls
+        ("test", "apache-airflow-providers-google"),
+        ("openlineage", "apache-airflow-providers-openlineage"),
+        ("test", "apache-airflow-providers-openlineage"),
+    ],
+)
+def test_google_and_openlineage_lower_bounds_are_the_locked_versions(extra_name, provider):
+    req = extra(extra_name)[provider]
+    assert lower_bound(req) == Version(lock("airflow")[provider]), f"[{extra_name}] {req}"
+
+
+# distribution -> the module the package imports it as, where the two differ
+IMPORT_NAMES = {
+    "apache-airflow": "airflow",
+    "apache-airflow-providers-cncf-kubernetes": "airflow.providers.cncf.kubernetes",
+    "pyyaml": "yaml",
+}
+
+
+def _imported_modules() -> set[str]:
+    import ast
+
+    found: set[str] = set()
+    for path in (ROOT / "airflow_provider_vllm").rglob("*.py"):
+        if "testing" in path.relative_to(ROOT).parts:  # not in the wheel
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                found.add(node.module)
+    return found
+
+
+def test_every_required_package_is_imported_by_the_package():
+    """A requirement nothing imports costs every deployment an install (pandas was one)."""
+    imported = _imported_modules()
+    for name in install_requires():
+        module = IMPORT_NAMES.get(name, name.replace("-", "_"))
+        assert any(m == module or m.startswith(module + ".") for m in imported), f"{name}: required, never imported"
+
+
 def test_airflow_upper_bound_excludes_the_next_major():
     spec = install_requires()["apache-airflow"].specifier
     assert Version(lock("airflow")["apache-airflow"]) in spec and Version("4.0.0") not in spec
