@@ -13,7 +13,7 @@ from airflow_provider_vllm.cli.dry_run import ARGUMENTS
 
 GROUP = "vllm-batch"
 
-VLLM_BATCH_COMMANDS = (
+COMMANDS = (
     ActionCommand(
         name="dry-run",
         help="What a job would cost (rows, tokens, shards, GPU-hours, GPU memory plan); launches nothing",
@@ -27,6 +27,4 @@ VLLM_BATCH_COMMANDS = (
 
 def get_vllm_batch_cli_commands() -> list[GroupCommand]:
     """The ``airflow vllm-batch`` command group (``get_provider_info()["cli"]``)."""
-    return [
-        GroupCommand(name=GROUP, help="vLLM batch inference (airflow-provider-vllm)", subcommands=VLLM_BATCH_COMMANDS)
-    ]
+    return [GroupCommand(name=GROUP, help="vLLM batch inference (airflow-provider-vllm)", subcommands=COMMANDS)]

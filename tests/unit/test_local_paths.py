@@ -2,8 +2,8 @@
 a path like a wheel folder or a checkout location would only work (or only mean something) here.
 
 Forbidden: the usual roots of developers' machines and data disks (``/work/``, ``/opt/``, ``/home/``,
-``/Users/``), and this checkout's own location, its parent, the running venv and pip's configured
-wheel folders, whatever they are on the machine that runs the test. Allowed: paths inside a
+``/Users/``), and this checkout's own location, the running venv and pip's configured wheel folders,
+whatever they are on the machine that runs the test. Allowed: paths inside a
 container image (``docker/``: ``/opt/airflow`` is the official Airflow image's home), and example
 paths that are no machine's (``/data/in``, ``/models``, ``/tmp/vllm-batch``, ``s3://bucket/...``).
 """
@@ -25,10 +25,11 @@ THIS_FILE = Path(__file__).resolve().relative_to(ROOT).as_posix()
 
 
 def local_roots() -> list[str]:
-    """The static roots plus what is local to the machine running this: checkout, its parent, venv, wheel folders."""
+    """The static roots plus what is local to the machine running this: the checkout, the venv, wheel folders."""
     roots = set(ROOTS)
-    for p in (ROOT, ROOT.parent, Path(sys.prefix)):
-        if len(p.resolve().parts) > 1:  # never "/" itself
+    places = [ROOT] + ([Path(sys.prefix)] if sys.prefix != sys.base_prefix else [])  # a venv, not /usr
+    for p in places:
+        if len(p.resolve().parts) > 2:  # a folder of its own, never "/" or a top-level system folder
             roots.add(str(p.resolve()).rstrip("/") + "/")
     for folder in (os.environ.get("PIP_FIND_LINKS") or "").split():
         if folder.startswith("/"):
