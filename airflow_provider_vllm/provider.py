@@ -184,4 +184,6 @@ def get_provider_info() -> dict:
         ],
         "extra-links": ["airflow_provider_vllm.links.report.VllmQAReportLink"],
         "plugins": [{"name": "vllm_batch", "plugin-class": "airflow_provider_vllm.plugins.report.VllmBatchPlugin"}],
+        # `airflow vllm-batch dry-run ...` (cli/definition.py), loaded by Airflow's CLI like amazon's and cncf's
+        "cli": ["airflow_provider_vllm.cli.definition.get_vllm_batch_cli_commands"],
     }

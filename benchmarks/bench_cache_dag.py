@@ -173,6 +173,8 @@ def main() -> int:
         print(f"{k:<44} {v:.3f}")
     print(f"run 2 changes: {changes['counts']}")
 
+    from airflow_provider_vllm.testing.local_models import recorded_name
+
     record = {
         "bench": "cache_dag",
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)),
@@ -180,7 +182,7 @@ def main() -> int:
         "rows_day2": len(day2),
         "day2": counts,
         "shard_rows": args.shard_rows,
-        "model": model,
+        "model": recorded_name(model),
         "runs": runs,
         "ratios": ratios,
         "changes_counts": changes["counts"],

@@ -231,13 +231,15 @@ def main() -> int:
         f"`airflow dags test` wall {wall:.1f} s (serial shards)"
     )
 
+    from airflow_provider_vllm.testing.local_models import recorded_name
+
     record = {
         "bench": "dag_overhead",
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)),
         "rows": rows,
         "shards": n_shards,
         "rows_per_shard": args.rows_per_shard,
-        "model": model,
+        "model": recorded_name(model),
         "infer_s": round(infer, 3),
         "engine_start_s": round(start, 3),
         "worker_wall_s": round(worker_wall, 3),

@@ -278,12 +278,14 @@ def main() -> int:
         }
         for r in runs
     ]
+    from airflow_provider_vllm.testing.local_models import recorded_name
+
     record = {
         "bench": "scaleout",
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)),
         "rows_per_shard": args.rows,
         "gpus": args.gpus,
-        "model": args.model,
+        "model": recorded_name(args.model),
         "engine": args.engine,
         "modes": args.modes,
         "env": {**info, "vllm": vllm.__version__, "host_cores": os.cpu_count()},

@@ -443,6 +443,8 @@ def run_workload(args, workload: str) -> float:
     import vllm
 
     strip = lambda d: {k: v for k, v in d.items() if k != "outputs"}  # noqa: E731
+    from airflow_provider_vllm.testing.local_models import recorded_name
+
     record = {
         "bench": "worker_vs_raw",
         "workload": workload,
@@ -450,7 +452,7 @@ def run_workload(args, workload: str) -> float:
         "enforce_eager": args.enforce_eager,
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)),
         "rows": rows,
-        "model": args.model,
+        "model": recorded_name(args.model),
         "engine": args.engine,
         "max_model_len": args.max_model_len,
         "pairs": args.pairs,

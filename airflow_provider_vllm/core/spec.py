@@ -280,16 +280,18 @@ class QASpec(_Model):
 
     sample_size: int = Field(200, ge=0, description="Rows in the QA sample.")
     seed: int = Field(0, description="Sample seed.")
-    warn_error_rate: float = Field(0.01, ge=0, le=1)
-    fail_error_rate: float = Field(0.05, ge=0, le=1)
-    warn_empty_rate: float = Field(0.01, ge=0, le=1)
-    fail_empty_rate: float = Field(0.05, ge=0, le=1)
+    warn_error_rate: float = Field(0.01, ge=0, le=1, description="Rows that failed: error rows / all rows.")
+    fail_error_rate: float = Field(0.05, ge=0, le=1, description="As warn_error_rate, failing the run.")
+    warn_empty_rate: float = Field(0.01, ge=0, le=1, description="Ok rows with a null or whitespace-only output.")
+    fail_empty_rate: float = Field(0.05, ge=0, le=1, description="As warn_empty_rate, failing the run.")
     warn_invalid_rate: float = Field(0.01, ge=0, le=1, description="Structured outputs that do not parse/match.")
-    fail_invalid_rate: float = Field(0.05, ge=0, le=1)
-    warn_truncation_rate: float = Field(0.05, ge=0, le=1)
-    fail_truncation_rate: float = Field(0.2, ge=0, le=1)
+    fail_invalid_rate: float = Field(0.05, ge=0, le=1, description="As warn_invalid_rate, failing the run.")
+    warn_truncation_rate: float = Field(
+        0.05, ge=0, le=1, description="Ok rows whose prompt was cut to fit (prompt.truncation: truncate)."
+    )
+    fail_truncation_rate: float = Field(0.2, ge=0, le=1, description="As warn_truncation_rate, failing the run.")
     warn_label_drift: float = Field(0.1, ge=0, le=1, description="Total variation distance vs previous run.")
-    fail_label_drift: float = Field(0.3, ge=0, le=1)
+    fail_label_drift: float = Field(0.3, ge=0, le=1, description="As warn_label_drift, failing the run.")
     previous_report_uri: str | None = Field(None, description="report.json of the run to compare against.")
     warn_churn_rate: float = Field(
         1.0,

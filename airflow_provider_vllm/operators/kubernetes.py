@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
-from airflow.providers.common.compat.sdk import AirflowException, AirflowSkipException
+from airflow.providers.common.compat.sdk import AirflowException, AirflowSkipException, conf
 from airflow.sdk.exceptions import AirflowFailException
 from kubernetes.client import ApiClient
 from kubernetes.client import models as k8s
@@ -75,12 +75,16 @@ class VllmKubernetesShardOperator(KubernetesPodOperator):
         as ``*TOKEN*`` are refused, use ``secret_env`` in the settings), over the settings' ``env``.
     :param progress_interval_s: seconds between the worker's progress lines (pod log).
 
-    Defaults differ from KPO's where a batch shard needs it: deferrable (the Airflow worker
-    slot is free while the pod runs), ``durable`` (a restarted task reattaches to its pod),
-    pod deleted on finish and on kill, logs streamed, the worker's manifest read from
-    ``/airflow/xcom/return.json`` as the XCom value, ``FallbackToLogsOnError`` termination
-    messages. Worker exit 2 (terminal) fails the task without retry; 75 (transient) and
-    any other failure are retried by Airflow.
+    Defaults differ from KPO's where a batch shard needs it: ``durable`` (a restarted task
+    reattaches to its pod), pod deleted on finish and on kill, logs streamed, the worker's
+    manifest read from ``/airflow/xcom/return.json`` as the XCom value, ``FallbackToLogsOnError``
+    termination messages. ``deferrable`` follows ``[operators] default_deferrable`` as every
+    operator does (True frees the Airflow worker slot while the pod runs; it needs a running
+    triggerer); a deferred task reads the pod's log every ``log_interval_s`` of the settings, so
+    progress lines arrive while the shard runs. ``schedule_timeout_s`` (node scale-up, queueing)
+    and ``startup_timeout_s`` (image pull, container start) bound the two waits separately.
+    Worker exit 2 (terminal) fails the task without retry; 75 (transient) and any other failure
+    are retried by Airflow.
     """
 
     template_fields: Sequence[str] = tuple(
@@ -98,7 +102,7 @@ class VllmKubernetesShardOperator(KubernetesPodOperator):
         env: dict[str, str] | None = None,
         progress_interval_s: float = 10.0,
         name: str = "vllm-shard",
-        deferrable: bool = True,
+        deferrable: bool | None = None,
         durable: bool = True,
         on_kill_action: str = "delete_pod",
         on_finish_action: str = "delete_pod",
@@ -108,6 +112,8 @@ class VllmKubernetesShardOperator(KubernetesPodOperator):
         termination_message_policy: str = "FallbackToLogsOnError",
         **kwargs: Any,
     ) -> None:
+        if deferrable is None:  # read when the task is built, not when this module was imported
+            deferrable = conf.getboolean("operators", "default_deferrable", fallback=False)
         super().__init__(
             name=name,
             deferrable=deferrable,
@@ -227,7 +233,9 @@ class VllmKubernetesShardOperator(KubernetesPodOperator):
         self.hostnetwork = False
         self.termination_grace_period = settings.termination_grace_period_s
         self.active_deadline_seconds = settings.active_deadline_s
-        self.startup_timeout_seconds = self.schedule_timeout_seconds = settings.startup_timeout_s
+        self.schedule_timeout_seconds = settings.schedule_timeout_s  # to scheduled: node scale-up, queueing
+        self.startup_timeout_seconds = settings.startup_timeout_s  # scheduled to running: image pull
+        self.logging_interval = settings.log_interval_s  # deferred: progress lines while the pod runs
         self.pod_template_file = settings.pod_template_file
         self.parts = parts
         return parts

@@ -76,7 +76,8 @@ class VllmMergeOperator(BaseOperator):
         return summary.xcom()
 
     def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
-        """OpenLineage: the input location in; results and errors out, with row counts and columns.
+        """OpenLineage: the input location in; results and errors out, with row counts and columns; the run
+        facet naming the model, revision, adapter, vLLM version and settings that produced them.
 
         Recorded by ``execute``.
         """

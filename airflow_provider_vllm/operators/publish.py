@@ -91,13 +91,14 @@ class VllmPublishOperator(BaseOperator):
             # the consumer's check of the files, through Airflow's metadata database (steps/publish.py)
             "success_sha256": hashlib.sha256(body).hexdigest(),
         }
-        self._lineage = publish_lineage(spec, event)
+        self._lineage = publish_lineage(spec, event, self._engine_versions)
         for outlet in self.outlets or []:
             context["outlet_events"][outlet].extra = event
         return event
 
     def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
-        """OpenLineage: results and errors in; the published output location out (recorded by ``execute``)."""
+        """OpenLineage: results and errors in; the published output location out; the run facet naming what
+        produced the answers (recorded by ``execute``)."""
         from airflow_provider_vllm.utils.openlineage_facets import operator_lineage
 
         return operator_lineage(getattr(self, "_lineage", None))
@@ -114,6 +115,7 @@ class VllmPublishOperator(BaseOperator):
             raise AirflowFailException(f"publish: {out.uri(MERGED)} is not a merge summary: {e}") from None
         if merged.spec_hash != spec.content_hash():
             raise AirflowFailException(f"publish: {out.uri(MERGED)} was merged for another spec")
+        self._engine_versions = merged.engine_versions  # for the lineage facet
         if report.get("status") == "fail":
             raise AirflowFailException(f"publish: QA failed ({report.get('summary')}); not publishing")
         # changes.previous_uri set: QA wrote changes/ (what moved since that run); a reader syncs from it

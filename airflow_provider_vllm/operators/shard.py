@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -10,6 +12,7 @@ from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_provider_vllm.core import envs
 from airflow_provider_vllm.core.allow_list import ALLOWED_PREFIXES_ENV
+from airflow_provider_vllm.core.compat import vllm_not_installed
 from airflow_provider_vllm.core.errors import SpecError
 from airflow_provider_vllm.hooks.filesystems import child_env, conn_ids_from_config
 from airflow_provider_vllm.hooks.filesystems import worker_env as connection_worker_env
@@ -32,10 +35,12 @@ class VllmLocalShardOperator(BaseOperator):
     Runs exactly ``worker_command(ShardTask(spec=..., shard_id=...))`` (no shell) with this
     process's environment plus ``env``; the worker's stderr (progress: rows, rows/s,
     tokens/s, ETA; vLLM's logs) streams into the task log. Exit 0: the manifest (last stdout
-    line starting with ``{``) is returned. Exit 2 (terminal: bad spec, changed input):
+    line starting with ``{``) is returned. Exit 2 (terminal: bad spec, changed input, no vLLM):
     ``AirflowFailException``, no retry. Exit 75 (transient) or any other failure: an
     ``AirflowException``, so Airflow retries; the retry resumes from committed chunks and a
-    shard that is already committed is a no-op.
+    shard that is already committed is a no-op. Without ``python`` the worker runs on this
+    interpreter, which is checked first: without vLLM the task fails at once, before any process
+    starts, naming how to install vLLM and the Kubernetes runner.
 
     ``spec`` is the validated spec from the plan task (its ``spec`` XCom), ``shard`` one item
     of the plan's return value. See ``utils/worker_process.py`` for the ``VLLM_BATCH_INJECT_EXIT`` test hook.
@@ -97,6 +102,8 @@ class VllmLocalShardOperator(BaseOperator):
                 code,
             )
             argv = fault_command(code)
+        elif self.python is None and importlib.util.find_spec("vllm") is None:
+            raise AirflowFailException(f"shard {shard_id}: {vllm_not_installed(sys.executable)}")
         # the allow-list goes last: neither the task's env nor the shard spec can widen it
         env = {**envs.environ(), "PYTHONUNBUFFERED": "1", **{k: str(v) for k, v in (self.env or {}).items()}}
         env = child_env(env, self._credentials_env(spec))  # the Connection's identity, in the environment only

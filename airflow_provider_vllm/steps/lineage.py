@@ -5,6 +5,12 @@ Datasets are named by the OpenLineage naming conventions: ``s3://bucket/key`` ->
 stores); a local path or ``file://`` URI -> namespace ``file``, name the absolute path.
 Folders are named without a trailing slash. ``utils/openlineage_facets.py`` turns these facts into
 OpenLineage objects; the operators record them in ``execute()``.
+
+Datasets are what a user reads or what a run reads from outside: the input, ``results/``,
+``errors/``, the QA report, the published output. The run's own bookkeeping (``_plan.json``,
+commit markers, attempt files) is not. The tasks that make or publish answers (merge, publish)
+also carry ``InferenceFacts``: which model, revision, adapter and vLLM version, with which
+settings, produced the results.
 """
 
 from __future__ import annotations
@@ -13,10 +19,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from airflow_provider_vllm.core.plan import PLAN_FILE
 from airflow_provider_vllm.core.records import MergeSummary
 from airflow_provider_vllm.core.rows import ERROR_COLUMNS, RESULT_COLUMNS, ROW_SCHEMA
 from airflow_provider_vllm.core.spec import JobSpec
+from airflow_provider_vllm.steps.cache.key import KEY_ENGINE_KWARGS
 from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS
 
 QA_REPORT = "qa/report.json"
@@ -48,11 +54,62 @@ class DatasetFacts:
 
 
 @dataclass(frozen=True)
+class InferenceFacts:
+    """What produced a run's answers: the model and engine, and every setting that decides an answer.
+
+    ``settings`` holds the spec's answer-deciding sections as the spec has them: ``prompt``,
+    ``sampling`` (with the structured-output constraint) and the engine's seed and the
+    ``engine_kwargs`` that change answers (the result cache's key covers the same,
+    ``steps/cache.py``). ``vllm_versions``: every vLLM version the run's committed shards ran
+    (one, unless shards ran on different images). ``adapter``: the LoRA adapter; this provider
+    version loads base weights only, so None.
+    """
+
+    model: str
+    revision: str | None
+    tokenizer: str | None
+    adapter: str | None
+    dtype: str
+    quantization: str | None
+    max_model_len: int | None
+    task: str
+    vllm_versions: tuple[str, ...]
+    config_hash: str
+    settings: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
 class Lineage:
-    """A task's inputs and outputs."""
+    """A task's inputs and outputs, and (merge, publish) what produced the answers."""
 
     inputs: tuple[DatasetFacts, ...] = field(default_factory=tuple)
     outputs: tuple[DatasetFacts, ...] = field(default_factory=tuple)
+    inference: InferenceFacts | None = None
+
+
+def inference_facts(spec: JobSpec, vllm_versions: Sequence[str] = ()) -> InferenceFacts:
+    """The model, engine and answer-deciding settings of ``spec``; ``vllm_versions`` as the shards recorded."""
+    m, e = spec.model, spec.engine
+    return InferenceFacts(
+        model=m.name,
+        revision=m.revision,
+        tokenizer=m.tokenizer,
+        adapter=None,
+        dtype=m.dtype,
+        quantization=m.quantization,
+        max_model_len=m.max_model_len,
+        task=spec.task,
+        vllm_versions=tuple(sorted({v for v in vllm_versions if v})),
+        config_hash=spec.output_hash(),
+        settings={
+            "prompt": spec.prompt.model_dump(mode="json"),
+            "sampling": spec.sampling.model_dump(mode="json"),
+            "engine": {
+                "seed": e.seed,
+                "engine_kwargs": {k: v for k, v in sorted(e.engine_kwargs.items()) if k in KEY_ENGINE_KWARGS},
+            },
+        },
+    )
 
 
 def dataset_id(uri: str) -> tuple[str, str]:
@@ -83,17 +140,14 @@ def _fields(columns: Sequence[str]) -> tuple[tuple[str, str], ...]:
 
 
 def plan_lineage(spec: JobSpec, *, rows: int, files: int | None = None) -> Lineage:
-    """Plan read the input (``rows`` valid rows in ``files`` files) and wrote ``_plan.json``."""
-    return Lineage(
-        inputs=(_dataset(spec.io.input_uri, rows=rows, files=files),),
-        outputs=(_dataset(under(spec.io.output_uri, PLAN_FILE)),),
-    )
+    """Plan read the input (``rows`` valid rows in ``files`` files); ``_plan.json`` is bookkeeping, not a dataset."""
+    return Lineage(inputs=(_dataset(spec.io.input_uri, rows=rows, files=files),))
 
 
 def merge_lineage(spec: JobSpec, summary: MergeSummary) -> Lineage:
     """Merge checked the input's ids and published the results/ and errors/ folders.
 
-    Row counts, part counts, columns.
+    Row counts, part counts, columns; what produced the answers (``inference_facts``).
     """
     files = summary.files
     parts = summary.parts
@@ -114,6 +168,7 @@ def merge_lineage(spec: JobSpec, summary: MergeSummary) -> Lineage:
                 fields=_fields(ERROR_COLUMNS),
             ),
         ),
+        inference=inference_facts(spec, summary.engine_versions),
     )
 
 
@@ -156,8 +211,9 @@ def qa_lineage(spec: JobSpec, qa: Mapping[str, Any]) -> Lineage:
     )
 
 
-def publish_lineage(spec: JobSpec, event: Mapping[str, Any]) -> Lineage:
-    """Publish marked the output folder current (the Asset it updates), over results and errors."""
+def publish_lineage(spec: JobSpec, event: Mapping[str, Any], vllm_versions: Sequence[str] = ()) -> Lineage:
+    """Publish marked the output folder current (the Asset it updates), over results and errors; what
+    produced the answers it published (``vllm_versions``: the merge summary's)."""
     out = spec.io.output_uri
     return Lineage(
         inputs=(
@@ -165,4 +221,5 @@ def publish_lineage(spec: JobSpec, event: Mapping[str, Any]) -> Lineage:
             _dataset(under(out, ERRORS), rows=event.get("error_rows")),
         ),
         outputs=(_dataset(out, rows=event.get("rows")),),
+        inference=inference_facts(spec, vllm_versions),
     )

@@ -93,6 +93,15 @@ def default_cache_dir() -> Path:
     return Path(envs.MODEL_CACHE.get()).resolve()
 
 
+def recorded_name(model: str) -> str:
+    """How a benchmark record names ``model``: a folder in the model cache as ``<model cache>/NAME``, any
+    other path unchanged, a hub id as it is (records are committed: no path of the machine that ran them)."""
+    path = Path(model)
+    if path.is_absolute() and path.resolve().parent == default_cache_dir():
+        return f"<model cache>/{path.name}"
+    return model
+
+
 def _read_marker(folder: Path) -> dict | None:
     try:
         data = json.loads((folder / COMPLETE_MARKER).read_text(encoding="utf-8"))

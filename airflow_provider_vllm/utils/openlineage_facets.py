@@ -2,14 +2,23 @@
 
 The operators' ``get_openlineage_facets_on_complete`` call ``operator_lineage``; OpenLineage is
 imported here, inside the function, so the provider works without
-``apache-airflow-providers-openlineage`` installed (its listener is the only caller).
+``apache-airflow-providers-openlineage`` installed (its listener is the only caller; the
+``openlineage`` extra installs it).
+
+Merge and publish carry the run facet ``vllmBatch`` (``VllmBatchRunFacet``): the model, its
+revision and tokenizer, the adapter, the vLLM versions the shards ran, and the settings that
+decide an answer (prompt, sampling, engine seed and answer-changing engine options), with the
+config hash the results' rows carry.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
-from airflow_provider_vllm.steps.lineage import DatasetFacts, Lineage
+from airflow_provider_vllm.steps.lineage import DatasetFacts, InferenceFacts, Lineage
+
+RUN_FACET = "vllmBatch"
 
 
 def operator_lineage(lineage: Lineage | None) -> Any:
@@ -18,7 +27,53 @@ def operator_lineage(lineage: Lineage | None) -> Any:
 
     if lineage is None:
         return OperatorLineage()
-    return OperatorLineage(inputs=[_input(d) for d in lineage.inputs], outputs=[_output(d) for d in lineage.outputs])
+    run_facets = {RUN_FACET: run_facet(lineage.inference)} if lineage.inference is not None else {}
+    return OperatorLineage(
+        inputs=[_input(d) for d in lineage.inputs],
+        outputs=[_output(d) for d in lineage.outputs],
+        run_facets=run_facets,
+    )
+
+
+def run_facet(facts: InferenceFacts) -> Any:
+    """The ``vllmBatch`` run facet of ``facts``."""
+    return _facet_class()(
+        model=facts.model,
+        revision=facts.revision,
+        tokenizer=facts.tokenizer,
+        adapter=facts.adapter,
+        dtype=facts.dtype,
+        quantization=facts.quantization,
+        maxModelLen=facts.max_model_len,
+        task=facts.task,
+        vllmVersions=list(facts.vllm_versions),
+        configHash=facts.config_hash,
+        settings=dict(facts.settings),
+    )
+
+
+@functools.cache
+def _facet_class() -> type:
+    import attr
+    from openlineage.client.generated.base import RunFacet
+
+    @attr.define
+    class VllmBatchRunFacet(RunFacet):
+        """What produced a vLLM batch run's answers (airflow-provider-vllm)."""
+
+        model: str
+        revision: str | None
+        tokenizer: str | None
+        adapter: str | None
+        dtype: str
+        quantization: str | None
+        maxModelLen: int | None  # noqa: N815 - OpenLineage facets use camelCase keys
+        task: str
+        vllmVersions: list[str]  # noqa: N815
+        configHash: str  # noqa: N815
+        settings: dict[str, Any]
+
+    return VllmBatchRunFacet
 
 
 def _facets(d: DatasetFacts) -> dict[str, Any]:

@@ -14,17 +14,27 @@ from an engine that is broken (``worker.guard``).
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from airflow_provider_vllm.core.compat import check_vllm_version
+from airflow_provider_vllm.core.compat import VllmNotInstalledError, check_vllm_version, vllm_not_installed
 from airflow_provider_vllm.core.errors import SpecError
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.worker.isolation import RequestRejected, refusal
 
-__all__ = ["Engine", "Generated", "RequestRejected", "engine_kwargs", "sampling_kwargs", "sampling_params"]
+__all__ = [
+    "Engine",
+    "Generated",
+    "RequestRejected",
+    "engine_kwargs",
+    "require_vllm",
+    "sampling_kwargs",
+    "sampling_params",
+]
 PROBE_TEXT = "The quick brown fox jumps over the lazy dog. " * 4
 _PROBE_KEY = ("__probe__",)
 
@@ -95,6 +105,12 @@ def sampling_params(spec: JobSpec, overrides: dict[str, Any] | None = None):
     return params
 
 
+def require_vllm() -> None:
+    """VllmNotInstalledError (terminal) when this Python cannot import vLLM; imports nothing."""
+    if importlib.util.find_spec("vllm") is None:
+        raise VllmNotInstalledError(vllm_not_installed(sys.executable))
+
+
 class Engine:
     """A vLLM engine for one job. Construct once per process."""
 
@@ -102,7 +118,12 @@ class Engine:
         if spec.engine.cpu_kvcache_space_gb is not None:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.engine.cpu_kvcache_space_gb))
         t0 = time.monotonic()  # engine start includes `import vllm` (15-25 s on a GPU image)
-        import vllm
+        try:
+            import vllm
+        except ModuleNotFoundError as e:  # vLLM itself, not one of its dependencies: no retry can help
+            if e.name != "vllm":
+                raise
+            raise VllmNotInstalledError(vllm_not_installed(sys.executable)) from None
 
         check_vllm_version(vllm.__version__)
         self.spec = spec

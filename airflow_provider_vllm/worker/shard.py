@@ -110,6 +110,11 @@ def _run_shard(
     if committed is not None:
         log.info("shard %s already committed by attempt %s: nothing to do", shard.shard_id, committed.attempt_id)
         return _manifest(committed, status="already_committed")
+    factory = engine_factory or _default_engine
+    if getattr(factory, "needs_vllm", False):  # before reading a row: without vLLM no attempt can succeed
+        from airflow_provider_vllm.worker.engine import require_vllm
+
+        require_vllm()
 
     attempt = task.attempt_id or new_attempt_id()
     t_start = time.monotonic()
@@ -160,7 +165,7 @@ def _run_shard(
         with _beating(watchdog):
             engine = GuardedEngine(
                 start_limits(spec, store.engine_limits()),
-                engine_factory or _default_engine,
+                factory,
                 watchdog,
                 label=lambda key: batch.ids[cast(tuple, key)[1]],
                 on_lowered=lambda lim: store.save_engine_limits(lim, attempt),
@@ -248,6 +253,9 @@ def _default_engine(spec: JobSpec):
     from airflow_provider_vllm.worker.engine import Engine
 
     return Engine(spec)
+
+
+_default_engine.needs_vllm = True  # type: ignore[attr-defined]  # an injected engine (tests) needs none
 
 
 def _manifest(marker: CommitMarker, status: str) -> dict[str, Any]:

@@ -113,10 +113,41 @@ def test_pod_for_a_mapped_task_instance():
 
 def test_operator_defaults_and_template_fields():
     op = operator()
-    assert op.deferrable is True and op.durable is True and op.get_logs is True and op.do_xcom_push is True
+    assert op.durable is True and op.get_logs is True and op.do_xcom_push is True
     assert op.on_kill_action.value == "delete_pod" and op.on_finish_action.value == "delete_pod"
     assert {"spec", "shard", "kubernetes", "env"} <= set(op.template_fields)
     assert not {"cmds", "arguments", "image", "env_vars"} & set(op.template_fields)  # set from the spec only
+
+
+@pytest.mark.parametrize("configured", ["True", "False"])
+def test_deferrable_follows_the_operators_default_deferrable_setting(configured, monkeypatch):
+    from airflow_provider_vllm.operators.kubernetes import VllmKubernetesShardOperator
+
+    monkeypatch.setenv("AIRFLOW__OPERATORS__DEFAULT_DEFERRABLE", configured)
+    assert operator().deferrable is (configured == "True")
+    explicit = VllmKubernetesShardOperator(task_id="s", spec={}, shard=SHARD, deferrable=configured != "True")
+    assert explicit.deferrable is (configured != "True")  # an argument wins over the setting
+
+
+def test_the_rendered_pod_task_streams_its_log_and_bounds_scale_up_and_image_pull_separately():
+    """Deferred, KPO reads the pod's log only at the end unless ``logging_interval`` is set (its docstring);
+    ``schedule_timeout_seconds`` (waiting for a node) and ``startup_timeout_seconds`` (pulling the image)
+    are separate waits."""
+    op = operator()
+    op.build_pod_request_obj(create_context(op, map_index=3))
+    assert (op.logging_interval, op.schedule_timeout_seconds, op.startup_timeout_seconds) == (30, 1800, 900)
+    op = operator({**SETTINGS, "log_interval_s": 10, "schedule_timeout_s": 3600, "startup_timeout_s": 600})
+    op.build_pod_request_obj(create_context(op, map_index=3))
+    assert (op.logging_interval, op.schedule_timeout_seconds, op.startup_timeout_seconds) == (10, 3600, 600)
+    # deferring: KPO's own invoke_defer_method hands the trigger these values
+    from airflow.sdk.exceptions import TaskDeferred
+
+    op.pod = op.build_pod_request_obj(create_context(op, map_index=3))
+    with pytest.raises(TaskDeferred) as deferred:
+        op.invoke_defer_method()
+    trigger = deferred.value.trigger
+    assert (trigger.logging_interval, trigger.schedule_timeout, trigger.startup_timeout) == (10, 3600, 600)
+    assert trigger.get_logs is True
 
 
 def test_manifest_validates_against_the_kubernetes_openapi_schema():

@@ -60,6 +60,21 @@ def test_operator_lineage_builds_openlineage_datasets_with_facets():
     assert operator_lineage(None).inputs == []  # nothing recorded (a task that failed early)
 
 
+def test_merge_carries_a_run_facet_naming_model_revision_adapter_vllm_and_settings():
+    from openlineage.client.serde import Serde
+
+    from airflow_provider_vllm.operators.lineage import RUN_FACET, operator_lineage
+    from airflow_provider_vllm.steps.lineage import merge_lineage
+
+    spec = make_spec("s3://in-bucket/tickets/", "s3://out-bucket/labels/", model={"name": "org/m", "revision": "r1"})
+    summary = merge_summary(3, 2, 1).model_copy(update={"engine_versions": ["0.32.0"]})
+    facet = json.loads(Serde.to_json(operator_lineage(merge_lineage(spec, summary)).run_facets[RUN_FACET]))
+    assert (facet["model"], facet["revision"], facet["vllmVersions"]) == ("org/m", "r1", ["0.32.0"])
+    assert facet["configHash"] == spec.output_hash() and facet["settings"]["sampling"]["max_tokens"] == 8
+    assert "adapter" not in facet  # None: OpenLineage leaves unset fields out; this version loads no adapters
+    assert facet["_schemaURL"].endswith("#/$defs/RunFacet") and facet["_producer"]
+
+
 def test_a_failed_qa_still_reports_its_verdict_to_the_failure_event(tmp_path, fake_python):  # noqa: F811
     """The listener's FAIL event asks the same method (no on_failure variant): QA records before it raises."""
     from airflow_provider_vllm.operators import VllmQAFailed, VllmQAOperator
@@ -112,13 +127,16 @@ def test_a_dag_run_emits_input_output_datasets_and_the_qa_facet(airflow_sandbox,
     plan = by_task["plan"][-1]
     assert names(plan["inputs"]) == [("file", str(src))]
     assert plan["inputs"][0]["inputFacets"]["inputStatistics"]["rowCount"] == 30
-    assert names(plan["outputs"]) == [("file", f"{out}/_plan.json")]
+    assert plan["outputs"] == []  # _plan.json is the run's bookkeeping, not a dataset
 
     merge = by_task["merge"][-1]
     assert names(merge["inputs"]) == [("file", str(src))]
     assert names(merge["outputs"]) == [("file", f"{out}/results"), ("file", f"{out}/errors")]
     counts = [d["outputFacets"]["outputStatistics"]["rowCount"] for d in merge["outputs"]]
     assert sum(counts) == 30 and merge["outputs"][0]["facets"]["schema"]["fields"]
+    facet = merge["run"]["facets"]["vllmBatch"]
+    assert facet["model"] == "fake" and facet["vllmVersions"] == ["fake-0"]  # what the (fake) engine reported
+    assert facet["configHash"] == make_spec(src, out).output_hash()
 
     qa = by_task["qa"][-1]
     verdict = json.loads((out / "qa" / "report.json").read_text())["status"]
@@ -131,3 +149,4 @@ def test_a_dag_run_emits_input_output_datasets_and_the_qa_facet(airflow_sandbox,
     assert by_task["qa"][-1]["eventType"] == "COMPLETE"
     publish = by_task["publish"][-1]
     assert names(publish["outputs"]) == [("file", str(out))]
+    assert publish["run"]["facets"]["vllmBatch"] == facet

@@ -1,7 +1,12 @@
-"""Acceptance: the wheel, installed into a clean venv next to the pinned Airflow side, is a provider that
-Airflow lists, and the example DAGs it ships parse from the installed package.
+"""Acceptance: the wheel, installed as a user installs it (pip resolving its requirements and the
+``[s3,openlineage]`` extras under Airflow-style constraints) into a clean venv, is a provider that
+Airflow lists, its CLI command is there, and the example DAGs it ships parse from the installed package.
 
-Slow (a venv and ~150 pinned packages; pip's local cache makes later runs faster). No vLLM, no torch.
+The constraints are Airflow's own file when ``VLLM_BATCH_AIRFLOW_CONSTRAINTS`` names it (a path or a
+URL, e.g. https://raw.githubusercontent.com/apache/airflow/constraints-3.3.2/constraints-3.11.txt);
+without it (GitHub cannot be reached from the machines this is developed on) a file in the same
+format, one ``name==version`` a line, made from ``requirements/airflow.txt``, the Airflow side of
+the locks. Slow (a venv and ~300 packages; pip's local cache makes later runs faster). No vLLM, no torch.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import ROOT
-from tests.support.locks import airflow_lock, airflow_side
+from tests.support.locks import airflow_lock, lock_entries
 
 pytestmark = pytest.mark.slow
 
@@ -31,6 +36,8 @@ EXAMPLE_FILES = {
     ".airflowignore",
 }
 SOURCES = ("setup.cfg", "pyproject.toml", "README.md", "LICENSE", "airflow_provider_vllm", "dags")
+EXTRAS = "s3,openlineage"
+CONSTRAINTS_ENV = "VLLM_BATCH_AIRFLOW_CONSTRAINTS"
 
 
 def run(argv: list, timeout: int = 600, **kwargs) -> subprocess.CompletedProcess:
@@ -69,20 +76,25 @@ def test_wheel_installs_into_a_clean_venv_as_a_provider_with_its_example_dags(tm
     assert not [n for n in names if n.startswith(("tests/", "airflow_provider_vllm/testing/"))]
     assert not [n for n in names if n.endswith((".safetensors", ".gguf", ".bin", ".parquet"))]
 
-    # The Airflow side only: what the provider's requirements need, pinned by the lock (no vLLM, no torch).
-    requires = [r for r in meta.get_all("Requires-Dist") if "extra ==" not in r]
-    pins = airflow_side(requires, airflow_lock())
-    assert pins and not [p for p in pins if p.lower().startswith(("vllm", "torch"))]
-    (tmp_path / "airflow-side.txt").write_text("\n".join(pins) + "\n")
-    # Nothing of this checkout or of the test's own venv may leak in (PYTHONPATH would show pip this
-    # checkout's egg-info as an installed provider).
+    # As a user installs it: pip resolves the wheel's requirements and extras under the constraints.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "PYTHON", "VIRTUAL_ENV", "VLLM"))}
     env.update(AIRFLOW_HOME=str(tmp_path / "home"), AIRFLOW__CORE__LOAD_EXAMPLES="False")
     venv = tmp_path / "venv"
     run([sys.executable, "-m", "venv", venv], env=env, cwd=tmp_path)
     py = venv / "bin" / "python"
-    run([py, "-m", "pip", "install", "-q", "--no-deps", "-r", tmp_path / "airflow-side.txt"], env=env, cwd=tmp_path)
-    run([py, "-m", "pip", "install", "-q", "--no-deps", wheel], env=env, cwd=tmp_path)
+    airflow_pin = f"apache-airflow=={_locked('apache-airflow')}"
+    run(
+        [py, "-m", "pip", "install", "-q", airflow_pin, f"{wheel}[{EXTRAS}]", "--constraint", constraints(tmp_path)],
+        env=env,
+        cwd=tmp_path,
+        timeout=1800,
+    )
+    listed = cli_json(run([py, "-m", "pip", "list", "--format", "json"], env=env, cwd=tmp_path))
+    dists = {d["name"].lower().replace("_", "-"): d["version"] for d in listed}
+    assert dists["apache-airflow-providers-amazon"] == _locked("apache-airflow-providers-amazon")
+    assert dists["apache-airflow-providers-openlineage"] == _locked("apache-airflow-providers-openlineage")
+    assert not [n for n in dists if n.startswith(("vllm", "torch"))]  # the Airflow side needs no engine
+    run([py, "-m", "pip", "check"], env=env, cwd=tmp_path)
 
     installed = Path(
         run(
@@ -98,6 +110,8 @@ def test_wheel_installs_into_a_clean_venv_as_a_provider_with_its_example_dags(tm
         run([airflow, "providers", "get", "airflow-provider-vllm", "-o", "json"], env=env, cwd=tmp_path)
     )
     assert provider[0]["Provider"] == "airflow-provider-vllm" and provider[0]["Version"] == meta["Version"]
+    # the provider's CLI command, registered through get_provider_info like amazon's and cncf's
+    assert "dry-run" in run([airflow, "vllm-batch", "--help"], env=env, cwd=tmp_path).stdout
 
     run([airflow, "db", "migrate"], env=env, cwd=tmp_path)
 
@@ -115,3 +129,19 @@ def test_wheel_installs_into_a_clean_venv_as_a_provider_with_its_example_dags(tm
     alone.mkdir()
     shutil.copy2(installed / "example_dags" / "vllm_nightly_reclassification.py", alone)
     assert parsed(alone) == ([], {"vllm_nightly_reclassification"})
+
+
+def _locked(name: str) -> str:
+    entry = lock_entries(airflow_lock())[name]
+    return entry.split("==", 1)[1].split()[0]
+
+
+def constraints(tmp: Path) -> str:
+    """Airflow's constraints file (``VLLM_BATCH_AIRFLOW_CONSTRAINTS``), else one in its format from the lock."""
+    given = os.environ.get(CONSTRAINTS_ENV, "").strip()
+    if given:
+        return given
+    path = tmp / "constraints-3.11.txt"
+    pins = [entry.split(" ", 1)[0].rstrip("\\").strip() for entry in lock_entries(airflow_lock()).values()]
+    path.write_text("\n".join(sorted(pins, key=str.lower)) + "\n")
+    return str(path)

@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import re
-from importlib import metadata
 from pathlib import Path
 
-from packaging.markers import default_environment
-from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from tests.support import ROOT
@@ -35,32 +32,3 @@ def lock_entries(lock: Path) -> dict[str, str]:
         if stripped and not stripped.startswith("-"):
             current = [line.split(" #", 1)[0].rstrip()]
     return entries
-
-
-def dependency_closure(requirements: list[str]) -> set[str]:
-    """Canonical names of ``requirements`` and everything they need, read from this interpreter's installed
-    metadata (which the lock installed), with markers evaluated for this interpreter."""
-    seen: set[str] = set()
-    todo = [(Requirement(r), "") for r in requirements]
-    while todo:
-        req, extra = todo.pop()
-        if req.marker and not req.marker.evaluate({**default_environment(), "extra": extra}):
-            continue
-        name = canonicalize_name(req.name)
-        key = f"{name}[{','.join(sorted(req.extras))}]"
-        if key in seen:
-            continue
-        seen.add(key)
-        try:
-            requires = metadata.distribution(name).requires or []
-        except metadata.PackageNotFoundError:
-            continue
-        for extra_name in ("", *sorted(req.extras)):  # the markers pick what each extra adds
-            todo.extend((Requirement(r), extra_name) for r in requires)
-    return {k.split("[", 1)[0] for k in seen}
-
-
-def airflow_side(requirements: list[str], lock: Path) -> list[str]:
-    """The lock's entries that ``requirements`` need: what ``pip install --no-deps -r`` must get for them."""
-    needed = dependency_closure(requirements)
-    return [entry for name, entry in lock_entries(lock).items() if name in needed]

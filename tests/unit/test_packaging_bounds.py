@@ -3,6 +3,7 @@
 
 import configparser
 import re
+import sys
 
 import pytest
 from packaging.requirements import Requirement
@@ -58,6 +59,86 @@ def test_install_requires_lower_bound_is_the_locked_version(name):
 def test_amazon_provider_lower_bound_is_the_locked_version(extra_name):
     req = extra(extra_name)["apache-airflow-providers-amazon"]
     assert lower_bound(req) == Version(lock("airflow")["apache-airflow-providers-amazon"])
+
+
+@pytest.mark.parametrize(
+    "extra_name, provider",
+    [
+        ("gcs", "apache-airflow-providers-google"),  # its fs.gcs.get_fs is what hooks/filesystems.py calls
+        ("test", "apache-airflow-providers-google"),
+        ("openlineage", "apache-airflow-providers-openlineage"),
+        ("test", "apache-airflow-providers-openlineage"),
+    ],
+)
+def test_google_and_openlineage_lower_bounds_are_the_locked_versions(extra_name, provider):
+    req = extra(extra_name)[provider]
+    assert lower_bound(req) == Version(lock("airflow")[provider]), f"[{extra_name}] {req}"
+
+
+# distribution -> the module the package imports it as, where the two differ
+IMPORT_NAMES = {
+    "apache-airflow": "airflow",
+    "apache-airflow-providers-cncf-kubernetes": "airflow.providers.cncf.kubernetes",
+    "pyyaml": "yaml",
+}
+
+
+def _imported_modules() -> set[str]:
+    import ast
+
+    found: set[str] = set()
+    for path in (ROOT / "airflow_provider_vllm").rglob("*.py"):
+        if "testing" in path.relative_to(ROOT).parts:  # not in the wheel
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                found.add(node.module)
+    return found
+
+
+def test_every_required_package_is_imported_by_the_package():
+    """A requirement nothing imports costs every deployment an install (pandas was one)."""
+    imported = _imported_modules()
+    for name in install_requires():
+        module = IMPORT_NAMES.get(name, name.replace("-", "_"))
+        assert any(m == module or m.startswith(module + ".") for m in imported), f"{name}: required, never imported"
+
+
+# Modules the package imports at load time that come with one of its requirements, not declared itself.
+COMES_WITH = {
+    "jinja2": "apache-airflow",  # templating: Airflow's own
+    "fastapi": "apache-airflow",  # the report plugin's app: Airflow's API server
+    "packaging": "apache-airflow",  # also in every worker image (vLLM's)
+    "kubernetes": "apache-airflow-providers-cncf-kubernetes",
+    "pydantic_core": "pydantic",
+}
+
+
+def test_every_module_the_package_imports_on_load_is_required():
+    """A module imported at the top of a module must be installed by the package's own requirements
+    (numpy came only through pandas, until pandas was dropped and the example DAGs failed to import)."""
+    import ast
+    import importlib.metadata
+
+    provided = importlib.metadata.packages_distributions()
+    required = set(install_requires())
+    missing = set()
+    for path in (ROOT / "airflow_provider_vllm").rglob("*.py"):
+        if "testing" in path.relative_to(ROOT).parts:
+            continue
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [node.module]
+            for top in {n.split(".")[0] for n in names} - set(sys.stdlib_module_names) - {"airflow_provider_vllm"}:
+                dists = {canonicalize_name(d) for d in provided.get(top, [])}
+                if top == "airflow":
+                    dists = {"apache-airflow"}
+                if not (dists & required or COMES_WITH.get(top) in required):
+                    missing.add(f"{top} ({path.relative_to(ROOT)})")
+    assert not missing, sorted(missing)
 
 
 def test_airflow_upper_bound_excludes_the_next_major():

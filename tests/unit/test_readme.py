@@ -99,3 +99,29 @@ def test_the_link_finder_sees_a_missing_target():
         "docs/nope.md",
         "img/p.png",
     ]
+
+
+def test_the_install_lines_are_true_today():
+    """Not on PyPI yet: a wheel of this version, Airflow's constraints of the locked Airflow, extras that exist,
+    and the PyPI line only as what comes once published; the [cpu] extra names PyTorch's CPU index."""
+    import configparser
+
+    from airflow_provider_vllm import __version__
+    from airflow_provider_vllm.core.compat import PYTORCH_CPU_INDEX
+    from tests.support.locks import airflow_lock, lock_entries
+
+    text = (ROOT / "README.md").read_text()
+    install = text[text.index("## Install") : text.index("## A DAG")]
+    airflow = lock_entries(airflow_lock())["apache-airflow"].split("==", 1)[1].split()[0]
+    wheel = f"dist/airflow_provider_vllm-{__version__}-py3-none-any.whl"
+    assert "pip wheel --no-deps -w dist ." in install and f'"{wheel}[s3]"' in install
+    assert f"https://raw.githubusercontent.com/apache/airflow/constraints-{airflow}/constraints-3.11.txt" in install
+    assert install.count(f'"apache-airflow=={airflow}"') >= 3  # both steps and the checkout line keep that Airflow
+    assert re.search(r"Once the package is published: `pip install 'airflow-provider-vllm\[s3\]'`", install)
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    extras = set(cfg["options.extras_require"])
+    for named in re.findall(r"`(\w+)` for|`\[([\w,]+)\]`", install):
+        for extra in ",".join(n for n in named if n).split(","):
+            assert extra in extras, extra
+    assert f'[s3,cpu]" --extra-index-url {PYTORCH_CPU_INDEX}' in install

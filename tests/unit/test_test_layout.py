@@ -13,9 +13,6 @@ from tests.support import ROOT
 PACKAGE = ROOT / "airflow_provider_vllm"
 
 TESTED_ELSEWHERE: dict[str, list[str]] = {
-    "cli/dry_run.py": ["tests/unit/steps/plan/test_dry_run.py"],
-    "cli/pod_dry_run.py": ["tests/airflow/test_kubernetes_dags.py"],
-    "core/allow_list.py": ["tests/unit/test_security.py", "tests/unit/steps/plan/test_plan_refusals.py"],
     "core/errors.py": ["tests/unit/core/test_exit_codes.py", "tests/unit/test_bad_inputs.py"],
     "core/formats/base.py": ["tests/unit/core/formats/test_parquet.py", "tests/unit/steps/plan/test_plan_refusals.py"],
     "core/formats/files.py": ["tests/unit/core/formats/test_openai_batch.py", "tests/unit/steps/plan/test_planner.py"],
@@ -38,7 +35,6 @@ TESTED_ELSEWHERE: dict[str, list[str]] = {
     "operators/qa.py": ["tests/airflow/test_operators.py"],
     "operators/review.py": ["tests/airflow/test_review.py"],
     "operators/runner_branch.py": ["tests/airflow/test_operators.py"],
-    "operators/shard.py": ["tests/airflow/test_operators.py", "tests/airflow/test_kubernetes_operator.py"],
     "plugins/report.py": ["tests/airflow/test_report_page_access.py", "tests/ui/test_airflow_ui.py"],
     "provider.py": ["tests/unit/test_provider_info.py"],
     "steps/plan/memory.py": ["tests/unit/steps/plan/test_dry_run.py", "tests/unit/utils/test_pod_spec.py"],
@@ -49,7 +45,6 @@ TESTED_ELSEWHERE: dict[str, list[str]] = {
     "utils/openlineage_facets.py": ["tests/airflow/test_openlineage.py"],
     "utils/provenance.py": ["tests/unit/test_security.py"],
     "worker/__main__.py": ["tests/unit/worker/test_exits.py", "tests/unit/test_layers.py"],
-    "worker/engine.py": ["tests/vllm/test_worker_vllm.py", "tests/vllm/test_openai_hostile_vllm.py"],
     "worker/lifecycle.py": ["tests/vllm/test_reliability_lifecycle.py"],
     "worker/prompts.py": ["tests/unit/worker/test_isolation.py", "tests/vllm/test_worker_vllm.py"],
     "worker/redact.py": ["tests/vllm/test_redaction.py", "tests/unit/test_security.py"],

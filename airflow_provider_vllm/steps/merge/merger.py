@@ -196,6 +196,7 @@ def merge(
         spec_hash=plan.spec_hash,
         merge_s=round(time.monotonic() - t0, 3),
         versions={"airflow-provider-vllm": __version__, "duckdb": duckdb.__version__},
+        engine_versions=sorted({v for m in markers if (v := m.versions.get("vllm"))}),
         task=spec.task,
         id_column=spec.prompt.id_column,
         **({"cache": cache_summary} if cache_summary is not None else {}),

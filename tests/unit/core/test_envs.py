@@ -17,6 +17,7 @@ ENVS = "core/envs.py"
 WRITES = {
     ("worker/engine.py", "VLLM_CPU_KVCACHE_SPACE"),
     ("worker/__main__.py", "VLLM_LOGGING_STREAM"),
+    ("cli/dry_run.py", "AIRFLOW__LOGGING__LOGGING_LEVEL"),  # the dry run's own process: Airflow's INFO lines off
 }
 NAME = re.compile(r"(?<![A-Z0-9_])VLLM_BATCH_[A-Z0-9_]*[A-Z0-9](?![A-Z0-9_*])")
 

