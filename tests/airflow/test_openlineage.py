@@ -63,8 +63,8 @@ def test_operator_lineage_builds_openlineage_datasets_with_facets():
 def test_merge_carries_a_run_facet_naming_model_revision_adapter_vllm_and_settings():
     from openlineage.client.serde import Serde
 
-    from airflow_provider_vllm.operators.lineage import RUN_FACET, operator_lineage
     from airflow_provider_vllm.steps.lineage import merge_lineage
+    from airflow_provider_vllm.utils.openlineage_facets import RUN_FACET, operator_lineage
 
     spec = make_spec("s3://in-bucket/tickets/", "s3://out-bucket/labels/", model={"name": "org/m", "revision": "r1"})
     summary = merge_summary(3, 2, 1).model_copy(update={"engine_versions": ["0.32.0"]})

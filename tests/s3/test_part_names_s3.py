@@ -21,8 +21,8 @@ from airflow_provider_vllm.core.errors import CommitError
 from airflow_provider_vllm.core.records import PartEntry, PartsManifest
 from airflow_provider_vllm.core.rows import ERROR_SCHEMA, RESULT_SCHEMA
 from airflow_provider_vllm.core.storage import Storage
-from airflow_provider_vllm.steps.changes import CHANGES, compute_changes
-from airflow_provider_vllm.steps.merge import ERRORS, MERGED, RESULTS
+from airflow_provider_vllm.steps.merge.changes import CHANGES, compute_changes
+from airflow_provider_vllm.steps.merge.merger import ERRORS, MERGED, RESULTS
 from tests.support.data import make_spec, merge_summary
 from tests.support.ledger import record_malicious
 from tests.support.s3server import MotoServer

@@ -113,6 +113,8 @@ COMES_WITH = {
     "packaging": "apache-airflow",  # also in every worker image (vLLM's)
     "kubernetes": "apache-airflow-providers-cncf-kubernetes",
     "pydantic_core": "pydantic",
+    "annotated_types": "pydantic",  # pydantic's field constraints (the OpenAI-batch rows reuse the spec's)
+    "sqlalchemy": "apache-airflow",  # the report plugin reads the metadata DB through Airflow's session
 }
 
 

@@ -12,8 +12,9 @@ from types import SimpleNamespace
 import pytest
 from airflow.sdk.exceptions import AirflowFailException
 
-from airflow_provider_vllm.operators import local_runner, shard
+from airflow_provider_vllm.operators import shard
 from airflow_provider_vllm.operators.shard import VllmLocalShardOperator
+from airflow_provider_vllm.utils import worker_process as local_runner
 from tests.support.data import make_spec
 
 

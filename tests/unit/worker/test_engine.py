@@ -11,7 +11,7 @@ import pytest
 
 from airflow_provider_vllm.core.compat import VllmNotInstalledError
 from airflow_provider_vllm.core.errors import EXIT_TERMINAL
-from airflow_provider_vllm.steps.plan import plan_job
+from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker import shard as shard_mod
 from airflow_provider_vllm.worker.engine import Engine, require_vllm
 from airflow_provider_vllm.worker.shard import run_shard

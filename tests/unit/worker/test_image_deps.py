@@ -25,6 +25,7 @@ VLLM_IMAGE = {
     "numpy",
     "pydantic",
     "pydantic_core",
+    "annotated_types",  # pydantic's own dependency
     "yaml",
     "psutil",
     "pynvml",
