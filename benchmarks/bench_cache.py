@@ -40,6 +40,11 @@ import bench_dataplane as dp  # noqa: E402
 ENGINE = "vllm==0.32.0"  # the engine identity in the key; the synthesised rows say engine_version 0.32.0
 
 
+# A benchmark's own signing key (docs/adr/0007-sealed-records.md): the stages it runs, in this process
+# and in the children it starts, seal and check what they write with it. Never a deployment's key.
+os.environ.setdefault("VLLM_BATCH_SIGNING_KEY", "benchmark-signing-key-not-for-deployments-0123456789")
+
+
 def spec_for(input_dir: Path, run_dir: Path, cache_dir: Path | None):
     from airflow_provider_vllm.core.spec import JobSpec
 

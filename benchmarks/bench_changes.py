@@ -26,6 +26,11 @@ sys.path.insert(0, str(ROOT))
 LABELS = ["billing", "bug", "feature_request", "account", "other"]
 
 
+# A benchmark's own signing key (docs/adr/0007-sealed-records.md): the stages it runs, in this process
+# and in the children it starts, seal and check what they write with it. Never a deployment's key.
+os.environ.setdefault("VLLM_BATCH_SIGNING_KEY", "benchmark-signing-key-not-for-deployments-0123456789")
+
+
 def write_run(con, out: Path, rows: int, offset: int, moved: float) -> None:
     from airflow_provider_vllm.core.rows import ERROR_COLUMNS, ERROR_SCHEMA, RESULT_COLUMNS, RESULT_SCHEMA
     from tests.support.data import merge_summary, write_manifest

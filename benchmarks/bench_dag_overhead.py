@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import platform
+import secrets
 import shutil
 import sqlite3
 import subprocess
@@ -103,6 +104,9 @@ def airflow_env(
             "AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES": json.dumps(
                 [str(data), *([os.path.dirname(os.path.realpath(model))] if model.startswith("/") else [])]
             ),
+            # a signing key of its own (docs/adr/0007) and where its result caches may live
+            "AIRFLOW__VLLM_BATCH__SIGNING_KEY": secrets.token_urlsafe(48),
+            "AIRFLOW__VLLM_BATCH__CACHE_URI_PREFIXES": json.dumps([str(data)]),
             "AIRFLOW_VAR_VLLM_BATCH_SHARD_ROWS": str(rows_per_shard),
             "AIRFLOW_VAR_VLLM_BATCH_HUMAN_REVIEW": "false",  # nobody answers a review under `dags test`
             "AIRFLOW_VAR_VLLM_BATCH_SPEC_OVERRIDES": json.dumps(

@@ -65,6 +65,11 @@ ROW_GROUP = 250_000
 
 
 # ---- input generation ----------------------------------------------------------------
+# A benchmark's own signing key (docs/adr/0007-sealed-records.md): the stages it runs, in this process
+# and in the children it starts, seal and check what they write with it. Never a deployment's key.
+os.environ.setdefault("VLLM_BATCH_SIGNING_KEY", "benchmark-signing-key-not-for-deployments-0123456789")
+
+
 def _templates() -> tuple[list[str], list[str]]:
     openers = [
         "I was charged twice for my {p} subscription",

@@ -93,6 +93,11 @@ ENV_SETTINGS = {
 }
 
 
+# A benchmark's own signing key (docs/adr/0007-sealed-records.md): the stages it runs, in this process
+# and in the children it starts, seal and check what they write with it. Never a deployment's key.
+os.environ.setdefault("VLLM_BATCH_SIGNING_KEY", "benchmark-signing-key-not-for-deployments-0123456789")
+
+
 def texts_for(workload: str, rows: int, seed: int = 3) -> list[str]:
     import numpy as np
 

@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import re
+import secrets
 import shutil
 import subprocess
 import sys
@@ -161,6 +162,11 @@ def main() -> int:
             "AIRFLOW_VAR_VLLM_BATCH_HUMAN_REVIEW": "false",
             # The deployment's allow-list (docs/security.md): the demo's data folder and the model cache.
             "AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES": json.dumps([str(data), str(default_cache_dir())]),
+            # The demo's own signing key (docs/adr/0007-sealed-records.md), kept beside its Airflow home so
+            # that a rerun over the same output and the nightly's result cache trust what the last run
+            # sealed; and where the result cache may live (the demo's data folder).
+            "AIRFLOW__VLLM_BATCH__SIGNING_KEY": demo_signing_key(home),
+            "AIRFLOW__VLLM_BATCH__CACHE_URI_PREFIXES": json.dumps([str(data)]),
         }
     )
     for k, v in {
@@ -199,9 +205,22 @@ def main() -> int:
         f"\n  Airflow UI over this run: AIRFLOW_HOME={home.relative_to(ROOT)} "
         f"AIRFLOW__CORE__DAGS_FOLDER=dags "
         f"AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES='{env['AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES']}' "
+        f"AIRFLOW__VLLM_BATCH__CACHE_URI_PREFIXES='{env['AIRFLOW__VLLM_BATCH__CACHE_URI_PREFIXES']}' "
+        f"AIRFLOW__VLLM_BATCH__SIGNING_KEY=$(cat {(home / 'signing_key').relative_to(ROOT)}) "
         f".venv/bin/airflow standalone"
     )
     return 0
+
+
+def demo_signing_key(home: Path) -> str:
+    """A random key made once per demo home (``<home>/signing_key``, readable by this user only)."""
+    path = home / "signing_key"
+    if not path.exists():
+        home.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(48))
+    return path.read_text().strip()
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import TEST_SIGNING_KEY
 from tests.support import ROOT
 from tests.support.airflow_env import AIRFLOW, DAGS, PY, AirflowSandbox, tail  # noqa: F401  (re-used by fixtures)
 
@@ -74,6 +75,10 @@ def airflow_sandbox(tmp_path_factory, tiny_model) -> AirflowSandbox:
             "AIRFLOW_VAR_VLLM_BATCH_HUMAN_REVIEW": "false",
             # The deployment's allow-list: the sandbox's data root and the model cache (tiny model, SmolLM2).
             "AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES": json.dumps([str(data), *model_roots(tiny_model)]),
+            # its signing key (docs/adr/0007), where result caches may live, the pods' key Secret
+            "AIRFLOW__VLLM_BATCH__SIGNING_KEY": TEST_SIGNING_KEY,
+            "AIRFLOW__VLLM_BATCH__CACHE_URI_PREFIXES": json.dumps([str(data)]),
+            "AIRFLOW__VLLM_BATCH__KUBERNETES_SIGNING_SECRET": "vllm-batch-signing:key",
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import TEST_SIGNING_KEY
 from tests.support.data import write_parquet
 from tests.ui.standalone import ROOT, Standalone
 
@@ -94,6 +95,8 @@ def airflow_ui(tmp_path_factory, ui_data):
         # the deployment's allow-list (docs/security.md): without it every plan fails closed and the
         # report page answers 403
         "AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES": json.dumps([str(ui_data), str(Path(tiny).resolve().parent)]),
+        "AIRFLOW__VLLM_BATCH__SIGNING_KEY": TEST_SIGNING_KEY,  # docs/adr/0007
+        "AIRFLOW__VLLM_BATCH__CACHE_URI_PREFIXES": json.dumps([str(ui_data)]),
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
