@@ -43,7 +43,6 @@ sys.path.insert(0, str(ROOT))
 
 from bench_worker_vs_raw import ENV_SETTINGS, committed_outputs, environment, make_spec, texts_for  # noqa: E402
 
-
 # A benchmark's own signing key (docs/adr/0007-sealed-records.md): the stages it runs, in this process
 # and in the children it starts, seal and check what they write with it. Never a deployment's key.
 os.environ.setdefault("VLLM_BATCH_SIGNING_KEY", "benchmark-signing-key-not-for-deployments-0123456789")
