@@ -96,7 +96,7 @@ def child(stage: str, input_dir: Path, run_dir: Path, cache_dir: str) -> None:
             hits=plan.cache.hits if plan.cache else 0,
         )
     elif stage == "setup":
-        extra.update(dp.synthesise_commits(spec))
+        extra.update(dp.synthesise_commits(spec, engine_identity=ENGINE))
     elif stage == "merge":
         s = merge(spec)
         extra.update(

@@ -3,7 +3,7 @@
 
     .venv/bin/python benchmarks/bench_dataplane.py [--rows 10000000] [--workdir DIR]
                                                    [--repeat N] [--chunk-rows 50000]
-                                                   [--stages plan,merge,qa]
+                                                   [--stages plan,merge,qa,publish]
                                                    [--profile [missed|all]]
 
 Sizes: 10M (default; goals GOALS) and 100M (``--rows 100000000``; goals GOALS_100M, issue 17:
@@ -21,6 +21,8 @@ folders are hard links to the committed parts, so merge adds no data on a local 
    published by reference into results/ and errors/, manifests, ``_MERGED.json``); each timed
    merge starts with those folders removed, as a first merge does.
 5. QA: ``qa_run(spec)``.
+6. publish: the publish task's check before ``_SUCCESS.json``: the sealed ``_MERGED.json``, each
+   manifest against it, every part's size and sha256 (a streaming read of all of results/ and errors/).
 
 ``--stages`` times only the named stages; without ``plan`` the previous run under
 ``--workdir`` (plan, commits, merged output) is reused. Every stage runs in its own subprocess, so peak RSS
@@ -52,12 +54,14 @@ GOALS = {
     "plan": {"seconds": 3.0},
     "merge": {"seconds": 10.0, "rss_mib": 1536.0},
     "qa": {"seconds": 5.0},
+    "publish": {"seconds": 5.0},  # the publish task's check of every part's bytes (docs/adr/0007)
 }
 # issue 17's goals at 100M rows (this 2-core machine): at that size they replace GOALS
 GOALS_100M = {
     "plan": {"seconds": 20.0, "rss_mib": 2048.0},
     "merge": {"seconds": 30.0, "rss_mib": 2048.0},
     "qa": {"seconds": 15.0, "rss_mib": 2048.0},
+    "publish": {"seconds": 30.0, "rss_mib": 2048.0},
 }
 LABELS = ["billing", "bug", "account", "shipping", "refund", "feature_request", "security", "other"]
 N_FILES = 10
@@ -240,33 +244,38 @@ def _synth_chunk(ids, rng, labels_arr, prov: dict):
     return pa.Table.from_arrays([cols[f.name] for f in ROW_SCHEMA], schema=ROW_SCHEMA)
 
 
-def synthesise_commits(spec) -> dict:
+def synthesise_commits(spec, engine_identity: str | None = None) -> dict:
+    """The shards' commits as workers make them (sealed); ``engine_identity``: the engine they say they saw."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     from airflow_provider_vllm import __version__
-    from airflow_provider_vllm.core.commit import ChunkMeta, CommitMarker, ShardStore
+    from airflow_provider_vllm.core.commit import ChunkMeta, CommitMarker, RunSeal, ShardStore
     from airflow_provider_vllm.core.plan import load_plan
+    from airflow_provider_vllm.core.seal import Keyring
     from airflow_provider_vllm.core.storage import Storage
 
-    plan = load_plan(spec)
+    keyring = Keyring.from_env()
+    plan = load_plan(spec, keyring=keyring)
+    run = RunSeal(keyring, plan.seal.mac)
     out = Storage(spec.io.output_uri, spec.io.storage_options)
-    root, files = plan.shard_input()  # the input, or with the result cache the plan's misses file
-    in_root = Storage(root, spec.io.storage_options)
     rng = np.random.default_rng(11)
     labels_arr = pa.array(LABELS)
-    id_cols: dict[int, pa.Array] = {}
+    id_cols: dict[tuple, pa.Array] = {}
     chunk_rows = spec.sharding.chunk_rows
     n_files = 0
     for shard in plan.shards:
         assert shard.bucket == "all"
+        root, files = plan.shard_input(shard)  # the input, or with the result cache the shard's own file
+        in_root = Storage(root, spec.io.storage_options)
         parts = []
         for seg in shard.segments:
-            if seg.file not in id_cols:
+            key = (root, seg.file)
+            if key not in id_cols:
                 with in_root.open(files[seg.file].path) as fh:
-                    id_cols[seg.file] = pq.read_table(fh, columns=[spec.prompt.id_column]).column(0).combine_chunks()
-            parts.append(id_cols[seg.file].slice(seg.start, seg.count))
+                    id_cols[key] = pq.read_table(fh, columns=[spec.prompt.id_column]).column(0).combine_chunks()
+            parts.append(id_cols[key].slice(seg.start, seg.count))
         ids = pa.concat_arrays(parts)
         assert len(ids) == shard.rows
         attempt = f"abench-{shard.index:05d}"
@@ -278,7 +287,7 @@ def synthesise_commits(spec) -> dict:
             "shard_id": shard.shard_id,
             "attempt_id": attempt,
         }
-        store = ShardStore(out, shard.shard_id)
+        store = ShardStore(out, shard.shard_id, run)
         entries = []
         for k in range(max(1, -(-shard.rows // chunk_rows))):
             first = k * chunk_rows
@@ -314,6 +323,7 @@ def synthesise_commits(spec) -> dict:
             ok_rows=sum(e.ok_rows for e in entries),
             error_rows=sum(e.error_rows for e in entries),
             stats=stats,
+            **({"engine_identity": engine_identity} if engine_identity else {}),
             versions={
                 "airflow-provider-vllm": __version__,
                 "vllm": "0.32.0",
@@ -427,6 +437,13 @@ def child(stage: str, input_dir: Path, run_dir: Path, chunk_rows: int, profile: 
         elif stage == "qa":
             report, _ = qa_run(spec)
             extra.update(qa_status=report.status)
+        elif stage == "publish":  # what the publish task checks before _SUCCESS.json: every part's bytes
+            from airflow_provider_vllm.core.storage import Storage
+            from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS, read_merged, verified_parts
+
+            out = Storage(spec.io.output_uri, spec.io.storage_options)
+            merged = read_merged(out)
+            extra.update(parts=sum(len(verified_parts(out, kind, merged)) for kind in (RESULTS, ERRORS)))
         else:
             raise SystemExit(f"unknown stage {stage}")
 
@@ -583,7 +600,7 @@ def main() -> int:
         runs.mkdir(parents=True)
         for rep in range(args.repeat):  # plans into fresh folders; rep 0's folder is the run
             measured["plan"].append(run_child("plan", args, input_dir, run_dir if rep == 0 else runs / f"plan-{rep}"))
-    if ("merge" in wanted or "qa" in wanted) and not (run_dir / "shards").exists():
+    if ("merge" in wanted or "qa" in wanted or "publish" in wanted) and not (run_dir / "shards").exists():
         setup = run_child("setup", args, input_dir, run_dir)
         print(
             f"setup (not timed as a stage): {setup['shards']} shards, {setup['chunk_files']} chunk files "
@@ -592,11 +609,13 @@ def main() -> int:
         )
     for _ in range(args.repeat if "merge" in wanted else 0):
         measured["merge"].append(run_child("merge", args, input_dir, run_dir))
-    if "qa" in wanted and not (run_dir / "_MERGED.json").exists():
+    if ("qa" in wanted or "publish" in wanted) and not (run_dir / "_MERGED.json").exists():
         untimed = run_child("merge", args, input_dir, run_dir)
         print(f"merge (not timed: QA needs its output) in {untimed['seconds']:.1f}s", file=sys.stderr)
     for _ in range(args.repeat if "qa" in wanted else 0):
         measured["qa"].append(run_child("qa", args, input_dir, run_dir))
+    for _ in range(args.repeat if "publish" in wanted else 0):
+        measured["publish"].append(run_child("publish", args, input_dir, run_dir))
     n_shards = setup["shards"] if setup else len(json.loads((run_dir / "_plan.json").read_text())["shards"])
     n_chunks = setup["chunk_files"] if setup else None
 

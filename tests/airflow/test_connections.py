@@ -62,10 +62,10 @@ def test_gcs_goes_through_the_google_providers_helper_with_the_connection(gcp_co
     from tests.support.data import write_parquet
 
     fs = ConnectionFileSystems(aws_conn_id="unused", gcp_conn_id=gcp_connection)
-    st = Storage("gs://gbucket/runs/r1", {"requester_pays": False}, fs)
+    st = Storage("gs://gbucket/runs/r1", {"consistency": "md5"}, fs)
     st.write_atomic("a.txt", b"hello")
     assert st.read_bytes("a.txt") == b"hello" and st.sub("x").filesystems is fs
-    assert isinstance(st.fs, gcsfs.GCSFileSystem) and st.fs is fs("gs://gbucket/other", {"requester_pays": False})
+    assert isinstance(st.fs, gcsfs.GCSFileSystem) and st.fs is fs("gs://gbucket/other", {"consistency": "md5"})
     # a whole plan reads its input from GCS through the Connection
     local = write_parquet(tmp_path / "part-0.parquet", [f"g{i}" for i in range(9)], [f"ticket {i}" for i in range(9)])
     Storage("gs://gbucket/in", {}, fs).write_atomic("part-0.parquet", local.read_bytes())

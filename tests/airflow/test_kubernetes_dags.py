@@ -106,3 +106,42 @@ def test_runner_chosen_at_run_time_sends_the_shards_to_pods(airflow_sandbox, tmp
     log = p.stdout + p.stderr
     assert "runner kubernetes: shards run in rerun.shard_kubernetes" in log
     assert "127.0.0.1" in log  # it tried the configured cluster
+
+
+def test_the_cache_key_follows_the_deployments_image(airflow_sandbox, tmp_path):
+    """The deployment moves its pods to another image through [vllm_batch] kubernetes_defaults: the nightly's
+    plan keys the result cache with the image the pods will run (by digest), so the old engine's answers
+    are not served under the new one's name; the rendered pod gets the signing key by reference only."""
+    box = airflow_sandbox
+    keys = {}
+    for day, digest in (("2026-11-20", "a1"), ("2026-11-21", "b2")):
+        image = "registry.example.com/ml/airflow-provider-vllm-worker:0.1.0@sha256:" + digest * 32
+        write_parquet(
+            box.data / "tickets" / f"dt={day}" / "part-0.parquet",
+            [f"t{i}" for i in range(12)],
+            [f"ticket {i}" for i in range(12)],
+        )
+        env = {
+            **kube_env(tmp_path),
+            "AIRFLOW__VLLM_BATCH__KUBERNETES_DEFAULTS": json.dumps({**DEPLOYMENT_POD, "image": image}),
+        }
+        box.dags_test(NIGHTLY, day, env=env, timeout=600)  # the shards fail: no cluster; the plan is what counts
+        plan = json.loads((box.data / "reclassification" / f"dt={day}" / "_plan.json").read_text())
+        assert plan["cache"]["key_config"]["engine_identity"].startswith(f"image {image}")
+        keys[day] = plan["cache"]["key_hash"]
+    assert keys["2026-11-20"] != keys["2026-11-21"]
+    p = subprocess.run(
+        [PY, "-m", "airflow_provider_vllm.cli.pod_dry_run", NIGHTLY, "2026-11-21"],
+        env={**box.env, **kube_env(tmp_path)},
+        cwd=str(box.home),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, tail(p)
+    base = yaml.safe_load(p.stdout)["spec"]["containers"][0]
+    signing = [e for e in base["env"] if e["name"] == "VLLM_BATCH_SIGNING_KEY"]
+    assert signing == [
+        {"name": "VLLM_BATCH_SIGNING_KEY", "valueFrom": {"secretKeyRef": {"key": "key", "name": "vllm-batch-signing"}}}
+    ]
+    assert box.env["AIRFLOW__VLLM_BATCH__SIGNING_KEY"] not in p.stdout
