@@ -194,7 +194,6 @@ class VllmKubernetesShardOperator(KubernetesPodOperator):
             parts = pod_parts(spec, settings, task.shard_id)
         except (SpecError, ValueError) as e:
             raise AirflowFailException(f"shard {self.shard_id!r}: {e}") from None
-        self.check_engine(spec, settings)
         argv = worker_command(task, python=WORKER_PYTHON)
         self.cmds, self.arguments = argv[:-1], argv[-1:]
         self.image = parts.image
@@ -271,6 +270,8 @@ class VllmKubernetesShardOperator(KubernetesPodOperator):
 
     def execute(self, context: Any) -> Any:
         parts = self.prepare_pod()
+        spec = load_spec(self.spec, "shard")
+        self.check_engine(spec, self.settings(spec))  # before a pod starts: the engine the plan keyed
         self.log.info(
             "shard %s: image %s, %d GPU(s), memory %s, /dev/shm %s: %s '<shard task json, %d bytes>'",
             self.shard_id,

@@ -93,6 +93,9 @@ def _run_shard(
     task: ShardTask, engine_factory: Callable[[JobSpec], Any] | None, watchdog: Watchdog, keyring: Keyring
 ) -> dict[str, Any]:
     spec = task.spec
+    # the engine this worker runs, as the cache key names it: read before vLLM starts (it sets VLLM_*
+    # variables in this process's environment for its own workers)
+    identity = local_engine_identity()
     out = Storage(spec.io.output_uri, spec.io.storage_options)
     faults.hit("plan.load")
     plan = load_plan(spec, keyring=keyring)
@@ -206,7 +209,7 @@ def _run_shard(
         ok_rows=sum(e.ok_rows for e in entries),
         error_rows=sum(e.error_rows for e in entries),
         stats=ShardStats.model_validate(stats),
-        engine_identity=local_engine_identity(),
+        engine_identity=identity,
         versions={
             "airflow-provider-vllm": __version__,
             "vllm": engine_version,

@@ -98,6 +98,7 @@ def test_pod_for_a_mapped_task_instance():
         "HF_TOKEN": ("hf-token", "token"),
         "AWS_ACCESS_KEY_ID": ("s3-creds", "access_key_id"),
         "AWS_SECRET_ACCESS_KEY": ("s3-creds", "secret_access_key"),
+        "VLLM_BATCH_SIGNING_KEY": ("vllm-batch-signing", "key"),  # [vllm_batch] kubernetes_signing_secret
     }
     assert [(t.key, t.operator, t.value, t.effect) for t in pod.spec.tolerations] == [
         ("nvidia.com/gpu", "Exists", None, "NoSchedule"),
@@ -291,7 +292,8 @@ def test_no_secret_value_in_args_env_literals_or_logs(monkeypatch, caplog, capsy
     c = base(pod)
     literals = [e.value for e in c.env if e.value is not None]
     leaked = [k for k, v in secret_values.items() if v in text or any(v in x for x in literals + c.args)]
-    assert {e.name for e in c.env if e.value_from} == set(secret_values)  # they arrive as Secret references
+    # they arrive as Secret references, and so does the deployment's signing key
+    assert {e.name for e in c.env if e.value_from} == {*secret_values, "VLLM_BATCH_SIGNING_KEY"}
     record_malicious(
         "secret_value_into_pod_spec_or_log", tried=len(secret_values), rejected=len(secret_values) - len(leaked)
     )

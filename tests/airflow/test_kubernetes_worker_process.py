@@ -8,6 +8,7 @@ venv's interpreter, as it is the vLLM image's. The argv is exactly the pod's com
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -66,7 +67,10 @@ def test_pod_command_line_runs_a_real_shard(tmp_path, monkeypatch, tiny_model):
         return value
 
     env = {e.name: local(e.value) for e in c.env if e.value is not None}
-    assert not [e for e in c.env if e.value_from]  # no Secret references in this pod
+    # the only Secret reference: the deployment's signing key, which the kubelet would resolve
+    (signing,) = [e for e in c.env if e.value_from]
+    assert signing.name == "VLLM_BATCH_SIGNING_KEY" and signing.value_from.secret_key_ref.name == "vllm-batch-signing"
+    env[signing.name] = os.environ["VLLM_BATCH_SIGNING_KEY"]
     env.update(
         {
             "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",

@@ -154,12 +154,13 @@ def test_plan_accepts_a_yaml_spec_text(tmp_path):
 
 
 def test_plan_with_the_result_cache_keys_on_the_runners_engine(tmp_path, fake_python):
-    """The plan operator puts the runner's engine in the cache key: the local vLLM here, so the fake
-    engine's rows (engine_version fake-0) are refused by the merge's engine check, not cached."""
+    """The plan operator puts the runner's engine in the cache key: the local vLLM and the worker's
+    environment here; the workers seal the engine they saw, the same one, so the run is cached. With the
+    Kubernetes runner the key needs the pods' image pinned by digest."""
     from airflow.sdk.exceptions import AirflowFailException
 
+    from airflow_provider_vllm.core.engine_identity import local_engine_identity
     from airflow_provider_vllm.operators import VllmPlanOperator
-    from airflow_provider_vllm.steps.cache.result_cache import kubernetes_engine_identity, local_engine_identity
 
     dataset(tmp_path, 30)
     doc = spec_doc(
@@ -169,16 +170,15 @@ def test_plan_with_the_result_cache_keys_on_the_runners_engine(tmp_path, fake_py
     plan = json.loads((tmp_path / "out" / "_plan.json").read_text())
     assert plan["cache"]["key_config"]["engine_identity"] == local_engine_identity()
     assert (plan["cache"]["hits"], plan["cache"]["misses"]) == (0, 30) and sum(s["rows"] for s in shards) == 30
-    assert merged["ok_rows"] == 30 and merged["cache"]["appended"] == 0 and "fake-0" in merged["cache"]["skipped"]
+    assert merged["ok_rows"] == 30 and merged["cache"]["appended"] == 30 and "skipped" not in merged["cache"]
     k8s = spec_doc(
         tmp_path,
         model={"name": "fake", "revision": PINNED_REVISION},
         cache={"uri": str(tmp_path / "cache")},
         io={"output_uri": str(tmp_path / "out-k8s")},
     )
-    from airflow_provider_vllm.core.spec import JobSpec
-
-    assert kubernetes_engine_identity(JobSpec.load(k8s)).startswith("image airflow-provider-vllm-worker:")
+    with pytest.raises(AirflowFailException, match="not pinned by digest"):
+        VllmPlanOperator(task_id="plan", spec=k8s, runner="kubernetes").execute(context())
     no_pin = spec_doc(tmp_path, cache={"uri": str(tmp_path / "cache")}, io={"output_uri": str(tmp_path / "o2")})
     with pytest.raises(AirflowFailException, match="model.revision"):
         VllmPlanOperator(task_id="plan", spec=no_pin).execute(context())

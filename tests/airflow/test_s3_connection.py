@@ -141,9 +141,9 @@ def test_plan_shards_merge_qa_publish_and_report_page_through_a_connection_only(
 
     monkeypatch.setenv("AIRFLOW__VLLM_BATCH__AWS_CONN_ID", CONN_ID)
     xcoms = {("job.plan", "spec"): spec, ("job.qa", "return_value"): qa_summary}
-    monkeypatch.setattr(
-        plugin, "_xcom", lambda session, *, dag_id, run_id, task_id, key, map_index: xcoms.get((task_id, key))
-    )
+    from tests.airflow.test_report_page_access import finished_run
+
+    monkeypatch.setattr(plugin, "_records", lambda session, dag_id, run_id, task_id, map_index: finished_run(xcoms))
     plugin.app.dependency_overrides[plugin._can_read_task_instances.dependency] = lambda: None
     plugin.app.dependency_overrides[_get_session] = lambda: None
     plugin._fs_cache.clear()
