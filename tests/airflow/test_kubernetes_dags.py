@@ -45,6 +45,11 @@ def kube_env(tmp_path: Path) -> dict[str, str]:
         "AIRFLOW_CONN_KUBERNETES_DEFAULT": json.dumps(
             {"conn_type": "kubernetes", "extra": {"kube_config_path": str(kubeconfig)}}
         ),
+        # The cncf provider retries each API call (5 attempts, exponential waits up to 15 s) before the
+        # task fails: ~15 s of waiting per try against a port that refuses at once. Still every attempt,
+        # without the waits; what is asserted is Airflow's task retries, not the client's back-off.
+        "AIRFLOW__WORKERS__API_RETRY_WAIT_MIN": "0",
+        "AIRFLOW__WORKERS__API_RETRY_WAIT_MAX": "0",
     }
 
 
