@@ -20,6 +20,7 @@ class AirflowSandbox:
     home: Path
     data: Path
     env: dict[str, str] = field(default_factory=dict)
+    serialized: bool = False  # `dags reserialize` ran (the DAG files do not change during a session)
 
     def run(
         self, *args: str, env: dict[str, str] | None = None, timeout: int = 900, log: Path | None = None
@@ -36,6 +37,13 @@ class AirflowSandbox:
         if log is not None:
             log.write_text(p.stdout + p.stderr)
         return p
+
+    def reserialize(self) -> None:
+        """The DAGs serialized into the metadata DB, as the CLI's ``dags trigger`` needs them; once per sandbox."""
+        if not self.serialized:
+            p = self.run("dags", "reserialize")
+            assert p.returncode == 0, tail(p)
+            self.serialized = True
 
     def dags_test(
         self, dag_id: str, date: str, conf: dict | None = None, env: dict[str, str] | None = None, timeout: int = 900
