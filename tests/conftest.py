@@ -98,18 +98,4 @@ def pytest_collection_modifyitems(config, items):
         tier = _tier(item)
         if tier is not None:
             item.add_marker(getattr(pytest.mark, tier))
-        group = _xdist_group(item)
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
     items.sort(key=lambda item: TIERS.index(_tier(item) or "unit"))  # stable: file order within a tier
-
-
-# Session fixtures that are expensive (an engine start, a migrated Airflow DB, airflow standalone):
-# under pytest-xdist (-n 2 --dist loadgroup) every test that uses one runs in the same worker
-# process, so each is made once per run, and the sandbox's SQLite DB has one writer at a time.
-SHARED = ("airflow_ui", "airflow_sandbox", "tiny_run", "raw_smollm2")
-
-
-def _xdist_group(item) -> str | None:
-    names = set(getattr(item, "fixturenames", ()))
-    return next((name for name in SHARED if name in names), None)
