@@ -44,14 +44,18 @@ $(STAMP): requirements/bootstrap.txt $(LOCKS) setup.cfg
 	rm -f $(VENV)/.installed-*
 	touch $@
 
+# Every pytest run ends with its 15 slowest tests (setup, call and teardown each), so a slow new
+# test shows up in the run that adds it.
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider --durations=15
+
 test: venv chromium
-	$(PY) -m pytest -q -p no:cacheprovider --timeout=1200
+	$(PYTEST) --timeout=1200
 
 test-ui: venv chromium
-	$(PY) -m pytest -q -p no:cacheprovider -m ui tests/ui
+	$(PYTEST) --timeout=1200 -m ui tests/ui
 
 test-unit test-s3 test-vllm test-airflow: test-%: venv
-	$(PY) -m pytest -q -p no:cacheprovider --timeout=1200 tests/$*
+	$(PYTEST) --timeout=1200 tests/$*
 
 # The pod side (core/, worker/) is type-checked; the import contracts live in pyproject.toml.
 lint: venv
@@ -70,7 +74,7 @@ chromium:
 	  "(apt-get install -y chromium); tests/ui needs it" >&2; exit 1; }
 
 test-fast: venv
-	$(PY) -m pytest -q -p no:cacheprovider -m "not vllm"
+	$(PYTEST) --timeout=1200 -m "not vllm"
 
 bench: venv
 	$(PY) benchmarks/bench_dataplane.py

@@ -15,13 +15,27 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _minilm_prefixes() -> list[str]:
+    """MiniLM's folder in its installed package: inside this checkout's .venv on a fresh clone, elsewhere
+    when the tests run with another checkout's venv (a worktree, CONTRIBUTING.md)."""
+    from airflow_provider_vllm.testing.local_models import LocalModelError, minilm_path
+
+    try:
+        return [os.path.realpath(minilm_path())]
+    except LocalModelError:
+        return []
+
+
 # The deployment's allow-list for the tests (docs/security.md): the temp folder (pytest's
-# tmp_path), the model cache and this checkout. Without it every plan is refused (fail closed);
-# tests of that default remove both variables (the ``fail_closed`` fixture).
+# tmp_path), the model cache, MiniLM's package folder and this checkout. Without it every plan is
+# refused (fail closed); tests of that default remove both variables (the ``fail_closed`` fixture).
 TEST_PREFIXES = json.dumps(
     [
         os.path.realpath(tempfile.gettempdir()),
         os.path.realpath(os.environ.get("VLLM_BATCH_MODEL_CACHE", ROOT / ".cache" / "models")),
+        *_minilm_prefixes(),
         str(ROOT),
     ]
 )

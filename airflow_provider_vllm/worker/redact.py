@@ -176,9 +176,11 @@ def guard_streams(secrets: list[str] | None = None) -> bool:
     return True
 
 
-def settle(timeout: float = 1.0) -> None:
+def settle(timeout: float = 10.0) -> None:
     """Wait (bounded) until what was written so far has been passed on: before a deliberate SIGKILL
-    of this process (the fault harness), which would lose what still sits in the pipes."""
+    of this process (the fault harness), which would lose what still sits in the pipes. Returns as soon
+    as the pipes are empty; the bound is generous for a loaded machine, where the pump thread waits
+    for the GIL behind the engine's threads."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and not all(p.settled() for p in _PUMPS):
         time.sleep(0.005)

@@ -17,7 +17,7 @@ from airflow_provider_vllm.steps.plan.planner import plan_job
 from tests.support.bad_inputs.corpus import jsonl_row_corpus
 from tests.support.ledger import record_bad_rows
 from tests.unit.test_bad_inputs import outcomes, score
-from tests.vllm.test_worker_vllm import ENV, LABELS, SYSTEM, manifest, run_worker, tiny_model  # noqa: F401
+from tests.vllm.test_worker_vllm import ENV, LABELS, SYSTEM, manifest, run_worker
 
 pytestmark = [pytest.mark.vllm, pytest.mark.reliability, pytest.mark.timeout(900)]
 SECRETS = {
@@ -27,7 +27,7 @@ SECRETS = {
 }
 
 
-def test_row_fault_corpus_on_real_vllm(tmp_path, tiny_model, monkeypatch):  # noqa: F811
+def test_row_fault_corpus_on_real_vllm(tmp_path, tiny_model, monkeypatch):
     expected = jsonl_row_corpus(tmp_path / "in")
     spec = JobSpec.load(
         {

@@ -144,19 +144,15 @@ def test_second_call_is_cached_noop(tmp_path):
     first = lm.make_tiny_llama(dest)
     marker = (first / lm.COMPLETE_MARKER).read_text()
     inode = (first / "model.safetensors").stat().st_ino
-    started = time.perf_counter()
     second = lm.make_tiny_llama(str(dest))  # a str works too
-    assert time.perf_counter() - started < 0.1
     assert second == first
     assert (first / lm.COMPLETE_MARKER).read_text() == marker
     assert (first / "model.safetensors").stat().st_ino == inode
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny"]  # no temp folders left
 
 
-def test_build_is_deterministic_and_fast(tmp_path):
-    started = time.perf_counter()
+def test_build_is_deterministic(tmp_path):
     a = lm.make_tiny_llama(tmp_path / "a")
-    assert time.perf_counter() - started < 1.0
     b = lm.make_tiny_llama(tmp_path / "b")
     assert _digest(a) == _digest(b)
 
@@ -289,6 +285,9 @@ def test_prepare_smollm2(tmp_path):
     prompt = tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
     assert prompt.startswith(CHAT_RENDERED) and prompt.endswith("<|im_start|>assistant\n")
 
-    started = time.perf_counter()
-    assert lm.prepare_smollm2(dest) == dest  # cached
-    assert time.perf_counter() - started < 0.5
+    marker = (dest / lm.COMPLETE_MARKER).read_text()
+    weights = {p.name: p.stat().st_ino for p in dest.glob("*.safetensors")}
+    assert lm.prepare_smollm2(dest) == dest  # cached: nothing converted or rewritten
+    assert (dest / lm.COMPLETE_MARKER).read_text() == marker
+    assert {p.name: p.stat().st_ino for p in dest.glob("*.safetensors")} == weights
+    assert [p.name for p in tmp_path.iterdir()] == ["smollm2"]

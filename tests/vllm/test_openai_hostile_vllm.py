@@ -31,7 +31,7 @@ from airflow_provider_vllm.steps.merge.merger import merge
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from tests.support.bad_inputs.corpus import good_chat_requests, hostile_chat_requests
 from tests.support.ledger import record_bad_rows
-from tests.vllm.test_worker_vllm import ENV, LEAVE, manifest, run_worker, smollm2, tiny_model  # noqa: F401
+from tests.vllm.test_worker_vllm import ENV, LEAVE, manifest, run_worker
 
 pytestmark = [pytest.mark.vllm, pytest.mark.reliability, pytest.mark.timeout(1500)]
 
@@ -91,7 +91,7 @@ def run_batch(model: Path, inp: Path, out: Path) -> tuple[dict, JobSpec]:
     return m, spec
 
 
-def test_hostile_openai_rows_do_not_fail_the_shard_and_good_rows_are_unchanged(tmp_path, smollm2):  # noqa: F811
+def test_hostile_openai_rows_do_not_fail_the_shard_and_good_rows_are_unchanged(tmp_path, smollm2):
     model = strict_template_model(smollm2, tmp_path / "smollm2-strict")
     hostile = hostile_chat_requests()
     good = good_chat_requests()
@@ -140,7 +140,7 @@ def test_hostile_openai_rows_do_not_fail_the_shard_and_good_rows_are_unchanged(t
     assert "." not in clean_ok["good-stop-string"]["output"]
 
 
-def test_the_strict_template_renders_good_rows_like_smollm2s_own(tmp_path, smollm2):  # noqa: F811
+def test_the_strict_template_renders_good_rows_like_smollm2s_own(tmp_path, smollm2):
     """The alternation check renders nothing: the good rows' prompts are SmolLM2's own."""
     from jinja2.exceptions import TemplateError
     from transformers import AutoTokenizer
@@ -194,7 +194,7 @@ if __name__ == "__main__":
 )
 
 
-def test_the_real_engine_refuses_one_request_without_failing(tmp_path, tiny_model):  # noqa: F811
+def test_the_real_engine_refuses_one_request_without_failing(tmp_path, tiny_model):
     """Engine.submit on real vLLM: vLLM's VLLMValidationError, raised when the request's
     SamplingParams are built or by its input processor at add_request, is that request's
     RequestRejected; the engine goes on and the probe request runs."""

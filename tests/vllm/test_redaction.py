@@ -94,28 +94,14 @@ def test_without_secrets_the_streams_are_left_alone():
 
 @pytest.mark.vllm
 @pytest.mark.timeout(900)
-def test_real_vllm_engine_core_output_never_shows_a_secret_from_the_environment(tmp_path):
+def test_real_vllm_engine_core_output_never_shows_a_secret_from_the_environment(tiny_run):
     """The model path holds the secret (a per-tenant model store token in its folder name); vLLM's
     engine core (started with ``spawn`` here, so it inherits no Python logging set-up of the
-    worker) logs that path in its "Initializing a V1 LLM engine" line."""
-    from airflow_provider_vllm.core.spec import JobSpec
-    from airflow_provider_vllm.steps.plan.planner import plan_job
-    from airflow_provider_vllm.testing.local_models import default_cache_dir, make_tiny_llama
-    from airflow_provider_vllm.worker.task import ShardTask, worker_command
-    from tests.support.data import write_parquet
-    from tests.vllm.test_worker_vllm import ENV, TICKETS, spec_for
-
-    model = make_tiny_llama(default_cache_dir() / "tiny-llama")
-    (tmp_path / "models").mkdir()
-    (tmp_path / "models" / SECRET).symlink_to(model, target_is_directory=True)
-    ids = [f"t{i:04d}" for i in range(24)]
-    write_parquet(tmp_path / "in" / "a.parquet", ids, [TICKETS[i % 8] for i in range(24)])
-    spec = spec_for(str(tmp_path / "models" / SECRET), tmp_path)
-    spec = JobSpec.load(spec.model_dump(mode="json"))
-    (shard,) = plan_job(spec).shards
-    cmd = worker_command(ShardTask(spec=spec, shard_id=shard.shard_id, progress_interval_s=1))
-    env = {**ENV, "MODEL_STORE_TOKEN": SECRET, "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=800)
+    worker) logs that path in its "Initializing a V1 LLM engine" line. The worker run is the shared
+    ``tiny_run`` (tests/vllm/conftest.py): the model behind a link named SECRET, MODEL_STORE_TOKEN=SECRET
+    and VLLM_WORKER_MULTIPROC_METHOD=spawn in its environment."""
+    assert SECRET in tiny_run.model and tiny_run.spec.model.name == tiny_run.model
+    p = tiny_run.proc
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-4000:]
     assert "Initializing a V1 LLM engine" in out  # the engine core's line is in the captured output

@@ -158,6 +158,7 @@ def test_one_shard_through_every_process_fault_then_merge_killed_at_every_write(
         ("chunk.before_write", 0),
         ("chunk.mid_file", 0),
         ("chunk.between_parts", 0),
+        ("chunk.before_seal", 1),  # both files, no seal: not complete, redone by the next attempt
         ("chunk.after_write", 1),
     ):
         before = len(chunks(sd))

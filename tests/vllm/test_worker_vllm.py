@@ -1,6 +1,7 @@
 """The real worker process on real vLLM (CPU build) with real small models.
 
-Each worker process starts its own engine (~25 s here), so the tests share runs where they can.
+Each worker process starts its own engine (~25 s here), so the tests share runs where they can:
+the session fixtures ``tiny_run`` and ``raw_smollm2`` (tests/vllm/conftest.py).
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,7 +20,6 @@ from airflow_provider_vllm.core.commit import MARKER
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.steps.merge.merger import merge
 from airflow_provider_vllm.steps.plan.planner import plan_job
-from airflow_provider_vllm.testing.local_models import default_cache_dir, make_tiny_llama, prepare_smollm2
 from airflow_provider_vllm.worker.task import ShardTask, worker_command
 from tests.support.data import write_parquet
 from tests.support.reconcile import check
@@ -53,25 +52,21 @@ ENV = {
 }
 
 
-@pytest.fixture(scope="session")
-def tiny_model():
-    return str(make_tiny_llama(default_cache_dir() / "tiny-llama"))
-
-
-@pytest.fixture(scope="session")
-def smollm2():
-    return str(prepare_smollm2(default_cache_dir() / "smollm2-135m-instruct"))
-
-
-def planted(tmp_path: Path, n: int) -> dict[str, str]:
+def planted_rows(n: int) -> tuple[list[str], list[str | None], dict[str, str]]:
+    """ids, texts (three of them bad) and the bad rows' expected error codes."""
     ids = [f"t{i:04d}" for i in range(n)]
-    texts = [TICKETS[i % len(TICKETS)] + f" (ref {i})" for i in range(n)]
+    texts: list[str | None] = [TICKETS[i % len(TICKETS)] + f" (ref {i})" for i in range(n)]
     texts[2] = None
     texts[5] = "  "
     texts[11] = "please help " * 600  # far beyond max_model_len 512
+    return ids, texts, {"t0002": "EMPTY_INPUT", "t0005": "EMPTY_INPUT", "t0011": "PROMPT_TOO_LONG"}
+
+
+def planted(tmp_path: Path, n: int) -> dict[str, str]:
+    ids, texts, codes = planted_rows(n)
     write_parquet(tmp_path / "in" / "part-0.parquet", ids[: n // 2], texts[: n // 2], row_group_size=16)
     write_parquet(tmp_path / "in" / "part-1.parquet", ids[n // 2 :], texts[n // 2 :], row_group_size=16)
-    return {"t0002": "EMPTY_INPUT", "t0005": "EMPTY_INPUT", "t0011": "PROMPT_TOO_LONG"}
+    return codes
 
 
 def spec_for(model: str, tmp_path: Path, **sharding) -> JobSpec:
@@ -106,25 +101,22 @@ def check_exactly_once(out: Path, n: int, planted_codes: dict[str, str]):
     return res, err
 
 
-def test_tiny_model_worker_cli_planted_rows_and_rerun(tmp_path, tiny_model):
-    codes = planted(tmp_path, 80)
-    spec = spec_for(tiny_model, tmp_path)
-    (shard,) = plan_job(spec).shards
-    proc = run_worker(spec, shard.shard_id)
+def test_tiny_model_worker_cli_planted_rows_and_rerun(tiny_run):
+    spec, proc = tiny_run.spec, tiny_run.proc
     m = manifest(proc)
     assert m["status"] == "committed" and m["rows"] == 80 and m["error_rows"] == 3
     assert "progress shard-" in proc.stderr and "rows=80/80" in proc.stderr
     merge(spec)
-    res, _ = check_exactly_once(tmp_path / "out", 80, codes)
+    res, _ = check_exactly_once(tiny_run.root / "out", 80, tiny_run.codes)
     assert all(r["label"] in LABELS and r["valid"] for r in res)  # structured choice holds on random weights
-    assert res[0]["engine_version"] and res[0]["model"] == tiny_model
-    again = manifest(run_worker(spec, shard.shard_id))
+    assert res[0]["engine_version"] and res[0]["model"] == tiny_run.model
+    again = manifest(run_worker(spec, tiny_run.shard_id))
     assert again["status"] == "already_committed"
 
 
 @pytest.mark.reliability
 def test_kill9_mid_shard_then_rerun_reuses_chunks(tmp_path, tiny_model):
-    n = 600
+    n = 240  # 12 chunks: the kill after the 2nd lands well before the last (the rerun does the rest)
     ids = [f"t{i:04d}" for i in range(n)]
     write_parquet(tmp_path / "in" / "a.parquet", ids, [TICKETS[i % 8] for i in range(n)])
     spec = spec_for(tiny_model, tmp_path, chunk_rows=20)
@@ -134,15 +126,16 @@ def test_kill9_mid_shard_then_rerun_reuses_chunks(tmp_path, tiny_model):
     proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
     shard_dir = tmp_path / "out" / "shards" / shard.shard_id
     deadline = time.time() + 300
-    while time.time() < deadline and len(list(shard_dir.glob("attempts/*/chunk-?????.parquet"))) < 2:
+    while time.time() < deadline and len(list(shard_dir.glob("attempts/*/chunk-?????.seal.json"))) < 2:
         assert proc.poll() is None, "worker ended before it could be killed"
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL)  # the worker and its engine processes, no clean-up
     proc.wait()
-    done = list(shard_dir.glob("attempts/*/chunk-?????.parquet"))
+    # a chunk is complete once its seal is written: a chunk killed between its files and its seal is redone
+    done = list(shard_dir.glob("attempts/*/chunk-?????.seal.json"))
     assert 2 <= len(done) < n // 20 and not (shard_dir / MARKER).exists()
     m = manifest(run_worker(spec, shard.shard_id))
-    assert m["status"] == "committed" and m["stats"]["reused_chunks"] >= len(done)
+    assert m["status"] == "committed" and m["stats"]["reused_chunks"] == len(done)
     summary = merge(spec).dump()
     assert summary["ok_rows"] == n and summary["duplicates_dropped"] == 0
     check_exactly_once(tmp_path / "out", n, {})
@@ -154,26 +147,55 @@ def test_kill9_mid_shard_then_rerun_reuses_chunks(tmp_path, tiny_model):
 # (SIGABRT); and os._exit alone would orphan the engine core, which keeps our stdout pipe open.
 LEAVE = "from airflow_provider_vllm.worker.exits import exit_hard as leave\n"
 
-RAW_CHAT = (
+# Raw vLLM on SmolLM2 for two tests, one engine (the ``raw_smollm2`` fixture, tests/vllm/conftest.py):
+# "llm_chat": LLM.chat over the planted rows that succeed; "tokens": for the generate and the chat task, the
+# worker's single tokenisation (PromptBuilder over the engine's tokenizer) as TokensPrompt next to the
+# same rows as text (LLM.generate) or as conversations (LLM.chat). Each call computes from scratch: a
+# prefix-cache hit (the same prompts a moment ago) changes the arithmetic enough to flip a near-tie of
+# greedy decoding now and then.
+RAW_SMOLLM2 = (
     LEAVE
     + r"""
 import json, sys
 if __name__ == "__main__":
     from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
     from vllm.sampling_params import StructuredOutputsParams
+    from airflow_provider_vllm.core.spec import JobSpec
+    from airflow_provider_vllm.worker.prompts import PromptBuilder
     a = json.loads(sys.argv[1])
     llm = LLM(model=a["model"], max_model_len=512, enforce_eager=True, max_num_seqs=32, dtype=a["dtype"])
-    sp = SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=a["labels"]))
-    convs = [[{"role": "system", "content": a["system"]}, {"role": "user", "content": "Ticket: " + t}]
-             for t in a["texts"]]
-    outs = llm.chat(convs, sp, use_tqdm=False)
-    print("RAW " + json.dumps([o.outputs[0].text for o in outs]), flush=True)
+    c = a["chat"]
+    sp = SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=c["labels"]))
+    convs = [[{"role": "system", "content": c["system"]}, {"role": "user", "content": "Ticket: " + t}]
+             for t in c["texts"]]
+    llm.reset_prefix_cache()
+    res = {"llm_chat": [o.outputs[0].text for o in llm.chat(convs, sp, use_tqdm=False)], "tokens": {}}
+    t = a["tokens"]
+    tok = llm.get_tokenizer()
+    sp = SamplingParams(temperature=0, max_tokens=t["max_tokens"])
+    for task, doc in t["specs"].items():
+        spec = JobSpec.load(doc)
+        builder = PromptBuilder(spec, tok, 512)
+        preps = [builder.prepare({"text": x}) for x in t["texts"]]
+        llm.reset_prefix_cache()
+        as_tokens = llm.generate([TokensPrompt(prompt_token_ids=p.token_ids) for p in preps], sp, use_tqdm=False)
+        users = [spec.prompt.template.format(text=x) for x in t["texts"]]
+        llm.reset_prefix_cache()
+        if task == "generate":
+            as_text = llm.generate(users, sp, use_tqdm=False)
+        else:
+            as_text = llm.chat([[{"role": "system", "content": spec.prompt.system_prompt},
+                                 {"role": "user", "content": u}] for u in users], sp, use_tqdm=False)
+        res["tokens"][task] = {"tokens": [[list(o.prompt_token_ids), o.outputs[0].text] for o in as_tokens],
+                               "text": [[list(o.prompt_token_ids), o.outputs[0].text] for o in as_text]}
+    print("RAW " + json.dumps(res), flush=True)
     leave(0)
 """
 )
 
 
-def test_smollm2_labels_and_equality_with_raw_llm_chat(tmp_path, smollm2):
+def test_smollm2_labels_and_equality_with_raw_llm_chat(tmp_path, smollm2, raw_smollm2):
     n = 48
     codes = planted(tmp_path, n)
     # float32: in bf16 the worker's batches (a deep queue) and LLM.chat's differ enough to flip a
@@ -190,32 +212,13 @@ def test_smollm2_labels_and_equality_with_raw_llm_chat(tmp_path, smollm2):
     by_id = {r["id"]: r for r in res}
     assert by_id["t0000"]["label"] == "billing" and by_id["t0001"]["label"] == "bug"
 
+    # raw LLM.chat got the texts of the rows that succeed, in input order (planted_rows: the fixture's input)
     table = pq.read_table(tmp_path / "in").to_pylist()
     rows = [t for t in table if t["id"] in by_id]
-    raw = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            RAW_CHAT,
-            json.dumps(
-                {
-                    "model": smollm2,
-                    "labels": LABELS,
-                    "system": SYSTEM,
-                    "texts": [t["text"] for t in rows],
-                    "dtype": "float32",
-                }
-            ),
-        ],
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert raw.returncode == 0, raw.stderr[-3000:]
-    raw_out = json.loads(next(x for x in raw.stdout.splitlines() if x.startswith("RAW "))[4:])
+    ids, texts, _ = planted_rows(n)
+    assert [(t["id"], t["text"]) for t in rows] == [(i, x) for i, x in zip(ids, texts) if i in by_id]
     ours = [by_id[t["id"]]["output"] for t in rows]
-    assert ours == raw_out
+    assert ours == raw_smollm2["llm_chat"]
 
 
 @pytest.mark.reliability
@@ -329,61 +332,19 @@ def test_classify_task_with_a_sequence_classification_model(tmp_path, tiny_model
     assert all(r["label"] in LABELS for r in res)
 
 
-RAW_TOKENS_VS_TEXT = (
-    LEAVE
-    + r"""
-import json, sys
-if __name__ == "__main__":
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-    from airflow_provider_vllm.core.spec import JobSpec
-    from airflow_provider_vllm.worker.prompts import PromptBuilder
-    a = json.loads(sys.argv[1])
-    llm = LLM(model=a["model"], max_model_len=512, enforce_eager=True, max_num_seqs=32, dtype=a["dtype"])
-    tok = llm.get_tokenizer()
-    sp = SamplingParams(temperature=0, max_tokens=a["max_tokens"])
-    res = {}
-    for task, doc in a["specs"].items():
-        # the worker's single tokenisation (PromptBuilder over the engine's tokenizer) -> TokensPrompt
-        spec = JobSpec.load(doc)
-        builder = PromptBuilder(spec, tok, 512)
-        preps = [builder.prepare({"text": t}) for t in a["texts"]]
-        # each call computes from scratch: a prefix-cache hit (the same prompts a moment ago) changes
-        # the arithmetic enough to flip a near-tie of greedy decoding now and then
-        llm.reset_prefix_cache()
-        as_tokens = llm.generate([TokensPrompt(prompt_token_ids=p.token_ids) for p in preps], sp, use_tqdm=False)
-        users = [spec.prompt.template.format(text=t) for t in a["texts"]]
-        llm.reset_prefix_cache()
-        if task == "generate":
-            as_text = llm.generate(users, sp, use_tqdm=False)
-        else:
-            as_text = llm.chat([[{"role": "system", "content": spec.prompt.system_prompt},
-                                 {"role": "user", "content": u}] for u in users], sp, use_tqdm=False)
-        res[task] = {"tokens": [[list(o.prompt_token_ids), o.outputs[0].text] for o in as_tokens],
-                     "text": [[list(o.prompt_token_ids), o.outputs[0].text] for o in as_text]}
-    print("RAW " + json.dumps(res), flush=True)
-    leave(0)
-"""
-)
+TOKEN_TEXTS = [
+    TICKETS[i % len(TICKETS)] + (" Übergröße, naïve café — 😀" if i % 5 == 0 else f" (ref {i})") for i in range(12)
+]
 
 
-def test_token_prompts_give_the_same_outputs_as_text_prompts(tmp_path, smollm2):
-    """The worker tokenises once and hands vLLM token ids (TokensPrompt). Raw vLLM given the
-    same rows as text (LLM.generate) or as conversations (LLM.chat) sees the same prompt tokens
-    and produces the same outputs, for the generate and the chat task; and the worker's
-    generate-task outputs equal raw LLM.generate over text prompts. (Worker vs LLM.chat runs
-    through the worker in test_smollm2_labels_and_equality_with_raw_llm_chat.)"""
-    n = 12
-    texts = [
-        TICKETS[i % len(TICKETS)] + (" Übergröße, naïve café — 😀" if i % 5 == 0 else f" (ref {i})") for i in range(n)
-    ]
-    write_parquet(tmp_path / "in" / "a.parquet", [f"g{i:03d}" for i in range(n)], texts)
+def token_specs(model: str, tmp_path: Path) -> tuple[JobSpec, dict]:
+    """The generate job the worker runs, and the chat job's document (raw vLLM only)."""
     gen = JobSpec.load(
         {
             "task": "generate",
             # float32: bf16 rounding leaves near-ties that greedy decoding may break either way
             # when anything about the batch differs; the claim tested here is about the prompt
-            "model": {"name": smollm2, "max_model_len": 512, "dtype": "float32"},
+            "model": {"name": model, "max_model_len": 512, "dtype": "float32"},
             "engine": {"enforce_eager": True, "max_num_seqs": 32},
             "io": {"input_uri": str(tmp_path / "in"), "output_uri": str(tmp_path / "out")},
             "prompt": {"template": "Support ticket: {text}\nShort reply:"},
@@ -396,34 +357,25 @@ def test_token_prompts_give_the_same_outputs_as_text_prompts(tmp_path, smollm2):
         "task": "chat",
         "prompt": {"system_prompt": SYSTEM, "template": "Ticket: {text}"},
     }
+    return gen, chat
+
+
+def test_token_prompts_give_the_same_outputs_as_text_prompts(tmp_path, smollm2, raw_smollm2):
+    """The worker tokenises once and hands vLLM token ids (TokensPrompt). Raw vLLM given the
+    same rows as text (LLM.generate) or as conversations (LLM.chat) sees the same prompt tokens
+    and produces the same outputs, for the generate and the chat task; and the worker's
+    generate-task outputs equal raw LLM.generate over text prompts. (Worker vs LLM.chat runs
+    through the worker in test_smollm2_labels_and_equality_with_raw_llm_chat.)"""
+    n = len(TOKEN_TEXTS)
+    write_parquet(tmp_path / "in" / "a.parquet", [f"g{i:03d}" for i in range(n)], TOKEN_TEXTS)
+    gen, _ = token_specs(smollm2, tmp_path)
     (shard,) = plan_job(gen).shards
     m = manifest(run_worker(gen, shard.shard_id))
     assert m["status"] == "committed" and m["ok_rows"] == n
     merge(gen)
     ours = {r["id"]: r for r in pq.read_table(tmp_path / "out" / "results").to_pylist()}
 
-    raw = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            RAW_TOKENS_VS_TEXT,
-            json.dumps(
-                {
-                    "model": smollm2,
-                    "max_tokens": 24,
-                    "texts": texts,
-                    "dtype": "float32",
-                    "specs": {"generate": gen.model_dump(mode="json"), "chat": chat},
-                }
-            ),
-        ],
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert raw.returncode == 0, raw.stderr[-3000:]
-    res = json.loads(next(x for x in raw.stdout.splitlines() if x.startswith("RAW "))[4:])
+    res = raw_smollm2["tokens"]
     for task in ("generate", "chat"):
         assert [ids for ids, _ in res[task]["tokens"]] == [ids for ids, _ in res[task]["text"]], task
         assert [out for _, out in res[task]["tokens"]] == [out for _, out in res[task]["text"]], task
