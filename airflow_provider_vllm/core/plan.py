@@ -33,6 +33,32 @@ class Segment(BaseModel):
     line: int = 1
 
 
+SHARD_ID_PATTERN = r"^shard-\d{5}-[0-9a-f]{8}$"
+
+
+class ShardSummary(BaseModel):
+    """One item of the plan task's return value: what each mapped shard task receives (``.expand(shard=...)``).
+
+    It crosses XCom as JSON; ``dump()`` gives the shape the plan task has always pushed (``shard_id``,
+    ``index``, ``rows``, ``est_tokens``, ``bucket``, and ``name`` once the plan task named the shards), so
+    that the XComs of runs started before this model still validate. Unknown fields are refused.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    shard_id: str = Field(pattern=SHARD_ID_PATTERN, description="the shard's id in the plan")
+    index: int = Field(ge=0, description="the shard's position in the plan (the mapped task's map index)")
+    rows: int = Field(ge=0, description="rows of the shard")
+    est_tokens: int = Field(ge=0, description="estimated prompt tokens of the shard's rows")
+    bucket: Literal["all", "short", "long"] = Field(description="short/long: only rows of that length class")
+    name: str | None = Field(
+        None, max_length=200, description="the mapped task's display name (core/shard_names.py); absent before"
+    )
+
+    def dump(self) -> dict[str, Any]:
+        """The XCom value: JSON data, ``name`` left out while it is unset."""
+        return self.model_dump(mode="json", exclude_none=True)
+
+
 class ShardPlan(BaseModel):
     model_config = ConfigDict(extra="forbid")
     shard_id: str
@@ -47,15 +73,11 @@ class ShardPlan(BaseModel):
         "output prefix; the worker reads exactly these bytes (size and sha256 checked) and its segments index it",
     )
 
-    def summary(self) -> dict[str, Any]:
-        """The small dict passed through XCom to each mapped shard task."""
-        return {
-            "shard_id": self.shard_id,
-            "index": self.index,
-            "rows": self.rows,
-            "est_tokens": self.est_tokens,
-            "bucket": self.bucket,
-        }
+    def summary(self) -> ShardSummary:
+        """What each mapped shard task receives (through XCom, as ``ShardSummary.dump()``)."""
+        return ShardSummary(
+            shard_id=self.shard_id, index=self.index, rows=self.rows, est_tokens=self.est_tokens, bucket=self.bucket
+        )
 
 
 class CacheFile(FileRef):

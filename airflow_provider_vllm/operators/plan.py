@@ -55,8 +55,8 @@ class VllmPlanOperator(BaseOperator):
     dotted paths (``sampling.max_tokens``) or ``JobSpec`` param aliases (``labels``, ``model``).
 
     Pushes the validated spec (a JSON-able dict) under the XCom key ``spec``; downstream
-    tasks take it from there, as data, never re-templated. Returns
-    ``[shard.summary() ...]`` for ``.expand(shard=...)``.
+    tasks take it from there, as data, never re-templated. Returns one ``ShardSummary`` per shard,
+    named (``core/shard_names.py``), as JSON data (``.dump()``) for ``.expand(shard=...)``.
 
     Fails without retry on an invalid spec, an unknown or unavailable ``runner``, a missing
     local model folder, a bad dataset (missing id column, duplicate or blank ids, ...), an
@@ -200,7 +200,7 @@ class VllmPlanOperator(BaseOperator):
             )
         context["ti"].xcom_push(key=SPEC_XCOM_KEY, value=spec.model_dump(mode="json"))
         self._lineage = plan_lineage(spec, rows=plan.total_rows, files=len(plan.files))
-        return with_display_names([s.summary() for s in plan.shards])
+        return [s.dump() for s in with_display_names([s.summary() for s in plan.shards])]
 
     def engine_identity(self, spec: JobSpec, runner: str) -> str:
         """The engine the shard tasks will start, resolved from the same settings they use (the cache key's)."""

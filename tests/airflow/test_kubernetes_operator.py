@@ -23,7 +23,7 @@ from tests.support.ledger import record_malicious
 from tests.support.pss_restricted import violations
 
 ROOT = Path(__file__).resolve().parents[2]
-SHARD = {"shard_id": "shard-00003-0a1b2c3d", "index": 3, "rows": 1000, "est_tokens": 90000, "bucket": None}
+SHARD = {"shard_id": "shard-00003-0a1b2c3d", "index": 3, "rows": 1000, "est_tokens": 90000, "bucket": "all"}
 SETTINGS = {  # what an operator puts in the vllm_batch_kubernetes Variable
     "namespace": "vllm-batch",
     "image": "registry.example.com/ml/vllm-worker:0.1.0@sha256:" + "ab" * 32,

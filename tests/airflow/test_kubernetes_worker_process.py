@@ -43,7 +43,7 @@ def test_pod_command_line_runs_a_real_shard(tmp_path, monkeypatch, tiny_model):
     )
     plan = plan_job(spec)
     assert len(plan.shards) == 2
-    shard = plan.shards[1].summary()
+    shard = plan.shards[1].summary().dump()
     op = VllmKubernetesShardOperator(
         task_id="shard",
         spec=spec.model_dump(mode="json"),

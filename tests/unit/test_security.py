@@ -583,7 +583,10 @@ def test_shard_operator_refuses_a_forged_spec_before_starting_a_worker(allowed, 
     python.chmod(0o755)
     ti = type("TI", (), {"map_index": 0, "try_number": 1})()
     op = VllmLocalShardOperator(
-        task_id="shard", spec=forged, shard={"shard_id": "shard-00000-0123abcd", "rows": 3}, python=str(python)
+        task_id="shard",
+        spec=forged,
+        shard={"shard_id": "shard-00000-0123abcd", "index": 0, "rows": 3, "est_tokens": 30, "bucket": "all"},
+        python=str(python),
     )
     with pytest.raises(AirflowFailException, match="outside the allowed prefixes"):
         op.execute({"ti": ti})
@@ -607,7 +610,7 @@ def test_shard_operator_hands_the_deployment_allow_list_to_the_worker(allowed, t
         task_id="shard",
         spec=base_doc(allowed),
         python=str(python),
-        shard={"shard_id": "shard-00000-0123abcd", "rows": 3},
+        shard={"shard_id": "shard-00000-0123abcd", "index": 0, "rows": 3, "est_tokens": 30, "bucket": "all"},
         env={ALLOWED_PREFIXES_ENV: '["/"]'},
     )
     with pytest.raises(AirflowException):  # the stand-in prints no manifest
@@ -661,7 +664,7 @@ def test_no_allow_list_refuses_every_task_naming_the_setting(allowed, tmp_path, 
     python.write_text(f"#!/bin/sh\ntouch {launched}\n")
     python.chmod(0o755)
     doc = base_doc(allowed)
-    shard = {"shard_id": "shard-00000-0123abcd", "rows": 3}
+    shard = {"shard_id": "shard-00000-0123abcd", "index": 0, "rows": 3, "est_tokens": 30, "bucket": "all"}
     ops = [
         VllmPlanOperator(task_id="plan", spec=doc),
         VllmLocalShardOperator(task_id="shard", spec=doc, shard=shard, python=str(python)),

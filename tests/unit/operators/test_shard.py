@@ -27,7 +27,10 @@ def no_vllm(monkeypatch):
 def _op(tmp_path, **kw) -> VllmLocalShardOperator:
     spec = make_spec(tmp_path / "in", tmp_path / "out")
     return VllmLocalShardOperator(
-        task_id="shard", spec=spec.model_dump(mode="json"), shard={"shard_id": "shard-00000-0000abcd", "rows": 3}, **kw
+        task_id="shard",
+        spec=spec.model_dump(mode="json"),
+        shard={"shard_id": "shard-00000-0000abcd", "index": 0, "rows": 3, "est_tokens": 30, "bucket": "all"},
+        **kw,
     )
 
 
