@@ -19,7 +19,6 @@ TESTED_ELSEWHERE: dict[str, list[str]] = {
     "core/formats/base.py": ["tests/unit/core/formats/test_parquet.py", "tests/unit/steps/plan/test_plan_refusals.py"],
     "core/formats/files.py": ["tests/unit/core/formats/test_openai_batch.py", "tests/unit/steps/plan/test_planner.py"],
     "core/param_schemas.py": ["tests/unit/steps/plan/test_plan_refusals.py"],
-    "core/plan.py": ["tests/unit/steps/plan/test_planner.py", "tests/unit/steps/plan/test_plan_golden.py"],
     "core/pod_settings.py": ["tests/unit/utils/test_pod_spec.py"],
     "core/rows.py": ["tests/unit/core/test_commit.py", "tests/unit/worker/test_isolation.py"],
     "core/spec_guard.py": ["tests/unit/test_security.py"],

@@ -79,7 +79,7 @@ def dry_run_report(
         "largest_shard_rows": max((s.rows for s in plan.shards), default=0),
         "sized_from_history": plan.sizing is not None,
         "throughput_basis": work.throughput_basis,
-        "evidence": asdict(ev) if ev is not None else None,
+        "evidence": ev.model_dump() if ev is not None else None,
         "est_inference_s": round(work.infer_s, 1),
         "engine_start_s": round(work.engine_start_s, 1),
         "est_shard_minutes": round((work.engine_start_s + work.infer_s / shards) / 60, 2) if shards else 0.0,

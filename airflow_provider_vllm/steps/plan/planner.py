@@ -14,7 +14,6 @@ import logging
 import math
 import os
 import tempfile
-from dataclasses import asdict
 
 import numpy as np
 import pyarrow as pa
@@ -175,7 +174,7 @@ def build_plan(
         input_uri=spec.io.input_uri,
         input_root=found.root.root,
         format=found.format,
-        files=[f.to_dict() for f in found.files],
+        files=list(found.files),
         fingerprint=found.fingerprint,
         total_rows=total_rows,
         invalid_lines=int(scan.invalid),
@@ -184,7 +183,7 @@ def build_plan(
         chars_per_token=sh.chars_per_token,
         shards=shards,
         created_with={"airflow-provider-vllm": __version__, "pyarrow": pa.__version__},
-        sizing=asdict(sizing) if sizing is not None else None,
+        sizing=sizing,
         **({"cache": cache} if cache is not None else {}),
     )
 

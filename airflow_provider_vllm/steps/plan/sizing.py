@@ -29,12 +29,13 @@ import logging
 import math
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
 
 from airflow_provider_vllm.core.commit import CommitMarker
+from airflow_provider_vllm.core.plan import Evidence, Sizing
 from airflow_provider_vllm.core.records import ThroughputRecord
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
@@ -158,22 +159,6 @@ def read_history(
 
 
 # ---- deciding ---------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Evidence:
-    """Pooled throughput of the history records that match a job."""
-
-    basis: str  # "config": same job configuration; "model": same model, task and hardware
-    hardware: str
-    records: int
-    rows: int
-    infer_s: float
-    rows_per_s: float
-    tokens_per_s: float
-    prompt_tokens_per_row: float
-    completion_tokens_per_row: float
-    engine_start_s: float | None
-
-
 def find_evidence(spec: JobSpec, records: list[ThroughputRecord]) -> Evidence | None:
     """The evidence for ``spec`` among ``records`` (newest first), or None."""
     cand = [
@@ -292,22 +277,6 @@ def shard_count(work: Workload, target_s: float, max_shards: int, at_least: bool
     return max(1, min(k, work.rows, max_shards))
 
 
-@dataclass(frozen=True)
-class Sizing:
-    """How the plan was sized from history (stored in ``_plan.json`` as ``sizing``)."""
-
-    shards: int
-    target_rows: int | None
-    target_tokens: int | None
-    target_s: float
-    est_infer_s: float
-    engine_start_s: float
-    evidence: dict[str, Any]
-
-    def sharding_update(self) -> dict[str, Any]:
-        return {"target_rows": self.target_rows, "target_tokens": self.target_tokens}
-
-
 def size_shards(
     spec: JobSpec,
     rows: int,
@@ -346,7 +315,7 @@ def size_shards(
         target_s=round(target_s, 1),
         est_infer_s=round(work.infer_s, 1),
         engine_start_s=round(work.engine_start_s, 1),
-        evidence={k2: (round(v, 4) if isinstance(v, float) else v) for k2, v in asdict(ev).items()},
+        evidence=ev.rounded(),
     )
     log.info(
         "sized %d rows into %d shard(s) of ~%.0f s from %d history record(s) (%s, %s)",
