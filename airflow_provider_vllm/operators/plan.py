@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -226,5 +225,5 @@ class VllmPlanOperator(BaseOperator):
             )
         for line in format_report(report).splitlines():
             self.log.info("%s", line)
-        context["ti"].xcom_push(key="dry_run", value=json.loads(json.dumps(report, default=str)))
+        context["ti"].xcom_push(key="dry_run", value=report.dump())
         raise AirflowSkipException("dry run: the report is in the log and the 'dry_run' XCom; nothing was launched")

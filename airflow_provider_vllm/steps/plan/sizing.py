@@ -158,6 +158,27 @@ def read_history(
     return out
 
 
+@dataclass(frozen=True)
+class History:
+    """A job's throughput history as one read saw it: its records, or the error that kept them unread."""
+
+    records: list[ThroughputRecord]
+    error: Exception | None = None
+
+
+def job_history(spec: JobSpec, filesystems: FileSystems | None = None) -> History | None:
+    """The records under ``sharding.history_uri`` (None: no history_uri). An unreadable history is evidence
+    missing, not a failed plan: an empty History carrying the error, with a warning logged."""
+    uri = spec.sharding.history_uri
+    if not uri:
+        return None
+    try:
+        return History(read_history(uri, spec.io.storage_options, filesystems))
+    except Exception as e:  # unreadable evidence: plan as if there were none, and say so
+        log.warning("cannot read the throughput history under %s (%s): using target_rows/tokens", uri, e)
+        return History([], e)
+
+
 # ---- deciding ---------------------------------------------------------------------------
 def find_evidence(spec: JobSpec, records: list[ThroughputRecord]) -> Evidence | None:
     """The evidence for ``spec`` among ``records`` (newest first), or None."""
@@ -284,16 +305,18 @@ def size_shards(
     records: list[ThroughputRecord] | None = None,
     filesystems: FileSystems | None = None,
 ) -> Sizing | None:
-    """Shard targets from history, or None (no history_uri, no matching record, no rows)."""
+    """Shard targets from history, or None (no history_uri, no matching record, no rows, an unreadable history).
+
+    ``records``: the history already read (``job_history``); None reads it here.
+    """
     sh = spec.sharding
     if not sh.history_uri or rows == 0:
         return None
     if records is None:
-        try:
-            records = read_history(sh.history_uri, spec.io.storage_options, filesystems)
-        except Exception as e:  # unreadable evidence: plan as if there were none, and say so
-            log.warning("cannot read the throughput history under %s (%s): using target_rows/tokens", sh.history_uri, e)
+        history = job_history(spec, filesystems)
+        if history is None or history.error is not None:
             return None
+        records = history.records
     ev = find_evidence(spec, records)
     if ev is None:
         log.info(
