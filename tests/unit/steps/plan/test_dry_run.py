@@ -469,3 +469,15 @@ def test_an_unreadable_history_fails_the_dry_run_but_not_the_plan(tmp_path, monk
     with pytest.raises(PermissionError, match="access denied"):
         dry_run_report(spec, model_config=LLAMA3_8B)
     assert len(calls) == 2  # one per call: the dry run did not try again after its plan could not read it
+
+
+def test_the_report_sections_carry_every_field_of_the_memory_plan_and_the_layout():
+    """The typed sections list the dataclasses' fields (extra fields are refused, so a new one must be added)."""
+    from dataclasses import fields
+
+    from airflow_provider_vllm.steps.plan.dry_run import LayoutReport, MemoryReport
+    from airflow_provider_vllm.steps.plan.memory import GpuLayout, MemoryPlan
+
+    assert set(LayoutReport.model_fields) == {f.name for f in fields(GpuLayout)} | {"memory_known", "lines"}
+    extra = {"available", "config", "gpu_memory_gib", "gpu_memory_source", "architecture", "lines"}
+    assert set(MemoryReport.model_fields) == {f.name for f in fields(MemoryPlan)} | extra
