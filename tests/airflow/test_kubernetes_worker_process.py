@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.airflow.k8s_context import create_context, unreachable_cluster
 from tests.support.data import make_spec, write_parquet
+from tests.support.k8s_context import create_context, unreachable_cluster
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 ROOT = Path(__file__).resolve().parents[2]

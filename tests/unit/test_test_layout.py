@@ -30,7 +30,6 @@ TESTED_ELSEWHERE: dict[str, list[str]] = {
     "core/storage_retry.py": ["tests/s3/test_s3_faults.py"],
     "hooks/filesystems.py": ["tests/airflow/test_connections.py"],
     "links/report.py": ["tests/airflow/test_review.py"],
-    "operators/kubernetes.py": ["tests/airflow/test_kubernetes_operator.py"],
     "operators/merge.py": ["tests/airflow/test_operators.py"],
     "operators/publish.py": ["tests/airflow/test_operators.py"],
     "operators/qa.py": ["tests/airflow/test_operators.py"],
@@ -50,7 +49,7 @@ TESTED_ELSEWHERE: dict[str, list[str]] = {
     "worker/prompts.py": ["tests/unit/worker/test_isolation.py", "tests/vllm/test_worker_vllm.py"],
     "worker/redact.py": ["tests/vllm/test_redaction.py", "tests/unit/test_security.py"],
     "worker/resources.py": ["tests/unit/worker/test_metrics.py"],
-    "worker/task.py": ["tests/airflow/test_kubernetes_operator.py", "tests/unit/worker/test_shard.py"],
+    "worker/task.py": ["tests/unit/operators/test_kubernetes.py", "tests/unit/worker/test_shard.py"],
     "worker/watchdog.py": ["tests/unit/core/test_faults.py", "tests/vllm/test_reliability_lifecycle.py"],
 }
 

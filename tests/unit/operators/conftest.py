@@ -1,0 +1,10 @@
+"""The operator tests import Airflow into the test process (no Airflow process, no metadata DB): point it
+at a throwaway home first, so that it never creates or reads ~/airflow."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+os.environ.setdefault("AIRFLOW_HOME", tempfile.mkdtemp(prefix="airflow-unit-"))
+os.environ.setdefault("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
