@@ -8,7 +8,8 @@ verbatim, to the file ``TARGETS`` names for it; shared helpers go to tests/suppo
 made only of moved tests gets ``pytestmark = pytest.mark.reliability`` (as test_security.py had); a test
 appended to an existing file gets ``@pytest.mark.reliability`` on itself, so that file's other tests keep
 their marks. Imports: every import of test_security.py that a moved statement uses is added unless the
-target already binds the name; then ``ruff format`` and ``ruff check --fix`` tidy the files. A name the
+target already binds the name; the shared fixtures are registered by tests/unit/conftest.py (a test file
+importing one would shadow it); then ``ruff format`` and ``ruff check --fix`` tidy the files. A name the
 script does not know fails it (add it to TARGETS), so a test added to test_security.py is never dropped.
 Prints the old -> new node-id prefix of every test (for documents that name tests) as JSON.
 """
@@ -196,7 +197,8 @@ def main(check: bool = False) -> int:
             continue  # the module docstring
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             if not own.startswith(SETUP):
-                imports.append(({(a.asname or a.name).split(".")[0] for a in node.names}, own))
+                names = {(a.asname or a.name).split(".")[0] for a in node.names}
+                imports.append((names, own.replace("  # noqa: E402", "")))
             continue
         if own.startswith(SETUP):
             continue
@@ -214,6 +216,9 @@ def main(check: bool = False) -> int:
         print(json.dumps(tests, indent=1))
         return 0
     shared = {n for n, t in TARGETS.items() if t == SUPPORT}
+    fixtures = {n for n in shared if n in _fixtures(tree)}
+    shared -= fixtures  # registered for the unit tests by tests/unit/conftest.py, never imported by a test file
+    _register_fixtures(fixtures)
     written = []
     for target, segs in moved.items():
         if not segs:
@@ -228,20 +233,13 @@ def main(check: bool = False) -> int:
         adds = [stmt for names, stmt in imports if names & used]
         support = sorted(used & shared) if target != SUPPORT else []
         if support:
-            adds.append(f"from tests.support.security import {', '.join(support)}  # noqa: F401 (fixtures too)\n")
+            adds.append(f"from tests.support.security import {', '.join(support)}\n")
         body = "\n\n".join(s.rstrip("\n") + "\n" for s in segs)
         if existing:
             new = existing.rstrip("\n") + "\n\n\n" + body
             new = _add_imports(new, adds)
         else:
             setup = ""
-            if target == SUPPORT:
-                setup = (
-                    "\n# The security tests import Airflow into this process: a throwaway home, never ~/airflow.\n"
-                    'os.environ.setdefault("AIRFLOW_HOME", tempfile.mkdtemp(prefix="airflow-unit-"))\n'
-                    'os.environ.setdefault("AIRFLOW__CORE__LOAD_EXAMPLES", "False")\n'
-                )
-                adds += ["import os\n", "import tempfile\n"]
             mark = "" if target == SUPPORT else "\npytestmark = pytest.mark.reliability\n"
             if target != SUPPORT and "import pytest\n" not in adds:
                 adds.append("import pytest\n")
@@ -256,10 +254,32 @@ def main(check: bool = False) -> int:
         if not Path(sys.executable).with_name("ruff").exists()
         else [str(Path(sys.executable).with_name("ruff"))]
     )
+    written.append(str(ROOT / "tests" / "unit" / "conftest.py"))
     subprocess.run([*ruff, "check", "--fix", "-q", "--select", "F401,I001", *written], cwd=ROOT)
     subprocess.run([*ruff, "format", "-q", *written], cwd=ROOT)
     print(json.dumps(tests, indent=1))
     return 0
+
+
+def _fixtures(tree: ast.Module) -> set[str]:
+    """Names of the module's functions decorated as pytest fixtures."""
+    return {
+        n.name
+        for n in tree.body
+        if isinstance(n, ast.FunctionDef) and any("fixture" in ast.unparse(d) for d in n.decorator_list)
+    }
+
+
+def _register_fixtures(names: set[str]) -> None:
+    """tests/unit/conftest.py imports the shared fixtures (a test file importing one would shadow it)."""
+    if not names:
+        return
+    conftest = ROOT / "tests" / "unit" / "conftest.py"
+    text = conftest.read_text() if conftest.exists() else '"""Fixtures of the unit tests."""\n'
+    missing = sorted(n for n in names if n not in _bound(ast.parse(text)))
+    if missing:
+        line = f"from tests.support.security import {', '.join(missing)}  # noqa: F401 (fixtures)\n"
+        conftest.write_text(_add_imports(text, [line]))
 
 
 def _add_imports(text: str, adds: list[str]) -> str:

@@ -1,5 +1,5 @@
-"""The operator tests import Airflow into the test process (no Airflow process, no metadata DB): point it
-at a throwaway home first, so that it never creates or reads ~/airflow."""
+"""The unit tier: tests import Airflow into the test process (no Airflow process, no metadata DB), so Airflow
+gets a throwaway home first and never creates or reads ~/airflow."""
 
 from __future__ import annotations
 
