@@ -14,14 +14,12 @@ PACKAGE = ROOT / "airflow_provider_vllm"
 
 TESTED_ELSEWHERE: dict[str, list[str]] = {
     "cli/pod_dry_run.py": ["tests/airflow/test_kubernetes_dags.py"],
-    "core/allow_list.py": ["tests/unit/test_security.py", "tests/unit/steps/plan/test_plan_refusals.py"],
     "core/errors.py": ["tests/unit/core/test_exit_codes.py", "tests/unit/test_bad_inputs.py"],
     "core/formats/base.py": ["tests/unit/core/formats/test_parquet.py", "tests/unit/steps/plan/test_plan_refusals.py"],
     "core/formats/files.py": ["tests/unit/core/formats/test_openai_batch.py", "tests/unit/steps/plan/test_planner.py"],
     "core/param_schemas.py": ["tests/unit/steps/plan/test_plan_refusals.py"],
     "core/pod_settings.py": ["tests/unit/utils/test_pod_spec.py"],
     "core/rows.py": ["tests/unit/core/test_commit.py", "tests/unit/worker/test_isolation.py"],
-    "core/spec_guard.py": ["tests/unit/test_security.py"],
     "core/storage.py": [
         "tests/s3/test_storage_s3.py",
         "tests/s3/test_s3_faults.py",
@@ -38,11 +36,7 @@ TESTED_ELSEWHERE: dict[str, list[str]] = {
     "task_groups/batch_job.py": ["tests/airflow/test_operators.py", "tests/airflow/test_security_dags.py"],
     "testing/local_models.py": ["tests/vllm/test_local_models.py"],
     "utils/openlineage_facets.py": ["tests/airflow/test_openlineage.py"],
-    "utils/provenance.py": ["tests/unit/test_security.py"],
-    "worker/__main__.py": ["tests/unit/worker/test_exits.py", "tests/unit/test_layers.py"],
     "worker/lifecycle.py": ["tests/vllm/test_reliability_lifecycle.py"],
-    "worker/prompts.py": ["tests/unit/worker/test_isolation.py", "tests/vllm/test_worker_vllm.py"],
-    "worker/redact.py": ["tests/vllm/test_redaction.py", "tests/unit/test_security.py"],
     "worker/resources.py": ["tests/unit/worker/test_metrics.py"],
     "worker/task.py": ["tests/unit/operators/test_kubernetes.py", "tests/unit/worker/test_shard.py"],
     "worker/watchdog.py": ["tests/unit/core/test_faults.py", "tests/vllm/test_reliability_lifecycle.py"],
