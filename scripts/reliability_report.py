@@ -8,12 +8,15 @@
 Runs ``pytest -m reliability`` with ``RELIABILITY_LEDGER`` pointing at a fresh file; each
 fault, bad-input and security test appends what it checked (tests/support/ledger.py), with the pytest
 node id of the test that checked it. The script sums the records and replaces the block
-between the figure markers in docs/RELIABILITY.md: one headline line per kind of evidence
-(process-level faults, object-store faults, in-process faults, hypothesis state-machine
-steps, bad rows, malicious params; never added together), then one table per kind, each row
-naming the test(s) behind it. Duplicates are the ones the tests counted before merge's dedupe
-(tests/support/reconcile.py). Exits with pytest's exit status (figures are written either way, with
-the outcome stated, so a failing run cannot pass for a clean one).
+between the figure markers in docs/RELIABILITY.md: the current figures first, one table row per
+kind of evidence (process-level faults, object-store faults, in-process faults, hypothesis
+state-machine steps, bad rows, malicious params; never added together) with when, at which commit
+and by which command they were measured, then one table per kind, each row naming the test(s)
+behind it. The figures the block held before, when they came from another run, move to the top of
+the history block (between the history markers, in the document's appendix). Duplicates are the
+ones the tests counted before merge's dedupe (tests/support/reconcile.py). Exits with pytest's exit
+status (figures are written either way, with the outcome stated, so a failing run cannot pass for a
+clean one).
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "RELIABILITY.md"
 START, END = "<!-- reliability-figures:start -->", "<!-- reliability-figures:end -->"
+HISTORY_START, HISTORY_END = "<!-- reliability-history:start -->", "<!-- reliability-history:end -->"
+SUMMARY_HEADER = "| figure | measured | commit | command |"
 
 # fault levels (tests/support/ledger.py), in the order they are reported
 LEVELS = {
@@ -160,16 +165,14 @@ def git_commit() -> str:
 
 
 def block(s: dict, outcome: str, code: int, args: list[str], commit: str | None = None, when: str | None = None) -> str:
+    """The figures block: the current figures (one row per kind of evidence, with when, at which commit and
+    by which command), the run's pytest outcome, then one table per kind naming the tests behind each row."""
     commit = commit or git_commit()
     when = when or time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    out = [START, ""]
-    out += [f"- **{h}.**" for h in headlines(s)]
-    out += [
-        "",
-        f"Measured {when} at commit `{commit}` by "
-        f"`python scripts/reliability_report.py{' -- ' + shlex.join(args) if args else ''}`; "
-        f"pytest: {outcome} (exit {code}).",
-    ]
+    command = f"`python scripts/reliability_report.py{' -- ' + shlex.join(args) if args else ''}`"
+    out = [START, "", SUMMARY_HEADER, "|---|---|---|---|"]
+    out += [f"| **{h}** | {when} | `{commit}` | {command} |" for h in headlines(s)]
+    out += ["", f"Measured {when} at commit `{commit}` by {command}; pytest: {outcome} (exit {code})."]
     for level, title in LEVELS.items():
         rows = s["faults"].get(level) or {}
         if not rows:
@@ -200,19 +203,42 @@ def block(s: dict, outcome: str, code: int, args: list[str], commit: str | None 
             f"{v['duplicates']} | {v['partial_visible']} | {_tests(v['tests'])} |"
             for k, v in sorted(hyp.items())
         ]
-    out += ["", "| bad input kind | planted | reported right | test |", "|---|---:|---:|---|"]
+    out += ["", "**Bad inputs**", "", "| bad input kind | planted | reported right | test |", "|---|---:|---:|---|"]
     out += [f"| {k} | {v['planted']} | {v['right']} | {_tests(v['tests'])} |" for k, v in sorted(s["bad"].items())]
-    out += ["", "| malicious param kind | tried | rejected | test |", "|---|---:|---:|---|"]
+    out += ["", "**Malicious params and forged files**", ""]
+    out += ["| malicious param kind | tried | rejected | test |", "|---|---:|---:|---|"]
     out += [f"| {k} | {v['tried']} | {v['rejected']} | {_tests(v['tests'])} |" for k, v in sorted(s["mal"].items())]
     return "\n".join(out + ["", END])
 
 
+def current(block_text: str) -> list[str]:
+    """The current-figures part of a figures block (its summary table and its 'Measured ...' line); [] when the
+    block has none (an empty block, or one written before the summary table)."""
+    lines = block_text.splitlines()
+    if SUMMARY_HEADER not in lines:
+        return []
+    i = lines.index(SUMMARY_HEADER)
+    j = i
+    while j < len(lines) and lines[j].startswith("|"):
+        j += 1
+    measured = next((x for x in lines[j:] if x.startswith("Measured ")), "")
+    return lines[i:j] + ([measured] if measured else [])
+
+
 def rewrite(doc: Path, new_block: str) -> None:
+    """Replace the figures block; the figures it held, when another run measured them, go to the top of the
+    history block (kept as it is when the document has no history markers)."""
     text = doc.read_text()
     if START not in text or END not in text:
         raise SystemExit(f"{doc} has no {START} ... {END} block")
     head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
+    old, tail = rest.split(END, 1)
+    before, after = current(old), current(new_block)
+    if before and before[-1:] != after[-1:] and HISTORY_START in tail and HISTORY_END in tail:
+        mid, hist_rest = tail.split(HISTORY_START, 1)
+        hist, end = hist_rest.split(HISTORY_END, 1)
+        entry = "\n".join(["", *before, ""])
+        tail = mid + HISTORY_START + "\n" + entry + hist.lstrip("\n") + HISTORY_END + end
     doc.write_text(head + new_block + tail)
 
 

@@ -30,9 +30,12 @@ import json
 import os
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from airflow_provider_vllm.core.errors import EXIT_TERMINAL, VllmBatchError
+
+if TYPE_CHECKING:
+    from airflow_provider_vllm.steps.plan.dry_run import DryRunReport
 
 PROG = "python -m airflow_provider_vllm.cli.dry_run"
 LOCATION_FIELDS = (
@@ -132,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
         return e.exit_code if isinstance(e, VllmBatchError) else EXIT_TERMINAL
     from airflow_provider_vllm.steps.plan.dry_run import format_report
 
-    print(json.dumps(report, indent=1, default=str) if args.json else format_report(report))
+    print(json.dumps(report.dump(), indent=1) if args.json else format_report(report))
     return 0
 
 
@@ -143,7 +146,7 @@ def airflow_command(args: argparse.Namespace) -> None:
         raise SystemExit(code)
 
 
-def _report(spec: Any, args: argparse.Namespace, cfg: dict | None, where: _Where) -> dict[str, Any]:
+def _report(spec: Any, args: argparse.Namespace, cfg: dict | None, where: _Where) -> DryRunReport:
     from airflow_provider_vllm.hooks.filesystems import task_filesystems
     from airflow_provider_vllm.steps.plan.dry_run import ASSUMED_ENGINE_START_S, ASSUMED_TOKENS_PER_S, dry_run_report
 

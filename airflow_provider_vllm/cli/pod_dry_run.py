@@ -44,17 +44,18 @@ def _tasks(dag: Any) -> tuple[Any, Any]:
 
 
 def _shard(spec: Any, map_index: int, from_plan: bool, filesystems: Any = None) -> tuple[dict[str, Any], str | None]:
+    from airflow_provider_vllm.core.plan import ShardSummary, load_plan
+
     if not from_plan:
-        return {
-            "shard_id": f"shard-{map_index:05d}-00000000",
-            "rows": 0,
-        }, "example shard id (--from-plan reads the run's _plan.json)"
-    from airflow_provider_vllm.core.plan import load_plan
+        example = ShardSummary(
+            shard_id=f"shard-{map_index:05d}-00000000", index=map_index, rows=0, est_tokens=0, bucket="all"
+        )
+        return example.dump(), "example shard id (--from-plan reads the run's _plan.json)"
 
     plan = load_plan(spec, filesystems)
     if map_index >= len(plan.shards):
         raise SystemExit(f"map index {map_index} out of range: the plan has {len(plan.shards)} shard(s)")
-    return plan.shards[map_index].summary(), None
+    return plan.shards[map_index].summary().dump(), None
 
 
 def render_shard_pod(

@@ -40,7 +40,7 @@ from airflow_provider_vllm.core import faults
 from airflow_provider_vllm.core import seal as seals
 from airflow_provider_vllm.core.errors import CommitError, SealError, SpecError
 from airflow_provider_vllm.core.part_names import run_file
-from airflow_provider_vllm.core.records import FileRef, Record, RowCounts, ShardStats
+from airflow_provider_vllm.core.records import FileBytes, FileRef, Record, RowCounts, Sha256, ShardStats
 from airflow_provider_vllm.core.rows import split_rows
 from airflow_provider_vllm.core.seal import Keyring, Seal
 from airflow_provider_vllm.core.storage import Storage
@@ -97,8 +97,8 @@ class FileEntry(RowCounts):
     """
 
     path: str = Field(description="the ok rows: shards/<shard>/attempts/<attempt>/chunk-NNNNN.parquet (RESULT_SCHEMA)")
-    bytes: int = Field(description="size of the ok-rows file")
-    sha256: str = Field(description="sha256 of the ok-rows file's bytes")
+    bytes: FileBytes = Field(description="size of the ok-rows file")
+    sha256: Sha256 = Field(description="sha256 of the ok-rows file's bytes")
     errors: PartFile | None = Field(
         None, description="the error rows: .../chunk-NNNNN.errors.parquet (ERROR_SCHEMA), written even when empty"
     )

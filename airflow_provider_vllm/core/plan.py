@@ -33,6 +33,32 @@ class Segment(BaseModel):
     line: int = 1
 
 
+SHARD_ID_PATTERN = r"^shard-\d{5}-[0-9a-f]{8}$"
+
+
+class ShardSummary(BaseModel):
+    """One item of the plan task's return value: what each mapped shard task receives (``.expand(shard=...)``).
+
+    It crosses XCom as JSON; ``dump()`` gives the shape the plan task has always pushed (``shard_id``,
+    ``index``, ``rows``, ``est_tokens``, ``bucket``, and ``name`` once the plan task named the shards), so
+    that the XComs of runs started before this model still validate. Unknown fields are refused.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    shard_id: str = Field(pattern=SHARD_ID_PATTERN, description="the shard's id in the plan")
+    index: int = Field(ge=0, description="the shard's position in the plan (the mapped task's map index)")
+    rows: int = Field(ge=0, description="rows of the shard")
+    est_tokens: int = Field(ge=0, description="estimated prompt tokens of the shard's rows")
+    bucket: Literal["all", "short", "long"] = Field(description="short/long: only rows of that length class")
+    name: str | None = Field(
+        None, max_length=200, description="the mapped task's display name (core/shard_names.py); absent before"
+    )
+
+    def dump(self) -> dict[str, Any]:
+        """The XCom value: JSON data, ``name`` left out while it is unset."""
+        return self.model_dump(mode="json", exclude_none=True)
+
+
 class ShardPlan(BaseModel):
     model_config = ConfigDict(extra="forbid")
     shard_id: str
@@ -47,15 +73,50 @@ class ShardPlan(BaseModel):
         "output prefix; the worker reads exactly these bytes (size and sha256 checked) and its segments index it",
     )
 
-    def summary(self) -> dict[str, Any]:
-        """The small dict passed through XCom to each mapped shard task."""
-        return {
-            "shard_id": self.shard_id,
-            "index": self.index,
-            "rows": self.rows,
-            "est_tokens": self.est_tokens,
-            "bucket": self.bucket,
-        }
+    def summary(self) -> ShardSummary:
+        """What each mapped shard task receives (through XCom, as ``ShardSummary.dump()``)."""
+        return ShardSummary(
+            shard_id=self.shard_id, index=self.index, rows=self.rows, est_tokens=self.est_tokens, bucket=self.bucket
+        )
+
+
+class Evidence(BaseModel):
+    """Pooled throughput of the throughput-history records that match a job (``steps/plan/sizing.py``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    basis: Literal["config", "model"] = Field(
+        description="config: records of the same job configuration; model: same model, task and hardware"
+    )
+    hardware: str = Field(description="the hardware of the records, e.g. '1x NVIDIA H200'")
+    records: int = Field(description="history records pooled")
+    rows: int = Field(description="rows those records inferred")
+    infer_s: float = Field(description="their inference seconds")
+    rows_per_s: float = Field(description="rows / infer_s")
+    tokens_per_s: float = Field(description="(prompt + completion tokens) / infer_s, per model replica")
+    prompt_tokens_per_row: float = Field(description="prompt tokens per row")
+    completion_tokens_per_row: float = Field(description="completion tokens per row")
+    engine_start_s: float | None = Field(description="median engine start, seconds (None: not recorded)")
+
+    def rounded(self) -> Evidence:
+        """The same evidence, floats rounded to 4 places (as the plan stores it)."""
+        return self.model_copy(update={k: round(v, 4) for k, v in self.model_dump().items() if isinstance(v, float)})
+
+
+class Sizing(BaseModel):
+    """How the plan was sized from the throughput history (``_plan.json``'s ``sizing``; ``steps/plan/sizing.py``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    shards: int = Field(description="shards the history's throughput asks for")
+    target_rows: int | None = Field(description="rows per shard that gives (None: sized by tokens)")
+    target_tokens: int | None = Field(description="estimated tokens per shard that gives (None: sized by rows)")
+    target_s: float = Field(description="target seconds per shard, engine start included")
+    est_infer_s: float = Field(description="estimated inference seconds of the whole job")
+    engine_start_s: float = Field(description="engine start per shard, seconds")
+    evidence: Evidence = Field(description="the history it was sized from (floats rounded to 4 places)")
+
+    def sharding_update(self) -> dict[str, Any]:
+        """The sharding fields the plan is cut with."""
+        return {"target_rows": self.target_rows, "target_tokens": self.target_tokens}
 
 
 class CacheFile(FileRef):
@@ -91,7 +152,7 @@ class Plan(BaseModel):
     input_uri: str
     input_root: str
     format: Literal["parquet", "jsonl", "openai_batch"]
-    files: list[dict[str, Any]]
+    files: list[InputFile] = Field(description="the input's files, in order (segments index them)")
     fingerprint: str
     total_rows: int
     invalid_lines: int = 0
@@ -100,7 +161,7 @@ class Plan(BaseModel):
     chars_per_token: float
     shards: list[ShardPlan]
     created_with: dict[str, str]
-    sizing: dict[str, Any] | None = Field(None, description="How shards were sized from throughput history.")
+    sizing: Sizing | None = Field(None, description="How shards were sized from throughput history.")
     cache: CachePlan | None = Field(
         None, description="The result cache (cache.uri set): shards then read their own input files of misses."
     )
@@ -119,13 +180,10 @@ class Plan(BaseModel):
         where = f"{output_uri.rstrip('/')}/{PLAN_FILE}"
         seals.verify_record(keyring, seals.PLAN, seals.scope_of(output_uri), self, f"the plan {where}")
 
-    def input_files(self) -> list[InputFile]:
-        return [InputFile(**f) for f in self.files]
-
     def shard_input(self, shard: ShardPlan) -> tuple[str, list[InputFile]]:
         """The shard's input root and files (its segments index them): the input, or the shard's own input file."""
         if shard.input_file is None:
-            return self.input_root, self.input_files()
+            return self.input_root, list(self.files)
         f = shard.input_file
         root, name = self.cache.misses_root if self.cache else "", f.path.rsplit("/", 1)[-1]
         return root, [InputFile(path=name, size=f.bytes, version="")]

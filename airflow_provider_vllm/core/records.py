@@ -136,11 +136,16 @@ class Duplicates(Record):
     examples: list[str] = Field(description="a few of those ids")
 
 
+# A file's size and digest as every file record declares them (FileDigest and its kin, the commit marker's FileEntry)
+FileBytes = Annotated[int, Field(ge=0, description="file size")]
+Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="sha256 of the file's bytes")]
+
+
 class FileDigest(Record):
     """What one file must be: its size, sha256 and rows (the shape every file record shares)."""
 
-    bytes: int = Field(ge=0, description="file size")
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="sha256 of the file's bytes")
+    bytes: FileBytes
+    sha256: Sha256
     rows: int = Field(ge=0, description="rows in the file")
 
 

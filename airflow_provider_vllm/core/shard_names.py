@@ -9,25 +9,25 @@ and row count instead: ``shard 5/8 long, 37 rows``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+
+from airflow_provider_vllm.core.plan import ShardSummary
 
 
-def shard_display_names(shards: Sequence[dict[str, Any]]) -> list[str]:
-    """One name per shard summary (``index``, ``rows``, ``bucket``), in plan order."""
+def shard_display_names(shards: Sequence[ShardSummary]) -> list[str]:
+    """One name per shard summary, in plan order."""
     n = len(shards)
     names: list[str] = []
     start = 0
     for s in shards:
-        rows = int(s["rows"])
-        head = f"shard {int(s['index'])}/{n}"
-        if s.get("bucket", "all") == "all":
-            names.append(f"{head} rows {start}-{start + rows - 1}" if rows else f"{head} (no rows)")
-            start += rows
+        head = f"shard {s.index}/{n}"
+        if s.bucket == "all":
+            names.append(f"{head} rows {start}-{start + s.rows - 1}" if s.rows else f"{head} (no rows)")
+            start += s.rows
         else:
-            names.append(f"{head} {s['bucket']}, {rows} rows")
+            names.append(f"{head} {s.bucket}, {s.rows} rows")
     return names
 
 
-def with_display_names(shards: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The shard summaries with a ``name`` key added (the mapped task's display name)."""
-    return [{**s, "name": name} for s, name in zip(shards, shard_display_names(shards))]
+def with_display_names(shards: Sequence[ShardSummary]) -> list[ShardSummary]:
+    """The shard summaries with ``name`` set (the mapped task's display name)."""
+    return [s.model_copy(update={"name": name}) for s, name in zip(shards, shard_display_names(shards))]

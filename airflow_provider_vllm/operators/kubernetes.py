@@ -22,6 +22,7 @@ from kubernetes.client import models as k8s
 from airflow_provider_vllm.core import envs
 from airflow_provider_vllm.core.errors import SpecError
 from airflow_provider_vllm.core.exit_codes import ExitCode
+from airflow_provider_vllm.core.plan import ShardSummary
 from airflow_provider_vllm.core.pod_settings import KubernetesSettings
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.spec_guard import DEPLOYMENT_OWNED
@@ -64,7 +65,8 @@ class VllmKubernetesShardOperator(KubernetesPodOperator):
     """Run one shard in a pod: ``worker_command(ShardTask(...))``, the local runner's command line.
 
     :param spec: the validated job spec from the plan task (its ``spec`` XCom).
-    :param shard: one item of the plan's return value (``{"shard_id": ..., "rows": ...}``).
+    :param shard: one item of the plan's return value (a ``ShardSummary``'s JSON form, as XCom hands it over;
+        a bare shard id also works).
     :param kubernetes: deployment defaults for the pod (a ``KubernetesSettings`` dict or JSON
         text, templated; the builder passes the ``vllm_batch_kubernetes`` Variable). The job
         spec's ``kubernetes`` section wins over it field by field. Image, GPU count and
@@ -97,7 +99,7 @@ class VllmKubernetesShardOperator(KubernetesPodOperator):
         self,
         *,
         spec: Any,
-        shard: dict[str, Any] | str,
+        shard: dict[str, Any] | ShardSummary | str,
         kubernetes: dict[str, Any] | str | None = None,
         env: dict[str, str] | None = None,
         progress_interval_s: float = 10.0,

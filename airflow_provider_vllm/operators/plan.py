@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -55,8 +54,8 @@ class VllmPlanOperator(BaseOperator):
     dotted paths (``sampling.max_tokens``) or ``JobSpec`` param aliases (``labels``, ``model``).
 
     Pushes the validated spec (a JSON-able dict) under the XCom key ``spec``; downstream
-    tasks take it from there, as data, never re-templated. Returns
-    ``[shard.summary() ...]`` for ``.expand(shard=...)``.
+    tasks take it from there, as data, never re-templated. Returns one ``ShardSummary`` per shard,
+    named (``core/shard_names.py``), as JSON data (``.dump()``) for ``.expand(shard=...)``.
 
     Fails without retry on an invalid spec, an unknown or unavailable ``runner``, a missing
     local model folder, a bad dataset (missing id column, duplicate or blank ids, ...), an
@@ -200,7 +199,7 @@ class VllmPlanOperator(BaseOperator):
             )
         context["ti"].xcom_push(key=SPEC_XCOM_KEY, value=spec.model_dump(mode="json"))
         self._lineage = plan_lineage(spec, rows=plan.total_rows, files=len(plan.files))
-        return with_display_names([s.summary() for s in plan.shards])
+        return [s.dump() for s in with_display_names([s.summary() for s in plan.shards])]
 
     def engine_identity(self, spec: JobSpec, runner: str) -> str:
         """The engine the shard tasks will start, resolved from the same settings they use (the cache key's)."""
@@ -226,5 +225,5 @@ class VllmPlanOperator(BaseOperator):
             )
         for line in format_report(report).splitlines():
             self.log.info("%s", line)
-        context["ti"].xcom_push(key="dry_run", value=json.loads(json.dumps(report, default=str)))
+        context["ti"].xcom_push(key="dry_run", value=report.dump())
         raise AirflowSkipException("dry run: the report is in the log and the 'dry_run' XCom; nothing was launched")

@@ -14,10 +14,11 @@ from airflow_provider_vllm.core import envs
 from airflow_provider_vllm.core.allow_list import ALLOWED_PREFIXES_ENV
 from airflow_provider_vllm.core.compat import vllm_not_installed
 from airflow_provider_vllm.core.errors import SpecError
+from airflow_provider_vllm.core.plan import ShardSummary
 from airflow_provider_vllm.hooks.filesystems import child_env, conn_ids_from_config
 from airflow_provider_vllm.hooks.filesystems import worker_env as connection_worker_env
 from airflow_provider_vllm.utils.deployment import check_spec_allowed, signing_keyring, worker_env
-from airflow_provider_vllm.utils.job_spec import load_spec, shard_id_of
+from airflow_provider_vllm.utils.job_spec import load_spec, shard_id_of, shard_summary
 from airflow_provider_vllm.utils.worker_outcome import worker_result
 from airflow_provider_vllm.utils.worker_process import (
     FAULT_ENV,
@@ -43,7 +44,8 @@ class VllmLocalShardOperator(BaseOperator):
     starts, naming how to install vLLM and the Kubernetes runner.
 
     ``spec`` is the validated spec from the plan task (its ``spec`` XCom), ``shard`` one item
-    of the plan's return value. See ``utils/worker_process.py`` for the ``VLLM_BATCH_INJECT_EXIT`` test hook.
+    of the plan's return value (a ``ShardSummary``'s JSON form; a bare shard id also works). See
+    ``utils/worker_process.py`` for the ``VLLM_BATCH_INJECT_EXIT`` test hook.
 
     ``aws_conn_id`` / ``gcp_conn_id`` (DAG-file settings; None: ``[vllm_batch]`` config, else the
     providers' defaults): when the job reads or writes ``s3://`` / ``gs://``, the worker gets that
@@ -60,7 +62,7 @@ class VllmLocalShardOperator(BaseOperator):
         self,
         *,
         spec: Any,
-        shard: dict[str, Any] | str,
+        shard: dict[str, Any] | ShardSummary | str,
         env: dict[str, str] | None = None,
         python: str | None = None,
         progress_interval_s: float = 10.0,
@@ -114,7 +116,7 @@ class VllmLocalShardOperator(BaseOperator):
         for name in [k for k in env if k.upper().startswith("AIRFLOW__VLLM_BATCH__SIGNING_KEY")]:
             del env[name]
         env[envs.SIGNING_KEY.name] = signing_keyring().text()
-        rows = self.shard.get("rows") if isinstance(self.shard, dict) else None
+        rows = None if isinstance(self.shard, str) else shard_summary(self.shard).rows
         self.log.info(
             "shard %s (%s rows), try %s: %s -m airflow_provider_vllm.worker '<shard task json, %d bytes>'",
             shard_id,

@@ -14,9 +14,11 @@ from typing import Any
 
 import yaml
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
+from pydantic import ValidationError
 
 from airflow_provider_vllm.core.errors import SpecError, VllmBatchError
-from airflow_provider_vllm.core.spec import JobSpec
+from airflow_provider_vllm.core.plan import ShardSummary
+from airflow_provider_vllm.core.spec import JobSpec, format_validation_error
 
 SPEC_XCOM_KEY = "spec"
 """XCom key under which the plan task pushes the validated spec (a JSON-able dict)."""
@@ -91,6 +93,18 @@ def data_plane_errors(what: str) -> Iterator[None]:
         raise AirflowException(f"{what}: {type(e).__name__} (transient, retried): {e}") from e
 
 
+def shard_summary(shard: Any) -> ShardSummary:
+    """One item of the plan's return value (its JSON form, as XCom hands it to a mapped shard task), read
+    through ``ShardSummary``; fails without retry, naming the field, when it is not one."""
+    if isinstance(shard, ShardSummary):
+        return shard
+    try:
+        return ShardSummary.model_validate(shard)
+    except ValidationError as e:
+        detail = format_validation_error(e).replace("invalid job spec", "not a shard of the plan")
+        raise AirflowFailException(f"shard {shard!r:.200}: {detail}") from None
+
+
 def shard_id_of(shard: Any) -> str:
-    """The shard id of one item of the plan's return value (a summary dict) or of a bare id."""
-    return shard["shard_id"] if isinstance(shard, dict) else str(shard)
+    """The shard id of one item of the plan's return value (``shard_summary``) or of a bare id."""
+    return shard if isinstance(shard, str) else shard_summary(shard).shard_id

@@ -14,6 +14,7 @@ import platform
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import numpy as np
@@ -36,6 +37,7 @@ from airflow_provider_vllm.worker.guard import GuardedEngine, RowFailure
 from airflow_provider_vllm.worker.hardware import hardware_id
 from airflow_provider_vllm.worker.isolation import describe, row_caused
 from airflow_provider_vllm.worker.outputs import check_structured
+from airflow_provider_vllm.worker.progress import Progress
 from airflow_provider_vllm.worker.prompts import Prepared, PromptBuilder
 from airflow_provider_vllm.worker.task import ShardTask
 from airflow_provider_vllm.worker.telemetry import ShardTelemetry
@@ -179,7 +181,17 @@ def _run_shard(
             with watchdog.paused():
                 engine.warm_up()
             try:
-                runner = _ChunkRunner(spec, plan, shard, batch, engine, store, attempt, metas, telemetry.progress)
+                runner = _ChunkRunner(
+                    spec=spec,
+                    plan=plan,
+                    shard=shard,
+                    batch=batch,
+                    engine=engine,
+                    store=store,
+                    attempt=attempt,
+                    metas=metas,
+                    progress=telemetry.progress,
+                )
                 t0 = time.monotonic()
                 files.update(runner.run(todo))
                 stats["infer_s"] = round(time.monotonic() - t0, 3)
@@ -314,25 +326,38 @@ def read_shard_rows(
 
 
 # ---- inference ----------------------------------------------------------------------
+@dataclass
 class _ChunkRunner:
-    """Feeds rows of the chunks to do through the engine and writes each chunk when complete."""
+    """Feeds rows of the chunks to do through the engine and writes each chunk when complete.
 
-    def __init__(self, spec, plan, shard, batch, engine, store, attempt, metas, progress):
-        self.spec, self.plan, self.shard, self.batch = spec, plan, shard, batch
-        self.engine, self.store, self.attempt, self.metas = engine, store, attempt, metas
-        self.builder = PromptBuilder(spec, engine.tokenizer, engine.max_model_len, plan.format)
+    ``metas``: chunk number -> what the chunk holds (every chunk of the shard); ``batch``: the shard's rows
+    in plan order; ``progress``: counts rows as they finish (the shard's progress lines and metrics).
+    """
+
+    spec: JobSpec
+    plan: Plan
+    shard: ShardPlan
+    batch: RowBatch
+    engine: GuardedEngine
+    store: ShardStore
+    attempt: str
+    metas: dict[int, ChunkMeta]
+    progress: Progress
+    prompt_tokens: int = field(default=0, init=False)
+    completion_tokens: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        spec, plan = self.spec, self.plan
+        self.builder = PromptBuilder(spec, self.engine.tokenizer, self.engine.max_model_len, plan.format)
         self.requests = input_format(plan.format).carries_requests
-        self.progress = progress
         self.prov = {
             "model": spec.model.name,
             "model_revision": spec.model.revision,
-            "engine_version": engine.version,
+            "engine_version": self.engine.version,
             "config_hash": plan.config_hash,
-            "shard_id": shard.shard_id,
-            "attempt_id": attempt,
+            "shard_id": self.shard.shard_id,
+            "attempt_id": self.attempt,
         }
-        self.prompt_tokens = 0
-        self.completion_tokens = 0
         self.depth = max(MIN_QUEUE, 4 * (spec.engine.max_num_seqs or 256))
 
     def run(self, todo: list[int]) -> dict[int, FileEntry]:
@@ -379,10 +404,11 @@ class _ChunkRunner:
                     continue
                 submitted[i] = (time.monotonic(), prep.truncated)
                 # a request the engine refuses comes back from step() as a RowFailure
-                self.engine.submit((k, i), prep.token_ids, prep.overrides or None)
+                self.engine.submit((k, i), _tokens(prep), prep.overrides or None)
             if not self.engine.pending():
                 continue
-            for (k, i), g in self.engine.step():
+            for key, g in self.engine.step():
+                k, i = cast(tuple[int, int], key)
                 t_sub, truncated = submitted.pop(i)
                 if isinstance(g, RowFailure):
                     records[k][i] = self._error(i, g.code, g.message)
@@ -442,7 +468,7 @@ class _ChunkRunner:
                 ok.append((i, prep))
         if ok:
             t0 = time.monotonic()
-            vectors = self.engine.pool([p.token_ids for _, p in ok], keys=[(k, i) for i, _ in ok])
+            vectors = self.engine.pool([_tokens(p) for _, p in ok], keys=[(k, i) for i, _ in ok])
             per_row_ms = (time.monotonic() - t0) * 1000.0 / len(ok)
             col = "embedding" if self.spec.task == "embed" else "scores"
             names = getattr(self.engine, "class_labels", None) or []
@@ -471,3 +497,9 @@ class _ChunkRunner:
         entry = self.store.write_chunk(self.attempt, meta, rows_table(ordered))
         self.progress.add_rows(ordered)
         return entry
+
+
+def _tokens(prep: Prepared) -> list[int]:
+    """The prompt of a row that was prepared without a fault (``PromptBuilder`` sets one or the other)."""
+    assert prep.token_ids is not None, "a prepared row without a fault has its tokens"
+    return prep.token_ids

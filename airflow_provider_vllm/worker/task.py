@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from airflow_provider_vllm.core.errors import SpecError
+from airflow_provider_vllm.core.plan import SHARD_ID_PATTERN
 from airflow_provider_vllm.core.spec import JobSpec, format_validation_error
 
 ENTRYPOINT = ["-m", "airflow_provider_vllm.worker"]
@@ -22,7 +23,7 @@ class ShardTask(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     spec: JobSpec
-    shard_id: str = Field(pattern=r"^shard-\d{5}-[0-9a-f]{8}$", description="A shard id from the plan.")
+    shard_id: str = Field(pattern=SHARD_ID_PATTERN, description="A shard id from the plan.")
     attempt_id: str | None = Field(
         None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$", description="Default: generated per process."
     )

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.airflow.k8s_context import create_context, unreachable_cluster
 from tests.support.data import make_spec, write_parquet
+from tests.support.k8s_context import create_context, unreachable_cluster
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,7 +44,7 @@ def test_pod_command_line_runs_a_real_shard(tmp_path, monkeypatch, tiny_model):
     )
     plan = plan_job(spec)
     assert len(plan.shards) == 2
-    shard = plan.shards[1].summary()
+    shard = plan.shards[1].summary().dump()
     op = VllmKubernetesShardOperator(
         task_id="shard",
         spec=spec.model_dump(mode="json"),

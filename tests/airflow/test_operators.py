@@ -7,40 +7,14 @@ import json
 import os
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pyarrow.parquet as pq
 import pytest
 
 from tests.support.data import PINNED_REVISION, make_spec, write_parquet
+from tests.support.task_context import context
 
 HERE = Path(__file__).resolve().parent
-
-
-class FakeTI:
-    def __init__(self, map_index: int = -1, try_number: int = 1):
-        self.map_index = map_index
-        self.try_number = try_number
-        self.xcoms: dict = {}
-
-    def xcom_push(self, key, value):
-        self.xcoms[key] = value
-
-
-class OutletEvents(dict):
-    def __missing__(self, key):
-        self[key] = SimpleNamespace(extra={})
-        return self[key]
-
-
-def context(params=None, map_index=-1, try_number=1):
-    return {
-        "ti": FakeTI(map_index, try_number),
-        "params": params or {},
-        "outlet_events": OutletEvents(),
-        "dag_run": SimpleNamespace(dag_id="d", run_id="r1"),
-        "logical_date": None,
-    }
 
 
 @pytest.fixture

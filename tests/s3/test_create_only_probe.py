@@ -193,4 +193,4 @@ def test_gcs_reads_and_atomic_writes_work_against_the_emulator(gcs, tmp_path):
     )
     plan = plan_job(spec)  # the output is local: the probe passes; the input is read from GCS
     assert plan.total_rows == len(IDS) and len(plan.shards) == 2
-    assert plan.files[0]["version"]  # generation / etag recorded for the unchanged-input check
+    assert plan.files[0].version  # generation / etag recorded for the unchanged-input check

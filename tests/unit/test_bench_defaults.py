@@ -8,7 +8,7 @@ import subprocess
 
 from tests.support import ROOT  # noqa: E402
 
-# The fastest worker-or-raw rows/s measured on one H200 (docs/BENCHMARKS.md section 4, Llama-3-8B shape).
+# The fastest worker-or-raw rows/s measured on one H200 (docs/BENCHMARKS.md section 4 and appendix; Llama-3-8B).
 H200_FASTEST_ROWS_PER_S = {"classify": 901.3, "generate": 38.07}
 
 

@@ -156,6 +156,47 @@ def test_every_table_row_names_its_tests(report, tmp_path):
     )
 
 
+def test_the_block_leads_with_the_current_figures_and_when_which_commit_and_command_measured_them(report):
+    block = report.block(report.summarise(LEDGER), "9 passed", 0, ["-m", "a"], "abc1234", "2026-01-01 00:00 UTC")
+    lines = block.splitlines()
+    assert lines[:4] == [report.START, "", report.SUMMARY_HEADER, "|---|---|---|---|"]
+    rows = lines[4:10]
+    assert [r.split(" | ")[0] for r in rows] == [f"| **{h}**" for h in report.headlines(report.summarise(LEDGER))]
+    assert all(
+        r.endswith("| 2026-01-01 00:00 UTC | `abc1234` | `python scripts/reliability_report.py -- -m a` |")
+        for r in rows
+    )
+    assert lines[10:12] == [
+        "",
+        "Measured 2026-01-01 00:00 UTC at commit `abc1234` by `python scripts/reliability_report.py -- -m a`; "
+        "pytest: 9 passed (exit 0).",
+    ]
+    assert (
+        block.index("**Bad inputs**")
+        < block.index("| jsonl_rows |")
+        < block.index("**Malicious params and forged files**")
+    )
+
+
+def test_a_new_run_moves_the_figures_it_replaces_to_the_history(report, tmp_path):
+    doc = tmp_path / "R.md"
+    history = f"## History\n\n{report.HISTORY_START}\n{report.HISTORY_END}\n"
+    doc.write_text(f"# x\n\n{report.START}\n{report.END}\n\n{history}")
+    s = report.summarise(LEDGER)
+    report.rewrite(doc, report.block(s, "9 passed", 0, [], "aaa1111", "2026-01-01 00:00 UTC"))
+    assert "aaa1111" not in doc.read_text().split(report.HISTORY_START)[1]  # an empty block had nothing to move
+    report.rewrite(doc, report.block(s, "9 passed", 0, [], "bbb2222", "2026-02-01 00:00 UTC"))
+    report.rewrite(doc, report.block(s, "9 passed", 0, [], "bbb2222", "2026-02-01 00:00 UTC"))  # the same run again
+    report.rewrite(doc, report.block(s, "8 passed", 0, [], "ccc3333", "2026-03-01 00:00 UTC"))
+    text = doc.read_text()
+    figures, hist = text.split(report.END)[0], text.split(report.HISTORY_START)[1].split(report.HISTORY_END)[0]
+    assert "`ccc3333`" in figures and "`bbb2222`" not in figures
+    assert hist.index("`bbb2222`") < hist.index("`aaa1111`")  # newest first, each run once
+    assert hist.count("Measured 2026-02-01 00:00 UTC at commit `bbb2222`") == 1
+    assert hist.count(report.SUMMARY_HEADER) == 2 and "| s3_drop |" not in hist  # the summaries, not the tables
+    assert text.startswith("# x\n") and text.rstrip().endswith(report.HISTORY_END)
+
+
 def test_the_script_sums_an_existing_ledger_into_a_document(report, tmp_path):
     ledger = tmp_path / "ledger.jsonl"
     ledger.write_text("\n".join(json.dumps(r) for r in LEDGER) + "\n")

@@ -142,7 +142,7 @@ def job(tmp_path: Path, n: int = 160, **over) -> tuple[JobSpec, dict, list[str]]
         )
     spec = make_spec(tmp_path / "in", tmp_path / "out", sharding={"target_rows": 10_000, "chunk_rows": 16}, **over)
     (shard,) = plan_job(spec).shards
-    return spec, {"shard_id": shard.shard_id, "rows": shard.rows}, ids
+    return spec, shard.summary().dump(), ids
 
 
 def chunks(tmp_path: Path) -> list[Path]:
@@ -250,7 +250,7 @@ def test_kill9_of_the_task_process_on_real_vllm_leaves_no_engine_core_behind(tmp
     doc["engine"]["max_num_seqs"] = 8
     spec = JobSpec.load(doc)
     (s,) = plan_job(spec).shards
-    shard = {"shard_id": s.shard_id, "rows": s.rows}
+    shard = s.summary().dump()
     log1 = tmp_path / "try1.log"
     task = start_task(spec, shard, "", 1, env, log1)
     wait_for(lambda: chunks(tmp_path), 600, "a first chunk committed", task, log1)

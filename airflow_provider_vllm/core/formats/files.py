@@ -10,6 +10,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from airflow_provider_vllm.core.errors import DatasetError, InputChangedError
 from airflow_provider_vllm.core.storage import FileSystems, Storage
 
@@ -17,16 +19,15 @@ PARQUET_EXT = (".parquet", ".pq", ".parq")
 JSONL_EXT = (".jsonl", ".ndjson", ".json")
 
 
-@dataclass(frozen=True)
-class InputFile:
-    """One input file as planned: its path under the input root and what identifies its content."""
+class InputFile(BaseModel):
+    """One input file as planned (an item of ``_plan.json``'s ``files``): its path under the input root and what
+    identifies its content. Equal when path, size and version are equal."""
 
-    path: str
-    size: int
-    version: str  # etag / generation / mtime: changes when the content changes
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "size": self.size, "version": self.version}
+    path: str = Field(description="path under the input root")
+    size: int = Field(ge=0, description="bytes")
+    version: str = Field(description="etag / generation / mtime: changes when the content changes")
 
 
 def input_storage(
@@ -65,7 +66,7 @@ def describe_files(storage: Storage, names: list[str]) -> list[InputFile]:
 
 
 def fingerprint(files: list[InputFile]) -> str:
-    doc = json.dumps([f.to_dict() for f in files], sort_keys=True).encode()
+    doc = json.dumps([f.model_dump() for f in files], sort_keys=True).encode()
     return hashlib.sha256(doc).hexdigest()
 
 
@@ -74,7 +75,9 @@ def check_unchanged(storage: Storage, planned: list[InputFile]) -> None:
     now = describe_files(storage, [f.path for f in planned])
     for a, b in zip(planned, now):
         if a != b:
-            raise InputChangedError(f"input file {a.path} changed since the plan ({a.to_dict()} -> {b.to_dict()})")
+            raise InputChangedError(
+                f"input file {a.path} changed since the plan ({a.model_dump()} -> {b.model_dump()})"
+            )
 
 
 def detect_format(storage: Storage, names: list[str], declared: str) -> str:

@@ -13,8 +13,10 @@
   ``_cache/hits-<sha16>.parquet`` (id + cached answer + cached_from) and
   ``_cache/misses-<sha16>.parquet`` (the rows the shards infer, with their key), named by content
   so that a plan killed or raced before its create-only ``_plan.json`` leaves only orphans.
-* Merge (``register_hits``, ``append_results``): the hits join the results; the ok rows computed
-  by this run become this run's entry (id derived from the run: a rerun converges).
+* Merge: before publishing, ``hits_part`` checks the plan's hits file against the sealed plan (it never
+  opens the cache folder) and it is published as one more part of ``results/``; after publishing,
+  ``append_results`` enters the cache folder once: the ok rows computed by this run become this run's
+  entry (id derived from the run: a rerun finds its commit and stops), then compaction when due.
 
 Parquet input only (``check_cacheable``). No Airflow.
 """

@@ -130,7 +130,7 @@ def merge(
     con = duck.connect(out, in_root, memory_limit=memory_limit)
     try:
         _ids_view(con, out, sources)
-        check_unchanged(in_root, plan.input_files())
+        check_unchanged(in_root, plan.files)
         register_input_ids(con, spec, plan, in_root)
         duplicates = Duplicates(ids=0, rows_dropped=0, examples=[])
         drop: dict[str, list[int]] = {}
@@ -492,7 +492,7 @@ def check_duplicates(
 
 def register_input_ids(con: duckdb.DuckDBPyConnection, spec: JobSpec, plan: Plan, root: Storage) -> None:
     """View ``input_ids(id VARCHAR)``: all input ids, the independent side of the verification."""
-    names = [f["path"] for f in plan.files]
+    names = [f.path for f in plan.files]
     if plan.format == "parquet" and plan.total_rows:
         col = '"' + spec.prompt.id_column.replace('"', '""') + '"'
         con.execute(

@@ -2,16 +2,24 @@
 
 Validates the spec and the input (the plan step's checks, nothing written) and computes rows,
 estimated prompt and output tokens, shards, inference time, GPU-hours and the GPU memory plan
-with the layout ``choose_layout`` picks.
+with the layout ``choose_layout`` picks. One pass over what the plan reads: the input listing and
+the throughput history come from ``build_plan_with_inputs``, never read a second time.
+
+The report is a typed record (``DryRunReport``): the plan task pushes ``dump()`` as its ``dry_run``
+XCom and the CLI prints it (``--json``) or ``format_report``'s text.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
 
 from airflow_provider_vllm.core.errors import SpecError
+from airflow_provider_vllm.core.plan import Evidence
+from airflow_provider_vllm.core.records import Record
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems
@@ -23,8 +31,8 @@ from airflow_provider_vllm.steps.plan.memory import (
     load_model_config,
     plan_memory,
 )
-from airflow_provider_vllm.steps.plan.planner import build_plan
-from airflow_provider_vllm.steps.plan.sizing import estimate_workload, find_evidence, read_history
+from airflow_provider_vllm.steps.plan.planner import PlanInputs, build_plan_with_inputs
+from airflow_provider_vllm.steps.plan.sizing import History, Workload, estimate_workload, find_evidence, read_history
 
 # Used only without history, and labelled "assumed" in the report.
 ASSUMED_TOKENS_PER_S = 2000.0  # prompt + output tokens per second per model replica
@@ -32,6 +40,116 @@ ASSUMED_ENGINE_START_S = 60.0
 ASSUMED_GPU_MEMORY_GIB = 80.0
 
 
+# ---- the report ---------------------------------------------------------------------------------
+class Assumptions(Record):
+    """The figures assumed for want of history (none are set when the report rests on evidence)."""
+
+    tokens_per_s: float | None = Field(None, description="assumed prompt + output tokens/s per model replica")
+    engine_start_s: float | None = Field(None, description="assumed engine start per shard, seconds")
+
+
+class CacheReport(Record):
+    """What the result cache would answer now (``cache.uri`` set); nothing written."""
+
+    uri: str = Field(description="the cache folder")
+    key_hash: str = Field(description="hash of the key config the entries must share")
+    commits: int = Field(description="committed, sealed entries of that key config")
+    rows: int = Field(description="input rows")
+    hits: int = Field(description="rows an entry answers")
+    misses: int = Field(description="rows to infer")
+    hit_est_tokens: int = Field(description="estimated prompt tokens of the hit rows")
+    est_inference_s_saved: float = Field(description="inference seconds the hits save")
+    est_gpu_hours_saved: float = Field(description="GPU-hours of inference the hits save")
+
+
+class LayoutReport(Record):
+    """The GPU layout (``memory.GpuLayout``'s fields), whether the GPU memory behind it is known, and its lines."""
+
+    tensor_parallel_size: int
+    fitting_tensor_parallel_size: int | None
+    max_tensor_parallel_size: int
+    gpu_memory_gib: float
+    gpu_memory_utilization: float
+    weights_gib: float
+    kv_one_seq_gib: float
+    kv_available_gib: float
+    full_length_seqs: int
+    gpus_per_pod: int
+    gpu_budget: int | None
+    max_active_shards: int | None
+    verdict: Literal["fits", "larger_than_needed", "too_small", "invalid_tp", "does_not_fit"]
+    reasons: list[str]
+    warnings: list[str]
+    refusal: str | None
+    memory_known: bool = Field(description="False: the GPU memory was assumed (a refusal is then only reported)")
+    lines: list[str] = Field(description="the layout as the text report prints it")
+
+
+class MemoryReport(Record):
+    """The GPU memory plan (``memory.MemoryPlan``'s fields) and where its inputs came from."""
+
+    available: Literal[True]
+    config: str = Field(description="where the model's config.json came from")
+    gpu_memory_gib: float
+    gpu_memory_source: str
+    architecture: str
+    weights_bytes: int
+    weights_source: str
+    kv_bytes_per_token: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_seqs_source: str
+    tensor_parallel_size: int
+    gpu_memory_bytes: int
+    gpu_memory_utilization: float
+    overhead_bytes: int
+    budget_bytes: int
+    kv_available_bytes: int
+    kv_needed_bytes: int
+    fits: bool
+    suggested_max_num_seqs: int
+    expected_seq_tokens: int | None
+    seqs_at_expected_len: int | None
+    warnings: list[str]
+    lines: list[str] = Field(description="the plan as the text report prints it")
+
+
+class MemoryUnavailable(Record):
+    """No memory plan: the model's config could not be found or read."""
+
+    available: Literal[False]
+    reason: str
+
+
+class DryRunReport(Record):
+    """What a job would cost: the dry run's report (``dump()``: the ``dry_run`` XCom and ``--json``)."""
+
+    job: str
+    task: str
+    model: str
+    input_uri: str
+    rows: int = Field(description="input rows (valid)")
+    invalid_lines: int = Field(description="JSONL lines that are not rows")
+    est_prompt_tokens: int = Field(description="planner estimate, system prompt and template included")
+    est_output_tokens: int
+    output_tokens_basis: str = Field(description="history, or max_tokens as an upper bound")
+    shards: int
+    largest_shard_rows: int
+    sized_from_history: bool
+    throughput_basis: str = Field(description="history:config, history:model or assumed")
+    evidence: Evidence | None = Field(description="the throughput history behind the figures (None: assumed)")
+    est_inference_s: float
+    engine_start_s: float
+    est_shard_minutes: float
+    tensor_parallel_size: int
+    est_gpu_hours: float
+    assumptions: Assumptions
+    cache: CacheReport | None = Field(None, description="only with cache.uri; the figures above are the whole input")
+    memory: Annotated[MemoryReport | MemoryUnavailable, Field(discriminator="available")]
+    layout: LayoutReport | None = Field(description="None when there is no memory plan")
+
+
+# ---- building it ------------------------------------------------------------------------------
 def dry_run_report(
     spec: JobSpec,
     *,
@@ -44,93 +162,111 @@ def dry_run_report(
     filesystems: FileSystems | None = None,
     engine_identity: str | None = None,
     keyring: Keyring | None = None,
-) -> dict[str, Any]:
-    """The dry-run report as a dict (see ``format_report``); raises DatasetError/SpecError like the plan.
+) -> DryRunReport:
+    """The dry-run report (see ``format_report``); raises DatasetError/SpecError like the plan.
 
     ``gpus``: the GPU budget (GPUs the job may use at once) for ``layout.max_active_shards``. Raises
     SpecError when the layout refuses the spec's engine.tensor_parallel_size. ``filesystems``: how
     object stores are reached (``storage.FileSystems``; default fsspec). With ``cache.uri``: the
     ``cache`` section (hits and misses the cache gives now, the GPU-hours the hits save; the
     other figures are for the whole input); ``engine_identity`` and ``keyring`` (only sealed cache entries
-    count) as for ``plan_job``.
+    count) as for ``plan_job``. An unreadable throughput history fails the dry run (the plan itself would
+    go on without it).
     """
-    plan = build_plan(spec, filesystems)
-    records = (
-        read_history(spec.sharding.history_uri, spec.io.storage_options, filesystems)
-        if spec.sharding.history_uri
-        else []
-    )
-    ev = find_evidence(spec, records)
+    plan, read = build_plan_with_inputs(spec, filesystems)
+    ev = find_evidence(spec, _history(spec, read, filesystems).records)
     work = estimate_workload(spec, plan.total_rows, plan.est_tokens, ev, tokens_per_s, engine_start_s)
     shards = len(plan.shards)
     tp = spec.engine.tensor_parallel_size
     gpu_s = (shards * work.engine_start_s + work.infer_s) * tp
-    report: dict[str, Any] = {
-        "job": spec.name,
-        "task": spec.task,
-        "model": spec.model.name,
-        "input_uri": spec.io.input_uri,
-        "rows": plan.total_rows,
-        "invalid_lines": plan.invalid_lines,
-        "est_prompt_tokens": work.prompt_tokens,
-        "est_output_tokens": work.completion_tokens,
-        "output_tokens_basis": work.completion_basis,
-        "shards": shards,
-        "largest_shard_rows": max((s.rows for s in plan.shards), default=0),
-        "sized_from_history": plan.sizing is not None,
-        "throughput_basis": work.throughput_basis,
-        "evidence": asdict(ev) if ev is not None else None,
-        "est_inference_s": round(work.infer_s, 1),
-        "engine_start_s": round(work.engine_start_s, 1),
-        "est_shard_minutes": round((work.engine_start_s + work.infer_s / shards) / 60, 2) if shards else 0.0,
-        "tensor_parallel_size": tp,
-        "est_gpu_hours": round(gpu_s / 3600, 3),
-        "assumptions": {} if ev is not None else {"tokens_per_s": tokens_per_s, "engine_start_s": engine_start_s},
-    }
+    cache = None
     if spec.cache.uri is not None:
-        report["cache"] = _cache(spec, ev, tokens_per_s, engine_start_s, engine_identity, filesystems, keyring)
-    report["memory"] = _memory(spec, work, ev, gpu_memory, model_config, checkpoint_bytes, gpus)
-    layout = report["memory"].pop("layout", None)
-    report["layout"] = layout
-    if layout and layout["refusal"] and (layout["verdict"] == "invalid_tp" or layout["memory_known"]):
-        raise SpecError("layout: " + layout["refusal"])
+        cache = _cache(spec, read, ev, tokens_per_s, engine_start_s, engine_identity, filesystems, keyring)
+    memory, layout = _memory(spec, work, ev, gpu_memory, model_config, checkpoint_bytes, gpus)
+    report = DryRunReport(
+        job=spec.name,
+        task=spec.task,
+        model=spec.model.name,
+        input_uri=spec.io.input_uri,
+        rows=plan.total_rows,
+        invalid_lines=plan.invalid_lines,
+        est_prompt_tokens=work.prompt_tokens,
+        est_output_tokens=work.completion_tokens,
+        output_tokens_basis=work.completion_basis,
+        shards=shards,
+        largest_shard_rows=max((s.rows for s in plan.shards), default=0),
+        sized_from_history=plan.sizing is not None,
+        throughput_basis=work.throughput_basis,
+        evidence=ev,
+        est_inference_s=round(work.infer_s, 1),
+        engine_start_s=round(work.engine_start_s, 1),
+        est_shard_minutes=round((work.engine_start_s + work.infer_s / shards) / 60, 2) if shards else 0.0,
+        tensor_parallel_size=tp,
+        est_gpu_hours=round(gpu_s / 3600, 3),
+        assumptions=(
+            Assumptions() if ev is not None else Assumptions(tokens_per_s=tokens_per_s, engine_start_s=engine_start_s)
+        ),
+        **({"cache": cache} if cache is not None else {}),
+        memory=memory,
+        layout=layout,
+    )
+    if layout and layout.refusal and (layout.verdict == "invalid_tp" or layout.memory_known):
+        raise SpecError("layout: " + layout.refusal)
     return report
+
+
+def _history(spec: JobSpec, read: PlanInputs, filesystems: FileSystems | None) -> History:
+    """The throughput history the plan read (read here only when the plan had no rows to size with it)."""
+    if not spec.sharding.history_uri:
+        return History([])
+    if read.history is None:
+        return History(read_history(spec.sharding.history_uri, spec.io.storage_options, filesystems))
+    if read.history.error is not None:
+        raise read.history.error
+    return read.history
 
 
 def _cache(
     spec: JobSpec,
-    ev,
+    read: PlanInputs,
+    ev: Evidence | None,
     tokens_per_s: float,
     engine_start_s: float,
     engine_identity: str | None,
     filesystems: FileSystems | None,
     keyring: Keyring | None = None,
-) -> dict[str, Any]:
+) -> CacheReport:
     """Expected hits and misses (nothing written) and the inference GPU-hours the hits save."""
-    from airflow_provider_vllm.core.formats.files import find_input
     from airflow_provider_vllm.steps.cache.result_cache import expected
 
-    found = find_input(spec.io.input_uri, spec.io.storage_options, spec.io.input_format, filesystems)
-    exp = expected(spec, found, engine_identity, filesystems, keyring)
+    exp = expected(spec, read.found, engine_identity, filesystems, keyring)
     saved = estimate_workload(spec, exp["hits"], exp["hit_est_tokens"], ev, tokens_per_s, engine_start_s)
-    exp["est_inference_s_saved"] = round(saved.infer_s, 3)
-    exp["est_gpu_hours_saved"] = round(saved.infer_s * spec.engine.tensor_parallel_size / 3600, 6)
-    return exp
+    return CacheReport(
+        **exp,
+        est_inference_s_saved=round(saved.infer_s, 3),
+        est_gpu_hours_saved=round(saved.infer_s * spec.engine.tensor_parallel_size / 3600, 6),
+    )
 
 
 def _memory(
-    spec: JobSpec, work, ev, gpu_memory: float | None, cfg: dict | None, ckpt: int | None, gpus: int | None = None
-) -> dict[str, Any]:
+    spec: JobSpec,
+    work: Workload,
+    ev: Evidence | None,
+    gpu_memory: float | None,
+    cfg: dict | None,
+    ckpt: int | None,
+    gpus: int | None = None,
+) -> tuple[MemoryReport | MemoryUnavailable, LayoutReport | None]:
     source = "given"
     if cfg is None:
         try:
             cfg, ckpt, source = load_model_config(spec.model.name, spec.model.revision)
         except (FileNotFoundError, OSError, ValueError) as e:
-            return {"available": False, "reason": str(e)}
+            return MemoryUnavailable(available=False, reason=str(e)), None
     try:
         shape = ModelShape.from_config(cfg)
     except ValueError as e:
-        return {"available": False, "reason": str(e)}
+        return MemoryUnavailable(available=False, reason=str(e)), None
     hw = spec.sharding.hardware or (ev.hardware if ev is not None else None)
     gib, gib_src = gpu_memory, "--gpu-memory-gib"
     if gib is None and gpu_memory_gib(hw) is not None:
@@ -167,74 +303,73 @@ def _memory(
             weights_bytes=ckpt,
         )
     except ValueError as e:
-        return {"available": False, "reason": str(e)}
+        return MemoryUnavailable(available=False, reason=str(e)), None
     known = not gib_src.startswith("assumed")
-    lay = {**asdict(layout), "memory_known": known, "lines": layout.lines()}
+    lines = layout.lines()
     if layout.refusal and not known and layout.verdict != "invalid_tp":
-        lay["lines"] = [
+        lines = [
             x.replace(
                 "layout: REFUSED:",
                 "layout: WOULD BE REFUSED (GPU memory assumed; set sharding.hardware or pass --gpu-memory-gib):",
             )
-            for x in lay["lines"]
+            for x in lines
         ]
-    return {
-        "layout": lay,
-        "available": True,
-        "config": source,
-        "gpu_memory_gib": gib,
-        "gpu_memory_source": gib_src,
-        "architecture": shape.architecture,
+    memory = MemoryReport(
+        available=True,
+        config=source,
+        gpu_memory_gib=gib,
+        gpu_memory_source=gib_src,
+        architecture=shape.architecture,
         **asdict(mp),
-        "lines": mp.lines(),
-    }
+        lines=mp.lines(),
+    )
+    return memory, LayoutReport(**asdict(layout), memory_known=known, lines=lines)
 
 
-def format_report(r: dict[str, Any]) -> str:
+def format_report(r: DryRunReport) -> str:
     """Human-readable report."""
     lines = [
-        f"dry run: job {r['job']} ({r['task']}), model {r['model']}",
-        f"  input            {r['input_uri']}",
-        f"  rows             {r['rows']:,}" + (f" (+{r['invalid_lines']} invalid lines)" if r["invalid_lines"] else ""),
-        f"  prompt tokens    ~{r['est_prompt_tokens']:,} (planner estimate incl. system prompt)",
-        f"  output tokens    ~{r['est_output_tokens']:,} (from {r['output_tokens_basis']})",
-        f"  shards           {r['shards']} (largest {r['largest_shard_rows']:,} rows; "
-        f"{'sized from throughput history' if r['sized_from_history'] else 'sized by target_rows/target_tokens'})",
+        f"dry run: job {r.job} ({r.task}), model {r.model}",
+        f"  input            {r.input_uri}",
+        f"  rows             {r.rows:,}" + (f" (+{r.invalid_lines} invalid lines)" if r.invalid_lines else ""),
+        f"  prompt tokens    ~{r.est_prompt_tokens:,} (planner estimate incl. system prompt)",
+        f"  output tokens    ~{r.est_output_tokens:,} (from {r.output_tokens_basis})",
+        f"  shards           {r.shards} (largest {r.largest_shard_rows:,} rows; "
+        f"{'sized from throughput history' if r.sized_from_history else 'sized by target_rows/target_tokens'})",
     ]
-    if r["evidence"]:
-        e = r["evidence"]
+    if r.evidence:
+        e = r.evidence
         lines.append(
-            f"  throughput       {e['rows_per_s']:.2f} rows/s, {e['tokens_per_s']:.0f} tokens/s per replica "
-            f"on {e['hardware']} ({e['records']} record(s), basis: {e['basis']})"
+            f"  throughput       {e.rows_per_s:.2f} rows/s, {e.tokens_per_s:.0f} tokens/s per replica "
+            f"on {e.hardware} ({e.records} record(s), basis: {e.basis})"
         )
     else:
-        a = r["assumptions"]
+        a = r.assumptions
         lines.append(
-            f"  throughput       ASSUMED {a['tokens_per_s']:.0f} tokens/s and "
-            f"{a['engine_start_s']:.0f} s engine "
+            f"  throughput       ASSUMED {a.tokens_per_s:.0f} tokens/s and "
+            f"{a.engine_start_s:.0f} s engine "
             "start (no history: set sharding.history_uri or pass --tokens-per-s/--engine-start-s)"
         )
     lines += [
-        f"  inference        ~{r['est_inference_s'] / 3600:.2f} h in total; engine start {r['engine_start_s']:.0f} s "
-        f"per shard; ~{r['est_shard_minutes']:.1f} min per shard",
-        f"  GPU-hours        ~{r['est_gpu_hours']:.2f} (tensor_parallel_size {r['tensor_parallel_size']})",
+        f"  inference        ~{r.est_inference_s / 3600:.2f} h in total; engine start {r.engine_start_s:.0f} s "
+        f"per shard; ~{r.est_shard_minutes:.1f} min per shard",
+        f"  GPU-hours        ~{r.est_gpu_hours:.2f} (tensor_parallel_size {r.tensor_parallel_size})",
     ]
-    if r.get("cache"):
-        c = r["cache"]
+    if r.cache:
+        c = r.cache
         lines.append(
-            f"  result cache     {c['hits']:,} of {c['rows']:,} rows answered by {c['commits']} committed "
-            f"entr{'y' if c['commits'] == 1 else 'ies'}, {c['misses']:,} to infer; saves "
-            f"~{c['est_gpu_hours_saved']:.2f} GPU-hours of inference (figures above: whole input)"
+            f"  result cache     {c.hits:,} of {c.rows:,} rows answered by {c.commits} committed "
+            f"entr{'y' if c.commits == 1 else 'ies'}, {c.misses:,} to infer; saves "
+            f"~{c.est_gpu_hours_saved:.2f} GPU-hours of inference (figures above: whole input)"
         )
-    if r.get("layout"):
-        lines += [f"  {x}" for x in r["layout"]["lines"]]
-    m = r["memory"]
-    if not m["available"]:
-        lines.append(f"  memory plan      not available: {m['reason']}")
+    if r.layout:
+        lines += [f"  {x}" for x in r.layout.lines]
+    m = r.memory
+    if isinstance(m, MemoryUnavailable):
+        lines.append(f"  memory plan      not available: {m.reason}")
     else:
         lines.append(
-            f"  memory plan      {m['architecture']} from {m['config']}; GPU {m['gpu_memory_gib']} GiB "
-            f"({m['gpu_memory_source']})"
+            f"  memory plan      {m.architecture} from {m.config}; GPU {m.gpu_memory_gib} GiB ({m.gpu_memory_source})"
         )
-        lines += [f"    {x}" for x in m["lines"]]
+        lines += [f"    {x}" for x in m.lines]
     return "\n".join(lines)

@@ -14,7 +14,7 @@ import logging
 import math
 import os
 import tempfile
-from dataclasses import asdict
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -23,12 +23,12 @@ from airflow_provider_vllm import __version__
 from airflow_provider_vllm.core.commit import PROBE_DIR, probe_create_only
 from airflow_provider_vllm.core.errors import SpecError
 from airflow_provider_vllm.core.formats import input_format
-from airflow_provider_vllm.core.formats.files import find_input
+from airflow_provider_vllm.core.formats.files import Input, find_input
 from airflow_provider_vllm.core.plan import PLAN_FILE, Plan, Segment, ShardPlan, estimate_tokens
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
-from airflow_provider_vllm.steps.plan.sizing import size_shards
+from airflow_provider_vllm.steps.plan.sizing import History, job_history, size_shards
 
 DEFAULT_TARGET_ROWS = 10_000
 PLAN_VERSION = 2  # 2: sealed (core/seal.py); with the result cache, one input file per shard
@@ -126,6 +126,16 @@ def _store_name(spec: JobSpec) -> str:
     return f"{spec.io.output_uri} (endpoint_url {ep})" if ep else spec.io.output_uri
 
 
+@dataclass(frozen=True)
+class PlanInputs:
+    """What building a plan read, for a caller that reports on the same input (the dry run) without reading it
+    again: the input as found (files, sizes, versions, format) and the throughput history (None: not read, as
+    without ``sharding.history_uri`` or without rows to size)."""
+
+    found: Input
+    history: History | None
+
+
 def build_plan(
     spec: JobSpec,
     filesystems: FileSystems | None = None,
@@ -140,6 +150,18 @@ def build_plan(
     are written there (``steps.cache.result_cache.plan_cache``, ``write_shard_inputs``); the shards are cut
     over the misses only. The plan is returned unsealed.
     """
+    return build_plan_with_inputs(spec, filesystems, max_shards, cache_out, engine_identity, keyring)[0]
+
+
+def build_plan_with_inputs(
+    spec: JobSpec,
+    filesystems: FileSystems | None = None,
+    max_shards: int | None = None,
+    cache_out: Storage | None = None,
+    engine_identity: str | None = None,
+    keyring: Keyring | None = None,
+) -> tuple[Plan, PlanInputs]:
+    """``build_plan``, and what it read (``PlanInputs``)."""
     found = find_input(spec.io.input_uri, spec.io.storage_options, spec.io.input_format, filesystems)
     sh = spec.sharding
     # Exact per-row lengths need the text columns; footers (dictionary-encoded pages make
@@ -163,19 +185,21 @@ def build_plan(
             cut_fp = hashlib.sha256(
                 f"{found.fingerprint}:{cache.hits_file.sha256}:{_sha256(misses)}".encode()
             ).hexdigest()
-        shards, sizing = _cut_all(spec, cut_scan, cut_tokens, cut_fp, filesystems, max_shards)
+        # the history sizes shards only when there are rows to size (as size_shards decides)
+        history = job_history(spec, filesystems) if len(cut_tokens) else None
+        shards, sizing = _cut_all(spec, cut_scan, cut_tokens, cut_fp, history, max_shards)
         if cache_out is not None and misses is not None:
             from airflow_provider_vllm.steps.cache.result_cache import write_shard_inputs
 
             shards = write_shard_inputs(cache_out, misses, shards)
-    return Plan(
+    plan = Plan(
         version=PLAN_VERSION,
         spec_hash=spec.content_hash(),
         config_hash=spec.output_hash(),
         input_uri=spec.io.input_uri,
         input_root=found.root.root,
         format=found.format,
-        files=[f.to_dict() for f in found.files],
+        files=list(found.files),
         fingerprint=found.fingerprint,
         total_rows=total_rows,
         invalid_lines=int(scan.invalid),
@@ -184,9 +208,10 @@ def build_plan(
         chars_per_token=sh.chars_per_token,
         shards=shards,
         created_with={"airflow-provider-vllm": __version__, "pyarrow": pa.__version__},
-        sizing=asdict(sizing) if sizing is not None else None,
+        sizing=sizing,
         **({"cache": cache} if cache is not None else {}),
     )
+    return plan, PlanInputs(found=found, history=history)
 
 
 def _sha256(path: str) -> str:
@@ -197,9 +222,13 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def _cut_all(spec: JobSpec, cut_scan, cut_tokens, cut_fp: str, filesystems, max_shards: int | None):
+def _cut_all(spec: JobSpec, cut_scan, cut_tokens, cut_fp: str, history: History | None, max_shards: int | None):
     """The shards over the scanned rows (sized from the throughput history when it has a record), and that sizing."""
-    sizing = size_shards(spec, len(cut_tokens), cut_tokens.total, filesystems=filesystems)
+    sizing = (
+        None
+        if history is None or history.error is not None
+        else size_shards(spec, len(cut_tokens), cut_tokens.total, records=history.records)
+    )
     cut_spec = (
         spec
         if sizing is None

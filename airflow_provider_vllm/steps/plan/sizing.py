@@ -29,12 +29,13 @@ import logging
 import math
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
 
 from airflow_provider_vllm.core.commit import CommitMarker
+from airflow_provider_vllm.core.plan import Evidence, Sizing
 from airflow_provider_vllm.core.records import ThroughputRecord
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
@@ -157,23 +158,28 @@ def read_history(
     return out
 
 
-# ---- deciding ---------------------------------------------------------------------------
 @dataclass(frozen=True)
-class Evidence:
-    """Pooled throughput of the history records that match a job."""
+class History:
+    """A job's throughput history as one read saw it: its records, or the error that kept them unread."""
 
-    basis: str  # "config": same job configuration; "model": same model, task and hardware
-    hardware: str
-    records: int
-    rows: int
-    infer_s: float
-    rows_per_s: float
-    tokens_per_s: float
-    prompt_tokens_per_row: float
-    completion_tokens_per_row: float
-    engine_start_s: float | None
+    records: list[ThroughputRecord]
+    error: Exception | None = None
 
 
+def job_history(spec: JobSpec, filesystems: FileSystems | None = None) -> History | None:
+    """The records under ``sharding.history_uri`` (None: no history_uri). An unreadable history is evidence
+    missing, not a failed plan: an empty History carrying the error, with a warning logged."""
+    uri = spec.sharding.history_uri
+    if not uri:
+        return None
+    try:
+        return History(read_history(uri, spec.io.storage_options, filesystems))
+    except Exception as e:  # unreadable evidence: plan as if there were none, and say so
+        log.warning("cannot read the throughput history under %s (%s): using target_rows/tokens", uri, e)
+        return History([], e)
+
+
+# ---- deciding ---------------------------------------------------------------------------
 def find_evidence(spec: JobSpec, records: list[ThroughputRecord]) -> Evidence | None:
     """The evidence for ``spec`` among ``records`` (newest first), or None."""
     cand = [
@@ -292,22 +298,6 @@ def shard_count(work: Workload, target_s: float, max_shards: int, at_least: bool
     return max(1, min(k, work.rows, max_shards))
 
 
-@dataclass(frozen=True)
-class Sizing:
-    """How the plan was sized from history (stored in ``_plan.json`` as ``sizing``)."""
-
-    shards: int
-    target_rows: int | None
-    target_tokens: int | None
-    target_s: float
-    est_infer_s: float
-    engine_start_s: float
-    evidence: dict[str, Any]
-
-    def sharding_update(self) -> dict[str, Any]:
-        return {"target_rows": self.target_rows, "target_tokens": self.target_tokens}
-
-
 def size_shards(
     spec: JobSpec,
     rows: int,
@@ -315,16 +305,18 @@ def size_shards(
     records: list[ThroughputRecord] | None = None,
     filesystems: FileSystems | None = None,
 ) -> Sizing | None:
-    """Shard targets from history, or None (no history_uri, no matching record, no rows)."""
+    """Shard targets from history, or None (no history_uri, no matching record, no rows, an unreadable history).
+
+    ``records``: the history already read (``job_history``); None reads it here.
+    """
     sh = spec.sharding
     if not sh.history_uri or rows == 0:
         return None
     if records is None:
-        try:
-            records = read_history(sh.history_uri, spec.io.storage_options, filesystems)
-        except Exception as e:  # unreadable evidence: plan as if there were none, and say so
-            log.warning("cannot read the throughput history under %s (%s): using target_rows/tokens", sh.history_uri, e)
+        history = job_history(spec, filesystems)
+        if history is None or history.error is not None:
             return None
+        records = history.records
     ev = find_evidence(spec, records)
     if ev is None:
         log.info(
@@ -346,7 +338,7 @@ def size_shards(
         target_s=round(target_s, 1),
         est_infer_s=round(work.infer_s, 1),
         engine_start_s=round(work.engine_start_s, 1),
-        evidence={k2: (round(v, 4) if isinstance(v, float) else v) for k2, v in asdict(ev).items()},
+        evidence=ev.rounded(),
     )
     log.info(
         "sized %d rows into %d shard(s) of ~%.0f s from %d history record(s) (%s, %s)",

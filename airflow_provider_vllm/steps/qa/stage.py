@@ -117,7 +117,7 @@ def _with_input_excerpt(spec: JobSpec, sample: pa.Table, out: Storage, plan: Pla
         con.register("wanted", wanted)
         rows = con.execute(
             f"SELECT CAST({q(spec.prompt.id_column)} AS VARCHAR), left({q(spec.prompt.texts[0])}, {EXCERPT_CHARS}) "
-            f"FROM read_parquet({duck.file_list(root, [f['path'] for f in plan.files])}) "
+            f"FROM read_parquet({duck.file_list(root, [f.path for f in plan.files])}) "
             f"WHERE CAST({q(spec.prompt.id_column)} AS VARCHAR) IN ({listed})"
         ).fetchall()
     finally:

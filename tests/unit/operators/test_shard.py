@@ -6,16 +6,20 @@ The worker process itself, through a real ``airflow dags test``: tests/airflow/t
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from types import SimpleNamespace
 
 import pytest
 from airflow.sdk.exceptions import AirflowFailException
 
+from airflow_provider_vllm.core.allow_list import ALLOWED_PREFIXES_ENV
 from airflow_provider_vllm.operators import shard
 from airflow_provider_vllm.operators.shard import VllmLocalShardOperator
 from airflow_provider_vllm.utils import worker_process as local_runner
 from tests.support.data import make_spec
+from tests.support.ledger import record_malicious
+from tests.support.security import base_doc, prefixes
 
 
 @pytest.fixture
@@ -27,7 +31,10 @@ def no_vllm(monkeypatch):
 def _op(tmp_path, **kw) -> VllmLocalShardOperator:
     spec = make_spec(tmp_path / "in", tmp_path / "out")
     return VllmLocalShardOperator(
-        task_id="shard", spec=spec.model_dump(mode="json"), shard={"shard_id": "shard-00000-0000abcd", "rows": 3}, **kw
+        task_id="shard",
+        spec=spec.model_dump(mode="json"),
+        shard={"shard_id": "shard-00000-0000abcd", "index": 0, "rows": 3, "est_tokens": 30, "bucket": "all"},
+        **kw,
     )
 
 
@@ -53,3 +60,56 @@ def test_another_python_is_left_to_the_worker_which_exits_2(tmp_path, no_vllm, m
     with pytest.raises(AirflowFailException, match="exit 2, not retried"):
         _op(tmp_path, python="/other/venv/bin/python").execute({"ti": SimpleNamespace(map_index=0, try_number=1)})
     assert started and started[0][0] == "/other/venv/bin/python"
+
+
+@pytest.mark.reliability
+def test_shard_operator_refuses_a_forged_spec_before_starting_a_worker(allowed, tmp_path, monkeypatch):
+    """A spec tampered with in XCom: the shard task checks it against the deployment itself."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from airflow_provider_vllm.operators import VllmLocalShardOperator
+
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", json.dumps(prefixes(allowed)))
+    forged = base_doc(allowed)
+    forged["io"]["output_uri"] = str(tmp_path / "elsewhere")
+    launched = tmp_path / "launched"
+    python = tmp_path / "python"  # would leave a trace if the operator started it
+    python.write_text(f"#!/bin/sh\ntouch {launched}\n")
+    python.chmod(0o755)
+    ti = type("TI", (), {"map_index": 0, "try_number": 1})()
+    op = VllmLocalShardOperator(
+        task_id="shard",
+        spec=forged,
+        shard={"shard_id": "shard-00000-0123abcd", "index": 0, "rows": 3, "est_tokens": 30, "bucket": "all"},
+        python=str(python),
+    )
+    with pytest.raises(AirflowFailException, match="outside the allowed prefixes"):
+        op.execute({"ti": ti})
+    assert not launched.exists() and not (tmp_path / "elsewhere").exists()
+    record_malicious("forged_spec_at_shard_operator", 1, 1)
+
+
+@pytest.mark.reliability
+def test_shard_operator_hands_the_deployment_allow_list_to_the_worker(allowed, tmp_path, monkeypatch):
+    """The worker's allow-list comes from the deployment; the task's ``env`` cannot widen it."""
+    from airflow.sdk.exceptions import AirflowException
+
+    from airflow_provider_vllm.operators import VllmLocalShardOperator
+
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", json.dumps(prefixes(allowed)))
+    dump = tmp_path / "env.json"
+    python = tmp_path / "python"
+    python.write_text(f"#!{sys.executable}\nimport json, os\njson.dump(dict(os.environ), open({str(dump)!r}, 'w'))\n")
+    python.chmod(0o755)
+    ti = type("TI", (), {"map_index": 0, "try_number": 1})()
+    op = VllmLocalShardOperator(
+        task_id="shard",
+        spec=base_doc(allowed),
+        python=str(python),
+        shard={"shard_id": "shard-00000-0123abcd", "index": 0, "rows": 3, "est_tokens": 30, "bucket": "all"},
+        env={ALLOWED_PREFIXES_ENV: '["/"]'},
+    )
+    with pytest.raises(AirflowException):  # the stand-in prints no manifest
+        op.execute({"ti": ti})
+    seen = json.loads(dump.read_text())
+    assert json.loads(seen[ALLOWED_PREFIXES_ENV]) == prefixes(allowed)

@@ -3,6 +3,8 @@ get it from, and where result caches may live."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from airflow.sdk.exceptions import AirflowFailException
 
@@ -14,6 +16,8 @@ from airflow_provider_vllm.utils.deployment import (
     signing_keyring,
 )
 from tests.support.data import make_spec
+from tests.support.ledger import record_malicious
+from tests.support.security import _ti, base_doc
 
 
 def test_no_signing_key_fails_closed_naming_the_option(monkeypatch):
@@ -56,3 +60,65 @@ def test_a_job_cannot_point_its_cache_at_another_teams(monkeypatch, tmp_path):
     no_cache = make_spec(tmp_path / "in", tmp_path / "out")
     monkeypatch.delenv("AIRFLOW__VLLM_BATCH__CACHE_URI_PREFIXES")
     check_spec_allowed(no_cache, "plan")  # a job without a cache needs no cache location
+
+
+@pytest.mark.reliability
+def test_allow_list_is_deployment_config_only(monkeypatch, tmp_path, fail_closed):
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from airflow_provider_vllm.utils.deployment import allowed_prefixes
+
+    monkeypatch.setenv("AIRFLOW_VAR_VLLM_BATCH_ALLOWED_PREFIXES", '["/"]')  # a Variable is not the deployment
+    assert allowed_prefixes() == []
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", f"s3://from-config/, {tmp_path}")
+    assert allowed_prefixes() == ["s3://from-config", str(tmp_path)]
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", "s3://ok/,ftp://bad/")
+    with pytest.raises(AirflowFailException, match="malformed"):
+        allowed_prefixes()
+
+
+@pytest.mark.reliability
+def test_no_allow_list_refuses_every_task_naming_the_setting(allowed, tmp_path, monkeypatch, fail_closed):
+    """The default deployment (nothing configured): plan, shard, merge, QA and publish refuse; nothing is touched."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from airflow_provider_vllm.operators import (
+        VllmLocalShardOperator,
+        VllmMergeOperator,
+        VllmPlanOperator,
+        VllmPublishOperator,
+        VllmQAOperator,
+    )
+
+    launched = tmp_path / "launched"
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\ntouch {launched}\n")
+    python.chmod(0o755)
+    doc = base_doc(allowed)
+    shard = {"shard_id": "shard-00000-0123abcd", "index": 0, "rows": 3, "est_tokens": 30, "bucket": "all"}
+    ops = [
+        VllmPlanOperator(task_id="plan", spec=doc),
+        VllmLocalShardOperator(task_id="shard", spec=doc, shard=shard, python=str(python)),
+        VllmMergeOperator(task_id="merge", spec=doc),
+        VllmQAOperator(task_id="qa", spec=doc),
+        VllmPublishOperator(task_id="publish", spec=doc),
+    ]
+    for op in ops:
+        ti = _ti()
+        with pytest.raises(AirflowFailException) as e:
+            op.execute({"ti": ti, "params": {}})
+        msg = str(e.value)
+        assert "[vllm_batch] allowed_uri_prefixes" in msg and "AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES" in msg, msg
+        assert "allow_any_location" in msg and ti.xcoms == {}
+    assert not launched.exists() and not (allowed / "out").exists()
+    record_malicious("no_allow_list_every_task", len(ops), len(ops))
+    # a Variable cannot open it (only the deployment config can) ...
+    monkeypatch.setenv("AIRFLOW_VAR_VLLM_BATCH_ALLOWED_PREFIXES", json.dumps(["/"]))
+    with pytest.raises(AirflowFailException, match="allowed_uri_prefixes"):
+        VllmPlanOperator(task_id="plan", spec=doc).execute({"ti": _ti(), "params": {}})
+    # ... an explicit allow_any_location = True does; so does an allow-list
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOW_ANY_LOCATION", "True")
+    assert VllmPlanOperator(task_id="plan", spec=doc).execute({"ti": _ti(), "params": {}})
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOW_ANY_LOCATION", "sure")  # a typo is not a yes
+    with pytest.raises(AirflowFailException, match="not a boolean"):
+        VllmPlanOperator(task_id="plan", spec=doc).execute({"ti": _ti(), "params": {}})

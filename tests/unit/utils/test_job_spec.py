@@ -6,11 +6,13 @@ import pytest
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from airflow_provider_vllm.core.errors import DatasetError, SpecError, TransientError
+from airflow_provider_vllm.core.plan import ShardSummary
 from airflow_provider_vllm.utils.job_spec import (
     check_runner,
     data_plane_errors,
     overrides_document,
     shard_id_of,
+    shard_summary,
     spec_document,
 )
 
@@ -48,5 +50,26 @@ def test_terminal_errors_fail_and_transient_ones_are_retried():
     assert not isinstance(caught.value, AirflowFailException)
 
 
+SUMMARY = {"shard_id": "shard-00003-0a1b2c3d", "index": 3, "rows": 1, "est_tokens": 9, "bucket": "all"}
+
+
 def test_shard_id_of_a_summary_or_a_bare_id():
-    assert shard_id_of({"shard_id": "s-3", "rows": 1}) == "s-3" and shard_id_of("s-4") == "s-4"
+    assert shard_id_of(SUMMARY) == "shard-00003-0a1b2c3d" and shard_id_of("s-4") == "s-4"
+    assert shard_id_of({**SUMMARY, "name": "shard 3/8 rows 0-0"}) == "shard-00003-0a1b2c3d"
+    assert shard_summary(SUMMARY) == ShardSummary(**SUMMARY)
+
+
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        ({k: v for k, v in SUMMARY.items() if k != "index"}, "index"),
+        ({**SUMMARY, "shard_id": "../../x"}, "shard_id"),
+        ({**SUMMARY, "rows": -1}, "rows"),
+        ({**SUMMARY, "bucket": None}, "bucket"),
+        ({**SUMMARY, "spec": {"model": "x"}}, "spec"),
+        (["shard-00003-0a1b2c3d"], "<spec>"),
+    ],
+)
+def test_a_shard_item_that_is_not_a_summary_fails_without_retry_naming_the_field(bad, field):
+    with pytest.raises(AirflowFailException, match=f"not a shard of the plan: {field}"):
+        shard_id_of(bad)

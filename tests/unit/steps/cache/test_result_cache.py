@@ -411,20 +411,25 @@ def test_merge_failing_at_a_cache_step_converges(tmp_path, fake_engine_factory, 
 
 
 # ---- dry run ------------------------------------------------------------------------------
-def test_dry_run_reports_expected_hits_and_saved_gpu_hours(tmp_path, fake_engine_factory):
+def test_dry_run_reports_expected_hits_and_saved_gpu_hours(tmp_path, fake_engine_factory, monkeypatch):
+    from airflow_provider_vllm.core.formats import files
     from airflow_provider_vllm.steps.plan.dry_run import dry_run_report, format_report
 
     write_parquet(tmp_path / "in-a.parquet", IDS, TEXTS)
     run_job(spec_for(tmp_path, "a"), fake_engine_factory)
     write_parquet(tmp_path / "in-b.parquet", IDS + ["n1"], TEXTS[:-1] + ["edited", "new"])
     s2 = spec_for(tmp_path, "b")
+    listings = []
+    describe = files.describe_files
+    monkeypatch.setattr(files, "describe_files", lambda *a: listings.append(a) or describe(*a))
     r = dry_run_report(s2, model_config={}, engine_identity=ENGINE)
-    c = r["cache"]
-    assert (c["rows"], c["hits"], c["misses"], c["commits"]) == (51, 49, 2, 1)
-    assert 0 < c["est_gpu_hours_saved"] < r["est_gpu_hours"]
+    assert len(listings) == 1  # the cache's expected hits join the input the plan listed, not a second listing
+    c = r.cache
+    assert (c.rows, c.hits, c.misses, c.commits) == (51, 49, 2, 1)
+    assert 0 < c.est_gpu_hours_saved < r.est_gpu_hours
     assert "49 of 51 rows answered by 1 committed entry, 2 to infer" in format_report(r)
     assert not (tmp_path / "out-b").exists()  # nothing written
-    assert "cache" not in dry_run_report(spec_for(tmp_path, "b", cache={"uri": None}), model_config={})
+    assert "cache" not in dry_run_report(spec_for(tmp_path, "b", cache={"uri": None}), model_config={}).dump()
 
 
 def test_careless_inputs_integer_ids_repeated_texts_and_error_rows(tmp_path, fake_engine_factory):

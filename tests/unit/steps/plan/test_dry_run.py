@@ -118,13 +118,14 @@ def test_report_without_history_uses_stated_assumptions(tmp_path):
     r = dry_run_report(spec, model_config=LLAMA3_8B, gpu_memory=79.2)
     plan = build_plan(spec)
     prompt = plan.est_tokens + 1000 * prompt_overhead_tokens(spec)
-    assert r["rows"] == 1000 and r["shards"] == 4 and not r["sized_from_history"]
-    assert r["est_prompt_tokens"] == prompt and r["est_output_tokens"] == 1000 * 8  # max_tokens: upper bound
+    assert r.rows == 1000 and r.shards == 4 and not r.sized_from_history
+    assert r.est_prompt_tokens == prompt and r.est_output_tokens == 1000 * 8  # max_tokens: upper bound
     infer = (prompt + 8000) / ASSUMED_TOKENS_PER_S
-    assert r["est_inference_s"] == round(infer, 1) and r["throughput_basis"] == "assumed"
-    assert r["est_gpu_hours"] == round((4 * ASSUMED_ENGINE_START_S + infer) / 3600, 3)
-    assert r["memory"]["available"] and r["memory"]["kv_bytes_per_token"] == 128 * KiB
-    assert r["memory"]["max_model_len"] == 1024  # the spec's, not the config's 8192
+    assert r.est_inference_s == round(infer, 1) and r.throughput_basis == "assumed"
+    assert r.est_gpu_hours == round((4 * ASSUMED_ENGINE_START_S + infer) / 3600, 3)
+    assert r.memory.available and r.memory.kv_bytes_per_token == 128 * KiB
+    assert r.memory.max_model_len == 1024  # the spec's, not the config's 8192
+    assert r.dump()["assumptions"] == {"tokens_per_s": ASSUMED_TOKENS_PER_S, "engine_start_s": ASSUMED_ENGINE_START_S}
     assert not (tmp_path / "out").exists()  # nothing written
 
 
@@ -160,10 +161,11 @@ def test_report_with_history_and_the_cli(tmp_path, capsys):
     (hist / "20261128T000000Z-a-b.jsonl").write_text(json.dumps(rec) + "\n")
     r = dry_run_report(spec, model_config=LLAMA3_8B)
     # 1 row/s from the same job; 10-minute shards, 90 s start -> ceil(1000 / 510) = 2 shards
-    assert r["throughput_basis"] == "history:config" and r["est_inference_s"] == 1000.0 and r["shards"] == 2
-    assert r["est_output_tokens"] == 2000 and r["output_tokens_basis"] == "history"
-    assert r["est_gpu_hours"] == round((2 * 90 + 1000) / 3600, 3)
-    assert r["memory"]["gpu_memory_source"] == "hardware '1x NVIDIA H200'"
+    assert r.throughput_basis == "history:config" and r.est_inference_s == 1000.0 and r.shards == 2
+    assert r.est_output_tokens == 2000 and r.output_tokens_basis == "history"
+    assert r.est_gpu_hours == round((2 * 90 + 1000) / 3600, 3)
+    assert r.memory.gpu_memory_source == "hardware '1x NVIDIA H200'"
+    assert r.dump()["assumptions"] == {} and r.dump()["evidence"]["basis"] == "config"
 
     spec_file = tmp_path / "job.json"
     spec_file.write_text(json.dumps(spec.model_dump(mode="json")))
@@ -212,12 +214,12 @@ def test_memory_plan_of_a_local_model_folder(tmp_path):
     model = make_tiny_llama(default_cache_dir() / "tiny-llama")
     _dataset(tmp_path, 10)
     spec = make_spec(tmp_path / "in", tmp_path / "out", model={"name": str(model), "max_model_len": 512})
-    m = dry_run_report(spec, gpu_memory=24)["memory"]
+    m = dry_run_report(spec, gpu_memory=24).memory
     cfg = json.loads((model / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-    assert m["available"] and m["weights_source"].startswith("size of the checkpoint")
-    assert m["kv_bytes_per_token"] == 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * 2
+    assert m.available and m.weights_source.startswith("size of the checkpoint")
+    assert m.kv_bytes_per_token == 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * 2
 
 
 def test_engine_kwargs_load_format_is_limited_to_safe_formats(tmp_path):
@@ -334,8 +336,8 @@ def test_dry_run_prints_the_layout_and_max_active_shards(tmp_path, capsys):
     _dataset(tmp_path)
     spec = make_spec(tmp_path / "in", tmp_path / "out", sharding={"hardware": "1x NVIDIA H200"})
     r = dry_run_report(spec, model_config=LLAMA3_8B, gpus=2)
-    assert r["layout"]["tensor_parallel_size"] == 1 and r["layout"]["max_active_shards"] == 2
-    assert r["layout"]["memory_known"] and "layout" not in r["memory"]
+    assert r.layout.tensor_parallel_size == 1 and r.layout.max_active_shards == 2
+    assert r.layout.memory_known and "layout" not in r.dump()["memory"]
     spec_file = tmp_path / "job.json"
     spec_file.write_text(json.dumps(spec.model_dump(mode="json")))
     cfg = tmp_path / "config.json"
@@ -368,11 +370,114 @@ def test_dry_run_with_assumed_gpu_memory_reports_instead_of_refusing(tmp_path):
     _dataset(tmp_path)
     spec = make_spec(tmp_path / "in", tmp_path / "out")  # no hardware, no history, no --gpu-memory-gib
     r = dry_run_report(spec, model_config=LLAMA3_70B)
-    assert r["memory"]["gpu_memory_source"].startswith("assumed") and not r["layout"]["memory_known"]
-    assert r["layout"]["refusal"] and r["layout"]["lines"][0].startswith("layout: WOULD BE REFUSED (GPU memory assumed")
+    assert r.memory.gpu_memory_source.startswith("assumed") and not r.layout.memory_known
+    assert r.layout.refusal and r.layout.lines[0].startswith("layout: WOULD BE REFUSED (GPU memory assumed")
     with pytest.raises(Exception, match="engine.tensor_parallel_size 1 does not fit"):
         dry_run_report(spec, model_config=LLAMA3_70B, gpu_memory=79.2)
     # the plan operator's dry run (rerun DAG's dry_run param) logs the same lines
     from airflow_provider_vllm.steps.plan.dry_run import format_report
 
     assert "WOULD BE REFUSED" in format_report(r)
+
+
+# ---- one pass ------------------------------------------------------------------------------------
+@pytest.fixture
+def reads(monkeypatch):
+    """Counts of the input listings (``describe_files``: a stat of every input file) and history reads."""
+    from airflow_provider_vllm.core.formats import files
+    from airflow_provider_vllm.steps.plan import dry_run, sizing
+
+    counts = {"listings": 0, "history": 0}
+
+    def counted(fn, key):
+        def wrapper(*a, **kw):
+            counts[key] += 1
+            return fn(*a, **kw)
+
+        return wrapper
+
+    monkeypatch.setattr(files, "describe_files", counted(files.describe_files, "listings"))
+    history = counted(sizing.read_history, "history")
+    monkeypatch.setattr(sizing, "read_history", history)
+    monkeypatch.setattr(dry_run, "read_history", history)
+    return counts
+
+
+def _history_spec(tmp_path, **sharding):
+    hist = tmp_path / "history"
+    spec = make_spec(tmp_path / "in", tmp_path / "out", sharding={"history_uri": str(hist), **sharding})
+    hist.mkdir()
+    rec = {
+        "version": HISTORY_VERSION,
+        "model": "fake",
+        "task": "chat",
+        "tensor_parallel_size": 1,
+        "hardware": "1x NVIDIA H200",
+        "config_hash": spec.output_hash(),
+        "rows": 600,
+        "infer_s": 600.0,
+        "prompt_tokens": 60_000,
+        "completion_tokens": 1200,
+        "engine_start_s": 90.0,
+        "recorded_at": "2026-11-28T00:00:00Z",
+        "job": "job",
+        "spec_hash": "s" * 64,
+        "shards": 2,
+        "rows_per_s": 1.0,
+        "tokens_per_s": 102.0,
+        "prompt_tokens_per_row": 100.0,
+        "completion_tokens_per_row": 2.0,
+    }
+    (hist / "20261128T000000Z-a-b.jsonl").write_text(json.dumps(rec) + "\n")
+    return spec
+
+
+def test_the_dry_run_lists_the_input_and_reads_the_history_once(tmp_path, reads):
+    _dataset(tmp_path)
+    r = dry_run_report(_history_spec(tmp_path, target_minutes=10), model_config=LLAMA3_8B)
+    assert r.sized_from_history and r.evidence.basis == "config" and r.memory.gpu_memory_source.startswith("hardware")
+    assert reads == {"listings": 1, "history": 1}
+
+
+def test_the_dry_run_of_an_empty_input_still_reports_its_evidence_from_one_read(tmp_path, reads):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "in").mkdir()
+    pq.write_table(
+        pa.table({"id": pa.array([], pa.string()), "text": pa.array([], pa.string())}), tmp_path / "in" / "a.parquet"
+    )
+    r = dry_run_report(_history_spec(tmp_path), model_config=LLAMA3_8B)
+    assert (r.rows, r.shards) == (0, 0) and r.evidence is not None and r.engine_start_s == 90.0  # the history's
+    assert reads == {"listings": 1, "history": 1}  # the plan had no rows to size: the dry run read it
+
+
+def test_an_unreadable_history_fails_the_dry_run_but_not_the_plan(tmp_path, monkeypatch, caplog):
+    from airflow_provider_vllm.steps.plan import dry_run, sizing
+
+    _dataset(tmp_path)
+    spec = _history_spec(tmp_path)
+    calls = []
+
+    def unreadable(uri, *a, **kw):
+        calls.append(uri)
+        raise PermissionError(f"{uri}: access denied")
+
+    monkeypatch.setattr(sizing, "read_history", unreadable)
+    monkeypatch.setattr(dry_run, "read_history", unreadable)
+    assert build_plan(spec).sizing is None and "cannot read the throughput history" in caplog.text
+    with pytest.raises(PermissionError, match="access denied"):
+        dry_run_report(spec, model_config=LLAMA3_8B)
+    assert len(calls) == 2  # one per call: the dry run did not try again after its plan could not read it
+
+
+def test_the_report_sections_carry_every_field_of_the_memory_plan_and_the_layout():
+    """The typed sections list the dataclasses' fields (extra fields are refused, so a new one must be added)."""
+    from dataclasses import fields
+
+    from airflow_provider_vllm.steps.plan.dry_run import LayoutReport, MemoryReport
+    from airflow_provider_vllm.steps.plan.memory import GpuLayout, MemoryPlan
+
+    assert set(LayoutReport.model_fields) == {f.name for f in fields(GpuLayout)} | {"memory_known", "lines"}
+    extra = {"available", "config", "gpu_memory_gib", "gpu_memory_source", "architecture", "lines"}
+    assert set(MemoryReport.model_fields) == {f.name for f in fields(MemoryPlan)} | extra

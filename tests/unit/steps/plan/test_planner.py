@@ -8,10 +8,12 @@ from hypothesis import strategies as st
 
 from airflow_provider_vllm.core.errors import DatasetError, SpecError
 from airflow_provider_vllm.core.plan import PLAN_FILE
+from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.steps.plan.planner import build_plan, plan_job
 from airflow_provider_vllm.worker.shard import read_shard_rows
 from tests.support.data import make_spec, write_parquet
+from tests.support.security import base_doc
 
 
 def _all_rows(spec, plan):
@@ -163,3 +165,14 @@ def test_footer_sizing_never_builds_per_row_arrays_and_cuts_the_same(tmp_path, m
     assert runs.model_dump() == per_row
     assert len(runs.shards) == 20 and len({s.est_tokens for s in runs.shards}) > 3
     assert runs.est_tokens == sum(s.est_tokens for s in runs.shards)
+
+
+@pytest.mark.reliability
+def test_non_empty_foreign_output_prefix_is_refused(allowed):
+    from airflow_provider_vllm.steps.plan.planner import plan_job
+
+    (allowed / "out").mkdir()
+    (allowed / "out" / "someone-elses.parquet").write_bytes(b"PAR1")
+    with pytest.raises(SpecError, match="not empty"):
+        plan_job(JobSpec.load(base_doc(allowed)))
+    assert not (allowed / "out" / "_plan.json").exists()

@@ -95,7 +95,7 @@ def test_history_round_trip_merge_writes_a_record_that_the_next_plan_reads(tmp_p
     # the next run (new output prefix) is sized from the record: the fake engine is fast -> one shard
     nxt = spec.model_copy(update={"io": spec.io.model_copy(update={"output_uri": str(tmp_path / "out2")})})
     plan2 = build_plan(nxt)
-    assert plan2.sizing is not None and plan2.sizing["evidence"]["basis"] == "config"
+    assert plan2.sizing is not None and plan2.sizing.evidence.basis == "config"
     assert len(plan2.shards) == 1 and plan2.shards[0].rows == n
 
 
@@ -105,7 +105,7 @@ def test_config_basis_sizes_to_the_default_target_with_start_at_most_10_percent(
     # 10 rows/s, 60 s engine start -> shards of >= 600 s, i.e. >= 540 s (5400 rows) of inference each
     write_history(tmp_path / "history", {"20261128T030000Z-a-b.jsonl": [record(spec, engine_start_s=60.0)]})
     plan = build_plan(spec)
-    assert plan.sizing["target_s"] == 600.0 and plan.sizing["est_infer_s"] == 1000.0
+    assert plan.sizing.target_s == 600.0 and plan.sizing.est_infer_s == 1000.0
     rows = [s.rows for s in plan.shards]
     assert sum(rows) == 10_000 and len(rows) == 1  # floor(1000 / 540) = 1: two shards would each start > 10%
     for r in rows:
@@ -115,7 +115,7 @@ def test_config_basis_sizes_to_the_default_target_with_start_at_most_10_percent(
     # engine start 30 s -> the 5-minute floor rules: 270 s of inference per shard -> 3 shards
     write_history(tmp_path / "history", {"20261128T030000Z-a-b.jsonl": [record(spec)]})
     plan = build_plan(spec)
-    assert plan.sizing["target_s"] == 300.0 and len(plan.shards) == 3
+    assert plan.sizing.target_s == 300.0 and len(plan.shards) == 3
     assert all(30.0 / (30.0 + s.rows / 10.0) <= 0.10 for s in plan.shards)
 
 
@@ -125,7 +125,7 @@ def test_explicit_target_minutes_and_max_shards(tmp_path):
     write_history(tmp_path / "history", {"20261128T030000Z-a-b.jsonl": [record(spec)]})
     plan = build_plan(spec)
     # 120 s shards, 30 s start: 90 s of inference = 900 rows at most -> ceil(1000 / 90) = 12 shards
-    assert plan.sizing["shards"] == 12 and plan.sizing["target_rows"] == 834
+    assert plan.sizing.shards == 12 and plan.sizing.target_rows == 834
     assert all(s.rows <= 900 for s in plan.shards) and sum(s.rows for s in plan.shards) == 10_000
     capped = spec_with_history(tmp_path, target_minutes=2.0, max_shards=5)
     assert len(build_plan(capped).shards) == 5

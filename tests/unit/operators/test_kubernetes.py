@@ -17,13 +17,13 @@ import pytest
 from kubernetes.client import ApiClient
 
 from airflow_provider_vllm.core.exit_codes import ExitCode
-from tests.airflow.k8s_context import create_context, unreachable_cluster
 from tests.support.data import make_spec
+from tests.support.k8s_context import create_context, unreachable_cluster
 from tests.support.ledger import record_malicious
 from tests.support.pss_restricted import violations
 
-ROOT = Path(__file__).resolve().parents[2]
-SHARD = {"shard_id": "shard-00003-0a1b2c3d", "index": 3, "rows": 1000, "est_tokens": 90000, "bucket": None}
+ROOT = Path(__file__).resolve().parents[3]
+SHARD = {"shard_id": "shard-00003-0a1b2c3d", "index": 3, "rows": 1000, "est_tokens": 90000, "bucket": "all"}
 SETTINGS = {  # what an operator puts in the vllm_batch_kubernetes Variable
     "namespace": "vllm-batch",
     "image": "registry.example.com/ml/vllm-worker:0.1.0@sha256:" + "ab" * 32,
@@ -98,7 +98,7 @@ def test_pod_for_a_mapped_task_instance():
         "HF_TOKEN": ("hf-token", "token"),
         "AWS_ACCESS_KEY_ID": ("s3-creds", "access_key_id"),
         "AWS_SECRET_ACCESS_KEY": ("s3-creds", "secret_access_key"),
-        "VLLM_BATCH_SIGNING_KEY": ("vllm-batch-signing", "key"),  # [vllm_batch] kubernetes_signing_secret
+        "VLLM_BATCH_SIGNING_KEY": ("vllm-batch-signing", "key"),  # [vllm_batch] kubernetes_signing_secret (conftest)
     }
     assert [(t.key, t.operator, t.value, t.effect) for t in pod.spec.tolerations] == [
         ("nvidia.com/gpu", "Exists", None, "NoSchedule"),
@@ -110,6 +110,41 @@ def test_pod_for_a_mapped_task_instance():
     assert pod.spec.termination_grace_period_seconds == 60
     assert c.termination_message_policy == "FallbackToLogsOnError"
     assert [x.name for x in pod.spec.containers] == ["base", "airflow-xcom-sidecar"]  # XCom from return.json
+
+
+@pytest.mark.parametrize("setting", ["vllm-batch-signing:key", "team-a-signing:hmac-key"])
+def test_the_signing_key_reaches_the_pod_only_as_a_secret_reference(monkeypatch, setting):
+    """``VLLM_BATCH_SIGNING_KEY`` is in the pod's env exactly once, as a secretKeyRef to the Secret that
+    ``[vllm_batch] kubernetes_signing_secret`` names; the key itself is nowhere in the pod, and pod settings
+    naming another Secret for it do not replace the deployment's."""
+    from tests.conftest import TEST_SIGNING_KEY
+
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__KUBERNETES_SIGNING_SECRET", setting)
+    secret, key = setting.split(":")
+    other = {**SETTINGS, "secret_env": {**SETTINGS["secret_env"], "VLLM_BATCH_SIGNING_KEY": {"name": "x", "key": "y"}}}
+    for settings in (SETTINGS, other):
+        op = operator(settings)
+        pod = op.build_pod_request_obj(create_context(op, map_index=3))
+        signing = [e for c in pod.spec.containers for e in c.env or [] if e.name == "VLLM_BATCH_SIGNING_KEY"]
+        assert len(signing) == 1 and signing[0].value is None
+        ref = signing[0].value_from.secret_key_ref
+        assert (ref.name, ref.key) == (secret, key)
+        text = json.dumps(manifest(pod))
+        assert TEST_SIGNING_KEY not in text and "AIRFLOW__VLLM_BATCH__SIGNING_KEY" not in text
+
+
+def test_a_literal_signing_key_in_the_pod_env_is_refused_before_any_pod_exists():
+    from airflow.sdk.exceptions import AirflowFailException
+
+    literal = "forged-" + "x" * 40
+    op = operator({**SETTINGS, "env": {"VLLM_BATCH_SIGNING_KEY": literal}})
+    with pytest.raises(AirflowFailException, match="looks like a secret: pass it with secret_env"):
+        op.build_pod_request_obj(create_context(op, map_index=3))
+    op = operator()
+    op.env = {"VLLM_BATCH_SIGNING_KEY": literal}  # the task's env (shard_env), as rendered
+    with pytest.raises(AirflowFailException, match="looks like a secret"):
+        op.prepare_pod()
+    assert op.parts is None
 
 
 def test_operator_defaults_and_template_fields():
@@ -293,7 +328,7 @@ def test_no_secret_value_in_args_env_literals_or_logs(monkeypatch, caplog, capsy
     literals = [e.value for e in c.env if e.value is not None]
     leaked = [k for k, v in secret_values.items() if v in text or any(v in x for x in literals + c.args)]
     # they arrive as Secret references, and so does the deployment's signing key
-    assert {e.name for e in c.env if e.value_from} == {*secret_values, "VLLM_BATCH_SIGNING_KEY"}
+    assert {e.name for e in c.env if e.value_from} == set(secret_values) | {"VLLM_BATCH_SIGNING_KEY"}
     record_malicious(
         "secret_value_into_pod_spec_or_log", tried=len(secret_values), rejected=len(secret_values) - len(leaked)
     )

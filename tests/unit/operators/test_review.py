@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.airflow.test_operators import context
+from tests.support.task_context import context
 
 SUMMARY = {
     "status": "warn",
@@ -142,3 +142,19 @@ def test_the_builder_wires_the_review_deadline_and_notifiers():
     assert dag.get_task("a.review").response_timeout == timedelta(hours=12)
     b = dag.get_task("b.review")
     assert b.response_timeout == timedelta(minutes=30) and list(b.notifiers) == [note]
+
+
+@pytest.mark.parametrize(
+    "value, flag", [(True, True), ("true", True), (" Yes ", True), ("1", True), (False, False), ("off", False)]
+)
+def test_ask_takes_the_usual_spellings_of_a_boolean(value, flag):
+    from airflow_provider_vllm.operators.review import parse_flag
+
+    assert parse_flag(value, "ask") is flag
+
+
+def test_a_qa_result_that_is_not_a_mapping_never_publishes():
+    from airflow.sdk.exceptions import AirflowFailException
+
+    with pytest.raises(AirflowFailException, match="QA status is None"):
+        review(qa_result="{{ not rendered }}").execute(ctx())

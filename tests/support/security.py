@@ -1,0 +1,81 @@
+"""What the security tests share: an allowed local folder holding an input, a spec inside it, the
+deployment's prefixes, and the refusal (if any) the spec meets at validation and the deployment check.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from airflow_provider_vllm.core.errors import SpecError
+from airflow_provider_vllm.core.spec import JobSpec
+from airflow_provider_vllm.core.spec_guard import check_deployment
+from tests.support.data import write_parquet
+
+A = "@ALLOWED@"  # replaced by the test's allowed local folder
+
+
+@pytest.fixture
+def allowed(tmp_path):
+    base = tmp_path / "allowed"
+    write_parquet(base / "in" / "part-0.parquet", ["a", "b", "c"], ["one", "two", "three"])
+    (tmp_path / "allowed-sibling" / "in").mkdir(parents=True)
+    return base
+
+
+def base_doc(allowed: Path) -> dict:
+    return {
+        "name": "sec",
+        "model": {"name": "fake", "max_model_len": 256},
+        "io": {"input_uri": str(allowed / "in"), "output_uri": str(allowed / "out")},
+        "prompt": {"template": "Ticket: {text}", "system_prompt": "Classify."},
+        "sampling": {"max_tokens": 4, "structured": {"choice": ["a", "b"]}},
+        "sharding": {"target_rows": 10, "chunk_rows": 2},
+    }
+
+
+def prefixes(allowed: Path) -> list[str]:
+    return [str(allowed), "s3://data/in", "s3://data/out"]
+
+
+def refused(doc: dict, allowed_prefixes: list[str]) -> str | None:
+    """The refusal message, or None when the spec would be accepted."""
+    try:
+        spec = JobSpec.load(doc)
+        check_deployment(spec, allowed_prefixes)
+    except SpecError as e:
+        return str(e)
+    return None
+
+
+def with_value(doc: dict, field: str, value):
+    doc = json.loads(json.dumps(doc))
+    *parents, leaf = field.split(".")
+    node = doc
+    for p in parents:
+        node = node.setdefault(p, {})
+    if field in ("prompt.text_columns", "sampling.structured.choice", "sampling.stop"):
+        value = [value, "b"] if field == "sampling.structured.choice" else [value]
+    if field == "prompt.template":
+        value = "Ticket: {text} " + value
+    if field == "sampling.structured.regex":
+        doc["sampling"]["structured"] = {}
+        node = doc["sampling"]["structured"]
+    node[leaf] = value
+    return doc
+
+
+# ---- fail closed: the deployment's allow-list (issue 12) ------------------------------
+def _ti():
+    return type(
+        "TI",
+        (),
+        {
+            "xcoms": {},
+            "xcom_push": lambda self, key, value: self.xcoms.update({key: value}),
+            "map_index": 0,
+            "try_number": 1,
+        },
+    )()

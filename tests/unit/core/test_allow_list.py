@@ -1,0 +1,114 @@
+"""The URI allow-list (``core/allow_list.py``): malicious URIs, whole-segment prefixes and
+symlinks that would lead out of an allowed folder are refused before any worker or pod spec exists.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from airflow_provider_vllm.core.allow_list import check_uri
+from airflow_provider_vllm.core.errors import SpecError
+from tests.support.data import write_parquet
+from tests.support.ledger import record_malicious
+from tests.support.security import A, base_doc, prefixes, refused, with_value
+
+pytestmark = pytest.mark.reliability
+
+
+MALICIOUS_URIS = {
+    "dotdot": [
+        f"{A}/in/../../etc",
+        f"{A}/in/..",
+        "s3://data/in/../secret",
+        "s3://data/in/./x",
+        f"file://{A}/in/../../root",
+        "s3://data/in/sub/../../other",
+    ],
+    "encoded_dotdot": [
+        "s3://data/in/%2e%2e/secret",
+        "s3://data/in/%2E%2E%2Fsecret",
+        "s3://data/in/%252e%252e/x",
+        f"{A}/in/%2e%2e/x",
+        "s3://data/in%2f..%2fother",
+        "s3://data/in/..%5c..%5cx",
+    ],
+    "other_bucket": [
+        "s3://data-other/in",
+        "s3://dat/in",
+        "gs://data/in",
+        "s3://evil/in",
+        "s3a://data/in-x/y",
+        "s3://DATA/in",
+    ],
+    "file_trick": [
+        "file:///etc/passwd",
+        "file://attacker.example/share/in",
+        "file:/etc/passwd",
+        "/etc/passwd",
+        f"file:{A}/in",
+        "file://localhost/etc",
+        f"{A}-sibling/in",
+        "/",
+    ],
+    "unknown_scheme": [
+        "http://169.254.169.254/latest/meta-data",
+        "ftp://x/in",
+        "hdfs://nn/in",
+        "zip::s3://data/in/a.zip",
+        "simplecache::s3://data/in",
+        "sftp://host/in",
+        "relative/in",
+        "~/in",
+        "C:\\data\\in",
+        "data:text/plain,x",
+        "in\x00/x",
+        " /tmp/x",
+    ],
+}
+
+
+# ---- paths ----------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", sorted(MALICIOUS_URIS))
+def test_malicious_uris_are_refused(allowed, kind):
+    tried = rejected = 0
+    for raw in MALICIOUS_URIS[kind]:
+        uri = raw.replace(A, str(allowed))
+        for field in ("io.input_uri", "io.output_uri"):
+            tried += 1
+            msg = refused(with_value(base_doc(allowed), field, uri), prefixes(allowed))
+            if msg is not None:
+                rejected += 1
+                assert field in msg or "uri" in msg, msg  # the message names the parameter
+            else:
+                print(f"ACCEPTED {field}={uri!r}")
+    record_malicious(f"uri_{kind}", tried, rejected)
+    assert rejected == tried
+
+
+def test_allowed_uris_pass_and_prefixes_match_whole_segments(allowed):
+    assert refused(base_doc(allowed), prefixes(allowed)) is None
+    ok = with_value(
+        with_value(base_doc(allowed), "io.input_uri", "s3://data/in/dt=2026-11-29/"),
+        "io.output_uri",
+        "s3://data/out/run-1",
+    )
+    assert refused(ok, prefixes(allowed)) is None
+    assert check_uri("file://" + str(allowed / "in"), prefixes(allowed)) == str(allowed / "in")
+    with pytest.raises(SpecError, match="outside the allowed prefixes"):
+        check_uri("s3://data/input", ["s3://data/in"])  # 'in' is not a prefix of 'input'
+
+
+def test_symlinks_cannot_lead_out_of_the_allowed_prefix(allowed, tmp_path):
+    outside = tmp_path / "secret"
+    write_parquet(outside / "x.parquet", ["s"], ["secret"])
+    (allowed / "link").symlink_to(outside)
+    (allowed / "in" / "leak.parquet").symlink_to(outside / "x.parquet")
+    tried = 0
+    for field, uri in (("io.input_uri", allowed / "link"), ("io.output_uri", allowed / "link" / "out")):
+        tried += 1
+        assert "outside the allowed prefixes" in refused(
+            with_value(base_doc(allowed), field, str(uri)), prefixes(allowed)
+        )
+    tried += 1  # a symlinked file inside an allowed input folder
+    assert "is a symlink to" in refused(base_doc(allowed), prefixes(allowed))
+    record_malicious("uri_symlink_escape", tried, tried)

@@ -1,0 +1,59 @@
+"""The QA task: ``execute()`` over a merged run (shards committed in this process with the fake engine), a
+minimal context, no Airflow process and no metadata DB. The checks themselves: tests/unit/steps/qa/."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from airflow.sdk.exceptions import AirflowFailException
+
+from airflow_provider_vllm.links.report import VllmQAReportLink
+from airflow_provider_vllm.operators.merge import VllmMergeOperator
+from airflow_provider_vllm.operators.qa import VllmQAFailed, VllmQAOperator
+from airflow_provider_vllm.steps.qa.report import QAFailed
+from tests.support.task_context import committed_job, context
+
+
+def merged_job(tmp_path, factory, **over):
+    spec, _ = committed_job(tmp_path, factory, n=60, **over)
+    VllmMergeOperator(task_id="merge", spec=spec).execute(context())
+    return spec
+
+
+def test_construction_templates_the_spec_and_links_the_report():
+    op = VllmQAOperator(task_id="qa", spec={})
+    assert tuple(op.template_fields) == ("spec",)
+    assert [type(link) for link in op.operator_extra_links] == [VllmQAReportLink]
+
+
+def test_a_passing_run_returns_the_summary_and_writes_the_report(tmp_path, fake_engine_factory):
+    spec = merged_job(tmp_path, fake_engine_factory)
+    ctx = context()
+    summary = VllmQAOperator(task_id="qa", spec=spec).execute(ctx)
+    assert summary["status"] == "pass" and summary["report_html"] == f"{tmp_path / 'out'}/qa/report.html"
+    assert json.loads((tmp_path / "out" / "qa" / "report.json").read_text())["status"] == "pass"
+    assert (tmp_path / "out" / "qa" / "sample.parquet").exists()
+    assert ctx["ti"].xcoms == {}  # returned, not pushed: only a failing run pushes before it raises
+
+
+def test_a_warning_goes_on_and_says_so(tmp_path, fake_engine_factory, capsys):
+    spec = merged_job(tmp_path, fake_engine_factory, empty=(3,), qa={"warn_error_rate": 0.0, "fail_error_rate": 0.5})
+    capsys.readouterr()
+    summary = VllmQAOperator(task_id="qa", spec=spec).execute(context())
+    logged = "".join(capsys.readouterr())  # the task logger writes to stdout outside a task runner
+    assert summary["status"] == "warn" and "QA warning: error_rate=" in logged
+
+
+def test_a_failing_run_pushes_its_summary_then_fails_without_retry(tmp_path, fake_engine_factory):
+    spec = merged_job(tmp_path, fake_engine_factory, empty=(3, 4), qa={"warn_error_rate": 0.0, "fail_error_rate": 0.01})
+    ctx = context()
+    with pytest.raises(VllmQAFailed) as e:
+        VllmQAOperator(task_id="qa", spec=spec).execute(ctx)
+    assert isinstance(e.value, QAFailed) and isinstance(e.value, AirflowFailException)
+    assert [c["name"] for c in e.value.failing] == ["error_rate"]
+    assert ctx["ti"].xcoms["return_value"]["status"] == "fail"
+    assert json.loads((tmp_path / "out" / "qa" / "report.json").read_text())["status"] == "fail"
+    # Airflow serializes the exception across the task runner: it must come back whole
+    path, args, kwargs = e.value.serialize()
+    assert path == "airflow_provider_vllm.operators.qa.VllmQAFailed" and VllmQAFailed(*args, **kwargs).failing

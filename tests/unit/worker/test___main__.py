@@ -1,0 +1,109 @@
+"""The worker's command line (``python -m airflow_provider_vllm.worker``) with forged shard tasks:
+exit 2 before it reads or writes anything, the allow-list only from the Airflow side's environment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from airflow_provider_vllm.core.allow_list import ALLOWED_PREFIXES_ENV
+from airflow_provider_vllm.core.errors import EXIT_TERMINAL
+from airflow_provider_vllm.core.spec import JobSpec
+from tests.support import ROOT
+from tests.support.ledger import record_malicious
+from tests.support.security import base_doc, prefixes
+
+pytestmark = pytest.mark.reliability
+
+
+# ---- forged shard tasks at the worker -------------------------------------------------
+def test_worker_refuses_forged_shard_tasks(allowed, tmp_path):
+    from airflow_provider_vllm.steps.plan.planner import plan_job
+    from airflow_provider_vllm.worker.task import ShardTask
+
+    spec = JobSpec.load(base_doc(allowed))
+    plan = plan_job(spec)
+    shard_id = plan.shards[0].shard_id
+    good = ShardTask(spec=spec, shard_id=shard_id).model_dump(mode="json")
+    elsewhere = tmp_path / "elsewhere"
+    forged = {
+        "output outside the allow-list": ("io", "output_uri", str(elsewhere / "out"), "outside the allowed"),
+        "input outside the allow-list": ("io", "input_uri", str(elsewhere), "outside the allowed"),
+        "another spec on the planned prefix": ("prompt", "template", "Other: {text}", "made for another spec"),
+        "jinja in the model": ("model", "name", "{{ 7*7 }}", "model.name"),
+        "shell in a label": ("sampling", "structured", {"choice": ["a", "b; id"]}, "choice"),
+        "history outside the allow-list": ("sharding", "history_uri", str(elsewhere / "h"), "sharding.history_uri"),
+        "model path outside the allow-list": ("model", "name", str(elsewhere / "model"), "model.name"),
+        "endpoint in storage options": (
+            "io",
+            "storage_options",
+            {"endpoint_url": "http://127.0.0.1:9"},
+            "io.storage_options.endpoint_url",
+        ),
+        "trust_remote_code": ("model", "trust_remote_code", True, "model.trust_remote_code"),
+        "code-loading compilation backend": (
+            "engine",
+            "engine_kwargs",
+            {"compilation_config": {"backend": "evil.module.fn"}},
+            "compilation_config.backend",
+        ),
+    }
+    env = {**os.environ, ALLOWED_PREFIXES_ENV: json.dumps(prefixes(allowed)), "PYTHONPATH": str(ROOT)}
+    n = 0
+    for name, (section, key, value, message) in forged.items():
+        task = json.loads(json.dumps(good))
+        task["spec"][section][key] = value
+        p = subprocess.run(
+            [sys.executable, "-m", "airflow_provider_vllm.worker", json.dumps(task)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert p.returncode == EXIT_TERMINAL, (name, p.stderr[-2000:])
+        manifest = json.loads(p.stdout.strip().splitlines()[-1])
+        assert manifest["terminal"] is True and message in manifest["message"], (name, manifest)
+        n += 1
+    assert not elsewhere.exists()  # nothing read or written outside
+    assert not (allowed / "out" / "shards").exists()  # no chunk, no marker
+    # the allow-list cannot be widened through the task: it is not a field of ShardTask
+    task = json.loads(json.dumps(good))
+    task["allowed_prefixes"] = ["/"]
+    p = subprocess.run(
+        [sys.executable, "-m", "airflow_provider_vllm.worker", json.dumps(task)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == EXIT_TERMINAL and "allowed_prefixes" in p.stdout
+    record_malicious("forged_shard_task", n + 1, n + 1)
+
+
+def test_worker_without_an_allow_list_from_airflow_refuses(allowed, tmp_path):
+    from airflow_provider_vllm.steps.plan.planner import plan_job
+    from airflow_provider_vllm.worker.task import ShardTask
+
+    spec = JobSpec.load(base_doc(allowed))
+    plan = plan_job(spec)
+    task = ShardTask(spec=spec, shard_id=plan.shards[0].shard_id).model_dump_json()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_BATCH_ALLOW")}
+    env["PYTHONPATH"] = str(ROOT)
+    for extra in ({}, {"VLLM_BATCH_ALLOWED_PREFIXES": "[]"}, {"VLLM_BATCH_ALLOW_ANY_LOCATION": "0"}):
+        p = subprocess.run(
+            [sys.executable, "-m", "airflow_provider_vllm.worker", task],
+            env={**env, **extra},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert p.returncode == EXIT_TERMINAL, p.stderr[-2000:]
+        manifest = json.loads(p.stdout.strip().splitlines()[-1])
+        assert "VLLM_BATCH_ALLOWED_PREFIXES" in manifest["message"] and manifest["terminal"] is True
+    assert not (allowed / "out" / "shards").exists()
+    record_malicious("worker_without_allow_list", 3, 3)
