@@ -26,7 +26,7 @@ import json
 import os
 import re
 from collections.abc import Mapping
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -38,7 +38,7 @@ FORMAT = b"vllm-batch-seal/v1"
 SETTING = "[vllm_batch] signing_key (AIRFLOW__VLLM_BATCH__SIGNING_KEY)"
 HOW_TO_MAKE = "make one with: python -c 'import secrets; print(secrets.token_urlsafe(48))'"
 _SPLIT = re.compile(r"[\s,]+")
-R = TypeVar("R", bound="Sealable")
+R = TypeVar("R", bound=BaseModel)
 
 # Domains: one per kind of sealed record, so that a seal of one kind never verifies as another.
 PLAN = "plan"
@@ -139,17 +139,15 @@ def scope_of(uri: str) -> str:
     return uri
 
 
-class Sealable(Protocol):
-    """A pydantic record with an optional ``seal`` field."""
-
-    seal: Seal | None
-
-    def model_dump(self, **kwargs: Any) -> dict[str, Any]: ...
-
-    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Any: ...
+def seal_of(record: BaseModel) -> Seal | None:
+    """The record's ``seal`` field (every sealed record type declares ``seal: Seal | None``)."""
+    seal = getattr(record, "seal", None)
+    if seal is not None and not isinstance(seal, Seal):
+        raise TypeError(f"{type(record).__name__}.seal is not a Seal")
+    return seal
 
 
-def sealed_doc(record: Sealable) -> dict[str, Any]:
+def sealed_doc(record: BaseModel) -> dict[str, Any]:
     """What a record's seal covers: its JSON data as written (fields never set left out), without ``seal``."""
     return record.model_dump(mode="json", exclude_unset=True, exclude={"seal"})
 
@@ -159,14 +157,15 @@ def seal_record(keyring: Keyring, domain: str, scope: str, record: R) -> R:
     return record.model_copy(update={"seal": keyring.seal(domain, scope, sealed_doc(record))})
 
 
-def verify_record(keyring: Keyring, domain: str, scope: str, record: Sealable, what: str) -> None:
+def verify_record(keyring: Keyring, domain: str, scope: str, record: BaseModel, what: str) -> None:
     """SealError naming ``what`` unless the record's seal is this deployment's seal of it for ``scope``."""
-    keyring.verify(domain, scope, sealed_doc(record), record.seal, what)
+    keyring.verify(domain, scope, sealed_doc(record), seal_of(record), what)
 
 
-def record_bytes(record: Sealable) -> bytes:
+def record_bytes(record: BaseModel) -> bytes:
     """The file bytes of a sealed record: exactly the sealed fields plus ``seal``."""
     doc = sealed_doc(record)
-    if record.seal is not None:
-        doc["seal"] = record.seal.model_dump(mode="json")
+    seal = seal_of(record)
+    if seal is not None:
+        doc["seal"] = seal.model_dump(mode="json")
     return json.dumps(doc, indent=1, sort_keys=True, ensure_ascii=False).encode()
