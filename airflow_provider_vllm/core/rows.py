@@ -60,6 +60,15 @@ ROW_SCHEMA = pa.schema(
         pa.field("config_hash", pa.string()),
         pa.field("shard_id", pa.string()),
         pa.field("attempt_id", pa.string()),
+        # Added after the first release: trailing and nullable, so parts written before them read as null.
+        # The answer's probability as the engine computed it (structured choice: exp of the sum of the chosen
+        # tokens' logprobs, i.e. the chosen label's probability; classify: the top class's probability).
+        pa.field("confidence", pa.float32()),
+        # 64-bit hash of the engine request (the rendered prompt's token ids and per-row sampling settings):
+        # equal hashes, identical requests (QA's consistency, the change set's reasons).
+        pa.field("prompt_hash", pa.int64()),
+        # OpenAI batch requests that ask for logprobs: the choice's "logprobs" object (JSON, OpenAI's shape).
+        pa.field("logprobs", pa.string()),
     ]
 )
 

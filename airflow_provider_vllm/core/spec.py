@@ -263,21 +263,68 @@ class ShardingSpec(_Model):
     )
 
 
+RESERVED_ID_PREFIX = "_vllm_golden:"
+"""Ids of the golden rows that ride along (``qa.reference.ride_along_uri``): input ids may not start with it."""
+
+
+class ReferenceSpec(_Model):
+    """Known labels that QA scores the answers against (jobs with labels: structured choice, classify).
+
+    Three sources; a run may use ``input_column`` or ``golden_uri`` (not both) and, besides either,
+    ``ride_along_uri``. Rows are scored by their ``label`` (an error or an invalid answer is a wrong one).
+    """
+
+    input_column: str | None = Field(
+        None,
+        min_length=1,
+        description="Input column that holds a row's known label (Parquet input). Sparse is fine: rows whose "
+        "value is null or blank are not scored.",
+    )
+    golden_uri: str | None = Field(
+        None,
+        description="Golden set: a Parquet file or folder with columns id_column and label_column. Its ids are "
+        "joined to this run's ids; golden ids that are not in the run are counted and ignored.",
+    )
+    ride_along_uri: str | None = Field(
+        None,
+        description="Golden rows that ride along with every run: a Parquet file or folder with id_column, the "
+        "prompt template's columns and label_column. plan adds them under reserved ids "
+        f"('{RESERVED_ID_PREFIX}<id>'); they are inferred with this run's settings in shards of their own and "
+        "scored by QA, and never published among the results, errors, changes or the cache, nor counted as "
+        "input rows. Lets a nightly over unlabelled data measure itself every night. Not for openai_batch input.",
+    )
+    id_column: str = Field("id", min_length=1, description="The id column of golden_uri and ride_along_uri.")
+    label_column: str = Field("label", min_length=1, description="The label column of golden_uri and ride_along_uri.")
+
+    @model_validator(mode="after")
+    def _one_source_for_run_rows(self) -> ReferenceSpec:
+        if self.input_column is not None and self.golden_uri is not None:
+            raise ValueError("set one of input_column and golden_uri (ride_along_uri goes with either)")
+        if self.ride_along_uri is not None and self.label_column == self.id_column:
+            raise ValueError("label_column and id_column must differ")
+        return self
+
+    @property
+    def configured(self) -> bool:
+        """Whether any source of known labels is set."""
+        return any(x is not None for x in (self.input_column, self.golden_uri, self.ride_along_uri))
+
+
 class QASpec(_Model):
     """Sampling and publication thresholds. warn_* -> human review, fail_* -> the run fails."""
 
     sample_size: int = Field(200, ge=0, description="Rows in the QA sample.")
     seed: int = Field(0, description="Sample seed.")
-    warn_error_rate: float = Field(0.01, ge=0, le=1)
-    fail_error_rate: float = Field(0.05, ge=0, le=1)
-    warn_empty_rate: float = Field(0.01, ge=0, le=1)
-    fail_empty_rate: float = Field(0.05, ge=0, le=1)
+    warn_error_rate: float = Field(0.01, ge=0, le=1, description="Error rows / all rows above this: warn.")
+    fail_error_rate: float = Field(0.05, ge=0, le=1, description="Error rows / all rows above this: fail.")
+    warn_empty_rate: float = Field(0.01, ge=0, le=1, description="Ok rows with an empty output above this: warn.")
+    fail_empty_rate: float = Field(0.05, ge=0, le=1, description="Ok rows with an empty output above this: fail.")
     warn_invalid_rate: float = Field(0.01, ge=0, le=1, description="Structured outputs that do not parse/match.")
-    fail_invalid_rate: float = Field(0.05, ge=0, le=1)
-    warn_truncation_rate: float = Field(0.05, ge=0, le=1)
-    fail_truncation_rate: float = Field(0.2, ge=0, le=1)
+    fail_invalid_rate: float = Field(0.05, ge=0, le=1, description="As warn_invalid_rate, failing the run.")
+    warn_truncation_rate: float = Field(0.05, ge=0, le=1, description="Ok rows whose prompt was cut, above: warn.")
+    fail_truncation_rate: float = Field(0.2, ge=0, le=1, description="As warn_truncation_rate, failing the run.")
     warn_label_drift: float = Field(0.1, ge=0, le=1, description="Total variation distance vs previous run.")
-    fail_label_drift: float = Field(0.3, ge=0, le=1)
+    fail_label_drift: float = Field(0.3, ge=0, le=1, description="As warn_label_drift, failing the run.")
     previous_report_uri: str | None = Field(None, description="report.json of the run to compare against.")
     warn_churn_rate: float = Field(
         1.0,
@@ -287,6 +334,20 @@ class QASpec(_Model):
         "changed (1.0: never warns).",
     )
     fail_churn_rate: float = Field(1.0, ge=0, le=1, description="As warn_churn_rate, failing the run.")
+    reference: ReferenceSpec = Field(
+        default_factory=ReferenceSpec,
+        description="Known labels to score the answers against (accuracy, per-class figures, confusion matrix).",
+    )
+    low_confidence: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="An answer whose confidence (the engine's probability of it) is below this counts as low "
+        "confidence (the low_confidence_rate).",
+    )
+    least_confident: int = Field(
+        20, ge=0, le=10_000, description="The least confident answers added to the review sample (0: none)."
+    )
 
     @model_validator(mode="after")
     def _warn_below_fail(self) -> QASpec:
@@ -348,6 +409,17 @@ class JobSpec(_Model):
                 raise ValueError(f"prompt.system_prompt does not apply to task {self.task!r}")
         if self.io.input_format == "openai_batch" and self.task not in ("chat", "embed"):
             raise ValueError("openai_batch input supports task 'chat' (/v1/chat/completions) or 'embed'")
+        ref = self.qa.reference
+        if ref.configured:
+            st = self.sampling.structured
+            if not (self.task == "classify" or (st is not None and st.choice and self.task in ("chat", "generate"))):
+                raise ValueError(
+                    "qa.reference scores labels: it needs sampling.structured.choice (chat, generate) or task classify"
+                )
+            if ref.input_column is not None and ref.input_column == self.prompt.id_column:
+                raise ValueError("qa.reference.input_column is prompt.id_column; name the column of known labels")
+            if ref.ride_along_uri is not None and self.io.input_format == "openai_batch":
+                raise ValueError("qa.reference.ride_along_uri needs template rows; openai_batch input carries requests")
         check_values(self.model_dump(mode="json"))  # patterns, sizes, no Jinja: spec_guard.py
         return self
 

@@ -289,7 +289,9 @@ class CacheStore:
 
 
 def _empty_parquet(schema: pa.Schema, name: str) -> tuple[Storage, str]:
-    path = os.path.join(tempfile.gettempdir(), f"vllm_batch_empty_{name}.parquet")
+    # named by the schema too: a file left by a version with other columns is never reused
+    tag = hashlib.sha256(schema.serialize().to_pybytes()).hexdigest()[:12]
+    path = os.path.join(tempfile.gettempdir(), f"vllm_batch_empty_{name}_{tag}.parquet")
     if not os.path.exists(path):
         tmp = f"{path}.{os.getpid()}"
         pq.write_table(schema.empty_table(), tmp)
@@ -318,8 +320,12 @@ def _entries_view(con: duckdb.DuckDBPyConnection, store: CacheStore, commits: li
         }
     )
     con.register("cache_meta", meta)
+    # Entries written before a result column existed (confidence, prompt_hash, ...) lack it: null there.
+    have = {r[0] for r in con.execute(f"DESCRIBE SELECT * FROM read_parquet({files}, union_by_name = true)").fetchall()}
+    types = dict(zip(ENTRY_SCHEMA.names, con.from_arrow(ENTRY_SCHEMA.empty_table()).types))
+    missing = "".join(f", NULL::{types[c]} AS {_q(c)}" for c in ENTRY_SCHEMA.names if c not in have)
     con.execute(
-        f"CREATE TEMP VIEW cache_entries AS SELECT e.* EXCLUDE (filename), m._created, m._entry "
+        f"CREATE TEMP VIEW cache_entries AS SELECT e.* EXCLUDE (filename){missing}, m._created, m._entry "
         f"FROM read_parquet({files}, filename = true, union_by_name = true) e "
         "JOIN cache_meta m ON e.filename = m._file"
     ).fetchall()

@@ -17,6 +17,8 @@ import pyarrow as pa
 
 from airflow_provider_vllm.core.spec import QASpec
 from airflow_provider_vllm.steps.qa.checks import overall_status, run_checks
+from airflow_provider_vllm.steps.qa.confidence import confidence_metrics, consistency_metrics
+from airflow_provider_vllm.steps.qa.labelled import labelled_view, quality
 from airflow_provider_vllm.steps.qa.metrics import (
     ERROR_NEEDS,
     RESULT_NEEDS,
@@ -27,8 +29,9 @@ from airflow_provider_vllm.steps.qa.metrics import (
     throughput_metrics,
 )
 from airflow_provider_vllm.steps.qa.metrics_stream import ResultTally
+from airflow_provider_vllm.steps.qa.reference import References, label_sql
 from airflow_provider_vllm.steps.qa.report import QAReport
-from airflow_provider_vllm.steps.qa.sample import draw_sample, draw_sample_by
+from airflow_provider_vllm.steps.qa.sample import draw_sample, draw_sample_by, least_confident
 
 IN_LIST_MAX = 10_000  # picked rows read with a constant IN list up to this many ids, else a semi-join
 
@@ -46,6 +49,10 @@ def evaluate(
     duplicates: dict[str, Any] | None = None,
     changes: dict[str, Any] | None = None,
     cache: dict[str, Any] | None = None,
+    reference: pa.Table | None = None,
+    reference_source: str = "golden_set",
+    ride_along: tuple[pa.Table, pa.Table, pa.Table] | None = None,
+    compared: str | None = "label",
 ) -> QAReport:
     """Metrics, threshold checks and a deterministic stratified sample (pure computation).
 
@@ -56,6 +63,10 @@ def evaluate(
     is merge's count of ids committed more than once, taken before its dedupe (``_MERGED.json``).
     ``changes``: ``ChangesSummary.dump()`` (``steps/changes.py``) for the churn_rate check and the
     churn matrix; ``cache``: ``{rows, hits, misses, hit_rate}`` of the result cache (``stage.cache_metrics``).
+    ``reference``: known labels of this run's rows (columns id, label; from ``reference_source``,
+    'input_column' or 'golden_set'); ``ride_along``: the ride-along golden rows' (results, errors,
+    known labels). ``compared``: the result column whose answers the consistency check compares
+    (None: not checked).
     """
     results = conform(results, RESULT_NEEDS)
     errors = conform(errors, ERROR_NEEDS)
@@ -64,11 +75,37 @@ def evaluate(
     try:
         con.register("r", results)
         con.register("e", errors)
+        refs = References()
+        if reference is not None:
+            con.register("ref_in", reference)
+            con.execute(
+                f"CREATE TEMP TABLE ref AS SELECT CAST(id AS VARCHAR) AS id, {label_sql('label')} AS label "
+                "FROM ref_in WHERE label IS NOT NULL AND trim(CAST(label AS VARCHAR)) <> ''"
+            )
+            refs.run_source = reference_source
+            refs.known[reference_source] = con.execute("SELECT count(*) FROM ref").fetchall()[0][0]
+        if ride_along is not None:
+            gres, gerr, glab = ride_along
+            con.register("gr", conform(gres, RESULT_NEEDS))
+            con.register("ge", conform(gerr, ERROR_NEEDS))
+            con.register("gref_in", glab)
+            con.execute(
+                f"CREATE TEMP TABLE gref AS SELECT CAST(id AS VARCHAR) AS id, {label_sql('label')} AS label "
+                "FROM gref_in WHERE label IS NOT NULL AND trim(CAST(label AS VARCHAR)) <> ''"
+            )
+            refs.ride_along = True
+            refs.known["ride_along"] = con.execute("SELECT count(*) FROM gref").fetchall()[0][0]
         metrics = compute_metrics(results, errors, labels=labels, structured=structured, notes=notes)
+        metrics.update(
+            measure_answers(con, spec=spec, labels=labels, previous=previous, refs=refs, compared=compared, notes=notes)
+        )
+        least = metrics["confidence"]["least_confident_ids"] if metrics.get("confidence") else []
         return _report(
             metrics,
             notes,
-            lambda sizes: draw_sample(con, results, errors, spec=spec, label_sizes=sizes),
+            lambda sizes: least_confident(
+                draw_sample(con, results, errors, spec=spec, label_sizes=sizes), results, least, spec.seed
+            ),
             spec=spec,
             structured=structured,
             shard_stats=shard_stats,
@@ -95,16 +132,25 @@ def evaluate_stream(
     duplicates: dict[str, Any] | None = None,
     changes: dict[str, Any] | None = None,
     cache: dict[str, Any] | None = None,
+    refs: References | None = None,
+    compared: str | None = "label",
     batch_rows: int = 1 << 20,
 ) -> QAReport:
     """``evaluate`` over DuckDB relations ``r`` and ``e`` of ``con`` (views over the merged files)
     that need not fit in memory: the counts from one DuckDB aggregate (``metrics_stream``), the
     latencies fetched batch by batch (``batch_rows``), the sample by DuckDB over the views (only
-    the picked rows are read). ``result_rows``: the rows of ``r`` (from footers), for one buffer."""
+    the picked rows are read). ``result_rows``: the rows of ``r`` (from footers), for one buffer.
+    ``refs``: the reference relations ``con`` has (``reference.attach_references``)."""
     notes: list[str] = []
     tally = ResultTally(capacity=result_rows)
     tally.tally(con, batch_rows)
     metrics = tally.metrics(labels=labels, structured=structured, notes=notes)
+    metrics.update(
+        measure_answers(
+            con, spec=spec, labels=labels, previous=previous, refs=refs or References(), compared=compared, notes=notes
+        )
+    )
+    least = metrics["confidence"]["least_confident_ids"] if metrics.get("confidence") else []
     needs = {"r": RESULT_NEEDS, "e": ERROR_NEEDS}
 
     def rows(table: str, ids: list[str]) -> pa.Table:
@@ -124,7 +170,7 @@ def evaluate_stream(
         return conform(con.sql(f"SELECT * FROM {table} WHERE id IN ({listed})").to_arrow_table(), needs[table])
 
     def draw(sizes):
-        return draw_sample_by(
+        drawn = draw_sample_by(
             con,
             spec=spec,
             label_sizes=sizes,
@@ -134,6 +180,7 @@ def evaluate_stream(
             counts=lambda _t, c: tally.value_counts(c),
             rows=rows,
         )
+        return least_confident(drawn, rows("r", least), least, spec.seed)
 
     return _report(
         metrics,
@@ -148,6 +195,21 @@ def evaluate_stream(
         changes=changes,
         cache=cache,
     )
+
+
+def measure_answers(
+    con, *, spec: QASpec, labels, previous, refs: References, compared: str | None, notes: list[str]
+) -> dict[str, Any]:
+    """``quality`` (labelled rows), ``confidence`` and ``consistency`` from ``con``'s ``r``, ``e`` and references."""
+    labelled_view(con, run_source=refs.run_source, ride_along=refs.ride_along)
+    q = quality(con, labels=labels, previous=previous, known=refs.known, notes=notes)
+    if q is not None:
+        q["locations"] = dict(refs.locations)
+    return {
+        "quality": q,
+        "confidence": confidence_metrics(con, low=spec.low_confidence, least=spec.least_confident, notes=notes),
+        "consistency": consistency_metrics(con, value=compared) if compared else None,
+    }
 
 
 def _report(

@@ -10,9 +10,10 @@ from airflow_provider_vllm.core import duck
 from airflow_provider_vllm.core.plan import Plan, load_plan
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
-from airflow_provider_vllm.steps.changes import compute_changes
+from airflow_provider_vllm.steps.changes import compared_column, compute_changes
 from airflow_provider_vllm.steps.merge import ERRORS, RESULTS, read_manifest, read_merged, result_parts
 from airflow_provider_vllm.steps.qa.evaluate import evaluate, evaluate_stream
+from airflow_provider_vllm.steps.qa.reference import attach_references, find_references
 from airflow_provider_vllm.steps.qa.report import QAReport
 from airflow_provider_vllm.steps.qa.store import load_report, write_qa
 
@@ -53,26 +54,37 @@ def qa_run(spec: JobSpec, filesystems: FileSystems | None = None) -> tuple[QARep
             "rows": merged.rows,
         },
     )
-    con = duck.connect(out)
+    found = find_references(spec, plan, out, filesystems)
+    compared = None if spec.task == "embed" else compared_column(spec)
+    con = duck.connect(out, *([found.root] if found is not None else []))
     try:
         # Only what QA reads; vectors are replaced by a presence marker (10M x 384 floats would not fit).
         con.execute(
             f"CREATE TEMP VIEW r AS SELECT id, output, label, valid, "
             f"CASE WHEN embedding IS NULL THEN NULL ELSE []::FLOAT[] END AS embedding, scores, finish_reason, "
-            f"prompt_tokens, completion_tokens, truncated, latency_ms, model, model_revision, shard_id "
+            f"prompt_tokens, completion_tokens, truncated, latency_ms, model, model_revision, shard_id, "
+            f"confidence, prompt_hash "
             f"FROM read_parquet({duck.file_list(out, result_parts(out, RESULTS))})"
         )
         con.execute(
             f"CREATE TEMP VIEW e AS SELECT id, error_code, error_message, shard_id "
             f"FROM read_parquet({duck.file_list(out, result_parts(out, ERRORS))})"
         )
+        refs = attach_references(con, found)
         result_rows = read_manifest(out, RESULTS).rows
         if result_rows + read_manifest(out, ERRORS).rows > STREAM_ABOVE_ROWS:
-            report = evaluate_stream(con, result_rows=result_rows, **args)
+            report = evaluate_stream(con, result_rows=result_rows, refs=refs, compared=compared, **args)
         else:
             report = evaluate(
-                con.sql("SELECT * FROM r").to_arrow_table(), con.sql("SELECT * FROM e").to_arrow_table(), **args
+                con.sql("SELECT * FROM r").to_arrow_table(),
+                con.sql("SELECT * FROM e").to_arrow_table(),
+                reference=con.sql("SELECT id, label FROM ref").to_arrow_table() if refs.run_source else None,
+                reference_source=refs.run_source or "golden_set",
+                compared=compared,
+                **args,
             )
+            if report.metrics.get("quality") is not None:
+                report.metrics["quality"]["locations"] = dict(refs.locations)
     finally:
         con.close()
     report.sample = _with_input_excerpt(spec, report.sample, out, plan)

@@ -22,6 +22,7 @@ import pytest
 from airflow_provider_vllm.core import faults
 from airflow_provider_vllm.core.errors import CommitError, SpecError
 from airflow_provider_vllm.core.plan import PLAN_FILE, Plan
+from airflow_provider_vllm.core.rows import RESULT_SCHEMA
 from airflow_provider_vllm.core.spec import ENGINE_KWARGS_ALLOWED
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.steps import cache
@@ -552,3 +553,27 @@ def test_input_columns_named_like_answer_columns(tmp_path, fake_engine_factory):
         i: (r["label"], r["output"]) for i, r in r1.items()
     }
     assert all(r["output"] != "input-output" for r in r2.values())
+
+
+def test_entries_written_before_a_result_column_existed_still_serve(tmp_path, fake_engine_factory):
+    """An entry of an older version lacks the columns added since (confidence, prompt_hash, logprobs): its
+    hits read them as null, and the hits file is still in the results schema."""
+    write_parquet(tmp_path / "in-a.parquet", IDS, TEXTS)
+    s1 = spec_for(tmp_path, "a")
+    run_job(s1, fake_engine_factory)
+    store = Storage(str(tmp_path / "cache"))
+    (name,) = store.listdir(cache.COMMITS)
+    commit = json.loads(store.read_bytes(f"{cache.COMMITS}/{name}"))
+    part = tmp_path / "cache" / commit["files"][0]["path"]
+    old = pq.read_table(part).drop_columns(["confidence", "prompt_hash", "logprobs"])
+    os.chmod(part, 0o644)
+    pq.write_table(old, part)
+    commit["files"][0].update(bytes=part.stat().st_size, sha256=store.sha256(commit["files"][0]["path"]))
+    os.chmod(tmp_path / "cache" / cache.COMMITS / name, 0o644)
+    (tmp_path / "cache" / cache.COMMITS / name).write_text(json.dumps(commit))
+    s2 = spec_for(tmp_path, "b")
+    write_parquet(tmp_path / "in-b.parquet", IDS, TEXTS)
+    p2, m2 = run_job(s2, fake_engine_factory)
+    assert p2.cache.hits == 50 and m2["ok_rows"] == 50
+    hits = pq.read_table(tmp_path / "out-b" / "results")
+    assert hits.schema.equals(RESULT_SCHEMA) and hits.column("confidence").null_count == 50
