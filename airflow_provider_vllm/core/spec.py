@@ -348,12 +348,66 @@ class QASpec(_Model):
     least_confident: int = Field(
         20, ge=0, le=10_000, description="The least confident answers added to the review sample (0: none)."
     )
+    warn_accuracy_below: float = Field(
+        0.8,
+        ge=0,
+        le=1,
+        description="Accuracy on the labelled rows (qa.reference) below this: warn. Checked only when known labels "
+        "are configured.",
+    )
+    fail_accuracy_below: float = Field(
+        0.5, ge=0, le=1, description="Accuracy on the labelled rows below this: fail (the run is not published)."
+    )
+    min_labelled: int = Field(
+        30,
+        ge=1,
+        description="Fewer scored rows than this: the accuracy check warns that there are too few to gate on "
+        "(rather than passing or failing on noise); so does a reference that matches no row of the run.",
+    )
+    warn_accuracy_drop: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="A drop in accuracy since the previous report (previous_report_uri) that the 95% interval of "
+        "the change calls real (the whole interval below 0) and larger than this: warn. 0: any real drop warns.",
+    )
+    fail_accuracy_drop: float = Field(
+        0.05, ge=0, le=1, description="As warn_accuracy_drop, failing the run (a real drop of more than 5 points)."
+    )
+    warn_low_confidence_rate: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="Share of the answers with a confidence below low_confidence above this: warn (1.0: never; "
+        "pick it from the report's reliability table).",
+    )
+    fail_low_confidence_rate: float = Field(1.0, ge=0, le=1, description="As warn_low_confidence_rate, failing.")
+    warn_inconsistency_rate: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="Share of the prompts sent more than once in the run that got different answers, above "
+        "this: warn (1.0: never).",
+    )
+    fail_inconsistency_rate: float = Field(1.0, ge=0, le=1, description="As warn_inconsistency_rate, failing.")
 
     @model_validator(mode="after")
     def _warn_below_fail(self) -> QASpec:
-        for m in ("error_rate", "empty_rate", "invalid_rate", "truncation_rate", "label_drift", "churn_rate"):
+        for m in (
+            "error_rate",
+            "empty_rate",
+            "invalid_rate",
+            "truncation_rate",
+            "label_drift",
+            "churn_rate",
+            "accuracy_drop",
+            "low_confidence_rate",
+            "inconsistency_rate",
+        ):
             if getattr(self, f"warn_{m}") > getattr(self, f"fail_{m}"):
                 raise ValueError(f"warn_{m} must be <= fail_{m}")
+        if self.fail_accuracy_below > self.warn_accuracy_below:
+            raise ValueError("fail_accuracy_below must be <= warn_accuracy_below")
         return self
 
 

@@ -97,3 +97,56 @@ def test_from_params_keeps_only_the_nulls_asked_for():
     assert spec.cache.uri is None and spec.sampling.structured is None
     with pytest.raises(SpecError, match="model.name"):  # a null where a value is required still fails by name
         JobSpec.from_params({"model": None}, base=base, keep_null={"model"})
+
+
+LABELLED = {**BASE, "sampling": {"structured": {"choice": ["a", "b"]}}}
+
+
+@pytest.mark.parametrize(
+    "patch, message",
+    [
+        ({"qa": {"reference": {"input_column": "t", "golden_uri": "/g"}}}, "set one of input_column and golden_uri"),
+        ({"qa": {"reference": {"input_column": "id"}}}, "qa.reference.input_column is prompt.id_column"),
+        ({"qa": {"reference": {"input_column": "bad col"}}}, "qa.reference.input_column"),
+        ({"qa": {"reference": {"golden_uri": "http://x/g"}}}, "qa.reference.golden_uri"),
+        ({"qa": {"reference": {"ride_along_uri": "/g/../h"}}}, "qa.reference.ride_along_uri"),
+        ({"qa": {"reference": {"ride_along_uri": "/g", "label_column": "id"}}}, "label_column and id_column"),
+        ({"qa": {"reference": {"golden_uri": "/g"}}, "sampling": {}}, "needs sampling.structured.choice"),
+        (
+            {"qa": {"reference": {"ride_along_uri": "/g"}}, "io": {**BASE["io"], "input_format": "openai_batch"}},
+            "openai_batch",
+        ),
+        ({"qa": {"warn_accuracy_below": 0.4, "fail_accuracy_below": 0.6}}, "fail_accuracy_below must be <="),
+        ({"qa": {"warn_accuracy_drop": 0.2, "fail_accuracy_drop": 0.1}}, "warn_accuracy_drop must be <="),
+        ({"qa": {"min_labelled": 0}}, "qa.min_labelled"),
+        ({"qa": {"least_confident": -1}}, "qa.least_confident"),
+        ({"qa": {"low_confidence": 1.5}}, "qa.low_confidence"),
+    ],
+)
+def test_quality_settings_are_checked(patch, message):
+    doc = json.loads(json.dumps(LABELLED))
+    for k, v in patch.items():
+        doc[k] = {**doc.get(k, {}), **v} if k != "sampling" else v
+    with pytest.raises(SpecError) as e:
+        JobSpec.load(doc)
+    assert message in str(e.value)
+
+
+def test_a_reference_needs_labels_but_classify_has_them():
+    spec = JobSpec.load({**BASE, "task": "classify", "qa": {"reference": {"golden_uri": "/g"}}})
+    assert spec.qa.reference.configured and spec.qa.fail_accuracy_below == 0.5
+
+
+def test_every_field_has_a_description():
+    from pydantic import BaseModel
+
+    def walk(model: type[BaseModel], path: str):
+        for name, f in model.model_fields.items():
+            assert f.description, f"{path}{name} has no description"
+            ann = f.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                walk(ann, f"{path}{name}.")
+
+    from airflow_provider_vllm.core.spec import QASpec
+
+    walk(QASpec, "qa.")
