@@ -76,6 +76,12 @@ class EngineSpec(_Model):
     enable_prefix_caching: bool | None = Field(None, description="Cache shared prompt prefixes (system prompt).")
     enforce_eager: bool = Field(False, description="Disable CUDA graphs / torch.compile (faster start, slower run).")
     seed: int = Field(0, description="Engine seed.")
+    batch_invariant: bool = Field(
+        False,
+        description="Batch-invariant numerics (vLLM's VLLM_BATCH_INVARIANT=1): a prompt gets the same answer "
+        "whatever else shares its batch, so identical prompts in a run (and reruns) agree, at a cost in speed. "
+        "Where vLLM offers it (NVIDIA GPUs; vLLM's CPU build does not: the worker refuses it there).",
+    )
     cpu_kvcache_space_gb: int | None = Field(
         None, gt=0, description="CPU build only: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)."
     )
@@ -338,6 +344,13 @@ class QASpec(_Model):
         default_factory=ReferenceSpec,
         description="Known labels to score the answers against (accuracy, per-class figures, confusion matrix).",
     )
+    confidence: bool | None = Field(
+        None,
+        description="Ask the engine for each answer's probability (the chosen tokens' logprobs: one log-softmax "
+        "per generated token) and store it in the results' confidence column. null: on for structured choice "
+        "(the chosen label's probability), off for other generations; true: also for other generations (the "
+        "whole output's probability); false: off. Classify always has it (the top class's probability).",
+    )
     low_confidence: float = Field(
         0.5,
         ge=0,
@@ -477,6 +490,16 @@ class JobSpec(_Model):
         check_values(self.model_dump(mode="json"))  # patterns, sizes, no Jinja: spec_guard.py
         return self
 
+    @property
+    def confidence_from_logprobs(self) -> bool:
+        """Whether the worker asks the engine for the chosen tokens' logprobs (``qa.confidence``)."""
+        if self.task not in ("chat", "generate"):
+            return False
+        if self.qa.confidence is not None:
+            return self.qa.confidence
+        st = self.sampling.structured
+        return st is not None and st.choice is not None
+
     # ---- identity -------------------------------------------------------------------
     def canonical_json(self) -> str:
         # where the shards run does not change what they compute
@@ -490,6 +513,8 @@ class JobSpec(_Model):
     def output_hash(self) -> str:
         """Hash of what decides a row's output (model, engine, task, prompt, sampling): the 'config hash'."""
         d = self.model_dump(mode="json", include={"task", "model", "engine", "prompt", "sampling"})
+        if not d["engine"]["batch_invariant"]:  # added later: specs without it keep the hash they had
+            del d["engine"]["batch_invariant"]
         return hashlib.sha256(json.dumps(d, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
     # ---- loading --------------------------------------------------------------------

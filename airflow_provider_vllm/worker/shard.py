@@ -25,13 +25,13 @@ from airflow_provider_vllm.core.formats.files import check_unchanged
 from airflow_provider_vllm.core.formats.openai_batch import REQUEST
 from airflow_provider_vllm.core.plan import Plan, ShardPlan, estimate_tokens, load_plan
 from airflow_provider_vllm.core.records import ShardStats, WorkerManifest
-from airflow_provider_vllm.core.rows import INVALID_ROW, rows_table
+from airflow_provider_vllm.core.rows import INVALID_ROW, prompt_hash, rows_table
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.worker.guard import GuardedEngine, RowFailure
 from airflow_provider_vllm.worker.hardware import hardware_id
 from airflow_provider_vllm.worker.isolation import describe, row_caused
-from airflow_provider_vllm.worker.outputs import check_structured
+from airflow_provider_vllm.worker.outputs import answer_extras, check_structured
 from airflow_provider_vllm.worker.prompts import Prepared, PromptBuilder
 from airflow_provider_vllm.worker.task import ShardTask
 from airflow_provider_vllm.worker.telemetry import ShardTelemetry
@@ -320,7 +320,7 @@ class _ChunkRunner:
 
     def _generate(self, todo: list[int]) -> dict[int, FileEntry]:
         records: dict[int, dict[int, dict]] = {k: {} for k in todo}
-        submitted: dict[int, tuple[float, bool]] = {}
+        submitted: dict[int, tuple[float, bool, int]] = {}
         files: dict[int, FileEntry] = {}
         queue = [
             (k, i) for k in todo for i in range(self.metas[k].first_row, self.metas[k].first_row + self.metas[k].rows)
@@ -335,13 +335,13 @@ class _ChunkRunner:
                     records[k][i] = self._error(i, *prep.fault)
                     self._row_done(k, i, records, files)
                     continue
-                submitted[i] = (time.monotonic(), prep.truncated)
+                submitted[i] = (time.monotonic(), prep.truncated, prompt_hash(prep.token_ids or [], prep.overrides))
                 # a request the engine refuses comes back from step() as a RowFailure
                 self.engine.submit((k, i), prep.token_ids, prep.overrides or None)
             if not self.engine.pending():
                 continue
             for (k, i), g in self.engine.step():
-                t_sub, truncated = submitted.pop(i)
+                t_sub, truncated, phash = submitted.pop(i)
                 if isinstance(g, RowFailure):
                     records[k][i] = self._error(i, g.code, g.message)
                     self._row_done(k, i, records, files)
@@ -360,6 +360,7 @@ class _ChunkRunner:
                     "truncated": truncated,
                     "latency_ms": (time.monotonic() - t_sub) * 1000.0,
                     **self.prov,
+                    **answer_extras(g, phash),
                 }
                 self.prompt_tokens += g.prompt_tokens
                 self.completion_tokens += g.completion_tokens
@@ -423,6 +424,8 @@ class _ChunkRunner:
                     "truncated": p.truncated,
                     "latency_ms": per_row_ms,
                     **self.prov,
+                    "confidence": max(vec) if col == "scores" and len(vec) else None,
+                    "prompt_hash": prompt_hash(p.token_ids or []),
                 }
                 self.prompt_tokens += n_tokens
         ordered = [rows[i] for i in range(meta.first_row, meta.first_row + meta.rows)]

@@ -150,3 +150,19 @@ def test_every_field_has_a_description():
     from airflow_provider_vllm.core.spec import QASpec
 
     walk(QASpec, "qa.")
+
+
+def test_fields_added_with_a_neutral_default_keep_the_config_and_cache_key_hashes():
+    """Recorded before qa.reference, qa.confidence and engine.batch_invariant existed: rows, chunks and
+    cache entries of earlier runs still match a spec that does not use them."""
+    from airflow_provider_vllm.steps.cache import key_config, key_hash
+
+    doc = {**BASE, "model": {"name": "org/m", "revision": "r1"}, "sampling": {"structured": {"choice": ["a", "b"]}}}
+    spec = JobSpec.load(doc)
+    assert spec.output_hash() == "3db63012a95a67cf196740870390813c87fcb987de2b679b8c407ccac5b7f59b"
+    assert key_hash(key_config(spec, "vllm==x")) == "f5269a4c9b5228a82175cad0bd3e2623e054db796cbe93029e3b0e64dff73c79"
+    on = JobSpec.load({**doc, "engine": {"batch_invariant": True}})
+    assert on.output_hash() != spec.output_hash()
+    assert key_hash(key_config(on, "vllm==x")) != key_hash(key_config(spec, "vllm==x"))
+    quality = JobSpec.load({**doc, "qa": {"confidence": False, "reference": {"golden_uri": "/g"}}})
+    assert quality.output_hash() == spec.output_hash()  # QA settings never change an answer
