@@ -12,6 +12,8 @@
   rows) and the consistency of identical prompts, in DuckDB.
 * ``checks``: each metric against its warn / fail thresholds, and the overall verdict.
 * ``sample``: the deterministic, stratified sample of rows for review.
+* ``html_quality``: the page's quality sections (accuracy, confusion matrix, reliability diagram,
+  consistency, least confident rows).
 * ``html``: renders a report dict and sample rows as one self-contained page.
 * ``store``: writes report.json / report.html / sample.parquet; loads a stored report.
 * ``reference``: the known labels (``qa.reference``) as DuckDB relations.

@@ -85,11 +85,28 @@ def qa_run(spec: JobSpec, filesystems: FileSystems | None = None) -> tuple[QARep
             )
             if report.metrics.get("quality") is not None:
                 report.metrics["quality"]["locations"] = dict(refs.locations)
+        if refs.run_source:
+            report.sample = _with_known_labels(con, report.sample)
     finally:
         con.close()
     report.sample = _with_input_excerpt(spec, report.sample, out, plan)
     paths = write_qa(report, out)
     return report, paths
+
+
+def _with_known_labels(con, sample: pa.Table) -> pa.Table:
+    """The sample with ``known_label``: each row's label from the reference (``ref`` on ``con``), if any."""
+    if sample.num_rows == 0:
+        return sample
+    con.register("qa_sample_ids", pa.table({"id": sample.column("id").cast(pa.string())}))
+    try:
+        known = dict(con.execute("SELECT s.id, ref.label FROM qa_sample_ids s JOIN ref ON ref.id = s.id").fetchall())
+    finally:
+        con.unregister("qa_sample_ids")
+    col = pa.array([known.get(i) for i in sample.column("id").to_pylist()], pa.string())
+    if "known_label" in sample.column_names:
+        sample = sample.drop_columns(["known_label"])
+    return sample.append_column("known_label", col)
 
 
 def cache_metrics(plan: Plan) -> dict[str, Any] | None:
@@ -141,7 +158,16 @@ def qa_summary(report: QAReport, paths: dict[str, str], out_uri: str) -> dict[st
         "status": report.status,
         "summary": report.summary_line(),
         "duplicates": (report.metrics.get("duplicates") or {}).get("ids"),
-        "checks": [{k: c.get(k) for k in ("name", "value", "warn", "fail", "status")} for c in d["checks"]],
+        "checks": [
+            {
+                k: c.get(k)
+                for k in ("name", "value", "warn", "fail", "status", "direction", "interval", "detail")
+                if k in c
+            }
+            for c in d["checks"]
+        ],
+        # where the known labels came from (source -> URI), for lineage: the golden set is a QA input
+        "references": ((d["metrics"].get("quality") or {}).get("locations")) or {},
         "report_html": f"{out_uri.rstrip('/')}/{paths['report_html']}",
         "report_json": f"{out_uri.rstrip('/')}/{paths['report_json']}",
     }

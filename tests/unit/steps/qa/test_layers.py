@@ -16,6 +16,7 @@ ORDER = [
     "confidence",
     "checks",
     "sample",
+    "html_quality",
     "html",
     "store",
     "reference",
