@@ -78,6 +78,41 @@ class CachePlan(BaseModel):
     hit_est_tokens: int = Field(0, description="estimated prompt tokens of the hit rows (not inferred)")
 
 
+class GoldenPlan(BaseModel):
+    """The golden rows that ride along (``qa.reference.ride_along_uri``), as the plan applied them.
+
+    Their own input file (``_golden/input-<sha16>.parquet``: reserved ids, the template's columns and the
+    known label) and their own shards (``golden-NNNNN-<hash>``), which the shard tasks run like any other
+    and which merge verifies and publishes apart, under ``golden/`` (``steps/golden.py``). They are not
+    in ``Plan.shards`` nor ``Plan.total_rows``: the input's exactly-once accounting never sees them.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    uri: str = Field(description="qa.reference.ride_along_uri when planned")
+    fingerprint: str = Field(description="fingerprint of its files (sizes and versions) when planned")
+    root: str = Field(description="the folder of input_file (the golden shards' input root)")
+    input_file: CacheFile = Field(description="the golden rows as the golden shards read them")
+    rows: int = Field(description="golden rows (all labelled)")
+    shards: list[ShardPlan] = Field(description="the golden shards, over input_file")
+
+    def view(self, plan: Plan) -> Plan:
+        """``plan`` as the golden shards see it: their input file, their shards, no cache, no golden rows."""
+        name = self.input_file.path.rsplit("/", 1)[-1]
+        f = InputFile(path=name, size=self.input_file.bytes, version=self.input_file.version)
+        return plan.model_copy(
+            update={
+                "format": "parquet",
+                "input_root": self.root,
+                "files": [f.to_dict()],
+                "total_rows": self.rows,
+                "shards": self.shards,
+                "long_row_tokens": None,
+                "cache": None,
+                "golden": None,
+            }
+        )
+
+
 class Plan(BaseModel):
     model_config = ConfigDict(extra="forbid")
     version: int = 1
@@ -99,10 +134,25 @@ class Plan(BaseModel):
     cache: CachePlan | None = Field(
         None, description="The result cache (cache.uri set): shards' segments then index the misses file."
     )
+    golden: GoldenPlan | None = Field(
+        None, description="Golden rows that ride along (qa.reference.ride_along_uri): their file and shards."
+    )
 
     def dump_json(self) -> bytes:
-        """``_plan.json``'s bytes; ``cache`` only when set (plans without it stay as they were)."""
-        return self.model_dump_json(indent=1, exclude={"cache"} if self.cache is None else None).encode()
+        """``_plan.json``'s bytes; ``cache`` and ``golden`` only when set (plans without them stay as they were)."""
+        unset = {k for k in ("cache", "golden") if getattr(self, k) is None}
+        return self.model_dump_json(indent=1, exclude=unset or None).encode()
+
+    def for_shard(self, shard_id: str) -> Plan:
+        """The plan a shard's worker reads by: this one, or for a golden shard the golden rows' view."""
+        if self.golden is not None and any(s.shard_id == shard_id for s in self.golden.shards):
+            return self.golden.view(self)
+        return self
+
+    def mapped_shards(self) -> list[dict[str, Any]]:
+        """Every shard a task runs, as ``ShardPlan.summary()``: the input's, then the golden rows' (``golden``)."""
+        golden = [{**s.summary(), "golden": True} for s in self.golden.shards] if self.golden is not None else []
+        return [s.summary() for s in self.shards] + golden
 
     def input_files(self) -> list[InputFile]:
         return [InputFile(**f) for f in self.files]

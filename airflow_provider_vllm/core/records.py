@@ -6,6 +6,7 @@
   ``/airflow/xcom/return.json``), the shard task's XCom value; ``read_manifest`` tells them apart.
 - ``MergeSummary``: ``_MERGED.json`` and, without per-shard stats, the merge task's XCom.
 - ``ChangesSummary``: ``changes/_changes.json``, what moved since the previous run (``steps/changes.py``).
+- ``GoldenSummary``: ``golden/_golden.json``, the golden rows that rode along (``steps/golden.py``).
 - ``ThroughputRecord``: one line of the throughput history (``steps/sizing.py``).
 - ``CacheCommit`` / ``CacheMergeSummary``: the result cache's commit marker and what a merge did
   with the cache (``steps/cache.py``).
@@ -180,6 +181,9 @@ class MergeSummary(RowCounts):
     cache: CacheMergeSummary | None = Field(
         None, description="what the merge took from and added to the result cache (cache.uri set)"
     )
+    golden: GoldenSummary | None = Field(
+        None, description="the golden rows that rode along (qa.reference.ride_along_uri), published under golden/"
+    )
 
     XCOM_FIELDS: ClassVar[tuple[str, ...]] = (
         "rows",
@@ -319,6 +323,16 @@ class CacheMergeSummary(Record):
     skipped: str | None = Field(
         None, description="why this run's rows were not appended (e.g. made by another engine than the key's)"
     )
+
+
+class GoldenSummary(RowCounts):
+    """``golden/_golden.json``: the golden rows of a run, verified and published apart from its results
+    (written after the two files it names)."""
+
+    shards: int = Field(description="golden shards")
+    input_file: str = Field(description="the plan's golden input file (ids and known labels) under the output prefix")
+    files: dict[str, str] = Field(description="'results' / 'errors' -> path under the output prefix")
+    checksums: dict[str, str] = Field(description="path -> sha256 of the two files")
 
 
 MergeSummary.model_rebuild()  # its ``cache`` field names a record defined below it

@@ -189,7 +189,14 @@ class VllmPlanOperator(BaseOperator):
             )
         context["ti"].xcom_push(key=SPEC_XCOM_KEY, value=spec.model_dump(mode="json"))
         self._lineage = plan_lineage(spec, rows=plan.total_rows, files=len(plan.files))
-        return with_display_names([s.summary() for s in plan.shards])
+        if plan.golden is not None:
+            self.log.info(
+                "golden rows that ride along: %d from %s in %d shard(s), published apart under golden/",
+                plan.golden.rows,
+                plan.golden.uri,
+                len(plan.golden.shards),
+            )
+        return with_display_names(plan.mapped_shards())
 
     def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
         """OpenLineage: the input location (rows, files) in, ``_plan.json`` out (recorded by ``execute``)."""

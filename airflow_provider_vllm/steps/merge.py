@@ -50,6 +50,7 @@ from airflow_provider_vllm.core.rows import ERROR_SCHEMA, RESULT_SCHEMA, ROW_SCH
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
 from airflow_provider_vllm.steps import cache
+from airflow_provider_vllm.steps.golden import merge_golden
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +159,13 @@ def merge(
     if hits is not None:
         computed = [f"{RESULTS}/{p.name}" for p in manifests[RESULTS].parts if p.name != hits["name"] and p.rows]
         cache_summary = cache.append_results(out, spec, plan, computed, filesystems)
+    golden = (  # the golden rows that ride along: checked like the input's, published apart, under golden/
+        merge_golden(
+            out, spec, plan, committed_parts(out, plan.golden.view(plan), verify_checksums)[0], verify_checksums
+        )
+        if plan.golden is not None
+        else None
+    )
     summary = MergeSummary(
         rows=plan.total_rows,
         ok_rows=manifests[RESULTS].rows,
@@ -183,6 +191,7 @@ def merge(
         task=spec.task,
         id_column=spec.prompt.id_column,
         **({"cache": cache_summary} if cache_summary is not None else {}),
+        **({"golden": golden} if golden is not None else {}),
     )
     faults.hit("merge.after_data")
     with faults.writing("merge.mid_marker"):

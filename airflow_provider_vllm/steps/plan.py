@@ -26,6 +26,7 @@ from airflow_provider_vllm.core.formats.files import find_input
 from airflow_provider_vllm.core.plan import PLAN_FILE, Plan, Segment, ShardPlan, estimate_tokens
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
+from airflow_provider_vllm.steps.golden import GOLDEN_IN, with_golden
 from airflow_provider_vllm.steps.sizing import size_shards
 
 PROBE_DIR = "_probes"  # create-only probe objects (removed after the probe; ignored if one stays)
@@ -59,6 +60,7 @@ def plan_job(
         plan = build_plan(spec, filesystems, max_shards=max_shards)
         if not out.exists(PLAN_FILE):
             _check_empty(spec, out)
+            plan = with_golden(plan, spec, out, filesystems, max_shards)  # qa.reference: ride-along rows
             # create-only: of two runs racing for one prefix, the loser meets the winner's plan below
             out.create_only(PLAN_FILE, plan.dump_json())
     existing = Plan.model_validate_json(out.read_bytes(PLAN_FILE))
@@ -75,7 +77,8 @@ def _check_empty(spec: JobSpec, out: Storage) -> None:
     """SpecError unless the prefix is empty (create-only probes and orphaned ``_cache/`` files aside), then probe."""
     from airflow_provider_vllm.steps.cache import CACHE_DIR
 
-    foreign = next((f for f in out.walk_files() if not f.startswith((PROBE_DIR + "/", CACHE_DIR + "/"))), None)
+    mine = (PROBE_DIR + "/", CACHE_DIR + "/", GOLDEN_IN + "/")  # files a plan killed before its _plan.json leaves
+    foreign = next((f for f in out.walk_files() if not f.startswith(mine)), None)
     if foreign is not None:
         raise SpecError(
             f"output {spec.io.output_uri} is not empty (e.g. {foreign}) and holds no plan of "
@@ -95,6 +98,7 @@ def _plan_cached(
         return existing.model_copy(update={"fingerprint": found.fingerprint, "spec_hash": spec.content_hash()})
     _check_empty(spec, out)
     plan = build_plan(spec, filesystems, max_shards=max_shards, cache_out=out, engine_identity=engine_identity)
+    plan = with_golden(plan, spec, out, filesystems, max_shards)  # qa.reference: ride-along rows
     out.create_only(PLAN_FILE, plan.dump_json())
     return plan
 

@@ -84,7 +84,7 @@ def _run_shard(task: ShardTask, engine_factory: Callable[[JobSpec], Any] | None,
     spec = task.spec
     out = Storage(spec.io.output_uri, spec.io.storage_options)
     faults.hit("plan.load")
-    plan = load_plan(spec)
+    plan = load_plan(spec).for_shard(task.shard_id)  # a golden shard reads the golden rows' view
     watchdog.beat()
     if plan.spec_hash != spec.content_hash():
         raise SpecError(

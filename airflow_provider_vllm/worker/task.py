@@ -22,7 +22,10 @@ class ShardTask(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     spec: JobSpec
-    shard_id: str = Field(pattern=r"^shard-\d{5}-[0-9a-f]{8}$", description="A shard id from the plan.")
+    shard_id: str = Field(
+        pattern=r"^(shard|golden)-\d{5}-[0-9a-f]{8}$",
+        description="A shard id from the plan (golden-...: a shard of the golden rows that ride along).",
+    )
     attempt_id: str | None = Field(
         None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$", description="Default: generated per process."
     )

@@ -11,6 +11,7 @@ from airflow_provider_vllm.core.plan import Plan, load_plan
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
 from airflow_provider_vllm.steps.changes import compared_column, compute_changes
+from airflow_provider_vllm.steps.golden import attach_golden
 from airflow_provider_vllm.steps.merge import ERRORS, RESULTS, read_manifest, read_merged, result_parts
 from airflow_provider_vllm.steps.qa.evaluate import evaluate, evaluate_stream
 from airflow_provider_vllm.steps.qa.reference import attach_references, find_references
@@ -71,6 +72,11 @@ def qa_run(spec: JobSpec, filesystems: FileSystems | None = None) -> tuple[QARep
             f"FROM read_parquet({duck.file_list(out, result_parts(out, ERRORS))})"
         )
         refs = attach_references(con, found)
+        golden_rows = attach_golden(con, out, plan, spec)  # the ride-along rows: gr, ge, gref
+        if golden_rows is not None:
+            refs.ride_along = True
+            refs.known["ride_along"] = golden_rows
+            refs.locations["ride_along"] = plan.golden.uri if plan.golden is not None else ""
         result_rows = read_manifest(out, RESULTS).rows
         if result_rows + read_manifest(out, ERRORS).rows > STREAM_ABOVE_ROWS:
             report = evaluate_stream(con, result_rows=result_rows, refs=refs, compared=compared, **args)
@@ -80,6 +86,15 @@ def qa_run(spec: JobSpec, filesystems: FileSystems | None = None) -> tuple[QARep
                 con.sql("SELECT * FROM e").to_arrow_table(),
                 reference=con.sql("SELECT id, label FROM ref").to_arrow_table() if refs.run_source else None,
                 reference_source=refs.run_source or "golden_set",
+                ride_along=(
+                    (
+                        con.sql("SELECT * FROM gr").to_arrow_table(),
+                        con.sql("SELECT * FROM ge").to_arrow_table(),
+                        con.sql("SELECT id, label FROM gref").to_arrow_table(),
+                    )
+                    if refs.ride_along
+                    else None
+                ),
                 compared=compared,
                 **args,
             )

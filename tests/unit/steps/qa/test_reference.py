@@ -95,6 +95,7 @@ def test_a_golden_set_that_is_not_parquet_is_refused(tmp_path):
         _run(tmp_path, {"golden_uri": str(tmp_path / "golden.parquet")})
 
 
-def test_an_input_column_that_does_not_exist_is_refused(tmp_path):
-    with pytest.raises(SpecError, match=r"no column 'nope' \(the label column\)"):
+def test_an_input_column_that_does_not_exist_is_refused_by_the_plan(tmp_path):
+    with pytest.raises(SpecError, match=r"qa.reference.input_column 'nope' is not a column of input file a.parquet"):
         _run(tmp_path, {"input_column": "nope"})
+    assert not (tmp_path / "out" / "_plan.json").exists()
