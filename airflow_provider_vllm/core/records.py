@@ -273,6 +273,11 @@ class ChangesSummary(Record):
     counts: ChangeCounts = Field(description="ids per change kind")
     in_both: int = Field(description="ids with an answer in both runs (changed + unchanged)")
     churn_rate: float | None = Field(description="changed / in_both; null when no id has an answer in both")
+    reasons: dict[str, int] | None = Field(
+        None,
+        description="changed ids by why they moved: settings, input, unified, engine, unknown (steps/changes.py); "
+        "null when nothing changed",
+    )
     matrix: list[MatrixCell] | None = Field(
         None,
         description="old x new label counts, largest first (label jobs: structured choice, classify); "

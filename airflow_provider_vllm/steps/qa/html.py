@@ -460,6 +460,18 @@ def _changes(d: dict) -> str:
         f"churn {_e(_pct(ch.get('churn_rate')))} of {_int(ch.get('in_both'))} ids answered in both runs · "
         "rows in changes/changes.parquet"
     )
+    reasons = ch.get("reasons") or {}
+    why = {
+        "settings": "another model, prompt or settings",
+        "input": "the text was edited",
+        "unified": "an inconsistent earlier answer made one",
+        "engine": "same request and settings: the engine's numerics",
+        "unknown": "the previous run did not record its requests",
+    }
+    if any(reasons.values()):
+        sub += "<br>Why answers moved: " + " · ".join(
+            f'<span data-reason="{_e(k)}"><b>{_int(n)}</b> {_e(why.get(k, k))}</span>' for k, n in reasons.items() if n
+        )
     return (
         f'<section data-section="changes"><h2>What changed since the last run</h2><p class="desc">{sub}</p>'
         f'<div class="cards">{cards}</div>{_matrix(ch)}</section>'

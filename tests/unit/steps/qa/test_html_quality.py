@@ -97,3 +97,17 @@ def test_no_labels_no_quality_section_but_the_confidence_distribution():
     page = render_report_html(rep.to_dict(), rep.sample.to_pylist())
     assert 'data-section="quality"' not in page and 'data-chart="confidence"' in page
     assert 'data-chart="reliability"' not in page and "needs known labels" in page
+
+
+def test_the_changes_section_says_why_answers_moved():
+    results, errors = split([ok_row(i, label="bug") for i in range(5)])
+    changes = {
+        "counts": {"changed": 3, "unchanged": 2},
+        "reasons": {"settings": 0, "input": 2, "unified": 1, "engine": 0, "unknown": 0},
+        "in_both": 5,
+        "churn_rate": 0.6,
+    }
+    rep = evaluate(results, errors, spec=QASpec(), labels=LABELS, structured=True, changes=changes)
+    page = render_report_html(rep.to_dict(), [])
+    assert '<span data-reason="input"><b>2</b> the text was edited</span>' in page
+    assert 'data-reason="unified"' in page and 'data-reason="engine"' not in page
