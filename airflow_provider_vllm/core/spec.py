@@ -278,6 +278,7 @@ class ReferenceSpec(_Model):
 
     Three sources; a run may use ``input_column`` or ``golden_uri`` (not both) and, besides either,
     ``ride_along_uri``. Rows are scored by their ``label`` (an error or an invalid answer is a wrong one).
+    An empty string is no source (a DAG template over an unset Variable renders to '').
     """
 
     input_column: str | None = Field(
@@ -301,6 +302,12 @@ class ReferenceSpec(_Model):
     )
     id_column: str = Field("id", min_length=1, description="The id column of golden_uri and ride_along_uri.")
     label_column: str = Field("label", min_length=1, description="The label column of golden_uri and ride_along_uri.")
+
+    @field_validator("input_column", "golden_uri", "ride_along_uri", mode="before")
+    @classmethod
+    def _empty_is_none(cls, v: Any) -> Any:
+        # a template over an unset Variable renders to '': no source
+        return None if isinstance(v, str) and not v.strip() else v
 
     @model_validator(mode="after")
     def _one_source_for_run_rows(self) -> ReferenceSpec:

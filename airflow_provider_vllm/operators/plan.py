@@ -191,7 +191,7 @@ class VllmPlanOperator(BaseOperator):
         self._lineage = plan_lineage(spec, rows=plan.total_rows, files=len(plan.files))
         if plan.golden is not None:
             self.log.info(
-                "golden rows that ride along: %d from %s in %d shard(s), published apart under golden/",
+                "golden rows that ride along: %d from %s in %d shard(s) of their own (kept apart, under golden/)",
                 plan.golden.rows,
                 plan.golden.uri,
                 len(plan.golden.shards),

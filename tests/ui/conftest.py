@@ -31,6 +31,12 @@ QA_OVERRIDES = {
     "qa.fail_label_drift": 1.0,
     "qa.warn_churn_rate": 1.0,
     "qa.fail_churn_rate": 1.0,
+    # The nightly's golden rows ride along (vllm_batch_golden_uri): a random model's accuracy is shown on
+    # the report (the screenshots in docs/operations.md), not gated here; tests/vllm gate real accuracy.
+    "qa.warn_accuracy_below": 0.0,
+    "qa.fail_accuracy_below": 0.0,
+    "qa.warn_accuracy_drop": 1.0,
+    "qa.fail_accuracy_drop": 1.0,
 }
 
 
@@ -76,6 +82,12 @@ def ui_data(tmp_path_factory) -> Path:
     # One empty ticket in 20: an EMPTY_INPUT error row, error rate 5% -> QA 'warn'.
     texts = [f"My invoice {i} was charged twice, please refund" for i in range(19)] + [""]
     write_parquet(data / "review" / "tickets.parquet", [f"r{i}" for i in range(20)], texts)
+    # The nightly's golden rows that ride along: labelled tickets of their own.
+    import pyarrow.parquet as pq
+
+    src = write_tickets(data / "golden_src", 60, seed=77)
+    golden = pq.read_table(src["tickets"]).append_column("label", pq.read_table(src["labels"]).column("label"))
+    pq.write_table(golden, data / "golden.parquet")
     return data
 
 
@@ -90,6 +102,7 @@ def airflow_ui(tmp_path_factory, ui_data):
         "AIRFLOW_VAR_VLLM_BATCH_DATA_ROOT": str(ui_data),
         "AIRFLOW_VAR_VLLM_BATCH_MODEL": str(tiny),
         "AIRFLOW_VAR_VLLM_BATCH_SPEC_OVERRIDES": json.dumps(QA_OVERRIDES),
+        "AIRFLOW_VAR_VLLM_BATCH_GOLDEN_URI": str(ui_data / "golden.parquet"),
         "AIRFLOW__VLLM_BATCH__REPORT_ROOTS": str(ui_data),
         # the deployment's allow-list (docs/security.md): without it every plan fails closed and the
         # report page answers 403
