@@ -65,9 +65,9 @@ td.num,th.num{text-align:right;font-variant-numeric:tabular-nums;white-space:now
 @media (max-width:900px){.grid2{grid-template-columns:1fr}}
 .stats{font-size:12px;color:#57606a;font-variant-numeric:tabular-nums}
 .muted{color:#6e7781}
-.sample td{font-size:12.5px}
-.sample td.out{white-space:pre-wrap;word-break:break-word;max-width:460px}
-.sample td.id{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;min-width:9em;max-width:240px;
+.sample td,.least td{font-size:12.5px}
+.sample td.out,.least td.out{white-space:pre-wrap;word-break:break-word;max-width:460px}
+.sample td.id,.least td.id{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;min-width:9em;max-width:240px;
   overflow-wrap:anywhere}
 .sample td.err{color:#8c1d18}
 table.matrix{width:auto}

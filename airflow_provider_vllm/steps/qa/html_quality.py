@@ -363,7 +363,7 @@ def least_confident_section(m: dict, rows: list[dict]) -> str:
         + ("<th>input</th>" if has_input else "")
     )
     return (
-        '<section class="sample" data-section="least-confident"><h2>Least confident answers</h2>'
+        '<section class="least" data-section="least-confident"><h2>Least confident answers</h2>'
         f'<p class="desc">The {len(least)} answers the engine was least sure of (also in the sample below, '
         "stratum 'least_confident'): where a person's look pays most.</p>"
         f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table></section>"
