@@ -67,8 +67,8 @@ td.num,th.num{text-align:right;font-variant-numeric:tabular-nums;white-space:now
 .muted{color:#6e7781}
 .sample td,.least td{font-size:12.5px}
 .sample td.out,.least td.out{white-space:pre-wrap;word-break:break-word;max-width:460px}
-.sample td.id,.least td.id{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;min-width:9em;max-width:240px;
-  overflow-wrap:anywhere}
+.sample td.id,.least td.id{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;min-width:9em;
+  max-width:240px;overflow-wrap:anywhere}
 .sample td.err{color:#8c1d18}
 table.matrix{width:auto}
 table.matrix td,table.matrix th{border:1px solid #eaeef2;text-align:right;min-width:4.5em}
