@@ -1,7 +1,7 @@
 """The operator's path through the Airflow UI, in headless Chromium against a real Airflow.
 
 One ``airflow standalone`` (api-server, scheduler, dag-processor, triggerer; LocalExecutor,
-SQLite) runs the DAG templates with the local runner, real vLLM CPU and a tiny random Llama:
+SQLite) runs the DAG templates with the local runner, real vLLM CPU and SmolLM2-135M-Instruct:
 (a) a re-run from the trigger form, (b) a backfill of the nightly DAG from the UI, (c) the QA
 report opened through the QA task's extra link, and the human gate: a QA 'warn' waits for
 a person; approve -> published, reject -> run failed and nothing published.

@@ -21,54 +21,69 @@ BUCKETS = 10
 EXAMPLES = 10
 
 
-def confidence_metrics(con, *, low: float, least: int, notes: list[str]) -> dict[str, Any] | None:
-    """Confidence of the ok rows of ``r``; None when no row has one."""
-    n, n_low, mean, ok = con.execute(
-        "SELECT count(confidence) FILTER (WHERE isfinite(confidence)), "
-        "count(*) FILTER (WHERE confidence < $low AND isfinite(confidence)), "
-        "avg(confidence) FILTER (WHERE isfinite(confidence)), count(*) FROM r",
+def answer_stats(con, *, low: float, least: int) -> dict[str, Any]:
+    """The confidence of the rows of ``r`` per bucket (rows, sum, rows below ``low``) in one GROUP BY, the rows
+    with a prompt hash (for ``consistency_metrics``), and the ids of the ``least`` least confident rows (ties
+    by id). A confidence outside [0, 1] (NaN, infinite, not a probability) counts as none."""
+    found = con.execute(
+        # not least(...): DuckDB's least() skips a NULL, which would put rows without a confidence in the top bucket
+        f"SELECT CASE WHEN c >= 1 THEN {BUCKETS - 1} ELSE CAST(floor(c * {BUCKETS}) AS INTEGER) END AS b, "
+        "count(*), sum(c), count(*) FILTER (WHERE c < $low) "
+        "FROM (SELECT CASE WHEN confidence BETWEEN 0 AND 1 THEN confidence END AS c FROM r) GROUP BY 1",
         {"low": float(low)},
-    ).fetchall()[0]
-    if not n:
-        return None
-    rows = con.execute(
-        f"SELECT least(CAST(floor(confidence * {BUCKETS}) AS INTEGER), {BUCKETS - 1}), count(*) FROM r "
-        "WHERE confidence IS NOT NULL AND isfinite(confidence) GROUP BY 1"
     ).fetchall()
-    per = dict(rows)
+    per = {int(b): (int(k), float(sm or 0.0), int(lo)) for b, k, sm, lo in found if b is not None}
+    n = sum(k for k, _, _ in per.values())
+    (hashed,) = con.execute("SELECT count(prompt_hash) FROM r").fetchall()[0]
     ids = (
         [
             i
             for (i,) in con.execute(
-                "SELECT id FROM r WHERE confidence IS NOT NULL AND isfinite(confidence) "
-                f"ORDER BY confidence, id LIMIT {int(least)}"
+                f"SELECT id FROM r WHERE confidence BETWEEN 0 AND 1 ORDER BY confidence, id LIMIT {int(least)}"
             ).fetchall()
         ]
-        if least > 0
+        if least > 0 and n
         else []
     )
+    return {
+        "n": n,
+        "low": sum(lo for _, _, lo in per.values()),
+        "mean": sum(sm for _, sm, _ in per.values()) / n if n else None,
+        "rows": sum(int(k) for _, k, _, _ in found),
+        "hashed": int(hashed),
+        "buckets": {b: k for b, (k, _, _) in per.items()},
+        "least": ids,
+        "threshold": float(low),
+    }
+
+
+def confidence_metrics(stats: dict[str, Any], *, notes: list[str]) -> dict[str, Any] | None:
+    """Confidence of the ok rows of ``r`` from ``answer_stats``; None when no row has one."""
+    n, ok = stats["n"], stats["rows"]
+    if not n:
+        return None
     if n < ok:
         notes.append(
             f"confidence: {ok - n} of {ok} ok row(s) have none (rows served by the result cache from a run "
             "that did not record it, or a job with qa.confidence off)"
         )
     return {
-        "rows": int(n),
-        "missing": int(ok - n),
-        "low_threshold": float(low),
-        "low_rate": {"value": n_low / n, "count": int(n_low), "of": int(n)},
-        "mean": float(mean),
+        "rows": n,
+        "missing": ok - n,
+        "low_threshold": stats["threshold"],
+        "low_rate": {"value": stats["low"] / n, "count": stats["low"], "of": n},
+        "mean": float(stats["mean"]),
         "buckets": [
-            {"low": b / BUCKETS, "high": (b + 1) / BUCKETS, "rows": int(per.get(b, 0))} for b in range(BUCKETS)
+            {"low": b / BUCKETS, "high": (b + 1) / BUCKETS, "rows": stats["buckets"].get(b, 0)} for b in range(BUCKETS)
         ],
-        "least_confident_ids": ids,
+        "least_confident_ids": stats["least"],
     }
 
 
-def consistency_metrics(con, *, value: str) -> dict[str, Any] | None:
+def consistency_metrics(con, *, value: str, hashed: int) -> dict[str, Any] | None:
     """Prompts of ``r`` sent more than once and how many of them got more than one answer (``value``:
-    the compared column, e.g. ``label``); None when no row carries a ``prompt_hash``."""
-    (hashed,) = con.execute("SELECT count(prompt_hash) FROM r").fetchall()[0]
+    the compared column, e.g. ``label``); None when no row carries a ``prompt_hash`` (``hashed``: the rows
+    that do, from ``answer_stats``)."""
     if not hashed:
         return None
     v = f"coalesce(CAST({value} AS VARCHAR), chr(0))"  # no answer is an answer of its own
@@ -82,10 +97,16 @@ def consistency_metrics(con, *, value: str) -> dict[str, Any] | None:
     ).fetchall()[0]
     examples = []
     if bad_groups:
+        picked = [
+            int(h)
+            for (h,) in con.execute(
+                f"SELECT prompt_hash FROM qa_repeats WHERE differ ORDER BY n DESC, prompt_hash LIMIT {EXAMPLES}"
+            ).fetchall()
+        ]
+        # a constant IN list of a few integers: DuckDB filters inside the scan
         found = con.execute(
-            f"SELECT r.prompt_hash, list(r.id ORDER BY r.id)[:6], list(DISTINCT CAST({value} AS VARCHAR)) FROM r "
-            "JOIN (SELECT prompt_hash FROM qa_repeats WHERE differ ORDER BY n DESC, prompt_hash "
-            f"LIMIT {EXAMPLES}) d ON r.prompt_hash = d.prompt_hash GROUP BY 1 ORDER BY 1"
+            f"SELECT prompt_hash, list(id ORDER BY id)[:6], list(DISTINCT CAST({value} AS VARCHAR)) FROM r "
+            f"WHERE prompt_hash IN ({', '.join(str(h) for h in picked)}) GROUP BY 1 ORDER BY 1"
         ).fetchall()
         examples = [{"ids": ids, "answers": sorted(a for a in answers if a is not None)} for _, ids, answers in found]
     con.execute("DROP TABLE qa_repeats")

@@ -17,7 +17,7 @@ import pyarrow as pa
 
 from airflow_provider_vllm.core.spec import QASpec
 from airflow_provider_vllm.steps.qa.checks import overall_status, run_checks
-from airflow_provider_vllm.steps.qa.confidence import confidence_metrics, consistency_metrics
+from airflow_provider_vllm.steps.qa.confidence import answer_stats, confidence_metrics, consistency_metrics
 from airflow_provider_vllm.steps.qa.labelled import labelled_view, quality
 from airflow_provider_vllm.steps.qa.metrics import (
     ERROR_NEEDS,
@@ -134,16 +134,18 @@ def evaluate_stream(
     cache: dict[str, Any] | None = None,
     refs: References | None = None,
     compared: str | None = "label",
+    task: str | None = None,
     batch_rows: int = 1 << 20,
 ) -> QAReport:
     """``evaluate`` over DuckDB relations ``r`` and ``e`` of ``con`` (views over the merged files)
     that need not fit in memory: the counts from one DuckDB aggregate (``metrics_stream``), the
     latencies fetched batch by batch (``batch_rows``), the sample by DuckDB over the views (only
     the picked rows are read). ``result_rows``: the rows of ``r`` (from footers), for one buffer.
-    ``refs``: the reference relations ``con`` has (``reference.attach_references``)."""
+    ``refs``: the reference relations ``con`` has (``reference.attach_references``); ``task``: the job's
+    (chat and generate rows never carry vectors: their scans are skipped)."""
     notes: list[str] = []
     tally = ResultTally(capacity=result_rows)
-    tally.tally(con, batch_rows)
+    tally.tally(con, batch_rows, vectors=None if task in (None, "embed", "classify") else False)
     metrics = tally.metrics(labels=labels, structured=structured, notes=notes)
     metrics.update(
         measure_answers(
@@ -169,6 +171,15 @@ def evaluate_stream(
         listed = ", ".join("'" + i.replace("'", "''") + "'" for i in ids)
         return conform(con.sql(f"SELECT * FROM {table} WHERE id IN ({listed})").to_arrow_table(), needs[table])
 
+    fetched: dict[str, pa.Table] = {}
+
+    def rows_with_least(table: str, ids: list[str]) -> pa.Table:
+        """``rows``, the least confident rows read in the same scan as the sample's ok rows."""
+        if table != "r":
+            return rows(table, ids)
+        fetched["r"] = rows("r", list(dict.fromkeys([*ids, *least])))
+        return fetched["r"]
+
     def draw(sizes):
         drawn = draw_sample_by(
             con,
@@ -178,9 +189,9 @@ def evaluate_stream(
             n_err=tally.n_err,
             some_shard_ids=tally.counts["shard_id"][None] < tally.ok,
             counts=lambda _t, c: tally.value_counts(c),
-            rows=rows,
+            rows=rows_with_least,
         )
-        return least_confident(drawn, rows("r", least), least, spec.seed)
+        return least_confident(drawn, fetched["r"] if "r" in fetched else rows("r", least), least, spec.seed)
 
     return _report(
         metrics,
@@ -205,10 +216,11 @@ def measure_answers(
     q = quality(con, labels=labels, previous=previous, known=refs.known, notes=notes)
     if q is not None:
         q["locations"] = dict(refs.locations)
+    stats = answer_stats(con, low=spec.low_confidence, least=spec.least_confident)
     return {
         "quality": q,
-        "confidence": confidence_metrics(con, low=spec.low_confidence, least=spec.least_confident, notes=notes),
-        "consistency": consistency_metrics(con, value=compared) if compared else None,
+        "confidence": confidence_metrics(stats, notes=notes),
+        "consistency": consistency_metrics(con, value=compared, hashed=stats["hashed"]) if compared else None,
     }
 
 

@@ -1,6 +1,6 @@
 """Quality over the labelled rows, in DuckDB: the view of every scored row and what it gives.
 
-``labelled_view(con, ...)`` builds the view ``labelled(source, id, truth, pred, confidence)`` on a
+``labelled_view(con, ...)`` builds the table ``labelled(source, id, truth, pred, confidence)`` on a
 connection that has the run's ``r`` (results: id, label, valid, confidence) and ``e`` (errors:
 id), plus the reference relations the QA step set up (``stage``/``reference``):
 
@@ -33,7 +33,10 @@ _EMPTY = (
 
 
 def labelled_view(con, *, run_source: str | None, ride_along: bool) -> None:
-    """Create the temp view ``labelled`` (see the module docstring); empty when there is no source."""
+    """Create the temp table ``labelled`` (see the module docstring); empty when there is no source.
+
+    Materialised once (every quality figure reads it), the results read through a semi-join on the
+    known ids (DuckDB builds the known ids' hash table and filters the scan of the results by it)."""
     parts = []
     sides = ([(run_source, "ref", "r", "e")] if run_source else []) + (
         [("ride_along", "gref", "gr", "ge")] if ride_along else []
@@ -42,12 +45,14 @@ def labelled_view(con, *, run_source: str | None, ride_along: bool) -> None:
         assert source in SOURCES
         parts.append(
             f"SELECT '{source}' AS source, f.id, f.label AS truth, {_PRED} AS pred, "
-            f"CAST(x.confidence AS FLOAT) AS confidence FROM {ref} f JOIN {res} x ON x.id = f.id"
+            f"CAST(x.confidence AS FLOAT) AS confidence "
+            f"FROM (SELECT * FROM {res} WHERE id IN (SELECT id FROM {ref})) x JOIN {ref} f ON x.id = f.id"
         )
         parts.append(
             f"SELECT '{source}', f.id, f.label, NULL::VARCHAR, NULL::FLOAT FROM {ref} f JOIN {err} x ON x.id = f.id"
         )
-    con.execute("CREATE OR REPLACE TEMP VIEW labelled AS " + (" UNION ALL ".join(parts) or _EMPTY))
+    con.execute("DROP VIEW IF EXISTS labelled")
+    con.execute("CREATE OR REPLACE TEMP TABLE labelled AS " + (" UNION ALL ".join(parts) or _EMPTY))
 
 
 def quality(
@@ -100,7 +105,7 @@ def reliability(con) -> dict[str, Any]:
     error (ECE: the rows' share-weighted |accuracy - mean confidence| of each bucket), and for each
     bucket edge t: the share of those rows at or above t and their accuracy (what a review threshold keeps)."""
     rows = con.execute(
-        f"SELECT least(CAST(floor(confidence * {BUCKETS}) AS INTEGER), {BUCKETS - 1}) AS b, count(*), "
+        f"SELECT greatest(0, least(CAST(floor(confidence * {BUCKETS}) AS INTEGER), {BUCKETS - 1})) AS b, count(*), "
         "sum(confidence), count(*) FILTER (WHERE pred = truth) FROM labelled "
         "WHERE confidence IS NOT NULL AND isfinite(confidence) GROUP BY 1 ORDER BY 1"
     ).fetchall()

@@ -58,21 +58,27 @@ class ResultTally:
         self._lat = np.empty(capacity, np.float32)  # finite latencies; float64 once a batch needs it
         self._n_lat = 0
 
-    def tally(self, con, batch_rows: int = 1 << 20) -> None:
-        """Count the rows of the DuckDB relations ``r`` (results) and ``e`` (errors) of ``con``."""
-        self._count_results(con)
+    def tally(self, con, batch_rows: int = 1 << 20, vectors: bool | None = None) -> None:
+        """Count the rows of the DuckDB relations ``r`` (results) and ``e`` (errors) of ``con``.
+
+        ``vectors``: whether rows may carry an embedding or scores; False (a chat or generate job, whose
+        rows never do) skips the two scans that find out."""
+        self._count_results(con, vectors)
         for code, n in con.execute("SELECT error_code, count(*) FROM e GROUP BY ALL").fetchall():
             self.counts["error_code"][code] += n
             self.n_err += n
         self._fetch_latency(con, batch_rows)
 
-    def _count_results(self, con) -> None:
+    def _count_results(self, con, vectors: bool | None = None) -> None:
         # Rows with vectors: two scans that DuckDB answers from the row groups' null counts where all are
         # null (the usual text run), so that the flags below need not decode the list columns.
-        vectors = sum(
-            con.execute(f"SELECT count(*) FROM r WHERE {c} IS NOT NULL").fetchall()[0][0]
-            for c in ("embedding", "scores")
-        )
+        if vectors is None:
+            vectors = bool(
+                sum(
+                    con.execute(f"SELECT count(*) FROM r WHERE {c} IS NOT NULL").fetchall()[0][0]
+                    for c in ("embedding", "scores")
+                )
+            )
         text = "(embedding IS NULL AND scores IS NULL)" if vectors else "true"
         out = "CAST(output AS VARCHAR)"
         ((self.ok, self.valid_nulls, self.invalid, self.truncated, self.text_rows, self.empty),) = con.execute(

@@ -79,7 +79,7 @@ def qa_run(spec: JobSpec, filesystems: FileSystems | None = None) -> tuple[QARep
             refs.locations["ride_along"] = plan.golden.uri if plan.golden is not None else ""
         result_rows = read_manifest(out, RESULTS).rows
         if result_rows + read_manifest(out, ERRORS).rows > STREAM_ABOVE_ROWS:
-            report = evaluate_stream(con, result_rows=result_rows, refs=refs, compared=compared, **args)
+            report = evaluate_stream(con, result_rows=result_rows, refs=refs, compared=compared, task=spec.task, **args)
         else:
             report = evaluate(
                 con.sql("SELECT * FROM r").to_arrow_table(),
