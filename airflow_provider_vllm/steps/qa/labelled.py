@@ -46,7 +46,8 @@ def labelled_view(con, *, run_source: str | None, ride_along: bool) -> None:
         parts.append(
             f"SELECT '{source}' AS source, f.id, f.label AS truth, {_PRED} AS pred, "
             f"CAST(x.confidence AS FLOAT) AS confidence "
-            f"FROM (SELECT * FROM {res} WHERE id IN (SELECT id FROM {ref})) x JOIN {ref} f ON x.id = f.id"
+            f"FROM (SELECT id, label, valid, confidence FROM {res} WHERE id IN (SELECT id FROM {ref})) x "
+            f"JOIN {ref} f ON x.id = f.id"
         )
         parts.append(
             f"SELECT '{source}', f.id, f.label, NULL::VARCHAR, NULL::FLOAT FROM {ref} f JOIN {err} x ON x.id = f.id"
