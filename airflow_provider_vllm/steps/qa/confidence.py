@@ -17,24 +17,36 @@ from __future__ import annotations
 
 from typing import Any
 
+from airflow_provider_vllm.steps.qa.metrics_stream import CONF, CONF_BUCKET, CONF_BUCKET_SQL, CONF_VALUE
+
 BUCKETS = 10
 EXAMPLES = 10
 
 
-def answer_stats(con, *, low: float, least: int) -> dict[str, Any]:
-    """The confidence of the rows of ``r`` per bucket (rows, sum, rows below ``low``) in one GROUP BY, the rows
-    with a prompt hash (for ``consistency_metrics``), and the ids of the ``least`` least confident rows (ties
-    by id). A confidence outside [0, 1] (NaN, infinite, not a probability) counts as none."""
-    found = con.execute(
-        # not least(...): DuckDB's least() skips a NULL, which would put rows without a confidence in the top bucket
-        f"SELECT CASE WHEN c >= 1 THEN {BUCKETS - 1} ELSE CAST(floor(c * {BUCKETS}) AS INTEGER) END AS b, "
-        "count(*), sum(c), count(*) FILTER (WHERE c < $low) "
-        "FROM (SELECT CASE WHEN confidence BETWEEN 0 AND 1 THEN confidence END AS c FROM r) GROUP BY 1",
-        {"low": float(low)},
-    ).fetchall()
-    per = {int(b): (int(k), float(sm or 0.0), int(lo)) for b, k, sm, lo in found if b is not None}
+def answer_stats(
+    con,
+    *,
+    low: float,
+    least: int,
+    counted: tuple[dict[int | None, tuple[int, float, int]], int] | None = None,
+) -> dict[str, Any]:
+    """The confidence of the rows of ``r`` per bucket (rows, sum, rows below ``low``; bucket None: no
+    confidence), the rows with a prompt hash (for ``consistency_metrics``), and the ids of the ``least``
+    least confident rows (ties by id). A confidence outside [0, 1] (NaN, infinite, not a probability)
+    counts as none. ``counted``: (the buckets, the hashed rows) when a scan already counted them (the
+    streamed QA path's tally: ``metrics_stream.ResultTally``); else two queries here."""
+    if counted is None:
+        found = con.execute(
+            f"SELECT {CONF_BUCKET}, count(*), sum({CONF}), count(*) FILTER (WHERE {CONF} < $low) "
+            f"FROM (SELECT {CONF_VALUE} AS {CONF}, {CONF_BUCKET_SQL} AS {CONF_BUCKET} FROM r) GROUP BY 1",
+            {"low": float(low)},
+        ).fetchall()
+        buckets = {None if b is None else int(b): (int(k), float(sm or 0.0), int(lo)) for b, k, sm, lo in found}
+        (hashed,) = con.execute("SELECT count(prompt_hash) FROM r").fetchall()[0]
+    else:
+        buckets, hashed = counted
+    per = {b: x for b, x in buckets.items() if b is not None}
     n = sum(k for k, _, _ in per.values())
-    (hashed,) = con.execute("SELECT count(prompt_hash) FROM r").fetchall()[0]
     ids = (
         [
             i
@@ -49,7 +61,7 @@ def answer_stats(con, *, low: float, least: int) -> dict[str, Any]:
         "n": n,
         "low": sum(lo for _, _, lo in per.values()),
         "mean": sum(sm for _, sm, _ in per.values()) / n if n else None,
-        "rows": sum(int(k) for _, k, _, _ in found),
+        "rows": sum(k for k, _, _ in buckets.values()),
         "hashed": int(hashed),
         "buckets": {b: k for b, (k, _, _) in per.items()},
         "least": ids,

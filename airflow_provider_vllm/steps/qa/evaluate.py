@@ -144,12 +144,19 @@ def evaluate_stream(
     ``refs``: the reference relations ``con`` has (``reference.attach_references``); ``task``: the job's
     (chat and generate rows never carry vectors: their scans are skipped)."""
     notes: list[str] = []
-    tally = ResultTally(capacity=result_rows)
+    tally = ResultTally(capacity=result_rows, low_confidence=spec.low_confidence)
     tally.tally(con, batch_rows, vectors=None if task in (None, "embed", "classify") else False)
     metrics = tally.metrics(labels=labels, structured=structured, notes=notes)
     metrics.update(
         measure_answers(
-            con, spec=spec, labels=labels, previous=previous, refs=refs or References(), compared=compared, notes=notes
+            con,
+            spec=spec,
+            labels=labels,
+            previous=previous,
+            refs=refs or References(),
+            compared=compared,
+            notes=notes,
+            counted=(tally.confidence, tally.hashed),
         )
     )
     least = metrics["confidence"]["least_confident_ids"] if metrics.get("confidence") else []
@@ -209,14 +216,22 @@ def evaluate_stream(
 
 
 def measure_answers(
-    con, *, spec: QASpec, labels, previous, refs: References, compared: str | None, notes: list[str]
+    con,
+    *,
+    spec: QASpec,
+    labels,
+    previous,
+    refs: References,
+    compared: str | None,
+    notes: list[str],
+    counted: tuple[dict, int] | None = None,
 ) -> dict[str, Any]:
     """``quality`` (labelled rows), ``confidence`` and ``consistency`` from ``con``'s ``r``, ``e`` and references."""
     labelled_view(con, run_source=refs.run_source, ride_along=refs.ride_along)
     q = quality(con, labels=labels, previous=previous, known=refs.known, notes=notes)
     if q is not None:
         q["locations"] = dict(refs.locations)
-    stats = answer_stats(con, low=spec.low_confidence, least=spec.least_confident)
+    stats = answer_stats(con, low=spec.low_confidence, least=spec.least_confident, counted=counted)
     return {
         "quality": q,
         "confidence": confidence_metrics(stats, notes=notes),
