@@ -94,8 +94,19 @@ def confidence_metrics(stats: dict[str, Any], *, notes: list[str]) -> dict[str, 
 
 def consistency_metrics(con, *, value: str, hashed: int) -> dict[str, Any] | None:
     """Prompts of ``r`` sent more than once and how many of them got more than one answer (``value``:
-    the compared column, e.g. ``label``); None when no row carries a ``prompt_hash`` (``hashed``: the rows
-    that do, from ``answer_stats``)."""
+    the compared column, e.g. ``label``), with examples; None when no row carries a ``prompt_hash``
+    (``hashed``: the rows that do, from ``answer_stats``)."""
+    found = consistency_counts(con, value=value, hashed=hashed)
+    if found is None:
+        return None
+    metrics, picked = found
+    metrics["examples"] = consistency_examples(con, "r", value=value, picked=picked)
+    return metrics
+
+
+def consistency_counts(con, *, value: str, hashed: int) -> tuple[dict[str, Any], list[int]] | None:
+    """``consistency_metrics`` without its examples, and the prompt hashes to take them from (the most
+    repeated of the prompts answered differently): one GROUP BY of ``r``."""
     if not hashed:
         return None
     v = f"coalesce(CAST({value} AS VARCHAR), chr(0))"  # no answer is an answer of its own
@@ -107,22 +118,14 @@ def consistency_metrics(con, *, value: str, hashed: int) -> dict[str, Any] | Non
         "SELECT count(*), coalesce(sum(n), 0), count(*) FILTER (WHERE differ), "
         "coalesce(sum(n) FILTER (WHERE differ), 0) FROM qa_repeats"
     ).fetchall()[0]
-    examples = []
-    if bad_groups:
-        picked = [
-            int(h)
-            for (h,) in con.execute(
-                f"SELECT prompt_hash FROM qa_repeats WHERE differ ORDER BY n DESC, prompt_hash LIMIT {EXAMPLES}"
-            ).fetchall()
-        ]
-        # a constant IN list of a few integers: DuckDB filters inside the scan
-        found = con.execute(
-            f"SELECT prompt_hash, list(id ORDER BY id)[:6], list(DISTINCT CAST({value} AS VARCHAR)) FROM r "
-            f"WHERE prompt_hash IN ({', '.join(str(h) for h in picked)}) GROUP BY 1 ORDER BY 1"
+    picked = [
+        int(h)
+        for (h,) in con.execute(
+            f"SELECT prompt_hash FROM qa_repeats WHERE differ ORDER BY n DESC, prompt_hash LIMIT {EXAMPLES}"
         ).fetchall()
-        examples = [{"ids": ids, "answers": sorted(a for a in answers if a is not None)} for _, ids, answers in found]
+    ]
     con.execute("DROP TABLE qa_repeats")
-    return {
+    metrics = {
         "rows_hashed": int(hashed),
         "repeated_prompts": int(groups),
         "repeated_rows": int(rows),
@@ -134,5 +137,19 @@ def consistency_metrics(con, *, value: str, hashed: int) -> dict[str, Any] | Non
             "of": int(groups),
         },
         "compared": value,
-        "examples": examples,
+        "examples": [],
     }
+    return metrics, picked
+
+
+def consistency_examples(con, relation: str, *, value: str, picked: list[int]) -> list[dict[str, Any]]:
+    """The ids (up to 6) and the answers of each prompt hash in ``picked``, from ``relation`` (``r``, or a
+    table that holds at least those rows of it)."""
+    if not picked:
+        return []
+    # a constant IN list of a few integers
+    found = con.execute(
+        f"SELECT prompt_hash, list(id ORDER BY id)[:6], list(DISTINCT CAST({value} AS VARCHAR)) FROM {relation} "
+        f"WHERE prompt_hash IN ({', '.join(str(h) for h in picked)}) GROUP BY 1 ORDER BY 1"
+    ).fetchall()
+    return [{"ids": ids, "answers": sorted(a for a in answers if a is not None)} for _, ids, answers in found]

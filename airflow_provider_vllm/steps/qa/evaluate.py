@@ -17,7 +17,13 @@ import pyarrow as pa
 
 from airflow_provider_vllm.core.spec import QASpec
 from airflow_provider_vllm.steps.qa.checks import overall_status, run_checks
-from airflow_provider_vllm.steps.qa.confidence import answer_stats, confidence_metrics, consistency_metrics
+from airflow_provider_vllm.steps.qa.confidence import (
+    answer_stats,
+    confidence_metrics,
+    consistency_counts,
+    consistency_examples,
+    consistency_metrics,
+)
 from airflow_provider_vllm.steps.qa.labelled import labelled_view, quality
 from airflow_provider_vllm.steps.qa.metrics import (
     ERROR_NEEDS,
@@ -34,6 +40,7 @@ from airflow_provider_vllm.steps.qa.report import QAReport
 from airflow_provider_vllm.steps.qa.sample import draw_sample, draw_sample_by, least_confident
 
 IN_LIST_MAX = 10_000  # picked rows read with a constant IN list up to this many ids, else a semi-join
+KNOWN_IN_SCAN = 10_000  # known ids (a golden set) read with the sample's rows up to this many, else a semi-join
 
 
 def evaluate(
@@ -144,47 +151,46 @@ def evaluate_stream(
     ``refs``: the reference relations ``con`` has (``reference.attach_references``); ``task``: the job's
     (chat and generate rows never carry vectors: their scans are skipped)."""
     notes: list[str] = []
+    refs = refs or References()
     tally = ResultTally(capacity=result_rows, low_confidence=spec.low_confidence)
     tally.tally(con, batch_rows, vectors=None if task in (None, "embed", "classify") else False)
     metrics = tally.metrics(labels=labels, structured=structured, notes=notes)
-    metrics.update(
-        measure_answers(
-            con,
-            spec=spec,
-            labels=labels,
-            previous=previous,
-            refs=refs or References(),
-            compared=compared,
-            notes=notes,
-            counted=(tally.confidence, tally.hashed),
-        )
+    stats = answer_stats(
+        con, low=spec.low_confidence, least=spec.least_confident, counted=(tally.confidence, tally.hashed)
     )
-    least = metrics["confidence"]["least_confident_ids"] if metrics.get("confidence") else []
+    least = stats["least"]
+    repeats = consistency_counts(con, value=compared, hashed=stats["hashed"]) if compared else None
+    picked = repeats[1] if repeats is not None else []
+    # The rows QA reads whole go in one scan of the results: the sample's, the least confident, the
+    # known ids' (a golden set of up to KNOWN_IN_SCAN ids) and the examples of inconsistent prompts.
+    n_known = refs.known.get(refs.run_source, 0) if refs.run_source else 0
+    known = [i for (i,) in con.execute("SELECT id FROM ref").fetchall()] if 0 < n_known <= KNOWN_IN_SCAN else []
     needs = {"r": RESULT_NEEDS, "e": ERROR_NEEDS}
 
-    def rows(table: str, ids: list[str]) -> pa.Table:
-        if not ids:
+    def rows(table: str, ids: list[str], hashes: list[int] = ()) -> pa.Table:
+        also = f" OR prompt_hash IN ({', '.join(str(int(h)) for h in hashes)})" if hashes else ""
+        if not ids and not hashes:
             return conform(con.sql(f"SELECT * FROM {table} LIMIT 0").to_arrow_table(), needs[table])
         if len(ids) > IN_LIST_MAX:  # a huge sample: a semi-join (a SQL text of that size would be slow to parse)
             con.register("qa_picked", pa.table({"id": pa.array(ids, pa.string())}))
             try:
                 return conform(
-                    con.sql(f"SELECT * FROM {table} WHERE id IN (SELECT id FROM qa_picked)").to_arrow_table(),
+                    con.sql(f"SELECT * FROM {table} WHERE id IN (SELECT id FROM qa_picked){also}").to_arrow_table(),
                     needs[table],
                 )
             finally:
                 con.unregister("qa_picked")
         # a constant IN list: DuckDB filters inside the scan (4x faster than the join at 100M rows)
-        listed = ", ".join("'" + i.replace("'", "''") + "'" for i in ids)
-        return conform(con.sql(f"SELECT * FROM {table} WHERE id IN ({listed})").to_arrow_table(), needs[table])
+        listed = ", ".join("'" + i.replace("'", "''") + "'" for i in ids) or "NULL"
+        return conform(con.sql(f"SELECT * FROM {table} WHERE id IN ({listed}){also}").to_arrow_table(), needs[table])
 
     fetched: dict[str, pa.Table] = {}
 
-    def rows_with_least(table: str, ids: list[str]) -> pa.Table:
-        """``rows``, the least confident rows read in the same scan as the sample's ok rows."""
+    def rows_once(table: str, ids: list[str]) -> pa.Table:
+        """``rows``; for the results, the sample's rows with every other row QA reads whole (one scan)."""
         if table != "r":
             return rows(table, ids)
-        fetched["r"] = rows("r", list(dict.fromkeys([*ids, *least])))
+        fetched["r"] = rows("r", list(dict.fromkeys([*ids, *least, *known])), picked)
         return fetched["r"]
 
     def draw(sizes):
@@ -196,9 +202,30 @@ def evaluate_stream(
             n_err=tally.n_err,
             some_shard_ids=tally.counts["shard_id"][None] < tally.ok,
             counts=lambda _t, c: tally.value_counts(c),
-            rows=rows_with_least,
+            rows=rows_once,
         )
-        return least_confident(drawn, fetched["r"] if "r" in fetched else rows("r", least), least, spec.seed)
+        if "r" not in fetched:
+            rows_once("r", [])
+        return least_confident(drawn, fetched["r"], least, spec.seed)
+
+    def measure() -> None:
+        """After the draw, from the rows it read: quality, confidence, consistency."""
+        table = fetched["r"]
+        con.register("qa_fetched", table)
+        try:
+            labelled_view(
+                con, run_source=refs.run_source, ride_along=refs.ride_along, results="qa_fetched" if known else "r"
+            )
+            q = quality(con, labels=labels, previous=previous, known=refs.known, notes=notes)
+            if q is not None:
+                q["locations"] = dict(refs.locations)
+            consistency = None
+            if repeats is not None:
+                consistency = repeats[0]
+                consistency["examples"] = consistency_examples(con, "qa_fetched", value=compared, picked=picked)
+        finally:
+            con.unregister("qa_fetched")
+        metrics.update(quality=q, confidence=confidence_metrics(stats, notes=notes), consistency=consistency)
 
     return _report(
         metrics,
@@ -212,6 +239,7 @@ def evaluate_stream(
         duplicates=duplicates,
         changes=changes,
         cache=cache,
+        measure=measure,
     )
 
 
@@ -240,9 +268,10 @@ def measure_answers(
 
 
 def _report(
-    metrics, notes, draw, *, spec, structured, shard_stats, previous, run_info, duplicates, changes, cache
+    metrics, notes, draw, *, spec, structured, shard_stats, previous, run_info, duplicates, changes, cache, measure=None
 ) -> QAReport:
-    """Throughput, duplicates, drift, changes, cache, the sample (``draw(label_sizes)``), checks: the report."""
+    """Throughput, duplicates, drift, changes, cache, the sample (``draw(label_sizes)``), checks: the report.
+    ``measure()``: metrics that need the rows the draw read (the streamed path's quality measures)."""
     metrics["throughput"] = throughput_metrics(shard_stats)
     if changes is not None:  # steps/changes.py's summary (ChangesSummary.dump()); drives the churn_rate check
         metrics["changes"] = _jsonable(changes)
@@ -258,6 +287,8 @@ def _report(
         if ld["unlabelled"]:
             label_sizes[None] = ld["unlabelled"]
     sample, sample_info = draw(label_sizes)
+    if measure is not None:
+        measure()
     metrics["sample"] = sample_info
     checks = run_checks(metrics, spec, structured=structured)
     return QAReport(

@@ -32,13 +32,15 @@ _EMPTY = (
 )
 
 
-def labelled_view(con, *, run_source: str | None, ride_along: bool) -> None:
+def labelled_view(con, *, run_source: str | None, ride_along: bool, results: str = "r") -> None:
     """Create the temp table ``labelled`` (see the module docstring); empty when there is no source.
 
     Materialised once (every quality figure reads it), the results read through a semi-join on the
-    known ids (DuckDB builds the known ids' hash table and filters the scan of the results by it)."""
+    known ids (DuckDB builds the known ids' hash table and filters the scan of the results by it).
+    ``results``: the relation of this run's results to read them from (default ``r``; the streamed QA
+    passes a table of the rows it already read, known ids among them)."""
     parts = []
-    sides = ([(run_source, "ref", "r", "e")] if run_source else []) + (
+    sides = ([(run_source, "ref", results, "e")] if run_source else []) + (
         [("ride_along", "gref", "gr", "ge")] if ride_along else []
     )
     for source, ref, res, err in sides:
