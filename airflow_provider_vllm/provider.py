@@ -53,7 +53,8 @@ def get_provider_info() -> dict:
                 "options": {
                     ALLOWED_URI_PREFIXES: {
                         "description": "JSON list or comma-separated URI prefixes that every location of a job "
-                        "(input, output, sharding.history_uri, qa.previous_report_uri, cache.uri, "
+                        "(input, output, sharding.history_uri, qa.previous_report_uri, qa.reference.golden_uri, "
+                        "qa.reference.ride_along_uri, cache.uri, "
                         "changes.previous_uri, "
                         "a local model or tokenizer path) must lie under, by whole path segments. "
                         "Empty: nothing is allowed (plan refuses, "

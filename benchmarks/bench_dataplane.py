@@ -20,7 +20,10 @@ folders are hard links to the committed parts, so merge adds no data on a local 
 4. merge: ``merge(spec).dump()`` (checksums, verification against the input ids, the parts
    published by reference into results/ and errors/, manifests, ``_MERGED.json``); each timed
    merge starts with those folders removed, as a first merge does.
-5. QA: ``qa_run(spec)``.
+5. QA: ``qa_run(spec)``. With ``--golden-rows N`` (the quality measures): a golden set of N known
+   labels for ids spread over the input (``qa.reference.golden_uri``), and the synthesised result
+   rows carry a confidence (Beta(5, 2)) and the prompt hash of their text, so QA also scores the
+   labelled rows, reports the confidence and checks the consistency of repeated prompts.
 6. publish: the publish task's check before ``_SUCCESS.json``: the sealed ``_MERGED.json``, each
    manifest against it, every part's size and sha256 (a streaming read of all of results/ and errors/).
 
@@ -182,11 +185,30 @@ def generate_dataset(folder: Path, rows: int, seed: int = 7) -> dict:
 
 
 # ---- spec -----------------------------------------------------------------------------
-def bench_spec(input_dir: Path, run_dir: Path, chunk_rows: int):
+def golden_set(input_dir: Path, rows: int, n: int) -> Path:
+    """A golden set of ``n`` known labels (id, label) for ids spread over the input (``qa.reference.golden_uri``)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = input_dir.parent / f"golden-{rows}-{n}.parquet"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        rng = np.random.default_rng(5)
+        picks = np.unique(np.linspace(1, rows, n).astype(np.int64))
+        ids = pa.array([f"row-{i:09d}" for i in picks.tolist()])
+        labels = pa.array(LABELS).take(pa.array(rng.integers(0, len(LABELS), len(picks))))
+        pq.write_table(pa.table({"id": ids, "label": labels}), path)
+    return path
+
+
+def bench_spec(input_dir: Path, run_dir: Path, chunk_rows: int, golden: Path | None = None):
     from airflow_provider_vllm.core.spec import JobSpec
 
+    qa = {"reference": {"golden_uri": str(golden)}} if golden is not None else {}
     return JobSpec.load(
         {
+            "qa": qa,
             "name": "bench-dataplane",
             "task": "chat",
             "model": {"name": "bench"},
@@ -202,7 +224,7 @@ def bench_spec(input_dir: Path, run_dir: Path, chunk_rows: int):
 
 
 # ---- synthesised committed shards (setup, not timed) --------------------------------
-def _synth_chunk(ids, rng, labels_arr, prov: dict):
+def _synth_chunk(ids, rng, labels_arr, prov: dict, prompt_hashes=None):
     import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -241,12 +263,20 @@ def _synth_chunk(ids, rng, labels_arr, prov: dict):
     }
     for k, v in prov.items():
         cols[k] = pa.nulls(n, pa.string()) if v is None else pa.repeat(pa.scalar(v, pa.string()), n)
+    if "confidence" in ROW_SCHEMA.names:  # the answer columns added with the quality measures
+        conf = pa.array(rng.beta(5.0, 2.0, n).astype(np.float32))
+        cols["confidence"] = pc.if_else(err, pa.scalar(None, pa.float32()), conf)
+        cols["prompt_hash"] = (
+            pa.array(prompt_hashes, pa.int64()) if prompt_hashes is not None else pa.nulls(n, pa.int64())
+        )
+        cols["logprobs"] = pa.nulls(n, pa.string())
     return pa.Table.from_arrays([cols[f.name] for f in ROW_SCHEMA], schema=ROW_SCHEMA)
 
 
 def synthesise_commits(spec, engine_identity: str | None = None) -> dict:
     """The shards' commits as workers make them (sealed); ``engine_identity``: the engine they say they saw."""
     import numpy as np
+    import pandas as pd
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -263,20 +293,26 @@ def synthesise_commits(spec, engine_identity: str | None = None) -> dict:
     rng = np.random.default_rng(11)
     labels_arr = pa.array(LABELS)
     id_cols: dict[tuple, pa.Array] = {}
+    text_hash: dict[tuple, np.ndarray] = {}
     chunk_rows = spec.sharding.chunk_rows
     n_files = 0
     for shard in plan.shards:
         assert shard.bucket == "all"
         root, files = plan.shard_input(shard)  # the input, or with the result cache the shard's own file
         in_root = Storage(root, spec.io.storage_options)
-        parts = []
+        parts, hash_parts = [], []
         for seg in shard.segments:
             key = (root, seg.file)
             if key not in id_cols:
                 with in_root.open(files[seg.file].path) as fh:
-                    id_cols[key] = pq.read_table(fh, columns=[spec.prompt.id_column]).column(0).combine_chunks()
+                    t = pq.read_table(fh, columns=[spec.prompt.id_column, "text"])
+                id_cols[key] = t.column(0).combine_chunks()
+                # the rows' request hashes: equal texts, equal hashes (as the worker's prompt_hash)
+                text_hash[key] = pd.util.hash_array(t.column(1).to_numpy(zero_copy_only=False)).view(np.int64)
             parts.append(id_cols[key].slice(seg.start, seg.count))
+            hash_parts.append(text_hash[key][seg.start : seg.start + seg.count])
         ids = pa.concat_arrays(parts)
+        hashes = np.concatenate(hash_parts)
         assert len(ids) == shard.rows
         attempt = f"abench-{shard.index:05d}"
         prov = {
@@ -292,7 +328,7 @@ def synthesise_commits(spec, engine_identity: str | None = None) -> dict:
         for k in range(max(1, -(-shard.rows // chunk_rows))):
             first = k * chunk_rows
             n = min(chunk_rows, shard.rows - first)
-            table = _synth_chunk(ids.slice(first, n), rng, labels_arr, prov)
+            table = _synth_chunk(ids.slice(first, n), rng, labels_arr, prov, hashes[first : first + n])
             meta = ChunkMeta(shard_id=shard.shard_id, chunk=k, first_row=first, rows=n, config_hash=plan.config_hash)
             entries.append(store.write_chunk(attempt, meta, table))
             n_files += 1  # one chunk: its ok part and its errors part
@@ -411,12 +447,17 @@ def _install_sql_timers(log: list) -> None:
 
 
 # ---- child: one stage -------------------------------------------------------------------
-def child(stage: str, input_dir: Path, run_dir: Path, chunk_rows: int, profile: str | None) -> None:
+def child(
+    stage: str, input_dir: Path, run_dir: Path, chunk_rows: int, profile: str | None, golden_rows: int = 0
+) -> None:
     from airflow_provider_vllm.steps.merge.merger import merge
     from airflow_provider_vllm.steps.plan.planner import plan_job
     from airflow_provider_vllm.steps.qa.stage import qa_run
 
-    spec = bench_spec(input_dir, run_dir, chunk_rows)
+    golden = (
+        golden_set(input_dir, int(os.environ["BENCH_ROWS"]), golden_rows) if golden_rows and stage != "gen" else None
+    )
+    spec = bench_spec(input_dir, run_dir, chunk_rows, golden)
     rss_imports = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     sql_log: list = []
     if profile:
@@ -437,6 +478,11 @@ def child(stage: str, input_dir: Path, run_dir: Path, chunk_rows: int, profile: 
         elif stage == "qa":
             report, _ = qa_run(spec)
             extra.update(qa_status=report.status)
+            q = report.metrics.get("quality")
+            if q is not None:
+                extra.update(
+                    labelled=q["labelled"], confidence_rows=(report.metrics.get("confidence") or {}).get("rows")
+                )
         elif stage == "publish":  # what the publish task checks before _SUCCESS.json: every part's bytes
             from airflow_provider_vllm.core.storage import Storage
             from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS, read_merged, verified_parts
@@ -500,6 +546,8 @@ def run_child(stage: str, args, input_dir: Path, run_dir: Path, profile: str | N
     ]
     if profile:
         cmd += ["--profile-out", profile]
+    if args.golden_rows:
+        cmd += ["--golden-rows", str(args.golden_rows)]
     load = os.getloadavg()[0]
     stderr = None if profile or not quiet else subprocess.PIPE
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True)
@@ -568,13 +616,20 @@ def main() -> int:
         help="comma-separated stages to time (default all); without plan, the previous run's "
         "plan, commits and merged output under --workdir are reused",
     )
+    ap.add_argument(
+        "--golden-rows",
+        type=int,
+        default=0,
+        help="QA with known labels: a golden set of this many ids joined by id (qa.reference.golden_uri); "
+        "the results then carry confidence and prompt hashes too (0: no labels)",
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--input-dir", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--run-dir", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--profile-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child(args.child, args.input_dir, args.run_dir, args.chunk_rows, args.profile_out)
+        child(args.child, args.input_dir, args.run_dir, args.chunk_rows, args.profile_out, args.golden_rows)
         return 0
 
     work = args.workdir.resolve()
@@ -668,6 +723,7 @@ def main() -> int:
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)),
         "rows": args.rows,
         "chunk_rows": args.chunk_rows,
+        "golden_rows": args.golden_rows,
         "repeat": args.repeat,
         "shards": n_shards,
         "chunk_files": n_chunks,

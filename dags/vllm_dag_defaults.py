@@ -7,6 +7,8 @@ Variables, so it is read at run time (never while the DAG file is parsed):
     vllm_batch_model           chat model name or path (required by the ticket DAGs)
     vllm_batch_embedding_model embedding model name or path (required by vllm_embeddings)
     vllm_batch_shard_rows      rows per shard (default 1000)
+    vllm_batch_golden_uri      golden rows that ride along with every run (default: none): a Parquet file of
+                               id, text and label; QA scores them every night (qa.reference.ride_along_uri)
     vllm_batch_human_review    "true" (default): a QA 'warn' waits for a person to approve publication;
                                "false": publish warned runs without asking (a 'fail' never publishes)
     vllm_batch_spec_overrides  JSON object of spec overrides, e.g. {"engine.enforce_eager": false,
@@ -65,6 +67,7 @@ EMBEDDING_MODEL = (
     "{{ var.value.get('vllm_batch_embedding_model', '') or vllm_required_variable('vllm_batch_embedding_model') }}"
 )
 SHARD_ROWS = "{{ var.value.get('vllm_batch_shard_rows', '1000') }}"
+GOLDEN_URI = "{{ var.value.get('vllm_batch_golden_uri', '') }}"  # '' (unset): no golden rows
 SPEC_OVERRIDES = "{{ var.value.get('vllm_batch_spec_overrides', '{}') }}"
 HUMAN_REVIEW = "{{ var.value.get('vllm_batch_human_review', 'true') }}"
 RUNNER = "{{ var.value.get('vllm_batch_runner', 'local') }}"

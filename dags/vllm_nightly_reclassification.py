@@ -34,6 +34,17 @@ corpus it claims to be: a person looks before it is published (`vllm_batch_human
 and past half the corpus the run is not published at all. Both are spec fields
 (`qa.warn_churn_rate`, `qa.fail_churn_rate`) that `vllm_batch_spec_overrides` can change.
 
+**Is it right?** The checks above say a run completed, not that its answers are right. Give
+the DAG a golden set, `vllm_batch_golden_uri` (a Parquet file of `id`, `text` and `label`): its
+rows ride along with every night's tickets under reserved ids, are answered with the same model
+and prompt, scored by QA and never published, changed or cached. QA reports the accuracy with its
+95% interval, per-class precision and recall, the confusion matrix, and how far to trust the
+engine's confidence (accuracy by confidence); it warns below 80% accuracy, fails below 50%, and
+fails on a drop of more than 5 points since the day before that the interval says is real
+(`qa.warn_accuracy_below`, `qa.fail_accuracy_below`, `qa.fail_accuracy_drop`). Known labels of the
+night's own tickets can come in too: `{"qa.reference.golden_uri": ...}` (an id -> label file) or
+`{"qa.reference.input_column": ...}` in `vllm_batch_spec_overrides`.
+
 **Adapting it.** Set Airflow Variables (or `AIRFLOW_VAR_*` environment variables):
 `vllm_batch_data_root` (e.g. `s3://bucket/support`), `vllm_batch_model` (a hub id or a
 mounted path), `vllm_batch_shard_rows`, and `vllm_batch_spec_overrides` (a JSON object of
@@ -60,12 +71,21 @@ from airflow_provider_vllm.task_groups.batch_job import TEMPLATE_FILTERS, vllm_b
 # The shared defaults sit beside the DAG files (the repository's dags/ folder, the installed
 # package's example_dags/); a DAG file copied alone into another dags folder finds them in the package.
 try:
-    from vllm_dag_defaults import DATA_ROOT, HUMAN_REVIEW, RUNNER, SPEC_OVERRIDES, TEMPLATE_MACROS, ticket_spec
+    from vllm_dag_defaults import (
+        DATA_ROOT,
+        GOLDEN_URI,
+        HUMAN_REVIEW,
+        RUNNER,
+        SPEC_OVERRIDES,
+        TEMPLATE_MACROS,
+        ticket_spec,
+    )
 except ModuleNotFoundError as missing:
     if missing.name != "vllm_dag_defaults":
         raise
     from airflow_provider_vllm.example_dags.vllm_dag_defaults import (
         DATA_ROOT,
+        GOLDEN_URI,
         HUMAN_REVIEW,
         RUNNER,
         SPEC_OVERRIDES,
@@ -93,6 +113,7 @@ with DAG(
                 "previous_report_uri": DATA_ROOT + "/reclassification/dt={{ macros.ds_add(ds, -1) }}/qa/report.json",
                 "warn_churn_rate": 0.05,
                 "fail_churn_rate": 0.5,
+                "reference": {"ride_along_uri": GOLDEN_URI},
             },
             cache={"uri": DATA_ROOT + "/reclassification/_cache/"},
             changes={"previous_uri": DATA_ROOT + "/reclassification/dt={{ macros.ds_add(ds, -1) }}/"},

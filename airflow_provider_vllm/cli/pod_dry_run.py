@@ -53,9 +53,10 @@ def _shard(spec: Any, map_index: int, from_plan: bool, filesystems: Any = None) 
         return example.dump(), "example shard id (--from-plan reads the run's _plan.json)"
 
     plan = load_plan(spec, filesystems)
-    if map_index >= len(plan.shards):
-        raise SystemExit(f"map index {map_index} out of range: the plan has {len(plan.shards)} shard(s)")
-    return plan.shards[map_index].summary().dump(), None
+    mapped = plan.mapped_shards()  # the input's shards, then the golden rows' (the mapped task's order)
+    if map_index >= len(mapped):
+        raise SystemExit(f"map index {map_index} out of range: the plan has {len(mapped)} shard(s)")
+    return mapped[map_index].dump(), None
 
 
 def render_shard_pod(

@@ -79,6 +79,11 @@ POINTS = frozenset(
         "cache.entry_data",
         "cache.mid_commit",
         "cache.after_commit",
+        # the golden rows that ride along (steps.golden): in plan, before their input file is written; in
+        # merge, before golden/results.parquet and golden/errors.parquet, before golden/_golden.json
+        "golden.before_file",
+        "golden.before_write",
+        "golden.before_summary",
     }
 )
 ACTIONS = frozenset({"kill", "raise", "hang", "oom", "dead"})

@@ -7,6 +7,7 @@ Output lines work with OpenAI's Batch API and `vllm run-batch` alike. They are d
 from __future__ import annotations
 
 import hashlib
+import json
 from typing import Any
 
 from airflow_provider_vllm.core.spec import JobSpec
@@ -40,6 +41,7 @@ def response_line(row: dict[str, Any], spec: JobSpec) -> dict[str, Any]:
                 {
                     "index": 0,
                     "message": {"role": "assistant", "content": row.get("output")},
+                    "logprobs": json.loads(row["logprobs"]) if row.get("logprobs") else None,
                     "finish_reason": row.get("finish_reason"),
                 }
             ],

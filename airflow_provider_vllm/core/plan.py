@@ -33,7 +33,7 @@ class Segment(BaseModel):
     line: int = 1
 
 
-SHARD_ID_PATTERN = r"^shard-\d{5}-[0-9a-f]{8}$"
+SHARD_ID_PATTERN = r"^(shard|golden)-\d{5}-[0-9a-f]{8}$"  # golden-...: the golden rows' shards
 
 
 class ShardSummary(BaseModel):
@@ -52,6 +52,9 @@ class ShardSummary(BaseModel):
     bucket: Literal["all", "short", "long"] = Field(description="short/long: only rows of that length class")
     name: str | None = Field(
         None, max_length=200, description="the mapped task's display name (core/shard_names.py); absent before"
+    )
+    golden: Literal[True] | None = Field(
+        None, description="a shard of the golden rows that ride along (qa.reference.ride_along_uri); absent else"
     )
 
     def dump(self) -> dict[str, Any]:
@@ -141,6 +144,41 @@ class CachePlan(BaseModel):
     hit_est_tokens: int = Field(0, description="estimated prompt tokens of the hit rows (not inferred)")
 
 
+class GoldenPlan(BaseModel):
+    """The golden rows that ride along (``qa.reference.ride_along_uri``), as the plan applied them.
+
+    Their own input file (``_golden/input-<sha16>.parquet``: reserved ids, the template's columns and the
+    known label) and their own shards (``golden-NNNNN-<hash>``), which the shard tasks run like any other
+    and which merge verifies and publishes apart, under ``golden/`` (``steps/golden.py``). They are not
+    in ``Plan.shards`` nor ``Plan.total_rows``: the input's exactly-once accounting never sees them.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    uri: str = Field(description="qa.reference.ride_along_uri when planned")
+    fingerprint: str = Field(description="fingerprint of its files (sizes and versions) when planned")
+    root: str = Field(description="the folder of input_file (the golden shards' input root)")
+    input_file: CacheFile = Field(description="the golden rows as the golden shards read them")
+    rows: int = Field(description="golden rows (all labelled)")
+    shards: list[ShardPlan] = Field(description="the golden shards, over input_file")
+
+    def view(self, plan: Plan) -> Plan:
+        """``plan`` as the golden shards see it: their input file, their shards, no cache, no golden rows."""
+        name = self.input_file.path.rsplit("/", 1)[-1]
+        f = InputFile(path=name, size=self.input_file.bytes, version=self.input_file.version)
+        return plan.model_copy(
+            update={
+                "format": "parquet",
+                "input_root": self.root,
+                "files": [f],
+                "total_rows": self.rows,
+                "shards": self.shards,
+                "long_row_tokens": None,
+                "cache": None,
+                "golden": None,
+            }
+        )
+
+
 class Plan(BaseModel):
     """``_plan.json``: written once (create-only) and sealed by the plan task (``core/seal.py``, domain ``plan``,
     scope the output URI); every reader checks the seal (``load_plan``)."""
@@ -165,11 +203,25 @@ class Plan(BaseModel):
     cache: CachePlan | None = Field(
         None, description="The result cache (cache.uri set): shards then read their own input files of misses."
     )
+    golden: GoldenPlan | None = Field(
+        None, description="Golden rows that ride along (qa.reference.ride_along_uri): their file and shards."
+    )
     seal: Seal | None = Field(None, description="the plan task's seal (core/seal.py): what every reader checks")
 
     def dump_json(self) -> bytes:
         """``_plan.json``'s bytes: the fields that were set, and the seal."""
         return seals.record_bytes(self)
+
+    def for_shard(self, shard_id: str) -> Plan:
+        """The plan a shard's worker reads by: this one, or for a golden shard the golden rows' view."""
+        if self.golden is not None and any(s.shard_id == shard_id for s in self.golden.shards):
+            return self.golden.view(self)
+        return self
+
+    def mapped_shards(self) -> list[ShardSummary]:
+        """Every shard a task runs: the input's, then the golden rows' (``golden``)."""
+        golden = self.golden.shards if self.golden is not None else []
+        return [s.summary() for s in self.shards] + [s.summary().model_copy(update={"golden": True}) for s in golden]
 
     def sealed(self, keyring: Keyring, output_uri: str) -> Plan:
         """This plan sealed for the run at ``output_uri``."""

@@ -6,6 +6,7 @@
   ``/airflow/xcom/return.json``), the shard task's XCom value; ``read_manifest`` tells them apart.
 - ``MergeSummary``: ``_MERGED.json`` and, without per-shard stats, the merge task's XCom.
 - ``ChangesSummary``: ``changes/_changes.json``, what moved since the previous run (``steps/merge/changes.py``).
+- ``GoldenSummary``: ``golden/_golden.json``, the golden rows that rode along (``steps/golden.py``).
 - ``ThroughputRecord``: one line of the throughput history (``steps/plan/sizing.py``).
 - ``CacheCommit`` / ``CacheMergeSummary``: the result cache's commit marker and what a merge did
   with the cache (``steps/cache/result_cache.py``).
@@ -230,6 +231,9 @@ class MergeSummary(RowCounts):
     cache: CacheMergeSummary | None = Field(
         None, description="what the merge took from and added to the result cache (cache.uri set)"
     )
+    golden: GoldenSummary | None = Field(
+        None, description="the golden rows that rode along (qa.reference.ride_along_uri), published under golden/"
+    )
     plan_mac: str | None = Field(None, description="the seal of the plan the run was merged under (its mac)")
     seal: Seal | None = Field(None, description="the merge's seal (core/seal.py, domain merged, scope the run)")
 
@@ -322,6 +326,11 @@ class ChangesSummary(Record):
     counts: ChangeCounts = Field(description="ids per change kind")
     in_both: int = Field(description="ids with an answer in both runs (changed + unchanged)")
     churn_rate: float | None = Field(description="changed / in_both; null when no id has an answer in both")
+    reasons: dict[str, int] | None = Field(
+        None,
+        description="changed ids by why they moved: settings, input, unified, engine, unknown (steps/changes.py); "
+        "null when nothing changed",
+    )
     matrix: list[MatrixCell] | None = Field(
         None,
         description="old x new label counts, largest first (label jobs: structured choice, classify); "
@@ -379,6 +388,16 @@ class CacheMergeSummary(Record):
     compacted_into: str | None = Field(
         None, description="the entry a compaction after this append merged the key config's live entries into"
     )
+
+
+class GoldenSummary(RowCounts):
+    """``golden/_golden.json``: the golden rows of a run, verified and published apart from its results
+    (written after the two files it names)."""
+
+    shards: int = Field(description="golden shards")
+    input_file: str = Field(description="the plan's golden input file (ids and known labels) under the output prefix")
+    files: dict[str, str] = Field(description="'results' / 'errors' -> path under the output prefix")
+    checksums: dict[str, str] = Field(description="path -> sha256 of the two files")
 
 
 MergeSummary.model_rebuild()  # its ``cache`` field names a record defined below it

@@ -8,6 +8,11 @@ files as they are (no decoding), so these two schemas are the schemas of ``resul
 
 from __future__ import annotations
 
+import hashlib
+import json
+from array import array
+from typing import Any
+
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -60,6 +65,15 @@ ROW_SCHEMA = pa.schema(
         pa.field("config_hash", pa.string()),
         pa.field("shard_id", pa.string()),
         pa.field("attempt_id", pa.string()),
+        # Added after the first release: trailing and nullable, so parts written before them read as null.
+        # The answer's probability as the engine computed it (structured choice: exp of the sum of the chosen
+        # tokens' logprobs, i.e. the chosen label's probability; classify: the top class's probability).
+        pa.field("confidence", pa.float32()),
+        # 64-bit hash of the engine request (the rendered prompt's token ids and per-row sampling settings):
+        # equal hashes, identical requests (QA's consistency, the change set's reasons).
+        pa.field("prompt_hash", pa.int64()),
+        # OpenAI batch requests that ask for logprobs: the choice's "logprobs" object (JSON, OpenAI's shape).
+        pa.field("logprobs", pa.string()),
     ]
 )
 
@@ -98,3 +112,13 @@ def split_rows(table: pa.Table) -> tuple[pa.Table, pa.Table]:
         [ok.column(c) for c in RESULT_COLUMNS[:-1]] + [pa.nulls(ok.num_rows, pa.string())], schema=RESULT_SCHEMA
     )
     return res, pa.Table.from_arrays([err.column(c) for c in ERROR_COLUMNS], schema=ERROR_SCHEMA)
+
+
+def prompt_hash(token_ids: list[int], overrides: dict[str, Any] | None = None) -> int:
+    """The ``prompt_hash`` of an engine request: 64 bits of BLAKE2b over its token ids and its per-row
+    sampling settings, as a signed int64 (equal for identical requests, in any process)."""
+    h = hashlib.blake2b(len(token_ids).to_bytes(8, "little"), digest_size=8)
+    h.update(array("q", token_ids).tobytes())  # fixed width, the count first: no two requests share bytes
+    if overrides:
+        h.update(json.dumps(overrides, sort_keys=True, default=str).encode())
+    return int.from_bytes(h.digest(), "little", signed=True)

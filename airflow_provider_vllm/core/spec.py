@@ -85,6 +85,12 @@ class EngineSpec(_Model):
     enable_prefix_caching: bool | None = Field(None, description="Cache shared prompt prefixes (system prompt).")
     enforce_eager: bool = Field(False, description="Disable CUDA graphs / torch.compile (faster start, slower run).")
     seed: int = Field(0, description="Engine seed.")
+    batch_invariant: bool = Field(
+        False,
+        description="Batch-invariant numerics (vLLM's VLLM_BATCH_INVARIANT=1): a prompt gets the same answer "
+        "whatever else shares its batch, so identical prompts in a run (and reruns) agree, at a cost in speed. "
+        "Where vLLM offers it (NVIDIA GPUs; vLLM's CPU build does not: the worker refuses it there).",
+    )
     cpu_kvcache_space_gb: int | None = Field(
         None, gt=0, description="CPU build only: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)."
     )
@@ -275,6 +281,60 @@ class ShardingSpec(_Model):
     )
 
 
+RESERVED_ID_PREFIX = "_vllm_golden:"
+"""Ids of the golden rows that ride along (``qa.reference.ride_along_uri``): input ids may not start with it."""
+
+
+class ReferenceSpec(_Model):
+    """Known labels that QA scores the answers against (jobs with labels: structured choice, classify).
+
+    Three sources; a run may use ``input_column`` or ``golden_uri`` (not both) and, besides either,
+    ``ride_along_uri``. Rows are scored by their ``label`` (an error or an invalid answer is a wrong one).
+    An empty string is no source (a DAG template over an unset Variable renders to '').
+    """
+
+    input_column: str | None = Field(
+        None,
+        min_length=1,
+        description="Input column that holds a row's known label (Parquet input). Sparse is fine: rows whose "
+        "value is null or blank are not scored.",
+    )
+    golden_uri: str | None = Field(
+        None,
+        description="Golden set: a Parquet file or folder with columns id_column and label_column. Its ids are "
+        "joined to this run's ids; golden ids that are not in the run are counted and ignored.",
+    )
+    ride_along_uri: str | None = Field(
+        None,
+        description="Golden rows that ride along with every run: a Parquet file or folder with id_column, the "
+        "prompt template's columns and label_column. plan adds them under reserved ids "
+        f"('{RESERVED_ID_PREFIX}<id>'); they are inferred with this run's settings in shards of their own and "
+        "scored by QA, and never published among the results, errors, changes or the cache, nor counted as "
+        "input rows. Lets a nightly over unlabelled data measure itself every night. Not for openai_batch input.",
+    )
+    id_column: str = Field("id", min_length=1, description="The id column of golden_uri and ride_along_uri.")
+    label_column: str = Field("label", min_length=1, description="The label column of golden_uri and ride_along_uri.")
+
+    @field_validator("input_column", "golden_uri", "ride_along_uri", mode="before")
+    @classmethod
+    def _empty_is_none(cls, v: Any) -> Any:
+        # a template over an unset Variable renders to '': no source
+        return None if isinstance(v, str) and not v.strip() else v
+
+    @model_validator(mode="after")
+    def _one_source_for_run_rows(self) -> ReferenceSpec:
+        if self.input_column is not None and self.golden_uri is not None:
+            raise ValueError("set one of input_column and golden_uri (ride_along_uri goes with either)")
+        if self.ride_along_uri is not None and self.label_column == self.id_column:
+            raise ValueError("label_column and id_column must differ")
+        return self
+
+    @property
+    def configured(self) -> bool:
+        """Whether any source of known labels is set."""
+        return any(x is not None for x in (self.input_column, self.golden_uri, self.ride_along_uri))
+
+
 class QASpec(_Model):
     """Sampling and publication thresholds. warn_* -> human review, fail_* -> the run fails."""
 
@@ -301,12 +361,87 @@ class QASpec(_Model):
         "changed (1.0: never warns).",
     )
     fail_churn_rate: float = Field(1.0, ge=0, le=1, description="As warn_churn_rate, failing the run.")
+    reference: ReferenceSpec = Field(
+        default_factory=ReferenceSpec,
+        description="Known labels to score the answers against (accuracy, per-class figures, confusion matrix).",
+    )
+    confidence: bool | None = Field(
+        None,
+        description="Ask the engine for each answer's probability (the chosen tokens' logprobs: one log-softmax "
+        "per generated token) and store it in the results' confidence column. null: on for structured choice "
+        "(the chosen label's probability), off for other generations; true: also for other generations (the "
+        "whole output's probability); false: off. Classify always has it (the top class's probability).",
+    )
+    low_confidence: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="An answer whose confidence (the engine's probability of it) is below this counts as low "
+        "confidence (the low_confidence_rate).",
+    )
+    least_confident: int = Field(
+        20, ge=0, le=10_000, description="The least confident answers added to the review sample (0: none)."
+    )
+    warn_accuracy_below: float = Field(
+        0.8,
+        ge=0,
+        le=1,
+        description="Accuracy on the labelled rows (qa.reference) below this: warn. Checked only when known labels "
+        "are configured.",
+    )
+    fail_accuracy_below: float = Field(
+        0.5, ge=0, le=1, description="Accuracy on the labelled rows below this: fail (the run is not published)."
+    )
+    min_labelled: int = Field(
+        30,
+        ge=1,
+        description="Fewer scored rows than this: the accuracy check warns that there are too few to gate on "
+        "(rather than passing or failing on noise); so does a reference that matches no row of the run.",
+    )
+    warn_accuracy_drop: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="A drop in accuracy since the previous report (previous_report_uri) that the 95% interval of "
+        "the change calls real (the whole interval below 0) and larger than this: warn. 0: any real drop warns.",
+    )
+    fail_accuracy_drop: float = Field(
+        0.05, ge=0, le=1, description="As warn_accuracy_drop, failing the run (a real drop of more than 5 points)."
+    )
+    warn_low_confidence_rate: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="Share of the answers with a confidence below low_confidence above this: warn (1.0: never; "
+        "pick it from the report's reliability table).",
+    )
+    fail_low_confidence_rate: float = Field(1.0, ge=0, le=1, description="As warn_low_confidence_rate, failing.")
+    warn_inconsistency_rate: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="Share of the prompts sent more than once in the run that got different answers, above "
+        "this: warn (1.0: never).",
+    )
+    fail_inconsistency_rate: float = Field(1.0, ge=0, le=1, description="As warn_inconsistency_rate, failing.")
 
     @model_validator(mode="after")
     def _warn_below_fail(self) -> QASpec:
-        for m in ("error_rate", "empty_rate", "invalid_rate", "truncation_rate", "label_drift", "churn_rate"):
+        for m in (
+            "error_rate",
+            "empty_rate",
+            "invalid_rate",
+            "truncation_rate",
+            "label_drift",
+            "churn_rate",
+            "accuracy_drop",
+            "low_confidence_rate",
+            "inconsistency_rate",
+        ):
             if getattr(self, f"warn_{m}") > getattr(self, f"fail_{m}"):
                 raise ValueError(f"warn_{m} must be <= fail_{m}")
+        if self.fail_accuracy_below > self.warn_accuracy_below:
+            raise ValueError("fail_accuracy_below must be <= warn_accuracy_below")
         return self
 
 
@@ -362,8 +497,29 @@ class JobSpec(_Model):
                 raise ValueError(f"prompt.system_prompt does not apply to task {self.task!r}")
         if self.io.input_format == "openai_batch" and self.task not in ("chat", "embed"):
             raise ValueError("openai_batch input supports task 'chat' (/v1/chat/completions) or 'embed'")
+        ref = self.qa.reference
+        if ref.configured:
+            st = self.sampling.structured
+            if not (self.task == "classify" or (st is not None and st.choice and self.task in ("chat", "generate"))):
+                raise ValueError(
+                    "qa.reference scores labels: it needs sampling.structured.choice (chat, generate) or task classify"
+                )
+            if ref.input_column is not None and ref.input_column == self.prompt.id_column:
+                raise ValueError("qa.reference.input_column is prompt.id_column; name the column of known labels")
+            if ref.ride_along_uri is not None and self.io.input_format == "openai_batch":
+                raise ValueError("qa.reference.ride_along_uri needs template rows; openai_batch input carries requests")
         check_values(self.model_dump(mode="json"))  # patterns, sizes, no Jinja: spec_guard.py
         return self
+
+    @property
+    def confidence_from_logprobs(self) -> bool:
+        """Whether the worker asks the engine for the chosen tokens' logprobs (``qa.confidence``)."""
+        if self.task not in ("chat", "generate"):
+            return False
+        if self.qa.confidence is not None:
+            return self.qa.confidence
+        st = self.sampling.structured
+        return st is not None and st.choice is not None
 
     # ---- identity -------------------------------------------------------------------
     def canonical_json(self) -> str:
@@ -378,6 +534,8 @@ class JobSpec(_Model):
     def output_hash(self) -> str:
         """Hash of what decides a row's output (model, engine, task, prompt, sampling): the 'config hash'."""
         d = self.model_dump(mode="json", include={"task", "model", "engine", "prompt", "sampling"})
+        if not d["engine"]["batch_invariant"]:  # added later: specs without it keep the hash they had
+            del d["engine"]["batch_invariant"]
         return hashlib.sha256(json.dumps(d, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
     # ---- loading --------------------------------------------------------------------

@@ -10,7 +10,8 @@ Two layers, both pure:
 * ``check_deployment(spec, allowed, allow_any=...)`` adds what depends on the deployment; it
   fails closed: with no allow-list it refuses everything unless the deployment said any
   location is fine. Every location-like field (input, output, ``sharding.history_uri``,
-  ``qa.previous_report_uri``, ``cache.uri``, ``changes.previous_uri``, a local ``model.name`` / ``model.tokenizer``)
+  ``qa.previous_report_uri``, ``qa.reference.golden_uri`` / ``ride_along_uri``, ``cache.uri``,
+  ``changes.previous_uri``, a local ``model.name`` / ``model.tokenizer``)
   lies inside the
   allowed prefixes (symlinks resolved); ``io.storage_options`` holds only reviewed data
   options (no credentials, endpoints, hosts, proxies or headers: those come from the
@@ -72,6 +73,9 @@ _IDENTIFIERS = {
     "model.quantization": (QUANTIZATION, "a vLLM quantization method name"),
     "prompt.id_column": (COLUMN, "a column name (letters, digits, _ . -)"),
     "prompt.text_columns": (COLUMN, "a column name (letters, digits, _ . -)"),
+    "qa.reference.input_column": (COLUMN, "a column name (letters, digits, _ . -)"),
+    "qa.reference.id_column": (COLUMN, "a column name (letters, digits, _ . -)"),
+    "qa.reference.label_column": (COLUMN, "a column name (letters, digits, _ . -)"),
     "sampling.structured.choice": (
         LABEL,
         f"a label of letters, digits, spaces and _ . : / + ( ) - (at most {MAX_LABEL_CHARS} characters)",
@@ -82,7 +86,15 @@ _IDENTIFIERS = {
 _PLAIN_SECTIONS = frozenset(
     {"name", "task", "model", "engine", "prompt", "sampling", "io", "sharding", "qa", "cache", "changes"}
 )
-_URIS = ("io.input_uri", "io.output_uri", "qa.previous_report_uri", "cache.uri", "changes.previous_uri")
+_URIS = (
+    "io.input_uri",
+    "io.output_uri",
+    "qa.previous_report_uri",
+    "qa.reference.golden_uri",
+    "qa.reference.ride_along_uri",
+    "cache.uri",
+    "changes.previous_uri",
+)
 _FREE_TEXT = {
     "prompt.system_prompt": MAX_TEXT_CHARS,
     "prompt.template": MAX_TEXT_CHARS,
@@ -257,6 +269,9 @@ def check_deployment(
     canon_out = check_uri(io.output_uri, allowed, "io.output_uri")
     if spec.qa.previous_report_uri:
         check_uri(spec.qa.previous_report_uri, allowed, "qa.previous_report_uri")
+    for what in ("golden_uri", "ride_along_uri"):  # plan (ride-along) and QA read them
+        if (uri := getattr(spec.qa.reference, what)) is not None:
+            check_uri(uri, allowed, f"qa.reference.{what}")
     if spec.sharding.history_uri:  # merge writes (and replaces) files there
         check_uri(spec.sharding.history_uri, allowed, "sharding.history_uri")
     if spec.cache.uri:  # plan reads it, merge appends to it

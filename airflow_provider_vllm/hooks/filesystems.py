@@ -214,6 +214,8 @@ def spec_schemes(spec: Any) -> set[str]:
         spec.io.input_uri,
         spec.io.output_uri,
         spec.qa.previous_report_uri,
+        spec.qa.reference.golden_uri,
+        spec.qa.reference.ride_along_uri,
         spec.sharding.history_uri,
         spec.cache.uri,
         spec.changes.previous_uri,

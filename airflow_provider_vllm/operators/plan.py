@@ -199,7 +199,14 @@ class VllmPlanOperator(BaseOperator):
             )
         context["ti"].xcom_push(key=SPEC_XCOM_KEY, value=spec.model_dump(mode="json"))
         self._lineage = plan_lineage(spec, rows=plan.total_rows, files=len(plan.files))
-        return [s.dump() for s in with_display_names([s.summary() for s in plan.shards])]
+        if plan.golden is not None:
+            self.log.info(
+                "golden rows that ride along: %d from %s in %d shard(s) of their own (kept apart, under golden/)",
+                plan.golden.rows,
+                plan.golden.uri,
+                len(plan.golden.shards),
+            )
+        return [s.dump() for s in with_display_names(plan.mapped_shards())]
 
     def engine_identity(self, spec: JobSpec, runner: str) -> str:
         """The engine the shard tasks will start, resolved from the same settings they use (the cache key's)."""

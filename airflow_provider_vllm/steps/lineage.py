@@ -179,13 +179,23 @@ def qa_assertions(qa: Mapping[str, Any]) -> tuple[Assertion, ...]:
         status = c.get("status")
         if status not in ("pass", "warn", "fail"):
             continue  # 'skip': not evaluated for this job
+        below = c.get("direction") == "below"
+        actual = str(c.get("value"))
+        if c.get("interval"):
+            lo, hi = c["interval"]
+            actual += f" (95% interval {lo} to {hi})"
         out.append(
             Assertion(
                 name=str(c.get("name")),
                 success=status == "pass",
                 severity={"warn": "warn", "fail": "error"}.get(status),
-                expected=f"<= {c.get('warn')} (fails above {c.get('fail')})",
-                actual=str(c.get("value")),
+                expected=(
+                    f">= {c.get('warn')} (fails below {c.get('fail')})"
+                    if below
+                    else f"<= {c.get('warn')} (fails above {c.get('fail')})"
+                ),
+                actual=actual,
+                description=c.get("detail"),
             )
         )
     status = qa.get("status")
@@ -202,11 +212,27 @@ def qa_assertions(qa: Mapping[str, Any]) -> tuple[Assertion, ...]:
     return tuple(out)
 
 
+ACCURACY_CHECKS = ("accuracy", "accuracy_drop")
+
+
 def qa_lineage(spec: JobSpec, qa: Mapping[str, Any]) -> Lineage:
-    """QA read the results (its checks are their assertions) and the errors, and wrote the report."""
+    """QA read the results (its checks are their assertions) and the errors, and wrote the report.
+
+    With known labels (``qa.reference``), the golden set or ride-along file is an input too, carrying
+    the accuracy assertions (the input column's labels are in the run's own input, not read here again).
+    """
     out = spec.io.output_uri
+    assertions = qa_assertions(qa)
+    accuracy = tuple(a for a in assertions if a.name in ACCURACY_CHECKS)
+    refs = [uri for source, uri in (qa.get("references") or {}).items() if source != "input_column" and uri]
+    if spec.qa.reference.ride_along_uri and spec.qa.reference.ride_along_uri not in refs:
+        refs.append(spec.qa.reference.ride_along_uri)
     return Lineage(
-        inputs=(_dataset(under(out, RESULTS), assertions=qa_assertions(qa)), _dataset(under(out, ERRORS))),
+        inputs=(
+            _dataset(under(out, RESULTS), assertions=assertions),
+            _dataset(under(out, ERRORS)),
+            *(_dataset(uri, assertions=accuracy) for uri in refs),
+        ),
         outputs=(_dataset(qa.get("report_json") or under(out, QA_REPORT)),),
     )
 

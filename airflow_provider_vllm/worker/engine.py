@@ -5,6 +5,13 @@
 continuous batching always has work, while chunks commit as soon as their rows finish.
 Pooling tasks (embed, classify) go through ``pool``.
 
+With ``qa.confidence`` (on by default for structured choice) every request asks for the chosen
+tokens' logprobs (``logprobs=0``: vLLM's default ``raw_logprobs`` mode computes them after the
+structured-output mask, so they are the constrained distribution's); a finished row carries
+vLLM's ``cumulative_logprob`` (their sum), whose exp is the answer's probability. An OpenAI batch
+request that asks for ``logprobs`` / ``top_logprobs`` also gets the per-token entries, built
+as vLLM's OpenAI server builds ``choices[].logprobs.content``.
+
 ``submit`` builds each request's ``SamplingParams`` and hands it to vLLM's input processor
 one request at a time, so a request vLLM refuses (its ``VLLMValidationError``, not a
 ``ValueError`` in vLLM 0.32) is known at once and by row: ``RequestRejected``, that row's
@@ -47,6 +54,8 @@ class Generated:
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    cumulative_logprob: float | None = None  # sum of the chosen tokens' logprobs (when logprobs were asked for)
+    token_logprobs: list[dict[str, Any]] | None = None  # OpenAI's choices[].logprobs.content (when a row asked)
 
 
 def engine_kwargs(spec: JobSpec) -> dict[str, Any]:
@@ -86,6 +95,8 @@ def sampling_kwargs(spec: JobSpec, overrides: dict[str, Any] | None = None) -> d
         "seed": s.seed,
         "stop": list(s.stop) or None,
     }
+    if spec.confidence_from_logprobs:
+        kw["logprobs"] = 0  # the chosen tokens' logprobs only (a row's own request may ask for more)
     kw.update(overrides or {})
     return kw
 
@@ -111,6 +122,22 @@ def require_vllm() -> None:
         raise VllmNotInstalledError(vllm_not_installed(sys.executable))
 
 
+def check_batch_invariance(version: str) -> None:
+    """SpecError (terminal) where this vLLM does not offer batch-invariant execution.
+
+    vLLM 0.32's CPU build has the switch but not the kernels: with VLLM_BATCH_INVARIANT=1 it overrides
+    torch's mean/softmax/bmm with Triton GPU kernels, and the first forward pass fails in the engine core
+    (checked: ``TypeError: 'function' object is not subscriptable`` in ``mean_batch_invariant``).
+    """
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        raise SpecError(
+            f"engine.batch_invariant: vLLM {version}'s CPU build does not offer batch-invariant execution "
+            "(its batch-invariant kernels are Triton GPU kernels); unset it, or run the shards on NVIDIA GPUs"
+        )
+
+
 class Engine:
     """A vLLM engine for one job. Construct once per process."""
 
@@ -118,6 +145,8 @@ class Engine:
         if spec.engine.cpu_kvcache_space_gb is not None:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.engine.cpu_kvcache_space_gb))
         t0 = time.monotonic()  # engine start includes `import vllm` (15-25 s on a GPU image)
+        if spec.engine.batch_invariant:
+            os.environ["VLLM_BATCH_INVARIANT"] = "1"  # read by vLLM (and its engine core process) at start
         try:
             import vllm
         except ModuleNotFoundError as e:  # vLLM itself, not one of its dependencies: no retry can help
@@ -126,6 +155,8 @@ class Engine:
             raise VllmNotInstalledError(vllm_not_installed(sys.executable)) from None
 
         check_vllm_version(vllm.__version__)
+        if spec.engine.batch_invariant:
+            check_batch_invariance(vllm.__version__)
         self.spec = spec
         self.version = vllm.__version__
         self.llm = vllm.LLM(**engine_kwargs(spec))
@@ -142,6 +173,7 @@ class Engine:
                     raise
                 raise SpecError(f"vLLM refuses the job's sampling settings: {type(e).__name__}: {e}") from e
         self._keys: dict[str, Any] = {}  # vLLM request id -> caller's key
+        self._top: dict[str, int] = {}  # vLLM request id -> top_logprobs, for rows that asked for token logprobs
         self._counter = 0
         id2label = getattr(self.llm.llm_engine.model_config.hf_config, "id2label", None) or {}
         self.class_labels = [id2label.get(i, id2label.get(str(i), str(i))) for i in range(len(id2label))]
@@ -228,6 +260,8 @@ class Engine:
                 raise
             raise rejected from e
         self._keys[rid] = key
+        if overrides and overrides.get("logprobs") is not None:
+            self._top[rid] = int(overrides["logprobs"])
 
     def pending(self) -> int:
         return len(self._keys)
@@ -242,6 +276,7 @@ class Engine:
             if key is None:  # a request aborted after an error (its output arrived anyway)
                 continue
             c = out.outputs[0]  # type: ignore[index]  # a generate engine's step() yields RequestOutput
+            top = self._top.pop(out.request_id, None)
             done.append(
                 (
                     key,
@@ -250,15 +285,55 @@ class Engine:
                         finish_reason=c.finish_reason,
                         prompt_tokens=len(out.prompt_token_ids or ()),
                         completion_tokens=len(c.token_ids),
+                        cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
+                        token_logprobs=None if top is None else self._openai_logprobs(c.token_ids, c.logprobs, top),
                     ),
                 )
             )
         return done
 
+    def _openai_logprobs(self, token_ids, logprobs, top: int) -> list[dict[str, Any]]:
+        """``choices[].logprobs.content`` as vLLM 0.32's OpenAI server makes it (``_create_chat_logprobs``):
+        per generated token its text, logprob (floored at -9999), UTF-8 bytes, and the first ``top`` entries
+        of that position's logprobs (vLLM puts the chosen token first, then the top ones by rank)."""
+
+        def text(lp, tid: int) -> str:
+            return lp.decoded_token if lp.decoded_token is not None else self.tokenizer.decode([tid])
+
+        content = []
+        for i, tid in enumerate(token_ids):
+            step = logprobs[i] if logprobs is not None and i < len(logprobs) else None
+            if step is None or step.get(tid) is None:
+                token = self.tokenizer.decode(tid)
+                content.append({"token": token, "logprob": -9999.0, "bytes": list(token.encode("utf-8", "replace"))})
+                content[-1]["top_logprobs"] = []
+                continue
+            chosen = step[tid]
+            content.append(
+                {
+                    "token": text(chosen, tid),
+                    "logprob": max(chosen.logprob, -9999.0),
+                    "bytes": None
+                    if chosen.decoded_token is None
+                    else list(chosen.decoded_token.encode("utf-8", "replace")),
+                    "top_logprobs": [
+                        {
+                            "token": (t := text(lp, other)),
+                            "logprob": max(lp.logprob, -9999.0),
+                            "bytes": list(t.encode("utf-8", "replace")),
+                        }
+                        for j, (other, lp) in enumerate(step.items())
+                        if j < top
+                    ],
+                }
+            )
+        return content
+
     def abort_all(self) -> None:
         if self._keys:
             self._engine.abort_request(list(self._keys))
             self._keys.clear()
+        self._top.clear()
 
     # ---- pooling --------------------------------------------------------------------
     def pool(self, prompts: list[list[int]]) -> list[list[float]]:

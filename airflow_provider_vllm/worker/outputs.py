@@ -1,9 +1,11 @@
-"""Post-processing of engine outputs: structured-output checks."""
+"""Post-processing of engine outputs: structured-output checks, the answer's confidence and logprobs."""
 
 from __future__ import annotations
 
 import json
+import math
 import re
+from typing import Any
 
 from airflow_provider_vllm.core.spec import JobSpec
 
@@ -34,3 +36,16 @@ def check_structured(spec: JobSpec, text: str) -> tuple[str | None, str | None, 
     if st.regex is None:  # the spec allows exactly one of choice, json_schema, regex
         return None, None, None
     return None, None, re.fullmatch(st.regex, text) is not None
+
+
+def answer_extras(g: Any, request_hash: int) -> dict[str, Any]:
+    """A finished generation's ``confidence`` (exp of the chosen tokens' summed logprobs, when the engine
+    computed them), ``prompt_hash`` and ``logprobs`` (OpenAI's ``choices[].logprobs`` object as JSON, when
+    the row's request asked for it) row fields."""
+    lp = getattr(g, "cumulative_logprob", None)
+    tokens = getattr(g, "token_logprobs", None)
+    return {
+        "confidence": math.exp(lp) if lp is not None and not math.isnan(lp) else None,
+        "prompt_hash": request_hash,
+        "logprobs": None if tokens is None else json.dumps({"content": tokens}, ensure_ascii=False),
+    }

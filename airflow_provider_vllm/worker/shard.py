@@ -29,14 +29,14 @@ from airflow_provider_vllm.core.formats.files import check_unchanged
 from airflow_provider_vllm.core.formats.openai_batch import REQUEST
 from airflow_provider_vllm.core.plan import Plan, ShardPlan, estimate_tokens, load_plan
 from airflow_provider_vllm.core.records import ShardStats, WorkerManifest
-from airflow_provider_vllm.core.rows import INVALID_ROW, rows_table
+from airflow_provider_vllm.core.rows import INVALID_ROW, prompt_hash, rows_table
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.worker.guard import GuardedEngine, RowFailure
 from airflow_provider_vllm.worker.hardware import hardware_id
 from airflow_provider_vllm.worker.isolation import describe, row_caused
-from airflow_provider_vllm.worker.outputs import check_structured
+from airflow_provider_vllm.worker.outputs import answer_extras, check_structured
 from airflow_provider_vllm.worker.progress import Progress
 from airflow_provider_vllm.worker.prompts import Prepared, PromptBuilder
 from airflow_provider_vllm.worker.task import ShardTask
@@ -102,6 +102,8 @@ def _run_shard(
     faults.hit("plan.load")
     plan = load_plan(spec, keyring=keyring)
     assert plan.seal is not None  # load_plan verified it
+    plan_mac = plan.seal.mac
+    plan = plan.for_shard(task.shard_id)  # a golden shard reads the golden rows' view
     watchdog.beat()
     if plan.spec_hash != spec.content_hash():
         raise SpecError(
@@ -109,7 +111,7 @@ def _run_shard(
             f"({plan.spec_hash[:12]} != {spec.content_hash()[:12]})"
         )
     shard = plan.shard(task.shard_id)
-    store = ShardStore(out, shard.shard_id, RunSeal(keyring, plan.seal.mac))
+    store = ShardStore(out, shard.shard_id, RunSeal(keyring, plan_mac))
     committed = store.marker()
     watchdog.beat()
     if committed is not None:
@@ -387,7 +389,7 @@ class _ChunkRunner:
 
     def _generate(self, todo: list[int]) -> dict[int, FileEntry]:
         records: dict[int, dict[int, dict]] = {k: {} for k in todo}
-        submitted: dict[int, tuple[float, bool]] = {}
+        submitted: dict[int, tuple[float, bool, int]] = {}
         files: dict[int, FileEntry] = {}
         queue = [
             (k, i) for k in todo for i in range(self.metas[k].first_row, self.metas[k].first_row + self.metas[k].rows)
@@ -402,14 +404,14 @@ class _ChunkRunner:
                     records[k][i] = self._error(i, *prep.fault)
                     self._row_done(k, i, records, files)
                     continue
-                submitted[i] = (time.monotonic(), prep.truncated)
+                submitted[i] = (time.monotonic(), prep.truncated, prompt_hash(prep.token_ids or [], prep.overrides))
                 # a request the engine refuses comes back from step() as a RowFailure
                 self.engine.submit((k, i), _tokens(prep), prep.overrides or None)
             if not self.engine.pending():
                 continue
             for key, g in self.engine.step():
                 k, i = cast(tuple[int, int], key)
-                t_sub, truncated = submitted.pop(i)
+                t_sub, truncated, phash = submitted.pop(i)
                 if isinstance(g, RowFailure):
                     records[k][i] = self._error(i, g.code, g.message)
                     self._row_done(k, i, records, files)
@@ -428,6 +430,7 @@ class _ChunkRunner:
                     "truncated": truncated,
                     "latency_ms": (time.monotonic() - t_sub) * 1000.0,
                     **self.prov,
+                    **answer_extras(g, phash),
                 }
                 self.prompt_tokens += g.prompt_tokens
                 self.completion_tokens += g.completion_tokens
@@ -491,6 +494,8 @@ class _ChunkRunner:
                     "truncated": p.truncated,
                     "latency_ms": per_row_ms,
                     **self.prov,
+                    "confidence": max(vec) if col == "scores" and len(vec) else None,
+                    "prompt_hash": prompt_hash(p.token_ids or []),
                 }
                 self.prompt_tokens += n_tokens
         ordered = [rows[i] for i in range(meta.first_row, meta.first_row + meta.rows)]

@@ -23,7 +23,10 @@ class ShardTask(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     spec: JobSpec
-    shard_id: str = Field(pattern=SHARD_ID_PATTERN, description="A shard id from the plan.")
+    shard_id: str = Field(
+        pattern=SHARD_ID_PATTERN,
+        description="A shard id from the plan (golden-...: a shard of the golden rows that ride along).",
+    )
     attempt_id: str | None = Field(
         None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$", description="Default: generated per process."
     )

@@ -105,6 +105,7 @@ class MirrorParams:
     ):
         err = VLLMValidationError
         self.temperature, self.top_p, self.seed, self.max_tokens = temperature, top_p, seed, max_tokens
+        self.logprobs = logprobs
         self.stop = [stop] if isinstance(stop, str) else list(stop or [])
         if not isinstance(n, int) or n < 1:
             raise err(f"n must be at least 1, got {n}.")
@@ -226,7 +227,8 @@ class FakeEngine:
                 raise
             self.refused += 1
             raise rejected from e
-        self.queue.append((key, token_ids, params))
+        top = overrides.get("logprobs") if overrides else None  # the row asked for token logprobs
+        self.queue.append((key, token_ids, params, top))
         self.params_seen.append((key, params))
         self.submitted += 1
 
@@ -255,15 +257,15 @@ class FakeEngine:
             raise EngineDeadError()
         self.steps += 1
         out, self.queue = self.queue[: self.per_step], self.queue[self.per_step :]
-        if self.fail_on is not None and any(self.fail_on(ids) for _, ids, _ in out):
+        if self.fail_on is not None and any(self.fail_on(ids) for _, ids, _, _ in out):
             self.queue = out + self.queue  # still in the engine, as in vLLM after a failed step
             raise ValueError("output processing failed (injected by fail_on)")
         res = []
-        for key, ids, params in out:
+        for key, ids, params, top in out:
             if self.crash_after is not None and self.finished >= self.crash_after:
                 raise RuntimeError("engine died (injected)")
             self.finished += 1
-            res.append((key, generate(self.spec, ids, params)))
+            res.append((key, generate(self.spec, ids, params, top)))
         return res
 
     def probe(self):
@@ -306,18 +308,49 @@ def answer(spec, ids, seed=None):
     return f"out-{h % 1000}"
 
 
-def generate(spec, ids, params) -> Generated:
+def confidence_of(spec, ids) -> float:
+    """The fake model's probability of its answer to a prompt, in [0.2, 0.99] (deterministic)."""
+    h = int(hashlib.sha256(f"conf/{ids}".encode()).hexdigest(), 16)
+    return 0.2 + 0.79 * (h % 1000) / 999
+
+
+def _logprobs(spec, ids, params, text, n_tokens, top):
+    """(cumulative_logprob, token_logprobs) as the real engine gives them: only when the request asked for
+    logprobs; the answer's token carries all of the answer's logprob, the end of sequence none."""
+    if getattr(params, "logprobs", None) is None:
+        return None, None
+    lp = math.log(confidence_of(spec, ids))
+    if top is None:
+        return lp, None
+    steps = [(text, lp), ("<eos>", 0.0)][:n_tokens]
+    content = [
+        {
+            "token": t,
+            "logprob": v,
+            "bytes": list(t.encode()),
+            "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())}][:top]
+            + [{"token": f"alt{j}", "logprob": v - 1 - j, "bytes": list(f"alt{j}".encode())} for j in range(top - 1)],
+        }
+        for t, v in steps
+    ]
+    return lp, content
+
+
+def generate(spec, ids, params, top=None) -> Generated:
     """One finished request: the answer (one token) then end-of-sequence (two completion tokens),
-    under the request's max_tokens, stop strings, temperature and seed."""
+    under the request's max_tokens, stop strings, temperature and seed; with logprobs asked for, the
+    answer's probability (``confidence_of``) and, for ``top`` (a row's own top_logprobs), the token entries."""
     seed = None
     if params.temperature >= SAMPLING_EPS:  # sampling: the seed matters; none means a fresh draw
         seed = params.seed if params.seed is not None else random.getrandbits(64)
     text = answer(spec, ids, seed)
     for s in params.stop or ():
         if s in text:
-            return Generated(
-                text=text[: text.index(s)], finish_reason="stop", prompt_tokens=len(ids), completion_tokens=1
-            )
+            cut = text[: text.index(s)]
+            lp, tokens = _logprobs(spec, ids, params, cut, 1, top)
+            return Generated(cut, "stop", len(ids), 1, cumulative_logprob=lp, token_logprobs=tokens)
     if params.max_tokens is not None and params.max_tokens < 2:  # the answer, but no room for the EOS
-        return Generated(text=text, finish_reason="length", prompt_tokens=len(ids), completion_tokens=1)
-    return Generated(text=text, finish_reason="stop", prompt_tokens=len(ids), completion_tokens=2)
+        lp, tokens = _logprobs(spec, ids, params, text, 1, top)
+        return Generated(text, "length", len(ids), 1, cumulative_logprob=lp, token_logprobs=tokens)
+    lp, tokens = _logprobs(spec, ids, params, text, 2, top)
+    return Generated(text, "stop", len(ids), 2, cumulative_logprob=lp, token_logprobs=tokens)

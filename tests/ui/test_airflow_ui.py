@@ -1,7 +1,7 @@
 """The operator's path through the Airflow UI, in headless Chromium against a real Airflow.
 
 One ``airflow standalone`` (api-server, scheduler, dag-processor, triggerer; LocalExecutor,
-SQLite) runs the DAG templates with the local runner, real vLLM CPU and a tiny random Llama:
+SQLite) runs the DAG templates with the local runner, real vLLM CPU and SmolLM2-135M-Instruct:
 (a) a re-run from the trigger form, (b) a backfill of the nightly DAG from the UI, (c) the QA
 report opened through the QA task's extra link, and the human gate: a QA 'warn' waits for
 a person; approve -> published, reject -> run failed and nothing published.
@@ -128,6 +128,50 @@ def test_a_backfill_started_from_the_ui_runs_every_date(airflow_ui, ui_data, pag
     page.goto(f"{airflow_ui.url}/dags/{NIGHTLY}/backfills")
     page.get_by_text("2026-11-20").first.wait_for()
     shots(page, "backfill-runs")
+
+
+def test_the_nightly_qa_report_shows_quality_against_the_golden_rows(airflow_ui, ui_data, page, shots):
+    """The backfilled nightly runs carried golden rows (vllm_batch_golden_uri): their report page shows the
+    accuracy card, the per-class table, the confusion matrix, the reliability diagram and the least
+    confident answers, with the numbers of the published golden files."""
+    import pyarrow.parquet as pq
+
+    (run,) = [r for r in airflow_ui.runs(NIGHTLY) if r["run_type"] == "backfill" and r["logical_date"][:10] == DAYS[1]]
+    out = ui_data / "reclassification" / f"dt={DAYS[1]}"
+    truth = pq.read_table(ui_data / "golden.parquet", columns=["id", "label"]).to_pydict()
+    known = {f"_vllm_golden:{i}": lab for i, lab in zip(truth["id"], truth["label"])}
+    res = pq.read_table(out / "golden" / "results.parquet", columns=["id", "label"]).to_pylist()
+    right = sum(r["label"] == known[r["id"]] for r in res)
+    assert len(known) == 60 and len(res) + pq.read_metadata(out / "golden" / "errors.parquet").num_rows == 60
+    assert not any(i.startswith("_vllm_golden:") for i in rows_out(out))  # never published
+
+    page.set_viewport_size({"width": 1200, "height": 900})
+    page.goto(
+        f"{airflow_ui.url}/vllm-batch/report?dag_id={NIGHTLY}&run_id={q(run['dag_run_id'])}&task_id=reclassify.qa"
+    )
+    quality = page.locator('section[data-section="quality"]')
+    quality.wait_for()
+    card = page.locator(".card", has_text="Accuracy").first
+    assert card.locator(".v").inner_text() == f"{100 * right / 60:.1f}%"
+    assert "60 labelled" in card.inner_text()
+    assert quality.locator('table[data-table="per-class"] tbody tr').count() >= 2
+    cells = quality.locator('table[data-chart="confusion"] td[data-true] b')
+    assert sum(int(c.inner_text()) for c in cells.all()) == 60
+    confidence = page.locator('section[data-section="confidence"]')
+    assert confidence.locator('svg[data-chart="reliability"] rect.bar').count() >= 1
+    least = page.locator('section[data-section="least-confident"] tbody tr')
+    assert least.count() >= 1
+    top = page.locator("header").bounding_box()["y"]
+    box = quality.bounding_box()
+    shots(
+        page,
+        "qa-report-quality",
+        full_page=True,
+        clip={"x": 0, "y": top, "width": 1200, "height": box["y"] + box["height"] - top + 16},
+    )
+    for name, section in (("qa-report-confidence", "confidence"), ("qa-report-least-confident", "least-confident")):
+        b = page.locator(f'section[data-section="{section}"]').bounding_box()
+        shots(page, name, full_page=True, clip={"x": 0, "y": b["y"] - 8, "width": 1200, "height": b["height"] + 16})
 
 
 def test_the_qa_report_opens_from_the_qa_tasks_extra_link(airflow_ui, page, shots):

@@ -18,7 +18,16 @@ import math
 from typing import Annotated, Any
 
 import annotated_types
-from pydantic import AfterValidator, BaseModel, ConfigDict, StrictStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    StrictBool,
+    StrictStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from airflow_provider_vllm.core.formats.base import is_unicode
@@ -37,8 +46,6 @@ REFUSED_CHAT_FIELDS: dict[str, str] = {
     "n": "one completion per request: n must be 1 (send one request per completion)",
     "stream": "streaming does not apply to batch requests",
     "stream_options": "streaming does not apply to batch requests",
-    "logprobs": "log probabilities are not returned by this worker",
-    "top_logprobs": "log probabilities are not returned by this worker",
     "tools": "tool calling is not supported",
     "tool_choice": "tool calling is not supported",
     "parallel_tool_calls": "tool calling is not supported",
@@ -57,8 +64,6 @@ REFUSED_CHAT_FIELDS: dict[str, str] = {
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     "n": (1,),
     "stream": (False,),
-    "logprobs": (False,),
-    "top_logprobs": (0,),
     "tools": ([],),
     "tool_choice": ("none",),
     "response_format": ({"type": "text"},),
@@ -274,6 +279,9 @@ class ChatCompletionBody(BaseModel):
     min_p: Annotated[Any, _opt(_ranged(0, 1))] = None
     repetition_penalty: Annotated[Any, _opt(_ranged(0, None, lo_open=True))] = None
     min_tokens: Annotated[Any, _opt(_ranged(0, None, integer=True))] = None
+    # log probabilities, as `vllm run-batch` returns them (choices[].logprobs.content)
+    logprobs: StrictBool | None = None
+    top_logprobs: Annotated[Any, _opt(_ranged(0, MAX_TOP_LOGPROBS, integer=True))] = None
 
     @model_validator(mode="before")
     @classmethod
@@ -287,18 +295,16 @@ class ChatCompletionBody(BaseModel):
             if k == "n":
                 if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                     raise _invalid("must be a positive integer, got {value}", field=k, value=_short(v))
-            elif k == "logprobs" and not isinstance(v, bool):
-                raise _invalid("must be a boolean, got {value}", field=k, value=_short(v))
-            elif k == "top_logprobs" and (
-                isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_TOP_LOGPROBS
-            ):
-                raise _invalid(
-                    "must be an integer in [0, {hi}], got {value}", field=k, hi=MAX_TOP_LOGPROBS, value=_short(v)
-                )
             if any(type(v) is type(ok) and v == ok for ok in NEUTRAL.get(k, ())):
                 continue
             raise _unsupported("{value} is not supported: {why}", field=k, value=_short(v), why=why)
         return {k: v for k, v in data.items() if k not in REFUSED_CHAT_FIELDS}
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatCompletionBody:
+        if self.top_logprobs and not self.logprobs:  # vLLM's and OpenAI's rule
+            raise _invalid("when using top_logprobs, logprobs must be set to true", field="top_logprobs")
+        return self
 
     @model_validator(mode="after")
     def _min_max(self) -> ChatCompletionBody:
@@ -321,6 +327,8 @@ class ChatCompletionBody(BaseModel):
             "min_p": self.min_p,
             "repetition_penalty": self.repetition_penalty,
             "min_tokens": self.min_tokens,
+            # vLLM's SamplingParams.logprobs: the chosen token and this many top ones per position
+            "logprobs": (self.top_logprobs or 0) if self.logprobs else None,
         }
         return {k: v for k, v in out.items() if v is not None}
 

@@ -265,7 +265,9 @@ def key_config(spec: JobSpec, engine_identity: str | None = None) -> dict[str, A
         "task": spec.task,
         "prompt": spec.prompt.model_dump(mode="json"),
         "sampling": spec.sampling.model_dump(mode="json"),
-        "engine": {"seed": spec.engine.seed, "engine_kwargs": kwargs},
+        # batch_invariant changes numerics; only when set, so that keys of jobs without it stay as they were
+        "engine": {"seed": spec.engine.seed, "engine_kwargs": kwargs}
+        | ({"batch_invariant": True} if spec.engine.batch_invariant else {}),
         "engine_identity": engine_identity or local_engine_identity(),
     }
 

@@ -119,10 +119,12 @@ def _join(
         f"{KEY_COLUMN}, list_position({files}, filename) AS _vllm_f, file_row_number AS _vllm_r FROM {source}"
     ).fetchall()
     if local:
-        con.execute(
-            f"CREATE TEMP VIEW cache_entries AS SELECT * FROM read_parquet({duck.local_list(local)}, "
-            "union_by_name = true)"
-        ).fetchall()
+        # entries written before a result column existed (confidence, prompt_hash, ...) lack it: null there
+        stored = f"read_parquet({duck.local_list(local)}, union_by_name = true)"
+        have = {r[0] for r in con.execute(f"DESCRIBE SELECT * FROM {stored}").fetchall()}
+        entry_types = dict(zip(ENTRY_SCHEMA.names, con.from_arrow(ENTRY_SCHEMA.empty_table()).types))
+        missing = "".join(f", NULL::{entry_types[c]} AS {_q(c)}" for c in ENTRY_SCHEMA.names if c not in have)
+        con.execute(f"CREATE TEMP VIEW cache_entries AS SELECT *{missing} FROM {stored}").fetchall()
     else:
         con.register("cache_entries", ENTRY_SCHEMA.empty_table())
     # An entry holds each key once (append_results); a key in several entries (runs that computed

@@ -10,6 +10,14 @@ Every id in this run's merged output or the previous run's (``changes.previous_u
 - ``error``: an error row in this run (``old_status`` says what it was before: 'ok', 'error' or null);
 - ``recovered``: an error row in the previous run, an answer now.
 
+A ``changed`` id also says why (``reason``; ``ChangesSummary.reasons`` counts them): ``settings``
+(the answers were made under different config hashes: model, prompt, sampling or engine setup),
+``input`` (the same settings, another engine request: the row's text was edited), ``unified`` (the
+same request and settings, which the previous run answered differently for other ids: an
+inconsistent earlier answer made one, e.g. by the result cache), ``engine`` (the same request and
+settings, answered consistently before: the engine's numerics), ``unknown`` (a run written before
+requests were hashed).
+
 The compared value (``compared``): structured choice and classify -> ``label`` (classify: the
 argmax label); json_schema -> ``parsed_json``; otherwise ``output``; embed -> the vector, equal or
 not (by a 64-bit hash of it; the file carries no vector values). ``churn_rate`` = changed /
@@ -68,7 +76,7 @@ VERSION = 1
 MAX_MATRIX_CELLS = 10_000
 _EMPTY = (
     "SELECT NULL::VARCHAR AS id, NULL::VARCHAR AS st, NULL::VARCHAR AS v, NULL::UBIGINT AS h, "
-    "NULL::VARCHAR AS code WHERE false"
+    "NULL::VARCHAR AS code, NULL::VARCHAR AS cfg, NULL::BIGINT AS ph WHERE false"
 )
 
 
@@ -97,8 +105,9 @@ def _results_relation(out: Storage, kind: str, merged: MergeSummary) -> str:
     return f"read_parquet({duck.file_list(out, verified_parts(out, kind, merged))})"
 
 
-def _side(out: Storage, col: str, merged: MergeSummary) -> str:
-    """One run's rows as (id, st 'ok'|'error', v the compared value, h a vector's hash, code the error code)."""
+def _side(out: Storage, col: str, merged: MergeSummary, con: duckdb.DuckDBPyConnection) -> str:
+    """One run's rows as (id, st 'ok'|'error', v the compared value, h a vector's hash, code the error code,
+    cfg the config hash that made the answer, ph its request's prompt hash; null in runs written before it)."""
     if col == "embedding":
         v, h = "NULL::VARCHAR", "hash(embedding)"
     elif col == "label":
@@ -106,11 +115,27 @@ def _side(out: Storage, col: str, merged: MergeSummary) -> str:
         v, h = "coalesce(label, CAST(scores AS VARCHAR))", "NULL::UBIGINT"
     else:
         v, h = f"{col}", "NULL::UBIGINT"
+    results = _results_relation(out, RESULTS, merged)
+    have = {r[0] for r in con.execute(f"DESCRIBE SELECT * FROM {results}").fetchall()}
+    ph = "prompt_hash" if "prompt_hash" in have else "NULL::BIGINT"
     return (
-        f"SELECT id, 'ok' AS st, {v} AS v, {h} AS h, NULL::VARCHAR AS code "
-        f"FROM {_results_relation(out, RESULTS, merged)} "
-        f"UNION ALL SELECT id, 'error', NULL, NULL, error_code FROM {_results_relation(out, ERRORS, merged)}"
+        f"SELECT id, 'ok' AS st, {v} AS v, {h} AS h, NULL::VARCHAR AS code, config_hash AS cfg, {ph} AS ph "
+        f"FROM {results} UNION ALL SELECT id, 'error', NULL, NULL, error_code, config_hash, NULL "
+        f"FROM {_results_relation(out, ERRORS, merged)}"
     )
+
+
+# Why a 'changed' answer moved (changes.parquet's ``reason``; null for the other kinds):
+REASONS = ("settings", "input", "unified", "engine", "unknown")
+_REASON = (
+    "CASE WHEN o.cfg IS DISTINCT FROM n.cfg THEN 'settings' "  # another model, prompt, sampling or engine setup
+    "WHEN o.ph IS NULL OR n.ph IS NULL THEN 'unknown' "  # a run written before requests were hashed
+    "WHEN o.ph <> n.ph THEN 'input' "  # the row's rendered prompt is not the same: the input was edited
+    # the same request, which the previous run answered differently for other ids: an inconsistent
+    # earlier answer made one (e.g. by the result cache, which holds one answer per prompt)
+    "WHEN o.ph IN (SELECT ph FROM prev_inconsistent) THEN 'unified' "
+    "ELSE 'engine' END"  # the same request and settings, answered consistently before: the engine's numerics
+)
 
 
 def _previous_state(prev: Storage, where: str, keyring: Keyring) -> tuple[str, MergeSummary | None]:
@@ -191,7 +216,7 @@ def compute_changes(
             if prev_merged is not None:
                 try:
                     _check_foreign(spec, prev, prev_merged, con, col)
-                    old = _side(prev, col, prev_merged)
+                    old = _side(prev, col, prev_merged, con)
                 except CommitError as e:  # a name in its manifests leaves the run, or is a glob
                     raise CommitError(
                         f"changes.previous_uri {spec.changes.previous_uri!r}: refusing the previous run: {e}"
@@ -209,17 +234,28 @@ def compute_changes(
             local = os.path.join(tmp, "changes.parquet")
             values = "" if col == "embedding" else "o.v AS old_value, n.v AS new_value, "
             cmp = "o.h IS NOT DISTINCT FROM n.h" if col == "embedding" else "o.v IS NOT DISTINCT FROM n.v"
+            vv = "CAST(h AS VARCHAR)" if col == "embedding" else "coalesce(v, chr(0))"
             con.execute(
-                f"COPY (SELECT coalesce(n.id, o.id) AS id, CASE "
-                f"WHEN n.id IS NULL THEN 'removed' WHEN n.st = 'error' THEN 'error' WHEN o.id IS NULL THEN 'added' "
-                f"WHEN o.st = 'error' THEN 'recovered' WHEN {cmp} THEN 'unchanged' ELSE 'changed' END AS change, "
+                f"CREATE TEMP TABLE prev_inconsistent AS SELECT ph FROM ({old}) WHERE st = 'ok' AND ph IS NOT NULL "
+                f"GROUP BY ph HAVING min({vv}) <> max({vv})"
+            )
+            change = (
+                f"CASE WHEN n.id IS NULL THEN 'removed' WHEN n.st = 'error' THEN 'error' WHEN o.id IS NULL THEN "
+                f"'added' WHEN o.st = 'error' THEN 'recovered' WHEN {cmp} THEN 'unchanged' ELSE 'changed' END"
+            )
+            con.execute(
+                f"COPY (SELECT coalesce(n.id, o.id) AS id, {change} AS change, "
                 f"o.st AS old_status, n.st AS new_status, {values}"
-                f"o.code AS old_error_code, n.code AS new_error_code "
-                f"FROM ({old}) o FULL OUTER JOIN ({_side(out, col, merged)}) n ON o.id = n.id ORDER BY 1) "
+                f"o.code AS old_error_code, n.code AS new_error_code, "
+                f"CASE WHEN {change} = 'changed' THEN {_REASON} END AS reason "
+                f"FROM ({old}) o FULL OUTER JOIN ({_side(out, col, merged, con)}) n ON o.id = n.id ORDER BY 1) "
                 f"TO '{local.replace(chr(39), chr(39) * 2)}' (FORMAT parquet, COMPRESSION zstd)"
             ).fetchall()
             src = f"read_parquet('{local.replace(chr(39), chr(39) * 2)}')"
             by_kind = dict(con.execute(f"SELECT change, count(*) FROM {src} GROUP BY 1").fetchall())
+            reasons = dict(
+                con.execute(f"SELECT reason, count(*) FROM {src} WHERE reason IS NOT NULL GROUP BY 1").fetchall()
+            )
             counts = ChangeCounts(**{k: int(by_kind.get(k, 0)) for k in CHANGE_KINDS})
             matrix, cells = None, None
             if col == "label":
@@ -262,6 +298,7 @@ def compute_changes(
         counts=counts,
         in_both=in_both,
         churn_rate=counts.changed / in_both if in_both else None,
+        reasons={k: int(reasons.get(k, 0)) for k in REASONS} if counts.changed else None,
         matrix=matrix,
         matrix_cells=cells,
         files={"changes": CHANGES},

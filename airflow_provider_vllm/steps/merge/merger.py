@@ -61,6 +61,7 @@ from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
 from airflow_provider_vllm.steps.cache import result_cache as cache
+from airflow_provider_vllm.steps.golden import merge_golden
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +175,11 @@ def merge(
         computed = [f"{RESULTS}/{p.name}" for p in manifests[RESULTS].parts if p.name != hits[1] and p.rows]
         made_by = [m.engine_identity for m in markers]
         cache_summary = cache.append_results(out, spec, plan, computed, made_by, keyring, filesystems)
+    golden = (  # the golden rows that ride along: checked like the input's, published apart, under golden/
+        merge_golden(out, spec, plan, committed_parts(out, plan.golden.view(plan), RunSeal(keyring, plan.seal.mac))[0])
+        if plan.golden is not None
+        else None
+    )
     summary = MergeSummary(
         rows=plan.total_rows,
         ok_rows=manifests[RESULTS].rows,
@@ -200,6 +206,7 @@ def merge(
         task=spec.task,
         id_column=spec.prompt.id_column,
         **({"cache": cache_summary} if cache_summary is not None else {}),
+        **({"golden": golden} if golden is not None else {}),
     )
     summary = seals.seal_record(
         keyring, seals.MERGED, seals.scope_of(out.uri()), summary.model_copy(update={"plan_mac": plan.seal.mac})

@@ -28,6 +28,7 @@ from airflow_provider_vllm.core.plan import PLAN_FILE, Plan, Segment, ShardPlan,
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
+from airflow_provider_vllm.steps.golden import GOLDEN_IN, with_golden
 from airflow_provider_vllm.steps.plan.sizing import History, job_history, size_shards
 
 DEFAULT_TARGET_ROWS = 10_000
@@ -67,6 +68,7 @@ def plan_job(
         plan = build_plan(spec, filesystems, max_shards=max_shards)
         if not out.exists(PLAN_FILE):
             _check_empty(spec, out)
+            plan = with_golden(plan, spec, out, filesystems, max_shards)  # qa.reference: ride-along rows
             # create-only: of two runs racing for one prefix, the loser meets the winner's plan below
             out.create_only(PLAN_FILE, plan.sealed(keyring, spec.io.output_uri).dump_json())
     existing = _existing(spec, out, keyring)
@@ -90,7 +92,8 @@ def _check_empty(spec: JobSpec, out: Storage) -> None:
     """SpecError unless the prefix is empty (create-only probes and orphaned ``_cache/`` files aside), then probe."""
     from airflow_provider_vllm.steps.cache.result_cache import CACHE_DIR
 
-    foreign = next((f for f in out.walk_files() if not f.startswith((PROBE_DIR + "/", CACHE_DIR + "/"))), None)
+    mine = (PROBE_DIR + "/", CACHE_DIR + "/", GOLDEN_IN + "/")  # files a plan killed before its _plan.json leaves
+    foreign = next((f for f in out.walk_files() if not f.startswith(mine)), None)
     if foreign is not None:
         raise SpecError(
             f"output {spec.io.output_uri} is not empty (e.g. {foreign}) and holds no plan of "
@@ -117,6 +120,7 @@ def _plan_cached(
     plan = build_plan(
         spec, filesystems, max_shards=max_shards, cache_out=out, engine_identity=engine_identity, keyring=keyring
     )
+    plan = with_golden(plan, spec, out, filesystems, max_shards)  # qa.reference: ride-along rows
     out.create_only(PLAN_FILE, plan.sealed(keyring, spec.io.output_uri).dump_json())
     return plan
 

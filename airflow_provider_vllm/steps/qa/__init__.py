@@ -4,10 +4,19 @@
 * ``metrics``: input conformance, rates, label distribution and drift, token / latency
   statistics and histograms, throughput, duplicate counts (the metric definitions).
 * ``metrics_stream``: the same metrics from DuckDB aggregates over the files (outputs too large to load).
+* ``accuracy``: classification quality from (known, predicted) counts: accuracy with its Wilson
+  interval, per-class figures, macro-F1, the confusion cells, the change against an earlier run.
+* ``labelled``: the view of every scored row (known label, answer, confidence) and, from it in
+  DuckDB, the quality metrics, the reliability table and the confident halves.
+* ``confidence``: the engine's confidence over all answers (low-confidence rate, least confident
+  rows) and the consistency of identical prompts, in DuckDB.
 * ``checks``: each metric against its warn / fail thresholds, and the overall verdict.
 * ``sample``: the deterministic, stratified sample of rows for review.
+* ``html_quality``: the page's quality sections (accuracy, confusion matrix, reliability diagram,
+  consistency, least confident rows).
 * ``html``: renders a report dict and sample rows as one self-contained page.
 * ``store``: writes report.json / report.html / sample.parquet; loads a stored report.
+* ``reference``: the known labels (``qa.reference``) as DuckDB relations.
 * ``evaluate``: ``evaluate(results, errors, ...)`` measures a result set into a ``QAReport``;
   ``evaluate_stream`` does the same over DuckDB views of the files, in bounded memory.
 * ``stage``: the QA step, ``qa_run(spec)``: reads the merged output (streamed above

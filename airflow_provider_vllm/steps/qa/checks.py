@@ -1,5 +1,12 @@
 """QA threshold checks: each metric against its warn / fail thresholds in ``QASpec``, and the
-overall verdict (the worst check; ``pass`` when every check was skipped)."""
+overall verdict (the worst check; ``pass`` when every check was skipped).
+
+Most checks fail *above* their thresholds (rates, drift). ``accuracy`` fails *below* them
+(``direction`` 'below'), and it does not pass by default when it cannot be judged: known labels
+configured but fewer than ``min_labelled`` rows scored is a warning. ``accuracy_drop`` (the drop
+since the previous report) warns or fails only when the 95% interval of the change lies below 0
+(a real drop), and then by its size.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +14,18 @@ from typing import Any
 
 from airflow_provider_vllm.core.spec import QASpec
 
-CHECKS = ("error_rate", "empty_rate", "invalid_rate", "truncation_rate", "label_drift", "churn_rate")
+CHECKS = (
+    "error_rate",
+    "empty_rate",
+    "invalid_rate",
+    "truncation_rate",
+    "label_drift",
+    "churn_rate",
+    "accuracy",
+    "accuracy_drop",
+    "low_confidence_rate",
+    "inconsistency_rate",
+)
 STATUS_ORDER = {"skip": -1, "pass": 0, "warn": 1, "fail": 2}
 
 _CHECK_TEXT = {
@@ -17,44 +35,73 @@ _CHECK_TEXT = {
     "truncation_rate": "ok rows whose prompt was truncated",
     "label_drift": "total variation distance of the label distribution vs the previous run",
     "churn_rate": "ids answered in both runs whose answer changed (changes.previous_uri)",
+    "accuracy": "labelled rows answered with the known label (qa.reference; errors and invalid answers are wrong)",
+    "accuracy_drop": "fall in accuracy since the previous report, when its 95% interval is below 0",
+    "low_confidence_rate": "answers whose confidence is below qa.low_confidence",
+    "inconsistency_rate": "prompts sent more than once that got different answers",
 }
 
 
+def _pt(x: float) -> str:
+    return f"{100 * x:+.1f} pt"
+
+
+def _status(value: float | None, warn: float, fail: float) -> str:
+    if value is None:
+        return "skip"
+    return "fail" if value > fail else "warn" if value > warn else "pass"
+
+
+def _accuracy(metrics: dict[str, Any], spec: QASpec) -> tuple[float | None, str, str, dict[str, Any]]:
+    q = metrics.get("quality")
+    if q is None:
+        return None, "skip", "no known labels (qa.reference)", {}
+    acc = q["accuracy"]
+    value, n = acc["value"], q["labelled"]
+    extra = {"interval": [acc["low"], acc["high"]], "of": n}
+    if not n:
+        return None, "warn", "known labels are configured but none names a row of this run: nothing to score", extra
+    detail = f"{q['correct']} / {n}, 95% interval {100 * acc['low']:.1f}-{100 * acc['high']:.1f}%"
+    if n < spec.min_labelled:
+        return value, "warn", f"{detail}; only {n} scored rows, fewer than qa.min_labelled {spec.min_labelled}", extra
+    status = "fail" if value < spec.fail_accuracy_below else "warn" if value < spec.warn_accuracy_below else "pass"
+    return value, status, detail, extra
+
+
+def _drop(metrics: dict[str, Any], spec: QASpec) -> tuple[float | None, str, str, dict[str, Any]]:
+    q = metrics.get("quality") or {}
+    v = q.get("vs_previous")
+    if v is None:
+        why = "no known labels" if not q else "no previous report with an accuracy (qa.previous_report_uri)"
+        return None, "skip", why, {}
+    drop = -v["delta"]
+    extra = {"interval": [-v["high"], -v["low"]], "previous": v["previous"]}
+    detail = (
+        f"{_pt(v['delta'])} vs {100 * v['previous']:.1f}% of {v['previous_labelled']} "
+        f"(95% interval {_pt(v['low'])} to {_pt(v['high'])})"
+    )
+    if not v["real_drop"]:
+        return drop, "pass", detail + (": a real gain" if v["real_gain"] else ": the interval includes 0"), extra
+    return drop, _status(drop, spec.warn_accuracy_drop, spec.fail_accuracy_drop), detail + ": a real drop", extra
+
+
 def run_checks(metrics: dict[str, Any], spec: QASpec, *, structured: bool) -> list[dict[str, Any]]:
-    """One check dict per name in ``CHECKS`` (value, warn, fail, status, detail, description);
-    a check whose metric is absent (not structured, no previous run, no changes) is ``skip``."""
+    """One check dict per name in ``CHECKS`` (value, warn, fail, status, detail, description; ``direction``
+    'below' for accuracy); a check whose metric is absent (not structured, no previous run, no labels) is ``skip``."""
     out = []
     for name in CHECKS:
-        warn, fail = getattr(spec, f"warn_{name}"), getattr(spec, f"fail_{name}")
-        if name == "label_drift":
-            d = metrics.get("label_drift")
-            value = None if d is None else d["tvd"]
-            detail = "no previous run to compare" if d is None else "vs previous run"
-        elif name == "churn_rate":
-            ch = metrics.get("changes")
-            value = None if ch is None else ch.get("churn_rate")
-            if ch is None:
-                detail = "changes.previous_uri not set"
-            elif value is None:
-                detail = (
-                    "no id answered in both runs"
-                    if ch.get("previous_state") == "complete"
-                    else "no complete previous run"
-                )
-            else:
-                detail = f"{ch['counts']['changed']} / {ch['in_both']}"
+        extra: dict[str, Any] = {}
+        if name == "accuracy":
+            warn, fail = spec.warn_accuracy_below, spec.fail_accuracy_below
+            value, status, detail, extra = _accuracy(metrics, spec)
+            extra["direction"] = "below"
+        elif name == "accuracy_drop":
+            warn, fail = spec.warn_accuracy_drop, spec.fail_accuracy_drop
+            value, status, detail, extra = _drop(metrics, spec)
         else:
-            r = metrics["rates"].get(name)
-            value = None if r is None else r["value"]
-            detail = "not a structured-output job" if r is None else f"{r['count']} / {r['of']}"
-        if value is None:
-            status = "skip"
-        elif value > fail:
-            status = "fail"
-        elif value > warn:
-            status = "warn"
-        else:
-            status = "pass"
+            warn, fail = getattr(spec, f"warn_{name}"), getattr(spec, f"fail_{name}")
+            value, detail = _value(name, metrics)
+            status = _status(value, warn, fail)
         out.append(
             {
                 "name": name,
@@ -64,9 +111,41 @@ def run_checks(metrics: dict[str, Any], spec: QASpec, *, structured: bool) -> li
                 "status": status,
                 "detail": detail,
                 "description": _CHECK_TEXT[name],
+                **extra,
             }
         )
     return out
+
+
+def _value(name: str, metrics: dict[str, Any]) -> tuple[float | None, str]:
+    if name == "label_drift":
+        d = metrics.get("label_drift")
+        return (None, "no previous run to compare") if d is None else (d["tvd"], "vs previous run")
+    if name == "churn_rate":
+        ch = metrics.get("changes")
+        value = None if ch is None else ch.get("churn_rate")
+        if ch is None:
+            return None, "changes.previous_uri not set"
+        if value is None:
+            done = ch.get("previous_state") == "complete"
+            return None, "no id answered in both runs" if done else "no complete previous run"
+        return value, f"{ch['counts']['changed']} / {ch['in_both']}"
+    if name == "low_confidence_rate":
+        c = metrics.get("confidence")
+        if c is None:
+            return None, "no answer has a confidence"
+        r = c["low_rate"]
+        return r["value"], f"{r['count']} / {r['of']} below {c['low_threshold']}"
+    if name == "inconsistency_rate":
+        c = metrics.get("consistency")
+        if c is None:
+            return None, "no prompt hashes"
+        r = c["inconsistency_rate"]
+        if not r["of"]:
+            return None, "no prompt was sent twice"
+        return r["value"], f"{r['count']} / {r['of']} repeated prompts"
+    r = metrics["rates"].get(name)
+    return (None, "not a structured-output job") if r is None else (r["value"], f"{r['count']} / {r['of']}")
 
 
 def overall_status(checks: list[dict[str, Any]]) -> str:

@@ -10,6 +10,7 @@ report with ``store.write_qa``; the caller raises ``QAFailed`` (or asks a human)
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 import duckdb
@@ -17,6 +18,14 @@ import pyarrow as pa
 
 from airflow_provider_vllm.core.spec import QASpec
 from airflow_provider_vllm.steps.qa.checks import overall_status, run_checks
+from airflow_provider_vllm.steps.qa.confidence import (
+    answer_stats,
+    confidence_metrics,
+    consistency_counts,
+    consistency_examples,
+    consistency_metrics,
+)
+from airflow_provider_vllm.steps.qa.labelled import labelled_view, quality
 from airflow_provider_vllm.steps.qa.metrics import (
     ERROR_NEEDS,
     RESULT_NEEDS,
@@ -27,10 +36,12 @@ from airflow_provider_vllm.steps.qa.metrics import (
     throughput_metrics,
 )
 from airflow_provider_vllm.steps.qa.metrics_stream import ResultTally
+from airflow_provider_vllm.steps.qa.reference import References, label_sql
 from airflow_provider_vllm.steps.qa.report import QAReport
-from airflow_provider_vllm.steps.qa.sample import draw_sample, draw_sample_by
+from airflow_provider_vllm.steps.qa.sample import draw_sample, draw_sample_by, least_confident
 
 IN_LIST_MAX = 10_000  # picked rows read with a constant IN list up to this many ids, else a semi-join
+KNOWN_IN_SCAN = 10_000  # known ids (a golden set) read with the sample's rows up to this many, else a semi-join
 
 
 def evaluate(
@@ -46,6 +57,10 @@ def evaluate(
     duplicates: dict[str, Any] | None = None,
     changes: dict[str, Any] | None = None,
     cache: dict[str, Any] | None = None,
+    reference: pa.Table | None = None,
+    reference_source: str = "golden_set",
+    ride_along: tuple[pa.Table, pa.Table, pa.Table] | None = None,
+    compared: str | None = "label",
 ) -> QAReport:
     """Metrics, threshold checks and a deterministic stratified sample (pure computation).
 
@@ -56,6 +71,10 @@ def evaluate(
     is merge's count of ids committed more than once, taken before its dedupe (``_MERGED.json``).
     ``changes``: ``ChangesSummary.dump()`` (``steps/merge/changes.py``) for the churn_rate check and the
     churn matrix; ``cache``: ``{rows, hits, misses, hit_rate}`` of the result cache (``stage.cache_metrics``).
+    ``reference``: known labels of this run's rows (columns id, label; from ``reference_source``,
+    'input_column' or 'golden_set'); ``ride_along``: the ride-along golden rows' (results, errors,
+    known labels). ``compared``: the result column whose answers the consistency check compares
+    (None: not checked).
     """
     results = conform(results, RESULT_NEEDS)
     errors = conform(errors, ERROR_NEEDS)
@@ -64,11 +83,37 @@ def evaluate(
     try:
         con.register("r", results)
         con.register("e", errors)
+        refs = References()
+        if reference is not None:
+            con.register("ref_in", reference)
+            con.execute(
+                f"CREATE TEMP TABLE ref AS SELECT CAST(id AS VARCHAR) AS id, {label_sql('label')} AS label "
+                "FROM ref_in WHERE label IS NOT NULL AND trim(CAST(label AS VARCHAR)) <> ''"
+            )
+            refs.run_source = reference_source
+            refs.known[reference_source] = con.execute("SELECT count(*) FROM ref").fetchall()[0][0]
+        if ride_along is not None:
+            gres, gerr, glab = ride_along
+            con.register("gr", conform(gres, RESULT_NEEDS))
+            con.register("ge", conform(gerr, ERROR_NEEDS))
+            con.register("gref_in", glab)
+            con.execute(
+                f"CREATE TEMP TABLE gref AS SELECT CAST(id AS VARCHAR) AS id, {label_sql('label')} AS label "
+                "FROM gref_in WHERE label IS NOT NULL AND trim(CAST(label AS VARCHAR)) <> ''"
+            )
+            refs.ride_along = True
+            refs.known["ride_along"] = con.execute("SELECT count(*) FROM gref").fetchall()[0][0]
         metrics = compute_metrics(results, errors, labels=labels, structured=structured, notes=notes)
+        metrics.update(
+            measure_answers(con, spec=spec, labels=labels, previous=previous, refs=refs, compared=compared, notes=notes)
+        )
+        least = metrics["confidence"]["least_confident_ids"] if metrics.get("confidence") else []
         return _report(
             metrics,
             notes,
-            lambda sizes: draw_sample(con, results, errors, spec=spec, label_sizes=sizes),
+            lambda sizes: least_confident(
+                draw_sample(con, results, errors, spec=spec, label_sizes=sizes), results, least, spec.seed
+            ),
             spec=spec,
             structured=structured,
             shard_stats=shard_stats,
@@ -95,36 +140,62 @@ def evaluate_stream(
     duplicates: dict[str, Any] | None = None,
     changes: dict[str, Any] | None = None,
     cache: dict[str, Any] | None = None,
+    refs: References | None = None,
+    compared: str | None = "label",
+    task: str | None = None,
     batch_rows: int = 1 << 20,
 ) -> QAReport:
     """``evaluate`` over DuckDB relations ``r`` and ``e`` of ``con`` (views over the merged files)
     that need not fit in memory: the counts from one DuckDB aggregate (``metrics_stream``), the
     latencies fetched batch by batch (``batch_rows``), the sample by DuckDB over the views (only
-    the picked rows are read). ``result_rows``: the rows of ``r`` (from footers), for one buffer."""
+    the picked rows are read). ``result_rows``: the rows of ``r`` (from footers), for one buffer.
+    ``refs``: the reference relations ``con`` has (``reference.attach_references``); ``task``: the job's
+    (chat and generate rows never carry vectors: their scans are skipped)."""
     notes: list[str] = []
-    tally = ResultTally(capacity=result_rows)
-    tally.tally(con, batch_rows)
+    refs = refs or References()
+    tally = ResultTally(capacity=result_rows, low_confidence=spec.low_confidence)
+    tally.tally(con, batch_rows, vectors=None if task in (None, "embed", "classify") else False)
     metrics = tally.metrics(labels=labels, structured=structured, notes=notes)
+    stats = answer_stats(
+        con, low=spec.low_confidence, least=spec.least_confident, counted=(tally.confidence, tally.hashed)
+    )
+    least = stats["least"]
+    repeats = consistency_counts(con, value=compared, hashed=stats["hashed"]) if compared else None
+    picked = repeats[1] if repeats is not None else []
+    # The rows QA reads whole go in one scan of the results: the sample's, the least confident, the
+    # known ids' (a golden set of up to KNOWN_IN_SCAN ids) and the examples of inconsistent prompts.
+    n_known = refs.known.get(refs.run_source, 0) if refs.run_source else 0
+    known = [i for (i,) in con.execute("SELECT id FROM ref").fetchall()] if 0 < n_known <= KNOWN_IN_SCAN else []
     needs = {"r": RESULT_NEEDS, "e": ERROR_NEEDS}
 
-    def rows(table: str, ids: list[str]) -> pa.Table:
-        if not ids:
+    def rows(table: str, ids: list[str], hashes: Sequence[int] = ()) -> pa.Table:
+        also = f" OR prompt_hash IN ({', '.join(str(int(h)) for h in hashes)})" if hashes else ""
+        if not ids and not hashes:
             return conform(con.sql(f"SELECT * FROM {table} LIMIT 0").to_arrow_table(), needs[table])
         if len(ids) > IN_LIST_MAX:  # a huge sample: a semi-join (a SQL text of that size would be slow to parse)
             con.register("qa_picked", pa.table({"id": pa.array(ids, pa.string())}))
             try:
                 return conform(
-                    con.sql(f"SELECT * FROM {table} WHERE id IN (SELECT id FROM qa_picked)").to_arrow_table(),
+                    con.sql(f"SELECT * FROM {table} WHERE id IN (SELECT id FROM qa_picked){also}").to_arrow_table(),
                     needs[table],
                 )
             finally:
                 con.unregister("qa_picked")
         # a constant IN list: DuckDB filters inside the scan (4x faster than the join at 100M rows)
-        listed = ", ".join("'" + i.replace("'", "''") + "'" for i in ids)
-        return conform(con.sql(f"SELECT * FROM {table} WHERE id IN ({listed})").to_arrow_table(), needs[table])
+        listed = ", ".join("'" + i.replace("'", "''") + "'" for i in ids) or "NULL"
+        return conform(con.sql(f"SELECT * FROM {table} WHERE id IN ({listed}){also}").to_arrow_table(), needs[table])
+
+    fetched: dict[str, pa.Table] = {}
+
+    def rows_once(table: str, ids: list[str]) -> pa.Table:
+        """``rows``; for the results, the sample's rows with every other row QA reads whole (one scan)."""
+        if table != "r":
+            return rows(table, ids)
+        fetched["r"] = rows("r", list(dict.fromkeys([*ids, *least, *known])), picked)
+        return fetched["r"]
 
     def draw(sizes):
-        return draw_sample_by(
+        drawn = draw_sample_by(
             con,
             spec=spec,
             label_sizes=sizes,
@@ -132,8 +203,30 @@ def evaluate_stream(
             n_err=tally.n_err,
             some_shard_ids=tally.counts["shard_id"][None] < tally.ok,
             counts=lambda _t, c: tally.value_counts(c),
-            rows=rows,
+            rows=rows_once,
         )
+        if "r" not in fetched:
+            rows_once("r", [])
+        return least_confident(drawn, fetched["r"], least, spec.seed)
+
+    def measure() -> None:
+        """After the draw, from the rows it read: quality, confidence, consistency."""
+        table = fetched["r"]
+        con.register("qa_fetched", table)
+        try:
+            labelled_view(
+                con, run_source=refs.run_source, ride_along=refs.ride_along, results="qa_fetched" if known else "r"
+            )
+            q = quality(con, labels=labels, previous=previous, known=refs.known, notes=notes)
+            if q is not None:
+                q["locations"] = dict(refs.locations)
+            consistency = None
+            if repeats is not None and compared is not None:
+                consistency = repeats[0]
+                consistency["examples"] = consistency_examples(con, "qa_fetched", value=compared, picked=picked)
+        finally:
+            con.unregister("qa_fetched")
+        metrics.update(quality=q, confidence=confidence_metrics(stats, notes=notes), consistency=consistency)
 
     return _report(
         metrics,
@@ -147,13 +240,39 @@ def evaluate_stream(
         duplicates=duplicates,
         changes=changes,
         cache=cache,
+        measure=measure,
     )
 
 
+def measure_answers(
+    con,
+    *,
+    spec: QASpec,
+    labels,
+    previous,
+    refs: References,
+    compared: str | None,
+    notes: list[str],
+    counted: tuple[dict, int] | None = None,
+) -> dict[str, Any]:
+    """``quality`` (labelled rows), ``confidence`` and ``consistency`` from ``con``'s ``r``, ``e`` and references."""
+    labelled_view(con, run_source=refs.run_source, ride_along=refs.ride_along)
+    q = quality(con, labels=labels, previous=previous, known=refs.known, notes=notes)
+    if q is not None:
+        q["locations"] = dict(refs.locations)
+    stats = answer_stats(con, low=spec.low_confidence, least=spec.least_confident, counted=counted)
+    return {
+        "quality": q,
+        "confidence": confidence_metrics(stats, notes=notes),
+        "consistency": consistency_metrics(con, value=compared, hashed=stats["hashed"]) if compared else None,
+    }
+
+
 def _report(
-    metrics, notes, draw, *, spec, structured, shard_stats, previous, run_info, duplicates, changes, cache
+    metrics, notes, draw, *, spec, structured, shard_stats, previous, run_info, duplicates, changes, cache, measure=None
 ) -> QAReport:
-    """Throughput, duplicates, drift, changes, cache, the sample (``draw(label_sizes)``), checks: the report."""
+    """Throughput, duplicates, drift, changes, cache, the sample (``draw(label_sizes)``), checks: the report.
+    ``measure()``: metrics that need the rows the draw read (the streamed path's quality measures)."""
     metrics["throughput"] = throughput_metrics(shard_stats)
     if changes is not None:  # steps/merge/changes.py's summary (ChangesSummary.dump()); drives the churn_rate check
         metrics["changes"] = _jsonable(changes)
@@ -169,6 +288,8 @@ def _report(
         if ld["unlabelled"]:
             label_sizes[None] = ld["unlabelled"]
     sample, sample_info = draw(label_sizes)
+    if measure is not None:
+        measure()
     metrics["sample"] = sample_info
     checks = run_checks(metrics, spec, structured=structured)
     return QAReport(

@@ -13,6 +13,14 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
+from airflow_provider_vllm.steps.qa.html_quality import (
+    accuracy_cards,
+    confidence_section,
+    consistency_section,
+    least_confident_section,
+    quality_section,
+)
+
 COLORS = {"pass": "#1a7f37", "warn": "#b35900", "fail": "#cf222e", "skip": "#6e7781"}
 BG = {"pass": "#dafbe1", "warn": "#fff1cc", "fail": "#ffebe9", "skip": "#f0f2f4"}
 GAUGE = {"pass": "#a8e6b8", "warn": "#f6d67a", "fail": "#f7a8a2"}
@@ -57,10 +65,10 @@ td.num,th.num{text-align:right;font-variant-numeric:tabular-nums;white-space:now
 @media (max-width:900px){.grid2{grid-template-columns:1fr}}
 .stats{font-size:12px;color:#57606a;font-variant-numeric:tabular-nums}
 .muted{color:#6e7781}
-.sample td{font-size:12.5px}
-.sample td.out{white-space:pre-wrap;word-break:break-word;max-width:460px}
-.sample td.id{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;min-width:9em;max-width:240px;
-  overflow-wrap:anywhere}
+.sample td,.least td{font-size:12.5px}
+.sample td.out,.least td.out{white-space:pre-wrap;word-break:break-word;max-width:460px}
+.sample td.id,.least td.id{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;min-width:9em;
+  max-width:240px;overflow-wrap:anywhere}
 .sample td.err{color:#8c1d18}
 table.matrix{width:auto}
 table.matrix td,table.matrix th{border:1px solid #eaeef2;text-align:right;min-width:4.5em}
@@ -112,7 +120,8 @@ def _check_threshold(c: dict, key: str) -> str:
     v = c.get(key)
     if v is None:
         return "–"
-    return f"{v:.3f}" if c.get("name") == "label_drift" else _pct(v, 1)
+    side = "<" if c.get("direction") == "below" else ">"
+    return f"{side} " + (f"{v:.3f}" if c.get("name") == "label_drift" else _pct(v, 1))
 
 
 def _cut(s: str, n: int) -> str:
@@ -257,18 +266,25 @@ def histogram_svg(hist: dict | None, *, width: int = 520, height: int = 190, uni
     return "".join(out)
 
 
-def gauge_svg(value: float | None, warn: float, fail: float, *, width: int = 150, height: int = 14) -> str:
-    """A threshold strip: green up to warn, amber up to fail, red beyond; a tick at the value."""
-    top = max(fail * 1.25, (value or 0) * 1.05, warn * 1.5, 1e-9)
+def gauge_svg(
+    value: float | None, warn: float, fail: float, *, width: int = 150, height: int = 14, below: bool = False
+) -> str:
+    """A threshold strip: green up to warn, amber up to fail, red beyond; a tick at the value.
+    ``below`` (accuracy): a scale from 0 to 1, red below fail, amber below warn, green above."""
+    top = 1.0 if below else max(fail * 1.25, (value or 0) * 1.05, warn * 1.5, 1e-9)
 
     def x(v: float) -> float:
         return min(width, max(0.0, v / top * width))
 
-    parts = [
-        f'<svg role="img" width="{width}" height="{height}" viewBox="0 0 {width} {height}">',
-        f'<rect x="0" y="3" width="{x(warn):.1f}" height="8" fill="{GAUGE["pass"]}"/>',
-        f'<rect x="{x(warn):.1f}" y="3" width="{x(fail) - x(warn):.1f}" height="8" fill="{GAUGE["warn"]}"/>',
-        f'<rect x="{x(fail):.1f}" y="3" width="{width - x(fail):.1f}" height="8" fill="{GAUGE["fail"]}"/>',
+    zones = (
+        [("fail", 0.0, fail), ("warn", fail, warn), ("pass", warn, top)]
+        if below
+        else [("pass", 0.0, warn), ("warn", warn, fail), ("fail", fail, top)]
+    )
+    parts = [f'<svg role="img" width="{width}" height="{height}" viewBox="0 0 {width} {height}">'] + [
+        f'<rect x="{x(a):.1f}" y="3" width="{max(0.0, (x(b) if b < top else width) - x(a)):.1f}" height="8" '
+        f'fill="{GAUGE[z]}"/>'
+        for z, a, b in zones
     ]
     if value is not None:
         parts.append(f'<rect x="{max(0.0, x(value) - 1.5):.1f}" y="0" width="3" height="{height}" fill="#1f2328"/>')
@@ -298,6 +314,7 @@ def _header(d: dict) -> str:
         ("Rows", _int(m.get("total", 0)), ""),
         ("OK", _int(m.get("ok", 0)), ""),
         ("Errors", _int(m.get("errors", 0)), _pct(err) if err is not None else ""),
+        *accuracy_cards(m),
         ("Sample", _int(sample.get("rows", 0)), f"seed {sample.get('seed', '–')}"),
         *(
             [("Duplicate ids", _int(dup.get("ids", 0)), f"{_int(dup.get('rows_dropped', 0))} rows dropped at merge")]
@@ -358,7 +375,12 @@ def _checks(d: dict) -> str:
         st = str(c.get("status", "skip"))
         color = BG.get(st, "#fff") if st in ("warn", "fail") else "#fff"
         gauge = (
-            gauge_svg(c.get("value"), float(c.get("warn") or 0), float(c.get("fail") or 0))
+            gauge_svg(
+                c.get("value"),
+                float(c.get("warn") or 0),
+                float(c.get("fail") or 0),
+                below=c.get("direction") == "below",
+            )
             if c.get("value") is not None
             else ""
         )
@@ -373,7 +395,7 @@ def _checks(d: dict) -> str:
         )
     return (
         '<section><h2>Checks</h2><table><thead><tr><th>Check</th><th class="num">Value</th><th>Scale</th>'
-        '<th class="num">Warn &gt;</th><th class="num">Fail &gt;</th><th>Status</th></tr></thead><tbody>'
+        '<th class="num">Warn</th><th class="num">Fail</th><th>Status</th></tr></thead><tbody>'
         + "".join(rows)
         + "</tbody></table></section>"
     )
@@ -438,6 +460,18 @@ def _changes(d: dict) -> str:
         f"churn {_e(_pct(ch.get('churn_rate')))} of {_int(ch.get('in_both'))} ids answered in both runs · "
         "rows in changes/changes.parquet"
     )
+    reasons = ch.get("reasons") or {}
+    why = {
+        "settings": "another model, prompt or settings",
+        "input": "the text was edited",
+        "unified": "an inconsistent earlier answer made one",
+        "engine": "same request and settings: the engine's numerics",
+        "unknown": "the previous run did not record its requests",
+    }
+    if any(reasons.values()):
+        sub += "<br>Why answers moved: " + " · ".join(
+            f'<span data-reason="{_e(k)}"><b>{_int(n)}</b> {_e(why.get(k, k))}</span>' for k, n in reasons.items() if n
+        )
     return (
         f'<section data-section="changes"><h2>What changed since the last run</h2><p class="desc">{sub}</p>'
         f'<div class="cards">{cards}</div>{_matrix(ch)}</section>'
@@ -638,6 +672,8 @@ def _sample(d: dict, rows: list[dict]) -> str:
         )
         label = r.get("label")
         label_cell = _e(label) if label is not None else '<span class="muted">–</span>'
+        if isinstance(r.get("confidence"), (int, float)) and math.isfinite(r["confidence"]):
+            label_cell += f'<div class="desc">confidence {r["confidence"]:.3f}</div>'
         inp = ""
         if has_input:
             inp = f'<td class="out">{_e(_cut(str(r.get("input_excerpt") or ""), EXCERPT))}</td>'
@@ -665,11 +701,15 @@ def render_report_html(report_dict: dict, sample_rows: list[dict]) -> str:
         f"<title>{_e(title)}</title><style>{_CSS}</style></head><body><main>",
         _header(d),
         _checks(d),
+        quality_section(d.get("metrics") or {}),
+        confidence_section(d.get("metrics") or {}),
+        consistency_section(d.get("metrics") or {}),
         _changes(d),
         _labels(d),
         _errors(d),
         _distributions(d),
         _shards(d),
+        least_confident_section(d.get("metrics") or {}, list(sample_rows or [])),
         _sample(d, list(sample_rows or [])),
         "</main></body></html>",
     ]

@@ -46,6 +46,8 @@ RESULT_NEEDS = (
     "model",
     "model_revision",
     "shard_id",
+    "confidence",
+    "prompt_hash",
 )
 ERROR_NEEDS = ("id", "error_code", "error_message", "shard_id")
 

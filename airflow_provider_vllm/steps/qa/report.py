@@ -68,7 +68,7 @@ class QAReport:
             if c["status"] == "skip":
                 continue
             v = c["value"]
-            val = f"{v:.4f}" if c["name"] == "label_drift" else f"{100 * v:.2f}%"
+            val = "n/a" if v is None else f"{v:.4f}" if c["name"] == "label_drift" else f"{100 * v:.2f}%"
             parts.append(f"{c['name']}={val}({c['status']})")
         s = m.get("sample", {})
         parts.append(f"sample={s.get('rows', 0)}")
@@ -88,7 +88,10 @@ class QAFailed(VllmBatchError):
             failing = [c for c in report.get("checks", []) if c.get("status") == "fail"]
         self.report = report
         self.failing = list(failing)
-        listed = "; ".join(f"{c['name']}={_fmt_check_value(c)} > fail {c['fail']}" for c in self.failing)
+        listed = "; ".join(
+            f"{c['name']}={_fmt_check_value(c)} {'<' if c.get('direction') == 'below' else '>'} fail {c['fail']}"
+            for c in self.failing
+        )
         super().__init__(f"QA failed {len(self.failing)} check(s): {listed or '(none listed)'}")
 
     def __reduce__(self):  # picklable with its payload (Airflow may pickle exceptions)

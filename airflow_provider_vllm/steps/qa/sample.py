@@ -287,3 +287,24 @@ def _take(table: pa.Table, picked: list[tuple[Any, str]], status: str, seed: int
     cols.append(pa.array(sample_keys(seed, sub.column("id").to_pylist()), pa.string()))
     fields.append(pa.field("qa_sample_key", pa.string()))
     return pa.Table.from_arrays(cols, schema=pa.schema(fields))
+
+
+LEAST_CONFIDENT = "least_confident"  # qa_stratum of the rows the sample takes for their low confidence
+
+
+def least_confident(drawn: tuple[pa.Table, dict], table: pa.Table, ids: list[str], seed: int) -> tuple[pa.Table, dict]:
+    """The drawn (sample, info) plus the ok rows ``ids`` of ``table`` (the least confident, least first)
+    that the draw did not already take, with ``qa_stratum`` 'least_confident'."""
+    sample, info = drawn
+    have = set(info.get("ids") or [])
+    extra = [i for i in ids if i not in have]
+    if not extra:
+        return sample, {**info, "least_confident": 0}
+    part = _take(table, [(LEAST_CONFIDENT, i) for i in extra], "ok", seed)
+    sample = pa.concat_tables([sample, part], promote_options="permissive")
+    return sample, {
+        **info,
+        "rows": sample.num_rows,
+        "least_confident": part.num_rows,
+        "ids": list(info.get("ids") or []) + part.column("id").to_pylist(),
+    }

@@ -11,9 +11,11 @@ from airflow_provider_vllm.core.plan import Plan, load_plan
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
-from airflow_provider_vllm.steps.merge.changes import compute_changes
+from airflow_provider_vllm.steps.golden import attach_golden
+from airflow_provider_vllm.steps.merge.changes import compared_column, compute_changes
 from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS, read_manifest, read_merged, verified_parts
 from airflow_provider_vllm.steps.qa.evaluate import evaluate, evaluate_stream
+from airflow_provider_vllm.steps.qa.reference import attach_references, find_references
 from airflow_provider_vllm.steps.qa.report import QAReport
 from airflow_provider_vllm.steps.qa.store import load_report, write_qa
 
@@ -60,31 +62,73 @@ def qa_run(
             "rows": merged.rows,
         },
     )
-    con = duck.connect(out)
+    found = find_references(spec, plan, out, filesystems)
+    compared = None if spec.task == "embed" else compared_column(spec)
+    con = duck.connect(out, *([found.root] if found is not None else []))
     try:
         # Only what QA reads; vectors are replaced by a presence marker (10M x 384 floats would not fit).
         con.execute(
             f"CREATE TEMP VIEW r AS SELECT id, output, label, valid, "
             f"CASE WHEN embedding IS NULL THEN NULL ELSE []::FLOAT[] END AS embedding, scores, finish_reason, "
-            f"prompt_tokens, completion_tokens, truncated, latency_ms, model, model_revision, shard_id "
+            f"prompt_tokens, completion_tokens, truncated, latency_ms, model, model_revision, shard_id, "
+            f"confidence, prompt_hash "
             f"FROM read_parquet({duck.file_list(out, parts[RESULTS])})"
         )
         con.execute(
             f"CREATE TEMP VIEW e AS SELECT id, error_code, error_message, shard_id "
             f"FROM read_parquet({duck.file_list(out, parts[ERRORS])})"
         )
+        refs = attach_references(con, found)
+        golden_rows = attach_golden(con, out, plan, spec, merged)  # the ride-along rows: gr, ge, gref
+        if golden_rows is not None:
+            refs.ride_along = True
+            refs.known["ride_along"] = golden_rows
+            refs.locations["ride_along"] = plan.golden.uri if plan.golden is not None else ""
         result_rows = read_manifest(out, RESULTS).rows
         if result_rows + read_manifest(out, ERRORS).rows > STREAM_ABOVE_ROWS:
-            report = evaluate_stream(con, result_rows=result_rows, **args)
+            report = evaluate_stream(con, result_rows=result_rows, refs=refs, compared=compared, task=spec.task, **args)
         else:
             report = evaluate(
-                con.sql("SELECT * FROM r").to_arrow_table(), con.sql("SELECT * FROM e").to_arrow_table(), **args
+                con.sql("SELECT * FROM r").to_arrow_table(),
+                con.sql("SELECT * FROM e").to_arrow_table(),
+                reference=con.sql("SELECT id, label FROM ref").to_arrow_table() if refs.run_source else None,
+                reference_source=refs.run_source or "golden_set",
+                ride_along=(
+                    (
+                        con.sql("SELECT * FROM gr").to_arrow_table(),
+                        con.sql("SELECT * FROM ge").to_arrow_table(),
+                        con.sql("SELECT id, label FROM gref").to_arrow_table(),
+                    )
+                    if refs.ride_along
+                    else None
+                ),
+                compared=compared,
+                **args,
             )
+            if report.metrics.get("quality") is not None:
+                report.metrics["quality"]["locations"] = dict(refs.locations)
+        if refs.run_source:
+            report.sample = _with_known_labels(con, report.sample)
     finally:
         con.close()
     report.sample = _with_input_excerpt(spec, report.sample, out, plan)
     paths = write_qa(report, out)
     return report, paths
+
+
+def _with_known_labels(con, sample: pa.Table) -> pa.Table:
+    """The sample with ``known_label``: each row's label from the reference (``ref`` on ``con``), if any."""
+    if sample.num_rows == 0:
+        return sample
+    con.register("qa_sample_ids", pa.table({"id": sample.column("id").cast(pa.string())}))
+    try:
+        known = dict(con.execute("SELECT s.id, ref.label FROM qa_sample_ids s JOIN ref ON ref.id = s.id").fetchall())
+    finally:
+        con.unregister("qa_sample_ids")
+    col = pa.array([known.get(i) for i in sample.column("id").to_pylist()], pa.string())
+    if "known_label" in sample.column_names:
+        sample = sample.drop_columns(["known_label"])
+    return sample.append_column("known_label", col)
 
 
 def cache_metrics(plan: Plan) -> dict[str, Any] | None:
@@ -136,7 +180,16 @@ def qa_summary(report: QAReport, paths: dict[str, str], out_uri: str) -> dict[st
         "status": report.status,
         "summary": report.summary_line(),
         "duplicates": (report.metrics.get("duplicates") or {}).get("ids"),
-        "checks": [{k: c.get(k) for k in ("name", "value", "warn", "fail", "status")} for c in d["checks"]],
+        "checks": [
+            {
+                k: c.get(k)
+                for k in ("name", "value", "warn", "fail", "status", "direction", "interval", "detail")
+                if k in c
+            }
+            for c in d["checks"]
+        ],
+        # where the known labels came from (source -> URI), for lineage: the golden set is a QA input
+        "references": ((d["metrics"].get("quality") or {}).get("locations")) or {},
         "report_html": f"{out_uri.rstrip('/')}/{paths['report_html']}",
         "report_json": f"{out_uri.rstrip('/')}/{paths['report_json']}",
     }

@@ -25,6 +25,8 @@ SAMPLE_HTML_COLUMNS = (
     "error_message",
     "shard_id",
     "qa_stratum",
+    "confidence",
+    "known_label",
 )
 
 

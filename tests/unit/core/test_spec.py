@@ -129,3 +129,72 @@ def test_from_params_refuses_the_forms_payloads(allowed):
             validate_params({"compare_with": value})
     spec = JobSpec.from_params({"compare_with": str(allowed / "out" / "dt=1") + "/"}, base=base_doc(allowed))
     assert spec.changes.previous_uri == str(allowed / "out" / "dt=1") + "/"
+
+
+LABELLED = {**BASE, "sampling": {"structured": {"choice": ["a", "b"]}}}
+
+
+@pytest.mark.parametrize(
+    "patch, message",
+    [
+        ({"qa": {"reference": {"input_column": "t", "golden_uri": "/g"}}}, "set one of input_column and golden_uri"),
+        ({"qa": {"reference": {"input_column": "id"}}}, "qa.reference.input_column is prompt.id_column"),
+        ({"qa": {"reference": {"input_column": "bad col"}}}, "qa.reference.input_column"),
+        ({"qa": {"reference": {"golden_uri": "http://x/g"}}}, "qa.reference.golden_uri"),
+        ({"qa": {"reference": {"ride_along_uri": "/g/../h"}}}, "qa.reference.ride_along_uri"),
+        ({"qa": {"reference": {"ride_along_uri": "/g", "label_column": "id"}}}, "label_column and id_column"),
+        ({"qa": {"reference": {"golden_uri": "/g"}}, "sampling": {}}, "needs sampling.structured.choice"),
+        (
+            {"qa": {"reference": {"ride_along_uri": "/g"}}, "io": {**BASE["io"], "input_format": "openai_batch"}},
+            "openai_batch",
+        ),
+        ({"qa": {"warn_accuracy_below": 0.4, "fail_accuracy_below": 0.6}}, "fail_accuracy_below must be <="),
+        ({"qa": {"warn_accuracy_drop": 0.2, "fail_accuracy_drop": 0.1}}, "warn_accuracy_drop must be <="),
+        ({"qa": {"min_labelled": 0}}, "qa.min_labelled"),
+        ({"qa": {"least_confident": -1}}, "qa.least_confident"),
+        ({"qa": {"low_confidence": 1.5}}, "qa.low_confidence"),
+    ],
+)
+def test_quality_settings_are_checked(patch, message):
+    doc = json.loads(json.dumps(LABELLED))
+    for k, v in patch.items():
+        doc[k] = {**doc.get(k, {}), **v} if k != "sampling" else v
+    with pytest.raises(SpecError) as e:
+        JobSpec.load(doc)
+    assert message in str(e.value)
+
+
+def test_a_reference_needs_labels_but_classify_has_them():
+    spec = JobSpec.load({**BASE, "task": "classify", "qa": {"reference": {"golden_uri": "/g"}}})
+    assert spec.qa.reference.configured and spec.qa.fail_accuracy_below == 0.5
+
+
+def test_every_field_has_a_description():
+    from pydantic import BaseModel
+
+    def walk(model: type[BaseModel], path: str):
+        for name, f in model.model_fields.items():
+            assert f.description, f"{path}{name} has no description"
+            ann = f.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                walk(ann, f"{path}{name}.")
+
+    from airflow_provider_vllm.core.spec import QASpec
+
+    walk(QASpec, "qa.")
+
+
+def test_fields_added_with_a_neutral_default_keep_the_config_and_cache_key_hashes():
+    """Recorded before qa.reference, qa.confidence and engine.batch_invariant existed: rows, chunks and
+    cache entries of earlier runs still match a spec that does not use them."""
+    from airflow_provider_vllm.steps.cache.key import key_config, key_hash
+
+    doc = {**BASE, "model": {"name": "org/m", "revision": "r1"}, "sampling": {"structured": {"choice": ["a", "b"]}}}
+    spec = JobSpec.load(doc)
+    assert spec.output_hash() == "3db63012a95a67cf196740870390813c87fcb987de2b679b8c407ccac5b7f59b"
+    assert key_hash(key_config(spec, "vllm==x")) == "f5269a4c9b5228a82175cad0bd3e2623e054db796cbe93029e3b0e64dff73c79"
+    on = JobSpec.load({**doc, "engine": {"batch_invariant": True}})
+    assert on.output_hash() != spec.output_hash()
+    assert key_hash(key_config(on, "vllm==x")) != key_hash(key_config(spec, "vllm==x"))
+    quality = JobSpec.load({**doc, "qa": {"confidence": False, "reference": {"golden_uri": "/g"}}})
+    assert quality.output_hash() == spec.output_hash()  # QA settings never change an answer

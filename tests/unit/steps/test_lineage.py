@@ -108,3 +108,35 @@ def test_publish_marks_the_output_folder():
     lin = publish_lineage(make_spec("/d/in", "gs://jobs-bucket/out/"), {"rows": 5, "ok_rows": 4, "error_rows": 1})
     assert [(d.namespace, d.name, d.rows) for d in lin.outputs] == [("gs://jobs-bucket", "out", 5)]
     assert [d.rows for d in lin.inputs] == [4, 1]
+
+
+def test_accuracy_assertions_go_on_the_results_and_the_golden_set():
+    checks = [
+        {"name": "error_rate", "value": 0.0, "warn": 0.01, "fail": 0.05, "status": "pass"},
+        {
+            "name": "accuracy",
+            "value": 0.396,
+            "warn": 0.8,
+            "fail": 0.5,
+            "status": "fail",
+            "direction": "below",
+            "interval": [0.375, 0.418],
+            "detail": "792 / 2000",
+        },
+        {"name": "accuracy_drop", "value": 0.1, "warn": 0.0, "fail": 0.05, "status": "fail", "interval": [0.07, 0.13]},
+    ]
+    qa = {"status": "fail", "checks": checks, "references": {"golden_set": "s3://bkt/golden.parquet"}}
+    acc = {a.name: a for a in qa_assertions(qa)}["accuracy"]
+    assert (acc.success, acc.severity, acc.expected) == (False, "error", ">= 0.8 (fails below 0.5)")
+    assert acc.actual == "0.396 (95% interval 0.375 to 0.418)" and acc.description == "792 / 2000"
+    spec = make_spec(
+        "/d/in", "/d/out", qa={"reference": {"golden_uri": "s3://bkt/golden.parquet", "ride_along_uri": "/d/ride"}}
+    )
+    lin = qa_lineage(spec, qa)
+    golden = [d for d in lin.inputs if d.namespace == "s3://bkt"]
+    assert [d.name for d in golden] == ["golden.parquet"]
+    assert [a.name for a in golden[0].assertions] == ["accuracy", "accuracy_drop"]
+    ride = [d for d in lin.inputs if d.name == "/d/ride"]
+    assert ride and [a.name for a in ride[0].assertions] == ["accuracy", "accuracy_drop"]
+    results = lin.inputs[0]
+    assert {a.name for a in results.assertions} >= {"error_rate", "accuracy", "accuracy_drop", "qa_verdict"}

@@ -283,7 +283,8 @@ def test_qa_stage_writes_report_with_input_excerpts(tmp_path, fake_engine_factor
     html = (tmp_path / "out" / paths["report_html"]).read_text()
     assert "<svg" in html and "billing" in html
     sample = pq.read_table(tmp_path / "out" / paths["sample"]).to_pylist()
-    assert len(sample) == 20
+    drawn = [r for r in sample if r["qa_stratum"] != "least_confident"]  # + the least confident rows
+    assert len(drawn) == 20 and len(sample) - len(drawn) == report.metrics["sample"]["least_confident"] > 0
     ok = [r for r in sample if r["status"] == "ok"]
     assert ok and all("invoice" in r["input_excerpt"] for r in ok)
     s = qa_summary(report, paths, str(tmp_path / "out"))
@@ -291,3 +292,95 @@ def test_qa_stage_writes_report_with_input_excerpts(tmp_path, fake_engine_factor
     # 4 of 300 rows are errors: 1.3% > warn 1% -> warn
     err = next(c for c in s["checks"] if c["name"] == "error_rate")
     assert err["status"] == "warn"
+
+
+# ---- confidence, prompt hashes, logprobs ----------------------------------------------------
+def _engine_ids(spec, text):
+    """The token ids the worker sends the fake engine for one template row."""
+    from airflow_provider_vllm.worker.prompts import PromptBuilder
+    from tests.support.fakes import FakeTokenizer
+
+    return PromptBuilder(spec, FakeTokenizer(), 1024).prepare({"text": text}).token_ids
+
+
+def test_structured_choice_rows_carry_the_engines_confidence(tmp_path, fake_engine_factory):
+    from tests.support.fakes import confidence_of
+
+    texts = [f"ticket {i % 7}" for i in range(40)]  # repeated texts: repeated prompts
+    write_parquet(tmp_path / "in.parquet", [f"t{i}" for i in range(40)], texts)
+    spec = make_spec(tmp_path / "in.parquet", tmp_path / "out")
+    run_all(spec, fake_engine_factory)
+    merge(spec).dump()
+    res, _ = read_out(tmp_path / "out")
+    by_text = {}
+    for r in res:
+        text = texts[int(r["id"][1:])]
+        assert r["confidence"] == pytest.approx(confidence_of(spec, _engine_ids(spec, text)), rel=1e-6)
+        by_text.setdefault(text, set()).add(r["prompt_hash"])
+        assert r["logprobs"] is None  # no row asked for token logprobs
+    assert all(len(h) == 1 for h in by_text.values()) and len({next(iter(h)) for h in by_text.values()}) == 7
+    seen = [p for e in fake_engine_factory.made for _, p in e.params_seen]
+    assert seen and all(p.logprobs == 0 for p in seen)  # the chosen tokens' logprobs only
+
+
+@pytest.mark.parametrize(
+    "structured, confidence, asked",
+    [(True, False, False), (False, None, False), (False, True, True)],
+)
+def test_logprobs_are_asked_for_only_when_needed(tmp_path, fake_engine_factory, structured, confidence, asked):
+    write_parquet(tmp_path / "in.parquet", ["a", "b"], ["x", "y"])
+    spec = make_spec(
+        tmp_path / "in.parquet",
+        tmp_path / "out",
+        sampling={"structured": {"choice": LABELS} if structured else None},
+        qa={"confidence": confidence},
+    )
+    run_all(spec, fake_engine_factory)
+    merge(spec).dump()
+    res, _ = read_out(tmp_path / "out")
+    assert all((r["confidence"] is not None) == asked for r in res)
+    assert all((p.logprobs is not None) == asked for e in fake_engine_factory.made for _, p in e.params_seen)
+
+
+def test_classify_confidence_is_the_top_class_probability(tmp_path, fake_engine_factory):
+    write_parquet(tmp_path / "in.parquet", ["a", "b"], ["x", "yy"])
+    spec = make_spec(
+        tmp_path / "in.parquet",
+        tmp_path / "out",
+        task="classify",
+        sampling={"structured": None},
+        prompt={"system_prompt": None},
+    )
+    run_all(spec, fake_engine_factory)
+    merge(spec).dump()
+    res, _ = read_out(tmp_path / "out")
+    assert all(r["confidence"] == pytest.approx(max(r["scores"])) and r["prompt_hash"] is not None for r in res)
+
+
+def test_openai_requests_get_logprobs_in_openais_shape(tmp_path, fake_engine_factory):
+    def req(i, **extra):
+        body = {"messages": [{"role": "user", "content": f"ticket {i}"}], "max_tokens": 5, **extra}
+        return {"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
+
+    reqs = [req(0), req(1, logprobs=True), req(2, logprobs=True, top_logprobs=3), req(3, top_logprobs=2)]
+    p = tmp_path / "batch.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in reqs))
+    spec = make_spec(
+        p, tmp_path / "out", io={"output_format": "openai_batch"}, prompt={"system_prompt": None, "template": "{text}"}
+    )
+    run_all(spec, fake_engine_factory)
+    merge(spec).dump()
+    out = {
+        x["custom_id"]: x
+        for x in map(json.loads, (tmp_path / "out" / "openai" / "output.jsonl").read_text().splitlines())
+    }
+    errs = [json.loads(x) for x in (tmp_path / "out" / "openai" / "errors.jsonl").read_text().splitlines()]
+    assert [e["error"]["code"] for e in errs] == ["INVALID_REQUEST"]  # top_logprobs without logprobs
+    choice = {k: v["response"]["body"]["choices"][0] for k, v in out.items()}
+    assert choice["req-0"]["logprobs"] is None
+    content = choice["req-1"]["logprobs"]["content"]
+    assert [c["token"] for c in content] == [choice["req-1"]["message"]["content"], "<eos>"]
+    assert all(set(c) == {"token", "logprob", "bytes", "top_logprobs"} and c["top_logprobs"] == [] for c in content)
+    top = choice["req-2"]["logprobs"]["content"][0]["top_logprobs"]
+    assert len(top) == 3 and top[0]["token"] == choice["req-2"]["message"]["content"]
+    assert all(set(t) == {"token", "logprob", "bytes"} for t in top)

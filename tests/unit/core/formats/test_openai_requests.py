@@ -17,7 +17,6 @@ def user(text="hello"):
         ({"messages": user(), "foo": 1}, "unknown field body.foo (accepted: messages, model"),
         ({"messages": user(), "n": 2}, "body.n: 2 is not supported: one completion per request"),
         ({"messages": user(), "stream": True}, "streaming does not apply to batch requests"),
-        ({"messages": user(), "logprobs": True}, "log probabilities are not returned"),
         ({"messages": user(), "tools": [{"type": "function"}]}, "tool calling is not supported"),
         ({"messages": user(), "response_format": {"type": "json_schema"}}, "set sampling.structured in the job spec"),
         ({"messages": [{"role": "tool", "content": "1", "tool_call_id": "x"}]}, "role 'tool': tool messages"),
@@ -182,3 +181,28 @@ def test_what_a_row_may_set_vllms_sampling_params_take():
     ]
     for kw in edges:
         SamplingParams(**parse_chat_body({"messages": user(), **kw}).sampling())
+
+
+@pytest.mark.parametrize(
+    "extra, logprobs",
+    [({"logprobs": True}, 0), ({"logprobs": True, "top_logprobs": 5}, 5), ({"logprobs": True, "top_logprobs": 20}, 20)],
+)
+def test_logprobs_map_to_vllms_sampling_logprobs(extra, logprobs):
+    """As vLLM's OpenAI server maps them: logprobs true -> SamplingParams.logprobs = top_logprobs (0: the chosen
+    token's only)."""
+    assert parse_chat_body({"messages": user(), **extra}).sampling() == {"logprobs": logprobs}
+
+
+@pytest.mark.parametrize(
+    "extra, fragment",
+    [
+        ({"top_logprobs": 3}, "when using top_logprobs, logprobs must be set to true"),
+        ({"logprobs": True, "top_logprobs": 21}, "body.top_logprobs: must be in [0, 20], got 21"),
+        ({"logprobs": True, "top_logprobs": -1}, "body.top_logprobs: must be in [0, 20], got -1"),
+        ({"logprobs": "yes"}, "body.logprobs"),
+    ],
+)
+def test_logprobs_out_of_range_are_invalid_requests(extra, fragment):
+    with pytest.raises(RequestFault) as e:
+        parse_chat_body({"messages": user(), **extra})
+    assert e.value.code == "INVALID_REQUEST" and fragment in e.value.message

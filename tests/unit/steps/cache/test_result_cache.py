@@ -23,6 +23,7 @@ from airflow_provider_vllm.core.engine_identity import local_engine_identity
 from airflow_provider_vllm.core.errors import CommitError, SpecError
 from airflow_provider_vllm.core.plan import PLAN_FILE, Plan
 from airflow_provider_vllm.core.records import CacheCommit
+from airflow_provider_vllm.core.rows import RESULT_SCHEMA
 from airflow_provider_vllm.core.seal import CACHE_ENTRY, Keyring, record_bytes, scope_of, seal_record
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.steps.cache import result_cache as cache
@@ -594,3 +595,35 @@ def test_a_planted_chunk_is_never_reused_by_a_retry(tmp_path, fake_engine_factor
     assert m["stats"]["reused_chunks"] == 0
     merge(s1)
     assert "forged" not in {r["label"] for r in results(s1).values()}
+
+
+def test_entries_written_before_a_result_column_existed_still_serve(tmp_path, fake_engine_factory):
+    """An entry of an older version lacks the columns added since (confidence, prompt_hash, logprobs): its
+    hits read them as null, and the hits file is still in the results schema."""
+    write_parquet(tmp_path / "in-a.parquet", IDS, TEXTS)
+    s1 = spec_for(tmp_path, "a")
+    run_job(s1, fake_engine_factory)
+    store = tmp_path / "cache"
+    (marker,) = store.glob("commits/*/*.json")
+    commit = CacheCommit.model_validate_json(marker.read_bytes())
+    part = store / commit.files[0].path
+    old = pq.read_table(part).drop_columns(["confidence", "prompt_hash", "logprobs"])
+    os.chmod(part, 0o644)
+    pq.write_table(old, part)
+    # as that version's merge sealed it (the deployment's key): only its bytes lack the new columns
+    files = [
+        commit.files[0].model_copy(
+            update={"bytes": part.stat().st_size, "sha256": Storage(str(store)).sha256(commit.files[0].path)}
+        )
+    ]
+    resealed = seal_record(
+        Keyring.from_env(), CACHE_ENTRY, scope_of(str(store)), commit.model_copy(update={"files": files, "seal": None})
+    )
+    os.chmod(marker, 0o644)
+    marker.write_bytes(record_bytes(resealed))
+    s2 = spec_for(tmp_path, "b")
+    write_parquet(tmp_path / "in-b.parquet", IDS, TEXTS)
+    p2, m2 = run_job(s2, fake_engine_factory)
+    assert p2.cache.hits == 50 and m2["ok_rows"] == 50
+    hits = pq.read_table(tmp_path / "out-b" / "results")
+    assert hits.schema.equals(RESULT_SCHEMA) and hits.column("confidence").null_count == 50

@@ -37,10 +37,17 @@ def write_run(
     task: str | None = "chat",
     id_column: str | None = "id",
     config_hash: str = "c",
+    hashes: dict[str, int] | None = None,
+    configs: dict[str, str] | None = None,
 ) -> Path:
-    """A merged run under ``out``: ``ok`` id -> value of ``col``, ``errors`` id -> error code."""
+    """A merged run under ``out``: ``ok`` id -> value of ``col``, ``errors`` id -> error code; ``hashes``:
+    id -> prompt_hash, ``configs``: id -> config_hash (default ``config_hash``)."""
     errors = errors or {}
-    rows = [{"id": i, col: v, "model": "fake", "config_hash": config_hash} for i, v in ok.items()]
+    hashes, configs = hashes or {}, configs or {}
+    rows = [
+        {"id": i, col: v, "model": "fake", "config_hash": configs.get(i, config_hash), "prompt_hash": hashes.get(i)}
+        for i, v in ok.items()
+    ]
     write_merged_folder(out, RESULTS, pa.Table.from_pylist(rows, schema=RESULT_SCHEMA))
     write_merged_folder(
         out,
@@ -362,3 +369,95 @@ def test_qa_of_a_second_run_reports_exactly_the_moved_labels(tmp_path, fake_engi
     assert "What changed since the last run" in html and 'data-chart="churn"' in html
     stored = json.loads((tmp_path / "d2" / "out" / "qa" / "report.json").read_text())
     assert stored["metrics"]["changes"] == ch
+
+
+def test_a_changed_answer_says_why_it_moved(tmp_path, spec_for):
+    write_run(
+        tmp_path / "prev",
+        {"a": "bug", "b": "bug", "c": "billing", "d": "other", "e": "bug", "f": "bug", "g": "bug"},
+        hashes={"a": 1, "b": 2, "c": 2, "d": 3, "e": 4, "g": 7},  # prompt 2 answered two ways; f: no hash
+    )
+    write_run(
+        tmp_path / "now",
+        {"a": "billing", "b": "billing", "c": "billing", "d": "bug", "e": "other", "f": "other", "g": "bug"},
+        hashes={"a": 1, "b": 2, "c": 2, "d": 33, "e": 4, "f": 5, "g": 7},
+        configs={"e": "c2"},
+    )
+    summary = compute_changes(spec_for(tmp_path / "prev"))
+    got = {i: (r["change"], r["reason"]) for i, r in changes_of(tmp_path / "now").items()}
+    assert got == {
+        "a": ("changed", "engine"),  # same request, same settings, consistent before: the engine's numerics
+        "b": ("changed", "unified"),  # prompt 2 had two answers before; now one
+        "c": ("unchanged", None),
+        "d": ("changed", "input"),  # another request: the text was edited
+        "e": ("changed", "settings"),  # made under another config
+        "f": ("changed", "unknown"),  # the previous run did not hash its requests
+        "g": ("unchanged", None),
+    }
+    assert summary.reasons == {"settings": 1, "input": 1, "unified": 1, "engine": 1, "unknown": 1}
+    assert ChangesSummary.model_validate_json((tmp_path / "now" / SUMMARY).read_text()).reasons == summary.reasons
+
+
+def test_runs_written_before_prompt_hashes_existed_compare_with_reason_unknown(tmp_path, spec_for):
+    write_run(tmp_path / "prev", {"a": "bug", "b": "bug"})
+    part = tmp_path / "prev" / RESULTS / "part-00000.parquet"
+    pq.write_table(pq.read_table(part).drop_columns(["prompt_hash", "confidence", "logprobs"]), part)
+    write_run(tmp_path / "now", {"a": "billing", "b": "bug"}, hashes={"a": 1, "b": 2})
+    summary = compute_changes(spec_for(tmp_path / "prev"))
+    assert changes_of(tmp_path / "now")["a"]["reason"] == "unknown" and summary.reasons["unknown"] == 1
+
+
+def test_an_inconsistent_night_unified_by_the_cache_is_explained(tmp_path):
+    """The demo's story: night 1 answers two identical tickets differently (batch-dependent numerics); QA
+    reports the inconsistency; night 2's cache serves one answer to both, and the moved label says 'unified'."""
+    from airflow_provider_vllm.steps.merge.merger import merge
+    from airflow_provider_vllm.steps.plan.planner import plan_job
+    from airflow_provider_vllm.steps.qa.stage import qa_run
+    from airflow_provider_vllm.worker.shard import run_shard
+    from airflow_provider_vllm.worker.task import ShardTask
+    from tests.support.data import write_parquet
+    from tests.support.fakes import FakeEngine
+
+    texts = ["my card was charged twice"] * 2 + [f"ticket {i}" for i in range(10)]
+    ids = [f"t{i:02d}" for i in range(12)]
+    write_parquet(tmp_path / "d1" / "in.parquet", ids, texts)
+    write_parquet(tmp_path / "d2" / "in.parquet", ids, texts)
+
+    def night(day: str, prev: str | None, factory):
+        spec = make_spec(
+            tmp_path / day / "in.parquet",
+            tmp_path / day / "out",
+            model={"name": "fake", "max_model_len": 1024, "revision": "r"},
+            cache={"uri": str(tmp_path / "cache")},
+            changes={"previous_uri": str(tmp_path / prev / "out") if prev else None},
+        )
+        plan = plan_job(spec, engine_identity="fake")
+        for s in plan.shards:
+            run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=factory)
+        merge(spec).dump()
+        return qa_run(spec)[0]
+
+    def first_two_disagree(spec):
+        e = FakeEngine(spec, real_vllm=False)
+        real_step = e.step
+
+        def step():
+            done = []
+            for key, g in real_step():
+                if key[1] == 1:  # row t01, the same text as t00: another label
+                    g.text = next(lab for lab in LABELS if lab != g.text)
+                done.append((key, g))
+            return done
+
+        e.step = step
+        return e
+
+    r1 = night("d1", None, first_two_disagree)
+    c = r1.metrics["consistency"]
+    assert (c["repeated_prompts"], c["inconsistent_prompts"]) == (1, 1) and c["examples"][0]["ids"] == ["t00", "t01"]
+    r2 = night("d2", "d1", lambda spec: FakeEngine(spec, real_vllm=False))
+    assert r2.metrics["cache"]["hits"] == 12  # the cache holds one answer per prompt: both repeated rows get it
+    assert r2.metrics["consistency"]["inconsistent_prompts"] == 0
+    moved = {i: r for i, r in changes_of(tmp_path / "d2" / "out").items() if r["change"] == "changed"}
+    assert len(moved) == 1 and next(iter(moved.values()))["reason"] == "unified"
+    assert r2.metrics["changes"]["reasons"]["unified"] == 1

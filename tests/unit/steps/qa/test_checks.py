@@ -100,3 +100,99 @@ def test_churn_rate_skips_without_a_comparison(changes, detail):
     c = check(rep, "churn_rate")
     assert (c["status"], c["value"], c["detail"]) == ("skip", None, detail)
     assert rep.status == "pass" and "cache" not in rep.metrics
+
+
+# ---- accuracy gates ------------------------------------------------------------------------
+LAB = ["billing", "bug", "account", "other", "feature_request"]
+
+
+def _labelled(n, right, **spec):
+    """n labelled rows of which ``right`` carry the known label."""
+    import pyarrow as pa
+
+    recs = [ok_row(i, label=LAB[i % 5] if i < right else LAB[(i + 1) % 5]) for i in range(n)]
+    ref = pa.table({"id": [f"r{i}" for i in range(n)], "label": [LAB[i % 5] for i in range(n)]})
+    return split(recs), ref, QASpec(**spec)
+
+
+@pytest.mark.parametrize(
+    "right, expected", [(1000, "pass"), (800, "pass"), (799, "warn"), (500, "warn"), (499, "fail"), (400, "fail")]
+)
+def test_accuracy_gate_by_default(right, expected):
+    (results, errors), ref, spec = _labelled(1000, right)
+    rep = evaluate(results, errors, spec=spec, labels=LAB, structured=True, reference=ref)
+    c = check(rep, "accuracy")
+    assert c["status"] == expected and c["value"] == right / 1000 and c["direction"] == "below"
+    assert c["interval"][0] < right / 1000 < c["interval"][1] or right == 1000
+    assert rep.status == expected
+
+
+def test_a_40_percent_accurate_run_fails_and_says_why():
+    (results, errors), ref, spec = _labelled(200, 80)
+    rep = evaluate(results, errors, spec=spec, labels=LAB, structured=True, reference=ref)
+    assert rep.status == "fail" and "accuracy=40.00%(fail)" in rep.summary_line()
+    with pytest.raises(QAFailed, match=r"accuracy=40.0000% < fail 0.5"):
+        rep.raise_on_fail()
+
+
+def test_too_few_labelled_rows_warn_instead_of_deciding_on_noise():
+    (results, errors), ref, spec = _labelled(10, 10)
+    rep = evaluate(results, errors, spec=spec, labels=LAB, structured=True, reference=ref)
+    c = check(rep, "accuracy")
+    assert c["status"] == "warn" and "fewer than qa.min_labelled 30" in c["detail"]
+    (results, errors), ref, spec = _labelled(10, 0, min_labelled=5)
+    assert (
+        check(evaluate(results, errors, spec=spec, labels=LAB, structured=True, reference=ref), "accuracy")["status"]
+        == "fail"
+    )
+
+
+def test_a_reference_that_matches_no_row_warns():
+    import pyarrow as pa
+
+    (results, errors), _, spec = _labelled(50, 50)
+    ref = pa.table({"id": ["elsewhere"], "label": ["bug"]})
+    rep = evaluate(results, errors, spec=spec, labels=LAB, structured=True, reference=ref)
+    c = check(rep, "accuracy")
+    assert c["status"] == "warn" and c["value"] is None and "none names a row" in c["detail"]
+    assert "accuracy=n/a(warn)" in rep.summary_line()
+
+
+def test_no_reference_skips_the_accuracy_checks():
+    (results, errors), _, spec = _labelled(50, 50)
+    rep = evaluate(results, errors, spec=spec, labels=LAB, structured=True)
+    assert check(rep, "accuracy")["status"] == "skip" and check(rep, "accuracy_drop")["status"] == "skip"
+
+
+@pytest.mark.parametrize(
+    "before, after, expected",
+    [
+        (900, 900, "pass"),  # no change
+        (900, 880, "pass"),  # 2 points on 1000 rows: the interval includes 0
+        (900, 860, "warn"),  # 4 points: real, under fail_accuracy_drop 5 points
+        (900, 800, "fail"),  # 10 points: real and large
+        (800, 900, "pass"),  # a gain
+    ],
+)
+def test_accuracy_drop_gate(before, after, expected):
+    (r0, e0), ref, spec = _labelled(1000, before, warn_accuracy_below=0.0, fail_accuracy_below=0.0)
+    prev = evaluate(r0, e0, spec=spec, labels=LAB, structured=True, reference=ref).to_dict()
+    (r1, e1), ref, _ = _labelled(1000, after)
+    rep = evaluate(r1, e1, spec=spec, labels=LAB, structured=True, reference=ref, previous=prev)
+    c = check(rep, "accuracy_drop")
+    assert c["status"] == expected and c["value"] == pytest.approx((before - after) / 1000)
+    assert ("a real drop" in c["detail"]) == (expected != "pass")
+
+
+def test_low_confidence_and_inconsistency_gates_are_off_by_default_and_can_be_set():
+    recs = [ok_row(i, label="bug", confidence=0.3 if i < 30 else 0.9, prompt_hash=i % 50) for i in range(100)]
+    recs[0]["label"] = "billing"  # prompt 0 answered two ways
+    results, errors = split(recs)
+    rep = evaluate(results, errors, spec=QASpec(), labels=LAB, structured=True)
+    assert check(rep, "low_confidence_rate")["value"] == 0.3 and check(rep, "low_confidence_rate")["status"] == "pass"
+    assert check(rep, "inconsistency_rate")["value"] == 1 / 50 and check(rep, "inconsistency_rate")["status"] == "pass"
+    strict = QASpec(warn_low_confidence_rate=0.1, fail_low_confidence_rate=0.25, warn_inconsistency_rate=0.01)
+    rep = evaluate(results, errors, spec=strict, labels=LAB, structured=True)
+    assert (
+        check(rep, "low_confidence_rate")["status"] == "fail" and check(rep, "inconsistency_rate")["status"] == "warn"
+    )

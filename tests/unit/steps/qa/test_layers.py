@@ -7,7 +7,22 @@ from pathlib import Path
 
 import airflow_provider_vllm.steps.qa as qa
 
-ORDER = ["report", "metrics", "metrics_stream", "checks", "sample", "html", "store", "evaluate", "stage"]
+ORDER = [
+    "report",
+    "metrics",
+    "metrics_stream",
+    "accuracy",
+    "labelled",
+    "confidence",
+    "checks",
+    "sample",
+    "html_quality",
+    "html",
+    "store",
+    "reference",
+    "evaluate",
+    "stage",
+]
 PKG = "airflow_provider_vllm.steps.qa"
 
 

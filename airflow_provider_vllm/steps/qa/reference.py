@@ -1,0 +1,157 @@
+"""The known labels QA scores against (``qa.reference``), as DuckDB relations for ``labelled``.
+
+``attach_references(con, spec, plan, out)`` creates, on a connection that already has the run's
+``r`` and ``e``:
+
+* ``ref(id, label)`` from ``input_column`` (the run's own Parquet input, read through the plan's
+  file list) or from ``golden_uri`` (a Parquet file or folder of id and label columns);
+* ``gref``, ``gr``, ``ge`` for the ride-along golden rows: their known labels (the plan's golden
+  input file) and the results / errors merge published under ``golden/`` (``steps.golden``).
+
+Labels are compared as text, trimmed; a null or blank label is not a label. A golden set with
+a missing column, a null id or an id twice is refused (``SpecError`` naming the file and the
+column): a reference that cannot be trusted must not grade a run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import duckdb
+
+from airflow_provider_vllm.core import duck
+from airflow_provider_vllm.core.errors import SpecError
+from airflow_provider_vllm.core.formats.files import find_input
+from airflow_provider_vllm.core.plan import Plan
+from airflow_provider_vllm.core.spec import JobSpec
+from airflow_provider_vllm.core.storage import FileSystems, Storage
+
+EXAMPLES = 5
+
+
+@dataclass
+class References:
+    """Which reference relations a connection has, and how many known labels each source holds."""
+
+    run_source: str | None = None  # 'input_column' | 'golden_set'
+    ride_along: bool = False
+    known: dict[str, int] = field(default_factory=dict)
+    locations: dict[str, str] = field(default_factory=dict)  # source -> where its labels came from
+
+
+def _q(c: str) -> str:
+    return '"' + c.replace('"', '""') + '"'
+
+
+def label_sql(column: str) -> str:
+    """A label column as compared: text, trimmed; NULL when null or blank."""
+    return f"nullif(trim(CAST({_q(column)} AS VARCHAR)), '')"
+
+
+def load_labels(
+    con: duckdb.DuckDBPyConnection,
+    table: str,
+    files: str,
+    *,
+    id_column: str,
+    label_column: str,
+    what: str,
+    unique: bool = True,
+) -> int:
+    """Temp table ``table(id, label)`` from the Parquet ``files`` (a SQL list); returns its rows.
+
+    Rows without a label are left out. ``unique``: refuse null or repeated ids (a golden set);
+    the run's own input was checked by the plan.
+    """
+    try:
+        cols = {r[0] for r in con.execute(f"DESCRIBE SELECT * FROM read_parquet({files})").fetchall()}
+    except duckdb.Error as e:
+        raise SpecError(f"{what}: cannot be read as Parquet ({type(e).__name__}: {str(e).splitlines()[0]})") from e
+    for c, role in ((id_column, "id"), (label_column, "label")):
+        if c not in cols:
+            raise SpecError(f"{what}: no column {c!r} (the {role} column); columns: {sorted(cols)[:20]}")
+    con.execute(
+        f"CREATE OR REPLACE TEMP TABLE {table} AS SELECT CAST({_q(id_column)} AS VARCHAR) AS id, "
+        f"{label_sql(label_column)} AS label FROM read_parquet({files})"
+    )
+    if unique:
+        nulls, total, distinct = con.execute(
+            f"SELECT count(*) FILTER (WHERE id IS NULL), count(*), count(DISTINCT id) FROM {table}"
+        ).fetchall()[0]
+        if nulls:
+            raise SpecError(f"{what}: {nulls} row(s) with a null {id_column!r}")
+        if distinct != total:
+            dup = [
+                r[0]
+                for r in con.execute(
+                    f"SELECT id FROM {table} GROUP BY id HAVING count(*) > 1 ORDER BY id LIMIT {EXAMPLES}"
+                ).fetchall()
+            ]
+            raise SpecError(f"{what}: {total - distinct} repeated id(s) in {id_column!r}, e.g. {dup}")
+    con.execute(f"DELETE FROM {table} WHERE label IS NULL")
+    return int(con.execute(f"SELECT count(*) FROM {table}").fetchall()[0][0])
+
+
+@dataclass(frozen=True)
+class LabelFiles:
+    """Where one source's known labels are: the Parquet files, their id and label columns."""
+
+    source: str  # 'input_column' | 'golden_set'
+    root: Storage
+    names: list[str]
+    id_column: str
+    label_column: str
+    location: str  # the spec's URI, for messages and lineage
+    unique: bool  # refuse null or repeated ids (a golden set; the run's input was checked by the plan)
+
+
+def find_references(
+    spec: JobSpec, plan: Plan, out: Storage, filesystems: FileSystems | None = None
+) -> LabelFiles | None:
+    """The known labels of this run's rows (``input_column`` or ``golden_uri``), or None."""
+    ref = spec.qa.reference
+    if ref.input_column is not None:
+        if plan.format != "parquet":
+            raise SpecError(
+                f"qa.reference.input_column needs Parquet input; this run's input is {plan.format}: "
+                "use qa.reference.golden_uri (an id -> label file) instead"
+            )
+        return LabelFiles(
+            "input_column",
+            out.at(plan.input_root),
+            [f.path for f in plan.files],
+            spec.prompt.id_column,
+            ref.input_column,
+            spec.io.input_uri,
+            unique=False,
+        )
+    if ref.golden_uri is not None:
+        found = find_input(ref.golden_uri, spec.io.storage_options, "parquet", filesystems)
+        return LabelFiles(
+            "golden_set", found.root, found.names, ref.id_column, ref.label_column, ref.golden_uri, unique=True
+        )
+    return None
+
+
+def attach_references(con: duckdb.DuckDBPyConnection, found: LabelFiles | None) -> References:
+    """Create ``ref`` on ``con`` (made with ``duck.connect`` over ``found.root`` too); what was attached."""
+    refs = References()
+    if found is None:
+        return refs
+    what = (
+        f"qa.reference.input_column {found.label_column!r} of {found.location}"
+        if found.source == "input_column"
+        else f"qa.reference.golden_uri {found.location}"
+    )
+    refs.known[found.source] = load_labels(
+        con,
+        "ref",
+        duck.file_list(found.root, found.names),
+        id_column=found.id_column,
+        label_column=found.label_column,
+        what=what,
+        unique=found.unique,
+    )
+    refs.run_source = found.source
+    refs.locations[found.source] = found.location
+    return refs

@@ -1,0 +1,130 @@
+"""steps/qa/accuracy.py against independent implementations: scikit-learn's metrics, scipy's Wilson
+interval, and Newcombe's published example for the difference of two proportions."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from scipy.stats import binomtest
+from sklearn.metrics import accuracy_score, confusion_matrix, f1_score, precision_recall_fscore_support
+
+from airflow_provider_vllm.steps.qa.accuracy import NO_ANSWER, classification, newcombe, versus, wilson
+
+LABELS = ["billing", "bug", "feature_request", "account", "other"]
+
+
+@pytest.mark.parametrize("k,n", [(0, 1), (1, 1), (0, 10), (3, 10), (10, 10), (396, 1000), (792, 2000), (1, 10_000)])
+def test_wilson_is_scipys_wilson_interval(k, n):
+    ci = binomtest(k, n).proportion_ci(confidence_level=0.95, method="wilson")
+    lo, hi = wilson(k, n)
+    assert lo == pytest.approx(ci.low, abs=1e-12) and hi == pytest.approx(ci.high, abs=1e-12)
+
+
+def test_wilson_of_nothing_is_none():
+    assert wilson(0, 0) is None
+
+
+def test_newcombe_matches_the_published_example():
+    # Newcombe (1998), Statistics in Medicine 17:873-890, table II, example (a): 56/70 - 48/80,
+    # method 10 (score interval for each proportion, no continuity correction): +0.0524 to +0.3339.
+    d, lo, hi = newcombe(56, 70, 48, 80)
+    assert d == pytest.approx(0.2) and lo == pytest.approx(0.0524, abs=5e-5) and hi == pytest.approx(0.3339, abs=5e-5)
+
+
+def test_newcombe_from_scipys_wilson_intervals():
+    rnd = random.Random(3)
+    for _ in range(50):
+        n1, n0 = rnd.randint(1, 3000), rnd.randint(1, 3000)
+        k1, k0 = rnd.randint(0, n1), rnd.randint(0, n0)
+        a = binomtest(k1, n1).proportion_ci(method="wilson")
+        b = binomtest(k0, n0).proportion_ci(method="wilson")
+        p1, p0 = k1 / n1, k0 / n0
+        lo = p1 - p0 - math.sqrt((p1 - a.low) ** 2 + (b.high - p0) ** 2)
+        hi = p1 - p0 + math.sqrt((a.high - p1) ** 2 + (p0 - b.low) ** 2)
+        d, got_lo, got_hi = newcombe(k1, n1, k0, n0)
+        assert (
+            d == pytest.approx(p1 - p0) and got_lo == pytest.approx(max(-1, lo)) and got_hi == pytest.approx(min(1, hi))
+        )
+
+
+def _rows(n, seed, accuracy=0.6, labels=LABELS, none_share=0.05):
+    rnd = random.Random(seed)
+    truth = [rnd.choice(labels) for _ in range(n)]
+    pred = []
+    for t in truth:
+        u = rnd.random()
+        pred.append(None if u < none_share else t if u < accuracy else rnd.choice(labels))
+    return truth, pred
+
+
+def _counts(truth, pred):
+    c = {}
+    for t, p in zip(truth, pred):
+        c[(t, p)] = c.get((t, p), 0) + 1
+    return c
+
+
+@pytest.mark.parametrize("seed,n,labels", [(0, 2000, LABELS), (1, 37, LABELS), (2, 500, LABELS[:2]), (3, 300, None)])
+def test_classification_equals_scikit_learn(seed, n, labels):
+    truth, pred = _rows(n, seed)
+    q = classification(_counts(truth, pred), labels)
+    y_pred = [NO_ANSWER if p is None else p for p in pred]
+    classes = q["classes"]
+    present = (set(truth) | set(pred)) - {None}
+    assert classes == [c for c in labels or [] if c in present] + sorted(present - set(labels or []))
+    assert q["labelled"] == n
+    assert q["accuracy"]["value"] == pytest.approx(accuracy_score(truth, y_pred), abs=1e-12)
+    assert q["macro_f1"] == pytest.approx(
+        f1_score(truth, y_pred, labels=classes, average="macro", zero_division=0), abs=1e-12
+    )
+    p, r, f, s = precision_recall_fscore_support(truth, y_pred, labels=classes, zero_division=0)
+    for i, c in enumerate(classes):
+        got = q["per_class"][c]
+        assert (got["precision"], got["recall"], got["f1"], got["support"]) == pytest.approx((p[i], r[i], f[i], s[i]))
+    cm = confusion_matrix(truth, y_pred, labels=classes + [NO_ANSWER])
+    cells = {(c["true"], c["pred"]): c["count"] for c in q["confusion"]}
+    for i, t in enumerate(classes):
+        for j, pcol in enumerate(classes + [NO_ANSWER]):
+            assert cells.get((t, pcol), 0) == cm[i, j]
+    assert q["no_answer"] == sum(1 for x in pred if x is None)
+    lo, hi = wilson(q["correct"], n)
+    assert (q["accuracy"]["low"], q["accuracy"]["high"]) == (lo, hi)
+
+
+def test_a_label_nobody_knew_or_predicted_is_not_a_class():
+    q = classification({("bug", "bug"): 3, ("billing", "bug"): 1}, LABELS)
+    assert q["classes"] == ["billing", "bug"]
+    assert q["macro_f1"] == pytest.approx(
+        f1_score(["bug"] * 3 + ["billing"], ["bug"] * 4, labels=["billing", "bug"], average="macro", zero_division=0)
+    )
+
+
+def test_labels_outside_the_job_label_set_are_classes_after_it():
+    q = classification({("spam", "bug"): 2, ("bug", "bug"): 1}, ["bug", "billing"])
+    assert q["classes"] == ["bug", "spam"]
+
+
+def test_no_labelled_rows():
+    q = classification({}, LABELS)
+    assert q["labelled"] == 0 and q["accuracy"]["value"] is None and q["macro_f1"] is None and q["confusion"] == []
+
+
+def test_versus_calls_a_drop_real_only_when_the_interval_is_below_zero():
+    prev = {"correct": 800, "labelled": 1000}
+    clear = versus({"correct": 600, "labelled": 1000}, prev)
+    assert clear["real_drop"] and clear["high"] < 0 and clear["delta"] == pytest.approx(-0.2)
+    noise = versus({"correct": 790, "labelled": 1000}, prev)
+    assert not noise["real_drop"] and noise["low"] < 0 < noise["high"]
+    small = versus({"correct": 7, "labelled": 10}, {"correct": 9, "labelled": 10})
+    assert not small["real_drop"]  # 2 of 10 fewer right proves nothing
+    gain = versus({"correct": 950, "labelled": 1000}, prev)
+    assert gain["real_gain"] and not gain["real_drop"]
+
+
+@pytest.mark.parametrize(
+    "prev", [None, {}, {"correct": 5}, {"correct": 3, "labelled": 0}, {"correct": 11, "labelled": 10}, {"correct": "a"}]
+)
+def test_versus_ignores_a_previous_report_without_usable_counts(prev):
+    assert versus({"correct": 5, "labelled": 10}, prev) is None

@@ -1,0 +1,67 @@
+"""steps/qa/confidence.py straight over a DuckDB relation ``r``: hostile values (NaN, infinities, nulls,
+ids with quotes) neither crash nor count, and the figures equal pandas'."""
+
+from __future__ import annotations
+
+import math
+
+import duckdb
+import pandas as pd
+import pyarrow as pa
+
+from airflow_provider_vllm.steps.qa.confidence import answer_stats, confidence_metrics, consistency_metrics
+
+
+def _con(confidence, prompt_hash=None, label=None):
+    n = len(confidence)
+    r = pa.table(
+        {
+            "id": [f"it's-{i}" for i in range(n)],
+            "label": label or ["bug"] * n,
+            "confidence": pa.array(confidence, pa.float32()),
+            "prompt_hash": pa.array(prompt_hash or [None] * n, pa.int64()),
+        }
+    )
+    con = duckdb.connect()
+    con.register("r", r)
+    return con, r.to_pandas()
+
+
+def test_confidence_skips_what_is_not_a_probability_and_equals_pandas():
+    values = [0.1, 0.9, None, math.nan, math.inf, 0.45, 0.5, 1.0, 0.0]
+    con, df = _con(values)
+    notes = []
+    c = confidence_metrics(answer_stats(con, low=0.5, least=3), notes=notes)
+    finite = df["confidence"].dropna()
+    finite = finite[finite.apply(math.isfinite)]
+    assert c["rows"] == len(finite) == 6 and c["missing"] == 3 and notes
+    assert c["low_rate"]["count"] == int((finite < 0.5).sum()) == 3
+    assert math.isclose(c["mean"], float(finite.mean()), rel_tol=1e-6)
+    assert c["least_confident_ids"] == ["it's-8", "it's-0", "it's-5"]
+    assert sum(b["rows"] for b in c["buckets"]) == 6 and c["buckets"][9]["rows"] == 2  # 0.9 and 1.0
+
+
+def test_no_confidence_no_metrics():
+    con, _ = _con([None, None])
+    assert confidence_metrics(answer_stats(con, low=0.5, least=3), notes=[]) is None
+
+
+def test_consistency_equals_pandas():
+    hashes = [1, 1, 1, 2, 2, 3, None, None]
+    labels = ["a", "a", "b", "c", "c", "d", "x", "y"]
+    con, df = _con([0.5] * 8, hashes, labels)
+    c = consistency_metrics(con, value="label", hashed=answer_stats(con, low=0.5, least=0)["hashed"])
+    g = df.dropna(subset=["prompt_hash"]).groupby("prompt_hash")["label"].agg(["size", "nunique"])
+    rep = g[g["size"] > 1]
+    assert c["repeated_prompts"] == len(rep) == 2 and c["inconsistent_prompts"] == int((rep["nunique"] > 1).sum()) == 1
+    assert c["repeated_rows"] == 5 and c["inconsistent_rows"] == 3 and c["rows_hashed"] == 6
+    assert c["examples"] == [{"ids": ["it's-0", "it's-1", "it's-2"], "answers": ["a", "b"]}]
+    assert pd.notna(c["inconsistency_rate"]["value"])
+
+
+def test_a_confidence_that_is_not_a_probability_counts_as_none():
+    con, _ = _con([-0.5, 3.0, 0.25, 0.999999, 1.0])
+    c = confidence_metrics(answer_stats(con, low=0.5, least=5), notes=[])
+    assert c["rows"] == 3 and c["missing"] == 2
+    assert [b["rows"] for b in c["buckets"]] == [0, 0, 1, 0, 0, 0, 0, 0, 0, 2]
+    assert c["least_confident_ids"] == ["it's-2", "it's-3", "it's-4"]

@@ -1,0 +1,113 @@
+"""The report page's quality sections (steps/qa/html_quality.py) rendered from a real report: every
+number from the report dict, the data escaped, no scripts."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pyarrow as pa
+
+from airflow_provider_vllm.core.spec import QASpec
+from airflow_provider_vllm.steps.qa.evaluate import evaluate
+from airflow_provider_vllm.steps.qa.html import render_report_html
+from tests.support.qa_rows import err_row, ok_row, split
+
+LABELS = ["billing", "bug", "account", "other"]
+EVIL = "<script>alert(1)</script>"
+
+
+def _report(previous=None, n=400, acc=0.6, seed=2):
+    rnd = random.Random(seed)
+    recs, truth = [], {}
+    for i in range(n):
+        t = rnd.choice(LABELS)
+        right = rnd.random() < acc
+        recs.append(
+            ok_row(
+                i,
+                label=t if right else rnd.choice(LABELS),
+                confidence=rnd.uniform(0.6, 1) if right else rnd.uniform(0.2, 0.8),
+                prompt_hash=i % 350,
+                output=f"{EVIL} {i}",
+            )
+        )
+        truth[f"r{i}"] = t
+    recs += [err_row(i) for i in range(5)]
+    truth["e0"] = "bug"
+    truth["r3"] = EVIL  # a known label outside the label set, with markup
+    results, errors = split(recs)
+    ref = pa.table({"id": list(truth), "label": list(truth.values())})
+    return evaluate(
+        results,
+        errors,
+        spec=QASpec(sample_size=20, least_confident=5),
+        labels=LABELS,
+        structured=True,
+        reference=ref,
+        previous=previous,
+    )
+
+
+def test_quality_sections_render_the_reports_numbers():
+    before = _report(acc=0.9).to_dict()
+    rep = _report(previous=before)
+    d = rep.to_dict()
+    page = render_report_html(d, rep.sample.to_pylist())
+    q = d["metrics"]["quality"]
+    assert '<section data-section="quality">' in page and '<section data-section="confidence">' in page
+    assert 'data-section="consistency"' in page and 'data-section="least-confident"' in page
+    assert f"{100 * q['accuracy']['value']:.1f}%" in page and "Accuracy change" in page and "a real drop" in page
+    for c in q["confusion"]:  # every confusion cell, with its count
+        if c["true"] in LABELS and c["pred"] in LABELS + ["(none)"]:
+            cell = re.search(
+                rf'<td data-true="{c["true"]}" data-pred="{re.escape(c["pred"])}"[^>]*><b>([\d,]+)</b>', page
+            )
+            assert cell and int(cell.group(1).replace(",", "")) == c["count"]
+    for label in q["classes"]:
+        assert f'<tr data-label="{label}">' in page or "&lt;script&gt;" in label or label == EVIL
+    svg = page[page.index('data-chart="reliability"') :]
+    svg = svg[: svg.index("</svg>")]
+    filled = [b for b in q["reliability"]["buckets"] if b["rows"]]
+    assert svg.count('<rect class="bar"') == len(filled)
+    for b in filled:
+        assert f'data-rows="{b["rows"]}"' in svg
+    for i in d["metrics"]["confidence"]["least_confident_ids"]:
+        assert f'<td class="id">{i}</td>' in page
+
+
+def test_the_data_stays_text_and_the_page_has_no_script():
+    rep = _report()
+    page = render_report_html(rep.to_dict(), rep.sample.to_pylist())
+    assert "<script" not in page.lower()
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page  # the known label with markup, as text
+
+
+def test_accuracy_check_row_shows_a_below_threshold():
+    rep = _report(acc=0.3)
+    page = render_report_html(rep.to_dict(), [])
+    row = page[page.index("<b>accuracy</b>") :]
+    row = row[: row.index("</tr>")]
+    assert "&lt; 80.0%" in row and "&lt; 50.0%" in row and "FAIL" in row
+
+
+def test_no_labels_no_quality_section_but_the_confidence_distribution():
+    results, errors = split([ok_row(i, label="bug", confidence=i / 100) for i in range(100)])
+    rep = evaluate(results, errors, spec=QASpec(), labels=LABELS, structured=True)
+    page = render_report_html(rep.to_dict(), rep.sample.to_pylist())
+    assert 'data-section="quality"' not in page and 'data-chart="confidence"' in page
+    assert 'data-chart="reliability"' not in page and "needs known labels" in page
+
+
+def test_the_changes_section_says_why_answers_moved():
+    results, errors = split([ok_row(i, label="bug") for i in range(5)])
+    changes = {
+        "counts": {"changed": 3, "unchanged": 2},
+        "reasons": {"settings": 0, "input": 2, "unified": 1, "engine": 0, "unknown": 0},
+        "in_both": 5,
+        "churn_rate": 0.6,
+    }
+    rep = evaluate(results, errors, spec=QASpec(), labels=LABELS, structured=True, changes=changes)
+    page = render_report_html(rep.to_dict(), [])
+    assert '<span data-reason="input"><b>2</b> the text was edited</span>' in page
+    assert 'data-reason="unified"' in page and 'data-reason="engine"' not in page

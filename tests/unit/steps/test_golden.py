@@ -1,0 +1,253 @@
+"""Golden rows that ride along (steps/golden.py), with the fake engine: planned, inferred, merged and
+scored apart from the input's rows; never in results/, errors/, changes/ or the cache, never counted
+as input rows; a run that fails or is cut short anywhere converges on a rerun."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from airflow_provider_vllm.core import faults
+from airflow_provider_vllm.core.errors import CommitError, DatasetError, SpecError
+from airflow_provider_vllm.core.plan import PLAN_FILE
+from airflow_provider_vllm.core.shard_names import shard_display_names
+from airflow_provider_vllm.core.spec import RESERVED_ID_PREFIX
+from airflow_provider_vllm.steps.golden import ERRORS_FILE, GOLDEN_IN, RESULTS_FILE, SUMMARY_FILE
+from airflow_provider_vllm.steps.merge.changes import CHANGES
+from airflow_provider_vllm.steps.merge.merger import merge
+from airflow_provider_vllm.steps.plan.planner import plan_job
+from airflow_provider_vllm.steps.qa.stage import qa_run
+from airflow_provider_vllm.worker.shard import run_shard
+from airflow_provider_vllm.worker.task import ShardTask
+from tests.support.data import LABELS, make_spec, write_parquet
+from tests.support.fakes import FakeEngine
+from tests.support.ledger import record_fault
+from tests.support.reconcile import reconcile
+
+N_IN, N_GOLD = 90, 45
+
+
+def _golden_file(path: Path, n: int = N_GOLD, **over) -> Path:
+    cols = {
+        "id": [f"g{i:03d}" for i in range(n)],
+        "text": [f"golden ticket {i} about {LABELS[i % 5]}" if i % 11 else "" for i in range(n)],  # some empty
+        "label": [LABELS[(i * 3) % 5] for i in range(n)],
+        "extra": list(range(n)),
+    }
+    cols.update(over)
+    pq.write_table(pa.table(cols), path)
+    return path
+
+
+def _input(tmp_path: Path, run: str = "d1", ids=None, texts=None) -> Path:
+    ids = ids or [f"t{i:03d}" for i in range(N_IN)]
+    texts = texts or [f"ticket {i}: {LABELS[i % 5]}" for i in range(len(ids))]
+    return write_parquet(tmp_path / run / "in" / "a.parquet", ids, texts)
+
+
+def _spec(tmp_path: Path, run: str = "d1", **over):
+    over.setdefault("sharding", {"target_rows": 40, "chunk_rows": 8})
+    qa = {"reference": {"ride_along_uri": str(tmp_path / "golden.parquet")}, "sample_size": 10, **over.pop("qa", {})}
+    return make_spec(tmp_path / run / "in", tmp_path / run / "out", qa=qa, **over)
+
+
+def _run_shards(spec, plan, only=None):
+    for s in plan.mapped_shards():
+        if only is None or only(s):
+            run_shard(
+                ShardTask(spec=spec, shard_id=s["shard_id"]), engine_factory=lambda sp: FakeEngine(sp, real_vllm=False)
+            )
+
+
+def _all(spec):
+    plan = plan_job(spec)
+    _run_shards(spec, plan)
+    return plan, merge(spec).dump()
+
+
+def _ids(folder: Path) -> list[str]:
+    return [i for p in sorted(folder.glob("*.parquet")) for i in pq.read_table(p, columns=["id"]).column(0).to_pylist()]
+
+
+def test_the_plan_adds_golden_rows_apart_from_the_input(tmp_path):
+    _golden_file(tmp_path / "golden.parquet")
+    _input(tmp_path)
+    spec = _spec(tmp_path)
+    plan = plan_job(spec)
+    g = plan.golden
+    assert plan.total_rows == N_IN and sum(s.rows for s in plan.shards) == N_IN  # the input's accounting
+    assert g.rows == N_GOLD and sum(s.rows for s in g.shards) == N_GOLD and len(g.shards) == 2  # target_rows 40
+    assert all(s.shard_id.startswith("golden-") for s in g.shards)
+    golden_in = pq.read_table(Path(spec.io.output_uri) / g.input_file.path)
+    assert golden_in.column_names == ["id", "text", "_vllm_golden_label"]  # the template's columns, no extras
+    assert all(i.startswith(RESERVED_ID_PREFIX) for i in golden_in.column("id").to_pylist())
+    summaries = plan.mapped_shards()
+    assert [s.get("golden", False) for s in summaries] == [False] * len(plan.shards) + [True] * 2
+    assert shard_display_names(summaries)[-2:] == ["golden rows 0, 22 rows", "golden rows 1, 23 rows"]
+    assert json.loads((Path(spec.io.output_uri) / PLAN_FILE).read_text())["golden"]["rows"] == N_GOLD
+    assert plan_job(spec).golden == g  # a rerun finds the same plan
+
+
+def test_golden_rows_are_inferred_merged_and_scored_but_never_published(tmp_path):
+    _golden_file(tmp_path / "golden.parquet")
+    _input(tmp_path)
+    spec = _spec(tmp_path)
+    plan, summary = _all(spec)
+    out = Path(spec.io.output_uri)
+    rec = reconcile(out, [f"t{i:03d}" for i in range(N_IN)])
+    assert rec.clean, str(rec)  # every input id exactly once, nothing else in results/ or errors/
+    assert summary["rows"] == N_IN and summary["ok_rows"] + summary["error_rows"] == N_IN
+    g = summary["golden"]
+    assert g["rows"] == N_GOLD and g["ok_rows"] + g["error_rows"] == N_GOLD and g["error_rows"] == 5  # empty texts
+    golden_ids = _ids(out / "golden")
+    assert sorted(golden_ids) == sorted(f"{RESERVED_ID_PREFIX}g{i:03d}" for i in range(N_GOLD))
+    for folder in ("results", "errors"):
+        assert not any(i.startswith(RESERVED_ID_PREFIX) for i in _ids(out / folder))
+    assert json.loads((out / SUMMARY_FILE).read_text())["files"] == {"results": RESULTS_FILE, "errors": ERRORS_FILE}
+
+    report, _ = qa_run(spec)
+    q = report.metrics["quality"]
+    ride = q["sources"]["ride_along"]
+    res = pq.read_table(out / RESULTS_FILE).to_pylist()
+    truth = {f"{RESERVED_ID_PREFIX}g{i:03d}": LABELS[(i * 3) % 5] for i in range(N_GOLD)}
+    right = sum(r["label"] == truth[r["id"]] for r in res)
+    assert (ride["count"], ride["of"], ride["known"]) == (right, N_GOLD, N_GOLD) and q["labelled"] == N_GOLD
+    assert q["locations"] == {"ride_along": str(tmp_path / "golden.parquet")}
+    sample_ids = report.sample.column("id").to_pylist()
+    assert not any(i.startswith(RESERVED_ID_PREFIX) for i in sample_ids)  # the review sample is the run's
+    assert report.metrics["total"] == N_IN  # the plumbing checks count the input's rows only
+
+
+def test_no_golden_id_in_changes_or_the_cache_across_two_nights(tmp_path):
+    _golden_file(tmp_path / "golden.parquet")
+    over = {
+        "cache": {"uri": str(tmp_path / "cache")},
+        "model": {"name": "fake", "max_model_len": 1024, "revision": "r"},
+    }
+    for run, prev in (("d1", None), ("d2", "d1")):
+        _input(tmp_path, run)
+        spec = _spec(tmp_path, run, changes={"previous_uri": str(tmp_path / prev / "out") if prev else None}, **over)
+        plan = plan_job(spec, engine_identity="fake")
+        _run_shards(spec, plan)
+        summary = merge(spec).dump()
+        qa_run(spec)
+        assert summary["golden"]["rows"] == N_GOLD
+    # night 2: every input row from the cache, no shard of the input; the golden rows inferred again
+    assert plan.cache.hits == N_IN and plan.shards == [] and plan.golden.rows == N_GOLD
+    changes = pq.read_table(tmp_path / "d2" / "out" / CHANGES).column("id").to_pylist()
+    assert len(changes) == N_IN and not any(i.startswith(RESERVED_ID_PREFIX) for i in changes)
+    cached = [
+        i
+        for p in (tmp_path / "cache" / "entries").rglob("*.parquet")
+        for i in pq.read_table(p, columns=["source_id"]).column(0).to_pylist()
+    ]
+    assert len(cached) == N_IN and not any(i.startswith(RESERVED_ID_PREFIX) for i in cached)
+    hits = pq.read_table(tmp_path / "d2" / "out" / "results", columns=["id", "cached_from"]).to_pylist()
+    assert all(not r["id"].startswith(RESERVED_ID_PREFIX) for r in hits)
+    golden_d2 = pq.read_table(tmp_path / "d2" / "out" / RESULTS_FILE).column("cached_from").to_pylist()
+    assert set(golden_d2) == {None}  # inferred every night, never served from the cache
+
+
+def test_merge_refuses_while_a_golden_shard_is_not_committed(tmp_path):
+    _golden_file(tmp_path / "golden.parquet")
+    _input(tmp_path)
+    spec = _spec(tmp_path)
+    plan = plan_job(spec)
+    _run_shards(spec, plan, only=lambda s: s["shard_id"] != plan.golden.shards[1].shard_id)
+    with pytest.raises(CommitError, match=r"1 of 2 shard\(s\) not committed: \['golden-00001"):
+        merge(spec).dump()
+    assert not (Path(spec.io.output_uri) / "_MERGED.json").exists()
+
+
+@pytest.mark.parametrize(
+    "point", ["chunk.mid_file", "commit.after_data", "golden.before_write", "golden.before_summary"]
+)
+def test_a_golden_run_cut_short_converges(tmp_path, set_faults, point):
+    _golden_file(tmp_path / "golden.parquet")
+    _input(tmp_path)
+    spec = _spec(tmp_path)
+    plan = plan_job(spec)
+    golden = {s.shard_id for s in plan.golden.shards}
+    _run_shards(spec, plan, only=lambda s: s["shard_id"] not in golden)
+    set_faults(f"{point}=raise")
+    with pytest.raises(faults.InjectedFault):
+        _run_shards(spec, plan, only=lambda s: s["shard_id"] in golden)
+        merge(spec).dump()
+    set_faults("")
+    _run_shards(spec, plan, only=lambda s: s["shard_id"] in golden)  # the retry
+    summary = merge(spec).dump()
+    out = Path(spec.io.output_uri)
+    rec = reconcile(out, [f"t{i:03d}" for i in range(N_IN)])
+    golden_ids = _ids(out / "golden")
+    want = {f"{RESERVED_ID_PREFIX}g{i:03d}" for i in range(N_GOLD)}
+    lost = len(rec.lost) + len(want - set(golden_ids))
+    dup = len(rec.duplicates) + len(golden_ids) - len(set(golden_ids))
+    record_fault(
+        f"golden_rows_{point}", N_IN + N_GOLD, lost=lost, duplicates=dup, partial_visible=len(rec.partial_visible)
+    )
+    assert rec.clean and sorted(golden_ids) == sorted(want) and summary["golden"]["rows"] == N_GOLD
+
+
+def test_a_plan_killed_after_the_golden_file_converges(tmp_path, set_faults):
+    _golden_file(tmp_path / "golden.parquet")
+    _input(tmp_path)
+    spec = _spec(tmp_path)
+    set_faults("golden.before_file=raise")
+    with pytest.raises(faults.InjectedFault):
+        plan_job(spec)
+    set_faults("")
+    assert not (Path(spec.io.output_uri) / PLAN_FILE).exists()
+    plan = plan_job(spec)  # a non-empty prefix of the plan's own orphans is not another run's
+    assert plan.golden.rows == N_GOLD and (Path(spec.io.output_uri) / GOLDEN_IN).is_dir()
+
+
+def test_input_ids_may_not_use_the_reserved_prefix(tmp_path):
+    _golden_file(tmp_path / "golden.parquet")
+    _input(tmp_path, ids=["t1", f"{RESERVED_ID_PREFIX}x"], texts=["a", "b"])
+    with pytest.raises(DatasetError, match="may not start with '_vllm_golden:'"):
+        plan_job(_spec(tmp_path))
+    assert not (tmp_path / "d1" / "out" / PLAN_FILE).exists()
+
+
+@pytest.mark.parametrize(
+    "over, message",
+    [
+        ({"text": None}, r"missing column\(s\) \['text'\]"),
+        ({"id": ["g0"] * N_GOLD}, r"repeated id\(s\) in 'id'"),
+        ({"label": [None] + ["bug"] * (N_GOLD - 1)}, r"1 row\(s\) without a label"),
+    ],
+)
+def test_a_golden_file_that_cannot_be_trusted_is_refused_at_plan(tmp_path, over, message):
+    cols = {k: v for k, v in over.items() if v is not None}
+    path = _golden_file(tmp_path / "golden.parquet", **cols)
+    if over.get("text", 1) is None:
+        pq.write_table(pq.read_table(path).drop_columns(["text"]), path)
+    _input(tmp_path)
+    with pytest.raises(SpecError, match=message) as e:
+        plan_job(_spec(tmp_path))
+    assert "qa.reference.ride_along_uri" in str(e.value)
+
+
+def test_an_input_column_of_labels_is_checked_before_any_worker(tmp_path):
+    _input(tmp_path)
+    spec = make_spec(tmp_path / "d1" / "in", tmp_path / "d1" / "out", qa={"reference": {"input_column": "truth"}})
+    with pytest.raises(SpecError, match="qa.reference.input_column 'truth' is not a column of input file a.parquet"):
+        plan_job(spec)
+
+
+def test_qa_refuses_golden_outputs_that_do_not_match(tmp_path):
+    _golden_file(tmp_path / "golden.parquet")
+    _input(tmp_path)
+    spec = _spec(tmp_path)
+    _all(spec)
+    out = Path(spec.io.output_uri)
+    pq.write_table(pq.read_table(out / RESULTS_FILE).slice(0, 3), out / RESULTS_FILE)
+    with pytest.raises(CommitError, match="does not match golden/_golden.json"):
+        qa_run(spec)
+    (out / SUMMARY_FILE).unlink()
+    with pytest.raises(CommitError, match="merge did not publish them"):
+        qa_run(spec)
