@@ -80,7 +80,7 @@ def _spec(model: str, tmp_path: Path, night: str, system: str, previous: str | N
 def _night(spec: JobSpec):
     plan = plan_job(spec)
     for s in plan.mapped_shards():
-        assert manifest(run_worker(spec, s["shard_id"]))["status"] == "committed"
+        assert manifest(run_worker(spec, s.shard_id))["status"] == "committed"
     merge(spec).dump()
     report, _ = qa_run(spec)
     return plan, report

@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from airflow_provider_vllm.core import faults
+from airflow_provider_vllm.core.engine_identity import local_engine_identity
 from airflow_provider_vllm.core.errors import CommitError, DatasetError, SpecError
 from airflow_provider_vllm.core.plan import PLAN_FILE
 from airflow_provider_vllm.core.shard_names import shard_display_names
@@ -23,7 +24,7 @@ from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.steps.qa.stage import qa_run
 from airflow_provider_vllm.worker.shard import run_shard
 from airflow_provider_vllm.worker.task import ShardTask
-from tests.support.data import LABELS, make_spec, write_parquet
+from tests.support.data import LABELS, PINNED_REVISION, make_spec, write_parquet
 from tests.support.fakes import FakeEngine
 from tests.support.ledger import record_fault
 from tests.support.reconcile import reconcile
@@ -59,7 +60,7 @@ def _run_shards(spec, plan, only=None):
     for s in plan.mapped_shards():
         if only is None or only(s):
             run_shard(
-                ShardTask(spec=spec, shard_id=s["shard_id"]), engine_factory=lambda sp: FakeEngine(sp, real_vllm=False)
+                ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=lambda sp: FakeEngine(sp, real_vllm=False)
             )
 
 
@@ -86,7 +87,7 @@ def test_the_plan_adds_golden_rows_apart_from_the_input(tmp_path):
     assert golden_in.column_names == ["id", "text", "_vllm_golden_label"]  # the template's columns, no extras
     assert all(i.startswith(RESERVED_ID_PREFIX) for i in golden_in.column("id").to_pylist())
     summaries = plan.mapped_shards()
-    assert [s.get("golden", False) for s in summaries] == [False] * len(plan.shards) + [True] * 2
+    assert [bool(s.golden) for s in summaries] == [False] * len(plan.shards) + [True] * 2
     assert shard_display_names(summaries)[-2:] == ["golden rows 0, 22 rows", "golden rows 1, 23 rows"]
     assert json.loads((Path(spec.io.output_uri) / PLAN_FILE).read_text())["golden"]["rows"] == N_GOLD
     assert plan_job(spec).golden == g  # a rerun finds the same plan
@@ -126,12 +127,12 @@ def test_no_golden_id_in_changes_or_the_cache_across_two_nights(tmp_path):
     _golden_file(tmp_path / "golden.parquet")
     over = {
         "cache": {"uri": str(tmp_path / "cache")},
-        "model": {"name": "fake", "max_model_len": 1024, "revision": "r"},
+        "model": {"name": "fake", "max_model_len": 1024, "revision": PINNED_REVISION},
     }
     for run, prev in (("d1", None), ("d2", "d1")):
         _input(tmp_path, run)
         spec = _spec(tmp_path, run, changes={"previous_uri": str(tmp_path / prev / "out") if prev else None}, **over)
-        plan = plan_job(spec, engine_identity="fake")
+        plan = plan_job(spec, engine_identity=local_engine_identity())  # what the in-process workers seal
         _run_shards(spec, plan)
         summary = merge(spec).dump()
         qa_run(spec)
@@ -157,7 +158,7 @@ def test_merge_refuses_while_a_golden_shard_is_not_committed(tmp_path):
     _input(tmp_path)
     spec = _spec(tmp_path)
     plan = plan_job(spec)
-    _run_shards(spec, plan, only=lambda s: s["shard_id"] != plan.golden.shards[1].shard_id)
+    _run_shards(spec, plan, only=lambda s: s.shard_id != plan.golden.shards[1].shard_id)
     with pytest.raises(CommitError, match=r"1 of 2 shard\(s\) not committed: \['golden-00001"):
         merge(spec).dump()
     assert not (Path(spec.io.output_uri) / "_MERGED.json").exists()
@@ -172,13 +173,13 @@ def test_a_golden_run_cut_short_converges(tmp_path, set_faults, point):
     spec = _spec(tmp_path)
     plan = plan_job(spec)
     golden = {s.shard_id for s in plan.golden.shards}
-    _run_shards(spec, plan, only=lambda s: s["shard_id"] not in golden)
+    _run_shards(spec, plan, only=lambda s: s.shard_id not in golden)
     set_faults(f"{point}=raise")
     with pytest.raises(faults.InjectedFault):
-        _run_shards(spec, plan, only=lambda s: s["shard_id"] in golden)
+        _run_shards(spec, plan, only=lambda s: s.shard_id in golden)
         merge(spec).dump()
     set_faults("")
-    _run_shards(spec, plan, only=lambda s: s["shard_id"] in golden)  # the retry
+    _run_shards(spec, plan, only=lambda s: s.shard_id in golden)  # the retry
     summary = merge(spec).dump()
     out = Path(spec.io.output_uri)
     rec = reconcile(out, [f"t{i:03d}" for i in range(N_IN)])
@@ -246,8 +247,48 @@ def test_qa_refuses_golden_outputs_that_do_not_match(tmp_path):
     _all(spec)
     out = Path(spec.io.output_uri)
     pq.write_table(pq.read_table(out / RESULTS_FILE).slice(0, 3), out / RESULTS_FILE)
-    with pytest.raises(CommitError, match="does not match golden/_golden.json"):
+    with pytest.raises(CommitError, match="does not match the merge.s sealed summary"):
         qa_run(spec)
-    (out / SUMMARY_FILE).unlink()
-    with pytest.raises(CommitError, match="merge did not publish them"):
+    (out / RESULTS_FILE).unlink()
+    with pytest.raises(CommitError, match="does not match the merge.s sealed summary"):
+        qa_run(spec)
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize("target", ["results", "input", "summary"])
+def test_qa_scores_only_golden_rows_the_merge_sealed(tmp_path, target):
+    """A writer of the output prefix (no signing key) who rewrites the published golden answers, the plan's
+    golden input (the known labels) or the unsealed golden/_golden.json (with matching sha256s) cannot raise
+    the accuracy QA reports: QA checks both files against the sealed merge summary and the sealed plan."""
+    import hashlib
+
+    from airflow_provider_vllm.core.errors import VllmBatchError
+
+    _golden_file(tmp_path / "golden.parquet")
+    _input(tmp_path)
+    spec = _spec(tmp_path)
+    plan, _ = _all(spec)
+    out = Path(spec.io.output_uri)
+    truth = pq.read_table(out / plan.golden.input_file.path)
+    if target == "results":  # every golden answer set to its known label
+        t = pq.read_table(out / RESULTS_FILE)
+        known = dict(zip(truth.column("id").to_pylist(), truth.column("_vllm_golden_label").to_pylist()))
+        forged = t.set_column(
+            t.schema.get_field_index("label"), "label", pa.array([known[i] for i in t.column("id").to_pylist()])
+        )
+        pq.write_table(forged, out / RESULTS_FILE)
+        doc = json.loads((out / SUMMARY_FILE).read_text())
+        doc["checksums"][RESULTS_FILE] = hashlib.sha256((out / RESULTS_FILE).read_bytes()).hexdigest()
+        (out / SUMMARY_FILE).write_text(json.dumps(doc))
+    elif target == "input":  # the known labels set to what the engine answered
+        answers = {r["id"]: r["label"] for r in pq.read_table(out / RESULTS_FILE).to_pylist()}
+        labels = [answers.get(i, "x") for i in truth.column("id").to_pylist()]
+        pq.write_table(truth.set_column(2, "_vllm_golden_label", pa.array(labels)), out / plan.golden.input_file.path)
+    else:  # the plain summary names other checksums: QA never reads it
+        (out / SUMMARY_FILE).write_text("{}")
+    if target == "summary":
+        report, _ = qa_run(spec)
+        assert report.metrics["quality"]["labelled"] == N_GOLD
+        return
+    with pytest.raises(VllmBatchError, match="does not match"):
         qa_run(spec)
