@@ -185,14 +185,14 @@ def test_every_field_has_a_description():
 
 
 def test_fields_added_with_a_neutral_default_keep_the_config_and_cache_key_hashes():
-    """Recorded before qa.reference, qa.confidence and engine.batch_invariant existed: rows, chunks and
+    """Recorded (on the sealed-records layout) before qa.reference, qa.confidence and engine.batch_invariant existed: rows, chunks and
     cache entries of earlier runs still match a spec that does not use them."""
     from airflow_provider_vllm.steps.cache.key import key_config, key_hash
 
     doc = {**BASE, "model": {"name": "org/m", "revision": "r1"}, "sampling": {"structured": {"choice": ["a", "b"]}}}
     spec = JobSpec.load(doc)
-    assert spec.output_hash() == "3db63012a95a67cf196740870390813c87fcb987de2b679b8c407ccac5b7f59b"
-    assert key_hash(key_config(spec, "vllm==x")) == "f5269a4c9b5228a82175cad0bd3e2623e054db796cbe93029e3b0e64dff73c79"
+    assert spec.output_hash() == "3ed2d36effc16f236b58b015078f736269e69c0a54230fd75f36366b8de2f083"
+    assert key_hash(key_config(spec, "vllm==x")) == "7c3029ccb08af78743bf79c0ebe2d923575f1d7d73570839000e0955803108ea"
     on = JobSpec.load({**doc, "engine": {"batch_invariant": True}})
     assert on.output_hash() != spec.output_hash()
     assert key_hash(key_config(on, "vllm==x")) != key_hash(key_config(spec, "vllm==x"))

@@ -173,7 +173,9 @@ def test_each_hostile_body_is_its_rows_error_with_a_reason(cid, body, code):
 def test_hostile_rows_among_good_ones_leave_the_good_rows_as_without_them(tmp_path, fake_engine_factory):
     hostile = [(c, b) for c, b, _ in hostile_chat_requests()]
     good = good_chat_requests()
-    mixed = [x for pair in zip(good * 4, hostile) for x in pair][: len(hostile) * 2]
+    # every hostile row, each after a good one (zip stops at the shorter list: enough good rows for all)
+    mixed = [x for pair in zip(good * (len(hostile) // len(good) + 1), hostile) for x in pair]
+    assert len(mixed) == len(hostile) * 2
     mixed = [(f"{c}#{n}" if c.startswith("good") else c, b) for n, (c, b) in enumerate(mixed)]
     spec, shard = openai_job(tmp_path / "a", mixed)
     m, res, err = run(spec, shard, fake_engine_factory)

@@ -398,10 +398,10 @@ def test_a_changed_answer_says_why_it_moved(tmp_path, spec_for):
     assert ChangesSummary.model_validate_json((tmp_path / "now" / SUMMARY).read_text()).reasons == summary.reasons
 
 
-def test_runs_written_before_prompt_hashes_existed_compare_with_reason_unknown(tmp_path, spec_for):
-    write_run(tmp_path / "prev", {"a": "bug", "b": "bug"})
-    part = tmp_path / "prev" / RESULTS / "part-00000.parquet"
-    pq.write_table(pq.read_table(part).drop_columns(["prompt_hash", "confidence", "logprobs"]), part)
+def test_answers_without_a_prompt_hash_compare_with_reason_unknown(tmp_path, spec_for):
+    """A previous answer without its request's hash (a row written before hashes existed) moves for a reason
+    nobody can tell: 'unknown', never a guess."""
+    write_run(tmp_path / "prev", {"a": "bug", "b": "bug"})  # prompt_hash null
     write_run(tmp_path / "now", {"a": "billing", "b": "bug"}, hashes={"a": 1, "b": 2})
     summary = compute_changes(spec_for(tmp_path / "prev"))
     assert changes_of(tmp_path / "now")["a"]["reason"] == "unknown" and summary.reasons["unknown"] == 1
@@ -410,12 +410,13 @@ def test_runs_written_before_prompt_hashes_existed_compare_with_reason_unknown(t
 def test_an_inconsistent_night_unified_by_the_cache_is_explained(tmp_path):
     """The demo's story: night 1 answers two identical tickets differently (batch-dependent numerics); QA
     reports the inconsistency; night 2's cache serves one answer to both, and the moved label says 'unified'."""
+    from airflow_provider_vllm.core.engine_identity import local_engine_identity
     from airflow_provider_vllm.steps.merge.merger import merge
     from airflow_provider_vllm.steps.plan.planner import plan_job
     from airflow_provider_vllm.steps.qa.stage import qa_run
     from airflow_provider_vllm.worker.shard import run_shard
     from airflow_provider_vllm.worker.task import ShardTask
-    from tests.support.data import write_parquet
+    from tests.support.data import PINNED_REVISION, write_parquet
     from tests.support.fakes import FakeEngine
 
     texts = ["my card was charged twice"] * 2 + [f"ticket {i}" for i in range(10)]
@@ -427,11 +428,11 @@ def test_an_inconsistent_night_unified_by_the_cache_is_explained(tmp_path):
         spec = make_spec(
             tmp_path / day / "in.parquet",
             tmp_path / day / "out",
-            model={"name": "fake", "max_model_len": 1024, "revision": "r"},
+            model={"name": "fake", "max_model_len": 1024, "revision": PINNED_REVISION},
             cache={"uri": str(tmp_path / "cache")},
             changes={"previous_uri": str(tmp_path / prev / "out") if prev else None},
         )
-        plan = plan_job(spec, engine_identity="fake")
+        plan = plan_job(spec, engine_identity=local_engine_identity())  # what the in-process workers seal
         for s in plan.shards:
             run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=factory)
         merge(spec).dump()
