@@ -9,12 +9,15 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import numpy as np
+import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
 from airflow_provider_vllm.core import seal as seals
+from airflow_provider_vllm.core.adapters import AdapterRef
 from airflow_provider_vllm.core.errors import SpecError
 from airflow_provider_vllm.core.formats.files import InputFile
 from airflow_provider_vllm.core.records import FileRef
+from airflow_provider_vllm.core.rows import decode_schema, error_schema, result_schema
 from airflow_provider_vllm.core.seal import Keyring, Seal
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
@@ -80,6 +83,20 @@ class CachePlan(BaseModel):
     hit_est_tokens: int = Field(0, description="estimated prompt tokens of the hit rows (not inferred)")
 
 
+class Passthrough(BaseModel):
+    """The input columns copied into results/ and errors/ (``io.passthrough``), as the plan resolved them."""
+
+    model_config = ConfigDict(extra="forbid")
+    columns: list[str] = Field(description="input column names, in the order they are appended")
+    names: list[str] = Field(description="their names in results/ and errors/ (io.passthrough_prefix + column)")
+    schema_ipc: str = Field(description="their fields as published (Arrow IPC schema, base64; core.rows.encode_schema)")
+    types: list[str] = Field(description="their Arrow types, readable")
+
+    def schema(self) -> pa.Schema:
+        """The passthrough fields under their published names and the input's types."""
+        return decode_schema(self.schema_ipc)
+
+
 class Plan(BaseModel):
     """``_plan.json``: written once (create-only) and sealed by the plan task (``core/seal.py``, domain ``plan``,
     scope the output URI); every reader checks the seal (``load_plan``)."""
@@ -104,7 +121,24 @@ class Plan(BaseModel):
     cache: CachePlan | None = Field(
         None, description="The result cache (cache.uri set): shards then read their own input files of misses."
     )
+    passthrough: Passthrough | None = Field(
+        None, description="io.passthrough resolved against the input: the columns the parts carry, and their types"
+    )
+    adapters: list[AdapterRef] = Field(
+        default_factory=list, description="the job's LoRA adapters and their identities (core/adapters.py)"
+    )
     seal: Seal | None = Field(None, description="the plan task's seal (core/seal.py): what every reader checks")
+
+    def passthrough_schema(self) -> pa.Schema | None:
+        return self.passthrough.schema() if self.passthrough is not None else None
+
+    def result_schema(self) -> pa.Schema:
+        """The schema of this run's ``results/`` parts (``core.rows.result_schema``)."""
+        return result_schema(self.passthrough_schema())
+
+    def error_schema(self) -> pa.Schema:
+        """The schema of this run's ``errors/`` parts (``core.rows.error_schema``)."""
+        return error_schema(self.passthrough_schema())
 
     def dump_json(self) -> bytes:
         """``_plan.json``'s bytes: the fields that were set, and the seal."""

@@ -352,7 +352,9 @@ class IOSpec(_Model):
 
     input_uri: str = Field(min_length=1, description="File or folder: local path, s3://, gs://, file://.")
     input_format: Literal["auto", "parquet", "jsonl", "openai_batch"] = Field(
-        "auto", description="auto: by extension (.parquet; .jsonl with custom_id -> openai_batch)."
+        "auto",
+        description="auto: by extension (.parquet; .jsonl whose first line is a request, a body and custom_id, "
+        "url or method -> openai_batch).",
     )
     output_uri: str = Field(min_length=1, description="Run output prefix (folder).")
     output_format: Literal["parquet", "openai_batch"] = Field(

@@ -8,6 +8,7 @@ boundaries so the engine never drains between chunks.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import platform
@@ -17,9 +18,11 @@ from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import numpy as np
+import pyarrow as pa
 
 from airflow_provider_vllm import __version__
 from airflow_provider_vllm.core import faults
+from airflow_provider_vllm.core.adapters import check_refs
 from airflow_provider_vllm.core.commit import ChunkMeta, CommitMarker, FileEntry, RunSeal, ShardStore, new_attempt_id
 from airflow_provider_vllm.core.engine_identity import local_engine_identity
 from airflow_provider_vllm.core.errors import InputChangedError, SpecError, TransientError
@@ -32,6 +35,7 @@ from airflow_provider_vllm.core.rows import INVALID_ROW, rows_table
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import Storage
+from airflow_provider_vllm.worker.adapters import local_adapters
 from airflow_provider_vllm.worker.guard import GuardedEngine, RowFailure
 from airflow_provider_vllm.worker.hardware import hardware_id
 from airflow_provider_vllm.worker.isolation import describe, row_caused
@@ -116,6 +120,7 @@ def _run_shard(
 
         require_vllm()
 
+    check_refs(spec, plan.adapters)  # the plan's adapters are the spec's (before reading a row)
     attempt = task.attempt_id or new_attempt_id()
     t_start = time.monotonic()
     with shard_input(spec, plan, shard) as in_root:
@@ -123,6 +128,7 @@ def _run_shard(
         batch = read_shard_rows(spec, plan, shard, in_root, beat=watchdog.beat)
     if len(batch) != shard.rows:
         raise InputChangedError(f"shard {shard.shard_id}: read {len(batch)} rows, the plan says {shard.rows}")
+    carried = passthrough_table(plan, batch)
     read_s = time.monotonic() - t_start
 
     chunk_rows = spec.sharding.chunk_rows
@@ -162,7 +168,9 @@ def _run_shard(
     done_rows = sum(metas[k].rows for k in todo)
     telemetry = ShardTelemetry(spec, shard.shard_id, attempt, done_rows, task.progress_interval_s)
     if todo:
-        with _beating(watchdog):
+        with _beating(watchdog), local_adapters(spec, plan) as adapter_paths:
+            if factory is _default_engine:
+                factory = functools.partial(_default_engine, adapters=adapter_paths)
             engine = GuardedEngine(
                 start_limits(spec, store.engine_limits()),
                 factory,
@@ -176,7 +184,9 @@ def _run_shard(
             with watchdog.paused():
                 engine.warm_up()
             try:
-                runner = _ChunkRunner(spec, plan, shard, batch, engine, store, attempt, metas, telemetry.progress)
+                runner = _ChunkRunner(
+                    spec, plan, shard, batch, engine, store, attempt, metas, telemetry.progress, carried
+                )
                 t0 = time.monotonic()
                 files.update(runner.run(todo))
                 stats["infer_s"] = round(time.monotonic() - t0, 3)
@@ -249,10 +259,10 @@ def _beating(watchdog: Watchdog):
         watchdog.beat()
 
 
-def _default_engine(spec: JobSpec):
+def _default_engine(spec: JobSpec, adapters: dict[str, str] | None = None):
     from airflow_provider_vllm.worker.engine import Engine
 
-    return Engine(spec)
+    return Engine(spec, adapters)
 
 
 _default_engine.needs_vllm = True  # type: ignore[attr-defined]  # an injected engine (tests) needs none
@@ -297,9 +307,10 @@ def read_shard_rows(
     """The shard's rows in plan order (bucket filter applied); ``beat()`` after each segment read."""
     fmt = input_format(plan.format)
     batch = RowBatch(ids=[], values={}, faults=[], lines=[])
+    carried = plan.passthrough.columns if plan.passthrough is not None else None
     for seg in shard.segments:
         faults.hit("read.segment")
-        part = fmt.read_rows(root, plan.shard_input(shard)[1][seg.file].path, seg, spec)
+        part = fmt.read_rows(root, plan.shard_input(shard)[1][seg.file].path, seg, spec, carried)
         if shard.bucket != "all":
             assert plan.long_row_tokens is not None  # the planner buckets only with a threshold
             tokens = np.asarray(estimate_tokens(np.asarray(part.chars, dtype=np.int64), plan.chars_per_token))
@@ -310,12 +321,30 @@ def read_shard_rows(
     return batch
 
 
+def passthrough_table(plan: Plan, batch: RowBatch) -> pa.Table | None:
+    """The rows' passthrough columns as the parts publish them: renamed and typed as the plan says (a shard's
+    input file written by DuckDB may carry a wider or tz-normalised type of the same values)."""
+    p = plan.passthrough
+    if p is None:
+        return None
+    t = batch.passthrough
+    if t is None or t.num_rows != len(batch):
+        raise InputChangedError(f"read {0 if t is None else t.num_rows} rows of passthrough columns for {len(batch)}")
+    schema = p.schema()
+    cols = []
+    for c, f in zip(p.columns, schema):
+        col = t.column(c)
+        cols.append(col if col.type == f.type else col.cast(f.type))
+    return pa.Table.from_arrays(cols, schema=schema)
+
+
 # ---- inference ----------------------------------------------------------------------
 class _ChunkRunner:
     """Feeds rows of the chunks to do through the engine and writes each chunk when complete."""
 
-    def __init__(self, spec, plan, shard, batch, engine, store, attempt, metas, progress):
+    def __init__(self, spec, plan, shard, batch, engine, store, attempt, metas, progress, carried=None):
         self.spec, self.plan, self.shard, self.batch = spec, plan, shard, batch
+        self.carried = carried  # the shard's passthrough columns (passthrough_table), a row per row
         self.engine, self.store, self.attempt, self.metas = engine, store, attempt, metas
         self.builder = PromptBuilder(spec, engine.tokenizer, engine.max_model_len, plan.format)
         self.requests = input_format(plan.format).carries_requests
@@ -354,12 +383,23 @@ class _ChunkRunner:
             log.warning("row %s could not be prepared: %s", self.batch.ids[i], describe(e, 200))
             return Prepared(fault=(INVALID_ROW, f"the row could not be prepared: {describe(e)}"))
 
-    def _error(self, i: int, code: str, message: str) -> dict[str, Any]:
-        return {"id": self.batch.ids[i], "status": "error", "error_code": code, "error_message": message, **self.prov}
+    def _error(self, i: int, code: str, message: str, adapter: str | None = None) -> dict[str, Any]:
+        return {
+            "id": self.batch.ids[i],
+            "status": "error",
+            "error_code": code,
+            "error_message": message,
+            **self.prov,
+            "adapter": adapter,
+        }
+
+    def _write(self, meta: ChunkMeta, rows: list[dict]) -> FileEntry:
+        part = None if self.carried is None else self.carried.slice(meta.first_row, meta.rows)
+        return self.store.write_chunk(self.attempt, meta, rows_table(rows), part)
 
     def _generate(self, todo: list[int]) -> dict[int, FileEntry]:
         records: dict[int, dict[int, dict]] = {k: {} for k in todo}
-        submitted: dict[int, tuple[float, bool]] = {}
+        submitted: dict[int, tuple[float, bool, str | None]] = {}
         files: dict[int, FileEntry] = {}
         queue = [
             (k, i) for k in todo for i in range(self.metas[k].first_row, self.metas[k].first_row + self.metas[k].rows)
@@ -371,18 +411,21 @@ class _ChunkRunner:
                 pos += 1
                 prep = self._prepare(i)
                 if prep.fault is not None:
-                    records[k][i] = self._error(i, *prep.fault)
+                    records[k][i] = self._error(i, *prep.fault, prep.adapter)
                     self._row_done(k, i, records, files)
                     continue
-                submitted[i] = (time.monotonic(), prep.truncated)
+                submitted[i] = (time.monotonic(), prep.truncated, prep.adapter)
                 # a request the engine refuses comes back from step() as a RowFailure
-                self.engine.submit((k, i), prep.token_ids, prep.overrides or None)
+                if prep.adapter is None:
+                    self.engine.submit((k, i), prep.token_ids, prep.overrides or None)
+                else:
+                    self.engine.submit((k, i), prep.token_ids, prep.overrides or None, adapter=prep.adapter)
             if not self.engine.pending():
                 continue
             for (k, i), g in self.engine.step():
-                t_sub, truncated = submitted.pop(i)
+                t_sub, truncated, adapter = submitted.pop(i)
                 if isinstance(g, RowFailure):
-                    records[k][i] = self._error(i, g.code, g.message)
+                    records[k][i] = self._error(i, g.code, g.message, adapter)
                     self._row_done(k, i, records, files)
                     continue
                 label, parsed, valid = self._structured(i, g.text)
@@ -399,6 +442,7 @@ class _ChunkRunner:
                     "truncated": truncated,
                     "latency_ms": (time.monotonic() - t_sub) * 1000.0,
                     **self.prov,
+                    "adapter": adapter,
                 }
                 self.prompt_tokens += g.prompt_tokens
                 self.completion_tokens += g.completion_tokens
@@ -424,7 +468,7 @@ class _ChunkRunner:
         if len(got) < meta.rows:
             return
         rows = [got[i] for i in range(meta.first_row, meta.first_row + meta.rows)]
-        files[k] = self.store.write_chunk(self.attempt, meta, rows_table(rows))
+        files[k] = self._write(meta, rows)
         del records[k]
 
     def _pool_chunk(self, k: int) -> FileEntry:
@@ -465,6 +509,6 @@ class _ChunkRunner:
                 }
                 self.prompt_tokens += n_tokens
         ordered = [rows[i] for i in range(meta.first_row, meta.first_row + meta.rows)]
-        entry = self.store.write_chunk(self.attempt, meta, rows_table(ordered))
+        entry = self._write(meta, ordered)
         self.progress.add_rows(ordered)
         return entry

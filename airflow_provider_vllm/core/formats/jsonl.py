@@ -24,6 +24,7 @@ from airflow_provider_vllm.core.formats.base import (
     is_blank_id,
     is_unicode,
     raise_duplicates,
+    row_columns,
 )
 from airflow_provider_vllm.core.storage import Storage
 
@@ -59,8 +60,8 @@ class JsonlFormat(InputFormat):
         return spec.prompt.id_column
 
     def columns(self, spec: JobSpec) -> list[str]:
-        """The value columns a read row carries (the worker's prompt inputs)."""
-        return [c for c in spec.prompt.columns if c != spec.prompt.id_column]
+        """The value columns a read row carries (the worker's prompt inputs, the adapter column)."""
+        return [c for c in row_columns(spec) if c != spec.prompt.id_column]
 
     def row_chars(self, row: dict[str, Any], spec: JobSpec) -> int:
         """Characters of a row's prompt text (the planner's token estimate)."""
@@ -94,11 +95,16 @@ class JsonlFormat(InputFormat):
     def file_ids(self, root: Storage, name: str, spec: JobSpec) -> list[str]:
         return self._scan_file(root, name, spec, sizes=False).ids
 
-    def read_rows(self, root: Storage, name: str, segment: Segment, spec: JobSpec) -> RowBatch:
+    def read_rows(
+        self, root: Storage, name: str, segment: Segment, spec: JobSpec, passthrough: list[str] | None = None
+    ) -> RowBatch:
         """``segment.count`` data lines from byte ``segment.offset`` (line number ``segment.line``) on.
 
-        Invalid lines become rows with a fault (``INVALID_JSON``) and their synthetic id.
+        Invalid lines become rows with a fault (``INVALID_JSON``) and their synthetic id. No passthrough
+        columns (JSON lines have no column types): the plan refuses ``io.passthrough`` for them.
         """
+        if passthrough:
+            raise DatasetError(f"{name}: io.passthrough needs Parquet input")
         columns = self.columns(spec)
         key = self.id_key(spec)
         batch = RowBatch(ids=[], values={c: [] for c in columns}, faults=[], lines=[])
