@@ -11,6 +11,7 @@ import math
 from dataclasses import asdict
 from typing import Any
 
+from airflow_provider_vllm.core.adapters import engine_max_rank, max_loras
 from airflow_provider_vllm.core.errors import SpecError
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
@@ -87,9 +88,26 @@ def dry_run_report(
         "est_gpu_hours": round(gpu_s / 3600, 3),
         "assumptions": {} if ev is not None else {"tokens_per_s": tokens_per_s, "engine_start_s": engine_start_s},
     }
+    lora = None
+    if plan.adapters:
+        lora = {"max_lora_rank": engine_max_rank(spec, [a.rank for a in plan.adapters]), "max_loras": max_loras(spec)}
+        report["adapters"] = {
+            **lora,
+            "default_adapter": spec.model.default_adapter,
+            "adapter_column": spec.model.adapter_column,
+            "adapters": [
+                {"name": a.name, "source": a.source, "identity": a.identity(), "rank": a.rank, "bytes": a.bytes}
+                for a in plan.adapters
+            ],
+        }
+    if plan.passthrough is not None:
+        p = plan.passthrough
+        report["passthrough"] = [{"column": c, "as": n, "type": t} for c, n, t in zip(p.columns, p.names, p.types)]
     if spec.cache.uri is not None:
-        report["cache"] = _cache(spec, ev, tokens_per_s, engine_start_s, engine_identity, filesystems, keyring)
-    report["memory"] = _memory(spec, work, ev, gpu_memory, model_config, checkpoint_bytes, gpus)
+        report["cache"] = _cache(
+            spec, ev, tokens_per_s, engine_start_s, engine_identity, filesystems, keyring, plan.adapters
+        )
+    report["memory"] = _memory(spec, work, ev, gpu_memory, model_config, checkpoint_bytes, gpus, lora)
     layout = report["memory"].pop("layout", None)
     report["layout"] = layout
     if layout and layout["refusal"] and (layout["verdict"] == "invalid_tp" or layout["memory_known"]):
@@ -105,13 +123,14 @@ def _cache(
     engine_identity: str | None,
     filesystems: FileSystems | None,
     keyring: Keyring | None = None,
+    adapters: list | None = None,
 ) -> dict[str, Any]:
     """Expected hits and misses (nothing written) and the inference GPU-hours the hits save."""
     from airflow_provider_vllm.core.formats.files import find_input
     from airflow_provider_vllm.steps.cache.result_cache import expected
 
     found = find_input(spec.io.input_uri, spec.io.storage_options, spec.io.input_format, filesystems)
-    exp = expected(spec, found, engine_identity, filesystems, keyring)
+    exp = expected(spec, found, engine_identity, filesystems, keyring, adapters)
     saved = estimate_workload(spec, exp["hits"], exp["hit_est_tokens"], ev, tokens_per_s, engine_start_s)
     exp["est_inference_s_saved"] = round(saved.infer_s, 3)
     exp["est_gpu_hours_saved"] = round(saved.infer_s * spec.engine.tensor_parallel_size / 3600, 6)
@@ -119,7 +138,14 @@ def _cache(
 
 
 def _memory(
-    spec: JobSpec, work, ev, gpu_memory: float | None, cfg: dict | None, ckpt: int | None, gpus: int | None = None
+    spec: JobSpec,
+    work,
+    ev,
+    gpu_memory: float | None,
+    cfg: dict | None,
+    ckpt: int | None,
+    gpus: int | None = None,
+    lora: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     source = "given"
     if cfg is None:
@@ -139,6 +165,7 @@ def _memory(
         gib, gib_src = ASSUMED_GPU_MEMORY_GIB, "assumed (pass --gpu-memory-gib)"
     max_len = spec.model.max_model_len or shape.max_position or 4096
     expected = math.ceil((work.prompt_tokens + work.completion_tokens) / work.rows) if work.rows else None
+    lora_args = {"lora_rank": lora["max_lora_rank"], "lora_slots": lora["max_loras"]} if lora else {}
     try:
         mp = plan_memory(
             shape,
@@ -152,6 +179,7 @@ def _memory(
             kv_cache_dtype=spec.engine.engine_kwargs.get("kv_cache_dtype"),
             weights_bytes=ckpt,
             expected_seq_tokens=expected,
+            **lora_args,
         )
         layout = choose_layout(
             shape,
@@ -165,6 +193,7 @@ def _memory(
             quantization=spec.model.quantization,
             kv_cache_dtype=spec.engine.engine_kwargs.get("kv_cache_dtype"),
             weights_bytes=ckpt,
+            **lora_args,
         )
     except ValueError as e:
         return {"available": False, "reason": str(e)}
@@ -219,6 +248,21 @@ def format_report(r: dict[str, Any]) -> str:
         f"per shard; ~{r['est_shard_minutes']:.1f} min per shard",
         f"  GPU-hours        ~{r['est_gpu_hours']:.2f} (tensor_parallel_size {r['tensor_parallel_size']})",
     ]
+    if r.get("adapters"):
+        a = r["adapters"]
+        pick = f"column {a['adapter_column']!r}" if a["adapter_column"] else "every row"
+        lines.append(
+            f"  LoRA adapters    {len(a['adapters'])} ({pick}; default {a['default_adapter'] or 'the base model'}); "
+            f"engine max_lora_rank {a['max_lora_rank']}, max_loras {a['max_loras']}"
+        )
+        for ad in a["adapters"]:
+            rank = f"rank {ad['rank']}" if ad["rank"] is not None else "rank unknown (not in the hub cache here)"
+            lines.append(f"    {ad['name']}: {ad['source']} ({rank}; {ad['identity']})")
+    if r.get("passthrough"):
+        cols = ", ".join(
+            f"{p['column']}{' as ' + p['as'] if p['as'] != p['column'] else ''} ({p['type']})" for p in r["passthrough"]
+        )
+        lines.append(f"  passthrough      {cols}")
     if r.get("cache"):
         c = r["cache"]
         lines.append(

@@ -29,7 +29,7 @@ from airflow_provider_vllm.worker.shard import run_shard
 from airflow_provider_vllm.worker.task import ShardTask
 from tests.support.data import PINNED_REVISION, make_spec
 
-UTC = dt.timezone.utc
+UTC = dt.UTC
 TYPES = {
     "queue": pa.string(),
     "opened": pa.timestamp("ms", tz="America/New_York"),
