@@ -108,3 +108,32 @@ def test_publish_marks_the_output_folder():
     lin = publish_lineage(make_spec("/d/in", "gs://jobs-bucket/out/"), {"rows": 5, "ok_rows": 4, "error_rows": 1})
     assert [(d.namespace, d.name, d.rows) for d in lin.outputs] == [("gs://jobs-bucket", "out", 5)]
     assert [d.rows for d in lin.inputs] == [4, 1]
+
+
+def test_lineage_names_the_adapters_and_the_passthrough_columns():
+    from airflow_provider_vllm.core.adapters import AdapterRef
+    from airflow_provider_vllm.core.plan import Passthrough
+
+    spec = make_spec(
+        "/d/in",
+        "/d/out",
+        model={
+            "adapters": [
+                {"name": "billing", "source": "/models/billing"},
+                {"name": "hub", "source": "org/lora", "revision": "c" * 40},
+            ],
+            "adapter_column": "which",
+        },
+    )
+    refs = [AdapterRef(name="billing", source="/models/billing", kind="local", sha256="ab" * 32)]
+    carried = Passthrough(columns=["queue"], names=["in_queue"], schema_ipc="", types=["string"])
+    lin = merge_lineage(spec, merge_summary(3, 3, 0), refs, carried)
+    facts = lin.inference
+    assert facts.adapter == "billing, hub"
+    assert facts.adapters == (
+        {"name": "billing", "source": "/models/billing", "identity": "sha256:" + "ab" * 32},
+        {"name": "hub", "source": "org/lora", "revision": "c" * 40},
+    )
+    assert facts.settings["adapters"] == {"default_adapter": None, "adapter_column": "which"}
+    assert ("in_queue", "string") in lin.outputs[0].fields and ("in_queue", "string") in lin.outputs[1].fields
+    assert publish_lineage(spec, {"rows": 3}).inference.adapter == "billing, hub"
