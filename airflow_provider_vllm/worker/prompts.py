@@ -119,7 +119,7 @@ class PromptBuilder:
         INVALID_REQUEST), as ``vllm run-batch`` refuses a model it does not serve, unless
         ``io.ignore_request_model``."""
         m = self.spec.model
-        if model is None or self.spec.io.ignore_request_model:
+        if not model or self.spec.io.ignore_request_model:  # vLLM too: an empty name is the default model
             return m.default_adapter
         if model in self.adapters:
             return model

@@ -74,6 +74,10 @@ class JsonlFormat(InputFormat):
     def row_values(self, row: dict[str, Any], columns: list[str]) -> list[Any]:
         return [row.get(c) for c in columns]
 
+    def checked_id(self, value: Any, name: str, line_no: int, key: str) -> str:
+        """A line's id as text; DatasetError naming the file, line and field when it cannot track the row."""
+        return _checked_id(value, name, line_no, key)
+
     # ---- the interface ----------------------------------------------------------------
     def scan(self, root: Storage, names: list[str], spec: JobSpec, per_row: bool) -> Scan:  # noqa: ARG002
         ids: list[str] = []
@@ -155,7 +159,7 @@ class JsonlFormat(InputFormat):
                     lengths.append(0)
                     invalid += 1
                     continue
-                ids.append(_checked_id(parsed.get(key), name, line_no, key))
+                ids.append(self.checked_id(parsed.get(key), name, line_no, key))
                 lengths.append(self.row_chars(parsed, spec) if sizes else 0)
         return _FileScan(ids, offsets, lengths, lines, invalid)
 
