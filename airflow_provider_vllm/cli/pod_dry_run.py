@@ -100,6 +100,9 @@ def render_shard_pod(
     op.spec = spec.model_dump(mode="json")
     op.shard = shard
     pod = op.build_pod_request_obj(shard_context, dry_run=True)
+    from airflow_provider_vllm.utils.pod_spec import adapter_sources
+
+    notes += adapter_sources(spec, op.settings(spec))  # the layered settings the pod above was built from
     return ApiClient().sanitize_for_serialization(pod), notes
 
 

@@ -218,16 +218,18 @@ class ShardStore:
         """The chunk's ok-rows file (its presence marks the chunk complete)."""
         return f"{self.dir}/attempts/{attempt_id}/chunk-{chunk:05d}.parquet"
 
-    def write_chunk(self, attempt_id: str, meta: ChunkMeta, table: pa.Table) -> FileEntry:
+    def write_chunk(
+        self, attempt_id: str, meta: ChunkMeta, table: pa.Table, passthrough: pa.Table | None = None
+    ) -> FileEntry:
         """Write one chunk (a ``ROW_SCHEMA`` table) as its two part files, atomically each, then its seal;
-        returns its entry.
+        returns its entry. ``passthrough``: the chunk's passthrough columns, a row per row (``rows.split_rows``).
 
         The error rows first, the ok rows next, the seal last: a crash before the seal leaves a chunk
         that is not complete, and a retry redoes it.
         """
         if table.num_rows != meta.rows:
             raise CommitError(f"chunk {meta.chunk} of {self.shard_id}: {table.num_rows} rows, expected {meta.rows}")
-        ok, err = split_rows(table)
+        ok, err = split_rows(table, passthrough)
         rel = self.chunk_rel(attempt_id, meta.chunk)
         err_rel = errors_rel(rel)
         faults.hit("chunk.before_write")

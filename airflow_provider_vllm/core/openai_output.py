@@ -18,7 +18,9 @@ def _rid(custom_id: str, prefix: str) -> str:
 
 
 def response_line(row: dict[str, Any], spec: JobSpec) -> dict[str, Any]:
-    """One output line for a result row (chat completion or embedding)."""
+    """One output line for a result row (chat completion or embedding). ``body.model`` names what answered, as
+    vLLM's server does: the row's LoRA adapter, else the job's first served model name."""
+    model = row.get("adapter") or spec.model.served_names[0]
     usage = {
         "prompt_tokens": row.get("prompt_tokens") or 0,
         "completion_tokens": row.get("completion_tokens") or 0,
@@ -28,7 +30,7 @@ def response_line(row: dict[str, Any], spec: JobSpec) -> dict[str, Any]:
         body: dict[str, Any] = {
             "object": "list",
             "data": [{"object": "embedding", "index": 0, "embedding": row["embedding"]}],
-            "model": spec.model.name,
+            "model": model,
             "usage": usage,
         }
     else:
@@ -36,7 +38,7 @@ def response_line(row: dict[str, Any], spec: JobSpec) -> dict[str, Any]:
             "id": _rid(row["id"], "chatcmpl"),
             "object": "chat.completion",
             "created": 0,
-            "model": spec.model.name,
+            "model": model,
             "choices": [
                 {
                     "index": 0,

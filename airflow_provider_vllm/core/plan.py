@@ -9,12 +9,15 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import numpy as np
+import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
 from airflow_provider_vllm.core import seal as seals
+from airflow_provider_vllm.core.adapters import AdapterRef
 from airflow_provider_vllm.core.errors import SpecError
 from airflow_provider_vllm.core.formats.files import InputFile
 from airflow_provider_vllm.core.records import FileRef
+from airflow_provider_vllm.core.rows import decode_schema, error_schema, result_schema
 from airflow_provider_vllm.core.seal import Keyring, Seal
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
@@ -162,7 +165,8 @@ class GoldenPlan(BaseModel):
     shards: list[ShardPlan] = Field(description="the golden shards, over input_file")
 
     def view(self, plan: Plan) -> Plan:
-        """``plan`` as the golden shards see it: their input file, their shards, no cache, no golden rows."""
+        """``plan`` as the golden shards see it: their input file, their shards, no cache, no golden rows, no
+        passthrough columns (the golden file carries the template's columns only; golden parts are plain)."""
         name = self.input_file.path.rsplit("/", 1)[-1]
         f = InputFile(path=name, size=self.input_file.bytes, version=self.input_file.version)
         return plan.model_copy(
@@ -175,8 +179,23 @@ class GoldenPlan(BaseModel):
                 "long_row_tokens": None,
                 "cache": None,
                 "golden": None,
+                "passthrough": None,
             }
         )
+
+
+class Passthrough(BaseModel):
+    """The input columns copied into results/ and errors/ (``io.passthrough``), as the plan resolved them."""
+
+    model_config = ConfigDict(extra="forbid")
+    columns: list[str] = Field(description="input column names, in the order they are appended")
+    names: list[str] = Field(description="their names in results/ and errors/ (io.passthrough_prefix + column)")
+    schema_ipc: str = Field(description="their fields as published (Arrow IPC schema, base64; core.rows.encode_schema)")
+    types: list[str] = Field(description="their Arrow types, readable")
+
+    def arrow_schema(self) -> pa.Schema:
+        """The passthrough fields under their published names and the input's types."""
+        return decode_schema(self.schema_ipc)
 
 
 class Plan(BaseModel):
@@ -206,7 +225,24 @@ class Plan(BaseModel):
     golden: GoldenPlan | None = Field(
         None, description="Golden rows that ride along (qa.reference.ride_along_uri): their file and shards."
     )
+    passthrough: Passthrough | None = Field(
+        None, description="io.passthrough resolved against the input: the columns the parts carry, and their types"
+    )
+    adapters: list[AdapterRef] = Field(
+        default_factory=list, description="the job's LoRA adapters and their identities (core/adapters.py)"
+    )
     seal: Seal | None = Field(None, description="the plan task's seal (core/seal.py): what every reader checks")
+
+    def passthrough_schema(self) -> pa.Schema | None:
+        return self.passthrough.arrow_schema() if self.passthrough is not None else None
+
+    def result_schema(self) -> pa.Schema:
+        """The schema of this run's ``results/`` parts (``core.rows.result_schema``)."""
+        return result_schema(self.passthrough_schema())
+
+    def error_schema(self) -> pa.Schema:
+        """The schema of this run's ``errors/`` parts (``core.rows.error_schema``)."""
+        return error_schema(self.passthrough_schema())
 
     def dump_json(self) -> bytes:
         """``_plan.json``'s bytes: the fields that were set, and the seal."""

@@ -4,10 +4,16 @@ A worker builds every row of a chunk exactly once as a ``ROW_SCHEMA`` row (``sta
 'error') and writes them as two part files, each already in its published schema: ok rows as
 ``RESULT_SCHEMA``, error rows as ``ERROR_SCHEMA`` (``split_rows``). Merge publishes those part
 files as they are (no decoding), so these two schemas are the schemas of ``results/`` and ``errors/``.
+
+A job with passthrough columns (``io.passthrough``) publishes per-job schemas: the same columns with the
+passthrough columns appended, in the input's own types (``result_schema``, ``error_schema``); the plan
+records them (``encode_schema``) and every writer of a part (the workers, the plan's cache hits, merge's
+empty parts) writes exactly them.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 from array import array
@@ -61,6 +67,7 @@ ROW_SCHEMA = pa.schema(
         pa.field("error_message", pa.string()),
         pa.field("model", pa.string()),
         pa.field("model_revision", pa.string()),
+        pa.field("adapter", pa.string()),  # the LoRA adapter (model.adapters[].name) that answered; null: the base
         pa.field("engine_version", pa.string()),
         pa.field("config_hash", pa.string()),
         pa.field("shard_id", pa.string()),
@@ -89,6 +96,7 @@ ERROR_COLUMNS = [
     "prompt_tokens",
     "model",
     "model_revision",
+    "adapter",
     "engine_version",
     "config_hash",
     "shard_id",
@@ -103,22 +111,71 @@ def rows_table(records: list[dict]) -> pa.Table:
     return pa.Table.from_pylist(records, schema=ROW_SCHEMA)
 
 
-def split_rows(table: pa.Table) -> tuple[pa.Table, pa.Table]:
-    """A ``ROW_SCHEMA`` table -> (ok rows as ``RESULT_SCHEMA``, error rows as ``ERROR_SCHEMA``), order kept."""
+# Names a passthrough column may not take in results/ or errors/ (besides their own columns): the worker's
+# row status, and the prefix the result cache reserves for its own columns.
+RESERVED_PREFIX = "_vllm_"
+
+
+def result_schema(passthrough: pa.Schema | None = None) -> pa.Schema:
+    """The schema of ``results/``: ``RESULT_SCHEMA``, then the passthrough columns (their output names)."""
+    return RESULT_SCHEMA if not passthrough else pa.schema(list(RESULT_SCHEMA) + list(passthrough))
+
+
+def error_schema(passthrough: pa.Schema | None = None) -> pa.Schema:
+    """The schema of ``errors/``: ``ERROR_SCHEMA``, then the passthrough columns (their output names)."""
+    return ERROR_SCHEMA if not passthrough else pa.schema(list(ERROR_SCHEMA) + list(passthrough))
+
+
+def passthrough_clash(name: str) -> str | None:
+    """Why ``name`` cannot be a passthrough column's output name, or None."""
+    if name in RESULT_SCHEMA.names or name in ERROR_COLUMNS or name == "status":
+        return "is a column of results/ or errors/"
+    if name.startswith(RESERVED_PREFIX):
+        return f"starts with {RESERVED_PREFIX!r}, reserved by the result cache"
+    return None
+
+
+def encode_schema(schema: pa.Schema) -> str:
+    """A schema as text for a JSON record (Arrow IPC, base64): every type exactly, nested ones too."""
+    return base64.b64encode(schema.serialize().to_pybytes()).decode("ascii")
+
+
+def decode_schema(text: str) -> pa.Schema:
+    return pa.ipc.read_schema(pa.py_buffer(base64.b64decode(text)))
+
+
+def split_rows(table: pa.Table, passthrough: pa.Table | None = None) -> tuple[pa.Table, pa.Table]:
+    """A ``ROW_SCHEMA`` table -> (ok rows as ``RESULT_SCHEMA``, error rows as ``ERROR_SCHEMA``), order kept.
+
+    ``passthrough``: one row per row of ``table`` (same order), its columns already named and typed as they are
+    published; appended to both parts (``result_schema`` / ``error_schema`` of its schema).
+    """
     ok_mask = pc.equal(table.column("status"), "ok")
     ok = table.filter(ok_mask)
     err = table.filter(pc.invert(ok_mask))
-    res = pa.Table.from_arrays(
-        [ok.column(c) for c in RESULT_COLUMNS[:-1]] + [pa.nulls(ok.num_rows, pa.string())], schema=RESULT_SCHEMA
+    ok_cols = [ok.column(c) for c in RESULT_COLUMNS[:-1]] + [pa.nulls(ok.num_rows, pa.string())]
+    err_cols = [err.column(c) for c in ERROR_COLUMNS]
+    extra = None
+    if passthrough is not None and passthrough.num_columns:
+        if passthrough.num_rows != table.num_rows:
+            raise ValueError(f"passthrough has {passthrough.num_rows} rows, the chunk {table.num_rows}")
+        extra = passthrough.schema
+        ok_cols += passthrough.filter(ok_mask).columns
+        err_cols += passthrough.filter(pc.invert(ok_mask)).columns
+    return (
+        pa.Table.from_arrays(ok_cols, schema=result_schema(extra)),
+        pa.Table.from_arrays(err_cols, schema=error_schema(extra)),
     )
-    return res, pa.Table.from_arrays([err.column(c) for c in ERROR_COLUMNS], schema=ERROR_SCHEMA)
 
 
-def prompt_hash(token_ids: list[int], overrides: dict[str, Any] | None = None) -> int:
-    """The ``prompt_hash`` of an engine request: 64 bits of BLAKE2b over its token ids and its per-row
-    sampling settings, as a signed int64 (equal for identical requests, in any process)."""
+def prompt_hash(token_ids: list[int], overrides: dict[str, Any] | None = None, adapter: str | None = None) -> int:
+    """The ``prompt_hash`` of an engine request: 64 bits of BLAKE2b over its token ids, its per-row
+    sampling settings and its LoRA adapter (``model.adapters[].name``; None: the base model, hashed as
+    before adapters existed), as a signed int64 (equal for identical requests, in any process)."""
     h = hashlib.blake2b(len(token_ids).to_bytes(8, "little"), digest_size=8)
     h.update(array("q", token_ids).tobytes())  # fixed width, the count first: no two requests share bytes
     if overrides:
         h.update(json.dumps(overrides, sort_keys=True, default=str).encode())
+    if adapter is not None:  # a tagged, length-prefixed field: no sampling settings' JSON can spell it
+        h.update(b"\x00adapter" + len(adapter.encode()).to_bytes(4, "little") + adapter.encode())
     return int.from_bytes(h.digest(), "little", signed=True)

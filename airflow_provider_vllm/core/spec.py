@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import string
 from collections.abc import Collection
 from pathlib import Path
@@ -48,10 +49,66 @@ ENGINE_KWARGS_ALLOWED = frozenset(
 # "dummy" (random weights: benchmarks of a model shape without its checkpoint) and the safe
 # tensor formats; formats that unpickle or stream from other services stay out.
 LOAD_FORMATS_ALLOWED = frozenset({"auto", "safetensors", "dummy"})
+# vLLM's LoRAConfig.max_lora_rank values (vllm/config/lora.py, MaxLoRARanks).
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+MAX_ADAPTERS = 64
+ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+OBJECT_STORE_SCHEMES = ("s3://", "gs://", "gcs://")
 
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class AdapterSpec(_Model):
+    """A LoRA adapter that rows of the job may run with."""
+
+    name: str = Field(
+        pattern=ADAPTER_NAME,
+        description="The adapter's name in this job: model.default_adapter, a row's model.adapter_column value "
+        "and an OpenAI batch request's body.model pick it by this name; each result row records it (adapter).",
+    )
+    source: str = Field(
+        min_length=1,
+        description="Where its files are (adapter_config.json and adapter_model.safetensors): a local folder "
+        "(absolute path or file://), an object store folder (s3://, gs://) read with the deployment's "
+        "credentials, or a hub repo id (org/name) with revision.",
+    )
+    revision: str | None = Field(
+        None,
+        description="Hub adapters: the full 40-hex commit sha (required; a branch or tag can move). Not "
+        "allowed for local and object store sources, which the plan fingerprints byte by byte instead.",
+    )
+
+    @property
+    def kind(self) -> Literal["local", "object_store", "hub"]:
+        """Where the adapter comes from: a local folder, an object store folder, or a hub repo."""
+        if self.source.startswith(OBJECT_STORE_SCHEMES):
+            return "object_store"
+        if self.source.startswith(("file://", "/")):
+            return "local"
+        return "hub"
+
+    @model_validator(mode="after")
+    def _revision_rules(self) -> AdapterSpec:
+        where = f"model.adapters[{self.name}]"
+        if self.kind == "hub":
+            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*", self.source):
+                raise ValueError(
+                    f"{where}: source {self.source!r} is neither a hub repo id (org/name), an absolute local "
+                    "path (/adapters/x, file:///adapters/x) nor an object store folder (s3://, gs://)"
+                )
+            if self.revision is None or not re.fullmatch(r"[0-9a-f]{40}", self.revision):
+                raise ValueError(
+                    f"{where}: a hub adapter ({self.source!r}) needs revision: its full 40-hex commit sha "
+                    f"(got {self.revision!r}); a branch or tag can move to other weights"
+                )
+        elif self.revision is not None:
+            raise ValueError(
+                f"{where}: revision applies to hub adapters only; a {self.kind.replace('_', ' ')} source is "
+                "fingerprinted byte by byte by the plan"
+            )
+        return self
 
 
 class ModelSpec(_Model):
@@ -73,6 +130,54 @@ class ModelSpec(_Model):
     quantization: str | None = Field(None, description="vLLM quantization method (awq, gptq, fp8, ...).")
     max_model_len: int | None = Field(None, gt=0, description="Context length; defaults to the model's.")
     trust_remote_code: bool = Field(False, description="Allow model repos to run their own code. Off by default.")
+    served_model_names: list[Annotated[str, Field(min_length=1)]] = Field(
+        default_factory=list,
+        max_length=16,
+        description="OpenAI batch input: the names a request's body.model may give for this model (vLLM's "
+        "served_model_name); a request naming another model is that row's error (INVALID_REQUEST), unless "
+        "io.ignore_request_model. Empty: model.name.",
+    )
+    adapters: list[AdapterSpec] = Field(
+        default_factory=list,
+        max_length=MAX_ADAPTERS,
+        description="LoRA adapters rows may run with (chat and generate tasks); vLLM serves them on the one base "
+        "model (enable_lora). The plan records each adapter's identity (a sha256 of every byte, or the hub "
+        "commit); the worker runs only those bytes.",
+    )
+    default_adapter: str | None = Field(
+        None,
+        description="The adapter (a name in model.adapters) rows run with unless they pick one; null: the base model.",
+    )
+    adapter_column: str | None = Field(
+        None,
+        description="Input column whose value names the row's adapter (one of model.adapters' names); null or "
+        "empty: model.default_adapter. A name that is not the job's is that row's error (INVALID_ROW).",
+    )
+
+    @model_validator(mode="after")
+    def _adapters(self) -> ModelSpec:
+        names = [a.name for a in self.adapters]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"model.adapters: names must be unique, {dup} repeat")
+        clash = sorted(set(names) & set(self.served_names))
+        if clash:
+            raise ValueError(
+                f"model.adapters: {clash} is also a served model name; a request's body.model would be ambiguous"
+            )
+        if self.default_adapter is not None and self.default_adapter not in names:
+            raise ValueError(f"model.default_adapter {self.default_adapter!r} is not one of model.adapters {names}")
+        if self.adapter_column is not None and not names:
+            raise ValueError("model.adapter_column is set but model.adapters is empty")
+        return self
+
+    @property
+    def served_names(self) -> list[str]:
+        """The names OpenAI batch requests may give in body.model for the base model."""
+        return list(self.served_model_names) or [self.name]
+
+    def adapter(self, name: str) -> AdapterSpec:
+        return next(a for a in self.adapters if a.name == name)
 
 
 class EngineSpec(_Model):
@@ -91,6 +196,17 @@ class EngineSpec(_Model):
         "whatever else shares its batch, so identical prompts in a run (and reruns) agree, at a cost in speed. "
         "Where vLLM offers it (NVIDIA GPUs; vLLM's CPU build does not: the worker refuses it there).",
     )
+    max_lora_rank: int | None = Field(
+        None,
+        description=f"With model.adapters: the largest adapter rank the engine reserves room for (vLLM's "
+        f"max_lora_rank, one of {list(LORA_RANKS)}); default: the smallest of those >= the adapters' largest rank.",
+    )
+    max_loras: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_ADAPTERS,
+        description="With model.adapters: adapters in one engine batch (vLLM's max_loras); default: all of them.",
+    )
     cpu_kvcache_space_gb: int | None = Field(
         None, gt=0, description="CPU build only: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)."
     )
@@ -98,6 +214,13 @@ class EngineSpec(_Model):
         default_factory=dict,
         description=f"Extra vllm.LLM kwargs; only these keys: {sorted(ENGINE_KWARGS_ALLOWED)}.",
     )
+
+    @field_validator("max_lora_rank")
+    @classmethod
+    def _lora_rank(cls, v: int | None) -> int | None:
+        if v is not None and v not in LORA_RANKS:
+            raise ValueError(f"must be one of vLLM's ranks {list(LORA_RANKS)}, got {v}")
+        return v
 
     @field_validator("engine_kwargs")
     @classmethod
@@ -235,11 +358,31 @@ class IOSpec(_Model):
 
     input_uri: str = Field(min_length=1, description="File or folder: local path, s3://, gs://, file://.")
     input_format: Literal["auto", "parquet", "jsonl", "openai_batch"] = Field(
-        "auto", description="auto: by extension (.parquet; .jsonl with custom_id -> openai_batch)."
+        "auto",
+        description="auto: by extension (.parquet; .jsonl whose first line is a request, a body and custom_id, "
+        "url or method -> openai_batch).",
     )
     output_uri: str = Field(min_length=1, description="Run output prefix (folder).")
     output_format: Literal["parquet", "openai_batch"] = Field(
         "parquet", description="Merged results format; parquet is always written, openai_batch adds JSONL files."
+    )
+    passthrough: list[Annotated[str, Field(min_length=1)]] | Literal["all"] = Field(
+        default_factory=list,
+        description="Parquet input: input columns copied into every row of results/ and errors/ with their "
+        "own types (timestamps, decimals, nested lists ...), after the result columns; 'all': every input "
+        "column but prompt.id_column (the row's id). The workers carry them from the rows they read (merge "
+        "reads no input); the result cache never stores them.",
+    )
+    passthrough_prefix: str = Field(
+        "",
+        description="Prepended to each passthrough column's name in results/ and errors/ (e.g. 'input_'), so "
+        "that input columns named like result columns (label, output, model ...) can be passed through.",
+    )
+    ignore_request_model: bool = Field(
+        False,
+        description="OpenAI batch input: answer every request with the job's model whatever its body.model "
+        "names (off: a request naming a model the job does not serve, model.served_model_names or an adapter, "
+        "is that row's error).",
     )
     storage_options: dict[str, Any] = Field(
         default_factory=dict,
@@ -307,7 +450,8 @@ class ReferenceSpec(_Model):
     ride_along_uri: str | None = Field(
         None,
         description="Golden rows that ride along with every run: a Parquet file or folder with id_column, the "
-        "prompt template's columns and label_column. plan adds them under reserved ids "
+        "prompt template's columns (and model.adapter_column, when set) and label_column; io.passthrough columns "
+        "are neither needed nor published for them. plan adds them under reserved ids "
         f"('{RESERVED_ID_PREFIX}<id>'); they are inferred with this run's settings in shards of their own and "
         "scored by QA, and never published among the results, errors, changes or the cache, nor counted as "
         "input rows. Lets a nightly over unlabelled data measure itself every night. Not for openai_batch input.",
@@ -468,6 +612,25 @@ class ChangesSpec(_Model):
     )
 
 
+# Fields of the hashed sections added after the first release: left out of ``output_hash`` while at their
+# default (which changes no answer), so rows, chunks and cache entries of earlier runs keep matching.
+ADDED_LATER: tuple[tuple[str, str], ...] = (
+    ("engine", "batch_invariant"),
+    ("engine", "max_lora_rank"),
+    ("engine", "max_loras"),
+    ("model", "served_model_names"),
+    ("model", "adapters"),
+    ("model", "default_adapter"),
+    ("model", "adapter_column"),
+)
+
+
+def _added_later_default(section: str, name: str) -> Any:
+    models: dict[str, type[BaseModel]] = {"engine": EngineSpec, "model": ModelSpec}
+    model = models[section]
+    return model.model_fields[name].get_default(call_default_factory=True)
+
+
 class JobSpec(_Model):
     """A whole batch inference job."""
 
@@ -508,6 +671,14 @@ class JobSpec(_Model):
                 raise ValueError("qa.reference.input_column is prompt.id_column; name the column of known labels")
             if ref.ride_along_uri is not None and self.io.input_format == "openai_batch":
                 raise ValueError("qa.reference.ride_along_uri needs template rows; openai_batch input carries requests")
+        if self.model.adapters and self.task not in ("chat", "generate"):
+            raise ValueError(f"model.adapters apply to tasks 'chat' and 'generate', not {self.task!r}")
+        if self.model.adapter_column is not None and self.io.input_format == "openai_batch":
+            raise ValueError("model.adapter_column does not apply to openai_batch input: a request's body.model picks")
+        if self.io.passthrough and self.io.input_format in ("jsonl", "openai_batch"):
+            raise ValueError(
+                f"io.passthrough needs Parquet input (typed columns); io.input_format is {self.io.input_format!r}"
+            )
         check_values(self.model_dump(mode="json"))  # patterns, sizes, no Jinja: spec_guard.py
         return self
 
@@ -534,8 +705,9 @@ class JobSpec(_Model):
     def output_hash(self) -> str:
         """Hash of what decides a row's output (model, engine, task, prompt, sampling): the 'config hash'."""
         d = self.model_dump(mode="json", include={"task", "model", "engine", "prompt", "sampling"})
-        if not d["engine"]["batch_invariant"]:  # added later: specs without it keep the hash they had
-            del d["engine"]["batch_invariant"]
+        for section, name in ADDED_LATER:  # at their neutral default, specs without them keep the hash they had
+            if d[section][name] == _added_later_default(section, name):
+                del d[section][name]
         return hashlib.sha256(json.dumps(d, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
     # ---- loading --------------------------------------------------------------------

@@ -11,8 +11,8 @@ Two layers, both pure:
   fails closed: with no allow-list it refuses everything unless the deployment said any
   location is fine. Every location-like field (input, output, ``sharding.history_uri``,
   ``qa.previous_report_uri``, ``qa.reference.golden_uri`` / ``ride_along_uri``, ``cache.uri``,
-  ``changes.previous_uri``, a local ``model.name`` / ``model.tokenizer``)
-  lies inside the
+  ``changes.previous_uri``, a local ``model.name`` / ``model.tokenizer``, a local or object store adapter's
+  ``model.adapters[].source``) lies inside the
   allowed prefixes (symlinks resolved); ``io.storage_options`` holds only reviewed data
   options (no credentials, endpoints, hosts, proxies or headers: those come from the
   deployment's Connection or environment, e.g. ``AWS_ENDPOINT_URL``); output and input not
@@ -59,6 +59,9 @@ _SEG = r"[A-Za-z0-9_.][A-Za-z0-9_.@+=-]*"  # ".." and "." segments are refused s
 MODEL_REF = re.compile(rf"^(?:file://)?/?{_SEG}(?:/{_SEG})*/?$")
 REVISION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
 QUANTIZATION = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
+SERVED_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/@+=-]{0,127}$")
+PREFIX = re.compile(r"^([A-Za-z_][A-Za-z0-9_.-]{0,31})?$")
+_OBJECT_STORE = ("s3://", "gs://", "gcs://")
 COLUMN = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,127}$")
 LABEL = re.compile(rf"^\w[\w .:/+()-]{{0,{MAX_LABEL_CHARS - 1}}}$")
 # Any other string (engine_kwargs and storage_options values, enums): plain words, numbers,
@@ -71,6 +74,14 @@ _IDENTIFIERS = {
     "model.revision": (REVISION, "a commit sha, tag or branch"),
     "model.tokenizer_revision": (REVISION, "a commit sha, tag or branch"),
     "model.quantization": (QUANTIZATION, "a vLLM quantization method name"),
+    "model.served_model_names": (SERVED_NAME, "a model name (letters, digits and _ . : / @ + = -)"),
+    "model.adapters.name": (COLUMN, "an adapter name (letters, digits, _ . -)"),
+    "model.adapters.revision": (REVISION, "a commit sha"),
+    "model.adapters.source": (MODEL_REF, "a hub id (org/name), a local path or an s3:// / gs:// folder"),
+    "model.default_adapter": (COLUMN, "an adapter name (letters, digits, _ . -)"),
+    "model.adapter_column": (COLUMN, "a column name (letters, digits, _ . -)"),
+    "io.passthrough": (COLUMN, "a column name (letters, digits, _ . -)"),
+    "io.passthrough_prefix": (PREFIX, "empty or a column name prefix (letters, digits, _ . -)"),
     "prompt.id_column": (COLUMN, "a column name (letters, digits, _ . -)"),
     "prompt.text_columns": (COLUMN, "a column name (letters, digits, _ . -)"),
     "qa.reference.input_column": (COLUMN, "a column name (letters, digits, _ . -)"),
@@ -153,7 +164,7 @@ def _strings(node: Any, path: str):
 
 def _check_string(path: str, value: str) -> None:
     shown = value if len(value) <= 80 else value[:77] + "..."
-    if path in _URIS:
+    if path in _URIS or (path == "model.adapters.source" and value.startswith(_OBJECT_STORE)):
         try:
             canonical_uri(value, path, resolve=False)
         except SpecError as e:
@@ -281,6 +292,15 @@ def check_deployment(
     for what in ("model.name", "model.tokenizer"):
         local = local_model_path(getattr(spec.model, what.split(".")[1]), what)
         if local is not None:
+            check_uri(local, allowed, what)
+            check_local_tree(canonical_uri(local, what), allowed, what)
+    for a in spec.model.adapters:
+        what = f"model.adapters[{a.name}].source"
+        if a.kind == "object_store":
+            check_uri(a.source, allowed, what)
+        elif a.kind == "local":
+            local = local_model_path(a.source, what)
+            assert local is not None
             check_uri(local, allowed, what)
             check_local_tree(canonical_uri(local, what), allowed, what)
     check_local_tree(canon_in, allowed, "io.input_uri")

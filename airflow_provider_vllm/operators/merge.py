@@ -7,6 +7,7 @@ from typing import Any
 
 from airflow.sdk import BaseOperator
 
+from airflow_provider_vllm.core.plan import load_plan
 from airflow_provider_vllm.hooks.filesystems import task_filesystems
 from airflow_provider_vllm.steps.lineage import merge_lineage
 from airflow_provider_vllm.steps.merge.merger import merge
@@ -72,8 +73,15 @@ class VllmMergeOperator(BaseOperator):
             summary.rows / infer_s if infer_s else 0.0,
             summary.merge_s,
         )
-        self._lineage = merge_lineage(spec, summary)
+        self._lineage = self._merge_lineage(spec, summary)
         return summary.xcom()
+
+    def _merge_lineage(self, spec: Any, summary: Any) -> Any:
+        """The lineage, with the plan's adapter identities and passthrough columns when the job has them."""
+        if not (spec.model.adapters or spec.io.passthrough):
+            return merge_lineage(spec, summary)
+        plan = load_plan(spec, task_filesystems(self.aws_conn_id, self.gcp_conn_id), signing_keyring())
+        return merge_lineage(spec, summary, plan.adapters, plan.passthrough)
 
     def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
         """OpenLineage: the input location in; results and errors out, with row counts and columns; the run

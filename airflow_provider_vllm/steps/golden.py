@@ -3,12 +3,15 @@ read apart from the input's rows.
 
 * Plan (``with_golden``): the labelled file's rows become ``_golden/input-<sha16>.parquet`` (named by
   its content, so a plan killed before its create-only ``_plan.json`` leaves an orphan, never a file
-  that changed under a plan): ids under ``RESERVED_ID_PREFIX``, the template's columns, the known
-  label in ``GOLDEN_LABEL``. Shards ``golden-NNNNN-<hash>`` are cut over it (``sharding.target_rows``)
-  and recorded in ``Plan.golden``, never in ``Plan.shards``: the input's row accounting, the cache's
-  join and the change set never see them. The input's ids may not start with the reserved prefix.
-* Workers: a golden shard reads the plan through ``Plan.for_shard`` (its input file, no cache) and
-  commits like any shard, under ``shards/<golden shard>/``.
+  that changed under a plan): ids under ``RESERVED_ID_PREFIX``, the template's columns (and
+  ``model.adapter_column``, which the golden file must carry too: a golden row names its adapter as an
+  input row does), the known label in ``GOLDEN_LABEL``. Shards ``golden-NNNNN-<hash>`` are cut over it
+  (``sharding.target_rows``) and recorded in ``Plan.golden``, never in ``Plan.shards``: the input's row
+  accounting, the cache's join and the change set never see them.
+  The input's ids may not start with the reserved prefix.
+* Workers: a golden shard reads the plan through ``Plan.for_shard`` (its input file, no cache, no
+  passthrough columns: the golden file holds none of the input's other columns, so golden parts have the
+  plain ``RESULT_SCHEMA`` / ``ERROR_SCHEMA``) and commits like any shard, under ``shards/<golden shard>/``.
 * Merge (``merge_golden``): the golden shards' committed parts, checked like the input's by merge
   (markers, paths, sizes, sha256), their ids against the golden file exactly once, are written as
   ``golden/results.parquet``, ``golden/errors.parquet``, then ``golden/_golden.json``
@@ -33,6 +36,7 @@ import pyarrow.parquet as pq
 from airflow_provider_vllm.core import duck, faults
 from airflow_provider_vllm.core.errors import CommitError, DatasetError, SpecError, VerificationError
 from airflow_provider_vllm.core.formats import input_format
+from airflow_provider_vllm.core.formats.base import row_columns
 from airflow_provider_vllm.core.formats.files import Input, describe_files, find_input
 from airflow_provider_vllm.core.plan import CacheFile, GoldenPlan, Plan, Segment, ShardPlan
 from airflow_provider_vllm.core.records import GoldenSummary, MergeSummary
@@ -135,7 +139,9 @@ def plan_golden(spec: JobSpec, out: Storage, filesystems: FileSystems | None = N
     where = f"qa.reference.ride_along_uri {ref.ride_along_uri}"
     src = find_input(ref.ride_along_uri, spec.io.storage_options, "parquet", filesystems)
     idc = spec.prompt.id_column
-    columns = [c for c in spec.prompt.columns if c != idc]
+    # what the worker reads of a row (the template's columns, and model.adapter_column: a golden row names its
+    # adapter as an input row does, so the golden rows score the adapters the job's rows run with)
+    columns = [c for c in row_columns(spec) if c != idc]
     con = duck.connect(src.root)
     try:
         files = duck.file_list(src.root, src.names)

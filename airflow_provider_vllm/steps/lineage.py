@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from airflow_provider_vllm.core.adapters import AdapterRef
 from airflow_provider_vllm.core.records import MergeSummary
 from airflow_provider_vllm.core.rows import ERROR_COLUMNS, RESULT_COLUMNS, ROW_SCHEMA
 from airflow_provider_vllm.core.spec import JobSpec
@@ -61,8 +62,10 @@ class InferenceFacts:
     ``sampling`` (with the structured-output constraint) and the engine's seed and the
     ``engine_kwargs`` that change answers (the result cache's key covers the same,
     ``steps/cache.py``). ``vllm_versions``: every vLLM version the run's committed shards ran
-    (one, unless shards ran on different images). ``adapter``: the LoRA adapter; this provider
-    version loads base weights only, so None.
+    (one, unless shards ran on different images). ``adapter``: the job's LoRA adapters' names (comma
+    separated; None: base weights only); ``adapters``: each one's name, source, hub revision and, when the plan
+    is at hand (merge), its identity (``sha256:<every byte>`` or ``<repo>@<commit>``), with which rows run
+    with which adapter (``default_adapter``, ``adapter_column``) in ``settings``.
     """
 
     model: str
@@ -76,6 +79,7 @@ class InferenceFacts:
     vllm_versions: tuple[str, ...]
     config_hash: str
     settings: Mapping[str, Any]
+    adapters: tuple[Mapping[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -87,14 +91,27 @@ class Lineage:
     inference: InferenceFacts | None = None
 
 
-def inference_facts(spec: JobSpec, vllm_versions: Sequence[str] = ()) -> InferenceFacts:
-    """The model, engine and answer-deciding settings of ``spec``; ``vllm_versions`` as the shards recorded."""
+def inference_facts(
+    spec: JobSpec, vllm_versions: Sequence[str] = (), adapters: Sequence[AdapterRef] = ()
+) -> InferenceFacts:
+    """The model, engine and answer-deciding settings of ``spec``; ``vllm_versions`` as the shards recorded;
+    ``adapters``: the plan's adapter identities (``Plan.adapters``), when known."""
     m, e = spec.model, spec.engine
+    known = {a.name: a.identity() for a in adapters}
     return InferenceFacts(
         model=m.name,
         revision=m.revision,
         tokenizer=m.tokenizer,
-        adapter=None,
+        adapter=", ".join(a.name for a in m.adapters) or None,
+        adapters=tuple(
+            {
+                "name": a.name,
+                "source": a.source,
+                **({"revision": a.revision} if a.revision else {}),
+                **({"identity": known[a.name]} if a.name in known else {}),
+            }
+            for a in m.adapters
+        ),
         dtype=m.dtype,
         quantization=m.quantization,
         max_model_len=m.max_model_len,
@@ -108,6 +125,11 @@ def inference_facts(spec: JobSpec, vllm_versions: Sequence[str] = ()) -> Inferen
                 "seed": e.seed,
                 "engine_kwargs": {k: v for k, v in sorted(e.engine_kwargs.items()) if k in KEY_ENGINE_KWARGS},
             },
+            **(
+                {"adapters": {"default_adapter": m.default_adapter, "adapter_column": m.adapter_column}}
+                if m.adapters
+                else {}
+            ),
         },
     )
 
@@ -144,11 +166,17 @@ def plan_lineage(spec: JobSpec, *, rows: int, files: int | None = None) -> Linea
     return Lineage(inputs=(_dataset(spec.io.input_uri, rows=rows, files=files),))
 
 
-def merge_lineage(spec: JobSpec, summary: MergeSummary) -> Lineage:
+def merge_lineage(
+    spec: JobSpec, summary: MergeSummary, adapters: Sequence[AdapterRef] = (), passthrough: Any = None
+) -> Lineage:
     """Merge checked the input's ids and published the results/ and errors/ folders.
 
-    Row counts, part counts, columns; what produced the answers (``inference_facts``).
+    Row counts, part counts, columns (with the passthrough columns, ``Plan.passthrough``, in their types);
+    what produced the answers (``inference_facts``, with the plan's ``adapters``).
     """
+    carried: tuple[tuple[str, str], ...] = ()
+    if passthrough is not None:
+        carried = tuple(zip(passthrough.names, passthrough.types))
     files = summary.files
     parts = summary.parts
     out = spec.io.output_uri
@@ -159,16 +187,16 @@ def merge_lineage(spec: JobSpec, summary: MergeSummary) -> Lineage:
                 under(out, files.get("results", RESULTS).rstrip("/")),
                 rows=summary.ok_rows,
                 files=parts.get(RESULTS),
-                fields=_fields(RESULT_COLUMNS),
+                fields=_fields(RESULT_COLUMNS) + carried,
             ),
             _dataset(
                 under(out, files.get("errors", ERRORS).rstrip("/")),
                 rows=summary.error_rows,
                 files=parts.get(ERRORS),
-                fields=_fields(ERROR_COLUMNS),
+                fields=_fields(ERROR_COLUMNS) + carried,
             ),
         ),
-        inference=inference_facts(spec, summary.engine_versions),
+        inference=inference_facts(spec, summary.engine_versions, adapters),
     )
 
 

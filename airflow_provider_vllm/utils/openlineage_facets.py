@@ -6,9 +6,9 @@ imported here, inside the function, so the provider works without
 ``openlineage`` extra installs it).
 
 Merge and publish carry the run facet ``vllmBatch`` (``VllmBatchRunFacet``): the model, its
-revision and tokenizer, the adapter, the vLLM versions the shards ran, and the settings that
-decide an answer (prompt, sampling, engine seed and answer-changing engine options), with the
-config hash the results' rows carry.
+revision and tokenizer, the LoRA adapters (their names; each one's source and identity), the vLLM
+versions the shards ran, and the settings that decide an answer (prompt, sampling, engine seed and
+answer-changing engine options), with the config hash the results' rows carry.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ def run_facet(facts: InferenceFacts) -> Any:
         revision=facts.revision,
         tokenizer=facts.tokenizer,
         adapter=facts.adapter,
+        adapters=[dict(a) for a in facts.adapters],
         dtype=facts.dtype,
         quantization=facts.quantization,
         maxModelLen=facts.max_model_len,
@@ -72,6 +73,7 @@ def _facet_class() -> type:
         vllmVersions: list[str]  # noqa: N815
         configHash: str  # noqa: N815
         settings: dict[str, Any]
+        adapters: list[dict[str, Any]] = attr.field(factory=list)  # name, source, revision, identity
 
     return VllmBatchRunFacet
 

@@ -16,6 +16,7 @@ every tenant.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from decimal import Decimal
@@ -33,6 +34,7 @@ WORKER_PYTHON = "python3"
 """The interpreter on the worker image's PATH (argv[0] of ``worker_command`` in the pod)."""
 
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+ADAPTERS_ANNOTATION = "vllm-batch/adapters"  # the job's LoRA adapters, name -> source[@commit]
 XCOM_DIR = "/airflow/xcom"
 CACHE_DIR = "/cache"
 GiB = 1024**3
@@ -268,6 +270,11 @@ def pod_parts(spec: JobSpec, settings: KubernetesSettings, shard_id: str) -> Pod
     if settings.kueue_queue:
         labels[KUEUE_QUEUE_LABEL] = settings.kueue_queue
     annotations = {"vllm-batch/config-hash": spec.output_hash()[:16], **settings.annotations}
+    if spec.model.adapters:
+        annotations[ADAPTERS_ANNOTATION] = json.dumps(
+            {a.name: a.source + (f"@{a.revision}" if a.revision else "") for a in spec.model.adapters},
+            sort_keys=True,
+        )
     affinity = _affinity(settings.affinity)
     return PodParts(
         gpus=gpus,
@@ -287,6 +294,40 @@ def pod_parts(spec: JobSpec, settings: KubernetesSettings, shard_id: str) -> Pod
         image=settings.image or DEFAULT_IMAGE,
         image_pull_secrets=[k8s.V1LocalObjectReference(name=n) for n in settings.image_pull_secrets],
     )
+
+
+def adapter_sources(spec: JobSpec, settings: KubernetesSettings) -> list[str]:
+    """How the shard pod gets each LoRA adapter (the pod dry run prints these): as it gets models. A local
+    folder must be on a volume the pod mounts (the model-cache PVC or the data PVC); an object store folder is
+    read by the worker with the pod's own identity; a hub adapter is fetched at its commit into HF_HUB_CACHE
+    (on the model-cache PVC when there is one). The worker checks every adapter against the plan's identity."""
+    mounts = [
+        (settings.model_cache_pvc, settings.model_cache_path, "the model-cache PVC"),
+        (settings.data_pvc, settings.data_path, "the data PVC"),
+    ]
+    lines = []
+    for a in spec.model.adapters:
+        if a.kind == "object_store":
+            how = "an object store folder, read by the worker with the pod's identity (Secret env, workload identity)"
+        elif a.kind == "hub":
+            offline = ", read-only: offline" if settings.model_cache_read_only else ""
+            cache = (
+                f"the model-cache PVC ({settings.model_cache_path}/hub{offline})"
+                if settings.model_cache_pvc
+                else "the pod's emptyDir cache (downloaded by every pod)"
+            )
+            how = f"a hub repo at commit {a.revision}, from HF_HUB_CACHE on {cache}"
+        else:
+            path = a.source.removeprefix("file://")
+            on = next((what for pvc, at, what in mounts if pvc and (path + "/").startswith(at.rstrip("/") + "/")), None)
+            how = (
+                f"a local folder on {on}"
+                if on
+                else "a local folder on no volume the pod mounts (it must be in the image): mount it with "
+                "kubernetes.model_cache_pvc or data_pvc"
+            )
+        lines.append(f"adapter {a.name!r} ({a.source}): {how}")
+    return lines
 
 
 def _affinity(doc: dict | None) -> k8s.V1Affinity | None:

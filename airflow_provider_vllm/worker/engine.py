@@ -22,12 +22,14 @@ from an engine that is broken (``worker.guard``).
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from airflow_provider_vllm.core.adapters import CONFIG_FILE, engine_max_rank, lora_rank, max_loras
 from airflow_provider_vllm.core.compat import VllmNotInstalledError, check_vllm_version, vllm_not_installed
 from airflow_provider_vllm.core.errors import SpecError
 from airflow_provider_vllm.core.spec import JobSpec
@@ -37,7 +39,9 @@ __all__ = [
     "Engine",
     "Generated",
     "RequestRejected",
+    "adapter_ranks",
     "engine_kwargs",
+    "lora_kwargs",
     "require_vllm",
     "sampling_kwargs",
     "sampling_params",
@@ -58,8 +62,35 @@ class Generated:
     token_logprobs: list[dict[str, Any]] | None = None  # OpenAI's choices[].logprobs.content (when a row asked)
 
 
-def engine_kwargs(spec: JobSpec) -> dict[str, Any]:
-    """vllm.LLM(...) keyword arguments for a job spec (also used by benchmarks for the baseline)."""
+def lora_kwargs(spec: JobSpec, ranks: list[int | None]) -> dict[str, Any]:
+    """vllm.LLM(...) keyword arguments for the job's LoRA adapters (``ranks``: each adapter's rank); {} without."""
+    if not spec.model.adapters:
+        return {}
+    n = max_loras(spec)
+    # every adapter stays loaded in CPU memory: a row's adapter is never read from disk again mid-run
+    return {
+        "enable_lora": True,
+        "max_lora_rank": engine_max_rank(spec, ranks),
+        "max_loras": n,
+        "max_cpu_loras": max(n, len(spec.model.adapters)),
+    }
+
+
+def adapter_ranks(paths: dict[str, str]) -> list[int | None]:
+    """The rank of each adapter folder (its adapter_config.json), for ``lora_kwargs``."""
+    ranks: list[int | None] = []
+    for name, path in paths.items():
+        try:
+            with open(os.path.join(path, CONFIG_FILE), encoding="utf-8") as f:
+                ranks.append(lora_rank(json.load(f)))
+        except (OSError, ValueError) as e:
+            raise SpecError(f"model.adapters[{name}]: {CONFIG_FILE} cannot be read: {e}") from None
+    return ranks
+
+
+def engine_kwargs(spec: JobSpec, adapters: dict[str, str] | None = None) -> dict[str, Any]:
+    """vllm.LLM(...) keyword arguments for a job spec (also used by benchmarks and tests for the baseline);
+    ``adapters``: the adapters' local folders by name (``worker/adapters.py``), for their ranks."""
     m, e = spec.model, spec.engine
     kw: dict[str, Any] = {
         "model": m.name,
@@ -78,6 +109,7 @@ def engine_kwargs(spec: JobSpec) -> dict[str, Any]:
         "enforce_eager": e.enforce_eager,
         "seed": e.seed,
         **e.engine_kwargs,
+        **lora_kwargs(spec, adapter_ranks(adapters or {})),
     }
     if spec.task in ("embed", "classify"):
         kw["runner"] = "pooling"  # classify expects a *ForSequenceClassification model
@@ -141,7 +173,12 @@ def check_batch_invariance(version: str) -> None:
 class Engine:
     """A vLLM engine for one job. Construct once per process."""
 
-    def __init__(self, spec: JobSpec):
+    def __init__(self, spec: JobSpec, adapters: dict[str, str] | None = None):
+        """``adapters``: the local folder of each of the job's LoRA adapters, by name (``worker/adapters.py``)."""
+        adapters = adapters or {}
+        missing = sorted({a.name for a in spec.model.adapters} - set(adapters))
+        if missing:
+            raise SpecError(f"model.adapters {missing}: no local folder was prepared for them")
         if spec.engine.cpu_kvcache_space_gb is not None:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.engine.cpu_kvcache_space_gb))
         t0 = time.monotonic()  # engine start includes `import vllm` (15-25 s on a GPU image)
@@ -159,7 +196,11 @@ class Engine:
             check_batch_invariance(vllm.__version__)
         self.spec = spec
         self.version = vllm.__version__
-        self.llm = vllm.LLM(**engine_kwargs(spec))
+        self.llm = vllm.LLM(**engine_kwargs(spec, adapters))
+        from vllm.lora.request import LoRARequest
+
+        # ids from 1 (0 is no adapter), in the spec's order: the same adapter has the same id in every shard
+        self._lora = {a.name: LoRARequest(a.name, i + 1, adapters[a.name]) for i, a in enumerate(spec.model.adapters)}
         self.start_seconds = time.monotonic() - t0
         self.tokenizer = self.llm.get_tokenizer()
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
@@ -237,8 +278,11 @@ class Engine:
         self._engine.engine_core.shutdown()
 
     # ---- generation -----------------------------------------------------------------
-    def submit(self, key: Any, token_ids: list[int], overrides: dict[str, Any] | None = None) -> None:
-        """Queue one request; RequestRejected when vLLM refuses it (its settings or its prompt)."""
+    def submit(
+        self, key: Any, token_ids: list[int], overrides: dict[str, Any] | None = None, adapter: str | None = None
+    ) -> None:
+        """Queue one request (``adapter``: one of the job's LoRA adapters, None: the base model); RequestRejected
+        when vLLM refuses it (its settings or its prompt)."""
         from vllm.inputs import TokensPrompt
 
         try:
@@ -252,8 +296,9 @@ class Engine:
             raise SpecError(f"submit() needs a chat or generate job, not task {self.spec.task!r}")
         self._counter += 1
         rid = f"r{self._counter}"  # outputs carry this id (vLLM adds a suffix only internally)
+        lora = None if adapter is None else self._lora[adapter]  # KeyError: the prompt builder let a name through
         try:
-            self._engine.add_request(rid, TokensPrompt(prompt_token_ids=token_ids), params)
+            self._engine.add_request(rid, TokensPrompt(prompt_token_ids=token_ids), params, lora_request=lora)
         except Exception as e:
             rejected = refusal(e)
             if rejected is None or not self.alive():  # a dead engine refuses everything: not the row's fault

@@ -96,7 +96,7 @@ class GuardedEngine:
         self.oom_events = 0
         self.rebuilds = 0
         self.oom_rows = 0
-        self._req: dict[Hashable, tuple[list[int], dict | None]] = {}
+        self._req: dict[Hashable, tuple[list[int], dict | None, str | None]] = {}
         self._held: collections.deque = collections.deque()  # submitted, not yet in the engine
         self._sent: dict[Hashable, None] = {}  # in the engine, in submission order
         self._ready: list[tuple[Hashable, Any]] = []  # failures to hand out at the next step
@@ -143,19 +143,28 @@ class GuardedEngine:
         }
 
     # ---- generation -----------------------------------------------------------------
-    def submit(self, key: Hashable, token_ids: list[int], overrides: dict[str, Any] | None = None) -> None:
-        """Queue a request. One the engine refuses comes back as a RowFailure from the next ``step``."""
+    def submit(
+        self, key: Hashable, token_ids: list[int], overrides: dict[str, Any] | None = None, adapter: str | None = None
+    ) -> None:
+        """Queue a request (``adapter``: the LoRA adapter it runs with, None: the base model). One the engine
+        refuses comes back as a RowFailure from the next ``step``."""
         if self._cap() is None and not self._held:
             try:
-                self.engine.submit(key, token_ids, overrides)
+                self._submit(key, token_ids, overrides, adapter)
             except RequestRejected as e:
                 self._ready.append((key, RowFailure(e.code, e.message)))
                 return
-            self._req[key] = (token_ids, overrides)
+            self._req[key] = (token_ids, overrides, adapter)
             self._sent[key] = None
             return
-        self._req[key] = (token_ids, overrides)
+        self._req[key] = (token_ids, overrides, adapter)
         self._held.append(key)
+
+    def _submit(self, key: Hashable, ids: list[int], overrides: dict[str, Any] | None, adapter: str | None) -> None:
+        if adapter is None:  # engines without adapters take the three arguments only
+            self.engine.submit(key, ids, overrides)
+        else:
+            self.engine.submit(key, ids, overrides, adapter=adapter)
 
     def _cap(self) -> int | None:
         """Most requests in the engine at once (None: no bound)."""
@@ -202,9 +211,9 @@ class GuardedEngine:
     def _feed(self, out: list) -> None:
         while self._held and ((cap := self._cap()) is None or len(self._sent) < cap):
             key = self._held.popleft()
-            ids, overrides = self._req[key]
+            ids, overrides, adapter = self._req[key]
             try:
-                self.engine.submit(key, ids, overrides)
+                self._submit(key, ids, overrides, adapter)
             except RequestRejected as e:  # refused (also when resubmitted): an error row, as at first submit
                 del self._req[key]
                 self._suspects.discard(key)

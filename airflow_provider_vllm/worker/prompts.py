@@ -52,6 +52,7 @@ class Prepared:
     truncated: bool = False
     fault: tuple[str, str] | None = None
     overrides: dict[str, Any] = field(default_factory=dict)  # per-row sampling (OpenAI batch bodies)
+    adapter: str | None = None  # the LoRA adapter the row runs with (model.adapters[].name); None: the base model
 
 
 class PromptBuilder:
@@ -65,6 +66,7 @@ class PromptBuilder:
 
     def __init__(self, spec: JobSpec, tokenizer: Any, max_model_len: int, input_format: str | None = None):
         self.spec = spec
+        self.adapters = [a.name for a in spec.model.adapters]
         self.tok = tokenizer
         self.max_model_len = max_model_len
         self.openai = input_format is not None and formats.input_format(input_format).carries_requests
@@ -93,8 +95,54 @@ class PromptBuilder:
             raise SpecError(f"the model's chat template cannot render {what}: {describe(e)}") from e
 
     # ---- template rows --------------------------------------------------------------
+    def row_adapter(self, values: dict[str, Any]) -> str | None:
+        """The row's adapter: its ``model.adapter_column`` value (null or empty: ``model.default_adapter``);
+        RequestFault (INVALID_ROW) for a value that is not one of the job's adapters."""
+        m = self.spec.model
+        col = m.adapter_column
+        v = None if col is None else values.get(col)
+        if v is None or v == "":
+            return m.default_adapter
+        if not isinstance(v, str):
+            raise RequestFault(
+                INVALID_ROW, f"adapter column {col!r} holds {type(v).__name__}, expected an adapter name"
+            )
+        if v not in self.adapters:
+            raise RequestFault(
+                INVALID_ROW, f"adapter column {col!r} names {_shown(v)}, not one of the job's adapters {self.adapters}"
+            )
+        return v
+
+    def request_adapter(self, model: str | None) -> str | None:
+        """The adapter an OpenAI request's ``body.model`` picks: an adapter's name -> it; one of the job's served
+        names -> the base model; none -> ``model.default_adapter``; anything else is refused (RequestFault,
+        INVALID_REQUEST), as ``vllm run-batch`` refuses a model it does not serve, unless
+        ``io.ignore_request_model``."""
+        m = self.spec.model
+        if not model or self.spec.io.ignore_request_model:  # vLLM too: an empty name is the default model
+            return m.default_adapter
+        if model in self.adapters:
+            return model
+        if model in m.served_names:
+            return None
+        raise RequestFault(
+            INVALID_REQUEST,
+            f"body.model: the model {_shown(model)} does not exist in this job, which serves "
+            f"{m.served_names + self.adapters} (model.served_model_names, model.adapters; io.ignore_request_model: "
+            "true answers every request with the job's model)",
+        )
+
     def prepare(self, values: dict[str, Any]) -> Prepared:
         """Validate one row's column values and build its prompt."""
+        try:
+            adapter = self.row_adapter(values)
+        except RequestFault as f:
+            return Prepared(fault=(f.code, f.message))
+        prep = self._prepare(values)
+        prep.adapter = adapter
+        return prep
+
+    def _prepare(self, values: dict[str, Any]) -> Prepared:
         p = self.spec.prompt
         texts = set(p.texts)
         row: dict[str, str] = {}
@@ -198,12 +246,16 @@ class PromptBuilder:
                     f"({CHAT_URL} for chat/generate, {EMBEDDINGS_URL} for embed/classify)",
                 )
             )
+        adapter = None
         if url == EMBEDDINGS_URL:
-            ids = self._encode(parse_embeddings_body(body).input)
+            emb = parse_embeddings_body(body)
+            self.request_adapter(emb.model)  # pooling tasks take no adapter: only the served names check
+            ids = self._encode(emb.input)
             overrides: dict[str, Any] = {}
             budget = self.max_model_len
         else:
             chat = parse_chat_body(body)
+            adapter = self.request_adapter(chat.model)
             overrides = chat.sampling()
             mt = overrides.get("max_tokens", self.spec.sampling.max_tokens)
             if mt >= self.max_model_len:
@@ -225,5 +277,11 @@ class PromptBuilder:
             return Prepared(fault=(EMPTY_INPUT, "the prompt has no tokens"))
         if len(ids) > budget:
             why = "" if url == EMBEDDINGS_URL else f" (max_model_len {self.max_model_len} - max_tokens {mt})"
-            return Prepared(fault=(PROMPT_TOO_LONG, f"prompt has {len(ids)} tokens; budget is {budget}{why}"))
-        return Prepared(token_ids=ids, overrides=overrides)
+            return Prepared(
+                fault=(PROMPT_TOO_LONG, f"prompt has {len(ids)} tokens; budget is {budget}{why}"), adapter=adapter
+            )
+        return Prepared(token_ids=ids, overrides=overrides, adapter=adapter)
+
+
+def _shown(v: str) -> str:
+    return repr(v if len(v) <= 80 else v[:77] + "...")

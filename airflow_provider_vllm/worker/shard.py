@@ -8,6 +8,7 @@ boundaries so the engine never drains between chunks.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import platform
@@ -18,9 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import numpy as np
+import pyarrow as pa
 
 from airflow_provider_vllm import __version__
 from airflow_provider_vllm.core import faults
+from airflow_provider_vllm.core.adapters import check_refs
 from airflow_provider_vllm.core.commit import ChunkMeta, CommitMarker, FileEntry, RunSeal, ShardStore, new_attempt_id
 from airflow_provider_vllm.core.engine_identity import local_engine_identity
 from airflow_provider_vllm.core.errors import InputChangedError, SpecError, TransientError
@@ -33,6 +36,7 @@ from airflow_provider_vllm.core.rows import INVALID_ROW, prompt_hash, rows_table
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import Storage
+from airflow_provider_vllm.worker.adapters import local_adapters
 from airflow_provider_vllm.worker.guard import GuardedEngine, RowFailure
 from airflow_provider_vllm.worker.hardware import hardware_id
 from airflow_provider_vllm.worker.isolation import describe, row_caused
@@ -123,6 +127,7 @@ def _run_shard(
 
         require_vllm()
 
+    check_refs(spec, plan.adapters)  # the plan's adapters are the spec's (before reading a row)
     attempt = task.attempt_id or new_attempt_id()
     t_start = time.monotonic()
     with shard_input(spec, plan, shard) as in_root:
@@ -130,6 +135,7 @@ def _run_shard(
         batch = read_shard_rows(spec, plan, shard, in_root, beat=watchdog.beat)
     if len(batch) != shard.rows:
         raise InputChangedError(f"shard {shard.shard_id}: read {len(batch)} rows, the plan says {shard.rows}")
+    carried = passthrough_table(plan, batch)
     read_s = time.monotonic() - t_start
 
     chunk_rows = spec.sharding.chunk_rows
@@ -169,7 +175,9 @@ def _run_shard(
     done_rows = sum(metas[k].rows for k in todo)
     telemetry = ShardTelemetry(spec, shard.shard_id, attempt, done_rows, task.progress_interval_s)
     if todo:
-        with _beating(watchdog):
+        with _beating(watchdog), local_adapters(spec, plan) as adapter_paths:
+            if factory is _default_engine:
+                factory = functools.partial(_default_engine, adapters=adapter_paths)
             engine = GuardedEngine(
                 start_limits(spec, store.engine_limits()),
                 factory,
@@ -193,6 +201,7 @@ def _run_shard(
                     attempt=attempt,
                     metas=metas,
                     progress=telemetry.progress,
+                    carried=carried,
                 )
                 t0 = time.monotonic()
                 files.update(runner.run(todo))
@@ -266,10 +275,10 @@ def _beating(watchdog: Watchdog):
         watchdog.beat()
 
 
-def _default_engine(spec: JobSpec):
+def _default_engine(spec: JobSpec, adapters: dict[str, str] | None = None):
     from airflow_provider_vllm.worker.engine import Engine
 
-    return Engine(spec)
+    return Engine(spec, adapters)
 
 
 _default_engine.needs_vllm = True  # type: ignore[attr-defined]  # an injected engine (tests) needs none
@@ -314,9 +323,10 @@ def read_shard_rows(
     """The shard's rows in plan order (bucket filter applied); ``beat()`` after each segment read."""
     fmt = input_format(plan.format)
     batch = RowBatch(ids=[], values={}, faults=[], lines=[])
+    carried = plan.passthrough.columns if plan.passthrough is not None else None
     for seg in shard.segments:
         faults.hit("read.segment")
-        part = fmt.read_rows(root, plan.shard_input(shard)[1][seg.file].path, seg, spec)
+        part = fmt.read_rows(root, plan.shard_input(shard)[1][seg.file].path, seg, spec, carried)
         if shard.bucket != "all":
             assert plan.long_row_tokens is not None  # the planner buckets only with a threshold
             tokens = np.asarray(estimate_tokens(np.asarray(part.chars, dtype=np.int64), plan.chars_per_token))
@@ -327,13 +337,31 @@ def read_shard_rows(
     return batch
 
 
+def passthrough_table(plan: Plan, batch: RowBatch) -> pa.Table | None:
+    """The rows' passthrough columns as the parts publish them: renamed and typed as the plan says (a shard's
+    input file written by DuckDB may carry a wider or tz-normalised type of the same values)."""
+    p = plan.passthrough
+    if p is None:
+        return None
+    t = batch.passthrough
+    if t is None or t.num_rows != len(batch):
+        raise InputChangedError(f"read {0 if t is None else t.num_rows} rows of passthrough columns for {len(batch)}")
+    schema = p.arrow_schema()
+    cols = []
+    for c, f in zip(p.columns, schema):
+        col = t.column(c)
+        cols.append(col if col.type == f.type else col.cast(f.type))
+    return pa.Table.from_arrays(cols, schema=schema)
+
+
 # ---- inference ----------------------------------------------------------------------
 @dataclass
 class _ChunkRunner:
     """Feeds rows of the chunks to do through the engine and writes each chunk when complete.
 
     ``metas``: chunk number -> what the chunk holds (every chunk of the shard); ``batch``: the shard's rows
-    in plan order; ``progress``: counts rows as they finish (the shard's progress lines and metrics).
+    in plan order; ``progress``: counts rows as they finish (the shard's progress lines and metrics);
+    ``carried``: the shard's passthrough columns (``passthrough_table``), a row per row of ``batch``.
     """
 
     spec: JobSpec
@@ -345,6 +373,7 @@ class _ChunkRunner:
     attempt: str
     metas: dict[int, ChunkMeta]
     progress: Progress
+    carried: pa.Table | None = None
     prompt_tokens: int = field(default=0, init=False)
     completion_tokens: int = field(default=0, init=False)
 
@@ -384,12 +413,23 @@ class _ChunkRunner:
             log.warning("row %s could not be prepared: %s", self.batch.ids[i], describe(e, 200))
             return Prepared(fault=(INVALID_ROW, f"the row could not be prepared: {describe(e)}"))
 
-    def _error(self, i: int, code: str, message: str) -> dict[str, Any]:
-        return {"id": self.batch.ids[i], "status": "error", "error_code": code, "error_message": message, **self.prov}
+    def _error(self, i: int, code: str, message: str, adapter: str | None = None) -> dict[str, Any]:
+        return {
+            "id": self.batch.ids[i],
+            "status": "error",
+            "error_code": code,
+            "error_message": message,
+            **self.prov,
+            "adapter": adapter,
+        }
+
+    def _write(self, meta: ChunkMeta, rows: list[dict]) -> FileEntry:
+        part = None if self.carried is None else self.carried.slice(meta.first_row, meta.rows)
+        return self.store.write_chunk(self.attempt, meta, rows_table(rows), part)
 
     def _generate(self, todo: list[int]) -> dict[int, FileEntry]:
         records: dict[int, dict[int, dict]] = {k: {} for k in todo}
-        submitted: dict[int, tuple[float, bool, int]] = {}
+        submitted: dict[int, tuple[float, bool, int, str | None]] = {}
         files: dict[int, FileEntry] = {}
         queue = [
             (k, i) for k in todo for i in range(self.metas[k].first_row, self.metas[k].first_row + self.metas[k].rows)
@@ -401,19 +441,23 @@ class _ChunkRunner:
                 pos += 1
                 prep = self._prepare(i)
                 if prep.fault is not None:
-                    records[k][i] = self._error(i, *prep.fault)
+                    records[k][i] = self._error(i, *prep.fault, prep.adapter)
                     self._row_done(k, i, records, files)
                     continue
-                submitted[i] = (time.monotonic(), prep.truncated, prompt_hash(prep.token_ids or [], prep.overrides))
+                phash = prompt_hash(prep.token_ids or [], prep.overrides, prep.adapter)
+                submitted[i] = (time.monotonic(), prep.truncated, phash, prep.adapter)
                 # a request the engine refuses comes back from step() as a RowFailure
-                self.engine.submit((k, i), _tokens(prep), prep.overrides or None)
+                if prep.adapter is None:
+                    self.engine.submit((k, i), _tokens(prep), prep.overrides or None)
+                else:
+                    self.engine.submit((k, i), _tokens(prep), prep.overrides or None, adapter=prep.adapter)
             if not self.engine.pending():
                 continue
             for key, g in self.engine.step():
                 k, i = cast(tuple[int, int], key)
-                t_sub, truncated, phash = submitted.pop(i)
+                t_sub, truncated, phash, adapter = submitted.pop(i)
                 if isinstance(g, RowFailure):
-                    records[k][i] = self._error(i, g.code, g.message)
+                    records[k][i] = self._error(i, g.code, g.message, adapter)
                     self._row_done(k, i, records, files)
                     continue
                 label, parsed, valid = self._structured(i, g.text)
@@ -431,6 +475,7 @@ class _ChunkRunner:
                     "latency_ms": (time.monotonic() - t_sub) * 1000.0,
                     **self.prov,
                     **answer_extras(g, phash),
+                    "adapter": adapter,
                 }
                 self.prompt_tokens += g.prompt_tokens
                 self.completion_tokens += g.completion_tokens
@@ -456,7 +501,7 @@ class _ChunkRunner:
         if len(got) < meta.rows:
             return
         rows = [got[i] for i in range(meta.first_row, meta.first_row + meta.rows)]
-        files[k] = self.store.write_chunk(self.attempt, meta, rows_table(rows))
+        files[k] = self._write(meta, rows)
         del records[k]
 
     def _pool_chunk(self, k: int) -> FileEntry:
@@ -499,7 +544,7 @@ class _ChunkRunner:
                 }
                 self.prompt_tokens += n_tokens
         ordered = [rows[i] for i in range(meta.first_row, meta.first_row + meta.rows)]
-        entry = self.store.write_chunk(self.attempt, meta, rows_table(ordered))
+        entry = self._write(meta, ordered)
         self.progress.add_rows(ordered)
         return entry
 

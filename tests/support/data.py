@@ -22,7 +22,8 @@ def make_spec(input_uri, output_uri, **over):
     from airflow_provider_vllm.core.spec import JobSpec
 
     doc = {
-        "model": {"name": "fake", "max_model_len": 1024},
+        # OpenAI batch request rows of the test corpora name the model "m"
+        "model": {"name": "fake", "max_model_len": 1024, "served_model_names": ["m"]},
         "io": {"input_uri": str(input_uri), "output_uri": str(output_uri)},
         "prompt": {"system_prompt": "Classify the ticket.", "template": "Ticket: {text}"},
         "sampling": {"max_tokens": 8, "structured": {"choice": LABELS}},

@@ -178,6 +178,8 @@ class FakeEngine:
         self.dead = False
         self.closed = False
         self.params_seen = []  # (key, params) of every accepted request
+        self.adapters_seen = []  # (key, adapter) of every accepted request
+        self._adapter = {}  # key -> adapter of the requests in the queue
         self._default = self._build(None)  # the job's own settings (Engine.__init__ builds these too)
         # vLLM's error class, resolved at engine start (importing vLLM takes seconds; the watchdog
         # does not count engine start, but it does count the steps where the first submit happens)
@@ -209,8 +211,11 @@ class FakeEngine:
                 f"(at least 1) is longer than the maximum model length of {self.max_model_len}."
             )
 
-    def submit(self, key, token_ids, overrides=None):
-        """Like Engine.submit: RequestRejected when the settings or the prompt are refused."""
+    def submit(self, key, token_ids, overrides=None, adapter=None):
+        """Like Engine.submit: RequestRejected when the settings or the prompt are refused. ``adapter``: one of
+        the spec's LoRA adapters (its answers differ from the base model's and from every other adapter's)."""
+        if adapter is not None and adapter not in {a.name for a in self.spec.model.adapters}:
+            raise KeyError(adapter)  # as Engine.submit: the prompt builder lets only the job's adapters through
         try:
             params = self._build(overrides) if overrides else self._default
         except Exception as e:
@@ -230,6 +235,9 @@ class FakeEngine:
         top = overrides.get("logprobs") if overrides else None  # the row asked for token logprobs
         self.queue.append((key, token_ids, params, top))
         self.params_seen.append((key, params))
+        self.adapters_seen.append((key, adapter))
+        if adapter is not None:
+            self._adapter[key] = adapter
         self.submitted += 1
 
     def pending(self):
@@ -265,7 +273,7 @@ class FakeEngine:
             if self.crash_after is not None and self.finished >= self.crash_after:
                 raise RuntimeError("engine died (injected)")
             self.finished += 1
-            res.append((key, generate(self.spec, ids, params, top)))
+            res.append((key, generate(self.spec, ids, params, top, self._adapter.pop(key, None))))
         return res
 
     def probe(self):
@@ -298,9 +306,12 @@ class FakeEngine:
         return [[float(len(p)), 1.0, 0.5] for p in prompts]
 
 
-def answer(spec, ids, seed=None):
-    """The fake model's (whole) answer to a prompt: a label of the structured choice, or ``out-N``."""
+def answer(spec, ids, seed=None, adapter=None):
+    """The fake model's (whole) answer to a prompt (with a LoRA ``adapter``: that adapter's answer): a label
+    of the structured choice, or ``out-N``."""
     key = str(ids) if seed is None else f"{ids}/{seed}"
+    if adapter is not None:
+        key += f"@{adapter}"
     h = int(hashlib.sha256(key.encode()).hexdigest(), 16)
     st = spec.sampling.structured
     if st is not None and st.choice:
@@ -336,14 +347,14 @@ def _logprobs(spec, ids, params, text, n_tokens, top):
     return lp, content
 
 
-def generate(spec, ids, params, top=None) -> Generated:
+def generate(spec, ids, params, top=None, adapter=None) -> Generated:
     """One finished request: the answer (one token) then end-of-sequence (two completion tokens),
     under the request's max_tokens, stop strings, temperature and seed; with logprobs asked for, the
     answer's probability (``confidence_of``) and, for ``top`` (a row's own top_logprobs), the token entries."""
     seed = None
     if params.temperature >= SAMPLING_EPS:  # sampling: the seed matters; none means a fresh draw
         seed = params.seed if params.seed is not None else random.getrandbits(64)
-    text = answer(spec, ids, seed)
+    text = answer(spec, ids, seed, adapter)
     for s in params.stop or ():
         if s in text:
             cut = text[: text.index(s)]

@@ -76,7 +76,7 @@ def run_batch(model: Path, inp: Path, out: Path) -> tuple[dict, JobSpec]:
     spec = JobSpec.load(
         {
             "task": "chat",
-            "model": {"name": str(model), "max_model_len": 1024, "dtype": "float32"},
+            "model": {"name": str(model), "max_model_len": 1024, "dtype": "float32", "served_model_names": ["m"]},
             "engine": {"enforce_eager": True, "max_num_seqs": 16},
             "io": {"input_uri": str(inp), "output_uri": str(out), "output_format": "openai_batch"},
             "prompt": {"system_prompt": None, "template": "{text}"},
@@ -126,6 +126,7 @@ def test_hostile_openai_rows_do_not_fail_the_shard_and_good_rows_are_unchanged(t
     assert "must alternate" in msg["roles-not-alternating"] and "chat template" in msg["roles-not-alternating"]
     assert "wizard" in msg["unknown-role"] and "budget" in msg["one-mb-message"]
     assert "10000 stop strings; at most 16" in msg["stop-ten-thousand"] and len(msg["stop-ten-thousand"]) < 200
+    assert "'NonExistModel' does not exist" in msg["another-model"]
 
     m_clean, _ = run_batch(model, tmp_path / "clean", tmp_path / "out-clean")
     assert m_clean["ok_rows"] == len(good) and m_clean["error_rows"] == 0

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import pyarrow as pa
 
 from airflow_provider_vllm.core.errors import DatasetError
 from airflow_provider_vllm.core.storage import Storage
@@ -51,6 +52,8 @@ class RowBatch:
     faults: list[tuple[str, str] | None]  # (reason code, message) for rows that could not be read
     lines: list[int | None] = field(default_factory=list)
     chars: list[int] = field(default_factory=list)  # characters of each row's prompt text (as the plan counts)
+    # the passthrough columns (io.passthrough) of these rows, as read: never turned into Python values
+    passthrough: pa.Table | None = None
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -62,6 +65,12 @@ class RowBatch:
         self.faults += other.faults
         self.lines += other.lines
         self.chars += other.chars
+        if other.passthrough is not None:
+            self.passthrough = (
+                other.passthrough
+                if self.passthrough is None
+                else pa.concat_tables([self.passthrough, other.passthrough])
+            )
 
     def select(self, keep: np.ndarray) -> RowBatch:
         """The rows where ``keep`` (one bool per row) is true, in order."""
@@ -72,6 +81,9 @@ class RowBatch:
             faults=pick(self.faults),
             lines=pick(self.lines),
             chars=pick(self.chars),
+            passthrough=None
+            if self.passthrough is None
+            else self.passthrough.filter(pa.array(np.asarray(keep, dtype=bool))),
         )
 
 
@@ -134,8 +146,11 @@ class InputFormat(ABC):
         """
 
     @abstractmethod
-    def read_rows(self, root: Storage, name: str, segment: Segment, spec: JobSpec) -> RowBatch:
-        """The segment's rows of file ``name``, with the columns the spec's prompt needs.
+    def read_rows(
+        self, root: Storage, name: str, segment: Segment, spec: JobSpec, passthrough: list[str] | None = None
+    ) -> RowBatch:
+        """The segment's rows of file ``name``, with the columns the spec's prompt needs (the template's, the
+        adapter column) and, as an Arrow table in ``RowBatch.passthrough``, the ``passthrough`` columns.
 
         Rows that cannot be read carry a fault (reason code, message) instead of values.
         """
@@ -143,6 +158,13 @@ class InputFormat(ABC):
     @abstractmethod
     def file_ids(self, root: Storage, name: str, spec: JobSpec) -> list[str]:
         """Every row id of one file, in order (the merge's independent check of the output)."""
+
+
+def row_columns(spec: JobSpec) -> list[str]:
+    """The columns of a row the worker reads besides its id: the template's, then the adapter column."""
+    cols = list(spec.prompt.columns)
+    ac = spec.model.adapter_column
+    return cols + [ac] if ac is not None and ac not in cols else cols
 
 
 def raise_duplicates(n: int, distinct: int, dups: list[tuple], first_at: list[str]) -> None:

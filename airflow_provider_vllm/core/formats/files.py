@@ -99,7 +99,9 @@ def detect_format(storage: Storage, names: list[str], declared: str) -> str:
                     first = json.loads(raw.decode("utf-8-sig"))
                 except (ValueError, UnicodeDecodeError):
                     return "jsonl"
-                if isinstance(first, dict) and "custom_id" in first and "body" in first:
+                # a request line: a body and the request's own fields; custom_id may be the one that is
+                # missing (the plan then refuses that line naming custom_id, not the template's id column)
+                if isinstance(first, dict) and "body" in first and {"custom_id", "url", "method"} & set(first):
                     return "openai_batch"
                 return "jsonl"
     return "jsonl"

@@ -24,6 +24,7 @@ from airflow_provider_vllm.core.formats.base import (
     is_blank_id,
     is_unicode,
     raise_duplicates,
+    row_columns,
 )
 from airflow_provider_vllm.core.storage import Storage
 
@@ -59,8 +60,8 @@ class JsonlFormat(InputFormat):
         return spec.prompt.id_column
 
     def columns(self, spec: JobSpec) -> list[str]:
-        """The value columns a read row carries (the worker's prompt inputs)."""
-        return [c for c in spec.prompt.columns if c != spec.prompt.id_column]
+        """The value columns a read row carries (the worker's prompt inputs, the adapter column)."""
+        return [c for c in row_columns(spec) if c != spec.prompt.id_column]
 
     def row_chars(self, row: dict[str, Any], spec: JobSpec) -> int:
         """Characters of a row's prompt text (the planner's token estimate)."""
@@ -72,6 +73,15 @@ class JsonlFormat(InputFormat):
 
     def row_values(self, row: dict[str, Any], columns: list[str]) -> list[Any]:
         return [row.get(c) for c in columns]
+
+    def checked_id(self, value: Any, name: str, line_no: int, key: str) -> str:
+        """A line's id as text; DatasetError naming the file, line and field when it cannot track the row."""
+        self.check_id_type(value, name, line_no)
+        return _checked_id(value, name, line_no, key)
+
+    def check_id_type(self, value: Any, name: str, line_no: int) -> None:  # noqa: ARG002
+        """The format's own rules for an id value, before the common ones (JSONL: none; DatasetError)."""
+        return None
 
     # ---- the interface ----------------------------------------------------------------
     def scan(self, root: Storage, names: list[str], spec: JobSpec, per_row: bool) -> Scan:  # noqa: ARG002
@@ -94,11 +104,16 @@ class JsonlFormat(InputFormat):
     def file_ids(self, root: Storage, name: str, spec: JobSpec) -> list[str]:
         return self._scan_file(root, name, spec, sizes=False).ids
 
-    def read_rows(self, root: Storage, name: str, segment: Segment, spec: JobSpec) -> RowBatch:
+    def read_rows(
+        self, root: Storage, name: str, segment: Segment, spec: JobSpec, passthrough: list[str] | None = None
+    ) -> RowBatch:
         """``segment.count`` data lines from byte ``segment.offset`` (line number ``segment.line``) on.
 
-        Invalid lines become rows with a fault (``INVALID_JSON``) and their synthetic id.
+        Invalid lines become rows with a fault (``INVALID_JSON``) and their synthetic id. No passthrough
+        columns (JSON lines have no column types): the plan refuses ``io.passthrough`` for them.
         """
+        if passthrough:
+            raise DatasetError(f"{name}: io.passthrough needs Parquet input")
         columns = self.columns(spec)
         key = self.id_key(spec)
         batch = RowBatch(ids=[], values={c: [] for c in columns}, faults=[], lines=[])
@@ -149,7 +164,7 @@ class JsonlFormat(InputFormat):
                     lengths.append(0)
                     invalid += 1
                     continue
-                ids.append(_checked_id(parsed.get(key), name, line_no, key))
+                ids.append(self.checked_id(parsed.get(key), name, line_no, key))
                 lengths.append(self.row_chars(parsed, spec) if sizes else 0)
         return _FileScan(ids, offsets, lengths, lines, invalid)
 

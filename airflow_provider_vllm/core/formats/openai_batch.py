@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from airflow_provider_vllm.core.errors import DatasetError
 from airflow_provider_vllm.core.formats.jsonl import JsonlFormat
 from airflow_provider_vllm.core.formats.openai_requests import CHAT_URL, EMBEDDINGS_URL
 
@@ -31,6 +32,19 @@ class OpenAIBatchFormat(JsonlFormat):
 
     def row_values(self, row: dict[str, Any], columns: list[str]) -> list[Any]:  # noqa: ARG002
         return [row]
+
+    def check_id_type(self, value: Any, name: str, line_no: int) -> None:
+        """``custom_id``, a string as in OpenAI's and vLLM's batch formats (a number is refused, as vLLM does)."""
+        if value is None:
+            raise DatasetError(
+                f"{name} line {line_no}: no 'custom_id': every request line of the OpenAI batch format needs its "
+                "own custom_id (the id its output line carries)"
+            )
+        if not isinstance(value, str):
+            raise DatasetError(
+                f"{name} line {line_no}: 'custom_id' is {type(value).__name__} {str(value)[:40]!r}; the OpenAI batch "
+                "format's custom_id is a string"
+            )
 
     def row_chars(self, row: dict[str, Any], spec: JobSpec) -> int:  # noqa: ARG002
         """Characters of the messages' text contents (chat) or of the input (embeddings)."""

@@ -5,10 +5,11 @@ engine: a body the worker cannot run exactly as asked becomes that row's error r
 (INVALID_REQUEST: a value out of range or of the wrong type; UNSUPPORTED_PARAMETER: a field
 of OpenAI's API this worker does not do, or a field no API has). A field the job spec also
 has takes the spec's own bounds (``SamplingSpec``'s ranges, ``spec_guard.stop_problem`` for
-stop strings: at most 16, each 1-256 characters): a row may not ask for what the DAG author
-could not. The other ranges are vLLM's (the engine refuses anything outside them), so a
-request that passes here is one vLLM accepts. The lines themselves (custom_id, method, url)
-are the input format's: ``openai_batch``.
+stop strings: at most 16, each 1-256 characters; and a request at most 4, OpenAI's and vLLM's bound):
+a row may not ask for what the DAG author could not. The other ranges are vLLM's (the engine refuses
+anything outside them), so a request that passes here is one vLLM accepts
+(``tests/vllm/test_openai_conformance_vllm.py`` holds them against vLLM's own request models). The lines
+themselves (custom_id, method, url) are the input format's: ``openai_batch``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ CHAT_URL = "/v1/chat/completions"
 EMBEDDINGS_URL = "/v1/embeddings"
 ROLES = ("system", "developer", "user", "assistant")
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound (and vLLM's default max_logprobs)
+MAX_REQUEST_STOP = 4  # stop strings of one request: OpenAI's bound, and vLLM's ChatCompletionRequest's
 
 # Fields of OpenAI's chat completions API that are refused, and why. A refused field is
 # still accepted with its neutral value (``NEUTRAL``): e.g. ``"stream": false``, ``"n": 1``.
@@ -64,7 +66,6 @@ REFUSED_CHAT_FIELDS: dict[str, str] = {
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     "n": (1,),
     "stream": (False,),
-    "tools": ([],),
     "tool_choice": ("none",),
     "response_format": ({"type": "text"},),
     "store": (False,),
@@ -220,6 +221,12 @@ def _stop(v: Any) -> str | list[str]:
     problem = stop_problem(items)
     if problem:
         raise _invalid("{problem} (the job spec's sampling.stop rule)", problem=problem)
+    if len(items) > MAX_REQUEST_STOP:
+        raise _invalid(
+            "{n} stop strings; a request may give at most {most} (OpenAI's and vLLM's limit)",
+            n=len(items),
+            most=MAX_REQUEST_STOP,
+        )
     return v
 
 

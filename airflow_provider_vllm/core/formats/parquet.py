@@ -22,6 +22,7 @@ from airflow_provider_vllm.core.formats.base import (
     RowRuns,
     Scan,
     raise_duplicates,
+    row_columns,
 )
 from airflow_provider_vllm.core.storage import Storage
 
@@ -37,7 +38,7 @@ class ParquetFormat(InputFormat):
         """Schema checks and row counts from footers; ids are checked by DuckDB, never loaded here."""
         idc = spec.prompt.id_column
         texts = spec.prompt.texts
-        needed = [idc] + [c for c in spec.prompt.columns if c != idc]
+        needed = [idc] + [c for c in row_columns(spec) if c != idc]
         chars_parts, runs, file_rows = [], [], []
         first_schema = None
         for name in names:
@@ -76,12 +77,18 @@ class ParquetFormat(InputFormat):
         chars = np.concatenate(chars_parts) if chars_parts else np.zeros(0, np.int64)
         return Scan(chars=chars, file_rows=file_rows)
 
-    def read_rows(self, root: Storage, name: str, segment: Segment, spec: JobSpec) -> RowBatch:
+    def read_rows(
+        self, root: Storage, name: str, segment: Segment, spec: JobSpec, passthrough: list[str] | None = None
+    ) -> RowBatch:
         idc = spec.prompt.id_column
-        columns = [c for c in spec.prompt.columns if c != idc]
-        table = read_parquet_range(root, name, segment.start, segment.count, [idc] + columns)
+        columns = [c for c in row_columns(spec) if c != idc]
+        carried = list(passthrough or [])
+        read = list(dict.fromkeys([idc, *columns, *carried]))
+        table = read_parquet_range(root, name, segment.start, segment.count, read)
         batch = parquet_batch(table, idc, columns)
         batch.chars = _text_chars(table, spec.prompt.texts).tolist()
+        if carried:
+            batch.passthrough = table.select(carried)
         return batch
 
     def file_ids(self, root: Storage, name: str, spec: JobSpec) -> list[str]:

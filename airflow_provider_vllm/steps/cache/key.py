@@ -3,10 +3,11 @@
 * ``key_config`` / ``key_hash``: per job, everything but the row that decides an answer (model with a
   pinned commit or the weights' fingerprint, tokenizer likewise, dtype, quantization, context length,
   task, the prompt and sampling sections, the engine seed and the output-changing ``engine_kwargs``,
-  the engine identity), hashed.
-* ``key_sql``: per row, sha256 over that hash and each template column as its DuckDB type and an
-  injective text of its value. With the cache on the worker renders a row from the plan's misses
-  file, which DuckDB writes from the very columns the key reads, so its prompt is a function of
+  the engine identity, and each LoRA adapter's identity: every byte, or its hub commit), hashed.
+* ``key_sql``: per row, sha256 over that hash and each template column (and ``model.adapter_column``: the
+  row's adapter) as its DuckDB type and an injective text of its value. With the cache on the worker renders
+  a row from the plan's misses file, which DuckDB writes from the very columns the key reads, so its prompt
+  is a function of
   (DuckDB type, value) of every template column: equal keys give byte-identical prompts. A float32
   ``0.1`` and a double ``0.1`` (rendered ``0.10000000149011612`` and ``0.1``), ``true`` and ``'true'``,
   differ in type and so in key. Nested types are refused (``check_key_types``).
@@ -31,9 +32,12 @@ from typing import Any
 
 import duckdb
 
+from airflow_provider_vllm.core.adapters import AdapterRef, check_refs, describe_adapters
 from airflow_provider_vllm.core.engine_identity import local_engine_identity
 from airflow_provider_vllm.core.errors import SpecError, TransientError
+from airflow_provider_vllm.core.formats.base import row_columns
 from airflow_provider_vllm.core.spec import ENGINE_KWARGS_ALLOWED, JobSpec
+from airflow_provider_vllm.core.storage import FileSystems
 from airflow_provider_vllm.steps.cache.fingerprint_memo import FileStat, FingerprintMemo
 
 KEY_FORMAT_VERSION = 2  # 1: CAST(col AS VARCHAR) per column, edge-hashed weights; 2: typed values, every byte
@@ -165,7 +169,7 @@ def check_cacheable(spec: JobSpec, input_format: str | None = None) -> None:
             f"cache.uri is set but the input is {input_format}: the result cache needs Parquet input "
             "(io.input_format parquet); convert the input or unset cache.uri"
         )
-    cols = {spec.prompt.id_column, *spec.prompt.columns}
+    cols = {spec.prompt.id_column, *key_columns(spec)}
     reserved = sorted(c for c in cols if c.startswith("_vllm_"))
     if reserved:
         raise SpecError(
@@ -234,10 +238,32 @@ def _file_sha256(path: str, rel: str, folder: str, memo: FingerprintMemo) -> tup
     raise TransientError(f"model folder {folder}: {rel} kept changing while its fingerprint was taken; retry")
 
 
-def key_config(spec: JobSpec, engine_identity: str | None = None) -> dict[str, Any]:
-    """Everything but the row's own values that decides a row's answer (the key config)."""
+def key_columns(spec: JobSpec) -> list[str]:
+    """The row's columns the key hashes: the template columns, then the adapter column (the row's adapter):
+    every column of the row the worker reads (``core.formats.base.row_columns``)."""
+    return row_columns(spec)
+
+
+def key_config(
+    spec: JobSpec,
+    engine_identity: str | None = None,
+    adapters: list[AdapterRef] | None = None,
+    filesystems: FileSystems | None = None,
+) -> dict[str, Any]:
+    """Everything but the row's own values that decides a row's answer (the key config).
+
+    ``adapters``: the plan's identities of the job's LoRA adapters (default: ``describe_adapters``, which reads
+    every byte of each local and object store adapter); each adapter is keyed by that identity.
+    """
     m = spec.model
-    model = m.model_dump(mode="json")
+    model = m.model_dump(mode="json", exclude={"served_model_names", "adapters", "default_adapter", "adapter_column"})
+    if m.adapters:  # absent otherwise: the keys of jobs without adapters stay what they were
+        refs = check_refs(spec, adapters if adapters is not None else describe_adapters(spec, filesystems=filesystems))
+        model["adapters"] = [
+            {"name": a.name, "identity": refs[a.name].identity()} for a in sorted(m.adapters, key=lambda a: a.name)
+        ]
+        model["default_adapter"] = m.default_adapter
+        model["adapter_column"] = m.adapter_column
     if is_local_model(m.name):
         folder = _local_folder(m.name)
         if os.path.isdir(folder):
@@ -283,7 +309,7 @@ def _q(col: str) -> str:
 
 def column_types(con: duckdb.DuckDBPyConnection, source: str, spec: JobSpec) -> dict[str, str]:
     """The DuckDB type of each template column in ``SELECT ... FROM {source}``, checked (``check_key_types``)."""
-    cols = spec.prompt.columns
+    cols = key_columns(spec)
     rows = con.execute(f"DESCRIBE SELECT {', '.join(_q(c) for c in cols)} FROM {source}").fetchall()
     types = {str(r[0]): str(r[1]) for r in rows}
     check_key_types(types)
@@ -322,7 +348,7 @@ def key_sql(spec: JobSpec, khash: str, types: dict[str, str]) -> str:
     ``column_types`` of the same source (it picks the text; the hash takes the type from ``typeof``).
     """
     parts = [f"'{khash}|'"]
-    for col in spec.prompt.columns:
+    for col in key_columns(spec):
         c = _q(col)
         v = _text(col, types[col])
         parts.append(f"'T' || CAST(strlen(typeof({c})) AS VARCHAR) || ':' || typeof({c})")

@@ -34,11 +34,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from airflow_provider_vllm.core import duck, faults
+from airflow_provider_vllm.core.adapters import AdapterRef
 from airflow_provider_vllm.core.errors import CommitError
 from airflow_provider_vllm.core.formats.files import Input
-from airflow_provider_vllm.core.plan import CacheFile, CachePlan, Plan, Segment, ShardPlan
+from airflow_provider_vllm.core.plan import CacheFile, CachePlan, Passthrough, Plan, Segment, ShardPlan
 from airflow_provider_vllm.core.records import CacheMergeSummary, FileRef
-from airflow_provider_vllm.core.rows import RESULT_COLUMNS, RESULT_SCHEMA
+from airflow_provider_vllm.core.rows import RESULT_COLUMNS, RESULT_SCHEMA, result_schema
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
@@ -48,6 +49,7 @@ from airflow_provider_vllm.steps.cache.key import (  # noqa: F401 (the key's nam
     check_cacheable,
     column_types,
     is_local_model,
+    key_columns,
     key_config,
     key_hash,
     key_sql,
@@ -88,6 +90,13 @@ class _Joined:
         self.rows, self.hits, self.hit_tokens = rows, hits, hit_tokens
 
 
+def _needed(spec: JobSpec, passthrough: Passthrough | None) -> list[str]:
+    """The input columns the plan's join keeps: the id, the key's columns, then the passthrough columns."""
+    idc = spec.prompt.id_column
+    cols = [idc] + [c for c in key_columns(spec) if c != idc]
+    return cols + [c for c in (passthrough.columns if passthrough else []) if c not in cols]
+
+
 def _join(
     spec: JobSpec,
     found: Input,
@@ -95,6 +104,8 @@ def _join(
     filesystems: FileSystems | None,
     keyring: Keyring,
     workdir: str,
+    adapters: list[AdapterRef] | None = None,
+    passthrough: Passthrough | None = None,
 ) -> _Joined:
     """Table ``joined``: the input's rows with their keys, order (``_vllm_f``, ``_vllm_r``), the newest cached answer
     (columns prefixed ``ANSWER_PREFIX``; NULL for a miss) and ``_vllm_hit``.
@@ -104,13 +115,12 @@ def _join(
     """
     check_cacheable(spec, found.format)
     assert spec.cache.uri is not None
-    cfg = key_config(spec, engine_identity)
+    cfg = key_config(spec, engine_identity, adapters, filesystems)
     khash = key_hash(cfg)
     store = CacheStore(spec.cache.uri, spec.io.storage_options, keyring, filesystems)
     commits, local = store.fetch(store.committed(khash), os.path.join(workdir, "entries"))
     con = duck.connect(found.root)
-    idc = spec.prompt.id_column
-    needed = [idc] + [c for c in spec.prompt.columns if c != idc]
+    needed = _needed(spec, passthrough)
     files = duck.file_list(found.root, found.names)
     source = f"read_parquet({files}, filename = true, file_row_number = true)"
     types = column_types(con, source, spec)  # SpecError for a template column the key cannot encode
@@ -119,12 +129,13 @@ def _join(
         f"{KEY_COLUMN}, list_position({files}, filename) AS _vllm_f, file_row_number AS _vllm_r FROM {source}"
     ).fetchall()
     if local:
-        # entries written before a result column existed (confidence, prompt_hash, ...) lack it: null there
-        stored = f"read_parquet({duck.local_list(local)}, union_by_name = true)"
-        have = {r[0] for r in con.execute(f"DESCRIBE SELECT * FROM {stored}").fetchall()}
+        # entries written before a result column existed (adapter, confidence, prompt_hash, ...) lack it: NULL, as
+        # their rows had none
+        src = f"read_parquet({duck.local_list(local)}, union_by_name = true)"
+        have = {str(r[0]) for r in con.execute(f"DESCRIBE SELECT * FROM {src}").fetchall()}
         entry_types = dict(zip(ENTRY_SCHEMA.names, con.from_arrow(ENTRY_SCHEMA.empty_table()).types))
-        missing = "".join(f", NULL::{entry_types[c]} AS {_q(c)}" for c in ENTRY_SCHEMA.names if c not in have)
-        con.execute(f"CREATE TEMP VIEW cache_entries AS SELECT *{missing} FROM {stored}").fetchall()
+        cols = ", ".join(_q(c) if c in have else f"NULL::{entry_types[c]} AS {_q(c)}" for c in ENTRY_SCHEMA.names)
+        con.execute(f"CREATE TEMP VIEW cache_entries AS SELECT {cols} FROM {src}").fetchall()
     else:
         con.register("cache_entries", ENTRY_SCHEMA.empty_table())
     # An entry holds each key once (append_results); a key in several entries (runs that computed
@@ -161,10 +172,11 @@ def expected(
     engine_identity: str | None = None,
     filesystems: FileSystems | None = None,
     keyring: Keyring | None = None,
+    adapters: list[AdapterRef] | None = None,
 ) -> dict[str, Any]:
     """Hits and misses the cache would give now (the dry run); nothing written."""
     with tempfile.TemporaryDirectory(prefix="vllm-batch-cache-") as tmp:
-        j = _join(spec, found, engine_identity, filesystems, keyring or Keyring.from_env(), tmp)
+        j = _join(spec, found, engine_identity, filesystems, keyring or Keyring.from_env(), tmp, adapters)
         j.con.close()
     return {
         "uri": spec.cache.uri,
@@ -185,6 +197,8 @@ def plan_cache(
     engine_identity: str | None = None,
     filesystems: FileSystems | None = None,
     keyring: Keyring | None = None,
+    adapters: list[AdapterRef] | None = None,
+    passthrough: Passthrough | None = None,
 ) -> tuple[CachePlan, str]:
     """Join the input against the cache; write the hits file under ``_cache/``; the CachePlan and the local
     misses file (in ``workdir``: the rows to infer with their keys, in input order), which the planner cuts
@@ -199,24 +213,27 @@ def plan_cache(
 
     store = CacheStore(spec.cache.uri, spec.io.storage_options, keyring, filesystems)
     probe_create_only(store.st, f"{spec.cache.uri} (cache.uri)")
-    j = _join(spec, found, engine_identity, filesystems, keyring, workdir)
+    j = _join(spec, found, engine_identity, filesystems, keyring, workdir, adapters, passthrough)
     con = j.con
     idc = spec.prompt.id_column
-    needed = [idc] + [c for c in spec.prompt.columns if c != idc]
+    needed = _needed(spec, passthrough)
+    schema = result_schema(passthrough.arrow_schema() if passthrough else None)
     hits_local, misses_local = os.path.join(workdir, "hits.parquet"), os.path.join(workdir, "misses.parquet")
     try:
         answer = ", ".join(f"{_q(ANSWER_PREFIX + c)} AS {_q(c)}" for c in [*ANSWER_COLUMNS, CACHED_FROM])
+        # the passthrough columns come from the input rows themselves, never from the cache entries
+        pairs = zip(passthrough.columns, passthrough.names) if passthrough is not None else []
+        carried = "".join(f", {_q(c)} AS {_q(n)}" for c, n in pairs)
         # The hits file is published by merge as one more part of results/, by reference: it
-        # is written here in exactly the parts' schema (core.rows.RESULT_SCHEMA).
+        # is written here in exactly the parts' schema (the plan's result schema).
         batches = con.sql(
-            f"SELECT CAST({_q(idc)} AS VARCHAR) AS id, {answer} FROM joined WHERE _vllm_hit ORDER BY _vllm_f, _vllm_r"
+            f"SELECT CAST({_q(idc)} AS VARCHAR) AS id, {answer}{carried} FROM joined WHERE _vllm_hit "
+            "ORDER BY _vllm_f, _vllm_r"
         ).to_arrow_reader(HITS_BATCH_ROWS)
-        with pq.ParquetWriter(hits_local, RESULT_SCHEMA, compression="zstd") as w:
+        with pq.ParquetWriter(hits_local, schema, compression="zstd") as w:
             for b in batches:
                 w.write_batch(
-                    pa.RecordBatch.from_arrays(
-                        [b.column(i).cast(f.type) for i, f in enumerate(RESULT_SCHEMA)], schema=RESULT_SCHEMA
-                    )
+                    pa.RecordBatch.from_arrays([b.column(i).cast(f.type) for i, f in enumerate(schema)], schema=schema)
                 )
         con.execute(
             f"COPY (SELECT {', '.join(_q(c) for c in needed)}, {KEY_COLUMN} FROM joined WHERE NOT _vllm_hit "
@@ -363,7 +380,7 @@ def hits_part(out: Storage, plan: Plan, index: int) -> tuple[FileRef, str]:
         raise CommitError(f"{out.uri(f.path)}: the plan names {f.rows} rows and {cp.hits} hits")
     with out.open(f.path) as fh:
         schema = pq.ParquetFile(fh).schema_arrow
-    if not schema.equals(RESULT_SCHEMA):
+    if not schema.equals(plan.result_schema()):
         raise CommitError(
             f"{out.uri(f.path)} is not in the results schema (a plan of an older version): "
             "delete the output prefix and rerun the job"

@@ -4,7 +4,8 @@ Reads only files that commit markers name, and only when each lies under its own
 attempt folders (``shards/<shard_id>/attempts/<attempt>/chunk-NNNNN.parquet`` for ok rows,
 ``chunk-NNNNN.errors.parquet`` for error rows; a marker naming another shard's file, or any
 other path, is refused) and matches the size and sha256 the marker records. The workers wrote
-each part in its published schema (``core.rows.RESULT_SCHEMA`` / ``ERROR_SCHEMA``), so merge
+each part in its published schema (``core.rows.RESULT_SCHEMA`` / ``ERROR_SCHEMA``, with the plan's
+passthrough columns appended: ``Plan.result_schema``), so merge
 publishes them *by reference*, without decoding: a hard link (a copy across filesystems) or a
 server-side copy on object stores, into ``results/part-<n>-<shard>-<chunk>.parquet`` and
 ``errors/...`` (names sort in plan order; empty error parts are left out; a folder with no rows
@@ -65,8 +66,8 @@ from airflow_provider_vllm.steps.golden import merge_golden
 
 log = logging.getLogger(__name__)
 
-RESULTS = "results"  # folder of Parquet parts (RESULT_SCHEMA)
-ERRORS = "errors"  # folder of Parquet parts (ERROR_SCHEMA)
+RESULTS = "results"  # folder of Parquet parts (RESULT_SCHEMA, + the plan's passthrough columns)
+ERRORS = "errors"  # folder of Parquet parts (ERROR_SCHEMA, + the plan's passthrough columns)
 KINDS = (RESULTS, ERRORS)
 MANIFEST = "_manifest.json"
 MERGED = "_MERGED.json"
@@ -159,7 +160,8 @@ def merge(
     finally:
         con.close()
     faults.hit("merge.before_write")
-    manifests = {kind: publish_parts(out, kind, sources[kind], drop) for kind in KINDS}
+    schemas = {RESULTS: plan.result_schema(), ERRORS: plan.error_schema()}
+    manifests = {kind: publish_parts(out, kind, sources[kind], drop, schemas[kind]) for kind in KINDS}
     if not out.is_local:  # a server-side copy of a checked source: check what readers will read (local: links)
         for kind in KINDS:
             verify_parts(out, kind, manifests[kind])
@@ -570,9 +572,10 @@ def write_openai_outputs(out: Storage, spec: JobSpec, plan: Plan) -> dict[str, s
 
     for kind, fn, dest in ((RESULTS, response_line, OPENAI_OUT), (ERRORS, error_line, OPENAI_ERR)):
         lines = []
+        columns = SCHEMAS[kind].names  # the line formats' columns: passthrough columns are not decoded
         for rel in result_parts(out, kind):
             with out.open(rel) as fh:
-                for batch in pq.ParquetFile(fh).iter_batches(batch_size=8192):
+                for batch in pq.ParquetFile(fh).iter_batches(batch_size=8192, columns=columns):
                     lines += [json.dumps(fn(r, spec), ensure_ascii=False) for r in batch.to_pylist()]
         out.write_atomic(dest, ("\n".join(lines) + ("\n" if lines else "")).encode())
     return {"openai_output": OPENAI_OUT, "openai_errors": OPENAI_ERR}
@@ -594,11 +597,18 @@ def check_folder(out: Storage, kind: str) -> None:
         )
 
 
-def publish_parts(out: Storage, kind: str, sources: list[SourcePart], drop: dict[str, list[int]]) -> PartsManifest:
+def publish_parts(
+    out: Storage,
+    kind: str,
+    sources: list[SourcePart],
+    drop: dict[str, list[int]],
+    schema: pa.Schema | None = None,
+) -> PartsManifest:
     """Publish ``sources`` into ``kind``/ by reference, in order; returns the folder's manifest (not yet written).
 
     Empty parts are left out, except that a folder with no rows gets one (the first source,
-    or a fresh empty file) so readers see the schema. A part that lost dropped duplicate rows
+    or a fresh empty file of ``schema``, default ``SCHEMAS[kind]``: the plan's per-job schema) so readers see
+    the schema. A part that lost dropped duplicate rows
     is re-encoded without them. A part already published with the right size is kept, so a
     rerun only does what a crash left undone; stale ``part-*`` files and temp files are removed.
     """
@@ -607,7 +617,7 @@ def publish_parts(out: Storage, kind: str, sources: list[SourcePart], drop: dict
     with tempfile.TemporaryDirectory() as tmp:
         if not chosen:
             local = os.path.join(tmp, "empty.parquet")
-            pq.write_table(SCHEMAS[kind].empty_table(), local, compression="zstd")
+            pq.write_table((schema or SCHEMAS[kind]).empty_table(), local, compression="zstd")
             entries.append(_publish_local(out, kind, local, "part-00000.parquet"))
         for p in chosen:
             if p.rel in drop:

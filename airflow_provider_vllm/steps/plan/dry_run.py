@@ -15,8 +15,9 @@ import math
 from dataclasses import asdict
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
+from airflow_provider_vllm.core.adapters import AdapterRef, engine_max_rank, max_loras
 from airflow_provider_vllm.core.errors import SpecError
 from airflow_provider_vllm.core.plan import Evidence
 from airflow_provider_vllm.core.records import Record
@@ -60,6 +61,35 @@ class CacheReport(Record):
     hit_est_tokens: int = Field(description="estimated prompt tokens of the hit rows")
     est_inference_s_saved: float = Field(description="inference seconds the hits save")
     est_gpu_hours_saved: float = Field(description="GPU-hours of inference the hits save")
+
+
+class AdapterReport(Record):
+    """One LoRA adapter as the plan found it."""
+
+    name: str
+    source: str
+    identity: str = Field(description="sha256:<hex> of its files, or <hub repo>@<commit>")
+    rank: int | None = Field(description="its LoRA rank (None: a hub adapter not in the hub cache here)")
+    bytes: int | None = Field(description="bytes of its files (None: a hub adapter)")
+
+
+class AdaptersReport(Record):
+    """The job's LoRA adapters and what the engine reserves for them (only with model.adapters)."""
+
+    max_lora_rank: int = Field(description="vLLM's max_lora_rank for the job")
+    max_loras: int = Field(description="vLLM's max_loras for the job")
+    default_adapter: str | None
+    adapter_column: str | None
+    adapters: list[AdapterReport]
+
+
+class PassthroughColumn(Record):
+    """One input column copied into results/ and errors/ (only with io.passthrough)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    column: str = Field(description="the input column")
+    as_: str = Field(alias="as", description="its name in results/ and errors/")
+    type: str = Field(description="its Arrow type")
 
 
 class LayoutReport(Record):
@@ -110,6 +140,9 @@ class MemoryReport(Record):
     suggested_max_num_seqs: int
     expected_seq_tokens: int | None
     seqs_at_expected_len: int | None
+    lora_bytes: int = 0
+    lora_rank: int | None = None
+    lora_slots: int = 0
     warnings: list[str]
     lines: list[str] = Field(description="the plan as the text report prints it")
 
@@ -144,9 +177,15 @@ class DryRunReport(Record):
     tensor_parallel_size: int
     est_gpu_hours: float
     assumptions: Assumptions
+    adapters: AdaptersReport | None = Field(None, description="only with model.adapters")
+    passthrough: list[PassthroughColumn] | None = Field(None, description="only with io.passthrough")
     cache: CacheReport | None = Field(None, description="only with cache.uri; the figures above are the whole input")
     memory: Annotated[MemoryReport | MemoryUnavailable, Field(discriminator="available")]
     layout: LayoutReport | None = Field(description="None when there is no memory plan")
+
+    def dump(self) -> dict[str, Any]:
+        """As ``Record.dump``, fields under their aliases (a passthrough column's ``as``)."""
+        return self.model_dump(mode="json", exclude_unset=True, by_alias=True)
 
 
 # ---- building it ------------------------------------------------------------------------------
@@ -179,10 +218,28 @@ def dry_run_report(
     shards = len(plan.shards)
     tp = spec.engine.tensor_parallel_size
     gpu_s = (shards * work.engine_start_s + work.infer_s) * tp
+    adapters, lora = None, None
+    if plan.adapters:
+        lora = {"max_lora_rank": engine_max_rank(spec, [a.rank for a in plan.adapters]), "max_loras": max_loras(spec)}
+        adapters = AdaptersReport(
+            **lora,
+            default_adapter=spec.model.default_adapter,
+            adapter_column=spec.model.adapter_column,
+            adapters=[
+                AdapterReport(name=a.name, source=a.source, identity=a.identity(), rank=a.rank, bytes=a.bytes)
+                for a in plan.adapters
+            ],
+        )
+    passthrough = None
+    if plan.passthrough is not None:
+        p = plan.passthrough
+        passthrough = [PassthroughColumn(column=c, as_=n, type=t) for c, n, t in zip(p.columns, p.names, p.types)]
     cache = None
     if spec.cache.uri is not None:
-        cache = _cache(spec, read, ev, tokens_per_s, engine_start_s, engine_identity, filesystems, keyring)
-    memory, layout = _memory(spec, work, ev, gpu_memory, model_config, checkpoint_bytes, gpus)
+        cache = _cache(
+            spec, read, ev, tokens_per_s, engine_start_s, engine_identity, filesystems, keyring, plan.adapters
+        )
+    memory, layout = _memory(spec, work, ev, gpu_memory, model_config, checkpoint_bytes, gpus, lora)
     report = DryRunReport(
         job=spec.name,
         task=spec.task,
@@ -206,6 +263,8 @@ def dry_run_report(
         assumptions=(
             Assumptions() if ev is not None else Assumptions(tokens_per_s=tokens_per_s, engine_start_s=engine_start_s)
         ),
+        **({"adapters": adapters} if adapters is not None else {}),
+        **({"passthrough": passthrough} if passthrough is not None else {}),
         **({"cache": cache} if cache is not None else {}),
         memory=memory,
         layout=layout,
@@ -235,11 +294,12 @@ def _cache(
     engine_identity: str | None,
     filesystems: FileSystems | None,
     keyring: Keyring | None = None,
+    adapters: list[AdapterRef] | None = None,
 ) -> CacheReport:
     """Expected hits and misses (nothing written) and the inference GPU-hours the hits save."""
     from airflow_provider_vllm.steps.cache.result_cache import expected
 
-    exp = expected(spec, read.found, engine_identity, filesystems, keyring)
+    exp = expected(spec, read.found, engine_identity, filesystems, keyring, adapters)
     saved = estimate_workload(spec, exp["hits"], exp["hit_est_tokens"], ev, tokens_per_s, engine_start_s)
     return CacheReport(
         **exp,
@@ -256,6 +316,7 @@ def _memory(
     cfg: dict | None,
     ckpt: int | None,
     gpus: int | None = None,
+    lora: dict[str, int] | None = None,
 ) -> tuple[MemoryReport | MemoryUnavailable, LayoutReport | None]:
     source = "given"
     if cfg is None:
@@ -275,6 +336,7 @@ def _memory(
         gib, gib_src = ASSUMED_GPU_MEMORY_GIB, "assumed (pass --gpu-memory-gib)"
     max_len = spec.model.max_model_len or shape.max_position or 4096
     expected = math.ceil((work.prompt_tokens + work.completion_tokens) / work.rows) if work.rows else None
+    lora_args = {"lora_rank": lora["max_lora_rank"], "lora_slots": lora["max_loras"]} if lora else {}
     try:
         mp = plan_memory(
             shape,
@@ -288,6 +350,7 @@ def _memory(
             kv_cache_dtype=spec.engine.engine_kwargs.get("kv_cache_dtype"),
             weights_bytes=ckpt,
             expected_seq_tokens=expected,
+            **lora_args,
         )
         layout = choose_layout(
             shape,
@@ -301,6 +364,7 @@ def _memory(
             quantization=spec.model.quantization,
             kv_cache_dtype=spec.engine.engine_kwargs.get("kv_cache_dtype"),
             weights_bytes=ckpt,
+            **lora_args,
         )
     except ValueError as e:
         return MemoryUnavailable(available=False, reason=str(e)), None
@@ -355,6 +419,19 @@ def format_report(r: DryRunReport) -> str:
         f"per shard; ~{r.est_shard_minutes:.1f} min per shard",
         f"  GPU-hours        ~{r.est_gpu_hours:.2f} (tensor_parallel_size {r.tensor_parallel_size})",
     ]
+    if r.adapters:
+        lo = r.adapters
+        pick = f"column {lo.adapter_column!r}" if lo.adapter_column else "every row"
+        lines.append(
+            f"  LoRA adapters    {len(lo.adapters)} ({pick}; default {lo.default_adapter or 'the base model'}); "
+            f"engine max_lora_rank {lo.max_lora_rank}, max_loras {lo.max_loras}"
+        )
+        for ad in lo.adapters:
+            rank = f"rank {ad.rank}" if ad.rank is not None else "rank unknown (not in the hub cache here)"
+            lines.append(f"    {ad.name}: {ad.source} ({rank}; {ad.identity})")
+    if r.passthrough:
+        cols = ", ".join(f"{p.column}{' as ' + p.as_ if p.as_ != p.column else ''} ({p.type})" for p in r.passthrough)
+        lines.append(f"  passthrough      {cols}")
     if r.cache:
         c = r.cache
         lines.append(

@@ -3,6 +3,8 @@
     weights   = parameters x bytes per parameter (or the local *.safetensors sizes)
     KV/token  = 2 (K and V) x layers x kv_heads x head_dim x KV dtype bytes
     KV needed = KV/token x max_model_len x max_num_seqs      (every sequence at full length)
+    LoRA      = max_loras x max_lora_rank x layers x (4 hidden + (2 q + 2 kv + 3 intermediate) / TP) x dtype
+                (vLLM's LoRA slots on the attention and MLP projections; with LoRA adapters only)
     budget    = gpu_memory_utilization x GPU memory  (per GPU; weights and KV split over TP)
 
 Worked numbers: a Llama-3-8B shape (32 layers, 8 KV heads, head_dim 128, bf16) needs
@@ -117,6 +119,17 @@ def dtype_bytes(dtype: str) -> float:
     return DTYPE_BYTES[d]
 
 
+def lora_slot_bytes(shape: ModelShape, rank: int, slots: int, dtype_bytes: float, tp: int = 1) -> int:
+    """Per-GPU bytes vLLM preallocates for ``slots`` (max_loras) adapters of up to ``rank`` (max_lora_rank).
+
+    Each LoRA-able projection holds A (rank x in) and B (out x rank) per slot: qkv and gate_up (column
+    parallel: A whole on every GPU, B split over TP), o and down (row parallel: A split, B whole).
+    """
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    per_layer = 4 * shape.hidden + (2 * q + 2 * kv + 3 * shape.intermediate * shape.experts) / tp
+    return int(math.ceil(slots * rank * shape.layers * per_layer * dtype_bytes))
+
+
 def kv_bytes_per_token(shape: ModelShape, kv_dtype_bytes: float) -> int:
     """2 (K and V) x layers x kv_heads x head_dim x bytes."""
     return int(2 * shape.layers * shape.kv_heads * shape.head_dim * kv_dtype_bytes)
@@ -143,6 +156,9 @@ class MemoryPlan:
     suggested_max_num_seqs: int
     expected_seq_tokens: int | None = None
     seqs_at_expected_len: int | None = None
+    lora_bytes: int = 0
+    lora_rank: int | None = None
+    lora_slots: int = 0
     warnings: list[str] = field(default_factory=list)
 
     def lines(self) -> list[str]:
@@ -152,9 +168,18 @@ class MemoryPlan:
             f"weights{tp}: {g(self.weights_bytes)} ({self.weights_source})",
             f"KV cache per token{tp}: {self.kv_bytes_per_token / KiB:.0f} KiB; per sequence of max_model_len "
             f"{self.max_model_len}: {g(self.kv_bytes_per_token * self.max_model_len)}",
+            *(
+                [
+                    f"LoRA: {self.lora_slots} adapter slot(s) (max_loras) of rank {self.lora_rank} (max_lora_rank)"
+                    f"{tp}: {g(self.lora_bytes)}"
+                ]
+                if self.lora_slots
+                else []
+            ),
             f"budget: gpu_memory_utilization {self.gpu_memory_utilization} x {g(self.gpu_memory_bytes)} = "
-            f"{g(self.budget_bytes)}; minus weights and {g(self.overhead_bytes)} assumed overhead (activations, "
-            f"CUDA graphs) leaves {g(self.kv_available_bytes)} for the KV cache",
+            f"{g(self.budget_bytes)}; minus weights{', LoRA' if self.lora_slots else ''} and "
+            f"{g(self.overhead_bytes)} assumed overhead (activations, CUDA graphs) leaves "
+            f"{g(self.kv_available_bytes)} for the KV cache",
             f"KV needed for max_num_seqs {self.max_num_seqs} ({self.max_num_seqs_source}) x max_model_len "
             f"{self.max_model_len}: {g(self.kv_needed_bytes)} -> {'fits' if self.fits else 'DOES NOT FIT'}",
             f"largest max_num_seqs with every sequence at max_model_len: {self.suggested_max_num_seqs}",
@@ -181,8 +206,11 @@ def plan_memory(
     weights_bytes: int | None = None,
     overhead_bytes: int = int(DEFAULT_OVERHEAD_GIB * GiB),
     expected_seq_tokens: int | None = None,
+    lora_rank: int | None = None,
+    lora_slots: int = 0,
 ) -> MemoryPlan:
-    """The memory plan of one model replica; ``weights_bytes`` (whole model) overrides the parameter estimate."""
+    """The memory plan of one model replica; ``weights_bytes`` (whole model) overrides the parameter estimate.
+    ``lora_rank`` / ``lora_slots``: vLLM's max_lora_rank and max_loras when the job has LoRA adapters."""
     warnings: list[str] = []
     act_dtype = shape.dtype if dtype == "auto" else dtype
     act_bytes = dtype_bytes(act_dtype)
@@ -224,7 +252,8 @@ def plan_memory(
     else:
         seqs, seqs_src = max_num_seqs, "engine.max_num_seqs"
     budget = int(util * gpu_memory_bytes)
-    kv_avail = budget - weights - overhead_bytes
+    lora = lora_slot_bytes(shape, lora_rank, lora_slots, act_bytes, tp) if lora_rank and lora_slots else 0
+    kv_avail = budget - weights - lora - overhead_bytes
     per_seq = per_token * max_model_len
     needed = per_seq * seqs
     suggested = max(0, kv_avail // per_seq) if per_seq else 0
@@ -274,6 +303,9 @@ def plan_memory(
         suggested_max_num_seqs=int(suggested),
         expected_seq_tokens=expected_seq_tokens,
         seqs_at_expected_len=None if at_expected is None else int(at_expected),
+        lora_bytes=lora,
+        lora_rank=lora_rank if lora else None,
+        lora_slots=lora_slots if lora else 0,
         warnings=warnings,
     )
 
@@ -447,8 +479,9 @@ def choose_layout(
     gib = use.gpu_memory_bytes / GiB
     util = use.gpu_memory_utilization
     one_seq = use.kv_bytes_per_token * use.max_model_len
+    lora = f" + LoRA {g(use.lora_bytes)}" if use.lora_bytes else ""
     fit_line = (
-        f"weights {g(use.weights_bytes)} + {g(use.overhead_bytes)} overhead + KV {g(one_seq)} "
+        f"weights {g(use.weights_bytes)}{lora} + {g(use.overhead_bytes)} overhead + KV {g(one_seq)} "
         f"(one sequence of {use.max_model_len} tokens) per GPU"
     )
     reasons: list[str] = []

@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 from airflow_provider_vllm import __version__
+from airflow_provider_vllm.core.adapters import describe_adapters
 from airflow_provider_vllm.core.commit import PROBE_DIR, probe_create_only
 from airflow_provider_vllm.core.errors import SpecError
 from airflow_provider_vllm.core.formats import input_format
@@ -29,6 +30,7 @@ from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
 from airflow_provider_vllm.steps.golden import GOLDEN_IN, with_golden
+from airflow_provider_vllm.steps.plan.passthrough import resolve_passthrough
 from airflow_provider_vllm.steps.plan.sizing import History, job_history, size_shards
 
 DEFAULT_TARGET_ROWS = 10_000
@@ -167,6 +169,8 @@ def build_plan_with_inputs(
 ) -> tuple[Plan, PlanInputs]:
     """``build_plan``, and what it read (``PlanInputs``)."""
     found = find_input(spec.io.input_uri, spec.io.storage_options, spec.io.input_format, filesystems)
+    passthrough = resolve_passthrough(spec, found)
+    adapters = describe_adapters(spec, filesystems=filesystems)
     sh = spec.sharding
     # Exact per-row lengths need the text columns; footers (dictionary-encoded pages make
     # them approximate) are enough when shards are sized by rows only.
@@ -182,7 +186,15 @@ def build_plan_with_inputs(
             from airflow_provider_vllm.steps.cache.result_cache import plan_cache
 
             cache, misses = plan_cache(
-                spec, found, cache_out, workdir, engine_identity, filesystems=filesystems, keyring=keyring
+                spec,
+                found,
+                cache_out,
+                workdir,
+                engine_identity,
+                filesystems=filesystems,
+                keyring=keyring,
+                adapters=adapters,
+                passthrough=passthrough,
             )
             cut_scan = input_format("parquet").scan(Storage(workdir), [os.path.basename(misses)], spec, per_row)
             cut_tokens = _row_tokens(cut_scan, sh.chars_per_token)
@@ -214,6 +226,8 @@ def build_plan_with_inputs(
         created_with={"airflow-provider-vllm": __version__, "pyarrow": pa.__version__},
         sizing=sizing,
         **({"cache": cache} if cache is not None else {}),
+        **({"passthrough": passthrough} if passthrough is not None else {}),
+        **({"adapters": adapters} if adapters else {}),
     )
     return plan, PlanInputs(found=found, history=history)
 

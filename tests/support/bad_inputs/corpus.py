@@ -170,6 +170,8 @@ def hostile_chat_requests() -> list[tuple[str, dict, str]]:
             TEMPLATE_ERROR,
         ),
         ("unknown-role", body(messages=[{"role": "wizard", "content": "abracadabra"}]), INVALID_REQUEST),
+        # a question asked of another model (vLLM's run-batch test input): answering it with this one is wrong
+        ("another-model", body(model="NonExistModel"), INVALID_REQUEST),
         ("empty-messages", body(messages=[]), EMPTY_INPUT),
         (
             "tool-message",

@@ -185,8 +185,9 @@ def test_every_field_has_a_description():
 
 
 def test_fields_added_with_a_neutral_default_keep_the_config_and_cache_key_hashes():
-    """Recorded (on the sealed-records layout) before qa.reference, qa.confidence and engine.batch_invariant existed: rows, chunks and
-    cache entries of earlier runs still match a spec that does not use them."""
+    """Recorded (on the sealed-records layout) before qa.reference, qa.confidence, engine.batch_invariant, the LoRA
+    adapters and passthrough columns existed: rows, chunks and cache entries of earlier runs still match a spec
+    that does not use them."""
     from airflow_provider_vllm.steps.cache.key import key_config, key_hash
 
     doc = {**BASE, "model": {"name": "org/m", "revision": "r1"}, "sampling": {"structured": {"choice": ["a", "b"]}}}
@@ -198,3 +199,10 @@ def test_fields_added_with_a_neutral_default_keep_the_config_and_cache_key_hashe
     assert key_hash(key_config(on, "vllm==x")) != key_hash(key_config(spec, "vllm==x"))
     quality = JobSpec.load({**doc, "qa": {"confidence": False, "reference": {"golden_uri": "/g"}}})
     assert quality.output_hash() == spec.output_hash()  # QA settings never change an answer
+    carried = JobSpec.load({**doc, "io": {**doc["io"], "passthrough": ["text"], "passthrough_prefix": "in_"}})
+    assert carried.output_hash() == spec.output_hash()  # copied columns never change an answer
+    lora = {"adapters": [{"name": "a", "source": "org/lora", "revision": "c" * 40}]}
+    for model in (lora, {**lora, "default_adapter": "a"}, {**lora, "adapter_column": "which"}):
+        assert JobSpec.load({**doc, "model": {**doc["model"], **model}}).output_hash() != spec.output_hash(), model
+    ranked = JobSpec.load({**doc, "model": {**doc["model"], **lora}, "engine": {"max_lora_rank": 16, "max_loras": 1}})
+    assert ranked.output_hash() != JobSpec.load({**doc, "model": {**doc["model"], **lora}}).output_hash()

@@ -413,3 +413,36 @@ def test_code_loading_engine_options_and_remote_code_need_the_deployment(allowed
     spec = JobSpec.load(with_value(base_doc(allowed), "engine.engine_kwargs", data_only))
     check_remote_code(spec, allowed=False)  # data-only options need nothing
     check_remote_code(JobSpec.load(with_value(base_doc(allowed), "model.trust_remote_code", True)), allowed=True)
+
+
+def test_adapter_sources_stay_inside_the_allow_list(allowed, tmp_path):
+    """A LoRA adapter is read like a model: a local or object store source only inside the allowed prefixes
+    (symlinks resolved), a hub one only pinned to a commit."""
+    (allowed / "adapters" / "ok").mkdir(parents=True)
+    outside = tmp_path / "elsewhere" / "ad"
+    outside.mkdir(parents=True)
+    (allowed / "adapters" / "link").symlink_to(outside)
+
+    def doc(source, revision=None):
+        d = base_doc(allowed)
+        d["model"]["adapters"] = [{"name": "a", "source": source, **({"revision": revision} if revision else {})}]
+        return d
+
+    ok = [str(allowed / "adapters" / "ok"), "s3://data/in/adapters/a", "org/adapter"]
+    assert [refused(doc(s, "c" * 40 if s == "org/adapter" else None), prefixes(allowed)) for s in ok] == [None] * 3
+    hostile = [
+        (str(outside), "is outside the allowed"),
+        (str(allowed / "adapters" / "link"), "is outside the allowed"),
+        ("file://" + str(outside), "is outside the allowed"),
+        ("s3://other-bucket/adapters/a", "is outside the allowed"),
+        ("s3://data/in/../other/a", "'..' path segments"),
+        ("gs://data/in/a", "is outside the allowed"),
+        (str(allowed / "adapters" / ".." / ".." / "elsewhere" / "ad"), "must be a hub id (org/name), a local path"),
+        ("http://example.com/adapter", "neither a hub repo id"),
+        ("~/adapters/a", "neither a hub repo id"),
+        ("org/adapter", "needs revision"),
+    ]
+    got = {s: refused(doc(s), prefixes(allowed)) for s, _ in hostile}
+    record_malicious("adapter_sources_outside_the_allow_list", len(hostile), sum(bool(m) for m in got.values()))
+    for s, fragment in hostile:
+        assert got[s] is not None and fragment in got[s], (s, got[s])

@@ -292,3 +292,83 @@ def test_qa_scores_only_golden_rows_the_merge_sealed(tmp_path, target):
         return
     with pytest.raises(VllmBatchError, match="does not match"):
         qa_run(spec)
+
+
+# ---- with passthrough columns and LoRA adapters -----------------------------------------------
+def test_golden_rows_pass_no_columns_through_and_need_none(tmp_path):
+    """The golden file carries the template's columns only: a job that passes input columns through still plans,
+    runs and merges its golden rows (golden parts in the plain schemas), and results/ keeps the typed columns."""
+    import datetime as dt
+    from decimal import Decimal
+
+    from airflow_provider_vllm.core.rows import ERROR_SCHEMA, RESULT_SCHEMA
+
+    _golden_file(tmp_path / "golden.parquet")  # no "queue", no "opened"
+    ids = [f"t{i:03d}" for i in range(N_IN)]
+    write_parquet(
+        tmp_path / "d1" / "in" / "a.parquet",
+        ids,
+        [f"ticket {i}: {LABELS[i % 5]}" if i % 9 else "" for i in range(N_IN)],  # some errors
+        queue=pa.array([Decimal(i) / 4 for i in range(N_IN)], pa.decimal128(9, 2)),
+        opened=pa.array([dt.datetime(2026, 1, 1, i % 24) for i in range(N_IN)], pa.timestamp("us", "UTC")),
+    )
+    spec = _spec(tmp_path, io={"passthrough": ["queue", "opened"], "passthrough_prefix": "in_"})
+    plan, summary = _all(spec)
+    assert plan.passthrough is not None and plan.for_shard(plan.golden.shards[0].shard_id).passthrough is None
+    out = Path(spec.io.output_uri)
+    assert summary["golden"]["rows"] == N_GOLD and summary["rows"] == N_IN
+    res = pq.read_table(out / "results")
+    assert res.schema.field("in_queue").type == pa.decimal128(9, 2)
+    assert res.schema.field("in_opened").type == pa.timestamp("us", "UTC")
+    row = {r["id"]: r for r in res.to_pylist()}["t001"]
+    assert row["in_queue"] == Decimal("0.25") and row["in_opened"].hour == 1
+    err = pq.read_table(out / "errors")
+    assert {r["id"]: r["in_queue"] for r in err.to_pylist()}["t000"] == Decimal(0)  # errors carry them too
+    assert pq.read_schema(out / RESULTS_FILE).names == RESULT_SCHEMA.names  # golden parts: nothing passed through
+    assert pq.read_schema(out / ERRORS_FILE).names == ERROR_SCHEMA.names
+    report, _ = qa_run(spec)
+    assert report.metrics["quality"]["labelled"] == N_GOLD
+
+
+@pytest.fixture
+def lora(tmp_path):
+    from tests.support.lora import write_adapter
+    from tests.unit.core.test_adapters import LLAMA
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(LLAMA))
+    names = ("billing", "refunds")
+    return [{"name": n, "source": str(write_adapter(tmp_path / "ad" / n, model, seed=i))} for i, n in enumerate(names)]
+
+
+def test_golden_rows_name_their_adapter_like_the_input_rows(tmp_path, lora):
+    """With model.adapter_column a golden row runs with the adapter its own column names (the golden rows score
+    the adapters the job's rows run with); a golden file without that column is refused at plan."""
+    which = ["billing", "refunds", None]
+    _golden_file(tmp_path / "golden.parquet", which=[which[i % 3] for i in range(N_GOLD)])
+    write_parquet(
+        tmp_path / "d1" / "in" / "a.parquet",
+        [f"t{i:03d}" for i in range(N_IN)],
+        [f"ticket {i}: {LABELS[i % 5]}" for i in range(N_IN)],
+        which=[which[i % 3] for i in range(N_IN)],
+    )
+    spec = _spec(tmp_path, model={"adapters": lora, "adapter_column": "which"})
+    plan, summary = _all(spec)
+    out = Path(spec.io.output_uri)
+    golden_in = pq.read_table(out / plan.golden.input_file.path)
+    assert golden_in.column_names == ["id", "text", "which", "_vllm_golden_label"]
+    got = {r["id"]: r["adapter"] for r in pq.read_table(out / RESULTS_FILE).to_pylist()}
+    assert got and all(a == which[int(i[-3:]) % 3] for i, a in got.items())
+    assert {r["adapter"] for r in pq.read_table(out / "results").to_pylist()} == {"billing", "refunds", None}
+
+    _golden_file(tmp_path / "golden2.parquet")  # no "which"
+    spec2 = _spec(
+        tmp_path,
+        run="d2",
+        model={"adapters": lora, "adapter_column": "which"},
+        qa={"reference": {"ride_along_uri": str(tmp_path / "golden2.parquet")}},
+    )
+    write_parquet(tmp_path / "d2" / "in" / "a.parquet", ["t0"], ["ticket"], which=["billing"])
+    with pytest.raises(SpecError, match=r"missing column\(s\) \['which'\]"):
+        plan_job(spec2)

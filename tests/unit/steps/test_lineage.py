@@ -140,3 +140,32 @@ def test_accuracy_assertions_go_on_the_results_and_the_golden_set():
     assert ride and [a.name for a in ride[0].assertions] == ["accuracy", "accuracy_drop"]
     results = lin.inputs[0]
     assert {a.name for a in results.assertions} >= {"error_rate", "accuracy", "accuracy_drop", "qa_verdict"}
+
+
+def test_lineage_names_the_adapters_and_the_passthrough_columns():
+    from airflow_provider_vllm.core.adapters import AdapterRef
+    from airflow_provider_vllm.core.plan import Passthrough
+
+    spec = make_spec(
+        "/d/in",
+        "/d/out",
+        model={
+            "adapters": [
+                {"name": "billing", "source": "/models/billing"},
+                {"name": "hub", "source": "org/lora", "revision": "c" * 40},
+            ],
+            "adapter_column": "which",
+        },
+    )
+    refs = [AdapterRef(name="billing", source="/models/billing", kind="local", sha256="ab" * 32)]
+    carried = Passthrough(columns=["queue"], names=["in_queue"], schema_ipc="", types=["string"])
+    lin = merge_lineage(spec, merge_summary(3, 3, 0), refs, carried)
+    facts = lin.inference
+    assert facts.adapter == "billing, hub"
+    assert facts.adapters == (
+        {"name": "billing", "source": "/models/billing", "identity": "sha256:" + "ab" * 32},
+        {"name": "hub", "source": "org/lora", "revision": "c" * 40},
+    )
+    assert facts.settings["adapters"] == {"default_adapter": None, "adapter_column": "which"}
+    assert ("in_queue", "string") in lin.outputs[0].fields and ("in_queue", "string") in lin.outputs[1].fields
+    assert publish_lineage(spec, {"rows": 3}).inference.adapter == "billing, hub"

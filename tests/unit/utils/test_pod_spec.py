@@ -3,6 +3,8 @@ parallel and one-shard-per-GPU layouts. No Airflow, no cluster."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from kubernetes.client import ApiClient
 
@@ -259,3 +261,41 @@ def test_security_contexts_are_restricted():
     assert pod["runAsNonRoot"] is True and pod["seccompProfile"] == {"type": "RuntimeDefault"}
     with pytest.raises(ValueError, match="run_as_user"):
         KubernetesSettings(run_as_user=0)
+
+
+def test_the_pod_names_its_adapters_and_how_it_gets_each():
+    from airflow_provider_vllm.utils.pod_spec import ADAPTERS_ANNOTATION, adapter_sources
+
+    spec = JobSpec.load(
+        {
+            "model": {
+                "name": "org/base",
+                "adapters": [
+                    {"name": "pvc", "source": "/models/adapters/billing"},
+                    {"name": "obj", "source": "s3://bucket/adapters/refunds"},
+                    {"name": "hub", "source": "org/adapter", "revision": "c" * 40},
+                    {"name": "nowhere", "source": "/srv/adapters/x"},
+                ],
+            },
+            "io": {"input_uri": "s3://bucket/in/", "output_uri": "s3://bucket/out/"},
+        }
+    )
+    settings = KubernetesSettings.model_validate({"model_cache_pvc": "models", "model_cache_read_only": True})
+    parts = pod_parts(spec, settings, SHARD)
+    assert json.loads(parts.annotations[ADAPTERS_ANNOTATION]) == {
+        "pvc": "/models/adapters/billing",
+        "obj": "s3://bucket/adapters/refunds",
+        "hub": "org/adapter@" + "c" * 40,
+        "nowhere": "/srv/adapters/x",
+    }
+    lines = adapter_sources(spec, settings)
+    assert lines[0] == "adapter 'pvc' (/models/adapters/billing): a local folder on the model-cache PVC"
+    assert "read by the worker with the pod's identity" in lines[1]
+    assert "from HF_HUB_CACHE on the model-cache PVC (/models/hub, read-only: offline)" in lines[2]
+    assert "on no volume the pod mounts" in lines[3]
+    assert (
+        ADAPTERS_ANNOTATION
+        not in pod_parts(
+            JobSpec.load({**spec.model_dump(mode="json"), "model": {"name": "org/base"}}), settings, SHARD
+        ).annotations
+    )

@@ -31,6 +31,7 @@ VLLM_IMAGE = {
     "pynvml",
     "transformers",
     "packaging",
+    "huggingface_hub",  # vLLM's own dependency (it fetches models and adapters from the hub with it)
 }
 # Reached by the static walk but never run by the worker: planning imports DuckDB only inside
 # plan_job's helpers (the plan task, on the Airflow side).

@@ -53,3 +53,30 @@ def test_ids_come_from_custom_id_not_the_id_column(tmp_path):
     spec = make_spec(tmp_path / "b.jsonl", tmp_path / "out", sampling={"max_tokens": 8, "structured": None})
     assert OPENAI.file_ids(Storage(str(tmp_path)), "b.jsonl", spec) == ["c1"]
     assert input_format("jsonl").file_ids(Storage(str(tmp_path)), "b.jsonl", spec) == ["other"]
+
+
+def test_a_request_line_without_custom_id_is_refused_naming_custom_id(tmp_path):
+    """vLLM's run-batch test input: a first line whose custom_id is missing is still a request line (a body and
+    a url), so the input is the OpenAI batch format and the refusal names custom_id, not the id column."""
+    import pytest
+
+    from airflow_provider_vllm.core.errors import DatasetError
+    from airflow_provider_vllm.steps.plan.planner import plan_job
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    lines = [
+        {"invalid_field": "request-1", "method": "POST", "url": "/v1/chat/completions", "body": body},
+        {"custom_id": "request-2", "method": "POST", "url": "/v1/chat/completions", "body": body},
+    ]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert detect_format(Storage(str(tmp_path)), ["in.jsonl"], "auto") == "openai_batch"
+    with pytest.raises(DatasetError, match=r"in.jsonl line 1: no 'custom_id'") as e:
+        plan_job(make_spec(tmp_path / "in.jsonl", tmp_path / "out"))
+    assert "'id'" not in str(e.value)
+    lines[0] = {"custom_id": 17, **{k: v for k, v in lines[1].items() if k != "custom_id"}}
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    with pytest.raises(DatasetError, match=r"line 1: 'custom_id' is int '17'; the OpenAI batch format's custom_id is"):
+        plan_job(make_spec(tmp_path / "in.jsonl", tmp_path / "out2"))
+    # a plain JSONL line is not a request: no body
+    (tmp_path / "plain.jsonl").write_text(json.dumps({"id": "a", "text": "x", "url": "u"}) + "\n")
+    assert detect_format(Storage(str(tmp_path)), ["plain.jsonl"], "auto") == "jsonl"

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from airflow_provider_vllm.core.formats.openai_requests import RequestFault, parse_chat_body, parse_embeddings_body
+from airflow_provider_vllm.core.formats.openai_requests import (
+    MAX_REQUEST_STOP,
+    RequestFault,
+    parse_chat_body,
+    parse_embeddings_body,
+)
 
 
 def user(text="hello"):
@@ -41,7 +46,6 @@ def test_neutral_values_of_refused_fields_are_accepted():
             "stream": False,
             "logprobs": False,
             "top_logprobs": 0,
-            "tools": [],
             "tool_choice": "none",
             "response_format": {"type": "text"},
             "store": False,
@@ -52,8 +56,8 @@ def test_neutral_values_of_refused_fields_are_accepted():
         }
     )
     assert b.sampling() == {}
-    # neutral means the same value and type: true is not 1, 1.0 is not 1
-    for bad in ({"n": True}, {"n": 1.0}, {"logprobs": 0}, {"top_logprobs": False}):
+    # neutral means the same value and type: true is not 1, 1.0 is not 1; an empty tools list vLLM refuses
+    for bad in ({"n": True}, {"n": 1.0}, {"logprobs": 0}, {"top_logprobs": False}, {"tools": []}):
         with pytest.raises(RequestFault):
             parse_chat_body({"messages": user(), **bad})
 
@@ -145,7 +149,9 @@ def test_a_row_takes_exactly_the_values_the_spec_takes(field):
     from tests.support.ledger import record_malicious
 
     for value in SHARED_VALUES[field]:
-        assert _row_takes(field, value) == _spec_takes(field, value), (field, str(value)[:80])
+        # and a request's own bound: at most 4 stop strings (OpenAI's and vLLM's ChatCompletionRequest's)
+        takes = _spec_takes(field, value) and (field != "stop" or len(value) <= MAX_REQUEST_STOP)
+        assert _row_takes(field, value) == takes, (field, str(value)[:80])
     if field == "max_tokens":  # max_completion_tokens is the same field under OpenAI's newer name
         for value in SHARED_VALUES[field]:
             assert _row_takes("max_completion_tokens", value) == _spec_takes(field, value), value
@@ -158,6 +164,8 @@ def test_ten_thousand_stop_strings_are_one_rows_error_naming_the_rule():
         parse_chat_body({"messages": user(), "stop": [f"s{i}" for i in range(10_000)]})
     assert e.value.code == "INVALID_REQUEST"
     assert e.value.message.startswith("body.stop: 10000 stop strings; at most 16 (the job spec's sampling.stop rule)")
+    with pytest.raises(RequestFault, match="5 stop strings; a request may give at most 4"):
+        parse_chat_body({"messages": user(), "stop": list("abcde")})
     assert len(e.value.message) < 200  # the message does not echo the strings
 
 
@@ -175,7 +183,7 @@ def test_what_a_row_may_set_vllms_sampling_params_take():
     edges = [
         {"temperature": 0, "top_p": 1e-9, "max_tokens": 1, "seed": -(2**63)},
         {"temperature": 2, "top_p": 1, "max_tokens": 10**6, "seed": 2**63 - 1},
-        {"stop": ["x" * 256] * 15 + ["\t\n"]},
+        {"stop": ["x" * 256] * 3 + ["\t\n"]},
         {"top_k": -1, "min_p": 0, "repetition_penalty": 1e-9, "min_tokens": 0, "presence_penalty": -2},
         {"top_k": 10**9, "min_p": 1, "repetition_penalty": 1e9, "frequency_penalty": 2, "max_completion_tokens": 3},
     ]

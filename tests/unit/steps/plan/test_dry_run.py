@@ -3,18 +3,25 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 
 import pytest
 
 from airflow_provider_vllm.cli.dry_run import main
-from airflow_provider_vllm.steps.plan.dry_run import ASSUMED_ENGINE_START_S, ASSUMED_TOKENS_PER_S, dry_run_report
+from airflow_provider_vllm.steps.plan.dry_run import (
+    ASSUMED_ENGINE_START_S,
+    ASSUMED_TOKENS_PER_S,
+    DryRunReport,
+    dry_run_report,
+)
 from airflow_provider_vllm.steps.plan.memory import (
     GiB,
     KiB,
     ModelShape,
     gpu_memory_gib,
     kv_bytes_per_token,
+    lora_slot_bytes,
     plan_memory,
     safetensors_bytes,
 )
@@ -465,6 +472,7 @@ def test_an_unreadable_history_fails_the_dry_run_but_not_the_plan(tmp_path, monk
 
     monkeypatch.setattr(sizing, "read_history", unreadable)
     monkeypatch.setattr(dry_run, "read_history", unreadable)
+    caplog.set_level(logging.WARNING, logger=sizing.log.name)  # whatever an earlier test left the levels at
     assert build_plan(spec).sizing is None and "cannot read the throughput history" in caplog.text
     with pytest.raises(PermissionError, match="access denied"):
         dry_run_report(spec, model_config=LLAMA3_8B)
@@ -481,3 +489,48 @@ def test_the_report_sections_carry_every_field_of_the_memory_plan_and_the_layout
     assert set(LayoutReport.model_fields) == {f.name for f in fields(GpuLayout)} | {"memory_known", "lines"}
     extra = {"available", "config", "gpu_memory_gib", "gpu_memory_source", "architecture", "lines"}
     assert set(MemoryReport.model_fields) == {f.name for f in fields(MemoryPlan)} | extra
+
+
+def test_lora_slots_worked_numbers():
+    # Llama-3-8B, rank 16, 4 slots, bf16: per layer 4 x 4096 + 2 x 4096 + 2 x 1024 + 3 x 14336 = 69632 widths
+    shape = ModelShape.from_config(LLAMA3_8B)
+    assert lora_slot_bytes(shape, 16, 4, 2) == 4 * 16 * 32 * 69632 * 2 == 285_212_672
+    # TP 2 splits the B of qkv/gate_up and the A of o/down: 4 x 4096 + (8192 + 2048 + 43008) / 2 = 43008
+    assert lora_slot_bytes(shape, 16, 4, 2, tp=2) == 4 * 16 * 32 * 43008 * 2
+    base = plan_memory(shape, max_model_len=8192, gpu_memory_bytes=80 * GiB)
+    with_lora = plan_memory(shape, max_model_len=8192, gpu_memory_bytes=80 * GiB, lora_rank=16, lora_slots=4)
+    assert base.kv_available_bytes - with_lora.kv_available_bytes == with_lora.lora_bytes == 285_212_672
+    assert "LoRA: 4 adapter slot(s) (max_loras) of rank 16 (max_lora_rank): 0.27 GiB" in with_lora.lines()
+
+
+def test_dry_run_shows_the_adapters_passthrough_and_their_memory(tmp_path, capsys):
+    from tests.support.lora import write_adapter
+
+    _dataset(tmp_path)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(LLAMA3_8B))
+    a = write_adapter(tmp_path / "billing", model, seed=1, rank=16, targets=("q_proj",))
+    b = write_adapter(tmp_path / "refunds", model, seed=2, rank=8, targets=("q_proj",))
+    spec = make_spec(
+        tmp_path / "in",
+        tmp_path / "out",
+        model={"adapters": [{"name": "billing", "source": str(a)}, {"name": "refunds", "source": str(b)}]},
+        io={"passthrough": ["text"], "passthrough_prefix": "input_"},
+        sharding={"hardware": "1x NVIDIA H200"},
+    )
+    r = dry_run_report(spec, model_config=LLAMA3_8B)
+    assert r.adapters is not None and r.adapters.max_lora_rank == 16 and r.adapters.max_loras == 2
+    assert [x.rank for x in r.adapters.adapters] == [16, 8]
+    assert r.memory.lora_bytes == lora_slot_bytes(ModelShape.from_config(LLAMA3_8B), 16, 2, 2)
+    assert r.dump()["passthrough"] == [{"column": "text", "as": "input_text", "type": "string"}]
+    assert DryRunReport.model_validate(r.dump()) == r  # the XCom reads back through the record
+    spec_file = tmp_path / "job.json"
+    spec_file.write_text(json.dumps(spec.model_dump(mode="json")))
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(LLAMA3_8B))
+    assert main([str(spec_file), "--model-config", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    assert "LoRA adapters    2 (every row; default the base model); engine max_lora_rank 16, max_loras 2" in out
+    assert f"billing: {a} (rank 16; sha256:" in out and "passthrough      text as input_text (string)" in out
+    assert "LoRA: 2 adapter slot(s) (max_loras) of rank 16 (max_lora_rank): 0.13 GiB" in out
