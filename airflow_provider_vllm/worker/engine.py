@@ -42,6 +42,7 @@ __all__ = [
     "adapter_ranks",
     "engine_kwargs",
     "lora_kwargs",
+    "cpu_spare_lora_slot",
     "require_vllm",
     "sampling_kwargs",
     "sampling_params",
@@ -74,6 +75,25 @@ def lora_kwargs(spec: JobSpec, ranks: list[int | None]) -> dict[str, Any]:
         "max_loras": n,
         "max_cpu_loras": max(n, len(spec.model.adapters)),
     }
+
+
+def cpu_spare_lora_slot(kw: dict[str, Any], adapters: int) -> dict[str, Any]:
+    """``engine_kwargs`` for vLLM's CPU build with LoRA adapters: one adapter slot more than the job's adapters.
+
+    vLLM's CPU LoRA ops (``vllm/lora/ops/torch_ops``) gather each row's slot as ``weights[index]``, and a row
+    without an adapter has index -1: Python's last slot. In a batch that also holds adapter rows, a base-model
+    row is then answered with whichever adapter sits in the last slot (vLLM 0.32; its own ``LLM.chat`` does it
+    too). vLLM fills the first free slot and evicts only when every slot is taken, so with one spare slot the
+    last one is never filled and its weights stay zero: a base-model row gets the base model's answer
+    (``tests/vllm/test_lora_vllm.py`` holds it to that). SpecError when engine.max_loras is below the
+    adapters (the spare slot would fill).
+    """
+    if kw["max_loras"] < adapters:
+        raise SpecError(
+            f"engine.max_loras {kw['max_loras']} is below the job's {adapters} adapters: on vLLM's CPU build every "
+            "adapter must have a slot (its CPU LoRA ops would answer base-model rows with an adapter); unset it"
+        )
+    return {**kw, "max_loras": adapters + 1, "max_cpu_loras": max(kw["max_cpu_loras"], adapters + 1)}
 
 
 def adapter_ranks(paths: dict[str, str]) -> list[int | None]:
@@ -196,7 +216,13 @@ class Engine:
             check_batch_invariance(vllm.__version__)
         self.spec = spec
         self.version = vllm.__version__
-        self.llm = vllm.LLM(**engine_kwargs(spec, adapters))
+        kw = engine_kwargs(spec, adapters)
+        if kw.get("enable_lora"):
+            from vllm.platforms import current_platform
+
+            if current_platform.is_cpu():
+                kw = cpu_spare_lora_slot(kw, len(spec.model.adapters))
+        self.llm = vllm.LLM(**kw)
         from vllm.lora.request import LoRARequest
 
         # ids from 1 (0 is no adapter), in the spec's order: the same adapter has the same id in every shard

@@ -73,3 +73,16 @@ def test_a_missing_dependency_of_vllm_is_not_reported_as_missing_vllm(monkeypatc
     with pytest.raises(ModuleNotFoundError) as e:
         Engine(make_spec(tmp_path / "in", tmp_path / "out"))
     assert e.value.name == "torch" and not isinstance(e.value, VllmNotInstalledError)
+
+
+def test_the_cpu_build_gets_a_spare_lora_slot_that_stays_empty():
+    """vLLM's CPU LoRA ops read a base-model row's slot -1 as the last slot: one never-filled slot more than the
+    adapters keeps it zero (tests/vllm/test_lora_vllm.py shows the answers); a max_loras that lets adapters take
+    turns in the slots would fill it, so it is refused there."""
+    from airflow_provider_vllm.core.errors import SpecError
+    from airflow_provider_vllm.worker.engine import cpu_spare_lora_slot
+
+    kw = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2, "max_cpu_loras": 2}
+    assert cpu_spare_lora_slot(kw, 2) == {**kw, "max_loras": 3, "max_cpu_loras": 3}
+    with pytest.raises(SpecError, match="engine.max_loras 1 is below the job's 2 adapters"):
+        cpu_spare_lora_slot({**kw, "max_loras": 1}, 2)
