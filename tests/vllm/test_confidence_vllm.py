@@ -22,7 +22,7 @@ import pytest
 from airflow_provider_vllm.steps.merge.merger import merge
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from tests.support.data import write_parquet
-from tests.vllm.test_worker_vllm import (  # noqa: F401 (smollm2: the fixture)
+from tests.vllm.test_worker_vllm import (
     ENV,
     LABELS,
     LEAVE,
@@ -30,7 +30,6 @@ from tests.vllm.test_worker_vllm import (  # noqa: F401 (smollm2: the fixture)
     TICKETS,
     manifest,
     run_worker,
-    smollm2,
     spec_for,
 )
 
@@ -60,7 +59,7 @@ if __name__ == "__main__":
 )
 
 
-def test_confidence_is_exp_of_vllms_chosen_token_logprobs(tmp_path, smollm2):  # noqa: F811
+def test_confidence_is_exp_of_vllms_chosen_token_logprobs(tmp_path, smollm2):
     n = 40
     ids = [f"t{i:04d}" for i in range(n)]
     texts = [TICKETS[i % len(TICKETS)] + f" (ref {i})" for i in range(n)]
@@ -106,7 +105,7 @@ def _request(i: int, model: str, **extra) -> dict:
     return {"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
 
 
-def test_openai_logprobs_are_what_vllm_run_batch_writes(tmp_path, smollm2):  # noqa: F811
+def test_openai_logprobs_are_what_vllm_run_batch_writes(tmp_path, smollm2):
     reqs = [
         _request(0, smollm2, logprobs=True),
         _request(1, smollm2, logprobs=True, top_logprobs=3),

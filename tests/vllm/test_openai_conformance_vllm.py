@@ -36,7 +36,6 @@ from airflow_provider_vllm.core.openai_output import error_line, response_line
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.worker.engine import sampling_params
 from airflow_provider_vllm.worker.prompts import PromptBuilder
-from tests.vllm.test_worker_vllm import tiny_model  # noqa: F401
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -243,7 +242,7 @@ def vllm_side():
 
 
 @pytest.fixture(scope="module")
-def ours(tiny_model):  # noqa: F811
+def ours(tiny_model):
     from transformers import AutoTokenizer
 
     spec = JobSpec.load(

@@ -29,7 +29,7 @@ from airflow_provider_vllm.steps.qa.stage import qa_run
 from airflow_provider_vllm.worker.task import ShardTask, worker_command
 from tests.support.ledger import record_fault
 from tests.support.reconcile import reconcile
-from tests.vllm.test_worker_vllm import ENV, manifest, run_worker, smollm2, tiny_model  # noqa: F401
+from tests.vllm.test_worker_vllm import ENV, manifest, run_worker
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -104,7 +104,7 @@ def _independent(out: Path, tickets: Path, golden: Path):
     return [truth[i] for i in ids], [pred.get(i) or NO_ANSWER for i in ids]
 
 
-def test_quality_on_real_vllm_equals_scikit_learn_gates_and_reports_a_drop(tmp_path, smollm2):  # noqa: F811
+def test_quality_on_real_vllm_equals_scikit_learn_gates_and_reports_a_drop(tmp_path, smollm2):
     tickets, golden = _data(tmp_path)
     spec1 = _spec(smollm2, tmp_path, "night1", SYSTEM_PROMPT, None)
     plan, r1 = _night(spec1)
@@ -140,7 +140,7 @@ def test_quality_on_real_vllm_equals_scikit_learn_gates_and_reports_a_drop(tmp_p
 
 
 @pytest.mark.reliability
-def test_a_golden_worker_killed_mid_chunk_reconciles(tmp_path, tiny_model):  # noqa: F811
+def test_a_golden_worker_killed_mid_chunk_reconciles(tmp_path, tiny_model):
     from sample_tickets import write_tickets
 
     paths = write_tickets(tmp_path / "in", 40, seed=5)
