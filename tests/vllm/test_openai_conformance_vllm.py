@@ -119,10 +119,10 @@ CORPUS: list[tuple[str, Any]] = [
     ("messages-not-list", line({"messages": "hello"})),
     ("content-number", line({"messages": [{"role": "user", "content": 5}]})),
     ("top-logprobs-50", line({"logprobs": True, "top_logprobs": 50})),
+    ("logprobs", line({"logprobs": True, "top_logprobs": 2})),  # both run it (results' logprobs column)
     ("n-0", line({"n": 0})),
     # vLLM runs these; this worker refuses them (DELIBERATE)
     ("n-2", line({"n": 2})),
-    ("logprobs", line({"logprobs": True, "top_logprobs": 2})),
     ("tools", line({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]})),
     ("response-format-json", line({"response_format": {"type": "json_object"}})),
     ("logit-bias", line({"logit_bias": {"5": 10}})),
@@ -138,7 +138,6 @@ CORPUS: list[tuple[str, Any]] = [
 
 DELIBERATE = {
     "n-2": "one completion per request line (send one request per completion)",
-    "logprobs": "log probabilities are not written to the output",
     "tools": "tool calling is not supported",
     "response-format-json": "structured output is the job spec's (sampling.structured), not a row's",
     "logit-bias": "logit_bias is not supported",
