@@ -17,12 +17,9 @@ fds 1 and 2, so their output passes through it too. ``drain()`` lets it finish b
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import re
-import struct
-import termios
 import threading
 import time
 from collections.abc import Mapping
@@ -94,6 +91,9 @@ class _RedactingFactory:
 # ---- file-descriptor level ----------------------------------------------------------------
 _PUMPS: list[_Pump] = []
 _MAX_PENDING = 1 << 16  # a line longer than this is passed on in pieces
+# settle()'s marker: written into the pipe (one write, atomic), never passed on; once the pump reaches
+# it, everything written before it has been passed on (a pipe keeps order)
+_SETTLE = b"\x00\x1evllm-batch-settle\x1e\x00"
 
 
 class _Pump:
@@ -108,6 +108,7 @@ class _Pump:
         os.close(w)
         self.r = r
         self.busy = False
+        self.reached = threading.Event()  # the pump passed a settle marker
         self.thread = threading.Thread(target=self._run, name=f"vllm-batch-redact-fd{fd}", daemon=True)
         self.thread.start()
 
@@ -135,6 +136,10 @@ class _Pump:
                 break
             self.busy = True
             pending += data
+            if _SETTLE in pending:  # pass on all before it (a partial line too), drop it, signal
+                before, _, pending = pending.rpartition(_SETTLE)
+                self._write(self.redact(before.replace(_SETTLE, b"")))
+                self.reached.set()
             cut = max(pending.rfind(b"\n"), pending.rfind(b"\r"))
             if cut < 0 and len(pending) < _MAX_PENDING:
                 self.busy = False
@@ -145,13 +150,17 @@ class _Pump:
             self.busy = False
         self._write(self.redact(pending))
 
-    def settled(self) -> bool:
-        """Nothing waits in the pipe and nothing read is still being written."""
+    def settle(self, timeout: float) -> bool:
+        """Write a marker into the pipe and wait (bounded) until the pump has passed on everything before it.
+
+        (An empty pipe is not enough: the pump may have read the last bytes and not yet written them.)
+        """
+        self.reached.clear()
         try:
-            waiting = struct.unpack("i", fcntl.ioctl(self.r, termios.FIONREAD, b"\0\0\0\0"))[0]
+            os.write(self.fd, _SETTLE)
         except OSError:
             return True
-        return waiting == 0 and not self.busy
+        return self.reached.wait(timeout)
 
     def close(self, timeout: float) -> None:
         """Stop writing into the pipe (fd -> /dev/null) and let the thread pass on what is left."""
@@ -179,11 +188,11 @@ def guard_streams(secrets: list[str] | None = None) -> bool:
 def settle(timeout: float = 10.0) -> None:
     """Wait (bounded) until what was written so far has been passed on: before a deliberate SIGKILL
     of this process (the fault harness), which would lose what still sits in the pipes. Returns as soon
-    as the pipes are empty; the bound is generous for a loaded machine, where the pump thread waits
-    for the GIL behind the engine's threads."""
+    as each pump has passed its settle marker; the bound is generous for a loaded machine, where the
+    pump thread waits for the GIL behind the engine's threads."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and not all(p.settled() for p in _PUMPS):
-        time.sleep(0.005)
+    for p in _PUMPS:
+        p.settle(max(0.0, deadline - time.monotonic()))
 
 
 def drain(timeout: float = 5.0) -> None:

@@ -66,3 +66,35 @@ def test_worker_cli_never_prints_a_secret_from_its_environment(allowed):
     assert "model.name" in p.stdout + p.stderr and "***" in p.stderr
     assert token not in p.stdout + p.stderr
     record_malicious("secret_in_param_logged", 1, 1)
+
+
+KILL_AFTER_SETTLE = r"""
+import os, signal, sys, threading
+from airflow_provider_vllm.worker import redact
+redact.guard_streams(["s3cr3t-Tok-9f8e7d6c"])
+def hog():  # a thread that keeps the GIL busy, as the engine's threads do
+    x = 0
+    while True:
+        x += 1
+threading.Thread(target=hog, daemon=True).start()
+for i in range(200):
+    sys.stderr.write(f"line {i} s3cr3t-Tok-9f8e7d6c\n")
+sys.stderr.write("the last line before the kill")  # no newline: a partial line is passed on too
+sys.stderr.flush()
+redact.settle()
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_settle_passes_on_everything_written_before_a_sigkill(tmp_path):
+    """The fault harness's SIGKILL comes right after settle(): every byte written before it reaches the log,
+    redacted, even while another thread holds the GIL (an empty pipe is not enough: the pump may hold the
+    last bytes it read)."""
+    for n in range(10):
+        err = tmp_path / f"{n}.err"
+        with open(err, "w") as e:
+            p = subprocess.run([sys.executable, "-c", KILL_AFTER_SETTLE], stderr=e, cwd=ROOT, timeout=60)
+        assert p.returncode == -9
+        text = err.read_text()
+        assert text.endswith("the last line before the kill"), (n, text[-200:])
+        assert "line 199 ***" in text and "s3cr3t" not in text
