@@ -270,6 +270,8 @@ def _synth_chunk(ids, rng, labels_arr, prov: dict, prompt_hashes=None):
             pa.array(prompt_hashes, pa.int64()) if prompt_hashes is not None else pa.nulls(n, pa.int64())
         )
         cols["logprobs"] = pa.nulls(n, pa.string())
+    for f in ROW_SCHEMA:  # any other column (e.g. ``adapter``: the base model answered) is null
+        cols.setdefault(f.name, pa.nulls(n, f.type))
     return pa.Table.from_arrays([cols[f.name] for f in ROW_SCHEMA], schema=ROW_SCHEMA)
 
 
