@@ -176,7 +176,7 @@ def _run_shard(
     telemetry = ShardTelemetry(spec, shard.shard_id, attempt, done_rows, task.progress_interval_s)
     if todo:
         with _beating(watchdog), local_adapters(spec, plan) as adapter_paths:
-            if factory is _default_engine:
+            if factory is _default_engine and adapter_paths:  # without adapters: the factory as it was
                 factory = functools.partial(_default_engine, adapters=adapter_paths)
             engine = GuardedEngine(
                 start_limits(spec, store.engine_limits()),
