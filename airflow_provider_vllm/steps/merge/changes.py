@@ -105,7 +105,9 @@ def _results_relation(out: Storage, kind: str, merged: MergeSummary) -> str:
     return f"read_parquet({duck.file_list(out, verified_parts(out, kind, merged))})"
 
 
-def _side(out: Storage, col: str, merged: MergeSummary, con: duckdb.DuckDBPyConnection) -> str:
+def _side(
+    out: Storage, col: str, merged: MergeSummary, con: duckdb.DuckDBPyConnection, results: str | None = None
+) -> str:
     """One run's rows as (id, st 'ok'|'error', v the compared value, h a vector's hash, code the error code,
     cfg the config hash that made the answer, ph its request's prompt hash; null in runs written before it)."""
     if col == "embedding":
@@ -115,7 +117,7 @@ def _side(out: Storage, col: str, merged: MergeSummary, con: duckdb.DuckDBPyConn
         v, h = "coalesce(label, CAST(scores AS VARCHAR))", "NULL::UBIGINT"
     else:
         v, h = f"{col}", "NULL::UBIGINT"
-    results = _results_relation(out, RESULTS, merged)
+    results = results or _results_relation(out, RESULTS, merged)  # each part hashed once per run read
     have = {r[0] for r in con.execute(f"DESCRIBE SELECT * FROM {results}").fetchall()}
     ph = "prompt_hash" if "prompt_hash" in have else "NULL::BIGINT"
     return (
@@ -157,7 +159,7 @@ def _previous_state(prev: Storage, where: str, keyring: Keyring) -> tuple[str, M
     return ("incomplete" if prev.exists("_plan.json") else "absent"), None
 
 
-def _check_foreign(spec: JobSpec, prev: Storage, merged: MergeSummary, con, col: str) -> None:
+def _check_foreign(spec: JobSpec, merged: MergeSummary, con, col: str, results: str) -> None:
     """Refuse a previous run of another task or id column (SpecError naming changes.previous_uri)."""
     where = f"changes.previous_uri {spec.changes.previous_uri!r}"
     if merged.task is not None and merged.task != spec.task:
@@ -175,9 +177,7 @@ def _check_foreign(spec: JobSpec, prev: Storage, merged: MergeSummary, con, col:
         "embedding" if col == "embedding" else ("coalesce(label, CAST(scores AS VARCHAR))" if col == "label" else col)
     )
     try:
-        ok, with_value = con.execute(
-            f"SELECT count(*), count({value}) FROM {_results_relation(prev, RESULTS, merged)}"
-        ).fetchall()[0]
+        ok, with_value = con.execute(f"SELECT count(*), count({value}) FROM {results}").fetchall()[0]
     except (duckdb.BinderException, duckdb.InvalidInputException) as e:  # a file of another schema
         raise SpecError(
             f"{where}: its results cannot be read as this job's ({type(e).__name__}: {str(e).splitlines()[0]})"
@@ -215,8 +215,9 @@ def compute_changes(
             con.execute(f"SET temp_directory = '{tmp.replace(chr(39), chr(39) * 2)}/spill'")
             if prev_merged is not None:
                 try:
-                    _check_foreign(spec, prev, prev_merged, con, col)
-                    old = _side(prev, col, prev_merged, con)
+                    prev_results = _results_relation(prev, RESULTS, prev_merged)  # its parts checked once
+                    _check_foreign(spec, prev_merged, con, col, prev_results)
+                    old = _side(prev, col, prev_merged, con, prev_results)
                 except CommitError as e:  # a name in its manifests leaves the run, or is a glob
                     raise CommitError(
                         f"changes.previous_uri {spec.changes.previous_uri!r}: refusing the previous run: {e}"
