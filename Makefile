@@ -47,9 +47,12 @@ $(STAMP): requirements/bootstrap.txt $(LOCKS) setup.cfg
 # Every pytest run ends with its 15 slowest tests (setup, call and teardown each), so a slow new
 # test shows up in the run that adds it.
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider --durations=15
+# `make test` runs on TEST_PROCESSES processes (pytest-xdist); tests/conftest.py says what shares a process.
+TEST_PROCESSES ?= 2
+XDIST := -n $(TEST_PROCESSES) --dist loadgroup --no-loadscope-reorder
 
 test: venv chromium
-	$(PYTEST) --timeout=1200
+	$(PYTEST) --timeout=1200 $(XDIST)
 
 test-ui: venv chromium
 	$(PYTEST) --timeout=1200 -m ui tests/ui

@@ -15,6 +15,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# vLLM's engine in the process that made it (vLLM's own switch; on the CPU build it also keeps the executor
+# in process): an engine start costs one `import vllm` instead of three (vLLM's CPU platform spawns its engine
+# core and that one spawns its worker, each importing vLLM again), ~15 s instead of ~45 s here. Every process
+# a test starts inherits it (workers, `airflow dags test`, airflow standalone). Tests of what the worker does
+# with vLLM's own processes (an engine core that dies, kill -9 and SIGTERM of the task, OOM rebuilds, what
+# the engine core logs) set ENGINE_PROCESSES, the production layout; `VLLM_ENABLE_V1_MULTIPROCESSING=1 make
+# test` runs the whole suite so.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+ENGINE_PROCESSES = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
 
 
 def _minilm_prefixes() -> list[str]:
@@ -96,6 +105,11 @@ def set_faults():
 
 
 TIERS = ("unit", "s3", "vllm", "airflow", "ui")  # also the run order: cheapest first, the browser last
+# With pytest-xdist (`make test`: two processes), what each process takes first: the longest work first, so that
+# the many short unit tests fill the end of both processes' queues instead of one long test trailing alone.
+XDIST_ORDER = ("ui", "vllm", "airflow", "s3", "unit")
+# Session fixtures too costly to build once per process: the tests that use one stay on one process.
+SHARED_SESSION = ("airflow_ui", "tiny_run", "raw_smollm2")
 
 
 def _tier(item) -> str | None:
@@ -103,12 +117,55 @@ def _tier(item) -> str | None:
     return parts[0] if parts and parts[0] in TIERS else None
 
 
+def _fixture_scopes(item) -> dict[str, str]:
+    info = getattr(item, "_fixtureinfo", None)
+    defs = getattr(info, "name2fixturedefs", {}) if info is not None else {}
+    return {name: fds[-1].scope for name, fds in defs.items() if fds}
+
+
+def xdist_group(item) -> str | None:
+    """The group a test shares one process with under ``pytest -n N --dist loadgroup`` (None: any process).
+
+    * ``browser``: every test with a sync Playwright browser (the ui tier and the report page's unit tests):
+      a second sync Playwright in a process whose session-wide one runs fails ("Sync API inside the
+      asyncio loop"), so they share one process, the unit ones first (``_xdist_rank``);
+    * the name of an expensive shared session fixture (``SHARED_SESSION``) the test uses;
+    * the module, for a test with module- or class-scoped fixtures (built once, used by its neighbours);
+    * None otherwise: the test goes to whichever process is free."""
+    scopes = _fixture_scopes(item)
+    if "browser" in scopes or _tier(item) == "ui":
+        return "browser"
+    for name in SHARED_SESSION:
+        if name in scopes:
+            return name
+    if any(scope in ("module", "class", "package") for scope in scopes.values()):
+        return item.nodeid.split("::", 1)[0]
+    return None
+
+
+def _xdist_rank(item) -> int:
+    return XDIST_ORDER.index("ui" if xdist_group(item) == "browser" else _tier(item) or "unit")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the xdist_group marks set here
 def pytest_collection_modifyitems(config, items):
     """Mark every test with its tier, the folder under tests/ it lives in (``-m unit``, ``-m s3`` ...), and
     run the tiers in ``TIERS`` order. The ui tier goes last: its session-wide Playwright would make any
-    later sync Playwright (tests/unit/steps/qa/test_html.py) fail with "Sync API inside the asyncio loop"."""
+    later sync Playwright (tests/unit/steps/qa/test_html.py) fail with "Sync API inside the asyncio loop".
+
+    Under pytest-xdist (``-n``) each test also gets its ``xdist_group`` (``--dist loadgroup`` keeps a group on
+    one process) and the order is ``XDIST_ORDER``, which ``--no-loadscope-reorder`` keeps as the order the
+    groups are handed out in; within the browser group the unit tests come first."""
+    xdist = bool(getattr(config.option, "numprocesses", None)) or hasattr(config, "workerinput")
     for item in items:
         tier = _tier(item)
         if tier is not None:
             item.add_marker(getattr(pytest.mark, tier))
-    items.sort(key=lambda item: TIERS.index(_tier(item) or "unit"))  # stable: file order within a tier
+        if xdist:
+            group = xdist_group(item)
+            if group is not None:
+                item.add_marker(pytest.mark.xdist_group(name=group))
+    if xdist:
+        items.sort(key=lambda item: (_xdist_rank(item), TIERS.index(_tier(item) or "unit")))
+    else:
+        items.sort(key=lambda item: TIERS.index(_tier(item) or "unit"))  # stable: file order within a tier
