@@ -234,6 +234,11 @@ class MergeSummary(RowCounts):
     golden: GoldenSummary | None = Field(
         None, description="the golden rows that rode along (qa.reference.ride_along_uri), published under golden/"
     )
+    adapters: dict[str, str] | None = Field(
+        None,
+        description="the job's LoRA adapters as the sealed plan found them: name -> identity (sha256:<hex> of its "
+        "files, or <hub repo>@<commit>); absent without adapters and in summaries written before it was recorded",
+    )
     plan_mac: str | None = Field(None, description="the seal of the plan the run was merged under (its mac)")
     seal: Seal | None = Field(None, description="the merge's seal (core/seal.py, domain merged, scope the run)")
 

@@ -209,6 +209,7 @@ def merge(
         id_column=spec.prompt.id_column,
         **({"cache": cache_summary} if cache_summary is not None else {}),
         **({"golden": golden} if golden is not None else {}),
+        **({"adapters": {a.name: a.identity() for a in plan.adapters}} if plan.adapters else {}),
     )
     summary = seals.seal_record(
         keyring, seals.MERGED, seals.scope_of(out.uri()), summary.model_copy(update={"plan_mac": plan.seal.mac})

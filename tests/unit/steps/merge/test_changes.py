@@ -39,13 +39,23 @@ def write_run(
     config_hash: str = "c",
     hashes: dict[str, int] | None = None,
     configs: dict[str, str] | None = None,
+    adapter_of: dict[str, str] | None = None,
+    adapters: dict[str, str] | None = None,
 ) -> Path:
     """A merged run under ``out``: ``ok`` id -> value of ``col``, ``errors`` id -> error code; ``hashes``:
-    id -> prompt_hash, ``configs``: id -> config_hash (default ``config_hash``)."""
+    id -> prompt_hash, ``configs``: id -> config_hash (default ``config_hash``), ``adapter_of``: id -> the LoRA
+    adapter the row ran with, ``adapters``: the summary's adapter name -> identity."""
     errors = errors or {}
-    hashes, configs = hashes or {}, configs or {}
+    hashes, configs, adapter_of = hashes or {}, configs or {}, adapter_of or {}
     rows = [
-        {"id": i, col: v, "model": "fake", "config_hash": configs.get(i, config_hash), "prompt_hash": hashes.get(i)}
+        {
+            "id": i,
+            col: v,
+            "model": "fake",
+            "config_hash": configs.get(i, config_hash),
+            "prompt_hash": hashes.get(i),
+            "adapter": adapter_of.get(i),
+        }
         for i, v in ok.items()
     ]
     write_merged_folder(out, RESULTS, pa.Table.from_pylist(rows, schema=RESULT_SCHEMA))
@@ -58,6 +68,8 @@ def write_run(
     )
     summary = merge_summary(len(ok) + len(errors), len(ok), len(errors))
     summary = summary.model_copy(update={"config_hash": config_hash, "task": task, "id_column": id_column})
+    if adapters is not None:
+        summary = summary.model_copy(update={"adapters": adapters})
     write_merged_summary(out, summary)
     return out
 
@@ -396,6 +408,34 @@ def test_a_changed_answer_says_why_it_moved(tmp_path, spec_for):
     }
     assert summary.reasons == {"settings": 1, "input": 1, "unified": 1, "engine": 1, "unknown": 1}
     assert ChangesSummary.model_validate_json((tmp_path / "now" / SUMMARY).read_text()).reasons == summary.reasons
+
+
+def test_an_adapter_with_other_files_moves_its_rows_for_the_settings(tmp_path, spec_for):
+    """The config hash names adapters by name and source, so new weights in the same folder keep it: the rows
+    that ran with that adapter moved for the settings (as with another model revision), named in the notes;
+    rows of the base model or of an unchanged adapter keep their reasons."""
+    answers = {"b": "bug", "r": "bug", "m": "bug", "x": "bug"}
+    hashes = {"b": 1, "r": 2, "m": 3, "x": 4}
+    ran = {"b": "billing", "r": "refunds", "x": "billing"}
+    write_run(tmp_path / "prev", answers, hashes=hashes, adapter_of=ran, adapters={"billing": "s:1", "refunds": "s:2"})
+    write_run(
+        tmp_path / "now",
+        dict.fromkeys(answers, "billing"),
+        hashes={**hashes, "x": 44},  # x: another request (its text was edited) with the changed adapter
+        adapter_of=ran,
+        adapters={"billing": "s:9", "refunds": "s:2"},
+    )
+    summary = compute_changes(spec_for(tmp_path / "prev"))
+    got = {i: r["reason"] for i, r in changes_of(tmp_path / "now").items()}
+    assert got == {"b": "settings", "r": "engine", "m": "engine", "x": "settings"}
+    assert summary.reasons == {"settings": 2, "input": 0, "unified": 0, "engine": 2, "unknown": 0}
+    assert any("billing (s:1 -> s:9)" in n for n in summary.notes)
+
+    # a previous run whose summary did not record its adapters' identities: their rows' reason is unknown
+    write_run(tmp_path / "older", answers, hashes=hashes, adapter_of=ran)
+    summary = compute_changes(spec_for(tmp_path / "older"))
+    got = {i: r["reason"] for i, r in changes_of(tmp_path / "now").items()}
+    assert got == {"b": "unknown", "r": "unknown", "m": "engine", "x": "unknown"}
 
 
 def test_answers_without_a_prompt_hash_compare_with_reason_unknown(tmp_path, spec_for):
