@@ -285,6 +285,12 @@ class ThroughputRecord(Record):
     prompt_tokens: int = Field(0, description="prompt tokens inferred")
     completion_tokens: int = Field(0, description="completion tokens generated")
     engine_start_s: float | None = Field(None, description="median engine start, seconds")
+    engine_start_warm_s: float | None = Field(
+        None, description="median start of the shards that restored a shared compile cache (compile_cache 'warm')"
+    )
+    engine_start_cold_s: float | None = Field(
+        None, description="median start of the shards that found none and compiled (compile_cache 'cold')"
+    )
     rows_per_s: float = Field(description="rows / infer_s")
     tokens_per_s: float = Field(description="(prompt + completion tokens) / infer_s")
     prompt_tokens_per_row: float = Field(description="prompt tokens per row")
