@@ -3,7 +3,8 @@
 # shard pods' engine start with and without the shared compile cache, and batch-invariant execution's cost.
 #   bash benchmarks/h200/warm_start.sh warm [PODS]       pods in sequence, default empty,populated,off,populated
 #   bash benchmarks/h200/warm_start.sh invariance [ROWS] 16,000 classify rows with and without batch_invariant
-# Run from the folder holding airflow_provider_vllm/ and benchmarks/ (the package under test).
+# Lives in a folder holding airflow_provider_vllm/ and benchmarks/ of the commit under test (carried to the device,
+# e.g. .gpu-wt/), with an optional COMMIT file naming that commit for the JSON lines; docs/BENCHMARKS.md section 11.
 set -u
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} VLLM_ALLREDUCE_USE_SYMM_MEM=0
