@@ -421,7 +421,8 @@ class ShardingSpec(_Model):
         gt=0,
         le=24 * 60,
         description="Minutes per shard when sizing from history (engine start + inference); default: "
-        "long enough that the recorded engine start is <= 10% of a shard's time (at least 5 minutes).",
+        "long enough that the expected engine start (warm when the pods share a compile cache, else cold; "
+        "docs/sizing.md) is <= 10% of a shard's time (at least 5 minutes).",
     )
     hardware: str | None = Field(
         None,
