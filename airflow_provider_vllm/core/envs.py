@@ -102,6 +102,13 @@ PARENT_PID = _var(
 LOCK_DIR = _var(
     "VLLM_BATCH_LOCK_DIR", None, "folder of the host-local shard locks (unset: $TMPDIR/vllm-batch-locks-$UID)", "worker"
 )
+ADAPTER_DIR = _var(
+    "VLLM_BATCH_ADAPTER_DIR",
+    None,
+    "folder the worker copies the job's local and object store LoRA adapters into (unset: the system's temp "
+    "folder; pods: the /cache emptyDir, as large as adapters may be)",
+    "worker",
+)
 LOCK_WAIT_S = _var(
     "VLLM_BATCH_LOCK_WAIT_S",
     "600",

@@ -57,6 +57,7 @@ BASE_ENV = {
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
     "HF_HOME": f"{CACHE_DIR}/huggingface",
+    "VLLM_BATCH_ADAPTER_DIR": f"{CACHE_DIR}/adapters",  # LoRA adapters may be larger than /tmp's 4Gi
     "VLLM_CACHE_ROOT": f"{CACHE_DIR}/vllm",
     "XDG_CACHE_HOME": CACHE_DIR,
     "TRITON_CACHE_DIR": f"{CACHE_DIR}/triton",

@@ -242,3 +242,38 @@ def test_new_weights_for_an_adapter_miss_the_cache_and_move_its_rows_for_the_set
     got = {r["id"]: (r["change"], r["reason"]) for r in pq.read_table(tmp_path / "out-b" / CHANGES).to_pylist()}
     assert got == {i: ("changed", "settings") if i in billing else ("unchanged", None) for i, _, _ in rows}
     assert summary.reasons["settings"] == len(billing) and any("billing (sha256:" in n for n in summary.notes)
+
+
+def test_adapter_copies_go_where_the_deployment_says_and_are_removed_after(
+    tmp_path, adapters, monkeypatch, fake_engine_factory
+):
+    """VLLM_BATCH_ADAPTER_DIR (a pod: /cache/adapters, the large emptyDir, not the 4Gi /tmp) holds the copies
+    vLLM loads, each in a private folder removed when the shard ends."""
+    import contextlib
+
+    import airflow_provider_vllm.worker.shard as shard_module
+
+    root = tmp_path / "copies"
+    monkeypatch.setenv("VLLM_BATCH_ADAPTER_DIR", str(root))
+    given = {}
+    real = shard_module.local_adapters
+
+    @contextlib.contextmanager
+    def watched(spec, plan):
+        with real(spec, plan) as paths:
+            given.update(paths)
+            assert all((Path(p) / "adapter_config.json").is_file() for p in paths.values())  # there while it runs
+            yield paths
+
+    monkeypatch.setattr(shard_module, "local_adapters", watched)
+    write_rows(tmp_path / "in-a.parquet", [("b", "t", "billing"), ("r", "t", "refunds")])
+    _, res, _ = run(adapter_spec(tmp_path, adapters), fake_engine_factory)
+    assert set(res) == {"b", "r"} and set(given) == {"billing", "refunds"}
+    assert all(Path(p).resolve().is_relative_to(root.resolve()) for p in given.values())
+    assert (root.stat().st_mode & 0o777) == 0o700 and list(root.iterdir()) == []
+
+
+def test_the_pod_puts_adapter_copies_on_the_cache_volume():
+    from airflow_provider_vllm.utils.pod_spec import BASE_ENV, CACHE_DIR
+
+    assert BASE_ENV["VLLM_BATCH_ADAPTER_DIR"].startswith(CACHE_DIR + "/")
