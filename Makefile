@@ -58,7 +58,7 @@ test-ui: venv chromium
 	$(PYTEST) --timeout=1200 -m ui tests/ui
 
 test-unit test-s3 test-vllm test-airflow: test-%: venv
-	$(PYTEST) --timeout=1200 tests/$*
+	$(PYTEST) --timeout=1200 $(XDIST) tests/$*
 
 # The pod side (core/, worker/) is type-checked; the import contracts live in pyproject.toml.
 lint: venv
@@ -77,7 +77,7 @@ chromium:
 	  "(apt-get install -y chromium); tests/ui needs it" >&2; exit 1; }
 
 test-fast: venv
-	$(PYTEST) --timeout=1200 -m "not vllm"
+	$(PYTEST) --timeout=1200 $(XDIST) -m "not vllm"
 
 bench: venv
 	$(PY) benchmarks/bench_dataplane.py
