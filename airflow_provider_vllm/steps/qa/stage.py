@@ -73,7 +73,7 @@ def qa_run(
     try:
         # Only what QA reads; vectors are replaced by a presence marker (10M x 384 floats would not fit).
         con.execute(
-            f"CREATE TEMP VIEW r AS SELECT id, output, label, valid, "
+            f"CREATE TEMP VIEW r AS SELECT id, output, label, parsed_json, valid, "
             f"CASE WHEN embedding IS NULL THEN NULL ELSE []::FLOAT[] END AS embedding, scores, finish_reason, "
             f"prompt_tokens, completion_tokens, truncated, latency_ms, model, model_revision, shard_id, "
             f"confidence, prompt_hash "
