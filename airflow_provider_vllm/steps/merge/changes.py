@@ -99,20 +99,29 @@ def compared_column(spec: JobSpec) -> str:
     return "output"
 
 
-def _results_relation(out: Storage, kind: str, merged: MergeSummary) -> str:
+def _results_relation(out: Storage, kind: str, merged: MergeSummary, verified: list[str] | None = None) -> str:
     """SQL for a merged run's ``results`` or ``errors`` rows: the one place that knows the file layout.
 
-    Only parts the run's sealed ``_MERGED.json`` names, each checked (size and sha256) before it is read.
+    Only parts the run's sealed ``_MERGED.json`` names, each checked (size and sha256) before it is read;
+    ``verified``: those parts when the caller has just checked them (``verified_parts``), not hashed again.
     """
-    return f"read_parquet({duck.file_list(out, verified_parts(out, kind, merged))})"
+    parts = verified if verified is not None else verified_parts(out, kind, merged)
+    return f"read_parquet({duck.file_list(out, parts)})"
 
 
 def _side(
-    out: Storage, col: str, merged: MergeSummary, con: duckdb.DuckDBPyConnection, results: str | None = None
+    out: Storage,
+    col: str,
+    merged: MergeSummary,
+    con: duckdb.DuckDBPyConnection,
+    results: str | None = None,
+    verified: dict[str, list[str]] | None = None,
 ) -> str:
     """One run's rows as (id, st 'ok'|'error', v the compared value, h a vector's hash, code the error code,
     cfg the config hash that made the answer, ph its request's prompt hash, ad the LoRA adapter it ran with;
-    ph and ad null in runs written before them)."""
+    ph and ad null in runs written before them).
+    ``verified``: the run's parts per kind as ``verified_parts`` returned them (else they are checked here)."""
+    verified = verified or {}
     if col == "embedding":
         v, h = "NULL::VARCHAR", "hash(embedding)"
     elif col == "label":
@@ -120,14 +129,14 @@ def _side(
         v, h = "coalesce(label, CAST(scores AS VARCHAR))", "NULL::UBIGINT"
     else:
         v, h = f"{col}", "NULL::UBIGINT"
-    results = results or _results_relation(out, RESULTS, merged)  # each part hashed once per run read
+    results = results or _results_relation(out, RESULTS, merged, verified.get(RESULTS))  # each part hashed once
     have = {r[0] for r in con.execute(f"DESCRIBE SELECT * FROM {results}").fetchall()}
     ph = "prompt_hash" if "prompt_hash" in have else "NULL::BIGINT"
     ad = "adapter" if "adapter" in have else "NULL::VARCHAR"
     return (
         f"SELECT id, 'ok' AS st, {v} AS v, {h} AS h, NULL::VARCHAR AS code, config_hash AS cfg, {ph} AS ph, "
         f"{ad} AS ad FROM {results} UNION ALL SELECT id, 'error', NULL, NULL, error_code, config_hash, NULL, NULL "
-        f"FROM {_results_relation(out, ERRORS, merged)}"
+        f"FROM {_results_relation(out, ERRORS, merged, verified.get(ERRORS))}"
     )
 
 
@@ -208,13 +217,19 @@ def _check_foreign(spec: JobSpec, merged: MergeSummary, con, col: str, results: 
 
 
 def compute_changes(
-    spec: JobSpec, filesystems: FileSystems | None = None, memory_limit: str = "1GB", keyring: Keyring | None = None
+    spec: JobSpec,
+    filesystems: FileSystems | None = None,
+    memory_limit: str = "1GB",
+    keyring: Keyring | None = None,
+    verified: tuple[MergeSummary, dict[str, list[str]]] | None = None,
 ) -> ChangesSummary:
     """Write ``changes/changes.parquet`` and ``changes/_changes.json`` for a merged run; return the summary.
 
     Needs this run's ``_MERGED.json`` and ``changes.previous_uri`` set. Raises SpecError for a
     previous run of another task / id column, CommitError for one whose manifests name files
-    outside it; a missing or incomplete one is not an error.
+    outside it; a missing or incomplete one is not an error. ``verified``: this run's sealed merge summary
+    (``read_merged``) and its parts per kind as ``verified_parts`` returned them, when the caller (QA) has
+    just checked them: they are read as they are, not hashed again; else both are read and checked here.
     """
     if not spec.changes.previous_uri:
         raise SpecError("changes.previous_uri is not set: nothing to compare against")
@@ -223,7 +238,7 @@ def compute_changes(
     if prev.uri().rstrip("/") == out.uri().rstrip("/"):
         raise SpecError(f"changes.previous_uri {spec.changes.previous_uri!r} is this run's own output prefix")
     keyring = keyring or Keyring.from_env()
-    merged = read_merged(out, keyring)
+    merged, parts = verified if verified is not None else (read_merged(out, keyring), None)
     col = compared_column(spec)
     state, prev_merged = _previous_state(prev, f"changes.previous_uri {spec.changes.previous_uri!r}", keyring)
     notes: list[str] = []
@@ -261,6 +276,7 @@ def compute_changes(
                 f"CREATE TEMP TABLE prev_inconsistent AS SELECT ph FROM ({old}) WHERE st = 'ok' AND ph IS NOT NULL "
                 f"GROUP BY ph HAVING min({vv}) <> max({vv})"
             )
+            new = _side(out, col, merged, con, verified=parts)
             change = (
                 f"CASE WHEN n.id IS NULL THEN 'removed' WHEN n.st = 'error' THEN 'error' WHEN o.id IS NULL THEN "
                 f"'added' WHEN o.st = 'error' THEN 'recovered' WHEN {cmp} THEN 'unchanged' ELSE 'changed' END"
@@ -270,7 +286,7 @@ def compute_changes(
                 f"o.st AS old_status, n.st AS new_status, {values}"
                 f"o.code AS old_error_code, n.code AS new_error_code, "
                 f"CASE WHEN {change} = 'changed' THEN {_REASON} END AS reason "
-                f"FROM ({old}) o FULL OUTER JOIN ({_side(out, col, merged, con)}) n ON o.id = n.id ORDER BY 1) "
+                f"FROM ({old}) o FULL OUTER JOIN ({new}) n ON o.id = n.id ORDER BY 1) "
                 f"TO '{local.replace(chr(39), chr(39) * 2)}' (FORMAT parquet, COMPRESSION zstd)"
             ).fetchall()
             src = f"read_parquet('{local.replace(chr(39), chr(39) * 2)}')"

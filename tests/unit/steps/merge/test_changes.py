@@ -21,7 +21,7 @@ from airflow_provider_vllm.core.records import ChangesSummary, MergeSummary
 from airflow_provider_vllm.core.rows import ERROR_SCHEMA, RESULT_SCHEMA
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.steps.merge.changes import CHANGES, SUMMARY, compared_column, compute_changes, read_changes
-from airflow_provider_vllm.steps.merge.merger import ERRORS, MERGED, RESULTS
+from airflow_provider_vllm.steps.merge.merger import ERRORS, MERGED, RESULTS, read_manifest
 from tests.support.data import LABELS, make_spec, merge_summary, write_merged_folder, write_merged_summary
 from tests.support.ledger import record_fault
 
@@ -381,6 +381,56 @@ def test_qa_of_a_second_run_reports_exactly_the_moved_labels(tmp_path, fake_engi
     assert "What changed since the last run" in html and 'data-chart="churn"' in html
     stored = json.loads((tmp_path / "d2" / "out" / "qa" / "report.json").read_text())
     assert stored["metrics"]["changes"] == ch
+
+
+def test_qa_with_the_changes_reads_each_part_of_its_run_once(tmp_path, fake_engine_factory, monkeypatch):
+    """QA checks this run's parts (size and sha256) and hands them to the change set, which does not hash them
+    again; the previous run's parts are checked once too. The change set equals one computed on its own."""
+    from airflow_provider_vllm.steps.merge.merger import merge
+    from airflow_provider_vllm.steps.plan.planner import plan_job
+    from airflow_provider_vllm.steps.qa import stage
+    from airflow_provider_vllm.worker.shard import run_shard
+    from airflow_provider_vllm.worker.task import ShardTask
+    from tests.support.data import write_parquet
+
+    def run(name, previous):
+        ids = [f"t{i:03d}" for i in range(40)]
+        write_parquet(tmp_path / name / "in.parquet", ids, [f"ticket {i} {name}" for i in ids])
+        spec = make_spec(
+            tmp_path / name / "in.parquet",
+            tmp_path / name / "out",
+            sharding={"target_rows": 10},
+            changes={"previous_uri": previous},
+        )
+        for s in plan_job(spec).shards:
+            run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+        merge(spec)
+        return spec
+
+    run("d1", None)
+    spec = run("d2", str(tmp_path / "d1" / "out"))
+    alone = compute_changes(spec)
+    hashed: list[str] = []
+    real = Storage.sha256
+
+    def spy(self, rel):
+        if rel.startswith(("results/part-", "errors/part-")):
+            hashed.append(self.uri(rel))
+        return real(self, rel)
+
+    monkeypatch.setattr(Storage, "sha256", spy)
+    report, _ = stage.qa_run(spec)
+    parts = [
+        Storage(str(tmp_path / d / "out")).uri(f"{kind}/{p.name}")
+        for d in ("d1", "d2")
+        for kind in (RESULTS, ERRORS)
+        for p in read_manifest(Storage(str(tmp_path / d / "out")), kind).parts
+    ]
+    assert len(parts) > 8 and sorted(hashed) == sorted(parts)  # each part of both runs, once
+    assert read_changes(Storage(str(tmp_path / "d2" / "out"))).model_dump(exclude={"seal"}) == alone.model_dump(
+        exclude={"seal"}
+    )
+    assert report.metrics["changes"]["counts"] == alone.counts.model_dump()
 
 
 def test_a_changed_answer_says_why_it_moved(tmp_path, spec_for):
