@@ -121,8 +121,12 @@ SAME_PROCESS = {
         "tests/vllm/test_redaction.py",
     ),
 }
-GROUP_FIXTURES = {"browser": "browser", "airflow_ui": "browser", "tiny_run": "shared_vllm_runs"}
-GROUP_FIXTURES["raw_smollm2"] = "shared_vllm_runs"
+GROUP_FIXTURES = {
+    "browser": "browser",
+    "airflow_ui": "browser",
+    "tiny_run": "shared_vllm_runs",
+    "raw_smollm2": "shared_vllm_runs",
+}
 
 
 def _tier(item) -> str | None:
