@@ -107,7 +107,7 @@ UV_COMPILE = UV_CUSTOM_COMPILE_COMMAND="make lock" UV_PYTHON_DOWNLOADS=never $(L
 	--excludes requirements/excludes.txt $(LOCK_ARGS)
 
 lock: $(LOCK_VENV)/bin/uv
-	$(UV_COMPILE) setup.cfg --extra s3 --extra gcs --extra openlineage requirements/airflow.in -o requirements/airflow.txt
+	$(UV_COMPILE) setup.cfg --extra s3 --extra gcs --extra openlineage --extra iceberg requirements/airflow.in -o requirements/airflow.txt
 	torch=$$($(LOCK_VENV)/bin/python scripts/torch_source.py uv --index '$(TORCH_INDEX)') && \
 	$(UV_COMPILE) $$torch requirements/engine.in -o requirements/engine.txt && \
 	$(UV_COMPILE) $$torch setup.cfg --extra test requirements/test.in -o requirements/test.txt
