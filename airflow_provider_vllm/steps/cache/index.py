@@ -29,6 +29,8 @@ def key_matrix(keys: pa.Array | pa.ChunkedArray) -> np.ndarray:
     ValueError for a NULL or any other value (another length, a character that is not hex).
     """
     arr = keys.combine_chunks() if isinstance(keys, pa.ChunkedArray) else keys
+    if str(arr.type) in ("string_view", "binary_view"):  # what a DuckDB set to produce views hands over
+        arr = arr.cast(pa.large_string() if str(arr.type) == "string_view" else pa.large_binary())
     n = len(arr)
     if arr.null_count:
         raise ValueError(f"{arr.null_count} cache key(s) are NULL")

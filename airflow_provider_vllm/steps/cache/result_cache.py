@@ -65,6 +65,7 @@ log = logging.getLogger(__name__)
 
 CACHE_DIR = "_cache"  # under the run's output prefix
 SHARD_INPUTS = f"{CACHE_DIR}/shard-inputs"  # one input file per shard: its miss rows
+PLAN_MEMORY_LIMIT = "512MB"  # DuckDB's share of the plan's memory with the cache (docs/cache.md: at most 2 GiB)
 ENTRY_SCHEMA = pa.schema(  # rows sorted by key; entries of the previous version hold the key as 64 hex characters
     [pa.field("key", pa.binary(), nullable=False), pa.field("source_id", pa.string())]
     + [RESULT_SCHEMA.field(c) for c in ANSWER_COLUMNS]
@@ -123,7 +124,8 @@ def _prepare(
         parts += mine
         keys += got
     index = build_index(keys, entry_meta(parts)) if parts else None
-    con = duck.connect(found.root)
+    # DuckDB streams the keys pass and joins only the misses here; the index and the hits are Python's memory
+    con = duck.connect(found.root, memory_limit=PLAN_MEMORY_LIMIT)
     files = duck.file_list(found.root, found.names)
     types = column_types(con, f"read_parquet({files})", spec)  # SpecError for a column the key cannot encode
     return _Prepared(con, khash, cfg, commits, parts, index, types)

@@ -39,6 +39,8 @@ def test_binary_hex_and_fixed_width_keys_give_the_same_bytes():
         pa.array([k.hex() for k in keys]),  # the previous format: 64 hex characters
         pa.array([k.hex() for k in keys], pa.large_string()),
         pa.chunked_array([pa.array(keys[:20]), pa.array(keys[20:])]),
+        pa.array(keys, pa.binary_view()),
+        pa.array([k.hex() for k in keys], pa.string_view()),
     ):
         assert np.array_equal(key_matrix(arr), want), arr.type
     sliced = pa.array(keys, pa.binary()).slice(7, 11)  # an array that starts inside its buffers
