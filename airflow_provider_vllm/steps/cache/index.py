@@ -19,6 +19,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from airflow_provider_vllm.core import duck
+
 log = logging.getLogger(__name__)
 
 KEY_BYTES = 32
@@ -147,10 +149,7 @@ def build_index(keys: Sequence[np.ndarray], newest: Newest) -> KeyIndex:
             file_of = np.searchsorted(starts, g_rows, side="right") - 1
             computed, source = newest(file_of, g_rows - starts[file_of])
             # latest computed_at first, then the smallest source_id; NULLs last
-            ca = np.array([c or "" for c in computed], dtype=object)
-            sid = np.array([s if s is not None else "\uffff" for s in source], dtype=object)
-            ca_rank = np.unique(ca, return_inverse=True)[1]
-            sid_rank = np.unique(sid, return_inverse=True)[1]
+            ca_rank, sid_rank = _ranks(computed, null_first=True), _ranks(source, null_first=False)
             g = group[in_dup]
             rank = np.lexsort((sid_rank, -ca_rank, g))
             winner = np.ones(len(rank), bool)
@@ -166,10 +165,16 @@ def build_index(keys: Sequence[np.ndarray], newest: Newest) -> KeyIndex:
     return KeyIndex(allkeys, first, rows, collisions)
 
 
+def _ranks(values: list[str | None], null_first: bool) -> np.ndarray:
+    """Each value's rank among ``values`` in text order; NULL below (``null_first``) or above every text."""
+    texts = sorted({v for v in values if v is not None})
+    rank = {v: i + 1 for i, v in enumerate(texts)}
+    null = 0 if null_first else len(texts) + 1
+    return np.array([rank[v] if v is not None else null for v in values], np.int64)
+
+
 def read_keys(path: str) -> np.ndarray:
     """The ``key`` column of a local entry part as an (n, 32) array (ValueError: not keys of either format)."""
-    from airflow_provider_vllm.core import duck
-
     con = duck.connect()
     try:  # DuckDB reads a binary column several times faster than pyarrow here
         chunks = con.sql(f"SELECT key FROM read_parquet({duck.local_list([path])})").to_arrow_table().column(0).chunks

@@ -5,14 +5,15 @@
   quantization, context length, task, the prompt and sampling sections, the engine seed and the
   output-changing ``engine_kwargs``, the engine identity); per row sha256 over that hash and each
   template column's DuckDB type and value text, length-prefixed (equal keys: identical prompts), in DuckDB.
-* Store (``CacheStore``): ``<cache.uri>/entries/<entry_id>/part-NNNNN.parquet`` and
-  ``<cache.uri>/commits/<entry_id>.json`` (``records.CacheCommit``), the marker written
-  create-only and last; readers read only files that a committed marker of this key config
-  names, with the size it records (and the sha256 on request). The newest commit wins a key.
-* Plan (``plan_cache``): one join of the input's keys against the committed entries; writes
-  ``_cache/hits-<sha16>.parquet`` (id + cached answer + cached_from) and
-  ``_cache/misses-<sha16>.parquet`` (the rows the shards infer, with their key), named by content
-  so that a plan killed or raced before its create-only ``_plan.json`` leaves only orphans.
+* Store (``CacheStore``): ``<cache.uri>/entries/<entry_id>/part-NNNNN.parquet`` (rows sorted by their 32-byte
+  key) and ``<cache.uri>/commits/<key_hash[:32]>/<entry_id>.json`` (``records.CacheCommit``, sealed), the marker
+  written create-only and last; readers read only verified copies of the files that a sealed marker of this key
+  config names. The answer computed last wins a key.
+* Plan (``plan_cache``): the input's keys looked up in an index of the verified entries' keys
+  (``index.py``, ``matching.py``: no join of answers); writes ``_cache/hits-<sha16>.parquet`` (id + cached
+  answer + cached_from, in the entries' order) and one input file per shard of the rows the shards infer,
+  with their key (``write_shard_inputs``), named by content so that a plan killed or raced before its
+  create-only ``_plan.json`` leaves only orphans.
 * Merge: before publishing, ``hits_part`` checks the plan's hits file against the sealed plan (it never
   opens the cache folder) and it is published as one more part of ``results/``; after publishing,
   ``append_results`` enters the cache folder once: the ok rows computed by this run become this run's

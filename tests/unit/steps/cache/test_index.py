@@ -119,11 +119,14 @@ def test_a_key_held_twice_answers_from_the_newest_then_the_smallest_source_id():
     assert index.lookup(rows("a", "b", "c", "d")).tolist() == [0, 3, 4, 5]
 
 
-def test_a_null_computed_at_loses(tmp_path):
+def test_a_null_computed_at_or_source_id_loses():
     index = build_index(
         [rows("k"), rows("k")],
         lambda f, r: ([None if int(x) == 0 else "2026-01-01T00:00:00+00:00" for x in f], ["a", "b"]),
     )
+    assert index.lookup(rows("k")).tolist() == [1]
+    at = "2026-01-01T00:00:00+00:00"
+    index = build_index([rows("k"), rows("k")], lambda f, r: ([at, at], [None, "\U0001f600"]))  # beyond U+FFFF
     assert index.lookup(rows("k")).tolist() == [1]
 
 
