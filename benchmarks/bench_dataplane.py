@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/bench_dataplane.py [--rows 10000000] [--workdir DIR]
                                                    [--repeat N] [--chunk-rows 50000]
                                                    [--stages plan,merge,qa,publish]
-                                                   [--profile [missed|all]]
+                                                   [--profile [missed|all]] [--passthrough]
 
 Sizes: 10M (default; goals GOALS) and 100M (``--rows 100000000``; goals GOALS_100M, issue 17:
 about 0.3 GB of input and 1.5 GB of run output on disk, ~2 min to generate and set up; the merged
@@ -24,6 +24,11 @@ folders are hard links to the committed parts, so merge adds no data on a local 
    labels for ids spread over the input (``qa.reference.golden_uri``), and the synthesised result
    rows carry a confidence (Beta(5, 2)) and the prompt hash of their text, so QA also scores the
    labelled rows, reports the confidence and checks the consistency of repeated prompts.
+``--passthrough``: the input has four more typed columns (``queue`` string with 5% nulls, ``opened`` a
+timestamp with a time zone, ``amount`` a decimal, ``tags`` a list of strings; its own folder,
+``input-<rows>-passthrough``), the spec passes them through (``io.passthrough``), and the synthesised
+chunks carry them as the workers write them (``ShardStore.write_chunk(..., passthrough=...)``).
+
 6. publish: the publish task's check before ``_SUCCESS.json``: the sealed ``_MERGED.json``, each
    manifest against it, every part's size and sha256 (a streaming read of all of results/ and errors/).
 
@@ -139,7 +144,31 @@ def _templates() -> tuple[list[str], list[str]]:
     return templates, details
 
 
-def generate_dataset(folder: Path, rows: int, seed: int = 7) -> dict:
+PASSTHROUGH = ["queue", "opened", "amount", "tags"]  # --passthrough: the input's extra columns, passed through
+QUEUES = ["billing", "tech", "accounts", "logistics", "refunds", "product", "trust", "general", "vip", "partners"]
+TAGS = ["urgent", "vip", "repeat", "mobile", "web", "eu", "us", "apac", "chargeback", "beta", "legacy", "api"]
+
+
+def passthrough_columns(first_row: int, n: int, rng) -> dict:
+    """The --passthrough input's extra columns for rows ``first_row`` .. ``first_row + n`` (vectorised)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    queue = pa.array(QUEUES).take(pa.array(rng.integers(0, len(QUEUES), n)))
+    queue = pc.if_else(pa.array(rng.random(n) < 0.05), pa.scalar(None, pa.string()), queue)
+    ms = 1_767_225_600_000 + (np.arange(first_row, first_row + n, dtype=np.int64) * 7_919) % 31_536_000_000
+    opened = pa.array(ms, pa.int64()).cast(pa.timestamp("ms", tz="America/New_York"))
+    cents = rng.integers(0, 10_000_000, n)
+    amount = pc.cast(pa.array(cents / 100.0), pa.decimal128(12, 2), safe=False)
+    lengths = rng.integers(0, 4, n)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    words = pa.array(TAGS).take(pa.array(rng.integers(0, len(TAGS), int(offsets[-1]))))
+    tags = pa.ListArray.from_arrays(pa.array(offsets), words)
+    return {"queue": queue, "opened": opened, "amount": amount, "tags": tags}
+
+
+def generate_dataset(folder: Path, rows: int, seed: int = 7, passthrough: bool = False) -> dict:
     import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -147,6 +176,8 @@ def generate_dataset(folder: Path, rows: int, seed: int = 7) -> dict:
 
     marker = folder / "_DATASET.json"  # '_' prefix: the planner ignores it
     want = {"rows": rows, "files": N_FILES, "row_group": ROW_GROUP, "seed": seed, "recipe": 1}
+    if passthrough:
+        want["passthrough"] = PASSTHROUGH
     if marker.exists() and json.loads(marker.read_text()) == want:
         return want
     if folder.exists():
@@ -155,6 +186,7 @@ def generate_dataset(folder: Path, rows: int, seed: int = 7) -> dict:
     templates, details = _templates()
     t_arr, d_arr = pa.array(templates), pa.array(details)
     rng = np.random.default_rng(seed)
+    extra_rng = np.random.default_rng(seed + 1)  # the extra columns' own draws: id and text stay as without them
     per_file = -(-rows // N_FILES)
     t0 = time.monotonic()
     for f in range(N_FILES):
@@ -165,9 +197,10 @@ def generate_dataset(folder: Path, rows: int, seed: int = 7) -> dict:
         # the same draws as one whole-file table (same bytes as before), written one row group
         # at a time so that 100M rows fit: only the small index arrays span the file
         t_idx, d_idx = rng.integers(0, len(templates), n), rng.integers(0, len(details), n)
-        with pq.ParquetWriter(
-            folder / f"part-{f:03d}.parquet", pa.schema({"id": pa.string(), "text": pa.string()}), compression="zstd"
-        ) as w:
+        schema = pa.schema({"id": pa.string(), "text": pa.string()})
+        if passthrough:
+            schema = pa.schema(list(schema) + list(pa.table(passthrough_columns(0, 1, extra_rng)).schema))
+        with pq.ParquetWriter(folder / f"part-{f:03d}.parquet", schema, compression="zstd") as w:
             for a in range(0, n, ROW_GROUP):
                 b = min(n, a + ROW_GROUP)
                 ids = pc.binary_join_element_wise(
@@ -178,7 +211,10 @@ def generate_dataset(folder: Path, rows: int, seed: int = 7) -> dict:
                 text = pc.binary_join_element_wise(
                     t_arr.take(pa.array(t_idx[a:b])), d_arr.take(pa.array(d_idx[a:b])), " "
                 )
-                w.write_table(pa.table({"id": ids, "text": text}), row_group_size=ROW_GROUP)
+                cols = {"id": ids, "text": text}
+                if passthrough:
+                    cols.update(passthrough_columns(lo + a, b - a, extra_rng))
+                w.write_table(pa.table(cols, schema=schema), row_group_size=ROW_GROUP)
     marker.write_text(json.dumps(want))
     print(f"generated {rows} rows in {N_FILES} files under {folder} in {time.monotonic() - t0:.1f}s", file=sys.stderr)
     return want
@@ -202,10 +238,13 @@ def golden_set(input_dir: Path, rows: int, n: int) -> Path:
     return path
 
 
-def bench_spec(input_dir: Path, run_dir: Path, chunk_rows: int, golden: Path | None = None):
+def bench_spec(input_dir: Path, run_dir: Path, chunk_rows: int, golden: Path | None = None, passthrough=False):
     from airflow_provider_vllm.core.spec import JobSpec
 
     qa = {"reference": {"golden_uri": str(golden)}} if golden is not None else {}
+    io = {"input_uri": str(input_dir), "output_uri": str(run_dir)}
+    if passthrough:
+        io["passthrough"] = PASSTHROUGH
     return JobSpec.load(
         {
             "qa": qa,
@@ -217,7 +256,7 @@ def bench_spec(input_dir: Path, run_dir: Path, chunk_rows: int, golden: Path | N
                 "system_prompt": "Classify the support ticket. Labels: " + ", ".join(LABELS) + ".",
             },
             "sampling": {"temperature": 0, "max_tokens": 8, "structured": {"choice": LABELS}},
-            "io": {"input_uri": str(input_dir), "output_uri": str(run_dir)},
+            "io": io,
             "sharding": {"target_rows": 100_000, "max_shards": 256, "chunk_rows": chunk_rows},
         }
     )
@@ -296,24 +335,34 @@ def synthesise_commits(spec, engine_identity: str | None = None) -> dict:
     labels_arr = pa.array(LABELS)
     id_cols: dict[tuple, pa.Array] = {}
     text_hash: dict[tuple, np.ndarray] = {}
+    carried = plan.passthrough.columns if plan.passthrough is not None else []
+    pt_tables: dict[tuple, pa.Table] = {}
     chunk_rows = spec.sharding.chunk_rows
     n_files = 0
     for shard in plan.shards:
         assert shard.bucket == "all"
         root, files = plan.shard_input(shard)  # the input, or with the result cache the shard's own file
         in_root = Storage(root, spec.io.storage_options)
-        parts, hash_parts = [], []
+        parts, hash_parts, pt_parts = [], [], []
         for seg in shard.segments:
             key = (root, files[seg.file].path)  # with the cache every shard's one file is file 0
             if key not in id_cols:
                 with in_root.open(files[seg.file].path) as fh:
-                    t = pq.read_table(fh, columns=[spec.prompt.id_column, "text"])
+                    t = pq.read_table(fh, columns=[spec.prompt.id_column, "text", *carried])
                 id_cols[key] = t.column(0).combine_chunks()
+                pt_tables[key] = t.select(carried)
                 # the rows' request hashes: equal texts, equal hashes (as the worker's prompt_hash)
                 text_hash[key] = pd.util.hash_array(t.column(1).to_numpy(zero_copy_only=False)).view(np.int64)
             parts.append(id_cols[key].slice(seg.start, seg.count))
             hash_parts.append(text_hash[key][seg.start : seg.start + seg.count])
+            pt_parts.append(pt_tables[key].slice(seg.start, seg.count))
         ids = pa.concat_arrays(parts)
+        # the shard's passthrough columns, named and typed as the plan says (worker/shard.py passthrough_table)
+        pt = (
+            pa.concat_tables(pt_parts).rename_columns(plan.passthrough.names).cast(plan.passthrough_schema())
+            if plan.passthrough is not None
+            else None
+        )
         hashes = np.concatenate(hash_parts)
         assert len(ids) == shard.rows
         attempt = f"abench-{shard.index:05d}"
@@ -332,7 +381,8 @@ def synthesise_commits(spec, engine_identity: str | None = None) -> dict:
             n = min(chunk_rows, shard.rows - first)
             table = _synth_chunk(ids.slice(first, n), rng, labels_arr, prov, hashes[first : first + n])
             meta = ChunkMeta(shard_id=shard.shard_id, chunk=k, first_row=first, rows=n, config_hash=plan.config_hash)
-            entries.append(store.write_chunk(attempt, meta, table))
+            chunk_pt = pt.slice(first, n).combine_chunks() if pt is not None else None
+            entries.append(store.write_chunk(attempt, meta, table, **({"passthrough": chunk_pt} if pt else {})))
             n_files += 1  # one chunk: its ok part and its errors part
         ptoks = shard.rows * 100
         infer_s = shard.rows / 14.0
@@ -450,7 +500,13 @@ def _install_sql_timers(log: list) -> None:
 
 # ---- child: one stage -------------------------------------------------------------------
 def child(
-    stage: str, input_dir: Path, run_dir: Path, chunk_rows: int, profile: str | None, golden_rows: int = 0
+    stage: str,
+    input_dir: Path,
+    run_dir: Path,
+    chunk_rows: int,
+    profile: str | None,
+    golden_rows: int = 0,
+    passthrough: bool = False,
 ) -> None:
     from airflow_provider_vllm.steps.merge.merger import merge
     from airflow_provider_vllm.steps.plan.planner import plan_job
@@ -459,7 +515,7 @@ def child(
     golden = (
         golden_set(input_dir, int(os.environ["BENCH_ROWS"]), golden_rows) if golden_rows and stage != "gen" else None
     )
-    spec = bench_spec(input_dir, run_dir, chunk_rows, golden)
+    spec = bench_spec(input_dir, run_dir, chunk_rows, golden, passthrough)
     rss_imports = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     sql_log: list = []
     if profile:
@@ -471,7 +527,7 @@ def child(
             plan = plan_job(spec)
             extra.update(shards=len(plan.shards), total_rows=plan.total_rows)
         elif stage == "gen":
-            extra.update(generate_dataset(input_dir, int(os.environ["BENCH_ROWS"])))
+            extra.update(generate_dataset(input_dir, int(os.environ["BENCH_ROWS"]), passthrough=passthrough))
         elif stage == "setup":
             extra.update(synthesise_commits(spec))
         elif stage == "merge":
@@ -550,6 +606,8 @@ def run_child(stage: str, args, input_dir: Path, run_dir: Path, profile: str | N
         cmd += ["--profile-out", profile]
     if args.golden_rows:
         cmd += ["--golden-rows", str(args.golden_rows)]
+    if args.passthrough:
+        cmd += ["--passthrough"]
     load = os.getloadavg()[0]
     stderr = None if profile or not quiet else subprocess.PIPE
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True)
@@ -625,17 +683,31 @@ def main() -> int:
         help="QA with known labels: a golden set of this many ids joined by id (qa.reference.golden_uri); "
         "the results then carry confidence and prompt hashes too (0: no labels)",
     )
+    ap.add_argument(
+        "--passthrough",
+        action="store_true",
+        help=f"the input has typed columns {PASSTHROUGH} more, passed through into results/ and errors/ "
+        "(io.passthrough; its own input folder)",
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--input-dir", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--run-dir", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--profile-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child(args.child, args.input_dir, args.run_dir, args.chunk_rows, args.profile_out, args.golden_rows)
+        child(
+            args.child,
+            args.input_dir,
+            args.run_dir,
+            args.chunk_rows,
+            args.profile_out,
+            args.golden_rows,
+            args.passthrough,
+        )
         return 0
 
     work = args.workdir.resolve()
-    input_dir = work / f"input-{args.rows}"
+    input_dir = work / f"input-{args.rows}{'-passthrough' if args.passthrough else ''}"
     # in a child: the parent stays small, since a child's ru_maxrss starts from its parent's RSS
     os.environ["BENCH_ROWS"] = str(args.rows)
     gen = run_child("gen", args, input_dir, work / "unused", quiet=False)
@@ -705,7 +777,8 @@ def main() -> int:
         )
 
     print(
-        f"\nbench_dataplane: {args.rows:,} rows, {n_shards} shards, chunk_rows {args.chunk_rows}, "
+        f"\nbench_dataplane: {args.rows:,} rows{' with passthrough columns' if args.passthrough else ''}, "
+        f"{n_shards} shards, chunk_rows {args.chunk_rows}, "
         f"{n_chunks if n_chunks is not None else 'reused'} chunk files, repeat {args.repeat}, "
         f"stages {','.join(measured)}"
     )
@@ -726,6 +799,7 @@ def main() -> int:
         "rows": args.rows,
         "chunk_rows": args.chunk_rows,
         "golden_rows": args.golden_rows,
+        "passthrough": PASSTHROUGH if args.passthrough else None,
         "repeat": args.repeat,
         "shards": n_shards,
         "chunk_files": n_chunks,

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -15,6 +16,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# vLLM's engine in the process that made it (vLLM's own switch; on the CPU build it also keeps the executor
+# in process): an engine start costs one `import vllm` instead of three (vLLM's CPU platform spawns its engine
+# core and that one spawns its worker, each importing vLLM again), ~15 s instead of ~45 s here. Every process
+# a test starts inherits it (workers, `airflow dags test`, airflow standalone). Tests of what the worker does
+# with vLLM's own processes (an engine core that dies, kill -9 and SIGTERM of the task, OOM rebuilds, what
+# the engine core logs) set ENGINE_PROCESSES, the production layout; `VLLM_ENABLE_V1_MULTIPROCESSING=1 make
+# test` runs the whole suite so.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+ENGINE_PROCESSES = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
 
 
 def _minilm_prefixes() -> list[str]:
@@ -96,6 +106,23 @@ def set_faults():
 
 
 TIERS = ("unit", "s3", "vllm", "airflow", "ui")  # also the run order: cheapest first, the browser last
+# With pytest-xdist (`make test TEST_PROCESSES=2`), what the processes take first: the longest work first, so that
+# the many short unit tests fill the end of both processes' queues instead of one long test trailing alone.
+XDIST_ORDER = ("ui", "vllm", "airflow", "s3", "unit")
+# Tests that must share one process under xdist, by file: the browser tests (a second sync Playwright in a
+# process whose session-wide one runs fails, "Sync API inside the asyncio loop"), and the tests of the shared
+# real-vLLM runs (session fixtures too costly to build once per process). Every other module is its own unit
+# (its module fixtures are built once). The fixtures that demand a group (checked at collection):
+SAME_PROCESS = {
+    "browser": ("tests/ui/", "tests/unit/steps/qa/test_html.py"),
+    "shared_vllm_runs": (
+        "tests/vllm/test_worker_vllm.py",
+        "tests/vllm/test_metrics_vllm.py",
+        "tests/vllm/test_redaction.py",
+    ),
+}
+GROUP_FIXTURES = {"browser": "browser", "airflow_ui": "browser", "tiny_run": "shared_vllm_runs"}
+GROUP_FIXTURES["raw_smollm2"] = "shared_vllm_runs"
 
 
 def _tier(item) -> str | None:
@@ -103,12 +130,63 @@ def _tier(item) -> str | None:
     return parts[0] if parts and parts[0] in TIERS else None
 
 
+def xdist_scope(nodeid: str) -> str:
+    """The unit of work one xdist process takes whole: the test's ``SAME_PROCESS`` group, else its module."""
+    path = nodeid.split("::", 1)[0]
+    for group, prefixes in SAME_PROCESS.items():
+        if path.startswith(prefixes):
+            return group
+    return path
+
+
+def _under_xdist(config) -> bool:
+    return bool(getattr(config.option, "numprocesses", None)) or hasattr(config, "workerinput")
+
+
+if importlib.util.find_spec("xdist") is not None:
+
+    def pytest_xdist_make_scheduler(config, log):
+        """Hand out work by ``xdist_scope`` (xdist's own ``xdist_group`` marks do nothing on pytest 9.2: they
+        rename ``item._nodeid``, which pytest no longer reads), in collection order (``--no-loadscope-reorder``)."""
+        from xdist.scheduler import LoadScopeScheduling
+
+        class ByScope(LoadScopeScheduling):
+            def _split_scope(self, nodeid: str) -> str:
+                return xdist_scope(nodeid)
+
+        return ByScope(config, log)
+
+
+def _check_groups(items) -> None:
+    """A test that uses a fixture demanding a group must live in a file of that group (else under xdist it would
+    build a second Airflow standalone or vLLM run, or break the browser tests)."""
+    wrong = []
+    for item in items:
+        names = set(getattr(getattr(item, "_fixtureinfo", None), "names_closure", ()) or ())
+        for fixture, group in GROUP_FIXTURES.items():
+            if fixture in names and xdist_scope(item.nodeid) != group:
+                wrong.append(f"{item.nodeid} uses {fixture!r}: list its file in SAME_PROCESS[{group!r}]")
+    if wrong:
+        raise pytest.UsageError("tests/conftest.py: " + "; ".join(wrong))
+
+
+def _xdist_rank(item) -> int:
+    return XDIST_ORDER.index("ui" if xdist_scope(item.nodeid) == "browser" else _tier(item) or "unit")
+
+
 def pytest_collection_modifyitems(config, items):
     """Mark every test with its tier, the folder under tests/ it lives in (``-m unit``, ``-m s3`` ...), and
     run the tiers in ``TIERS`` order. The ui tier goes last: its session-wide Playwright would make any
-    later sync Playwright (tests/unit/steps/qa/test_html.py) fail with "Sync API inside the asyncio loop"."""
+    later sync Playwright (tests/unit/steps/qa/test_html.py) fail with "Sync API inside the asyncio loop".
+
+    Under pytest-xdist (``-n``) the order is ``XDIST_ORDER``, the order ``pytest_xdist_make_scheduler`` hands
+    the scopes out in; within the browser group the unit tests come first."""
+    _check_groups(items)
     for item in items:
         tier = _tier(item)
         if tier is not None:
             item.add_marker(getattr(pytest.mark, tier))
-    items.sort(key=lambda item: TIERS.index(_tier(item) or "unit"))  # stable: file order within a tier
+    if _under_xdist(config):
+        items.sort(key=lambda item: (_xdist_rank(item), TIERS.index(_tier(item) or "unit")))
+    else:
+        items.sort(key=lambda item: TIERS.index(_tier(item) or "unit"))  # stable: file order within a tier

@@ -3,7 +3,7 @@
     airflow vllm-batch dry-run examples/job.yaml [--set io.input_uri=/data/in/] [--json]
     python -m airflow_provider_vllm.cli.dry_run examples/job.yaml [the same options]
         [--gpu-memory-gib 139.8] [--gpus N] [--model-config path/config.json] [--tokens-per-s N]
-        [--engine-start-s S] [--aws-conn-id ID] [--gcp-conn-id ID]
+        [--engine-start-s S] [--runner local|kubernetes] [--aws-conn-id ID] [--gcp-conn-id ID]
 
 Validates the spec and the input (the plan step's checks, nothing written), then prints rows,
 estimated prompt and output tokens, shards, estimated inference time and GPU-hours, and a GPU
@@ -77,6 +77,14 @@ ARGUMENTS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
     (("--model-config",), {"help": "the model's config.json when model.name is neither a folder nor cached"}),
     (("--tokens-per-s",), {"type": float, "help": "throughput without history (default: an assumed figure)"}),
     (("--engine-start-s",), {"type": float, "help": "engine start without history (default: an assumed figure)"}),
+    (
+        ("--runner",),
+        {
+            "choices": ["local", "kubernetes"],
+            "help": "the shards' runner: with kubernetes, the engine start counts the deployment's shared compile "
+            "cache (the vllm_batch kubernetes_compile_cache_pvc option): warm starts with it, cold without",
+        },
+    ),
     (("--json",), {"action": "store_true", "help": "print the report as JSON"}),
     # (no square brackets in help texts: Airflow's CLI renders them as markup)
     (
@@ -148,7 +156,7 @@ def airflow_command(args: argparse.Namespace) -> None:
 
 def _report(spec: Any, args: argparse.Namespace, cfg: dict | None, where: _Where) -> DryRunReport:
     from airflow_provider_vllm.hooks.filesystems import task_filesystems
-    from airflow_provider_vllm.steps.plan.dry_run import ASSUMED_ENGINE_START_S, ASSUMED_TOKENS_PER_S, dry_run_report
+    from airflow_provider_vllm.steps.plan.dry_run import ASSUMED_TOKENS_PER_S, dry_run_report
 
     where.filesystems = task_filesystems(args.aws_conn_id, args.gcp_conn_id)
     keyring = None
@@ -156,10 +164,16 @@ def _report(spec: Any, args: argparse.Namespace, cfg: dict | None, where: _Where
         from airflow_provider_vllm.utils.deployment import signing_keyring
 
         keyring = signing_keyring()
+    warm = None
+    if args.runner is not None:
+        from airflow_provider_vllm.utils.deployment import warm_starts
+
+        warm = warm_starts(spec, args.runner)
     return dry_run_report(
         spec,
         tokens_per_s=args.tokens_per_s if args.tokens_per_s is not None else ASSUMED_TOKENS_PER_S,
-        engine_start_s=args.engine_start_s if args.engine_start_s is not None else ASSUMED_ENGINE_START_S,
+        engine_start_s=args.engine_start_s,
+        warm_starts=warm,
         gpu_memory=args.gpu_memory_gib,
         model_config=cfg,
         gpus=args.gpus,

@@ -102,10 +102,8 @@ def _listing(st: Storage, a: AdapterSpec) -> list[str]:
     except NotADirectoryError:
         names = []
     if CONFIG_FILE not in names:
-        raise SpecError(
-            f"model.adapters[{a.name}]: {a.source} is not a LoRA adapter folder (no {CONFIG_FILE}; it holds "
-            f"{names[:5]})"
-        )
+        held = f"it holds {names[:5]}" if names else "it is missing or empty where this process looks"
+        raise SpecError(f"model.adapters[{a.name}]: {a.source} is not a LoRA adapter folder (no {CONFIG_FILE}; {held})")
     if len(names) > MAX_FILES:
         raise SpecError(f"model.adapters[{a.name}]: {a.source} holds {len(names)} files; an adapter has a few")
     return names

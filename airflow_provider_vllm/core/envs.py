@@ -102,6 +102,13 @@ PARENT_PID = _var(
 LOCK_DIR = _var(
     "VLLM_BATCH_LOCK_DIR", None, "folder of the host-local shard locks (unset: $TMPDIR/vllm-batch-locks-$UID)", "worker"
 )
+ADAPTER_DIR = _var(
+    "VLLM_BATCH_ADAPTER_DIR",
+    None,
+    "folder the worker copies the job's local and object store LoRA adapters into (unset: the system's temp "
+    "folder; pods: the /cache emptyDir, as large as adapters may be)",
+    "worker",
+)
 LOCK_WAIT_S = _var(
     "VLLM_BATCH_LOCK_WAIT_S",
     "600",
@@ -120,6 +127,28 @@ STORAGE_ATTEMPTS = _var(
 CUDA_VISIBLE_DEVICES = _var(
     "CUDA_VISIBLE_DEVICES", None, "GPU indices the worker may use (resource sampling only samples these)", "worker"
 )
+
+# ---- the shared compile cache (worker/compile_cache.py; off unless the deployment mounts one) -------
+COMPILE_CACHE = _var(
+    "VLLM_BATCH_COMPILE_CACHE",
+    None,
+    "folder shared by the shard pods where compile-cache snapshots are restored from and published to "
+    "(set by the Kubernetes runner from [vllm_batch] kubernetes_compile_cache_pvc; unset: none)",
+    "worker",
+)
+COMPILE_CACHE_PUBLISH = _var(
+    "VLLM_BATCH_COMPILE_CACHE_PUBLISH",
+    None,
+    "0: restore snapshots but never publish one (pods that may run code from the model repo)",
+    "worker",
+)
+VLLM_CACHE_ROOT = _var(
+    "VLLM_CACHE_ROOT", None, "vLLM's cache folder (torch.compile artefacts); the pod's private copy", "worker"
+)
+TORCHINDUCTOR_CACHE_DIR = _var(
+    "TORCHINDUCTOR_CACHE_DIR", None, "torch inductor's cache folder; the pod's private copy", "worker"
+)
+TRITON_CACHE_DIR = _var("TRITON_CACHE_DIR", None, "Triton's kernel cache folder; the pod's private copy", "worker")
 
 # ---- worker metrics (off unless a push gateway or textfile folder is named) ----------------------
 METRICS_PUSHGATEWAY = _var(

@@ -102,6 +102,12 @@ class Evidence(BaseModel):
     prompt_tokens_per_row: float = Field(description="prompt tokens per row")
     completion_tokens_per_row: float = Field(description="completion tokens per row")
     engine_start_s: float | None = Field(description="median engine start, seconds (None: not recorded)")
+    engine_start_warm_s: float | None = Field(
+        None, description="median start of shards that restored a shared compile cache (None: none recorded)"
+    )
+    engine_start_cold_s: float | None = Field(
+        None, description="median start of shards that compiled with a shared compile cache on (None: none recorded)"
+    )
 
     def rounded(self) -> Evidence:
         """The same evidence, floats rounded to 4 places (as the plan stores it)."""
@@ -118,6 +124,11 @@ class Sizing(BaseModel):
     target_s: float = Field(description="target seconds per shard, engine start included")
     est_infer_s: float = Field(description="estimated inference seconds of the whole job")
     engine_start_s: float = Field(description="engine start per shard, seconds")
+    engine_start_basis: str | None = Field(
+        None,
+        description="where engine_start_s comes from: history:warm / history:cold (the shards' starts with and "
+        "without a restored compile cache), history (all starts), assumed:warm / assumed:cold",
+    )
     evidence: Evidence = Field(description="the history it was sized from (floats rounded to 4 places)")
 
     def sharding_update(self) -> dict[str, Any]:

@@ -48,7 +48,8 @@ MERGED = "merged"
 SUCCESS = "success"
 CACHE_ENTRY = "cache-entry"
 CHANGES = "changes"
-DOMAINS = frozenset({PLAN, CHUNK, COMMIT, MERGED, SUCCESS, CACHE_ENTRY, CHANGES})
+COMPILE_CACHE = "compile-cache"
+DOMAINS = frozenset({PLAN, CHUNK, COMMIT, MERGED, SUCCESS, CACHE_ENTRY, CHANGES, COMPILE_CACHE})
 
 
 class Seal(BaseModel):

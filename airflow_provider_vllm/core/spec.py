@@ -72,7 +72,9 @@ class AdapterSpec(_Model):
         min_length=1,
         description="Where its files are (adapter_config.json and adapter_model.safetensors): a local folder "
         "(absolute path or file://), an object store folder (s3://, gs://) read with the deployment's "
-        "credentials, or a hub repo id (org/name) with revision.",
+        "credentials, or a hub repo id (org/name) with revision. Local and object store folders must lie under "
+        "[vllm_batch] allowed_uri_prefixes; the plan reads and fingerprints every byte of them (the Kubernetes "
+        "runner's pods read them at the same location: docs/kubernetes.md).",
     )
     revision: str | None = Field(
         None,
@@ -142,7 +144,8 @@ class ModelSpec(_Model):
         max_length=MAX_ADAPTERS,
         description="LoRA adapters rows may run with (chat and generate tasks); vLLM serves them on the one base "
         "model (enable_lora). The plan records each adapter's identity (a sha256 of every byte, or the hub "
-        "commit); the worker runs only those bytes.",
+        "commit); the worker runs only those bytes, the result cache keys them, and an adapter whose files "
+        "changed moves its rows' answers for the 'settings' in the change set.",
     )
     default_adapter: str | None = Field(
         None,
@@ -199,13 +202,16 @@ class EngineSpec(_Model):
     max_lora_rank: int | None = Field(
         None,
         description=f"With model.adapters: the largest adapter rank the engine reserves room for (vLLM's "
-        f"max_lora_rank, one of {list(LORA_RANKS)}); default: the smallest of those >= the adapters' largest rank.",
+        f"max_lora_rank, one of {list(LORA_RANKS)}); default: the smallest of those >= the adapters' largest rank. "
+        "Below an adapter's rank: refused. The dry run's memory plan counts max_loras slots of this rank.",
     )
     max_loras: int | None = Field(
         None,
         ge=1,
         le=MAX_ADAPTERS,
-        description="With model.adapters: adapters in one engine batch (vLLM's max_loras); default: all of them.",
+        description="With model.adapters: adapters in one engine batch (vLLM's max_loras); default: all of them "
+        "(every adapter stays loaded in CPU memory either way). On vLLM's CPU build the worker adds one spare slot "
+        "and refuses a value below the number of adapters.",
     )
     cpu_kvcache_space_gb: int | None = Field(
         None, gt=0, description="CPU build only: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)."
@@ -371,7 +377,8 @@ class IOSpec(_Model):
         description="Parquet input: input columns copied into every row of results/ and errors/ with their "
         "own types (timestamps, decimals, nested lists ...), after the result columns; 'all': every input "
         "column but prompt.id_column (the row's id). The workers carry them from the rows they read (merge "
-        "reads no input); the result cache never stores them.",
+        "reads no input and still publishes by reference); the result cache never stores them (a hit gets this "
+        "run's values); golden rows, OpenAI batch output lines and changes/ do not carry them.",
     )
     passthrough_prefix: str = Field(
         "",
@@ -414,7 +421,8 @@ class ShardingSpec(_Model):
         gt=0,
         le=24 * 60,
         description="Minutes per shard when sizing from history (engine start + inference); default: "
-        "long enough that the recorded engine start is <= 10% of a shard's time (at least 5 minutes).",
+        "long enough that the expected engine start (warm when the pods share a compile cache, else cold; "
+        "docs/sizing.md) is <= 10% of a shard's time (at least 5 minutes).",
     )
     hardware: str | None = Field(
         None,

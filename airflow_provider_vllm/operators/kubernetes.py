@@ -29,6 +29,7 @@ from airflow_provider_vllm.core.spec_guard import DEPLOYMENT_OWNED
 from airflow_provider_vllm.utils import provenance
 from airflow_provider_vllm.utils.deployment import (
     check_spec_allowed,
+    compile_cache_pvc,
     kubernetes_signing_secret,
     signing_keyring,
     variables_may_set_deployment_settings,
@@ -190,10 +191,11 @@ class VllmKubernetesShardOperator(KubernetesPodOperator):
         """Set the pod's fields from the shard spec (idempotent); fails without retry on bad input."""
         spec = load_spec(self.spec, "shard")
         prefixes = check_spec_allowed(spec, f"shard {self.shard_id}")  # before any pod spec exists
+        claim = compile_cache_pvc()  # the deployment's alone: never the spec, a Variable or a trigger
         try:
             task = ShardTask(spec=spec, shard_id=self.shard_id, progress_interval_s=self.progress_interval_s)
             settings = self.settings(spec)
-            parts = pod_parts(spec, settings, task.shard_id)
+            parts = pod_parts(spec, settings, task.shard_id, claim)
         except (SpecError, ValueError) as e:
             raise AirflowFailException(f"shard {self.shard_id!r}: {e}") from None
         argv = worker_command(task, python=WORKER_PYTHON)

@@ -21,6 +21,7 @@ from airflow_provider_vllm.utils.deployment import (
     check_spec_allowed,
     signing_keyring,
     variables_may_set_deployment_settings,
+    warm_starts,
 )
 from airflow_provider_vllm.utils.engine_identity import shard_engine_identity
 from airflow_provider_vllm.utils.job_spec import (
@@ -179,6 +180,7 @@ class VllmPlanOperator(BaseOperator):
                 max_shards=max_map_length(),
                 engine_identity=identity,
                 keyring=keyring,
+                warm_starts=warm_starts(spec, runner),
             )
         self.log.info(
             "planned %d rows (%d invalid lines) into %d shard(s), ~%d prompt tokens; plan at %s/_plan.json",
@@ -229,6 +231,7 @@ class VllmPlanOperator(BaseOperator):
                 filesystems=self.filesystems(),
                 engine_identity=self.engine_identity(spec, check_runner(self.runner)),
                 keyring=signing_keyring() if spec.cache.uri else None,
+                warm_starts=warm_starts(spec, check_runner(self.runner)),
             )
         for line in format_report(report).splitlines():
             self.log.info("%s", line)

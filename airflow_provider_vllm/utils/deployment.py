@@ -18,12 +18,14 @@ in ``get_provider_info()``):
 * ``signing_key``: the key(s) the pipeline seals what it trusts with (``core/seal.py``); required.
 * ``kubernetes_signing_secret``: ``<secret>:<key>`` holding that key for the shard pods.
 * ``cache_uri_prefixes``: where result caches may live (empty: no cache).
+* ``kubernetes_compile_cache_pvc``: the claim the shard pods share compile caches on (empty: none).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 
 from airflow.sdk.exceptions import AirflowFailException
 
@@ -38,11 +40,17 @@ from airflow_provider_vllm.core.allow_list import (
 from airflow_provider_vllm.core.errors import SpecError
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
-from airflow_provider_vllm.core.spec_guard import check_deployment, check_remote_code
+from airflow_provider_vllm.core.spec_guard import check_deployment, check_remote_code, code_loading_options
 from airflow_provider_vllm.provider import ALLOW_ANY_LOCATION as ALLOW_ANY_OPTION
 from airflow_provider_vllm.provider import ALLOW_REMOTE_CODE as REMOTE_CODE_OPTION
 from airflow_provider_vllm.provider import ALLOWED_URI_PREFIXES as CONFIG_OPTION
-from airflow_provider_vllm.provider import CACHE_URI_PREFIXES, CONFIG_SECTION, KUBERNETES_SIGNING_SECRET, setting
+from airflow_provider_vllm.provider import (
+    CACHE_URI_PREFIXES,
+    CONFIG_SECTION,
+    KUBERNETES_COMPILE_CACHE_PVC,
+    KUBERNETES_SIGNING_SECRET,
+    setting,
+)
 from airflow_provider_vllm.provider import DEPLOYMENT_SETTINGS_FROM_VARIABLES as VARIABLES_OPTION
 from airflow_provider_vllm.provider import KUBERNETES_DEFAULTS as KUBERNETES_OPTION
 from airflow_provider_vllm.provider import SIGNING_KEY as SIGNING_OPTION
@@ -129,6 +137,35 @@ def cache_prefixes() -> list[str]:
         return canonical_prefixes(parse_prefixes(_get(CACHE_URI_PREFIXES)))
     except SpecError as e:
         raise AirflowFailException(f"{setting(CACHE_URI_PREFIXES)} is malformed: {e}") from None
+
+
+_CLAIM_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+
+
+def compile_cache_pvc() -> str | None:
+    """``[vllm_batch] kubernetes_compile_cache_pvc``: the claim the shard pods share compile caches on (None: none,
+    every pod compiles from scratch); fails the task (no retry) when it is not a claim name."""
+    raw = _get(KUBERNETES_COMPILE_CACHE_PVC).strip()
+    if not raw:
+        return None
+    if not _CLAIM_NAME.match(raw):
+        raise AirflowFailException(
+            f"{setting(KUBERNETES_COMPILE_CACHE_PVC)}={raw!r} is not a PersistentVolumeClaim name (lowercase letters, "
+            "digits, '-' and '.')"
+        )
+    return raw
+
+
+def warm_starts(spec: JobSpec, runner: str) -> bool | None:
+    """Whether the shards of ``runner`` start from a shared compile cache, for sizing's engine start estimate.
+
+    None for the local runner (the machine's own caches: unknown); for the Kubernetes runner True with
+    ``[vllm_batch] kubernetes_compile_cache_pvc``, unless the job may run code from the model repo (its pods
+    mount the cache read-only and never publish, so every one of them compiles), else False.
+    """
+    if runner != "kubernetes":
+        return None
+    return compile_cache_pvc() is not None and not code_loading_options(spec)
 
 
 NO_ALLOW_LIST = (

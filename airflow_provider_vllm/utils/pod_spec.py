@@ -8,6 +8,13 @@ uid/gid, no privilege escalation, every capability dropped, seccomp RuntimeDefau
 namespaces, ports or paths, no service-account token. Writable places are ``emptyDir``s:
 ``/tmp``, ``/cache`` (HF, vLLM, Triton and torch caches) and ``/dev/shm`` (memory medium).
 
+Warm starts: with the deployment's compile-cache claim (``[vllm_batch] kubernetes_compile_cache_pvc``,
+never a job's or a trigger's choice, never a hostPath) the pod also mounts that claim at
+``/compile-cache`` and names it in ``VLLM_BATCH_COMPILE_CACHE``: the worker restores its key's
+snapshot into ``/cache`` before vLLM starts and publishes one after a cold start
+(``worker/compile_cache.py``, docs/adr/0008-shared-compile-cache.md). A job that may run code from
+the model repo (``spec_guard.code_loading_options``) mounts it read-only and never publishes.
+
 GPUs: ``tensor_parallel_size * pipeline_parallel_size`` of ``settings.gpu_resource`` (one
 engine per pod; ``settings.gpus`` may only say 0, a CPU pod, or the same count). NVLink
 multicast (NVLS) stays off in every pod: on a shared host it can take GPUs out of service for
@@ -29,6 +36,7 @@ from airflow_provider_vllm import __version__
 from airflow_provider_vllm.core.errors import SpecError
 from airflow_provider_vllm.core.pod_settings import DEFAULT_IMAGE, KubernetesSettings
 from airflow_provider_vllm.core.spec import JobSpec
+from airflow_provider_vllm.core.spec_guard import code_loading_options
 
 WORKER_PYTHON = "python3"
 """The interpreter on the worker image's PATH (argv[0] of ``worker_command`` in the pod)."""
@@ -37,6 +45,8 @@ KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 ADAPTERS_ANNOTATION = "vllm-batch/adapters"  # the job's LoRA adapters, name -> source[@commit]
 XCOM_DIR = "/airflow/xcom"
 CACHE_DIR = "/cache"
+COMPILE_CACHE_DIR = "/compile-cache"
+COMPILE_CACHE_VOLUME = "compile-cache"
 GiB = 1024**3
 
 # Always set in the worker container; settings.env cannot change them.
@@ -47,6 +57,7 @@ BASE_ENV = {
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
     "HF_HOME": f"{CACHE_DIR}/huggingface",
+    "VLLM_BATCH_ADAPTER_DIR": f"{CACHE_DIR}/adapters",  # LoRA adapters may be larger than /tmp's 4Gi
     "VLLM_CACHE_ROOT": f"{CACHE_DIR}/vllm",
     "XDG_CACHE_HOME": CACHE_DIR,
     "TRITON_CACHE_DIR": f"{CACHE_DIR}/triton",
@@ -54,6 +65,9 @@ BASE_ENV = {
     "VLLM_BATCH_XCOM_DIR": XCOM_DIR,
     **NVLS_OFF,
 }
+# Set by the deployment's compile-cache claim alone; settings.env cannot set them (a job must not point the
+# worker at a folder of compiled code of its choosing).
+COMPILE_CACHE_ENV = ("VLLM_BATCH_COMPILE_CACHE", "VLLM_BATCH_COMPILE_CACHE_PUBLISH")
 
 
 def gpu_count(spec: JobSpec, settings: KubernetesSettings) -> int:
@@ -197,11 +211,35 @@ def volumes(settings: KubernetesSettings, shm: int) -> tuple[list[k8s.V1Volume],
     return vols, mounts
 
 
+def compile_cache(spec: JobSpec, claim: str | None) -> tuple[list[k8s.V1Volume], list[k8s.V1VolumeMount], dict]:
+    """The deployment's compile-cache claim as the pod's volume, mount and env (nothing without a claim).
+
+    Read-only, and the worker told not to publish, for a job that may run code from the model repo: code
+    the deployment allowed for one job must not land in artefacts that other jobs' pods execute.
+    """
+    if not claim:
+        return [], [], {}
+    read_only = bool(code_loading_options(spec))
+    vol = k8s.V1Volume(
+        name=COMPILE_CACHE_VOLUME,
+        persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(claim_name=claim, read_only=read_only),
+    )
+    mount = k8s.V1VolumeMount(name=COMPILE_CACHE_VOLUME, mount_path=COMPILE_CACHE_DIR, read_only=read_only)
+    env = {COMPILE_CACHE_ENV[0]: COMPILE_CACHE_DIR, **({COMPILE_CACHE_ENV[1]: "0"} if read_only else {})}
+    return [vol], [mount], env
+
+
 def environment(settings: KubernetesSettings) -> tuple[list[k8s.V1EnvVar], list[k8s.V1EnvFromSource]]:
     """Literal env (no secrets) + Secret references; NVLS stays off whatever ``settings.env`` says."""
     clash = sorted(set(settings.env) & set(NVLS_OFF))
     if clash:
         raise SpecError(f"kubernetes.env cannot change {clash}: NVLink multicast stays off on shared hosts")
+    reserved = sorted(set(settings.env) & set(COMPILE_CACHE_ENV))
+    if reserved:
+        raise SpecError(
+            f"kubernetes.env cannot set {reserved}: the shared compile cache is the deployment's "
+            "([vllm_batch] kubernetes_compile_cache_pvc)"
+        )
     env = dict(BASE_ENV)
     if settings.model_cache_pvc:
         env["HF_HUB_CACHE"] = f"{settings.model_cache_path.rstrip('/')}/hub"
@@ -252,13 +290,21 @@ def label_value(value: str) -> str:
     return re.sub(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$", "", v)
 
 
-def pod_parts(spec: JobSpec, settings: KubernetesSettings, shard_id: str) -> PodParts:
-    """The pod for one shard of ``spec``; raises SpecError naming the setting that is wrong."""
+def pod_parts(
+    spec: JobSpec, settings: KubernetesSettings, shard_id: str, compile_cache_pvc: str | None = None
+) -> PodParts:
+    """The pod for one shard of ``spec``; raises SpecError naming the setting that is wrong.
+
+    ``compile_cache_pvc``: the deployment's compile-cache claim (``[vllm_batch] kubernetes_compile_cache_pvc``).
+    """
     check_no_credentials_in_spec(spec)
     gpus = gpu_count(spec, settings)
     shm = shm_bytes(settings, gpus)
     vols, mounts = volumes(settings, shm)
     env, env_from = environment(settings)
+    cc_vols, cc_mounts, cc_env = compile_cache(spec, compile_cache_pvc)
+    vols, mounts = vols + cc_vols, mounts + cc_mounts
+    env += [k8s.V1EnvVar(name=k, value=v) for k, v in cc_env.items()]
     labels = {
         "app.kubernetes.io/name": "airflow-provider-vllm",
         "app.kubernetes.io/component": "shard-worker",

@@ -1,6 +1,8 @@
 """The job's LoRA adapters on the worker: the folders vLLM loads them from, each one the plan's.
 
-Local and object store adapters are copied into a private temporary folder and used only when the
+Local and object store adapters are copied into a private temporary folder (under
+``VLLM_BATCH_ADAPTER_DIR`` when set: pods set the ``/cache`` emptyDir, since an adapter may be larger than
+``/tmp``) and used only when the
 copy's fingerprint is the one the sealed plan recorded (``core.adapters.fetch_adapter``): a file changed
 or swapped after the plan fails the shard (terminal) instead of answering under the planned identity.
 Hub adapters are fetched at their pinned commit (``huggingface_hub.snapshot_download``, which reads the
@@ -16,6 +18,7 @@ import os
 import tempfile
 from collections.abc import Iterator
 
+from airflow_provider_vllm.core import envs
 from airflow_provider_vllm.core.adapters import check_refs, fetch_adapter
 from airflow_provider_vllm.core.errors import SpecError, TransientError
 from airflow_provider_vllm.core.plan import Plan
@@ -31,7 +34,10 @@ def local_adapters(spec: JobSpec, plan: Plan) -> Iterator[dict[str, str]]:
         yield {}
         return
     refs = check_refs(spec, plan.adapters)
-    with tempfile.TemporaryDirectory(prefix="vllm-batch-adapters-") as tmp:
+    root = envs.ADAPTER_DIR.get()  # in a pod: the large /cache emptyDir, not the small /tmp
+    if root:
+        os.makedirs(root, mode=0o700, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="vllm-batch-adapters-", dir=root or None) as tmp:
         paths: dict[str, str] = {}
         for i, a in enumerate(spec.model.adapters):
             if a.kind == "hub":

@@ -24,7 +24,7 @@ def hardware_id(tensor_parallel_size: int = 1) -> str:
     gpu = _gpu_name()
     if gpu:
         return f"{tensor_parallel_size}x {gpu}"
-    return f"cpu:{_cpu_name()}:{os.cpu_count() or 1}"
+    return f"cpu:{cpu_name()}:{os.cpu_count() or 1}"
 
 
 def _gpu_name() -> str | None:
@@ -38,7 +38,8 @@ def _gpu_name() -> str | None:
     return None
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what ``platform`` says."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             for line in f:

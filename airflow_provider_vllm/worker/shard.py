@@ -36,6 +36,7 @@ from airflow_provider_vllm.core.rows import INVALID_ROW, prompt_hash, rows_table
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import Storage
+from airflow_provider_vllm.worker import compile_cache
 from airflow_provider_vllm.worker.adapters import local_adapters
 from airflow_provider_vllm.worker.guard import GuardedEngine, RowFailure
 from airflow_provider_vllm.worker.hardware import hardware_id
@@ -175,11 +176,15 @@ def _run_shard(
     done_rows = sum(metas[k].rows for k in todo)
     telemetry = ShardTelemetry(spec, shard.shard_id, attempt, done_rows, task.progress_interval_s)
     if todo:
+        started = start_limits(spec, store.engine_limits())
+        shared = compile_cache.from_env(started, keyring)  # the shared compile cache, when the pod mounts one
         with _beating(watchdog), local_adapters(spec, plan) as adapter_paths:
             if factory is _default_engine and adapter_paths:  # without adapters: the factory as it was
                 factory = functools.partial(_default_engine, adapters=adapter_paths)
+            if shared is not None:
+                shared.restore()  # before vLLM starts: it reads the private folders once, at start
             engine = GuardedEngine(
-                start_limits(spec, store.engine_limits()),
+                started,
                 factory,
                 watchdog,
                 label=lambda key: batch.ids[cast(tuple, key)[1]],
@@ -190,6 +195,9 @@ def _run_shard(
             telemetry.engine_started(engine.start_seconds)
             with watchdog.paused():
                 engine.warm_up()
+            if shared is not None:
+                shared.publish(f"{shard.shard_id}/{attempt}")  # after a cold start: what it compiled
+                stats.update(shared.stats())
             try:
                 runner = _ChunkRunner(
                     spec=spec,

@@ -1,5 +1,5 @@
 """The DAG templates with runner=kubernetes, through real Airflow (SQLite DB, CLI subprocesses):
-the pod dry run of the nightly DAG, and the run-time runner switch of the re-run DAG."""
+the pod dry run of the nightly DAG (with LoRA adapters), and the run-time runner switch of the re-run DAG."""
 
 from __future__ import annotations
 
@@ -59,9 +59,15 @@ def test_dry_run_of_the_nightly_dag_prints_a_valid_restricted_pod_manifest(airfl
 
     box = airflow_sandbox
     box.reserialize()
+    # LoRA adapters from the spec-overrides Variable: the pod names them and the notes say how it gets each
+    adapters = [
+        {"name": "billing", "source": f"{box.data}/adapters/billing"},
+        {"name": "shipping", "source": "acme/shipping-lora", "revision": "c" * 40},
+    ]
+    overrides = {**json.loads(box.env["AIRFLOW_VAR_VLLM_BATCH_SPEC_OVERRIDES"]), "model.adapters": adapters}
     p = subprocess.run(
         [PY, "-m", "airflow_provider_vllm.cli.pod_dry_run", NIGHTLY, "2026-11-28", "--map-index", "2"],
-        env={**box.env, **kube_env(tmp_path)},
+        env={**box.env, **kube_env(tmp_path), "AIRFLOW_VAR_VLLM_BATCH_SPEC_OVERRIDES": json.dumps(overrides)},
         cwd=str(box.home),
         capture_output=True,
         text=True,
@@ -86,6 +92,18 @@ def test_dry_run_of_the_nightly_dag_prints_a_valid_restricted_pod_manifest(airfl
     assert base["image"] == POD_SETTINGS["image"] and base["resources"]["limits"]["nvidia.com/gpu"] == "1"
     assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"key": "token", "name": "hf-token"}}} in base["env"]
     assert sidecar["name"] == "airflow-xcom-sidecar"
+    assert task["spec"]["model"]["adapters"] == adapters
+    assert json.loads(meta["annotations"]["vllm-batch/adapters"]) == {
+        "billing": f"{box.data}/adapters/billing",
+        "shipping": "acme/shipping-lora@" + "c" * 40,
+    }
+    notes = [ln for ln in p.stdout.splitlines() if ln.startswith("# note: adapter")]
+    assert notes == [
+        f"# note: adapter 'billing' ({box.data}/adapters/billing): a local folder on no volume the pod mounts "
+        "(it must be in the image): mount it with kubernetes.model_cache_pvc or data_pvc",
+        f"# note: adapter 'shipping' (acme/shipping-lora): a hub repo at commit {'c' * 40}, from HF_HUB_CACHE on "
+        "the model-cache PVC (/models/hub, read-only: offline)",
+    ]
 
 
 def test_runner_chosen_at_run_time_sends_the_shards_to_pods(airflow_sandbox, tmp_path):

@@ -8,7 +8,9 @@ without vLLM, ``MirrorParams`` repeats vLLM 0.32's checks. The prompt checks of 
 processor (empty prompt, longer than ``max_model_len``) are repeated too. It honours the
 settings the way vLLM does where the fake's output can show it: ``max_tokens`` (a cut answer,
 ``finish_reason='length'``), ``stop`` strings, and ``temperature``/``seed`` (greedy ignores
-the seed; sampling without one differs from call to call).
+the seed; sampling without one differs from call to call). A LoRA adapter's answers depend on its
+files (their identity as the plan takes it), not on its name: new weights under the same name answer
+differently, as on the real engine.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import importlib.util
 import math
 import random
 
+from airflow_provider_vllm.core.adapters import describe_adapters
 from airflow_provider_vllm.worker.engine import Generated, sampling_kwargs, sampling_params
 from airflow_provider_vllm.worker.isolation import refusal
 
@@ -180,6 +183,7 @@ class FakeEngine:
         self.params_seen = []  # (key, params) of every accepted request
         self.adapters_seen = []  # (key, adapter) of every accepted request
         self._adapter = {}  # key -> adapter of the requests in the queue
+        self.weights = adapter_weights(spec)  # read at engine start, as vLLM reads the adapters' files
         self._default = self._build(None)  # the job's own settings (Engine.__init__ builds these too)
         # vLLM's error class, resolved at engine start (importing vLLM takes seconds; the watchdog
         # does not count engine start, but it does count the steps where the first submit happens)
@@ -273,7 +277,8 @@ class FakeEngine:
             if self.crash_after is not None and self.finished >= self.crash_after:
                 raise RuntimeError("engine died (injected)")
             self.finished += 1
-            res.append((key, generate(self.spec, ids, params, top, self._adapter.pop(key, None))))
+            adapter = self._adapter.pop(key, None)
+            res.append((key, generate(self.spec, ids, params, top, adapter, self.weights.get(adapter))))
         return res
 
     def probe(self):
@@ -306,12 +311,18 @@ class FakeEngine:
         return [[float(len(p)), 1.0, 0.5] for p in prompts]
 
 
-def answer(spec, ids, seed=None, adapter=None):
-    """The fake model's (whole) answer to a prompt (with a LoRA ``adapter``: that adapter's answer): a label
-    of the structured choice, or ``out-N``."""
+def adapter_weights(spec) -> dict[str, str]:
+    """Each of the job's adapters by name -> what its answers depend on: the identity of its files (a sha256 of
+    every byte of a local or object store folder, a hub adapter's commit)."""
+    return {r.name: r.identity() for r in describe_adapters(spec)} if spec.model.adapters else {}
+
+
+def answer(spec, ids, seed=None, adapter=None, weights=None):
+    """The fake model's (whole) answer to a prompt (with a LoRA ``adapter``: that adapter's answer, which
+    depends on its ``weights``, ``adapter_weights``): a label of the structured choice, or ``out-N``."""
     key = str(ids) if seed is None else f"{ids}/{seed}"
     if adapter is not None:
-        key += f"@{adapter}"
+        key += f"@{adapter}#{weights}"
     h = int(hashlib.sha256(key.encode()).hexdigest(), 16)
     st = spec.sampling.structured
     if st is not None and st.choice:
@@ -347,14 +358,14 @@ def _logprobs(spec, ids, params, text, n_tokens, top):
     return lp, content
 
 
-def generate(spec, ids, params, top=None, adapter=None) -> Generated:
+def generate(spec, ids, params, top=None, adapter=None, weights=None) -> Generated:
     """One finished request: the answer (one token) then end-of-sequence (two completion tokens),
     under the request's max_tokens, stop strings, temperature and seed; with logprobs asked for, the
     answer's probability (``confidence_of``) and, for ``top`` (a row's own top_logprobs), the token entries."""
     seed = None
     if params.temperature >= SAMPLING_EPS:  # sampling: the seed matters; none means a fresh draw
         seed = params.seed if params.seed is not None else random.getrandbits(64)
-    text = answer(spec, ids, seed, adapter)
+    text = answer(spec, ids, seed, adapter, weights)
     for s in params.stop or ():
         if s in text:
             cut = text[: text.index(s)]

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from airflow_provider_vllm.testing.local_models import default_cache_dir, make_tiny_llama, prepare_smollm2
+from tests.conftest import ENGINE_PROCESSES
 
 
 @pytest.fixture(scope="session")
@@ -73,6 +74,7 @@ def tiny_run(tmp_path_factory, tiny_model) -> TinyRun:
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     env = {
         **ENV,
+        **ENGINE_PROCESSES,  # the engine core's own log lines are part of what test_redaction checks
         "MODEL_STORE_TOKEN": SECRET,
         "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
         "VLLM_BATCH_METRICS_TEXTFILE_DIR": str(root / "prom"),

@@ -28,6 +28,7 @@ from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.lifecycle import LOCK_DIR_ENV, LOCK_WAIT_ENV, lock_path, start_time
 from airflow_provider_vllm.worker.task import ShardTask, worker_command
+from tests.conftest import ENGINE_PROCESSES
 from tests.support.data import make_spec, write_parquet
 from tests.support.reconcile import check, check_no_partial
 
@@ -120,6 +121,7 @@ def fake_python(tmp_path) -> str:
 def env(tmp_path) -> dict[str, str]:
     return {
         **os.environ,
+        **ENGINE_PROCESSES,  # what a killed or stopped task leaves of vLLM's own processes
         "PYTHONPATH": str(ROOT),
         LOCK_DIR_ENV: str(tmp_path / "locks"),
         "VLLM_CPU_KVCACHE_SPACE": "1",

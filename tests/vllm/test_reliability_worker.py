@@ -28,6 +28,7 @@ from airflow_provider_vllm.steps.merge.merger import ERRORS, MERGED, RESULTS, me
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.testing.local_models import default_cache_dir, make_tiny_llama
 from airflow_provider_vllm.worker.task import ShardTask, worker_command
+from tests.conftest import ENGINE_PROCESSES
 from tests.support.data import write_parquet
 from tests.support.ledger import record_fault
 from tests.support.reconcile import check, check_no_partial
@@ -67,7 +68,7 @@ class Worker:
 
     def __init__(self, spec: JobSpec, shard_id: str, faults: str = ""):
         cmd = worker_command(ShardTask(spec=spec, shard_id=shard_id, progress_interval_s=1))
-        env = {**ENV, "VLLM_BATCH_FAULTS": faults}
+        env = {**ENV, **ENGINE_PROCESSES, "VLLM_BATCH_FAULTS": faults}  # engine core deaths, OOM rebuilds
         Worker.n += 1
         # files, not pipes: a SIGKILLed worker's orphaned engine core would hold pipes open
         logs = Path(spec.io.output_uri).parent / "logs"

@@ -261,8 +261,10 @@ class ChatCompletionBody(BaseModel):
     """The body of a ``/v1/chat/completions`` request line: the fields this worker runs.
 
     Sampling fields map one to one onto ``vllm.SamplingParams``, with vLLM's ranges; unset
-    (or null) ones keep the job spec's ``sampling`` values. ``model``, ``user`` and
-    ``metadata`` are accepted and do not change the output (the job's model runs every row).
+    (or null) ones keep the job spec's ``sampling`` values. ``model`` picks what answers (the worker's
+    ``PromptBuilder.request_adapter``: a served name of the job's model or one of its adapters; another
+    name is the row's error unless ``io.ignore_request_model``); ``user`` and ``metadata`` are accepted
+    and do not change the output.
     """
 
     model_config = ConfigDict(extra="forbid")

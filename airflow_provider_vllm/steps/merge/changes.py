@@ -11,12 +11,14 @@ Every id in this run's merged output or the previous run's (``changes.previous_u
 - ``recovered``: an error row in the previous run, an answer now.
 
 A ``changed`` id also says why (``reason``; ``ChangesSummary.reasons`` counts them): ``settings``
-(the answers were made under different config hashes: model, prompt, sampling or engine setup),
-``input`` (the same settings, another engine request: the row's text was edited), ``unified`` (the
-same request and settings, which the previous run answered differently for other ids: an
-inconsistent earlier answer made one, e.g. by the result cache), ``engine`` (the same request and
-settings, answered consistently before: the engine's numerics), ``unknown`` (a run written before
-requests were hashed).
+(the answers were made under different config hashes: model, prompt, sampling or engine setup; or
+the row ran with the same LoRA adapter, by name, whose files changed: another identity in the two
+runs' sealed ``_MERGED.json``), ``input`` (the same settings, another engine request: the row's
+text or its adapter was edited), ``unified`` (the same request and settings, which the previous run
+answered differently for other ids: an inconsistent earlier answer made one, e.g. by the result
+cache), ``engine`` (the same request and settings, answered consistently before: the engine's
+numerics), ``unknown`` (a run written before requests were hashed, or before its summary recorded
+the identity of the adapter the row ran with).
 
 The compared value (``compared``): structured choice and classify -> ``label`` (classify: the
 argmax label); json_schema -> ``parsed_json``; otherwise ``output``; embed -> the vector, equal or
@@ -76,7 +78,7 @@ VERSION = 1
 MAX_MATRIX_CELLS = 10_000
 _EMPTY = (
     "SELECT NULL::VARCHAR AS id, NULL::VARCHAR AS st, NULL::VARCHAR AS v, NULL::UBIGINT AS h, "
-    "NULL::VARCHAR AS code, NULL::VARCHAR AS cfg, NULL::BIGINT AS ph WHERE false"
+    "NULL::VARCHAR AS code, NULL::VARCHAR AS cfg, NULL::BIGINT AS ph, NULL::VARCHAR AS ad WHERE false"
 )
 
 
@@ -97,19 +99,29 @@ def compared_column(spec: JobSpec) -> str:
     return "output"
 
 
-def _results_relation(out: Storage, kind: str, merged: MergeSummary) -> str:
+def _results_relation(out: Storage, kind: str, merged: MergeSummary, verified: list[str] | None = None) -> str:
     """SQL for a merged run's ``results`` or ``errors`` rows: the one place that knows the file layout.
 
-    Only parts the run's sealed ``_MERGED.json`` names, each checked (size and sha256) before it is read.
+    Only parts the run's sealed ``_MERGED.json`` names, each checked (size and sha256) before it is read;
+    ``verified``: those parts when the caller has just checked them (``verified_parts``), not hashed again.
     """
-    return f"read_parquet({duck.file_list(out, verified_parts(out, kind, merged))})"
+    parts = verified if verified is not None else verified_parts(out, kind, merged)
+    return f"read_parquet({duck.file_list(out, parts)})"
 
 
 def _side(
-    out: Storage, col: str, merged: MergeSummary, con: duckdb.DuckDBPyConnection, results: str | None = None
+    out: Storage,
+    col: str,
+    merged: MergeSummary,
+    con: duckdb.DuckDBPyConnection,
+    results: str | None = None,
+    verified: dict[str, list[str]] | None = None,
 ) -> str:
     """One run's rows as (id, st 'ok'|'error', v the compared value, h a vector's hash, code the error code,
-    cfg the config hash that made the answer, ph its request's prompt hash; null in runs written before it)."""
+    cfg the config hash that made the answer, ph its request's prompt hash, ad the LoRA adapter it ran with;
+    ph and ad null in runs written before them).
+    ``verified``: the run's parts per kind as ``verified_parts`` returned them (else they are checked here)."""
+    verified = verified or {}
     if col == "embedding":
         v, h = "NULL::VARCHAR", "hash(embedding)"
     elif col == "label":
@@ -117,13 +129,14 @@ def _side(
         v, h = "coalesce(label, CAST(scores AS VARCHAR))", "NULL::UBIGINT"
     else:
         v, h = f"{col}", "NULL::UBIGINT"
-    results = results or _results_relation(out, RESULTS, merged)  # each part hashed once per run read
+    results = results or _results_relation(out, RESULTS, merged, verified.get(RESULTS))  # each part hashed once
     have = {r[0] for r in con.execute(f"DESCRIBE SELECT * FROM {results}").fetchall()}
     ph = "prompt_hash" if "prompt_hash" in have else "NULL::BIGINT"
+    ad = "adapter" if "adapter" in have else "NULL::VARCHAR"
     return (
-        f"SELECT id, 'ok' AS st, {v} AS v, {h} AS h, NULL::VARCHAR AS code, config_hash AS cfg, {ph} AS ph "
-        f"FROM {results} UNION ALL SELECT id, 'error', NULL, NULL, error_code, config_hash, NULL "
-        f"FROM {_results_relation(out, ERRORS, merged)}"
+        f"SELECT id, 'ok' AS st, {v} AS v, {h} AS h, NULL::VARCHAR AS code, config_hash AS cfg, {ph} AS ph, "
+        f"{ad} AS ad FROM {results} UNION ALL SELECT id, 'error', NULL, NULL, error_code, config_hash, NULL, NULL "
+        f"FROM {_results_relation(out, ERRORS, merged, verified.get(ERRORS))}"
     )
 
 
@@ -131,13 +144,27 @@ def _side(
 REASONS = ("settings", "input", "unified", "engine", "unknown")
 _REASON = (
     "CASE WHEN o.cfg IS DISTINCT FROM n.cfg THEN 'settings' "  # another model, prompt, sampling or engine setup
+    # the same adapter by name, other files (the config hash names adapters by source, not by their bytes)
+    "WHEN o.ad IS NOT DISTINCT FROM n.ad AND n.ad IN (SELECT name FROM adapters_moved) THEN 'settings' "
     "WHEN o.ph IS NULL OR n.ph IS NULL THEN 'unknown' "  # a run written before requests were hashed
+    "WHEN o.ad IN (SELECT name FROM adapters_unknown) THEN 'unknown' "  # its adapter's identity was not recorded
     "WHEN o.ph <> n.ph THEN 'input' "  # the row's rendered prompt is not the same: the input was edited
     # the same request, which the previous run answered differently for other ids: an inconsistent
     # earlier answer made one (e.g. by the result cache, which holds one answer per prompt)
     "WHEN o.ph IN (SELECT ph FROM prev_inconsistent) THEN 'unified' "
     "ELSE 'engine' END"  # the same request and settings, answered consistently before: the engine's numerics
 )
+
+
+def adapters_moved(prev: MergeSummary | None, now: MergeSummary) -> tuple[list[str], list[str]]:
+    """(this run's adapters whose identity differs from the previous run's adapter of that name, this run's
+    adapters whose previous identity is not known: a previous summary written before it recorded them)."""
+    mine = now.adapters or {}
+    if prev is None:
+        return [], []
+    if prev.adapters is None:
+        return [], sorted(mine)
+    return sorted(n for n, ident in mine.items() if n in prev.adapters and prev.adapters[n] != ident), []
 
 
 def _previous_state(prev: Storage, where: str, keyring: Keyring) -> tuple[str, MergeSummary | None]:
@@ -190,13 +217,19 @@ def _check_foreign(spec: JobSpec, merged: MergeSummary, con, col: str, results: 
 
 
 def compute_changes(
-    spec: JobSpec, filesystems: FileSystems | None = None, memory_limit: str = "1GB", keyring: Keyring | None = None
+    spec: JobSpec,
+    filesystems: FileSystems | None = None,
+    memory_limit: str = "1GB",
+    keyring: Keyring | None = None,
+    verified: tuple[MergeSummary, dict[str, list[str]]] | None = None,
 ) -> ChangesSummary:
     """Write ``changes/changes.parquet`` and ``changes/_changes.json`` for a merged run; return the summary.
 
     Needs this run's ``_MERGED.json`` and ``changes.previous_uri`` set. Raises SpecError for a
     previous run of another task / id column, CommitError for one whose manifests name files
-    outside it; a missing or incomplete one is not an error.
+    outside it; a missing or incomplete one is not an error. ``verified``: this run's sealed merge summary
+    (``read_merged``) and its parts per kind as ``verified_parts`` returned them, when the caller (QA) has
+    just checked them: they are read as they are, not hashed again; else both are read and checked here.
     """
     if not spec.changes.previous_uri:
         raise SpecError("changes.previous_uri is not set: nothing to compare against")
@@ -205,7 +238,7 @@ def compute_changes(
     if prev.uri().rstrip("/") == out.uri().rstrip("/"):
         raise SpecError(f"changes.previous_uri {spec.changes.previous_uri!r} is this run's own output prefix")
     keyring = keyring or Keyring.from_env()
-    merged = read_merged(out, keyring)
+    merged, parts = verified if verified is not None else (read_merged(out, keyring), None)
     col = compared_column(spec)
     state, prev_merged = _previous_state(prev, f"changes.previous_uri {spec.changes.previous_uri!r}", keyring)
     notes: list[str] = []
@@ -236,10 +269,14 @@ def compute_changes(
             values = "" if col == "embedding" else "o.v AS old_value, n.v AS new_value, "
             cmp = "o.h IS NOT DISTINCT FROM n.h" if col == "embedding" else "o.v IS NOT DISTINCT FROM n.v"
             vv = "CAST(h AS VARCHAR)" if col == "embedding" else "coalesce(v, chr(0))"
+            moved, unknown = adapters_moved(prev_merged, merged)
+            for table, names in (("adapters_moved", moved), ("adapters_unknown", unknown)):
+                con.execute(f"CREATE TEMP TABLE {table} AS SELECT unnest(?::VARCHAR[]) AS name", [names])
             con.execute(
                 f"CREATE TEMP TABLE prev_inconsistent AS SELECT ph FROM ({old}) WHERE st = 'ok' AND ph IS NOT NULL "
                 f"GROUP BY ph HAVING min({vv}) <> max({vv})"
             )
+            new = _side(out, col, merged, con, verified=parts)
             change = (
                 f"CASE WHEN n.id IS NULL THEN 'removed' WHEN n.st = 'error' THEN 'error' WHEN o.id IS NULL THEN "
                 f"'added' WHEN o.st = 'error' THEN 'recovered' WHEN {cmp} THEN 'unchanged' ELSE 'changed' END"
@@ -249,7 +286,7 @@ def compute_changes(
                 f"o.st AS old_status, n.st AS new_status, {values}"
                 f"o.code AS old_error_code, n.code AS new_error_code, "
                 f"CASE WHEN {change} = 'changed' THEN {_REASON} END AS reason "
-                f"FROM ({old}) o FULL OUTER JOIN ({_side(out, col, merged, con)}) n ON o.id = n.id ORDER BY 1) "
+                f"FROM ({old}) o FULL OUTER JOIN ({new}) n ON o.id = n.id ORDER BY 1) "
                 f"TO '{local.replace(chr(39), chr(39) * 2)}' (FORMAT parquet, COMPRESSION zstd)"
             ).fetchall()
             src = f"read_parquet('{local.replace(chr(39), chr(39) * 2)}')"
@@ -287,6 +324,13 @@ def compute_changes(
         notes.append(
             "the previous run had another config (model, prompt or sampling): "
             "changed answers may come from that, not from the input"
+        )
+    if moved and prev_merged is not None:
+        was, now = prev_merged.adapters or {}, merged.adapters or {}
+        notes.append(
+            "LoRA adapter(s) with other files than in the previous run: "
+            + ", ".join(f"{n} ({was[n]} -> {now[n]})" for n in moved)
+            + "; the answers of rows that ran with them moved for that reason ('settings')"
         )
     summary = ChangesSummary(
         version=VERSION,

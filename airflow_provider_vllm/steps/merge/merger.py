@@ -32,6 +32,7 @@ import re
 import shutil
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import duckdb
@@ -78,6 +79,7 @@ SCHEMAS = {RESULTS: RESULT_SCHEMA, ERRORS: ERROR_SCHEMA}
 # id that differ only here are the same result (e.g. one chunk named twice), anything else differs.
 PROVENANCE_COLUMNS = ("shard_id", "attempt_id", "latency_ms", "cached_from")
 DUPLICATE_EXAMPLES = 10
+HASH_THREADS = 8  # parts hashed side by side when they are checked: at most this many, and one per CPU
 _ATTEMPT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _CHUNK_NAME = {
     RESULTS: re.compile(r"^chunk-(\d{5})\.parquet$"),
@@ -209,6 +211,7 @@ def merge(
         id_column=spec.prompt.id_column,
         **({"cache": cache_summary} if cache_summary is not None else {}),
         **({"golden": golden} if golden is not None else {}),
+        **({"adapters": {a.name: a.identity() for a in plan.adapters}} if plan.adapters else {}),
     )
     summary = seals.seal_record(
         keyring, seals.MERGED, seals.scope_of(out.uri()), summary.model_copy(update={"plan_mac": plan.seal.mac})
@@ -303,15 +306,25 @@ def verified_parts(out: Storage, kind: str, merged: MergeSummary) -> list[str]:
 
 def verify_parts(out: Storage, kind: str, manifest: PartsManifest) -> None:
     """CommitError unless every part ``manifest`` names under ``kind``/ has exactly its size and sha256 (a
-    streaming read of each); readers can trust the manifest's digests after this."""
-    for p in manifest.parts:
+    streaming read of each); readers can trust the manifest's digests after this. The first part that fails,
+    in the manifest's order, is the one named."""
+
+    def matches(p: PartEntry) -> bool:
         rel = f"{kind}/{p.name}"
         check_inside(out, rel, out.uri(manifest_rel(kind)))  # a local symlink leaving the run: refused
-        if out.size(rel) != p.bytes or out.sha256(rel) != p.sha256:
-            raise CommitError(
-                f"{out.uri(rel)} does not have the size and sha256 its manifest names (the part was changed while "
-                "it was being published); rerun the merge"
-            )
+        return out.size(rel) == p.bytes and out.sha256(rel) == p.sha256
+
+    # hashlib and file reads release the GIL: parts are hashed side by side (results come back in order)
+    pool = ThreadPoolExecutor(max_workers=max(1, min(HASH_THREADS, os.cpu_count() or 1, len(manifest.parts))))
+    try:
+        for p, ok in zip(manifest.parts, pool.map(matches, manifest.parts), strict=True):
+            if not ok:
+                raise CommitError(
+                    f"{out.uri(f'{kind}/{p.name}')} does not have the size and sha256 its manifest names (the part "
+                    "was changed while it was being published); rerun the merge"
+                )
+    finally:
+        pool.shutdown(cancel_futures=True)
 
 
 def _record_throughput(

@@ -33,7 +33,15 @@ from airflow_provider_vllm.steps.plan.memory import (
     plan_memory,
 )
 from airflow_provider_vllm.steps.plan.planner import PlanInputs, build_plan_with_inputs
-from airflow_provider_vllm.steps.plan.sizing import History, Workload, estimate_workload, find_evidence, read_history
+from airflow_provider_vllm.steps.plan.sizing import (
+    START_SHARE,
+    History,
+    Workload,
+    estimate_workload,
+    find_evidence,
+    read_history,
+    start_estimate,
+)
 
 # Used only without history, and labelled "assumed" in the report.
 ASSUMED_TOKENS_PER_S = 2000.0  # prompt + output tokens per second per model replica
@@ -173,6 +181,18 @@ class DryRunReport(Record):
     evidence: Evidence | None = Field(description="the throughput history behind the figures (None: assumed)")
     est_inference_s: float
     engine_start_s: float
+    engine_start_basis: str = Field(
+        "assumed",
+        description="history:warm / history:cold (recorded starts with and without a restored compile cache), "
+        "history (all recorded starts), assumed:warm / assumed:cold / assumed",
+    )
+    warm_starts: bool | None = Field(
+        None,
+        description="True: the shard pods reuse a shared compile cache ([vllm_batch] kubernetes_compile_cache_pvc); "
+        "False: every pod compiles; None: unknown (the local runner)",
+    )
+    engine_start_share: float = Field(0.0, description="engine start / a shard's wall time (goal <= 0.10)")
+    start_warning: str | None = Field(None, description="set when engine start is over 10% of a shard")
     est_shard_minutes: float
     tensor_parallel_size: int
     est_gpu_hours: float
@@ -193,7 +213,7 @@ def dry_run_report(
     spec: JobSpec,
     *,
     tokens_per_s: float = ASSUMED_TOKENS_PER_S,
-    engine_start_s: float = ASSUMED_ENGINE_START_S,
+    engine_start_s: float | None = None,
     gpu_memory: float | None = None,
     model_config: dict[str, Any] | None = None,
     checkpoint_bytes: int | None = None,
@@ -201,8 +221,13 @@ def dry_run_report(
     filesystems: FileSystems | None = None,
     engine_identity: str | None = None,
     keyring: Keyring | None = None,
+    warm_starts: bool | None = None,
 ) -> DryRunReport:
     """The dry-run report (see ``format_report``); raises DatasetError/SpecError like the plan.
+
+    ``warm_starts``: whether the shard pods reuse a shared compile cache (``sizing.start_estimate``: which engine
+    start a shard is expected to pay); ``engine_start_s``: the start assumed for want of history (None: the
+    measured warm / cold figure, or ``ASSUMED_ENGINE_START_S`` when ``warm_starts`` is None).
 
     ``gpus``: the GPU budget (GPUs the job may use at once) for ``layout.max_active_shards``. Raises
     SpecError when the layout refuses the spec's engine.tensor_parallel_size. ``filesystems``: how
@@ -212,9 +237,11 @@ def dry_run_report(
     count) as for ``plan_job``. An unreadable throughput history fails the dry run (the plan itself would
     go on without it).
     """
-    plan, read = build_plan_with_inputs(spec, filesystems)
+    plan, read = build_plan_with_inputs(spec, filesystems, warm_starts=warm_starts)
     ev = find_evidence(spec, _history(spec, read, filesystems).records)
-    work = estimate_workload(spec, plan.total_rows, plan.est_tokens, ev, tokens_per_s, engine_start_s)
+    assumed_start = engine_start_s if engine_start_s is not None or warm_starts is not None else ASSUMED_ENGINE_START_S
+    start = start_estimate(ev, warm_starts, assumed_start)
+    work = estimate_workload(spec, plan.total_rows, plan.est_tokens, ev, tokens_per_s, 0.0, start.seconds)
     shards = len(plan.shards)
     tp = spec.engine.tensor_parallel_size
     gpu_s = (shards * work.engine_start_s + work.infer_s) * tp
@@ -237,9 +264,11 @@ def dry_run_report(
     cache = None
     if spec.cache.uri is not None:
         cache = _cache(
-            spec, read, ev, tokens_per_s, engine_start_s, engine_identity, filesystems, keyring, plan.adapters
+            spec, read, ev, tokens_per_s, start.seconds, engine_identity, filesystems, keyring, plan.adapters
         )
     memory, layout = _memory(spec, work, ev, gpu_memory, model_config, checkpoint_bytes, gpus, lora)
+    shard_s = work.engine_start_s + work.infer_s / shards if shards else 0.0
+    share = work.engine_start_s / shard_s if shard_s else 0.0
     report = DryRunReport(
         job=spec.name,
         task=spec.task,
@@ -257,11 +286,16 @@ def dry_run_report(
         evidence=ev,
         est_inference_s=round(work.infer_s, 1),
         engine_start_s=round(work.engine_start_s, 1),
-        est_shard_minutes=round((work.engine_start_s + work.infer_s / shards) / 60, 2) if shards else 0.0,
+        engine_start_basis=start.basis,
+        warm_starts=warm_starts,
+        engine_start_share=round(share, 4),
+        start_warning=_start_warning(spec, work, shards, share),
+        est_shard_minutes=round(shard_s / 60, 2),
         tensor_parallel_size=tp,
         est_gpu_hours=round(gpu_s / 3600, 3),
-        assumptions=(
-            Assumptions() if ev is not None else Assumptions(tokens_per_s=tokens_per_s, engine_start_s=engine_start_s)
+        assumptions=Assumptions(
+            **({"tokens_per_s": tokens_per_s} if ev is None else {}),
+            **({"engine_start_s": start.seconds} if start.basis.startswith("assumed") else {}),
         ),
         **({"adapters": adapters} if adapters is not None else {}),
         **({"passthrough": passthrough} if passthrough is not None else {}),
@@ -272,6 +306,17 @@ def dry_run_report(
     if layout and layout.refusal and (layout.verdict == "invalid_tp" or layout.memory_known):
         raise SpecError("layout: " + layout.refusal)
     return report
+
+
+def _start_warning(spec: JobSpec, work: Workload, shards: int, share: float) -> str | None:
+    """A line when engine start is over 10% of a shard and fewer, larger shards would bring it down."""
+    if share <= START_SHARE or shards <= 1 or spec.sharding.target_minutes is not None or not work.infer_s:
+        return None
+    rows = math.ceil(work.engine_start_s * (1 - START_SHARE) / START_SHARE * work.rows / work.infer_s)
+    return (
+        f"engine start is {share:.0%} of a shard: shards of at least {rows:,} rows keep it <= "
+        f"{START_SHARE:.0%} (sharding.target_rows; or sharding.history_uri, which sizes shards so)"
+    )
 
 
 def _history(spec: JobSpec, read: PlanInputs, filesystems: FileSystems | None) -> History:
@@ -390,6 +435,16 @@ def _memory(
     return memory, LayoutReport(**asdict(layout), memory_known=known, lines=lines)
 
 
+def _start_source(r: DryRunReport) -> str:
+    how = {
+        True: "warm: the pods restore a shared compile cache",
+        False: "cold: every pod compiles; [vllm_batch] kubernetes_compile_cache_pvc shares the compiled artefacts",
+        None: "compile caches unknown",
+    }[r.warm_starts]
+    source = {"history:warm": "recorded warm starts", "history:cold": "recorded cold starts", "history": "recorded"}
+    return f"{source.get(r.engine_start_basis, 'ASSUMED')}; {how}"
+
+
 def format_report(r: DryRunReport) -> str:
     """Human-readable report."""
     lines = [
@@ -415,10 +470,13 @@ def format_report(r: DryRunReport) -> str:
             "start (no history: set sharding.history_uri or pass --tokens-per-s/--engine-start-s)"
         )
     lines += [
-        f"  inference        ~{r.est_inference_s / 3600:.2f} h in total; engine start {r.engine_start_s:.0f} s "
-        f"per shard; ~{r.est_shard_minutes:.1f} min per shard",
-        f"  GPU-hours        ~{r.est_gpu_hours:.2f} (tensor_parallel_size {r.tensor_parallel_size})",
+        f"  inference        ~{r.est_inference_s / 3600:.2f} h in total; ~{r.est_shard_minutes:.1f} min per shard",
+        f"  engine start     {r.engine_start_s:.0f} s per shard ({_start_source(r)}): "
+        f"{r.engine_start_share:.1%} of a shard (goal <= {START_SHARE:.0%})",
     ]
+    if r.start_warning:
+        lines.append(f"  WARNING: {r.start_warning}")
+    lines.append(f"  GPU-hours        ~{r.est_gpu_hours:.2f} (tensor_parallel_size {r.tensor_parallel_size})")
     if r.adapters:
         lo = r.adapters
         pick = f"column {lo.adapter_column!r}" if lo.adapter_column else "every row"

@@ -45,6 +45,7 @@ def plan_job(
     max_shards: int | None = None,
     engine_identity: str | None = None,
     keyring: Keyring | None = None,
+    warm_starts: bool | None = None,
 ) -> Plan:
     """Plan the job and write ``_plan.json`` under the output prefix, sealed; idempotent.
 
@@ -60,14 +61,15 @@ def plan_job(
 
     ``keyring``: the deployment's signing keys (default ``VLLM_BATCH_SIGNING_KEY``): the plan is sealed
     with it for this output prefix (``core/seal.py``), and a plan already there is accepted only with
-    this deployment's seal (SealError otherwise).
+    this deployment's seal (SealError otherwise). ``warm_starts``: whether the shards reuse a shared compile
+    cache, for the engine start that sizing counts (``sizing.start_estimate``; None: unknown).
     """
     keyring = keyring or Keyring.from_env()
     out = Storage(spec.io.output_uri, spec.io.storage_options, filesystems)
     if spec.cache.uri is not None:
-        plan = _plan_cached(spec, out, filesystems, max_shards, engine_identity, keyring)
+        plan = _plan_cached(spec, out, filesystems, max_shards, engine_identity, keyring, warm_starts)
     else:
-        plan = build_plan(spec, filesystems, max_shards=max_shards)
+        plan = build_plan(spec, filesystems, max_shards=max_shards, warm_starts=warm_starts)
         if not out.exists(PLAN_FILE):
             _check_empty(spec, out)
             plan = with_golden(plan, spec, out, filesystems, max_shards)  # qa.reference: ride-along rows
@@ -111,6 +113,7 @@ def _plan_cached(
     max_shards: int | None,
     engine_identity: str | None,
     keyring: Keyring,
+    warm_starts: bool | None = None,
 ) -> Plan:
     """With the result cache: an existing plan wins (only its input and spec are compared); else a new one."""
     if out.exists(PLAN_FILE):
@@ -120,7 +123,13 @@ def _plan_cached(
         return existing.model_copy(update={"fingerprint": found.fingerprint, "spec_hash": spec.content_hash()})
     _check_empty(spec, out)
     plan = build_plan(
-        spec, filesystems, max_shards=max_shards, cache_out=out, engine_identity=engine_identity, keyring=keyring
+        spec,
+        filesystems,
+        max_shards=max_shards,
+        cache_out=out,
+        engine_identity=engine_identity,
+        keyring=keyring,
+        warm_starts=warm_starts,
     )
     plan = with_golden(plan, spec, out, filesystems, max_shards)  # qa.reference: ride-along rows
     out.create_only(PLAN_FILE, plan.sealed(keyring, spec.io.output_uri).dump_json())
@@ -149,6 +158,7 @@ def build_plan(
     cache_out: Storage | None = None,
     engine_identity: str | None = None,
     keyring: Keyring | None = None,
+    warm_starts: bool | None = None,
 ) -> Plan:
     """Validate the input and compute shards, without writing anything but the cache's files (see ``plan_job``).
 
@@ -156,7 +166,7 @@ def build_plan(
     are written there (``steps.cache.result_cache.plan_cache``, ``write_shard_inputs``); the shards are cut
     over the misses only. The plan is returned unsealed.
     """
-    return build_plan_with_inputs(spec, filesystems, max_shards, cache_out, engine_identity, keyring)[0]
+    return build_plan_with_inputs(spec, filesystems, max_shards, cache_out, engine_identity, keyring, warm_starts)[0]
 
 
 def build_plan_with_inputs(
@@ -166,6 +176,7 @@ def build_plan_with_inputs(
     cache_out: Storage | None = None,
     engine_identity: str | None = None,
     keyring: Keyring | None = None,
+    warm_starts: bool | None = None,
 ) -> tuple[Plan, PlanInputs]:
     """``build_plan``, and what it read (``PlanInputs``)."""
     found = find_input(spec.io.input_uri, spec.io.storage_options, spec.io.input_format, filesystems)
@@ -203,7 +214,7 @@ def build_plan_with_inputs(
             ).hexdigest()
         # the history sizes shards only when there are rows to size (as size_shards decides)
         history = job_history(spec, filesystems) if len(cut_tokens) else None
-        shards, sizing = _cut_all(spec, cut_scan, cut_tokens, cut_fp, history, max_shards)
+        shards, sizing = _cut_all(spec, cut_scan, cut_tokens, cut_fp, history, max_shards, warm_starts)
         if cache_out is not None and misses is not None:
             from airflow_provider_vllm.steps.cache.result_cache import write_shard_inputs
 
@@ -240,12 +251,20 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def _cut_all(spec: JobSpec, cut_scan, cut_tokens, cut_fp: str, history: History | None, max_shards: int | None):
+def _cut_all(
+    spec: JobSpec,
+    cut_scan,
+    cut_tokens,
+    cut_fp: str,
+    history: History | None,
+    max_shards: int | None,
+    warm_starts: bool | None = None,
+):
     """The shards over the scanned rows (sized from the throughput history when it has a record), and that sizing."""
     sizing = (
         None
         if history is None or history.error is not None
-        else size_shards(spec, len(cut_tokens), cut_tokens.total, records=history.records)
+        else size_shards(spec, len(cut_tokens), cut_tokens.total, records=history.records, warm_starts=warm_starts)
     )
     cut_spec = (
         spec

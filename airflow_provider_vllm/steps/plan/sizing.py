@@ -18,8 +18,14 @@ second of inference) is applied to this job's estimated tokens. The newest
 ``HISTORY_RECORDS`` matching records are pooled (sum of rows / sum of inference seconds).
 
 Shard time = engine start + inference. With ``target_minutes`` unset, a shard lasts at least
-``10 x`` the recorded median engine start (so start-up is <= 10% of it) and at least
-``MIN_SHARD_MINUTES``.
+``10 x`` the expected engine start (so start-up is <= 10% of it) and at least
+``MIN_SHARD_MINUTES``. The expected start (``start_estimate``) depends on whether the shards
+will find compiled artefacts: with the Kubernetes runner's shared compile cache
+(``[vllm_batch] kubernetes_compile_cache_pvc``; ``warm_starts=True``) the recorded median of the
+starts that restored one (``engine_start_warm_s``), without it (``False``) the median of the
+starts that compiled, and for want of those the median of all starts, else a measured figure
+(``ASSUMED_WARM_START_S`` / ``ASSUMED_COLD_START_S``: the 8B shape on an H200). A start counts
+the worker's restore and publish of the compile cache (``compile_cache_s``) as well.
 """
 
 from __future__ import annotations
@@ -47,6 +53,10 @@ HISTORY_RECORDS = 20  # newest matching records pooled
 HISTORY_FILES = 500  # newest files read
 MIN_SHARD_MINUTES = 5.0
 START_SHARE = 0.10  # engine start's largest share of a shard's time
+# Engine start of a shard pod when the history has no figure: measured with the worker on one H200, Llama-3-8B
+# shape, vLLM 0.25.0 (docs/BENCHMARKS.md, warm starts): 105-115 s compiling, 41 s from a restored compile cache.
+ASSUMED_COLD_START_S = 110.0
+ASSUMED_WARM_START_S = 41.0
 
 
 # ---- writing --------------------------------------------------------------------------
@@ -69,7 +79,9 @@ def run_records(spec: JobSpec, plan: Any, markers: list[CommitMarker]) -> list[T
         infer_s = sum(float(s.infer_s) for s in stats)
         ptok = sum(int(s.prompt_tokens or 0) for s in stats)
         ctok = sum(int(s.completion_tokens or 0) for s in stats)
-        starts = [float(s.engine_start_s) for s in stats if s.engine_start_s]
+        starts = [_start(s) for s in stats if s.engine_start_s]
+        warm = [_start(s) for s in stats if s.engine_start_s and s.compile_cache == "warm"]
+        cold = [_start(s) for s in stats if s.engine_start_s and s.compile_cache == "cold"]
         out.append(
             ThroughputRecord(
                 version=HISTORY_VERSION,
@@ -89,6 +101,8 @@ def run_records(spec: JobSpec, plan: Any, markers: list[CommitMarker]) -> list[T
                 prompt_tokens=ptok,
                 completion_tokens=ctok,
                 engine_start_s=round(statistics.median(starts), 3) if starts else None,
+                **({"engine_start_warm_s": round(statistics.median(warm), 3)} if warm else {}),
+                **({"engine_start_cold_s": round(statistics.median(cold), 3)} if cold else {}),
                 rows_per_s=round(rows / infer_s, 4),
                 tokens_per_s=round((ptok + ctok) / infer_s, 2),
                 prompt_tokens_per_row=round(ptok / rows, 2),
@@ -97,6 +111,11 @@ def run_records(spec: JobSpec, plan: Any, markers: list[CommitMarker]) -> list[T
             )
         )
     return out
+
+
+def _start(st: Any) -> float:
+    """A shard's start-up: the engine's start plus restoring / publishing the shared compile cache."""
+    return float(st.engine_start_s) + float(st.compile_cache_s or 0.0)
 
 
 def record_run(
@@ -202,6 +221,8 @@ def find_evidence(spec: JobSpec, records: list[ThroughputRecord]) -> Evidence | 
     ptok = sum(float(r.prompt_tokens) for r in use)
     ctok = sum(float(r.completion_tokens) for r in use)
     starts = [float(r.engine_start_s) for r in use if r.engine_start_s]
+    warm = [float(r.engine_start_warm_s) for r in use if r.engine_start_warm_s]
+    cold = [float(r.engine_start_cold_s) for r in use if r.engine_start_cold_s]
     return Evidence(
         basis="config" if same else "model",
         hardware=hw,
@@ -213,7 +234,45 @@ def find_evidence(spec: JobSpec, records: list[ThroughputRecord]) -> Evidence | 
         prompt_tokens_per_row=ptok / rows,
         completion_tokens_per_row=ctok / rows,
         engine_start_s=statistics.median(starts) if starts else None,
+        **({"engine_start_warm_s": statistics.median(warm)} if warm else {}),
+        **({"engine_start_cold_s": statistics.median(cold)} if cold else {}),
     )
+
+
+@dataclass(frozen=True)
+class StartEstimate:
+    """The engine start a shard is expected to pay, and where the figure comes from."""
+
+    seconds: float
+    basis: str  # history:warm, history:cold, history, assumed:warm, assumed:cold, assumed
+
+
+def start_estimate(
+    evidence: Evidence | None, warm_starts: bool | None, assumed_s: float | None = None
+) -> StartEstimate:
+    """The expected engine start per shard.
+
+    ``warm_starts``: True when the shards reuse a shared compile cache (only the first pods of a new
+    model, engine or vLLM compile: the figure is the warm one), False when every shard compiles, None
+    when unknown (the local runner: the machine's own caches). ``assumed_s``: the figure for want of
+    history (None: the measured warm / cold figure, or nothing when ``warm_starts`` is None).
+    """
+    ev = evidence
+    known = ev.engine_start_s if ev is not None and ev.engine_start_s else None
+    if warm_starts is True:
+        if ev is not None and ev.engine_start_warm_s:
+            return StartEstimate(ev.engine_start_warm_s, "history:warm")
+        guess = assumed_s if assumed_s is not None else ASSUMED_WARM_START_S
+        return StartEstimate(min(guess, known) if known else guess, "assumed:warm")  # never above the recorded
+    if warm_starts is False:
+        if ev is not None and ev.engine_start_cold_s:
+            return StartEstimate(ev.engine_start_cold_s, "history:cold")
+        if known:
+            return StartEstimate(known, "history")
+        return StartEstimate(assumed_s if assumed_s is not None else ASSUMED_COLD_START_S, "assumed:cold")
+    if known:
+        return StartEstimate(known, "history")
+    return StartEstimate(assumed_s or 0.0, "assumed")
 
 
 def prompt_overhead_tokens(spec: JobSpec) -> int:
@@ -245,8 +304,12 @@ def estimate_workload(
     evidence: Evidence | None,
     assumed_tokens_per_s: float,
     assumed_engine_start_s: float,
+    engine_start_s: float | None = None,
 ) -> Workload:
-    """Tokens and inference seconds of ``rows`` rows whose text columns hold ``est_text_tokens`` (planner estimate)."""
+    """Tokens and inference seconds of ``rows`` rows whose text columns hold ``est_text_tokens`` (planner estimate).
+
+    ``engine_start_s``: the start per shard already estimated (``start_estimate``); None: the history's median,
+    else ``assumed_engine_start_s``."""
     generates = spec.task in ("chat", "generate")
     prompt = est_text_tokens + rows * prompt_overhead_tokens(spec)
     if generates and evidence is not None:
@@ -262,7 +325,9 @@ def estimate_workload(
         infer_s, basis = (prompt + completion) / evidence.tokens_per_s, "history:model"
     else:
         infer_s, basis = (prompt + completion) / assumed_tokens_per_s, "assumed"
-    start = evidence.engine_start_s if evidence is not None and evidence.engine_start_s else assumed_engine_start_s
+    start = engine_start_s
+    if start is None:
+        start = evidence.engine_start_s if evidence is not None and evidence.engine_start_s else assumed_engine_start_s
     return Workload(
         rows=rows,
         prompt_tokens=int(prompt),
@@ -304,10 +369,12 @@ def size_shards(
     est_text_tokens: int,
     records: list[ThroughputRecord] | None = None,
     filesystems: FileSystems | None = None,
+    warm_starts: bool | None = None,
 ) -> Sizing | None:
     """Shard targets from history, or None (no history_uri, no matching record, no rows, an unreadable history).
 
-    ``records``: the history already read (``job_history``); None reads it here.
+    ``records``: the history already read (``job_history``); None reads it here. ``warm_starts``: whether the
+    shards reuse a shared compile cache (``start_estimate``).
     """
     sh = spec.sharding
     if not sh.history_uri or rows == 0:
@@ -327,7 +394,8 @@ def size_shards(
             sh.history_uri,
         )
         return None
-    work = estimate_workload(spec, rows, est_text_tokens, ev, 1.0, 0.0)
+    start = start_estimate(ev, warm_starts)
+    work = estimate_workload(spec, rows, est_text_tokens, ev, 1.0, 0.0, engine_start_s=start.seconds)
     target_s = shard_seconds(spec, work.engine_start_s)
     k = shard_count(work, target_s, sh.max_shards, at_least=sh.target_minutes is None)
     by_tokens = sh.target_tokens is not None and sh.target_rows is None
@@ -338,13 +406,16 @@ def size_shards(
         target_s=round(target_s, 1),
         est_infer_s=round(work.infer_s, 1),
         engine_start_s=round(work.engine_start_s, 1),
+        engine_start_basis=start.basis,
         evidence=ev.rounded(),
     )
     log.info(
-        "sized %d rows into %d shard(s) of ~%.0f s from %d history record(s) (%s, %s)",
+        "sized %d rows into %d shard(s) of ~%.0f s (engine start %.0f s, %s) from %d history record(s) (%s, %s)",
         rows,
         k,
         target_s,
+        start.seconds,
+        start.basis,
         ev.records,
         ev.basis,
         ev.hardware,

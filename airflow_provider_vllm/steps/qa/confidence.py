@@ -11,59 +11,59 @@
   (``inconsistency_rate``), with the rows involved and a few examples. Greedy decoding can
   still differ through batch-dependent numerics; ``engine.batch_invariant`` asks vLLM for
   batch-invariant kernels where it has them.
+
+Each is one scan of the columns it needs: the confidence per bucket (with the ``least``-th smallest
+confidence, below which the least confident rows are then read: a filter on the confidence column, so
+the other rows' ids are never compared), and one GROUP BY of the prompt hashes.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from airflow_provider_vllm.steps.qa.metrics_stream import CONF, CONF_BUCKET, CONF_BUCKET_SQL, CONF_VALUE
-
 BUCKETS = 10
 EXAMPLES = 10
+# A confidence that is a probability (NaN, infinities and values outside [0, 1] are none), and its bucket.
+_IS_PROBABILITY = "confidence BETWEEN 0 AND 1"
+_BUCKET = f"CASE WHEN confidence >= 1 THEN {BUCKETS - 1} ELSE CAST(floor(confidence * {BUCKETS}) AS INTEGER) END"
 
 
-def answer_stats(
-    con,
-    *,
-    low: float,
-    least: int,
-    counted: tuple[dict[int | None, tuple[int, float, int]], int] | None = None,
-) -> dict[str, Any]:
-    """The confidence of the rows of ``r`` per bucket (rows, sum, rows below ``low``; bucket None: no
-    confidence), the rows with a prompt hash (for ``consistency_metrics``), and the ids of the ``least``
-    least confident rows (ties by id). A confidence outside [0, 1] (NaN, infinite, not a probability)
-    counts as none. ``counted``: (the buckets, the hashed rows) when a scan already counted them (the
-    streamed QA path's tally: ``metrics_stream.ResultTally``); else two queries here."""
-    if counted is None:
-        found = con.execute(
-            f"SELECT {CONF_BUCKET}, count(*), sum({CONF}), count(*) FILTER (WHERE {CONF} < $low) "
-            f"FROM (SELECT {CONF_VALUE} AS {CONF}, {CONF_BUCKET_SQL} AS {CONF_BUCKET} FROM r) GROUP BY 1",
-            {"low": float(low)},
-        ).fetchall()
-        buckets = {None if b is None else int(b): (int(k), float(sm or 0.0), int(lo)) for b, k, sm, lo in found}
-        (hashed,) = con.execute("SELECT count(prompt_hash) FROM r").fetchall()[0]
-    else:
-        buckets, hashed = counted
-    per = {b: x for b, x in buckets.items() if b is not None}
-    n = sum(k for k, _, _ in per.values())
+def answer_stats(con, *, low: float, least: int, counted: tuple[int, int] | None = None) -> dict[str, Any]:
+    """The confidence of the rows of ``r`` (rows with one, below ``low``, mean, rows per bucket), the rows with
+    a prompt hash (for ``consistency_metrics``), and the ids of the ``least`` least confident rows (ties by
+    id). A confidence outside [0, 1] (NaN, infinite, not a probability) counts as none. ``counted``: the rows
+    of ``r`` and those with a prompt hash when a scan already counted them (the streamed QA path's tally:
+    ``metrics_stream.ResultTally``); else one more aggregate here."""
+    smallest = f"min(confidence, {int(least)})" if least > 0 else "NULL"
+    found = con.execute(
+        f"SELECT {_BUCKET}, count(*), sum(confidence), count(*) FILTER (WHERE confidence < $low), {smallest} "
+        f"FROM r WHERE {_IS_PROBABILITY} GROUP BY 1",
+        {"low": float(low)},
+    ).fetchall()
+    rows, hashed = counted or con.execute("SELECT count(*), count(prompt_hash) FROM r").fetchall()[0]
+    n = sum(int(k) for _, k, _, _, _ in found)
+    # the least-th smallest confidence (each bucket kept its least smallest): no row above it is among the least
+    kept = sorted(v for *_, smallest_in_bucket in found for v in smallest_in_bucket or [])
+    cut = kept[:least][-1:] if least > 0 else []
     ids = (
         [
             i
             for (i,) in con.execute(
-                f"SELECT id FROM r WHERE confidence BETWEEN 0 AND 1 ORDER BY confidence, id LIMIT {int(least)}"
+                f"SELECT id FROM r WHERE {_IS_PROBABILITY} AND confidence <= $cut "
+                f"ORDER BY confidence, id LIMIT {int(least)}",
+                {"cut": cut[0]},
             ).fetchall()
         ]
-        if least > 0 and n
+        if cut
         else []
     )
     return {
         "n": n,
-        "low": sum(lo for _, _, lo in per.values()),
-        "mean": sum(sm for _, sm, _ in per.values()) / n if n else None,
-        "rows": sum(k for k, _, _ in buckets.values()),
+        "low": sum(int(lo) for *_, lo, _ in found),
+        "mean": sum(float(s or 0.0) for _, _, s, _, _ in found) / n if n else None,
+        "rows": int(rows),
         "hashed": int(hashed),
-        "buckets": {b: k for b, (k, _, _) in per.items()},
+        "buckets": {int(b): int(k) for b, k, _, _, _ in found},
         "least": ids,
         "threshold": float(low),
     }
@@ -106,10 +106,14 @@ def consistency_metrics(con, *, value: str, hashed: int) -> dict[str, Any] | Non
 
 def consistency_counts(con, *, value: str, hashed: int) -> tuple[dict[str, Any], list[int]] | None:
     """``consistency_metrics`` without its examples, and the prompt hashes to take them from (the most
-    repeated of the prompts answered differently): one GROUP BY of ``r``."""
+    repeated of the prompts answered differently): one GROUP BY of ``r``.
+
+    Answers are compared by a 64-bit hash of their text (no answer is an answer of its own): the aggregate
+    keeps two integers per prompt, not two strings (an output can be long). Two different answers of one
+    prompt with equal hashes would count as one answer: a chance of about 2^-64 per pair."""
     if not hashed:
         return None
-    v = f"coalesce(CAST({value} AS VARCHAR), chr(0))"  # no answer is an answer of its own
+    v = f"hash(coalesce(CAST({value} AS VARCHAR), chr(0)))"
     con.execute(
         f"CREATE OR REPLACE TEMP TABLE qa_repeats AS SELECT prompt_hash, count(*) AS n, min({v}) <> max({v}) AS "
         "differ FROM r WHERE prompt_hash IS NOT NULL GROUP BY 1 HAVING count(*) > 1"

@@ -153,12 +153,10 @@ def evaluate_stream(
     (chat and generate rows never carry vectors: their scans are skipped)."""
     notes: list[str] = []
     refs = refs or References()
-    tally = ResultTally(capacity=result_rows, low_confidence=spec.low_confidence)
+    tally = ResultTally(capacity=result_rows)
     tally.tally(con, batch_rows, vectors=None if task in (None, "embed", "classify") else False)
     metrics = tally.metrics(labels=labels, structured=structured, notes=notes)
-    stats = answer_stats(
-        con, low=spec.low_confidence, least=spec.least_confident, counted=(tally.confidence, tally.hashed)
-    )
+    stats = answer_stats(con, low=spec.low_confidence, least=spec.least_confident, counted=(tally.ok, tally.hashed))
     least = stats["least"]
     repeats = consistency_counts(con, value=compared, hashed=stats["hashed"]) if compared else None
     picked = repeats[1] if repeats is not None else []
@@ -253,14 +251,13 @@ def measure_answers(
     refs: References,
     compared: str | None,
     notes: list[str],
-    counted: tuple[dict, int] | None = None,
 ) -> dict[str, Any]:
     """``quality`` (labelled rows), ``confidence`` and ``consistency`` from ``con``'s ``r``, ``e`` and references."""
     labelled_view(con, run_source=refs.run_source, ride_along=refs.ride_along)
     q = quality(con, labels=labels, previous=previous, known=refs.known, notes=notes)
     if q is not None:
         q["locations"] = dict(refs.locations)
-    stats = answer_stats(con, low=spec.low_confidence, least=spec.least_confident, counted=counted)
+    stats = answer_stats(con, low=spec.low_confidence, least=spec.least_confident)
     return {
         "quality": q,
         "confidence": confidence_metrics(stats, notes=notes),

@@ -462,11 +462,11 @@ def _changes(d: dict) -> str:
     )
     reasons = ch.get("reasons") or {}
     why = {
-        "settings": "another model, prompt or settings",
+        "settings": "another model, adapter weights, prompt or settings",
         "input": "the text was edited",
         "unified": "an inconsistent earlier answer made one",
         "engine": "same request and settings: the engine's numerics",
-        "unknown": "the previous run did not record its requests",
+        "unknown": "the previous run did not record its requests or adapters",
     }
     if any(reasons.values()):
         sub += "<br>Why answers moved: " + " · ".join(

@@ -35,6 +35,7 @@ RESULT_NEEDS = (
     "id",
     "output",
     "label",
+    "parsed_json",  # a json_schema job's answer: what its consistency compares (changes.compared_column)
     "valid",
     "embedding",
     "scores",

@@ -37,11 +37,6 @@ SPACE_CLASS = (
     r"\x{205f}\x{3000}]"
 )
 _COUNTED = ("finish_reason", "label", "shard_id", "prompt_tokens", "completion_tokens")
-CONF = "_qa_confidence"  # a confidence that is a probability, else NULL
-CONF_VALUE = "CASE WHEN confidence BETWEEN 0 AND 1 THEN confidence END"
-CONF_BUCKET = "_qa_confidence_bucket"
-# not least(...): DuckDB's least() skips a NULL, which would put rows without a confidence in the top bucket
-CONF_BUCKET_SQL = f"CASE WHEN {CONF_VALUE} >= 1 THEN 9 ELSE CAST(floor(({CONF_VALUE}) * 10) AS INTEGER) END"
 _KEYS = ("label", "finish_reason", "model", "model_revision", "shard_id")  # few distinct values: one grouping set
 # output null, '' or only space; the first branch (an ASCII letter, digit or sign first) decides most rows cheaply
 _BLANK = (
@@ -53,12 +48,9 @@ _BLANK = (
 class ResultTally:
     """Everything ``compute_metrics`` needs, as counts from DuckDB (memory: distinct values + latencies)."""
 
-    def __init__(self, capacity: int = 0, low_confidence: float = 0.5) -> None:
-        """``capacity``: the expected result rows (footers), so the latency buffer is allocated once.
-        ``low_confidence``: the confidence below which an answer counts as low (``qa.low_confidence``)."""
-        self.low_confidence = float(low_confidence)
-        self.hashed = 0  # rows with a prompt hash
-        self.confidence: dict[int | None, tuple[int, float, int]] = {}  # bucket -> (rows, sum, rows below low)
+    def __init__(self, capacity: int = 0) -> None:
+        """``capacity``: the expected result rows (footers), so the latency buffer is allocated once."""
+        self.hashed = 0  # rows with a prompt hash (confidence.answer_stats)
         self.ok = self.n_err = self.invalid = self.truncated = self.length_finish = 0
         self.text_rows = self.empty = self.label_nulls = self.valid_nulls = 0
         self.prompt_total = self.completion_total = 0
@@ -97,25 +89,19 @@ class ResultTally:
                 f"count(*) FILTER (WHERE {text} AND {_BLANK.replace('output', out)}), count(prompt_hash) FROM r"
             ).fetchall()
         )
-        # The answers' confidence per bucket is one more grouping set of the same scan (steps/qa/confidence.py).
-        cols = [CONF_BUCKET, *_KEYS, "prompt_tokens", "completion_tokens"]
+        # The answers' confidence is a scan of its own, of that one column (confidence.answer_stats): as one
+        # more grouping set here, it made this query twice as long.
+        cols = [*_KEYS, "prompt_tokens", "completion_tokens"]
         rows = con.execute(
-            f"SELECT grouping({', '.join(cols)}), {', '.join(cols)}, count(*), sum({CONF}), "
-            f"count(*) FILTER (WHERE {CONF} < $low) "
-            f"FROM (SELECT *, {CONF_VALUE} AS {CONF}, {CONF_BUCKET_SQL} AS {CONF_BUCKET} FROM r) "
-            f"GROUP BY GROUPING SETS (({', '.join(_KEYS)}), (prompt_tokens), (completion_tokens), ({CONF_BUCKET}))",
-            {"low": self.low_confidence},
+            f"SELECT grouping({', '.join(cols)}), {', '.join(cols)}, count(*) FROM r "
+            f"GROUP BY GROUPING SETS (({', '.join(_KEYS)}), (prompt_tokens), (completion_tokens))"
         ).fetchall()
-        top = 1 << (len(cols) - 1)  # grouping()'s bit of the first column (bit set = not grouped by it)
-        for g, *values, n, c_sum, c_low in rows:
+        for g, *values, n in rows:
             v = dict(zip(cols, values))
-            if g & 1 == 0:  # grouped by completion_tokens
+            if g & 1 == 0:  # grouped by completion_tokens (grouping(): bit set = not grouped by that column)
                 self.counts["completion_tokens"][v["completion_tokens"]] += n
             elif g & 2 == 0:
                 self.counts["prompt_tokens"][v["prompt_tokens"]] += n
-            elif g & top == 0:
-                b = v[CONF_BUCKET]
-                self.confidence[None if b is None else int(b)] = (int(n), float(c_sum or 0.0), int(c_low))
             else:
                 for c in ("label", "finish_reason", "shard_id"):
                     self.counts[c][v[c]] += n

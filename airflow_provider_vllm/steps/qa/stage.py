@@ -42,7 +42,12 @@ def qa_run(
     if spec.qa.previous_report_uri:
         previous = load_report(spec.qa.previous_report_uri, spec.io.storage_options, filesystems)
     # what moved since the previous run (changes/ output), before the checks that read it
-    changes = compute_changes(spec, filesystems, keyring=keyring).dump() if spec.changes.previous_uri else None
+    # (this run's parts were checked above: passed on, not hashed a second time)
+    changes = (
+        compute_changes(spec, filesystems, keyring=keyring, verified=(merged, parts)).dump()
+        if spec.changes.previous_uri
+        else None
+    )
     plan = load_plan(spec, filesystems, keyring)
     st = spec.sampling.structured
     args: dict[str, Any] = dict(
@@ -68,7 +73,7 @@ def qa_run(
     try:
         # Only what QA reads; vectors are replaced by a presence marker (10M x 384 floats would not fit).
         con.execute(
-            f"CREATE TEMP VIEW r AS SELECT id, output, label, valid, "
+            f"CREATE TEMP VIEW r AS SELECT id, output, label, parsed_json, valid, "
             f"CASE WHEN embedding IS NULL THEN NULL ELSE []::FLOAT[] END AS embedding, scores, finish_reason, "
             f"prompt_tokens, completion_tokens, truncated, latency_ms, model, model_revision, shard_id, "
             f"confidence, prompt_hash "

@@ -62,7 +62,7 @@ def test_the_identity_covers_every_byte_and_the_copy_is_checked(tmp_path, model_
 def test_a_folder_that_is_not_an_adapter_is_refused_naming_it(tmp_path, model_dir):
     with pytest.raises(SpecError, match=r"adapters\[x\].*not a LoRA adapter folder"):
         describe_adapter(AdapterSpec(name="x", source=str(model_dir)), {})
-    with pytest.raises(SpecError, match=r"adapters\[x\].*not a LoRA adapter folder"):
+    with pytest.raises(SpecError, match=r"adapters\[x\].*not a LoRA adapter folder.*it is missing or empty"):
         describe_adapter(AdapterSpec(name="x", source=str(tmp_path / "missing")), {})
     bad = tmp_path / "bad"
     bad.mkdir()

@@ -47,3 +47,21 @@ def test_an_image_identity_names_the_image_and_its_engine_variables():
     a = image_engine_identity("r/w:1@sha256:" + "a" * 64, {"VLLM_USE_V1": "1", "HF_HUB_OFFLINE": "1"})
     assert a == "image r/w:1@sha256:" + "a" * 64 + ' env {"VLLM_USE_V1":"1"}'
     assert image_engine_identity("r/w:1@sha256:" + "b" * 64, {"VLLM_USE_V1": "1"}) != a
+
+
+def test_the_remembered_vllm_build_follows_an_install_on_the_path(tmp_path, monkeypatch):
+    """The distribution lookup is kept per process, but a distribution installed into a folder on sys.path
+    (which changes that folder) is seen by the next call: an upgraded engine is never named by its old version."""
+    import importlib.metadata
+
+    before = vllm_distribution()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    assert vllm_distribution() == before  # nothing installed there yet
+    info = tmp_path / "vllm_fork-9.9.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-fork\nVersion: 9.9.1\n")
+    (info / "top_level.txt").write_text("vllm\n")
+    importlib.invalidate_caches()
+    assert importlib.metadata.version("vllm-fork") == "9.9.1"
+    assert "vllm-fork==9.9.1" in vllm_distribution().split(",")

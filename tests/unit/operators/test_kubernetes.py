@@ -649,3 +649,97 @@ def test_both_runners_map_every_exit_code_through_the_one_table(monkeypatch, cod
         _, local_exc = ending(lambda: local._outcome(shard_id, WorkerResult(code, None, [])))
         _, kube_exc = ending(lambda: kube.cleanup(k8s.V1Pod(metadata=k8s.V1ObjectMeta(name="p")), pod_done))
         assert local_exc is kube_exc is AirflowException
+
+
+# ---- the shared compile cache (docs/adr/0008-shared-compile-cache.md) -------------------------------
+CLAIM = "vllm-compile-cache"
+
+
+def _compile_cache_parts(pod):
+    vols = [v for v in pod.spec.volumes if v.name == "compile-cache"]
+    mounts = [m for m in base(pod).volume_mounts if m.name == "compile-cache"]
+    env = {e.name: e.value for e in base(pod).env if e.name.startswith("VLLM_BATCH_COMPILE_CACHE")}
+    return vols, mounts, env
+
+
+def test_the_deployments_compile_cache_claim_is_mounted_and_the_pod_keys_its_snapshot_folder(monkeypatch, tmp_path):
+    """Rendered as the cncf provider renders pods: the claim of ``[vllm_batch] kubernetes_compile_cache_pvc`` at
+    /compile-cache, read-write, named to the worker; the pod stays PSS restricted (no hostPath). The worker of that
+    pod, with that environment, restores and publishes under /compile-cache/<key>: a key that another model, GPU
+    type or vLLM never shares."""
+    from airflow_provider_vllm.core.seal import Keyring
+    from airflow_provider_vllm.core.spec import JobSpec
+    from airflow_provider_vllm.worker import compile_cache
+    from tests.conftest import TEST_SIGNING_KEY
+
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__KUBERNETES_COMPILE_CACHE_PVC", CLAIM)
+    op = operator()
+    pod = op.build_pod_request_obj(create_context(op, map_index=3))
+    (vol,), (mount,), env = _compile_cache_parts(pod)
+    assert vol.persistent_volume_claim.claim_name == CLAIM and not vol.persistent_volume_claim.read_only
+    assert mount.mount_path == "/compile-cache" and not mount.read_only
+    assert env == {"VLLM_BATCH_COMPILE_CACHE": "/compile-cache"}
+    doc = manifest(pod)
+    assert violations(doc) == {} and all("hostPath" not in v for v in doc["spec"]["volumes"])
+    import kubernetes_validate
+    from kubernetes_validate.utils import latest_version
+
+    kubernetes_validate.validate(doc, latest_version(), strict=True)
+
+    # the worker in that pod: its env, with the claim's mount point standing in a local folder
+    pod_env = {e.name: e.value for e in base(pod).env if e.value is not None}
+    (tmp_path / "compile-cache").mkdir()
+    local = {**pod_env, "VLLM_BATCH_COMPILE_CACHE": str(tmp_path / "compile-cache")}
+    spec = JobSpec.load(op.spec)
+    keyring = Keyring.from_text(TEST_SIGNING_KEY)
+    monkeypatch.setattr(compile_cache, "accelerator", lambda: "gpu:NVIDIA H200 (cc 9.0)")
+    cache = compile_cache.from_env(spec, keyring, local)
+    assert cache is not None and cache.folder == tmp_path / "compile-cache" / cache.key
+    assert re.fullmatch(r"[0-9a-f]{32}", cache.key)
+    assert cache.dirs == {"vllm": "/cache/vllm", "torchinductor": "/cache/torchinductor", "triton": "/cache/triton"}
+    assert cache.facts["model"]["name"] == "fake" and cache.facts["accelerator"] == "gpu:NVIDIA H200 (cc 9.0)"
+    other_model = JobSpec.load({**op.spec, "model": {**op.spec["model"], "name": "other"}})
+    assert compile_cache.from_env(other_model, keyring, local).key != cache.key
+    monkeypatch.setattr(compile_cache, "accelerator", lambda: "gpu:NVIDIA A100-SXM4-80GB (cc 8.0)")
+    assert compile_cache.from_env(spec, keyring, local).key != cache.key
+
+
+def test_no_compile_cache_unless_the_deployment_names_a_claim(monkeypatch):
+    from airflow.sdk.exceptions import AirflowFailException
+
+    monkeypatch.delenv("AIRFLOW__VLLM_BATCH__KUBERNETES_COMPILE_CACHE_PVC", raising=False)
+    op = operator()
+    assert _compile_cache_parts(op.build_pod_request_obj(create_context(op, map_index=3))) == ([], [], {})
+    bad_claims = ("/var/lib/vllm-cache", "Claim", "hostPath:/x", "a" * 254)
+    for bad in bad_claims:
+        monkeypatch.setenv("AIRFLOW__VLLM_BATCH__KUBERNETES_COMPILE_CACHE_PVC", bad)
+        with pytest.raises(AirflowFailException, match="kubernetes_compile_cache_pvc"):
+            operator().build_pod_request_obj(create_context(op, map_index=3))
+    record_malicious("k8s_compile_cache_claim_not_a_claim", len(bad_claims), len(bad_claims))
+
+
+def test_neither_a_job_nor_the_pod_settings_choose_the_compile_cache(monkeypatch):
+    """The claim is the deployment's option alone: the job's kubernetes section has no such field, and its env
+    cannot point the worker at another folder or switch publishing on."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from airflow_provider_vllm.core.errors import SpecError
+
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__KUBERNETES_COMPILE_CACHE_PVC", CLAIM)
+    with pytest.raises((SpecError, ValueError), match="compile_cache_pvc"):
+        make_spec("/in", "/out", kubernetes={"compile_cache_pvc": "mine"})
+    for name in ("VLLM_BATCH_COMPILE_CACHE", "VLLM_BATCH_COMPILE_CACHE_PUBLISH"):
+        op = operator({**SETTINGS, "env": {name: "/data"}})
+        with pytest.raises(AirflowFailException, match="kubernetes_compile_cache_pvc"):
+            op.build_pod_request_obj(create_context(op, map_index=3))
+    record_malicious("k8s_compile_cache_from_job_or_env", 3, 3)
+
+
+def test_a_job_that_may_run_model_repo_code_mounts_the_compile_cache_read_only(monkeypatch):
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__KUBERNETES_COMPILE_CACHE_PVC", CLAIM)
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOW_REMOTE_CODE", "True")
+    op = operator(model={"trust_remote_code": True})
+    pod = op.build_pod_request_obj(create_context(op, map_index=3))
+    (vol,), (mount,), env = _compile_cache_parts(pod)
+    assert vol.persistent_volume_claim.read_only and mount.read_only
+    assert env == {"VLLM_BATCH_COMPILE_CACHE": "/compile-cache", "VLLM_BATCH_COMPILE_CACHE_PUBLISH": "0"}

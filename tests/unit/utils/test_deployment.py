@@ -122,3 +122,21 @@ def test_no_allow_list_refuses_every_task_naming_the_setting(allowed, tmp_path, 
     monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOW_ANY_LOCATION", "sure")  # a typo is not a yes
     with pytest.raises(AirflowFailException, match="not a boolean"):
         VllmPlanOperator(task_id="plan", spec=doc).execute({"ti": _ti(), "params": {}})
+
+
+def test_the_compile_cache_claim_is_off_unless_named_and_warm_starts_follow_it(monkeypatch):
+    from airflow_provider_vllm.utils.deployment import compile_cache_pvc, warm_starts
+
+    spec = make_spec("/in", "/out")
+    monkeypatch.delenv("AIRFLOW__VLLM_BATCH__KUBERNETES_COMPILE_CACHE_PVC", raising=False)
+    assert compile_cache_pvc() is None
+    assert (warm_starts(spec, "local"), warm_starts(spec, "kubernetes")) == (None, False)
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__KUBERNETES_COMPILE_CACHE_PVC", " vllm-compile-cache ")
+    assert compile_cache_pvc() == "vllm-compile-cache"
+    assert (warm_starts(spec, "local"), warm_starts(spec, "kubernetes")) == (None, True)
+    remote = make_spec("/in", "/out", model={"trust_remote_code": True})
+    assert warm_starts(remote, "kubernetes") is False  # read-only pods never publish: each one compiles
+    for bad in ("hostpath:/var/lib", "/data", "UPPER", "-x", "x" * 254):
+        monkeypatch.setenv("AIRFLOW__VLLM_BATCH__KUBERNETES_COMPILE_CACHE_PVC", bad)
+        with pytest.raises(AirflowFailException, match="not a PersistentVolumeClaim name"):
+            compile_cache_pvc()

@@ -299,3 +299,28 @@ def test_the_pod_names_its_adapters_and_how_it_gets_each():
             JobSpec.load({**spec.model_dump(mode="json"), "model": {"name": "org/base"}}), settings, SHARD
         ).annotations
     )
+
+
+def test_the_compile_cache_claim_is_a_pvc_mount_read_only_for_jobs_that_may_run_model_repo_code():
+    from airflow_provider_vllm.utils.pod_spec import COMPILE_CACHE_DIR
+
+    assert [v.name for v in pod_parts(make_spec("/in", "/out"), KubernetesSettings(), "s").volumes] == [
+        "tmp",
+        "cache",
+        "dshm",
+    ]  # none without the deployment's claim
+    for spec, read_only in (
+        (make_spec("/in", "/out"), False),
+        (make_spec("/in", "/out", model={"trust_remote_code": True}), True),
+    ):
+        p = pod_parts(spec, KubernetesSettings(), "s", compile_cache_pvc="cc")
+        (vol,) = [v for v in p.volumes if v.name == "compile-cache"]
+        (mount,) = [m for m in p.volume_mounts if m.name == "compile-cache"]
+        assert vol.host_path is None and vol.persistent_volume_claim.claim_name == "cc"
+        assert vol.persistent_volume_claim.read_only is read_only and mount.read_only is read_only
+        assert mount.mount_path == COMPILE_CACHE_DIR
+        env = env_of(p)
+        assert env["VLLM_BATCH_COMPILE_CACHE"] == COMPILE_CACHE_DIR
+        assert env.get("VLLM_BATCH_COMPILE_CACHE_PUBLISH") == ("0" if read_only else None)
+    with pytest.raises(SpecError, match="kubernetes_compile_cache_pvc"):
+        pod_parts(make_spec("/in", "/out"), KubernetesSettings(env={"VLLM_BATCH_COMPILE_CACHE": "/data"}), "s")

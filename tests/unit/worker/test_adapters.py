@@ -1,7 +1,8 @@
 """LoRA adapters through plan, worker, merge and the result cache, with the strict fake engine.
 
-The fake engine's answer depends on the adapter a request ran with (tests/support/fakes.py), so a row's
-answer shows which adapter the worker asked for; the real engine: tests/vllm/test_lora_vllm.py.
+The fake engine's answer depends on the adapter a request ran with and on that adapter's files
+(tests/support/fakes.py), so a row's answer shows which adapter the worker asked for; the real engine:
+tests/vllm/test_lora_vllm.py.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
 from airflow_provider_vllm.worker.task import ShardTask
 from tests.support.data import PINNED_REVISION, make_spec
-from tests.support.fakes import FakeTokenizer, answer
+from tests.support.fakes import FakeTokenizer, adapter_weights, answer
 from tests.support.lora import write_adapter
 from tests.unit.core.test_adapters import LLAMA
 
@@ -80,7 +81,7 @@ def run(spec, factory):
 def expected(spec, text, adapter):
     tok = FakeTokenizer()
     ids = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
-    return answer(spec, tok.encode(ids, add_special_tokens=False), None, adapter)
+    return answer(spec, tok.encode(ids, add_special_tokens=False), None, adapter, adapter_weights(spec).get(adapter))
 
 
 def test_each_row_runs_with_the_adapter_its_column_names(tmp_path, adapters, fake_engine_factory):
@@ -205,3 +206,74 @@ def test_the_cache_keys_each_rows_adapter_and_each_adapters_bytes(tmp_path, adap
     write_adapter(adapters["billing"], Path(tmp_path / "model"), seed=99)
     plan_d, _, _ = run(spec("d"), fake_engine_factory)
     assert plan_d.cache.hits == 0 and plan_d.cache.key_hash != plan_b.cache.key_hash
+
+
+def test_new_weights_for_an_adapter_miss_the_cache_and_move_its_rows_for_the_settings(
+    tmp_path, adapters, fake_engine_factory
+):
+    """The same job the next night, after the billing adapter was retrained in place (same folder, same name):
+    no row is served from the cache, and the change set says the billing rows moved for the settings, as it
+    says for another model revision; the other rows are unchanged."""
+    from airflow_provider_vllm.steps.merge.changes import CHANGES, compute_changes
+
+    rows = [(f"r{i}", f"ticket {i}", ["billing", "refunds", None][i % 3]) for i in range(12)]
+    for run_name in ("a", "b"):
+        write_rows(tmp_path / f"in-{run_name}.parquet", rows)
+
+    def spec(run_name, previous=None):
+        s = adapter_spec(tmp_path, adapters, run=run_name, revision=PINNED_REVISION)
+        return s.model_copy(
+            update={
+                "cache": make_spec("/i", "/o", cache={"uri": str(tmp_path / "cache")}).cache,
+                "changes": make_spec("/i", "/o", changes={"previous_uri": previous}).changes,
+            }
+        )
+
+    _, res_a, _ = run(spec("a"), fake_engine_factory)
+    write_adapter(adapters["billing"], Path(tmp_path / "model"), seed=99)
+    b = spec("b", previous=str(tmp_path / "out-a"))
+    plan_b, res_b, _ = run(b, fake_engine_factory)
+    assert plan_b.cache.hits == 0 and plan_b.cache.misses == 12
+    assert plan_b.config_hash == json.loads((tmp_path / "out-a" / "_plan.json").read_text())["config_hash"]
+    billing = {i for i, _, w in rows if w == "billing"}
+    assert {i for i in res_b if res_b[i]["output"] != res_a[i]["output"]} == billing  # its new weights answer
+
+    summary = compute_changes(b)
+    got = {r["id"]: (r["change"], r["reason"]) for r in pq.read_table(tmp_path / "out-b" / CHANGES).to_pylist()}
+    assert got == {i: ("changed", "settings") if i in billing else ("unchanged", None) for i, _, _ in rows}
+    assert summary.reasons["settings"] == len(billing) and any("billing (sha256:" in n for n in summary.notes)
+
+
+def test_adapter_copies_go_where_the_deployment_says_and_are_removed_after(
+    tmp_path, adapters, monkeypatch, fake_engine_factory
+):
+    """VLLM_BATCH_ADAPTER_DIR (a pod: /cache/adapters, the large emptyDir, not the 4Gi /tmp) holds the copies
+    vLLM loads, each in a private folder removed when the shard ends."""
+    import contextlib
+
+    import airflow_provider_vllm.worker.shard as shard_module
+
+    root = tmp_path / "copies"
+    monkeypatch.setenv("VLLM_BATCH_ADAPTER_DIR", str(root))
+    given = {}
+    real = shard_module.local_adapters
+
+    @contextlib.contextmanager
+    def watched(spec, plan):
+        with real(spec, plan) as paths:
+            given.update(paths)
+            assert all((Path(p) / "adapter_config.json").is_file() for p in paths.values())  # there while it runs
+            yield paths
+
+    monkeypatch.setattr(shard_module, "local_adapters", watched)
+    write_rows(tmp_path / "in-a.parquet", [("b", "t", "billing"), ("r", "t", "refunds")])
+    _, res, _ = run(adapter_spec(tmp_path, adapters), fake_engine_factory)
+    assert set(res) == {"b", "r"} and set(given) == {"billing", "refunds"}
+    assert all(Path(p).resolve().is_relative_to(root.resolve()) for p in given.values())
+    assert (root.stat().st_mode & 0o777) == 0o700 and list(root.iterdir()) == []
+
+
+def test_the_pod_puts_adapter_copies_on_the_cache_volume():
+    from airflow_provider_vllm.utils.pod_spec import BASE_ENV, CACHE_DIR
+
+    assert BASE_ENV["VLLM_BATCH_ADAPTER_DIR"].startswith(CACHE_DIR + "/")

@@ -21,7 +21,7 @@ from airflow_provider_vllm.core.records import ChangesSummary, MergeSummary
 from airflow_provider_vllm.core.rows import ERROR_SCHEMA, RESULT_SCHEMA
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.steps.merge.changes import CHANGES, SUMMARY, compared_column, compute_changes, read_changes
-from airflow_provider_vllm.steps.merge.merger import ERRORS, MERGED, RESULTS
+from airflow_provider_vllm.steps.merge.merger import ERRORS, MERGED, RESULTS, read_manifest
 from tests.support.data import LABELS, make_spec, merge_summary, write_merged_folder, write_merged_summary
 from tests.support.ledger import record_fault
 
@@ -39,13 +39,23 @@ def write_run(
     config_hash: str = "c",
     hashes: dict[str, int] | None = None,
     configs: dict[str, str] | None = None,
+    adapter_of: dict[str, str] | None = None,
+    adapters: dict[str, str] | None = None,
 ) -> Path:
     """A merged run under ``out``: ``ok`` id -> value of ``col``, ``errors`` id -> error code; ``hashes``:
-    id -> prompt_hash, ``configs``: id -> config_hash (default ``config_hash``)."""
+    id -> prompt_hash, ``configs``: id -> config_hash (default ``config_hash``), ``adapter_of``: id -> the LoRA
+    adapter the row ran with, ``adapters``: the summary's adapter name -> identity."""
     errors = errors or {}
-    hashes, configs = hashes or {}, configs or {}
+    hashes, configs, adapter_of = hashes or {}, configs or {}, adapter_of or {}
     rows = [
-        {"id": i, col: v, "model": "fake", "config_hash": configs.get(i, config_hash), "prompt_hash": hashes.get(i)}
+        {
+            "id": i,
+            col: v,
+            "model": "fake",
+            "config_hash": configs.get(i, config_hash),
+            "prompt_hash": hashes.get(i),
+            "adapter": adapter_of.get(i),
+        }
         for i, v in ok.items()
     ]
     write_merged_folder(out, RESULTS, pa.Table.from_pylist(rows, schema=RESULT_SCHEMA))
@@ -58,6 +68,8 @@ def write_run(
     )
     summary = merge_summary(len(ok) + len(errors), len(ok), len(errors))
     summary = summary.model_copy(update={"config_hash": config_hash, "task": task, "id_column": id_column})
+    if adapters is not None:
+        summary = summary.model_copy(update={"adapters": adapters})
     write_merged_summary(out, summary)
     return out
 
@@ -371,6 +383,56 @@ def test_qa_of_a_second_run_reports_exactly_the_moved_labels(tmp_path, fake_engi
     assert stored["metrics"]["changes"] == ch
 
 
+def test_qa_with_the_changes_reads_each_part_of_its_run_once(tmp_path, fake_engine_factory, monkeypatch):
+    """QA checks this run's parts (size and sha256) and hands them to the change set, which does not hash them
+    again; the previous run's parts are checked once too. The change set equals one computed on its own."""
+    from airflow_provider_vllm.steps.merge.merger import merge
+    from airflow_provider_vllm.steps.plan.planner import plan_job
+    from airflow_provider_vllm.steps.qa import stage
+    from airflow_provider_vllm.worker.shard import run_shard
+    from airflow_provider_vllm.worker.task import ShardTask
+    from tests.support.data import write_parquet
+
+    def run(name, previous):
+        ids = [f"t{i:03d}" for i in range(40)]
+        write_parquet(tmp_path / name / "in.parquet", ids, [f"ticket {i} {name}" for i in ids])
+        spec = make_spec(
+            tmp_path / name / "in.parquet",
+            tmp_path / name / "out",
+            sharding={"target_rows": 10},
+            changes={"previous_uri": previous},
+        )
+        for s in plan_job(spec).shards:
+            run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+        merge(spec)
+        return spec
+
+    run("d1", None)
+    spec = run("d2", str(tmp_path / "d1" / "out"))
+    alone = compute_changes(spec)
+    hashed: list[str] = []
+    real = Storage.sha256
+
+    def spy(self, rel):
+        if rel.startswith(("results/part-", "errors/part-")):
+            hashed.append(self.uri(rel))
+        return real(self, rel)
+
+    monkeypatch.setattr(Storage, "sha256", spy)
+    report, _ = stage.qa_run(spec)
+    parts = [
+        Storage(str(tmp_path / d / "out")).uri(f"{kind}/{p.name}")
+        for d in ("d1", "d2")
+        for kind in (RESULTS, ERRORS)
+        for p in read_manifest(Storage(str(tmp_path / d / "out")), kind).parts
+    ]
+    assert len(parts) > 8 and sorted(hashed) == sorted(parts)  # each part of both runs, once
+    assert read_changes(Storage(str(tmp_path / "d2" / "out"))).model_dump(exclude={"seal"}) == alone.model_dump(
+        exclude={"seal"}
+    )
+    assert report.metrics["changes"]["counts"] == alone.counts.model_dump()
+
+
 def test_a_changed_answer_says_why_it_moved(tmp_path, spec_for):
     write_run(
         tmp_path / "prev",
@@ -396,6 +458,34 @@ def test_a_changed_answer_says_why_it_moved(tmp_path, spec_for):
     }
     assert summary.reasons == {"settings": 1, "input": 1, "unified": 1, "engine": 1, "unknown": 1}
     assert ChangesSummary.model_validate_json((tmp_path / "now" / SUMMARY).read_text()).reasons == summary.reasons
+
+
+def test_an_adapter_with_other_files_moves_its_rows_for_the_settings(tmp_path, spec_for):
+    """The config hash names adapters by name and source, so new weights in the same folder keep it: the rows
+    that ran with that adapter moved for the settings (as with another model revision), named in the notes;
+    rows of the base model or of an unchanged adapter keep their reasons."""
+    answers = {"b": "bug", "r": "bug", "m": "bug", "x": "bug"}
+    hashes = {"b": 1, "r": 2, "m": 3, "x": 4}
+    ran = {"b": "billing", "r": "refunds", "x": "billing"}
+    write_run(tmp_path / "prev", answers, hashes=hashes, adapter_of=ran, adapters={"billing": "s:1", "refunds": "s:2"})
+    write_run(
+        tmp_path / "now",
+        dict.fromkeys(answers, "billing"),
+        hashes={**hashes, "x": 44},  # x: another request (its text was edited) with the changed adapter
+        adapter_of=ran,
+        adapters={"billing": "s:9", "refunds": "s:2"},
+    )
+    summary = compute_changes(spec_for(tmp_path / "prev"))
+    got = {i: r["reason"] for i, r in changes_of(tmp_path / "now").items()}
+    assert got == {"b": "settings", "r": "engine", "m": "engine", "x": "settings"}
+    assert summary.reasons == {"settings": 2, "input": 0, "unified": 0, "engine": 2, "unknown": 0}
+    assert any("billing (s:1 -> s:9)" in n for n in summary.notes)
+
+    # a previous run whose summary did not record its adapters' identities: their rows' reason is unknown
+    write_run(tmp_path / "older", answers, hashes=hashes, adapter_of=ran)
+    summary = compute_changes(spec_for(tmp_path / "older"))
+    got = {i: r["reason"] for i, r in changes_of(tmp_path / "now").items()}
+    assert got == {"b": "unknown", "r": "unknown", "m": "engine", "x": "unknown"}
 
 
 def test_answers_without_a_prompt_hash_compare_with_reason_unknown(tmp_path, spec_for):

@@ -25,7 +25,14 @@ from airflow_provider_vllm.core.commit import MARKER
 from airflow_provider_vllm.core.errors import CommitError
 from airflow_provider_vllm.core.rows import ERROR_SCHEMA, RESULT_SCHEMA
 from airflow_provider_vllm.core.storage import Storage
-from airflow_provider_vllm.steps.merge.merger import MERGED, merge, read_manifest, result_parts
+from airflow_provider_vllm.steps.merge.merger import (
+    MERGED,
+    merge,
+    read_manifest,
+    read_merged,
+    result_parts,
+    verified_parts,
+)
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
 from airflow_provider_vllm.worker.task import ShardTask
@@ -131,6 +138,28 @@ def test_foreign_files_are_refused_and_stale_parts_removed(tmp_path, fake_engine
     assert merge(spec).dump()["checksums"] == ref["checksums"]
     assert _folder(out) == before  # stale part and temp file gone, the rest byte-identical
     check(out, IDS)
+
+
+def test_a_changed_part_is_named_first_in_the_manifests_order(tmp_path, fake_engine_factory):
+    """The parts are hashed side by side; what fails is still the first part in the manifest's order."""
+    spec, plan, out = _run(tmp_path, fake_engine_factory)
+    merge(spec)
+    o = Storage(str(out))
+    merged = read_merged(o)
+    names = [p.name for p in read_manifest(o, "results").parts]
+    assert verified_parts(o, "results", merged) == [f"results/{n}" for n in names] and len(names) == 6
+
+    def replace(name: str, edit) -> None:  # a part is a hard link to the committed chunk: replace, not edit
+        part = out / "results" / name
+        data = edit(bytearray(part.read_bytes()))
+        part.unlink()
+        part.write_bytes(bytes(data))
+
+    replace(names[4], lambda d: d[:-1])  # shorter
+    replace(names[2], lambda d: d[:10] + bytes([d[10] ^ 0xFF]) + d[11:])  # same size, other bytes
+    for _ in range(5):
+        with pytest.raises(CommitError, match=rf"{names[2]} does not have the size and sha256"):
+            verified_parts(o, "results", merged)
 
 
 @pytest.mark.reliability

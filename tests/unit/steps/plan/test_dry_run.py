@@ -534,3 +534,46 @@ def test_dry_run_shows_the_adapters_passthrough_and_their_memory(tmp_path, capsy
     assert "LoRA adapters    2 (every row; default the base model); engine max_lora_rank 16, max_loras 2" in out
     assert f"billing: {a} (rank 16; sha256:" in out and "passthrough      text as input_text (string)" in out
     assert "LoRA: 2 adapter slot(s) (max_loras) of rank 16 (max_lora_rank): 0.13 GiB" in out
+
+
+# ---- engine start: its share of a shard, warm or cold ------------------------------------------------
+def test_the_dry_run_shows_the_engine_start_a_shard_pays_and_its_share(tmp_path, capsys, monkeypatch):
+    from airflow_provider_vllm.steps.plan.sizing import ASSUMED_COLD_START_S, ASSUMED_WARM_START_S
+
+    _dataset(tmp_path)
+    spec = make_spec(tmp_path / "in", tmp_path / "out", sharding={"target_rows": 250})  # 4 shards
+    fast = 5_000.0  # tokens/s: shards of about a second of inference
+    warm = dry_run_report(spec, model_config=LLAMA3_8B, tokens_per_s=fast, warm_starts=True)
+    cold = dry_run_report(spec, model_config=LLAMA3_8B, tokens_per_s=fast, warm_starts=False)
+    assert (warm.engine_start_s, warm.engine_start_basis) == (ASSUMED_WARM_START_S, "assumed:warm")
+    assert (cold.engine_start_s, cold.engine_start_basis) == (ASSUMED_COLD_START_S, "assumed:cold")
+    assert warm.dump()["assumptions"]["engine_start_s"] == ASSUMED_WARM_START_S
+    per_shard = warm.est_inference_s / 4
+    assert warm.engine_start_share == pytest.approx(ASSUMED_WARM_START_S / (ASSUMED_WARM_START_S + per_shard), 1e-3)
+    assert warm.est_gpu_hours < cold.est_gpu_hours
+    # over 10%: the report says how many rows per shard would bring it under, and that many do
+    assert warm.engine_start_share > 0.10 and warm.start_warning is not None
+    need = int(warm.start_warning.split("at least ")[1].split(" rows")[0].replace(",", ""))
+    infer_per_row = warm.est_inference_s / warm.rows
+    assert ASSUMED_WARM_START_S / (ASSUMED_WARM_START_S + need * infer_per_row) <= 0.10
+    assert need == pytest.approx(9 * ASSUMED_WARM_START_S / infer_per_row, rel=0.02)  # not more than it takes
+    big = make_spec(tmp_path / "in", tmp_path / "out", sharding={"target_rows": 250})
+    slow = dry_run_report(big, model_config=LLAMA3_8B, tokens_per_s=10.0, warm_starts=True)  # ~10 min per shard
+    assert slow.engine_start_share <= 0.10 and slow.start_warning is None
+
+    spec_file = tmp_path / "job.json"
+    spec_file.write_text(json.dumps(spec.model_dump(mode="json")))
+    args = [str(spec_file), "--tokens-per-s", str(fast), "--runner", "kubernetes"]
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__KUBERNETES_COMPILE_CACHE_PVC", "vllm-compile-cache")
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("  engine start"))
+    assert f"{ASSUMED_WARM_START_S:.0f} s per shard (ASSUMED; warm: the pods restore a shared compile cache)" in line
+    assert "% of a shard (goal <= 10%)" in line and "WARNING: engine start is" in out
+    monkeypatch.delenv("AIRFLOW__VLLM_BATCH__KUBERNETES_COMPILE_CACHE_PVC")
+    assert main([*args, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["warm_starts"], doc["engine_start_basis"]) == (False, "assumed:cold")
+    assert main([str(spec_file), "--json"]) == 0  # no runner: as before, the stated assumption
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["warm_starts"], doc["engine_start_s"]) == (None, ASSUMED_ENGINE_START_S)

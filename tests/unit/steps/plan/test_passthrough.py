@@ -1,7 +1,8 @@
 """Passthrough columns (io.passthrough): typed input columns in every row of results/ and errors/.
 
 Through plan, the worker (fake engine), merge, the result cache, QA, the change set and the OpenAI
-output; read back by pandas, DuckDB and pyarrow.dataset with the input's own types.
+output; read back by pandas, DuckDB and pyarrow.dataset with the input's own types (timestamps with
+a time zone, dates, decimals, nested lists, structs) and its nulls, in results/ and in errors/.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ UTC = dt.UTC
 TYPES = {
     "queue": pa.string(),
     "opened": pa.timestamp("ms", tz="America/New_York"),
+    "closed": pa.timestamp("us", tz="UTC"),
     "day": pa.date32(),
     "amount": pa.decimal128(12, 2),
     "tags": pa.list_(pa.string()),
@@ -40,23 +42,28 @@ TYPES = {
     "customer": pa.struct([("name", pa.string()), ("tier", pa.int8())]),
     "label": pa.string(),  # scores and label clash with result columns: they need a prefix
 }
+NULLS = (1, 4)  # every passed-through value is null in an ok row (t1) and in an error row (t4)
+INNER = 7  # a null inside a list and inside a struct (t7)
 
 
 def input_table(n: int = 10) -> pa.Table:
     texts = [f"ticket {i}" if i % 4 else "" for i in range(n)]  # every 4th row is an error row (EMPTY_INPUT)
+
+    def col(name, values):
+        return pa.array([None if i in NULLS else v for i, v in enumerate(values)], TYPES[name])
+
     cols = {
         "id": pa.array([f"t{i}" for i in range(n)]),
         "text": pa.array(texts),
-        "queue": pa.array([None if i == 1 else f"q{i % 3}" for i in range(n)], TYPES["queue"]),
-        "opened": pa.array(
-            [dt.datetime(2026, 1, 1 + i, 12, 30, 15, 123000, tzinfo=UTC) for i in range(n)], TYPES["opened"]
-        ),
-        "day": pa.array([dt.date(2025, 12, i + 1) for i in range(n)], TYPES["day"]),
-        "amount": pa.array([decimal.Decimal(f"{i}1234567.{i:02d}") for i in range(n)], TYPES["amount"]),
-        "tags": pa.array([[f"a{i}", "b"] if i % 2 else [] for i in range(n)], TYPES["tags"]),
-        "scores": pa.array([[[i, -i], [32767]] for i in range(n)], TYPES["scores"]),
-        "customer": pa.array([{"name": f"c{i}", "tier": i % 3} for i in range(n)], TYPES["customer"]),
-        "label": pa.array([f"gold{i % 2}" for i in range(n)]),
+        "queue": col("queue", [f"q{i % 3}" for i in range(n)]),
+        "opened": col("opened", [dt.datetime(2026, 1, 1 + i, 12, 30, 15, 123000, tzinfo=UTC) for i in range(n)]),
+        "closed": col("closed", [dt.datetime(2026, 2, 1 + i, 23, 59, 59, 999999, tzinfo=UTC) for i in range(n)]),
+        "day": col("day", [dt.date(2025, 12, i + 1) for i in range(n)]),
+        "amount": col("amount", [decimal.Decimal(f"{i}1234567.{i:02d}") for i in range(n)]),
+        "tags": col("tags", [[None, "b"] if i == INNER else [f"a{i}", "b"] if i % 2 else [] for i in range(n)]),
+        "scores": col("scores", [[[i, -i], [32767]] for i in range(n)]),
+        "customer": col("customer", [{"name": None if i == INNER else f"c{i}", "tier": i % 3} for i in range(n)]),
+        "label": col("label", [f"gold{i % 2}" for i in range(n)]),
     }
     return pa.table(cols)
 
@@ -92,25 +99,65 @@ def test_passthrough_columns_keep_their_types_in_results_and_errors(tmp_path, fa
         assert schema.names == base.names + list(want)
         assert {f.name: f.type for f in schema if f.name in want} == want
 
-    # values, by id, equal the input's, read three ways
     by_id = {r["id"]: r for r in table.to_pylist()}
-    dataset = ds.dataset(str(out / RESULTS), format="parquet").to_table()
-    errors = ds.dataset(str(out / ERRORS), format="parquet").to_table()
-    assert dataset.num_rows + errors.num_rows == 10 and errors.num_rows == 3
-    for t in (dataset, errors):
-        for r in t.to_pylist():
-            assert {c: r[f"in_{c}"] for c in carried} == {c: by_id[r["id"]][c] for c in carried}
-    frame = pd.read_parquet(out / RESULTS)
-    assert str(frame["in_opened"].dtype) == "datetime64[ms, America/New_York]"
-    row = frame.set_index("id").loc["t5"]
-    assert row["in_amount"] == decimal.Decimal("51234567.05") and list(row["in_tags"]) == ["a5", "b"]
+    kinds = {RESULTS: {"t1", "t2", "t3", "t5", "t6", "t7", "t9"}, ERRORS: {"t0", "t4", "t8"}}
+
+    # pyarrow.dataset: the input's types, and by id the input's values (nulls, inner nulls included)
+    for kind, ids in kinds.items():
+        got = ds.dataset(str(out / kind), format="parquet").to_table()
+        assert {f.name: f.type for f in got.schema if f.name in want} == want
+        rows = {r["id"]: r for r in got.to_pylist()}
+        assert set(rows) == ids
+        for i, r in rows.items():
+            assert {c: r[f"in_{c}"] for c in carried} == {c: by_id[i][c] for c in carried}, i
+
+    # pandas (pyarrow engine): tz-aware timestamps, Decimal objects, lists and dicts; nulls as NaT / None
+    for kind in kinds:
+        frame = pd.read_parquet(out / kind).set_index("id")
+        assert str(frame["in_opened"].dtype) == "datetime64[ms, America/New_York]"
+        assert str(frame["in_closed"].dtype) == "datetime64[us, UTC]"
+        null_id = "t1" if kind == RESULTS else "t4"
+        row = frame.loc[null_id]
+        assert row[[f"in_{c}" for c in TYPES]].isna().all(), row
+    res = pd.read_parquet(out / RESULTS).set_index("id")
+    t5 = res.loc["t5"]
+    assert t5["in_amount"] == decimal.Decimal("51234567.05") and list(t5["in_tags"]) == ["a5", "b"]
+    assert t5["in_opened"] == pd.Timestamp("2026-01-06 12:30:15.123", tz="UTC")
+    assert t5["in_closed"] == pd.Timestamp("2026-02-06 23:59:59.999999", tz="UTC")
+    assert t5["in_customer"] == {"name": "c5", "tier": 2} and [list(x) for x in t5["in_scores"]] == [[5, -5], [32767]]
+    assert list(res.loc["t7", "in_tags"]) == [None, "b"] and res.loc["t7", "in_customer"] == {"name": None, "tier": 1}
+    err = pd.read_parquet(out / ERRORS).set_index("id")
+    assert err.loc["t8", "in_amount"] == decimal.Decimal("81234567.08") and err.loc["t8", "error_code"] == "EMPTY_INPUT"
+
+    # DuckDB: the types, and every passed-through value equal to the input's, joined by id (nulls included)
     con = duckdb.connect()
+    src = f"read_parquet('{tmp_path / 'in-a.parquet'}')"
+    same = " AND ".join(f'o."in_{c}" IS NOT DISTINCT FROM i."{c}"' for c in carried)
+    for kind, ids in kinds.items():
+        rel = f"read_parquet('{out / kind}/*.parquet')"
+        n, equal = con.execute(
+            f"SELECT count(*), count(*) FILTER (WHERE {same}) FROM {rel} o JOIN {src} i USING (id)"
+        ).fetchone()
+        assert n == equal == len(ids), kind
+        types = con.execute(
+            f"SELECT typeof(in_opened), typeof(in_closed), typeof(in_day), typeof(in_amount), typeof(in_tags), "
+            f"typeof(in_scores), typeof(in_customer) FROM {rel} LIMIT 1"
+        ).fetchone()
+        assert types == (
+            "TIMESTAMP WITH TIME ZONE",
+            "TIMESTAMP WITH TIME ZONE",
+            "DATE",
+            "DECIMAL(12,2)",
+            "VARCHAR[]",
+            "SMALLINT[][]",
+            'STRUCT("name" VARCHAR, tier TINYINT)',
+        )
     got = con.execute(
-        f"SELECT typeof(in_amount), typeof(in_scores), typeof(in_customer), in_customer.name, epoch_ms(in_opened) "
-        f"FROM read_parquet('{out / RESULTS}/*.parquet') WHERE id = 't5'"
+        f"SELECT in_customer.name, epoch_ms(in_opened), in_amount IS NULL, in_tags IS NULL "
+        f"FROM read_parquet('{out / RESULTS}/*.parquet') WHERE id IN ('t5', 't1') ORDER BY id"
     ).fetchall()
     opened = int(dt.datetime(2026, 1, 6, 12, 30, 15, 123000, tzinfo=UTC).timestamp() * 1000)
-    assert got == [("DECIMAL(12,2)", "SMALLINT[][]", 'STRUCT("name" VARCHAR, tier TINYINT)', "c5", opened)]
+    assert got == [(None, None, True, True), ("c5", opened, False, False)]
 
 
 def test_named_columns_only_and_no_columns_by_default(tmp_path, fake_engine_factory):

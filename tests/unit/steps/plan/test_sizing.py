@@ -225,3 +225,86 @@ def test_unreadable_history_falls_back_with_a_warning(tmp_path, caplog):
     with caplog.at_level("WARNING"):
         assert size_shards(spec, 150, 1000) is None
     assert "cannot read the throughput history" in caplog.text
+
+
+# ---- engine start: warm (a restored shared compile cache) or cold -------------------------------------
+def test_start_estimate_takes_the_warm_or_cold_starts_the_shards_will_pay():
+    from airflow_provider_vllm.core.plan import Evidence
+    from airflow_provider_vllm.steps.plan.sizing import (
+        ASSUMED_COLD_START_S,
+        ASSUMED_WARM_START_S,
+        start_estimate,
+    )
+
+    def ev(**starts):
+        base = {"basis": "config", "hardware": "1x NVIDIA H200", "records": 1, "rows": 1, "infer_s": 1.0}
+        rates = {"rows_per_s": 1.0, "tokens_per_s": 1.0, "prompt_tokens_per_row": 1.0, "completion_tokens_per_row": 1.0}
+        return Evidence(**base, **rates, **{"engine_start_s": None, **starts})
+
+    both = ev(engine_start_s=75.0, engine_start_warm_s=41.0, engine_start_cold_s=110.0)
+    assert (start_estimate(both, True).seconds, start_estimate(both, True).basis) == (41.0, "history:warm")
+    assert (start_estimate(both, False).seconds, start_estimate(both, False).basis) == (110.0, "history:cold")
+    assert (start_estimate(both, None).seconds, start_estimate(both, None).basis) == (75.0, "history")
+    only_all = ev(engine_start_s=30.0)  # history from before the shared cache: a small model's starts
+    assert (start_estimate(only_all, True).seconds, start_estimate(only_all, True).basis) == (30.0, "assumed:warm")
+    assert start_estimate(ev(engine_start_s=300.0), True).seconds == ASSUMED_WARM_START_S
+    assert (start_estimate(only_all, False).seconds, start_estimate(only_all, False).basis) == (30.0, "history")
+    assert start_estimate(None, False).seconds == ASSUMED_COLD_START_S
+    assert start_estimate(None, True).seconds == ASSUMED_WARM_START_S
+    assert start_estimate(None, None) == start_estimate(ev(), None) and start_estimate(None, None).seconds == 0.0
+    assert start_estimate(None, False, 55.0).seconds == 55.0  # the caller's assumption wins over the measured one
+
+
+def test_shards_are_sized_for_the_start_they_will_pay_warm_or_cold(tmp_path):
+    write_parquet(tmp_path / "in" / "a.parquet", [f"t{i:05d}" for i in range(10_000)], ["some ticket"] * 10_000)
+    spec = spec_with_history(tmp_path)
+    # 10 rows/s: 1000 s of inference; starts 41 s warm, 110 s cold
+    rec = record(spec, engine_start_s=75.0, engine_start_warm_s=41.0, engine_start_cold_s=110.0)
+    write_history(tmp_path / "history", {"20261128T030000Z-a-b.jsonl": [rec]})
+    warm = build_plan(spec, warm_starts=True)
+    cold = build_plan(spec, warm_starts=False)
+    assert (warm.sizing.engine_start_s, warm.sizing.engine_start_basis) == (41.0, "history:warm")
+    assert (cold.sizing.engine_start_s, cold.sizing.engine_start_basis) == (110.0, "history:cold")
+    assert warm.sizing.target_s == 410.0 and cold.sizing.target_s == 1100.0
+    assert len(warm.shards) == 2 and len(cold.shards) == 1  # floor(1000 / 369) = 2; floor(1000 / 990) = 1
+    for plan in (warm, cold):
+        start = plan.sizing.engine_start_s
+        assert all(start / (start + s.rows / 10.0) <= 0.10 for s in plan.shards)
+    assert build_plan(spec).sizing.engine_start_basis == "history"  # the local runner: all starts pooled
+
+
+def test_merged_runs_record_warm_and_cold_starts_apart(tmp_path, fake_engine_factory, monkeypatch):
+    """A worker with the shared compile cache says whether it restored a snapshot; the history keeps the
+    medians of warm and cold starts apart (restore and publish seconds counted in)."""
+    from airflow_provider_vllm.steps.plan.sizing import run_records
+    from airflow_provider_vllm.worker import compile_cache
+
+    n = 200
+    write_parquet(tmp_path / "in" / "a.parquet", [f"t{i:04d}" for i in range(n)], [f"ticket {i}" for i in range(n)])
+    spec = spec_with_history(tmp_path)
+    shared = tmp_path / "compile-cache"
+    shared.mkdir()
+    for name, sub in (("VLLM_CACHE_ROOT", "vllm"), ("TORCHINDUCTOR_CACHE_DIR", "ind"), ("TRITON_CACHE_DIR", "tri")):
+        monkeypatch.setenv(name, str(tmp_path / "pod" / sub))
+    monkeypatch.setenv("VLLM_BATCH_COMPILE_CACHE", str(shared))
+    monkeypatch.setattr(compile_cache, "accelerator", lambda: "cpu:test")
+    plan = plan_job(spec)
+    for s in plan.shards:  # one after the other: the first compiles and publishes, the second restores
+        run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+    markers = []
+    from airflow_provider_vllm.core.commit import CommitMarker
+
+    for s in plan.shards:
+        raw = (tmp_path / "out" / "shards" / s.shard_id / "_COMMITTED.json").read_text()
+        markers.append(CommitMarker.model_validate_json(raw))
+    assert [m.stats.compile_cache for m in markers] == ["cold", "warm"]
+    assert all(m.stats.compile_cache_s is not None for m in markers)
+    # the fake engine starts in no time: give the markers a real engine's starts
+    markers = [
+        m.model_copy(update={"stats": m.stats.model_copy(update={"engine_start_s": s})})
+        for m, s in zip(markers, (110.0, 41.0))
+    ]
+    (rec,) = run_records(spec, plan, markers)
+    cold, warm = (m.stats.engine_start_s + m.stats.compile_cache_s for m in markers)
+    assert rec.engine_start_cold_s == round(cold, 3) and rec.engine_start_warm_s == round(warm, 3)
+    assert rec.engine_start_s == round((cold + warm) / 2, 3)  # the median of all starts, as before

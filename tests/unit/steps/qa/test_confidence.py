@@ -65,3 +65,36 @@ def test_a_confidence_that_is_not_a_probability_counts_as_none():
     assert c["rows"] == 3 and c["missing"] == 2
     assert [b["rows"] for b in c["buckets"]] == [0, 0, 1, 0, 0, 0, 0, 0, 0, 2]
     assert c["least_confident_ids"] == ["it's-2", "it's-3", "it's-4"]
+
+
+def test_the_least_confident_rows_equal_a_full_sort_with_ties_at_the_cut():
+    """The ids are read only at or below the least-th smallest confidence: the same rows, in the same order, as
+    sorting every row by (confidence, id), for ties across the cut, in several buckets, and for more rows asked
+    than there are."""
+    values = [0.3, 0.05, 0.3, 0.3, 0.95, 0.3, 1.0, 0.05, math.nan, None, 0.299, 0.3, -1.0, 0.7, 0.05]
+    con, df = _con(values)
+    df = df[df["confidence"].between(0, 1)]
+    for least in (1, 2, 3, 4, 6, 9, 13, 50):
+        want = df.sort_values(["confidence", "id"]).head(least)["id"].tolist()
+        assert answer_stats(con, low=0.5, least=least)["least"] == want, least
+    assert answer_stats(con, low=0.5, least=0)["least"] == []
+
+
+def test_long_answers_that_differ_at_the_end_are_inconsistent():
+    """Answers are compared by a hash of their text: two long outputs with one character apart differ, equal ones
+    do not, and no answer differs from an empty one."""
+    n = 6
+    base = "x" * 5000
+    r = pa.table(
+        {
+            "id": [f"r{i}" for i in range(n)],
+            "output": [base + "a", base + "b", base, base, None, ""],
+            "prompt_hash": pa.array([1, 1, 2, 2, 3, 3], pa.int64()),
+            "confidence": pa.array([None] * n, pa.float32()),
+        }
+    )
+    con = duckdb.connect()
+    con.register("r", r)
+    c = consistency_metrics(con, value="output", hashed=n)
+    assert (c["repeated_prompts"], c["inconsistent_prompts"], c["inconsistent_rows"]) == (3, 2, 4)
+    assert [x["ids"] for x in c["examples"]] == [["r0", "r1"], ["r4", "r5"]]

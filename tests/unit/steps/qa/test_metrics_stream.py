@@ -240,3 +240,35 @@ def test_a_sample_over_the_in_list_limit_reads_the_rows_by_a_join(tmp_path, monk
     monkeypatch.setattr(evaluate_mod, "IN_LIST_MAX", 3)
     joined = _streamed(tmp_path, results, errors, **kw)
     assert str(joined.sample.to_pylist()) == str(listed.sample.to_pylist()) and joined.sample.num_rows == 40
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_json_schema_job_compares_its_parsed_json(tmp_path, monkeypatch, stream):
+    """A json_schema job's answers are its parsed JSON (``changes.compared_column``): QA reads that column for the
+    consistency of repeated prompts on both paths (it was missing from what QA read: a BinderException)."""
+    from airflow_provider_vllm.steps.merge.merger import merge
+    from airflow_provider_vllm.steps.plan.planner import plan_job
+    from airflow_provider_vllm.steps.qa import stage
+    from airflow_provider_vllm.worker.shard import run_shard
+    from airflow_provider_vllm.worker.task import ShardTask
+    from tests.support.data import make_spec, write_parquet
+    from tests.support.fakes import FakeEngine
+
+    write_parquet(
+        tmp_path / "in" / "a.parquet", [f"row-{i}" for i in range(40)], [f"ticket {i % 7}" for i in range(40)]
+    )
+    spec = make_spec(
+        tmp_path / "in",
+        tmp_path / "out",
+        sampling={"structured": {"json_schema": {"type": "object"}}, "max_tokens": 16},
+        qa={"sample_size": 10},
+    )
+    for shard in plan_job(spec).shards:
+        run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=FakeEngine)
+    merge(spec)
+    if stream:
+        monkeypatch.setattr(stage, "STREAM_ABOVE_ROWS", 0)
+    report, _ = stage.qa_run(spec)
+    c = report.metrics["consistency"]
+    assert c["compared"] == "parsed_json" and c["rows_hashed"] == 40 and c["repeated_prompts"] == 7
+    assert "parsed_json" in report.sample.column_names

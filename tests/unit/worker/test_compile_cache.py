@@ -1,0 +1,270 @@
+"""The shared compile cache: a pod restores a verified snapshot, publishes one after a cold start, and two
+pods publishing at once can never leave a torn or mixed snapshot (the rename is atomic and create-only)."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+from pathlib import Path
+
+import pytest
+
+from airflow_provider_vllm.core.seal import Keyring
+from airflow_provider_vllm.core.spec import JobSpec
+from airflow_provider_vllm.worker import compile_cache as cc
+
+KEY = "k" * 40
+
+
+def _spec(**engine) -> JobSpec:
+    return JobSpec.load(
+        {
+            "name": "warm",
+            "model": {"name": "/models/llama"},
+            "engine": engine,
+            "prompt": {"template": "{text}"},
+            "io": {"input_uri": "/data/in/", "output_uri": "/data/out/"},
+        }
+    )
+
+
+def _dirs(base: Path) -> dict[str, str]:
+    return {n: str(base / n) for n in ("vllm", "torchinductor", "triton")}
+
+
+def _env(root: Path, base: Path, **more: str) -> dict[str, str]:
+    d = _dirs(base)
+    return {
+        "VLLM_BATCH_COMPILE_CACHE": str(root),
+        "VLLM_CACHE_ROOT": d["vllm"],
+        "TORCHINDUCTOR_CACHE_DIR": d["torchinductor"],
+        "TRITON_CACHE_DIR": d["triton"],
+        **more,
+    }
+
+
+def _pod(root: Path, base: Path, tag: str = "a", key: str = KEY, **more: str) -> cc.CompileCache:
+    """A pod's view, with the accelerator fixed (no nvidia-smi in a unit test). Pods mount their emptyDir at the
+    same path, so they share a key; test pods live in different folders: key them as if they were at /cache."""
+    cache = _from_env(root, base, key, **more)
+    assert cache is not None
+    cache.key = cc.cache_key({**cache.facts, "dirs": _dirs(Path("/cache"))})
+    return cache
+
+
+def _from_env(root: Path, base: Path, key: str = KEY, **more: str) -> cc.CompileCache | None:
+    orig = cc.accelerator
+    cc.accelerator = lambda: "gpu:NVIDIA H200 (cc 9.0)"  # type: ignore[assignment]
+    try:
+        return cc.from_env(_spec(), Keyring.from_text(key), _env(root, base, **more))
+    finally:
+        cc.accelerator = orig  # type: ignore[assignment]
+
+
+def _compile(base: Path, tag: str, files: int = 5) -> dict[str, bytes]:
+    """What an engine leaves in its private folders, plus the temporaries a copy must skip."""
+    out = {}
+    for i in range(files):
+        for name, sub in (
+            ("vllm", "torch_compile_cache/abc/rank_0_0/backbone"),
+            ("triton", f"K{i}"),
+            ("torchinductor", "fxgraph/x"),
+        ):
+            p = base / name / sub / f"art{i}.bin"
+            p.parent.mkdir(parents=True, exist_ok=True)
+            data = (f"{tag}:{name}:{i}:".encode()) * (2000 + i)
+            p.write_bytes(data)
+            out[f"{name}/{sub}/art{i}.bin"] = data
+    (base / "triton" / "tmp.pid_7_x").mkdir(parents=True)
+    (base / "triton" / "tmp.pid_7_x" / "half.cubin").write_bytes(b"torn")
+    (base / "torchinductor" / ".7.1234.tmp").write_bytes(b"torn")
+    return out
+
+
+def _tree(base: Path) -> dict[str, bytes]:
+    return {p.relative_to(base).as_posix(): p.read_bytes() for p in sorted(base.rglob("*")) if p.is_file()}
+
+
+def test_first_pod_publishes_and_a_later_pod_restores_exactly_its_files(tmp_path):
+    root = tmp_path / "shared"
+    root.mkdir()
+    first = _pod(root, tmp_path / "pod1")
+    assert first.restore() == "cold"
+    compiled = _compile(tmp_path / "pod1", "a")
+    assert first.publish("shard-0/att-1") is True
+    assert first.stats()["compile_cache"] == "cold"
+
+    later = _pod(root, tmp_path / "pod2")
+    assert later.key == first.key
+    assert later.restore() == "warm"
+    assert _tree(tmp_path / "pod2") == compiled  # every artefact, none of the half-written temporaries
+    assert later.publish("shard-1/att-1") is False  # a warm pod never republishes
+    assert later.stats()["compile_cache"] == "warm"
+    manifest = json.loads((root / later.key / cc.SNAPSHOT / cc.MANIFEST).read_text())
+    assert manifest["publisher"] == "shard-0/att-1" and manifest["facts"]["accelerator"].startswith("gpu:NVIDIA H200")
+
+
+def _publisher(root: str, base: str, tag: str, barrier, results) -> None:
+    pod = _pod(Path(root), Path(base))
+    pod.restore()
+    _compile(Path(base), tag, files=40)
+    barrier.wait()  # both copy and rename at the same moment
+    results.put((tag, pod.publish(f"shard-{tag}/att")))
+
+
+def test_two_pods_publishing_at_once_leave_one_whole_snapshot_never_a_mix(tmp_path):
+    root = tmp_path / "shared"
+    root.mkdir()
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(2), ctx.Queue()
+    procs = [
+        ctx.Process(target=_publisher, args=(str(root), str(tmp_path / f"pod-{t}"), t, barrier, results))
+        for t in ("A", "B")
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    won = dict(results.get(timeout=5) for _ in procs)
+    assert sorted(won.values()) == [False, True]  # exactly one publisher won
+    winner = next(t for t, ok in won.items() if ok)
+    (key_dir,) = [p for p in root.iterdir()]
+    assert [p.name for p in key_dir.iterdir()] == [cc.SNAPSHOT]  # the loser's copy is gone
+
+    reader = _pod(root, tmp_path / "reader")
+    assert reader.restore() == "warm"
+    restored = _tree(tmp_path / "reader")
+    assert restored == {k: v for k, v in _tree(tmp_path / f"pod-{winner}").items() if "tmp" not in k}
+    assert all(v.startswith(f"{winner}:".encode()) for v in restored.values())  # one writer's files only
+
+
+def test_a_changed_file_is_refused_and_nothing_half_restored_stays(tmp_path):
+    root = tmp_path / "shared"
+    root.mkdir()
+    first = _pod(root, tmp_path / "pod1")
+    first.restore()
+    _compile(tmp_path / "pod1", "a")
+    first.publish("s/a")
+    victim = sorted((root / first.key / cc.SNAPSHOT / "triton").rglob("*.bin"))[-1]
+    victim.write_bytes(b"print('owned')")  # whoever can write the volume but lacks the signing key
+
+    later = _pod(root, tmp_path / "pod2")
+    assert later.restore() == "cold"
+    assert _tree(tmp_path / "pod2") == {}
+    assert later.publish("s/b") is False  # the name is taken: the bad snapshot stays until removed
+    assert "does not match its manifest entry" in later.notes[0]
+
+
+def test_a_snapshot_sealed_with_another_key_or_moved_to_another_key_is_refused(tmp_path):
+    root = tmp_path / "shared"
+    root.mkdir()
+    other = _pod(root, tmp_path / "pod1", key="z" * 40)  # same engine, another deployment's signing key
+    other.restore()
+    _compile(tmp_path / "pod1", "a")
+    other.publish("s/a")
+    assert _pod(root, tmp_path / "pod2").restore() == "cold"
+
+    mine = _pod(root, tmp_path / "pod3")
+    (root / mine.key).rename(root / "key-x")
+    mine.restore()
+    _compile(tmp_path / "pod3", "b")
+    assert mine.publish("s/b") is True
+    moved = "0" * 32
+    (root / mine.key).rename(root / moved)  # this deployment's snapshot, renamed to another key's folder
+    reader = _pod(root, tmp_path / "pod4")
+    reader.key = moved
+    assert reader.restore() == "cold"
+    assert "does not match its content" in reader.notes[0]
+
+
+def test_manifest_paths_outside_the_private_folders_and_links_are_refused(tmp_path):
+    root = tmp_path / "shared"
+    root.mkdir()
+    pod = _pod(root, tmp_path / "pod1")
+    for bad in ("../x", "/etc/passwd", "vllm", "home/x", "vllm/../../x", "vllm/./x", "vllm\\x"):
+        with pytest.raises(cc.SnapshotInvalid):
+            cc._split(bad, pod.dirs)
+    link_root = tmp_path / "snap"
+    (link_root / "vllm").mkdir(parents=True)
+    (link_root / "vllm" / "f").symlink_to("/etc/hostname")
+    with pytest.raises(OSError):
+        cc._open_regular(link_root / "vllm" / "f", link_root)  # O_NOFOLLOW
+    (link_root / "triton").symlink_to("/etc")
+    with pytest.raises(cc.SnapshotInvalid, match="outside"):
+        cc._open_regular(link_root / "triton" / "hostname", link_root)
+
+
+def test_a_restarted_container_keeps_its_own_files(tmp_path):
+    root = tmp_path / "shared"
+    root.mkdir()
+    first = _pod(root, tmp_path / "pod1")
+    first.restore()
+    compiled = _compile(tmp_path / "pod1", "a")
+    first.publish("s/a")
+    mine = tmp_path / "pod2" / next(iter(compiled))
+    mine.parent.mkdir(parents=True)
+    mine.write_bytes(b"mine")
+    assert _pod(root, tmp_path / "pod2").restore() == "warm"
+    assert mine.read_bytes() == b"mine"
+
+
+def test_the_key_changes_with_what_artefacts_depend_on(tmp_path):
+    dirs = _dirs(tmp_path)
+    base = cc.key_facts(_spec(), dirs, "gpu:NVIDIA H200 (cc 9.0)")
+    key = cc.cache_key(base)
+    assert cc.cache_key(cc.key_facts(_spec(), dirs, "gpu:NVIDIA H200 (cc 9.0)")) == key  # stable
+    changed = [
+        {**base, "accelerator": "gpu:NVIDIA A100-SXM4-80GB (cc 8.0)"},
+        {**base, "accelerator": "cpu:AMD EPYC"},
+        {**base, "vllm": "vllm==0.26.0"},
+        {**base, "torch": "2.12.0"},
+        {**base, "triton": "3.7.0"},
+        cc.key_facts(_spec(max_num_seqs=512), dirs, "gpu:NVIDIA H200 (cc 9.0)"),
+        cc.key_facts(_spec(batch_invariant=True), dirs, "gpu:NVIDIA H200 (cc 9.0)"),
+        cc.key_facts(
+            _spec().model_copy(update={"model": _spec().model.model_copy(update={"name": "/m/b"})}), dirs, "x"
+        ),
+        cc.key_facts(_spec(), _dirs(tmp_path / "elsewhere"), "gpu:NVIDIA H200 (cc 9.0)"),
+    ]
+    keys = {cc.cache_key(f) for f in changed}
+    assert key not in keys and len(keys) == len(changed)
+
+
+def test_off_unless_the_pod_names_the_folder_and_three_separate_private_folders(tmp_path, monkeypatch):
+    root = tmp_path / "shared"
+    root.mkdir()
+    keyring = Keyring.from_text(KEY)
+    assert cc.from_env(_spec(), keyring, {}) is None
+    env = _env(root, tmp_path / "p")
+    assert cc.from_env(_spec(), keyring, {k: v for k, v in env.items() if k != "TRITON_CACHE_DIR"}) is None
+    assert cc.from_env(_spec(), keyring, {**env, "TRITON_CACHE_DIR": env["VLLM_CACHE_ROOT"] + "/triton"}) is None
+    assert cc.from_env(_spec(), keyring, {**env, "VLLM_BATCH_COMPILE_CACHE": str(tmp_path / "absent")}) is None
+    monkeypatch.setattr(cc, "accelerator", lambda: None)  # NVIDIA devices nobody can name
+    assert cc.from_env(_spec(), keyring, env) is None
+
+
+def test_a_read_only_pod_restores_but_never_publishes(tmp_path):
+    root = tmp_path / "shared"
+    root.mkdir()
+    pod = _pod(root, tmp_path / "pod1", VLLM_BATCH_COMPILE_CACHE_PUBLISH="0")
+    assert pod.restore() == "cold"
+    _compile(tmp_path / "pod1", "a")
+    assert pod.publish("s/a") is False
+    assert list(root.iterdir()) == []
+
+
+def test_a_stale_publish_folder_of_a_killed_pod_is_removed_and_never_read(tmp_path):
+    root = tmp_path / "shared"
+    root.mkdir()
+    pod = _pod(root, tmp_path / "pod1")
+    stale = root / pod.key / f"{cc.PUBLISHING}dead"
+    (stale / "vllm").mkdir(parents=True)
+    (stale / "vllm" / "half").write_bytes(b"to")
+    assert _pod(root, tmp_path / "pod0").restore() == "cold"  # a publish folder is never a snapshot
+    os.utime(stale, (0, 0))
+    pod.restore()
+    _compile(tmp_path / "pod1", "a")
+    assert pod.publish("s/a") is True
+    assert not stale.exists()
