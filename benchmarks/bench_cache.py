@@ -3,7 +3,7 @@
 as a ratio to the same run without the cache (no vLLM: shard outputs are synthesised).
 
     .venv/bin/python benchmarks/bench_cache.py [--rows 10000000] [--changed 0.02] [--repeat 2]
-                                               [--workdir .cache/bench/cache]
+                                               [--workdir .cache/bench/cache] [--profile]
 
 1. Input A: ``bench_dataplane.generate_dataset`` (``--rows`` rows, 10 files) with the id appended
    to each text (its texts come from a few thousand template pairs; tickets are unique); input B:
@@ -14,6 +14,9 @@ as a ratio to the same run without the cache (no vLLM: shard outputs are synthes
    prefix, plan (timed) -> synthesised commits for the planned shards (not timed: they stand in
    for the GPU) -> merge (timed). The cache side starts each time from a hard-linked copy of the
    warm cache, so every repeat sees the same 10M-row cache.
+
+``--profile``: one cached run only (plan and merge under cProfile, with the seconds of each DuckDB statement),
+printed to stderr; nothing is appended to results.jsonl.
 
 Baseline: the no-cache side in the same invocation. Prints per side the plan and merge seconds
 (medians), peak RSS of each stage (its own subprocess), the rows the shards would infer (the
@@ -79,7 +82,7 @@ def derive(src: Path, dst: Path, text_sql: str, recipe: dict) -> int:
     return changed
 
 
-def child(stage: str, input_dir: Path, run_dir: Path, cache_dir: str) -> None:
+def child(stage: str, input_dir: Path, run_dir: Path, cache_dir: str, profile: bool = False) -> None:
     import resource
 
     from airflow_provider_vllm.steps.merge.merger import merge
@@ -87,7 +90,12 @@ def child(stage: str, input_dir: Path, run_dir: Path, cache_dir: str) -> None:
 
     spec = spec_for(input_dir, run_dir, Path(cache_dir) if cache_dir else None)
     extra: dict = {}
+    if profile:
+        _profiled(stage, input_dir, run_dir, cache_dir)
+        return
     t0 = time.perf_counter()
+    use0 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu0 = use0.ru_utime + use0.ru_stime
     if stage == "plan":
         plan = plan_job(spec, engine_identity=ENGINE)
         extra.update(
@@ -108,11 +116,37 @@ def child(stage: str, input_dir: Path, run_dir: Path, cache_dir: str) -> None:
     else:
         raise SystemExit(f"unknown stage {stage}")
     seconds = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"stage": stage, "seconds": round(seconds, 3), "peak_rss_mib": round(peak, 1), **extra}))
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = use.ru_utime + use.ru_stime - cpu0  # every thread's CPU: on a shared machine steadier than seconds
+    peak = use.ru_maxrss / 1024
+    print(
+        json.dumps(
+            {"stage": stage, "seconds": round(seconds, 3), "cpu_s": round(cpu, 2), "peak_rss_mib": round(peak, 1)}
+            | extra
+        )
+    )
 
 
-def run_child(stage: str, input_dir: Path, run_dir: Path, cache_dir: Path | None) -> dict:
+def _profiled(stage: str, input_dir: Path, run_dir: Path, cache_dir: str) -> None:
+    """``stage`` again under cProfile with bench_dataplane's per-statement DuckDB timers, printed to stderr."""
+    import cProfile
+    import pstats
+
+    sql_log: list = []
+    dp._install_sql_timers(sql_log)
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.runcall(child, stage, input_dir, run_dir, cache_dir)
+    print(f"{stage}: {time.perf_counter() - t0:.2f} s under the profiler", file=sys.stderr)
+    st = pstats.Stats(prof, stream=sys.stderr)
+    st.sort_stats("cumulative").print_stats(30)
+    st.sort_stats("tottime").print_stats(15)
+    print("DuckDB statements (and their fetches), slowest first:", file=sys.stderr)
+    for s, q in sorted(sql_log, reverse=True)[:15]:
+        print(f"  {s:7.3f}s  {q}", file=sys.stderr)
+
+
+def run_child(stage: str, input_dir: Path, run_dir: Path, cache_dir: Path | None, profile: bool = False) -> dict:
     cmd = [
         sys.executable,
         __file__,
@@ -124,9 +158,11 @@ def run_child(stage: str, input_dir: Path, run_dir: Path, cache_dir: Path | None
         str(run_dir),
         "--cache-dir",
         str(cache_dir or ""),
-    ]
+    ] + (["--profile"] if profile else [])
     load = os.getloadavg()[0]
     proc = subprocess.run(cmd, capture_output=True, text=True)
+    if profile:
+        sys.stderr.write(proc.stderr)
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr[-4000:])
         raise SystemExit(f"stage {stage} failed (exit {proc.returncode})")
@@ -135,11 +171,11 @@ def run_child(stage: str, input_dir: Path, run_dir: Path, cache_dir: Path | None
     return r
 
 
-def one_run(input_dir: Path, run_dir: Path, cache_dir: Path | None) -> dict:
+def one_run(input_dir: Path, run_dir: Path, cache_dir: Path | None, profile: bool = False) -> dict:
     shutil.rmtree(run_dir, ignore_errors=True)
-    plan = run_child("plan", input_dir, run_dir, cache_dir)
+    plan = run_child("plan", input_dir, run_dir, cache_dir, profile)
     run_child("setup", input_dir, run_dir, cache_dir)
-    merged = run_child("merge", input_dir, run_dir, cache_dir)
+    merged = run_child("merge", input_dir, run_dir, cache_dir, profile)
     return {"plan": plan, "merge": merged, "total_s": round(plan["seconds"] + merged["seconds"], 3)}
 
 
@@ -153,9 +189,10 @@ def main() -> int:
     ap.add_argument("--input-dir", type=Path)
     ap.add_argument("--run-dir", type=Path)
     ap.add_argument("--cache-dir", default="")
+    ap.add_argument("--profile", action="store_true", help="one cached run, profiled (stderr); no results line")
     args = ap.parse_args()
     if args.child:
-        child(args.child, args.input_dir, args.run_dir, args.cache_dir)
+        child(args.child, args.input_dir, args.run_dir, args.cache_dir, args.profile)
         return 0
     if not 0 < args.changed < 1:
         raise SystemExit("--changed must be a fraction in (0, 1)")
@@ -169,28 +206,39 @@ def main() -> int:
     edited = derive(
         a, b, f"CASE WHEN hash(id) % 10000 < {cut} THEN text || ' (edited)' ELSE text END", {"changed": args.changed}
     )
-    warm = w / "cache-warm"
+    # The cache's commits are sealed for the cache folder they live in (a copy elsewhere is another cache, whose
+    # seals do not verify): run 1 fills cache-run, a hard-linked copy keeps it, and each timed run starts from
+    # that copy put back at the same path.
+    cache_run, warm = w / "cache-run", w / "cache-warm"
     done = w / "cache-warm.json"
     if not (done.exists() and json.loads(done.read_text()).get("rows") == args.rows):
         shutil.rmtree(warm, ignore_errors=True)
+        shutil.rmtree(cache_run, ignore_errors=True)
         t0 = time.monotonic()
-        run1 = one_run(a, w / "run1", warm)
+        run1 = one_run(a, w / "run1", cache_run)
+        shutil.copytree(cache_run, warm, copy_function=os.link)
         done.write_text(json.dumps({"rows": args.rows, "appended": run1["merge"]["appended"]}))
         print(f"warm-up (run 1, cold cache): {json.dumps(run1)} in {time.monotonic() - t0:.0f}s", file=sys.stderr)
+    if args.profile:
+        shutil.rmtree(cache_run, ignore_errors=True)
+        shutil.copytree(warm, cache_run, copy_function=os.link)
+        print(json.dumps(one_run(b, w / "run2-cache", cache_run, profile=True)))
+        return 0
     sides: dict[str, list[dict]] = {"nocache": [], "cache": []}
     order = [("nocache", "cache"), ("cache", "nocache")]
     for rep in range(args.repeat):
         for side in order[rep % 2]:
             cache_dir = None
             if side == "cache":
-                cache_dir = w / "cache-run"
+                cache_dir = cache_run
                 shutil.rmtree(cache_dir, ignore_errors=True)
                 shutil.copytree(warm, cache_dir, copy_function=os.link)
             r = one_run(b, w / f"run2-{side}", cache_dir)
             sides[side].append(r)
             print(
-                f"{side:8s} plan {r['plan']['seconds']:7.2f}s ({r['plan']['peak_rss_mib']:.0f} MiB)  "
-                f"merge {r['merge']['seconds']:7.2f}s ({r['merge']['peak_rss_mib']:.0f} MiB)  "
+                f"{side:8s} plan {r['plan']['seconds']:7.2f}s cpu {r['plan']['cpu_s']:6.2f}s "
+                f"({r['plan']['peak_rss_mib']:.0f} MiB)  merge {r['merge']['seconds']:7.2f}s cpu "
+                f"{r['merge']['cpu_s']:6.2f}s ({r['merge']['peak_rss_mib']:.0f} MiB)  "
                 f"infer rows {r['plan']['infer_rows']}  load {r['plan']['load1_before']}",
                 file=sys.stderr,
             )

@@ -345,7 +345,7 @@ def synthesise_commits(spec, engine_identity: str | None = None) -> dict:
         in_root = Storage(root, spec.io.storage_options)
         parts, hash_parts, pt_parts = [], [], []
         for seg in shard.segments:
-            key = (root, seg.file)
+            key = (root, files[seg.file].path)  # with the cache every shard's one file is file 0
             if key not in id_cols:
                 with in_root.open(files[seg.file].path) as fh:
                     t = pq.read_table(fh, columns=[spec.prompt.id_column, "text", *carried])

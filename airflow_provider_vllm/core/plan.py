@@ -153,7 +153,9 @@ class CachePlan(BaseModel):
     rows: int = Field(description="input rows")
     hits: int = Field(description="rows answered from the cache")
     misses: int = Field(description="rows sent to the shards")
-    hits_file: CacheFile = Field(description="id + cached answer columns + cached_from, in input order")
+    hits_file: CacheFile = Field(
+        description="id + cached answer columns + cached_from, in the cache entries' order (steps/cache/matching.py)"
+    )
     misses_root: str = Field(description="folder of the shards' input files (ShardPlan.input_file): the miss rows")
     hit_est_tokens: int = Field(0, description="estimated prompt tokens of the hit rows (not inferred)")
 

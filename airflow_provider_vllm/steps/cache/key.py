@@ -4,7 +4,7 @@
   pinned commit or the weights' fingerprint, tokenizer likewise, dtype, quantization, context length,
   task, the prompt and sampling sections, the engine seed and the output-changing ``engine_kwargs``,
   the engine identity, and each LoRA adapter's identity: every byte, or its hub commit), hashed.
-* ``key_sql``: per row, sha256 over that hash and each template column (and ``model.adapter_column``: the
+* ``key_sql``: per row, the 32-byte sha256 over that hash and each template column (and ``model.adapter_column``: the
   row's adapter) as its DuckDB type and an injective text of its value. With the cache on the worker renders
   a row from the plan's misses file, which DuckDB writes from the very columns the key reads, so its prompt
   is a function of
@@ -340,8 +340,9 @@ def _text(col: str, duck_type: str) -> str:
     return _OWN_TEXT[duck_type].format(c=c) if duck_type in _OWN_TEXT else f"CAST({c} AS VARCHAR)"
 
 
-def key_sql(spec: JobSpec, khash: str, types: dict[str, str]) -> str:
-    """DuckDB expression: sha256 over the key hash and, per template column, its type and value.
+def key_text_sql(spec: JobSpec, khash: str, types: dict[str, str]) -> str:
+    """DuckDB expression: the row's key as sha256 hex text over the key hash and, per template column, its type and
+    value (how the previous version stored keys; ``key_sql`` is its 32 bytes).
 
     Each column is ``T<bytes>:<typeof>`` then ``N`` (NULL) or ``S<bytes>:<text>``: prefix-free, so the
     concatenation is injective whenever each ``<text>`` is injective within its type. ``types``:
@@ -354,3 +355,9 @@ def key_sql(spec: JobSpec, khash: str, types: dict[str, str]) -> str:
         parts.append(f"'T' || CAST(strlen(typeof({c})) AS VARCHAR) || ':' || typeof({c})")
         parts.append(f"(CASE WHEN {c} IS NULL THEN 'N' ELSE 'S' || CAST(strlen({v}) AS VARCHAR) || ':' || {v} END)")
     return f"sha256({' || '.join(parts)})"
+
+
+def key_sql(spec: JobSpec, khash: str, types: dict[str, str]) -> str:
+    """DuckDB expression: the row's key, the 32-byte sha256 (a BLOB) of ``key_text_sql``'s message: the bytes whose
+    hex text the previous version stored, so its entries still match."""
+    return f"unhex({key_text_sql(spec, khash, types)})"

@@ -5,14 +5,15 @@
   quantization, context length, task, the prompt and sampling sections, the engine seed and the
   output-changing ``engine_kwargs``, the engine identity); per row sha256 over that hash and each
   template column's DuckDB type and value text, length-prefixed (equal keys: identical prompts), in DuckDB.
-* Store (``CacheStore``): ``<cache.uri>/entries/<entry_id>/part-NNNNN.parquet`` and
-  ``<cache.uri>/commits/<entry_id>.json`` (``records.CacheCommit``), the marker written
-  create-only and last; readers read only files that a committed marker of this key config
-  names, with the size it records (and the sha256 on request). The newest commit wins a key.
-* Plan (``plan_cache``): one join of the input's keys against the committed entries; writes
-  ``_cache/hits-<sha16>.parquet`` (id + cached answer + cached_from) and
-  ``_cache/misses-<sha16>.parquet`` (the rows the shards infer, with their key), named by content
-  so that a plan killed or raced before its create-only ``_plan.json`` leaves only orphans.
+* Store (``CacheStore``): ``<cache.uri>/entries/<entry_id>/part-NNNNN.parquet`` (rows sorted by their 32-byte
+  key) and ``<cache.uri>/commits/<key_hash[:32]>/<entry_id>.json`` (``records.CacheCommit``, sealed), the marker
+  written create-only and last; readers read only verified copies of the files that a sealed marker of this key
+  config names. The answer computed last wins a key.
+* Plan (``plan_cache``): the input's keys looked up in an index of the verified entries' keys
+  (``index.py``, ``matching.py``: no join of answers); writes ``_cache/hits-<sha16>.parquet`` (id + cached
+  answer + cached_from, in the entries' order) and one input file per shard of the rows the shards infer,
+  with their key (``write_shard_inputs``), named by content so that a plan killed or raced before its
+  create-only ``_plan.json`` leaves only orphans.
 * Merge: before publishing, ``hits_part`` checks the plan's hits file against the sealed plan (it never
   opens the cache folder) and it is published as one more part of ``results/``; after publishing,
   ``append_results`` enters the cache folder once: the ok rows computed by this run become this run's
@@ -30,6 +31,7 @@ import os
 import tempfile
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -38,11 +40,13 @@ from airflow_provider_vllm.core.adapters import AdapterRef
 from airflow_provider_vllm.core.errors import CommitError
 from airflow_provider_vllm.core.formats.files import Input
 from airflow_provider_vllm.core.plan import CacheFile, CachePlan, Passthrough, Plan, Segment, ShardPlan
-from airflow_provider_vllm.core.records import CacheMergeSummary, FileRef
-from airflow_provider_vllm.core.rows import RESULT_COLUMNS, RESULT_SCHEMA, result_schema
+from airflow_provider_vllm.core.records import CacheCommit, CacheMergeSummary, FileRef
+from airflow_provider_vllm.core.rows import RESULT_SCHEMA, result_schema
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
+from airflow_provider_vllm.steps.cache import matching
+from airflow_provider_vllm.steps.cache.index import build_index, entry_meta, read_keys
 from airflow_provider_vllm.steps.cache.key import (  # noqa: F401 (the key's names, also reached through this module)
     KEY_ENGINE_KWARGS,
     NON_KEY_ENGINE_KWARGS,
@@ -55,23 +59,19 @@ from airflow_provider_vllm.steps.cache.key import (  # noqa: F401 (the key's nam
     key_sql,
     weights_fingerprint,
 )
+from airflow_provider_vllm.steps.cache.matching import ANSWER_COLUMNS, CACHED_FROM, KEY_COLUMN, MISSES_ROW_GROUP
 from airflow_provider_vllm.steps.cache.store import COMPUTED_AT, CacheStore, now
 
 log = logging.getLogger(__name__)
 
 CACHE_DIR = "_cache"  # under the run's output prefix
 SHARD_INPUTS = f"{CACHE_DIR}/shard-inputs"  # one input file per shard: its miss rows
-KEY_COLUMN = "_vllm_cache_key"  # the key in the misses file (beside the input's own columns)
-CACHED_FROM = "cached_from"
-ANSWER_COLUMNS = [c for c in RESULT_COLUMNS if c not in ("id", CACHED_FROM)]
-ENTRY_SCHEMA = pa.schema(
-    [pa.field("key", pa.string(), nullable=False), pa.field("source_id", pa.string())]
+PLAN_MEMORY_LIMIT = "512MB"  # DuckDB's share of the plan's memory with the cache (docs/cache.md: at most 2 GiB)
+ENTRY_SCHEMA = pa.schema(  # rows sorted by key; entries of the previous version hold the key as 64 hex characters
+    [pa.field("key", pa.binary(), nullable=False), pa.field("source_id", pa.string())]
     + [RESULT_SCHEMA.field(c) for c in ANSWER_COLUMNS]
     + [pa.field(CACHED_FROM, pa.string()), pa.field(COMPUTED_AT, pa.string())]
 )
-HITS_BATCH_ROWS = 1 << 17
-ANSWER_PREFIX = "_vllm_cached_"  # the cached answer's columns beside the input's in the plan's join
-MISSES_ROW_GROUP = 4096  # the worker reads the row groups that hold its segment
 
 
 def _q(col: str) -> str:
@@ -84,20 +84,15 @@ def entry_id(plan: Plan, output_uri: str) -> str:
 
 
 # ---- plan -------------------------------------------------------------------------------
-class _Joined:
-    def __init__(self, con, khash, cfg, commits, rows, hits, hit_tokens) -> None:
+class _Prepared:
+    """The key config, the verified local entry parts with their keys' index, and a connection over the input."""
+
+    def __init__(self, con, khash, cfg, commits, parts, index, types) -> None:
         self.con, self.khash, self.cfg, self.commits = con, khash, cfg, commits
-        self.rows, self.hits, self.hit_tokens = rows, hits, hit_tokens
+        self.parts, self.index, self.types = parts, index, types
 
 
-def _needed(spec: JobSpec, passthrough: Passthrough | None) -> list[str]:
-    """The input columns the plan's join keeps: the id, the key's columns, then the passthrough columns."""
-    idc = spec.prompt.id_column
-    cols = [idc] + [c for c in key_columns(spec) if c != idc]
-    return cols + [c for c in (passthrough.columns if passthrough else []) if c not in cols]
-
-
-def _join(
+def _prepare(
     spec: JobSpec,
     found: Input,
     engine_identity: str | None,
@@ -105,65 +100,36 @@ def _join(
     keyring: Keyring,
     workdir: str,
     adapters: list[AdapterRef] | None = None,
-    passthrough: Passthrough | None = None,
-) -> _Joined:
-    """Table ``joined``: the input's rows with their keys, order (``_vllm_f``, ``_vllm_r``), the newest cached answer
-    (columns prefixed ``ANSWER_PREFIX``; NULL for a miss) and ``_vllm_hit``.
-
-    Only entries sealed by this deployment's merge are read, from local copies whose bytes were checked
-    against the seal (``CacheStore.fetch``); the cache folder is probed for create-only writes first.
-    """
+) -> _Prepared:
+    """Only entries sealed by this deployment's merge are read, from local copies whose bytes were checked
+    against the seal (``CacheStore.fetch``); an entry whose keys are of neither format is skipped whole."""
     check_cacheable(spec, found.format)
     assert spec.cache.uri is not None
     cfg = key_config(spec, engine_identity, adapters, filesystems)
     khash = key_hash(cfg)
     store = CacheStore(spec.cache.uri, spec.io.storage_options, keyring, filesystems)
-    commits, local = store.fetch(store.committed(khash), os.path.join(workdir, "entries"))
-    con = duck.connect(found.root)
-    needed = _needed(spec, passthrough)
+    fetched, local = store.fetch(store.committed(khash), os.path.join(workdir, "entries"))
+    commits: list[CacheCommit] = []
+    parts: list[str] = []
+    keys: list[np.ndarray] = []
+    at = 0
+    for c in fetched:
+        mine = local[at : at + len(c.files)]
+        at += len(c.files)
+        try:
+            got = [read_keys(p) for p in mine]
+        except (ValueError, KeyError) as e:
+            log.warning("cache: skipping entry %s: its keys cannot be read: %s", c.entry_id, str(e)[:300])
+            continue
+        commits.append(c)
+        parts += mine
+        keys += got
+    index = build_index(keys, entry_meta(parts)) if parts else None
+    # DuckDB streams the keys pass and joins only the misses here; the index and the hits are Python's memory
+    con = duck.connect(found.root, memory_limit=PLAN_MEMORY_LIMIT)
     files = duck.file_list(found.root, found.names)
-    source = f"read_parquet({files}, filename = true, file_row_number = true)"
-    types = column_types(con, source, spec)  # SpecError for a template column the key cannot encode
-    con.execute(
-        f"CREATE TEMP TABLE keyed AS SELECT {', '.join(_q(c) for c in needed)}, {key_sql(spec, khash, types)} AS "
-        f"{KEY_COLUMN}, list_position({files}, filename) AS _vllm_f, file_row_number AS _vllm_r FROM {source}"
-    ).fetchall()
-    if local:
-        # entries written before a result column existed (adapter, confidence, prompt_hash, ...) lack it: NULL, as
-        # their rows had none
-        src = f"read_parquet({duck.local_list(local)}, union_by_name = true)"
-        have = {str(r[0]) for r in con.execute(f"DESCRIBE SELECT * FROM {src}").fetchall()}
-        entry_types = dict(zip(ENTRY_SCHEMA.names, con.from_arrow(ENTRY_SCHEMA.empty_table()).types))
-        cols = ", ".join(_q(c) if c in have else f"NULL::{entry_types[c]} AS {_q(c)}" for c in ENTRY_SCHEMA.names)
-        con.execute(f"CREATE TEMP VIEW cache_entries AS SELECT {cols} FROM {src}").fetchall()
-    else:
-        con.register("cache_entries", ENTRY_SCHEMA.empty_table())
-    # An entry holds each key once (append_results); a key in several entries (runs that computed
-    # it at the same time) keeps the newest answer (the rows' own computed_at, inside the sealed
-    # bytes). Distinct 64-bit hashes == rows proves distinct keys, so the window (a sort of every
-    # entry) runs only when a key really repeats.
-    total, distinct = con.execute("SELECT count(*), count(DISTINCT hash(key)) FROM cache_entries").fetchall()[0]
-    entries = "cache_entries"
-    if total != distinct:
-        con.execute(
-            "CREATE TEMP TABLE newest AS SELECT * FROM cache_entries QUALIFY row_number() OVER (PARTITION BY key "
-            f"ORDER BY {COMPUTED_AT} DESC, source_id) = 1"
-        ).fetchall()
-        entries = "newest"
-    # One join: every input row with its cached answer (NULL: a miss); the answer columns are
-    # prefixed so that an input column named like one (label, output ...) cannot clash.
-    answer = ", ".join(f"b.{_q(c)} AS {_q(ANSWER_PREFIX + c)}" for c in [*ANSWER_COLUMNS, CACHED_FROM])
-    con.execute(
-        f"CREATE TEMP TABLE joined AS SELECT k.*, {answer}, b.key IS NOT NULL AS _vllm_hit FROM keyed k "
-        f"LEFT JOIN {entries} b ON k.{KEY_COLUMN} = b.key"
-    ).fetchall()
-    texts = spec.prompt.texts
-    chars = " + ".join(f"coalesce(length(CAST({_q(c)} AS VARCHAR)), 0)" for c in texts) or "0"
-    rows, hits, hit_tokens = con.execute(
-        f"SELECT count(*), count(*) FILTER (WHERE _vllm_hit), coalesce(sum(ceil(({chars}) / "
-        f"{float(spec.sharding.chars_per_token)})) FILTER (WHERE _vllm_hit), 0) FROM joined"
-    ).fetchall()[0]
-    return _Joined(con, khash, cfg, commits, int(rows), int(hits), int(hit_tokens))
+    types = column_types(con, f"read_parquet({files})", spec)  # SpecError for a column the key cannot encode
+    return _Prepared(con, khash, cfg, commits, parts, index, types)
 
 
 def expected(
@@ -176,17 +142,36 @@ def expected(
 ) -> dict[str, Any]:
     """Hits and misses the cache would give now (the dry run); nothing written."""
     with tempfile.TemporaryDirectory(prefix="vllm-batch-cache-") as tmp:
-        j = _join(spec, found, engine_identity, filesystems, keyring or Keyring.from_env(), tmp, adapters)
-        j.con.close()
+        p = _prepare(spec, found, engine_identity, filesystems, keyring or Keyring.from_env(), tmp, adapters)
+        try:
+            if p.index is None:
+                rows, hits, hit_tokens = _count_rows(found), 0, 0
+            else:
+                m = matching.match(p.con, spec, found, p.khash, p.types, p.index, None, keep=False)
+                rows, hits, hit_tokens = m.rows, m.hits, m.hit_tokens
+        finally:
+            p.con.close()
     return {
         "uri": spec.cache.uri,
-        "key_hash": j.khash,
-        "commits": len(j.commits),
-        "rows": j.rows,
-        "hits": j.hits,
-        "misses": j.rows - j.hits,
-        "hit_est_tokens": j.hit_tokens,
+        "key_hash": p.khash,
+        "commits": len(p.commits),
+        "rows": rows,
+        "hits": hits,
+        "misses": rows - hits,
+        "hit_est_tokens": hit_tokens,
     }
+
+
+def _count_rows(found: Input) -> int:
+    con = duck.connect(found.root)
+    try:
+        return int(
+            con.execute(f"SELECT count(*) FROM read_parquet({duck.file_list(found.root, found.names)})").fetchall()[0][
+                0
+            ]
+        )
+    finally:
+        con.close()
 
 
 def plan_cache(
@@ -200,7 +185,7 @@ def plan_cache(
     adapters: list[AdapterRef] | None = None,
     passthrough: Passthrough | None = None,
 ) -> tuple[CachePlan, str]:
-    """Join the input against the cache; write the hits file under ``_cache/``; the CachePlan and the local
+    """Look the input's keys up in the cache; write the hits file under ``_cache/``; the CachePlan and the local
     misses file (in ``workdir``: the rows to infer with their keys, in input order), which the planner cuts
     into shards and ``write_shard_inputs`` splits into one input file per shard.
 
@@ -213,56 +198,48 @@ def plan_cache(
 
     store = CacheStore(spec.cache.uri, spec.io.storage_options, keyring, filesystems)
     probe_create_only(store.st, f"{spec.cache.uri} (cache.uri)")
-    j = _join(spec, found, engine_identity, filesystems, keyring, workdir, adapters, passthrough)
-    con = j.con
-    idc = spec.prompt.id_column
-    needed = _needed(spec, passthrough)
+    p = _prepare(spec, found, engine_identity, filesystems, keyring, workdir, adapters)
+    needed = matching.needed_columns(spec, passthrough)
+    # The hits file is published by merge as one more part of results/, by reference: it is written here in
+    # exactly the parts' schema (the plan's result schema).
     schema = result_schema(passthrough.arrow_schema() if passthrough else None)
     hits_local, misses_local = os.path.join(workdir, "hits.parquet"), os.path.join(workdir, "misses.parquet")
     try:
-        answer = ", ".join(f"{_q(ANSWER_PREFIX + c)} AS {_q(c)}" for c in [*ANSWER_COLUMNS, CACHED_FROM])
-        # the passthrough columns come from the input rows themselves, never from the cache entries
-        pairs = zip(passthrough.columns, passthrough.names) if passthrough is not None else []
-        carried = "".join(f", {_q(c)} AS {_q(n)}" for c, n in pairs)
-        # The hits file is published by merge as one more part of results/, by reference: it
-        # is written here in exactly the parts' schema (the plan's result schema).
-        batches = con.sql(
-            f"SELECT CAST({_q(idc)} AS VARCHAR) AS id, {answer}{carried} FROM joined WHERE _vllm_hit "
-            "ORDER BY _vllm_f, _vllm_r"
-        ).to_arrow_reader(HITS_BATCH_ROWS)
-        with pq.ParquetWriter(hits_local, schema, compression="zstd") as w:
-            for b in batches:
-                w.write_batch(
-                    pa.RecordBatch.from_arrays([b.column(i).cast(f.type) for i, f in enumerate(schema)], schema=schema)
-                )
-        con.execute(
-            f"COPY (SELECT {', '.join(_q(c) for c in needed)}, {KEY_COLUMN} FROM joined WHERE NOT _vllm_hit "
-            f"ORDER BY _vllm_f, _vllm_r) TO '{_sql_str(misses_local)}' "
-            f"(FORMAT parquet, COMPRESSION zstd, ROW_GROUP_SIZE {MISSES_ROW_GROUP})"
-        ).fetchall()
+        if p.index is None:  # nothing cached yet: every row is a miss, keyed as it is written
+            rows = matching.write_all_misses(p.con, spec, found, p.khash, p.types, needed, misses_local)
+            hits, hit_tokens = 0, 0
+            matching.write_hits(matching.Matched(), [], schema, hits_local)
+        else:
+            m = matching.match(p.con, spec, found, p.khash, p.types, p.index, passthrough)
+            p.index = None  # its memory, before the files are written
+            rows, hits, hit_tokens = m.rows, m.hits, m.hit_tokens
+            matching.write_misses(p.con, found, m, needed, misses_local)
+            written = matching.write_hits(m, p.parts, schema, hits_local)
+            if written != hits:
+                raise CommitError(f"cache: {hits} hits were found but {written} written (a bug); plan again")
         faults.hit("cache.before_files")
-        hits_file = _put(out, hits_local, f"{CACHE_DIR}/hits", j.hits)
+        hits_file = _put(out, hits_local, f"{CACHE_DIR}/hits", hits)
     finally:
-        con.close()
+        p.con.close()
     log.info(
         "cache %s: %d of %d rows answered from %d committed entries; %d to infer",
         spec.cache.uri,
-        j.hits,
-        j.rows,
-        len(j.commits),
-        j.rows - j.hits,
+        hits,
+        rows,
+        len(p.commits),
+        rows - hits,
     )
     cp = CachePlan(
         uri=str(spec.cache.uri),
-        key_hash=j.khash,
-        key_config=j.cfg,
-        commits_read=[c.entry_id for c in j.commits],
-        rows=j.rows,
-        hits=j.hits,
-        misses=j.rows - j.hits,
+        key_hash=p.khash,
+        key_config=p.cfg,
+        commits_read=[c.entry_id for c in p.commits],
+        rows=rows,
+        hits=hits,
+        misses=rows - hits,
         hits_file=hits_file,
         misses_root=out.uri(SHARD_INPUTS),
-        hit_est_tokens=j.hit_tokens,
+        hit_est_tokens=hit_tokens,
     )
     return cp, misses_local
 
@@ -437,12 +414,16 @@ def append_results(
         local = os.path.join(tmp, "part.parquet")
         con = duck.connect(out)
         try:
+            # a plan of the previous version wrote the keys as hex text: the same 32 bytes
+            mkeys = f"read_parquet({duck.local_list(inputs)})"
+            ktype = con.execute(f"SELECT typeof({KEY_COLUMN}) FROM {mkeys} LIMIT 1").fetchall()
+            key = f"unhex(m.{KEY_COLUMN})" if ktype and ktype[0][0] == "VARCHAR" else f"m.{KEY_COLUMN}"
             # one row per key: rows of equal text (and settings) have one answer; the first id names it
             con.execute(
-                f"CREATE TEMP TABLE entry AS SELECT m.{KEY_COLUMN} AS key, s.id AS source_id, {answer}, "
+                f"CREATE TEMP TABLE entry AS SELECT {key} AS key, s.id AS source_id, {answer}, "
                 f"'{_sql_str(origin)}' AS {CACHED_FROM}, '{now()}' AS {COMPUTED_AT} "
                 f"FROM read_parquet({duck.file_list(out, computed)}) s "
-                f"JOIN read_parquet({duck.local_list(inputs)}) m ON s.id = CAST(m.{idc} AS VARCHAR)"
+                f"JOIN {mkeys} m ON s.id = CAST(m.{idc} AS VARCHAR)"
             ).fetchall()
             total, distinct = con.execute("SELECT count(*), count(DISTINCT key) FROM entry").fetchall()[0]
             once = (
@@ -450,9 +431,9 @@ def append_results(
                 if total == distinct
                 else "(SELECT * FROM entry QUALIFY row_number() OVER (PARTITION BY key ORDER BY source_id) = 1)"
             )
+            # sorted by key: the plan reads an entry's keys as one sorted run (steps/cache/index.py)
             con.execute(
-                f"COPY (SELECT * FROM {once} ORDER BY source_id) TO '{_sql_str(local)}' "
-                "(FORMAT parquet, COMPRESSION zstd)"
+                f"COPY (SELECT * FROM {once} ORDER BY key) TO '{_sql_str(local)}' (FORMAT parquet, COMPRESSION zstd)"
             ).fetchall()
         finally:
             con.close()

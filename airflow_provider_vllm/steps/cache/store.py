@@ -2,7 +2,8 @@
 
 Layout under ``cache.uri``::
 
-    entries/<entry_id>/part-00000.parquet              key, source_id, the answer columns, cached_from, computed_at
+    entries/<entry_id>/part-00000.parquet              key (32 bytes), source_id, the answer columns, cached_from,
+                                                       computed_at; rows sorted by key
     commits/<key_hash[:32]>/<entry_id>.json            CacheCommit, create-only, sealed, written last
 
 Whoever can write the cache folder can write any bytes there, so nothing is read on the word of a
@@ -30,6 +31,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import duckdb
+import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import ValidationError
 
@@ -165,8 +167,15 @@ class CacheStore:
         local = os.path.join(workdir, "compacted.parquet")
         con = duck.connect(memory_limit=memory_limit)
         try:
+            # entries of the previous version hold the key as hex text: the same 32 bytes; columns an older
+            # entry lacks are NULL (UNION ALL BY NAME)
+            each = []
+            for f in files:
+                text = pa.types.is_string(pq.read_schema(f).field("key").type)
+                key = "unhex(key)" if text else "key"
+                each.append(f"SELECT {key} AS key, * EXCLUDE (key) FROM read_parquet({duck.local_list([f])})")
             con.execute(
-                f"COPY (SELECT * FROM read_parquet({duck.local_list(files)}, union_by_name = true) "
+                f"COPY (SELECT * FROM ({' UNION ALL BY NAME '.join(each)}) "
                 f"QUALIFY row_number() OVER (PARTITION BY key ORDER BY {COMPUTED_AT} DESC, source_id) = 1 "
                 f"ORDER BY key) TO '{local.replace(chr(39), chr(39) * 2)}' (FORMAT parquet, COMPRESSION zstd)"
             ).fetchall()

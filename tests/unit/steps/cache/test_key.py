@@ -51,7 +51,7 @@ def spec_for(tmp: Path, **over) -> JobSpec:
     return make_spec(tmp / "in.parquet", tmp / "out", **over)
 
 
-def keys(con: duckdb.DuckDBPyConnection, source: str, spec: JobSpec) -> list[str]:
+def keys(con: duckdb.DuckDBPyConnection, source: str, spec: JobSpec) -> list[bytes]:
     types = cache_key.column_types(con, source, spec)
     return [k for (k,) in con.execute(f"SELECT {cache_key.key_sql(spec, KHASH, types)} FROM {source}").fetchall()]
 
@@ -280,7 +280,7 @@ TYPED = {
 }
 
 
-def typed_keys(con: duckdb.DuckDBPyConnection, spec: JobSpec) -> dict[tuple[str, str], str]:
+def typed_keys(con: duckdb.DuckDBPyConnection, spec: JobSpec) -> dict[tuple[str, str], bytes]:
     """(type, literal) -> key, one single-column table per type (NULL of each type included)."""
     out = {}
     for t, literals in TYPED.items():
@@ -295,7 +295,7 @@ def typed_keys(con: duckdb.DuckDBPyConnection, spec: JobSpec) -> dict[tuple[str,
 def test_each_type_and_value_has_its_own_key(tmp_path):
     con = duck.connect()
     found = typed_keys(con, spec_for(tmp_path, prompt={"template": "{v}"}))
-    assert all(len(k) == 64 for k in found.values())
+    assert all(isinstance(k, bytes) and len(k) == 32 for k in found.values())  # the sha256 digest itself
     # distinct (type, value) -> distinct key; the literals that share one are one value of their type
     by_key: dict[str, set] = {}
     for tv, k in found.items():

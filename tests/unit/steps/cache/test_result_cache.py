@@ -627,3 +627,94 @@ def test_entries_written_before_a_result_column_existed_still_serve(tmp_path, fa
     assert p2.cache.hits == 50 and m2["ok_rows"] == 50
     hits = pq.read_table(tmp_path / "out-b" / "results")
     assert hits.schema.equals(RESULT_SCHEMA) and hits.column("confidence").null_count == 50
+
+
+def _rewrite_entry(store: Path, transform) -> None:
+    """Replace the one entry's part by ``transform(table)`` and reseal its commit with the deployment's key, as
+    a merge of that version would have written and sealed it."""
+    (marker,) = store.glob("commits/*/*.json")
+    commit = CacheCommit.model_validate_json(marker.read_bytes())
+    part = store / commit.files[0].path
+    t = transform(pq.read_table(part))
+    os.chmod(part, 0o644)
+    pq.write_table(t, part)
+    files = [
+        commit.files[0].model_copy(
+            update={"bytes": part.stat().st_size, "sha256": Storage(str(store)).sha256(commit.files[0].path)}
+        )
+    ]
+    resealed = seal_record(
+        Keyring.from_env(), CACHE_ENTRY, scope_of(str(store)), commit.model_copy(update={"files": files, "seal": None})
+    )
+    os.chmod(marker, 0o644)
+    marker.write_bytes(record_bytes(resealed))
+
+
+def test_entries_of_the_previous_format_still_serve(tmp_path, fake_engine_factory):
+    """The previous version stored each key as its 64 hex characters, rows in source-id order: the same 32
+    bytes, so its entries keep answering (the index sorts them); nothing is inferred again."""
+    write_parquet(tmp_path / "in-a.parquet", IDS, TEXTS)
+    s1 = spec_for(tmp_path, "a")
+    run_job(s1, fake_engine_factory)
+    store = tmp_path / "cache"
+    (part,) = store.glob("entries/*/part-00000.parquet")
+    new = pq.read_table(part)
+    assert new.schema.field("key").type == pa.binary()
+    assert new.column("key").to_pylist() == sorted(new.column("key").to_pylist())  # this version: sorted by key
+
+    def as_before(t: pa.Table) -> pa.Table:
+        hexed = pa.array([k.hex() for k in t.column("key").to_pylist()], pa.string())
+        return t.set_column(0, pa.field("key", pa.string(), nullable=False), hexed).sort_by("source_id")
+
+    _rewrite_entry(store, as_before)
+    write_parquet(tmp_path / "in-b.parquet", IDS + ["new"], TEXTS + ["a new ticket"])
+    s2 = spec_for(tmp_path, "b")
+    fake_engine_factory.made.clear()
+    p2, m2 = run_job(s2, fake_engine_factory)
+    assert (p2.cache.hits, p2.cache.misses) == (50, 1) and inferred(fake_engine_factory) == 1
+    r1, r2 = results(s1), results(s2)
+    assert all(r2[i]["label"] == r1[i]["label"] and r2[i]["cached_from"] == s1.io.output_uri for i in IDS)
+    # this run's entry is in the new format; the old one still serves beside it
+    write_parquet(tmp_path / "in-c.parquet", IDS + ["new"], TEXTS + ["a new ticket"])
+    p3, _ = run_job(spec_for(tmp_path, "c"), fake_engine_factory)
+    assert p3.cache.hits == 51 and len(p3.cache.commits_read) == 2
+
+
+def test_an_entry_whose_keys_are_of_neither_format_is_skipped_whole(tmp_path, fake_engine_factory, caplog):
+    """Sealed but unreadable keys (a writer's bug: 16 bytes each) are never half-used: the entry is a miss."""
+    write_parquet(tmp_path / "in-a.parquet", IDS, TEXTS)
+    run_job(spec_for(tmp_path, "a"), fake_engine_factory)
+
+    def cut(t: pa.Table) -> pa.Table:
+        return t.set_column(0, "key", pa.array([k[:16] for k in t.column("key").to_pylist()], pa.binary()))
+
+    _rewrite_entry(tmp_path / "cache", cut)
+    write_parquet(tmp_path / "in-b.parquet", IDS, TEXTS)
+    p2 = plan_job(spec_for(tmp_path, "b"), engine_identity=ENGINE)
+    assert p2.cache.hits == 0 and p2.cache.commits_read == []
+    assert "its keys cannot be read" in caplog.text and "not all 32 bytes" in caplog.text
+
+
+def test_hits_file_holds_each_hit_once_with_its_own_id_and_answer(tmp_path, fake_engine_factory):
+    """Several input rows share a key (the same text under other ids), and rows come from two entries: every hit
+    row is in the hits file once, with its own id and its key's answer."""
+    texts = [f"ticket {i % 20}" for i in range(50)]  # 20 distinct texts
+    write_parquet(tmp_path / "in-a.parquet", IDS[:30], texts[:30])
+    p1, _ = run_job(spec_for(tmp_path, "a"), fake_engine_factory)  # computes texts 0..19
+    write_parquet(tmp_path / "in-b.parquet", [f"x{i}" for i in range(5)], ["other 0", "other 1", *texts[:3]])
+    run_job(spec_for(tmp_path, "b"), fake_engine_factory)  # entry 2: "other 0", "other 1"
+    ids3 = IDS + ["y0", "y1"]
+    write_parquet(tmp_path / "in-c.parquet", ids3, texts + ["other 1", "other 0"])
+    s3 = spec_for(tmp_path, "c")
+    fake_engine_factory.made.clear()
+    p3 = plan_job(s3, engine_identity=ENGINE)
+    assert p3.cache.hits == 52 and p3.shards == [] and len(p3.cache.commits_read) == 2
+    hits = pq.read_table(Path(s3.io.output_uri) / p3.cache.hits_file.path)
+    assert hits.schema.equals(RESULT_SCHEMA)
+    assert sorted(hits.column("id").to_pylist()) == sorted(ids3)
+    answers = {r["id"]: r["label"] for r in results(spec_for(tmp_path, "a")).values()}
+    answers |= {r["id"]: r["label"] for r in results(spec_for(tmp_path, "b")).values()}
+    by_text = {t: answers[i] for i, t in zip(IDS[:30], texts[:30])}
+    by_text |= {"other 0": answers["x0"], "other 1": answers["x1"]}
+    text_of = dict(zip(ids3, texts + ["other 1", "other 0"]))
+    assert {r["id"]: r["label"] for r in hits.to_pylist()} == {i: by_text[text_of[i]] for i in ids3}

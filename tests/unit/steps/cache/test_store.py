@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 import pyarrow as pa
@@ -15,15 +16,22 @@ from airflow_provider_vllm.steps.cache.store import COMPACT_AFTER, CacheStore
 KH = "a" * 64
 
 
-def entry_file(path, keys: list[str], label: str, at: str) -> int:
-    cols = {f.name: pa.nulls(len(keys), f.type) for f in ENTRY_SCHEMA}
+def k(name: str) -> bytes:
+    """A row key: 32 bytes, as ``key_sql`` makes them."""
+    return hashlib.sha256(name.encode()).digest()
+
+
+def entry_file(path, keys: list[str], label: str, at: str, hex_keys: bool = False) -> int:
+    """An entry part holding ``keys`` (names, see ``k``); ``hex_keys``: as the previous version wrote them."""
+    schema = ENTRY_SCHEMA.set(0, pa.field("key", pa.string(), nullable=False)) if hex_keys else ENTRY_SCHEMA
+    cols = {f.name: pa.nulls(len(keys), f.type) for f in schema}
     cols.update(
-        key=pa.array(keys),
-        source_id=pa.array([f"id-{k}" for k in keys]),
+        key=pa.array([k(x).hex() if hex_keys else k(x) for x in keys]),
+        source_id=pa.array([f"id-{x}" for x in keys]),
         label=pa.array([label] * len(keys)),
         computed_at=pa.array([at] * len(keys)),
     )
-    pq.write_table(pa.table(cols, schema=ENTRY_SCHEMA), path)
+    pq.write_table(pa.table(cols, schema=schema), path)
     return len(keys)
 
 
@@ -32,10 +40,10 @@ def store(tmp_path):
     return CacheStore(str(tmp_path / "cache"), {}, Keyring.from_env())
 
 
-def write(store, tmp_path, n: int, keys: list[str], label: str) -> str:
+def write(store, tmp_path, n: int, keys: list[str], label: str, hex_keys: bool = False) -> str:
     eid = f"{n:032x}"
     local = tmp_path / f"e{n}.parquet"
-    rows = entry_file(local, keys, label, f"2026-12-01T00:00:{n:02d}.000000+00:00")
+    rows = entry_file(local, keys, label, f"2026-12-01T00:00:{n:02d}.000000+00:00", hex_keys)
     assert store.write(KH, eid, str(local), rows, {"output_uri": f"/runs/{n}"})
     return eid
 
@@ -51,8 +59,8 @@ def test_commits_live_per_key_config_and_a_rewrite_is_a_no_op(store, tmp_path):
 
 
 def test_compaction_keeps_the_newest_answer_per_key_and_bounds_what_a_plan_reads(store, tmp_path):
-    for n in range(COMPACT_AFTER):
-        write(store, tmp_path, n, [f"k{n}", "shared"], f"label{n}")
+    for n in range(COMPACT_AFTER):  # every other entry as the previous version wrote it (keys as hex text)
+        write(store, tmp_path, n, [f"k{n}", "shared"], f"label{n}", hex_keys=n % 2 == 1)
     assert store.compact(KH, str(tmp_path / "w1")) is None  # not yet over the bound
     write(store, tmp_path, COMPACT_AFTER, [f"k{COMPACT_AFTER}", "shared"], "newest")
     eid = store.compact(KH, str(tmp_path / "w2"))
@@ -60,9 +68,13 @@ def test_compaction_keeps_the_newest_answer_per_key_and_bounds_what_a_plan_reads
     live = store.committed(KH)
     assert [c.entry_id for c in live] == [eid] and live[0].supersedes and len(live[0].supersedes) == COMPACT_AFTER + 1
     _, files = store.fetch(live, str(tmp_path / "read"))
-    t = pq.read_table(files[0]).to_pydict()
-    got = dict(zip(t["key"], t["label"]))
-    assert len(got) == COMPACT_AFTER + 2 and got["shared"] == "newest" and got["k3"] == "label3"
+    t = pq.read_table(files[0])
+    assert t.schema.field("key").type == pa.binary()
+    keys = t.column("key").to_pylist()
+    assert keys == sorted(keys)  # one sorted run: what the plan's index reads without sorting
+    got = dict(zip(keys, t.column("label").to_pylist()))
+    assert len(got) == COMPACT_AFTER + 2 and got[k("shared")] == "newest"
+    assert got[k("k3")] == "label3" and got[k("k4")] == "label4"  # from a hex entry and a binary one
     assert sorted(os.listdir(tmp_path / "cache" / "entries")) == [eid]  # superseded entries removed
 
 

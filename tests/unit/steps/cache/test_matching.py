@@ -1,0 +1,119 @@
+"""The plan's lookup (steps/cache/matching.py): the hits file from several entry parts, the reader thread.
+
+End to end (plan + merge with the fake engine) the cache is tested in test_result_cache.py; here the hits file
+is built from hand-made entry parts so that row groups, parts without a column and shared entry rows are
+all on purpose.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from airflow_provider_vllm.core.rows import RESULT_SCHEMA, result_schema
+from airflow_provider_vllm.steps.cache.matching import Matched, _prefetched, write_hits
+
+
+def part(path, labels: list[str], drop: tuple[str, ...] = (), row_group_size: int = 3) -> str:
+    """An entry part whose row i answers ``labels[i]`` (confidence i / 10), in row groups of 3 rows."""
+    n = len(labels)
+    t = pa.table(
+        {
+            "key": pa.array([bytes([i]) * 32 for i in range(n)], pa.binary()),
+            "source_id": [f"s{i}" for i in range(n)],
+            "label": labels,
+            "confidence": pa.array([i / 10 for i in range(n)], pa.float32()),
+            "model": ["m"] * n,
+            "cached_from": ["/runs/1"] * n,
+        }
+    ).drop_columns(list(drop))
+    pq.write_table(t, path, row_group_size=row_group_size)
+    return str(path)
+
+
+def matched(hits: list[tuple[int, int, str]]) -> Matched:
+    """Hits as (entry row over all parts, input place, id), in input order, in batches of 2."""
+    m = Matched()
+    for i in range(0, len(hits), 2):
+        batch = hits[i : i + 2]
+        m.hit_entry_rows.append(np.array([e for e, _, _ in batch], np.int64))
+        m.hit_places.append(np.array([p for _, p, _ in batch], np.int64))
+        m.hit_values.append(pa.RecordBatch.from_pydict({"id": [x for _, _, x in batch]}))
+    m.hits = len(hits)
+    return m
+
+
+def test_hits_come_from_each_row_group_of_each_part_with_their_own_ids(tmp_path):
+    a = part(tmp_path / "a.parquet", ["a0", "a1", "a2", "a3", "a4", "a5", "a6"])  # rows 0..6, 3 row groups
+    b = part(tmp_path / "b.parquet", ["b0", "b1"], drop=("confidence",))  # rows 7, 8: a part of an older version
+    # input order: rows that share an entry row (ids i3 and i6: a2), rows of both parts, groups skipped (a3..a5)
+    hits = [(8, 0, "i0"), (0, 1, "i1"), (6, 2, "i2"), (2, 3, "i3"), (7, 4, "i4"), (1, 5, "i5"), (2, 6, "i6")]
+    dest = tmp_path / "hits.parquet"
+    assert write_hits(matched(hits), [a, b], RESULT_SCHEMA, str(dest)) == 7
+    assert pq.read_schema(dest).equals(RESULT_SCHEMA)  # text columns read back as text, not dictionaries
+    rows = pq.read_table(dest).to_pylist()
+    # part a's groups in order (group 0: input order within it), then part b's
+    assert [r["id"] for r in rows] == ["i1", "i3", "i5", "i6", "i2", "i0", "i4"]
+    got = {r["id"]: (r["label"], r["confidence"], r["cached_from"], r["model"]) for r in rows}
+    assert got["i3"] == got["i6"] == ("a2", pytest.approx(0.2), "/runs/1", "m")
+    assert got["i2"][:2] == ("a6", pytest.approx(0.6)) and got["i1"][0] == "a0" and got["i5"][0] == "a1"
+    assert got["i0"] == ("b1", None, "/runs/1", "m") and got["i4"][:2] == ("b0", None)  # no column: NULL
+    assert {r["shard_id"] for r in rows} == {None}  # a column no part holds: NULL
+
+
+def test_no_hits_give_an_empty_file_in_the_results_schema(tmp_path):
+    dest = tmp_path / "hits.parquet"
+    assert write_hits(Matched(), [], RESULT_SCHEMA, str(dest)) == 0
+    assert pq.read_schema(dest).equals(RESULT_SCHEMA) and pq.read_metadata(dest).num_rows == 0
+
+
+@pytest.mark.parametrize("honoured", [True, False])
+def test_passthrough_columns_keep_their_types(tmp_path, monkeypatch, caplog, honoured):
+    """A time zone or an unsigned type lives only in the file's Arrow schema record. Should pyarrow not honour
+    the record (``honoured`` False: it is never written), the file is written again with plain text columns."""
+    if not honoured:
+        monkeypatch.setattr(pq.ParquetWriter, "add_key_value_metadata", lambda self, kv: None)
+    a = part(tmp_path / "a.parquet", ["a0", "a1"])
+    extra = pa.schema([pa.field("in_ts", pa.timestamp("ms", tz="Europe/Paris")), pa.field("in_n", pa.uint16())])
+    schema = result_schema(extra)
+    m = Matched()
+    m.hit_entry_rows, m.hit_places = [np.array([1, 0], np.int64)], [np.array([0, 1], np.int64)]
+    m.hit_values = [
+        pa.RecordBatch.from_pydict(
+            {"id": ["x", "y"], "in_ts": pa.array([1000, 2000], pa.timestamp("us")), "in_n": pa.array([7, 8])}
+        )
+    ]
+    dest = tmp_path / "hits.parquet"
+    assert write_hits(m, [a], schema, str(dest)) == 2
+    t = pq.read_table(dest)
+    assert t.schema.equals(schema)
+    assert t.column("id").to_pylist() == ["x", "y"] and t.column("label").to_pylist() == ["a1", "a0"]
+    assert t.column("in_n").to_pylist() == [7, 8]
+    assert ("writing it with plain text" in caplog.text) is not honoured
+
+
+def test_the_reader_thread_hands_over_its_error_and_stops_when_the_writer_does():
+    def failing():
+        yield 1
+        raise OSError("disk gone")
+
+    with pytest.raises(OSError, match="disk gone"):
+        list(_prefetched(failing()))
+    produced = []
+
+    def endless():
+        i = 0
+        while True:
+            produced.append(i)
+            yield i
+            i += 1
+
+    it = _prefetched(endless(), depth=2)
+    assert [next(it), next(it)] == [0, 1]
+    it.close()  # the consumer stops early: the producer thread ends, nothing keeps running
+    assert not [t for t in threading.enumerate() if t.name == "cache-hits-reader"]
+    assert len(produced) <= 5
