@@ -211,6 +211,28 @@ class Passthrough(BaseModel):
         return decode_schema(self.schema_ipc)
 
 
+class TablePin(BaseModel):
+    """The Iceberg snapshot a run reads (``io.input_table``), as the plan pinned it (``steps/tables/snapshot.py``).
+
+    The shards never see the catalog: they read the plan's files, which are this snapshot's data files
+    (``read`` 'reference') or the rows the plan read from it and wrote under the output prefix ('materialized').
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    identifier: str = Field(description="namespace.table")
+    snapshot_id: int = Field(description="the pinned snapshot")
+    schema_id: int | None = Field(description="the snapshot's schema id")
+    location: str = Field(description="the table's location (its OpenLineage dataset name)")
+    row_filter: str | None = Field(description="io.input_table.row_filter as planned (null: none)")
+    columns: list[str] = Field(description="the columns read (io.input_table.columns, or every column)")
+    read: Literal["reference", "materialized"] = Field(
+        description="reference: the plan's files are the snapshot's data files; materialized: the filtered rows, "
+        "written once by the plan"
+    )
+    data_files: int = Field(ge=0, description="data files of the snapshot the scan selected")
+    data_rows: int = Field(ge=0, description="their rows before any residual filter (the data files' record counts)")
+
+
 class Plan(BaseModel):
     """``_plan.json``: written once (create-only) and sealed by the plan task (``core/seal.py``, domain ``plan``,
     scope the output URI); every reader checks the seal (``load_plan``)."""
@@ -243,6 +265,9 @@ class Plan(BaseModel):
     )
     adapters: list[AdapterRef] = Field(
         default_factory=list, description="the job's LoRA adapters and their identities (core/adapters.py)"
+    )
+    table: TablePin | None = Field(
+        None, description="io.input_table: the table snapshot the run reads, pinned by the plan; absent for files"
     )
     seal: Seal | None = Field(None, description="the plan task's seal (core/seal.py): what every reader checks")
 
