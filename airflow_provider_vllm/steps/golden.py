@@ -130,6 +130,7 @@ def with_golden(
         check_reference_columns(spec, found)
     if ref.ride_along_uri is None:
         return plan
+    assert found is not None  # found above: ride_along_uri is set
     check_reserved_ids(spec, found)
     golden = plan_golden(spec, out, filesystems)
     if max_shards is not None and len(plan.shards) + len(golden.shards) > max_shards:

@@ -103,7 +103,8 @@ def commit_results(
     if table.metadata.name_mapping() is None:  # parts carry no field ids: readers map them by name
         from pyiceberg.table import TableProperties
 
-        tx.set_properties(**{TableProperties.DEFAULT_NAME_MAPPING: table.schema().name_mapping.model_dump_json()})
+        mapping: dict[str, Any] = {TableProperties.DEFAULT_NAME_MAPPING: table.schema().name_mapping.model_dump_json()}
+        tx.set_properties(mapping)
     if target.mode == "overwrite":
         old = _partition_files(table, target, run_date)
         with tx.update_snapshot(snapshot_properties=props).overwrite() as producer:
@@ -245,7 +246,8 @@ def _partition_files(table: Table, target: TableOutput, run_date: dt.date) -> li
     assert target.date_column is not None
     if table.current_snapshot() is None:
         return []
-    scan = table.scan(row_filter=EqualTo(target.date_column, run_date.isoformat()))
+    # pyiceberg types EqualTo as its pydantic fields (term, value); its __init__ takes (term, literal)
+    scan = table.scan(row_filter=EqualTo(target.date_column, run_date.isoformat()))  # type: ignore[call-arg,misc]
     files = []
     for task in scan.plan_files():
         if task.delete_files:
