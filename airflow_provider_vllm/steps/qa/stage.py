@@ -65,6 +65,8 @@ def qa_run(
             "output_uri": spec.io.output_uri,
             "config_hash": merged.config_hash,
             "rows": merged.rows,
+            # io.input_table: the snapshot the run read (the report's header and report.json name it)
+            **({"input_snapshot": f"{plan.table.identifier}@{plan.table.snapshot_id}"} if plan.table else {}),
         },
     )
     found = find_references(spec, plan, out, filesystems)

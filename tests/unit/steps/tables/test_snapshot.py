@@ -10,6 +10,7 @@ from airflow_provider_vllm.core.plan import load_plan
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.steps.merge.merger import RESULTS, read_merged, verified_parts
 from airflow_provider_vllm.steps.plan.planner import plan_job
+from airflow_provider_vllm.steps.qa.stage import qa_run
 from airflow_provider_vllm.steps.tables.access import Tables
 from airflow_provider_vllm.steps.tables.snapshot import resolve_table_input
 from airflow_provider_vllm.worker.shard import read_shard_rows, shard_input
@@ -52,6 +53,9 @@ def test_plan_pins_the_snapshot_and_a_later_append_changes_nothing_a_retry_reads
     assert shard_ids(spec, load_plan(spec)) == before  # a retried shard reads the same rows
     run_job(spec, tables, fake_engine_factory)
     assert published_ids(spec) == sorted(f"t{i:05d}" for i in range(30))
+    qa_run(spec)  # QA names the snapshot the run read
+    for name in ("report.json", "report.html"):
+        assert f"lake.tickets@{pinned}" in (tmp_path / "run" / "qa" / name).read_text()
 
 
 def test_a_row_filter_reads_exactly_the_matching_rows_of_the_snapshot(lake, tmp_path, fake_engine_factory):
