@@ -5,7 +5,8 @@ trigger param, Variable, XCom or the job spec. Its fields follow Airflow's Icebe
 ``iceberg``, ``host`` the catalog URI, ``login`` / ``password`` a REST catalog's OAuth client id and secret
 (pyiceberg's ``credential``); the extra (a JSON object) holds any other pyiceberg catalog property: ``type``
 (``rest``, ``sql``, ``glue``, ``hive``), ``warehouse``, ``uri`` (when ``host`` cannot hold it, e.g. a SQL
-catalog's SQLAlchemy URL), ``s3.endpoint``, ... ``tables(...)`` bundles the catalog with the deployment's
+catalog's SQLAlchemy URL), ``s3.endpoint``, ...; ``catalog-name`` (default: the Connection id) is the catalog's
+name, which a SQL catalog keys its tables by. ``tables(...)`` bundles the catalog with the deployment's
 table rules for the pure steps (``steps/tables/``).
 """
 
@@ -20,6 +21,9 @@ from airflow_provider_vllm.provider import ALLOWED_TABLES, CONFIG_SECTION, ICEBE
 from airflow_provider_vllm.steps.tables.access import Tables, parse_allowed_tables
 
 DEFAULT_ICEBERG_CONN_ID = "iceberg_default"  # Airflow's Iceberg provider's default
+# The extra's key for the catalog's name (default: the Connection id). A SQL catalog keys its tables by it:
+# a catalog database shared with Spark or Trino needs the name they use.
+CATALOG_NAME = "catalog-name"
 
 
 def iceberg_conn_id() -> str:
@@ -57,7 +61,8 @@ def catalog_properties(conn: Any) -> dict[str, str]:
 
 
 def load_catalog_from_connection(conn_id: str) -> Any:
-    """The pyiceberg catalog of Connection ``conn_id`` (named after it); fails the task when there is none."""
+    """The pyiceberg catalog of Connection ``conn_id`` (named after it, or its extra's ``catalog-name``); fails the
+    task when there is none."""
     from airflow.sdk import Connection
     from airflow.sdk.exceptions import AirflowNotFoundException
 
@@ -73,8 +78,10 @@ def load_catalog_from_connection(conn_id: str) -> Any:
         raise AirflowFailException(
             "table jobs need pyiceberg: install the provider's iceberg extra (airflow-provider-vllm[iceberg])"
         ) from None
+    props = catalog_properties(conn)
+    name = props.pop(CATALOG_NAME, conn_id)
     try:
-        return load_catalog(conn_id, **catalog_properties(conn))
+        return load_catalog(name, **props)
     except (ValueError, NotImplementedError) as e:
         raise AirflowFailException(f"Connection {conn_id!r} does not describe an Iceberg catalog: {e}") from None
 

@@ -36,6 +36,8 @@ def test_a_sql_catalog_connection_loads_through_pyiceberg(tmp_path, monkeypatch)
     monkeypatch.setattr(Connection, "get", classmethod(lambda cls, conn_id: conn))
     catalog = iceberg.load_catalog_from_connection("iceberg_lake")
     assert type(catalog).__name__ == "SqlCatalog" and catalog.name == "iceberg_lake"
+    conn.extra = json.dumps({**extra, "catalog-name": "lake"})  # a SQL catalog keys tables by the catalog's name
+    assert iceberg.load_catalog_from_connection("iceberg_lake").name == "lake"
 
 
 def test_the_deployment_names_the_connection_and_the_tables(monkeypatch):
