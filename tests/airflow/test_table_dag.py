@@ -15,7 +15,7 @@ from tests.support.airflow_env import DAGS, tail
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 DAG_ID = "vllm_nightly_table"
-DAY, OTHER = "2026-11-27", "2026-11-26"
+DAY, OTHER, REAL_DAY = "2026-11-27", "2026-11-26", "2026-11-25"
 # The template as shipped, with the shard task's interpreter swapped for the fake engine's.
 WRAPPER = """
 import importlib.util, sys
@@ -28,7 +28,10 @@ dag.task_dict["reclassify.shard"].partial_kwargs["python"] = {python!r}
 """
 
 
-def test_the_table_variant_reads_a_pinned_snapshot_and_publishes_one_snapshot(airflow_sandbox, fake_python, tmp_path):  # noqa: F811
+@pytest.fixture(scope="module")
+def lake(airflow_sandbox):
+    """The deployment's Iceberg catalog (SQLite, a warehouse under the sandbox's allowed data root) and a table of
+    tickets partitioned by dt: 40 rows on DAY, 2 on OTHER, 12 on REAL_DAY (the real-vLLM run's)."""
     from pyiceberg.catalog.sql import SqlCatalog
     from pyiceberg.transforms import IdentityTransform
 
@@ -48,22 +51,32 @@ def test_the_table_variant_reads_a_pinned_snapshot_and_publishes_one_snapshot(ai
     with src.update_spec() as spec:
         spec.add_field("dt", IdentityTransform(), "dt")
     src = catalog.load_table("support.tickets")
-    day_ids = [f"d{i:03d}" for i in range(40)]
-    src.append(pa.table({"id": day_ids, "text": [f"ticket {i}: refund" for i in range(40)], "dt": [DAY] * 40}, schema))
-    src.append(pa.table({"id": ["x1", "x2"], "text": ["other day", "other day"], "dt": [OTHER] * 2}, schema))
-    pinned = catalog.load_table("support.tickets").current_snapshot().snapshot_id
+    for day, n, prefix in ((DAY, 40, "d"), (OTHER, 2, "x"), (REAL_DAY, 12, "r")):
+        ids = [f"{prefix}{i:03d}" for i in range(n)]
+        texts = [f"ticket {i}: I was charged twice, please refund" for i in range(n)]
+        src.append(pa.table({"id": ids, "text": texts, "dt": [day] * n}, schema))
+    env = {
+        "AIRFLOW_CONN_ICEBERG_DEFAULT": json.dumps({"conn_type": "iceberg", "extra": props}),
+        "AIRFLOW__VLLM_BATCH__ALLOWED_TABLES": "support.*",
+    }
+    return catalog, env
 
+
+def test_the_table_variant_reads_a_pinned_snapshot_and_publishes_one_snapshot(
+    airflow_sandbox,
+    lake,
+    fake_python,  # noqa: F811
+    tmp_path,
+):
+    box = airflow_sandbox
+    catalog, lake_env = lake
+    pinned = catalog.load_table("support.tickets").current_snapshot().snapshot_id
     dags = tmp_path / "dags"
     dags.mkdir()
     (dags / "vllm_nightly_table_fake.py").write_text(
         WRAPPER.format(dags=str(DAGS), path=str(DAGS / "vllm_nightly_table.py"), python=fake_python)
     )
-    env = {
-        "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
-        "AIRFLOW_CONN_ICEBERG_DEFAULT": json.dumps({"conn_type": "iceberg", "extra": props}),
-        "AIRFLOW__VLLM_BATCH__ALLOWED_TABLES": "support.*",
-        "AIRFLOW_VAR_VLLM_BATCH_SHARD_ROWS": "20",
-    }
+    env = {**lake_env, "AIRFLOW__CORE__DAGS_FOLDER": str(dags), "AIRFLOW_VAR_VLLM_BATCH_SHARD_ROWS": "20"}
     p = box.dags_test(DAG_ID, DAY, env=env)
     assert p.returncode == 0, tail(p)
     out = box.data / "reclassification_table" / f"dt={DAY}"
@@ -83,3 +96,25 @@ def test_the_table_variant_reads_a_pinned_snapshot_and_publishes_one_snapshot(ai
     )
     assert {d.isoformat() for d in got.column("run_date").to_pylist()} == {DAY}
     assert f"support.tickets@{pinned}" in (out / "qa" / "report.json").read_text()
+
+
+@pytest.mark.vllm
+def test_the_table_variant_runs_real_vllm_on_the_cpu(airflow_sandbox, lake):
+    """The shipped template as it is (no fake): the tiny model on vLLM's CPU build, one shard of the day's rows."""
+    box = airflow_sandbox
+    catalog, lake_env = lake
+    p = box.dags_test(DAG_ID, REAL_DAY, env={**lake_env, "AIRFLOW_VAR_VLLM_BATCH_SHARD_ROWS": "100"})
+    assert p.returncode == 0, tail(p)
+    out = box.data / "reclassification_table" / f"dt={REAL_DAY}"
+    res = pq.read_table(out / "results", columns=["id", "engine_version"])
+    err = pq.read_table(out / "errors", columns=["id"]).column("id").to_pylist()
+    assert sorted(res.column("id").to_pylist() + err) == [f"r{i:03d}" for i in range(12)]
+    assert set(res.column("engine_version").to_pylist()) - {None} and "fake" not in str(res.column("engine_version"))
+    labels = catalog.load_table("support.ticket_labels")
+    days = labels.scan(selected_fields=("id", "run_date")).to_arrow()
+    mine = [
+        i
+        for i, d in zip(days.column("id").to_pylist(), days.column("run_date").to_pylist())
+        if d.isoformat() == REAL_DAY
+    ]
+    assert sorted(mine) == sorted(res.column("id").to_pylist())
