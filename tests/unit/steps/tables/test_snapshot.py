@@ -8,12 +8,13 @@ import pytest
 from airflow_provider_vllm.core.errors import DatasetError, SpecError
 from airflow_provider_vllm.core.plan import load_plan
 from airflow_provider_vllm.core.storage import Storage
-from airflow_provider_vllm.steps.merge.merger import RESULTS, read_merged, verified_parts
+from airflow_provider_vllm.steps.merge.merger import RESULTS, merge, read_merged, verified_parts
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.steps.qa.stage import qa_run
 from airflow_provider_vllm.steps.tables.access import Tables
 from airflow_provider_vllm.steps.tables.snapshot import resolve_table_input
-from airflow_provider_vllm.worker.shard import read_shard_rows, shard_input
+from airflow_provider_vllm.worker.shard import read_shard_rows, run_shard, shard_input
+from airflow_provider_vllm.worker.task import ShardTask
 from tests.support.iceberg import rows, run_job, source_table, sql_catalog, table_spec
 
 
@@ -167,3 +168,38 @@ def test_non_parquet_and_delete_files_are_refused(lake, tmp_path, monkeypatch):
         with pytest.raises(DatasetError, match=match) as e:
             plan_job(table_spec(str(tmp_path / "run")), tables=tables)
         assert "table lake.tickets snapshot" in str(e.value)
+
+
+def test_with_the_result_cache_the_next_snapshot_infers_only_new_rows(lake, tmp_path, fake_engine_factory):
+    from airflow_provider_vllm.core.engine_identity import local_engine_identity
+    from tests.support.data import PINNED_REVISION, make_spec
+
+    catalog, tables = lake
+    table = source_table(catalog)
+
+    def spec(run: str):
+        return make_spec(
+            "/unused",
+            str(tmp_path / run),
+            model={"name": "fake", "max_model_len": 1024, "revision": PINNED_REVISION},
+            io={"input_uri": None, "input_table": {"identifier": "lake.tickets"}, "output_uri": str(tmp_path / run)},
+            cache={"uri": str(tmp_path / "cache")},
+            sharding={"target_rows": 10, "chunk_rows": 4},
+        )
+
+    def run(s):
+        plan = plan_job(s, tables=tables, engine_identity=local_engine_identity())
+        for sh in plan.shards:
+            run_shard(ShardTask(spec=s, shard_id=sh.shard_id), engine_factory=fake_engine_factory)
+        merge(s)
+        return plan
+
+    first = run(spec("a"))
+    assert (first.cache.hits, first.cache.misses) == (0, 30) and first.table.read == "reference"
+    table.append(rows(4, start=30))  # the next night: 4 new tickets in a new snapshot
+    fake_engine_factory.made.clear()
+    second = run(spec("b"))
+    assert second.table.snapshot_id != first.table.snapshot_id
+    assert (second.cache.rows, second.cache.hits, second.cache.misses) == (34, 30, 4)
+    assert sum(e.submitted for e in fake_engine_factory.made) == 4
+    assert published_ids(spec("b")) == sorted(f"t{i:05d}" for i in range(34))
