@@ -18,6 +18,11 @@ snapshot of `vllm_batch_output_table` (default `support.ticket_labels`; created 
 partitioned by `run_date`: the run's results are added by reference (no copy) and replace that date's
 partition, so re-running or backfilling a date replaces its labels. Publishing a run twice commits once.
 
+**Only what changed.** As in the folder variant, the result cache (`<root>/reclassification_table/_cache/`,
+shared by every date) answers the rows whose text, model, prompt and sampling an earlier run already saw, so
+only new and edited tickets reach the GPU, and `changes/` lists what moved against the day before (it needs
+`model.revision` pinned to a commit for a hub model, or `{"cache": {"uri": null}}` in the overrides).
+
 **The catalog** is the deployment's: the Airflow Connection named by `[vllm_batch] iceberg_conn_id`
 (default `iceberg_default`); the tables must be listed in `[vllm_batch] allowed_tables` (docs/tables.md).
 The model, shard size, overrides, review and runner Variables are those of the folder variant.
@@ -75,7 +80,11 @@ with DAG(
             qa={
                 "previous_report_uri": DATA_ROOT
                 + "/reclassification_table/dt={{ macros.ds_add(ds, -1) }}/qa/report.json",
+                "warn_churn_rate": 0.05,
+                "fail_churn_rate": 0.5,
             },
+            cache={"uri": DATA_ROOT + "/reclassification_table/_cache/"},
+            changes={"previous_uri": DATA_ROOT + "/reclassification_table/dt={{ macros.ds_add(ds, -1) }}/"},
         ),
         group_id="reclassify",
         overrides=SPEC_OVERRIDES,

@@ -53,7 +53,9 @@ def lake(airflow_sandbox):
     src = catalog.load_table("support.tickets")
     for day, n, prefix in ((DAY, 40, "d"), (OTHER, 2, "x"), (REAL_DAY, 12, "r")):
         ids = [f"{prefix}{i:03d}" for i in range(n)]
-        texts = [f"ticket {i}: I was charged twice, please refund" for i in range(n)]
+        # texts of their own per day: the fake engine's answers (cached under the local engine's identity, which
+        # the plan sees) must not answer the real-vLLM run's rows
+        texts = [f"ticket {prefix}{i} of {day}: I was charged twice, please refund" for i in range(n)]
         src.append(pa.table({"id": ids, "text": texts, "dt": [day] * n}, schema))
     env = {
         "AIRFLOW_CONN_ICEBERG_DEFAULT": json.dumps({"conn_type": "iceberg", "extra": props}),
@@ -96,6 +98,9 @@ def test_the_table_variant_reads_a_pinned_snapshot_and_publishes_one_snapshot(
     )
     assert {d.isoformat() for d in got.column("run_date").to_pylist()} == {DAY}
     assert f"support.tickets@{pinned}" in (out / "qa" / "report.json").read_text()
+    assert plan["cache"]["misses"] == 40  # the first night: nothing cached yet
+    changes = json.loads((out / "changes" / "_changes.json").read_text())
+    assert changes["previous_state"] == "absent" and changes["ids"] == 40
 
 
 @pytest.mark.vllm
