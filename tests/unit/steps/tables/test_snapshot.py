@@ -203,3 +203,36 @@ def test_with_the_result_cache_the_next_snapshot_infers_only_new_rows(lake, tmp_
     assert (second.cache.rows, second.cache.hits, second.cache.misses) == (34, 30, 4)
     assert sum(e.submitted for e in fake_engine_factory.made) == 4
     assert published_ids(spec("b")) == sorted(f"t{i:05d}" for i in range(34))
+
+
+@pytest.mark.parametrize(
+    "path, match",
+    [
+        ("http://evil.example/x.parquet", "unknown scheme|not allowed"),
+        ("s3://other-bucket/x.parquet", "outside the allowed prefixes"),
+        ("s3://lake/warehouse/%2e%2e/x.parquet", "percent-encoded"),
+        ("/etc/../etc/passwd", r"'\.\.'|\.\. segments|not allowed"),
+    ],
+)
+def test_a_data_file_the_table_points_anywhere_is_refused(lake, tmp_path, monkeypatch, path, match):
+    from airflow_provider_vllm.steps.tables import snapshot
+
+    catalog, _ = lake
+    source_table(catalog)
+    tables = Tables(catalog=catalog, allowed=["lake.*"], uri_prefixes=[str(tmp_path), "s3://lake/"])
+
+    class File:
+        def __init__(self, real):
+            self.file_path, self.record_count, self.file_format = path, real.record_count, real.file_format
+
+    class Task:
+        def __init__(self, real):
+            self.file, self.residual, self.delete_files = File(real.file), real.residual, real.delete_files
+
+    real_check = snapshot._check_tasks
+    monkeypatch.setattr(
+        snapshot, "_check_tasks", lambda tasks, where, allowed: real_check([Task(t) for t in tasks], where, allowed)
+    )
+    with pytest.raises(SpecError, match=match) as e:
+        plan_job(table_spec(str(tmp_path / "run")), tables=tables)
+    assert "table lake.tickets snapshot" in str(e.value)
