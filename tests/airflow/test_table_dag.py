@@ -92,6 +92,10 @@ def test_the_table_variant_reads_a_pinned_snapshot_and_publishes_one_snapshot(
     summary = labels.current_snapshot().summary
     assert summary["vllm-batch.input-snapshot"] == f"support.tickets@{pinned}"
     assert summary["vllm-batch.run-id"] == f"{out}"
+    assert summary["vllm-batch.results-manifest-sha256"] == success["checksums"]["results/_manifest.json"]
+    assert summary["vllm-batch.airflow-run"].startswith(f"{DAG_ID}/")
+    event = next(e for e in box.inspect(DAG_ID)["asset_events"] if e["uri"] == "x-vllm-batch://ticket_labels_table")
+    assert event["extra"]["table"] == success["table"]  # the Asset event names the committed snapshot
     got = labels.scan(selected_fields=("id", "run_date")).to_arrow()
     assert sorted(got.column("id").to_pylist()) == sorted(
         pq.read_table(out / "results", columns=["id"]).column("id").to_pylist()
