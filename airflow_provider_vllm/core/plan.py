@@ -233,6 +233,15 @@ class TablePin(BaseModel):
     data_rows: int = Field(ge=0, description="their rows before any residual filter (the data files' record counts)")
 
 
+class ChangesFrom(BaseModel):
+    """``changes.previous_table`` as the plan resolved it: the run whose snapshot the output table held last."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    identifier: str = Field(description="io.output_table's identifier")
+    snapshot_id: int | None = Field(description="the table's last snapshot committed by a run (None: none yet)")
+    previous_uri: str | None = Field(description="that run's output prefix (its vllm-batch.run-id); None: none")
+
+
 class Plan(BaseModel):
     """``_plan.json``: written once (create-only) and sealed by the plan task (``core/seal.py``, domain ``plan``,
     scope the output URI); every reader checks the seal (``load_plan``)."""
@@ -268,6 +277,9 @@ class Plan(BaseModel):
     )
     table: TablePin | None = Field(
         None, description="io.input_table: the table snapshot the run reads, pinned by the plan; absent for files"
+    )
+    changes_from: ChangesFrom | None = Field(
+        None, description="changes.previous_table: the run the changes compare with, pinned by the plan"
     )
     seal: Seal | None = Field(None, description="the plan task's seal (core/seal.py): what every reader checks")
 
@@ -319,6 +331,15 @@ class Plan(BaseModel):
             if s.shard_id == shard_id:
                 return s
         raise SpecError(f"shard {shard_id!r} is not in the plan")
+
+
+def changes_spec(spec: JobSpec, plan: Plan) -> JobSpec:
+    """The spec the change set is computed and published by: with ``changes.previous_table``, its
+    ``changes.previous_uri`` is the run the plan pinned (``Plan.changes_from``; None: nothing to compare)."""
+    if not spec.changes.previous_table or plan.changes_from is None:
+        return spec
+    changes = spec.changes.model_copy(update={"previous_uri": plan.changes_from.previous_uri})
+    return spec.model_copy(update={"changes": changes})
 
 
 def estimate_tokens(chars: np.ndarray | int, chars_per_token: float) -> np.ndarray:

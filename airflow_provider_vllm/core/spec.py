@@ -716,6 +716,13 @@ class ChangesSpec(_Model):
         description="Output prefix of the run to compare against (its merged results); null: no changes "
         "output. A missing previous run is not an error: every id is 'added'.",
     )
+    previous_table: bool = Field(
+        False,
+        description="Compare against the run whose snapshot io.output_table holds last, as the plan finds it "
+        "(the snapshot summary's vllm-batch.run-id: that run's sealed output prefix, which must be inside "
+        "allowed_uri_prefixes); the plan pins it. No earlier snapshot of a run: no changes output. Exclusive "
+        "with previous_uri.",
+    )
 
 
 # Fields of the hashed sections added after the first release: left out of ``output_hash`` while at their
@@ -781,6 +788,13 @@ class JobSpec(_Model):
             raise ValueError(f"model.adapters apply to tasks 'chat' and 'generate', not {self.task!r}")
         if self.model.adapter_column is not None and self.io.input_format == "openai_batch":
             raise ValueError("model.adapter_column does not apply to openai_batch input: a request's body.model picks")
+        if self.changes.previous_table:
+            if self.io.output_table is None:
+                raise ValueError(
+                    "changes.previous_table compares with io.output_table's last snapshot: set io.output_table"
+                )
+            if self.changes.previous_uri is not None:
+                raise ValueError("changes.previous_table and changes.previous_uri are exclusive: give one")
         if self.io.passthrough and self.io.input_format in ("jsonl", "openai_batch"):
             raise ValueError(
                 f"io.passthrough needs Parquet input (typed columns); io.input_format is {self.io.input_format!r}"

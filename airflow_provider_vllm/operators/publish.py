@@ -15,7 +15,7 @@ from airflow.sdk.exceptions import AirflowFailException
 from airflow_provider_vllm import __version__
 from airflow_provider_vllm.core.allow_list import canonical_uri
 from airflow_provider_vllm.core.errors import SealError
-from airflow_provider_vllm.core.plan import load_plan
+from airflow_provider_vllm.core.plan import changes_spec, load_plan
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.hooks.filesystems import task_filesystems
@@ -172,6 +172,8 @@ class VllmPublishOperator(BaseOperator):
         if report.get("status") == "fail":
             raise AirflowFailException(f"publish: QA failed ({report.get('summary')}); not publishing")
         # changes.previous_uri set: QA wrote changes/ (what moved since that run); a reader syncs from it
+        if spec.changes.previous_table:  # the run the plan pinned, if any
+            spec = changes_spec(spec, load_plan(spec, out.filesystems, keyring))
         changes = {"changes": CHANGES, "changes_summary": CHANGES_SUMMARY} if spec.changes.previous_uri else {}
         files = {**merged.files, **QA_FILES, **changes, **(self.extra_files or {})}
         missing = sorted(p for p in files.values() if not out.exists(p))

@@ -76,12 +76,13 @@ def plan_job(
     if spec.io.input_table is not None:
         return _plan_table(spec, out, filesystems, max_shards, engine_identity, keyring, warm_starts, tables)
     if spec.cache.uri is not None:
-        plan = _plan_cached(spec, out, filesystems, max_shards, engine_identity, keyring, warm_starts)
+        plan = _plan_cached(spec, out, filesystems, max_shards, engine_identity, keyring, warm_starts, tables)
     else:
         plan = build_plan(spec, filesystems, max_shards=max_shards, warm_starts=warm_starts)
         if not out.exists(PLAN_FILE):
             _check_empty(spec, out)
             plan = with_golden(plan, spec, out, filesystems, max_shards)  # qa.reference: ride-along rows
+            plan = _with_changes_from(plan, spec, tables)
             # create-only: of two runs racing for one prefix, the loser meets the winner's plan below
             out.create_only(PLAN_FILE, plan.sealed(keyring, spec.io.output_uri).dump_json())
     existing = _existing(spec, out, keyring)
@@ -133,8 +134,20 @@ def _plan_table(
     )
     plan = plan.model_copy(update={"table": pin, "input_uri": f"iceberg:{pin.identifier}@{pin.snapshot_id}"})
     plan = with_golden(plan, spec, out, filesystems, max_shards, found=found)
+    plan = _with_changes_from(plan, spec, tables)
     out.create_only(PLAN_FILE, plan.sealed(keyring, spec.io.output_uri).dump_json())
     return _existing(spec, out, keyring)  # of two plans racing, the winner's
+
+
+def _with_changes_from(plan: Plan, spec: JobSpec, tables: Tables | None) -> Plan:
+    """``changes.previous_table``: the plan pins the run the change set compares with (``Plan.changes_from``)."""
+    if not spec.changes.previous_table:
+        return plan
+    if tables is None:
+        raise SpecError("changes.previous_table: this plan has no Iceberg catalog (the deployment's)")
+    from airflow_provider_vllm.steps.tables.commit import resolve_changes_from
+
+    return plan.model_copy(update={"changes_from": resolve_changes_from(spec, tables)})
 
 
 def _existing(spec: JobSpec, out: Storage, keyring: Keyring) -> Plan:
@@ -171,6 +184,7 @@ def _plan_cached(
     engine_identity: str | None,
     keyring: Keyring,
     warm_starts: bool | None = None,
+    tables: Tables | None = None,
 ) -> Plan:
     """With the result cache: an existing plan wins (only its input and spec are compared); else a new one."""
     if out.exists(PLAN_FILE):
@@ -190,6 +204,7 @@ def _plan_cached(
         warm_starts=warm_starts,
     )
     plan = with_golden(plan, spec, out, filesystems, max_shards)  # qa.reference: ride-along rows
+    plan = _with_changes_from(plan, spec, tables)
     out.create_only(PLAN_FILE, plan.sealed(keyring, spec.io.output_uri).dump_json())
     return plan
 

@@ -7,7 +7,7 @@ from typing import Any
 import pyarrow as pa
 
 from airflow_provider_vllm.core import duck
-from airflow_provider_vllm.core.plan import Plan, load_plan
+from airflow_provider_vllm.core.plan import Plan, changes_spec, load_plan
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
@@ -38,6 +38,8 @@ def qa_run(
     out = Storage(spec.io.output_uri, spec.io.storage_options, filesystems)
     merged = read_merged(out, keyring)
     parts = {kind: verified_parts(out, kind, merged) for kind in (RESULTS, ERRORS)}
+    plan = load_plan(spec, filesystems, keyring)
+    spec = changes_spec(spec, plan)  # changes.previous_table: the run the plan pinned
     previous = None
     if spec.qa.previous_report_uri:
         previous = load_report(spec.qa.previous_report_uri, spec.io.storage_options, filesystems)
@@ -48,7 +50,6 @@ def qa_run(
         if spec.changes.previous_uri
         else None
     )
-    plan = load_plan(spec, filesystems, keyring)
     st = spec.sampling.structured
     args: dict[str, Any] = dict(
         spec=spec.qa,

@@ -20,8 +20,10 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from airflow_provider_vllm.core.allow_list import canonical_uri, check_uri
 from airflow_provider_vllm.core.errors import CommitError, SpecError
-from airflow_provider_vllm.core.spec import TableOutput
+from airflow_provider_vllm.core.plan import ChangesFrom
+from airflow_provider_vllm.core.spec import JobSpec, TableOutput
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.steps.tables.access import Tables, summary_of
 
@@ -257,3 +259,34 @@ def _partition_files(table: Table, target: TableOutput, run_date: dt.date) -> li
             )
         files.append(task.file)
     return files
+
+
+def resolve_changes_from(spec: JobSpec, tables: Tables) -> ChangesFrom:
+    """``changes.previous_table``: the run whose snapshot ``io.output_table`` holds last (walking the current
+    snapshot's ancestry to the first one a run committed, this run's own excepted). Its output prefix must lie
+    inside ``tables.uri_prefixes`` (SpecError naming the table and snapshot); a missing table or no such
+    snapshot: nothing to compare (``previous_uri`` None)."""
+    from pyiceberg.exceptions import NoSuchTableError
+
+    target = spec.io.output_table
+    assert target is not None
+    tables.check(target.identifier, "io.output_table.identifier")
+    assert tables.catalog is not None
+    own = canonical_uri(spec.io.output_uri, "io.output_uri", resolve=False)
+    try:
+        table = tables.catalog.load_table(target.identifier)
+    except NoSuchTableError:
+        return ChangesFrom(identifier=target.identifier, snapshot_id=None, previous_uri=None)
+    snap = table.current_snapshot()
+    while snap is not None:
+        run = summary_of(snap).get(RUN_ID)
+        if run is not None and run != own:
+            try:
+                check_uri(run, tables.uri_prefixes, "changes.previous_table")
+            except SpecError as e:
+                raise SpecError(
+                    f"table {target.identifier} snapshot {snap.snapshot_id} names run {run!r}: {e}"
+                ) from None
+            return ChangesFrom(identifier=target.identifier, snapshot_id=snap.snapshot_id, previous_uri=run)
+        snap = table.snapshot_by_id(snap.parent_snapshot_id) if snap.parent_snapshot_id is not None else None
+    return ChangesFrom(identifier=target.identifier, snapshot_id=None, previous_uri=None)

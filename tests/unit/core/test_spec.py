@@ -274,3 +274,12 @@ def test_exactly_one_input_and_table_rules():
         JobSpec.load(_table_doc(input_table={"identifier": "lake.t", "snapshot_id": -1}))
     spec = JobSpec.load(_table_doc(input_table={"identifier": "lake.t", "row_filter": "lang = 'en' AND n > 3"}))
     assert spec.io.input_name == "iceberg table lake.t" and spec.io.input_uri is None
+
+
+def test_changes_from_the_output_table_needs_one_and_excludes_a_previous_uri():
+    with pytest.raises(SpecError, match="set io.output_table"):
+        JobSpec.load({**TABLE, "changes": {"previous_table": True}})
+    out = {"identifier": "lake.out"}
+    with pytest.raises(SpecError, match="exclusive"):
+        JobSpec.load({**_table_doc(output_table=out), "changes": {"previous_table": True, "previous_uri": "/prev"}})
+    assert JobSpec.load({**_table_doc(output_table=out), "changes": {"previous_table": True}}).changes.previous_table

@@ -19,7 +19,7 @@ from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.steps.merge.merger import RESULTS, read_merged, verified_parts
 from airflow_provider_vllm.steps.tables.access import Tables, summary_of
 from airflow_provider_vllm.steps.tables.commit import RUN_ID
-from tests.support.iceberg import publish, run_job, source_table, sql_catalog, table_spec
+from tests.support.iceberg import publish, rows, run_job, source_table, sql_catalog, table_spec
 
 
 @pytest.fixture
@@ -153,3 +153,46 @@ def _results_schema(spec):
     from airflow_provider_vllm.core.plan import load_plan
 
     return load_plan(spec).result_schema()
+
+
+def test_changes_compare_with_the_run_of_the_output_tables_last_snapshot(tmp_path, lake, fake_engine_factory):
+    from airflow_provider_vllm.core.plan import load_plan
+    from airflow_provider_vllm.steps.merge.changes import read_changes
+    from airflow_provider_vllm.steps.qa.stage import qa_run
+
+    catalog, tables = lake
+    first = run(tmp_path, lake, fake_engine_factory, "a")
+    publish(first, tables)
+    catalog.load_table("lake.tickets").append(rows(3, start=30))  # the next night: 3 new tickets
+
+    second = table_spec(str(tmp_path / "b"), out_table={"identifier": "lake.triage"})
+    second = second.model_validate({**second.model_dump(mode="json"), "changes": {"previous_table": True}})
+    run_job(second, tables, fake_engine_factory)
+    plan = load_plan(second)
+    assert plan.changes_from.previous_uri == first.io.output_uri and plan.changes_from.identifier == "lake.triage"
+    qa_run(second)
+    summary = read_changes(Storage(second.io.output_uri))
+    assert summary.counts.added == 3 and summary.counts.unchanged + summary.counts.error == 30
+    assert summary.previous_uri == first.io.output_uri
+    publish(second, tables)
+    # the first publish of a table has nothing to compare with; a run outside the allowed prefixes is refused
+    third = table_spec(str(tmp_path / "c"), out_table={"identifier": "lake.fresh", "create": True})
+    third = third.model_validate({**third.model_dump(mode="json"), "changes": {"previous_table": True}})
+    from airflow_provider_vllm.steps.plan.planner import plan_job
+
+    assert plan_job(third, tables=tables).changes_from.previous_uri is None
+    fourth = third.model_validate(
+        {
+            **third.model_dump(mode="json"),
+            "io": {
+                **third.io.model_dump(mode="json"),
+                "output_uri": str(tmp_path / "d"),
+                "output_table": {"identifier": "lake.triage"},
+            },
+        }
+    )
+    narrow = Tables(
+        catalog=catalog, allowed=["lake.*"], uri_prefixes=[str(tmp_path / "d"), str(tmp_path / "warehouse")]
+    )
+    with pytest.raises(SpecError, match=r"table lake.triage snapshot \d+ names run .* outside the allowed prefixes"):
+        plan_job(fourth, tables=narrow)
