@@ -236,3 +236,13 @@ def test_a_data_file_the_table_points_anywhere_is_refused(lake, tmp_path, monkey
     with pytest.raises(SpecError, match=match) as e:
         plan_job(table_spec(str(tmp_path / "run")), tables=tables)
     assert "table lake.tickets snapshot" in str(e.value)
+
+
+def test_a_filter_that_matches_no_row_plans_no_shard_and_publishes_an_empty_result(lake, tmp_path, fake_engine_factory):
+    catalog, tables = lake
+    source_table(catalog, partition_by_lang=True)
+    for row_filter in ("lang = 'de'", "id = 'nope'"):  # pruned by partition; read and matched by nothing
+        spec = table_spec(str(tmp_path / row_filter.split()[0]), row_filter=row_filter)
+        plan = run_job(spec, tables, fake_engine_factory)
+        assert plan.total_rows == 0 and plan.shards == [] and plan.table.row_filter == row_filter
+        assert published_ids(spec) == []
