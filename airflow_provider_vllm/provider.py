@@ -24,6 +24,8 @@ SIGNING_KEY = "signing_key"
 KUBERNETES_SIGNING_SECRET = "kubernetes_signing_secret"
 CACHE_URI_PREFIXES = "cache_uri_prefixes"
 KUBERNETES_COMPILE_CACHE_PVC = "kubernetes_compile_cache_pvc"
+ICEBERG_CONN_ID = "iceberg_conn_id"
+ALLOWED_TABLES = "allowed_tables"
 
 
 def setting(option: str) -> str:
@@ -173,6 +175,26 @@ def get_provider_info() -> dict:
                         "version_added": "0.3.0",
                         "type": "string",
                         "example": "vllm-compile-cache",
+                        "default": "",
+                    },
+                    ICEBERG_CONN_ID: {
+                        "description": "The Airflow Connection of the Iceberg catalog that table jobs "
+                        "(io.input_table, io.output_table) read and publish through, in the convention of "
+                        "Airflow's Iceberg provider: type iceberg, host the catalog URI, login/password a REST "
+                        "catalog's OAuth client id and secret, extra any other pyiceberg catalog property (type, "
+                        "warehouse, s3.endpoint, ...). Never taken from a job. See docs/tables.md.",
+                        "version_added": "0.3.0",
+                        "type": "string",
+                        "example": "iceberg_lake",
+                        "default": "iceberg_default",
+                    },
+                    ALLOWED_TABLES: {
+                        "description": "JSON list or comma-separated Iceberg table identifiers (namespace.table) "
+                        "or namespaces (namespace.*) that jobs may read (io.input_table) and publish to "
+                        "(io.output_table). Empty (default): every table job fails in plan, naming this option.",
+                        "version_added": "0.3.0",
+                        "type": "string",
+                        "example": "support.tickets,triage.*",
                         "default": "",
                     },
                     REPORT_ROOTS: {

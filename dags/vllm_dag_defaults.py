@@ -77,7 +77,7 @@ RUNNER = "{{ var.value.get('vllm_batch_runner', 'local') }}"
 LOCAL_ENGINE = {"enforce_eager": True, "cpu_kvcache_space_gb": 1, "max_num_seqs": 64}
 
 
-def ticket_spec(name: str, input_uri: str, output_uri: str, **sections: Any) -> dict[str, Any]:
+def ticket_spec(name: str, input_uri: str | None, output_uri: str, **sections: Any) -> dict[str, Any]:
     """The ticket classification job (chat + a fixed label set); strings may hold Jinja."""
     spec: dict[str, Any] = {
         "name": name,

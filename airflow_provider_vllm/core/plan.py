@@ -211,6 +211,37 @@ class Passthrough(BaseModel):
         return decode_schema(self.schema_ipc)
 
 
+class TablePin(BaseModel):
+    """The Iceberg snapshot a run reads (``io.input_table``), as the plan pinned it (``steps/tables/snapshot.py``).
+
+    The shards never see the catalog: they read the plan's files, which are this snapshot's data files
+    (``read`` 'reference') or the rows the plan read from it and wrote under the output prefix ('materialized').
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    identifier: str = Field(description="namespace.table")
+    snapshot_id: int = Field(description="the pinned snapshot")
+    schema_id: int | None = Field(description="the snapshot's schema id")
+    location: str = Field(description="the table's location (its OpenLineage dataset name)")
+    row_filter: str | None = Field(description="io.input_table.row_filter as planned (null: none)")
+    columns: list[str] = Field(description="the columns read (io.input_table.columns, or every column)")
+    read: Literal["reference", "materialized"] = Field(
+        description="reference: the plan's files are the snapshot's data files; materialized: the filtered rows, "
+        "written once by the plan"
+    )
+    data_files: int = Field(ge=0, description="data files of the snapshot the scan selected")
+    data_rows: int = Field(ge=0, description="their rows before any residual filter (the data files' record counts)")
+
+
+class ChangesFrom(BaseModel):
+    """``changes.previous_table`` as the plan resolved it: the run whose snapshot the output table held last."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    identifier: str = Field(description="io.output_table's identifier")
+    snapshot_id: int | None = Field(description="the table's last snapshot committed by a run (None: none yet)")
+    previous_uri: str | None = Field(description="that run's output prefix (its vllm-batch.run-id); None: none")
+
+
 class Plan(BaseModel):
     """``_plan.json``: written once (create-only) and sealed by the plan task (``core/seal.py``, domain ``plan``,
     scope the output URI); every reader checks the seal (``load_plan``)."""
@@ -243,6 +274,12 @@ class Plan(BaseModel):
     )
     adapters: list[AdapterRef] = Field(
         default_factory=list, description="the job's LoRA adapters and their identities (core/adapters.py)"
+    )
+    table: TablePin | None = Field(
+        None, description="io.input_table: the table snapshot the run reads, pinned by the plan; absent for files"
+    )
+    changes_from: ChangesFrom | None = Field(
+        None, description="changes.previous_table: the run the changes compare with, pinned by the plan"
     )
     seal: Seal | None = Field(None, description="the plan task's seal (core/seal.py): what every reader checks")
 
@@ -294,6 +331,15 @@ class Plan(BaseModel):
             if s.shard_id == shard_id:
                 return s
         raise SpecError(f"shard {shard_id!r} is not in the plan")
+
+
+def changes_spec(spec: JobSpec, plan: Plan) -> JobSpec:
+    """The spec the change set is computed and published by: with ``changes.previous_table``, its
+    ``changes.previous_uri`` is the run the plan pinned (``Plan.changes_from``; None: nothing to compare)."""
+    if not spec.changes.previous_table or plan.changes_from is None:
+        return spec
+    changes = spec.changes.model_copy(update={"previous_uri": plan.changes_from.previous_uri})
+    return spec.model_copy(update={"changes": changes})
 
 
 def estimate_tokens(chars: np.ndarray | int, chars_per_token: float) -> np.ndarray:

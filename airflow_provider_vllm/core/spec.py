@@ -359,10 +359,92 @@ class SamplingSpec(_Model):
     structured: StructuredOutput | None = Field(None, description="Structured output constraint.")
 
 
+TABLE_SEGMENT = r"[A-Za-z0-9_][A-Za-z0-9_-]{0,127}"
+TABLE_IDENTIFIER = rf"^{TABLE_SEGMENT}(\.{TABLE_SEGMENT}){{1,3}}$"
+MAX_ROW_FILTER_CHARS = 4096
+
+
+class TableInput(_Model):
+    """An Iceberg table to read (``io.input_table``): which table, which snapshot, which rows and columns.
+
+    The catalog is the deployment's (the Connection ``[vllm_batch] iceberg_conn_id`` names), never the job's:
+    a catalog URI, property or credential here is refused as an unknown field.
+    """
+
+    identifier: str = Field(
+        pattern=TABLE_IDENTIFIER,
+        description="namespace.table (up to 4 dot-separated segments of letters, digits, _ and -); the table must "
+        "be allowed by [vllm_batch] allowed_tables.",
+    )
+    snapshot_id: int | None = Field(
+        None,
+        ge=1,
+        le=2**63 - 1,
+        description="The snapshot to read (time travel, a backfill of an old run); null: the table's current "
+        "snapshot when the plan runs. Either way the plan pins it and every shard and retry reads it.",
+    )
+    row_filter: str | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_ROW_FILTER_CHARS,
+        description="An Iceberg row filter (pyiceberg's expression syntax, e.g. \"dt = '2026-12-01' AND lang = "
+        "'en'\"), applied exactly: a filter on identity partition columns reads the data files by reference, any "
+        "other is evaluated by the plan, which writes the matching rows once under the output prefix.",
+    )
+    columns: list[Annotated[str, Field(min_length=1)]] = Field(
+        default_factory=list,
+        description="The table columns the job may read (empty: all); the id, template, adapter and passthrough "
+        "columns must be among them, and io.passthrough 'all' means these.",
+    )
+
+
+class TableOutput(_Model):
+    """An Iceberg table that publish commits the merged results to (``io.output_table``), by reference."""
+
+    identifier: str = Field(
+        pattern=TABLE_IDENTIFIER,
+        description="namespace.table; the table must be allowed by [vllm_batch] allowed_tables.",
+    )
+    mode: Literal["append", "overwrite"] = Field(
+        "append",
+        description="append: add the run's results; overwrite: replace the rows of the run date's partition "
+        "(needs date_column) in the same snapshot.",
+    )
+    date_column: str | None = Field(
+        None,
+        description="A date column, identity-partitioned, that carries the run's date (the Airflow run's logical "
+        "date, else its run_after). The parts do not store it: readers take it from the partition value "
+        "(Iceberg's column projection). null: the table is not partitioned by run date.",
+    )
+    create: bool = Field(
+        False,
+        description="Create the table (results schema, plus date_column) in the catalog's warehouse on the first "
+        "publish; off: a missing table fails publish.",
+    )
+
+    @model_validator(mode="after")
+    def _mode(self) -> TableOutput:
+        if self.mode == "overwrite" and self.date_column is None:
+            raise ValueError("io.output_table.mode 'overwrite' replaces the run date's partition: set date_column")
+        return self
+
+
 class IOSpec(_Model):
     """Where data comes from and goes."""
 
-    input_uri: str = Field(min_length=1, description="File or folder: local path, s3://, gs://, file://.")
+    input_uri: str | None = Field(
+        None,
+        min_length=1,
+        description="File or folder: local path, s3://, gs://, file://. Exactly one of input_uri and input_table.",
+    )
+    input_table: TableInput | None = Field(
+        None, description="An Iceberg table to read instead of files (docs/tables.md). Exactly one of the two."
+    )
+    output_table: TableOutput | None = Field(
+        None,
+        description="An Iceberg table publish commits the merged results to, as one snapshot adding the parts by "
+        "reference (docs/tables.md); the run's folder is written as without it.",
+    )
     input_format: Literal["auto", "parquet", "jsonl", "openai_batch"] = Field(
         "auto",
         description="auto: by extension (.parquet; .jsonl whose first line is a request, a body and custom_id, "
@@ -397,6 +479,22 @@ class IOSpec(_Model):
         "server-side encryption); endpoints, credentials and access control are the deployment's "
         "(docs/security.md).",
     )
+
+    @model_validator(mode="after")
+    def _one_input(self) -> IOSpec:
+        if (self.input_uri is None) == (self.input_table is None):
+            raise ValueError("give exactly one of io.input_uri (files) and io.input_table (an Iceberg table)")
+        if self.input_table is not None and self.input_format not in ("auto", "parquet"):
+            raise ValueError(f"io.input_table reads Parquet data files; io.input_format is {self.input_format!r}")
+        return self
+
+    @property
+    def input_name(self) -> str:
+        """The input as messages name it: the URI, or ``iceberg table <identifier>``."""
+        if self.input_table is not None:
+            return f"iceberg table {self.input_table.identifier}"
+        assert self.input_uri is not None
+        return self.input_uri
 
 
 class ShardingSpec(_Model):
@@ -618,6 +716,13 @@ class ChangesSpec(_Model):
         description="Output prefix of the run to compare against (its merged results); null: no changes "
         "output. A missing previous run is not an error: every id is 'added'.",
     )
+    previous_table: bool = Field(
+        False,
+        description="Compare against the run whose snapshot io.output_table holds last, as the plan finds it "
+        "(the snapshot summary's vllm-batch.run-id: that run's sealed output prefix, which must be inside "
+        "allowed_uri_prefixes); the plan pins it. No earlier snapshot of a run: no changes output. Exclusive "
+        "with previous_uri.",
+    )
 
 
 # Fields of the hashed sections added after the first release: left out of ``output_hash`` while at their
@@ -683,6 +788,13 @@ class JobSpec(_Model):
             raise ValueError(f"model.adapters apply to tasks 'chat' and 'generate', not {self.task!r}")
         if self.model.adapter_column is not None and self.io.input_format == "openai_batch":
             raise ValueError("model.adapter_column does not apply to openai_batch input: a request's body.model picks")
+        if self.changes.previous_table:
+            if self.io.output_table is None:
+                raise ValueError(
+                    "changes.previous_table compares with io.output_table's last snapshot: set io.output_table"
+                )
+            if self.changes.previous_uri is not None:
+                raise ValueError("changes.previous_table and changes.previous_uri are exclusive: give one")
         if self.io.passthrough and self.io.input_format in ("jsonl", "openai_batch"):
             raise ValueError(
                 f"io.passthrough needs Parquet input (typed columns); io.input_format is {self.io.input_format!r}"

@@ -80,6 +80,8 @@ _IDENTIFIERS = {
     "model.adapters.source": (MODEL_REF, "a hub id (org/name), a local path or an s3:// / gs:// folder"),
     "model.default_adapter": (COLUMN, "an adapter name (letters, digits, _ . -)"),
     "model.adapter_column": (COLUMN, "a column name (letters, digits, _ . -)"),
+    "io.input_table.columns": (COLUMN, "a column name (letters, digits, _ . -)"),
+    "io.output_table.date_column": (COLUMN, "a column name (letters, digits, _ . -)"),
     "io.passthrough": (COLUMN, "a column name (letters, digits, _ . -)"),
     "io.passthrough_prefix": (PREFIX, "empty or a column name prefix (letters, digits, _ . -)"),
     "prompt.id_column": (COLUMN, "a column name (letters, digits, _ . -)"),
@@ -111,6 +113,7 @@ _FREE_TEXT = {
     "prompt.template": MAX_TEXT_CHARS,
     "sampling.stop": MAX_STOP_CHARS,
     "sampling.structured.regex": MAX_STRING_CHARS,
+    "io.input_table.row_filter": MAX_STRING_CHARS,  # quoted literals; parsed by the plan (steps/tables/)
 }
 # storage_options keys that hold credentials: the deployment provides them (environment,
 # instance roles, Airflow connections), never the job spec.
@@ -276,7 +279,8 @@ def check_deployment(
     if not canonical_prefixes(allowed) and not allow_any:
         raise SpecError(no_allow_list)
     io = spec.io
-    canon_in = check_uri(io.input_uri, allowed, "io.input_uri")
+    # a table's data files are checked by the plan, which resolves them (steps/tables/snapshot.py)
+    canon_in = check_uri(io.input_uri, allowed, "io.input_uri") if io.input_uri is not None else None
     canon_out = check_uri(io.output_uri, allowed, "io.output_uri")
     if spec.qa.previous_report_uri:
         check_uri(spec.qa.previous_report_uri, allowed, "qa.previous_report_uri")
@@ -303,8 +307,9 @@ def check_deployment(
             assert local is not None
             check_uri(local, allowed, what)
             check_local_tree(canonical_uri(local, what), allowed, what)
-    check_local_tree(canon_in, allowed, "io.input_uri")
-    if is_under(canon_out, canon_in) or is_under(canon_in, canon_out):
+    if canon_in is not None:
+        check_local_tree(canon_in, allowed, "io.input_uri")
+    if canon_in is not None and (is_under(canon_out, canon_in) or is_under(canon_in, canon_out)):
         raise SpecError(
             f"io.output_uri={io.output_uri} and io.input_uri={io.input_uri} overlap; write outputs outside the input"
         )

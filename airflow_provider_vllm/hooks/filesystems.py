@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from airflow_provider_vllm.core.errors import SpecError
@@ -208,9 +208,11 @@ AWS_ENV = (
 )
 
 
-def spec_schemes(spec: Any) -> set[str]:
-    """Schemes of the locations a job's worker reads or writes (input, output, QA previous report, history)."""
+def spec_schemes(spec: Any, extra_uris: Sequence[str] = ()) -> set[str]:
+    """Schemes of the locations a job's worker reads or writes (input, output, QA previous report, history), and of
+    ``extra_uris`` (a table job's input root, which only its plan knows)."""
     uris = [
+        *extra_uris,
         spec.io.input_uri,
         spec.io.output_uri,
         spec.qa.previous_report_uri,
@@ -223,7 +225,9 @@ def spec_schemes(spec: Any) -> set[str]:
     return {scheme_of(u) for u in uris if u}
 
 
-def worker_env(spec: Any, aws_conn_id: str | None, gcp_conn_id: str | None) -> dict[str, str]:
+def worker_env(
+    spec: Any, aws_conn_id: str | None, gcp_conn_id: str | None, extra_uris: Sequence[str] = ()
+) -> dict[str, str]:
     """Environment that gives the local worker process the Connection's object-store identity.
 
     S3: the Connection's (possibly assumed-role, temporary) keys, session token, region and S3
@@ -232,7 +236,7 @@ def worker_env(spec: Any, aws_conn_id: str | None, gcp_conn_id: str | None) -> d
     ``GOOGLE_APPLICATION_CREDENTIALS`` when the Connection names a key file (``key_path``);
     otherwise Application Default Credentials. Values go to the child's environment only.
     """
-    schemes = spec_schemes(spec)
+    schemes = spec_schemes(spec, extra_uris)
     env: dict[str, str] = {}
     if schemes & set(S3_SCHEMES) and aws_conn_id:
         env.update(_aws_env(aws_conn_id))

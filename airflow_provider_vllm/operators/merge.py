@@ -78,10 +78,10 @@ class VllmMergeOperator(BaseOperator):
 
     def _merge_lineage(self, spec: Any, summary: Any) -> Any:
         """The lineage, with the plan's adapter identities and passthrough columns when the job has them."""
-        if not (spec.model.adapters or spec.io.passthrough):
+        if not (spec.model.adapters or spec.io.passthrough or spec.io.input_table):
             return merge_lineage(spec, summary)
         plan = load_plan(spec, task_filesystems(self.aws_conn_id, self.gcp_conn_id), signing_keyring())
-        return merge_lineage(spec, summary, plan.adapters, plan.passthrough)
+        return merge_lineage(spec, summary, plan.adapters, plan.passthrough, plan.table)
 
     def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
         """OpenLineage: the input location in; results and errors out, with row counts and columns; the run

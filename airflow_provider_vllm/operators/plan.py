@@ -14,6 +14,7 @@ from airflow_provider_vllm.core.shard_names import with_display_names
 from airflow_provider_vllm.core.spec import PARAM_ALIASES, JobSpec
 from airflow_provider_vllm.core.spec_guard import DEPLOYMENT_OWNED, owned_paths_set
 from airflow_provider_vllm.hooks.filesystems import ConnectionFileSystems, task_filesystems
+from airflow_provider_vllm.hooks.iceberg import tables as iceberg_tables
 from airflow_provider_vllm.steps.lineage import plan_lineage
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.utils import provenance
@@ -157,7 +158,7 @@ class VllmPlanOperator(BaseOperator):
         params = dict(context.get("params") or {})
         spec = self.build_spec(params)
         self.check_provenance(spec, params)  # before any location or model is looked at
-        check_spec_allowed(spec, "plan")
+        prefixes = check_spec_allowed(spec, "plan")
         if runner == "local":
             check_local_model(spec)
         self.log.info(
@@ -165,7 +166,7 @@ class VllmPlanOperator(BaseOperator):
             spec.name,
             spec.task,
             spec.model.name,
-            spec.io.input_uri,
+            spec.io.input_name,
             spec.io.output_uri,
             spec.content_hash()[:12],
         )
@@ -173,6 +174,12 @@ class VllmPlanOperator(BaseOperator):
             self._dry_run(spec, context)
         keyring = signing_keyring()
         identity = self.engine_identity(spec, runner) if spec.cache.uri else None
+        tables = None
+        if spec.io.input_table is not None or spec.io.output_table is not None:
+            tables = iceberg_tables(prefixes)
+            if spec.io.output_table is not None:  # refused now rather than after the GPUs ran
+                with data_plane_errors("plan"):
+                    tables.check(spec.io.output_table.identifier, "io.output_table.identifier")
         with data_plane_errors("plan"):
             plan = plan_job(
                 spec,
@@ -181,6 +188,7 @@ class VllmPlanOperator(BaseOperator):
                 engine_identity=identity,
                 keyring=keyring,
                 warm_starts=warm_starts(spec, runner),
+                tables=tables,
             )
         self.log.info(
             "planned %d rows (%d invalid lines) into %d shard(s), ~%d prompt tokens; plan at %s/_plan.json",
@@ -200,7 +208,15 @@ class VllmPlanOperator(BaseOperator):
                 plan.cache.misses,
             )
         context["ti"].xcom_push(key=SPEC_XCOM_KEY, value=spec.model_dump(mode="json"))
-        self._lineage = plan_lineage(spec, rows=plan.total_rows, files=len(plan.files))
+        if plan.table is not None:
+            self.log.info(
+                "input: table %s snapshot %d (%s, %d data file(s))",
+                plan.table.identifier,
+                plan.table.snapshot_id,
+                plan.table.read,
+                plan.table.data_files,
+            )
+        self._lineage = plan_lineage(spec, rows=plan.total_rows, files=len(plan.files), table=plan.table)
         if plan.golden is not None:
             self.log.info(
                 "golden rows that ride along: %d from %s in %d shard(s) of their own (kept apart, under golden/)",

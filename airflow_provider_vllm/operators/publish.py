@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import time
@@ -12,17 +13,33 @@ from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_provider_vllm import __version__
+from airflow_provider_vllm.core.allow_list import canonical_uri
 from airflow_provider_vllm.core.errors import SealError
+from airflow_provider_vllm.core.plan import changes_spec, load_plan
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.hooks.filesystems import task_filesystems
+from airflow_provider_vllm.hooks.iceberg import tables as iceberg_tables
 from airflow_provider_vllm.steps.lineage import publish_lineage
 from airflow_provider_vllm.steps.merge.changes import CHANGES, read_changes
 from airflow_provider_vllm.steps.merge.changes import SUMMARY as CHANGES_SUMMARY
-from airflow_provider_vllm.steps.merge.merger import ERRORS, MERGED, RESULTS, read_merged, verified_parts
+from airflow_provider_vllm.steps.merge.merger import ERRORS, MERGED, RESULTS, manifest_rel, read_merged, verified_parts
 from airflow_provider_vllm.steps.publish import SUCCESS, success_bytes
-from airflow_provider_vllm.utils.deployment import check_spec_allowed, signing_keyring
+from airflow_provider_vllm.steps.tables.commit import commit_results
+from airflow_provider_vllm.utils.deployment import allowed_prefixes, check_spec_allowed, signing_keyring
 from airflow_provider_vllm.utils.job_spec import data_plane_errors, load_spec
+
+
+def _run_date(context: Any) -> datetime.date:
+    """The run's date: its logical date, else (runs without one) its run_after, else today (UTC)."""
+    when = context.get("logical_date") or getattr(context.get("dag_run"), "run_after", None)
+    return when.date() if when is not None else datetime.datetime.now(datetime.UTC).date()
+
+
+def merged_results_sha(marker: dict[str, Any]) -> str | None:
+    """The sha256 of the results manifest the marker names."""
+    return marker.get("checksums", {}).get(manifest_rel(RESULTS))
+
 
 QA_FILES = {"qa_report_json": "qa/report.json", "qa_report_html": "qa/report.html", "qa_sample": "qa/sample.parquet"}
 
@@ -69,6 +86,8 @@ class VllmPublishOperator(BaseOperator):
         keyring = signing_keyring()
         with data_plane_errors("publish"):
             marker = self._marker(spec, out, context, keyring)
+            if spec.io.output_table is not None:  # before the marker, which names the snapshot
+                marker["table"] = self._commit_table(spec, out, context, keyring, marker).event()
             body = success_bytes(marker, keyring, spec.io.output_uri)
             out.write_atomic(SUCCESS, body)
         self.log.info(
@@ -90,6 +109,7 @@ class VllmPublishOperator(BaseOperator):
             "config_hash": marker["config_hash"],
             # the consumer's check of the files, through Airflow's metadata database (steps/publish.py)
             "success_sha256": hashlib.sha256(body).hexdigest(),
+            **({"table": marker["table"]} if "table" in marker else {}),
         }
         self._lineage = publish_lineage(spec, event, self._engine_versions)
         for outlet in self.outlets or []:
@@ -102,6 +122,39 @@ class VllmPublishOperator(BaseOperator):
         from airflow_provider_vllm.utils.openlineage_facets import operator_lineage
 
         return operator_lineage(getattr(self, "_lineage", None))
+
+    def _commit_table(self, spec: Any, out: Storage, context: Any, keyring: Keyring, marker: dict[str, Any]) -> Any:
+        """Commit the verified result parts to ``io.output_table`` as one snapshot (a no-op when this run's is
+        there already); the catalog is the deployment's Connection (``hooks/iceberg.py``)."""
+        target = spec.io.output_table
+        plan = load_plan(spec, out.filesystems, keyring)
+        run_date = _run_date(context)
+        commit = commit_results(
+            target,
+            iceberg_tables(allowed_prefixes()),
+            out,
+            self._result_parts,
+            plan.result_schema(),
+            run_id=canonical_uri(spec.io.output_uri, "io.output_uri", resolve=False),
+            run_date=run_date,
+            properties={
+                "airflow-run": f"{marker['airflow']['dag_id']}/{marker['airflow']['run_id']}",
+                "results-manifest-sha256": str(merged_results_sha(marker)),
+                "spec-hash": marker["spec_hash"],
+                "config-hash": marker["config_hash"],
+                **({"input-snapshot": f"{plan.table.identifier}@{plan.table.snapshot_id}"} if plan.table else {}),
+            },
+        )
+        self.log.info(
+            "table %s: snapshot %d %s (%d file(s), %d rows; %s)",
+            commit.identifier,
+            commit.snapshot_id,
+            "was already committed by this run" if commit.already else "committed",
+            commit.files,
+            commit.rows,
+            target.mode if target.date_column is None else f"{target.mode} {target.date_column}={run_date}",
+        )
+        return commit
 
     def _marker(self, spec: Any, out: Storage, context: Any, keyring: Keyring) -> dict[str, Any]:
         try:
@@ -119,14 +172,16 @@ class VllmPublishOperator(BaseOperator):
         if report.get("status") == "fail":
             raise AirflowFailException(f"publish: QA failed ({report.get('summary')}); not publishing")
         # changes.previous_uri set: QA wrote changes/ (what moved since that run); a reader syncs from it
+        if spec.changes.previous_table:  # the run the plan pinned, if any
+            spec = changes_spec(spec, load_plan(spec, out.filesystems, keyring))
         changes = {"changes": CHANGES, "changes_summary": CHANGES_SUMMARY} if spec.changes.previous_uri else {}
         files = {**merged.files, **QA_FILES, **changes, **(self.extra_files or {})}
         missing = sorted(p for p in files.values() if not out.exists(p))
         if missing:
             raise AirflowFailException(f"publish: files missing under {spec.io.output_uri}: {missing}")
         # the folders: every part their sealed manifests name, with exactly its size and sha256 (a streaming read)
-        for kind in (RESULTS, ERRORS):
-            verified_parts(out, kind, merged)
+        self._result_parts = verified_parts(out, RESULTS, merged)
+        verified_parts(out, ERRORS, merged)
         if changes:
             read_changes(out, keyring)  # sealed by QA, changes.parquet as it wrote it
         dag_run = context.get("dag_run")

@@ -134,9 +134,17 @@ class VllmLocalShardOperator(BaseOperator):
 
         aws, gcp = conn_ids_from_config(conf, self.aws_conn_id, self.gcp_conn_id)
         try:
-            return connection_worker_env(spec, aws, gcp)
+            # a table job's data files: where only its sealed plan says (steps/tables/snapshot.py)
+            extra = [self._table_input_root(spec, aws, gcp)] if spec.io.input_table is not None else []
+            return connection_worker_env(spec, aws, gcp, extra)
         except SpecError as e:
             raise AirflowFailException(f"shard {self.shard_id}: {e}") from None
+
+    def _table_input_root(self, spec: Any, aws: str | None, gcp: str | None) -> str:
+        from airflow_provider_vllm.core.plan import load_plan
+        from airflow_provider_vllm.hooks.filesystems import task_filesystems
+
+        return load_plan(spec, task_filesystems(aws, gcp), signing_keyring()).input_root
 
     def _worker_line(self, line: str) -> None:
         self.log.info("worker | %s", line)

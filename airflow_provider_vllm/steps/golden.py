@@ -73,7 +73,7 @@ def check_reference_columns(spec: JobSpec, found: Input) -> None:
         return
     if found.format != "parquet":
         raise SpecError(
-            f"qa.reference.input_column needs Parquet input; {spec.io.input_uri} is {found.format}: use "
+            f"qa.reference.input_column needs Parquet input; {spec.io.input_name} is {found.format}: use "
             "qa.reference.golden_uri (an id -> label file) instead"
         )
     for name in found.names:
@@ -112,16 +112,25 @@ def check_reserved_ids(spec: JobSpec, found: Input) -> None:
 
 
 def with_golden(
-    plan: Plan, spec: JobSpec, out: Storage, filesystems: FileSystems | None = None, max_shards: int | None = None
+    plan: Plan,
+    spec: JobSpec,
+    out: Storage,
+    filesystems: FileSystems | None = None,
+    max_shards: int | None = None,
+    found: Input | None = None,
 ) -> Plan:
     """``plan`` with its golden rows (``Plan.golden``), their input file written under ``_golden/``; unchanged
-    without ``qa.reference.ride_along_uri``. Also checks the reference columns and the reserved ids."""
+    without ``qa.reference.ride_along_uri``. Also checks the reference columns and the reserved ids.
+    ``found``: the input as the plan found it (a table's pinned files); default: find ``io.input_uri``."""
     ref = spec.qa.reference
     if ref.input_column is not None or ref.ride_along_uri is not None:
-        found = find_input(spec.io.input_uri, spec.io.storage_options, spec.io.input_format, filesystems)
+        if found is None:
+            assert spec.io.input_uri is not None  # a table's plan passes its files
+            found = find_input(spec.io.input_uri, spec.io.storage_options, spec.io.input_format, filesystems)
         check_reference_columns(spec, found)
     if ref.ride_along_uri is None:
         return plan
+    assert found is not None  # found above: ride_along_uri is set
     check_reserved_ids(spec, found)
     golden = plan_golden(spec, out, filesystems)
     if max_shards is not None and len(plan.shards) + len(golden.shards) > max_shards:

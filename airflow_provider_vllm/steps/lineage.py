@@ -52,6 +52,8 @@ class DatasetFacts:
     files: int | None = None
     fields: tuple[tuple[str, str], ...] = ()  # (column, type)
     assertions: tuple[Assertion, ...] = ()
+    version: str | None = None  # an Iceberg table's snapshot id (OpenLineage's datasetVersion facet)
+    table: str | None = None  # an Iceberg table's identifier (a symlink of type TABLE to the location's name)
 
 
 @dataclass(frozen=True)
@@ -161,13 +163,28 @@ def _fields(columns: Sequence[str]) -> tuple[tuple[str, str], ...]:
     return tuple((c, _TYPES.get(c, "string")) for c in columns)
 
 
-def plan_lineage(spec: JobSpec, *, rows: int, files: int | None = None) -> Lineage:
-    """Plan read the input (``rows`` valid rows in ``files`` files); ``_plan.json`` is bookkeeping, not a dataset."""
-    return Lineage(inputs=(_dataset(spec.io.input_uri, rows=rows, files=files),))
+def input_dataset(spec: JobSpec, table: Any = None, **facts: Any) -> DatasetFacts:
+    """The job's input: its location, or an Iceberg table named by its location (the OpenLineage convention for
+    tables of files, as the Spark integration names Iceberg tables) at the snapshot the plan pinned
+    (``table``: the plan's ``TablePin``)."""
+    if table is not None:
+        return _dataset(table.location, version=str(table.snapshot_id), table=table.identifier, **facts)
+    assert spec.io.input_uri is not None
+    return _dataset(spec.io.input_uri, **facts)
+
+
+def plan_lineage(spec: JobSpec, *, rows: int, files: int | None = None, table: Any = None) -> Lineage:
+    """Plan read the input (``rows`` valid rows in ``files`` files; ``table``: the pinned snapshot);
+    ``_plan.json`` is bookkeeping, not a dataset."""
+    return Lineage(inputs=(input_dataset(spec, table, rows=rows, files=files),))
 
 
 def merge_lineage(
-    spec: JobSpec, summary: MergeSummary, adapters: Sequence[AdapterRef] = (), passthrough: Any = None
+    spec: JobSpec,
+    summary: MergeSummary,
+    adapters: Sequence[AdapterRef] = (),
+    passthrough: Any = None,
+    table: Any = None,
 ) -> Lineage:
     """Merge checked the input's ids and published the results/ and errors/ folders.
 
@@ -181,7 +198,7 @@ def merge_lineage(
     parts = summary.parts
     out = spec.io.output_uri
     return Lineage(
-        inputs=(_dataset(spec.io.input_uri, rows=summary.rows),),
+        inputs=(input_dataset(spec, table, rows=summary.rows),),
         outputs=(
             _dataset(
                 under(out, files.get("results", RESULTS).rstrip("/")),
@@ -266,14 +283,28 @@ def qa_lineage(spec: JobSpec, qa: Mapping[str, Any]) -> Lineage:
 
 
 def publish_lineage(spec: JobSpec, event: Mapping[str, Any], vllm_versions: Sequence[str] = ()) -> Lineage:
-    """Publish marked the output folder current (the Asset it updates), over results and errors; what
-    produced the answers it published (``vllm_versions``: the merge summary's)."""
+    """Publish marked the output folder current (the Asset it updates), over results and errors, and with
+    ``io.output_table`` committed the results to that table (``event["table"]``: identifier, location and the
+    snapshot); what produced the answers it published (``vllm_versions``: the merge summary's)."""
     out = spec.io.output_uri
+    committed = event.get("table")
+    table = (
+        (
+            _dataset(
+                committed["location"],
+                rows=event.get("ok_rows"),
+                version=str(committed["snapshot_id"]),
+                table=committed["identifier"],
+            ),
+        )
+        if committed
+        else ()
+    )
     return Lineage(
         inputs=(
             _dataset(under(out, RESULTS), rows=event.get("ok_rows")),
             _dataset(under(out, ERRORS), rows=event.get("error_rows")),
         ),
-        outputs=(_dataset(out, rows=event.get("rows")),),
+        outputs=(_dataset(out, rows=event.get("rows")), *table),
         inference=inference_facts(spec, vllm_versions),
     )

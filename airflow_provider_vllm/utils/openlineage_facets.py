@@ -79,11 +79,20 @@ def _facet_class() -> type:
 
 
 def _facets(d: DatasetFacts) -> dict[str, Any]:
+    from openlineage.client.generated.dataset_version_dataset import DatasetVersionDatasetFacet
     from openlineage.client.generated.schema_dataset import SchemaDatasetFacet, SchemaDatasetFacetFields
+    from openlineage.client.generated.symlinks_dataset import Identifier, SymlinksDatasetFacet
 
-    if not d.fields:
-        return {}
-    return {"schema": SchemaDatasetFacet(fields=[SchemaDatasetFacetFields(name=n, type=t) for n, t in d.fields])}
+    facets: dict[str, Any] = {}
+    if d.fields:
+        facets["schema"] = SchemaDatasetFacet(fields=[SchemaDatasetFacetFields(name=n, type=t) for n, t in d.fields])
+    if d.version is not None:  # an Iceberg table: the snapshot read or committed
+        facets["version"] = DatasetVersionDatasetFacet(datasetVersion=d.version)
+    if d.table is not None:
+        facets["symlinks"] = SymlinksDatasetFacet(
+            identifiers=[Identifier(namespace=d.namespace, name=d.table, type="TABLE")]
+        )
+    return facets
 
 
 def _input(d: DatasetFacts) -> Any:

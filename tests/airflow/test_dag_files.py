@@ -11,7 +11,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 DAGS = HERE.parents[1] / "dags"
-DAG_IDS = {"vllm_nightly_reclassification", "vllm_batch_rerun", "vllm_embeddings"}
+DAG_IDS = {"vllm_nightly_reclassification", "vllm_nightly_table", "vllm_batch_rerun", "vllm_embeddings"}
 
 
 def dagbag():
@@ -20,7 +20,7 @@ def dagbag():
     return BundleDagBag(dag_folder=str(DAGS), bundle_path=DAGS)
 
 
-def test_dagbag_has_the_three_dags_and_no_import_errors():
+def test_dagbag_has_the_four_dags_and_no_import_errors():
     bag = dagbag()
     assert bag.import_errors == {}
     assert set(bag.dags) == DAG_IDS

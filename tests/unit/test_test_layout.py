@@ -26,7 +26,6 @@ TESTED_ELSEWHERE: dict[str, list[str]] = {
         "tests/airflow/test_connections.py",
     ],
     "core/storage_retry.py": ["tests/s3/test_s3_faults.py"],
-    "hooks/filesystems.py": ["tests/airflow/test_connections.py"],
     "links/report.py": ["tests/unit/operators/test_review.py"],
     "plugins/report.py": ["tests/airflow/test_report_page_access.py", "tests/ui/test_airflow_ui.py"],
     "provider.py": ["tests/unit/test_provider_info.py"],

@@ -273,7 +273,7 @@ def dry_run_report(
         job=spec.name,
         task=spec.task,
         model=spec.model.name,
-        input_uri=spec.io.input_uri,
+        input_uri=plan.input_uri,
         rows=plan.total_rows,
         invalid_lines=plan.invalid_lines,
         est_prompt_tokens=work.prompt_tokens,

@@ -32,6 +32,8 @@ from airflow_provider_vllm.core.storage import FileSystems, Storage
 from airflow_provider_vllm.steps.golden import GOLDEN_IN, with_golden
 from airflow_provider_vllm.steps.plan.passthrough import resolve_passthrough
 from airflow_provider_vllm.steps.plan.sizing import History, job_history, size_shards
+from airflow_provider_vllm.steps.tables.access import Tables
+from airflow_provider_vllm.steps.tables.snapshot import TABLE_DIR, resolve_table_input
 
 DEFAULT_TARGET_ROWS = 10_000
 PLAN_VERSION = 2  # 2: sealed (core/seal.py); with the result cache, one input file per shard
@@ -46,6 +48,7 @@ def plan_job(
     engine_identity: str | None = None,
     keyring: Keyring | None = None,
     warm_starts: bool | None = None,
+    tables: Tables | None = None,
 ) -> Plan:
     """Plan the job and write ``_plan.json`` under the output prefix, sealed; idempotent.
 
@@ -63,16 +66,23 @@ def plan_job(
     with it for this output prefix (``core/seal.py``), and a plan already there is accepted only with
     this deployment's seal (SealError otherwise). ``warm_starts``: whether the shards reuse a shared compile
     cache, for the engine start that sizing counts (``sizing.start_estimate``; None: unknown).
+
+    ``tables``: the deployment's catalog and table rules, for ``io.input_table`` (``steps/tables/``): the plan
+    pins the snapshot and hands the shards its files; a plan already there keeps the snapshot it pinned,
+    however the table moved since.
     """
     keyring = keyring or Keyring.from_env()
     out = Storage(spec.io.output_uri, spec.io.storage_options, filesystems)
+    if spec.io.input_table is not None:
+        return _plan_table(spec, out, filesystems, max_shards, engine_identity, keyring, warm_starts, tables)
     if spec.cache.uri is not None:
-        plan = _plan_cached(spec, out, filesystems, max_shards, engine_identity, keyring, warm_starts)
+        plan = _plan_cached(spec, out, filesystems, max_shards, engine_identity, keyring, warm_starts, tables)
     else:
         plan = build_plan(spec, filesystems, max_shards=max_shards, warm_starts=warm_starts)
         if not out.exists(PLAN_FILE):
             _check_empty(spec, out)
             plan = with_golden(plan, spec, out, filesystems, max_shards)  # qa.reference: ride-along rows
+            plan = _with_changes_from(plan, spec, tables)
             # create-only: of two runs racing for one prefix, the loser meets the winner's plan below
             out.create_only(PLAN_FILE, plan.sealed(keyring, spec.io.output_uri).dump_json())
     existing = _existing(spec, out, keyring)
@@ -83,6 +93,61 @@ def plan_job(
             "use a new output prefix"
         )
     return existing
+
+
+def _plan_table(
+    spec: JobSpec,
+    out: Storage,
+    filesystems: FileSystems | None,
+    max_shards: int | None,
+    engine_identity: str | None,
+    keyring: Keyring,
+    warm_starts: bool | None,
+    tables: Tables | None,
+) -> Plan:
+    """``io.input_table``: an existing plan wins as it is (its pinned snapshot; only the spec is compared), else
+    pin the snapshot now and plan over its files."""
+    t = spec.io.input_table
+    assert t is not None
+    if tables is None:
+        raise SpecError(f"io.input_table={t.identifier!r}: this plan has no Iceberg catalog (the deployment's)")
+    tables.check(t.identifier, "io.input_table.identifier")
+    if out.exists(PLAN_FILE):
+        existing = _existing(spec, out, keyring)
+        if existing.spec_hash != spec.content_hash() or existing.table is None:
+            raise SpecError(
+                f"output {spec.io.output_uri} already holds a run of another input or spec "
+                f"(spec {existing.spec_hash[:12]}); use a new output prefix"
+            )
+        return existing
+    _check_empty(spec, out)
+    found, pin = resolve_table_input(spec, tables, out, filesystems)
+    plan = build_plan(
+        spec,
+        filesystems,
+        max_shards=max_shards,
+        cache_out=out if spec.cache.uri is not None else None,
+        engine_identity=engine_identity,
+        keyring=keyring,
+        warm_starts=warm_starts,
+        found=found,
+    )
+    plan = plan.model_copy(update={"table": pin, "input_uri": f"iceberg:{pin.identifier}@{pin.snapshot_id}"})
+    plan = with_golden(plan, spec, out, filesystems, max_shards, found=found)
+    plan = _with_changes_from(plan, spec, tables)
+    out.create_only(PLAN_FILE, plan.sealed(keyring, spec.io.output_uri).dump_json())
+    return _existing(spec, out, keyring)  # of two plans racing, the winner's
+
+
+def _with_changes_from(plan: Plan, spec: JobSpec, tables: Tables | None) -> Plan:
+    """``changes.previous_table``: the plan pins the run the change set compares with (``Plan.changes_from``)."""
+    if not spec.changes.previous_table:
+        return plan
+    if tables is None:
+        raise SpecError("changes.previous_table: this plan has no Iceberg catalog (the deployment's)")
+    from airflow_provider_vllm.steps.tables.commit import resolve_changes_from
+
+    return plan.model_copy(update={"changes_from": resolve_changes_from(spec, tables)})
 
 
 def _existing(spec: JobSpec, out: Storage, keyring: Keyring) -> Plan:
@@ -96,7 +161,12 @@ def _check_empty(spec: JobSpec, out: Storage) -> None:
     """SpecError unless the prefix is empty (create-only probes and orphaned ``_cache/`` files aside), then probe."""
     from airflow_provider_vllm.steps.cache.result_cache import CACHE_DIR
 
-    mine = (PROBE_DIR + "/", CACHE_DIR + "/", GOLDEN_IN + "/")  # files a plan killed before its _plan.json leaves
+    mine = (
+        PROBE_DIR + "/",
+        CACHE_DIR + "/",
+        GOLDEN_IN + "/",
+        TABLE_DIR + "/",
+    )  # files a plan killed before its _plan.json leaves
     foreign = next((f for f in out.walk_files() if not f.startswith(mine)), None)
     if foreign is not None:
         raise SpecError(
@@ -114,9 +184,11 @@ def _plan_cached(
     engine_identity: str | None,
     keyring: Keyring,
     warm_starts: bool | None = None,
+    tables: Tables | None = None,
 ) -> Plan:
     """With the result cache: an existing plan wins (only its input and spec are compared); else a new one."""
     if out.exists(PLAN_FILE):
+        assert spec.io.input_uri is not None  # tables: _plan_table
         found = find_input(spec.io.input_uri, spec.io.storage_options, spec.io.input_format, filesystems)
         existing = _existing(spec, out, keyring)
         # what plan_job compares with the stored plan: this input's fingerprint and this spec's hash
@@ -132,6 +204,7 @@ def _plan_cached(
         warm_starts=warm_starts,
     )
     plan = with_golden(plan, spec, out, filesystems, max_shards)  # qa.reference: ride-along rows
+    plan = _with_changes_from(plan, spec, tables)
     out.create_only(PLAN_FILE, plan.sealed(keyring, spec.io.output_uri).dump_json())
     return plan
 
@@ -159,14 +232,18 @@ def build_plan(
     engine_identity: str | None = None,
     keyring: Keyring | None = None,
     warm_starts: bool | None = None,
+    found: Input | None = None,
 ) -> Plan:
     """Validate the input and compute shards, without writing anything but the cache's files (see ``plan_job``).
 
     ``cache_out``: the output prefix, with ``cache.uri`` set: the hits file and one input file per shard
     are written there (``steps.cache.result_cache.plan_cache``, ``write_shard_inputs``); the shards are cut
-    over the misses only. The plan is returned unsealed.
+    over the misses only. ``found``: the input already found (a table's pinned files); default: find
+    ``io.input_uri``. The plan is returned unsealed.
     """
-    return build_plan_with_inputs(spec, filesystems, max_shards, cache_out, engine_identity, keyring, warm_starts)[0]
+    return build_plan_with_inputs(
+        spec, filesystems, max_shards, cache_out, engine_identity, keyring, warm_starts, found
+    )[0]
 
 
 def build_plan_with_inputs(
@@ -177,10 +254,14 @@ def build_plan_with_inputs(
     engine_identity: str | None = None,
     keyring: Keyring | None = None,
     warm_starts: bool | None = None,
+    found: Input | None = None,
 ) -> tuple[Plan, PlanInputs]:
     """``build_plan``, and what it read (``PlanInputs``)."""
-    found = find_input(spec.io.input_uri, spec.io.storage_options, spec.io.input_format, filesystems)
-    passthrough = resolve_passthrough(spec, found)
+    if found is None:
+        if spec.io.input_uri is None:
+            raise SpecError("io.input_table: a table is read through the plan step (plan_job), not found as files")
+        found = find_input(spec.io.input_uri, spec.io.storage_options, spec.io.input_format, filesystems)
+    passthrough = resolve_passthrough(_passthrough_spec(spec), found)
     adapters = describe_adapters(spec, filesystems=filesystems)
     sh = spec.sharding
     # Exact per-row lengths need the text columns; footers (dictionary-encoded pages make
@@ -223,7 +304,7 @@ def build_plan_with_inputs(
         version=PLAN_VERSION,
         spec_hash=spec.content_hash(),
         config_hash=spec.output_hash(),
-        input_uri=spec.io.input_uri,
+        input_uri=spec.io.input_name,
         input_root=found.root.root,
         format=found.format,
         files=list(found.files),
@@ -241,6 +322,16 @@ def build_plan_with_inputs(
         **({"adapters": adapters} if adapters else {}),
     )
     return plan, PlanInputs(found=found, history=history)
+
+
+def _passthrough_spec(spec: JobSpec) -> JobSpec:
+    """The spec passthrough is resolved by: with a table's column selection, ``io.passthrough`` 'all' means the
+    selected columns (a data file read by reference stores every column of the table)."""
+    t = spec.io.input_table
+    if t is None or spec.io.passthrough != "all" or not t.columns:
+        return spec
+    cols = [c for c in t.columns if c != spec.prompt.id_column]
+    return spec.model_copy(update={"io": spec.io.model_copy(update={"passthrough": cols})})
 
 
 def _sha256(path: str) -> str:

@@ -122,7 +122,7 @@ def find_references(
             [f.path for f in plan.files],
             spec.prompt.id_column,
             ref.input_column,
-            spec.io.input_uri,
+            spec.io.input_name,
             unique=False,
         )
     if ref.golden_uri is not None:

@@ -7,7 +7,7 @@ from typing import Any
 import pyarrow as pa
 
 from airflow_provider_vllm.core import duck
-from airflow_provider_vllm.core.plan import Plan, load_plan
+from airflow_provider_vllm.core.plan import Plan, changes_spec, load_plan
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
@@ -38,6 +38,8 @@ def qa_run(
     out = Storage(spec.io.output_uri, spec.io.storage_options, filesystems)
     merged = read_merged(out, keyring)
     parts = {kind: verified_parts(out, kind, merged) for kind in (RESULTS, ERRORS)}
+    plan = load_plan(spec, filesystems, keyring)
+    spec = changes_spec(spec, plan)  # changes.previous_table: the run the plan pinned
     previous = None
     if spec.qa.previous_report_uri:
         previous = load_report(spec.qa.previous_report_uri, spec.io.storage_options, filesystems)
@@ -48,7 +50,6 @@ def qa_run(
         if spec.changes.previous_uri
         else None
     )
-    plan = load_plan(spec, filesystems, keyring)
     st = spec.sampling.structured
     args: dict[str, Any] = dict(
         spec=spec.qa,
@@ -65,6 +66,8 @@ def qa_run(
             "output_uri": spec.io.output_uri,
             "config_hash": merged.config_hash,
             "rows": merged.rows,
+            # io.input_table: the snapshot the run read (the report's header and report.json name it)
+            **({"input_snapshot": f"{plan.table.identifier}@{plan.table.snapshot_id}"} if plan.table else {}),
         },
     )
     found = find_references(spec, plan, out, filesystems)

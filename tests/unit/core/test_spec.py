@@ -206,3 +206,80 @@ def test_fields_added_with_a_neutral_default_keep_the_config_and_cache_key_hashe
         assert JobSpec.load({**doc, "model": {**doc["model"], **model}}).output_hash() != spec.output_hash(), model
     ranked = JobSpec.load({**doc, "model": {**doc["model"], **lora}, "engine": {"max_lora_rank": 16, "max_loras": 1}})
     assert ranked.output_hash() != JobSpec.load({**doc, "model": {**doc["model"], **lora}}).output_hash()
+
+
+TABLE = {"model": {"name": "m"}, "io": {"input_table": {"identifier": "lake.tickets"}, "output_uri": "/out"}}
+
+
+def _table_doc(**io) -> dict:
+    return {**TABLE, "io": {**TABLE["io"], **io}}
+
+
+@pytest.mark.parametrize(
+    "identifier",
+    [
+        "tickets",  # no namespace
+        "lake..tickets",
+        ".lake.tickets",
+        "lake.tickets.",
+        "lake.'tickets'",
+        'lake."tickets"',
+        "lake.tickets;DROP TABLE x",
+        "lake/../other.t",
+        "../lake.t",
+        "lake.t ickets",
+        "lake.{{ var.value.t }}",
+        "a.b.c.d.e",  # deeper than namespace levels allow
+        "lake.t\n",
+        "lake." + "t" * 200,
+    ],
+)
+def test_table_identifiers_with_dots_quotes_or_paths_are_refused(identifier):
+    for io in ({"input_table": {"identifier": identifier}}, {"output_table": {"identifier": identifier}}):
+        with pytest.raises(SpecError, match=r"io\.(input|output)_table\.identifier"):
+            JobSpec.load(_table_doc(**io))
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("uri", "https://attacker.example/catalog"),
+        ("catalog", "prod"),
+        ("credential", "id:secret"),
+        ("properties", {"s3.secret-access-key": "x"}),
+        ("warehouse", "s3://other-bucket/"),
+        ("conn_id", "aws_prod"),
+    ],
+)
+def test_a_catalog_uri_or_credentials_in_the_job_are_refused(field, value):
+    for key in ("input_table", "output_table"):
+        table = {"identifier": "lake.tickets", field: value}
+        with pytest.raises(SpecError, match=rf"io\.{key}\.{field}: Extra inputs are not permitted"):
+            JobSpec.load(_table_doc(**{key: table}))
+    record_malicious("table_catalog_in_job", 2, 2)
+
+
+def test_exactly_one_input_and_table_rules():
+    with pytest.raises(SpecError, match="exactly one of io.input_uri"):
+        JobSpec.load(_table_doc(input_uri="/in"))
+    with pytest.raises(SpecError, match="exactly one of io.input_uri"):
+        JobSpec.load({"model": {"name": "m"}, "io": {"output_uri": "/out"}})
+    with pytest.raises(SpecError, match="reads Parquet data files"):
+        JobSpec.load(_table_doc(input_format="jsonl"))
+    with pytest.raises(SpecError, match="set date_column"):
+        JobSpec.load(_table_doc(output_table={"identifier": "lake.out", "mode": "overwrite"}))
+    with pytest.raises(SpecError, match="io.input_table.row_filter"):
+        JobSpec.load(_table_doc(input_table={"identifier": "lake.t", "row_filter": "a = '{{ ds }}'"}))
+    with pytest.raises(SpecError, match="io.input_table.snapshot_id"):
+        JobSpec.load(_table_doc(input_table={"identifier": "lake.t", "snapshot_id": -1}))
+    spec = JobSpec.load(_table_doc(input_table={"identifier": "lake.t", "row_filter": "lang = 'en' AND n > 3"}))
+    assert spec.io.input_name == "iceberg table lake.t" and spec.io.input_uri is None
+
+
+def test_changes_from_the_output_table_needs_one_and_excludes_a_previous_uri():
+    with pytest.raises(SpecError, match="set io.output_table"):
+        JobSpec.load({**TABLE, "changes": {"previous_table": True}})
+    out = {"identifier": "lake.out"}
+    with pytest.raises(SpecError, match="exclusive"):
+        JobSpec.load({**_table_doc(output_table=out), "changes": {"previous_table": True, "previous_uri": "/prev"}})
+    assert JobSpec.load({**_table_doc(output_table=out), "changes": {"previous_table": True}}).changes.previous_table

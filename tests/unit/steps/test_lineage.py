@@ -169,3 +169,30 @@ def test_lineage_names_the_adapters_and_the_passthrough_columns():
     assert facts.settings["adapters"] == {"default_adapter": None, "adapter_column": "which"}
     assert ("in_queue", "string") in lin.outputs[0].fields and ("in_queue", "string") in lin.outputs[1].fields
     assert publish_lineage(spec, {"rows": 3}).inference.adapter == "billing, hub"
+
+
+def test_a_table_input_and_output_are_named_by_location_with_snapshot_and_identifier(tmp_path):
+    from airflow_provider_vllm.core.plan import TablePin
+    from airflow_provider_vllm.utils.openlineage_facets import operator_lineage
+
+    spec = make_spec("/unused", str(tmp_path / "out"), io={"input_uri": None, "input_table": {"identifier": "lake.t"}})
+    pin = TablePin(
+        identifier="lake.t",
+        snapshot_id=42,
+        schema_id=0,
+        location="s3://lake/warehouse/lake/t",
+        row_filter=None,
+        columns=["id", "text"],
+        read="reference",
+        data_files=2,
+        data_rows=10,
+    )
+    (d,) = plan_lineage(spec, rows=10, files=2, table=pin).inputs
+    assert (d.namespace, d.name, d.version, d.table) == ("s3://lake", "warehouse/lake/t", "42", "lake.t")
+    event = {"rows": 10, "ok_rows": 9, "error_rows": 1}
+    table = {"identifier": "lake.out", "location": "s3://lake/warehouse/lake/out", "snapshot_id": 7}
+    out = publish_lineage(spec, {**event, "table": table}).outputs
+    assert [(o.name, o.version, o.table) for o in out][1:] == [("warehouse/lake/out", "7", "lake.out")]
+    ol = operator_lineage(plan_lineage(spec, rows=10, table=pin))
+    facets = ol.inputs[0].facets
+    assert facets["version"].datasetVersion == "42" and facets["symlinks"].identifiers[0].name == "lake.t"

@@ -1,0 +1,114 @@
+"""Which Iceberg tables a deployment allows, and loading one through its catalog (pure; pyiceberg lazily).
+
+The catalog is built by the Airflow side from the Connection the deployment names (``hooks/iceberg.py``);
+the steps only receive it. ``allowed_tables`` is ``[vllm_batch] allowed_tables``: identifiers
+(``namespace.table``) or whole namespaces (``namespace.*``). Empty refuses every table: fail closed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from airflow_provider_vllm.core.errors import SpecError
+from airflow_provider_vllm.core.spec import TABLE_IDENTIFIER
+
+if TYPE_CHECKING:
+    from pyiceberg.catalog import Catalog
+    from pyiceberg.table import Table
+
+_PATTERN = re.compile(TABLE_IDENTIFIER)
+_NAMESPACE = re.compile(TABLE_IDENTIFIER.replace("{1,3}", "{0,2}").removesuffix("$") + r"\.\*$")
+
+
+def parse_allowed_tables(raw: str | Sequence[str] | None, setting: str = "allowed_tables") -> list[str]:
+    """The allowed identifiers and ``namespace.*`` patterns; SpecError naming ``setting`` for a malformed entry."""
+    if raw is None:
+        return []
+    if isinstance(raw, str):
+        text = raw.strip()
+        if not text:
+            return []
+        if text.startswith("["):
+            try:
+                items = json.loads(text)
+            except ValueError as e:
+                raise SpecError(f"{setting} is not a JSON list: {e}") from None
+            if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+                raise SpecError(f"{setting} must be a JSON list of strings")
+        else:
+            items = text.split(",")
+    else:
+        items = list(raw)
+    out = []
+    for item in (i.strip() for i in items):
+        if not item:
+            continue
+        if not (_PATTERN.match(item) or _NAMESPACE.match(item)):
+            raise SpecError(f"{setting}: {item!r} is neither namespace.table nor namespace.*")
+        out.append(item)
+    return out
+
+
+def table_allowed(identifier: str, allowed: Sequence[str]) -> bool:
+    """True when ``identifier`` is listed, or lies in a listed ``namespace.*`` (whole segments)."""
+    for a in allowed:
+        if a.endswith(".*"):
+            if identifier.startswith(a[:-1]) and identifier.count(".") == a.count("."):
+                return True
+        elif a == identifier:
+            return True
+    return False
+
+
+@dataclass(frozen=True)
+class Tables:
+    """What the steps need to reach tables: the deployment's catalog and its rules.
+
+    ``catalog``: a pyiceberg ``Catalog`` (the deployment's Connection); ``allowed``: ``[vllm_batch]
+    allowed_tables``; ``setting``: how a person sets it (for messages); ``conn_id``: the Connection's id;
+    ``uri_prefixes``: ``[vllm_batch] allowed_uri_prefixes`` (canonical), which every data file a job reads must
+    lie under (empty: syntax checks only, as with ``allow_any_location``).
+    """
+
+    catalog: Catalog | None
+    allowed: list[str] = field(default_factory=list)
+    uri_prefixes: list[str] = field(default_factory=list)
+    setting: str = "[vllm_batch] allowed_tables"
+    conn_id: str = ""
+
+    def check(self, identifier: str, what: str) -> None:
+        """SpecError unless the deployment allows ``identifier`` (``what``: the job field naming it)."""
+        if not self.allowed:
+            raise SpecError(
+                f"{what}={identifier!r}: no tables are allowed: set {self.setting} to the tables (namespace.table) "
+                "or namespaces (namespace.*) jobs may read and publish to"
+            )
+        if not table_allowed(identifier, self.allowed):
+            raise SpecError(f"{what}={identifier!r} is not among the tables {self.setting} allows ({self.allowed})")
+
+    def load(self, identifier: str, what: str) -> Table:
+        """The table, after ``check``; SpecError when the catalog has no such table."""
+        from pyiceberg.exceptions import NoSuchTableError
+
+        self.check(identifier, what)
+        if self.catalog is None:
+            raise SpecError(f"{what}={identifier!r}: no Iceberg catalog is configured")
+        try:
+            return self.catalog.load_table(identifier)
+        except NoSuchTableError:
+            raise SpecError(f"{what}={identifier!r}: no such table in the catalog of {self.describe()}") from None
+
+    def describe(self) -> str:
+        return f"Connection {self.conn_id!r}" if self.conn_id else f"catalog {getattr(self.catalog, 'name', None)!r}"
+
+
+def summary_of(snapshot: Any) -> dict[str, str]:
+    """A snapshot's summary properties as a plain dict (empty when it has none)."""
+    summary = getattr(snapshot, "summary", None)
+    if summary is None:
+        return {}
+    return {str(k): str(v) for k, v in summary.additional_properties.items()} | {"operation": summary.operation.value}

@@ -1,0 +1,247 @@
+"""The input snapshot of a table job (``io.input_table``): pinned by the plan, handed to the shards as files.
+
+``resolve_table_input`` loads the table through the deployment's catalog, pins the snapshot (the job's
+``snapshot_id``, else the table's current one) and plans the scan (row filter, columns). What the shards
+then read is an ordinary ``Input`` of Parquet files, so the worker needs neither a catalog nor pyiceberg:
+
+* **reference**: the snapshot's data files themselves, when no file keeps a residual filter (no filter, or
+  one on identity partition columns) and every needed column is stored in every file under the table's
+  field id. Data files are immutable: every shard and retry reads the same rows.
+* **materialized**: otherwise, the plan reads the pinned scan through pyiceberg (residuals applied exactly,
+  columns projected by field id) and writes its rows once under the output prefix,
+  ``_table/input-<sha16>.parquet`` (named by content: a killed or repeated plan leaves the same file).
+
+Refused, naming the table and the snapshot: delete files (merge-on-read), data files that are not Parquet,
+data files outside the allowed prefixes, an unknown snapshot, a row filter that does not parse or bind,
+columns the table does not have. See docs/adr/0009-iceberg-tables.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from airflow_provider_vllm.core.allow_list import canonical_uri, check_uri
+from airflow_provider_vllm.core.errors import DatasetError, SpecError
+from airflow_provider_vllm.core.formats.base import row_columns
+from airflow_provider_vllm.core.formats.files import Input, describe_files, fingerprint
+from airflow_provider_vllm.core.plan import TablePin
+from airflow_provider_vllm.core.spec import JobSpec
+from airflow_provider_vllm.core.storage import FileSystems, Storage
+from airflow_provider_vllm.steps.tables.access import Tables
+
+if TYPE_CHECKING:
+    from pyiceberg.expressions import BooleanExpression
+    from pyiceberg.schema import Schema
+    from pyiceberg.table import FileScanTask, Table
+
+TABLE_DIR = "_table"
+FIELD_ID_KEY = b"PARQUET:field_id"
+ROW_GROUP_ROWS = 64 * 1024
+
+
+def needed_columns(spec: JobSpec) -> list[str]:
+    """The table columns the job reads: the id, the template's and adapter columns, the listed passthrough
+    columns and ``qa.reference.input_column``."""
+    cols = [spec.prompt.id_column, *row_columns(spec)]
+    if isinstance(spec.io.passthrough, list):
+        cols += spec.io.passthrough
+    if spec.qa.reference.input_column is not None:
+        cols.append(spec.qa.reference.input_column)
+    return list(dict.fromkeys(cols))
+
+
+def parse_row_filter(text: str | None, schema: Schema, where: str) -> BooleanExpression:
+    """The row filter bound to ``schema``; SpecError naming ``io.input_table.row_filter`` when it does not
+    parse or names a column the table does not have (``where``: the table and snapshot, for the message)."""
+    from pyiceberg.expressions import AlwaysTrue
+    from pyiceberg.expressions.parser import parse
+    from pyiceberg.expressions.visitors import bind
+
+    if text is None:
+        return AlwaysTrue()
+    try:
+        expr = parse(text)
+    except Exception as e:  # pyparsing's ParseException and the parser's own ValueErrors
+        first = str(e).splitlines()[0][:200]
+        raise SpecError(f"io.input_table.row_filter={text[:200]!r} is not an Iceberg row filter: {first}") from None
+    try:
+        bind(schema, expr, case_sensitive=True)
+    except ValueError as e:
+        raise SpecError(f"io.input_table.row_filter={text[:200]!r} does not apply to {where}: {e}") from None
+    return expr
+
+
+def resolve_table_input(
+    spec: JobSpec,
+    tables: Tables,
+    out: Storage,
+    filesystems: FileSystems | None,
+) -> tuple[Input, TablePin]:
+    """Pin the snapshot and turn it into the shards' input files (see the module docstring).
+
+    Every data file must lie under ``tables.uri_prefixes``. Raises SpecError / DatasetError naming the table
+    and snapshot.
+    """
+    t = spec.io.input_table
+    assert t is not None
+    table = tables.load(t.identifier, "io.input_table.identifier")
+    snapshot = table.snapshot_by_id(t.snapshot_id) if t.snapshot_id is not None else table.current_snapshot()
+    if snapshot is None:
+        which = f"snapshot {t.snapshot_id}" if t.snapshot_id is not None else "a current snapshot (it is empty)"
+        raise SpecError(f"io.input_table: table {t.identifier} has no {which}")
+    where = f"table {t.identifier} snapshot {snapshot.snapshot_id}"
+    schema = _schema_of(table, snapshot.schema_id)
+    row_filter = parse_row_filter(t.row_filter, schema, where)
+    names = [f.name for f in schema.fields]
+    selected = list(t.columns) or names
+    unknown = [c for c in selected if c not in names]
+    if unknown:
+        raise SpecError(f"io.input_table.columns {unknown} are not columns of {where} (it has {names[:20]})")
+    missing = [c for c in needed_columns(spec) if c not in selected]
+    if missing:
+        why = "io.input_table.columns leaves out" if t.columns else f"{where} does not have"
+        raise SpecError(f"the job reads column(s) {missing}, which {why}")
+    scan = table.scan(
+        row_filter=row_filter, selected_fields=tuple(selected), snapshot_id=snapshot.snapshot_id, case_sensitive=True
+    )
+    tasks = sorted(scan.plan_files(), key=lambda task: task.file.file_path)
+    _check_tasks(tasks, where, tables.uri_prefixes)
+    pin_args: dict[str, Any] = dict(
+        identifier=t.identifier,
+        snapshot_id=snapshot.snapshot_id,
+        schema_id=snapshot.schema_id,
+        location=table.location(),
+        row_filter=t.row_filter,
+        columns=selected,
+        data_files=len(tasks),
+        data_rows=sum(int(task.file.record_count) for task in tasks),
+    )
+    canon = [canonical_uri(task.file.file_path, "data file", resolve=False) for task in tasks]
+    root = _common_root(canon)
+    if root is not None:
+        src = Storage(root, spec.io.storage_options, filesystems)
+        rels = [c[len(root) + 1 :] for c in canon]
+    if root is not None and _by_reference(tasks, schema, selected, src, rels):
+        files = describe_files(src, rels)
+        found = Input(src, rels, files, fingerprint(files), "parquet")
+        return found, TablePin(read="reference", **pin_args)
+    found = _materialize(table, scan, tasks, row_filter, out, where)
+    return found, TablePin(read="materialized", **pin_args)
+
+
+def _schema_of(table: Table, schema_id: int | None) -> Schema:
+    if schema_id is None:
+        return table.schema()
+    return table.schemas().get(schema_id, table.schema())
+
+
+def _check_tasks(tasks: list[FileScanTask], where: str, allowed: Sequence[str] | None) -> None:
+    from pyiceberg.manifest import FileFormat
+
+    for task in tasks:
+        path = task.file.file_path
+        if task.delete_files:
+            raise DatasetError(
+                f"{where}: data file {path} has {len(task.delete_files)} delete file(s) (merge-on-read deletes); "
+                "reading them is not supported: compact the table (rewrite data files) or read an earlier snapshot"
+            )
+        if task.file.file_format != FileFormat.PARQUET:
+            raise DatasetError(f"{where}: data file {path} is {task.file.file_format.value}; only Parquet is read")
+        try:
+            check_uri(path, allowed, "data file")
+        except SpecError as e:
+            raise SpecError(
+                f"{where}: {e}; the table's files must lie under [vllm_batch] allowed_uri_prefixes"
+            ) from None
+
+
+def _common_root(canon: list[str]) -> str | None:
+    """The deepest folder holding every (canonical) path, at least a bucket or a top folder; None: no files."""
+    if not canon:
+        return None
+    folders = [c.split("/")[:-1] for c in canon]
+    common: list[str] = []
+    for parts in zip(*folders):
+        if any(p != parts[0] for p in parts):
+            break
+        common.append(parts[0])
+    root = "/".join(common)
+    remote = "://" in canon[0]
+    if (remote and len(common) < 3) or (not remote and len(common) < 2):  # scheme://bucket, or /top
+        return None
+    return root
+
+
+def _by_reference(
+    tasks: list[FileScanTask], schema: Schema, selected: list[str], src: Storage, rels: list[str]
+) -> bool:
+    """Whether every task reads whole files whose stored columns are the table's (by field id, else by name)."""
+    from pyiceberg.expressions import AlwaysTrue
+
+    if any(task.residual != AlwaysTrue() for task in tasks):
+        return False
+    ids = {name: schema.find_field(name).field_id for name in selected}
+    for rel in rels:
+        with src.open(rel) as f:
+            stored = pq.ParquetFile(f).schema_arrow
+        for name in selected:
+            idx = stored.get_field_index(name)
+            if idx < 0:
+                return False  # a partition-projected, renamed or added column: pyiceberg fills it in
+            meta = stored.field(idx).metadata or {}
+            if FIELD_ID_KEY in meta and int(meta[FIELD_ID_KEY]) != ids[name]:
+                return False  # another column under this name (dropped and re-added, renamed over)
+    return True
+
+
+def _materialize(
+    table: Table, scan: Any, tasks: list[FileScanTask], row_filter: BooleanExpression, out: Storage, where: str
+) -> Input:
+    """The scan's rows, read through pyiceberg and written once under ``_table/`` (named by content)."""
+    from pyiceberg.io.pyarrow import ArrowScan
+
+    projected = scan.projection()
+    reader = ArrowScan(table.metadata, table.io, projected, row_filter, case_sensitive=True)
+    with tempfile.TemporaryDirectory(prefix="vllm-batch-table-") as tmp:
+        local = os.path.join(tmp, "input.parquet")
+        writer: pq.ParquetWriter | None = None
+        arrow_schema = None
+        try:
+            for task in tasks:  # one file at a time: memory bounded by one file's matching rows
+                for batch in reader.to_record_batches([task]):
+                    if writer is None:
+                        arrow_schema = batch.schema
+                        writer = pq.ParquetWriter(local, arrow_schema, compression="zstd")
+                    writer.write_table(pa.Table.from_batches([batch], arrow_schema), row_group_size=ROW_GROUP_ROWS)
+            if writer is None:  # no row matches: an empty file of the projected schema
+                from pyiceberg.io.pyarrow import schema_to_pyarrow
+
+                pq.write_table(schema_to_pyarrow(projected).empty_table(), local, compression="zstd")
+        except (OSError, ValueError) as e:
+            raise DatasetError(f"{where}: reading the snapshot's rows failed: {e}") from None
+        finally:
+            if writer is not None:
+                writer.close()
+        digest = _sha256(local)
+        rel = f"{TABLE_DIR}/input-{digest[:16]}.parquet"
+        if not out.exists(rel):
+            out.publish(local, rel)
+    src = out.sub(TABLE_DIR)
+    name = rel.rsplit("/", 1)[1]
+    files = describe_files(src, [name])
+    return Input(src, [name], files, fingerprint(files), "parquet")
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

@@ -1,0 +1,94 @@
+"""
+### Nightly ticket reclassification, table in and table out (Apache Iceberg)
+
+The table variant of `vllm_nightly_reclassification`: every night at 02:00 (UTC) it classifies the
+previous day's tickets, reading them from an Iceberg table and publishing the labels to another:
+
+`plan` -> `shard` (one mapped task per shard) -> `merge` -> `qa` -> `publish`
+
+**Input.** The rows of `vllm_batch_input_table` (default `support.tickets`, columns `id` and `text`)
+whose `dt` column is the run's date (`dt = '{{ ds }}'`). `plan` pins the table's current snapshot: every
+shard and retry reads that snapshot, whatever lands in the table meanwhile, and the plan, the QA report,
+the lineage and the published snapshot's summary name it. A table partitioned by `dt` is read in place
+(its data files for that day, by reference); otherwise the plan writes the day's rows once under the run
+folder.
+
+**Output.** The run folder `<root>/reclassification_table/dt=D/` as for the folder variant, and one
+snapshot of `vllm_batch_output_table` (default `support.ticket_labels`; created on the first run),
+partitioned by `run_date`: the run's results are added by reference (no copy) and replace that date's
+partition, so re-running or backfilling a date replaces its labels. Publishing a run twice commits once.
+
+**Only what changed.** As in the folder variant, the result cache (`<root>/reclassification_table/_cache/`,
+shared by every date) answers the rows whose text, model, prompt and sampling an earlier run already saw, so
+only new and edited tickets reach the GPU, and `changes/` lists what moved against the day before (it needs
+`model.revision` pinned to a commit for a hub model, or `{"cache": {"uri": null}}` in the overrides).
+
+**The catalog** is the deployment's: the Airflow Connection named by `[vllm_batch] iceberg_conn_id`
+(default `iceberg_default`); the tables must be listed in `[vllm_batch] allowed_tables` (docs/tables.md).
+The model, shard size, overrides, review and runner Variables are those of the folder variant.
+"""
+
+from __future__ import annotations
+
+import pendulum
+from airflow.sdk import DAG, Asset, CronDataIntervalTimetable
+
+from airflow_provider_vllm.task_groups.batch_job import TEMPLATE_FILTERS, vllm_batch_job
+
+try:
+    from vllm_dag_defaults import DATA_ROOT, HUMAN_REVIEW, RUNNER, SPEC_OVERRIDES, TEMPLATE_MACROS, ticket_spec
+except ModuleNotFoundError as missing:
+    if missing.name != "vllm_dag_defaults":
+        raise
+    from airflow_provider_vllm.example_dags.vllm_dag_defaults import (
+        DATA_ROOT,
+        HUMAN_REVIEW,
+        RUNNER,
+        SPEC_OVERRIDES,
+        TEMPLATE_MACROS,
+        ticket_spec,
+    )
+
+INPUT_TABLE = "{{ var.value.get('vllm_batch_input_table', 'support.tickets') }}"
+OUTPUT_TABLE = "{{ var.value.get('vllm_batch_output_table', 'support.ticket_labels') }}"
+
+with DAG(
+    dag_id="vllm_nightly_table",
+    schedule=CronDataIntervalTimetable("0 2 * * *", timezone="UTC"),
+    start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+    catchup=False,
+    max_active_runs=2,
+    doc_md=__doc__,
+    tags=["vllm", "batch-inference", "iceberg"],
+    user_defined_macros=TEMPLATE_MACROS,
+    user_defined_filters=TEMPLATE_FILTERS,
+) as dag:
+    vllm_batch_job(
+        ticket_spec(
+            name="nightly-table",
+            input_uri=None,
+            output_uri=DATA_ROOT + "/reclassification_table/dt={{ ds }}/",
+            io={
+                "input_table": {"identifier": INPUT_TABLE, "row_filter": "dt = '{{ ds }}'", "columns": ["id", "text"]},
+                "output_table": {
+                    "identifier": OUTPUT_TABLE,
+                    "mode": "overwrite",
+                    "date_column": "run_date",
+                    "create": True,
+                },
+            },
+            qa={
+                "previous_report_uri": DATA_ROOT
+                + "/reclassification_table/dt={{ macros.ds_add(ds, -1) }}/qa/report.json",
+                "warn_churn_rate": 0.05,
+                "fail_churn_rate": 0.5,
+            },
+            cache={"uri": DATA_ROOT + "/reclassification_table/_cache/"},
+            changes={"previous_uri": DATA_ROOT + "/reclassification_table/dt={{ macros.ds_add(ds, -1) }}/"},
+        ),
+        group_id="reclassify",
+        overrides=SPEC_OVERRIDES,
+        human_review=HUMAN_REVIEW,
+        runner=RUNNER,
+        asset=Asset(uri="x-vllm-batch://ticket_labels_table", name="ticket_labels_table"),
+    )

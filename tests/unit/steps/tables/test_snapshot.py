@@ -1,0 +1,248 @@
+"""The input snapshot of a table job: pinned by the plan, read by every shard and retry as the plan saw it."""
+
+from __future__ import annotations
+
+import pyarrow.parquet as pq
+import pytest
+
+from airflow_provider_vllm.core.errors import DatasetError, SpecError
+from airflow_provider_vllm.core.plan import load_plan
+from airflow_provider_vllm.core.storage import Storage
+from airflow_provider_vllm.steps.merge.merger import RESULTS, merge, read_merged, verified_parts
+from airflow_provider_vllm.steps.plan.planner import plan_job
+from airflow_provider_vllm.steps.qa.stage import qa_run
+from airflow_provider_vllm.steps.tables.access import Tables
+from airflow_provider_vllm.steps.tables.snapshot import resolve_table_input
+from airflow_provider_vllm.worker.shard import read_shard_rows, run_shard, shard_input
+from airflow_provider_vllm.worker.task import ShardTask
+from tests.support.iceberg import rows, run_job, source_table, sql_catalog, table_spec
+
+
+@pytest.fixture
+def lake(tmp_path):
+    catalog = sql_catalog(tmp_path)
+    return catalog, Tables(catalog=catalog, allowed=["lake.*"])
+
+
+def shard_ids(spec, plan) -> list[str]:
+    ids = []
+    for s in plan.shards:
+        with shard_input(spec, plan, s) as root:
+            ids += read_shard_rows(spec, plan, s, root).ids
+    return ids
+
+
+def published_ids(spec) -> list[str]:
+    out = Storage(spec.io.output_uri)
+    parts = verified_parts(out, RESULTS, read_merged(out))
+    return sorted(i for p in parts for i in pq.read_table(out.path(p), columns=["id"]).column(0).to_pylist())
+
+
+def test_plan_pins_the_snapshot_and_a_later_append_changes_nothing_a_retry_reads(lake, tmp_path, fake_engine_factory):
+    catalog, tables = lake
+    table = source_table(catalog)
+    pinned = table.current_snapshot().snapshot_id
+    spec = table_spec(str(tmp_path / "run"))
+    plan = plan_job(spec, tables=tables)
+    assert plan.table is not None and plan.table.snapshot_id == pinned and plan.table.read == "reference"
+    assert plan.total_rows == 30 and plan.table.data_files == 2
+    before = shard_ids(spec, plan)
+    table.append(rows(5, start=100))  # the table moves on
+    assert catalog.load_table("lake.tickets").current_snapshot().snapshot_id != pinned
+    again = plan_job(spec, tables=tables)  # a retried plan task keeps the pinned snapshot
+    assert again.table == plan.table and again.shards == plan.shards
+    assert shard_ids(spec, load_plan(spec)) == before  # a retried shard reads the same rows
+    run_job(spec, tables, fake_engine_factory)
+    assert published_ids(spec) == sorted(f"t{i:05d}" for i in range(30))
+    qa_run(spec)  # QA names the snapshot the run read
+    for name in ("report.json", "report.html"):
+        assert f"lake.tickets@{pinned}" in (tmp_path / "run" / "qa" / name).read_text()
+
+
+def test_a_row_filter_reads_exactly_the_matching_rows_of_the_snapshot(lake, tmp_path, fake_engine_factory):
+    catalog, tables = lake
+    table = source_table(catalog)
+    spec = table_spec(str(tmp_path / "run"), row_filter="lang = 'fr' AND id >= 't00010'")
+    plan = run_job(spec, tables, fake_engine_factory)
+    assert plan.table.read == "materialized" and plan.table.row_filter == "lang = 'fr' AND id >= 't00010'"
+    want = sorted(f"t{i:05d}" for i in range(10, 30) if i % 15 % 2 == 1)
+    assert published_ids(spec) == want
+    table.append(rows(10, start=200))  # more French rows after the plan: not in this run
+    assert sorted(shard_ids(spec, load_plan(spec))) == want
+
+
+def test_a_filter_on_an_identity_partition_reads_the_data_files_by_reference(lake, tmp_path):
+    catalog, tables = lake
+    source_table(catalog, partition_by_lang=True)
+    spec = table_spec(str(tmp_path / "run"), row_filter="lang = 'en'", columns=["id", "text"])
+    found, pin = resolve_table_input(spec, tables, Storage(spec.io.output_uri), None)
+    assert pin.read == "reference" and pin.columns == ["id", "text"]
+    assert all("/lang=en/" in found.root.uri(n) for n in found.names) and not Storage(spec.io.output_uri).exists(
+        "_table"
+    )
+
+
+def test_an_explicit_snapshot_id_reads_that_snapshot(lake, tmp_path):
+    catalog, tables = lake
+    table = source_table(catalog)
+    first = table.snapshots()[0].snapshot_id
+    plan = plan_job(table_spec(str(tmp_path / "run"), snapshot_id=first), tables=tables)
+    assert plan.table.snapshot_id == first and plan.total_rows == 15
+    with pytest.raises(SpecError, match="has no snapshot 12345"):
+        plan_job(table_spec(str(tmp_path / "run2"), snapshot_id=12345), tables=tables)
+
+
+@pytest.mark.parametrize(
+    "row_filter, message",
+    [
+        ("lang = ", "io.input_table.row_filter='lang = ' is not an Iceberg row filter"),
+        ("nosuchcolumn = 'x'", "does not apply to table lake.tickets snapshot"),
+        ("lang = 'en'; DROP TABLE x", "is not an Iceberg row filter"),
+    ],
+)
+def test_a_row_filter_that_is_not_a_valid_expression_is_refused_naming_the_parameter(
+    lake, tmp_path, row_filter, message
+):
+    catalog, tables = lake
+    source_table(catalog)
+    with pytest.raises(SpecError, match=message.replace("(", r"\(").replace("'", "'")):
+        plan_job(table_spec(str(tmp_path / "run"), row_filter=row_filter), tables=tables)
+    assert not (tmp_path / "run" / "_plan.json").exists()
+
+
+def test_data_files_outside_the_allow_list_are_refused_naming_table_snapshot_and_file(lake, tmp_path):
+    catalog, _ = lake
+    table = source_table(catalog)
+    tables = Tables(catalog=catalog, allowed=["lake.tickets"], uri_prefixes=[str(tmp_path / "elsewhere")])
+    with pytest.raises(SpecError) as e:
+        plan_job(table_spec(str(tmp_path / "run")), tables=tables)
+    msg = str(e.value)
+    assert f"snapshot {table.current_snapshot().snapshot_id}" in msg and "lake.tickets" in msg
+    assert "outside the allowed prefixes" in msg and "warehouse" in msg
+
+
+def test_tables_the_deployment_does_not_allow_are_refused_before_the_catalog_is_read(lake, tmp_path):
+    catalog, _ = lake
+    source_table(catalog)
+    for allowed, match in (([], "no tables are allowed"), (["other.*", "lake.other"], "is not among the tables")):
+        with pytest.raises(SpecError, match=match):
+            plan_job(table_spec(str(tmp_path / "run")), tables=Tables(catalog=catalog, allowed=allowed))
+    with pytest.raises(SpecError, match="no such table"):
+        plan_job(table_spec(str(tmp_path / "run"), identifier="lake.missing"), tables=Tables(catalog, ["lake.*"]))
+
+
+def test_columns_must_hold_what_the_job_reads(lake, tmp_path):
+    catalog, tables = lake
+    source_table(catalog)
+    with pytest.raises(SpecError, match=r"reads column\(s\) \['text'\], which io.input_table.columns leaves out"):
+        plan_job(table_spec(str(tmp_path / "run"), columns=["id", "lang"]), tables=tables)
+    with pytest.raises(SpecError, match=r"io.input_table.columns \['nope'\] are not columns"):
+        plan_job(table_spec(str(tmp_path / "run"), columns=["id", "text", "nope"]), tables=tables)
+
+
+def test_non_parquet_and_delete_files_are_refused(lake, tmp_path, monkeypatch):
+    from pyiceberg.manifest import FileFormat
+
+    from airflow_provider_vllm.steps.tables import snapshot
+
+    catalog, tables = lake
+    source_table(catalog)
+
+    class Task:  # what plan_files gives, with the one property under test changed
+        def __init__(self, real, **over):
+            self.file, self.residual, self.delete_files = real.file, real.residual, real.delete_files
+            self.__dict__.update(over)
+
+    class File:
+        def __init__(self, real):
+            self.file_path, self.record_count, self.file_format = real.file_path, real.record_count, FileFormat.ORC
+
+    real_check = snapshot._check_tasks
+    for over, match in (({"delete_files": {object()}}, "delete file"), ("orc", "is ORC; only Parquet is read")):
+
+        def check(tasks, where, allowed, over=over):
+            fake = [Task(t, **over) if isinstance(over, dict) else Task(t, file=File(t.file)) for t in tasks]
+            return real_check(fake, where, allowed)
+
+        monkeypatch.setattr(snapshot, "_check_tasks", check)
+        with pytest.raises(DatasetError, match=match) as e:
+            plan_job(table_spec(str(tmp_path / "run")), tables=tables)
+        assert "table lake.tickets snapshot" in str(e.value)
+
+
+def test_with_the_result_cache_the_next_snapshot_infers_only_new_rows(lake, tmp_path, fake_engine_factory):
+    from airflow_provider_vllm.core.engine_identity import local_engine_identity
+    from tests.support.data import PINNED_REVISION, make_spec
+
+    catalog, tables = lake
+    table = source_table(catalog)
+
+    def spec(run: str):
+        return make_spec(
+            "/unused",
+            str(tmp_path / run),
+            model={"name": "fake", "max_model_len": 1024, "revision": PINNED_REVISION},
+            io={"input_uri": None, "input_table": {"identifier": "lake.tickets"}, "output_uri": str(tmp_path / run)},
+            cache={"uri": str(tmp_path / "cache")},
+            sharding={"target_rows": 10, "chunk_rows": 4},
+        )
+
+    def run(s):
+        plan = plan_job(s, tables=tables, engine_identity=local_engine_identity())
+        for sh in plan.shards:
+            run_shard(ShardTask(spec=s, shard_id=sh.shard_id), engine_factory=fake_engine_factory)
+        merge(s)
+        return plan
+
+    first = run(spec("a"))
+    assert (first.cache.hits, first.cache.misses) == (0, 30) and first.table.read == "reference"
+    table.append(rows(4, start=30))  # the next night: 4 new tickets in a new snapshot
+    fake_engine_factory.made.clear()
+    second = run(spec("b"))
+    assert second.table.snapshot_id != first.table.snapshot_id
+    assert (second.cache.rows, second.cache.hits, second.cache.misses) == (34, 30, 4)
+    assert sum(e.submitted for e in fake_engine_factory.made) == 4
+    assert published_ids(spec("b")) == sorted(f"t{i:05d}" for i in range(34))
+
+
+@pytest.mark.parametrize(
+    "path, match",
+    [
+        ("http://evil.example/x.parquet", "unknown scheme|not allowed"),
+        ("s3://other-bucket/x.parquet", "outside the allowed prefixes"),
+        ("s3://lake/warehouse/%2e%2e/x.parquet", "percent-encoded"),
+        ("/etc/../etc/passwd", r"'\.\.'|\.\. segments|not allowed"),
+    ],
+)
+def test_a_data_file_the_table_points_anywhere_is_refused(lake, tmp_path, monkeypatch, path, match):
+    from airflow_provider_vllm.steps.tables import snapshot
+
+    catalog, _ = lake
+    source_table(catalog)
+    tables = Tables(catalog=catalog, allowed=["lake.*"], uri_prefixes=[str(tmp_path), "s3://lake/"])
+
+    class File:
+        def __init__(self, real):
+            self.file_path, self.record_count, self.file_format = path, real.record_count, real.file_format
+
+    class Task:
+        def __init__(self, real):
+            self.file, self.residual, self.delete_files = File(real.file), real.residual, real.delete_files
+
+    real_check = snapshot._check_tasks
+    monkeypatch.setattr(
+        snapshot, "_check_tasks", lambda tasks, where, allowed: real_check([Task(t) for t in tasks], where, allowed)
+    )
+    with pytest.raises(SpecError, match=match) as e:
+        plan_job(table_spec(str(tmp_path / "run")), tables=tables)
+    assert "table lake.tickets snapshot" in str(e.value)
+
+
+def test_a_filter_that_matches_no_row_plans_no_shard_and_publishes_an_empty_result(lake, tmp_path, fake_engine_factory):
+    catalog, tables = lake
+    source_table(catalog, partition_by_lang=True)
+    for row_filter in ("lang = 'de'", "id = 'nope'"):  # pruned by partition; read and matched by nothing
+        spec = table_spec(str(tmp_path / row_filter.split()[0]), row_filter=row_filter)
+        plan = run_job(spec, tables, fake_engine_factory)
+        assert plan.total_rows == 0 and plan.shards == [] and plan.table.row_filter == row_filter
+        assert published_ids(spec) == []
