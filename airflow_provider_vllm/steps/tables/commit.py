@@ -249,7 +249,7 @@ def _partition_files(table: Table, target: TableOutput, run_date: dt.date) -> li
     if table.current_snapshot() is None:
         return []
     # pyiceberg types EqualTo as its pydantic fields (term, value); its __init__ takes (term, literal)
-    scan = table.scan(row_filter=EqualTo(target.date_column, run_date.isoformat()))  # type: ignore[call-arg,misc]
+    scan = table.scan(row_filter=EqualTo(target.date_column, run_date.isoformat()))  # type: ignore[call-arg]
     files = []
     for task in scan.plan_files():
         if task.delete_files:
