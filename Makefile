@@ -47,9 +47,9 @@ $(STAMP): requirements/bootstrap.txt $(LOCKS) setup.cfg
 # Every pytest run ends with its 15 slowest tests (setup, call and teardown each), so a slow new
 # test shows up in the run that adds it.
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider --durations=15
-# TEST_PROCESSES=2: the tests on two processes (pytest-xdist; tests/conftest.py says what shares one). The default,
-# 1, runs them in one: under two, the timing-bound fault and UI tests of a 2-core machine are not yet proven stable.
-TEST_PROCESSES ?= 1
+# The tests on two processes (pytest-xdist; tests/conftest.py says what shares one): TEST_PROCESSES=1 runs
+# them in one (to debug a failure without a neighbour, or on a 1-core machine).
+TEST_PROCESSES ?= 2
 XDIST := $(if $(filter-out 1,$(TEST_PROCESSES)),-n $(TEST_PROCESSES) --dist loadscope --no-loadscope-reorder)
 
 test: venv chromium
