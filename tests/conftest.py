@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -64,6 +65,17 @@ os.environ.setdefault(
     "VLLM_BATCH_FINGERPRINT_MEMO",
     os.path.join(tempfile.gettempdir(), f"vllm-batch-test-fingerprints-{os.getuid()}.json"),
 )
+
+
+@pytest.fixture(autouse=True)
+def _our_loggers_reach_caplog():
+    """The package's log records reach pytest's caplog whatever logging setup an earlier test in the same
+    process left behind: vLLM's and Airflow's ``dictConfig`` disable the loggers that exist by then and may
+    stop a parent's propagation, so a test asserting a warning passed or failed with the test order."""
+    for name, logger in list(logging.root.manager.loggerDict.items()):
+        if name.startswith("airflow_provider_vllm") and isinstance(logger, logging.Logger):
+            logger.disabled = False
+            logger.propagate = True
 
 
 @pytest.fixture
