@@ -30,7 +30,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from airflow_provider_vllm.core import duck
+from airflow_provider_vllm.core import duck, faults
 from airflow_provider_vllm.core.errors import CommitError, SpecError
 from airflow_provider_vllm.core.plan import CacheFile, DedupePlan, Passthrough, Plan
 from airflow_provider_vllm.core.records import FileRef
@@ -167,6 +167,8 @@ def split(
                 t = pa.Table.from_batches([b]).drop_columns(["_vllm_tokens"])
                 w.write_table(pa.Table.from_arrays([t.column(f.name).cast(f.type) for f in schema], schema=schema))
                 followers += b.num_rows
+        reader.close()
+        del reader, w  # freed here (ParquetWriter.__del__), not in the caller's frame
     finally:
         con.close()
     if rows != leaders + followers:
@@ -239,6 +241,7 @@ def follower_parts(
                 done[kind] = (ref, f"part-{index[kind]:0{width}d}-followers.parquet")
         finally:
             con.close()
+    faults.hit("dedupe.after_parts")
     return done
 
 
@@ -260,6 +263,7 @@ def _write_kind(
         for b in reader:
             w.write_table(pa.Table.from_arrays([b.column(i).cast(f.type) for i, f in enumerate(schema)], schema=schema))
             rows += b.num_rows
+    reader.close()
     return rows
 
 

@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 from airflow_provider_vllm import __version__
+from airflow_provider_vllm.core import faults
 from airflow_provider_vllm.core.adapters import describe_adapters
 from airflow_provider_vllm.core.commit import PROBE_DIR, probe_create_only
 from airflow_provider_vllm.core.errors import SpecError
@@ -286,6 +287,7 @@ def _dedupe(spec: JobSpec, found: Input, out: Storage, workdir: str, passthrough
     if not sp.followers:
         return dd.plan_record(sp, khash, None, None), None
     followers = _put(out, sp.followers_file, f"{CACHE_DIR}/{dd.FOLLOWERS}", sp.followers)
+    faults.hit("dedupe.after_followers")
     return dd.plan_record(sp, khash, followers, out.uri(SHARD_INPUTS)), sp.leaders_file
 
 
@@ -426,7 +428,11 @@ def _cut(
         wanted = [min(m, max(1, math.ceil(m / target))) for m in sizes]
     counts = _cap(wanted, sh.max_shards)
     plan_key = hashlib.sha256(
-        json.dumps([fp, spec.prompt.id_column, spec.sharding.model_dump(mode="json")], sort_keys=True).encode()
+        json.dumps(
+            # sharding.dedupe decides which rows are cut (fp), not how: shard ids stay what they were
+            [fp, spec.prompt.id_column, spec.sharding.model_dump(mode="json", exclude={"dedupe"})],
+            sort_keys=True,
+        ).encode()
     ).hexdigest()
     file_starts = np.concatenate([[0], np.cumsum(file_rows)]).astype(np.int64)
     shards: list[ShardPlan] = []
