@@ -85,11 +85,15 @@ def test_nightly_run_succeeds_with_complete_outputs(nightly):
         ("publish", -1): "success",
     }
     named = {t["map_index"]: t["rendered_map_index"] for t in db["tis"] if t["task_id"].endswith(".shard")}
-    assert named == {0: "shard 0/2 rows 0-119", 1: "shard 1/2 rows 120-239"}  # the grid shows shard names
+    # the grid shows shard names; they count the rows the shards infer: 8 of the 240 tickets repeat an earlier
+    # ticket's text and take its answer at merge (each distinct prompt once)
+    assert named == {0: "shard 0/2 rows 0-115", 1: "shard 1/2 rows 116-231"}
+    assert (plan["dedupe"]["leaders"], plan["dedupe"]["followers"]) == (232, 8)
     res, err = read_ids(out)
     assert sorted(res + err) == sorted(nightly["ids"]) and len(set(res + err)) == len(res + err)
     merged = json.loads((out / "_MERGED.json").read_text())
     assert merged["rows"] == 240 == merged["ok_rows"] + merged["error_rows"]
+    assert merged["dedupe"]["followers"] == 8
     success = json.loads((out / "_SUCCESS.json").read_text())
     assert success["rows"] == 240 and success["checksums"] == merged["checksums"] and success["qa"]["status"] != "fail"
     newest = max((f for f in out.rglob("*") if f.is_file()), key=lambda f: f.stat().st_mtime_ns)
