@@ -141,6 +141,11 @@ def split(
     con = duck.connect(memory_limit=memory_limit)
     try:
         con.execute(f"SET temp_directory = '{_sql_str(os.path.join(workdir, 'duck-tmp'))}'")
+        rows, leaders = con.execute(
+            f"SELECT count(*), count(DISTINCT {KEY_COLUMN}) FROM read_parquet('{_sql_str(keyed)}')"
+        ).fetchall()[0]
+        if rows == leaders:  # no repeated prompt: nothing to split (the caller keeps its file)
+            return Split(keyed, "", int(rows), int(leaders), 0, 0)
         con.execute(
             f"CREATE TEMP TABLE m AS SELECT * EXCLUDE (file_row_number), file_row_number AS {PLACE} "
             f"FROM read_parquet('{_sql_str(keyed)}', file_row_number = true)"

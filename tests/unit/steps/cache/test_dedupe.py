@@ -205,15 +205,22 @@ def test_followers_keep_their_own_passthrough_values_and_integer_ids(tmp_path, f
             "id": pa.array(range(10), pa.int64()),
             "text": ["a", "b", "a", "c", "b", "a", "d", "d", "a", "e"],
             "team": [f"team-{i}" for i in range(10)],
+            "at": pa.array([1_700_000_000_000 + i for i in range(10)], pa.timestamp("ms", tz="Europe/Paris")),
+            "n": pa.array(range(10), pa.uint16()),
         }
     )
     pq.write_table(t, tmp_path / "in-a.parquet")
-    spec = spec_for(tmp_path, io={"passthrough": ["team"]})
+    spec = spec_for(tmp_path, io={"passthrough": ["team", "at", "n"]})
     plan, summary = run_job(spec, fake_engine_factory)
     assert (plan.dedupe.leaders, plan.dedupe.followers) == (5, 5) and received(fake_engine_factory) == 5
     got = rows(spec)
     assert sorted(got, key=int) == [str(i) for i in range(10)]
     assert {i: r["team"] for i, r in got.items()} == {str(i): f"team-{i}" for i in range(10)}
+    want = {str(i): (t.column("at")[i].as_py(), i) for i in range(10)}
+    assert {i: (r["at"], r["n"]) for i, r in got.items()} == want  # the input's own values, in the input's types
+    (part,) = (Path(spec.io.output_uri) / "results").glob("part-*-followers.parquet")
+    schema = pq.read_schema(part)
+    assert schema.field("at").type == pa.timestamp("ms", tz="Europe/Paris") and schema.field("n").type == pa.uint16()
     assert answer(got["8"]) == answer(got["0"])
 
 
