@@ -92,19 +92,28 @@ def salt(spec: JobSpec) -> str:
 def keyed_rows(spec: JobSpec, found, workdir: str, needed: list[str], memory_limit: str) -> tuple[str, str, int] | str:
     """Without the result cache: every input row with its key (``matching.write_all_misses``), in input order.
 
-    Returns (local file, key hash, rows), or why the rows cannot be keyed (a template column of a type the key
-    does not encode): then nothing is deduplicated.
+    Returns (local file, key hash, rows), the file "" when no prompt repeats (nothing written); or why the rows
+    cannot be keyed (a template column of a type the key does not encode): then nothing is deduplicated.
     """
     from airflow_provider_vllm.steps.cache import matching
-    from airflow_provider_vllm.steps.cache.key import column_types
+    from airflow_provider_vllm.steps.cache.key import column_types, key_message_sql
 
     khash = salt(spec)
     con = duck.connect(found.root, memory_limit=memory_limit)
     try:
+        src = f"read_parquet({duck.file_list(found.root, found.names)})"
         try:
-            types = column_types(con, f"read_parquet({duck.file_list(found.root, found.names)})", spec)
+            types = column_types(con, src, spec)
         except SpecError as e:
             return f"a template column cannot be keyed ({str(e).split(':', 1)[-1].strip()[:200]})"
+        # Distinct 64-bit hashes of the keys' messages prove distinct prompts (equal messages hash equal), at a
+        # fraction of the cost of writing every row with its sha256: the common input without repeats stops here.
+        con.execute(f"SET temp_directory = '{_sql_str(os.path.join(workdir, 'duck-tmp'))}'")
+        rows, distinct = con.execute(
+            f"SELECT count(*), count(DISTINCT hash({key_message_sql(spec, khash, types)})) FROM {src}"
+        ).fetchall()[0]
+        if rows == distinct:
+            return "", khash, int(rows)
         dest = os.path.join(workdir, "keyed.parquet")
         rows = matching.write_all_misses(con, spec, found, khash, types, needed, dest)
     finally:

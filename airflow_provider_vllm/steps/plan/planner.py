@@ -272,6 +272,9 @@ def _dedupe(spec: JobSpec, found: Input, out: Storage, workdir: str, passthrough
         keyed = dd.keyed_rows(spec, found, workdir, needed_columns(spec, passthrough), PLAN_MEMORY_LIMIT)
         if isinstance(keyed, str):
             reason = keyed
+        elif not keyed[0]:  # no prompt repeats: the shards read the input itself
+            log.info("dedupe: no row of %d repeats an earlier row's prompt", keyed[2])
+            return dd.plan_record(dd.Split("", "", keyed[2], keyed[2], 0, 0), keyed[1], None, None), None
         else:
             misses, khash = keyed[0], keyed[1]
     if reason is not None or misses is None:
