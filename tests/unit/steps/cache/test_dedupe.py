@@ -154,6 +154,23 @@ def test_no_duplicates_plans_as_before(tmp_path, fake_engine_factory):
     assert not (tmp_path / "out-a" / "_cache").exists()
 
 
+def test_a_collision_of_the_cheap_check_falls_back_to_the_exact_key(tmp_path, fake_engine_factory, monkeypatch):
+    """The 64-bit pre-check only proves distinct prompts; hashes that collide go to the sha256 keys, which never
+    make a follower of another prompt's row (every hash made equal here)."""
+    from airflow_provider_vllm.steps.cache import key
+
+    exact = key.key_message_sql  # the sha256 keys keep the real message
+    monkeypatch.setattr(key, "key_text_sql", lambda spec, khash, types: f"sha256({exact(spec, khash, types)})")
+    monkeypatch.setattr(key, "key_message_sql", lambda spec, khash, types: "'the same message'")
+    write_parquet(tmp_path / "in-a.parquet", IDS, [f"fresh {i}" for i in range(60)])
+    plan, summary = run_job(spec_for(tmp_path), fake_engine_factory)
+    assert (plan.dedupe.leaders, plan.dedupe.followers) == (60, 0) and received(fake_engine_factory) == 60
+    write_parquet(tmp_path / "in-b.parquet", IDS, TEXTS)
+    fake_engine_factory.made.clear()
+    plan, summary = run_job(spec_for(tmp_path, "b"), fake_engine_factory)
+    assert (plan.dedupe.leaders, plan.dedupe.followers) == (42, 18) and received(fake_engine_factory) == 42
+
+
 def test_sampling_without_a_seed_infers_every_row(tmp_path, fake_engine_factory):
     write_parquet(tmp_path / "in-a.parquet", IDS, TEXTS)
     spec = spec_for(tmp_path, sampling={"temperature": 0.7})
