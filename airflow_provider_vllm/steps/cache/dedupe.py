@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 
@@ -83,6 +84,13 @@ def why_not(spec: JobSpec, input_format: str) -> str | None:
     return None
 
 
+def _unkeyable(e: SpecError) -> str:
+    """Why rows cannot be keyed, from ``key.check_key_types``' refusal (which speaks of the cache)."""
+    m = re.search(r"template column ('[^']*')", str(e))
+    col = f"template column {m.group(1)}" if m else "a template column"
+    return f"{col} has a type the key does not encode (nested: LIST, STRUCT, MAP, ...; or ENUM, BIT, ...)"
+
+
 def salt(spec: JobSpec) -> str:
     """The key hash of a run without the result cache: what decides an answer besides the row (the spec's
     output hash), so that keys of one run are compared only with keys of the same run."""
@@ -105,7 +113,7 @@ def keyed_rows(spec: JobSpec, found, workdir: str, needed: list[str], memory_lim
         try:
             types = column_types(con, src, spec)
         except SpecError as e:
-            return f"a template column cannot be keyed ({str(e).split(':', 1)[-1].strip()[:200]})"
+            return _unkeyable(e)
         # Distinct 64-bit hashes of the keys' messages prove distinct prompts (equal messages hash equal), at a
         # fraction of the cost of writing every row with its sha256: the common input without repeats stops here.
         con.execute(f"SET temp_directory = '{_sql_str(os.path.join(workdir, 'duck-tmp'))}'")
@@ -303,7 +311,7 @@ def expected(spec: JobSpec, found, memory_limit: str = "512MB") -> dict:
             try:
                 types = column_types(con, src, spec)
             except SpecError as e:
-                reason = f"a template column cannot be keyed ({str(e).split(':', 1)[-1].strip()[:200]})"
+                reason = _unkeyable(e)
             else:
                 chars = " + ".join(f"coalesce(length(CAST({_q(c)} AS VARCHAR)), 0)" for c in spec.prompt.texts) or "0"
                 tokens = f"CAST(ceil(({chars}) / {float(spec.sharding.chars_per_token)}) AS BIGINT)"

@@ -171,6 +171,20 @@ def test_a_collision_of_the_cheap_check_falls_back_to_the_exact_key(tmp_path, fa
     assert (plan.dedupe.leaders, plan.dedupe.followers) == (42, 18) and received(fake_engine_factory) == 42
 
 
+def test_a_template_column_the_key_cannot_encode_infers_every_row(tmp_path):
+    from airflow_provider_vllm.steps.plan.dry_run import dry_run_report
+
+    t = pa.table({"id": [f"n{i}" for i in range(4)], "text": ["a", "a", "b", "b"], "tags": [["x"], ["x"], [], []]})
+    pq.write_table(t, tmp_path / "in-a.parquet")
+    spec = spec_for(tmp_path, prompt={"template": "{text} {tags}", "text_columns": ["text"]})
+    plan = plan_job(spec, engine_identity=ENGINE)
+    assert plan.dedupe is None and sum(s.rows for s in plan.shards) == 4
+    reason = dry_run_report(
+        spec_for(tmp_path, "a", prompt={"template": "{text} {tags}", "text_columns": ["text"]})
+    ).dedupe.reason
+    assert "template column 'tags' has a type the key does not encode" in reason
+
+
 def test_sampling_without_a_seed_infers_every_row(tmp_path, fake_engine_factory):
     write_parquet(tmp_path / "in-a.parquet", IDS, TEXTS)
     spec = spec_for(tmp_path, sampling={"temperature": 0.7})
