@@ -75,8 +75,9 @@ class ShardPlan(BaseModel):
     segments: list[Segment]
     input_file: FileRef | None = Field(
         None,
-        description="With the result cache: the shard's own input file (its miss rows, in order) under the "
-        "output prefix; the worker reads exactly these bytes (size and sha256 checked) and its segments index it",
+        description="With the result cache or repeated prompts (dedupe): the shard's own input file (the rows it "
+        "infers, in order) under the output prefix; the worker reads exactly these bytes (size and sha256 checked) "
+        "and its segments index it",
     )
 
     def summary(self) -> ShardSummary:
