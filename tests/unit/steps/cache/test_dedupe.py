@@ -28,6 +28,7 @@ from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
 from airflow_provider_vllm.worker.task import ShardTask
 from tests.support.data import PINNED_REVISION, make_spec, write_parquet
+from tests.support.ledger import record_fault
 
 ROOT = Path(__file__).resolve().parents[4]
 ENGINE = local_engine_identity()
@@ -335,8 +336,12 @@ def test_plan_killed_at_a_dedupe_step_converges(tmp_path, fake_engine_factory, p
     assert not (tmp_path / "out-a" / PLAN_FILE).exists()
     assert list((tmp_path / "out-a" / "_cache").glob("followers-*.parquet"))  # an orphan no plan names
     plan, summary = run_job(spec, fake_engine_factory)
+    got = pq.read_table(tmp_path / "out-a" / RESULTS).column("id").to_pylist()
+    record_fault(
+        f"kill9.{point}.dedupe", N, lost=len(set(IDS) - set(got)), duplicates=len(got) - len(set(got)), level="process"
+    )
     assert received(fake_engine_factory) == 42 and summary.ok_rows == 60
-    assert sorted(rows(spec)) == IDS
+    assert sorted(got) == IDS
 
 
 @pytest.mark.reliability
@@ -367,6 +372,13 @@ def test_merge_failing_after_the_follower_parts_converges(tmp_path, fake_engine_
     again = merge(spec)  # a rerun after a whole merge converges to the same bytes
     assert summary.ok_rows == again.ok_rows == 60 and summary.checksums == again.checksums
     got = pq.read_table(tmp_path / "out-a" / RESULTS).column("id").to_pylist()
+    record_fault(
+        f"{'kill9' if action == 'kill' else 'raise'}.dedupe.after_parts",
+        N,
+        lost=len(set(IDS) - set(got)),
+        duplicates=len(got) - len(set(got)),
+        level="process" if action == "kill" else "in_process",
+    )
     assert sorted(got) == IDS
 
 
