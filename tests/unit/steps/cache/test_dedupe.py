@@ -194,6 +194,20 @@ def test_sampling_without_a_seed_infers_every_row(tmp_path, fake_engine_factory)
     assert received(fake_engine_factory) == 60
 
 
+def test_long_and_short_buckets_cut_over_the_leaders(tmp_path, fake_engine_factory):
+    texts = [("long ticket text " * 40 if i % 4 == 1 else f"short {i % 9}") for i in range(40)]
+    write_parquet(tmp_path / "in-a.parquet", [f"b{i:02d}" for i in range(40)], texts)
+    spec = spec_for(tmp_path, sharding={"target_rows": 4, "long_row_tokens": 60, "chunk_rows": 4})
+    plan, summary = run_job(spec, fake_engine_factory)
+    assert {s.bucket for s in plan.shards} == {"short", "long"}
+    assert received(fake_engine_factory) == len(set(texts)) == plan.dedupe.leaders == 10
+    got = rows(spec)
+    assert sorted(got) == [f"b{i:02d}" for i in range(40)] and summary.ok_rows == 40
+    first: dict[str, str] = {}
+    for i, t in zip(sorted(got), texts):
+        assert answer(got[i]) == answer(got[first.setdefault(t, i)]), i
+
+
 def test_a_huge_group_is_one_request(tmp_path, fake_engine_factory):
     n = 5000
     write_parquet(tmp_path / "in-a.parquet", [f"h{i}" for i in range(n)], ["the same ticket"] * n)
