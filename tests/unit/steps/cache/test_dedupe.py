@@ -432,3 +432,24 @@ def test_qa_reports_the_duplicate_rate(tmp_path, fake_engine_factory):
     assert report.metrics["dedupe"]["saved_est_tokens"] > 0
     html = (tmp_path / "out-a" / paths["report_html"]).read_text()
     assert "Repeated prompts" in html and "18 rows took a twin" in html
+
+
+def test_one_text_for_two_adapters_is_two_prompts(tmp_path, fake_engine_factory):
+    from tests.unit.worker.test_adapters import LLAMA, adapter_spec, write_adapter, write_rows
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(LLAMA))
+    adapters = {
+        n: write_adapter(tmp_path / "adapters" / n, model, seed=i) for i, n in enumerate(["billing", "refunds"])
+    }
+    write_rows(
+        tmp_path / "in-a.parquet",
+        [("a", "same", "billing"), ("b", "same", "refunds"), ("c", "same", "billing"), ("d", "same", None)],
+    )
+    spec = adapter_spec(tmp_path, adapters)
+    plan, summary = run_job(spec, fake_engine_factory)
+    assert (plan.dedupe.leaders, plan.dedupe.followers) == (3, 1) and received(fake_engine_factory) == 3
+    got = rows(spec)
+    assert [got[i]["adapter"] for i in "abcd"] == ["billing", "refunds", "billing", None]
+    assert answer(got["c"]) == answer(got["a"]) and got["a"]["output"] != got["b"]["output"]
