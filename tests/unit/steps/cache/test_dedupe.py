@@ -453,3 +453,24 @@ def test_one_text_for_two_adapters_is_two_prompts(tmp_path, fake_engine_factory)
     got = rows(spec)
     assert [got[i]["adapter"] for i in "abcd"] == ["billing", "refunds", "billing", None]
     assert answer(got["c"]) == answer(got["a"]) and got["a"]["output"] != got["b"]["output"]
+
+
+def test_golden_rows_that_ride_along_are_never_leaders_nor_followers(tmp_path):
+    """Golden rows with the same texts as input rows (and as each other) are inferred in their own shards, every one
+    of them; the input's followers take input leaders only, and no golden id is published."""
+    from airflow_provider_vllm.core.spec import RESERVED_ID_PREFIX
+    from tests.support.fakes import FakeEngine
+
+    gold = {"id": [f"g{i}" for i in range(6)], "text": [TEXTS[0]] * 3 + [TEXTS[1]] * 3, "label": ["billing"] * 6}
+    pq.write_table(pa.table(gold), tmp_path / "golden.parquet")
+    write_parquet(tmp_path / "in-a.parquet", IDS, TEXTS)
+    spec = spec_for(tmp_path, qa={"reference": {"ride_along_uri": str(tmp_path / "golden.parquet")}})
+    made = []
+    plan, summary = run_job(spec, lambda s, **kw: made.append(FakeEngine(s, real_vllm=False, **kw)) or made[-1])
+    assert (plan.dedupe.leaders, plan.dedupe.followers, plan.golden.rows) == (42, 18, 6)
+    assert sum(e.submitted for e in made) == 42 + 6  # every golden row inferred, apart from the input's
+    out = Path(spec.io.output_uri)
+    for kind in (RESULTS, ERRORS):
+        ids = pq.read_table(out / kind, columns=["id"]).column("id").to_pylist()
+        assert not any(i.startswith(RESERVED_ID_PREFIX) for i in ids)
+    assert sorted(rows(spec)) == IDS and summary.golden.rows == 6
