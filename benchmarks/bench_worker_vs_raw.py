@@ -146,7 +146,8 @@ def make_spec(
             "prompt": prompt,
             "sampling": sampling,
             "io": {"input_uri": str(input_dir), "output_uri": str(out_dir)},
-            "sharding": {"target_rows": rows, "max_shards": 1},
+            # the worker's overhead over raw vLLM on the same prompts: every row reaches the engine
+            "sharding": {"target_rows": rows, "max_shards": 1, "dedupe": False},
         }
     )
 

@@ -79,6 +79,10 @@ POINTS = frozenset(
         "cache.entry_data",
         "cache.mid_commit",
         "cache.after_commit",
+        # each distinct prompt once (steps.cache.dedupe): the plan's followers file written (no _plan.json yet);
+        # merge's follower parts staged under _cache/ (nothing published yet)
+        "dedupe.after_followers",
+        "dedupe.after_parts",
         # the golden rows that ride along (steps.golden): in plan, before their input file is written; in
         # merge, before golden/results.parquet and golden/errors.parquet, before golden/_golden.json
         "golden.before_file",

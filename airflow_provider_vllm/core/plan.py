@@ -75,8 +75,9 @@ class ShardPlan(BaseModel):
     segments: list[Segment]
     input_file: FileRef | None = Field(
         None,
-        description="With the result cache: the shard's own input file (its miss rows, in order) under the "
-        "output prefix; the worker reads exactly these bytes (size and sha256 checked) and its segments index it",
+        description="With the result cache or repeated prompts (dedupe): the shard's own input file (the rows it "
+        "infers, in order) under the output prefix; the worker reads exactly these bytes (size and sha256 checked) "
+        "and its segments index it",
     )
 
     def summary(self) -> ShardSummary:
@@ -160,6 +161,26 @@ class CachePlan(BaseModel):
     hit_est_tokens: int = Field(0, description="estimated prompt tokens of the hit rows (not inferred)")
 
 
+class DedupePlan(BaseModel):
+    """Rows of one rendered input inferred once per run (``steps/cache/dedupe.py``): the first row of each key in
+    input order (the leader) goes to a shard, the others (followers) get its answer or error at merge."""
+
+    model_config = ConfigDict(extra="forbid")
+    key_hash: str = Field(description="the hash the rows' keys were computed under (the cache's key hash, if any)")
+    rows: int = Field(description="rows deduplicated: the input's rows, or with the result cache its misses")
+    leaders: int = Field(description="distinct keys among them: the rows sent to the shards")
+    followers: int = Field(description="rows answered by their leader, not sent to the engine")
+    followers_file: CacheFile | None = Field(
+        None,
+        description="follower id, its leader's id and the follower's passthrough columns, in input order "
+        "(None: no followers)",
+    )
+    misses_root: str | None = Field(
+        None, description="folder of the shards' input files (ShardPlan.input_file): the leaders (None: no followers)"
+    )
+    follower_est_tokens: int = Field(0, description="estimated prompt tokens of the followers (not inferred)")
+
+
 class GoldenPlan(BaseModel):
     """The golden rows that ride along (``qa.reference.ride_along_uri``), as the plan applied them.
 
@@ -191,6 +212,7 @@ class GoldenPlan(BaseModel):
                 "shards": self.shards,
                 "long_row_tokens": None,
                 "cache": None,
+                "dedupe": None,
                 "golden": None,
                 "passthrough": None,
             }
@@ -266,6 +288,9 @@ class Plan(BaseModel):
     cache: CachePlan | None = Field(
         None, description="The result cache (cache.uri set): shards then read their own input files of misses."
     )
+    dedupe: DedupePlan | None = Field(
+        None, description="Each distinct prompt once per run (sharding.dedupe): shards then read their leaders' files."
+    )
     golden: GoldenPlan | None = Field(
         None, description="Golden rows that ride along (qa.reference.ride_along_uri): their file and shards."
     )
@@ -323,7 +348,8 @@ class Plan(BaseModel):
         if shard.input_file is None:
             return self.input_root, list(self.files)
         f = shard.input_file
-        root, name = self.cache.misses_root if self.cache else "", f.path.rsplit("/", 1)[-1]
+        root = (self.cache.misses_root if self.cache else self.dedupe.misses_root if self.dedupe else None) or ""
+        name = f.path.rsplit("/", 1)[-1]
         return root, [InputFile(path=name, size=f.bytes, version="")]
 
     def shard(self, shard_id: str) -> ShardPlan:

@@ -239,6 +239,9 @@ class MergeSummary(RowCounts):
     cache: CacheMergeSummary | None = Field(
         None, description="what the merge took from and added to the result cache (cache.uri set)"
     )
+    dedupe: DedupeMergeSummary | None = Field(
+        None, description="rows answered by another row of the same prompt (plan.dedupe; sharding.dedupe)"
+    )
     golden: GoldenSummary | None = Field(
         None, description="the golden rows that rode along (qa.reference.ride_along_uri), published under golden/"
     )
@@ -263,6 +266,7 @@ class MergeSummary(RowCounts):
         "spec_hash",
         "merge_s",
         "cache",
+        "dedupe",
     )
 
     def xcom(self) -> dict[str, Any]:
@@ -407,6 +411,15 @@ class CacheMergeSummary(Record):
     compacted_into: str | None = Field(
         None, description="the entry a compaction after this append merged the key config's live entries into"
     )
+
+
+class DedupeMergeSummary(Record):
+    """What the merge gave the rows that shared a leader's prompt (``plan.dedupe``)."""
+
+    leaders: int = Field(description="rows inferred for themselves and for their followers")
+    followers: int = Field(description="rows given their leader's answer or error (not sent to the engine)")
+    ok_rows: int = Field(description="followers in results/ (their leader's answer)")
+    error_rows: int = Field(description="followers in errors/ (their leader's error)")
 
 
 class GoldenSummary(RowCounts):

@@ -528,6 +528,12 @@ class ShardingSpec(_Model):
         description="Hardware the shards run on, as the worker records it (e.g. '1x NVIDIA H200'); "
         "history records of other hardware are ignored. Default: the newest matching record's hardware.",
     )
+    dedupe: bool = Field(
+        True,
+        description="Infer each distinct rendered prompt once per run and give its answer to every row of the same "
+        "input (docs/cache.md): only with deterministic sampling (task embed or classify, sampling.temperature 0, "
+        "or a sampling.seed) and Parquet input; otherwise every row is inferred. false: infer every row.",
+    )
 
 
 RESERVED_ID_PREFIX = "_vllm_golden:"
@@ -816,6 +822,8 @@ class JobSpec(_Model):
     def canonical_json(self) -> str:
         # where the shards run does not change what they compute
         doc = self.model_dump(mode="json", exclude={"kubernetes"})
+        if doc["sharding"]["dedupe"] is True:  # added later: at its default, specs keep the hash they had
+            del doc["sharding"]["dedupe"]
         return json.dumps(doc, sort_keys=True, separators=(",", ":"))
 
     def content_hash(self) -> str:

@@ -207,6 +207,14 @@ class VllmPlanOperator(BaseOperator):
                 len(plan.cache.commits_read),
                 plan.cache.misses,
             )
+        if plan.dedupe is not None:
+            self.log.info(
+                "each distinct prompt once: %d of %d rows repeat an earlier row's prompt and take its answer at "
+                "merge; shards infer %d",
+                plan.dedupe.followers,
+                plan.dedupe.rows,
+                plan.dedupe.leaders,
+            )
         context["ti"].xcom_push(key=SPEC_XCOM_KEY, value=spec.model_dump(mode="json"))
         if plan.table is not None:
             self.log.info(

@@ -309,8 +309,8 @@ def _manifest(marker: CommitMarker, status: str) -> dict[str, Any]:
 def shard_input(spec: JobSpec, plan: Plan, shard: ShardPlan) -> Iterator[Storage]:
     """The folder the shard's segments are read from.
 
-    The input itself, checked unchanged since the plan; or, with the result cache, the shard's own
-    input file, fetched whole into a private temp folder and read only when it has the size and
+    The input itself, checked unchanged since the plan; or, with the result cache or repeated prompts (the
+    dedupe), the shard's own input file, fetched whole into a private temp folder and read only when it has the size and
     sha256 of the sealed plan: the rows the engine answers are the rows the plan keyed.
     """
     root, files = plan.shard_input(shard)

@@ -175,6 +175,7 @@ class FakeEngine:
         self.queue = []
         self.finished = 0
         self.submitted = 0
+        self.pooled = 0  # prompts of pooling calls (embed, classify), as vLLM receives them
         self.refused = 0
         self.steps = 0
         self.probes = 0
@@ -308,6 +309,7 @@ class FakeEngine:
                 )
         if self.fail_on is not None and any(self.fail_on(p) for p in prompts):
             raise ValueError("pooling failed (injected by fail_on)")
+        self.pooled += len(prompts)
         return [[float(len(p)), 1.0, 0.5] for p in prompts]
 
 

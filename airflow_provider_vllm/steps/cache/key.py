@@ -348,13 +348,18 @@ def key_text_sql(spec: JobSpec, khash: str, types: dict[str, str]) -> str:
     concatenation is injective whenever each ``<text>`` is injective within its type. ``types``:
     ``column_types`` of the same source (it picks the text; the hash takes the type from ``typeof``).
     """
+    return f"sha256({key_message_sql(spec, khash, types)})"
+
+
+def key_message_sql(spec: JobSpec, khash: str, types: dict[str, str]) -> str:
+    """DuckDB expression: the text whose sha256 is the row's key (``key_text_sql``): equal texts, equal prompts."""
     parts = [f"'{khash}|'"]
     for col in key_columns(spec):
         c = _q(col)
         v = _text(col, types[col])
         parts.append(f"'T' || CAST(strlen(typeof({c})) AS VARCHAR) || ':' || typeof({c})")
         parts.append(f"(CASE WHEN {c} IS NULL THEN 'N' ELSE 'S' || CAST(strlen({v}) AS VARCHAR) || ':' || {v} END)")
-    return f"sha256({' || '.join(parts)})"
+    return " || ".join(parts)
 
 
 def key_sql(spec: JobSpec, khash: str, types: dict[str, str]) -> str:

@@ -51,6 +51,7 @@ from airflow_provider_vllm.core.formats.files import check_unchanged
 from airflow_provider_vllm.core.part_names import PART_NAME, check_inside
 from airflow_provider_vllm.core.plan import Plan, load_plan
 from airflow_provider_vllm.core.records import (
+    DedupeMergeSummary,
     Duplicates,
     FileRef,
     MergeSummary,
@@ -128,6 +129,9 @@ def merge(
     hits = cache.hits_part(out, plan, len(sources[RESULTS])) if plan.cache is not None else None
     if hits is not None:
         sources[RESULTS].append(SourcePart(**hits[0].model_dump(), name=hits[1]))
+    # Rows that shared a prompt with an earlier row (plan.dedupe): their leader's row under their own id, one more
+    # part per kind (checked below like every part: the exactly-once accounting covers them).
+    followers = _follower_sources(out, plan, sources)
     for kind in KINDS:
         check_folder(out, kind)
     in_root = out.at(plan.input_root)
@@ -176,7 +180,8 @@ def merge(
     # result cache: this run's computed ok rows (as published) become its entry, committed create-only
     cache_summary = None
     if hits is not None:
-        computed = [f"{RESULTS}/{p.name}" for p in manifests[RESULTS].parts if p.name != hits[1] and p.rows]
+        not_computed = {hits[1], *(name for _, name in followers.values())}
+        computed = [f"{RESULTS}/{p.name}" for p in manifests[RESULTS].parts if p.name not in not_computed and p.rows]
         made_by = [m.engine_identity for m in markers]
         cache_summary = cache.append_results(out, spec, plan, computed, made_by, keyring, filesystems)
     golden = (  # the golden rows that ride along: checked like the input's, published apart, under golden/
@@ -210,6 +215,7 @@ def merge(
         task=spec.task,
         id_column=spec.prompt.id_column,
         **({"cache": cache_summary} if cache_summary is not None else {}),
+        **({"dedupe": _dedupe_summary(plan, followers)} if plan.dedupe is not None else {}),
         **({"golden": golden} if golden is not None else {}),
         **({"adapters": {a.name: a.identity() for a in plan.adapters}} if plan.adapters else {}),
     )
@@ -222,6 +228,27 @@ def merge(
     faults.hit("merge.after_marker")
     _record_throughput(spec, plan, markers, summary, filesystems)
     return summary
+
+
+def _follower_sources(out: Storage, plan: Plan, sources: dict[str, list[SourcePart]]) -> dict[str, tuple[FileRef, str]]:
+    """The followers' parts (``steps/cache/dedupe.py``), appended to ``sources``; {} without followers."""
+    if plan.dedupe is None or plan.dedupe.followers_file is None:
+        return {}
+    from airflow_provider_vllm.steps.cache.dedupe import follower_parts
+
+    hits = plan.cache.hits_file.path if plan.cache is not None else None
+    computed = {k: [p.rel for p in sources[k] if p.rel != hits and p.rows] for k in KINDS}
+    parts = follower_parts(out, plan, computed, {k: len(sources[k]) for k in KINDS})
+    for kind, (ref, name) in parts.items():
+        sources[kind].append(SourcePart(**ref.model_dump(), name=name))
+    return parts
+
+
+def _dedupe_summary(plan: Plan, followers: dict[str, tuple[FileRef, str]]) -> DedupeMergeSummary:
+    d = plan.dedupe
+    assert d is not None
+    ok, err = (followers[k][0].rows if k in followers else 0 for k in KINDS)
+    return DedupeMergeSummary(leaders=d.leaders, followers=d.followers, ok_rows=ok, error_rows=err)
 
 
 def manifest_rel(kind: str) -> str:

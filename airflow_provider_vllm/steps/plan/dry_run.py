@@ -71,6 +71,20 @@ class CacheReport(Record):
     est_gpu_hours_saved: float = Field(description="GPU-hours of inference the hits save")
 
 
+class DedupeReport(Record):
+    """Each distinct prompt once per run (sharding.dedupe): what it would save on this input now; nothing written."""
+
+    applied: bool = Field(description="False: every row is inferred (reason says why)")
+    reason: str | None = Field(None, description="why the rows are not deduplicated")
+    rows: int | None = Field(None, description="input rows")
+    distinct: int | None = Field(None, description="distinct rendered prompts: the rows to infer (before the cache)")
+    duplicates: int | None = Field(None, description="rows that repeat an earlier row's prompt: not inferred")
+    duplicate_rate: float | None = Field(None, description="duplicates / rows")
+    duplicate_est_tokens: int | None = Field(None, description="estimated prompt tokens of the duplicates")
+    est_inference_s_saved: float | None = Field(None, description="inference seconds the duplicates save")
+    est_gpu_hours_saved: float | None = Field(None, description="GPU-hours of inference the duplicates save")
+
+
 class AdapterReport(Record):
     """One LoRA adapter as the plan found it."""
 
@@ -200,6 +214,9 @@ class DryRunReport(Record):
     adapters: AdaptersReport | None = Field(None, description="only with model.adapters")
     passthrough: list[PassthroughColumn] | None = Field(None, description="only with io.passthrough")
     cache: CacheReport | None = Field(None, description="only with cache.uri; the figures above are the whole input")
+    dedupe: DedupeReport | None = Field(
+        None, description="each distinct prompt once per run (sharding.dedupe); the figures above are the whole input"
+    )
     memory: Annotated[MemoryReport | MemoryUnavailable, Field(discriminator="available")]
     layout: LayoutReport | None = Field(description="None when there is no memory plan")
 
@@ -266,6 +283,7 @@ def dry_run_report(
         cache = _cache(
             spec, read, ev, tokens_per_s, start.seconds, engine_identity, filesystems, keyring, plan.adapters
         )
+    dedupe = _dedupe(spec, read, ev, tokens_per_s, start.seconds)
     memory, layout = _memory(spec, work, ev, gpu_memory, model_config, checkpoint_bytes, gpus, lora)
     shard_s = work.engine_start_s + work.infer_s / shards if shards else 0.0
     share = work.engine_start_s / shard_s if shard_s else 0.0
@@ -300,6 +318,7 @@ def dry_run_report(
         **({"adapters": adapters} if adapters is not None else {}),
         **({"passthrough": passthrough} if passthrough is not None else {}),
         **({"cache": cache} if cache is not None else {}),
+        dedupe=dedupe,
         memory=memory,
         layout=layout,
     )
@@ -347,6 +366,21 @@ def _cache(
     exp = expected(spec, read.found, engine_identity, filesystems, keyring, adapters)
     saved = estimate_workload(spec, exp["hits"], exp["hit_est_tokens"], ev, tokens_per_s, engine_start_s)
     return CacheReport(
+        **exp,
+        est_inference_s_saved=round(saved.infer_s, 3),
+        est_gpu_hours_saved=round(saved.infer_s * spec.engine.tensor_parallel_size / 3600, 6),
+    )
+
+
+def _dedupe(spec: JobSpec, read: PlanInputs, ev: Evidence | None, tokens_per_s: float, start_s: float) -> DedupeReport:
+    """The duplicates the dedupe would not infer, and the inference GPU-hours that saves."""
+    from airflow_provider_vllm.steps.cache.dedupe import expected
+
+    exp = expected(spec, read.found)
+    if not exp["applied"]:
+        return DedupeReport(**exp)
+    saved = estimate_workload(spec, exp["duplicates"], exp["duplicate_est_tokens"], ev, tokens_per_s, start_s)
+    return DedupeReport(
         **exp,
         est_inference_s_saved=round(saved.infer_s, 3),
         est_gpu_hours_saved=round(saved.infer_s * spec.engine.tensor_parallel_size / 3600, 6),
@@ -497,6 +531,15 @@ def format_report(r: DryRunReport) -> str:
             f"entr{'y' if c.commits == 1 else 'ies'}, {c.misses:,} to infer; saves "
             f"~{c.est_gpu_hours_saved:.2f} GPU-hours of inference (figures above: whole input)"
         )
+    if r.dedupe is not None:
+        d = r.dedupe
+        if d.applied:
+            lines.append(
+                f"  dedupe           {d.duplicates:,} of {d.rows:,} rows ({d.duplicate_rate:.1%}) repeat an earlier "
+                f"row's prompt: {d.distinct:,} to infer; saves ~{d.est_gpu_hours_saved or 0:.2f} GPU-hours of inference"
+            )
+        else:
+            lines.append(f"  dedupe           off, every row is inferred: {d.reason}")
     if r.layout:
         lines += [f"  {x}" for x in r.layout.lines]
     m = r.memory

@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 from airflow_provider_vllm import __version__
+from airflow_provider_vllm.core import faults
 from airflow_provider_vllm.core.adapters import describe_adapters
 from airflow_provider_vllm.core.commit import PROBE_DIR, probe_create_only
 from airflow_provider_vllm.core.errors import SpecError
@@ -75,7 +76,7 @@ def plan_job(
     out = Storage(spec.io.output_uri, spec.io.storage_options, filesystems)
     if spec.io.input_table is not None:
         return _plan_table(spec, out, filesystems, max_shards, engine_identity, keyring, warm_starts, tables)
-    if spec.cache.uri is not None:
+    if spec.cache.uri is not None or _may_dedupe(spec):
         plan = _plan_cached(spec, out, filesystems, max_shards, engine_identity, keyring, warm_starts, tables)
     else:
         plan = build_plan(spec, filesystems, max_shards=max_shards, warm_starts=warm_starts)
@@ -126,7 +127,7 @@ def _plan_table(
         spec,
         filesystems,
         max_shards=max_shards,
-        cache_out=out if spec.cache.uri is not None else None,
+        cache_out=out if spec.cache.uri is not None or _may_dedupe(spec) else None,
         engine_identity=engine_identity,
         keyring=keyring,
         warm_starts=warm_starts,
@@ -148,6 +149,13 @@ def _with_changes_from(plan: Plan, spec: JobSpec, tables: Tables | None) -> Plan
     from airflow_provider_vllm.steps.tables.commit import resolve_changes_from
 
     return plan.model_copy(update={"changes_from": resolve_changes_from(spec, tables)})
+
+
+def _may_dedupe(spec: JobSpec) -> bool:
+    """Whether the plan may write files besides ``_plan.json`` for the dedupe (the input's format decides later)."""
+    from airflow_provider_vllm.steps.cache.dedupe import deterministic
+
+    return spec.sharding.dedupe and deterministic(spec) is None
 
 
 def _existing(spec: JobSpec, out: Storage, keyring: Keyring) -> Plan:
@@ -186,7 +194,8 @@ def _plan_cached(
     warm_starts: bool | None = None,
     tables: Tables | None = None,
 ) -> Plan:
-    """With the result cache: an existing plan wins (only its input and spec are compared); else a new one."""
+    """With the result cache or the dedupe (plans that write files besides ``_plan.json``): an existing plan wins
+    (only its input and spec are compared); else a new one."""
     if out.exists(PLAN_FILE):
         assert spec.io.input_uri is not None  # tables: _plan_table
         found = find_input(spec.io.input_uri, spec.io.storage_options, spec.io.input_format, filesystems)
@@ -271,7 +280,7 @@ def build_plan_with_inputs(
     total_rows = int(sum(scan.file_rows))
     tokens = _row_tokens(scan, sh.chars_per_token)
     est_tokens = tokens.total
-    cache, cut_scan, cut_tokens, cut_fp = None, scan, tokens, found.fingerprint
+    cache, dedupe, cut_scan, cut_tokens, cut_fp = None, None, scan, tokens, found.fingerprint
     with tempfile.TemporaryDirectory(prefix="vllm-batch-plan-") as workdir:
         misses = None
         if cache_out is not None and spec.cache.uri is not None:
@@ -288,11 +297,16 @@ def build_plan_with_inputs(
                 adapters=adapters,
                 passthrough=passthrough,
             )
+            cut_fp = f"{found.fingerprint}:{cache.hits_file.sha256}"
+        if cache_out is not None:
+            dedupe, leaders = _dedupe(spec, found, cache_out, workdir, passthrough, misses, cache)
+            if dedupe is not None and dedupe.followers_file is not None:
+                cut_fp = f"{cut_fp}:{dedupe.followers_file.sha256}"
+                misses = leaders
+        if misses is not None:
             cut_scan = input_format("parquet").scan(Storage(workdir), [os.path.basename(misses)], spec, per_row)
             cut_tokens = _row_tokens(cut_scan, sh.chars_per_token)
-            cut_fp = hashlib.sha256(
-                f"{found.fingerprint}:{cache.hits_file.sha256}:{_sha256(misses)}".encode()
-            ).hexdigest()
+            cut_fp = hashlib.sha256(f"{cut_fp}:{_sha256(misses)}".encode()).hexdigest()
         # the history sizes shards only when there are rows to size (as size_shards decides)
         history = job_history(spec, filesystems) if len(cut_tokens) else None
         shards, sizing = _cut_all(spec, cut_scan, cut_tokens, cut_fp, history, max_shards, warm_starts)
@@ -318,6 +332,7 @@ def build_plan_with_inputs(
         created_with={"airflow-provider-vllm": __version__, "pyarrow": pa.__version__},
         sizing=sizing,
         **({"cache": cache} if cache is not None else {}),
+        **({"dedupe": dedupe} if dedupe is not None else {}),
         **({"passthrough": passthrough} if passthrough is not None else {}),
         **({"adapters": adapters} if adapters else {}),
     )
@@ -332,6 +347,42 @@ def _passthrough_spec(spec: JobSpec) -> JobSpec:
         return spec
     cols = [c for c in t.columns if c != spec.prompt.id_column]
     return spec.model_copy(update={"io": spec.io.model_copy(update={"passthrough": cols})})
+
+
+def _dedupe(spec: JobSpec, found: Input, out: Storage, workdir: str, passthrough, misses: str | None, cache):
+    """Each distinct prompt once (``steps/cache/dedupe.py``): (the DedupePlan, the local leaders file), or
+    (None, None) when the job is not deduplicated (the reason is logged). ``misses``: with the result cache, its
+    local misses file (keyed under its key hash); else every input row is keyed here. Only with followers is a
+    leaders file returned, and the followers file written under ``_cache/``."""
+    from airflow_provider_vllm.steps.cache import dedupe as dd
+    from airflow_provider_vllm.steps.cache.matching import needed_columns
+    from airflow_provider_vllm.steps.cache.result_cache import CACHE_DIR, PLAN_MEMORY_LIMIT, SHARD_INPUTS, _put
+
+    reason, khash = dd.why_not(spec, found.format), cache.key_hash if cache is not None else ""
+    if reason is None and misses is None:
+        keyed = dd.keyed_rows(spec, found, workdir, needed_columns(spec, passthrough), PLAN_MEMORY_LIMIT)
+        if isinstance(keyed, str):
+            reason = keyed
+        elif not keyed[0]:  # no prompt repeats: the shards read the input itself
+            log.info("dedupe: no row of %d repeats an earlier row's prompt", keyed[2])
+            return dd.plan_record(dd.Split("", "", keyed[2], keyed[2], 0, 0), keyed[1], None, None), None
+        else:
+            misses, khash = keyed[0], keyed[1]
+    if reason is not None or misses is None:
+        log.info("dedupe: every row is inferred: %s", reason)
+        return None, None
+    sp = dd.split(spec, misses, workdir, passthrough, PLAN_MEMORY_LIMIT)
+    log.info(
+        "dedupe: %d of %d rows share a prompt with an earlier row; %d distinct prompts to infer",
+        sp.followers,
+        sp.rows,
+        sp.leaders,
+    )
+    if not sp.followers:
+        return dd.plan_record(sp, khash, None, None), None
+    followers = _put(out, sp.followers_file, f"{CACHE_DIR}/{dd.FOLLOWERS}", sp.followers)
+    faults.hit("dedupe.after_followers")
+    return dd.plan_record(sp, khash, followers, out.uri(SHARD_INPUTS)), sp.leaders_file
 
 
 def _sha256(path: str) -> str:
@@ -471,7 +522,11 @@ def _cut(
         wanted = [min(m, max(1, math.ceil(m / target))) for m in sizes]
     counts = _cap(wanted, sh.max_shards)
     plan_key = hashlib.sha256(
-        json.dumps([fp, spec.prompt.id_column, spec.sharding.model_dump(mode="json")], sort_keys=True).encode()
+        json.dumps(
+            # sharding.dedupe decides which rows are cut (fp), not how: shard ids stay what they were
+            [fp, spec.prompt.id_column, spec.sharding.model_dump(mode="json", exclude={"dedupe"})],
+            sort_keys=True,
+        ).encode()
     ).hexdigest()
     file_starts = np.concatenate([[0], np.cumsum(file_rows)]).astype(np.int64)
     shards: list[ShardPlan] = []

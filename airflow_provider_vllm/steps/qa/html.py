@@ -337,6 +337,15 @@ def _header(d: dict) -> str:
                 f"{_int(cache.get('hits'))} of {_int(cache.get('rows'))} rows not inferred",
             )
         )
+    dd = m.get("dedupe") or {}
+    if dd.get("rows") is not None:
+        cards.append(
+            (
+                "Repeated prompts",
+                _pct(dd.get("duplicate_rate"), 1),
+                f"{_int(dd.get('followers'))} rows took a twin's answer; {_int(dd.get('inferred'))} inferred",
+            )
+        )
     ch = m.get("changes") or {}
     if ch.get("counts"):
         cards.append(

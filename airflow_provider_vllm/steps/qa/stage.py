@@ -11,6 +11,7 @@ from airflow_provider_vllm.core.plan import Plan, changes_spec, load_plan
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
+from airflow_provider_vllm.steps.cache.dedupe import qa_metrics as dedupe_metrics
 from airflow_provider_vllm.steps.golden import attach_golden
 from airflow_provider_vllm.steps.merge.changes import compared_column, compute_changes
 from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS, read_manifest, read_merged, verified_parts
@@ -120,6 +121,8 @@ def qa_run(
     finally:
         con.close()
     report.sample = _with_input_excerpt(spec, report.sample, out, plan)
+    if (dedupe := dedupe_metrics(plan, merged)) is not None:  # rows answered by a row of the same prompt
+        report.metrics["dedupe"] = dedupe
     paths = write_qa(report, out)
     return report, paths
 

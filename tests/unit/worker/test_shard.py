@@ -168,7 +168,7 @@ def test_two_concurrent_attempts_commit_once(tmp_path, fake_engine_factory):
 
 
 def test_merge_refuses_uncommitted_and_tampered(tmp_path, fake_engine_factory):
-    write_parquet(tmp_path / "in.parquet", [f"r{i}" for i in range(50)], ["x"] * 50)
+    write_parquet(tmp_path / "in.parquet", [f"r{i}" for i in range(50)], [f"x{i}" for i in range(50)])
     spec = make_spec(tmp_path / "in.parquet", tmp_path / "out", sharding={"target_rows": 25})
     plan = plan_job(spec)
     run_shard(ShardTask(spec=spec, shard_id=plan.shards[0].shard_id), engine_factory=fake_engine_factory)
@@ -189,7 +189,7 @@ def test_merge_verification_catches_a_lost_row(tmp_path, fake_engine_factory):
     from airflow_provider_vllm.core.commit import ShardStore
     from airflow_provider_vllm.core.seal import COMMIT, record_bytes, scope_of, seal_record
 
-    write_parquet(tmp_path / "in.parquet", [f"r{i}" for i in range(20)], ["x"] * 20)
+    write_parquet(tmp_path / "in.parquet", [f"r{i}" for i in range(20)], [f"x{i}" for i in range(20)])
     spec = make_spec(tmp_path / "in.parquet", tmp_path / "out", sharding={"chunk_rows": 20})
     (shard,) = plan_job(spec).shards
     run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=fake_engine_factory)

@@ -521,6 +521,8 @@ def test_an_inconsistent_night_unified_by_the_cache_is_explained(tmp_path):
             model={"name": "fake", "max_model_len": 1024, "revision": PINNED_REVISION},
             cache={"uri": str(tmp_path / "cache")},
             changes={"previous_uri": str(tmp_path / prev / "out") if prev else None},
+            # night 1 infers every row (a run before the dedupe, or with it off): each twin reaches the engine
+            sharding={"target_rows": 100, "chunk_rows": 16, "dedupe": prev is not None},
         )
         plan = plan_job(spec, engine_identity=local_engine_identity())  # what the in-process workers seal
         for s in plan.shards:

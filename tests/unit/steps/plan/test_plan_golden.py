@@ -36,12 +36,13 @@ def _parquet(d: Path) -> dict:
     texts = _texts(90, 11)
     write_parquet(d / "in" / "a.parquet", ids[:50], texts[:50], row_group_size=16)
     write_parquet(d / "in" / "b.parquet", ids[50:], texts[50:], row_group_size=7)
-    return {"sharding": {"target_rows": 20, "long_row_tokens": 60}}
+    # the long texts repeat: dedupe off, so that the recorded plan (every row in a shard) still applies
+    return {"sharding": {"target_rows": 20, "long_row_tokens": 60, "dedupe": False}}
 
 
 def _parquet_footer(d: Path) -> dict:
     write_parquet(d / "in" / "a.parquet", list(range(1000, 1070)), _texts(70, 9), row_group_size=16)
-    return {"sharding": {"target_rows": 25}}
+    return {"sharding": {"target_rows": 25, "dedupe": False}}  # repeated long texts, as above
 
 
 def _jsonl_lines(d: Path) -> dict:

@@ -138,7 +138,7 @@ def test_ids_with_surrounding_spaces_are_still_ids(tmp_path):
 
 # ---- more shards than the orchestrator can map ---------------------------------------------
 def test_more_shards_than_max_shards_is_refused_naming_target_rows(tmp_path):
-    write_parquet(tmp_path / "in.parquet", [f"r{i}" for i in range(100)], ["t"] * 100)
+    write_parquet(tmp_path / "in.parquet", [f"r{i}" for i in range(100)], [f"t{i}" for i in range(100)])
     spec = make_spec(tmp_path / "in.parquet", tmp_path / "out", sharding={"target_rows": 10})
     assert len(build_plan(spec).shards) == 10
     assert len(plan_job(spec.model_copy(), max_shards=10).shards) == 10  # at the limit: fine
@@ -173,7 +173,7 @@ def test_the_plan_operator_reads_max_map_length_from_airflow(tmp_path, monkeypat
 
     from airflow_provider_vllm.operators import VllmPlanOperator
 
-    write_parquet(tmp_path / "in.parquet", [f"r{i}" for i in range(30)], ["t"] * 30)
+    write_parquet(tmp_path / "in.parquet", [f"r{i}" for i in range(30)], [f"t{i}" for i in range(30)])
     monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", str(tmp_path))
     monkeypatch.setenv("AIRFLOW__CORE__MAX_MAP_LENGTH", "2")
     doc = make_spec(tmp_path / "in.parquet", tmp_path / "out", sharding={"target_rows": 10}).model_dump(mode="json")

@@ -203,7 +203,7 @@ def test_history_on_s3(tmp_path, fake_engine_factory, monkeypatch):
         for k, v in s3.deployment_env.items():
             monkeypatch.setenv(k, v)
         opts = {}
-        write_parquet(tmp_path / "in" / "a.parquet", [f"t{i}" for i in range(40)], ["ticket"] * 40)
+        write_parquet(tmp_path / "in" / "a.parquet", [f"t{i}" for i in range(40)], [f"ticket {i}" for i in range(40)])
         spec = make_spec(
             tmp_path / "in", tmp_path / "out", sharding={"target_rows": 20, "history_uri": "s3://hist/throughput"}
         )
