@@ -556,6 +556,7 @@ def child(
             shutil.rmtree(run_dir / name, ignore_errors=True)
         (run_dir / "_MERGED.json").unlink(missing_ok=True)
     t0 = time.perf_counter()
+    u0 = resource.getrusage(resource.RUSAGE_SELF)
     if profile:
         import cProfile
         import pstats
@@ -575,12 +576,15 @@ def child(
     else:
         work()
         seconds = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    u1 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu_s = (u1.ru_utime - u0.ru_utime) + (u1.ru_stime - u0.ru_stime)  # every thread of this process
+    peak = u1.ru_maxrss / 1024
     print(
         json.dumps(
             {
                 "stage": stage,
                 "seconds": round(seconds, 3),
+                "cpu_s": round(cpu_s, 3),
                 "peak_rss_mib": round(peak, 1),
                 "rss_after_imports_mib": round(rss_imports, 1),
                 **extra,
@@ -650,6 +654,8 @@ def environment() -> dict:
         "nproc": os.cpu_count(),
         "cpu": cpu,
         "git": commit,
+        # the package under test when PYTHONPATH points at another checkout (an A/B against an older commit)
+        "pythonpath": os.environ.get("PYTHONPATH"),
         "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
         "python": platform.python_version(),
         "pyarrow": pyarrow.__version__,
@@ -760,6 +766,7 @@ def main() -> int:
                 "stage": name,
                 "seconds": round(secs, 3),
                 "runs_s": [r["seconds"] for r in rs],
+                "runs_cpu_s": [r.get("cpu_s") for r in rs],
                 "peak_rss_mib": rss,
                 "rss_after_imports_mib": rs[0]["rss_after_imports_mib"],
                 "goal_s": g["seconds"],
@@ -771,7 +778,7 @@ def main() -> int:
                 **{
                     k: v
                     for k, v in rs[0].items()
-                    if k not in ("stage", "seconds", "peak_rss_mib", "rss_after_imports_mib", "load1_before")
+                    if k not in ("stage", "seconds", "cpu_s", "peak_rss_mib", "rss_after_imports_mib", "load1_before")
                 },
             }
         )
