@@ -40,9 +40,7 @@ from airflow_provider_vllm.steps.qa.report import QAReport
 from airflow_provider_vllm.steps.qa.sample import Ride, draw_sample, draw_sample_by, least_confident
 
 IN_LIST_MAX = 10_000  # picked rows read with a constant IN list up to this many ids, else a semi-join
-KNOWN_IN_SCAN = (
-    10_000  # known ids (a golden set) collected by the sample's ranking scan up to this many, else a semi-join
-)
+KNOWN_IN_SCAN = 10_000  # known ids (a golden set) collected by the sample's ranking scan up to this many
 
 
 def evaluate(

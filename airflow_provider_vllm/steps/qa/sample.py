@@ -87,10 +87,10 @@ def allocate(sizes: dict[Hashable, int], k: int) -> dict[Hashable, int]:
 @dataclass
 class Ride:
     """Rows that the ranking scan of ``r`` collects on its way (it reads every id anyway, so a second
-    scan of the ids is saved): the rows where ``where`` (SQL over the columns of ``r``) holds, with
-    ``id`` and ``columns``. ``rows`` is set by that scan (None: no ranking of ``r`` ran)."""
+    scan of the ids is saved): the rows where ``where`` holds, with ``id`` and ``columns`` (columns of
+    ``r``). ``rows`` is set by that scan (None: no ranking of ``r`` ran; ``read`` then scans for them)."""
 
-    where: str  # may use ``hid``: the id's 64-bit hash, ``hash(CAST(id AS VARCHAR))``
+    where: str  # SQL over ``id``, ``columns`` and ``hid``: the id's 64-bit hash, ``hash(CAST(id AS VARCHAR))``
     columns: tuple[str, ...]
     rows: pa.Table | None = None
 
