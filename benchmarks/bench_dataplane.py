@@ -557,6 +557,7 @@ def child(
             shutil.rmtree(run_dir / name, ignore_errors=True)
         (run_dir / "_MERGED.json").unlink(missing_ok=True)
     t0 = time.perf_counter()
+    u0 = resource.getrusage(resource.RUSAGE_SELF)
     if profile:
         import cProfile
         import pstats
@@ -576,12 +577,15 @@ def child(
     else:
         work()
         seconds = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    u1 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu_s = (u1.ru_utime - u0.ru_utime) + (u1.ru_stime - u0.ru_stime)  # every thread of this process
+    peak = u1.ru_maxrss / 1024
     print(
         json.dumps(
             {
                 "stage": stage,
                 "seconds": round(seconds, 3),
+                "cpu_s": round(cpu_s, 3),
                 "peak_rss_mib": round(peak, 1),
                 "rss_after_imports_mib": round(rss_imports, 1),
                 **extra,
@@ -651,11 +655,25 @@ def environment() -> dict:
         "nproc": os.cpu_count(),
         "cpu": cpu,
         "git": commit,
+        # the package under test, which PYTHONPATH may take from another checkout (an A/B against an older commit)
+        "package": _package_commit(),
         "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
         "python": platform.python_version(),
         "pyarrow": pyarrow.__version__,
         "duckdb": duckdb.__version__,
     }
+
+
+def _package_commit() -> str:
+    """The commit of the checkout the imported package lies in (a path would name this machine's folders)."""
+    import airflow_provider_vllm
+
+    where = Path(airflow_provider_vllm.__file__).resolve().parent
+    try:
+        p = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=where, capture_output=True, text=True)
+    except OSError:
+        return "unknown (no git)"
+    return p.stdout.strip() if p.returncode == 0 else "not in a git checkout"
 
 
 def main() -> int:
@@ -761,6 +779,7 @@ def main() -> int:
                 "stage": name,
                 "seconds": round(secs, 3),
                 "runs_s": [r["seconds"] for r in rs],
+                "runs_cpu_s": [r.get("cpu_s") for r in rs],
                 "peak_rss_mib": rss,
                 "rss_after_imports_mib": rs[0]["rss_after_imports_mib"],
                 "goal_s": g["seconds"],
@@ -772,7 +791,7 @@ def main() -> int:
                 **{
                     k: v
                     for k, v in rs[0].items()
-                    if k not in ("stage", "seconds", "peak_rss_mib", "rss_after_imports_mib", "load1_before")
+                    if k not in ("stage", "seconds", "cpu_s", "peak_rss_mib", "rss_after_imports_mib", "load1_before")
                 },
             }
         )

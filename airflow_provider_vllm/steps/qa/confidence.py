@@ -108,12 +108,13 @@ def consistency_counts(con, *, value: str, hashed: int) -> tuple[dict[str, Any],
     """``consistency_metrics`` without its examples, and the prompt hashes to take them from (the most
     repeated of the prompts answered differently): one GROUP BY of ``r``.
 
-    Answers are compared by a 64-bit hash of their text (no answer is an answer of its own): the aggregate
-    keeps two integers per prompt, not two strings (an output can be long). Two different answers of one
-    prompt with equal hashes would count as one answer: a chance of about 2^-64 per pair."""
+    Answers are compared by DuckDB's 64-bit hash of their value (no answer is an answer of its own: the hash
+    of NULL is a constant of its own): the aggregate keeps two integers per prompt, not two strings (an output
+    can be long). Two different answers of one prompt with equal hashes would count as one answer: a chance
+    of about 2^-64 per pair."""
     if not hashed:
         return None
-    v = f"hash(coalesce(CAST({value} AS VARCHAR), chr(0)))"
+    v = f"hash({value})"
     con.execute(
         f"CREATE OR REPLACE TEMP TABLE qa_repeats AS SELECT prompt_hash, count(*) AS n, min({v}) <> max({v}) AS "
         "differ FROM r WHERE prompt_hash IS NOT NULL GROUP BY 1 HAVING count(*) > 1"

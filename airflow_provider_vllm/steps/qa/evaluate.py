@@ -10,7 +10,6 @@ report with ``store.write_qa``; the caller raises ``QAFailed`` (or asks a human)
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from typing import Any
 
 import duckdb
@@ -38,10 +37,10 @@ from airflow_provider_vllm.steps.qa.metrics import (
 from airflow_provider_vllm.steps.qa.metrics_stream import ResultTally
 from airflow_provider_vllm.steps.qa.reference import References, label_sql
 from airflow_provider_vllm.steps.qa.report import QAReport
-from airflow_provider_vllm.steps.qa.sample import draw_sample, draw_sample_by, least_confident
+from airflow_provider_vllm.steps.qa.sample import Ride, draw_sample, draw_sample_by, least_confident
 
 IN_LIST_MAX = 10_000  # picked rows read with a constant IN list up to this many ids, else a semi-join
-KNOWN_IN_SCAN = 10_000  # known ids (a golden set) read with the sample's rows up to this many, else a semi-join
+KNOWN_IN_SCAN = 10_000  # known ids (a golden set) collected by the sample's ranking scan up to this many
 
 
 def evaluate(
@@ -160,28 +159,36 @@ def evaluate_stream(
     least = stats["least"]
     repeats = consistency_counts(con, value=compared, hashed=stats["hashed"]) if compared else None
     picked = repeats[1] if repeats is not None else []
-    # The rows QA reads whole go in one scan of the results: the sample's, the least confident, the
-    # known ids' (a golden set of up to KNOWN_IN_SCAN ids) and the examples of inconsistent prompts.
+    # The rows QA reads whole (the sample's and the least confident) go in one scan of the results that
+    # DuckDB filters by id inside the scan. The narrow rows of the known ids (a golden set of up to
+    # KNOWN_IN_SCAN ids) and of the inconsistent prompts' examples ride along the sample's ranking scan,
+    # which reads every id anyway (``sample.Ride``): the ids are read and hashed once, not twice.
     n_known = refs.known.get(refs.run_source, 0) if refs.run_source else 0
-    known = [i for (i,) in con.execute("SELECT id FROM ref").fetchall()] if 0 < n_known <= KNOWN_IN_SCAN else []
+    known = 0 < n_known <= KNOWN_IN_SCAN
+    # known ids by their 64-bit hash (the ranking hashes every id anyway; a collision only carries a row more,
+    # which labelled_view drops: it joins the known ids by value)
+    ride_where = (["hid IN (SELECT hash(id) FROM ref)"] if known else []) + (
+        [f"prompt_hash IN ({', '.join(str(int(h)) for h in picked)})"] if picked else []
+    )
+    carried = tuple(dict.fromkeys(["label", "valid", "confidence", "prompt_hash", *([compared] if compared else [])]))
+    ride = Ride(" OR ".join(ride_where), carried) if ride_where else None
     needs = {"r": RESULT_NEEDS, "e": ERROR_NEEDS}
 
-    def rows(table: str, ids: list[str], hashes: Sequence[int] = ()) -> pa.Table:
-        also = f" OR prompt_hash IN ({', '.join(str(int(h)) for h in hashes)})" if hashes else ""
-        if not ids and not hashes:
+    def rows(table: str, ids: list[str]) -> pa.Table:
+        if not ids:
             return conform(con.sql(f"SELECT * FROM {table} LIMIT 0").to_arrow_table(), needs[table])
         if len(ids) > IN_LIST_MAX:  # a huge sample: a semi-join (a SQL text of that size would be slow to parse)
             con.register("qa_picked", pa.table({"id": pa.array(ids, pa.string())}))
             try:
                 return conform(
-                    con.sql(f"SELECT * FROM {table} WHERE id IN (SELECT id FROM qa_picked){also}").to_arrow_table(),
+                    con.sql(f"SELECT * FROM {table} WHERE id IN (SELECT id FROM qa_picked)").to_arrow_table(),
                     needs[table],
                 )
             finally:
                 con.unregister("qa_picked")
         # a constant IN list: DuckDB filters inside the scan (4x faster than the join at 100M rows)
         listed = ", ".join("'" + i.replace("'", "''") + "'" for i in ids) or "NULL"
-        return conform(con.sql(f"SELECT * FROM {table} WHERE id IN ({listed}){also}").to_arrow_table(), needs[table])
+        return conform(con.sql(f"SELECT * FROM {table} WHERE id IN ({listed})").to_arrow_table(), needs[table])
 
     fetched: dict[str, pa.Table] = {}
 
@@ -189,7 +196,7 @@ def evaluate_stream(
         """``rows``; for the results, the sample's rows with every other row QA reads whole (one scan)."""
         if table != "r":
             return rows(table, ids)
-        fetched["r"] = rows("r", list(dict.fromkeys([*ids, *least, *known])), picked)
+        fetched["r"] = rows("r", list(dict.fromkeys([*ids, *least])))
         return fetched["r"]
 
     def draw(sizes):
@@ -202,18 +209,19 @@ def evaluate_stream(
             some_shard_ids=tally.counts["shard_id"][None] < tally.ok,
             counts=lambda _t, c: tally.value_counts(c),
             rows=rows_once,
+            ride=ride,
         )
         if "r" not in fetched:
             rows_once("r", [])
         return least_confident(drawn, fetched["r"], least, spec.seed)
 
     def measure() -> None:
-        """After the draw, from the rows it read: quality, confidence, consistency."""
-        table = fetched["r"]
-        con.register("qa_fetched", table)
+        """After the draw, from the rows its ranking scan collected: quality, confidence, consistency."""
+        if ride is not None:
+            con.register("qa_ridden", ride.read(con))
         try:
             labelled_view(
-                con, run_source=refs.run_source, ride_along=refs.ride_along, results="qa_fetched" if known else "r"
+                con, run_source=refs.run_source, ride_along=refs.ride_along, results="qa_ridden" if known else "r"
             )
             q = quality(con, labels=labels, previous=previous, known=refs.known, notes=notes)
             if q is not None:
@@ -221,9 +229,10 @@ def evaluate_stream(
             consistency = None
             if repeats is not None and compared is not None:
                 consistency = repeats[0]
-                consistency["examples"] = consistency_examples(con, "qa_fetched", value=compared, picked=picked)
+                consistency["examples"] = consistency_examples(con, "qa_ridden", value=compared, picked=picked)
         finally:
-            con.unregister("qa_fetched")
+            if ride is not None:
+                con.unregister("qa_ridden")
         metrics.update(quality=q, confidence=confidence_metrics(stats, notes=notes), consistency=consistency)
 
     return _report(

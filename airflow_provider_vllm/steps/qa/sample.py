@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from typing import Any
 
 import duckdb
@@ -83,14 +84,41 @@ def allocate(sizes: dict[Hashable, int], k: int) -> dict[Hashable, int]:
     return alloc
 
 
+@dataclass
+class Ride:
+    """Rows that the ranking scan of ``r`` collects on its way (it reads every id anyway, so a second
+    scan of the ids is saved): the rows where ``where`` holds, with ``id`` and ``columns`` (columns of
+    ``r``). ``rows`` is set by that scan (None: no ranking of ``r`` ran; ``read`` then scans for them)."""
+
+    where: str  # SQL over ``id``, ``columns`` and ``hid``: the id's 64-bit hash, ``hash(CAST(id AS VARCHAR))``
+    columns: tuple[str, ...]
+    rows: pa.Table | None = None
+
+    def read(self, con, table: str = "r") -> pa.Table:
+        """``rows``, or the same rows read by a scan of their own when no ranking collected them."""
+        if self.rows is None:
+            cols = ", ".join(f'"{c}"' for c in self.columns)
+            self.rows = con.sql(
+                f"SELECT id, {cols} FROM (SELECT CAST(id AS VARCHAR) AS id, hash(CAST(id AS VARCHAR)) AS hid, {cols} "
+                f"FROM {table} WHERE id IS NOT NULL) WHERE {self.where}"
+            ).to_arrow_table()
+        return self.rows
+
+
 def _top_by_stratum(
-    con, table: str, stratum: str | None, seed: int, alloc: dict[Any, int], sizes: dict[Any, int]
+    con,
+    table: str,
+    stratum: str | None,
+    seed: int,
+    alloc: dict[Any, int],
+    sizes: dict[Any, int],
+    ride: Ride | None = None,
 ) -> dict[Any, list[tuple[int, str]]]:
     """Per stratum, the alloc[s] (key, id) with the smallest keys, ascending. One parallel scan of
     the id and stratum columns; the keys are uniform, so a stratum whose ``sizes[s]`` rows are many
     more than it needs keeps only keys below a threshold (a cheap filter before the group-by) and
     is scanned again whole in the unlikely case that too few pass. The k + 1st key is kept so that a
-    tie at the cut is seen."""
+    tie at the cut is seen. ``ride``: rows the first scan also collects (``Ride``)."""
     need = {s: n + 1 for s, n in alloc.items() if n > 0}
     if not need:
         return {}
@@ -106,7 +134,7 @@ def _top_by_stratum(
             whole_null=None in whole,
         )
         where = "WHERE h < $cut OR list_contains($whole, CAST(s AS VARCHAR)) OR (s IS NULL AND $whole_null)"
-    found = dict(_top_query(con, table, stratum, kmax, where, params))
+    found = dict(_top_query(con, table, stratum, kmax, where, params, ride))
     short = [s for s in need if s not in whole and len(found.get(s) or []) < need[s]]
     if short:  # fewer keys under the threshold than needed: that stratum whole
         again = {"seed": str(seed), "whole": [str(s) for s in short if s is not None], "whole_null": None in short}
@@ -133,17 +161,41 @@ def _top_by_stratum(
     return out
 
 
-def _top_query(con, table, stratum, kmax, where, params) -> list[tuple[Any, list[str]]]:
-    rows = con.execute(
+def _top_query(con, table, stratum, kmax, where, params, ride: Ride | None = None) -> list[tuple[Any, list[str]]]:
+    if ride is None:
+        rows = con.execute(
+            f"""
+            SELECT s, min_by(id, h, {int(kmax)}) FROM (
+                SELECT {stratum or "NULL"} AS s, CAST(id AS VARCHAR) AS id, {_KEY_SQL} AS h FROM {table}
+                WHERE id IS NOT NULL
+            ) {where} GROUP BY s
+            """,
+            params,
+        ).fetchall()
+        return [(s, ids) for s, ids in rows]
+    # The same ranking, plus the rows the ride wants: they pass the scan's filter too and are listed apart.
+    # ``hid`` (the id's hash, which the key hashes again with the seed) is computed once for both.
+    kept = where.removeprefix("WHERE ") or "true"
+    carried = ", ".join(f'"{c}"' for c in ride.columns)
+    fields = ", ".join(f'"{c}" := "{c}"' for c in ride.columns)
+    got = con.sql(
         f"""
-        SELECT s, min_by(id, h, {int(kmax)}) FROM (
-            SELECT {stratum or "NULL"} AS s, CAST(id AS VARCHAR) AS id, {_KEY_SQL} AS h FROM {table}
-            WHERE id IS NOT NULL
-        ) {where} GROUP BY s
+        SELECT s, min_by(id, h, {int(kmax)}) FILTER (WHERE {kept}) AS ids,
+            list(struct_pack(id := id, {fields})) FILTER (WHERE ride) AS ride FROM (
+            SELECT *, {_KEY_SQL.replace("hash(CAST(id AS VARCHAR))", "hid")} AS h, ({ride.where}) AS ride FROM (
+                SELECT {stratum or "NULL"} AS s, CAST(id AS VARCHAR) AS id, hash(CAST(id AS VARCHAR)) AS hid, {carried}
+                FROM {table} WHERE id IS NOT NULL
+            )
+        ) WHERE ({kept}) OR ride GROUP BY s
         """,
-        params,
-    ).fetchall()
-    return [(s, ids) for s, ids in rows]
+        params=params,
+    ).to_arrow_table()
+    listed = pc.list_flatten(got.column("ride"))
+    ride.rows = pa.Table.from_batches(
+        [pa.RecordBatch.from_struct_array(c) for c in listed.chunks],
+        schema=pa.schema(listed.type),
+    )
+    return [(s, ids) for s, ids in zip(got.column("s").to_pylist(), got.column("ids").to_pylist()) if ids is not None]
 
 
 def _ties_at_the_cut(con, table, skey, s, seed, ranked, kmax):
@@ -158,9 +210,11 @@ def _ties_at_the_cut(con, table, skey, s, seed, ranked, kmax):
     return sorted([(k, i) for k, i in ranked if k < cut] + [(cut, i) for (i,) in rows])
 
 
-def _pick(con, table: str, stratum: str | None, sizes: dict[Any, int], k: int, seed: int) -> list[tuple[Any, str]]:
+def _pick(
+    con, table: str, stratum: str | None, sizes: dict[Any, int], k: int, seed: int, ride: Ride | None = None
+) -> list[tuple[Any, str]]:
     alloc = allocate(sizes, k)
-    tops = _top_by_stratum(con, table, stratum, seed, alloc, sizes)
+    tops = _top_by_stratum(con, table, stratum, seed, alloc, sizes, ride)
     picked: list[tuple[Any, str]] = []
     for s in sorted(alloc, key=lambda s: (s is None, str(s))):
         picked += [(s, i) for _, i in (tops.get(s) or [])[: alloc[s]]]
@@ -196,10 +250,12 @@ def draw_sample_by(
     some_shard_ids: bool,
     counts: Callable[[str, str], dict[Any, int]],
     rows: Callable[[str, list[str]], pa.Table],
+    ride: Ride | None = None,
 ) -> tuple[pa.Table, dict]:
     """``draw_sample`` over tables known by their sizes: ``counts(table, column)`` is
     ``value_counts`` of a column of ``r`` or ``e`` and ``rows(table, ids)`` a table holding
-    (at least) those rows of it; ``con`` has ``r`` and ``e`` (tables or views over files)."""
+    (at least) those rows of it; ``con`` has ``r`` and ``e`` (tables or views over files).
+    ``ride``: rows of ``r`` that the ranking of ``r`` collects as it goes (``Ride``)."""
     seed, k = spec.seed, spec.sample_size
     stratum = "label" if label_sizes else ("shard_id" if some_shard_ids else None)
 
@@ -217,7 +273,7 @@ def draw_sample_by(
         else:
             ok_sizes = {None: n_ok}
     err_sizes = counts("e", "error_code") if k_err else {}
-    ok_pick = _pick(con, "r", stratum, ok_sizes, k_ok, seed) if k_ok else []
+    ok_pick = _pick(con, "r", stratum, ok_sizes, k_ok, seed, ride) if k_ok else []
     err_pick = _pick(con, "e", "error_code", err_sizes, k_err, seed) if k_err else []
 
     ok_part = _take(rows("r", [i for _, i in ok_pick]), ok_pick, "ok", seed)

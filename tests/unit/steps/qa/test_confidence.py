@@ -41,6 +41,14 @@ def test_confidence_skips_what_is_not_a_probability_and_equals_pandas():
     assert sum(b["rows"] for b in c["buckets"]) == 6 and c["buckets"][9]["rows"] == 2  # 0.9 and 1.0
 
 
+def test_no_answer_is_an_answer_of_its_own():
+    # a prompt answered once with nothing and once with the text chr(0) got two different answers
+    con, _ = _con([0.5] * 6, [1, 1, 2, 2, 3, 3], [None, chr(0), None, None, "a", "a"])
+    c = consistency_metrics(con, value="label", hashed=answer_stats(con, low=0.5, least=0)["hashed"])
+    assert c["repeated_prompts"] == 3 and c["inconsistent_prompts"] == 1
+    assert [x["ids"] for x in c["examples"]] == [["it's-0", "it's-1"]]
+
+
 def test_no_confidence_no_metrics():
     con, _ = _con([None, None])
     assert confidence_metrics(answer_stats(con, low=0.5, least=3), notes=[]) is None

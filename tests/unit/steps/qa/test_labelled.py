@@ -197,11 +197,15 @@ def test_consistency_counts_prompts_answered_differently():
     assert evaluate(*split([ok_row(0)]), **_kw()).metrics["consistency"] is None  # no prompt hashes: not measured
 
 
-def test_streamed_quality_equals_in_memory(tmp_path):
+# sample_size 0: no ranking scan of the results, so the known ids' and the examples' rows are read by a scan
+# of their own (sample.Ride.read); otherwise they ride along the ranking scan
+@pytest.mark.parametrize("sample_size", [30, 0])
+def test_streamed_quality_equals_in_memory(tmp_path, sample_size):
     results, errors, ref = _run()
     g_res, g_err = split([ok_row(i, label=LABELS[i % 4], confidence=0.6 + i / 100) for i in range(30)])
     g_ref = pa.table({"id": [f"r{i}" for i in range(30)], "label": [LABELS[(i + 1) % 4] for i in range(30)]})
-    mem = evaluate(results, errors, reference=ref, ride_along=(g_res, g_err, g_ref), **_kw())
+    kw = _kw(spec=QASpec(sample_size=sample_size, least_confident=7))
+    mem = evaluate(results, errors, reference=ref, ride_along=(g_res, g_err, g_ref), **kw)
     for name, t in (("r", results), ("e", errors), ("gr", g_res), ("ge", g_err)):
         pq.write_table(t, tmp_path / f"{name}.parquet", row_group_size=300)
     con = duckdb.connect()
@@ -217,7 +221,7 @@ def test_streamed_quality_equals_in_memory(tmp_path):
         con.execute("CREATE TABLE gref AS SELECT * FROM gref_arrow")
         refs = References(run_source="golden_set", ride_along=True, known={"golden_set": 0, "ride_along": 30})
         refs.known["golden_set"] = con.execute("SELECT count(*) FROM ref").fetchall()[0][0]
-        got = evaluate_stream(con, result_rows=results.num_rows, refs=refs, batch_rows=500, **_kw())
+        got = evaluate_stream(con, result_rows=results.num_rows, refs=refs, batch_rows=500, **kw)
     finally:
         con.close()
     for key in ("quality", "confidence", "consistency"):
