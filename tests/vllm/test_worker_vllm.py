@@ -118,7 +118,8 @@ def test_tiny_model_worker_cli_planted_rows_and_rerun(tiny_run):
 def test_kill9_mid_shard_then_rerun_reuses_chunks(tmp_path, tiny_model):
     n = 240  # 12 chunks: the kill after the 2nd lands well before the last (the rerun does the rest)
     ids = [f"t{i:04d}" for i in range(n)]
-    write_parquet(tmp_path / "in" / "a.parquet", ids, [TICKETS[i % 8] for i in range(n)])
+    # distinct texts: each row goes to the engine (identical prompts would be inferred once, docs/cache.md)
+    write_parquet(tmp_path / "in" / "a.parquet", ids, [TICKETS[i % 8] + f" (ref {i})" for i in range(n)])
     spec = spec_for(tiny_model, tmp_path, chunk_rows=20)
     spec = JobSpec.load({**spec.model_dump(mode="json"), "sampling": {"temperature": 0, "max_tokens": 24}})
     (shard,) = plan_job(spec).shards
@@ -224,7 +225,8 @@ def test_smollm2_labels_and_equality_with_raw_llm_chat(tmp_path, smollm2, raw_sm
 @pytest.mark.reliability
 def test_two_real_attempts_at_once_commit_exactly_once(tmp_path, tiny_model):
     n = 120
-    write_parquet(tmp_path / "in" / "a.parquet", [f"t{i:04d}" for i in range(n)], [TICKETS[i % 8] for i in range(n)])
+    texts = [TICKETS[i % 8] + f" (ref {i})" for i in range(n)]  # distinct: every row goes to the engine
+    write_parquet(tmp_path / "in" / "a.parquet", [f"t{i:04d}" for i in range(n)], texts)
     spec = spec_for(tiny_model, tmp_path)
     (shard,) = plan_job(spec).shards
     xcom = [tmp_path / "xcom-a", tmp_path / "xcom-b"]
@@ -312,7 +314,7 @@ def test_classify_task_with_a_sequence_classification_model(tmp_path, tiny_model
     write_parquet(
         tmp_path / "in" / "a.parquet",
         [f"c{i}" for i in range(20)],
-        [TICKETS[i % 8] if i != 3 else None for i in range(20)],
+        [TICKETS[i % 8] + f" (ref {i})" if i != 3 else None for i in range(20)],  # distinct: all 20 inferred
     )
     spec = JobSpec.load(
         {
