@@ -27,9 +27,10 @@ from tests.support.locks import airflow_lock, lock_entries
 
 pytestmark = pytest.mark.slow
 
-DAG_IDS = {"vllm_nightly_reclassification", "vllm_batch_rerun", "vllm_embeddings"}
+DAG_IDS = {"vllm_nightly_reclassification", "vllm_batch_rerun", "vllm_embeddings", "vllm_nightly_table"}
 EXAMPLE_FILES = {
     "vllm_nightly_reclassification.py",
+    "vllm_nightly_table.py",
     "vllm_batch_rerun.py",
     "vllm_embeddings.py",
     "vllm_dag_defaults.py",

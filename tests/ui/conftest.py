@@ -1,5 +1,10 @@
 """Fixtures for the browser tests: one real ``airflow standalone`` and headless Chromium.
 
+Package-scoped: the standalone and Chromium stop once the last browser test is done. With two test processes the one
+that ran them goes on with other tests, which must not share it with an idle Airflow, nor with Playwright's sync
+API, whose event loop stays marked as running in the main thread (``asyncio.run`` in the amazon provider's
+``get_fs`` failed there).
+
 Chromium is Debian's (``make chromium`` installs it); a machine without it fails here with
 that instruction instead of skipping. Screenshots go to pytest's tmp folder and, with
 ``VLLM_BATCH_UI_SCREENSHOTS=docs``, also to ``docs/img/`` (how the committed ones are made).
@@ -63,12 +68,12 @@ def _plugin_entry_point_installed() -> bool:
     return any(e.name == "vllm_batch" for e in entry_points(group="airflow.plugins"))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def shots(tmp_path_factory) -> Shots:
     return Shots(tmp_path_factory.mktemp("ui-screenshots"))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def ui_data(tmp_path_factory) -> Path:
     """Inputs: ad-hoc tickets (form run), two nightly days (backfill), two review runs."""
     import sys
@@ -92,7 +97,7 @@ def ui_data(tmp_path_factory) -> Path:
     return data
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def airflow_ui(tmp_path_factory, ui_data):
     from airflow_provider_vllm.testing.local_models import default_cache_dir, prepare_smollm2
 
@@ -130,7 +135,7 @@ def airflow_ui(tmp_path_factory, ui_data):
         print(f"airflow standalone stopped; {len(killed)} leftover process(es) killed by marker")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def browser(airflow_ui):
     from playwright.sync_api import sync_playwright
 
@@ -161,7 +166,7 @@ def pytest_runtest_makereport(item, call):
             print(f"no failure screenshot: {e}")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def page(browser, airflow_ui):
     """A logged-in page (the simple auth manager's admin, through its login form)."""
     ctx = browser.new_context(viewport={"width": 1400, "height": 900})

@@ -37,6 +37,9 @@ pytestmark = [pytest.mark.reliability, pytest.mark.timeout(600)]
 from tests.support import ROOT  # noqa: E402
 
 STOP_BOUND_S = 60.0  # generous for a loaded 2-core CI machine; the stop itself takes well under a second
+# The watchdog of the hang tests. Their retry runs under the same spec (the same limit) and must not be stopped by
+# a loaded machine's pause: 2 s was, once (no progress for 2.1 s, with two test processes beside other work).
+HANG_WATCHDOG_S = 8.0
 
 # Stands in for `python`: runs the real worker entrypoint with the fake engine, which forks a
 # sleeping child process the way vLLM forks its engine core. FAKE_BLOCK_SIGTERM=1 blocks
@@ -433,7 +436,7 @@ WATCHED = ["plan.load", "read.segment#2", "chunk.before_write#3", "commit.after_
 
 @pytest.mark.parametrize("point", WATCHED)
 def test_the_watchdog_stops_a_worker_hung_in_any_phase_with_exit_75(tmp_path, fake_python, env, point):
-    spec, shard, ids = job(tmp_path, worker={"watchdog_s": 2})
+    spec, shard, ids = job(tmp_path, worker={"watchdog_s": HANG_WATCHDOG_S})
     log = tmp_path / "w1.log"
     w = start_worker(spec, shard, fake_python, env, f"{point}=hang", log)
     assert w.wait(timeout=120) == 75, log.read_text()[-3000:]
@@ -450,7 +453,7 @@ def test_the_watchdog_stops_a_worker_hung_in_any_phase_with_exit_75(tmp_path, fa
 @pytest.mark.parametrize("stop", ["sigterm", "watchdog"])
 def test_the_reuse_scan_is_watched_and_stoppable(tmp_path, fake_python, env, stop):
     """The reuse scan reads earlier attempts' chunk footers: parked there, SIGTERM and the watchdog both stop it."""
-    spec, shard, ids = job(tmp_path, worker={"watchdog_s": 2 if stop == "watchdog" else 600})
+    spec, shard, ids = job(tmp_path, worker={"watchdog_s": HANG_WATCHDOG_S if stop == "watchdog" else 600})
     w = start_worker(spec, shard, fake_python, env, "commit.after_data=kill", tmp_path / "w0.log")
     assert w.wait(timeout=120) == -signal.SIGKILL  # every chunk written, no marker: the next attempt scans them
     log = tmp_path / "w1.log"
