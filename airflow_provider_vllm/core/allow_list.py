@@ -169,8 +169,10 @@ def canonical_prefixes(allowed: Iterable[str] | None) -> list[str]:
     return [canonical_uri(p, "allowed prefix") for p in (allowed or []) if p and p.strip()]
 
 
-def parse_prefixes(raw: str | Sequence[str] | None) -> list[str]:
-    """An allow-list from a JSON list, a comma/newline-separated string, or a list."""
+def parse_list_setting(raw: str | Sequence[str] | None, setting: str) -> list[str]:
+    """A deployment setting that lists strings: a JSON list of strings, a comma/newline-separated string, or a
+    list. Blank items are dropped; anything else (a JSON list holding a number or null, JSON that is not a list)
+    is a SpecError naming ``setting``: a setting that widens access is read strictly, not coerced."""
     if raw is None:
         return []
     if isinstance(raw, str):
@@ -181,12 +183,19 @@ def parse_prefixes(raw: str | Sequence[str] | None) -> list[str]:
             try:
                 items = json.loads(text)
             except ValueError as e:
-                raise SpecError(f"allowed prefixes {raw!r}: not a JSON list: {e}") from None
+                raise SpecError(f"{setting} is not a JSON list: {e}") from None
         else:
             items = re.split(r"[,\n]", text)
     else:
         items = list(raw)
-    return [str(i).strip() for i in items if str(i).strip()]
+    if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+        raise SpecError(f"{setting} must be a list of strings")
+    return [i.strip() for i in items if i.strip()]
+
+
+def parse_prefixes(raw: str | Sequence[str] | None, setting: str = "allowed prefixes") -> list[str]:
+    """An allow-list of URI prefixes (``parse_list_setting``)."""
+    return parse_list_setting(raw, setting)
 
 
 def prefixes_from_env(env: dict[str, str] | None = None) -> list[str]:

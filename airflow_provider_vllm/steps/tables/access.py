@@ -7,12 +7,12 @@ the steps only receive it. ``allowed_tables`` is ``[vllm_batch] allowed_tables``
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from airflow_provider_vllm.core.allow_list import parse_list_setting
 from airflow_provider_vllm.core.errors import SpecError
 from airflow_provider_vllm.core.spec import TABLE_IDENTIFIER
 
@@ -26,30 +26,10 @@ _NAMESPACE = re.compile(TABLE_IDENTIFIER.replace("{1,3}", "{0,2}").removesuffix(
 
 def parse_allowed_tables(raw: str | Sequence[str] | None, setting: str = "allowed_tables") -> list[str]:
     """The allowed identifiers and ``namespace.*`` patterns; SpecError naming ``setting`` for a malformed entry."""
-    if raw is None:
-        return []
-    if isinstance(raw, str):
-        text = raw.strip()
-        if not text:
-            return []
-        if text.startswith("["):
-            try:
-                items = json.loads(text)
-            except ValueError as e:
-                raise SpecError(f"{setting} is not a JSON list: {e}") from None
-            if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
-                raise SpecError(f"{setting} must be a JSON list of strings")
-        else:
-            items = text.split(",")
-    else:
-        items = list(raw)
-    out = []
-    for item in (i.strip() for i in items):
-        if not item:
-            continue
+    out = parse_list_setting(raw, setting)
+    for item in out:
         if not (_PATTERN.match(item) or _NAMESPACE.match(item)):
             raise SpecError(f"{setting}: {item!r} is neither namespace.table nor namespace.*")
-        out.append(item)
     return out
 
 

@@ -112,3 +112,18 @@ def test_symlinks_cannot_lead_out_of_the_allowed_prefix(allowed, tmp_path):
     tried += 1  # a symlinked file inside an allowed input folder
     assert "is a symlink to" in refused(base_doc(allowed), prefixes(allowed))
     record_malicious("uri_symlink_escape", tried, tried)
+
+
+def test_a_list_setting_is_read_strictly_naming_the_setting():
+    """The allow-lists and the allowed tables share one reader: JSON lists of strings, or comma/newline text."""
+    from airflow_provider_vllm.core.allow_list import parse_list_setting, parse_prefixes
+
+    assert parse_list_setting(" s3://a , /data\n gs://b ,", "[x] y") == ["s3://a", "/data", "gs://b"]
+    assert parse_list_setting('["s3://a", " "]', "[x] y") == ["s3://a"]
+    assert parse_list_setting(["/a", ""], "[x] y") == ["/a"]
+    assert parse_list_setting(None, "[x] y") == parse_list_setting("  ", "[x] y") == []
+    for bad in ("[null]", '["/a", 1]', "[[]]", '[{"a": 1}]', "[nope", "[1,"):
+        with pytest.raises(SpecError, match=r"^\[x\] y "):
+            parse_list_setting(bad, "[x] y")
+    with pytest.raises(SpecError, match="must be a list of strings"):
+        parse_prefixes(["/a", None])  # type: ignore[list-item]
