@@ -28,6 +28,32 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 ENGINE_PROCESSES = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
 
 
+def _cores_of_this_xdist_process() -> list[int] | None:
+    """Under pytest-xdist, this test process's share of the cores: ``gwN`` takes slice N of the cores it may run
+    on (one core each on this 2-core machine). None outside xdist, or with more processes than cores."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if not worker.startswith("gw") or not count.isdigit() or int(count) < 2:
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    per = len(cores) // int(count)
+    if per < 1:
+        return None
+    n = int(worker[2:]) % int(count)
+    return cores[n * per : (n + 1) * per]
+
+
+# The engines of two test processes, each on its own cores. Left alone, every in-process engine (torch's OpenMP)
+# runs one thread per core of the machine, and every engine in vLLM's own processes binds its OpenMP threads to
+# the same core (vLLM's automatic binding: the first cores of the NUMA node, minus one for its scheduler), so two
+# engines at once ran their kernels on shared cores: a pair of real-vLLM tests took 160-200 s side by side with
+# the defaults and 138-140 s with one OpenMP thread each. What the processes a test starts inherit (workers,
+# `airflow dags test`, airflow standalone); vLLM's variable names the cores of an engine in its own processes.
+_CORES = _cores_of_this_xdist_process()
+if _CORES:
+    os.environ.setdefault("OMP_NUM_THREADS", str(len(_CORES)))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, _CORES)))
+
+
 def _minilm_prefixes() -> list[str]:
     """MiniLM's folder in its installed package: inside this checkout's .venv on a fresh clone, elsewhere
     when the tests run with another checkout's venv (a worktree, CONTRIBUTING.md)."""
