@@ -42,12 +42,12 @@ def _cores_of_this_xdist_process() -> list[int] | None:
     return cores[n * per : (n + 1) * per]
 
 
-# The engines of two test processes, each on its own cores. Left alone, every in-process engine (torch's OpenMP)
-# runs one thread per core of the machine, and every engine in vLLM's own processes binds its OpenMP threads to
-# the same core (vLLM's automatic binding: the first cores of the NUMA node, minus one for its scheduler), so two
-# engines at once ran their kernels on shared cores: a pair of real-vLLM tests took 160-200 s side by side with
-# the defaults and 138-140 s with one OpenMP thread each. What the processes a test starts inherit (workers,
-# `airflow dags test`, airflow standalone); vLLM's variable names the cores of an engine in its own processes.
+# The engines of two test processes, each on its own cores. vLLM's automatic binding gives an engine that runs in
+# its own processes (ENGINE_PROCESSES) the first cores of the NUMA node less one for its scheduler: core 0 here,
+# for every such engine of both test processes at once. vLLM's variable names the cores instead, and
+# OMP_NUM_THREADS keeps torch's OpenMP to the process's share (vLLM sets an in-process engine's torch threads
+# to 1 for serving, but not for what runs before). What the processes a test starts inherit (workers,
+# `airflow dags test`, airflow standalone).
 _CORES = _cores_of_this_xdist_process()
 if _CORES:
     os.environ.setdefault("OMP_NUM_THREADS", str(len(_CORES)))
