@@ -107,9 +107,15 @@ def _text_chars(table: pa.Table, texts: list[str]) -> np.ndarray:
 
 
 def _check_ids(root: Storage, names: list[str], idc: str) -> None:
-    """DatasetError for null, blank or duplicate ids, naming the first file and row of each."""
-    from airflow_provider_vllm.core import duck
+    """DatasetError for null, blank or duplicate ids, naming the first file and row of each.
 
+    Ordered ids are proven valid by ``parquet_ids.ids_proven``; anything else (unordered ids, or a fault) is
+    checked by one DuckDB statement, which also finds the row to name."""
+    from airflow_provider_vllm.core import duck
+    from airflow_provider_vllm.core.formats.parquet_ids import ids_proven
+
+    if ids_proven(root, names, idc):  # ordered ids: proven in one streaming pass, no hash table
+        return
     con = duck.connect(root)
     try:
         src = f"read_parquet({duck.file_list(root, names)}, filename = true, file_row_number = true)"
