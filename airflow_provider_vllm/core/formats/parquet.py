@@ -69,7 +69,8 @@ class ParquetFormat(InputFormat):
             if not per_row:
                 runs.append(_chars_from_footer(md, texts))
         if sum(file_rows):
-            _check_ids(root, names, idc)
+            assert first_schema is not None
+            _check_ids(root, names, idc, strings=not pa.types.is_integer(first_schema.field(idc).type))
         if not per_row:  # one estimate per row group: runs, never a per-row array
             cat = lambda k: np.concatenate([r[k] for r in runs]) if runs else np.zeros(0, np.int64)  # noqa: E731
             return Scan(runs=RowRuns(values=cat(0), counts=cat(1)), file_rows=file_rows)
@@ -141,11 +142,12 @@ def _row_groups(root: Storage, names: list[str], texts: list[str], group_rows: l
     return RowGroups(counts, files, chars, chars_of_file)
 
 
-def _check_ids(root: Storage, names: list[str], idc: str) -> None:
+def _check_ids(root: Storage, names: list[str], idc: str, strings: bool = True) -> None:
     """DatasetError for null, blank or duplicate ids, naming the first file and row of each.
 
     Ordered ids are proven valid by ``parquet_ids.ids_proven``; anything else (unordered ids, or a fault) is
-    checked by one DuckDB statement, which also finds the row to name."""
+    checked by one DuckDB statement, which also finds the row to name (``strings``: False for integer ids, which
+    cannot be blank: no pattern is matched)."""
     from airflow_provider_vllm.core import duck
     from airflow_provider_vllm.core.formats.parquet_ids import ids_proven
 
@@ -156,7 +158,7 @@ def _check_ids(root: Storage, names: list[str], idc: str) -> None:
         src = f"read_parquet({duck.file_list(root, names)}, filename = true, file_row_number = true)"
         col = '"' + idc.replace('"', '""') + '"'
         # distinct hashes == rows proves distinct ids; a shortfall pays for the exact count
-        blank = f"regexp_matches(CAST({col} AS VARCHAR), '{BLANK_ID_PATTERN}')"
+        blank = f"regexp_matches(CAST({col} AS VARCHAR), '{BLANK_ID_PATTERN}')" if strings else "false"
         n, nulls, distinct, empty = con.execute(
             f"SELECT count(*), count(*) - count({col}), count(DISTINCT hash({col})), "
             f"count(*) FILTER (WHERE {blank}) FROM {src}"

@@ -132,7 +132,7 @@ class GroupTokens:
 
     def _record(self, g: int, tok: np.ndarray) -> None:
         start = int(self.starts[g])
-        masks = {ALL: None}
+        masks: dict[str, np.ndarray | None] = {ALL: None}
         if self.long_row_tokens is not None:
             long = tok > self.long_row_tokens
             masks.update({SHORT: ~long, LONG: long})

@@ -76,7 +76,13 @@ def test_integer_duplicates_are_refused(tmp_path):
     b = _write(tmp_path, "b.parquet", [[3, 4]], pa.int32())
     assert not _proven(tmp_path, [a, b])
     with pytest.raises(DatasetError, match=r"'3' x2"):
-        _check_ids(Storage(str(tmp_path)), [a, b], "id")
+        _check_ids(Storage(str(tmp_path)), [a, b], "id", strings=False)
+    c = _write(tmp_path, "c.parquet", [[9, 0, 9]], pa.int64())  # unordered: the exact check, no pattern
+    with pytest.raises(DatasetError, match=r"'9' is at c.parquet row 0 and c.parquet row 2"):
+        _check_ids(Storage(str(tmp_path)), [c], "id", strings=False)
+    d = _write(tmp_path, "d.parquet", [[9, 0, None]], pa.int64())
+    with pytest.raises(DatasetError, match=r"null id; first at d.parquet row 2"):
+        _check_ids(Storage(str(tmp_path)), [d], "id", strings=False)
 
 
 def test_unordered_valid_ids_fall_back_to_the_exact_check(tmp_path):
