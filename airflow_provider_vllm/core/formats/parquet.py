@@ -113,30 +113,35 @@ def _text_chars(table: pa.Table, texts: list[str]) -> np.ndarray:
 
 
 def _row_groups(root: Storage, names: list[str], texts: list[str], group_rows: list[list[int]]) -> RowGroups:
-    """The files' row groups as ``RowGroups``: per-row characters read one row group
-    at a time, text columns read dictionary-encoded (each distinct text measured once)."""
+    """The files' row groups as ``RowGroups``: per-row characters read one row group at a time. Text columns that
+    a row group stores dictionary-encoded are read so (each distinct text measured once); others are read plain
+    (building a dictionary of distinct texts would cost more than measuring each)."""
     where: list[tuple[int, int]] = [(f, g) for f, rows in enumerate(group_rows) for g in range(len(rows))]
     files, first = [], 0
     for rows in group_rows:
         files.append(list(range(first, first + len(rows))))
         first += len(rows)
 
-    def read(pf: pq.ParquetFile, g: int) -> np.ndarray:
+    def read(fh, pf: pq.ParquetFile, g: int) -> np.ndarray:
         cols = [c for c in texts if not pa.types.is_null(pf.schema_arrow.field(c).type)]
         if not cols:
             return np.zeros(pf.metadata.row_group(g).num_rows, np.int64)
-        return _text_chars(pf.read_row_group(g, columns=cols, use_threads=False), cols)
+        rg = pf.metadata.row_group(g)
+        paths = [rg.column(i).path_in_schema for i in range(rg.num_columns)]
+        encoded = [c for c in cols if c in paths and rg.column(paths.index(c)).has_dictionary_page]
+        reader = pq.ParquetFile(fh, read_dictionary=encoded, metadata=pf.metadata) if encoded else pf
+        return _text_chars(reader.read_row_group(g, columns=cols, use_threads=False), cols)
 
     def chars(i: int) -> np.ndarray:
         f, g = where[i]
         with root.open(names[f]) as fh:
-            return read(pq.ParquetFile(fh, read_dictionary=texts), g)
+            return read(fh, pq.ParquetFile(fh), g)
 
     def chars_of_file(f: int):
         with root.open(names[f]) as fh:
-            pf = pq.ParquetFile(fh, read_dictionary=texts)
+            pf = pq.ParquetFile(fh)
             for i in files[f]:
-                yield i, read(pf, where[i][1])
+                yield i, read(fh, pf, where[i][1])
 
     counts = np.asarray([n for rows in group_rows for n in rows], np.int64)
     return RowGroups(counts, files, chars, chars_of_file)
