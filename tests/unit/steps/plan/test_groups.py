@@ -89,13 +89,13 @@ def _old_cut(spec, fp, values, file_rows, offsets=None, lines=None):
     return shards
 
 
-def _write(folder, files):
+def _write(folder, files, use_dictionary=True):
     """Parquet files, each a list of row groups (lists of texts); ids are distinct and in order."""
     folder.mkdir(parents=True, exist_ok=True)
     k = 0
     for f, groups in enumerate(files):
         schema = pa.schema({"id": pa.string(), "text": pa.string()})
-        with pq.ParquetWriter(folder / f"p{f:02d}.parquet", schema) as w:
+        with pq.ParquetWriter(folder / f"p{f:02d}.parquet", schema, use_dictionary=use_dictionary) as w:
             for texts in groups:
                 ids = [f"r{k + i:08d}" for i in range(len(texts))]
                 k += len(texts)
@@ -137,8 +137,9 @@ SHARDINGS = [
 ]
 
 
+@pytest.mark.parametrize("use_dictionary", [True, False])
 @pytest.mark.parametrize("sharding", SHARDINGS)
-def test_cuts_equal_the_per_row_cut_on_multi_row_group_files(tmp_path, monkeypatch, sharding):
+def test_cuts_equal_the_per_row_cut_on_multi_row_group_files(tmp_path, monkeypatch, sharding, use_dictionary):
     monkeypatch.setattr(groups_mod, "CACHED_GROUPS", 1)  # every boundary lookup reads its group again
     rng = np.random.default_rng(3)
     files = [
@@ -147,7 +148,7 @@ def test_cuts_equal_the_per_row_cut_on_multi_row_group_files(tmp_path, monkeypat
         [],  # a file with no row group at all
         [_texts(rng, 64, spread=30), _texts(rng, 64, spread=900), _texts(rng, 5)],
     ]
-    folder = _write(tmp_path / "in", files)
+    folder = _write(tmp_path / "in", files, use_dictionary)
     assert [pq.ParquetFile(folder / "p00.parquet").metadata.row_group(g).num_rows for g in range(4)] == [50, 13, 0, 77]
     plan = _compare(tmp_path, folder, sharding)
     assert sum(s.rows for s in plan.shards) == 274
