@@ -175,6 +175,11 @@ def passthrough_columns(first_row: int, n: int, rng) -> dict:
     return {"queue": queue, "opened": opened, "amount": amount, "tags": tags}
 
 
+def id_digits(rows: int) -> int:
+    """Digits of the ids' number: 9 (``row-000000001``), more when the rows need them (1B: ``row-0000000001``)."""
+    return max(9, len(str(rows)))
+
+
 def generate_dataset(folder: Path, rows: int, seed: int = 7, passthrough: bool = False) -> dict:
     import numpy as np
     import pyarrow as pa
@@ -183,6 +188,9 @@ def generate_dataset(folder: Path, rows: int, seed: int = 7, passthrough: bool =
 
     marker = folder / "_DATASET.json"  # '_' prefix: the planner ignores it
     want = {"rows": rows, "files": N_FILES, "row_group": ROW_GROUP, "seed": seed, "recipe": 1}
+    digits = id_digits(rows)
+    if digits != 9:  # 1B rows: 10 digits (ids stay fixed-width, so in order); smaller inputs keep their marker
+        want["id_digits"] = digits
     if passthrough:
         want["passthrough"] = PASSTHROUGH
     if marker.exists() and json.loads(marker.read_text()) == want:
@@ -212,7 +220,9 @@ def generate_dataset(folder: Path, rows: int, seed: int = 7, passthrough: bool =
                 b = min(n, a + ROW_GROUP)
                 ids = pc.binary_join_element_wise(
                     "row-",
-                    pc.utf8_lpad(pa.array(np.arange(lo + a + 1, lo + b + 1, dtype=np.int64)).cast(pa.string()), 9, "0"),
+                    pc.utf8_lpad(
+                        pa.array(np.arange(lo + a + 1, lo + b + 1, dtype=np.int64)).cast(pa.string()), digits, "0"
+                    ),
                     "",
                 )
                 text = pc.binary_join_element_wise(
@@ -239,7 +249,7 @@ def golden_set(input_dir: Path, rows: int, n: int) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         rng = np.random.default_rng(5)
         picks = np.unique(np.linspace(1, rows, n).astype(np.int64))
-        ids = pa.array([f"row-{i:09d}" for i in picks.tolist()])
+        ids = pa.array([f"row-{i:0{id_digits(rows)}d}" for i in picks.tolist()])
         labels = pa.array(LABELS).take(pa.array(rng.integers(0, len(LABELS), len(picks))))
         pq.write_table(pa.table({"id": ids, "label": labels}), path)
     return path
