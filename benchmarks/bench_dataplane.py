@@ -349,8 +349,11 @@ def _synth_chunk(ids, rng, labels_arr, prov: dict, prompt_hashes=None):
     return pa.Table.from_arrays([cols[f.name] for f in ROW_SCHEMA], schema=ROW_SCHEMA)
 
 
-def synthesise_commits(spec, engine_identity: str | None = None) -> dict:
-    """The shards' commits as workers make them (sealed); ``engine_identity``: the engine they say they saw."""
+def synthesise_commits(spec, engine_identity: str | None = None, part: tuple[int, int] | None = None) -> dict:
+    """The shards' commits as workers make them (sealed); ``engine_identity``: the engine they say they saw.
+
+    ``part`` (i, n): only the shards whose index is i modulo n, each with its own random draws (seeded by its
+    index), so that n processes can set up a large run (1B rows) at once; None: every shard, one stream of draws."""
     import numpy as np
     import pandas as pd
     import pyarrow as pa
@@ -373,6 +376,10 @@ def synthesise_commits(spec, engine_identity: str | None = None) -> dict:
     n_files = 0
     for shard in plan.shards:
         assert shard.bucket == "all"
+        if part is not None:
+            if shard.index % part[1] != part[0]:
+                continue
+            rng = np.random.default_rng([11, shard.index])
         root, files = plan.shard_input(shard)  # the input, or with the result cache the shard's own file
         in_root = Storage(root, spec.io.storage_options)
         parts, hash_parts, pt_parts = [], [], []
@@ -559,7 +566,8 @@ def child(
         elif stage == "gen":
             extra.update(generate_dataset(input_dir, int(os.environ["BENCH_ROWS"]), passthrough=passthrough))
         elif stage == "setup":
-            extra.update(synthesise_commits(spec))
+            part = os.environ.get("BENCH_SETUP_PART")  # "i/n": this child sets up every n-th shard (1B rows)
+            extra.update(synthesise_commits(spec, part=tuple(map(int, part.split("/"))) if part else None))
         elif stage == "merge":
             s = merge(spec).dump()
             extra.update(ok_rows=s["ok_rows"], error_rows=s["error_rows"], merge_s=s["merge_s"])
