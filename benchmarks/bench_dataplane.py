@@ -353,7 +353,8 @@ def synthesise_commits(spec, engine_identity: str | None = None, part: tuple[int
     """The shards' commits as workers make them (sealed); ``engine_identity``: the engine they say they saw.
 
     ``part`` (i, n): only the shards whose index is i modulo n, each with its own random draws (seeded by its
-    index), so that n processes can set up a large run (1B rows) at once; None: every shard, one stream of draws."""
+    index), so that n processes can set up a large run (1B rows) at once, and a shard already committed is left
+    as it is (an interrupted setup resumes); None: every shard, one stream of draws."""
     import numpy as np
     import pandas as pd
     import pyarrow as pa
@@ -380,6 +381,8 @@ def synthesise_commits(spec, engine_identity: str | None = None, part: tuple[int
             if shard.index % part[1] != part[0]:
                 continue
             rng = np.random.default_rng([11, shard.index])
+            if ShardStore(out, shard.shard_id, run).marker() is not None:
+                continue  # committed by an earlier, interrupted setup: the parts resume
         root, files = plan.shard_input(shard)  # the input, or with the result cache the shard's own file
         in_root = Storage(root, spec.io.storage_options)
         parts, hash_parts, pt_parts = [], [], []
