@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/bench_dataplane.py [--rows 10000000] [--workdir DIR]
                                                    [--repeat N] [--chunk-rows 50000]
                                                    [--stages plan,merge,qa,publish]
-                                                   [--profile [missed|all]] [--passthrough]
+                                                   [--profile [missed|all]] [--passthrough] [--token-sizing]
 
 Sizes: 10M (default; goals GOALS) and 100M (``--rows 100000000``; goals GOALS_100M, issue 17:
 about 0.3 GB of input and 1.5 GB of run output on disk, ~2 min to generate and set up; the merged
@@ -24,6 +24,10 @@ folders are hard links to the committed parts, so merge adds no data on a local 
    labels for ids spread over the input (``qa.reference.golden_uri``), and the synthesised result
    rows carry a confidence (Beta(5, 2)) and the prompt hash of their text, so QA also scores the
    labelled rows, reports the confidence and checks the consistency of repeated prompts.
+1B rows (``--rows 1000000000``; goals GOALS_1B): ids get 10 digits (fixed width, so in order); about 2.6 GB
+of input and 9.5 GB of commits; the setup can run in several processes (``BENCH_SETUP_PART=i/n`` with
+``--child setup``) and resumes after an interruption. ``--token-sizing``: the plan only, sized by tokens with a
+long-row bucket (``TOKEN_SIZING``), into ``runs-tokens/``.
 ``--passthrough``: the input has four more typed columns (``queue`` string with 5% nulls, ``opened`` a
 timestamp with a time zone, ``amount`` a decimal, ``tags`` a list of strings; its own folder,
 ``input-<rows>-passthrough``), the spec passes them through (``io.passthrough``), and the synthesised
