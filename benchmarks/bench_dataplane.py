@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/bench_dataplane.py [--rows 10000000] [--workdir DIR]
                                                    [--repeat N] [--chunk-rows 50000]
                                                    [--stages plan,merge,qa,publish]
-                                                   [--profile [missed|all]] [--passthrough]
+                                                   [--profile [missed|all]] [--passthrough] [--token-sizing]
 
 Sizes: 10M (default; goals GOALS) and 100M (``--rows 100000000``; goals GOALS_100M, issue 17:
 about 0.3 GB of input and 1.5 GB of run output on disk, ~2 min to generate and set up; the merged
@@ -24,6 +24,10 @@ folders are hard links to the committed parts, so merge adds no data on a local 
    labels for ids spread over the input (``qa.reference.golden_uri``), and the synthesised result
    rows carry a confidence (Beta(5, 2)) and the prompt hash of their text, so QA also scores the
    labelled rows, reports the confidence and checks the consistency of repeated prompts.
+1B rows (``--rows 1000000000``; goals GOALS_1B): ids get 10 digits (fixed width, so in order); about 2.6 GB
+of input and 9.5 GB of commits; the setup can run in several processes (``BENCH_SETUP_PART=i/n`` with
+``--child setup``) and resumes after an interruption. ``--token-sizing``: the plan only, sized by tokens with a
+long-row bucket (``TOKEN_SIZING``), into ``runs-tokens/``.
 ``--passthrough``: the input has four more typed columns (``queue`` string with 5% nulls, ``opened`` a
 timestamp with a time zone, ``amount`` a decimal, ``tags`` a list of strings; its own folder,
 ``input-<rows>-passthrough``), the spec passes them through (``io.passthrough``), and the synthesised
@@ -70,6 +74,13 @@ GOALS_100M = {
     "merge": {"seconds": 30.0, "rss_mib": 2048.0},
     "qa": {"seconds": 15.0, "rss_mib": 2048.0},
     "publish": {"seconds": 30.0, "rss_mib": 2048.0},
+}
+# issue 28 at 1B rows: each stage within 4 GiB and 12x the 100M goal of issue 28 (plan 5 s, merge 15 s, QA 10 s)
+GOALS_1B = {
+    "plan": {"seconds": 60.0, "rss_mib": 4096.0},
+    "merge": {"seconds": 180.0, "rss_mib": 4096.0},
+    "qa": {"seconds": 120.0, "rss_mib": 4096.0},
+    "publish": {"seconds": 360.0, "rss_mib": 4096.0},
 }
 LABELS = ["billing", "bug", "account", "shipping", "refund", "feature_request", "security", "other"]
 N_FILES = 10
@@ -168,6 +179,11 @@ def passthrough_columns(first_row: int, n: int, rng) -> dict:
     return {"queue": queue, "opened": opened, "amount": amount, "tags": tags}
 
 
+def id_digits(rows: int) -> int:
+    """Digits of the ids' number: 9 (``row-000000001``), more when the rows need them (1B: ``row-0000000001``)."""
+    return max(9, len(str(rows)))
+
+
 def generate_dataset(folder: Path, rows: int, seed: int = 7, passthrough: bool = False) -> dict:
     import numpy as np
     import pyarrow as pa
@@ -176,6 +192,9 @@ def generate_dataset(folder: Path, rows: int, seed: int = 7, passthrough: bool =
 
     marker = folder / "_DATASET.json"  # '_' prefix: the planner ignores it
     want = {"rows": rows, "files": N_FILES, "row_group": ROW_GROUP, "seed": seed, "recipe": 1}
+    digits = id_digits(rows)
+    if digits != 9:  # 1B rows: 10 digits (ids stay fixed-width, so in order); smaller inputs keep their marker
+        want["id_digits"] = digits
     if passthrough:
         want["passthrough"] = PASSTHROUGH
     if marker.exists() and json.loads(marker.read_text()) == want:
@@ -205,7 +224,9 @@ def generate_dataset(folder: Path, rows: int, seed: int = 7, passthrough: bool =
                 b = min(n, a + ROW_GROUP)
                 ids = pc.binary_join_element_wise(
                     "row-",
-                    pc.utf8_lpad(pa.array(np.arange(lo + a + 1, lo + b + 1, dtype=np.int64)).cast(pa.string()), 9, "0"),
+                    pc.utf8_lpad(
+                        pa.array(np.arange(lo + a + 1, lo + b + 1, dtype=np.int64)).cast(pa.string()), digits, "0"
+                    ),
                     "",
                 )
                 text = pc.binary_join_element_wise(
@@ -232,13 +253,25 @@ def golden_set(input_dir: Path, rows: int, n: int) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         rng = np.random.default_rng(5)
         picks = np.unique(np.linspace(1, rows, n).astype(np.int64))
-        ids = pa.array([f"row-{i:09d}" for i in picks.tolist()])
+        ids = pa.array([f"row-{i:0{id_digits(rows)}d}" for i in picks.tolist()])
         labels = pa.array(LABELS).take(pa.array(rng.integers(0, len(LABELS), len(picks))))
         pq.write_table(pa.table({"id": ids, "label": labels}), path)
     return path
 
 
-def bench_spec(input_dir: Path, run_dir: Path, chunk_rows: int, golden: Path | None = None, passthrough=False):
+# --token-sizing: shards sized by estimated tokens, with long rows in their own bucket (the plan then reads the
+# text column: ~21 estimated tokens a row, 16-28; about a fifth of the rows are over LONG_ROW_TOKENS)
+TOKEN_SIZING = {"target_tokens": 2_000_000, "long_row_tokens": 24}
+
+
+def bench_spec(
+    input_dir: Path,
+    run_dir: Path,
+    chunk_rows: int,
+    golden: Path | None = None,
+    passthrough=False,
+    token_sizing: bool = False,
+):
     from airflow_provider_vllm.core.spec import JobSpec
 
     qa = {"reference": {"golden_uri": str(golden)}} if golden is not None else {}
@@ -258,7 +291,12 @@ def bench_spec(input_dir: Path, run_dir: Path, chunk_rows: int, golden: Path | N
             "sampling": {"temperature": 0, "max_tokens": 8, "structured": {"choice": LABELS}},
             "io": io,
             # every row to a shard: the data plane is measured over all rows (its texts repeat a few templates)
-            "sharding": {"target_rows": 100_000, "max_shards": 256, "chunk_rows": chunk_rows, "dedupe": False},
+            "sharding": {
+                **(TOKEN_SIZING if token_sizing else {"target_rows": 100_000}),
+                "max_shards": 256,
+                "chunk_rows": chunk_rows,
+                "dedupe": False,
+            },
         }
     )
 
@@ -315,15 +353,19 @@ def _synth_chunk(ids, rng, labels_arr, prov: dict, prompt_hashes=None):
     return pa.Table.from_arrays([cols[f.name] for f in ROW_SCHEMA], schema=ROW_SCHEMA)
 
 
-def synthesise_commits(spec, engine_identity: str | None = None) -> dict:
-    """The shards' commits as workers make them (sealed); ``engine_identity``: the engine they say they saw."""
+def synthesise_commits(spec, engine_identity: str | None = None, part: tuple[int, int] | None = None) -> dict:
+    """The shards' commits as workers make them (sealed); ``engine_identity``: the engine they say they saw.
+
+    ``part`` (i, n): only the shards whose index is i modulo n, each with its own random draws (seeded by its
+    index), so that n processes can set up a large run (1B rows) at once, and a shard already committed is left
+    as it is (an interrupted setup resumes); None: every shard, one stream of draws."""
     import numpy as np
     import pandas as pd
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     from airflow_provider_vllm import __version__
     from airflow_provider_vllm.core.commit import ChunkMeta, CommitMarker, RunSeal, ShardStore
+    from airflow_provider_vllm.core.formats.parquet import read_parquet_range
     from airflow_provider_vllm.core.plan import load_plan
     from airflow_provider_vllm.core.seal import Keyring
     from airflow_provider_vllm.core.storage import Storage
@@ -334,29 +376,29 @@ def synthesise_commits(spec, engine_identity: str | None = None) -> dict:
     out = Storage(spec.io.output_uri, spec.io.storage_options)
     rng = np.random.default_rng(11)
     labels_arr = pa.array(LABELS)
-    id_cols: dict[tuple, pa.Array] = {}
-    text_hash: dict[tuple, np.ndarray] = {}
     carried = plan.passthrough.columns if plan.passthrough is not None else []
-    pt_tables: dict[tuple, pa.Table] = {}
     chunk_rows = spec.sharding.chunk_rows
     n_files = 0
     for shard in plan.shards:
         assert shard.bucket == "all"
+        if part is not None:
+            if shard.index % part[1] != part[0]:
+                continue
+            rng = np.random.default_rng([11, shard.index])
+            if ShardStore(out, shard.shard_id, run).marker() is not None:
+                continue  # committed by an earlier, interrupted setup: the parts resume
         root, files = plan.shard_input(shard)  # the input, or with the result cache the shard's own file
         in_root = Storage(root, spec.io.storage_options)
         parts, hash_parts, pt_parts = [], [], []
         for seg in shard.segments:
-            key = (root, files[seg.file].path)  # with the cache every shard's one file is file 0
-            if key not in id_cols:
-                with in_root.open(files[seg.file].path) as fh:
-                    t = pq.read_table(fh, columns=[spec.prompt.id_column, "text", *carried])
-                id_cols[key] = t.column(0).combine_chunks()
-                pt_tables[key] = t.select(carried)
-                # the rows' request hashes: equal texts, equal hashes (as the worker's prompt_hash)
-                text_hash[key] = pd.util.hash_array(t.column(1).to_numpy(zero_copy_only=False)).view(np.int64)
-            parts.append(id_cols[key].slice(seg.start, seg.count))
-            hash_parts.append(text_hash[key][seg.start : seg.start + seg.count])
-            pt_parts.append(pt_tables[key].slice(seg.start, seg.count))
+            # only the row groups that hold the segment (as a worker reads): memory stays one shard's rows at 1B
+            t = read_parquet_range(
+                in_root, files[seg.file].path, seg.start, seg.count, [spec.prompt.id_column, "text", *carried]
+            )
+            parts.append(t.column(0).combine_chunks())
+            # the rows' request hashes: equal texts, equal hashes (as the worker's prompt_hash)
+            hash_parts.append(pd.util.hash_array(t.column(1).to_numpy(zero_copy_only=False)).view(np.int64))
+            pt_parts.append(t.select(carried))
         ids = pa.concat_arrays(parts)
         # the shard's passthrough columns, named and typed as the plan says (worker/shard.py passthrough_table)
         pt = (
@@ -508,6 +550,7 @@ def child(
     profile: str | None,
     golden_rows: int = 0,
     passthrough: bool = False,
+    token_sizing: bool = False,
 ) -> None:
     from airflow_provider_vllm.steps.merge.merger import merge
     from airflow_provider_vllm.steps.plan.planner import plan_job
@@ -516,7 +559,7 @@ def child(
     golden = (
         golden_set(input_dir, int(os.environ["BENCH_ROWS"]), golden_rows) if golden_rows and stage != "gen" else None
     )
-    spec = bench_spec(input_dir, run_dir, chunk_rows, golden, passthrough)
+    spec = bench_spec(input_dir, run_dir, chunk_rows, golden, passthrough, token_sizing)
     rss_imports = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     sql_log: list = []
     if profile:
@@ -530,7 +573,8 @@ def child(
         elif stage == "gen":
             extra.update(generate_dataset(input_dir, int(os.environ["BENCH_ROWS"]), passthrough=passthrough))
         elif stage == "setup":
-            extra.update(synthesise_commits(spec))
+            part = os.environ.get("BENCH_SETUP_PART")  # "i/n": this child sets up every n-th shard (1B rows)
+            extra.update(synthesise_commits(spec, part=tuple(map(int, part.split("/"))) if part else None))
         elif stage == "merge":
             s = merge(spec).dump()
             extra.update(ok_rows=s["ok_rows"], error_rows=s["error_rows"], merge_s=s["merge_s"])
@@ -613,6 +657,8 @@ def run_child(stage: str, args, input_dir: Path, run_dir: Path, profile: str | N
         cmd += ["--golden-rows", str(args.golden_rows)]
     if args.passthrough:
         cmd += ["--passthrough"]
+    if args.token_sizing:
+        cmd += ["--token-sizing"]
     load = os.getloadavg()[0]
     stderr = None if profile or not quiet else subprocess.PIPE
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True)
@@ -708,6 +754,12 @@ def main() -> int:
         help=f"the input has typed columns {PASSTHROUGH} more, passed through into results/ and errors/ "
         "(io.passthrough; its own input folder)",
     )
+    ap.add_argument(
+        "--token-sizing",
+        action="store_true",
+        help=f"shards sized by estimated tokens ({TOKEN_SIZING}; the plan reads the text column): only the plan "
+        "stage, into its own folder (runs-tokens/)",
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--input-dir", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--run-dir", type=Path, help=argparse.SUPPRESS)
@@ -722,6 +774,7 @@ def main() -> int:
             args.profile_out,
             args.golden_rows,
             args.passthrough,
+            args.token_sizing,
         )
         return 0
 
@@ -730,11 +783,13 @@ def main() -> int:
     # in a child: the parent stays small, since a child's ru_maxrss starts from its parent's RSS
     os.environ["BENCH_ROWS"] = str(args.rows)
     gen = run_child("gen", args, input_dir, work / "unused", quiet=False)
-    runs = work / "runs"
+    runs = work / ("runs-tokens" if args.token_sizing else "runs")  # a token-sized plan never replaces the run
     run_dir = runs / "run"
     wanted = [x for x in args.stages.split(",") if x]
     if unknown := set(wanted) - set(GOALS):
         raise SystemExit(f"--stages: unknown {sorted(unknown)}; choose from {sorted(GOALS)}")
+    if args.token_sizing and wanted != ["plan"]:
+        raise SystemExit("--token-sizing times the plan only: --stages plan")
     if "plan" not in wanted and not (run_dir / "_plan.json").exists():
         raise SystemExit(f"--stages without plan reuses {run_dir}, which has no plan: include plan once")
     t_start = time.time()
@@ -769,7 +824,7 @@ def main() -> int:
 
     stages = []
     for name, rs in measured.items():
-        g = (GOALS_100M if args.rows >= 100_000_000 else GOALS)[name]
+        g = (GOALS_1B if args.rows >= 1_000_000_000 else GOALS_100M if args.rows >= 100_000_000 else GOALS)[name]
         secs = statistics.median(r["seconds"] for r in rs)
         rss = max(r["peak_rss_mib"] for r in rs)
         met_s = secs <= g["seconds"]
@@ -820,6 +875,7 @@ def main() -> int:
         "chunk_rows": args.chunk_rows,
         "golden_rows": args.golden_rows,
         "passthrough": PASSTHROUGH if args.passthrough else None,
+        "token_sizing": TOKEN_SIZING if args.token_sizing else None,
         "repeat": args.repeat,
         "shards": n_shards,
         "chunk_files": n_chunks,

@@ -10,6 +10,7 @@ worker agree on a shard's rows without sharing any state but the plan.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -98,14 +99,52 @@ class RowRuns:
         return np.repeat(np.asarray(self.values, np.int64), np.asarray(self.counts, np.int64))
 
 
+@dataclass
+class RowGroups:
+    """Consecutive groups of rows, in input order, each within one file; their per-row characters on demand.
+
+    ``counts``: rows per group; ``files``: the groups of each file, in order (a list of group indices);
+    ``chars(g)``: per row of group ``g``, the characters of its prompt text; ``chars_of_file(f)``: the
+    (group, chars) of file ``f``'s groups in order (one open file).
+    """
+
+    counts: np.ndarray
+    files: list[list[int]]
+    chars: Callable[[int], np.ndarray]
+    chars_of_file: Callable[[int], Iterator[tuple[int, np.ndarray]]]
+
+
+def array_groups(chars: np.ndarray, file_rows: list[int], rows_per_group: int = 1 << 20) -> RowGroups:
+    """Row groups over a per-row array already in memory (line-addressed formats): slices, no copies."""
+    bounds: list[tuple[int, int]] = []
+    files: list[list[int]] = []
+    pos = 0
+    for n in file_rows:
+        mine = []
+        for a in range(pos, pos + n, rows_per_group):
+            mine.append(len(bounds))
+            bounds.append((a, min(pos + n, a + rows_per_group)))
+        files.append(mine)
+        pos += n
+    counts = np.asarray([b - a for a, b in bounds], np.int64)
+
+    def one(g: int) -> np.ndarray:
+        a, b = bounds[g]
+        return chars[a:b]
+
+    return RowGroups(counts, files, one, lambda f: ((g, one(g)) for g in files[f]))
+
+
 class Scan:
     """What the planner needs of a whole input: per-row sizes and where each file's rows are.
 
     ``chars``: per row, the characters of the prompt text (the token estimate's basis). A
     format that sizes rows from footers gives ``runs`` instead (one value per row group): the
     planner then never builds a per-row array; ``chars`` expands the runs when asked.
-    ``offsets`` / ``lines``: per row, the byte offset and line number of its line
-    (line-addressed formats); ``invalid``: lines that are not a JSON object (they become error rows).
+    ``groups``: exact per-row sizes read group by group on demand (Parquet row groups,
+    ``RowGroups``), never all in memory. ``offsets`` / ``lines``: per row, the byte offset
+    and line number of its line (line-addressed formats); ``invalid``: lines that are not a JSON object
+    (they become error rows).
     """
 
     def __init__(
@@ -116,15 +155,19 @@ class Scan:
         lines: np.ndarray | None = None,
         invalid: int = 0,
         runs: RowRuns | None = None,
+        groups: RowGroups | None = None,
     ) -> None:
-        if (chars is None) == (runs is None):
-            raise ValueError("Scan: give exactly one of chars (per row) or runs")
-        self._chars, self.runs = chars, runs
+        if sum(x is not None for x in (chars, runs, groups)) != 1:
+            raise ValueError("Scan: give exactly one of chars (per row), runs or groups")
+        self._chars, self.runs, self.groups = chars, runs, groups
         self.file_rows = list(file_rows or [])
         self.offsets, self.lines, self.invalid = offsets, lines, invalid
 
     @property
     def chars(self) -> np.ndarray:
+        if self.groups is not None:  # every group read: only for small inputs (tests)
+            parts = [self.groups.chars(g) for g in range(len(self.groups.counts))]
+            return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
         if self._chars is None:
             assert self.runs is not None
             return self.runs.expand()

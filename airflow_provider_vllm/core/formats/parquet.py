@@ -19,6 +19,7 @@ from airflow_provider_vllm.core.formats.base import (
     BLANK_ID_PATTERN,
     InputFormat,
     RowBatch,
+    RowGroups,
     RowRuns,
     Scan,
     raise_duplicates,
@@ -39,7 +40,7 @@ class ParquetFormat(InputFormat):
         idc = spec.prompt.id_column
         texts = spec.prompt.texts
         needed = [idc] + [c for c in row_columns(spec) if c != idc]
-        chars_parts, runs, file_rows = [], [], []
+        runs, file_rows, group_rows = [], [], []
         first_schema = None
         for name in names:
             md = parquet_metadata(root, name)
@@ -64,18 +65,16 @@ class ParquetFormat(InputFormat):
                     f"{names[0]}'s {first_schema.field(idc).type}"
                 )
             file_rows.append(md.num_rows)
-            if per_row:
-                with root.open(name) as f:
-                    chars_parts.append(_text_chars(pq.read_table(f, columns=texts), texts))
-            else:
+            group_rows.append([md.row_group(g).num_rows for g in range(md.num_row_groups)])
+            if not per_row:
                 runs.append(_chars_from_footer(md, texts))
         if sum(file_rows):
-            _check_ids(root, names, idc)
+            assert first_schema is not None
+            _check_ids(root, names, idc, strings=not pa.types.is_integer(first_schema.field(idc).type))
         if not per_row:  # one estimate per row group: runs, never a per-row array
             cat = lambda k: np.concatenate([r[k] for r in runs]) if runs else np.zeros(0, np.int64)  # noqa: E731
             return Scan(runs=RowRuns(values=cat(0), counts=cat(1)), file_rows=file_rows)
-        chars = np.concatenate(chars_parts) if chars_parts else np.zeros(0, np.int64)
-        return Scan(chars=chars, file_rows=file_rows)
+        return Scan(groups=_row_groups(root, names, texts, group_rows), file_rows=file_rows)
 
     def read_rows(
         self, root: Storage, name: str, segment: Segment, spec: JobSpec, passthrough: list[str] | None = None
@@ -98,24 +97,73 @@ class ParquetFormat(InputFormat):
 
 
 def _text_chars(table: pa.Table, texts: list[str]) -> np.ndarray:
-    """Per row: the characters of its text columns (null, and a column of type null: 0)."""
+    """Per row: the characters of its text columns (null, and a column of type null: 0).
+
+    A dictionary-encoded column (as the plan reads it) is measured once per dictionary value."""
     total = np.zeros(table.num_rows, dtype=np.int64)
     for c in texts:
-        if not pa.types.is_null(table.column(c).type):  # utf8_length has no kernel for it
-            total += pc.fill_null(pc.utf8_length(table.column(c)), 0).to_numpy()
+        col = table.column(c)
+        if pa.types.is_dictionary(col.type):
+            parts = [pc.utf8_length(ch.dictionary).take(ch.indices) for ch in col.chunks]
+            col = pa.chunked_array(parts, pa.int32() if pa.types.is_string(col.type.value_type) else pa.int64())
+            total += pc.fill_null(col, 0).to_numpy()
+        elif not pa.types.is_null(col.type):  # utf8_length has no kernel for it
+            total += pc.fill_null(pc.utf8_length(col), 0).to_numpy()
     return total
 
 
-def _check_ids(root: Storage, names: list[str], idc: str) -> None:
-    """DatasetError for null, blank or duplicate ids, naming the first file and row of each."""
-    from airflow_provider_vllm.core import duck
+def _row_groups(root: Storage, names: list[str], texts: list[str], group_rows: list[list[int]]) -> RowGroups:
+    """The files' row groups as ``RowGroups``: per-row characters read one row group at a time. Text columns that
+    a row group stores dictionary-encoded are read so (each distinct text measured once); others are read plain
+    (building a dictionary of distinct texts would cost more than measuring each)."""
+    where: list[tuple[int, int]] = [(f, g) for f, rows in enumerate(group_rows) for g in range(len(rows))]
+    files, first = [], 0
+    for rows in group_rows:
+        files.append(list(range(first, first + len(rows))))
+        first += len(rows)
 
+    def read(fh, pf: pq.ParquetFile, g: int) -> np.ndarray:
+        cols = [c for c in texts if not pa.types.is_null(pf.schema_arrow.field(c).type)]
+        if not cols:
+            return np.zeros(pf.metadata.row_group(g).num_rows, np.int64)
+        rg = pf.metadata.row_group(g)
+        paths = [rg.column(i).path_in_schema for i in range(rg.num_columns)]
+        encoded = [c for c in cols if c in paths and rg.column(paths.index(c)).has_dictionary_page]
+        reader = pq.ParquetFile(fh, read_dictionary=encoded, metadata=pf.metadata) if encoded else pf
+        return _text_chars(reader.read_row_group(g, columns=cols, use_threads=False), cols)
+
+    def chars(i: int) -> np.ndarray:
+        f, g = where[i]
+        with root.open(names[f]) as fh:
+            return read(fh, pq.ParquetFile(fh), g)
+
+    def chars_of_file(f: int):
+        with root.open(names[f]) as fh:
+            pf = pq.ParquetFile(fh)
+            for i in files[f]:
+                yield i, read(fh, pf, where[i][1])
+
+    counts = np.asarray([n for rows in group_rows for n in rows], np.int64)
+    return RowGroups(counts, files, chars, chars_of_file)
+
+
+def _check_ids(root: Storage, names: list[str], idc: str, strings: bool = True) -> None:
+    """DatasetError for null, blank or duplicate ids, naming the first file and row of each.
+
+    Ordered ids are proven valid by ``parquet_ids.ids_proven``; anything else (unordered ids, or a fault) is
+    checked by one DuckDB statement, which also finds the row to name (``strings``: False for integer ids, which
+    cannot be blank: no pattern is matched)."""
+    from airflow_provider_vllm.core import duck
+    from airflow_provider_vllm.core.formats.parquet_ids import ids_proven
+
+    if ids_proven(root, names, idc):  # ordered ids: proven in one streaming pass, no hash table
+        return
     con = duck.connect(root)
     try:
         src = f"read_parquet({duck.file_list(root, names)}, filename = true, file_row_number = true)"
         col = '"' + idc.replace('"', '""') + '"'
         # distinct hashes == rows proves distinct ids; a shortfall pays for the exact count
-        blank = f"regexp_matches(CAST({col} AS VARCHAR), '{BLANK_ID_PATTERN}')"
+        blank = f"regexp_matches(CAST({col} AS VARCHAR), '{BLANK_ID_PATTERN}')" if strings else "false"
         n, nulls, distinct, empty = con.execute(
             f"SELECT count(*), count(*) - count({col}), count(DISTINCT hash({col})), "
             f"count(*) FILTER (WHERE {blank}) FROM {src}"

@@ -25,12 +25,14 @@ from airflow_provider_vllm.core.adapters import describe_adapters
 from airflow_provider_vllm.core.commit import PROBE_DIR, probe_create_only
 from airflow_provider_vllm.core.errors import SpecError
 from airflow_provider_vllm.core.formats import input_format
+from airflow_provider_vllm.core.formats.base import array_groups
 from airflow_provider_vllm.core.formats.files import Input, find_input
 from airflow_provider_vllm.core.plan import PLAN_FILE, Plan, Segment, ShardPlan, estimate_tokens
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
 from airflow_provider_vllm.steps.golden import GOLDEN_IN, with_golden
+from airflow_provider_vllm.steps.plan.groups import ALL, LONG, SHORT, GroupTokens
 from airflow_provider_vllm.steps.plan.passthrough import resolve_passthrough
 from airflow_provider_vllm.steps.plan.sizing import History, job_history, size_shards
 from airflow_provider_vllm.steps.tables.access import Tables
@@ -278,7 +280,7 @@ def build_plan_with_inputs(
     per_row = sh.long_row_tokens is not None or (sh.target_tokens is not None and sh.target_rows is None)
     scan = input_format(found.format).scan(found.root, found.names, spec, per_row)
     total_rows = int(sum(scan.file_rows))
-    tokens = _row_tokens(scan, sh.chars_per_token)
+    tokens = _row_tokens(scan, sh.chars_per_token, sh.long_row_tokens)
     est_tokens = tokens.total
     cache, dedupe, cut_scan, cut_tokens, cut_fp = None, None, scan, tokens, found.fingerprint
     with tempfile.TemporaryDirectory(prefix="vllm-batch-plan-") as workdir:
@@ -305,7 +307,7 @@ def build_plan_with_inputs(
                 misses = leaders
         if misses is not None:
             cut_scan = input_format("parquet").scan(Storage(workdir), [os.path.basename(misses)], spec, per_row)
-            cut_tokens = _row_tokens(cut_scan, sh.chars_per_token)
+            cut_tokens = _row_tokens(cut_scan, sh.chars_per_token, sh.long_row_tokens)
             cut_fp = hashlib.sha256(f"{cut_fp}:{_sha256(misses)}".encode()).hexdigest()
         # the history sizes shards only when there are rows to size (as size_shards decides)
         history = job_history(spec, filesystems) if len(cut_tokens) else None
@@ -479,7 +481,9 @@ class RowTokens:
         return int(self.values[a:b].sum())
 
 
-def _row_tokens(scan, chars_per_token: float) -> RunTokens | RowTokens:
+def _row_tokens(scan, chars_per_token: float, long_row_tokens: int | None) -> RunTokens | RowTokens | GroupTokens:
+    if scan.groups is not None:  # exact sizes, read group by group: never one array over every row
+        return GroupTokens(scan.groups, chars_per_token, long_row_tokens)
     if scan.runs is not None:
         return RunTokens(estimate_tokens(scan.runs.values, chars_per_token), scan.runs.counts)
     chars = scan.chars
@@ -488,7 +492,7 @@ def _row_tokens(scan, chars_per_token: float) -> RunTokens | RowTokens:
 
 # ---- cutting ------------------------------------------------------------------------
 def _cut(
-    spec: JobSpec, fp: str, row_tokens: RunTokens | RowTokens, file_rows: np.ndarray, offsets, lines
+    spec: JobSpec, fp: str, row_tokens: RunTokens | RowTokens | GroupTokens, file_rows: np.ndarray, offsets, lines
 ) -> list[ShardPlan]:
     sh = spec.sharding
     n = len(row_tokens)
@@ -497,30 +501,7 @@ def _cut(
     target_tokens = sh.target_tokens if sh.target_rows is None else None  # rows win when both are set
     by_tokens = target_tokens is not None
     target: int = target_tokens if target_tokens is not None else (sh.target_rows or DEFAULT_TARGET_ROWS)
-    per_row = sh.long_row_tokens is not None and sh.max_shards >= 2 or by_tokens
-    # runs are expanded only where rows are weighed one by one (the scan then gave exact sizes)
-    tokens = (
-        row_tokens.values
-        if isinstance(row_tokens, RowTokens)
-        else (np.repeat(row_tokens.values, np.diff(row_tokens.starts)) if per_row else None)
-    )
-    buckets: list[tuple[str, np.ndarray | None]]  # None: all rows, in order
-    if sh.long_row_tokens is not None and sh.max_shards >= 2:
-        assert tokens is not None
-        long_mask = tokens > sh.long_row_tokens
-        split = [(b, np.nonzero(m)[0]) for b, m in (("short", ~long_mask), ("long", long_mask))]
-        buckets = [(b, idx) for b, idx in split if len(idx)]
-    else:
-        buckets = [("all", None)]
-    sizes = [n if idx is None else len(idx) for _, idx in buckets]
-    if by_tokens:
-        assert tokens is not None
-        weights = [tokens if idx is None else tokens[idx] for _, idx in buckets]
-        wanted = [min(m, max(1, math.ceil(float(w.sum()) / target))) for m, w in zip(sizes, weights)]
-    else:
-        weights = [None] * len(buckets)
-        wanted = [min(m, max(1, math.ceil(m / target))) for m in sizes]
-    counts = _cap(wanted, sh.max_shards)
+    split = sh.long_row_tokens is not None and sh.max_shards >= 2
     plan_key = hashlib.sha256(
         json.dumps(
             # sharding.dedupe decides which rows are cut (fp), not how: shard ids stay what they were
@@ -529,38 +510,66 @@ def _cut(
         ).encode()
     ).hexdigest()
     file_starts = np.concatenate([[0], np.cumsum(file_rows)]).astype(np.int64)
-    shards: list[ShardPlan] = []
-    for (bucket, idx), w, m, k in zip(buckets, weights, sizes, counts):
-        if w is None:  # equal row counts: no per-row arrays needed
-            cuts = np.rint(m * np.arange(1, k) / k).astype(np.int64)
-        else:
-            cum = np.cumsum(w, dtype=np.float64)
-            cuts = np.searchsorted(cum, cum[-1] * np.arange(1, k) / k, side="left") + 1
-        inner = np.clip(cuts, 1, m - 1) if m > 1 else np.zeros(0, np.int64)
-        bounds = np.unique(np.concatenate([[0], inner, [m]]).astype(np.int64)).tolist()
-        for a, b in zip(bounds[:-1], bounds[1:]):
-            if idx is None:
-                segs = _range_segments(a, b, file_starts, offsets, lines)
-                est = row_tokens.range_sum(a, b)
-            else:
-                assert tokens is not None
-                segs = _segments(idx[a:b], file_starts, offsets, lines)
-                est = int(tokens[idx[a:b]].sum())
-            index = len(shards)
-            key = hashlib.sha256(
-                f"{plan_key}:{bucket}:{json.dumps([s.model_dump() for s in segs])}".encode()
-            ).hexdigest()
-            shards.append(
-                ShardPlan(
-                    shard_id=f"shard-{index:05d}-{key[:8]}",
-                    index=index,
-                    bucket=bucket,
-                    rows=int(b - a),
-                    est_tokens=est,
-                    segments=segs,
-                )
+    if not (split or by_tokens):  # equal row counts over all rows: no per-row values needed
+        k = _cap([min(n, max(1, math.ceil(n / target)))], sh.max_shards)[0]
+        cuts = np.rint(n * np.arange(1, k) / k).astype(np.int64)
+        bounds = _bounds(cuts, n)
+        return [
+            _shard(
+                plan_key, i, ALL, a, b, _range_segments(a, b, file_starts, offsets, lines), row_tokens.range_sum(a, b)
             )
+            for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))
+        ]
+    # rows weighed one by one: per-group totals, a group's rows read again only where a boundary falls
+    groups = row_tokens if isinstance(row_tokens, GroupTokens) else _as_groups(row_tokens, file_rows, sh)
+    buckets = [groups.bucket(SHORT), groups.bucket(LONG)] if split else [groups.bucket(ALL)]
+    buckets = [b for b in buckets if b.rows]
+    if by_tokens:
+        wanted = [min(b.rows, max(1, math.ceil(float(b.total) / target))) for b in buckets]
+    else:
+        wanted = [min(b.rows, max(1, math.ceil(b.rows / target))) for b in buckets]
+    shards: list[ShardPlan] = []
+    for bucket, k in zip(buckets, _cap(wanted, sh.max_shards)):
+        m = bucket.rows
+        cuts = bucket.token_cuts(k) if by_tokens else np.rint(m * np.arange(1, k) / k).astype(np.int64)
+        bounds = _bounds(cuts, m)
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            if bucket.name == ALL:
+                segs = _range_segments(a, b, file_starts, offsets, lines)
+            else:
+                segs = [
+                    _segment(f, lo - int(file_starts[f]), hi - int(file_starts[f]), lo, offsets, lines)
+                    for f, lo, hi in bucket.file_ranges(a, b)
+                ]
+            shards.append(_shard(plan_key, len(shards), bucket.name, a, b, segs, bucket.prefix(b) - bucket.prefix(a)))
     return shards
+
+
+def _bounds(cuts: np.ndarray, m: int) -> list[int]:
+    """Shard boundaries from cut positions: inside (0, m), distinct, with 0 and m."""
+    inner = np.clip(cuts, 1, m - 1) if m > 1 else np.zeros(0, np.int64)
+    return np.unique(np.concatenate([[0], inner, [m]]).astype(np.int64)).tolist()
+
+
+def _shard(plan_key: str, index: int, bucket: str, a: int, b: int, segs: list[Segment], est: int) -> ShardPlan:
+    key = hashlib.sha256(f"{plan_key}:{bucket}:{json.dumps([s.model_dump() for s in segs])}".encode()).hexdigest()
+    return ShardPlan(
+        shard_id=f"shard-{index:05d}-{key[:8]}",
+        index=index,
+        bucket=bucket,
+        rows=int(b - a),
+        est_tokens=int(est),
+        segments=segs,
+    )
+
+
+def _as_groups(row_tokens: RunTokens | RowTokens, file_rows: np.ndarray, sh) -> GroupTokens:
+    """Per-row estimates already in memory (or runs), as groups for the cut (tokens, not characters: cpt 1)."""
+    if isinstance(row_tokens, RowTokens):
+        values = row_tokens.values
+    else:
+        values = np.repeat(row_tokens.values, np.diff(row_tokens.starts))
+    return GroupTokens(array_groups(values, [int(x) for x in file_rows]), 1.0, sh.long_row_tokens, threads=1)
 
 
 def _cap(wanted: list[int], max_shards: int) -> list[int]:
@@ -592,15 +601,4 @@ def _range_segments(a: int, b: int, file_starts: np.ndarray, offsets, lines) -> 
             break
         if hi > lo:
             segs.append(_segment(fid, lo - int(file_starts[fid]), hi - int(file_starts[fid]), lo, offsets, lines))
-    return segs
-
-
-def _segments(rows: np.ndarray, file_starts: np.ndarray, offsets, lines) -> list[Segment]:
-    """Segments covering the given (sorted) global rows: per file, first to last row."""
-    segs = []
-    fids = np.searchsorted(file_starts, rows, side="right") - 1
-    for fid in np.unique(fids):
-        r = rows[fids == fid]
-        lo, hi = int(r.min()), int(r.max()) + 1
-        segs.append(_segment(int(fid), lo - int(file_starts[fid]), hi - int(file_starts[fid]), lo, offsets, lines))
     return segs

@@ -157,8 +157,8 @@ def test_footer_sizing_never_builds_per_row_arrays_and_cuts_the_same(tmp_path, m
     monkeypatch.setattr(
         plan_mod,
         "_row_tokens",
-        lambda scan, cpt: plan_mod.RowTokens(
-            real(scan, cpt).values if scan.runs is None else plan_mod.estimate_tokens(scan.chars, cpt)
+        lambda scan, cpt, lrt: plan_mod.RowTokens(
+            real(scan, cpt, lrt).values if scan.runs is None else plan_mod.estimate_tokens(scan.chars, cpt)
         ),
     )
     per_row = plan_mod.build_plan(spec).model_dump()
