@@ -65,6 +65,7 @@ from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
 from airflow_provider_vllm.steps.cache import result_cache as cache
 from airflow_provider_vllm.steps.golden import merge_golden
+from airflow_provider_vllm.steps.merge import ordered
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +143,16 @@ def merge(
         register_input_ids(con, spec, plan, in_root)
         duplicates = Duplicates(ids=0, rows_dropped=0, examples=[])
         drop: dict[str, list[int]] = {}
-        proven = exactly_once(con, plan.total_rows)
+        # Each shard's parts against its own input rows in order (streaming, exact; steps/merge/ordered.py) where
+        # every shard reads the input itself; else one exact semi-join of all ids. Either proves exactly-once on
+        # the common path; anything else goes to the detailed checks below.
+        by_order = ordered.why_not(plan) is None
+        findings: list[str] = []
+        if by_order:
+            findings = ordered.check(out, in_root, plan, spec.prompt.id_column, _shard_parts(plan, sources))
+            proven = None if findings else plan.total_rows
+        else:
+            proven = exactly_once(con, plan.total_rows)
         total = distinct = proven or 0
         if proven is None:  # something is off: count duplicates first (they explain a shortfall), then name it
             # Distinct 64-bit hashes == rows proves distinct ids (equal ids hash equal) and is
@@ -162,7 +172,14 @@ def merge(
                     duplicates.rows_dropped,
                     duplicates.examples[:5],
                 )
-            verify(con, "ids" if not drop else "(SELECT DISTINCT id FROM ids)", plan.total_rows)
+            verify(con, "ids" if not drop else "(SELECT DISTINCT id FROM ids)", plan.total_rows, findings)
+            if by_order:  # every id is there once (after dropping identical copies): are they where the plan put them?
+                findings = ordered.check(out, in_root, plan, spec.prompt.id_column, _shard_parts(plan, sources, drop))
+                if findings:
+                    raise VerificationError(
+                        "row accounting failed: every input id is committed once, but not as its shard's rows in "
+                        f"input order: {'; '.join(findings)}. Delete the folders of the shards named and rerun them"
+                    )
     finally:
         con.close()
     faults.hit("merge.before_write")
@@ -228,6 +245,20 @@ def merge(
     faults.hit("merge.after_marker")
     _record_throughput(spec, plan, markers, summary, filesystems)
     return summary
+
+
+def _shard_parts(
+    plan: Plan, sources: dict[str, list[SourcePart]], drop: dict[str, list[int]] | None = None
+) -> dict[str, ordered.ShardParts]:
+    """The committed parts per shard (``shards/<shard_id>/...``, in marker order) for ``ordered.check``."""
+    parts = {s.shard_id: ordered.ShardParts(ok=[], errors=[]) for s in plan.shards}
+    for kind in KINDS:
+        for p in sources[kind]:
+            sp = parts.setdefault(p.rel.split("/")[1], ordered.ShardParts(ok=[], errors=[]))
+            (sp.ok if kind == RESULTS else sp.errors).append(p.rel)
+            if drop and p.rel in drop:
+                sp.drop[p.rel] = drop[p.rel]
+    return parts
 
 
 def _follower_sources(out: Storage, plan: Plan, sources: dict[str, list[SourcePart]]) -> dict[str, tuple[FileRef, str]]:
@@ -572,12 +603,13 @@ def exactly_once(con: duckdb.DuckDBPyConnection, planned_rows: int) -> int | Non
     return int(n_out) if n_in == planned_rows == n_out == covered else None
 
 
-def verify(con: duckdb.DuckDBPyConnection, source: str, planned_rows: int) -> None:
+def verify(con: duckdb.DuckDBPyConnection, source: str, planned_rows: int, findings: list[str] | None = None) -> None:
     """input ids == output ids, each once; raises VerificationError naming counts and examples.
 
     ``source`` has distinct ids (deduped) and the input's ids are distinct (checked by the
     plan, files unchanged since), so equal counts plus every output id found in the input
-    prove the two sets equal; one semi-join instead of a full outer join.
+    prove the two sets equal; one semi-join instead of a full outer join. ``findings``: what the
+    order-based check found (``ordered.check``), named in the error too.
     """
     n_in, n_out, n_found = con.execute(
         f"SELECT (SELECT count(*) FROM input_ids), (SELECT count(*) FROM {source}), "
@@ -600,6 +632,7 @@ def verify(con: duckdb.DuckDBPyConnection, source: str, planned_rows: int) -> No
     raise VerificationError(
         f"row accounting failed: {n_in} input ids (plan: {planned_rows}), {n_out} output rows; "
         f"{n_in - n_found} missing (e.g. {ex_missing}), {n_out - n_found} not in the input (e.g. {ex_extra})"
+        + (f"; per shard: {'; '.join(findings)}" if findings else "")
     )
 
 
