@@ -462,8 +462,6 @@ def committed_parts(out: Storage, plan: Plan, run: RunSeal) -> tuple[dict[str, l
             if part.path in seen:
                 raise CommitError(f"commit marker {where} names {part.path} twice")
             seen.add(part.path)
-            if out.size(part.path) != part.bytes or out.sha256(part.path) != part.sha256:
-                raise CommitError(f"{part.path} does not match its commit marker (size or sha256)")
             sources[kind].append(
                 SourcePart(
                     path=part.path,
@@ -473,7 +471,25 @@ def committed_parts(out: Storage, plan: Plan, run: RunSeal) -> tuple[dict[str, l
                     name=f"part-{n:0{width}d}-{shard_id}-{chunk:05d}.parquet",
                 )
             )
+    _check_digests(out, [p for k in KINDS for p in sources[k]])
     return sources, markers
+
+
+def _check_digests(out: Storage, parts: list[SourcePart]) -> None:
+    """CommitError naming the first part (in plan order) whose size or sha256 is not its marker's; parts are
+    hashed side by side (hashlib and file reads release the GIL)."""
+
+    def matches(p: SourcePart) -> bool:
+        return out.size(p.path) == p.bytes and out.sha256(p.path) == p.sha256
+
+    order = sorted(parts, key=lambda p: p.name)
+    pool = ThreadPoolExecutor(max_workers=max(1, min(HASH_THREADS, os.cpu_count() or 1, len(parts))))
+    try:
+        for p, ok in zip(order, pool.map(matches, order), strict=True):
+            if not ok:
+                raise CommitError(f"{p.path} does not match its commit marker (size or sha256)")
+    finally:
+        pool.shutdown(cancel_futures=True)
 
 
 def check_marker_path(path: Any, shard_id: str, where: str, kind: str = RESULTS) -> int:
