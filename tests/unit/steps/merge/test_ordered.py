@@ -262,3 +262,16 @@ def test_plans_whose_shards_read_their_own_files_use_the_id_join(run):
     assert ordered.why_not(plan.model_copy(update={"format": "jsonl"})) == "the input is jsonl"
     shards = [plan.shards[0].model_copy(update={"bucket": "short"}), *plan.shards[1:]]
     assert "short rows" in (ordered.why_not(plan.model_copy(update={"shards": shards})) or "")
+
+
+def test_integer_ids_are_compared_as_the_worker_writes_them(tmp_path, fake_engine_factory, monkeypatch):
+    ids = pa.array([7, 70, 700, -3, 2**40, 0], pa.int64())
+    write_parquet(tmp_path / "in.parquet", ids, [f"ticket {i}" for i in range(len(ids))], row_group_size=4)
+    spec = make_spec(tmp_path / "in.parquet", tmp_path / "out", sharding={"target_rows": 3, "chunk_rows": 2})
+    plan = plan_job(spec)
+    assert ordered.why_not(plan) is None
+    for s in plan.shards:
+        run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+    monkeypatch.setattr(merger, "exactly_once", lambda *a: pytest.fail("the semi-join ran on the ordered path"))
+    assert merge(spec).ok_rows == 6
+    assert sorted(published_ids(tmp_path / "out")) == sorted(str(i) for i in ids.to_pylist())
