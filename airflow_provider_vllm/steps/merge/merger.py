@@ -727,11 +727,15 @@ def _publish_reference(out: Storage, src: SourcePart, rel: str) -> None:
 
     A part already there (a rerun) is kept only when it is the same file (local) or has the source's sealed
     sha256; its bytes are checked again after publishing (``verify_parts``)."""
-    if (
-        out.exists(rel)
-        and out.size(rel) == src.bytes
-        and ((out.is_local and os.path.samefile(out.path(rel), out.path(src.rel))) or out.sha256(rel) == src.sha256)
-    ):
+    if out.is_local:  # os calls: fsspec's exists/size cost more than the link itself, once per part
+        dest = out.path(rel)
+        if (
+            os.path.exists(dest)
+            and os.path.getsize(dest) == src.bytes
+            and (os.path.samefile(dest, out.path(src.rel)) or out.sha256(rel) == src.sha256)
+        ):
+            return
+    elif out.exists(rel) and out.size(rel) == src.bytes and out.sha256(rel) == src.sha256:
         return
     if not out.is_local:
         out.copy(src.rel, rel)  # server-side: one object, visible whole or not at all
