@@ -12,11 +12,15 @@ server-side copy on object stores, into ``results/part-<n>-<shard>-<chunk>.parqu
 gets one empty part so every reader sees the schema), then ``_manifest.json`` per folder
 (``PartsManifest``), then ``_MERGED.json`` last: the "complete" signal.
 
-Verification reads only the id column of the parts: duplicate ids across committed parts are
+Verification reads only the id column of the parts. Where every shard reads the input itself, each
+shard's parts are compared, row by row in input order, with its own input rows (``ordered.py``: streaming,
+exact, no hash table of the run); elsewhere one exact semi-join of the input ids against the parts' ids
+proves the common case. When either fails, duplicate ids across committed parts are
 counted *before* anything is dropped; identical duplicates (same status and content;
 provenance columns such as the attempt may differ) are dropped and reported (``duplicates``),
 which re-encodes only the parts that held the dropped copies; copies whose content differs
-fail the merge, naming the ids. Then input ids == result ids + error ids, no id twice.
+fail the merge, naming the ids. Then input ids == result ids + error ids, no id twice, and (order path)
+each row is its shard's, in input order.
 A rerun after a crash at any step converges to the same bytes; files in ``results/`` or
 ``errors/`` that merge did not write are refused, stale parts of its own are removed.
 """
