@@ -12,11 +12,15 @@ server-side copy on object stores, into ``results/part-<n>-<shard>-<chunk>.parqu
 gets one empty part so every reader sees the schema), then ``_manifest.json`` per folder
 (``PartsManifest``), then ``_MERGED.json`` last: the "complete" signal.
 
-Verification reads only the id column of the parts: duplicate ids across committed parts are
+Verification reads only the id column of the parts. Where every shard reads the input itself, each
+shard's parts are compared, row by row in input order, with its own input rows (``ordered.py``: streaming,
+exact, no hash table of the run); elsewhere one exact semi-join of the input ids against the parts' ids
+proves the common case. When either fails, duplicate ids across committed parts are
 counted *before* anything is dropped; identical duplicates (same status and content;
 provenance columns such as the attempt may differ) are dropped and reported (``duplicates``),
 which re-encodes only the parts that held the dropped copies; copies whose content differs
-fail the merge, naming the ids. Then input ids == result ids + error ids, no id twice.
+fail the merge, naming the ids. Then input ids == result ids + error ids, no id twice, and (order path)
+each row is its shard's, in input order.
 A rerun after a crash at any step converges to the same bytes; files in ``results/`` or
 ``errors/`` that merge did not write are refused, stale parts of its own are removed.
 """
@@ -65,6 +69,7 @@ from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
 from airflow_provider_vllm.steps.cache import result_cache as cache
 from airflow_provider_vllm.steps.golden import merge_golden
+from airflow_provider_vllm.steps.merge import ordered
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +147,16 @@ def merge(
         register_input_ids(con, spec, plan, in_root)
         duplicates = Duplicates(ids=0, rows_dropped=0, examples=[])
         drop: dict[str, list[int]] = {}
-        proven = exactly_once(con, plan.total_rows)
+        # Each shard's parts against its own input rows in order (streaming, exact; steps/merge/ordered.py) where
+        # every shard reads the input itself; else one exact semi-join of all ids. Either proves exactly-once on
+        # the common path; anything else goes to the detailed checks below.
+        by_order = ordered.why_not(plan) is None
+        findings: list[str] = []
+        if by_order:
+            findings = ordered.check(out, in_root, plan, spec.prompt.id_column, _shard_parts(plan, sources))
+            proven = None if findings else plan.total_rows
+        else:
+            proven = exactly_once(con, plan.total_rows)
         total = distinct = proven or 0
         if proven is None:  # something is off: count duplicates first (they explain a shortfall), then name it
             # Distinct 64-bit hashes == rows proves distinct ids (equal ids hash equal) and is
@@ -162,7 +176,14 @@ def merge(
                     duplicates.rows_dropped,
                     duplicates.examples[:5],
                 )
-            verify(con, "ids" if not drop else "(SELECT DISTINCT id FROM ids)", plan.total_rows)
+            verify(con, "ids" if not drop else "(SELECT DISTINCT id FROM ids)", plan.total_rows, findings)
+            if by_order:  # every id is there once (after dropping identical copies): are they where the plan put them?
+                findings = ordered.check(out, in_root, plan, spec.prompt.id_column, _shard_parts(plan, sources, drop))
+                if findings:
+                    raise VerificationError(
+                        "row accounting failed: every input id is committed once, but not as its shard's rows in "
+                        f"input order: {'; '.join(findings)}. Delete the folders of the shards named and rerun them"
+                    )
     finally:
         con.close()
     faults.hit("merge.before_write")
@@ -228,6 +249,20 @@ def merge(
     faults.hit("merge.after_marker")
     _record_throughput(spec, plan, markers, summary, filesystems)
     return summary
+
+
+def _shard_parts(
+    plan: Plan, sources: dict[str, list[SourcePart]], drop: dict[str, list[int]] | None = None
+) -> dict[str, ordered.ShardParts]:
+    """The committed parts per shard (``shards/<shard_id>/...``, in marker order) for ``ordered.check``."""
+    parts = {s.shard_id: ordered.ShardParts(ok=[], errors=[]) for s in plan.shards}
+    for kind in KINDS:
+        for p in sources[kind]:
+            sp = parts.setdefault(p.rel.split("/")[1], ordered.ShardParts(ok=[], errors=[]))
+            (sp.ok if kind == RESULTS else sp.errors).append(p.rel)
+            if drop and p.rel in drop:
+                sp.drop[p.rel] = drop[p.rel]
+    return parts
 
 
 def _follower_sources(out: Storage, plan: Plan, sources: dict[str, list[SourcePart]]) -> dict[str, tuple[FileRef, str]]:
@@ -431,8 +466,6 @@ def committed_parts(out: Storage, plan: Plan, run: RunSeal) -> tuple[dict[str, l
             if part.path in seen:
                 raise CommitError(f"commit marker {where} names {part.path} twice")
             seen.add(part.path)
-            if out.size(part.path) != part.bytes or out.sha256(part.path) != part.sha256:
-                raise CommitError(f"{part.path} does not match its commit marker (size or sha256)")
             sources[kind].append(
                 SourcePart(
                     path=part.path,
@@ -442,7 +475,25 @@ def committed_parts(out: Storage, plan: Plan, run: RunSeal) -> tuple[dict[str, l
                     name=f"part-{n:0{width}d}-{shard_id}-{chunk:05d}.parquet",
                 )
             )
+    _check_digests(out, [p for k in KINDS for p in sources[k]])
     return sources, markers
+
+
+def _check_digests(out: Storage, parts: list[SourcePart]) -> None:
+    """CommitError naming the first part (in plan order) whose size or sha256 is not its marker's; parts are
+    hashed side by side (hashlib and file reads release the GIL)."""
+
+    def matches(p: SourcePart) -> bool:
+        return out.size(p.path) == p.bytes and out.sha256(p.path) == p.sha256
+
+    order = sorted(parts, key=lambda p: p.name)
+    pool = ThreadPoolExecutor(max_workers=max(1, min(HASH_THREADS, os.cpu_count() or 1, len(parts))))
+    try:
+        for p, ok in zip(order, pool.map(matches, order), strict=True):
+            if not ok:
+                raise CommitError(f"{p.path} does not match its commit marker (size or sha256)")
+    finally:
+        pool.shutdown(cancel_futures=True)
 
 
 def check_marker_path(path: Any, shard_id: str, where: str, kind: str = RESULTS) -> int:
@@ -572,12 +623,13 @@ def exactly_once(con: duckdb.DuckDBPyConnection, planned_rows: int) -> int | Non
     return int(n_out) if n_in == planned_rows == n_out == covered else None
 
 
-def verify(con: duckdb.DuckDBPyConnection, source: str, planned_rows: int) -> None:
+def verify(con: duckdb.DuckDBPyConnection, source: str, planned_rows: int, findings: list[str] | None = None) -> None:
     """input ids == output ids, each once; raises VerificationError naming counts and examples.
 
     ``source`` has distinct ids (deduped) and the input's ids are distinct (checked by the
     plan, files unchanged since), so equal counts plus every output id found in the input
-    prove the two sets equal; one semi-join instead of a full outer join.
+    prove the two sets equal; one semi-join instead of a full outer join. ``findings``: what the
+    order-based check found (``ordered.check``), named in the error too.
     """
     n_in, n_out, n_found = con.execute(
         f"SELECT (SELECT count(*) FROM input_ids), (SELECT count(*) FROM {source}), "
@@ -600,6 +652,7 @@ def verify(con: duckdb.DuckDBPyConnection, source: str, planned_rows: int) -> No
     raise VerificationError(
         f"row accounting failed: {n_in} input ids (plan: {planned_rows}), {n_out} output rows; "
         f"{n_in - n_found} missing (e.g. {ex_missing}), {n_out - n_found} not in the input (e.g. {ex_extra})"
+        + (f"; per shard: {'; '.join(findings)}" if findings else "")
     )
 
 
@@ -678,11 +731,15 @@ def _publish_reference(out: Storage, src: SourcePart, rel: str) -> None:
 
     A part already there (a rerun) is kept only when it is the same file (local) or has the source's sealed
     sha256; its bytes are checked again after publishing (``verify_parts``)."""
-    if (
-        out.exists(rel)
-        and out.size(rel) == src.bytes
-        and ((out.is_local and os.path.samefile(out.path(rel), out.path(src.rel))) or out.sha256(rel) == src.sha256)
-    ):
+    if out.is_local:  # os calls: fsspec's exists/size cost more than the link itself, once per part
+        dest = out.path(rel)
+        if (
+            os.path.exists(dest)
+            and os.path.getsize(dest) == src.bytes
+            and (os.path.samefile(dest, out.path(src.rel)) or out.sha256(rel) == src.sha256)
+        ):
+            return
+    elif out.exists(rel) and out.size(rel) == src.bytes and out.sha256(rel) == src.sha256:
         return
     if not out.is_local:
         out.copy(src.rel, rel)  # server-side: one object, visible whole or not at all
