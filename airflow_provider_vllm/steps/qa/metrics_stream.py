@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -59,16 +60,24 @@ class ResultTally:
         self._lat = np.empty(capacity, np.float32)  # finite latencies; float64 once a batch needs it
         self._n_lat = 0
 
-    def tally(self, con, batch_rows: int = 1 << 20, vectors: bool | None = None) -> None:
+    def tally(
+        self,
+        con,
+        batch_rows: int = 1 << 20,
+        vectors: bool | None = None,
+        also: tuple[str, Callable[[np.ndarray], None]] | None = None,
+    ) -> None:
         """Count the rows of the DuckDB relations ``r`` (results) and ``e`` (errors) of ``con``.
 
         ``vectors``: whether rows may carry an embedding or scores; False (a chat or generate job, whose
-        rows never do) skips the two scans that find out."""
+        rows never do) skips the two scans that find out. ``also``: (a float column of ``r``, a function)
+        that the latency fetch passes that column of every row, batch by batch (nulls as NaN): one scan
+        for both (``confidence.ConfidenceTally``)."""
         self._count_results(con, vectors)
         for code, n in con.execute("SELECT error_code, count(*) FROM e GROUP BY ALL").fetchall():
             self.counts["error_code"][code] += n
             self.n_err += n
-        self._fetch_latency(con, batch_rows)
+        self._fetch_latency(con, batch_rows, also)
 
     def _count_results(self, con, vectors: bool | None = None) -> None:
         # Rows with vectors: two scans that DuckDB answers from the row groups' null counts where all are
@@ -111,16 +120,23 @@ class ResultTally:
         for name, total in (("prompt_tokens", "prompt_total"), ("completion_tokens", "completion_total")):
             setattr(self, total, sum(int(v) * n for v, n in self.counts[name].items() if v is not None))
 
-    def _fetch_latency(self, con, batch_rows: int) -> None:
-        reader = con.sql(
-            "SELECT latency_ms FROM r WHERE latency_ms IS NOT NULL AND isfinite(latency_ms)"
-        ).to_arrow_reader(batch_rows)
-        for batch in reader:
+    def _fetch_latency(self, con, batch_rows: int, also: tuple[str, Callable[[np.ndarray], None]] | None) -> None:
+        if also is None:
+            sql = "SELECT latency_ms FROM r WHERE latency_ms IS NOT NULL AND isfinite(latency_ms)"
+        else:  # every row, for the other column; the latencies are filtered here as the WHERE above does
+            sql = f'SELECT latency_ms, "{also[0]}" FROM r'
+        for batch in con.sql(sql).to_arrow_reader(batch_rows):
+            if also is not None and batch.num_rows:
+                also[1](_floats(batch.column(1)))
             col = batch.column(0)
-            if not len(col):
+            if pa.types.is_null(col.type):  # no latency at all (the WHERE above: no rows)
                 continue
             exact32 = pa.types.is_float32(col.type)
             x = col.to_numpy(zero_copy_only=False).astype(np.float32 if exact32 else np.float64, copy=False)
+            if also is not None:
+                x = x[np.isfinite(x)]  # null (NaN here), NaN and infinities: as the WHERE
+            if not len(x):
+                continue
             self.latency_sum += float(x.sum(dtype=np.float64))
             self._keep_latency(x, exact32=exact32)
 
@@ -190,6 +206,13 @@ class ResultTally:
             values = np.repeat(np.array([v for v, _ in vc], np.float64), [n for _, n in vc])
             return _float_stats(values, float(pa.compute.sum(pa.array(values)).as_py()), integer=True)
         return int_stats_from_counts([v for v, _ in vc], [n for _, n in vc])
+
+
+def _floats(col: pa.Array) -> np.ndarray:
+    """A numeric column as numpy, nulls as NaN (a column of only nulls: NaN of float64)."""
+    if pa.types.is_null(col.type):
+        return np.full(len(col), np.nan)
+    return col.to_numpy(zero_copy_only=False)
 
 
 def _float_stats(x: np.ndarray, total: float, integer: bool = False) -> dict[str, Any] | None:
