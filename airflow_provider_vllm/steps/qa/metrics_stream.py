@@ -52,6 +52,7 @@ class ResultTally:
     def __init__(self, capacity: int = 0) -> None:
         """``capacity``: the expected result rows (footers), so the latency buffer is allocated once."""
         self.hashed = 0  # rows with a prompt hash (confidence.answer_stats)
+        self.also_rows = 0  # rows with a value in tally's ``also`` column
         self.ok = self.n_err = self.invalid = self.truncated = self.length_finish = 0
         self.text_rows = self.empty = self.label_nulls = self.valid_nulls = 0
         self.prompt_total = self.completion_total = 0
@@ -73,13 +74,15 @@ class ResultTally:
         rows never do) skips the two scans that find out. ``also``: (a float column of ``r``, a function)
         that the latency fetch passes that column of every row, batch by batch (nulls as NaN): one scan
         for both (``confidence.ConfidenceTally``)."""
-        self._count_results(con, vectors)
+        self._count_results(con, vectors, also[0] if also is not None else None)
+        if also is not None and not self.also_rows:  # no row has a value there (a run without confidence)
+            also = None
         for code, n in con.execute("SELECT error_code, count(*) FROM e GROUP BY ALL").fetchall():
             self.counts["error_code"][code] += n
             self.n_err += n
         self._fetch_latency(con, batch_rows, also)
 
-    def _count_results(self, con, vectors: bool | None = None) -> None:
+    def _count_results(self, con, vectors: bool | None = None, also: str | None = None) -> None:
         # Rows with vectors: two scans that DuckDB answers from the row groups' null counts where all are
         # null (the usual text run), so that the flags below need not decode the list columns.
         if vectors is None:
@@ -91,15 +94,25 @@ class ResultTally:
             )
         text = "(embedding IS NULL AND scores IS NULL)" if vectors else "true"
         out = "CAST(output AS VARCHAR)"
-        ((self.ok, self.valid_nulls, self.invalid, self.truncated, self.text_rows, self.empty, self.hashed),) = (
-            con.execute(
-                f"SELECT count(*), count(*) FILTER (WHERE valid IS NULL), count(*) FILTER (WHERE NOT valid), "
-                f"count(*) FILTER (WHERE truncated), count(*) FILTER (WHERE {text}), "
-                f"count(*) FILTER (WHERE {text} AND {_BLANK.replace('output', out)}), count(prompt_hash) FROM r"
-            ).fetchall()
-        )
-        # The answers' confidence is a scan of its own, of that one column (confidence.answer_stats): as one
-        # more grouping set here, it made this query twice as long.
+        values = f', count("{also}")' if also else ", 0"
+        (
+            (
+                self.ok,
+                self.valid_nulls,
+                self.invalid,
+                self.truncated,
+                self.text_rows,
+                self.empty,
+                self.hashed,
+                self.also_rows,
+            ),
+        ) = con.execute(
+            f"SELECT count(*), count(*) FILTER (WHERE valid IS NULL), count(*) FILTER (WHERE NOT valid), "
+            f"count(*) FILTER (WHERE truncated), count(*) FILTER (WHERE {text}), "
+            f"count(*) FILTER (WHERE {text} AND {_BLANK.replace('output', out)}), count(prompt_hash){values} FROM r"
+        ).fetchall()
+        # The answers' confidence is not a grouping set here (that made this query twice as long): it comes
+        # with the latencies (``also``), fetched only when some row has one (``also_rows``).
         cols = [*_KEYS, "prompt_tokens", "completion_tokens"]
         rows = con.execute(
             f"SELECT grouping({', '.join(cols)}), {', '.join(cols)}, count(*) FROM r "

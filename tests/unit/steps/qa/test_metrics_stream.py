@@ -300,3 +300,7 @@ def test_a_column_fetched_with_the_latencies_leaves_them_as_they_were(tmp_path):
     got = np.concatenate(seen)
     want = results.column("latency_ms").to_numpy(zero_copy_only=False)
     assert len(got) == results.num_rows and np.array_equal(got, want, equal_nan=True)
+    # a column without a value in any row (a run without confidence) is not fetched at all
+    none = []
+    ResultTally(3000).tally(con, batch_rows=256, also=("prompt_hash", none.append))
+    assert none == [] and results.column("prompt_hash").null_count == results.num_rows
