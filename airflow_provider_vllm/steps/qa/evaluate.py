@@ -169,29 +169,29 @@ def evaluate_stream(
     least = stats["least"]
     repeats = consistency_counts(con, value=compared, hashed=stats["hashed"]) if compared else None
     picked = repeats[1] if repeats is not None else []
-    # The rows QA reads whole go in one scan of the results that DuckDB filters by id inside the scan: the
-    # sample's, the least confident, and the known ids' (a golden set of up to KNOWN_IN_SCAN ids, joined by
-    # value). That scan decompresses every page anyway; the known ids cost it little (a semi-join whose
-    # filter DuckDB pushes into the scan), where probing every row's id in the sample's ranking scan (which
-    # then also carried the answer columns of every row) cost that scan about as much again.
-    # The rows of the inconsistent prompts' examples ride along the ranking scan (``sample.Ride``), which
-    # reads every id anyway: a constant IN list of a few prompt hashes, no join.
+    # The rows QA reads whole (the sample's and the least confident) go in one scan of the results that
+    # DuckDB filters by id inside the scan. The narrow rows of the known ids (a golden set of up to
+    # KNOWN_IN_SCAN ids) and of the inconsistent prompts' examples ride along the sample's ranking scan,
+    # which reads every id anyway (``sample.Ride``): the ids are read and hashed once, not twice.
     n_known = refs.known.get(refs.run_source, 0) if refs.run_source else 0
     known = 0 < n_known <= KNOWN_IN_SCAN
-    carried = tuple(dict.fromkeys(["prompt_hash", *([compared] if compared else [])]))
-    ride = Ride(f"prompt_hash IN ({', '.join(str(int(h)) for h in picked)})", carried) if picked else None
+    # known ids by their 64-bit hash (the ranking hashes every id anyway; a collision only carries a row more,
+    # which labelled_view drops: it joins the known ids by value)
+    ride_where = (["hid IN (SELECT hash(id) FROM ref)"] if known else []) + (
+        [f"prompt_hash IN ({', '.join(str(int(h)) for h in picked)})"] if picked else []
+    )
+    carried = tuple(dict.fromkeys(["label", "valid", "confidence", "prompt_hash", *([compared] if compared else [])]))
+    ride = Ride(" OR ".join(ride_where), carried) if ride_where else None
     needs = {"r": RESULT_NEEDS, "e": ERROR_NEEDS}
 
-    def rows(table: str, ids: list[str], with_known: bool = False) -> pa.Table:
-        if not ids and not with_known:
+    def rows(table: str, ids: list[str]) -> pa.Table:
+        if not ids:
             return conform(con.sql(f"SELECT * FROM {table} LIMIT 0").to_arrow_table(), needs[table])
-        if len(ids) > IN_LIST_MAX or with_known:
-            # a semi-join (a SQL text of a huge list would be slow to parse): DuckDB filters the scan by its keys
+        if len(ids) > IN_LIST_MAX:  # a huge sample: a semi-join (a SQL text of that size would be slow to parse)
             con.register("qa_picked", pa.table({"id": pa.array(ids, pa.string())}))
-            also = " UNION ALL SELECT id FROM ref" if with_known else ""
             try:
                 return conform(
-                    con.sql(f"SELECT * FROM {table} WHERE id IN (SELECT id FROM qa_picked{also})").to_arrow_table(),
+                    con.sql(f"SELECT * FROM {table} WHERE id IN (SELECT id FROM qa_picked)").to_arrow_table(),
                     needs[table],
                 )
             finally:
@@ -206,7 +206,7 @@ def evaluate_stream(
         """``rows``; for the results, the sample's rows with every other row QA reads whole (one scan)."""
         if table != "r":
             return rows(table, ids)
-        fetched["r"] = rows("r", list(dict.fromkeys([*ids, *least])), with_known=known)
+        fetched["r"] = rows("r", list(dict.fromkeys([*ids, *least])))
         return fetched["r"]
 
     def draw(sizes):
@@ -226,29 +226,23 @@ def evaluate_stream(
         return least_confident(drawn, fetched["r"], least, spec.seed)
 
     def measure() -> None:
-        """After the draw, from the rows it read: quality (the known ids' rows were read whole with the
-        sample's), confidence, consistency (the examples' rows rode along the ranking scan)."""
-        if known:
-            con.register("qa_read", fetched["r"])
+        """After the draw, from the rows its ranking scan collected: quality, confidence, consistency."""
+        if ride is not None:
+            con.register("qa_ridden", ride.read(con))
         try:
             labelled_view(
-                con, run_source=refs.run_source, ride_along=refs.ride_along, results="qa_read" if known else "r"
+                con, run_source=refs.run_source, ride_along=refs.ride_along, results="qa_ridden" if known else "r"
             )
+            q = quality(con, labels=labels, previous=previous, known=refs.known, notes=notes)
+            if q is not None:
+                q["locations"] = dict(refs.locations)
+            consistency = None
+            if repeats is not None and compared is not None:
+                consistency = repeats[0]
+                consistency["examples"] = consistency_examples(con, "qa_ridden", value=compared, picked=picked)
         finally:
-            if known:
-                con.unregister("qa_read")
-        q = quality(con, labels=labels, previous=previous, known=refs.known, notes=notes)
-        if q is not None:
-            q["locations"] = dict(refs.locations)
-        consistency = None
-        if repeats is not None and compared is not None:
-            consistency = repeats[0]
             if ride is not None:
-                con.register("qa_ridden", ride.read(con))
-                try:
-                    consistency["examples"] = consistency_examples(con, "qa_ridden", value=compared, picked=picked)
-                finally:
-                    con.unregister("qa_ridden")
+                con.unregister("qa_ridden")
         metrics.update(quality=q, confidence=confidence_metrics(stats, notes=notes), consistency=consistency)
 
     return _report(
