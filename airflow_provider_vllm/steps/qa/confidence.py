@@ -82,17 +82,17 @@ def answer_stats(
 
 class ConfidenceTally:
     """``answer_stats``'s aggregate of ``r`` over confidences fetched batch by batch (``add``), as the
-    streamed QA path fetches them with the latencies: per bucket the rows, their sum (float64), those below
-    ``low_threshold`` and the ``least`` smallest; the same figures as the SQL (a value outside [0, 1], NaN
-    or null counts as none; the bucket is ``floor(confidence * 10)`` in the column's float32, as DuckDB
-    computes it for a FLOAT column; the comparison with the threshold in float64, as DuckDB compares a FLOAT
-    with a DOUBLE)."""
+    streamed QA path fetches them with the latencies: the rows per bucket, and of all of them the sum
+    (float64), the rows below ``low_threshold`` and the ``least`` smallest; the same figures as the SQL (a
+    value outside [0, 1], NaN or null counts as none; the bucket is ``floor(confidence * 10)`` in the
+    column's own float type, as DuckDB computes it; the comparison with the threshold in float64, as DuckDB
+    compares a FLOAT with a DOUBLE)."""
 
     def __init__(self, low: float, least: int) -> None:
         self.low_threshold, self.least = float(low), int(least)
-        self._n = np.zeros(BUCKETS, np.int64)
-        self._low = np.zeros(BUCKETS, np.int64)
-        self._sum = np.zeros(BUCKETS, np.float64)
+        self._n = np.zeros(BUCKETS + 1, np.int64)  # + 1: a product that rounds up to 10 (the SQL's bucket too)
+        self._low = 0
+        self._sum = 0.0
         self._smallest = np.empty(0, np.float64)
 
     def add(self, confidence: np.ndarray) -> None:
@@ -102,25 +102,30 @@ class ConfidenceTally:
         c = confidence[(confidence >= 0) & (confidence <= 1)]  # NaN compares false
         if not len(c):
             return
-        # in the column's own float type, as DuckDB computes floor(confidence * 10) for it
-        bucket = np.where(c >= 1, BUCKETS - 1, np.floor(c * c.dtype.type(BUCKETS))).astype(np.intp)
-        wide = c.astype(np.float64)
-        self._n += np.bincount(bucket, minlength=BUCKETS)
-        self._sum += np.bincount(bucket, weights=wide, minlength=BUCKETS)
-        self._low += np.bincount(bucket[wide < self.low_threshold], minlength=BUCKETS)
+        # floor(confidence * 10) in the column's own float type (a truncation: the product is not negative)
+        bucket = np.where(c >= 1, BUCKETS - 1, (c * c.dtype.type(BUCKETS)).astype(np.intp))
+        self._n += np.bincount(bucket, minlength=BUCKETS + 1)
+        wide = c.astype(np.float64, copy=False)
+        self._sum += float(wide.sum())
+        self._low += int(np.count_nonzero(wide < self.low_threshold))
         if self.least > 0:
-            v = np.concatenate([self._smallest, c]) if len(self._smallest) else c
-            self._smallest = np.partition(v, self.least - 1)[: self.least] if len(v) > self.least else v.copy()
+            kept = self._smallest
+            new = c if len(kept) < self.least else c[c <= kept.max()]  # only what can still be among the least
+            if len(new):
+                v = np.concatenate([kept, new]) if len(kept) else new
+                self._smallest = np.partition(v, self.least - 1)[: self.least] if len(v) > self.least else v.copy()
 
     def found(self) -> list[tuple[int, int, float, int, list[float] | None]]:
-        """Per bucket with rows, as ``answer_stats``'s aggregate: (bucket, rows, sum, rows below the threshold,
-        the least smallest); the least smallest of all rows go with the first bucket (None with the others)."""
+        """Rows as ``answer_stats``'s aggregate gives them, one per bucket with rows: (bucket, rows, sum, rows
+        below the threshold, the least smallest); the sum, the rows below and the least smallest of all rows
+        go with the first bucket (0.0, 0 and None with the others: ``answer_stats`` adds them up)."""
         smallest = sorted(float(v) for v in self._smallest) if self.least > 0 else None
+        total, low = self._sum, self._low
         out = []
-        for b in range(BUCKETS):
+        for b in range(BUCKETS + 1):
             if self._n[b]:
-                out.append((b, int(self._n[b]), float(self._sum[b]), int(self._low[b]), smallest))
-                smallest = None
+                out.append((b, int(self._n[b]), total, low, smallest))
+                total, low, smallest = 0.0, 0, None
         return out
 
 
