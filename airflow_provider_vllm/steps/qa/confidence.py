@@ -14,12 +14,15 @@
 
 Each is one scan of the columns it needs: the confidence per bucket (with the ``least``-th smallest
 confidence, below which the least confident rows are then read: a filter on the confidence column, so
-the other rows' ids are never compared), and one GROUP BY of the prompt hashes.
+the other rows' ids are never compared), and one GROUP BY of the prompt hashes. The streamed QA path
+counts the buckets from the confidences it fetches with the latencies (``ConfidenceTally``) instead.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import numpy as np
 
 BUCKETS = 10
 EXAMPLES = 10
@@ -28,18 +31,26 @@ _IS_PROBABILITY = "confidence BETWEEN 0 AND 1"
 _BUCKET = f"CASE WHEN confidence >= 1 THEN {BUCKETS - 1} ELSE CAST(floor(confidence * {BUCKETS}) AS INTEGER) END"
 
 
-def answer_stats(con, *, low: float, least: int, counted: tuple[int, int] | None = None) -> dict[str, Any]:
+def answer_stats(
+    con, *, low: float, least: int, counted: tuple[int, int] | None = None, tallied: ConfidenceTally | None = None
+) -> dict[str, Any]:
     """The confidence of the rows of ``r`` (rows with one, below ``low``, mean, rows per bucket), the rows with
     a prompt hash (for ``consistency_metrics``), and the ids of the ``least`` least confident rows (ties by
     id). A confidence outside [0, 1] (NaN, infinite, not a probability) counts as none. ``counted``: the rows
     of ``r`` and those with a prompt hash when a scan already counted them (the streamed QA path's tally:
-    ``metrics_stream.ResultTally``); else one more aggregate here."""
-    smallest = f"min(confidence, {int(least)})" if least > 0 else "NULL"
-    found = con.execute(
-        f"SELECT {_BUCKET}, count(*), sum(confidence), count(*) FILTER (WHERE confidence < $low), {smallest} "
-        f"FROM r WHERE {_IS_PROBABILITY} GROUP BY 1",
-        {"low": float(low)},
-    ).fetchall()
+    ``metrics_stream.ResultTally``); else one more aggregate here. ``tallied``: the buckets, counted from
+    every row's confidence by that scan (same ``low`` and ``least``); else one aggregate of ``r`` here."""
+    if tallied is not None:
+        if (tallied.low_threshold, tallied.least) != (float(low), int(least)):
+            raise ValueError("answer_stats: the tallied confidence was counted with another low or least")
+        found = tallied.found()
+    else:
+        smallest = f"min(confidence, {int(least)})" if least > 0 else "NULL"
+        found = con.execute(
+            f"SELECT {_BUCKET}, count(*), sum(confidence), count(*) FILTER (WHERE confidence < $low), {smallest} "
+            f"FROM r WHERE {_IS_PROBABILITY} GROUP BY 1",
+            {"low": float(low)},
+        ).fetchall()
     rows, hashed = counted or con.execute("SELECT count(*), count(prompt_hash) FROM r").fetchall()[0]
     n = sum(int(k) for _, k, _, _, _ in found)
     # the least-th smallest confidence (each bucket kept its least smallest): no row above it is among the least
@@ -67,6 +78,55 @@ def answer_stats(con, *, low: float, least: int, counted: tuple[int, int] | None
         "least": ids,
         "threshold": float(low),
     }
+
+
+class ConfidenceTally:
+    """``answer_stats``'s aggregate of ``r`` over confidences fetched batch by batch (``add``), as the
+    streamed QA path fetches them with the latencies: the rows per bucket, and of all of them the sum
+    (float64), the rows below ``low_threshold`` and the ``least`` smallest; the same figures as the SQL (a
+    value outside [0, 1], NaN or null counts as none; the bucket is ``floor(confidence * 10)`` in the
+    column's own float type, as DuckDB computes it; the comparison with the threshold in float64, as DuckDB
+    compares a FLOAT with a DOUBLE)."""
+
+    def __init__(self, low: float, least: int) -> None:
+        self.low_threshold, self.least = float(low), int(least)
+        self._n = np.zeros(BUCKETS + 1, np.int64)  # + 1: a product that rounds up to 10 (the SQL's bucket too)
+        self._low = 0
+        self._sum = 0.0
+        self._smallest = np.empty(0, np.float64)
+
+    def add(self, confidence: np.ndarray) -> None:
+        """Count one batch of the ``confidence`` column (its float type, nulls as NaN)."""
+        if confidence.dtype.kind != "f":
+            confidence = confidence.astype(np.float64)  # what DuckDB's arithmetic on a non-float column gives
+        c = confidence[(confidence >= 0) & (confidence <= 1)]  # NaN compares false
+        if not len(c):
+            return
+        # floor(confidence * 10) in the column's own float type (a truncation: the product is not negative)
+        bucket = np.where(c >= 1, BUCKETS - 1, (c * c.dtype.type(BUCKETS)).astype(np.intp))
+        self._n += np.bincount(bucket, minlength=BUCKETS + 1)
+        wide = c.astype(np.float64, copy=False)
+        self._sum += float(wide.sum())
+        self._low += int(np.count_nonzero(wide < self.low_threshold))
+        if self.least > 0:
+            kept = self._smallest
+            new = c if len(kept) < self.least else c[c <= kept.max()]  # only what can still be among the least
+            if len(new):
+                v = np.concatenate([kept, new]) if len(kept) else new
+                self._smallest = np.partition(v, self.least - 1)[: self.least] if len(v) > self.least else v.copy()
+
+    def found(self) -> list[tuple[int, int, float, int, list[float] | None]]:
+        """Rows as ``answer_stats``'s aggregate gives them, one per bucket with rows: (bucket, rows, sum, rows
+        below the threshold, the least smallest); the sum, the rows below and the least smallest of all rows
+        go with the first bucket (0.0, 0 and None with the others: ``answer_stats`` adds them up)."""
+        smallest = sorted(float(v) for v in self._smallest) if self.least > 0 else None
+        total, low = self._sum, self._low
+        out = []
+        for b in range(BUCKETS + 1):
+            if self._n[b]:
+                out.append((b, int(self._n[b]), total, low, smallest))
+                total, low, smallest = 0.0, 0, None
+        return out
 
 
 def confidence_metrics(stats: dict[str, Any], *, notes: list[str]) -> dict[str, Any] | None:

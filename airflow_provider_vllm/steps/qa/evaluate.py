@@ -18,6 +18,7 @@ import pyarrow as pa
 from airflow_provider_vllm.core.spec import QASpec
 from airflow_provider_vllm.steps.qa.checks import overall_status, run_checks
 from airflow_provider_vllm.steps.qa.confidence import (
+    ConfidenceTally,
     answer_stats,
     confidence_metrics,
     consistency_counts,
@@ -153,9 +154,18 @@ def evaluate_stream(
     notes: list[str] = []
     refs = refs or References()
     tally = ResultTally(capacity=result_rows)
-    tally.tally(con, batch_rows, vectors=None if task in (None, "embed", "classify") else False)
+    # the confidence per bucket from the latency fetch's scan (one scan fewer than an aggregate of its own)
+    confidence = ConfidenceTally(spec.low_confidence, spec.least_confident)
+    vectors = None if task in (None, "embed", "classify") else False
+    tally.tally(con, batch_rows, vectors=vectors, also=("confidence", confidence.add))
     metrics = tally.metrics(labels=labels, structured=structured, notes=notes)
-    stats = answer_stats(con, low=spec.low_confidence, least=spec.least_confident, counted=(tally.ok, tally.hashed))
+    stats = answer_stats(
+        con,
+        low=spec.low_confidence,
+        least=spec.least_confident,
+        counted=(tally.ok, tally.hashed),
+        tallied=confidence,
+    )
     least = stats["least"]
     repeats = consistency_counts(con, value=compared, hashed=stats["hashed"]) if compared else None
     picked = repeats[1] if repeats is not None else []

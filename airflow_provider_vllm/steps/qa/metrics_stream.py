@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -51,6 +52,7 @@ class ResultTally:
     def __init__(self, capacity: int = 0) -> None:
         """``capacity``: the expected result rows (footers), so the latency buffer is allocated once."""
         self.hashed = 0  # rows with a prompt hash (confidence.answer_stats)
+        self.also_rows = 0  # rows with a value in tally's ``also`` column
         self.ok = self.n_err = self.invalid = self.truncated = self.length_finish = 0
         self.text_rows = self.empty = self.label_nulls = self.valid_nulls = 0
         self.prompt_total = self.completion_total = 0
@@ -59,18 +61,28 @@ class ResultTally:
         self._lat = np.empty(capacity, np.float32)  # finite latencies; float64 once a batch needs it
         self._n_lat = 0
 
-    def tally(self, con, batch_rows: int = 1 << 20, vectors: bool | None = None) -> None:
+    def tally(
+        self,
+        con,
+        batch_rows: int = 1 << 20,
+        vectors: bool | None = None,
+        also: tuple[str, Callable[[np.ndarray], None]] | None = None,
+    ) -> None:
         """Count the rows of the DuckDB relations ``r`` (results) and ``e`` (errors) of ``con``.
 
         ``vectors``: whether rows may carry an embedding or scores; False (a chat or generate job, whose
-        rows never do) skips the two scans that find out."""
-        self._count_results(con, vectors)
+        rows never do) skips the two scans that find out. ``also``: (a float column of ``r``, a function)
+        that the latency fetch passes that column of every row, batch by batch (nulls as NaN): one scan
+        for both (``confidence.ConfidenceTally``)."""
+        self._count_results(con, vectors, also[0] if also is not None else None)
+        if also is not None and not self.also_rows:  # no row has a value there (a run without confidence)
+            also = None
         for code, n in con.execute("SELECT error_code, count(*) FROM e GROUP BY ALL").fetchall():
             self.counts["error_code"][code] += n
             self.n_err += n
-        self._fetch_latency(con, batch_rows)
+        self._fetch_latency(con, batch_rows, also)
 
-    def _count_results(self, con, vectors: bool | None = None) -> None:
+    def _count_results(self, con, vectors: bool | None = None, also: str | None = None) -> None:
         # Rows with vectors: two scans that DuckDB answers from the row groups' null counts where all are
         # null (the usual text run), so that the flags below need not decode the list columns.
         if vectors is None:
@@ -82,15 +94,25 @@ class ResultTally:
             )
         text = "(embedding IS NULL AND scores IS NULL)" if vectors else "true"
         out = "CAST(output AS VARCHAR)"
-        ((self.ok, self.valid_nulls, self.invalid, self.truncated, self.text_rows, self.empty, self.hashed),) = (
-            con.execute(
-                f"SELECT count(*), count(*) FILTER (WHERE valid IS NULL), count(*) FILTER (WHERE NOT valid), "
-                f"count(*) FILTER (WHERE truncated), count(*) FILTER (WHERE {text}), "
-                f"count(*) FILTER (WHERE {text} AND {_BLANK.replace('output', out)}), count(prompt_hash) FROM r"
-            ).fetchall()
-        )
-        # The answers' confidence is a scan of its own, of that one column (confidence.answer_stats): as one
-        # more grouping set here, it made this query twice as long.
+        values = f', count("{also}")' if also else ", 0"
+        (
+            (
+                self.ok,
+                self.valid_nulls,
+                self.invalid,
+                self.truncated,
+                self.text_rows,
+                self.empty,
+                self.hashed,
+                self.also_rows,
+            ),
+        ) = con.execute(
+            f"SELECT count(*), count(*) FILTER (WHERE valid IS NULL), count(*) FILTER (WHERE NOT valid), "
+            f"count(*) FILTER (WHERE truncated), count(*) FILTER (WHERE {text}), "
+            f"count(*) FILTER (WHERE {text} AND {_BLANK.replace('output', out)}), count(prompt_hash){values} FROM r"
+        ).fetchall()
+        # The answers' confidence is not a grouping set here (that made this query twice as long): it comes
+        # with the latencies (``also``), fetched only when some row has one (``also_rows``).
         cols = [*_KEYS, "prompt_tokens", "completion_tokens"]
         rows = con.execute(
             f"SELECT grouping({', '.join(cols)}), {', '.join(cols)}, count(*) FROM r "
@@ -111,16 +133,23 @@ class ResultTally:
         for name, total in (("prompt_tokens", "prompt_total"), ("completion_tokens", "completion_total")):
             setattr(self, total, sum(int(v) * n for v, n in self.counts[name].items() if v is not None))
 
-    def _fetch_latency(self, con, batch_rows: int) -> None:
-        reader = con.sql(
-            "SELECT latency_ms FROM r WHERE latency_ms IS NOT NULL AND isfinite(latency_ms)"
-        ).to_arrow_reader(batch_rows)
-        for batch in reader:
+    def _fetch_latency(self, con, batch_rows: int, also: tuple[str, Callable[[np.ndarray], None]] | None) -> None:
+        if also is None:
+            sql = "SELECT latency_ms FROM r WHERE latency_ms IS NOT NULL AND isfinite(latency_ms)"
+        else:  # every row, for the other column; the latencies are filtered here as the WHERE above does
+            sql = f'SELECT latency_ms, "{also[0]}" FROM r'
+        for batch in con.sql(sql).to_arrow_reader(batch_rows):
+            if also is not None and batch.num_rows:
+                also[1](_floats(batch.column(1)))
             col = batch.column(0)
-            if not len(col):
+            if pa.types.is_null(col.type):  # no latency at all (the WHERE above: no rows)
                 continue
             exact32 = pa.types.is_float32(col.type)
             x = col.to_numpy(zero_copy_only=False).astype(np.float32 if exact32 else np.float64, copy=False)
+            if also is not None:
+                x = x[np.isfinite(x)]  # null (NaN here), NaN and infinities: as the WHERE
+            if not len(x):
+                continue
             self.latency_sum += float(x.sum(dtype=np.float64))
             self._keep_latency(x, exact32=exact32)
 
@@ -190,6 +219,13 @@ class ResultTally:
             values = np.repeat(np.array([v for v, _ in vc], np.float64), [n for _, n in vc])
             return _float_stats(values, float(pa.compute.sum(pa.array(values)).as_py()), integer=True)
         return int_stats_from_counts([v for v, _ in vc], [n for _, n in vc])
+
+
+def _floats(col: pa.Array) -> np.ndarray:
+    """A numeric column as numpy, nulls as NaN (a column of only nulls: NaN of float64)."""
+    if pa.types.is_null(col.type):
+        return np.full(len(col), np.nan)
+    return col.to_numpy(zero_copy_only=False)
 
 
 def _float_stats(x: np.ndarray, total: float, integer: bool = False) -> dict[str, Any] | None:

@@ -8,8 +8,14 @@ import math
 import duckdb
 import pandas as pd
 import pyarrow as pa
+import pytest
 
-from airflow_provider_vllm.steps.qa.confidence import answer_stats, confidence_metrics, consistency_metrics
+from airflow_provider_vllm.steps.qa.confidence import (
+    ConfidenceTally,
+    answer_stats,
+    confidence_metrics,
+    consistency_metrics,
+)
 
 
 def _con(confidence, prompt_hash=None, label=None):
@@ -106,3 +112,73 @@ def test_long_answers_that_differ_at_the_end_are_inconsistent():
     c = consistency_metrics(con, value="output", hashed=n)
     assert (c["repeated_prompts"], c["inconsistent_prompts"], c["inconsistent_rows"]) == (3, 2, 4)
     assert [x["ids"] for x in c["examples"]] == [["r0", "r1"], ["r4", "r5"]]
+
+
+def _same(got, want):
+    """Equal figures; the mean within 1e-12 (a float sum in another order may differ in the last bits; DuckDB's
+    parallel sum has no fixed order either)."""
+    assert {**got, "mean": None} == {**want, "mean": None}
+    assert (got["mean"] is None) == (want["mean"] is None)
+    assert want["mean"] is None or math.isclose(got["mean"], want["mean"], rel_tol=1e-12)
+
+
+def _tallied(con, low, least, batch, column_type=pa.float32()):
+    """A ConfidenceTally fed ``r``'s confidence in batches of ``batch`` rows, as the latency fetch feeds it."""
+    from airflow_provider_vllm.steps.qa.metrics_stream import _floats
+
+    t = ConfidenceTally(low, least)
+    col = con.sql("SELECT confidence FROM r").to_arrow_table().column(0)
+    col = pa.chunked_array([pa.nulls(len(col))]) if pa.types.is_null(column_type) else col.cast(column_type)
+    for i in range(0, len(col), batch):
+        t.add(_floats(col.slice(i, batch).combine_chunks()))
+    return t
+
+
+# float32 values at and around the bucket edges and the threshold (0.3 is not a float32: which side of it
+# does float32(0.3) fall on), hostile values, and enough rows for several batches
+_EDGES = [0.1, 0.2, 0.3, 0.7, 0.9, 1.0, 0.0, 0.5, 0.29999998, 0.30000001, 0.6, 0.8, 0.99999994, 1e-30]
+_HOSTILE = [None, math.nan, math.inf, -math.inf, -0.0, -1e-30, 1.0000001, 2.0]
+
+
+def test_the_tallied_confidence_equals_the_aggregate():
+    """``answer_stats`` from a ``ConfidenceTally`` (the streamed path: the confidence fetched with the latencies)
+    equals the same figures from DuckDB's aggregate of ``r``: buckets, rows below the threshold, mean and the
+    least confident ids, for thresholds that are and are not float32 values and batches of any size."""
+    values = (_EDGES + _HOSTILE) * 7 + [i / 997 for i in range(997)]
+    con, _ = _con(values)
+    for low, least in ((0.5, 3), (0.3, 20), (0.7, 0), (0.1, 1000)):
+        want = answer_stats(con, low=low, least=least)
+        for batch in (1, 5, 64, 10_000):
+            _same(answer_stats(con, low=low, least=least, tallied=_tallied(con, low, least, batch)), want)
+    # another low or least than the tally counted with: refused, not a silently different figure
+    with pytest.raises(ValueError, match="another low or least"):
+        answer_stats(con, low=0.4, least=3, tallied=_tallied(con, 0.5, 3, 64))
+
+
+def test_a_double_confidence_is_bucketed_in_double_as_duckdb_does():
+    """A results table whose confidence is a DOUBLE (not the FLOAT the workers write): the bucket is computed in
+    float64 there, where float32 would move a value just under an edge (0.3 - 1e-12 is 0.3 as a float32) to the
+    bucket above."""
+    under = [0.3 - 1e-12, 0.7 - 1e-12, 0.5 - 1e-12]
+    values = _EDGES + under + _HOSTILE
+    n = len(values)
+    r = pa.table(
+        {
+            "id": [f"r{i}" for i in range(n)],
+            "confidence": pa.array(values, pa.float64()),
+            "prompt_hash": pa.nulls(n, pa.int64()),
+        }
+    )
+    con = duckdb.connect()
+    con.register("r", r)
+    want = answer_stats(con, low=0.5, least=4)
+    got = answer_stats(con, low=0.5, least=4, tallied=_tallied(con, 0.5, 4, 3, pa.float64()))
+    _same(got, want)
+    assert sum(want["buckets"].values()) == want["n"]
+    assert want["buckets"][2] == 2 + 1  # 0.2, 0.29999998 and 0.3 - 1e-12 (float32 would have put it in bucket 3)
+
+
+def test_a_column_of_only_nulls_tallies_nothing():
+    con, _ = _con([None, None, None])
+    t = _tallied(con, 0.5, 3, 2, pa.null())
+    assert t.found() == [] and confidence_metrics(answer_stats(con, low=0.5, least=3, tallied=t), notes=[]) is None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import duckdb
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -14,7 +15,7 @@ import pytest
 from airflow_provider_vllm.core.spec import QASpec
 from airflow_provider_vllm.steps.qa import evaluate as evaluate_mod
 from airflow_provider_vllm.steps.qa.evaluate import evaluate, evaluate_stream
-from airflow_provider_vllm.steps.qa.metrics_stream import SPACE_CLASS
+from airflow_provider_vllm.steps.qa.metrics_stream import SPACE_CLASS, ResultTally
 from tests.support.qa_rows import LABELS, err_row, ok_row, split
 
 
@@ -272,3 +273,34 @@ def test_a_json_schema_job_compares_its_parsed_json(tmp_path, monkeypatch, strea
     c = report.metrics["consistency"]
     assert c["compared"] == "parsed_json" and c["rows_hashed"] == 40 and c["repeated_prompts"] == 7
     assert "parsed_json" in report.sample.column_names
+
+
+def test_a_column_fetched_with_the_latencies_leaves_them_as_they_were(tmp_path):
+    """``ResultTally.tally(also=...)``: the latency fetch reads every row then (for the other column), and keeps
+    the same latencies as its filtered fetch (null, NaN and infinite ones dropped); the other column reaches the
+    function whole, in order, nulls as NaN."""
+    results, errors = _tables(n_ok=3000, n_err=10)
+    lat = results.column("latency_ms").to_pylist()
+    lat[::97] = [float("inf")] * len(lat[::97])
+    lat[1::89] = [float("-inf")] * len(lat[1::89])
+    results = results.set_column(
+        results.schema.get_field_index("latency_ms"), "latency_ms", pa.array(lat, pa.float32())
+    )
+    pq.write_table(results, tmp_path / "r.parquet", row_group_size=700)
+    pq.write_table(errors, tmp_path / "e.parquet")
+    con = duckdb.connect()
+    con.execute(f"CREATE VIEW r AS SELECT * FROM read_parquet('{tmp_path / 'r.parquet'}')")
+    con.execute(f"CREATE VIEW e AS SELECT * FROM read_parquet('{tmp_path / 'e.parquet'}')")
+    plain, both = ResultTally(3000), ResultTally(3000)
+    plain.tally(con, batch_rows=256)
+    seen = []
+    both.tally(con, batch_rows=256, also=("latency_ms", seen.append))
+    kw = dict(labels=None, structured=False, notes=[])
+    assert both.metrics(**kw)["latency_ms"] == plain.metrics(**kw)["latency_ms"]
+    got = np.concatenate(seen)
+    want = results.column("latency_ms").to_numpy(zero_copy_only=False)
+    assert len(got) == results.num_rows and np.array_equal(got, want, equal_nan=True)
+    # a column without a value in any row (a run without confidence) is not fetched at all
+    none = []
+    ResultTally(3000).tally(con, batch_rows=256, also=("prompt_hash", none.append))
+    assert none == [] and results.column("prompt_hash").null_count == results.num_rows
