@@ -213,8 +213,19 @@ def write_hits(m: Matched, entries: Sequence[str], schema: pa.Schema, dest: str,
             assert values is not None
             yield _hits_table(t, values.slice(lo, hi - lo), layout)
 
+    # Dictionary pages for the text columns (kept from the entry's) and the passthrough columns, as pyarrow's
+    # default; not for the id and the numbers (latencies, confidences, prompt hashes): nearly every value differs,
+    # so pyarrow would build each row group's dictionary to its size limit and then write the values plainly anyway
+    # (about half of the encoding's CPU at 10M rows, docs/BENCHMARKS.md). The values read back the same.
+    plain = {"id"} | {c for c in want if c in schema.names and not pa.types.is_string(schema.field(c).type)}
     written = 0
-    with pq.ParquetWriter(dest, layout, compression="zstd", store_schema=not text) as w:
+    with pq.ParquetWriter(
+        dest,
+        layout,
+        compression="zstd",
+        store_schema=not text,
+        use_dictionary=[c for c in layout.names if c not in plain],
+    ) as w:
         for t in _prefetched(tables()):
             w.write_table(t)
             written += t.num_rows
