@@ -117,3 +117,49 @@ def test_the_reader_thread_hands_over_its_error_and_stops_when_the_writer_does()
     it.close()  # the consumer stops early: the producer thread ends, nothing keeps running
     assert not [t for t in threading.enumerate() if t.name == "cache-hits-reader"]
     assert len(produced) <= 5
+
+
+def test_many_hits_read_back_as_a_plain_take_of_the_entry_and_unique_columns_skip_dictionaries(tmp_path):
+    """The hits file by value: every column equal to the entry rows taken one by one (grouped by row group, input
+    order within one), whatever the pages; the id and the numbers are written without dictionary pages (nearly
+    every value differs), the text answers with them."""
+    n, rng = 2000, np.random.default_rng(7)
+    entry = pa.table(
+        {
+            "key": pa.array([i.to_bytes(32, "big") for i in range(n)], pa.binary()),
+            "source_id": [f"s{i}" for i in range(n)],
+            "output": [f"answer {i % 5}" for i in range(n)],
+            "label": [None if i % 7 == 0 else f"l{i % 3}" for i in range(n)],
+            "latency_ms": pa.array(rng.random(n) * 1000, pa.float32()),
+            "prompt_tokens": pa.array(rng.integers(1, 500, n), pa.int32()),
+            "prompt_hash": pa.array(rng.integers(-(2**62), 2**62, n), pa.int64()),
+            "confidence": pa.array(rng.random(n), pa.float32()),
+            "cached_from": ["/runs/1"] * n,
+        }
+    )
+    path = tmp_path / "entry.parquet"
+    pq.write_table(entry, path, row_group_size=300)
+    hit_rows = rng.choice(n, 1500, replace=True)  # input order; some entry rows answer several inputs
+    ids = [f"in-{p:05d}" for p in range(len(hit_rows))]
+    m = Matched()
+    for lo in range(0, len(hit_rows), 256):
+        m.hit_entry_rows.append(hit_rows[lo : lo + 256].astype(np.int64))
+        m.hit_places.append(np.arange(lo, min(lo + 256, len(hit_rows)), dtype=np.int64))
+        m.hit_values.append(pa.RecordBatch.from_pydict({"id": ids[lo : lo + 256]}))
+    dest = tmp_path / "hits.parquet"
+    assert write_hits(m, [str(path)], RESULT_SCHEMA, str(dest)) == len(hit_rows)
+    order = np.argsort(hit_rows // 300, kind="stable")  # entry row group, then input order
+    want = entry.take(pa.array(hit_rows[order]))
+    got = pq.read_table(dest)
+    assert got.schema.equals(RESULT_SCHEMA)
+    assert got.column("id").to_pylist() == [ids[i] for i in order]
+    for c in ("output", "label", "latency_ms", "prompt_tokens", "prompt_hash", "confidence", "cached_from"):
+        assert got.column(c).equals(want.column(c).cast(RESULT_SCHEMA.field(c).type)), c
+    assert got.column("model").null_count == len(hit_rows)  # a column the entry lacks: NULL
+    md = pq.ParquetFile(dest).metadata
+    names = md.schema.names
+    encodings = {names[i]: md.row_group(0).column(i).encodings for i in range(md.num_columns)}
+    for c in ("id", "latency_ms", "prompt_tokens", "prompt_hash", "confidence"):
+        assert "RLE_DICTIONARY" not in encodings[c] and "PLAIN_DICTIONARY" not in encodings[c], (c, encodings[c])
+    assert "RLE_DICTIONARY" in encodings["output"] and "RLE_DICTIONARY" in encodings["cached_from"]
+    assert md.row_group(0).column(names.index("id")).statistics.has_min_max  # statistics as before
