@@ -274,8 +274,7 @@ def test_kill9_of_the_task_process_on_real_vllm_leaves_no_engine_core_behind(tmp
     check_no_partial(tmp_path / "out")
 
     log2 = tmp_path / "try2.log"
-    # the retry only has to finish the shard: vLLM's engine in the worker's own process starts in half the time
-    retry = start_task(spec, shard, "", 2, {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, log2)
+    retry = start_task(spec, shard, "", 2, env, log2)
     assert retry.wait(timeout=900) == 0, log2.read_text()[-4000:]
     m = task_manifest(log2)
     assert m["status"] == "committed" and m["rows"] == n and m["stats"]["reused_chunks"] >= done
