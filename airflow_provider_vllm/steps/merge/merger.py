@@ -36,8 +36,9 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import duckdb
 import pyarrow as pa
@@ -72,6 +73,19 @@ from airflow_provider_vllm.steps.golden import merge_golden
 from airflow_provider_vllm.steps.merge import ordered
 
 log = logging.getLogger(__name__)
+
+
+class _Digested(Protocol):
+    """A file reference with the size and sha256 its writer sealed (``SourcePart``, ``PartEntry``)."""
+
+    @property
+    def bytes(self) -> int: ...
+
+    @property
+    def sha256(self) -> str: ...
+
+
+_P = TypeVar("_P", bound=_Digested)
 
 RESULTS = "results"  # folder of Parquet parts (RESULT_SCHEMA, + the plan's passthrough columns)
 ERRORS = "errors"  # folder of Parquet parts (ERROR_SCHEMA, + the plan's passthrough columns)
@@ -371,20 +385,33 @@ def verify_parts(out: Storage, kind: str, manifest: PartsManifest) -> None:
     streaming read of each); readers can trust the manifest's digests after this. The first part that fails,
     in the manifest's order, is the one named."""
 
-    def matches(p: PartEntry) -> bool:
-        rel = f"{kind}/{p.name}"
-        check_inside(out, rel, out.uri(manifest_rel(kind)))  # a local symlink leaving the run: refused
-        return out.size(rel) == p.bytes and out.sha256(rel) == p.sha256
+    def rel(p: PartEntry) -> str:
+        r = f"{kind}/{p.name}"
+        check_inside(out, r, out.uri(manifest_rel(kind)))  # a local symlink leaving the run: refused
+        return r
 
-    # hashlib and file reads release the GIL: parts are hashed side by side (results come back in order)
-    pool = ThreadPoolExecutor(max_workers=max(1, min(HASH_THREADS, os.cpu_count() or 1, len(manifest.parts))))
+    bad = _first_unmatched(out, manifest.parts, rel)
+    if bad is not None:
+        raise CommitError(
+            f"{out.uri(f'{kind}/{bad.name}')} does not have the size and sha256 its manifest names (the part "
+            "was changed while it was being published); rerun the merge"
+        )
+
+
+def _first_unmatched(out: Storage, parts: Sequence[_P], rel: Callable[[_P], str]) -> _P | None:
+    """The first of ``parts``, in their order, whose file ``rel(p)`` does not have its ``bytes`` and ``sha256``;
+    None when every one does. hashlib and file reads release the GIL: parts are hashed side by side."""
+
+    def matches(p: _P) -> bool:
+        r = rel(p)
+        return out.size(r) == p.bytes and out.sha256(r) == p.sha256
+
+    pool = ThreadPoolExecutor(max_workers=max(1, min(HASH_THREADS, os.cpu_count() or 1, len(parts))))
     try:
-        for p, ok in zip(manifest.parts, pool.map(matches, manifest.parts), strict=True):
+        for p, ok in zip(parts, pool.map(matches, parts), strict=True):
             if not ok:
-                raise CommitError(
-                    f"{out.uri(f'{kind}/{p.name}')} does not have the size and sha256 its manifest names (the part "
-                    "was changed while it was being published); rerun the merge"
-                )
+                return p
+        return None
     finally:
         pool.shutdown(cancel_futures=True)
 
@@ -480,20 +507,10 @@ def committed_parts(out: Storage, plan: Plan, run: RunSeal) -> tuple[dict[str, l
 
 
 def _check_digests(out: Storage, parts: list[SourcePart]) -> None:
-    """CommitError naming the first part (in plan order) whose size or sha256 is not its marker's; parts are
-    hashed side by side (hashlib and file reads release the GIL)."""
-
-    def matches(p: SourcePart) -> bool:
-        return out.size(p.path) == p.bytes and out.sha256(p.path) == p.sha256
-
-    order = sorted(parts, key=lambda p: p.name)
-    pool = ThreadPoolExecutor(max_workers=max(1, min(HASH_THREADS, os.cpu_count() or 1, len(parts))))
-    try:
-        for p, ok in zip(order, pool.map(matches, order), strict=True):
-            if not ok:
-                raise CommitError(f"{p.path} does not match its commit marker (size or sha256)")
-    finally:
-        pool.shutdown(cancel_futures=True)
+    """CommitError naming the first part (in plan order) whose size or sha256 is not its marker's."""
+    bad = _first_unmatched(out, sorted(parts, key=lambda p: p.name), lambda p: p.path)
+    if bad is not None:
+        raise CommitError(f"{bad.path} does not match its commit marker (size or sha256)")
 
 
 def check_marker_path(path: Any, shard_id: str, where: str, kind: str = RESULTS) -> int:
