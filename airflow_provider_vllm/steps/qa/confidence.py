@@ -32,13 +32,19 @@ _BUCKET = f"CASE WHEN confidence >= 1 THEN {BUCKETS - 1} ELSE CAST(floor(confide
 
 
 def answer_stats(
-    con, *, low: float, least: int, counted: tuple[int, int] | None = None, tallied: ConfidenceTally | None = None
+    con,
+    *,
+    low: float,
+    least: int,
+    counted: tuple[int, int | None] | None = None,
+    tallied: ConfidenceTally | None = None,
 ) -> dict[str, Any]:
     """The confidence of the rows of ``r`` (rows with one, below ``low``, mean, rows per bucket), the rows with
     a prompt hash (for ``consistency_metrics``), and the ids of the ``least`` least confident rows (ties by
     id). A confidence outside [0, 1] (NaN, infinite, not a probability) counts as none. ``counted``: the rows
     of ``r`` and those with a prompt hash when a scan already counted them (the streamed QA path's tally:
-    ``metrics_stream.ResultTally``); else one more aggregate here. ``tallied``: the buckets, counted from
+    ``metrics_stream.ResultTally``, which leaves the latter, None, to ``consistency_counts``); else one more
+    aggregate here. ``tallied``: the buckets, counted from
     every row's confidence by that scan (same ``low`` and ``least``); else one aggregate of ``r`` here."""
     if tallied is not None:
         if (tallied.low_threshold, tallied.least) != (float(low), int(least)):
@@ -73,7 +79,7 @@ def answer_stats(
         "low": sum(int(lo) for *_, lo, _ in found),
         "mean": sum(float(s or 0.0) for _, _, s, _, _ in found) / n if n else None,
         "rows": int(rows),
-        "hashed": int(hashed),
+        "hashed": None if hashed is None else int(hashed),
         "buckets": {int(b): int(k) for b, k, _, _, _ in found},
         "least": ids,
         "threshold": float(low),
@@ -99,12 +105,17 @@ class ConfidenceTally:
         """Count one batch of the ``confidence`` column (its float type, nulls as NaN)."""
         if confidence.dtype.kind != "f":
             confidence = confidence.astype(np.float64)  # what DuckDB's arithmetic on a non-float column gives
-        c = confidence[(confidence >= 0) & (confidence <= 1)]  # NaN compares false
+        probability = (confidence >= 0) & (confidence <= 1)  # NaN compares false
+        c = confidence if probability.all() else confidence[probability]  # the usual batch: no copy
         if not len(c):
             return
-        # floor(confidence * 10) in the column's own float type (a truncation: the product is not negative)
-        bucket = np.where(c >= 1, BUCKETS - 1, (c * c.dtype.type(BUCKETS)).astype(np.intp))
-        self._n += np.bincount(bucket, minlength=BUCKETS + 1)
+        # floor(confidence * 10) in the column's own float type (a truncation: the product is not negative);
+        # a confidence of 1 (its product is exactly 10) goes to the last bucket, as the SQL's CASE puts it
+        n = np.bincount((c * c.dtype.type(BUCKETS)).astype(np.intp), minlength=BUCKETS + 1)
+        ones = int(np.count_nonzero(c == 1))
+        n[BUCKETS - 1] += ones
+        n[BUCKETS] -= ones
+        self._n += n
         wide = c.astype(np.float64, copy=False)
         self._sum += float(wide.sum())
         self._low += int(np.count_nonzero(wide < self.low_threshold))
@@ -152,7 +163,7 @@ def confidence_metrics(stats: dict[str, Any], *, notes: list[str]) -> dict[str, 
     }
 
 
-def consistency_metrics(con, *, value: str, hashed: int) -> dict[str, Any] | None:
+def consistency_metrics(con, *, value: str, hashed: int | None) -> dict[str, Any] | None:
     """Prompts of ``r`` sent more than once and how many of them got more than one answer (``value``:
     the compared column, e.g. ``label``), with examples; None when no row carries a ``prompt_hash``
     (``hashed``: the rows that do, from ``answer_stats``)."""
@@ -164,34 +175,31 @@ def consistency_metrics(con, *, value: str, hashed: int) -> dict[str, Any] | Non
     return metrics
 
 
-def consistency_counts(con, *, value: str, hashed: int) -> tuple[dict[str, Any], list[int]] | None:
+def consistency_counts(con, *, value: str, hashed: int | None = None) -> tuple[dict[str, Any], list[int]] | None:
     """``consistency_metrics`` without its examples, and the prompt hashes to take them from (the most
-    repeated of the prompts answered differently): one GROUP BY of ``r``.
+    repeated of the prompts answered differently): one GROUP BY of ``r``, which also counts the rows with a
+    prompt hash (``hashed``: that count when a scan already made it; 0 skips the GROUP BY).
 
     Answers are compared by DuckDB's 64-bit hash of their value (no answer is an answer of its own: the hash
     of NULL is a constant of its own): the aggregate keeps two integers per prompt, not two strings (an output
     can be long). Two different answers of one prompt with equal hashes would count as one answer: a chance
     of about 2^-64 per pair."""
-    if not hashed:
+    if hashed is not None and not hashed:
         return None
     v = f"hash({value})"
-    con.execute(
-        f"CREATE OR REPLACE TEMP TABLE qa_repeats AS SELECT prompt_hash, count(*) AS n, min({v}) <> max({v}) AS "
-        "differ FROM r WHERE prompt_hash IS NOT NULL GROUP BY 1 HAVING count(*) > 1"
-    )
-    groups, rows, bad_groups, bad_rows = con.execute(
-        "SELECT count(*), coalesce(sum(n), 0), count(*) FILTER (WHERE differ), "
-        "coalesce(sum(n) FILTER (WHERE differ), 0) FROM qa_repeats"
-    ).fetchall()[0]
-    picked = [
-        int(h)
-        for (h,) in con.execute(
-            f"SELECT prompt_hash FROM qa_repeats WHERE differ ORDER BY n DESC, prompt_hash LIMIT {EXAMPLES}"
-        ).fetchall()
-    ]
-    con.execute("DROP TABLE qa_repeats")
+    # the examples' prompts: the EXAMPLES smallest (-rows, prompt hash), i.e. most rows first, ties by hash
+    ((counted, groups, rows, bad_groups, bad_rows, top),) = con.execute(
+        f"WITH g AS (SELECT prompt_hash, count(*) AS n, min({v}) <> max({v}) AS differ FROM r "
+        "WHERE prompt_hash IS NOT NULL GROUP BY 1) "
+        "SELECT coalesce(sum(n), 0), count(*) FILTER (WHERE n > 1), coalesce(sum(n) FILTER (WHERE n > 1), 0), "
+        "count(*) FILTER (WHERE n > 1 AND differ), coalesce(sum(n) FILTER (WHERE n > 1 AND differ), 0), "
+        f"min(struct_pack(m := -n, h := prompt_hash), {EXAMPLES}) FILTER (WHERE n > 1 AND differ) FROM g"
+    ).fetchall()
+    if not counted:
+        return None
+    picked = [int(t["h"]) for t in top or []]
     metrics = {
-        "rows_hashed": int(hashed),
+        "rows_hashed": int(counted),
         "repeated_prompts": int(groups),
         "repeated_rows": int(rows),
         "inconsistent_prompts": int(bad_groups),

@@ -163,7 +163,7 @@ def evaluate_stream(
         con,
         low=spec.low_confidence,
         least=spec.least_confident,
-        counted=(tally.ok, tally.hashed),
+        counted=(tally.ok, None),  # the rows with a prompt hash: counted by consistency_counts
         tallied=confidence,
     )
     least = stats["least"]

@@ -51,8 +51,6 @@ class ResultTally:
 
     def __init__(self, capacity: int = 0) -> None:
         """``capacity``: the expected result rows (footers), so the latency buffer is allocated once."""
-        self.hashed = 0  # rows with a prompt hash (confidence.answer_stats)
-        self.also_rows = 0  # rows with a value in tally's ``also`` column
         self.ok = self.n_err = self.invalid = self.truncated = self.length_finish = 0
         self.text_rows = self.empty = self.label_nulls = self.valid_nulls = 0
         self.prompt_total = self.completion_total = 0
@@ -74,15 +72,15 @@ class ResultTally:
         rows never do) skips the two scans that find out. ``also``: (a float column of ``r``, a function)
         that the latency fetch passes that column of every row, batch by batch (nulls as NaN): one scan
         for both (``confidence.ConfidenceTally``)."""
-        self._count_results(con, vectors, also[0] if also is not None else None)
-        if also is not None and not self.also_rows:  # no row has a value there (a run without confidence)
+        self._count_results(con, vectors)
+        if also is not None and not _any_value(con, also[0]):  # a run without confidence: the latencies alone
             also = None
         for code, n in con.execute("SELECT error_code, count(*) FROM e GROUP BY ALL").fetchall():
             self.counts["error_code"][code] += n
             self.n_err += n
         self._fetch_latency(con, batch_rows, also)
 
-    def _count_results(self, con, vectors: bool | None = None, also: str | None = None) -> None:
+    def _count_results(self, con, vectors: bool | None = None) -> None:
         # Rows with vectors: two scans that DuckDB answers from the row groups' null counts where all are
         # null (the usual text run), so that the flags below need not decode the list columns.
         if vectors is None:
@@ -94,7 +92,6 @@ class ResultTally:
             )
         text = "(embedding IS NULL AND scores IS NULL)" if vectors else "true"
         out = "CAST(output AS VARCHAR)"
-        values = f', count("{also}")' if also else ", 0"
         (
             (
                 self.ok,
@@ -103,13 +100,11 @@ class ResultTally:
                 self.truncated,
                 self.text_rows,
                 self.empty,
-                self.hashed,
-                self.also_rows,
             ),
         ) = con.execute(
             f"SELECT count(*), count(*) FILTER (WHERE valid IS NULL), count(*) FILTER (WHERE NOT valid), "
             f"count(*) FILTER (WHERE truncated), count(*) FILTER (WHERE {text}), "
-            f"count(*) FILTER (WHERE {text} AND {_BLANK.replace('output', out)}), count(prompt_hash){values} FROM r"
+            f"count(*) FILTER (WHERE {text} AND {_BLANK.replace('output', out)}) FROM r"
         ).fetchall()
         # The answers' confidence is not a grouping set here (that made this query twice as long): it comes
         # with the latencies (``also``), fetched only when some row has one (``also_rows``).
@@ -147,7 +142,9 @@ class ResultTally:
             exact32 = pa.types.is_float32(col.type)
             x = col.to_numpy(zero_copy_only=False).astype(np.float32 if exact32 else np.float64, copy=False)
             if also is not None:
-                x = x[np.isfinite(x)]  # null (NaN here), NaN and infinities: as the WHERE
+                finite = np.isfinite(x)  # null (NaN here), NaN and infinities are dropped, as the WHERE drops them
+                if not finite.all():
+                    x = x[finite]
             if not len(x):
                 continue
             self.latency_sum += float(x.sum(dtype=np.float64))
@@ -219,6 +216,13 @@ class ResultTally:
             values = np.repeat(np.array([v for v, _ in vc], np.float64), [n for _, n in vc])
             return _float_stats(values, float(pa.compute.sum(pa.array(values)).as_py()), integer=True)
         return int_stats_from_counts([v for v, _ in vc], [n for _, n in vc])
+
+
+def _any_value(con, column: str) -> bool:
+    """Whether some row of ``r`` has a value in ``column`` (the scan stops at the first)."""
+    return bool(
+        con.execute(f'SELECT count(*) FROM (SELECT 1 FROM r WHERE "{column}" IS NOT NULL LIMIT 1)').fetchall()[0][0]
+    )
 
 
 def _floats(col: pa.Array) -> np.ndarray:

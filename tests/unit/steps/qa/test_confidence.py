@@ -14,6 +14,7 @@ from airflow_provider_vllm.steps.qa.confidence import (
     ConfidenceTally,
     answer_stats,
     confidence_metrics,
+    consistency_counts,
     consistency_metrics,
 )
 
@@ -114,6 +115,29 @@ def test_long_answers_that_differ_at_the_end_are_inconsistent():
     assert [x["ids"] for x in c["examples"]] == [["r0", "r1"], ["r4", "r5"]]
 
 
+def test_the_examples_prompts_are_the_most_repeated_with_ties_by_hash():
+    """``consistency_counts`` counts the hashed rows itself when no scan did (``hashed`` None) and picks the
+    EXAMPLES inconsistent prompts with the most rows, ties by prompt hash (negative hashes too), as an ORDER BY
+    would; a consistent prompt, a prompt sent once and rows without a hash are never picked."""
+    hashes, labels = [], []
+    sizes = {-(2**63): 3, 2**63 - 1: 3, -5: 4, 7: 2, 3: 3, -1: 2, 11: 5, 12: 3, 13: 2, 14: 2, 15: 2, 16: 3}
+    for h, n in sizes.items():  # each of these answered twice differently
+        hashes += [h] * n
+        labels += ["a"] * (n - 1) + ["b"]
+    hashes += [99] * 9 + [100] + [None] * 4  # consistent, once, no hash
+    labels += ["a"] * 9 + ["c"] + ["x", "y", "z", "w"]
+    con, df = _con([0.5] * len(hashes), hashes, labels)
+    got, picked = consistency_counts(con, value="label")
+    want = sorted(sizes, key=lambda h: (-sizes[h], h))[:10]
+    assert picked == want and len(sizes) > 10
+    assert got["rows_hashed"] == int(df["prompt_hash"].notna().sum()) == len(hashes) - 4
+    assert (got["repeated_prompts"], got["inconsistent_prompts"]) == (len(sizes) + 1, len(sizes))
+    assert got["inconsistent_rows"] == sum(sizes.values()) and got["repeated_rows"] == sum(sizes.values()) + 9
+    assert consistency_counts(con, value="label", hashed=0) is None  # a scan counted none: no GROUP BY
+    none, _ = _con([0.5] * 3)  # no row has a prompt hash
+    assert consistency_counts(none, value="label") is None
+
+
 def _same(got, want):
     """Equal figures; the mean within 1e-12 (a float sum in another order may differ in the last bits; DuckDB's
     parallel sum has no fixed order either)."""
@@ -182,3 +206,21 @@ def test_a_column_of_only_nulls_tallies_nothing():
     con, _ = _con([None, None, None])
     t = _tallied(con, 0.5, 3, 2, pa.null())
     assert t.found() == [] and confidence_metrics(answer_stats(con, low=0.5, least=3, tallied=t), notes=[]) is None
+
+
+@pytest.mark.parametrize("column_type", [pa.float32(), pa.float64()])
+def test_a_batch_of_only_probabilities_tallies_as_the_aggregate(column_type):
+    """Batches where every value is a probability (the usual batch, counted without a filtered copy), with
+    confidences of exactly 1 (their product is exactly 10: the last bucket, as the SQL's CASE puts them) and
+    the largest values under 1 and under each edge."""
+    values = [1.0, 0.99999994, 1.0 - 1e-12, 0.9, 0.09999999, 0.1, 0.0, 1.0, 0.5, 0.49999997] * 5
+    n = len(values)
+    r = pa.table({"id": [f"r{i}" for i in range(n)], "confidence": pa.array(values, column_type)})
+    con = duckdb.connect()
+    con.register("r", r)
+    want = answer_stats(con, low=0.5, least=4, counted=(n, 0))
+    assert want["buckets"][9] == 5 * 5 and want["n"] == n
+    for batch in (1, 10, n):
+        _same(
+            answer_stats(con, low=0.5, least=4, counted=(n, 0), tallied=_tallied(con, 0.5, 4, batch, column_type)), want
+        )
