@@ -259,15 +259,20 @@ def _float_stats(x: np.ndarray, total: float, integer: bool = False) -> dict[str
     }
     lo, w, nb, _ = _hist_plan(mn, mx, p99, integer)
     bins = np.zeros(nb + 1, np.int64)  # the last: overflow
-    step = 1 << 22
-    for i in range(0, n, step):  # floor((x - lo) / w) in float64, as metrics.bin_counts; x >= lo
-        k = np.floor((x[i : i + step].astype(np.float64) - lo) / w)
-        bins += np.bincount(np.minimum(k, nb).astype(np.int64), minlength=nb + 1)
+    t = np.empty(min(n, _CHUNK), np.float64)  # one buffer that stays in cache (no fresh temporaries per step)
+    for i in range(0, n, _CHUNK):  # floor((x - lo) / w) in float64, as metrics.bin_counts; x >= lo
+        k = t[: min(_CHUNK, n - i)]
+        np.subtract(x[i : i + _CHUNK], lo, out=k, dtype=np.float64)  # x in float64, as astype(float64) - lo
+        np.divide(k, w, out=k)
+        np.floor(k, out=k)
+        np.minimum(k, nb, out=k)
+        bins += np.bincount(k.astype(np.int64), minlength=nb + 1)
     stats["histogram"] = _histogram(lo, w, nb, enumerate(bins.tolist()), integer)
     return stats
 
 
 _SUBSAMPLE = 1 << 16
+_CHUNK = 1 << 16  # values per step of a pass over the latencies (buffers of this many stay in the CPU's cache)
 
 
 def _order_stats(x: np.ndarray, wanted: dict[float, tuple[int, int]]) -> dict[int, float]:
@@ -282,12 +287,27 @@ def _order_stats(x: np.ndarray, wanted: dict[float, tuple[int, int]]) -> dict[in
         x.partition(ranks)
         return {r: float(x[r]) for r in ranks}
     sub = np.sort(x[np.random.default_rng(0).integers(0, n, _SUBSAMPLE)])
+    brackets = {}
     for q, (lo, hi) in wanted.items():
         m = int(6 * math.sqrt(q * (1 - q) * _SUBSAMPLE)) + 16  # ~6 standard deviations of the sample's rank
-        a = sub[max(0, int(lo / n * _SUBSAMPLE) - m)]
-        b = sub[min(_SUBSAMPLE - 1, int(hi / n * _SUBSAMPLE) + m)]
-        below = int(np.count_nonzero(x < a))
-        window = x[(x >= a) & (x <= b)]
+        brackets[q] = (
+            sub[max(0, int(lo / n * _SUBSAMPLE) - m)],
+            sub[min(_SUBSAMPLE - 1, int(hi / n * _SUBSAMPLE) + m)],
+        )
+    # one pass over x for every bracket, chunk by chunk into buffers that stay in cache: the values below a
+    # and the values in [a, b] (x in its order, as x[(x >= a) & (x <= b)] keeps them)
+    counted = {q: 0 for q in wanted}
+    kept: dict[float, list[np.ndarray]] = {q: [] for q in wanted}
+    buffers = np.empty((3, min(n, _CHUNK)), bool)
+    for i in range(0, n, _CHUNK):
+        xc = x[i : i + _CHUNK]
+        lt, ge, le = buffers[:, : len(xc)]
+        for q, (a, b) in brackets.items():
+            counted[q] += int(np.count_nonzero(np.less(xc, a, out=lt)))
+            np.greater_equal(xc, a, out=ge)
+            kept[q].append(xc[np.logical_and(ge, np.less_equal(xc, b, out=le), out=ge)])
+    for q, (lo, hi) in wanted.items():
+        below, window = counted[q], np.concatenate(kept[q])
         if below <= lo and below + len(window) > hi:
             window.partition(sorted({lo - below, hi - below}))
             out[lo], out[hi] = float(window[lo - below]), float(window[hi - below])

@@ -189,15 +189,18 @@ def test_qa_run_streams_above_the_threshold_and_reports_the_same(tmp_path, monke
     assert "input_excerpt" in streamed.sample.column_names
 
 
+@pytest.mark.parametrize("chunk", [1 << 16, 999])
 @pytest.mark.parametrize("kind", ["uniform", "ties", "sorted", "negative", "miss"])
-def test_order_stats_are_exact(monkeypatch, kind):
+def test_order_stats_are_exact(monkeypatch, kind, chunk):
     """The bracketed selection of the latency quantiles returns what a full sort returns, also when
-    the subsample's bracket misses (forced: every draw is the first value) and it falls back."""
+    the subsample's bracket misses (forced: every draw is the first value) and it falls back; in one
+    chunk and in many (the last one shorter)."""
     import numpy as np
 
     from airflow_provider_vllm.steps.qa import metrics_stream as ms
 
     monkeypatch.setattr(ms, "_SUBSAMPLE", 256)
+    monkeypatch.setattr(ms, "_CHUNK", chunk)
     rng = np.random.default_rng(1)
     x = {
         "uniform": rng.random(20_000),
@@ -304,3 +307,29 @@ def test_a_column_fetched_with_the_latencies_leaves_them_as_they_were(tmp_path):
     none = []
     ResultTally(3000).tally(con, batch_rows=256, also=("prompt_hash", none.append))
     assert none == [] and results.column("prompt_hash").null_count == results.num_rows
+
+
+@pytest.mark.parametrize("chunk", [1 << 16, 777])
+@pytest.mark.parametrize("integer", [False, True])
+def test_streamed_float_stats_equal_the_in_memory_ones_chunk_by_chunk(monkeypatch, chunk, integer):
+    """The latency statistics and histogram, computed in chunks of ``_CHUNK`` values (the float32 values
+    taken to float64 before the bin arithmetic), equal the in-memory statistics of the same values."""
+    import numpy as np
+    import pyarrow as pa
+
+    from airflow_provider_vllm.steps.qa import metrics as m
+    from airflow_provider_vllm.steps.qa import metrics_stream as ms
+
+    monkeypatch.setattr(ms, "_SUBSAMPLE", 256)
+    monkeypatch.setattr(ms, "_CHUNK", chunk)
+    rng = np.random.default_rng(3)
+    x = rng.exponential(700.0, 5_000).astype(np.float32)  # values that float32 rounds: lo, w are float64
+    x[:7] = [0.1, 1e-3, 5e3, 5e3, 0.30000001, 1e4, 200.0]
+    edges = np.arange(1, 40, dtype=np.float32) * np.float32(200.0)
+    x[7 : 7 + 39] = np.nextafter(edges, np.float32(0))  # just under a bin edge
+    if integer:
+        x = np.floor(x).astype(np.float64)
+    want = m._float_stats(pa.chunked_array([pa.array(x)]), integer=integer)
+    got = ms._float_stats(x.copy(), float(x.astype(np.float64).sum()), integer=integer)
+    assert got.pop("mean") == pytest.approx(want.pop("mean"), rel=1e-12)
+    assert got == want and sum(got["histogram"]["counts"]) + got["histogram"].get("overflow", 0) == 5_000
