@@ -333,3 +333,25 @@ def test_streamed_float_stats_equal_the_in_memory_ones_chunk_by_chunk(monkeypatc
     got = ms._float_stats(x.copy(), float(x.astype(np.float64).sum()), integer=integer)
     assert got.pop("mean") == pytest.approx(want.pop("mean"), rel=1e-12)
     assert got == want and sum(got["histogram"]["counts"]) + got["histogram"].get("overflow", 0) == 5_000
+
+
+def test_a_large_latency_buffer_keeps_every_value_across_growth_and_widening():
+    """The latency buffer of a large run (an anonymous mapping of its own, past 4 MiB): float32 batches, a
+    growth past a wrong capacity and a float64 batch (the buffer widens) keep every value, in order."""
+    import numpy as np
+
+    from airflow_provider_vllm.steps.qa.metrics_stream import ResultTally
+
+    rng = np.random.default_rng(5)
+    batches = [rng.random(900_000).astype(np.float32) * 1e4 for _ in range(2)] + [rng.random(700_000) * 1e4]
+    t = ResultTally(capacity=1_500_000)  # 6 MB: a mapping; the second batch grows it
+    assert not t._lat.flags.owndata and t._lat.flags.writeable
+    for i, x in enumerate(batches):
+        t._keep_latency(x, exact32=i < 2)
+        assert t._lat.dtype == (np.float32 if i < 2 else np.float64)
+    want = np.concatenate([b.astype(np.float64) for b in batches])
+    assert t._n_lat == len(want) and np.array_equal(t._lat[: t._n_lat], want)
+    t.latency_sum = float(want.sum())
+    stats = t._latency_stats()
+    assert stats["count"] == len(want) and stats["max"] == float(want.max())
+    assert stats["p50"] == pytest.approx(float(np.quantile(want, 0.5)), rel=1e-12)
