@@ -108,7 +108,7 @@ class ResultTally:
             f"count(*) FILTER (WHERE {text} AND {_BLANK.replace('output', out)}) FROM r"
         ).fetchall()
         # The answers' confidence is not a grouping set here (that made this query twice as long): it comes
-        # with the latencies (``also``), fetched only when some row has one (``also_rows``).
+        # with the latencies (``also``), fetched only when some row has one (``_any_value``).
         cols = [*_KEYS, "prompt_tokens", "completion_tokens"]
         rows = con.execute(
             f"SELECT grouping({', '.join(cols)}), {', '.join(cols)}, count(*) FROM r "
