@@ -28,6 +28,8 @@ BUCKETS = 10
 EXAMPLES = 10
 # A confidence that is a probability (NaN, infinities and values outside [0, 1] are none), and its bucket.
 _IS_PROBABILITY = "confidence BETWEEN 0 AND 1"
+# the rows among which the least confident are, given the least-th smallest confidence ($least_cut)
+LEAST_SQL = f"{_IS_PROBABILITY} AND confidence <= $least_cut"
 _BUCKET = f"CASE WHEN confidence >= 1 THEN {BUCKETS - 1} ELSE CAST(floor(confidence * {BUCKETS}) AS INTEGER) END"
 
 
@@ -38,6 +40,7 @@ def answer_stats(
     least: int,
     counted: tuple[int, int | None] | None = None,
     tallied: ConfidenceTally | None = None,
+    find_least: bool = True,
 ) -> dict[str, Any]:
     """The confidence of the rows of ``r`` (rows with one, below ``low``, mean, rows per bucket), the rows with
     a prompt hash (for ``consistency_metrics``), and the ids of the ``least`` least confident rows (ties by
@@ -45,7 +48,10 @@ def answer_stats(
     of ``r`` and those with a prompt hash when a scan already counted them (the streamed QA path's tally:
     ``metrics_stream.ResultTally``, which leaves the latter, None, to ``consistency_counts``); else one more
     aggregate here. ``tallied``: the buckets, counted from
-    every row's confidence by that scan (same ``low`` and ``least``); else one aggregate of ``r`` here."""
+    every row's confidence by that scan (same ``low`` and ``least``); else one aggregate of ``r`` here.
+    ``find_least``: False leaves the least confident ids (``least``: None) to a scan that reads ``r`` anyway
+    (``sample.Ride``): the rows ``LEAST_SQL`` selects with ``$least_cut`` = ``least_cut``, as ``least_ids``
+    reads them."""
     if tallied is not None:
         if (tallied.low_threshold, tallied.least) != (float(low), int(least)):
             raise ValueError("answer_stats: the tallied confidence was counted with another low or least")
@@ -62,18 +68,7 @@ def answer_stats(
     # the least-th smallest confidence (each bucket kept its least smallest): no row above it is among the least
     kept = sorted(v for *_, smallest_in_bucket in found for v in smallest_in_bucket or [])
     cut = kept[:least][-1:] if least > 0 else []
-    ids = (
-        [
-            i
-            for (i,) in con.execute(
-                f"SELECT id FROM r WHERE {_IS_PROBABILITY} AND confidence <= $cut "
-                f"ORDER BY confidence, id LIMIT {int(least)}",
-                {"cut": cut[0]},
-            ).fetchall()
-        ]
-        if cut
-        else []
-    )
+    ids = least_ids(con, cut[0], least) if cut and find_least else None if cut else []
     return {
         "n": n,
         "low": sum(int(lo) for *_, lo, _ in found),
@@ -82,8 +77,20 @@ def answer_stats(
         "hashed": None if hashed is None else int(hashed),
         "buckets": {int(b): int(k) for b, k, _, _, _ in found},
         "least": ids,
+        "least_cut": cut[0] if cut else None,
         "threshold": float(low),
     }
+
+
+def least_ids(con, cut: float, least: int) -> list[str]:
+    """The ids of the ``least`` least confident rows of ``r`` (ties by id), all of which have a confidence of at
+    most ``cut`` (the ``least``-th smallest)."""
+    return [
+        i
+        for (i,) in con.execute(
+            f"SELECT id FROM r WHERE {LEAST_SQL} ORDER BY confidence, id LIMIT {int(least)}", {"least_cut": cut}
+        ).fetchall()
+    ]
 
 
 class ConfidenceTally:

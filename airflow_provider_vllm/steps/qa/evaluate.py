@@ -18,12 +18,14 @@ import pyarrow as pa
 from airflow_provider_vllm.core.spec import QASpec
 from airflow_provider_vllm.steps.qa.checks import overall_status, run_checks
 from airflow_provider_vllm.steps.qa.confidence import (
+    LEAST_SQL,
     ConfidenceTally,
     answer_stats,
     confidence_metrics,
     consistency_counts,
     consistency_examples,
     consistency_metrics,
+    least_ids,
 )
 from airflow_provider_vllm.steps.qa.labelled import labelled_view, quality
 from airflow_provider_vllm.steps.qa.metrics import (
@@ -159,15 +161,7 @@ def evaluate_stream(
     vectors = None if task in (None, "embed", "classify") else False
     tally.tally(con, batch_rows, vectors=vectors, also=("confidence", confidence.add))
     metrics = tally.metrics(labels=labels, structured=structured, notes=notes)
-    stats = answer_stats(
-        con,
-        low=spec.low_confidence,
-        least=spec.least_confident,
-        counted=(tally.ok, None),  # the rows with a prompt hash: counted by consistency_counts
-        tallied=confidence,
-    )
-    least = stats["least"]
-    repeats = consistency_counts(con, value=compared, hashed=stats["hashed"]) if compared else None
+    repeats = consistency_counts(con, value=compared) if compared else None  # it counts the rows with a hash
     picked = repeats[1] if repeats is not None else []
     # The rows QA reads whole (the sample's and the least confident) go in one scan of the results that
     # DuckDB filters by id inside the scan. The narrow rows of the known ids (a golden set of up to
@@ -182,6 +176,25 @@ def evaluate_stream(
     )
     carried = tuple(dict.fromkeys(["label", "valid", "confidence", "prompt_hash", *([compared] if compared else [])]))
     ride = Ride(" OR ".join(ride_where), carried) if ride_where else None
+    # with a ride, which reads the confidence anyway, the ranking scan also finds the least confident ids
+    stats = answer_stats(
+        con,
+        low=spec.low_confidence,
+        least=spec.least_confident,
+        counted=(tally.ok, None),
+        tallied=confidence,
+        find_least=ride is None,
+    )
+    if ride is not None and stats["least"] is None:
+        ride.least = (LEAST_SQL, stats["least_cut"], spec.least_confident)
+
+    def least_ids_() -> list[str]:
+        """The least confident ids: from the ranking scan, else (no ranking of ``r`` ran) a query of their own."""
+        if stats["least"] is None:
+            found = ride.least_ids if ride is not None else None
+            stats["least"] = found if found is not None else least_ids(con, stats["least_cut"], spec.least_confident)
+        return stats["least"]
+
     needs = {"r": RESULT_NEEDS, "e": ERROR_NEEDS}
 
     def rows(table: str, ids: list[str]) -> pa.Table:
@@ -206,7 +219,7 @@ def evaluate_stream(
         """``rows``; for the results, the sample's rows with every other row QA reads whole (one scan)."""
         if table != "r":
             return rows(table, ids)
-        fetched["r"] = rows("r", list(dict.fromkeys([*ids, *least])))
+        fetched["r"] = rows("r", list(dict.fromkeys([*ids, *least_ids_()])))
         return fetched["r"]
 
     def draw(sizes):
@@ -223,7 +236,7 @@ def evaluate_stream(
         )
         if "r" not in fetched:
             rows_once("r", [])
-        return least_confident(drawn, fetched["r"], least, spec.seed)
+        return least_confident(drawn, fetched["r"], least_ids_(), spec.seed)
 
     def measure() -> None:
         """After the draw, from the rows its ranking scan collected: quality, confidence, consistency."""
@@ -243,7 +256,10 @@ def evaluate_stream(
         finally:
             if ride is not None:
                 con.unregister("qa_ridden")
-        metrics.update(quality=q, confidence=confidence_metrics(stats, notes=notes), consistency=consistency)
+        least = least_ids_()
+        metrics.update(
+            quality=q, confidence=confidence_metrics({**stats, "least": least}, notes=notes), consistency=consistency
+        )
 
     return _report(
         metrics,

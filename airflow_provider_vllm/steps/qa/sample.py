@@ -93,6 +93,10 @@ class Ride:
     where: str  # SQL over ``id``, ``columns`` and ``hid``: the id's 64-bit hash, ``hash(CAST(id AS VARCHAR))``
     columns: tuple[str, ...]
     rows: pa.Table | None = None
+    # (SQL over the columns with a parameter ``$least_cut``, its value, k): the scan also finds the ids of the k
+    # rows that the SQL selects with the smallest (confidence, id), as ``ORDER BY confidence, id LIMIT k`` does
+    least: tuple[str, float, int] | None = None
+    least_ids: list[str] | None = None  # set by that scan
 
     def read(self, con, table: str = "r") -> pa.Table:
         """``rows``, or the same rows read by a scan of their own when no ranking collected them."""
@@ -176,26 +180,40 @@ def _top_query(con, table, stratum, kmax, where, params, ride: Ride | None = Non
     # The same ranking, plus the rows the ride wants: they pass the scan's filter too and are listed apart.
     # ``hid`` (the id's hash, which the key hashes again with the seed) is computed once for both.
     kept = where.removeprefix("WHERE ") or "true"
-    carried = ", ".join(f'"{c}"' for c in ride.columns)
+    columns = (*ride.columns, *(["confidence"] if ride.least is not None and "confidence" not in ride.columns else []))
+    carried = ", ".join(f'"{c}"' for c in columns)
     fields = ", ".join(f'"{c}" := "{c}"' for c in ride.columns)
+    least, least_agg = "false", ""
+    if ride.least is not None:
+        least, cut, k = ride.least
+        params = {**params, "least_cut": cut}
+        least_agg = f", min(struct_pack(c := confidence, i := id), {int(k)}) FILTER (WHERE least) AS least"
     got = con.sql(
         f"""
         SELECT s, min_by(id, h, {int(kmax)}) FILTER (WHERE {kept}) AS ids,
-            list(struct_pack(id := id, {fields})) FILTER (WHERE ride) AS ride FROM (
-            SELECT *, {_KEY_SQL.replace("hash(CAST(id AS VARCHAR))", "hid")} AS h, ({ride.where}) AS ride FROM (
+            list(struct_pack(id := id, {fields})) FILTER (WHERE ride) AS ride{least_agg} FROM (
+            SELECT *, {_KEY_SQL.replace("hash(CAST(id AS VARCHAR))", "hid")} AS h, ({ride.where}) AS ride,
+                ({least}) AS least FROM (
                 SELECT {stratum or "NULL"} AS s, CAST(id AS VARCHAR) AS id, hash(CAST(id AS VARCHAR)) AS hid, {carried}
                 FROM {table} WHERE id IS NOT NULL
             )
-        ) WHERE ({kept}) OR ride GROUP BY s
+        ) WHERE ({kept}) OR ride OR least GROUP BY s
         """,
         params=params,
     ).to_arrow_table()
-    listed = pc.list_flatten(got.column("ride"))
-    ride.rows = pa.Table.from_batches(
-        [pa.RecordBatch.from_struct_array(c) for c in listed.chunks],
-        schema=pa.schema(listed.type),
-    )
+    ride.rows = _flat(got.column("ride"))
+    if ride.least is not None:  # each stratum's k smallest (confidence, id): the k smallest of them all
+        smallest = con.from_arrow(_flat(got.column("least"))).order("c, i").limit(int(ride.least[2]))
+        ride.least_ids = [i for _, i in smallest.fetchall()]
     return [(s, ids) for s, ids in zip(got.column("s").to_pylist(), got.column("ids").to_pylist()) if ids is not None]
+
+
+def _flat(lists: pa.ChunkedArray) -> pa.Table:
+    """A column of lists of structs as one table of their rows."""
+    listed = pc.list_flatten(lists)
+    return pa.Table.from_batches(
+        [pa.RecordBatch.from_struct_array(c) for c in listed.chunks], schema=pa.schema(listed.type)
+    )
 
 
 def _ties_at_the_cut(con, table, skey, s, seed, ranked, kmax):

@@ -355,3 +355,36 @@ def test_a_large_latency_buffer_keeps_every_value_across_growth_and_widening():
     stats = t._latency_stats()
     assert stats["count"] == len(want) and stats["max"] == float(want.max())
     assert stats["p50"] == pytest.approx(float(np.quantile(want, 0.5)), rel=1e-12)
+
+
+@pytest.mark.parametrize("hashes", [True, False])
+def test_the_least_confident_rows_found_by_the_ranking_scan_equal_the_in_memory_ones(tmp_path, hashes):
+    """With prompts answered differently (their rows ride along the sample's ranking scan, confidence with them)
+    the least confident ids come from that scan: the same ids, in the same order, as ``ORDER BY confidence, id``
+    in memory, with ties at the cut across labels, -0.0 equal to 0.0, and NaN, infinities, nulls and values
+    outside [0, 1] counting as none; without prompt hashes (no ride) from a query of their own."""
+    rnd = random.Random(11)
+    odd = [0.25, 0.25, 0.25, -0.0, 0.0, float("nan"), float("inf"), -0.5, 1.5, None, 0.9, 0.7]
+    recs = [
+        ok_row(
+            i,
+            id=f"r{(i * 7919) % 2000}'x",  # ids out of order, with a quote
+            label=rnd.choice(LABELS),
+            confidence=odd[i % len(odd)] if i % 3 == 0 else rnd.choice([0.25, 0.5, 0.8, 1.0]),
+            prompt_hash=(i % 40) if hashes else None,
+        )
+        for i in range(2000)
+    ]
+    results, errors = split(recs)
+    kw = dict(spec=QASpec(sample_size=12, least_confident=7), labels=LABELS, structured=True)
+    mem = evaluate(results, errors, **kw)
+    streamed = _streamed(tmp_path, results, errors, **kw)
+    a, b = mem.to_dict(), streamed.to_dict()
+    least = a["metrics"]["confidence"]["least_confident_ids"]
+    assert len(least) == 7 and least == b["metrics"]["confidence"]["least_confident_ids"]
+    assert (a["metrics"]["consistency"] is not None) == hashes
+    for d in (a, b):
+        d["metrics"]["latency_ms"].pop("mean")
+        d["metrics"]["confidence"].pop("mean")
+    assert b == a
+    assert str(streamed.sample.to_pylist()) == str(mem.sample.to_pylist())
