@@ -14,8 +14,10 @@
 
 Each is one scan of the columns it needs: the confidence per bucket (with the ``least``-th smallest
 confidence, below which the least confident rows are then read: a filter on the confidence column, so
-the other rows' ids are never compared), and one GROUP BY of the prompt hashes. The streamed QA path
-counts the buckets from the confidences it fetches with the latencies (``ConfidenceTally``) instead.
+the other rows' ids are never compared), and one GROUP BY of the prompt hashes (which also counts the
+rows with one). The streamed QA path counts the buckets from the confidences it fetches with the
+latencies (``ConfidenceTally``) instead, and where rows ride along the sample's ranking scan, that scan
+finds the least confident ids too (``sample.Ride.least``).
 """
 
 from __future__ import annotations
