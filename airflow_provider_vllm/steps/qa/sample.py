@@ -153,10 +153,10 @@ def _top_by_stratum(
             )
         )
     out = {}
-    for s, ids in found.items():
-        if s not in need:
-            continue
-        keys = [int(k, 16) for k in sample_keys(seed, ids, con)]
+    wanted = [(s, ids) for s, ids in found.items() if s in need]
+    keyed = iter(sample_keys(seed, [i for _, ids in wanted for i in ids], con))  # one query for every stratum
+    for s, ids in wanted:
+        keys = [int(next(keyed), 16) for _ in ids]
         ranked = sorted(zip(keys, ids))
         k = need[s] - 1
         if len(ranked) > k and ranked[k - 1][0] == ranked[k][0]:
