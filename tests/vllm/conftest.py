@@ -101,7 +101,7 @@ def tiny_run(tmp_path_factory, tiny_model) -> TinyRun:
 @pytest.fixture(scope="session")
 def raw_smollm2(tmp_path_factory, smollm2) -> dict:
     """Raw vLLM (no worker) on SmolLM2 float32, one engine for two tests of test_worker_vllm: LLM.chat over
-    the planted rows that succeed (test_smollm2_labels_and_equality_with_raw_llm_chat), and token prompts
+    the planted rows that succeed (test_smollm2_labels_and_confidence_equal_raw_llm_chat), and token prompts
     against text prompts for the generate and the chat task (test_token_prompts_give_the_same_outputs_as_
     text_prompts). Both used the same engine settings in a process of their own; the prefix cache is reset
     before every call, so each call computes as on a fresh engine."""

@@ -1,16 +1,15 @@
-"""The result cache with the real worker process on real vLLM (CPU build) and the tiny local model.
+"""The result cache with the real worker on real vLLM (CPU build) and the tiny local model (every run's shards
+go to one worker process, tests/support/shard_server.py).
 
-Run 1 fills the cache; run 2 over an edited input (5% texts edited, 5% rows added, 2% removed)
-sends only the edited and new rows to the engine, serves the rest from run 1, and equals a full
-recompute on every row; another prompt gets no hit, and neither does the same input with the
-template's float32 column re-exported as double (the worker would render other prompts).
+Run 1 fills the cache; run 2 over an edited input (5% texts edited, 5% rows added, 2% removed) sends only the
+edited and new rows to the engine, serves the rest from run 1, and equals a full recompute on every row;
+another prompt gets no hit, and neither does the same input with the template's float32 column re-exported as
+double (the worker would render other prompts).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 from pathlib import Path
 
 import pyarrow as pa
@@ -21,8 +20,8 @@ from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.steps.merge.merger import merge
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.testing.local_models import default_cache_dir, make_tiny_llama
-from airflow_provider_vllm.worker.task import ShardTask, worker_command
 from tests.support.data import write_parquet
+from tests.support.shard_server import ShardServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -62,19 +61,9 @@ def spec_for(
     )
 
 
-def run(spec: JobSpec) -> tuple[list[dict], dict]:
-    """Plan, every shard in the real worker CLI, merge: (worker manifests, merge summary)."""
-    manifests = []
-    for shard in plan_job(spec).shards:
-        p = subprocess.run(
-            worker_command(ShardTask(spec=spec, shard_id=shard.shard_id)),
-            env=ENV,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert p.returncode == 0, p.stderr[-4000:]
-        manifests.append(json.loads([x for x in p.stdout.splitlines() if x.startswith("{")][-1]))
+def run(spec: JobSpec, server: ShardServer) -> tuple[list[dict], dict]:
+    """Plan, every shard in the worker (the server's process), merge: (worker manifests, merge summary)."""
+    manifests = [server.run(spec, shard.shard_id) for shard in plan_job(spec).shards]
     return manifests, merge(spec).dump()
 
 
@@ -85,6 +74,17 @@ def labels(spec: JobSpec) -> dict[str, tuple[str, str | None]]:
 
 
 def test_second_run_infers_only_edited_and_new_rows(tmp_path):
+    # the three runs' shards in one worker process: one engine start (the engine identity the cache keys on
+    # is read afresh for each shard, from the environment the process started with)
+    server = ShardServer(tmp_path / "shard-server.log", ENV)
+    try:
+        _runs(tmp_path, server)
+        assert server.engines_started == 1
+    finally:
+        server.close()
+
+
+def _runs(tmp_path: Path, server: ShardServer) -> None:
     model = str(make_tiny_llama(default_cache_dir() / "tiny-llama"))
     ids = [f"t{i:03d}" for i in range(N)]
     texts = [TICKETS[i % len(TICKETS)] + f" (ref {i})" for i in range(N)]
@@ -97,7 +97,7 @@ def test_second_run_infers_only_edited_and_new_rows(tmp_path):
         priority=pa.array(list(priority.values()), pa.float32()),
     )
     s1 = spec_for(model, tmp_path, "a")
-    m1, merged1 = run(s1)
+    m1, merged1 = run(s1, server)
     assert sum(m["stats"]["infer_rows"] for m in m1) == N and merged1["cache"]["appended"] == N
     first = labels(s1)
 
@@ -116,7 +116,7 @@ def test_second_run_infers_only_edited_and_new_rows(tmp_path):
         tmp_path / "in-b" / "b.parquet", ids2, texts2, row_group_size=16, priority=pa.array(prio2, pa.float32())
     )
     s2 = spec_for(model, tmp_path, "b")
-    m2, merged2 = run(s2)
+    m2, merged2 = run(s2, server)
     assert sum(m["stats"]["infer_rows"] for m in m2) == len(edited) + 3  # only edited + new reach the engine
     assert merged2["cache"]["hits"] == len(ids2) - len(edited) - 3 and merged2["ok_rows"] == len(ids2)
     second = labels(s2)
@@ -135,7 +135,7 @@ def test_second_run_infers_only_edited_and_new_rows(tmp_path):
             "io": {**s_full.io.model_dump(mode="json"), "output_uri": str(tmp_path / "out-full")},
         }
     )
-    run(s_full)
+    run(s_full, server)
     full = labels(s_full)
     assert {i: v[0] for i, v in full.items()} == {i: v[0] for i, v in second.items()}
 

@@ -1,7 +1,8 @@
-"""The answer's confidence and the OpenAI logprobs on real vLLM (CPU build, SmolLM2-135M-Instruct).
+"""The OpenAI logprobs on real vLLM (CPU build, SmolLM2-135M-Instruct).
 
-* A structured-choice answer's ``confidence`` in the results equals exp(sum of the chosen tokens'
-  logprobs) of vLLM's own output (``LLM.chat`` with ``logprobs=0`` over the same prompts) within 1e-5.
+A structured-choice answer's ``confidence`` against vLLM's own logprobs is checked on the shared SmolLM2 run
+(tests/vllm/test_worker_vllm.py, ``test_smollm2_labels_and_confidence_equal_raw_llm_chat``).
+
 * OpenAI batch requests with ``logprobs`` / ``top_logprobs`` come out as ``vllm run-batch`` writes
   them for the same requests: the same tokens, bytes and top entries, logprobs within 1e-4.
 
@@ -16,16 +17,12 @@ import math
 import subprocess
 import sys
 
-import pyarrow.parquet as pq
 import pytest
 
 from airflow_provider_vllm.steps.merge.merger import merge
 from airflow_provider_vllm.steps.plan.planner import plan_job
-from tests.support.data import write_parquet
 from tests.vllm.test_worker_vllm import (
     ENV,
-    LABELS,
-    LEAVE,
     SYSTEM,
     TICKETS,
     manifest,
@@ -34,64 +31,6 @@ from tests.vllm.test_worker_vllm import (
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
-
-RAW_CHAT_LOGPROBS = (
-    LEAVE
-    + r"""
-import json, math, sys
-if __name__ == "__main__":
-    from vllm import LLM, SamplingParams
-    from vllm.sampling_params import StructuredOutputsParams
-    a = json.loads(sys.argv[1])
-    llm = LLM(model=a["model"], max_model_len=512, enforce_eager=True, max_num_seqs=32, dtype="float32")
-    sp = SamplingParams(temperature=0, max_tokens=8, logprobs=0,
-                        structured_outputs=StructuredOutputsParams(choice=a["labels"]))
-    convs = [[{"role": "system", "content": a["system"]}, {"role": "user", "content": "Ticket: " + t}]
-             for t in a["texts"]]
-    res = []
-    for o in llm.chat(convs, sp, use_tqdm=False):
-        c = o.outputs[0]
-        chosen = [step[tid].logprob for tid, step in zip(c.token_ids, c.logprobs)]
-        res.append([c.text, math.exp(sum(chosen)), len(chosen)])
-    print("RAW " + json.dumps(res), flush=True)
-    leave(0)
-"""
-)
-
-
-def test_confidence_is_exp_of_vllms_chosen_token_logprobs(tmp_path, smollm2):
-    n = 40
-    ids = [f"t{i:04d}" for i in range(n)]
-    texts = [TICKETS[i % len(TICKETS)] + f" (ref {i})" for i in range(n)]
-    write_parquet(tmp_path / "in" / "a.parquet", ids, texts)
-    spec = spec_for(smollm2, tmp_path)
-    spec = spec.model_copy(update={"model": spec.model.model_copy(update={"dtype": "float32"})})
-    assert spec.confidence_from_logprobs  # structured choice: on by default
-    (shard,) = plan_job(spec).shards
-    assert manifest(run_worker(spec, shard.shard_id))["ok_rows"] == n
-    merge(spec).dump()
-    ours = {r["id"]: r for r in pq.read_table(tmp_path / "out" / "results").to_pylist()}
-
-    raw = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            RAW_CHAT_LOGPROBS,
-            json.dumps({"model": smollm2, "labels": LABELS, "system": SYSTEM, "texts": texts}),
-        ],
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert raw.returncode == 0, raw.stderr[-3000:]
-    expected = json.loads(next(x for x in raw.stdout.splitlines() if x.startswith("RAW "))[4:])
-    for i, (text, prob, n_tokens) in zip(ids, expected):
-        row = ours[i]
-        assert row["output"] == text and row["completion_tokens"] == n_tokens
-        assert abs(row["confidence"] - prob) <= 1e-5, (i, row["confidence"], prob)
-    confs = [r["confidence"] for r in ours.values()]
-    assert all(0 < c <= 1 for c in confs) and max(confs) - min(confs) > 0.05  # a real spread, not a constant
 
 
 def _request(i: int, model: str, **extra) -> dict:

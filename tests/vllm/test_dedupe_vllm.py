@@ -2,7 +2,7 @@
 
 40 rows of which 30% repeat an earlier row's text, cut into 2 shards of leaders: the engines receive 28
 requests (70% of the rows), counted inside vLLM itself (``LLMEngine.add_request``, wrapped in the worker
-processes by a ``sitecustomize`` this test writes), not from the plan; every duplicate carries its twin's
+process by a ``sitecustomize`` this test writes), not from the plan; every duplicate carries its twin's
 answer; merge's exactly-once accounting holds (every id once in results or errors).
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import pyarrow.parquet as pq
 import pytest
@@ -18,8 +17,8 @@ import pytest
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.steps.merge.merger import merge
 from airflow_provider_vllm.steps.plan.planner import plan_job
-from airflow_provider_vllm.worker.task import ShardTask, worker_command
 from tests.support.data import write_parquet
+from tests.support.shard_server import ShardServer
 from tests.vllm.test_cache_vllm import ENV, LABELS, TICKETS
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -80,18 +79,15 @@ def test_thirty_percent_duplicates_send_seventy_percent_of_the_rows_to_the_engin
         "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), ENV["PYTHONPATH"]]),
         "DEDUPE_TEST_REQUESTS": str(requests),
     }
-    for shard in plan.shards:
-        p = subprocess.run(
-            worker_command(ShardTask(spec=spec, shard_id=shard.shard_id)),
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert p.returncode == 0, p.stderr[-4000:]
+    server = ShardServer(tmp_path / "shard-server.log", env)  # one worker process, one engine, both shards
+    try:
+        for shard in plan.shards:
+            assert server.run(spec, shard.shard_id)["status"] == "committed"
+    finally:
+        server.close()
     seen = [json.loads(x) for x in requests.read_text().splitlines()]
     rows = [r for r in seen if r["max_tokens"] == 8]
-    assert len(seen) - len(rows) == len(plan.shards)  # one warm-up request (max_tokens 1) per worker
+    assert len(seen) - len(rows) == len(plan.shards)  # one warm-up request (max_tokens 1) per shard
     assert len(rows) == DISTINCT == 0.7 * N  # the engine saw each distinct prompt once: 70% of the rows
     assert len({tuple(r["ids"]) for r in rows}) == DISTINCT
 

@@ -29,7 +29,8 @@ from airflow_provider_vllm.steps.qa.stage import qa_run
 from airflow_provider_vllm.worker.task import ShardTask, worker_command
 from tests.support.ledger import record_fault
 from tests.support.reconcile import reconcile
-from tests.vllm.test_worker_vllm import ENV, manifest, run_worker
+from tests.support.shard_server import ShardServer
+from tests.vllm.test_worker_vllm import ENV
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,10 +78,10 @@ def _spec(model: str, tmp_path: Path, night: str, system: str, previous: str | N
     )
 
 
-def _night(spec: JobSpec):
+def _night(spec: JobSpec, server: ShardServer):
     plan = plan_job(spec)
     for s in plan.mapped_shards():
-        assert manifest(run_worker(spec, s.shard_id))["status"] == "committed"
+        assert server.run(spec, s.shard_id)["status"] == "committed"
     merge(spec).dump()
     report, _ = qa_run(spec)
     return plan, report
@@ -106,8 +107,18 @@ def _independent(out: Path, tickets: Path, golden: Path):
 
 def test_quality_on_real_vllm_equals_scikit_learn_gates_and_reports_a_drop(tmp_path, smollm2):
     tickets, golden = _data(tmp_path)
+    # the four shards (input and golden rows, two nights) in one worker process: one engine start
+    server = ShardServer(tmp_path / "shard-server.log", ENV)
+    try:
+        _nights(tmp_path, smollm2, tickets, golden, server)
+        assert server.engines_started == 1
+    finally:
+        server.close()
+
+
+def _nights(tmp_path: Path, smollm2: str, tickets: Path, golden: Path, server: ShardServer) -> None:
     spec1 = _spec(smollm2, tmp_path, "night1", SYSTEM_PROMPT, None)
-    plan, r1 = _night(spec1)
+    plan, r1 = _night(spec1, server)
     assert len(plan.golden.shards) == 1 and plan.total_rows == 60
     q = r1.metrics["quality"]
     y_true, y_pred = _independent(tmp_path / "night1", tickets, golden)
@@ -131,7 +142,7 @@ def test_quality_on_real_vllm_equals_scikit_learn_gates_and_reports_a_drop(tmp_p
 
     # night 2: the same rows, a system prompt that pushes most tickets to 'other'
     spec2 = _spec(smollm2, tmp_path, "night2", WORSE, str(tmp_path / "night1" / "qa" / "report.json"))
-    _, r2 = _night(spec2)
+    _, r2 = _night(spec2, server)
     v = r2.metrics["quality"]["vs_previous"]
     assert v["previous"] == pytest.approx(q["accuracy"]["value"]) and v["real_drop"] and v["high"] < 0
     drop = next(c for c in r2.checks if c["name"] == "accuracy_drop")
@@ -160,7 +171,6 @@ def test_a_golden_worker_killed_mid_chunk_reconciles(tmp_path, tiny_model):
     )
     plan = plan_job(spec)
     (golden_shard,) = plan.golden.shards
-    manifest(run_worker(spec, plan.shards[0].shard_id))
     cmd = worker_command(ShardTask(spec=spec, shard_id=golden_shard.shard_id, progress_interval_s=1))
     with open(tmp_path / "killed.out", "w") as o, open(tmp_path / "killed.err", "w") as e:  # files: orphans keep pipes
         proc = subprocess.Popen(
@@ -173,7 +183,13 @@ def test_a_golden_worker_killed_mid_chunk_reconciles(tmp_path, tiny_model):
                 os.killpg(proc.pid, signal.SIGKILL)  # the killed worker's engine processes
     assert proc.returncode == -signal.SIGKILL, (tmp_path / "killed.err").read_text()[-2000:]
     assert not (tmp_path / "out" / "shards" / golden_shard.shard_id / "_COMMITTED.json").exists()
-    m = manifest(run_worker(spec, golden_shard.shard_id))
+    # the retry of the golden shard and the input's shard in one worker process: one engine start for both
+    server = ShardServer(tmp_path / "shard-server.log", ENV)
+    try:
+        assert server.run(spec, plan.shards[0].shard_id)["status"] == "committed"
+        m = server.run(spec, golden_shard.shard_id)
+    finally:
+        server.close()
     assert m["status"] == "committed" and m["rows"] == 70
     summary = merge(spec).dump()
     rec = reconcile(tmp_path / "out", pq.read_table(paths["tickets"], columns=["id"]).column(0).to_pylist())

@@ -30,6 +30,7 @@ from airflow_provider_vllm.worker.lifecycle import LOCK_DIR_ENV, LOCK_WAIT_ENV, 
 from airflow_provider_vllm.worker.task import ShardTask, worker_command
 from tests.conftest import ENGINE_PROCESSES
 from tests.support.data import make_spec, write_parquet
+from tests.support.ledger import record_fault
 from tests.support.reconcile import check, check_no_partial
 
 pytestmark = [pytest.mark.reliability, pytest.mark.timeout(600)]
@@ -434,6 +435,44 @@ def test_sigterm_while_parked_in_a_phase_exits_75_within_a_bound_and_the_rerun_c
         assert m2["stats"]["reused_chunks"] == reused
     check(tmp_path / "out", ids, kind=f"sigterm.{point.split('#')[0]}", committed_only=True, level="process")
     assert stop_s < STOP_BOUND_S
+
+
+# kill -9 at each step of a chunk's write (the file protocol, whatever the engine): (point, chunks it adds)
+CHUNK_KILLS = [
+    ("chunk.before_write", 0),
+    ("chunk.mid_file", 0),
+    ("chunk.between_parts", 0),  # between a chunk's errors part and its ok part: not complete, not reused
+    ("chunk.before_seal", 1),  # both files, no seal: not complete, redone by the next attempt
+    ("chunk.after_write", 1),
+]
+
+
+def test_kill9_at_each_step_of_a_chunk_write_leaves_nothing_partial_and_the_retry_completes(tmp_path, fake_python, env):
+    """One shard through a SIGKILL at each chunk write point in turn (the real worker CLI and chunk protocol; the
+    fake engine: a kill at our files, not vLLM's; tests/vllm/test_reliability_worker.py kills one of these
+    points on real vLLM), then a retry commits every row exactly once."""
+    spec, shard, ids = job(tmp_path)
+    sd = tmp_path / "out" / "shards" / shard["shard_id"]
+    for n, (point, new_chunks) in enumerate(CHUNK_KILLS):
+        before = len(chunks(tmp_path))
+        log = tmp_path / f"w{n}.log"
+        w = start_worker(spec, shard, fake_python, env, f"{point}#1=kill", log)
+        assert w.wait(timeout=300) == -signal.SIGKILL, (point, log.read_text()[-3000:])
+        assert f"kill at {point}" in log.read_text()
+        assert len(chunks(tmp_path)) == before + new_chunks and not (sd / "_COMMITTED.json").exists(), point
+        if point == "chunk.mid_file":
+            assert any(".tmp-" in p.name for p in sd.rglob("*")), "the killed writer left its temp file"
+        check_no_partial(tmp_path / "out")
+    complete = len(sealed_chunks(tmp_path))
+    assert complete == 1  # only the kill after a chunk's write left a complete one
+    log = tmp_path / "retry.log"
+    again = start_worker(spec, shard, fake_python, env, "", log)
+    assert again.wait(timeout=300) == 0, log.read_text()[-3000:]
+    m = last_json(log)
+    assert m["status"] == "committed" and m["stats"]["reused_chunks"] == complete, m
+    check(tmp_path / "out", ids, committed_only=True)
+    for point, _ in CHUNK_KILLS:  # each kill reconciled by the one check after the retry, as the real-vLLM chain
+        record_fault(f"kill9.{point}", len(ids), level="process")
 
 
 WATCHED = ["plan.load", "read.segment#2", "chunk.before_write#3", "commit.after_data", "commit.mid_marker"]

@@ -157,7 +157,7 @@ LEAVE = "from airflow_provider_vllm.worker.exits import exit_hard as leave\n"
 RAW_SMOLLM2 = (
     LEAVE
     + r"""
-import json, sys
+import json, math, sys
 if __name__ == "__main__":
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -167,11 +167,16 @@ if __name__ == "__main__":
     a = json.loads(sys.argv[1])
     llm = LLM(model=a["model"], max_model_len=512, enforce_eager=True, max_num_seqs=32, dtype=a["dtype"])
     c = a["chat"]
-    sp = SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=c["labels"]))
+    sp = SamplingParams(temperature=0, max_tokens=8, logprobs=0,
+                        structured_outputs=StructuredOutputsParams(choice=c["labels"]))
     convs = [[{"role": "system", "content": c["system"]}, {"role": "user", "content": "Ticket: " + t}]
              for t in c["texts"]]
     llm.reset_prefix_cache()
-    res = {"llm_chat": [o.outputs[0].text for o in llm.chat(convs, sp, use_tqdm=False)], "tokens": {}}
+    outs = [o.outputs[0] for o in llm.chat(convs, sp, use_tqdm=False)]
+    # the chosen tokens' logprobs (logprobs=0: the sampled token's own), as vLLM computed them
+    chosen = [[step[tid].logprob for tid, step in zip(o.token_ids, o.logprobs)] for o in outs]
+    res = {"llm_chat": [o.text for o in outs], "confidence": [[math.exp(sum(c)), len(c)] for c in chosen],
+           "tokens": {}}
     t = a["tokens"]
     tok = llm.get_tokenizer()
     sp = SamplingParams(temperature=0, max_tokens=t["max_tokens"])
@@ -196,7 +201,7 @@ if __name__ == "__main__":
 )
 
 
-def test_smollm2_labels_and_equality_with_raw_llm_chat(tmp_path, smollm2, raw_smollm2):
+def test_smollm2_labels_and_confidence_equal_raw_llm_chat(tmp_path, smollm2, raw_smollm2):
     n = 48
     codes = planted(tmp_path, n)
     # float32: in bf16 the worker's batches (a deep queue) and LLM.chat's differ enough to flip a
@@ -220,6 +225,16 @@ def test_smollm2_labels_and_equality_with_raw_llm_chat(tmp_path, smollm2, raw_sm
     assert [(t["id"], t["text"]) for t in rows] == [(i, x) for i, x in zip(ids, texts) if i in by_id]
     ours = [by_id[t["id"]]["output"] for t in rows]
     assert ours == raw_smollm2["llm_chat"]
+
+    # a structured-choice answer's confidence is exp(sum of the chosen tokens' logprobs) of vLLM's own
+    # output (LLM.chat with logprobs=0 over the same prompts), within 1e-5 (float32: in bf16 the batches of
+    # the two differ enough to move low bits of a logit)
+    assert spec.confidence_from_logprobs  # structured choice: on by default
+    for t, (prob, n_tokens) in zip(rows, raw_smollm2["confidence"]):
+        row = by_id[t["id"]]
+        assert row["completion_tokens"] == n_tokens and abs(row["confidence"] - prob) <= 1e-5, (t["id"], prob)
+    confs = [r["confidence"] for r in res]
+    assert all(0 < c <= 1 for c in confs) and max(confs) - min(confs) > 0.05  # a real spread, not a constant
 
 
 @pytest.mark.reliability
@@ -367,7 +382,7 @@ def test_token_prompts_give_the_same_outputs_as_text_prompts(tmp_path, smollm2, 
     same rows as text (LLM.generate) or as conversations (LLM.chat) sees the same prompt tokens
     and produces the same outputs, for the generate and the chat task; and the worker's
     generate-task outputs equal raw LLM.generate over text prompts. (Worker vs LLM.chat runs
-    through the worker in test_smollm2_labels_and_equality_with_raw_llm_chat.)"""
+    through the worker in test_smollm2_labels_and_confidence_equal_raw_llm_chat.)"""
     n = len(TOKEN_TEXTS)
     write_parquet(tmp_path / "in" / "a.parquet", [f"g{i:03d}" for i in range(n)], TOKEN_TEXTS)
     gen, _ = token_specs(smollm2, tmp_path)
