@@ -13,6 +13,7 @@ from tests.support import ROOT
 DAGS = ROOT / "dags"
 PY = sys.executable
 AIRFLOW = str(Path(PY).with_name("airflow"))
+CLI_MANY = "cli_many: "  # the line tests/airflow/cli_many.py prints its results on
 
 
 @dataclass
@@ -44,6 +45,22 @@ class AirflowSandbox:
             p = self.run("dags", "reserialize")
             assert p.returncode == 0, tail(p)
             self.serialized = True
+
+    def cli_many(self, *argvs: list[str], timeout: int = 900) -> list[dict]:
+        """Several ``airflow`` commands in one process (tests/airflow/cli_many.py): how each ended, in order."""
+        p = subprocess.run(
+            [PY, str(ROOT / "tests" / "airflow" / "cli_many.py"), json.dumps(argvs)],
+            env=self.env,
+            cwd=str(self.home),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        assert p.returncode == 0, tail(p)
+        (line,) = [x for x in p.stdout.splitlines() if x.startswith(CLI_MANY)]
+        results = json.loads(line.removeprefix(CLI_MANY))
+        assert len(results) == len(argvs), results
+        return results
 
     def dags_test(
         self, dag_id: str, date: str, conf: dict | None = None, env: dict[str, str] | None = None, timeout: int = 900
