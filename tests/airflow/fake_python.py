@@ -38,5 +38,7 @@ class CountingEngine(FakeEngine):
 if __name__ == "__main__":
     assert sys.argv[1:3] == ["-m", "airflow_provider_vllm.worker"], sys.argv
     engine = CountingEngine if os.environ.get("FAKE_ENGINE_REQUESTS") else FakeEngine
-    shard._default_engine = lambda spec: engine(spec)
+    # vLLM's own SamplingParams only check per-row options (OpenAI batch rows), which no job run through this file
+    # sets; without them the fake imports no vLLM (seconds per worker process)
+    shard._default_engine = lambda spec: engine(spec, real_vllm=False)
     worker_main.entrypoint(sys.argv[3:])

@@ -53,7 +53,7 @@ from airflow_provider_vllm.worker import shard
 from tests.support.fakes import FakeEngine
 
 def engine(spec):
-    e = FakeEngine(spec)
+    e = FakeEngine(spec, real_vllm=False)  # no `import vllm` (seconds per worker): these jobs set no per-row options
     p = multiprocessing.get_context("fork").Process(target=time.sleep, args=(600,), daemon=True)
     p.start()
     print(f"fake engine core pid={{p.pid}}", file=sys.stderr, flush=True)
