@@ -4,10 +4,10 @@ values before any shard task (and so any worker process or pod spec) exists."""
 from __future__ import annotations
 
 import json
+import subprocess
 
 import pytest
 
-from tests.airflow.test_dag_runs import latest_run
 from tests.support.airflow_env import tail
 from tests.support.data import write_parquet
 from tests.support.ledger import record_malicious
@@ -45,56 +45,7 @@ def test_rerun_form_refuses_malicious_params(airflow_sandbox):
     record_malicious("dag_form", len(FORM_PAYLOADS), rejected)
 
 
-def test_plan_task_refuses_a_path_outside_the_deployment_allow_list(airflow_sandbox, tmp_path):
-    """A well-formed path the form accepts, outside ``[vllm_batch] allowed_uri_prefixes``: plan fails, no shard runs."""
-    box = airflow_sandbox
-    outside = tmp_path / "outside"
-    write_parquet(outside / "part-0.parquet", ["a", "b"], ["one", "two"])
-    secret = "hf_SENTINELdagtestK3v9"
-    env = {"AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES": json.dumps([str(box.data)]), "HF_TOKEN": secret}
-    p = box.dags_test(RERUN, "2026-11-24", conf={"input_uri": str(outside)}, env=env)
-    assert p.returncode != 0
-    db = box.inspect(RERUN)
-    run_id = latest_run(db)
-    tis = {t["task_id"].split(".")[-1]: t for t in db["tis"] if t["run_id"] == run_id}
-    assert tis["plan"]["state"] == "failed" and tis["plan"]["try_number"] == 1  # terminal, no retry
-    assert tis["shard"]["state"] == "upstream_failed"
-    assert "outside the allowed prefixes" in p.stdout + p.stderr
-    assert secret not in p.stdout + p.stderr  # the task logs never show the environment's secrets
-    from airflow_provider_vllm.task_groups.batch_job import TEMPLATE_FILTERS
-
-    assert not (box.data / "reruns" / TEMPLATE_FILTERS["path_safe"](run_id) / "_plan.json").exists()
-    record_malicious("dag_allow_list", 1, 1)
-
-
-def _plan_refused(box, p, message: str) -> None:
-    """The run's plan failed on its first try (terminal), no shard ran, nothing was planned."""
-    from airflow_provider_vllm.task_groups.batch_job import TEMPLATE_FILTERS
-
-    out = p.stdout + p.stderr
-    assert p.returncode != 0 and message in out, tail(p, 4000)
-    db = box.inspect(RERUN)
-    run_id = latest_run(db)
-    tis = {t["task_id"].split(".")[-1]: t for t in db["tis"] if t["run_id"] == run_id}
-    assert tis["plan"]["state"] == "failed" and tis["plan"]["try_number"] == 1
-    assert tis["shard"]["state"] == "upstream_failed"
-    assert not (box.data / "reruns" / TEMPLATE_FILTERS["path_safe"](run_id) / "_plan.json").exists()
-
-
-def test_rerun_dag_fails_closed_without_an_allow_list(airflow_sandbox):
-    """The default deployment: no [vllm_batch] allowed_uri_prefixes -> plan refuses, naming the setting."""
-    box = airflow_sandbox
-    write_parquet(box.data / "closed" / "part-0.parquet", ["a", "b"], ["one", "two"])
-    p = box.dags_test(
-        RERUN,
-        "2026-11-25",
-        conf={"input_uri": str(box.data / "closed")},
-        env={"AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES": ""},
-    )
-    _plan_refused(box, p, "no allowed locations are configured: set [vllm_batch] allowed_uri_prefixes")
-    record_malicious("dag_no_allow_list", 1, 1)
-
-
+SECRET = "hf_SENTINELdagtestK3v9"
 HOSTILE_CONF = {  # values the form's schemas accept, refused by the deployment's rules in plan
     "model path outside the allow-list": ({"model": "/etc/ssl"}, "model.name=/etc/ssl is outside the allowed"),
     "another team's bucket": ({"input_uri": "s3://other-team/tickets/"}, "io.input_uri=s3://other-team/tickets"),
@@ -103,33 +54,98 @@ HOSTILE_CONF = {  # values the form's schemas accept, refused by the deployment'
         "changes.previous_uri=s3://other-team/runs/dt=1 is outside",
     ),
 }
+VARIABLE_OVERRIDES = {
+    "sampling.max_tokens": 32,
+    "model.trust_remote_code": True,
+    "engine.engine_kwargs": {"compilation_config": {"backend": "evil.module.compile"}},
+}
+
+
+@pytest.fixture(scope="module")
+def refused_runs(airflow_sandbox, tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, str]]:
+    """Every re-run below that plan must refuse, as ``airflow dags test`` runs one after the other in one
+    process (tests/airflow/cli_many.py; each with its own environment and log): name -> (how the command
+    ended, its run id). Each test asserts on its own run."""
+    box = airflow_sandbox
+    outside = tmp_path_factory.mktemp("outside")
+    write_parquet(outside / "part-0.parquet", ["a", "b"], ["one", "two"])
+    for name in ("closed", "hostile", "trc"):
+        write_parquet(box.data / name / "part-0.parquet", ["a", "b"], ["one", "two"])
+    runs = {  # name -> (date, conf, env); a date of its own each (`dags test` replaces a run of the same date)
+        # A well-formed path the form accepts, outside the deployment's allow-list; a secret in the environment.
+        "allow-list": (
+            "2026-10-01",
+            {"input_uri": str(outside)},
+            {"AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES": json.dumps([str(box.data)]), "HF_TOKEN": SECRET},
+        ),
+        # The default deployment: no allow-list at all.
+        "no allow-list": (
+            "2026-10-02",
+            {"input_uri": str(box.data / "closed")},
+            {"AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES": ""},
+        ),
+        **{
+            name: (f"2026-10-0{3 + i}", {"input_uri": str(box.data / "hostile"), **conf}, {})
+            for i, (name, (conf, _)) in enumerate(sorted(HOSTILE_CONF.items()))
+        },
+        # A Variable more people can edit asks for remote code, even where the deployment allows remote code.
+        "variable": (
+            "2026-10-06",
+            {"input_uri": str(box.data / "trc")},
+            {
+                "AIRFLOW_VAR_VLLM_BATCH_SPEC_OVERRIDES": json.dumps(VARIABLE_OVERRIDES),
+                "AIRFLOW__VLLM_BATCH__ALLOW_REMOTE_CODE": "True",
+            },
+        ),
+    }
+    before = len(box.inspect(RERUN)["runs"])
+    done = box.dags_test_many(*((RERUN, date, conf, env) for date, conf, env in runs.values()))
+    run_ids = [r["run_id"] for r in box.inspect(RERUN)["runs"][before:]]
+    assert len(run_ids) == len(runs), run_ids  # one run per command, in the order given
+    return {name: (p, run_id) for name, p, run_id in zip(runs, done, run_ids)}
+
+
+def _plan_refused(box, p: subprocess.CompletedProcess, run_id: str, message: str) -> None:
+    """The run's plan failed on its first try (terminal), no shard ran, nothing was planned."""
+    from airflow_provider_vllm.task_groups.batch_job import TEMPLATE_FILTERS
+
+    out = p.stdout + p.stderr
+    assert p.returncode != 0 and message in out, tail(p, 4000)
+    db = box.inspect(RERUN)
+    tis = {t["task_id"].split(".")[-1]: t for t in db["tis"] if t["run_id"] == run_id}
+    assert tis["plan"]["state"] == "failed" and tis["plan"]["try_number"] == 1  # terminal, no retry
+    assert tis["shard"]["state"] == "upstream_failed"
+    assert not (box.data / "reruns" / TEMPLATE_FILTERS["path_safe"](run_id) / "_plan.json").exists()
+
+
+def test_plan_task_refuses_a_path_outside_the_deployment_allow_list(airflow_sandbox, refused_runs):
+    """A well-formed path the form accepts, outside ``[vllm_batch] allowed_uri_prefixes``: plan fails, no shard runs."""
+    p, run_id = refused_runs["allow-list"]
+    _plan_refused(airflow_sandbox, p, run_id, "outside the allowed prefixes")
+    assert SECRET not in p.stdout + p.stderr  # the task logs never show the environment's secrets
+    record_malicious("dag_allow_list", 1, 1)
+
+
+def test_rerun_dag_fails_closed_without_an_allow_list(airflow_sandbox, refused_runs):
+    """The default deployment: no [vllm_batch] allowed_uri_prefixes -> plan refuses, naming the setting."""
+    p, run_id = refused_runs["no allow-list"]
+    _plan_refused(
+        airflow_sandbox, p, run_id, "no allowed locations are configured: set [vllm_batch] allowed_uri_prefixes"
+    )
+    record_malicious("dag_no_allow_list", 1, 1)
 
 
 @pytest.mark.parametrize("name", sorted(HOSTILE_CONF))
-def test_rerun_dag_refuses_a_hostile_conf_in_plan(airflow_sandbox, name):
-    box = airflow_sandbox
-    write_parquet(box.data / "hostile" / "part-0.parquet", ["a", "b"], ["one", "two"])
-    conf, message = HOSTILE_CONF[name]
-    p = box.dags_test(RERUN, "2026-11-26", conf={"input_uri": str(box.data / "hostile"), **conf})
-    _plan_refused(box, p, message)
+def test_rerun_dag_refuses_a_hostile_conf_in_plan(airflow_sandbox, refused_runs, name):
+    p, run_id = refused_runs[name]
+    _plan_refused(airflow_sandbox, p, run_id, HOSTILE_CONF[name][1])
     record_malicious("dag_hostile_conf", 1, 1)
 
 
-def test_a_variable_cannot_turn_on_remote_code_without_the_deployments_opt_in(airflow_sandbox):
+def test_a_variable_cannot_turn_on_remote_code_without_the_deployments_opt_in(airflow_sandbox, refused_runs):
     """vllm_batch_spec_overrides (a Variable more people can edit) sets trust_remote_code and a code-loading
     compile backend; even with [vllm_batch] allow_remote_code the plan refuses: it came from a Variable."""
-    box = airflow_sandbox
-    write_parquet(box.data / "trc" / "part-0.parquet", ["a", "b"], ["one", "two"])
-    overrides = {
-        "sampling.max_tokens": 32,
-        "model.trust_remote_code": True,
-        "engine.engine_kwargs": {"compilation_config": {"backend": "evil.module.compile"}},
-    }
-    env = {
-        "AIRFLOW_VAR_VLLM_BATCH_SPEC_OVERRIDES": json.dumps(overrides),
-        "AIRFLOW__VLLM_BATCH__ALLOW_REMOTE_CODE": "True",
-    }
-    p = box.dags_test(RERUN, "2026-11-27", conf={"input_uri": str(box.data / "trc")}, env=env)
-    _plan_refused(box, p, "model.trust_remote_code is deployment-owned and came from a Variable")
+    p, run_id = refused_runs["variable"]
+    _plan_refused(airflow_sandbox, p, run_id, "model.trust_remote_code is deployment-owned and came from a Variable")
     assert "engine.engine_kwargs.compilation_config.backend is deployment-owned" in p.stdout + p.stderr
     record_malicious("dag_variable_remote_code", 2, 2)

@@ -46,8 +46,9 @@ class AirflowSandbox:
             assert p.returncode == 0, tail(p)
             self.serialized = True
 
-    def cli_many(self, *argvs: list[str], timeout: int = 900) -> list[dict]:
-        """Several ``airflow`` commands in one process (tests/airflow/cli_many.py): how each ended, in order."""
+    def cli_many(self, *argvs: list[str] | dict, timeout: int = 900) -> list[dict]:
+        """Several ``airflow`` commands in one process (tests/airflow/cli_many.py): how each ended, in order.
+        Each is an argument list or ``{"argv": [...], "env": {...}, "log": path}`` (the module says how)."""
         p = subprocess.run(
             [PY, str(ROOT / "tests" / "airflow" / "cli_many.py"), json.dumps(argvs)],
             env=self.env,
@@ -68,6 +69,25 @@ class AirflowSandbox:
         args = ["dags", "test", dag_id, date] + (["-c", json.dumps(conf)] if conf is not None else [])
         log = self.home / f"{dag_id}-{date}-{len(list(self.home.glob('*.log')))}.log"
         return self.run(*args, env=env, timeout=timeout, log=log)
+
+    def dags_test_many(self, *runs: tuple[str, str, dict | None, dict[str, str] | None], timeout: int = 900):
+        """Several ``airflow dags test DAG DATE [-c CONF]`` runs, each ``(dag_id, date, conf, env)``, one after
+        the other in one process (tests/airflow/cli_many.py): Airflow, the DAG files and the provider are
+        imported once. Each comes back as ``dags_test`` returns it: a ``CompletedProcess`` whose stdout is
+        everything the run wrote (its task logs included) and whose return code is the entry point's."""
+        commands = []
+        for dag_id, date, conf, env in runs:
+            log = self.home / f"{dag_id}-{date}-{len(list(self.home.glob('*.log')))}.log"
+            log.write_text("")
+            argv = ["dags", "test", dag_id, date] + (["-c", json.dumps(conf)] if conf is not None else [])
+            commands.append({"argv": argv, "env": env or {}, "log": str(log)})
+        results = self.cli_many(*commands, timeout=timeout)
+        return [
+            subprocess.CompletedProcess(
+                c["argv"], 0 if r["ok"] else 1, stdout=Path(c["log"]).read_text(), stderr=r["error"] or ""
+            )
+            for c, r in zip(commands, results)
+        ]
 
     def inspect(self, dag_id: str) -> dict:
         """Runs, task instances, earlier tries, XComs and asset events of ``dag_id``, from the DB.
