@@ -258,57 +258,79 @@ BAD_PARAMS = {
     "negative shard size": {"shard_rows": -5},
     "malformed uri": {"input_uri": "tickets dir/*.parquet"},
 }
+EMPTY_DAY = "2026-11-10"
 
 
-def test_rerun_dag_refuses_invalid_params_before_any_task_runs(airflow_sandbox):
+@pytest.fixture(scope="module")
+def engineless(airflow_sandbox) -> dict:
+    """The runs below that start no engine, one after the other in one process (tests/airflow/cli_many.py):
+    the invalid params through `airflow dags trigger` and through `airflow dags test`, a plan that fails on
+    duplicate ids, an empty partition. What each test looks at, by name."""
+    import pyarrow as pa
+
     box = airflow_sandbox
-    box.reserialize()
-    runs_before = len(box.inspect(RERUN)["runs"])
-    conf = {"input_uri": str(box.data / "adhoc")}
-    # each its own `airflow dags trigger`, in one process (tests/airflow/cli_many.py)
-    results = box.cli_many(
-        *(["dags", "trigger", RERUN, "-c", json.dumps({**conf, **bad})] for bad in BAD_PARAMS.values())
+    write_parquet(box.data / "dups" / "part-0.parquet", ["a", "b", "a"], ["one ticket", "two tickets", "three"])
+    write_parquet(
+        box.data / "tickets" / f"dt={EMPTY_DAY}" / "tickets.parquet",
+        pa.array([], pa.string()),
+        pa.array([], pa.string()),
     )
-    for name, result in zip(BAD_PARAMS, results):
+    adhoc = {"input_uri": str(box.data / "adhoc")}
+    serialize = [] if box.serialized else [["dags", "reserialize"]]  # `dags trigger` needs the DAGs in the DB
+    rerun_runs, nightly_runs = len(box.inspect(RERUN)["runs"]), len(box.inspect(NIGHTLY)["runs"])
+    triggered = box.cli_many(
+        *serialize, *(["dags", "trigger", RERUN, "-c", json.dumps({**adhoc, **bad})] for bad in BAD_PARAMS.values())
+    )
+    assert all(r["ok"] for r in triggered[: len(serialize)]), triggered
+    box.serialized = True
+    docker, dups, empty = box.dags_test_many(
+        (RERUN, "2026-11-21", {**adhoc, "runner": "docker"}, None),
+        (RERUN, "2026-11-22", {"input_uri": str(box.data / "dups")}, None),
+        (NIGHTLY, EMPTY_DAY, None, None),
+    )
+    return {
+        "triggered": dict(zip(BAD_PARAMS, triggered[len(serialize) :])),
+        "docker": docker,
+        "dups": dups,
+        "empty": empty,
+        "new_rerun_runs": box.inspect(RERUN)["runs"][rerun_runs:],
+        "new_nightly_runs": box.inspect(NIGHTLY)["runs"][nightly_runs:],
+    }
+
+
+def test_rerun_dag_refuses_invalid_params_before_any_task_runs(engineless):
+    for name, result in engineless["triggered"].items():
         assert not result["ok"], f"{name}: accepted"
         assert "Invalid input for param" in result["error"], f"{name}: {result}"
     # `airflow dags test` creates its run through the same validation
-    p = box.dags_test(RERUN, "2026-11-21", conf={"input_uri": str(box.data / "adhoc"), "runner": "docker"})
+    p = engineless["docker"]
     assert p.returncode != 0 and "Invalid input for param runner" in p.stdout + p.stderr, tail(p, 2000)
-    db = box.inspect(RERUN)
-    assert len(db["runs"]) == runs_before  # no run created, so no task ran
+    # the only new re-run is the duplicate-ids one: no run was created for any invalid params, so no task ran
+    (run,) = engineless["new_rerun_runs"]
+    assert run["conf"]["input_uri"].endswith("/dups")
 
 
-def test_plan_failures_are_terminal_and_no_shard_runs(airflow_sandbox):
-    box = airflow_sandbox
-    folder = box.data / "dups"
-    write_parquet(folder / "part-0.parquet", ["a", "b", "a"], ["one ticket", "two tickets", "three"])
-    p = box.dags_test(RERUN, "2026-11-22", conf={"input_uri": str(folder)})
+def test_plan_failures_are_terminal_and_no_shard_runs(airflow_sandbox, engineless):
+    p = engineless["dups"]
     assert p.returncode != 0
-    db = box.inspect(RERUN)
-    run_id = latest_run(db)
-    tis = {t["task_id"].split(".")[-1]: t for t in db["tis"] if t["run_id"] == run_id}
+    db = airflow_sandbox.inspect(RERUN)
+    (run,) = engineless["new_rerun_runs"]
+    tis = {t["task_id"].split(".")[-1]: t for t in db["tis"] if t["run_id"] == run["run_id"]}
     assert tis["plan"]["state"] == "failed" and tis["plan"]["try_number"] == 1  # no retry
     assert tis["shard"]["state"] == "upstream_failed" and tis["publish"]["state"] == "upstream_failed"
     assert tis["shard_kubernetes"]["state"] == "upstream_failed"
     assert "duplicate" in p.stdout + p.stderr
 
 
-def test_an_empty_partition_maps_zero_shards_and_publishes_an_empty_result(airflow_sandbox):
-    import pyarrow as pa
-
-    box, day = airflow_sandbox, "2026-11-10"
-    write_parquet(
-        box.data / "tickets" / f"dt={day}" / "tickets.parquet", pa.array([], pa.string()), pa.array([], pa.string())
-    )
-    p = box.dags_test(NIGHTLY, day)
+def test_an_empty_partition_maps_zero_shards_and_publishes_an_empty_result(airflow_sandbox, engineless):
+    box, p = airflow_sandbox, engineless["empty"]
     assert p.returncode == 0, tail(p)
-    db = box.inspect(NIGHTLY)
-    st = local_states(db, latest_run(db))
+    (run,) = engineless["new_nightly_runs"]
+    st = local_states(box.inspect(NIGHTLY), run["run_id"])
     assert st.pop(("shard", -1)) == "skipped" and set(st.values()) == {
         "success"
     }  # merge runs (none_failed_min_one_success)
-    success = json.loads((box.data / "reclassification" / f"dt={day}" / "_SUCCESS.json").read_text())
+    success = json.loads((box.data / "reclassification" / f"dt={EMPTY_DAY}" / "_SUCCESS.json").read_text())
     assert success["rows"] == 0
 
 
