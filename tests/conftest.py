@@ -30,28 +30,33 @@ ENGINE_PROCESSES = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
 
 def _cores_of_this_xdist_process() -> list[int] | None:
     """Under pytest-xdist, this test process's share of the cores: ``gwN`` takes slice N of the cores it may run
-    on (one core each on this 2-core machine). None outside xdist, or with more processes than cores."""
+    on. ``[]`` with more processes than cores (none has a core of its own), None outside xdist."""
     worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
     if not worker.startswith("gw") or not count.isdigit() or int(count) < 2:
         return None
     cores = sorted(os.sched_getaffinity(0))
     per = len(cores) // int(count)
     if per < 1:
-        return None
+        return []
     n = int(worker[2:]) % int(count)
     return cores[n * per : (n + 1) * per]
 
 
-# The engines of two test processes, each on its own cores. vLLM's automatic binding gives an engine that runs in
-# its own processes (ENGINE_PROCESSES) the first cores of the NUMA node less one for its scheduler: core 0 here,
-# for every such engine of both test processes at once. vLLM's variable names the cores instead, and
-# OMP_NUM_THREADS keeps torch's OpenMP to the process's share (vLLM sets an in-process engine's torch threads
-# to 1 for serving, but not for what runs before). What the processes a test starts inherit (workers,
-# `airflow dags test`, airflow standalone).
+# The engines of the test processes. vLLM's automatic binding gives an engine that runs in its own processes
+# (ENGINE_PROCESSES) the first cores of the NUMA node less one for its scheduler: core 0 on a 2-core machine, for
+# every such engine of every test process at once. With at least a core per process, vLLM's variable names the
+# process's cores instead; with more processes than cores (the default on 2 cores, where a third process fills
+# the time the other two wait on Airflow's scheduler, timeouts and subprocesses), no engine is bound and the
+# kernel spreads them. OMP_NUM_THREADS keeps torch's OpenMP to the process's share (vLLM sets an in-process
+# engine's torch threads to 1 for serving, but not for what runs before). What the processes a test starts
+# inherit (workers, `airflow dags test`, airflow standalone).
 _CORES = _cores_of_this_xdist_process()
 if _CORES:
     os.environ.setdefault("OMP_NUM_THREADS", str(len(_CORES)))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, _CORES)))
+elif _CORES == []:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
 def _minilm_prefixes() -> list[str]:
