@@ -47,9 +47,11 @@ $(STAMP): requirements/bootstrap.txt $(LOCKS) setup.cfg
 # Every pytest run ends with its 15 slowest tests (setup, call and teardown each), so a slow new
 # test shows up in the run that adds it.
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider --durations=15
-# The tests on two processes (pytest-xdist; tests/conftest.py says what shares one): TEST_PROCESSES=1 runs
-# them in one (to debug a failure without a neighbour, or on a 1-core machine).
-TEST_PROCESSES ?= 2
+# The tests on several processes (pytest-xdist; tests/conftest.py says what shares one): one more than the cores
+# this make may use, at most 4 (on 2 cores the third fills the time the other two wait on Airflow's scheduler,
+# timeouts and subprocesses; each process may run vLLM engines and an Airflow, so memory bounds the count).
+# TEST_PROCESSES=1 runs them in one (to debug a failure without a neighbour).
+TEST_PROCESSES ?= $(shell $(PYTHON) -c "import os; n = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else (os.cpu_count() or 1); print(min(n + 1, 4))")
 XDIST := $(if $(filter-out 1,$(TEST_PROCESSES)),-n $(TEST_PROCESSES) --dist loadscope --no-loadscope-reorder)
 
 test: venv chromium

@@ -135,7 +135,7 @@ def test_the_cache_key_follows_the_deployments_image(airflow_sandbox, tmp_path):
     plan keys the result cache with the image the pods will run (by digest), so the old engine's answers
     are not served under the new one's name; the rendered pod gets the signing key by reference only."""
     box = airflow_sandbox
-    keys = {}
+    runs = []
     for day, digest in (("2026-11-20", "a1"), ("2026-11-21", "b2")):
         image = "registry.example.com/ml/airflow-provider-vllm-worker:0.1.0@sha256:" + digest * 32
         write_parquet(
@@ -147,7 +147,12 @@ def test_the_cache_key_follows_the_deployments_image(airflow_sandbox, tmp_path):
             **kube_env(tmp_path),
             "AIRFLOW__VLLM_BATCH__KUBERNETES_DEFAULTS": json.dumps({**DEPLOYMENT_POD, "image": image}),
         }
-        box.dags_test(NIGHTLY, day, env=env, timeout=600)  # the shards fail: no cluster; the plan is what counts
+        runs.append((NIGHTLY, day, None, env))
+    # the two nights in one process (tests/airflow/cli_many.py); the shards fail: no cluster; the plan is what counts
+    box.dags_test_many(*runs, timeout=600)
+    keys = {}
+    for _, day, _, env in runs:
+        image = json.loads(env["AIRFLOW__VLLM_BATCH__KUBERNETES_DEFAULTS"])["image"]
         plan = json.loads((box.data / "reclassification" / f"dt={day}" / "_plan.json").read_text())
         assert plan["cache"]["key_config"]["engine_identity"].startswith(f"image {image}")
         keys[day] = plan["cache"]["key_hash"]

@@ -264,17 +264,13 @@ def test_cli_as_module(tmp_path):
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_prepare_smollm2(tmp_path):
-    pytest.importorskip("gguf")
-    pytest.importorskip("accelerate")
+def test_prepare_smollm2(smollm2):
+    """The SmolLM2 folder the session's tests use, as ``prepare_smollm2`` converted it (from a fresh clone: in
+    this session, through the ``smollm2`` fixture; the atomic build itself is the tiny model's tests')."""
     transformers = pytest.importorskip("transformers")
-    try:
-        lm.smollm2_gguf_path()
-    except lm.LocalModelError as exc:  # pragma: no cover - package missing
-        pytest.skip(str(exc))
-    dest = lm.prepare_smollm2(tmp_path / "smollm2")
+    dest = Path(smollm2)
     assert lm.is_complete(dest)
-    assert [p.name for p in tmp_path.iterdir()] == ["smollm2"]
+    assert not [p.name for p in dest.parent.iterdir() if p.name.startswith(f".{dest.name}.tmp-")]  # no leftovers
     cfg = json.loads((dest / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLM"]
     assert cfg["head_dim"] == 64
@@ -290,4 +286,3 @@ def test_prepare_smollm2(tmp_path):
     assert lm.prepare_smollm2(dest) == dest  # cached: nothing converted or rewritten
     assert (dest / lm.COMPLETE_MARKER).read_text() == marker
     assert {p.name: p.stat().st_ino for p in dest.glob("*.safetensors")} == weights
-    assert [p.name for p in tmp_path.iterdir()] == ["smollm2"]
