@@ -135,9 +135,12 @@ def test_the_cache_key_follows_the_deployments_image(airflow_sandbox, tmp_path):
     plan keys the result cache with the image the pods will run (by digest), so the old engine's answers
     are not served under the new one's name; the rendered pod gets the signing key by reference only."""
     box = airflow_sandbox
+    images = {
+        day: "registry.example.com/ml/airflow-provider-vllm-worker:0.1.0@sha256:" + digest * 32
+        for day, digest in (("2026-11-20", "a1"), ("2026-11-21", "b2"))
+    }
     runs = []
-    for day, digest in (("2026-11-20", "a1"), ("2026-11-21", "b2")):
-        image = "registry.example.com/ml/airflow-provider-vllm-worker:0.1.0@sha256:" + digest * 32
+    for day, image in images.items():
         write_parquet(
             box.data / "tickets" / f"dt={day}" / "part-0.parquet",
             [f"t{i}" for i in range(12)],
@@ -151,8 +154,7 @@ def test_the_cache_key_follows_the_deployments_image(airflow_sandbox, tmp_path):
     # the two nights in one process (tests/airflow/cli_many.py); the shards fail: no cluster; the plan is what counts
     box.dags_test_many(*runs, timeout=600)
     keys = {}
-    for _, day, _, env in runs:
-        image = json.loads(env["AIRFLOW__VLLM_BATCH__KUBERNETES_DEFAULTS"])["image"]
+    for day, image in images.items():
         plan = json.loads((box.data / "reclassification" / f"dt={day}" / "_plan.json").read_text())
         assert plan["cache"]["key_config"]["engine_identity"].startswith(f"image {image}")
         keys[day] = plan["cache"]["key_hash"]

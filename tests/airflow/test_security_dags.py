@@ -29,13 +29,13 @@ FORM_PAYLOADS = {
 
 def test_rerun_form_refuses_malicious_params(airflow_sandbox):
     box = airflow_sandbox
-    box.reserialize()
     runs_before = len(box.inspect(RERUN)["runs"])
     # Each payload is its own `airflow dags trigger`, through the CLI's own parser and command, in one process
     # (tests/airflow/cli_many.py): Airflow's start-up once, not once per payload.
     conf = {"input_uri": str(box.data / "adhoc")}
     results = box.cli_many(
-        *(["dags", "trigger", RERUN, "-c", json.dumps({**conf, **bad})] for bad in FORM_PAYLOADS.values())
+        *(["dags", "trigger", RERUN, "-c", json.dumps({**conf, **bad})] for bad in FORM_PAYLOADS.values()),
+        serialize=True,
     )
     rejected = 0
     for name, result in zip(FORM_PAYLOADS, results):

@@ -46,11 +46,15 @@ class AirflowSandbox:
             assert p.returncode == 0, tail(p)
             self.serialized = True
 
-    def cli_many(self, *argvs: list[str] | dict, timeout: int = 900) -> list[dict]:
+    def cli_many(self, *argvs: list[str] | dict, serialize: bool = False, timeout: int = 900) -> list[dict]:
         """Several ``airflow`` commands in one process (tests/airflow/cli_many.py): how each ended, in order.
-        Each is an argument list or ``{"argv": [...], "env": {...}, "log": path}`` (the module says how)."""
+        Each is an argument list or ``{"argv": [...], "env": {...}, "log": path}`` (the module says how).
+        ``serialize``: the commands need the DAGs in the metadata DB (``dags trigger``); unless ``reserialize``
+        ran already, ``dags reserialize`` goes first in the same process."""
+        first = [["dags", "reserialize"]] if serialize and not self.serialized else []
+        commands = [*first, *argvs]
         p = subprocess.run(
-            [PY, str(ROOT / "tests" / "airflow" / "cli_many.py"), json.dumps(argvs)],
+            [PY, str(ROOT / "tests" / "airflow" / "cli_many.py"), json.dumps(commands)],
             env=self.env,
             cwd=str(self.home),
             capture_output=True,
@@ -60,14 +64,21 @@ class AirflowSandbox:
         assert p.returncode == 0, tail(p)
         (line,) = [x for x in p.stdout.splitlines() if x.startswith(CLI_MANY)]
         results = json.loads(line.removeprefix(CLI_MANY))
-        assert len(results) == len(argvs), results
-        return results
+        assert len(results) == len(commands), results
+        if first:
+            assert results[0]["ok"], results[0]
+            self.serialized = True
+        return results[len(first) :]
+
+    def _dags_test_command(self, dag_id: str, date: str, conf: dict | None) -> tuple[list[str], Path]:
+        """``dags test`` arguments and a log file of its own for one run."""
+        args = ["dags", "test", dag_id, date] + (["-c", json.dumps(conf)] if conf is not None else [])
+        return args, self.home / f"{dag_id}-{date}-{len(list(self.home.glob('*.log')))}.log"
 
     def dags_test(
         self, dag_id: str, date: str, conf: dict | None = None, env: dict[str, str] | None = None, timeout: int = 900
     ) -> subprocess.CompletedProcess:
-        args = ["dags", "test", dag_id, date] + (["-c", json.dumps(conf)] if conf is not None else [])
-        log = self.home / f"{dag_id}-{date}-{len(list(self.home.glob('*.log')))}.log"
+        args, log = self._dags_test_command(dag_id, date, conf)
         return self.run(*args, env=env, timeout=timeout, log=log)
 
     def dags_test_many(self, *runs: tuple[str, str, dict | None, dict[str, str] | None], timeout: int = 900):
@@ -77,10 +88,9 @@ class AirflowSandbox:
         everything the run wrote (its task logs included) and whose return code is the entry point's."""
         commands = []
         for dag_id, date, conf, env in runs:
-            log = self.home / f"{dag_id}-{date}-{len(list(self.home.glob('*.log')))}.log"
-            log.write_text("")
-            argv = ["dags", "test", dag_id, date] + (["-c", json.dumps(conf)] if conf is not None else [])
-            commands.append({"argv": argv, "env": env or {}, "log": str(log)})
+            args, log = self._dags_test_command(dag_id, date, conf)
+            log.write_text("")  # taken: the next run's log gets another name
+            commands.append({"argv": args, "env": env or {}, "log": str(log)})
         results = self.cli_many(*commands, timeout=timeout)
         return [
             subprocess.CompletedProcess(
