@@ -174,7 +174,13 @@ def evaluate_stream(
     ride_where = (["hid IN (SELECT hash(id) FROM ref)"] if known else []) + (
         [f"prompt_hash IN ({', '.join(str(int(h)) for h in picked)})"] if picked else []
     )
-    carried = tuple(dict.fromkeys(["label", "valid", "confidence", "prompt_hash", *([compared] if compared else [])]))
+    # what the riding rows feed: the quality view (known ids: label, valid, confidence) and the examples (prompt
+    # hash, compared answer); each column carried is decoded for every row of the scan
+    carried = tuple(
+        dict.fromkeys(
+            [*(["label", "valid", "confidence"] if known else []), "prompt_hash", *([compared] if compared else [])]
+        )
+    )
     ride = Ride(" OR ".join(ride_where), carried) if ride_where else None
     # with a ride, which reads the confidence anyway, the ranking scan also finds the least confident ids
     stats = answer_stats(
