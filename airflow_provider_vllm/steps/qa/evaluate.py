@@ -172,8 +172,10 @@ def evaluate_stream(
     # known ids by their 64-bit hash (the ranking hashes every id anyway; a collision only carries a row more,
     # which labelled_view drops: it joins the known ids by value)
     ride_where = (["hid IN (SELECT hash(id) FROM ref)"] if known else []) + (
-        [f"prompt_hash IN ({', '.join(str(int(h)) for h in picked)})"] if picked else []
+        ["prompt_hash IN (SELECT h FROM qa_prompts)"] if picked else []
     )
+    if picked:  # a semi-join: cheaper than a constant IN list tested on every row (0.07 of 0.16 CPU-s at 10M rows)
+        con.execute("CREATE OR REPLACE TEMP TABLE qa_prompts AS SELECT unnest($h::BIGINT[]) AS h", {"h": picked})
     # what the riding rows feed: the quality view (known ids: label, valid, confidence) and the examples (prompt
     # hash, compared answer); each column carried is decoded for every row of the scan
     carried = tuple(
