@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import pyarrow as pa
@@ -38,7 +37,6 @@ def qa_run(
     whose ``_MERGED.json`` this deployment's merge sealed, and only parts with the sealed sha256 (checked while
     QA reads them: nothing is written, and no report returned, before every part passed).
     """
-    threading.Thread(target=_import_pandas, name="qa-import-pandas", daemon=True).start()
     keyring = keyring or Keyring.from_env()
     out = Storage(spec.io.output_uri, spec.io.storage_options, filesystems)
     merged = read_merged(out, keyring)
@@ -50,16 +48,6 @@ def qa_run(
     except BaseException:
         check.wait()  # a part that failed the check is the error to report, not what reading it did
         raise
-
-
-def _import_pandas() -> None:
-    """pyarrow imports pandas the first time it converts values to or from NumPy or Python objects, which QA
-    does (the latencies, the sample): 0.3-0.5 CPU-s in a fresh process. Done in a thread at QA's start, it runs
-    beside DuckDB's first scans (which release the GIL) instead of stopping QA where pyarrow first needs it."""
-    try:
-        import pandas  # noqa: F401
-    except ImportError:  # pyarrow then does without
-        pass
 
 
 def _qa_run(
