@@ -380,13 +380,17 @@ def verified_parts(out: Storage, kind: str, merged: MergeSummary) -> list[str]:
     return [f"{kind}/{p.name}" for p in manifest.parts]
 
 
-def verify_parts(out: Storage, kind: str, manifest: PartsManifest, threads: int | None = None) -> None:
+def verify_parts(out: Storage, kind: str, manifest: PartsManifest) -> None:
     """CommitError unless every part ``manifest`` names under ``kind``/ has exactly its size and sha256 (a
     streaming read of each); readers can trust the manifest's digests after this. The first part that fails,
-    in the manifest's order, is the one named. ``threads``: parts hashed side by side (default: one per CPU,
-    at most HASH_THREADS)."""
-    _inside(out, kind, manifest)
-    bad = _first_unmatched(out, manifest.parts, lambda p: f"{kind}/{p.name}", threads)
+    in the manifest's order, is the one named."""
+
+    def rel(p: PartEntry) -> str:
+        r = f"{kind}/{p.name}"
+        check_inside(out, r, out.uri(manifest_rel(kind)))  # a local symlink leaving the run: refused
+        return r
+
+    bad = _first_unmatched(out, manifest.parts, rel)
     if bad is not None:
         raise CommitError(
             f"{out.uri(f'{kind}/{bad.name}')} does not have the size and sha256 its manifest names (the part "
@@ -394,54 +398,15 @@ def verify_parts(out: Storage, kind: str, manifest: PartsManifest, threads: int 
         )
 
 
-def _inside(out: Storage, kind: str, manifest: PartsManifest) -> None:
-    """CommitError unless each part's path lies inside the run (a local symlink leaving it: refused)."""
-    for p in manifest.parts:
-        check_inside(out, f"{kind}/{p.name}", out.uri(manifest_rel(kind)))
-
-
-class PartsCheck:
-    """``verified_parts`` of several kinds whose sha256 check runs behind the caller's reads, in one thread:
-    ``parts`` (kind -> paths, as ``verified_parts`` returns them) is known at once, from the sealed manifests
-    (checked here, with each part's place inside the run); ``wait()`` returns once every part has its size
-    and sha256 and raises ``verify_parts``' CommitError otherwise (the kinds in their order). A caller that
-    reads the parts before ``wait()`` returned must call it before it writes, returns or raises anything
-    made of them: what it measured counts only if the check passes."""
-
-    def __init__(self, out: Storage, kinds: Sequence[str], merged: MergeSummary, threads: int = 1) -> None:
-        manifests = {kind: verified_manifest(out, kind, merged) for kind in kinds}
-        for kind, m in manifests.items():
-            _inside(out, kind, m)
-        self.parts = {kind: [f"{kind}/{p.name}" for p in m.parts] for kind, m in manifests.items()}
-        self._pool = ThreadPoolExecutor(max_workers=1)
-        self._done = self._pool.submit(self._verify, out, manifests, threads)
-
-    @staticmethod
-    def _verify(out: Storage, manifests: dict[str, PartsManifest], threads: int) -> None:
-        for kind, m in manifests.items():
-            verify_parts(out, kind, m, threads=threads)
-
-    def wait(self) -> None:
-        """Return when every part matched its manifest; CommitError (the first mismatch) otherwise."""
-        try:
-            self._done.result()
-        finally:
-            self._pool.shutdown()
-
-
-def _first_unmatched(
-    out: Storage, parts: Sequence[_P], rel: Callable[[_P], str], threads: int | None = None
-) -> _P | None:
+def _first_unmatched(out: Storage, parts: Sequence[_P], rel: Callable[[_P], str]) -> _P | None:
     """The first of ``parts``, in their order, whose file ``rel(p)`` does not have its ``bytes`` and ``sha256``;
-    None when every one does. hashlib and file reads release the GIL: parts are hashed side by side
-    (``threads``; default one per CPU, at most HASH_THREADS)."""
+    None when every one does. hashlib and file reads release the GIL: parts are hashed side by side."""
 
     def matches(p: _P) -> bool:
         r = rel(p)
         return out.size(r) == p.bytes and out.sha256(r) == p.sha256
 
-    most = threads if threads is not None else min(HASH_THREADS, os.cpu_count() or 1)
-    pool = ThreadPoolExecutor(max_workers=max(1, min(most, len(parts))))
+    pool = ThreadPoolExecutor(max_workers=max(1, min(HASH_THREADS, os.cpu_count() or 1, len(parts))))
     try:
         for p, ok in zip(parts, pool.map(matches, parts), strict=True):
             if not ok:

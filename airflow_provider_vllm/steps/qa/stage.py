@@ -8,14 +8,13 @@ import pyarrow as pa
 
 from airflow_provider_vllm.core import duck
 from airflow_provider_vllm.core.plan import Plan, changes_spec, load_plan
-from airflow_provider_vllm.core.records import MergeSummary
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
 from airflow_provider_vllm.steps.cache.dedupe import qa_metrics as dedupe_metrics
 from airflow_provider_vllm.steps.golden import attach_golden
 from airflow_provider_vllm.steps.merge.changes import compared_column, compute_changes
-from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS, PartsCheck, read_manifest, read_merged
+from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS, read_manifest, read_merged, verified_parts
 from airflow_provider_vllm.steps.qa.evaluate import evaluate, evaluate_stream
 from airflow_provider_vllm.steps.qa.reference import attach_references, find_references
 from airflow_provider_vllm.steps.qa.report import QAReport
@@ -34,31 +33,12 @@ def qa_run(
     Returns the report and the written paths; the caller decides what a 'fail' does.
     ``filesystems``: how object stores are reached (``storage.FileSystems``; default fsspec).
     ``keyring``: the deployment's signing keys (default ``VLLM_BATCH_SIGNING_KEY``): QA measures only a run
-    whose ``_MERGED.json`` this deployment's merge sealed, and only parts with the sealed sha256 (checked while
-    QA reads them: nothing is written, and no report returned, before every part passed).
+    whose ``_MERGED.json`` this deployment's merge sealed, and only parts with the sealed sha256.
     """
     keyring = keyring or Keyring.from_env()
     out = Storage(spec.io.output_uri, spec.io.storage_options, filesystems)
     merged = read_merged(out, keyring)
-    # Every part's sha256 (about 1 GB/s a core) is checked in a thread behind the measuring, which leaves a core
-    # idle for much of its time; nothing measured is written or returned before the check has passed.
-    check = PartsCheck(out, (RESULTS, ERRORS), merged)
-    try:
-        return _qa_run(spec, filesystems, keyring, out, merged, check)  # waits for the check before it writes
-    except BaseException:
-        check.wait()  # a part that failed the check is the error to report, not what reading it did
-        raise
-
-
-def _qa_run(
-    spec: JobSpec,
-    filesystems: FileSystems | None,
-    keyring: Keyring,
-    out: Storage,
-    merged: MergeSummary,
-    check: PartsCheck,
-) -> tuple[QAReport, dict[str, str]]:
-    parts = check.parts
+    parts = {kind: verified_parts(out, kind, merged) for kind in (RESULTS, ERRORS)}
     plan = load_plan(spec, filesystems, keyring)
     spec = changes_spec(spec, plan)  # changes.previous_table: the run the plan pinned
     previous = None
@@ -66,8 +46,6 @@ def _qa_run(
         previous = load_report(spec.qa.previous_report_uri, spec.io.storage_options, filesystems)
     # what moved since the previous run (changes/ output), before the checks that read it
     # (this run's parts were checked above: passed on, not hashed a second time)
-    if spec.changes.previous_uri:
-        check.wait()  # compute_changes writes changes/ from these parts: only once they are checked
     changes = (
         compute_changes(spec, filesystems, keyring=keyring, verified=(merged, parts)).dump()
         if spec.changes.previous_uri
@@ -148,7 +126,6 @@ def _qa_run(
     report.sample = _with_input_excerpt(spec, report.sample, out, plan)
     if (dedupe := dedupe_metrics(plan, merged)) is not None:  # rows answered by a row of the same prompt
         report.metrics["dedupe"] = dedupe
-    check.wait()
     paths = write_qa(report, out)
     return report, paths
 

@@ -256,41 +256,10 @@ def test_a_dropped_duplicate_re_encodes_only_the_part_that_held_it(tmp_path, fak
     assert rec.duplicates == IDS[:5] and not rec.lost and not rec.unknown and not rec.partial_visible
 
 
-def test_parts_check_behind_the_reads_names_the_first_changed_part(tmp_path, fake_engine_factory):
-    """``PartsCheck`` (QA's sha256 check, run behind its reads): the parts at once, the same error as
-    ``verified_parts`` from ``wait()``, results before errors; a link leaving the run is refused at once."""
-    from airflow_provider_vllm.steps.merge.merger import PartsCheck
-
-    spec, plan, out = _run(tmp_path, fake_engine_factory)
-    merge(spec)
-    o = Storage(str(out))
-    merged = read_merged(o)
-    good = PartsCheck(o, ("results", "errors"), merged)
-    assert good.parts == {k: verified_parts(o, k, merged) for k in ("results", "errors")}
-    good.wait()
-    good.wait()  # again: the same answer
-    names = {k: [p.name for p in read_manifest(o, k).parts] for k in ("results", "errors")}
-    for kind, i in (("errors", 0), ("results", 3)):  # both changed: the results' is named
-        part = out / kind / names[kind][i]
-        data = bytearray(part.read_bytes())
-        part.unlink()
-        part.write_bytes(bytes(data[:10] + bytes([data[10] ^ 0xFF]) + data[11:]))
-    bad = PartsCheck(o, ("results", "errors"), merged)
-    assert bad.parts == good.parts  # known before the check ends
-    with pytest.raises(CommitError, match=rf"{names['results'][3]} does not have the size and sha256"):
-        bad.wait()
-    outside = tmp_path / "elsewhere.parquet"
-    outside.write_bytes((out / "results" / names["results"][1]).read_bytes())
-    (out / "results" / names["results"][1]).unlink()
-    (out / "results" / names["results"][1]).symlink_to(outside)
-    with pytest.raises(CommitError, match="symbolic link"):
-        PartsCheck(o, ("results", "errors"), merged)
-
-
 @pytest.mark.parametrize("garbage", [False, True])
 def test_qa_writes_nothing_when_a_part_fails_its_check(tmp_path, fake_engine_factory, monkeypatch, garbage):
-    """QA reads the parts while their sha256 is checked: a changed part still fails QA with the check's
-    CommitError and no qa/ file, also when the part is no Parquet any more (DuckDB's error is replaced)."""
+    """A changed part fails QA, on either path, with the sha256 check's CommitError and no qa/ file, also when
+    the part is no Parquet any more (the check comes before DuckDB reads it)."""
     from airflow_provider_vllm.steps.qa import stage
 
     spec, plan, out = _run(tmp_path, fake_engine_factory)
