@@ -172,9 +172,17 @@ def evaluate_stream(
     # known ids by their 64-bit hash (the ranking hashes every id anyway; a collision only carries a row more,
     # which labelled_view drops: it joins the known ids by value)
     ride_where = (["hid IN (SELECT hash(id) FROM ref)"] if known else []) + (
-        [f"prompt_hash IN ({', '.join(str(int(h)) for h in picked)})"] if picked else []
+        ["prompt_hash IN (SELECT h FROM qa_prompts)"] if picked else []
     )
-    carried = tuple(dict.fromkeys(["label", "valid", "confidence", "prompt_hash", *([compared] if compared else [])]))
+    if picked:  # a semi-join: cheaper than a constant IN list tested on every row (0.07 of 0.16 CPU-s at 10M rows)
+        con.execute("CREATE OR REPLACE TEMP TABLE qa_prompts AS SELECT unnest($h::BIGINT[]) AS h", {"h": picked})
+    # what the riding rows feed: the quality view (known ids: label, valid, confidence) and the examples (prompt
+    # hash, compared answer); each column carried is decoded for every row of the scan
+    carried = tuple(
+        dict.fromkeys(
+            [*(["label", "valid", "confidence"] if known else []), "prompt_hash", *([compared] if compared else [])]
+        )
+    )
     ride = Ride(" OR ".join(ride_where), carried) if ride_where else None
     # with a ride, which reads the confidence anyway, the ranking scan also finds the least confident ids
     stats = answer_stats(

@@ -254,3 +254,23 @@ def test_a_dropped_duplicate_re_encodes_only_the_part_that_held_it(tmp_path, fak
     assert _folder(out) == before  # the rewrite is deterministic: a rerun converges
     rec = reconcile(out, IDS)  # committed twice is reported as such; nothing lost, nothing foreign
     assert rec.duplicates == IDS[:5] and not rec.lost and not rec.unknown and not rec.partial_visible
+
+
+@pytest.mark.parametrize("garbage", [False, True])
+def test_qa_writes_nothing_when_a_part_fails_its_check(tmp_path, fake_engine_factory, monkeypatch, garbage):
+    """A changed part fails QA, on either path, with the sha256 check's CommitError and no qa/ file, also when
+    the part is no Parquet any more (the check comes before DuckDB reads it)."""
+    from airflow_provider_vllm.steps.qa import stage
+
+    spec, plan, out = _run(tmp_path, fake_engine_factory)
+    merge(spec)
+    name = read_manifest(Storage(str(out)), "results").parts[1].name
+    part = out / "results" / name
+    data = part.read_bytes()
+    part.unlink()
+    part.write_bytes(b"not parquet at all" * 64 if garbage else data[:-9] + bytes([data[-9] ^ 0xFF]) + data[-8:])
+    for streamed in (False, True):
+        monkeypatch.setattr(stage, "STREAM_ABOVE_ROWS", 0 if streamed else 10**9)
+        with pytest.raises(CommitError, match=rf"{name} does not have the size and sha256"):
+            stage.qa_run(spec)
+        assert not (out / "qa").exists()

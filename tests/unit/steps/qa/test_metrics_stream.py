@@ -388,3 +388,57 @@ def test_the_least_confident_rows_found_by_the_ranking_scan_equal_the_in_memory_
         d["metrics"]["confidence"].pop("mean")
     assert b == a
     assert str(streamed.sample.to_pylist()) == str(mem.sample.to_pylist())
+
+
+@pytest.mark.parametrize("known", [False, True])
+def test_the_streamed_consistency_examples_equal_pandas(tmp_path, known):
+    """The examples' rows ride the ranking scan by a semi-join on the picked prompt hashes, carrying only the
+    prompt hash and the answer unless known ids ride too: each example equals a naive pandas computation (the
+    10 inconsistent prompts with the most rows, ties by hash; per prompt the 6 smallest ids and the distinct
+    answers, no answer counting as one of its own), with a golden set (some of its ids absent from the run)
+    or without one, and labels with no row (empty strata)."""
+    from airflow_provider_vllm.steps.qa.reference import References
+
+    rnd = random.Random(5)
+    recs = []
+    for i in range(3000):
+        h = (i * 7) % 37  # 37 prompts; most answered one way, some two ways, some with no answer
+        label = LABELS[h % 2] if rnd.random() < 0.9 or h % 5 == 0 else rnd.choice([*LABELS[:3], None])
+        recs.append(ok_row(i, id=f"r{(i * 7919) % 3000:05d}", label=label, prompt_hash=h - 18, confidence=0.5))
+    results, errors = split(recs)
+    con = duckdb.connect()
+    pq.write_table(results, tmp_path / "r.parquet", row_group_size=700)
+    pq.write_table(errors, tmp_path / "e.parquet", row_group_size=50)
+    con.execute(f"CREATE VIEW r AS SELECT * FROM read_parquet('{tmp_path / 'r.parquet'}')")
+    con.execute(f"CREATE VIEW e AS SELECT * FROM read_parquet('{tmp_path / 'e.parquet'}')")
+    refs = References()
+    if known:
+        con.execute(
+            "CREATE TABLE ref AS SELECT id, label FROM "
+            "(VALUES ('r00001', 'a'), ('r00002', 'b'), ('absent', 'a')) t(id, label)"
+        )
+        refs.run_source, refs.known = "golden_set", {"golden_set": 3}
+    report = evaluate_stream(
+        con,
+        result_rows=results.num_rows,
+        batch_rows=512,
+        refs=refs,
+        spec=QASpec(sample_size=20),
+        labels=LABELS,
+        structured=True,
+    )
+    got = report.metrics["consistency"]["examples"]
+    df = results.to_pandas()
+    df["answer"] = df["label"].fillna("\0none")
+    per = df.groupby("prompt_hash").agg(n=("id", "size"), k=("answer", "nunique"))
+    bad = per[(per.n > 1) & (per.k > 1)].reset_index().sort_values(["n", "prompt_hash"], ascending=[False, True])
+    picked = sorted(bad.prompt_hash.head(10))
+    want = [
+        {
+            "ids": sorted(df[df.prompt_hash == h].id)[:6],
+            "answers": sorted({a for a in df[df.prompt_hash == h].label if isinstance(a, str)}),
+        }
+        for h in picked
+    ]
+    assert len(want) == 10 and got == want
+    assert (report.metrics.get("quality") is not None) == known
