@@ -6,7 +6,8 @@
                                                    [--stages plan,merge,qa,publish]
                                                    [--profile [missed|all]] [--passthrough] [--token-sizing]
 
-Sizes: 10M (default; goals GOALS) and 100M (``--rows 100000000``; goals GOALS_100M, issue 17:
+Sizes: 10M (default; goals GOALS) and 100M (``--rows 100000000``; goals GOALS_100M, each run within
+the goal, not only the median:
 about 0.3 GB of input and 1.5 GB of run output on disk, ~2 min to generate and set up; the merged
 folders are hard links to the committed parts, so merge adds no data on a local disk).
 
@@ -68,14 +69,14 @@ GOALS = {
     "qa": {"seconds": 5.0},
     "publish": {"seconds": 5.0},  # the publish task's check of every part's bytes (docs/adr/0007)
 }
-# issue 17's goals at 100M rows (this 2-core machine): at that size they replace GOALS
+# the goals at 100M rows (this 2-core machine), for every run: at that size they replace GOALS
 GOALS_100M = {
-    "plan": {"seconds": 20.0, "rss_mib": 2048.0},
-    "merge": {"seconds": 30.0, "rss_mib": 2048.0},
-    "qa": {"seconds": 15.0, "rss_mib": 2048.0},
+    "plan": {"seconds": 5.0, "rss_mib": 2048.0},
+    "merge": {"seconds": 15.0, "rss_mib": 2048.0},
+    "qa": {"seconds": 10.0, "rss_mib": 2048.0},
     "publish": {"seconds": 30.0, "rss_mib": 2048.0},
 }
-# issue 28 at 1B rows: each stage within 4 GiB and 12x the 100M goal of issue 28 (plan 5 s, merge 15 s, QA 10 s)
+# at 1B rows: each stage within 4 GiB and 12x its 100M goal
 GOALS_1B = {
     "plan": {"seconds": 60.0, "rss_mib": 4096.0},
     "merge": {"seconds": 180.0, "rss_mib": 4096.0},
@@ -827,7 +828,8 @@ def main() -> int:
         g = (GOALS_1B if args.rows >= 1_000_000_000 else GOALS_100M if args.rows >= 100_000_000 else GOALS)[name]
         secs = statistics.median(r["seconds"] for r in rs)
         rss = max(r["peak_rss_mib"] for r in rs)
-        met_s = secs <= g["seconds"]
+        # from 100M rows on, every run must be within the goal (3 of 3), not only the median
+        met_s = (max(r["seconds"] for r in rs) if args.rows >= 100_000_000 else secs) <= g["seconds"]
         met_m = rss <= g.get("rss_mib", float("inf"))
         stages.append(
             {
