@@ -45,9 +45,10 @@ def key_matrix(keys: pa.Array | pa.ChunkedArray) -> np.ndarray:
     if pa.types.is_binary(t) or pa.types.is_large_binary(t):
         return _fixed(arr, KEY_BYTES, "bytes")
     if pa.types.is_string(t) or pa.types.is_large_string(t):
-        chars = _fixed(arr, 2 * KEY_BYTES, "characters")
+        # decoded from Arrow's buffer in place: a copy of the text first cost about as much as the decoding
+        chars = np.ascontiguousarray(_fixed(arr, 2 * KEY_BYTES, "characters")).reshape(-1).data
         try:
-            return np.frombuffer(binascii.a2b_hex(chars.tobytes()), np.uint8).reshape(n, KEY_BYTES)
+            return np.frombuffer(binascii.a2b_hex(chars), np.uint8).reshape(n, KEY_BYTES)
         except binascii.Error as e:
             raise ValueError(f"cache keys in text are not hex: {e}") from None
     raise ValueError(f"cache keys of type {t}, neither binary nor hex text")

@@ -45,6 +45,10 @@ def test_binary_hex_and_fixed_width_keys_give_the_same_bytes():
         assert np.array_equal(key_matrix(arr), want), arr.type
     sliced = pa.array(keys, pa.binary()).slice(7, 11)  # an array that starts inside its buffers
     assert np.array_equal(key_matrix(sliced), want[7:18])
+    # hex text is decoded from Arrow's buffer in place: a slice decodes its own rows, not the buffer's first ones
+    hex_sliced = pa.array([k.hex() for k in keys]).slice(13, 20)
+    assert np.array_equal(key_matrix(hex_sliced), want[13:33])
+    assert np.array_equal(key_matrix(pa.chunked_array([hex_sliced.slice(0, 5), hex_sliced.slice(5)])), want[13:33])
     assert key_matrix(pa.array([], pa.binary())).shape == (0, KEY_BYTES)
 
 

@@ -163,3 +163,51 @@ def test_many_hits_read_back_as_a_plain_take_of_the_entry_and_unique_columns_ski
         assert "RLE_DICTIONARY" not in encodings[c] and "PLAIN_DICTIONARY" not in encodings[c], (c, encodings[c])
     assert "RLE_DICTIONARY" in encodings["output"] and "RLE_DICTIONARY" in encodings["cached_from"]
     assert md.row_group(0).column(names.index("id")).statistics.has_min_max  # statistics as before
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_hits_file_equals_a_row_by_row_construction(tmp_path, seed):
+    """Random hits over parts of uneven row groups (shared entry rows, groups no hit touches, batches out of input
+    order, a passthrough value): the file holds exactly the naive rows, entry row group by entry row group and in
+    input order within one; each row's answer is its entry row's, under its own id."""
+    rng = np.random.default_rng(seed)
+    sizes = [int(rng.integers(1, 40)) for _ in range(3)]
+    paths, labels = [], []
+    for k, n in enumerate(sizes):
+        names = [f"p{k}-{i}" for i in range(n)]
+        paths.append(part(tmp_path / f"p{k}.parquet", names, row_group_size=int(rng.integers(1, 9))))
+        labels += names
+    total = len(labels)
+    n_hits = int(rng.integers(1, 3 * total))
+    erows = rng.integers(0, total, n_hits)  # rows of one text share an entry row
+    places = np.sort(rng.choice(10 * n_hits, n_hits, replace=False))  # input order
+    ids = [f"id{p}" for p in places]
+    extra = pa.schema([pa.field("in_n", pa.int64())])
+    m = Matched()
+    batches = [(a, min(n_hits, a + 5)) for a in range(0, n_hits, 5)]
+    rng.shuffle(batches)  # batches handed over out of input order
+    for a, b in batches:
+        m.hit_entry_rows.append(erows[a:b])
+        m.hit_places.append(places[a:b])
+        m.hit_values.append(pa.RecordBatch.from_pydict({"id": ids[a:b], "in_n": places[a:b].tolist()}))
+    m.hits = n_hits
+    dest = tmp_path / "hits.parquet"
+    assert write_hits(m, paths, result_schema(extra), str(dest)) == n_hits
+    got = pq.read_table(dest)
+    assert got.schema.equals(result_schema(extra))
+    # naive: for each entry row group in order, the hits into it in input order
+    starts, groups = 0, []
+    for path in paths:
+        md = pq.read_metadata(path)
+        for g in range(md.num_row_groups):
+            groups.append((starts, starts + md.row_group(g).num_rows))
+            starts += md.row_group(g).num_rows
+    want = [
+        (ids[i], labels[erows[i]], round(erows[i] / 10 - sum(sizes[:k]) / 10, 4), int(places[i]))
+        for lo, hi in groups
+        for i in range(n_hits)
+        if lo <= erows[i] < hi
+        for k in [next(j for j in range(len(sizes)) if erows[i] < sum(sizes[: j + 1]))]
+    ]
+    rows = [(r["id"], r["label"], round(r["confidence"], 4), r["in_n"]) for r in got.to_pylist()]
+    assert rows == want

@@ -8,6 +8,7 @@ it, the typed injective encoding, pinned revisions, the weights fingerprint): te
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -718,3 +719,53 @@ def test_hits_file_holds_each_hit_once_with_its_own_id_and_answer(tmp_path, fake
     by_text |= {"other 0": answers["x0"], "other 1": answers["x1"]}
     text_of = dict(zip(ids3, texts + ["other 1", "other 0"]))
     assert {r["id"]: r["label"] for r in hits.to_pylist()} == {i: by_text[text_of[i]] for i in ids3}
+
+
+def _naive_key(khash: str, text: str | None) -> bytes:
+    """The row key written out by hand (docs/cache.md): sha256 over the key hash and the one template column."""
+    value = "N" if text is None else f"S{len(text.encode())}:{text}"
+    return hashlib.sha256(f"{khash}|T7:VARCHAR{value}".encode()).digest()
+
+
+def _planned(spec, plan) -> tuple[list[str], list[str]]:
+    """The plan's hits (ids of the hits file) and misses (ids of the shards' input files), in file order."""
+    out = Path(spec.io.output_uri)
+    hits = pq.read_table(out / plan.cache.hits_file.path).column("id").to_pylist()
+    misses = [i for s in plan.shards for i in pq.read_table(out / s.input_file.path).column("id").to_pylist()]
+    return hits, misses
+
+
+def test_hits_and_misses_equal_a_naive_lookup_of_every_row(tmp_path, fake_engine_factory):
+    """Every row of run 2 is a hit exactly when the sha256 of its key message, computed here in Python, is a key of
+    a sealed entry: repeated texts under several ids, NULL and empty texts (error rows: never cached), edited
+    and new rows, ids repeated across runs with other texts. Then other settings (another key config) hit
+    nothing, and an entry whose part changed after its seal serves nothing."""
+    texts1 = [None if i == 4 else "" if i == 5 else f"t {i % 17} é" for i in range(60)]
+    write_parquet(tmp_path / "in-a.parquet", [f"a{i}" for i in range(60)], texts1, row_group_size=7)
+    run_job(spec_for(tmp_path, "a"), fake_engine_factory)
+    texts2 = [None if i in (4, 40) else f"t {i % 23} é" if i % 5 else f"t {i % 17} é!" for i in range(80)]
+    ids2 = [f"a{(i * 7) % 80}" for i in range(80)]  # ids of run 1 with other texts, and new ids
+    write_parquet(tmp_path / "in-b.parquet", ids2, texts2, row_group_size=9)
+    once = {"sharding": {"target_rows": 20, "chunk_rows": 8, "dedupe": False}}  # every miss in a shard's input
+    s2 = spec_for(tmp_path, "b", **once)
+    p2 = plan_job(s2, engine_identity=ENGINE)
+    cached = set()
+    for part in (tmp_path / "cache" / "entries").glob("*/part-*.parquet"):
+        cached |= set(pq.read_table(part).column("key").to_pylist())
+    naive_hits = [i for i, t in zip(ids2, texts2) if _naive_key(p2.cache.key_hash, t) in cached]
+    hits, misses = _planned(s2, p2)
+    assert 0 < len(naive_hits) < len(ids2)
+    assert sorted(hits) == sorted(naive_hits) and p2.cache.hits == len(naive_hits)
+    assert misses == [i for i in ids2 if i not in set(naive_hits)]  # in input order
+    # another key config: no entry of it, every row a miss
+    s3 = spec_for(tmp_path, "c", prompt={"template": "Ticket:  {text}"}, **once)
+    write_parquet(tmp_path / "in-c.parquet", ids2, texts2)
+    p3 = plan_job(s3, engine_identity=ENGINE)
+    assert (p3.cache.hits, p3.cache.misses) == (0, 80) and _planned(s3, p3)[1] == ids2
+    # the entry's part changed after its seal (same rows, other bytes): skipped whole, its keys hit nothing
+    (part,) = (tmp_path / "cache" / "entries").glob("*/part-*.parquet")
+    pq.write_table(pq.read_table(part), part, compression="snappy")
+    s4 = spec_for(tmp_path, "d", **once)
+    write_parquet(tmp_path / "in-d.parquet", ids2, texts2)
+    p4 = plan_job(s4, engine_identity=ENGINE)
+    assert p4.cache.hits == 0 and p4.cache.commits_read == [] and _planned(s4, p4)[1] == ids2
