@@ -102,11 +102,19 @@ os.environ.setdefault(
 def _our_loggers_reach_caplog():
     """The package's log records reach pytest's caplog whatever logging setup an earlier test in the same
     process left behind: vLLM's and Airflow's ``dictConfig`` disable the loggers that exist by then and may
-    stop a parent's propagation, so a test asserting a warning passed or failed with the test order."""
+    stop a parent's propagation, so a test asserting a warning passed or failed with the test order. Airflow's
+    logging setup can also leave the root logger at ERROR (``airflow vllm-batch dry-run`` asks for that level,
+    and the dry-run tests call it in-process): our warnings would then never reach a handler. The root logger
+    is at most WARNING during each test (its handlers keep their own levels), and restored after."""
     for name, logger in list(logging.root.manager.loggerDict.items()):
         if name.startswith("airflow_provider_vllm") and isinstance(logger, logging.Logger):
             logger.disabled = False
             logger.propagate = True
+    root_level = logging.root.level
+    if root_level > logging.WARNING:
+        logging.root.setLevel(logging.WARNING)
+    yield
+    logging.root.setLevel(root_level)
 
 
 @pytest.fixture
