@@ -77,6 +77,9 @@ class Standalone:
                 # task start can time out against the Execution API and fail before it ran (seen here).
                 "AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT": "60",
                 "AIRFLOW__CORE__DEFAULT_TASK_RETRIES": "2",
+                # The DAG files do not change while the tests run: parse them when the dag-processor starts and
+                # then every 10 minutes, not every 30 s (each parse is a process importing Airflow and the DAGs).
+                "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "600",
                 # Only what the test triggers runs: no scheduled nightly run of its own.
                 "AIRFLOW__SCHEDULER__USE_JOB_SCHEDULE": "False",
                 "AIRFLOW__API__HOST": "127.0.0.1",

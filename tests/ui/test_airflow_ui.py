@@ -43,6 +43,12 @@ def rows_out(out: Path) -> list[str]:
     return ids
 
 
+def idle(page) -> None:
+    """Leave the Airflow UI before a long wait through REST: its pages poll the API every few seconds (auto-refresh),
+    which costs Chromium and the api-server CPU that the task processes and their vLLM engines need."""
+    page.goto("about:blank")
+
+
 def review_conf(ui_data) -> dict:
     return {"input_uri": str(ui_data / "review"), "output_uri": str(ui_data / "review_out") + "/"}
 
@@ -70,6 +76,7 @@ def test_a_run_triggered_from_the_form_succeeds_with_named_shards(airflow_ui, ui
     form.get_by_test_id("trigger-dag-submit").click()
     page.wait_for_url(re.compile(f"/dags/{RERUN}/runs/{FORM_RUN}"))
 
+    idle(page)
     run = airflow_ui.wait_run(RERUN, FORM_RUN, timeout=900)
     assert run["state"] == "success", states(airflow_ui, RERUN, FORM_RUN)
     assert run["conf"]["input_uri"] == str(ui_data / "adhoc") and run["conf"]["shard_rows"] == 20
@@ -112,6 +119,7 @@ def test_a_backfill_started_from_the_ui_runs_every_date(airflow_ui, ui_data, pag
     form.get_by_role("button", name="Run Backfill").click()
     page.get_by_text("Backfill in progress").first.wait_for()
 
+    idle(page)
     runs = []
     for _ in range(60):
         runs = [r for r in airflow_ui.runs(NIGHTLY) if r["run_type"] == "backfill"]
