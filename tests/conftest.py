@@ -17,6 +17,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# DAG files parsed in a test process (tests/support/airflow_env.py: LOADED_MACHINE says why)
+os.environ.setdefault("AIRFLOW__CORE__DAGBAG_IMPORT_TIMEOUT", "600")
 # vLLM's engine in the process that made it (vLLM's own switch; on the CPU build it also keeps the executor
 # in process): an engine start costs one `import vllm` instead of three (vLLM's CPU platform spawns its engine
 # core and that one spawns its worker, each importing vLLM again), ~15 s instead of ~45 s here. Every process

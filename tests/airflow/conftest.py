@@ -17,7 +17,7 @@ import pytest
 
 from tests.conftest import TEST_SIGNING_KEY
 from tests.support import ROOT
-from tests.support.airflow_env import AIRFLOW, DAGS, PY, AirflowSandbox, tail  # noqa: F401  (re-used by fixtures)
+from tests.support.airflow_env import AIRFLOW, DAGS, LOADED_MACHINE, PY, AirflowSandbox, tail  # noqa: F401  (re-used by fixtures)
 
 sys.path.insert(0, str(ROOT / "scripts"))
 # Unit tests import Airflow in this process: point it at a throwaway home first (it would
@@ -65,6 +65,7 @@ def airflow_sandbox(tmp_path_factory, tiny_model) -> AirflowSandbox:
             "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS),
             "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
             "AIRFLOW__CORE__DEFAULT_TASK_RETRY_DELAY": "1",
+            **LOADED_MACHINE,
             "AIRFLOW_VAR_VLLM_BATCH_DATA_ROOT": str(data),
             "AIRFLOW_VAR_VLLM_BATCH_MODEL": tiny_model,
             # The example DAGs name no model of their own (the wheel has no demo models): the Variables do.

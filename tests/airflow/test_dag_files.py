@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.support.airflow_env import LOADED_MACHINE
+
 HERE = Path(__file__).resolve().parent
 DAGS = HERE.parents[1] / "dags"
 DAG_IDS = {"vllm_nightly_reclassification", "vllm_nightly_table", "vllm_batch_rerun", "vllm_embeddings"}
@@ -78,6 +80,7 @@ def test_parsing_the_dag_files_does_no_io_and_reads_no_variable(tmp_path):
         "AIRFLOW_HOME": str(tmp_path / "home"),
         "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS),
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        **LOADED_MACHINE,
     }
     p = subprocess.run(
         [sys.executable, str(HERE / "parse_audit.py"), str(DAGS)],
@@ -113,6 +116,7 @@ def test_a_template_copied_alone_finds_the_defaults_in_the_package(tmp_path):
         "AIRFLOW_HOME": str(tmp_path / "home"),
         "AIRFLOW__CORE__DAGS_FOLDER": str(alone),
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        **LOADED_MACHINE,
         "PYTHONPATH": str(HERE.parents[1]),
     }
     p = subprocess.run(

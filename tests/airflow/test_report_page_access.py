@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.airflow_env import LOADED_MACHINE
 from tests.support.ledger import record_malicious
 from tests.support.loopback import SECRET_BODY, RecordingServer, aws_connection, s3_client
 from tests.support.s3server import MotoServer
@@ -317,6 +318,7 @@ def test_real_runs_the_page_reads_only_what_the_runs_own_tasks_wrote(tmp_path):
         AIRFLOW_HOME=str(tmp_path / "home"),
         AIRFLOW__CORE__DAGS_FOLDER=str(dags),
         AIRFLOW__CORE__LOAD_EXAMPLES="False",
+        **LOADED_MACHINE,
         AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES=str(data),
         PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")]),
     )

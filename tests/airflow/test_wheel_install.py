@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import ROOT
+from tests.support.airflow_env import LOADED_MACHINE
 from tests.support.locks import airflow_lock, lock_entries
 
 pytestmark = pytest.mark.slow
@@ -79,14 +80,8 @@ def test_wheel_installs_into_a_clean_venv_as_a_provider_with_its_example_dags(tm
 
     # As a user installs it: pip resolves the wheel's requirements and extras under the constraints.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "PYTHON", "VIRTUAL_ENV", "VLLM"))}
-    # The DAG files parse in a venv that --no-compile left without bytecode, next to the other test processes'
-    # vLLM engines: Airflow's 30 s per-file import timeout was exceeded once on a loaded 2-core machine
-    # (vllm_nightly_table.py in a fresh-clone run). The test is about whether they parse, not how fast.
-    env.update(
-        AIRFLOW_HOME=str(tmp_path / "home"),
-        AIRFLOW__CORE__LOAD_EXAMPLES="False",
-        AIRFLOW__CORE__DAGBAG_IMPORT_TIMEOUT="600",
-    )
+    # The DAG files parse in a venv that --no-compile left without bytecode: LOADED_MACHINE says why the timeout.
+    env.update(AIRFLOW_HOME=str(tmp_path / "home"), AIRFLOW__CORE__LOAD_EXAMPLES="False", **LOADED_MACHINE)
     venv = tmp_path / "venv"
     # --without-pip: this pip installs into it (`pip --python`), as it would from inside; ensurepip would
     # install and byte-compile a second pip first.

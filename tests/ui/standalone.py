@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.support.airflow_env import LOADED_MACHINE
+
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 MARKER = "VLLM_BATCH_UI_RUN"
@@ -77,6 +79,7 @@ class Standalone:
                 # task start can time out against the Execution API and fail before it ran (seen here).
                 "AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT": "60",
                 "AIRFLOW__CORE__DEFAULT_TASK_RETRIES": "2",
+                **LOADED_MACHINE,
                 # The DAG files do not change while the tests run: parse them when the dag-processor starts and
                 # then every 10 minutes, not every 30 s (each parse is a process importing Airflow and the DAGs).
                 "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "600",
@@ -225,7 +228,20 @@ class Standalone:
                 return run
             time.sleep(3)
         tis = {t["task_id"]: t["state"] for t in self.task_instances(dag_id, run_id)}
-        raise TimeoutError(f"{dag_id} {run_id} not in {states} after {timeout}s: {run['state']} {tis}")
+        done = ("success", "failed", "skipped", "upstream_failed")
+        logs = self.log_tails(dag_id, run_id, [task for task, state in tis.items() if state not in done])
+        raise TimeoutError(f"{dag_id} {run_id} not in {states} after {timeout}s: {run['state']} {tis}{logs}")
+
+    def log_tails(self, dag_id: str, run_id: str, task_ids: list[str], lines: int = 12) -> str:
+        """The end of the newest log file of each task, for a failure message (Airflow's default log layout)."""
+        out = []
+        for task_id in task_ids:
+            folder = self.home / "logs" / f"dag_id={dag_id}" / f"run_id={run_id}" / f"task_id={task_id}"
+            logs = sorted(folder.rglob("*.log"), key=lambda f: f.stat().st_mtime)
+            if logs:
+                tail = logs[-1].read_text(errors="replace").splitlines()[-lines:]
+                out.append(f"\n--- {logs[-1].relative_to(self.home)}\n" + "\n".join(line[:400] for line in tail))
+        return "".join(out)
 
     def wait_parked(self, dag_id: str, run_id: str, task_id: str, timeout: float = 120) -> None:
         """Until the scheduler has processed the exit of the worker that parked a HITL task.
