@@ -247,3 +247,8 @@ def pytest_collection_modifyitems(config, items):
         items.sort(key=lambda item: (_xdist_rank(item), TIERS.index(_tier(item) or "unit")))
     else:
         items.sort(key=lambda item: TIERS.index(_tier(item) or "unit"))  # stable: file order within a tier
+
+
+# scripts/suite_cpu.py: where the suite's CPU goes (tests/support/timeline.py, on when VLLM_BATCH_TEST_TIMELINE is set)
+if os.environ.get("VLLM_BATCH_TEST_TIMELINE"):
+    from tests.support.timeline import pytest_runtest_protocol  # noqa: F401  (a hook: pytest finds it here)
