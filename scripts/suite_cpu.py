@@ -133,7 +133,7 @@ def _is_test_process(cmd: str) -> bool:
 
 
 def kind(cmd: str) -> str:
-    if "airflow_provider_vllm.worker" in cmd and "-m airflow_provider_vllm.worker" in cmd:
+    if "-m airflow_provider_vllm.worker" in cmd:
         return "vllm worker"
     if "spawn_main" in cmd:
         return "multiprocessing child (vLLM engine core)"
@@ -195,7 +195,7 @@ def attribute(procs: dict[tuple[int, int], Proc], timeline: list[dict]) -> dict[
             return runs[pid][i][2]
         return None
 
-    by_pid = {key[0]: (key, p) for key, p in procs.items()}
+    by_pid = {key[0]: p for key, p in procs.items()}
     out: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for key, p in procs.items():
         if key[0] in runs:  # a test process: its CPU between two samples goes to the tests it ran meanwhile
@@ -209,12 +209,12 @@ def attribute(procs: dict[tuple[int, int], Proc], timeline: list[dict]) -> dict[
         # read to 10 ms (a process that a test starts at once could fall in the test before)
         test, seen, parent = p.test_env, set(), p.ppid
         while parent in by_pid and parent not in seen and test is None:
-            if by_pid[parent][1].start > p.start:  # the pid was reused by a later process
+            if by_pid[parent].start > p.start:  # the pid was reused by a later process
                 break
             seen.add(parent)
             if parent in runs:
                 test = running(parent, p.start)
-            parent = by_pid[parent][1].ppid
+            parent = by_pid[parent].ppid
         out[test or ""][kind(p.cmd)] += p.cpu_last - p.cpu_first
     return out
 

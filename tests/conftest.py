@@ -12,13 +12,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from tests.support.airflow_env import LOADED_MACHINE  # noqa: E402  (needs ROOT on sys.path)
+
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# DAG files parsed in a test process (tests/support/airflow_env.py: LOADED_MACHINE says why)
-os.environ.setdefault("AIRFLOW__CORE__DAGBAG_IMPORT_TIMEOUT", "600")
+for _name, _value in LOADED_MACHINE.items():  # DAG files parsed in a test process (airflow_env.py says why)
+    os.environ.setdefault(_name, _value)
 # vLLM's engine in the process that made it (vLLM's own switch; on the CPU build it also keeps the executor
 # in process): an engine start costs one `import vllm` instead of three (vLLM's CPU platform spawns its engine
 # core and that one spawns its worker, each importing vLLM again), ~15 s instead of ~45 s here. Every process
