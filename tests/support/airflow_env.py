@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -32,13 +33,23 @@ class AirflowSandbox:
     env: dict[str, str] = field(default_factory=dict)
     serialized: bool = False  # `dags reserialize` ran (the DAG files do not change during a session)
 
+    def environ(self, env: dict[str, str] | None = None) -> dict[str, str]:
+        """The sandbox's environment for one command: ``env`` over it, and the test that runs the command as
+        pytest names it now (the sandbox is made once per session: its copy names the test that made it, and
+        scripts/suite_cpu.py charges a process to the test its ``PYTEST_CURRENT_TEST`` names)."""
+        out = {**self.env, **(env or {})}
+        out.pop("PYTEST_CURRENT_TEST", None)
+        if "PYTEST_CURRENT_TEST" in os.environ:
+            out["PYTEST_CURRENT_TEST"] = os.environ["PYTEST_CURRENT_TEST"]
+        return out
+
     def run(
         self, *args: str, env: dict[str, str] | None = None, timeout: int = 900, log: Path | None = None
     ) -> subprocess.CompletedProcess:
         """Run ``airflow <args>``; stdout+stderr also go to ``log`` when given."""
         p = subprocess.run(
             [AIRFLOW, *args],
-            env={**self.env, **(env or {})},
+            env=self.environ(env),
             cwd=str(self.home),
             capture_output=True,
             text=True,
@@ -64,7 +75,7 @@ class AirflowSandbox:
         commands = [*first, *argvs]
         p = subprocess.run(
             [PY, str(ROOT / "tests" / "airflow" / "cli_many.py"), json.dumps(commands)],
-            env=self.env,
+            env=self.environ(),
             cwd=str(self.home),
             capture_output=True,
             text=True,
