@@ -43,7 +43,8 @@ $(STAMP): requirements/bootstrap.txt $(LOCKS) setup.cfg
 	# failures: a few packages ship files that are not Python 3 (templates, fixtures).
 	$(PY) -m pip install -q --no-compile --require-hashes --no-deps \
 	  $$($(PY) scripts/torch_source.py pip --index '$(TORCH_INDEX)') $(addprefix -r ,$(LOCKS))
-	$(PY) -m compileall -q -j 0 $$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") > /dev/null || true
+	$(PY) -m compileall -q -j 0 $$($(PY) -c "import sysconfig; p = sysconfig.get_paths(); print(*{p['purelib'], p['platlib']})") \
+	  > /dev/null || true
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	rm -f $(VENV)/.installed-*
 	touch $@
