@@ -67,7 +67,7 @@ def test_dry_run_of_the_nightly_dag_prints_a_valid_restricted_pod_manifest(airfl
     overrides = {**json.loads(box.env["AIRFLOW_VAR_VLLM_BATCH_SPEC_OVERRIDES"]), "model.adapters": adapters}
     p = subprocess.run(
         [PY, "-m", "airflow_provider_vllm.cli.pod_dry_run", NIGHTLY, "2026-11-28", "--map-index", "2"],
-        env={**box.env, **kube_env(tmp_path), "AIRFLOW_VAR_VLLM_BATCH_SPEC_OVERRIDES": json.dumps(overrides)},
+        env=box.environ({**kube_env(tmp_path), "AIRFLOW_VAR_VLLM_BATCH_SPEC_OVERRIDES": json.dumps(overrides)}),
         cwd=str(box.home),
         capture_output=True,
         text=True,
@@ -161,7 +161,7 @@ def test_the_cache_key_follows_the_deployments_image(airflow_sandbox, tmp_path):
     assert keys["2026-11-20"] != keys["2026-11-21"]
     p = subprocess.run(
         [PY, "-m", "airflow_provider_vllm.cli.pod_dry_run", NIGHTLY, "2026-11-21"],
-        env={**box.env, **kube_env(tmp_path)},
+        env=box.environ(kube_env(tmp_path)),
         cwd=str(box.home),
         capture_output=True,
         text=True,

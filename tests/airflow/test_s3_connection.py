@@ -266,11 +266,9 @@ def _report_page_in_api_server(box, run_id: str) -> dict:
     """GET the report through Airflow's whole API app (plugins, auth: every user an admin) over the sandbox DB."""
     import subprocess
 
-    env = {
-        **box.env,
-        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
-        "AIRFLOW__CORE__LAZY_DISCOVER_PROVIDERS": "False",
-    }
+    env = box.environ(
+        {"AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True", "AIRFLOW__CORE__LAZY_DISCOVER_PROVIDERS": "False"}
+    )
     p = subprocess.run(
         [sys.executable, "-c", PAGE_SCRIPT, run_id],
         env=env,
