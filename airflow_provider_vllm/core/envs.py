@@ -90,6 +90,14 @@ XCOM_DIR = _var(
     "worker",
 )
 LOG_LEVEL = _var("VLLM_BATCH_LOG_LEVEL", "INFO", "the worker's log level", "worker")
+SKIP_IMPORTS = _var(
+    "VLLM_BATCH_SKIP_IMPORTS",
+    "sklearn,scipy",
+    "top-level modules kept out of the worker's process, comma-separated, or `none`: transformers and vLLM "
+    "import them whenever they are installed (an Airflow venv's, through its providers), no task of the worker "
+    "uses them, and they cost 5-6 of the 16 CPU-s of the worker's `import vllm` on 2 cores (worker/imports.py)",
+    "worker",
+)
 HARDWARE = _var(
     "VLLM_BATCH_HARDWARE", None, "hardware name recorded in throughput history instead of the detected one", "worker"
 )

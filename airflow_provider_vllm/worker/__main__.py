@@ -24,6 +24,7 @@ from airflow_provider_vllm.core.exit_codes import ExitCode
 from airflow_provider_vllm.core.records import FailureManifest
 from airflow_provider_vllm.worker.exits import emit as _emit
 from airflow_provider_vllm.worker.exits import exit_hard
+from airflow_provider_vllm.worker.imports import skip_unused_imports
 from airflow_provider_vllm.worker.lifecycle import bind_to_parent, hold_shard_lock
 from airflow_provider_vllm.worker.redact import guard_streams
 from airflow_provider_vllm.worker.redact import install as install_redaction
@@ -63,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     # vLLM logs to stdout by default; stdout carries only the manifest
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     try:
+        skip_unused_imports()  # before anything imports vLLM (worker/imports.py)
         from airflow_provider_vllm.core.allow_list import (
             ALLOW_ANY_LOCATION_ENV,
             ALLOW_REMOTE_CODE_ENV,

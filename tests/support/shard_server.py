@@ -173,9 +173,11 @@ class ShardServer:
 
 if __name__ == "__main__":
     from airflow_provider_vllm.worker.exits import exit_hard
+    from airflow_provider_vllm.worker.imports import skip_unused_imports
 
     code = 0
     try:
+        skip_unused_imports()  # as the worker's __main__
         serve()
     except BaseException:
         traceback.print_exc()

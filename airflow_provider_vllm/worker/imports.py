@@ -1,0 +1,55 @@
+"""Modules the worker keeps out of its processes (``VLLM_BATCH_SKIP_IMPORTS``).
+
+``import vllm`` costs 15-16 CPU-s on this project's 2-core CPU machines, and a third of it is
+packages that transformers and vLLM import only because they are installed: transformers imports
+scikit-learn for assisted generation's candidate generator and scipy for a few losses, vLLM imports
+scipy for audio resampling. Neither package is in the engine's lock (``requirements/engine.txt``),
+so an engine started from it never loads them; the local runner's worker runs in the Airflow venv,
+where the Google provider brings both. The worker marks them absent before anything imports vLLM
+(``sys.modules[name] = None``: Python's documented way to make ``import name`` raise
+``ModuleNotFoundError``), so transformers' and vLLM's optional imports take their "not installed"
+branch: 10 instead of 16 CPU-s for the worker's ``import vllm`` here, where the engine runs in the
+worker's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), in the worker only otherwise: the processes
+vLLM spawns (its engine core) import vLLM afresh, and a spawned child does not re-run a package's
+``__main__``, so nothing of the worker runs there first. A module the process already imported is
+left alone.
+
+The deployment names the modules (a comma-separated list of top-level module names, or ``none``);
+a name that is not a module name is refused before the engine starts, naming the variable.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Mapping
+
+from airflow_provider_vllm.core import envs
+from airflow_provider_vllm.core.errors import SpecError
+
+_MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def skipped_imports(env: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """The top-level modules ``VLLM_BATCH_SKIP_IMPORTS`` names (default: scikit-learn and scipy)."""
+    raw = envs.SKIP_IMPORTS.value(env)
+    if raw.lower() == "none":
+        return ()
+    names = tuple(dict.fromkeys(n.strip() for n in raw.split(",")))
+    bad = [n for n in names if not _MODULE.fullmatch(n)]
+    if bad:
+        raise SpecError(
+            f"{envs.SKIP_IMPORTS.name}: {', '.join(repr(n[:80]) for n in bad)} is not a top-level module name "
+            "(a comma-separated list such as 'sklearn,scipy', or 'none')"
+        )
+    return names
+
+
+def skip_unused_imports(env: Mapping[str, str] | None = None) -> list[str]:
+    """Mark the ``skipped_imports`` that this process has not imported yet as absent; the names marked."""
+    marked = []
+    for name in skipped_imports(env):
+        if name not in sys.modules:
+            sys.modules[name] = None  # type: ignore[assignment]  # import raises ModuleNotFoundError
+            marked.append(name)
+    return marked
