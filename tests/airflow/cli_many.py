@@ -10,7 +10,8 @@ test pays Airflow's start-up once instead of once per command (``airflow dags te
 its own process: one import of Airflow, of the DAG files and of the provider for several runs). Prints one
 line, ``cli_many: `` and a JSON list of ``{"ok": bool, "error": "<exception type>: <message>" | null}`` in
 the order given; ``ok`` is false where the entry point would have exited non-zero (an exception, or a
-``SystemExit`` with a non-zero code such as ``dags test``'s "DagRun failed").
+``SystemExit`` with a non-zero code such as ``dags test``'s "DagRun failed"). ``python cli_many.py --serve``
+takes the commands one per line on stdin instead and answers each with its own line (``serve``).
 """
 
 from __future__ import annotations
@@ -61,25 +62,36 @@ def output_to(log: str | None):
         os.close(saved[1])
 
 
+def run_one(parser, command: list[str] | dict) -> dict:
+    """One command, as the ``airflow`` entry point would run it: ``{"ok": ..., "error": ...}``."""
+    if isinstance(command, list):
+        command = {"argv": command}
+    with environment(command.get("env") or {}), output_to(command.get("log")):
+        args = parser.parse_args(command["argv"])
+        try:
+            args.func(args)
+        except SystemExit as e:  # what the entry point's exit status would be
+            ok = e.code in (None, 0)
+            return {"ok": ok, "error": None if ok else f"SystemExit: {e.code}"}
+        except Exception as e:  # noqa: BLE001  (the entry point would print it and exit non-zero)
+            return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    return {"ok": True, "error": None}
+
+
 def main() -> None:
-    results = []
     parser = get_parser()
-    for command in json.loads(sys.argv[1]):
-        if isinstance(command, list):
-            command = {"argv": command}
-        with environment(command.get("env") or {}), output_to(command.get("log")):
-            args = parser.parse_args(command["argv"])
-            try:
-                args.func(args)
-            except SystemExit as e:  # what the entry point's exit status would be
-                ok = e.code in (None, 0)
-                results.append({"ok": ok, "error": None if ok else f"SystemExit: {e.code}"})
-            except Exception as e:  # noqa: BLE001  (the entry point would print it and exit non-zero)
-                results.append({"ok": False, "error": f"{type(e).__name__}: {e}"})
-            else:
-                results.append({"ok": True, "error": None})
-    print(MARK + json.dumps(results))
+    print(MARK + json.dumps([run_one(parser, command) for command in json.loads(sys.argv[1])]))
+
+
+def serve() -> None:
+    """``--serve``: one command per line on stdin (as in COMMANDS_JSON), one ``cli_many: {...}`` line per
+    command on stdout, until stdin closes. A session's ``airflow dags test`` runs share one process this
+    way (tests/support/airflow_env.py, ``AirflowSandbox.dags_test``)."""
+    parser = get_parser()
+    for line in sys.stdin:
+        if line.strip():
+            print(MARK + json.dumps(run_one(parser, json.loads(line))), flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    serve() if sys.argv[1:] == ["--serve"] else main()

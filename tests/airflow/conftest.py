@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -51,7 +52,7 @@ def model_roots(tiny_model: str) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def airflow_sandbox(tmp_path_factory, tiny_model) -> AirflowSandbox:
+def airflow_sandbox(tmp_path_factory, tiny_model) -> Iterator[AirflowSandbox]:
     home = tmp_path_factory.mktemp("airflow_home")
     data = tmp_path_factory.mktemp("vllm_batch_data")
     env = {
@@ -90,4 +91,5 @@ def airflow_sandbox(tmp_path_factory, tiny_model) -> AirflowSandbox:
     box = AirflowSandbox(home=home, data=data, env=env)
     p = box.run("db", "migrate", timeout=600)
     assert p.returncode == 0, tail(p)
-    return box
+    yield box
+    box.close()

@@ -219,7 +219,7 @@ def test_rerun_dag_on_s3_through_a_connection_only(airflow_sandbox, tiny_model, 
                 "AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES": f"s3://data,{Path(tiny_model).parent},{box.data}",
             }
         )
-        s3box = AirflowSandbox(home=box.home, data=box.data, env=env)
+        s3box = AirflowSandbox(home=box.home, data=box.data, env=env, shared_runs=False)  # one run
         conf = {
             "input_uri": "s3://data/adhoc/",
             "model": tiny_model,

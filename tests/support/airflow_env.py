@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import selectors
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +34,11 @@ class AirflowSandbox:
     data: Path
     env: dict[str, str] = field(default_factory=dict)
     serialized: bool = False  # `dags reserialize` ran (the DAG files do not change during a session)
+    # the process ``dags_test`` runs its DAGs in (tests/airflow/cli_many.py --serve), started on first use;
+    # shared_runs=False: a process per run (a sandbox made for one run)
+    shared_runs: bool = True
+    server: subprocess.Popen | None = field(default=None, repr=False, compare=False)
+    _answers: bytes = field(default=b"", repr=False, compare=False)
 
     def environ(self, env: dict[str, str] | None = None) -> dict[str, str]:
         """The sandbox's environment for one command: ``env`` over it, and the test that runs the command as
@@ -98,8 +105,80 @@ class AirflowSandbox:
     def dags_test(
         self, dag_id: str, date: str, conf: dict | None = None, env: dict[str, str] | None = None, timeout: int = 900
     ) -> subprocess.CompletedProcess:
+        """``airflow dags test DAG DATE [-c CONF]`` with ``env`` over the sandbox's environment. The runs of a
+        session share one process (``cli_many.py --serve``): Airflow, its execution API app (~8 s here), the
+        provider and the DAG files are loaded once, as ``dags_test_many`` does for the runs of one test. A run
+        whose ``env`` sets Airflow's own options (read when Airflow is imported; ``[vllm_batch]``'s are read
+        at each use) gets a process of its own. Comes back as ``run`` returns it: stdout is everything the run
+        wrote, its task logs included; the return code is the entry point's."""
         args, log = self._dags_test_command(dag_id, date, conf)
-        return self.run(*args, env=env, timeout=timeout, log=log)
+        own_options = any(
+            k == "AIRFLOW_HOME" or (k.startswith("AIRFLOW__") and not k.startswith("AIRFLOW__VLLM_BATCH__"))
+            for k in env or {}
+        )
+        if own_options or not self.shared_runs:
+            return self.run(*args, env=env, timeout=timeout, log=log)
+        log.write_text("")  # taken: the next run's log gets another name
+        current = {k: v for k, v in self.environ().items() if k == "PYTEST_CURRENT_TEST"}
+        result = self._serve({"argv": args, "env": {**(env or {}), **current}, "log": str(log)}, args, timeout)
+        return subprocess.CompletedProcess(
+            [AIRFLOW, *args], 0 if result["ok"] else 1, stdout=log.read_text(), stderr=result["error"] or ""
+        )
+
+    def _serve(self, command: dict, args: list[str], timeout: float) -> dict:
+        """``command`` run by the sandbox's ``cli_many.py --serve`` process (started when there is none):
+        its answer. A server that ends without answering fails the command, and the next one starts anew."""
+        if self.server is None or self.server.poll() is not None:
+            with open(self.home / "cli-server.log", "ab") as err:
+                self.server = subprocess.Popen(
+                    [PY, str(ROOT / "tests" / "airflow" / "cli_many.py"), "--serve"],
+                    env=self.environ(),
+                    cwd=str(self.home),
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=err,
+                )
+            self._answers = b""
+        server = self.server
+        assert server.stdin is not None and server.stdout is not None
+        server.stdin.write(json.dumps(command).encode() + b"\n")
+        server.stdin.flush()
+        deadline = time.monotonic() + timeout
+        mark = CLI_MANY.encode()
+        with selectors.DefaultSelector() as sel:
+            sel.register(server.stdout, selectors.EVENT_READ)
+            while True:
+                lines = self._answers.split(b"\n")
+                for i, line in enumerate(lines[:-1]):
+                    if line.startswith(mark):
+                        self._answers = b"\n".join(lines[i + 1 :])
+                        return json.loads(line[len(mark) :])
+                left = deadline - time.monotonic()
+                if left <= 0 or not sel.select(timeout=left):
+                    self.close()
+                    raise subprocess.TimeoutExpired([AIRFLOW, *args], timeout)
+                chunk = os.read(server.stdout.fileno(), 1 << 16)
+                if not chunk:
+                    rc = server.wait()
+                    self.server = None
+                    return {"ok": False, "error": f"the dags test process ended (exit {rc}) before the run did"}
+                self._answers += chunk
+
+    def close(self) -> None:
+        """End the ``dags_test`` process, if one runs (its stdin closes: it ends after the command it runs)."""
+        server, self.server = self.server, None
+        if server is None:
+            return
+        assert server.stdin is not None
+        try:
+            server.stdin.close()
+        except OSError:
+            pass
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
 
     def dags_test_many(self, *runs: tuple[str, str, dict | None, dict[str, str] | None], timeout: int = 900):
         """Several ``airflow dags test DAG DATE [-c CONF]`` runs, each ``(dag_id, date, conf, env)``, one after
