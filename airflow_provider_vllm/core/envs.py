@@ -95,7 +95,7 @@ SKIP_IMPORTS = _var(
     "sklearn,scipy",
     "top-level modules kept out of the worker's process, comma-separated, or `none`: transformers and vLLM "
     "import them whenever they are installed (an Airflow venv's, through its providers), no task of the worker "
-    "uses them, and they cost 5-6 of the 16 CPU-s of the worker's `import vllm` on 2 cores (worker/imports.py)",
+    "uses them, and they cost about a quarter of the worker's `import vllm` (worker/imports.py)",
     "worker",
 )
 HARDWARE = _var(

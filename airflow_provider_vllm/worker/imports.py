@@ -1,18 +1,19 @@
 """Modules the worker keeps out of its processes (``VLLM_BATCH_SKIP_IMPORTS``).
 
-``import vllm`` costs 15-16 CPU-s on this project's 2-core CPU machines, and a third of it is
-packages that transformers and vLLM import only because they are installed: transformers imports
+``import vllm`` costs 11-15 CPU-s on this project's 2-core CPU machines, and about a quarter of it
+is packages that transformers and vLLM import only because they are installed: transformers imports
 scikit-learn for assisted generation's candidate generator and scipy for a few losses, vLLM imports
 scipy for audio resampling. Neither package is in the engine's lock (``requirements/engine.txt``),
 so an engine started from it never loads them; the local runner's worker runs in the Airflow venv,
 where the Google provider brings both. The worker marks them absent before anything imports vLLM
 (``sys.modules[name] = None``: Python's documented way to make ``import name`` raise
 ``ModuleNotFoundError``), so transformers' and vLLM's optional imports take their "not installed"
-branch: 10 instead of 16 CPU-s for the worker's ``import vllm`` here, where the engine runs in the
-worker's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), in the worker only otherwise: the processes
-vLLM spawns (its engine core) import vLLM afresh, and a spawned child does not re-run a package's
-``__main__``, so nothing of the worker runs there first. A module the process already imported is
-left alone.
+branch. ``from vllm import LLM`` in the Airflow venv here, 7 alternated pairs on 2026-12-03: medians
+9.8 CPU-s with both marked absent, 13.5 without (per pair 0.6-5.6 CPU-s less, median 2.3). That is
+the whole engine's saving where the engine runs in the worker's process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), the worker's only otherwise: the processes vLLM spawns (its
+engine core) import vLLM afresh, and a spawned child does not re-run a package's ``__main__``, so
+nothing of the worker runs there first. A module the process already imported is left alone.
 
 The deployment names the modules (a comma-separated list of top-level module names, or ``none``);
 a name that is not a module name is refused before the engine starts, naming the variable.
