@@ -29,6 +29,9 @@ from airflow_provider_vllm.core import envs
 from airflow_provider_vllm.core.errors import SpecError
 
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# what the worker and its engine need: marked absent, they would fail every shard with a misleading error
+# ("vLLM is not installed")
+NEEDED = ("airflow_provider_vllm", "vllm", "torch", "transformers", "tokenizers", "numpy", "pyarrow", "pydantic")
 
 
 def skipped_imports(env: Mapping[str, str] | None = None) -> tuple[str, ...]:
@@ -43,6 +46,9 @@ def skipped_imports(env: Mapping[str, str] | None = None) -> tuple[str, ...]:
             f"{envs.SKIP_IMPORTS.name}: {', '.join(repr(n[:80]) for n in bad)} is not a top-level module name "
             "(a comma-separated list such as 'sklearn,scipy', or 'none')"
         )
+    needed = [n for n in names if n in NEEDED]
+    if needed:
+        raise SpecError(f"{envs.SKIP_IMPORTS.name}: {', '.join(needed)} is needed by the worker and cannot be skipped")
     return names
 
 

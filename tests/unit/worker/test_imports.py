@@ -35,6 +35,12 @@ def test_a_value_that_is_not_module_names_is_refused_naming_the_variable(value):
     assert len(str(e.value)) < 400  # a huge value is not echoed whole
 
 
+@pytest.mark.parametrize("value", ["vllm", "scipy,torch", "airflow_provider_vllm", "numpy"])
+def test_what_the_worker_needs_cannot_be_skipped(value):
+    with pytest.raises(SpecError, match=f"{ENV}: .* is needed by the worker"):
+        skipped_imports({ENV: value})
+
+
 PROBE = """
 import importlib.util, json, sys
 import json as already  # imported before: left alone
