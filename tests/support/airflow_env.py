@@ -98,9 +98,22 @@ class AirflowSandbox:
         return results[len(first) :]
 
     def _dags_test_command(self, dag_id: str, date: str, conf: dict | None) -> tuple[list[str], Path]:
-        """``dags test`` arguments and a log file of its own for one run."""
+        """``dags test`` arguments and a log file of its own for one run (created: the next run's gets another name)."""
         args = ["dags", "test", dag_id, date] + (["-c", json.dumps(conf)] if conf is not None else [])
-        return args, self.home / f"{dag_id}-{date}-{len(list(self.home.glob('*.log')))}.log"
+        log = self.home / f"{dag_id}-{date}-{len(list(self.home.glob('*.log')))}.log"
+        log.write_text("")
+        return args, log
+
+    @staticmethod
+    def _completed(command: dict, result: dict) -> subprocess.CompletedProcess:
+        """A ``dags test`` run in a shared process (``command`` as cli_many.py takes it, ``result`` its answer)
+        as ``run`` returns one: stdout is everything it wrote, its task logs included."""
+        return subprocess.CompletedProcess(
+            command["argv"],
+            0 if result["ok"] else 1,
+            stdout=Path(command["log"]).read_text(),
+            stderr=result["error"] or "",
+        )
 
     def dags_test(
         self, dag_id: str, date: str, conf: dict | None = None, env: dict[str, str] | None = None, timeout: int = 900
@@ -118,14 +131,10 @@ class AirflowSandbox:
         )
         if own_options or not self.shared_runs:
             return self.run(*args, env=env, timeout=timeout, log=log)
-        log.write_text("")  # taken: the next run's log gets another name
-        current = {k: v for k, v in self.environ().items() if k == "PYTEST_CURRENT_TEST"}
-        result = self._serve({"argv": args, "env": {**(env or {}), **current}, "log": str(log)}, args, timeout)
-        return subprocess.CompletedProcess(
-            [AIRFLOW, *args], 0 if result["ok"] else 1, stdout=log.read_text(), stderr=result["error"] or ""
-        )
+        command = {"argv": args, "env": self.environ(env), "log": str(log)}
+        return self._completed(command, self._serve(command, timeout))
 
-    def _serve(self, command: dict, args: list[str], timeout: float) -> dict:
+    def _serve(self, command: dict, timeout: float) -> dict:
         """``command`` run by the sandbox's ``cli_many.py --serve`` process (started when there is none):
         its answer. A server that ends without answering fails the command, and the next one starts anew."""
         if self.server is None or self.server.poll() is not None:
@@ -156,7 +165,7 @@ class AirflowSandbox:
                 left = deadline - time.monotonic()
                 if left <= 0 or not sel.select(timeout=left):
                     self.close()
-                    raise subprocess.TimeoutExpired([AIRFLOW, *args], timeout)
+                    raise subprocess.TimeoutExpired([AIRFLOW, *command["argv"]], timeout)
                 chunk = os.read(server.stdout.fileno(), 1 << 16)
                 if not chunk:
                     rc = server.wait()
@@ -188,15 +197,9 @@ class AirflowSandbox:
         commands = []
         for dag_id, date, conf, env in runs:
             args, log = self._dags_test_command(dag_id, date, conf)
-            log.write_text("")  # taken: the next run's log gets another name
             commands.append({"argv": args, "env": env or {}, "log": str(log)})
         results = self.cli_many(*commands, timeout=timeout)
-        return [
-            subprocess.CompletedProcess(
-                c["argv"], 0 if r["ok"] else 1, stdout=Path(c["log"]).read_text(), stderr=r["error"] or ""
-            )
-            for c, r in zip(commands, results)
-        ]
+        return [self._completed(c, r) for c, r in zip(commands, results)]
 
     def inspect(self, dag_id: str) -> dict:
         """Runs, task instances, earlier tries, XComs and asset events of ``dag_id``, from the DB.
