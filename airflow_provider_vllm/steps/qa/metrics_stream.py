@@ -9,7 +9,10 @@ counts, so they are exact and equal the in-memory ones. Empty outputs are decide
 ``utf8_is_space`` decides them (``SPACE_CLASS``). Float statistics (latency) fetch only the
 finite values as float32 (4 bytes a row, the column's own type), batch by batch into one
 buffer, and take the same order statistics and histogram bins; the mean is summed per batch,
-so it may differ from the in-memory mean in the last bits.
+so it may differ from the in-memory mean in the last bits. Past ``KEEP_LATENCIES`` rows (512 MiB of
+float32) the latencies are not kept: the same exact statistics come from passes over the column
+(``Radix``: the quantiles' values found 16 bits of their order-preserving keys a pass, then the
+histogram's bins), so QA's memory no longer grows with the run.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from __future__ import annotations
 import math
 import mmap
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -38,6 +42,9 @@ SPACE_CLASS = (
     r"[\x{9}-\x{d}\x{1c}-\x{20}\x{85}\x{a0}\x{1680}\x{2000}-\x{200a}\x{2028}\x{2029}\x{202f}"
     r"\x{205f}\x{3000}]"
 )
+# the rows up to which the latencies are kept in memory (512 MiB as float32); past it, exact statistics in passes
+KEEP_LATENCIES = 1 << 27
+_FINITE_LATENCIES = "SELECT latency_ms FROM r WHERE latency_ms IS NOT NULL AND isfinite(latency_ms)"
 _COUNTED = ("finish_reason", "label", "shard_id", "prompt_tokens", "completion_tokens")
 _KEYS = ("label", "finish_reason", "model", "model_revision", "shard_id")  # few distinct values: one grouping set
 # output null, '' or only space; the first branch (an ASCII letter, digit or sign first) decides most rows cheaply
@@ -57,8 +64,13 @@ class ResultTally:
         self.prompt_total = self.completion_total = 0
         self.latency_sum = 0.0
         self.counts: dict[str, Counter] = {k: Counter() for k in (*_COUNTED, "error_code", "pairs")}
-        self._lat = _fresh(capacity, np.float32)  # finite latencies; float64 once a batch needs it
+        # finite latencies (float64 once a batch needs it); past KEEP_LATENCIES rows none are kept: the statistics
+        # come from passes over the column instead (``_latency_in_passes``)
+        self._passes = capacity > KEEP_LATENCIES
+        self._lat = _fresh(0 if self._passes else capacity, np.float32)
         self._n_lat = 0
+        self._radix: Radix | None = None
+        self._passed: dict[str, Any] | None = None
 
     def tally(
         self,
@@ -80,6 +92,8 @@ class ResultTally:
             self.counts["error_code"][code] += n
             self.n_err += n
         self._fetch_latency(con, batch_rows, also)
+        if self._passes:
+            self._passed = self._latency_in_passes(con, batch_rows)
 
     def _count_results(self, con, vectors: bool | None = None) -> None:
         # Rows with vectors: two scans that DuckDB answers from the row groups' null counts where all are
@@ -131,17 +145,15 @@ class ResultTally:
 
     def _fetch_latency(self, con, batch_rows: int, also: tuple[str, Callable[[np.ndarray], None]] | None) -> None:
         if also is None:
-            sql = "SELECT latency_ms FROM r WHERE latency_ms IS NOT NULL AND isfinite(latency_ms)"
+            sql = _FINITE_LATENCIES
         else:  # every row, for the other column; the latencies are filtered here as the WHERE above does
             sql = f'SELECT latency_ms, "{also[0]}" FROM r'
         for batch in con.sql(sql).to_arrow_reader(batch_rows):
             if also is not None and batch.num_rows:
                 also[1](_floats(batch.column(1)))
-            col = batch.column(0)
-            if pa.types.is_null(col.type):  # no latency at all (the WHERE above: no rows)
+            x = _latencies(batch.column(0))
+            if x is None:  # no latency at all (the WHERE above: no rows)
                 continue
-            exact32 = pa.types.is_float32(col.type)
-            x = col.to_numpy(zero_copy_only=False).astype(np.float32 if exact32 else np.float64, copy=False)
             if also is not None:
                 finite = np.isfinite(x)  # null (NaN here), NaN and infinities are dropped, as the WHERE drops them
                 if not finite.all():
@@ -149,7 +161,37 @@ class ResultTally:
             if not len(x):
                 continue
             self.latency_sum += float(x.sum(dtype=np.float64))
-            self._keep_latency(x, exact32=exact32)
+            if self._passes:
+                if self._radix is None:
+                    self._radix = Radix(x.dtype)
+                self._radix.add(x)
+            else:
+                self._keep_latency(x, exact32=x.dtype == np.float32)
+
+    def _latency_in_passes(self, con, batch_rows: int) -> dict[str, Any] | None:
+        """``_float_stats`` of the finite latencies without keeping them: the fetch above counted them and the top
+        16 bits of their keys; each further pass over the column takes the quantiles' next 16 bits (one pass for
+        float32, three for float64), then one pass counts the histogram's bins."""
+        radix = self._radix
+        if radix is None or not radix.n:
+            return None
+
+        def scan():
+            for batch in con.sql(_FINITE_LATENCIES).to_arrow_reader(batch_rows):
+                x = _latencies(batch.column(0))
+                if x is not None and len(x):
+                    yield x
+
+        n = radix.n
+        at = radix.select(sorted({r for q in (0.5, 0.9, 0.99) for r in _ranks(q, n)}), scan)
+
+        def bins(lo: float, w: float, nb: int) -> np.ndarray:
+            counted = _bin_counts(scan(), lo, w, nb)
+            if int(counted.sum()) != n:
+                raise ValueError(f"QA: the histogram's pass over the latencies saw {int(counted.sum())} of {n} values")
+            return counted
+
+        return _assemble_float_stats(n, radix.mn, radix.mx, self.latency_sum, at, bins)
 
     def _keep_latency(self, x: np.ndarray, exact32: bool) -> None:
         need = self._n_lat + len(x)
@@ -205,6 +247,8 @@ class ResultTally:
         )
 
     def _latency_stats(self) -> dict[str, Any] | None:
+        if self._passes:
+            return self._passed
         x, self._lat = self._lat[: self._n_lat], np.empty(0, np.float32)  # partitioned in place
         return _float_stats(x, self.latency_sum)
 
@@ -247,8 +291,22 @@ def _float_stats(x: np.ndarray, total: float, integer: bool = False) -> dict[str
     if len(x) == 0:
         return None
     n = len(x)
-    mn, mx = float(x.min()), float(x.max())
     at = _order_stats(x, {q: _ranks(q, n) for q in (0.5, 0.9, 0.99)})
+    bins = partial(_bin_counts, (x,))
+    return _assemble_float_stats(n, float(x.min()), float(x.max()), total, at, bins, integer)
+
+
+def _assemble_float_stats(
+    n: int,
+    mn: float,
+    mx: float,
+    total: float,
+    at: dict[int, float],
+    bins: Callable[[float, float, int], np.ndarray],
+    integer: bool = False,
+) -> dict[str, Any]:
+    """The statistics of ``n`` finite values from their min, max, sum, the values at the quantiles' ranks
+    (``_ranks``) and ``bins(lo, width, bins)``: the values per bin, the overflow last (``_bin_counts``)."""
 
     def quantile(q: float) -> float:  # Arrow's 'linear': fraction * higher + (1 - fraction) * lower
         pos = q * (n - 1)
@@ -268,17 +326,117 @@ def _float_stats(x: np.ndarray, total: float, integer: bool = False) -> dict[str
         "mean": total / n,
     }
     lo, w, nb, _ = _hist_plan(mn, mx, p99, integer)
-    bins = np.zeros(nb + 1, np.int64)  # the last: overflow
-    t = np.empty(min(n, _CHUNK), np.float64)  # one buffer that stays in cache (no fresh temporaries per step)
-    for i in range(0, n, _CHUNK):  # floor((x - lo) / w) in float64, as metrics.bin_counts; x >= lo
-        k = t[: min(_CHUNK, n - i)]
-        np.subtract(x[i : i + _CHUNK], lo, out=k, dtype=np.float64)  # x in float64, as astype(float64) - lo
-        np.divide(k, w, out=k)
-        np.floor(k, out=k)
-        np.minimum(k, nb, out=k)
-        bins += np.bincount(k.astype(np.int64), minlength=nb + 1)
-    stats["histogram"] = _histogram(lo, w, nb, enumerate(bins.tolist()), integer)
+    stats["histogram"] = _histogram(lo, w, nb, enumerate(bins(lo, w, nb).tolist()), integer)
     return stats
+
+
+def _bin_counts(arrays: Iterable[np.ndarray], lo: float, w: float, nb: int) -> np.ndarray:
+    """The values of ``arrays`` (all >= lo) per bin floor((x - lo) / w) in float64, as ``metrics.bin_counts``;
+    ``nb`` bins and the overflow last."""
+    bins = np.zeros(nb + 1, np.int64)
+    t = np.empty(_CHUNK, np.float64)  # one buffer that stays in cache (no fresh temporaries per step)
+    for x in arrays:
+        for i in range(0, len(x), _CHUNK):
+            k = t[: min(_CHUNK, len(x) - i)]
+            np.subtract(x[i : i + _CHUNK], lo, out=k, dtype=np.float64)  # x in float64, as astype(float64) - lo
+            np.divide(k, w, out=k)
+            np.floor(k, out=k)
+            np.minimum(k, nb, out=k)
+            bins += np.bincount(k.astype(np.int64), minlength=nb + 1)
+    return bins
+
+
+def _latencies(col: pa.Array) -> np.ndarray | None:
+    """A batch of the latency column as numpy, float32 as it is and any other type as float64 (nulls as NaN); None
+    for a column of only nulls (a query that found no rows)."""
+    if pa.types.is_null(col.type):
+        return None
+    exact32 = pa.types.is_float32(col.type)
+    return col.to_numpy(zero_copy_only=False).astype(np.float32 if exact32 else np.float64, copy=False)
+
+
+_DIGIT = 16  # bits of the keys taken per pass
+_DIGITS = 1 << _DIGIT
+
+
+class Radix:
+    """Exact order statistics of finite float32 or float64 values streamed in passes, in bounded memory.
+
+    Each value has an unsigned key of its width whose order is the values' (the sign bit flipped for
+    positive values, every bit for negative ones; -0.0 counts as 0.0). ``add`` counts the values of the
+    first pass by the top 16 bits of their key; ``select`` then finds the bits of each wanted rank's key 16 at a
+    time, one pass over the values per 16 bits (1 more pass for float32, 3 for float64), keeping 65,536 counts
+    per rank."""
+
+    def __init__(self, dtype) -> None:
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
+            raise ValueError(f"Radix: float32 or float64 values, not {self.dtype}")
+        self.bits = self.dtype.itemsize * 8
+        self.ukey = np.dtype(np.uint32 if self.bits == 32 else np.uint64)
+        self.n = 0
+        self.mn, self.mx = math.inf, -math.inf
+        self.top = np.zeros(_DIGITS, np.int64)
+
+    def keys(self, x: np.ndarray) -> np.ndarray:
+        if x.dtype != self.dtype:
+            raise ValueError(f"Radix: a batch of {x.dtype} among {self.dtype} values")
+        b = np.add(x, 0, dtype=self.dtype).view(self.ukey)  # + 0: -0.0 becomes 0.0
+        sign = self.ukey.type(1 << (self.bits - 1))
+        return np.where(b & sign, ~b, b | sign)
+
+    def value(self, key: int) -> float:
+        sign = 1 << (self.bits - 1)
+        b = key ^ sign if key & sign else ~key & ((1 << self.bits) - 1)
+        return float(np.array([b], self.ukey).view(self.dtype)[0])
+
+    def add(self, x: np.ndarray) -> None:
+        """Count finite values of the first pass."""
+        if not len(x):
+            return
+        self.n += len(x)
+        self.mn, self.mx = min(self.mn, float(x.min())), max(self.mx, float(x.max()))
+        top = (self.keys(x) >> self.ukey.type(self.bits - _DIGIT)).astype(np.intp)
+        self.top += np.bincount(top, minlength=_DIGITS)
+
+    def select(self, ranks: list[int], scan: Callable[[], Iterator[np.ndarray]]) -> dict[int, float]:
+        """The values at the 0-based ``ranks`` of the sorted values; ``scan()`` yields the same values as the
+        first pass (any order, any batches) once per call."""
+        if any(not 0 <= r < self.n for r in ranks):
+            raise ValueError(f"Radix: ranks {ranks} outside 0..{self.n - 1}")
+        found = {r: _digit(self.top, r) for r in ranks}  # rank -> (key prefix, rank among the prefix's values)
+        expected = {p: int(self.top[p]) for p, _ in found.values()}  # values per prefix, as the last pass counted
+        shift = self.bits - _DIGIT
+        while shift:
+            prefixes = sorted(expected)
+            counts = {p: np.zeros(_DIGITS, np.int64) for p in prefixes}
+            low_shift, high_shift = self.ukey.type(shift - _DIGIT), self.ukey.type(shift)
+            mask = self.ukey.type(_DIGITS - 1)
+            for x in scan():
+                k = self.keys(x)
+                high = k >> high_shift
+                for p in prefixes:
+                    hit = high == self.ukey.type(p)
+                    if hit.any():
+                        counts[p] += np.bincount(((k[hit] >> low_shift) & mask).astype(np.intp), minlength=_DIGITS)
+            changed = [p for p in prefixes if int(counts[p].sum()) != expected[p]]
+            if changed:
+                raise ValueError("Radix: a pass over the values saw other values than the first (did they change?)")
+            for r, (p, within) in found.items():
+                digit, within = _digit(counts[p], within)
+                found[r] = ((p << _DIGIT) | digit, within)
+            expected = {p: int(counts[p >> _DIGIT][p & (_DIGITS - 1)]) for p, _ in found.values()}
+            shift -= _DIGIT
+        return {r: self.value(p) for r, (p, _) in found.items()}
+
+
+def _digit(counts: np.ndarray, rank: int) -> tuple[int, int]:
+    """The bin of ``counts`` that holds the 0-based ``rank``, and the rank among that bin's values."""
+    cum = np.cumsum(counts)
+    if rank >= cum[-1]:
+        raise ValueError(f"Radix: rank {rank} of {int(cum[-1])} values: a pass saw other values than the first")
+    b = int(np.searchsorted(cum, rank, side="right"))
+    return b, rank - (int(cum[b - 1]) if b else 0)
 
 
 _SUBSAMPLE = 1 << 16

@@ -14,9 +14,14 @@ import pytest
 
 from airflow_provider_vllm.core.spec import QASpec
 from airflow_provider_vllm.steps.qa import evaluate as evaluate_mod
+from airflow_provider_vllm.steps.qa import metrics_stream as ms
 from airflow_provider_vllm.steps.qa.evaluate import evaluate, evaluate_stream
-from airflow_provider_vllm.steps.qa.metrics_stream import SPACE_CLASS, ResultTally
+from airflow_provider_vllm.steps.qa.metrics_stream import SPACE_CLASS, Radix, ResultTally
 from tests.support.qa_rows import LABELS, err_row, ok_row, split
+
+
+def _never(*a, **kw):
+    raise AssertionError("a latency was kept in memory")
 
 
 def _tables(n_ok=5000, n_err=300, seed=3):
@@ -55,8 +60,13 @@ def _streamed(tmp_path, results, errors, **kw):
         con.close()
 
 
+@pytest.mark.parametrize("passes", [False, True], ids=["kept", "passes"])
 @pytest.mark.parametrize("labels", [LABELS, None])
-def test_streamed_report_equals_the_in_memory_report(tmp_path, labels):
+def test_streamed_report_equals_the_in_memory_report(tmp_path, monkeypatch, labels, passes):
+    """Also with the latencies' statistics from passes over the column (a run past KEEP_LATENCIES rows)."""
+    if passes:
+        monkeypatch.setattr(ms, "KEEP_LATENCIES", 0)
+        monkeypatch.setattr(ResultTally, "_keep_latency", _never)
     results, errors = _tables()
     kw = dict(
         spec=QASpec(sample_size=60, seed=9),
@@ -442,3 +452,98 @@ def test_the_streamed_consistency_examples_equal_pandas(tmp_path, known):
     ]
     assert len(want) == 10 and got == want
     assert (report.metrics.get("quality") is not None) == known
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize(
+    "kind", ["one", "signed_zeros", "ties", "negative", "ulps", "huge", "sorted", "uniform", "same_top_bits"]
+)
+def test_radix_selects_the_exact_order_statistics(kind, dtype):
+    """``Radix``: the values at the quantiles' ranks (and the ends) equal a full sort's, for values in any order and
+    batches, negative, tied, one ulp apart (the keys differ only in their last bits), huge, and all sharing their
+    top 16 key bits; -0.0 counts as 0.0. Each ``select`` pass reads the values in another order than the first."""
+    rng = np.random.default_rng(11)
+    n = 40_000
+    x = {
+        "one": np.array([3.5]),
+        "signed_zeros": np.array([-0.0, 0.0, -0.0, 1.0, -1.0]),
+        "ties": rng.integers(-3, 3, n).astype(np.float64),
+        "negative": -rng.exponential(5, n),
+        "ulps": 1 + np.arange(n) * np.finfo(dtype).eps,
+        "huge": rng.standard_normal(n) * 1e30,
+        "sorted": np.arange(n, dtype=np.float64),
+        "uniform": rng.random(n),
+        "same_top_bits": 1000 + rng.random(n) * 1e-3,
+    }[kind].astype(dtype)
+    radix = Radix(dtype)
+    for batch in np.array_split(x, 7):
+        radix.add(batch)
+    assert radix.n == len(x) and radix.mn == float(x.min()) and radix.mx == float(x.max())
+    ranks = sorted({r for q in (0.5, 0.9, 0.99) for r in ms._ranks(q, len(x))} | {0, len(x) - 1})
+    passes = []
+
+    def scan():
+        passes.append(1)
+        return iter(np.array_split(rng.permutation(x), 3))
+
+    got = radix.select(ranks, scan)
+    want = np.sort(x)
+    assert got == {r: float(want[r]) for r in ranks}
+    assert all(str(v) != "-0.0" for v in got.values())
+    assert len(passes) == (1 if dtype == np.float32 else 3)
+
+
+def test_radix_refuses_a_pass_that_saw_other_values_and_ranks_out_of_range():
+    x = np.arange(1000, dtype=np.float32)
+    radix = Radix(np.float32)
+    radix.add(x)
+    # a value missing or added where the rank is (a pass checks the counts of the keys it narrows down)
+    with pytest.raises(ValueError, match="other values than the first"):
+        radix.select([500], lambda: iter([np.delete(x, 500)]))
+    with pytest.raises(ValueError, match="other values than the first"):
+        radix.select([500], lambda: iter([x, np.float32([500.5])]))
+    assert radix.select([500], lambda: iter([x[::-1]])) == {500: 500.0}
+    with pytest.raises(ValueError, match="outside"):
+        radix.select([1000], lambda: iter([x]))
+    with pytest.raises(ValueError, match="float32 or float64"):
+        Radix(np.int64)
+    with pytest.raises(ValueError, match="a batch of float64"):
+        radix.add(x.astype(np.float64))
+
+
+@pytest.mark.parametrize("column_type", [pa.float32(), pa.float64(), pa.int64()])
+def test_latency_statistics_from_passes_equal_the_kept_ones(tmp_path, monkeypatch, column_type):
+    """A run past ``KEEP_LATENCIES`` rows keeps no latency: its statistics (quantiles, histogram, count, min, max)
+    come from passes over the column and equal those of the kept latencies, for float32, float64 and integer
+    columns with nulls, NaN and infinities among the values; with or without a column fetched alongside."""
+    rng = np.random.default_rng(8)
+    n = 20_000
+    lat = rng.exponential(300.0, n) * rng.choice([1, 1, 1, 40], n)  # a heavy tail: the overflow bin
+    lat = pa.array(lat).cast(column_type, safe=False)
+    values = lat.to_pylist()
+    if not pa.types.is_integer(column_type):
+        for i in range(0, n, 101):
+            values[i] = [None, float("nan"), float("inf"), float("-inf")][i % 4]
+    else:
+        values[::101] = [None] * len(values[::101])
+    table = pa.table({"latency_ms": pa.array(values, column_type), "confidence": pa.array(rng.random(n), pa.float32())})
+    pq.write_table(table, tmp_path / "r.parquet", row_group_size=1500)
+    pq.write_table(pa.table({"error_code": pa.array([], pa.string())}), tmp_path / "e.parquet")
+    con = duckdb.connect()
+    con.execute(f"CREATE VIEW r AS SELECT * FROM read_parquet('{tmp_path / 'r.parquet'}')")
+    con.execute(f"CREATE VIEW e AS SELECT * FROM read_parquet('{tmp_path / 'e.parquet'}')")
+    got = {}
+    for also in (None, ("confidence", lambda c: None)):
+        kept = ResultTally(n)
+        kept._count_results = lambda con, vectors=None: None  # only the latencies here
+        kept.tally(con, batch_rows=999, also=also)
+        monkeypatch.setattr(ms, "KEEP_LATENCIES", 0)
+        passed = ResultTally(n)
+        passed._count_results = lambda con, vectors=None: None
+        passed._keep_latency = _never
+        passed.tally(con, batch_rows=777, also=also)
+        monkeypatch.setattr(ms, "KEEP_LATENCIES", 1 << 27)
+        want, got[also is None] = kept._latency_stats(), passed._latency_stats()
+        assert got[also is None].pop("mean") == pytest.approx(want.pop("mean"), rel=1e-12)
+        assert got[also is None] == want and want["histogram"].get("overflow")
+    assert got[True] == got[False]
