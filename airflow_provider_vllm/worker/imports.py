@@ -1,15 +1,20 @@
 """Modules the worker keeps out of its processes (``VLLM_BATCH_SKIP_IMPORTS``).
 
-``import vllm`` costs 11-15 CPU-s on this project's 2-core CPU machines, and about a quarter of it
+``import vllm`` costs 11-15 CPU-s on this project's 2-core CPU machines, and about a third of it
 is packages that transformers and vLLM import only because they are installed: transformers imports
 scikit-learn for assisted generation's candidate generator and scipy for a few losses, vLLM imports
-scipy for audio resampling. Neither package is in the engine's lock (``requirements/engine.txt``),
-so an engine started from it never loads them; the local runner's worker runs in the Airflow venv,
-where the Google provider brings both. The worker marks them absent before anything imports vLLM
+scipy for audio resampling, Ray for its Ray executor and OpenTelemetry's OTLP exporters (with gRPC and
+protobuf) for request tracing. scikit-learn, scipy and Ray are not in the engine's lock
+(``requirements/engine.txt``), so an engine started from it never loads them; the local runner's
+worker runs in the Airflow venv, where providers bring them. OpenTelemetry is in both: vLLM depends on
+it, and the worker never turns vLLM's tracing on (the job spec has no OTLP endpoint), so the pod's
+worker skips it too. The worker marks them absent before anything imports vLLM
 (``sys.modules[name] = None``: Python's documented way to make ``import name`` raise
 ``ModuleNotFoundError``), so transformers' and vLLM's optional imports take their "not installed"
 branch. ``from vllm import LLM`` in the Airflow venv here, 7 alternated pairs on 2026-12-03: medians
 9.8 CPU-s with both marked absent, 13.5 without (per pair 0.6-5.6 CPU-s less, median 2.3). That is
+OpenTelemetry and Ray marked absent as well: about 1 CPU-s less again (5 alternated pairs, medians 12.6
+against 13.6 CPU-s, on a machine busy with other work). That is
 the whole engine's saving where the engine runs in the worker's process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), the worker's only otherwise: the processes vLLM spawns (its
 engine core) import vLLM afresh, and a spawned child does not re-run a package's ``__main__``, so
@@ -35,7 +40,7 @@ NEEDED = ("airflow_provider_vllm", "vllm", "torch", "transformers", "tokenizers"
 
 
 def skipped_imports(env: Mapping[str, str] | None = None) -> tuple[str, ...]:
-    """The top-level modules ``VLLM_BATCH_SKIP_IMPORTS`` names (default: scikit-learn and scipy)."""
+    """The top-level modules ``VLLM_BATCH_SKIP_IMPORTS`` names (default: scikit-learn, scipy, OpenTelemetry, Ray)."""
     raw = envs.SKIP_IMPORTS.value(env)
     if raw.lower() == "none":
         return ()

@@ -272,14 +272,16 @@ def test_kill9_of_the_task_process_on_real_vllm_leaves_no_engine_core_behind(tmp
     assert any(
         "EngineCore" in " ".join(p.cmdline()) or p.name().startswith("VLLM") or p.ppid() != task.pid for p in procs
     )
-    # worker/imports.py: scikit-learn and scipy, installed in this venv, are not loaded by the worker, which imported
-    # vLLM (their compiled modules would be mapped). The processes vLLM spawns import them again: a spawned child
-    # does not re-run a package's __main__, so nothing of the worker's runs there before vLLM's own imports.
-    skipped = [m for m in ("sklearn", "scipy") if importlib.util.find_spec(m) is not None]
-    assert skipped, "scikit-learn and scipy are not installed here: nothing was tested"
+    # worker/imports.py: scikit-learn, scipy, Ray and OpenTelemetry (whose OTLP exporter loads gRPC), installed in
+    # this venv, are not loaded by the worker, which imported vLLM (their compiled modules would be mapped). The
+    # processes vLLM spawns import them again: a spawned child does not re-run a package's __main__, so nothing of
+    # the worker's runs there before vLLM's own imports.
+    compiled = {"sklearn": "sklearn", "scipy": "scipy", "ray": "ray", "opentelemetry": "grpc"}
+    skipped = [f"/{compiled[m]}/" for m in compiled if importlib.util.find_spec(m) is not None]
+    assert len(skipped) == 4, f"only {skipped} are installed here: not everything was tested"
     (worker,) = [p for p in procs if "airflow_provider_vllm.worker" in p.cmdline()]
     maps = Path(f"/proc/{worker.pid}/maps").read_text()
-    assert "/torch/" in maps and not [m for m in skipped if f"/{m}/" in maps], (worker, skipped)
+    assert "/torch/" in maps and not [m for m in skipped if m in maps], (worker, skipped)
     task.kill()
     task.wait(timeout=30)
     wait_for(lambda: all(gone(p) for p in pids), STOP_BOUND_S, f"worker and vLLM engine processes {pids} ended")

@@ -19,8 +19,9 @@ ENV = "VLLM_BATCH_SKIP_IMPORTS"
 
 
 def test_default_names_scikit_learn_and_scipy_and_none_names_nothing():
-    assert skipped_imports({}) == ("sklearn", "scipy")
-    assert skipped_imports({ENV: "  "}) == ("sklearn", "scipy")  # empty: the default, as every variable
+    default = ("sklearn", "scipy", "opentelemetry", "ray")
+    assert skipped_imports({}) == default
+    assert skipped_imports({ENV: "  "}) == default  # empty: the default, as every variable
     assert skipped_imports({ENV: "None"}) == ()
     assert skipped_imports({ENV: " a_b , c1,a_b"}) == ("a_b", "c1")
 
