@@ -45,6 +45,7 @@ SPACE_CLASS = (
 # the rows up to which the latencies are kept in memory (512 MiB as float32); past it, exact statistics in passes
 KEEP_LATENCIES = 1 << 27
 _FINITE_LATENCIES = "SELECT latency_ms FROM r WHERE latency_ms IS NOT NULL AND isfinite(latency_ms)"
+_QUANTILES = (0.5, 0.9, 0.99)  # the p50, p90 and p99 of a float column's statistics
 _COUNTED = ("finish_reason", "label", "shard_id", "prompt_tokens", "completion_tokens")
 _KEYS = ("label", "finish_reason", "model", "model_revision", "shard_id")  # few distinct values: one grouping set
 # output null, '' or only space; the first branch (an ASCII letter, digit or sign first) decides most rows cheaply
@@ -183,7 +184,7 @@ class ResultTally:
                     yield x
 
         n = radix.n
-        at = radix.select(sorted({r for q in (0.5, 0.9, 0.99) for r in _ranks(q, n)}), scan)
+        at = radix.select(sorted({r for q in _QUANTILES for r in _ranks(q, n)}), scan)
 
         def bins(lo: float, w: float, nb: int) -> np.ndarray:
             counted = _bin_counts(scan(), lo, w, nb)
@@ -291,7 +292,7 @@ def _float_stats(x: np.ndarray, total: float, integer: bool = False) -> dict[str
     if len(x) == 0:
         return None
     n = len(x)
-    at = _order_stats(x, {q: _ranks(q, n) for q in (0.5, 0.9, 0.99)})
+    at = _order_stats(x, {q: _ranks(q, n) for q in _QUANTILES})
     bins = partial(_bin_counts, (x,))
     return _assemble_float_stats(n, float(x.min()), float(x.max()), total, at, bins, integer)
 
@@ -315,7 +316,7 @@ def _assemble_float_stats(
         f = pos - lo
         return f * b + (1 - f) * a
 
-    p50, p90, p99 = quantile(0.5), quantile(0.9), quantile(0.99)
+    p50, p90, p99 = (quantile(q) for q in _QUANTILES)
     stats: dict[str, Any] = {
         "count": n,
         "min": int(mn) if integer else mn,
