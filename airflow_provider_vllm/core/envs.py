@@ -93,7 +93,8 @@ LOG_LEVEL = _var("VLLM_BATCH_LOG_LEVEL", "INFO", "the worker's log level", "work
 SKIP_IMPORTS = _var(
     "VLLM_BATCH_SKIP_IMPORTS",
     "sklearn,scipy,opentelemetry,ray",
-    "top-level modules kept out of the worker's process, comma-separated, or `none`: transformers and vLLM "
+    "top-level modules kept out of the worker's process and of those vLLM spawns from it (its engine core), "
+    "comma-separated, or `none`: transformers and vLLM "
     "import them whenever they are installed (scikit-learn, scipy and Ray through an Airflow venv's providers; "
     "OpenTelemetry's exporters with vLLM itself, for a tracing the worker never turns on), no task of the worker "
     "uses them, and they cost about a third of the worker's `import vllm` (worker/imports.py)",

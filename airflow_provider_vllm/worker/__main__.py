@@ -24,7 +24,7 @@ from airflow_provider_vllm.core.exit_codes import ExitCode
 from airflow_provider_vllm.core.records import FailureManifest
 from airflow_provider_vllm.worker.exits import emit as _emit
 from airflow_provider_vllm.worker.exits import exit_hard
-from airflow_provider_vllm.worker.imports import skip_unused_imports
+from airflow_provider_vllm.worker.imports import carry_to_spawned, skip_unused_imports
 from airflow_provider_vllm.worker.lifecycle import bind_to_parent, hold_shard_lock
 from airflow_provider_vllm.worker.redact import guard_streams
 from airflow_provider_vllm.worker.redact import install as install_redaction
@@ -139,4 +139,5 @@ def entrypoint(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    carry_to_spawned()  # the same imports skipped in vLLM's engine core, which the CPU build spawns (imports.py)
     entrypoint()

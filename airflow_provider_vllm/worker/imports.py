@@ -16,9 +16,11 @@ branch. ``from vllm import LLM`` in the Airflow venv here, 7 alternated pairs on
 OpenTelemetry and Ray marked absent as well: about 1 CPU-s less again (5 alternated pairs, medians 12.6
 against 13.6 CPU-s, on a machine busy with other work). That is
 the whole engine's saving where the engine runs in the worker's process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), the worker's only otherwise: the processes vLLM spawns (its
-engine core) import vLLM afresh, and a spawned child does not re-run a package's ``__main__``, so
-nothing of the worker runs there first. A module the process already imported is left alone.
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``). The processes vLLM spawns (its engine core, always spawned on the
+CPU build) import vLLM afresh: a spawned child re-imports its parent's main module before anything else,
+but never a package's ``__main__``, which is how the worker starts. ``carry_to_spawned`` names
+``worker/spawned.py`` as the worker's main module for them, whose import marks the same modules absent
+there. A module the process already imported is left alone.
 
 The deployment names the modules (a comma-separated list of top-level module names, or ``none``);
 a name that is not a module name is refused before the engine starts, naming the variable.
@@ -26,6 +28,7 @@ a name that is not a module name is refused before the engine starts, naming the
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import sys
 from collections.abc import Mapping
@@ -65,3 +68,16 @@ def skip_unused_imports(env: Mapping[str, str] | None = None) -> list[str]:
             sys.modules[name] = None  # type: ignore[assignment]  # import raises ModuleNotFoundError
             marked.append(name)
     return marked
+
+
+SPAWNED = "airflow_provider_vllm.worker.spawned"
+
+
+def carry_to_spawned() -> None:
+    """Have the processes multiprocessing spawns from this one skip the same imports: ``__main__``'s module
+    spec becomes ``worker/spawned.py``'s, which a spawned child imports (as ``__mp_main__``) before it
+    unpickles its target (``multiprocessing.spawn.get_preparation_data`` reads ``__main__.__spec__.name``).
+    Nothing in this process reads it again; a forked child inherits the marks anyway."""
+    main = sys.modules.get("__main__")
+    if main is not None:
+        main.__spec__ = importlib.util.find_spec(SPAWNED)

@@ -273,15 +273,18 @@ def test_kill9_of_the_task_process_on_real_vllm_leaves_no_engine_core_behind(tmp
         "EngineCore" in " ".join(p.cmdline()) or p.name().startswith("VLLM") or p.ppid() != task.pid for p in procs
     )
     # worker/imports.py: scikit-learn, scipy, Ray and OpenTelemetry (whose OTLP exporter loads gRPC), installed in
-    # this venv, are not loaded by the worker, which imported vLLM (their compiled modules would be mapped). The
-    # processes vLLM spawns import them again: a spawned child does not re-run a package's __main__, so nothing of
-    # the worker's runs there before vLLM's own imports.
+    # this venv, are loaded neither by the worker nor by the engine core vLLM spawns (worker/spawned.py runs there
+    # first), both of which imported vLLM (their compiled modules would be mapped).
     compiled = {"sklearn": "sklearn", "scipy": "scipy", "ray": "ray", "opentelemetry": "grpc"}
     skipped = [f"/{compiled[m]}/" for m in compiled if importlib.util.find_spec(m) is not None]
     assert len(skipped) == 4, f"only {skipped} are installed here: not everything was tested"
     (worker,) = [p for p in procs if "airflow_provider_vllm.worker" in p.cmdline()]
-    maps = Path(f"/proc/{worker.pid}/maps").read_text()
-    assert "/torch/" in maps and not [m for m in skipped if m in maps], (worker, skipped)
+    # the production layout: vLLM's engine core and its worker process, spawned (they name themselves VLLM::...)
+    engines = [p for p in worker.children(recursive=True) if " ".join(p.cmdline()).startswith("VLLM::")]
+    assert len(engines) >= 2, [p.cmdline() for p in procs]
+    for p in [worker, *engines]:
+        maps = Path(f"/proc/{p.pid}/maps").read_text()
+        assert "/torch/" in maps and not [m for m in skipped if m in maps], (p.cmdline(), skipped)
     task.kill()
     task.wait(timeout=30)
     wait_for(lambda: all(gone(p) for p in pids), STOP_BOUND_S, f"worker and vLLM engine processes {pids} ended")
