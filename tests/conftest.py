@@ -30,6 +30,13 @@ for _name, _value in LOADED_MACHINE.items():  # DAG files parsed in a test proce
 # test` runs the whole suite so.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 ENGINE_PROCESSES = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+# vLLM's own switch for CPU CI (vllm/platforms/cpu.py): the model is still traced by torch dynamo, as on every
+# CPU engine, but runs eagerly instead of compiling its graph with inductor. An engine start here costs ~17 CPU-s
+# instead of ~23 with inductor's cache warm and ~43 with it cold (the first start of each model and setting on a
+# fresh machine). No test here is about inductor's artefacts (the compile cache's tests are unit tests of its
+# folders); `VLLM_CPU_CI_ENV=0 make test` compiles as a deployment does. Part of the engine's identity
+# (core/engine_identity.py), the same for every process of a run.
+os.environ.setdefault("VLLM_CPU_CI_ENV", "1")
 
 
 def _cores_of_this_xdist_process() -> list[int] | None:
