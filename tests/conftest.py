@@ -30,13 +30,18 @@ for _name, _value in LOADED_MACHINE.items():  # DAG files parsed in a test proce
 # test` runs the whole suite so.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 ENGINE_PROCESSES = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-# vLLM's own switch for CPU CI (vllm/platforms/cpu.py): the model is still traced by torch dynamo, as on every
-# CPU engine, but runs eagerly instead of compiling its graph with inductor. An engine start here costs ~17 CPU-s
-# instead of ~23 with inductor's cache warm and ~43 with it cold (the first start of each model and setting on a
-# fresh machine). No test here is about inductor's artefacts (the compile cache's tests are unit tests of its
-# folders); `VLLM_CPU_CI_ENV=0 make test` compiles as a deployment does. Part of the engine's identity
+# No compiler in the tests' engines: vLLM's own switch for CPU CI (vllm/platforms/cpu.py) runs the graph that torch
+# dynamo traces eagerly instead of compiling it with inductor, and torch's own switch (TORCHDYNAMO_DISABLE) skips
+# the trace too, which vLLM's AOT compile path refuses (hence VLLM_USE_AOT_COMPILE=0): the model runs as with
+# `enforce_eager`. An engine start of the tiny model in process: ~14 CPU-s, against ~16 with vLLM's switch alone,
+# ~23 compiled with inductor's cache warm and ~43 cold (the first start of each model and setting on a fresh
+# machine). No test here is about the compiler's artefacts (the compile cache's tests work on its folders);
+# `VLLM_CPU_CI_ENV=0 make test` compiles as a deployment does. VLLM_* variables are part of the engine's identity
 # (core/engine_identity.py), the same for every process of a run.
 os.environ.setdefault("VLLM_CPU_CI_ENV", "1")
+if os.environ["VLLM_CPU_CI_ENV"] == "1":
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
 
 
 def _cores_of_this_xdist_process() -> list[int] | None:
