@@ -1,10 +1,10 @@
 """Shared real-vLLM runs of the vllm tier.
 
-An engine start costs ~14 CPU-s here with the suite's defaults (tests/conftest.py: the engine in the
-worker's process, no compiler), more in the production layout (ENGINE_PROCESSES: the worker, its engine
-core and the engine's worker process each import vLLM). Tests that need the same job on the same model
-share one run through a session fixture here, each asserting its own part of it; a test that needs its
-own job (a fault, another model or setting) still starts its own engine.
+An engine start is what a test here costs most (tests/conftest.py has the figures: by default the engine
+runs in the worker's process without a compiler; ENGINE_PROCESSES, the production layout, costs more).
+Tests that need the same job on the same model share one run through a session fixture here, each
+asserting its own part of it; a test that needs its own job (a fault, another model or setting) still
+starts its own engine.
 """
 
 from __future__ import annotations
