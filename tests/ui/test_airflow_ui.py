@@ -2,7 +2,8 @@
 
 One ``airflow standalone`` (api-server, scheduler, dag-processor, triggerer; LocalExecutor,
 SQLite) runs the DAG templates with the local runner, real vLLM CPU and SmolLM2-135M-Instruct:
-(a) a re-run from the trigger form, (b) a backfill of the nightly DAG from the UI, (c) the QA
+(a) a re-run from the trigger form, (b) a backfill of the nightly DAG from the UI (its second night answered
+from the result cache), (c) the QA
 report opened through the QA task's extra link, and the human gate: a QA 'warn' waits for
 a person; approve -> published, reject -> run failed and nothing published.
 The two review runs start with (a) so that their engines overlap its engines.
@@ -113,7 +114,7 @@ def test_a_backfill_started_from_the_ui_runs_every_date(airflow_ui, ui_data, pag
         picker.get_by_placeholder("YYYY/MM/DD").fill(day)
         picker.get_by_placeholder("HH:mm").fill(hm)
         page.keyboard.press("Escape")
-    form.locator("input[name=max_active_runs]").fill("2")
+    form.locator("input[name=max_active_runs]").fill("1")  # night 2 after night 1, whose answers it reuses
     form.get_by_text("2 runs will be triggered").wait_for()
     shots(page, "backfill-form")
     form.get_by_role("button", name="Run Backfill").click()
@@ -133,6 +134,13 @@ def test_a_backfill_started_from_the_ui_runs_every_date(airflow_ui, ui_data, pag
     for day in DAYS:
         success = json.loads((ui_data / "reclassification" / f"dt={day}" / "_SUCCESS.json").read_text())
         assert success["rows"] == 20 and success["qa"]["status"] == "pass"
+    # night 1 ran a shard of its tickets and one of the golden rows; night 2, the same tickets, only the golden rows'
+    # (every ticket answered from the cache night 1 filled)
+    shards = {
+        r["logical_date"][:10]: sorted(k[1] for k in states(airflow_ui, NIGHTLY, r["dag_run_id"]) if k[0] == "shard")
+        for r in runs
+    }
+    assert shards == {DAYS[0]: [0, 1], DAYS[1]: [0]}, shards
     page.goto(f"{airflow_ui.url}/dags/{NIGHTLY}/backfills")
     page.get_by_text("2026-11-20").first.wait_for()
     shots(page, "backfill-runs")
