@@ -106,7 +106,11 @@ def airflow_ui(tmp_path_factory, ui_data):
     if not Path(CHROMIUM).exists():
         pytest.fail(f"{CHROMIUM} is missing: run `make chromium` (apt-get install -y chromium) first")
     # the demo's model: a real one, so the report's quality sections (screenshots) show real figures
-    model = prepare_smollm2(default_cache_dir() / "smollm2-135m-instruct")
+    # Through a link in the test's own data folder: the screenshots in docs/ show the model's path, which names no
+    # folder of the machine that took them.
+    model = ui_data / "models" / "smollm2-135m-instruct"
+    model.parent.mkdir(exist_ok=True)
+    model.symlink_to(prepare_smollm2(default_cache_dir() / "smollm2-135m-instruct"), target_is_directory=True)
     env = {
         "AIRFLOW_VAR_VLLM_BATCH_DATA_ROOT": str(ui_data),
         "AIRFLOW_VAR_VLLM_BATCH_MODEL": str(model),

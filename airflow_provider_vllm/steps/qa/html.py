@@ -370,7 +370,12 @@ def _header(d: dict) -> str:
         f'<div class="top"><h1>{_e(title)}</h1>'
         f'<span class="badge" style="background:{COLORS[st]}">{_e(status.upper())}</span></div>'
         + (f'<div class="meta">{meta}</div>' if meta else "")
-        + (f'<div class="meta"><span><b>model</b>: {_e(model_txt)}</span></div>' if model_txt else "")
+        # the models the shards ran (with their revisions), unless the run's own model says the same
+        + (
+            f'<div class="meta"><span><b>model</b>: {_e(model_txt)}</span></div>'
+            if model_txt and model_txt != str(run.get("model"))
+            else ""
+        )
         + f'<div class="cards">{card_html}</div>'
         + f'<div class="summary">{_e(d.get("summary", ""))}</div>'
         + notes_html

@@ -182,6 +182,16 @@ def test_html_escapes_and_is_self_contained():
     assert "@import" not in html and "url(" not in html
 
 
+def test_the_header_names_the_model_once_unless_the_shards_ran_another_revision():
+    def header(run_model, models):
+        page = render_report_html({"status": "pass", "run": {"model": run_model}, "metrics": {"models": models}}, [])
+        return re.findall(r"<b>model</b>: ([^<]*)</span>", page)
+
+    assert header("org/m", [{"model": "org/m"}]) == ["org/m"]
+    assert header("org/m", [{"model": "org/m", "revision": "0123456789abcdef"}]) == ["org/m", "org/m@0123456789ab"]
+    assert header("org/m", [{"model": "org/m"}, {"model": "org/n"}]) == ["org/m", "org/m, org/n"]
+
+
 def test_the_changes_section_escapes_labels_and_shows_the_matrix():
     evil = "<script>alert('x')</script>"
     recs = [ok_row(i, label="positive") for i in range(5)]
