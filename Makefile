@@ -54,8 +54,8 @@ $(STAMP): requirements/bootstrap.txt requirements/uv.txt $(LOCKS) setup.cfg | $(
 	# PYTHONDONTWRITEBYTECODE below); byte-compiling all ~53,000 files of the venv cost 257 CPU-s here,
 	# and the tests import about 10,000 of them (uv does not compile unless asked; pip: --no-compile).
 ifeq ($(INSTALLER),uv)
-	$(UV) pip install --quiet --python $(PY) --no-deps --require-hashes \
-	  $$($(PY) scripts/torch_source.py uv-install --index '$(TORCH_INDEX)') $(addprefix -r ,$(LOCKS))
+	$(PY) scripts/torch_source.py uv-install --index '$(TORCH_INDEX)' \
+	  --run $(UV) pip install --quiet --python $(PY) --no-deps --require-hashes $(addprefix -r ,$(LOCKS))
 else
 	$(PY) -m pip install -q --no-compile --require-hashes --no-deps \
 	  $$($(PY) scripts/torch_source.py pip --index '$(TORCH_INDEX)') $(addprefix -r ,$(LOCKS))

@@ -8,7 +8,7 @@ uses that source and never reaches PyTorch's index; any other machine gets PyTor
 
     python scripts/torch_source.py pip        [--index auto|URL|'']   # extra `pip install` arguments
     python scripts/torch_source.py uv         [--index auto|URL|'']   # extra `uv pip compile` arguments
-    python scripts/torch_source.py uv-install [--index auto|URL|'']   # extra `uv pip install` arguments
+    python scripts/torch_source.py uv-install [--index auto|URL|''] --run UV pip install ...  # runs uv
 
 Prints the arguments on stdout (possibly none) and one line on stderr saying which source it chose.
 ``--index auto`` (the default, ``TORCH_INDEX`` in the Makefile) asks this interpreter's pip, with
@@ -19,12 +19,14 @@ build pip found in a local folder becomes ``--find-links FOLDER`` and anything e
 project page (``--find-links URL/torch/``), which offers torch only: every other package still
 resolves from PyPI with PyPI's hashes.
 
-``uv-install`` (``make venv``: uv installs the hashed locks) hands uv the sources pip is configured with
-(``pip config list``: index-url, extra-index-url, find-links, no-index, from pip.conf and ``PIP_*``), so a
-machine whose pip goes through a mirror or a wheel folder installs from there as pip would, and, like
-pip, takes a file from whichever of them has it (``--index-strategy unsafe-best-match``; every file must
-still match its hash in the lock). Torch comes from those sources when pip finds it there, else from the
-index's torch page as for ``uv``.
+``uv-install --run UV ARGS...`` (``make venv``: uv installs the hashed locks) runs uv with the sources pip is
+configured with (``pip config list``: index-url, extra-index-url, find-links, no-index, from pip.conf and
+``PIP_*``) in uv's environment (``UV_INDEX_URL``, ``UV_EXTRA_INDEX_URL``, ``UV_FIND_LINKS``; not on its command
+line, where a mirror's credentials would be readable by every local user), so a machine whose pip goes through
+a mirror or a wheel folder installs from there as pip would, and, like pip, takes a file from whichever of
+them has it (``UV_INDEX_STRATEGY=unsafe-best-match``; every file must still match its hash in the lock).
+Torch comes from those sources when pip finds it there, else from the index's torch page as for ``uv``.
+What it prints names URLs with their passwords masked.
 """
 
 from __future__ import annotations
@@ -101,21 +103,31 @@ def parse_pip_config(text: str) -> dict[str, str]:
     return {option: value for option, (_, value) in best.items()}
 
 
-def pip_sources(config: dict[str, str]) -> list[str]:
-    """uv arguments for the package sources pip's configuration names (nothing: PyPI, as for pip)."""
+def uv_sources(config: dict[str, str], torch_links: list[str] = ()) -> tuple[list[str], dict[str, str]]:
+    """(uv arguments, uv environment variables) for the package sources pip's configuration names, plus torch's
+    find-links (nothing configured: PyPI, as for pip). URLs go in the environment, never on the command line:
+    an index URL may carry a mirror's credentials, and a process's arguments are readable by every local user."""
     args: list[str] = []
+    env: dict[str, str] = {}
     if config.get("no-index", "").lower() in ("1", "true", "yes", "on"):
         args.append("--no-index")
     if config.get("index-url"):
-        args += ["--index-url", config["index-url"]]
+        env["UV_INDEX_URL"] = config["index-url"]
     extras = config.get("extra-index-url", "").split()
-    for url in extras:
-        args += ["--extra-index-url", url]
-    for link in config.get("find-links", "").split():
-        args += ["--find-links", link]
     if extras:
-        args += ["--index-strategy", "unsafe-best-match"]  # pip's way: a file from any index (hashes still pinned)
-    return args
+        env["UV_EXTRA_INDEX_URL"] = " ".join(extras)  # uv splits it on spaces
+        env["UV_INDEX_STRATEGY"] = "unsafe-best-match"  # pip's way: a file from any index (hashes still pinned)
+    links = config.get("find-links", "").split() + list(torch_links)
+    if any("," in link for link in links):  # uv splits UV_FIND_LINKS on commas
+        raise SystemExit(f"a find-links location with a comma cannot be handed to uv: {redact(' '.join(links))}")
+    if links:
+        env["UV_FIND_LINKS"] = ",".join(links)
+    return args, env
+
+
+def redact(text: str) -> str:
+    """``text`` with the password (or token) of every URL's user info replaced by ``****``, as pip logs URLs."""
+    return re.sub(r"(?<=://)([^/@\s:]*)(:[^/@\s]*)?@", lambda m: f"{m.group(1)}:****@" if m.group(2) else "****@", text)
 
 
 def arguments(tool: str, index: str, found: str | None) -> tuple[list[str], str]:
@@ -140,17 +152,28 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("tool", choices=["pip", "uv", "uv-install"])
     ap.add_argument("--index", default="auto", help="auto (default), an index URL, or '' for pip's configuration")
+    ap.add_argument(
+        "--run",
+        nargs=argparse.REMAINDER,
+        help="uv-install: run this uv command line (uv and its arguments) with the sources in its environment",
+    )
     args = ap.parse_args(argv)
+    if (args.tool == "uv-install") != bool(args.run):
+        ap.error("uv-install needs --run UV ARGS..., which only uv-install takes")
     requirement = torch_requirement()
     found = pip_finds(requirement) if args.index == "auto" else None
     extra, chosen = arguments(args.tool, args.index.strip(), found)
-    print(f"{requirement}: from {chosen}", file=sys.stderr)
-    if args.tool == "uv-install":
-        sources = pip_sources(pip_config())
-        extra = sources + extra
-        print(f"other packages: from {' '.join(sources) or 'PyPI'} (pip's configuration)", file=sys.stderr)
-    print(" ".join(extra))
-    return 0
+    print(f"{requirement}: from {redact(chosen)}", file=sys.stderr)
+    if args.tool != "uv-install":
+        print(" ".join(extra))
+        return 0
+    links = [extra[i + 1] for i in range(0, len(extra), 2) if extra[i] == "--find-links"]
+    uv_args, uv_env = uv_sources(pip_config(), links)
+    shown = " ".join([*uv_args, *(f"{k}={v}" for k, v in sorted(uv_env.items()))]) or "PyPI"
+    print(f"packages: from {redact(shown)} (pip's configuration)", file=sys.stderr)
+    cmd = [*args.run, *uv_args]
+    os.execvpe(cmd[0], cmd, {**os.environ, **uv_env})
+    return 1  # not reached
 
 
 if __name__ == "__main__":

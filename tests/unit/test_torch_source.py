@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import importlib.util
+import os
 import zipfile
 
 import pytest
@@ -120,51 +121,72 @@ def test_pip_config_list_is_read_as_pip_install_applies_it(ts):
             ":env:.find-links='/srv/env-wheels'",  # PIP_FIND_LINKS over both
             ":env:.default-timeout='180'",
             "not a config line",
-            "user.index-url='https://ignored.example'",  # no such section for pip config list: left out
+            "user.index-url='https://ignored.example'",  # not a section pip install reads
         ]
     )
     config = ts.parse_pip_config(text)
     assert config["find-links"] == "/srv/env-wheels"
     assert config["index-url"] == "https://proxy.example/pypi/simple"
-    assert ts.pip_sources(config) == [
-        "--index-url",
-        "https://proxy.example/pypi/simple",
-        "--extra-index-url",
-        "file:///srv/simple",
-        "--extra-index-url",
-        "https://mirror.example/simple",
-        "--find-links",
-        "/srv/env-wheels",
-        "--index-strategy",
-        "unsafe-best-match",
-    ]
-    assert ts.pip_sources(ts.parse_pip_config("")) == []  # nothing configured: uv's PyPI, as pip's
-    assert ts.pip_sources(ts.parse_pip_config(":env:.no-index='1'\n:env:.find-links='/w'")) == [
-        "--no-index",
-        "--find-links",
-        "/w",
-    ]
+    assert ts.uv_sources(config, ["https://download.pytorch.org/whl/cpu/torch/"]) == (
+        [],
+        {
+            "UV_INDEX_URL": "https://proxy.example/pypi/simple",
+            "UV_EXTRA_INDEX_URL": "file:///srv/simple https://mirror.example/simple",
+            "UV_INDEX_STRATEGY": "unsafe-best-match",
+            "UV_FIND_LINKS": "/srv/env-wheels,https://download.pytorch.org/whl/cpu/torch/",
+        },
+    )
+    assert ts.uv_sources(ts.parse_pip_config("")) == ([], {})  # nothing configured: uv's PyPI, as pip's
+    assert ts.uv_sources(ts.parse_pip_config(":env:.no-index='1'\n:env:.find-links='/w'")) == (
+        ["--no-index"],
+        {"UV_FIND_LINKS": "/w"},
+    )
+    with pytest.raises(SystemExit, match="comma"):  # uv would read two locations
+        ts.uv_sources(ts.parse_pip_config("global.find-links='/srv/a,b'"))
 
 
-def test_uv_is_handed_the_sources_of_the_real_pip(ts, tmp_path, monkeypatch):
-    """Real `pip config list` with a config file and PIP_* variables of this test only."""
+def test_urls_are_printed_with_their_credentials_masked(ts):
+    text = "UV_INDEX_URL=https://alice:s3cret@mirror.example/simple UV_FIND_LINKS=https://tok3n@files.example/w,/srv/w"
+    masked = ts.redact(text)
+    assert "s3cret" not in masked and "tok3n" not in masked
+    assert "https://alice:****@mirror.example/simple" in masked and "https://****@files.example/w,/srv/w" in masked
+    assert ts.redact("file:///srv/simple") == "file:///srv/simple"
+
+
+def test_uv_runs_with_the_sources_of_the_real_pip_in_its_environment_only(ts, tmp_path, monkeypatch, capfd):
+    """Real `pip config list` with a config file and PIP_* variables of this test; a stand-in for uv records the
+    command line and the environment it was run with (main execs it, so it runs in a child here)."""
     conf = tmp_path / "pip.conf"
-    conf.write_text("[global]\nextra-index-url = file:///srv/a/simple\n    file:///srv/b/simple\n")
+    conf.write_text(
+        "[global]\nextra-index-url = file:///srv/a/simple\n    https://bob:hunter2@mirror.example/b/simple\n"
+    )
     monkeypatch.setenv("PIP_CONFIG_FILE", str(conf))
     monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "wheels"))
     # the variables win over any pip.conf of the machine's own
     monkeypatch.setenv("PIP_INDEX_URL", "https://proxy.example/pypi/simple")
     monkeypatch.setenv("PIP_NO_INDEX", "false")
     monkeypatch.delenv("PIP_EXTRA_INDEX_URL", raising=False)
-    assert ts.pip_sources(ts.pip_config()) == [
-        "--index-url",
-        "https://proxy.example/pypi/simple",
-        "--extra-index-url",
-        "file:///srv/a/simple",
-        "--extra-index-url",
-        "file:///srv/b/simple",
-        "--find-links",
-        str(tmp_path / "wheels"),
-        "--index-strategy",
-        "unsafe-best-match",
+    for name in [k for k in os.environ if k.startswith("UV_")]:  # only what main sets
+        monkeypatch.delenv(name)
+    fake_uv = tmp_path / "uv"
+    fake_uv.write_text(
+        f"#!/bin/sh\nprintf '%s\\n' \"$@\" > {tmp_path}/argv\nenv | grep '^UV_' | sort > {tmp_path}/env\n"
+    )
+    fake_uv.chmod(0o755)
+    pid = os.fork()
+    if pid == 0:  # the child execs the stand-in; the parent waits for it
+        try:
+            ts.main(["uv-install", "--index", "", "--run", str(fake_uv), "pip", "install", "-r", "x.txt"])
+        finally:
+            os._exit(3)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert (tmp_path / "argv").read_text().split() == ["pip", "install", "-r", "x.txt"]  # no URL in the arguments
+    assert (tmp_path / "env").read_text().splitlines() == [
+        "UV_EXTRA_INDEX_URL=file:///srv/a/simple https://bob:hunter2@mirror.example/b/simple",
+        f"UV_FIND_LINKS={tmp_path / 'wheels'}",
+        "UV_INDEX_STRATEGY=unsafe-best-match",
+        "UV_INDEX_URL=https://proxy.example/pypi/simple",
     ]
+    printed = capfd.readouterr().err
+    assert "bob:****@mirror.example" in printed and "hunter2" not in printed
