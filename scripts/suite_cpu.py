@@ -15,7 +15,10 @@ each test process append which test it ran from when to when), samples every pro
   it started (its parent chain as first seen), else it stays unattributed (setup before pytest, lint,
   the machine's own daemons).
 
-It prints the machine's busy CPU (``/proc/stat``) beside the sampled total: what a process used after
+Before and after the command it times a fixed pure-Python loop (``reference_cpu_s``): the VMs this runs on
+change speed by up to half within an hour (the same loop took 2.5 and 3.9 CPU-s an hour apart, idle both
+times), so a suite's CPU-s are comparable only next to the loop's. It prints the machine's busy CPU
+(``/proc/stat``) beside the sampled total: what a process used after
 its last sample (at most one interval each) and processes that lived less than one are missed. Then
 the CPU by tier, by file, by kind of process and the top tests. Linux only. The command's exit status is this script's.
 """
@@ -252,6 +255,18 @@ def report(out: dict[str, collections.Counter], busy_s: float, wall: float, top:
     }
 
 
+REFERENCE = "\n".join(
+    ["import time", "t = time.process_time()", "s = 0", "for i in range(10_000_000):", "    s += i"]
+    + ["print(time.process_time() - t)"]
+)
+
+
+def reference_cpu_s() -> float:
+    """CPU-s of a fixed pure-Python loop (10M additions) in a fresh interpreter: the machine's speed right now."""
+    p = subprocess.run([sys.executable, "-c", REFERENCE], capture_output=True, text=True, check=True, timeout=600)
+    return float(p.stdout.strip())
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", help="also write the per-test figures here")
@@ -263,10 +278,14 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("name the command after --, e.g. -- make test")
     if not os.path.isdir("/proc/self"):
         ap.error("needs Linux's /proc")
+    before = reference_cpu_s()
     with tempfile.TemporaryDirectory() as d:
         timeline = os.path.join(d, "timeline.jsonl")
         rc, procs, busy, wall = sample(cmd, timeline)
         figures = report(attribute(procs, _timeline(timeline)), busy / TICK, wall, args.top)
+    after = reference_cpu_s()
+    print(f"\nmachine speed: the reference loop took {before:.2f} CPU-s before and {after:.2f} after (more: slower)")
+    figures["reference_loop_cpu_s"] = [before, after]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=1)

@@ -61,7 +61,10 @@ def test_cpu_is_charged_to_the_test_that_started_it(tmp_path):
     )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "CPU-s by tier" in p.stdout and "demo" in p.stdout
-    tests = json.loads(out.read_text())["tests"]
+    figures = json.loads(out.read_text())
+    tests = figures["tests"]
+    assert len(figures["reference_loop_cpu_s"]) == 2 and all(x > 0 for x in figures["reference_loop_cpu_s"])
+    assert "machine speed: the reference loop took" in p.stdout
     cpu = {nodeid.rsplit("::", 1)[1]: sum(kinds.values()) for nodeid, kinds in tests.items() if "::" in nodeid}
     assert cpu.get("test_a_quiet_one", 0) < 0.6, cpu
     # a child's 1.5 CPU-s, less what it used after the last sample before it ended (at most one interval)
