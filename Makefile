@@ -25,7 +25,7 @@ INSTALLER ?= uv
 LOCK_VENV ?= .cache/uv-lock
 UV := $(LOCK_VENV)/bin/uv
 
-# The venv's bytecode is written as modules are first imported (make venv installs with --no-compile): an
+# The venv's bytecode is written as modules are first imported (make venv does not byte-compile): an
 # environment that turns writing off (PYTHONDONTWRITEBYTECODE) would have every process compile its
 # imports from source again (`from vllm import LLM`: 34 instead of 14 CPU-s here). make's commands do
 # not inherit it.
