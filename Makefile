@@ -22,6 +22,7 @@ TORCH_INDEX ?= auto
 # its own, the one `make lock` uses), given the sources pip is configured with (scripts/torch_source.py
 # uv-install), or pip (INSTALLER=pip). The same hashed files either way; here uv took 21 s where pip took 99.
 INSTALLER ?= uv
+$(if $(filter-out uv pip,$(INSTALLER)),$(error INSTALLER is uv or pip, not '$(INSTALLER)'))
 LOCK_VENV ?= .cache/uv-lock
 UV := $(LOCK_VENV)/bin/uv
 

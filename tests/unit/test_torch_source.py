@@ -55,7 +55,7 @@ def test_the_pin_is_the_engine_locks(ts):
         ("uv", "https://mirror.example/whl/cpu/", None, ["--find-links", "https://mirror.example/whl/cpu/torch/"]),
         ("pip", "", None, []),
         ("uv", "", None, []),
-        # make venv with uv: pip's sources are handed to uv (pip_sources), so what pip finds needs nothing more
+        # make venv with uv: pip's sources are handed to uv (uv_sources), so what pip finds needs nothing more
         ("uv-install", "auto", "file:///srv/wheels/torch-2.13.0%2Bcpu-cp311-cp311-linux_x86_64.whl", []),
         ("uv-install", "auto", "https://mirror.example/simple/torch/torch-2.13.0%2Bcpu.whl", []),
         ("uv-install", "auto", None, ["--find-links", f"{INDEX}/torch/"]),
