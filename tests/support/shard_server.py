@@ -30,7 +30,8 @@ from typing import Any
 
 from tests.support import ROOT
 
-KEEP_ENGINES = 2  # engines kept at once (each holds its KV cache, VLLM_CPU_KVCACHE_SPACE GiB)
+KEEP_ENGINES = 2  # engines kept at once by default (each holds its KV cache, VLLM_CPU_KVCACHE_SPACE GiB)
+KEEP_ENV = "SHARD_SERVER_KEEP_ENGINES"
 
 
 class _Kept:
@@ -51,8 +52,9 @@ class SharedEngines:
 
     needs_vllm = True  # as the worker's default factory: refuse early without vLLM
 
-    def __init__(self) -> None:
+    def __init__(self, keep: int = KEEP_ENGINES) -> None:
         self.engines: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self.keep = keep
         self.started = 0
 
     @staticmethod
@@ -74,10 +76,14 @@ class SharedEngines:
 
         k = self.key(spec)
         if k not in self.engines:
-            while len(self.engines) >= KEEP_ENGINES:
+            while len(self.engines) >= self.keep:
                 self.engines.popitem(last=False)[1].shutdown()
             self.engines[k] = Engine(spec)
             self.started += 1
+        else:
+            # A kept engine computes each shard as a fresh one would: a prefix-cache hit from an earlier shard changes
+            # the arithmetic enough to flip a near-tie of greedy decoding now and then (tests compare with raw vLLM).
+            self.engines[k].llm.reset_prefix_cache()
         self.engines.move_to_end(k)
         return _Kept(self.engines[k])
 
@@ -98,10 +104,11 @@ def serve() -> None:
     from airflow_provider_vllm.worker.shard import run_shard
     from airflow_provider_vllm.worker.task import ShardTask
 
+    keep = int(os.environ.pop(KEEP_ENV, KEEP_ENGINES))
     keyring = Keyring.from_env()
     envs.SIGNING_KEY.drop()  # as the worker: vLLM's processes never inherit it
     base = dict(os.environ)
-    engines = SharedEngines()
+    engines = SharedEngines(keep)
     for line in sys.stdin:
         os.environ.clear()
         os.environ.update(base)
@@ -122,9 +129,10 @@ def serve() -> None:
 class ShardServer:
     """The test side: ``run(spec, shard_id)`` -> the manifest, from one long-lived server process."""
 
-    def __init__(self, log: Path, env: dict[str, str] | None = None):
+    def __init__(self, log: Path, env: dict[str, str] | None = None, keep: int = KEEP_ENGINES):
         self.log = log
         env = dict(os.environ if env is None else env)
+        env[KEEP_ENV] = str(keep)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
         with open(log, "w") as err:
             self.proc = subprocess.Popen(

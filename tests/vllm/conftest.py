@@ -138,3 +138,22 @@ def raw_smollm2(tmp_path_factory, smollm2) -> dict:
     )
     assert raw.returncode == 0, raw.stderr[-3000:]
     return json.loads(next(x for x in raw.stdout.splitlines() if x.startswith("RAW "))[4:])
+
+
+@pytest.fixture(scope="session")
+def shard_server(tmp_path_factory):
+    """One shard server (tests/support/shard_server.py) per test process, for the tests here that need shards run by
+    the worker's own ``run_shard`` on a real engine but nothing of the worker's process (its exit codes, signals,
+    output streams and environment are tested with the worker CLI: tiny_run, the kill and reliability tests). Each
+    such test paid a process and ``import vllm`` (~10-14 CPU-s here) before its engine start; through the server a
+    test process pays it once, and a test whose engine settings equal the last one's reuses that engine (its prefix
+    cache reset, so it computes as a fresh one). One engine kept at a time: the server lives as long as the test
+    process, beside the other tests' engines and Airflows."""
+    from tests.support.shard_server import ShardServer
+    from tests.vllm.test_worker_vllm import ENV
+
+    server = ShardServer(tmp_path_factory.mktemp("shard_server") / "shard-server.log", ENV, keep=1)
+    try:
+        yield server
+    finally:
+        server.close()

@@ -25,8 +25,6 @@ from tests.vllm.test_worker_vllm import (
     ENV,
     SYSTEM,
     TICKETS,
-    manifest,
-    run_worker,
     spec_for,
 )
 
@@ -44,7 +42,7 @@ def _request(i: int, model: str, **extra) -> dict:
     return {"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
 
 
-def test_openai_logprobs_are_what_vllm_run_batch_writes(tmp_path, smollm2):
+def test_openai_logprobs_are_what_vllm_run_batch_writes(tmp_path, smollm2, shard_server):
     reqs = [
         _request(0, smollm2, logprobs=True),
         _request(1, smollm2, logprobs=True, top_logprobs=3),
@@ -63,7 +61,7 @@ def test_openai_logprobs_are_what_vllm_run_batch_writes(tmp_path, smollm2):
 
     job = JobSpec.load(spec)
     (shard,) = plan_job(job).shards
-    manifest(run_worker(job, shard.shard_id))
+    assert shard_server.run(job, shard.shard_id)["status"] == "committed"
     merge(job).dump()
     ours = {
         x["custom_id"]: x["response"]["body"]["choices"][0]

@@ -31,7 +31,8 @@ from airflow_provider_vllm.steps.merge.merger import merge
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from tests.support.bad_inputs.corpus import good_chat_requests, hostile_chat_requests
 from tests.support.ledger import record_bad_rows
-from tests.vllm.test_worker_vllm import ENV, LEAVE, manifest, run_worker
+from tests.support.shard_server import ShardServer
+from tests.vllm.test_worker_vllm import ENV, LEAVE
 
 pytestmark = [pytest.mark.vllm, pytest.mark.reliability, pytest.mark.timeout(1500)]
 
@@ -72,7 +73,7 @@ def write_batch(path: Path, rows: list[tuple[str, dict]]) -> None:
             )
 
 
-def run_batch(model: Path, inp: Path, out: Path) -> tuple[dict, JobSpec]:
+def run_batch(model: Path, inp: Path, out: Path, server: ShardServer) -> tuple[dict, JobSpec]:
     spec = JobSpec.load(
         {
             "task": "chat",
@@ -85,13 +86,13 @@ def run_batch(model: Path, inp: Path, out: Path) -> tuple[dict, JobSpec]:
         }
     )
     (shard,) = plan_job(spec).shards
-    m = manifest(run_worker(spec, shard.shard_id))  # the worker CLI; asserts exit 0
+    m = server.run(spec, shard.shard_id)  # the worker's run_shard in the test process's shard server
     assert m["status"] == "committed"
     merge(spec)
     return m, spec
 
 
-def test_hostile_openai_rows_do_not_fail_the_shard_and_good_rows_are_unchanged(tmp_path, smollm2):
+def test_hostile_openai_rows_do_not_fail_the_shard_and_good_rows_are_unchanged(tmp_path, smollm2, shard_server):
     model = strict_template_model(smollm2, tmp_path / "smollm2-strict")
     hostile = hostile_chat_requests()
     good = good_chat_requests()
@@ -108,7 +109,7 @@ def test_hostile_openai_rows_do_not_fail_the_shard_and_good_rows_are_unchanged(t
     write_batch(tmp_path / "mixed" / "batch.jsonl", mixed)
     write_batch(tmp_path / "clean" / "batch.jsonl", good)
 
-    m, _ = run_batch(model, tmp_path / "mixed", tmp_path / "out-mixed")
+    m, _ = run_batch(model, tmp_path / "mixed", tmp_path / "out-mixed", shard_server)
     assert m["rows"] == len(mixed) and m["error_rows"] == len(hostile) and m["ok_rows"] == len(good)
     assert m["stats"]["engine_error_rows"] == 0 and m["stats"]["step_failures"] == 0  # all refused before vLLM
 
@@ -128,7 +129,7 @@ def test_hostile_openai_rows_do_not_fail_the_shard_and_good_rows_are_unchanged(t
     assert "10000 stop strings; at most 16" in msg["stop-ten-thousand"] and len(msg["stop-ten-thousand"]) < 200
     assert "'NonExistModel' does not exist" in msg["another-model"]
 
-    m_clean, _ = run_batch(model, tmp_path / "clean", tmp_path / "out-clean")
+    m_clean, _ = run_batch(model, tmp_path / "clean", tmp_path / "out-clean", shard_server)
     assert m_clean["ok_rows"] == len(good) and m_clean["error_rows"] == 0
     cols = ["id", "output", "finish_reason", "prompt_tokens", "completion_tokens"]
     mixed_ok = {r["id"]: r for r in pq.read_table(tmp_path / "out-mixed" / "results", columns=cols).to_pylist()}

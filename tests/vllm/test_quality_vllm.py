@@ -105,15 +105,12 @@ def _independent(out: Path, tickets: Path, golden: Path):
     return [truth[i] for i in ids], [pred.get(i) or NO_ANSWER for i in ids]
 
 
-def test_quality_on_real_vllm_equals_scikit_learn_gates_and_reports_a_drop(tmp_path, smollm2):
+def test_quality_on_real_vllm_equals_scikit_learn_gates_and_reports_a_drop(tmp_path, smollm2, shard_server):
     tickets, golden = _data(tmp_path)
-    # the four shards (input and golden rows, two nights) in one worker process: one engine start
-    server = ShardServer(tmp_path / "shard-server.log", ENV)
-    try:
-        _nights(tmp_path, smollm2, tickets, golden, server)
-        assert server.engines_started == 1
-    finally:
-        server.close()
+    # the four shards (input and golden rows, two nights) in the test process's worker process: one engine start
+    before = shard_server.engines_started
+    _nights(tmp_path, smollm2, tickets, golden, shard_server)
+    assert shard_server.engines_started - before <= 1
 
 
 def _nights(tmp_path: Path, smollm2: str, tickets: Path, golden: Path, server: ShardServer) -> None:
@@ -151,7 +148,7 @@ def _nights(tmp_path: Path, smollm2: str, tickets: Path, golden: Path, server: S
 
 
 @pytest.mark.reliability
-def test_a_golden_worker_killed_mid_chunk_reconciles(tmp_path, tiny_model):
+def test_a_golden_worker_killed_mid_chunk_reconciles(tmp_path, tiny_model, shard_server):
     from sample_tickets import write_tickets
 
     paths = write_tickets(tmp_path / "in", 40, seed=5)
@@ -183,13 +180,9 @@ def test_a_golden_worker_killed_mid_chunk_reconciles(tmp_path, tiny_model):
                 os.killpg(proc.pid, signal.SIGKILL)  # the killed worker's engine processes
     assert proc.returncode == -signal.SIGKILL, (tmp_path / "killed.err").read_text()[-2000:]
     assert not (tmp_path / "out" / "shards" / golden_shard.shard_id / "_COMMITTED.json").exists()
-    # the retry of the golden shard and the input's shard in one worker process: one engine start for both
-    server = ShardServer(tmp_path / "shard-server.log", ENV)
-    try:
-        assert server.run(spec, plan.shards[0].shard_id)["status"] == "committed"
-        m = server.run(spec, golden_shard.shard_id)
-    finally:
-        server.close()
+    # the retry of the golden shard and the input's shard in the test process's worker process: one engine for both
+    assert shard_server.run(spec, plan.shards[0].shard_id)["status"] == "committed"
+    m = shard_server.run(spec, golden_shard.shard_id)
     assert m["status"] == "committed" and m["rows"] == 70
     summary = merge(spec).dump()
     rec = reconcile(tmp_path / "out", pq.read_table(paths["tickets"], columns=["id"]).column(0).to_pylist())

@@ -1,7 +1,8 @@
 """The real worker process on real vLLM (CPU build) with real small models.
 
 Each worker process starts its own engine (~25 s here), so the tests share runs where they can:
-the session fixtures ``tiny_run`` and ``raw_smollm2`` (tests/vllm/conftest.py).
+the session fixtures ``tiny_run`` and ``raw_smollm2`` (tests/vllm/conftest.py); tests about what the worker
+computes, not about its process, run their shards in the test process's ``shard_server``.
 """
 
 from __future__ import annotations
@@ -201,7 +202,7 @@ if __name__ == "__main__":
 )
 
 
-def test_smollm2_labels_and_confidence_equal_raw_llm_chat(tmp_path, smollm2, raw_smollm2):
+def test_smollm2_labels_and_confidence_equal_raw_llm_chat(tmp_path, smollm2, raw_smollm2, shard_server):
     n = 48
     codes = planted(tmp_path, n)
     # float32: in bf16 the worker's batches (a deep queue) and LLM.chat's differ enough to flip a
@@ -209,7 +210,7 @@ def test_smollm2_labels_and_confidence_equal_raw_llm_chat(tmp_path, smollm2, raw
     spec = spec_for(smollm2, tmp_path)
     spec = spec.model_copy(update={"model": spec.model.model_copy(update={"dtype": "float32"})})
     (shard,) = plan_job(spec).shards
-    m = manifest(run_worker(spec, shard.shard_id))
+    m = shard_server.run(spec, shard.shard_id)
     assert m["status"] == "committed" and m["ok_rows"] == n - 3
     merge(spec)
     res, _ = check_exactly_once(tmp_path / "out", n, codes)
@@ -273,7 +274,7 @@ def test_two_real_attempts_at_once_commit_exactly_once(tmp_path, tiny_model):
     check(tmp_path / "out", [f"t{i:04d}" for i in range(n)], kind="concurrent_attempts_real", level="process")
 
 
-def test_embed_task_with_minilm(tmp_path):
+def test_embed_task_with_minilm(tmp_path, shard_server):
     from airflow_provider_vllm.testing.local_models import minilm_path
 
     ids = [f"k{i}" for i in range(30)]
@@ -291,7 +292,7 @@ def test_embed_task_with_minilm(tmp_path):
         }
     )
     (shard,) = plan_job(spec).shards
-    m = manifest(run_worker(spec, shard.shard_id))
+    m = shard_server.run(spec, shard.shard_id)
     assert m["ok_rows"] == 29 and m["error_rows"] == 1
     merge(spec)
     res = pq.read_table(tmp_path / "out" / "results").to_pylist()
@@ -302,7 +303,7 @@ def test_embed_task_with_minilm(tmp_path):
     assert 0.8 < float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b))) <= 1.0001  # near-duplicate texts
 
 
-def test_classify_task_with_a_sequence_classification_model(tmp_path, tiny_model):
+def test_classify_task_with_a_sequence_classification_model(tmp_path, tiny_model, shard_server):
     """A tiny random LlamaForSequenceClassification (3 labels) made from the tiny model."""
     import shutil
 
@@ -341,7 +342,7 @@ def test_classify_task_with_a_sequence_classification_model(tmp_path, tiny_model
         }
     )
     (shard,) = plan_job(spec).shards
-    m = manifest(run_worker(spec, shard.shard_id))
+    m = shard_server.run(spec, shard.shard_id)
     assert m["ok_rows"] == 19 and m["error_rows"] == 1
     merge(spec)
     res = pq.read_table(tmp_path / "out" / "results").to_pylist()
@@ -377,7 +378,7 @@ def token_specs(model: str, tmp_path: Path) -> tuple[JobSpec, dict]:
     return gen, chat
 
 
-def test_token_prompts_give_the_same_outputs_as_text_prompts(tmp_path, smollm2, raw_smollm2):
+def test_token_prompts_give_the_same_outputs_as_text_prompts(tmp_path, smollm2, raw_smollm2, shard_server):
     """The worker tokenises once and hands vLLM token ids (TokensPrompt). Raw vLLM given the
     same rows as text (LLM.generate) or as conversations (LLM.chat) sees the same prompt tokens
     and produces the same outputs, for the generate and the chat task; and the worker's
@@ -387,7 +388,7 @@ def test_token_prompts_give_the_same_outputs_as_text_prompts(tmp_path, smollm2, 
     write_parquet(tmp_path / "in" / "a.parquet", [f"g{i:03d}" for i in range(n)], TOKEN_TEXTS)
     gen, _ = token_specs(smollm2, tmp_path)
     (shard,) = plan_job(gen).shards
-    m = manifest(run_worker(gen, shard.shard_id))
+    m = shard_server.run(gen, shard.shard_id)
     assert m["status"] == "committed" and m["ok_rows"] == n
     merge(gen)
     ours = {r["id"]: r for r in pq.read_table(tmp_path / "out" / "results").to_pylist()}
