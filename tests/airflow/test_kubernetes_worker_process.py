@@ -81,8 +81,19 @@ def test_pod_command_line_runs_a_real_shard(tmp_path, monkeypatch, tiny_model):
             # The engine in the worker's process (tests/conftest.py): one `import vllm` instead of three. The
             # pod's own layout, vLLM's engine core and worker processes, is what the ENGINE_PROCESSES tests run.
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-            # this test process's cores under xdist (tests/conftest.py), where it has them
-            **{k: os.environ[k] for k in ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND") if k in os.environ},
+            # this test process's cores under xdist, and the tests' engines without a compiler (tests/conftest.py:
+            # the first compile of a model on a fresh machine cost this test ~40 CPU-s, a C++ compiler included)
+            **{
+                k: os.environ[k]
+                for k in (
+                    "OMP_NUM_THREADS",
+                    "VLLM_CPU_OMP_THREADS_BIND",
+                    "VLLM_CPU_CI_ENV",
+                    "TORCHDYNAMO_DISABLE",
+                    "VLLM_USE_AOT_COMPILE",
+                )
+                if k in os.environ
+            },
         }
     )
     p = subprocess.run(argv, env=env, cwd=mounts["/tmp"], capture_output=True, text=True, timeout=800)
