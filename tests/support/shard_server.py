@@ -10,8 +10,9 @@ airflow_provider_vllm.worker``) and answers one line with the manifest.
 What differs from one worker process per shard, and is tested elsewhere (tests/vllm/test_worker_vllm.py, the
 reliability tests): the process's life (signals, the parent's death, the host-local shard lock, exit codes),
 and the engine, which is built once per engine configuration (model, engine settings, task, sampling) and
-kept for the next shard, as a warm pod would keep it. Before each shard the environment is reset to the
-server's at start: vLLM sets variables of its own in the process that starts it, and the engine identity
+kept for the next shard, as a warm pod would keep it (its prefix cache reset, so that each shard computes as on a
+fresh engine; ``keep`` engines at most, the least recently used shut down). Before each shard the environment is
+reset to the server's at start: vLLM sets variables of its own in the process that starts it, and the engine identity
 the cache keys on is read from them.
 """
 
