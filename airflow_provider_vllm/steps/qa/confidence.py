@@ -28,6 +28,8 @@ import numpy as np
 
 BUCKETS = 10
 EXAMPLES = 10
+EXAMPLE_IDS = 6  # ids listed per example prompt (the smallest)
+EXAMPLE_ANSWERS = 10  # distinct answers listed per example prompt (the first in sorted order)
 # A confidence that is a probability (NaN, infinities and values outside [0, 1] are none), and its bucket.
 _IS_PROBABILITY = "confidence BETWEEN 0 AND 1"
 # the rows among which the least confident are, given the least-th smallest confidence ($least_cut)
@@ -225,13 +227,42 @@ def consistency_counts(con, *, value: str, hashed: int | None = None) -> tuple[d
 
 
 def consistency_examples(con, relation: str, *, value: str, picked: list[int]) -> list[dict[str, Any]]:
-    """The ids (up to 6) and the answers of each prompt hash in ``picked``, from ``relation`` (``r``, or a
-    table that holds at least those rows of it)."""
+    """The examples of the prompt hashes in ``picked`` (``examples_from``), from ``relation`` (``r``, or a table
+    that holds at least those rows of it): one GROUP BY per (prompt, answer), so what the query keeps is bounded by
+    the distinct answers, not by the rows (a prompt sent 30M times no longer costs 30M rows of memory)."""
     if not picked:
         return []
     # a constant IN list of a few integers
     found = con.execute(
-        f"SELECT prompt_hash, list(id ORDER BY id)[:6], list(DISTINCT CAST({value} AS VARCHAR)) FROM {relation} "
-        f"WHERE prompt_hash IN ({', '.join(str(h) for h in picked)}) GROUP BY 1 ORDER BY 1"
+        f"SELECT prompt_hash, {EXAMPLE_GROUP_SQL.format(value=value, where='true')} FROM {relation} "
+        f"WHERE prompt_hash IN ({', '.join(str(int(h)) for h in picked)}) "
+        f"GROUP BY prompt_hash, hash(CAST({value} AS VARCHAR))"
     ).fetchall()
-    return [{"ids": ids, "answers": sorted(a for a in answers if a is not None)} for _, ids, answers in found]
+    return examples_from(found)
+
+
+# per (prompt, answer): the smallest ids and the answer (the rows of one group share it); ``where``: the rows counted
+EXAMPLE_GROUP_SQL = (
+    f"min(CAST(id AS VARCHAR), {EXAMPLE_IDS}) FILTER (WHERE {{where}}) AS ex_ids, "
+    "any_value(CAST({value} AS VARCHAR)) FILTER (WHERE {where}) AS ex_answer"
+)
+
+
+def examples_from(groups) -> list[dict[str, Any]]:
+    """The consistency examples from (prompt hash, ids, answer) per group of rows sharing a prompt and an answer
+    (a prompt's groups may come from several scans' groups, e.g. per stratum): per prompt hash, ascending, its
+    ``EXAMPLE_IDS`` smallest ids, its distinct answers (sorted, the first ``EXAMPLE_ANSWERS``; no answer is not
+    listed) and ``answers_total``, how many distinct answers it got."""
+    ids: dict[int, set[str]] = {}
+    answers: dict[int, set[str]] = {}
+    for h, some_ids, answer in groups:
+        if h is None:
+            continue
+        ids.setdefault(int(h), set()).update(some_ids or [])
+        if answer is not None:
+            answers.setdefault(int(h), set()).add(answer)
+    out = []
+    for h in sorted(ids):
+        a = sorted(answers.get(h, ()))
+        out.append({"ids": sorted(ids[h])[:EXAMPLE_IDS], "answers": a[:EXAMPLE_ANSWERS], "answers_total": len(a)})
+    return out

@@ -165,25 +165,23 @@ def evaluate_stream(
     picked = repeats[1] if repeats is not None else []
     # The rows QA reads whole (the sample's and the least confident) go in one scan of the results that
     # DuckDB filters by id inside the scan. The narrow rows of the known ids (a golden set of up to
-    # KNOWN_IN_SCAN ids) and of the inconsistent prompts' examples ride along the sample's ranking scan,
+    # KNOWN_IN_SCAN ids) and the inconsistent prompts' examples ride along the sample's ranking scan,
     # which reads every id anyway (``sample.Ride``): the ids are read and hashed once, not twice.
     n_known = refs.known.get(refs.run_source, 0) if refs.run_source else 0
     known = 0 < n_known <= KNOWN_IN_SCAN
-    # known ids by their 64-bit hash (the ranking hashes every id anyway; a collision only carries a row more,
-    # which labelled_view drops: it joins the known ids by value)
-    ride_where = (["hid IN (SELECT hash(id) FROM ref)"] if known else []) + (
-        ["prompt_hash IN (SELECT h FROM qa_prompts)"] if picked else []
-    )
     if picked:  # a semi-join: DuckDB tests a constant IN list on every row (10M rows: 0.218 CPU-s, the column 0.061)
         con.execute("CREATE OR REPLACE TEMP TABLE qa_prompts AS SELECT unnest($h::BIGINT[]) AS h", {"h": picked})
-    # what the riding rows feed: the quality view (known ids: label, valid, confidence) and the examples (prompt
-    # hash, compared answer); each column carried is decoded for every row of the scan
-    carried = tuple(
-        dict.fromkeys(
-            [*(["label", "valid", "confidence"] if known else []), "prompt_hash", *([compared] if compared else [])]
+    ride = None
+    if known or picked:
+        # known ids by their 64-bit hash (the ranking hashes every id anyway; a collision only carries a row more,
+        # which labelled_view drops: it joins the known ids by value), with what the quality view reads; each
+        # column carried is decoded for every row of the scan. The examples' rows are grouped by prompt and
+        # answer in the scan (a group per distinct answer, however many rows repeat a prompt).
+        ride = Ride(
+            "hid IN (SELECT hash(id) FROM ref)" if known else "false",
+            ("label", "valid", "confidence") if known else (),
+            examples=(compared, picked, "qa_prompts") if picked and compared else None,
         )
-    )
-    ride = Ride(" OR ".join(ride_where), carried) if ride_where else None
     # with a ride, which reads the confidence anyway, the ranking scan also finds the least confident ids
     stats = answer_stats(
         con,
@@ -248,7 +246,7 @@ def evaluate_stream(
 
     def measure() -> None:
         """After the draw, from the rows its ranking scan collected: quality, confidence, consistency."""
-        if ride is not None:
+        if known and ride is not None:
             con.register("qa_ridden", ride.read(con))
         try:
             labelled_view(
@@ -257,13 +255,17 @@ def evaluate_stream(
             q = quality(con, labels=labels, previous=previous, known=refs.known, notes=notes)
             if q is not None:
                 q["locations"] = dict(refs.locations)
-            consistency = None
-            if repeats is not None and compared is not None:
-                consistency = repeats[0]
-                consistency["examples"] = consistency_examples(con, "qa_ridden", value=compared, picked=picked)
         finally:
-            if ride is not None:
+            if known:
                 con.unregister("qa_ridden")
+        consistency = None
+        if repeats is not None and compared is not None:
+            consistency = repeats[0]
+            consistency["examples"] = (
+                ride.examples_found(con)
+                if ride is not None
+                else consistency_examples(con, "r", value=compared, picked=picked)
+            )
         least = least_ids_()
         metrics.update(
             quality=q, confidence=confidence_metrics({**stats, "least": least}, notes=notes), consistency=consistency

@@ -316,7 +316,7 @@ def consistency_section(m: dict) -> str:
         return ""
     r = c.get("inconsistency_rate") or {}
     ex = "".join(
-        f"<li>{_e(', '.join(x.get('ids') or []))}: {_e(' / '.join(x.get('answers') or []))}</li>"
+        f"<li>{_e(', '.join(x.get('ids') or []))}: {_e(' / '.join(x.get('answers') or []))}{_more_answers(x)}</li>"
         for x in c.get("examples") or []
     )
     return (
@@ -328,6 +328,12 @@ def consistency_section(m: dict) -> str:
         + (f'<ul class="desc">{ex}</ul>' if ex else "")
         + "</section>"
     )
+
+
+def _more_answers(example: dict) -> str:
+    """' (and N more)' when the example lists fewer answers than its prompt got (``answers_total``)."""
+    shown, total = len(example.get("answers") or []), example.get("answers_total")
+    return f" (and {_int(total - shown)} more)" if isinstance(total, int) and total > shown else ""
 
 
 def least_confident_section(m: dict, rows: list[dict]) -> str:

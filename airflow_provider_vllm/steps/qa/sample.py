@@ -22,6 +22,7 @@ import pyarrow.compute as pc
 
 from airflow_provider_vllm.core.rows import ROW_SCHEMA
 from airflow_provider_vllm.core.spec import QASpec
+from airflow_provider_vllm.steps.qa.confidence import EXAMPLE_GROUP_SQL, consistency_examples, examples_from
 from airflow_provider_vllm.steps.qa.metrics import json_key, value_counts
 
 ERROR_SAMPLE_FRACTION = 0.10  # at most this share of the sample comes from error rows
@@ -97,6 +98,11 @@ class Ride:
     # rows that the SQL selects with the smallest (confidence, id), as ``ORDER BY confidence, id LIMIT k`` does
     least: tuple[str, float, int] | None = None
     least_ids: list[str] | None = None  # set by that scan
+    # (the answer column, the prompt hashes, a SQL relation with them as column ``h``): the consistency examples of
+    # those prompts, grouped in the scan by (stratum, prompt, answer), so that a prompt sent millions of times
+    # costs a group per distinct answer, not a row per row (``confidence.examples_from``)
+    examples: tuple[str, list[int], str] | None = None
+    example_groups: list[tuple[int, list[str], str | None]] | None = None  # set by that scan
 
     def read(self, con, table: str = "r") -> pa.Table:
         """``rows``, or the same rows read by a scan of their own when no ranking collected them."""
@@ -107,6 +113,16 @@ class Ride:
                 f"FROM {table} WHERE id IS NOT NULL) WHERE {self.where}"
             ).to_arrow_table()
         return self.rows
+
+    def examples_found(self, con, table: str = "r") -> list[dict[str, Any]]:
+        """The consistency examples of ``examples``: from the ranking scan's groups, or (no ranking of ``r`` ran)
+        a query of their own."""
+        if self.examples is None:
+            return []
+        value, picked, _ = self.examples
+        if self.example_groups is None:
+            return consistency_examples(con, table, value=value, picked=picked)
+        return examples_from(self.example_groups)
 
 
 def _top_by_stratum(
@@ -181,23 +197,35 @@ def _top_query(con, table, stratum, kmax, where, params, ride: Ride | None = Non
     # ``hid`` (the id's hash, which the key hashes again with the seed) is computed once for both.
     kept = where.removeprefix("WHERE ") or "true"
     columns = (*ride.columns, *(["confidence"] if ride.least is not None and "confidence" not in ride.columns else []))
-    carried = ", ".join(f'"{c}"' for c in columns)
-    fields = ", ".join(f'"{c}" := "{c}"' for c in ride.columns)
+    fields = "".join(f', "{c}" := "{c}"' for c in ride.columns)
     least, least_agg = "false", ""
     if ride.least is not None:
         least, cut, k = ride.least
         params = {**params, "least_cut": cut}
         least_agg = f", min(struct_pack(c := confidence, i := id), {int(k)}) FILTER (WHERE least) AS least"
+    # the examples' rows: grouped by (stratum, prompt, answer) below, each group keeping its smallest ids and its answer
+    ex_cols, ex_flag, ex_keys, ex_group, ex_aggs = "", "false", "NULL AS exh, NULL AS exv", "", ""
+    if ride.examples is not None:
+        value, _, relation = ride.examples
+        ex_cols = f', prompt_hash AS qa_ph, CAST("{value}" AS VARCHAR) AS qa_answer'
+        ex_flag = f"qa_ph IN (SELECT h FROM {relation})"
+        ex_keys = "CASE WHEN ex THEN qa_ph END AS exh, CASE WHEN ex THEN hash(qa_answer) END AS exv"
+        ex_group = ", exh, exv"
+        ex_aggs = ", exh, " + EXAMPLE_GROUP_SQL.format(value="qa_answer", where="ex")
+    carried = "".join(f', "{c}"' for c in columns)
     got = con.sql(
         f"""
         SELECT s, min_by(id, h, {int(kmax)}) FILTER (WHERE {kept}) AS ids,
-            list(struct_pack(id := id, {fields})) FILTER (WHERE ride) AS ride{least_agg} FROM (
-            SELECT *, {_KEY_SQL.replace("hash(CAST(id AS VARCHAR))", "hid")} AS h, ({ride.where}) AS ride,
-                ({least}) AS least FROM (
-                SELECT {stratum or "NULL"} AS s, CAST(id AS VARCHAR) AS id, hash(CAST(id AS VARCHAR)) AS hid, {carried}
-                FROM {table} WHERE id IS NOT NULL
+            list(struct_pack(id := id{fields})) FILTER (WHERE ride) AS ride{least_agg}{ex_aggs} FROM (
+            SELECT *, {ex_keys} FROM (
+                SELECT *, {_KEY_SQL.replace("hash(CAST(id AS VARCHAR))", "hid")} AS h, ({ride.where}) AS ride,
+                    ({least}) AS least, ({ex_flag}) AS ex FROM (
+                    SELECT {stratum or "NULL"} AS s, CAST(id AS VARCHAR) AS id, hash(CAST(id AS VARCHAR)) AS hid
+                        {carried}{ex_cols}
+                    FROM {table} WHERE id IS NOT NULL
+                )
             )
-        ) WHERE ({kept}) OR ride OR least GROUP BY s
+        ) WHERE ({kept}) OR ride OR least OR ex GROUP BY s{ex_group}
         """,
         params=params,
     ).to_arrow_table()
@@ -205,7 +233,15 @@ def _top_query(con, table, stratum, kmax, where, params, ride: Ride | None = Non
     if ride.least is not None:  # each stratum's k smallest (confidence, id): the k smallest of them all
         smallest = con.from_arrow(_flat(got.column("least"))).order("c, i").limit(int(ride.least[2]))
         ride.least_ids = [i for _, i in smallest.fetchall()]
-    return [(s, ids) for s, ids in zip(got.column("s").to_pylist(), got.column("ids").to_pylist()) if ids is not None]
+    if ride.examples is not None:
+        ride.example_groups = list(zip(*(got.column(c).to_pylist() for c in ("exh", "ex_ids", "ex_answer"))))
+    # a stratum's candidates may come in several groups (one per prompt and answer of the examples' rows): the
+    # union holds the stratum's kmax smallest keys, which the caller ranks again
+    ranked: dict[Any, list[str]] = {}
+    for s, ids in zip(got.column("s").to_pylist(), got.column("ids").to_pylist()):
+        if ids is not None:
+            ranked.setdefault(s, []).extend(ids)
+    return list(ranked.items())
 
 
 def _flat(lists: pa.ChunkedArray) -> pa.Table:

@@ -70,7 +70,7 @@ def test_consistency_equals_pandas():
     rep = g[g["size"] > 1]
     assert c["repeated_prompts"] == len(rep) == 2 and c["inconsistent_prompts"] == int((rep["nunique"] > 1).sum()) == 1
     assert c["repeated_rows"] == 5 and c["inconsistent_rows"] == 3 and c["rows_hashed"] == 6
-    assert c["examples"] == [{"ids": ["it's-0", "it's-1", "it's-2"], "answers": ["a", "b"]}]
+    assert c["examples"] == [{"ids": ["it's-0", "it's-1", "it's-2"], "answers": ["a", "b"], "answers_total": 2}]
     assert pd.notna(c["inconsistency_rate"]["value"])
 
 

@@ -111,3 +111,20 @@ def test_the_changes_section_says_why_answers_moved():
     page = render_report_html(rep.to_dict(), [])
     assert '<span data-reason="input"><b>2</b> the text was edited</span>' in page
     assert 'data-reason="unified"' in page and 'data-reason="engine"' not in page
+
+
+def test_an_example_with_more_answers_than_listed_says_how_many_more():
+    """A prompt answered 13 ways (free text): its example lists 10 answers, escaped, and says 3 more; one that
+    lists all its answers says nothing more."""
+    recs = [ok_row(i, label=None, output=f"{EVIL} {i % 13:02d}", prompt_hash=1) for i in range(40)]
+    recs += [ok_row(100 + i, label=None, output=f"same {i % 2}", prompt_hash=2) for i in range(4)]
+    results, errors = split(recs)
+    rep = evaluate(results, errors, spec=QASpec(sample_size=5), labels=None, structured=False, compared="output")
+    d = rep.to_dict()
+    ex = {len(x["ids"]): x for x in d["metrics"]["consistency"]["examples"]}
+    assert ex[6]["answers_total"] == 13 and len(ex[6]["answers"]) == 10 and ex[4]["answers_total"] == 2
+    section = render_report_html(d, rep.sample.to_pylist())
+    section = section[section.index('data-section="consistency"') :]
+    section = section[: section.index("</section>")]
+    assert section.count("(and 3 more)") == 1 and "more)" not in section.replace("(and 3 more)", "")
+    assert EVIL not in section and "&lt;script&gt;alert(1)&lt;/script&gt; 00" in section

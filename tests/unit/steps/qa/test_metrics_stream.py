@@ -402,11 +402,11 @@ def test_the_least_confident_rows_found_by_the_ranking_scan_equal_the_in_memory_
 
 @pytest.mark.parametrize("known", [False, True])
 def test_the_streamed_consistency_examples_equal_pandas(tmp_path, known):
-    """The examples' rows ride the ranking scan by a semi-join on the picked prompt hashes, carrying only the
-    prompt hash and the answer unless known ids ride too: each example equals a naive pandas computation (the
-    10 inconsistent prompts with the most rows, ties by hash; per prompt the 6 smallest ids and the distinct
-    answers, no answer counting as one of its own), with a golden set (some of its ids absent from the run)
-    or without one, and labels with no row (empty strata)."""
+    """The examples' rows ride the ranking scan by a semi-join on the picked prompt hashes, grouped there by
+    stratum, prompt and answer: each example equals a naive pandas computation (the 10 inconsistent prompts
+    with the most rows, ties by hash; per prompt the 6 smallest ids and the distinct answers, no answer counting
+    as one of its own), with a golden set (some of its ids absent from the run) or without one, and labels with
+    no row (empty strata)."""
     from airflow_provider_vllm.steps.qa.reference import References
 
     rnd = random.Random(5)
@@ -447,6 +447,7 @@ def test_the_streamed_consistency_examples_equal_pandas(tmp_path, known):
         {
             "ids": sorted(df[df.prompt_hash == h].id)[:6],
             "answers": sorted({a for a in df[df.prompt_hash == h].label if isinstance(a, str)}),
+            "answers_total": len({a for a in df[df.prompt_hash == h].label if isinstance(a, str)}),
         }
         for h in picked
     ]
@@ -547,3 +548,32 @@ def test_latency_statistics_from_passes_equal_the_kept_ones(tmp_path, monkeypatc
         assert got[also is None].pop("mean") == pytest.approx(want.pop("mean"), rel=1e-12)
         assert got[also is None] == want and want["histogram"].get("overflow")
     assert got[True] == got[False]
+
+
+def test_a_prompt_sent_very_often_costs_a_group_per_answer_not_a_row_per_row(tmp_path):
+    """One prompt sent 400,000 times and answered 12 ways (a choice job whose greedy answers moved with the batch,
+    or a template over the same text). Its example lists the 6 smallest ids and the first 10 answers with the
+    total, equal on both paths and to pandas. The streamed QA runs under a DuckDB memory limit that the rows of
+    the example (400,000 ids and answers, about 20 MB as a list) would exceed: the scan keeps a group per
+    (stratum, prompt, answer) instead."""
+    n, answers = 400_000, [f"answer {k:02d}" for k in range(12)]
+    one, errors = split([ok_row(0, label="x", prompt_hash=7, confidence=0.5)])
+    results = one.take(pa.array(np.zeros(n, np.int64)))
+    rng = np.random.default_rng(3)
+    ids = pa.array([f"p{i:07d}" for i in rng.permutation(n)], pa.string())
+    labels = pa.array(np.array(answers, dtype=object)[rng.integers(0, len(answers), n)], pa.string())
+    results = results.set_column(results.schema.get_field_index("id"), "id", ids)
+    results = results.set_column(results.schema.get_field_index("label"), "label", labels)
+    pq.write_table(results, tmp_path / "r.parquet", row_group_size=50_000)
+    pq.write_table(errors, tmp_path / "e.parquet")
+    con = duckdb.connect(config={"memory_limit": "24MB", "threads": 2})
+    con.execute(f"CREATE VIEW r AS SELECT * FROM read_parquet('{tmp_path / 'r.parquet'}')")
+    con.execute(f"CREATE VIEW e AS SELECT * FROM read_parquet('{tmp_path / 'e.parquet'}')")
+    spec = QASpec(sample_size=20)
+    streamed = evaluate_stream(con, result_rows=n, spec=spec, labels=None, structured=False)
+    con.close()
+    want = [{"ids": [f"p{i:07d}" for i in range(6)], "answers": answers[:10], "answers_total": 12}]
+    assert streamed.metrics["consistency"]["examples"] == want
+    assert streamed.metrics["consistency"]["inconsistent_rows"] == n
+    mem = evaluate(results, errors, spec=spec, labels=None, structured=False)
+    assert mem.metrics["consistency"]["examples"] == want
