@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import secrets
+import tempfile
 
 import duckdb
 
@@ -16,7 +18,12 @@ def connect(*storages: Storage, memory_limit: str = "1GB") -> duckdb.DuckDBPyCon
     setting comes with the ICU extension, loaded by the first SET; without ICU, DuckDB renders UTC).
     """
     con = duckdb.connect(
-        config={"memory_limit": memory_limit, "threads": os.cpu_count() or 2, "preserve_insertion_order": True}
+        config={
+            "memory_limit": memory_limit,
+            "threads": os.cpu_count() or 2,
+            "preserve_insertion_order": True,
+            "temp_directory": spill_dir(),
+        }
     )
     try:
         con.execute("SET TimeZone = 'UTC'")
@@ -28,6 +35,19 @@ def connect(*storages: Storage, memory_limit: str = "1GB") -> duckdb.DuckDBPyCon
             con.register_filesystem(st.fs)
             seen.add(id(st.fs))
     return con
+
+
+def spill_dir() -> str:
+    """Where a DuckDB connection spills what exceeds its memory limit: a directory of its own under the system's
+    temporary directory (``TMPDIR``), with an unguessable name, that DuckDB creates when it first spills and removes
+    when the connection closes. DuckDB's default is ``.tmp`` in the process's working directory: an Airflow task's
+    working directory may be read-only, gone, or shared with concurrent tasks (one task's close would remove the
+    directory another is spilling into), and QA over 100M distinct prompts spills (its consistency ``GROUP BY``)."""
+    try:
+        root = tempfile.gettempdir()
+    except FileNotFoundError:  # no writable temporary directory at all: DuckDB's default (a spill would fail)
+        return ".tmp"
+    return os.path.join(root, f"vllm-batch-duckdb-{secrets.token_hex(16)}")
 
 
 def file_list(storage: Storage, rels: list[str]) -> str:

@@ -15,6 +15,7 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
+from airflow_provider_vllm.core import duck
 from airflow_provider_vllm.core.spec import QASpec
 from airflow_provider_vllm.steps.qa.checks import overall_status, run_checks
 from airflow_provider_vllm.steps.qa.confidence import (
@@ -81,7 +82,7 @@ def evaluate(
     results = conform(results, RESULT_NEEDS)
     errors = conform(errors, ERROR_NEEDS)
     notes: list[str] = []
-    con = duckdb.connect()
+    con = duckdb.connect(config={"temp_directory": duck.spill_dir()})  # spills outside the working directory
     try:
         con.register("r", results)
         con.register("e", errors)

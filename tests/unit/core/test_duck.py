@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -25,3 +28,26 @@ def test_a_name_cannot_close_the_literal():
     st = Storage("/data")
     lit = file_list(st, ["x'] ; DROP TABLE t; --.parquet"])
     assert lit == "['/data/x''] ; DROP TABLE t; --.parquet']"
+
+
+def test_a_query_past_the_memory_limit_spills_into_a_private_directory_not_the_working_directory(tmp_path, monkeypatch):
+    """An Airflow task's working directory may be read-only or gone. With DuckDB's default (``.tmp`` in the working
+    directory) a GROUP BY past the limit failed there with 'Failed to create directory ".tmp"'; each connection now
+    spills into a directory of its own under TMPDIR, which DuckDB removes on close."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmpdir"))
+    (tmp_path / "tmpdir").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", None)  # tempfile caches the directory it found first
+    gone = tmp_path / "cwd"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()  # the working directory no longer exists: nothing can be created in it
+    cons = [connect(memory_limit="30MB") for _ in range(2)]
+    dirs = [c.execute("SELECT current_setting('temp_directory')").fetchall()[0][0] for c in cons]
+    assert len(set(dirs)) == 2 and all(os.path.dirname(d) == str(tmp_path / "tmpdir") for d in dirs)
+    (n,) = (
+        cons[0].execute("SELECT count(*) FROM (SELECT i % 3000000 AS k FROM range(6000000) t(i) GROUP BY 1)").fetchone()
+    )
+    assert n == 3_000_000 and os.listdir(dirs[0])  # it spilled, into its own directory
+    for c in cons:
+        c.close()
+    assert not os.listdir(tmp_path / "tmpdir")  # removed with the connection
