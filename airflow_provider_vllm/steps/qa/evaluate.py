@@ -24,7 +24,6 @@ from airflow_provider_vllm.steps.qa.confidence import (
     answer_stats,
     confidence_metrics,
     consistency_counts,
-    consistency_examples,
     consistency_metrics,
     least_ids,
 )
@@ -262,11 +261,7 @@ def evaluate_stream(
         consistency = None
         if repeats is not None and compared is not None:
             consistency = repeats[0]
-            consistency["examples"] = (
-                ride.examples_found(con)
-                if ride is not None
-                else consistency_examples(con, "r", value=compared, picked=picked)
-            )
+            consistency["examples"] = ride.examples_found(con) if ride is not None else []  # no ride: none picked
         least = least_ids_()
         metrics.update(
             quality=q, confidence=confidence_metrics({**stats, "least": least}, notes=notes), consistency=consistency

@@ -204,12 +204,12 @@ def _top_query(con, table, stratum, kmax, where, params, ride: Ride | None = Non
         params = {**params, "least_cut": cut}
         least_agg = f", min(struct_pack(c := confidence, i := id), {int(k)}) FILTER (WHERE least) AS least"
     # the examples' rows: grouped by (stratum, prompt, answer) below, each group keeping its smallest ids and its answer
-    ex_cols, ex_flag, ex_keys, ex_group, ex_aggs = "", "false", "NULL AS exh, NULL AS exv", "", ""
+    ex_cols, ex_flag, ex_keys, ex_group, ex_aggs = "", "false", "", "", ""
     if ride.examples is not None:
         value, _, relation = ride.examples
         ex_cols = f', prompt_hash AS qa_ph, CAST("{value}" AS VARCHAR) AS qa_answer'
         ex_flag = f"qa_ph IN (SELECT h FROM {relation})"
-        ex_keys = "CASE WHEN ex THEN qa_ph END AS exh, CASE WHEN ex THEN hash(qa_answer) END AS exv"
+        ex_keys = ", CASE WHEN ex THEN qa_ph END AS exh, CASE WHEN ex THEN hash(qa_answer) END AS exv"
         ex_group = ", exh, exv"
         ex_aggs = ", exh, " + EXAMPLE_GROUP_SQL.format(value="qa_answer", where="ex")
     carried = "".join(f', "{c}"' for c in columns)
@@ -217,7 +217,7 @@ def _top_query(con, table, stratum, kmax, where, params, ride: Ride | None = Non
         f"""
         SELECT s, min_by(id, h, {int(kmax)}) FILTER (WHERE {kept}) AS ids,
             list(struct_pack(id := id{fields})) FILTER (WHERE ride) AS ride{least_agg}{ex_aggs} FROM (
-            SELECT *, {ex_keys} FROM (
+            SELECT *{ex_keys} FROM (
                 SELECT *, {_KEY_SQL.replace("hash(CAST(id AS VARCHAR))", "hid")} AS h, ({ride.where}) AS ride,
                     ({least}) AS least, ({ex_flag}) AS ex FROM (
                     SELECT {stratum or "NULL"} AS s, CAST(id AS VARCHAR) AS id, hash(CAST(id AS VARCHAR)) AS hid
