@@ -168,10 +168,21 @@ def split_rows(table: pa.Table, passthrough: pa.Table | None = None) -> tuple[pa
     )
 
 
+def samples_at_random(temperature: Any, seed: Any) -> bool:
+    """Whether a generation request with these sampling settings draws its tokens at random: a temperature
+    other than 0 (unset included: vLLM's default is 1) without a per-request seed. Two identical such requests
+    may get different answers by design: the worker gives their rows no ``prompt_hash`` (QA's consistency and
+    the changes' reasons compare only requests whose answer the request decides), and plan does not dedupe them.
+    """
+    return seed is None and not (type(temperature) in (int, float) and temperature == 0)
+
+
 def prompt_hash(token_ids: list[int], overrides: dict[str, Any] | None = None, adapter: str | None = None) -> int:
     """The ``prompt_hash`` of an engine request: 64 bits of BLAKE2b over its token ids, its per-row
     sampling settings and its LoRA adapter (``model.adapters[].name``; None: the base model, hashed as
-    before adapters existed), as a signed int64 (equal for identical requests, in any process)."""
+    before adapters existed), as a signed int64 (equal for identical requests, in any process). The worker
+    writes it for requests whose answer the request decides (pooling, greedy or seeded: not
+    ``samples_at_random``)."""
     h = hashlib.blake2b(len(token_ids).to_bytes(8, "little"), digest_size=8)
     h.update(array("q", token_ids).tobytes())  # fixed width, the count first: no two requests share bytes
     if overrides:

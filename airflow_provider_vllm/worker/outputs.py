@@ -38,10 +38,10 @@ def check_structured(spec: JobSpec, text: str) -> tuple[str | None, str | None, 
     return None, None, re.fullmatch(st.regex, text) is not None
 
 
-def answer_extras(g: Any, request_hash: int) -> dict[str, Any]:
+def answer_extras(g: Any, request_hash: int | None) -> dict[str, Any]:
     """A finished generation's ``confidence`` (exp of the chosen tokens' summed logprobs, when the engine
-    computed them), ``prompt_hash`` and ``logprobs`` (OpenAI's ``choices[].logprobs`` object as JSON, when
-    the row's request asked for it) row fields."""
+    computed them), ``prompt_hash`` (None: a request that samples at random) and ``logprobs`` (OpenAI's
+    ``choices[].logprobs`` object as JSON, when the row's request asked for it) row fields."""
     lp = getattr(g, "cumulative_logprob", None)
     tokens = getattr(g, "token_logprobs", None)
     return {

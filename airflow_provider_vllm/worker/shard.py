@@ -32,7 +32,7 @@ from airflow_provider_vllm.core.formats.files import check_unchanged
 from airflow_provider_vllm.core.formats.openai_batch import REQUEST
 from airflow_provider_vllm.core.plan import Plan, ShardPlan, estimate_tokens, load_plan
 from airflow_provider_vllm.core.records import ShardStats, WorkerManifest
-from airflow_provider_vllm.core.rows import INVALID_ROW, prompt_hash, rows_table
+from airflow_provider_vllm.core.rows import INVALID_ROW, prompt_hash, rows_table, samples_at_random
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import Storage
@@ -421,6 +421,14 @@ class _ChunkRunner:
             log.warning("row %s could not be prepared: %s", self.batch.ids[i], describe(e, 200))
             return Prepared(fault=(INVALID_ROW, f"the row could not be prepared: {describe(e)}"))
 
+    def _samples(self, overrides: dict[str, Any] | None) -> bool:
+        """Whether the row's request samples at random (``rows.samples_at_random``): the spec's sampling settings
+        with the row's own (an OpenAI batch body's ``temperature`` and ``seed``), as ``engine.sampling_kwargs``
+        combines them."""
+        s = self.spec.sampling
+        kw = {"temperature": s.temperature, "seed": s.seed, **(overrides or {})}
+        return samples_at_random(kw["temperature"], kw["seed"])
+
     def _error(self, i: int, code: str, message: str, adapter: str | None = None) -> dict[str, Any]:
         return {
             "id": self.batch.ids[i],
@@ -437,7 +445,7 @@ class _ChunkRunner:
 
     def _generate(self, todo: list[int]) -> dict[int, FileEntry]:
         records: dict[int, dict[int, dict]] = {k: {} for k in todo}
-        submitted: dict[int, tuple[float, bool, int, str | None]] = {}
+        submitted: dict[int, tuple[float, bool, int | None, str | None]] = {}
         files: dict[int, FileEntry] = {}
         queue = [
             (k, i) for k in todo for i in range(self.metas[k].first_row, self.metas[k].first_row + self.metas[k].rows)
@@ -452,7 +460,12 @@ class _ChunkRunner:
                     records[k][i] = self._error(i, *prep.fault, prep.adapter)
                     self._row_done(k, i, records, files)
                     continue
-                phash = prompt_hash(prep.token_ids or [], prep.overrides, prep.adapter)
+                # no hash for a request that samples at random: its answers differ by design (nothing compares them)
+                phash = (
+                    None
+                    if self._samples(prep.overrides)
+                    else prompt_hash(prep.token_ids or [], prep.overrides, prep.adapter)
+                )
                 submitted[i] = (time.monotonic(), prep.truncated, phash, prep.adapter)
                 # a request the engine refuses comes back from step() as a RowFailure
                 if prep.adapter is None:

@@ -11,7 +11,7 @@ The model is SmolLM2-135M-Instruct with its own ChatML template, behind a check 
 real templates carry (Llama 2, Mistral: `raise_exception('Conversation roles must alternate
 ...')`); the check renders nothing, so good rows render exactly as with SmolLM2's template
 (asserted below). float32, greedy (one row samples with a seed): the two runs must agree token
-for token.
+for token, but for two rows that sample at random, which must have no prompt hash.
 """
 
 from __future__ import annotations
@@ -95,7 +95,10 @@ def run_batch(model: Path, inp: Path, out: Path, server: ShardServer) -> tuple[d
 def test_hostile_openai_rows_do_not_fail_the_shard_and_good_rows_are_unchanged(tmp_path, smollm2, shard_server):
     model = strict_template_model(smollm2, tmp_path / "smollm2-strict")
     hostile = hostile_chat_requests()
-    good = good_chat_requests()
+    # two identical requests that sample at random (temperature, no seed): answered, compared by nobody
+    sampled_body = {"messages": [{"role": "user", "content": "Write a word."}], "temperature": 0.9, "max_tokens": 4}
+    sampled = [("sampled-a", sampled_body), ("sampled-b", sampled_body)]
+    good = good_chat_requests() + sampled
     assert len(hostile) >= 12
     # good rows first, between and after the hostile ones
     mixed: list[tuple[str, dict]] = []
@@ -131,10 +134,15 @@ def test_hostile_openai_rows_do_not_fail_the_shard_and_good_rows_are_unchanged(t
 
     m_clean, _ = run_batch(model, tmp_path / "clean", tmp_path / "out-clean", shard_server)
     assert m_clean["ok_rows"] == len(good) and m_clean["error_rows"] == 0
-    cols = ["id", "output", "finish_reason", "prompt_tokens", "completion_tokens"]
+    cols = ["id", "output", "finish_reason", "prompt_tokens", "completion_tokens", "prompt_hash"]
     mixed_ok = {r["id"]: r for r in pq.read_table(tmp_path / "out-mixed" / "results", columns=cols).to_pylist()}
     clean_ok = {r["id"]: r for r in pq.read_table(tmp_path / "out-clean" / "results", columns=cols).to_pylist()}
     assert set(mixed_ok) == set(clean_ok) == {cid for cid, _ in good}
+    # the requests that sample have no prompt hash (their answers differ by design); greedy and seeded ones do
+    assert all(r["prompt_hash"] is None for cid, r in clean_ok.items() if cid.startswith("sampled-"))
+    assert all(r["prompt_hash"] is not None for cid, r in clean_ok.items() if not cid.startswith("sampled-"))
+    for cid, _ in sampled:  # each run drew its own answers: not compared
+        del mixed_ok[cid], clean_ok[cid]
     assert mixed_ok == clean_ok
     assert all(r["output"] for r in clean_ok.values())  # a real model answers
     # per-row settings reached vLLM: the row's max_tokens and stop string bound its answer

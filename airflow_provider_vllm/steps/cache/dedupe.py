@@ -35,6 +35,7 @@ from airflow_provider_vllm.core import duck, faults
 from airflow_provider_vllm.core.errors import CommitError, SpecError
 from airflow_provider_vllm.core.plan import CacheFile, DedupePlan, Passthrough, Plan
 from airflow_provider_vllm.core.records import FileRef
+from airflow_provider_vllm.core.rows import samples_at_random
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import Storage
 
@@ -60,7 +61,7 @@ def deterministic(spec: JobSpec) -> str | None:
     """
     if spec.task in ("embed", "classify"):
         return None
-    if spec.sampling.temperature == 0 or spec.sampling.seed is not None:
+    if not samples_at_random(spec.sampling.temperature, spec.sampling.seed):
         return None
     return (
         f"sampling.temperature is {spec.sampling.temperature} without a sampling.seed: two rows of one prompt "

@@ -146,7 +146,9 @@ _REASON = (
     "CASE WHEN o.cfg IS DISTINCT FROM n.cfg THEN 'settings' "  # another model, prompt, sampling or engine setup
     # the same adapter by name, other files (the config hash names adapters by source, not by their bytes)
     "WHEN o.ad IS NOT DISTINCT FROM n.ad AND n.ad IN (SELECT name FROM adapters_moved) THEN 'settings' "
-    "WHEN o.ph IS NULL OR n.ph IS NULL THEN 'unknown' "  # a run written before requests were hashed
+    # a run written before requests were hashed, or a request that samples at random (no hash: its answers
+    # differ by design, whatever else moved)
+    "WHEN o.ph IS NULL OR n.ph IS NULL THEN 'unknown' "
     "WHEN o.ad IN (SELECT name FROM adapters_unknown) THEN 'unknown' "  # its adapter's identity was not recorded
     "WHEN o.ph <> n.ph THEN 'input' "  # the row's rendered prompt is not the same: the input was edited
     # the same request, which the previous run answered differently for other ids: an inconsistent

@@ -139,7 +139,7 @@ def _value(name: str, metrics: dict[str, Any]) -> tuple[float | None, str]:
     if name == "inconsistency_rate":
         c = metrics.get("consistency")
         if c is None:
-            return None, "no prompt hashes"
+            return None, "no prompt hashes (requests that sample at random, temperature > 0 without a seed, have none)"
         r = c["inconsistency_rate"]
         if not r["of"]:
             return None, "no prompt was sent twice"

@@ -324,6 +324,59 @@ def test_structured_choice_rows_carry_the_engines_confidence(tmp_path, fake_engi
 
 
 @pytest.mark.parametrize(
+    "sampling, hashed",
+    [({"temperature": 0}, True), ({"temperature": 0.8}, False), ({"temperature": 0.8, "seed": 5}, True)],
+)
+def test_rows_of_requests_that_sample_at_random_get_no_prompt_hash(tmp_path, fake_engine_factory, sampling, hashed):
+    """Two identical requests that sample at random (temperature > 0 without a seed) may get different answers by
+    design: no prompt hash, so QA's consistency and the changes' reasons never compare them. Greedy and seeded
+    requests keep theirs; the rows are the same otherwise."""
+    texts = [f"ticket {i % 3}" for i in range(12)]
+    write_parquet(tmp_path / "in.parquet", [f"t{i}" for i in range(12)], texts)
+    spec = make_spec(tmp_path / "in.parquet", tmp_path / "out", sampling=sampling, sharding={"dedupe": False})
+    run_all(spec, fake_engine_factory)
+    merge(spec).dump()
+    res, err = read_out(tmp_path / "out")
+    assert len(res) == 12 and not err
+    if hashed:
+        by_text = {}
+        for r in res:
+            by_text.setdefault(texts[int(r["id"][1:])], set()).add(r["prompt_hash"])
+        assert all(len(h) == 1 and None not in h for h in by_text.values()) and len(by_text) == 3
+    else:
+        assert all(r["prompt_hash"] is None for r in res)
+
+
+def test_an_openai_batch_rows_own_sampling_decides_its_prompt_hash(tmp_path, fake_engine_factory):
+    """An OpenAI batch body's temperature and seed override the spec's, row by row."""
+
+    def req(i, **extra):
+        body = {"messages": [{"role": "user", "content": "the same ticket"}], "max_tokens": 5, **extra}
+        return {"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
+
+    reqs = [
+        req(0),  # the spec's: temperature 0
+        req(1, temperature=0.7),
+        req(2, temperature=0.7, seed=3),
+        req(3, temperature=0),
+        req(4, temperature=0.7),
+    ]
+    p = tmp_path / "batch.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in reqs))
+    spec = make_spec(p, tmp_path / "out", prompt={"system_prompt": None, "template": "{text}"})
+    run_all(spec, fake_engine_factory)
+    merge(spec).dump()
+    res, err = read_out(tmp_path / "out")
+    assert not err
+    got = {r["id"]: r["prompt_hash"] for r in res}
+    assert got["req-1"] is None and got["req-4"] is None
+    # the others are hashed, each with its own settings (one request's settings differ from the next one's)
+    assert (
+        None not in (got["req-0"], got["req-2"], got["req-3"]) and len({got["req-0"], got["req-2"], got["req-3"]}) == 3
+    )
+
+
+@pytest.mark.parametrize(
     "structured, confidence, asked",
     [(True, False, False), (False, None, False), (False, True, True)],
 )
