@@ -669,7 +669,8 @@ class QASpec(_Model):
         ge=0,
         le=1,
         description="Share of the answers with a confidence below low_confidence above this: warn (1.0: never; "
-        "pick it from the report's reliability table).",
+        "pick it from the report's reliability table). Set below 1 (this or fail_low_confidence_rate), a run whose "
+        "answers have no confidence warns.",
     )
     fail_low_confidence_rate: float = Field(1.0, ge=0, le=1, description="As warn_low_confidence_rate, failing.")
     warn_inconsistency_rate: float = Field(
@@ -677,7 +678,8 @@ class QASpec(_Model):
         ge=0,
         le=1,
         description="Share of the prompts sent more than once in the run that got different answers, above "
-        "this: warn (1.0: never).",
+        "this: warn (1.0: never). Only requests whose answer the request decides are compared (greedy, seeded, "
+        "embed, classify); set below 1 (this or fail_inconsistency_rate), a run with none of them warns.",
     )
     fail_inconsistency_rate: float = Field(1.0, ge=0, le=1, description="As warn_inconsistency_rate, failing.")
 

@@ -5,7 +5,9 @@ Most checks fail *above* their thresholds (rates, drift). ``accuracy`` fails *be
 (``direction`` 'below'), and it does not pass by default when it cannot be judged: known labels
 configured but fewer than ``min_labelled`` rows scored is a warning. ``accuracy_drop`` (the drop
 since the previous report) warns or fails only when the 95% interval of the change lies below 0
-(a real drop), and then by its size.
+(a real drop), and then by its size. The gates off by default (``low_confidence_rate``,
+``inconsistency_rate``) warn, once turned on, for a run that lacks their measure (no confidence; no
+prompt hashes: an embed job, or requests that sample at random), rather than skipping.
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ _CHECK_TEXT = {
     "low_confidence_rate": "answers whose confidence is below qa.low_confidence",
     "inconsistency_rate": "prompts sent more than once that got different answers",
 }
+
+
+# the gates off by default (thresholds 1.0) whose measure a run may lack: once turned on, a run without it warns
+_OPT_IN = {"low_confidence_rate": "confidence", "inconsistency_rate": "consistency"}
 
 
 def _pt(x: float) -> str:
@@ -102,6 +108,10 @@ def run_checks(metrics: dict[str, Any], spec: QASpec, *, structured: bool) -> li
             warn, fail = getattr(spec, f"warn_{name}"), getattr(spec, f"fail_{name}")
             value, detail = _value(name, metrics)
             status = _status(value, warn, fail)
+            if name in _OPT_IN and metrics.get(_OPT_IN[name]) is None and min(warn, fail) < 1:
+                # a gate the job turned on, with nothing to measure it on: not a silent pass
+                status = "warn"
+                detail += f": qa.warn_{name} / qa.fail_{name} are set, but this run has nothing to judge them on"
         out.append(
             {
                 "name": name,

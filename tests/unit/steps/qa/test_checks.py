@@ -196,3 +196,20 @@ def test_low_confidence_and_inconsistency_gates_are_off_by_default_and_can_be_se
     assert (
         check(rep, "low_confidence_rate")["status"] == "fail" and check(rep, "inconsistency_rate")["status"] == "warn"
     )
+
+
+@pytest.mark.parametrize("gate", ["low_confidence_rate", "inconsistency_rate"])
+def test_a_gate_turned_on_warns_when_the_run_has_nothing_to_measure_it_on(gate):
+    """Rows without a confidence or a prompt hash (requests that sample at random have none): off by default the
+    gate skips; turned on (warn or fail threshold below 1) it warns, naming its fields, instead of passing silently."""
+    recs = [ok_row(i, label="bug", confidence=None, prompt_hash=None) for i in range(40)]
+    results, errors = split(recs)
+    rep = evaluate(results, errors, spec=QASpec(), labels=LAB, structured=True)
+    assert check(rep, gate)["status"] == "skip"
+    for on in ({f"warn_{gate}": 0.05}, {f"warn_{gate}": 0.5, f"fail_{gate}": 0.5}):
+        c = check(evaluate(results, errors, spec=QASpec(**on), labels=LAB, structured=True), gate)
+        assert c["status"] == "warn" and c["value"] is None and f"qa.warn_{gate} / qa.fail_{gate}" in c["detail"]
+    # measured: the gate judges the value as before
+    recs = [ok_row(i, label="bug", confidence=0.9, prompt_hash=i) for i in range(40)]
+    c = check(evaluate(*split(recs), spec=QASpec(**{f"warn_{gate}": 0.05}), labels=LAB, structured=True), gate)
+    assert c["status"] in ("pass", "skip") and "nothing to judge" not in c["detail"]
