@@ -30,6 +30,7 @@ BUCKETS = 10
 EXAMPLES = 10
 EXAMPLE_IDS = 6  # ids listed per example prompt (the smallest)
 EXAMPLE_ANSWERS = 10  # distinct answers listed per example prompt (the first in sorted order)
+EXAMPLE_CHARS = 300  # an example's answer is cut to this many characters ('…' last); distinct by its whole value
 # A confidence that is a probability (NaN, infinities and values outside [0, 1] are none), and its bucket.
 _IS_PROBABILITY = "confidence BETWEEN 0 AND 1"
 # the rows among which the least confident are, given the least-th smallest confidence ($least_cut)
@@ -233,36 +234,41 @@ def consistency_examples(con, relation: str, *, value: str, picked: list[int]) -
     if not picked:
         return []
     # a constant IN list of a few integers
+    answer = f"CAST({value} AS VARCHAR)"
     found = con.execute(
-        f"SELECT prompt_hash, {EXAMPLE_GROUP_SQL.format(value=value, where='true')} FROM {relation} "
+        f"SELECT prompt_hash, {EXAMPLE_GROUP_SQL.format(value=value, where='true')}, hash({answer}) FROM {relation} "
         f"WHERE prompt_hash IN ({', '.join(str(int(h)) for h in picked)}) "
-        f"GROUP BY prompt_hash, hash(CAST({value} AS VARCHAR))"
+        f"GROUP BY prompt_hash, hash({answer})"
     ).fetchall()
     return examples_from(found)
 
 
-# per (prompt, answer): the smallest ids and the answer (the rows of one group share it); ``where``: the rows counted
+# per (prompt, answer): the smallest ids and the answer, cut to EXAMPLE_CHARS (the rows of one group share it; an
+# output can be a long text, and the report lists up to 100 of them); ``where``: the rows counted
+_CUT = "CAST({value} AS VARCHAR)"
 EXAMPLE_GROUP_SQL = (
     f"min(CAST(id AS VARCHAR), {EXAMPLE_IDS}) FILTER (WHERE {{where}}) AS ex_ids, "
-    "any_value(CAST({value} AS VARCHAR)) FILTER (WHERE {where}) AS ex_answer"
+    f"any_value(CASE WHEN length({_CUT}) > {EXAMPLE_CHARS} THEN left({_CUT}, {EXAMPLE_CHARS - 1}) || '…' "
+    f"ELSE {_CUT} END) FILTER (WHERE {{where}}) AS ex_answer"
 )
 
 
 def examples_from(groups) -> list[dict[str, Any]]:
-    """The consistency examples from (prompt hash, ids, answer) per group of rows sharing a prompt and an answer
-    (a prompt's groups may come from several scans' groups, e.g. per stratum): per prompt hash, ascending, its
-    ``EXAMPLE_IDS`` smallest ids, its distinct answers (sorted, the first ``EXAMPLE_ANSWERS``; no answer is not
-    listed) and ``answers_total``, how many distinct answers it got."""
+    """The consistency examples from (prompt hash, ids, answer, answer hash) per group of rows sharing a prompt and
+    an answer (a prompt's groups may come from several scans' groups, e.g. per stratum): per prompt hash,
+    ascending, its ``EXAMPLE_IDS`` smallest ids, its distinct answers (sorted, the first ``EXAMPLE_ANSWERS``, each
+    cut to ``EXAMPLE_CHARS``; no answer is not listed) and ``answers_total``, how many distinct answers it got
+    (by their whole values' hashes: two long answers that differ after the cut count, and are listed, twice)."""
     ids: dict[int, set[str]] = {}
-    answers: dict[int, set[str]] = {}
-    for h, some_ids, answer in groups:
+    answers: dict[int, dict[int, str]] = {}  # prompt hash -> answer hash -> the answer, cut
+    for h, some_ids, answer, answer_hash in groups:
         if h is None:
             continue
         ids.setdefault(int(h), set()).update(some_ids or [])
         if answer is not None:
-            answers.setdefault(int(h), set()).add(answer)
+            answers.setdefault(int(h), {})[int(answer_hash)] = answer
     out = []
     for h in sorted(ids):
-        a = sorted(answers.get(h, ()))
+        a = sorted(answers.get(h, {}).values())
         out.append({"ids": sorted(ids[h])[:EXAMPLE_IDS], "answers": a[:EXAMPLE_ANSWERS], "answers_total": len(a)})
     return out

@@ -102,7 +102,7 @@ class Ride:
     # those prompts, grouped in the scan by (stratum, prompt, answer), so that a prompt sent millions of times
     # costs a group per distinct answer, not a row per row (``confidence.examples_from``)
     examples: tuple[str, list[int], str] | None = None
-    example_groups: list[tuple[int, list[str], str | None]] | None = None  # set by that scan
+    example_groups: list[tuple[int, list[str], str | None, int]] | None = None  # set by that scan
 
     def read(self, con, table: str = "r") -> pa.Table:
         """``rows``, or the same rows read by a scan of their own when no ranking collected them."""
@@ -211,7 +211,7 @@ def _top_query(con, table, stratum, kmax, where, params, ride: Ride | None = Non
         ex_flag = f"qa_ph IN (SELECT h FROM {relation})"
         ex_keys = ", CASE WHEN ex THEN qa_ph END AS exh, CASE WHEN ex THEN hash(qa_answer) END AS exv"
         ex_group = ", exh, exv"
-        ex_aggs = ", exh, " + EXAMPLE_GROUP_SQL.format(value="qa_answer", where="ex")
+        ex_aggs = ", exh, exv, " + EXAMPLE_GROUP_SQL.format(value="qa_answer", where="ex")
     carried = "".join(f', "{c}"' for c in columns)
     got = con.sql(
         f"""
@@ -234,7 +234,7 @@ def _top_query(con, table, stratum, kmax, where, params, ride: Ride | None = Non
         smallest = con.from_arrow(_flat(got.column("least"))).order("c, i").limit(int(ride.least[2]))
         ride.least_ids = [i for _, i in smallest.fetchall()]
     if ride.examples is not None:
-        ride.example_groups = list(zip(*(got.column(c).to_pylist() for c in ("exh", "ex_ids", "ex_answer"))))
+        ride.example_groups = list(zip(*(got.column(c).to_pylist() for c in ("exh", "ex_ids", "ex_answer", "exv"))))
     # a stratum's candidates may come in several groups (one per prompt and answer of the examples' rows): the
     # union holds the stratum's kmax smallest keys, which the caller ranks again
     ranked: dict[Any, list[str]] = {}

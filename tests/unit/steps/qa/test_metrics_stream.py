@@ -550,6 +550,31 @@ def test_latency_statistics_from_passes_equal_the_kept_ones(tmp_path, monkeypatc
     assert got[True] == got[False]
 
 
+def test_long_answers_are_cut_in_the_examples_and_counted_by_their_whole_value(tmp_path):
+    """Free-text answers of 100,000 characters (a long generation): each example answer is cut to EXAMPLE_CHARS
+    with '…' (the report lists up to 100 of them), equal on both paths. Two answers that differ only after the cut
+    are two answers (listed twice); a short one is shown whole; a multi-byte text is cut by characters."""
+    from airflow_provider_vllm.steps.qa.confidence import EXAMPLE_CHARS
+
+    long_a, long_b = "é" * 100_000 + "a", "é" * 100_000 + "b"
+    outs = [long_a, long_b, "short", long_a, long_b, "short"]
+    recs = [ok_row(i, label=None, output=o, prompt_hash=9, confidence=0.5) for i, o in enumerate(outs)]
+    results, errors = split(recs)
+    pq.write_table(results, tmp_path / "r.parquet")
+    pq.write_table(errors, tmp_path / "e.parquet")
+    spec = QASpec(sample_size=4)
+    cut = "é" * (EXAMPLE_CHARS - 1) + "…"
+    want = [{"ids": [f"r{i}" for i in range(6)], "answers": ["short", cut, cut], "answers_total": 3}]
+    mem = evaluate(results, errors, spec=spec, labels=None, structured=False, compared="output")
+    assert mem.metrics["consistency"]["examples"] == want
+    con = duckdb.connect()
+    con.execute(f"CREATE VIEW r AS SELECT * FROM read_parquet('{tmp_path / 'r.parquet'}')")
+    con.execute(f"CREATE VIEW e AS SELECT * FROM read_parquet('{tmp_path / 'e.parquet'}')")
+    streamed = evaluate_stream(con, result_rows=6, spec=spec, labels=None, structured=False, compared="output")
+    con.close()
+    assert streamed.metrics["consistency"]["examples"] == want
+
+
 def test_a_prompt_sent_very_often_costs_a_group_per_answer_not_a_row_per_row(tmp_path):
     """One prompt sent 400,000 times and answered 12 ways (a choice job whose greedy answers moved with the batch,
     or a template over the same text). Its example lists the 6 smallest ids and the first 10 answers with the
