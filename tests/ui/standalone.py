@@ -35,6 +35,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def marked_pids(marker: str) -> list[int]:
     """Processes whose environment holds ``VLLM_BATCH_UI_RUN=<marker>`` (this test's, nothing else)."""
     needle = f"{MARKER}={marker}".encode()
@@ -58,6 +66,8 @@ class Standalone:
     marker: str = field(default_factory=lambda: uuid.uuid4().hex)
     proc: subprocess.Popen | None = None
     _token: str | None = None
+    _scheduler: int | None = None  # the pid of the scheduler this standalone runs on (``ensure_scheduler``)
+    replacements: list[subprocess.Popen] = field(default_factory=list)  # schedulers started after one exited
 
     @property
     def url(self) -> str:
@@ -100,7 +110,8 @@ class Standalone:
     def start(self, timeout: float = 240) -> None:
         self.port = self.port or free_port()
         self.home.mkdir(parents=True, exist_ok=True)
-        log = open(self.home / "standalone.log", "wb")
+        # appended to (O_APPEND), as a replacement scheduler appends to it too (ensure_scheduler)
+        log = open(self.home / "standalone.log", "ab")
         self.proc = subprocess.Popen(
             [str(BIN / "airflow"), "standalone"],
             cwd=self.home,
@@ -117,11 +128,52 @@ class Standalone:
             try:
                 health = self.get("/api/v2/monitor/health", auth=False)
                 if health.get("scheduler", {}).get("status") == "healthy" and self.password_file().exists():
+                    self._scheduler = self._find_scheduler()
                     return
             except (OSError, urllib.error.URLError, ValueError):
                 pass
             time.sleep(2)
         raise TimeoutError(f"airflow standalone not healthy after {timeout}s: {self.log_tail()}")
+
+    def _find_scheduler(self) -> int | None:
+        """The pid of this standalone's ``airflow scheduler`` process (by its marker and command line)."""
+        for pid in marked_pids(self.marker):
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if cmd[1:3] == [str(BIN / "airflow").encode(), b"scheduler"] and _alive(pid):
+                return pid
+        return None
+
+    def ensure_scheduler(self) -> bool:
+        """Start another ``airflow scheduler`` when the one this standalone runs on has exited (True then).
+
+        Airflow 3.3.2's scheduler can die on SQLite: a backfill that the API server creates and, on a lock
+        error, deletes again ("Backfill creation is not supported on SQLite under concurrent access", HTTP 503)
+        can delete a run the scheduler has loaded, whose next update then raises ``StaleDataError`` out of the
+        scheduler loop. ``airflow standalone`` does not restart its parts: without this, every later run of the
+        session waits for a scheduler that is gone. Only a scheduler process that is gone or a zombie is
+        replaced (two schedulers on one SQLite database are not supported); the replacement writes to the same
+        log and carries the marker, so ``stop()`` ends it."""
+        pid = self._scheduler
+        if pid is None or _alive(pid):
+            return False
+        log = open(self.home / "standalone.log", "ab")
+        log.write(f"\n[tests] the scheduler (pid {pid}) exited: starting another\n".encode())
+        log.flush()
+        replacement = subprocess.Popen(
+            [str(BIN / "airflow"), "scheduler"],
+            cwd=self.home,
+            env=self.env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        self.replacements.append(replacement)
+        self._scheduler = replacement.pid
+        return True
 
     def wait_dags(self, dag_ids, timeout: float = 180) -> None:
         """Until the dag-processor has parsed ``dag_ids`` (the UI shows nothing before)."""
@@ -140,6 +192,13 @@ class Standalone:
 
     def stop(self) -> list[int]:
         """End everything this standalone started; returns pids that had to be killed by marker."""
+        for replacement in self.replacements:
+            if replacement.poll() is None:
+                replacement.terminate()
+                try:
+                    replacement.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    replacement.kill()
         if self.proc is not None and self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
@@ -223,6 +282,7 @@ class Standalone:
     def wait_run(self, dag_id: str, run_id: str, states=("success", "failed"), timeout: float = 600) -> dict:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            self.ensure_scheduler()
             run = self.run(dag_id, run_id)
             if run["state"] in states:
                 return run
@@ -254,6 +314,7 @@ class Standalone:
         needle = f"TaskInstance Finished: dag_id={dag_id}, task_id={task_id}, run_id={run_id}, "
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            self.ensure_scheduler()
             for line in (self.home / "standalone.log").read_text(errors="replace").splitlines():
                 if needle in line and "state=awaiting_input" in line:
                     return
@@ -263,6 +324,7 @@ class Standalone:
     def wait_task(self, dag_id: str, run_id: str, task_id: str, states, timeout: float = 600) -> dict:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            self.ensure_scheduler()
             ti = next((t for t in self.task_instances(dag_id, run_id) if t["task_id"] == task_id), None)
             if ti is not None and ti["state"] in states:
                 return ti
