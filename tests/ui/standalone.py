@@ -110,17 +110,7 @@ class Standalone:
     def start(self, timeout: float = 240) -> None:
         self.port = self.port or free_port()
         self.home.mkdir(parents=True, exist_ok=True)
-        # appended to (O_APPEND), as a replacement scheduler appends to it too (ensure_scheduler)
-        log = open(self.home / "standalone.log", "ab")
-        self.proc = subprocess.Popen(
-            [str(BIN / "airflow"), "standalone"],
-            cwd=self.home,
-            env=self.env(),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        self.proc = self._airflow("standalone")
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -134,6 +124,23 @@ class Standalone:
                 pass
             time.sleep(2)
         raise TimeoutError(f"airflow standalone not healthy after {timeout}s: {self.log_tail()}")
+
+    def _airflow(self, command: str, note: str = "") -> subprocess.Popen:
+        """``airflow <command>`` in a session of its own, appending (O_APPEND) to ``standalone.log``, which the
+        standalone and any replacement scheduler share (``note``: a line written there first)."""
+        log = open(self.home / "standalone.log", "ab")
+        if note:
+            log.write(f"\n[tests] {note}\n".encode())
+            log.flush()
+        return subprocess.Popen(
+            [str(BIN / "airflow"), command],
+            cwd=self.home,
+            env=self.env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
 
     def _find_scheduler(self) -> int | None:
         """The pid of this standalone's ``airflow scheduler`` process (by its marker and command line)."""
@@ -159,18 +166,7 @@ class Standalone:
         pid = self._scheduler
         if pid is None or _alive(pid):
             return False
-        log = open(self.home / "standalone.log", "ab")
-        log.write(f"\n[tests] the scheduler (pid {pid}) exited: starting another\n".encode())
-        log.flush()
-        replacement = subprocess.Popen(
-            [str(BIN / "airflow"), "scheduler"],
-            cwd=self.home,
-            env=self.env(),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        replacement = self._airflow("scheduler", note=f"the scheduler (pid {pid}) exited: starting another")
         self.replacements.append(replacement)
         self._scheduler = replacement.pid
         return True
