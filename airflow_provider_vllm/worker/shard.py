@@ -38,6 +38,7 @@ from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.worker import compile_cache
 from airflow_provider_vllm.worker.adapters import local_adapters
+from airflow_provider_vllm.worker.engine import sampling_kwargs
 from airflow_provider_vllm.worker.guard import GuardedEngine, RowFailure
 from airflow_provider_vllm.worker.hardware import hardware_id
 from airflow_provider_vllm.worker.isolation import describe, row_caused
@@ -422,12 +423,10 @@ class _ChunkRunner:
             return Prepared(fault=(INVALID_ROW, f"the row could not be prepared: {describe(e)}"))
 
     def _samples(self, overrides: dict[str, Any] | None) -> bool:
-        """Whether the row's request samples at random (``rows.samples_at_random``): the spec's sampling settings
-        with the row's own (an OpenAI batch body's ``temperature`` and ``seed``), as ``engine.sampling_kwargs``
-        combines them."""
-        s = self.spec.sampling
-        kw = {"temperature": s.temperature, "seed": s.seed, **(overrides or {})}
-        return samples_at_random(kw["temperature"], kw["seed"])
+        """Whether the row's request samples at random (``rows.samples_at_random``), by the settings the engine gets:
+        the spec's with the row's own (an OpenAI batch body's), ``engine.sampling_kwargs``."""
+        kw = sampling_kwargs(self.spec, overrides)
+        return samples_at_random(kw.get("temperature"), kw.get("seed"))
 
     def _error(self, i: int, code: str, message: str, adapter: str | None = None) -> dict[str, Any]:
         return {
