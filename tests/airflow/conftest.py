@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,11 +18,12 @@ import pytest
 from tests.conftest import TEST_SIGNING_KEY
 from tests.support import ROOT
 from tests.support.airflow_env import AIRFLOW, DAGS, LOADED_MACHINE, PY, AirflowSandbox, tail  # noqa: F401  (re-used by fixtures)
+from tests.support.airflow_home import throwaway_airflow_home
 
 sys.path.insert(0, str(ROOT / "scripts"))
 # Unit tests import Airflow in this process: point it at a throwaway home first (it would
 # otherwise create ~/airflow), with the repo's DAGs and no examples.
-os.environ.setdefault("AIRFLOW_HOME", tempfile.mkdtemp(prefix="airflow-unit-"))
+throwaway_airflow_home()
 os.environ.setdefault("AIRFLOW__CORE__DAGS_FOLDER", str(DAGS))
 os.environ.setdefault("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
 

@@ -4,9 +4,9 @@ gets a throwaway home first and never creates or reads ~/airflow."""
 from __future__ import annotations
 
 import os
-import tempfile
 
+from tests.support.airflow_home import throwaway_airflow_home
 from tests.support.security import allowed  # noqa: F401 (fixtures)
 
-os.environ.setdefault("AIRFLOW_HOME", tempfile.mkdtemp(prefix="airflow-unit-"))
+throwaway_airflow_home()
 os.environ.setdefault("AIRFLOW__CORE__LOAD_EXAMPLES", "False")

@@ -3,14 +3,12 @@ Airflow's providers manager through the installed entry point, and parsed by Air
 
 from __future__ import annotations
 
-import os
-import tempfile
-
 from airflow_provider_vllm.cli import definition
 from airflow_provider_vllm.cli.dry_run import ARGUMENTS
 from airflow_provider_vllm.provider import get_provider_info
+from tests.support.airflow_home import throwaway_airflow_home
 
-os.environ.setdefault("AIRFLOW_HOME", tempfile.mkdtemp(prefix="airflow-unit-"))
+throwaway_airflow_home()
 FUNCTION = "airflow_provider_vllm.cli.definition.get_vllm_batch_cli_commands"
 
 

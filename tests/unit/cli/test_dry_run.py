@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 
 import pytest
 
@@ -18,9 +17,10 @@ from airflow_provider_vllm.cli.dry_run import describe, main, parser
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.spec_guard import check_deployment, local_model_path
 from tests.support import ROOT
+from tests.support.airflow_home import throwaway_airflow_home
 from tests.support.data import make_spec, write_parquet
 
-os.environ.setdefault("AIRFLOW_HOME", tempfile.mkdtemp(prefix="airflow-unit-"))
+throwaway_airflow_home()
 EXAMPLE = ROOT / "examples" / "job.yaml"
 
 
