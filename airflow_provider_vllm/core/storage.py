@@ -125,9 +125,10 @@ class Storage:
 
         return self._call(digest, f"checksum {self.uri(rel)}")
 
-    def fetch_verified(self, rel: str, size: int, sha256: str, dest: str) -> None:
+    def fetch_verified(self, rel: str, size: int | None, sha256: str, dest: str) -> None:
         """Copy ``rel`` to the local file ``dest`` while hashing it; CommitError (and no ``dest``) unless it
-        has exactly this ``size`` and ``sha256``. Readers then read ``dest``: the bytes that were checked."""
+        has exactly this ``size`` (None: any) and ``sha256``. Readers then read ``dest``: the bytes that were
+        checked (``CheckedCopies``)."""
         from airflow_provider_vllm.core.errors import CommitError
 
         def fetch() -> tuple[int, str]:
@@ -136,14 +137,14 @@ class Storage:
                 for block in iter(lambda: src.read(1 << 20), b""):
                     h.update(block)
                     n += len(block)
-                    if n > size:
+                    if size is not None and n > size:
                         break
                     out.write(block)
             return n, h.hexdigest()
 
         os.makedirs(os.path.dirname(dest) or ".", exist_ok=True)
         got, digest = self._call(fetch, f"read {self.uri(rel)}")
-        if got != size or digest != sha256:
+        if (size is not None and got != size) or digest != sha256:
             os.unlink(dest)
             raise CommitError(
                 f"{self.uri(rel)} is not the file its sealed record names (size {got} vs {size}, or sha256 "
@@ -230,6 +231,43 @@ class Storage:
             return
         for p in sorted(found):
             yield posixpath.relpath(p, self.base)
+
+
+class CheckedCopies:
+    """Local copies of files of ``storage``, each checked (exact size and sha256) in the same read that copies it,
+    in a private folder (``root``: made by the caller, e.g. ``tempfile.TemporaryDirectory``, mode 0700).
+
+    A check of a file followed by another read of the same path proves nothing about the second read: whoever
+    else can write the folder may replace the file in between (and put it back after). What a trusted record
+    vouches for (a sealed manifest, marker or plan naming size and sha256) is read from these copies only. Each
+    file is fetched once per ``(rel, sha256)``; files are fetched side by side (hashlib and reads release the
+    GIL)."""
+
+    THREADS = 8
+
+    def __init__(self, storage: Storage, root: str) -> None:
+        self.storage, self.root = storage, root
+        self._done: dict[tuple[int | None, str], str] = {}
+
+    def get(self, rel: str, size: int | None, sha256: str) -> str:
+        """The local path of a checked copy of ``rel`` (CommitError, naming it, unless it has this sha256 and size,
+        when one is given; FileNotFoundError when it is gone). Files of equal size and sha256 (a part and its
+        published link) share one copy."""
+        key = (size, sha256)
+        if key not in self._done:
+            dest = os.path.join(self.root, f"{len(self._done):06d}-{uuid.uuid4().hex[:8]}-{posixpath.basename(rel)}")
+            self.storage.fetch_verified(rel, size, sha256, dest)
+            self._done[key] = dest
+        return self._done[key]
+
+    def all(self, files: list[tuple[str, int | None, str]]) -> list[str]:
+        """``get`` of each ``(rel, size, sha256)``, in their order."""
+        if len(files) <= 1:
+            return [self.get(*f) for f in files]
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=max(1, min(self.THREADS, os.cpu_count() or 1, len(files)))) as pool:
+            return list(pool.map(lambda f: self.get(*f), files))
 
 
 def _local_temp_copy(path: str, data: bytes) -> str:

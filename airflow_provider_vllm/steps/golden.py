@@ -42,7 +42,7 @@ from airflow_provider_vllm.core.plan import CacheFile, GoldenPlan, Plan, Segment
 from airflow_provider_vllm.core.records import GoldenSummary, MergeSummary
 from airflow_provider_vllm.core.rows import ERROR_SCHEMA, RESULT_SCHEMA
 from airflow_provider_vllm.core.spec import RESERVED_ID_PREFIX, JobSpec
-from airflow_provider_vllm.core.storage import FileSystems, Storage
+from airflow_provider_vllm.core.storage import CheckedCopies, FileSystems, Storage
 
 MERGED_FILE = "_MERGED.json"  # merge's sealed summary (steps/merge/merger.py MERGED), which holds GoldenSummary
 GOLDEN_IN = "_golden"  # the plan's copy of the golden rows, under the output prefix
@@ -244,31 +244,43 @@ def _put(out: Storage, local: str, rows: int) -> CacheFile:
 
 
 # ---- merge --------------------------------------------------------------------------------
-def merge_golden(out: Storage, spec: JobSpec, plan: Plan, sources: dict[str, list]) -> GoldenSummary | None:
+def _golden_input(out: Storage, g: GoldenPlan, copies: CheckedCopies) -> str:
+    """A checked local copy of the golden rows' input the sealed plan names."""
+    f = g.input_file
+    try:
+        return copies.get(f.path, f.bytes, f.sha256)
+    except (CommitError, FileNotFoundError):
+        raise CommitError(
+            f"{out.uri(f.path)} does not match the plan (the golden rows' input); rerun the job"
+        ) from None
+
+
+def merge_golden(
+    out: Storage, spec: JobSpec, plan: Plan, sources: dict[str, list], copies: CheckedCopies
+) -> GoldenSummary | None:
     """Verify the golden rows and publish ``golden/`` (summary last); None without golden rows.
 
-    ``sources``: the golden shards' committed parts per kind ('results', 'errors'; objects with ``rel``),
+    ``sources``: the golden shards' committed parts per kind ('results', 'errors'; ``FileRef``s with ``rel``),
     as merge's ``committed_parts`` found them over ``plan.golden.view(plan)``: markers sealed by this
-    deployment's workers, every part's size and sha256 checked (a golden shard not committed, or a
-    marker that does not match its files, is its CommitError or SealError). VerificationError: the
-    golden ids are not the golden input's, exactly once.
+    deployment's workers (a golden shard not committed, or a marker that does not match its files, is its
+    CommitError or SealError). They and the golden input are read from ``copies``, each checked against its
+    sealed size and sha256 as it was copied. VerificationError: the golden ids are not the golden input's,
+    exactly once.
     """
     g = plan.golden
     if g is None:
         return None
-    f = g.input_file
-    if not out.exists(f.path) or out.size(f.path) != f.bytes or out.sha256(f.path) != f.sha256:
-        raise CommitError(f"{out.uri(f.path)} does not match the plan (the golden rows' input); rerun the job")
-    parts = {k: [p.rel for p in sources.get(k, [])] for k in ("results", "errors")}
-    con = duck.connect(out)
+    golden_input = _golden_input(out, g, copies)
+    parts = {k: copies.all([(p.rel, p.bytes, p.sha256) for p in sources.get(k, [])]) for k in ("results", "errors")}
+    con = duck.connect()
     try:
         union = " UNION ALL ".join(
-            f"SELECT id FROM read_parquet({duck.file_list(out, parts[k])})" for k in parts if parts[k]
+            f"SELECT id FROM read_parquet({duck.local_list(parts[k])})" for k in parts if parts[k]
         )
         con.execute("CREATE VIEW ids AS " + (union or "SELECT NULL::VARCHAR AS id WHERE false"))
         con.execute(
             f"CREATE VIEW input_ids AS SELECT CAST({_q(spec.prompt.id_column)} AS VARCHAR) AS id "
-            f"FROM read_parquet({duck.file_list(out, [f.path])})"
+            f"FROM read_parquet({duck.local_list([golden_input])})"
         )
         n_in, n_out, distinct, found = con.execute(
             "SELECT (SELECT count(*) FROM input_ids), (SELECT count(*) FROM ids), "
@@ -283,8 +295,7 @@ def merge_golden(out: Storage, spec: JobSpec, plan: Plan, sources: dict[str, lis
         for kind, schema in (("results", RESULT_SCHEMA), ("errors", ERROR_SCHEMA)):
             read = []
             for p in parts[kind]:
-                with out.open(p) as fh:
-                    read.append(pq.read_table(fh, schema=schema))
+                read.append(pq.read_table(p, schema=schema))
             tables[kind] = pa.concat_tables(read) if read else schema.empty_table()
     finally:
         con.close()
@@ -296,7 +307,7 @@ def merge_golden(out: Storage, spec: JobSpec, plan: Plan, sources: dict[str, lis
         ok_rows=tables["results"].num_rows,
         error_rows=tables["errors"].num_rows,
         shards=len(g.shards),
-        input_file=f.path,
+        input_file=g.input_file.path,
         files={"results": RESULTS_FILE, "errors": ERRORS_FILE},
         checksums={rel: out.sha256(rel) for rel in (RESULTS_FILE, ERRORS_FILE)},
     )
@@ -313,14 +324,15 @@ def read_golden(out: Storage) -> GoldenSummary:
 
 
 def attach_golden(
-    con: duckdb.DuckDBPyConnection, out: Storage, plan: Plan, spec: JobSpec, merged: MergeSummary
+    con: duckdb.DuckDBPyConnection, out: Storage, plan: Plan, spec: JobSpec, merged: MergeSummary, copies: CheckedCopies
 ) -> int | None:
     """Views ``gr`` / ``ge`` (the published golden results / errors) and table ``gref(id, label)`` (the plan's
     golden input) on ``con``; the golden rows, or None without them.
 
     What QA scores is what this deployment's merge sealed: the golden summary inside the sealed
     ``_MERGED.json`` (``merged``, checked by ``read_merged``) names the sha256 of both published files, and
-    the sealed plan names the golden input's; each file is checked against it before it is read.
+    the sealed plan names the golden input's; each file is read from a local copy (``copies``) checked against
+    it as it was copied.
     """
     g = plan.golden
     if g is None:
@@ -330,16 +342,19 @@ def attach_golden(
         raise CommitError(
             f"{out.uri(MERGED_FILE)} names no golden rows: the plan has golden rows but merge did not publish them"
         )
+    local = {}
     for rel in (RESULTS_FILE, ERRORS_FILE):
-        if not out.exists(rel) or out.sha256(rel) != summary.checksums.get(rel):
-            raise CommitError(f"{out.uri(rel)} does not match the merge's sealed summary; rerun the merge")
-    f = g.input_file
-    if not out.exists(f.path) or out.size(f.path) != f.bytes or out.sha256(f.path) != f.sha256:
-        raise CommitError(f"{out.uri(f.path)} does not match the plan (the golden rows' input); rerun the job")
-    con.execute(f"CREATE OR REPLACE TEMP VIEW gr AS SELECT * FROM read_parquet({duck.file_list(out, [RESULTS_FILE])})")
-    con.execute(f"CREATE OR REPLACE TEMP VIEW ge AS SELECT * FROM read_parquet({duck.file_list(out, [ERRORS_FILE])})")
+        try:
+            local[rel] = copies.get(rel, None, str(summary.checksums.get(rel)))
+        except (CommitError, FileNotFoundError):
+            raise CommitError(f"{out.uri(rel)} does not match the merge's sealed summary; rerun the merge") from None
+    golden_input = _golden_input(out, g, copies)
+    for view, rel in (("gr", RESULTS_FILE), ("ge", ERRORS_FILE)):
+        con.execute(
+            f"CREATE OR REPLACE TEMP VIEW {view} AS SELECT * FROM read_parquet({duck.local_list([local[rel]])})"
+        )
     con.execute(
         f"CREATE OR REPLACE TEMP TABLE gref AS SELECT CAST({_q(spec.prompt.id_column)} AS VARCHAR) AS id, "
-        f"{_q(GOLDEN_LABEL)} AS label FROM read_parquet({duck.file_list(out, [f.path])})"
+        f"{_q(GOLDEN_LABEL)} AS label FROM read_parquet({duck.local_list([golden_input])})"
     )
     return g.rows

@@ -224,10 +224,10 @@ def follower_parts(
     """Per kind (results, errors): the followers' part (staged under ``_cache/``, named by content) and its
     published name ``part-<index>-followers.parquet``; a kind without follower rows is left out.
 
-    ``computed``: per kind, the committed parts of this run's shards (paths under ``out``, checked by the merge):
-    the leaders' rows are there. The followers file must be what the sealed plan names (size and sha256); each
-    follower gets its leader's row with its own id and passthrough values. A follower whose leader is in neither
-    kind gets no row, and the merge's id check names it.
+    ``computed``: per kind, local copies of the committed parts of this run's shards, each checked against its
+    sealed marker as it was copied (``storage.CheckedCopies``): the leaders' rows are there. The followers file
+    must be what the sealed plan names (size and sha256); each follower gets its leader's row with its own id and
+    passthrough values. A follower whose leader is in neither kind gets no row, and the merge's id check names it.
     """
     d = plan.dedupe
     assert d is not None and d.followers_file is not None
@@ -256,7 +256,7 @@ def follower_parts(
             for kind, schema in (("results", plan.result_schema()), ("errors", plan.error_schema())):
                 if not computed.get(kind):
                     continue
-                rows = _write_kind(con, out, computed[kind], schema, carried, os.path.join(tmp, f"{kind}.parquet"))
+                rows = _write_kind(con, computed[kind], schema, carried, os.path.join(tmp, f"{kind}.parquet"))
                 if not rows:
                     continue
                 ref = _stage(out, os.path.join(tmp, f"{kind}.parquet"), f"_cache/{FOLLOWERS}-{kind}", rows)
@@ -269,13 +269,14 @@ def follower_parts(
 
 
 def _write_kind(
-    con: duckdb.DuckDBPyConnection, out: Storage, parts: list[str], schema: pa.Schema, carried: set[str], dest: str
+    con: duckdb.DuckDBPyConnection, parts: list[str], schema: pa.Schema, carried: set[str], dest: str
 ) -> int:
-    """The followers of leaders in ``parts`` as rows of ``schema``, in the followers' order; the rows written."""
+    """The followers of leaders in ``parts`` (local files) as rows of ``schema``, in the followers' order; the rows
+    written."""
     cols = ", ".join(f"fol.{_q(n)}" if n == "id" or n in carried else f"src.{_q(n)}" for n in schema.names)
     # one row per leader id (the merge drops identical copies of a row committed twice; it fails on others)
     src = (
-        f"(SELECT * FROM read_parquet({duck.file_list(out, parts)}) WHERE id IN (SELECT {LEADER} FROM fol) "
+        f"(SELECT * FROM read_parquet({duck.local_list(parts)}) WHERE id IN (SELECT {LEADER} FROM fol) "
         "QUALIFY row_number() OVER (PARTITION BY id ORDER BY shard_id, attempt_id) = 1)"
     )
     reader = con.sql(

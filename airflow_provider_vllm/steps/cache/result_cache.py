@@ -377,8 +377,10 @@ def append_results(
     keyring: Keyring,
     filesystems: FileSystems | None = None,
 ) -> CacheMergeSummary:
-    """This run's ok rows (``computed``: the published result parts this run's shards made, their bytes checked
-    by the merge) -> this run's entry, sealed; then a compaction when the key config has many entries.
+    """This run's ok rows (``computed``: local copies of the published result parts this run's shards made, each
+    checked against the run's manifest as it was copied, ``storage.CheckedCopies``) -> this run's entry, sealed;
+    then a compaction when the key config has many entries. The entry is made from those copies only: a part
+    replaced in the bucket after the merge checked it never reaches the cache.
 
     ``made_by``: the engine identities the workers sealed into their markers (``engines_differ``).
     Idempotent: a merge rerun finds the commit and appends nothing; one killed before it rewrites the
@@ -422,7 +424,7 @@ def append_results(
             con.execute(
                 f"CREATE TEMP TABLE entry AS SELECT {key} AS key, s.id AS source_id, {answer}, "
                 f"'{_sql_str(origin)}' AS {CACHED_FROM}, '{now()}' AS {COMPUTED_AT} "
-                f"FROM read_parquet({duck.file_list(out, computed)}) s "
+                f"FROM read_parquet({duck.local_list(computed)}) s "
                 f"JOIN {mkeys} m ON s.id = CAST(m.{idc} AS VARCHAR)"
             ).fetchall()
             total, distinct = con.execute("SELECT count(*), count(DISTINCT key) FROM entry").fetchall()[0]

@@ -59,14 +59,14 @@ from airflow_provider_vllm.core.records import (
 )
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
-from airflow_provider_vllm.core.storage import FileSystems, Storage
+from airflow_provider_vllm.core.storage import CheckedCopies, FileSystems, Storage
 from airflow_provider_vllm.steps.merge.merger import (
     ERRORS,
     MERGED,
     RESULTS,
+    checked_parts,
     read_merged,
     validation_detail,
-    verified_parts,
 )
 
 # A run merged before results/ became a folder of parts (provider < 0.2): its two files.
@@ -99,14 +99,16 @@ def compared_column(spec: JobSpec) -> str:
     return "output"
 
 
-def _results_relation(out: Storage, kind: str, merged: MergeSummary, verified: list[str] | None = None) -> str:
+def _results_relation(
+    out: Storage, kind: str, merged: MergeSummary, copies: CheckedCopies, verified: list[str] | None = None
+) -> str:
     """SQL for a merged run's ``results`` or ``errors`` rows: the one place that knows the file layout.
 
-    Only parts the run's sealed ``_MERGED.json`` names, each checked (size and sha256) before it is read;
-    ``verified``: those parts when the caller has just checked them (``verified_parts``), not hashed again.
+    Only parts the run's sealed ``_MERGED.json`` names, read from local ``copies`` checked (size and sha256) as
+    they were copied (``checked_parts``); ``verified``: those copies when the caller has them already.
     """
-    parts = verified if verified is not None else verified_parts(out, kind, merged)
-    return f"read_parquet({duck.file_list(out, parts)})"
+    parts = verified if verified is not None else checked_parts(out, kind, merged, copies)
+    return f"read_parquet({duck.local_list(parts)})"
 
 
 def _side(
@@ -114,13 +116,14 @@ def _side(
     col: str,
     merged: MergeSummary,
     con: duckdb.DuckDBPyConnection,
+    copies: CheckedCopies,
     results: str | None = None,
     verified: dict[str, list[str]] | None = None,
 ) -> str:
     """One run's rows as (id, st 'ok'|'error', v the compared value, h a vector's hash, code the error code,
     cfg the config hash that made the answer, ph its request's prompt hash, ad the LoRA adapter it ran with;
     ph and ad null in runs written before them).
-    ``verified``: the run's parts per kind as ``verified_parts`` returned them (else they are checked here)."""
+    ``verified``: the run's parts per kind as ``checked_parts`` returned them (else they are copied here)."""
     verified = verified or {}
     if col == "embedding":
         v, h = "NULL::VARCHAR", "hash(embedding)"
@@ -129,14 +132,14 @@ def _side(
         v, h = "coalesce(label, CAST(scores AS VARCHAR))", "NULL::UBIGINT"
     else:
         v, h = f"{col}", "NULL::UBIGINT"
-    results = results or _results_relation(out, RESULTS, merged, verified.get(RESULTS))  # each part hashed once
+    results = results or _results_relation(out, RESULTS, merged, copies, verified.get(RESULTS))  # copied once
     have = {r[0] for r in con.execute(f"DESCRIBE SELECT * FROM {results}").fetchall()}
     ph = "prompt_hash" if "prompt_hash" in have else "NULL::BIGINT"
     ad = "adapter" if "adapter" in have else "NULL::VARCHAR"
     return (
         f"SELECT id, 'ok' AS st, {v} AS v, {h} AS h, NULL::VARCHAR AS code, config_hash AS cfg, {ph} AS ph, "
         f"{ad} AS ad FROM {results} UNION ALL SELECT id, 'error', NULL, NULL, error_code, config_hash, NULL, NULL "
-        f"FROM {_results_relation(out, ERRORS, merged, verified.get(ERRORS))}"
+        f"FROM {_results_relation(out, ERRORS, merged, copies, verified.get(ERRORS))}"
     )
 
 
@@ -230,8 +233,9 @@ def compute_changes(
     Needs this run's ``_MERGED.json`` and ``changes.previous_uri`` set. Raises SpecError for a
     previous run of another task / id column, CommitError for one whose manifests name files
     outside it; a missing or incomplete one is not an error. ``verified``: this run's sealed merge summary
-    (``read_merged``) and its parts per kind as ``verified_parts`` returned them, when the caller (QA) has
-    just checked them: they are read as they are, not hashed again; else both are read and checked here.
+    (``read_merged``) and its parts per kind as ``checked_parts`` returned them (local copies checked as they
+    were copied), when the caller (QA) has them: they are read as they are; else both are read and copied here.
+    Either run's parts are read from such copies only.
     """
     if not spec.changes.previous_uri:
         raise SpecError("changes.previous_uri is not set: nothing to compare against")
@@ -250,9 +254,10 @@ def compute_changes(
             con.execute(f"SET temp_directory = '{tmp.replace(chr(39), chr(39) * 2)}/spill'")
             if prev_merged is not None:
                 try:
-                    prev_results = _results_relation(prev, RESULTS, prev_merged)  # its parts checked once
+                    prev_copies = CheckedCopies(prev, os.path.join(tmp, "previous"))
+                    prev_results = _results_relation(prev, RESULTS, prev_merged, prev_copies)  # copied once
                     _check_foreign(spec, prev_merged, con, col, prev_results)
-                    old = _side(prev, col, prev_merged, con, prev_results)
+                    old = _side(prev, col, prev_merged, con, prev_copies, prev_results)
                 except CommitError as e:  # a name in its manifests leaves the run, or is a glob
                     raise CommitError(
                         f"changes.previous_uri {spec.changes.previous_uri!r}: refusing the previous run: {e}"
@@ -278,7 +283,7 @@ def compute_changes(
                 f"CREATE TEMP TABLE prev_inconsistent AS SELECT ph FROM ({old}) WHERE st = 'ok' AND ph IS NOT NULL "
                 f"GROUP BY ph HAVING min({vv}) <> max({vv})"
             )
-            new = _side(out, col, merged, con, verified=parts)
+            new = _side(out, col, merged, con, CheckedCopies(out, os.path.join(tmp, "run")), verified=parts)
             change = (
                 f"CASE WHEN n.id IS NULL THEN 'removed' WHEN n.st = 'error' THEN 'error' WHEN o.id IS NULL THEN "
                 f"'added' WHEN o.st = 'error' THEN 'recovered' WHEN {cmp} THEN 'unchanged' ELSE 'changed' END"

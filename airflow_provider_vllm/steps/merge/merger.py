@@ -67,7 +67,7 @@ from airflow_provider_vllm.core.records import (
 from airflow_provider_vllm.core.rows import ERROR_SCHEMA, RESULT_SCHEMA, ROW_SCHEMA
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
-from airflow_provider_vllm.core.storage import FileSystems, Storage
+from airflow_provider_vllm.core.storage import CheckedCopies, FileSystems, Storage
 from airflow_provider_vllm.steps.cache import result_cache as cache
 from airflow_provider_vllm.steps.golden import merge_golden
 from airflow_provider_vllm.steps.merge import ordered
@@ -133,9 +133,19 @@ def merge(
     pipeline for this run) or VerificationError (ids missing, extra, or committed twice with differing
     content).
     """
+    with tempfile.TemporaryDirectory(prefix="vllm-batch-merge-") as tmp:
+        return _merge(spec, memory_limit, filesystems, keyring, tmp)
+
+
+def _merge(
+    spec: JobSpec, memory_limit: str, filesystems: FileSystems | None, keyring: Keyring | None, tmp: str
+) -> MergeSummary:
+    """``merge``; ``tmp``: a private folder for the checked copies of what the merge reads again (the cache's
+    entry, the followers, the golden rows are made from those copies, never from a second read of the bucket)."""
     t0 = time.monotonic()
     keyring = keyring or Keyring.from_env()
     out = Storage(spec.io.output_uri, spec.io.storage_options, filesystems)
+    copies = CheckedCopies(out, tmp)
     plan = load_plan(spec, filesystems, keyring)
     if plan.spec_hash != spec.content_hash():
         raise CommitError(f"the plan at {spec.io.output_uri} was made for another spec; refusing to merge")
@@ -150,7 +160,7 @@ def merge(
         sources[RESULTS].append(SourcePart(**hits[0].model_dump(), name=hits[1]))
     # Rows that shared a prompt with an earlier row (plan.dedupe): their leader's row under their own id, one more
     # part per kind (checked below like every part: the exactly-once accounting covers them).
-    followers = _follower_sources(out, plan, sources)
+    followers = _follower_sources(out, plan, sources, copies)
     for kind in KINDS:
         check_folder(out, kind)
     in_root = out.at(plan.input_root)
@@ -216,11 +226,24 @@ def merge(
     cache_summary = None
     if hits is not None:
         not_computed = {hits[1], *(name for _, name in followers.values())}
-        computed = [f"{RESULTS}/{p.name}" for p in manifests[RESULTS].parts if p.name not in not_computed and p.rows]
+        # the published parts as their manifest names them, read from copies checked against it
+        computed = copies.all(
+            [
+                (f"{RESULTS}/{p.name}", p.bytes, p.sha256)
+                for p in manifests[RESULTS].parts
+                if p.name not in not_computed and p.rows
+            ]
+        )
         made_by = [m.engine_identity for m in markers]
         cache_summary = cache.append_results(out, spec, plan, computed, made_by, keyring, filesystems)
     golden = (  # the golden rows that ride along: checked like the input's, published apart, under golden/
-        merge_golden(out, spec, plan, committed_parts(out, plan.golden.view(plan), RunSeal(keyring, plan.seal.mac))[0])
+        merge_golden(
+            out,
+            spec,
+            plan,
+            committed_parts(out, plan.golden.view(plan), RunSeal(keyring, plan.seal.mac))[0],
+            copies,
+        )
         if plan.golden is not None
         else None
     )
@@ -279,14 +302,19 @@ def _shard_parts(
     return parts
 
 
-def _follower_sources(out: Storage, plan: Plan, sources: dict[str, list[SourcePart]]) -> dict[str, tuple[FileRef, str]]:
-    """The followers' parts (``steps/cache/dedupe.py``), appended to ``sources``; {} without followers."""
+def _follower_sources(
+    out: Storage, plan: Plan, sources: dict[str, list[SourcePart]], copies: CheckedCopies
+) -> dict[str, tuple[FileRef, str]]:
+    """The followers' parts (``steps/cache/dedupe.py``), appended to ``sources``; {} without followers. The leaders'
+    rows are read from ``copies`` of the committed parts, checked against their sealed markers."""
     if plan.dedupe is None or plan.dedupe.followers_file is None:
         return {}
     from airflow_provider_vllm.steps.cache.dedupe import follower_parts
 
     hits = plan.cache.hits_file.path if plan.cache is not None else None
-    computed = {k: [p.rel for p in sources[k] if p.rel != hits and p.rows] for k in KINDS}
+    computed = {
+        k: copies.all([(p.rel, p.bytes, p.sha256) for p in sources[k] if p.rel != hits and p.rows]) for k in KINDS
+    }
     parts = follower_parts(out, plan, computed, {k: len(sources[k]) for k in KINDS})
     for kind, (ref, name) in parts.items():
         sources[kind].append(SourcePart(**ref.model_dump(), name=name))
@@ -378,6 +406,17 @@ def verified_parts(out: Storage, kind: str, merged: MergeSummary) -> list[str]:
     manifest = verified_manifest(out, kind, merged)
     verify_parts(out, kind, manifest)
     return [f"{kind}/{p.name}" for p in manifest.parts]
+
+
+def checked_parts(out: Storage, kind: str, merged: MergeSummary, copies: CheckedCopies) -> list[str]:
+    """Local copies of the parts of ``kind``/ (``copies``), each checked against the manifest that the sealed
+    merge summary ``merged`` names as it was copied: what a reader reads is what was checked, however the bucket
+    changes meanwhile. CommitError when the manifest's rows are not the ones the summary sealed."""
+    manifest = verified_manifest(out, kind, merged)
+    sealed = merged.ok_rows if kind == RESULTS else merged.error_rows
+    if manifest.rows != sealed:
+        raise CommitError(f"{out.uri(manifest_rel(kind))} names {manifest.rows} rows; the sealed {MERGED} {sealed}")
+    return copies.all([(f"{kind}/{p.name}", p.bytes, p.sha256) for p in manifest.parts])
 
 
 def verify_parts(out: Storage, kind: str, manifest: PartsManifest) -> None:

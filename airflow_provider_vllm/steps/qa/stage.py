@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tempfile
 from typing import Any
 
 import pyarrow as pa
@@ -10,11 +11,11 @@ from airflow_provider_vllm.core import duck
 from airflow_provider_vllm.core.plan import Plan, changes_spec, load_plan
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
-from airflow_provider_vllm.core.storage import FileSystems, Storage
+from airflow_provider_vllm.core.storage import CheckedCopies, FileSystems, Storage
 from airflow_provider_vllm.steps.cache.dedupe import qa_metrics as dedupe_metrics
 from airflow_provider_vllm.steps.golden import attach_golden
 from airflow_provider_vllm.steps.merge.changes import compared_column, compute_changes
-from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS, read_manifest, read_merged, verified_parts
+from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS, checked_parts, read_merged
 from airflow_provider_vllm.steps.qa.evaluate import evaluate, evaluate_stream
 from airflow_provider_vllm.steps.qa.reference import attach_references, find_references
 from airflow_provider_vllm.steps.qa.report import QAReport
@@ -35,17 +36,27 @@ def qa_run(
     ``keyring``: the deployment's signing keys (default ``VLLM_BATCH_SIGNING_KEY``): QA measures only a run
     whose ``_MERGED.json`` this deployment's merge sealed, and only parts with the sealed sha256.
     """
-    keyring = keyring or Keyring.from_env()
+    with tempfile.TemporaryDirectory(prefix="vllm-batch-qa-") as tmp:
+        return _qa_run(spec, filesystems, keyring or Keyring.from_env(), tmp)
+
+
+def _qa_run(
+    spec: JobSpec, filesystems: FileSystems | None, keyring: Keyring, tmp: str
+) -> tuple[QAReport, dict[str, str]]:
+    """``qa_run``; ``tmp``: a private folder for the local copies QA reads, each checked as it was copied."""
     out = Storage(spec.io.output_uri, spec.io.storage_options, filesystems)
     merged = read_merged(out, keyring)
-    parts = {kind: verified_parts(out, kind, merged) for kind in (RESULTS, ERRORS)}
+    copies = CheckedCopies(out, tmp)
+    # what QA measures is what the sealed summary names, read from copies checked as they were made: a part
+    # swapped in the bucket during QA (and put back after) is never what QA reads
+    parts = {kind: checked_parts(out, kind, merged, copies) for kind in (RESULTS, ERRORS)}
     plan = load_plan(spec, filesystems, keyring)
     spec = changes_spec(spec, plan)  # changes.previous_table: the run the plan pinned
     previous = None
     if spec.qa.previous_report_uri:
         previous = load_report(spec.qa.previous_report_uri, spec.io.storage_options, filesystems)
     # what moved since the previous run (changes/ output), before the checks that read it
-    # (this run's parts were checked above: passed on, not hashed a second time)
+    # (this run's parts: the checked copies above, passed on, not copied a second time)
     changes = (
         compute_changes(spec, filesystems, keyring=keyring, verified=(merged, parts)).dump()
         if spec.changes.previous_uri
@@ -84,20 +95,20 @@ def qa_run(
             f"CASE WHEN embedding IS NULL THEN NULL ELSE []::FLOAT[] END AS embedding, scores, finish_reason, "
             f"prompt_tokens, completion_tokens, truncated, latency_ms, model, model_revision, shard_id, "
             f"confidence, prompt_hash "
-            f"FROM read_parquet({duck.file_list(out, parts[RESULTS])})"
+            f"FROM read_parquet({duck.local_list(parts[RESULTS])})"
         )
         con.execute(
             f"CREATE TEMP VIEW e AS SELECT id, error_code, error_message, shard_id "
-            f"FROM read_parquet({duck.file_list(out, parts[ERRORS])})"
+            f"FROM read_parquet({duck.local_list(parts[ERRORS])})"
         )
         refs = attach_references(con, found)
-        golden_rows = attach_golden(con, out, plan, spec, merged)  # the ride-along rows: gr, ge, gref
+        golden_rows = attach_golden(con, out, plan, spec, merged, copies)  # the ride-along rows: gr, ge, gref
         if golden_rows is not None:
             refs.ride_along = True
             refs.known["ride_along"] = golden_rows
             refs.locations["ride_along"] = plan.golden.uri if plan.golden is not None else ""
-        result_rows = read_manifest(out, RESULTS).rows
-        if result_rows + read_manifest(out, ERRORS).rows > STREAM_ABOVE_ROWS:
+        result_rows = merged.ok_rows  # as sealed, and as the checked manifests name them (checked_parts)
+        if result_rows + merged.error_rows > STREAM_ABOVE_ROWS:
             report = evaluate_stream(con, result_rows=result_rows, refs=refs, compared=compared, task=spec.task, **args)
         else:
             report = evaluate(

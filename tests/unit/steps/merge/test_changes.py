@@ -411,14 +411,14 @@ def test_qa_with_the_changes_reads_each_part_of_its_run_once(tmp_path, fake_engi
     spec = run("d2", str(tmp_path / "d1" / "out"))
     alone = compute_changes(spec)
     hashed: list[str] = []
-    real = Storage.sha256
+    real = Storage.fetch_verified
 
-    def spy(self, rel):
+    def spy(self, rel, *args):
         if rel.startswith(("results/part-", "errors/part-")):
             hashed.append(self.uri(rel))
-        return real(self, rel)
+        return real(self, rel, *args)
 
-    monkeypatch.setattr(Storage, "sha256", spy)
+    monkeypatch.setattr(Storage, "fetch_verified", spy)
     report, _ = stage.qa_run(spec)
     parts = [
         Storage(str(tmp_path / d / "out")).uri(f"{kind}/{p.name}")
@@ -426,7 +426,7 @@ def test_qa_with_the_changes_reads_each_part_of_its_run_once(tmp_path, fake_engi
         for kind in (RESULTS, ERRORS)
         for p in read_manifest(Storage(str(tmp_path / d / "out")), kind).parts
     ]
-    assert len(parts) > 8 and sorted(hashed) == sorted(parts)  # each part of both runs, once
+    assert len(parts) > 8 and sorted(hashed) == sorted(parts)  # each part of both runs, copied (and checked) once
     assert read_changes(Storage(str(tmp_path / "d2" / "out"))).model_dump(exclude={"seal"}) == alone.model_dump(
         exclude={"seal"}
     )

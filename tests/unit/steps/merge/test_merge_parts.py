@@ -271,6 +271,6 @@ def test_qa_writes_nothing_when_a_part_fails_its_check(tmp_path, fake_engine_fac
     part.write_bytes(b"not parquet at all" * 64 if garbage else data[:-9] + bytes([data[-9] ^ 0xFF]) + data[-8:])
     for streamed in (False, True):
         monkeypatch.setattr(stage, "STREAM_ABOVE_ROWS", 0 if streamed else 10**9)
-        with pytest.raises(CommitError, match=rf"{name} does not have the size and sha256"):
+        with pytest.raises(CommitError, match=rf"{name} is not the file its sealed record names"):
             stage.qa_run(spec)
         assert not (out / "qa").exists()

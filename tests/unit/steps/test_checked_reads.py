@@ -1,0 +1,196 @@
+"""What the pipeline reuses or publishes is read from local copies checked as they were copied
+(``storage.CheckedCopies``), never from a second read of the bucket after a check.
+
+Each test is a writer of the output prefix who replaces files right after the pipeline checked them and (where
+it says so) puts the genuine bytes back afterwards, so that every later check passes. The write lands at the
+pipeline's own seams (a checking function returning, a fault point); the write itself is an ordinary file
+replacement that anyone who can write the prefix can make."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from airflow_provider_vllm.core import faults
+from airflow_provider_vllm.core.errors import CommitError
+from airflow_provider_vllm.core.storage import CheckedCopies, Storage
+from airflow_provider_vllm.steps.merge import merger
+from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS, merge
+from airflow_provider_vllm.steps.plan.planner import plan_job
+from airflow_provider_vllm.steps.qa import stage
+from airflow_provider_vllm.worker.shard import run_shard
+from airflow_provider_vllm.worker.task import ShardTask
+from tests.support.data import make_spec, write_parquet
+from tests.unit.steps.cache.test_result_cache import ENGINE, IDS, TEXTS, results, spec_for
+from tests.unit.steps.test_golden import _golden_file, _input, _run_shards, _spec
+
+
+def _forge(path: Path, column: str, value) -> bytes:
+    """Replace the Parquet file ``path`` by one whose ``column`` is ``value(table)``; its genuine bytes."""
+    genuine = path.read_bytes()
+    t = pq.read_table(path)
+    t = t.set_column(t.schema.get_field_index(column), column, value(t))
+    path.unlink()  # a new file under the same name, as a bucket writer's PUT makes
+    pq.write_table(t, path)
+    return genuine
+
+
+def _put_back(saved: dict[Path, bytes]) -> None:
+    for p, b in saved.items():
+        p.unlink()
+        p.write_bytes(b)
+
+
+def _forged(t: pa.Table) -> pa.Array:
+    return pa.array(["FORGED"] * t.num_rows)
+
+
+def _shards(spec, plan, fake_engine_factory) -> None:
+    for s in plan.shards:
+        run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+
+
+def test_a_checked_copy_is_the_checked_bytes_whatever_the_folder_holds_later(tmp_path):
+    (tmp_path / "run").mkdir()
+    f = tmp_path / "run" / "a.bin"
+    f.write_bytes(b"genuine")
+    digest = hashlib.sha256(b"genuine").hexdigest()
+    copies = CheckedCopies(Storage(str(tmp_path / "run")), str(tmp_path / "copies"))
+    local = copies.get("a.bin", 7, digest)
+    f.write_bytes(b"forged!")  # same size, other bytes: the copy is what was checked
+    assert Path(local).read_bytes() == b"genuine"
+    assert copies.get("a.bin", 7, digest) == local  # fetched once per (size, sha256)
+    with pytest.raises(CommitError, match=r"a\.bin is not the file its sealed record names"):
+        CheckedCopies(Storage(str(tmp_path / "run")), str(tmp_path / "other")).get("a.bin", 7, digest)
+    assert not list((tmp_path / "other").iterdir())  # nothing of a file that failed its check is left to read
+
+
+def test_parts_replaced_after_the_merge_checked_them_never_reach_the_cache(tmp_path, fake_engine_factory, monkeypatch):
+    write_parquet(tmp_path / "in-a.parquet", IDS, TEXTS)
+    s1 = spec_for(tmp_path, "a")
+    _shards(s1, plan_job(s1, engine_identity=ENGINE), fake_engine_factory)
+    out = Path(s1.io.output_uri)
+    saved: dict[Path, bytes] = {}
+    real_hit = faults.hit
+
+    def writer(point, *a, **kw):
+        if point == "merge.after_manifests":  # after the parts were checked and published, before the cache append
+            for p in sorted((out / RESULTS).glob("part-*.parquet")):
+                saved[p] = _forge(p, "label", _forged)
+        return real_hit(point, *a, **kw)
+
+    monkeypatch.setattr(faults, "hit", writer)
+    with pytest.raises(CommitError, match="is not the file its sealed record names"):
+        merge(s1)
+    monkeypatch.setattr(faults, "hit", real_hit)
+    assert saved
+    _put_back(saved)  # the genuine bytes again: the forged ones were in the bucket only while the merge ran
+
+    # another run of the same settings and input: a cache entry made of the forged bytes would answer it
+    write_parquet(tmp_path / "in-b.parquet", IDS, TEXTS)
+    s2 = spec_for(tmp_path, "b")
+    _shards(s2, plan_job(s2, engine_identity=ENGINE), fake_engine_factory)
+    merge(s2)
+    assert "FORGED" not in {r["label"] for r in results(s2).values()}
+    merge(s1)  # the first run's merge, rerun over the genuine bytes, goes through
+    assert "FORGED" not in {r["label"] for r in results(s1).values()}
+
+
+def test_qa_measures_the_checked_bytes_when_parts_are_swapped_while_it_reads(
+    tmp_path, fake_engine_factory, monkeypatch
+):
+    ids = [f"r{i:03d}" for i in range(50)]
+    texts = ["" if i % 10 == 0 else f"ticket {i} about billing" for i in range(50)]  # 10 % EMPTY_INPUT errors
+    write_parquet(tmp_path / "in.parquet", ids, texts)
+    spec = make_spec(tmp_path / "in.parquet", tmp_path / "out", sharding={"target_rows": 25, "chunk_rows": 10})
+    _shards(spec, plan_job(spec), fake_engine_factory)
+    merge(spec)
+    out = Path(spec.io.output_uri)
+    honest, _ = stage.qa_run(spec)
+    assert honest.metrics["errors"] == 5
+    saved: dict[Path, bytes] = {}
+    real = stage.checked_parts
+
+    def then_swapped(o, kind, merged, copies):
+        parts = real(o, kind, merged, copies)
+        if kind == ERRORS:  # the errors emptied right after their check, put back once QA is done
+            for p in sorted((out / ERRORS).glob("part-*.parquet")):
+                saved[p] = _forge(p, "error_code", _forged)
+                pq.write_table(pq.read_table(p).slice(0, 0), p)
+        return parts
+
+    monkeypatch.setattr(stage, "checked_parts", then_swapped)
+    swapped, _ = stage.qa_run(spec)
+    _put_back(saved)
+    assert saved
+    assert (swapped.status, swapped.metrics["errors"], swapped.metrics["rates"]) == (
+        honest.status,
+        5,
+        honest.metrics["rates"],
+    )
+
+
+def test_qa_refuses_a_manifest_whose_rows_are_not_the_sealed_ones(tmp_path, fake_engine_factory):
+    """A manifest of other parts would need the sealed summary's sha256; this one checks the counts QA takes."""
+    ids = [f"r{i:03d}" for i in range(20)]
+    write_parquet(tmp_path / "in.parquet", ids, [f"ticket {i}" for i in ids])
+    spec = make_spec(tmp_path / "in.parquet", tmp_path / "out", sharding={"target_rows": 10})
+    _shards(spec, plan_job(spec), fake_engine_factory)
+    summary = merge(spec)
+    copies = CheckedCopies(Storage(spec.io.output_uri), str(tmp_path / "copies"))
+    forged = summary.model_copy(update={"ok_rows": summary.ok_rows + 1})
+    with pytest.raises(CommitError, match="names 20 rows; the sealed _MERGED.json 21"):
+        merger.checked_parts(Storage(spec.io.output_uri), RESULTS, forged, copies)
+
+
+def test_followers_are_made_from_the_leaders_rows_that_were_checked(tmp_path, fake_engine_factory, monkeypatch):
+    ids = [f"r{i:03d}" for i in range(40)]
+    write_parquet(tmp_path / "in.parquet", ids, [f"ticket {i % 20} about billing" for i in range(40)])
+    spec = make_spec(tmp_path / "in.parquet", tmp_path / "out")
+    plan = plan_job(spec)
+    assert plan.dedupe is not None and plan.dedupe.followers == 20
+    _shards(spec, plan, fake_engine_factory)
+    out = Path(spec.io.output_uri)
+    real = merger._follower_sources
+
+    def swapped_meanwhile(o, p, sources, copies):  # the leaders' chunks forged while the followers are made
+        saved = {out / sp.rel: _forge(out / sp.rel, "label", _forged) for sp in sources[RESULTS]}
+        try:
+            return real(o, p, sources, copies)
+        finally:
+            _put_back(saved)
+
+    monkeypatch.setattr(merger, "_follower_sources", swapped_meanwhile)
+    with pytest.raises(CommitError, match="is not the file its sealed record names"):
+        merge(spec)
+    monkeypatch.setattr(merger, "_follower_sources", real)
+    merge(spec)
+    assert "FORGED" not in {r["label"] for r in results(spec).values()}
+
+
+def test_golden_answers_replaced_after_their_check_are_never_scored(tmp_path, monkeypatch):
+    _golden_file(tmp_path / "golden.parquet")
+    _input(tmp_path)
+    spec = _spec(tmp_path)
+    plan = plan_job(spec)
+    _run_shards(spec, plan)
+    out = Path(spec.io.output_uri)
+    truth = pq.read_table(out / plan.golden.input_file.path)
+    known = dict(zip(truth.column("id").to_pylist(), truth.column("_vllm_golden_label").to_pylist()))
+    real = merger.committed_parts
+
+    def then_swapped(o, p, run):
+        got = real(o, p, run)
+        if any(s.shard_id.startswith("golden") for s in p.shards):  # the golden shards: every answer made right
+            for sp in got[0][RESULTS]:
+                _forge(out / sp.rel, "label", lambda t: pa.array([known[i] for i in t.column("id").to_pylist()]))
+        return got
+
+    monkeypatch.setattr(merger, "committed_parts", then_swapped)
+    with pytest.raises(CommitError, match="is not the file its sealed record names"):
+        merge(spec)
+    assert not (out / "_MERGED.json").exists() and not (out / "golden" / "results.parquet").exists()
