@@ -38,7 +38,7 @@ from pydantic import ValidationError
 from airflow_provider_vllm import __version__
 from airflow_provider_vllm.core import duck, faults
 from airflow_provider_vllm.core import seal as seals
-from airflow_provider_vllm.core.errors import CommitError
+from airflow_provider_vllm.core.errors import CommitError, TransientError
 from airflow_provider_vllm.core.part_names import check_inside
 from airflow_provider_vllm.core.records import CacheCommit, CacheFileEntry
 from airflow_provider_vllm.core.seal import Keyring
@@ -98,7 +98,11 @@ class CacheStore:
             seals.verify_record(self.keyring, seals.CACHE_ENTRY, self.scope, c, f"cache commit {where}")
         except FileNotFoundError:
             return None  # removed by a compaction since the listing
-        except (ValidationError, ValueError, CommitError) as e:
+        except TransientError:
+            raise  # the store did not answer: the plan's retry, not a silent miss of every entry
+        except (ValidationError, ValueError, CommitError, OSError) as e:
+            # anything else a writer of the cache folder can put there (a folder, an unreadable file) is that
+            # entry's problem, never the plan's: it is skipped
             log.warning("cache: skipping %s: %s", where, str(e)[:300])
             return None
         problem = _check(c, khash, eid)
@@ -117,7 +121,9 @@ class CacheStore:
                 for f, path in zip(c.files, local):
                     check_inside(self.st, f.path, self.st.uri(f"{self.commit_dir(c.key_hash)}/{c.entry_id}.json"))
                     self.st.fetch_verified(f.path, f.bytes, f.sha256, path)
-            except (FileNotFoundError, CommitError) as e:
+            except TransientError:
+                raise
+            except (CommitError, OSError) as e:  # missing, changed, a folder, unreadable: that entry is skipped
                 log.warning("cache: skipping entry %s: %s", c.entry_id, str(e)[:300])
                 continue
             kept.append(c)

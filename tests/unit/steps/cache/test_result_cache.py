@@ -769,3 +769,22 @@ def test_hits_and_misses_equal_a_naive_lookup_of_every_row(tmp_path, fake_engine
     write_parquet(tmp_path / "in-d.parquet", ids2, texts2)
     p4 = plan_job(s4, engine_identity=ENGINE)
     assert p4.cache.hits == 0 and p4.cache.commits_read == [] and _planned(s4, p4)[1] == ids2
+
+
+@pytest.mark.parametrize("planted", ["a folder as an entry's part", "a folder as a commit"])
+def test_a_folder_planted_in_the_cache_is_skipped_not_the_plans_failure(tmp_path, fake_engine_factory, caplog, planted):
+    """Whoever can write the cache folder can put anything there: one odd object costs that entry (a warning),
+    never every later plan of the key config (it was a raw IsADirectoryError)."""
+    write_parquet(tmp_path / "in-a.parquet", IDS, TEXTS)
+    run_job(spec_for(tmp_path, "a"), fake_engine_factory)
+    commit = next((tmp_path / "cache").glob("commits/*/*.json"))
+    if planted == "a folder as an entry's part":
+        part = tmp_path / "cache" / "entries" / commit.stem / "part-00000.parquet"
+        part.unlink()
+        part.mkdir()
+    else:
+        (commit.parent / ("0" * 32 + ".json")).mkdir()
+    write_parquet(tmp_path / "in-b.parquet", IDS, TEXTS)
+    plan = plan_job(spec_for(tmp_path, "b"), engine_identity=ENGINE)
+    assert plan.cache.hits == (0 if "part" in planted else len(IDS))
+    assert any("cache: skipping" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
