@@ -126,7 +126,7 @@ def qa_run(
     report.sample = _with_input_excerpt(spec, report.sample, out, plan)
     if (dedupe := dedupe_metrics(plan, merged)) is not None:  # rows answered by a row of the same prompt
         report.metrics["dedupe"] = dedupe
-    paths = write_qa(report, out)
+    paths = write_qa(report, out, keyring=keyring, measured=merged)  # the sealed qa/_QA.json last
     return report, paths
 
 
