@@ -2,8 +2,9 @@
 the sealed ``qa/_QA.json`` (``records.QARecord``: the verdict and each file's size and sha256).
 
 ``read_qa`` is how publish learns QA's verdict: the sealed record, and the files as it names them, never
-``report.json`` on its own (anyone who may write the output prefix can rewrite that). ``load_report`` reads a
-stored report.json back (e.g. the previous run's).
+``report.json`` on its own (anyone who may write the output prefix can rewrite that). ``load_previous_report``
+reads a previous run's ``report.json`` for the drift checks only when that run's sealed record vouches for its
+bytes; otherwise it says why it was not used (``report.refused_previous``), and the checks that needed it warn.
 """
 
 from __future__ import annotations
@@ -14,16 +15,18 @@ import posixpath
 from typing import Any
 
 from airflow_provider_vllm.core import seal as seals
-from airflow_provider_vllm.core.errors import CommitError, SealError, VllmBatchError
+from airflow_provider_vllm.core.errors import CommitError, SealError
 from airflow_provider_vllm.core.part_names import check_inside
 from airflow_provider_vllm.core.records import MergeSummary, QAFile, QARecord
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.storage import FileSystems, Storage
 from airflow_provider_vllm.steps.merge.merger import MERGED
 from airflow_provider_vllm.steps.qa.html import render_report_html
-from airflow_provider_vllm.steps.qa.report import QAReport
+from airflow_provider_vllm.steps.qa.report import QAReport, refused_previous
 
 QA_RECORD = "qa/_QA.json"
+REPORT_JSON = "qa/report.json"
+RERUN = "run the QA task of that run again (it writes the sealed record)"
 
 SAMPLE_HTML_COLUMNS = (
     "id",
@@ -129,6 +132,15 @@ def read_qa(out: Storage, keyring: Keyring, *, files: bool = True) -> QARecord:
     return record
 
 
+def read_verified(out: Storage, f: QAFile) -> bytes:
+    """The bytes of a file a verified QA record names, read once and checked (size, sha256): CommitError otherwise."""
+    _check_named(out, f)
+    raw = out.read_bytes(f.path)
+    if len(raw) != f.bytes or hashlib.sha256(raw).hexdigest() != f.sha256:
+        raise _not_named(out, f)
+    return raw
+
+
 def _check_named(out: Storage, f: QAFile) -> None:
     check_inside(out, f.path, out.uri(QA_RECORD))
     if not out.exists(f.path):
@@ -142,24 +154,38 @@ def _not_named(out: Storage, f: QAFile) -> CommitError:
     )
 
 
-def load_report(
-    uri: str | None, storage_options: dict[str, Any] | None = None, filesystems: FileSystems | None = None
+def load_previous_report(
+    uri: str | None,
+    storage_options: dict[str, Any] | None = None,
+    filesystems: FileSystems | None = None,
+    keyring: Keyring | None = None,
 ) -> dict[str, Any] | None:
-    """A stored report.json (e.g. ``QASpec.previous_report_uri``) as a dict; None if absent."""
+    """The previous run's report.json (``QASpec.previous_report_uri``) as a dict, when that run's sealed
+    ``qa/_QA.json`` vouches for its bytes; None when there is no run there (neither its QA files nor its
+    ``_MERGED.json``); otherwise ``report.refused_previous(uri, why)``: not used, and the checks that need it warn.
+
+    The run is the URI without its trailing ``qa/report.json``: its record is sealed for that folder.
+    """
     if not uri:
         return None
-    parent, name = posixpath.split(uri.rstrip("/"))
-    if parent.endswith(":/"):  # 'memory://report.json' and the like
-        parent += "/"
-    st = Storage(parent or ".", storage_options or {}, filesystems)
-    try:
-        raw = st.read_bytes(name)
-    except FileNotFoundError:
+    base = uri.rstrip("/")
+    if base != REPORT_JSON and not base.endswith("/" + REPORT_JSON):
+        return refused_previous(uri, f"it does not end in /{REPORT_JSON}, so no run's sealed QA record vouches for it")
+    prev = Storage(base[: -len(REPORT_JSON)] or ".", storage_options or {}, filesystems)
+    if not prev.exists(QA_RECORD):
+        if prev.exists(REPORT_JSON) or prev.exists(MERGED):
+            return refused_previous(
+                uri,
+                f"its run has no sealed QA record {prev.uri(QA_RECORD)} (written before seals, or removed); {RERUN}",
+            )
         return None
     try:
-        d = json.loads(raw)
-    except ValueError as e:
-        raise VllmBatchError(f"cannot parse QA report {uri}: {e}") from None
-    if not isinstance(d, dict):
-        raise VllmBatchError(f"QA report {uri} is not a JSON object")
-    return d
+        record = read_qa(prev, keyring or Keyring.from_env(), files=False)
+        raw = read_verified(prev, record.files["report_json"])
+    except CommitError as e:  # SealError included
+        return refused_previous(uri, str(e))
+    except ValueError as e:  # pydantic's ValidationError: not a record this provider wrote
+        return refused_previous(uri, f"{prev.uri(QA_RECORD)} is not a QA record ({str(e).splitlines()[0]})")
+    except FileNotFoundError as e:  # removed while it was read
+        return refused_previous(uri, f"a file of its sealed QA record is missing ({e})")
+    return json.loads(raw)  # the bytes QA wrote (dumps_report): a JSON object
