@@ -128,7 +128,7 @@ def get_provider_info() -> dict:
                     SIGNING_KEY: {
                         "description": "Required. The secret key (or keys, comma separated: the first signs, all "
                         "verify) with which the pipeline seals what it writes and later trusts: the plan, each "
-                        "chunk and commit marker of a shard, the merge summary, _SUCCESS.json and every result "
+                        "chunk and commit marker of a shard, merge summary, QA verdict, _SUCCESS.json and every result "
                         "cache entry. Whoever can write an output prefix or the cache folder but lacks this key "
                         "cannot make the pipeline publish or reuse an answer. At least 32 characters, e.g. "
                         "python -c 'import secrets; print(secrets.token_urlsafe(48))'. Keep it in a secrets "

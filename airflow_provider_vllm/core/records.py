@@ -6,6 +6,7 @@
   ``/airflow/xcom/return.json``), the shard task's XCom value; ``read_manifest`` tells them apart.
 - ``MergeSummary``: ``_MERGED.json`` and, without per-shard stats, the merge task's XCom.
 - ``ChangesSummary``: ``changes/_changes.json``, what moved since the previous run (``steps/merge/changes.py``).
+- ``QARecord``: ``qa/_QA.json``, QA's sealed verdict and the digests of its report files (``steps/qa/store.py``).
 - ``GoldenSummary``: ``golden/_golden.json``, the golden rows that rode along (``steps/golden.py``).
 - ``ThroughputRecord``: one line of the throughput history (``steps/plan/sizing.py``).
 - ``CacheCommit`` / ``CacheMergeSummary``: the result cache's commit marker and what a merge did
@@ -364,6 +365,32 @@ class ChangesSummary(Record):
     checksums: dict[RunFile, str] = Field(description="path -> sha256 of changes.parquet")
     notes: list[str] = Field(default_factory=list, description="what the reader should know (no previous run ...)")
     seal: Seal | None = Field(None, description="the QA task's seal (core/seal.py, domain changes, scope the run)")
+
+
+class QAFile(Record):
+    """One file QA wrote, as it wrote it."""
+
+    path: RunFile = Field(description="path under the output prefix")
+    bytes: FileBytes
+    sha256: Sha256
+
+
+class QARecord(Record):
+    """``qa/_QA.json``: what QA concluded about a run, written after its report files and sealed (``core/seal.py``,
+    domain ``qa``, scope the run). Publish gates on this ``status``, never on ``report.json``'s; a later run's drift
+    checks use ``report.json`` only when its bytes are the ones this record names."""
+
+    version: int = Field(1, description="record format version")
+    status: Literal["pass", "warn", "fail"] = Field(description="QA's verdict")
+    summary: str = Field(description="the report's one-line summary")
+    spec_hash: str = Field(description="the spec hash of the merged run QA measured (its sealed _MERGED.json)")
+    config_hash: str = Field(description="the config hash of the merged run QA measured")
+    merged_mac: str = Field(description="the seal (mac) of the _MERGED.json QA measured")
+    rows: int = Field(ge=0, description="rows of the merged run (results + errors)")
+    files: dict[Literal["report_json", "report_html", "sample"], QAFile] = Field(
+        description="what QA wrote: report_json, report_html, sample -> path, size, sha256"
+    )
+    seal: Seal | None = Field(None, description="the QA task's seal (core/seal.py, domain qa, scope the run)")
 
 
 class CacheCommit(Record):

@@ -608,7 +608,11 @@ class QASpec(_Model):
     fail_truncation_rate: float = Field(0.2, ge=0, le=1, description="As warn_truncation_rate, failing the run.")
     warn_label_drift: float = Field(0.1, ge=0, le=1, description="Total variation distance vs previous run.")
     fail_label_drift: float = Field(0.3, ge=0, le=1, description="As warn_label_drift, failing the run.")
-    previous_report_uri: str | None = Field(None, description="report.json of the run to compare against.")
+    previous_report_uri: str | None = Field(
+        None,
+        description="The qa/report.json of the run to compare against (label drift, the change in accuracy). Used "
+        "only when that run's sealed qa/_QA.json vouches for its bytes; otherwise those checks warn, with a note.",
+    )
     warn_churn_rate: float = Field(
         1.0,
         ge=0,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-import json
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -14,8 +13,9 @@ from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_provider_vllm import __version__
 from airflow_provider_vllm.core.allow_list import canonical_uri
-from airflow_provider_vllm.core.errors import SealError
+from airflow_provider_vllm.core.errors import CommitError, SealError
 from airflow_provider_vllm.core.plan import changes_spec, load_plan
+from airflow_provider_vllm.core.records import MergeSummary, QARecord
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.hooks.filesystems import task_filesystems
@@ -25,6 +25,7 @@ from airflow_provider_vllm.steps.merge.changes import CHANGES, read_changes
 from airflow_provider_vllm.steps.merge.changes import SUMMARY as CHANGES_SUMMARY
 from airflow_provider_vllm.steps.merge.merger import ERRORS, MERGED, RESULTS, manifest_rel, read_merged, verified_parts
 from airflow_provider_vllm.steps.publish import SUCCESS, success_bytes
+from airflow_provider_vllm.steps.qa.store import QA_RECORD, read_qa
 from airflow_provider_vllm.steps.tables.commit import commit_results
 from airflow_provider_vllm.utils.deployment import allowed_prefixes, check_spec_allowed, signing_keyring
 from airflow_provider_vllm.utils.job_spec import data_plane_errors, load_spec
@@ -41,16 +42,23 @@ def merged_results_sha(marker: dict[str, Any]) -> str | None:
     return marker.get("checksums", {}).get(manifest_rel(RESULTS))
 
 
-QA_FILES = {"qa_report_json": "qa/report.json", "qa_report_html": "qa/report.html", "qa_sample": "qa/sample.parquet"}
+QA_FILES = {
+    "qa_report_json": "qa/report.json",
+    "qa_report_html": "qa/report.html",
+    "qa_sample": "qa/sample.parquet",
+    "qa_record": QA_RECORD,
+}
+RERUN_QA = "run the QA task again (it writes and seals qa/_QA.json), then publish"
 
 
 class VllmPublishOperator(BaseOperator):
     """Mark the run's output as current: write ``_SUCCESS.json`` under the output prefix.
 
     Runs after merge and QA (and any ``before_publish`` step); checks that ``_MERGED.json``
-    belongs to this spec, that QA did not fail and that every named file exists, then writes
-    the marker atomically, naming files, counts, checksums, the QA verdict and the Airflow
-    run. For each Asset in ``outlets`` the Asset event carries the concrete output URI in
+    belongs to this spec, that QA's sealed verdict (``qa/_QA.json``) is on this merge and did not
+    fail, that the QA files are the ones it wrote, and that every named file exists, then writes
+    the marker atomically, naming files, counts, checksums (manifests, QA files, change set), the
+    QA verdict and the Airflow run. For each Asset in ``outlets`` the Asset event carries the concrete output URI in
     its ``extra`` (the Asset names the dataset; the URI names this run's partition).
     ``extra_files`` (name -> path under the prefix) are checked and listed too.
 
@@ -159,7 +167,6 @@ class VllmPublishOperator(BaseOperator):
     def _marker(self, spec: Any, out: Storage, context: Any, keyring: Keyring) -> dict[str, Any]:
         try:
             merged = read_merged(out, keyring)
-            report = json.loads(out.read_bytes(QA_FILES["qa_report_json"]))
         except FileNotFoundError as e:
             raise AirflowFailException(f"publish: nothing to publish under {spec.io.output_uri}: {e}") from None
         except SealError as e:
@@ -169,8 +176,9 @@ class VllmPublishOperator(BaseOperator):
         if merged.spec_hash != spec.content_hash():
             raise AirflowFailException(f"publish: {out.uri(MERGED)} was merged for another spec")
         self._engine_versions = merged.engine_versions  # for the lineage facet
-        if report.get("status") == "fail":
-            raise AirflowFailException(f"publish: QA failed ({report.get('summary')}); not publishing")
+        qa = self._qa_verdict(out, keyring, merged)
+        if qa.status == "fail":
+            raise AirflowFailException(f"publish: QA failed ({qa.summary}); not publishing")
         # changes.previous_uri set: QA wrote changes/ (what moved since that run); a reader syncs from it
         if spec.changes.previous_table:  # the run the plan pinned, if any
             spec = changes_spec(spec, load_plan(spec, out.filesystems, keyring))
@@ -182,8 +190,9 @@ class VllmPublishOperator(BaseOperator):
         # the folders: every part their sealed manifests name, with exactly its size and sha256 (a streaming read)
         self._result_parts = verified_parts(out, RESULTS, merged)
         verified_parts(out, ERRORS, merged)
-        if changes:
-            read_changes(out, keyring)  # sealed by QA, changes.parquet as it wrote it
+        checksums = {**merged.checksums, **{f.path: f.sha256 for f in qa.files.values()}}
+        if changes:  # sealed by QA, changes.parquet as it wrote it
+            checksums.update(read_changes(out, keyring).checksums)
         dag_run = context.get("dag_run")
         logical_date = context.get("logical_date")
         return {
@@ -195,10 +204,10 @@ class VllmPublishOperator(BaseOperator):
             "ok_rows": merged.ok_rows,
             "error_rows": merged.error_rows,
             "files": files,
-            "checksums": merged.checksums,
+            "checksums": checksums,
             "spec_hash": merged.spec_hash,
             "config_hash": merged.config_hash,
-            "qa": {"status": report.get("status"), "summary": report.get("summary")},
+            "qa": {"status": qa.status, "summary": qa.summary},
             "airflow": {
                 "dag_id": getattr(dag_run, "dag_id", None),
                 "run_id": getattr(dag_run, "run_id", None),
@@ -208,3 +217,27 @@ class VllmPublishOperator(BaseOperator):
             "published_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "versions": {"airflow-provider-vllm": __version__},
         }
+
+    def _qa_verdict(self, out: Storage, keyring: Keyring, merged: MergeSummary) -> QARecord:
+        """QA's sealed verdict on this very merge (``qa/_QA.json``, with its files as QA wrote them), never what
+        report.json says on its own; AirflowFailException naming the file otherwise."""
+        where = out.uri(QA_RECORD)
+        try:
+            qa = read_qa(out, keyring)
+        except FileNotFoundError:
+            raise AirflowFailException(
+                f"publish: no sealed QA verdict {where} (QA did not finish, or ran before QA verdicts were sealed); "
+                f"{RERUN_QA}"
+            ) from None
+        except CommitError as e:  # SealError included: not this deployment's QA, or not for this run's folder
+            raise AirflowFailException(f"publish: {e}; {RERUN_QA}") from None
+        except ValueError as e:  # pydantic's ValidationError is a ValueError
+            raise AirflowFailException(f"publish: {where} is not a QA record: {e}") from None
+        if qa.spec_hash != merged.spec_hash:
+            raise AirflowFailException(f"publish: {where} is QA's verdict on a run of another spec; {RERUN_QA}")
+        if qa.merged_mac != getattr(merged.seal, "mac", None):
+            raise AirflowFailException(
+                f"publish: {where} is QA's verdict on an earlier merge of this folder, not on {out.uri(MERGED)}; "
+                f"{RERUN_QA}"
+            )
+        return qa

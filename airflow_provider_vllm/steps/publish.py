@@ -1,14 +1,17 @@
 """Publishing a merged run, and how a consumer checks what was published (no Airflow).
 
 ``_SUCCESS.json`` is written last by the publish task. It names every published file and carries
-the sha256 of the two part manifests (which carry the sha256 of every part), and it is sealed with
+the sha256 of the two part manifests (which carry the sha256 of every part), of QA's report files
+(the ones QA's sealed ``qa/_QA.json`` names) and of the change set, and QA's verdict as that sealed
+record gives it (never ``report.json``'s own claim); it is sealed with
 the deployment's signing key (``core/seal.py``, domain ``success``, scope the run's output URI).
 The Airflow Asset event of the publish task carries the sha256 of the ``_SUCCESS.json`` bytes, so a
 consumer that has no signing key can still tie the files to the run Airflow published, through
 Airflow's metadata database rather than the bucket.
 
 ``verify_published`` does the whole check for a consumer: the marker (by its seal, or by the
-sha256 from the Asset event), each manifest against the marker, each part against its manifest.
+sha256 from the Asset event), each manifest against the marker, each part against its manifest,
+and every other file the marker has a sha256 for (QA's files, the change set).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 
 from airflow_provider_vllm.core import seal as seals
 from airflow_provider_vllm.core.errors import CommitError
+from airflow_provider_vllm.core.part_names import check_inside, run_file
 from airflow_provider_vllm.core.records import PartsManifest
 from airflow_provider_vllm.core.seal import Keyring, Seal
 from airflow_provider_vllm.core.storage import FileSystems, Storage
@@ -45,8 +49,9 @@ def verify_published(
 
     Give ``keyring`` (the deployment's signing keys) to check the marker's seal, or ``success_sha256``
     (the Asset event's ``success_sha256``) to check its bytes; at least one. Then every part of
-    ``results/`` and ``errors/`` must have the size and sha256 of its manifest, and each manifest the
-    sha256 the marker names. Raises CommitError (SealError) naming the first file that does not.
+    ``results/`` and ``errors/`` must have the size and sha256 of its manifest, each manifest and every
+    other file in the marker's ``checksums`` (QA's files, the change set) the sha256 the marker names.
+    Raises CommitError (SealError) naming the first file that does not.
     """
     if keyring is None and success_sha256 is None:
         raise ValueError("give keyring or success_sha256: a file in a bucket proves nothing by itself")
@@ -64,10 +69,21 @@ def verify_published(
             Seal.model_validate(seal) if seal else None,
             out.uri(SUCCESS),
         )
+    checksums = dict(doc.get("checksums", {}))
     for kind in (RESULTS, ERRORS):
         rel = manifest_rel(kind)
         body = out.read_bytes(rel)
-        if hashlib.sha256(body).hexdigest() != doc.get("checksums", {}).get(rel):
+        if hashlib.sha256(body).hexdigest() != checksums.pop(rel, None):
             raise CommitError(f"{out.uri(rel)} is not the manifest {SUCCESS} names (sha256 differs)")
         verify_parts(out, kind, PartsManifest.model_validate_json(body))
+    for rel, sha in sorted(checksums.items()):  # the QA files, the change set: every other file it has a sha256 for
+        try:
+            check_inside(out, run_file(rel), out.uri(SUCCESS))
+            digest = out.sha256(rel)
+        except ValueError as e:
+            raise CommitError(f"{out.uri(SUCCESS)}: {e}") from None
+        except FileNotFoundError:
+            raise CommitError(f"{out.uri(rel)} is missing; {SUCCESS} names it") from None
+        if digest != sha:
+            raise CommitError(f"{out.uri(rel)} is not the file {SUCCESS} names (sha256 differs)")
     return doc

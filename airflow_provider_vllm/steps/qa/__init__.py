@@ -15,7 +15,8 @@
 * ``html_quality``: the page's quality sections (accuracy, confusion matrix, reliability diagram,
   consistency, least confident rows).
 * ``html``: renders a report dict and sample rows as one self-contained page.
-* ``store``: writes report.json / report.html / sample.parquet; loads a stored report.
+* ``store``: writes report.json / report.html / sample.parquet and, last, the sealed _QA.json; reads it back; loads a
+  previous report only when its run's sealed _QA.json vouches for it.
 * ``reference``: the known labels (``qa.reference``) as DuckDB relations.
 * ``evaluate``: ``evaluate(results, errors, ...)`` measures a result set into a ``QAReport``;
   ``evaluate_stream`` does the same over DuckDB views of the files, in bounded memory.

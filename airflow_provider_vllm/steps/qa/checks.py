@@ -7,7 +7,9 @@ configured but fewer than ``min_labelled`` rows scored is a warning. ``accuracy_
 since the previous report) warns or fails only when the 95% interval of the change lies below 0
 (a real drop), and then by its size. The gates off by default (``low_confidence_rate``,
 ``inconsistency_rate``) warn, once turned on, for a run that lacks their measure (no confidence; no
-prompt hashes: an embed job, or requests that sample at random), rather than skipping.
+prompt hashes: an embed job, or requests that sample at random), rather than skipping. So do ``label_drift``
+and ``accuracy_drop`` when ``qa.previous_report_uri`` is set but its report was not used (no sealed QA record of
+its run vouches for it: ``store.load_previous_report``), for a run that has labels to compare.
 """
 
 from __future__ import annotations
@@ -74,10 +76,18 @@ def _accuracy(metrics: dict[str, Any], spec: QASpec) -> tuple[float | None, str,
     return value, status, detail, extra
 
 
+def _refused(metrics: dict[str, Any]) -> str | None:
+    """Why the previous report (qa.previous_report_uri) was not used, if it was not (``store.load_previous_report``)."""
+    r = (metrics.get("previous") or {}).get("refused")
+    return None if r is None else f"the previous report {r['uri']} was not used ({r['why']}): nothing to judge it on"
+
+
 def _drop(metrics: dict[str, Any], spec: QASpec) -> tuple[float | None, str, str, dict[str, Any]]:
     q = metrics.get("quality") or {}
     v = q.get("vs_previous")
     if v is None:
+        if q.get("labelled") and (refused := _refused(metrics)):
+            return None, "warn", refused, {}  # a previous report that was set but not vouched for: not a pass
         why = "no known labels" if not q else "no previous report with an accuracy (qa.previous_report_uri)"
         return None, "skip", why, {}
     drop = -v["delta"]
@@ -108,6 +118,9 @@ def run_checks(metrics: dict[str, Any], spec: QASpec, *, structured: bool) -> li
             warn, fail = getattr(spec, f"warn_{name}"), getattr(spec, f"fail_{name}")
             value, detail = _value(name, metrics)
             status = _status(value, warn, fail)
+            ld = metrics.get("label_distribution") or {}
+            if name == "label_drift" and value is None and ld.get("labelled") and (refused := _refused(metrics)):
+                status, detail = "warn", refused  # a previous report that was set but not vouched for: not a pass
             if name in _OPT_IN and metrics.get(_OPT_IN[name]) is None and min(warn, fail) < 1:
                 # a gate the job turned on, with nothing to measure it on: not a silent pass
                 status = "warn"

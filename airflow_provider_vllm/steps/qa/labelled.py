@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from airflow_provider_vllm.steps.qa.accuracy import classification, proportion, versus
+from airflow_provider_vllm.steps.qa.report import previous_refusal
 
 SOURCES = ("input_column", "golden_set", "ride_along")
 BUCKETS = 10  # equal-width confidence buckets [0, 0.1), ..., [0.9, 1.0]
@@ -96,7 +97,7 @@ def quality(
         notes.append(f"quality: {len(outside)} label(s) outside the job's label set: {shown}")
     prev_q = ((previous or {}).get("metrics") or {}).get("quality") if isinstance(previous, dict) else None
     q["vs_previous"] = versus(q, prev_q if isinstance(prev_q, dict) else None)
-    if previous is not None and prev_q is None and q["labelled"]:
+    if previous is not None and prev_q is None and q["labelled"] and previous_refusal(previous) is None:
         notes.append("quality: the previous report has no accuracy; no change in accuracy to report")
     q["reliability"] = reliability(con)
     q["halves"] = halves(con)

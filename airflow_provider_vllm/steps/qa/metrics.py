@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from airflow_provider_vllm.core.rows import ROW_SCHEMA
+from airflow_provider_vllm.steps.qa.report import previous_refusal
 
 HIST_BINS = 30  # target number of histogram bins
 NULL_KEY = "(none)"  # JSON key for a null label / finish reason / error code
@@ -461,10 +462,19 @@ def _opt_float(v: Any) -> float | None:
 
 
 def add_label_drift(metrics: dict[str, Any], previous: dict | None, notes: list[str]) -> None:
-    """Set ``metrics["label_drift"]`` (TVD vs ``previous``, a report dict) and ``metrics["previous"]``."""
+    """Set ``metrics["label_drift"]`` (TVD vs ``previous``, a report dict) and ``metrics["previous"]`` (with
+    ``refused``: ``{uri, why}`` when ``previous`` stands for a report that was not used)."""
     metrics["label_drift"] = None
     metrics["previous"] = None
     if previous is None:
+        return
+    refused = previous_refusal(previous)
+    if refused is not None:  # no sealed record vouches for it: nothing of it is read (the checks then warn)
+        metrics["previous"] = {"status": "not used", "refused": refused}
+        notes.append(
+            f"previous report {refused['uri']} not used: {refused['why']}; "
+            "label drift and the change in accuracy are not judged"
+        )
         return
     prev_m = previous.get("metrics", previous) if isinstance(previous, dict) else {}
     prev_rates = prev_m.get("rates") or {}

@@ -15,6 +15,7 @@ from airflow_provider_vllm.core.errors import VllmBatchError
 
 REPORT_FORMAT = "airflow-provider-vllm/qa-report"
 REPORT_VERSION = 1
+REFUSED = "refused"  # the key of a previous report that was not used (``refused_previous``)
 
 
 @dataclass
@@ -78,6 +79,17 @@ class QAReport:
         """Raise ``QAFailed`` when any check failed."""
         if self.status == "fail":
             raise QAFailed(self.to_dict(), self.failing_checks)
+
+
+def refused_previous(uri: str, why: str) -> dict[str, Any]:
+    """What stands for a previous report that was not used (``store.load_previous_report``): no metrics, only
+    where it was and why; the checks that needed it warn instead of passing (``checks.run_checks``)."""
+    return {REFUSED: {"uri": uri, "why": why}}
+
+
+def previous_refusal(previous: Any) -> dict[str, str] | None:
+    """``{uri, why}`` when ``previous`` stands for a report that was not used, else None."""
+    return previous.get(REFUSED) if isinstance(previous, dict) else None
 
 
 class QAFailed(VllmBatchError):

@@ -19,7 +19,7 @@ from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS, checked_pa
 from airflow_provider_vllm.steps.qa.evaluate import evaluate, evaluate_stream
 from airflow_provider_vllm.steps.qa.reference import attach_references, find_references
 from airflow_provider_vllm.steps.qa.report import QAReport
-from airflow_provider_vllm.steps.qa.store import load_report, write_qa
+from airflow_provider_vllm.steps.qa.store import load_previous_report, write_qa
 
 EXCERPT_CHARS = 300
 # Above this many merged rows QA streams the files (bounded memory) instead of loading them as tables.
@@ -54,7 +54,7 @@ def _qa_run(
     spec = changes_spec(spec, plan)  # changes.previous_table: the run the plan pinned
     previous = None
     if spec.qa.previous_report_uri:
-        previous = load_report(spec.qa.previous_report_uri, spec.io.storage_options, filesystems)
+        previous = load_previous_report(spec.qa.previous_report_uri, spec.io.storage_options, filesystems, keyring)
     # what moved since the previous run (changes/ output), before the checks that read it
     # (this run's parts: the checked copies above, passed on, not copied a second time)
     changes = (
@@ -137,7 +137,7 @@ def _qa_run(
     report.sample = _with_input_excerpt(spec, report.sample, out, plan)
     if (dedupe := dedupe_metrics(plan, merged)) is not None:  # rows answered by a row of the same prompt
         report.metrics["dedupe"] = dedupe
-    paths = write_qa(report, out)
+    paths = write_qa(report, out, keyring=keyring, measured=merged)  # the sealed qa/_QA.json last
     return report, paths
 
 

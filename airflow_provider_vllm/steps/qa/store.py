@@ -1,16 +1,32 @@
-"""Storing QA reports: ``write_qa`` writes ``qa/sample.parquet``, ``qa/report.html`` and, last,
-``qa/report.json``; ``load_report`` reads a stored report.json back (e.g. the previous run's)."""
+"""Storing QA reports: ``write_qa`` writes ``qa/sample.parquet``, ``qa/report.html``, ``qa/report.json`` and, last,
+the sealed ``qa/_QA.json`` (``records.QARecord``: the verdict and each file's size and sha256).
+
+``read_qa`` is how publish learns QA's verdict: the sealed record, and the files as it names them, never
+``report.json`` on its own (anyone who may write the output prefix can rewrite that). ``load_previous_report``
+reads a previous run's ``report.json`` for the drift checks only when that run's sealed record vouches for its
+bytes; otherwise it says why it was not used (``report.refused_previous``), and the checks that needed it warn.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import posixpath
 from typing import Any
 
-from airflow_provider_vllm.core.errors import VllmBatchError
+from airflow_provider_vllm.core import seal as seals
+from airflow_provider_vllm.core.errors import CommitError, SealError
+from airflow_provider_vllm.core.part_names import check_inside
+from airflow_provider_vllm.core.records import MergeSummary, QAFile, QARecord
+from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.storage import FileSystems, Storage
+from airflow_provider_vllm.steps.merge.merger import MERGED
 from airflow_provider_vllm.steps.qa.html import render_report_html
-from airflow_provider_vllm.steps.qa.report import QAReport
+from airflow_provider_vllm.steps.qa.report import QAReport, refused_previous
+
+QA_RECORD = "qa/_QA.json"
+REPORT_JSON = "qa/report.json"
+RERUN = "run the QA task of that run again (it writes the sealed record)"
 
 SAMPLE_HTML_COLUMNS = (
     "id",
@@ -30,8 +46,16 @@ SAMPLE_HTML_COLUMNS = (
 )
 
 
-def write_qa(report: QAReport, storage: Storage, prefix: str = "qa") -> dict[str, str]:
-    """Write ``{prefix}/sample.parquet``, ``report.html`` and, last, ``report.json`` atomically.
+def write_qa(
+    report: QAReport,
+    storage: Storage,
+    prefix: str = "qa",
+    *,
+    keyring: Keyring | None = None,
+    measured: MergeSummary | None = None,
+) -> dict[str, str]:
+    """Write ``{prefix}/sample.parquet``, ``report.html``, ``report.json`` and, given ``keyring`` and ``measured``
+    (the sealed merge summary QA measured), last the sealed ``{prefix}/_QA.json``; each atomically.
 
     Returns the relative paths under ``storage``: keys ``report_json``, ``report_html``, ``sample``.
     """
@@ -41,20 +65,53 @@ def write_qa(report: QAReport, storage: Storage, prefix: str = "qa") -> dict[str
         "report_html": posixpath.join(prefix, "report.html") if prefix else "report.html",
         "report_json": posixpath.join(prefix, "report.json") if prefix else "report.json",
     }
+    record_path = posixpath.join(prefix, "_QA.json")
+    if keyring is not None and measured is not None:
+        storage.remove(record_path)  # a rerun stopped half way leaves no record of files it replaced: publish refuses
     d = report.to_dict()
     sample = report.sample
-    storage.write_parquet_atomic(
-        paths["sample"], sample, metadata={"qa_seed": str(d["metrics"].get("sample", {}).get("seed", ""))}
-    )
+    written = {
+        "sample": storage.write_parquet_atomic(
+            paths["sample"], sample, metadata={"qa_seed": str(d["metrics"].get("sample", {}).get("seed", ""))}
+        )
+    }
     cols = [c for c in SAMPLE_HTML_COLUMNS if c in sample.column_names]
     rows = sample.select(cols).to_pylist() if cols else []
     for row in rows:  # bound the page size: outputs can be long
         for c in ("output", "input_excerpt", "parsed_json", "error_message"):
             if isinstance(row.get(c), str) and len(row[c]) > 1000:
                 row[c] = row[c][:1000]
-    storage.write_atomic(paths["report_html"], render_report_html(d, rows).encode("utf-8"))
-    storage.write_atomic(paths["report_json"], dumps_report(d).encode("utf-8"))
+    for kind, body in (
+        ("report_html", render_report_html(d, rows).encode("utf-8")),
+        ("report_json", dumps_report(d).encode("utf-8")),
+    ):
+        storage.write_atomic(paths[kind], body)
+        written[kind] = (len(body), hashlib.sha256(body).hexdigest())
+    if keyring is not None and measured is not None:
+        files = {k: QAFile(path=paths[k], bytes=n, sha256=sha) for k, (n, sha) in written.items()}
+        _write_record(storage, record_path, report, files, keyring, measured)
     return paths
+
+
+def _write_record(
+    storage: Storage, rel: str, report: QAReport, files: dict[str, QAFile], keyring: Keyring, measured: MergeSummary
+) -> None:
+    """The sealed ``QARecord`` of what QA concluded about the merge it measured, and the files it wrote (their size
+    and sha256 as written, not as the bucket holds them later)."""
+    merged_seal = seals.seal_of(measured)
+    if merged_seal is None:  # QA measures only a sealed merge (read_merged)
+        raise SealError(f"{storage.uri(MERGED)}: QA measured a merge summary without a seal; nothing to vouch for")
+    record = QARecord(
+        status=report.status,
+        summary=report.summary_line(),
+        spec_hash=measured.spec_hash,
+        config_hash=measured.config_hash,
+        merged_mac=merged_seal.mac,
+        rows=measured.rows,
+        files=files,
+    )
+    record = seals.seal_record(keyring, seals.QA, seals.scope_of(storage.uri()), record)
+    storage.write_atomic(rel, seals.record_bytes(record))
 
 
 def dumps_report(d: dict[str, Any]) -> str:
@@ -62,24 +119,73 @@ def dumps_report(d: dict[str, Any]) -> str:
     return json.dumps(d, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
 
 
-def load_report(
-    uri: str | None, storage_options: dict[str, Any] | None = None, filesystems: FileSystems | None = None
+def read_qa(out: Storage, keyring: Keyring, *, files: bool = True) -> QARecord:
+    """``qa/_QA.json`` of the run under ``out``: validated and its seal checked (SealError: not written by this
+    deployment's QA for this run); with ``files``, each file it names must have exactly its size and sha256
+    (CommitError naming the file). FileNotFoundError when there is no record."""
+    record = QARecord.model_validate_json(out.read_bytes(QA_RECORD))
+    seals.verify_record(keyring, seals.QA, seals.scope_of(out.uri()), record, out.uri(QA_RECORD))
+    for f in record.files.values() if files else ():
+        _check_named(out, f)
+        if out.size(f.path) != f.bytes or out.sha256(f.path) != f.sha256:
+            raise _not_named(out, f)
+    return record
+
+
+def read_verified(out: Storage, f: QAFile) -> bytes:
+    """The bytes of a file a verified QA record names, read once and checked (size, sha256): CommitError otherwise."""
+    _check_named(out, f)
+    raw = out.read_bytes(f.path)
+    if len(raw) != f.bytes or hashlib.sha256(raw).hexdigest() != f.sha256:
+        raise _not_named(out, f)
+    return raw
+
+
+def _check_named(out: Storage, f: QAFile) -> None:
+    check_inside(out, f.path, out.uri(QA_RECORD))
+    if not out.exists(f.path):
+        raise CommitError(f"{out.uri(f.path)} is missing; the sealed {QA_RECORD} names it")
+
+
+def _not_named(out: Storage, f: QAFile) -> CommitError:
+    return CommitError(
+        f"{out.uri(f.path)} is not the file the sealed {QA_RECORD} names (size or sha256 differs): "
+        "it was changed after QA wrote it"
+    )
+
+
+def load_previous_report(
+    uri: str | None,
+    storage_options: dict[str, Any] | None = None,
+    filesystems: FileSystems | None = None,
+    keyring: Keyring | None = None,
 ) -> dict[str, Any] | None:
-    """A stored report.json (e.g. ``QASpec.previous_report_uri``) as a dict; None if absent."""
+    """The previous run's report.json (``QASpec.previous_report_uri``) as a dict, when that run's sealed
+    ``qa/_QA.json`` vouches for its bytes; None when there is no run there (neither its QA files nor its
+    ``_MERGED.json``); otherwise ``report.refused_previous(uri, why)``: not used, and the checks that need it warn.
+
+    The run is the URI without its trailing ``qa/report.json``: its record is sealed for that folder.
+    """
     if not uri:
         return None
-    parent, name = posixpath.split(uri.rstrip("/"))
-    if parent.endswith(":/"):  # 'memory://report.json' and the like
-        parent += "/"
-    st = Storage(parent or ".", storage_options or {}, filesystems)
-    try:
-        raw = st.read_bytes(name)
-    except FileNotFoundError:
+    base = uri.rstrip("/")
+    if base != REPORT_JSON and not base.endswith("/" + REPORT_JSON):
+        return refused_previous(uri, f"it does not end in /{REPORT_JSON}, so no run's sealed QA record vouches for it")
+    prev = Storage(base[: -len(REPORT_JSON)] or ".", storage_options or {}, filesystems)
+    if not prev.exists(QA_RECORD):
+        if prev.exists(REPORT_JSON) or prev.exists(MERGED):
+            return refused_previous(
+                uri,
+                f"its run has no sealed QA record {prev.uri(QA_RECORD)} (written before seals, or removed); {RERUN}",
+            )
         return None
     try:
-        d = json.loads(raw)
-    except ValueError as e:
-        raise VllmBatchError(f"cannot parse QA report {uri}: {e}") from None
-    if not isinstance(d, dict):
-        raise VllmBatchError(f"QA report {uri} is not a JSON object")
-    return d
+        record = read_qa(prev, keyring or Keyring.from_env(), files=False)
+        raw = read_verified(prev, record.files["report_json"])
+    except CommitError as e:  # SealError included
+        return refused_previous(uri, str(e))
+    except ValueError as e:  # pydantic's ValidationError: not a record this provider wrote
+        return refused_previous(uri, f"{prev.uri(QA_RECORD)} is not a QA record ({str(e).splitlines()[0]})")
+    except FileNotFoundError as e:  # removed while it was read
+        return refused_previous(uri, f"a file of its sealed QA record is missing ({e})")
+    return json.loads(raw)  # the bytes QA wrote (dumps_report): a JSON object

@@ -10,10 +10,14 @@ import pytest
 from airflow.sdk import Asset
 from airflow.sdk.exceptions import AirflowFailException
 
+from airflow_provider_vllm.core import seal as seals
+from airflow_provider_vllm.core.errors import CommitError
+from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.operators.merge import VllmMergeOperator
 from airflow_provider_vllm.operators.publish import VllmPublishOperator
-from airflow_provider_vllm.operators.qa import VllmQAOperator
+from airflow_provider_vllm.operators.qa import VllmQAFailed, VllmQAOperator
 from airflow_provider_vllm.steps.publish import verify_published
+from tests.support.ledger import record_malicious
 from tests.support.task_context import committed_job, context
 
 
@@ -76,14 +80,108 @@ def test_a_missing_extra_file_or_a_changed_part_publishes_nothing(tmp_path, fake
 
 
 def test_a_failed_qa_or_another_specs_merge_publishes_nothing(tmp_path, fake_engine_factory):
-    spec = checked_job(tmp_path, fake_engine_factory)
-    out = tmp_path / "out"
-    report = json.loads((out / "qa" / "report.json").read_text())
-    (out / "qa" / "report.json").write_text(json.dumps({**report, "status": "fail"}))
-    with pytest.raises(AirflowFailException, match="QA failed"):
+    spec, _ = committed_job(tmp_path, fake_engine_factory, empty=(3, 4), qa={"fail_error_rate": 0.01})
+    VllmMergeOperator(task_id="merge", spec=spec).execute(context())
+    with pytest.raises(VllmQAFailed):
+        VllmQAOperator(task_id="qa", spec=spec).execute(context())
+    with pytest.raises(AirflowFailException, match="QA failed"):  # the verdict QA sealed
         VllmPublishOperator(task_id="publish", spec=spec).execute(context())
-    (out / "qa" / "report.json").write_text(json.dumps(report))
     other = {**spec, "sampling": {**spec["sampling"], "max_tokens": spec["sampling"]["max_tokens"] + 1}}
     with pytest.raises(AirflowFailException, match="merged for another spec"):
         VllmPublishOperator(task_id="publish", spec=other).execute(context())
+    assert not (tmp_path / "out" / "_SUCCESS.json").exists()
+
+
+def flipped(raw: bytes) -> bytes:
+    """The same size, one bit other."""
+    return raw[:100] + bytes([raw[100] ^ 1]) + raw[101:]
+
+
+def warned_job(tmp_path, factory):
+    """A run whose QA says 'warn' (one empty input: error_rate above warn 0), its QA files sealed by QA."""
+    return checked_job(tmp_path, factory, empty=(3,), qa={"warn_error_rate": 0.0, "fail_error_rate": 0.5})
+
+
+@pytest.mark.reliability
+def test_publish_takes_the_verdict_qa_sealed_not_what_report_json_says(tmp_path, fake_engine_factory):
+    """A bucket writer rewrites qa/report.json from 'warn' to 'pass', or swaps report.html / sample.parquet: publish
+    refuses each, naming the file; the genuine files publish QA's 'warn' into _SUCCESS.json and the Asset event."""
+    spec = warned_job(tmp_path, fake_engine_factory)
+    qa = tmp_path / "out" / "qa"
+    genuine = {name: (qa / name).read_bytes() for name in ("report.json", "report.html", "sample.parquet")}
+    report = json.loads(genuine["report.json"])
+    assert report["status"] == "warn"
+    forged = {
+        "report.json": json.dumps({**report, "status": "pass", "summary": "QA PASS"}).encode(),
+        "report.html": genuine["report.html"].replace(b"WARN", b"PASS"),
+        "sample.parquet": flipped(genuine["sample.parquet"]),
+    }
+    for name, body in forged.items():
+        assert body != genuine[name]
+        (qa / name).write_bytes(body)
+        with pytest.raises(AirflowFailException, match=rf"qa/{name} is not the file the sealed qa/_QA.json names"):
+            VllmPublishOperator(task_id="publish", spec=spec).execute(context())
+        assert not (tmp_path / "out" / "_SUCCESS.json").exists()
+        (qa / name).write_bytes(genuine[name])
+    record_malicious("forged_qa_report_files", len(forged), len(forged))
+    event = VllmPublishOperator(task_id="publish", spec=spec).execute(context())
+    marker = json.loads((tmp_path / "out" / "_SUCCESS.json").read_text())
+    assert event["qa_status"] == marker["qa"]["status"] == "warn" and marker["qa"]["summary"].startswith("QA WARN")
+
+
+@pytest.mark.reliability
+def test_a_qa_record_of_another_run_or_spec_or_merge_publishes_nothing(tmp_path, fake_engine_factory):
+    """qa/ copied whole from another run (a genuine sealed _QA.json, its files matching) is refused by its seal's
+    scope; a record this deployment sealed for this folder but for another spec, or an earlier merge, is refused."""
+    spec = checked_job(tmp_path / "a", fake_engine_factory)
+    checked_job(tmp_path / "b", fake_engine_factory)
+    out, other_qa = tmp_path / "a" / "out", tmp_path / "b" / "out" / "qa"
+    own = {p.name: p.read_bytes() for p in (out / "qa").iterdir()}
+    for p in other_qa.iterdir():
+        (out / "qa" / p.name).write_bytes(p.read_bytes())
+    with pytest.raises(AirflowFailException, match=r"qa/_QA.json: its seal does not match.*run the QA task again"):
+        VllmPublishOperator(task_id="publish", spec=spec).execute(context())
+    for name, body in own.items():
+        (out / "qa" / name).write_bytes(body)
+    from airflow_provider_vllm.core.records import QARecord
+
+    keyring, scope = Keyring.from_env(), seals.scope_of(str(out))
+    record = QARecord.model_validate_json(own["_QA.json"])
+    for change, refusal in (
+        ({"spec_hash": "0" * 64}, "on a run of another spec"),
+        ({"merged_mac": "0" * 64}, "earlier merge"),
+    ):
+        resealed = seals.seal_record(keyring, seals.QA, scope, record.model_copy(update=change))
+        (out / "qa" / "_QA.json").write_bytes(seals.record_bytes(resealed))
+        with pytest.raises(AirflowFailException, match=refusal):
+            VllmPublishOperator(task_id="publish", spec=spec).execute(context())
     assert not (out / "_SUCCESS.json").exists()
+    record_malicious("qa_record_of_another_run_spec_or_merge", 3, 3)
+
+
+def test_a_run_without_a_sealed_qa_verdict_publishes_nothing(tmp_path, fake_engine_factory):
+    """A run whose QA wrote no _QA.json (QA of a version before it, or the record removed): fail closed, asking for
+    QA to run again, even though report.json says 'pass'."""
+    spec = checked_job(tmp_path, fake_engine_factory)
+    (tmp_path / "out" / "qa" / "_QA.json").unlink()
+    assert json.loads((tmp_path / "out" / "qa" / "report.json").read_text())["status"] == "pass"
+    with pytest.raises(AirflowFailException, match=r"no sealed QA verdict .*qa/_QA.json.*run the QA task again"):
+        VllmPublishOperator(task_id="publish", spec=spec).execute(context())
+    assert not (tmp_path / "out" / "_SUCCESS.json").exists()
+
+
+@pytest.mark.parametrize("name", ["report.json", "report.html", "sample.parquet"])
+def test_verify_published_catches_a_qa_file_changed_after_publishing(tmp_path, fake_engine_factory, name):
+    spec = checked_job(tmp_path, fake_engine_factory)
+    event = VllmPublishOperator(task_id="publish", spec=spec).execute(context())
+    out = tmp_path / "out"
+    marker = json.loads((out / "_SUCCESS.json").read_text())
+    assert {"qa/report.json", "qa/report.html", "qa/sample.parquet"} <= set(marker["checksums"])
+    path = out / "qa" / name
+    path.write_bytes(flipped(path.read_bytes()))
+    for check in ({"success_sha256": event["success_sha256"]}, {"keyring": Keyring.from_env()}):
+        with pytest.raises(CommitError, match=rf"qa/{name} is not the file _SUCCESS.json names"):
+            verify_published(str(out), **check)
+    path.unlink()
+    with pytest.raises(CommitError, match=rf"qa/{name} is missing"):
+        verify_published(str(out), success_sha256=event["success_sha256"])

@@ -184,6 +184,26 @@ def test_accuracy_drop_gate(before, after, expected):
     assert ("a real drop" in c["detail"]) == (expected != "pass")
 
 
+def test_a_previous_report_that_was_not_used_makes_drift_and_accuracy_drop_warn():
+    """qa.previous_report_uri set, but its report not vouched for by its run's sealed QA record (store.py): the checks
+    that needed it warn, naming the URI and why, instead of passing; a run without labels to compare skips them."""
+    from airflow_provider_vllm.steps.qa.report import refused_previous
+
+    (results, errors), ref, spec = _labelled(1000, 900, warn_accuracy_below=0.0, fail_accuracy_below=0.0)
+    refused = refused_previous("s3://b/day1/qa/report.json", "its seal does not match its content")
+    rep = evaluate(results, errors, spec=spec, labels=LAB, structured=True, reference=ref, previous=refused)
+    for name in ("label_drift", "accuracy_drop"):
+        c = check(rep, name)
+        assert c["status"] == "warn" and c["value"] is None
+        assert "s3://b/day1/qa/report.json was not used (its seal does not match its content)" in c["detail"]
+    assert rep.status == "warn" and rep.metrics["previous"]["refused"]["uri"] == "s3://b/day1/qa/report.json"
+    assert [n for n in rep.notes if "s3://b/day1/qa/report.json not used" in n]
+    assert not [n for n in rep.notes if "has no accuracy" in n]
+    plain, no_errors = split([ok_row(i) for i in range(50)])  # no labels: drift and accuracy_drop judge nothing
+    rep = evaluate(plain, no_errors, spec=QASpec(), labels=None, structured=False, previous=refused)
+    assert check(rep, "label_drift")["status"] == check(rep, "accuracy_drop")["status"] == "skip"
+
+
 def test_low_confidence_and_inconsistency_gates_are_off_by_default_and_can_be_set():
     recs = [ok_row(i, label="bug", confidence=0.3 if i < 30 else 0.9, prompt_hash=i % 50) for i in range(100)]
     recs[0]["label"] = "billing"  # prompt 0 answered two ways
