@@ -211,11 +211,38 @@ def _chars_from_footer(md: pq.FileMetaData, texts: list[str]) -> tuple[np.ndarra
 
 
 def parquet_metadata(storage: Storage, name: str) -> pq.FileMetaData:
+    """An input file's footer; DatasetError when it is not Parquet or its column names are ambiguous
+    (``check_column_names``)."""
     try:
         with storage.open(name) as f:
-            return pq.ParquetFile(f).metadata
+            md = pq.ParquetFile(f).metadata
     except pa.ArrowInvalid as e:  # storage errors (OSError) stay transient
         raise DatasetError(f"input file {name} is not a readable Parquet file: {e}") from None
+    check_column_names(name, md.schema.to_arrow_schema().names)
+    return md
+
+
+def check_column_names(name: str, columns: list[str]) -> None:
+    """DatasetError naming the file and both columns when two top-level column names are equal ignoring case.
+
+    Every column counts, not only the ones the job reads: DuckDB binds names case-insensitively and reads
+    ``ID`` and ``id`` as ``ID`` and ``id_1``, so a query of ``id`` (the plan's id check, the merge's input ids,
+    the dedupe's keys) would read the other column, and Arrow cannot pick one of two equal names."""
+    seen: dict[str, str] = {}
+    for c in columns:
+        other = seen.get(c.lower())
+        if other is None:
+            seen[c.lower()] = c
+            continue
+        what = (
+            f"column {c!r} appears twice"
+            if other == c
+            else f"columns {other!r} and {c!r} have names equal ignoring case"
+        )
+        raise DatasetError(
+            f"input file {name}: {what}; every column name must differ from the others ignoring case "
+            "(DuckDB reads names case-insensitively): rename one"
+        )
 
 
 def read_parquet_range(storage: Storage, name: str, start: int, count: int, columns: list[str]) -> pa.Table:

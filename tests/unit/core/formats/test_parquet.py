@@ -85,3 +85,19 @@ def test_file_ids_are_strings_in_file_order(tmp_path):
 def test_unknown_format_name():
     with pytest.raises(ValueError, match="unknown input format 'csv'"):
         input_format("csv")
+
+
+@pytest.mark.parametrize(
+    ("columns", "message"),
+    [
+        (["ID", "id", "text"], "columns 'ID' and 'id' have names equal ignoring case"),
+        (["id", "Text", "text"], "columns 'Text' and 'text' have names equal ignoring case"),
+        (["id", "text", "text"], "column 'text' appears twice"),
+    ],
+)
+def test_columns_whose_names_are_equal_ignoring_case_are_refused(tmp_path, columns, message):
+    """DuckDB reads ``ID`` + ``id`` as ``ID`` + ``id_1``: the id check would read ``ID`` and pass duplicate ids."""
+    arrays = [pa.array(["x1", "x2", "x3"]), pa.array(["b", "a", "b"]), pa.array(["t1", "t2", "t3"])]
+    pq.write_table(pa.Table.from_arrays(arrays, names=columns), tmp_path / "in.parquet")
+    with pytest.raises(DatasetError, match=f"input file in.parquet: {message}"):
+        build_plan(make_spec(tmp_path / "in.parquet", tmp_path / "out"))
