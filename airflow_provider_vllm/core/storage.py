@@ -34,6 +34,17 @@ from fsspec.implementations.local import LocalFileSystem
 from airflow_provider_vllm.core import faults
 from airflow_provider_vllm.core.storage_retry import retrying
 
+GLOB_CHARS = "*?["
+"""The characters that start a glob in DuckDB's ``read_parquet([...])`` paths and fsspec's ``expand_path``
+(``has_magic``): a path that holds one may name other files than itself. ``]`` alone and ``{}`` are read as
+themselves (duckdb 2.0.1, tests/unit/core/test_duck.py)."""
+
+
+def has_glob(path: str) -> bool:
+    """Whether ``path`` holds a character of ``GLOB_CHARS``."""
+    return any(c in GLOB_CHARS for c in path)
+
+
 FileSystems = Callable[[str, dict[str, Any]], "fsspec.AbstractFileSystem | None"]
 """``(uri, options) -> file system`` for that URI, or None for plain fsspec (``url_to_fs``).
 

@@ -30,7 +30,7 @@ from airflow_provider_vllm.core.formats.files import Input, find_input
 from airflow_provider_vllm.core.plan import PLAN_FILE, Plan, Segment, ShardPlan, estimate_tokens
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
-from airflow_provider_vllm.core.storage import FileSystems, Storage
+from airflow_provider_vllm.core.storage import GLOB_CHARS, FileSystems, Storage, has_glob
 from airflow_provider_vllm.steps.golden import GOLDEN_IN, with_golden
 from airflow_provider_vllm.steps.plan.groups import ALL, LONG, SHORT, GroupTokens
 from airflow_provider_vllm.steps.plan.passthrough import resolve_passthrough
@@ -76,6 +76,10 @@ def plan_job(
     """
     keyring = keyring or Keyring.from_env()
     out = Storage(spec.io.output_uri, spec.io.storage_options, filesystems)
+    if has_glob(out.path()):  # the merge and QA read the output's parts with DuckDB, which would expand it
+        raise SpecError(
+            f"io.output_uri {spec.io.output_uri}: holds a glob character ({' '.join(GLOB_CHARS)}); use another prefix"
+        )
     if spec.io.input_table is not None:
         return _plan_table(spec, out, filesystems, max_shards, engine_identity, keyring, warm_starts, tables)
     if spec.cache.uri is not None or _may_dedupe(spec):
