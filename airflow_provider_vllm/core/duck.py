@@ -10,6 +10,11 @@ import duckdb
 
 from airflow_provider_vllm.core.storage import GLOB_CHARS, Storage, has_glob
 
+FILENAME = "_vllm_filename"
+"""The name of the file-name column that ``read_parquet(..., filename = '_vllm_filename')`` adds: with
+``filename = true`` a column ``filename`` of the file itself fails the query (BinderException). DuckDB cannot
+rename the ``file_row_number`` column: an input column of that name is refused (``formats.parquet``)."""
+
 
 def connect(*storages: Storage, memory_limit: str = "1GB") -> duckdb.DuckDBPyConnection:
     """A connection that can read the given storages' files (remote ones through fsspec), in UTC.

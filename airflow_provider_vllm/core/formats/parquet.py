@@ -160,7 +160,7 @@ def _check_ids(root: Storage, names: list[str], idc: str, strings: bool = True) 
         return
     con = duck.connect(root)
     try:
-        src = f"read_parquet({duck.file_list(root, names)}, filename = true, file_row_number = true)"
+        src = f"read_parquet({duck.file_list(root, names)}, filename = '{duck.FILENAME}', file_row_number = true)"
         col = '"' + idc.replace('"', '""') + '"'
         # distinct hashes == rows proves distinct ids; a shortfall pays for the exact count
         blank = f"regexp_matches(CAST({col} AS VARCHAR), '{BLANK_ID_PATTERN}')" if strings else "false"
@@ -172,11 +172,13 @@ def _check_ids(root: Storage, names: list[str], idc: str, strings: bool = True) 
             distinct = con.execute(f"SELECT count(DISTINCT {col}) FROM {src}").fetchall()[0][0]
         if nulls:
             fname, row = con.execute(
-                f"SELECT filename, file_row_number FROM {src} WHERE {col} IS NULL LIMIT 1"
+                f"SELECT {duck.FILENAME}, file_row_number FROM {src} WHERE {col} IS NULL LIMIT 1"
             ).fetchall()[0]
             raise DatasetError(f"{nulls} row(s) have a null id; first at {fname.rsplit('/', 1)[-1]} row {row}")
         if empty:
-            fname, row = con.execute(f"SELECT filename, file_row_number FROM {src} WHERE {blank} LIMIT 1").fetchall()[0]
+            fname, row = con.execute(
+                f"SELECT {duck.FILENAME}, file_row_number FROM {src} WHERE {blank} LIMIT 1"
+            ).fetchall()[0]
             raise DatasetError(
                 f"{empty} row(s) have an empty id (empty or only whitespace) in column {idc!r}; "
                 f"first at {fname.rsplit('/', 1)[-1]} row {row}"
@@ -186,8 +188,8 @@ def _check_ids(root: Storage, names: list[str], idc: str, strings: bool = True) 
                 f"SELECT {col}, count(*) AS k FROM {src} GROUP BY {col} HAVING k > 1 ORDER BY k DESC, {col} LIMIT 5"
             ).fetchall()
             at = con.execute(
-                f"SELECT filename, file_row_number FROM {src} WHERE {col} = ? "
-                "ORDER BY filename, file_row_number LIMIT 2",
+                f"SELECT {duck.FILENAME}, file_row_number FROM {src} WHERE {col} = ? "
+                f"ORDER BY {duck.FILENAME}, file_row_number LIMIT 2",
                 [dups[0][0]],
             ).fetchall()
             raise_duplicates(n, distinct, dups, [f"{f.rsplit('/', 1)[-1]} row {r}" for f, r in at])
@@ -223,11 +225,21 @@ def parquet_metadata(storage: Storage, name: str) -> pq.FileMetaData:
 
 
 def check_column_names(name: str, columns: list[str]) -> None:
-    """DatasetError naming the file and both columns when two top-level column names are equal ignoring case.
+    """DatasetError naming the file and both columns when two top-level column names are equal ignoring case, or
+    naming the column when it is named like one that DuckDB's scan adds (``file_row_number``, ``duck.FILENAME``).
 
     Every column counts, not only the ones the job reads: DuckDB binds names case-insensitively and reads
     ``ID`` and ``id`` as ``ID`` and ``id_1``, so a query of ``id`` (the plan's id check, the merge's input ids,
     the dedupe's keys) would read the other column, and Arrow cannot pick one of two equal names."""
+    from airflow_provider_vllm.core import duck
+
+    # read_parquet(..., file_row_number = true) cannot rename its column (duckdb 2.0.1)
+    added = next((c for c in columns if c.lower() in ("file_row_number", duck.FILENAME)), None)
+    if added is not None:
+        raise DatasetError(
+            f"input file {name}: column {added!r} has the name of a column DuckDB's Parquet scan adds (row "
+            "positions, file names), which the plan and the merge read: rename it"
+        )
     seen: dict[str, str] = {}
     for c in columns:
         other = seen.get(c.lower())

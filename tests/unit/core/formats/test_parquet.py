@@ -101,3 +101,24 @@ def test_columns_whose_names_are_equal_ignoring_case_are_refused(tmp_path, colum
     pq.write_table(pa.Table.from_arrays(arrays, names=columns), tmp_path / "in.parquet")
     with pytest.raises(DatasetError, match=f"input file in.parquet: {message}"):
         build_plan(make_spec(tmp_path / "in.parquet", tmp_path / "out"))
+
+
+@pytest.mark.parametrize("id_column", ["id", "filename", "Filename"])
+def test_a_column_named_filename_is_an_ordinary_column(tmp_path, id_column):
+    """DuckDB's ``filename = true`` failed the plan on it (BinderException); the scan names its column otherwise."""
+    ids = ["b", "a", "b"] if id_column == "id" else ["b.pdf", "a.pdf", "b.pdf"]
+    other = "filename" if id_column == "id" else "id"
+    pq.write_table(pa.table({id_column: ids, "text": ["x", "y", "z"], other: ["1", "2", "3"]}), tmp_path / "in.parquet")
+    spec = make_spec(tmp_path / "in.parquet", tmp_path / "out", prompt={"id_column": id_column})
+    with pytest.raises(DatasetError, match=r"1 duplicate id\(s\).* is at in.parquet row 0 and in.parquet row 2"):
+        build_plan(spec)
+    pq.write_table(pa.table({id_column: ["b", "a", "c"], "text": ["x", "y", "z"]}), tmp_path / "ok.parquet")
+    assert build_plan(make_spec(tmp_path / "ok.parquet", tmp_path / "out2", prompt={"id_column": id_column})).total_rows
+
+
+@pytest.mark.parametrize("column", ["file_row_number", "FILE_ROW_NUMBER", "_vllm_filename"])
+def test_a_column_named_like_one_duckdb_adds_is_refused_naming_it(tmp_path, column):
+    """DuckDB cannot rename its ``file_row_number`` column: such an input failed the plan with a BinderException."""
+    pq.write_table(pa.table({"id": ["b", "a"], "text": ["x", "y"], column: [1, 2]}), tmp_path / "in.parquet")
+    with pytest.raises(DatasetError, match=f"input file in.parquet: column '{column}' has the name of a column DuckDB"):
+        build_plan(make_spec(tmp_path / "in.parquet", tmp_path / "out"))

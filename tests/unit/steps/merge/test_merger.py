@@ -314,3 +314,33 @@ def test_a_spec_changed_through_xcom_is_not_merged(run):
         merge(changed)
     assert nothing_published(out)
     record_malicious("xcom_spec_changed_before_merge", 1, 1)
+
+
+def test_duplicates_are_counted_when_the_parts_carry_a_passthrough_column_named_filename(tmp_path, fake_engine_factory):
+    """The duplicate count reads the parts with DuckDB's file-name column: ``filename = true`` failed the merge on a
+    passed-through ``filename`` (BinderException)."""
+    ids = IDS[:20]
+    pq.write_table(
+        pa.table({"id": ids, "text": [f"t {i}" for i in ids], "filename": [f"{i}.pdf" for i in ids]}),
+        tmp_path / "in.parquet",
+    )
+    spec = make_spec(
+        tmp_path / "in.parquet",
+        tmp_path / "out",
+        io={"passthrough": ["filename"]},
+        sharding={"target_rows": 10, "chunk_rows": 10},
+    )
+    plan = plan_job(spec)
+    for s in plan.shards:
+        run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+    out = tmp_path / "out"
+
+    def with_filename(t: pa.Table) -> pa.Table:
+        return t.append_column("filename", pa.array([f"{i}.pdf" for i in t.column("id").to_pylist()]))
+
+    repeated = _copy_into_new_attempt(out, plan, 0, edit=with_filename)
+    s = merge(spec).dump()
+    assert s["duplicates"]["ids"] == len(repeated) == 10 and s["ok_rows"] + s["error_rows"] == len(ids)
+    assert sorted(pq.read_table(out / "results", columns=["filename"]).column(0).to_pylist()) == sorted(
+        f"{i}.pdf" for i in ids
+    )
