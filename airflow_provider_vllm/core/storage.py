@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import os
 import posixpath
+import re
 import shutil
 import uuid
 from collections.abc import Callable, Iterator
@@ -243,8 +244,17 @@ class Storage:
             yield posixpath.relpath(p, self.base)
 
 
+_TEMP_SUFFIX = re.compile(r"\.tmp-[0-9a-f]{32}")
+
+
+def is_temp_copy(name: str, of: str) -> bool:
+    """Whether ``name`` is the temp file that ``write_atomic`` / ``create_only`` of ``of`` writes beside it (left
+    behind when the writer is killed before its rename or link)."""
+    return name.startswith(of) and _TEMP_SUFFIX.fullmatch(name[len(of) :]) is not None
+
+
 def _local_temp_copy(path: str, data: bytes) -> str:
-    """data, fsynced, in a unique temp file beside path (same filesystem, for rename/link)."""
+    """data, fsynced, in a unique temp file beside path (same filesystem, for rename/link): ``is_temp_copy``."""
     os.makedirs(posixpath.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp-{uuid.uuid4().hex}"
     with open(tmp, "wb") as f:
