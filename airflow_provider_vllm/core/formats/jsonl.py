@@ -172,6 +172,11 @@ class JsonlFormat(InputFormat):
 def _checked_id(rid: Any, name: str, line_no: int, key: str) -> str:
     if rid is None or isinstance(rid, (dict, list, bool)) or rid == "":
         raise DatasetError(f"{name} line {line_no}: missing or invalid id field {key!r}")
+    if isinstance(rid, float):  # 1.10 would be the id "1.1", 1e2 "100.0"; NaN and Infinity are no ids at all
+        raise DatasetError(
+            f"{name} line {line_no}: id field {key!r} is the number {rid!r}, not a string or an integer "
+            "(its text would not be the line's): quote it"
+        )
     if is_blank_id(str(rid)):
         raise DatasetError(
             f"{name} line {line_no}: id field {key!r} is {str(rid)!r}, only whitespace; "

@@ -23,6 +23,22 @@ def test_jsonl_missing_id_is_dataset_error(tmp_path):
         build_plan(make_spec(p, tmp_path / "out"))
 
 
+@pytest.mark.parametrize("raw", ["1.10", "1e2", "0.1e1", "NaN", "Infinity", "-Infinity", "1.0"])
+def test_a_float_id_is_refused_naming_the_line_and_field(tmp_path, raw):
+    """``1.10`` was the id "1.1" and ``1e2`` "100.0": not the line's text. Integers, however long, stay ids."""
+    p = tmp_path / "in.jsonl"
+    p.write_text(f'{{"id": 12345678901234567890123, "text": "a"}}\n{{"id": {raw}, "text": "b"}}\n')
+    with pytest.raises(
+        DatasetError, match=r"in.jsonl line 2: id field 'id' is the number .*not a string or an integer"
+    ):
+        build_plan(make_spec(p, tmp_path / "out"))
+    p.write_text('{"id": 12345678901234567890123, "text": "a"}\n{"id": "1.10", "text": "b"}\n')
+    assert JSONL.file_ids(Storage(str(tmp_path)), "in.jsonl", make_spec(p, tmp_path / "out")) == [
+        "12345678901234567890123",
+        "1.10",
+    ]
+
+
 def _write(tmp_path):
     lines = [
         "\ufeff" + json.dumps({"id": "a", "text": "hello"}),
