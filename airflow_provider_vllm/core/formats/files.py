@@ -89,8 +89,11 @@ def fingerprint(files: list[InputFile]) -> str:
 
 
 def check_unchanged(storage: Storage, planned: list[InputFile]) -> None:
-    """Raise InputChangedError when any planned file's size or version changed since the plan."""
-    now = describe_files(storage, [f.path for f in planned])
+    """Raise InputChangedError when any planned file's size or version changed since the plan, or it is gone."""
+    try:
+        now = describe_files(storage, [f.path for f in planned])
+    except FileNotFoundError as e:
+        raise InputChangedError(f"an input file of the plan is gone since the plan: {e}") from None
     for a, b in zip(planned, now):
         if a != b:
             raise InputChangedError(

@@ -153,6 +153,8 @@ def _check_ids(root: Storage, names: list[str], idc: str, strings: bool = True) 
     Ordered ids are proven valid by ``parquet_ids.ids_proven``; anything else (unordered ids, or a fault) is
     checked by one DuckDB statement, which also finds the row to name (``strings``: False for integer ids, which
     cannot be blank: no pattern is matched)."""
+    import duckdb
+
     from airflow_provider_vllm.core import duck
     from airflow_provider_vllm.core.formats.parquet_ids import ids_proven
 
@@ -193,6 +195,8 @@ def _check_ids(root: Storage, names: list[str], idc: str, strings: bool = True) 
                 [dups[0][0]],
             ).fetchall()
             raise_duplicates(n, distinct, dups, [f"{f.rsplit('/', 1)[-1]} row {r}" for f, r in at])
+    except duckdb.InvalidInputException as e:  # the data itself (invalid UTF-8); I/O errors stay transient
+        raise DatasetError(f"the id column {idc!r} of the input cannot be read: {e}") from None
     finally:
         con.close()
 

@@ -122,3 +122,12 @@ def test_a_column_named_like_one_duckdb_adds_is_refused_naming_it(tmp_path, colu
     pq.write_table(pa.table({"id": ["b", "a"], "text": ["x", "y"], column: [1, 2]}), tmp_path / "in.parquet")
     with pytest.raises(DatasetError, match=f"input file in.parquet: column '{column}' has the name of a column DuckDB"):
         build_plan(make_spec(tmp_path / "in.parquet", tmp_path / "out"))
+
+
+def test_an_id_that_is_not_valid_utf8_is_a_dataset_error_naming_the_file(tmp_path):
+    """DuckDB's InvalidInputException was raised raw (the plan task retried instead of failing)."""
+    raw = pa.array([b"b", b"\xff\xfe", b"a"], pa.binary())
+    ids = pa.Array.from_buffers(pa.string(), 3, raw.buffers())  # the bytes as they are: no UTF-8 check
+    pq.write_table(pa.table({"id": ids, "text": ["x", "y", "z"]}), tmp_path / "in.parquet")
+    with pytest.raises(DatasetError, match="id column 'id' of the input cannot be read: .*in.parquet.*not valid UTF8"):
+        build_plan(make_spec(tmp_path / "in.parquet", tmp_path / "out"))

@@ -17,7 +17,7 @@ import pytest
 from pydantic import ValidationError
 
 from airflow_provider_vllm.core.commit import MARKER, ChunkMeta, CommitMarker, RunSeal, ShardStore, errors_rel
-from airflow_provider_vllm.core.errors import CommitError, VerificationError
+from airflow_provider_vllm.core.errors import CommitError, InputChangedError, VerificationError
 from airflow_provider_vllm.core.plan import PLAN_FILE, Plan
 from airflow_provider_vllm.core.rows import ROW_SCHEMA
 from airflow_provider_vllm.core.seal import COMMIT, Keyring, record_bytes, scope_of, seal_record
@@ -344,3 +344,12 @@ def test_duplicates_are_counted_when_the_parts_carry_a_passthrough_column_named_
     assert sorted(pq.read_table(out / "results", columns=["filename"]).column(0).to_pylist()) == sorted(
         f"{i}.pdf" for i in ids
     )
+
+
+def test_an_input_file_deleted_since_the_plan_fails_the_merge_as_changed_input(run):
+    """A raw FileNotFoundError before (retried as if transient); the input no longer matches the plan: terminal."""
+    spec, _, out = run
+    (out.parent / "in.parquet").unlink()
+    with pytest.raises(InputChangedError, match="gone since the plan.*in.parquet"):
+        merge(spec)
+    assert nothing_published(out)
