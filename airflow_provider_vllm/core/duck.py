@@ -8,7 +8,12 @@ import tempfile
 
 import duckdb
 
-from airflow_provider_vllm.core.storage import Storage
+from airflow_provider_vllm.core.storage import GLOB_CHARS, Storage, has_glob
+
+FILENAME = "_vllm_filename"
+"""The name of the file-name column that ``read_parquet(..., filename = '_vllm_filename')`` adds: with
+``filename = true`` a column ``filename`` of the file itself fails the query (BinderException). DuckDB cannot
+rename the ``file_row_number`` column: an input column of that name is refused (``formats.parquet``)."""
 
 
 def connect(*storages: Storage, memory_limit: str = "1GB") -> duckdb.DuckDBPyConnection:
@@ -51,11 +56,19 @@ def spill_dir() -> str:
 
 
 def file_list(storage: Storage, rels: list[str]) -> str:
-    """A SQL list literal of the files' paths, as DuckDB reads them."""
-    paths = [storage.path(r) if storage.is_local else storage.uri(r) for r in rels]
-    return "[" + ", ".join("'" + p.replace("'", "''") + "'" for p in paths) + "]"
+    """A SQL list literal of the files' paths, as DuckDB reads them (ValueError: see ``local_list``)."""
+    return local_list([storage.path(r) if storage.is_local else storage.uri(r) for r in rels])
 
 
 def local_list(paths: list[str]) -> str:
-    """A SQL list literal of local file paths."""
+    """A SQL list literal of file paths; ValueError for a path with a glob character (``GLOB_CHARS``).
+
+    DuckDB expands each path of ``read_parquet([...])`` as a glob: ``[_]data.parquet`` reads ``_data.parquet``
+    and ``p*.parquet`` every ``p...`` file. Escaping (``[[]``) reads the right files but DuckDB's ``filename``
+    column then gives the path as the glob found it, which callers match against these literals."""
+    bad = next((p for p in paths if has_glob(p)), None)
+    if bad is not None:
+        raise ValueError(
+            f"{bad}: a path DuckDB reads may not hold a glob character ({' '.join(GLOB_CHARS)}): DuckDB would expand it"
+        )
     return "[" + ", ".join("'" + p.replace("'", "''") + "'" for p in paths) + "]"

@@ -70,6 +70,8 @@ POINTS = frozenset(
         # segment is read, before each earlier attempt's chunk seal is read in the reuse scan
         "plan.load",
         "read.segment",
+        # the plan step: _plan.json's temp file half written (nothing visible yet)
+        "plan.mid_marker",
         "reuse.footer",
         # the result cache (steps.cache.result_cache): in plan, before the hits/misses files and after them (no
         # plan yet); in merge, the entry's part visible with no commit marker, the marker's temp file

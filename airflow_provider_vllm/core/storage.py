@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import os
 import posixpath
+import re
 import shutil
 import uuid
 from collections.abc import Callable, Iterator
@@ -33,6 +34,17 @@ from fsspec.implementations.local import LocalFileSystem
 
 from airflow_provider_vllm.core import faults
 from airflow_provider_vllm.core.storage_retry import retrying
+
+GLOB_CHARS = "*?["
+"""The characters that start a glob in DuckDB's ``read_parquet([...])`` paths and fsspec's ``expand_path``
+(``has_magic``): a path that holds one may name other files than itself. ``]`` alone and ``{}`` are read as
+themselves (duckdb 2.0.1, tests/unit/core/test_duck.py)."""
+
+
+def has_glob(path: str) -> bool:
+    """Whether ``path`` holds a character of ``GLOB_CHARS``."""
+    return any(c in GLOB_CHARS for c in path)
+
 
 FileSystems = Callable[[str, dict[str, Any]], "fsspec.AbstractFileSystem | None"]
 """``(uri, options) -> file system`` for that URI, or None for plain fsspec (``url_to_fs``).
@@ -240,7 +252,7 @@ class CheckedCopies:
     A check of a file followed by another read of the same path proves nothing about the second read: whoever
     else can write the folder may replace the file in between (and put it back after). What a trusted record
     vouches for (a sealed manifest, marker or plan naming size and sha256) is read from these copies only. Each
-    file is fetched once per ``(rel, sha256)``; files are fetched side by side (hashlib and reads release the
+    file is fetched once per ``(size, sha256)``; files are fetched side by side (hashlib and reads release the
     GIL)."""
 
     THREADS = 8
@@ -270,8 +282,17 @@ class CheckedCopies:
             return list(pool.map(lambda f: self.get(*f), files))
 
 
+_TEMP_SUFFIX = re.compile(r"\.tmp-[0-9a-f]{32}")
+
+
+def is_temp_copy(name: str, of: str) -> bool:
+    """Whether ``name`` is the temp file that ``write_atomic`` / ``create_only`` of ``of`` writes beside it (left
+    behind when the writer is killed before its rename or link)."""
+    return name.startswith(of) and _TEMP_SUFFIX.fullmatch(name[len(of) :]) is not None
+
+
 def _local_temp_copy(path: str, data: bytes) -> str:
-    """data, fsynced, in a unique temp file beside path (same filesystem, for rename/link)."""
+    """data, fsynced, in a unique temp file beside path (same filesystem, for rename/link): ``is_temp_copy``."""
     os.makedirs(posixpath.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp-{uuid.uuid4().hex}"
     with open(tmp, "wb") as f:

@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from airflow_provider_vllm.core.errors import DatasetError, InputChangedError
-from airflow_provider_vllm.core.storage import FileSystems, Storage
+from airflow_provider_vllm.core.storage import GLOB_CHARS, FileSystems, Storage, has_glob
 
 PARQUET_EXT = (".parquet", ".pq", ".parq")
 JSONL_EXT = (".jsonl", ".ndjson", ".json")
@@ -33,7 +33,25 @@ class InputFile(BaseModel):
 def input_storage(
     uri: str, options: dict[str, Any], filesystems: FileSystems | None = None
 ) -> tuple[Storage, list[str]]:
-    """The folder holding the input and the relative paths of its data files, sorted."""
+    """The folder holding the input and the relative paths of its data files, sorted (``checked_names``)."""
+    root, names = _listed(uri, options, filesystems)
+    return root, checked_names(root, names)
+
+
+def checked_names(root: Storage, names: list[str]) -> list[str]:
+    """``names``; DatasetError naming the first file whose path holds a glob character (``storage.GLOB_CHARS``):
+    DuckDB would read the files the pattern matches (``[_]data.parquet``: ``_data.parquet``), not that file."""
+    bad = next((n for n in names if has_glob(root.path(n))), None)
+    if bad is not None:
+        raise DatasetError(
+            f"input file {root.uri(bad)}: its path holds a glob character ({' '.join(GLOB_CHARS)}), which DuckDB "
+            "and fsspec expand (another file would be read); rename the file or its folder"
+        )
+    return names
+
+
+def _listed(uri: str, options: dict[str, Any], filesystems: FileSystems | None) -> tuple[Storage, list[str]]:
+    """The input's folder and its data files (``_`` and ``.`` names skipped); DatasetError when there are none."""
     whole = Storage(uri, options, filesystems)
     fs = whole.fs
     try:
@@ -71,8 +89,11 @@ def fingerprint(files: list[InputFile]) -> str:
 
 
 def check_unchanged(storage: Storage, planned: list[InputFile]) -> None:
-    """Raise InputChangedError when any planned file's size or version changed since the plan."""
-    now = describe_files(storage, [f.path for f in planned])
+    """Raise InputChangedError when any planned file's size or version changed since the plan, or it is gone."""
+    try:
+        now = describe_files(storage, [f.path for f in planned])
+    except FileNotFoundError as e:
+        raise InputChangedError(f"an input file of the plan is gone since the plan: {e}") from None
     for a, b in zip(planned, now):
         if a != b:
             raise InputChangedError(

@@ -32,7 +32,14 @@ if TYPE_CHECKING:
     from airflow_provider_vllm.core.plan import Segment
     from airflow_provider_vllm.core.spec import JobSpec
 
-_BLANK = b" \t\r\n\xef\xbb\xbf"
+_BOM = b"\xef\xbb\xbf"
+
+
+def _is_blank(raw: bytes) -> bool:
+    """A line the plan and the worker skip: only JSON whitespace, after one UTF-8 byte order mark (a file's, or a
+    concatenated file's). ``bytes.strip`` of the BOM's bytes would also drop a line of ``\\xbb`` bytes, which is
+    an ``INVALID_JSON`` row like any line that is not JSON."""
+    return not raw.removeprefix(_BOM).strip(b" \t\r\n")
 
 
 def invalid_line_id(name: str, line_no: int) -> str:
@@ -125,7 +132,7 @@ class JsonlFormat(InputFormat):
                 line_no += 1
                 if not raw:
                     raise InputChangedError(f"{name}: ended before the planned rows (offset {segment.offset})")
-                if not raw.strip(_BLANK):
+                if _is_blank(raw):
                     continue
                 parsed = _parse_line(raw, line_no == 1)
                 batch.lines.append(line_no)
@@ -154,7 +161,7 @@ class JsonlFormat(InputFormat):
             for line_no, raw in enumerate(f, start=1):
                 here = pos
                 pos += len(raw)
-                if not raw.strip(_BLANK):
+                if _is_blank(raw):
                     continue
                 parsed = _parse_line(raw, line_no == 1)
                 offsets.append(here)
@@ -172,6 +179,11 @@ class JsonlFormat(InputFormat):
 def _checked_id(rid: Any, name: str, line_no: int, key: str) -> str:
     if rid is None or isinstance(rid, (dict, list, bool)) or rid == "":
         raise DatasetError(f"{name} line {line_no}: missing or invalid id field {key!r}")
+    if isinstance(rid, float):  # 1.10 would be the id "1.1", 1e2 "100.0"; NaN and Infinity are no ids at all
+        raise DatasetError(
+            f"{name} line {line_no}: id field {key!r} is the number {rid!r}, not a string or an integer "
+            "(its text would not be the line's): quote it"
+        )
     if is_blank_id(str(rid)):
         raise DatasetError(
             f"{name} line {line_no}: id field {key!r} is {str(rid)!r}, only whitespace; "

@@ -153,6 +153,8 @@ def _check_ids(root: Storage, names: list[str], idc: str, strings: bool = True) 
     Ordered ids are proven valid by ``parquet_ids.ids_proven``; anything else (unordered ids, or a fault) is
     checked by one DuckDB statement, which also finds the row to name (``strings``: False for integer ids, which
     cannot be blank: no pattern is matched)."""
+    import duckdb
+
     from airflow_provider_vllm.core import duck
     from airflow_provider_vllm.core.formats.parquet_ids import ids_proven
 
@@ -160,7 +162,7 @@ def _check_ids(root: Storage, names: list[str], idc: str, strings: bool = True) 
         return
     con = duck.connect(root)
     try:
-        src = f"read_parquet({duck.file_list(root, names)}, filename = true, file_row_number = true)"
+        src = f"read_parquet({duck.file_list(root, names)}, filename = '{duck.FILENAME}', file_row_number = true)"
         col = '"' + idc.replace('"', '""') + '"'
         # distinct hashes == rows proves distinct ids; a shortfall pays for the exact count
         blank = f"regexp_matches(CAST({col} AS VARCHAR), '{BLANK_ID_PATTERN}')" if strings else "false"
@@ -172,11 +174,13 @@ def _check_ids(root: Storage, names: list[str], idc: str, strings: bool = True) 
             distinct = con.execute(f"SELECT count(DISTINCT {col}) FROM {src}").fetchall()[0][0]
         if nulls:
             fname, row = con.execute(
-                f"SELECT filename, file_row_number FROM {src} WHERE {col} IS NULL LIMIT 1"
+                f"SELECT {duck.FILENAME}, file_row_number FROM {src} WHERE {col} IS NULL LIMIT 1"
             ).fetchall()[0]
             raise DatasetError(f"{nulls} row(s) have a null id; first at {fname.rsplit('/', 1)[-1]} row {row}")
         if empty:
-            fname, row = con.execute(f"SELECT filename, file_row_number FROM {src} WHERE {blank} LIMIT 1").fetchall()[0]
+            fname, row = con.execute(
+                f"SELECT {duck.FILENAME}, file_row_number FROM {src} WHERE {blank} LIMIT 1"
+            ).fetchall()[0]
             raise DatasetError(
                 f"{empty} row(s) have an empty id (empty or only whitespace) in column {idc!r}; "
                 f"first at {fname.rsplit('/', 1)[-1]} row {row}"
@@ -186,11 +190,13 @@ def _check_ids(root: Storage, names: list[str], idc: str, strings: bool = True) 
                 f"SELECT {col}, count(*) AS k FROM {src} GROUP BY {col} HAVING k > 1 ORDER BY k DESC, {col} LIMIT 5"
             ).fetchall()
             at = con.execute(
-                f"SELECT filename, file_row_number FROM {src} WHERE {col} = ? "
-                "ORDER BY filename, file_row_number LIMIT 2",
+                f"SELECT {duck.FILENAME}, file_row_number FROM {src} WHERE {col} = ? "
+                f"ORDER BY {duck.FILENAME}, file_row_number LIMIT 2",
                 [dups[0][0]],
             ).fetchall()
             raise_duplicates(n, distinct, dups, [f"{f.rsplit('/', 1)[-1]} row {r}" for f, r in at])
+    except duckdb.InvalidInputException as e:  # the data itself (invalid UTF-8); I/O errors stay transient
+        raise DatasetError(f"the id column {idc!r} of the input cannot be read: {e}") from None
     finally:
         con.close()
 
@@ -211,11 +217,48 @@ def _chars_from_footer(md: pq.FileMetaData, texts: list[str]) -> tuple[np.ndarra
 
 
 def parquet_metadata(storage: Storage, name: str) -> pq.FileMetaData:
+    """An input file's footer; DatasetError when it is not Parquet or its column names are ambiguous
+    (``check_column_names``)."""
     try:
         with storage.open(name) as f:
-            return pq.ParquetFile(f).metadata
+            md = pq.ParquetFile(f).metadata
     except pa.ArrowInvalid as e:  # storage errors (OSError) stay transient
         raise DatasetError(f"input file {name} is not a readable Parquet file: {e}") from None
+    check_column_names(name, md.schema.to_arrow_schema().names)
+    return md
+
+
+def check_column_names(name: str, columns: list[str]) -> None:
+    """DatasetError naming the file and both columns when two top-level column names are equal ignoring case, or
+    naming the column when it is named like one that DuckDB's scan adds (``file_row_number``, ``duck.FILENAME``).
+
+    Every column counts, not only the ones the job reads: DuckDB binds names case-insensitively and reads
+    ``ID`` and ``id`` as ``ID`` and ``id_1``, so a query of ``id`` (the plan's id check, the merge's input ids,
+    the dedupe's keys) would read the other column, and Arrow cannot pick one of two equal names."""
+    from airflow_provider_vllm.core import duck
+
+    # read_parquet(..., file_row_number = true) cannot rename its column (duckdb 2.0.1)
+    added = next((c for c in columns if c.lower() in ("file_row_number", duck.FILENAME)), None)
+    if added is not None:
+        raise DatasetError(
+            f"input file {name}: column {added!r} has the name of a column DuckDB's Parquet scan adds (row "
+            "positions, file names), which the plan and the merge read: rename it"
+        )
+    seen: dict[str, str] = {}
+    for c in columns:
+        other = seen.get(c.lower())
+        if other is None:
+            seen[c.lower()] = c
+            continue
+        what = (
+            f"column {c!r} appears twice"
+            if other == c
+            else f"columns {other!r} and {c!r} have names equal ignoring case"
+        )
+        raise DatasetError(
+            f"input file {name}: {what}; every column name must differ from the others ignoring case "
+            "(DuckDB reads names case-insensitively): rename one"
+        )
 
 
 def read_parquet_range(storage: Storage, name: str, start: int, count: int, columns: list[str]) -> pa.Table:

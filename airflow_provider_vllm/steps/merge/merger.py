@@ -591,9 +591,9 @@ def _rows_view(con: duckdb.DuckDBPyConnection, out: Storage, sources: dict[str, 
             continue
         status = "ok" if kind == RESULTS else "error"
         selects.append(
-            f"SELECT '{status}' AS status, * EXCLUDE (file_row_number, filename), filename AS part, "
+            f"SELECT '{status}' AS status, * EXCLUDE (file_row_number, {duck.FILENAME}), {duck.FILENAME} AS part, "
             f"file_row_number AS pos FROM read_parquet({duck.file_list(out, [p.rel for p in sources[kind]])}, "
-            "filename = true, file_row_number = true)"
+            f"filename = '{duck.FILENAME}', file_row_number = true)"
         )
     con.execute("CREATE VIEW chunks AS " + " UNION ALL BY NAME ".join(selects))
 

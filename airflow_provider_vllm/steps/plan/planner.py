@@ -30,7 +30,7 @@ from airflow_provider_vllm.core.formats.files import Input, find_input
 from airflow_provider_vllm.core.plan import PLAN_FILE, Plan, Segment, ShardPlan, estimate_tokens
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
-from airflow_provider_vllm.core.storage import FileSystems, Storage
+from airflow_provider_vllm.core.storage import GLOB_CHARS, FileSystems, Storage, has_glob, is_temp_copy
 from airflow_provider_vllm.steps.golden import GOLDEN_IN, with_golden
 from airflow_provider_vllm.steps.plan.groups import ALL, LONG, SHORT, GroupTokens
 from airflow_provider_vllm.steps.plan.passthrough import resolve_passthrough
@@ -76,6 +76,10 @@ def plan_job(
     """
     keyring = keyring or Keyring.from_env()
     out = Storage(spec.io.output_uri, spec.io.storage_options, filesystems)
+    if has_glob(out.path()):  # the merge and QA read the output's parts with DuckDB, which would expand it
+        raise SpecError(
+            f"io.output_uri {spec.io.output_uri}: holds a glob character ({' '.join(GLOB_CHARS)}); use another prefix"
+        )
     if spec.io.input_table is not None:
         return _plan_table(spec, out, filesystems, max_shards, engine_identity, keyring, warm_starts, tables)
     if spec.cache.uri is not None or _may_dedupe(spec):
@@ -87,7 +91,7 @@ def plan_job(
             plan = with_golden(plan, spec, out, filesystems, max_shards)  # qa.reference: ride-along rows
             plan = _with_changes_from(plan, spec, tables)
             # create-only: of two runs racing for one prefix, the loser meets the winner's plan below
-            out.create_only(PLAN_FILE, plan.sealed(keyring, spec.io.output_uri).dump_json())
+            _write_plan(out, plan, spec, keyring)
     existing = _existing(spec, out, keyring)
     if existing.fingerprint != plan.fingerprint or existing.spec_hash != plan.spec_hash:
         raise SpecError(
@@ -138,7 +142,7 @@ def _plan_table(
     plan = plan.model_copy(update={"table": pin, "input_uri": f"iceberg:{pin.identifier}@{pin.snapshot_id}"})
     plan = with_golden(plan, spec, out, filesystems, max_shards, found=found)
     plan = _with_changes_from(plan, spec, tables)
-    out.create_only(PLAN_FILE, plan.sealed(keyring, spec.io.output_uri).dump_json())
+    _write_plan(out, plan, spec, keyring)
     return _existing(spec, out, keyring)  # of two plans racing, the winner's
 
 
@@ -160,6 +164,12 @@ def _may_dedupe(spec: JobSpec) -> bool:
     return spec.sharding.dedupe and deterministic(spec) is None
 
 
+def _write_plan(out: Storage, plan: Plan, spec: JobSpec, keyring: Keyring) -> None:
+    """``_plan.json``, sealed, create-only: of two plans racing for one prefix the first wins."""
+    with faults.writing("plan.mid_marker"):
+        out.create_only(PLAN_FILE, plan.sealed(keyring, spec.io.output_uri).dump_json())
+
+
 def _existing(spec: JobSpec, out: Storage, keyring: Keyring) -> Plan:
     """The plan already under the output prefix, its seal checked (SealError: not this deployment's plan task's)."""
     existing = Plan.model_validate_json(out.read_bytes(PLAN_FILE))
@@ -177,7 +187,8 @@ def _check_empty(spec: JobSpec, out: Storage) -> None:
         GOLDEN_IN + "/",
         TABLE_DIR + "/",
     )  # files a plan killed before its _plan.json leaves
-    foreign = next((f for f in out.walk_files() if not f.startswith(mine)), None)
+    # a plan killed while writing _plan.json leaves its temp copy beside it
+    foreign = next((f for f in out.walk_files() if not f.startswith(mine) and not is_temp_copy(f, PLAN_FILE)), None)
     if foreign is not None:
         raise SpecError(
             f"output {spec.io.output_uri} is not empty (e.g. {foreign}) and holds no plan of "
@@ -216,7 +227,7 @@ def _plan_cached(
     )
     plan = with_golden(plan, spec, out, filesystems, max_shards)  # qa.reference: ride-along rows
     plan = _with_changes_from(plan, spec, tables)
-    out.create_only(PLAN_FILE, plan.sealed(keyring, spec.io.output_uri).dump_json())
+    _write_plan(out, plan, spec, keyring)
     return plan
 
 

@@ -7,8 +7,9 @@ import tempfile
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
-from airflow_provider_vllm.core.duck import connect, file_list
+from airflow_provider_vllm.core.duck import connect, file_list, local_list
 from airflow_provider_vllm.core.storage import Storage
 
 
@@ -28,6 +29,24 @@ def test_a_name_cannot_close_the_literal():
     st = Storage("/data")
     lit = file_list(st, ["x'] ; DROP TABLE t; --.parquet"])
     assert lit == "['/data/x''] ; DROP TABLE t; --.parquet']"
+
+
+@pytest.mark.parametrize("name", ["[_]data.parquet", "p*.parquet", "a?b.parquet"])
+def test_a_path_with_a_glob_character_is_refused_not_expanded(tmp_path, name):
+    """DuckDB expands each path of the list: ``[_]data.parquet`` read ``_data.parquet``, ``p*.parquet`` every p..."""
+    with pytest.raises(ValueError, match="may not hold a glob character"):
+        file_list(Storage(str(tmp_path)), ["a.parquet", name])
+    with pytest.raises(ValueError, match="may not hold a glob character"):
+        local_list([str(tmp_path / name)])
+
+
+def test_braces_and_a_lone_closing_bracket_are_read_as_themselves(tmp_path):
+    for name, ids in (("{a,b}.parquet", ["x"]), ("a.parquet", ["y"]), ("b].parquet", ["z"])):
+        pq.write_table(pa.table({"id": ids}), tmp_path / name)
+    st = Storage(str(tmp_path))
+    con = connect(st, memory_limit="256MB")
+    rows = con.sql(f"SELECT id FROM read_parquet({file_list(st, ['{a,b}.parquet', 'b].parquet'])}) ORDER BY id")
+    assert [r[0] for r in rows.fetchall()] == ["x", "z"]
 
 
 def test_a_query_past_the_memory_limit_spills_into_a_private_directory_not_the_working_directory(tmp_path, monkeypatch):

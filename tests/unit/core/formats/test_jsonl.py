@@ -23,6 +23,22 @@ def test_jsonl_missing_id_is_dataset_error(tmp_path):
         build_plan(make_spec(p, tmp_path / "out"))
 
 
+@pytest.mark.parametrize("raw", ["1.10", "1e2", "0.1e1", "NaN", "Infinity", "-Infinity", "1.0"])
+def test_a_float_id_is_refused_naming_the_line_and_field(tmp_path, raw):
+    """``1.10`` was the id "1.1" and ``1e2`` "100.0": not the line's text. Integers, however long, stay ids."""
+    p = tmp_path / "in.jsonl"
+    p.write_text(f'{{"id": 12345678901234567890123, "text": "a"}}\n{{"id": {raw}, "text": "b"}}\n')
+    with pytest.raises(
+        DatasetError, match=r"in.jsonl line 2: id field 'id' is the number .*not a string or an integer"
+    ):
+        build_plan(make_spec(p, tmp_path / "out"))
+    p.write_text('{"id": 12345678901234567890123, "text": "a"}\n{"id": "1.10", "text": "b"}\n')
+    assert JSONL.file_ids(Storage(str(tmp_path)), "in.jsonl", make_spec(p, tmp_path / "out")) == [
+        "12345678901234567890123",
+        "1.10",
+    ]
+
+
 def _write(tmp_path):
     lines = [
         "\ufeff" + json.dumps({"id": "a", "text": "hello"}),
@@ -72,3 +88,17 @@ def test_duplicates_are_named_with_their_lines(tmp_path):
 def test_file_ids(tmp_path):
     root, spec = _write(tmp_path)
     assert JSONL.file_ids(root, "in.jsonl", spec) == ["a", "__line__:in.jsonl:3", "7", "__line__:in.jsonl:5", "c"]
+
+
+def test_a_line_of_bytes_from_the_byte_order_mark_is_an_invalid_line_not_a_blank_one(tmp_path):
+    """``bytes.strip`` of the BOM's bytes dropped lines of ``\\xbb`` or ``\\xef`` silently; a whole BOM (first line
+    or a concatenated file's) before whitespace or JSON is still skipped."""
+    (tmp_path / "in.jsonl").write_bytes(
+        b'\xef\xbb\xbf{"id": "a", "text": "x"}\n\xbb\xbb\n\xef\n\xef\xbb\xbf \r\n{"id": "b", "text": "y"}\n'
+    )
+    root, spec = Storage(str(tmp_path)), make_spec(tmp_path / "in.jsonl", tmp_path / "out")
+    scan = JSONL.scan(root, ["in.jsonl"], spec, per_row=False)
+    assert scan.file_rows == [4] and scan.invalid == 2 and scan.lines.tolist() == [1, 2, 3, 5]
+    batch = JSONL.read_rows(root, "in.jsonl", Segment(file=0, start=0, count=4, offset=0, line=1), spec)
+    assert batch.ids == ["a", "__line__:in.jsonl:2", "__line__:in.jsonl:3", "b"]
+    assert [f and f[0] for f in batch.faults] == [None, "INVALID_JSON", "INVALID_JSON", None]

@@ -85,3 +85,49 @@ def test_file_ids_are_strings_in_file_order(tmp_path):
 def test_unknown_format_name():
     with pytest.raises(ValueError, match="unknown input format 'csv'"):
         input_format("csv")
+
+
+@pytest.mark.parametrize(
+    ("columns", "message"),
+    [
+        (["ID", "id", "text"], "columns 'ID' and 'id' have names equal ignoring case"),
+        (["id", "Text", "text"], "columns 'Text' and 'text' have names equal ignoring case"),
+        (["id", "text", "text"], "column 'text' appears twice"),
+    ],
+)
+def test_columns_whose_names_are_equal_ignoring_case_are_refused(tmp_path, columns, message):
+    """DuckDB reads ``ID`` + ``id`` as ``ID`` + ``id_1``: the id check would read ``ID`` and pass duplicate ids."""
+    arrays = [pa.array(["x1", "x2", "x3"]), pa.array(["b", "a", "b"]), pa.array(["t1", "t2", "t3"])]
+    pq.write_table(pa.Table.from_arrays(arrays, names=columns), tmp_path / "in.parquet")
+    with pytest.raises(DatasetError, match=f"input file in.parquet: {message}"):
+        build_plan(make_spec(tmp_path / "in.parquet", tmp_path / "out"))
+
+
+@pytest.mark.parametrize("id_column", ["id", "filename", "Filename"])
+def test_a_column_named_filename_is_an_ordinary_column(tmp_path, id_column):
+    """DuckDB's ``filename = true`` failed the plan on it (BinderException); the scan names its column otherwise."""
+    ids = ["b", "a", "b"] if id_column == "id" else ["b.pdf", "a.pdf", "b.pdf"]
+    other = "filename" if id_column == "id" else "id"
+    pq.write_table(pa.table({id_column: ids, "text": ["x", "y", "z"], other: ["1", "2", "3"]}), tmp_path / "in.parquet")
+    spec = make_spec(tmp_path / "in.parquet", tmp_path / "out", prompt={"id_column": id_column})
+    with pytest.raises(DatasetError, match=r"1 duplicate id\(s\).* is at in.parquet row 0 and in.parquet row 2"):
+        build_plan(spec)
+    pq.write_table(pa.table({id_column: ["b", "a", "c"], "text": ["x", "y", "z"]}), tmp_path / "ok.parquet")
+    assert build_plan(make_spec(tmp_path / "ok.parquet", tmp_path / "out2", prompt={"id_column": id_column})).total_rows
+
+
+@pytest.mark.parametrize("column", ["file_row_number", "FILE_ROW_NUMBER", "_vllm_filename"])
+def test_a_column_named_like_one_duckdb_adds_is_refused_naming_it(tmp_path, column):
+    """DuckDB cannot rename its ``file_row_number`` column: such an input failed the plan with a BinderException."""
+    pq.write_table(pa.table({"id": ["b", "a"], "text": ["x", "y"], column: [1, 2]}), tmp_path / "in.parquet")
+    with pytest.raises(DatasetError, match=f"input file in.parquet: column '{column}' has the name of a column DuckDB"):
+        build_plan(make_spec(tmp_path / "in.parquet", tmp_path / "out"))
+
+
+def test_an_id_that_is_not_valid_utf8_is_a_dataset_error_naming_the_file(tmp_path):
+    """DuckDB's InvalidInputException was raised raw (the plan task retried instead of failing)."""
+    raw = pa.array([b"b", b"\xff\xfe", b"a"], pa.binary())
+    ids = pa.Array.from_buffers(pa.string(), 3, raw.buffers())  # the bytes as they are: no UTF-8 check
+    pq.write_table(pa.table({"id": ids, "text": ["x", "y", "z"]}), tmp_path / "in.parquet")
+    with pytest.raises(DatasetError, match="id column 'id' of the input cannot be read: .*in.parquet.*not valid UTF8"):
+        build_plan(make_spec(tmp_path / "in.parquet", tmp_path / "out"))

@@ -17,7 +17,7 @@ import pytest
 from pydantic import ValidationError
 
 from airflow_provider_vllm.core.commit import MARKER, ChunkMeta, CommitMarker, RunSeal, ShardStore, errors_rel
-from airflow_provider_vllm.core.errors import CommitError, VerificationError
+from airflow_provider_vllm.core.errors import CommitError, InputChangedError, VerificationError
 from airflow_provider_vllm.core.plan import PLAN_FILE, Plan
 from airflow_provider_vllm.core.rows import ROW_SCHEMA
 from airflow_provider_vllm.core.seal import COMMIT, Keyring, record_bytes, scope_of, seal_record
@@ -314,3 +314,42 @@ def test_a_spec_changed_through_xcom_is_not_merged(run):
         merge(changed)
     assert nothing_published(out)
     record_malicious("xcom_spec_changed_before_merge", 1, 1)
+
+
+def test_duplicates_are_counted_when_the_parts_carry_a_passthrough_column_named_filename(tmp_path, fake_engine_factory):
+    """The duplicate count reads the parts with DuckDB's file-name column: ``filename = true`` failed the merge on a
+    passed-through ``filename`` (BinderException)."""
+    ids = IDS[:20]
+    pq.write_table(
+        pa.table({"id": ids, "text": [f"t {i}" for i in ids], "filename": [f"{i}.pdf" for i in ids]}),
+        tmp_path / "in.parquet",
+    )
+    spec = make_spec(
+        tmp_path / "in.parquet",
+        tmp_path / "out",
+        io={"passthrough": ["filename"]},
+        sharding={"target_rows": 10, "chunk_rows": 10},
+    )
+    plan = plan_job(spec)
+    for s in plan.shards:
+        run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+    out = tmp_path / "out"
+
+    def with_filename(t: pa.Table) -> pa.Table:
+        return t.append_column("filename", pa.array([f"{i}.pdf" for i in t.column("id").to_pylist()]))
+
+    repeated = _copy_into_new_attempt(out, plan, 0, edit=with_filename)
+    s = merge(spec).dump()
+    assert s["duplicates"]["ids"] == len(repeated) == 10 and s["ok_rows"] + s["error_rows"] == len(ids)
+    assert sorted(pq.read_table(out / "results", columns=["filename"]).column(0).to_pylist()) == sorted(
+        f"{i}.pdf" for i in ids
+    )
+
+
+def test_an_input_file_deleted_since_the_plan_fails_the_merge_as_changed_input(run):
+    """A raw FileNotFoundError before (retried as if transient); the input no longer matches the plan: terminal."""
+    spec, _, out = run
+    (out.parent / "in.parquet").unlink()
+    with pytest.raises(InputChangedError, match="gone since the plan.*in.parquet"):
+        merge(spec)
+    assert nothing_published(out)

@@ -136,6 +136,27 @@ def test_ids_with_surrounding_spaces_are_still_ids(tmp_path):
     assert plan.total_rows == 3
 
 
+@pytest.mark.parametrize("name", ["[_]data.parquet", "p*.parquet", "a?b.jsonl"])
+def test_an_input_file_name_with_a_glob_character_is_refused_naming_it(tmp_path, name):
+    """``[_]data.parquet`` (duplicate ids) was read by DuckDB as ``_data.parquet`` (distinct ids) and published."""
+    (tmp_path / "in").mkdir()
+    if name.endswith(".jsonl"):
+        (tmp_path / "in" / name).write_text(json.dumps({"id": "b", "text": "x"}) + "\n")
+    else:
+        write_parquet(tmp_path / "in" / name, ["b", "a", "b"], ["x", "y", "z"])
+        write_parquet(tmp_path / "in" / "_data.parquet", ["q", "r", "s"], ["x", "y", "z"])
+    with pytest.raises(
+        DatasetError, match=re.escape(f"input file {tmp_path / 'in' / name}: its path holds a glob character")
+    ):
+        build_plan(make_spec(tmp_path / "in", tmp_path / "out"))
+
+
+def test_an_output_prefix_with_a_glob_character_is_refused(tmp_path):
+    write_parquet(tmp_path / "in.parquet", ["a"], ["x"])
+    with pytest.raises(SpecError, match=re.escape("io.output_uri") + ".*holds a glob character"):
+        plan_job(make_spec(tmp_path / "in.parquet", tmp_path / "run[1]"))
+
+
 # ---- more shards than the orchestrator can map ---------------------------------------------
 def test_more_shards_than_max_shards_is_refused_naming_target_rows(tmp_path):
     write_parquet(tmp_path / "in.parquet", [f"r{i}" for i in range(100)], [f"t{i}" for i in range(100)])

@@ -176,3 +176,37 @@ def test_non_empty_foreign_output_prefix_is_refused(allowed):
     with pytest.raises(SpecError, match="not empty"):
         plan_job(JobSpec.load(base_doc(allowed)))
     assert not (allowed / "out" / "_plan.json").exists()
+
+
+@pytest.mark.reliability
+def test_a_plan_killed_while_writing_its_plan_file_is_planned_again(tmp_path):
+    """kill -9 of a real plan process with _plan.json's temp copy half written: the rerun failed for good ("output
+    ... is not empty"), the temp copy counting as another run's file; it plans now."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from airflow_provider_vllm.core import faults
+    from tests.support.ledger import record_fault
+
+    write_parquet(tmp_path / "in.parquet", ["a", "b", "c"], ["x", "y", "z"])
+    spec = make_spec(tmp_path / "in.parquet", tmp_path / "out")
+    code = (
+        "import sys; from airflow_provider_vllm.core.spec import JobSpec; "
+        "from airflow_provider_vllm.steps.plan.planner import plan_job; plan_job(JobSpec.load(sys.argv[1]))"
+    )
+    env = {**os.environ, faults.ENV: "plan.mid_marker=kill", "PYTHONPATH": str(Path(__file__).resolve().parents[4])}
+    p = subprocess.run(
+        [sys.executable, "-c", code, spec.model_dump_json()], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert p.returncode == -9, p.stderr[-2000:]
+    left = sorted(f.name for f in (tmp_path / "out").iterdir())
+    assert len(left) == 1 and left[0].startswith(PLAN_FILE + ".tmp-")
+    plan = plan_job(spec)
+    assert plan.total_rows == 3 and (tmp_path / "out" / PLAN_FILE).exists()
+    record_fault("kill9.plan.mid_marker", 3, level="process")
+    (tmp_path / "out" / "_plan.json.tmp-other").write_text("{}")  # not the storage layer's temp name: foreign
+    (tmp_path / "out" / PLAN_FILE).unlink()
+    with pytest.raises(SpecError, match=r"is not empty \(e.g. _plan.json.tmp-other\)"):
+        plan_job(spec)
