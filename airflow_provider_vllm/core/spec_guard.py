@@ -42,6 +42,7 @@ from airflow_provider_vllm.core.allow_list import (
     check_local_tree,
     check_uri,
     is_under,
+    redact_userinfo,
 )
 from airflow_provider_vllm.core.errors import SpecError
 
@@ -103,6 +104,7 @@ _PLAIN_SECTIONS = frozenset(
 _URIS = (
     "io.input_uri",
     "io.output_uri",
+    "sharding.history_uri",
     "qa.previous_report_uri",
     "qa.reference.golden_uri",
     "qa.reference.ride_along_uri",
@@ -167,7 +169,8 @@ def _strings(node: Any, path: str):
 
 
 def _check_string(path: str, value: str) -> None:
-    shown = value if len(value) <= 80 else value[:77] + "..."
+    shown = redact_userinfo(value)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
     if path in _URIS or (path == "model.adapters.source" and value.startswith(_OBJECT_STORE)):
         try:
             canonical_uri(value, path, resolve=False)
