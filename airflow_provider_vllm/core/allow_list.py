@@ -8,6 +8,8 @@ returns the canonical URI or raises ``SpecError`` naming the parameter and the r
 * ``..`` and ``.`` segments, their percent-encoded forms (``%2e%2e``, ``%2f``, ``%5c``,
   double-encoded ``%25...``), backslashes, control characters and empty segments are refused,
   not resolved: a path that needs cleaning is a path someone is probing with;
+* credentials in the authority (``s3://key:secret@bucket``) are refused, and the refusal shows the
+  URI with them replaced by ``***``: credentials come from an Airflow Connection;
 * ``file://`` must be ``file:///abs/path`` (or ``file://localhost/...``); relative local paths
   are refused;
 * local paths are resolved with ``realpath``, so a symlink that leads out of an allowed
@@ -51,6 +53,13 @@ _ENCODED = re.compile(r"%(2e|2f|5c|25|00)", re.IGNORECASE)
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$", re.DOTALL)
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9._-]{1,254}$")
+# user@ in a URI's authority; Azure's container@account is no credential (and those schemes are refused anyway)
+_USERINFO = re.compile(r"(?<![A-Za-z0-9+.-])(?!(?:abfss?|az|adl)://)([A-Za-z][A-Za-z0-9+.-]*://)[^/]*@", re.I)
+
+
+def redact_userinfo(text: str) -> str:
+    """``text`` with the userinfo of every URI in it (``s3://key:secret@bucket``) replaced by ``***``."""
+    return _USERINFO.sub(r"\1***@", text)
 
 
 def canonical_uri(uri: str, what: str = "uri", resolve: bool = True) -> str:
@@ -60,6 +69,10 @@ def canonical_uri(uri: str, what: str = "uri", resolve: bool = True) -> str:
     """
     if not isinstance(uri, str) or not uri:
         raise SpecError(f"{what}: must be a non-empty string")
+    if _USERINFO.search(uri):  # before any message that shows the URI
+        raise SpecError(
+            f"{what}={redact_userinfo(uri)[:200]!r}: credentials in URIs are not allowed; use an Airflow Connection"
+        )
     if len(uri) > MAX_URI_CHARS:
         raise SpecError(f"{what}: {len(uri)} characters; at most {MAX_URI_CHARS}")
     if _CONTROL.search(uri):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from airflow_provider_vllm.core.allow_list import redact_userinfo
 from airflow_provider_vllm.core.errors import SpecError
 from airflow_provider_vllm.core.spec import PARAM_ALIASES
 from airflow_provider_vllm.core.spec_guard import (
@@ -24,10 +25,11 @@ from airflow_provider_vllm.core.spec_guard import (
 )
 
 # ECMA-262 and Python both read these. No '..' or '.' segments, no percent-encoded dots or
-# slashes, no whitespace; a scheme from paths.SCHEMES or an absolute path.
+# slashes, no whitespace, no credentials (user@ in the authority); a scheme from paths.SCHEMES or an
+# absolute path.
 URI_PATTERN = (
     r"^(?![\s\S]*(?:/\.{1,2}(?:/|$)|%2[eEfF]|%5[cC]|%25|\\))"
-    r"(?:(?:file://)?/|(?:s3|s3a|gs|gcs|memory)://[a-z0-9])[^\s]*$"
+    r"(?:(?:file://)?/|(?:s3|s3a|gs|gcs|memory)://(?![^/]*@)[a-z0-9])[^\s]*$"
 )
 NO_JINJA = r"^(?![\s\S]*(?:\{\{|\}\}|\{%|%\}|\{#|#\}))[\s\S]*$"
 
@@ -85,7 +87,7 @@ def validate_params(params: dict[str, Any], names: list[str] | None = None) -> N
             jsonschema.validate(value, schema)
         except jsonschema.ValidationError as e:
             where = "".join(f"[{p}]" for p in e.absolute_path)
-            shown = repr(e.instance)[:120]
+            shown = redact_userinfo(repr(e.instance))[:120]
             raise SpecError(f"param {name}{where}={shown}: {e.validator} {e.validator_value!r} not satisfied") from None
 
 

@@ -31,6 +31,7 @@ either meant for a template engine or is probing for one.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -41,6 +42,7 @@ from airflow_provider_vllm.core.allow_list import (
     check_local_tree,
     check_uri,
     is_under,
+    redact_userinfo,
 )
 from airflow_provider_vllm.core.errors import SpecError
 
@@ -102,6 +104,7 @@ _PLAIN_SECTIONS = frozenset(
 _URIS = (
     "io.input_uri",
     "io.output_uri",
+    "sharding.history_uri",
     "qa.previous_report_uri",
     "qa.reference.golden_uri",
     "qa.reference.ride_along_uri",
@@ -166,7 +169,8 @@ def _strings(node: Any, path: str):
 
 
 def _check_string(path: str, value: str) -> None:
-    shown = value if len(value) <= 80 else value[:77] + "..."
+    shown = redact_userinfo(value)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
     if path in _URIS or (path == "model.adapters.source" and value.startswith(_OBJECT_STORE)):
         try:
             canonical_uri(value, path, resolve=False)
@@ -302,6 +306,8 @@ def check_deployment(
         what = f"model.adapters[{a.name}].source"
         if a.kind == "object_store":
             check_uri(a.source, allowed, what)
+        elif a.kind == "hub":
+            refuse_relative_path(a.source, what)
         elif a.kind == "local":
             local = local_model_path(a.source, what)
             assert local is not None
@@ -332,7 +338,22 @@ def local_model_path(name: str | None, what: str = "model.name") -> str | None:
             f"{what}={name!r}: a local model path must be absolute (/models/x or file:///models/x); "
             "a hub id is org/name"
         )
+    refuse_relative_path(name, what)
     return None
+
+
+def refuse_relative_path(name: str, what: str) -> None:
+    """SpecError when a hub id (``org/name``, ``org``) also names a path relative to the working directory.
+
+    vLLM and transformers try ``Path(name).exists()`` before the hub, so such a name would load that
+    folder as local weights, outside the allow-list.
+    """
+    if os.path.lexists(name):
+        raise SpecError(
+            f"{what}={name!r} is a hub id but also a path relative to the working directory, which vLLM "
+            "would load as local files; give an absolute path inside the allowed prefixes, or a hub id "
+            "that names no local path"
+        )
 
 
 def check_storage_options(

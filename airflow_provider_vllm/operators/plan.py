@@ -64,8 +64,8 @@ class VllmPlanOperator(BaseOperator):
     output store that does not honour create-only writes, or a plan with more shards than
     Airflow's ``[core] max_map_length`` (the message names the sharding setting to raise).
 
-    ``dry_run=True`` (or a run param ``dry_run`` set to true) validates the spec and the input,
-    logs the dry-run report (rows, tokens, shards, GPU-hours, memory plan; see
+    ``dry_run=True`` (or a run param ``dry_run`` set to true, on a DAG that declares that param) validates
+    the spec and the input, logs the dry-run report (rows, tokens, shards, GPU-hours, memory plan; see
     ``airflow_provider_vllm.cli.dry_run``), pushes it under the XCom key ``dry_run``, writes
     nothing and skips the rest of the run: no shard is launched.
 
@@ -170,7 +170,7 @@ class VllmPlanOperator(BaseOperator):
             spec.io.output_uri,
             spec.content_hash()[:12],
         )
-        if self.dry_run or (context.get("params") or {}).get("dry_run") is True:
+        if self.dry_run or self._dry_run_param(context):
             self._dry_run(spec, context)
         keyring = signing_keyring()
         identity = self.engine_identity(spec, runner) if spec.cache.uri else None
@@ -243,6 +243,21 @@ class VllmPlanOperator(BaseOperator):
         from airflow_provider_vllm.utils.openlineage_facets import operator_lineage
 
         return operator_lineage(getattr(self, "_lineage", None))
+
+    def _dry_run_param(self, context: Any) -> bool:
+        """The run param ``dry_run`` is true and the DAG declares it. Airflow merges any ``conf`` key into the
+        params, so on a DAG without the param it is ignored (with a warning): a nightly run is never skipped
+        by a stray key while showing success."""
+        if (context.get("params") or {}).get("dry_run") is not True:
+            return False
+        dag = context.get("dag") or (self.dag if self.has_dag() else None)
+        if dag is not None and "dry_run" in (dag.params or {}):
+            return True
+        self.log.warning(
+            "ignoring dry_run=true from the run's conf: DAG %s declares no dry_run param; planning as usual",
+            getattr(dag, "dag_id", None),
+        )
+        return False
 
     def _dry_run(self, spec: JobSpec, context: Any) -> None:
         from airflow.sdk.exceptions import AirflowSkipException

@@ -72,9 +72,15 @@ def check_runner(runner: Any, param: str = "runner") -> str:
 
 
 def check_local_model(spec: JobSpec) -> None:
-    """With the local runner, a model given as a local path must exist on this machine."""
+    """With the local runner, a model given as a local path must exist on this machine and be absolute."""
     name = spec.model.name
     path = name[len("file://") :] if name.startswith("file://") else name
+    if not path.startswith("/") and os.path.lexists(path):
+        # vLLM would load it from the working directory, outside the allow-list
+        raise AirflowFailException(
+            f"model.name {name!r} names a path relative to the working directory; give an absolute path "
+            "inside the allowed prefixes, or a hub id that names no local path"
+        )
     if path.startswith(("/", "./", "../", "~")) and not os.path.exists(os.path.expanduser(path)):
         raise AirflowFailException(
             f"model.name {name!r} is a local path that does not exist on this machine; "

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -99,8 +101,24 @@ class LocalWorkerProcess:
         # VLLM_BATCH_PARENT_PID: the worker binds its life to this process (parent-death signal, see
         # worker/lifecycle.py), which is why it is started and waited for in this one thread.
         env = {**self.env, envs.PARENT_PID.name: str(os.getpid())}
+        # A private, empty working directory: vLLM loads a model name that exists as a relative path
+        # (``org/name``) from the working directory, which must never be the Airflow worker's. What was
+        # relative to ours (the interpreter, PYTHONPATH entries) is made absolute first.
+        argv = list(self.argv)
+        if os.sep in argv[0]:
+            argv[0] = os.path.abspath(argv[0])
+        if env.get("PYTHONPATH"):
+            env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) for p in env["PYTHONPATH"].split(os.pathsep) if p)
+        workdir = tempfile.mkdtemp(prefix="vllm-batch-worker-")
+        try:
+            return self._run(argv, env, workdir)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    def _run(self, argv: list[str], env: dict[str, str], workdir: str) -> WorkerResult:
         self.proc = proc = subprocess.Popen(
-            self.argv,
+            argv,
+            cwd=workdir,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

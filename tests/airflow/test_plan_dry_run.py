@@ -9,12 +9,14 @@ from tests.airflow.test_operators import context, dataset, spec_doc
 
 @pytest.mark.parametrize("how", ["argument", "param"])
 def test_plan_dry_run_reports_and_skips_without_writing(tmp_path, how, capsys):
+    from airflow.sdk import DAG, Param
     from airflow.sdk.exceptions import AirflowSkipException
 
     from airflow_provider_vllm.operators import VllmPlanOperator
 
     dataset(tmp_path, n=120)
-    op = VllmPlanOperator(task_id="plan", spec=spec_doc(tmp_path), dry_run=how == "argument")
+    with DAG("d", schedule=None, params={"dry_run": Param(False, type="boolean")}):  # as vllm_batch_rerun
+        op = VllmPlanOperator(task_id="plan", spec=spec_doc(tmp_path), dry_run=how == "argument")
     ctx = context({"dry_run": True} if how == "param" else None)
     with pytest.raises(AirflowSkipException, match="dry run"):
         op.execute(ctx)

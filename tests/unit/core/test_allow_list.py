@@ -127,3 +127,20 @@ def test_a_list_setting_is_read_strictly_naming_the_setting():
             parse_list_setting(bad, "[x] y")
     with pytest.raises(SpecError, match="must be a list of strings"):
         parse_prefixes(["/a", None])  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "s3://AKIAKEY:s3cr3tValue@data/in/x",
+        "s3://s3cr3tValue@data/in/x",
+        "memory://AKIAKEY:s3cr3tValue@data/in",
+        "gs://AKIAKEY:s3cr3tValue@data/in/%2e%2e/x",
+        "simplecache::s3://AKIAKEY:s3cr3tValue@data/in",
+    ],
+)
+def test_credentials_in_a_uri_are_refused_without_showing_them(allowed, uri):
+    for field in ("io.input_uri", "io.output_uri", "sharding.history_uri"):
+        msg = refused(with_value(base_doc(allowed), field, uri), prefixes(allowed))
+        assert msg is not None and "credentials in URIs are not allowed; use an Airflow Connection" in msg, msg
+        assert "s3cr3tValue" not in msg and "AKIAKEY" not in msg and "***@" in msg, msg

@@ -446,3 +446,21 @@ def test_adapter_sources_stay_inside_the_allow_list(allowed, tmp_path):
     record_malicious("adapter_sources_outside_the_allow_list", len(hostile), sum(bool(m) for m in got.values()))
     for s, fragment in hostile:
         assert got[s] is not None and fragment in got[s], (s, got[s])
+
+
+@pytest.mark.parametrize("name", ["outside/evil", "org"])
+def test_a_hub_id_that_is_also_a_relative_path_is_refused(allowed, tmp_path, monkeypatch, name):
+    """vLLM tries ``Path(name).exists()`` before the hub: an existing relative folder would load as local
+    weights from the working directory, outside the allow-list."""
+    (tmp_path / "cwd" / name).mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "cwd")
+    for field in ("model.name", "model.tokenizer"):
+        msg = refused(with_value(base_doc(allowed), field, name), prefixes(allowed))
+        assert msg is not None and field in msg and "absolute path inside the allowed prefixes" in msg, msg
+    if "/" in name:
+        doc = base_doc(allowed)
+        doc["model"]["adapters"] = [{"name": "a", "source": name, "revision": "c" * 40}]
+        msg = refused(doc, prefixes(allowed))
+        assert msg is not None and "model.adapters[a].source" in msg, msg
+    monkeypatch.chdir(tmp_path)  # where it names no path, it is a hub id
+    assert refused(with_value(base_doc(allowed), "model.name", name), prefixes(allowed)) is None

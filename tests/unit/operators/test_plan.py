@@ -94,3 +94,28 @@ def test_param_overrides_cannot_name_deployment_owned_settings():
         n += 1
     record_malicious("param_overrides_deployment_owned", len(names), n)
     VllmPlanOperator(task_id="plan", spec={}, param_overrides=["model", "labels", "kubernetes.gpus"])
+
+
+@pytest.mark.parametrize("declared", [False, True])
+def test_a_dry_run_conf_key_skips_only_on_a_dag_that_declares_the_param(allowed, monkeypatch, declared):
+    """Airflow merges any conf key into params: ``-c '{"dry_run": true}'`` on a nightly DAG without the
+    param must not skip the run while it shows success."""
+    from airflow.sdk import DAG, Param
+    from airflow.sdk.exceptions import AirflowSkipException
+
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", ",".join(prefixes(allowed)))
+
+    def dry_run(self, spec, context):
+        raise AirflowSkipException("dry run")
+
+    monkeypatch.setattr(VllmPlanOperator, "_dry_run", dry_run)
+    with DAG("nightly", schedule=None, params={"dry_run": Param(False, type="boolean")} if declared else {}):
+        plan = VllmPlanOperator(task_id="plan", spec=base_doc(allowed))
+    ti = type("TI", (), {"xcoms": {}, "xcom_push": lambda self, key, value: self.xcoms.update({key: value})})()
+    context = {"ti": ti, "params": {"dry_run": True}, "dag": plan.dag}
+    if declared:
+        with pytest.raises(AirflowSkipException, match="dry run"):
+            plan.execute(context)
+        assert not (allowed / "out" / "_plan.json").exists()
+    else:
+        assert plan.execute(context) and (allowed / "out" / "_plan.json").exists()

@@ -73,3 +73,22 @@ def test_shard_id_of_a_summary_or_a_bare_id():
 def test_a_shard_item_that_is_not_a_summary_fails_without_retry_naming_the_field(bad, field):
     with pytest.raises(AirflowFailException, match=f"not a shard of the plan: {field}"):
         shard_id_of(bad)
+
+
+def test_a_model_name_that_is_a_relative_path_fails_the_local_runner(tmp_path, monkeypatch):
+    from airflow_provider_vllm.core.spec import JobSpec
+    from airflow_provider_vllm.utils.job_spec import check_local_model
+
+    spec = JobSpec.load(
+        {
+            "name": "j",
+            "model": {"name": "outside/evil"},
+            "io": {"input_uri": "/data/in", "output_uri": "/data/out"},
+            "prompt": {"template": "{text}"},
+        }
+    )
+    monkeypatch.chdir(tmp_path)
+    check_local_model(spec)  # a hub id
+    (tmp_path / "outside" / "evil").mkdir(parents=True)
+    with pytest.raises(AirflowFailException, match="model.name 'outside/evil' names a path relative"):
+        check_local_model(spec)

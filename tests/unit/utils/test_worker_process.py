@@ -42,3 +42,14 @@ def _dead(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
+
+
+def test_the_worker_starts_in_a_private_empty_directory_so_relative_names_resolve_nowhere(tmp_path, monkeypatch):
+    (tmp_path / "outside" / "evil").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    script = "import os, json; print(json.dumps({'cwd': os.getcwd(), 'seen': os.path.exists('outside/evil')}))"
+    env = {**os.environ, "PYTHONPATH": "."}
+    result = LocalWorkerProcess([sys.executable, "-c", script], env, lambda _: None).run()
+    assert result.returncode == 0 and result.manifest is not None
+    assert result.manifest["seen"] is False and result.manifest["cwd"] != str(tmp_path)
+    assert not os.path.exists(result.manifest["cwd"])  # removed once the worker has exited

@@ -53,6 +53,18 @@ def test_the_dag_param_schema_refuses_them_too():
     assert re.match(URI_PATTERN, "s3://b/x") and re.match(URI_PATTERN, "gs://b/x")
 
 
+@pytest.mark.parametrize("uri", ["s3://key:s3cr3t@bucket/x", "gs://s3cr3t@bucket/x", "memory://k:s3cr3t@x/y"])
+def test_the_dag_param_schema_refuses_credentials_in_a_uri_without_showing_them(uri):
+    from airflow_provider_vllm.core.param_schemas import URI_PATTERN, validate_params
+
+    assert re.match(URI_PATTERN, uri) is None
+    assert re.match(URI_PATTERN, "s3://bucket/x@2026") and re.match(URI_PATTERN, "/data/a@b")
+    for name in ("input_uri", "output_uri", "compare_with"):
+        with pytest.raises(SpecError, match=f"param {name}=") as e:
+            validate_params({name: uri})
+        assert "s3cr3t" not in str(e.value) and "***@" in str(e.value)
+
+
 # ---- blank ids ------------------------------------------------------------------------------
 BLANKS = [" ", "   ", "\t", "\n", "\r\n", "\u00a0", "\u3000", "\u2028", " \t\u2003 ", "\x0b", "\x1f", "\x85"]
 
