@@ -887,6 +887,11 @@ class JobSpec(_Model):
             if path is None:
                 continue
             if path == "sampling.structured.choice":
+                # list() would make a string its characters, a mapping its keys
+                if value is not None and not (
+                    isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
+                ):
+                    raise SpecError(f"param {key!r}: must be a list of label strings, got {type(value).__name__}")
                 doc.setdefault("sampling", {})["structured"] = None if value is None else {"choice": list(value)}
                 continue
             parts = path.split(".")

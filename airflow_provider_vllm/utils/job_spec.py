@@ -44,10 +44,17 @@ def spec_document(value: Any) -> dict[str, Any]:
 
 
 def overrides_document(value: Any) -> dict[str, Any]:
-    """Flat overrides (dotted keys or ``PARAM_ALIASES``) from a dict or YAML/JSON text."""
+    """Flat overrides (dotted keys or ``PARAM_ALIASES``) from a dict or YAML/JSON text; SpecError (no retry)
+    naming them when the text does not parse."""
     if value is None or value == "":
         return {}
-    doc = yaml.safe_load(value) if isinstance(value, (str, bytes)) else value
+    try:
+        doc = yaml.safe_load(value) if isinstance(value, (str, bytes)) else value
+    except yaml.YAMLError as e:
+        raise SpecError(
+            f"spec overrides (the plan's overrides, e.g. the vllm_batch_spec_overrides Variable) are not valid "
+            f"YAML or JSON: {e}"
+        ) from None
     if doc is None:
         return {}
     if not isinstance(doc, Mapping):

@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 
@@ -283,3 +284,11 @@ def test_changes_from_the_output_table_needs_one_and_excludes_a_previous_uri():
     with pytest.raises(SpecError, match="exclusive"):
         JobSpec.load({**_table_doc(output_table=out), "changes": {"previous_table": True, "previous_uri": "/prev"}})
     assert JobSpec.load({**_table_doc(output_table=out), "changes": {"previous_table": True}}).changes.previous_table
+
+
+@pytest.mark.parametrize("key", ["labels", "sampling.structured.choice"])
+@pytest.mark.parametrize("value", ["abc", {"a": 1, "b": 2}, 3, ["a", 2]])
+def test_labels_that_are_not_a_list_of_strings_are_refused_naming_the_param(allowed, key, value):
+    with pytest.raises(SpecError, match=rf"param '{re.escape(key)}': must be a list of label strings"):
+        JobSpec.from_params({key: value}, base=base_doc(allowed))
+    assert JobSpec.from_params({key: ("a", "b")}, base=base_doc(allowed)).sampling.structured.choice == ["a", "b"]

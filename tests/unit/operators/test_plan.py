@@ -28,6 +28,13 @@ def test_a_null_override_turns_a_field_off():
     assert op({}).build_spec({}).cache.uri == "/cache"
 
 
+def test_malformed_overrides_fail_the_plan_without_retry_naming_them():
+    from airflow.sdk.exceptions import AirflowFailException
+
+    with pytest.raises(AirflowFailException, match="plan: spec overrides .*vllm_batch_spec_overrides"):
+        op("{cache.uri: null").build_spec({})
+
+
 def test_an_empty_form_field_keeps_the_override():
     o = op({"sharding.target_rows": 7}, param_overrides=["shard_rows"])
     assert o.build_spec({"shard_rows": None}).sharding.target_rows == 7

@@ -34,6 +34,12 @@ def test_overrides_empty_or_mapping_only():
         overrides_document("[1]")
 
 
+@pytest.mark.parametrize("text", ["a: [unclosed", "{cache.uri: null", "key: value: other", "\tbad: tab"])
+def test_malformed_overrides_are_a_spec_error_naming_the_variable(text):
+    with pytest.raises(SpecError, match="vllm_batch_spec_overrides Variable.* not valid YAML or JSON"):
+        overrides_document(text)
+
+
 def test_an_unknown_runner_fails_without_retry_naming_the_param():
     assert check_runner(" kubernetes ") == "kubernetes"
     with pytest.raises(AirflowFailException, match="mode='gpu' is not a runner"):
