@@ -416,7 +416,10 @@ def checked_parts(out: Storage, kind: str, merged: MergeSummary, copies: Checked
     sealed = merged.ok_rows if kind == RESULTS else merged.error_rows
     if manifest.rows != sealed:
         raise CommitError(f"{out.uri(manifest_rel(kind))} names {manifest.rows} rows; the sealed {MERGED} {sealed}")
-    return copies.all([(f"{kind}/{p.name}", p.bytes, p.sha256) for p in manifest.parts])
+    rels = [f"{kind}/{p.name}" for p in manifest.parts]
+    for rel in rels:
+        check_inside(out, rel, out.uri(manifest_rel(kind)))  # a local symlink leaving the run: refused, named
+    return copies.all([(rel, p.bytes, p.sha256) for rel, p in zip(rels, manifest.parts)])
 
 
 def verify_parts(out: Storage, kind: str, manifest: PartsManifest) -> None:
