@@ -6,7 +6,8 @@ Airflow (the UI's session cookie or a ``Bearer`` token) and allowed to read the 
 instances. The run and its QA and plan task instances must exist in the metadata DB, and the
 XComs used must have been written by those task instances while they ran (``tie_to_tasks``);
 the file is located from them (see ``report_access``), never from a path or a location in the
-request, and must pass the job's URI rules and the deployment's
+request, its bytes must be the ones the QA task wrote (the sha256 its summary XCom carries: a report
+rewritten in the bucket after QA is refused), and it must pass the job's URI rules and the deployment's
 allow-list (``[vllm_batch] allowed_uri_prefixes``; none configured -> 403 unless
 ``[vllm_batch] allow_any_location = True``); ``[vllm_batch] report_roots`` can narrow it
 further. The file is read with the deployment's credentials only: the Airflow Connections
@@ -45,9 +46,11 @@ from airflow_provider_vllm.plugins.report_access import (
     TaskRecord,
     XComRecord,
     check_local_file,
+    check_vouched,
     plan_task_id,
     resolve_report,
     tie_to_tasks,
+    vouched_digest,
 )
 from airflow_provider_vllm.provider import ALLOW_ANY_LOCATION, ALLOWED_URI_PREFIXES, CONFIG_SECTION, REPORT_ROOTS
 
@@ -129,8 +132,10 @@ def _serve(kind: str, session: Any, dag_id: str, run_id: str, task_id: str, map_
         qa_summary, spec = tie_to_tasks(_records(session, dag_id, run_id, task_id, map_index))
         loc = resolve_report(qa_summary, spec, rules)
         check_local_file(loc, kind, rules)
+        want = vouched_digest(qa_summary, kind)
         # no options from XCom: the location alone, opened with the deployment's Connections
         body = Storage(loc.output_uri, {}, filesystems()).read_bytes(loc.rel(kind))
+        check_vouched(body, want, loc.rel(kind))
     except SpecError as e:  # e.g. the object store's provider package is missing
         raise HTTPException(status_code=403, detail=f"refused: {e}") from None
     except ReportAccessError as e:

@@ -26,6 +26,7 @@ is the deployment's (its Airflow Connections, see ``connections``). Every refusa
 
 from __future__ import annotations
 
+import hashlib
 import os
 import posixpath
 from collections.abc import Iterable, Mapping
@@ -224,3 +225,24 @@ def check_local_file(loc: ReportLocation, kind: str, policy: ReportPolicy) -> No
     inside = is_under(real, loc.output_uri) and (not policy.allowed or any(is_under(real, p) for p in policy.allowed))
     if not inside:
         raise ReportAccessError(403, f"{loc.rel(kind)} leads outside the run's output prefix")
+
+
+def vouched_digest(qa_result: Any, kind: str) -> str:
+    """The sha256 of the ``kind`` ('html' | 'json') report that the QA task's summary XCom names; 403 when it names
+    none (a summary of a provider before reports were vouched for: rerun the QA task)."""
+    digests = qa_result.get("report_sha256") if isinstance(qa_result, Mapping) else None
+    want = digests.get(kind) if isinstance(digests, Mapping) else None
+    if not isinstance(want, str) or len(want) != 64:
+        raise ReportAccessError(
+            403, "the QA task's summary vouches for no report bytes (written before reports were checked): rerun QA"
+        )
+    return want
+
+
+def check_vouched(body: bytes, want: str, rel: str) -> None:
+    """403 unless ``body`` is the report the QA task wrote: anyone who can write the run's output prefix could
+    otherwise show a reviewer another verdict than the one QA reached."""
+    if hashlib.sha256(body).hexdigest() != want:
+        raise ReportAccessError(
+            403, f"{rel} is not the report the QA task wrote (sha256 differs): it was changed after QA; rerun QA"
+        )

@@ -10,6 +10,7 @@ seen nothing. The readable case goes to moto's S3 through an Airflow Connection 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 from datetime import UTC, datetime, timedelta
@@ -23,6 +24,8 @@ from tests.support.loopback import SECRET_BODY, RecordingServer, aws_connection,
 from tests.support.s3server import MotoServer
 
 REPORT = b"<!doctype html><title>QA report</title><p>the run's own report</p>"
+REPORT_JSON = b'{"status": "pass"}'
+VOUCHED = {"html": hashlib.sha256(REPORT).hexdigest(), "json": hashlib.sha256(REPORT_JSON).hexdigest()}
 
 
 @pytest.fixture
@@ -68,6 +71,7 @@ def plant(xcoms: dict, output_uri: str, report_html: str | None = None, **io) ->
     xcoms[("job.qa", "return_value")] = {
         "status": "pass",
         "report_html": report_html or f"{output_uri.rstrip('/')}/qa/report.html",
+        "report_sha256": VOUCHED,  # what the QA task wrote (REPORT, REPORT_JSON)
     }
 
 
@@ -106,7 +110,10 @@ def hostile_cases(srv: RecordingServer, tmp: Path) -> dict[str, tuple[dict, str]
         "gs instead of s3": ({"output_uri": "gs://data/runs/r1"}, "outside"),
         "dot-dot out of the allowed prefix": ({"output_uri": "s3://data/runs/../../other-team/x"}, "'..'"),
         "encoded dot-dot": ({"output_uri": "s3://data/runs/%2e%2e/other"}, "percent-encoded"),
-        "credentials in the s3 url": ({"output_uri": "s3://AKIA:secret@data/runs/r1"}, "not a valid bucket"),
+        "credentials in the s3 url": (
+            {"output_uri": "s3://AKIA:secret@data/runs/r1"},
+            "credentials in URIs are not allowed",
+        ),
         "credentials and port in an http url": (
             {"output_uri": f"http://user:pw@127.0.0.1:{srv.port}/x"},
             "not allowed",
@@ -146,6 +153,7 @@ def test_hostile_report_locations_get_403_and_no_request_leaves(page, tmp_path, 
                 r = get(client, kind)
                 assert r.status_code == 403, (name, kind, r.status_code, r.text[:300])
                 assert reason in r.json()["detail"], (name, r.json()["detail"])
+                assert "secret@" not in r.json()["detail"] and "pw@" not in r.json()["detail"]  # never echoed
                 assert SECRET_BODY not in r.content and b"host secret" not in r.content
             refused.append(name)
         record_malicious("report page location (SSRF)", len(cases), len(refused))
@@ -188,13 +196,24 @@ def test_a_local_runs_own_report_is_served(page, tmp_path, monkeypatch):
     run = tmp_path / "data" / "runs" / "r1"
     (run / "qa").mkdir(parents=True)
     (run / "qa" / "report.html").write_bytes(REPORT)
-    (run / "qa" / "report.json").write_text('{"status": "pass"}')
+    (run / "qa" / "report.json").write_bytes(REPORT_JSON)
     monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", str(tmp_path / "data"))
     plant(xcoms, f"file://{run}/")
     r = get(client)
     assert r.status_code == 200 and r.content == REPORT
     assert r.headers["content-security-policy"].startswith("default-src 'none'")
     assert get(client, "report.json").json() == {"status": "pass"}
+    # a report rewritten after QA (a writer of the prefix shows the reviewer another verdict): refused, named
+    (run / "qa" / "report.html").write_bytes(REPORT.replace(b"own report", b"PASS, approve"))
+    r = get(client)
+    assert r.status_code == 403 and "qa/report.html is not the report the QA task wrote" in r.json()["detail"]
+    assert b"approve" not in r.content
+    (run / "qa" / "report.html").write_bytes(REPORT)
+    # a QA summary that vouches for no bytes (an earlier provider's): nothing is served
+    xcoms[("job.qa", "return_value")].pop("report_sha256")
+    r = get(client)
+    assert r.status_code == 403 and "vouches for no report bytes" in r.json()["detail"]
+    plant(xcoms, f"file://{run}/")
     # report_roots narrows further
     monkeypatch.setenv("AIRFLOW__VLLM_BATCH__REPORT_ROOTS", str(tmp_path / "data" / "other"))
     r = get(client)
@@ -245,6 +264,7 @@ def test_s3_report_is_read_through_the_connection_only_never_xcom_options(page, 
 
 # ---- against a real metadata DB: real runs of two teams' DAGs, then forged XComs -------------
 TEAM_DAGS = """
+import hashlib
 import json
 from pathlib import Path
 
@@ -267,8 +287,10 @@ for team in ("team_a", "team_b"):
             @task(task_id="qa")
             def qa(out=out, team=team):
                 Path(out, "qa").mkdir(parents=True, exist_ok=True)
-                Path(out, "qa", "report.html").write_text(f"<p>report of {{team}}</p>")
-                return {{"status": "pass", "report_html": f"{{out}}/qa/report.html"}}
+                body = f"<p>report of {{team}}</p>".encode()
+                Path(out, "qa", "report.html").write_bytes(body)
+                vouched = {{"html": hashlib.sha256(body).hexdigest()}}
+                return {{"status": "pass", "report_html": f"{{out}}/qa/report.html", "report_sha256": vouched}}
 
             plan() >> qa()
 """

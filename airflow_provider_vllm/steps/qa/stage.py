@@ -217,4 +217,6 @@ def qa_summary(report: QAReport, paths: dict[str, str], out_uri: str) -> dict[st
         "references": ((d["metrics"].get("quality") or {}).get("locations")) or {},
         "report_html": f"{out_uri.rstrip('/')}/{paths['report_html']}",
         "report_json": f"{out_uri.rstrip('/')}/{paths['report_json']}",
+        # the reports' bytes as QA wrote them: the report page (plugins/report.py) serves nothing else
+        "report_sha256": {"html": paths.get("report_html_sha256"), "json": paths.get("report_json_sha256")},
     }

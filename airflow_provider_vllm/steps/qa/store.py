@@ -57,7 +57,9 @@ def write_qa(
     """Write ``{prefix}/sample.parquet``, ``report.html``, ``report.json`` and, given ``keyring`` and ``measured``
     (the sealed merge summary QA measured), last the sealed ``{prefix}/_QA.json``; each atomically.
 
-    Returns the relative paths under ``storage``: keys ``report_json``, ``report_html``, ``sample``.
+    Returns the relative paths under ``storage``: keys ``report_json``, ``report_html``, ``sample``; and the sha256
+    of the two reports as written, keys ``report_json_sha256`` and ``report_html_sha256`` (the QA task's XCom
+    carries them: the report page serves a report only when its bytes are these).
     """
     prefix = prefix.strip("/")
     paths = {
@@ -87,10 +89,11 @@ def write_qa(
     ):
         storage.write_atomic(paths[kind], body)
         written[kind] = (len(body), hashlib.sha256(body).hexdigest())
+    digests = {f"{kind}_sha256": written[kind][1] for kind in ("report_html", "report_json")}
     if keyring is not None and measured is not None:
         files = {k: QAFile(path=paths[k], bytes=n, sha256=sha) for k, (n, sha) in written.items()}
         _write_record(storage, record_path, report, files, keyring, measured)
-    return paths
+    return {**paths, **digests}
 
 
 def _write_record(

@@ -3,6 +3,7 @@ used only when its run's sealed record vouches for it."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pyarrow.parquet as pq
@@ -26,9 +27,11 @@ def test_write_qa_roundtrip(tmp_path):
     rep = evaluate(results, errors, spec=QASpec(sample_size=25), labels=LABELS, structured=True, previous=prev)
     st_ = Storage(str(tmp_path))
     paths = write_qa(rep, st_)
+    digests = {k: paths.pop(f"{k}_sha256") for k in ("report_html", "report_json")}
     assert paths == {"sample": "qa/sample.parquet", "report_html": "qa/report.html", "report_json": "qa/report.json"}
     for p in paths.values():
         assert (tmp_path / p).is_file()
+    assert digests == {k: hashlib.sha256((tmp_path / paths[k]).read_bytes()).hexdigest() for k in digests}
     assert not (tmp_path / "qa" / "_QA.json").exists()  # nothing to vouch with: no key, no merge measured
     d = json.loads((tmp_path / "qa/report.json").read_text())
     assert d == json.loads(json.dumps(rep.to_dict()))
