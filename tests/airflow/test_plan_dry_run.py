@@ -68,6 +68,7 @@ def test_rerun_dag_dry_run_param_skips_the_run_in_real_airflow(airflow_sandbox, 
 def test_plan_dry_run_logs_the_gpu_layout_and_refuses_a_tp_the_model_cannot_split(tmp_path, capsys):
     """The rerun DAG's dry_run param goes through the plan operator: the layout is logged and in the XCom;
     a tensor_parallel_size vLLM cannot split the model over fails the task (no retry), naming the field."""
+    from airflow.sdk import DAG, Param
     from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
     from airflow_provider_vllm.operators import VllmPlanOperator
@@ -75,8 +76,11 @@ def test_plan_dry_run_logs_the_gpu_layout_and_refuses_a_tp_the_model_cannot_spli
 
     model = str(make_tiny_llama(default_cache_dir() / "tiny-llama"))  # 2 attention heads, 2 KV heads
     dataset(tmp_path, n=40)
+    dag = DAG("d", schedule=None, params={"dry_run": Param(False, type="boolean")})  # as vllm_batch_rerun
     op = VllmPlanOperator(
-        task_id="plan", spec=spec_doc(tmp_path, model={"name": model}, sharding={"hardware": "1x NVIDIA H200"})
+        task_id="plan",
+        spec=spec_doc(tmp_path, model={"name": model}, sharding={"hardware": "1x NVIDIA H200"}),
+        dag=dag,
     )
     ctx = context({"dry_run": True})
     with pytest.raises(AirflowSkipException):
@@ -85,7 +89,9 @@ def test_plan_dry_run_logs_the_gpu_layout_and_refuses_a_tp_the_model_cannot_spli
     assert layout["tensor_parallel_size"] == layout["gpus_per_pod"] == 1 and layout["verdict"] == "fits"
     assert "layout: 1 GPU per shard pod (TP=1)" in capsys.readouterr().out
     bad = VllmPlanOperator(
-        task_id="plan", spec=spec_doc(tmp_path, model={"name": model}, engine={"tensor_parallel_size": 4})
+        task_id="plan_tp4",
+        spec=spec_doc(tmp_path, model={"name": model}, engine={"tensor_parallel_size": 4}),
+        dag=dag,
     )
     with pytest.raises(AirflowFailException, match=r"engine.tensor_parallel_size 4: 2 attention heads do not divide"):
         bad.execute(context({"dry_run": True}))

@@ -62,4 +62,4 @@ def test_audit_no_shell_no_eval_no_second_template_render():
     assert problems == []
     # the one process launch in the package takes argv from worker_command (a list)
     src = (ROOT / "airflow_provider_vllm" / "utils" / "worker_process.py").read_text()
-    assert "subprocess.Popen(\n            self.argv," in src
+    assert "argv = list(self.argv)" in src and "subprocess.Popen(\n            argv," in src
