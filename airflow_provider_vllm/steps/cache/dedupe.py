@@ -110,7 +110,7 @@ def keyed_rows(spec: JobSpec, found, workdir: str, needed: list[str], memory_lim
     khash = salt(spec)
     con = duck.connect(found.root, memory_limit=memory_limit)
     try:
-        src = f"read_parquet({duck.file_list(found.root, found.names)})"
+        src = f"read_parquet({duck.file_list(found.root, found.names)}, union_by_name = true)"
         try:
             types = column_types(con, src, spec)
         except SpecError as e:
@@ -309,7 +309,7 @@ def expected(spec: JobSpec, found, memory_limit: str = "512MB") -> dict:
 
         con = duck.connect(found.root, memory_limit=memory_limit)
         try:
-            src = f"read_parquet({duck.file_list(found.root, found.names)})"
+            src = f"read_parquet({duck.file_list(found.root, found.names)}, union_by_name = true)"
             try:
                 types = column_types(con, src, spec)
             except SpecError as e:

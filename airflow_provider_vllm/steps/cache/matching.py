@@ -80,7 +80,9 @@ class Source:
 
     def __init__(self, found: Input) -> None:
         self.files = duck.file_list(found.root, found.names)
-        self.scan = f"read_parquet({self.files}, filename = '{duck.FILENAME}', file_row_number = true)"
+        self.scan = (
+            f"read_parquet({self.files}, filename = '{duck.FILENAME}', file_row_number = true, union_by_name = true)"
+        )
         self.place = f"(CAST(list_position({self.files}, {duck.FILENAME}) AS BIGINT) << 40) + file_row_number"
 
 

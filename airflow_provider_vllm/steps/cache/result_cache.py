@@ -128,7 +128,9 @@ def _prepare(
     # DuckDB streams the keys pass and joins only the misses here; the index and the hits are Python's memory
     con = duck.connect(found.root, memory_limit=PLAN_MEMORY_LIMIT)
     files = duck.file_list(found.root, found.names)
-    types = column_types(con, f"read_parquet({files})", spec)  # SpecError for a column the key cannot encode
+    types = column_types(
+        con, f"read_parquet({files}, union_by_name = true)", spec
+    )  # SpecError for a column the key cannot encode
     return _Prepared(con, khash, cfg, commits, parts, index, types)
 
 

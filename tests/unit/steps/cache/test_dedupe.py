@@ -474,3 +474,17 @@ def test_golden_rows_that_ride_along_are_never_leaders_nor_followers(tmp_path):
         ids = pq.read_table(out / kind, columns=["id"]).column("id").to_pylist()
         assert not any(i.startswith(RESERVED_ID_PREFIX) for i in ids)
     assert sorted(rows(spec)) == IDS and summary.golden.rows == 6
+
+
+def test_a_text_column_of_only_nulls_in_the_first_file_is_read_with_the_others(tmp_path, fake_engine_factory):
+    """Files whose text column has the Parquet type null (all empty) and string: DuckDB read the files with the first
+    file's types and failed to cast the string file (a raw ConversionException, retried). The null rows are
+    EMPTY_INPUT errors, the repeated prompt is inferred once, and every row is accounted for."""
+    (tmp_path / "in").mkdir()
+    pq.write_table(pa.table({"id": ["a", "b"], "text": pa.nulls(2, pa.null())}), tmp_path / "in" / "a.parquet")
+    pq.write_table(pa.table({"id": ["c", "d"], "text": ["same ticket", "same ticket"]}), tmp_path / "in" / "b.parquet")
+    spec = make_spec(tmp_path / "in", tmp_path / "out")
+    plan, summary = run_job(spec, fake_engine_factory)
+    assert plan.dedupe is not None and summary.rows == 4
+    assert sorted(rows(spec)) == ["c", "d"] and answer(rows(spec)["c"])[:2] == answer(rows(spec)["d"])[:2]
+    assert {i: r["error_code"] for i, r in rows(spec, ERRORS).items()} == {"a": "EMPTY_INPUT", "b": "EMPTY_INPUT"}
