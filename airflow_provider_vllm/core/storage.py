@@ -17,11 +17,15 @@ never travels: a Storage made from it holds a reference to the factory only.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import posixpath
 import re
 import shutil
+import stat
+import tempfile
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -280,6 +284,49 @@ class CheckedCopies:
 
         with ThreadPoolExecutor(max_workers=max(1, min(self.THREADS, os.cpu_count() or 1, len(files)))) as pool:
             return list(pool.map(lambda f: self.get(*f), files))
+
+
+STALE_COPIES_S = 24 * 3600  # a copies folder this old whose process is gone was left by a killed task
+
+
+@contextlib.contextmanager
+def copies_folder(step: str) -> Iterator[str]:
+    """A private temporary folder (mode 0700, under ``TMPDIR``) for ``CheckedCopies`` of one task, removed on exit.
+
+    Its name carries the process id: a task killed with SIGKILL cannot remove its folder, which may hold a run's
+    whole ``results/``. So each new one first removes the folders of this ``step`` whose process is gone and that
+    are older than ``STALE_COPIES_S`` (both: a process id is reused in time, and another container sharing the
+    folder has other process ids)."""
+    root = tempfile.gettempdir()
+    prefix = f"vllm-batch-{step}-"
+    _sweep_stale(root, prefix)
+    path = tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=root)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _sweep_stale(root: str, prefix: str) -> None:
+    now = time.time()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(prefix) :].split("-", 1)[0] if name.startswith(prefix) else ""
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        path = os.path.join(root, name)
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or now - st.st_mtime < STALE_COPIES_S:
+                continue
+            os.kill(int(pid), 0)  # alive (or another user's): kept
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            continue
 
 
 _TEMP_SUFFIX = re.compile(r"\.tmp-[0-9a-f]{32}")

@@ -67,7 +67,7 @@ from airflow_provider_vllm.core.records import (
 from airflow_provider_vllm.core.rows import ERROR_SCHEMA, RESULT_SCHEMA, ROW_SCHEMA
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
-from airflow_provider_vllm.core.storage import CheckedCopies, FileSystems, Storage
+from airflow_provider_vllm.core.storage import CheckedCopies, FileSystems, Storage, copies_folder
 from airflow_provider_vllm.steps.cache import result_cache as cache
 from airflow_provider_vllm.steps.golden import merge_golden
 from airflow_provider_vllm.steps.merge import ordered
@@ -133,7 +133,7 @@ def merge(
     pipeline for this run) or VerificationError (ids missing, extra, or committed twice with differing
     content).
     """
-    with tempfile.TemporaryDirectory(prefix="vllm-batch-merge-") as tmp:
+    with copies_folder("merge") as tmp:
         return _merge(spec, memory_limit, filesystems, keyring, tmp)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import tempfile
 from typing import Any
 
 import pyarrow as pa
@@ -11,7 +10,7 @@ from airflow_provider_vllm.core import duck
 from airflow_provider_vllm.core.plan import Plan, changes_spec, load_plan
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
-from airflow_provider_vllm.core.storage import CheckedCopies, FileSystems, Storage
+from airflow_provider_vllm.core.storage import CheckedCopies, FileSystems, Storage, copies_folder
 from airflow_provider_vllm.steps.cache.dedupe import qa_metrics as dedupe_metrics
 from airflow_provider_vllm.steps.golden import attach_golden
 from airflow_provider_vllm.steps.merge.changes import compared_column, compute_changes
@@ -36,7 +35,7 @@ def qa_run(
     ``keyring``: the deployment's signing keys (default ``VLLM_BATCH_SIGNING_KEY``): QA measures only a run
     whose ``_MERGED.json`` this deployment's merge sealed, and only parts with the sealed sha256.
     """
-    with tempfile.TemporaryDirectory(prefix="vllm-batch-qa-") as tmp:
+    with copies_folder("qa") as tmp:
         return _qa_run(spec, filesystems, keyring or Keyring.from_env(), tmp)
 
 

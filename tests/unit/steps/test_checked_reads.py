@@ -194,3 +194,36 @@ def test_golden_answers_replaced_after_their_check_are_never_scored(tmp_path, mo
     with pytest.raises(CommitError, match="is not the file its sealed record names"):
         merge(spec)
     assert not (out / "_MERGED.json").exists() and not (out / "golden" / "results.parquet").exists()
+
+
+def test_a_copies_folder_left_by_a_killed_task_is_removed_by_the_next_one(tmp_path, monkeypatch):
+    """A task killed with SIGKILL leaves its copies (up to a run's results/): the next task of that step removes
+    folders of a process that is gone once they are a day old, and nothing else."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from airflow_provider_vllm.core import storage
+
+    monkeypatch.setattr(storage.tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    old = time.time() - storage.STALE_COPIES_S - 60
+
+    def folder(name: str, age: float | None = None) -> Path:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "part.parquet").write_bytes(b"x" * 100)
+        if age is not None:
+            os.utime(tmp_path / name, (age, age))
+        return tmp_path / name
+
+    stale = folder(f"vllm-batch-qa-{gone.pid}-abc", old)
+    recent = folder(f"vllm-batch-qa-{gone.pid}-def")  # the same dead process, not yet a day old
+    alive = folder(f"vllm-batch-qa-{os.getppid()}-ghi", old)  # a process that still runs
+    other_step = folder(f"vllm-batch-merge-{gone.pid}-jkl", old)
+    with storage.copies_folder("qa") as mine:
+        assert Path(mine).parent == tmp_path and Path(mine).name.startswith(f"vllm-batch-qa-{os.getpid()}-")
+        assert oct(Path(mine).stat().st_mode & 0o777) == "0o700"
+        assert not stale.exists() and recent.exists() and alive.exists() and other_step.exists()
+    assert not Path(mine).exists()
