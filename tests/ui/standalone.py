@@ -43,6 +43,23 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _group_alive(leader: subprocess.Popen) -> bool:
+    """Whether a process of the group ``leader`` leads still exists (the leader reaped first: not a zombie of ours)."""
+    leader.poll()
+    try:
+        os.killpg(leader.pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
 def marked_pids(marker: str) -> list[int]:
     """Processes whose environment holds ``VLLM_BATCH_UI_RUN=<marker>`` (this test's, nothing else)."""
     needle = f"{MARKER}={marker}".encode()
@@ -187,24 +204,24 @@ class Standalone:
             raise TimeoutError(f"DAGs not parsed after {timeout}s: {sorted(missing)}: {self.log_tail()}")
 
     def stop(self) -> list[int]:
-        """End everything this standalone started; returns pids that had to be killed by marker."""
-        for replacement in self.replacements:
-            if replacement.poll() is None:
-                replacement.terminate()
-                try:
-                    replacement.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    replacement.kill()
-        if self.proc is not None and self.proc.poll() is None:
+        """End everything this standalone started; returns pids that had to be killed by marker.
+
+        Each ``airflow`` command started here leads a process group of its own, which its children join: the
+        LocalExecutor's workers among them. Those set their process title, which overwrites the environment that
+        ``marked_pids`` reads, so the groups are signalled whether or not their leader still runs (a scheduler
+        killed by a test leaves its idle workers behind; they outlived earlier suites)."""
+        groups = [p for p in (self.proc, *self.replacements) if p is not None]
+        for p in groups:
+            _signal_group(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while any(_group_alive(p) for p in groups) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        for p in groups:
+            _signal_group(p.pid, signal.SIGKILL)
             try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                self.proc.wait(timeout=30)
+                p.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=30)
+                pass
         leftovers = marked_pids(self.marker)
         for pid in leftovers:
             try:
@@ -212,7 +229,7 @@ class Standalone:
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + 20
-        while marked_pids(self.marker) and time.monotonic() < deadline:
+        while (marked_pids(self.marker) or any(_group_alive(p) for p in groups)) and time.monotonic() < deadline:
             time.sleep(0.5)
         return leftovers
 
