@@ -28,6 +28,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -249,6 +250,14 @@ class Storage:
             yield posixpath.relpath(p, self.base)
 
 
+HASH_THREADS = 8  # files hashed side by side: at most this many, and at most one per CPU
+
+
+def hash_pool(files: int) -> ThreadPoolExecutor:
+    """Threads for hashing ``files`` files side by side (hashlib and file reads release the GIL)."""
+    return ThreadPoolExecutor(max_workers=max(1, min(HASH_THREADS, os.cpu_count() or 1, files)))
+
+
 class CheckedCopies:
     """Local copies of files of ``storage``, each checked (exact size and sha256) in the same read that copies it,
     in a private folder (``root``: made by the caller, e.g. ``tempfile.TemporaryDirectory``, mode 0700).
@@ -258,8 +267,6 @@ class CheckedCopies:
     vouches for (a sealed manifest, marker or plan naming size and sha256) is read from these copies only. Each
     file is fetched once per ``(size, sha256)``; files are fetched side by side (hashlib and reads release the
     GIL)."""
-
-    THREADS = 8
 
     def __init__(self, storage: Storage, root: str) -> None:
         self.storage, self.root = storage, root
@@ -280,9 +287,7 @@ class CheckedCopies:
         """``get`` of each ``(rel, size, sha256)``, in their order."""
         if len(files) <= 1:
             return [self.get(*f) for f in files]
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(max_workers=max(1, min(self.THREADS, os.cpu_count() or 1, len(files)))) as pool:
+        with hash_pool(len(files)) as pool:
             return list(pool.map(lambda f: self.get(*f), files))
 
 

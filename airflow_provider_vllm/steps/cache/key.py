@@ -27,7 +27,6 @@ import json
 import os
 import re
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import duckdb
@@ -37,7 +36,7 @@ from airflow_provider_vllm.core.engine_identity import local_engine_identity
 from airflow_provider_vllm.core.errors import SpecError, TransientError
 from airflow_provider_vllm.core.formats.base import row_columns
 from airflow_provider_vllm.core.spec import ENGINE_KWARGS_ALLOWED, JobSpec
-from airflow_provider_vllm.core.storage import FileSystems
+from airflow_provider_vllm.core.storage import FileSystems, hash_pool
 from airflow_provider_vllm.steps.cache.fingerprint_memo import FileStat, FingerprintMemo
 
 KEY_FORMAT_VERSION = 2  # 1: CAST(col AS VARCHAR) per column, edge-hashed weights; 2: typed values, every byte
@@ -67,7 +66,6 @@ NON_KEY_ENGINE_KWARGS = frozenset(
 )
 assert KEY_ENGINE_KWARGS | NON_KEY_ENGINE_KWARGS == ENGINE_KWARGS_ALLOWED
 
-HASH_THREADS = 8  # at most, and at most one per CPU
 COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")  # a hub (git) commit: the only revision that cannot move
 
 # DuckDB types of a template column and the text of a value that the key hashes; each text is
@@ -205,7 +203,7 @@ def weights_fingerprint(folder: str, memo: FingerprintMemo | None = None) -> str
     files.sort()
     memo.load()
     # hashlib and file reads release the GIL: big weight files are hashed side by side
-    with ThreadPoolExecutor(max_workers=max(1, min(HASH_THREADS, os.cpu_count() or 1, len(files)))) as pool:
+    with hash_pool(len(files)) as pool:
         sums = list(pool.map(lambda f: _file_sha256(f[1], f[0], folder, memo), files))
     h = hashlib.sha256()
     for (rel, _), (size, digest) in zip(files, sums, strict=True):

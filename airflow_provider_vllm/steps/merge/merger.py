@@ -37,7 +37,6 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
 import duckdb
@@ -67,7 +66,7 @@ from airflow_provider_vllm.core.records import (
 from airflow_provider_vllm.core.rows import ERROR_SCHEMA, RESULT_SCHEMA, ROW_SCHEMA
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
-from airflow_provider_vllm.core.storage import CheckedCopies, FileSystems, Storage, copies_folder
+from airflow_provider_vllm.core.storage import CheckedCopies, FileSystems, Storage, copies_folder, hash_pool
 from airflow_provider_vllm.steps.cache import result_cache as cache
 from airflow_provider_vllm.steps.golden import merge_golden
 from airflow_provider_vllm.steps.merge import ordered
@@ -99,7 +98,6 @@ SCHEMAS = {RESULTS: RESULT_SCHEMA, ERRORS: ERROR_SCHEMA}
 # id that differ only here are the same result (e.g. one chunk named twice), anything else differs.
 PROVENANCE_COLUMNS = ("shard_id", "attempt_id", "latency_ms", "cached_from")
 DUPLICATE_EXAMPLES = 10
-HASH_THREADS = 8  # parts hashed side by side when they are checked: at most this many, and one per CPU
 _ATTEMPT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _CHUNK_NAME = {
     RESULTS: re.compile(r"^chunk-(\d{5})\.parquet$"),
@@ -448,7 +446,7 @@ def _first_unmatched(out: Storage, parts: Sequence[_P], rel: Callable[[_P], str]
         r = rel(p)
         return out.size(r) == p.bytes and out.sha256(r) == p.sha256
 
-    pool = ThreadPoolExecutor(max_workers=max(1, min(HASH_THREADS, os.cpu_count() or 1, len(parts))))
+    pool = hash_pool(len(parts))
     try:
         for p, ok in zip(parts, pool.map(matches, parts), strict=True):
             if not ok:
