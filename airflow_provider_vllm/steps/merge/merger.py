@@ -148,7 +148,14 @@ def _merge(
     if plan.spec_hash != spec.content_hash():
         raise CommitError(f"the plan at {spec.io.output_uri} was made for another spec; refusing to merge")
     assert plan.seal is not None
-    sources, markers = committed_parts(out, plan, RunSeal(keyring, plan.seal.mac))
+    # the computed parts the merge reads again (the cache's entry: results; the followers: both kinds) are checked
+    # by copying them, once: those copies are what is read later, the others are checked by a streaming read
+    again: tuple[str, ...] = ()
+    if plan.dedupe is not None and plan.dedupe.followers_file is not None:
+        again = KINDS
+    elif plan.cache is not None:
+        again = (RESULTS,)
+    sources, markers = committed_parts(out, plan, RunSeal(keyring, plan.seal.mac), copies, again)
     # The one place for more result parts: the result cache's hits (the plan's hits file, a
     # RESULT_SCHEMA file checked against the sealed plan's sha256) are published like any committed
     # part, after the computed ones. The id verification, duplicate accounting and publishing
@@ -239,7 +246,7 @@ def _merge(
             out,
             spec,
             plan,
-            committed_parts(out, plan.golden.view(plan), RunSeal(keyring, plan.seal.mac))[0],
+            committed_parts(out, plan.golden.view(plan), RunSeal(keyring, plan.seal.mac), copies, KINDS)[0],
             copies,
         )
         if plan.golden is not None
@@ -438,11 +445,16 @@ def verify_parts(out: Storage, kind: str, manifest: PartsManifest) -> None:
         )
 
 
-def _first_unmatched(out: Storage, parts: Sequence[_P], rel: Callable[[_P], str]) -> _P | None:
+def _first_unmatched(
+    out: Storage, parts: Sequence[_P], rel: Callable[[_P], str], check: Callable[[_P], bool | None] | None = None
+) -> _P | None:
     """The first of ``parts``, in their order, whose file ``rel(p)`` does not have its ``bytes`` and ``sha256``;
-    None when every one does. hashlib and file reads release the GIL: parts are hashed side by side."""
+    None when every one does. hashlib and file reads release the GIL: parts are hashed side by side. ``check``:
+    another way to check a part (its verdict; None: the streaming read)."""
 
     def matches(p: _P) -> bool:
+        if check is not None and (verdict := check(p)) is not None:
+            return verdict
         r = rel(p)
         return out.size(r) == p.bytes and out.sha256(r) == p.sha256
 
@@ -474,7 +486,13 @@ def _record_throughput(
         log.warning("could not write the throughput record to %s: %s", spec.sharding.history_uri, e)
 
 
-def committed_parts(out: Storage, plan: Plan, run: RunSeal) -> tuple[dict[str, list[SourcePart]], list[CommitMarker]]:
+def committed_parts(
+    out: Storage,
+    plan: Plan,
+    run: RunSeal,
+    copies: CheckedCopies | None = None,
+    copy_kinds: Sequence[str] = (),
+) -> tuple[dict[str, list[SourcePart]], list[CommitMarker]]:
     """The part files named by the markers of every planned shard, in plan order, per kind; raises if any is missing.
 
     A marker must be this shard's (its ``shard_id``) and every path it names must be a part
@@ -483,7 +501,9 @@ def committed_parts(out: Storage, plan: Plan, run: RunSeal) -> tuple[dict[str, l
     refused (``CommitError``, terminal) before any file is opened. A marker is read only when it
     carries this deployment's worker seal for this shard of this run's plan (``ShardStore.marker``);
     its files' sizes and sha256 are checked here (a streaming read; on object stores the published copies
-    are checked again after publishing, ``verify_parts``). Each part
+    are checked again after publishing, ``verify_parts``). The parts of ``copy_kinds`` are checked by copying
+    them into ``copies`` instead (in the same read): the caller reads those again from the copies, and nothing
+    reads them twice. Each part
     gets its published name: ``part-<n>-<shard>-<chunk>.parquet``, ``n`` its chunk's index in plan order.
     """
     entries: list[tuple[str, str, Any]] = []
@@ -542,13 +562,31 @@ def committed_parts(out: Storage, plan: Plan, run: RunSeal) -> tuple[dict[str, l
                     name=f"part-{n:0{width}d}-{shard_id}-{chunk:05d}.parquet",
                 )
             )
-    _check_digests(out, [p for k in KINDS for p in sources[k]])
+    copied = {p.path for k in copy_kinds for p in sources[k]} if copies is not None else set()
+    _check_digests(out, [p for k in KINDS for p in sources[k]], copies, copied)
     return sources, markers
 
 
-def _check_digests(out: Storage, parts: list[SourcePart]) -> None:
-    """CommitError naming the first part (in plan order) whose size or sha256 is not its marker's."""
-    bad = _first_unmatched(out, sorted(parts, key=lambda p: p.name), lambda p: p.path)
+def _check_digests(
+    out: Storage,
+    parts: list[SourcePart],
+    copies: CheckedCopies | None = None,
+    copied: set[str] | frozenset = frozenset(),
+) -> None:
+    """CommitError naming the first part (in plan order) whose size or sha256 is not its marker's; the parts whose
+    path is in ``copied`` are checked as ``copies`` copies them."""
+
+    def by_copy(p: SourcePart) -> bool:
+        assert copies is not None
+        try:
+            copies.get(p.path, p.bytes, p.sha256)
+        except CommitError:
+            return False
+        return True
+
+    bad = _first_unmatched(
+        out, sorted(parts, key=lambda p: p.name), lambda p: p.path, lambda p: by_copy(p) if p.path in copied else None
+    )
     if bad is not None:
         raise CommitError(f"{bad.path} does not match its commit marker (size or sha256)")
 

@@ -84,8 +84,8 @@ def test_parts_replaced_after_the_merge_checked_them_never_reach_the_cache(tmp_p
         return real_hit(point, *a, **kw)
 
     monkeypatch.setattr(faults, "hit", writer)
-    with pytest.raises(CommitError, match="is not the file its sealed record names"):
-        merge(s1)
+    # the entry is made from the copies the merge checked the parts with: the published parts are not read again
+    merge(s1)
     monkeypatch.setattr(faults, "hit", real_hit)
     assert saved
     _put_back(saved)  # the genuine bytes again: the forged ones were in the bucket only while the merge ran
@@ -165,10 +165,44 @@ def test_followers_are_made_from_the_leaders_rows_that_were_checked(tmp_path, fa
             _put_back(saved)
 
     monkeypatch.setattr(merger, "_follower_sources", swapped_meanwhile)
-    with pytest.raises(CommitError, match="is not the file its sealed record names"):
+    merge(spec)  # the followers are made from the copies the leaders' chunks were checked with, not a second read
+    assert "FORGED" not in {r["label"] for r in results(spec).values()}
+
+
+def test_the_parts_merge_reads_again_are_read_from_the_bucket_once(tmp_path, fake_engine_factory, monkeypatch):
+    """The computed parts that the followers (and a cache entry) are made from are checked by copying them: one
+    read of each from the bucket, not a streaming check and then a copy."""
+    ids = [f"r{i:03d}" for i in range(40)]
+    write_parquet(tmp_path / "in.parquet", ids, [f"ticket {i % 20} about billing" for i in range(40)])
+    spec = make_spec(tmp_path / "in.parquet", tmp_path / "out", sharding={"target_rows": 10, "chunk_rows": 5})
+    plan = plan_job(spec)
+    assert plan.dedupe is not None and plan.dedupe.followers == 20
+    _shards(spec, plan, fake_engine_factory)
+    chunk = sorted(Path(spec.io.output_uri).glob("shards/*/attempts/*/chunk-00001.parquet"))[0]
+    genuine = _forge(chunk, "label", _forged)  # a part checked by copying fails like one checked by reading
+    with pytest.raises(CommitError, match=rf"{chunk.name} does not match its commit marker"):
         merge(spec)
-    monkeypatch.setattr(merger, "_follower_sources", real)
+    _put_back({chunk: genuine})
+    reads: dict[str, int] = {}
+    real_open = Storage.open
+
+    def counted(self, rel, mode="rb"):
+        if rel.startswith("shards/") and "r" in mode:
+            reads[rel] = reads.get(rel, 0) + 1
+        return real_open(self, rel, mode)
+
+    monkeypatch.setattr(Storage, "open", counted)
     merge(spec)
+    monkeypatch.setattr(Storage, "open", real_open)
+    parts = {
+        p.rel
+        for k in (RESULTS, ERRORS)
+        for p in merger.committed_parts(
+            Storage(spec.io.output_uri), plan, merger.RunSeal(merger.Keyring.from_env(), plan.seal.mac)
+        )[0][k]
+    }
+    assert len(parts) >= 8 and set(reads) == parts
+    assert reads == dict.fromkeys(parts, 1)  # the followers' source rows came from the copies the check made
     assert "FORGED" not in {r["label"] for r in results(spec).values()}
 
 
@@ -183,17 +217,22 @@ def test_golden_answers_replaced_after_their_check_are_never_scored(tmp_path, mo
     known = dict(zip(truth.column("id").to_pylist(), truth.column("_vllm_golden_label").to_pylist()))
     real = merger.committed_parts
 
-    def then_swapped(o, p, run):
-        got = real(o, p, run)
+    answered: dict[str, str] = {}
+
+    def then_swapped(o, p, run, *copying):
+        got = real(o, p, run, *copying)
         if any(s.shard_id.startswith("golden") for s in p.shards):  # the golden shards: every answer made right
             for sp in got[0][RESULTS]:
+                t = pq.read_table(out / sp.rel)
+                answered.update(zip(t.column("id").to_pylist(), t.column("label").to_pylist()))
                 _forge(out / sp.rel, "label", lambda t: pa.array([known[i] for i in t.column("id").to_pylist()]))
         return got
 
     monkeypatch.setattr(merger, "committed_parts", then_swapped)
-    with pytest.raises(CommitError, match="is not the file its sealed record names"):
-        merge(spec)
-    assert not (out / "_MERGED.json").exists() and not (out / "golden" / "results.parquet").exists()
+    merge(spec)  # the golden rows are read from the copies their check made, never from the forged files
+    scored = pq.read_table(out / "golden" / "results.parquet")
+    assert answered and answered != {i: known[i] for i in answered}  # the forgery would have changed the answers
+    assert dict(zip(scored.column("id").to_pylist(), scored.column("label").to_pylist())) == answered
 
 
 def test_a_copies_folder_left_by_a_killed_task_is_removed_by_the_next_one(tmp_path, monkeypatch):
