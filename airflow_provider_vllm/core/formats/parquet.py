@@ -7,7 +7,7 @@ the row groups that hold its segment.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -25,6 +25,7 @@ from airflow_provider_vllm.core.formats.base import (
     raise_duplicates,
     row_columns,
 )
+from airflow_provider_vllm.core.rows import INVALID_ROW
 from airflow_provider_vllm.core.storage import Storage
 
 if TYPE_CHECKING:
@@ -87,7 +88,7 @@ class ParquetFormat(InputFormat):
         batch = parquet_batch(table, idc, columns)
         batch.chars = _text_chars(table, spec.prompt.texts).tolist()
         if carried:
-            batch.passthrough = table.select(carried)
+            batch.passthrough = _checked_passthrough(table.select(carried), batch.faults, name)
         return batch
 
     def file_ids(self, root: Storage, name: str, spec: JobSpec) -> list[str]:
@@ -288,7 +289,45 @@ def parquet_batch(table: pa.Table, id_column: str, columns: list[str]) -> RowBat
     if not pa.types.is_string(ids_col.type) and not pa.types.is_large_string(ids_col.type):
         ids_col = ids_col.cast(pa.string())
     ids = ids_col.to_pylist()
-    values = {c: table.column(c).to_pylist() for c in columns if c != id_column}
+    faults: list[tuple[str, str] | None] = [None] * len(ids)
+    values = {c: _values(table.column(c), c, faults) for c in columns if c != id_column}
     if id_column in columns:
         values[id_column] = table.column(id_column).to_pylist()
-    return RowBatch(ids=ids, values=values, faults=[None] * len(ids), lines=[None] * len(ids))
+    return RowBatch(ids=ids, values=values, faults=faults, lines=[None] * len(ids))
+
+
+def _checked_passthrough(table: pa.Table, faults: list[tuple[str, str] | None], name: str) -> pa.Table:
+    """``table`` (the passthrough columns), where a string that is not UTF-8 (Parquet's reader does not check) is
+    null and its row an INVALID_ROW fault naming the column: published as it was, no reader could read the part.
+    DatasetError for such bytes inside a nested column (no row to name cheaply)."""
+    for k, col in enumerate(table.columns):
+        try:
+            col.validate(full=True)
+            continue
+        except pa.ArrowInvalid as e:
+            field = table.schema.field(k)
+            if not (pa.types.is_string(field.type) or pa.types.is_large_string(field.type)):
+                raise DatasetError(
+                    f"input file {name}: passthrough column {field.name!r} cannot be read: {e}"
+                ) from None
+        values = _values(col, field.name, faults)
+        table = table.set_column(k, field, pa.array(values, field.type))
+    return table
+
+
+def _values(col: pa.ChunkedArray, name: str, faults: list[tuple[str, str] | None]) -> list[Any]:
+    """``col`` as Python values. Parquet's reader does not check that strings are UTF-8: a value that is not is
+    None, and its row an INVALID_ROW fault naming the column (the other rows are read as they are)."""
+    try:
+        return col.to_pylist()
+    except UnicodeDecodeError:
+        pass
+    out: list[Any] = []
+    for i, raw in enumerate(col.cast(pa.large_binary() if pa.types.is_large_string(col.type) else pa.binary())):
+        b = raw.as_py()
+        try:
+            out.append(None if b is None else b.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            out.append(None)
+            faults[i] = faults[i] or (INVALID_ROW, f"column {name!r} is not valid UTF-8 text (byte {e.start})")
+    return out

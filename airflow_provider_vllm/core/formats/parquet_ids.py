@@ -8,7 +8,8 @@ whose first byte is printable ASCII other than a space (no whitespace character 
 such a byte); only the other ids are matched against ``BLANK_ID_PATTERN`` (RE2, as DuckDB uses).
 
 ``ids_proven`` returns False as soon as it finds anything it cannot prove (a null, a candidate
-blank id, an id not above the one before, overlapping files, an id column of another type): the
+blank id, an id not above the one before, an id that is not valid UTF-8, overlapping files, an id column of
+another type): the
 exact check (``parquet._check_ids``'s DuckDB statement) then decides and names the row. The pass
 holds one batch of ids per file at a time; files are read by ``PROOF_THREADS`` threads (pyarrow and
 numpy release the GIL).
@@ -95,6 +96,10 @@ def _check_batch(col: pa.Array, kind: str) -> tuple[Any, Any]:
         return int(v[0]), int(v[-1])
     if len(col) > 1 and not pc.all(pc.less(col[:-1], col[1:])).as_py():
         raise _Unproven
+    try:  # Parquet's reader does not check that strings are UTF-8; the exact check names the file (DatasetError)
+        col.validate(full=True)
+    except pa.ArrowInvalid:
+        raise _Unproven from None
     _check_not_blank(col)
     return col[0].as_py().encode(), col[-1].as_py().encode()
 

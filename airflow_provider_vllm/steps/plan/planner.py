@@ -8,12 +8,14 @@ cuts the sized rows into shards.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import math
 import os
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,7 +25,7 @@ from airflow_provider_vllm import __version__
 from airflow_provider_vllm.core import faults
 from airflow_provider_vllm.core.adapters import describe_adapters
 from airflow_provider_vllm.core.commit import PROBE_DIR, probe_create_only
-from airflow_provider_vllm.core.errors import SpecError
+from airflow_provider_vllm.core.errors import DatasetError, SpecError
 from airflow_provider_vllm.core.formats import input_format
 from airflow_provider_vllm.core.formats.base import array_groups
 from airflow_provider_vllm.core.formats.files import Input, find_input
@@ -81,9 +83,11 @@ def plan_job(
             f"io.output_uri {spec.io.output_uri}: holds a glob character ({' '.join(GLOB_CHARS)}); use another prefix"
         )
     if spec.io.input_table is not None:
-        return _plan_table(spec, out, filesystems, max_shards, engine_identity, keyring, warm_starts, tables)
+        with _readable_input():
+            return _plan_table(spec, out, filesystems, max_shards, engine_identity, keyring, warm_starts, tables)
     if spec.cache.uri is not None or _may_dedupe(spec):
-        plan = _plan_cached(spec, out, filesystems, max_shards, engine_identity, keyring, warm_starts, tables)
+        with _readable_input():
+            plan = _plan_cached(spec, out, filesystems, max_shards, engine_identity, keyring, warm_starts, tables)
     else:
         plan = build_plan(spec, filesystems, max_shards=max_shards, warm_starts=warm_starts)
         if not out.exists(PLAN_FILE):
@@ -244,6 +248,21 @@ class PlanInputs:
 
     found: Input
     history: History | None
+
+
+@contextlib.contextmanager
+def _readable_input() -> Iterator[None]:
+    """DatasetError (not retried) for input data that DuckDB refuses to read: the result cache and the dedupe read
+    every row's text, and a Parquet string that is not valid UTF-8 fails the whole read (DuckDB names the file
+    and the value). Without them the plan reads no text, and such a row is an INVALID_ROW error of its shard."""
+    import duckdb
+
+    try:
+        yield
+    except duckdb.InvalidInputException as e:  # the data itself; I/O errors are other exceptions and stay transient
+        raise DatasetError(
+            f"the input cannot be read (the result cache and the dedupe read every row's text): {e}"
+        ) from None
 
 
 def build_plan(

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import duckdb
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from airflow_provider_vllm.core import duck
 from airflow_provider_vllm.core.plan import Plan, changes_spec, load_plan
@@ -188,6 +191,8 @@ def _with_input_excerpt(spec: JobSpec, sample: pa.Table, out: Storage, plan: Pla
             f"FROM read_parquet({duck.file_list(root, [f.path for f in plan.files])}) "
             f"WHERE CAST({q(spec.prompt.id_column)} AS VARCHAR) IN ({listed})"
         ).fetchall()
+    except duckdb.InvalidInputException:  # a text that is not UTF-8 (its row is an INVALID_ROW error): read as bytes
+        rows = _excerpts_as_bytes(root, [f.path for f in plan.files], spec.prompt.id_column, spec.prompt.texts[0], ids)
     finally:
         con.close()
     found = {i: t or "" for i, t in rows}
@@ -195,6 +200,25 @@ def _with_input_excerpt(spec: JobSpec, sample: pa.Table, out: Storage, plan: Pla
     if "input_excerpt" in sample.column_names:
         sample = sample.drop_columns(["input_excerpt"])
     return sample.append_column("input_excerpt", excerpts)
+
+
+def _excerpts_as_bytes(
+    root: Storage, names: list[str], idc: str, text: str, ids: list[str]
+) -> list[tuple[str, str | None]]:
+    """(id, excerpt) of the rows of ``ids``, the text read as bytes and decoded with U+FFFD for what is not UTF-8
+    (DuckDB refuses a whole file holding one such string). A whole read of both columns: the rare path."""
+    wanted = pa.array(ids, pa.string())
+    rows: list[tuple[str, str | None]] = []
+    for name in names:
+        with root.open(name) as f:
+            t = pq.read_table(f, columns=[idc, text])
+        id_col = t.column(idc).cast(pa.string())
+        keep = pc.is_in(id_col, value_set=wanted)
+        for i, raw in zip(
+            id_col.filter(keep).to_pylist(), t.column(text).cast(pa.large_binary()).filter(keep).to_pylist()
+        ):
+            rows.append((i, None if raw is None else raw.decode("utf-8", "replace")[:EXCERPT_CHARS]))
+    return rows
 
 
 def qa_summary(report: QAReport, paths: dict[str, str], out_uri: str) -> dict[str, Any]:

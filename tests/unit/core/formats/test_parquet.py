@@ -131,3 +131,45 @@ def test_an_id_that_is_not_valid_utf8_is_a_dataset_error_naming_the_file(tmp_pat
     pq.write_table(pa.table({"id": ids, "text": ["x", "y", "z"]}), tmp_path / "in.parquet")
     with pytest.raises(DatasetError, match="id column 'id' of the input cannot be read: .*in.parquet.*not valid UTF8"):
         build_plan(make_spec(tmp_path / "in.parquet", tmp_path / "out"))
+
+
+def _strings(values: list[bytes]) -> pa.Array:
+    """A Parquet string column holding ``values`` byte for byte (no UTF-8 check, as other writers make them)."""
+    return pa.Array.from_buffers(pa.string(), len(values), pa.array(values, pa.binary()).buffers())
+
+
+def test_ordered_ids_that_are_not_valid_utf8_are_not_proven_by_their_order(tmp_path):
+    """Ids in byte order were proven distinct without DuckDB reading them: an id that is not UTF-8 reached the
+    worker, which died on a raw UnicodeDecodeError (retried) instead of the plan naming the file."""
+    ids = _strings([b"r001", b"r002\xff", b"r003"])
+    pq.write_table(pa.table({"id": ids, "text": ["x", "y", "z"]}), tmp_path / "in.parquet")
+    with pytest.raises(DatasetError, match=r"id column 'id' of the input cannot be read: .*r002\\xFF.*not valid UTF8"):
+        build_plan(make_spec(tmp_path / "in.parquet", tmp_path / "out"))
+
+
+def test_a_text_or_passthrough_value_that_is_not_utf8_is_its_rows_error_and_the_others_are_read(tmp_path):
+    """The worker's read of a segment: pyarrow's to_pylist raised UnicodeDecodeError for the whole shard, and a
+    passthrough value was published as it was (a results part that DuckDB and pandas then cannot read)."""
+    texts = _strings([b"fine", b"bad \xff text", b"also fine"])
+    notes = _strings([b"n0", b"n1", b"n2\xfe"])
+    pq.write_table(pa.table({"id": ["a", "b", "c"], "text": texts, "note": notes}), tmp_path / "in.parquet")
+    spec = make_spec(tmp_path / "in.parquet", tmp_path / "out")
+    batch = PARQUET.read_rows(Storage(str(tmp_path)), "in.parquet", Segment(file=0, start=0, count=3), spec, ["note"])
+    assert batch.values["text"] == ["fine", None, "also fine"]
+    assert batch.faults == [
+        None,
+        ("INVALID_ROW", "column 'text' is not valid UTF-8 text (byte 4)"),
+        ("INVALID_ROW", "column 'note' is not valid UTF-8 text (byte 2)"),
+    ]
+    assert batch.passthrough is not None and batch.passthrough.column("note").to_pylist() == ["n0", "n1", None]
+    batch.passthrough.validate(full=True)
+
+
+def test_a_text_that_is_not_utf8_fails_a_plan_that_reads_every_text_naming_file_and_value(tmp_path):
+    """The dedupe and the result cache read every text with DuckDB, which refuses the file: a raw
+    InvalidInputException before (the plan task retried it)."""
+    pq.write_table(pa.table({"id": ["a", "b"], "text": _strings([b"ok", b"x\xff"])}), tmp_path / "in.parquet")
+    from airflow_provider_vllm.steps.plan.planner import plan_job
+
+    with pytest.raises(DatasetError, match=r"the dedupe read every row's text.*in.parquet.*x\\xFF.*not valid UTF8"):
+        plan_job(make_spec(tmp_path / "in.parquet", tmp_path / "out", sharding={"dedupe": True}))

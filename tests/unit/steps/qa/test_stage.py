@@ -1,0 +1,40 @@
+"""The QA step over a whole (small) run: what it reads besides the merged parts."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from airflow_provider_vllm.steps.merge.merger import merge
+from airflow_provider_vllm.steps.plan.planner import plan_job
+from airflow_provider_vllm.steps.qa import stage
+from airflow_provider_vllm.worker.shard import run_shard
+from airflow_provider_vllm.worker.task import ShardTask
+from tests.support.data import make_spec
+
+
+def test_an_input_text_that_is_not_utf8_is_an_error_row_and_qa_still_shows_the_excerpts(tmp_path, fake_engine_factory):
+    """DuckDB refuses a whole Parquet file holding one string that is not UTF-8: QA's input excerpts failed the QA
+    task with a raw InvalidInputException. They are read as bytes then (U+FFFD for what is not UTF-8)."""
+    raw = [f"ticket {i} about billing".encode() for i in range(20)]
+    raw[5] = b"bad \xff text"
+    texts = pa.Array.from_buffers(pa.string(), 20, pa.array(raw, pa.binary()).buffers())
+    pq.write_table(pa.table({"id": [f"r{i:03d}" for i in range(20)], "text": texts}), tmp_path / "in.parquet")
+    spec = make_spec(
+        tmp_path / "in.parquet",
+        tmp_path / "out",
+        sharding={"target_rows": 10, "dedupe": False},
+        qa={"sample_size": 20},
+    )
+    plan = plan_job(spec)
+    for s in plan.shards:
+        run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+    summary = merge(spec)
+    assert (summary.ok_rows, summary.error_rows) == (19, 1)
+    errors = pq.read_table(tmp_path / "out" / "errors").to_pylist()
+    assert [(e["id"], e["error_code"], e["error_message"]) for e in errors] == [
+        ("r005", "INVALID_ROW", "column 'text' is not valid UTF-8 text (byte 4)")
+    ]
+    report, _ = stage.qa_run(spec)
+    excerpts = dict(zip(report.sample.column("id").to_pylist(), report.sample.column("input_excerpt").to_pylist()))
+    assert excerpts["r005"] == "bad \ufffd text" and excerpts["r006"] == "ticket 6 about billing"
