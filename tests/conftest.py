@@ -12,6 +12,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+# One temporary folder per run of the suite, removed when the run ends: what the tests and every process they start
+# put under TMPDIR (pytest's tmp_path, vLLM's IPC sockets and `vllm_dist_*` folders, the copies and locks of tasks
+# that a test kills on purpose, Chromium's profiles) no longer piles up in the machine's /tmp, about a thousand
+# entries a run. The xdist workers inherit it; the process that made it removes it (pytest_sessionfinish).
+SUITE_TMPDIR = "VLLM_BATCH_SUITE_TMPDIR"
+_OWN_TMPDIR = not os.environ.get(SUITE_TMPDIR)
+if _OWN_TMPDIR:
+    os.environ[SUITE_TMPDIR] = tempfile.mkdtemp(prefix="vbt-")
+os.environ["TMPDIR"] = os.environ[SUITE_TMPDIR]
+tempfile.tempdir = os.environ[SUITE_TMPDIR]  # this process: gettempdir() may have been computed already
 from tests.support.airflow_env import LOADED_MACHINE  # noqa: E402  (needs ROOT on sys.path)
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -266,3 +277,11 @@ def pytest_collection_modifyitems(config, items):
 # scripts/suite_cpu.py: where the suite's CPU goes (tests/support/timeline.py, on when VLLM_BATCH_TEST_TIMELINE is set)
 if os.environ.get("VLLM_BATCH_TEST_TIMELINE"):
     from tests.support.timeline import pytest_runtest_protocol  # noqa: F401  (a hook: pytest finds it here)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The suite's temporary folder goes with the process that made it (not an xdist worker's)."""
+    if _OWN_TMPDIR and not hasattr(session.config, "workerinput"):
+        import shutil
+
+        shutil.rmtree(os.environ[SUITE_TMPDIR], ignore_errors=True)
