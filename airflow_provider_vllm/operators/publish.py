@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from airflow.sdk import BaseOperator
@@ -62,14 +62,17 @@ class VllmPublishOperator(BaseOperator):
     its ``extra`` (the Asset names the dataset; the URI names this run's partition).
     ``extra_files`` (name -> path under the prefix) are checked and listed too.
 
+    ``qa_result``: the QA task's XCom (``qa.output``; ``vllm_batch_job`` passes it): the sealed verdict must be
+    the one that task wrote, not an earlier genuine one put back in the folder. None: not checked.
+
     ``aws_conn_id`` / ``gcp_conn_id``: the Airflow Connections through which this task reaches
     ``s3://`` / ``gs://`` locations (DAG-file settings, never templated; None: ``[vllm_batch]
     aws_conn_id`` / ``gcp_conn_id``, else ``aws_default`` / ``google_cloud_default``). See
     ``airflow_provider_vllm.hooks.filesystems``.
     """
 
-    template_fields: Sequence[str] = ("spec", "extra_files")
-    template_fields_renderers = {"spec": "json", "extra_files": "json"}
+    template_fields: Sequence[str] = ("spec", "extra_files", "qa_result")
+    template_fields_renderers = {"spec": "json", "extra_files": "json", "qa_result": "json"}
     ui_color = "#f3e8fd"
 
     def __init__(
@@ -77,6 +80,7 @@ class VllmPublishOperator(BaseOperator):
         *,
         spec: Any,
         extra_files: dict[str, str] | None = None,
+        qa_result: Any = None,
         aws_conn_id: str | None = None,
         gcp_conn_id: str | None = None,
         **kwargs: Any,
@@ -86,6 +90,7 @@ class VllmPublishOperator(BaseOperator):
         self.gcp_conn_id = gcp_conn_id
         self.spec = spec
         self.extra_files = extra_files
+        self.qa_result = qa_result
 
     def execute(self, context: Any) -> dict[str, Any]:
         spec = load_spec(self.spec, "publish")
@@ -177,6 +182,7 @@ class VllmPublishOperator(BaseOperator):
             raise AirflowFailException(f"publish: {out.uri(MERGED)} was merged for another spec")
         self._engine_versions = merged.engine_versions  # for the lineage facet
         qa = self._qa_verdict(out, keyring, merged)
+        self._check_this_runs_qa(out, qa)
         if qa.status == "fail":
             raise AirflowFailException(f"publish: QA failed ({qa.summary}); not publishing")
         # changes.previous_uri set: QA wrote changes/ (what moved since that run); a reader syncs from it
@@ -217,6 +223,24 @@ class VllmPublishOperator(BaseOperator):
             "published_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "versions": {"airflow-provider-vllm": __version__},
         }
+
+    def _check_this_runs_qa(self, out: Storage, qa: QARecord) -> None:
+        """With ``qa_result`` (the QA task's XCom, through Airflow's metadata database): the sealed verdict in the
+        folder must be the one that task wrote (its seal's mac). Sealed records of an earlier merge and QA of this
+        same folder are genuine too: put back together, they would publish the earlier state instead."""
+        if self.qa_result is None:
+            return
+        told = self.qa_result.get("record_mac") if isinstance(self.qa_result, Mapping) else None
+        if not told:
+            raise AirflowFailException(
+                "publish: the QA task's result names no sealed verdict (QA of an earlier version, or no QA result); "
+                f"{RERUN_QA}"
+            )
+        if qa.seal is None or qa.seal.mac != told:
+            raise AirflowFailException(
+                f"publish: {out.uri(QA_RECORD)} is not the verdict this run's QA task wrote (another QA of this "
+                f"folder, or an earlier merge and QA put back); {RERUN_QA}"
+            )
 
     def _qa_verdict(self, out: Storage, keyring: Keyring, merged: MergeSummary) -> QARecord:
         """QA's sealed verdict on this very merge (``qa/_QA.json``, with its files as QA wrote them), never what

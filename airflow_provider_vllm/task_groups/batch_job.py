@@ -252,6 +252,7 @@ def vllm_batch_job(
         publish = VllmPublishOperator(
             task_id="publish",
             spec=job,
+            qa_result=qa.output,  # the verdict this run's QA wrote, through the metadata database
             outlets=[asset],
             **conns,
             extra_files=dict(publish_extra_files) if publish_extra_files else None,

@@ -242,4 +242,6 @@ def qa_summary(report: QAReport, paths: dict[str, str], out_uri: str) -> dict[st
         "report_json": f"{out_uri.rstrip('/')}/{paths['report_json']}",
         # the reports' bytes as QA wrote them: the report page (plugins/report.py) serves nothing else
         "report_sha256": {"html": paths.get("report_html_sha256"), "json": paths.get("report_json_sha256")},
+        # the seal of the qa/_QA.json this task wrote: publish takes no other verdict (an earlier one put back)
+        "record_mac": paths.get("record_mac"),
     }

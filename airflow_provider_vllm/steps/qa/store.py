@@ -92,15 +92,15 @@ def write_qa(
     digests = {f"{kind}_sha256": written[kind][1] for kind in ("report_html", "report_json")}
     if keyring is not None and measured is not None:
         files = {k: QAFile(path=paths[k], bytes=n, sha256=sha) for k, (n, sha) in written.items()}
-        _write_record(storage, record_path, report, files, keyring, measured)
+        digests["record_mac"] = _write_record(storage, record_path, report, files, keyring, measured)
     return {**paths, **digests}
 
 
 def _write_record(
     storage: Storage, rel: str, report: QAReport, files: dict[str, QAFile], keyring: Keyring, measured: MergeSummary
-) -> None:
+) -> str:
     """The sealed ``QARecord`` of what QA concluded about the merge it measured, and the files it wrote (their size
-    and sha256 as written, not as the bucket holds them later)."""
+    and sha256 as written, not as the bucket holds them later); returns its seal's mac."""
     merged_seal = seals.seal_of(measured)
     if merged_seal is None:  # QA measures only a sealed merge (read_merged)
         raise SealError(f"{storage.uri(MERGED)}: QA measured a merge summary without a seal; nothing to vouch for")
@@ -115,6 +115,8 @@ def _write_record(
     )
     record = seals.seal_record(keyring, seals.QA, seals.scope_of(storage.uri()), record)
     storage.write_atomic(rel, seals.record_bytes(record))
+    assert record.seal is not None
+    return record.seal.mac
 
 
 def dumps_report(d: dict[str, Any]) -> str:

@@ -29,7 +29,11 @@ def checked_job(tmp_path, factory, **over):
 
 
 def test_construction_templates_the_spec_and_the_extra_files():
-    assert tuple(VllmPublishOperator(task_id="publish", spec={}).template_fields) == ("spec", "extra_files")
+    assert tuple(VllmPublishOperator(task_id="publish", spec={}).template_fields) == (
+        "spec",
+        "extra_files",
+        "qa_result",
+    )
 
 
 def test_publish_writes_the_sealed_marker_last_and_fills_the_asset_event(tmp_path, fake_engine_factory):
@@ -157,6 +161,34 @@ def test_a_qa_record_of_another_run_or_spec_or_merge_publishes_nothing(tmp_path,
             VllmPublishOperator(task_id="publish", spec=spec).execute(context())
     assert not (out / "_SUCCESS.json").exists()
     record_malicious("qa_record_of_another_run_spec_or_merge", 3, 3)
+
+
+def test_an_earlier_merge_and_qa_put_back_are_not_published_as_this_runs(tmp_path, fake_engine_factory):
+    """Every record of an earlier merge and QA of this folder is genuine and sealed for it: put back after the merge
+    and QA ran again, they passed every check and the earlier state was published. The QA task's XCom (Airflow's
+    metadata database, which the bucket's writers cannot touch) names the verdict it wrote."""
+    import shutil
+
+    spec, _ = committed_job(tmp_path, fake_engine_factory, n=60)
+    out = tmp_path / "out"
+    VllmMergeOperator(task_id="merge", spec=spec).execute(context())
+    first = VllmQAOperator(task_id="qa", spec=spec).execute(context())
+    earlier = tmp_path / "earlier"
+    shutil.copytree(out, earlier, symlinks=True)
+    VllmMergeOperator(task_id="merge", spec=spec).execute(context())  # the merge and QA run again (a cleared task)
+    now = VllmQAOperator(task_id="qa", spec=spec).execute(context())
+    assert first["record_mac"] != now["record_mac"]  # another merge: another sealed verdict
+    for rel in ("_MERGED.json", "results", "errors", "qa"):  # the earlier state put back, whole
+        shutil.rmtree(out / rel) if (out / rel).is_dir() else (out / rel).unlink()
+        (shutil.copytree if (earlier / rel).is_dir() else shutil.copy2)(earlier / rel, out / rel)
+    with pytest.raises(AirflowFailException, match=r"qa/_QA.json is not the verdict this run's QA task wrote"):
+        VllmPublishOperator(task_id="publish", spec=spec, qa_result=now).execute(context())
+    with pytest.raises(AirflowFailException, match="the QA task's result names no sealed verdict"):
+        VllmPublishOperator(task_id="publish", spec=spec, qa_result={"status": "pass"}).execute(context())
+    assert not (out / "_SUCCESS.json").exists()
+    event = VllmPublishOperator(task_id="publish", spec=spec, qa_result=first).execute(context())  # what QA said
+    assert event["rows"] == 60
+    record_malicious("earlier_merge_and_qa_put_back", 2, 2)
 
 
 def test_a_run_without_a_sealed_qa_verdict_publishes_nothing(tmp_path, fake_engine_factory):
