@@ -271,8 +271,10 @@ class MergeSummary(RowCounts):
     )
 
     def xcom(self) -> dict[str, Any]:
-        """The run-level part pushed to XCom."""
-        return {k: v for k, v in self.dump().items() if k in self.XCOM_FIELDS}
+        """The run-level part pushed to XCom, and the seal (mac) of the ``_MERGED.json`` written: QA measures no
+        other (``merged_mac``; an earlier merge of the folder put back is sealed for it too)."""
+        x = {k: v for k, v in self.dump().items() if k in self.XCOM_FIELDS}
+        return {**x, "merged_mac": self.seal.mac if self.seal is not None else None}
 
 
 class ThroughputRecord(Record):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from airflow.sdk import BaseOperator
@@ -34,31 +34,44 @@ class VllmQAOperator(BaseOperator):
     so publish does not run. A 'warn' verdict is logged and the run goes on (to the
     review task when the builder adds one). Its "QA report" extra link opens the report.
 
+    ``merge_result``: the merge task's XCom (``merge.output``; ``vllm_batch_job`` passes it): QA measures only
+    the ``_MERGED.json`` whose seal it names, not an earlier merge of the folder put back. None: not checked.
+
     ``aws_conn_id`` / ``gcp_conn_id``: the Airflow Connections through which this task reaches
     ``s3://`` / ``gs://`` locations (DAG-file settings, never templated; None: ``[vllm_batch]
     aws_conn_id`` / ``gcp_conn_id``, else ``aws_default`` / ``google_cloud_default``). See
     ``airflow_provider_vllm.hooks.filesystems``.
     """
 
-    template_fields: Sequence[str] = ("spec",)
-    template_fields_renderers = {"spec": "json"}
+    template_fields: Sequence[str] = ("spec", "merge_result")
+    template_fields_renderers = {"spec": "json", "merge_result": "json"}
     ui_color = "#fce8e6"
     operator_extra_links = (VllmQAReportLink(),)
 
     def __init__(
-        self, *, spec: Any, aws_conn_id: str | None = None, gcp_conn_id: str | None = None, **kwargs: Any
+        self,
+        *,
+        spec: Any,
+        merge_result: Any = None,
+        aws_conn_id: str | None = None,
+        gcp_conn_id: str | None = None,
+        **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.aws_conn_id = aws_conn_id
         self.gcp_conn_id = gcp_conn_id
         self.spec = spec
+        self.merge_result = merge_result
 
     def execute(self, context: Any) -> dict[str, Any]:
         spec = load_spec(self.spec, "qa")
         check_spec_allowed(spec, "qa")  # the spec came through XCom: the deployment's rules again
         with data_plane_errors("qa"):
             report, paths = qa_run(
-                spec, filesystems=task_filesystems(self.aws_conn_id, self.gcp_conn_id), keyring=signing_keyring()
+                spec,
+                filesystems=task_filesystems(self.aws_conn_id, self.gcp_conn_id),
+                keyring=signing_keyring(),
+                merged_mac=self._merged_mac(),
             )
         summary = qa_summary(report, paths, spec.io.output_uri)
         self._lineage = qa_lineage(spec, summary)  # before a 'fail' raises: the failure event carries it too
@@ -70,6 +83,18 @@ class VllmQAOperator(BaseOperator):
             context["ti"].xcom_push(key="return_value", value=summary)
             raise VllmQAFailed(report.to_dict(), report.failing_checks)
         return summary
+
+    def _merged_mac(self) -> str | None:
+        """The seal of the merge this run's merge task wrote (its XCom), when given."""
+        if self.merge_result is None:
+            return None
+        told = self.merge_result.get("merged_mac") if isinstance(self.merge_result, Mapping) else None
+        if not isinstance(told, str) or not told:
+            raise AirflowFailException(
+                "qa: the merge task's result names no sealed merge (a merge of an earlier version); run the merge "
+                "task again, then QA"
+            )
+        return told
 
     def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
         """OpenLineage: the results in, with the QA checks and verdict as data-quality assertions; the report out.

@@ -248,7 +248,8 @@ def vllm_batch_job(
         # An empty input plans zero shards (the mapped task is skipped) and merge still runs after
         # plan's success; a dry run skips plan, and then merge is skipped too.
         merge = VllmMergeOperator(task_id="merge", spec=job, trigger_rule="none_failed_min_one_success", **conns)
-        qa = VllmQAOperator(task_id="qa", spec=job, **conns)
+        # each step takes the sealed record the step before wrote (its XCom), not an earlier one put back
+        qa = VllmQAOperator(task_id="qa", spec=job, merge_result=merge.output, **conns)
         publish = VllmPublishOperator(
             task_id="publish",
             spec=job,

@@ -10,6 +10,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from airflow_provider_vllm.core import duck
+from airflow_provider_vllm.core.errors import CommitError
 from airflow_provider_vllm.core.plan import Plan, changes_spec, load_plan
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
@@ -17,7 +18,7 @@ from airflow_provider_vllm.core.storage import CheckedCopies, FileSystems, Stora
 from airflow_provider_vllm.steps.cache.dedupe import qa_metrics as dedupe_metrics
 from airflow_provider_vllm.steps.golden import attach_golden
 from airflow_provider_vllm.steps.merge.changes import compared_column, compute_changes
-from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS, checked_parts, read_merged
+from airflow_provider_vllm.steps.merge.merger import ERRORS, MERGED, RESULTS, checked_parts, read_merged
 from airflow_provider_vllm.steps.qa.evaluate import evaluate, evaluate_stream
 from airflow_provider_vllm.steps.qa.reference import attach_references, find_references
 from airflow_provider_vllm.steps.qa.report import QAReport
@@ -29,7 +30,10 @@ STREAM_ABOVE_ROWS = 2_000_000
 
 
 def qa_run(
-    spec: JobSpec, filesystems: FileSystems | None = None, keyring: Keyring | None = None
+    spec: JobSpec,
+    filesystems: FileSystems | None = None,
+    keyring: Keyring | None = None,
+    merged_mac: str | None = None,
 ) -> tuple[QAReport, dict[str, str]]:
     """Compute QA over a merged run and write ``qa/report.{json,html}`` and ``qa/sample.parquet``.
 
@@ -37,17 +41,24 @@ def qa_run(
     ``filesystems``: how object stores are reached (``storage.FileSystems``; default fsspec).
     ``keyring``: the deployment's signing keys (default ``VLLM_BATCH_SIGNING_KEY``): QA measures only a run
     whose ``_MERGED.json`` this deployment's merge sealed, and only parts with the sealed sha256.
+    ``merged_mac``: the seal the merge task reported (its XCom): CommitError for any other ``_MERGED.json`` (an
+    earlier merge of this folder, put back, is sealed for it too).
     """
     with copies_folder("qa") as tmp:
-        return _qa_run(spec, filesystems, keyring or Keyring.from_env(), tmp)
+        return _qa_run(spec, filesystems, keyring or Keyring.from_env(), tmp, merged_mac)
 
 
 def _qa_run(
-    spec: JobSpec, filesystems: FileSystems | None, keyring: Keyring, tmp: str
+    spec: JobSpec, filesystems: FileSystems | None, keyring: Keyring, tmp: str, merged_mac: str | None = None
 ) -> tuple[QAReport, dict[str, str]]:
     """``qa_run``; ``tmp``: a private folder for the local copies QA reads, each checked as it was copied."""
     out = Storage(spec.io.output_uri, spec.io.storage_options, filesystems)
     merged = read_merged(out, keyring)
+    if merged_mac is not None and (merged.seal is None or merged.seal.mac != merged_mac):
+        raise CommitError(
+            f"{out.uri(MERGED)} is not the merge this run's merge task wrote (another merge of this folder, or an "
+            "earlier one put back); run the merge task again, then QA"
+        )
     copies = CheckedCopies(out, tmp)
     # what QA measures is what the sealed summary names, read from copies checked as they were made: a part
     # swapped in the bucket during QA (and put back after) is never what QA reads

@@ -23,7 +23,7 @@ def merged_job(tmp_path, factory, **over):
 
 def test_construction_templates_the_spec_and_links_the_report():
     op = VllmQAOperator(task_id="qa", spec={})
-    assert tuple(op.template_fields) == ("spec",)
+    assert tuple(op.template_fields) == ("spec", "merge_result")
     assert [type(link) for link in op.operator_extra_links] == [VllmQAReportLink]
 
 
@@ -57,3 +57,23 @@ def test_a_failing_run_pushes_its_summary_then_fails_without_retry(tmp_path, fak
     # Airflow serializes the exception across the task runner: it must come back whole
     path, args, kwargs = e.value.serialize()
     assert path == "airflow_provider_vllm.operators.qa.VllmQAFailed" and VllmQAFailed(*args, **kwargs).failing
+
+
+def test_qa_measures_only_the_merge_this_runs_merge_task_wrote(tmp_path, fake_engine_factory):
+    """An earlier merge of this folder is sealed for it too: put back (with its manifests and parts) before QA, QA
+    measured it and publish then published it. The merge task's XCom names the seal of the merge it wrote."""
+    import shutil
+
+    spec, _ = committed_job(tmp_path, fake_engine_factory, n=60)
+    out = tmp_path / "out"
+    first = VllmMergeOperator(task_id="merge", spec=spec).execute(context())
+    shutil.copy2(out / "_MERGED.json", tmp_path / "earlier.json")
+    now = VllmMergeOperator(task_id="merge", spec=spec).execute(context())  # a cleared merge ran again
+    assert first["merged_mac"] != now["merged_mac"]
+    shutil.copy2(tmp_path / "earlier.json", out / "_MERGED.json")  # the earlier sealed summary put back
+    with pytest.raises(AirflowFailException, match=r"_MERGED.json is not the merge this run's merge task wrote"):
+        VllmQAOperator(task_id="qa", spec=spec, merge_result=now).execute(context())
+    with pytest.raises(AirflowFailException, match="the merge task's result names no sealed merge"):
+        VllmQAOperator(task_id="qa", spec=spec, merge_result={"rows": 60}).execute(context())
+    assert not (out / "qa").exists()
+    assert VllmQAOperator(task_id="qa", spec=spec, merge_result=first).execute(context())["status"] == "pass"
