@@ -217,18 +217,17 @@ def _excerpts_as_bytes(
     root: Storage, names: list[str], idc: str, text: str, ids: list[str]
 ) -> list[tuple[str, str | None]]:
     """(id, excerpt) of the rows of ``ids``, the text read as bytes and decoded with U+FFFD for what is not UTF-8
-    (DuckDB refuses a whole file holding one such string). A whole read of both columns: the rare path."""
+    (DuckDB refuses a whole file holding one such string). A streamed read of both columns: the rare path."""
     wanted = pa.array(ids, pa.string())
     rows: list[tuple[str, str | None]] = []
     for name in names:
         with root.open(name) as f:
-            t = pq.read_table(f, columns=[idc, text])
-        id_col = t.column(idc).cast(pa.string())
-        keep = pc.is_in(id_col, value_set=wanted)
-        for i, raw in zip(
-            id_col.filter(keep).to_pylist(), t.column(text).cast(pa.large_binary()).filter(keep).to_pylist()
-        ):
-            rows.append((i, None if raw is None else raw.decode("utf-8", "replace")[:EXCERPT_CHARS]))
+            for batch in pq.ParquetFile(f).iter_batches(batch_size=65_536, columns=[idc, text]):
+                id_col = batch.column(idc).cast(pa.string())
+                keep = pc.is_in(id_col, value_set=wanted)
+                texts = batch.column(text).cast(pa.large_binary()).filter(keep).to_pylist()
+                for i, raw in zip(id_col.filter(keep).to_pylist(), texts):
+                    rows.append((i, None if raw is None else raw.decode("utf-8", "replace")[:EXCERPT_CHARS]))
     return rows
 
 
