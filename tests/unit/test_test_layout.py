@@ -31,7 +31,6 @@ TESTED_ELSEWHERE: dict[str, list[str]] = {
     "provider.py": ["tests/unit/test_provider_info.py"],
     "steps/plan/memory.py": ["tests/unit/steps/plan/test_dry_run.py", "tests/unit/utils/test_pod_spec.py"],
     "steps/qa/report.py": ["tests/unit/steps/qa/test_checks.py", "tests/unit/steps/qa/test_store.py"],
-    "steps/qa/stage.py": ["tests/unit/steps/qa/test_html.py", "tests/unit/worker/test_shard.py"],
     "task_groups/batch_job.py": ["tests/airflow/test_operators.py", "tests/airflow/test_security_dags.py"],
     "testing/local_models.py": ["tests/vllm/test_local_models.py"],
     "utils/openlineage_facets.py": ["tests/airflow/test_openlineage.py"],
