@@ -280,8 +280,13 @@ if os.environ.get("VLLM_BATCH_TEST_TIMELINE"):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """The suite's temporary folder goes with the process that made it (not an xdist worker's)."""
-    if _OWN_TMPDIR and not hasattr(session.config, "workerinput"):
+    """The suite's temporary folder goes with the process that made it (not an xdist worker's), unless a test
+    failed: then it stays, with the failed tests' tmp_path folders, and its path is printed."""
+    if not _OWN_TMPDIR or hasattr(session.config, "workerinput"):
+        return
+    if exitstatus != pytest.ExitCode.TESTS_FAILED:
         import shutil
 
         shutil.rmtree(os.environ[SUITE_TMPDIR], ignore_errors=True)
+    else:
+        print(f"\nthe tests' temporary folder is kept: {os.environ[SUITE_TMPDIR]}", file=sys.stderr)

@@ -63,7 +63,8 @@ class VllmPublishOperator(BaseOperator):
     ``extra_files`` (name -> path under the prefix) are checked and listed too.
 
     ``qa_result``: the QA task's XCom (``qa.output``; ``vllm_batch_job`` passes it): the sealed verdict must be
-    the one that task wrote, not an earlier genuine one put back in the folder. None: not checked.
+    the one that task wrote, not an earlier genuine one put back in the folder. None: not checked, unless
+    ``require_qa_result`` (set by ``vllm_batch_job``): then a missing XCom (a task marked success by hand) fails.
 
     ``aws_conn_id`` / ``gcp_conn_id``: the Airflow Connections through which this task reaches
     ``s3://`` / ``gs://`` locations (DAG-file settings, never templated; None: ``[vllm_batch]
@@ -81,6 +82,7 @@ class VllmPublishOperator(BaseOperator):
         spec: Any,
         extra_files: dict[str, str] | None = None,
         qa_result: Any = None,
+        require_qa_result: bool = False,
         aws_conn_id: str | None = None,
         gcp_conn_id: str | None = None,
         **kwargs: Any,
@@ -91,6 +93,7 @@ class VllmPublishOperator(BaseOperator):
         self.spec = spec
         self.extra_files = extra_files
         self.qa_result = qa_result
+        self.require_qa_result = require_qa_result
 
     def execute(self, context: Any) -> dict[str, Any]:
         spec = load_spec(self.spec, "publish")
@@ -228,7 +231,7 @@ class VllmPublishOperator(BaseOperator):
         """With ``qa_result`` (the QA task's XCom, through Airflow's metadata database): the sealed verdict in the
         folder must be the one that task wrote (its seal's mac). Sealed records of an earlier merge and QA of this
         same folder are genuine too: put back together, they would publish the earlier state instead."""
-        if self.qa_result is None:
+        if self.qa_result is None and not self.require_qa_result:
             return
         told = self.qa_result.get("record_mac") if isinstance(self.qa_result, Mapping) else None
         if not told:

@@ -35,7 +35,8 @@ class VllmQAOperator(BaseOperator):
     review task when the builder adds one). Its "QA report" extra link opens the report.
 
     ``merge_result``: the merge task's XCom (``merge.output``; ``vllm_batch_job`` passes it): QA measures only
-    the ``_MERGED.json`` whose seal it names, not an earlier merge of the folder put back. None: not checked.
+    the ``_MERGED.json`` whose seal it names, not an earlier merge of the folder put back. None: not checked,
+    unless ``require_merge_result`` (set by ``vllm_batch_job``): then a missing XCom fails.
 
     ``aws_conn_id`` / ``gcp_conn_id``: the Airflow Connections through which this task reaches
     ``s3://`` / ``gs://`` locations (DAG-file settings, never templated; None: ``[vllm_batch]
@@ -53,6 +54,7 @@ class VllmQAOperator(BaseOperator):
         *,
         spec: Any,
         merge_result: Any = None,
+        require_merge_result: bool = False,
         aws_conn_id: str | None = None,
         gcp_conn_id: str | None = None,
         **kwargs: Any,
@@ -62,6 +64,7 @@ class VllmQAOperator(BaseOperator):
         self.gcp_conn_id = gcp_conn_id
         self.spec = spec
         self.merge_result = merge_result
+        self.require_merge_result = require_merge_result
 
     def execute(self, context: Any) -> dict[str, Any]:
         spec = load_spec(self.spec, "qa")
@@ -86,7 +89,7 @@ class VllmQAOperator(BaseOperator):
 
     def _merged_mac(self) -> str | None:
         """The seal of the merge this run's merge task wrote (its XCom), when given."""
-        if self.merge_result is None:
+        if self.merge_result is None and not self.require_merge_result:
             return None
         told = self.merge_result.get("merged_mac") if isinstance(self.merge_result, Mapping) else None
         if not isinstance(told, str) or not told:

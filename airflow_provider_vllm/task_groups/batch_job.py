@@ -249,11 +249,12 @@ def vllm_batch_job(
         # plan's success; a dry run skips plan, and then merge is skipped too.
         merge = VllmMergeOperator(task_id="merge", spec=job, trigger_rule="none_failed_min_one_success", **conns)
         # each step takes the sealed record the step before wrote (its XCom), not an earlier one put back
-        qa = VllmQAOperator(task_id="qa", spec=job, merge_result=merge.output, **conns)
+        qa = VllmQAOperator(task_id="qa", spec=job, merge_result=merge.output, require_merge_result=True, **conns)
         publish = VllmPublishOperator(
             task_id="publish",
             spec=job,
             qa_result=qa.output,  # the verdict this run's QA wrote, through the metadata database
+            require_qa_result=True,
             outlets=[asset],
             **conns,
             extra_files=dict(publish_extra_files) if publish_extra_files else None,

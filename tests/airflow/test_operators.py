@@ -370,7 +370,9 @@ def test_builder_wires_plan_shards_merge_qa_publish():
     assert t["job.merge"].trigger_rule == "none_failed_min_one_success"  # runs after an empty plan, not a dry run
     assert t["job.review"].upstream_task_ids == {"job.qa"} and t["job.review"].qa_task_id == "job.qa"
     assert t["job.extra"].upstream_task_ids == {"job.plan", "job.review"}
-    assert t["job.publish"].upstream_task_ids == {"job.plan", "job.extra"}
+    # publish takes QA's XCom (the verdict QA sealed) and QA takes merge's (the merge it sealed): both wired, required
+    assert t["job.publish"].upstream_task_ids == {"job.plan", "job.extra", "job.qa"}
+    assert t["job.publish"].require_qa_result and t["job.qa"].require_merge_result
     assert [a.uri for a in t["job.publish"].outlets] == ["x-vllm-batch://job"]  # templated output: a named asset
 
 

@@ -306,11 +306,12 @@ def _checked_passthrough(table: pa.Table, faults: list[tuple[str, str] | None], 
             continue
         except pa.ArrowInvalid as e:
             field = table.schema.field(k)
-            if not (pa.types.is_string(field.type) or pa.types.is_large_string(field.type)):
+            plain = field.type.value_type if pa.types.is_dictionary(field.type) else field.type
+            if not (pa.types.is_string(plain) or pa.types.is_large_string(plain)):
                 raise DatasetError(
                     f"input file {name}: passthrough column {field.name!r} cannot be read: {e}"
                 ) from None
-        values = _values(col, field.name, faults)
+        values = _values(col.cast(plain) if plain != field.type else col, field.name, faults)
         table = table.set_column(k, field, pa.array(values, field.type))
     return table
 
@@ -320,8 +321,9 @@ def _values(col: pa.ChunkedArray, name: str, faults: list[tuple[str, str] | None
     None, and its row an INVALID_ROW fault naming the column (the other rows are read as they are)."""
     try:
         return col.to_pylist()
-    except UnicodeDecodeError:
-        pass
+    except UnicodeDecodeError as e:
+        if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):  # inside a list or struct
+            raise DatasetError(f"column {name!r} holds a string that is not UTF-8 ({e}); no row to name") from None
     out: list[Any] = []
     for i, raw in enumerate(col.cast(pa.large_binary() if pa.types.is_large_string(col.type) else pa.binary())):
         b = raw.as_py()

@@ -502,8 +502,9 @@ def committed_parts(
     carries this deployment's worker seal for this shard of this run's plan (``ShardStore.marker``);
     its files' sizes and sha256 are checked here (a streaming read; on object stores the published copies
     are checked again after publishing, ``verify_parts``). The parts of ``copy_kinds`` are checked by copying
-    them into ``copies`` instead (in the same read): the caller reads those again from the copies, and nothing
-    reads them twice. Each part
+    them into ``copies`` instead (the check and the copy are one read): what the caller makes of them (the
+    cache's entry, the followers, the golden rows) comes from those copies. The id checks and the publishing
+    still read the bucket's files (on object stores, the published copies are checked again). Each part
     gets its published name: ``part-<n>-<shard>-<chunk>.parquet``, ``n`` its chunk's index in plan order.
     """
     entries: list[tuple[str, str, Any]] = []
@@ -578,9 +579,11 @@ def _check_digests(
 
     def by_copy(p: SourcePart) -> bool:
         assert copies is not None
+        if out.size(p.path) != p.bytes:  # as the streaming check: a stat first (a folder, a file of another size)
+            return False
         try:
             copies.get(p.path, p.bytes, p.sha256)
-        except CommitError:
+        except (CommitError, IsADirectoryError):
             return False
         return True
 

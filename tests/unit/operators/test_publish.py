@@ -183,8 +183,9 @@ def test_an_earlier_merge_and_qa_put_back_are_not_published_as_this_runs(tmp_pat
         (shutil.copytree if (earlier / rel).is_dir() else shutil.copy2)(earlier / rel, out / rel)
     with pytest.raises(AirflowFailException, match=r"qa/_QA.json is not the verdict this run's QA task wrote"):
         VllmPublishOperator(task_id="publish", spec=spec, qa_result=now).execute(context())
-    with pytest.raises(AirflowFailException, match="the QA task's result names no sealed verdict"):
-        VllmPublishOperator(task_id="publish", spec=spec, qa_result={"status": "pass"}).execute(context())
+    for told in ({"status": "pass"}, None):  # None: no XCom (QA marked success by hand), where one is required
+        with pytest.raises(AirflowFailException, match="the QA task's result names no sealed verdict"):
+            VllmPublishOperator(task_id="publish", spec=spec, qa_result=told, require_qa_result=True).execute(context())
     assert not (out / "_SUCCESS.json").exists()
     event = VllmPublishOperator(task_id="publish", spec=spec, qa_result=first).execute(context())  # what QA said
     assert event["rows"] == 60

@@ -73,7 +73,8 @@ def test_qa_measures_only_the_merge_this_runs_merge_task_wrote(tmp_path, fake_en
     shutil.copy2(tmp_path / "earlier.json", out / "_MERGED.json")  # the earlier sealed summary put back
     with pytest.raises(AirflowFailException, match=r"_MERGED.json is not the merge this run's merge task wrote"):
         VllmQAOperator(task_id="qa", spec=spec, merge_result=now).execute(context())
-    with pytest.raises(AirflowFailException, match="the merge task's result names no sealed merge"):
-        VllmQAOperator(task_id="qa", spec=spec, merge_result={"rows": 60}).execute(context())
+    for told in ({"rows": 60}, None):  # None: no XCom (merge marked success by hand), where one is required
+        with pytest.raises(AirflowFailException, match="the merge task's result names no sealed merge"):
+            VllmQAOperator(task_id="qa", spec=spec, merge_result=told, require_merge_result=True).execute(context())
     assert not (out / "qa").exists()
     assert VllmQAOperator(task_id="qa", spec=spec, merge_result=first).execute(context())["status"] == "pass"

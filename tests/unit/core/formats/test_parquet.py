@@ -173,3 +173,16 @@ def test_a_text_that_is_not_utf8_fails_a_plan_that_reads_every_text_naming_file_
 
     with pytest.raises(DatasetError, match=r"the dedupe read every row's text.*in.parquet.*x\\xFF.*not valid UTF8"):
         plan_job(make_spec(tmp_path / "in.parquet", tmp_path / "out", sharding={"dedupe": True}))
+
+
+def test_a_categorical_passthrough_value_that_is_not_utf8_is_its_rows_error_and_a_nested_one_names_the_column():
+    from airflow_provider_vllm.core.formats.parquet import _checked_passthrough, _values
+
+    bad = _strings([b"a", b"b\xff", b"a"])
+    faults: list = [None] * 3
+    table = _checked_passthrough(pa.table({"queue": bad.dictionary_encode()}), faults, "in.parquet")
+    assert table.column("queue").to_pylist() == ["a", None, "a"] and pa.types.is_dictionary(table["queue"].type)
+    assert faults[1] == ("INVALID_ROW", "column 'queue' is not valid UTF-8 text (byte 1)") and faults[0] is None
+    tags = pa.chunked_array([pa.ListArray.from_arrays([0, 1, 3], bad)])
+    with pytest.raises(DatasetError, match="column 'tags' holds a string that is not UTF-8"):
+        _values(tags, "tags", [None, None])
