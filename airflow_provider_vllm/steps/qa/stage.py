@@ -217,16 +217,20 @@ def _excerpts_as_bytes(
     root: Storage, names: list[str], idc: str, text: str, ids: list[str]
 ) -> list[tuple[str, str | None]]:
     """(id, excerpt) of the rows of ``ids``, the text read as bytes and decoded with U+FFFD for what is not UTF-8
-    (DuckDB refuses a whole file holding one such string). A streamed read of both columns: the rare path."""
+    (DuckDB refuses a whole file holding one such string): each row group's ids, and the text of those that hold
+    a wanted id. The rare path: the whole id column is read."""
     wanted = pa.array(ids, pa.string())
     rows: list[tuple[str, str | None]] = []
     for name in names:
         with root.open(name) as f:
-            for batch in pq.ParquetFile(f).iter_batches(batch_size=65_536, columns=[idc, text]):
-                id_col = batch.column(idc).cast(pa.string())
+            pf = pq.ParquetFile(f)
+            for g in range(pf.metadata.num_row_groups):  # the ids first; the text only of row groups that match
+                id_col = pf.read_row_group(g, columns=[idc]).column(idc).cast(pa.string())
                 keep = pc.is_in(id_col, value_set=wanted)
-                texts = batch.column(text).cast(pa.large_binary()).filter(keep).to_pylist()
-                for i, raw in zip(id_col.filter(keep).to_pylist(), texts):
+                if not pc.any(keep).as_py():
+                    continue
+                texts = pf.read_row_group(g, columns=[text]).column(text).cast(pa.large_binary()).filter(keep)
+                for i, raw in zip(id_col.filter(keep).to_pylist(), texts.to_pylist()):
                     rows.append((i, None if raw is None else raw.decode("utf-8", "replace")[:EXCERPT_CHARS]))
     return rows
 

@@ -19,7 +19,8 @@ def test_an_input_text_that_is_not_utf8_is_an_error_row_and_qa_still_shows_the_e
     raw = [f"ticket {i} about billing".encode() for i in range(20)]
     raw[5] = b"bad \xff text"
     texts = pa.Array.from_buffers(pa.string(), 20, pa.array(raw, pa.binary()).buffers())
-    pq.write_table(pa.table({"text": texts, "id": [f"r{i:03d}" for i in range(20)]}), tmp_path / "in.parquet")
+    ids = [f"r{i:03d}" for i in range(20)]
+    pq.write_table(pa.table({"text": texts, "id": ids}), tmp_path / "in.parquet", row_group_size=4)
     spec = make_spec(
         tmp_path / "in.parquet",
         tmp_path / "out",
