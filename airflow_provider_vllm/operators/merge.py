@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from airflow.sdk import BaseOperator
@@ -22,14 +22,19 @@ class VllmMergeOperator(BaseOperator):
     shard's attempts or one that does not match it, two committed outputs of one id differ,
     or input ids != result ids + error ids (each once).
 
+    ``shard_results``: the shard tasks' XComs (a list of ``shard.output``, one per runner's shard task;
+    ``vllm_batch_job`` passes them): each shard's commit marker must be the attempt its task reported (the
+    worker's manifest, ``attempt_id``), not an earlier genuine one put back. None: not checked, unless
+    ``require_shard_results`` (set by ``vllm_batch_job``): then a shard no task reported fails.
+
     ``aws_conn_id`` / ``gcp_conn_id``: the Airflow Connections through which this task reaches
     ``s3://`` / ``gs://`` locations (DAG-file settings, never templated; None: ``[vllm_batch]
     aws_conn_id`` / ``gcp_conn_id``, else ``aws_default`` / ``google_cloud_default``). See
     ``airflow_provider_vllm.hooks.filesystems``.
     """
 
-    template_fields: Sequence[str] = ("spec",)
-    template_fields_renderers = {"spec": "json"}
+    template_fields: Sequence[str] = ("spec", "shard_results")
+    template_fields_renderers = {"spec": "json", "shard_results": "json"}
     ui_color = "#e6f4ea"
 
     def __init__(
@@ -37,6 +42,8 @@ class VllmMergeOperator(BaseOperator):
         *,
         spec: Any,
         memory_limit: str = "1GB",
+        shard_results: Any = None,
+        require_shard_results: bool = False,
         aws_conn_id: str | None = None,
         gcp_conn_id: str | None = None,
         **kwargs: Any,
@@ -46,6 +53,8 @@ class VllmMergeOperator(BaseOperator):
         self.gcp_conn_id = gcp_conn_id
         self.spec = spec
         self.memory_limit = memory_limit
+        self.shard_results = shard_results
+        self.require_shard_results = require_shard_results
 
     def execute(self, context: Any) -> dict[str, Any]:
         spec = load_spec(self.spec, "merge")
@@ -56,6 +65,7 @@ class VllmMergeOperator(BaseOperator):
                 memory_limit=self.memory_limit,
                 filesystems=task_filesystems(self.aws_conn_id, self.gcp_conn_id),
                 keyring=signing_keyring(),
+                attempts=self._reported_attempts(),
             )
         infer_s = sum(s.infer_s or 0 for s in summary.shard_stats or [])
         self.log.info(
@@ -75,6 +85,23 @@ class VllmMergeOperator(BaseOperator):
         )
         self._lineage = self._merge_lineage(spec, summary)
         return summary.xcom()
+
+    def _reported_attempts(self) -> dict[str, str] | None:
+        """shard id -> the attempt its shard task reported committing (the worker manifests in the shard tasks'
+        XComs, through Airflow's metadata database), when given or required; a runner's skipped task adds none."""
+        if self.shard_results is None and not self.require_shard_results:
+            return None
+        groups = self.shard_results if isinstance(self.shard_results, (list, tuple)) else [self.shard_results]
+        attempts: dict[str, str] = {}
+        for group in groups:
+            for m in group if group is not None and not isinstance(group, (str, bytes, Mapping)) else [group]:
+                if (
+                    isinstance(m, Mapping)
+                    and isinstance(m.get("shard_id"), str)
+                    and isinstance(m.get("attempt_id"), str)
+                ):
+                    attempts[m["shard_id"]] = m["attempt_id"]
+        return attempts
 
     def _merge_lineage(self, spec: Any, summary: Any) -> Any:
         """The lineage, with the plan's adapter identities and passthrough columns when the job has them."""

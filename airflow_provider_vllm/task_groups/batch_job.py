@@ -247,7 +247,15 @@ def vllm_batch_job(
             plan >> branch >> list(shard_tasks.values())
         # An empty input plans zero shards (the mapped task is skipped) and merge still runs after
         # plan's success; a dry run skips plan, and then merge is skipped too.
-        merge = VllmMergeOperator(task_id="merge", spec=job, trigger_rule="none_failed_min_one_success", **conns)
+        merge = VllmMergeOperator(
+            task_id="merge",
+            spec=job,
+            trigger_rule="none_failed_min_one_success",
+            # the attempt each shard task committed (its XCom): no earlier genuine marker put back is merged
+            shard_results=[t.output for t in shard_tasks.values()],
+            require_shard_results=True,
+            **conns,
+        )
         # each step takes the sealed record the step before wrote (its XCom), not an earlier one put back
         qa = VllmQAOperator(task_id="qa", spec=job, merge_result=merge.output, require_merge_result=True, **conns)
         publish = VllmPublishOperator(

@@ -373,6 +373,7 @@ def test_builder_wires_plan_shards_merge_qa_publish():
     # publish takes QA's XCom (the verdict QA sealed) and QA takes merge's (the merge it sealed): both wired, required
     assert t["job.publish"].upstream_task_ids == {"job.plan", "job.extra", "job.qa"}
     assert t["job.publish"].require_qa_result and t["job.qa"].require_merge_result
+    assert t["job.merge"].require_shard_results and len(t["job.merge"].shard_results) == 1  # one runner's shards
     assert [a.uri for a in t["job.publish"].outlets] == ["x-vllm-batch://job"]  # templated output: a named asset
 
 

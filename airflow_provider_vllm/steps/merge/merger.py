@@ -36,7 +36,7 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 import duckdb
@@ -118,7 +118,11 @@ class SourcePart(FileRef):
 
 
 def merge(
-    spec: JobSpec, memory_limit: str = "1GB", filesystems: FileSystems | None = None, keyring: Keyring | None = None
+    spec: JobSpec,
+    memory_limit: str = "1GB",
+    filesystems: FileSystems | None = None,
+    keyring: Keyring | None = None,
+    attempts: Mapping[str, str] | None = None,
 ) -> MergeSummary:
     """Merge a run whose shards are all committed; returns the merge summary (also ``_MERGED.json``, sealed).
 
@@ -129,14 +133,20 @@ def merge(
     Raises CommitError (a marker missing, forged or not matching its files; a foreign file in
     results/ or errors/; a part whose bytes changed), SealError (a record not sealed by this deployment's
     pipeline for this run) or VerificationError (ids missing, extra, or committed twice with differing
-    content).
+    content). ``attempts``: shard id -> the attempt its shard task reported committing (the tasks' XComs):
+    CommitError for a marker of another attempt (an earlier genuine one put back) or a shard not in it.
     """
     with copies_folder("merge") as tmp:
-        return _merge(spec, memory_limit, filesystems, keyring, tmp)
+        return _merge(spec, memory_limit, filesystems, keyring, tmp, attempts)
 
 
 def _merge(
-    spec: JobSpec, memory_limit: str, filesystems: FileSystems | None, keyring: Keyring | None, tmp: str
+    spec: JobSpec,
+    memory_limit: str,
+    filesystems: FileSystems | None,
+    keyring: Keyring | None,
+    tmp: str,
+    attempts: Mapping[str, str] | None = None,
 ) -> MergeSummary:
     """``merge``; ``tmp``: a private folder for the checked copies of what the merge reads again (the cache's
     entry, the followers, the golden rows are made from those copies, never from a second read of the bucket)."""
@@ -155,7 +165,7 @@ def _merge(
         again = KINDS
     elif plan.cache is not None:
         again = (RESULTS,)
-    sources, markers = committed_parts(out, plan, RunSeal(keyring, plan.seal.mac), copies, again)
+    sources, markers = committed_parts(out, plan, RunSeal(keyring, plan.seal.mac), copies, again, attempts)
     # The one place for more result parts: the result cache's hits (the plan's hits file, a
     # RESULT_SCHEMA file checked against the sealed plan's sha256) are published like any committed
     # part, after the computed ones. The id verification, duplicate accounting and publishing
@@ -246,7 +256,7 @@ def _merge(
             out,
             spec,
             plan,
-            committed_parts(out, plan.golden.view(plan), RunSeal(keyring, plan.seal.mac), copies, KINDS)[0],
+            committed_parts(out, plan.golden.view(plan), RunSeal(keyring, plan.seal.mac), copies, KINDS, attempts)[0],
             copies,
         )
         if plan.golden is not None
@@ -492,6 +502,7 @@ def committed_parts(
     run: RunSeal,
     copies: CheckedCopies | None = None,
     copy_kinds: Sequence[str] = (),
+    attempts: Mapping[str, str] | None = None,
 ) -> tuple[dict[str, list[SourcePart]], list[CommitMarker]]:
     """The part files named by the markers of every planned shard, in plan order, per kind; raises if any is missing.
 
@@ -518,6 +529,17 @@ def committed_parts(
         where = out.uri(f"{store.dir}/{MARKER}")
         if m.shard_id != shard.shard_id:
             raise CommitError(f"commit marker {where} is not shard {shard.shard_id}'s (it names shard {m.shard_id!r})")
+        if attempts is not None and attempts.get(shard.shard_id) != m.attempt_id:
+            told = attempts.get(shard.shard_id)
+            raise CommitError(
+                f"commit marker {where} is attempt {m.attempt_id}, not "
+                + (
+                    f"{told}, the one this run's shard task committed"
+                    if told
+                    else "one a shard task of this run reported"
+                )
+                + " (an earlier attempt put back?); rerun the shard task"
+            )
         if m.rows != shard.rows:
             raise CommitError(f"shard {shard.shard_id}: marker says {m.rows} rows, plan {shard.rows}")
         for f in m.files:

@@ -16,7 +16,7 @@ from tests.support.task_context import committed_job, context
 
 def test_construction_reads_nothing_and_templates_only_the_spec(tmp_path):
     op = VllmMergeOperator(task_id="merge", spec={"io": {"output_uri": str(tmp_path / "nowhere")}}, memory_limit="2GB")
-    assert tuple(op.template_fields) == ("spec",) and op.memory_limit == "2GB"
+    assert tuple(op.template_fields) == ("spec", "shard_results") and op.memory_limit == "2GB"
     assert not (tmp_path / "nowhere").exists()
 
 
@@ -53,3 +53,43 @@ def test_a_transient_storage_failure_is_retried_not_failed(tmp_path, fake_engine
 def test_a_spec_that_is_not_a_job_spec_fails_without_retry():
     with pytest.raises(AirflowFailException, match="merge: invalid job spec"):
         VllmMergeOperator(task_id="merge", spec={"model": {"name": "m"}}).execute(context())
+
+
+def test_merge_takes_only_the_attempts_the_shard_tasks_reported(tmp_path, fake_engine_factory):
+    """A shard's marker deleted and the shard rerun leaves two genuine commit markers: the earlier one, kept and
+    put back, passed every check. The shard tasks' XComs (the worker manifests) name the attempt each committed."""
+    import shutil
+
+    from airflow_provider_vllm.core.commit import MARKER
+    from airflow_provider_vllm.core.spec import JobSpec
+    from airflow_provider_vllm.worker.shard import run_shard
+    from airflow_provider_vllm.worker.task import ShardTask
+
+    spec, plan = committed_job(tmp_path, fake_engine_factory, n=60)
+    out = tmp_path / "out"
+    marker = out / "shards" / plan.shards[0].shard_id / MARKER
+    shutil.copy2(marker, tmp_path / "earlier.json")
+    marker.unlink()  # the shard run again: another genuine attempt
+    run_shard(ShardTask(spec=JobSpec.load(spec), shard_id=plan.shards[0].shard_id), engine_factory=fake_engine_factory)
+    reported = [
+        {k: json.loads(m.read_text())[k] for k in ("shard_id", "attempt_id")}
+        for m in sorted(out.glob(f"shards/*/{MARKER}"))
+    ]
+    assert json.loads((tmp_path / "earlier.json").read_text())["attempt_id"] not in {r["attempt_id"] for r in reported}
+    by_runner = [reported, []]  # the local runner's mapped task and the skipped Kubernetes one
+
+    def merge_with(results):
+        op = VllmMergeOperator(task_id="merge", spec=spec, shard_results=results, require_shard_results=True)
+        return op.execute(context())
+
+    shutil.copy2(marker, tmp_path / "now.json")
+    shutil.copy2(tmp_path / "earlier.json", marker)  # the earlier genuine marker put back
+    with pytest.raises(AirflowFailException, match=rf"{MARKER} is attempt \S+, not \S+, the one this run's shard"):
+        merge_with(by_runner)
+    shutil.copy2(tmp_path / "now.json", marker)
+    with pytest.raises(AirflowFailException, match="not one a shard task of this run reported"):
+        merge_with([[r for r in reported if r["shard_id"] != plan.shards[0].shard_id], None])
+    with pytest.raises(AirflowFailException, match="not one a shard task of this run reported"):
+        merge_with(None)  # required, and no XCom at all (a shard task marked success by hand)
+    summary = merge_with(by_runner)
+    assert summary["rows"] == 60 and summary["merged_mac"]
