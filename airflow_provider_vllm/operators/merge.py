@@ -92,16 +92,13 @@ class VllmMergeOperator(BaseOperator):
         if self.shard_results is None and not self.require_shard_results:
             return None
         groups = self.shard_results if isinstance(self.shard_results, (list, tuple)) else [self.shard_results]
-        attempts: dict[str, str] = {}
-        for group in groups:
-            for m in group if group is not None and not isinstance(group, (str, bytes, Mapping)) else [group]:
-                if (
-                    isinstance(m, Mapping)
-                    and isinstance(m.get("shard_id"), str)
-                    and isinstance(m.get("attempt_id"), str)
-                ):
-                    attempts[m["shard_id"]] = m["attempt_id"]
-        return attempts
+        # each group: one runner's mapped task (a lazy list of manifests), or one manifest
+        manifests = [m for g in groups if g is not None for m in ([g] if isinstance(g, Mapping) else g)]
+        return {
+            m["shard_id"]: m["attempt_id"]
+            for m in manifests
+            if isinstance(m, Mapping) and isinstance(m.get("shard_id"), str) and isinstance(m.get("attempt_id"), str)
+        }
 
     def _merge_lineage(self, spec: Any, summary: Any) -> Any:
         """The lineage, with the plan's adapter identities and passthrough columns when the job has them."""
