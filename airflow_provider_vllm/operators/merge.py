@@ -6,13 +6,17 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from airflow.sdk import BaseOperator
+from airflow.sdk.exceptions import AirflowFailException
+from pydantic import ValidationError
 
 from airflow_provider_vllm.core.plan import load_plan
+from airflow_provider_vllm.core.records import WorkerManifest, read_manifest
 from airflow_provider_vllm.hooks.filesystems import task_filesystems
 from airflow_provider_vllm.steps.lineage import merge_lineage
 from airflow_provider_vllm.steps.merge.merger import merge
 from airflow_provider_vllm.utils.deployment import check_spec_allowed, signing_keyring
 from airflow_provider_vllm.utils.job_spec import data_plane_errors, load_spec
+from airflow_provider_vllm.utils.worker_outcome import first_error
 
 
 class VllmMergeOperator(BaseOperator):
@@ -24,8 +28,10 @@ class VllmMergeOperator(BaseOperator):
 
     ``shard_results``: the shard tasks' XComs (a list of ``shard.output``, one per runner's shard task;
     ``vllm_batch_job`` passes them): each shard's commit marker must be the attempt its task reported (the
-    worker's manifest, ``attempt_id``), not an earlier genuine one put back. None: not checked, unless
-    ``require_shard_results`` (set by ``vllm_batch_job``): then a shard no task reported fails.
+    worker's manifest, ``attempt_id``), not an earlier genuine one put back. Each entry is read as a
+    ``WorkerManifest``: one that is not, or two naming different attempts of one shard, fail the merge.
+    None: not checked, unless ``require_shard_results`` (set by ``vllm_batch_job``): then a shard no task
+    reported fails.
 
     ``aws_conn_id`` / ``gcp_conn_id``: the Airflow Connections through which this task reaches
     ``s3://`` / ``gs://`` locations (DAG-file settings, never templated; None: ``[vllm_batch]
@@ -88,17 +94,23 @@ class VllmMergeOperator(BaseOperator):
 
     def _reported_attempts(self) -> dict[str, str] | None:
         """shard id -> the attempt its shard task reported committing (the worker manifests in the shard tasks'
-        XComs, through Airflow's metadata database), when given or required; a runner's skipped task adds none."""
+        XComs, through Airflow's metadata database), when given or required; a runner's skipped task adds none.
+        Each is read as the record the shard task wrote (``WorkerManifest``): one that is not, or two that name
+        different attempts of one shard, fail the merge without a retry."""
         if self.shard_results is None and not self.require_shard_results:
             return None
         groups = self.shard_results if isinstance(self.shard_results, (list, tuple)) else [self.shard_results]
         # each group: one runner's mapped task (a lazy list of manifests), or one manifest
-        manifests = [m for g in groups if g is not None for m in ([g] if isinstance(g, Mapping) else g)]
-        return {
-            m["shard_id"]: m["attempt_id"]
-            for m in manifests
-            if isinstance(m, Mapping) and isinstance(m.get("shard_id"), str) and isinstance(m.get("attempt_id"), str)
-        }
+        entries = [m for g in groups if g is not None for m in ([g] if isinstance(g, (Mapping, str)) else g)]
+        reported: dict[str, str] = {}
+        for n, entry in enumerate(entries):
+            m = _reported_manifest(n, entry)
+            if reported.setdefault(m.shard_id, m.attempt_id) != m.attempt_id:
+                raise AirflowFailException(
+                    f"merge: the shard tasks report two attempts of shard {m.shard_id!r} ({reported[m.shard_id]} "
+                    f"and {m.attempt_id}); a shard is one runner's task: clear the shard tasks, then the merge"
+                )
+        return reported
 
     def _merge_lineage(self, spec: Any, summary: Any) -> Any:
         """The lineage, with the plan's adapter identities and passthrough columns when the job has them."""
@@ -116,3 +128,18 @@ class VllmMergeOperator(BaseOperator):
         from airflow_provider_vllm.utils.openlineage_facets import operator_lineage
 
         return operator_lineage(getattr(self, "_lineage", None))
+
+
+def _reported_manifest(n: int, entry: Any) -> WorkerManifest:
+    """The ``n``-th shard task XCom as the worker manifest that task pushed (AirflowFailException otherwise)."""
+    try:
+        m = entry if isinstance(entry, WorkerManifest) else read_manifest(entry)
+    except ValidationError as e:
+        raise AirflowFailException(
+            f"merge: shard result {n} ({entry!r:.120}) is not a worker manifest ({e.error_count()} error(s): "
+            f"{first_error(e)}); the shard tasks' XComs "
+            "are the manifests their workers wrote: clear the shard tasks, then the merge"
+        ) from None
+    if not isinstance(m, WorkerManifest):
+        raise AirflowFailException(f"merge: shard result {n} is a failed worker's manifest, not a committed shard's")
+    return m

@@ -55,7 +55,7 @@ def worker_result(code: int, shard_id: str, manifest: Any, stdout_tail: Any = No
         except ValidationError as e:  # e.g. a worker image of another provider version
             raise AirflowException(
                 f"shard {shard_id}: worker exited 0 but its manifest is not one this provider reads "
-                f"({e.error_count()} error(s): {_first_error(e)}); run the worker image built from the same "
+                f"({e.error_count()} error(s): {first_error(e)}); run the worker image built from the same "
                 "airflow-provider-vllm version as the Airflow side"
             ) from None
     if not isinstance(m, WorkerManifest) or m.shard_id != shard_id:
@@ -63,6 +63,7 @@ def worker_result(code: int, shard_id: str, manifest: Any, stdout_tail: Any = No
     return m
 
 
-def _first_error(e: ValidationError) -> str:
+def first_error(e: ValidationError) -> str:
+    """Where and what the first of a validation's errors is, e.g. ``attempt_id: Field required``."""
     err = e.errors()[0]
     return f"{'.'.join(str(p) for p in err['loc']) or '(root)'}: {err['msg']}"

@@ -9,6 +9,7 @@ import pytest
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from airflow_provider_vllm.core.errors import TransientError
+from airflow_provider_vllm.core.records import WorkerManifest
 from airflow_provider_vllm.operators import merge as merge_operator
 from airflow_provider_vllm.operators.merge import VllmMergeOperator
 from tests.support.task_context import committed_job, context
@@ -71,8 +72,11 @@ def test_merge_takes_only_the_attempts_the_shard_tasks_reported(tmp_path, fake_e
     shutil.copy2(marker, tmp_path / "earlier.json")
     marker.unlink()  # the shard run again: another genuine attempt
     run_shard(ShardTask(spec=JobSpec.load(spec), shard_id=plan.shards[0].shard_id), engine_factory=fake_engine_factory)
-    reported = [
-        {k: json.loads(m.read_text())[k] for k in ("shard_id", "attempt_id")}
+    reported = [  # what each shard task pushed: its worker's manifest
+        {
+            "status": "committed",
+            **{k: json.loads(m.read_text())[k] for k in WorkerManifest.model_fields if k != "status"},
+        }
         for m in sorted(out.glob(f"shards/*/{MARKER}"))
     ]
     assert json.loads((tmp_path / "earlier.json").read_text())["attempt_id"] not in {r["attempt_id"] for r in reported}
@@ -93,3 +97,49 @@ def test_merge_takes_only_the_attempts_the_shard_tasks_reported(tmp_path, fake_e
         merge_with(None)  # required, and no XCom at all (a shard task marked success by hand)
     summary = merge_with(by_runner)
     assert summary["rows"] == 60 and summary["merged_mac"]
+
+
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        (
+            {"shard_id": "s", "attempt_id": "a"},
+            r"shard result 1 .* is not a worker manifest \(1 error\(s\): \(root\): Unable",
+        ),
+        ("shard-00000", "shard result 1 .* is not a worker manifest"),
+        (7, "shard result 1 .* is not a worker manifest"),
+        ({"status": "failed", "error": "Stalled", "message": "m", "terminal": False}, "a failed worker's manifest"),
+    ],
+)
+def test_a_shard_result_that_is_not_a_worker_manifest_fails_the_merge(tmp_path, entry, message):
+    """The shard tasks' XComs are read as the records their tasks pushed: one of another shape is refused, named,
+    before anything is merged (before, an entry without the two fields was skipped)."""
+    good = {
+        "status": "committed",
+        "shard_id": "shard-00000",
+        "attempt_id": "a1",
+        "rows": 1,
+        "ok_rows": 1,
+        "error_rows": 0,
+    }
+    op = VllmMergeOperator(task_id="merge", spec={}, shard_results=[[good, entry]], require_shard_results=True)
+    with pytest.raises(AirflowFailException, match=message):
+        op._reported_attempts()
+
+
+def test_two_attempts_reported_for_one_shard_fail_the_merge():
+    def manifest(attempt):
+        return {
+            "status": "committed",
+            "shard_id": "shard-00000",
+            "attempt_id": attempt,
+            "rows": 1,
+            "ok_rows": 1,
+            "error_rows": 0,
+        }
+
+    same = VllmMergeOperator(task_id="merge", spec={}, shard_results=[[manifest("a1")], [manifest("a1")]])
+    assert same._reported_attempts() == {"shard-00000": "a1"}  # a commit race's loser reports the winner's
+    two = VllmMergeOperator(task_id="merge", spec={}, shard_results=[[manifest("a1")], [manifest("a2")]])
+    with pytest.raises(AirflowFailException, match="two attempts of shard 'shard-00000' \\(a1 and a2\\)"):
+        two._reported_attempts()
