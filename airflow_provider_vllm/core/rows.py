@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import string
 from array import array
 from typing import Any
 
@@ -126,12 +127,30 @@ def error_schema(passthrough: pa.Schema | None = None) -> pa.Schema:
     return ERROR_SCHEMA if not passthrough else pa.schema(list(ERROR_SCHEMA) + list(passthrough))
 
 
+# DuckDB binds column names ignoring the case of ASCII letters only (duckdb 2.0.1: ``Д`` and ``д``, the Kelvin
+# sign and ``k``, are distinct columns to it; ``ID`` and ``id`` are one name, and it reads the second as ``ID_1``)
+_ASCII_LOWER = str.maketrans(string.ascii_uppercase, string.ascii_lowercase)
+
+
+def duck_name_key(column: str) -> str:
+    """``column`` as DuckDB compares names: its ASCII letters lowered, every other character as it is."""
+    return column.translate(_ASCII_LOWER)
+
+
 def passthrough_clash(name: str) -> str | None:
-    """Why ``name`` cannot be a passthrough column's output name, or None."""
-    if name in RESULT_SCHEMA.names or name in ERROR_COLUMNS or name == "status":
-        return "is a column of results/ or errors/"
-    if name.startswith(RESERVED_PREFIX):
-        return f"starts with {RESERVED_PREFIX!r}, reserved by the result cache"
+    """Why ``name`` cannot be a passthrough column's output name, or None. Names are compared as DuckDB compares
+    them (``duck_name_key``): a ``LABEL`` beside ``label`` would be ``LABEL_1`` to DuckDB."""
+    key = duck_name_key(name)
+    taken = {duck_name_key(c): c for c in [*RESULT_SCHEMA.names, *ERROR_COLUMNS, "status"]}
+    if key in taken:
+        if taken[key] == name:
+            return "is a column of results/ or errors/"
+        return (
+            f"equals {taken[key]!r}, a column of results/ or errors/, ignoring the case of ASCII letters (DuckDB "
+            "compares column names so, and would read it as another name)"
+        )
+    if key.startswith(RESERVED_PREFIX):
+        return f"starts with {RESERVED_PREFIX!r} (ignoring case), reserved by the result cache"
     return None
 
 

@@ -25,7 +25,7 @@ from airflow_provider_vllm.core.formats.base import (
     raise_duplicates,
     row_columns,
 )
-from airflow_provider_vllm.core.rows import INVALID_ROW
+from airflow_provider_vllm.core.rows import INVALID_ROW, duck_name_key
 from airflow_provider_vllm.core.storage import Storage
 
 if TYPE_CHECKING:
@@ -230,16 +230,18 @@ def parquet_metadata(storage: Storage, name: str) -> pq.FileMetaData:
 
 
 def check_column_names(name: str, columns: list[str]) -> None:
-    """DatasetError naming the file and both columns when two top-level column names are equal ignoring case, or
-    naming the column when it is named like one that DuckDB's scan adds (``file_row_number``, ``duck.FILENAME``).
+    """DatasetError naming the file and both columns when two top-level column names are equal as DuckDB compares
+    names (``duck_name_key``: ignoring the case of ASCII letters), or naming the column when it is named like one
+    that DuckDB's scan adds (``file_row_number``, ``duck.FILENAME``).
 
     Every column counts, not only the ones the job reads: DuckDB binds names case-insensitively and reads
     ``ID`` and ``id`` as ``ID`` and ``id_1``, so a query of ``id`` (the plan's id check, the merge's input ids,
-    the dedupe's keys) would read the other column, and Arrow cannot pick one of two equal names."""
+    the dedupe's keys) would read the other column, and Arrow cannot pick one of two equal names. Names that
+    differ in the case of other letters (``Имя``, ``имя``) are distinct to DuckDB and Arrow alike: allowed."""
     from airflow_provider_vllm.core import duck
 
     # read_parquet(..., file_row_number = true) cannot rename its column (duckdb 2.0.1)
-    added = next((c for c in columns if c.lower() in ("file_row_number", duck.FILENAME)), None)
+    added = next((c for c in columns if duck_name_key(c) in ("file_row_number", duck.FILENAME)), None)
     if added is not None:
         raise DatasetError(
             f"input file {name}: column {added!r} has the name of a column DuckDB's Parquet scan adds (row "
@@ -247,18 +249,18 @@ def check_column_names(name: str, columns: list[str]) -> None:
         )
     seen: dict[str, str] = {}
     for c in columns:
-        other = seen.get(c.lower())
+        other = seen.get(duck_name_key(c))
         if other is None:
-            seen[c.lower()] = c
+            seen[duck_name_key(c)] = c
             continue
         what = (
             f"column {c!r} appears twice"
             if other == c
-            else f"columns {other!r} and {c!r} have names equal ignoring case"
+            else f"columns {other!r} and {c!r} have names equal ignoring the case of ASCII letters"
         )
         raise DatasetError(
-            f"input file {name}: {what}; every column name must differ from the others ignoring case "
-            "(DuckDB reads names case-insensitively): rename one"
+            f"input file {name}: {what}; every column name must differ from the others ignoring the case of "
+            "ASCII letters (DuckDB reads names so): rename one"
         )
 
 

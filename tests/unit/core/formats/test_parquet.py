@@ -90,8 +90,9 @@ def test_unknown_format_name():
 @pytest.mark.parametrize(
     ("columns", "message"),
     [
-        (["ID", "id", "text"], "columns 'ID' and 'id' have names equal ignoring case"),
-        (["id", "Text", "text"], "columns 'Text' and 'text' have names equal ignoring case"),
+        (["ID", "id", "text"], "columns 'ID' and 'id' have names equal ignoring the case of ASCII letters"),
+        (["id", "Text", "text"], "columns 'Text' and 'text' have names equal ignoring the case of ASCII letters"),
+        (["id", "TEXT_\u0414", "text_\u0414"], "columns 'TEXT_\u0414' and 'text_\u0414' have names equal"),
         (["id", "text", "text"], "column 'text' appears twice"),
     ],
 )
@@ -101,6 +102,24 @@ def test_columns_whose_names_are_equal_ignoring_case_are_refused(tmp_path, colum
     pq.write_table(pa.Table.from_arrays(arrays, names=columns), tmp_path / "in.parquet")
     with pytest.raises(DatasetError, match=f"input file in.parquet: {message}"):
         build_plan(make_spec(tmp_path / "in.parquet", tmp_path / "out"))
+
+
+@pytest.mark.parametrize(
+    "names", [("\u0414", "\u0434"), ("\u212a", "k"), ("\u00c9", "\u00e9"), ("caf\u00e9", "cafe\u0301")]
+)
+def test_names_that_differ_beyond_ascii_case_are_distinct_columns(tmp_path, names):
+    """DuckDB binds names ignoring the case of ASCII letters only: ``Д`` and ``д`` (or the Kelvin sign and ``k``) are
+    two columns to it and to Arrow, each read as itself. They were refused (Python's ``str.lower`` equates them)."""
+    upper, lower = names
+    table = pa.table(
+        {"id": ["b", "a", "c"], "text": ["x", "y", "z"], upper: ["u1", "u2", "u3"], lower: ["l1", "l2", "l3"]}
+    )
+    pq.write_table(table, tmp_path / "in.parquet")
+    assert build_plan(make_spec(tmp_path / "in.parquet", tmp_path / "out")).total_rows == 3
+    import duckdb
+
+    got = duckdb.sql(f"SELECT \"{lower}\" FROM read_parquet('{tmp_path / 'in.parquet'}') ORDER BY 1").fetchall()
+    assert got == [("l1",), ("l2",), ("l3",)]  # DuckDB binds the name to that column, not the other
 
 
 @pytest.mark.parametrize("id_column", ["id", "filename", "Filename"])

@@ -199,6 +199,36 @@ def test_what_the_plan_refuses(tmp_path, io, error, match):
     assert not (tmp_path / "out-a" / PLAN_FILE).exists()
 
 
+@pytest.mark.parametrize(
+    "column, prefix, match",
+    [
+        (
+            "LABEL",
+            "",
+            r"'LABEL' would be 'LABEL' .* equals 'label', a column of results/ or errors/, ignoring the case",
+        ),
+        ("Model", "", "equals 'model'"),
+        ("queue", "_VLLM_", "reserved by the result cache"),
+        ("LABELS", "", None),
+        ("LABEL", "input_", None),
+    ],
+)
+def test_a_passthrough_name_equal_to_a_result_column_ignoring_ascii_case_is_refused(tmp_path, column, prefix, match):
+    """results/ with ``label`` and ``LABEL``: DuckDB reads the second as ``LABEL_1``. The plan accepted it (only
+    exact names were compared)."""
+    t = pa.table({"id": ["a", "b"], "text": ["x", "y"], column: ["p", "q"]})
+    pq.write_table(t, tmp_path / "in.parquet")
+    spec = make_spec(
+        tmp_path / "in.parquet", tmp_path / "out", io={"passthrough": [column], "passthrough_prefix": prefix}
+    )
+    if match is None:
+        assert plan_job(spec).passthrough.names == [prefix + column]
+        return
+    with pytest.raises(SpecError, match=match):
+        plan_job(spec)
+    assert not (tmp_path / "out" / PLAN_FILE).exists()
+
+
 def test_files_that_type_a_column_differently_are_refused(tmp_path):
     (tmp_path / "in").mkdir()
     t = input_table()
