@@ -103,13 +103,22 @@ def check_unchanged(storage: Storage, planned: list[InputFile]) -> None:
 
 def detect_format(storage: Storage, names: list[str], declared: str) -> str:
     """'parquet', 'jsonl' or 'openai_batch'; all files of one input share a format."""
-    kinds = {"parquet" if n.lower().endswith(PARQUET_EXT) else "jsonl" for n in names}
-    if len(kinds) > 1:
-        raise DatasetError(f"input mixes Parquet and JSONL files: {names[:5]}")
-    kind = kinds.pop()
+    by_kind: dict[str, list[str]] = {}
+    for n in names:
+        by_kind.setdefault("parquet" if n.lower().endswith(PARQUET_EXT) else "jsonl", []).append(n)
+    if len(by_kind) > 1:
+        listed = " and ".join(
+            f"{len(found)} {kind} file(s) ({', '.join(found[:3])}{', ...' if len(found) > 3 else ''})"
+            for kind, found in sorted(by_kind.items(), key=lambda kv: kv[0] != "parquet")
+        )
+        raise DatasetError(
+            f"input {storage.uri('')} mixes Parquet and JSONL files: {listed}; an input is one format (a stray "
+            "file such as a schema .json counts): move the others out, or point io.input_uri at one file"
+        )
+    kind = next(iter(by_kind))
     if declared != "auto":
         if (declared == "parquet") != (kind == "parquet"):
-            raise DatasetError(f"input_format={declared!r} but the files are {kind}")
+            raise DatasetError(f"io.input_format={declared!r} but the input's files are {kind} ({names[0]}, ...)")
         return declared
     if kind == "parquet":
         return "parquet"

@@ -379,6 +379,14 @@ def dataset_fault_cases(root: Path) -> dict[str, tuple[Path, list[str]]]:
     pq_file(f, "a.parquet", id=["1"], text=["x"])
     (f / "b.jsonl").write_text('{"id": "2", "text": "y"}\n')
     cases["parquet and jsonl mixed"] = (f, ["mixes Parquet and JSONL", "a.parquet", "b.jsonl"])
+    f = root / "parquet-and-a-schema-json"
+    for i in range(6):
+        pq_file(f, f"part-{i}.parquet", id=[str(i)], text=["x"])
+    (f / "schema.json").write_text('{\n  "fields": ["id", "text"]\n}\n')
+    cases["parquet files and a stray schema.json"] = (
+        f,
+        ["6 parquet file(s) (part-0.parquet, part-1.parquet, part-2.parquet, ...)", "1 jsonl file(s) (schema.json)"],
+    )
     f = root / "corrupt-parquet"
     f.mkdir(parents=True)
     (f / "a.parquet").write_bytes(b"PAR1 this is not really parquet PAR1")
