@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from airflow_provider_vllm.core.errors import SpecError, VllmBatchError
 from airflow_provider_vllm.core.plan import ShardSummary
 from airflow_provider_vllm.core.spec import JobSpec, format_validation_error
+from airflow_provider_vllm.core.spec_guard import local_model_path
 
 SPEC_XCOM_KEY = "spec"
 """XCom key under which the plan task pushes the validated spec (a JSON-able dict)."""
@@ -79,16 +80,15 @@ def check_runner(runner: Any, param: str = "runner") -> str:
 
 
 def check_local_model(spec: JobSpec) -> None:
-    """With the local runner, a model given as a local path must exist on this machine and be absolute."""
+    """With the local runner, a model given as a local path must exist on this machine. What is local, and what
+    is refused (a relative path, a hub id that also names a path relative to the working directory), is
+    ``spec_guard.local_model_path``'s rule, the allow-list's."""
     name = spec.model.name
-    path = name[len("file://") :] if name.startswith("file://") else name
-    if not path.startswith("/") and os.path.lexists(path):
-        # vLLM would load it from the working directory, outside the allow-list
-        raise AirflowFailException(
-            f"model.name {name!r} names a path relative to the working directory; give an absolute path "
-            "inside the allowed prefixes, or a hub id that names no local path"
-        )
-    if path.startswith(("/", "./", "../", "~")) and not os.path.exists(os.path.expanduser(path)):
+    try:
+        local = local_model_path(name, "model.name")
+    except SpecError as e:
+        raise AirflowFailException(str(e)) from None
+    if local is not None and not os.path.exists(local.removeprefix("file://")):
         raise AirflowFailException(
             f"model.name {name!r} is a local path that does not exist on this machine; "
             "prepare it first (e.g. python -m airflow_provider_vllm.testing.local_models smollm2)"

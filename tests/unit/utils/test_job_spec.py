@@ -96,5 +96,13 @@ def test_a_model_name_that_is_a_relative_path_fails_the_local_runner(tmp_path, m
     monkeypatch.chdir(tmp_path)
     check_local_model(spec)  # a hub id
     (tmp_path / "outside" / "evil").mkdir(parents=True)
-    with pytest.raises(AirflowFailException, match="model.name 'outside/evil' names a path relative"):
+    with pytest.raises(AirflowFailException, match="model.name='outside/evil' is a hub id but also a path relative"):
         check_local_model(spec)
+    for name, message in [
+        ("./outside/evil", "a local model path must be absolute"),
+        (f"{tmp_path}/nowhere", "is a local path that does not exist on this machine"),
+        (f"file://{tmp_path}/nowhere", "is a local path that does not exist on this machine"),
+    ]:
+        with pytest.raises(AirflowFailException, match=message):
+            check_local_model(spec.model_copy(update={"model": spec.model.model_copy(update={"name": name})}))
+    check_local_model(spec.model_copy(update={"model": spec.model.model_copy(update={"name": str(tmp_path)})}))
