@@ -65,6 +65,9 @@ class VllmPublishOperator(BaseOperator):
     ``qa_result``: the QA task's XCom (``qa.output``; ``vllm_batch_job`` passes it): the sealed verdict must be
     the one that task wrote, not an earlier genuine one put back in the folder. None: not checked, unless
     ``require_qa_result`` (set by ``vllm_batch_job``): then a missing XCom (a task marked success by hand) fails.
+    ``review_result``: the review task's XCom (``VllmQAReviewOperator``; ``vllm_batch_job`` passes it when it
+    adds the review): the approval must name that same verdict (a QA run again after the approval, alone, would
+    otherwise be published on the earlier verdict's approval). None: not checked, unless ``require_review_result``.
 
     ``aws_conn_id`` / ``gcp_conn_id``: the Airflow Connections through which this task reaches
     ``s3://`` / ``gs://`` locations (DAG-file settings, never templated; None: ``[vllm_batch]
@@ -72,8 +75,8 @@ class VllmPublishOperator(BaseOperator):
     ``airflow_provider_vllm.hooks.filesystems``.
     """
 
-    template_fields: Sequence[str] = ("spec", "extra_files", "qa_result")
-    template_fields_renderers = {"spec": "json", "extra_files": "json", "qa_result": "json"}
+    template_fields: Sequence[str] = ("spec", "extra_files", "qa_result", "review_result")
+    template_fields_renderers = {"spec": "json", "extra_files": "json", "qa_result": "json", "review_result": "json"}
     ui_color = "#f3e8fd"
 
     def __init__(
@@ -83,6 +86,8 @@ class VllmPublishOperator(BaseOperator):
         extra_files: dict[str, str] | None = None,
         qa_result: Any = None,
         require_qa_result: bool = False,
+        review_result: Any = None,
+        require_review_result: bool = False,
         aws_conn_id: str | None = None,
         gcp_conn_id: str | None = None,
         **kwargs: Any,
@@ -94,6 +99,8 @@ class VllmPublishOperator(BaseOperator):
         self.extra_files = extra_files
         self.qa_result = qa_result
         self.require_qa_result = require_qa_result
+        self.review_result = review_result
+        self.require_review_result = require_review_result
 
     def execute(self, context: Any) -> dict[str, Any]:
         spec = load_spec(self.spec, "publish")
@@ -243,6 +250,15 @@ class VllmPublishOperator(BaseOperator):
             raise AirflowFailException(
                 f"publish: {out.uri(QA_RECORD)} is not the verdict this run's QA task wrote (another QA of this "
                 f"folder, or an earlier merge and QA put back); {RERUN_QA}"
+            )
+        if self.review_result is None and not self.require_review_result:
+            return
+        approved = self.review_result.get("record_mac") if isinstance(self.review_result, Mapping) else None
+        if approved != qa.seal.mac:
+            raise AirflowFailException(
+                "publish: the review task approved "
+                + ("another QA verdict (QA ran again after the approval)" if approved else "no sealed QA verdict")
+                + f", not {out.uri(QA_RECORD)}; clear the review task (a 'warn' asks again), then publish"
             )
 
     def _qa_verdict(self, out: Storage, keyring: Keyring, merged: MergeSummary) -> QARecord:

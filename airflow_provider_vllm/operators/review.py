@@ -18,6 +18,9 @@ from airflow.sdk.exceptions import AirflowFailException
 from airflow_provider_vllm.links.report import VllmQAReportLink, base_url, report_url
 
 SUBJECT = "Publish this batch run? QA needs review"
+# the seal of the QA verdict a person is asked about, kept in this task's XCom while it waits (Airflow keeps a
+# waiting task's XComs when it resumes, and re-renders ``qa_result``, which may name a later QA by then)
+REVIEWED = "reviewed_record_mac"
 
 
 def parse_flag(value: Any, name: str) -> bool:
@@ -64,9 +67,10 @@ class VllmQAReviewOperator(ApprovalOperator):
         deployment can turn review off without editing DAGs); false: a 'warn' is logged and
         approved automatically.
 
-    Returns ``{"approved": True, "asked": False, "qa_status": "pass"}`` without asking on a
-    pass, else the HITL response (chosen option, who, when). *Reject* raises an
-    ``AirflowFailException`` naming who rejected (not retried).
+    Returns ``{"approved": True, "asked": False, "qa_status": "pass", "record_mac": ...}`` without asking on a
+    pass, else the HITL response (chosen option, who, when) and ``record_mac``. *Reject* raises an
+    ``AirflowFailException`` naming who rejected (not retried). ``record_mac`` is the seal of the QA verdict that
+    was approved (``qa_result``'s, as it was when the person was asked): publish takes no other verdict.
     """
 
     template_fields: Sequence[str] = (*ApprovalOperator.template_fields, "qa_result", "ask")
@@ -91,16 +95,17 @@ class VllmQAReviewOperator(ApprovalOperator):
 
     def execute(self, context: Any) -> Any:
         qa = self.qa_result if isinstance(self.qa_result, Mapping) else {}
-        status = qa.get("status")
+        status, mac = qa.get("status"), qa.get("record_mac")
         if status == "pass":
             self.log.info("QA passed (%s): publishing without review", qa.get("summary"))
-            return {"approved": True, "asked": False, "qa_status": status}
+            return {"approved": True, "asked": False, "qa_status": status, "record_mac": mac}
         if status != "warn":
             raise AirflowFailException(f"review: QA status is {status!r}, not 'pass' or 'warn'; not publishing")
         if not parse_flag(self.ask, "ask"):
             self.log.warning("QA warned (%s); review is off: publishing without asking", qa.get("summary"))
-            return {"approved": True, "asked": False, "qa_status": status}
+            return {"approved": True, "asked": False, "qa_status": status, "record_mac": mac}
         ti = context["ti"]
+        ti.xcom_push(key=REVIEWED, value=mac)  # the verdict this person is shown: what an approval approves
         link = report_url(ti.dag_id, ti.run_id, self.qa_task_id, base_url=base_url()) if self.qa_task_id else None
         self.body = review_body(qa, link)
         self.log.info("QA warned (%s): waiting for a person to approve or reject publication", qa.get("summary"))
@@ -118,4 +123,5 @@ class VllmQAReviewOperator(ApprovalOperator):
                 "(clear this task to ask again)"
             ) from None
         self.log.info("publication approved by %s", (result.get("responded_by_user") or {}).get("name"))
-        return result
+        ti = context["ti"]
+        return {**result, "record_mac": ti.xcom_pull(task_ids=ti.task_id, key=REVIEWED, map_indexes=ti.map_index)}

@@ -258,15 +258,6 @@ def vllm_batch_job(
         )
         # each step takes the sealed record the step before wrote (its XCom), not an earlier one put back
         qa = VllmQAOperator(task_id="qa", spec=job, merge_result=merge.output, require_merge_result=True, **conns)
-        publish = VllmPublishOperator(
-            task_id="publish",
-            spec=job,
-            qa_result=qa.output,  # the verdict this run's QA wrote, through the metadata database
-            require_qa_result=True,
-            outlets=[asset],
-            **conns,
-            extra_files=dict(publish_extra_files) if publish_extra_files else None,
-        )
         list(shard_tasks.values()) >> merge
         merge >> qa
         gate = qa
@@ -280,6 +271,18 @@ def vllm_batch_job(
                 notifiers=review_notifiers,
             )
             qa >> gate
+        publish = VllmPublishOperator(
+            task_id="publish",
+            spec=job,
+            qa_result=qa.output,  # the verdict this run's QA wrote, through the metadata database
+            require_qa_result=True,
+            # the approval names the verdict it approved: publish takes no other (QA run again alone after it)
+            review_result=gate.output if gate is not qa else None,
+            require_review_result=gate is not qa,
+            outlets=[asset],
+            **conns,
+            extra_files=dict(publish_extra_files) if publish_extra_files else None,
+        )
         if before_publish is not None:
             extra = before_publish(job)
             gate >> extra >> publish

@@ -370,9 +370,11 @@ def test_builder_wires_plan_shards_merge_qa_publish():
     assert t["job.merge"].trigger_rule == "none_failed_min_one_success"  # runs after an empty plan, not a dry run
     assert t["job.review"].upstream_task_ids == {"job.qa"} and t["job.review"].qa_task_id == "job.qa"
     assert t["job.extra"].upstream_task_ids == {"job.plan", "job.review"}
-    # publish takes QA's XCom (the verdict QA sealed) and QA takes merge's (the merge it sealed): both wired, required
-    assert t["job.publish"].upstream_task_ids == {"job.plan", "job.extra", "job.qa"}
+    # publish takes QA's XCom (the verdict QA sealed) and the review's (the verdict it approved), QA takes merge's
+    # (the merge it sealed): all wired, required
+    assert t["job.publish"].upstream_task_ids == {"job.plan", "job.extra", "job.qa", "job.review"}
     assert t["job.publish"].require_qa_result and t["job.qa"].require_merge_result
+    assert t["job.publish"].require_review_result and t["job.publish"].review_result.operator is t["job.review"]
     assert t["job.merge"].require_shard_results and len(t["job.merge"].shard_results) == 1  # one runner's shards
     assert [a.uri for a in t["job.publish"].outlets] == ["x-vllm-batch://job"]  # templated output: a named asset
 
@@ -382,6 +384,7 @@ def test_builder_without_human_review_publishes_straight_after_qa():
     t = dag.task_dict
     assert "vllm_batch.review" not in t
     assert t["vllm_batch.publish"].upstream_task_ids == {"vllm_batch.plan", "vllm_batch.qa"}
+    assert t["vllm_batch.publish"].review_result is None and not t["vllm_batch.publish"].require_review_result
 
 
 def test_builder_static_output_is_the_asset_and_runner_switch():

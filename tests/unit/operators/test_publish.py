@@ -33,6 +33,7 @@ def test_construction_templates_the_spec_and_the_extra_files():
         "spec",
         "extra_files",
         "qa_result",
+        "review_result",
     )
 
 
@@ -163,22 +164,35 @@ def test_a_qa_record_of_another_run_or_spec_or_merge_publishes_nothing(tmp_path,
     record_malicious("qa_record_of_another_run_spec_or_merge", 3, 3)
 
 
+def merge_and_qa_again(spec, plan, out, factory) -> dict:
+    """A shard run again (its marker deleted: another genuine attempt), then merge and QA again: a merge that
+    differs from the one before (it names another attempt), so a verdict with another seal. QA's XCom."""
+    from airflow_provider_vllm.core.commit import MARKER
+    from airflow_provider_vllm.core.spec import JobSpec
+    from airflow_provider_vllm.worker.shard import run_shard
+    from airflow_provider_vllm.worker.task import ShardTask
+
+    (out / "shards" / plan.shards[0].shard_id / MARKER).unlink()
+    run_shard(ShardTask(spec=JobSpec.load(spec), shard_id=plan.shards[0].shard_id), engine_factory=factory)
+    VllmMergeOperator(task_id="merge", spec=spec).execute(context())
+    return VllmQAOperator(task_id="qa", spec=spec).execute(context())
+
+
 def test_an_earlier_merge_and_qa_put_back_are_not_published_as_this_runs(tmp_path, fake_engine_factory):
     """Every record of an earlier merge and QA of this folder is genuine and sealed for it: put back after the merge
     and QA ran again, they passed every check and the earlier state was published. The QA task's XCom (Airflow's
     metadata database, which the bucket's writers cannot touch) names the verdict it wrote."""
     import shutil
 
-    spec, _ = committed_job(tmp_path, fake_engine_factory, n=60)
+    spec, plan = committed_job(tmp_path, fake_engine_factory, n=60)
     out = tmp_path / "out"
     VllmMergeOperator(task_id="merge", spec=spec).execute(context())
     first = VllmQAOperator(task_id="qa", spec=spec).execute(context())
     earlier = tmp_path / "earlier"
     shutil.copytree(out, earlier, symlinks=True)
-    VllmMergeOperator(task_id="merge", spec=spec).execute(context())  # the merge and QA run again (a cleared task)
-    now = VllmQAOperator(task_id="qa", spec=spec).execute(context())
+    now = merge_and_qa_again(spec, plan, out, fake_engine_factory)  # cleared tasks, run again
     assert first["record_mac"] != now["record_mac"]  # another merge: another sealed verdict
-    for rel in ("_MERGED.json", "results", "errors", "qa"):  # the earlier state put back, whole
+    for rel in ("_MERGED.json", "results", "errors", "qa", "shards"):  # the earlier state put back, whole
         shutil.rmtree(out / rel) if (out / rel).is_dir() else (out / rel).unlink()
         (shutil.copytree if (earlier / rel).is_dir() else shutil.copy2)(earlier / rel, out / rel)
     with pytest.raises(AirflowFailException, match=r"qa/_QA.json is not the verdict this run's QA task wrote"):
@@ -190,6 +204,31 @@ def test_an_earlier_merge_and_qa_put_back_are_not_published_as_this_runs(tmp_pat
     event = VllmPublishOperator(task_id="publish", spec=spec, qa_result=first).execute(context())  # what QA said
     assert event["rows"] == 60
     record_malicious("earlier_merge_and_qa_put_back", 2, 2)
+
+
+def test_an_approval_of_another_verdict_does_not_publish_this_one(tmp_path, fake_engine_factory):
+    """A person approved QA's 'warn'; QA then ran again alone (a cleared task, the review left approved) and wrote
+    another verdict. Publish took the new verdict with the old approval: no person had seen it. The review task's
+    XCom names the verdict it approved."""
+    spec, plan = committed_job(tmp_path, fake_engine_factory, n=60)
+    out = tmp_path / "out"
+    VllmMergeOperator(task_id="merge", spec=spec).execute(context())
+    approved = VllmQAOperator(task_id="qa", spec=spec).execute(context())
+    review = {"chosen_options": ["Approve"], "record_mac": approved["record_mac"]}
+    now = merge_and_qa_again(spec, plan, out, fake_engine_factory)  # another sealed verdict, not shown to anyone
+    assert now["record_mac"] != approved["record_mac"]
+
+    def publish(review_result, **kw):
+        op = VllmPublishOperator(task_id="publish", spec=spec, qa_result=now, review_result=review_result, **kw)
+        return op.execute(context())
+
+    with pytest.raises(AirflowFailException, match=r"approved another QA verdict .*, not \S+qa/_QA.json; clear the"):
+        publish(review)
+    for told in ({"approved": True, "asked": False}, None):  # an approval naming no verdict, or no XCom at all
+        with pytest.raises(AirflowFailException, match="the review task approved no sealed QA verdict"):
+            publish(told, require_review_result=True)
+    assert not (out / "_SUCCESS.json").exists()
+    assert publish({**review, "record_mac": now["record_mac"]})["rows"] == 60
 
 
 def test_a_run_without_a_sealed_qa_verdict_publishes_nothing(tmp_path, fake_engine_factory):

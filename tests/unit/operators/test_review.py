@@ -27,19 +27,56 @@ def review(**kw):
     return VllmQAReviewOperator(task_id="review", qa_task_id="job.qa", **kw)
 
 
-def ctx():
+class _TI(SimpleNamespace):
+    """The review task's instance: its XComs kept by (task, key, map index), as the metadata database keeps them."""
+
+    def xcom_push(self, key, value):
+        self.xcoms[(self.task_id, key, self.map_index)] = value
+
+    def xcom_pull(self, task_ids, key, map_indexes):
+        return self.xcoms.get((task_ids, key, map_indexes))
+
+
+def ctx(xcoms=None):
     c = context()
-    c["ti"] = SimpleNamespace(
-        dag_id="d", run_id="manual__1", task_id="job.review", map_index=-1, id="ti-1", try_number=1
+    c["ti"] = _TI(
+        dag_id="d",
+        run_id="manual__1",
+        task_id="job.review",
+        map_index=-1,
+        id="ti-1",
+        try_number=1,
+        xcoms={} if xcoms is None else xcoms,
     )
     c["task_instance"] = c["ti"]
     return c
 
 
 def test_pass_publishes_without_asking_and_review_is_never_retried():
-    op = review(qa_result={**SUMMARY, "status": "pass"})
+    op = review(qa_result={**SUMMARY, "status": "pass", "record_mac": "m1"})
     assert op.retries == 0
-    assert op.execute(ctx()) == {"approved": True, "asked": False, "qa_status": "pass"}
+    assert op.execute(ctx()) == {"approved": True, "asked": False, "qa_status": "pass", "record_mac": "m1"}
+
+
+def test_an_approval_names_the_verdict_the_person_was_shown(monkeypatch):
+    """The task waits for a person; meanwhile QA runs again alone and writes another verdict. On resume Airflow
+    renders ``qa_result`` again (the new verdict), but the approval is of the one the person was shown: publish
+    compares it with the verdict it publishes."""
+    import airflow.providers.standard.operators.hitl as hitl
+
+    monkeypatch.setattr(hitl, "upsert_hitl_detail", lambda **kw: None)
+    xcoms: dict = {}
+    with pytest.raises(hitl.TaskAwaitingInput):
+        review(qa_result={**SUMMARY, "record_mac": "shown"}).execute(ctx(xcoms))
+    resumed = review(qa_result={**SUMMARY, "record_mac": "qa-run-again"})  # re-rendered on resume
+    event = {
+        "chosen_options": ["Approve"],
+        "params_input": {},
+        "responded_at": datetime.now(UTC),
+        "responded_by_user": {"id": "admin", "name": "admin"},
+    }
+    assert resumed.execute_complete(ctx(xcoms), event)["record_mac"] == "shown"
+    assert review(qa_result={**SUMMARY, "record_mac": "m2"}, ask="false").execute(ctx())["record_mac"] == "m2"
 
 
 def test_warn_with_review_off_is_approved_unasked_and_bad_flags_fail():
