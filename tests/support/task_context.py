@@ -57,3 +57,15 @@ def committed_job(tmp_path: Path, factory, n: int = 60, run: list[int] | None = 
         if run is None or i in run:
             run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=factory)
     return spec.model_dump(mode="json"), plan
+
+
+def rerun_a_shard(spec: dict, plan, out: Path, factory) -> None:
+    """The first shard run again after its commit marker was deleted: another genuine attempt, so the next merge
+    differs from the one before (it names that attempt), whatever the merges' durations (``merge_s``, in ms)."""
+    from airflow_provider_vllm.core.commit import MARKER
+    from airflow_provider_vllm.core.spec import JobSpec
+    from airflow_provider_vllm.worker.shard import run_shard
+    from airflow_provider_vllm.worker.task import ShardTask
+
+    (out / "shards" / plan.shards[0].shard_id / MARKER).unlink()
+    run_shard(ShardTask(spec=JobSpec.load(spec), shard_id=plan.shards[0].shard_id), engine_factory=factory)

@@ -18,7 +18,7 @@ from airflow_provider_vllm.operators.publish import VllmPublishOperator
 from airflow_provider_vllm.operators.qa import VllmQAFailed, VllmQAOperator
 from airflow_provider_vllm.steps.publish import verify_published
 from tests.support.ledger import record_malicious
-from tests.support.task_context import committed_job, context
+from tests.support.task_context import committed_job, context, rerun_a_shard
 
 
 def checked_job(tmp_path, factory, **over):
@@ -165,15 +165,9 @@ def test_a_qa_record_of_another_run_or_spec_or_merge_publishes_nothing(tmp_path,
 
 
 def merge_and_qa_again(spec, plan, out, factory) -> dict:
-    """A shard run again (its marker deleted: another genuine attempt), then merge and QA again: a merge that
-    differs from the one before (it names another attempt), so a verdict with another seal. QA's XCom."""
-    from airflow_provider_vllm.core.commit import MARKER
-    from airflow_provider_vllm.core.spec import JobSpec
-    from airflow_provider_vllm.worker.shard import run_shard
-    from airflow_provider_vllm.worker.task import ShardTask
-
-    (out / "shards" / plan.shards[0].shard_id / MARKER).unlink()
-    run_shard(ShardTask(spec=JobSpec.load(spec), shard_id=plan.shards[0].shard_id), engine_factory=factory)
+    """A shard run again, then merge and QA again (cleared tasks): a merge that differs from the one before, so a
+    verdict with another seal. QA's XCom."""
+    rerun_a_shard(spec, plan, out, factory)
     VllmMergeOperator(task_id="merge", spec=spec).execute(context())
     return VllmQAOperator(task_id="qa", spec=spec).execute(context())
 

@@ -12,7 +12,7 @@ from airflow_provider_vllm.links.report import VllmQAReportLink
 from airflow_provider_vllm.operators.merge import VllmMergeOperator
 from airflow_provider_vllm.operators.qa import VllmQAFailed, VllmQAOperator
 from airflow_provider_vllm.steps.qa.report import QAFailed
-from tests.support.task_context import committed_job, context
+from tests.support.task_context import committed_job, context, rerun_a_shard
 
 
 def merged_job(tmp_path, factory, **over):
@@ -64,13 +64,18 @@ def test_qa_measures_only_the_merge_this_runs_merge_task_wrote(tmp_path, fake_en
     measured it and publish then published it. The merge task's XCom names the seal of the merge it wrote."""
     import shutil
 
-    spec, _ = committed_job(tmp_path, fake_engine_factory, n=60)
+    spec, plan = committed_job(tmp_path, fake_engine_factory, n=60)
     out = tmp_path / "out"
     first = VllmMergeOperator(task_id="merge", spec=spec).execute(context())
-    shutil.copy2(out / "_MERGED.json", tmp_path / "earlier.json")
+    shutil.copytree(out, tmp_path / "earlier", symlinks=True)
+    rerun_a_shard(spec, plan, out, fake_engine_factory)
     now = VllmMergeOperator(task_id="merge", spec=spec).execute(context())  # a cleared merge ran again
     assert first["merged_mac"] != now["merged_mac"]
-    shutil.copy2(tmp_path / "earlier.json", out / "_MERGED.json")  # the earlier sealed summary put back
+    for rel in ("_MERGED.json", "results", "errors", "shards"):  # the earlier sealed merge put back, whole
+        shutil.rmtree(out / rel) if (out / rel).is_dir() else (out / rel).unlink()
+        (shutil.copytree if (tmp_path / "earlier" / rel).is_dir() else shutil.copy2)(
+            tmp_path / "earlier" / rel, out / rel
+        )
     with pytest.raises(AirflowFailException, match=r"_MERGED.json is not the merge this run's merge task wrote"):
         VllmQAOperator(task_id="qa", spec=spec, merge_result=now).execute(context())
     for told in ({"rows": 60}, None):  # None: no XCom (merge marked success by hand), where one is required
