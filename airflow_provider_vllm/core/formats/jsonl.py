@@ -167,6 +167,8 @@ class JsonlFormat(InputFormat):
                 offsets.append(here)
                 lines.append(line_no)
                 if not isinstance(parsed, dict):
+                    if not ids:  # the first data line: a JSON document (not JSON Lines) starts so too
+                        _refuse_a_json_document(root, name)
                     ids.append(invalid_line_id(name, line_no))
                     lengths.append(0)
                     invalid += 1
@@ -174,6 +176,27 @@ class JsonlFormat(InputFormat):
                 ids.append(self.checked_id(parsed.get(key), name, line_no, key))
                 lengths.append(self.row_chars(parsed, spec) if sizes else 0)
         return _FileScan(ids, offsets, lengths, lines, invalid)
+
+
+# A file whose first line is not a JSON object is read whole, up to this size, to tell a JSON document from JSON
+# Lines with a bad first line.
+JSON_DOCUMENT_MAX_BYTES = 64 << 20
+
+
+def _refuse_a_json_document(root: Storage, name: str) -> None:
+    """DatasetError when ``name`` is one JSON value (a pretty-printed object or array: a schema file, an export as
+    a JSON array), not JSON Lines: read as lines, each of its lines would be an ``INVALID_JSON`` row. JSON Lines of
+    two or more rows never parse as one value; a file too large to check is read as lines."""
+    if root.size(name) > JSON_DOCUMENT_MAX_BYTES:
+        return
+    doc = _parse_line(root.read_bytes(name), first=True)
+    if doc is None:
+        return
+    kind = {dict: "an object", list: "an array"}.get(type(doc), f"a {type(doc).__name__}")
+    raise DatasetError(
+        f"input file {name} is one JSON document ({kind}), not JSON Lines (one object per line, a row each); "
+        "move it out of the input folder, or write its rows as JSON Lines"
+    )
 
 
 def _checked_id(rid: Any, name: str, line_no: int, key: str) -> str:

@@ -387,6 +387,15 @@ def dataset_fault_cases(root: Path) -> dict[str, tuple[Path, list[str]]]:
         f,
         ["6 parquet file(s) (part-0.parquet, part-1.parquet, part-2.parquet, ...)", "1 jsonl file(s) (schema.json)"],
     )
+    f = root / "jsonl-and-a-schema-json"
+    f.mkdir(parents=True)
+    (f / "a.jsonl").write_text('{"id": "1", "text": "x"}\n')
+    (f / "schema.json").write_text('{\n  "fields": ["id", "text"]\n}\n')
+    cases["jsonl files and a stray schema.json"] = (f, ["schema.json is one JSON document (an object), not JSON Lines"])
+    f = root / "json-array-export"
+    f.mkdir(parents=True)
+    (f / "rows.json").write_text('[\n  {"id": "1", "text": "x"},\n  {"id": "2", "text": "y"}\n]\n')
+    cases["a pretty-printed JSON array"] = (f, ["rows.json is one JSON document (an array), not JSON Lines"])
     f = root / "corrupt-parquet"
     f.mkdir(parents=True)
     (f / "a.parquet").write_bytes(b"PAR1 this is not really parquet PAR1")

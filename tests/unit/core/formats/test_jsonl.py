@@ -102,3 +102,31 @@ def test_a_line_of_bytes_from_the_byte_order_mark_is_an_invalid_line_not_a_blank
     batch = JSONL.read_rows(root, "in.jsonl", Segment(file=0, start=0, count=4, offset=0, line=1), spec)
     assert batch.ids == ["a", "__line__:in.jsonl:2", "__line__:in.jsonl:3", "b"]
     assert [f and f[0] for f in batch.faults] == [None, "INVALID_JSON", "INVALID_JSON", None]
+
+
+@pytest.mark.parametrize(
+    "text, kind",
+    [
+        ('{\n  "id": "a",\n  "text": "x"\n}\n', "an object"),
+        ('[\n  {"id": "a", "text": "x"},\n  {"id": "b", "text": "y"}\n]\n', "an array"),
+        ('\ufeff[{"id": "a", "text": "x"}, {"id": "b", "text": "y"}]\n', "an array"),
+    ],
+)
+def test_a_json_document_is_refused_naming_the_file_not_read_as_lines(tmp_path, text, kind):
+    """A pretty-printed JSON file (a schema beside the data, an export as one array) was read line by line: every
+    line an INVALID_JSON row, the plan going on. JSON Lines of two rows never parse as one value."""
+    (tmp_path / "rows.json").write_text(text, encoding="utf-8")
+    root, spec = Storage(str(tmp_path)), make_spec(tmp_path / "rows.json", tmp_path / "out")
+    with pytest.raises(DatasetError, match=f"input file rows.json is one JSON document \\({kind}\\), not JSON Lines"):
+        JSONL.scan(root, ["rows.json"], spec, per_row=False)
+
+
+def test_json_lines_whose_first_line_is_not_an_object_are_still_read(tmp_path):
+    """Only a whole file that is one JSON value is refused: a bad first line of JSON Lines is that line's
+    INVALID_JSON row, as any other line's."""
+    (tmp_path / "in.jsonl").write_text('{"id": "a",\n{"id": "b", "text": "y"}\n[1, 2]\n')
+    root, spec = Storage(str(tmp_path)), make_spec(tmp_path / "in.jsonl", tmp_path / "out")
+    scan = JSONL.scan(root, ["in.jsonl"], spec, per_row=False)
+    assert scan.file_rows == [3] and scan.invalid == 2
+    (tmp_path / "one.jsonl").write_text('[1, 2]\n{"id": "b", "text": "y"}\n')
+    assert JSONL.scan(root, ["one.jsonl"], spec, per_row=False).invalid == 1
