@@ -154,7 +154,8 @@ class JsonlFormat(InputFormat):
     def _scan_file(self, root: Storage, name: str, spec: JobSpec, sizes: bool) -> _FileScan:
         """Read every line once; raise DatasetError for a line without an id (it cannot be tracked)."""
         key = self.id_key(spec)
-        ids, offsets, lengths, lines = [], [], [], []
+        ids: list[str] = []
+        offsets, lengths, lines = [], [], []
         invalid = 0
         pos = 0
         with root.open(name) as f:
@@ -192,7 +193,7 @@ def _refuse_a_json_document(root: Storage, name: str) -> None:
     doc = _parse_line(root.read_bytes(name), first=True)
     if doc is None:
         return
-    kind = {dict: "an object", list: "an array"}.get(type(doc), f"a {type(doc).__name__}")
+    kind = "an object" if isinstance(doc, dict) else "an array" if isinstance(doc, list) else f"a {type(doc).__name__}"
     raise DatasetError(
         f"input file {name} is one JSON document ({kind}), not JSON Lines (one object per line, a row each); "
         "move it out of the input folder, or write its rows as JSON Lines"
