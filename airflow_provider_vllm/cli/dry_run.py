@@ -160,7 +160,7 @@ def _report(spec: Any, args: argparse.Namespace, cfg: dict | None, where: _Where
 
     where.filesystems = task_filesystems(args.aws_conn_id, args.gcp_conn_id)
     keyring = None
-    if spec.cache.uri:  # only entries this deployment's merge sealed count as hits
+    if spec.cache.uri or spec.sharding.history_uri:  # only what this deployment's merge sealed counts (hits, history)
         from airflow_provider_vllm.utils.deployment import signing_keyring
 
         keyring = signing_keyring()

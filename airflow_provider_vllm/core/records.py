@@ -308,6 +308,11 @@ class ThroughputRecord(Record):
     prompt_tokens_per_row: float = Field(description="prompt tokens per row")
     completion_tokens_per_row: float = Field(description="completion tokens per row")
     est_prompt_tokens_per_row: float | None = Field(None, description="the planner's estimate, for comparison")
+    seal: Seal | None = Field(
+        None,
+        description="the writing merge's seal (core/seal.py, domain history, scope the history folder); a record "
+        "without a valid one is never used",
+    )
 
 
 ChangeKind = Literal["added", "removed", "changed", "unchanged", "error", "recovered"]

@@ -50,7 +50,8 @@ CACHE_ENTRY = "cache-entry"
 CHANGES = "changes"
 COMPILE_CACHE = "compile-cache"
 QA = "qa"
-DOMAINS = frozenset({PLAN, CHUNK, COMMIT, MERGED, SUCCESS, CACHE_ENTRY, CHANGES, COMPILE_CACHE, QA})
+HISTORY = "history"
+DOMAINS = frozenset({PLAN, CHUNK, COMMIT, MERGED, SUCCESS, CACHE_ENTRY, CHANGES, COMPILE_CACHE, QA, HISTORY})
 
 
 class Seal(BaseModel):

@@ -269,7 +269,8 @@ class VllmPlanOperator(BaseOperator):
                 spec,
                 filesystems=self.filesystems(),
                 engine_identity=self.engine_identity(spec, check_runner(self.runner)),
-                keyring=signing_keyring() if spec.cache.uri else None,
+                # only what this deployment's merge sealed counts: cache hits, throughput history
+                keyring=signing_keyring() if spec.cache.uri or spec.sharding.history_uri else None,
                 warm_starts=warm_starts(spec, check_runner(self.runner)),
             )
         for line in format_report(report).splitlines():

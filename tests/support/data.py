@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pyarrow as pa
@@ -103,3 +104,15 @@ def write_merged_summary(out: Path, summary) -> None:
     summary = summary.model_copy(update={"checksums": checksums})
     sealed = seals.seal_record(Keyring.from_env(), seals.MERGED, seals.scope_of(str(out)), summary)
     (out / "_MERGED.json").write_bytes(seals.record_bytes(sealed))
+
+
+def history_line(folder, record) -> str:
+    """One line of a throughput history file under ``folder``, as merge writes it: ``record`` (a dict or a
+    ``ThroughputRecord``) sealed by this deployment for that folder (``sizing.read_history`` uses no other)."""
+    from airflow_provider_vllm.core import seal as seals
+    from airflow_provider_vllm.core.records import ThroughputRecord
+    from airflow_provider_vllm.core.seal import Keyring
+
+    rec = record if isinstance(record, ThroughputRecord) else ThroughputRecord.model_validate(record)
+    sealed = seals.seal_record(Keyring.from_env(), seals.HISTORY, seals.scope_of(str(folder)), rec)
+    return json.dumps(sealed.dump(), sort_keys=True) + "\n"

@@ -299,7 +299,7 @@ def _merge(
     with faults.writing("merge.mid_marker"):
         out.write_atomic(MERGED, seals.record_bytes(summary))
     faults.hit("merge.after_marker")
-    _record_throughput(spec, plan, markers, summary, filesystems)
+    _record_throughput(spec, plan, markers, summary, filesystems, keyring)
     return summary
 
 
@@ -484,14 +484,16 @@ def _record_throughput(
     markers: list[CommitMarker],
     summary: MergeSummary,
     filesystems: FileSystems | None = None,
+    keyring: Keyring | None = None,
 ) -> None:
-    """Throughput history for shard sizing (steps/plan/sizing.py); a failure here must not fail a merged run."""
+    """Throughput history for shard sizing (steps/plan/sizing.py), sealed; a failure here must not fail a merged
+    run."""
     if not spec.sharding.history_uri:
         return
     from airflow_provider_vllm.steps.plan.sizing import record_run
 
     try:
-        summary.history_record = record_run(spec, plan, markers, filesystems)
+        summary.history_record = record_run(spec, plan, markers, filesystems, keyring)
     except Exception as e:  # evidence for later plans, not part of this run's results
         log.warning("could not write the throughput record to %s: %s", spec.sharding.history_uri, e)
 

@@ -254,8 +254,8 @@ def dry_run_report(
     count) as for ``plan_job``. An unreadable throughput history fails the dry run (the plan itself would
     go on without it).
     """
-    plan, read = build_plan_with_inputs(spec, filesystems, warm_starts=warm_starts)
-    ev = find_evidence(spec, _history(spec, read, filesystems).records)
+    plan, read = build_plan_with_inputs(spec, filesystems, keyring=keyring, warm_starts=warm_starts)
+    ev = find_evidence(spec, _history(spec, read, filesystems, keyring).records)
     assumed_start = engine_start_s if engine_start_s is not None or warm_starts is not None else ASSUMED_ENGINE_START_S
     start = start_estimate(ev, warm_starts, assumed_start)
     work = estimate_workload(spec, plan.total_rows, plan.est_tokens, ev, tokens_per_s, 0.0, start.seconds)
@@ -338,12 +338,14 @@ def _start_warning(spec: JobSpec, work: Workload, shards: int, share: float) -> 
     )
 
 
-def _history(spec: JobSpec, read: PlanInputs, filesystems: FileSystems | None) -> History:
+def _history(
+    spec: JobSpec, read: PlanInputs, filesystems: FileSystems | None, keyring: Keyring | None = None
+) -> History:
     """The throughput history the plan read (read here only when the plan had no rows to size with it)."""
     if not spec.sharding.history_uri:
         return History([])
     if read.history is None:
-        return History(read_history(spec.sharding.history_uri, spec.io.storage_options, filesystems))
+        return History(read_history(spec.sharding.history_uri, spec.io.storage_options, filesystems, keyring))
     if read.history.error is not None:
         raise read.history.error
     return read.history

@@ -340,7 +340,7 @@ def build_plan_with_inputs(
             cut_tokens = _row_tokens(cut_scan, sh.chars_per_token, sh.long_row_tokens)
             cut_fp = hashlib.sha256(f"{cut_fp}:{_sha256(misses)}".encode()).hexdigest()
         # the history sizes shards only when there are rows to size (as size_shards decides)
-        history = job_history(spec, filesystems) if len(cut_tokens) else None
+        history = job_history(spec, filesystems, keyring) if len(cut_tokens) else None
         shards, sizing = _cut_all(spec, cut_scan, cut_tokens, cut_fp, history, max_shards, warm_starts)
         if cache_out is not None and misses is not None:
             from airflow_provider_vllm.steps.cache.result_cache import write_shard_inputs

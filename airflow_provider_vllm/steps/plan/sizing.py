@@ -40,9 +40,12 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from airflow_provider_vllm.core import seal as seals
 from airflow_provider_vllm.core.commit import CommitMarker
+from airflow_provider_vllm.core.errors import SealError
 from airflow_provider_vllm.core.plan import Evidence, Sizing
 from airflow_provider_vllm.core.records import ThroughputRecord
+from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
 
@@ -119,9 +122,14 @@ def _start(st: Any) -> float:
 
 
 def record_run(
-    spec: JobSpec, plan: Any, markers: list[CommitMarker], filesystems: FileSystems | None = None
+    spec: JobSpec,
+    plan: Any,
+    markers: list[CommitMarker],
+    filesystems: FileSystems | None = None,
+    keyring: Keyring | None = None,
 ) -> str | None:
-    """Write the run's records under ``sharding.history_uri``; returns the file's URI (None: nothing to record)."""
+    """Write the run's records under ``sharding.history_uri``, each sealed for that folder (``keyring``: default
+    ``VLLM_BATCH_SIGNING_KEY``); returns the file's URI (None: nothing to record)."""
     uri = spec.sharding.history_uri
     if not uri:
         return None
@@ -129,10 +137,12 @@ def record_run(
     if not records:
         return None
     store = Storage(uri, spec.io.storage_options, filesystems)
+    keyring = keyring or Keyring.from_env()
+    sealed = [seals.seal_record(keyring, seals.HISTORY, seals.scope_of(store.uri()), r) for r in records]
     name = f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{plan.spec_hash[:16]}-{plan.fingerprint[:16]}.jsonl"
     # a re-merge of the same run replaces its earlier file (same spec and input): one record set per run
     stale = [n for n in _names(store) if n.endswith(f"-{plan.spec_hash[:16]}-{plan.fingerprint[:16]}.jsonl")]
-    store.write_atomic(name, "".join(json.dumps(r.dump(), sort_keys=True) + "\n" for r in records).encode())
+    store.write_atomic(name, "".join(json.dumps(r.dump(), sort_keys=True) + "\n" for r in sealed).encode())
     for n in stale:
         if n != name:
             store.remove(n)
@@ -145,12 +155,19 @@ def _names(store: Storage) -> list[str]:
 
 
 def read_history(
-    uri: str, storage_options: dict[str, Any] | None = None, filesystems: FileSystems | None = None
+    uri: str,
+    storage_options: dict[str, Any] | None = None,
+    filesystems: FileSystems | None = None,
+    keyring: Keyring | None = None,
 ) -> list[ThroughputRecord]:
     """Records under ``uri``, newest file first; an absent folder is an empty history.
 
     Lines that are not valid records of this version, or that hold no rows or no inference
     time, are skipped (a history is evidence, not input: one bad file must not stop a plan).
+    So are records without this deployment's seal for this folder (``keyring``: default
+    ``VLLM_BATCH_SIGNING_KEY``): a file in the folder proves nothing about who wrote it, and
+    whoever else can write there would choose the shards' size (one shard of every row, or
+    ``max_shards`` of them); they are counted in a warning.
     """
     from airflow_provider_vllm.core import duck
 
@@ -166,14 +183,29 @@ def read_history(
         ).fetchall()
     finally:
         con.close()
-    out = []
+    keyring = keyring or Keyring.from_env()
+    scope = seals.scope_of(store.uri())
+    out, unsealed = [], 0
     for (raw,) in rows:
         try:
             r = ThroughputRecord.model_validate_json(raw)
         except (TypeError, ValidationError):
             continue
-        if r.version == HISTORY_VERSION and r.rows and r.infer_s:
-            out.append(r)
+        if r.version != HISTORY_VERSION or not r.rows or not r.infer_s:
+            continue
+        try:
+            seals.verify_record(keyring, seals.HISTORY, scope, r, f"a throughput record under {uri}")
+        except SealError:
+            unsealed += 1
+            continue
+        out.append(r)
+    if unsealed:
+        log.warning(
+            "%d throughput record(s) under %s are not sealed by this deployment's merge for that folder (written by "
+            "another writer, copied from another folder, or before records were sealed): not used for sizing",
+            unsealed,
+            uri,
+        )
     return out
 
 
@@ -185,14 +217,16 @@ class History:
     error: Exception | None = None
 
 
-def job_history(spec: JobSpec, filesystems: FileSystems | None = None) -> History | None:
-    """The records under ``sharding.history_uri`` (None: no history_uri). An unreadable history is evidence
-    missing, not a failed plan: an empty History carrying the error, with a warning logged."""
+def job_history(
+    spec: JobSpec, filesystems: FileSystems | None = None, keyring: Keyring | None = None
+) -> History | None:
+    """The sealed records under ``sharding.history_uri`` (None: no history_uri; ``read_history``). An unreadable
+    history is evidence missing, not a failed plan: an empty History carrying the error, with a warning logged."""
     uri = spec.sharding.history_uri
     if not uri:
         return None
     try:
-        return History(read_history(uri, spec.io.storage_options, filesystems))
+        return History(read_history(uri, spec.io.storage_options, filesystems, keyring))
     except Exception as e:  # unreadable evidence: plan as if there were none, and say so
         log.warning("cannot read the throughput history under %s (%s): using target_rows/tokens", uri, e)
         return History([], e)
@@ -370,6 +404,7 @@ def size_shards(
     records: list[ThroughputRecord] | None = None,
     filesystems: FileSystems | None = None,
     warm_starts: bool | None = None,
+    keyring: Keyring | None = None,
 ) -> Sizing | None:
     """Shard targets from history, or None (no history_uri, no matching record, no rows, an unreadable history).
 
@@ -380,7 +415,7 @@ def size_shards(
     if not sh.history_uri or rows == 0:
         return None
     if records is None:
-        history = job_history(spec, filesystems)
+        history = job_history(spec, filesystems, keyring)
         if history is None or history.error is not None:
             return None
         records = history.records

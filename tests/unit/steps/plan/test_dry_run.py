@@ -27,7 +27,7 @@ from airflow_provider_vllm.steps.plan.memory import (
 )
 from airflow_provider_vllm.steps.plan.planner import build_plan
 from airflow_provider_vllm.steps.plan.sizing import HISTORY_VERSION, prompt_overhead_tokens
-from tests.support.data import make_spec, write_parquet
+from tests.support.data import history_line, make_spec, write_parquet
 
 LLAMA3_8B = {
     "architectures": ["LlamaForCausalLM"],
@@ -165,7 +165,7 @@ def test_report_with_history_and_the_cli(tmp_path, capsys):
         "prompt_tokens_per_row": 100.0,
         "completion_tokens_per_row": 2.0,
     }
-    (hist / "20261128T000000Z-a-b.jsonl").write_text(json.dumps(rec) + "\n")
+    (hist / "20261128T000000Z-a-b.jsonl").write_text(history_line(hist, rec))
     r = dry_run_report(spec, model_config=LLAMA3_8B)
     # 1 row/s from the same job; 10-minute shards, 90 s start -> ceil(1000 / 510) = 2 shards
     assert r.throughput_basis == "history:config" and r.est_inference_s == 1000.0 and r.shards == 2
@@ -435,7 +435,7 @@ def _history_spec(tmp_path, **sharding):
         "prompt_tokens_per_row": 100.0,
         "completion_tokens_per_row": 2.0,
     }
-    (hist / "20261128T000000Z-a-b.jsonl").write_text(json.dumps(rec) + "\n")
+    (hist / "20261128T000000Z-a-b.jsonl").write_text(history_line(hist, rec))
     return spec
 
 

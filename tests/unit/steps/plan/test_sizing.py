@@ -19,7 +19,7 @@ from airflow_provider_vllm.steps.plan.sizing import (
 )
 from airflow_provider_vllm.worker.shard import run_shard
 from airflow_provider_vllm.worker.task import ShardTask
-from tests.support.data import make_spec, write_parquet
+from tests.support.data import history_line, make_spec, write_parquet
 
 
 def record(spec, **over):
@@ -51,10 +51,16 @@ def record(spec, **over):
 
 
 def write_history(folder, files: dict[str, list[dict]]):
+    """History files as merge writes them: each record of this version sealed for ``folder`` (others as given)."""
     folder.mkdir(parents=True, exist_ok=True)
     for name, recs in files.items():
         (folder / name).write_text(
-            "".join(json.dumps(r.dump() if isinstance(r, ThroughputRecord) else r) + "\n" for r in recs)
+            "".join(
+                history_line(folder, r)
+                if isinstance(r, ThroughputRecord) or r.get("version") == HISTORY_VERSION
+                else json.dumps(r) + "\n"
+                for r in recs
+            )
         )
 
 
@@ -308,3 +314,26 @@ def test_merged_runs_record_warm_and_cold_starts_apart(tmp_path, fake_engine_fac
     cold, warm = (m.stats.engine_start_s + m.stats.compile_cache_s for m in markers)
     assert rec.engine_start_cold_s == round(cold, 3) and rec.engine_start_warm_s == round(warm, 3)
     assert rec.engine_start_s == round((cold + warm) / 2, 3)  # the median of all starts, as before
+
+
+def test_history_records_this_deployment_did_not_seal_for_the_folder_are_not_used(tmp_path, caplog):
+    """Whoever else can write the history folder chose the shards' size: a record of enormous throughput made the
+    next plan one shard of every row (hours on one GPU), a record of a trickle made max_shards of them. A record is
+    used only with the seal of this deployment's merge for that folder."""
+    write_parquet(tmp_path / "in" / "a.parquet", [f"t{i:04d}" for i in range(300)], ["ticket text"] * 300)
+    spec = spec_with_history(tmp_path)
+    h = tmp_path / "history"
+    genuine = record(spec, rows=8)
+    forged = json.dumps(record(spec, rows=10**9, infer_s=1.0).dump()) + "\n"  # no seal
+    elsewhere = history_line(tmp_path / "other-history", record(spec, rows=10**9, infer_s=1.0))  # another folder's
+    tampered = json.loads(history_line(h, record(spec)))
+    tampered["rows_per_s"] = 1e9  # changed after the merge sealed it
+    h.mkdir()
+    (h / "20261127T030000Z-a-b.jsonl").write_text(history_line(h, genuine))
+    (h / "20261128T030000Z-c-d.jsonl").write_text(forged + elsewhere + json.dumps(tampered) + "\n")
+    with caplog.at_level("WARNING"):
+        assert [r.rows for r in read_history(str(h))] == [8]
+    assert "3 throughput record(s) under" in caplog.text and "not used for sizing" in caplog.text
+    (h / "20261127T030000Z-a-b.jsonl").unlink()  # only the forged ones left: the plan sizes by target_rows
+    plan = build_plan(spec)
+    assert plan.sizing is None and len(plan.shards) == 3
