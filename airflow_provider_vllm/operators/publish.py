@@ -237,29 +237,29 @@ class VllmPublishOperator(BaseOperator):
     def _check_this_runs_qa(self, out: Storage, qa: QARecord) -> None:
         """With ``qa_result`` (the QA task's XCom, through Airflow's metadata database): the sealed verdict in the
         folder must be the one that task wrote (its seal's mac). Sealed records of an earlier merge and QA of this
-        same folder are genuine too: put back together, they would publish the earlier state instead."""
-        if self.qa_result is None and not self.require_qa_result:
-            return
-        told = self.qa_result.get("record_mac") if isinstance(self.qa_result, Mapping) else None
-        if not told:
-            raise AirflowFailException(
-                "publish: the QA task's result names no sealed verdict (QA of an earlier version, or no QA result); "
-                f"{RERUN_QA}"
-            )
-        if qa.seal is None or qa.seal.mac != told:
-            raise AirflowFailException(
-                f"publish: {out.uri(QA_RECORD)} is not the verdict this run's QA task wrote (another QA of this "
-                f"folder, or an earlier merge and QA put back); {RERUN_QA}"
-            )
-        if self.review_result is None and not self.require_review_result:
-            return
-        approved = self.review_result.get("record_mac") if isinstance(self.review_result, Mapping) else None
-        if approved != qa.seal.mac:
-            raise AirflowFailException(
-                "publish: the review task approved "
-                + ("another QA verdict (QA ran again after the approval)" if approved else "no sealed QA verdict")
-                + f", not {out.uri(QA_RECORD)}; clear the review task (a 'warn' asks again), then publish"
-            )
+        same folder are genuine too: put back together, they would publish the earlier state instead. With
+        ``review_result`` (the review task's XCom): the approval must name that same verdict."""
+        mac = qa.seal.mac if qa.seal is not None else None
+        if self.qa_result is not None or self.require_qa_result:
+            told = self.qa_result.get("record_mac") if isinstance(self.qa_result, Mapping) else None
+            if not told:
+                raise AirflowFailException(
+                    "publish: the QA task's result names no sealed verdict (QA of an earlier version, or no QA "
+                    f"result); {RERUN_QA}"
+                )
+            if mac != told:
+                raise AirflowFailException(
+                    f"publish: {out.uri(QA_RECORD)} is not the verdict this run's QA task wrote (another QA of this "
+                    f"folder, or an earlier merge and QA put back); {RERUN_QA}"
+                )
+        if self.review_result is not None or self.require_review_result:
+            approved = self.review_result.get("record_mac") if isinstance(self.review_result, Mapping) else None
+            if not approved or approved != mac:
+                raise AirflowFailException(
+                    "publish: the review task approved "
+                    + ("another QA verdict (QA ran again after the approval)" if approved else "no sealed QA verdict")
+                    + f", not {out.uri(QA_RECORD)}; clear the review task (a 'warn' asks again), then publish"
+                )
 
     def _qa_verdict(self, out: Storage, keyring: Keyring, merged: MergeSummary) -> QARecord:
         """QA's sealed verdict on this very merge (``qa/_QA.json``, with its files as QA wrote them), never what

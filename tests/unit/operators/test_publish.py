@@ -221,6 +221,8 @@ def test_an_approval_of_another_verdict_does_not_publish_this_one(tmp_path, fake
     for told in ({"approved": True, "asked": False}, None):  # an approval naming no verdict, or no XCom at all
         with pytest.raises(AirflowFailException, match="the review task approved no sealed QA verdict"):
             publish(told, require_review_result=True)
+    with pytest.raises(AirflowFailException, match="approved another QA verdict"):  # checked without qa_result too
+        VllmPublishOperator(task_id="publish", spec=spec, review_result=review).execute(context())
     assert not (out / "_SUCCESS.json").exists()
     assert publish({**review, "record_mac": now["record_mac"]})["rows"] == 60
 
