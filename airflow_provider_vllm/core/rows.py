@@ -137,16 +137,19 @@ def duck_name_key(column: str) -> str:
     return column.translate(_ASCII_LOWER)
 
 
+# the columns of results/ and errors/ (and the worker's row status), by DuckDB's key of their names
+_TAKEN = {duck_name_key(c): c for c in [*RESULT_SCHEMA.names, *ERROR_COLUMNS, "status"]}
+
+
 def passthrough_clash(name: str) -> str | None:
     """Why ``name`` cannot be a passthrough column's output name, or None. Names are compared as DuckDB compares
     them (``duck_name_key``): a ``LABEL`` beside ``label`` would be ``LABEL_1`` to DuckDB."""
     key = duck_name_key(name)
-    taken = {duck_name_key(c): c for c in [*RESULT_SCHEMA.names, *ERROR_COLUMNS, "status"]}
-    if key in taken:
-        if taken[key] == name:
+    if key in _TAKEN:
+        if _TAKEN[key] == name:
             return "is a column of results/ or errors/"
         return (
-            f"equals {taken[key]!r}, a column of results/ or errors/, ignoring the case of ASCII letters (DuckDB "
+            f"equals {_TAKEN[key]!r}, a column of results/ or errors/, ignoring the case of ASCII letters (DuckDB "
             "compares column names so, and would read it as another name)"
         )
     if key.startswith(RESERVED_PREFIX):

@@ -96,7 +96,7 @@ class JsonlFormat(InputFormat):
         chars, file_rows, offsets, lines = [], [], [], []
         invalid = 0
         for name in names:
-            s = self._scan_file(root, name, spec, sizes=True)
+            s = self._scan_file(root, name, spec, sizes=True, planning=True)
             ids += s.ids
             chars.append(np.asarray(s.lengths, dtype=np.int64))
             offsets.append(np.asarray(s.offsets, dtype=np.int64))
@@ -151,8 +151,10 @@ class JsonlFormat(InputFormat):
                 batch.chars.append(self.row_chars(parsed, spec))
         return batch
 
-    def _scan_file(self, root: Storage, name: str, spec: JobSpec, sizes: bool) -> _FileScan:
-        """Read every line once; raise DatasetError for a line without an id (it cannot be tracked)."""
+    def _scan_file(self, root: Storage, name: str, spec: JobSpec, sizes: bool, planning: bool = False) -> _FileScan:
+        """Read every line once; raise DatasetError for a line without an id (it cannot be tracked). ``planning``:
+        the plan's scan, which also refuses a file that is one JSON document (later reads of a planned file
+        need not)."""
         key = self.id_key(spec)
         ids: list[str] = []
         offsets, lengths, lines = [], [], []
@@ -168,7 +170,7 @@ class JsonlFormat(InputFormat):
                 offsets.append(here)
                 lines.append(line_no)
                 if not isinstance(parsed, dict):
-                    if not ids:  # the first data line: a JSON document (not JSON Lines) starts so too
+                    if planning and not ids:  # the first data line: a JSON document (not JSON Lines) starts so too
                         _refuse_a_json_document(root, name)
                     ids.append(invalid_line_id(name, line_no))
                     lengths.append(0)

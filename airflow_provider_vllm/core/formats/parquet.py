@@ -249,9 +249,10 @@ def check_column_names(name: str, columns: list[str]) -> None:
         )
     seen: dict[str, str] = {}
     for c in columns:
-        other = seen.get(duck_name_key(c))
+        key = duck_name_key(c)
+        other = seen.get(key)
         if other is None:
-            seen[duck_name_key(c)] = c
+            seen[key] = c
             continue
         what = (
             f"column {c!r} appears twice"

@@ -137,8 +137,8 @@ def record_run(
     if not records:
         return None
     store = Storage(uri, spec.io.storage_options, filesystems)
-    keyring = keyring or Keyring.from_env()
-    sealed = [seals.seal_record(keyring, seals.HISTORY, seals.scope_of(store.uri()), r) for r in records]
+    keyring, scope = keyring or Keyring.from_env(), seals.scope_of(store.uri())
+    sealed = [seals.seal_record(keyring, seals.HISTORY, scope, r) for r in records]
     name = f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{plan.spec_hash[:16]}-{plan.fingerprint[:16]}.jsonl"
     # a re-merge of the same run replaces its earlier file (same spec and input): one record set per run
     stale = [n for n in _names(store) if n.endswith(f"-{plan.spec_hash[:16]}-{plan.fingerprint[:16]}.jsonl")]
@@ -175,6 +175,7 @@ def read_history(
     names = _names(store)[-HISTORY_FILES:]
     if not names:
         return []
+    keyring, scope = keyring or Keyring.from_env(), seals.scope_of(store.uri())
     con = duck.connect(store)
     try:
         rows = con.execute(
@@ -183,8 +184,6 @@ def read_history(
         ).fetchall()
     finally:
         con.close()
-    keyring = keyring or Keyring.from_env()
-    scope = seals.scope_of(store.uri())
     out, unsealed = [], 0
     for (raw,) in rows:
         try:
