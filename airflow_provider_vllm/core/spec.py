@@ -345,6 +345,8 @@ class StructuredOutput(_Model):
                 raise ValueError("choice labels must be unique")
             if any(not c for c in self.choice):
                 raise ValueError("choice labels must be non-empty")
+            if "(none)" in self.choice:  # QA's report shows a missing answer or a null label so
+                raise ValueError("choice label '(none)' is reserved: QA's report shows a missing answer so")
         return self
 
 
@@ -611,7 +613,8 @@ class QASpec(_Model):
     previous_report_uri: str | None = Field(
         None,
         description="The qa/report.json of the run to compare against (label drift, the change in accuracy). Used "
-        "only when that run's sealed qa/_QA.json vouches for its bytes; otherwise those checks warn, with a note.",
+        "only when that run's sealed qa/_QA.json vouches for its bytes and it is a report of this job (name); "
+        "otherwise those checks warn, with a note. No run there at all (a first run): not judged, with a note.",
     )
     warn_churn_rate: float = Field(
         1.0,
@@ -646,8 +649,10 @@ class QASpec(_Model):
         0.8,
         ge=0,
         le=1,
-        description="Accuracy on the labelled rows (qa.reference) below this: warn. Checked only when known labels "
-        "are configured.",
+        description="Accuracy on the labelled rows (qa.reference) below this: warn. Each source of known labels "
+        "(the run's own rows, the ride-along golden rows) is judged on its own rows; the check is the worst. Set "
+        "(this or fail_accuracy_below) to other than the default with no known label reaching QA, or a previous "
+        "report that had some: warn.",
     )
     fail_accuracy_below: float = Field(
         0.5, ge=0, le=1, description="Accuracy on the labelled rows below this: fail (the run is not published)."
@@ -655,8 +660,9 @@ class QASpec(_Model):
     min_labelled: int = Field(
         30,
         ge=1,
-        description="Fewer scored rows than this: the accuracy check warns that there are too few to gate on "
-        "(rather than passing or failing on noise); so does a reference that matches no row of the run.",
+        description="Fewer scored rows than this (in a source of known labels): the accuracy check warns that there "
+        "are too few to gate on (rather than passing or failing on noise), and fails when even the top of the 95% "
+        "interval is below fail_accuracy_below; a reference that matches no row of the run warns.",
     )
     warn_accuracy_drop: float = Field(
         0.0,
@@ -673,8 +679,8 @@ class QASpec(_Model):
         ge=0,
         le=1,
         description="Share of the answers with a confidence below low_confidence above this: warn (1.0: never; "
-        "pick it from the report's reliability table). Set below 1 (this or fail_low_confidence_rate), a run whose "
-        "answers have no confidence warns.",
+        "pick it from the report's reliability table). Set below 1 (this or fail_low_confidence_rate), answers "
+        "without a confidence count as low, and a run whose answers have none warns.",
     )
     fail_low_confidence_rate: float = Field(1.0, ge=0, le=1, description="As warn_low_confidence_rate, failing.")
     warn_inconsistency_rate: float = Field(

@@ -81,12 +81,14 @@ def classification(counts: Mapping[tuple[str, str | None], int], labels: Sequenc
     classes nobody knew or predicted are left out of the per-class table and the macro mean,
     as scikit-learn leaves out labels absent from both y_true and y_pred.
     """
-    cells: dict[tuple[str, str], int] = {}
+    # no answer stays None here (NO_ANSWER only in the confusion cells shown): a known label spelled like it
+    # must not make every unanswered row right
+    cells: dict[tuple[str, str | None], int] = {}
     for (t, p), n in counts.items():
         if n:
-            key = (str(t), NO_ANSWER if p is None else str(p))
+            key = (str(t), None if p is None else str(p))
             cells[key] = cells.get(key, 0) + int(n)
-    present = {t for t, _ in cells} | {p for _, p in cells if p != NO_ANSWER}
+    present = {t for t, _ in cells} | {p for _, p in cells if p is not None}
     classes = [c for c in class_order(labels, present) if c in present]
     n = sum(cells.values())
     correct = sum(k for (t, p), k in cells.items() if t == p)
@@ -94,7 +96,7 @@ def classification(counts: Mapping[tuple[str, str | None], int], labels: Sequenc
     predicted = {c: 0 for c in classes}
     for (t, p), k in cells.items():
         support[t] = support.get(t, 0) + k
-        if p != NO_ANSWER:
+        if p is not None:
             predicted[p] = predicted.get(p, 0) + k
     per_class = {}
     for c in classes:
@@ -107,8 +109,11 @@ def classification(counts: Mapping[tuple[str, str | None], int], labels: Sequenc
             "predicted": predicted[c],
             "correct": tp,
         }
-    no_answer = sum(k for (_, p), k in cells.items() if p == NO_ANSWER)
-    ordered = sorted(cells.items(), key=lambda kv: (-kv[1], kv[0][0], kv[0][1]))
+    no_answer = sum(k for (_, p), k in cells.items() if p is None)
+    shown: dict[tuple[str, str], int] = {}
+    for (t, p), k in cells.items():
+        shown[(t, NO_ANSWER if p is None else p)] = shown.get((t, NO_ANSWER if p is None else p), 0) + k
+    ordered = sorted(shown.items(), key=lambda kv: (-kv[1], kv[0][0], kv[0][1]))
     return {
         "labelled": n,
         "correct": correct,

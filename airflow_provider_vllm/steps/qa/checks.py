@@ -3,7 +3,10 @@ overall verdict (the worst check; ``pass`` when every check was skipped).
 
 Most checks fail *above* their thresholds (rates, drift). ``accuracy`` fails *below* them
 (``direction`` 'below'), and it does not pass by default when it cannot be judged: known labels
-configured but fewer than ``min_labelled`` rows scored is a warning. ``accuracy_drop`` (the drop
+configured but fewer than ``min_labelled`` rows scored is a warning (a failure when even the top of the
+95% interval is below the fail line); each source of known labels (the run's own rows, the ride-along golden
+rows) is judged on its own rows, the check being the worst; accuracy thresholds the job set (other than the
+defaults), or a previous report that had known labels, with none reaching this run warn. ``accuracy_drop`` (the drop
 since the previous report) warns or fails only when the 95% interval of the change lies below 0
 (a real drop), and then by its size. The gates off by default (``low_confidence_rate``,
 ``inconsistency_rate``) warn, once turned on, for a run that lacks their measure (no confidence; no
@@ -17,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from airflow_provider_vllm.core.spec import QASpec
+from airflow_provider_vllm.steps.qa.accuracy import proportion
 
 CHECKS = (
     "error_rate",
@@ -63,17 +67,67 @@ def _status(value: float | None, warn: float, fail: float) -> str:
 def _accuracy(metrics: dict[str, Any], spec: QASpec) -> tuple[float | None, str, str, dict[str, Any]]:
     q = metrics.get("quality")
     if q is None:
-        return None, "skip", "no known labels (qa.reference)", {}
-    acc = q["accuracy"]
-    value, n = acc["value"], q["labelled"]
-    extra = {"interval": [acc["low"], acc["high"]], "of": n}
+        return None, *_unmeasured(metrics, spec), {}
+    sources = {s: v for s, v in (q.get("sources") or {}).items() if isinstance(v, dict)}
+    if len(sources) <= 1:  # one source (or a report without them): the pooled figure is that source's
+        acc = q["accuracy"]
+        k, n = int(q["correct"]), int(q["labelled"])
+        status, why = _judge(k, n, spec, "known labels are configured but none names a row of this run")
+        extra = {"interval": [acc["low"], acc["high"]], "of": n}
+        return acc["value"], status, _detail(k, n, acc, why), extra
+    # Each source is judged on its own rows: the run's own labelled rows at 40 % must not pass because golden
+    # rows riding along are right, nor a golden set that names no row of this run because the other one does.
+    judged = []
+    for source, v in sources.items():
+        k, n = int(v["count"]), int(v["of"])
+        status, why = _judge(k, n, spec, f"none of its {v.get('known', 0)} known labels names a row of this run")
+        judged.append((STATUS_ORDER[status], -1.0 if v["value"] is None else -v["value"], source, status, why, v))
+    _, _, source, status, _, worst = max(judged, key=lambda j: j[:2])
+    detail = "; ".join(f"{s}: {_detail(int(v['count']), int(v['of']), v, why)}" for _, _, s, _, why, v in judged)
+    extra = {"interval": [worst["low"], worst["high"]], "of": int(worst["of"]), "source": source}
+    return worst["value"], status, f"{detail} (the check is the worst source's)", extra
+
+
+def _judge(k: int, n: int, spec: QASpec, none_scored: str) -> tuple[str, str]:
+    """The accuracy check's status for k right answers of n scored rows, and why when that is not the value's."""
     if not n:
-        return None, "warn", "known labels are configured but none names a row of this run: nothing to score", extra
-    detail = f"{q['correct']} / {n}, 95% interval {100 * acc['low']:.1f}-{100 * acc['high']:.1f}%"
+        return "warn", f"{none_scored}: nothing to score"
+    high = proportion(k, n)["high"]
     if n < spec.min_labelled:
-        return value, "warn", f"{detail}; only {n} scored rows, fewer than qa.min_labelled {spec.min_labelled}", extra
-    status = "fail" if value < spec.fail_accuracy_below else "warn" if value < spec.warn_accuracy_below else "pass"
-    return value, status, detail, extra
+        if high < spec.fail_accuracy_below:  # too few to gate on, yet the whole 95 % interval is below the fail line
+            return (
+                "fail",
+                f"only {n} scored rows, but even the top of the 95 % interval is below qa.fail_accuracy_below",
+            )
+        return "warn", f"only {n} scored rows, fewer than qa.min_labelled {spec.min_labelled}"
+    value = k / n
+    return ("fail" if value < spec.fail_accuracy_below else "warn" if value < spec.warn_accuracy_below else "pass"), ""
+
+
+def _detail(k: int, n: int, acc: dict[str, Any], why: str) -> str:
+    if not n:
+        return why
+    text = f"{k} / {n}, 95% interval {100 * acc['low']:.1f}-{100 * acc['high']:.1f}%"
+    return f"{text}; {why}" if why else text
+
+
+def _unmeasured(metrics: dict[str, Any], spec: QASpec) -> tuple[str, str]:
+    """The accuracy check of a run without known labels: skipped, unless the job or its previous report expected
+    some (then a warning, not a silent pass)."""
+    prev = metrics.get("previous") or {}
+    if prev.get("accuracy"):
+        return "warn", (
+            "the previous report measured accuracy on known labels; no known label reaches this run's QA "
+            "(qa.reference): nothing to judge it on"
+        )
+    # thresholds other than the defaults: the job asked for the gate (not ``model_fields_set``: the plan task hands
+    # the spec on as a whole dump, every field set)
+    if any(getattr(spec, f) != QASpec.model_fields[f].default for f in ("warn_accuracy_below", "fail_accuracy_below")):
+        return "warn", (
+            "qa.warn_accuracy_below / qa.fail_accuracy_below are set, but no known label reaches this run's QA "
+            "(qa.reference): nothing to judge them on"
+        )
+    return "skip", "no known labels (qa.reference)"
 
 
 def _refused(metrics: dict[str, Any]) -> str | None:
@@ -157,8 +211,14 @@ def _value(name: str, metrics: dict[str, Any]) -> tuple[float | None, str]:
         c = metrics.get("confidence")
         if c is None:
             return None, "no answer has a confidence"
-        r = c["low_rate"]
-        return r["value"], f"{r['count']} / {r['of']} below {c['low_threshold']}"
+        r, missing = c["low_rate"], int(c.get("missing") or 0)
+        detail = f"{r['count']} / {r['of']} below {c['low_threshold']}"
+        if not missing:
+            return r["value"], detail
+        # an answer without a confidence is not a confident one: counted as low (the gate is not judged on the few
+        # rows that have one, e.g. when the result cache served the rest from a run that did not record it)
+        value = (r["count"] + missing) / (r["of"] + missing)
+        return value, f"{detail}, and {missing} answer(s) without a confidence, counted as low"
     if name == "inconsistency_rate":
         c = metrics.get("consistency")
         if c is None:

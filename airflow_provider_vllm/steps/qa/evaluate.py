@@ -39,7 +39,7 @@ from airflow_provider_vllm.steps.qa.metrics import (
 )
 from airflow_provider_vllm.steps.qa.metrics_stream import ResultTally
 from airflow_provider_vllm.steps.qa.reference import References, label_sql
-from airflow_provider_vllm.steps.qa.report import QAReport
+from airflow_provider_vllm.steps.qa.report import QAReport, of_this_job
 from airflow_provider_vllm.steps.qa.sample import Ride, draw_sample, draw_sample_by, least_confident
 
 IN_LIST_MAX = 10_000  # picked rows read with a constant IN list up to this many ids, else a semi-join
@@ -80,6 +80,7 @@ def evaluate(
     """
     results = conform(results, RESULT_NEEDS)
     errors = conform(errors, ERROR_NEEDS)
+    previous = of_this_job(previous, run_info, spec.previous_report_uri)
     notes: list[str] = []
     con = duckdb.connect(config={"temp_directory": duck.spill_dir()})  # spills outside the working directory
     try:
@@ -153,6 +154,7 @@ def evaluate_stream(
     the picked rows are read). ``result_rows``: the rows of ``r`` (from footers), for one buffer.
     ``refs``: the reference relations ``con`` has (``reference.attach_references``); ``task``: the job's
     (chat and generate rows never carry vectors: their scans are skipped)."""
+    previous = of_this_job(previous, run_info, spec.previous_report_uri)
     notes: list[str] = []
     refs = refs or References()
     tally = ResultTally(capacity=result_rows)

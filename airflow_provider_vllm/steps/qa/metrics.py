@@ -483,6 +483,8 @@ def add_label_drift(metrics: dict[str, Any], previous: dict | None, notes: list[
         "run": previous.get("run") or {},
         "total": prev_m.get("total"),
         "rates": {k: (v or {}).get("value") for k, v in prev_rates.items()},
+        # it scored known labels: a run that has none since warns (``checks._accuracy``), it does not skip
+        "accuracy": isinstance(prev_q := prev_m.get("quality"), dict) and bool(prev_q.get("labelled")),
     }
     cur = metrics["label_distribution"]
     prev = (prev_m.get("label_distribution") or {}) if isinstance(prev_m, dict) else {}

@@ -92,6 +92,19 @@ def previous_refusal(previous: Any) -> dict[str, str] | None:
     return previous.get(REFUSED) if isinstance(previous, dict) else None
 
 
+def of_this_job(previous: Any, run_info: dict[str, Any] | None, uri: str | None) -> Any:
+    """``previous`` when it is a report of this run's job (``run_info["job"]``), else a refusal: another job's
+    labels and known labels are no baseline for this one (label drift and the change in accuracy then warn)."""
+    if not isinstance(previous, dict) or previous_refusal(previous) is not None:
+        return previous
+    job, other = (run_info or {}).get("job"), (previous.get("run") or {}).get("job")
+    if job is None or other == job:
+        return previous
+    return refused_previous(
+        uri or "(the previous report)", f"it is the report of job {other!r}, not of this job {job!r}"
+    )
+
+
 class QAFailed(VllmBatchError):
     """The QA stage crossed a fail threshold; carries the report dict and the failing checks."""
 

@@ -59,6 +59,11 @@ def _qa_run(
             f"{out.uri(MERGED)} is not the merge this run's merge task wrote (another merge of this folder, or an "
             "earlier one put back); run the merge task again, then QA"
         )
+    if merged.spec_hash != spec.content_hash():  # thresholds other than the run's would seal a verdict under its hash
+        raise CommitError(
+            f"the merge at {spec.io.output_uri} was made for another spec (another qa section, or another job); QA "
+            "measures a run with the spec it was planned and merged with"
+        )
     copies = CheckedCopies(out, tmp)
     # what QA measures is what the sealed summary names, read from copies checked as they were made: a part
     # swapped in the bucket during QA (and put back after) is never what QA reads
@@ -147,6 +152,11 @@ def _qa_run(
             report.sample = _with_known_labels(con, report.sample)
     finally:
         con.close()
+    if spec.qa.previous_report_uri and previous is None:  # no run there at all (a first run, or a wrong folder)
+        report.notes.append(
+            f"previous report: no run at {spec.qa.previous_report_uri} (neither its QA files nor its merge): "
+            "label drift and the change in accuracy are not judged"
+        )
     report.sample = _with_input_excerpt(spec, report.sample, out, plan)
     if (dedupe := dedupe_metrics(plan, merged)) is not None:  # rows answered by a row of the same prompt
         report.metrics["dedupe"] = dedupe

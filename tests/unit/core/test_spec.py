@@ -154,6 +154,8 @@ LABELLED = {**BASE, "sampling": {"structured": {"choice": ["a", "b"]}}}
         ({"qa": {"min_labelled": 0}}, "qa.min_labelled"),
         ({"qa": {"least_confident": -1}}, "qa.least_confident"),
         ({"qa": {"low_confidence": 1.5}}, "qa.low_confidence"),
+        # QA's report shows a missing answer or a null label as "(none)": not a label a job may choose
+        ({"sampling": {"structured": {"choice": ["bug", "(none)"]}}}, "choice label '(none)' is reserved"),
     ],
 )
 def test_quality_settings_are_checked(patch, message):

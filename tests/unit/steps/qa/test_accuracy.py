@@ -128,3 +128,12 @@ def test_versus_calls_a_drop_real_only_when_the_interval_is_below_zero():
 )
 def test_versus_ignores_a_previous_report_without_usable_counts(prev):
     assert versus({"correct": 5, "labelled": 10}, prev) is None
+
+
+def test_a_known_label_spelled_like_no_answer_does_not_make_unanswered_rows_right():
+    # a golden label "(none)" (NO_ANSWER's spelling) against rows that got no answer at all: wrong, not right
+    q = classification({("(none)", None): 100, ("(none)", "bug"): 100, ("bug", "bug"): 10}, ["bug"])
+    assert q["correct"] == 10 and q["labelled"] == 210 and q["no_answer"] == 100
+    assert {"true": "(none)", "pred": NO_ANSWER, "count": 100} in q["confusion"]
+    # the label itself, when the model gives it, is a right answer
+    assert classification({("(none)", "(none)"): 4}, None)["correct"] == 4

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 
+import pyarrow as pa
 import pytest
 
 from airflow_provider_vllm.core.errors import VllmBatchError
@@ -233,3 +234,142 @@ def test_a_gate_turned_on_warns_when_the_run_has_nothing_to_measure_it_on(gate):
     recs = [ok_row(i, label="bug", confidence=0.9, prompt_hash=i) for i in range(40)]
     c = check(evaluate(*split(recs), spec=QASpec(**{f"warn_{gate}": 0.05}), labels=LAB, structured=True), gate)
     assert c["status"] in ("pass", "skip") and "nothing to judge" not in c["detail"]
+
+
+def _rows_known(n: int, right: int, prefix: str = "r") -> tuple[list[dict], pa.Table]:
+    """n answered rows, the first ``right`` of them with their known label; and the known labels."""
+    rows = [
+        ok_row(i, label=LAB[i % 5] if i < right else LAB[(i + 1) % 5], id=f"{prefix}{i}", confidence=0.9)
+        for i in range(n)
+    ]
+    return rows, pa.table({"id": [f"{prefix}{i}" for i in range(n)], "label": [LAB[i % 5] for i in range(n)]})
+
+
+def _ride_along(n: int, right: int) -> tuple[pa.Table, pa.Table, pa.Table]:
+    rows, known = _rows_known(n, right, prefix="_vllm_golden:g")
+    return (*split(rows), known)
+
+
+@pytest.mark.parametrize(
+    "own, source, riding, expected",
+    [
+        ((100, 40), "input_column", (1000, 950), "fail"),  # the run's rows at 40 %; pooled with the golden rows: 90 %
+        ((2, 0), "golden_set", (60, 54), "warn"),  # 2 of the run's rows scored: too few to gate on
+        ((100, 95), "input_column", (1000, 950), "pass"),
+        ((100, 95), "input_column", (1000, 400), "fail"),  # and the other way round
+    ],
+)
+def test_each_source_of_known_labels_is_judged_on_its_own_rows(own, source, riding, expected):
+    rows, known = _rows_known(*own)
+    results, errors = split(rows)
+    rep = evaluate(
+        results,
+        errors,
+        spec=QASpec(),
+        labels=LAB,
+        structured=True,
+        reference=known,
+        reference_source=source,
+        ride_along=_ride_along(*riding),
+    )
+    c = check(rep, "accuracy")
+    assert c["status"] == expected, c
+    assert rep.status == expected
+    q = rep.metrics["quality"]
+    assert q["labelled"] == own[0] + riding[0]  # the report still has the pooled figure
+    assert c["value"] == min(own[1] / own[0], riding[1] / riding[0])  # the check shows the worst source's
+    assert source in c["detail"] and "ride_along" in c["detail"]
+
+
+def test_a_golden_set_that_names_no_row_of_the_run_warns_though_golden_rows_ride_along():
+    rows, _ = _rows_known(500, 200)  # the run's own rows (40 % right), which the golden set does not name
+    results, errors = split(rows)
+    elsewhere = pa.table({"id": [f"elsewhere{i}" for i in range(500)], "label": ["bug"] * 500})
+    rep = evaluate(
+        results,
+        errors,
+        spec=QASpec(),
+        labels=LAB,
+        structured=True,
+        reference=elsewhere,
+        reference_source="golden_set",
+        ride_along=_ride_along(300, 285),
+    )
+    c = check(rep, "accuracy")
+    assert c["status"] == "warn" and "none of its 500 known labels names a row of this run" in c["detail"], c
+    assert rep.status == "warn"
+
+
+def test_too_few_rows_to_gate_on_fail_when_even_the_top_of_the_interval_is_below_the_fail_line():
+    for n, right, expected in ((29, 0, "fail"), (29, 14, "warn"), (5, 0, "fail"), (3, 0, "warn"), (1, 0, "warn")):
+        rows, known = _rows_known(n, right)
+        results, errors = split(rows)
+        c = check(evaluate(results, errors, spec=QASpec(), labels=LAB, structured=True, reference=known), "accuracy")
+        assert c["status"] == expected, (n, right, c)
+        assert (c["interval"][1] < QASpec().fail_accuracy_below) == (expected == "fail")
+
+
+def test_accuracy_thresholds_the_job_set_warn_when_no_known_label_reaches_qa():
+    rows, _ = _rows_known(100, 40)
+    results, errors = split(rows)
+    for qa, expected in (
+        ({"warn_accuracy_below": 0.95, "fail_accuracy_below": 0.9, "reference": {"golden_uri": ""}}, "warn"),
+        ({"fail_accuracy_below": 0.6}, "warn"),
+        ({}, "skip"),  # a job that never asked for accuracy
+        # the defaults, as the plan task hands the spec on (a whole dump: every field set): not a request
+        (QASpec().model_dump(mode="json"), "skip"),
+    ):
+        spec = QASpec.model_validate(qa)
+        c = check(evaluate(results, errors, spec=spec, labels=LAB, structured=True), "accuracy")
+        assert c["status"] == expected, (qa, c)
+
+
+def test_a_run_that_lost_the_known_labels_its_previous_report_had_warns():
+    rows, known = _rows_known(500, 450)
+    results, errors = split(rows)
+    before = evaluate(results, errors, spec=QASpec(), labels=LAB, structured=True, reference=known).to_dict()
+    rows, _ = _rows_known(500, 200)
+    results, errors = split(rows)
+    rep = evaluate(results, errors, spec=QASpec(), labels=LAB, structured=True, previous=before)
+    c = check(rep, "accuracy")
+    assert c["status"] == "warn" and "previous report measured accuracy" in c["detail"], c
+    assert rep.status == "warn"
+    # a previous report without known labels: nothing was lost
+    unlabelled = evaluate(results, errors, spec=QASpec(), labels=LAB, structured=True).to_dict()
+    again = evaluate(results, errors, spec=QASpec(), labels=LAB, structured=True, previous=unlabelled)
+    assert check(again, "accuracy")["status"] == "skip"
+
+
+def test_the_report_of_another_job_is_no_baseline():
+    rows, known = _rows_known(1000, 500, prefix="o")
+    results, errors = split(rows)
+    spec = QASpec(previous_report_uri="s3://bucket/other/qa/report.json")
+    other = evaluate(
+        results, errors, spec=QASpec(), labels=LAB, structured=True, reference=known, run_info={"job": "other"}
+    ).to_dict()
+    rows, known = _rows_known(1000, 550)
+    results, errors = split(rows)
+    for info, drop in (({"job": "tickets"}, "warn"), ({"job": "other"}, "pass")):
+        rep = evaluate(
+            results, errors, spec=spec, labels=LAB, structured=True, reference=known, previous=other, run_info=info
+        )
+        assert check(rep, "accuracy_drop")["status"] == drop, (info, check(rep, "accuracy_drop"))
+        refused = (rep.metrics["previous"] or {}).get("refused")
+        assert (refused is not None) == (drop == "warn")
+        if refused:
+            assert refused["uri"] == spec.previous_report_uri and "'other', not of this job 'tickets'" in refused["why"]
+
+
+def test_the_low_confidence_gate_counts_answers_without_a_confidence_as_low():
+    rows = [ok_row(i, label="bug", confidence=0.99 if i < 5 else None) for i in range(1000)]
+    results, errors = split(rows)
+    spec = QASpec(warn_low_confidence_rate=0.1, fail_low_confidence_rate=0.2)
+    rep = evaluate(results, errors, spec=spec, labels=LAB, structured=True)
+    c = check(rep, "low_confidence_rate")
+    assert rep.metrics["confidence"]["missing"] == 995
+    assert c["status"] == "fail" and c["value"] == 995 / 1000 and "995 answer(s) without a confidence" in c["detail"]
+    # the gate off (its default): the same run passes it
+    assert (
+        check(evaluate(results, errors, spec=QASpec(), labels=LAB, structured=True), "low_confidence_rate")["status"]
+        == "pass"
+    )

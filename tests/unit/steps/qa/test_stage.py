@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from airflow_provider_vllm.steps.merge.merger import merge
 from airflow_provider_vllm.steps.plan.planner import plan_job
@@ -39,3 +40,33 @@ def test_an_input_text_that_is_not_utf8_is_an_error_row_and_qa_still_shows_the_e
     report, _ = stage.qa_run(spec)
     excerpts = dict(zip(report.sample.column("id").to_pylist(), report.sample.column("input_excerpt").to_pylist()))
     assert excerpts["r005"] == "bad \ufffd text" and excerpts["r006"] == "ticket 6 about billing"
+
+
+def test_qa_measures_a_run_only_with_the_spec_it_was_merged_with(tmp_path, fake_engine_factory):
+    """A PASS computed with other thresholds (here the error gate relaxed from 0 to 1) would be sealed under the merge's
+    spec hash, which publish compares: QA refuses, as merge refuses a spec the plan was not made for."""
+    from airflow_provider_vllm.core.errors import CommitError
+
+    texts = ["my invoice was charged twice"] * 30 + [""] * 10  # 10 EMPTY_INPUT errors: 25 %
+    pq.write_table(pa.table({"id": [f"t{i:03d}" for i in range(40)], "text": texts}), tmp_path / "in.parquet")
+    strict = make_spec(tmp_path / "in.parquet", tmp_path / "out", qa={"warn_error_rate": 0.0, "fail_error_rate": 0.0})
+    for s in plan_job(strict).shards:
+        run_shard(ShardTask(spec=strict, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+    merge(strict)
+    relaxed = strict.model_copy(update={"qa": strict.qa.model_copy(update={"fail_error_rate": 1.0})})
+    with pytest.raises(CommitError, match="was made for another spec"):
+        stage.qa_run(relaxed)
+    assert not (tmp_path / "out" / "qa").exists()  # nothing written, nothing sealed
+    report, _ = stage.qa_run(strict)
+    assert report.status == "fail"
+    # a previous report where there is no run at all (the first night, or a wrong folder): a note, not silence
+    first = make_spec(
+        tmp_path / "in.parquet",
+        tmp_path / "out2",
+        qa={"fail_error_rate": 1.0, "previous_report_uri": str(tmp_path / "none" / "qa/report.json")},
+    )
+    for s in plan_job(first).shards:
+        run_shard(ShardTask(spec=first, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+    merge(first)
+    notes = stage.qa_run(first)[0].notes
+    assert any(n.startswith("previous report: no run at ") and "none/qa/report.json" in n for n in notes), notes
