@@ -23,13 +23,16 @@ def check_structured(spec: JobSpec, text: str) -> tuple[str | None, str | None, 
             doc = json.loads(text)
         except ValueError:
             return None, None, False
-        valid = True
         try:
             import jsonschema
-
+        except ImportError as e:  # an image without it: no answer may pass as valid unchecked
+            raise RuntimeError(
+                "sampling.structured.json_schema: the worker cannot check answers against the schema "
+                "(the jsonschema package is missing from its image)"
+            ) from e
+        valid = True
+        try:
             jsonschema.validate(doc, st.json_schema)
-        except ImportError:
-            pass
         except Exception:
             valid = False
         return None, json.dumps(doc, sort_keys=True, ensure_ascii=False), valid

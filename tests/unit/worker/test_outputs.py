@@ -25,3 +25,15 @@ def test_regex_and_unstructured(tmp_path):
     assert check_structured(spec, "123")[2] is True and check_structured(spec, "12a")[2] is False
     plain = make_spec(tmp_path / "i", tmp_path / "o", sampling={"structured": None})
     assert check_structured(plain, "anything") == (None, None, None)
+
+
+def test_json_answers_are_never_valid_unchecked_when_jsonschema_is_missing(tmp_path, monkeypatch):
+    import sys
+
+    import pytest
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    spec = make_spec(tmp_path / "i", tmp_path / "o", sampling={"structured": {"json_schema": schema}})
+    monkeypatch.setitem(sys.modules, "jsonschema", None)  # import jsonschema -> ImportError, as in an image without it
+    with pytest.raises(RuntimeError, match="jsonschema package is missing"):
+        check_structured(spec, '{"n": "x"}')
