@@ -16,6 +16,19 @@ FILENAME = "_vllm_filename"
 rename the ``file_row_number`` column: an input column of that name is refused (``formats.parquet``)."""
 
 
+# What Python's ``str.strip()`` removes (``str.isspace``), as the worker strips a chosen label: DuckDB's one-argument
+# ``trim`` removes spaces only, so a known label "bug\n" or "bug\xa0" never matched the answer "bug".
+SPACES = (
+    "\t\n\x0b\x0c\r\x1c\x1d\x1e\x1f \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008"
+    "\u2009\u200a\u2028\u2029\u202f\u205f\u3000"
+)
+
+
+def label_sql(expr: str) -> str:
+    """A label as compared with the answers: text, stripped as Python strips; NULL when null or blank."""
+    return f"nullif(trim(CAST({expr} AS VARCHAR), '{SPACES}'), '')"
+
+
 def connect(*storages: Storage, memory_limit: str = "1GB") -> duckdb.DuckDBPyConnection:
     """A connection that can read the given storages' files (remote ones through fsspec), in UTC.
 

@@ -158,7 +158,7 @@ def plan_golden(spec: JobSpec, out: Storage, filesystems: FileSystems | None = N
         missing = [c for c in [ref.id_column, ref.label_column, *columns] if c not in have]
         if missing:
             raise SpecError(f"{where}: missing column(s) {missing}; it has {sorted(have)[:20]}")
-        label = f"nullif(trim(CAST({_q(ref.label_column)} AS VARCHAR)), '')"
+        label = duck.label_sql(_q(ref.label_column))
         con.execute(
             f"CREATE TEMP TABLE g AS SELECT CAST({_q(ref.id_column)} AS VARCHAR) AS _id, {label} AS _label"
             + "".join(f", {_q(c)}" for c in columns)

@@ -91,7 +91,7 @@ def evaluate(
             con.register("ref_in", reference)
             con.execute(
                 f"CREATE TEMP TABLE ref AS SELECT CAST(id AS VARCHAR) AS id, {label_sql('label')} AS label "
-                "FROM ref_in WHERE label IS NOT NULL AND trim(CAST(label AS VARCHAR)) <> ''"
+                f"FROM ref_in WHERE {label_sql('label')} IS NOT NULL"
             )
             refs.run_source = reference_source
             refs.known[reference_source] = con.execute("SELECT count(*) FROM ref").fetchall()[0][0]
@@ -102,7 +102,7 @@ def evaluate(
             con.register("gref_in", glab)
             con.execute(
                 f"CREATE TEMP TABLE gref AS SELECT CAST(id AS VARCHAR) AS id, {label_sql('label')} AS label "
-                "FROM gref_in WHERE label IS NOT NULL AND trim(CAST(label AS VARCHAR)) <> ''"
+                f"FROM gref_in WHERE {label_sql('label')} IS NOT NULL"
             )
             refs.ride_along = True
             refs.known["ride_along"] = con.execute("SELECT count(*) FROM gref").fetchall()[0][0]

@@ -44,8 +44,8 @@ def _q(c: str) -> str:
 
 
 def label_sql(column: str) -> str:
-    """A label column as compared: text, trimmed; NULL when null or blank."""
-    return f"nullif(trim(CAST({_q(column)} AS VARCHAR)), '')"
+    """A label column as compared: text, stripped as the worker strips an answer; NULL when null or blank."""
+    return duck.label_sql(_q(column))
 
 
 def load_labels(

@@ -70,3 +70,15 @@ def test_a_query_past_the_memory_limit_spills_into_a_private_directory_not_the_w
     for c in cons:
         c.close()
     assert not os.listdir(tmp_path / "tmpdir")  # removed with the connection
+
+
+def test_labels_are_stripped_as_python_strips_them():
+    import duckdb
+
+    from airflow_provider_vllm.core.duck import SPACES, label_sql
+
+    assert set(SPACES) == {chr(c) for c in range(0x110000) if chr(c).isspace()}
+    con = duckdb.connect()
+    for text in ("bug\n", "\tbug\xa0", "\u3000bug\u2028", " b u g ", "\u200bbug", "", " \n", None):
+        got = con.execute(f"SELECT {label_sql('$t')}", {"t": text}).fetchone()[0]
+        assert got == (text.strip() or None if text is not None else None), repr(text)

@@ -373,3 +373,16 @@ def test_the_low_confidence_gate_counts_answers_without_a_confidence_as_low():
         check(evaluate(results, errors, spec=QASpec(), labels=LAB, structured=True), "low_confidence_rate")["status"]
         == "pass"
     )
+
+
+def test_known_labels_are_stripped_as_the_worker_strips_the_answers():
+    rows, known = _rows_known(40, 40)
+    padded = pa.table(
+        {
+            "id": known["id"],
+            "label": [f"\t{x}\n" if i % 2 else f"{x}\xa0" for i, x in enumerate(known["label"].to_pylist())],
+        }
+    )
+    results, errors = split(rows)
+    rep = evaluate(results, errors, spec=QASpec(), labels=LAB, structured=True, reference=padded)
+    assert rep.metrics["quality"]["correct"] == 40 and check(rep, "accuracy")["status"] == "pass"
