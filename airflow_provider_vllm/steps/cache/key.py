@@ -2,7 +2,8 @@
 
 * ``key_config`` / ``key_hash``: per job, everything but the row that decides an answer (model with a
   pinned commit or the weights' fingerprint, tokenizer likewise, dtype, quantization, context length,
-  task, the prompt and sampling sections, the engine seed and the output-changing ``engine_kwargs``,
+  task, the prompt and sampling sections (a JSON schema also as written: vLLM follows its property order),
+  the engine seed and the output-changing ``engine_kwargs``,
   the engine identity, and each LoRA adapter's identity: every byte, or its hub commit), hashed.
 * ``key_sql``: per row, the 32-byte sha256 over that hash and each template column (and ``model.adapter_column``: the
   row's adapter) as its DuckDB type and an injective text of its value. With the cache on the worker renders
@@ -283,7 +284,7 @@ def key_config(
                 "model.tokenizer_revision to an identity of that tokenizer"
             )
     kwargs = {k: v for k, v in spec.engine.engine_kwargs.items() if k in KEY_ENGINE_KWARGS}
-    return {
+    config: dict[str, Any] = {
         "version": KEY_FORMAT_VERSION,
         "model": model,
         "task": spec.task,
@@ -294,6 +295,12 @@ def key_config(
         | ({"batch_invariant": True} if spec.engine.batch_invariant else {}),
         "engine_identity": engine_identity or local_engine_identity(),
     }
+    st = spec.sampling.structured
+    if st is not None and st.json_schema is not None:
+        # key_hash sorts the config's keys, but vLLM generates an object's properties in the schema's order: the
+        # schema's text as written. Only with a schema, so that the keys of other jobs stay as they were
+        config["json_schema_text"] = st.json_schema_text()
+    return config
 
 
 def key_hash(config: dict[str, Any]) -> str:

@@ -103,6 +103,33 @@ def test_speed_settings_do_not_change_the_key_hash(tmp_path):
     assert cache_key.key_hash(cache_key.key_config(tuned, "e")) == base
 
 
+def test_the_order_of_a_json_schemas_properties_changes_the_key_hash(tmp_path):
+    """vLLM's grammar (xgrammar, its default backend) generates an object's properties in the schema's order:
+    'reason' before 'label' conditions the label on the reasoning, another answer. key_hash dumps the config with
+    sorted keys, so the schema's text as written is keyed beside it; only for a schema: other jobs keep their
+    keys (a choice job's key hash: tests/unit/core/test_spec.py)."""
+    import json
+
+    import xgrammar as xgr
+
+    label, reason = {"enum": ["spam", "ham"]}, {"type": "string"}
+
+    def spec(properties: dict) -> JobSpec:
+        schema = {"type": "object", "properties": properties, "required": ["label", "reason"]}
+        return spec_for(tmp_path, sampling={"max_tokens": 64, "structured": {"json_schema": schema}})
+
+    def khash(s: JobSpec) -> str:
+        return cache_key.key_hash(cache_key.key_config(s, "e"))
+
+    label_first, reason_first = spec({"label": label, "reason": reason}), spec({"reason": reason, "label": label})
+    schemas = [json.dumps(s.sampling.structured.json_schema) for s in (label_first, reason_first)]
+    assert len({str(xgr.Grammar.from_json_schema(s)) for s in schemas}) == 2  # two grammars
+    assert khash(label_first) != khash(reason_first)
+    assert khash(spec({"label": label, "reason": reason})) == khash(label_first)
+    assert khash(JobSpec.load(reason_first.model_dump_json())) == khash(reason_first)  # the order survives JSON
+    assert "json_schema_text" not in cache_key.key_config(spec_for(tmp_path), "e")
+
+
 def test_the_key_format_version_is_in_the_key_config(tmp_path):
     """Entries of the older format (CAST(col AS VARCHAR), edge-hashed weights) simply stop matching."""
     assert cache_key.key_config(spec_for(tmp_path), "e")["version"] == cache_key.KEY_FORMAT_VERSION == 2
