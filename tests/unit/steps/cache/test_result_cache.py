@@ -493,6 +493,22 @@ def test_rows_made_by_another_engine_than_the_key_are_not_appended(tmp_path, fak
     assert results(s1).keys() == set(IDS)
 
 
+def test_rows_of_workers_that_saw_a_model_redirect_are_not_appended(tmp_path, fake_engine_factory, monkeypatch):
+    """On Kubernetes a worker may see engine variables the key does not name (the image's own, a Secret mounted
+    whole): one that redirects vLLM to other weights (VLLM_MODEL_REDIRECT_PATH) keeps the rows out of the cache,
+    naming it; the results are still published."""
+    write_parquet(tmp_path / "in-a.parquet", IDS, TEXTS)
+    s1 = spec_for(tmp_path, "a")
+    plan = plan_job(s1, engine_identity="image r/w:1@sha256:" + "a" * 64)
+    monkeypatch.setenv("VLLM_MODEL_REDIRECT_PATH", "/mnt/secret/redirect.json")  # the workers' environment
+    for s in plan.shards:
+        run_shard(ShardTask(spec=s1, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+    c = merge(s1).cache
+    assert c is not None and c.appended == 0 and "VLLM_MODEL_REDIRECT_PATH" in (c.skipped or "")
+    assert not (tmp_path / "cache" / "commits").exists()
+    assert results(s1).keys() == set(IDS)
+
+
 def test_embeddings_are_cached_too(tmp_path, fake_engine_factory):
     write_parquet(tmp_path / "in-a.parquet", IDS, TEXTS)
     write_parquet(tmp_path / "in-b.parquet", IDS, TEXTS)
