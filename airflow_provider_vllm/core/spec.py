@@ -835,8 +835,13 @@ class JobSpec(_Model):
             return False
         if self.qa.confidence is not None:
             return self.qa.confidence
+        return self.confidence_by_default
+
+    @property
+    def confidence_by_default(self) -> bool:
+        """What ``confidence_from_logprobs`` is with ``qa.confidence`` unset: on for structured choice."""
         st = self.sampling.structured
-        return st is not None and st.choice is not None
+        return self.task in ("chat", "generate") and st is not None and st.choice is not None
 
     # ---- identity -------------------------------------------------------------------
     def canonical_json(self) -> str:

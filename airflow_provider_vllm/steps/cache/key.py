@@ -3,7 +3,7 @@
 * ``key_config`` / ``key_hash``: per job, everything but the row that decides an answer (model with a
   pinned commit or the weights' fingerprint, tokenizer likewise, dtype, quantization, context length,
   task, the prompt and sampling sections (a JSON schema also as written: vLLM follows its property order),
-  the engine seed and the output-changing ``engine_kwargs``,
+  the engine seed and the output-changing ``engine_kwargs``, ``qa.confidence`` where set against the default,
   the engine identity, and each LoRA adapter's identity: every byte, or its hub commit), hashed.
 * ``key_sql``: per row, the 32-byte sha256 over that hash and each template column (and ``model.adapter_column``: the
   row's adapter) as its DuckDB type and an injective text of its value. With the cache on the worker renders
@@ -325,6 +325,10 @@ def key_config(
         # key_hash sorts the config's keys, but vLLM generates an object's properties in the schema's order: the
         # schema's text as written. Only with a schema, so that the keys of other jobs stay as they were
         config["json_schema_text"] = st.json_schema_text()
+    if spec.confidence_from_logprobs != spec.confidence_by_default:
+        # whether a row carries its confidence (qa.confidence): keyed only where it is set against the job's
+        # default, so that the keys of jobs that leave it unset stay as they were
+        config["confidence"] = spec.confidence_from_logprobs
     return config
 
 

@@ -130,6 +130,24 @@ def test_the_order_of_a_json_schemas_properties_changes_the_key_hash(tmp_path):
     assert "json_schema_text" not in cache_key.key_config(spec_for(tmp_path), "e")
 
 
+def test_asking_for_confidence_against_the_jobs_default_changes_the_key_hash(tmp_path):
+    """qa.confidence decides whether the engine is asked for logprobs and so whether a row has a confidence: a key
+    must not serve rows without one to a job that asks for it. Keyed only where set against the job's default (on
+    for structured choice, off for other generations), so that the keys of jobs leaving it unset are unchanged."""
+
+    def khash(**over) -> str:
+        return cache_key.key_hash(cache_key.key_config(spec_for(tmp_path, **over), "e"))
+
+    free = {"sampling": {"max_tokens": 8, "structured": None}}
+    assert khash(qa={"confidence": True}) == khash()  # structured choice: on by default
+    assert khash(qa={"confidence": False}) != khash()
+    assert khash(**free, qa={"confidence": False}) == khash(**free)  # other generations: off by default
+    assert khash(**free, qa={"confidence": True}) != khash(**free)
+    assert "confidence" not in cache_key.key_config(spec_for(tmp_path), "e")
+    classify = {"task": "classify", "prompt": {"system_prompt": None}, "sampling": {"structured": None}}
+    assert khash(**classify, qa={"confidence": False}) == khash(**classify)  # always has it
+
+
 def test_the_key_format_version_is_in_the_key_config(tmp_path):
     """Entries of the older format (CAST(col AS VARCHAR), edge-hashed weights) simply stop matching."""
     assert cache_key.key_config(spec_for(tmp_path), "e")["version"] == cache_key.KEY_FORMAT_VERSION == 2

@@ -509,6 +509,28 @@ def test_rows_of_workers_that_saw_a_model_redirect_are_not_appended(tmp_path, fa
     assert results(s1).keys() == set(IDS)
 
 
+@pytest.mark.parametrize(
+    ("first", "then"),
+    [
+        ({"confidence": False}, {}),  # structured choice: on by default
+        ({}, {"confidence": True}),  # free text: off by default
+    ],
+)
+def test_a_job_that_asks_for_confidence_is_never_served_rows_without_one(tmp_path, fake_engine_factory, first, then):
+    """The rows of a run that did not ask for a confidence (qa.confidence) have none; a later run that asks for
+    it gets no hit from them: every row computed, with its confidence."""
+    write_parquet(tmp_path / "in-a.parquet", IDS, TEXTS)
+    write_parquet(tmp_path / "in-b.parquet", IDS, TEXTS)
+    sampling = {} if "confidence" in first else {"sampling": {"max_tokens": 8, "structured": None}}
+    s1 = spec_for(tmp_path, "a", qa=first, **sampling)
+    run_job(s1, fake_engine_factory)
+    assert all(r["confidence"] is None for r in results(s1).values())
+    s2 = spec_for(tmp_path, "b", qa=then, **sampling)
+    p2, _ = run_job(s2, fake_engine_factory)
+    assert p2.cache is not None and p2.cache.hits == 0
+    assert all(r["confidence"] is not None and r["cached_from"] is None for r in results(s2).values())
+
+
 def test_embeddings_are_cached_too(tmp_path, fake_engine_factory):
     write_parquet(tmp_path / "in-a.parquet", IDS, TEXTS)
     write_parquet(tmp_path / "in-b.parquet", IDS, TEXTS)
