@@ -131,6 +131,13 @@ class CommitMarker(RowCounts):
         description="the engine that ran (vLLM distribution and version, the env that reached it; "
         "steps/cache/key.py), as the worker saw it: the result cache appends rows only when it is the key's",
     )
+    prompt_reads_clock: bool | None = Field(
+        None,
+        description="whether the job's chat template renders another prompt on another day (transformers' "
+        "strftime_now, e.g. Llama 3.x's 'Today Date'), as this attempt's worker probed it (worker/prompts.py); "
+        "None: not probed (no engine started, or a worker before it was): the result cache appends a chat job's "
+        "rows only when every shard's is false",
+    )
     seal: Seal | None = Field(None, description="the committing worker's seal (core/seal.py, domain commit)")
 
 

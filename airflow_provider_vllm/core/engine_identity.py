@@ -8,8 +8,10 @@ is about to start that engine, and the worker seals the identity it observed int
 marker, so that a run whose rows were made by another engine never lands in the cache.
 
 Variables that only say where to log, listen or keep caches, or how much memory to hold for the
-KV cache, cannot change an answer and are left out (``OPERATIONAL_ENV``); so are this package's
-own ``VLLM_BATCH_*`` variables. Pure: no Airflow, no vLLM import (package metadata only).
+KV cache, cannot change an answer and are left out (``OPERATIONAL_ENV``); so are the variables this
+package declares (``core/envs.py``, ``OWN_ENV``), by name: the prefix ``VLLM_BATCH_`` is not ours alone
+(vLLM's ``VLLM_BATCH_INVARIANT`` turns on its batch-invariant kernels, other numerics). Pure: no Airflow,
+no vLLM import (package metadata only).
 """
 
 from __future__ import annotations
@@ -24,7 +26,10 @@ from collections.abc import Mapping
 from airflow_provider_vllm.core import envs
 
 ENGINE_ENV_PREFIX = "VLLM_"
-OWN_PREFIX = "VLLM_BATCH_"
+# vLLM's own variables that start like this package's: always part of the identity
+ENGINE_VARS_WITH_OWN_PREFIX = frozenset({"VLLM_BATCH_INVARIANT"})
+# this package's own variables (where to log, lock, seal, export ...): never an answer. By name, not prefix
+OWN_ENV = frozenset(v.name for v in envs.VARS if v.name.startswith(ENGINE_ENV_PREFIX)) - ENGINE_VARS_WITH_OWN_PREFIX
 # vLLM variables that change where it logs, listens, caches or reports, or how much memory it
 # reserves: never an answer. Anything else named VLLM_* is part of the identity.
 OPERATIONAL_ENV = frozenset(
@@ -56,13 +61,15 @@ OPERATIONAL_ENV = frozenset(
 )
 
 
+def is_engine_variable(name: str) -> bool:
+    """Whether a variable of this name reaches vLLM and may change an answer (``VLLM_*``, neither operational
+    nor this package's own)."""
+    return name.startswith(ENGINE_ENV_PREFIX) and name not in OWN_ENV and name not in OPERATIONAL_ENV
+
+
 def engine_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """The variables of ``env`` (default: this process's) that reach vLLM and may change an answer."""
-    return {
-        k: v
-        for k, v in sorted(envs.environ(env).items())
-        if k.startswith(ENGINE_ENV_PREFIX) and not k.startswith(OWN_PREFIX) and k not in OPERATIONAL_ENV
-    }
+    return {k: v for k, v in sorted(envs.environ(env).items()) if is_engine_variable(k)}
 
 
 def vllm_distribution() -> str:
@@ -112,12 +119,14 @@ def image_engine_identity(image: str, env: Mapping[str, str]) -> str:
     (a value from a Secret is named by its reference, ``secret:<name>/<key>``)."""
     return _with_env(
         f"image {image}",
-        {
-            k: v
-            for k, v in env.items()
-            if k.startswith(ENGINE_ENV_PREFIX) and not k.startswith(OWN_PREFIX) and k not in OPERATIONAL_ENV
-        },
+        {k: v for k, v in env.items() if is_engine_variable(k)},
     )
+
+
+def identity_env(identity: str) -> dict[str, str]:
+    """The engine variables an identity names (``local_engine_identity``, ``image_engine_identity``)."""
+    env = identity.partition(" env ")[2]
+    return dict(json.loads(env)) if env else {}
 
 
 def identity_versions(identity: str) -> set[str] | None:

@@ -349,6 +349,14 @@ class StructuredOutput(_Model):
                 raise ValueError("choice label '(none)' is reserved: QA's report shows a missing answer so")
         return self
 
+    def json_schema_text(self) -> str | None:
+        """The JSON schema as its JSON text in the order it was written (None without one).
+
+        vLLM's grammar generates an object's properties in the schema's order, so two orders are two answers;
+        the hashes dump their documents with sorted keys, and carry this text (a string, which no sort
+        reorders) beside it."""
+        return None if self.json_schema is None else json.dumps(self.json_schema, separators=(",", ":"))
+
 
 class SamplingSpec(_Model):
     """Decoding parameters (generate and chat tasks)."""
@@ -827,8 +835,13 @@ class JobSpec(_Model):
             return False
         if self.qa.confidence is not None:
             return self.qa.confidence
+        return self.confidence_by_default
+
+    @property
+    def confidence_by_default(self) -> bool:
+        """What ``confidence_from_logprobs`` is with ``qa.confidence`` unset: on for structured choice."""
         st = self.sampling.structured
-        return st is not None and st.choice is not None
+        return self.task in ("chat", "generate") and st is not None and st.choice is not None
 
     # ---- identity -------------------------------------------------------------------
     def canonical_json(self) -> str:
@@ -848,6 +861,9 @@ class JobSpec(_Model):
         for section, name in ADDED_LATER:  # at their neutral default, specs without them keep the hash they had
             if d[section][name] == _added_later_default(section, name):
                 del d[section][name]
+        st = self.sampling.structured
+        if st is not None and st.json_schema is not None:  # only then: other specs keep the hash they had
+            d["json_schema_text"] = st.json_schema_text()
         return hashlib.sha256(json.dumps(d, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
     # ---- loading --------------------------------------------------------------------

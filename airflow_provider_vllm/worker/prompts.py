@@ -11,10 +11,16 @@ record (``Prepared.fault``): a chat template that refuses the row's messages
 (``INVALID_REQUEST``, ``UNSUPPORTED_PARAMETER``: ``openai_batch``), a prompt over its budget
 (``PROMPT_TOO_LONG``). A template that refuses even the job's own minimal conversation is the
 job's fault, not a row's: ``SpecError`` when the builder is made.
+
+A chat template may read the clock (transformers gives templates ``strftime_now``: Llama 3.x's
+"Today Date: ..."): one row then renders another prompt on another day, under one cache key. The
+builder renders its probe at two dates (``reads_the_clock``); the worker seals the answer into its
+commit marker, and the merge files no row of such a run in the result cache.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,6 +87,7 @@ class PromptBuilder:
                 f"sampling.max_tokens={spec.sampling.max_tokens} leaves no room for a prompt in "
                 f"max_model_len={max_model_len}"
             )
+        self.reads_clock = False  # whether the chat template renders another prompt on another day
         if self.openai and spec.task in ("chat", "generate"):
             self._check_template([{"role": "user", "content": _PROBE_TEXT}], "a one-message conversation")
         elif not self.openai and spec.task == "chat":
@@ -88,7 +95,7 @@ class PromptBuilder:
 
     def _check_template(self, messages: list[dict[str, str]], what: str) -> None:
         try:
-            self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            self.reads_clock = reads_the_clock(self.tok, messages)
         except Exception as e:
             if not row_caused(e):
                 raise
@@ -281,6 +288,38 @@ class PromptBuilder:
                 fault=(PROMPT_TOO_LONG, f"prompt has {len(ids)} tokens; budget is {budget}{why}"), adapter=adapter
             )
         return Prepared(token_ids=ids, overrides=overrides, adapter=adapter)
+
+
+_PROBE_DAYS = (dt.datetime(2001, 2, 3, 4, 5, 6), dt.datetime(2012, 11, 10, 9, 8, 7))  # every field differs
+
+
+def reads_the_clock(tokenizer: Any, messages: list[dict[str, str]]) -> bool:
+    """Whether ``tokenizer``'s chat template renders ``messages`` differently at two dates (the clock its
+    ``strftime_now`` reads, transformers' ``chat_template_utils.datetime``, set to each in turn); False for a
+    transformers that gives templates no clock. Raises what the template raises."""
+    ctu: Any
+    try:
+        from transformers.utils import chat_template_utils as ctu
+    except ImportError:  # no transformers: no strftime_now
+        ctu = None
+    real = getattr(ctu, "datetime", None)
+    if not isinstance(real, type) or not issubclass(real, dt.datetime):
+        tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return False
+    renders = []
+    for day in _PROBE_DAYS:
+
+        class Clock(real):  # type: ignore[misc, valid-type]
+            @classmethod
+            def now(cls, tz: dt.tzinfo | None = None, _day: dt.datetime = day) -> dt.datetime:
+                return _day.replace(tzinfo=tz)
+
+        ctu.datetime = Clock
+        try:
+            renders.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+        finally:
+            ctu.datetime = real
+    return renders[0] != renders[1]
 
 
 def _shown(v: str) -> str:

@@ -174,6 +174,7 @@ def _run_shard(
     }
     files = dict(reused)
     engine_version = None
+    reads_clock = None  # probed by the prompt builder when an engine starts
     done_rows = sum(metas[k].rows for k in todo)
     telemetry = ShardTelemetry(spec, shard.shard_id, attempt, done_rows, task.progress_interval_s)
     if todo:
@@ -212,6 +213,7 @@ def _run_shard(
                     progress=telemetry.progress,
                     carried=carried,
                 )
+                reads_clock = runner.builder.reads_clock
                 t0 = time.monotonic()
                 files.update(runner.run(todo))
                 stats["infer_s"] = round(time.monotonic() - t0, 3)
@@ -242,6 +244,7 @@ def _run_shard(
         error_rows=sum(e.error_rows for e in entries),
         stats=ShardStats.model_validate(stats),
         engine_identity=identity,
+        prompt_reads_clock=reads_clock,
         versions={
             "airflow-provider-vllm": __version__,
             "vllm": engine_version,

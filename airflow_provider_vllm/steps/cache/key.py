@@ -2,7 +2,8 @@
 
 * ``key_config`` / ``key_hash``: per job, everything but the row that decides an answer (model with a
   pinned commit or the weights' fingerprint, tokenizer likewise, dtype, quantization, context length,
-  task, the prompt and sampling sections, the engine seed and the output-changing ``engine_kwargs``,
+  task, the prompt and sampling sections (a JSON schema also as written: vLLM follows its property order),
+  the engine seed and the output-changing ``engine_kwargs``, ``qa.confidence`` where set against the default,
   the engine identity, and each LoRA adapter's identity: every byte, or its hub commit), hashed.
 * ``key_sql``: per row, the 32-byte sha256 over that hash and each template column (and ``model.adapter_column``: the
   row's adapter) as its DuckDB type and an injective text of its value. With the cache on the worker renders
@@ -12,7 +13,9 @@
   ``0.1`` and a double ``0.1`` (rendered ``0.10000000149011612`` and ``0.1``), ``true`` and ``'true'``,
   differ in type and so in key. Nested types are refused (``check_key_types``).
 * ``check_cacheable``: what the cache refuses (``SpecError`` naming the field): hub model and
-  tokenizer revisions that are not full commit hashes, sampling, non-Parquet input, reserved names.
+  tokenizer revisions that are not full commit hashes, sampling, non-Parquet input, reserved names;
+  ``check_engine_identity`` (from ``key_config``): an engine environment that sets a variable the key
+  cannot stand for (``VLLM_MODEL_REDIRECT_PATH``).
 * ``weights_fingerprint``: sha256 over every byte of a local weights folder, memoised per file by
   its stat (``steps/cache/fingerprint_memo.py``).
 
@@ -32,7 +35,7 @@ from typing import Any
 import duckdb
 
 from airflow_provider_vllm.core.adapters import AdapterRef, check_refs, describe_adapters
-from airflow_provider_vllm.core.engine_identity import local_engine_identity
+from airflow_provider_vllm.core.engine_identity import identity_env, local_engine_identity
 from airflow_provider_vllm.core.errors import SpecError, TransientError
 from airflow_provider_vllm.core.formats.base import row_columns
 from airflow_provider_vllm.core.spec import ENGINE_KWARGS_ALLOWED, JobSpec
@@ -65,6 +68,14 @@ NON_KEY_ENGINE_KWARGS = frozenset(
     }
 )
 assert KEY_ENGINE_KWARGS | NON_KEY_ENGINE_KWARGS == ENGINE_KWARGS_ALLOWED
+
+# vLLM variables that make it load other files than the key names: the cache is refused while one is set (on the
+# plan's engine), and rows of a worker that saw one are not filed (result_cache.engines_differ)
+UNKEYED_ENGINE_ENV = {
+    "VLLM_MODEL_REDIRECT_PATH": "names a file that maps model names to local folders (vLLM's maybe_model_redirect, "
+    "applied to model.name and the tokenizer): vLLM then loads that folder, whose files the key neither names "
+    "(model.revision is not used) nor fingerprints, and an edit of the file or the folder keeps the key",
+}
 
 COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")  # a hub (git) commit: the only revision that cannot move
 
@@ -175,6 +186,19 @@ def check_cacheable(spec: JobSpec, input_format: str | None = None) -> None:
         )
 
 
+def check_engine_identity(identity: str) -> None:
+    """SpecError naming the variable when the engine's environment sets one the key cannot stand for
+    (``UNKEYED_ENGINE_ENV``)."""
+    env = identity_env(identity)
+    for name, why in UNKEYED_ENGINE_ENV.items():
+        if name in env:
+            raise SpecError(
+                f"cache.uri is set and the engine's environment sets {name} ({env[name]!r}), which {why}; unset "
+                f"{name} where the shards' environment is set (name the local folder in model.name instead: the "
+                "cache fingerprints it), or unset cache.uri"
+            )
+
+
 # ---- per job ------------------------------------------------------------------------------
 def _local_folder(name: str) -> str:
     return os.path.expanduser(name.removeprefix("file://"))
@@ -282,8 +306,10 @@ def key_config(
                 "the cache fingerprints the tokenizer folder; make it readable here or pin "
                 "model.tokenizer_revision to an identity of that tokenizer"
             )
+    identity = engine_identity or local_engine_identity()
+    check_engine_identity(identity)
     kwargs = {k: v for k, v in spec.engine.engine_kwargs.items() if k in KEY_ENGINE_KWARGS}
-    return {
+    config: dict[str, Any] = {
         "version": KEY_FORMAT_VERSION,
         "model": model,
         "task": spec.task,
@@ -292,8 +318,18 @@ def key_config(
         # batch_invariant changes numerics; only when set, so that keys of jobs without it stay as they were
         "engine": {"seed": spec.engine.seed, "engine_kwargs": kwargs}
         | ({"batch_invariant": True} if spec.engine.batch_invariant else {}),
-        "engine_identity": engine_identity or local_engine_identity(),
+        "engine_identity": identity,
     }
+    st = spec.sampling.structured
+    if st is not None and st.json_schema is not None:
+        # key_hash sorts the config's keys, but vLLM generates an object's properties in the schema's order: the
+        # schema's text as written. Only with a schema, so that the keys of other jobs stay as they were
+        config["json_schema_text"] = st.json_schema_text()
+    if spec.confidence_from_logprobs != spec.confidence_by_default:
+        # whether a row carries its confidence (qa.confidence): keyed only where it is set against the job's
+        # default, so that the keys of jobs that leave it unset stay as they were
+        config["confidence"] = spec.confidence_from_logprobs
+    return config
 
 
 def key_hash(config: dict[str, Any]) -> str:

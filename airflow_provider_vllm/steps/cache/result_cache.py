@@ -37,6 +37,7 @@ import pyarrow.parquet as pq
 
 from airflow_provider_vllm.core import duck, faults
 from airflow_provider_vllm.core.adapters import AdapterRef
+from airflow_provider_vllm.core.engine_identity import identity_env
 from airflow_provider_vllm.core.errors import CommitError
 from airflow_provider_vllm.core.formats.files import Input
 from airflow_provider_vllm.core.plan import CacheFile, CachePlan, Passthrough, Plan, Segment, ShardPlan
@@ -50,6 +51,7 @@ from airflow_provider_vllm.steps.cache.index import build_index, entry_meta, rea
 from airflow_provider_vllm.steps.cache.key import (  # noqa: F401 (the key's names, also reached through this module)
     KEY_ENGINE_KWARGS,
     NON_KEY_ENGINE_KWARGS,
+    UNKEYED_ENGINE_ENV,
     check_cacheable,
     column_types,
     is_local_model,
@@ -314,10 +316,18 @@ def engines_differ(key_identity: str, made_by: list[str | None]) -> str | None:
     """Why rows made by these engines (the identities the workers sealed into their commit markers) must not be
     filed under a key that names ``key_identity``; None when they are the key's engine.
 
-    Local runner: the identity must be the key's exactly. Kubernetes: the key names the image (pinned by
+    A worker that saw a variable the key cannot stand for (``UNKEYED_ENGINE_ENV``: say, from a Secret mounted whole)
+    files nothing. Local runner: the identity must be the key's exactly. Kubernetes: the key names the image (pinned by
     digest, so its own environment with it) and the pod's engine variables; each worker must have seen
     every one of those variables with the key's value.
     """
+    for got in made_by:
+        unkeyed = sorted(set(identity_env(got or "")) & UNKEYED_ENGINE_ENV.keys())
+        if unkeyed:
+            return (
+                f"a shard's engine ran with {unkeyed[0]} set ({identity_env(got or '')[unkeyed[0]]!r}), which "
+                f"{UNKEYED_ENGINE_ENV[unkeyed[0]]}"
+            )
     want_head, _, want_env = key_identity.partition(" env ")
     want = json.loads(want_env) if want_env else {}
     other = set()
@@ -338,6 +348,24 @@ def engines_differ(key_identity: str, made_by: list[str | None]) -> str | None:
         f"rows were made by engine(s) {sorted(other)[:3]}, the cache key names {key_identity}: a shard ran on "
         "another engine or environment than the plan keyed"
     )
+
+
+def prompts_vary(spec: JobSpec, reads_clock: list[bool | None] | None) -> str | None:
+    """Why rows of a chat job must not be filed under its key: a shard whose worker found that the chat template
+    renders another prompt on another day (the key would stand for a prompt of one day only), or one that did not
+    probe it (no engine started: every chunk an earlier attempt's; a worker before the probe); None otherwise.
+    Only chat renders a chat template with the cache on (its input is Parquet rows, never OpenAI requests)."""
+    if spec.task != "chat":
+        return None
+    seen = reads_clock or [None]
+    if any(seen):
+        return (
+            "the model's chat template reads the clock (strftime_now, e.g. Llama 3.x's 'Today Date'): a row's "
+            "prompt changes with the day and its key does not, so this run's answers are not filed in the cache"
+        )
+    if any(r is None for r in seen):
+        return "a shard did not record whether the model's chat template reads the clock (an engine it did not start)"
+    return None
 
 
 def hits_part(out: Storage, plan: Plan, index: int) -> tuple[FileRef, str]:
@@ -378,13 +406,15 @@ def append_results(
     made_by: list[str | None],
     keyring: Keyring,
     filesystems: FileSystems | None = None,
+    reads_clock: list[bool | None] | None = None,
 ) -> CacheMergeSummary:
     """This run's ok rows (``computed``: local copies of the published result parts this run's shards made, each
     checked against the run's manifest as it was copied, ``storage.CheckedCopies``) -> this run's entry, sealed;
     then a compaction when the key config has many entries. The entry is made from those copies only: a part
     replaced in the bucket after the merge checked it never reaches the cache.
 
-    ``made_by``: the engine identities the workers sealed into their markers (``engines_differ``).
+    ``made_by``: the engine identities the workers sealed into their markers (``engines_differ``); ``reads_clock``:
+    whether each worker found that the chat template reads the clock (``prompts_vary``).
     Idempotent: a merge rerun finds the commit and appends nothing; one killed before it rewrites the
     part (the same path) and commits. Entry rows: key (from the shards' input files, fetched and checked
     against the sealed plan), source_id, the answer columns, cached_from, computed_at.
@@ -400,7 +430,7 @@ def append_results(
         )
     if not computed:
         return CacheMergeSummary(uri=cp.uri, hits=cp.hits, appended=0)
-    wrong = engines_differ(str(cp.key_config.get("engine_identity")), made_by)
+    wrong = engines_differ(str(cp.key_config.get("engine_identity")), made_by) or prompts_vary(spec, reads_clock)
     origin = spec.io.output_uri.rstrip("/")
     if wrong:
         log.warning("cache %s: not appending run %s: %s", cp.uri, origin, wrong)

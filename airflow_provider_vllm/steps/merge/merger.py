@@ -250,7 +250,8 @@ def _merge(
             ]
         )
         made_by = [m.engine_identity for m in markers]
-        cache_summary = cache.append_results(out, spec, plan, computed, made_by, keyring, filesystems)
+        clock = [m.prompt_reads_clock for m in markers]
+        cache_summary = cache.append_results(out, spec, plan, computed, made_by, keyring, filesystems, clock)
     golden = (  # the golden rows that ride along: checked like the input's, published apart, under golden/
         merge_golden(
             out,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from airflow_provider_vllm.core import envs
 from airflow_provider_vllm.core.engine_identity import (
     engine_env,
     identity_versions,
@@ -24,6 +25,20 @@ def test_only_vllm_variables_that_can_change_an_answer_count():
         "HOME": "/root",
     }
     assert engine_env(env) == {"VLLM_ATTENTION_BACKEND": "TORCH_SDPA", "VLLM_USE_V1": "1"}
+
+
+def test_vllms_own_batch_invariant_switch_counts_and_this_packages_declared_variables_do_not():
+    """vLLM reads VLLM_BATCH_INVARIANT (batch-invariant kernels: other numerics), which starts like this package's
+    own variables: those are left out by their declared names (core/envs.py), not by the prefix."""
+    image = "r/w:1@sha256:" + "a" * 64
+    assert engine_env({"VLLM_BATCH_INVARIANT": "1"}) == {"VLLM_BATCH_INVARIANT": "1"}
+    assert local_engine_identity({"VLLM_BATCH_INVARIANT": "1"}) != local_engine_identity({})
+    assert image_engine_identity(image, {"VLLM_BATCH_INVARIANT": "1"}) != image_engine_identity(image, {})
+    own = {v.name: "1" for v in envs.VARS if v.name.startswith("VLLM_BATCH_")}
+    assert "VLLM_BATCH_SIGNING_KEY" in own and "VLLM_BATCH_INVARIANT" not in own
+    assert engine_env(own) == {}
+    assert local_engine_identity(own) == local_engine_identity({})
+    assert image_engine_identity(image, own) == image_engine_identity(image, {})
 
 
 def test_the_local_identity_names_the_vllm_build_and_its_environment():

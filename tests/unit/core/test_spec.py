@@ -211,6 +211,21 @@ def test_fields_added_with_a_neutral_default_keep_the_config_and_cache_key_hashe
     assert ranked.output_hash() != JobSpec.load({**doc, "model": {**doc["model"], **lora}}).output_hash()
 
 
+def test_the_order_of_a_json_schemas_properties_changes_the_config_hash():
+    """The config hash (the results' config_hash) names what decides an answer, and vLLM generates an object's
+    properties in the schema's order; specs without a schema keep their hash (the test above)."""
+    label, reason = {"enum": ["spam", "ham"]}, {"type": "string"}
+
+    def spec(properties: dict) -> JobSpec:
+        schema = {"type": "object", "properties": properties}
+        return JobSpec.load({**BASE, "sampling": {"structured": {"json_schema": schema}}})
+
+    label_first, reason_first = spec({"label": label, "reason": reason}), spec({"reason": reason, "label": label})
+    assert label_first.output_hash() != reason_first.output_hash()
+    assert spec({"label": label, "reason": reason}).output_hash() == label_first.output_hash()
+    assert JobSpec.load(reason_first.model_dump_json()).output_hash() == reason_first.output_hash()
+
+
 TABLE = {"model": {"name": "m"}, "io": {"input_table": {"identifier": "lake.tickets"}, "output_uri": "/out"}}
 
 

@@ -232,6 +232,18 @@ def test_the_key_changes_with_what_artefacts_depend_on(tmp_path):
     assert key not in keys and len(keys) == len(changed)
 
 
+def test_the_key_changes_with_vllms_batch_invariant_variable_not_with_this_packages(tmp_path, monkeypatch):
+    """VLLM_BATCH_INVARIANT swaps torch operations for vLLM's batch-invariant kernels (other compiled graphs);
+    this package's VLLM_BATCH_* variables (the compile cache's own folder, say) are not the engine's."""
+    dirs = _dirs(tmp_path)
+    key = cc.cache_key(cc.key_facts(_spec(), dirs, "gpu:NVIDIA H200 (cc 9.0)"))
+    monkeypatch.setenv("VLLM_BATCH_COMPILE_CACHE_PUBLISH", "0")
+    monkeypatch.setenv("VLLM_BATCH_LOG_LEVEL", "DEBUG")
+    assert cc.cache_key(cc.key_facts(_spec(), dirs, "gpu:NVIDIA H200 (cc 9.0)")) == key
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    assert cc.cache_key(cc.key_facts(_spec(), dirs, "gpu:NVIDIA H200 (cc 9.0)")) != key
+
+
 def test_off_unless_the_pod_names_the_folder_and_three_separate_private_folders(tmp_path, monkeypatch):
     root = tmp_path / "shared"
     root.mkdir()

@@ -53,3 +53,47 @@ def test_shell_text_reaches_the_engine_verbatim(allowed, tmp_path, fake_engine_f
     assert argv[1:3] == ["-m", "airflow_provider_vllm.worker"] and len(argv) == 4
     assert json.loads(argv[3])["spec"]["prompt"]["system_prompt"] == f"System {payload}"
     assert not canary.exists()
+
+
+# ---- a chat template that reads the clock --------------------------------------------------
+# The date logic of Llama 3.1/3.2/3.3 Instruct's chat template (tokenizer_config.json), around a minimal conversation
+LLAMA31_LIKE_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- if not date_string is defined %}{%- if strftime_now is defined %}"
+    '{%- set date_string = strftime_now("%d %b %Y") %}'
+    '{%- else %}{%- set date_string = "26 Jul 2024" %}{%- endif %}{%- endif %}'
+    '{{- "Today Date: " + date_string + "\\n\\n" }}'
+    "{%- for message in messages %}{{- message['role'] + ': ' + message['content'] + '\\n' }}{%- endfor %}"
+)
+
+
+def _hf_tokenizer(template: str):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tk = Tokenizer(models.BPE({c: i for i, c in enumerate(sorted(alphabet))}, []))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="!", chat_template=template)
+
+
+def test_the_builder_finds_a_chat_template_that_reads_the_clock(tmp_path):
+    """transformers gives chat templates strftime_now (Llama 3.x: "Today Date: ..."): one row, another prompt every
+    day. The builder renders its probe at two dates and says so (the worker seals it; the result cache then files
+    nothing); a template without the clock, or a job without a chat template, does not. The real clock is put back."""
+    import datetime as dt
+
+    import transformers.utils.chat_template_utils as ctu
+
+    from airflow_provider_vllm.worker.prompts import PromptBuilder
+    from tests.support.data import make_spec
+
+    spec = make_spec(tmp_path / "in.parquet", tmp_path / "out", model={"name": "m", "max_model_len": 4096})
+    assert PromptBuilder(spec, _hf_tokenizer(LLAMA31_LIKE_TEMPLATE), 4096).reads_clock is True
+    assert ctu.datetime is dt.datetime
+    dateless = LLAMA31_LIKE_TEMPLATE.replace('strftime_now("%d %b %Y")', '"26 Jul 2024"')
+    assert PromptBuilder(spec, _hf_tokenizer(dateless), 4096).reads_clock is False
+    generate = make_spec(
+        tmp_path / "in.parquet", tmp_path / "out", task="generate", model={"name": "m"}, prompt={"system_prompt": None}
+    )
+    assert PromptBuilder(generate, _hf_tokenizer(LLAMA31_LIKE_TEMPLATE), 1024).reads_clock is False

@@ -103,6 +103,51 @@ def test_speed_settings_do_not_change_the_key_hash(tmp_path):
     assert cache_key.key_hash(cache_key.key_config(tuned, "e")) == base
 
 
+def test_the_order_of_a_json_schemas_properties_changes_the_key_hash(tmp_path):
+    """vLLM's grammar (xgrammar, its default backend) generates an object's properties in the schema's order:
+    'reason' before 'label' conditions the label on the reasoning, another answer. key_hash dumps the config with
+    sorted keys, so the schema's text as written is keyed beside it; only for a schema: other jobs keep their
+    keys (a choice job's key hash: tests/unit/core/test_spec.py)."""
+    import json
+
+    import xgrammar as xgr
+
+    label, reason = {"enum": ["spam", "ham"]}, {"type": "string"}
+
+    def spec(properties: dict) -> JobSpec:
+        schema = {"type": "object", "properties": properties, "required": ["label", "reason"]}
+        return spec_for(tmp_path, sampling={"max_tokens": 64, "structured": {"json_schema": schema}})
+
+    def khash(s: JobSpec) -> str:
+        return cache_key.key_hash(cache_key.key_config(s, "e"))
+
+    label_first, reason_first = spec({"label": label, "reason": reason}), spec({"reason": reason, "label": label})
+    schemas = [json.dumps(s.sampling.structured.json_schema) for s in (label_first, reason_first)]
+    assert len({str(xgr.Grammar.from_json_schema(s)) for s in schemas}) == 2  # two grammars
+    assert khash(label_first) != khash(reason_first)
+    assert khash(spec({"label": label, "reason": reason})) == khash(label_first)
+    assert khash(JobSpec.load(reason_first.model_dump_json())) == khash(reason_first)  # the order survives JSON
+    assert "json_schema_text" not in cache_key.key_config(spec_for(tmp_path), "e")
+
+
+def test_asking_for_confidence_against_the_jobs_default_changes_the_key_hash(tmp_path):
+    """qa.confidence decides whether the engine is asked for logprobs and so whether a row has a confidence: a key
+    must not serve rows without one to a job that asks for it. Keyed only where set against the job's default (on
+    for structured choice, off for other generations), so that the keys of jobs leaving it unset are unchanged."""
+
+    def khash(**over) -> str:
+        return cache_key.key_hash(cache_key.key_config(spec_for(tmp_path, **over), "e"))
+
+    free = {"sampling": {"max_tokens": 8, "structured": None}}
+    assert khash(qa={"confidence": True}) == khash()  # structured choice: on by default
+    assert khash(qa={"confidence": False}) != khash()
+    assert khash(**free, qa={"confidence": False}) == khash(**free)  # other generations: off by default
+    assert khash(**free, qa={"confidence": True}) != khash(**free)
+    assert "confidence" not in cache_key.key_config(spec_for(tmp_path), "e")
+    classify = {"task": "classify", "prompt": {"system_prompt": None}, "sampling": {"structured": None}}
+    assert khash(**classify, qa={"confidence": False}) == khash(**classify)  # always has it
+
+
 def test_the_key_format_version_is_in_the_key_config(tmp_path):
     """Entries of the older format (CAST(col AS VARCHAR), edge-hashed weights) simply stop matching."""
     assert cache_key.key_config(spec_for(tmp_path), "e")["version"] == cache_key.KEY_FORMAT_VERSION == 2
@@ -212,6 +257,28 @@ def test_a_moving_revision_is_refused_by_the_plan_before_anything_is_written(tmp
     with pytest.raises(SpecError, match="model.revision 'main'"):
         plan_job(spec_for(tmp_path, model={"name": "org/model", "revision": "main"}), engine_identity="e")
     assert not (tmp_path / "out" / PLAN_FILE).exists() and not (tmp_path / "out" / "_cache").exists()
+
+
+def test_a_model_redirect_in_the_engines_environment_is_refused_by_the_plan_naming_it(tmp_path):
+    """VLLM_MODEL_REDIRECT_PATH names a file that maps hub names to local folders (vLLM's maybe_model_redirect):
+    vLLM loads that folder instead of model.revision's files, and the key (which holds the variable's value, the
+    file's path) stays the same when the file or the folder changes. Refused on either runner's engine, a value
+    from a Secret included; without it the same job is keyed."""
+    from airflow_provider_vllm.core.engine_identity import image_engine_identity, local_engine_identity
+
+    write_parquet(tmp_path / "in.parquet", ["a"], ["x"])
+    spec = spec_for(tmp_path, model={"name": "org/model", "revision": PINNED_REVISION})
+    image = "r/w:1@sha256:" + "a" * 64
+    for identity in (
+        local_engine_identity({"VLLM_MODEL_REDIRECT_PATH": "/etc/vllm/redirect.json"}),
+        image_engine_identity(image, {"VLLM_MODEL_REDIRECT_PATH": "secret:models/redirect", "VLLM_USE_V1": "1"}),
+    ):
+        with pytest.raises(SpecError, match="environment sets VLLM_MODEL_REDIRECT_PATH .*unset VLLM_MODEL_REDIRECT"):
+            cache_key.key_config(spec, identity)
+        with pytest.raises(SpecError, match="VLLM_MODEL_REDIRECT_PATH"):
+            plan_job(spec, engine_identity=identity)
+        assert not (tmp_path / "out" / PLAN_FILE).exists() and not (tmp_path / "out" / "_cache").exists()
+    assert cache_key.key_config(spec, image_engine_identity(image, {"VLLM_USE_V1": "1"}))["engine_identity"]
 
 
 # ---- the row key: typed, injective ----------------------------------------------------------------

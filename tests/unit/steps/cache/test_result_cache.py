@@ -493,6 +493,87 @@ def test_rows_made_by_another_engine_than_the_key_are_not_appended(tmp_path, fak
     assert results(s1).keys() == set(IDS)
 
 
+def test_rows_of_workers_that_saw_a_model_redirect_are_not_appended(tmp_path, fake_engine_factory, monkeypatch):
+    """On Kubernetes a worker may see engine variables the key does not name (the image's own, a Secret mounted
+    whole): one that redirects vLLM to other weights (VLLM_MODEL_REDIRECT_PATH) keeps the rows out of the cache,
+    naming it; the results are still published."""
+    write_parquet(tmp_path / "in-a.parquet", IDS, TEXTS)
+    s1 = spec_for(tmp_path, "a")
+    plan = plan_job(s1, engine_identity="image r/w:1@sha256:" + "a" * 64)
+    monkeypatch.setenv("VLLM_MODEL_REDIRECT_PATH", "/mnt/secret/redirect.json")  # the workers' environment
+    for s in plan.shards:
+        run_shard(ShardTask(spec=s1, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+    c = merge(s1).cache
+    assert c is not None and c.appended == 0 and "VLLM_MODEL_REDIRECT_PATH" in (c.skipped or "")
+    assert not (tmp_path / "cache" / "commits").exists()
+    assert results(s1).keys() == set(IDS)
+
+
+@pytest.mark.parametrize(
+    ("first", "then"),
+    [
+        ({"confidence": False}, {}),  # structured choice: on by default
+        ({}, {"confidence": True}),  # free text: off by default
+    ],
+)
+def test_a_job_that_asks_for_confidence_is_never_served_rows_without_one(tmp_path, fake_engine_factory, first, then):
+    """The rows of a run that did not ask for a confidence (qa.confidence) have none; a later run that asks for
+    it gets no hit from them: every row computed, with its confidence."""
+    write_parquet(tmp_path / "in-a.parquet", IDS, TEXTS)
+    write_parquet(tmp_path / "in-b.parquet", IDS, TEXTS)
+    sampling = {} if "confidence" in first else {"sampling": {"max_tokens": 8, "structured": None}}
+    s1 = spec_for(tmp_path, "a", qa=first, **sampling)
+    run_job(s1, fake_engine_factory)
+    assert all(r["confidence"] is None for r in results(s1).values())
+    s2 = spec_for(tmp_path, "b", qa=then, **sampling)
+    p2, _ = run_job(s2, fake_engine_factory)
+    assert p2.cache is not None and p2.cache.hits == 0
+    assert all(r["confidence"] is not None and r["cached_from"] is None for r in results(s2).values())
+
+
+def test_rows_rendered_by_a_chat_template_that_reads_the_clock_are_not_appended(tmp_path, fake_engine_factory):
+    """A chat template that reads the clock (transformers' strftime_now: Llama 3.x's "Today Date: ...") renders
+    another prompt for the same row and key on another day. The worker finds it (its probe rendered at two dates)
+    and seals it into its commit marker; the merge files none of the run's rows (cache.skipped says why), the
+    results are published, and the next run infers every row again. A template that does not read it: cached."""
+    from tests.support.fakes import FakeTokenizer
+
+    class Dated(FakeTokenizer):
+        def apply_chat_template(self, messages, **kw):
+            from transformers.utils import chat_template_utils as ctu
+
+            today = ctu.datetime.now().strftime("%d %b %Y")
+            return f"Today Date: {today}\n" + super().apply_chat_template(messages, **kw)
+
+    def dated(spec):
+        e = fake_engine_factory(spec)
+        e.tokenizer = Dated()
+        return e
+
+    write_parquet(tmp_path / "in-a.parquet", IDS, TEXTS)
+    write_parquet(tmp_path / "in-b.parquet", IDS, TEXTS)
+    s1 = spec_for(tmp_path, "a")
+    _, m1 = run_job(s1, dated)
+    assert m1["cache"]["appended"] == 0 and "reads the clock" in m1["cache"]["skipped"]
+    assert not (tmp_path / "cache" / "commits").exists()
+    assert results(s1).keys() == set(IDS)
+    markers = list((tmp_path / "out-a" / "shards").glob("*/_COMMITTED.json"))
+    assert markers and all(json.loads(m.read_text())["prompt_reads_clock"] is True for m in markers)
+    p2, m2 = run_job(spec_for(tmp_path, "b"), fake_engine_factory)  # the clock-free template
+    assert p2.cache is not None and p2.cache.hits == 0 and m2["cache"]["appended"] == len(IDS)
+
+
+def test_a_chat_jobs_rows_are_appended_only_when_every_shard_probed_its_template(tmp_path):
+    """A shard that started no engine (every chunk an earlier attempt's) or a worker before the probe did not
+    record whether the template reads the clock: its run's rows are not filed. Jobs without a chat template
+    are not held to it."""
+    chat = spec_for(tmp_path, "a")
+    assert cache.prompts_vary(chat, [False, False]) is None
+    assert "did not record" in (cache.prompts_vary(chat, [False, None]) or "")
+    assert "reads the clock" in (cache.prompts_vary(chat, [None, True]) or "")
+    assert cache.prompts_vary(spec_for(tmp_path, "g", task="generate", prompt={"system_prompt": None}), [None]) is None
+
+
 def test_embeddings_are_cached_too(tmp_path, fake_engine_factory):
     write_parquet(tmp_path / "in-a.parquet", IDS, TEXTS)
     write_parquet(tmp_path / "in-b.parquet", IDS, TEXTS)
