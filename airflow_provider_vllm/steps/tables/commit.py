@@ -203,6 +203,7 @@ def _transaction(
         table.metadata_location,
         table.io,
         table.catalog,
+        table.config,
     )
     tx = quiet.transaction()
     if table.metadata.name_mapping() is None:  # parts carry no field ids: readers map them by name
