@@ -55,7 +55,8 @@ def embedding_table(spec: dict[str, Any]) -> str:
     from airflow_provider_vllm.core.spec import JobSpec
     from airflow_provider_vllm.core.storage import Storage
     from airflow_provider_vllm.hooks.filesystems import task_filesystems
-    from airflow_provider_vllm.steps.merge.merger import result_parts
+    from airflow_provider_vllm.steps.merge.merger import RESULTS, read_merged, verified_parts
+    from airflow_provider_vllm.utils.deployment import signing_keyring
 
     job = JobSpec.load(spec)
     # object stores through the deployment's Connections ([vllm_batch] aws_conn_id / gcp_conn_id)
@@ -65,7 +66,8 @@ def embedding_table(spec: dict[str, Any]) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         local = os.path.join(tmp, "embeddings.parquet")
         with pq.ParquetWriter(local, schema, compression="zstd") as writer:
-            for rel in result_parts(out):  # an empty run: one empty part, so an empty table with these columns
+            # the parts the sealed merge names, each checked against its manifest (an empty run: one empty part)
+            for rel in verified_parts(out, RESULTS, read_merged(out, signing_keyring())):
                 with out.open(rel) as src:
                     for batch in pq.ParquetFile(src).iter_batches(
                         columns=["id", "embedding", "model"], batch_size=8192

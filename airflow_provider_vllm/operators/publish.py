@@ -14,6 +14,7 @@ from airflow.sdk.exceptions import AirflowFailException
 from airflow_provider_vllm import __version__
 from airflow_provider_vllm.core.allow_list import canonical_uri
 from airflow_provider_vllm.core.errors import CommitError, SealError
+from airflow_provider_vllm.core.part_names import check_inside, run_file
 from airflow_provider_vllm.core.plan import changes_spec, load_plan
 from airflow_provider_vllm.core.records import MergeSummary, QARecord
 from airflow_provider_vllm.core.seal import Keyring
@@ -23,7 +24,14 @@ from airflow_provider_vllm.hooks.iceberg import tables as iceberg_tables
 from airflow_provider_vllm.steps.lineage import publish_lineage
 from airflow_provider_vllm.steps.merge.changes import CHANGES, read_changes
 from airflow_provider_vllm.steps.merge.changes import SUMMARY as CHANGES_SUMMARY
-from airflow_provider_vllm.steps.merge.merger import ERRORS, MERGED, RESULTS, manifest_rel, read_merged, verified_parts
+from airflow_provider_vllm.steps.merge.merger import (
+    ERRORS,
+    MERGED,
+    RESULTS,
+    manifest_rel,
+    read_merged,
+    verified_parts,
+)
 from airflow_provider_vllm.steps.publish import SUCCESS, success_bytes
 from airflow_provider_vllm.steps.qa.store import QA_RECORD, read_qa
 from airflow_provider_vllm.steps.tables.commit import commit_results
@@ -49,6 +57,7 @@ QA_FILES = {
     "qa_record": QA_RECORD,
 }
 RERUN_QA = "run the QA task again (it writes and seals qa/_QA.json), then publish"
+RERUN_MERGE = "clear the merge task (it writes and seals its files again), then QA and publish"
 
 
 class VllmPublishOperator(BaseOperator):
@@ -56,11 +65,12 @@ class VllmPublishOperator(BaseOperator):
 
     Runs after merge and QA (and any ``before_publish`` step); checks that ``_MERGED.json``
     belongs to this spec, that QA's sealed verdict (``qa/_QA.json``) is on this merge and did not
-    fail, that the QA files are the ones it wrote, and that every named file exists, then writes
-    the marker atomically, naming files, counts, checksums (manifests, QA files, change set), the
-    QA verdict and the Airflow run. For each Asset in ``outlets`` the Asset event carries the concrete output URI in
-    its ``extra`` (the Asset names the dataset; the URI names this run's partition).
-    ``extra_files`` (name -> path under the prefix) are checked and listed too.
+    fail, that the QA files are the ones it wrote, that merge's OpenAI batch files are the bytes it sealed, and
+    that every named file exists, then writes the marker atomically, naming files, counts, checksums (manifests,
+    OpenAI batch files, QA files, change set, extra files), the QA verdict and the Airflow run. For each Asset in
+    ``outlets`` the Asset event carries the concrete output URI in its ``extra`` (the Asset names the dataset; the
+    URI names this run's partition). ``extra_files`` (name -> path of a file under the prefix) are listed, and their
+    sha256 as publish reads them is sealed into ``_SUCCESS.json`` (a folder or a path outside the prefix fails).
 
     ``qa_result``: the QA task's XCom (``qa.output``; ``vllm_batch_job`` passes it): the sealed verdict must be
     the one that task wrote, not an earlier genuine one put back in the folder. None: not checked, unless
@@ -206,7 +216,20 @@ class VllmPublishOperator(BaseOperator):
         # the folders: every part their sealed manifests name, with exactly its size and sha256 (a streaming read)
         self._result_parts = verified_parts(out, RESULTS, merged)
         verified_parts(out, ERRORS, merged)
+        # merge's other files (openai/*.jsonl): the sha256 of the bytes it wrote, sealed in _MERGED.json
+        for rel, sha in sorted(merged.checksums.items()):
+            if rel not in (manifest_rel(RESULTS), manifest_rel(ERRORS)) and out.sha256(rel) != sha:
+                raise AirflowFailException(
+                    f"publish: {out.uri(rel)} is not the file the sealed {MERGED} names (sha256 differs); {RERUN_MERGE}"
+                )
         checksums = {**merged.checksums, **{f.path: f.sha256 for f in qa.files.values()}}
+        # extra files (written by a task before publish, e.g. an embedding table): vouched for as published now
+        for rel in sorted(set((self.extra_files or {}).values())):
+            try:
+                check_inside(out, run_file(rel), "extra_files")
+                checksums[rel] = out.sha256(rel)
+            except (ValueError, CommitError, IsADirectoryError) as e:
+                raise AirflowFailException(f"publish: extra_files: {rel!r} is not a file of the run ({e})") from None
         if changes:  # sealed by QA, changes.parquet as it wrote it
             checksums.update(read_changes(out, keyring).checksums)
         dag_run = context.get("dag_run")

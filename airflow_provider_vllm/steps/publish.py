@@ -1,8 +1,9 @@
 """Publishing a merged run, and how a consumer checks what was published (no Airflow).
 
 ``_SUCCESS.json`` is written last by the publish task. It names every published file and carries
-the sha256 of the two part manifests (which carry the sha256 of every part), of QA's report files
-(the ones QA's sealed ``qa/_QA.json`` names) and of the change set, and QA's verdict as that sealed
+the sha256 of the two part manifests (which carry the sha256 of every part), of the OpenAI batch files (as
+merge sealed them), of QA's report files (the ones QA's sealed ``qa/_QA.json`` names), of the change set and of
+the publish task's ``extra_files``, and QA's verdict as that sealed
 record gives it (never ``report.json``'s own claim); it is sealed with
 the deployment's signing key (``core/seal.py``, domain ``success``, scope the run's output URI).
 The Airflow Asset event of the publish task carries the sha256 of the ``_SUCCESS.json`` bytes, so a
@@ -11,7 +12,8 @@ Airflow's metadata database rather than the bucket.
 
 ``verify_published`` does the whole check for a consumer: the marker (by its seal, or by the
 sha256 from the Asset event), each manifest against the marker, each part against its manifest,
-and every other file the marker has a sha256 for (QA's files, the change set).
+and every other file the marker has a sha256 for (the OpenAI batch files, QA's files, the change set, the
+``extra_files``).
 """
 
 from __future__ import annotations
@@ -26,9 +28,7 @@ from airflow_provider_vllm.core.part_names import check_inside, run_file
 from airflow_provider_vllm.core.records import PartsManifest
 from airflow_provider_vllm.core.seal import Keyring, Seal
 from airflow_provider_vllm.core.storage import FileSystems, Storage
-from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS, manifest_rel, verify_parts
-
-SUCCESS = "_SUCCESS.json"
+from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS, SUCCESS, manifest_rel, verify_parts
 
 
 def success_bytes(doc: dict[str, Any], keyring: Keyring, output_uri: str) -> bytes:
@@ -50,7 +50,8 @@ def verify_published(
     Give ``keyring`` (the deployment's signing keys) to check the marker's seal, or ``success_sha256``
     (the Asset event's ``success_sha256``) to check its bytes; at least one. Then every part of
     ``results/`` and ``errors/`` must have the size and sha256 of its manifest, each manifest and every
-    other file in the marker's ``checksums`` (QA's files, the change set) the sha256 the marker names.
+    other file in the marker's ``checksums`` (the OpenAI batch files, QA's files, the change set, the
+    ``extra_files``) the sha256 the marker names.
     Raises CommitError (SealError) naming the first file that does not.
     """
     if keyring is None and success_sha256 is None:
@@ -76,7 +77,7 @@ def verify_published(
         if hashlib.sha256(body).hexdigest() != checksums.pop(rel, None):
             raise CommitError(f"{out.uri(rel)} is not the manifest {SUCCESS} names (sha256 differs)")
         verify_parts(out, kind, PartsManifest.model_validate_json(body))
-    for rel, sha in sorted(checksums.items()):  # the QA files, the change set: every other file it has a sha256 for
+    for rel, sha in sorted(checksums.items()):  # every other file it has a sha256 for
         try:
             check_inside(out, run_file(rel), out.uri(SUCCESS))
             digest = out.sha256(rel)

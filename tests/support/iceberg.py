@@ -11,7 +11,7 @@ import pyarrow as pa
 
 from airflow_provider_vllm.core.plan import load_plan
 from airflow_provider_vllm.core.storage import Storage
-from airflow_provider_vllm.steps.merge.merger import RESULTS, merge, verified_parts
+from airflow_provider_vllm.steps.merge.merger import RESULTS, manifest_rel, merge, verified_parts
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.steps.tables.access import Tables
 from airflow_provider_vllm.steps.tables.commit import TableCommit, commit_results
@@ -86,9 +86,14 @@ def run_job(spec: Any, tables: Tables, factory: Any, filesystems: Any = None) ->
 
 
 def publish(
-    spec: Any, tables: Tables, run_date: dt.date = dt.date(2026, 12, 1), filesystems: Any = None
+    spec: Any,
+    tables: Tables,
+    run_date: dt.date = dt.date(2026, 12, 1),
+    filesystems: Any = None,
+    manifest_sha256: str | None = None,
 ) -> TableCommit:
-    """The publish task's table commit, as the operator makes it (steps only)."""
+    """The publish task's table commit, as the operator makes it (steps only). ``manifest_sha256``: the results
+    manifest's sha256 to record (default: the one the sealed merge names)."""
     from airflow_provider_vllm.core.allow_list import canonical_uri
     from airflow_provider_vllm.steps.merge.merger import read_merged
 
@@ -104,5 +109,8 @@ def publish(
         plan.result_schema(),
         run_id=canonical_uri(spec.io.output_uri, "io.output_uri", resolve=False),
         run_date=run_date,
-        properties={"airflow-run": "dag/run"},
+        properties={
+            "airflow-run": "dag/run",
+            "results-manifest-sha256": manifest_sha256 or merged.checksums[manifest_rel(RESULTS)],
+        },
     )

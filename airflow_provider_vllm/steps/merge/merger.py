@@ -66,7 +66,14 @@ from airflow_provider_vllm.core.records import (
 from airflow_provider_vllm.core.rows import ERROR_SCHEMA, RESULT_SCHEMA, ROW_SCHEMA
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
-from airflow_provider_vllm.core.storage import CheckedCopies, FileSystems, Storage, copies_folder, hash_pool
+from airflow_provider_vllm.core.storage import (
+    CheckedCopies,
+    FileSystems,
+    Storage,
+    copies_folder,
+    hash_pool,
+    is_temp_copy,
+)
 from airflow_provider_vllm.steps.cache import result_cache as cache
 from airflow_provider_vllm.steps.golden import merge_golden
 from airflow_provider_vllm.steps.merge import ordered
@@ -90,6 +97,9 @@ RESULTS = "results"  # folder of Parquet parts (RESULT_SCHEMA, + the plan's pass
 ERRORS = "errors"  # folder of Parquet parts (ERROR_SCHEMA, + the plan's passthrough columns)
 KINDS = (RESULTS, ERRORS)
 MANIFEST = "_manifest.json"
+SUCCESS = "_SUCCESS.json"  # written by publish (steps/publish.py) once the run is published
+# written by publish before it commits the run's parts to an output table (the table then references them by path)
+PUBLISHING = "_PUBLISHING.json"
 MERGED = "_MERGED.json"
 OPENAI_OUT = "openai/output.jsonl"
 OPENAI_ERR = "openai/errors.jsonl"
@@ -182,6 +192,7 @@ def _merge(
     con = duck.connect(out, in_root, memory_limit=memory_limit)
     try:
         _ids_view(con, out, sources)
+        check_footer_rows(con, out, sources)
         check_unchanged(in_root, plan.files)
         register_input_ids(con, spec, plan, in_root)
         duplicates = Duplicates(ids=0, rows_dropped=0, examples=[])
@@ -227,16 +238,24 @@ def _merge(
         con.close()
     faults.hit("merge.before_write")
     schemas = {RESULTS: plan.result_schema(), ERRORS: plan.error_schema()}
-    manifests = {kind: publish_parts(out, kind, sources[kind], drop, schemas[kind]) for kind in KINDS}
+    # A published run's parts are what its readers and its output table reference by path: never changed
+    published = out.exists(SUCCESS) or out.exists(PUBLISHING)
+    manifests = {kind: publish_parts(out, kind, sources[kind], drop, schemas[kind], published) for kind in KINDS}
     if not out.is_local:  # a server-side copy of a checked source: check what readers will read (local: links)
         for kind in KINDS:
             verify_parts(out, kind, manifests[kind])
+    # The seal vouches for the bytes merge wrote, hashed before they leave this process: a hash of what the
+    # bucket holds when the seal is made would vouch for whatever another writer put there in between.
+    written: dict[str, str] = {}
     for kind in KINDS:
-        out.write_atomic(manifest_rel(kind), json.dumps(manifests[kind].dump(), indent=1, sort_keys=True).encode())
+        data = json.dumps(manifests[kind].dump(), indent=1, sort_keys=True).encode()
+        out.write_atomic(manifest_rel(kind), data)
+        written[manifest_rel(kind)] = hashlib.sha256(data).hexdigest()
     faults.hit("merge.after_manifests")
-    extra = {}
+    extra: dict[str, str] = {}
     if spec.io.output_format == "openai_batch":
-        extra = write_openai_outputs(out, spec, plan)
+        extra, openai_sums = write_openai_outputs(out, spec, plan, manifests)
+        written.update(openai_sums)
     # result cache: this run's computed ok rows (as published) become its entry, committed create-only
     cache_summary = None
     if hits is not None:
@@ -278,7 +297,7 @@ def _merge(
             "errors_manifest": manifest_rel(ERRORS),
             **extra,
         },
-        checksums={manifest_rel(k): out.sha256(manifest_rel(k)) for k in KINDS},
+        checksums=written,
         parts={k: len(manifests[k].parts) for k in KINDS},
         shard_stats=[ShardStatsEntry(**m.stats.dump(), shard_id=m.shard_id, attempt_id=m.attempt_id) for m in markers],
         config_hash=plan.config_hash,
@@ -650,6 +669,28 @@ def _ids_view(con: duckdb.DuckDBPyConnection, out: Storage, sources: dict[str, l
     con.execute("CREATE VIEW ids AS " + (" UNION ALL ".join(selects) or "SELECT NULL::VARCHAR AS id WHERE false"))
 
 
+def check_footer_rows(con: duckdb.DuckDBPyConnection, out: Storage, sources: dict[str, list[SourcePart]]) -> None:
+    """CommitError naming the first part (in plan order) whose Parquet footer holds another row count than its
+    sealed marker claims: the id checks read every part, but publishing leaves out the parts claimed empty, so a
+    claim that disagrees with the file would verify rows and then drop them. Reads the footers only."""
+    parts = [p for k in KINDS for p in sources[k]]
+    if not parts:
+        return
+    paths = [out.path(p.rel) if out.is_local else out.uri(p.rel) for p in parts]
+    footer = dict(
+        con.execute(
+            f"SELECT file_name, num_rows FROM parquet_file_metadata({duck.file_list(out, [p.rel for p in parts])})"
+        ).fetchall()
+    )
+    bad = next((p for p, path in zip(parts, paths) if footer.get(path) != p.rows), None)
+    if bad is not None:
+        got = footer.get(paths[parts.index(bad)])
+        raise CommitError(
+            f"{out.uri(bad.rel)} holds {got} rows, its commit marker says {bad.rows}: the marker does not describe "
+            "its files; delete that shard's folder and rerun the shard"
+        )
+
+
 def _rows_view(con: duckdb.DuckDBPyConnection, out: Storage, sources: dict[str, list[SourcePart]]) -> None:
     """View ``chunks``: every committed row in ``ROW_SCHEMA`` columns plus its part and position (duplicates only)."""
     selects = []
@@ -779,22 +820,28 @@ def verify(con: duckdb.DuckDBPyConnection, source: str, planned_rows: int, findi
     )
 
 
-def write_openai_outputs(out: Storage, spec: JobSpec, plan: Plan) -> dict[str, str]:
-    """openai/output.jsonl and openai/errors.jsonl in the OpenAI Batch API line formats, from the published parts.
+def write_openai_outputs(
+    out: Storage, spec: JobSpec, plan: Plan, manifests: Mapping[str, PartsManifest]
+) -> tuple[dict[str, str], dict[str, str]]:
+    """openai/output.jsonl and openai/errors.jsonl in the OpenAI Batch API line formats, from the published parts
+    ``manifests`` names; returns their ``files`` entries and the sha256 of the bytes written (for the seal).
 
     (Outside results/ so that a Parquet reader of that folder never meets a JSONL file.)
     """
     from airflow_provider_vllm.core.openai_output import error_line, response_line
 
+    sums = {}
     for kind, fn, dest in ((RESULTS, response_line, OPENAI_OUT), (ERRORS, error_line, OPENAI_ERR)):
         lines = []
         columns = SCHEMAS[kind].names  # the line formats' columns: passthrough columns are not decoded
-        for rel in result_parts(out, kind):
-            with out.open(rel) as fh:
+        for part in manifests[kind].parts:
+            with out.open(f"{kind}/{part.name}") as fh:
                 for batch in pq.ParquetFile(fh).iter_batches(batch_size=8192, columns=columns):
                     lines += [json.dumps(fn(r, spec), ensure_ascii=False) for r in batch.to_pylist()]
-        out.write_atomic(dest, ("\n".join(lines) + ("\n" if lines else "")).encode())
-    return {"openai_output": OPENAI_OUT, "openai_errors": OPENAI_ERR}
+        data = ("\n".join(lines) + ("\n" if lines else "")).encode()
+        out.write_atomic(dest, data)
+        sums[dest] = hashlib.sha256(data).hexdigest()
+    return {"openai_output": OPENAI_OUT, "openai_errors": OPENAI_ERR}, sums
 
 
 def check_folder(out: Storage, kind: str) -> None:
@@ -804,7 +851,11 @@ def check_folder(out: Storage, kind: str) -> None:
     (e.g. ``results/results.parquet`` of the layout before 0.2, or a user's file) is refused
     rather than deleted or silently served as part of the results.
     """
-    foreign = [n for n in out.listdir(kind) if n != MANIFEST and not PART_NAME.fullmatch(n) and not _TMP_NAME.match(n)]
+    foreign = [
+        n
+        for n in out.listdir(kind)
+        if n != MANIFEST and not PART_NAME.fullmatch(n) and not _TMP_NAME.match(n) and not is_temp_copy(n, MANIFEST)
+    ]
     if foreign:
         raise CommitError(
             f"{out.uri(kind)}/ holds {foreign[:5]}, which merge did not write; it publishes {kind}/ as a folder of "
@@ -819,6 +870,7 @@ def publish_parts(
     sources: list[SourcePart],
     drop: dict[str, list[int]],
     schema: pa.Schema | None = None,
+    published: bool = False,
 ) -> PartsManifest:
     """Publish ``sources`` into ``kind``/ by reference, in order; returns the folder's manifest (not yet written).
 
@@ -827,6 +879,9 @@ def publish_parts(
     the schema. A part that lost dropped duplicate rows
     is re-encoded without them. A part already published with the right size is kept, so a
     rerun only does what a crash left undone; stale ``part-*`` files and temp files are removed.
+    ``published``: the run has ``_SUCCESS.json`` (or ``_PUBLISHING.json``: publish began a table commit):
+    CommitError before anything is written when a part would be added, replaced or removed (only a rerun whose
+    parts are all in place goes on).
     """
     chosen = [p for p in sources if p.rows - len(drop.get(p.rel, ())) > 0] or sources[:1]
     entries: list[PartEntry] = []
@@ -834,22 +889,34 @@ def publish_parts(
         if not chosen:
             local = os.path.join(tmp, "empty.parquet")
             pq.write_table((schema or SCHEMAS[kind]).empty_table(), local, compression="zstd")
-            entries.append(_publish_local(out, kind, local, "part-00000.parquet"))
+            entries.append(_publish_local(out, kind, local, "part-00000.parquet", published))
         for p in chosen:
             if p.rel in drop:
-                entries.append(_publish_local(out, kind, _without_rows(out, p, drop[p.rel], tmp), p.name))
+                entries.append(_publish_local(out, kind, _without_rows(out, p, drop[p.rel], tmp), p.name, published))
             else:
-                _publish_reference(out, p, f"{kind}/{p.name}")
+                _publish_reference(out, p, f"{kind}/{p.name}", published)
                 entries.append(PartEntry(name=p.name, bytes=p.bytes, sha256=p.sha256, rows=p.rows))
             faults.hit("merge.between_parts")
     keep = {e.name for e in entries} | {MANIFEST}
+    stale = [n for n in out.listdir(kind) if n not in keep and PART_NAME.fullmatch(n)]
+    if published and stale:
+        _refuse_published(out, f"{kind}/{stale[0]}", "remove")
     for name in out.listdir(kind):
         if name not in keep:
             out.remove(f"{kind}/{name}")
     return PartsManifest(kind=kind, rows=sum(e.rows for e in entries), parts=entries)
 
 
-def _publish_reference(out: Storage, src: SourcePart, rel: str) -> None:
+def _refuse_published(out: Storage, rel: str, change: str) -> None:
+    raise CommitError(
+        f"{out.uri(rel)}: the run under {out.uri()} is published ({SUCCESS} or {PUBLISHING} exists) and this merge "
+        f"would {change} "
+        f"that part (the committed parts changed since the merge that was published, e.g. a shard rerun): readers "
+        "and the output table reference the published parts by path. Merge into a new output prefix (io.output_uri)"
+    )
+
+
+def _publish_reference(out: Storage, src: SourcePart, rel: str, published: bool = False) -> None:
     """``src`` visible whole at ``rel`` without decoding it: hard link, else copy (local), server-side copy (remote).
 
     A part already there (a rerun) is kept only when it is the same file (local) or has the source's sealed
@@ -864,6 +931,8 @@ def _publish_reference(out: Storage, src: SourcePart, rel: str) -> None:
             return
     elif out.exists(rel) and out.size(rel) == src.bytes and out.sha256(rel) == src.sha256:
         return
+    if published:
+        _refuse_published(out, rel, "replace" if out.exists(rel) else "add")
     if not out.is_local:
         out.copy(src.rel, rel)  # server-side: one object, visible whole or not at all
         return
@@ -882,11 +951,13 @@ def _publish_reference(out: Storage, src: SourcePart, rel: str) -> None:
     os.replace(tmp, dest)
 
 
-def _publish_local(out: Storage, kind: str, local: str, name: str) -> PartEntry:
+def _publish_local(out: Storage, kind: str, local: str, name: str, published: bool = False) -> PartEntry:
     """A file merge wrote itself (an empty part, a part re-encoded without dropped duplicates) at ``kind/name``."""
     rel = f"{kind}/{name}"
     size, digest = os.path.getsize(local), Storage(os.path.dirname(local)).sha256(os.path.basename(local))
     if not (out.exists(rel) and out.size(rel) == size and out.sha256(rel) == digest):
+        if published:
+            _refuse_published(out, rel, "replace" if out.exists(rel) else "add")
         if out.is_local:
             dest = out.path(rel)
             os.makedirs(os.path.dirname(dest), exist_ok=True)

@@ -6,13 +6,20 @@ and commits them in one transaction as one snapshot: ``append`` (fast append) or
 date's partition replaced in the same snapshot). The snapshot's summary carries ``vllm-batch.run-id`` (the
 run's output prefix: one run) and the caller's properties (the Airflow run, the results manifest's sha256).
 A snapshot of the table that already carries the run id makes the call a no-op returning it: a retried
-publish, or one killed after the catalog took the commit. The catalog's compare-and-swap makes the commit
-all or nothing. See docs/adr/0009-iceberg-tables.md.
+publish, or one killed after the catalog took the commit; it must have committed the same results manifest
+(CommitError otherwise: the folder was merged again). A run whose snapshot was expired counts as committed when
+the current snapshot holds all its parts. The catalog's compare-and-swap makes the commit all or nothing; a
+commit that lost a race is not retried by pyiceberg but decided again here (the run may be what won). Before its
+first commit it writes ``_PUBLISHING.json`` into the run folder: merge then never changes the parts the table
+references. See docs/adr/0009-iceberg-tables.md.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import json
+import logging
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -21,10 +28,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from airflow_provider_vllm.core.allow_list import canonical_uri, check_uri
-from airflow_provider_vllm.core.errors import CommitError, SpecError
+from airflow_provider_vllm.core.errors import CommitError, SpecError, TransientError
 from airflow_provider_vllm.core.plan import ChangesFrom
 from airflow_provider_vllm.core.spec import JobSpec, TableOutput
 from airflow_provider_vllm.core.storage import Storage
+from airflow_provider_vllm.steps.merge.merger import PUBLISHING
 from airflow_provider_vllm.steps.tables.access import Tables, summary_of
 
 if TYPE_CHECKING:
@@ -32,6 +40,10 @@ if TYPE_CHECKING:
 
 RUN_ID = "vllm-batch.run-id"
 PREFIX = "vllm-batch."
+MANIFEST_SHA = "vllm-batch.results-manifest-sha256"  # the caller's ``results-manifest-sha256`` property
+COMMIT_ATTEMPTS = 5  # commits that lost a race to another writer of the table, each decided again
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -80,7 +92,7 @@ def commit_results(
     for a table that is missing (without ``create``), partitioned otherwise, or whose schema the parts do not
     fit; CommitError when the catalog refuses the commit (the table is then unchanged).
     """
-    from pyiceberg.exceptions import CommitFailedException, NoSuchTableError
+    from pyiceberg.exceptions import CommitFailedException, NoSuchTableError, ValidationException
 
     what = "io.output_table.identifier"
     tables.check(target.identifier, what)
@@ -94,17 +106,107 @@ def commit_results(
                 "set io.output_table.create to create it on the first publish"
             ) from None
         table = _create(tables, target, schema)
+    props = {RUN_ID: run_id, **{k if k.startswith(PREFIX) else PREFIX + k: str(v) for k, v in properties.items()}}
+    uris = [out.uri(p) for p in parts]
+    data_files: list[Any] | None = None
+    for attempt in range(COMMIT_ATTEMPTS):
+        # Whether this run is in the table is decided again before every attempt: pyiceberg's own retry of a
+        # commit that lost a race would add the run's files again on top of a concurrent publish of the same run.
+        found = _this_runs_snapshot(table, target, run_id, props.get(MANIFEST_SHA), uris, run_date)
+        if found is not None:
+            return _done(target, table, found, already=True)
+        if data_files is None:
+            _check_table(table, target, schema)
+            # from here on the table may reference the parts by path: a later merge of the folder must not change
+            # them (merge refuses while this file or _SUCCESS.json exists)
+            out.write_atomic(PUBLISHING, json.dumps({"table": target.identifier, "run_id": run_id}).encode())
+            data_files = [_data_file(table, out, rel, uri, target, run_date) for rel, uri in zip(parts, uris)]
+        try:
+            _transaction(table, target, data_files, props, run_date).commit_transaction()
+        except (CommitFailedException, ValidationException) as e:  # the table moved under this attempt
+            last: Exception = e
+            time.sleep(min(0.1 * 2**attempt, 2.0))
+            table = table.refresh()
+            continue
+        table = table.refresh()
+        found = committed_snapshot(table, run_id)
+        if found is None:
+            raise CommitError(f"table {target.identifier}: committed, but no snapshot carries run {run_id}")
+        return _done(target, table, found, already=False)
+    raise TransientError(
+        f"table {target.identifier}: the catalog refused the commit of run {run_id} {COMMIT_ATTEMPTS} times "
+        f"(concurrent commits to the table): {last}"
+    )
+
+
+def _this_runs_snapshot(
+    table: Table, target: TableOutput, run_id: str, manifest_sha: str | None, uris: list[str], run_date: dt.date
+) -> Any:
+    """The snapshot that committed this run, or None when the table does not hold it.
+
+    CommitError when that snapshot committed another results manifest of the run (the run folder was merged again
+    since: the table's file sizes and statistics would not describe the files at those paths), or when the
+    current snapshot holds some of the run's parts but not all; when the run's snapshot was expired but the current
+    snapshot holds all its parts, that snapshot stands for it (nothing is added twice)."""
+    where = f"table {target.identifier}"
     found = committed_snapshot(table, run_id)
     if found is not None:
-        return _done(target, table, found, already=True)
-    _check_table(table, target, schema)
-    uris = [out.uri(p) for p in parts]
-    data_files = [_data_file(table, out, rel, uri, target, run_date) for rel, uri in zip(parts, uris)]
-    props = {RUN_ID: run_id, **{k if k.startswith(PREFIX) else PREFIX + k: str(v) for k, v in properties.items()}}
-    tx = table.transaction()
-    if table.metadata.name_mapping() is None:  # parts carry no field ids: readers map them by name
-        from pyiceberg.table import TableProperties
+        sealed = summary_of(found).get(MANIFEST_SHA)
+        if manifest_sha is not None and sealed is not None and sealed != manifest_sha:
+            raise CommitError(
+                f"{where}: snapshot {found.snapshot_id} committed run {run_id} with results manifest "
+                f"{sealed[:12]}..., the run's is now {manifest_sha[:12]}... (merged again since): the table "
+                "cannot take the new parts under the same paths; publish the run under a new output prefix"
+            )
+        return found
+    live = _live_files(table, target, run_date)
+    held = [u for u in uris if u in live]
+    if not held:
+        return None
+    if len(held) != len(uris):
+        raise CommitError(
+            f"{where}: the current snapshot holds {len(held)} of run {run_id}'s {len(uris)} result parts (e.g. "
+            f"{held[0]}) but no snapshot names the run: not adding them again; repair the table by hand"
+        )
+    snap = table.current_snapshot()
+    log.warning(
+        "%s: run %s's snapshot is gone (expired), but the current snapshot %s holds all its parts: not adding them "
+        "again",
+        where,
+        run_id,
+        snap.snapshot_id if snap is not None else None,
+    )
+    return snap
 
+
+def _live_files(table: Table, target: TableOutput, run_date: dt.date) -> set[str]:
+    """The data file paths of the current snapshot (of the run date's partition when partitioned by it): metadata
+    only, no data file is read."""
+    if table.current_snapshot() is None:
+        return set()
+    if target.date_column is None:
+        return {t.file.file_path for t in table.scan().plan_files()}
+    return {f.file_path for f in _partition_files(table, target, run_date, allow_deletes=True)}
+
+
+def _transaction(
+    table: Table, target: TableOutput, data_files: list[Any], props: dict[str, str], run_date: dt.date
+) -> Any:
+    """One transaction committing ``data_files`` as one snapshot, that fails (CommitFailedException) rather than
+    being retried by pyiceberg when the table moved (``commit_results`` decides again whether to commit)."""
+    from pyiceberg.table import Table, TableProperties
+
+    # the retry count is read from the loaded table's properties: set in memory only, never committed
+    quiet = Table(
+        table.name(),
+        table.metadata.model_copy(update={"properties": {**table.properties, TableProperties.COMMIT_NUM_RETRIES: "0"}}),
+        table.metadata_location,
+        table.io,
+        table.catalog,
+        table.config,
+    )
+    tx = quiet.transaction()
+    if table.metadata.name_mapping() is None:  # parts carry no field ids: readers map them by name
         mapping: dict[str, Any] = {TableProperties.DEFAULT_NAME_MAPPING: table.schema().name_mapping.model_dump_json()}
         tx.set_properties(mapping)
     if target.mode == "overwrite":
@@ -118,19 +220,7 @@ def commit_results(
         with tx.update_snapshot(snapshot_properties=props).fast_append() as producer:
             for f in data_files:
                 producer.append_data_file(f)
-    try:
-        tx.commit_transaction()
-    except CommitFailedException as e:
-        table = table.refresh()
-        found = committed_snapshot(table, run_id)
-        if found is not None:  # a concurrent publish of this run won
-            return _done(target, table, found, already=True)
-        raise CommitError(f"table {target.identifier}: the catalog refused the commit of run {run_id}: {e}") from e
-    table = table.refresh()
-    found = committed_snapshot(table, run_id)
-    if found is None:
-        raise CommitError(f"table {target.identifier}: committed, but no snapshot carries run {run_id}")
-    return _done(target, table, found, already=False)
+    return tx
 
 
 def _done(target: TableOutput, table: Table, snap: Any, already: bool) -> TableCommit:
@@ -241,7 +331,7 @@ def _data_file(table: Table, out: Storage, rel: str, uri: str, target: TableOutp
     )
 
 
-def _partition_files(table: Table, target: TableOutput, run_date: dt.date) -> list[Any]:
+def _partition_files(table: Table, target: TableOutput, run_date: dt.date, allow_deletes: bool = False) -> list[Any]:
     """The data files of the run date's partition in the current snapshot (the ones ``overwrite`` replaces)."""
     from pyiceberg.expressions import EqualTo
 
@@ -252,7 +342,7 @@ def _partition_files(table: Table, target: TableOutput, run_date: dt.date) -> li
     scan = table.scan(row_filter=EqualTo(target.date_column, run_date.isoformat()))  # type: ignore[call-arg]
     files = []
     for task in scan.plan_files():
-        if task.delete_files:
+        if task.delete_files and not allow_deletes:
             raise SpecError(
                 f"table {target.identifier}: partition {target.date_column}={run_date} has delete files; "
                 "overwrite replaces whole data files only"

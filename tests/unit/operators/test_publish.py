@@ -253,3 +253,83 @@ def test_verify_published_catches_a_qa_file_changed_after_publishing(tmp_path, f
     path.unlink()
     with pytest.raises(CommitError, match=rf"qa/{name} is missing"):
         verify_published(str(out), success_sha256=event["success_sha256"])
+
+
+def _openai_batch_job(tmp_path, factory) -> tuple[dict, dict]:
+    """A merged and QA-checked ``io.output_format=openai_batch`` run of 12 requests: (spec, QA result)."""
+    from airflow_provider_vllm.steps.plan.planner import plan_job
+    from airflow_provider_vllm.worker.shard import run_shard
+    from airflow_provider_vllm.worker.task import ShardTask
+    from tests.support.data import make_spec
+
+    reqs = [
+        {
+            "custom_id": f"req-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": "m", "messages": [{"role": "user", "content": f"ticket {i}"}], "max_tokens": 5},
+        }
+        for i in range(12)
+    ]
+    (tmp_path / "batch.jsonl").write_text("".join(json.dumps(r) + "\n" for r in reqs))
+    spec = make_spec(
+        tmp_path / "batch.jsonl",
+        tmp_path / "out",
+        io={"output_format": "openai_batch"},
+        prompt={"system_prompt": None, "template": "{text}"},
+    )
+    for s in plan_job(spec).shards:
+        run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=factory)
+    doc = spec.model_dump(mode="json")
+    VllmMergeOperator(task_id="merge", spec=doc).execute(context())
+    return doc, VllmQAOperator(task_id="qa", spec=doc).execute(context())
+
+
+def test_openai_batch_files_changed_after_the_merge_are_refused_by_publish_and_by_verify_published(
+    tmp_path, fake_engine_factory
+):
+    """Merge seals the sha256 of the openai/*.jsonl bytes it wrote; publish refuses other bytes, names the
+    sealed digests in _SUCCESS.json, and ``verify_published`` checks them."""
+    doc, qa = _openai_batch_job(tmp_path, fake_engine_factory)
+    out = tmp_path / "out"
+    f = out / "openai" / "output.jsonl"
+    good = f.read_bytes()
+    merged = json.loads((out / "_MERGED.json").read_text())
+    want = {
+        p: hashlib.sha256((out / p).read_bytes()).hexdigest() for p in ("openai/output.jsonl", "openai/errors.jsonl")
+    }
+    assert {k: merged["checksums"][k] for k in want} == want
+    lines = good.decode().splitlines()
+    first = json.loads(lines[0])
+    first["response"]["body"]["choices"][0]["message"]["content"] = "FORGED"
+    f.write_text("\n".join([json.dumps(first)] + lines[1:]) + "\n")
+    with pytest.raises(AirflowFailException, match=r"openai/output\.jsonl is not the file the sealed _MERGED\.json"):
+        VllmPublishOperator(task_id="publish", spec=doc, qa_result=qa).execute(context())
+    assert not (out / "_SUCCESS.json").exists()
+    f.write_bytes(good)
+    event = VllmPublishOperator(task_id="publish", spec=doc, qa_result=qa).execute(context())
+    assert {k: json.loads((out / "_SUCCESS.json").read_text())["checksums"][k] for k in want} == want
+    assert verify_published(str(out), success_sha256=event["success_sha256"])["rows"] == 12
+    f.write_text("\n".join([json.dumps(first)] + lines[1:]) + "\n")  # changed after publishing
+    with pytest.raises(CommitError, match=r"openai/output\.jsonl is not the file _SUCCESS.json names"):
+        verify_published(str(out), success_sha256=event["success_sha256"])
+
+
+def test_extra_files_are_checksummed_into_the_marker_and_checked_by_verify_published(tmp_path, fake_engine_factory):
+    spec = checked_job(tmp_path, fake_engine_factory)
+    out = tmp_path / "out"
+    (out / "embeddings").mkdir()
+    (out / "embeddings" / "table.parquet").write_bytes(b"a table the DAG wrote")
+    (tmp_path / "elsewhere.txt").write_text("outside the run")
+    for bad in ("../elsewhere.txt", "embeddings/"):
+        with pytest.raises(AirflowFailException, match=r"extra_files: .* is not a file of the run"):
+            VllmPublishOperator(task_id="publish", spec=spec, extra_files={"x": bad}).execute(context())
+    event = VllmPublishOperator(
+        task_id="publish", spec=spec, extra_files={"embedding_table": "embeddings/table.parquet"}
+    ).execute(context())
+    marker = json.loads((out / "_SUCCESS.json").read_text())
+    assert marker["checksums"]["embeddings/table.parquet"] == hashlib.sha256(b"a table the DAG wrote").hexdigest()
+    assert verify_published(str(out), success_sha256=event["success_sha256"])["rows"] == 60
+    (out / "embeddings" / "table.parquet").write_bytes(b"another table")
+    with pytest.raises(CommitError, match=r"embeddings/table\.parquet is not the file _SUCCESS.json names"):
+        verify_published(str(out), success_sha256=event["success_sha256"])

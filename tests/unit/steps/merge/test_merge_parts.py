@@ -203,6 +203,82 @@ def test_merge_killed_at_each_step_reruns_to_the_same_bytes(tmp_path, fake_engin
     check(out, IDS, kind=f"kill9.{point.split('#')[0]}", level="process")
 
 
+KILL_AT_MANIFEST_RENAME = (
+    "import os, signal, sys\nreal = os.replace\n"
+    "def replace(src, dst, *a, **k):\n"
+    "    if str(dst).endswith('/results/_manifest.json'):\n"
+    "        os.kill(os.getpid(), signal.SIGKILL)\n"
+    "    return real(src, dst, *a, **k)\n"
+    "os.replace = replace\n" + MERGE
+)
+
+
+@pytest.mark.reliability
+def test_a_merge_killed_before_renaming_its_manifest_is_resumed_by_a_rerun(tmp_path, fake_engine_factory):
+    """kill -9 inside ``write_atomic`` of results/_manifest.json leaves its temp copy
+    (``_manifest.json.tmp-<32 hex>``): the rerun takes it for merge's own, removes it and converges."""
+    spec, plan, out = _run(tmp_path, fake_engine_factory)
+    ref = merge(spec).dump()
+    ref_files = _folder(out)
+    (out / MERGED).unlink()
+    (out / "results" / "_manifest.json").unlink()
+    p = subprocess.run(
+        [sys.executable, "-c", KILL_AT_MANIFEST_RENAME, spec.model_dump_json()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == -signal.SIGKILL, p.stderr[-3000:]
+    left = [n.name for n in (out / "results").iterdir() if ".tmp-" in n.name]
+    assert len(left) == 1 and left[0].startswith("_manifest.json.tmp-") and not (out / MERGED).exists()
+    assert merge(spec).dump()["checksums"] == ref["checksums"]
+    assert _folder(out) == ref_files  # the temp copy removed, the rest byte-identical
+    (out / "results" / "_manifest.json.tmp-not-merges").write_bytes(b"{}")  # not write_atomic's name: foreign
+    with pytest.raises(CommitError, match=r"_manifest\.json\.tmp-not-merges.*merge did not write"):
+        merge(spec)
+    check(out, IDS)
+
+
+def test_the_seal_covers_the_manifest_bytes_merge_wrote_not_one_swapped_in_before_it_sealed(
+    tmp_path, fake_engine_factory, monkeypatch
+):
+    """Merge seals the sha256 of the manifest bytes it wrote: a manifest another writer of the prefix swaps in
+    after the write (naming a forged part) is refused by every reader of the sealed run."""
+    import hashlib
+
+    import pyarrow as pa
+
+    from airflow_provider_vllm.core import faults
+
+    spec, plan, out = _run(tmp_path, fake_engine_factory)
+    real_hit = faults.hit
+
+    def swap(point, *a, **k):
+        if point == "merge.after_manifests":
+            m = json.loads((out / "results" / "_manifest.json").read_text())
+            victim = m["parts"][0]
+            t = pq.read_table(out / "results" / victim["name"])
+            i = t.column_names.index("label")
+            forged = t.set_column(i, "label", pa.array(["FORGED"] * t.num_rows, t.schema.field(i).type))
+            name = victim["name"].replace(".parquet", "-x.parquet")
+            pq.write_table(forged, out / "results" / name)
+            data = (out / "results" / name).read_bytes()
+            victim.update(name=name, bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+            (out / "results" / "_manifest.json").write_text(json.dumps(m, indent=1, sort_keys=True))
+        return real_hit(point, *a, **k)
+
+    monkeypatch.setattr(faults, "hit", swap)
+    merge(spec)
+    o = Storage(str(out))
+    with pytest.raises(CommitError, match=r"results/_manifest\.json is not the manifest the sealed _MERGED\.json"):
+        verified_parts(o, "results", read_merged(o))
+    monkeypatch.setattr(faults, "hit", real_hit)
+    merge(spec)  # a rerun writes (and seals) its own manifest again
+    parts = verified_parts(o, "results", read_merged(o))
+    assert "FORGED" not in {x for r in parts for x in pq.read_table(out / r, columns=["label"])["label"].to_pylist()}
+    check(out, IDS)
+
+
 @pytest.mark.reliability
 def test_a_worker_killed_between_a_chunks_two_files_redoes_that_chunk(tmp_path, fake_engine_factory, set_faults):
     from airflow_provider_vllm.core import faults

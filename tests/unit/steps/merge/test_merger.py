@@ -353,3 +353,26 @@ def test_an_input_file_deleted_since_the_plan_fails_the_merge_as_changed_input(r
     with pytest.raises(InputChangedError, match="gone since the plan.*in.parquet"):
         merge(spec)
     assert nothing_published(out)
+
+
+def test_a_marker_whose_row_split_disagrees_with_its_part_footers_is_refused_naming_the_part(run):
+    """A sealed marker (a worker with a bug) claims a chunk's ok rows are all error rows: the id checks read every
+    part, publishing leaves out parts claimed empty, so the claim would drop real rows. Refused from the footers."""
+    spec, plan, out = run
+    sid = plan.shards[0].shard_id
+    f0 = json.loads(marker_path(out, sid).read_text())["files"][0]
+    assert f0["ok_rows"] > 0
+
+    def swap(m):
+        f = m["files"][0]
+        f["ok_rows"], f["error_rows"] = 0, f["rows"]
+        f["errors"]["rows"] = f["rows"]
+
+    edit_marker(out, sid, swap)
+    with pytest.raises(CommitError, match=rf"{f0['path']} holds {f0['ok_rows']} rows, its commit marker says 0"):
+        merge(spec)
+    assert nothing_published(out)
+    edit_marker(out, sid, lambda m: m["files"].__setitem__(0, f0))  # the worker's true claim: merges
+    s = merge(spec)
+    assert s.ok_rows + s.error_rows == len(IDS)
+    assert sorted(i for r in result_parts(Storage(str(out))) for i in pq.read_table(out / r)["id"].to_pylist()) == IDS

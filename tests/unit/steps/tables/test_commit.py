@@ -196,3 +196,121 @@ def test_changes_compare_with_the_run_of_the_output_tables_last_snapshot(tmp_pat
     )
     with pytest.raises(SpecError, match=r"table lake.triage snapshot \d+ names run .* outside the allowed prefixes"):
         plan_job(fourth, tables=narrow)
+
+
+def _rerun_first_shard(spec, factory) -> None:
+    """operations.md's recovery for one shard: delete its folder, run it again (its parts get other bytes)."""
+    import shutil
+
+    from airflow_provider_vllm.core.plan import load_plan
+    from airflow_provider_vllm.worker.shard import run_shard
+    from airflow_provider_vllm.worker.task import ShardTask
+
+    sid = load_plan(spec).shards[0].shard_id
+    shutil.rmtree(f"{spec.io.output_uri}/shards/{sid}")
+    assert run_shard(ShardTask(spec=spec, shard_id=sid), engine_factory=factory)["status"] == "committed"
+
+
+def test_a_later_merge_never_changes_the_parts_a_table_commit_references(tmp_path, lake, fake_engine_factory):
+    """The table adds the run's parts by path: once publish began its commit, a merge of the folder that would
+    add, replace or remove a part is refused before writing anything; a merge that changes nothing still runs."""
+    from airflow_provider_vllm.core.errors import CommitError
+    from airflow_provider_vllm.steps.merge.merger import merge
+
+    catalog, tables = lake
+    spec = run(tmp_path, lake, fake_engine_factory)
+    publish(spec, tables)  # the table commit alone: _SUCCESS.json is not written yet
+    cols = ("id", "latency_ms", "attempt_id")
+    before = sorted(catalog.load_table("lake.triage").scan(selected_fields=cols).to_arrow().to_pylist(), key=str)
+    merge(spec)  # a retried merge task: the same parts, nothing changes
+    _rerun_first_shard(spec, fake_engine_factory)
+    with pytest.raises(CommitError, match=r"results/part-.* is published .* would replace that part.*new output"):
+        merge(spec)
+    after = sorted(catalog.load_table("lake.triage").scan(selected_fields=cols).to_arrow().to_pylist(), key=str)
+    assert after == before and (tmp_path / "run" / "_PUBLISHING.json").exists()
+    assert publish(spec, tables).already  # the run's parts and manifest are still the committed ones
+
+
+def test_a_republish_whose_results_manifest_is_not_the_committed_one_is_refused(tmp_path, lake, fake_engine_factory):
+    """A snapshot carrying the run id stands for this publish only when it committed the same results manifest:
+    otherwise its file sizes and statistics do not describe the files now at those paths."""
+    from airflow_provider_vllm.core.errors import CommitError
+
+    catalog, tables = lake
+    spec = run(tmp_path, lake, fake_engine_factory)
+    first = publish(spec, tables)
+    with pytest.raises(CommitError, match=rf"snapshot {first.snapshot_id} committed run .* with results manifest"):
+        publish(spec, tables, manifest_sha256="0" * 64)
+    again = publish(spec, tables)
+    assert again.already and again.snapshot_id == first.snapshot_id
+    assert len(catalog.load_table("lake.triage").snapshots()) == 1
+
+
+@pytest.mark.parametrize("mode", ["append", "overwrite"])
+def test_two_publishes_of_one_run_racing_commit_it_once(tmp_path, lake, fake_engine_factory, mode):
+    """Publish B loaded the table before publish A of the same run committed: B's commit loses the race and is not
+    retried by pyiceberg on the refreshed table (which would add the run again): commit_results decides again and
+    finds A's snapshot."""
+    extra = {"mode": "overwrite", "date_column": "run_date"} if mode == "overwrite" else {}
+    catalog, tables = lake
+    publish(run(tmp_path, lake, fake_engine_factory, **extra), tables)
+    other = run(tmp_path, lake, fake_engine_factory, name="run2", **extra)
+    stale = catalog.load_table("lake.triage")  # publish B loaded the table ...
+    a = publish(other, tables)  # ... then publish A of the same run committed
+    real = catalog.load_table
+    catalog.load_table = lambda ident: stale if ident == "lake.triage" else real(ident)
+    try:
+        b = publish(other, tables)  # B goes on with the table as it loaded it
+    finally:
+        catalog.load_table = real
+    assert b.already and b.snapshot_id == a.snapshot_id and not a.already
+    t = catalog.load_table("lake.triage")
+    runs = [summary_of(s).get(RUN_ID) for s in t.snapshots()]
+    ids = t.scan(selected_fields=("id",)).to_arrow().column("id").to_pylist()
+    assert runs.count(other.io.output_uri) == 1 and len(ids) == (60 if mode == "append" else 30)
+    assert "commit.retry.num-retries" not in t.properties  # the no-retry setting is never committed
+
+
+def test_commits_that_keep_losing_races_fail_as_transient_naming_the_table(
+    tmp_path, lake, fake_engine_factory, monkeypatch
+):
+    import time
+
+    from pyiceberg.exceptions import ValidationException
+    from pyiceberg.table import Transaction
+
+    from airflow_provider_vllm.core.errors import TransientError
+
+    catalog, tables = lake
+    spec = run(tmp_path, lake, fake_engine_factory, mode="overwrite", date_column="run_date")
+    monkeypatch.setattr(time, "sleep", lambda s: None)
+
+    def lose(self):
+        raise ValidationException("a concurrent overwrite deleted a file this one replaces")
+
+    monkeypatch.setattr(Transaction, "commit_transaction", lose)
+    with pytest.raises(TransientError, match=r"table lake\.triage: the catalog refused the commit of run .* 5 times"):
+        publish(spec, tables)
+    monkeypatch.undo()
+    assert not publish(spec, tables).already  # the task's retry commits
+
+
+def test_republishing_a_run_whose_snapshot_was_expired_does_not_add_it_twice(tmp_path, lake, fake_engine_factory):
+    """A date re-run on an append table after maintenance expired the run's snapshot (its files live on in later
+    snapshots): the current snapshot holding all the run's parts stands for it; some but not all is refused."""
+    from airflow_provider_vllm.core.errors import CommitError
+
+    catalog, tables = lake
+    first = run(tmp_path, lake, fake_engine_factory, name="d1")
+    a = publish(first, tables)
+    publish(run(tmp_path, lake, fake_engine_factory, name="d2"), tables)
+    catalog.load_table("lake.triage").maintenance.expire_snapshots().by_id(a.snapshot_id).commit()
+    again = publish(first, tables)
+    t = catalog.load_table("lake.triage")
+    assert again.already and again.snapshot_id == t.current_snapshot().snapshot_id
+    assert len(t.scan(selected_fields=("id",)).to_arrow()) == 60
+    victim = next(f for f in t.scan().plan_files() if "/d1/results/" in f.file.file_path).file
+    with t.transaction() as tx, tx.update_snapshot().overwrite() as producer:
+        producer.delete_data_file(victim)  # one of d1's parts dropped by hand
+    with pytest.raises(CommitError, match=r"holds \d+ of run .*d1's \d+ result parts"):
+        publish(first, tables)
