@@ -738,7 +738,7 @@ def test_neither_a_job_nor_the_pod_settings_choose_the_compile_cache(monkeypatch
 def test_a_job_that_may_run_model_repo_code_mounts_the_compile_cache_read_only(monkeypatch):
     monkeypatch.setenv("AIRFLOW__VLLM_BATCH__KUBERNETES_COMPILE_CACHE_PVC", CLAIM)
     monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOW_REMOTE_CODE", "True")
-    op = operator(model={"trust_remote_code": True})
+    op = operator(model={"trust_remote_code": True, "revision": "0" * 40})
     pod = op.build_pod_request_obj(create_context(op, map_index=3))
     (vol,), (mount,), env = _compile_cache_parts(pod)
     assert vol.persistent_volume_claim.read_only and mount.read_only
