@@ -486,6 +486,22 @@ def test_shard_task_kwargs_refuses_keys_that_break_the_contract(key):
         build_static({"input_uri": "/d/in", "output_uri": "/d/out"}, shard_task_kwargs={key: "x"})
 
 
+@pytest.mark.parametrize("key", ["pod_template_dict", "full_pod_spec", "pod_template_file"])
+def test_kubernetes_operator_kwargs_refuses_pod_spec_parts_the_provider_does_not_check(key):
+    """A pod template or a full pod spec beside the checked settings would add containers, host mounts or host
+    networking the provider never sees; the cluster Connection still passes through."""
+    with pytest.raises(ValueError, match=rf"kubernetes_operator_kwargs \['{key}'\]"):
+        build_static(
+            {"input_uri": "/d/in", "output_uri": "/d/out"}, runner="kubernetes", kubernetes_operator_kwargs={key: {}}
+        )
+    dag = build_static(
+        {"input_uri": "/d/in", "output_uri": "/d/out"},
+        runner="kubernetes",
+        kubernetes_operator_kwargs={"kubernetes_conn_id": "gpu_cluster"},
+    )
+    assert dag.task_dict["job.shard"].partial_kwargs["kubernetes_conn_id"] == "gpu_cluster"
+
+
 def test_shard_task_kwargs_refuses_what_is_not_a_base_operator_argument():
     with pytest.raises(ValueError, match=r"\['deferrable'\]: not BaseOperator arguments"):
         build_static({"input_uri": "/d/in", "output_uri": "/d/out"}, shard_task_kwargs={"deferrable": False})
