@@ -111,6 +111,7 @@ def canonical_uri(uri: str, what: str = "uri", resolve: bool = True) -> str:
     bucket, _, key = rest.partition("/")
     if scheme != "memory" and not _BUCKET.match(bucket):
         raise SpecError(f"{what}={uri!r}: {bucket!r} is not a valid bucket name")
+    _trailing(key, uri, what)
     segments = _segments(key.rstrip("/"), uri, what) if key.strip("/") else []
     return f"{scheme}://" + "/".join([bucket, *segments])
 
@@ -125,9 +126,17 @@ def _segments(path: str, uri: str, what: str) -> list[str]:
     return parts
 
 
+def _trailing(path: str, uri: str, what: str) -> None:
+    # one trailing slash marks a folder; more is an empty last segment, e.g. a template whose last part
+    # rendered empty (".../reruns/{{ x }}/"): taken as the parent, it would be another run's folder
+    if path.endswith("//") and path.strip("/"):
+        raise SpecError(f"{what}={uri!r}: empty path segments ('//') are not allowed")
+
+
 def _local(path: str, uri: str, what: str, resolve: bool) -> str:
     if not path.startswith("/"):
         raise SpecError(f"{what}={uri!r}: local paths must be absolute")
+    _trailing(path, uri, what)
     body = path.rstrip("/")
     if body:
         _segments(body[1:], uri, what)

@@ -11,6 +11,7 @@ Nothing here does I/O: the spec is rendered and validated at run time by the pla
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -347,8 +348,16 @@ def _default_asset(spec: Any, group_id: str) -> Asset:
 
 
 def _path_safe(value: Any) -> str:
-    return re.sub(r"[^A-Za-z0-9_.=-]+", "-", str(value)).strip("-")
+    """One path segment for ``value`` (a run id): its readable part, then 16 hex digits of its SHA-256.
+
+    Never empty, never ``.`` or ``..``, and two values give two segments (a run id the trigger chooses, such
+    as ``-`` or ``:``, kept nothing readable and made a re-run's default output the shared ``reruns`` folder;
+    ``a:b`` and ``a+b`` shared one)."""
+    raw = str(value)
+    readable = re.sub(r"[^A-Za-z0-9_.=-]+", "-", raw).strip("-.")[:100].rstrip("-.")
+    digest = hashlib.sha256(raw.encode()).hexdigest()[:16]
+    return f"{readable}-{digest}" if readable else digest
 
 
 TEMPLATE_FILTERS: dict[str, Callable[..., str]] = {"path_safe": _path_safe}
-"""``user_defined_filters``: ``{{ run_id | path_safe }}`` -> a string safe in a path."""
+"""``user_defined_filters``: ``{{ run_id | path_safe }}`` -> one path segment, distinct per value (a hash)."""

@@ -173,3 +173,14 @@ def test_markup_and_quoting_characters_in_a_location_are_refused_naming_the_para
     ok = "s3://data/out/dt=2026-12-05/run_1.a+b@c"
     assert check_uri(ok, prefixes(allowed), "io.output_uri") == ok and re.match(URI_PATTERN, ok)
     record_malicious("markup_in_uri", 1, 1)
+
+
+@pytest.mark.parametrize("uri", ["s3://data/out/reruns//", f"{A}/out/reruns//", "s3://data/out/reruns///"])
+def test_an_empty_last_segment_is_refused_not_taken_for_the_parent(allowed, uri):
+    """``.../reruns/{{ x }}/`` with ``x`` rendered empty is ``.../reruns//``: read as ``.../reruns`` it would be
+    the folder that holds every other re-run. One trailing slash still marks a folder."""
+    uri = uri.replace(A, str(allowed))
+    with pytest.raises(SpecError, match=r"io\.output_uri=.*empty path segments"):
+        check_uri(uri, prefixes(allowed), "io.output_uri")
+    assert check_uri("s3://data/out/reruns/", prefixes(allowed), "io.output_uri") == "s3://data/out/reruns"
+    record_malicious("empty_last_segment", 1, 1)
