@@ -7,7 +7,7 @@ returns the canonical URI or raises ``SpecError`` naming the parameter and the r
   anything else (``http://``, ``ftp://``, ``hdfs://``, ``zip::``, chained ``a::b``) is refused;
 * ``..`` and ``.`` segments, their percent-encoded forms (``%2e%2e``, ``%2f``, ``%5c``,
   double-encoded ``%25...``), backslashes, control characters, the markup and quoting characters
-  `` ` < > " ' | `` (a location reaches the approval request's Markdown, the report's HTML and
+  `` ` < > " | `` (a location reaches the approval request's Markdown, the report's HTML and
   copied shell lines) and empty segments are refused,
   not resolved: a path that needs cleaning is a path someone is probing with;
 * credentials in the authority (``s3://key:secret@bucket``) are refused, and the refusal shows the
@@ -55,7 +55,7 @@ _ENCODED = re.compile(r"%(2e|2f|5c|25|00)", re.IGNORECASE)
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 # Markup and quoting characters: no object key or folder this pipeline writes needs them, and a URI reaches
 # Markdown (the approval request), HTML (the QA report), logs and shell-quoted commands people copy
-_MARKUP = re.compile(r"[`<>\"'|]")
+_MARKUP = re.compile(r'[`<>"|]')  # an apostrophe stays allowed: folder names have it, and SQL quotes it
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$", re.DOTALL)
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9._-]{1,254}$")
 # user@ in a URI's authority; Azure's container@account is no credential (and those schemes are refused anyway)
@@ -85,7 +85,7 @@ def canonical_uri(uri: str, what: str = "uri", resolve: bool = True) -> str:
     if "\\" in uri:
         raise SpecError(f"{what}={uri!r}: backslashes are not allowed")
     if _MARKUP.search(uri):
-        raise SpecError(f"{what}={uri!r}: the characters ` < > \" ' | are not allowed in locations")
+        raise SpecError(f"{what}={uri!r}: the characters ` < > \" | are not allowed in locations")
     if _ENCODED.search(uri):
         raise SpecError(f"{what}={uri!r}: percent-encoded '.', '/', '\\', '%' or NUL are not allowed")
     if "::" in uri:

@@ -152,7 +152,6 @@ def test_credentials_in_a_uri_are_refused_without_showing_them(allowed, uri):
         f"{A}/out/reruns/x`<https:evil.example/approve-here>`",
         "s3://data/out/x<img src=x>",
         's3://data/out/a"b',
-        "s3://data/out/a'b",
         "s3://data/out/a|b",
         f"file://{A}/out/x`y",
     ],
@@ -166,11 +165,11 @@ def test_markup_and_quoting_characters_in_a_location_are_refused_naming_the_para
     from airflow_provider_vllm.core.param_schemas import URI_PATTERN
 
     uri = uri.replace(A, str(allowed))
-    with pytest.raises(SpecError, match=r"io\.output_uri=.*the characters ` < > \" ' \| are not allowed"):
+    with pytest.raises(SpecError, match=r"io\.output_uri=.*the characters ` < > \" \| are not allowed"):
         check_uri(uri, prefixes(allowed), "io.output_uri")
     assert re.match(URI_PATTERN, uri) is None
     assert refused(with_value(base_doc(allowed), "io.output_uri", uri), prefixes(allowed))
-    ok = "s3://data/out/dt=2026-12-05/run_1.a+b@c"
+    ok = "s3://data/out/dt=2026-12-05/it's_run_1.a+b@c"
     assert check_uri(ok, prefixes(allowed), "io.output_uri") == ok and re.match(URI_PATTERN, ok)
     record_malicious("markup_in_uri", 1, 1)
 
