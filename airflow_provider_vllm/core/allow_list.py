@@ -85,7 +85,7 @@ def canonical_uri(uri: str, what: str = "uri", resolve: bool = True) -> str:
     if "\\" in uri:
         raise SpecError(f"{what}={uri!r}: backslashes are not allowed")
     if _MARKUP.search(uri):
-        raise SpecError(f"{what}={uri!r}: the characters ` < > \" | are not allowed in locations")
+        raise SpecError(f'{what}={uri!r}: the characters ` < > " | are not allowed in locations')
     if _ENCODED.search(uri):
         raise SpecError(f"{what}={uri!r}: percent-encoded '.', '/', '\\', '%' or NUL are not allowed")
     if "::" in uri:
@@ -149,6 +149,25 @@ def is_under(uri: str, prefix: str) -> bool:
     """True when canonical ``uri`` equals canonical ``prefix`` or lies below it (whole segments)."""
     prefix = prefix.rstrip("/")
     return uri == prefix or uri.startswith(prefix + "/") or (prefix == "" and uri.startswith("/"))
+
+
+def enclosing_folders(canon: str, allowed: Sequence[str] | None) -> list[str]:
+    """The folders that hold canonical ``canon``, nearest first, up to and including the longest allowed
+    prefix it lies under (none given or none matching: up to the bucket, or ``/``). Pure: no I/O."""
+    prefixes = [p for p in canonical_prefixes(allowed) if is_under(canon, p)]
+    stop = max(prefixes, key=len) if prefixes else None
+    m = _SCHEME.match(canon)
+    root = f"{m.group(1)}://{m.group(2).split('/', 1)[0]}" if m else "/"
+    found = []
+    here = canon
+    while here != (stop or root) and "/" in here.removeprefix(f"{m.group(1)}://" if m else ""):
+        here = here.rsplit("/", 1)[0] or "/"
+        if stop is not None and not is_under(here, stop):
+            break
+        found.append(here)
+        if here == root:
+            break
+    return found
 
 
 def check_uri(uri: str, allowed: Sequence[str] | None, what: str = "uri") -> str:

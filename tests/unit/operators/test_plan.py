@@ -186,3 +186,21 @@ PARAM_TARGET = {
     "model": "model.name",
     "model_revision": "model.revision",
 }
+
+
+def test_the_re_run_forms_output_cannot_nest_inside_another_runs_folder(allowed, monkeypatch):
+    """The form's output prefix pointed at a sub-folder of the nightly's run (.../dt=X/results/x): the plan task
+    fails, writing nothing; a prefix of its own plans."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", ",".join(prefixes(allowed)))
+    nightly = base_doc(allowed)
+    nightly["io"]["output_uri"] = str(allowed / "nightly" / "dt=2026-12-05")
+    VllmPlanOperator(task_id="plan", spec=nightly).execute({"ti": _plan_ti(), "params": {}})
+    rerun = base_doc(allowed)
+    op = VllmPlanOperator(task_id="plan", spec=rerun, param_overrides=["output_uri"])
+    target = allowed / "nightly" / "dt=2026-12-05" / "results" / "x"
+    with pytest.raises(AirflowFailException, match="lies inside the run at"):
+        op.execute({"ti": _plan_ti(), "params": {"output_uri": str(target)}})
+    assert not target.exists()
+    assert op.execute({"ti": _plan_ti(), "params": {"output_uri": str(allowed / "reruns" / "r1")}})
