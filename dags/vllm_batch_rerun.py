@@ -10,7 +10,7 @@ deployment's rules: every location (input, output, a local model path) must lie 
 image, service account, secrets, `trust_remote_code`; docs/security.md).
 
 Empty fields keep the defaults: the model from the `vllm_batch_model` Variable (which this DAG
-needs set; the plan task fails naming it otherwise) and the output `<vllm_batch_data_root>/reruns/<run id>/`, so
+needs set; the plan task fails naming it otherwise) and the output `<vllm_batch_data_root>/reruns/<run id>-<hash>/`, so
 every run writes its own prefix. Reusing an output prefix is allowed only for the same
 input and spec (a re-run then reuses the committed shards).
 
@@ -85,7 +85,10 @@ with DAG(
             description="Parquet/JSONL file or folder with id and text columns: /abs/path, file://, s3://, gs://",
         ),
         "output_uri": param(
-            "output_uri", None, title="Output prefix", description="Empty: <vllm_batch_data_root>/reruns/<run id>/"
+            "output_uri",
+            None,
+            title="Output prefix",
+            description="Empty: <vllm_batch_data_root>/reruns/<run id>-<hash>/",
         ),
         "model": param(
             "model", None, title="Model", description="Hub id or local path. Empty: the vllm_batch_model Variable"

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from airflow_provider_vllm.core.spec import PARAM_ALIASES, JobSpec  # noqa: E402
-from airflow_provider_vllm.core.spec_guard import DEPLOYMENT_OWNED  # noqa: E402
+from airflow_provider_vllm.core.spec_guard import CODE_SOURCE, DEPLOYMENT_OWNED  # noqa: E402
 
 DOC = ROOT / "docs" / "spec.md"
 SECTIONS = {_m for _f in JobSpec.model_fields.values() for _m in [_f.annotation] if isinstance(_m, type)}
@@ -170,6 +170,11 @@ def who(path: str) -> str:
     text = ANYONE + (f" (`{alias}`)" if alias else "")
     if path in LOCATIONS:
         return text + ", inside `allowed_uri_prefixes`"
+    if path in CODE_SOURCE:
+        text += (
+            "; with remote code on (`model.trust_remote_code`, code-loading options): DAG file only (Variable with "
+            "`deployment_settings_from_variables`), never a trigger, a hub repo pinned to a 40-hex commit"
+        )
     if path in LOCAL_PATHS:
         return text + "; a local path only inside `allowed_uri_prefixes`"
     if path == "engine.engine_kwargs":

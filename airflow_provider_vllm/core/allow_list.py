@@ -6,7 +6,9 @@ returns the canonical URI or raises ``SpecError`` naming the parameter and the r
 * schemes: local absolute paths, ``file://``, and the object stores listed in ``SCHEMES``;
   anything else (``http://``, ``ftp://``, ``hdfs://``, ``zip::``, chained ``a::b``) is refused;
 * ``..`` and ``.`` segments, their percent-encoded forms (``%2e%2e``, ``%2f``, ``%5c``,
-  double-encoded ``%25...``), backslashes, control characters and empty segments are refused,
+  double-encoded ``%25...``), backslashes, control characters, the markup and quoting characters
+  `` ` < > " | `` (a location reaches the approval request's Markdown, the report's HTML and
+  copied shell lines) and empty segments are refused,
   not resolved: a path that needs cleaning is a path someone is probing with;
 * credentials in the authority (``s3://key:secret@bucket``) are refused, and the refusal shows the
   URI with them replaced by ``***``: credentials come from an Airflow Connection;
@@ -51,6 +53,9 @@ DEPLOYMENT_ENV = (ALLOWED_PREFIXES_ENV, ALLOW_ANY_LOCATION_ENV, ALLOW_REMOTE_COD
 MAX_URI_CHARS = 1024
 _ENCODED = re.compile(r"%(2e|2f|5c|25|00)", re.IGNORECASE)
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# Markup and quoting characters: no object key or folder this pipeline writes needs them, and a URI reaches
+# Markdown (the approval request), HTML (the QA report), logs and shell-quoted commands people copy
+_MARKUP = re.compile(r'[`<>"|]')  # an apostrophe stays allowed: folder names have it, and SQL quotes it
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$", re.DOTALL)
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9._-]{1,254}$")
 # user@ in a URI's authority; Azure's container@account is no credential (and those schemes are refused anyway)
@@ -79,6 +84,8 @@ def canonical_uri(uri: str, what: str = "uri", resolve: bool = True) -> str:
         raise SpecError(f"{what}={uri!r}: control characters are not allowed")
     if "\\" in uri:
         raise SpecError(f"{what}={uri!r}: backslashes are not allowed")
+    if _MARKUP.search(uri):
+        raise SpecError(f'{what}={uri!r}: the characters ` < > " | are not allowed in locations')
     if _ENCODED.search(uri):
         raise SpecError(f"{what}={uri!r}: percent-encoded '.', '/', '\\', '%' or NUL are not allowed")
     if "::" in uri:
@@ -104,6 +111,7 @@ def canonical_uri(uri: str, what: str = "uri", resolve: bool = True) -> str:
     bucket, _, key = rest.partition("/")
     if scheme != "memory" and not _BUCKET.match(bucket):
         raise SpecError(f"{what}={uri!r}: {bucket!r} is not a valid bucket name")
+    _trailing(key, uri, what)
     segments = _segments(key.rstrip("/"), uri, what) if key.strip("/") else []
     return f"{scheme}://" + "/".join([bucket, *segments])
 
@@ -118,9 +126,17 @@ def _segments(path: str, uri: str, what: str) -> list[str]:
     return parts
 
 
+def _trailing(path: str, uri: str, what: str) -> None:
+    # one trailing slash marks a folder; more is an empty last segment, e.g. a template whose last part
+    # rendered empty (".../reruns/{{ x }}/"): taken as the parent, it would be another run's folder
+    if path.endswith("//") and path.strip("/"):
+        raise SpecError(f"{what}={uri!r}: empty path segments ('//') are not allowed")
+
+
 def _local(path: str, uri: str, what: str, resolve: bool) -> str:
     if not path.startswith("/"):
         raise SpecError(f"{what}={uri!r}: local paths must be absolute")
+    _trailing(path, uri, what)
     body = path.rstrip("/")
     if body:
         _segments(body[1:], uri, what)
@@ -133,6 +149,25 @@ def is_under(uri: str, prefix: str) -> bool:
     """True when canonical ``uri`` equals canonical ``prefix`` or lies below it (whole segments)."""
     prefix = prefix.rstrip("/")
     return uri == prefix or uri.startswith(prefix + "/") or (prefix == "" and uri.startswith("/"))
+
+
+def enclosing_folders(canon: str, allowed: Sequence[str] | None) -> list[str]:
+    """The folders that hold canonical ``canon``, nearest first, up to and including the longest allowed
+    prefix it lies under (none given or none matching: up to the bucket, or ``/``). Pure: no I/O."""
+    prefixes = [p for p in canonical_prefixes(allowed) if is_under(canon, p)]
+    stop = max(prefixes, key=len) if prefixes else None
+    m = _SCHEME.match(canon)
+    root = f"{m.group(1)}://{m.group(2).split('/', 1)[0]}" if m else "/"
+    found = []
+    here = canon
+    while here != (stop or root) and "/" in here.removeprefix(f"{m.group(1)}://" if m else ""):
+        here = here.rsplit("/", 1)[0] or "/"
+        if stop is not None and not is_under(here, stop):
+            break
+        found.append(here)
+        if here == root:
+            break
+    return found
 
 
 def check_uri(uri: str, allowed: Sequence[str] | None, what: str = "uri") -> str:

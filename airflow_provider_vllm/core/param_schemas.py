@@ -25,11 +25,12 @@ from airflow_provider_vllm.core.spec_guard import (
 )
 
 # ECMA-262 and Python both read these. No '..' or '.' segments, no percent-encoded dots or
-# slashes, no whitespace, no credentials (user@ in the authority); a scheme from paths.SCHEMES or an
-# absolute path.
+# slashes, no whitespace, no markup or quoting characters (` < > " |: allow_list.canonical_uri), no
+# credentials (user@ in the authority); a scheme from paths.SCHEMES or an absolute path.
 URI_PATTERN = (
     r"^(?![\s\S]*(?:/\.{1,2}(?:/|$)|%2[eEfF]|%5[cC]|%25|\\))"
-    r"(?:(?:file://)?/|(?:s3|s3a|gs|gcs|memory)://(?![^/]*@)[a-z0-9])[^\s]*$"
+    r"(?:(?:file://)?/|(?:s3|s3a|gs|gcs|memory)://(?![^/]*@)[a-z0-9])[^\s`<>|"
+    '"]*$'
 )
 NO_JINJA = r"^(?![\s\S]*(?:\{\{|\}\}|\{%|%\}|\{#|#\}))[\s\S]*$"
 

@@ -453,14 +453,24 @@ DEPLOYMENT_OWNED = (
 )
 
 
+# With code loading on, the repo and revision vLLM imports Python code from: deployment-owned too (a trigger
+# choosing them chooses the code that runs; docs/security.md).
+CODE_SOURCE = ("model.name", "model.revision", "model.tokenizer", "model.tokenizer_revision")
+COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")
+
+
 def owned_paths_set(spec: Any, default_doc: dict[str, Any]) -> list[str]:
-    """The deployment-owned paths ``spec`` sets to something other than the default, and its code-loading options."""
+    """The deployment-owned paths ``spec`` sets to something other than the default, and its code-loading
+    options; with code loading on, also ``CODE_SOURCE`` (whatever their value: which code runs)."""
     doc = spec.model_dump(mode="json")
     found = []
     for path in DEPLOYMENT_OWNED:
         if _get(doc, path) != _get(default_doc, path):
             found.append(path)
-    return found + [p for p in code_loading_options(spec) if p not in found]
+    loading = code_loading_options(spec)
+    if loading:
+        found += [p for p in CODE_SOURCE if p not in found]
+    return found + [p for p in loading if p not in found]
 
 
 def _get(doc: Any, path: str) -> Any:
@@ -470,13 +480,30 @@ def _get(doc: Any, path: str) -> Any:
 
 
 def check_remote_code(spec: Any, allowed: bool, setting: str = "[vllm_batch] allow_remote_code = True") -> None:
-    """Refuse trust_remote_code and code-loading engine options unless the deployment allows them."""
+    """Refuse trust_remote_code and code-loading engine options unless the deployment allows them; when it
+    does, a hub model (and a hub tokenizer) must be pinned to a commit: a branch, tag or ``refs/pr/N`` moves
+    to whatever code someone pushes there next."""
     found = code_loading_options(spec)
     if found and not allowed:
         raise SpecError(
             f"{', '.join(found)}: make vLLM run code from the model repo or import code by name; "
             f"only the deployment can allow that ({setting})"
         )
+    if not found:
+        return
+    m = spec.model
+    # vLLM takes the model's repo and revision for a tokenizer that is not set
+    pairs = [("model.name", m.name, "model.revision", m.revision)]
+    if m.tokenizer is not None or m.tokenizer_revision is not None:
+        pairs.append(
+            ("model.tokenizer", m.tokenizer or m.name, "model.tokenizer_revision", m.tokenizer_revision or m.revision)
+        )
+    for what, ref, rev_what, rev in pairs:
+        if local_model_path(ref, what) is None and not (isinstance(rev, str) and COMMIT_SHA.match(rev)):
+            raise SpecError(
+                f"{rev_what}={rev!r}: with {found[0]} the hub repo {ref!r} runs its own code, so it must be "
+                "pinned to a commit (40 hex digits), not a branch, tag or refs/pr/N"
+            )
 
 
 def _keys(node: Any, path: str):

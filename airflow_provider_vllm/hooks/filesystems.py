@@ -209,9 +209,11 @@ AWS_ENV = (
 
 
 def spec_schemes(spec: Any, extra_uris: Sequence[str] = ()) -> set[str]:
-    """Schemes of the locations a job's worker reads or writes (input, output, QA previous report, history), and of
-    ``extra_uris`` (a table job's input root, which only its plan knows)."""
+    """Schemes of the locations a job's worker reads or writes (input, output, QA previous report, history, object
+    store LoRA adapters, which the worker copies again), and of ``extra_uris`` (a table job's input root, which only
+    its plan knows)."""
     uris = [
+        *(a.source for a in spec.model.adapters if a.kind == "object_store"),
         *extra_uris,
         spec.io.input_uri,
         spec.io.output_uri,

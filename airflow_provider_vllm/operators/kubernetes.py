@@ -59,7 +59,27 @@ _NOT_TEMPLATED = {
     "node_selector",
     "namespace",
     "pod_template_file",
+    # which cluster, with which identity, and pod specs the provider neither overwrites nor checks:
+    # DAG-file settings (CLUSTER_SETTINGS below), never rendered from a trigger
+    "pod_template_dict",
+    "kubernetes_conn_id",
+    "config_file",
+    "cluster_context",
+    "configmaps",
+    "trigger_kwargs",
 }
+CLUSTER_SETTINGS = (
+    "pod_template_dict",
+    "full_pod_spec",
+    "pod_template_file",
+    "kubernetes_conn_id",
+    "config_file",
+    "cluster_context",
+    "in_cluster",
+    "configmaps",
+    "trigger_kwargs",
+)
+"""KPO arguments that choose the cluster, its credentials or pod spec parts: deployment-owned (docs/security.md)."""
 
 
 class VllmKubernetesShardOperator(KubernetesPodOperator):
@@ -134,6 +154,7 @@ class VllmKubernetesShardOperator(KubernetesPodOperator):
         self.kubernetes = kubernetes
         self.env = env
         self._raw_kubernetes, self._raw_env = kubernetes, env  # before rendering: who set what (provenance)
+        self._raw_cluster = {k: getattr(self, k, None) for k in CLUSTER_SETTINGS}
         self.progress_interval_s = progress_interval_s
         self.parts: PodParts | None = None
 
@@ -166,6 +187,29 @@ class VllmKubernetesShardOperator(KubernetesPodOperator):
         if problems:
             raise AirflowFailException(f"shard {self.shard_id}: " + "; ".join(problems))
 
+    def check_cluster_provenance(self) -> None:
+        """The cluster, its credentials and pod spec parts (``CLUSTER_SETTINGS``: ``kubernetes_conn_id``,
+        ``pod_template_dict``, ...) came from the DAG file, never from a template over the trigger's values
+        (or a Variable without the deployment's opt-in). They are not template fields; this also catches a
+        subclass or a caller that renders them anyway."""
+        try:
+            env = self.get_template_env()
+        except Exception:  # noqa: BLE001 - a bare operator without a DAG
+            env = None
+        raw = self._raw_cluster
+        problems = provenance.violations(
+            [k for k in CLUSTER_SETTINGS if raw.get(k)],
+            [lambda p: provenance.template_sources(raw.get(p), env)],
+            variables_may_set_deployment_settings(),
+        )
+        changed = [
+            k for k in CLUSTER_SETTINGS if k not in ("pod_template_file",) and getattr(self, k, None) != raw.get(k)
+        ]
+        if changed:  # rendered or set after the DAG file built the task
+            problems.append(f"{', '.join(changed)}: changed after the DAG file set them; they are deployment-owned")
+        if problems:
+            raise AirflowFailException(f"shard {self.shard_id}: " + "; ".join(problems))
+
     def settings(self, spec) -> KubernetesSettings:
         """Deployment config (``[vllm_batch] kubernetes_defaults``) < ``kubernetes`` < ``env`` < the job's
         own ``kubernetes`` section.
@@ -189,6 +233,7 @@ class VllmKubernetesShardOperator(KubernetesPodOperator):
 
     def prepare_pod(self) -> PodParts:
         """Set the pod's fields from the shard spec (idempotent); fails without retry on bad input."""
+        self.check_cluster_provenance()
         spec = load_spec(self.spec, "shard")
         prefixes = check_spec_allowed(spec, f"shard {self.shard_id}")  # before any pod spec exists
         claim = compile_cache_pvc()  # the deployment's alone: never the spec, a Variable or a trigger

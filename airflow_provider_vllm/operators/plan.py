@@ -189,6 +189,7 @@ class VllmPlanOperator(BaseOperator):
                 keyring=keyring,
                 warm_starts=warm_starts(spec, runner),
                 tables=tables,
+                allowed_prefixes=prefixes,
             )
         self.log.info(
             "planned %d rows (%d invalid lines) into %d shard(s), ~%d prompt tokens; plan at %s/_plan.json",

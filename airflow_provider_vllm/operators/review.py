@@ -8,6 +8,7 @@ and this task fails too if it is ever reached.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -35,21 +36,45 @@ def parse_flag(value: Any, name: str) -> bool:
     raise AirflowFailException(f"review: {name}={value!r} is not a boolean (true/false)")
 
 
+_MARKUP = re.compile(r"([\\`*\[\]<>|])")
+_LINE_BREAKS = re.compile(r"[\x00-\x1f\x7f]+")
+
+
+def md_text(value: Any) -> str:
+    """``value`` as literal Markdown text on one line: no emphasis, link, autolink, HTML, code span or cell break."""
+    return _MARKUP.sub(r"\\\1", _LINE_BREAKS.sub(" ", str(value)))
+
+
+def md_code(value: Any) -> str:
+    """``value`` as one Markdown code span whatever it holds: the fence is longer than any run of backticks in it
+    (CommonMark), so nothing in it closes the span and renders as Markdown."""
+    text = _LINE_BREAKS.sub(" ", str(value))
+    fence = "`" * (max((len(run) for run in re.findall(r"`+", text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
 def review_body(qa_result: Mapping[str, Any], report_link: str | None = None) -> str:
-    """The Markdown shown to the approver: the QA verdict, each check and where the report is."""
-    lines = [f"**{qa_result.get('summary', 'QA result')}**", ""]
+    """The Markdown shown to the approver: the QA verdict, each check and where the report is.
+
+    Values that come from the run (the summary, the report's path under the output prefix a trigger may choose)
+    are escaped or fenced: nothing in them renders as a link, HTML or formatting in the box that asks a person
+    to approve."""
+    lines = [f"**{md_text(qa_result.get('summary', 'QA result'))}**", ""]
     checks = [c for c in qa_result.get("checks") or [] if c.get("status") != "skip"]
     if checks:
         lines += ["| check | value | warn above | fail above | status |", "|---|---|---|---|---|"]
         for c in checks:
             value = c.get("value")
             value = f"{value:.4g}" if isinstance(value, float) else value
-            mark = f"**{c.get('status')}**" if c.get("status") in ("warn", "fail") else c.get("status")
-            lines.append(f"| {c.get('name')} | {value} | {c.get('warn')} | {c.get('fail')} | {mark} |")
+            status = md_text(c.get("status"))
+            mark = f"**{status}**" if c.get("status") in ("warn", "fail") else status
+            cells = [md_text(x) for x in (c.get("name"), value, c.get("warn"), c.get("fail"))]
+            lines.append(f"| {' | '.join(cells)} | {mark} |")
         lines.append("")
     if report_link:
         lines.append(f"[Open the QA report]({report_link}) (charts and sampled rows).")
-    lines.append(f"Report file: `{qa_result.get('report_html')}`")
+    lines.append(f"Report file: {md_code(qa_result.get('report_html'))}")
     lines += ["", "*Approve* publishes the results; *Reject* fails the run and publishes nothing."]
     return "\n".join(lines)
 

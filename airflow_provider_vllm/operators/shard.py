@@ -17,7 +17,13 @@ from airflow_provider_vllm.core.errors import SpecError
 from airflow_provider_vllm.core.plan import ShardSummary
 from airflow_provider_vllm.hooks.filesystems import child_env, conn_ids_from_config
 from airflow_provider_vllm.hooks.filesystems import worker_env as connection_worker_env
-from airflow_provider_vllm.utils.deployment import check_spec_allowed, signing_keyring, worker_env
+from airflow_provider_vllm.utils import provenance
+from airflow_provider_vllm.utils.deployment import (
+    check_spec_allowed,
+    signing_keyring,
+    variables_may_set_deployment_settings,
+    worker_env,
+)
 from airflow_provider_vllm.utils.job_spec import load_spec, shard_id_of, shard_summary
 from airflow_provider_vllm.utils.worker_outcome import worker_result
 from airflow_provider_vllm.utils.worker_process import (
@@ -25,6 +31,7 @@ from airflow_provider_vllm.utils.worker_process import (
     LocalWorkerProcess,
     WorkerResult,
     fault_command,
+    inherited_env,
     injected_exit,
 )
 from airflow_provider_vllm.worker.task import ShardTask, worker_command
@@ -34,10 +41,14 @@ class VllmLocalShardOperator(BaseOperator):
     """Run one shard with the local runner and push the worker's manifest as the XCom value.
 
     Runs exactly ``worker_command(ShardTask(spec=..., shard_id=...))`` (no shell) with this
-    process's environment plus ``env``; the worker's stderr (progress: rows, rows/s,
-    tokens/s, ETA; vLLM's logs) streams into the task log. Exit 0: the manifest (last stdout
-    line starting with ``{``) is returned. Exit 2 (terminal: bad spec, changed input, no vLLM):
-    ``AirflowFailException``, no retry. Exit 75 (transient) or any other failure: an
+    process's environment less Airflow's own variables (``AIRFLOW_CONN_*``, ``AIRFLOW_VAR_*``,
+    ``AIRFLOW__*``: ``utils/worker_process.inherited_env``) plus ``env``. ``env`` is deployment-owned
+    (``PYTHONPATH``, ``LD_PRELOAD``, ``HF_ENDPOINT`` decide which code runs and from where): the DAG
+    file's, or a Variable's with ``[vllm_batch] deployment_settings_from_variables``; one rendered from
+    the trigger (params, ``dag_run.conf``) fails the task before the worker starts. The worker's
+    stderr (progress: rows, rows/s, tokens/s, ETA; vLLM's logs) streams into the task log. Exit 0:
+    the manifest (last stdout line starting with ``{``) is returned. Exit 2 (terminal: bad spec,
+    changed input, no vLLM): ``AirflowFailException``, no retry. Exit 75 (transient) or any other failure: an
     ``AirflowException``, so Airflow retries; the retry resumes from committed chunks and a
     shard that is already committed is a no-op. Without ``python`` the worker runs on this
     interpreter, which is checked first: without vLLM the task fails at once, before any process
@@ -76,6 +87,7 @@ class VllmLocalShardOperator(BaseOperator):
         self.spec = spec
         self.shard = shard
         self.env = env
+        self._raw_env = env  # before rendering: who set it (provenance)
         self.python = python
         self.progress_interval_s = progress_interval_s
         self._process: LocalWorkerProcess | None = None
@@ -92,6 +104,7 @@ class VllmLocalShardOperator(BaseOperator):
         except (SpecError, ValueError) as e:
             raise AirflowFailException(f"shard {shard_id!r}: {e}") from None
         prefixes = check_spec_allowed(spec, f"shard {shard_id}")
+        self.check_provenance()
         argv = worker_command(task, python=self.python)
         ti = context["ti"]
         code = injected_exit(getattr(ti, "map_index", None), ti.try_number)
@@ -107,12 +120,14 @@ class VllmLocalShardOperator(BaseOperator):
         elif self.python is None and importlib.util.find_spec("vllm") is None:
             raise AirflowFailException(f"shard {shard_id}: {vllm_not_installed(sys.executable)}")
         # the allow-list goes last: neither the task's env nor the shard spec can widen it
-        env = {**envs.environ(), "PYTHONUNBUFFERED": "1", **{k: str(v) for k, v in (self.env or {}).items()}}
+        env = {**inherited_env(envs.environ()), "PYTHONUNBUFFERED": "1"}
+        env.update({k: str(v) for k, v in (self.env or {}).items()})
         env = child_env(env, self._credentials_env(spec))  # the Connection's identity, in the environment only
         env.pop(ALLOWED_PREFIXES_ENV, None)
         env.update(worker_env(prefixes))
         # the deployment's signing key reaches the worker only as VLLM_BATCH_SIGNING_KEY (which it reads once
-        # and drops); the Airflow option itself never reaches vLLM's processes or the model's code
+        # and drops); the Airflow option itself never reaches vLLM's processes or the model's code (also when
+        # the DAG file's env names it)
         for name in [k for k in env if k.upper().startswith("AIRFLOW__VLLM_BATCH__SIGNING_KEY")]:
             del env[name]
         env[envs.SIGNING_KEY.name] = signing_keyring().text()
@@ -128,6 +143,23 @@ class VllmLocalShardOperator(BaseOperator):
         self._process = LocalWorkerProcess(argv, env, self._worker_line)
         result = self._process.run()
         return self._outcome(shard_id, result)
+
+    def check_provenance(self) -> None:
+        """``env`` came from the DAG file, or a Variable with ``[vllm_batch] deployment_settings_from_variables``;
+        never from the trigger (as the Kubernetes runner's ``kubernetes.env``)."""
+        if not self.env:
+            return
+        try:
+            jinja = self.get_template_env()
+        except Exception:  # noqa: BLE001 - a bare operator without a DAG
+            jinja = None
+        problems = provenance.violations(
+            ["env"],
+            [lambda p: provenance.template_sources(self._raw_env, jinja)],
+            variables_may_set_deployment_settings(),
+        )
+        if problems:
+            raise AirflowFailException(f"shard {self.shard_id}: " + "; ".join(problems))
 
     def _credentials_env(self, spec: Any) -> dict[str, str]:
         from airflow.sdk.configuration import conf

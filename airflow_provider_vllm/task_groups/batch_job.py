@@ -11,6 +11,7 @@ Nothing here does I/O: the spec is rendered and validated at run time by the pla
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -91,6 +92,9 @@ FORBIDDEN_SHARD_TASK_KWARGS = frozenset(
     }
 )
 """Keys ``shard_task_kwargs`` refuses: they belong to the builder, the spec or the deployment."""
+FORBIDDEN_KUBERNETES_OPERATOR_KWARGS = frozenset({"pod_template_dict", "full_pod_spec", "pod_template_file"})
+"""Keys ``kubernetes_operator_kwargs`` refuses: pod spec parts outside the checked ``KubernetesSettings`` (a pod
+template goes in the deployment's settings, ``kubernetes.pod_template_file``)."""
 
 
 def vllm_batch_job(
@@ -157,7 +161,11 @@ def vllm_batch_job(
         service account, env, Secrets, PVCs, ...) set here through a Variable need
         ``[vllm_batch] deployment_settings_from_variables``; through params they are refused.
     :param kubernetes_operator_kwargs: more ``KubernetesPodOperator`` arguments for the shard
-        task (e.g. ``kubernetes_conn_id``, ``deferrable``).
+        task (e.g. ``kubernetes_conn_id``, ``deferrable``). The cluster and its credentials
+        (``kubernetes_conn_id``, ``config_file``, ``cluster_context``, ``in_cluster``) are DAG-file
+        settings: not templated, and a template over trigger values fails the shard task. Pod spec parts
+        the provider does not check (``FORBIDDEN_KUBERNETES_OPERATOR_KWARGS``: ``pod_template_dict``,
+        ``full_pod_spec``, ``pod_template_file``) are a ValueError; a pod template goes in the settings.
     :param human_review: add the ``review`` task after QA: a 'warn' verdict waits for a person to
         approve (publish) or reject (the run fails, nothing published); 'pass' goes on without
         asking. False: no review task (fully automatic: a 'warn' is logged and published). A
@@ -189,6 +197,7 @@ def vllm_batch_job(
     elif isinstance(asset, str):
         asset = Asset(uri=asset)
     shard_kwargs = checked_shard_task_kwargs(shard_task_kwargs)
+    pod_kwargs = checked_kubernetes_operator_kwargs(kubernetes_operator_kwargs)
     source = _static_asset(spec.get("io", {}).get("input_uri") if isinstance(spec, Mapping) else None)
 
     with TaskGroup(group_id, tooltip="vLLM batch job: plan -> shards -> merge -> QA -> review -> publish") as group:
@@ -216,7 +225,7 @@ def vllm_batch_job(
         common.update(shard_kwargs)
         env = dict(shard_env) if shard_env else None
         cluster = {
-            **dict(kubernetes_operator_kwargs or {}),
+            **pod_kwargs,
             **{
                 k: v
                 for k, v in {
@@ -310,6 +319,19 @@ def checked_shard_task_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any
     return given
 
 
+def checked_kubernetes_operator_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``kubernetes_operator_kwargs`` as a dict; a ValueError naming any pod spec part the provider does not check."""
+    given = dict(kwargs or {})
+    bad = sorted(k for k in given if k in FORBIDDEN_KUBERNETES_OPERATOR_KWARGS)
+    if bad:
+        raise ValueError(
+            f"kubernetes_operator_kwargs {bad}: pod spec parts the provider does not check; the pod comes from the "
+            "job spec and the deployment's kubernetes settings (a pod template: kubernetes.pod_template_file in "
+            "[vllm_batch] kubernetes_defaults)"
+        )
+    return given
+
+
 def _static_asset(uri: Any) -> Asset | None:
     """The Asset of a location known when the DAG is parsed (no template): s3://, gs://, file://."""
     if isinstance(uri, str) and uri.strip() and not _JINJA.search(uri):
@@ -326,8 +348,16 @@ def _default_asset(spec: Any, group_id: str) -> Asset:
 
 
 def _path_safe(value: Any) -> str:
-    return re.sub(r"[^A-Za-z0-9_.=-]+", "-", str(value)).strip("-")
+    """One path segment for ``value`` (a run id): its readable part, then 16 hex digits of its SHA-256.
+
+    Never empty, never ``.`` or ``..``, and two values give two segments (a run id the trigger chooses, such
+    as ``-`` or ``:``, kept nothing readable and made a re-run's default output the shared ``reruns`` folder;
+    ``a:b`` and ``a+b`` shared one)."""
+    raw = str(value)
+    readable = re.sub(r"[^A-Za-z0-9_.=-]+", "-", raw).strip("-.")[:100].rstrip("-.")
+    digest = hashlib.sha256(raw.encode()).hexdigest()[:16]
+    return f"{readable}-{digest}" if readable else digest
 
 
 TEMPLATE_FILTERS: dict[str, Callable[..., str]] = {"path_safe": _path_safe}
-"""``user_defined_filters``: ``{{ run_id | path_safe }}`` -> a string safe in a path."""
+"""``user_defined_filters``: ``{{ run_id | path_safe }}`` -> one path segment, distinct per value (a hash)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -29,6 +30,19 @@ from airflow_provider_vllm.core.records import FailureManifest
 
 FAULT_ENV = envs.INJECT_EXIT.name
 MAX_LOG_LINE = 4000
+_AIRFLOW_VAR = re.compile(r"^_*AIRFLOW", re.IGNORECASE)
+
+
+def inherited_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """What the worker inherits of the Airflow worker's environment: all of it but Airflow's own variables.
+
+    ``AIRFLOW_CONN_*`` / ``AIRFLOW_VAR_*`` (Connections and Variables, secrets included), ``AIRFLOW__*``
+    options (the Fernet key, the API's JWT secret, secrets-backend kwargs, the database URL, the signing
+    key) and Airflow's internal ``_AIRFLOW*`` variables: the worker reads none of them (its settings are
+    the ``VLLM_BATCH_*`` variables the operator sets), and vLLM's processes and, with remote code, the
+    model repo's code run in it.
+    """
+    return {k: v for k, v in environ.items() if not _AIRFLOW_VAR.match(k)}
 
 
 @dataclass

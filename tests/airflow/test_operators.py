@@ -486,6 +486,47 @@ def test_shard_task_kwargs_refuses_keys_that_break_the_contract(key):
         build_static({"input_uri": "/d/in", "output_uri": "/d/out"}, shard_task_kwargs={key: "x"})
 
 
+@pytest.mark.parametrize("key", ["pod_template_dict", "full_pod_spec", "pod_template_file"])
+def test_kubernetes_operator_kwargs_refuses_pod_spec_parts_the_provider_does_not_check(key):
+    """A pod template or a full pod spec beside the checked settings would add containers, host mounts or host
+    networking the provider never sees; the cluster Connection still passes through."""
+    with pytest.raises(ValueError, match=rf"kubernetes_operator_kwargs \['{key}'\]"):
+        build_static(
+            {"input_uri": "/d/in", "output_uri": "/d/out"}, runner="kubernetes", kubernetes_operator_kwargs={key: {}}
+        )
+    dag = build_static(
+        {"input_uri": "/d/in", "output_uri": "/d/out"},
+        runner="kubernetes",
+        kubernetes_operator_kwargs={"kubernetes_conn_id": "gpu_cluster"},
+    )
+    assert dag.task_dict["job.shard"].partial_kwargs["kubernetes_conn_id"] == "gpu_cluster"
+
+
+@pytest.mark.parametrize("run_id", ["-", ":", "+", "~", "--", ".", "..", "a:b", "a+b", "a~b", "a" * 300])
+def test_path_safe_gives_every_run_id_a_folder_of_its_own(run_id):
+    """The re-run's default output is ``<root>/reruns/{{ run_id | path_safe }}/``. Run ids Airflow accepts
+    (``^[A-Za-z0-9_.~:+-]+$``) that held nothing readable made it the shared ``reruns`` folder, and ``a:b`` /
+    ``a+b`` shared one: now one non-empty segment per run id (its readable part and a hash), inside the allow-list."""
+    import re
+
+    import jinja2
+
+    from airflow_provider_vllm.core.allow_list import check_uri
+    from airflow_provider_vllm.task_groups.batch_job import TEMPLATE_FILTERS
+
+    env = jinja2.Environment()
+    env.filters.update(TEMPLATE_FILTERS)
+    render = env.from_string("s3://bk/root/reruns/{{ run_id | path_safe }}/").render
+    canon = check_uri(render(run_id=run_id), ["s3://bk/root"], "io.output_uri")
+    segment = canon.removeprefix("s3://bk/root/reruns/")
+    assert segment and "/" not in segment and segment not in (".", "..") and len(segment) <= 120
+    assert re.fullmatch(r"[A-Za-z0-9_.=-]+", segment)
+    others = ["-", ":", "+", "a:b", "a+b", "a-b", "manual__2026-12-05T03:00:00+00:00"]
+    assert {TEMPLATE_FILTERS["path_safe"](r) for r in others if r != run_id}.isdisjoint({segment})
+    readable = TEMPLATE_FILTERS["path_safe"]("manual__2026-12-05T03:00:00+00:00")
+    assert readable.startswith("manual__2026-12-05T03-00-00-00-00-")  # still says which run it is
+
+
 def test_shard_task_kwargs_refuses_what_is_not_a_base_operator_argument():
     with pytest.raises(ValueError, match=r"\['deferrable'\]: not BaseOperator arguments"):
         build_static({"input_uri": "/d/in", "output_uri": "/d/out"}, shard_task_kwargs={"deferrable": False})

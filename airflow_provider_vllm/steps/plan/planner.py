@@ -15,7 +15,7 @@ import logging
 import math
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +24,7 @@ import pyarrow as pa
 from airflow_provider_vllm import __version__
 from airflow_provider_vllm.core import faults
 from airflow_provider_vllm.core.adapters import describe_adapters
+from airflow_provider_vllm.core.allow_list import canonical_uri, enclosing_folders
 from airflow_provider_vllm.core.commit import PROBE_DIR, probe_create_only
 from airflow_provider_vllm.core.errors import DatasetError, SpecError
 from airflow_provider_vllm.core.formats import input_format
@@ -37,8 +38,12 @@ from airflow_provider_vllm.steps.golden import GOLDEN_IN, with_golden
 from airflow_provider_vllm.steps.plan.groups import ALL, LONG, SHORT, GroupTokens
 from airflow_provider_vllm.steps.plan.passthrough import resolve_passthrough
 from airflow_provider_vllm.steps.plan.sizing import History, job_history, size_shards
+from airflow_provider_vllm.steps.publish import SUCCESS
 from airflow_provider_vllm.steps.tables.access import Tables
 from airflow_provider_vllm.steps.tables.snapshot import TABLE_DIR, resolve_table_input
+
+RUN_MARKERS = (PLAN_FILE, SUCCESS)
+"""Files that make a folder a run's: its sealed plan, and once published its ``_SUCCESS.json``."""
 
 DEFAULT_TARGET_ROWS = 10_000
 PLAN_VERSION = 2  # 2: sealed (core/seal.py); with the result cache, one input file per shard
@@ -54,6 +59,7 @@ def plan_job(
     keyring: Keyring | None = None,
     warm_starts: bool | None = None,
     tables: Tables | None = None,
+    allowed_prefixes: Sequence[str] | None = None,
 ) -> Plan:
     """Plan the job and write ``_plan.json`` under the output prefix, sealed; idempotent.
 
@@ -75,6 +81,10 @@ def plan_job(
     ``tables``: the deployment's catalog and table rules, for ``io.input_table`` (``steps/tables/``): the plan
     pins the snapshot and hands the shards its files; a plan already there keeps the snapshot it pinned,
     however the table moved since.
+
+    A new run's output prefix must not lie inside another run's folder: SpecError when a folder above it, up to
+    the longest of ``allowed_prefixes`` it lies under (the deployment's allow-list), holds a ``_plan.json`` or a
+    ``_SUCCESS.json`` (its parts would land among that run's files, which readers list recursively).
     """
     keyring = keyring or Keyring.from_env()
     out = Storage(spec.io.output_uri, spec.io.storage_options, filesystems)
@@ -82,6 +92,8 @@ def plan_job(
         raise SpecError(
             f"io.output_uri {spec.io.output_uri}: holds a glob character ({' '.join(GLOB_CHARS)}); use another prefix"
         )
+    if not out.exists(PLAN_FILE):
+        _check_not_inside_a_run(spec, out, allowed_prefixes)
     if spec.io.input_table is not None:
         with _readable_input():
             return _plan_table(spec, out, filesystems, max_shards, engine_identity, keyring, warm_starts, tables)
@@ -104,6 +116,19 @@ def plan_job(
             "use a new output prefix"
         )
     return existing
+
+
+def _check_not_inside_a_run(spec: JobSpec, out: Storage, allowed_prefixes: Sequence[str] | None) -> None:
+    """SpecError when a folder above the output prefix holds a run (two existence checks per folder level)."""
+    canon = canonical_uri(spec.io.output_uri, "io.output_uri")
+    for folder in enclosing_folders(canon, allowed_prefixes):
+        above = out.at(folder)
+        for marker in RUN_MARKERS:
+            if above.exists(marker):
+                raise SpecError(
+                    f"io.output_uri={spec.io.output_uri} lies inside the run at {folder} (it holds {marker}); "
+                    "its files would land among that run's. Use a prefix outside every other run's folder"
+                )
 
 
 def _plan_table(

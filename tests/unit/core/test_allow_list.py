@@ -144,3 +144,42 @@ def test_credentials_in_a_uri_are_refused_without_showing_them(allowed, uri):
         msg = refused(with_value(base_doc(allowed), field, uri), prefixes(allowed))
         assert msg is not None and "credentials in URIs are not allowed; use an Airflow Connection" in msg, msg
         assert "s3cr3tValue" not in msg and "AKIAKEY" not in msg and "***@" in msg, msg
+
+
+@pytest.mark.parametrize(
+    "uri",
+    [
+        f"{A}/out/reruns/x`<https:evil.example/approve-here>`",
+        "s3://data/out/x<img src=x>",
+        's3://data/out/a"b',
+        "s3://data/out/a|b",
+        f"file://{A}/out/x`y",
+    ],
+)
+def test_markup_and_quoting_characters_in_a_location_are_refused_naming_the_parameter(allowed, uri):
+    """A location reaches the approval request (Markdown), the QA report (HTML) and copied shell lines: a backtick
+    closes a code span there, < > open an autolink or a tag. Refused by the spec, the trigger form's pattern and
+    the allow-list, with the parameter's name; ordinary names (= - _ . @ + spaces-free) still pass."""
+    import re
+
+    from airflow_provider_vllm.core.param_schemas import URI_PATTERN
+
+    uri = uri.replace(A, str(allowed))
+    with pytest.raises(SpecError, match=r"io\.output_uri=.*the characters ` < > \" \| are not allowed"):
+        check_uri(uri, prefixes(allowed), "io.output_uri")
+    assert re.match(URI_PATTERN, uri) is None
+    assert refused(with_value(base_doc(allowed), "io.output_uri", uri), prefixes(allowed))
+    ok = "s3://data/out/dt=2026-12-05/it's_run_1.a+b@c"
+    assert check_uri(ok, prefixes(allowed), "io.output_uri") == ok and re.match(URI_PATTERN, ok)
+    record_malicious("markup_in_uri", 1, 1)
+
+
+@pytest.mark.parametrize("uri", ["s3://data/out/reruns//", f"{A}/out/reruns//", "s3://data/out/reruns///"])
+def test_an_empty_last_segment_is_refused_not_taken_for_the_parent(allowed, uri):
+    """``.../reruns/{{ x }}/`` with ``x`` rendered empty is ``.../reruns//``: read as ``.../reruns`` it would be
+    the folder that holds every other re-run. One trailing slash still marks a folder."""
+    uri = uri.replace(A, str(allowed))
+    with pytest.raises(SpecError, match=r"io\.output_uri=.*empty path segments"):
+        check_uri(uri, prefixes(allowed), "io.output_uri")
+    assert check_uri("s3://data/out/reruns/", prefixes(allowed), "io.output_uri") == "s3://data/out/reruns"
+    record_malicious("empty_last_segment", 1, 1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -412,7 +413,41 @@ def test_code_loading_engine_options_and_remote_code_need_the_deployment(allowed
     }
     spec = JobSpec.load(with_value(base_doc(allowed), "engine.engine_kwargs", data_only))
     check_remote_code(spec, allowed=False)  # data-only options need nothing
-    check_remote_code(JobSpec.load(with_value(base_doc(allowed), "model.trust_remote_code", True)), allowed=True)
+    pinned = with_value(base_doc(allowed), "model.revision", "0" * 40)
+    check_remote_code(JobSpec.load(with_value(pinned, "model.trust_remote_code", True)), allowed=True)
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ({}, "model.revision=None"),
+        ({"revision": "main"}, "model.revision='main'"),
+        ({"revision": "refs/pr/1"}, "model.revision='refs/pr/1'"),
+        ({"revision": "v1.0"}, "model.revision='v1.0'"),
+        ({"revision": "main", "tokenizer": "org/tok"}, "model.revision='main'"),
+        (
+            {"revision": "0" * 40, "tokenizer": "org/tok", "tokenizer_revision": "main"},
+            "model.tokenizer_revision='main'",
+        ),
+    ],
+)
+def test_remote_code_from_the_hub_needs_a_commit_pinned_repo(allowed, model, message):
+    """With remote code allowed and on, a hub model (or tokenizer) runs the code of the revision it names: a
+    branch, tag or refs/pr/N moves to whatever is pushed there next, so only a commit sha is accepted."""
+    from airflow_provider_vllm.core.spec_guard import check_remote_code
+
+    doc = with_value(base_doc(allowed), "model.trust_remote_code", True)
+    doc["model"].update(model)
+    with pytest.raises(SpecError, match=re.escape(message)):
+        check_remote_code(JobSpec.load(doc), allowed=True)
+    # pinned: runs; a local model folder (inside the allow-list) needs no revision
+    doc["model"].update(revision="a" * 40, tokenizer_revision="b" * 40 if "tokenizer" in model else None)
+    check_remote_code(JobSpec.load(doc), allowed=True)
+    local = with_value(base_doc(allowed), "model.trust_remote_code", True)
+    local["model"]["name"] = str(allowed)
+    check_remote_code(JobSpec.load(local), allowed=True)
+    # without remote code a branch is fine, as before
+    check_remote_code(JobSpec.load(with_value(base_doc(allowed), "model.revision", "main")), allowed=False)
 
 
 def test_adapter_sources_stay_inside_the_allow_list(allowed, tmp_path):

@@ -738,8 +738,57 @@ def test_neither_a_job_nor_the_pod_settings_choose_the_compile_cache(monkeypatch
 def test_a_job_that_may_run_model_repo_code_mounts_the_compile_cache_read_only(monkeypatch):
     monkeypatch.setenv("AIRFLOW__VLLM_BATCH__KUBERNETES_COMPILE_CACHE_PVC", CLAIM)
     monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOW_REMOTE_CODE", "True")
-    op = operator(model={"trust_remote_code": True})
+    op = operator(model={"trust_remote_code": True, "revision": "0" * 40})
     pod = op.build_pod_request_obj(create_context(op, map_index=3))
     (vol,), (mount,), env = _compile_cache_parts(pod)
     assert vol.persistent_volume_claim.read_only and mount.read_only
     assert env == {"VLLM_BATCH_COMPILE_CACHE": "/compile-cache", "VLLM_BATCH_COMPILE_CACHE_PUBLISH": "0"}
+
+
+HOSTILE_POD_TEMPLATE = {
+    "apiVersion": "v1",
+    "kind": "Pod",
+    "metadata": {"name": "x"},
+    "spec": {
+        "containers": [
+            {"name": "base", "image": "ignored"},
+            {"name": "sidecar", "image": "{{ params.sidecar_image }}", "securityContext": {"privileged": True}},
+        ],
+        "hostNetwork": True,
+    },
+}
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize(
+    ("arg", "raw", "rendered"),
+    [
+        ("pod_template_dict", HOSTILE_POD_TEMPLATE, {**HOSTILE_POD_TEMPLATE, "kind": "Pod"}),
+        ("kubernetes_conn_id", "{{ params.cluster }}", "prod_cluster_admin"),
+        ("config_file", "{{ dag_run.conf['kubeconfig'] }}", "/tmp/attacker-kubeconfig"),
+        ("cluster_context", "{{ params.ctx }}", "admin@prod"),
+        ("configmaps", ["{{ params.cm }}"], ["prod-secrets"]),
+    ],
+)
+def test_the_cluster_its_identity_and_unchecked_pod_parts_never_come_from_the_trigger(arg, raw, rendered):
+    """KPO's own arguments that choose the cluster, its credentials or pod spec parts the provider does not check
+    are not template fields of the shard task, and one the DAG file wrote as a template over trigger values is
+    refused before any pod spec exists; the same argument as a DAG-file literal still builds the pod."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from airflow_provider_vllm.operators.kubernetes import VllmKubernetesShardOperator
+
+    assert arg not in VllmKubernetesShardOperator.template_fields
+    spec = make_spec("/in", "/out").model_dump(mode="json")
+    op = VllmKubernetesShardOperator(
+        task_id="shard", spec=spec, shard=SHARD, kubernetes=json.dumps(SETTINGS), **{arg: raw}
+    )
+    setattr(op, arg, rendered)  # as a renderer would
+    with pytest.raises(AirflowFailException, match=rf"{arg} is deployment-owned and came from the trigger|{arg}"):
+        op.build_pod_request_obj(create_context(op, map_index=3))
+    assert op.parts is None
+    literal = VllmKubernetesShardOperator(
+        task_id="shard", spec=spec, shard=SHARD, kubernetes=json.dumps(SETTINGS), kubernetes_conn_id="gpu_cluster"
+    )
+    assert literal.prepare_pod().image == SETTINGS["image"] and literal.kubernetes_conn_id == "gpu_cluster"
+    record_malicious("kpo_cluster_settings_from_trigger", 1, 1)

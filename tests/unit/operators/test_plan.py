@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from airflow_provider_vllm.operators.plan import VllmPlanOperator
@@ -126,3 +128,79 @@ def test_a_dry_run_conf_key_skips_only_on_a_dag_that_declares_the_param(allowed,
         assert not (allowed / "out" / "_plan.json").exists()
     else:
         assert plan.execute(context) and (allowed / "out" / "_plan.json").exists()
+
+
+def _plan_ti():
+    return type(
+        "TI",
+        (),
+        {
+            "xcoms": {},
+            "xcom_push": lambda self, key, value: self.xcoms.update({key: value}),
+            "map_index": -1,
+            "try_number": 1,
+        },
+    )()
+
+
+@pytest.mark.parametrize(
+    ("param", "value"),
+    [
+        ("model", "attacker/remote-code-model"),
+        ("model_revision", "refs/pr/1"),
+        ("model_revision", "b" * 40),
+    ],
+)
+def test_with_remote_code_on_a_trigger_cannot_choose_the_model_repo_or_revision(allowed, monkeypatch, param, value):
+    """The deployment allows remote code and the DAG file turns it on: the model repo and revision are then the
+    code that runs, deployment-owned like trust_remote_code itself; the form's model / revision is refused,
+    even a commit sha. The same DAG-file model still plans, and without remote code the form may choose."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", ",".join(prefixes(allowed)))
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOW_REMOTE_CODE", "True")
+    doc = base_doc(allowed)
+    doc["model"] = {"name": "trusted-org/reviewed-model", "revision": "a" * 40, "max_model_len": 256}
+    remote = {**doc, "model": {**doc["model"], "trust_remote_code": True}}
+    ti = _plan_ti()
+    with pytest.raises(AirflowFailException, match=rf"{PARAM_TARGET[param]} is deployment-owned and came from trigger"):
+        VllmPlanOperator(task_id="plan", spec=remote, param_overrides=[param]).execute(
+            {"ti": ti, "params": {param: value}}
+        )
+    assert "spec" not in ti.xcoms
+    ti = _plan_ti()  # an empty form field keeps the DAG file's model: plans
+    assert VllmPlanOperator(task_id="plan", spec=remote, param_overrides=[param]).execute(
+        {"ti": ti, "params": {param: None}}
+    )
+    assert ti.xcoms["spec"]["model"]["name"] == "trusted-org/reviewed-model"
+    if param != "model":  # without remote code the form chooses (a hub id needs no local folder)
+        ti = _plan_ti()
+        doc["io"]["output_uri"] = str(allowed / "out2")
+        VllmPlanOperator(task_id="plan", spec=doc, param_overrides=[param]).execute(
+            {"ti": ti, "params": {param: value}}
+        )
+        assert value in json.dumps(ti.xcoms["spec"]["model"])
+
+
+PARAM_TARGET = {
+    "model": "model.name",
+    "model_revision": "model.revision",
+}
+
+
+def test_the_re_run_forms_output_cannot_nest_inside_another_runs_folder(allowed, monkeypatch):
+    """The form's output prefix pointed at a sub-folder of the nightly's run (.../dt=X/results/x): the plan task
+    fails, writing nothing; a prefix of its own plans."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", ",".join(prefixes(allowed)))
+    nightly = base_doc(allowed)
+    nightly["io"]["output_uri"] = str(allowed / "nightly" / "dt=2026-12-05")
+    VllmPlanOperator(task_id="plan", spec=nightly).execute({"ti": _plan_ti(), "params": {}})
+    rerun = base_doc(allowed)
+    op = VllmPlanOperator(task_id="plan", spec=rerun, param_overrides=["output_uri"])
+    target = allowed / "nightly" / "dt=2026-12-05" / "results" / "x"
+    with pytest.raises(AirflowFailException, match="lies inside the run at"):
+        op.execute({"ti": _plan_ti(), "params": {"output_uri": str(target)}})
+    assert not target.exists()
+    assert op.execute({"ti": _plan_ti(), "params": {"output_uri": str(allowed / "reruns" / "r1")}})

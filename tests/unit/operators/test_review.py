@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime
 from types import SimpleNamespace
 
@@ -195,3 +196,29 @@ def test_a_qa_result_that_is_not_a_mapping_never_publishes():
 
     with pytest.raises(AirflowFailException, match="QA status is None"):
         review(qa_result="{{ not rendered }}").execute(ctx())
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/data/out/x`<https:evil.example/approve-here>`/qa/report.html",
+        "/data/out/``x``<a href=https://evil.example>approve</a>/qa/report.html",
+        "`/data/out/qa/report.html",
+        "/data/out/x\n\n[approve here](https://evil.example)/qa/report.html",
+    ],
+)
+def test_the_approval_request_shows_run_values_as_text_never_as_markdown(path):
+    """Whatever the report path holds (the output prefix comes from the trigger form; locations with markup are
+    refused by the allow-list, and the body does not rely on it), it stays inside one code span on one line; the
+    summary's markup characters are escaped."""
+    from airflow_provider_vllm.operators.review import review_body
+
+    body = review_body({**SUMMARY, "summary": "QA WARN <b>[x](https://evil.example)</b>", "report_html": path})
+    (line,) = [x for x in body.splitlines() if x.startswith("Report file:")]
+    span = line.removeprefix("Report file: ")
+    fence = re.match(r"`+", span).group(0)
+    assert span.endswith(fence) and fence not in span[len(fence) : -len(fence)]  # one span, nothing closes it
+    assert "evil.example" not in body.replace(line, "").replace(r"\[x\](https://evil.example)", "")
+    assert r"\<b\>\[x\](https://evil.example)\</b\>" in body
+    plain = review_body(SUMMARY)
+    assert "Report file: `/data/out/qa/report.html`" in plain

@@ -113,3 +113,74 @@ def test_shard_operator_hands_the_deployment_allow_list_to_the_worker(allowed, t
         op.execute({"ti": ti})
     seen = json.loads(dump.read_text())
     assert json.loads(seen[ALLOWED_PREFIXES_ENV]) == prefixes(allowed)
+
+
+def _env_dumping_python(tmp_path):
+    dump = tmp_path / "env.json"
+    python = tmp_path / "python"
+    python.write_text(f"#!{sys.executable}\nimport json, os\njson.dump(dict(os.environ), open({str(dump)!r}, 'w'))\n")
+    python.chmod(0o755)
+    return python, dump
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize("raw", ["{{ params.code_dir }}", "{{ dag_run.conf['code_dir'] }}"])
+def test_local_shard_refuses_a_worker_env_from_the_trigger_before_starting_it(allowed, tmp_path, monkeypatch, raw):
+    """``env`` / ``shard_env`` decides which code the worker runs (PYTHONPATH, LD_PRELOAD): rendered from the
+    trigger it is refused, as the Kubernetes runner refuses ``kubernetes.env``; a DAG-file value still runs."""
+    from airflow.sdk.exceptions import AirflowException
+
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", json.dumps(prefixes(allowed)))
+    python, dump = _env_dumping_python(tmp_path)
+    shard_ = {"shard_id": "shard-00000-0123abcd", "index": 0, "rows": 3, "est_tokens": 30, "bucket": "all"}
+    ti = SimpleNamespace(map_index=0, try_number=1)
+    op = VllmLocalShardOperator(
+        task_id="shard", spec=base_doc(allowed), python=str(python), shard=shard_, env={"PYTHONPATH": raw}
+    )
+    op.env = {"PYTHONPATH": "/tmp/attacker-code"}  # as Airflow renders it
+    with pytest.raises(AirflowFailException, match="env is deployment-owned and came from the trigger|trigger params"):
+        op.execute({"ti": ti})
+    assert not dump.exists()
+    literal = VllmLocalShardOperator(
+        task_id="shard", spec=base_doc(allowed), python=str(python), shard=shard_, env={"HF_HUB_OFFLINE": "1"}
+    )
+    with pytest.raises(AirflowException):  # the stand-in prints no manifest
+        literal.execute({"ti": ti})
+    assert json.loads(dump.read_text())["HF_HUB_OFFLINE"] == "1"
+    record_malicious("local_shard_env_from_trigger", 1, 1)
+
+
+@pytest.mark.reliability
+def test_local_worker_inherits_no_airflow_variables(allowed, tmp_path, monkeypatch):
+    """Connections, Variables, the Fernet key, the API's JWT secret and every other Airflow option stay out of the
+    worker (vLLM's processes, and with remote code the model's code); the rest of the environment and the
+    worker's own settings still arrive."""
+    from airflow.sdk.exceptions import AirflowException
+
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", json.dumps(prefixes(allowed)))
+    secrets = {
+        "AIRFLOW_CONN_PROD_DB": "postgres://admin:hunter2@db.internal/prod",
+        "AIRFLOW_VAR_API_KEY": "k",
+        "AIRFLOW__CORE__FERNET_KEY": "x" * 44,
+        "AIRFLOW__API_AUTH__JWT_SECRET": "jwt-secret",
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": "postgresql://airflow:pw@db/airflow",
+        "airflow__secrets__backend_kwargs": '{"token": "t"}',
+        "_AIRFLOW_SUPERVISOR_TOKEN": "t",
+    }
+    for k, v in secrets.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("HF_HOME", "/models/hf")
+    python, dump = _env_dumping_python(tmp_path)
+    op = VllmLocalShardOperator(
+        task_id="shard",
+        spec=base_doc(allowed),
+        python=str(python),
+        shard={"shard_id": "shard-00000-0123abcd", "index": 0, "rows": 3, "est_tokens": 30, "bucket": "all"},
+    )
+    with pytest.raises(AirflowException):  # the stand-in prints no manifest
+        op.execute({"ti": SimpleNamespace(map_index=0, try_number=1)})
+    seen = json.loads(dump.read_text())
+    assert not [k for k in seen if "AIRFLOW" in k.upper()], sorted(seen)
+    assert seen["HF_HOME"] == "/models/hf" and json.loads(seen[ALLOWED_PREFIXES_ENV]) == prefixes(allowed)
+    assert seen["VLLM_BATCH_SIGNING_KEY"]
+    record_malicious("local_worker_airflow_secrets", len(secrets), len(secrets))

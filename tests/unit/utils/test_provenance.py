@@ -111,7 +111,7 @@ def test_deployment_owned_settings_from_the_dag_file_or_an_opted_in_variable_pas
         {"ti": _ti(), "params": {}}
     )  # a template over the logical date only
     # trust_remote_code as a DAG-file literal: still needs the deployment's allow_remote_code
-    trc = _set(base_doc(allowed), "model.trust_remote_code", True)
+    trc = _set(_set(base_doc(allowed), "model.trust_remote_code", True), "model.revision", "0" * 40)
     with pytest.raises(AirflowFailException, match=r"\[vllm_batch\] allow_remote_code"):
         _plan(trc).execute({"ti": _ti(), "params": {}})
     monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOW_REMOTE_CODE", "True")

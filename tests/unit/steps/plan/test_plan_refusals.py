@@ -216,3 +216,45 @@ def test_the_plan_operator_reads_max_map_length_from_airflow(tmp_path, monkeypat
     assert ti.xcoms == {} and not (tmp_path / "out" / PLAN_FILE).exists()
     monkeypatch.setenv("AIRFLOW__CORE__MAX_MAP_LENGTH", "3")
     assert len(VllmPlanOperator(task_id="plan", spec=doc).execute({"ti": ti, "params": {}})) == 3
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize("marker", ["_plan.json", "_SUCCESS.json"])
+def test_a_new_run_inside_another_runs_folder_is_refused(tmp_path, marker):
+    """An output prefix below a folder that holds a run (its sealed plan, or once published its _SUCCESS.json),
+    up to the allow-list's prefix, is refused before anything is written: the new run's parts would land among
+    that run's files (e.g. in a nightly's results/, which readers list recursively). A sibling prefix, the same
+    prefix again (a re-run) and a run above the allow-list's prefix still plan."""
+    write_parquet(tmp_path / "in.parquet", ["a", "b"], ["x", "y"])
+    root = tmp_path / "allowed"
+    nightly = root / "nightly" / "dt=2026-12-05"
+    if marker == PLAN_FILE:
+        plan_job(make_spec(tmp_path / "in.parquet", nightly), allowed_prefixes=[str(root)])
+    else:
+        nightly.mkdir(parents=True)
+        (nightly / marker).write_text("{}")
+    assert (nightly / marker).exists()
+    for inside in (nightly / "results" / "x", nightly / "sub"):
+        with pytest.raises(SpecError, match=rf"io\.output_uri=.* lies inside the run at {re.escape(str(nightly))} "):
+            plan_job(make_spec(tmp_path / "in.parquet", inside), allowed_prefixes=[str(root)])
+        assert not inside.exists()
+    plan_job(make_spec(tmp_path / "in.parquet", root / "nightly" / "dt=2026-12-06"), allowed_prefixes=[str(root)])
+    if marker == PLAN_FILE:
+        plan_job(make_spec(tmp_path / "in.parquet", nightly), allowed_prefixes=[str(root)])  # the same run again
+    # a run above the allow-list's prefix is not this deployment's to judge (and costs no exists() there)
+    (tmp_path / marker).write_text("{}")
+    plan_job(make_spec(tmp_path / "in.parquet", root / "other"), allowed_prefixes=[str(root)])
+
+
+def test_the_folders_checked_for_a_run_stop_at_the_allow_lists_prefix():
+    from airflow_provider_vllm.core.allow_list import enclosing_folders
+
+    assert enclosing_folders("s3://bk/root/nightly/dt=1/results", ["s3://bk/root", "s3://bk"]) == [
+        "s3://bk/root/nightly/dt=1",
+        "s3://bk/root/nightly",
+        "s3://bk/root",
+    ]
+    assert enclosing_folders("s3://bk/root", ["s3://bk/root"]) == []
+    assert enclosing_folders("s3://bk/a/b", []) == ["s3://bk/a", "s3://bk"]
+    assert enclosing_folders("/data/a/b", ["/data"]) == ["/data/a", "/data"]
+    assert enclosing_folders("/data/a", None) == ["/data", "/"]
