@@ -659,8 +659,8 @@ class QASpec(_Model):
         le=1,
         description="Accuracy on the labelled rows (qa.reference) below this: warn. Each source of known labels "
         "(the run's own rows, the ride-along golden rows) is judged on its own rows; the check is the worst. Set "
-        "(this or fail_accuracy_below) to other than the default with no known label reaching QA, or a previous "
-        "report that had some: warn.",
+        "(this or fail_accuracy_below) to other than the default and not 0 (0: the gate is off) with no known label "
+        "reaching QA, or a previous report that had some: warn.",
     )
     fail_accuracy_below: float = Field(
         0.5, ge=0, le=1, description="Accuracy on the labelled rows below this: fail (the run is not published)."

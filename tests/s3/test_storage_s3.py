@@ -71,3 +71,15 @@ def test_pipeline_on_s3(s3, fake_engine_factory, monkeypatch):
     # a re-run of a shard is a no-op on S3 too
     again = run_shard(ShardTask(spec=spec, shard_id=plan.shards[0].shard_id), engine_factory=fake_engine_factory)
     assert again["status"] == "already_committed"
+
+
+def test_a_test_server_whose_port_another_server_took_moves_to_a_port_of_its_own(s3):
+    """xdist: the port free_port() gave may be taken by another test's server before moto binds it; the other server
+    then answered for this one, which stopped answering when that test stopped its server."""
+    clash = MotoServer()
+    clash.port, clash.endpoint = s3.port, s3.endpoint  # as if free_port() had given s3's port again
+    with clash:
+        assert clash.port != s3.port and clash.proc.poll() is None
+        clash.make_bucket("own")
+        assert Storage("s3://own", clash.storage_options).listdir() == []
+        assert "own" not in Storage("s3://data", s3.storage_options).fs.ls("")

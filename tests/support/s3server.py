@@ -23,19 +23,44 @@ class MotoServer:
         self.proc = None
 
     def __enter__(self):
+        # free_port() releases the port before moto binds it: another test's server may take it meanwhile (xdist).
+        # Such a server answers the health check for this one, whose own process then fails to bind and exits;
+        # this test's requests go to the other server until its test stops it (connection refused). So the
+        # port must be listened on by this process; otherwise another port.
         bindir = os.path.dirname(sys.executable)
-        self.proc = subprocess.Popen(
-            [os.path.join(bindir, "moto_server"), "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        for _ in range(100):
-            try:
-                urllib.request.urlopen(self.endpoint + "/moto-api/", timeout=1)
+        for _ in range(5):
+            self.proc = subprocess.Popen(
+                [os.path.join(bindir, "moto_server"), "-H", "127.0.0.1", "-p", str(self.port)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            if self._listening():
                 return self
-            except OSError:
-                time.sleep(0.1)
+            self.proc.kill()
+            self.proc.wait(10)
+            self.port = free_port()
+            self.endpoint = f"http://127.0.0.1:{self.port}"
         raise RuntimeError("moto_server did not start")
+
+    def _listening(self) -> bool:
+        """Whether this server's own process listens on its port and answers (False once the process exited)."""
+        import psutil
+
+        for _ in range(300):
+            if self.proc.poll() is not None:
+                return False
+            try:
+                conns = psutil.Process(self.proc.pid).net_connections("tcp")
+            except psutil.Error:
+                conns = []
+            if any(c.status == psutil.CONN_LISTEN and c.laddr.port == self.port for c in conns):
+                try:
+                    urllib.request.urlopen(self.endpoint + "/moto-api/", timeout=1)
+                    return True
+                except OSError:
+                    pass
+            time.sleep(0.1)
+        return False
 
     def __exit__(self, *exc):
         self.proc.terminate()

@@ -22,6 +22,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from airflow_provider_vllm.task_groups.batch_job import TEMPLATE_FILTERS
+
 pytestmark = [pytest.mark.ui, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 RERUN, NIGHTLY = "vllm_batch_rerun", "vllm_nightly_reclassification"
@@ -89,7 +91,7 @@ def test_a_run_triggered_from_the_form_succeeds_with_named_shards(airflow_ui, ui
         t["rendered_map_index"] for t in airflow_ui.task_instances(RERUN, FORM_RUN) if t["task_id"] == "rerun.shard"
     )
     assert names == ["shard 0/2 rows 0-19", "shard 1/2 rows 20-39"]
-    out = ui_data / "reruns" / FORM_RUN
+    out = ui_data / "reruns" / TEMPLATE_FILTERS["path_safe"](FORM_RUN)
     success = json.loads((out / "_SUCCESS.json").read_text())
     assert success["rows"] == 40 and success["airflow"]["run_id"] == FORM_RUN
     given = pq.read_table(ui_data / "adhoc" / "tickets.parquet", columns=["id"]).column("id").to_pylist()

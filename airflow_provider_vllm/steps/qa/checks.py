@@ -6,9 +6,9 @@ Most checks fail *above* their thresholds (rates, drift). ``accuracy`` fails *be
 configured but fewer than ``min_labelled`` rows scored is a warning (a failure when even the top of the
 95% interval is below the fail line); each source of known labels (the run's own rows, the ride-along golden
 rows) is judged on its own rows, the check being the worst; accuracy thresholds the job set (other than the
-defaults), or a previous report that had known labels, with none reaching this run warn. ``accuracy_drop`` (the drop
-since the previous report) warns or fails only when the 95% interval of the change lies below 0
-(a real drop), and then by its size. The gates off by default (``low_confidence_rate``,
+defaults, and not 0: off), or a previous report that had known labels, with none reaching this run warn.
+``accuracy_drop`` (the drop since the previous report) warns or fails only when the 95% interval of the
+change lies below 0 (a real drop), and then by its size. The gates off by default (``low_confidence_rate``,
 ``inconsistency_rate``) warn, once turned on, for a run that lacks their measure (no confidence; no
 prompt hashes: an embed job, or requests that sample at random), rather than skipping. So do ``label_drift``
 and ``accuracy_drop`` when ``qa.previous_report_uri`` is set but its report was not used (no sealed QA record of
@@ -120,9 +120,10 @@ def _unmeasured(metrics: dict[str, Any], spec: QASpec) -> tuple[str, str]:
             "the previous report measured accuracy on known labels; no known label reaches this run's QA "
             "(qa.reference): nothing to judge it on"
         )
-    # thresholds other than the defaults: the job asked for the gate (not ``model_fields_set``: the plan task hands
-    # the spec on as a whole dump, every field set)
-    if any(getattr(spec, f) != QASpec.model_fields[f].default for f in ("warn_accuracy_below", "fail_accuracy_below")):
+    # thresholds other than the defaults, not both 0 (the gate turned off): the job asked for the gate (not
+    # ``model_fields_set``: the plan task hands the spec on as a whole dump, every field set)
+    fields = ("warn_accuracy_below", "fail_accuracy_below")
+    if any(getattr(spec, f) != QASpec.model_fields[f].default for f in fields) and spec.warn_accuracy_below > 0:
         return "warn", (
             "qa.warn_accuracy_below / qa.fail_accuracy_below are set, but no known label reaches this run's QA "
             "(qa.reference): nothing to judge them on"

@@ -315,6 +315,8 @@ def test_accuracy_thresholds_the_job_set_warn_when_no_known_label_reaches_qa():
     for qa, expected in (
         ({"warn_accuracy_below": 0.95, "fail_accuracy_below": 0.9, "reference": {"golden_uri": ""}}, "warn"),
         ({"fail_accuracy_below": 0.6}, "warn"),
+        ({"warn_accuracy_below": 0.0, "fail_accuracy_below": 0.0}, "skip"),  # the gate turned off
+        ({"warn_accuracy_below": 0.3, "fail_accuracy_below": 0.0}, "warn"),
         ({}, "skip"),  # a job that never asked for accuracy
         # the defaults, as the plan task hands the spec on (a whole dump: every field set): not a request
         (QASpec().model_dump(mode="json"), "skip"),
