@@ -456,7 +456,7 @@ DEPLOYMENT_OWNED = (
 # With code loading on, the repo and revision vLLM imports Python code from: deployment-owned too (a trigger
 # choosing them chooses the code that runs; docs/security.md).
 CODE_SOURCE = ("model.name", "model.revision", "model.tokenizer", "model.tokenizer_revision")
-COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")
+COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")  # a hub (git) commit: the only revision that cannot move
 
 
 def owned_paths_set(spec: Any, default_doc: dict[str, Any]) -> list[str]:

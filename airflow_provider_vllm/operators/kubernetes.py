@@ -165,10 +165,7 @@ class VllmKubernetesShardOperator(KubernetesPodOperator):
     def check_provenance(self, defaults: dict[str, Any] | None) -> None:
         """Deployment-owned pod settings in ``kubernetes`` / ``env`` came from the DAG file, or a Variable
         with ``[vllm_batch] deployment_settings_from_variables``; never from the trigger."""
-        try:
-            env = self.get_template_env()
-        except Exception:  # noqa: BLE001 - a bare operator without a DAG
-            env = None
+        env = provenance.template_env(self)
         owned = [p for p in DEPLOYMENT_OWNED if p.startswith("kubernetes.") and p.split(".", 1)[1] in (defaults or {})]
 
         def from_kubernetes(path: str):
@@ -192,10 +189,7 @@ class VllmKubernetesShardOperator(KubernetesPodOperator):
         ``pod_template_dict``, ...) came from the DAG file, never from a template over the trigger's values
         (or a Variable without the deployment's opt-in). They are not template fields; this also catches a
         subclass or a caller that renders them anyway."""
-        try:
-            env = self.get_template_env()
-        except Exception:  # noqa: BLE001 - a bare operator without a DAG
-            env = None
+        env = provenance.template_env(self)
         raw = self._raw_cluster
         problems = provenance.violations(
             [k for k in CLUSTER_SETTINGS if raw.get(k)],

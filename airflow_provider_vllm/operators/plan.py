@@ -136,10 +136,7 @@ class VllmPlanOperator(BaseOperator):
 
     def check_provenance(self, spec: JobSpec, params: dict[str, Any]) -> None:
         """Deployment-owned settings came from the DAG file (or, with the opt-in, a Variable); else fail."""
-        try:
-            env = self.get_template_env()
-        except Exception:  # noqa: BLE001 - no DAG (a bare operator in a test): a parser without globals
-            env = None
+        env = provenance.template_env(self)
         rendered_spec = spec_document(self.spec) if isinstance(self._raw_spec, str) else {}
         rendered_over = overrides_document(self.overrides)
         given = [PARAM_ALIASES.get(k, k) for k in self.param_overrides if params.get(k) is not None]

@@ -149,10 +149,7 @@ class VllmLocalShardOperator(BaseOperator):
         never from the trigger (as the Kubernetes runner's ``kubernetes.env``)."""
         if not self.env:
             return
-        try:
-            jinja = self.get_template_env()
-        except Exception:  # noqa: BLE001 - a bare operator without a DAG
-            jinja = None
+        jinja = provenance.template_env(self)
         problems = provenance.violations(
             ["env"],
             [lambda p: provenance.template_sources(self._raw_env, jinja)],

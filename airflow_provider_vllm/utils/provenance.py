@@ -60,6 +60,15 @@ _TRUSTED = frozenset(
 )
 
 
+def template_env(operator: Any) -> Any:
+    """The Jinja environment ``operator``'s templates render in (its DAG's: user macros, filters); None for a bare
+    operator without a DAG (``template_sources`` then parses without the DAG's globals)."""
+    try:
+        return operator.get_template_env()
+    except Exception:  # noqa: BLE001 - a bare operator without a DAG
+        return None
+
+
 def template_sources(value: Any, env: Any, _depth: int = 0) -> set[str]:
     """Who chose the strings inside ``value`` (a DAG-file value: a string, list or dict of them).
 

@@ -39,6 +39,7 @@ from airflow_provider_vllm.core.engine_identity import identity_env, local_engin
 from airflow_provider_vllm.core.errors import SpecError, TransientError
 from airflow_provider_vllm.core.formats.base import row_columns
 from airflow_provider_vllm.core.spec import ENGINE_KWARGS_ALLOWED, JobSpec
+from airflow_provider_vllm.core.spec_guard import COMMIT_SHA
 from airflow_provider_vllm.core.storage import FileSystems, hash_pool
 from airflow_provider_vllm.steps.cache.fingerprint_memo import FileStat, FingerprintMemo
 
@@ -77,7 +78,6 @@ UNKEYED_ENGINE_ENV = {
     "(model.revision is not used) nor fingerprints, and an edit of the file or the folder keeps the key",
 }
 
-COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")  # a hub (git) commit: the only revision that cannot move
 
 # DuckDB types of a template column and the text of a value that the key hashes; each text is
 # injective within its type (tests/unit/steps/test_cache_key.py checks every one): shortest

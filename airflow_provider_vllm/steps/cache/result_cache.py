@@ -322,12 +322,9 @@ def engines_differ(key_identity: str, made_by: list[str | None]) -> str | None:
     every one of those variables with the key's value.
     """
     for got in made_by:
-        unkeyed = sorted(set(identity_env(got or "")) & UNKEYED_ENGINE_ENV.keys())
-        if unkeyed:
-            return (
-                f"a shard's engine ran with {unkeyed[0]} set ({identity_env(got or '')[unkeyed[0]]!r}), which "
-                f"{UNKEYED_ENGINE_ENV[unkeyed[0]]}"
-            )
+        seen = identity_env(got or "")
+        for name in sorted(seen.keys() & UNKEYED_ENGINE_ENV.keys()):
+            return f"a shard's engine ran with {name} set ({seen[name]!r}), which {UNKEYED_ENGINE_ENV[name]}"
     want_head, _, want_env = key_identity.partition(" env ")
     want = json.loads(want_env) if want_env else {}
     other = set()

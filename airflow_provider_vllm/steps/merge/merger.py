@@ -676,19 +676,18 @@ def check_footer_rows(con: duckdb.DuckDBPyConnection, out: Storage, sources: dic
     parts = [p for k in KINDS for p in sources[k]]
     if not parts:
         return
-    paths = [out.path(p.rel) if out.is_local else out.uri(p.rel) for p in parts]
     footer = dict(
         con.execute(
             f"SELECT file_name, num_rows FROM parquet_file_metadata({duck.file_list(out, [p.rel for p in parts])})"
         ).fetchall()
     )
-    bad = next((p for p, path in zip(parts, paths) if footer.get(path) != p.rows), None)
-    if bad is not None:
-        got = footer.get(paths[parts.index(bad)])
-        raise CommitError(
-            f"{out.uri(bad.rel)} holds {got} rows, its commit marker says {bad.rows}: the marker does not describe "
-            "its files; delete that shard's folder and rerun the shard"
-        )
+    for p in parts:
+        got = footer.get(out.path(p.rel) if out.is_local else out.uri(p.rel))  # the name DuckDB was given
+        if got != p.rows:
+            raise CommitError(
+                f"{out.uri(p.rel)} holds {got} rows, its commit marker says {p.rows}: the marker does not describe "
+                "its files; delete that shard's folder and rerun the shard"
+            )
 
 
 def _rows_view(con: duckdb.DuckDBPyConnection, out: Storage, sources: dict[str, list[SourcePart]]) -> None:
