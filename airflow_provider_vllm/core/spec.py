@@ -753,6 +753,7 @@ class ChangesSpec(_Model):
 
 # Fields of the hashed sections added after the first release: left out of ``output_hash`` while at their
 # default (which changes no answer), so rows, chunks and cache entries of earlier runs keep matching.
+_SORTED: dict[str, Any] = {"sort_keys": True, "separators": (",", ":")}
 ADDED_LATER: tuple[tuple[str, str], ...] = (
     ("engine", "batch_invariant"),
     ("engine", "max_lora_rank"),
@@ -849,7 +850,13 @@ class JobSpec(_Model):
         doc = self.model_dump(mode="json", exclude={"kubernetes"})
         if doc["sharding"]["dedupe"] is True:  # added later: at its default, specs keep the hash they had
             del doc["sharding"]["dedupe"]
-        return json.dumps(doc, sort_keys=True, separators=(",", ":"))
+        # The dump sorts keys, but vLLM generates a JSON schema's properties in the order written: a schema
+        # not written in sorted order adds its text (a string, which no sort reorders), so that a re-run with
+        # its properties reordered is another spec. A schema written sorted keeps the hash it had.
+        written = self.sampling.structured.json_schema_text() if self.sampling.structured else None
+        if written is not None and written != json.dumps(doc["sampling"]["structured"]["json_schema"], **_SORTED):
+            doc["json_schema_text"] = written
+        return json.dumps(doc, **_SORTED)
 
     def content_hash(self) -> str:
         """sha256 of the canonical JSON; equal specs hash equal."""

@@ -226,6 +226,27 @@ def test_the_order_of_a_json_schemas_properties_changes_the_config_hash():
     assert JobSpec.load(reason_first.model_dump_json()).output_hash() == reason_first.output_hash()
 
 
+def test_the_order_of_a_json_schemas_properties_changes_the_spec_hash_unless_written_sorted():
+    """The spec hash guards an output prefix's plan: a re-run with the properties reordered is another spec (the
+    plan refuses the prefix), not the old plan with answers in the old order. A schema written in sorted order
+    keeps the hash it had before the text was added (its canonical JSON has no schema text)."""
+    label, reason = {"enum": ["spam", "ham"]}, {"type": "string"}
+
+    def spec(properties: dict) -> JobSpec:
+        schema = {"properties": properties, "type": "object"}  # "properties" < "type": sorted if they are
+        return JobSpec.load({**BASE, "sampling": {"structured": {"json_schema": schema}}})
+
+    label_first, reason_first = spec({"label": label, "reason": reason}), spec({"reason": reason, "label": label})
+    assert label_first.content_hash() != reason_first.content_hash()
+    assert "json_schema_text" not in label_first.canonical_json()  # written sorted: the hash it had
+    assert "json_schema_text" in reason_first.canonical_json()
+    assert JobSpec.load(reason_first.model_dump_json()).content_hash() == reason_first.content_hash()
+    # nested order counts too: vLLM follows it at every level
+    inner = {"type": "object", "properties": {"b": {"type": "string"}, "a": {"type": "string"}}}
+    flipped = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "string"}}}
+    assert spec({"label": label, "x": inner}).content_hash() != spec({"label": label, "x": flipped}).content_hash()
+
+
 TABLE = {"model": {"name": "m"}, "io": {"input_table": {"identifier": "lake.tickets"}, "output_uri": "/out"}}
 
 

@@ -52,6 +52,21 @@ def test_plan_is_written_once_and_guards_the_prefix(tmp_path):
         plan_job(other)
 
 
+def test_a_rerun_with_a_json_schema_reordered_does_not_reuse_the_prefix(tmp_path):
+    """vLLM writes a schema's properties in its order: the old plan (and its answers) is another spec's."""
+    write_parquet(tmp_path / "in" / "a.parquet", [str(i) for i in range(20)], ["t"] * 20)
+    props = {"label": {"enum": ["a", "b"]}, "reason": {"type": "string"}}
+
+    def spec(order):
+        schema = {"type": "object", "properties": {k: props[k] for k in order}}
+        return make_spec(tmp_path / "in", tmp_path / "out", sampling={"structured": {"json_schema": schema}})
+
+    plan_job(spec(["reason", "label"]))
+    assert plan_job(spec(["reason", "label"])).spec_hash == spec(["reason", "label"]).content_hash()
+    with pytest.raises(SpecError, match="already holds a run"):
+        plan_job(spec(["label", "reason"]))
+
+
 def test_length_bucketing_isolates_long_rows(tmp_path):
     texts = ["short text"] * 200
     for i in (5, 77, 150):
