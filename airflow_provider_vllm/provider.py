@@ -13,6 +13,7 @@ from airflow_provider_vllm import __version__
 PACKAGE_NAME = "airflow-provider-vllm"
 CONFIG_SECTION = "vllm_batch"
 ALLOWED_URI_PREFIXES = "allowed_uri_prefixes"
+ALLOWED_RUNNERS = "allowed_runners"
 ALLOW_ANY_LOCATION = "allow_any_location"
 ALLOW_REMOTE_CODE = "allow_remote_code"
 DEPLOYMENT_SETTINGS_FROM_VARIABLES = "deployment_settings_from_variables"
@@ -65,6 +66,20 @@ def get_provider_info() -> dict:
                         "version_added": "0.1.0",
                         "type": "string",
                         "example": "s3://ml-batch/,/data/batch,/models",
+                        "default": "",
+                    },
+                    ALLOWED_RUNNERS: {
+                        "description": "JSON list or comma-separated runners (local, kubernetes) that a runner "
+                        'chosen at run time may name: a template such as runner="{{ params.runner }}" (a trigger '
+                        "form) or over a Variable; a literal runner in the DAG file is not restricted. Entries are "
+                        "trimmed and lower-cased, blank ones dropped; an unknown name fails every run-time choice, "
+                        "naming this option. Empty: only the runner this deployment configured: kubernetes when any "
+                        "kubernetes_* option below is set (so a trigger cannot move shards onto the Airflow worker, "
+                        "with its identity), else local (a laptop, CI). The plan and runner tasks refuse any other "
+                        "value before anything is written or launched.",
+                        "version_added": "0.3.0",
+                        "type": "string",
+                        "example": "kubernetes",
                         "default": "",
                     },
                     ALLOW_ANY_LOCATION: {

@@ -27,7 +27,11 @@ plan task logs rows, tokens, shards, GPU-hours and the memory plan, and the rest
 Runners: `local` (a worker process per shard on the Airflow worker) or `kubernetes` (one pod
 per shard from the pinned worker image, configured by the `vllm_batch_kubernetes` Variable;
 see docs/kubernetes.md). The `runner` task after `plan` skips the shard task of the runner not chosen
-(it shows as skipped).
+(it shows as skipped). The form may choose only a runner the deployment allows,
+`[vllm_batch] allowed_runners`; unset, only the one it configured: `kubernetes` where any
+`kubernetes_*` option is set, else `local`. So on a Kubernetes deployment *Runner* `local` (vLLM
+on the Airflow worker, as the worker's identity) fails `plan`, naming the option, until the
+deployment lists it.
 """
 
 from __future__ import annotations
@@ -106,7 +110,12 @@ with DAG(
             "writes changes/ (labels added, removed, changed against it) and QA shows the churn "
             "matrix. Empty: no comparison",
         ),
-        "runner": param("runner", "local", title="Runner"),
+        "runner": param(
+            "runner",
+            "local",
+            title="Runner",
+            description="Where shards run; only a runner the deployment allows ([vllm_batch] allowed_runners)",
+        ),
         "dry_run": param(
             "dry_run",
             False,

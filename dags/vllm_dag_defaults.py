@@ -13,7 +13,9 @@ Variables, so it is read at run time (never while the DAG file is parsed):
                                "false": publish warned runs without asking (a 'fail' never publishes)
     vllm_batch_spec_overrides  JSON object of spec overrides, e.g. {"engine.enforce_eager": false,
                                "engine.max_num_seqs": 256, "sharding.max_shards": 64}
-    vllm_batch_runner          where shards run: local (default) or kubernetes (one pod per shard)
+    vllm_batch_runner          where shards run: local (default) or kubernetes (one pod per shard), one that
+                               [vllm_batch] allowed_runners allows (unset: kubernetes where a kubernetes_*
+                               option is set, else local)
     vllm_batch_kubernetes      JSON object of pod settings for the kubernetes runner (GPUs, node pool, Kueue
                                queue, sizes; see airflow_provider_vllm/core/pod_settings.py and docs/kubernetes.md)
 

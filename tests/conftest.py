@@ -116,6 +116,9 @@ TEST_SIGNING_KEY = "test-signing-key-" + "k" * 40
 os.environ.setdefault("AIRFLOW__VLLM_BATCH__SIGNING_KEY", TEST_SIGNING_KEY)
 os.environ.setdefault("VLLM_BATCH_SIGNING_KEY", TEST_SIGNING_KEY)
 os.environ.setdefault("AIRFLOW__VLLM_BATCH__KUBERNETES_SIGNING_SECRET", "vllm-batch-signing:key")
+# The test deployment runs shards on both runners, and its DAGs choose one at run time (the re-run DAG's form, the
+# nightly's Variable): with a kubernetes_* option set, [vllm_batch] allowed_runners unset would allow kubernetes only
+os.environ.setdefault("AIRFLOW__VLLM_BATCH__ALLOWED_RUNNERS", "local,kubernetes")
 # result caches may live under the test folders (the deployment's choice: [vllm_batch] cache_uri_prefixes)
 os.environ.setdefault("AIRFLOW__VLLM_BATCH__CACHE_URI_PREFIXES", TEST_PREFIXES)
 # The weights fingerprint's memo (steps/cache/fingerprint_memo.py) of the tests: not the user's ~/.cache

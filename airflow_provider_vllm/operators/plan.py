@@ -19,6 +19,7 @@ from airflow_provider_vllm.steps.lineage import plan_lineage
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.utils import provenance
 from airflow_provider_vllm.utils.deployment import (
+    check_runner_choice,
     check_spec_allowed,
     signing_keyring,
     variables_may_set_deployment_settings,
@@ -59,7 +60,8 @@ class VllmPlanOperator(BaseOperator):
     tasks take it from there, as data, never re-templated. Returns one ``ShardSummary`` per shard,
     named (``core/shard_names.py``), as JSON data (``.dump()``) for ``.expand(shard=...)``.
 
-    Fails without retry on an invalid spec, an unknown or unavailable ``runner``, a missing
+    Fails without retry on an invalid spec, an unknown or unavailable ``runner``, a runner chosen at run time
+    (a template) that ``[vllm_batch] allowed_runners`` does not allow, a missing
     local model folder, a bad dataset (missing id column, duplicate or blank ids, ...), an
     output store that does not honour create-only writes, or a plan with more shards than
     Airflow's ``[core] max_map_length`` (the message names the sharding setting to raise).
@@ -104,8 +106,9 @@ class VllmPlanOperator(BaseOperator):
         self.runner = runner
         self.kubernetes = kubernetes
         self.shard_env = shard_env
-        # the DAG file's values before rendering: provenance of the rendered spec (utils/provenance.py)
-        self._raw_spec, self._raw_overrides = self.spec, overrides
+        # the DAG file's values before rendering: provenance of the rendered spec (utils/provenance.py), and
+        # whether the runner is the DAG file's literal or chosen at run time ([vllm_batch] allowed_runners)
+        self._raw_spec, self._raw_overrides, self._raw_runner = self.spec, overrides, runner
         owned = [
             k
             for k in self.param_overrides
@@ -152,6 +155,7 @@ class VllmPlanOperator(BaseOperator):
 
     def execute(self, context: Any) -> list[dict[str, Any]]:
         runner = check_runner(self.runner)
+        check_runner_choice(self._raw_runner, runner, "plan", provenance.template_env(self))
         params = dict(context.get("params") or {})
         spec = self.build_spec(params)
         self.check_provenance(spec, params)  # before any location or model is looked at

@@ -8,6 +8,8 @@ in ``get_provider_info()``):
 * ``allowed_uri_prefixes``: JSON list or comma-separated URI prefixes (``s3://ml-batch/``,
   ``/data/batch``) every location of a job must lie under. Unset: nothing is allowed (the
   plan and shard tasks fail naming this option) unless ``allow_any_location = True``.
+* ``allowed_runners``: the runners a run-time (templated) runner may name; unset: the one this
+  deployment configured (``kubernetes`` when a ``kubernetes_*`` option is set, else ``local``).
 * ``allow_any_location``: explicit opt-out of the allow-list (syntax checks only).
 * ``allow_remote_code``: ``model.trust_remote_code`` and code-loading engine options may run.
 * ``deployment_settings_from_variables``: Variables (``vllm_batch_spec_overrides``,
@@ -35,6 +37,7 @@ from airflow_provider_vllm.core.allow_list import (
     ALLOWED_PREFIXES_ENV,
     canonical_prefixes,
     check_cache_location,
+    parse_list_setting,
     parse_prefixes,
 )
 from airflow_provider_vllm.core.errors import SpecError
@@ -43,17 +46,20 @@ from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.spec_guard import check_deployment, check_remote_code, code_loading_options
 from airflow_provider_vllm.provider import ALLOW_ANY_LOCATION as ALLOW_ANY_OPTION
 from airflow_provider_vllm.provider import ALLOW_REMOTE_CODE as REMOTE_CODE_OPTION
-from airflow_provider_vllm.provider import ALLOWED_URI_PREFIXES as CONFIG_OPTION
 from airflow_provider_vllm.provider import (
+    ALLOWED_RUNNERS,
     CACHE_URI_PREFIXES,
     CONFIG_SECTION,
     KUBERNETES_COMPILE_CACHE_PVC,
     KUBERNETES_SIGNING_SECRET,
     setting,
 )
+from airflow_provider_vllm.provider import ALLOWED_URI_PREFIXES as CONFIG_OPTION
 from airflow_provider_vllm.provider import DEPLOYMENT_SETTINGS_FROM_VARIABLES as VARIABLES_OPTION
 from airflow_provider_vllm.provider import KUBERNETES_DEFAULTS as KUBERNETES_OPTION
 from airflow_provider_vllm.provider import SIGNING_KEY as SIGNING_OPTION
+from airflow_provider_vllm.utils import provenance
+from airflow_provider_vllm.utils.job_spec import RUNNERS
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +172,53 @@ def warm_starts(spec: JobSpec, runner: str) -> bool | None:
     if runner != "kubernetes":
         return None
     return compile_cache_pvc() is not None and not code_loading_options(spec)
+
+
+# The Kubernetes runner's options: a deployment that sets any of them runs shards in pods, and then a run-time
+# runner may not move them onto the Airflow worker unless allowed_runners says so.
+KUBERNETES_RUNNER_OPTIONS = (KUBERNETES_OPTION, KUBERNETES_SIGNING_SECRET, KUBERNETES_COMPILE_CACHE_PVC)
+
+
+def allowed_runners() -> tuple[list[str], str]:
+    """The runners a run-time (templated) runner value may name, and where that list came from (for messages).
+
+    ``[vllm_batch] allowed_runners``: entries trimmed and lower-cased, blank ones dropped; an unknown name fails the
+    task (no retry) naming the option. Unset (or only blanks): ``kubernetes`` when any ``KUBERNETES_RUNNER_OPTIONS``
+    is set, else ``local``.
+    """
+    try:
+        names = [n.lower() for n in parse_list_setting(_get(ALLOWED_RUNNERS), setting(ALLOWED_RUNNERS))]
+    except SpecError as e:
+        raise AirflowFailException(str(e)) from None
+    unknown = [n for n in names if n not in RUNNERS]
+    if unknown:
+        raise AirflowFailException(
+            f"{setting(ALLOWED_RUNNERS)} names {unknown}, not runners; list some of {list(RUNNERS)}"
+        )
+    if names:
+        return list(dict.fromkeys(names)), setting(ALLOWED_RUNNERS)
+    configured = [o for o in KUBERNETES_RUNNER_OPTIONS if _get(o).strip()]
+    if configured:
+        return ["kubernetes"], f"{setting(ALLOWED_RUNNERS)} is unset and this deployment sets {configured[0]}"
+    return ["local"], f"{setting(ALLOWED_RUNNERS)} is unset and this deployment sets no kubernetes_* option"
+
+
+def check_runner_choice(raw: object, runner: str, what: str, env: object = None) -> None:
+    """Fail the task (no retry) when ``runner`` (a checked runner name) was chosen at run time outside
+    ``allowed_runners()``. ``raw`` is the DAG file's value before rendering: a literal runner is the DAG author's
+    choice and is not restricted; any template is (whoever it reads: a trigger's params or conf, a Variable, an
+    XCom). ``env``: the operator's Jinja environment, to name who chose the value."""
+    if isinstance(raw, str) and raw.strip() in RUNNERS:
+        return
+    allowed, why = allowed_runners()
+    if runner in allowed:
+        return
+    chosen_by = ", ".join(sorted(provenance.template_sources(raw, env))) or "the DAG file"
+    raise AirflowFailException(
+        f"{what}: runner={runner!r} (from {raw!r}: {chosen_by}) is not a runner this deployment lets a run choose; "
+        f"allowed: {allowed} ({why}). To allow it, add {runner!r} to {setting(ALLOWED_RUNNERS)}, or name the runner "
+        "as a literal in the DAG file"
+    )
 
 
 NO_ALLOW_LIST = (

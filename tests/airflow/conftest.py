@@ -81,6 +81,8 @@ def airflow_sandbox(tmp_path_factory, tiny_model) -> Iterator[AirflowSandbox]:
             "AIRFLOW__VLLM_BATCH__SIGNING_KEY": TEST_SIGNING_KEY,
             "AIRFLOW__VLLM_BATCH__CACHE_URI_PREFIXES": json.dumps([str(data)]),
             "AIRFLOW__VLLM_BATCH__KUBERNETES_SIGNING_SECRET": "vllm-batch-signing:key",
+            # both runners may be chosen at run time (the re-run form, the vllm_batch_runner Variable)
+            "AIRFLOW__VLLM_BATCH__ALLOWED_RUNNERS": "local,kubernetes",
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",

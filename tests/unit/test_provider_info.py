@@ -45,6 +45,8 @@ def test_every_vllm_batch_option_is_declared_with_a_fail_closed_default():
         assert options[name]["description"] and options[name]["type"] in ("string", "boolean"), name
     # nothing allowed until the deployment says so
     assert options["allowed_uri_prefixes"]["default"] == "" and options["kubernetes_defaults"]["default"] == ""
+    # a runner chosen at run time: only the one the deployment configured (utils/deployment.allowed_runners)
+    assert options["allowed_runners"]["default"] == ""
     for name in ("allow_any_location", "allow_remote_code", "deployment_settings_from_variables"):
         assert options[name]["type"] == "boolean" and options[name]["default"] == "False", name
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -204,3 +205,37 @@ def test_the_re_run_forms_output_cannot_nest_inside_another_runs_folder(allowed,
         op.execute({"ti": _plan_ti(), "params": {"output_uri": str(target)}})
     assert not target.exists()
     assert op.execute({"ti": _plan_ti(), "params": {"output_uri": str(allowed / "reruns" / "r1")}})
+
+
+@pytest.mark.reliability
+def test_a_trigger_cannot_move_the_shards_onto_the_airflow_worker(allowed, monkeypatch):
+    """A Kubernetes deployment ([vllm_batch] allowed_runners unset): the form's runner=local fails the plan task
+    without retry, naming the param, the value and the setting, before it writes or pushes anything; kubernetes
+    plans, and so does local once the deployment lists it. The DAG file's literal runner is not restricted."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", ",".join(prefixes(allowed)))
+    monkeypatch.delenv("AIRFLOW__VLLM_BATCH__ALLOWED_RUNNERS", raising=False)
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__KUBERNETES_SIGNING_SECRET", "vllm-batch-signing:key")
+
+    def plan(runner, params, ti=None):
+        op = VllmPlanOperator(task_id="plan", spec=base_doc(allowed), runner=runner)
+        context = {"ti": ti or _plan_ti(), "params": params}
+        op.render_template_fields(context)
+        return op.execute(context), context["ti"].xcoms
+
+    ti = _plan_ti()
+    with pytest.raises(AirflowFailException) as e:
+        plan("{{ params.runner }}", {"runner": "local"}, ti)
+    msg = str(e.value)
+    assert msg.startswith("plan: runner='local' (from '{{ params.runner }}': trigger params)"), msg
+    assert "[vllm_batch] allowed_runners (AIRFLOW__VLLM_BATCH__ALLOWED_RUNNERS)" in msg, msg
+    assert ti.xcoms == {} and not (allowed / "out").exists()
+    record_malicious("trigger_runner_local", 1, 1)
+    shards, xcoms = plan("{{ params.runner }}", {"runner": "kubernetes"})
+    assert shards and "spec" in xcoms
+    shutil.rmtree(allowed / "out")
+    assert plan("local", {"runner": "local"})[0]  # the DAG file's literal: its author's choice
+    shutil.rmtree(allowed / "out")
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_RUNNERS", "kubernetes,local")
+    assert plan("{{ params.runner }}", {"runner": "local"})[0]

@@ -1,4 +1,5 @@
-"""The runner branch: the shard task of the runner named at run time, or a failure naming the param."""
+"""The runner branch: the shard task of the runner named at run time, or a failure naming the param (an unknown
+runner, or one ``[vllm_batch] allowed_runners`` does not let a run choose)."""
 
 from __future__ import annotations
 
@@ -35,3 +36,25 @@ def test_only_the_runner_is_templated_and_the_task_map_is_copied():
     assert tuple(op.template_fields) == ("runner",) and op.shard_tasks["local"] == "job.shard"
     op.render_template_fields({"params": {"runner": "kubernetes"}})
     assert op.runner == "kubernetes" and op.choose_branch(context()) == "job.shard_kubernetes"
+
+
+@pytest.mark.reliability
+def test_a_runner_the_deployment_does_not_allow_fails_without_retry_a_literal_is_followed(monkeypatch):
+    """Defence in depth behind the plan task: a Kubernetes deployment (allowed_runners unset) does not follow a
+    trigger's runner=local onto the Airflow worker; an allowed value, or the DAG file's literal, is followed."""
+    monkeypatch.delenv("AIRFLOW__VLLM_BATCH__ALLOWED_RUNNERS", raising=False)
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__KUBERNETES_SIGNING_SECRET", "vllm-batch-signing:key")
+    op = branch("{{ params.runner }}")
+    op.render_template_fields({"params": {"runner": "local"}})
+    with pytest.raises(
+        AirflowFailException, match=r"runner: runner='local' .*trigger params.*allowed: \['kubernetes'\]"
+    ):
+        op.choose_branch(context())
+    op = branch("{{ params.runner }}")
+    op.render_template_fields({"params": {"runner": "kubernetes"}})
+    assert op.choose_branch(context()) == "job.shard_kubernetes"
+    assert branch("local").choose_branch(context()) == "job.shard"  # the DAG file's choice
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_RUNNERS", "kubernetes, local")
+    op = branch("{{ params.runner }}")
+    op.render_template_fields({"params": {"runner": "local"}})
+    assert op.choose_branch(context()) == "job.shard"

@@ -1,5 +1,5 @@
 """The deployment's rules read from [vllm_batch] (utils/deployment.py): the signing key, the Secret the pods
-get it from, and where result caches may live."""
+get it from, where result caches may live, and which runners a run may choose."""
 
 from __future__ import annotations
 
@@ -10,7 +10,10 @@ from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.utils.deployment import (
+    KUBERNETES_RUNNER_OPTIONS,
+    allowed_runners,
     cache_prefixes,
+    check_runner_choice,
     check_spec_allowed,
     kubernetes_signing_secret,
     signing_keyring,
@@ -140,3 +143,75 @@ def test_the_compile_cache_claim_is_off_unless_named_and_warm_starts_follow_it(m
         monkeypatch.setenv("AIRFLOW__VLLM_BATCH__KUBERNETES_COMPILE_CACHE_PVC", bad)
         with pytest.raises(AirflowFailException, match="not a PersistentVolumeClaim name"):
             compile_cache_pvc()
+
+
+@pytest.fixture
+def no_runner_settings(monkeypatch):
+    """A deployment that set neither ``allowed_runners`` nor any Kubernetes runner option (a laptop, CI)."""
+    for option in ("allowed_runners", *KUBERNETES_RUNNER_OPTIONS):
+        monkeypatch.delenv(f"AIRFLOW__VLLM_BATCH__{option.upper()}", raising=False)
+
+
+@pytest.mark.parametrize("option", KUBERNETES_RUNNER_OPTIONS)
+def test_unset_allowed_runners_allow_only_the_runner_the_deployment_configured(monkeypatch, no_runner_settings, option):
+    """Fail closed: a deployment with a Kubernetes runner option lets a run choose only pods (the local runner would
+    run vLLM on the Airflow worker, with its identity); one without lets it choose only local (a laptop, CI)."""
+    assert allowed_runners()[0] == ["local"]
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_RUNNERS", " , \n")  # only blanks: unset
+    assert allowed_runners()[0] == ["local"]
+    monkeypatch.setenv(f"AIRFLOW__VLLM_BATCH__{option.upper()}", "x")
+    runners, why = allowed_runners()
+    assert runners == ["kubernetes"] and "allowed_runners" in why and option in why
+
+
+@pytest.mark.parametrize(
+    ("value", "runners"),
+    [
+        ("kubernetes", ["kubernetes"]),
+        (" Kubernetes ,, LOCAL ,", ["kubernetes", "local"]),  # trimmed, lower-cased, blanks dropped
+        ("local\nlocal", ["local"]),
+        ('["local", "kubernetes"]', ["local", "kubernetes"]),
+    ],
+)
+def test_allowed_runners_read_a_list(monkeypatch, no_runner_settings, value, runners):
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__KUBERNETES_SIGNING_SECRET", "s:k")  # the list wins over the default
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_RUNNERS", value)
+    assert allowed_runners() == (runners, "[vllm_batch] allowed_runners (AIRFLOW__VLLM_BATCH__ALLOWED_RUNNERS)")
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("local,k8s", r"names \['k8s'\], not runners"),
+        ("docker", r"names \['docker'\], not runners"),
+        ("local kubernetes", r"names \['local kubernetes'\], not runners"),  # spaces do not separate
+        ('["local", 1]', "must be a list of strings"),
+        ('["local"', "is not a JSON list"),
+    ],
+)
+def test_a_malformed_allowed_runners_fails_naming_the_option(monkeypatch, no_runner_settings, value, message):
+    """A typo in a setting that widens what a trigger may do is an error, not ignored."""
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_RUNNERS", value)
+    with pytest.raises(AirflowFailException, match=message) as e:
+        allowed_runners()
+    assert "allowed_runners" in str(e.value)
+    with pytest.raises(AirflowFailException, match=message):  # a run-time choice is refused, even an allowed one
+        check_runner_choice("{{ params.runner }}", "local", "plan")
+
+
+@pytest.mark.reliability
+def test_a_run_time_runner_outside_the_allowed_ones_is_refused_a_literal_never(monkeypatch, no_runner_settings):
+    from jinja2 import Environment
+
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__KUBERNETES_SIGNING_SECRET", "s:k")
+    with pytest.raises(AirflowFailException) as e:
+        check_runner_choice("{{ params.runner }}", "local", "plan", Environment())
+    msg = str(e.value)
+    assert msg.startswith("plan: runner='local' (from '{{ params.runner }}': trigger params)"), msg
+    assert "allowed: ['kubernetes']" in msg and "AIRFLOW__VLLM_BATCH__ALLOWED_RUNNERS" in msg, msg
+    with pytest.raises(AirflowFailException, match="runner='local' .*Variables"):
+        check_runner_choice("{{ var.value.get('vllm_batch_runner', 'local') }}", "local", "plan", Environment())
+    check_runner_choice("{{ params.runner }}", "kubernetes", "plan")
+    check_runner_choice(" local ", "local", "plan")  # the DAG file's literal: the DAG author's choice
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_RUNNERS", "kubernetes,local")
+    check_runner_choice("{{ params.runner }}", "local", "plan")
