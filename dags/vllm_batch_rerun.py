@@ -27,8 +27,9 @@ plan task logs rows, tokens, shards, GPU-hours and the memory plan, and the rest
 Runners: `local` (a worker process per shard on the Airflow worker) or `kubernetes` (one pod
 per shard from the pinned worker image, configured by the `vllm_batch_kubernetes` Variable;
 see docs/kubernetes.md). The `runner` task after `plan` skips the shard task of the runner not chosen
-(it shows as skipped). The form may choose only a runner the deployment allows,
-`[vllm_batch] allowed_runners`; unset, only the one it configured: `kubernetes` where any
+(it shows as skipped). An empty *Runner* field takes the `vllm_batch_runner` Variable (else
+`local`), as the nightly DAGs do. Whatever the form or Variable says must be a runner the deployment
+allows, `[vllm_batch] allowed_runners`; unset, only the one it configured: `kubernetes` where any
 `kubernetes_*` option is set, else `local`. So on a Kubernetes deployment *Runner* `local` (vLLM
 on the Airflow worker, as the worker's identity) fails `plan`, naming the option, until the
 deployment lists it.
@@ -112,9 +113,10 @@ with DAG(
         ),
         "runner": param(
             "runner",
-            "local",
+            None,
             title="Runner",
-            description="Where shards run; only a runner the deployment allows ([vllm_batch] allowed_runners)",
+            description="Where shards run: local or kubernetes, one the deployment allows ([vllm_batch] "
+            "allowed_runners). Empty: the vllm_batch_runner Variable (else local), as the nightly DAGs",
         ),
         "dry_run": param(
             "dry_run",
@@ -145,6 +147,7 @@ with DAG(
             "shard_rows",
             "compare_with",
         ],
-        runner="{{ params.runner }}",
+        # an empty Runner field: the deployment's runner, as the nightly DAGs' (RUNNER)
+        runner="{{ params.runner or var.value.get('vllm_batch_runner', 'local') }}",
         asset=Asset(uri="x-vllm-batch://ticket_reclassification_reruns", name="ticket_reclassification_reruns"),
     )

@@ -54,7 +54,7 @@ PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
     "max_tokens": {"type": "integer", "minimum": 1, "maximum": 4096},
     "shard_rows": {"type": "integer", "minimum": 1},
     "max_shards": {"type": "integer", "minimum": 1, "maximum": 100_000},
-    "runner": {"type": "string", "enum": ["local", "kubernetes"]},
+    "runner": {"type": ["null", "string"], "enum": [None, "local", "kubernetes"]},
     "dry_run": {"type": "boolean"},
 }
 # The string params: their spec values are re-checked in the worker (numbers are bounded by JobSpec).

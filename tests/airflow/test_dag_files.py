@@ -66,12 +66,15 @@ def test_rerun_params_form_schema():
         "dry_run",
     }
     assert schema["dry_run"]["type"] == "boolean"
-    assert schema["runner"]["enum"] == ["local", "kubernetes"]
+    assert schema["runner"]["enum"] == [None, "local", "kubernetes"]  # empty: the deployment's runner
     assert schema["shard_rows"]["minimum"] == 1 and schema["shard_rows"]["type"] == "integer"
     assert schema["input_uri"]["pattern"].startswith("^") and schema["output_uri"]["pattern"].endswith("$")
     assert schema["compare_with"]["pattern"] == schema["output_uri"]["pattern"]
     plan = dag.task_dict["rerun.plan"]
-    assert plan.runner == "{{ params.runner }}" and "shard_rows" in plan.param_overrides
+    assert (
+        plan.runner == "{{ params.runner or var.value.get('vllm_batch_runner', 'local') }}"
+        and "shard_rows" in plan.param_overrides
+    )
 
 
 def test_parsing_the_dag_files_does_no_io_and_reads_no_variable(tmp_path):
