@@ -371,6 +371,14 @@ class ChangesSummary(Record):
     files: dict[str, RunFile] = Field(description="output kind -> path under the output prefix")
     checksums: dict[RunFile, str] = Field(description="path -> sha256 of changes.parquet")
     notes: list[str] = Field(default_factory=list, description="what the reader should know (no previous run ...)")
+    merged_mac: str | None = Field(
+        None,
+        description="the seal (mac) of this run's _MERGED.json the change set was computed from; publish refuses a "
+        "change set of another merge of the folder (absent in summaries written before it was recorded: refused)",
+    )
+    previous_merged_mac: str | None = Field(
+        None, description="the seal (mac) of the previous run's _MERGED.json it was compared with (complete only)"
+    )
     seal: Seal | None = Field(None, description="the QA task's seal (core/seal.py, domain changes, scope the run)")
 
 
@@ -393,6 +401,11 @@ class QARecord(Record):
     spec_hash: str = Field(description="the spec hash of the merged run QA measured (its sealed _MERGED.json)")
     config_hash: str = Field(description="the config hash of the merged run QA measured")
     merged_mac: str = Field(description="the seal (mac) of the _MERGED.json QA measured")
+    changes_mac: str | None = Field(
+        None,
+        description="the seal (mac) of the changes/_changes.json this QA wrote and judged (changes.previous_uri "
+        "set; absent otherwise): publish publishes no other change set",
+    )
     rows: int = Field(ge=0, description="rows of the merged run (results + errors)")
     files: dict[Literal["report_json", "report_html", "sample"], QAFile] = Field(
         description="what QA wrote: report_json, report_html, sample -> path, size, sha256"
