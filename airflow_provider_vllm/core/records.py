@@ -7,6 +7,8 @@
 - ``MergeSummary``: ``_MERGED.json`` and, without per-shard stats, the merge task's XCom.
 - ``ChangesSummary``: ``changes/_changes.json``, what moved since the previous run (``steps/merge/changes.py``).
 - ``QARecord``: ``qa/_QA.json``, QA's sealed verdict and the digests of its report files (``steps/qa/store.py``).
+- ``PublishingRecord``: ``_PUBLISHING.json``, publish's sealed notice that it began a table commit
+  (``steps/tables/commit.py``).
 - ``GoldenSummary``: ``golden/_golden.json``, the golden rows that rode along (``steps/golden.py``).
 - ``ThroughputRecord``: one line of the throughput history (``steps/plan/sizing.py``).
 - ``CacheCommit`` / ``CacheMergeSummary``: the result cache's commit marker and what a merge did
@@ -411,6 +413,19 @@ class QARecord(Record):
         description="what QA wrote: report_json, report_html, sample -> path, size, sha256"
     )
     seal: Seal | None = Field(None, description="the QA task's seal (core/seal.py, domain qa, scope the run)")
+
+
+class PublishingRecord(Record):
+    """``_PUBLISHING.json``: written and sealed by publish (``core/seal.py``, domain ``publishing``, scope the run)
+    before its first commit of the run's parts to ``io.output_table``; from then on merge never changes the parts
+    (the table references them by path). One without this deployment's seal is ignored."""
+
+    version: int = Field(1, description="record format version")
+    table: str = Field(description="io.output_table.identifier: the table the parts are committed to")
+    run_id: str = Field(description="the run id the table's snapshot summary carries (vllm-batch.run-id)")
+    results_manifest_sha256: str | None = Field(None, description="sha256 of the results manifest being committed")
+    started: str = Field(description="UTC time publish began its commit (ISO 8601)")
+    seal: Seal | None = Field(None, description="the publish task's seal (core/seal.py, domain publishing)")
 
 
 class CacheCommit(Record):

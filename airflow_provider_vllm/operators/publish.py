@@ -170,6 +170,7 @@ class VllmPublishOperator(BaseOperator):
             plan.result_schema(),
             run_id=canonical_uri(spec.io.output_uri, "io.output_uri", resolve=False),
             run_date=run_date,
+            keyring=keyring,
             properties={
                 "airflow-run": f"{marker['airflow']['dag_id']}/{marker['airflow']['run_id']}",
                 "results-manifest-sha256": str(merged_results_sha(marker)),
