@@ -7,6 +7,8 @@
 - ``MergeSummary``: ``_MERGED.json`` and, without per-shard stats, the merge task's XCom.
 - ``ChangesSummary``: ``changes/_changes.json``, what moved since the previous run (``steps/merge/changes.py``).
 - ``QARecord``: ``qa/_QA.json``, QA's sealed verdict and the digests of its report files (``steps/qa/store.py``).
+- ``PublishingRecord``: ``_PUBLISHING.json``, publish's sealed notice that it began a table commit
+  (``steps/tables/commit.py``).
 - ``GoldenSummary``: ``golden/_golden.json``, the golden rows that rode along (``steps/golden.py``).
 - ``ThroughputRecord``: one line of the throughput history (``steps/plan/sizing.py``).
 - ``CacheCommit`` / ``CacheMergeSummary``: the result cache's commit marker and what a merge did
@@ -371,6 +373,14 @@ class ChangesSummary(Record):
     files: dict[str, RunFile] = Field(description="output kind -> path under the output prefix")
     checksums: dict[RunFile, str] = Field(description="path -> sha256 of changes.parquet")
     notes: list[str] = Field(default_factory=list, description="what the reader should know (no previous run ...)")
+    merged_mac: str | None = Field(
+        None,
+        description="the seal (mac) of this run's _MERGED.json the change set was computed from; publish refuses a "
+        "change set of another merge of the folder (absent in summaries written before it was recorded: refused)",
+    )
+    previous_merged_mac: str | None = Field(
+        None, description="the seal (mac) of the previous run's _MERGED.json it was compared with (complete only)"
+    )
     seal: Seal | None = Field(None, description="the QA task's seal (core/seal.py, domain changes, scope the run)")
 
 
@@ -393,11 +403,29 @@ class QARecord(Record):
     spec_hash: str = Field(description="the spec hash of the merged run QA measured (its sealed _MERGED.json)")
     config_hash: str = Field(description="the config hash of the merged run QA measured")
     merged_mac: str = Field(description="the seal (mac) of the _MERGED.json QA measured")
+    changes_mac: str | None = Field(
+        None,
+        description="the seal (mac) of the changes/_changes.json this QA wrote and judged (changes.previous_uri "
+        "set; absent otherwise): publish publishes no other change set",
+    )
     rows: int = Field(ge=0, description="rows of the merged run (results + errors)")
     files: dict[Literal["report_json", "report_html", "sample"], QAFile] = Field(
         description="what QA wrote: report_json, report_html, sample -> path, size, sha256"
     )
     seal: Seal | None = Field(None, description="the QA task's seal (core/seal.py, domain qa, scope the run)")
+
+
+class PublishingRecord(Record):
+    """``_PUBLISHING.json``: written and sealed by publish (``core/seal.py``, domain ``publishing``, scope the run)
+    before its first commit of the run's parts to ``io.output_table``; from then on merge never changes the parts
+    (the table references them by path). One without this deployment's seal is ignored."""
+
+    version: int = Field(1, description="record format version")
+    table: str = Field(description="io.output_table.identifier: the table the parts are committed to")
+    run_id: str = Field(description="the run id the table's snapshot summary carries (vllm-batch.run-id)")
+    results_manifest_sha256: str | None = Field(None, description="sha256 of the results manifest being committed")
+    started: str = Field(description="UTC time publish began its commit (ISO 8601)")
+    seal: Seal | None = Field(None, description="the publish task's seal (core/seal.py, domain publishing)")
 
 
 class CacheCommit(Record):

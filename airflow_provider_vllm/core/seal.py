@@ -2,7 +2,8 @@
 
 A file in a bucket proves nothing about who wrote it: every person and job that may write an
 output prefix or the cache folder can write any bytes there. What the pipeline reuses or publishes
-(the plan, a chunk, a shard's commit marker, the merge summary, QA's verdict, a cache entry, ``_SUCCESS.json``)
+(the plan, a chunk, a shard's commit marker, the merge summary, QA's verdict, a cache entry, ``_SUCCESS.json``,
+``_PUBLISHING.json``)
 therefore carries a *seal*: an HMAC-SHA256 over a domain, a scope (the run's output URI, the cache
 folder ...) and the record's canonical JSON, made with the deployment's signing key
 (``[vllm_batch] signing_key`` on the Airflow side; ``VLLM_BATCH_SIGNING_KEY`` in the worker's
@@ -51,7 +52,10 @@ CHANGES = "changes"
 COMPILE_CACHE = "compile-cache"
 QA = "qa"
 HISTORY = "history"
-DOMAINS = frozenset({PLAN, CHUNK, COMMIT, MERGED, SUCCESS, CACHE_ENTRY, CHANGES, COMPILE_CACHE, QA, HISTORY})
+PUBLISHING = "publishing"
+DOMAINS = frozenset(
+    {PLAN, CHUNK, COMMIT, MERGED, SUCCESS, CACHE_ENTRY, CHANGES, COMPILE_CACHE, QA, HISTORY, PUBLISHING}
+)
 
 
 class Seal(BaseModel):

@@ -22,7 +22,7 @@ from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.hooks.filesystems import task_filesystems
 from airflow_provider_vllm.hooks.iceberg import tables as iceberg_tables
 from airflow_provider_vllm.steps.lineage import publish_lineage
-from airflow_provider_vllm.steps.merge.changes import CHANGES, read_changes
+from airflow_provider_vllm.steps.merge.changes import CHANGES, changes_to_publish
 from airflow_provider_vllm.steps.merge.changes import SUMMARY as CHANGES_SUMMARY
 from airflow_provider_vllm.steps.merge.merger import (
     ERRORS,
@@ -170,6 +170,7 @@ class VllmPublishOperator(BaseOperator):
             plan.result_schema(),
             run_id=canonical_uri(spec.io.output_uri, "io.output_uri", resolve=False),
             run_date=run_date,
+            keyring=keyring,
             properties={
                 "airflow-run": f"{marker['airflow']['dag_id']}/{marker['airflow']['run_id']}",
                 "results-manifest-sha256": str(merged_results_sha(marker)),
@@ -230,8 +231,8 @@ class VllmPublishOperator(BaseOperator):
                 checksums[rel] = out.sha256(rel)
             except (ValueError, CommitError, IsADirectoryError) as e:
                 raise AirflowFailException(f"publish: extra_files: {rel!r} is not a file of the run ({e})") from None
-        if changes:  # sealed by QA, changes.parquet as it wrote it
-            checksums.update(read_changes(out, keyring).checksums)
+        if changes:  # the change set QA made from this merge and judged: changes.parquet and its summary as read
+            checksums.update(changes_to_publish(out, keyring, merged, qa.changes_mac))
         dag_run = context.get("dag_run")
         logical_date = context.get("logical_date")
         return {

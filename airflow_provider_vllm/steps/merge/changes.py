@@ -39,6 +39,7 @@ rerun overwrites both, so a crash between them is repaired by running the step a
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -245,6 +246,8 @@ def compute_changes(
         raise SpecError(f"changes.previous_uri {spec.changes.previous_uri!r} is this run's own output prefix")
     keyring = keyring or Keyring.from_env()
     merged, parts = verified if verified is not None else (read_merged(out, keyring), None)
+    if merged.seal is None:  # read_merged checked it: the change set names the merge it was made from
+        raise SealError(f"{out.uri(MERGED)}: a merge summary without a seal; nothing to compare")
     col = compared_column(spec)
     state, prev_merged = _previous_state(prev, f"changes.previous_uri {spec.changes.previous_uri!r}", keyring)
     notes: list[str] = []
@@ -356,6 +359,8 @@ def compute_changes(
         files={"changes": CHANGES},
         checksums={CHANGES: digest},
         notes=notes,
+        merged_mac=merged.seal.mac,
+        previous_merged_mac=prev_merged.seal.mac if prev_merged is not None and prev_merged.seal else None,
     )
     summary = seals.seal_record(keyring, seals.CHANGES, seals.scope_of(out.uri()), summary)
     with faults.writing("changes.mid_marker"):
@@ -367,14 +372,46 @@ def compute_changes(
 def read_changes(out: Storage, keyring: Keyring | None = None) -> ChangesSummary:
     """``changes/_changes.json`` of the run under ``out``, validated, its seal checked, and ``changes.parquet``
     checked against it (size is not recorded; sha256, a streaming read); CommitError/SealError otherwise."""
-    summary = ChangesSummary.model_validate_json(out.read_bytes(SUMMARY))
-    seals.verify_record(
-        keyring or Keyring.from_env(), seals.CHANGES, seals.scope_of(out.uri()), summary, out.uri(SUMMARY)
-    )
+    return _read_changes(out, keyring or Keyring.from_env())[0]
+
+
+def _read_changes(out: Storage, keyring: Keyring) -> tuple[ChangesSummary, str]:
+    """``read_changes`` and the sha256 of the summary's bytes as read."""
+    raw = out.read_bytes(SUMMARY)
+    summary = ChangesSummary.model_validate_json(raw)
+    seals.verify_record(keyring, seals.CHANGES, seals.scope_of(out.uri()), summary, out.uri(SUMMARY))
     for rel, sha in summary.checksums.items():
         if rel != CHANGES or out.sha256(rel) != sha:
             raise CommitError(f"{out.uri(rel)} is not the file the sealed {SUMMARY} names (sha256 differs)")
-    return summary
+    return summary, hashlib.sha256(raw).hexdigest()
+
+
+def changes_to_publish(out: Storage, keyring: Keyring, merged: MergeSummary, changes_mac: str | None) -> dict[str, str]:
+    """The change set's files with their sha256 (``changes.parquet`` and ``_changes.json`` as read), when it is the
+    one QA made from this merge and judged: ``read_changes``, made from ``merged`` (the sealed ``_MERGED.json``
+    being published: its ``merged_mac``) and the one whose seal ``changes_mac`` names (QA's sealed verdict).
+
+    Every record of an earlier merge or QA of this folder is sealed for it too: a change set put back from one
+    (a QA that ran before the previous run was merged, then again after; a merge run again) would be published
+    with this verdict. CommitError naming the file otherwise, also for records written before these fields
+    (fail closed: run QA again)."""
+    summary, raw_sha = _read_changes(out, keyring)
+    where = out.uri(SUMMARY)
+    rerun = "run the QA task again (it computes and seals the change set of this merge), then publish"
+    if summary.merged_mac is None:
+        raise CommitError(f"{where} names no merge (written before change sets named theirs); {rerun}")
+    if summary.merged_mac != getattr(merged.seal, "mac", None):
+        raise CommitError(
+            f"{where} is the change set of another merge of this folder (an earlier one put back), not of "
+            f"{out.uri(MERGED)}; {rerun}"
+        )
+    if changes_mac is None:
+        raise CommitError(f"QA's sealed verdict names no change set (QA of an earlier version); {rerun}")
+    if getattr(summary.seal, "mac", None) != changes_mac:
+        raise CommitError(
+            f"{where} is not the change set QA's sealed verdict names (an earlier QA of this folder put back); {rerun}"
+        )
+    return {**summary.checksums, SUMMARY: raw_sha}
 
 
 def _publish(out: Storage, local: str, rel: str) -> None:

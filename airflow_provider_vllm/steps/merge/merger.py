@@ -61,10 +61,11 @@ from airflow_provider_vllm.core.records import (
     MergeSummary,
     PartEntry,
     PartsManifest,
+    PublishingRecord,
     ShardStatsEntry,
 )
 from airflow_provider_vllm.core.rows import ERROR_SCHEMA, RESULT_SCHEMA, ROW_SCHEMA
-from airflow_provider_vllm.core.seal import Keyring
+from airflow_provider_vllm.core.seal import Keyring, Seal
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import (
     CheckedCopies,
@@ -100,6 +101,8 @@ MANIFEST = "_manifest.json"
 SUCCESS = "_SUCCESS.json"  # written by publish (steps/publish.py) once the run is published
 # written by publish before it commits the run's parts to an output table (the table then references them by path)
 PUBLISHING = "_PUBLISHING.json"
+Published = tuple[str, str]  # why a run's parts may no longer change, and what the operator can do
+_NEW_PREFIX = "Merge into a new output prefix (io.output_uri)"
 MERGED = "_MERGED.json"
 OPENAI_OUT = "openai/output.jsonl"
 OPENAI_ERR = "openai/errors.jsonl"
@@ -239,7 +242,7 @@ def _merge(
     faults.hit("merge.before_write")
     schemas = {RESULTS: plan.result_schema(), ERRORS: plan.error_schema()}
     # A published run's parts are what its readers and its output table reference by path: never changed
-    published = out.exists(SUCCESS) or out.exists(PUBLISHING)
+    published = published_state(out, keyring)
     manifests = {kind: publish_parts(out, kind, sources[kind], drop, schemas[kind], published) for kind in KINDS}
     if not out.is_local:  # a server-side copy of a checked source: check what readers will read (local: links)
         for kind in KINDS:
@@ -869,7 +872,7 @@ def publish_parts(
     sources: list[SourcePart],
     drop: dict[str, list[int]],
     schema: pa.Schema | None = None,
-    published: bool = False,
+    published: Published | None = None,
 ) -> PartsManifest:
     """Publish ``sources`` into ``kind``/ by reference, in order; returns the folder's manifest (not yet written).
 
@@ -878,9 +881,9 @@ def publish_parts(
     the schema. A part that lost dropped duplicate rows
     is re-encoded without them. A part already published with the right size is kept, so a
     rerun only does what a crash left undone; stale ``part-*`` files and temp files are removed.
-    ``published``: the run has ``_SUCCESS.json`` (or ``_PUBLISHING.json``: publish began a table commit):
-    CommitError before anything is written when a part would be added, replaced or removed (only a rerun whose
-    parts are all in place goes on).
+    ``published``: why the run's parts may not change (``published_state``: a sealed ``_SUCCESS.json`` or
+    ``_PUBLISHING.json``): CommitError before anything is written when a part would be added, replaced or removed
+    (only a rerun whose parts are all in place goes on).
     """
     chosen = [p for p in sources if p.rows - len(drop.get(p.rel, ())) > 0] or sources[:1]
     entries: list[PartEntry] = []
@@ -899,23 +902,50 @@ def publish_parts(
     keep = {e.name for e in entries} | {MANIFEST}
     stale = [n for n in out.listdir(kind) if n not in keep and PART_NAME.fullmatch(n)]
     if published and stale:
-        _refuse_published(out, f"{kind}/{stale[0]}", "remove")
+        _refuse_published(out, f"{kind}/{stale[0]}", "remove", published)
     for name in out.listdir(kind):
         if name not in keep:
             out.remove(f"{kind}/{name}")
     return PartsManifest(kind=kind, rows=sum(e.rows for e in entries), parts=entries)
 
 
-def _refuse_published(out: Storage, rel: str, change: str) -> None:
+def published_state(out: Storage, keyring: Keyring) -> Published | None:
+    """Why merge may no longer change the run's parts and what the operator can do, or None: a ``_SUCCESS.json``
+    (the run is published) or a ``_PUBLISHING.json`` (publish began committing its parts to ``io.output_table``)
+    carrying this deployment's seal for the run. One without that seal was not written by this pipeline (whoever
+    may write the prefix can write any file, and change the parts themselves): ignored, with a warning naming it."""
+    scope = seals.scope_of(out.uri())
+    if out.exists(SUCCESS):
+        try:
+            doc = json.loads(out.read_bytes(SUCCESS))
+            seal = doc.pop("seal", None) if isinstance(doc, dict) else None
+            keyring.verify(seals.SUCCESS, scope, doc, Seal.model_validate(seal) if seal else None, out.uri(SUCCESS))
+            return f"published ({SUCCESS})", _NEW_PREFIX
+        except (ValueError, CommitError) as e:  # not JSON, not a seal, SealError
+            log.warning("%s is not a marker this deployment's publish sealed; ignored: %s", out.uri(SUCCESS), e)
+    if out.exists(PUBLISHING):
+        try:
+            rec = PublishingRecord.model_validate_json(out.read_bytes(PUBLISHING))
+            seals.verify_record(keyring, seals.PUBLISHING, scope, rec, out.uri(PUBLISHING))
+            return f"published to table {rec.table} ({PUBLISHING}: publish began its commit at {rec.started})", (
+                f"{_NEW_PREFIX}; or, only when no snapshot of table {rec.table} names run {rec.run_id} (its "
+                f"summary's vllm-batch.run-id: the commit failed), delete {out.uri(PUBLISHING)} and merge again"
+            )
+        except (ValueError, CommitError) as e:
+            log.warning("%s is not a marker this deployment's publish sealed; ignored: %s", out.uri(PUBLISHING), e)
+    return None
+
+
+def _refuse_published(out: Storage, rel: str, change: str, published: Published | None) -> None:
+    state, remedy = published or ("published", _NEW_PREFIX)
     raise CommitError(
-        f"{out.uri(rel)}: the run under {out.uri()} is published ({SUCCESS} or {PUBLISHING} exists) and this merge "
-        f"would {change} "
-        f"that part (the committed parts changed since the merge that was published, e.g. a shard rerun): readers "
-        "and the output table reference the published parts by path. Merge into a new output prefix (io.output_uri)"
+        f"{out.uri(rel)}: the run under {out.uri()} is {state} and this merge would {change} that part (the "
+        "committed parts changed since the merge that was published, e.g. a shard rerun): readers and the output "
+        f"table reference the published parts by path. {remedy}"
     )
 
 
-def _publish_reference(out: Storage, src: SourcePart, rel: str, published: bool = False) -> None:
+def _publish_reference(out: Storage, src: SourcePart, rel: str, published: Published | None = None) -> None:
     """``src`` visible whole at ``rel`` without decoding it: hard link, else copy (local), server-side copy (remote).
 
     A part already there (a rerun) is kept only when it is the same file (local) or has the source's sealed
@@ -931,7 +961,7 @@ def _publish_reference(out: Storage, src: SourcePart, rel: str, published: bool 
     elif out.exists(rel) and out.size(rel) == src.bytes and out.sha256(rel) == src.sha256:
         return
     if published:
-        _refuse_published(out, rel, "replace" if out.exists(rel) else "add")
+        _refuse_published(out, rel, "replace" if out.exists(rel) else "add", published)
     if not out.is_local:
         out.copy(src.rel, rel)  # server-side: one object, visible whole or not at all
         return
@@ -950,13 +980,13 @@ def _publish_reference(out: Storage, src: SourcePart, rel: str, published: bool 
     os.replace(tmp, dest)
 
 
-def _publish_local(out: Storage, kind: str, local: str, name: str, published: bool = False) -> PartEntry:
+def _publish_local(out: Storage, kind: str, local: str, name: str, published: Published | None = None) -> PartEntry:
     """A file merge wrote itself (an empty part, a part re-encoded without dropped duplicates) at ``kind/name``."""
     rel = f"{kind}/{name}"
     size, digest = os.path.getsize(local), Storage(os.path.dirname(local)).sha256(os.path.basename(local))
     if not (out.exists(rel) and out.size(rel) == size and out.sha256(rel) == digest):
         if published:
-            _refuse_published(out, rel, "replace" if out.exists(rel) else "add")
+            _refuse_published(out, rel, "replace" if out.exists(rel) else "add", published)
         if out.is_local:
             dest = out.path(rel)
             os.makedirs(os.path.dirname(dest), exist_ok=True)

@@ -75,11 +75,12 @@ def _qa_run(
         previous = load_previous_report(spec.qa.previous_report_uri, spec.io.storage_options, filesystems, keyring)
     # what moved since the previous run (changes/ output), before the checks that read it
     # (this run's parts: the checked copies above, passed on, not copied a second time)
-    changes = (
-        compute_changes(spec, filesystems, keyring=keyring, verified=(merged, parts)).dump()
+    change_set = (
+        compute_changes(spec, filesystems, keyring=keyring, verified=(merged, parts))
         if spec.changes.previous_uri
         else None
     )
+    changes = change_set.dump() if change_set is not None else None
     st = spec.sampling.structured
     args: dict[str, Any] = dict(
         spec=spec.qa,
@@ -160,7 +161,8 @@ def _qa_run(
     report.sample = _with_input_excerpt(spec, report.sample, out, plan)
     if (dedupe := dedupe_metrics(plan, merged)) is not None:  # rows answered by a row of the same prompt
         report.metrics["dedupe"] = dedupe
-    paths = write_qa(report, out, keyring=keyring, measured=merged)  # the sealed qa/_QA.json last
+    # the sealed qa/_QA.json last, naming the merge it measured and the change set it judged
+    paths = write_qa(report, out, keyring=keyring, measured=merged, changes=change_set)
     return report, paths
 
 

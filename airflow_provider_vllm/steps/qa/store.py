@@ -17,7 +17,7 @@ from typing import Any
 from airflow_provider_vllm.core import seal as seals
 from airflow_provider_vllm.core.errors import CommitError, SealError
 from airflow_provider_vllm.core.part_names import check_inside
-from airflow_provider_vllm.core.records import MergeSummary, QAFile, QARecord
+from airflow_provider_vllm.core.records import ChangesSummary, MergeSummary, QAFile, QARecord
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.storage import FileSystems, Storage
 from airflow_provider_vllm.steps.merge.merger import MERGED
@@ -53,9 +53,11 @@ def write_qa(
     *,
     keyring: Keyring | None = None,
     measured: MergeSummary | None = None,
+    changes: ChangesSummary | None = None,
 ) -> dict[str, str]:
     """Write ``{prefix}/sample.parquet``, ``report.html``, ``report.json`` and, given ``keyring`` and ``measured``
-    (the sealed merge summary QA measured), last the sealed ``{prefix}/_QA.json``; each atomically.
+    (the sealed merge summary QA measured), last the sealed ``{prefix}/_QA.json``; each atomically. ``changes``: the
+    sealed change set QA wrote and judged (``changes.previous_uri``), named in the record by its seal.
 
     Returns the relative paths under ``storage``: keys ``report_json``, ``report_html``, ``sample``; and the sha256
     of the two reports as written, keys ``report_json_sha256`` and ``report_html_sha256`` (the QA task's XCom
@@ -92,18 +94,28 @@ def write_qa(
     digests = {f"{kind}_sha256": written[kind][1] for kind in ("report_html", "report_json")}
     if keyring is not None and measured is not None:
         files = {k: QAFile(path=paths[k], bytes=n, sha256=sha) for k, (n, sha) in written.items()}
-        digests["record_mac"] = _write_record(storage, record_path, report, files, keyring, measured)
+        digests["record_mac"] = _write_record(storage, record_path, report, files, keyring, measured, changes)
     return {**paths, **digests}
 
 
 def _write_record(
-    storage: Storage, rel: str, report: QAReport, files: dict[str, QAFile], keyring: Keyring, measured: MergeSummary
+    storage: Storage,
+    rel: str,
+    report: QAReport,
+    files: dict[str, QAFile],
+    keyring: Keyring,
+    measured: MergeSummary,
+    changes: ChangesSummary | None = None,
 ) -> str:
-    """The sealed ``QARecord`` of what QA concluded about the merge it measured, and the files it wrote (their size
-    and sha256 as written, not as the bucket holds them later); returns its seal's mac."""
+    """The sealed ``QARecord`` of what QA concluded about the merge it measured and the change set it judged, and
+    the files it wrote (their size and sha256 as written, not as the bucket holds them later); returns its seal's
+    mac."""
     merged_seal = seals.seal_of(measured)
     if merged_seal is None:  # QA measures only a sealed merge (read_merged)
         raise SealError(f"{storage.uri(MERGED)}: QA measured a merge summary without a seal; nothing to vouch for")
+    changes_seal = seals.seal_of(changes) if changes is not None else None
+    if changes is not None and changes_seal is None:  # compute_changes seals what it writes
+        raise SealError("QA judged a change set without a seal; nothing to vouch for")
     record = QARecord(
         status=report.status,
         summary=report.summary_line(),
@@ -112,6 +124,7 @@ def _write_record(
         merged_mac=merged_seal.mac,
         rows=measured.rows,
         files=files,
+        **({"changes_mac": changes_seal.mac} if changes_seal is not None else {}),
     )
     record = seals.seal_record(keyring, seals.QA, seals.scope_of(storage.uri()), record)
     storage.write_atomic(rel, seals.record_bytes(record))

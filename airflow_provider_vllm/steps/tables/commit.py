@@ -10,14 +10,13 @@ publish, or one killed after the catalog took the commit; it must have committed
 (CommitError otherwise: the folder was merged again). A run whose snapshot was expired counts as committed when
 the current snapshot holds all its parts. The catalog's compare-and-swap makes the commit all or nothing; a
 commit that lost a race is not retried by pyiceberg but decided again here (the run may be what won). Before its
-first commit it writes ``_PUBLISHING.json`` into the run folder: merge then never changes the parts the table
-references. See docs/adr/0009-iceberg-tables.md.
+first commit it writes ``_PUBLISHING.json`` into the run folder, sealed: merge then never changes the parts the table
+references (an unsealed one is not this pipeline's and is ignored). See docs/adr/0009-iceberg-tables.md.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import json
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -27,9 +26,12 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from airflow_provider_vllm.core import seal as seals
 from airflow_provider_vllm.core.allow_list import canonical_uri, check_uri
 from airflow_provider_vllm.core.errors import CommitError, SpecError, TransientError
 from airflow_provider_vllm.core.plan import ChangesFrom
+from airflow_provider_vllm.core.records import PublishingRecord
+from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec, TableOutput
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.steps.merge.merger import PUBLISHING
@@ -84,11 +86,13 @@ def commit_results(
     run_id: str,
     run_date: dt.date,
     properties: Mapping[str, str] = {},
+    keyring: Keyring | None = None,
 ) -> TableCommit:
     """Commit the parts (paths under ``out``) to ``target``'s table as one snapshot; a no-op if committed.
 
     ``schema``: the parts' Arrow schema (``Plan.result_schema()``), which the table must accept (created from it
-    with ``target.create``). ``run_date``: the date partition's value (``target.date_column``). Raises SpecError
+    with ``target.create``). ``run_date``: the date partition's value (``target.date_column``). ``keyring``: seals
+    ``_PUBLISHING.json`` (default ``VLLM_BATCH_SIGNING_KEY``). Raises SpecError
     for a table that is missing (without ``create``), partitioned otherwise, or whose schema the parts do not
     fit; CommitError when the catalog refuses the commit (the table is then unchanged).
     """
@@ -117,10 +121,10 @@ def commit_results(
             return _done(target, table, found, already=True)
         if data_files is None:
             _check_table(table, target, schema)
-            # from here on the table may reference the parts by path: a later merge of the folder must not change
-            # them (merge refuses while this file or _SUCCESS.json exists)
-            out.write_atomic(PUBLISHING, json.dumps({"table": target.identifier, "run_id": run_id}).encode())
             data_files = [_data_file(table, out, rel, uri, target, run_date) for rel, uri in zip(parts, uris)]
+            # from here on the table may reference the parts by path: a later merge of the folder must not change
+            # them (merge refuses while this sealed file or _SUCCESS.json exists)
+            _write_publishing(out, keyring or Keyring.from_env(), target, run_id, props.get(MANIFEST_SHA))
         try:
             _transaction(table, target, data_files, props, run_date).commit_transaction()
         except (CommitFailedException, ValidationException) as e:  # the table moved under this attempt
@@ -137,6 +141,20 @@ def commit_results(
         f"table {target.identifier}: the catalog refused the commit of run {run_id} {COMMIT_ATTEMPTS} times "
         f"(concurrent commits to the table): {last}"
     )
+
+
+def _write_publishing(
+    out: Storage, keyring: Keyring, target: TableOutput, run_id: str, manifest_sha: str | None
+) -> None:
+    """The sealed ``_PUBLISHING.json`` (``records.PublishingRecord``): merge honours no other."""
+    record = PublishingRecord(
+        table=target.identifier,
+        run_id=run_id,
+        results_manifest_sha256=manifest_sha,
+        started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    )
+    record = seals.seal_record(keyring, seals.PUBLISHING, seals.scope_of(out.uri()), record)
+    out.write_atomic(PUBLISHING, seals.record_bytes(record))
 
 
 def _this_runs_snapshot(

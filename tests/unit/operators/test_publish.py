@@ -200,6 +200,85 @@ def test_an_earlier_merge_and_qa_put_back_are_not_published_as_this_runs(tmp_pat
     record_malicious("earlier_merge_and_qa_put_back", 2, 2)
 
 
+def _put_back(earlier: dict[str, bytes], folder) -> None:
+    for name, body in earlier.items():
+        (folder / name).write_bytes(body)
+
+
+@pytest.mark.reliability
+def test_a_stale_change_set_put_back_is_not_published_with_a_later_verdict(tmp_path, fake_engine_factory):
+    """QA ran before the previous run was merged (every id 'added'), then again after: the earlier change set is
+    genuine and sealed for this folder. Put back over the later one, it was published with the later verdict, and
+    _SUCCESS.json sealed its sha256. QA's verdict names the change set it wrote; publish takes no other."""
+    prev_spec, _ = committed_job(tmp_path / "prev", fake_engine_factory, n=60)  # committed, not merged yet
+    spec, _ = committed_job(
+        tmp_path / "now", fake_engine_factory, n=60, changes={"previous_uri": str(tmp_path / "prev" / "out")}
+    )
+    out = tmp_path / "now" / "out"
+    merge = VllmMergeOperator(task_id="merge", spec=spec).execute(context())
+    VllmQAOperator(task_id="qa", spec=spec, merge_result=merge).execute(context())
+    earlier = {p.name: p.read_bytes() for p in (out / "changes").iterdir()}
+    assert json.loads(earlier["_changes.json"])["previous_state"] == "incomplete"
+    VllmMergeOperator(task_id="merge", spec=prev_spec).execute(context())  # the previous run completes
+    now = VllmQAOperator(task_id="qa", spec=spec, merge_result=merge).execute(context())  # QA cleared, run again
+    later = {p.name: p.read_bytes() for p in (out / "changes").iterdir()}
+    assert json.loads(later["_changes.json"])["previous_state"] == "complete"
+    _put_back(earlier, out / "changes")
+    for qa_result in (now, None):  # through the QA task's XCom, or the sealed verdict alone
+        with pytest.raises(AirflowFailException, match=r"changes/_changes.json is not the change set QA's sealed"):
+            VllmPublishOperator(task_id="publish", spec=spec, qa_result=qa_result).execute(context())
+    assert not (out / "_SUCCESS.json").exists()
+    _put_back(later, out / "changes")
+    VllmPublishOperator(task_id="publish", spec=spec, qa_result=now).execute(context())
+    marker = json.loads((out / "_SUCCESS.json").read_text())
+    for name, body in later.items():  # the summary too: a consumer reads previous_state from it
+        assert marker["checksums"][f"changes/{name}"] == hashlib.sha256(body).hexdigest()
+    _put_back(earlier, out / "changes")
+    with pytest.raises(CommitError, match=r"changes/_changes.json is not the file _SUCCESS.json names"):
+        verify_published(str(out), success_sha256=hashlib.sha256((out / "_SUCCESS.json").read_bytes()).hexdigest())
+    record_malicious("stale_change_set_put_back", 3, 3)
+
+
+@pytest.mark.reliability
+def test_a_change_set_of_an_earlier_merge_or_without_its_bindings_is_not_published(tmp_path, fake_engine_factory):
+    """A change set of an earlier merge of this folder (a shard ran again, merge and QA again) put back is refused
+    naming the merge; a change set or a verdict sealed before they named their merge / change set fails closed."""
+    prev_spec, _ = committed_job(tmp_path / "prev", fake_engine_factory, n=60)
+    VllmMergeOperator(task_id="merge", spec=prev_spec).execute(context())
+    spec, plan = committed_job(
+        tmp_path / "now", fake_engine_factory, n=60, changes={"previous_uri": str(tmp_path / "prev" / "out")}
+    )
+    out = tmp_path / "now" / "out"
+    VllmMergeOperator(task_id="merge", spec=spec).execute(context())
+    VllmQAOperator(task_id="qa", spec=spec).execute(context())
+    earlier = {p.name: p.read_bytes() for p in (out / "changes").iterdir()}
+    merge_and_qa_again(spec, plan, out, fake_engine_factory)
+    later = {p.name: p.read_bytes() for p in (out / "changes").iterdir()}
+    _put_back(earlier, out / "changes")
+    with pytest.raises(AirflowFailException, match=r"is the change set of another merge of this folder"):
+        VllmPublishOperator(task_id="publish", spec=spec).execute(context())
+    from airflow_provider_vllm.core.records import ChangesSummary, QARecord
+
+    keyring, scope = Keyring.from_env(), seals.scope_of(str(out))
+    summary = ChangesSummary.model_validate_json(later["_changes.json"])
+    old = ChangesSummary.model_validate(summary.model_dump(exclude={"merged_mac", "previous_merged_mac", "seal"}))
+    _put_back(
+        {**later, "_changes.json": seals.record_bytes(seals.seal_record(keyring, seals.CHANGES, scope, old))},
+        out / "changes",
+    )
+    with pytest.raises(AirflowFailException, match=r"_changes.json names no merge .*run the QA task again"):
+        VllmPublishOperator(task_id="publish", spec=spec).execute(context())
+    _put_back(later, out / "changes")
+    record = QARecord.model_validate_json((out / "qa" / "_QA.json").read_bytes())
+    assert record.changes_mac == summary.seal.mac
+    old_qa = QARecord.model_validate(record.model_dump(exclude={"changes_mac", "seal"}))
+    (out / "qa" / "_QA.json").write_bytes(seals.record_bytes(seals.seal_record(keyring, seals.QA, scope, old_qa)))
+    with pytest.raises(AirflowFailException, match=r"verdict names no change set .*run the QA task again"):
+        VllmPublishOperator(task_id="publish", spec=spec).execute(context())
+    assert not (out / "_SUCCESS.json").exists()
+    record_malicious("change_set_of_an_earlier_merge_put_back", 1, 1)
+
+
 def test_an_approval_of_another_verdict_does_not_publish_this_one(tmp_path, fake_engine_factory):
     """A person approved QA's 'warn'; QA then ran again alone (a cleared task, the review left approved) and wrote
     another verdict. Publish took the new verdict with the old approval: no person had seen it. The review task's

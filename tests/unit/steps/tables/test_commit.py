@@ -231,6 +231,47 @@ def test_a_later_merge_never_changes_the_parts_a_table_commit_references(tmp_pat
     assert publish(spec, tables).already  # the run's parts and manifest are still the committed ones
 
 
+def test_a_failed_first_commit_names_the_way_out_and_an_unsealed_marker_stops_no_merge(
+    tmp_path, lake, fake_engine_factory, monkeypatch, caplog
+):
+    """``_PUBLISHING.json`` and ``_SUCCESS.json`` planted by a writer of the prefix (no key) made every later merge
+    that changed a part fail; a failed first table commit left merge refused with no word on what to do. Only
+    markers this deployment's publish sealed stop a merge, and a sealed ``_PUBLISHING.json`` says how to recover."""
+    from airflow_provider_vllm.core.errors import CommitError
+    from airflow_provider_vllm.steps.merge.merger import merge
+    from airflow_provider_vllm.steps.tables import commit
+
+    catalog, tables = lake
+    spec = run(tmp_path, lake, fake_engine_factory)
+    out = tmp_path / "run"
+    (out / "_PUBLISHING.json").write_text(json.dumps({"table": "lake.triage", "run_id": str(out)}))
+    (out / "_SUCCESS.json").write_text(json.dumps({"format": "vllm-batch-success", "version": 1}))
+    _rerun_first_shard(spec, fake_engine_factory)
+    merge(spec)  # another part: merged, the unsealed markers named in warnings
+    assert caplog.text.count("is not a marker this deployment's publish sealed; ignored") == 2
+    (out / "_PUBLISHING.json").unlink()
+    (out / "_SUCCESS.json").unlink()
+
+    def refused(*args, **kwargs):
+        raise OSError("the catalog went away")
+
+    monkeypatch.setattr(commit, "_transaction", refused)  # the first commit fails after publish sealed its marker
+    with pytest.raises(OSError):
+        publish(spec, tables)
+    monkeypatch.undo()
+    assert catalog.load_table("lake.triage").current_snapshot() is None
+    _rerun_first_shard(spec, fake_engine_factory)
+    with pytest.raises(
+        CommitError,
+        match=r"is published to table lake.triage \(_PUBLISHING.json: .*would replace that part.*new output prefix.*"
+        r"only when no snapshot of table lake.triage names run .*delete \S+_PUBLISHING.json and merge again",
+    ):
+        merge(spec)
+    (out / "_PUBLISHING.json").unlink()  # the table holds no snapshot of the run: the operator's way out
+    merge(spec)
+    assert not publish(spec, tables).already
+
+
 def test_a_republish_whose_results_manifest_is_not_the_committed_one_is_refused(tmp_path, lake, fake_engine_factory):
     """A snapshot carrying the run id stands for this publish only when it committed the same results manifest:
     otherwise its file sizes and statistics do not describe the files now at those paths."""
