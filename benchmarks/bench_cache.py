@@ -216,6 +216,8 @@ def main() -> int:
         shutil.rmtree(cache_run, ignore_errors=True)
         t0 = time.monotonic()
         run1 = one_run(a, w / "run1", cache_run)
+        if not run1["merge"]["appended"]:  # else every "cached" run below measures an empty cache (all misses)
+            raise SystemExit(f"the warm-up appended nothing to the cache: {run1['merge']['skipped']}")
         shutil.copytree(cache_run, warm, copy_function=os.link)
         done.write_text(json.dumps({"rows": args.rows, "appended": run1["merge"]["appended"]}))
         print(f"warm-up (run 1, cold cache): {json.dumps(run1)} in {time.monotonic() - t0:.0f}s", file=sys.stderr)

@@ -456,6 +456,9 @@ def synthesise_commits(spec, engine_identity: str | None = None, part: tuple[int
             error_rows=sum(e.error_rows for e in entries),
             stats=stats,
             **({"engine_identity": engine_identity} if engine_identity else {}),
+            # what a worker's probe of a chat template without a clock records; without it merge appends nothing
+            # to the result cache (bench_cache.py's warm cache would be empty)
+            prompt_reads_clock=False if spec.task == "chat" else None,
             versions={
                 "airflow-provider-vllm": __version__,
                 "vllm": "0.32.0",
