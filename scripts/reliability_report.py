@@ -5,6 +5,9 @@
     python scripts/reliability_report.py -- -m "reliability and not vllm"   # pytest args after --
     python scripts/reliability_report.py --ledger FILE   # re-sum an existing ledger, run nothing
 
+With ``--ledger``, ``FILE.outcome.json`` beside it (if any) says how the ledger was made: ``code``, ``outcome``,
+``commit``, ``when``, ``args`` and ``command`` (e.g. a fresh clone's ``RELIABILITY_LEDGER=FILE bash .ci/run``).
+
 Runs ``pytest -m reliability`` with ``RELIABILITY_LEDGER`` pointing at a fresh file; each
 fault, bad-input and security test appends what it checked (tests/support/ledger.py), with the pytest
 node id of the test that checked it. The script sums the records and replaces the block
@@ -164,12 +167,21 @@ def git_commit() -> str:
     )
 
 
-def block(s: dict, outcome: str, code: int, args: list[str], commit: str | None = None, when: str | None = None) -> str:
+def block(
+    s: dict,
+    outcome: str,
+    code: int,
+    args: list[str],
+    commit: str | None = None,
+    when: str | None = None,
+    command: str | None = None,
+) -> str:
     """The figures block: the current figures (one row per kind of evidence, with when, at which commit and
-    by which command), the run's pytest outcome, then one table per kind naming the tests behind each row."""
+    by which command), the run's pytest outcome, then one table per kind naming the tests behind each row.
+    ``command``: how the ledger was made, when not by this script's own run (an outcome file's ``command``)."""
     commit = commit or git_commit()
     when = when or time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    command = f"`python scripts/reliability_report.py{' -- ' + shlex.join(args) if args else ''}`"
+    command = command or f"`python scripts/reliability_report.py{' -- ' + shlex.join(args) if args else ''}`"
     out = [START, "", SUMMARY_HEADER, "|---|---|---|---|"]
     out += [f"| **{h}** | {when} | `{commit}` | {command} |" for h in headlines(s)]
     out += ["", f"Measured {when} at commit `{commit}` by {command}; pytest: {outcome} (exit {code})."]
@@ -267,7 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     records = [json.loads(x) for x in ledger.read_text().splitlines() if x.strip()] if ledger.exists() else []
     s = summarise(records)
     doc = Path(a.doc)
-    rewrite(doc, block(s, run["outcome"], code, run.get("args") or [], run.get("commit"), run.get("when")))
+    rewrite(
+        doc,
+        block(s, run["outcome"], code, run.get("args") or [], run.get("commit"), run.get("when"), run.get("command")),
+    )
     print("\n".join(headlines(s)))
     print(f"ledger: {ledger} ({len(records)} records); wrote {doc}")
     return code
