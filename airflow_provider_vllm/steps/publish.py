@@ -26,9 +26,9 @@ from airflow_provider_vllm.core import seal as seals
 from airflow_provider_vllm.core.errors import CommitError
 from airflow_provider_vllm.core.part_names import check_inside, run_file
 from airflow_provider_vllm.core.records import PartsManifest
-from airflow_provider_vllm.core.seal import Keyring, Seal
+from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.storage import FileSystems, Storage
-from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS, SUCCESS, manifest_rel, verify_parts
+from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS, SUCCESS, manifest_rel, success_doc, verify_parts
 
 
 def success_bytes(doc: dict[str, Any], keyring: Keyring, output_uri: str) -> bytes:
@@ -60,16 +60,7 @@ def verify_published(
     raw = out.read_bytes(SUCCESS)
     if success_sha256 is not None and hashlib.sha256(raw).hexdigest() != success_sha256:
         raise CommitError(f"{out.uri(SUCCESS)} is not the marker the publish task wrote (sha256 differs)")
-    doc = json.loads(raw)
-    seal = doc.pop("seal", None)
-    if keyring is not None:
-        keyring.verify(
-            seals.SUCCESS,
-            seals.scope_of(output_uri),
-            doc,
-            Seal.model_validate(seal) if seal else None,
-            out.uri(SUCCESS),
-        )
+    doc = success_doc(out, raw, keyring)
     checksums = dict(doc.get("checksums", {}))
     for kind in (RESULTS, ERRORS):
         rel = manifest_rel(kind)

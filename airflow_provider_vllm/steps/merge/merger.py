@@ -909,24 +909,33 @@ def publish_parts(
     return PartsManifest(kind=kind, rows=sum(e.rows for e in entries), parts=entries)
 
 
+def success_doc(out: Storage, raw: bytes, keyring: Keyring | None) -> Any:
+    """``_SUCCESS.json`` of the run under ``out`` (its bytes ``raw``) without its seal; given ``keyring``, the seal
+    checked first (SealError: not this deployment's publish of this run; ValueError: not JSON, not a seal)."""
+    doc = json.loads(raw)
+    seal = doc.pop("seal", None) if isinstance(doc, dict) else None
+    if keyring is not None:
+        keyring.verify(
+            seals.SUCCESS, seals.scope_of(out.uri()), doc, Seal.model_validate(seal) if seal else None, out.uri(SUCCESS)
+        )
+    return doc
+
+
 def published_state(out: Storage, keyring: Keyring) -> Published | None:
     """Why merge may no longer change the run's parts and what the operator can do, or None: a ``_SUCCESS.json``
     (the run is published) or a ``_PUBLISHING.json`` (publish began committing its parts to ``io.output_table``)
     carrying this deployment's seal for the run. One without that seal was not written by this pipeline (whoever
     may write the prefix can write any file, and change the parts themselves): ignored, with a warning naming it."""
-    scope = seals.scope_of(out.uri())
     if out.exists(SUCCESS):
         try:
-            doc = json.loads(out.read_bytes(SUCCESS))
-            seal = doc.pop("seal", None) if isinstance(doc, dict) else None
-            keyring.verify(seals.SUCCESS, scope, doc, Seal.model_validate(seal) if seal else None, out.uri(SUCCESS))
+            success_doc(out, out.read_bytes(SUCCESS), keyring)
             return f"published ({SUCCESS})", _NEW_PREFIX
         except (ValueError, CommitError) as e:  # not JSON, not a seal, SealError
             log.warning("%s is not a marker this deployment's publish sealed; ignored: %s", out.uri(SUCCESS), e)
     if out.exists(PUBLISHING):
         try:
             rec = PublishingRecord.model_validate_json(out.read_bytes(PUBLISHING))
-            seals.verify_record(keyring, seals.PUBLISHING, scope, rec, out.uri(PUBLISHING))
+            seals.verify_record(keyring, seals.PUBLISHING, seals.scope_of(out.uri()), rec, out.uri(PUBLISHING))
             return f"published to table {rec.table} ({PUBLISHING}: publish began its commit at {rec.started})", (
                 f"{_NEW_PREFIX}; or, only when no snapshot of table {rec.table} names run {rec.run_id} (its "
                 f"summary's vllm-batch.run-id: the commit failed), delete {out.uri(PUBLISHING)} and merge again"
