@@ -262,6 +262,12 @@ class ChangesFrom(BaseModel):
     identifier: str = Field(description="io.output_table's identifier")
     snapshot_id: int | None = Field(description="the table's last snapshot committed by a run (None: none yet)")
     previous_uri: str | None = Field(description="that run's output prefix (its vllm-batch.run-id); None: none")
+    results_manifest_sha256: str | None = Field(
+        default=None,
+        description="the sha256 of the results manifest that snapshot published (its "
+        "vllm-batch.results-manifest-sha256): the change set compares only with that merge of the run (None: none, "
+        "or a plan from before this field)",
+    )
 
 
 class Plan(BaseModel):

@@ -746,8 +746,9 @@ class ChangesSpec(_Model):
         False,
         description="Compare against the run whose snapshot io.output_table holds last, as the plan finds it "
         "(the snapshot summary's vllm-batch.run-id: that run's sealed output prefix, which must be inside "
-        "allowed_uri_prefixes); the plan pins it. No earlier snapshot of a run: no changes output. Exclusive "
-        "with previous_uri.",
+        "allowed_uri_prefixes); the plan pins it, and the merge of it the snapshot published (its "
+        "vllm-batch.results-manifest-sha256): QA fails when that run's folder holds another merge or none. No "
+        "earlier snapshot of a run: no changes output. Exclusive with previous_uri.",
     )
 
 

@@ -91,9 +91,11 @@ def publish(
     run_date: dt.date = dt.date(2026, 12, 1),
     filesystems: Any = None,
     manifest_sha256: str | None = None,
+    record_manifest: bool = True,
 ) -> TableCommit:
     """The publish task's table commit, as the operator makes it (steps only). ``manifest_sha256``: the results
-    manifest's sha256 to record (default: the one the sealed merge names)."""
+    manifest's sha256 to record (default: the one the sealed merge names); ``record_manifest=False``: none, as a
+    snapshot committed by another tool or an older provider."""
     from airflow_provider_vllm.core.allow_list import canonical_uri
     from airflow_provider_vllm.steps.merge.merger import read_merged
 
@@ -111,6 +113,10 @@ def publish(
         run_date=run_date,
         properties={
             "airflow-run": "dag/run",
-            "results-manifest-sha256": manifest_sha256 or merged.checksums[manifest_rel(RESULTS)],
+            **(
+                {"results-manifest-sha256": manifest_sha256 or merged.checksums[manifest_rel(RESULTS)]}
+                if record_manifest
+                else {}
+            ),
         },
     )

@@ -26,7 +26,9 @@ not (by a 64-bit hash of it; the file carries no vector values). ``churn_rate`` 
 (changed + unchanged): ids whose answer could move; errors have their own QA check.
 
 The previous run counts only when it is complete (its ``_MERGED.json`` exists); otherwise
-every id of this run is 'added' (or 'error') and the summary says why. A previous run of
+every id of this run is 'added' (or 'error') and the summary says why; with ``changes.previous_table`` the
+previous run must hold the sealed merge the table's snapshot published (``CommitError`` otherwise: the
+catalog named it, so a folder without it has been tampered with or merged again). A previous run of
 another task or id column is refused (``SpecError`` naming ``changes.previous_uri``), and so is
 one whose manifests name anything but its own part files (``../``, a glob, an absolute path, a
 local symlink: ``CommitError`` naming the manifest and the name; ``core/part_names.py``): nothing
@@ -51,6 +53,7 @@ from pydantic import ValidationError
 from airflow_provider_vllm.core import duck, faults
 from airflow_provider_vllm.core import seal as seals
 from airflow_provider_vllm.core.errors import CommitError, SealError, SpecError
+from airflow_provider_vllm.core.plan import ChangesFrom
 from airflow_provider_vllm.core.records import (
     CHANGE_KINDS,
     ChangeCounts,
@@ -66,6 +69,7 @@ from airflow_provider_vllm.steps.merge.merger import (
     MERGED,
     RESULTS,
     checked_parts,
+    manifest_rel,
     read_merged,
     validation_detail,
 )
@@ -192,6 +196,40 @@ def _previous_state(prev: Storage, where: str, keyring: Keyring) -> tuple[str, M
     return ("incomplete" if prev.exists("_plan.json") else "absent"), None
 
 
+def _check_pinned(pinned: ChangesFrom, previous_uri: str, state: str, prev_merged: MergeSummary | None) -> None:
+    """CommitError unless the previous run holds the sealed merge whose results manifest the pinned snapshot
+    published. The catalog is the channel the run folder's other writers cannot touch: an earlier merge of that run
+    put back (sealed for that folder too), a folder merged again since, or a summary removed would otherwise
+    compare this run with answers the table never held, or make every id 'added'."""
+    where = f"changes.previous_table: table {pinned.identifier} snapshot {pinned.snapshot_id} published run "
+    if pinned.previous_uri != previous_uri:
+        raise CommitError(f"{where}{pinned.previous_uri!r}, but the change set compares with {previous_uri!r}")
+    where += repr(previous_uri)
+    if pinned.results_manifest_sha256 is None:
+        raise CommitError(
+            f"{where}, but this run's plan does not record which merge of it (a plan made before the check); plan the "
+            "run under a new output prefix"
+        )
+    if prev_merged is None:
+        what = {
+            "incomplete": "has no _MERGED.json",
+            "unverified": "has a _MERGED.json without this deployment's seal",
+        }.get(state, "holds no run")
+        raise CommitError(
+            f"{where}, which now {what}: the answers the table holds cannot be compared; restore that run's files "
+            "(its sealed _MERGED.json, manifests and parts as published), or compare with another run "
+            "(changes.previous_uri)"
+        )
+    got = prev_merged.checksums.get(manifest_rel(RESULTS))
+    if got != pinned.results_manifest_sha256:
+        raise CommitError(
+            f"{where} with results manifest {pinned.results_manifest_sha256[:12]}..., but its sealed _MERGED.json "
+            f"names {(got or 'none')[:12]}...: not the merge the table holds (the folder was merged again, or an "
+            "earlier merge put back); restore the published merge's files, or compare with another run "
+            "(changes.previous_uri)"
+        )
+
+
 def _check_foreign(spec: JobSpec, merged: MergeSummary, con, col: str, results: str) -> None:
     """Refuse a previous run of another task or id column (SpecError naming changes.previous_uri)."""
     where = f"changes.previous_uri {spec.changes.previous_uri!r}"
@@ -228,6 +266,7 @@ def compute_changes(
     memory_limit: str = "1GB",
     keyring: Keyring | None = None,
     verified: tuple[MergeSummary, dict[str, list[str]]] | None = None,
+    pinned: ChangesFrom | None = None,
 ) -> ChangesSummary:
     """Write ``changes/changes.parquet`` and ``changes/_changes.json`` for a merged run; return the summary.
 
@@ -237,6 +276,8 @@ def compute_changes(
     (``read_merged``) and its parts per kind as ``checked_parts`` returned them (local copies checked as they
     were copied), when the caller (QA) has them: they are read as they are; else both are read and copied here.
     Either run's parts are read from such copies only.
+    ``pinned``: with ``changes.previous_table``, the run the plan pinned (``Plan.changes_from``, from the
+    catalog): the previous run must then hold exactly the merge that snapshot published (``_check_pinned``).
     """
     if not spec.changes.previous_uri:
         raise SpecError("changes.previous_uri is not set: nothing to compare against")
@@ -250,6 +291,8 @@ def compute_changes(
         raise SealError(f"{out.uri(MERGED)}: a merge summary without a seal; nothing to compare")
     col = compared_column(spec)
     state, prev_merged = _previous_state(prev, f"changes.previous_uri {spec.changes.previous_uri!r}", keyring)
+    if pinned is not None:
+        _check_pinned(pinned, spec.changes.previous_uri, state, prev_merged)
     notes: list[str] = []
     con = duck.connect(out, prev, memory_limit=memory_limit)
     with tempfile.TemporaryDirectory() as tmp:

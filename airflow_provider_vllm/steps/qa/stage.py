@@ -76,7 +76,13 @@ def _qa_run(
     # what moved since the previous run (changes/ output), before the checks that read it
     # (this run's parts: the checked copies above, passed on, not copied a second time)
     change_set = (
-        compute_changes(spec, filesystems, keyring=keyring, verified=(merged, parts))
+        compute_changes(
+            spec,
+            filesystems,
+            keyring=keyring,
+            verified=(merged, parts),
+            pinned=plan.changes_from if spec.changes.previous_table else None,
+        )
         if spec.changes.previous_uri
         else None
     )

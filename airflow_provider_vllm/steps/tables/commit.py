@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
 RUN_ID = "vllm-batch.run-id"
 PREFIX = "vllm-batch."
 MANIFEST_SHA = "vllm-batch.results-manifest-sha256"  # the caller's ``results-manifest-sha256`` property
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 COMMIT_ATTEMPTS = 5  # commits that lost a race to another writer of the table, each decided again
 
 log = logging.getLogger(__name__)
@@ -389,12 +391,26 @@ def resolve_changes_from(spec: JobSpec, tables: Tables) -> ChangesFrom:
     while snap is not None:
         run = summary_of(snap).get(RUN_ID)
         if run is not None and run != own:
+            where = f"table {target.identifier} snapshot {snap.snapshot_id} names run {run!r}"
             try:
                 check_uri(run, tables.uri_prefixes, "changes.previous_table")
             except SpecError as e:
+                raise SpecError(f"{where}: {e}") from None
+            # the catalog, not the run folder, says which merge of the run the table published: a folder merged
+            # again, or an older merge put back, is then refused (merge.changes._check_pinned)
+            sha = summary_of(snap).get(MANIFEST_SHA)
+            if sha is None or not _SHA256.fullmatch(sha):
                 raise SpecError(
-                    f"table {target.identifier} snapshot {snap.snapshot_id} names run {run!r}: {e}"
-                ) from None
-            return ChangesFrom(identifier=target.identifier, snapshot_id=snap.snapshot_id, previous_uri=run)
+                    f"{where} but records no results manifest sha256 ({MANIFEST_SHA}: {sha!r}), so which merge of "
+                    "that run the table holds is unknown; changes.previous_table compares only with the merge a "
+                    "snapshot names. Publish a run with this provider first (without changes.previous_table), or "
+                    "set changes.previous_uri to the run to compare with"
+                )
+            return ChangesFrom(
+                identifier=target.identifier,
+                snapshot_id=snap.snapshot_id,
+                previous_uri=run,
+                results_manifest_sha256=sha,
+            )
         snap = table.snapshot_by_id(snap.parent_snapshot_id) if snap.parent_snapshot_id is not None else None
     return ChangesFrom(identifier=target.identifier, snapshot_id=None, previous_uri=None)

@@ -198,6 +198,67 @@ def test_changes_compare_with_the_run_of_the_output_tables_last_snapshot(tmp_pat
         plan_job(fourth, tables=narrow)
 
 
+def test_changes_compare_only_with_the_merge_the_tables_snapshot_published(tmp_path, lake, fake_engine_factory):
+    """The catalog says which merge of the previous run the table holds (the results manifest's sha256 in the
+    snapshot): an earlier merge of that run put back (sealed for its folder too), its summary removed or forged,
+    is refused by QA's change set instead of comparing with answers the table never held (or calling every id
+    'added'). A snapshot that records no manifest is refused by the plan."""
+    import shutil
+
+    from airflow_provider_vllm.core.errors import CommitError
+    from airflow_provider_vllm.core.plan import load_plan
+    from airflow_provider_vllm.steps.merge.changes import read_changes
+    from airflow_provider_vllm.steps.merge.merger import MERGED, merge
+    from airflow_provider_vllm.steps.plan.planner import plan_job
+    from airflow_provider_vllm.steps.qa.stage import qa_run
+
+    catalog, tables = lake
+    first = run(tmp_path, lake, fake_engine_factory, "a")
+    earlier = tmp_path / "a-first-merge"
+    shutil.copytree(first.io.output_uri, earlier)  # what a writer of the bucket keeps: the first merge, sealed
+    _rerun_first_shard(first, fake_engine_factory)
+    merge(first)  # merged again: other parts, another results manifest
+    published = read_merged(Storage(first.io.output_uri))
+    publish(first, tables)
+    catalog.load_table("lake.tickets").append(rows(3, start=30))
+
+    second = table_spec(str(tmp_path / "b"), out_table={"identifier": "lake.triage"})
+    second = second.model_validate({**second.model_dump(mode="json"), "changes": {"previous_table": True}})
+    run_job(second, tables, fake_engine_factory)
+    pinned = load_plan(second).changes_from
+    assert pinned.results_manifest_sha256 == published.checksums["results/_manifest.json"]
+
+    shutil.copytree(first.io.output_uri, tmp_path / "a-published")
+    shutil.copytree(earlier, first.io.output_uri, dirs_exist_ok=True)  # the first merge put back
+    assert read_merged(Storage(first.io.output_uri)).checksums != published.checksums  # genuine, sealed
+    with pytest.raises(CommitError, match=r"snapshot \d+ published run .* not the merge the table holds"):
+        qa_run(second)
+    os.remove(os.path.join(first.io.output_uri, MERGED))
+    with pytest.raises(CommitError, match="which now has no _MERGED.json"):
+        qa_run(second)
+    with open(os.path.join(first.io.output_uri, MERGED), "w") as f:
+        f.write(json.dumps(published.model_dump(mode="json", exclude={"seal"})))  # the right content, unsealed
+    with pytest.raises(CommitError, match="without this deployment's seal"):
+        qa_run(second)
+    assert not os.path.exists(os.path.join(second.io.output_uri, "changes", "_changes.json"))
+
+    # the published merge's files back: compared with it
+    shutil.rmtree(first.io.output_uri)
+    shutil.copytree(tmp_path / "a-published", first.io.output_uri)
+    qa_run(second)
+    summary = read_changes(Storage(second.io.output_uri))
+    assert summary.counts.added == 3 and summary.counts.unchanged + summary.counts.error == 30
+
+    # a snapshot without the manifest's sha256 (another tool, an older provider): the plan refuses to pin it
+    third = table_spec(str(tmp_path / "c"), out_table={"identifier": "lake.other", "create": True})
+    run_job(third, tables, fake_engine_factory)
+    publish(third, tables, record_manifest=False)
+    fourth = table_spec(str(tmp_path / "d"), out_table={"identifier": "lake.other"})
+    fourth = fourth.model_validate({**fourth.model_dump(mode="json"), "changes": {"previous_table": True}})
+    with pytest.raises(SpecError, match=r"lake.other snapshot \d+ names run .* records no results manifest sha256"):
+        plan_job(fourth, tables=tables)
+
+
 def _rerun_first_shard(spec, factory) -> None:
     """operations.md's recovery for one shard: delete its folder, run it again (its parts get other bytes)."""
     import shutil
