@@ -22,9 +22,12 @@ sends only the misses to the shards. It needs answers that repeat: greedy decodi
 (40 hex characters; set it in `vllm_batch_spec_overrides`, or turn the cache off with
 `{"cache": {"uri": null}}`).
 `changes/changes.parquet` under each date's prefix lists every ticket id as added, removed,
-changed (old and new label), unchanged, error or recovered against `dt=D-1`; sync the rows
-where `change = 'changed'` to the ticketing system (docs/operations.md). The QA page shows the
-counts, the old x new label matrix and the cache hit rate.
+changed (old and new label), unchanged, error or recovered against the run this DAG last
+published (`changes.previous_published`: the newest event of its Asset, usually `dt=D-1`; a date
+that failed QA is skipped), so syncing the rows where `change = 'changed'` of each published date,
+in order, keeps a ticketing system equal to the published labels (docs/operations.md). The first
+published date has no `changes/`: sync its results whole. The QA page shows the counts, the old x
+new label matrix and the cache hit rate.
 
 **Churn thresholds.** QA warns when more than 5% of the tickets labelled on both days moved
 to another label, and fails above 50%. The same model on the same text gives the same label,
@@ -116,7 +119,9 @@ with DAG(
                 "reference": {"ride_along_uri": GOLDEN_URI},
             },
             cache={"uri": DATA_ROOT + "/reclassification/_cache/"},
-            changes={"previous_uri": DATA_ROOT + "/reclassification/dt={{ macros.ds_add(ds, -1) }}/"},
+            # the run this DAG last published (its Asset event), not whatever dt=D-1 holds: a date that failed QA,
+            # or was never published, is no baseline for what a ticketing system synced
+            changes={"previous_published": True},
         ),
         group_id="reclassify",
         overrides=SPEC_OVERRIDES,

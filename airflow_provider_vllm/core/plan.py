@@ -255,11 +255,26 @@ class TablePin(BaseModel):
     data_rows: int = Field(ge=0, description="their rows before any residual filter (the data files' record counts)")
 
 
-class ChangesFrom(BaseModel):
-    """``changes.previous_table`` as the plan resolved it: the run whose snapshot the output table held last."""
+class LastPublished(BaseModel):
+    """``changes.previous_published``: the newest event of the job's Airflow Asset that this DAG's publish task
+    emitted, as the plan task read it from Airflow's metadata database (no event: the fields None)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    identifier: str = Field(description="io.output_table's identifier")
+    asset: str = Field(description="the Asset's URI")
+    event_id: int | None = Field(None, description="the event's id in Airflow")
+    timestamp: str | None = Field(None, description="when it was emitted (ISO 8601)")
+    output_uri: str | None = Field(None, description="its output_uri: the run that publish published")
+    success_sha256: str | None = Field(None, description="its success_sha256: the sha256 of that run's _SUCCESS.json")
+
+
+class ChangesFrom(BaseModel):
+    """The run the change set compares with, as the plan resolved it through a channel outside the bucket:
+    ``changes.previous_table`` (``source`` 'table': the run whose snapshot the output table held last) or
+    ``changes.previous_published`` ('published': the run the job's Asset event names)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    source: Literal["table", "published"] = Field("table", description="which channel named the run")
+    identifier: str = Field(description="io.output_table's identifier, or the Asset's URI")
     snapshot_id: int | None = Field(description="the table's last snapshot committed by a run (None: none yet)")
     previous_uri: str | None = Field(description="that run's output prefix (its vllm-batch.run-id); None: none")
     results_manifest_sha256: str | None = Field(
@@ -268,6 +283,14 @@ class ChangesFrom(BaseModel):
         "vllm-batch.results-manifest-sha256): the change set compares only with that merge of the run (None: none, "
         "or a plan from before this field)",
     )
+    event_id: int | None = Field(None, description="'published': the Asset event's id")
+    published_at: str | None = Field(None, description="'published': when the event was emitted")
+
+    def describe(self) -> str:
+        """Where the pin came from, for messages."""
+        if self.source == "published":
+            return f"changes.previous_published: Asset {self.identifier} event {self.event_id} ({self.published_at})"
+        return f"changes.previous_table: table {self.identifier} snapshot {self.snapshot_id}"
 
 
 class Plan(BaseModel):
@@ -365,10 +388,16 @@ class Plan(BaseModel):
         raise SpecError(f"shard {shard_id!r} is not in the plan")
 
 
+def pinned_changes(spec: JobSpec) -> bool:
+    """Whether the plan pins the run the change set compares with (``Plan.changes_from``)."""
+    return bool(spec.changes.previous_table or spec.changes.previous_published)
+
+
 def changes_spec(spec: JobSpec, plan: Plan) -> JobSpec:
-    """The spec the change set is computed and published by: with ``changes.previous_table``, its
-    ``changes.previous_uri`` is the run the plan pinned (``Plan.changes_from``; None: nothing to compare)."""
-    if not spec.changes.previous_table or plan.changes_from is None:
+    """The spec the change set is computed and published by: with ``changes.previous_table`` or
+    ``changes.previous_published``, its ``changes.previous_uri`` is the run the plan pinned (``Plan.changes_from``;
+    None: nothing to compare)."""
+    if not pinned_changes(spec) or plan.changes_from is None:
         return spec
     changes = spec.changes.model_copy(update={"previous_uri": plan.changes_from.previous_uri})
     return spec.model_copy(update={"changes": changes})

@@ -750,6 +750,15 @@ class ChangesSpec(_Model):
         "vllm-batch.results-manifest-sha256): QA fails when that run's folder holds another merge or none. No "
         "earlier snapshot of a run: no changes output. Exclusive with previous_uri.",
     )
+    previous_published: bool = Field(
+        False,
+        description="Compare against the run this job last published: the newest event of the job's Airflow Asset "
+        "that this DAG's publish task emitted (Airflow's metadata database, not the bucket), as the plan task reads "
+        "it; the plan pins that run and the merge it published (the event's success_sha256 must be the sha256 of "
+        "the run's sealed _SUCCESS.json). A run that failed QA or was never published is never the baseline. No "
+        "such event: no changes output. Needs vllm_batch_job with this set in the DAG file's spec. Exclusive "
+        "with previous_uri and previous_table.",
+    )
 
 
 # Fields of the hashed sections added after the first release: left out of ``output_hash`` while at their
@@ -823,6 +832,10 @@ class JobSpec(_Model):
                 )
             if self.changes.previous_uri is not None:
                 raise ValueError("changes.previous_table and changes.previous_uri are exclusive: give one")
+        if self.changes.previous_published and (self.changes.previous_uri is not None or self.changes.previous_table):
+            raise ValueError(
+                "changes.previous_published, changes.previous_table and changes.previous_uri are exclusive: give one"
+            )
         if self.io.passthrough and self.io.input_format in ("jsonl", "openai_batch"):
             raise ValueError(
                 f"io.passthrough needs Parquet input (typed columns); io.input_format is {self.io.input_format!r}"
@@ -851,6 +864,8 @@ class JobSpec(_Model):
         doc = self.model_dump(mode="json", exclude={"kubernetes"})
         if doc["sharding"]["dedupe"] is True:  # added later: at its default, specs keep the hash they had
             del doc["sharding"]["dedupe"]
+        if doc["changes"]["previous_published"] is False:  # likewise
+            del doc["changes"]["previous_published"]
         # The dump sorts keys, but vLLM generates a JSON schema's properties in the order written: a schema
         # not written in sorted order adds its text (a string, which no sort reorders), so that a re-run with
         # its properties reordered is another spec. A schema written sorted keeps the hash it had.

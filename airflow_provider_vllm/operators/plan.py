@@ -10,6 +10,7 @@ from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_provider_vllm.core.errors import SpecError
 from airflow_provider_vllm.core.param_schemas import validate_params
+from airflow_provider_vllm.core.plan import LastPublished
 from airflow_provider_vllm.core.shard_names import with_display_names
 from airflow_provider_vllm.core.spec import PARAM_ALIASES, JobSpec
 from airflow_provider_vllm.core.spec_guard import DEPLOYMENT_OWNED, owned_paths_set
@@ -34,6 +35,7 @@ from airflow_provider_vllm.utils.job_spec import (
     overrides_document,
     spec_document,
 )
+from airflow_provider_vllm.utils.published import LOOKBACK_EVENTS, last_published
 
 
 def _default_doc() -> dict[str, Any]:
@@ -94,9 +96,14 @@ class VllmPlanOperator(BaseOperator):
         dry_run: bool = False,
         aws_conn_id: str | None = None,
         gcp_conn_id: str | None = None,
+        published_asset: Any = None,
+        publish_task_id: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        # changes.previous_published: the job's Asset (an inlet of this task) and the task that publishes it
+        self.published_asset = published_asset
+        self.publish_task_id = publish_task_id
         self.aws_conn_id = aws_conn_id
         self.gcp_conn_id = gcp_conn_id
         self.dry_run = dry_run
@@ -191,6 +198,7 @@ class VllmPlanOperator(BaseOperator):
                 warm_starts=warm_starts(spec, runner),
                 tables=tables,
                 allowed_prefixes=prefixes,
+                last_published=self.last_published(context, spec) if spec.changes.previous_published else None,
             )
         self.log.info(
             "planned %d rows (%d invalid lines) into %d shard(s), ~%d prompt tokens; plan at %s/_plan.json",
@@ -235,6 +243,30 @@ class VllmPlanOperator(BaseOperator):
                 len(plan.golden.shards),
             )
         return [s.dump() for s in with_display_names(plan.mapped_shards())]
+
+    def last_published(self, context: Any, spec: JobSpec) -> LastPublished:
+        """``changes.previous_published``: the newest event of the job's Asset that its publish task emitted, read
+        from Airflow's metadata database (the Asset is this task's inlet: ``vllm_batch_job`` declares it)."""
+        asset = self.published_asset
+        if asset is None or self.publish_task_id is None or asset not in (self.inlets or []):
+            raise AirflowFailException(
+                "plan: changes.previous_published compares with the run this job's Asset last published: set it in "
+                "the spec the DAG file gives vllm_batch_job, whose plan task then reads that Asset's events"
+            )
+        events = context["inlet_events"][asset].ascending(False).limit(LOOKBACK_EVENTS)
+        last = last_published(events, asset.uri, context["dag"].dag_id, self.publish_task_id, spec.io.output_uri)
+        if last.output_uri is None:
+            self.log.info(
+                "changes.previous_published: %s has no event of %s; nothing to compare", asset.uri, self.publish_task_id
+            )
+        else:
+            self.log.info(
+                "changes.previous_published: comparing with %s (Asset event %s, %s)",
+                last.output_uri,
+                last.event_id,
+                last.timestamp,
+            )
+        return last
 
     def engine_identity(self, spec: JobSpec, runner: str) -> str:
         """The engine the shard tasks will start, resolved from the same settings they use (the cache key's)."""

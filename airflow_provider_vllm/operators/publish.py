@@ -15,7 +15,7 @@ from airflow_provider_vllm import __version__
 from airflow_provider_vllm.core.allow_list import canonical_uri
 from airflow_provider_vllm.core.errors import CommitError, SealError
 from airflow_provider_vllm.core.part_names import check_inside, run_file
-from airflow_provider_vllm.core.plan import changes_spec, load_plan
+from airflow_provider_vllm.core.plan import changes_spec, load_plan, pinned_changes
 from airflow_provider_vllm.core.records import MergeSummary, QARecord
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.storage import Storage
@@ -207,7 +207,7 @@ class VllmPublishOperator(BaseOperator):
         if qa.status == "fail":
             raise AirflowFailException(f"publish: QA failed ({qa.summary}); not publishing")
         # changes.previous_uri set: QA wrote changes/ (what moved since that run); a reader syncs from it
-        if spec.changes.previous_table:  # the run the plan pinned, if any
+        if pinned_changes(spec):  # the run the plan pinned, if any
             spec = changes_spec(spec, load_plan(spec, out.filesystems, keyring))
         changes = {"changes": CHANGES, "changes_summary": CHANGES_SUMMARY} if spec.changes.previous_uri else {}
         files = {**merged.files, **QA_FILES, **changes, **(self.extra_files or {})}

@@ -20,21 +20,88 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+from collections.abc import Sequence
 from typing import Any
 
 from airflow_provider_vllm.core import seal as seals
-from airflow_provider_vllm.core.errors import CommitError
+from airflow_provider_vllm.core.allow_list import canonical_uri, check_uri
+from airflow_provider_vllm.core.errors import CommitError, SpecError
 from airflow_provider_vllm.core.part_names import check_inside, run_file
+from airflow_provider_vllm.core.plan import ChangesFrom, LastPublished
 from airflow_provider_vllm.core.records import PartsManifest
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.storage import FileSystems, Storage
 from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS, SUCCESS, manifest_rel, success_doc, verify_parts
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def success_bytes(doc: dict[str, Any], keyring: Keyring, output_uri: str) -> bytes:
     """``_SUCCESS.json``'s bytes: ``doc`` plus its seal."""
     sealed = dict(doc, seal=keyring.seal(seals.SUCCESS, seals.scope_of(output_uri), doc).model_dump(mode="json"))
     return json.dumps(sealed, indent=1, sort_keys=True).encode()
+
+
+def pin_last_published(
+    last: LastPublished,
+    own_uri: str,
+    *,
+    keyring: Keyring,
+    storage_options: dict[str, Any] | None = None,
+    filesystems: FileSystems | None = None,
+    allowed_prefixes: Sequence[str] | None = None,
+) -> ChangesFrom:
+    """``changes.previous_published``: the run the job's Asset event names, pinned with the merge it published.
+
+    The event (Airflow's metadata database) names the run's output prefix and the sha256 of the ``_SUCCESS.json``
+    its publish wrote; that file must have exactly those bytes and this deployment's seal for that prefix, and
+    names the results manifest the change set then compares with (``changes._check_pinned``). No event: nothing
+    to compare. SpecError for a prefix outside ``allowed_prefixes`` (the deployment's allow-list) or this run's
+    own; CommitError for a marker that is missing, changed or not sealed for it.
+    """
+    if last.output_uri is None:
+        return ChangesFrom(source="published", identifier=last.asset, snapshot_id=None, previous_uri=None)
+    where = f"changes.previous_published: Asset {last.asset} event {last.event_id} names run {last.output_uri!r}"
+    run = canonical_uri(last.output_uri, "changes.previous_published", resolve=False)
+    if run.rstrip("/") == canonical_uri(own_uri, "io.output_uri", resolve=False).rstrip("/"):
+        raise SpecError(f"{where}: this run's own output prefix")
+    if allowed_prefixes is not None:
+        try:
+            check_uri(last.output_uri, allowed_prefixes, "changes.previous_published")
+        except SpecError as e:
+            raise SpecError(f"{where}: {e}") from None
+    if last.success_sha256 is None or not _SHA256.fullmatch(last.success_sha256):
+        raise CommitError(f"{where} without a success_sha256: not an event of this provider's publish")
+    prev = Storage(last.output_uri, storage_options or {}, filesystems)
+    try:
+        raw = prev.read_bytes(SUCCESS)
+    except FileNotFoundError:
+        raise CommitError(
+            f"{where}, which has no {SUCCESS} now: the published run was removed or moved; restore it, or compare "
+            "with another run (changes.previous_uri)"
+        ) from None
+    if hashlib.sha256(raw).hexdigest() != last.success_sha256:
+        raise CommitError(
+            f"{where}: its {SUCCESS} is not the marker that publish wrote (sha256 differs from the event's); restore "
+            "the published run's files, or compare with another run (changes.previous_uri)"
+        )
+    try:
+        doc = success_doc(prev, raw, keyring)
+    except ValueError as e:  # not JSON, not a seal
+        raise CommitError(f"{where}: its {SUCCESS} is not a publish marker ({e})") from None
+    sha = doc.get("checksums", {}).get(manifest_rel(RESULTS)) if isinstance(doc.get("checksums"), dict) else None
+    if not isinstance(sha, str) or not _SHA256.fullmatch(sha):
+        raise CommitError(f"{where}: its {SUCCESS} names no results manifest")
+    return ChangesFrom(
+        source="published",
+        identifier=last.asset,
+        snapshot_id=None,
+        previous_uri=last.output_uri,
+        results_manifest_sha256=sha,
+        event_id=last.event_id,
+        published_at=last.timestamp,
+    )
 
 
 def verify_published(

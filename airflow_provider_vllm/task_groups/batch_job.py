@@ -210,7 +210,10 @@ def vllm_batch_job(
             runner=runner,
             kubernetes=kubernetes,
             shard_env=dict(shard_env) if shard_env else None,
-            inlets=[source] if source is not None else [],
+            # changes.previous_published (set in the DAG file's spec): the Asset's events are read as an inlet
+            inlets=[a for a in (source, asset if _compares_with_published(spec) else None) if a is not None],
+            published_asset=asset,
+            publish_task_id=group.child_id("publish"),
             **conns,
         )
         job = plan.output[SPEC_XCOM_KEY]
@@ -330,6 +333,12 @@ def checked_kubernetes_operator_kwargs(kwargs: Mapping[str, Any] | None) -> dict
             "[vllm_batch] kubernetes_defaults)"
         )
     return given
+
+
+def _compares_with_published(spec: Any) -> bool:
+    """Whether the DAG file's spec sets ``changes.previous_published`` (a templated spec: not known here)."""
+    changes = spec.get("changes") if isinstance(spec, Mapping) else None
+    return isinstance(changes, Mapping) and changes.get("previous_published") is True
 
 
 def _static_asset(uri: Any) -> Asset | None:

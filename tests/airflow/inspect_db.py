@@ -67,11 +67,11 @@ def collect(s, dag_id: str) -> dict:
         for x in xcoms
     ]
     events = s.execute(
-        select(AssetModel.uri, AssetEvent.extra, AssetEvent.source_run_id)
+        select(AssetModel.uri, AssetEvent.extra, AssetEvent.source_run_id, AssetEvent.id, AssetEvent.source_task_id)
         .join(AssetEvent, AssetEvent.asset_id == AssetModel.id)
         .where(AssetEvent.source_dag_id == dag_id)
     ).all()
-    out["asset_events"] = [{"uri": u, "extra": e, "run_id": r} for u, e, r in events]
+    out["asset_events"] = [{"uri": u, "extra": e, "run_id": r, "id": i, "task_id": t} for u, e, r, i, t in events]
     return json.loads(json.dumps(out, default=str))
 
 

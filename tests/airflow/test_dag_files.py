@@ -43,9 +43,13 @@ def test_nightly_is_a_cron_data_interval_over_the_logical_date_partition():
     assert plan.spec["io"]["input_uri"].endswith("/tickets/dt={{ ds }}/")
     assert plan.spec["io"]["output_uri"].endswith("/reclassification/dt={{ ds }}/")
     assert "var.value.get('vllm_batch_data_root'" in plan.spec["io"]["input_uri"]
-    # the result cache (shared by every date) and the changes against the day before
+    # the result cache (shared by every date) and the changes against the run this DAG last published, which the
+    # plan task reads from its Asset's events (an inlet beside the input) and the publish task emits
     assert plan.spec["cache"]["uri"].endswith("/reclassification/_cache/")
-    assert plan.spec["changes"]["previous_uri"].endswith("/reclassification/dt={{ macros.ds_add(ds, -1) }}/")
+    assert plan.spec["changes"] == {"previous_published": True}
+    asset = dag.task_dict["reclassify.publish"].outlets[0]
+    assert asset.uri == "x-vllm-batch://ticket_reclassification" and asset in plan.inlets
+    assert (plan.published_asset, plan.publish_task_id) == (asset, "reclassify.publish")
     assert (plan.spec["qa"]["warn_churn_rate"], plan.spec["qa"]["fail_churn_rate"]) == (0.05, 0.5)
 
 

@@ -113,10 +113,13 @@ def test_nightly_run_succeeds_with_complete_outputs(nightly):
     log = p.stdout + p.stderr
     assert "worker | " in log and " progress shard-" in log  # worker stderr streamed into the task log
     assert "QA report: " in log
-    # the day before never ran: every ticket is 'added', the churn check skipped
-    changes = json.loads((out / "changes" / "_changes.json").read_text())
-    assert changes["previous_state"] == "absent" and changes["ids"] == 240
-    assert changes["counts"]["added"] + changes["counts"]["error"] == 240 and changes["churn_rate"] is None
+    # nothing was published before (no event of the DAG's Asset): no change set, the churn check skipped
+    pinned = json.loads((out / "_plan.json").read_text())["changes_from"]
+    assert (pinned["source"], pinned["identifier"]) == ("published", "x-vllm-batch://ticket_reclassification")
+    assert pinned["previous_uri"] is None and pinned.get("event_id") is None
+    assert not (out / "changes").exists() and "changes" not in success["files"]
+    report = json.loads((out / "qa" / "report.json").read_text())
+    assert next(c for c in report["checks"] if c["name"] == "churn_rate")["status"] == "skip"
 
 
 def test_the_next_night_infers_only_new_and_edited_tickets_and_lists_the_moved_labels(nightly, airflow_sandbox):
@@ -159,6 +162,13 @@ def test_the_next_night_infers_only_new_and_edited_tickets_and_lists_the_moved_l
     assert {i for i, r in changes.items() if r["old_status"] is None} == {f"new-{i}" for i in range(6)}
     summary = json.loads((out2 / "changes" / "_changes.json").read_text())
     assert summary["previous_state"] == "complete" and summary["previous_uri"] == f"{out1}/"
+    # the baseline came from Airflow's metadata database: the event night 1's publish task emitted, and the merge
+    # its sealed _SUCCESS.json names
+    pinned = plan["changes_from"]
+    (event,) = [e for e in airflow_sandbox.inspect(NIGHTLY)["asset_events"] if e["extra"]["output_uri"] == f"{out1}/"]
+    assert pinned["source"] == "published" and pinned["event_id"] == event["id"]
+    success1 = json.loads((out1 / "_SUCCESS.json").read_text())
+    assert pinned["results_manifest_sha256"] == success1["checksums"]["results/_manifest.json"]
     report = json.loads((out2 / "qa" / "report.json").read_text())
     assert report["metrics"]["cache"]["hits"] == plan["cache"]["hits"]
     churn = next(c for c in report["checks"] if c["name"] == "churn_rate")

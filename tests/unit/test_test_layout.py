@@ -34,6 +34,7 @@ TESTED_ELSEWHERE: dict[str, list[str]] = {
     "task_groups/batch_job.py": ["tests/airflow/test_operators.py", "tests/airflow/test_security_dags.py"],
     "testing/local_models.py": ["tests/vllm/test_local_models.py"],
     "utils/openlineage_facets.py": ["tests/airflow/test_openlineage.py"],
+    "utils/published.py": ["tests/unit/operators/test_previous_published.py"],
     "worker/lifecycle.py": ["tests/vllm/test_reliability_lifecycle.py"],
     "worker/resources.py": ["tests/unit/worker/test_metrics.py"],
     "worker/task.py": ["tests/unit/operators/test_kubernetes.py", "tests/unit/worker/test_shard.py"],

@@ -26,9 +26,10 @@ not (by a 64-bit hash of it; the file carries no vector values). ``churn_rate`` 
 (changed + unchanged): ids whose answer could move; errors have their own QA check.
 
 The previous run counts only when it is complete (its ``_MERGED.json`` exists); otherwise
-every id of this run is 'added' (or 'error') and the summary says why; with ``changes.previous_table`` the
-previous run must hold the sealed merge the table's snapshot published (``CommitError`` otherwise: the
-catalog named it, so a folder without it has been tampered with or merged again). A previous run of
+every id of this run is 'added' (or 'error') and the summary says why; with ``changes.previous_table`` or
+``changes.previous_published`` the previous run must hold the sealed merge that was published (``CommitError``
+otherwise: the catalog or the Asset event named it, so a folder without it has been tampered with or merged
+again). A previous run of
 another task or id column is refused (``SpecError`` naming ``changes.previous_uri``), and so is
 one whose manifests name anything but its own part files (``../``, a glob, an absolute path, a
 local symlink: ``CommitError`` naming the manifest and the name; ``core/part_names.py``): nothing
@@ -201,7 +202,7 @@ def _check_pinned(pinned: ChangesFrom, previous_uri: str, state: str, prev_merge
     published. The catalog is the channel the run folder's other writers cannot touch: an earlier merge of that run
     put back (sealed for that folder too), a folder merged again since, or a summary removed would otherwise
     compare this run with answers the table never held, or make every id 'added'."""
-    where = f"changes.previous_table: table {pinned.identifier} snapshot {pinned.snapshot_id} published run "
+    where = f"{pinned.describe()} published run "
     if pinned.previous_uri != previous_uri:
         raise CommitError(f"{where}{pinned.previous_uri!r}, but the change set compares with {previous_uri!r}")
     where += repr(previous_uri)
@@ -216,7 +217,7 @@ def _check_pinned(pinned: ChangesFrom, previous_uri: str, state: str, prev_merge
             "unverified": "has a _MERGED.json without this deployment's seal",
         }.get(state, "holds no run")
         raise CommitError(
-            f"{where}, which now {what}: the answers the table holds cannot be compared; restore that run's files "
+            f"{where}, which now {what}: the answers published cannot be compared; restore that run's files "
             "(its sealed _MERGED.json, manifests and parts as published), or compare with another run "
             "(changes.previous_uri)"
         )
@@ -224,7 +225,7 @@ def _check_pinned(pinned: ChangesFrom, previous_uri: str, state: str, prev_merge
     if got != pinned.results_manifest_sha256:
         raise CommitError(
             f"{where} with results manifest {pinned.results_manifest_sha256[:12]}..., but its sealed _MERGED.json "
-            f"names {(got or 'none')[:12]}...: not the merge the table holds (the folder was merged again, or an "
+            f"names {(got or 'none')[:12]}...: not the merge that was published (the folder was merged again, or an "
             "earlier merge put back); restore the published merge's files, or compare with another run "
             "(changes.previous_uri)"
         )
@@ -276,8 +277,9 @@ def compute_changes(
     (``read_merged``) and its parts per kind as ``checked_parts`` returned them (local copies checked as they
     were copied), when the caller (QA) has them: they are read as they are; else both are read and copied here.
     Either run's parts are read from such copies only.
-    ``pinned``: with ``changes.previous_table``, the run the plan pinned (``Plan.changes_from``, from the
-    catalog): the previous run must then hold exactly the merge that snapshot published (``_check_pinned``).
+    ``pinned``: with ``changes.previous_table`` or ``changes.previous_published``, the run the plan pinned
+    (``Plan.changes_from``: from the catalog, or the Asset event): the previous run must then hold exactly the merge
+    that was published (``_check_pinned``).
     """
     if not spec.changes.previous_uri:
         raise SpecError("changes.previous_uri is not set: nothing to compare against")

@@ -30,7 +30,7 @@ from airflow_provider_vllm.core.errors import DatasetError, SpecError
 from airflow_provider_vllm.core.formats import input_format
 from airflow_provider_vllm.core.formats.base import array_groups
 from airflow_provider_vllm.core.formats.files import Input, find_input
-from airflow_provider_vllm.core.plan import PLAN_FILE, Plan, Segment, ShardPlan, estimate_tokens
+from airflow_provider_vllm.core.plan import PLAN_FILE, LastPublished, Plan, Segment, ShardPlan, estimate_tokens
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import GLOB_CHARS, FileSystems, Storage, has_glob, is_temp_copy
@@ -38,7 +38,7 @@ from airflow_provider_vllm.steps.golden import GOLDEN_IN, with_golden
 from airflow_provider_vllm.steps.plan.groups import ALL, LONG, SHORT, GroupTokens
 from airflow_provider_vllm.steps.plan.passthrough import resolve_passthrough
 from airflow_provider_vllm.steps.plan.sizing import History, job_history, size_shards
-from airflow_provider_vllm.steps.publish import SUCCESS
+from airflow_provider_vllm.steps.publish import SUCCESS, pin_last_published
 from airflow_provider_vllm.steps.tables.access import Tables
 from airflow_provider_vllm.steps.tables.snapshot import TABLE_DIR, resolve_table_input
 
@@ -60,6 +60,7 @@ def plan_job(
     warm_starts: bool | None = None,
     tables: Tables | None = None,
     allowed_prefixes: Sequence[str] | None = None,
+    last_published: LastPublished | None = None,
 ) -> Plan:
     """Plan the job and write ``_plan.json`` under the output prefix, sealed; idempotent.
 
@@ -85,9 +86,13 @@ def plan_job(
     A new run's output prefix must not lie inside another run's folder: SpecError when a folder above it, up to
     the longest of ``allowed_prefixes`` it lies under (the deployment's allow-list), holds a ``_plan.json`` or a
     ``_SUCCESS.json`` (its parts would land among that run's files, which readers list recursively).
+
+    ``last_published``: with ``changes.previous_published``, the job's newest Asset event of its publish task, as
+    the plan task read it from Airflow (``steps/publish.pin_last_published`` pins that run; SpecError without it).
     """
     keyring = keyring or Keyring.from_env()
     out = Storage(spec.io.output_uri, spec.io.storage_options, filesystems)
+    pins = _Pins(last_published, filesystems, keyring, allowed_prefixes)
     if has_glob(out.path()):  # the merge and QA read the output's parts with DuckDB, which would expand it
         raise SpecError(
             f"io.output_uri {spec.io.output_uri}: holds a glob character ({' '.join(GLOB_CHARS)}); use another prefix"
@@ -96,16 +101,16 @@ def plan_job(
         _check_not_inside_a_run(spec, out, allowed_prefixes)
     if spec.io.input_table is not None:
         with _readable_input():
-            return _plan_table(spec, out, filesystems, max_shards, engine_identity, keyring, warm_starts, tables)
+            return _plan_table(spec, out, filesystems, max_shards, engine_identity, keyring, warm_starts, tables, pins)
     if spec.cache.uri is not None or _may_dedupe(spec):
         with _readable_input():
-            plan = _plan_cached(spec, out, filesystems, max_shards, engine_identity, keyring, warm_starts, tables)
+            plan = _plan_cached(spec, out, filesystems, max_shards, engine_identity, keyring, warm_starts, tables, pins)
     else:
         plan = build_plan(spec, filesystems, max_shards=max_shards, warm_starts=warm_starts)
         if not out.exists(PLAN_FILE):
             _check_empty(spec, out)
             plan = with_golden(plan, spec, out, filesystems, max_shards)  # qa.reference: ride-along rows
-            plan = _with_changes_from(plan, spec, tables)
+            plan = _with_changes_from(plan, spec, tables, pins)
             # create-only: of two runs racing for one prefix, the loser meets the winner's plan below
             _write_plan(out, plan, spec, keyring)
     existing = _existing(spec, out, keyring)
@@ -140,6 +145,7 @@ def _plan_table(
     keyring: Keyring,
     warm_starts: bool | None,
     tables: Tables | None,
+    pins: _Pins,
 ) -> Plan:
     """``io.input_table``: an existing plan wins as it is (its pinned snapshot; only the spec is compared), else
     pin the snapshot now and plan over its files."""
@@ -170,13 +176,39 @@ def _plan_table(
     )
     plan = plan.model_copy(update={"table": pin, "input_uri": f"iceberg:{pin.identifier}@{pin.snapshot_id}"})
     plan = with_golden(plan, spec, out, filesystems, max_shards, found=found)
-    plan = _with_changes_from(plan, spec, tables)
+    plan = _with_changes_from(plan, spec, tables, pins)
     _write_plan(out, plan, spec, keyring)
     return _existing(spec, out, keyring)  # of two plans racing, the winner's
 
 
-def _with_changes_from(plan: Plan, spec: JobSpec, tables: Tables | None) -> Plan:
-    """``changes.previous_table``: the plan pins the run the change set compares with (``Plan.changes_from``)."""
+@dataclass(frozen=True)
+class _Pins:
+    """What ``_with_changes_from`` needs for ``changes.previous_published``."""
+
+    last: LastPublished | None
+    filesystems: FileSystems | None
+    keyring: Keyring
+    allowed_prefixes: Sequence[str] | None
+
+
+def _with_changes_from(plan: Plan, spec: JobSpec, tables: Tables | None, pins: _Pins) -> Plan:
+    """``changes.previous_table`` / ``changes.previous_published``: the plan pins the run the change set compares
+    with (``Plan.changes_from``)."""
+    if spec.changes.previous_published:
+        if pins.last is None:
+            raise SpecError(
+                "changes.previous_published: this plan was not given the job's Asset events (the plan task of "
+                "vllm_batch_job reads them, with the setting in the DAG file's spec)"
+            )
+        pinned = pin_last_published(
+            pins.last,
+            spec.io.output_uri,
+            keyring=pins.keyring,
+            storage_options=spec.io.storage_options,
+            filesystems=pins.filesystems,
+            allowed_prefixes=pins.allowed_prefixes,
+        )
+        return plan.model_copy(update={"changes_from": pinned})
     if not spec.changes.previous_table:
         return plan
     if tables is None:
@@ -233,8 +265,9 @@ def _plan_cached(
     max_shards: int | None,
     engine_identity: str | None,
     keyring: Keyring,
-    warm_starts: bool | None = None,
-    tables: Tables | None = None,
+    warm_starts: bool | None,
+    tables: Tables | None,
+    pins: _Pins,
 ) -> Plan:
     """With the result cache or the dedupe (plans that write files besides ``_plan.json``): an existing plan wins
     (only its input and spec are compared); else a new one."""
@@ -255,7 +288,7 @@ def _plan_cached(
         warm_starts=warm_starts,
     )
     plan = with_golden(plan, spec, out, filesystems, max_shards)  # qa.reference: ride-along rows
-    plan = _with_changes_from(plan, spec, tables)
+    plan = _with_changes_from(plan, spec, tables, pins)
     _write_plan(out, plan, spec, keyring)
     return plan
 

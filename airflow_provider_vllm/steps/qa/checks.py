@@ -203,7 +203,7 @@ def _value(name: str, metrics: dict[str, Any]) -> tuple[float | None, str]:
         ch = metrics.get("changes")
         value = None if ch is None else ch.get("churn_rate")
         if ch is None:
-            return None, "changes.previous_uri not set"
+            return None, "no change set (changes.previous_uri not set, or no earlier run published)"
         if value is None:
             done = ch.get("previous_state") == "complete"
             return None, "no id answered in both runs" if done else "no complete previous run"

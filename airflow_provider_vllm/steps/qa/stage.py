@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 
 from airflow_provider_vllm.core import duck
 from airflow_provider_vllm.core.errors import CommitError
-from airflow_provider_vllm.core.plan import Plan, changes_spec, load_plan
+from airflow_provider_vllm.core.plan import Plan, changes_spec, load_plan, pinned_changes
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import CheckedCopies, FileSystems, Storage, copies_folder
@@ -81,7 +81,7 @@ def _qa_run(
             filesystems,
             keyring=keyring,
             verified=(merged, parts),
-            pinned=plan.changes_from if spec.changes.previous_table else None,
+            pinned=plan.changes_from if pinned_changes(spec) else None,
         )
         if spec.changes.previous_uri
         else None

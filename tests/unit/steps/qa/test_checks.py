@@ -83,7 +83,7 @@ def test_churn_rate_check(changed, expected):
 @pytest.mark.parametrize(
     "changes, detail",
     [
-        (None, "changes.previous_uri not set"),
+        (None, "no change set (changes.previous_uri not set, or no earlier run published)"),
         (_changes(0, 0, "absent"), "no complete previous run"),
         (_changes(0, 0), "no id answered in both runs"),
     ],

@@ -231,7 +231,7 @@ def test_changes_compare_only_with_the_merge_the_tables_snapshot_published(tmp_p
     shutil.copytree(first.io.output_uri, tmp_path / "a-published")
     shutil.copytree(earlier, first.io.output_uri, dirs_exist_ok=True)  # the first merge put back
     assert read_merged(Storage(first.io.output_uri)).checksums != published.checksums  # genuine, sealed
-    with pytest.raises(CommitError, match=r"snapshot \d+ published run .* not the merge the table holds"):
+    with pytest.raises(CommitError, match=r"snapshot \d+ published run .* not the merge that was published"):
         qa_run(second)
     os.remove(os.path.join(first.io.output_uri, MERGED))
     with pytest.raises(CommitError, match="which now has no _MERGED.json"):

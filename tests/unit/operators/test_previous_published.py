@@ -1,0 +1,226 @@
+"""``changes.previous_published``: a run's change set compares with the run its job last published, as the job's
+Asset event in Airflow's metadata database names it (the plan pins it), never with what the bucket shows."""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from airflow.sdk import Asset
+from airflow.sdk.exceptions import AirflowFailException
+
+from airflow_provider_vllm.core.errors import CommitError, SpecError
+from airflow_provider_vllm.core.plan import LastPublished, load_plan
+from airflow_provider_vllm.core.seal import Keyring
+from airflow_provider_vllm.core.storage import Storage
+from airflow_provider_vllm.operators.merge import VllmMergeOperator
+from airflow_provider_vllm.operators.plan import VllmPlanOperator
+from airflow_provider_vllm.operators.publish import VllmPublishOperator
+from airflow_provider_vllm.operators.qa import VllmQAOperator
+from airflow_provider_vllm.steps.merge.changes import read_changes
+from airflow_provider_vllm.steps.merge.merger import MERGED, SUCCESS
+from airflow_provider_vllm.steps.publish import pin_last_published
+from airflow_provider_vllm.utils.published import last_published
+from airflow_provider_vllm.worker.shard import run_shard
+from airflow_provider_vllm.worker.task import ShardTask
+from tests.support.data import make_spec, write_parquet
+from tests.support.ledger import record_malicious
+from tests.support.task_context import context
+
+pytestmark = pytest.mark.unit
+
+ASSET = Asset(uri="x-vllm-batch://nightly", name="nightly")
+DAG, PUBLISH = "d", "job.publish"
+
+
+class Events(list):
+    """What ``inlet_events[asset]`` gives: newest first once asked (``ascending(False)``), at most ``limit``."""
+
+    def ascending(self, ascending: bool = True):
+        assert ascending is False
+        return self
+
+    def limit(self, n: int):
+        return Events(self[:n])
+
+
+def event(i: int, extra: dict, dag: str = DAG, task: str = PUBLISH) -> SimpleNamespace:
+    stamp = dt.datetime(2026, 12, 1, tzinfo=dt.UTC) + dt.timedelta(hours=i)
+    return SimpleNamespace(id=i, timestamp=stamp, extra=extra, source_dag_id=dag, source_task_id=task)
+
+
+def night(root: Path, texts: list[str], **changes) -> tuple[dict, object]:
+    """Input and spec of one night under ``root`` (ids t0000..), not yet planned."""
+    write_parquet(root / "in" / "part-0.parquet", [f"t{i:04d}" for i in range(len(texts))], texts)
+    spec = make_spec(
+        root / "in", root / "out", sharding={"target_rows": 20}, **({"changes": changes} if changes else {})
+    )
+    return spec.model_dump(mode="json"), spec
+
+
+def run_rest(spec: dict, factory) -> None:
+    """Shards, merge and QA of a planned night, as the operators run them."""
+    for s in load_plan(make_spec_of(spec)).shards:
+        run_shard(ShardTask(spec=make_spec_of(spec), shard_id=s.shard_id), engine_factory=factory)
+    VllmMergeOperator(task_id="merge", spec=spec).execute(context())
+
+
+def make_spec_of(doc: dict):
+    from airflow_provider_vllm.core.spec import JobSpec
+
+    return JobSpec.load(doc)
+
+
+def plan_op(spec: dict, inlets=(ASSET,)) -> VllmPlanOperator:
+    return VllmPlanOperator(
+        task_id="plan", spec=spec, inlets=list(inlets), published_asset=ASSET, publish_task_id=PUBLISH
+    )
+
+
+def ctx_with(events: list) -> dict:
+    c = context()
+    c["inlet_events"] = {ASSET: Events(events)}
+    c["dag"] = SimpleNamespace(dag_id=DAG)
+    return c
+
+
+def test_the_change_set_compares_with_the_run_the_asset_event_names(tmp_path, fake_engine_factory):
+    """Night A is published (its event names it); night B's plan pins A and the merge A published, and B's QA
+    compares with it. Events another DAG or task emitted, or the REST API, are not this job's publishes."""
+    texts = [f"ticket number {i}: I was charged twice, please refund" for i in range(60)]
+    a, _ = night(tmp_path / "a", texts)
+    VllmPlanOperator(task_id="plan", spec=a).execute(context())
+    run_rest(a, fake_engine_factory)
+    VllmQAOperator(task_id="qa", spec=a).execute(context())
+    published = VllmPublishOperator(task_id="publish", spec=a, outlets=[ASSET]).execute(context())
+    b, spec_b = night(tmp_path / "b", texts[:50] + ["a new ticket"] * 3, previous_published=True)
+    events = [
+        event(9, {"output_uri": str(tmp_path / "x"), "success_sha256": "0" * 64}, task="other.publish"),
+        event(8, {"output_uri": str(tmp_path / "y"), "success_sha256": "0" * 64}, dag=None, task=None),  # the API
+        event(7, {"rows": 1}),  # no output_uri
+        event(5, published),
+    ]
+    plan_op(b).execute(ctx_with(events))
+    pinned = load_plan(spec_b).changes_from
+    assert (pinned.source, pinned.previous_uri, pinned.event_id) == ("published", published["output_uri"], 5)
+    assert (
+        pinned.results_manifest_sha256
+        == json.loads((tmp_path / "a" / "out" / SUCCESS).read_bytes())["checksums"]["results/_manifest.json"]
+    )
+    run_rest(b, fake_engine_factory)
+    VllmQAOperator(task_id="qa", spec=b).execute(context())
+    summary = read_changes(Storage(spec_b.io.output_uri))
+    assert summary.previous_uri == published["output_uri"] and summary.previous_state == "complete"
+    c = summary.counts  # t0050-t0052 have new texts, t0053-t0059 are gone
+    assert (c.removed, c.added, c.unchanged + c.changed) == (7, 0, 53) and c.unchanged >= 50
+
+
+def test_a_first_run_has_nothing_to_compare_and_the_plan_needs_the_assets_events(tmp_path, fake_engine_factory):
+    texts = [f"ticket {i}" for i in range(20)]
+    b, spec_b = night(tmp_path / "b", texts, previous_published=True)
+    with pytest.raises(AirflowFailException, match="changes.previous_published .* set it in the spec the DAG file"):
+        plan_op(b, inlets=()).execute(ctx_with([]))
+    plan_op(b).execute(ctx_with([event(1, {"output_uri": str(tmp_path / "b" / "out"), "success_sha256": "1" * 64})]))
+    pinned = load_plan(spec_b).changes_from
+    assert pinned.source == "published" and pinned.previous_uri is None  # its own earlier event is no baseline
+    run_rest(b, fake_engine_factory)
+    VllmQAOperator(task_id="qa", spec=b).execute(context())
+    assert not (tmp_path / "b" / "out" / "changes").exists()  # nothing published before: no change set
+
+
+@pytest.mark.reliability
+def test_a_baseline_the_bucket_changed_is_refused_not_compared(tmp_path, fake_engine_factory):
+    """A writer of the previous run's folder puts back an earlier genuine merge of it, removes or rewrites its
+    _SUCCESS.json: the plan (marker) or QA (merge) fails naming the event, never a change set against answers
+    that were not the ones published. An event naming a folder outside the allow-list is refused by the plan."""
+    texts = [f"ticket number {i}: I was charged twice, please refund" for i in range(60)]
+    a, spec_a = night(tmp_path / "a", texts)
+    plan_a = VllmPlanOperator(task_id="plan", spec=a)
+    plan_a.execute(context())
+    run_rest(a, fake_engine_factory)
+    out_a = tmp_path / "a" / "out"
+    earlier = tmp_path / "a-first-merge"
+    shutil.copytree(out_a, earlier)
+    first = load_plan(spec_a).shards[0].shard_id  # run again from nothing: its parts get other bytes
+    shutil.rmtree(out_a / "shards" / first)
+    run_shard(ShardTask(spec=spec_a, shard_id=first), engine_factory=fake_engine_factory)
+    VllmMergeOperator(task_id="merge", spec=a).execute(context())  # merged again: another results manifest
+    VllmQAOperator(task_id="qa", spec=a).execute(context())
+    published = VllmPublishOperator(task_id="publish", spec=a, outlets=[ASSET]).execute(context())
+    good = tmp_path / "a-published"
+    shutil.copytree(out_a, good)
+
+    def plan_b(name: str, ev: dict):
+        doc, spec = night(tmp_path / name, texts, previous_published=True)
+        plan_op(doc).execute(ctx_with([event(3, ev)]))
+        return doc, spec
+
+    # the earlier merge put back (sealed for that folder too): the plan pins the published merge, QA refuses
+    b, spec_b = plan_b("b", published)
+    shutil.copytree(earlier, out_a, dirs_exist_ok=True)
+    assert (out_a / MERGED).read_bytes() != (good / MERGED).read_bytes()
+    run_rest(b, fake_engine_factory)
+    with pytest.raises(
+        AirflowFailException, match=r"Asset x-vllm-batch://nightly event 3 .* not the merge that was publ"
+    ):
+        VllmQAOperator(task_id="qa", spec=b).execute(context())
+    (out_a / MERGED).unlink()
+    with pytest.raises(AirflowFailException, match="which now has no _MERGED.json"):
+        VllmQAOperator(task_id="qa", spec=b).execute(context())
+    record_malicious("changes.previous_published: an earlier merge of the published run put back, or removed", 2, 2)
+    shutil.rmtree(out_a)
+    shutil.copytree(good, out_a)
+    VllmQAOperator(task_id="qa", spec=b).execute(context())
+    assert read_changes(Storage(spec_b.io.output_uri)).counts.unchanged == 60
+
+    # the marker rewritten (another sha256), removed, or an event outside the allow-list: the plan fails
+    (out_a / SUCCESS).write_bytes((good / SUCCESS).read_bytes() + b" ")
+    with pytest.raises(AirflowFailException, match="not the marker that publish wrote"):
+        plan_b("c", published)
+    (out_a / SUCCESS).unlink()
+    with pytest.raises(AirflowFailException, match="has no _SUCCESS.json now"):
+        plan_b("d", published)
+    with pytest.raises(AirflowFailException, match="outside the allowed prefixes"):
+        plan_b("e", {**published, "output_uri": "s3://elsewhere/run/"})
+    record_malicious("changes.previous_published: the published marker changed or removed, a foreign prefix", 3, 3)
+
+
+def test_pinning_checks_the_markers_bytes_and_seal(tmp_path, fake_engine_factory):
+    """The step alone: the event's sha256 must be the marker's, the marker this deployment's seal for that
+    prefix (a marker of another deployment with a matching sha256 is refused); the prefix not this run's own."""
+    from tests.support.task_context import committed_job
+
+    spec, _ = committed_job(tmp_path, fake_engine_factory, n=20)
+    VllmMergeOperator(task_id="merge", spec=spec).execute(context())
+    VllmQAOperator(task_id="qa", spec=spec).execute(context())
+    ev = VllmPublishOperator(task_id="publish", spec=spec).execute(context())
+    last = LastPublished(asset=ASSET.uri, event_id=1, output_uri=ev["output_uri"], success_sha256=ev["success_sha256"])
+    keyring = Keyring.from_env()
+    assert pin_last_published(last, str(tmp_path / "next"), keyring=keyring).previous_uri == ev["output_uri"]
+    other = Keyring.from_text("another-deployment-" + "x" * 40)
+    with pytest.raises(CommitError, match="seal"):
+        pin_last_published(last, str(tmp_path / "next"), keyring=other)
+    with pytest.raises(SpecError, match="this run's own output prefix"):
+        pin_last_published(last, ev["output_uri"], keyring=keyring)
+    bad = last.model_copy(update={"success_sha256": hashlib.sha256(b"x").hexdigest()})
+    with pytest.raises(CommitError, match="sha256 differs"):
+        pin_last_published(bad, str(tmp_path / "next"), keyring=keyring)
+    with pytest.raises(CommitError, match="without a success_sha256"):
+        pin_last_published(last.model_copy(update={"success_sha256": None}), str(tmp_path / "next"), keyring=keyring)
+
+
+def test_only_the_jobs_own_publish_events_are_read():
+    newest = [
+        event(4, {"output_uri": "/runs/b/", "success_sha256": "b" * 64}, task="other.publish"),
+        event(3, {"output_uri": "/runs/own/", "success_sha256": "c" * 64}),  # this run's own, published before
+        event(2, {"output_uri": ["not", "text"], "success_sha256": "d" * 64}),
+        event(1, {"output_uri": "/runs/a/", "success_sha256": "a" * 64}),
+    ]
+    got = last_published(newest, ASSET.uri, DAG, PUBLISH, "/runs/own")
+    assert (got.event_id, got.output_uri, got.success_sha256) == (1, "/runs/a/", "a" * 64)
+    assert last_published(newest[:3], ASSET.uri, DAG, PUBLISH, "/runs/own").output_uri is None
