@@ -24,6 +24,7 @@ REPORT_ROOTS = "report_roots"
 SIGNING_KEY = "signing_key"
 KUBERNETES_SIGNING_SECRET = "kubernetes_signing_secret"
 CACHE_URI_PREFIXES = "cache_uri_prefixes"
+SCHEDULED_OUTPUT_PREFIXES = "scheduled_output_prefixes"
 KUBERNETES_COMPILE_CACHE_PVC = "kubernetes_compile_cache_pvc"
 ICEBERG_CONN_ID = "iceberg_conn_id"
 ALLOWED_TABLES = "allowed_tables"
@@ -173,6 +174,19 @@ def get_provider_info() -> dict:
                         "version_added": "0.3.0",
                         "type": "string",
                         "example": "s3://ml-batch/cache/triage/",
+                        "default": "",
+                    },
+                    SCHEDULED_OUTPUT_PREFIXES: {
+                        "description": "JSON list or comma-separated URI prefixes that only runs Airflow schedules "
+                        "(scheduled, backfill, asset-triggered) may write: a run triggered by a person or a "
+                        "program (the form, the REST API, airflow dags trigger or test, TriggerDagRunOperator) whose "
+                        "io.output_uri lies under one, or above one, fails its plan (no retry) before anything is "
+                        "written, so that it cannot claim a prefix a scheduled run writes later (tomorrow's dt= "
+                        "folder). Re-run a scheduled date by clearing its run. Empty: none (a triggered run may "
+                        "write any allowed prefix).",
+                        "version_added": "0.3.0",
+                        "type": "string",
+                        "example": "s3://ml-batch/reclassification/",
                         "default": "",
                     },
                     KUBERNETES_COMPILE_CACHE_PVC: {

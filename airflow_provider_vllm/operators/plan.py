@@ -20,6 +20,7 @@ from airflow_provider_vllm.steps.lineage import plan_lineage
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.utils import provenance
 from airflow_provider_vllm.utils.deployment import (
+    check_run_may_write,
     check_runner_choice,
     check_spec_allowed,
     signing_keyring,
@@ -167,6 +168,8 @@ class VllmPlanOperator(BaseOperator):
         spec = self.build_spec(params)
         self.check_provenance(spec, params)  # before any location or model is looked at
         prefixes = check_spec_allowed(spec, "plan")
+        # a triggered run may not claim a prefix a scheduled run writes later ([vllm_batch] scheduled_output_prefixes)
+        check_run_may_write(spec.io.output_uri, getattr(context.get("dag_run"), "run_type", None), "plan")
         if runner == "local":
             check_local_model(spec)
         self.log.info(

@@ -36,7 +36,9 @@ from airflow_provider_vllm.core.allow_list import (
     ALLOW_REMOTE_CODE_ENV,
     ALLOWED_PREFIXES_ENV,
     canonical_prefixes,
+    canonical_uri,
     check_cache_location,
+    is_under,
     parse_list_setting,
     parse_prefixes,
 )
@@ -52,6 +54,7 @@ from airflow_provider_vllm.provider import (
     CONFIG_SECTION,
     KUBERNETES_COMPILE_CACHE_PVC,
     KUBERNETES_SIGNING_SECRET,
+    SCHEDULED_OUTPUT_PREFIXES,
     setting,
 )
 from airflow_provider_vllm.provider import ALLOWED_URI_PREFIXES as CONFIG_OPTION
@@ -143,6 +146,36 @@ def cache_prefixes() -> list[str]:
         return canonical_prefixes(parse_prefixes(_get(CACHE_URI_PREFIXES)))
     except SpecError as e:
         raise AirflowFailException(f"{setting(CACHE_URI_PREFIXES)} is malformed: {e}") from None
+
+
+# run types Airflow's scheduler makes (DagRunType values); a backfill cannot reach past today
+SCHEDULER_RUN_TYPES = frozenset({"scheduled", "backfill", "asset_triggered", "asset_materialization"})
+
+
+def check_run_may_write(output_uri: str, run_type: object, what: str) -> None:
+    """Fail the task (no retry) when a run Airflow did not schedule (``run_type``: the DagRun's; manual,
+    operator_triggered, or unknown) would write an output prefix under, or above, one of ``[vllm_batch]
+    scheduled_output_prefixes``: it could claim a prefix a scheduled run writes later."""
+    try:
+        prefixes = canonical_prefixes(parse_prefixes(_get(SCHEDULED_OUTPUT_PREFIXES)))
+    except SpecError as e:
+        raise AirflowFailException(f"{what}: {setting(SCHEDULED_OUTPUT_PREFIXES)} is malformed: {e}") from None
+    if not prefixes:
+        return
+    try:
+        canon = canonical_uri(output_uri, "io.output_uri")
+    except SpecError as e:
+        raise AirflowFailException(f"{what}: {e}") from None
+    hit = next((p for p in prefixes if is_under(canon, p) or is_under(p, canon)), None)
+    kind = str(getattr(run_type, "value", run_type) or "")
+    if hit is None or kind in SCHEDULER_RUN_TYPES:
+        return
+    where = "under" if is_under(canon, hit) else "above"
+    raise AirflowFailException(
+        f"{what}: io.output_uri={output_uri} lies {where} {hit}, which only runs Airflow schedules may write "
+        f"({setting(SCHEDULED_OUTPUT_PREFIXES)}); this run is {kind or 'of unknown type'}. Re-run a scheduled date "
+        "by clearing its run, or write to another prefix"
+    )
 
 
 _CLAIM_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")

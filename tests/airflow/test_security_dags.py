@@ -88,6 +88,12 @@ def refused_runs(airflow_sandbox, tmp_path_factory) -> dict[str, tuple[subproces
             name: (f"2026-10-0{3 + i}", {"input_uri": str(box.data / "hostile"), **conf}, {})
             for i, (name, (conf, _)) in enumerate(sorted(HOSTILE_CONF.items()))
         },
+        # A triggered run (dags test makes a manual run) claims tomorrow's folder of a nightly job.
+        "claim": (
+            "2026-10-07",
+            {"input_uri": str(box.data / "hostile"), "output_uri": str(box.data / "nightly-only" / "dt=2099-01-01")},
+            {"AIRFLOW__VLLM_BATCH__SCHEDULED_OUTPUT_PREFIXES": str(box.data / "nightly-only")},
+        ),
         # A Variable more people can edit asks for remote code, even where the deployment allows remote code.
         "variable": (
             "2026-10-06",
@@ -149,3 +155,13 @@ def test_a_variable_cannot_turn_on_remote_code_without_the_deployments_opt_in(ai
     _plan_refused(airflow_sandbox, p, run_id, "model.trust_remote_code is deployment-owned and came from a Variable")
     assert "engine.engine_kwargs.compilation_config.backend is deployment-owned" in p.stdout + p.stderr
     record_malicious("dag_variable_remote_code", 2, 2)
+
+
+def test_a_triggered_run_cannot_claim_a_prefix_only_scheduled_runs_write(airflow_sandbox, refused_runs):
+    """[vllm_batch] scheduled_output_prefixes names a nightly job's root: a triggered re-run whose output prefix is
+    tomorrow's date folder there fails its plan, and nothing is written that would stop tomorrow's scheduled run."""
+    p, run_id = refused_runs["claim"]
+    _plan_refused(airflow_sandbox, p, run_id, "which only runs Airflow schedules may write")
+    assert "this run is manual" in p.stdout + p.stderr
+    assert not (airflow_sandbox.data / "nightly-only").exists()
+    record_malicious("dag_claim_scheduled_prefix", 1, 1)

@@ -13,6 +13,7 @@ from airflow_provider_vllm.utils.deployment import (
     KUBERNETES_RUNNER_OPTIONS,
     allowed_runners,
     cache_prefixes,
+    check_run_may_write,
     check_runner_choice,
     check_spec_allowed,
     kubernetes_signing_secret,
@@ -215,3 +216,41 @@ def test_a_run_time_runner_outside_the_allowed_ones_is_refused_a_literal_never(m
     check_runner_choice(" local ", "local", "plan")  # the DAG file's literal: the DAG author's choice
     monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_RUNNERS", "kubernetes,local")
     check_runner_choice("{{ params.runner }}", "local", "plan")
+
+
+def test_a_triggered_run_cannot_claim_a_prefix_only_scheduled_runs_write(monkeypatch, tmp_path):
+    """[vllm_batch] scheduled_output_prefixes: a run a person or a program triggered (manual, operator_triggered,
+    or of unknown type) may not write under one, nor above one (its _plan.json would put the scheduled dates
+    inside its run); runs the scheduler makes may. Unset: no restriction."""
+    from types import SimpleNamespace
+
+    from airflow.utils.types import DagRunType
+
+    nightly = tmp_path / "lake" / "reclassification"
+    tomorrow = str(nightly / "dt=2099-01-01")
+    check_run_may_write(tomorrow, DagRunType.MANUAL, "plan")  # unset: anything goes
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__SCHEDULED_OUTPUT_PREFIXES", f"s3://lake/nightly/, {nightly}")
+    claims = [
+        (tomorrow, DagRunType.MANUAL, "under"),
+        (tomorrow, DagRunType.OPERATOR_TRIGGERED, "under"),
+        (tomorrow, None, "under"),  # no dag_run in the context: fails closed
+        (tomorrow, SimpleNamespace(value="something_new"), "under"),
+        (str(tmp_path / "lake"), DagRunType.MANUAL, "above"),
+        ("s3://lake/nightly/dt=2099-01-01/", "manual", "under"),
+        ("s3://lake/nightly/../elsewhere", "manual", "io.output_uri"),
+    ]
+    for uri, kind, why in claims:
+        with pytest.raises(AirflowFailException, match=f"plan: .*{why}"):
+            check_run_may_write(uri, kind, "plan")
+    for kind in (DagRunType.SCHEDULED, DagRunType.BACKFILL_JOB, DagRunType.ASSET_TRIGGERED, "scheduled"):
+        check_run_may_write(tomorrow, kind, "plan")
+    for elsewhere in (
+        str(tmp_path / "lake" / "reruns" / "r1"),
+        str(tmp_path / "lake" / "reclassification2"),
+        "s3://lake/nightly2/x",
+    ):
+        check_run_may_write(elsewhere, DagRunType.MANUAL, "plan")  # by whole path segments
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__SCHEDULED_OUTPUT_PREFIXES", "s3://ok/,ftp://bad/")
+    with pytest.raises(AirflowFailException, match="scheduled_output_prefixes .* is malformed"):
+        check_run_may_write(tomorrow, DagRunType.SCHEDULED, "plan")
+    record_malicious("triggered run claiming a scheduled prefix", len(claims), len(claims))
