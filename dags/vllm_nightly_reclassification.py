@@ -23,9 +23,9 @@ sends only the misses to the shards. It needs answers that repeat: greedy decodi
 `{"cache": {"uri": null}}`).
 `changes/changes.parquet` under each date's prefix lists every ticket id as added, removed,
 changed (old and new label), unchanged, error or recovered against the run this DAG last
-published (`changes.previous_published`: the newest event of its Asset, usually `dt=D-1`; a date
-that failed QA is skipped), so syncing the rows where `change = 'changed'` of each published date,
-in order, keeps a ticketing system equal to the published labels (docs/operations.md). The first
+published before D (`changes.previous_published`: its Asset's events, by logical date; usually
+`dt=D-1`, a date that failed QA is skipped), so syncing the rows where `change = 'changed'` of each
+published date, in date order, keeps a ticketing system equal to the published labels (docs/operations.md). The first
 published date has no `changes/`: sync its results whole. The QA page shows the counts, the old x
 new label matrix and the cache hit rate.
 

@@ -256,13 +256,15 @@ class TablePin(BaseModel):
 
 
 class LastPublished(BaseModel):
-    """``changes.previous_published``: the newest event of the job's Airflow Asset that this DAG's publish task
-    emitted, as the plan task read it from Airflow's metadata database (no event: the fields None)."""
+    """``changes.previous_published``: the event of the job's Airflow Asset that this DAG's publish task emitted for
+    the latest-dated run before this one (``utils/published.py``), as the plan task read it from Airflow's metadata
+    database (no such event: the fields None)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     asset: str = Field(description="the Asset's URI")
     event_id: int | None = Field(None, description="the event's id in Airflow")
     timestamp: str | None = Field(None, description="when it was emitted (ISO 8601)")
+    logical_date: str | None = Field(None, description="the logical date of the run that published (ISO 8601)")
     output_uri: str | None = Field(None, description="its output_uri: the run that publish published")
     success_sha256: str | None = Field(None, description="its success_sha256: the sha256 of that run's _SUCCESS.json")
 

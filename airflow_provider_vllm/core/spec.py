@@ -752,12 +752,13 @@ class ChangesSpec(_Model):
     )
     previous_published: bool = Field(
         False,
-        description="Compare against the run this job last published: the newest event of the job's Airflow Asset "
-        "that this DAG's publish task emitted (Airflow's metadata database, not the bucket), as the plan task reads "
-        "it; the plan pins that run and the merge it published (the event's success_sha256 must be the sha256 of "
-        "the run's sealed _SUCCESS.json). A run that failed QA or was never published is never the baseline. No "
-        "such event: no changes output. Needs vllm_batch_job with this set in the DAG file's spec. Exclusive "
-        "with previous_uri and previous_table.",
+        description="Compare against the run this job published last before this one: of the events of the job's "
+        "Airflow Asset that this DAG's publish task emitted (Airflow's metadata database, not the bucket), the one of "
+        "the latest logical date before this run's (no logical date: the newest), as the plan task reads it; the plan "
+        "pins that run and the merge it published (the event's success_sha256 must be the sha256 of the run's "
+        "sealed _SUCCESS.json). A run that failed QA or was never published is never the baseline. No such event: "
+        "no changes output. Needs vllm_batch_job with this set in the DAG file's spec. Exclusive with previous_uri "
+        "and previous_table.",
     )
 
 

@@ -248,8 +248,9 @@ class VllmPlanOperator(BaseOperator):
         return [s.dump() for s in with_display_names(plan.mapped_shards())]
 
     def last_published(self, context: Any, spec: JobSpec) -> LastPublished:
-        """``changes.previous_published``: the newest event of the job's Asset that its publish task emitted, read
-        from Airflow's metadata database (the Asset is this task's inlet: ``vllm_batch_job`` declares it)."""
+        """``changes.previous_published``: the event of the job's Asset that its publish task emitted for the run of
+        the latest logical date before this run's (``utils/published.py``), read from Airflow's metadata database
+        (the Asset is this task's inlet: ``vllm_batch_job`` declares it)."""
         asset = self.published_asset
         if asset is None or self.publish_task_id is None or asset not in (self.inlets or []):
             raise AirflowFailException(
@@ -257,7 +258,14 @@ class VllmPlanOperator(BaseOperator):
                 "the spec the DAG file gives vllm_batch_job, whose plan task then reads that Asset's events"
             )
         events = context["inlet_events"][asset].ascending(False).limit(LOOKBACK_EVENTS)
-        last = last_published(events, asset.uri, context["dag"].dag_id, self.publish_task_id, spec.io.output_uri)
+        last = last_published(
+            events,
+            asset.uri,
+            context["dag"].dag_id,
+            self.publish_task_id,
+            spec.io.output_uri,
+            context.get("logical_date"),
+        )
         if last.output_uri is None:
             self.log.info(
                 "changes.previous_published: %s has no event of %s; nothing to compare", asset.uri, self.publish_task_id

@@ -140,6 +140,8 @@ class VllmPublishOperator(BaseOperator):
             "error_rows": marker["error_rows"],
             "qa_status": marker["qa"]["status"],
             "config_hash": marker["config_hash"],
+            # the run's logical date: changes.previous_published takes the latest-dated publish before a run's own
+            "logical_date": marker["airflow"]["logical_date"],
             # the consumer's check of the files, through Airflow's metadata database (steps/publish.py)
             "success_sha256": hashlib.sha256(body).hexdigest(),
             **({"table": marker["table"]} if "table" in marker else {}),

@@ -1,12 +1,17 @@
-"""``changes.previous_published``: the run a job last published, from its Asset's events in Airflow's metadata
-database (the channel the bucket's writers cannot touch), for the plan task.
+"""``changes.previous_published``: the run a job last published before this one, from its Asset's events in
+Airflow's metadata database (the channel the bucket's writers cannot touch), for the plan task.
 
 Only an event that the job's own publish task emitted counts (``source_dag_id`` and ``source_task_id``): one made
 through the REST API, or by another DAG's task that updates the same Asset, names nothing this job published.
+Runs are ordered by their logical date, not by when they published: a run of date D compares with the published
+run of the latest date before D (the day before when it was published; a date that failed QA is skipped), so a
+backfill of old dates never compares with tonight's run. A run without a logical date (a manual run of Airflow 3)
+compares with the newest publish.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 from collections.abc import Iterable
 from typing import Any
@@ -16,15 +21,38 @@ from airflow_provider_vllm.core.plan import LastPublished
 
 log = logging.getLogger(__name__)
 
-LOOKBACK_EVENTS = 100  # the newest events read; a job's own publishes are among them unless others flood the Asset
+# the newest events read: about three years of one nightly job's publishes; a backfill of dates older than those
+# finds no earlier publish among them and writes no change set
+LOOKBACK_EVENTS = 1000
+
+
+def _date(value: Any) -> dt.datetime | None:
+    """An aware datetime from an event's ISO text or a context's datetime (None: none, or not a date)."""
+    if isinstance(value, str):
+        try:
+            value = dt.datetime.fromisoformat(value)
+        except ValueError:
+            return None
+    if not isinstance(value, dt.datetime) or value.tzinfo is None:
+        return None
+    return value
 
 
 def last_published(
-    events: Iterable[Any], asset_uri: str, dag_id: str, publish_task_id: str, own_uri: str
+    events: Iterable[Any],
+    asset_uri: str,
+    dag_id: str,
+    publish_task_id: str,
+    own_uri: str,
+    logical_date: Any = None,
 ) -> LastPublished:
-    """The newest of ``events`` (newest first: Airflow's ``AssetEventResult``) that ``dag_id``'s task
-    ``publish_task_id`` emitted for a run other than ``own_uri``, as a ``LastPublished`` (its fields None: none)."""
+    """Of ``events`` (newest first: Airflow's ``AssetEventResult``), the one ``dag_id``'s task ``publish_task_id``
+    emitted for the run of the latest logical date before ``logical_date`` (the newest of those when a date was
+    published more than once; no ``logical_date``: the newest event), never for ``own_uri``; as a
+    ``LastPublished`` (its fields None: none)."""
     own = canonical_uri(own_uri, "io.output_uri", resolve=False).rstrip("/")
+    before = _date(logical_date)
+    best: tuple[dt.datetime, Any, dict] | None = None
     for ev in events:
         if ev.source_dag_id != dag_id or ev.source_task_id != publish_task_id:
             log.info(
@@ -43,9 +71,27 @@ def last_published(
             continue
         try:
             if canonical_uri(uri, "output_uri", resolve=False).rstrip("/") == own:
-                continue  # this run published before (a retried run): the baseline is the run before it
+                continue  # this run published before (its folder was planned again): no baseline of its own
         except ValueError:
             pass  # refused with its reason when the plan pins it
-        stamp = ev.timestamp.isoformat() if hasattr(ev.timestamp, "isoformat") else str(ev.timestamp)
-        return LastPublished(asset=asset_uri, event_id=ev.id, timestamp=stamp, output_uri=uri, success_sha256=sha)
-    return LastPublished(asset=asset_uri)
+        if before is None:
+            return _found(asset_uri, ev, extra)
+        date = _date(extra.get("logical_date"))
+        if date is None or date >= before:
+            continue  # a later date (tonight's run, seen by a backfill), or a publish without a logical date
+        if best is None or date > best[0]:  # newest first: a date's newest publish is met first
+            best = (date, ev, extra)
+    return _found(asset_uri, best[1], best[2]) if best is not None else LastPublished(asset=asset_uri)
+
+
+def _found(asset_uri: str, ev: Any, extra: dict) -> LastPublished:
+    stamp = ev.timestamp.isoformat() if hasattr(ev.timestamp, "isoformat") else str(ev.timestamp)
+    date = extra.get("logical_date")
+    return LastPublished(
+        asset=asset_uri,
+        event_id=ev.id,
+        timestamp=stamp,
+        logical_date=date if isinstance(date, str) else None,
+        output_uri=extra["output_uri"],
+        success_sha256=extra["success_sha256"],
+    )

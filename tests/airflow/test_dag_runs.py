@@ -167,6 +167,7 @@ def test_the_next_night_infers_only_new_and_edited_tickets_and_lists_the_moved_l
     pinned = plan["changes_from"]
     (event,) = [e for e in airflow_sandbox.inspect(NIGHTLY)["asset_events"] if e["extra"]["output_uri"] == f"{out1}/"]
     assert pinned["source"] == "published" and pinned["event_id"] == event["id"]
+    assert event["extra"]["logical_date"].startswith(DAY)  # ordered by the runs' logical dates
     success1 = json.loads((out1 / "_SUCCESS.json").read_text())
     assert pinned["results_manifest_sha256"] == success1["checksums"]["results/_manifest.json"]
     report = json.loads((out2 / "qa" / "report.json").read_text())

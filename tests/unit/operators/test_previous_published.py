@@ -214,13 +214,33 @@ def test_pinning_checks_the_markers_bytes_and_seal(tmp_path, fake_engine_factory
         pin_last_published(last.model_copy(update={"success_sha256": None}), str(tmp_path / "next"), keyring=keyring)
 
 
-def test_only_the_jobs_own_publish_events_are_read():
-    newest = [
-        event(4, {"output_uri": "/runs/b/", "success_sha256": "b" * 64}, task="other.publish"),
-        event(3, {"output_uri": "/runs/own/", "success_sha256": "c" * 64}),  # this run's own, published before
-        event(2, {"output_uri": ["not", "text"], "success_sha256": "d" * 64}),
-        event(1, {"output_uri": "/runs/a/", "success_sha256": "a" * 64}),
+def test_only_the_jobs_own_publish_events_are_read_latest_date_before_this_run():
+    """The job's own publish task's events only; by logical date: the latest date before this run's (its newest
+    publish when the date was published twice), never a later date (a backfill of old dates next to tonight's
+    run); a run without a logical date (a manual run) takes the newest publish."""
+
+    def ev(i, uri, day, **kw):
+        extra = {"output_uri": uri, "success_sha256": f"{i:064x}", "logical_date": day}
+        return event(i, extra, **kw)
+
+    d = lambda day: f"2026-11-{day:02d}T02:00:00+00:00"  # noqa: E731
+    newest_first = [
+        ev(9, "/runs/b/", d(30), task="other.publish"),  # another task of the DAG
+        ev(8, "/runs/dt=30/", d(30)),  # tonight's run, later than the backfilled date below
+        ev(7, "/runs/own/", d(20)),  # this run's own folder, published before
+        ev(6, ["not", "text"], d(19)),
+        ev(5, "/runs/dt=18/", d(18)),  # dt=18 published again (a re-run): the newer publish wins
+        ev(4, "/runs/dt=19/", None),  # no logical date: not ordered
+        ev(3, "/runs/dt=18-old/", d(18)),
+        ev(2, "/runs/dt=17/", d(17)),
     ]
-    got = last_published(newest, ASSET.uri, DAG, PUBLISH, "/runs/own")
-    assert (got.event_id, got.output_uri, got.success_sha256) == (1, "/runs/a/", "a" * 64)
-    assert last_published(newest[:3], ASSET.uri, DAG, PUBLISH, "/runs/own").output_uri is None
+    own = dt.datetime(2026, 11, 20, 2, tzinfo=dt.UTC)
+    got = last_published(newest_first, ASSET.uri, DAG, PUBLISH, "/runs/own", own)
+    assert (got.event_id, got.output_uri, got.logical_date) == (5, "/runs/dt=18/", d(18))
+    assert got.success_sha256 == f"{5:064x}"
+    # no logical date of its own: the newest publish of the job
+    assert last_published(newest_first, ASSET.uri, DAG, PUBLISH, "/runs/own").event_id == 8
+    # nothing of this job before the date: nothing to compare
+    early = dt.datetime(2026, 11, 1, tzinfo=dt.UTC)
+    assert last_published(newest_first, ASSET.uri, DAG, PUBLISH, "/runs/own", early).output_uri is None
+    assert last_published(newest_first[:1], ASSET.uri, DAG, PUBLISH, "/runs/own").output_uri is None
