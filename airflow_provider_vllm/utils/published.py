@@ -63,6 +63,8 @@ def last_published(
             )
             continue
         extra = ev.extra if isinstance(ev.extra, dict) else {}
+        if extra.get("from_rest_api"):  # Airflow marks the events its REST API makes (they carry no source task)
+            continue
         uri, sha = extra.get("output_uri"), extra.get("success_sha256")
         if not isinstance(uri, str) or not isinstance(sha, str):
             log.warning(

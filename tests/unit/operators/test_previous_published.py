@@ -225,6 +225,8 @@ def test_only_the_jobs_own_publish_events_are_read_latest_date_before_this_run()
 
     d = lambda day: f"2026-11-{day:02d}T02:00:00+00:00"  # noqa: E731
     newest_first = [
+        ev(10, "/runs/c/", d(19), dag=None, task=None),  # made through the REST API (no source task)
+        event(11, {"output_uri": "/runs/d/", "success_sha256": "e" * 64, "logical_date": d(19), "from_rest_api": True}),
         ev(9, "/runs/b/", d(30), task="other.publish"),  # another task of the DAG
         ev(8, "/runs/dt=30/", d(30)),  # tonight's run, later than the backfilled date below
         ev(7, "/runs/own/", d(20)),  # this run's own folder, published before
