@@ -36,7 +36,7 @@ from airflow_provider_vllm.utils.job_spec import (
     overrides_document,
     spec_document,
 )
-from airflow_provider_vllm.utils.published import LOOKBACK_EVENTS, last_published
+from airflow_provider_vllm.utils.published import last_published, newest_events
 
 
 def _default_doc() -> dict[str, Any]:
@@ -257,7 +257,7 @@ class VllmPlanOperator(BaseOperator):
                 "plan: changes.previous_published compares with the run this job's Asset last published: set it in "
                 "the spec the DAG file gives vllm_batch_job, whose plan task then reads that Asset's events"
             )
-        events = context["inlet_events"][asset].ascending(False).limit(LOOKBACK_EVENTS)
+        events = newest_events(context["inlet_events"][asset])  # page by page: others' events hide nothing
         last = last_published(
             events,
             asset.uri,

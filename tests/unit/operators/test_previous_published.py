@@ -25,7 +25,7 @@ from airflow_provider_vllm.operators.qa import VllmQAOperator
 from airflow_provider_vllm.steps.merge.changes import read_changes
 from airflow_provider_vllm.steps.merge.merger import MERGED, SUCCESS
 from airflow_provider_vllm.steps.publish import pin_last_published
-from airflow_provider_vllm.utils.published import last_published
+from airflow_provider_vllm.utils.published import last_published, newest_events
 from airflow_provider_vllm.worker.shard import run_shard
 from airflow_provider_vllm.worker.task import ShardTask
 from tests.support.data import make_spec, write_parquet
@@ -38,15 +38,44 @@ ASSET = Asset(uri="x-vllm-batch://nightly", name="nightly")
 DAG, PUBLISH = "d", "job.publish"
 
 
-class Events(list):
-    """What ``inlet_events[asset]`` gives: newest first once asked (``ascending(False)``), at most ``limit``."""
+class Events:
+    """What ``inlet_events[asset]`` gives (Airflow's ``InletEventsAccessor``): the Asset's events ordered by
+    timestamp (oldest first unless ``ascending(False)``), only those at or before ``before`` (inclusive, as Airflow's
+    query), at most ``limit``; each setter returns the accessor itself. ``queries``: how many were made."""
+
+    def __init__(self, events):
+        self._all, self._ascending, self._before, self._limit = list(events), True, None, None
+        self._got: list | None = None  # one query per setting, as Airflow's accessor caches it
+        self.queries = 0
 
     def ascending(self, ascending: bool = True):
-        assert ascending is False
+        self._ascending, self._got = ascending, None
         return self
 
-    def limit(self, n: int):
-        return Events(self[:n])
+    def before(self, before):
+        self._before, self._got = before, None
+        return self
+
+    def limit(self, limit: int):
+        self._limit, self._got = limit, None
+        return self
+
+    def _events(self) -> list:
+        if self._got is None:
+            self.queries += 1
+            got = [e for e in self._all if self._before is None or e.timestamp <= self._before]
+            got.sort(key=lambda e: e.timestamp, reverse=not self._ascending)
+            self._got = got[: self._limit] if self._limit else got
+        return self._got
+
+    def __iter__(self):
+        return iter(self._events())
+
+    def __len__(self) -> int:
+        return len(self._events())
+
+    def __getitem__(self, key):
+        return self._events()[key]
 
 
 def event(i: int, extra: dict, dag: str = DAG, task: str = PUBLISH) -> SimpleNamespace:
@@ -246,3 +275,68 @@ def test_only_the_jobs_own_publish_events_are_read_latest_date_before_this_run()
     early = dt.datetime(2026, 11, 1, tzinfo=dt.UTC)
     assert last_published(newest_first, ASSET.uri, DAG, PUBLISH, "/runs/own", early).output_uri is None
     assert last_published(newest_first[:1], ASSET.uri, DAG, PUBLISH, "/runs/own").output_uri is None
+
+
+@pytest.mark.reliability
+def test_a_flood_of_other_events_does_not_hide_the_jobs_last_publish(tmp_path, fake_engine_factory):
+    """Events made through the REST API (no source DAG) or by another DAG's task, newer than the job's last
+    publish and more than one query returns, still leave that publish the baseline: the plan reads on, page by
+    page, and never takes 'no event' (no change set, the churn check skipped) from a window someone else filled."""
+    from tests.support.task_context import committed_job
+
+    spec, _ = committed_job(tmp_path / "a", fake_engine_factory, n=20)
+    VllmMergeOperator(task_id="merge", spec=spec).execute(context())
+    VllmQAOperator(task_id="qa", spec=spec).execute(context())
+    published = VllmPublishOperator(task_id="publish", spec=spec).execute(context())
+    flood = [
+        event(i, {"output_uri": str(tmp_path / f"x{i}"), "success_sha256": "0" * 64}, dag=None, task=None)
+        for i in range(2, 1300)
+    ]
+    flood += [event(i, {"output_uri": "/elsewhere"}, task="other.publish") for i in range(1300, 1320)]
+    b, spec_b = night(tmp_path / "b", [f"ticket {i}" for i in range(20)], previous_published=True)
+    plan_op(b).execute(ctx_with([event(1, published), *flood]))
+    pinned = load_plan(spec_b).changes_from
+    assert (pinned.previous_uri, pinned.event_id) == (published["output_uri"], 1)
+    record_malicious("changes.previous_published: the job's last publish buried under newer foreign events", 1, 1)
+
+
+def test_events_are_read_page_by_page_and_a_window_full_of_others_fails_the_plan():
+    """Newest first, ``page`` per query, each before the last one's oldest (inclusive: an event read again is not
+    given twice). More foreign events than the plan reads past, or a page that shares one timestamp, before any
+    publish of the job: CommitError naming the Asset and the publish task, never 'nothing was published'."""
+    api = [event(i, {"output_uri": f"/x{i}", "success_sha256": "0" * 64}, dag=None, task=None) for i in range(2, 30)]
+    own = event(1, {"output_uri": "/runs/a/", "success_sha256": "a" * 64, "logical_date": "2026-11-18T02:00:00+00:00"})
+    same = event(0, {"output_uri": "/runs/z/", "success_sha256": "f" * 64}, task="other.publish")
+    same.timestamp = api[0].timestamp  # read again by the next page's inclusive `before`
+    events = Events([own, same, *api])
+    got = list(newest_events(events, page=5, most=100))
+    assert sorted(e.id for e in got) == list(range(30))  # each once, the one at a page's boundary too
+    assert [e.timestamp for e in got] == sorted((e.timestamp for e in got), reverse=True)
+    assert events.queries == 8  # 5 fresh, then 4 a page (the boundary read again), the last one short
+
+    tonight = dt.datetime(2026, 11, 20, 2, tzinfo=dt.UTC)
+    for date in (None, tonight):
+        got = last_published(newest_events(Events([own, *api]), page=5), ASSET.uri, DAG, PUBLISH, "/runs/own", date)
+        assert (got.event_id, got.output_uri) == (1, "/runs/a/")
+        with pytest.raises(
+            CommitError,
+            match=r"Asset x-vllm-batch://nightly: read the newest 20 events .* 20 of them not emitted by "
+            r"d\.job\.publish .* none names a run .*\(changes\.previous_uri",
+        ):
+            events = newest_events(Events([own, *api]), page=5, most=20)
+            last_published(events, ASSET.uri, DAG, PUBLISH, "/runs/own", date)
+    # a publish of the job found before the limit: the best of the newest publishes
+    newer = event(
+        40, {"output_uri": "/runs/b/", "success_sha256": "b" * 64, "logical_date": "2026-11-19T02:00:00+00:00"}
+    )
+    got = last_published(
+        newest_events(Events([own, *api, newer]), page=5, most=10), ASSET.uri, DAG, PUBLISH, "/o", tonight
+    )
+    assert got.output_uri == "/runs/b/"
+    stuck = [event(2, {}, dag=None, task=None) for _ in range(5)]
+    for i, e in enumerate(stuck):
+        e.id = 100 + i
+    with pytest.raises(CommitError, match="5 events of the Asset share the timestamp"):
+        last_published(newest_events(Events([own, *stuck]), page=5), ASSET.uri, DAG, PUBLISH, "/runs/own")
+    # the events run out: nothing was published (a first run)
+    assert last_published(newest_events(Events(api), page=5), ASSET.uri, DAG, PUBLISH, "/x").output_uri is None
