@@ -44,6 +44,11 @@ LOCAL_PATHS = ("model.name", "model.tokenizer")  # a hub id, or a local path ins
 REMOTE_CODE = ("model.trust_remote_code",)
 ANYONE = "DAG file, Variable, trigger"
 OWNED = "deployment, DAG file; Variable with `deployment_settings_from_variables`; never a trigger"
+# read at parse time by vllm_batch_job (the plan task's inlet): set anywhere else, the plan fails
+PARSE_TIME = {
+    "changes.previous_published": "DAG file: `true` in the dict spec given to `vllm_batch_job` (not YAML text or a "
+    "template); a Variable or trigger may only turn it off",
+}
 
 HEADER = """# The job spec
 
@@ -159,6 +164,8 @@ def _default(info: Any, annotation: Any) -> str:
 
 def who(path: str) -> str:
     """Who may set ``path`` (docs/security.md)."""
+    if path in PARSE_TIME:
+        return PARSE_TIME[path]
     if path in REMOTE_CODE:
         return (
             "DAG file, if the deployment sets `allow_remote_code`; Variable also needs "

@@ -757,8 +757,9 @@ class ChangesSpec(_Model):
         "the latest logical date before this run's (no logical date: the newest), as the plan task reads it; the plan "
         "pins that run and the merge it published (the event's success_sha256 must be the sha256 of the run's "
         "sealed _SUCCESS.json). A run that failed QA or was never published is never the baseline. No such event: "
-        "no changes output. Needs vllm_batch_job with this set in the DAG file's spec. Exclusive with previous_uri "
-        "and previous_table.",
+        "no changes output. Needs vllm_batch_job given it as true in the DAG file's dict spec (then the plan task "
+        "reads the Asset's events); turned on anywhere else, the plan fails. Exclusive with previous_uri and "
+        "previous_table.",
     )
 
 

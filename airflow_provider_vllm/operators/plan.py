@@ -254,8 +254,10 @@ class VllmPlanOperator(BaseOperator):
         asset = self.published_asset
         if asset is None or self.publish_task_id is None or asset not in (self.inlets or []):
             raise AirflowFailException(
-                "plan: changes.previous_published compares with the run this job's Asset last published: set it in "
-                "the spec the DAG file gives vllm_batch_job, whose plan task then reads that Asset's events"
+                "plan: changes.previous_published compares with the run this job's Asset last published, whose events "
+                "the plan task reads as its inlet: vllm_batch_job declares it when the DAG file gives it the spec as a "
+                "dict with changes.previous_published true. Set there, not in YAML/JSON text or a template, the "
+                "overrides, a Variable or a trigger (read only at run time)"
             )
         events = newest_events(context["inlet_events"][asset])  # page by page: others' events hide nothing
         last = last_published(

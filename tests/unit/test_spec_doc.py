@@ -52,3 +52,6 @@ def test_who_may_set_a_field_follows_the_trust_model(spec_doc):
     assert spec_doc.who("sampling.max_tokens") == "DAG file, Variable, trigger (`max_tokens`)"
     assert "allow_remote_code" in spec_doc.who("model.trust_remote_code")
     assert spec_doc.who("kubernetes.secret_env.<NAME>.key") == spec_doc.who("kubernetes.secret_env")
+    # the plan task reads the Asset's events only when vllm_batch_job saw it in the DAG file's dict spec
+    assert spec_doc.who("changes.previous_published").startswith("DAG file: `true` in the dict spec")
+    assert "trigger may only turn it off" in spec_doc.who("changes.previous_published")

@@ -152,7 +152,11 @@ def test_the_change_set_compares_with_the_run_the_asset_event_names(tmp_path, fa
 def test_a_first_run_has_nothing_to_compare_and_the_plan_needs_the_assets_events(tmp_path, fake_engine_factory):
     texts = [f"ticket {i}" for i in range(20)]
     b, spec_b = night(tmp_path / "b", texts, previous_published=True)
-    with pytest.raises(AirflowFailException, match="changes.previous_published .* set it in the spec the DAG file"):
+    with pytest.raises(
+        AirflowFailException,
+        match=r"changes.previous_published .* the spec as a dict with changes.previous_published true\. Set there, "
+        r"not in YAML/JSON text or a template, the overrides, a Variable or a trigger",
+    ):
         plan_op(b, inlets=()).execute(ctx_with([]))
     plan_op(b).execute(ctx_with([event(1, {"output_uri": str(tmp_path / "b" / "out"), "success_sha256": "1" * 64})]))
     pinned = load_plan(spec_b).changes_from
