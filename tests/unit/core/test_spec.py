@@ -24,6 +24,18 @@ def test_defaults_and_hash_stable():
     assert d.output_hash() == a.output_hash() and d.content_hash() != a.content_hash()
 
 
+def test_changes_previous_published_at_its_default_keeps_the_spec_hash():
+    """Recorded before changes.previous_published existed: runs planned, merged and sealed under those hashes (the
+    plan, _MERGED.json, the QA verdict compare them) still match a spec that does not use it."""
+    assert JobSpec.load(BASE).content_hash() == "dd55692235769ee0032d8fb7a717754a69718c7803766b496cfb039892941a9b"
+    old = JobSpec.load({**BASE, "changes": {"previous_uri": "/prev"}})
+    assert old.content_hash() == "75242d6325d54899eaf16b5e7b2c02789eecc8e83dec0d2193fd5f7ab2d49cdf"
+    assert "previous_published" not in json.loads(old.canonical_json())["changes"]
+    on = JobSpec.load({**BASE, "changes": {"previous_published": True}})
+    assert on.content_hash() != JobSpec.load(BASE).content_hash()  # another baseline: another run
+    assert on.output_hash() == old.output_hash()  # the answers do not depend on it
+
+
 @pytest.mark.parametrize(
     "patch, field",
     [
