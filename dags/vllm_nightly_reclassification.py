@@ -25,9 +25,11 @@ sends only the misses to the shards. It needs answers that repeat: greedy decodi
 changed (old and new label), unchanged, error or recovered against the run this DAG last
 published before D (`changes.previous_published`: its Asset's events, by logical date; usually
 `dt=D-1`, a date that failed QA is skipped), so syncing the rows where `change = 'changed'` of each
-published date, in date order, keeps a ticketing system equal to the published labels (docs/operations.md). The first
-published date has no `changes/`: sync its results whole. The QA page shows the counts, the old x
-new label matrix and the cache hit rate.
+published date, in date order, keeps a ticketing system equal to the published labels, as long as
+each change set's `_changes.json` names (`previous_uri`) the date the sync applied last: two dates
+that ran side by side, or a date published only after a later one, compare with an earlier run
+(docs/operations.md). The first published date has no `changes/`: sync its results whole. The QA
+page shows the counts, the old x new label matrix and the cache hit rate.
 
 **Churn thresholds.** QA warns when more than 5% of the tickets labelled on both days moved
 to another label, and fails above 50%. The same model on the same text gives the same label,

@@ -335,7 +335,9 @@ class Plan(BaseModel):
         None, description="io.input_table: the table snapshot the run reads, pinned by the plan; absent for files"
     )
     changes_from: ChangesFrom | None = Field(
-        None, description="changes.previous_table: the run the changes compare with, pinned by the plan"
+        None,
+        description="changes.previous_table / changes.previous_published: the run the changes compare with, pinned "
+        "by the plan",
     )
     seal: Seal | None = Field(None, description="the plan task's seal (core/seal.py): what every reader checks")
 
