@@ -203,6 +203,12 @@ class VllmPlanOperator(BaseOperator):
                 allowed_prefixes=prefixes,
                 last_published=self.last_published(context, spec) if spec.changes.previous_published else None,
             )
+        if plan.changes_from is not None:  # the plan's pin, which a plan already written keeps (a retried task)
+            self.log.info(
+                "%s: the change set compares with %s",
+                plan.changes_from.describe(),
+                plan.changes_from.previous_uri or "nothing (no earlier run)",
+            )
         self.log.info(
             "planned %d rows (%d invalid lines) into %d shard(s), ~%d prompt tokens; plan at %s/_plan.json",
             plan.total_rows,
@@ -268,17 +274,16 @@ class VllmPlanOperator(BaseOperator):
             spec.io.output_uri,
             context.get("logical_date"),
         )
-        if last.output_uri is None:
-            self.log.info(
-                "changes.previous_published: %s has no event of %s; nothing to compare", asset.uri, self.publish_task_id
-            )
-        else:
-            self.log.info(
-                "changes.previous_published: comparing with %s (Asset event %s, %s)",
-                last.output_uri,
-                last.event_id,
-                last.timestamp,
-            )
+        self.log.info(
+            "changes.previous_published: of the events of %s from %s, the one to compare with names %s (event %s, "
+            "%s, logical date %s)",
+            asset.uri,
+            self.publish_task_id,
+            last.output_uri or "no run (nothing published before)",
+            last.event_id,
+            last.timestamp,
+            last.logical_date,
+        )
         return last
 
     def engine_identity(self, spec: JobSpec, runner: str) -> str:

@@ -344,3 +344,26 @@ def test_events_are_read_page_by_page_and_a_window_full_of_others_fails_the_plan
         last_published(newest_events(Events([own, *stuck]), page=5), ASSET.uri, DAG, PUBLISH, "/runs/own")
     # the events run out: nothing was published (a first run)
     assert last_published(newest_events(Events(api), page=5), ASSET.uri, DAG, PUBLISH, "/x").output_uri is None
+
+
+def test_a_retried_plan_keeps_its_pin_and_logs_that_one(tmp_path, fake_engine_factory, capsys):
+    """The plan task run again once its plan is written (a retry, a cleared task) keeps the baseline that plan
+    pinned, even when the Asset now names a newer publish, and its log names the pinned run, not the newer one."""
+    from tests.support.task_context import committed_job
+
+    spec, _ = committed_job(tmp_path / "a", fake_engine_factory, n=20)
+    VllmMergeOperator(task_id="merge", spec=spec).execute(context())
+    VllmQAOperator(task_id="qa", spec=spec).execute(context())
+    published = VllmPublishOperator(task_id="publish", spec=spec).execute(context())
+    b, spec_b = night(tmp_path / "b", [f"ticket {i}" for i in range(20)], previous_published=True)
+    plan_op(b).execute(ctx_with([event(1, published)]))
+    newer = event(5, {"output_uri": str(tmp_path / "c"), "success_sha256": "c" * 64})  # not pinned: never read
+    capsys.readouterr()
+    plan_op(b).execute(ctx_with([newer, event(1, published)]))
+    assert load_plan(spec_b).changes_from.previous_uri == published["output_uri"]
+    log = "".join(capsys.readouterr())  # the operator's log (Airflow's structlog writes it out)
+    assert (
+        "x-vllm-batch://nightly event 1 (2026-12-01T01:00:00+00:00): the change set compares with "
+        f"{published['output_uri']}" in log
+    )
+    assert f"compares with {tmp_path / 'c'}" not in log and f"comparing with {tmp_path / 'c'}" not in log
