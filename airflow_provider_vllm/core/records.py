@@ -23,6 +23,7 @@ ours, hence ``extra="forbid"``: an unknown field or a wrong type is refused, nam
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, field_validator
@@ -151,6 +152,7 @@ class Duplicates(Record):
 # A file's size and digest as every file record declares them (FileDigest and its kin, the commit marker's FileEntry)
 FileBytes = Annotated[int, Field(ge=0, description="file size")]
 Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="sha256 of the file's bytes")]
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")  # the same digest checked outside a record (fullmatch)
 
 
 class FileDigest(Record):

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,12 +28,10 @@ from airflow_provider_vllm.core.allow_list import canonical_uri, check_uri
 from airflow_provider_vllm.core.errors import CommitError, SpecError
 from airflow_provider_vllm.core.part_names import check_inside, run_file
 from airflow_provider_vllm.core.plan import ChangesFrom, LastPublished
-from airflow_provider_vllm.core.records import PartsManifest
+from airflow_provider_vllm.core.records import SHA256_HEX, PartsManifest
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.storage import FileSystems, Storage
 from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS, SUCCESS, manifest_rel, success_doc, verify_parts
-
-_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def success_bytes(doc: dict[str, Any], keyring: Keyring, output_uri: str) -> bytes:
@@ -71,7 +68,7 @@ def pin_last_published(
             check_uri(last.output_uri, allowed_prefixes, "changes.previous_published")
         except SpecError as e:
             raise SpecError(f"{where}: {e}") from None
-    if last.success_sha256 is None or not _SHA256.fullmatch(last.success_sha256):
+    if last.success_sha256 is None or not SHA256_HEX.fullmatch(last.success_sha256):
         raise CommitError(f"{where} without a success_sha256: not an event of this provider's publish")
     prev = Storage(last.output_uri, storage_options or {}, filesystems)
     try:
@@ -91,7 +88,7 @@ def pin_last_published(
     except ValueError as e:  # not JSON, not a seal
         raise CommitError(f"{where}: its {SUCCESS} is not a publish marker ({e})") from None
     sha = doc.get("checksums", {}).get(manifest_rel(RESULTS)) if isinstance(doc.get("checksums"), dict) else None
-    if not isinstance(sha, str) or not _SHA256.fullmatch(sha):
+    if not isinstance(sha, str) or not SHA256_HEX.fullmatch(sha):
         raise CommitError(f"{where}: its {SUCCESS} names no results manifest")
     return ChangesFrom(
         source="published",

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ from airflow_provider_vllm.core import seal as seals
 from airflow_provider_vllm.core.allow_list import canonical_uri, check_uri
 from airflow_provider_vllm.core.errors import CommitError, SpecError, TransientError
 from airflow_provider_vllm.core.plan import ChangesFrom
-from airflow_provider_vllm.core.records import PublishingRecord
+from airflow_provider_vllm.core.records import SHA256_HEX, PublishingRecord
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec, TableOutput
 from airflow_provider_vllm.core.storage import Storage
@@ -44,7 +43,6 @@ if TYPE_CHECKING:
 RUN_ID = "vllm-batch.run-id"
 PREFIX = "vllm-batch."
 MANIFEST_SHA = "vllm-batch.results-manifest-sha256"  # the caller's ``results-manifest-sha256`` property
-_SHA256 = re.compile(r"[0-9a-f]{64}")
 COMMIT_ATTEMPTS = 5  # commits that lost a race to another writer of the table, each decided again
 
 log = logging.getLogger(__name__)
@@ -399,7 +397,7 @@ def resolve_changes_from(spec: JobSpec, tables: Tables) -> ChangesFrom:
             # the catalog, not the run folder, says which merge of the run the table published: a folder merged
             # again, or an older merge put back, is then refused (merge.changes._check_pinned)
             sha = summary_of(snap).get(MANIFEST_SHA)
-            if sha is None or not _SHA256.fullmatch(sha):
+            if sha is None or not SHA256_HEX.fullmatch(sha):
                 raise SpecError(
                     f"{where} but records no results manifest sha256 ({MANIFEST_SHA}: {sha!r}), so which merge of "
                     "that run the table holds is unknown; changes.previous_table compares only with the merge a "
