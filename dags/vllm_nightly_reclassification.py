@@ -12,7 +12,9 @@ reads `<root>/tickets/dt=D/` (Parquet or JSONL with `id` and `text` columns) and
 idempotent (committed shards are not recomputed; the merged files come out byte-identical)
 and a backfill over a date range from the UI (*Trigger* -> *Backfill*) just works.
 `_SUCCESS.json` under the prefix is written last; read nothing before it exists. QA compares
-the label distribution with the day before (`dt=D-1/qa/report.json`) when that exists.
+the label distribution (and the accuracy, below) with the report of the run this DAG last
+published (`qa.previous_published`, the run the change set below compares with): a date that
+failed QA is never the baseline, so a broken model that stays broken the next night still fails.
 
 **Only what changed.** Most tickets are the same as last night's. The result cache
 (`cache.uri` = `<root>/reclassification/_cache/`, shared by every date) answers a row whose
@@ -45,7 +47,7 @@ rows ride along with every night's tickets under reserved ids, are answered with
 and prompt, scored by QA and never published, changed or cached. QA reports the accuracy with its
 95% interval, per-class precision and recall, the confusion matrix, and how far to trust the
 engine's confidence (accuracy by confidence); it warns below 80% accuracy, fails below 50%, and
-fails on a drop of more than 5 points since the day before that the interval says is real
+fails on a drop of more than 5 points since the last published run that the interval says is real
 (`qa.warn_accuracy_below`, `qa.fail_accuracy_below`, `qa.fail_accuracy_drop`). Known labels of the
 night's own tickets can come in too: `{"qa.reference.golden_uri": ...}` (an id -> label file) or
 `{"qa.reference.input_column": ...}` in `vllm_batch_spec_overrides`.
@@ -115,7 +117,8 @@ with DAG(
             input_uri=DATA_ROOT + "/tickets/dt={{ ds }}/",
             output_uri=DATA_ROOT + "/reclassification/dt={{ ds }}/",
             qa={
-                "previous_report_uri": DATA_ROOT + "/reclassification/dt={{ macros.ds_add(ds, -1) }}/qa/report.json",
+                # drift and the accuracy drop against the report of the run last published (pinned with it)
+                "previous_published": True,
                 "warn_churn_rate": 0.05,
                 "fail_churn_rate": 0.5,
                 "reference": {"ride_along_uri": GOLDEN_URI},

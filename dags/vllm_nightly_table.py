@@ -20,8 +20,11 @@ partition, so re-running or backfilling a date replaces its labels. Publishing a
 
 **Only what changed.** As in the folder variant, the result cache (`<root>/reclassification_table/_cache/`,
 shared by every date) answers the rows whose text, model, prompt and sampling an earlier run already saw, so
-only new and edited tickets reach the GPU, and `changes/` lists what moved against the day before (it needs
-`model.revision` pinned to a commit for a hub model, or `{"cache": {"uri": null}}` in the overrides).
+only new and edited tickets reach the GPU (it needs `model.revision` pinned to a commit for a hub model, or
+`{"cache": {"uri": null}}` in the overrides). `changes/` lists what moved against the run this DAG last
+published before D, and QA's label drift and accuracy drop compare with that run's report
+(`changes.previous_published`, `qa.previous_published`: the Asset's events, by logical date): a date that
+failed QA is never the baseline. The first published date has no `changes/`.
 
 **The catalog** is the deployment's: the Airflow Connection named by `[vllm_batch] iceberg_conn_id`
 (default `iceberg_default`); the tables must be listed in `[vllm_batch] allowed_tables` (docs/tables.md).
@@ -77,14 +80,10 @@ with DAG(
                     "create": True,
                 },
             },
-            qa={
-                "previous_report_uri": DATA_ROOT
-                + "/reclassification_table/dt={{ macros.ds_add(ds, -1) }}/qa/report.json",
-                "warn_churn_rate": 0.05,
-                "fail_churn_rate": 0.5,
-            },
+            qa={"previous_published": True, "warn_churn_rate": 0.05, "fail_churn_rate": 0.5},
             cache={"uri": DATA_ROOT + "/reclassification_table/_cache/"},
-            changes={"previous_uri": DATA_ROOT + "/reclassification_table/dt={{ macros.ds_add(ds, -1) }}/"},
+            # the run this DAG last published (its Asset event), not whatever dt=D-1 holds
+            changes={"previous_published": True},
         ),
         group_id="reclassify",
         overrides=SPEC_OVERRIDES,

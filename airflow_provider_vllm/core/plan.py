@@ -287,6 +287,11 @@ class ChangesFrom(BaseModel):
     )
     event_id: int | None = Field(None, description="'published': the Asset event's id")
     published_at: str | None = Field(None, description="'published': when the event was emitted")
+    report_sha256: str | None = Field(
+        None,
+        description="'published': the sha256 of qa/report.json that the run's sealed _SUCCESS.json names, the "
+        "baseline of qa.previous_published (None: it names none, or a plan from before this field)",
+    )
 
     def describe(self) -> str:
         """Where the pin came from, for messages."""

@@ -624,6 +624,14 @@ class QASpec(_Model):
         "only when that run's sealed qa/_QA.json vouches for its bytes and it is a report of this job (name); "
         "otherwise those checks warn, with a note. No run there at all (a first run): not judged, with a note.",
     )
+    previous_published: bool = Field(
+        False,
+        description="Compare (label drift, the change in accuracy) against the report of the run that "
+        "changes.previous_published pinned: the run this job published last before this one, so a run that failed "
+        "QA or was never published is never the baseline. Its qa/report.json must have exactly the sha256 that run's "
+        "sealed _SUCCESS.json names (the plan pins it); otherwise QA fails. Nothing published before: not judged, "
+        "with a note. Needs changes.previous_published; exclusive with previous_report_uri.",
+    )
     warn_churn_rate: float = Field(
         1.0,
         ge=0,
@@ -838,6 +846,14 @@ class JobSpec(_Model):
             raise ValueError(
                 "changes.previous_published, changes.previous_table and changes.previous_uri are exclusive: give one"
             )
+        if self.qa.previous_published:
+            if not self.changes.previous_published:
+                raise ValueError(
+                    "qa.previous_published compares with the report of the run changes.previous_published pins: set "
+                    "changes.previous_published too"
+                )
+            if self.qa.previous_report_uri is not None:
+                raise ValueError("qa.previous_published and qa.previous_report_uri are exclusive: give one")
         if self.io.passthrough and self.io.input_format in ("jsonl", "openai_batch"):
             raise ValueError(
                 f"io.passthrough needs Parquet input (typed columns); io.input_format is {self.io.input_format!r}"
@@ -866,8 +882,9 @@ class JobSpec(_Model):
         doc = self.model_dump(mode="json", exclude={"kubernetes"})
         if doc["sharding"]["dedupe"] is True:  # added later: at its default, specs keep the hash they had
             del doc["sharding"]["dedupe"]
-        if doc["changes"]["previous_published"] is False:  # likewise
-            del doc["changes"]["previous_published"]
+        for section in ("changes", "qa"):  # likewise
+            if doc[section]["previous_published"] is False:
+                del doc[section]["previous_published"]
         # The dump sorts keys, but vLLM generates a JSON schema's properties in the order written: a schema
         # not written in sorted order adds its text (a string, which no sort reorders), so that a re-run with
         # its properties reordered is another spec. A schema written sorted keeps the hash it had.

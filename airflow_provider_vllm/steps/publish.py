@@ -32,6 +32,7 @@ from airflow_provider_vllm.core.records import SHA256_HEX, PartsManifest
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.storage import FileSystems, Storage
 from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS, SUCCESS, manifest_rel, success_doc, verify_parts
+from airflow_provider_vllm.steps.qa.store import REPORT_JSON
 
 
 def success_bytes(doc: dict[str, Any], keyring: Keyring, output_uri: str) -> bytes:
@@ -53,7 +54,8 @@ def pin_last_published(
 
     The event (Airflow's metadata database) names the run's output prefix and the sha256 of the ``_SUCCESS.json``
     its publish wrote; that file must have exactly those bytes and this deployment's seal for that prefix, and
-    names the results manifest the change set then compares with (``changes._check_pinned``). No event: nothing
+    names the results manifest the change set then compares with (``changes._check_pinned``) and the report QA's
+    gate compares with (``qa.previous_published``, ``store.load_pinned_report``). No event: nothing
     to compare. SpecError for a prefix outside ``allowed_prefixes`` (the deployment's allow-list) or this run's
     own; CommitError for a marker that is missing, changed or not sealed for it.
     """
@@ -90,6 +92,7 @@ def pin_last_published(
     sha = doc.get("checksums", {}).get(manifest_rel(RESULTS)) if isinstance(doc.get("checksums"), dict) else None
     if not isinstance(sha, str) or not SHA256_HEX.fullmatch(sha):
         raise CommitError(f"{where}: its {SUCCESS} names no results manifest")
+    report = doc["checksums"].get(REPORT_JSON)  # qa.previous_published: the report QA's gate compares with
     return ChangesFrom(
         source="published",
         identifier=last.asset,
@@ -98,6 +101,7 @@ def pin_last_published(
         results_manifest_sha256=sha,
         event_id=last.event_id,
         published_at=last.timestamp,
+        report_sha256=report if isinstance(report, str) and SHA256_HEX.fullmatch(report) else None,
     )
 
 

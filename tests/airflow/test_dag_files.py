@@ -51,6 +51,20 @@ def test_nightly_is_a_cron_data_interval_over_the_logical_date_partition():
     assert asset.uri == "x-vllm-batch://ticket_reclassification" and asset in plan.inlets
     assert (plan.published_asset, plan.publish_task_id) == (asset, "reclassify.publish")
     assert (plan.spec["qa"]["warn_churn_rate"], plan.spec["qa"]["fail_churn_rate"]) == (0.05, 0.5)
+    # QA's drift and accuracy-drop baseline: the report of that same published run, not dt=D-1's
+    assert plan.spec["qa"]["previous_published"] is True and "previous_report_uri" not in plan.spec["qa"]
+
+
+def test_the_table_nightly_compares_with_what_it_published():
+    """The table variant, like the folder one: the change set and QA's baseline are the run this DAG last published
+    (the plan reads its Asset's events as an inlet), never whatever dt=D-1 holds."""
+    dag = dagbag().dags["vllm_nightly_table"]
+    plan = dag.task_dict["reclassify.plan"]
+    assert plan.spec["changes"] == {"previous_published": True}
+    assert plan.spec["qa"]["previous_published"] is True and "previous_report_uri" not in plan.spec["qa"]
+    asset = dag.task_dict["reclassify.publish"].outlets[0]
+    assert asset.uri == "x-vllm-batch://ticket_labels_table" and asset in plan.inlets
+    assert (plan.published_asset, plan.publish_task_id) == (asset, "reclassify.publish")
 
 
 def test_rerun_params_form_schema():

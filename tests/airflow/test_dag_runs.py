@@ -172,6 +172,10 @@ def test_the_next_night_infers_only_new_and_edited_tickets_and_lists_the_moved_l
     assert pinned["results_manifest_sha256"] == success1["checksums"]["results/_manifest.json"]
     report = json.loads((out2 / "qa" / "report.json").read_text())
     assert report["metrics"]["cache"]["hits"] == plan["cache"]["hits"]
+    # QA's drift baseline is the same published run: its report, as night 1's _SUCCESS.json names it
+    assert pinned["report_sha256"] == success1["checksums"]["qa/report.json"]
+    assert report["metrics"]["previous"]["run"]["output_uri"] == f"{out1}/"
+    assert report["metrics"]["label_drift"]["tvd"] is not None
     churn = next(c for c in report["checks"] if c["name"] == "churn_rate")
     assert churn["value"] == summary["churn_rate"] == len(moved) / summary["in_both"]
     assert json.loads((out2 / "_SUCCESS.json").read_text())["files"]["changes"] == "changes/changes.parquet"

@@ -103,8 +103,11 @@ def test_the_table_variant_reads_a_pinned_snapshot_and_publishes_one_snapshot(
     assert {d.isoformat() for d in got.column("run_date").to_pylist()} == {DAY}
     assert f"support.tickets@{pinned}" in (out / "qa" / "report.json").read_text()
     assert plan["cache"]["misses"] == 40  # the first night: nothing cached yet
-    changes = json.loads((out / "changes" / "_changes.json").read_text())
-    assert changes["previous_state"] == "absent" and changes["ids"] == 40
+    # the baseline is the run this DAG published last (its Asset's events): none before the first night
+    assert plan["changes_from"]["source"] == "published" and plan["changes_from"]["previous_uri"] is None
+    assert not (out / "changes").exists()
+    report = json.loads((out / "qa" / "report.json").read_text())
+    assert any("published nothing before this run (qa.previous_published)" in n for n in report["notes"])
 
 
 @pytest.mark.vllm

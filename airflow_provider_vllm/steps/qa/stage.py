@@ -22,7 +22,7 @@ from airflow_provider_vllm.steps.merge.merger import ERRORS, MERGED, RESULTS, ch
 from airflow_provider_vllm.steps.qa.evaluate import evaluate, evaluate_stream
 from airflow_provider_vllm.steps.qa.reference import attach_references, find_references
 from airflow_provider_vllm.steps.qa.report import QAReport
-from airflow_provider_vllm.steps.qa.store import load_previous_report, write_qa
+from airflow_provider_vllm.steps.qa.store import load_pinned_report, load_previous_report, write_qa
 
 EXCERPT_CHARS = 300
 # Above this many merged rows QA streams the files (bounded memory) instead of loading them as tables.
@@ -71,7 +71,11 @@ def _qa_run(
     plan = load_plan(spec, filesystems, keyring)
     spec = changes_spec(spec, plan)  # changes.previous_table: the run the plan pinned
     previous = None
-    if spec.qa.previous_report_uri:
+    if spec.qa.previous_published:  # the report of the run this job published last, as the plan pinned it
+        previous, baseline = load_pinned_report(plan.changes_from, spec.io.storage_options, filesystems)
+        # the checks and notes name the report compared with
+        spec = spec.model_copy(update={"qa": spec.qa.model_copy(update={"previous_report_uri": baseline})})
+    elif spec.qa.previous_report_uri:
         previous = load_previous_report(spec.qa.previous_report_uri, spec.io.storage_options, filesystems, keyring)
     # what moved since the previous run (changes/ output), before the checks that read it
     # (this run's parts: the checked copies above, passed on, not copied a second time)
@@ -159,7 +163,12 @@ def _qa_run(
             report.sample = _with_known_labels(con, report.sample)
     finally:
         con.close()
-    if spec.qa.previous_report_uri and previous is None:  # no run there at all (a first run, or a wrong folder)
+    if spec.qa.previous_published and previous is None:
+        report.notes.append(
+            "previous report: this job published nothing before this run (qa.previous_published): label drift and "
+            "the change in accuracy are not judged"
+        )
+    elif spec.qa.previous_report_uri and previous is None:  # no run there at all (a first run, or a wrong folder)
         report.notes.append(
             f"previous report: no run at {spec.qa.previous_report_uri} (neither its QA files nor its merge): "
             "label drift and the change in accuracy are not judged"

@@ -5,6 +5,8 @@ the sealed ``qa/_QA.json`` (``records.QARecord``: the verdict and each file's si
 ``report.json`` on its own (anyone who may write the output prefix can rewrite that). ``load_previous_report``
 reads a previous run's ``report.json`` for the drift checks only when that run's sealed record vouches for its
 bytes; otherwise it says why it was not used (``report.refused_previous``), and the checks that needed it warn.
+``load_pinned_report`` reads the report of the run the plan pinned as the one this job published last
+(``qa.previous_published``): its bytes must be the ones that run's sealed ``_SUCCESS.json`` names.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 from airflow_provider_vllm.core import seal as seals
 from airflow_provider_vllm.core.errors import CommitError, SealError
 from airflow_provider_vllm.core.part_names import check_inside
+from airflow_provider_vllm.core.plan import ChangesFrom
 from airflow_provider_vllm.core.records import ChangesSummary, MergeSummary, QAFile, QARecord
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.storage import FileSystems, Storage
@@ -207,3 +210,48 @@ def load_previous_report(
     except FileNotFoundError as e:  # removed while it was read
         return refused_previous(uri, f"a file of its sealed QA record is missing ({e})")
     return json.loads(raw)  # the bytes QA wrote (dumps_report): a JSON object
+
+
+def load_pinned_report(
+    pin: ChangesFrom | None,
+    storage_options: dict[str, Any] | None = None,
+    filesystems: FileSystems | None = None,
+) -> tuple[dict[str, Any] | None, str | None]:
+    """``qa.previous_published``: (the report, its URI) of the run the plan pinned through
+    ``changes.previous_published``, the run this job published last; (None, None) when nothing was published.
+
+    The plan pinned the sha256 of ``qa/report.json`` that the run's sealed ``_SUCCESS.json`` names (through the
+    Asset event, not the bucket); the bytes read must have it, or CommitError (fail closed: a published
+    baseline that was changed since is no baseline, and a silent fallback would pass a run against nothing). A
+    marker that names no report (``report_sha256`` None): ``report.refused_previous``, so the checks warn.
+    """
+    if pin is None or pin.source != "published":
+        raise CommitError(
+            "qa.previous_published: the plan pinned no published run (changes.previous_published); plan the run again"
+        )
+    if pin.previous_uri is None:
+        return None, None
+    prev = Storage(pin.previous_uri, storage_options or {}, filesystems)
+    uri = prev.uri(REPORT_JSON)
+    if pin.report_sha256 is None:
+        return refused_previous(uri, f"{pin.describe()}: that run's _SUCCESS.json names no {REPORT_JSON}"), uri
+    try:
+        raw = prev.read_bytes(REPORT_JSON)
+    except FileNotFoundError:
+        raise CommitError(
+            f"qa.previous_published: {uri} is missing; {pin.describe()} published it: restore the published run's "
+            "files, or compare with another report (qa.previous_report_uri)"
+        ) from None
+    if hashlib.sha256(raw).hexdigest() != pin.report_sha256:
+        raise CommitError(
+            f"qa.previous_published: {uri} is not the report {pin.describe()} published (its sha256 differs from "
+            "the one that run's sealed _SUCCESS.json names): restore the published run's files, or compare with "
+            "another report (qa.previous_report_uri)"
+        )
+    try:
+        doc = json.loads(raw)
+    except ValueError as e:  # published, so QA wrote it: only a forged marker could name other bytes
+        raise CommitError(f"qa.previous_published: {uri} is not a JSON report ({e})") from None
+    if not isinstance(doc, dict):
+        raise CommitError(f"qa.previous_published: {uri} is not a JSON object")
+    return doc, uri

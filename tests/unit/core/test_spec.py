@@ -36,6 +36,25 @@ def test_changes_previous_published_at_its_default_keeps_the_spec_hash():
     assert on.output_hash() == old.output_hash()  # the answers do not depend on it
 
 
+def test_qa_previous_published_keeps_old_hashes_and_needs_the_pin_it_reads():
+    """qa.previous_published at its default leaves the hash of every earlier spec as it was; turned on, it is
+    another run (another verdict), and it needs the pin changes.previous_published makes, never beside a URI."""
+    assert JobSpec.load(BASE).content_hash() == "dd55692235769ee0032d8fb7a717754a69718c7803766b496cfb039892941a9b"
+    assert "previous_published" not in json.loads(JobSpec.load(BASE).canonical_json())["qa"]
+    pinned = {**BASE, "changes": {"previous_published": True}}
+    on = JobSpec.load({**pinned, "qa": {"previous_published": True}})
+    assert on.content_hash() != JobSpec.load(pinned).content_hash()
+    assert on.output_hash() == JobSpec.load(pinned).output_hash()
+    with pytest.raises(SpecError, match="set changes.previous_published too"):
+        JobSpec.load({**BASE, "qa": {"previous_published": True}})
+    with pytest.raises(SpecError, match="changes.previous_published too"):
+        JobSpec.load({**BASE, "changes": {"previous_uri": "/prev"}, "qa": {"previous_published": True}})
+    with pytest.raises(SpecError, match="exclusive"):
+        JobSpec.load({**pinned, "qa": {"previous_published": True, "previous_report_uri": "/prev/qa/report.json"}})
+    with pytest.raises(SpecError, match="qa.previous_published"):
+        JobSpec.load({**pinned, "qa": {"previous_published": "yes please"}})
+
+
 @pytest.mark.parametrize(
     "patch, field",
     [

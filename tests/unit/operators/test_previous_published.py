@@ -367,3 +367,112 @@ def test_a_retried_plan_keeps_its_pin_and_logs_that_one(tmp_path, fake_engine_fa
         f"{published['output_uri']}" in log
     )
     assert f"compares with {tmp_path / 'c'}" not in log and f"comparing with {tmp_path / 'c'}" not in log
+
+
+def _night_qa(root: Path, texts: list[str], labels: list[str], **qa) -> tuple[dict, object]:
+    """A night whose model answers only with ``labels`` (a broken deployment answers with one), its change set and,
+    with ``qa``, its QA baseline as given."""
+    write_parquet(root / "in" / "part-0.parquet", [f"t{i:04d}" for i in range(len(texts))], texts)
+    spec = make_spec(
+        root / "in",
+        root / "out",
+        sharding={"target_rows": 20},
+        sampling={"max_tokens": 8, "structured": {"choice": labels}},
+        changes={"previous_published": True},
+        qa=qa,
+    )
+    return spec.model_dump(mode="json"), spec
+
+
+def _report(root: Path) -> dict:
+    return json.loads((root / "out" / "qa" / "report.json").read_bytes())
+
+
+@pytest.mark.reliability
+def test_qa_judges_drift_against_the_last_published_run_not_a_night_that_failed(tmp_path, fake_engine_factory):
+    """Night A is published. Night B answers every ticket 'other' (a broken deployment): its label drift against A
+    fails QA, so it is never published. Night C is as broken. Compared with whatever dt=D-1 holds (B's report,
+    vouched for by B's own sealed QA record) C shows no drift and passes; with qa.previous_published its baseline
+    is A, the run that was published, and C fails. The published report changed in the bucket fails QA."""
+    from airflow_provider_vllm.operators.qa import VllmQAFailed
+    from tests.support.data import LABELS
+
+    texts = [f"ticket number {i}: I was charged twice, please refund" for i in range(60)]
+    a, _ = _night_qa(tmp_path / "a", texts, LABELS)
+    plan_op(a).execute(ctx_with([]))  # nothing published before it: no event
+    run_rest(a, fake_engine_factory)
+    VllmQAOperator(task_id="qa", spec=a).execute(context())
+    published = VllmPublishOperator(task_id="publish", spec=a, outlets=[ASSET]).execute(context())
+    events = [event(5, published)]
+
+    b, _ = _night_qa(tmp_path / "b", texts, ["other"], previous_published=True)
+    plan_op(b).execute(ctx_with(events))
+    run_rest(b, fake_engine_factory)
+    with pytest.raises(VllmQAFailed, match="label_drift"):
+        VllmQAOperator(task_id="qa", spec=b).execute(context())
+    assert _report(tmp_path / "b")["metrics"]["previous"]["run"]["output_uri"] == published["output_uri"]
+
+    # what the nightly did before: dt=D-1's report, sealed by its own QA, though that night was never published
+    c_old, _ = _night_qa(
+        tmp_path / "c-old", texts, ["other"], previous_report_uri=str(tmp_path / "b" / "out" / "qa" / "report.json")
+    )
+    plan_op(c_old).execute(ctx_with(events))
+    run_rest(c_old, fake_engine_factory)
+    VllmQAOperator(task_id="qa", spec=c_old).execute(context())
+    assert _report(tmp_path / "c-old")["metrics"]["label_drift"]["tvd"] == 0  # the broken night passed
+
+    c, spec_c = _night_qa(tmp_path / "c", texts, ["other"], previous_published=True)
+    plan_op(c).execute(ctx_with(events))
+    pin = load_plan(spec_c).changes_from
+    report_a = tmp_path / "a" / "out" / "qa" / "report.json"
+    assert pin.report_sha256 == hashlib.sha256(report_a.read_bytes()).hexdigest()
+    run_rest(c, fake_engine_factory)
+    with pytest.raises(VllmQAFailed, match="label_drift"):
+        VllmQAOperator(task_id="qa", spec=c).execute(context())
+    got = _report(tmp_path / "c")
+    assert got["metrics"]["previous"]["run"]["output_uri"] == published["output_uri"]
+    assert got["metrics"]["label_drift"]["tvd"] > 0.3
+
+    # A's report changed after it was published (B's report copied over it, or QA of A run again): QA fails, it
+    # never falls back to a report the published marker does not name
+    original = report_a.read_bytes()
+    report_a.write_bytes((tmp_path / "b" / "out" / "qa" / "report.json").read_bytes())
+    with pytest.raises(
+        AirflowFailException, match=r"qa.previous_published: .*report.json is not the report .* event 5"
+    ):
+        VllmQAOperator(task_id="qa", spec=c).execute(context())
+    report_a.unlink()
+    with pytest.raises(AirflowFailException, match=r"qa.previous_published: .*report.json is missing"):
+        VllmQAOperator(task_id="qa", spec=c).execute(context())
+    record_malicious("qa.previous_published: the published report replaced or removed", 2, 2)
+    report_a.write_bytes(original)
+    with pytest.raises(VllmQAFailed, match="label_drift"):
+        VllmQAOperator(task_id="qa", spec=c).execute(context())
+
+
+def test_qa_with_nothing_published_before_notes_it_and_a_marker_without_a_report_warns(tmp_path, fake_engine_factory):
+    from tests.support.data import LABELS
+
+    texts = [f"ticket {i}" for i in range(30)]
+    a, _ = _night_qa(tmp_path / "a", texts, LABELS, previous_published=True)
+    plan_op(a).execute(ctx_with([]))
+    run_rest(a, fake_engine_factory)
+    VllmQAOperator(task_id="qa", spec=a).execute(context())
+    got = _report(tmp_path / "a")
+    assert got["metrics"]["label_drift"] is None
+    assert any("published nothing before this run (qa.previous_published)" in n for n in got["notes"])
+    assert {c["name"]: c["status"] for c in got["checks"]}["label_drift"] == "skip"
+
+    # a pin whose marker names no report (a plan written before the pin recorded it): not used, the check warns
+    from airflow_provider_vllm.core.plan import ChangesFrom
+    from airflow_provider_vllm.steps.qa.store import load_pinned_report
+
+    pin = ChangesFrom(
+        source="published", identifier=ASSET.uri, snapshot_id=None, previous_uri=str(tmp_path / "a" / "out")
+    )
+    previous, uri = load_pinned_report(pin)
+    assert uri.endswith("qa/report.json") and "names no qa/report.json" in previous["refused"]["why"]
+    with pytest.raises(CommitError, match="pinned no published run"):
+        load_pinned_report(None)
+    with pytest.raises(CommitError, match="pinned no published run"):
+        load_pinned_report(pin.model_copy(update={"source": "table"}))
