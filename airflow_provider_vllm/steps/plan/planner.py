@@ -215,7 +215,8 @@ def _with_changes_from(plan: Plan, spec: JobSpec, tables: Tables | None, pins: _
         raise SpecError("changes.previous_table: this plan has no Iceberg catalog (the deployment's)")
     from airflow_provider_vllm.steps.tables.commit import resolve_changes_from
 
-    return plan.model_copy(update={"changes_from": resolve_changes_from(spec, tables)})
+    pinned = resolve_changes_from(spec, tables, keyring=pins.keyring, filesystems=pins.filesystems)
+    return plan.model_copy(update={"changes_from": pinned})
 
 
 def _may_dedupe(spec: JobSpec) -> bool:

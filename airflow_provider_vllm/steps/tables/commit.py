@@ -33,7 +33,7 @@ from airflow_provider_vllm.core.plan import ChangesFrom
 from airflow_provider_vllm.core.records import SHA256_HEX, PublishingRecord
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec, TableOutput
-from airflow_provider_vllm.core.storage import Storage
+from airflow_provider_vllm.core.storage import FileSystems, Storage
 from airflow_provider_vllm.steps.merge.merger import PUBLISHING
 from airflow_provider_vllm.steps.tables.access import Tables, summary_of
 
@@ -369,11 +369,19 @@ def _partition_files(table: Table, target: TableOutput, run_date: dt.date, allow
     return files
 
 
-def resolve_changes_from(spec: JobSpec, tables: Tables) -> ChangesFrom:
+def resolve_changes_from(
+    spec: JobSpec, tables: Tables, *, keyring: Keyring | None = None, filesystems: FileSystems | None = None
+) -> ChangesFrom:
     """``changes.previous_table``: the run whose snapshot ``io.output_table`` holds last (walking the current
     snapshot's ancestry to the first one a run committed, this run's own excepted). Its output prefix must lie
     inside ``tables.uri_prefixes`` (SpecError naming the table and snapshot); a missing table or no such
-    snapshot: nothing to compare (``previous_uri`` None)."""
+    snapshot: nothing to compare (``previous_uri`` None).
+
+    The catalog has other writers than this deployment's publish: a snapshot's summary is taken only when that
+    run's ``_PUBLISHING.json``, sealed by this deployment's publish (``keyring``, default
+    ``VLLM_BATCH_SIGNING_KEY``) for that run folder, names the same table, run and results manifest (publish writes
+    it only for a run whose QA did not fail). CommitError otherwise: a snapshot forged with a failed run's id
+    and manifest would make that run the baseline."""
     from pyiceberg.exceptions import NoSuchTableError
 
     target = spec.io.output_table
@@ -404,6 +412,7 @@ def resolve_changes_from(spec: JobSpec, tables: Tables) -> ChangesFrom:
                     "snapshot names. Publish a run with this provider first (without changes.previous_table), or "
                     "set changes.previous_uri to the run to compare with"
                 )
+            _check_published_by_us(where, target.identifier, run, sha, spec, keyring, filesystems)
             return ChangesFrom(
                 identifier=target.identifier,
                 snapshot_id=snap.snapshot_id,
@@ -412,3 +421,38 @@ def resolve_changes_from(spec: JobSpec, tables: Tables) -> ChangesFrom:
             )
         snap = table.snapshot_by_id(snap.parent_snapshot_id) if snap.parent_snapshot_id is not None else None
     return ChangesFrom(identifier=target.identifier, snapshot_id=None, previous_uri=None)
+
+
+def _check_published_by_us(
+    where: str,
+    identifier: str,
+    run: str,
+    sha: str,
+    spec: JobSpec,
+    keyring: Keyring | None,
+    filesystems: FileSystems | None,
+) -> None:
+    """CommitError unless ``run``'s sealed ``_PUBLISHING.json`` names ``identifier``, ``run`` and ``sha``."""
+    prev = Storage(run, spec.io.storage_options, filesystems)
+    fix = (
+        "changes.previous_table compares only with a run this deployment's publish committed to the table. Publish "
+        "a run with this provider first, or set changes.previous_uri to the run to compare with"
+    )
+    try:
+        rec = PublishingRecord.model_validate_json(prev.read_bytes(PUBLISHING))
+        seals.verify_record(
+            keyring or Keyring.from_env(), seals.PUBLISHING, seals.scope_of(prev.uri()), rec, prev.uri(PUBLISHING)
+        )
+    except FileNotFoundError:
+        raise CommitError(f"{where}, which has no {PUBLISHING} (publish writes it before it commits); {fix}") from None
+    except CommitError as e:  # SealError: not this deployment's publish, or sealed for another folder
+        raise CommitError(f"{where}: {e}; {fix}") from None
+    except ValueError as e:  # not a record (pydantic's ValidationError, bad JSON)
+        raise CommitError(f"{where}: {prev.uri(PUBLISHING)} is not a publishing record ({e}); {fix}") from None
+    named = (rec.table, rec.run_id, rec.results_manifest_sha256)
+    if named != (identifier, run, sha):
+        raise CommitError(
+            f"{where} with results manifest {sha[:12]}..., but that run's sealed {PUBLISHING} names table "
+            f"{rec.table}, run {rec.run_id!r}, manifest {(rec.results_manifest_sha256 or 'none')[:12]}...: not a "
+            f"commit of this deployment's publish; {fix}"
+        )

@@ -259,6 +259,52 @@ def test_changes_compare_only_with_the_merge_the_tables_snapshot_published(tmp_p
         plan_job(fourth, tables=tables)
 
 
+@pytest.mark.reliability
+def test_changes_compare_only_with_a_run_this_deployments_publish_committed(tmp_path, lake, fake_engine_factory):
+    """The catalog has other writers: a snapshot that names a run and its results manifest is taken only when that
+    run's _PUBLISHING.json, sealed by this deployment's publish for that folder, names the same table, run and
+    manifest. A run that failed QA never got one: a snapshot another tool committed with its id and manifest
+    copied does not make it the baseline; nor does a record of another deployment or of another merge."""
+    from airflow_provider_vllm.core.allow_list import canonical_uri
+    from airflow_provider_vllm.core.errors import CommitError
+    from airflow_provider_vllm.core.seal import Keyring
+    from airflow_provider_vllm.steps.merge.merger import PUBLISHING
+    from airflow_provider_vllm.steps.plan.planner import plan_job
+    from airflow_provider_vllm.steps.tables.commit import _write_publishing
+    from tests.support.ledger import record_malicious
+
+    catalog, tables = lake
+    failed = run(tmp_path, lake, fake_engine_factory, "a")  # say its QA failed: publish never ran for it
+    publish(failed, tables)  # stands for the other tool's commit: the same snapshot summary ...
+    record = os.path.join(failed.io.output_uri, PUBLISHING)
+    os.remove(record)  # ... and no record of this deployment's publish
+
+    def plan_next(name: str):
+        nxt = table_spec(str(tmp_path / name), out_table={"identifier": "lake.triage"})
+        nxt = nxt.model_validate({**nxt.model_dump(mode="json"), "changes": {"previous_table": True}})
+        return plan_job(nxt, tables=tables)
+
+    with pytest.raises(CommitError, match=r"lake.triage snapshot \d+ names run .*which has no _PUBLISHING.json"):
+        plan_next("b")
+    out = Storage(failed.io.output_uri)
+    sha = read_merged(out).checksums["results/_manifest.json"]
+    run_id = canonical_uri(failed.io.output_uri, "io.output_uri", resolve=False)
+    other = Keyring.from_text("another-deployment-" + "x" * 40)
+    _write_publishing(out, other, failed.io.output_table, run_id, sha)
+    with pytest.raises(CommitError, match=r"lake.triage snapshot \d+ names run .*seal"):
+        plan_next("c")
+    _write_publishing(out, Keyring.from_env(), failed.io.output_table, run_id, "0" * 64)  # another merge's
+    with pytest.raises(CommitError, match=r"but that run's sealed _PUBLISHING.json names table lake.triage, run"):
+        plan_next("d")
+    with open(record, "w") as f:
+        f.write("{not json")
+    with pytest.raises(CommitError, match="is not a publishing record"):
+        plan_next("e")
+    record_malicious("changes.previous_table: a snapshot without this deployment's publishing record", 4, 4)
+    _write_publishing(out, Keyring.from_env(), failed.io.output_table, run_id, sha)  # what publish writes
+    assert plan_next("f").changes_from.previous_uri == run_id
+
+
 def _rerun_first_shard(spec, factory) -> None:
     """operations.md's recovery for one shard: delete its folder, run it again (its parts get other bytes)."""
     import shutil
