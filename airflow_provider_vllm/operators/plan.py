@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -201,7 +202,10 @@ class VllmPlanOperator(BaseOperator):
                 warm_starts=warm_starts(spec, runner),
                 tables=tables,
                 allowed_prefixes=prefixes,
-                last_published=self.last_published(context, spec) if spec.changes.previous_published else None,
+                # read only for a new plan: a retried task keeps the pin its plan wrote, whatever the events say now
+                last_published=(
+                    functools.partial(self.last_published, context, spec) if spec.changes.previous_published else None
+                ),
             )
         if plan.changes_from is not None:  # the plan's pin, which a plan already written keeps (a retried task)
             self.log.info(

@@ -15,7 +15,7 @@ import logging
 import math
 import os
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,7 +60,7 @@ def plan_job(
     warm_starts: bool | None = None,
     tables: Tables | None = None,
     allowed_prefixes: Sequence[str] | None = None,
-    last_published: LastPublished | None = None,
+    last_published: LastPublished | Callable[[], LastPublished] | None = None,
 ) -> Plan:
     """Plan the job and write ``_plan.json`` under the output prefix, sealed; idempotent.
 
@@ -88,7 +88,8 @@ def plan_job(
     ``_SUCCESS.json`` (its parts would land among that run's files, which readers list recursively).
 
     ``last_published``: with ``changes.previous_published``, the job's newest Asset event of its publish task, as
-    the plan task read it from Airflow (``steps/publish.pin_last_published`` pins that run; SpecError without it).
+    the plan task read it from Airflow (``steps/publish.pin_last_published`` pins that run; SpecError without it);
+    or a callable that reads it, called only when a new plan is made (a plan already written keeps its pin).
     """
     keyring = keyring or Keyring.from_env()
     out = Storage(spec.io.output_uri, spec.io.storage_options, filesystems)
@@ -185,7 +186,7 @@ def _plan_table(
 class _Pins:
     """What ``_with_changes_from`` needs for ``changes.previous_published``."""
 
-    last: LastPublished | None
+    last: LastPublished | Callable[[], LastPublished] | None
     filesystems: FileSystems | None
     keyring: Keyring
     allowed_prefixes: Sequence[str] | None
@@ -201,7 +202,7 @@ def _with_changes_from(plan: Plan, spec: JobSpec, tables: Tables | None, pins: _
                 "vllm_batch_job reads them, with the setting in the DAG file's spec)"
             )
         pinned = pin_last_published(
-            pins.last,
+            pins.last() if callable(pins.last) else pins.last,
             spec.io.output_uri,
             keyring=pins.keyring,
             storage_options=spec.io.storage_options,

@@ -367,6 +367,17 @@ def test_a_retried_plan_keeps_its_pin_and_logs_that_one(tmp_path, fake_engine_fa
         f"{published['output_uri']}" in log
     )
     assert f"compares with {tmp_path / 'c'}" not in log and f"comparing with {tmp_path / 'c'}" not in log
+    # the retry does not read the events at all: a flood of others' events, which fails a new plan, fails no retry
+    flood = Events([event(100 + i, {"rows": 1}, dag=None, task=None) for i in range(10_050)])
+    retry = ctx_with([])
+    retry["inlet_events"] = {ASSET: flood}
+    plan_op(b).execute(retry)
+    assert flood.queries == 0 and load_plan(spec_b).changes_from.previous_uri == published["output_uri"]
+    c, _ = night(tmp_path / "c", [f"ticket {i}" for i in range(20)], previous_published=True)
+    fresh = ctx_with([])
+    fresh["inlet_events"] = {ASSET: flood}
+    with pytest.raises(AirflowFailException, match="read the newest 10000 events of the Asset"):
+        plan_op(c).execute(fresh)
 
 
 def _night_qa(root: Path, texts: list[str], labels: list[str], **qa) -> tuple[dict, object]:
