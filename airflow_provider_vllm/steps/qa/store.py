@@ -30,6 +30,10 @@ from airflow_provider_vllm.steps.qa.report import QAReport, refused_previous
 QA_RECORD = "qa/_QA.json"
 REPORT_JSON = "qa/report.json"
 RERUN = "run the QA task of that run again (it writes the sealed record)"
+_RESTORE = (
+    "restore the published run's files (verify_published names what differs), or publish that run again and run this "
+    "one from an empty output prefix (this run's plan keeps the pin it made)"
+)
 
 SAMPLE_HTML_COLUMNS = (
     "id",
@@ -239,14 +243,12 @@ def load_pinned_report(
         raw = prev.read_bytes(REPORT_JSON)
     except FileNotFoundError:
         raise CommitError(
-            f"qa.previous_published: {uri} is missing; {pin.describe()} published it: restore the published run's "
-            "files, or compare with another report (qa.previous_report_uri)"
+            f"qa.previous_published: {uri} is missing; {pin.describe()} published it: {_RESTORE}"
         ) from None
     if hashlib.sha256(raw).hexdigest() != pin.report_sha256:
         raise CommitError(
             f"qa.previous_published: {uri} is not the report {pin.describe()} published (its sha256 differs from "
-            "the one that run's sealed _SUCCESS.json names): restore the published run's files, or compare with "
-            "another report (qa.previous_report_uri)"
+            f"the one that run's sealed _SUCCESS.json names): {_RESTORE}"
         )
     try:
         doc = json.loads(raw)

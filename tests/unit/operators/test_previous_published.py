@@ -444,7 +444,7 @@ def test_qa_judges_drift_against_the_last_published_run_not_a_night_that_failed(
     assert got["metrics"]["previous"]["run"]["output_uri"] == published["output_uri"]
     assert got["metrics"]["label_drift"]["tvd"] > 0.3
 
-    # A's report changed after it was published (B's report copied over it, or QA of A run again): QA fails, it
+    # A's report changed after it was published (B's report copied over it): QA fails, it
     # never falls back to a report the published marker does not name
     original = report_a.read_bytes()
     report_a.write_bytes((tmp_path / "b" / "out" / "qa" / "report.json").read_bytes())
