@@ -511,3 +511,33 @@ def test_qa_takes_its_baseline_only_from_the_plan_the_run_was_merged_under(tmp_p
     with pytest.raises(AirflowFailException, match=r"_plan.json is not the plan .* merged under"):
         VllmQAOperator(task_id="qa", spec=c).execute(context())
     record_malicious("qa: an earlier plan of the folder put back after the merge", 1, 1)
+
+
+@pytest.mark.reliability
+def test_publish_takes_the_change_set_of_the_plan_the_run_was_merged_under(tmp_path, fake_engine_factory):
+    """As QA: an earlier plan of the folder put back after QA (one that pinned nothing to compare with) must not make
+    publish leave the run's change set out of _SUCCESS.json; publish refuses it, naming the plan."""
+    from airflow_provider_vllm.core.plan import PLAN_FILE
+    from tests.support.data import LABELS
+
+    texts = [f"ticket number {i}" for i in range(40)]
+    a, _ = _night_qa(tmp_path / "a", texts, LABELS)
+    plan_op(a).execute(ctx_with([]))
+    run_rest(a, fake_engine_factory)
+    VllmQAOperator(task_id="qa", spec=a).execute(context())
+    published = VllmPublishOperator(task_id="publish", spec=a, outlets=[ASSET]).execute(context())
+
+    c, _ = _night_qa(tmp_path / "c", texts, LABELS, previous_published=True)
+    plan_op(c).execute(ctx_with([]))
+    plan_file = tmp_path / "c" / "out" / PLAN_FILE
+    earlier = plan_file.read_bytes()
+    shutil.rmtree(tmp_path / "c" / "out")
+    plan_op(c).execute(ctx_with([event(5, published)]))
+    run_rest(c, fake_engine_factory)
+    VllmQAOperator(task_id="qa", spec=c).execute(context())
+    assert (tmp_path / "c" / "out" / "changes").exists()
+    plan_file.write_bytes(earlier)
+    with pytest.raises(AirflowFailException, match=r"_plan.json is not the plan .* merged under"):
+        VllmPublishOperator(task_id="publish", spec=c, outlets=[ASSET]).execute(context())
+    assert not (tmp_path / "c" / "out" / SUCCESS).exists()
+    record_malicious("publish: an earlier plan of the folder put back after QA", 1, 1)
