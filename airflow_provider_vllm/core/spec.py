@@ -850,7 +850,8 @@ class JobSpec(_Model):
             if not self.changes.previous_published:
                 raise ValueError(
                     "qa.previous_published compares with the report of the run changes.previous_published pins: set "
-                    "changes.previous_published too"
+                    "changes.previous_published too, or turn qa.previous_published off as well (qa.previous_report_uri "
+                    "may name the report to compare with instead)"
                 )
             if self.qa.previous_report_uri is not None:
                 raise ValueError("qa.previous_published and qa.previous_report_uri are exclusive: give one")

@@ -118,7 +118,8 @@ def last_published(
                 f"changes.previous_published: Asset {asset_uri}: {e}, {others} of them not emitted by "
                 f"{dag_id}.{publish_task_id} (the REST API, another DAG or task), and none names a run it published "
                 "before this one, so which run that is is not known. Compare with a run named explicitly "
-                "(changes.previous_uri, with changes.previous_published false)"
+                "(changes.previous_uri, with changes.previous_published false, and qa.previous_published false: "
+                "qa.previous_report_uri names the report to compare with)"
             ) from None
         # else: the best of the job's publishes newer than any not read
     finally:

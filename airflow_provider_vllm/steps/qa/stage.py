@@ -68,7 +68,8 @@ def _qa_run(
     # what QA measures is what the sealed summary names, read from copies checked as they were made: a part
     # swapped in the bucket during QA (and put back after) is never what QA reads
     parts = {kind: checked_parts(out, kind, merged, copies) for kind in (RESULTS, ERRORS)}
-    plan = load_plan(spec, filesystems, keyring)
+    # the plan the run was merged under (its pins: the change set's and QA's baseline), not an earlier one of the folder
+    plan = load_plan(spec, filesystems, keyring, merged_under=merged.plan_mac)
     spec = changes_spec(spec, plan)  # changes.previous_table: the run the plan pinned
     previous = None
     if spec.qa.previous_published:  # the report of the run this job published last, as the plan pinned it

@@ -55,6 +55,22 @@ def test_qa_previous_published_keeps_old_hashes_and_needs_the_pin_it_reads():
         JobSpec.load({**pinned, "qa": {"previous_published": "yes please"}})
 
 
+def test_turning_changes_previous_published_off_names_qa_previous_published_as_the_way_out():
+    """The nightly templates set both; a Variable or trigger may turn changes.previous_published off (and name a run
+    with changes.previous_uri, as the plan's own messages advise). The spec is then refused, and the message must
+    say that qa.previous_published has to go off too (its report comes with the pin), not only to set the pin."""
+    nightly = {**BASE, "changes": {"previous_published": True}, "qa": {"previous_published": True}}
+    overrides = {"changes.previous_published": False, "changes.previous_uri": "/prev"}
+    with pytest.raises(SpecError) as got:
+        JobSpec.from_params(overrides, base=nightly)
+    assert "qa.previous_published off" in str(got.value) and "qa.previous_report_uri" in str(got.value)
+    # with both off, the explicit baselines are taken
+    ok = JobSpec.from_params(
+        {**overrides, "qa.previous_published": False, "qa.previous_report_uri": "/prev/qa/report.json"}, base=nightly
+    )
+    assert ok.changes.previous_uri == "/prev" and ok.qa.previous_report_uri == "/prev/qa/report.json"
+
+
 @pytest.mark.parametrize(
     "patch, field",
     [

@@ -487,3 +487,68 @@ def test_qa_with_nothing_published_before_notes_it_and_a_marker_without_a_report
         load_pinned_report(None)
     with pytest.raises(CommitError, match="pinned no published run"):
         load_pinned_report(pin.model_copy(update={"source": "table"}))
+
+
+@pytest.mark.reliability
+def test_qa_takes_its_baseline_only_from_the_plan_the_run_was_merged_under(tmp_path, fake_engine_factory):
+    """An earlier plan of the same folder is sealed for it too: one made before anything was published (the folder
+    was emptied and planned again since, e.g. to recover a run) pins no baseline. Put back after the merge, QA would
+    judge a broken night against nothing (label drift skipped: a pass). QA takes only the plan whose seal the
+    sealed _MERGED.json names (plan_mac), and fails naming the plan otherwise."""
+    from airflow_provider_vllm.core.plan import PLAN_FILE
+    from airflow_provider_vllm.operators.qa import VllmQAFailed
+    from tests.support.data import LABELS
+
+    texts = [f"ticket number {i}: I was charged twice, please refund" for i in range(60)]
+    a, _ = _night_qa(tmp_path / "a", texts, LABELS)
+    plan_op(a).execute(ctx_with([]))
+    run_rest(a, fake_engine_factory)
+    VllmQAOperator(task_id="qa", spec=a).execute(context())
+    published = VllmPublishOperator(task_id="publish", spec=a, outlets=[ASSET]).execute(context())
+
+    c, spec_c = _night_qa(tmp_path / "c", texts, ["other"], previous_published=True)
+    plan_op(c).execute(ctx_with([]))  # planned before A's publish was seen: nothing to compare with
+    assert load_plan(spec_c).changes_from.previous_uri is None
+    plan_file = tmp_path / "c" / "out" / PLAN_FILE
+    earlier = plan_file.read_bytes()
+    shutil.rmtree(tmp_path / "c" / "out")  # the folder emptied, the run planned again
+    plan_op(c).execute(ctx_with([event(5, published)]))
+    assert load_plan(spec_c).changes_from.previous_uri == published["output_uri"]
+    run_rest(c, fake_engine_factory)
+    with pytest.raises(VllmQAFailed, match="label_drift"):
+        VllmQAOperator(task_id="qa", spec=c).execute(context())
+
+    plan_file.write_bytes(earlier)  # the earlier genuine plan put back after the merge
+    with pytest.raises(AirflowFailException, match=r"_plan.json is not the plan .* merged under"):
+        VllmQAOperator(task_id="qa", spec=c).execute(context())
+    record_malicious("qa: an earlier plan of the folder put back after the merge", 1, 1)
+
+
+@pytest.mark.reliability
+def test_publish_takes_the_change_set_of_the_plan_the_run_was_merged_under(tmp_path, fake_engine_factory):
+    """As QA: an earlier plan of the folder put back after QA (one that pinned nothing to compare with) must not make
+    publish leave the run's change set out of _SUCCESS.json; publish refuses it, naming the plan."""
+    from airflow_provider_vllm.core.plan import PLAN_FILE
+    from tests.support.data import LABELS
+
+    texts = [f"ticket number {i}" for i in range(40)]
+    a, _ = _night_qa(tmp_path / "a", texts, LABELS)
+    plan_op(a).execute(ctx_with([]))
+    run_rest(a, fake_engine_factory)
+    VllmQAOperator(task_id="qa", spec=a).execute(context())
+    published = VllmPublishOperator(task_id="publish", spec=a, outlets=[ASSET]).execute(context())
+
+    c, _ = _night_qa(tmp_path / "c", texts, LABELS, previous_published=True)
+    plan_op(c).execute(ctx_with([]))
+    plan_file = tmp_path / "c" / "out" / PLAN_FILE
+    earlier = plan_file.read_bytes()
+    shutil.rmtree(tmp_path / "c" / "out")
+    plan_op(c).execute(ctx_with([event(5, published)]))
+    run_rest(c, fake_engine_factory)
+    VllmQAOperator(task_id="qa", spec=c).execute(context())
+    assert (tmp_path / "c" / "out" / "changes").exists()
+    plan_file.write_bytes(earlier)
+    with pytest.raises(AirflowFailException, match=r"_plan.json is not the plan .* merged under"):
+        VllmPublishOperator(task_id="publish", spec=c, outlets=[ASSET]).execute(context())
+    assert not (tmp_path / "c" / "out" / SUCCESS).exists()
+    record_malicious("publish: an earlier plan of the folder put back after QA", 1, 1)
