@@ -80,11 +80,16 @@ class MotoServer:
         """The deployment way to reach this server: environment (botocore honours AWS_ENDPOINT_URL), no spec option.
 
         s3fs caches file systems by their arguments, and with the endpoint in the environment these
-        are the same for every server: the cache is cleared here, before a test sets the variables.
+        are the same for every server: the caches are cleared here, before a test sets the variables (s3fs's,
+        and ``core.storage``'s by URI and options, which held an earlier module's server when an xdist worker
+        ran two such modules: connection refused to a port no server listens on any more).
         """
         import s3fs
 
+        from airflow_provider_vllm.core import storage
+
         s3fs.S3FileSystem.clear_instance_cache()
+        storage._FS_CACHE.clear()
         return {
             "AWS_ENDPOINT_URL": self.endpoint,
             "AWS_ACCESS_KEY_ID": "testing",
