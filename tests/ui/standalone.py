@@ -124,23 +124,38 @@ class Standalone:
         env.update(self.env_extra)
         return env
 
-    def start(self, timeout: float = 240) -> None:
+    def start(self, timeout: float = 240, attempts: int = 3) -> None:
+        """Start ``airflow standalone`` and wait until its scheduler is healthy.
+
+        ``free_port()`` releases the port before the API server binds it, so another test's server (xdist) may
+        take it meanwhile: uvicorn then logs "address already in use" and the rest of the standalone runs on
+        without an API (seen in CI: 240 s of waiting, then every UI test errored). On that message everything is
+        stopped and started again on other ports, up to ``attempts`` times."""
         self.port = self.port or free_port()
         self.home.mkdir(parents=True, exist_ok=True)
-        self.proc = self._airflow("standalone")
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"airflow standalone exited {self.proc.returncode}: {self.log_tail()}")
-            try:
-                health = self.get("/api/v2/monitor/health", auth=False)
-                if health.get("scheduler", {}).get("status") == "healthy" and self.password_file().exists():
-                    self._scheduler = self._find_scheduler()
-                    return
-            except (OSError, urllib.error.URLError, ValueError):
-                pass
-            time.sleep(2)
-        raise TimeoutError(f"airflow standalone not healthy after {timeout}s: {self.log_tail()}")
+        for attempt in range(attempts):
+            log = self.home / "standalone.log"
+            start_at = log.stat().st_size if log.exists() else 0
+            self.proc = self._airflow("standalone", note=f"start {attempt + 1} on port {self.port}")
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"airflow standalone exited {self.proc.returncode}: {self.log_tail()}")
+                if "address already in use" in log.read_text(errors="replace")[start_at:]:
+                    break  # a port of this start was taken: start again on others
+                try:
+                    health = self.get("/api/v2/monitor/health", auth=False)
+                    if health.get("scheduler", {}).get("status") == "healthy" and self.password_file().exists():
+                        self._scheduler = self._find_scheduler()
+                        return
+                except (OSError, urllib.error.URLError, ValueError):
+                    pass
+                time.sleep(2)
+            else:
+                raise TimeoutError(f"airflow standalone not healthy after {timeout}s: {self.log_tail()}")
+            self.stop()
+            self.proc, self.replacements, self.port = None, [], free_port()
+        raise RuntimeError(f"airflow standalone: a port was taken in each of {attempts} starts: {self.log_tail()}")
 
     def _airflow(self, command: str, note: str = "") -> subprocess.Popen:
         """``airflow <command>`` in a session of its own, appending (O_APPEND) to ``standalone.log``, which the
