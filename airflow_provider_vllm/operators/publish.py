@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import time
 from collections.abc import Mapping, Sequence
@@ -162,7 +163,7 @@ class VllmPublishOperator(BaseOperator):
         """Commit the verified result parts to ``io.output_table`` as one snapshot (a no-op when this run's is
         there already); the catalog is the deployment's Connection (``hooks/iceberg.py``)."""
         target = spec.io.output_table
-        plan = load_plan(spec, out.filesystems, keyring, merged_under=self._plan_mac)
+        plan = self._plan()
         run_date = _run_date(context)
         commit = commit_results(
             target,
@@ -204,15 +205,18 @@ class VllmPublishOperator(BaseOperator):
         if merged.spec_hash != spec.content_hash():
             raise AirflowFailException(f"publish: {out.uri(MERGED)} was merged for another spec")
         self._engine_versions = merged.engine_versions  # for the lineage facet
-        self._plan_mac = merged.plan_mac  # the plan the run was merged under (_commit_table reads it)
+        # the plan the run was merged under, not an earlier one of this folder put back (another pin): read once,
+        # when the change set or the table commit needs it
+        self._plan = functools.cache(
+            functools.partial(load_plan, spec, out.filesystems, keyring, merged_under=merged.plan_mac)
+        )
         qa = self._qa_verdict(out, keyring, merged)
         self._check_this_runs_qa(out, qa)
         if qa.status == "fail":
             raise AirflowFailException(f"publish: QA failed ({qa.summary}); not publishing")
         # changes.previous_uri set: QA wrote changes/ (what moved since that run); a reader syncs from it
         if pinned_changes(spec):  # the run the plan pinned, if any
-            # the plan the run was merged under, not an earlier one of this folder put back (another pin)
-            spec = changes_spec(spec, load_plan(spec, out.filesystems, keyring, merged_under=merged.plan_mac))
+            spec = changes_spec(spec, self._plan())
         changes = {"changes": CHANGES, "changes_summary": CHANGES_SUMMARY} if spec.changes.previous_uri else {}
         files = {**merged.files, **QA_FILES, **changes, **(self.extra_files or {})}
         missing = sorted(p for p in files.values() if not out.exists(p))

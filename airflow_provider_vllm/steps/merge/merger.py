@@ -921,6 +921,14 @@ def success_doc(out: Storage, raw: bytes, keyring: Keyring | None) -> Any:
     return doc
 
 
+def read_publishing(out: Storage, keyring: Keyring) -> PublishingRecord:
+    """``_PUBLISHING.json`` under ``out``, validated and its seal checked (this deployment's publish, for this run
+    folder). FileNotFoundError when there is none; ValueError when it is not a record; SealError otherwise."""
+    rec = PublishingRecord.model_validate_json(out.read_bytes(PUBLISHING))
+    seals.verify_record(keyring, seals.PUBLISHING, seals.scope_of(out.uri()), rec, out.uri(PUBLISHING))
+    return rec
+
+
 def published_state(out: Storage, keyring: Keyring) -> Published | None:
     """Why merge may no longer change the run's parts and what the operator can do, or None: a ``_SUCCESS.json``
     (the run is published) or a ``_PUBLISHING.json`` (publish began committing its parts to ``io.output_table``)
@@ -934,8 +942,7 @@ def published_state(out: Storage, keyring: Keyring) -> Published | None:
             log.warning("%s is not a marker this deployment's publish sealed; ignored: %s", out.uri(SUCCESS), e)
     if out.exists(PUBLISHING):
         try:
-            rec = PublishingRecord.model_validate_json(out.read_bytes(PUBLISHING))
-            seals.verify_record(keyring, seals.PUBLISHING, seals.scope_of(out.uri()), rec, out.uri(PUBLISHING))
+            rec = read_publishing(out, keyring)
             return f"published to table {rec.table} ({PUBLISHING}: publish began its commit at {rec.started})", (
                 f"{_NEW_PREFIX}; or, only when no snapshot of table {rec.table} names run {rec.run_id} (its "
                 f"summary's vllm-batch.run-id: the commit failed), delete {out.uri(PUBLISHING)} and merge again"

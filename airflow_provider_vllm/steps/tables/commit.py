@@ -34,7 +34,7 @@ from airflow_provider_vllm.core.records import SHA256_HEX, PublishingRecord
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec, TableOutput
 from airflow_provider_vllm.core.storage import FileSystems, Storage
-from airflow_provider_vllm.steps.merge.merger import PUBLISHING
+from airflow_provider_vllm.steps.merge.merger import PUBLISHING, read_publishing
 from airflow_provider_vllm.steps.tables.access import Tables, summary_of
 
 if TYPE_CHECKING:
@@ -439,10 +439,7 @@ def _check_published_by_us(
         "a run with this provider first, or set changes.previous_uri to the run to compare with"
     )
     try:
-        rec = PublishingRecord.model_validate_json(prev.read_bytes(PUBLISHING))
-        seals.verify_record(
-            keyring or Keyring.from_env(), seals.PUBLISHING, seals.scope_of(prev.uri()), rec, prev.uri(PUBLISHING)
-        )
+        rec = read_publishing(prev, keyring or Keyring.from_env())
     except FileNotFoundError:
         raise CommitError(f"{where}, which has no {PUBLISHING} (publish writes it before it commits); {fix}") from None
     except CommitError as e:  # SealError: not this deployment's publish, or sealed for another folder

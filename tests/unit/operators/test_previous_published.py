@@ -395,6 +395,17 @@ def _night_qa(root: Path, texts: list[str], labels: list[str], **qa) -> tuple[di
     return spec.model_dump(mode="json"), spec
 
 
+def _published_night(root: Path, texts: list[str], factory) -> dict:
+    """A night of the full label set planned (nothing published before it), run, QA'd and published: its event."""
+    from tests.support.data import LABELS
+
+    a, _ = _night_qa(root, texts, LABELS)
+    plan_op(a).execute(ctx_with([]))
+    run_rest(a, factory)
+    VllmQAOperator(task_id="qa", spec=a).execute(context())
+    return VllmPublishOperator(task_id="publish", spec=a, outlets=[ASSET]).execute(context())
+
+
 def _report(root: Path) -> dict:
     return json.loads((root / "out" / "qa" / "report.json").read_bytes())
 
@@ -406,14 +417,9 @@ def test_qa_judges_drift_against_the_last_published_run_not_a_night_that_failed(
     vouched for by B's own sealed QA record) C shows no drift and passes; with qa.previous_published its baseline
     is A, the run that was published, and C fails. The published report changed in the bucket fails QA."""
     from airflow_provider_vllm.operators.qa import VllmQAFailed
-    from tests.support.data import LABELS
 
     texts = [f"ticket number {i}: I was charged twice, please refund" for i in range(60)]
-    a, _ = _night_qa(tmp_path / "a", texts, LABELS)
-    plan_op(a).execute(ctx_with([]))  # nothing published before it: no event
-    run_rest(a, fake_engine_factory)
-    VllmQAOperator(task_id="qa", spec=a).execute(context())
-    published = VllmPublishOperator(task_id="publish", spec=a, outlets=[ASSET]).execute(context())
+    published = _published_night(tmp_path / "a", texts, fake_engine_factory)  # nothing published before it
     events = [event(5, published)]
 
     b, _ = _night_qa(tmp_path / "b", texts, ["other"], previous_published=True)
@@ -497,14 +503,9 @@ def test_qa_takes_its_baseline_only_from_the_plan_the_run_was_merged_under(tmp_p
     sealed _MERGED.json names (plan_mac), and fails naming the plan otherwise."""
     from airflow_provider_vllm.core.plan import PLAN_FILE
     from airflow_provider_vllm.operators.qa import VllmQAFailed
-    from tests.support.data import LABELS
 
     texts = [f"ticket number {i}: I was charged twice, please refund" for i in range(60)]
-    a, _ = _night_qa(tmp_path / "a", texts, LABELS)
-    plan_op(a).execute(ctx_with([]))
-    run_rest(a, fake_engine_factory)
-    VllmQAOperator(task_id="qa", spec=a).execute(context())
-    published = VllmPublishOperator(task_id="publish", spec=a, outlets=[ASSET]).execute(context())
+    published = _published_night(tmp_path / "a", texts, fake_engine_factory)
 
     c, spec_c = _night_qa(tmp_path / "c", texts, ["other"], previous_published=True)
     plan_op(c).execute(ctx_with([]))  # planned before A's publish was seen: nothing to compare with
@@ -532,11 +533,7 @@ def test_publish_takes_the_change_set_of_the_plan_the_run_was_merged_under(tmp_p
     from tests.support.data import LABELS
 
     texts = [f"ticket number {i}" for i in range(40)]
-    a, _ = _night_qa(tmp_path / "a", texts, LABELS)
-    plan_op(a).execute(ctx_with([]))
-    run_rest(a, fake_engine_factory)
-    VllmQAOperator(task_id="qa", spec=a).execute(context())
-    published = VllmPublishOperator(task_id="publish", spec=a, outlets=[ASSET]).execute(context())
+    published = _published_night(tmp_path / "a", texts, fake_engine_factory)
 
     c, _ = _night_qa(tmp_path / "c", texts, LABELS, previous_published=True)
     plan_op(c).execute(ctx_with([]))
