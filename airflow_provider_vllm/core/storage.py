@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import os
 import posixpath
 import re
@@ -51,12 +52,30 @@ def has_glob(path: str) -> bool:
     return any(c in GLOB_CHARS for c in path)
 
 
+RECORD_MAX_BYTES = 256 << 20
+"""The most ``Storage.read_bytes`` reads (its default). The largest files read whole are the plan, the parts
+manifests and the merge summary: a few hundred bytes per input file, shard or part (a 10M-row benchmark run:
+a 48 KB plan of 100 shards, a 38 KB results manifest of 200 parts), so about a million of them fit. A larger
+file is refused, not read: a run folder's other writers cannot exhaust a task's memory with a planted one."""
+
+
 FileSystems = Callable[[str, dict[str, Any]], "fsspec.AbstractFileSystem | None"]
 """``(uri, options) -> file system`` for that URI, or None for plain fsspec (``url_to_fs``).
 
 The Airflow side's factory builds object-store file systems from Airflow Connections
 (``connections.ConnectionFileSystems``); it owns caching and decides which ``options`` apply.
 """
+
+
+def _open_size(f: Any) -> int | None:
+    """The size of an open fsspec file as its store states it (remote: from the HEAD at open; local: fstat)."""
+    size = getattr(f, "size", None)
+    if isinstance(size, int):
+        return size
+    try:
+        return os.fstat(f.fileno()).st_size
+    except (AttributeError, OSError, io.UnsupportedOperation):
+        return None
 
 
 @dataclass(frozen=True)
@@ -107,11 +126,36 @@ class Storage:
     def exists(self, rel: str) -> bool:
         return self._call(lambda: self.fs.exists(self.path(rel)), f"exists {self.uri(rel)}")
 
-    def read_bytes(self, rel: str) -> bytes:
-        return self._call(lambda: self.fs.cat_file(self.path(rel)), f"read {self.uri(rel)}")
+    def read_bytes(self, rel: str, limit: int = RECORD_MAX_BYTES) -> bytes:
+        """The whole file ``rel``, read only while it stays within ``limit`` bytes: CommitError naming it and
+        the limit when it is larger, after reading at most ``limit`` + 1 bytes. Whoever else can write a run's
+        folder could plant a file of many GB where a record is read; it must not take the task's memory."""
+        from airflow_provider_vllm.core.errors import CommitError
 
-    def read_text(self, rel: str) -> str:
-        return self.read_bytes(rel).decode("utf-8")
+        def read() -> bytes | None:  # None: larger than limit
+            with self.fs.open(self.path(rel), "rb") as f:
+                if (_open_size(f) or 0) > limit:
+                    return None  # as stated by the store: not read at all
+                blocks: list[bytes] = []
+                n = 0
+                while n <= limit:  # the size may lie (a device, a file that grows): never more than limit + 1
+                    block = f.read(min(1 << 20, limit + 1 - n))
+                    if not block:
+                        return b"".join(blocks)
+                    blocks.append(block)
+                    n += len(block)
+            return None
+
+        data = self._call(read, f"read {self.uri(rel)}")
+        if data is None:
+            raise CommitError(
+                f"{self.uri(rel)} is larger than {limit} bytes, the most read for it: no file this provider "
+                "writes there is that large, so it is refused unread (another writer of the bucket put it there?)"
+            )
+        return data
+
+    def read_text(self, rel: str, limit: int = RECORD_MAX_BYTES) -> str:
+        return self.read_bytes(rel, limit).decode("utf-8")
 
     def listdir(self, rel: str = "") -> list[str]:
         """Names (not paths) directly under rel; empty when rel does not exist."""

@@ -35,7 +35,7 @@ from fastapi import Depends, FastAPI, HTTPException
 from fastapi.responses import Response
 from sqlalchemy import select
 
-from airflow_provider_vllm.core.errors import SpecError
+from airflow_provider_vllm.core.errors import CommitError, SpecError
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.hooks.filesystems import ConnectionFileSystems, conn_ids_from_config
 from airflow_provider_vllm.links.report import URL_PREFIX
@@ -138,6 +138,8 @@ def _serve(kind: str, session: Any, dag_id: str, run_id: str, task_id: str, map_
         check_vouched(body, want, loc.rel(kind))
     except SpecError as e:  # e.g. the object store's provider package is missing
         raise HTTPException(status_code=403, detail=f"refused: {e}") from None
+    except CommitError as e:  # a planted file larger than any report: refused unread
+        raise HTTPException(status_code=403, detail=str(e)) from None
     except ReportAccessError as e:
         raise HTTPException(status_code=e.status, detail=str(e)) from None
     except FileNotFoundError:

@@ -208,6 +208,11 @@ def test_a_local_runs_own_report_is_served(page, tmp_path, monkeypatch):
     r = get(client)
     assert r.status_code == 403 and "qa/report.html is not the report the QA task wrote" in r.json()["detail"]
     assert b"approve" not in r.content
+    # one of many GB (sparse here): refused unread, the API server never holds it
+    with open(run / "qa" / "report.html", "wb") as f:
+        f.truncate(4 << 30)
+    r = get(client)
+    assert r.status_code == 403 and "qa/report.html is larger than" in r.json()["detail"]
     (run / "qa" / "report.html").write_bytes(REPORT)
     # a QA summary that vouches for no bytes (an earlier provider's): nothing is served
     xcoms[("job.qa", "return_value")].pop("report_sha256")

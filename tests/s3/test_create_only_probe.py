@@ -27,6 +27,7 @@ from tests.support.data import make_spec, write_parquet
 from tests.support.ledger import record_fault
 from tests.support.s3faults import FaultProxy
 from tests.support.s3server import MotoServer, free_port
+from tests.unit.core.test_storage import check_capped_reads
 
 # gcsfs >= 2026 first asks the storage-control gRPC API whether a bucket is zonal/hierarchical,
 # which the emulator does not serve (a 60 s timeout per bucket); the plain JSON API is what we use.
@@ -168,6 +169,10 @@ def test_gcsfs_sends_if_generation_match_and_the_emulator_ignores_it(gcs, caplog
     assert len(uploads) == 2 and all("ifGenerationMatch=0" in u for u in uploads)  # the precondition is sent
     # ... and the emulator overwrites anyway (real GCS answers 412 -> FileExistsError -> False)
     assert second is True and st.read_bytes("m.json") == b"two"
+
+
+def test_whole_object_reads_stop_at_the_limit_on_gcs(gcs):
+    check_capped_reads(Storage("gs://gbucket/limits", gcs))
 
 
 @pytest.mark.reliability

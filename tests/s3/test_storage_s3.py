@@ -14,6 +14,7 @@ from airflow_provider_vllm.worker.shard import run_shard
 from airflow_provider_vllm.worker.task import ShardTask
 from tests.support.data import LABELS, make_spec
 from tests.support.s3server import MotoServer
+from tests.unit.core.test_storage import check_capped_reads
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +41,10 @@ def test_create_only_is_atomic_on_s3(s3):
     assert st.read_text("m.json") == f"writer {winners[0]}"
     assert st.create_only("m.json", b"late") is False
     assert st.read_text("m.json") == f"writer {winners[0]}"
+
+
+def test_whole_object_reads_stop_at_the_limit_on_s3(s3):
+    check_capped_reads(Storage("s3://data/limits", s3.storage_options))
 
 
 def test_pipeline_on_s3(s3, fake_engine_factory, monkeypatch):

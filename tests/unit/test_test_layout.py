@@ -20,11 +20,6 @@ TESTED_ELSEWHERE: dict[str, list[str]] = {
     "core/param_schemas.py": ["tests/unit/steps/plan/test_plan_refusals.py"],
     "core/pod_settings.py": ["tests/unit/utils/test_pod_spec.py"],
     "core/rows.py": ["tests/unit/core/test_commit.py", "tests/unit/worker/test_isolation.py"],
-    "core/storage.py": [
-        "tests/s3/test_storage_s3.py",
-        "tests/s3/test_s3_faults.py",
-        "tests/airflow/test_connections.py",
-    ],
     "core/storage_retry.py": ["tests/s3/test_s3_faults.py"],
     "links/report.py": ["tests/unit/operators/test_review.py"],
     "plugins/report.py": ["tests/airflow/test_report_page_access.py", "tests/ui/test_airflow_ui.py"],

@@ -160,7 +160,10 @@ def read_qa(out: Storage, keyring: Keyring, *, files: bool = True) -> QARecord:
 def read_verified(out: Storage, f: QAFile) -> bytes:
     """The bytes of a file a verified QA record names, read once and checked (size, sha256): CommitError otherwise."""
     _check_named(out, f)
-    raw = out.read_bytes(f.path)
+    try:
+        raw = out.read_bytes(f.path, limit=f.bytes)
+    except CommitError:  # larger than the record says: not read
+        raise _not_named(out, f) from None
     if len(raw) != f.bytes or hashlib.sha256(raw).hexdigest() != f.sha256:
         raise _not_named(out, f)
     return raw
