@@ -289,8 +289,9 @@ class ChangesFrom(BaseModel):
     published_at: str | None = Field(None, description="'published': when the event was emitted")
     report_sha256: str | None = Field(
         None,
-        description="'published': the sha256 of qa/report.json that the run's sealed _SUCCESS.json names, the "
-        "baseline of qa.previous_published (None: it names none, or a plan from before this field)",
+        description="the sha256 of qa/report.json that the run's sealed _SUCCESS.json ('published') or "
+        "_PUBLISHING.json ('table') names, the baseline of qa.previous_published (None: it names none, or a plan "
+        "from before this field)",
     )
 
     def describe(self) -> str:

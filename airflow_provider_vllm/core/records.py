@@ -426,6 +426,12 @@ class PublishingRecord(Record):
     table: str = Field(description="io.output_table.identifier: the table the parts are committed to")
     run_id: str = Field(description="the run id the table's snapshot summary carries (vllm-batch.run-id)")
     results_manifest_sha256: str | None = Field(None, description="sha256 of the results manifest being committed")
+    report_sha256: str | None = Field(
+        None,
+        pattern=r"^[0-9a-f]{64}$",
+        description="sha256 of qa/report.json of the QA verdict publish gated on: the baseline of "
+        "qa.previous_published with changes.previous_table (absent: none, or a record from before this field)",
+    )
     started: str = Field(description="UTC time publish began its commit (ISO 8601)")
     seal: Seal | None = Field(None, description="the publish task's seal (core/seal.py, domain publishing)")
 

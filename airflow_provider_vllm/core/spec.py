@@ -627,10 +627,12 @@ class QASpec(_Model):
     previous_published: bool = Field(
         False,
         description="Compare (label drift, the change in accuracy) against the report of the run that "
-        "changes.previous_published pinned: the run this job published last before this one, so a run that failed "
-        "QA or was never published is never the baseline. Its qa/report.json must have exactly the sha256 that run's "
-        "sealed _SUCCESS.json names (the plan pins it); otherwise QA fails. Nothing published before: not judged, "
-        "with a note. Needs changes.previous_published; exclusive with previous_report_uri.",
+        "changes.previous_published or changes.previous_table pinned: the run this job published last before this "
+        "one (to its Asset, or to io.output_table), so a run that failed QA or was never published is never the "
+        "baseline. Its qa/report.json must have exactly the sha256 that run's sealed _SUCCESS.json "
+        "(changes.previous_published) or _PUBLISHING.json (changes.previous_table) names (the plan pins it); "
+        "otherwise QA fails. Nothing published before: not judged, with a note. Needs changes.previous_published or "
+        "changes.previous_table; exclusive with previous_report_uri.",
     )
     warn_churn_rate: float = Field(
         1.0,
@@ -847,11 +849,11 @@ class JobSpec(_Model):
                 "changes.previous_published, changes.previous_table and changes.previous_uri are exclusive: give one"
             )
         if self.qa.previous_published:
-            if not self.changes.previous_published:
+            if not (self.changes.previous_published or self.changes.previous_table):
                 raise ValueError(
-                    "qa.previous_published compares with the report of the run changes.previous_published pins: set "
-                    "changes.previous_published too, or turn qa.previous_published off as well (qa.previous_report_uri "
-                    "may name the report to compare with instead)"
+                    "qa.previous_published compares with the report of the run changes.previous_published or "
+                    "changes.previous_table pins: set one of them too, or turn qa.previous_published off as well "
+                    "(qa.previous_report_uri may name the report to compare with instead)"
                 )
             if self.qa.previous_report_uri is not None:
                 raise ValueError("qa.previous_published and qa.previous_report_uri are exclusive: give one")

@@ -174,6 +174,7 @@ class VllmPublishOperator(BaseOperator):
             run_id=canonical_uri(spec.io.output_uri, "io.output_uri", resolve=False),
             run_date=run_date,
             keyring=keyring,
+            report_sha256=marker["checksums"].get(QA_FILES["qa_report_json"]),
             properties={
                 "airflow-run": f"{marker['airflow']['dag_id']}/{marker['airflow']['run_id']}",
                 "results-manifest-sha256": str(merged_results_sha(marker)),

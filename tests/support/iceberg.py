@@ -92,14 +92,21 @@ def publish(
     filesystems: Any = None,
     manifest_sha256: str | None = None,
     record_manifest: bool = True,
+    record_report: bool = True,
 ) -> TableCommit:
     """The publish task's table commit, as the operator makes it (steps only). ``manifest_sha256``: the results
     manifest's sha256 to record (default: the one the sealed merge names); ``record_manifest=False``: none, as a
-    snapshot committed by another tool or an older provider."""
+    snapshot committed by another tool or an older provider. The sha256 of the QA report the run's sealed verdict
+    names goes into ``_PUBLISHING.json`` (none without a QA, or with ``record_report=False``: an older provider)."""
     from airflow_provider_vllm.core.allow_list import canonical_uri
+    from airflow_provider_vllm.core.seal import Keyring
     from airflow_provider_vllm.steps.merge.merger import read_merged
+    from airflow_provider_vllm.steps.qa.store import QA_RECORD, read_qa
 
     out = Storage(spec.io.output_uri, spec.io.storage_options, filesystems)
+    report = None
+    if record_report and out.exists(QA_RECORD):
+        report = read_qa(out, Keyring.from_env()).files["report_json"].sha256
     merged = read_merged(out)
     parts = verified_parts(out, RESULTS, merged)
     plan = load_plan(spec, filesystems)
@@ -111,6 +118,7 @@ def publish(
         plan.result_schema(),
         run_id=canonical_uri(spec.io.output_uri, "io.output_uri", resolve=False),
         run_date=run_date,
+        report_sha256=report,
         properties={
             "airflow-run": "dag/run",
             **(

@@ -225,23 +225,27 @@ def load_pinned_report(
     filesystems: FileSystems | None = None,
 ) -> tuple[dict[str, Any] | None, str | None]:
     """``qa.previous_published``: (the report, its URI) of the run the plan pinned through
-    ``changes.previous_published``, the run this job published last; (None, None) when nothing was published.
+    ``changes.previous_published`` or ``changes.previous_table``, the run this job published last; (None, None)
+    when nothing was published.
 
-    The plan pinned the sha256 of ``qa/report.json`` that the run's sealed ``_SUCCESS.json`` names (through the
-    Asset event, not the bucket); the bytes read must have it, or CommitError (fail closed: a published
-    baseline that was changed since is no baseline, and a silent fallback would pass a run against nothing). A
-    marker that names no report (``report_sha256`` None): ``report.refused_previous``, so the checks warn.
+    The plan pinned the sha256 of ``qa/report.json`` that the run's sealed ``_SUCCESS.json`` (through the Asset
+    event, not the bucket) or ``_PUBLISHING.json`` (whose run, table and merge the table's snapshot names) names;
+    the bytes read must have it, or CommitError (fail closed: a published baseline that was changed since is no
+    baseline, and a silent fallback would pass a run against nothing). A record that names no report
+    (``report_sha256`` None): ``report.refused_previous``, so the checks warn.
     """
-    if pin is None or pin.source != "published":
+    if pin is None:
         raise CommitError(
-            "qa.previous_published: the plan pinned no published run (changes.previous_published); plan the run again"
+            "qa.previous_published: the plan pinned no published run (changes.previous_published or "
+            "changes.previous_table); plan the run again"
         )
     if pin.previous_uri is None:
         return None, None
     prev = Storage(pin.previous_uri, storage_options or {}, filesystems)
     uri = prev.uri(REPORT_JSON)
+    record = "_SUCCESS.json" if pin.source == "published" else "_PUBLISHING.json"
     if pin.report_sha256 is None:
-        return refused_previous(uri, f"{pin.describe()}: that run's _SUCCESS.json names no {REPORT_JSON}"), uri
+        return refused_previous(uri, f"{pin.describe()}: that run's {record} names no {REPORT_JSON}"), uri
     try:
         raw = prev.read_bytes(REPORT_JSON)
     except FileNotFoundError:
@@ -251,7 +255,7 @@ def load_pinned_report(
     if hashlib.sha256(raw).hexdigest() != pin.report_sha256:
         raise CommitError(
             f"qa.previous_published: {uri} is not the report {pin.describe()} published (its sha256 differs from "
-            f"the one that run's sealed _SUCCESS.json names): {_RESTORE}"
+            f"the one that run's sealed {record} names): {_RESTORE}"
         )
     try:
         doc = json.loads(raw)

@@ -87,12 +87,14 @@ def commit_results(
     run_date: dt.date,
     properties: Mapping[str, str] = {},
     keyring: Keyring | None = None,
+    report_sha256: str | None = None,
 ) -> TableCommit:
     """Commit the parts (paths under ``out``) to ``target``'s table as one snapshot; a no-op if committed.
 
     ``schema``: the parts' Arrow schema (``Plan.result_schema()``), which the table must accept (created from it
     with ``target.create``). ``run_date``: the date partition's value (``target.date_column``). ``keyring``: seals
-    ``_PUBLISHING.json`` (default ``VLLM_BATCH_SIGNING_KEY``). Raises SpecError
+    ``_PUBLISHING.json`` (default ``VLLM_BATCH_SIGNING_KEY``), which names ``report_sha256`` (the sha256 of the
+    ``qa/report.json`` publish gated on) for a later run's ``qa.previous_published``. Raises SpecError
     for a table that is missing (without ``create``), partitioned otherwise, or whose schema the parts do not
     fit; CommitError when the catalog refuses the commit (the table is then unchanged).
     """
@@ -124,7 +126,9 @@ def commit_results(
             data_files = [_data_file(table, out, rel, uri, target, run_date) for rel, uri in zip(parts, uris)]
             # from here on the table may reference the parts by path: a later merge of the folder must not change
             # them (merge refuses while this sealed file or _SUCCESS.json exists)
-            _write_publishing(out, keyring or Keyring.from_env(), target, run_id, props.get(MANIFEST_SHA))
+            _write_publishing(
+                out, keyring or Keyring.from_env(), target, run_id, props.get(MANIFEST_SHA), report_sha256
+            )
         try:
             _transaction(table, target, data_files, props, run_date).commit_transaction()
         except (CommitFailedException, ValidationException) as e:  # the table moved under this attempt
@@ -144,13 +148,19 @@ def commit_results(
 
 
 def _write_publishing(
-    out: Storage, keyring: Keyring, target: TableOutput, run_id: str, manifest_sha: str | None
+    out: Storage,
+    keyring: Keyring,
+    target: TableOutput,
+    run_id: str,
+    manifest_sha: str | None,
+    report_sha256: str | None = None,
 ) -> None:
     """The sealed ``_PUBLISHING.json`` (``records.PublishingRecord``): merge honours no other."""
     record = PublishingRecord(
         table=target.identifier,
         run_id=run_id,
         results_manifest_sha256=manifest_sha,
+        **({"report_sha256": report_sha256} if report_sha256 is not None else {}),
         started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     )
     record = seals.seal_record(keyring, seals.PUBLISHING, seals.scope_of(out.uri()), record)
@@ -412,12 +422,13 @@ def resolve_changes_from(
                     "snapshot names. Publish a run with this provider first (without changes.previous_table), or "
                     "set changes.previous_uri to the run to compare with"
                 )
-            _check_published_by_us(where, target.identifier, run, sha, spec, keyring, filesystems)
+            rec = _check_published_by_us(where, target.identifier, run, sha, spec, keyring, filesystems)
             return ChangesFrom(
                 identifier=target.identifier,
                 snapshot_id=snap.snapshot_id,
                 previous_uri=run,
                 results_manifest_sha256=sha,
+                report_sha256=rec.report_sha256,
             )
         snap = table.snapshot_by_id(snap.parent_snapshot_id) if snap.parent_snapshot_id is not None else None
     return ChangesFrom(identifier=target.identifier, snapshot_id=None, previous_uri=None)
@@ -431,8 +442,8 @@ def _check_published_by_us(
     spec: JobSpec,
     keyring: Keyring | None,
     filesystems: FileSystems | None,
-) -> None:
-    """CommitError unless ``run``'s sealed ``_PUBLISHING.json`` names ``identifier``, ``run`` and ``sha``."""
+) -> PublishingRecord:
+    """``run``'s sealed ``_PUBLISHING.json``; CommitError unless it names ``identifier``, ``run`` and ``sha``."""
     prev = Storage(run, spec.io.storage_options, filesystems)
     fix = (
         "changes.previous_table compares only with a run this deployment's publish committed to the table. Publish "
@@ -453,3 +464,4 @@ def _check_published_by_us(
             f"{rec.table}, run {rec.run_id!r}, manifest {(rec.results_manifest_sha256 or 'none')[:12]}...: not a "
             f"commit of this deployment's publish; {fix}"
         )
+    return rec

@@ -45,10 +45,12 @@ def test_qa_previous_published_keeps_old_hashes_and_needs_the_pin_it_reads():
     on = JobSpec.load({**pinned, "qa": {"previous_published": True}})
     assert on.content_hash() != JobSpec.load(pinned).content_hash()
     assert on.output_hash() == JobSpec.load(pinned).output_hash()
-    with pytest.raises(SpecError, match="set changes.previous_published too"):
+    with pytest.raises(SpecError, match="changes.previous_published or changes.previous_table pins: set one"):
         JobSpec.load({**BASE, "qa": {"previous_published": True}})
-    with pytest.raises(SpecError, match="changes.previous_published too"):
+    with pytest.raises(SpecError, match="changes.previous_published or changes.previous_table pins"):
         JobSpec.load({**BASE, "changes": {"previous_uri": "/prev"}, "qa": {"previous_published": True}})
+    table = {**BASE, "io": {**BASE["io"], "output_table": {"identifier": "lake.triage"}}}
+    assert JobSpec.load({**table, "changes": {"previous_table": True}, "qa": {"previous_published": True}})
     with pytest.raises(SpecError, match="exclusive"):
         JobSpec.load({**pinned, "qa": {"previous_published": True, "previous_report_uri": "/prev/qa/report.json"}})
     with pytest.raises(SpecError, match="qa.previous_published"):

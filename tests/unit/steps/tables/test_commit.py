@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
 import os
 import signal
@@ -303,6 +304,64 @@ def test_changes_compare_only_with_a_run_this_deployments_publish_committed(tmp_
     record_malicious("changes.previous_table: a snapshot without this deployment's publishing record", 4, 4)
     _write_publishing(out, Keyring.from_env(), failed.io.output_table, run_id, sha)  # what publish writes
     assert plan_next("f").changes_from.previous_uri == run_id
+
+
+@pytest.mark.reliability
+def test_qa_of_a_table_nightly_compares_with_the_report_of_the_run_the_table_published(
+    tmp_path, lake, fake_engine_factory
+):
+    """changes.previous_table with qa.previous_published: QA's baseline is the report whose sha256 the last
+    published run's sealed _PUBLISHING.json names (publish writes it after QA's gate, so a night that failed QA is
+    never the baseline). The first night has none (a note); that report changed since fails QA naming it; a record
+    of an older publish, which names no report, makes the checks warn."""
+    from airflow_provider_vllm.core.errors import CommitError
+    from airflow_provider_vllm.core.plan import load_plan
+    from airflow_provider_vllm.steps.qa.stage import qa_run
+    from tests.support.ledger import record_malicious
+    from tests.support.qa_rows import check
+
+    catalog, tables = lake
+
+    def nightly(name: str):
+        spec = table_spec(str(tmp_path / name), out_table={"identifier": "lake.triage", "create": True})
+        doc = spec.model_dump(mode="json")
+        spec = spec.model_validate(
+            {**doc, "changes": {"previous_table": True}, "qa": {**doc["qa"], "previous_published": True}}
+        )
+        run_job(spec, tables, fake_engine_factory)
+        return spec, qa_run(spec)[0]
+
+    first, rep = nightly("a")
+    assert load_plan(first).changes_from.previous_uri is None
+    assert [n for n in rep.notes if "published nothing before this run" in n]
+    publish(first, tables)
+    report = Storage(first.io.output_uri).path("qa/report.json")
+    with open(report, "rb") as f:
+        genuine = f.read()
+
+    second, rep = nightly("b")
+    pin = load_plan(second).changes_from
+    assert pin.previous_uri == first.io.output_uri and pin.report_sha256 == hashlib.sha256(genuine).hexdigest()
+    was = json.loads(genuine)["metrics"]["label_distribution"]["fractions"]
+    assert check(rep, "label_drift")["status"] == "pass" and check(rep, "label_drift")["value"] == 0.0  # same rows
+    assert rep.metrics["label_drift"]["previous_fractions"] == pytest.approx(
+        {k: was.get(k, 0.0) for k in rep.metrics["label_drift"]["delta"]}
+    )
+    forged = json.loads(genuine)
+    forged["metrics"]["label_distribution"]["fractions"] = {"other": 1.0}
+    with open(report, "w") as f:
+        json.dump(forged, f)
+    with pytest.raises(CommitError, match=r"is not the report .* sealed _PUBLISHING.json names"):
+        qa_run(second)
+    record_malicious("qa.previous_published with changes.previous_table: the published report rewritten", 1, 1)
+    with open(report, "wb") as f:
+        f.write(genuine)
+    publish(second, tables, record_report=False)  # an older publish: its record names no report
+
+    third, rep = nightly("c")
+    assert load_plan(third).changes_from.previous_uri == second.io.output_uri
+    assert check(rep, "label_drift")["status"] == "warn" and rep.metrics["label_drift"] is None
+    assert [n for n in rep.notes if "_PUBLISHING.json names no qa/report.json" in n]
 
 
 def _rerun_first_shard(spec, factory) -> None:
