@@ -128,17 +128,18 @@ class Storage:
 
     def read_bytes(self, rel: str, limit: int = RECORD_MAX_BYTES) -> bytes:
         """The whole file ``rel``, read only while it stays within ``limit`` bytes: CommitError naming it and
-        the limit when it is larger, after reading at most ``limit`` + 1 bytes. Whoever else can write a run's
-        folder could plant a file of many GB where a record is read; it must not take the task's memory."""
+        the limit when it is larger, after reading at most ``limit`` + 1 bytes; a local path that is no regular
+        file is refused unopened (``_open_read``). Whoever else can write a run's folder could plant a file of many
+        GB where a record is read; it must not take the task's memory."""
         from airflow_provider_vllm.core.errors import CommitError
 
         def read() -> bytes | None:  # None: larger than limit
-            with self.fs.open(self.path(rel), "rb") as f:
+            with self._open_read(rel) as f:
                 if (_open_size(f) or 0) > limit:
                     return None  # as stated by the store: not read at all
                 blocks: list[bytes] = []
                 n = 0
-                while n <= limit:  # the size may lie (a device, a file that grows): never more than limit + 1
+                while n <= limit:  # the size may lie (a file that grows): never more than limit + 1
                     block = f.read(min(1 << 20, limit + 1 - n))
                     if not block:
                         return b"".join(blocks)
@@ -156,6 +157,34 @@ class Storage:
 
     def read_text(self, rel: str, limit: int = RECORD_MAX_BYTES) -> str:
         return self.read_bytes(rel, limit).decode("utf-8")
+
+    def _open_read(self, rel: str) -> Any:
+        """``rel`` opened for reading as it is now, by the checked readers (``read_bytes``, ``sha256``,
+        ``fetch_verified``). Local: only a regular file (a FIFO another writer of the folder put where a record is
+        read would block the open forever, a device such as /dev/zero never ends; so would a link to one): opened
+        without blocking, CommitError naming it otherwise. Remote: the file system's cached listing of its folder is
+        dropped first, so that the size and ETag the open asks for are the object's now (a listing made before
+        another process wrote or replaced it names no object, or the old one's, which s3fs's ``IfMatch`` then
+        refuses on every retry)."""
+        from airflow_provider_vllm.core.errors import CommitError
+
+        p = self.path(rel)
+        if not self.is_local:
+            with contextlib.suppress(KeyError):  # another thread dropped the same listing first
+                self.fs.invalidate_cache(p)
+            return self.fs.open(p, "rb")
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise CommitError(
+                    f"{self.uri(rel)} is not a regular file (a FIFO, a device or a socket, or a link to one): no "
+                    "file this provider writes is, so it is refused unread (another writer of the folder put it there?)"
+                )
+            os.set_blocking(fd, True)
+            return os.fdopen(fd, "rb")
+        except BaseException:
+            os.close(fd)
+            raise
 
     def listdir(self, rel: str = "") -> list[str]:
         """Names (not paths) directly under rel; empty when rel does not exist."""
@@ -179,7 +208,7 @@ class Storage:
     def sha256(self, rel: str) -> str:
         def digest() -> str:
             h = hashlib.sha256()
-            with self.open(rel) as f:
+            with self._open_read(rel) as f:
                 for block in iter(lambda: f.read(1 << 20), b""):
                     h.update(block)
             return h.hexdigest()
@@ -194,7 +223,7 @@ class Storage:
 
         def fetch() -> tuple[int, str]:
             h, n = hashlib.sha256(), 0
-            with self.open(rel) as src, open(dest, "wb") as out:
+            with self._open_read(rel) as src, open(dest, "wb") as out:
                 for block in iter(lambda: src.read(1 << 20), b""):
                     h.update(block)
                     n += len(block)

@@ -15,6 +15,7 @@ import io
 import logging
 import os
 
+import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -23,6 +24,7 @@ from airflow_provider_vllm.core.errors import SpecError
 from airflow_provider_vllm.core.plan import PLAN_FILE
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.steps.plan.planner import PROBE_DIR, plan_job, probe_create_only
+from tests.s3.test_storage_s3 import check_reads_after_a_listing
 from tests.support.data import make_spec, write_parquet
 from tests.support.ledger import record_fault
 from tests.support.s3faults import FaultProxy
@@ -173,6 +175,11 @@ def test_gcsfs_sends_if_generation_match_and_the_emulator_ignores_it(gcs, caplog
 
 def test_whole_object_reads_stop_at_the_limit_on_gcs(gcs):
     check_capped_reads(Storage("gs://gbucket/limits", gcs))
+
+
+def test_whole_object_reads_see_objects_another_process_wrote_after_a_listing_on_gcs(gcs):
+    other = fsspec.filesystem("gs", skip_instance_cache=True, **gcs)  # another process's view
+    check_reads_after_a_listing(Storage("gs://gbucket/relisted", gcs), other)
 
 
 @pytest.mark.reliability

@@ -1,8 +1,10 @@
 """The storage layer and the whole data plane against a local S3-compatible server."""
 
+import hashlib
 import io
 import threading
 
+import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -45,6 +47,27 @@ def test_create_only_is_atomic_on_s3(s3):
 
 def test_whole_object_reads_stop_at_the_limit_on_s3(s3):
     check_capped_reads(Storage("s3://data/limits", s3.storage_options))
+
+
+def check_reads_after_a_listing(st: Storage, other: fsspec.AbstractFileSystem) -> None:
+    """The store's client answers the size (and s3fs the ETag) an open asks for from a listing it holds: a record
+    written, or replaced, by another process (``other``) since this one listed its folder read as missing, or failed
+    s3fs's ``IfMatch`` on every retry (a TransientError naming nothing wrong). The checked readers see the objects
+    as they are now."""
+    st.write_atomic("a.json", b"one")
+    st.write_atomic("c.json", b"three")
+    assert st.listdir() == ["a.json", "c.json"]
+    other.pipe_file(st.path("a.json"), b"one, replaced")
+    other.pipe_file(st.path("b.json"), b"two")
+    other.pipe_file(st.path("c.json"), b"three, replaced")
+    assert st.read_bytes("a.json") == b"one, replaced"
+    assert st.read_bytes("b.json") == b"two"
+    assert st.sha256("c.json") == hashlib.sha256(b"three, replaced").hexdigest()
+
+
+def test_whole_object_reads_see_objects_another_process_wrote_after_a_listing(s3):
+    other = fsspec.filesystem("s3", skip_instance_cache=True, **s3.storage_options)  # another process's view
+    check_reads_after_a_listing(Storage("s3://data/relisted", s3.storage_options), other)
 
 
 def test_pipeline_on_s3(s3, fake_engine_factory, monkeypatch):

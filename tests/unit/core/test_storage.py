@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -34,14 +35,53 @@ def test_a_file_within_the_limit_is_read_whole_and_one_byte_more_is_refused_nami
     check_capped_reads(Storage(str(tmp_path)))
 
 
-def test_a_device_that_states_no_size_is_read_only_up_to_the_limit(tmp_path):
-    """A symlink to /dev/zero where a record is read: fstat says 0 bytes, the reads never end; one byte past the
-    limit is enough to refuse it."""
+def test_a_device_where_a_record_or_a_checked_file_is_read_is_refused_unread(tmp_path):
+    """A symlink to /dev/zero where a record is read, or where publish hashes a file: fstat says 0 bytes and the
+    reads never end (``sha256``, which has no limit, hashed it forever): refused as no regular file, naming it."""
     if not os.path.exists("/dev/zero"):
         pytest.skip("no /dev/zero")
     (tmp_path / "_SUCCESS.json").symlink_to("/dev/zero")
-    with pytest.raises(CommitError, match="is larger than 4096 bytes"):
-        Storage(str(tmp_path)).read_bytes("_SUCCESS.json", limit=4096)
+    st = Storage(str(tmp_path))
+    for read in (
+        lambda: st.read_bytes("_SUCCESS.json", limit=4096),
+        lambda: st.sha256("_SUCCESS.json"),
+        lambda: st.fetch_verified("_SUCCESS.json", None, "0" * 64, str(tmp_path / "copy")),
+    ):
+        with pytest.raises(CommitError, match=f"{tmp_path}/_SUCCESS.json is not a regular file"):
+            read()
+    assert not (tmp_path / "copy").exists()
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs")
+def test_a_fifo_where_a_record_or_a_checked_file_is_read_is_refused_without_blocking(tmp_path):
+    """A FIFO another writer of the folder made where a record is read (a cache commit, a marker, the merge
+    summary) or a file is hashed: opening it for reading would wait for a writer forever; it is refused, naming
+    it. (A reader still blocked after the guard is released by opening the FIFO's other end.)"""
+    os.mkfifo(tmp_path / "_MERGED.json")
+    st = Storage(str(tmp_path))
+    for name, read in (
+        ("read_bytes", lambda: st.read_bytes("_MERGED.json")),
+        ("sha256", lambda: st.sha256("_MERGED.json")),
+        ("fetch_verified", lambda: st.fetch_verified("_MERGED.json", 10, "0" * 64, str(tmp_path / "copy"))),
+    ):
+        got: list[BaseException | object] = []
+
+        def run(read=read, got=got):
+            try:
+                got.append(read())
+            except BaseException as e:  # noqa: BLE001 - the outcome is asserted below
+                got.append(e)
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        t.join(60)  # a guard against a hang, not a timing: it returns at once or blocks for good
+        blocked = t.is_alive()
+        if blocked:  # release it: a writer's open of a FIFO with a waiting reader succeeds
+            os.close(os.open(tmp_path / "_MERGED.json", os.O_WRONLY | os.O_NONBLOCK))
+            t.join(60)
+        assert not blocked, f"{name} blocked opening a FIFO"
+        assert isinstance(got[0], CommitError), (name, got)
+        assert f"{tmp_path}/_MERGED.json is not a regular file" in str(got[0]), name
 
 
 PLANTED = """
