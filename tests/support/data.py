@@ -35,6 +35,28 @@ def make_spec(input_uri, output_uri, **over):
     return JobSpec.load(doc)
 
 
+def openai_batch_spec(tmp_path: Path, n: int = 12, **over):
+    """A job over ``n`` OpenAI batch chat requests (``tmp_path/batch.jsonl``, written here) with
+    ``io.output_format=openai_batch``, writing to ``tmp_path/out``; ``over`` as ``make_spec``'s."""
+    reqs = [
+        {
+            "custom_id": f"req-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": "m", "messages": [{"role": "user", "content": f"ticket {i}"}], "max_tokens": 5},
+        }
+        for i in range(n)
+    ]
+    (tmp_path / "batch.jsonl").write_text("".join(json.dumps(r) + "\n" for r in reqs))
+    return make_spec(
+        tmp_path / "batch.jsonl",
+        tmp_path / "out",
+        io={"output_format": "openai_batch"},
+        prompt={"system_prompt": None, "template": "{text}"},
+        **over,
+    )
+
+
 def merge_summary(
     rows: int, ok_rows: int, error_rows: int, files: dict[str, str] | None = None, parts: dict[str, int] | None = None
 ):

@@ -257,7 +257,7 @@ def _merge(
     faults.hit("merge.after_manifests")
     extra: dict[str, str] = {}
     if spec.io.output_format == "openai_batch":
-        extra, openai_sums = write_openai_outputs(out, spec, plan, manifests)
+        extra, openai_sums = write_openai_outputs(out, spec, plan, manifests, copies)
         written.update(openai_sums)
     # result cache: this run's computed ok rows (as published) become its entry, committed create-only
     cache_summary = None
@@ -823,10 +823,12 @@ def verify(con: duckdb.DuckDBPyConnection, source: str, planned_rows: int, findi
 
 
 def write_openai_outputs(
-    out: Storage, spec: JobSpec, plan: Plan, manifests: Mapping[str, PartsManifest]
+    out: Storage, spec: JobSpec, plan: Plan, manifests: Mapping[str, PartsManifest], copies: CheckedCopies
 ) -> tuple[dict[str, str], dict[str, str]]:
     """openai/output.jsonl and openai/errors.jsonl in the OpenAI Batch API line formats, from the published parts
-    ``manifests`` names; returns their ``files`` entries and the sha256 of the bytes written (for the seal).
+    ``manifests`` names, read from ``copies`` checked against them (merge seals these files: a part replaced in the
+    bucket after merge checked it must not reach them); returns their ``files`` entries and the sha256 of the
+    bytes written (for the seal).
 
     (Outside results/ so that a Parquet reader of that folder never meets a JSONL file.)
     """
@@ -836,8 +838,9 @@ def write_openai_outputs(
     for kind, fn, dest in ((RESULTS, response_line, OPENAI_OUT), (ERRORS, error_line, OPENAI_ERR)):
         lines = []
         columns = SCHEMAS[kind].names  # the line formats' columns: passthrough columns are not decoded
-        for part in manifests[kind].parts:
-            with out.open(f"{kind}/{part.name}") as fh:
+        parts = manifests[kind].parts
+        for path in copies.all([(f"{kind}/{p.name}", p.bytes, p.sha256) for p in parts]):
+            with open(path, "rb") as fh:
                 for batch in pq.ParquetFile(fh).iter_batches(batch_size=8192, columns=columns):
                     lines += [json.dumps(fn(r, spec), ensure_ascii=False) for r in batch.to_pylist()]
         data = ("\n".join(lines) + ("\n" if lines else "")).encode()

@@ -339,24 +339,9 @@ def _openai_batch_job(tmp_path, factory) -> tuple[dict, dict]:
     from airflow_provider_vllm.steps.plan.planner import plan_job
     from airflow_provider_vllm.worker.shard import run_shard
     from airflow_provider_vllm.worker.task import ShardTask
-    from tests.support.data import make_spec
+    from tests.support.data import openai_batch_spec
 
-    reqs = [
-        {
-            "custom_id": f"req-{i}",
-            "method": "POST",
-            "url": "/v1/chat/completions",
-            "body": {"model": "m", "messages": [{"role": "user", "content": f"ticket {i}"}], "max_tokens": 5},
-        }
-        for i in range(12)
-    ]
-    (tmp_path / "batch.jsonl").write_text("".join(json.dumps(r) + "\n" for r in reqs))
-    spec = make_spec(
-        tmp_path / "batch.jsonl",
-        tmp_path / "out",
-        io={"output_format": "openai_batch"},
-        prompt={"system_prompt": None, "template": "{text}"},
-    )
+    spec = openai_batch_spec(tmp_path)
     for s in plan_job(spec).shards:
         run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=factory)
     doc = spec.model_dump(mode="json")

@@ -24,7 +24,8 @@ from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.steps.qa import stage
 from airflow_provider_vllm.worker.shard import run_shard
 from airflow_provider_vllm.worker.task import ShardTask
-from tests.support.data import make_spec, write_parquet
+from tests.support.data import make_spec, openai_batch_spec, write_parquet
+from tests.support.ledger import record_malicious
 from tests.unit.steps.cache.test_result_cache import ENGINE, IDS, TEXTS, results, spec_for
 from tests.unit.steps.test_golden import _golden_file, _input, _run_shards, _spec
 
@@ -98,6 +99,40 @@ def test_parts_replaced_after_the_merge_checked_them_never_reach_the_cache(tmp_p
     assert "FORGED" not in {r["label"] for r in results(s2).values()}
     merge(s1)  # the first run's merge, rerun over the genuine bytes, goes through
     assert "FORGED" not in {r["label"] for r in results(s1).values()}
+
+
+@pytest.mark.reliability
+def test_parts_replaced_after_the_merge_checked_them_never_reach_the_openai_files_it_seals(
+    tmp_path, fake_engine_factory, monkeypatch
+):
+    """io.output_format=openai_batch: merge writes openai/output.jsonl from the parts and seals its sha256, so publish
+    and verify_published pass whatever it wrote. Parts replaced in the bucket right after merge checked them must
+    not be what it writes: it reads the copies its check made."""
+    import json
+
+    spec = openai_batch_spec(tmp_path, sharding={"target_rows": 6, "chunk_rows": 3})
+    _shards(spec, plan_job(spec), fake_engine_factory)
+    out = Path(spec.io.output_uri)
+    saved: dict[Path, bytes] = {}
+    real_hit = faults.hit
+
+    def writer(point, *a, **kw):
+        if point == "merge.after_manifests":  # the parts checked and published, the manifests written and hashed
+            for p in sorted((out / RESULTS).glob("part-*.parquet")):
+                saved[p] = _forge(p, "output", _forged)
+        return real_hit(point, *a, **kw)
+
+    monkeypatch.setattr(faults, "hit", writer)
+    with pytest.raises(CommitError, match=r"results/part-\S+ is not the file its sealed record names"):
+        merge(spec)  # the code before wrote the forged answers and sealed them
+    monkeypatch.setattr(faults, "hit", real_hit)
+    assert saved and not (out / "openai" / "output.jsonl").exists() and not (out / "_MERGED.json").exists()
+    _put_back(saved)  # the genuine parts again
+    merge(spec)  # the retry
+    lines = [json.loads(x) for x in (out / "openai" / "output.jsonl").read_text().splitlines()]
+    contents = {x["response"]["body"]["choices"][0]["message"]["content"] for x in lines}
+    assert len(lines) == 12 and "FORGED" not in contents
+    record_malicious("openai output written from parts replaced after merge's check", 1, 1)
 
 
 def test_qa_measures_the_checked_bytes_when_parts_are_swapped_while_it_reads(
@@ -184,16 +219,26 @@ def test_the_parts_merge_reads_again_are_read_from_the_bucket_once(tmp_path, fak
         merge(spec)
     _put_back({chunk: genuine})
     reads: dict[str, int] = {}
-    real_open = Storage.open
+    real_open, real_open_read = Storage.open, Storage._open_read
+
+    def count(rel: str) -> None:
+        if rel.startswith("shards/") and rel.endswith(".parquet"):  # the parts, not the JSON markers beside them
+            reads[rel] = reads.get(rel, 0) + 1
 
     def counted(self, rel, mode="rb"):
-        if rel.startswith("shards/") and "r" in mode:
-            reads[rel] = reads.get(rel, 0) + 1
+        if "r" in mode:
+            count(rel)
         return real_open(self, rel, mode)
 
+    def counted_read(self, rel):  # the checked readers' open (sha256, fetch_verified)
+        count(rel)
+        return real_open_read(self, rel)
+
     monkeypatch.setattr(Storage, "open", counted)
+    monkeypatch.setattr(Storage, "_open_read", counted_read)
     merge(spec)
     monkeypatch.setattr(Storage, "open", real_open)
+    monkeypatch.setattr(Storage, "_open_read", real_open_read)
     parts = {
         p.rel
         for k in (RESULTS, ERRORS)
