@@ -120,6 +120,10 @@ def commit_results(
         # commit that lost a race would add the run's files again on top of a concurrent publish of the same run.
         found = _this_runs_snapshot(table, target, run_id, props.get(MANIFEST_SHA), uris, run_date)
         if found is not None:
+            # published again (a retry after a crash before _SUCCESS.json, or after QA ran again): the record must
+            # name the report of the verdict this publish gated on, as _SUCCESS.json will; the first one's report
+            # may be gone (QA rewrote it), and a later run's qa.previous_published would then fail on it forever
+            _keep_publishing(out, keyring or Keyring.from_env(), target, run_id, props.get(MANIFEST_SHA), report_sha256)
             return _done(target, table, found, already=True)
         if data_files is None:
             _check_table(table, target, schema)
@@ -165,6 +169,36 @@ def _write_publishing(
     )
     record = seals.seal_record(keyring, seals.PUBLISHING, seals.scope_of(out.uri()), record)
     out.write_atomic(PUBLISHING, seals.record_bytes(record))
+
+
+def _keep_publishing(
+    out: Storage,
+    keyring: Keyring,
+    target: TableOutput,
+    run_id: str,
+    manifest_sha: str | None,
+    report_sha256: str | None,
+) -> None:
+    """The run is in the table already: ``_PUBLISHING.json`` sealed again unless it names this table, run, results
+    manifest and report (it is missing, not sealed by this deployment, or names the report of an earlier QA)."""
+    try:
+        rec: PublishingRecord | None = read_publishing(out, keyring)
+    except (FileNotFoundError, ValueError, CommitError):  # none, not a record, not sealed by this deployment
+        rec = None
+    if rec is not None and (rec.table, rec.run_id, rec.results_manifest_sha256, rec.report_sha256) == (
+        target.identifier,
+        run_id,
+        manifest_sha,
+        report_sha256,
+    ):
+        return
+    log.warning(
+        "%s %s; this publish gated on report %s (QA ran again since the table commit?): sealing it again",
+        out.uri(PUBLISHING),
+        "is missing or not sealed by this deployment" if rec is None else f"names report {rec.report_sha256}",
+        report_sha256,
+    )
+    _write_publishing(out, keyring, target, run_id, manifest_sha, report_sha256)
 
 
 def _this_runs_snapshot(

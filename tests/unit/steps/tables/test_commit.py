@@ -306,6 +306,18 @@ def test_changes_compare_only_with_a_run_this_deployments_publish_committed(tmp_
     assert plan_next("f").changes_from.previous_uri == run_id
 
 
+def _table_nightly(folder, tables, factory):
+    """A nightly run into ``folder`` (planned, sharded, merged) that publishes to lake.triage with
+    changes.previous_table and qa.previous_published; its spec."""
+    spec = table_spec(str(folder), out_table={"identifier": "lake.triage", "create": True})
+    doc = spec.model_dump(mode="json")
+    spec = spec.model_validate(
+        {**doc, "changes": {"previous_table": True}, "qa": {**doc["qa"], "previous_published": True}}
+    )
+    run_job(spec, tables, factory)
+    return spec
+
+
 @pytest.mark.reliability
 def test_qa_of_a_table_nightly_compares_with_the_report_of_the_run_the_table_published(
     tmp_path, lake, fake_engine_factory
@@ -323,12 +335,7 @@ def test_qa_of_a_table_nightly_compares_with_the_report_of_the_run_the_table_pub
     catalog, tables = lake
 
     def nightly(name: str):
-        spec = table_spec(str(tmp_path / name), out_table={"identifier": "lake.triage", "create": True})
-        doc = spec.model_dump(mode="json")
-        spec = spec.model_validate(
-            {**doc, "changes": {"previous_table": True}, "qa": {**doc["qa"], "previous_published": True}}
-        )
-        run_job(spec, tables, fake_engine_factory)
+        spec = _table_nightly(tmp_path / name, tables, fake_engine_factory)
         return spec, qa_run(spec)[0]
 
     first, rep = nightly("a")
@@ -362,6 +369,43 @@ def test_qa_of_a_table_nightly_compares_with_the_report_of_the_run_the_table_pub
     assert load_plan(third).changes_from.previous_uri == second.io.output_uri
     assert check(rep, "label_drift")["status"] == "warn" and rep.metrics["label_drift"] is None
     assert [n for n in rep.notes if "_PUBLISHING.json names no qa/report.json" in n]
+
+
+@pytest.mark.reliability
+def test_publishing_again_after_qa_ran_again_seals_the_report_it_gated_on(
+    tmp_path, lake, fake_engine_factory, monkeypatch
+):
+    """The table commit happened, then QA ran again (its report's bytes changed: here a provider upgrade) and the
+    run was published again (the snapshot is there: nothing committed). _PUBLISHING.json must name the report this
+    publish gated on, as _SUCCESS.json does: the first QA's report is gone, and the next nights' QA, pinned to it,
+    failed on every run (the table's last snapshot stays that run's)."""
+    from airflow_provider_vllm.core.plan import load_plan
+    from airflow_provider_vllm.core.seal import Keyring
+    from airflow_provider_vllm.steps.merge.merger import read_publishing
+    from airflow_provider_vllm.steps.qa import report as qa_report
+    from airflow_provider_vllm.steps.qa.stage import qa_run
+
+    catalog, tables = lake
+
+    first = _table_nightly(tmp_path / "a", tables, fake_engine_factory)
+    qa_run(first)
+    out = Storage(first.io.output_uri)
+    earlier = hashlib.sha256(out.read_bytes("qa/report.json")).hexdigest()
+    assert not publish(first, tables).already  # the table commit; publish then dies before _SUCCESS.json
+    assert read_publishing(out, Keyring.from_env()).report_sha256 == earlier
+    version = qa_report.REPORT_VERSION
+    monkeypatch.setattr(qa_report, "REPORT_VERSION", version + 1)
+    qa_run(first)  # QA again: another report
+    monkeypatch.setattr(qa_report, "REPORT_VERSION", version)
+    now = hashlib.sha256(out.read_bytes("qa/report.json")).hexdigest()
+    assert now != earlier
+    assert publish(first, tables).already  # published again: nothing committed
+    assert read_publishing(out, Keyring.from_env()).report_sha256 == now  # the code before kept the first one's
+
+    second = _table_nightly(tmp_path / "b", tables, fake_engine_factory)
+    assert load_plan(second).changes_from.report_sha256 == now
+    rep, _ = qa_run(second)  # the code before: CommitError, the report is not the one _PUBLISHING.json names
+    assert not [n for n in rep.notes if "_PUBLISHING.json" in n]
 
 
 def _rerun_first_shard(spec, factory) -> None:
