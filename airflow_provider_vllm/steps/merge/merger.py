@@ -243,7 +243,15 @@ def _merge(
     schemas = {RESULTS: plan.result_schema(), ERRORS: plan.error_schema()}
     # A published run's parts are what its readers and its output table reference by path: never changed
     published = published_state(out, keyring)
-    manifests = {kind: publish_parts(out, kind, sources[kind], drop, schemas[kind], published) for kind in KINDS}
+    manifests = {
+        kind: publish_parts(out, kind, sources[kind], drop, schemas[kind], published, copies) for kind in KINDS
+    }
+    if sum(m.rows for m in manifests.values()) != plan.total_rows:  # the drops were chosen on a read of the bucket
+        raise CommitError(
+            f"merge published {sum(m.rows for m in manifests.values())} rows under {out.uri()}, the plan has "
+            f"{plan.total_rows}: a part changed while merge read it (dropped copies chosen on other bytes); rerun "
+            "the merge"
+        )
     if not out.is_local:  # a server-side copy of a checked source: check what readers will read (local: links)
         for kind in KINDS:
             verify_parts(out, kind, manifests[kind])
@@ -876,14 +884,16 @@ def publish_parts(
     drop: dict[str, list[int]],
     schema: pa.Schema | None = None,
     published: Published | None = None,
+    copies: CheckedCopies | None = None,
 ) -> PartsManifest:
     """Publish ``sources`` into ``kind``/ by reference, in order; returns the folder's manifest (not yet written).
 
     Empty parts are left out, except that a folder with no rows gets one (the first source,
     or a fresh empty file of ``schema``, default ``SCHEMAS[kind]``: the plan's per-job schema) so readers see
-    the schema. A part that lost dropped duplicate rows
-    is re-encoded without them. A part already published with the right size is kept, so a
-    rerun only does what a crash left undone; stale ``part-*`` files and temp files are removed.
+    the schema. A part that lost dropped duplicate rows is re-encoded without them, from its copy checked against
+    its sealed marker (``copies``; default: a private folder of this call): its new sha256 goes into the manifest
+    merge seals. A part already published with the right size is kept, so a rerun only does what a crash left
+    undone; stale ``part-*`` files and temp files are removed.
     ``published``: why the run's parts may not change (``published_state``: a sealed ``_SUCCESS.json`` or
     ``_PUBLISHING.json``): CommitError before anything is written when a part would be added, replaced or removed
     (only a rerun whose parts are all in place goes on).
@@ -891,13 +901,16 @@ def publish_parts(
     chosen = [p for p in sources if p.rows - len(drop.get(p.rel, ())) > 0] or sources[:1]
     entries: list[PartEntry] = []
     with tempfile.TemporaryDirectory() as tmp:
+        checked = copies or CheckedCopies(out, tmp)
         if not chosen:
             local = os.path.join(tmp, "empty.parquet")
             pq.write_table((schema or SCHEMAS[kind]).empty_table(), local, compression="zstd")
             entries.append(_publish_local(out, kind, local, "part-00000.parquet", published))
         for p in chosen:
             if p.rel in drop:
-                entries.append(_publish_local(out, kind, _without_rows(out, p, drop[p.rel], tmp), p.name, published))
+                entries.append(
+                    _publish_local(out, kind, _without_rows(checked, p, drop[p.rel], tmp), p.name, published)
+                )
             else:
                 _publish_reference(out, p, f"{kind}/{p.name}", published)
                 entries.append(PartEntry(name=p.name, bytes=p.bytes, sha256=p.sha256, rows=p.rows))
@@ -1018,10 +1031,10 @@ def _publish_local(out: Storage, kind: str, local: str, name: str, published: Pu
     return PartEntry(name=name, bytes=size, sha256=digest, rows=pq.ParquetFile(local).metadata.num_rows)
 
 
-def _without_rows(out: Storage, p: SourcePart, positions: list[int], tmp: str) -> str:
-    """A local copy of part ``p`` without the rows at ``positions`` (re-encoded; deterministic bytes)."""
-    with out.open(p.rel) as f:
-        table = pq.read_table(f)
+def _without_rows(copies: CheckedCopies, p: SourcePart, positions: list[int], tmp: str) -> str:
+    """A local copy of part ``p`` without the rows at ``positions`` (re-encoded; deterministic bytes), made from its
+    checked copy (CommitError naming it when its bytes are not the ones its sealed marker names)."""
+    table = pq.read_table(copies.get(p.rel, p.bytes, p.sha256))
     keep = pc.invert(pc.is_in(pa.array(range(table.num_rows), pa.int64()), pa.array(positions, pa.int64())))
     local = os.path.join(tmp, p.name)
     pq.write_table(table.filter(keep), local, compression="zstd")

@@ -158,6 +158,81 @@ def test_a_duplicated_identical_row_is_dropped_and_reported_exactly_once(run):
     assert sorted(published_ids(out)) == IDS
 
 
+@pytest.mark.reliability
+def test_a_part_re_encoded_without_its_dropped_copy_is_made_from_the_bytes_merge_checked(run, monkeypatch):
+    """Merge re-encodes a part that held an identical copy of a row without it, and seals the new part's sha256 in
+    the manifest. A writer of the prefix who replaces that part after merge checked it (here when the rows to drop
+    are chosen) must not have its bytes re-encoded and sealed: merge reads the copy its check made."""
+    import re
+
+    from airflow_provider_vllm.core import faults
+    from tests.support.ledger import record_malicious
+
+    spec, plan, out = run
+    rel = rewrite(out, plan.shards[0].shard_id, 1, "results", lambda t: pa.concat_tables([t, take(t, [0])]))
+    part, genuine = out / rel, (out / rel).read_bytes()
+    real_hit = faults.hit
+
+    def writer(point, *a, **kw):
+        if point == "merge.before_write":  # the parts checked, the copy to drop chosen: nothing published yet
+            t = pq.read_table(part)
+            t = t.set_column(t.column_names.index("output"), "output", pa.array(["FORGED"] * t.num_rows))
+            part.unlink()  # a new object under the same name, as a bucket writer's PUT makes
+            pq.write_table(t, part)
+        return real_hit(point, *a, **kw)
+
+    monkeypatch.setattr(faults, "hit", writer)
+    with pytest.raises(CommitError, match=re.escape(rel) + " is not the file its sealed record names"):
+        merge(spec)  # the code before re-encoded the forged rows and sealed them into results/_manifest.json
+    monkeypatch.setattr(faults, "hit", real_hit)
+    assert not (out / MERGED).exists()
+    part.unlink()
+    part.write_bytes(genuine)
+    s = merge(spec).dump()  # the retry, over the genuine bytes
+    assert s["duplicates"]["rows_dropped"] == 1 and sorted(published_ids(out)) == IDS
+    o = Storage(str(out))
+    outputs = [x for r in result_parts(o, "results") for x in pq.read_table(out / r)["output"].to_pylist()]
+    assert "FORGED" not in outputs
+    record_malicious("a part re-encoded without a dropped copy, replaced after merge's check", 1, 1)
+
+
+@pytest.mark.reliability
+def test_a_copy_planted_while_merge_reads_the_ids_never_gets_a_genuine_row_dropped(run, monkeypatch):
+    """A writer of the prefix puts a part with an identical copy of a row in the bucket after merge checked the
+    footers and puts the genuine part back before merge publishes: the rows to drop were chosen on the planted bytes,
+    and the genuine part re-encoded without them would lose a row. Merge fails instead (its rows do not add up)."""
+    from airflow_provider_vllm.core import faults
+    from tests.support.ledger import record_malicious
+
+    spec, plan, out = run
+    part = out / marker(out, plan.shards[0].shard_id)["files"][1]["path"]  # r008.. of shard 0, no duplicates
+    genuine = part.read_bytes()
+    real_footers, real_hit = merger.check_footer_rows, faults.hit
+
+    def footers_then_plant(*a, **kw):
+        real_footers(*a, **kw)
+        t = pq.read_table(part)
+        part.unlink()
+        pq.write_table(pa.concat_tables([take(t, [0, 1, 1]), t.slice(2)]), part)  # r009 twice, as its own row
+
+    def put_back(point, *a, **kw):
+        if point == "merge.before_write":
+            part.unlink()
+            part.write_bytes(genuine)
+        return real_hit(point, *a, **kw)
+
+    monkeypatch.setattr(merger, "check_footer_rows", footers_then_plant)
+    monkeypatch.setattr(faults, "hit", put_back)
+    with pytest.raises(CommitError, match=f"merge published {N - 1} rows .* the plan has {N}"):
+        merge(spec)  # the code before sealed a merge without r010
+    monkeypatch.setattr(merger, "check_footer_rows", real_footers)
+    monkeypatch.setattr(faults, "hit", real_hit)
+    assert not (out / MERGED).exists()
+    s = merge(spec).dump()  # the retry
+    assert s["duplicates"]["rows_dropped"] == 0 and sorted(published_ids(out)) == IDS
+    record_malicious("a copy planted while merge reads the ids, to have a genuine row dropped", 1, 1)
+
+
 def test_a_duplicated_row_elsewhere_in_the_shard_is_refused_as_out_of_order(run):
     """An identical copy placed before its original: dropping the later copy leaves the rows out of input order."""
     spec, plan, out = run
