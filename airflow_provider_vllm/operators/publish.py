@@ -219,7 +219,18 @@ class VllmPublishOperator(BaseOperator):
         if pinned_changes(spec):  # the run the plan pinned, if any
             spec = changes_spec(spec, self._plan())
         changes = {"changes": CHANGES, "changes_summary": CHANGES_SUMMARY} if spec.changes.previous_uri else {}
-        files = {**merged.files, **QA_FILES, **changes, **(self.extra_files or {})}
+        own = {**merged.files, **QA_FILES, **changes}
+        # an extra file must not take the name or the place of one publish vouches for itself (a consumer reading
+        # files["qa_report_json"], or the checksum of qa/report.json, would get what the extra entry names instead)
+        clash = sorted(
+            f"{name!r}: {rel!r}" for name, rel in (self.extra_files or {}).items() if name in own or rel in own.values()
+        )
+        if clash:
+            raise AirflowFailException(
+                f"publish: extra_files {clash} name a file publish lists itself ({sorted(own)}); give the extra files "
+                "other names and paths"
+            )
+        files = {**own, **(self.extra_files or {})}
         missing = sorted(p for p in files.values() if not out.exists(p))
         if missing:
             raise AirflowFailException(f"publish: files missing under {spec.io.output_uri}: {missing}")

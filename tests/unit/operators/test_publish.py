@@ -388,6 +388,16 @@ def test_extra_files_are_checksummed_into_the_marker_and_checked_by_verify_publi
     for bad in ("../elsewhere.txt", "embeddings/"):
         with pytest.raises(AirflowFailException, match=r"extra_files: .* is not a file of the run"):
             VllmPublishOperator(task_id="publish", spec=spec, extra_files={"x": bad}).execute(context())
+    # an extra entry in the name or the place of a file publish vouches for itself: its checksum (or the listed
+    # path consumers read) would be the extra entry's
+    for clash in (
+        {"qa_report_json": "embeddings/table.parquet"},
+        {"x": "qa/report.json"},
+        {"y": "results/_manifest.json"},
+    ):
+        with pytest.raises(AirflowFailException, match=r"name a file publish lists itself"):
+            VllmPublishOperator(task_id="publish", spec=spec, extra_files=clash).execute(context())
+    assert not (out / "_SUCCESS.json").exists()
     event = VllmPublishOperator(
         task_id="publish", spec=spec, extra_files={"embedding_table": "embeddings/table.parquet"}
     ).execute(context())
