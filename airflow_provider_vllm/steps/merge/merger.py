@@ -246,9 +246,10 @@ def _merge(
     manifests = {
         kind: publish_parts(out, kind, sources[kind], drop, schemas[kind], published, copies) for kind in KINDS
     }
-    if sum(m.rows for m in manifests.values()) != plan.total_rows:  # the drops were chosen on a read of the bucket
+    published_rows = sum(m.rows for m in manifests.values())
+    if published_rows != plan.total_rows:  # the drops were chosen on a read of the bucket
         raise CommitError(
-            f"merge published {sum(m.rows for m in manifests.values())} rows under {out.uri()}, the plan has "
+            f"merge published {published_rows} rows under {out.uri()}, the plan has "
             f"{plan.total_rows}: a part changed while merge read it (dropped copies chosen on other bytes); rerun "
             "the merge"
         )
@@ -846,8 +847,7 @@ def write_openai_outputs(
     for kind, fn, dest in ((RESULTS, response_line, OPENAI_OUT), (ERRORS, error_line, OPENAI_ERR)):
         lines = []
         columns = SCHEMAS[kind].names  # the line formats' columns: passthrough columns are not decoded
-        parts = manifests[kind].parts
-        for path in copies.all([(f"{kind}/{p.name}", p.bytes, p.sha256) for p in parts]):
+        for path in copies.all([(f"{kind}/{p.name}", p.bytes, p.sha256) for p in manifests[kind].parts]):
             with open(path, "rb") as fh:
                 for batch in pq.ParquetFile(fh).iter_batches(batch_size=8192, columns=columns):
                     lines += [json.dumps(fn(r, spec), ensure_ascii=False) for r in batch.to_pylist()]
@@ -882,16 +882,16 @@ def publish_parts(
     kind: str,
     sources: list[SourcePart],
     drop: dict[str, list[int]],
-    schema: pa.Schema | None = None,
-    published: Published | None = None,
-    copies: CheckedCopies | None = None,
+    schema: pa.Schema | None,
+    published: Published | None,
+    copies: CheckedCopies,
 ) -> PartsManifest:
     """Publish ``sources`` into ``kind``/ by reference, in order; returns the folder's manifest (not yet written).
 
     Empty parts are left out, except that a folder with no rows gets one (the first source,
     or a fresh empty file of ``schema``, default ``SCHEMAS[kind]``: the plan's per-job schema) so readers see
     the schema. A part that lost dropped duplicate rows is re-encoded without them, from its copy checked against
-    its sealed marker (``copies``; default: a private folder of this call): its new sha256 goes into the manifest
+    its sealed marker (``copies``): its new sha256 goes into the manifest
     merge seals. A part already published with the right size is kept, so a rerun only does what a crash left
     undone; stale ``part-*`` files and temp files are removed.
     ``published``: why the run's parts may not change (``published_state``: a sealed ``_SUCCESS.json`` or
@@ -901,16 +901,13 @@ def publish_parts(
     chosen = [p for p in sources if p.rows - len(drop.get(p.rel, ())) > 0] or sources[:1]
     entries: list[PartEntry] = []
     with tempfile.TemporaryDirectory() as tmp:
-        checked = copies or CheckedCopies(out, tmp)
         if not chosen:
             local = os.path.join(tmp, "empty.parquet")
             pq.write_table((schema or SCHEMAS[kind]).empty_table(), local, compression="zstd")
             entries.append(_publish_local(out, kind, local, "part-00000.parquet", published))
         for p in chosen:
             if p.rel in drop:
-                entries.append(
-                    _publish_local(out, kind, _without_rows(checked, p, drop[p.rel], tmp), p.name, published)
-                )
+                entries.append(_publish_local(out, kind, _without_rows(copies, p, drop[p.rel], tmp), p.name, published))
             else:
                 _publish_reference(out, p, f"{kind}/{p.name}", published)
                 entries.append(PartEntry(name=p.name, bytes=p.bytes, sha256=p.sha256, rows=p.rows))
