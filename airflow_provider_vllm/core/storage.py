@@ -67,6 +67,15 @@ The Airflow side's factory builds object-store file systems from Airflow Connect
 """
 
 
+def parquet_bytes(table: pa.Table, metadata: dict[str, str] | None = None) -> bytes:
+    """``table`` as the bytes of a ZSTD Parquet file, ``metadata`` added to its schema's."""
+    if metadata:
+        table = table.replace_schema_metadata({**(table.schema.metadata or {}), **metadata})
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, compression="zstd")
+    return sink.getvalue().to_pybytes()
+
+
 def _open_size(f: Any) -> int | None:
     """The size of an open fsspec file as its store states it (remote: from the HEAD at open; local: fstat)."""
     size = getattr(f, "size", None)
@@ -277,11 +286,7 @@ class Storage:
         self, rel: str, table: pa.Table, metadata: dict[str, str] | None = None
     ) -> tuple[int, str]:
         """Write a Parquet file so that readers never see a partial one; returns its size and sha256."""
-        if metadata:
-            table = table.replace_schema_metadata({**(table.schema.metadata or {}), **metadata})
-        sink = pa.BufferOutputStream()
-        pq.write_table(table, sink, compression="zstd")
-        data = sink.getvalue().to_pybytes()
+        data = parquet_bytes(table, metadata)
         self.write_atomic(rel, data)
         return len(data), hashlib.sha256(data).hexdigest()
 

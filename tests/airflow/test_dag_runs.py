@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.support.airflow_env import tail
-from tests.support.data import write_parquet
+from tests.support.data import files_under, write_parquet
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -53,10 +53,6 @@ def local_states(db: dict, run_id: str) -> dict[tuple[str, int], str]:
 
 def latest_run(db: dict) -> str:
     return db["runs"][-1]["run_id"]
-
-
-def files_under(out: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture(scope="module")

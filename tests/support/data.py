@@ -19,6 +19,12 @@ def write_parquet(path: Path, ids, texts, row_group_size=64, **extra):
     return path
 
 
+def files_under(out: Path | str) -> dict[str, bytes]:
+    """Every file under ``out`` (path relative to it -> bytes): what a step wrote, to compare before and after."""
+    out = Path(out)
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
+
 def make_spec(input_uri, output_uri, **over):
     from airflow_provider_vllm.core.spec import JobSpec
 

@@ -70,7 +70,9 @@ from airflow_provider_vllm.steps.merge.merger import (
     MERGED,
     RESULTS,
     checked_parts,
+    keep_published,
     manifest_rel,
+    published_state,
     read_merged,
     validation_detail,
 )
@@ -370,6 +372,8 @@ def compute_changes(
                     notes.append(f"the label matrix has {cells} cells; the {MAX_MATRIX_CELLS} largest are listed")
             faults.hit("changes.before_write")
             digest = Storage(tmp).sha256("changes.parquet")  # what this step wrote, not what the bucket holds later
+            # a published run keeps the change set its publish vouched for (the same bytes again go on)
+            keep_published(out, published_state(out, keyring), CHANGES, digest, "QA")
             _publish(out, local, CHANGES)
         finally:
             con.close()

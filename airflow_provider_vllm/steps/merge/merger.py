@@ -27,6 +27,7 @@ A rerun after a crash at any step converges to the same bytes; files in ``result
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import json
@@ -99,9 +100,21 @@ ERRORS = "errors"  # folder of Parquet parts (ERROR_SCHEMA, + the plan's passthr
 KINDS = (RESULTS, ERRORS)
 MANIFEST = "_manifest.json"
 SUCCESS = "_SUCCESS.json"  # written by publish (steps/publish.py) once the run is published
+REPORT_JSON = "qa/report.json"  # QA's report (steps/qa/store.py): the one _PUBLISHING.json names
 # written by publish before it commits the run's parts to an output table (the table then references them by path)
 PUBLISHING = "_PUBLISHING.json"
-Published = tuple[str, str]  # why a run's parts may no longer change, and what the operator can do
+
+
+@dataclasses.dataclass(frozen=True)
+class Published:
+    """Why a run's files may no longer change (``state``), what the operator can do (``remedy``), and the sha256 of
+    each file its sealed publish record vouched for (``checksums``: path under the run -> sha256)."""
+
+    state: str
+    remedy: str
+    checksums: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+
 _NEW_PREFIX = "Merge into a new output prefix (io.output_uri)"
 MERGED = "_MERGED.json"
 OPENAI_OUT = "openai/output.jsonl"
@@ -949,16 +962,19 @@ def published_state(out: Storage, keyring: Keyring) -> Published | None:
     may write the prefix can write any file, and change the parts themselves): ignored, with a warning naming it."""
     if out.exists(SUCCESS):
         try:
-            success_doc(out, out.read_bytes(SUCCESS), keyring)
-            return f"published ({SUCCESS})", _NEW_PREFIX
+            doc = success_doc(out, out.read_bytes(SUCCESS), keyring)
+            sums = doc.get("checksums") if isinstance(doc, dict) else None
+            return Published(f"published ({SUCCESS})", _NEW_PREFIX, dict(sums) if isinstance(sums, dict) else {})
         except (ValueError, CommitError) as e:  # not JSON, not a seal, SealError
             log.warning("%s is not a marker this deployment's publish sealed; ignored: %s", out.uri(SUCCESS), e)
     if out.exists(PUBLISHING):
         try:
             rec = read_publishing(out, keyring)
-            return f"published to table {rec.table} ({PUBLISHING}: publish began its commit at {rec.started})", (
+            return Published(
+                f"published to table {rec.table} ({PUBLISHING}: publish began its commit at {rec.started})",
                 f"{_NEW_PREFIX}; or, only when no snapshot of table {rec.table} names run {rec.run_id} (its "
-                f"summary's vllm-batch.run-id: the commit failed), delete {out.uri(PUBLISHING)} and merge again"
+                f"summary's vllm-batch.run-id: the commit failed), delete {out.uri(PUBLISHING)} and merge again",
+                {REPORT_JSON: rec.report_sha256} if rec.report_sha256 else {},
             )
         except (ValueError, CommitError) as e:
             log.warning("%s is not a marker this deployment's publish sealed; ignored: %s", out.uri(PUBLISHING), e)
@@ -966,11 +982,26 @@ def published_state(out: Storage, keyring: Keyring) -> Published | None:
 
 
 def _refuse_published(out: Storage, rel: str, change: str, published: Published | None) -> None:
-    state, remedy = published or ("published", _NEW_PREFIX)
+    p = published or Published("published", _NEW_PREFIX)
     raise CommitError(
-        f"{out.uri(rel)}: the run under {out.uri()} is {state} and this merge would {change} that part (the "
+        f"{out.uri(rel)}: the run under {out.uri()} is {p.state} and this merge would {change} that part (the "
         "committed parts changed since the merge that was published, e.g. a shard rerun): readers and the output "
-        f"table reference the published parts by path. {remedy}"
+        f"table reference the published parts by path. {p.remedy}"
+    )
+
+
+def keep_published(out: Storage, published: Published | None, rel: str, sha256: str, writer: str) -> None:
+    """CommitError, before ``writer`` writes anything, when the run is published and ``rel`` is a file its publish
+    vouched for (its sealed record names the sha256) that ``writer`` would replace with other bytes. The same bytes
+    again (a cleared run that computes what it published) go on."""
+    sealed = published.checksums.get(rel) if published is not None else None
+    if published is None or sealed is None or sealed == sha256:
+        return
+    raise CommitError(
+        f"{out.uri(rel)}: the run under {out.uri()} is {published.state}, and {writer} would replace that file with "
+        f"other bytes (sha256 {sha256[:16]}..., the published one {sealed[:16]}...: computed by another provider "
+        "version, or against another golden set or previous run than the published one): its readers, and the next "
+        f"runs that compare with it, take the file publish vouched for. Nothing was written. {published.remedy}"
     )
 
 

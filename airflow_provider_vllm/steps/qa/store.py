@@ -22,13 +22,12 @@ from airflow_provider_vllm.core.part_names import check_inside
 from airflow_provider_vllm.core.plan import ChangesFrom
 from airflow_provider_vllm.core.records import ChangesSummary, MergeSummary, QAFile, QARecord
 from airflow_provider_vllm.core.seal import Keyring
-from airflow_provider_vllm.core.storage import FileSystems, Storage
-from airflow_provider_vllm.steps.merge.merger import MERGED
+from airflow_provider_vllm.core.storage import FileSystems, Storage, parquet_bytes
+from airflow_provider_vllm.steps.merge.merger import MERGED, REPORT_JSON, keep_published, published_state
 from airflow_provider_vllm.steps.qa.html import render_report_html
 from airflow_provider_vllm.steps.qa.report import QAReport, refused_previous
 
 QA_RECORD = "qa/_QA.json"
-REPORT_JSON = "qa/report.json"
 RERUN = "run the QA task of that run again (it writes the sealed record)"
 _RESTORE = (
     "restore the published run's files (verify_published names what differs), or publish that run again and run this "
@@ -77,27 +76,29 @@ def write_qa(
         "report_json": posixpath.join(prefix, "report.json") if prefix else "report.json",
     }
     record_path = posixpath.join(prefix, "_QA.json")
-    if keyring is not None and measured is not None:
-        storage.remove(record_path)  # a rerun stopped half way leaves no record of files it replaced: publish refuses
     d = report.to_dict()
     sample = report.sample
-    written = {
-        "sample": storage.write_parquet_atomic(
-            paths["sample"], sample, metadata={"qa_seed": str(d["metrics"].get("sample", {}).get("seed", ""))}
-        )
-    }
     cols = [c for c in SAMPLE_HTML_COLUMNS if c in sample.column_names]
     rows = sample.select(cols).to_pylist() if cols else []
     for row in rows:  # bound the page size: outputs can be long
         for c in ("output", "input_excerpt", "parsed_json", "error_message"):
             if isinstance(row.get(c), str) and len(row[c]) > 1000:
                 row[c] = row[c][:1000]
-    for kind, body in (
-        ("report_html", render_report_html(d, rows).encode("utf-8")),
-        ("report_json", dumps_report(d).encode("utf-8")),
-    ):
+    bodies = {
+        "sample": parquet_bytes(sample, {"qa_seed": str(d["metrics"].get("sample", {}).get("seed", ""))}),
+        "report_html": render_report_html(d, rows).encode("utf-8"),
+        "report_json": dumps_report(d).encode("utf-8"),
+    }
+    written = {kind: (len(body), hashlib.sha256(body).hexdigest()) for kind, body in bodies.items()}
+    if keyring is not None and measured is not None:
+        # a published run keeps the QA files its publish vouched for: other bytes fail here, before anything is
+        # written (the same bytes again, e.g. a cleared DAG run, go on and seal a record of the current merge)
+        published = published_state(storage, keyring)
+        for kind, (_, sha) in written.items():
+            keep_published(storage, published, paths[kind], sha, "QA")
+        storage.remove(record_path)  # a rerun stopped half way leaves no record of files it replaced: publish refuses
+    for kind, body in bodies.items():
         storage.write_atomic(paths[kind], body)
-        written[kind] = (len(body), hashlib.sha256(body).hexdigest())
     digests = {f"{kind}_sha256": written[kind][1] for kind in ("report_html", "report_json")}
     if keyring is not None and measured is not None:
         files = {k: QAFile(path=paths[k], bytes=n, sha256=sha) for k, (n, sha) in written.items()}

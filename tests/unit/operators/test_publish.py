@@ -407,3 +407,42 @@ def test_extra_files_are_checksummed_into_the_marker_and_checked_by_verify_publi
     (out / "embeddings" / "table.parquet").write_bytes(b"another table")
     with pytest.raises(CommitError, match=r"embeddings/table\.parquet is not the file _SUCCESS.json names"):
         verify_published(str(out), success_sha256=event["success_sha256"])
+
+
+def test_qa_run_again_on_a_published_run_never_replaces_what_publish_vouched_for(tmp_path, fake_engine_factory):
+    """QA cleared on a published run computes other bytes, here because the previous run it compares with was
+    merged (and QA'd) since: QA fails naming the file, before it writes anything, and the published run still
+    verifies. The code before replaced the change set and the report: verify_published failed, and the next
+    nights' qa.previous_published told the user to restore a report QA had overwritten. QA again with the same
+    bytes (a cleared DAG run) goes on."""
+    from tests.support.data import files_under
+
+    for name, match in (
+        ("changes", r"changes/changes\.parquet: .* and QA would replace that file"),
+        ("report", r"qa/report\.(html|json): .* and QA would replace that file with other bytes"),
+    ):
+        prev = tmp_path / f"prev_{name}"
+        prev_spec, _ = committed_job(prev, fake_engine_factory, n=60)  # committed, not merged yet
+        over = (
+            {"changes": {"previous_uri": str(prev / "out")}}
+            if name == "changes"
+            else {"qa": {"previous_report_uri": str(prev / "out" / "qa" / "report.json")}}
+        )
+        spec, _ = committed_job(tmp_path / name, fake_engine_factory, n=60, **over)
+        out = tmp_path / name / "out"
+        VllmMergeOperator(task_id="merge", spec=spec).execute(context())
+        qa = VllmQAOperator(task_id="qa", spec=spec).execute(context())
+        event = VllmPublishOperator(task_id="publish", spec=spec, qa_result=qa).execute(context())
+        success = {"success_sha256": event["success_sha256"]}
+        again = VllmQAOperator(task_id="qa", spec=spec).execute(context())  # the same bytes: nothing refused
+        assert again["report_sha256"] == qa["report_sha256"]
+        verify_published(str(out), **success)
+        before = files_under(out)
+        # the previous run completes after this one was published
+        VllmMergeOperator(task_id="merge", spec=prev_spec).execute(context())
+        VllmQAOperator(task_id="qa", spec=prev_spec).execute(context())
+        with pytest.raises(AirflowFailException, match=rf"{match}.*Nothing was written\. Merge into a new output"):
+            VllmQAOperator(task_id="qa", spec=spec).execute(context())
+        assert files_under(out) == before
+        verify_published(str(out), **success)
+    record_malicious("qa_again_replaces_published_files", 2, 2)

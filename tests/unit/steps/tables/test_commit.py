@@ -372,18 +372,22 @@ def test_qa_of_a_table_nightly_compares_with_the_report_of_the_run_the_table_pub
 
 
 @pytest.mark.reliability
-def test_publishing_again_after_qa_ran_again_seals_the_report_it_gated_on(
+def test_qa_run_again_after_the_table_commit_keeps_the_report_publish_gated_on(
     tmp_path, lake, fake_engine_factory, monkeypatch
 ):
-    """The table commit happened, then QA ran again (its report's bytes changed: here a provider upgrade) and the
-    run was published again (the snapshot is there: nothing committed). _PUBLISHING.json must name the report this
-    publish gated on, as _SUCCESS.json does: the first QA's report is gone, and the next nights' QA, pinned to it,
-    failed on every run (the table's last snapshot stays that run's)."""
+    """The table commit happened, publish died before _SUCCESS.json, then QA ran again and its report's bytes
+    changed (here a provider upgrade). QA fails naming the report, before writing anything: _PUBLISHING.json names
+    the report the commit gated on, and the next nights compare with it. The code before replaced the report, and
+    every later night's QA, pinned to the first one, failed telling the user to restore a report QA had overwritten.
+    Publish run again (the snapshot is there: nothing committed) keeps the record, and the next night compares with
+    that report."""
+    from airflow_provider_vllm.core.errors import CommitError
     from airflow_provider_vllm.core.plan import load_plan
     from airflow_provider_vllm.core.seal import Keyring
     from airflow_provider_vllm.steps.merge.merger import read_publishing
     from airflow_provider_vllm.steps.qa import report as qa_report
     from airflow_provider_vllm.steps.qa.stage import qa_run
+    from tests.support.data import files_under
 
     catalog, tables = lake
 
@@ -393,18 +397,24 @@ def test_publishing_again_after_qa_ran_again_seals_the_report_it_gated_on(
     earlier = hashlib.sha256(out.read_bytes("qa/report.json")).hexdigest()
     assert not publish(first, tables).already  # the table commit; publish then dies before _SUCCESS.json
     assert read_publishing(out, Keyring.from_env()).report_sha256 == earlier
+    qa_run(first)  # QA again with the same code: the same bytes, nothing refused
+    before = files_under(first.io.output_uri)
     version = qa_report.REPORT_VERSION
     monkeypatch.setattr(qa_report, "REPORT_VERSION", version + 1)
-    qa_run(first)  # QA again: another report
+    with pytest.raises(
+        CommitError,
+        match=r"qa/report\.(html|json): the run under .* is published to table .*, and QA "
+        r"would replace that file with other bytes.*Nothing was written",
+    ):
+        qa_run(first)
     monkeypatch.setattr(qa_report, "REPORT_VERSION", version)
-    now = hashlib.sha256(out.read_bytes("qa/report.json")).hexdigest()
-    assert now != earlier
+    assert files_under(first.io.output_uri) == before  # the sealed QA record too
     assert publish(first, tables).already  # published again: nothing committed
-    assert read_publishing(out, Keyring.from_env()).report_sha256 == now  # the code before kept the first one's
+    assert read_publishing(out, Keyring.from_env()).report_sha256 == earlier
 
     second = _table_nightly(tmp_path / "b", tables, fake_engine_factory)
-    assert load_plan(second).changes_from.report_sha256 == now
-    rep, _ = qa_run(second)  # the code before: CommitError, the report is not the one _PUBLISHING.json names
+    assert load_plan(second).changes_from.report_sha256 == earlier
+    rep, _ = qa_run(second)
     assert not [n for n in rep.notes if "_PUBLISHING.json" in n]
 
 
