@@ -500,6 +500,9 @@ class GoldenSummary(RowCounts):
     input_file: str = Field(description="the plan's golden input file (ids and known labels) under the output prefix")
     files: dict[str, str] = Field(description="'results' / 'errors' -> path under the output prefix")
     checksums: dict[str, str] = Field(description="path -> sha256 of the two files")
+    sizes: dict[str, int] | None = Field(
+        default=None, description="path -> size in bytes of the two files (None: merged by an earlier version)"
+    )
 
 
 MergeSummary.model_rebuild()  # its ``cache`` field names a record defined below it

@@ -300,8 +300,12 @@ def merge_golden(
     finally:
         con.close()
     faults.hit("golden.before_write")
-    for kind, rel in (("results", RESULTS_FILE), ("errors", ERRORS_FILE)):
-        out.write_parquet_atomic(rel, tables[kind])
+    # the size and sha256 of the bytes written, hashed before they left this process: a hash of what the bucket
+    # holds after the write would vouch for whatever another writer put there in between
+    written = {
+        rel: out.write_parquet_atomic(rel, tables[kind])
+        for kind, rel in (("results", RESULTS_FILE), ("errors", ERRORS_FILE))
+    }
     summary = GoldenSummary(
         rows=g.rows,
         ok_rows=tables["results"].num_rows,
@@ -309,7 +313,8 @@ def merge_golden(
         shards=len(g.shards),
         input_file=g.input_file.path,
         files={"results": RESULTS_FILE, "errors": ERRORS_FILE},
-        checksums={rel: out.sha256(rel) for rel in (RESULTS_FILE, ERRORS_FILE)},
+        checksums={rel: sha for rel, (_, sha) in written.items()},
+        sizes={rel: size for rel, (size, _) in written.items()},
     )
     faults.hit("golden.before_summary")
     out.write_atomic(SUMMARY_FILE, json.dumps(summary.dump(), indent=1, sort_keys=True).encode())
@@ -345,7 +350,7 @@ def attach_golden(
     local = {}
     for rel in (RESULTS_FILE, ERRORS_FILE):
         try:
-            local[rel] = copies.get(rel, None, str(summary.checksums.get(rel)))
+            local[rel] = copies.get(rel, (summary.sizes or {}).get(rel), str(summary.checksums.get(rel)))
         except (CommitError, FileNotFoundError):
             raise CommitError(f"{out.uri(rel)} does not match the merge's sealed summary; rerun the merge") from None
     golden_input = _golden_input(out, g, copies)

@@ -26,7 +26,7 @@ from airflow_provider_vllm.worker.shard import run_shard
 from airflow_provider_vllm.worker.task import ShardTask
 from tests.support.data import LABELS, PINNED_REVISION, make_spec, write_parquet
 from tests.support.fakes import FakeEngine
-from tests.support.ledger import record_fault
+from tests.support.ledger import record_fault, record_malicious
 from tests.support.reconcile import reconcile
 
 N_IN, N_GOLD = 90, 45
@@ -372,3 +372,37 @@ def test_golden_rows_name_their_adapter_like_the_input_rows(tmp_path, lora):
     write_parquet(tmp_path / "d2" / "in" / "a.parquet", ["t0"], ["ticket"], which=["billing"])
     with pytest.raises(SpecError, match=r"missing column\(s\) \['which'\]"):
         plan_job(spec2)
+
+
+def test_golden_files_replaced_right_after_merge_wrote_them_are_not_sealed_or_scored(tmp_path, monkeypatch):
+    """A writer of the output prefix replaces golden/results.parquet right after merge wrote it, with every golden
+    answer right. Merge seals the size and sha256 of the bytes it wrote, so QA refuses the replaced file, naming it.
+    The code before sealed the sha256 of a second read of the bucket: the forged labels were sealed and QA scored
+    them (40 of 45 right against 10)."""
+    from airflow_provider_vllm.core.storage import Storage
+
+    _golden_file(tmp_path / "golden.parquet")
+    _input(tmp_path)
+    spec = _spec(tmp_path)
+    _run_shards(spec, plan_job(spec))
+    out = Path(spec.io.output_uri)
+    truth = dict(zip(*(pq.read_table(tmp_path / "golden.parquet").column(c).to_pylist() for c in ("id", "label"))))
+    real_write = Storage.write_parquet_atomic
+
+    def write_then_forge(self, rel, table, *a, **kw):
+        got = real_write(self, rel, table, *a, **kw)
+        if rel == RESULTS_FILE:  # the other writer's PUT lands right after merge's
+            t = pq.read_table(out / RESULTS_FILE)
+            labels = pa.array([truth[i.removeprefix(RESERVED_ID_PREFIX)] for i in t["id"].to_pylist()])
+            (out / RESULTS_FILE).unlink()
+            pq.write_table(t.set_column(t.column_names.index("label"), "label", labels), out / RESULTS_FILE)
+        return got
+
+    monkeypatch.setattr(Storage, "write_parquet_atomic", write_then_forge)
+    summary = merge(spec)
+    monkeypatch.undo()
+    with pytest.raises(CommitError, match=rf"{RESULTS_FILE} does not match the merge's sealed summary"):
+        qa_run(spec)
+    assert summary.golden is not None and summary.golden.sizes is not None
+    assert summary.golden.sizes[ERRORS_FILE] == (out / ERRORS_FILE).stat().st_size  # the file left alone
+    record_malicious("golden_file_replaced_after_merge_wrote_it", 1, 1)
