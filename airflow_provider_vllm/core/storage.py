@@ -76,6 +76,16 @@ def parquet_bytes(table: pa.Table, metadata: dict[str, str] | None = None) -> by
     return sink.getvalue().to_pybytes()
 
 
+def gcs_options(options: dict[str, Any] | None) -> dict[str, Any]:
+    """gcsfs options with its HTTP session set to hand over the bytes GCS serves as they are. aiohttp's default
+    asks for gzip and decompresses: for an object stored with ``Content-Encoding: gzip`` the checked readers would
+    hash the decompressed bytes, while readers that let GCS decompress get other ones (a gzip stream can carry more
+    than the prefix that was checked)."""
+    opts = dict(options or {})
+    opts["session_kwargs"] = {**(opts.get("session_kwargs") or {}), "auto_decompress": False}
+    return opts
+
+
 def _open_size(f: Any) -> int | None:
     """The size of an open fsspec file as its store states it (remote: from the HEAD at open; local: fstat)."""
     size = getattr(f, "size", None)
@@ -181,7 +191,17 @@ class Storage:
         if not self.is_local:
             with contextlib.suppress(KeyError):  # another thread dropped the same listing first
                 self.fs.invalidate_cache(p)
-            return self.fs.open(p, "rb")
+            f = self.fs.open(p, "rb")
+            details = getattr(f, "details", None)
+            encoding = details.get("contentEncoding") if isinstance(details, dict) else None  # GCS's object metadata
+            if encoding and str(encoding).strip().lower() != "identity":
+                f.close()
+                raise CommitError(
+                    f"{self.uri(rel)} is stored with Content-Encoding {str(encoding)[:40]!r}: no file this provider "
+                    "writes is, and readers that let the store decode it would get other bytes than the ones "
+                    "checked, so it is refused unread (another writer of the bucket put it there?)"
+                )
+            return f
         fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -439,6 +459,8 @@ def _fs_and_path(
         fs = filesystems(uri, options)
         if fs is not None:
             return fs, fs._strip_protocol(uri)
+    if uri.split("://", 1)[0].lower() in ("gs", "gcs"):
+        options = gcs_options(options)
     return _cached_fs(uri, tuple(sorted((k, repr(v)) for k, v in options.items())), options)
 
 

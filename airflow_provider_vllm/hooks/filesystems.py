@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from airflow_provider_vllm.core.errors import SpecError
+from airflow_provider_vllm.core.storage import gcs_options
 from airflow_provider_vllm.provider import AWS_CONN_ID as AWS_CONN_OPTION
 from airflow_provider_vllm.provider import CONFIG_SECTION
 from airflow_provider_vllm.provider import GCP_CONN_ID as GCP_CONN_OPTION
@@ -177,11 +178,12 @@ def gcs_fs(conn_id: str | None, options: dict[str, Any] | None = None):
     if conn_id and not _connection_exists(conn_id):
         log.info("no Airflow Connection %r: GCS through Application Default Credentials", conn_id)
         conn_id = None
+    options = gcs_options(options)  # the bytes GCS serves as they are (no gzip decoding): what is checked is read
     if conn_id is None:
         from gcsfs import GCSFileSystem  # what get_fs(None) builds, with the spec's allowed options
 
-        return GCSFileSystem(**(options or {}))
-    return get_fs(conn_id, dict(options or {}) or None)
+        return GCSFileSystem(**options)
+    return get_fs(conn_id, options)
 
 
 def _connection_exists(conn_id: str) -> bool:

@@ -66,6 +66,7 @@ def test_gcs_goes_through_the_google_providers_helper_with_the_connection(gcp_co
     st.write_atomic("a.txt", b"hello")
     assert st.read_bytes("a.txt") == b"hello" and st.sub("x").filesystems is fs
     assert isinstance(st.fs, gcsfs.GCSFileSystem) and st.fs is fs("gs://gbucket/other", {"consistency": "md5"})
+    assert st.fs.session_kwargs["auto_decompress"] is False  # GCS's bytes as stored (tests/s3/test_gcs_encoding.py)
     # a whole plan reads its input from GCS through the Connection
     local = write_parquet(tmp_path / "part-0.parquet", [f"g{i}" for i in range(9)], [f"ticket {i}" for i in range(9)])
     Storage("gs://gbucket/in", {}, fs).write_atomic("part-0.parquet", local.read_bytes())
@@ -82,6 +83,7 @@ def test_a_missing_gcp_connection_means_application_default_credentials(gcs_endp
     st = Storage("gs://gbucket/adc", {}, ConnectionFileSystems(gcp_conn_id="missing"))
     st.write_atomic("b.txt", b"adc")
     assert st.read_bytes("b.txt") == b"adc"
+    assert st.fs.session_kwargs["auto_decompress"] is False
     # the local worker gets a key file's path through its environment, nothing for a missing Connection
     monkeypatch.setenv(
         "AIRFLOW_CONN_GCP_KEYFILE",

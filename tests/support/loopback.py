@@ -71,3 +71,63 @@ def s3_client(endpoint: str):
         aws_secret_access_key=CONN_SECRET,
         region_name="us-east-1",
     )
+
+
+class TranscodingGCS:
+    """A GCS JSON API on ``http://127.0.0.1:PORT`` for one bucket ``b`` of gzip-encoded objects, as GCS serves them
+    (its "decompressive transcoding"): an object read with ``Accept-Encoding: gzip`` (aiohttp, so gcsfs, sends it)
+    comes as stored, with ``Content-Encoding: gzip``; read without it, decompressed. ``objects``: name -> stored
+    bytes. ``state_encoding``: whether the object's metadata names its encoding (False: an object replaced between
+    the metadata request and the read, a race a writer of the bucket can try)."""
+
+    def __init__(self, objects: dict[str, bytes], state_encoding: bool = True) -> None:
+        import gzip
+        import re
+
+        owner = self
+        self.objects, self.state_encoding = objects, state_encoding
+
+        def meta(name: str) -> dict:
+            m = {"kind": "storage#object", "bucket": "b", "name": name, "size": str(len(owner.objects[name]))}
+            m |= {"generation": "1", "updated": "2026-01-01T00:00:00Z", "etag": "e1", "contentType": "text/plain"}
+            return m | ({"contentEncoding": "gzip"} if owner.state_encoding else {})
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                path, _, query = self.path.partition("?")
+                name = re.sub(r"^.*/b/b/o/?", "", path).replace("%2F", "/")
+                if name and name not in owner.objects:
+                    return self._send(404, b"{}")
+                if "alt=media" in query:
+                    stored = owner.objects[name]
+                    as_stored = "gzip" in self.headers.get("Accept-Encoding", "")
+                    body = stored if as_stored else gzip.decompress(stored)
+                    if rng := re.match(r"bytes=(\d+)-(\d*)", self.headers.get("Range", "")):
+                        body = body[int(rng[1]) : int(rng[2]) + 1 if rng[2] else None]
+                    return self._send(206 if rng else 200, body, {"Content-Encoding": "gzip"} if as_stored else {})
+                listed = meta(name) if name else {"kind": "storage#objects", "items": [meta(n) for n in owner.objects]}
+                self._send(200, json.dumps(listed).encode(), {"Content-Type": "application/json"})
+
+            def _send(self, code: int, body: bytes, headers: dict | None = None) -> None:
+                self.send_response(code)
+                for k, v in {**(headers or {}), "Content-Length": str(len(body))}.items():
+                    self.send_header(k, v)
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.options = {"endpoint_url": f"http://127.0.0.1:{self._server.server_address[1]}", "token": "anon"}
+        self.options["project"] = "test"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def __enter__(self) -> TranscodingGCS:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._server.shutdown()
+        self._server.server_close()
