@@ -115,3 +115,39 @@ def test_a_planted_merge_summary_of_a_gigabyte_is_refused_unread(tmp_path):
     doc = json.loads(got.stdout.strip().splitlines()[-1])
     assert doc["outcome"].startswith(f"{run}/_MERGED.json is larger than {RECORD_MAX_BYTES} bytes"), doc
     assert doc["peak_mib"] < 512, doc  # reading it whole would take at least 1,024 MiB
+
+
+def test_a_planted_file_of_a_terabyte_where_a_sealed_file_is_checked_is_not_read(tmp_path, monkeypatch):
+    """A sparse 1 TiB file (free to plant on local disk) where a part, a QA file or a cached chunk of a known size
+    is checked: ``sha256`` with that size and ``fetch_verified`` read nothing of it (the store states another size)
+    and never match; a file that grows past its size is not read beyond it. The code before hashed or copied the
+    whole terabyte (hours, and the copy filled the disk)."""
+    import hashlib
+
+    from airflow_provider_vllm.core.storage import CheckedCopies
+
+    genuine = b"x" * 1000
+    sha = hashlib.sha256(genuine).hexdigest()
+    with open(tmp_path / "part.parquet", "wb") as f:
+        f.truncate(1 << 40)
+    st = Storage(str(tmp_path))
+    read = []
+    real_open = Storage._open_read
+
+    def counted(self, rel):
+        f = real_open(self, rel)
+        real_read = f.read
+        f.read = lambda n=-1: read.append(len(b := real_read(n))) or b
+        return f
+
+    monkeypatch.setattr(Storage, "_open_read", counted)
+    assert st.sha256("part.parquet", len(genuine)) != sha
+    with pytest.raises(CommitError, match="part.parquet is not the file its sealed record names"):
+        CheckedCopies(st, str(tmp_path / "copies")).get("part.parquet", len(genuine), sha)
+    assert sum(read) == 0 and os.listdir(tmp_path / "copies") == []
+    # a store that states no size (or the right one) and serves more: never more than size + 1 bytes
+    (tmp_path / "grown.parquet").write_bytes(genuine + b"y" * (3 << 20))
+    monkeypatch.setattr("airflow_provider_vllm.core.storage._open_size", lambda f: None)
+    read.clear()
+    assert st.sha256("grown.parquet", len(genuine)) != sha and sum(read) <= 1 << 20
+    assert st.sha256("grown.parquet") == hashlib.sha256((tmp_path / "grown.parquet").read_bytes()).hexdigest()
