@@ -15,11 +15,12 @@ gets one empty part so every reader sees the schema), then ``_manifest.json`` pe
 Verification reads only the id column of the parts. Where every shard reads the input itself, each
 shard's parts are compared, row by row in input order, with its own input rows (``ordered.py``: streaming,
 exact, no hash table of the run); elsewhere one exact semi-join of the input ids against the parts' ids
-proves the common case. When either fails, duplicate ids across committed parts are
+proves the common case. When either fails, every part is copied to local disk, checked against its sealed
+record as it is copied, and what follows reads those copies only: duplicate ids across committed parts are
 counted *before* anything is dropped; identical duplicates (same status and content;
 provenance columns such as the attempt may differ) are dropped and reported (``duplicates``),
-which re-encodes only the parts that held the dropped copies; copies whose content differs
-fail the merge, naming the ids. Then input ids == result ids + error ids, no id twice, and (order path)
+which re-encodes only the parts that held the dropped copies (from the same checked copies); copies whose
+content differs fail the merge, naming the ids. Then input ids == result ids + error ids, no id twice, and (order path)
 each row is its shard's, in input order.
 A rerun after a crash at any step converges to the same bytes; files in ``results/`` or
 ``errors/`` that merge did not write are refused, stale parts of its own are removed.
@@ -225,6 +226,18 @@ def _merge(
             proven = exactly_once(con, plan.total_rows)
         total = distinct = proven or 0
         if proven is None:  # something is off: count duplicates first (they explain a shortfall), then name it
+            # The reads above only sent merge here: whoever else writes the prefix may have changed a part while
+            # merge read it. What is counted, which copies are dropped and the exactly-once proof are decided on
+            # local copies of every part checked against its sealed record (the ones the dropped copies are
+            # re-encoded from), never on another read of the prefix.
+            checked = _checked_parts(copies, sources)
+            check_footer_rows(con, out, sources, checked)
+            con.execute("DROP VIEW ids")
+            _ids_view(con, out, sources, checked)
+            if by_order:  # what the order check finds on the checked bytes: named when the ids do not add up
+                findings = ordered.check(
+                    out, in_root, plan, spec.prompt.id_column, _shard_parts(plan, sources, local=checked)
+                )
             # Distinct 64-bit hashes == rows proves distinct ids (equal ids hash equal) and is
             # cheaper than distinct strings; only a shortfall (a duplicate or a collision) pays for
             # the exact count.
@@ -234,7 +247,7 @@ def _merge(
             if total != distinct:
                 # Only a bug or a hand-edited marker gets here. Counted before anything is dropped;
                 # identical copies are dropped (the first in plan order stays), differing ones fail.
-                duplicates, drop = check_duplicates(con, out, sources, total, distinct)
+                duplicates, drop = check_duplicates(con, out, sources, total, distinct, checked)
                 log.warning(
                     "merge: %d id(s) were committed more than once with identical content; dropped %d "
                     "extra row(s), e.g. %s",
@@ -244,7 +257,9 @@ def _merge(
                 )
             verify(con, "ids" if not drop else "(SELECT DISTINCT id FROM ids)", plan.total_rows, findings)
             if by_order:  # every id is there once (after dropping identical copies): are they where the plan put them?
-                findings = ordered.check(out, in_root, plan, spec.prompt.id_column, _shard_parts(plan, sources, drop))
+                findings = ordered.check(
+                    out, in_root, plan, spec.prompt.id_column, _shard_parts(plan, sources, drop, checked)
+                )
                 if findings:
                     raise VerificationError(
                         "row accounting failed: every input id is committed once, but not as its shard's rows in "
@@ -260,10 +275,10 @@ def _merge(
         kind: publish_parts(out, kind, sources[kind], drop, schemas[kind], published, copies) for kind in KINDS
     }
     published_rows = sum(m.rows for m in manifests.values())
-    if published_rows != plan.total_rows:  # the drops were chosen on a read of the bucket
+    if published_rows != plan.total_rows:  # the parts' sealed rows less the dropped copies: a last check
         raise CommitError(
             f"merge published {published_rows} rows under {out.uri()}, the plan has "
-            f"{plan.total_rows}: a part changed while merge read it (dropped copies chosen on other bytes); rerun "
+            f"{plan.total_rows}: the parts it published do not add up to the rows it verified; rerun "
             "the merge"
         )
     if not out.is_local:  # a server-side copy of a checked source: check what readers will read (local: links)
@@ -349,9 +364,13 @@ def _merge(
 
 
 def _shard_parts(
-    plan: Plan, sources: dict[str, list[SourcePart]], drop: dict[str, list[int]] | None = None
+    plan: Plan,
+    sources: dict[str, list[SourcePart]],
+    drop: dict[str, list[int]] | None = None,
+    local: Mapping[str, str] | None = None,
 ) -> dict[str, ordered.ShardParts]:
-    """The committed parts per shard (``shards/<shard_id>/...``, in marker order) for ``ordered.check``."""
+    """The committed parts per shard (``shards/<shard_id>/...``, in marker order) for ``ordered.check``; ``local``:
+    part path -> the checked local copy to read it from (``_checked_parts``; default: the output prefix)."""
     parts = {s.shard_id: ordered.ShardParts(ok=[], errors=[]) for s in plan.shards}
     for kind in KINDS:
         for p in sources[kind]:
@@ -359,7 +378,35 @@ def _shard_parts(
             (sp.ok if kind == RESULTS else sp.errors).append(p.rel)
             if drop and p.rel in drop:
                 sp.drop[p.rel] = drop[p.rel]
+            if local is not None:
+                sp.local[p.rel] = local[p.rel]
     return parts
+
+
+def _checked_parts(copies: CheckedCopies, sources: dict[str, list[SourcePart]]) -> dict[str, str]:
+    """Part path -> a local file of its own with the bytes of its copy in ``copies``, checked against the size and
+    sha256 its sealed record names (the marker; the sealed plan for the cache's hits; the followers' part as merge
+    staged it) as it was copied: CommitError naming the first part (results, then errors, each in plan order) whose
+    bytes in the prefix are other ones. Parts of equal bytes share one copy in ``copies``; each gets its own name
+    here (a hard link, else a copy) so that DuckDB's file name column tells them apart. Merge makes these only when
+    something is off (a duplicate, a missing row): they hold every part of the run."""
+    parts = [p for k in KINDS for p in sources[k]]
+    try:
+        local = copies.all([(p.rel, p.bytes, p.sha256) for p in parts])
+    except (FileNotFoundError, IsADirectoryError) as e:
+        raise CommitError(
+            f"a committed part under {copies.storage.uri()} is gone or not a file any more ({e}); rerun the merge"
+        ) from None
+    folder = tempfile.mkdtemp(prefix="checked-parts-", dir=copies.root)
+    paths: dict[str, str] = {}
+    for i, (p, src) in enumerate(zip(parts, local, strict=True)):
+        dest = os.path.join(folder, f"{i:06d}.parquet")
+        try:
+            os.link(src, dest)
+        except OSError:  # a filesystem without hard links
+            shutil.copyfile(src, dest)
+        paths[p.rel] = dest
+    return paths
 
 
 def _follower_sources(
@@ -561,8 +608,9 @@ def committed_parts(
     its files' sizes and sha256 are checked here (a streaming read; on object stores the published copies
     are checked again after publishing, ``verify_parts``). The parts of ``copy_kinds`` are checked by copying
     them into ``copies`` instead (the check and the copy are one read): what the caller makes of them (the
-    cache's entry, the followers, the golden rows) comes from those copies. The id checks and the publishing
-    still read the bucket's files (on object stores, the published copies are checked again). Each part
+    cache's entry, the followers, the golden rows) comes from those copies. The first id checks and the publishing by
+    reference read the bucket's files (on object stores, the published copies are checked again); when those checks
+    find something off, merge copies every part (``_checked_parts``) and decides on the copies only. Each part
     gets its published name: ``part-<n>-<shard>-<chunk>.parquet``, ``n`` its chunk's index in plan order.
     """
     entries: list[tuple[str, str, Any]] = []
@@ -686,28 +734,49 @@ def check_marker_path(path: Any, shard_id: str, where: str, kind: str = RESULTS)
     return int(m.group(1))
 
 
-def _ids_view(con: duckdb.DuckDBPyConnection, out: Storage, sources: dict[str, list[SourcePart]]) -> None:
-    """View ``ids(id)``: the id column of every committed part (the other columns are never decoded)."""
+def _duck_paths(out: Storage, parts: Sequence[SourcePart], local: Mapping[str, str] | None) -> list[str]:
+    """The paths DuckDB reads ``parts`` from (and names in its file name columns): their checked local copies
+    (``local``: part path -> file, ``_checked_parts``), else the files under ``out``."""
+    if local is not None:
+        return [local[p.rel] for p in parts]
+    return [out.path(p.rel) if out.is_local else out.uri(p.rel) for p in parts]
+
+
+def _ids_view(
+    con: duckdb.DuckDBPyConnection,
+    out: Storage,
+    sources: dict[str, list[SourcePart]],
+    local: Mapping[str, str] | None = None,
+) -> None:
+    """View ``ids(id)``: the id column of every committed part (the other columns are never decoded), read from
+    the files under ``out`` or, given ``local``, from the parts' checked copies."""
     selects = [
-        f"SELECT id FROM read_parquet({duck.file_list(out, [p.rel for p in sources[k]])})" for k in KINDS if sources[k]
+        f"SELECT id FROM read_parquet({duck.local_list(_duck_paths(out, sources[k], local))})"
+        for k in KINDS
+        if sources[k]
     ]
     con.execute("CREATE VIEW ids AS " + (" UNION ALL ".join(selects) or "SELECT NULL::VARCHAR AS id WHERE false"))
 
 
-def check_footer_rows(con: duckdb.DuckDBPyConnection, out: Storage, sources: dict[str, list[SourcePart]]) -> None:
+def check_footer_rows(
+    con: duckdb.DuckDBPyConnection,
+    out: Storage,
+    sources: dict[str, list[SourcePart]],
+    local: Mapping[str, str] | None = None,
+) -> None:
     """CommitError naming the first part (in plan order) whose Parquet footer holds another row count than its
     sealed marker claims: the id checks read every part, but publishing leaves out the parts claimed empty, so a
-    claim that disagrees with the file would verify rows and then drop them. Reads the footers only."""
+    claim that disagrees with the file would verify rows and then drop them. Reads the footers only (of the
+    files under ``out`` or, given ``local``, of the parts' checked copies)."""
     parts = [p for k in KINDS for p in sources[k]]
     if not parts:
         return
+    names = _duck_paths(out, parts, local)
     footer = dict(
-        con.execute(
-            f"SELECT file_name, num_rows FROM parquet_file_metadata({duck.file_list(out, [p.rel for p in parts])})"
-        ).fetchall()
+        con.execute(f"SELECT file_name, num_rows FROM parquet_file_metadata({duck.local_list(names)})").fetchall()
     )
-    for p in parts:
-        got = footer.get(out.path(p.rel) if out.is_local else out.uri(p.rel))  # the name DuckDB was given
+    for p, name in zip(parts, names, strict=True):
+        got = footer.get(name)  # the name DuckDB was given
         if got != p.rows:
             raise CommitError(
                 f"{out.uri(p.rel)} holds {got} rows, its commit marker says {p.rows}: the marker does not describe "
@@ -715,8 +784,14 @@ def check_footer_rows(con: duckdb.DuckDBPyConnection, out: Storage, sources: dic
             )
 
 
-def _rows_view(con: duckdb.DuckDBPyConnection, out: Storage, sources: dict[str, list[SourcePart]]) -> None:
-    """View ``chunks``: every committed row in ``ROW_SCHEMA`` columns plus its part and position (duplicates only)."""
+def _rows_view(
+    con: duckdb.DuckDBPyConnection,
+    out: Storage,
+    sources: dict[str, list[SourcePart]],
+    local: Mapping[str, str] | None = None,
+) -> None:
+    """View ``chunks``: every committed row in ``ROW_SCHEMA`` columns plus its part (the path DuckDB read it from:
+    ``_duck_paths``) and position (duplicates only)."""
     selects = []
     for kind in KINDS:
         if not sources[kind]:
@@ -724,22 +799,28 @@ def _rows_view(con: duckdb.DuckDBPyConnection, out: Storage, sources: dict[str, 
         status = "ok" if kind == RESULTS else "error"
         selects.append(
             f"SELECT '{status}' AS status, * EXCLUDE (file_row_number, {duck.FILENAME}), {duck.FILENAME} AS part, "
-            f"file_row_number AS pos FROM read_parquet({duck.file_list(out, [p.rel for p in sources[kind]])}, "
+            f"file_row_number AS pos FROM read_parquet({duck.local_list(_duck_paths(out, sources[kind], local))}, "
             f"filename = '{duck.FILENAME}', file_row_number = true)"
         )
     con.execute("CREATE VIEW chunks AS " + " UNION ALL BY NAME ".join(selects))
 
 
 def check_duplicates(
-    con: duckdb.DuckDBPyConnection, out: Storage, sources: dict[str, list[SourcePart]], total: int, distinct: int
+    con: duckdb.DuckDBPyConnection,
+    out: Storage,
+    sources: dict[str, list[SourcePart]],
+    total: int,
+    distinct: int,
+    local: Mapping[str, str] | None = None,
 ) -> tuple[Duplicates, dict[str, list[int]]]:
     """Ids committed more than once (counted before any dedupe); VerificationError when copies differ.
 
     Copies are the same result when every column but ``PROVENANCE_COLUMNS`` is equal. Returns
     the accounting and the rows to drop: source part path -> row positions (every copy but the
-    first in plan order).
+    first in plan order). ``local``: part path -> its checked local copy, the file read (``_checked_parts``:
+    merge passes them, so the positions are those of the bytes it re-encodes); default the files under ``out``.
     """
-    _rows_view(con, out, sources)
+    _rows_view(con, out, sources, local)
     content = ", ".join(f.name for f in ROW_SCHEMA if f.name not in ("id", *PROVENANCE_COLUMNS))
     con.execute(
         "CREATE TEMP TABLE dup_ids AS SELECT id, count(*) AS n, "
@@ -758,11 +839,10 @@ def check_duplicates(
             "committed once; delete the folders of the shards involved and rerun them"
         )
     examples = [r[0] for r in con.execute(f"SELECT id FROM dup_ids ORDER BY id LIMIT {DUPLICATE_EXAMPLES}").fetchall()]
-    order = {
-        out.path(p.rel) if out.is_local else out.uri(p.rel): i
-        for i, p in enumerate(p for k in KINDS for p in sources[k])
-    }
-    by_path = {out.path(p.rel) if out.is_local else out.uri(p.rel): p.rel for k in KINDS for p in sources[k]}
+    parts = [p for k in KINDS for p in sources[k]]
+    names = _duck_paths(out, parts, local)
+    order = {name: i for i, name in enumerate(names)}
+    by_path = {name: p.rel for p, name in zip(parts, names, strict=True)}
     copies = con.execute("SELECT id, part, pos FROM chunks WHERE id IN (SELECT id FROM dup_ids)").fetchall()
     first: dict[str, tuple[int, int]] = {}
     for i, part, pos in copies:

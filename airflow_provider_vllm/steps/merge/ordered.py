@@ -60,12 +60,14 @@ def why_not(plan: Plan) -> str | None:
 
 @dataclass
 class ShardParts:
-    """One shard's committed parts, in its marker's chunk order (paths under the output prefix), and the rows of
-    each that merge drops as identical duplicates (positions in the part)."""
+    """One shard's committed parts, in its marker's chunk order (paths under the output prefix), the rows of
+    each that merge drops as identical duplicates (positions in the part), and, for the parts in ``local``, the
+    local file to read instead of the output prefix (a copy checked against the part's sealed marker)."""
 
     ok: list[str]
     errors: list[str]
     drop: dict[str, list[int]] = field(default_factory=dict)
+    local: dict[str, str] = field(default_factory=dict)
 
 
 def check(
@@ -230,9 +232,9 @@ def _text(col: pa.ChunkedArray) -> pa.Array:
     return arr if arr.type == pa.string() else arr.cast(pa.string())
 
 
-def _part_ids(out: Storage, rel: str, drop: list[int] | None) -> pa.Array:
-    if out.is_local:
-        ids = pq.ParquetFile(out.path(rel)).read(columns=["id"]).column(0)
+def _part_ids(out: Storage, rel: str, drop: list[int] | None, local: str | None = None) -> pa.Array:
+    if local is not None or out.is_local:
+        ids = pq.ParquetFile(local if local is not None else out.path(rel)).read(columns=["id"]).column(0)
     else:
         with out.open(rel) as fh:
             ids = pq.ParquetFile(fh).read(columns=["id"]).column(0)
@@ -248,7 +250,7 @@ def _check_shard(out: Storage, shard: ShardPlan, expected: pa.Array, parts: Shar
     """None when the shard's parts hold its input rows in order, each once; else a finding naming the first break."""
     streams = {}
     for kind, rels in (("results", parts.ok), ("errors", parts.errors)):
-        arrays = [_part_ids(out, r, parts.drop.get(r)) for r in rels]
+        arrays = [_part_ids(out, r, parts.drop.get(r), parts.local.get(r)) for r in rels]
         streams[kind] = (rels, arrays)
     ok = _concat([a for a in streams["results"][1]])
     err = _concat([a for a in streams["errors"][1]])

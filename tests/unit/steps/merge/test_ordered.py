@@ -161,16 +161,15 @@ def test_a_duplicated_identical_row_is_dropped_and_reported_exactly_once(run):
 @pytest.mark.reliability
 def test_a_part_re_encoded_without_its_dropped_copy_is_made_from_the_bytes_merge_checked(run, monkeypatch):
     """Merge re-encodes a part that held an identical copy of a row without it, and seals the new part's sha256 in
-    the manifest. A writer of the prefix who replaces that part after merge checked it (here when the rows to drop
-    are chosen) must not have its bytes re-encoded and sealed: merge reads the copy its check made."""
-    import re
-
+    the manifest. A writer of the prefix who replaces that part after merge checked it (here after the rows to drop
+    are chosen) must not have its bytes re-encoded and sealed: merge reads the copy its check made (the one the
+    drops were chosen on), and publishes the genuine rows."""
     from airflow_provider_vllm.core import faults
     from tests.support.ledger import record_malicious
 
     spec, plan, out = run
     rel = rewrite(out, plan.shards[0].shard_id, 1, "results", lambda t: pa.concat_tables([t, take(t, [0])]))
-    part, genuine = out / rel, (out / rel).read_bytes()
+    part = out / rel
     real_hit = faults.hit
 
     def writer(point, *a, **kw):
@@ -182,13 +181,7 @@ def test_a_part_re_encoded_without_its_dropped_copy_is_made_from_the_bytes_merge
         return real_hit(point, *a, **kw)
 
     monkeypatch.setattr(faults, "hit", writer)
-    with pytest.raises(CommitError, match=re.escape(rel) + " is not the file its sealed record names"):
-        merge(spec)  # the code before re-encoded the forged rows and sealed them into results/_manifest.json
-    monkeypatch.setattr(faults, "hit", real_hit)
-    assert not (out / MERGED).exists()
-    part.unlink()
-    part.write_bytes(genuine)
-    s = merge(spec).dump()  # the retry, over the genuine bytes
+    s = merge(spec).dump()  # the code before re-encoded the forged rows and sealed them into results/_manifest.json
     assert s["duplicates"]["rows_dropped"] == 1 and sorted(published_ids(out)) == IDS
     o = Storage(str(out))
     outputs = [x for r in result_parts(o, "results") for x in pq.read_table(out / r)["output"].to_pylist()]
@@ -199,8 +192,11 @@ def test_a_part_re_encoded_without_its_dropped_copy_is_made_from_the_bytes_merge
 @pytest.mark.reliability
 def test_a_copy_planted_while_merge_reads_the_ids_never_gets_a_genuine_row_dropped(run, monkeypatch):
     """A writer of the prefix puts a part with an identical copy of a row in the bucket after merge checked the
-    footers and puts the genuine part back before merge publishes: the rows to drop were chosen on the planted bytes,
-    and the genuine part re-encoded without them would lose a row. Merge fails instead (its rows do not add up)."""
+    footers and puts the genuine part back before merge publishes: rows to drop chosen on the planted bytes would
+    have the genuine part re-encoded without a row. Merge counts and drops on copies checked against the sealed
+    markers, and fails naming the part whose bytes are not its marker's."""
+    import re
+
     from airflow_provider_vllm.core import faults
     from tests.support.ledger import record_malicious
 
@@ -223,14 +219,100 @@ def test_a_copy_planted_while_merge_reads_the_ids_never_gets_a_genuine_row_dropp
 
     monkeypatch.setattr(merger, "check_footer_rows", footers_then_plant)
     monkeypatch.setattr(faults, "hit", put_back)
-    with pytest.raises(CommitError, match=f"merge published {N - 1} rows .* the plan has {N}"):
-        merge(spec)  # the code before sealed a merge without r010
+    with pytest.raises(CommitError, match=re.escape(str(part)) + " is not the file its sealed record names"):
+        merge(spec)  # the code before 8253c11 sealed a merge without r010
     monkeypatch.setattr(merger, "check_footer_rows", real_footers)
     monkeypatch.setattr(faults, "hit", real_hit)
     assert not (out / MERGED).exists()
+    part.unlink()  # merge failed before it published: the writer's genuine bytes go back now
+    part.write_bytes(genuine)
     s = merge(spec).dump()  # the retry
     assert s["duplicates"]["rows_dropped"] == 0 and sorted(published_ids(out)) == IDS
     record_malicious("a copy planted while merge reads the ids, to have a genuine row dropped", 1, 1)
+
+
+def _plant_moved_copy(out: Path, plan: Plan) -> tuple[Path, bytes, bytes]:
+    """A genuine identical copy (a worker bug: r008 again at the end of shard 0's chunk 1, resealed), and the bytes a
+    writer of the prefix would plant in its place: the same rows, the copy moved to row 1, before the genuine r009.
+    Returns (the part, its genuine bytes, the planted ones)."""
+    part = out / rewrite(out, plan.shards[0].shard_id, 1, "results", lambda t: pa.concat_tables([t, take(t, [0])]))
+    t = pq.read_table(part)
+    planted = take(t, [0, t.num_rows - 1, *range(1, t.num_rows - 1)])
+    assert planted["id"].to_pylist()[:3] == ["r008", "r008", "r009"]
+    buf = pa.BufferOutputStream()
+    pq.write_table(planted, buf, compression="zstd")
+    return part, part.read_bytes(), buf.getvalue().to_pybytes()
+
+
+def _swap(part: Path, data: bytes) -> None:
+    part.unlink()  # a new object under the same name, as a bucket writer's PUT makes
+    part.write_bytes(data)
+
+
+def _writer(monkeypatch, when: str, part: Path, genuine: bytes, planted: bytes) -> None:
+    """A writer of the prefix during the next merge: ``planted`` at ``part`` when merge first calls ``merger.<when>``,
+    the ``genuine`` bytes back just before merge publishes (``merge.before_write``)."""
+    from airflow_provider_vllm.core import faults
+
+    real, real_hit, done = getattr(merger, when), faults.hit, []
+
+    def plant(*a, **kw):
+        if not done:
+            _swap(part, planted)
+            done.append(when)
+        return real(*a, **kw)
+
+    def put_back(point, *a, **kw):
+        if point == "merge.before_write":
+            _swap(part, genuine)
+        return real_hit(point, *a, **kw)
+
+    monkeypatch.setattr(merger, when, plant)
+    monkeypatch.setattr(faults, "hit", put_back)
+
+
+@pytest.mark.reliability
+def test_copies_to_drop_are_never_chosen_on_bytes_planted_while_merge_reads_the_parts(run, monkeypatch):
+    """A writer of the prefix swaps a part that holds a genuine identical copy for the same rows with the copy moved
+    (the row count intact) while merge reads the ids, and puts the genuine bytes back before merge publishes. The
+    copies to drop chosen on the planted bytes are the genuine r009 (the code before: r009 lost, r008 published twice,
+    the row count intact, sealed). Merge decides what to drop on copies of the parts checked against their sealed
+    markers: it fails naming the part while the planted bytes are there, and publishes every id once after."""
+    import re
+
+    from tests.support.ledger import record_malicious
+
+    spec, plan, out = run
+    part, genuine, planted = _plant_moved_copy(out, plan)
+    _writer(monkeypatch, "_ids_view", part, genuine, planted)
+    with pytest.raises(CommitError, match=re.escape(str(part)) + " is not the file its sealed record names"):
+        merge(spec)
+    assert not (out / MERGED).exists() and not (out / "results").exists()
+    monkeypatch.undo()
+    _swap(part, genuine)
+    s = merge(spec).dump()  # the retry, over the genuine bytes
+    assert s["duplicates"] == {"ids": 1, "rows_dropped": 1, "examples": ["r008"]}
+    assert sorted(published_ids(out)) == IDS
+    record_malicious("a part planted while merge reads the ids, to choose a genuine row as the copy to drop", 1, 1)
+
+
+@pytest.mark.reliability
+def test_a_part_planted_after_merge_checked_its_copy_decides_nothing(run, monkeypatch):
+    """The same planted part, put in the bucket after merge copied and checked the parts (as it reads the rows to
+    pick the copies to drop) and the genuine bytes put back before it publishes: merge reads only its checked copies
+    from there (the code before read the bucket again, dropped the genuine r009 and sealed), so it publishes every
+    id once, the genuine part re-encoded without its copy."""
+    from tests.support.ledger import record_malicious
+
+    spec, plan, out = run
+    part, genuine, planted = _plant_moved_copy(out, plan)
+    _writer(monkeypatch, "_rows_view", part, genuine, planted)
+    s = merge(spec).dump()
+    ids = published_ids(out)
+    assert sorted(ids) == IDS, (sorted(set(IDS) - set(ids)), sorted({i for i in ids if ids.count(i) > 1}))
+    assert s["duplicates"] == {"ids": 1, "rows_dropped": 1, "examples": ["r008"]}
+    assert s["ok_rows"] + s["error_rows"] == N
+    record_malicious("a part planted after merge checked its copy, to choose a genuine row as the copy to drop", 1, 1)
 
 
 def test_a_duplicated_row_elsewhere_in_the_shard_is_refused_as_out_of_order(run):
