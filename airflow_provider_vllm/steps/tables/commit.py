@@ -69,12 +69,49 @@ class TableCommit:
         }
 
 
-def committed_snapshot(table: Table, run_id: str) -> Any:
-    """The snapshot of ``table`` whose summary carries ``run_id``, or None."""
+def committed_snapshot(table: Table, run_id: str, uris: Sequence[str]) -> Any:
+    """The snapshot of ``table`` that committed run ``run_id``: its summary carries the run id and it added exactly
+    the run's parts (``uris``) as data files, and no delete file; or None. Whoever may commit to the catalog can
+    write any summary: a snapshot that carries the run id but added other files is not the run's (a warning names
+    it), and publish never takes it for the run's commit."""
+    want = set(uris)
     for snap in table.metadata.snapshots:
-        if summary_of(snap).get(RUN_ID) == run_id:
+        if summary_of(snap).get(RUN_ID) != run_id:
+            continue
+        added, other = _added_files(table, snap)
+        if added == want and not other:
             return snap
+        log.warning(
+            "table %s: snapshot %s carries run %s but added %d data file(s)%s, not the run's %d parts (e.g. %s): "
+            "not this deployment's commit of the run (another writer of the catalog?); ignored",
+            table.name(),
+            snap.snapshot_id,
+            run_id,
+            len(added),
+            " and delete files" if other else "",
+            len(want),
+            sorted(added - want)[:1] or sorted(want - added)[:1],
+        )
     return None
+
+
+def _added_files(table: Table, snap: Any) -> tuple[set[str], bool]:
+    """(the data files ``snap`` added, whether it added a delete file): from its own manifests' entries."""
+    from pyiceberg.manifest import DataFileContent, ManifestEntryStatus
+
+    added: set[str] = set()
+    deletes = False
+    for manifest in snap.manifests(table.io):
+        if manifest.added_snapshot_id != snap.snapshot_id:  # carried over from an earlier snapshot
+            continue
+        for entry in manifest.fetch_manifest_entry(table.io, discard_deleted=True):
+            if entry.status != ManifestEntryStatus.ADDED or entry.snapshot_id != snap.snapshot_id:
+                continue
+            if entry.data_file.content == DataFileContent.DATA:
+                added.add(entry.data_file.file_path)
+            else:
+                deletes = True
+    return added, deletes
 
 
 def commit_results(
@@ -141,9 +178,9 @@ def commit_results(
             table = table.refresh()
             continue
         table = table.refresh()
-        found = committed_snapshot(table, run_id)
+        found = committed_snapshot(table, run_id, uris)
         if found is None:
-            raise CommitError(f"table {target.identifier}: committed, but no snapshot carries run {run_id}")
+            raise CommitError(f"table {target.identifier}: committed, but no snapshot added run {run_id}'s parts")
         return _done(target, table, found, already=False)
     raise TransientError(
         f"table {target.identifier}: the catalog refused the commit of run {run_id} {COMMIT_ATTEMPTS} times "
@@ -211,7 +248,7 @@ def _this_runs_snapshot(
     current snapshot holds some of the run's parts but not all; when the run's snapshot was expired but the current
     snapshot holds all its parts, that snapshot stands for it (nothing is added twice)."""
     where = f"table {target.identifier}"
-    found = committed_snapshot(table, run_id)
+    found = committed_snapshot(table, run_id, uris)
     if found is not None:
         sealed = summary_of(found).get(MANIFEST_SHA)
         if manifest_sha is not None and sealed is not None and sealed != manifest_sha:

@@ -21,6 +21,7 @@ from airflow_provider_vllm.steps.merge.merger import RESULTS, read_merged, verif
 from airflow_provider_vllm.steps.tables.access import Tables, summary_of
 from airflow_provider_vllm.steps.tables.commit import RUN_ID
 from tests.support.iceberg import publish, rows, run_job, source_table, sql_catalog, table_spec
+from tests.support.ledger import record_malicious
 
 
 @pytest.fixture
@@ -79,6 +80,35 @@ def test_publishing_the_same_run_again_is_a_no_op(tmp_path, lake, fake_engine_fa
     table = catalog.load_table("lake.triage")
     assert len(table.snapshots()) == 2 and second.snapshot_id == table.current_snapshot().snapshot_id
     assert table.scan().to_arrow().num_rows == 60
+
+
+def test_a_planted_snapshot_carrying_the_runs_id_is_never_taken_for_its_commit(tmp_path, lake, fake_engine_factory):
+    """Another writer of the catalog (no signing key) commits forged rows in a snapshot whose summary carries
+    tonight's run id (its output prefix: predictable) before tonight's publish. Publish commits the run's own parts
+    in a snapshot of its own and reports that one. The code before took the planted snapshot for the run's commit:
+    none of the run's parts reached the table, and its snapshot id was sealed into _SUCCESS.json and the event."""
+    import pyarrow as pa
+
+    from airflow_provider_vllm.core.allow_list import canonical_uri
+
+    catalog, tables = lake
+    publish(run(tmp_path, lake, fake_engine_factory, name="d1"), tables)  # yesterday's run creates the table
+    tonight = table_spec(str(tmp_path / "d2"), out_table={"identifier": "lake.triage", "create": True})
+    forged = catalog.load_table("lake.triage").scan().to_arrow()
+    forged = forged.set_column(forged.schema.get_field_index("label"), "label", pa.array(["FORGED"] * len(forged)))
+    run_id = canonical_uri(tonight.io.output_uri, "io.output_uri", resolve=False)
+    catalog.load_table("lake.triage").append(forged, snapshot_properties={RUN_ID: run_id})
+    planted = catalog.load_table("lake.triage").current_snapshot().snapshot_id
+    run_job(tonight, tables, fake_engine_factory)
+    commit = publish(tonight, tables)
+    assert not commit.already and commit.snapshot_id != planted and commit.rows == 30
+    table = catalog.load_table("lake.triage")
+    assert commit.snapshot_id == table.current_snapshot().snapshot_id
+    live = {e.file.file_path for e in table.scan(snapshot_id=commit.snapshot_id).plan_files()}
+    out = Storage(tonight.io.output_uri)
+    assert {f for f in live if "/d2/" in f} == {out.uri(p) for p in verified_parts(out, RESULTS, read_merged(out))}
+    assert publish(tonight, tables).snapshot_id == commit.snapshot_id  # published again: the run's own snapshot
+    record_malicious("planted_table_snapshot_with_the_runs_id", 1, 1)
 
 
 def test_overwrite_replaces_the_run_dates_partition_in_one_snapshot(tmp_path, lake, fake_engine_factory):
