@@ -2,7 +2,7 @@
 
 Planned from footers plus the id column (checked by DuckDB, never loaded into Python); the
 text columns are read only when exact per-row sizes are asked for. The worker reads only
-the row groups that hold its segment.
+the row groups that hold its segment, in batches, and stops after the segment's last row.
 """
 
 from __future__ import annotations
@@ -31,6 +31,16 @@ from airflow_provider_vllm.core.storage import Storage
 if TYPE_CHECKING:
     from airflow_provider_vllm.core.plan import Segment
     from airflow_provider_vllm.core.spec import JobSpec
+
+# Rows are read in batches of about this many decoded bytes, as the footer states the columns' uncompressed sizes
+# (``_batch_rows``): a row group (pyarrow writes 1Mi rows by default) is never decoded whole at once.
+BATCH_BYTES = 16 << 20
+# At most this many rows a batch: pyarrow's default batch size.
+BATCH_ROWS = 65536
+# The worker's batches hold at most this many rows, or the segment's rows when more: a footer can understate what
+# its rows decode to (text stored once in a dictionary and repeated, or a forged size), and a smaller batch costs
+# more per row (about 50 us a batch).
+SEGMENT_BATCH_ROWS = 1024
 
 
 class ParquetFormat(InputFormat):
@@ -125,13 +135,31 @@ def _row_groups(root: Storage, names: list[str], texts: list[str], group_rows: l
 
     def read(fh, pf: pq.ParquetFile, g: int) -> np.ndarray:
         cols = [c for c in texts if not pa.types.is_null(pf.schema_arrow.field(c).type)]
-        if not cols:
-            return np.zeros(pf.metadata.row_group(g).num_rows, np.int64)
         rg = pf.metadata.row_group(g)
+        total = np.zeros(rg.num_rows, np.int64)
+        if not cols:
+            return total
         paths = [rg.column(i).path_in_schema for i in range(rg.num_columns)]
-        encoded = [c for c in cols if c in paths and rg.column(paths.index(c)).has_dictionary_page]
-        reader = pq.ParquetFile(fh, read_dictionary=encoded, metadata=pf.metadata) if encoded else pf
-        return _text_chars(reader.read_row_group(g, columns=cols, use_threads=False), cols)
+        # read whole as a dictionary: small in that form (its dictionary plus an index a row). A larger column
+        # chunk with a dictionary page may hold pages the writer stored plain (the dictionary grew past its limit):
+        # read as a dictionary it would build one of all its texts, so it is read plain, in batches, like the rest
+        encoded = [
+            c
+            for c in cols
+            if c in paths
+            and rg.column(paths.index(c)).has_dictionary_page
+            and rg.column(paths.index(c)).total_uncompressed_size <= BATCH_BYTES
+        ]
+        if encoded:
+            reader = pq.ParquetFile(fh, read_dictionary=encoded, metadata=pf.metadata)
+            total += _text_chars(reader.read_row_group(g, columns=encoded, use_threads=False), encoded)
+        plain = [c for c in cols if c not in encoded]
+        if plain:
+            size = _batch_rows(pf.metadata, [g], plain, BATCH_ROWS)
+            batches = pf.iter_batches(batch_size=size, row_groups=[g], columns=plain, use_threads=False)
+            parts = [_text_chars(pa.Table.from_batches([b]), plain) for b in batches]
+            total += np.concatenate(parts) if parts else 0
+        return total
 
     def chars(i: int) -> np.ndarray:
         f, g = where[i]
@@ -266,7 +294,12 @@ def check_column_names(name: str, columns: list[str]) -> None:
 
 
 def read_parquet_range(storage: Storage, name: str, start: int, count: int, columns: list[str]) -> pa.Table:
-    """Rows [start, start+count) of one Parquet file, reading only the row groups that hold them."""
+    """Rows [start, start+count) of one Parquet file, reading only the row groups that hold them.
+
+    The row groups are read in batches (``_batch_rows``, at most ``max(count, SEGMENT_BATCH_ROWS)`` rows), from the
+    first row of the first of them up to the batch that holds the segment's last row; only the rows of the segment
+    are kept (slices of their batches). So a segment of 10 rows of a row group of a million decodes at most the
+    rows up to its own and holds a few batches, not the row group whole."""
     with storage.open(name) as f:
         pf = pq.ParquetFile(f)
         md = pf.metadata
@@ -283,8 +316,41 @@ def read_parquet_range(storage: Storage, name: str, start: int, count: int, colu
             raise DatasetError(f"{name}: missing columns {missing}")
         if not groups or first_row is None:
             return pf.schema_arrow.empty_table().select(columns)
-        table = pf.read_row_groups(groups, columns=columns)
-    return table.slice(start - first_row, count)
+        size = _batch_rows(md, groups, columns, min(max(count, SEGMENT_BATCH_ROWS), BATCH_ROWS))
+        end, pos, kept, schema = start + count, first_row, [], None
+        batches = pf.iter_batches(batch_size=size, row_groups=groups, columns=columns)
+        try:
+            for batch in batches:
+                schema = batch.schema
+                if pos + batch.num_rows > start:
+                    lo = max(start - pos, 0)
+                    kept.append(batch.slice(lo, min(end - pos, batch.num_rows) - lo))
+                pos += batch.num_rows
+                if pos >= end:
+                    break
+        finally:
+            batches.close()  # stops the reader before the rest of the row groups
+    if schema is None:
+        return pf.schema_arrow.empty_table().select(columns)
+    return pa.Table.from_batches(kept, schema=schema)
+
+
+def _batch_rows(md: pq.FileMetaData, groups: list[int], columns: list[str], most: int) -> int:
+    """Rows a batch when reading ``columns`` of row groups ``groups``: ``BATCH_BYTES`` over the most uncompressed
+    bytes a row of any of the groups holds in those columns (the footer's sizes), between 1 and ``most``."""
+    names = [md.schema.column(i).path for i in range(md.num_columns)]
+    per_row = 0
+    for g in groups:
+        rg = md.row_group(g)
+        if rg.num_rows:
+            # a nested column is stored as several leaf columns: "c.x", "c.list.element"
+            size = sum(
+                rg.column(i).total_uncompressed_size
+                for i, path in enumerate(names)
+                if any(path == c or path.startswith(c + ".") for c in columns)
+            )
+            per_row = max(per_row, size // rg.num_rows)
+    return max(1, min(most, BATCH_BYTES // max(per_row, 1)))
 
 
 def parquet_batch(table: pa.Table, id_column: str, columns: list[str]) -> RowBatch:

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
@@ -11,6 +17,7 @@ from airflow_provider_vllm.core.formats import input_format
 from airflow_provider_vllm.core.plan import Segment
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.steps.plan.planner import build_plan
+from tests.support import ROOT
 from tests.support.data import make_spec, write_parquet
 
 PARQUET = input_format("parquet")
@@ -205,3 +212,56 @@ def test_a_categorical_passthrough_value_that_is_not_utf8_is_its_rows_error_and_
     tags = pa.chunked_array([pa.ListArray.from_arrays([0, 1, 3], bad)])
     with pytest.raises(DatasetError, match="column 'tags' holds a string that is not UTF-8"):
         _values(tags, "tags", [None, None])
+
+
+PEAK = """
+import json, sys
+import pyarrow as pa
+from airflow_provider_vllm.core.formats import input_format
+from airflow_provider_vllm.core.plan import Segment
+from airflow_provider_vllm.core.storage import Storage
+from tests.support.data import make_spec
+
+root, what = Storage(sys.argv[1]), sys.argv[2]
+spec = make_spec(sys.argv[1] + "/in.parquet", sys.argv[1] + "/out")
+if what == "plan":  # the plan's exact per-row sizes of the one row group
+    got = input_format("parquet").scan(root, ["in.parquet"], spec, per_row=True).groups.chars(0)
+    out = {"rows": len(got), "chars": int(got.sum())}
+else:
+    start = int(what)
+    got = input_format("parquet").read_rows(root, "in.parquet", Segment(file=0, start=start, count=10), spec)
+    out = {"ids": got.ids, "chars": got.chars}
+print(json.dumps({**out, "peak_mb": pa.default_memory_pool().max_memory() >> 20}))
+"""
+
+
+def test_a_segment_of_a_row_group_that_decodes_to_300_mb_is_read_in_batches(tmp_path):
+    """One row group of 20,000 rows of 16 KiB texts (a few hundred KB zstd-compressed, 312 MiB decoded): the
+    worker's read of a 10-row segment at its start or its end, and the plan's exact per-row sizes of the row group,
+    hold a few batches of it in Arrow memory, never the row group whole (the code before: 573 MiB for the segment,
+    902 MiB for the sizes)."""
+    n, text = 20_000, 16 << 10
+    texts = pc.binary_join_element_wise(pa.array([str(i) for i in range(n)]), "x" * text, " ")  # distinct texts
+    ids = pa.array([f"r{i:05d}" for i in range(n)])
+    pq.write_table(pa.table({"id": ids, "text": texts}), tmp_path / "in.parquet", row_group_size=n, compression="zstd")
+    del texts
+    decoded_mb = n * text >> 20
+
+    def peak(what: str) -> dict:
+        got = subprocess.run(
+            [sys.executable, "-c", PEAK, str(tmp_path), what],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            check=True,
+        )
+        return json.loads(got.stdout.strip().splitlines()[-1])
+
+    for start in (0, n - 10):
+        doc = peak(str(start))
+        assert doc["ids"] == [f"r{i:05d}" for i in range(start, start + 10)], doc["ids"]
+        assert doc["chars"] == [len(str(i)) + 1 + text for i in range(start, start + 10)]
+        assert doc["peak_mb"] < decoded_mb // 4, doc["peak_mb"]  # 312 MiB decoded whole
+    doc = peak("plan")
+    assert doc["rows"] == n and doc["chars"] == sum(len(str(i)) + 1 + text for i in range(n))
+    assert doc["peak_mb"] < decoded_mb // 4, doc["peak_mb"]
