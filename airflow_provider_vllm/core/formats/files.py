@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from airflow_provider_vllm.core.errors import DatasetError, InputChangedError
+from airflow_provider_vllm.core.formats.lines import LineReader, parse_line
 from airflow_provider_vllm.core.storage import GLOB_CHARS, FileSystems, Storage, has_glob
 
 PARQUET_EXT = (".parquet", ".pq", ".parq")
@@ -123,18 +124,18 @@ def detect_format(storage: Storage, names: list[str], declared: str) -> str:
     if kind == "parquet":
         return "parquet"
     with storage.open(names[0]) as f:
-        for raw in f:
+        reader = LineReader(f)  # a first line over the line limit is not read whole (it is no request: jsonl)
+        while True:
+            raw, size = reader.next_line(read_on=False)
+            if not size or raw is None:
+                return "jsonl"
             if raw.strip():
-                try:
-                    first = json.loads(raw.decode("utf-8-sig"))
-                except (ValueError, UnicodeDecodeError):
-                    return "jsonl"
+                first = parse_line(raw, first=True)
                 # a request line: a body and the request's own fields; custom_id may be the one that is
                 # missing (the plan then refuses that line naming custom_id, not the template's id column)
                 if isinstance(first, dict) and "body" in first and {"custom_id", "url", "method"} & set(first):
                     return "openai_batch"
                 return "jsonl"
-    return "jsonl"
 
 
 @dataclass(frozen=True)

@@ -2,13 +2,13 @@
 
 Planned in one pass over every line. A line that is not a JSON object cannot name its id;
 it gets the synthetic id ``__line__:<file>:<line number>`` so that it still ends up, exactly
-once, in the errors (``INVALID_JSON``). A line without a usable id fails the plan: it could
-not be tracked.
+once, in the errors (``INVALID_JSON``). So does a line over ``lines.JSONL_LINE_MAX_BYTES`` or
+nested deeper than ``lines.JSON_MAX_DEPTH``, decided from its bytes alike in plan and worker.
+A line without a usable id fails the plan: it could not be tracked.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +26,7 @@ from airflow_provider_vllm.core.formats.base import (
     raise_duplicates,
     row_columns,
 )
+from airflow_provider_vllm.core.formats.lines import LineReader, Unreadable, parse_line, too_long
 from airflow_provider_vllm.core.storage import Storage
 
 if TYPE_CHECKING:
@@ -116,7 +117,9 @@ class JsonlFormat(InputFormat):
     ) -> RowBatch:
         """``segment.count`` data lines from byte ``segment.offset`` (line number ``segment.line``) on.
 
-        Invalid lines become rows with a fault (``INVALID_JSON``) and their synthetic id. No passthrough
+        Invalid lines (also one too long or too deeply nested) become rows with a fault (``INVALID_JSON``) and
+        their synthetic id, as the plan's scan gave them: both read lines with ``lines.LineReader`` and parse them
+        with ``lines.parse_line``. No passthrough
         columns (JSON lines have no column types): the plan refuses ``io.passthrough`` for them.
         """
         if passthrough:
@@ -127,20 +130,25 @@ class JsonlFormat(InputFormat):
         line_no = segment.line - 1
         with root.open(name) as f:
             f.seek(segment.offset)
+            reader = LineReader(f)
             while len(batch.ids) < segment.count:
-                raw = f.readline()
+                raw, size = reader.next_line()
                 line_no += 1
-                if not raw:
+                if not size:
                     raise InputChangedError(f"{name}: ended before the planned rows (offset {segment.offset})")
-                if _is_blank(raw):
+                if raw is not None and _is_blank(raw):
                     continue
-                parsed = _parse_line(raw, line_no == 1)
+                parsed = too_long(size) if raw is None else parse_line(raw, line_no == 1)
                 batch.lines.append(line_no)
                 if not isinstance(parsed, dict):
                     batch.ids.append(invalid_line_id(name, line_no))
                     for c in columns:
                         batch.values[c].append(None)
-                    why = "not valid UTF-8 JSON" if parsed is None else f"a JSON {type(parsed).__name__}, not an object"
+                    why = (
+                        parsed.why
+                        if isinstance(parsed, Unreadable)
+                        else f"a JSON {type(parsed).__name__}, not an object"
+                    )
                     batch.faults.append(("INVALID_JSON", f"line is {why}"))
                     batch.chars.append(0)
                     continue
@@ -159,18 +167,25 @@ class JsonlFormat(InputFormat):
         ids: list[str] = []
         offsets, lengths, lines = [], [], []
         invalid = 0
-        pos = 0
+        pos = line_no = 0
         with root.open(name) as f:
-            for line_no, raw in enumerate(f, start=1):
+            reader = LineReader(f)
+            while True:
+                raw, size = reader.next_line()
+                if not size:
+                    break
                 here = pos
-                pos += len(raw)
-                if _is_blank(raw):
+                pos += size
+                line_no += 1
+                if raw is not None and _is_blank(raw):
                     continue
-                parsed = _parse_line(raw, line_no == 1)
+                parsed = too_long(size) if raw is None else parse_line(raw, line_no == 1)
                 offsets.append(here)
                 lines.append(line_no)
                 if not isinstance(parsed, dict):
-                    if planning and not ids:  # the first data line: a JSON document (not JSON Lines) starts so too
+                    # the first data line: a JSON document (not JSON Lines) starts so too; one too long to read is
+                    # larger than JSON_DOCUMENT_MAX_BYTES, not checked
+                    if planning and not ids and raw is not None:
                         _refuse_a_json_document(root, name)
                     ids.append(invalid_line_id(name, line_no))
                     lengths.append(0)
@@ -182,7 +197,8 @@ class JsonlFormat(InputFormat):
 
 
 # A file whose first line is not a JSON object is read whole, up to this size, to tell a JSON document from JSON
-# Lines with a bad first line.
+# Lines with a bad first line. Not larger than lines.JSONL_LINE_MAX_BYTES: a first line too long to parse is in a
+# file too large to check.
 JSON_DOCUMENT_MAX_BYTES = 64 << 20
 
 
@@ -192,8 +208,8 @@ def _refuse_a_json_document(root: Storage, name: str) -> None:
     two or more rows never parse as one value; a file too large to check is read as lines."""
     if root.size(name) > JSON_DOCUMENT_MAX_BYTES:
         return
-    doc = _parse_line(root.read_bytes(name), first=True)
-    if doc is None:
+    doc = parse_line(root.read_bytes(name), first=True)
+    if isinstance(doc, Unreadable):
         return
     kind = "an object" if isinstance(doc, dict) else "an array" if isinstance(doc, list) else f"a {type(doc).__name__}"
     raise DatasetError(
@@ -239,11 +255,3 @@ def _check_distinct(ids: pa.ChunkedArray, names: list[str], file_rows: list[int]
         starts = np.cumsum([0] + list(file_rows))
         at = [f"{names[int(np.searchsorted(starts, p, side='right')) - 1]} line {int(lines[p])}" for p in pos]
         raise_duplicates(n, distinct, dups, at)
-
-
-def _parse_line(raw: bytes, first: bool) -> Any:
-    try:
-        text = raw.decode("utf-8-sig" if first else "utf-8")
-        return json.loads(text)
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        return None

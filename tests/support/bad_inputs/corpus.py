@@ -97,6 +97,12 @@ def jsonl_row_corpus(folder: Path) -> dict[str, str]:
     lines.append((b"[1, 2, 3]", None, INVALID_JSON))
     lines.append((b'"just a string"', None, INVALID_JSON))
     lines.append((b'{"id": "deep", "text": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None, INVALID_JSON))
+    # valid JSON one level past lines.JSON_MAX_DEPTH (256): refused alike at any stack depth; at the limit: a row
+    lines.append((b'{"id": "deep-257", "text": "t", "x": ' + b"[" * 256 + b"]" * 256 + b"}", None, INVALID_JSON))
+    lines.append((b'{"id": "deep-256", "text": "t", "x": ' + b"[" * 255 + b"]" * 255 + b"}", "deep-256", "ok"))
+    obj("brackets-in-text", "ok", text='a \\" [' + "[{" * 1000)  # in a string: no nesting
+    # valid JSON over lines.JSONL_LINE_MAX_BYTES (64 MiB): skipped in blocks, never parsed
+    lines.append((json.dumps({"id": "over-64-mib", "text": "z" * (64 << 20)}).encode(), None, INVALID_JSON))
     lines.append((b"", None, "skip"))  # blank lines are not rows
     lines.append((b"   ", None, "skip"))
     obj("last-line-no-newline", "ok", text="final line without a line end")
@@ -330,9 +336,20 @@ def openai_row_corpus(folder: Path) -> dict[str, str]:
     ]
     reqs += [(req(cid, body), code) for cid, body, code in hostile_chat_requests()]
     reqs += [(req(cid, body), "ok") for cid, body in good_chat_requests()]
+    # a request nested one level past lines.JSON_MAX_DEPTH (256), and one over lines.JSONL_LINE_MAX_BYTES (64 MiB):
+    # neither is parsed, so neither names its custom_id; each is an INVALID_JSON row under its line's synthetic id
+    deep = req("deep-257", {**good, "metadata": "NESTED"})
+    long = req("over-64-mib", {"model": "m", "messages": [{"role": "user", "content": "z" * (64 << 20)}]})
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "batch.jsonl").write_text("\n".join(json.dumps(r) for r, _ in reqs) + "\n")
-    return {r["custom_id"]: e for r, e in reqs}
+    text = "\n".join(json.dumps(r) for r, _ in reqs)
+    text += "\n" + json.dumps(deep).replace('"NESTED"', "[" * 255 + "]" * 255) + "\n" + json.dumps(long) + "\n"
+    (folder / "batch.jsonl").write_text(text)
+    n = len(reqs)
+    return {
+        **{r["custom_id"]: e for r, e in reqs},
+        f"__line__:batch.jsonl:{n + 1}": INVALID_JSON,
+        f"__line__:batch.jsonl:{n + 2}": INVALID_JSON,
+    }
 
 
 def dataset_fault_cases(root: Path) -> dict[str, tuple[Path, list[str]]]:
