@@ -66,6 +66,10 @@ class LineReader:
         """The next line and its size; ``(b"", 0)`` at the end of the file, ``(None, size)`` for a long line.
         ``read_on=False``: a long line comes as soon as it is over the limit, its size the bytes read of it (the
         reader is then within that line)."""
+        nl = self._buf.find(b"\n", self._at)
+        if 0 <= nl < self._at + self._limit:  # the common case: a whole line within the block read
+            line, self._at = self._buf[self._at : nl + 1], nl + 1
+            return line, len(line)
         parts: list[bytes] | None = []
         size = 0
         while True:
