@@ -11,7 +11,10 @@ vLLM loads with ``LoRARequest(name, int_id, path)``. Its identity, ``AdapterRef`
 The worker never hands vLLM the source folder itself: ``fetch_adapter`` copies the files into a folder
 of its own, hashing them as they are copied, and uses that copy only when its fingerprint is the plan's
 (``InputChangedError`` otherwise: the adapter changed since the plan, and answers under the plan's
-identity would be another adapter's). Pure: no vLLM, no Airflow.
+identity would be another adapter's). Whoever else can write the folder cannot make either read more than
+the plan's sizes: the plan refuses a folder whose stated sizes add up to more than ``MAX_BYTES`` before it
+reads a byte, and the copy stops at the plan's total; neither opens anything but a regular file
+(``Storage._open_read``). Pure: no vLLM, no Airflow.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from airflow_provider_vllm.core.errors import InputChangedError, SpecError
+from airflow_provider_vllm.core.errors import CommitError, InputChangedError, SpecError
 from airflow_provider_vllm.core.records import Record
 from airflow_provider_vllm.core.spec import LORA_RANKS, AdapterSpec, JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
@@ -131,13 +134,14 @@ def describe_adapter(a: AdapterSpec, options: dict[str, Any], filesystems: FileS
     st = adapter_storage(a, options, filesystems)
     try:
         names = _listing(st, a)
-        entries = [(rel, st.size(rel), st.sha256(rel)) for rel in names]
+        sizes = [(rel, st.size(rel)) for rel in names]
+        total = sum(size for _, size in sizes)
+        if total > MAX_BYTES:  # as the store states the sizes: nothing read yet (a planted TB is not hashed)
+            raise SpecError(f"model.adapters[{a.name}]: {a.source} holds {total} bytes, more than an adapter")
+        entries = [(rel, size, st.sha256(rel, size)) for rel, size in sizes]  # no more than size + 1 bytes each
         cfg = _config(st.read_bytes(CONFIG_FILE), a)
     except FileNotFoundError as e:
         raise SpecError(f"model.adapters[{a.name}]: {a.source} cannot be read here: {e}") from None
-    total = sum(size for _, size, _ in entries)
-    if total > MAX_BYTES:
-        raise SpecError(f"model.adapters[{a.name}]: {a.source} holds {total} bytes, more than an adapter")
     return AdapterRef(
         name=a.name,
         source=a.source,
@@ -183,28 +187,47 @@ def fetch_adapter(
     a: AdapterSpec, ref: AdapterRef, dest: str, options: dict[str, Any], filesystems: FileSystems | None = None
 ) -> str:
     """Copy a local or object store adapter into ``dest`` (a new folder) and return it, after checking that the
-    copy's fingerprint is the plan's (``ref.sha256``); InputChangedError when the adapter changed since."""
+    copy's fingerprint is the plan's (``ref.sha256``); InputChangedError when the adapter changed since.
+
+    Each file is read through ``Storage._open_read`` (a FIFO or a device put in place of a file is refused
+    unopened: InputChangedError naming it) and the copy stops at the plan's size (``ref.bytes``, all files together):
+    a file whose stated size takes the total past it is refused unread, and no more than ``ref.bytes`` + 1 bytes
+    are read in all (InputChangedError naming the file)."""
     st = adapter_storage(a, options, filesystems)
     try:
         names = _listing(st, a)
     except FileNotFoundError as e:
         raise InputChangedError(f"model.adapters[{a.name}]: {a.source} is gone since the plan: {e}") from None
+    limit = MAX_BYTES if ref.bytes is None else min(ref.bytes, MAX_BYTES)
+
+    def larger(rel: str) -> InputChangedError:
+        return InputChangedError(
+            f"model.adapters[{a.name}]: {st.uri(rel)} takes the adapter past the {limit} bytes the plan found: "
+            "it changed since the plan; plan the run again"
+        )
+
     entries = []
     total = 0
     for rel in names:
         if rel.startswith("/") or ".." in rel.split("/"):
             raise SpecError(f"model.adapters[{a.name}]: file name {rel!r} leaves the folder")
+        if total + st.size(rel) > limit:  # as the store states it: refused unread
+            raise larger(rel)
         local = os.path.join(dest, *rel.split("/"))
         os.makedirs(os.path.dirname(local), exist_ok=True)
         h, size = hashlib.sha256(), 0
-        with st.open(rel) as src, open(local, "wb") as out:
-            for block in iter(lambda: src.read(_CHUNK), b""):
+        try:
+            src = st._open_read(rel)
+        except CommitError as e:  # not a regular file (it was one when the plan hashed it)
+            raise InputChangedError(f"model.adapters[{a.name}]: {e}; it changed since the plan") from None
+        with src, open(local, "wb") as out:
+            while block := src.read(min(_CHUNK, limit + 1 - total)):  # the size may lie: limit + 1 at most
+                total += len(block)
+                if total > limit:
+                    raise larger(rel)
                 h.update(block)
                 out.write(block)
                 size += len(block)
-                total += len(block)
-                if total > MAX_BYTES:
-                    raise InputChangedError(f"model.adapters[{a.name}]: {a.source} grew past {MAX_BYTES} bytes")
         entries.append((rel, size, h.hexdigest()))
     got = folder_fingerprint(entries)
     if got != ref.sha256:

@@ -1,5 +1,6 @@
 """What the security tests share: an allowed local folder holding an input, a spec inside it, the
-deployment's prefixes, and the refusal (if any) the spec meets at validation and the deployment check.
+deployment's prefixes, and the refusal (if any) the spec meets at validation and the deployment check; the
+bytes the checked readers read.
 """
 
 from __future__ import annotations
@@ -79,3 +80,21 @@ def _ti():
             "try_number": 1,
         },
     )()
+
+
+def counted_reads(monkeypatch) -> list[int]:
+    """The sizes of every read of a file opened by ``Storage._open_read`` (the checked readers) from now on: what a
+    test of "not read" sums."""
+    from airflow_provider_vllm.core.storage import Storage
+
+    read: list[int] = []
+    real_open = Storage._open_read
+
+    def counted(self, rel):
+        f = real_open(self, rel)
+        real_read = f.read
+        f.read = lambda n=-1: read.append(len(b := real_read(n))) or b
+        return f
+
+    monkeypatch.setattr(Storage, "_open_read", counted)
+    return read

@@ -49,6 +49,15 @@ log = logging.getLogger(__name__)
 ENTRIES, COMMITS = "entries", "commits"
 COMPUTED_AT = "computed_at"  # per row: when the answer was computed (UTC, ISO 8601); the newest wins a key
 COMPACT_AFTER = 16  # live entries of one key config before a merge compacts them into one
+COMMIT_MAX_BYTES = 1 << 20
+"""The most read of a cache commit file. A commit this provider writes names one part (about 2 KB sealed, with
+its output URI); a compaction adds the ids it supersedes (about 40 bytes each; ``COMPACT_AFTER`` + 1 when it runs
+on time), so 1 MiB holds some 25,000 of them. A larger file is refused unread and its entry skipped: a planted
+one is parsed before its seal is checked, and one of 64 MiB took some 370 MiB of the plan's memory."""
+MAX_COMMITS = 1024
+"""The most commit files of one key config that ``committed`` reads: a compaction keeps them at about
+``COMPACT_AFTER``. A folder holding more is not read at all (a warning names it; every row is inferred again):
+another writer of the cache folder cannot make each plan read millions of them."""
 _ENTRY_ID = re.compile(r"^[0-9a-f]{32}$")
 _PART = re.compile(r"^part-\d{5}\.parquet$")
 
@@ -76,10 +85,19 @@ class CacheStore:
         """The live, sealed commits of this key config, oldest first (entries a compaction superseded left out)."""
         valid: list[CacheCommit] = []
         folder = self.commit_dir(khash)
-        for name in self.st.listdir(folder):
+        # others (e.g. a writer's temp file) are never a commit
+        names = [n for n in self.st.listdir(folder) if n.endswith(".json") and _ENTRY_ID.match(n.removesuffix(".json"))]
+        if len(names) > MAX_COMMITS:
+            log.warning(
+                "cache: skipping every entry of %s: it holds %d commits, more than the %d a compacted cache holds "
+                "(another writer of the cache folder put them there?)",
+                self.st.uri(folder),
+                len(names),
+                MAX_COMMITS,
+            )
+            return []
+        for name in names:
             eid = name.removesuffix(".json")
-            if not name.endswith(".json") or not _ENTRY_ID.match(eid):
-                continue  # e.g. a writer's temp file: never a commit
             c = self._read(f"{folder}/{name}", khash, eid)
             if c is not None:
                 valid.append(c)
@@ -94,7 +112,7 @@ class CacheStore:
     def _read(self, rel: str, khash: str, eid: str) -> CacheCommit | None:
         where = self.st.uri(rel)
         try:
-            c = CacheCommit.model_validate_json(self.st.read_bytes(rel))
+            c = CacheCommit.model_validate_json(self.st.read_bytes(rel, COMMIT_MAX_BYTES))
             seals.verify_record(self.keyring, seals.CACHE_ENTRY, self.scope, c, f"cache commit {where}")
         except FileNotFoundError:
             return None  # removed by a compaction since the listing

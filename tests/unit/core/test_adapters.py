@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import threading
 
 import pytest
 
+from airflow_provider_vllm.core import adapters
 from airflow_provider_vllm.core.adapters import (
     AdapterRef,
     check_refs,
@@ -16,7 +19,9 @@ from airflow_provider_vllm.core.adapters import (
 )
 from airflow_provider_vllm.core.errors import InputChangedError, SpecError
 from airflow_provider_vllm.core.spec import AdapterSpec, JobSpec
+from airflow_provider_vllm.core.storage import Storage
 from tests.support.lora import write_adapter
+from tests.support.security import counted_reads
 
 LLAMA = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 64, "num_hidden_layers": 2}
 
@@ -87,6 +92,78 @@ def test_an_object_store_adapter_is_read_with_the_deployments_filesystems(tmp_pa
     mem.pipe("s3://bucket/adapters/ad/adapter_config.json", b'{"r": 16, "lora_alpha": 1, "target_modules": []}')
     with pytest.raises(InputChangedError, match="changed since the plan"):
         fetch_adapter(a, ref, str(tmp_path / "copy2"), {}, lambda uri, options: mem)
+
+
+def test_the_plan_refuses_a_planted_huge_file_before_it_reads_a_byte(tmp_path, model_dir, monkeypatch):
+    """A writer of the folder plants a sparse file (free on local disk; 64 MiB past a MAX_BYTES of 1 MiB stands
+    for a TB past 8 GiB): the plan refuses the folder on the sizes the store states, having read nothing. The code
+    before hashed every file first (hours for a TB)."""
+    src = write_adapter(tmp_path / "ad", model_dir, seed=1)
+    with open(src / "zz-planted.bin", "wb") as f:
+        f.truncate(64 << 20)
+    monkeypatch.setattr(adapters, "MAX_BYTES", 1 << 20)
+    read = counted_reads(monkeypatch)
+    with pytest.raises(SpecError, match=r"adapters\[x\]: .* holds \d+ bytes, more than an adapter"):
+        describe_adapter(AdapterSpec(name="x", source=str(src)), {})
+    assert read == []
+
+
+def test_the_workers_copy_stops_at_the_plans_size(tmp_path, model_dir, monkeypatch):
+    """The weights grown after the plan: a file the store states larger is refused unread; a store that states
+    the old size (a stale listing) and serves more is read no further than the plan's total + 1 byte. The code
+    before copied up to MAX_BYTES (8 GiB; 16 MiB here) of each before refusing it."""
+    monkeypatch.setattr(adapters, "MAX_BYTES", 16 << 20)
+    src = write_adapter(tmp_path / "ad", model_dir, seed=1)
+    a = AdapterSpec(name="x", source=str(src))
+    ref = describe_adapter(a, {})
+    weights = src / "adapter_model.safetensors"
+    planned = weights.stat().st_size
+    with open(weights, "r+b") as f:  # sparse: 1 GiB stands for any size
+        f.truncate(1 << 30)
+    read = counted_reads(monkeypatch)
+    with pytest.raises(InputChangedError, match=rf"adapters\[x\]: {weights} takes the adapter past the {ref.bytes} "):
+        fetch_adapter(a, ref, str(tmp_path / "copy"), {})
+    assert sum(read) == (src / "adapter_config.json").stat().st_size  # the config only
+    assert not (tmp_path / "copy" / "adapter_model.safetensors").exists()
+
+    real_size = Storage.size
+    monkeypatch.setattr(Storage, "size", lambda self, rel: planned if rel == weights.name else real_size(self, rel))
+    read.clear()
+    with pytest.raises(InputChangedError, match=rf"{weights} takes the adapter past the {ref.bytes} bytes the plan"):
+        fetch_adapter(a, ref, str(tmp_path / "copy2"), {})
+    assert sum(read) == ref.bytes + 1
+    assert (tmp_path / "copy2" / "adapter_model.safetensors").stat().st_size <= planned
+
+
+def test_a_fifo_put_in_place_of_the_weights_after_the_plan_is_refused_unopened(tmp_path, model_dir):
+    """A FIFO opened for reading blocks until a writer comes: the copy refuses it unopened, naming it. The code
+    before opened it and blocked the worker forever (the thread here: released after the join timeout)."""
+    src = write_adapter(tmp_path / "ad", model_dir, seed=1)
+    a = AdapterSpec(name="x", source=str(src))
+    ref = describe_adapter(a, {})
+    weights = src / "adapter_model.safetensors"
+    weights.unlink()
+    os.mkfifo(weights)
+    got: list[BaseException | None] = []
+
+    def copy() -> None:
+        try:
+            fetch_adapter(a, ref, str(tmp_path / "copy"), {})
+            got.append(None)
+        except BaseException as e:  # noqa: BLE001 - handed to the test's thread
+            got.append(e)
+
+    th = threading.Thread(target=copy, daemon=True)
+    th.start()
+    th.join(30)
+    blocked = th.is_alive()
+    if blocked:  # the code before: a writer's open releases it
+        os.close(os.open(weights, os.O_WRONLY | os.O_NONBLOCK))
+        th.join(30)
+    assert not blocked
+    assert isinstance(got[0], InputChangedError)
+    assert f"adapters[x]: {weights} is not a regular file" in str(got[0])
+    assert "changed since the plan" in str(got[0])
 
 
 def test_hub_adapters_are_named_by_their_commit():

@@ -15,6 +15,7 @@ import pytest
 from airflow_provider_vllm.core.errors import CommitError
 from airflow_provider_vllm.core.storage import RECORD_MAX_BYTES, Storage
 from tests.support import ROOT
+from tests.support.security import counted_reads
 
 
 def check_capped_reads(st: Storage) -> None:
@@ -131,16 +132,7 @@ def test_a_planted_file_of_a_terabyte_where_a_sealed_file_is_checked_is_not_read
     with open(tmp_path / "part.parquet", "wb") as f:
         f.truncate(1 << 40)
     st = Storage(str(tmp_path))
-    read = []
-    real_open = Storage._open_read
-
-    def counted(self, rel):
-        f = real_open(self, rel)
-        real_read = f.read
-        f.read = lambda n=-1: read.append(len(b := real_read(n))) or b
-        return f
-
-    monkeypatch.setattr(Storage, "_open_read", counted)
+    read = counted_reads(monkeypatch)
     assert st.sha256("part.parquet", len(genuine)) != sha
     with pytest.raises(CommitError, match="part.parquet is not the file its sealed record names"):
         CheckedCopies(st, str(tmp_path / "copies")).get("part.parquet", len(genuine), sha)

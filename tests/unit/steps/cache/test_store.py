@@ -10,8 +10,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from airflow_provider_vllm.core.seal import Keyring
+from airflow_provider_vllm.steps.cache import store as store_module
 from airflow_provider_vllm.steps.cache.result_cache import ENTRY_SCHEMA
-from airflow_provider_vllm.steps.cache.store import COMPACT_AFTER, CacheStore
+from airflow_provider_vllm.steps.cache.store import COMMIT_MAX_BYTES, COMPACT_AFTER, CacheStore
+from tests.support.security import counted_reads
 
 KH = "a" * 64
 
@@ -86,3 +88,24 @@ def test_an_entry_removed_after_the_listing_is_skipped_not_fatal(store, tmp_path
     kept, files = store.fetch(commits, str(tmp_path / "read"))
     assert [c.entry_id for c in kept] == [b] and len(files) == 1
     assert "skipping entry" in caplog.text
+
+
+def test_planted_commits_are_read_no_further_than_a_commit_this_provider_writes(store, tmp_path, monkeypatch, caplog):
+    """An unsealed commit is parsed before its seal is checked: one larger than ``COMMIT_MAX_BYTES`` is skipped
+    unread, and a folder holding more than ``MAX_COMMITS`` commits is not read at all (a warning names it). The code
+    before read and parsed any number of them, each up to 256 MiB."""
+    eid = write(store, tmp_path, 1, ["k1"], "a")
+    folder = tmp_path / "cache" / "commits" / KH[:32]
+    assert (folder / f"{eid}.json").stat().st_size < COMMIT_MAX_BYTES // 100  # a genuine one
+    planted = folder / f"{'f' * 32}.json"
+    planted.write_bytes(b'{"entry_id": "' + b" " * (COMMIT_MAX_BYTES + 1) + b'"}')
+    read = counted_reads(monkeypatch)
+    assert [c.entry_id for c in store.committed(KH)] == [eid]
+    assert sum(read) < COMMIT_MAX_BYTES // 100 and f"skipping {planted}" in caplog.text
+
+    monkeypatch.setattr(store_module, "MAX_COMMITS", 3)
+    for n in range(2):
+        (folder / f"{n + 0xE0:032x}.json").write_text("{}")
+    read.clear()
+    assert store.committed(KH) == []
+    assert read == [] and f"skipping every entry of {folder}: it holds 4 commits, more than the 3" in caplog.text
