@@ -100,7 +100,8 @@ def jsonl_row_corpus(folder: Path) -> dict[str, str]:
     # valid JSON one level past lines.JSON_MAX_DEPTH (256): refused alike at any stack depth; at the limit: a row
     lines.append((b'{"id": "deep-257", "text": "t", "x": ' + b"[" * 256 + b"]" * 256 + b"}", None, INVALID_JSON))
     lines.append((b'{"id": "deep-256", "text": "t", "x": ' + b"[" * 255 + b"]" * 255 + b"}", "deep-256", "ok"))
-    obj("brackets-in-text", "ok", text='a \\" [' + "[{" * 1000)  # in a string: no nesting
+    # in a string: no nesting (260 openers, past the quick count; short enough for the real-vLLM test's 512 tokens)
+    obj("brackets-in-text", "ok", text='a \\" [' + "[{" * 130)
     # valid JSON over lines.JSONL_LINE_MAX_BYTES (64 MiB): skipped in blocks, never parsed
     lines.append((json.dumps({"id": "over-64-mib", "text": "z" * (64 << 20)}).encode(), None, INVALID_JSON))
     lines.append((b"", None, "skip"))  # blank lines are not rows
