@@ -223,6 +223,11 @@ class MergeSummary(RowCounts):
     checksums: dict[RunFile, str] = Field(
         description="path -> sha256 of the two manifests (which carry the sha256 of every part)"
     )
+    sizes: dict[RunFile, FileBytes] | None = Field(
+        None,
+        description="path -> size in bytes of each file in checksums: a reader checks no more bytes than that "
+        "(absent in summaries written before it was recorded)",
+    )
     parts: dict[str, int] = Field(
         default_factory=dict, description="'results' / 'errors' -> Parquet parts in the folder"
     )
@@ -374,6 +379,10 @@ class ChangesSummary(Record):
     matrix_cells: int | None = Field(None, description="non-empty cells of the full matrix (matrix may hold fewer)")
     files: dict[str, RunFile] = Field(description="output kind -> path under the output prefix")
     checksums: dict[RunFile, str] = Field(description="path -> sha256 of changes.parquet")
+    sizes: dict[RunFile, FileBytes] | None = Field(
+        None,
+        description="path -> size in bytes of changes.parquet (absent in summaries written before it was recorded)",
+    )
     notes: list[str] = Field(default_factory=list, description="what the reader should know (no previous run ...)")
     merged_mac: str | None = Field(
         None,

@@ -17,7 +17,7 @@ from airflow_provider_vllm.core.allow_list import canonical_uri
 from airflow_provider_vllm.core.errors import CommitError, SealError
 from airflow_provider_vllm.core.part_names import check_inside, run_file
 from airflow_provider_vllm.core.plan import changes_spec, load_plan, pinned_changes
-from airflow_provider_vllm.core.records import MergeSummary, QARecord
+from airflow_provider_vllm.core.records import SHA256_HEX, MergeSummary, QARecord
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.hooks.filesystems import task_filesystems
@@ -238,21 +238,37 @@ class VllmPublishOperator(BaseOperator):
         self._result_parts = verified_parts(out, RESULTS, merged)
         verified_parts(out, ERRORS, merged)
         # merge's other files (openai/*.jsonl): the sha256 of the bytes it wrote, sealed in _MERGED.json
+        merged_sizes = merged.sizes or {}  # None: merged before sizes were recorded (read whole)
         for rel, sha in sorted(merged.checksums.items()):
-            if rel not in (manifest_rel(RESULTS), manifest_rel(ERRORS)) and out.sha256(rel) != sha:
+            if (
+                rel not in (manifest_rel(RESULTS), manifest_rel(ERRORS))
+                and out.sha256(rel, merged_sizes.get(rel)) != sha
+            ):
                 raise AirflowFailException(
-                    f"publish: {out.uri(rel)} is not the file the sealed {MERGED} names (sha256 differs); {RERUN_MERGE}"
+                    f"publish: {out.uri(rel)} is not the file the sealed {MERGED} names (size or sha256 differs); "
+                    f"{RERUN_MERGE}"
                 )
+        # beside each checksum its size, where known: verify_published reads no more than that of each file
         checksums = {**merged.checksums, **{f.path: f.sha256 for f in qa.files.values()}}
+        sizes = {**merged_sizes, **{f.path: f.bytes for f in qa.files.values()}}
         # extra files (written by a task before publish, e.g. an embedding table): vouched for as published now
         for rel in sorted(set((self.extra_files or {}).values())):
             try:
                 check_inside(out, run_file(rel), "extra_files")
-                checksums[rel] = out.sha256(rel)
+                sizes[rel] = out.size(rel)
+                checksums[rel] = out.sha256(rel, sizes[rel])  # a file that grows meanwhile: refused below
             except (ValueError, CommitError, IsADirectoryError) as e:
                 raise AirflowFailException(f"publish: extra_files: {rel!r} is not a file of the run ({e})") from None
+            if not SHA256_HEX.fullmatch(checksums[rel]):
+                raise AirflowFailException(
+                    f"publish: extra_files: {out.uri(rel)} changed while publish read it ({checksums[rel]}); let the "
+                    "task that writes it finish, then publish"
+                )
         if changes:  # the change set QA made from this merge and judged: changes.parquet and its summary as read
-            checksums.update(changes_to_publish(out, keyring, merged, qa.changes_mac))
+            for rel, (size, sha) in changes_to_publish(out, keyring, merged, qa.changes_mac).items():
+                checksums[rel] = sha
+                if size is not None:
+                    sizes[rel] = size
         dag_run = context.get("dag_run")
         logical_date = context.get("logical_date")
         return {
@@ -265,6 +281,7 @@ class VllmPublishOperator(BaseOperator):
             "error_rows": merged.error_rows,
             "files": files,
             "checksums": checksums,
+            "sizes": {rel: size for rel, size in sizes.items() if rel in checksums},
             "spec_hash": merged.spec_hash,
             "config_hash": merged.config_hash,
             "qa": {"status": qa.status, "summary": qa.summary},

@@ -30,7 +30,7 @@ from airflow_provider_vllm.core.part_names import check_inside, run_file
 from airflow_provider_vllm.core.plan import ChangesFrom, LastPublished
 from airflow_provider_vllm.core.records import SHA256_HEX, PartsManifest
 from airflow_provider_vllm.core.seal import Keyring
-from airflow_provider_vllm.core.storage import FileSystems, Storage
+from airflow_provider_vllm.core.storage import RECORD_MAX_BYTES, FileSystems, Storage
 from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS, SUCCESS, manifest_rel, success_doc, verify_parts
 from airflow_provider_vllm.steps.qa.store import REPORT_JSON
 
@@ -130,20 +130,33 @@ def verify_published(
         raise CommitError(f"{out.uri(SUCCESS)} is not the marker the publish task wrote (sha256 differs)")
     doc = success_doc(out, raw, keyring)
     checksums = dict(doc.get("checksums", {}))
+    sizes = _sizes(doc.get("sizes"), out.uri(SUCCESS))  # absent in markers written before sizes were recorded
     for kind in (RESULTS, ERRORS):
         rel = manifest_rel(kind)
-        body = out.read_bytes(rel)
-        if hashlib.sha256(body).hexdigest() != checksums.pop(rel, None):
-            raise CommitError(f"{out.uri(rel)} is not the manifest {SUCCESS} names (sha256 differs)")
+        size = sizes.get(rel)
+        body = out.read_bytes(rel, limit=RECORD_MAX_BYTES if size is None else min(size, RECORD_MAX_BYTES))
+        if (size is not None and len(body) != size) or hashlib.sha256(body).hexdigest() != checksums.pop(rel, None):
+            raise CommitError(f"{out.uri(rel)} is not the manifest {SUCCESS} names (size or sha256 differs)")
         verify_parts(out, kind, PartsManifest.model_validate_json(body))
-    for rel, sha in sorted(checksums.items()):  # every other file it has a sha256 for
+    for rel, sha in sorted(checksums.items()):  # every other file it has a sha256 for: no more bytes than its size
         try:
             check_inside(out, run_file(rel), out.uri(SUCCESS))
-            digest = out.sha256(rel)
+            digest = out.sha256(rel, sizes.get(rel))
         except ValueError as e:
             raise CommitError(f"{out.uri(SUCCESS)}: {e}") from None
         except FileNotFoundError:
             raise CommitError(f"{out.uri(rel)} is missing; {SUCCESS} names it") from None
         if digest != sha:
-            raise CommitError(f"{out.uri(rel)} is not the file {SUCCESS} names (sha256 differs)")
+            raise CommitError(f"{out.uri(rel)} is not the file {SUCCESS} names (size or sha256 differs)")
     return doc
+
+
+def _sizes(value: Any, where: str) -> dict[str, int]:
+    """A marker's ``sizes`` (path -> bytes; {} when absent); CommitError when it is anything else."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and type(v) is int and v >= 0 for k, v in value.items()
+    ):
+        raise CommitError(f"{where}: its sizes are not a map of paths to byte counts")
+    return value

@@ -371,7 +371,8 @@ def compute_changes(
                 if cells > MAX_MATRIX_CELLS:
                     notes.append(f"the label matrix has {cells} cells; the {MAX_MATRIX_CELLS} largest are listed")
             faults.hit("changes.before_write")
-            digest = Storage(tmp).sha256("changes.parquet")  # what this step wrote, not what the bucket holds later
+            size = os.path.getsize(local)  # what this step wrote, not what the bucket holds later
+            digest = Storage(tmp).sha256("changes.parquet", size)
             # a published run keeps the change set its publish vouched for (the same bytes again go on)
             keep_published(out, published_state(out, keyring), CHANGES, digest, "QA")
             _publish(out, local, CHANGES)
@@ -407,6 +408,7 @@ def compute_changes(
         matrix_cells=cells,
         files={"changes": CHANGES},
         checksums={CHANGES: digest},
+        sizes={CHANGES: size},
         notes=notes,
         merged_mac=merged.seal.mac,
         previous_merged_mac=prev_merged.seal.mac if prev_merged is not None and prev_merged.seal else None,
@@ -420,31 +422,35 @@ def compute_changes(
 
 def read_changes(out: Storage, keyring: Keyring | None = None) -> ChangesSummary:
     """``changes/_changes.json`` of the run under ``out``, validated, its seal checked, and ``changes.parquet``
-    checked against it (size is not recorded; sha256, a streaming read); CommitError/SealError otherwise."""
+    checked against it (its size, when recorded, and sha256: a streaming read, no further than that size);
+    CommitError/SealError otherwise."""
     return _read_changes(out, keyring or Keyring.from_env())[0]
 
 
-def _read_changes(out: Storage, keyring: Keyring) -> tuple[ChangesSummary, str]:
-    """``read_changes`` and the sha256 of the summary's bytes as read."""
+def _read_changes(out: Storage, keyring: Keyring) -> tuple[ChangesSummary, bytes]:
+    """``read_changes`` and the summary's bytes as read."""
     raw = out.read_bytes(SUMMARY)
     summary = ChangesSummary.model_validate_json(raw)
     seals.verify_record(keyring, seals.CHANGES, seals.scope_of(out.uri()), summary, out.uri(SUMMARY))
     for rel, sha in summary.checksums.items():
-        if rel != CHANGES or out.sha256(rel) != sha:
+        if rel != CHANGES or out.sha256(rel, (summary.sizes or {}).get(rel)) != sha:
             raise CommitError(f"{out.uri(rel)} is not the file the sealed {SUMMARY} names (sha256 differs)")
-    return summary, hashlib.sha256(raw).hexdigest()
+    return summary, raw
 
 
-def changes_to_publish(out: Storage, keyring: Keyring, merged: MergeSummary, changes_mac: str | None) -> dict[str, str]:
-    """The change set's files with their sha256 (``changes.parquet`` and ``_changes.json`` as read), when it is the
-    one QA made from this merge and judged: ``read_changes``, made from ``merged`` (the sealed ``_MERGED.json``
-    being published: its ``merged_mac``) and the one whose seal ``changes_mac`` names (QA's sealed verdict).
+def changes_to_publish(
+    out: Storage, keyring: Keyring, merged: MergeSummary, changes_mac: str | None
+) -> dict[str, tuple[int | None, str]]:
+    """The change set's files with their size (None: not recorded) and sha256 (``changes.parquet`` and
+    ``_changes.json`` as read), when it is the one QA made from this merge and judged: ``read_changes``, made from
+    ``merged`` (the sealed ``_MERGED.json`` being published: its ``merged_mac``) and the one whose seal
+    ``changes_mac`` names (QA's sealed verdict).
 
     Every record of an earlier merge or QA of this folder is sealed for it too: a change set put back from one
     (a QA that ran before the previous run was merged, then again after; a merge run again) would be published
     with this verdict. CommitError naming the file otherwise, also for records written before these fields
     (fail closed: run QA again)."""
-    summary, raw_sha = _read_changes(out, keyring)
+    summary, raw = _read_changes(out, keyring)
     where = out.uri(SUMMARY)
     rerun = "run the QA task again (it computes and seals the change set of this merge), then publish"
     if summary.merged_mac is None:
@@ -460,7 +466,11 @@ def changes_to_publish(out: Storage, keyring: Keyring, merged: MergeSummary, cha
         raise CommitError(
             f"{where} is not the change set QA's sealed verdict names (an earlier QA of this folder put back); {rerun}"
         )
-    return {**summary.checksums, SUMMARY: raw_sha}
+    sizes = summary.sizes or {}
+    return {
+        **{rel: (sizes.get(rel), sha) for rel, sha in summary.checksums.items()},
+        SUMMARY: (len(raw), hashlib.sha256(raw).hexdigest()),
+    }
 
 
 def _publish(out: Storage, local: str, rel: str) -> None:

@@ -287,15 +287,18 @@ def _merge(
     # The seal vouches for the bytes merge wrote, hashed before they leave this process: a hash of what the
     # bucket holds when the seal is made would vouch for whatever another writer put there in between.
     written: dict[str, str] = {}
+    sizes: dict[str, int] = {}  # beside each checksum: a reader checks no more bytes than merge wrote
     for kind in KINDS:
         data = json.dumps(manifests[kind].dump(), indent=1, sort_keys=True).encode()
         out.write_atomic(manifest_rel(kind), data)
         written[manifest_rel(kind)] = hashlib.sha256(data).hexdigest()
+        sizes[manifest_rel(kind)] = len(data)
     faults.hit("merge.after_manifests")
     extra: dict[str, str] = {}
     if spec.io.output_format == "openai_batch":
         extra, openai_sums = write_openai_outputs(out, spec, plan, manifests, copies)
-        written.update(openai_sums)
+        written.update({rel: sha for rel, (_, sha) in openai_sums.items()})
+        sizes.update({rel: size for rel, (size, _) in openai_sums.items()})
     # result cache: this run's computed ok rows (as published) become its entry, committed create-only
     cache_summary = None
     if hits is not None:
@@ -338,6 +341,7 @@ def _merge(
             **extra,
         },
         checksums=written,
+        sizes=sizes,
         parts={k: len(manifests[k].parts) for k in KINDS},
         shard_stats=[ShardStatsEntry(**m.stats.dump(), shard_id=m.shard_id, attempt_id=m.attempt_id) for m in markers],
         config_hash=plan.config_hash,
@@ -926,17 +930,17 @@ def verify(con: duckdb.DuckDBPyConnection, source: str, planned_rows: int, findi
 
 def write_openai_outputs(
     out: Storage, spec: JobSpec, plan: Plan, manifests: Mapping[str, PartsManifest], copies: CheckedCopies
-) -> tuple[dict[str, str], dict[str, str]]:
+) -> tuple[dict[str, str], dict[str, tuple[int, str]]]:
     """openai/output.jsonl and openai/errors.jsonl in the OpenAI Batch API line formats, from the published parts
     ``manifests`` names, read from ``copies`` checked against them (merge seals these files: a part replaced in the
-    bucket after merge checked it must not reach them); returns their ``files`` entries and the sha256 of the
-    bytes written (for the seal).
+    bucket after merge checked it must not reach them); returns their ``files`` entries and the size and sha256
+    of the bytes written (for the seal).
 
     (Outside results/ so that a Parquet reader of that folder never meets a JSONL file.)
     """
     from airflow_provider_vllm.core.openai_output import error_line, response_line
 
-    sums = {}
+    sums: dict[str, tuple[int, str]] = {}
     for kind, fn, dest in ((RESULTS, response_line, OPENAI_OUT), (ERRORS, error_line, OPENAI_ERR)):
         lines = []
         columns = SCHEMAS[kind].names  # the line formats' columns: passthrough columns are not decoded
@@ -946,7 +950,7 @@ def write_openai_outputs(
                     lines += [json.dumps(fn(r, spec), ensure_ascii=False) for r in batch.to_pylist()]
         data = ("\n".join(lines) + ("\n" if lines else "")).encode()
         out.write_atomic(dest, data)
-        sums[dest] = hashlib.sha256(data).hexdigest()
+        sums[dest] = (len(data), hashlib.sha256(data).hexdigest())
     return {"openai_output": OPENAI_OUT, "openai_errors": OPENAI_ERR}, sums
 
 

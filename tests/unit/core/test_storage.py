@@ -142,4 +142,7 @@ def test_a_planted_file_of_a_terabyte_where_a_sealed_file_is_checked_is_not_read
     monkeypatch.setattr("airflow_provider_vllm.core.storage._open_size", lambda f: None)
     read.clear()
     assert st.sha256("grown.parquet", len(genuine)) != sha and sum(read) <= 1 << 20
+    # and what it read is named as such, never as a sha256 a caller could record (publish's extra files do)
+    assert st.sha256("grown.parquet", len(genuine)) == f"at least {1 << 20} bytes, not {len(genuine)}"
+    assert st.sha256("grown.parquet", 5 << 20) == f"{len(genuine) + (3 << 20)} bytes, not {5 << 20}"
     assert st.sha256("grown.parquet") == hashlib.sha256((tmp_path / "grown.parquet").read_bytes()).hexdigest()

@@ -446,3 +446,52 @@ def test_qa_run_again_on_a_published_run_never_replaces_what_publish_vouched_for
         assert files_under(out) == before
         verify_published(str(out), **success)
     record_malicious("qa_again_replaces_published_files", 2, 2)
+
+
+def test_files_the_marker_vouches_for_are_read_no_further_than_their_recorded_size(tmp_path, fake_engine_factory):
+    """Merge records the size of each file it seals beside its sha256 (the manifests, the OpenAI batch files),
+    publish puts every file's size beside its checksum in ``_SUCCESS.json`` (QA's files, the extra files too), and
+    publish and ``verify_published`` read no more of a file than that: a sparse terabyte planted in its place (free
+    on local disk, or a lying object store) is refused unread. The code before hashed it whole (hours)."""
+    from tests.support.security import counted_reads
+
+    doc, qa = _openai_batch_job(tmp_path, fake_engine_factory)
+    out = tmp_path / "out"
+    merged = json.loads((out / "_MERGED.json").read_text())
+    assert merged["sizes"] == {rel: (out / rel).stat().st_size for rel in merged["checksums"]}
+    (out / "embeddings").mkdir()
+    (out / "embeddings" / "table.parquet").write_bytes(b"a table the DAG wrote")
+    good = (out / "openai" / "output.jsonl").read_bytes()
+
+    def planted(rel: str) -> None:
+        with open(out / rel, "wb") as f:
+            f.truncate(1 << 40)
+
+    planted("openai/output.jsonl")
+    read = counted_reads(monkeypatch := pytest.MonkeyPatch())
+    try:
+        with pytest.raises(AirflowFailException, match=r"openai/output\.jsonl is not the file the sealed _MERGED"):
+            VllmPublishOperator(task_id="publish", spec=doc, qa_result=qa).execute(context())
+        assert sum(read) < 1 << 20 and not (out / "_SUCCESS.json").exists()
+        (out / "openai" / "output.jsonl").write_bytes(good)
+        extra = {"embedding_table": "embeddings/table.parquet"}
+        event = VllmPublishOperator(task_id="publish", spec=doc, qa_result=qa, extra_files=extra).execute(context())
+        marker = json.loads((out / "_SUCCESS.json").read_text())
+        assert set(marker["sizes"]) == set(marker["checksums"])
+        assert marker["sizes"] == {rel: (out / rel).stat().st_size for rel in marker["checksums"]}
+        assert verify_published(str(out), success_sha256=event["success_sha256"])["rows"] == 12
+        for rel in ("openai/errors.jsonl", "qa/report.html", "embeddings/table.parquet", "results/_manifest.json"):
+            keep = (out / rel).read_bytes()
+            planted(rel)
+            read.clear()
+            with pytest.raises(CommitError, match=rf"{rel} (is not the file _SUCCESS.json names|is larger than)"):
+                verify_published(str(out), success_sha256=event["success_sha256"])
+            assert sum(read) < 1 << 20, rel
+            (out / rel).write_bytes(keep)
+        # a marker whose sizes are not byte counts is refused, not read as no sizes
+        marker["sizes"] = {"openai/output.jsonl": -1}
+        (out / "_SUCCESS.json").write_bytes(json.dumps(marker).encode())
+        with pytest.raises(CommitError, match="sizes are not a map of paths to byte counts"):
+            verify_published(str(out), success_sha256=hashlib.sha256((out / "_SUCCESS.json").read_bytes()).hexdigest())
+    finally:
+        monkeypatch.undo()

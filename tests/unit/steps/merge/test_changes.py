@@ -132,6 +132,23 @@ def test_every_kind_with_old_and_new_values(tmp_path, spec_for):
     assert s.checksums[CHANGES] == Storage(str(tmp_path / "now")).sha256(CHANGES)
 
 
+def test_a_planted_terabyte_change_set_is_refused_unread(tmp_path, spec_for, monkeypatch):
+    """The sealed ``_changes.json`` records the size of ``changes.parquet`` beside its sha256: a sparse terabyte put in
+    its place is refused without reading it (the code before hashed it whole: hours of QA or publish)."""
+    from tests.support.security import counted_reads
+
+    write_run(tmp_path / "prev", {"a": "bug", "b": "billing"})
+    write_run(tmp_path / "now", {"a": "bug", "b": "bug"})
+    s = compute_changes(spec_for(tmp_path / "prev"))
+    assert s.sizes == {CHANGES: (tmp_path / "now" / CHANGES).stat().st_size}
+    with open(tmp_path / "now" / CHANGES, "wb") as f:
+        f.truncate(1 << 40)
+    read = counted_reads(monkeypatch)
+    with pytest.raises(CommitError, match="changes.parquet is not the file the sealed"):
+        read_changes(Storage(str(tmp_path / "now")))
+    assert sum(read) < 1 << 20
+
+
 def test_rerun_is_safe_and_identical(tmp_path, spec_for):
     write_run(tmp_path / "prev", {"a": "bug", "b": "billing"})
     write_run(tmp_path / "now", {"a": "bug", "b": "bug"})
