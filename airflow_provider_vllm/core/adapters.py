@@ -27,7 +27,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from airflow_provider_vllm.core.errors import CommitError, InputChangedError, SpecError
-from airflow_provider_vllm.core.records import Record
+from airflow_provider_vllm.core.records import SHA256_HEX, Record
 from airflow_provider_vllm.core.spec import LORA_RANKS, AdapterSpec, JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
 
@@ -139,6 +139,12 @@ def describe_adapter(a: AdapterSpec, options: dict[str, Any], filesystems: FileS
         if total > MAX_BYTES:  # as the store states the sizes: nothing read yet (a planted TB is not hashed)
             raise SpecError(f"model.adapters[{a.name}]: {a.source} holds {total} bytes, more than an adapter")
         entries = [(rel, size, st.sha256(rel, size)) for rel, size in sizes]  # no more than size + 1 bytes each
+        moved = [f"{rel} ({digest})" for rel, _, digest in entries if not SHA256_HEX.fullmatch(digest)]
+        if moved:  # its fingerprint would name no file the workers can find: they would refuse it after the plan
+            raise SpecError(
+                f"model.adapters[{a.name}]: {a.source} changed while the plan read it: {', '.join(moved)}; plan "
+                "again once whatever writes the adapter has finished"
+            )
         cfg = _config(st.read_bytes(CONFIG_FILE), a)
     except FileNotFoundError as e:
         raise SpecError(f"model.adapters[{a.name}]: {a.source} cannot be read here: {e}") from None

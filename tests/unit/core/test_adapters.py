@@ -108,6 +108,24 @@ def test_the_plan_refuses_a_planted_huge_file_before_it_reads_a_byte(tmp_path, m
     assert read == []
 
 
+def test_a_file_that_changes_size_while_the_plan_reads_it_is_refused_naming_it(tmp_path, model_dir, monkeypatch):
+    """A writer still copying the adapter appends to a file between the plan's sizing and its hash: the plan refuses
+    the adapter naming the file. The code before fingerprinted what it read (no file of that size and sha256), and
+    every worker then refused the adapter after the plan, with an error that did not say why."""
+    src = write_adapter(tmp_path / "ad", model_dir, seed=1)
+    real = Storage.sha256
+
+    def appended_first(self, rel, size=None):
+        if rel == "adapter_config.json":
+            with open(self.path(rel), "ab") as f:
+                f.write(b" ")
+        return real(self, rel, size)
+
+    monkeypatch.setattr(Storage, "sha256", appended_first)
+    with pytest.raises(SpecError, match=r"adapters\[x\]: .* changed while the plan read it: adapter_config\.json"):
+        describe_adapter(AdapterSpec(name="x", source=str(src)), {})
+
+
 def test_the_workers_copy_stops_at_the_plans_size(tmp_path, model_dir, monkeypatch):
     """The weights grown after the plan: a file the store states larger is refused unread; a store that states
     the old size (a stale listing) and serves more is read no further than the plan's total + 1 byte. The code
