@@ -264,7 +264,11 @@ class CompileCache:
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(f"{dest.name}.{uuid.uuid4().hex}.restore")
         src = snap / f.path
-        size, digest = _copy(src, tmp, snap)
+        try:
+            size, digest = _copy(src, tmp, snap, expect=f.size)
+        except Exception:  # refused or unreadable: no temporary stays in the private folder
+            tmp.unlink(missing_ok=True)
+            raise
         if size != f.size or digest != f.sha256:
             tmp.unlink(missing_ok=True)
             raise SnapshotInvalid(f"{f.path} does not match its manifest entry (size {size}, sha256 {digest[:12]})")
@@ -378,13 +382,22 @@ def _read_regular(path: Path, root: Path, limit: int) -> bytes:
     return data
 
 
-def _copy(src: Path, dest: Path, root: Path) -> tuple[int, str]:
-    """Copy a regular file, returning its size and sha256 as read (one pass)."""
+def _copy(src: Path, dest: Path, root: Path, expect: int | None = None) -> tuple[int, str]:
+    """Copy a regular file, returning its size and sha256 as read (one pass).
+
+    ``expect``: the size a sealed manifest names. A file of another size is refused before a byte is read,
+    and the copy stops one byte past it (a file grown or swapped for a huge or sparse one by the volume's
+    other writers never fills the pod's emptyDir, which would get the pod evicted instead of a cold start).
+    """
     h = hashlib.sha256()
     size = 0
     fd = _open_regular(src, root)
+    if expect is not None and (found := os.fstat(fd).st_size) != expect:
+        os.close(fd)
+        raise SnapshotInvalid(f"{src} does not match its manifest entry (size {found}, not {expect})")
+    limit = None if expect is None else expect + 1
     with os.fdopen(fd, "rb") as fin, open(dest, "xb") as fout:
-        while block := fin.read(_COPY_BLOCK):
+        while block := fin.read(_COPY_BLOCK if limit is None else min(_COPY_BLOCK, limit - size)):
             h.update(block)
             fout.write(block)
             size += len(block)
