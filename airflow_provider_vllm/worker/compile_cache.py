@@ -285,6 +285,8 @@ class CompileCache:
         tmp: Path | None = None
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
+            if not _own_folder(self.folder, self.root):  # before anything is written or removed through it
+                raise OSError(f"{self.folder} is not a folder of {self.root} (a symbolic link put there?)")
             self._remove_stale()
             if (self.folder / SNAPSHOT).exists():
                 log.info("compile cache %s: another pod published first", self.folder)
@@ -296,6 +298,8 @@ class CompileCache:
                 for src, rel in _walk(Path(src_root)):
                     dest = tmp / name / rel
                     dest.parent.mkdir(parents=True, exist_ok=True)
+                    if not _inside(dest, tmp):  # a folder of the copy swapped for a link while it is written
+                        raise OSError(f"{dest} lies outside {tmp}")
                     size, digest = _copy(src, dest, Path(src_root))
                     files.append(SnapshotFile(path=f"{name}/{rel.as_posix()}", size=size, sha256=digest))
             manifest = SnapshotManifest(
@@ -355,6 +359,17 @@ def _split(path: str, dirs: dict[str, str]) -> tuple[str, PurePosixPath]:
     if "\\" in path or "\x00" in path or p.as_posix() != path:
         raise SnapshotInvalid(f"manifest path {path!r} is not a plain POSIX path")
     return parts[0], PurePosixPath(*parts[1:])
+
+
+def _own_folder(folder: Path, root: Path) -> bool:
+    """Whether ``folder`` is a real folder directly in ``root``, not a symbolic link to another place (the
+    volume's other writers could plant one, and the publisher would write and delete through it)."""
+    try:
+        st = os.lstat(folder)
+    except OSError:
+        return False
+    real = os.path.realpath(folder)
+    return stat.S_ISDIR(st.st_mode) and real == os.path.join(os.path.realpath(root), folder.name)
 
 
 def _inside(path: Path, root: Path) -> bool:

@@ -319,3 +319,23 @@ def test_a_file_swapped_for_a_huge_one_is_refused_unread_and_a_growing_one_is_re
     monkeypatch.setattr(cc.os, "fstat", lambda fd: os.stat_result((*real_fstat(fd)[:6], 10, *real_fstat(fd)[7:])))
     size, _ = real_copy(grown, tmp_path / "dest", tmp_path, expect=10)
     assert size == 11 and (tmp_path / "dest").stat().st_size == 11
+
+
+def test_a_key_folder_planted_as_a_link_makes_the_publisher_write_and_delete_nothing_elsewhere(tmp_path):
+    """A writer of the claim plants ``<key>`` as a symbolic link to another folder the pod can write (its data
+    PVC, say): the publisher must not create its snapshot there, nor remove ``.publish-*`` folders there."""
+    root = tmp_path / "shared"
+    root.mkdir()
+    elsewhere = tmp_path / "data-pvc" / "team-b"
+    old = elsewhere / f"{cc.PUBLISHING}theirs"
+    old.mkdir(parents=True)
+    (old / "keep.parquet").write_bytes(b"theirs")
+    os.utime(old, (0, 0))
+    pod = _pod(root, tmp_path / "pod1")
+    (root / pod.key).symlink_to(elsewhere, target_is_directory=True)
+    assert pod.restore() == "cold"
+    _compile(tmp_path / "pod1", "a")
+    assert pod.publish("s/a") is False
+    assert sorted(p.name for p in elsewhere.iterdir()) == [old.name]  # before: a snapshot written here too
+    assert (old / "keep.parquet").read_bytes() == b"theirs"  # before: removed as a stale publish folder
+    assert "not a folder of" in pod.notes[0]
