@@ -30,7 +30,8 @@ uses no shared cache at all.
 
 Whoever holds the deployment's signing key can publish a snapshot (the worker seals the manifest
 with ``VLLM_BATCH_SIGNING_KEY``); pods that may run code from the model repo mount the cache
-read-only and never publish (``VLLM_BATCH_COMPILE_CACHE_PUBLISH=0``). Nothing here fails a shard:
+read-only and never publish (``VLLM_BATCH_COMPILE_CACHE_PUBLISH=0``; the worker also checks its own spec's
+``spec_guard.code_loading_options``, whatever the environment says). Nothing here fails a shard:
 an unusable cache means a cold start. No Airflow, no vLLM import.
 """
 
@@ -61,6 +62,7 @@ from airflow_provider_vllm.core.errors import SealError
 from airflow_provider_vllm.core.records import Record
 from airflow_provider_vllm.core.seal import COMPILE_CACHE, Keyring, Seal, record_bytes, seal_record, verify_record
 from airflow_provider_vllm.core.spec import JobSpec
+from airflow_provider_vllm.core.spec_guard import code_loading_options
 from airflow_provider_vllm.worker.hardware import cpu_name
 
 log = logging.getLogger("airflow_provider_vllm.worker")
@@ -454,5 +456,8 @@ def from_env(spec: JobSpec, keyring: Keyring, env: dict[str, str] | None = None)
         log.warning("NVIDIA devices are present but nvidia-smi cannot name them: the shared compile cache is not used")
         return None
     facts = key_facts(spec, dirs, accel)
-    publish = envs.COMPILE_CACHE_PUBLISH.get(env) != "0" and os.access(root, os.W_OK)
+    loading = code_loading_options(spec)
+    if loading:  # the runner also mounts the cache read-only and says so; this holds whatever the environment says
+        log.info("compile cache: %s may run model-repo code, so this worker never publishes", ", ".join(loading))
+    publish = envs.COMPILE_CACHE_PUBLISH.get(env) != "0" and os.access(root, os.W_OK) and not loading
     return CompileCache(Path(root), cache_key(facts), facts, dirs, keyring, may_publish=publish)

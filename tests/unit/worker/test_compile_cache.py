@@ -339,3 +339,24 @@ def test_a_key_folder_planted_as_a_link_makes_the_publisher_write_and_delete_not
     assert sorted(p.name for p in elsewhere.iterdir()) == [old.name]  # before: a snapshot written here too
     assert (old / "keep.parquet").read_bytes() == b"theirs"  # before: removed as a stale publish folder
     assert "not a folder of" in pod.notes[0]
+
+
+def test_a_worker_whose_job_may_run_model_repo_code_never_publishes_whatever_its_environment_says(tmp_path):
+    """The Kubernetes runner mounts the claim read-only for such a job and says VLLM_BATCH_COMPILE_CACHE_PUBLISH=0;
+    the worker decides from its own (re-checked) spec too, so an environment that forgot it (a pod template, the
+    local runner on a machine that sets VLLM_BATCH_COMPILE_CACHE) never seals what model-repo code could have
+    put in the private folders for later pods to execute."""
+    root = tmp_path / "shared"
+    root.mkdir()
+    remote = _spec().model_copy(update={"model": _spec().model.model_copy(update={"trust_remote_code": True})})
+    orig = cc.accelerator
+    cc.accelerator = lambda: "gpu:NVIDIA H200 (cc 9.0)"  # type: ignore[assignment]
+    try:
+        pod = cc.from_env(remote, Keyring.from_text(KEY), _env(root, tmp_path / "pod1"))
+    finally:
+        cc.accelerator = orig  # type: ignore[assignment]
+    assert pod is not None and pod.may_publish is False
+    assert pod.restore() == "cold"
+    _compile(tmp_path / "pod1", "a")
+    assert pod.publish("s/a") is False
+    assert list(root.iterdir()) == []
