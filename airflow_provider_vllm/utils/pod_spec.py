@@ -177,8 +177,17 @@ def resources(settings: KubernetesSettings, gpus: int, shm: int) -> k8s.V1Resour
         limits["cpu"] = settings.cpu_limit
     if gpus:
         limits[settings.gpu_resource] = str(gpus)
-    for name, value in settings.extra_resources.items():
-        limits[name] = value
+    # extended resources beside the GPUs (HAMi's gpumem, ...): never a count or size set above, which would
+    # bypass the rules on them (the GPU count equals the engine's, memory exceeds /dev/shm)
+    taken = sorted(
+        n for n in settings.extra_resources if n in ("cpu", "memory", settings.gpu_resource) or n.endswith("/gpu")
+    )
+    if taken:
+        raise SpecError(
+            f"kubernetes.extra_resources cannot set {taken}: set them with cpu / cpu_limit, memory, or the "
+            "engine's GPU count (tensor_parallel_size x pipeline_parallel_size of gpu_resource)"
+        )
+    limits.update(settings.extra_resources)
     return k8s.V1ResourceRequirements(requests=requests, limits=limits)
 
 

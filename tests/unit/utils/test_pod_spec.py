@@ -352,3 +352,17 @@ def test_pod_settings_cannot_put_the_folders_compiled_code_is_loaded_from_on_a_s
     record_malicious("k8s_private_compile_folders_on_a_shared_volume", 1, 1)
     ok = {"data_pvc": "team-data", "data_path": "/data/cache", "model_cache_pvc": "hf", "model_cache_path": "/mnt/tmp"}
     assert {m.mount_path for m in parts(ok).volume_mounts} >= {"/data/cache", "/mnt/tmp"}
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"nvidia.com/gpu": "8"}, {"amd.com/gpu": "1"}, {"memory": "1Gi"}, {"cpu": "64"}, {"nvidia.com/vgpu": "4"}],
+)
+def test_extra_resources_cannot_change_the_gpu_count_cpu_or_memory_the_rules_decide(extra):
+    """``gpus`` may only repeat the engine's GPU count and ``memory`` must exceed /dev/shm; before, the same
+    limits set through ``extra_resources`` (a field a Variable or the job may set) replaced them unchecked: a
+    pod of a one-GPU engine holding 8 GPUs, or a memory limit under its /dev/shm."""
+    settings = {"gpu_resource": "nvidia.com/vgpu", "extra_resources": extra}
+    with pytest.raises(SpecError, match="extra_resources cannot set"):
+        parts(settings)
+    record_malicious("k8s_extra_resources_override_checked_limits", 1, 1)
