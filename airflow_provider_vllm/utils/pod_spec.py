@@ -24,6 +24,7 @@ every tenant.
 from __future__ import annotations
 
 import json
+import posixpath
 import re
 from dataclasses import dataclass, field
 from decimal import Decimal
@@ -68,6 +69,12 @@ BASE_ENV = {
 # Set by the deployment's compile-cache claim alone; settings.env cannot set them (a job must not point the
 # worker at a folder of compiled code of its choosing).
 COMPILE_CACHE_ENV = ("VLLM_BATCH_COMPILE_CACHE", "VLLM_BATCH_COMPILE_CACHE_PUBLISH")
+# The folders compiled code is loaded from (the worker's private copies, keyed and sealed by worker/compile_cache.py):
+# always in the pod's own emptyDir; settings.env cannot move them onto a volume that other writers share.
+PRIVATE_COMPILE_ENV = ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+# The pod's own mounts: a PVC of the settings (model_cache_path, data_path) mounted at, inside or above one of
+# them would replace a private folder (e.g. /cache/triton) with a shared volume.
+RESERVED_MOUNTS = ("/tmp", CACHE_DIR, "/dev/shm", COMPILE_CACHE_DIR, XCOM_DIR)
 
 
 def gpu_count(spec: JobSpec, settings: KubernetesSettings) -> int:
@@ -170,9 +177,30 @@ def resources(settings: KubernetesSettings, gpus: int, shm: int) -> k8s.V1Resour
         limits["cpu"] = settings.cpu_limit
     if gpus:
         limits[settings.gpu_resource] = str(gpus)
-    for name, value in settings.extra_resources.items():
-        limits[name] = value
+    # extended resources beside the GPUs (HAMi's gpumem, ...): never a count or size set above, which would
+    # bypass the rules on them (the GPU count equals the engine's, memory exceeds /dev/shm)
+    taken = sorted(
+        n for n in settings.extra_resources if n in ("cpu", "memory", settings.gpu_resource) or n.endswith("/gpu")
+    )
+    if taken:
+        raise SpecError(
+            f"kubernetes.extra_resources cannot set {taken}: set them with cpu / cpu_limit, memory, or the "
+            "engine's GPU count (tensor_parallel_size x pipeline_parallel_size of gpu_resource)"
+        )
+    limits.update(settings.extra_resources)
     return k8s.V1ResourceRequirements(requests=requests, limits=limits)
+
+
+def _check_mount_path(what: str, path: str) -> None:
+    """A settings PVC's mount path must not be, lie inside or lie above one of the pod's own mounts."""
+    norm = posixpath.normpath(path)
+    for own in RESERVED_MOUNTS:
+        if norm == own or norm.startswith(own + "/") or own.startswith(norm.rstrip("/") + "/"):
+            raise SpecError(
+                f"kubernetes.{what}={path!r} would mount a shared volume over the pod's own {own} (its private "
+                f"caches, compiled code included, /tmp, /dev/shm, the compile-cache claim or the XCom folder); "
+                f"choose a path outside {sorted(RESERVED_MOUNTS)}"
+            )
 
 
 def volumes(settings: KubernetesSettings, shm: int) -> tuple[list[k8s.V1Volume], list[k8s.V1VolumeMount]]:
@@ -187,6 +215,7 @@ def volumes(settings: KubernetesSettings, shm: int) -> tuple[list[k8s.V1Volume],
         k8s.V1VolumeMount(name="dshm", mount_path="/dev/shm"),
     ]
     if settings.model_cache_pvc:
+        _check_mount_path("model_cache_path", settings.model_cache_path)
         vols.append(
             k8s.V1Volume(
                 name="model-cache",
@@ -201,6 +230,7 @@ def volumes(settings: KubernetesSettings, shm: int) -> tuple[list[k8s.V1Volume],
             )
         )
     if settings.data_pvc:
+        _check_mount_path("data_path", settings.data_path)
         vols.append(
             k8s.V1Volume(
                 name="data",
@@ -239,6 +269,12 @@ def environment(settings: KubernetesSettings) -> tuple[list[k8s.V1EnvVar], list[
         raise SpecError(
             f"kubernetes.env cannot set {reserved}: the shared compile cache is the deployment's "
             "([vllm_batch] kubernetes_compile_cache_pvc)"
+        )
+    private = sorted(set(settings.env) & set(PRIVATE_COMPILE_ENV))
+    if private:
+        raise SpecError(
+            f"kubernetes.env cannot set {private}: the engine loads compiled code from these folders, which stay "
+            f"in the pod's own {CACHE_DIR} emptyDir (shared warm starts: [vllm_batch] kubernetes_compile_cache_pvc)"
         )
     env = dict(BASE_ENV)
     if settings.model_cache_pvc:

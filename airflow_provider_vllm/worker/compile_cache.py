@@ -30,7 +30,8 @@ uses no shared cache at all.
 
 Whoever holds the deployment's signing key can publish a snapshot (the worker seals the manifest
 with ``VLLM_BATCH_SIGNING_KEY``); pods that may run code from the model repo mount the cache
-read-only and never publish (``VLLM_BATCH_COMPILE_CACHE_PUBLISH=0``). Nothing here fails a shard:
+read-only and never publish (``VLLM_BATCH_COMPILE_CACHE_PUBLISH=0``; the worker also checks its own spec's
+``spec_guard.code_loading_options``, whatever the environment says). Nothing here fails a shard:
 an unusable cache means a cold start. No Airflow, no vLLM import.
 """
 
@@ -61,6 +62,7 @@ from airflow_provider_vllm.core.errors import SealError
 from airflow_provider_vllm.core.records import Record
 from airflow_provider_vllm.core.seal import COMPILE_CACHE, Keyring, Seal, record_bytes, seal_record, verify_record
 from airflow_provider_vllm.core.spec import JobSpec
+from airflow_provider_vllm.core.spec_guard import code_loading_options
 from airflow_provider_vllm.worker.hardware import cpu_name
 
 log = logging.getLogger("airflow_provider_vllm.worker")
@@ -264,7 +266,11 @@ class CompileCache:
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(f"{dest.name}.{uuid.uuid4().hex}.restore")
         src = snap / f.path
-        size, digest = _copy(src, tmp, snap)
+        try:
+            size, digest = _copy(src, tmp, snap, expect=f.size)
+        except Exception:  # refused or unreadable: no temporary stays in the private folder
+            tmp.unlink(missing_ok=True)
+            raise
         if size != f.size or digest != f.sha256:
             tmp.unlink(missing_ok=True)
             raise SnapshotInvalid(f"{f.path} does not match its manifest entry (size {size}, sha256 {digest[:12]})")
@@ -281,6 +287,8 @@ class CompileCache:
         tmp: Path | None = None
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
+            if not _own_folder(self.folder, self.root):  # before anything is written or removed through it
+                raise OSError(f"{self.folder} is not a folder of {self.root} (a symbolic link put there?)")
             self._remove_stale()
             if (self.folder / SNAPSHOT).exists():
                 log.info("compile cache %s: another pod published first", self.folder)
@@ -292,6 +300,8 @@ class CompileCache:
                 for src, rel in _walk(Path(src_root)):
                     dest = tmp / name / rel
                     dest.parent.mkdir(parents=True, exist_ok=True)
+                    if not _inside(dest, tmp):  # a folder of the copy swapped for a link while it is written
+                        raise OSError(f"{dest} lies outside {tmp}")
                     size, digest = _copy(src, dest, Path(src_root))
                     files.append(SnapshotFile(path=f"{name}/{rel.as_posix()}", size=size, sha256=digest))
             manifest = SnapshotManifest(
@@ -353,6 +363,17 @@ def _split(path: str, dirs: dict[str, str]) -> tuple[str, PurePosixPath]:
     return parts[0], PurePosixPath(*parts[1:])
 
 
+def _own_folder(folder: Path, root: Path) -> bool:
+    """Whether ``folder`` is a real folder directly in ``root``, not a symbolic link to another place (the
+    volume's other writers could plant one, and the publisher would write and delete through it)."""
+    try:
+        st = os.lstat(folder)
+    except OSError:
+        return False
+    real = os.path.realpath(folder)
+    return stat.S_ISDIR(st.st_mode) and real == os.path.join(os.path.realpath(root), folder.name)
+
+
 def _inside(path: Path, root: Path) -> bool:
     real, base = os.path.realpath(path.parent), os.path.realpath(root)
     return real == base or real.startswith(base + os.sep)
@@ -378,13 +399,22 @@ def _read_regular(path: Path, root: Path, limit: int) -> bytes:
     return data
 
 
-def _copy(src: Path, dest: Path, root: Path) -> tuple[int, str]:
-    """Copy a regular file, returning its size and sha256 as read (one pass)."""
+def _copy(src: Path, dest: Path, root: Path, expect: int | None = None) -> tuple[int, str]:
+    """Copy a regular file, returning its size and sha256 as read (one pass).
+
+    ``expect``: the size a sealed manifest names. A file of another size is refused before a byte is read,
+    and the copy stops one byte past it (a file grown or swapped for a huge or sparse one by the volume's
+    other writers never fills the pod's emptyDir, which would get the pod evicted instead of a cold start).
+    """
     h = hashlib.sha256()
     size = 0
     fd = _open_regular(src, root)
+    if expect is not None and (found := os.fstat(fd).st_size) != expect:
+        os.close(fd)
+        raise SnapshotInvalid(f"{src} does not match its manifest entry (size {found}, not {expect})")
+    limit = None if expect is None else expect + 1
     with os.fdopen(fd, "rb") as fin, open(dest, "xb") as fout:
-        while block := fin.read(_COPY_BLOCK):
+        while block := fin.read(_COPY_BLOCK if limit is None else min(_COPY_BLOCK, limit - size)):
             h.update(block)
             fout.write(block)
             size += len(block)
@@ -426,5 +456,8 @@ def from_env(spec: JobSpec, keyring: Keyring, env: dict[str, str] | None = None)
         log.warning("NVIDIA devices are present but nvidia-smi cannot name them: the shared compile cache is not used")
         return None
     facts = key_facts(spec, dirs, accel)
-    publish = envs.COMPILE_CACHE_PUBLISH.get(env) != "0" and os.access(root, os.W_OK)
+    loading = code_loading_options(spec)
+    if loading:  # the runner also mounts the cache read-only and says so; this holds whatever the environment says
+        log.info("compile cache: %s may run model-repo code, so this worker never publishes", ", ".join(loading))
+    publish = envs.COMPILE_CACHE_PUBLISH.get(env) != "0" and os.access(root, os.W_OK) and not loading
     return CompileCache(Path(root), cache_key(facts), facts, dirs, keyring, may_publish=publish)

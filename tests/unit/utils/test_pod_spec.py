@@ -324,3 +324,45 @@ def test_the_compile_cache_claim_is_a_pvc_mount_read_only_for_jobs_that_may_run_
         assert env.get("VLLM_BATCH_COMPILE_CACHE_PUBLISH") == ("0" if read_only else None)
     with pytest.raises(SpecError, match="kubernetes_compile_cache_pvc"):
         pod_parts(make_spec("/in", "/out"), KubernetesSettings(env={"VLLM_BATCH_COMPILE_CACHE": "/data"}), "s")
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"env": {"TRITON_CACHE_DIR": "/data/shared-triton"}, "data_pvc": "team-data"},
+        {"env": {"TORCHINDUCTOR_CACHE_DIR": "/models/inductor"}, "model_cache_pvc": "hf"},
+        {"env": {"VLLM_CACHE_ROOT": "/data/vllm"}, "data_pvc": "team-data"},
+        {"data_pvc": "team-data", "data_path": "/cache/torchinductor"},
+        {"data_pvc": "team-data", "data_path": "/cache"},
+        {"data_pvc": "team-data", "data_path": "/models/../cache/triton"},
+        {"model_cache_pvc": "hf", "model_cache_path": "/cache/triton", "model_cache_read_only": False},
+        {"data_pvc": "team-data", "data_path": "/compile-cache/0123"},
+        {"data_pvc": "team-data", "data_path": "/airflow"},
+        {"model_cache_pvc": "hf", "model_cache_path": "/"},
+        {"data_pvc": "team-data", "data_path": "/tmp"},
+    ],
+)
+def test_pod_settings_cannot_put_the_folders_compiled_code_is_loaded_from_on_a_shared_volume(settings):
+    """The engine executes what it finds in its private cache folders (inductor modules, Triton .so/cubin): they
+    stay in the pod's own emptyDir, restored only from sealed snapshots. Before, a job's kubernetes section moved
+    them onto its data or model PVC (its env, or a PVC mounted over /cache/...), whose other writers then chose
+    the code the pod ran, unsealed, past the compile cache's checks."""
+    with pytest.raises(SpecError, match=r"kubernetes\.(env cannot set|data_path|model_cache_path)"):
+        pod_parts(make_spec("/in", "/out"), KubernetesSettings.model_validate(settings), SHARD, "cc")
+    record_malicious("k8s_private_compile_folders_on_a_shared_volume", 1, 1)
+    ok = {"data_pvc": "team-data", "data_path": "/data/cache", "model_cache_pvc": "hf", "model_cache_path": "/mnt/tmp"}
+    assert {m.mount_path for m in parts(ok).volume_mounts} >= {"/data/cache", "/mnt/tmp"}
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"nvidia.com/gpu": "8"}, {"amd.com/gpu": "1"}, {"memory": "1Gi"}, {"cpu": "64"}, {"nvidia.com/vgpu": "4"}],
+)
+def test_extra_resources_cannot_change_the_gpu_count_cpu_or_memory_the_rules_decide(extra):
+    """``gpus`` may only repeat the engine's GPU count and ``memory`` must exceed /dev/shm; before, the same
+    limits set through ``extra_resources`` (a field a Variable or the job may set) replaced them unchecked: a
+    pod of a one-GPU engine holding 8 GPUs, or a memory limit under its /dev/shm."""
+    settings = {"gpu_resource": "nvidia.com/vgpu", "extra_resources": extra}
+    with pytest.raises(SpecError, match="extra_resources cannot set"):
+        parts(settings)
+    record_malicious("k8s_extra_resources_override_checked_limits", 1, 1)

@@ -280,3 +280,83 @@ def test_a_stale_publish_folder_of_a_killed_pod_is_removed_and_never_read(tmp_pa
     _compile(tmp_path / "pod1", "a")
     assert pod.publish("s/a") is True
     assert not stale.exists()
+
+
+def test_a_file_swapped_for_a_huge_one_is_refused_unread_and_a_growing_one_is_read_no_further(tmp_path, monkeypatch):
+    """A writer of the volume replaces a snapshot file with a huge (sparse) one: the pod must not copy it into
+    its emptyDir (past the emptyDir's size limit the pod is evicted: a failed shard, not a cold start). The
+    manifest is sealed, so the size it names bounds every read."""
+    root = tmp_path / "shared"
+    root.mkdir()
+    first = _pod(root, tmp_path / "pod1")
+    first.restore()
+    _compile(tmp_path / "pod1", "a")
+    first.publish("s/a")
+    snap = root / first.key / cc.SNAPSHOT
+    victim = sorted((snap / "torchinductor").rglob("*.bin"))[0]
+    manifest_size = victim.stat().st_size
+    with open(victim, "r+b") as f:
+        f.truncate(64 * 1024 * 1024)  # sparse: costs the writer nothing
+    copied: list[int] = []
+    real_copy = cc._copy
+
+    def spy(*args, **kwargs):
+        out = real_copy(*args, **kwargs)
+        copied.append(out[0])
+        return out
+
+    monkeypatch.setattr(cc, "_copy", spy)
+    later = _pod(root, tmp_path / "pod2")
+    assert later.restore() == "cold"
+    assert _tree(tmp_path / "pod2") == {}
+    assert max(copied, default=0) <= manifest_size + 1  # before: all 64 MiB copied into the pod's folder
+    assert "manifest entry" in later.notes[0]
+
+    # the right size when checked, growing while read (a writer appending): the copy stops one byte past it
+    grown = tmp_path / "grown"
+    grown.write_bytes(b"x" * (3 * cc._COPY_BLOCK))
+    real_fstat = os.fstat
+    monkeypatch.setattr(cc.os, "fstat", lambda fd: os.stat_result((*real_fstat(fd)[:6], 10, *real_fstat(fd)[7:])))
+    size, _ = real_copy(grown, tmp_path / "dest", tmp_path, expect=10)
+    assert size == 11 and (tmp_path / "dest").stat().st_size == 11
+
+
+def test_a_key_folder_planted_as_a_link_makes_the_publisher_write_and_delete_nothing_elsewhere(tmp_path):
+    """A writer of the claim plants ``<key>`` as a symbolic link to another folder the pod can write (its data
+    PVC, say): the publisher must not create its snapshot there, nor remove ``.publish-*`` folders there."""
+    root = tmp_path / "shared"
+    root.mkdir()
+    elsewhere = tmp_path / "data-pvc" / "team-b"
+    old = elsewhere / f"{cc.PUBLISHING}theirs"
+    old.mkdir(parents=True)
+    (old / "keep.parquet").write_bytes(b"theirs")
+    os.utime(old, (0, 0))
+    pod = _pod(root, tmp_path / "pod1")
+    (root / pod.key).symlink_to(elsewhere, target_is_directory=True)
+    assert pod.restore() == "cold"
+    _compile(tmp_path / "pod1", "a")
+    assert pod.publish("s/a") is False
+    assert sorted(p.name for p in elsewhere.iterdir()) == [old.name]  # before: a snapshot written here too
+    assert (old / "keep.parquet").read_bytes() == b"theirs"  # before: removed as a stale publish folder
+    assert "not a folder of" in pod.notes[0]
+
+
+def test_a_worker_whose_job_may_run_model_repo_code_never_publishes_whatever_its_environment_says(tmp_path):
+    """The Kubernetes runner mounts the claim read-only for such a job and says VLLM_BATCH_COMPILE_CACHE_PUBLISH=0;
+    the worker decides from its own (re-checked) spec too, so an environment that forgot it (a pod template, the
+    local runner on a machine that sets VLLM_BATCH_COMPILE_CACHE) never seals what model-repo code could have
+    put in the private folders for later pods to execute."""
+    root = tmp_path / "shared"
+    root.mkdir()
+    remote = _spec().model_copy(update={"model": _spec().model.model_copy(update={"trust_remote_code": True})})
+    orig = cc.accelerator
+    cc.accelerator = lambda: "gpu:NVIDIA H200 (cc 9.0)"  # type: ignore[assignment]
+    try:
+        pod = cc.from_env(remote, Keyring.from_text(KEY), _env(root, tmp_path / "pod1"))
+    finally:
+        cc.accelerator = orig  # type: ignore[assignment]
+    assert pod is not None and pod.may_publish is False
+    assert pod.restore() == "cold"
+    _compile(tmp_path / "pod1", "a")
+    assert pod.publish("s/a") is False
+    assert list(root.iterdir()) == []
