@@ -8,7 +8,9 @@ configured but fewer than ``min_labelled`` rows scored is a warning (a failure w
 rows) is judged on its own rows, the check being the worst; accuracy thresholds the job set (other than the
 defaults, and not 0: off), or a previous report that had known labels, with none reaching this run warn.
 ``accuracy_drop`` (the drop since the previous report) warns or fails only when the 95% interval of the
-change lies below 0 (a real drop), and then by its size. The gates off by default (``low_confidence_rate``,
+change lies below 0 (a real drop), and then by its size; like ``accuracy``, each source of known labels is compared
+with the same source of the previous report (a pooled figure would hide a fall of the golden rows beside a larger
+night of the run's own labelled rows), the check being the worst. The gates off by default (``low_confidence_rate``,
 ``inconsistency_rate``) warn, once turned on, for a run that lacks their measure (no confidence; no
 prompt hashes: an embed job, or requests that sample at random), rather than skipping. So do ``label_drift``
 and ``accuracy_drop`` when ``qa.previous_report_uri`` is set but its report was not used (no sealed QA record of
@@ -139,12 +141,34 @@ def _refused(metrics: dict[str, Any]) -> str | None:
 
 def _drop(metrics: dict[str, Any], spec: QASpec) -> tuple[float | None, str, str, dict[str, Any]]:
     q = metrics.get("quality") or {}
+    sources = {s: v for s, v in (q.get("sources") or {}).items() if isinstance(v, dict) and "vs_previous" in v}
+    if sources:  # the previous report has per-source figures: each source against its own (labelled.quality)
+        compared = {s: v["vs_previous"] for s, v in sources.items() if v["vs_previous"] is not None}
+        if not compared:
+            return (
+                None,
+                "skip",
+                "no source of known labels has scored rows both in this run and in the previous report",
+                {},
+            )
+        judged = [(s, *_drop_of(v, spec)) for s, v in compared.items()]
+        if len(judged) == 1:
+            return judged[0][1:]
+        # the worst source's (the largest real drop); a source that did not really drop passes
+        source, drop, status, _, extra = max(judged, key=lambda j: (STATUS_ORDER[j[2]], j[1]))
+        detail = "; ".join(f"{s}: {d}" for s, _, _, d, _ in judged)
+        return drop, status, f"{detail} (the check is the worst source's)", {**extra, "source": source}
     v = q.get("vs_previous")
     if v is None:
         if q.get("labelled") and (refused := _refused(metrics)):
             return None, "warn", refused, {}  # a previous report that was set but not vouched for: not a pass
         why = "no known labels" if not q else "no previous report with an accuracy (qa.previous_report_uri)"
         return None, "skip", why, {}
+    return _drop_of(v, spec)
+
+
+def _drop_of(v: dict[str, Any], spec: QASpec) -> tuple[float, str, str, dict[str, Any]]:
+    """The accuracy_drop check of one change in accuracy (``accuracy.versus``)."""
     drop = -v["delta"]
     extra = {"interval": [-v["high"], -v["low"]], "previous": v["previous"]}
     detail = (

@@ -97,6 +97,20 @@ def quality(
         notes.append(f"quality: {len(outside)} label(s) outside the job's label set: {shown}")
     prev_q = ((previous or {}).get("metrics") or {}).get("quality") if isinstance(previous, dict) else None
     q["vs_previous"] = versus(q, prev_q if isinstance(prev_q, dict) else None)
+    prev_sources = prev_q.get("sources") if isinstance(prev_q, dict) else None
+    if isinstance(prev_sources, dict) and prev_sources:
+        # each source against the same source of the previous report (the accuracy_drop check judges these): a
+        # pooled figure mixes sources whose shares change from run to run, so a fall of the golden rows that ride
+        # along can vanish in the pool beside a large night of the run's own labelled rows
+        for source, v in q["sources"].items():
+            pv = prev_sources.get(source)
+            v["vs_previous"] = (
+                versus(
+                    {"correct": v["count"], "labelled": v["of"]}, {"correct": pv.get("count"), "labelled": pv.get("of")}
+                )
+                if isinstance(pv, dict)
+                else None
+            )
     if previous is not None and prev_q is None and q["labelled"] and previous_refusal(previous) is None:
         notes.append("quality: the previous report has no accuracy; no change in accuracy to report")
     q["reliability"] = reliability(con)

@@ -300,6 +300,54 @@ def test_a_golden_set_that_names_no_row_of_the_run_warns_though_golden_rows_ride
     assert rep.status == "warn"
 
 
+def _two_sources(own: tuple[int, int], riding: tuple[int, int], previous=None, **spec):
+    rows, known = _rows_known(*own)
+    return evaluate(
+        *split(rows),
+        spec=QASpec(**spec),
+        labels=LAB,
+        structured=True,
+        reference=known,
+        reference_source="input_column",
+        ride_along=_ride_along(*riding),
+        previous=previous,
+    )
+
+
+def test_a_fall_of_the_golden_rows_is_not_hidden_by_a_larger_night_of_the_runs_own_labels():
+    """The golden rows that ride along fall from 90 % to 60 % while the run's own labelled rows stay at 95 % and
+    grow tenfold: pooled, the accuracy moved +0.1 point (no drop), and a job whose accuracy gate sits at 55 %
+    passed. Each source is compared with the same source of the previous report: a real 30-point drop fails."""
+    spec = dict(warn_accuracy_below=0.55, fail_accuracy_below=0.5)
+    before = _two_sources((2000, 1900), (300, 270), **spec).to_dict()
+    rep = _two_sources((20000, 19000), (300, 180), previous=before, **spec)
+    q = rep.metrics["quality"]
+    assert q["vs_previous"]["real_drop"] is False  # the pooled change the report shows: within noise
+    ride = q["sources"]["ride_along"]["vs_previous"]
+    assert ride["delta"] == pytest.approx(180 / 300 - 270 / 300) and ride["real_drop"]
+    assert (ride["previous_correct"], ride["previous_labelled"]) == (270, 300)
+    own = q["sources"]["input_column"]["vs_previous"]
+    assert own["delta"] == pytest.approx(0.0) and not own["real_drop"]
+    c = check(rep, "accuracy_drop")
+    assert c["status"] == "fail" and c["source"] == "ride_along" and c["value"] == pytest.approx(0.3)
+    assert "ride_along: -30.0 pt vs 90.0% of 300" in c["detail"] and "input_column: +0.0 pt" in c["detail"]
+    assert check(rep, "accuracy")["status"] == "pass" and rep.status == "fail"
+    # the same two sources that did not move pass; a source the previous report did not score is not compared
+    assert check(_two_sources((20000, 19000), (300, 270), previous=before, **spec), "accuracy_drop")["status"] == "pass"
+    rows, known = _rows_known(300, 180)
+    alone = evaluate(
+        *split(rows),
+        spec=QASpec(**spec),
+        labels=LAB,
+        structured=True,
+        reference=known,
+        reference_source="golden_set",
+        previous=before,
+    )
+    c = check(alone, "accuracy_drop")
+    assert c["status"] == "skip" and "both in this run and in the previous report" in c["detail"]
+
+
 def test_too_few_rows_to_gate_on_fail_when_even_the_top_of_the_interval_is_below_the_fail_line():
     for n, right, expected in ((29, 0, "fail"), (29, 14, "warn"), (5, 0, "fail"), (3, 0, "warn"), (1, 0, "warn")):
         rows, known = _rows_known(n, right)
