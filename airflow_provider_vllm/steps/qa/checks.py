@@ -74,7 +74,13 @@ def _accuracy(metrics: dict[str, Any], spec: QASpec) -> tuple[float | None, str,
     if len(sources) <= 1:  # one source (or a report without them): the pooled figure is that source's
         acc = q["accuracy"]
         k, n = int(q["correct"]), int(q["labelled"])
-        status, why = _judge(k, n, spec, "known labels are configured but none names a row of this run")
+        known = next(iter(sources.values()), {}).get("known")
+        none = (
+            "known labels are configured but none names a row of this run"
+            if known != 0
+            else "the reference is configured but holds no known label (every label null or blank)"
+        )
+        status, why = _judge(k, n, spec, none)
         extra = {"interval": [acc["low"], acc["high"]], "of": n}
         return acc["value"], status, _detail(k, n, acc, why), extra
     # Each source is judged on its own rows: the run's own labelled rows at 40 % must not pass because golden
@@ -82,7 +88,13 @@ def _accuracy(metrics: dict[str, Any], spec: QASpec) -> tuple[float | None, str,
     judged = []
     for source, v in sources.items():
         k, n = int(v["count"]), int(v["of"])
-        status, why = _judge(k, n, spec, f"none of its {v.get('known', 0)} known labels names a row of this run")
+        known = v.get("known", 0)
+        none = (
+            f"none of its {known} known labels names a row of this run"
+            if known
+            else "it holds no known label (every label null or blank)"
+        )
+        status, why = _judge(k, n, spec, none)
         judged.append((STATUS_ORDER[status], -1.0 if v["value"] is None else -v["value"], source, status, why, v))
     _, _, source, status, _, worst = max(judged, key=lambda j: j[:2])
     detail = "; ".join(f"{s}: {_detail(int(v['count']), int(v['of']), v, why)}" for _, _, s, _, why, v in judged)

@@ -348,6 +348,22 @@ def test_a_fall_of_the_golden_rows_is_not_hidden_by_a_larger_night_of_the_runs_o
     assert c["status"] == "skip" and "both in this run and in the previous report" in c["detail"]
 
 
+def test_a_reference_whose_labels_are_all_blank_warns_and_says_so():
+    """A golden set whose every label is null or blank scores nothing: a warning that names the empty reference,
+    not one that sends the reader looking for ids that do not match."""
+    rows, known = _rows_known(100, 100)
+    blank = known.set_column(1, "label", pa.array([None, " ", ""] * 33 + [None], pa.string()))
+    rep = evaluate(*split(rows), spec=QASpec(), labels=LAB, structured=True, reference=blank)
+    c = check(rep, "accuracy")
+    assert c["status"] == "warn" and "holds no known label (every label null or blank)" in c["detail"], c
+    assert "names a row" not in c["detail"]
+    rep = evaluate(
+        *split(rows), spec=QASpec(), labels=LAB, structured=True, reference=blank, ride_along=_ride_along(60, 60)
+    )
+    c = check(rep, "accuracy")
+    assert c["status"] == "warn" and "golden_set: it holds no known label" in c["detail"], c
+
+
 def test_too_few_rows_to_gate_on_fail_when_even_the_top_of_the_interval_is_below_the_fail_line():
     for n, right, expected in ((29, 0, "fail"), (29, 14, "warn"), (5, 0, "fail"), (3, 0, "warn"), (1, 0, "warn")):
         rows, known = _rows_known(n, right)
