@@ -62,12 +62,22 @@ def accuracy_cards(m: dict) -> list[tuple[str, str, str]]:
             f"95% {_interval(acc.get('low'), acc.get('high'))} · {_int(q.get('labelled'))} labelled",
         )
     ]
-    v = q.get("vs_previous")
-    if v:
-        verdict = "a real drop" if v.get("real_drop") else "a real gain" if v.get("real_gain") else "within noise"
-        cards.append(
-            ("Accuracy change", _pts(v.get("delta")), f"{verdict} (95% {_pts(v.get('low'))} to {_pts(v.get('high'))})")
-        )
+    # with several sources compared each against its own (what the accuracy_drop check judges), a card per source:
+    # the pooled change may sit within noise while one source really dropped
+    by_source = {
+        k: s["vs_previous"] for k, s in (q.get("sources") or {}).items() if isinstance(s, dict) and s.get("vs_previous")
+    }
+    changes = (
+        [(f"Accuracy change ({SOURCE_NAMES.get(k, k)})", v) for k, v in by_source.items()]
+        if len(by_source) > 1
+        else [("Accuracy change", next(iter(by_source.values()), None) or q.get("vs_previous"))]
+    )
+    for title, v in changes:
+        if v:
+            verdict = "a real drop" if v.get("real_drop") else "a real gain" if v.get("real_gain") else "within noise"
+            cards.append(
+                (title, _pts(v.get("delta")), f"{verdict} (95% {_pts(v.get('low'))} to {_pts(v.get('high'))})")
+            )
     return cards
 
 
