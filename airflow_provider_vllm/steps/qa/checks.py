@@ -164,12 +164,16 @@ def _drop(metrics: dict[str, Any], spec: QASpec) -> tuple[float | None, str, str
                 {},
             )
         judged = [(s, *_drop_of(v, spec)) for s, v in compared.items()]
-        if len(judged) == 1:
+        if len(sources) == 1:
             return judged[0][1:]
         # the worst source's (the largest real drop); a source that did not really drop passes
         source, drop, status, _, extra = max(judged, key=lambda j: (STATUS_ORDER[j[2]], j[1]))
-        detail = "; ".join(f"{s}: {d}" for s, _, _, d, _ in judged)
-        return drop, status, f"{detail} (the check is the worst source's)", {**extra, "source": source}
+        detail = "; ".join(
+            [f"{s}: {d}" for s, _, _, d, _ in judged]
+            + [f"{s}: not scored in both reports" for s in sources if s not in compared]
+        )
+        worst = " (the check is the worst source's)" if len(judged) > 1 else ""
+        return drop, status, detail + worst, {**extra, "source": source}
     v = q.get("vs_previous")
     if v is None:
         if q.get("labelled") and (refused := _refused(metrics)):

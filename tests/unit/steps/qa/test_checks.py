@@ -346,6 +346,13 @@ def test_a_fall_of_the_golden_rows_is_not_hidden_by_a_larger_night_of_the_runs_o
     )
     c = check(alone, "accuracy_drop")
     assert c["status"] == "skip" and "both in this run and in the previous report" in c["detail"]
+    # a source added since: the other is compared, and the detail names both
+    riding = evaluate(
+        *split([]), spec=QASpec(**spec), labels=LAB, structured=True, ride_along=_ride_along(300, 270)
+    ).to_dict()
+    c = check(_two_sources((300, 180), (300, 270), previous=riding, **spec), "accuracy_drop")
+    assert c["status"] == "pass" and c["source"] == "ride_along" and c["detail"].startswith("ride_along: +0.0 pt")
+    assert "input_column: not scored in both reports" in c["detail"]
 
 
 def test_a_reference_whose_labels_are_all_blank_warns_and_says_so():
