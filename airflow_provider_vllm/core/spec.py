@@ -694,7 +694,8 @@ class QASpec(_Model):
         le=1,
         description="A drop in accuracy since the previous report (previous_report_uri) that the 95% interval of "
         "the change calls real (the whole interval below 0) and larger than this: warn. 0: any real drop warns. Each "
-        "source of known labels is compared with the same source of the previous report; the check is the worst.",
+        "source of known labels is compared with the same source of the previous report (and all of them pooled, when "
+        "both reports have the same sources); the check is the worst.",
     )
     fail_accuracy_drop: float = Field(
         0.05, ge=0, le=1, description="As warn_accuracy_drop, failing the run (a real drop of more than 5 points)."

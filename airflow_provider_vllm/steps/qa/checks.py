@@ -9,8 +9,9 @@ rows) is judged on its own rows, the check being the worst; accuracy thresholds 
 defaults, and not 0: off), or a previous report that had known labels, with none reaching this run warn.
 ``accuracy_drop`` (the drop since the previous report) warns or fails only when the 95% interval of the
 change lies below 0 (a real drop), and then by its size; like ``accuracy``, each source of known labels is compared
-with the same source of the previous report (a pooled figure would hide a fall of the golden rows beside a larger
-night of the run's own labelled rows), the check being the worst. The gates off by default (``low_confidence_rate``,
+with the same source of the previous report (a pooled figure alone would hide a fall of the golden rows beside a
+larger night of the run's own labelled rows), and, when both reports have the same sources, so is the pooled
+accuracy; the check is the worst. The gates off by default (``low_confidence_rate``,
 ``inconsistency_rate``) warn, once turned on, for a run that lacks their measure (no confidence; no
 prompt hashes: an embed job, or requests that sample at random), rather than skipping. So do ``label_drift``
 and ``accuracy_drop`` when ``qa.previous_report_uri`` is set but its report was not used (no sealed QA record of
@@ -166,13 +167,15 @@ def _drop(metrics: dict[str, Any], spec: QASpec) -> tuple[float | None, str, str
         judged = [(s, *_drop_of(v, spec)) for s, v in compared.items()]
         if len(sources) == 1:
             return judged[0][1:]
-        # the worst source's (the largest real drop); a source that did not really drop passes
+        if q.get("vs_previous") is not None:  # the same sources in both reports: their pooled change too (more rows)
+            judged.append(("all sources", *_drop_of(q["vs_previous"], spec)))
+        # the worst (the largest real drop); a source that did not really drop passes
         source, drop, status, _, extra = max(judged, key=lambda j: (STATUS_ORDER[j[2]], j[1]))
         detail = "; ".join(
             [f"{s}: {d}" for s, _, _, d, _ in judged]
             + [f"{s}: not scored in both reports" for s in sources if s not in compared]
         )
-        worst = " (the check is the worst source's)" if len(judged) > 1 else ""
+        worst = " (the check is the worst)" if len(judged) > 1 else ""
         return drop, status, detail + worst, {**extra, "source": source}
     v = q.get("vs_previous")
     if v is None:

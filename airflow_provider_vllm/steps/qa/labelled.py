@@ -99,9 +99,11 @@ def quality(
     q["vs_previous"] = versus(q, prev_q if isinstance(prev_q, dict) else None)
     prev_sources = prev_q.get("sources") if isinstance(prev_q, dict) else None
     if isinstance(prev_sources, dict) and prev_sources:
-        # each source against the same source of the previous report (the accuracy_drop check judges these): a
-        # pooled figure mixes sources whose shares change from run to run, so a fall of the golden rows that ride
-        # along can vanish in the pool beside a large night of the run's own labelled rows
+        # each source against the same source of the previous report (the accuracy_drop check judges these and the
+        # pooled change): a pooled figure mixes sources whose shares change from run to run, so a fall of the golden
+        # rows that ride along can vanish in the pool beside a large night of the run's own labelled rows
+        if set(prev_sources) != set(q["sources"]):
+            q["vs_previous"] = None  # pooled over other sources of known labels: not the same measure
         for source, v in q["sources"].items():
             pv = prev_sources.get(source)
             v["vs_previous"] = (

@@ -355,6 +355,20 @@ def test_a_fall_of_the_golden_rows_is_not_hidden_by_a_larger_night_of_the_runs_o
     assert "input_column: not scored in both reports" in c["detail"]
 
 
+def test_with_the_same_sources_in_both_reports_their_pooled_drop_is_judged_too():
+    """Both sources fall 8 points on 150 rows each: neither interval alone excludes 0, the pooled one (300 rows)
+    does; the check still sees the drop. A source added since: no pooled comparison (other rows, other measure)."""
+    before = _two_sources((150, 120), (150, 120)).to_dict()
+    rep = _two_sources((150, 108), (150, 108), previous=before)
+    q = rep.metrics["quality"]
+    assert not any(v["vs_previous"]["real_drop"] for v in q["sources"].values()) and q["vs_previous"]["real_drop"]
+    c = check(rep, "accuracy_drop")
+    assert c["status"] == "fail" and c["source"] == "all sources" and c["value"] == pytest.approx(0.08)
+    assert "all sources: -8.0 pt vs 80.0% of 300" in c["detail"]
+    riding = evaluate(*split([]), spec=QASpec(), labels=LAB, structured=True, ride_along=_ride_along(150, 120))
+    assert _two_sources((150, 108), (150, 108), previous=riding.to_dict()).metrics["quality"]["vs_previous"] is None
+
+
 def test_a_reference_whose_labels_are_all_blank_warns_and_says_so():
     """A golden set whose every label is null or blank scores nothing: a warning that names the empty reference,
     not one that sends the reader looking for ids that do not match."""
