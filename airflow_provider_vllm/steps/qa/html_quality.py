@@ -62,13 +62,15 @@ def accuracy_cards(m: dict) -> list[tuple[str, str, str]]:
             f"95% {_interval(acc.get('low'), acc.get('high'))} · {_int(q.get('labelled'))} labelled",
         )
     ]
-    # with several sources compared each against its own (what the accuracy_drop check judges), a card per source:
-    # the pooled change may sit within noise while one source really dropped
+    # with several sources compared each against its own (what the accuracy_drop check judges, with the pooled change
+    # when both reports have the same sources), a card per source: the pooled change may sit within noise while one
+    # source really dropped
     by_source = {
         k: s["vs_previous"] for k, s in (q.get("sources") or {}).items() if isinstance(s, dict) and s.get("vs_previous")
     }
     changes = (
         [(f"Accuracy change ({SOURCE_NAMES.get(k, k)})", v) for k, v in by_source.items()]
+        + [("Accuracy change (all sources)", q.get("vs_previous"))]
         if len(by_source) > 1
         else [("Accuracy change", next(iter(by_source.values()), None) or q.get("vs_previous"))]
     )

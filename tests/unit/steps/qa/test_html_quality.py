@@ -159,4 +159,5 @@ def test_the_accuracy_change_cards_are_per_source_when_the_check_is():
     )
     assert cards["Accuracy change (ride-along golden rows)"].startswith("a real drop")
     assert cards["Accuracy change (input column)"].startswith("within noise")
-    assert "Accuracy change" not in cards  # not the pooled one beside them
+    assert cards["Accuracy change (all sources)"].startswith("within noise")  # the pooled change, named so
+    assert "Accuracy change" not in cards
