@@ -19,6 +19,7 @@ for the most / least confident halves.
 
 from __future__ import annotations
 
+import unicodedata
 from typing import Any
 
 from airflow_provider_vllm.steps.qa.accuracy import classification, proportion, versus
@@ -95,6 +96,13 @@ def quality(
     if outside:
         shown = ", ".join(repr(c) for c in outside[:10])
         notes.append(f"quality: {len(outside)} label(s) outside the job's label set: {shown}")
+        # labels are compared exactly: a golden set spelled 'Bug' or with a decomposed accent scores every such
+        # row wrong; say which label it nearly is, escaped (a repr of NFC and NFD text looks the same)
+        for c, near in _near_misses(outside[:10], labels or []):
+            notes.append(
+                f"quality: label {ascii(c)} differs from the job's label {ascii(near)} only in case, spacing or "
+                "Unicode form; labels are compared exactly, so rows with it are scored as wrong"
+            )
     prev_q = ((previous or {}).get("metrics") or {}).get("quality") if isinstance(previous, dict) else None
     q["vs_previous"] = versus(q, prev_q if isinstance(prev_q, dict) else None)
     prev_sources = prev_q.get("sources") if isinstance(prev_q, dict) else None
@@ -118,6 +126,19 @@ def quality(
     q["reliability"] = reliability(con)
     q["halves"] = halves(con)
     return q
+
+
+def _near_misses(outside: list[str], labels: list[str]) -> list[tuple[str, str]]:
+    """(label, job label) for each label of ``outside`` equal to a job label once case-folded, NFKC-normalised and
+    with its spaces collapsed."""
+
+    def key(x: str) -> str:
+        return " ".join(unicodedata.normalize("NFKC", x).casefold().split())
+
+    by_key: dict[str, str] = {}
+    for x in labels:
+        by_key.setdefault(key(x), x)
+    return [(c, by_key[key(c)]) for c in outside if key(c) in by_key]
 
 
 def reliability(con) -> dict[str, Any]:
