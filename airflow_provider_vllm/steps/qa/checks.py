@@ -6,7 +6,9 @@ Most checks fail *above* their thresholds (rates, drift). ``accuracy`` fails *be
 configured but fewer than ``min_labelled`` rows scored is a warning (a failure when even the top of the
 95% interval is below the fail line); each source of known labels (the run's own rows, the ride-along golden
 rows) is judged on its own rows, the check being the worst; accuracy thresholds the job set (other than the
-defaults, and not 0: off), or a previous report that had known labels, with none reaching this run warn.
+defaults, and not 0: off), or a previous report that had known labels, with none reaching this run warn. Known
+labels that are all one class (of a job with several) never pass: a model answering that class to every row would
+score as well (a warning).
 ``accuracy_drop`` (the drop since the previous report) warns or fails only when the 95% interval of the
 change lies below 0 (a real drop), and then by its size; like ``accuracy``, each source of known labels is compared
 with the same source of the previous report (a pooled figure alone would hide a fall of the golden rows beside a
@@ -81,7 +83,8 @@ def _accuracy(metrics: dict[str, Any], spec: QASpec) -> tuple[float | None, str,
             if known != 0
             else "the reference is configured but holds no known label (every label null or blank)"
         )
-        status, why = _judge(k, n, spec, none)
+        only = q.get("only_label") if len(sources) != 1 else next(iter(sources.values())).get("only_label")
+        status, why = _judge(k, n, spec, none, only)
         extra = {"interval": [acc["low"], acc["high"]], "of": n}
         return acc["value"], status, _detail(k, n, acc, why), extra
     # Each source is judged on its own rows: the run's own labelled rows at 40 % must not pass because golden
@@ -95,7 +98,7 @@ def _accuracy(metrics: dict[str, Any], spec: QASpec) -> tuple[float | None, str,
             if known
             else "it holds no known label (every label null or blank)"
         )
-        status, why = _judge(k, n, spec, none)
+        status, why = _judge(k, n, spec, none, v.get("only_label"))
         judged.append((STATUS_ORDER[status], -1.0 if v["value"] is None else -v["value"], source, status, why, v))
     _, _, source, status, _, worst = max(judged, key=lambda j: j[:2])
     detail = "; ".join(f"{s}: {_detail(int(v['count']), int(v['of']), v, why)}" for _, _, s, _, why, v in judged)
@@ -103,8 +106,10 @@ def _accuracy(metrics: dict[str, Any], spec: QASpec) -> tuple[float | None, str,
     return worst["value"], status, f"{detail} (the check is the worst source's)", extra
 
 
-def _judge(k: int, n: int, spec: QASpec, none_scored: str) -> tuple[str, str]:
-    """The accuracy check's status for k right answers of n scored rows, and why when that is not the value's."""
+def _judge(k: int, n: int, spec: QASpec, none_scored: str, only_label: str | None = None) -> tuple[str, str]:
+    """The accuracy check's status for k right answers of n scored rows, and why when that is not the value's.
+    ``only_label``: the known label of every scored row, when they all have the same one: a pass becomes a warning
+    (answering that label to every row would score as well)."""
     if not n:
         return "warn", f"{none_scored}: nothing to score"
     high = proportion(k, n)["high"]
@@ -116,7 +121,13 @@ def _judge(k: int, n: int, spec: QASpec, none_scored: str) -> tuple[str, str]:
             )
         return "warn", f"only {n} scored rows, fewer than qa.min_labelled {spec.min_labelled}"
     value = k / n
-    return ("fail" if value < spec.fail_accuracy_below else "warn" if value < spec.warn_accuracy_below else "pass"), ""
+    status = "fail" if value < spec.fail_accuracy_below else "warn" if value < spec.warn_accuracy_below else "pass"
+    if status == "pass" and only_label is not None and spec.warn_accuracy_below > 0:  # 0: the gate is off
+        return "warn", (
+            f"every scored row's known label is {only_label!r}: a model that answers {only_label!r} to every row "
+            "would score as well; known labels of one class cannot pass a run"
+        )
+    return status, ""
 
 
 def _detail(k: int, n: int, acc: dict[str, Any], why: str) -> str:

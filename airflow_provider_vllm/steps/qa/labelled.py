@@ -82,12 +82,17 @@ def quality(
         overall[(truth, pred)] = overall.get((truth, pred), 0) + n
         by_source.setdefault(source, {})[(truth, pred)] = n
     q = classification(overall, labels)
+    q["only_label"] = _only_label(overall, labels)
     q["sources"] = {}
     for source, n_known in known.items():
         counts = by_source.get(source, {})
         scored = sum(counts.values())
         correct = sum(k for (t, p), k in counts.items() if t == p)
-        q["sources"][source] = {"known": int(n_known), "unmatched": int(n_known) - scored} | proportion(correct, scored)
+        q["sources"][source] = (
+            {"known": int(n_known), "unmatched": int(n_known) - scored}
+            | proportion(correct, scored)
+            | {"only_label": _only_label(counts, labels)}
+        )
         if n_known > scored:
             notes.append(
                 f"quality: {n_known - scored} of {n_known} known labels ({source}) name ids that are not in this run"
@@ -126,6 +131,17 @@ def quality(
     q["reliability"] = reliability(con)
     q["halves"] = halves(con)
     return q
+
+
+def _only_label(counts: dict[tuple[str, str | None], int], labels: list[str] | None) -> str | None:
+    """The known label of every scored row, when they all have the same one and the job has other labels (None for
+    a job whose label set is that one label): such rows cannot tell a model that answers it to every row from a good
+    one (the accuracy check does not pass on them)."""
+    known = {t for (t, _), n in counts.items() if n}
+    if len(known) != 1:
+        return None
+    (only,) = known
+    return None if labels is not None and set(labels) <= {only} else only
 
 
 def _near_misses(outside: list[str], labels: list[str]) -> list[tuple[str, str]]:

@@ -369,6 +369,62 @@ def test_with_the_same_sources_in_both_reports_their_pooled_drop_is_judged_too()
     assert _two_sources((150, 108), (150, 108), previous=riding.to_dict()).metrics["quality"]["vs_previous"] is None
 
 
+def test_known_labels_of_one_class_cannot_pass_a_run():
+    """A golden set of 50 tickets all labelled 'bug' (picked from the bug queue) and a broken model that answers
+    'bug' to each of 1000 tickets of five classes (20 % right): 50 / 50 on the golden set, and QA passed. Known
+    labels of one class cannot tell that model from a good one: the accuracy check warns (a person looks)."""
+    truth = [LAB[i % 5] for i in range(1000)]
+    results, errors = split([ok_row(i, label="bug") for i in range(1000)])
+    gold = [i for i in range(1000) if truth[i] == "bug"][:50]
+    ref = pa.table({"id": [f"r{i}" for i in gold], "label": ["bug"] * 50})
+    rep = evaluate(results, errors, spec=QASpec(), labels=LAB, structured=True, reference=ref)
+    c = check(rep, "accuracy")
+    assert (c["status"], c["value"], rep.status) == ("warn", 1.0, "warn")
+    assert "every scored row's known label is 'bug'" in c["detail"]
+    assert (
+        rep.metrics["quality"]["only_label"] == rep.metrics["quality"]["sources"]["golden_set"]["only_label"] == "bug"
+    )
+    # judged per source too: the run's own rows of one class beside golden rows that ride along
+    rows, _ = _rows_known(100, 100)
+    one = pa.table({"id": [f"r{i}" for i in range(0, 100, 5)], "label": [LAB[0]] * 20})
+    rep = evaluate(
+        *split(rows),
+        spec=QASpec(min_labelled=10),
+        labels=LAB,
+        structured=True,
+        reference=one,
+        ride_along=_ride_along(60, 60),
+    )
+    c = check(rep, "accuracy")
+    assert c["status"] == "warn" and c["source"] == "golden_set" and "known label is 'billing'" in c["detail"], c
+    # two classes known, a fail stays a fail, a job of one label, and the gate turned off: as before
+    two = pa.table({"id": [f"r{i}" for i in gold] + ["r0"], "label": ["bug"] * 50 + [LAB[0]]})
+    assert (
+        check(evaluate(results, errors, spec=QASpec(), labels=LAB, structured=True, reference=two), "accuracy")[
+            "status"
+        ]
+        == "pass"
+    )
+    wrong = pa.table({"id": [f"r{i}" for i in range(0, 1000, 5)], "label": ["billing"] * 200})
+    assert (
+        check(evaluate(results, errors, spec=QASpec(), labels=LAB, structured=True, reference=wrong), "accuracy")[
+            "status"
+        ]
+        == "fail"
+    )
+    assert (
+        check(evaluate(results, errors, spec=QASpec(), labels=["bug"], structured=True, reference=ref), "accuracy")[
+            "status"
+        ]
+        == "pass"
+    )
+    off = QASpec(warn_accuracy_below=0, fail_accuracy_below=0)
+    assert (
+        check(evaluate(results, errors, spec=off, labels=LAB, structured=True, reference=ref), "accuracy")["status"]
+        == "pass"
+    )
+
+
 def test_a_reference_whose_labels_are_all_blank_warns_and_says_so():
     """A golden set whose every label is null or blank scores nothing: a warning that names the empty reference,
     not one that sends the reader looking for ids that do not match."""
