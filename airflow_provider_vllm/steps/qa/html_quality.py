@@ -62,6 +62,16 @@ def accuracy_cards(m: dict) -> list[tuple[str, str, str]]:
             f"95% {_interval(acc.get('low'), acc.get('high'))} · {_int(q.get('labelled'))} labelled",
         )
     ]
+    sources = {k: s for k, s in (q.get("sources") or {}).items() if isinstance(s, dict)}
+    if len(sources) > 1:  # the accuracy check judges each source on its own rows: the pooled figure is not its value
+        cards += [
+            (
+                f"Accuracy ({SOURCE_NAMES.get(k, k)})",
+                _pct(s.get("value")),
+                f"95% {_interval(s.get('low'), s.get('high'))} · {_int(s.get('of'))} labelled",
+            )
+            for k, s in sources.items()
+        ]
     # with several sources compared each against its own (what the accuracy_drop check judges, with the pooled change
     # when both reports have the same sources), a card per source: the pooled change may sit within noise while one
     # source really dropped

@@ -161,3 +161,10 @@ def test_the_accuracy_change_cards_are_per_source_when_the_check_is():
     assert cards["Accuracy change (input column)"].startswith("within noise")
     assert cards["Accuracy change (all sources)"].startswith("within noise")  # the pooled change, named so
     assert "Accuracy change" not in cards
+    # and the accuracy of each source beside the pooled one (the accuracy check judges each source)
+    assert [k for k in cards if k.startswith("Accuracy") and "change" not in k] == [
+        "Accuracy",
+        "Accuracy (input column)",
+        "Accuracy (ride-along golden rows)",
+    ]
+    assert cards["Accuracy (ride-along golden rows)"].endswith("300 labelled")
