@@ -562,7 +562,8 @@ class ReferenceSpec(_Model):
         None,
         min_length=1,
         description="Input column that holds a row's known label (Parquet input). Sparse is fine: rows whose "
-        "value is null or blank are not scored.",
+        "value is null or blank are not scored. Not a column the prompt template or model.adapter_column reads "
+        "(the model would be shown the label it is scored against).",
     )
     golden_uri: str | None = Field(
         None,
@@ -579,7 +580,12 @@ class ReferenceSpec(_Model):
         "input rows. Lets a nightly over unlabelled data measure itself every night. Not for openai_batch input.",
     )
     id_column: str = Field("id", min_length=1, description="The id column of golden_uri and ride_along_uri.")
-    label_column: str = Field("label", min_length=1, description="The label column of golden_uri and ride_along_uri.")
+    label_column: str = Field(
+        "label",
+        min_length=1,
+        description="The label column of golden_uri and ride_along_uri. With ride_along_uri, not a column the prompt "
+        "template or model.adapter_column reads (the golden rows would show the model their label).",
+    )
 
     @field_validator("input_column", "golden_uri", "ride_along_uri", mode="before")
     @classmethod
@@ -668,7 +674,9 @@ class QASpec(_Model):
         ge=0,
         le=1,
         description="Accuracy on the labelled rows (qa.reference) below this: warn. Each source of known labels "
-        "(the run's own rows, the ride-along golden rows) is judged on its own rows; the check is the worst. Set "
+        "(the run's own rows, the ride-along golden rows) is judged on its own rows; the check is the worst. Known "
+        "labels all of one class (of a job with several) do not pass: warn (a model answering it to every row would "
+        "score as well). Set "
         "(this or fail_accuracy_below) to other than the default and not 0 (0: the gate is off) with no known label "
         "reaching QA, or a previous report that had some: warn.",
     )
@@ -687,7 +695,9 @@ class QASpec(_Model):
         ge=0,
         le=1,
         description="A drop in accuracy since the previous report (previous_report_uri) that the 95% interval of "
-        "the change calls real (the whole interval below 0) and larger than this: warn. 0: any real drop warns.",
+        "the change calls real (the whole interval below 0) and larger than this: warn. 0: any real drop warns. Each "
+        "source of known labels is compared with the same source of the previous report (and all of them pooled, when "
+        "both reports have the same sources); the check is the worst.",
     )
     fail_accuracy_drop: float = Field(
         0.05, ge=0, le=1, description="As warn_accuracy_drop, failing the run (a real drop of more than 5 points)."
@@ -831,6 +841,21 @@ class JobSpec(_Model):
                 )
             if ref.input_column is not None and ref.input_column == self.prompt.id_column:
                 raise ValueError("qa.reference.input_column is prompt.id_column; name the column of known labels")
+            # a known label the worker reads (into the prompt, or to pick the adapter) is shown to the model: its
+            # accuracy would measure copying, and a run whose unlabelled rows are mostly wrong would pass
+            shown = [*self.prompt.columns, *([self.model.adapter_column] if self.model.adapter_column else [])]
+            for field, column in (("input_column", ref.input_column), ("label_column", ref.label_column)):
+                if column is None or column not in shown or (field == "label_column" and ref.ride_along_uri is None):
+                    continue
+                raise ValueError(
+                    f"qa.reference.{field} {column!r} is a column the worker reads (prompt.template or "
+                    "model.adapter_column): the model would be shown the known label it is scored against; "
+                    + (
+                        "keep the known labels in a column of their own"
+                        if field == "input_column"
+                        else "give the golden file's label column another name"
+                    )
+                )
             if ref.ride_along_uri is not None and self.io.input_format == "openai_batch":
                 raise ValueError("qa.reference.ride_along_uri needs template rows; openai_batch input carries requests")
         if self.model.adapters and self.task not in ("chat", "generate"):

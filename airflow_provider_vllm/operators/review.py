@@ -63,13 +63,24 @@ def review_body(qa_result: Mapping[str, Any], report_link: str | None = None) ->
     lines = [f"**{md_text(qa_result.get('summary', 'QA result'))}**", ""]
     checks = [c for c in qa_result.get("checks") or [] if c.get("status") != "skip"]
     if checks:
-        lines += ["| check | value | warn above | fail above | status |", "|---|---|---|---|---|"]
+        lines += ["| check | value | warns | fails | status |", "|---|---|---|---|---|"]
         for c in checks:
             value = c.get("value")
             value = f"{value:.4g}" if isinstance(value, float) else value
+            interval = c.get("interval")
+            if (
+                value is not None
+                and isinstance(interval, (list, tuple))
+                and len(interval) == 2
+                and None not in interval
+            ):
+                value = f"{value} (95% interval {interval[0]:.4g} to {interval[1]:.4g})"
             status = md_text(c.get("status"))
             mark = f"**{status}**" if c.get("status") in ("warn", "fail") else status
-            cells = [md_text(x) for x in (c.get("name"), value, c.get("warn"), c.get("fail"))]
+            # accuracy warns and fails *below* its thresholds, the other checks above theirs
+            side = "below" if c.get("direction") == "below" else "above"
+            warn, fail = (f"{side} {c.get(k)}" for k in ("warn", "fail"))
+            cells = [md_text(x) for x in (c.get("name"), value, warn, fail)]
             lines.append(f"| {' | '.join(cells)} | {mark} |")
         lines.append("")
     if report_link:

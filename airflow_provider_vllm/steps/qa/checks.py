@@ -6,9 +6,14 @@ Most checks fail *above* their thresholds (rates, drift). ``accuracy`` fails *be
 configured but fewer than ``min_labelled`` rows scored is a warning (a failure when even the top of the
 95% interval is below the fail line); each source of known labels (the run's own rows, the ride-along golden
 rows) is judged on its own rows, the check being the worst; accuracy thresholds the job set (other than the
-defaults, and not 0: off), or a previous report that had known labels, with none reaching this run warn.
+defaults, and not 0: off), or a previous report that had known labels, with none reaching this run warn. Known
+labels that are all one class (of a job with several) never pass: a model answering that class to every row would
+score as well (a warning).
 ``accuracy_drop`` (the drop since the previous report) warns or fails only when the 95% interval of the
-change lies below 0 (a real drop), and then by its size. The gates off by default (``low_confidence_rate``,
+change lies below 0 (a real drop), and then by its size; like ``accuracy``, each source of known labels is compared
+with the same source of the previous report (a pooled figure alone would hide a fall of the golden rows beside a
+larger night of the run's own labelled rows), and, when both reports have the same sources, so is the pooled
+accuracy; the check is the worst. The gates off by default (``low_confidence_rate``,
 ``inconsistency_rate``) warn, once turned on, for a run that lacks their measure (no confidence; no
 prompt hashes: an embed job, or requests that sample at random), rather than skipping. So do ``label_drift``
 and ``accuracy_drop`` when ``qa.previous_report_uri`` is set but its report was not used (no sealed QA record of
@@ -72,7 +77,14 @@ def _accuracy(metrics: dict[str, Any], spec: QASpec) -> tuple[float | None, str,
     if len(sources) <= 1:  # one source (or a report without them): the pooled figure is that source's
         acc = q["accuracy"]
         k, n = int(q["correct"]), int(q["labelled"])
-        status, why = _judge(k, n, spec, "known labels are configured but none names a row of this run")
+        known = next(iter(sources.values()), {}).get("known")
+        none = (
+            "known labels are configured but none names a row of this run"
+            if known != 0
+            else "the reference is configured but holds no known label (every label null or blank)"
+        )
+        only = q.get("only_label") if len(sources) != 1 else next(iter(sources.values())).get("only_label")
+        status, why = _judge(k, n, spec, none, only)
         extra = {"interval": [acc["low"], acc["high"]], "of": n}
         return acc["value"], status, _detail(k, n, acc, why), extra
     # Each source is judged on its own rows: the run's own labelled rows at 40 % must not pass because golden
@@ -80,7 +92,13 @@ def _accuracy(metrics: dict[str, Any], spec: QASpec) -> tuple[float | None, str,
     judged = []
     for source, v in sources.items():
         k, n = int(v["count"]), int(v["of"])
-        status, why = _judge(k, n, spec, f"none of its {v.get('known', 0)} known labels names a row of this run")
+        known = v.get("known", 0)
+        none = (
+            f"none of its {known} known labels names a row of this run"
+            if known
+            else "it holds no known label (every label null or blank)"
+        )
+        status, why = _judge(k, n, spec, none, v.get("only_label"))
         judged.append((STATUS_ORDER[status], -1.0 if v["value"] is None else -v["value"], source, status, why, v))
     _, _, source, status, _, worst = max(judged, key=lambda j: j[:2])
     detail = "; ".join(f"{s}: {_detail(int(v['count']), int(v['of']), v, why)}" for _, _, s, _, why, v in judged)
@@ -88,8 +106,10 @@ def _accuracy(metrics: dict[str, Any], spec: QASpec) -> tuple[float | None, str,
     return worst["value"], status, f"{detail} (the check is the worst source's)", extra
 
 
-def _judge(k: int, n: int, spec: QASpec, none_scored: str) -> tuple[str, str]:
-    """The accuracy check's status for k right answers of n scored rows, and why when that is not the value's."""
+def _judge(k: int, n: int, spec: QASpec, none_scored: str, only_label: str | None = None) -> tuple[str, str]:
+    """The accuracy check's status for k right answers of n scored rows, and why when that is not the value's.
+    ``only_label``: the known label of every scored row, when they all have the same one: a pass becomes a warning
+    (answering that label to every row would score as well)."""
     if not n:
         return "warn", f"{none_scored}: nothing to score"
     high = proportion(k, n)["high"]
@@ -101,7 +121,13 @@ def _judge(k: int, n: int, spec: QASpec, none_scored: str) -> tuple[str, str]:
             )
         return "warn", f"only {n} scored rows, fewer than qa.min_labelled {spec.min_labelled}"
     value = k / n
-    return ("fail" if value < spec.fail_accuracy_below else "warn" if value < spec.warn_accuracy_below else "pass"), ""
+    status = "fail" if value < spec.fail_accuracy_below else "warn" if value < spec.warn_accuracy_below else "pass"
+    if status == "pass" and only_label is not None and spec.warn_accuracy_below > 0:  # 0: the gate is off
+        return "warn", (
+            f"every scored row's known label is {only_label!r}: a model that answers {only_label!r} to every row "
+            "would score as well; known labels of one class cannot pass a run"
+        )
+    return status, ""
 
 
 def _detail(k: int, n: int, acc: dict[str, Any], why: str) -> str:
@@ -139,12 +165,40 @@ def _refused(metrics: dict[str, Any]) -> str | None:
 
 def _drop(metrics: dict[str, Any], spec: QASpec) -> tuple[float | None, str, str, dict[str, Any]]:
     q = metrics.get("quality") or {}
+    sources = {s: v for s, v in (q.get("sources") or {}).items() if isinstance(v, dict) and "vs_previous" in v}
+    if sources:  # the previous report has per-source figures: each source against its own (labelled.quality)
+        compared = {s: v["vs_previous"] for s, v in sources.items() if v["vs_previous"] is not None}
+        if not compared:
+            return (
+                None,
+                "skip",
+                "no source of known labels has scored rows both in this run and in the previous report",
+                {},
+            )
+        judged = [(s, *_drop_of(v, spec)) for s, v in compared.items()]
+        if len(sources) == 1:
+            return judged[0][1:]
+        if q.get("vs_previous") is not None:  # the same sources in both reports: their pooled change too (more rows)
+            judged.append(("all sources", *_drop_of(q["vs_previous"], spec)))
+        # the worst (the largest real drop); a source that did not really drop passes
+        source, drop, status, _, extra = max(judged, key=lambda j: (STATUS_ORDER[j[2]], j[1]))
+        detail = "; ".join(
+            [f"{s}: {d}" for s, _, _, d, _ in judged]
+            + [f"{s}: not scored in both reports" for s in sources if s not in compared]
+        )
+        worst = " (the check is the worst)" if len(judged) > 1 else ""
+        return drop, status, detail + worst, {**extra, "source": source}
     v = q.get("vs_previous")
     if v is None:
         if q.get("labelled") and (refused := _refused(metrics)):
             return None, "warn", refused, {}  # a previous report that was set but not vouched for: not a pass
         why = "no known labels" if not q else "no previous report with an accuracy (qa.previous_report_uri)"
         return None, "skip", why, {}
+    return _drop_of(v, spec)
+
+
+def _drop_of(v: dict[str, Any], spec: QASpec) -> tuple[float, str, str, dict[str, Any]]:
+    """The accuracy_drop check of one change in accuracy (``accuracy.versus``)."""
     drop = -v["delta"]
     extra = {"interval": [-v["high"], -v["low"]], "previous": v["previous"]}
     detail = (

@@ -62,12 +62,34 @@ def accuracy_cards(m: dict) -> list[tuple[str, str, str]]:
             f"95% {_interval(acc.get('low'), acc.get('high'))} · {_int(q.get('labelled'))} labelled",
         )
     ]
-    v = q.get("vs_previous")
-    if v:
-        verdict = "a real drop" if v.get("real_drop") else "a real gain" if v.get("real_gain") else "within noise"
-        cards.append(
-            ("Accuracy change", _pts(v.get("delta")), f"{verdict} (95% {_pts(v.get('low'))} to {_pts(v.get('high'))})")
-        )
+    sources = {k: s for k, s in (q.get("sources") or {}).items() if isinstance(s, dict)}
+    if len(sources) > 1:  # the accuracy check judges each source on its own rows: the pooled figure is not its value
+        cards += [
+            (
+                f"Accuracy ({SOURCE_NAMES.get(k, k)})",
+                _pct(s.get("value")),
+                f"95% {_interval(s.get('low'), s.get('high'))} · {_int(s.get('of'))} labelled",
+            )
+            for k, s in sources.items()
+        ]
+    # with several sources compared each against its own (what the accuracy_drop check judges, with the pooled change
+    # when both reports have the same sources), a card per source: the pooled change may sit within noise while one
+    # source really dropped
+    by_source = {
+        k: s["vs_previous"] for k, s in (q.get("sources") or {}).items() if isinstance(s, dict) and s.get("vs_previous")
+    }
+    changes = (
+        [(f"Accuracy change ({SOURCE_NAMES.get(k, k)})", v) for k, v in by_source.items()]
+        + [("Accuracy change (all sources)", q.get("vs_previous"))]
+        if len(by_source) > 1
+        else [("Accuracy change", next(iter(by_source.values()), None) or q.get("vs_previous"))]
+    )
+    for title, v in changes:
+        if v:
+            verdict = "a real drop" if v.get("real_drop") else "a real gain" if v.get("real_gain") else "within noise"
+            cards.append(
+                (title, _pts(v.get("delta")), f"{verdict} (95% {_pts(v.get('low'))} to {_pts(v.get('high'))})")
+            )
     return cards
 
 

@@ -19,6 +19,7 @@ for the most / least confident halves.
 
 from __future__ import annotations
 
+import unicodedata
 from typing import Any
 
 from airflow_provider_vllm.steps.qa.accuracy import classification, proportion, versus
@@ -81,12 +82,17 @@ def quality(
         overall[(truth, pred)] = overall.get((truth, pred), 0) + n
         by_source.setdefault(source, {})[(truth, pred)] = n
     q = classification(overall, labels)
+    q["only_label"] = _only_label(overall, labels)
     q["sources"] = {}
     for source, n_known in known.items():
         counts = by_source.get(source, {})
         scored = sum(counts.values())
         correct = sum(k for (t, p), k in counts.items() if t == p)
-        q["sources"][source] = {"known": int(n_known), "unmatched": int(n_known) - scored} | proportion(correct, scored)
+        q["sources"][source] = (
+            {"known": int(n_known), "unmatched": int(n_known) - scored}
+            | proportion(correct, scored)
+            | {"only_label": _only_label(counts, labels)}
+        )
         if n_known > scored:
             notes.append(
                 f"quality: {n_known - scored} of {n_known} known labels ({source}) name ids that are not in this run"
@@ -95,13 +101,60 @@ def quality(
     if outside:
         shown = ", ".join(repr(c) for c in outside[:10])
         notes.append(f"quality: {len(outside)} label(s) outside the job's label set: {shown}")
+        # labels are compared exactly: a golden set spelled 'Bug' or with a decomposed accent scores every such
+        # row wrong; say which label it nearly is, escaped (a repr of NFC and NFD text looks the same)
+        for c, near in _near_misses(outside[:10], labels or []):
+            notes.append(
+                f"quality: label {ascii(c)} differs from the job's label {ascii(near)} only in case, spacing or "
+                "Unicode form; labels are compared exactly, so rows with it are scored as wrong"
+            )
     prev_q = ((previous or {}).get("metrics") or {}).get("quality") if isinstance(previous, dict) else None
     q["vs_previous"] = versus(q, prev_q if isinstance(prev_q, dict) else None)
+    prev_sources = prev_q.get("sources") if isinstance(prev_q, dict) else None
+    if isinstance(prev_sources, dict) and prev_sources:
+        # each source against the same source of the previous report (the accuracy_drop check judges these and the
+        # pooled change): a pooled figure mixes sources whose shares change from run to run, so a fall of the golden
+        # rows that ride along can vanish in the pool beside a large night of the run's own labelled rows
+        if set(prev_sources) != set(q["sources"]):
+            q["vs_previous"] = None  # pooled over other sources of known labels: not the same measure
+        for source, v in q["sources"].items():
+            pv = prev_sources.get(source)
+            v["vs_previous"] = (
+                versus(
+                    {"correct": v["count"], "labelled": v["of"]}, {"correct": pv.get("count"), "labelled": pv.get("of")}
+                )
+                if isinstance(pv, dict)
+                else None
+            )
     if previous is not None and prev_q is None and q["labelled"] and previous_refusal(previous) is None:
         notes.append("quality: the previous report has no accuracy; no change in accuracy to report")
     q["reliability"] = reliability(con)
     q["halves"] = halves(con)
     return q
+
+
+def _only_label(counts: dict[tuple[str, str | None], int], labels: list[str] | None) -> str | None:
+    """The known label of every scored row, when they all have the same one and the job has other labels (None for
+    a job whose label set is that one label): such rows cannot tell a model that answers it to every row from a good
+    one (the accuracy check does not pass on them)."""
+    known = {t for (t, _), n in counts.items() if n}
+    if len(known) != 1:
+        return None
+    (only,) = known
+    return None if labels is not None and set(labels) <= {only} else only
+
+
+def _near_misses(outside: list[str], labels: list[str]) -> list[tuple[str, str]]:
+    """(label, job label) for each label of ``outside`` equal to a job label once case-folded, NFKC-normalised and
+    with its spaces collapsed."""
+
+    def key(x: str) -> str:
+        return " ".join(unicodedata.normalize("NFKC", x).casefold().split())
+
+    by_key: dict[str, str] = {}
+    for x in labels:
+        by_key.setdefault(key(x), x)
+    return [(c, by_key[key(c)]) for c in outside if key(c) in by_key]
 
 
 def reliability(con) -> dict[str, Any]:

@@ -198,6 +198,22 @@ LABELLED = {**BASE, "sampling": {"structured": {"choice": ["a", "b"]}}}
             {"qa": {"reference": {"ride_along_uri": "/g"}}, "io": {**BASE["io"], "input_format": "openai_batch"}},
             "openai_batch",
         ),
+        # a known label the worker reads is shown to the model: accuracy would measure copying it
+        (
+            {"prompt": {"template": "{text} (now: {category})"}, "qa": {"reference": {"input_column": "category"}}},
+            "qa.reference.input_column 'category' is a column the worker reads",
+        ),
+        (
+            {
+                "model": {"name": "m", "adapter_column": "category", "adapters": [{"name": "a1", "source": "/ad"}]},
+                "qa": {"reference": {"input_column": "category"}},
+            },
+            "qa.reference.input_column 'category' is a column the worker reads",
+        ),
+        (
+            {"prompt": {"template": "{text} hint: {label}"}, "qa": {"reference": {"ride_along_uri": "/g"}}},
+            "qa.reference.label_column 'label' is a column the worker reads",
+        ),
         ({"qa": {"warn_accuracy_below": 0.4, "fail_accuracy_below": 0.6}}, "fail_accuracy_below must be <="),
         ({"qa": {"warn_accuracy_drop": 0.2, "fail_accuracy_drop": 0.1}}, "warn_accuracy_drop must be <="),
         ({"qa": {"min_labelled": 0}}, "qa.min_labelled"),
@@ -214,6 +230,16 @@ def test_quality_settings_are_checked(patch, message):
     with pytest.raises(SpecError) as e:
         JobSpec.load(doc)
     assert message in str(e.value)
+
+
+def test_a_label_column_the_worker_does_not_read_is_fine():
+    """A golden set joined by id is a file of its own: its label column may share a template column's name; the
+    known labels of an input column or of ride-along rows may sit beside the columns the prompt reads."""
+    for ref, template in (({"golden_uri": "/g"}, "{text} {label}"), ({"input_column": "category"}, "{text}")):
+        spec = JobSpec.load({**LABELLED, "prompt": {"template": template}, "qa": {"reference": ref}})
+        assert spec.qa.reference.configured
+    spec = JobSpec.load({**LABELLED, "qa": {"reference": {"ride_along_uri": "/g", "label_column": "known"}}})
+    assert spec.qa.reference.label_column == "known"
 
 
 def test_a_reference_needs_labels_but_classify_has_them():

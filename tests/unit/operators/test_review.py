@@ -101,7 +101,7 @@ def test_warn_writes_the_qa_summary_as_the_request_and_waits(monkeypatch):
     (req,) = requests
     assert req["options"] == ["Approve", "Reject"] and req["multiple"] is False
     body = req["body"]
-    assert SUMMARY["summary"] in body and "| error_rate | 0.025 | 0.01 | 0.05 | **warn** |" in body
+    assert SUMMARY["summary"] in body and "| error_rate | 0.025 | above 0.01 | above 0.05 | **warn** |" in body
     assert "label_drift" not in body  # skipped checks are not shown
     assert "/vllm-batch/report?dag_id=d&run_id=manual__1&task_id=job.qa" in body
 
@@ -222,3 +222,16 @@ def test_the_approval_request_shows_run_values_as_text_never_as_markdown(path):
     assert r"\<b\>\[x\](https://evil.example)\</b\>" in body
     plain = review_body(SUMMARY)
     assert "Report file: `/data/out/qa/report.html`" in plain
+
+
+def test_the_approval_request_says_accuracy_warns_below_its_thresholds_with_its_interval():
+    """The person approving a 'warn' reads the thresholds' side: accuracy warns and fails *below* them (the body
+    said 'warn above 0.8 / fail above 0.5' for an accuracy of 0.55), the rates above; the accuracy's 95% interval
+    is shown beside it."""
+    from airflow_provider_vllm.operators.review import review_body
+
+    accuracy = {"name": "accuracy", "value": 0.55, "warn": 0.8, "fail": 0.5, "status": "warn", "direction": "below"}
+    body = review_body({**SUMMARY, "checks": [{**accuracy, "interval": [0.45, 0.65]}, *SUMMARY["checks"]]})
+    assert "| accuracy | 0.55 (95% interval 0.45 to 0.65) | below 0.8 | below 0.5 | **warn** |" in body
+    assert "| error_rate | 0.025 | above 0.01 | above 0.05 | **warn** |" in body
+    assert "above 0.8" not in body and "label_drift" not in body  # skipped: not listed

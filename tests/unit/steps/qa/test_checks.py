@@ -300,6 +300,147 @@ def test_a_golden_set_that_names_no_row_of_the_run_warns_though_golden_rows_ride
     assert rep.status == "warn"
 
 
+def _two_sources(own: tuple[int, int], riding: tuple[int, int], previous=None, **spec):
+    rows, known = _rows_known(*own)
+    return evaluate(
+        *split(rows),
+        spec=QASpec(**spec),
+        labels=LAB,
+        structured=True,
+        reference=known,
+        reference_source="input_column",
+        ride_along=_ride_along(*riding),
+        previous=previous,
+    )
+
+
+def test_a_fall_of_the_golden_rows_is_not_hidden_by_a_larger_night_of_the_runs_own_labels():
+    """The golden rows that ride along fall from 90 % to 60 % while the run's own labelled rows stay at 95 % and
+    grow tenfold: pooled, the accuracy moved +0.1 point (no drop), and a job whose accuracy gate sits at 55 %
+    passed. Each source is compared with the same source of the previous report: a real 30-point drop fails."""
+    spec = dict(warn_accuracy_below=0.55, fail_accuracy_below=0.5)
+    before = _two_sources((2000, 1900), (300, 270), **spec).to_dict()
+    rep = _two_sources((20000, 19000), (300, 180), previous=before, **spec)
+    q = rep.metrics["quality"]
+    assert q["vs_previous"]["real_drop"] is False  # the pooled change the report shows: within noise
+    ride = q["sources"]["ride_along"]["vs_previous"]
+    assert ride["delta"] == pytest.approx(180 / 300 - 270 / 300) and ride["real_drop"]
+    assert (ride["previous_correct"], ride["previous_labelled"]) == (270, 300)
+    own = q["sources"]["input_column"]["vs_previous"]
+    assert own["delta"] == pytest.approx(0.0) and not own["real_drop"]
+    c = check(rep, "accuracy_drop")
+    assert c["status"] == "fail" and c["source"] == "ride_along" and c["value"] == pytest.approx(0.3)
+    assert "ride_along: -30.0 pt vs 90.0% of 300" in c["detail"] and "input_column: +0.0 pt" in c["detail"]
+    assert check(rep, "accuracy")["status"] == "pass" and rep.status == "fail"
+    # the same two sources that did not move pass; a source the previous report did not score is not compared
+    assert check(_two_sources((20000, 19000), (300, 270), previous=before, **spec), "accuracy_drop")["status"] == "pass"
+    rows, known = _rows_known(300, 180)
+    alone = evaluate(
+        *split(rows),
+        spec=QASpec(**spec),
+        labels=LAB,
+        structured=True,
+        reference=known,
+        reference_source="golden_set",
+        previous=before,
+    )
+    c = check(alone, "accuracy_drop")
+    assert c["status"] == "skip" and "both in this run and in the previous report" in c["detail"]
+    # a source added since: the other is compared, and the detail names both
+    riding = evaluate(
+        *split([]), spec=QASpec(**spec), labels=LAB, structured=True, ride_along=_ride_along(300, 270)
+    ).to_dict()
+    c = check(_two_sources((300, 180), (300, 270), previous=riding, **spec), "accuracy_drop")
+    assert c["status"] == "pass" and c["source"] == "ride_along" and c["detail"].startswith("ride_along: +0.0 pt")
+    assert "input_column: not scored in both reports" in c["detail"]
+
+
+def test_with_the_same_sources_in_both_reports_their_pooled_drop_is_judged_too():
+    """Both sources fall 8 points on 150 rows each: neither interval alone excludes 0, the pooled one (300 rows)
+    does; the check still sees the drop. A source added since: no pooled comparison (other rows, other measure)."""
+    before = _two_sources((150, 120), (150, 120)).to_dict()
+    rep = _two_sources((150, 108), (150, 108), previous=before)
+    q = rep.metrics["quality"]
+    assert not any(v["vs_previous"]["real_drop"] for v in q["sources"].values()) and q["vs_previous"]["real_drop"]
+    c = check(rep, "accuracy_drop")
+    assert c["status"] == "fail" and c["source"] == "all sources" and c["value"] == pytest.approx(0.08)
+    assert "all sources: -8.0 pt vs 80.0% of 300" in c["detail"]
+    riding = evaluate(*split([]), spec=QASpec(), labels=LAB, structured=True, ride_along=_ride_along(150, 120))
+    assert _two_sources((150, 108), (150, 108), previous=riding.to_dict()).metrics["quality"]["vs_previous"] is None
+
+
+def test_known_labels_of_one_class_cannot_pass_a_run():
+    """A golden set of 50 tickets all labelled 'bug' (picked from the bug queue) and a broken model that answers
+    'bug' to each of 1000 tickets of five classes (20 % right): 50 / 50 on the golden set, and QA passed. Known
+    labels of one class cannot tell that model from a good one: the accuracy check warns (a person looks)."""
+    truth = [LAB[i % 5] for i in range(1000)]
+    results, errors = split([ok_row(i, label="bug") for i in range(1000)])
+    gold = [i for i in range(1000) if truth[i] == "bug"][:50]
+    ref = pa.table({"id": [f"r{i}" for i in gold], "label": ["bug"] * 50})
+    rep = evaluate(results, errors, spec=QASpec(), labels=LAB, structured=True, reference=ref)
+    c = check(rep, "accuracy")
+    assert (c["status"], c["value"], rep.status) == ("warn", 1.0, "warn")
+    assert "every scored row's known label is 'bug'" in c["detail"]
+    assert (
+        rep.metrics["quality"]["only_label"] == rep.metrics["quality"]["sources"]["golden_set"]["only_label"] == "bug"
+    )
+    # judged per source too: the run's own rows of one class beside golden rows that ride along
+    rows, _ = _rows_known(100, 100)
+    one = pa.table({"id": [f"r{i}" for i in range(0, 100, 5)], "label": [LAB[0]] * 20})
+    rep = evaluate(
+        *split(rows),
+        spec=QASpec(min_labelled=10),
+        labels=LAB,
+        structured=True,
+        reference=one,
+        ride_along=_ride_along(60, 60),
+    )
+    c = check(rep, "accuracy")
+    assert c["status"] == "warn" and c["source"] == "golden_set" and "known label is 'billing'" in c["detail"], c
+    # two classes known, a fail stays a fail, a job of one label, and the gate turned off: as before
+    two = pa.table({"id": [f"r{i}" for i in gold] + ["r0"], "label": ["bug"] * 50 + [LAB[0]]})
+    assert (
+        check(evaluate(results, errors, spec=QASpec(), labels=LAB, structured=True, reference=two), "accuracy")[
+            "status"
+        ]
+        == "pass"
+    )
+    wrong = pa.table({"id": [f"r{i}" for i in range(0, 1000, 5)], "label": ["billing"] * 200})
+    assert (
+        check(evaluate(results, errors, spec=QASpec(), labels=LAB, structured=True, reference=wrong), "accuracy")[
+            "status"
+        ]
+        == "fail"
+    )
+    assert (
+        check(evaluate(results, errors, spec=QASpec(), labels=["bug"], structured=True, reference=ref), "accuracy")[
+            "status"
+        ]
+        == "pass"
+    )
+    off = QASpec(warn_accuracy_below=0, fail_accuracy_below=0)
+    assert (
+        check(evaluate(results, errors, spec=off, labels=LAB, structured=True, reference=ref), "accuracy")["status"]
+        == "pass"
+    )
+
+
+def test_a_reference_whose_labels_are_all_blank_warns_and_says_so():
+    """A golden set whose every label is null or blank scores nothing: a warning that names the empty reference,
+    not one that sends the reader looking for ids that do not match."""
+    rows, known = _rows_known(100, 100)
+    blank = known.set_column(1, "label", pa.array([None, " ", ""] * 33 + [None], pa.string()))
+    rep = evaluate(*split(rows), spec=QASpec(), labels=LAB, structured=True, reference=blank)
+    c = check(rep, "accuracy")
+    assert c["status"] == "warn" and "holds no known label (every label null or blank)" in c["detail"], c
+    assert "names a row" not in c["detail"]
+    rep = evaluate(
+        *split(rows), spec=QASpec(), labels=LAB, structured=True, reference=blank, ride_along=_ride_along(60, 60)
+    )
+    c = check(rep, "accuracy")
+    assert c["status"] == "warn" and "golden_set: it holds no known label" in c["detail"], c
+
+
 def test_too_few_rows_to_gate_on_fail_when_even_the_top_of_the_interval_is_below_the_fail_line():
     for n, right, expected in ((29, 0, "fail"), (29, 14, "warn"), (5, 0, "fail"), (3, 0, "warn"), (1, 0, "warn")):
         rows, known = _rows_known(n, right)

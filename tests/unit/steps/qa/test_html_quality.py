@@ -128,3 +128,43 @@ def test_an_example_with_more_answers_than_listed_says_how_many_more():
     section = section[: section.index("</section>")]
     assert section.count("(and 3 more)") == 1 and "more)" not in section.replace("(and 3 more)", "")
     assert EVIL not in section and "&lt;script&gt;alert(1)&lt;/script&gt; 00" in section
+
+
+def _two_sources(right_own: int, n_own: int, right_ride: int, previous=None):
+    own = [ok_row(i, label="bug" if i < right_own else "other") for i in range(n_own)]
+    ride = [ok_row(i, label="bug" if i < right_ride else "other", id=f"_vllm_golden:g{i}") for i in range(300)]
+    known = pa.table({"id": [f"r{i}" for i in range(n_own)], "label": ["bug"] * n_own})
+    golden = pa.table({"id": [f"_vllm_golden:g{i}" for i in range(300)], "label": ["bug"] * 300})
+    return evaluate(
+        *split(own),
+        spec=QASpec(sample_size=5),
+        labels=LABELS,
+        structured=True,
+        reference=known,
+        reference_source="input_column",
+        ride_along=(*split(ride), golden),
+        previous=previous,
+    )
+
+
+def test_the_accuracy_change_cards_are_per_source_when_the_check_is():
+    """The golden rows fall 30 points while a ten times larger night of the run's own labelled rows holds: the
+    pooled change is within noise, and the cards show each source's change, as the accuracy_drop check judges it."""
+    before = _two_sources(1900, 2000, 270).to_dict()
+    d = _two_sources(19000, 20000, 180, previous=before).to_dict()
+    assert d["metrics"]["quality"]["vs_previous"]["real_drop"] is False
+    page = render_report_html(d, [])
+    cards = dict(
+        re.findall(r'<div class="k">([^<]*)</div><div class="v">[^<]*</div><div class="s">([^<]*)</div>', page)
+    )
+    assert cards["Accuracy change (ride-along golden rows)"].startswith("a real drop")
+    assert cards["Accuracy change (input column)"].startswith("within noise")
+    assert cards["Accuracy change (all sources)"].startswith("within noise")  # the pooled change, named so
+    assert "Accuracy change" not in cards
+    # and the accuracy of each source beside the pooled one (the accuracy check judges each source)
+    assert [k for k in cards if k.startswith("Accuracy") and "change" not in k] == [
+        "Accuracy",
+        "Accuracy (input column)",
+        "Accuracy (ride-along golden rows)",
+    ]
+    assert cards["Accuracy (ride-along golden rows)"].endswith("300 labelled")

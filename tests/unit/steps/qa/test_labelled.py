@@ -227,3 +227,19 @@ def test_streamed_quality_equals_in_memory(tmp_path, sample_size):
     for key in ("quality", "confidence", "consistency"):
         assert got.metrics[key] == mem.metrics[key], key
     assert got.sample.column("id").to_pylist() == mem.sample.column("id").to_pylist()
+
+
+def test_labels_that_differ_only_in_case_spacing_or_unicode_form_are_named():
+    """Labels are compared exactly (a golden set in another spelling scores its rows wrong: the gate fails rather
+    than guessing); the note says which job label each nearly is, escaped, since NFC and NFD text print alike."""
+    import unicodedata
+
+    nfd = unicodedata.normalize("NFD", "café")
+    recs = [ok_row(i, label="café") for i in range(40)] + [ok_row(40 + i, label="bug") for i in range(40)]
+    truth = [nfd] * 40 + ["Bug "] * 20 + ["BUG"] * 20
+    ref = pa.table({"id": [f"r{i}" for i in range(80)], "label": truth})
+    rep = evaluate(*split(recs), reference=ref, **_kw(labels=["café", "bug"]))
+    assert rep.metrics["quality"]["correct"] == 0 and rep.status == "fail"
+    near = [n for n in rep.notes if "only in case, spacing or Unicode form" in n]
+    assert any("'cafe\\u0301'" in n and "'caf\\xe9'" in n for n in near), near
+    assert {n.split("'")[1] for n in near} == {"cafe\\u0301", "Bug", "BUG"}  # 'Bug ' stripped, as an answer is
