@@ -676,7 +676,8 @@ class QASpec(_Model):
         description="Accuracy on the labelled rows (qa.reference) below this: warn. Each source of known labels "
         "(the run's own rows, the ride-along golden rows) is judged on its own rows; the check is the worst. Known "
         "labels all of one class (of a job with several) do not pass: warn (a model answering it to every row would "
-        "score as well). Set "
+        "score as well), nor an accuracy whose 95% interval reaches down to the share of the most common known label "
+        "(what answering it to every row scores): warn. Set "
         "(this or fail_accuracy_below) to other than the default and not 0 (0: the gate is off) with no known label "
         "reaching QA, or a previous report that had some: warn.",
     )

@@ -8,7 +8,8 @@ configured but fewer than ``min_labelled`` rows scored is a warning (a failure w
 rows) is judged on its own rows, the check being the worst; accuracy thresholds the job set (other than the
 defaults, and not 0: off), or a previous report that had known labels, with none reaching this run warn. Known
 labels that are all one class (of a job with several) never pass: a model answering that class to every row would
-score as well (a warning).
+score as well (a warning); nor an accuracy whose 95% interval reaches down to the share of the most common known
+label (what answering it to every row scores: a warning).
 ``accuracy_drop`` (the drop since the previous report) warns or fails only when the 95% interval of the
 change lies below 0 (a real drop), and then by its size; like ``accuracy``, each source of known labels is compared
 with the same source of the previous report (a pooled figure alone would hide a fall of the golden rows beside a
@@ -83,8 +84,8 @@ def _accuracy(metrics: dict[str, Any], spec: QASpec) -> tuple[float | None, str,
             if known != 0
             else "the reference is configured but holds no known label (every label null or blank)"
         )
-        only = q.get("only_label") if len(sources) != 1 else next(iter(sources.values())).get("only_label")
-        status, why = _judge(k, n, spec, none, only)
+        one = q if len(sources) != 1 else next(iter(sources.values()))
+        status, why = _judge(k, n, spec, none, one.get("only_label"), one.get("majority"))
         extra = {"interval": [acc["low"], acc["high"]], "of": n}
         return acc["value"], status, _detail(k, n, acc, why), extra
     # Each source is judged on its own rows: the run's own labelled rows at 40 % must not pass because golden
@@ -98,7 +99,7 @@ def _accuracy(metrics: dict[str, Any], spec: QASpec) -> tuple[float | None, str,
             if known
             else "it holds no known label (every label null or blank)"
         )
-        status, why = _judge(k, n, spec, none, v.get("only_label"))
+        status, why = _judge(k, n, spec, none, v.get("only_label"), v.get("majority"))
         judged.append((STATUS_ORDER[status], -1.0 if v["value"] is None else -v["value"], source, status, why, v))
     _, _, source, status, _, worst = max(judged, key=lambda j: j[:2])
     detail = "; ".join(f"{s}: {_detail(int(v['count']), int(v['of']), v, why)}" for _, _, s, _, why, v in judged)
@@ -106,10 +107,19 @@ def _accuracy(metrics: dict[str, Any], spec: QASpec) -> tuple[float | None, str,
     return worst["value"], status, f"{detail} (the check is the worst source's)", extra
 
 
-def _judge(k: int, n: int, spec: QASpec, none_scored: str, only_label: str | None = None) -> tuple[str, str]:
+def _judge(
+    k: int,
+    n: int,
+    spec: QASpec,
+    none_scored: str,
+    only_label: str | None = None,
+    majority: dict[str, Any] | None = None,
+) -> tuple[str, str]:
     """The accuracy check's status for k right answers of n scored rows, and why when that is not the value's.
     ``only_label``: the known label of every scored row, when they all have the same one: a pass becomes a warning
-    (answering that label to every row would score as well)."""
+    (answering that label to every row would score as well). ``majority``: the most common known label and its
+    rows: a pass whose 95 % interval reaches down to the accuracy of answering it to every row becomes a warning
+    (the known labels cannot tell this model from that one)."""
     if not n:
         return "warn", f"{none_scored}: nothing to score"
     high = proportion(k, n)["high"]
@@ -127,6 +137,14 @@ def _judge(k: int, n: int, spec: QASpec, none_scored: str, only_label: str | Non
             f"every scored row's known label is {only_label!r}: a model that answers {only_label!r} to every row "
             "would score as well; known labels of one class cannot pass a run"
         )
+    if status == "pass" and majority is not None and spec.warn_accuracy_below > 0:
+        baseline, low = int(majority["count"]) / n, proportion(k, n)["low"]
+        if low is not None and low <= baseline:
+            return "warn", (
+                f"{100 * baseline:.1f} % of the scored rows' known labels are {majority['label']!r}: a model that "
+                f"answers {majority['label']!r} to every row would score that, and this accuracy is not above it by "
+                f"its 95 % interval (from {100 * low:.1f} %)"
+            )
     return status, ""
 
 

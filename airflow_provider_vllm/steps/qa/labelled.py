@@ -83,6 +83,7 @@ def quality(
         by_source.setdefault(source, {})[(truth, pred)] = n
     q = classification(overall, labels)
     q["only_label"] = _only_label(overall, labels)
+    q["majority"] = _majority(overall, labels)
     q["sources"] = {}
     for source, n_known in known.items():
         counts = by_source.get(source, {})
@@ -91,7 +92,7 @@ def quality(
         q["sources"][source] = (
             {"known": int(n_known), "unmatched": int(n_known) - scored}
             | proportion(correct, scored)
-            | {"only_label": _only_label(counts, labels)}
+            | {"only_label": _only_label(counts, labels), "majority": _majority(counts, labels)}
         )
         if n_known > scored:
             notes.append(
@@ -142,6 +143,19 @@ def _only_label(counts: dict[tuple[str, str | None], int], labels: list[str] | N
         return None
     (only,) = known
     return None if labels is not None and set(labels) <= {only} else only
+
+
+def _majority(counts: dict[tuple[str, str | None], int], labels: list[str] | None) -> dict[str, Any] | None:
+    """``{label, count}``: the most common known label of the scored rows and how many rows have it (ties: the first
+    by name), or None when nothing was scored or the job's label set is that one label. A model answering it to
+    every row scores count / scored: the accuracy check does not pass a run that is not above that."""
+    by_label: dict[str, int] = {}
+    for (truth, _), n in counts.items():
+        by_label[truth] = by_label.get(truth, 0) + int(n)
+    if not any(by_label.values()):
+        return None
+    label, count = min(by_label.items(), key=lambda kv: (-kv[1], kv[0]))
+    return None if labels is not None and set(labels) <= {label} else {"label": label, "count": count}
 
 
 def _near_misses(outside: list[str], labels: list[str]) -> list[tuple[str, str]]:

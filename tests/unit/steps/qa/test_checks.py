@@ -397,14 +397,11 @@ def test_known_labels_of_one_class_cannot_pass_a_run():
     )
     c = check(rep, "accuracy")
     assert c["status"] == "warn" and c["source"] == "golden_set" and "known label is 'billing'" in c["detail"], c
-    # two classes known, a fail stays a fail, a job of one label, and the gate turned off: as before
+    # two classes known, 50 of 51 'bug': answering 'bug' to every row scores 98 % too (the majority baseline)
     two = pa.table({"id": [f"r{i}" for i in gold] + ["r0"], "label": ["bug"] * 50 + [LAB[0]]})
-    assert (
-        check(evaluate(results, errors, spec=QASpec(), labels=LAB, structured=True, reference=two), "accuracy")[
-            "status"
-        ]
-        == "pass"
-    )
+    c = check(evaluate(results, errors, spec=QASpec(), labels=LAB, structured=True, reference=two), "accuracy")
+    assert c["status"] == "warn" and "98.0 % of the scored rows' known labels are 'bug'" in c["detail"], c
+    # a fail stays a fail, a job of one label, and the gate turned off: as before
     wrong = pa.table({"id": [f"r{i}" for i in range(0, 1000, 5)], "label": ["billing"] * 200})
     assert (
         check(evaluate(results, errors, spec=QASpec(), labels=LAB, structured=True, reference=wrong), "accuracy")[
@@ -422,6 +419,36 @@ def test_known_labels_of_one_class_cannot_pass_a_run():
     assert (
         check(evaluate(results, errors, spec=off, labels=LAB, structured=True, reference=ref), "accuracy")["status"]
         == "pass"
+    )
+
+
+def test_an_accuracy_no_better_than_answering_the_most_common_known_label_does_not_pass():
+    """A golden set of 400 tickets, 85 % 'bug' (as a queue's tickets often are), and a broken model answering 'bug'
+    to every ticket: 85 % right, over a warn line of 0.8, and QA passed. Its interval reaches down to what answering
+    'bug' to every row scores: a warning naming the label. A model clearly better than that on the same set, and a
+    good one on a balanced set, pass; a per-source judgement names the source."""
+    truth = ["bug"] * 340 + ["billing"] * 30 + ["account"] * 30
+    ref = pa.table({"id": [f"r{i}" for i in range(400)], "label": truth})
+    always = split([ok_row(i, label="bug") for i in range(400)])
+    rep = evaluate(*always, spec=QASpec(), labels=LAB, structured=True, reference=ref)
+    c = check(rep, "accuracy")
+    assert (c["status"], c["value"], rep.status) == ("warn", 0.85, "warn"), c
+    assert "85.0 % of the scored rows' known labels are 'bug'" in c["detail"] and "from 81." in c["detail"], c
+    assert rep.metrics["quality"]["majority"] == {"label": "bug", "count": 340}
+    # 392 of 400 right (98 %, interval from 96.1 %): clearly above 85 %
+    good = [ok_row(i, label=truth[i] if i >= 8 else "other") for i in range(400)]
+    c = check(evaluate(*split(good), spec=QASpec(), labels=LAB, structured=True, reference=ref), "accuracy")
+    assert c["status"] == "pass" and c["value"] == pytest.approx(0.98), c
+    # a balanced set, 90 % right: its majority (20 %) is far below
+    balanced = [LAB[i % 5] for i in range(400)]
+    ref5 = pa.table({"id": [f"r{i}" for i in range(400)], "label": balanced})
+    rows = [ok_row(i, label=balanced[i] if i % 10 else balanced[(i + 1) % 400]) for i in range(400)]
+    c = check(evaluate(*split(rows), spec=QASpec(), labels=LAB, structured=True, reference=ref5), "accuracy")
+    assert (c["status"], c["value"]) == ("pass", 0.9), c
+    # the gate turned off: as before
+    off = QASpec(warn_accuracy_below=0, fail_accuracy_below=0)
+    assert (
+        check(evaluate(*always, spec=off, labels=LAB, structured=True, reference=ref), "accuracy")["status"] == "pass"
     )
 
 
