@@ -147,6 +147,11 @@ class ChunkSeal(Record):
     meta: ChunkMeta = Field(description="which chunk of which shard (and config)")
     plan_mac: str = Field(description="the seal of the plan the chunk was made under (its mac)")
     entry: FileEntry = Field(description="the chunk's files: the ok rows (path) and the error rows (errors)")
+    engine_identity: str | None = Field(
+        None,
+        description="the engine that made the chunk's rows, as its worker saw it (CommitMarker.engine_identity); "
+        "None: a worker before it was recorded. An attempt that reuses the chunk names it in its marker",
+    )
     seal: Seal | None = Field(None, description="the worker's seal (core/seal.py, domain chunk)")
 
 
@@ -226,10 +231,16 @@ class ShardStore:
         return f"{self.dir}/attempts/{attempt_id}/chunk-{chunk:05d}.parquet"
 
     def write_chunk(
-        self, attempt_id: str, meta: ChunkMeta, table: pa.Table, passthrough: pa.Table | None = None
+        self,
+        attempt_id: str,
+        meta: ChunkMeta,
+        table: pa.Table,
+        passthrough: pa.Table | None = None,
+        engine_identity: str | None = None,
     ) -> FileEntry:
         """Write one chunk (a ``ROW_SCHEMA`` table) as its two part files, atomically each, then its seal;
-        returns its entry. ``passthrough``: the chunk's passthrough columns, a row per row (``rows.split_rows``).
+        returns its entry. ``passthrough``: the chunk's passthrough columns, a row per row (``rows.split_rows``);
+        ``engine_identity``: the engine that made the rows (sealed with the chunk, ``ChunkSeal``).
 
         The error rows first, the ok rows next, the seal last: a crash before the seal leaves a chunk
         that is not complete, and a retry redoes it.
@@ -257,7 +268,10 @@ class ShardStore:
         )
         faults.hit("chunk.before_seal")
         sealed = seals.seal_record(
-            self.run.keyring, seals.CHUNK, self.scope, ChunkSeal(meta=meta, plan_mac=self.run.plan_mac, entry=entry)
+            self.run.keyring,
+            seals.CHUNK,
+            self.scope,
+            ChunkSeal(meta=meta, plan_mac=self.run.plan_mac, entry=entry, engine_identity=engine_identity),
         )
         self.out.write_atomic(seal_rel(rel), seals.record_bytes(sealed))
         faults.hit("chunk.after_write")
@@ -266,14 +280,21 @@ class ShardStore:
     def reusable_chunks(
         self, expected: dict[int, ChunkMeta], beat: Callable[[], None] = lambda: None
     ) -> dict[int, FileEntry]:
-        """Complete chunks left by any attempt that this deployment's worker sealed for ``expected``; chunk -> entry.
+        """``reusable_seals``' chunks, chunk -> entry."""
+        return {k: s.entry for k, s in self.reusable_seals(expected, beat).items()}
+
+    def reusable_seals(
+        self, expected: dict[int, ChunkMeta], beat: Callable[[], None] = lambda: None
+    ) -> dict[int, ChunkSeal]:
+        """Complete chunks left by any attempt that this deployment's worker sealed for ``expected``; chunk -> seal
+        (its entry, and the engine that made it).
 
         A chunk is reused only when its seal verifies (this run, this plan, this chunk's identity) and both
         its files still have the sealed size and sha256; anything else (a writer's temp file, a chunk
         killed before its seal, a file another writer of the bucket put or changed) is ignored and the
         chunk is redone. ``beat()`` after each listing and file check (the worker's watchdog counts them).
         """
-        found: dict[int, FileEntry] = {}
+        found: dict[int, ChunkSeal] = {}
         for attempt in self.out.listdir(f"{self.dir}/attempts"):
             beat()
             for name in self.out.listdir(f"{self.dir}/attempts/{attempt}"):
@@ -283,14 +304,14 @@ class ShardStore:
                 k = int(m.group(1))
                 if k in found or k not in expected:
                     continue
-                entry = self._sealed_chunk(f"{self.dir}/attempts/{attempt}", k, expected[k])
-                if entry is not None:
-                    found[k] = entry
+                sealed = self._sealed_chunk(f"{self.dir}/attempts/{attempt}", k, expected[k])
+                if sealed is not None:
+                    found[k] = sealed
                 beat()
         return found
 
-    def _sealed_chunk(self, folder: str, k: int, meta: ChunkMeta) -> FileEntry | None:
-        """The entry of chunk ``k`` in ``folder`` when its seal and both files check out, else None."""
+    def _sealed_chunk(self, folder: str, k: int, meta: ChunkMeta) -> ChunkSeal | None:
+        """The seal of chunk ``k`` in ``folder`` when it and both files check out, else None."""
         rel = f"{folder}/chunk-{k:05d}.parquet"
         try:
             faults.hit("reuse.footer")  # inside the broad except: a stop request here must still stop
@@ -311,7 +332,7 @@ class ShardStore:
                     return None
         except Exception:  # unreadable, absent, forged: the chunk is redone (never a BaseException: SIGTERM)
             return None
-        return e
+        return doc
 
 
 def seal_rel(rel: str) -> str:
