@@ -26,7 +26,7 @@ from airflow_provider_vllm.core import faults
 from airflow_provider_vllm.core.adapters import check_refs
 from airflow_provider_vllm.core.commit import ChunkMeta, CommitMarker, FileEntry, RunSeal, ShardStore, new_attempt_id
 from airflow_provider_vllm.core.engine_identity import local_engine_identity
-from airflow_provider_vllm.core.errors import InputChangedError, SpecError, TransientError
+from airflow_provider_vllm.core.errors import CommitError, InputChangedError, SpecError, TransientError
 from airflow_provider_vllm.core.formats import RowBatch, input_format
 from airflow_provider_vllm.core.formats.files import check_unchanged
 from airflow_provider_vllm.core.formats.openai_batch import REQUEST
@@ -258,6 +258,7 @@ def _run_shard(
     )
     if marker.rows != shard.rows:
         raise InputChangedError(f"shard {shard.shard_id}: chunks hold {marker.rows} rows, plan {shard.rows}")
+    _check_plan_unchanged(spec, keyring, plan_mac, shard.shard_id)
     watchdog.beat()
     if store.commit(marker):
         log.info(
@@ -277,6 +278,21 @@ def _run_shard(
         winner.attempt_id,
     )
     return _manifest(winner, status="already_committed")
+
+
+def _check_plan_unchanged(spec: JobSpec, keyring: Keyring, plan_mac: str, shard_id: str) -> None:
+    """CommitError (terminal) unless the output prefix still holds the plan this attempt ran under, read again right
+    before the commit: an attempt that outlived its run (a zombie pod, a task process gone) while the prefix was
+    emptied and planned again must not take the shard's one create-only marker in the new run's folder (its
+    workers would refuse that marker, sealed for another plan, and the shard could never commit). SpecError when
+    there is no plan any more, SealError when it is not sealed by this deployment."""
+    now = load_plan(spec, keyring=keyring)
+    if now.seal is None or now.seal.mac != plan_mac:
+        raise CommitError(
+            f"shard {shard_id}: the plan at {spec.io.output_uri} is not the one this attempt started under (the "
+            "output prefix was emptied and planned again while it ran); not committing its rows, which answer the "
+            "earlier plan"
+        )
 
 
 def _made_by(identity: str, reused: list[str | None], inferred: bool) -> str | None:
