@@ -708,7 +708,13 @@ def _check_digests(
         out, sorted(parts, key=lambda p: p.name), lambda p: p.path, lambda p: by_copy(p) if p.path in copied else None
     )
     if bad is not None:
-        raise CommitError(f"{bad.path} does not match its commit marker (size or sha256)")
+        shard = bad.path.split("/")[1]  # shards/<shard>/attempts/...: check_marker_path checked the layout
+        raise CommitError(
+            f"{bad.path} does not match its commit marker (size or sha256): shard {shard}'s committed rows are no "
+            f"longer the bytes its worker wrote. Rerunning the shard task alone does nothing (it is committed): "
+            f"delete shards/{shard}/{MARKER}, rerun the shard task (it reuses every chunk whose files still match "
+            "their seal and redoes the others), then the merge"
+        )
 
 
 def check_marker_path(path: Any, shard_id: str, where: str, kind: str = RESULTS) -> int:

@@ -227,6 +227,38 @@ def test_merge_refuses_uncommitted_and_tampered(tmp_path, fake_engine_factory):
         merge(spec)
 
 
+@pytest.mark.reliability
+def test_a_committed_chunk_replaced_afterwards_is_refused_with_a_way_to_resume(tmp_path, fake_engine_factory):
+    """A chunk file a committed marker names is replaced in the bucket (a valid Parquet file of other rows). Merge
+    refuses naming the part and the shard, and says how to go on: rerunning the shard task alone is a no-op (it is
+    committed); once its marker is deleted, the rerun redoes only the replaced chunk and the merge publishes every
+    row once."""
+    ids = [f"r{i}" for i in range(40)]
+    write_parquet(tmp_path / "in.parquet", ids, [f"text {i}" for i in range(40)])
+    spec = make_spec(tmp_path / "in.parquet", tmp_path / "out", sharding={"target_rows": 40, "chunk_rows": 10})
+    (shard,) = plan_job(spec).shards
+    task = ShardTask(spec=spec, shard_id=shard.shard_id)
+    run_shard(task, engine_factory=fake_engine_factory)
+    marker_path = tmp_path / "out" / "shards" / shard.shard_id / MARKER
+    files = json.loads(marker_path.read_text())["files"]
+    (tmp_path / "out" / files[1]["path"]).write_bytes((tmp_path / "out" / files[2]["path"]).read_bytes())
+    with pytest.raises(CommitError, match="does not match its commit marker") as refused:
+        merge(spec)
+    told = str(refused.value)
+    assert files[1]["path"] in told and f"delete shards/{shard.shard_id}/{MARKER}" in told
+    assert run_shard(task, engine_factory=fake_engine_factory)["status"] == "already_committed"
+    with pytest.raises(CommitError, match="does not match its commit marker"):
+        merge(spec)
+    marker_path.unlink()  # as the message says
+    again = run_shard(task, engine_factory=fake_engine_factory)
+    assert again["status"] == "committed" and again["stats"]["reused_chunks"] == 3
+    assert fake_engine_factory.made[-1].submitted == 10
+    merge(spec)
+    res, err = read_out(tmp_path / "out")
+    assert sorted(r["id"] for r in res) == sorted(ids) and not err
+    check(tmp_path / "out", ids, kind="committed_chunk_replaced")
+
+
 def test_merge_verification_catches_a_lost_row(tmp_path, fake_engine_factory):
     """If a committed chunk lacked a row (a bug), merge names the missing id."""
     import pyarrow as pa
