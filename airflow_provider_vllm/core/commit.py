@@ -53,8 +53,11 @@ LIMITS = "_ENGINE_LIMITS.json"
 FOOTER_KEY = "vllm_batch.chunk"
 PART_KEY = "vllm_batch.part"  # footer: 'results' or 'errors'
 _LIMIT_KEYS = ("max_num_seqs", "max_num_batched_tokens")
-_CHUNK_RE = re.compile(r"^chunk-(\d{5})\.parquet$")
-_SEAL_RE = re.compile(r"^chunk-(\d{5})\.seal\.json$")
+# A chunk's number as its file names write it (``{k:05d}``): five digits, more from chunk 100000 on (a shard of
+# more than 100,000 chunks: small ``sharding.chunk_rows``), never another spelling of the same number.
+CHUNK_NUMBER = r"(\d{5}|[1-9]\d{5,})"
+_CHUNK_RE = re.compile(rf"^chunk-{CHUNK_NUMBER}\.parquet$")
+_SEAL_RE = re.compile(rf"^chunk-{CHUNK_NUMBER}\.seal\.json$")
 ERRORS_SUFFIX = ".errors.parquet"
 SEAL_SUFFIX = ".seal.json"
 

@@ -50,7 +50,7 @@ from pydantic import Field, ValidationError
 from airflow_provider_vllm import __version__
 from airflow_provider_vllm.core import duck, faults
 from airflow_provider_vllm.core import seal as seals
-from airflow_provider_vllm.core.commit import MARKER, CommitMarker, RunSeal, ShardStore
+from airflow_provider_vllm.core.commit import CHUNK_NUMBER, MARKER, CommitMarker, RunSeal, ShardStore
 from airflow_provider_vllm.core.errors import CommitError, VerificationError
 from airflow_provider_vllm.core.formats import input_format
 from airflow_provider_vllm.core.formats.files import check_unchanged
@@ -127,8 +127,8 @@ PROVENANCE_COLUMNS = ("shard_id", "attempt_id", "latency_ms", "cached_from")
 DUPLICATE_EXAMPLES = 10
 _ATTEMPT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _CHUNK_NAME = {
-    RESULTS: re.compile(r"^chunk-(\d{5})\.parquet$"),
-    ERRORS: re.compile(r"^chunk-(\d{5})\.errors\.parquet$"),
+    RESULTS: re.compile(rf"^chunk-{CHUNK_NUMBER}\.parquet$"),
+    ERRORS: re.compile(rf"^chunk-{CHUNK_NUMBER}\.errors\.parquet$"),
 }
 _TMP_NAME = re.compile(r"^\.part-.*\.tmp-\d+$")
 
