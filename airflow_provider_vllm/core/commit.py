@@ -53,6 +53,7 @@ LIMITS = "_ENGINE_LIMITS.json"
 FOOTER_KEY = "vllm_batch.chunk"
 PART_KEY = "vllm_batch.part"  # footer: 'results' or 'errors'
 _LIMIT_KEYS = ("max_num_seqs", "max_num_batched_tokens")
+_LIMITS_MAX_BYTES = 1 << 16  # the hint is a few dozen bytes
 # A chunk's number as its file names write it (``{k:05d}``): five digits, more from chunk 100000 on (a shard of
 # more than 100,000 chunks: small ``sharding.chunk_rows``), never another spelling of the same number.
 CHUNK_NUMBER = r"(\d{5}|[1-9]\d{5,})"
@@ -210,15 +211,18 @@ class ShardStore:
     def engine_limits(self) -> dict[str, int] | None:
         """The limits an earlier attempt lowered to after running out of memory, or None.
 
-        A hint only: an unreadable or odd file is ignored (the next OOM lowers again).
+        A hint only, in a file whoever writes the bucket can replace: an unreadable or odd file (not a regular
+        file, larger than a hint, JSON nested too deep, a number that is no integer) is ignored with a warning, never
+        the shard's failure (the next OOM lowers again).
         """
         rel = f"{self.dir}/{LIMITS}"
         try:
             if not self.out.exists(rel):
                 return None
-            doc = json.loads(self.out.read_bytes(rel))
+            doc = json.loads(self.out.read_bytes(rel, limit=_LIMITS_MAX_BYTES))
             lim = {k: int(doc[k]) for k in _LIMIT_KEYS}
-        except (ValueError, KeyError, TypeError, OSError):
+        except Exception as e:  # never a BaseException: a stop request still stops
+            log.warning("ignoring the engine limits hint %s: %s", self.out.uri(rel), str(e)[:200])
             return None
         return lim if all(v >= 1 for v in lim.values()) else None
 
