@@ -53,8 +53,12 @@ LIMITS = "_ENGINE_LIMITS.json"
 FOOTER_KEY = "vllm_batch.chunk"
 PART_KEY = "vllm_batch.part"  # footer: 'results' or 'errors'
 _LIMIT_KEYS = ("max_num_seqs", "max_num_batched_tokens")
-_CHUNK_RE = re.compile(r"^chunk-(\d{5})\.parquet$")
-_SEAL_RE = re.compile(r"^chunk-(\d{5})\.seal\.json$")
+_LIMITS_MAX_BYTES = 1 << 16  # the hint is a few dozen bytes
+# A chunk's number as its file names write it (``{k:05d}``): five digits, more from chunk 100000 on (a shard of
+# more than 100,000 chunks: small ``sharding.chunk_rows``), never another spelling of the same number.
+CHUNK_NUMBER = r"(\d{5}|[1-9]\d{5,})"
+_CHUNK_RE = re.compile(rf"^chunk-{CHUNK_NUMBER}\.parquet$")
+_SEAL_RE = re.compile(rf"^chunk-{CHUNK_NUMBER}\.seal\.json$")
 ERRORS_SUFFIX = ".errors.parquet"
 SEAL_SUFFIX = ".seal.json"
 
@@ -147,6 +151,11 @@ class ChunkSeal(Record):
     meta: ChunkMeta = Field(description="which chunk of which shard (and config)")
     plan_mac: str = Field(description="the seal of the plan the chunk was made under (its mac)")
     entry: FileEntry = Field(description="the chunk's files: the ok rows (path) and the error rows (errors)")
+    engine_identity: str | None = Field(
+        None,
+        description="the engine that made the chunk's rows, as its worker saw it (CommitMarker.engine_identity); "
+        "None: a worker before it was recorded. An attempt that reuses the chunk names it in its marker",
+    )
     seal: Seal | None = Field(None, description="the worker's seal (core/seal.py, domain chunk)")
 
 
@@ -202,15 +211,18 @@ class ShardStore:
     def engine_limits(self) -> dict[str, int] | None:
         """The limits an earlier attempt lowered to after running out of memory, or None.
 
-        A hint only: an unreadable or odd file is ignored (the next OOM lowers again).
+        A hint only, in a file whoever writes the bucket can replace: an unreadable or odd file (not a regular
+        file, larger than a hint, JSON nested too deep, a number that is no integer) is ignored with a warning, never
+        the shard's failure (the next OOM lowers again).
         """
         rel = f"{self.dir}/{LIMITS}"
         try:
             if not self.out.exists(rel):
                 return None
-            doc = json.loads(self.out.read_bytes(rel))
+            doc = json.loads(self.out.read_bytes(rel, limit=_LIMITS_MAX_BYTES))
             lim = {k: int(doc[k]) for k in _LIMIT_KEYS}
-        except (ValueError, KeyError, TypeError, OSError):
+        except Exception as e:  # never a BaseException: a stop request still stops
+            log.warning("ignoring the engine limits hint %s: %s", self.out.uri(rel), str(e)[:200])
             return None
         return lim if all(v >= 1 for v in lim.values()) else None
 
@@ -226,10 +238,16 @@ class ShardStore:
         return f"{self.dir}/attempts/{attempt_id}/chunk-{chunk:05d}.parquet"
 
     def write_chunk(
-        self, attempt_id: str, meta: ChunkMeta, table: pa.Table, passthrough: pa.Table | None = None
+        self,
+        attempt_id: str,
+        meta: ChunkMeta,
+        table: pa.Table,
+        passthrough: pa.Table | None = None,
+        engine_identity: str | None = None,
     ) -> FileEntry:
         """Write one chunk (a ``ROW_SCHEMA`` table) as its two part files, atomically each, then its seal;
-        returns its entry. ``passthrough``: the chunk's passthrough columns, a row per row (``rows.split_rows``).
+        returns its entry. ``passthrough``: the chunk's passthrough columns, a row per row (``rows.split_rows``);
+        ``engine_identity``: the engine that made the rows (sealed with the chunk, ``ChunkSeal``).
 
         The error rows first, the ok rows next, the seal last: a crash before the seal leaves a chunk
         that is not complete, and a retry redoes it.
@@ -257,7 +275,10 @@ class ShardStore:
         )
         faults.hit("chunk.before_seal")
         sealed = seals.seal_record(
-            self.run.keyring, seals.CHUNK, self.scope, ChunkSeal(meta=meta, plan_mac=self.run.plan_mac, entry=entry)
+            self.run.keyring,
+            seals.CHUNK,
+            self.scope,
+            ChunkSeal(meta=meta, plan_mac=self.run.plan_mac, entry=entry, engine_identity=engine_identity),
         )
         self.out.write_atomic(seal_rel(rel), seals.record_bytes(sealed))
         faults.hit("chunk.after_write")
@@ -266,14 +287,21 @@ class ShardStore:
     def reusable_chunks(
         self, expected: dict[int, ChunkMeta], beat: Callable[[], None] = lambda: None
     ) -> dict[int, FileEntry]:
-        """Complete chunks left by any attempt that this deployment's worker sealed for ``expected``; chunk -> entry.
+        """``reusable_seals``' chunks, chunk -> entry."""
+        return {k: s.entry for k, s in self.reusable_seals(expected, beat).items()}
+
+    def reusable_seals(
+        self, expected: dict[int, ChunkMeta], beat: Callable[[], None] = lambda: None
+    ) -> dict[int, ChunkSeal]:
+        """Complete chunks left by any attempt that this deployment's worker sealed for ``expected``; chunk -> seal
+        (its entry, and the engine that made it).
 
         A chunk is reused only when its seal verifies (this run, this plan, this chunk's identity) and both
         its files still have the sealed size and sha256; anything else (a writer's temp file, a chunk
         killed before its seal, a file another writer of the bucket put or changed) is ignored and the
         chunk is redone. ``beat()`` after each listing and file check (the worker's watchdog counts them).
         """
-        found: dict[int, FileEntry] = {}
+        found: dict[int, ChunkSeal] = {}
         for attempt in self.out.listdir(f"{self.dir}/attempts"):
             beat()
             for name in self.out.listdir(f"{self.dir}/attempts/{attempt}"):
@@ -283,14 +311,14 @@ class ShardStore:
                 k = int(m.group(1))
                 if k in found or k not in expected:
                     continue
-                entry = self._sealed_chunk(f"{self.dir}/attempts/{attempt}", k, expected[k])
-                if entry is not None:
-                    found[k] = entry
+                sealed = self._sealed_chunk(f"{self.dir}/attempts/{attempt}", k, expected[k])
+                if sealed is not None:
+                    found[k] = sealed
                 beat()
         return found
 
-    def _sealed_chunk(self, folder: str, k: int, meta: ChunkMeta) -> FileEntry | None:
-        """The entry of chunk ``k`` in ``folder`` when its seal and both files check out, else None."""
+    def _sealed_chunk(self, folder: str, k: int, meta: ChunkMeta) -> ChunkSeal | None:
+        """The seal of chunk ``k`` in ``folder`` when it and both files check out, else None."""
         rel = f"{folder}/chunk-{k:05d}.parquet"
         try:
             faults.hit("reuse.footer")  # inside the broad except: a stop request here must still stop
@@ -311,7 +339,7 @@ class ShardStore:
                     return None
         except Exception:  # unreadable, absent, forged: the chunk is redone (never a BaseException: SIGTERM)
             return None
-        return e
+        return doc
 
 
 def seal_rel(rel: str) -> str:

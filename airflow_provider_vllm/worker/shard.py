@@ -26,7 +26,7 @@ from airflow_provider_vllm.core import faults
 from airflow_provider_vllm.core.adapters import check_refs
 from airflow_provider_vllm.core.commit import ChunkMeta, CommitMarker, FileEntry, RunSeal, ShardStore, new_attempt_id
 from airflow_provider_vllm.core.engine_identity import local_engine_identity
-from airflow_provider_vllm.core.errors import InputChangedError, SpecError, TransientError
+from airflow_provider_vllm.core.errors import CommitError, InputChangedError, SpecError, TransientError
 from airflow_provider_vllm.core.formats import RowBatch, input_format
 from airflow_provider_vllm.core.formats.files import check_unchanged
 from airflow_provider_vllm.core.formats.openai_batch import REQUEST
@@ -152,7 +152,8 @@ def _run_shard(
         )
         for k in range(n_chunks)
     }
-    reused = store.reusable_chunks(metas, beat=watchdog.beat)
+    sealed = store.reusable_seals(metas, beat=watchdog.beat)
+    reused = {k: s.entry for k, s in sealed.items()}
     todo = [k for k in range(n_chunks) if k not in reused]
     log.info(
         "shard %s attempt %s: %d rows in %d chunks, %d reused from earlier attempts",
@@ -212,6 +213,7 @@ def _run_shard(
                     metas=metas,
                     progress=telemetry.progress,
                     carried=carried,
+                    engine_identity=identity,
                 )
                 reads_clock = runner.builder.reads_clock
                 t0 = time.monotonic()
@@ -243,7 +245,7 @@ def _run_shard(
         ok_rows=sum(e.ok_rows for e in entries),
         error_rows=sum(e.error_rows for e in entries),
         stats=ShardStats.model_validate(stats),
-        engine_identity=identity,
+        engine_identity=_made_by(identity, [s.engine_identity for s in sealed.values()], bool(todo)),
         prompt_reads_clock=reads_clock,
         versions={
             "airflow-provider-vllm": __version__,
@@ -256,6 +258,7 @@ def _run_shard(
     )
     if marker.rows != shard.rows:
         raise InputChangedError(f"shard {shard.shard_id}: chunks hold {marker.rows} rows, plan {shard.rows}")
+    _check_plan_unchanged(spec, keyring, plan_mac, shard.shard_id)
     watchdog.beat()
     if store.commit(marker):
         log.info(
@@ -275,6 +278,37 @@ def _run_shard(
         winner.attempt_id,
     )
     return _manifest(winner, status="already_committed")
+
+
+def _check_plan_unchanged(spec: JobSpec, keyring: Keyring, plan_mac: str, shard_id: str) -> None:
+    """CommitError (terminal) unless the output prefix still holds the plan this attempt ran under, read again right
+    before the commit: an attempt that outlived its run (a zombie pod, a task process gone) while the prefix was
+    emptied and planned again must not take the shard's one create-only marker in the new run's folder (its
+    workers would refuse that marker, sealed for another plan, and the shard could never commit). SpecError when
+    there is no plan any more, SealError when it is not sealed by this deployment."""
+    now = load_plan(spec, keyring=keyring)
+    if now.seal is None or now.seal.mac != plan_mac:
+        raise CommitError(
+            f"shard {shard_id}: the plan at {spec.io.output_uri} is not the one this attempt started under (the "
+            "output prefix was emptied and planned again while it ran); not committing its rows, which answer the "
+            "earlier plan"
+        )
+
+
+def _made_by(identity: str, reused: list[str | None], inferred: bool) -> str | None:
+    """The engine the marker names: the one that made every row of the shard (this worker's when it ran them all);
+    None when the reused chunks of earlier attempts were made by another engine than the rest, or by a worker
+    that did not record its own: the result cache files no row of such a shard (``engines_differ``)."""
+    made = set(reused) | ({identity} if inferred or not reused else set())
+    if len(made) == 1:
+        return made.pop()
+    log.warning(
+        "the shard's rows were made by more than one engine (chunks reused from earlier attempts: %s; this "
+        "attempt: %s): its commit marker names none of them, and the result cache files none of its rows",
+        sorted(str(x) for x in set(reused)),
+        identity,
+    )
+    return None
 
 
 @contextlib.contextmanager
@@ -373,7 +407,8 @@ class _ChunkRunner:
 
     ``metas``: chunk number -> what the chunk holds (every chunk of the shard); ``batch``: the shard's rows
     in plan order; ``progress``: counts rows as they finish (the shard's progress lines and metrics);
-    ``carried``: the shard's passthrough columns (``passthrough_table``), a row per row of ``batch``.
+    ``carried``: the shard's passthrough columns (``passthrough_table``), a row per row of ``batch``;
+    ``engine_identity``: the engine this worker runs, sealed with each chunk it writes.
     """
 
     spec: JobSpec
@@ -386,6 +421,7 @@ class _ChunkRunner:
     metas: dict[int, ChunkMeta]
     progress: Progress
     carried: pa.Table | None = None
+    engine_identity: str | None = None
     prompt_tokens: int = field(default=0, init=False)
     completion_tokens: int = field(default=0, init=False)
 
@@ -443,7 +479,7 @@ class _ChunkRunner:
 
     def _write(self, meta: ChunkMeta, rows: list[dict]) -> FileEntry:
         part = None if self.carried is None else self.carried.slice(meta.first_row, meta.rows)
-        return self.store.write_chunk(self.attempt, meta, rows_table(rows), part)
+        return self.store.write_chunk(self.attempt, meta, rows_table(rows), part, self.engine_identity)
 
     def _generate(self, todo: list[int]) -> dict[int, FileEntry]:
         records: dict[int, dict[int, dict]] = {k: {} for k in todo}

@@ -330,7 +330,7 @@ def engines_differ(key_identity: str, made_by: list[str | None]) -> str | None:
     other = set()
     for got in made_by:
         if got is None:
-            other.add("(not recorded)")
+            other.add("(not recorded, or more than one in one shard)")
             continue
         if not want_head.startswith("image "):
             if got != key_identity:

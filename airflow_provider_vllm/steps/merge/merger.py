@@ -50,7 +50,7 @@ from pydantic import Field, ValidationError
 from airflow_provider_vllm import __version__
 from airflow_provider_vllm.core import duck, faults
 from airflow_provider_vllm.core import seal as seals
-from airflow_provider_vllm.core.commit import MARKER, CommitMarker, RunSeal, ShardStore
+from airflow_provider_vllm.core.commit import CHUNK_NUMBER, MARKER, CommitMarker, RunSeal, ShardStore
 from airflow_provider_vllm.core.errors import CommitError, VerificationError
 from airflow_provider_vllm.core.formats import input_format
 from airflow_provider_vllm.core.formats.files import check_unchanged
@@ -127,8 +127,8 @@ PROVENANCE_COLUMNS = ("shard_id", "attempt_id", "latency_ms", "cached_from")
 DUPLICATE_EXAMPLES = 10
 _ATTEMPT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _CHUNK_NAME = {
-    RESULTS: re.compile(r"^chunk-(\d{5})\.parquet$"),
-    ERRORS: re.compile(r"^chunk-(\d{5})\.errors\.parquet$"),
+    RESULTS: re.compile(rf"^chunk-{CHUNK_NUMBER}\.parquet$"),
+    ERRORS: re.compile(rf"^chunk-{CHUNK_NUMBER}\.errors\.parquet$"),
 }
 _TMP_NAME = re.compile(r"^\.part-.*\.tmp-\d+$")
 
@@ -712,7 +712,13 @@ def _check_digests(
         out, sorted(parts, key=lambda p: p.name), lambda p: p.path, lambda p: by_copy(p) if p.path in copied else None
     )
     if bad is not None:
-        raise CommitError(f"{bad.path} does not match its commit marker (size or sha256)")
+        shard = bad.path.split("/")[1]  # shards/<shard>/attempts/...: check_marker_path checked the layout
+        raise CommitError(
+            f"{bad.path} does not match its commit marker (size or sha256): shard {shard}'s committed rows are no "
+            f"longer the bytes its worker wrote. Rerunning the shard task alone does nothing (it is committed): "
+            f"delete shards/{shard}/{MARKER}, rerun the shard task (it reuses every chunk whose files still match "
+            "their seal and redoes the others), then the merge"
+        )
 
 
 def check_marker_path(path: Any, shard_id: str, where: str, kind: str = RESULTS) -> int:

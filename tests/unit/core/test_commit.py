@@ -349,3 +349,34 @@ def test_commit_protocol_state_machine(tmp_path_factory):
         steps=steps,
     )
     assert _TOTALS["examples"] >= 500 and _TOTALS["merges"] > 0 and _TOTALS["crashes"] > 0
+
+
+def test_a_chunk_numbered_past_99999_is_reused_and_merged_under_its_name(tmp_path):
+    """A shard of more than 100,000 chunks (a small ``sharding.chunk_rows``) names chunk 100000 with six digits, as
+    ``{k:05d}`` writes it: a retry's reuse scan finds it, and merge takes it from a marker. Another spelling of a
+    number (``chunk-000001``) is neither: one chunk has one name."""
+    from airflow_provider_vllm.steps.merge.merger import check_marker_path
+
+    write_parquet(tmp_path / "in.parquet", ["a", "b"], ["x", "y"])
+    spec = make_spec(tmp_path / "in.parquet", tmp_path / "out")
+    plan = plan_job(spec)
+    (shard,) = plan.shards
+    assert plan.seal is not None
+    store = ShardStore(Storage(str(tmp_path / "out")), shard.shard_id, RunSeal(Keyring.from_env(), plan.seal.mac))
+    k = 100_000
+    meta = ChunkMeta(shard_id=shard.shard_id, chunk=k, first_row=k, rows=2, config_hash=plan.config_hash)
+    rows = [{"id": i, "status": "ok", "output": "o", "shard_id": shard.shard_id, "attempt_id": "a1"} for i in "ab"]
+    entry = store.write_chunk("a1", meta, rows_table(rows))
+    assert entry.path.endswith("/chunk-100000.parquet")
+    assert store.reusable_chunks({k: meta}) == {k: entry}
+    where = "the marker"
+    assert check_marker_path(entry.path, shard.shard_id, where, RESULTS) == k
+    assert entry.errors is not None and check_marker_path(entry.errors.path, shard.shard_id, where, ERRORS) == k
+    # chunk 1 written, then its seal put under a second spelling of its number: not a second chunk 1
+    one = ChunkMeta(shard_id=shard.shard_id, chunk=1, first_row=1, rows=2, config_hash=plan.config_hash)
+    first = store.write_chunk("a2", one, rows_table(rows))
+    folder = tmp_path / "out" / "shards" / shard.shard_id / "attempts" / "a2"
+    (folder / "chunk-00001.seal.json").rename(folder / "chunk-000001.seal.json")
+    assert store.reusable_chunks({1: one}) == {}
+    with pytest.raises(CommitError, match="not a chunk file"):
+        check_marker_path(first.path.replace("chunk-00001", "chunk-000001"), shard.shard_id, where, RESULTS)

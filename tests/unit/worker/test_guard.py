@@ -114,6 +114,32 @@ def test_a_carried_hint_only_lowers_and_a_broken_one_is_ignored(tmp_path):
     assert store.engine_limits() is None
 
 
+@pytest.mark.parametrize(
+    "planted",
+    ["nested too deep", "not an integer", "a folder", "too large"],
+)
+def test_a_planted_engine_limits_hint_never_fails_the_shard(tmp_path, fake_engine_factory, planted):
+    """``_ENGINE_LIMITS.json`` is a hint in a file any writer of the bucket can replace: whatever it holds, the
+    worker starts at the spec's limits and commits every row (before, JSON nested too deep and a number too
+    large for an integer failed every retry with exit 75, and a folder there failed the shard terminally)."""
+    spec, shard = job(tmp_path)
+    hint = tmp_path / "out" / "shards" / shard.shard_id / "_ENGINE_LIMITS.json"
+    hint.parent.mkdir(parents=True)
+    if planted == "nested too deep":
+        hint.write_text("[" * 100_000 + "]" * 100_000)
+    elif planted == "not an integer":
+        hint.write_text('{"max_num_seqs": 1e400, "max_num_batched_tokens": 256}')
+    elif planted == "a folder":
+        hint.mkdir()
+    else:
+        hint.write_bytes(b'{"max_num_seqs": 4, "max_num_batched_tokens": 256, "pad": "' + b"x" * (1 << 17) + b'"}')
+    m = run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=fake_engine_factory)
+    (engine,) = fake_engine_factory.made
+    assert m["status"] == "committed" and engine.spec.engine.max_num_seqs == 16
+    summary = merge(spec)
+    assert summary.rows == summary.ok_rows + summary.error_rows == len(IDS)
+
+
 def test_engine_death_keeps_committed_chunks_and_the_retry_completes(tmp_path, fake_engine_factory, set_faults):
     spec, shard = job(tmp_path)
     set_faults("engine.step#12=dead")

@@ -1,6 +1,7 @@
 """The worker's logic around the engine, with a fake engine (fast). Real vLLM: test_worker_vllm.py."""
 
 import json
+import shutil
 import threading
 
 import pyarrow.parquet as pq
@@ -167,6 +168,50 @@ def test_two_concurrent_attempts_commit_once(tmp_path, fake_engine_factory):
     check(tmp_path / "out", [f"r{i}" for i in range(200)], kind="concurrent_attempts")
 
 
+@pytest.mark.reliability
+def test_an_attempt_that_outlives_its_run_never_commits_into_the_run_planned_after_it(tmp_path, fake_engine_factory):
+    """A worker of a run (a zombie pod) is still inferring when its output prefix is emptied and the job planned
+    again there with another prompt (the same shard ids: the input and sharding did not change). It must not take
+    the shard's create-only marker in the new run's folder: the new run's worker commits, and merge publishes the
+    new prompt's answers."""
+    write_parquet(tmp_path / "in.parquet", [f"r{i}" for i in range(40)], [f"text {i}" for i in range(40)])
+    sharding = {"target_rows": 40, "chunk_rows": 10}
+    old = make_spec(tmp_path / "in.parquet", tmp_path / "out", sharding=sharding)
+    (shard,) = plan_job(old).shards
+    started, go = threading.Event(), threading.Event()
+    outcome = {}
+
+    def paused(s):  # the old run's engine starts only once the folder was planned again
+        started.set()
+        assert go.wait(60)
+        return fake_engine_factory(s)
+
+    def zombie():
+        try:
+            outcome["old"] = run_shard(ShardTask(spec=old, shard_id=shard.shard_id), engine_factory=paused)
+        except CommitError as e:
+            outcome["old"] = e
+
+    t = threading.Thread(target=zombie)
+    t.start()
+    assert started.wait(60)
+    shutil.rmtree(tmp_path / "out")
+    new = make_spec(tmp_path / "in.parquet", tmp_path / "out", sharding=sharding, prompt={"template": "Q: {text}"})
+    (again,) = plan_job(new).shards
+    assert again.shard_id == shard.shard_id
+    go.set()
+    t.join()
+    assert isinstance(outcome["old"], CommitError) and "planned again" in str(outcome["old"])
+    assert not (tmp_path / "out" / "shards" / shard.shard_id / MARKER).exists()
+    assert run_shard(ShardTask(spec=new, shard_id=again.shard_id), engine_factory=fake_engine_factory)["status"] == (
+        "committed"
+    )
+    merge(new)
+    res, err = read_out(tmp_path / "out")
+    assert sorted(r["id"] for r in res) == sorted(f"r{i}" for i in range(40)) and not err
+    assert {r["config_hash"] for r in res} == {new.output_hash()} != {old.output_hash()}
+
+
 def test_merge_refuses_uncommitted_and_tampered(tmp_path, fake_engine_factory):
     write_parquet(tmp_path / "in.parquet", [f"r{i}" for i in range(50)], [f"x{i}" for i in range(50)])
     spec = make_spec(tmp_path / "in.parquet", tmp_path / "out", sharding={"target_rows": 25})
@@ -180,6 +225,38 @@ def test_merge_refuses_uncommitted_and_tampered(tmp_path, fake_engine_factory):
     path.write_bytes(path.read_bytes()[:-10] + b"0123456789")
     with pytest.raises(CommitError, match="does not match its commit marker"):
         merge(spec)
+
+
+@pytest.mark.reliability
+def test_a_committed_chunk_replaced_afterwards_is_refused_with_a_way_to_resume(tmp_path, fake_engine_factory):
+    """A chunk file a committed marker names is replaced in the bucket (a valid Parquet file of other rows). Merge
+    refuses naming the part and the shard, and says how to go on: rerunning the shard task alone is a no-op (it is
+    committed); once its marker is deleted, the rerun redoes only the replaced chunk and the merge publishes every
+    row once."""
+    ids = [f"r{i}" for i in range(40)]
+    write_parquet(tmp_path / "in.parquet", ids, [f"text {i}" for i in range(40)])
+    spec = make_spec(tmp_path / "in.parquet", tmp_path / "out", sharding={"target_rows": 40, "chunk_rows": 10})
+    (shard,) = plan_job(spec).shards
+    task = ShardTask(spec=spec, shard_id=shard.shard_id)
+    run_shard(task, engine_factory=fake_engine_factory)
+    marker_path = tmp_path / "out" / "shards" / shard.shard_id / MARKER
+    files = json.loads(marker_path.read_text())["files"]
+    (tmp_path / "out" / files[1]["path"]).write_bytes((tmp_path / "out" / files[2]["path"]).read_bytes())
+    with pytest.raises(CommitError, match="does not match its commit marker") as refused:
+        merge(spec)
+    told = str(refused.value)
+    assert files[1]["path"] in told and f"delete shards/{shard.shard_id}/{MARKER}" in told
+    assert run_shard(task, engine_factory=fake_engine_factory)["status"] == "already_committed"
+    with pytest.raises(CommitError, match="does not match its commit marker"):
+        merge(spec)
+    marker_path.unlink()  # as the message says
+    again = run_shard(task, engine_factory=fake_engine_factory)
+    assert again["status"] == "committed" and again["stats"]["reused_chunks"] == 3
+    assert fake_engine_factory.made[-1].submitted == 10
+    merge(spec)
+    res, err = read_out(tmp_path / "out")
+    assert sorted(r["id"] for r in res) == sorted(ids) and not err
+    check(tmp_path / "out", ids, kind="committed_chunk_replaced")
 
 
 def test_merge_verification_catches_a_lost_row(tmp_path, fake_engine_factory):

@@ -21,7 +21,7 @@ import pytest
 
 from airflow_provider_vllm.core import faults
 from airflow_provider_vllm.core.engine_identity import local_engine_identity
-from airflow_provider_vllm.core.errors import CommitError, SpecError
+from airflow_provider_vllm.core.errors import CommitError, EngineError, SpecError
 from airflow_provider_vllm.core.plan import PLAN_FILE, Plan
 from airflow_provider_vllm.core.records import CacheCommit
 from airflow_provider_vllm.core.rows import RESULT_SCHEMA
@@ -507,6 +507,45 @@ def test_rows_of_workers_that_saw_a_model_redirect_are_not_appended(tmp_path, fa
     assert c is not None and c.appended == 0 and "VLLM_MODEL_REDIRECT_PATH" in (c.skipped or "")
     assert not (tmp_path / "cache" / "commits").exists()
     assert results(s1).keys() == set(IDS)
+
+
+@pytest.mark.parametrize("last_attempt_infers", [True, False])
+def test_rows_an_earlier_attempt_made_under_another_engine_are_not_appended_after_a_resume(
+    tmp_path, fake_engine_factory, monkeypatch, set_faults, last_attempt_infers
+):
+    """An attempt whose engine saw a variable the key cannot stand for (a model redirect) dies mid-shard; the retry
+    runs on the key's engine and reuses its finished chunks (resume). Its marker must not name its own engine for
+    rows the other one made (nor, when every chunk was reused, the engine of a worker that ran none): the results
+    are published whole, and the cache files none of them."""
+    from airflow_provider_vllm.core.commit import MARKER, ChunkSeal
+
+    write_parquet(tmp_path / "in-a.parquet", IDS, TEXTS)
+    s1 = spec_for(tmp_path, "a", sharding={"target_rows": 50, "chunk_rows": 8})
+    plan = plan_job(s1, engine_identity=ENGINE)
+    (shard,) = plan.shards
+    task = ShardTask(spec=s1, shard_id=shard.shard_id)
+    monkeypatch.setenv("VLLM_MODEL_REDIRECT_PATH", "/mnt/secret/redirect.json")  # the first attempt's environment
+    if last_attempt_infers:
+        with pytest.raises(EngineError):
+            run_shard(task, engine_factory=lambda s: fake_engine_factory(s, crash_after=30))
+    else:  # every chunk done, stopped before its commit
+        set_faults("commit.after_data=raise")
+        with pytest.raises(faults.InjectedFault):
+            run_shard(task, engine_factory=fake_engine_factory)
+        set_faults("")
+    shard_dir = tmp_path / "out-a" / "shards" / shard.shard_id
+    first = {p.name: p.read_bytes() for p in shard_dir.glob("attempts/*/chunk-*.seal.json")}
+    monkeypatch.delenv("VLLM_MODEL_REDIRECT_PATH")
+    m = run_shard(task, engine_factory=fake_engine_factory)
+    assert m["status"] == "committed" and m["stats"]["reused_chunks"] == len(first) >= 1
+    marker = json.loads((shard_dir / MARKER).read_text())
+    assert marker["engine_identity"] != ENGINE
+    c = merge(s1).cache
+    assert c is not None and c.appended == 0 and c.skipped
+    assert not (tmp_path / "cache" / "commits").exists()
+    assert results(s1).keys() == set(IDS)
+    # each chunk seals the engine that made it
+    assert all("VLLM_MODEL_REDIRECT_PATH" in ChunkSeal.model_validate_json(b).engine_identity for b in first.values())
 
 
 @pytest.mark.parametrize(
