@@ -10,7 +10,9 @@ returns the canonical URI or raises ``SpecError`` naming the parameter and the r
   `` ` < > " | `` (a location reaches the approval request's Markdown, the report's HTML and
   copied shell lines) and empty segments are refused,
   not resolved: a path that needs cleaning is a path someone is probing with;
-* credentials in the authority (``s3://key:secret@bucket``) are refused, and the refusal shows the
+* credentials in the authority (``s3://key:secret@bucket``, also a secret holding ``/``, as half of
+  AWS secret keys do: ``s3://key:abc/def@bucket``) and in a query string (``?X-Amz-Signature=``,
+  ``?sig=``, ``?token=``, ...: ``CREDENTIAL_QUERY_NAMES``) are refused, and the refusal shows the
   URI with them replaced by ``***``: credentials come from an Airflow Connection;
 * ``file://`` must be ``file:///abs/path`` (or ``file://localhost/...``); relative local paths
   are refused;
@@ -58,13 +60,26 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _MARKUP = re.compile(r'[`<>"|]')  # an apostrophe stays allowed: folder names have it, and SQL quotes it
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$", re.DOTALL)
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9._-]{1,254}$")
-# user@ in a URI's authority; Azure's container@account is no credential (and those schemes are refused anyway)
-_USERINFO = re.compile(r"(?<![A-Za-z0-9+.-])(?!(?:abfss?|az|adl)://)([A-Za-z][A-Za-z0-9+.-]*://)[^/]*@", re.I)
+# user@ in a URI's authority; Azure's container@account is no credential (and those schemes are refused anyway).
+# Also key:secret@ whose secret holds a '/' (half of AWS secret keys do): a ':' in the authority and an '@' after
+# it, before any whitespace or quote; no bucket name holds a ':'.
+_USERINFO = re.compile(
+    r"(?<![A-Za-z0-9+.-])(?!(?:abfss?|az|adl)://)([A-Za-z][A-Za-z0-9+.-]*://)"
+    r"(?:[^/]*@|[^/@:\s'\"]*:[^@\s'\"]*@)",
+    re.I,
+)
+# Query parameters that carry credentials: presigned S3/GCS URLs (X-Amz-Signature, X-Amz-Credential,
+# X-Amz-Security-Token, X-Goog-Signature), SAS (sig), access_token, key, auth ... (any name holding one of these)
+CREDENTIAL_QUERY_NAMES = ("sig", "token", "credential", "secret", "passw", "key", "auth")
+_QUERY_CREDENTIAL = re.compile(
+    r"([?&;#][A-Za-z0-9_.-]*(?:" + "|".join(CREDENTIAL_QUERY_NAMES) + r")[A-Za-z0-9_.-]*=)[^&;#\s'\"]*", re.I
+)
 
 
 def redact_userinfo(text: str) -> str:
-    """``text`` with the userinfo of every URI in it (``s3://key:secret@bucket``) replaced by ``***``."""
-    return _USERINFO.sub(r"\1***@", text)
+    """``text`` with the credentials of every URI in it replaced by ``***``: the userinfo
+    (``s3://key:secret@bucket``) and the values of credential query parameters (``?X-Amz-Signature=...``)."""
+    return _QUERY_CREDENTIAL.sub(r"\1***", _USERINFO.sub(r"\1***@", text))
 
 
 def canonical_uri(uri: str, what: str = "uri", resolve: bool = True) -> str:
@@ -74,7 +89,7 @@ def canonical_uri(uri: str, what: str = "uri", resolve: bool = True) -> str:
     """
     if not isinstance(uri, str) or not uri:
         raise SpecError(f"{what}: must be a non-empty string")
-    if _USERINFO.search(uri):  # before any message that shows the URI
+    if _USERINFO.search(uri) or _QUERY_CREDENTIAL.search(uri):  # before any message that shows the URI
         raise SpecError(
             f"{what}={redact_userinfo(uri)[:200]!r}: credentials in URIs are not allowed; use an Airflow Connection"
         )

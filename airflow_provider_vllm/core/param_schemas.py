@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from airflow_provider_vllm.core.allow_list import redact_userinfo
+from airflow_provider_vllm.core.allow_list import CREDENTIAL_QUERY_NAMES, redact_userinfo
 from airflow_provider_vllm.core.errors import SpecError
 from airflow_provider_vllm.core.spec import PARAM_ALIASES
 from airflow_provider_vllm.core.spec_guard import (
@@ -24,12 +24,22 @@ from airflow_provider_vllm.core.spec_guard import (
     MODEL_REF,
 )
 
+
+def _any_case(word: str) -> str:
+    """``word`` as a pattern of either case (JSON schema patterns take no flags)."""
+    return "".join(f"[{c.lower()}{c.upper()}]" if c.isalpha() else c for c in word)
+
+
 # ECMA-262 and Python both read these. No '..' or '.' segments, no percent-encoded dots or
 # slashes, no whitespace, no markup or quoting characters (` < > " |: allow_list.canonical_uri), no
-# credentials (user@ in the authority); a scheme from paths.SCHEMES or an absolute path.
+# credentials (user@ or a ':' in the authority, a credential query parameter such as ?X-Amz-Signature=:
+# allow_list.CREDENTIAL_QUERY_NAMES); a scheme from paths.SCHEMES or an absolute path.
 URI_PATTERN = (
     r"^(?![\s\S]*(?:/\.{1,2}(?:/|$)|%2[eEfF]|%5[cC]|%25|\\))"
-    r"(?:(?:file://)?/|(?:s3|s3a|gs|gcs|memory)://(?![^/]*@)[a-z0-9])[^\s`<>|"
+    r"(?![\s\S]*[?&;#][A-Za-z0-9_.-]*(?:"
+    + "|".join(_any_case(w) for w in CREDENTIAL_QUERY_NAMES)
+    + r")[A-Za-z0-9_.-]*=)"
+    r"(?:(?:file://)?/|(?:s3|s3a|gs|gcs|memory)://(?![^/]*[@:])[a-z0-9])[^\s`<>|"
     '"]*$'
 )
 NO_JINJA = r"^(?![\s\S]*(?:\{\{|\}\}|\{%|%\}|\{#|#\}))[\s\S]*$"

@@ -149,6 +149,44 @@ def test_credentials_in_a_uri_are_refused_without_showing_them(allowed, uri):
 @pytest.mark.parametrize(
     "uri",
     [
+        "s3://AKIAKEY:s3cr3tValue/w+slash@data/in/x",  # a secret key holding '/', as half of AWS secret keys do
+        "s3://minio:s3cr3t/Value@data/in/x",  # a lower-case access key passed the trigger form's pattern too
+        "s3://data/in/x?X-Amz-Credential=AKIAKEY&X-Amz-Signature=s3cr3tValue",  # a presigned URL pasted whole
+        "gs://data/in/x?X-Goog-Signature=s3cr3tValue",
+        "s3://data/in/x?sig=s3cr3tValue",
+        "s3://data/in/x;access_token=s3cr3tValue",
+        "s3://data/in/x#Token=s3cr3tValue",
+    ],
+)
+def test_credentials_hidden_in_a_uri_are_refused_without_showing_them(allowed, uri):
+    """Until 2026-12 a userinfo whose secret held a '/' passed as a bucket name and was echoed whole by the
+    bucket-name refusal (and a lower-case one by the trigger form's), and a query string's signature or token
+    was taken into the spec, its XCom and ``_plan.json``."""
+    from airflow_provider_vllm.core.param_schemas import validate_params
+
+    for field in ("io.input_uri", "io.output_uri", "sharding.history_uri"):
+        msg = refused(with_value(base_doc(allowed), field, uri), prefixes(allowed))
+        assert msg is not None and "credentials in URIs are not allowed; use an Airflow Connection" in msg, msg
+        assert "s3cr3t" not in msg and "AKIAKEY" not in msg and "***" in msg, msg
+    with pytest.raises(SpecError) as e:  # the trigger form's pattern
+        validate_params({"input_uri": uri})
+    assert "s3cr3t" not in str(e.value) and "AKIAKEY" not in str(e.value), e.value
+    record_malicious("credentials_hidden_in_uri", 1, 1)
+
+
+def test_locations_that_only_look_like_credentials_pass():
+    """An '@' or ':' in the path, or a query parameter that carries none, is no credential."""
+    from airflow_provider_vllm.core.allow_list import canonical_uri
+    from airflow_provider_vllm.core.param_schemas import validate_params
+
+    for uri in ("s3://data/in/model@v2/x", "gs://data/in/a:b@c", "s3://data/in/x?versionId=3"):
+        assert canonical_uri(uri, resolve=False) == uri
+        validate_params({"input_uri": uri})
+
+
+@pytest.mark.parametrize(
+    "uri",
+    [
         f"{A}/out/reruns/x`<https:evil.example/approve-here>`",
         "s3://data/out/x<img src=x>",
         's3://data/out/a"b',
