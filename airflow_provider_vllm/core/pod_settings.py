@@ -32,7 +32,9 @@ _QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # hide_input_in_errors: a refusal (a literal HF_TOKEN in env, a bad name beside it) must not echo the env
+    # values it refuses into the task log, as pydantic's message does by default (input_value=...)
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
 
 class SecretKeyRef(_Section):

@@ -147,6 +147,27 @@ def test_a_literal_signing_key_in_the_pod_env_is_refused_before_any_pod_exists()
     assert op.parts is None
 
 
+def test_a_refused_secret_literal_in_the_pod_settings_is_not_echoed_into_the_task_log(monkeypatch):
+    """pydantic's message repeats the value it refuses (``input_value={'HF_TOKEN': 'hf_...'}``): until 2026-12 a
+    token set as a literal in ``[vllm_batch] kubernetes_defaults`` or a settings Variable was refused, and
+    shown in every shard task's log to whoever may read it."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    token = "hf_LEAKCANARY0123456789"
+    cases = [
+        ({**SETTINGS, "env": {"HF_TOKEN": token}}, None),
+        ({**SETTINGS, "env": {"OK_NAME": "x", "bad name": token}}, None),  # refused for its name, beside a value
+        (SETTINGS, json.dumps({"env": {"WANDB_API_KEY": token}})),  # the deployment's kubernetes_defaults
+    ]
+    for settings, defaults in cases:
+        if defaults is not None:
+            monkeypatch.setenv("AIRFLOW__VLLM_BATCH__KUBERNETES_DEFAULTS", defaults)
+        op = operator(settings)
+        with pytest.raises(AirflowFailException) as e:
+            op.build_pod_request_obj(create_context(op, map_index=0))
+        assert "invalid kubernetes settings" in str(e.value) and token not in str(e.value), e.value
+
+
 def test_operator_defaults_and_template_fields():
     op = operator()
     assert op.durable is True and op.get_logs is True and op.do_xcom_push is True
