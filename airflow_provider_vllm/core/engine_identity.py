@@ -17,6 +17,7 @@ no vLLM import (package metadata only).
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.metadata
 import json
 import os
@@ -68,8 +69,18 @@ def is_engine_variable(name: str) -> bool:
 
 
 def engine_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The variables of ``env`` (default: this process's) that reach vLLM and may change an answer."""
-    return {k: v for k, v in sorted(envs.environ(env).items()) if is_engine_variable(k)}
+    """The variables of ``env`` (default: this process's) that reach vLLM and may change an answer.
+
+    One whose name says it holds a secret (``envs.SECRET_NAME``: ``VLLM_API_KEY``) is given as the sha256 of its
+    value: the identity is written into commit markers, chunk seals, plans and cache entries, which the
+    bucket's readers see."""
+    return {k: _value_shown(k, v) for k, v in sorted(envs.environ(env).items()) if is_engine_variable(k)}
+
+
+def _value_shown(name: str, value: str) -> str:
+    if not envs.SECRET_NAME.search(name):
+        return value
+    return "sha256:" + hashlib.sha256(value.encode("utf-8", "surrogateescape")).hexdigest()
 
 
 def vllm_distribution() -> str:

@@ -9,6 +9,7 @@ variable gives the default. Nothing else in the package reads ``os.environ``
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -42,6 +43,13 @@ class EnvVar:
     def flag(self, env: Mapping[str, str] | None = None) -> bool:
         """A yes/no switch: "1", "true" or "yes" (any case) -> True, anything else False."""
         return str(self.get(env) or "").lower() in ("1", "true", "yes")
+
+
+# Names of variables that hold secrets (HF_TOKEN, AWS_SECRET_ACCESS_KEY, VLLM_API_KEY, ...): the worker masks their
+# values in its output (worker/redact.py), and the engine identity names them by hash (core/engine_identity.py)
+SECRET_NAME = re.compile(
+    r"(TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|API_KEY|ACCESS_KEY|PRIVATE_KEY|SIGNING_KEY|SAS)", re.I
+)
 
 
 def environ(env: Mapping[str, str] | None = None) -> Mapping[str, str]:

@@ -26,9 +26,7 @@ from collections.abc import Mapping
 
 from airflow_provider_vllm.core import envs
 
-SECRET_ENV = re.compile(
-    r"(TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|API_KEY|ACCESS_KEY|PRIVATE_KEY|SIGNING_KEY|SAS)", re.I
-)
+SECRET_ENV = envs.SECRET_NAME
 MIN_SECRET_CHARS = 6  # shorter values would mask ordinary words
 
 

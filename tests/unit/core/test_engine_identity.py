@@ -80,3 +80,18 @@ def test_the_remembered_vllm_build_follows_an_install_on_the_path(tmp_path, monk
     importlib.invalidate_caches()
     assert importlib.metadata.version("vllm-fork") == "9.9.1"
     assert "vllm-fork==9.9.1" in vllm_distribution().split(",")
+
+
+def test_a_vllm_variable_that_holds_a_secret_is_named_by_its_hash_not_its_value():
+    """vLLM reads VLLM_API_KEY: until 2026-12 its value stood in the identity, which commit markers, chunk seals,
+    plans and cache entries carry into the bucket."""
+    image = "r/w:1@sha256:" + "a" * 64
+    key = "sk-LEAKCANARY-0123456789"
+    shown = engine_env({"VLLM_API_KEY": key, "VLLM_ATTENTION_BACKEND": "X"})
+    assert shown["VLLM_ATTENTION_BACKEND"] == "X" and shown["VLLM_API_KEY"].startswith("sha256:")
+    identity = local_engine_identity({"VLLM_API_KEY": key})
+    assert key not in identity and "VLLM_API_KEY" in identity
+    # still an identity: another key is another engine environment, the same key the same
+    assert identity != local_engine_identity({"VLLM_API_KEY": key + "x"})
+    assert identity == local_engine_identity({"VLLM_API_KEY": key})
+    assert image_engine_identity(image, {"VLLM_API_KEY": "secret:vllm/api-key"}).endswith('"secret:vllm/api-key"}')

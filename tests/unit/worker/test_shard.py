@@ -212,6 +212,24 @@ def test_an_attempt_that_outlives_its_run_never_commits_into_the_run_planned_aft
     assert {r["config_hash"] for r in res} == {new.output_hash()} != {old.output_hash()}
 
 
+def test_a_secret_in_the_engines_environment_reaches_neither_the_bucket_nor_the_xcom(
+    tmp_path, fake_engine_factory, monkeypatch
+):
+    """The worker names its engine's environment in every chunk seal and its commit marker; until 2026-12 that
+    named VLLM_API_KEY's value, for whoever reads the bucket."""
+    key = "sk-LEAKCANARY-0123456789"
+    monkeypatch.setenv("VLLM_API_KEY", key)
+    write_parquet(tmp_path / "in" / "part-0.parquet", ["a", "b", "c"], ["x y", "z w", "v u"])
+    spec = make_spec(tmp_path / "in", tmp_path / "out")
+    plan, manifests = run_all(spec, fake_engine_factory)
+    assert all(m["status"] == "committed" for m in manifests)
+    merge(spec)
+    files = [p for p in (tmp_path / "out").rglob("*") if p.is_file()]
+    assert any(p.name == MARKER for p in files)
+    assert [str(p) for p in files if key.encode() in p.read_bytes()] == []
+    assert key not in json.dumps(manifests)
+
+
 def test_merge_refuses_uncommitted_and_tampered(tmp_path, fake_engine_factory):
     write_parquet(tmp_path / "in.parquet", [f"r{i}" for i in range(50)], [f"x{i}" for i in range(50)])
     spec = make_spec(tmp_path / "in.parquet", tmp_path / "out", sharding={"target_rows": 25})
