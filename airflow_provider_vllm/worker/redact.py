@@ -3,7 +3,8 @@
 The worker gets credentials only through its environment (``HF_TOKEN``, ``AWS_SECRET_ACCESS_KEY``
 ...; never through the job spec, see ``spec_guard``). ``install()`` adds a logging filter
 that replaces the value of every such variable with ``***`` in each record, whoever logs it
-(this package, vLLM, botocore, a traceback).
+(this package, vLLM, botocore, a traceback), and the credentials of any URL it shows (``redact_urls``:
+``https://user:pass@host``, ``?X-Amz-Signature=...``), whichever variable, setting or library the URL came from.
 
 vLLM configures its own ``vllm`` logger tree (its own handler, ``propagate=False``), so a filter
 on the root logger's handlers never sees its records; ``install()`` therefore also wraps the
@@ -28,6 +29,23 @@ from airflow_provider_vllm.core import envs
 
 SECRET_ENV = envs.SECRET_NAME
 MIN_SECRET_CHARS = 6  # shorter values would mask ordinary words
+# Credentials written into a URL, whatever variable or library it came from (a push gateway, a proxy, a catalog):
+# the userinfo (user:pass@; one that holds a '/' too, as AWS secret keys do) and credential query parameters.
+# Neither crosses whitespace or a quote, so a JSON line (the manifest on stdout) keeps its shape.
+_URL_USERINFO = re.compile(
+    r"(?<![A-Za-z0-9+.-])([A-Za-z][A-Za-z0-9+.-]*://)(?:[^/\s'\"@<>]*@|[^/\s'\"@<>:]*:[^\s'\"@<>]*@)"
+)
+_URL_QUERY_CREDENTIAL = re.compile(
+    r"([?&;][A-Za-z0-9_.-]*(?:sig|token|credential|secret|passw|key|auth)[A-Za-z0-9_.-]*=)[^&;#\s'\"]+", re.I
+)
+
+
+def redact_urls(text: str) -> str:
+    """``text`` with the credentials of every URL in it (``https://user:pass@host``, ``?X-Amz-Signature=...``)
+    replaced by ``***``."""
+    if "://" not in text and "=" not in text:
+        return text
+    return _URL_QUERY_CREDENTIAL.sub(r"\1***", _URL_USERINFO.sub(r"\1***@", text))
 
 
 def secret_values(env: Mapping[str, str] | None = None) -> list[str]:
@@ -39,7 +57,8 @@ def secret_values(env: Mapping[str, str] | None = None) -> list[str]:
 
 
 class RedactSecrets(logging.Filter):
-    """Replaces known secret values in a record's message (after %-formatting) and traceback."""
+    """Replaces known secret values, and credentials in URLs, in a record's message (after %-formatting) and
+    traceback."""
 
     def __init__(self, secrets: list[str]):
         super().__init__()
@@ -48,15 +67,15 @@ class RedactSecrets(logging.Filter):
     def redact(self, text: str) -> str:
         for s in self.secrets:
             text = text.replace(s, "***")
-        return text
+        return redact_urls(text)
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if self.secrets:
-            record.msg = self.redact(record.getMessage())
-            record.args = None
-            if record.exc_info:
-                record.exc_text = self.redact(logging.Formatter().formatException(record.exc_info))
-                record.exc_info = None
+        # always: with no secret in the environment, a URL's credentials are still masked
+        record.msg = self.redact(record.getMessage())
+        record.args = None
+        if record.exc_info:
+            record.exc_text = self.redact(logging.Formatter().formatException(record.exc_info))
+            record.exc_info = None
         return True
 
 
@@ -65,8 +84,7 @@ def install(env: dict[str, str] | None = None) -> RedactSecrets:
     f = RedactSecrets(secret_values(env))
     for h in logging.getLogger().handlers:
         h.addFilter(f)
-    if f.secrets:
-        logging.setLogRecordFactory(_RedactingFactory(logging.getLogRecordFactory(), f))
+    logging.setLogRecordFactory(_RedactingFactory(logging.getLogRecordFactory(), f))
     return f
 
 
@@ -113,6 +131,8 @@ class _Pump:
     def redact(self, data: bytes) -> bytes:
         for s in self.secrets:
             data = data.replace(s, b"***")
+        if b"://" in data or b"=" in data:
+            data = redact_urls(data.decode("utf-8", "surrogateescape")).encode("utf-8", "surrogateescape")
         return data
 
     def _write(self, data: bytes) -> None:

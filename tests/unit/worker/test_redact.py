@@ -98,3 +98,77 @@ def test_settle_passes_on_everything_written_before_a_sigkill(tmp_path):
         text = err.read_text()
         assert text.endswith("the last line before the kill"), (n, text[-200:])
         assert "line 199 ***" in text and "s3cr3t" not in text
+
+
+# ---- credentials in URLs -------------------------------------------------------------------
+URL_SECRETS = [
+    "http://metrics:PUSHs3cr3t@pushgateway:9091",  # a push gateway's basic auth, written into the URL
+    "https://proxy-user:PROXYs3cr3t@proxy.corp:3128",
+    "s3://AKIAKEY:wJalr/s3cr3t+K7MD@bucket/x",  # an AWS secret key holds '/' half of the time
+    "https://bucket.s3.amazonaws.com/x?X-Amz-Credential=AKIAKEY&X-Amz-Signature=SIGs3cr3t",
+    "https://acct.blob.core.windows.net/c/x?sv=2024&sig=SASs3cr3t",
+]
+
+
+def test_credentials_in_any_url_are_masked_in_the_workers_log_records():
+    """Until 2026-12 only the values of secret-named variables were masked: a push gateway URL with basic auth
+    (``VLLM_BATCH_METRICS_PUSHGATEWAY``) was logged whole on every failed export, as any URL with credentials
+    that a library put into a message."""
+    from airflow_provider_vllm.worker.metrics import MetricsConfig, ShardMetrics
+    from airflow_provider_vllm.worker.redact import RedactSecrets
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda r: records.append(logging.Formatter("%(message)s").format(r))
+    handler.addFilter(RedactSecrets([]))  # no secret-named variable at all
+    log = logging.getLogger("airflow_provider_vllm.worker")
+    log.addHandler(handler)
+    try:
+        for url in URL_SECRETS:
+            log.warning("fetching %s", url)
+        try:
+            raise OSError(f"cannot reach {URL_SECRETS[1]}")
+        except OSError:
+            log.exception("failed")
+        push = MetricsConfig(pushgateway="http://metrics:PUSHs3cr3t@127.0.0.1:9", push_timeout_s=1)
+        ShardMetrics(push, batch_job="j", run="r", shard_id="s", attempt_id="a").export()  # nothing listens: logged
+    finally:
+        log.removeHandler(handler)
+    text = "\n".join(records)
+    assert "metrics push to http://***@127.0.0.1:9 failed" in text, text
+    assert "s3cr3t" not in text and "AKIAKEY" not in text, text
+    assert "pushgateway:9091" in text and "proxy.corp:3128" in text and "bucket/x" in text  # the rest stays
+    record_malicious("url_credentials_logged", len(URL_SECRETS) + 2, len(URL_SECRETS) + 2)
+
+
+PRINT_URLS = r"""
+import json, subprocess, sys
+from airflow_provider_vllm.worker import redact
+redact.guard_streams(["unrelated-Tok-9f8e7d6c"])
+urls = json.loads(sys.argv[1])
+for u in urls:
+    print("native:", u, flush=True)
+subprocess.run([sys.executable, "-c", "import sys; print('child: ' + sys.argv[1], file=sys.stderr)", urls[0]])
+print(json.dumps({"status": "committed", "uri": "s3://bucket/out", "who": "a@b", "n": "x=1"}), flush=True)
+redact.drain()
+"""
+
+
+def test_credentials_in_any_url_are_masked_in_what_the_worker_and_its_children_print():
+    p = subprocess.run(
+        [sys.executable, "-c", PRINT_URLS, json.dumps(URL_SECRETS)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert p.returncode == 0, p.stderr
+    assert "s3cr3t" not in p.stdout + p.stderr and "AKIAKEY" not in p.stdout, p.stdout + p.stderr
+    assert p.stdout.count("native: ") == len(URL_SECRETS) and "child: http://***@pushgateway:9091" in p.stderr
+    # the manifest line keeps its shape: nothing spans a quote
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == {
+        "status": "committed",
+        "uri": "s3://bucket/out",
+        "who": "a@b",
+        "n": "x=1",
+    }
