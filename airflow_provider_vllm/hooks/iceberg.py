@@ -12,6 +12,7 @@ table rules for the pure steps (``steps/tables/``).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from airflow.sdk.exceptions import AirflowFailException
@@ -24,6 +25,13 @@ DEFAULT_ICEBERG_CONN_ID = "iceberg_default"  # Airflow's Iceberg provider's defa
 # The extra's key for the catalog's name (default: the Connection id). A SQL catalog keys its tables by it:
 # a catalog database shared with Spark or Trino needs the name they use.
 CATALOG_NAME = "catalog-name"
+# pyiceberg properties that hold credentials (token, credential, s3.secret-access-key, s3.session-token,
+# gcs.oauth2.token, adls.account-key, adls.sas-token, header.Authorization, rest.signing ...)
+_SECRET_PROPERTY = re.compile(r"(token|credential|secret|password|passwd|account-key|sas|authorization)", re.I)
+_URI_USERINFO = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://([^/\s@]+)@")
+_URI_QUERY_CREDENTIAL = re.compile(
+    r"[?&;][A-Za-z0-9_.-]*(?:sig|token|credential|secret|passw|key|auth)[A-Za-z0-9_.-]*=([^&;#\s]+)", re.I
+)
 
 
 def iceberg_conn_id() -> str:
@@ -60,6 +68,34 @@ def catalog_properties(conn: Any) -> dict[str, str]:
     return props
 
 
+def catalog_secrets(props: dict[str, str]) -> list[str]:
+    """The credentials among catalog properties: the value of a property whose name says it holds one (``token``,
+    ``credential``, ``s3.secret-access-key``, ``header.Authorization`` ...), and the userinfo and credential query
+    parameters of any URI (``http://cat/?token=...``, ``postgresql://user:pass@db/x``)."""
+    found: list[str] = []
+    for key, value in props.items():
+        if _SECRET_PROPERTY.search(key):
+            found.append(value)
+            found += [p for p in value.split(":", 1)[1:] if p]  # client-id:secret, the secret alone too
+        for m in _URI_USERINFO.finditer(value):
+            userinfo = m.group(1)
+            found += [userinfo, userinfo.partition(":")[2]]
+        found += [m.group(1) for m in _URI_QUERY_CREDENTIAL.finditer(value)]
+    return [f for f in found if f]
+
+
+def mask_catalog_secrets(props: dict[str, str]) -> None:
+    """Hand the credentials among ``props`` to Airflow's secrets masker.
+
+    Airflow masks a Connection's password, and its extra only as one whole string: a token in the extra, or in the
+    catalog's URI, stood in clear wherever pyiceberg or its HTTP client put it in a message (a failed task's
+    traceback names the URL it could not reach)."""
+    from airflow.sdk.log import mask_secret
+
+    for secret in catalog_secrets(props):
+        mask_secret(secret)
+
+
 def load_catalog_from_connection(conn_id: str) -> Any:
     """The pyiceberg catalog of Connection ``conn_id`` (named after it, or its extra's ``catalog-name``); fails the
     task when there is none."""
@@ -79,6 +115,7 @@ def load_catalog_from_connection(conn_id: str) -> Any:
             "table jobs need pyiceberg: install the provider's iceberg extra (airflow-provider-vllm[iceberg])"
         ) from None
     props = catalog_properties(conn)
+    mask_catalog_secrets(props)
     name = props.pop(CATALOG_NAME, conn_id)
     try:
         return load_catalog(name, **props)

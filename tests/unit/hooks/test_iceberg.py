@@ -51,3 +51,35 @@ def test_the_deployment_names_the_connection_and_the_tables(monkeypatch):
     monkeypatch.delenv("AIRFLOW__VLLM_BATCH__ICEBERG_CONN_ID")
     assert iceberg.iceberg_conn_id() == "iceberg_default"
     assert iceberg.tables([]).catalog is None  # no table allowed: no catalog is reached
+
+
+def test_catalog_credentials_reach_airflows_secrets_masker_wherever_the_connection_holds_them(monkeypatch):
+    """Airflow masks a Connection's password, and its extra only as one whole string: until 2026-12 a token in the
+    catalog's URI stood in clear in the traceback of a plan or publish task that could not reach the catalog
+    (``Max retries exceeded with url: /?token=...``), and a token or key in the extra wherever a message put it."""
+    import traceback
+
+    from airflow.sdk._shared.secrets_masker import redact, reset_secrets_masker
+
+    reset_secrets_masker()
+    extra = {
+        "type": "rest",
+        "uri": "http://127.0.0.1:9/?token=URIs3cr3tTok",  # nothing listens there
+        "token": "EXTRAs3cr3tTok",
+        "s3.secret-access-key": "S3s3cr3tKey/abc",
+        "warehouse": "lake",
+    }
+    conn = Connection(
+        conn_id="iceberg_lake", conn_type="iceberg", login="client", password="PWs3cr3t", extra=json.dumps(extra)
+    )
+    monkeypatch.setattr(Connection, "get", classmethod(lambda cls, conn_id: conn))
+    try:
+        with pytest.raises(Exception) as e:  # requests' ConnectionError, naming the URL
+            iceberg.load_catalog_from_connection("iceberg_lake")
+        text = "".join(traceback.format_exception(e.value))
+        assert "URIs3cr3tTok" in text  # what Airflow's task log would show, before the masker
+        shown = redact(text + " EXTRAs3cr3tTok S3s3cr3tKey/abc client:PWs3cr3t lake")
+        assert "s3cr3t" not in shown, shown
+        assert "127.0.0.1" in shown and " lake" in shown  # the rest stays
+    finally:
+        reset_secrets_masker()
