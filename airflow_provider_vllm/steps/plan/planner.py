@@ -362,7 +362,7 @@ def build_plan_with_inputs(
         if spec.io.input_uri is None:
             raise SpecError("io.input_table: a table is read through the plan step (plan_job), not found as files")
         found = find_input(spec.io.input_uri, spec.io.storage_options, spec.io.input_format, filesystems)
-    passthrough = resolve_passthrough(_passthrough_spec(spec), found)
+    passthrough = resolve_passthrough(_passthrough_spec(spec, found), found)
     adapters = describe_adapters(spec, filesystems=filesystems)
     sh = spec.sharding
     # Exact per-row lengths need the text columns; footers (dictionary-encoded pages make
@@ -431,13 +431,13 @@ def build_plan_with_inputs(
     return plan, PlanInputs(found=found, history=history)
 
 
-def _passthrough_spec(spec: JobSpec) -> JobSpec:
-    """The spec passthrough is resolved by: with a table's column selection, ``io.passthrough`` 'all' means the
-    selected columns (a data file read by reference stores every column of the table)."""
-    t = spec.io.input_table
-    if t is None or spec.io.passthrough != "all" or not t.columns:
+def _passthrough_spec(spec: JobSpec, found: Input) -> JobSpec:
+    """The spec passthrough is resolved by: for a table, ``io.passthrough`` 'all' means the table's columns the job
+    may read (``found.columns``: the column selection, else the snapshot's schema), not what a data file read by
+    reference stores: a file written before a column was dropped from the table still holds that column."""
+    if spec.io.input_table is None or spec.io.passthrough != "all" or found.columns is None:
         return spec
-    cols = [c for c in t.columns if c != spec.prompt.id_column]
+    cols = [c for c in found.columns if c != spec.prompt.id_column]
     return spec.model_copy(update={"io": spec.io.model_copy(update={"passthrough": cols})})
 
 
