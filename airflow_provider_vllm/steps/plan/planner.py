@@ -40,6 +40,7 @@ from airflow_provider_vllm.steps.plan.passthrough import resolve_passthrough
 from airflow_provider_vllm.steps.plan.sizing import History, job_history, size_shards
 from airflow_provider_vllm.steps.publish import SUCCESS, pin_last_published
 from airflow_provider_vllm.steps.tables.access import Tables
+from airflow_provider_vllm.steps.tables.commit import check_output_table
 from airflow_provider_vllm.steps.tables.snapshot import TABLE_DIR, resolve_table_input
 
 RUN_MARKERS = (PLAN_FILE, SUCCESS)
@@ -113,7 +114,7 @@ def plan_job(
             plan = with_golden(plan, spec, out, filesystems, max_shards)  # qa.reference: ride-along rows
             plan = _with_changes_from(plan, spec, tables, pins)
             # create-only: of two runs racing for one prefix, the loser meets the winner's plan below
-            _write_plan(out, plan, spec, keyring)
+            _write_plan(out, plan, spec, keyring, tables)
     existing = _existing(spec, out, keyring)
     if existing.fingerprint != plan.fingerprint or existing.spec_hash != plan.spec_hash:
         raise SpecError(
@@ -178,7 +179,7 @@ def _plan_table(
     plan = plan.model_copy(update={"table": pin, "input_uri": f"iceberg:{pin.identifier}@{pin.snapshot_id}"})
     plan = with_golden(plan, spec, out, filesystems, max_shards, found=found)
     plan = _with_changes_from(plan, spec, tables, pins)
-    _write_plan(out, plan, spec, keyring)
+    _write_plan(out, plan, spec, keyring, tables)
     return _existing(spec, out, keyring)  # of two plans racing, the winner's
 
 
@@ -227,8 +228,12 @@ def _may_dedupe(spec: JobSpec) -> bool:
     return spec.sharding.dedupe and deterministic(spec) is None
 
 
-def _write_plan(out: Storage, plan: Plan, spec: JobSpec, keyring: Keyring) -> None:
-    """``_plan.json``, sealed, create-only: of two plans racing for one prefix the first wins."""
+def _write_plan(out: Storage, plan: Plan, spec: JobSpec, keyring: Keyring, tables: Tables | None) -> None:
+    """``_plan.json``, sealed, create-only: of two plans racing for one prefix the first wins. Before it, with
+    ``io.output_table``, what publish would refuse about the table's schema (``check_output_table``: a passthrough
+    column the table cannot hold), so that nothing is written and no shard runs for a run that cannot publish."""
+    if spec.io.output_table is not None and tables is not None:
+        check_output_table(spec.io.output_table, tables, plan.result_schema())
     with faults.writing("plan.mid_marker"):
         out.create_only(PLAN_FILE, plan.sealed(keyring, spec.io.output_uri).dump_json())
 
@@ -291,7 +296,7 @@ def _plan_cached(
     )
     plan = with_golden(plan, spec, out, filesystems, max_shards)  # qa.reference: ride-along rows
     plan = _with_changes_from(plan, spec, tables, pins)
-    _write_plan(out, plan, spec, keyring)
+    _write_plan(out, plan, spec, keyring, tables)
     return plan
 
 
