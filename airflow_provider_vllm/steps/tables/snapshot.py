@@ -114,7 +114,16 @@ def resolve_table_input(
     scan = table.scan(
         row_filter=row_filter, selected_fields=tuple(selected), snapshot_id=snapshot.snapshot_id, case_sensitive=True
     )
-    tasks = sorted(scan.plan_files(), key=lambda task: task.file.file_path)
+    try:
+        tasks = sorted(scan.plan_files(), key=lambda task: task.file.file_path)
+    except (ValueError, NotImplementedError) as e:  # pyiceberg reads no equality deletes
+        first = str(e).splitlines()[0][:300]
+        fix = ""
+        if "equality delete" in first:
+            fix = (
+                " (merge-on-read equality deletes): compact the table (rewrite data files) or read an earlier snapshot"
+            )
+        raise DatasetError(f"{where}: its scan cannot be planned: {first}{fix}") from None
     _check_tasks(tasks, where, tables.uri_prefixes)
     pin_args: dict[str, Any] = dict(
         identifier=t.identifier,

@@ -310,3 +310,34 @@ def test_a_column_promoted_since_some_files_were_written_is_read_as_the_tables_t
     assert plan.table.read == "materialized" and plan.passthrough.types == ["int64"]
     got = results_of(spec)
     assert sorted(got.column("n").to_pylist()) == [1, 2, 2**40]
+
+
+def test_equality_deletes_are_refused_naming_the_table_and_snapshot(lake, tmp_path):
+    # pyiceberg cannot read equality deletes: its ValueError named neither the table nor the snapshot, and the plan
+    # task was retried on it
+    import pyarrow as pa
+    from pyiceberg.manifest import DataFile, DataFileContent, FileFormat
+    from pyiceberg.typedef import Record
+
+    catalog, tables = lake
+    table = source_table(catalog)
+    path = tmp_path / "warehouse" / "eq-deletes.parquet"
+    pq.write_table(pa.table({"id": ["t00001"]}), path)
+    deletes = DataFile.from_args(
+        content=DataFileContent.EQUALITY_DELETES,
+        file_path=f"file://{path}",
+        file_format=FileFormat.PARQUET,
+        partition=Record(),
+        record_count=1,
+        file_size_in_bytes=path.stat().st_size,
+        equality_ids=[table.schema().find_field("id").field_id],
+        spec_id=0,
+        sort_order_id=None,
+        key_metadata=None,
+    )
+    with table.transaction() as tx, tx.update_snapshot().fast_append() as append:
+        append.append_data_file(deletes)
+    current = catalog.load_table("lake.tickets").current_snapshot().snapshot_id
+    with pytest.raises(DatasetError, match=f"table lake.tickets snapshot {current}: .*equality delete.*compact") as e:
+        plan_job(table_spec(str(tmp_path / "run")), tables=tables)
+    assert not (tmp_path / "run" / "_plan.json").exists() and "Traceback" not in str(e.value)
