@@ -243,7 +243,9 @@ class TablePin(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     identifier: str = Field(description="namespace.table")
     snapshot_id: int = Field(description="the pinned snapshot")
-    schema_id: int | None = Field(description="the snapshot's schema id")
+    schema_id: int | None = Field(
+        description="the schema id read by: the table's current one for its current snapshot, else the snapshot's"
+    )
     location: str = Field(description="the table's location (its OpenLineage dataset name)")
     row_filter: str | None = Field(description="io.input_table.row_filter as planned (null: none)")
     columns: list[str] = Field(description="the columns read (io.input_table.columns, or every column)")

@@ -62,7 +62,14 @@ def source_table(catalog: Any, name: str = "lake.tickets", partition_by_lang: bo
     return catalog.load_table(name)
 
 
-def table_spec(output_uri: str, identifier: str = "lake.tickets", out_table: dict | None = None, **table: Any):
+def table_spec(
+    output_uri: str,
+    identifier: str = "lake.tickets",
+    out_table: dict | None = None,
+    io: dict | None = None,
+    **table: Any,
+):
+    """A job reading table ``identifier`` (``table``: more of ``io.input_table``; ``io``: more of ``io``)."""
     return make_spec(
         "/unused",
         output_uri,
@@ -71,6 +78,7 @@ def table_spec(output_uri: str, identifier: str = "lake.tickets", out_table: dic
             "input_table": {"identifier": identifier, **table},
             "output_uri": output_uri,
             **({"output_table": out_table} if out_table else {}),
+            **(io or {}),
         },
         sharding={"target_rows": 10, "chunk_rows": 4},
     )

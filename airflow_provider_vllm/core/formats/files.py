@@ -140,13 +140,18 @@ def detect_format(storage: Storage, names: list[str], declared: str) -> str:
 
 @dataclass(frozen=True)
 class Input:
-    """A job's input as found: where it lives, its files, their fingerprint and their format."""
+    """A job's input as found: where it lives, its files, their fingerprint and their format.
+
+    ``columns``: for a table snapshot, the table's columns the job may read (``io.input_table.columns``, else the
+    snapshot's schema): what ``io.passthrough`` 'all' means. A data file read by reference may store more (columns
+    dropped from the table since it was written). None: files, whose own columns are the input's."""
 
     root: Storage
     names: list[str]
     files: list[InputFile]
     fingerprint: str
     format: str
+    columns: tuple[str, ...] | None = None
 
 
 def find_input(uri: str, options: dict[str, Any], declared: str, filesystems: FileSystems | None = None) -> Input:

@@ -40,6 +40,7 @@ from airflow_provider_vllm.steps.plan.passthrough import resolve_passthrough
 from airflow_provider_vllm.steps.plan.sizing import History, job_history, size_shards
 from airflow_provider_vllm.steps.publish import SUCCESS, pin_last_published
 from airflow_provider_vllm.steps.tables.access import Tables
+from airflow_provider_vllm.steps.tables.commit import check_output_table
 from airflow_provider_vllm.steps.tables.snapshot import TABLE_DIR, resolve_table_input
 
 RUN_MARKERS = (PLAN_FILE, SUCCESS)
@@ -113,7 +114,7 @@ def plan_job(
             plan = with_golden(plan, spec, out, filesystems, max_shards)  # qa.reference: ride-along rows
             plan = _with_changes_from(plan, spec, tables, pins)
             # create-only: of two runs racing for one prefix, the loser meets the winner's plan below
-            _write_plan(out, plan, spec, keyring)
+            _write_plan(out, plan, spec, keyring, tables)
     existing = _existing(spec, out, keyring)
     if existing.fingerprint != plan.fingerprint or existing.spec_hash != plan.spec_hash:
         raise SpecError(
@@ -178,7 +179,7 @@ def _plan_table(
     plan = plan.model_copy(update={"table": pin, "input_uri": f"iceberg:{pin.identifier}@{pin.snapshot_id}"})
     plan = with_golden(plan, spec, out, filesystems, max_shards, found=found)
     plan = _with_changes_from(plan, spec, tables, pins)
-    _write_plan(out, plan, spec, keyring)
+    _write_plan(out, plan, spec, keyring, tables)
     return _existing(spec, out, keyring)  # of two plans racing, the winner's
 
 
@@ -227,8 +228,12 @@ def _may_dedupe(spec: JobSpec) -> bool:
     return spec.sharding.dedupe and deterministic(spec) is None
 
 
-def _write_plan(out: Storage, plan: Plan, spec: JobSpec, keyring: Keyring) -> None:
-    """``_plan.json``, sealed, create-only: of two plans racing for one prefix the first wins."""
+def _write_plan(out: Storage, plan: Plan, spec: JobSpec, keyring: Keyring, tables: Tables | None) -> None:
+    """``_plan.json``, sealed, create-only: of two plans racing for one prefix the first wins. Before it, with
+    ``io.output_table``, what publish would refuse about the table's schema (``check_output_table``: a passthrough
+    column the table cannot hold), so that nothing is written and no shard runs for a run that cannot publish."""
+    if spec.io.output_table is not None and tables is not None:
+        check_output_table(spec.io.output_table, tables, plan.result_schema())
     with faults.writing("plan.mid_marker"):
         out.create_only(PLAN_FILE, plan.sealed(keyring, spec.io.output_uri).dump_json())
 
@@ -291,7 +296,7 @@ def _plan_cached(
     )
     plan = with_golden(plan, spec, out, filesystems, max_shards)  # qa.reference: ride-along rows
     plan = _with_changes_from(plan, spec, tables, pins)
-    _write_plan(out, plan, spec, keyring)
+    _write_plan(out, plan, spec, keyring, tables)
     return plan
 
 
@@ -362,7 +367,7 @@ def build_plan_with_inputs(
         if spec.io.input_uri is None:
             raise SpecError("io.input_table: a table is read through the plan step (plan_job), not found as files")
         found = find_input(spec.io.input_uri, spec.io.storage_options, spec.io.input_format, filesystems)
-    passthrough = resolve_passthrough(_passthrough_spec(spec), found)
+    passthrough = resolve_passthrough(_passthrough_spec(spec, found), found)
     adapters = describe_adapters(spec, filesystems=filesystems)
     sh = spec.sharding
     # Exact per-row lengths need the text columns; footers (dictionary-encoded pages make
@@ -431,13 +436,13 @@ def build_plan_with_inputs(
     return plan, PlanInputs(found=found, history=history)
 
 
-def _passthrough_spec(spec: JobSpec) -> JobSpec:
-    """The spec passthrough is resolved by: with a table's column selection, ``io.passthrough`` 'all' means the
-    selected columns (a data file read by reference stores every column of the table)."""
-    t = spec.io.input_table
-    if t is None or spec.io.passthrough != "all" or not t.columns:
+def _passthrough_spec(spec: JobSpec, found: Input) -> JobSpec:
+    """The spec passthrough is resolved by: for a table, ``io.passthrough`` 'all' means the table's columns the job
+    may read (``found.columns``: the column selection, else the snapshot's schema), not what a data file read by
+    reference stores: a file written before a column was dropped from the table still holds that column."""
+    if spec.io.input_table is None or spec.io.passthrough != "all" or found.columns is None:
         return spec
-    cols = [c for c in t.columns if c != spec.prompt.id_column]
+    cols = [c for c in found.columns if c != spec.prompt.id_column]
     return spec.model_copy(update={"io": spec.io.model_copy(update={"passthrough": cols})})
 
 

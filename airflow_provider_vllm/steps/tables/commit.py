@@ -334,17 +334,59 @@ def _done(target: TableOutput, table: Table, snap: Any, already: bool) -> TableC
     )
 
 
+def check_output_table(target: TableOutput, tables: Tables, schema: pa.Schema) -> None:
+    """What ``commit_results`` would refuse about the table, checked when the run is planned rather than after its
+    shards ran: SpecError when ``target``'s table exists and is partitioned otherwise or does not take the results'
+    ``schema`` (``Plan.result_schema()``: passthrough columns included), or is missing, to be created, and Iceberg
+    has no type for a column of the results. A missing table without ``create`` is left to publish (it may be
+    created meanwhile)."""
+    from pyiceberg.exceptions import NoSuchTableError
+
+    tables.check(target.identifier, "io.output_table.identifier")
+    assert tables.catalog is not None
+    try:
+        table = tables.catalog.load_table(target.identifier)
+    except NoSuchTableError:
+        if target.create:
+            _iceberg_fields(target, schema, format_version=2)  # pyiceberg's create_table's default
+        return
+    _check_table(table, target, schema)
+
+
+def _iceberg_fields(target: TableOutput, schema: pa.Schema, format_version: int) -> list[pa.Field]:
+    """The fields of a table created for the results (plus the date column); SpecError naming the first column
+    Iceberg has no type for (a passthrough column: ns or non-UTC timestamps, durations, a null-typed column)."""
+    fields = [f.remove_metadata() for f in schema]
+    if target.date_column is not None:
+        if target.date_column in schema.names:
+            raise SpecError(f"io.output_table.date_column {target.date_column!r} is a column of the results")
+        fields.append(pa.field(target.date_column, pa.date32()))
+    _check_types(target, fields, format_version)
+    return fields
+
+
+def _check_types(target: TableOutput, fields: Sequence[pa.Field], format_version: int) -> None:
+    """SpecError naming the first field that has no Iceberg type (in a table of ``format_version``)."""
+    from pyiceberg.io.pyarrow import UnsupportedPyArrowTypeException, _pyarrow_to_schema_without_ids
+
+    for f in fields:
+        try:
+            _pyarrow_to_schema_without_ids(pa.schema([f]), format_version=format_version)  # type: ignore[arg-type]
+        except (ValueError, UnsupportedPyArrowTypeException) as e:
+            raise SpecError(
+                f"io.output_table {target.identifier}: results column {f.name!r} is {f.type}, which an Iceberg table "
+                f"cannot hold ({str(e).splitlines()[0][:200]}); a passthrough column (io.passthrough): leave it "
+                "out, or store it in the input as another type (timestamps in us, UTC or without a zone)"
+            ) from None
+
+
 def _create(tables: Tables, target: TableOutput, schema: pa.Schema) -> Table:
     """A new table of the parts' schema (plus the date column, identity-partitioned)."""
     from pyiceberg.exceptions import TableAlreadyExistsError
     from pyiceberg.transforms import IdentityTransform
 
     assert tables.catalog is not None
-    fields = [f.remove_metadata() for f in schema]
-    if target.date_column is not None:
-        if target.date_column in schema.names:
-            raise SpecError(f"io.output_table.date_column {target.date_column!r} is a column of the results")
-        fields.append(pa.field(target.date_column, pa.date32()))
+    fields = _iceberg_fields(target, schema, format_version=2)
     try:
         tx = tables.catalog.create_table_transaction(target.identifier, schema=pa.schema(fields))
         if target.date_column is not None:
@@ -388,6 +430,7 @@ def _check_table(table: Table, target: TableOutput, schema: pa.Schema) -> None:
             )
         if target.date_column in schema.names:
             raise SpecError(f"io.output_table.date_column {target.date_column!r} is a column of the results")
+    _check_types(target, list(schema), table.metadata.format_version)
     try:
         _check_pyarrow_schema_compatible(table.schema(), schema, format_version=table.metadata.format_version)
     except ValueError as e:

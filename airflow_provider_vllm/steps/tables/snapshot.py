@@ -18,6 +18,7 @@ columns the table does not have. See docs/adr/0009-iceberg-tables.md.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import tempfile
@@ -97,7 +98,9 @@ def resolve_table_input(
         which = f"snapshot {t.snapshot_id}" if t.snapshot_id is not None else "a current snapshot (it is empty)"
         raise SpecError(f"io.input_table: table {t.identifier} has no {which}")
     where = f"table {t.identifier} snapshot {snapshot.snapshot_id}"
-    schema = _schema_of(table, snapshot.schema_id)
+    # the current snapshot is read with the table's current schema, as its readers do: a column dropped or renamed
+    # since the last commit (which does not make a snapshot) is gone or renamed; an older snapshot_id with its own
+    schema = table.schema() if t.snapshot_id is None else _schema_of(table, snapshot.schema_id)
     row_filter = parse_row_filter(t.row_filter, schema, where)
     names = [f.name for f in schema.fields]
     selected = list(t.columns) or names
@@ -111,12 +114,21 @@ def resolve_table_input(
     scan = table.scan(
         row_filter=row_filter, selected_fields=tuple(selected), snapshot_id=snapshot.snapshot_id, case_sensitive=True
     )
-    tasks = sorted(scan.plan_files(), key=lambda task: task.file.file_path)
+    try:
+        tasks = sorted(scan.plan_files(), key=lambda task: task.file.file_path)
+    except (ValueError, NotImplementedError) as e:  # pyiceberg reads no equality deletes
+        first = str(e).splitlines()[0][:300]
+        fix = ""
+        if "equality delete" in first:
+            fix = (
+                " (merge-on-read equality deletes): compact the table (rewrite data files) or read an earlier snapshot"
+            )
+        raise DatasetError(f"{where}: its scan cannot be planned: {first}{fix}") from None
     _check_tasks(tasks, where, tables.uri_prefixes)
     pin_args: dict[str, Any] = dict(
         identifier=t.identifier,
         snapshot_id=snapshot.snapshot_id,
-        schema_id=snapshot.schema_id,
+        schema_id=schema.schema_id,
         location=table.location(),
         row_filter=t.row_filter,
         columns=selected,
@@ -130,10 +142,11 @@ def resolve_table_input(
         rels = [c[len(root) + 1 :] for c in canon]
     if root is not None and _by_reference(tasks, schema, selected, src, rels):
         files = describe_files(src, rels)
-        found = Input(src, rels, files, fingerprint(files), "parquet")
+        found = Input(src, rels, files, fingerprint(files), "parquet", columns=tuple(selected))
         return found, TablePin(read="reference", **pin_args)
-    found = _materialize(table, scan, tasks, row_filter, out, where)
-    return found, TablePin(read="materialized", **pin_args)
+    projected = schema.select(*selected, case_sensitive=True)
+    found = _materialize(table, projected, tasks, row_filter, out, where)
+    return dataclasses.replace(found, columns=tuple(selected)), TablePin(read="materialized", **pin_args)
 
 
 def _schema_of(table: Table, schema_id: int | None) -> Schema:
@@ -182,7 +195,8 @@ def _common_root(canon: list[str]) -> str | None:
 def _by_reference(
     tasks: list[FileScanTask], schema: Schema, selected: list[str], src: Storage, rels: list[str]
 ) -> bool:
-    """Whether every task reads whole files whose stored columns are the table's (by field id, else by name)."""
+    """Whether every task reads whole files whose stored columns are the table's (by field id, else by name), of
+    the table's types."""
     from pyiceberg.expressions import AlwaysTrue
 
     if any(task.residual != AlwaysTrue() for task in tasks):
@@ -198,16 +212,35 @@ def _by_reference(
             meta = stored.field(idx).metadata or {}
             if FIELD_ID_KEY in meta and int(meta[FIELD_ID_KEY]) != ids[name]:
                 return False  # another column under this name (dropped and re-added, renamed over)
+            if not _stored_as(stored.field(idx), schema, name):
+                return False  # written before a type promotion (int -> long, float -> double, a wider decimal)
     return True
 
 
+def _stored_as(stored: pa.Field, schema: Schema, name: str) -> bool:
+    """Whether a data file stores column ``name`` as the table's type (nested fields included): read by reference,
+    the shards get the stored type, and every file must give a column the table's one type."""
+    from pyiceberg.io.pyarrow import UnsupportedPyArrowTypeException, pyarrow_to_schema
+
+    try:
+        got = pyarrow_to_schema(pa.schema([stored]), name_mapping=schema.name_mapping)
+    except (ValueError, TypeError, KeyError, UnsupportedPyArrowTypeException):  # read through pyiceberg instead
+        return False
+    return bool(got.fields[0].field_type == schema.find_field(name).field_type)
+
+
 def _materialize(
-    table: Table, scan: Any, tasks: list[FileScanTask], row_filter: BooleanExpression, out: Storage, where: str
+    table: Table,
+    projected: Schema,
+    tasks: list[FileScanTask],
+    row_filter: BooleanExpression,
+    out: Storage,
+    where: str,
 ) -> Input:
-    """The scan's rows, read through pyiceberg and written once under ``_table/`` (named by content)."""
+    """The scan's rows (``projected``: the selected columns of the schema read by), read through pyiceberg and
+    written once under ``_table/`` (named by content)."""
     from pyiceberg.io.pyarrow import ArrowScan
 
-    projected = scan.projection()
     reader = ArrowScan(table.metadata, table.io, projected, row_filter, case_sensitive=True)
     with tempfile.TemporaryDirectory(prefix="vllm-batch-table-") as tmp:
         local = os.path.join(tmp, "input.parquet")

@@ -239,3 +239,30 @@ def test_a_trigger_cannot_move_the_shards_onto_the_airflow_worker(allowed, monke
     shutil.rmtree(allowed / "out")
     monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_RUNNERS", "kubernetes,local")
     assert plan("{{ params.runner }}", {"runner": "local"})[0]
+
+
+def test_a_passthrough_column_the_output_table_cannot_hold_fails_the_plan_task(allowed, monkeypatch, tmp_path):
+    """A column the output table cannot take failed publish, after every shard had run; the plan task fails,
+    naming it, without retry."""
+    import datetime as dt
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from airflow_provider_vllm.operators import plan as plan_module
+    from airflow_provider_vllm.steps.tables.access import Tables
+    from tests.support.iceberg import sql_catalog
+
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", ",".join(prefixes(allowed)))
+    catalog = sql_catalog(tmp_path)
+    monkeypatch.setattr(plan_module, "iceberg_tables", lambda p: Tables(catalog=catalog, allowed=["lake.*"]))
+    when = pa.array([dt.datetime(2026, 1, 1)] * 3, pa.timestamp("ns"))
+    path = allowed / "in" / "part-0.parquet"
+    pq.write_table(pq.read_table(path).append_column("when", when), path)
+    doc = base_doc(allowed)
+    doc["io"] |= {"passthrough": ["when"], "output_table": {"identifier": "lake.triage", "create": True}}
+    with pytest.raises(AirflowFailException, match="results column 'when' is timestamp\\[ns\\], which an Iceberg"):
+        VllmPlanOperator(task_id="plan", spec=doc).execute({"ti": _plan_ti(), "params": {}})
+    doc["io"]["passthrough"] = []
+    assert VllmPlanOperator(task_id="plan", spec=doc).execute({"ti": _plan_ti(), "params": {}})

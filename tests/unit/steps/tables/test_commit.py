@@ -6,12 +6,14 @@ import datetime as dt
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import textwrap
 
 import duckdb
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -605,3 +607,47 @@ def test_republishing_a_run_whose_snapshot_was_expired_does_not_add_it_twice(tmp
         producer.delete_data_file(victim)  # one of d1's parts dropped by hand
     with pytest.raises(CommitError, match=r"holds \d+ of run .*d1's \d+ result parts"):
         publish(first, tables)
+
+
+@pytest.mark.parametrize(
+    "column, values",
+    [
+        ("when", pa.array([dt.datetime(2026, 1, 1)] * 3, pa.timestamp("us", tz="Europe/Paris"))),
+        ("nothing", pa.array([None] * 3, pa.null())),
+        ("took", pa.array([1] * 3, pa.duration("s"))),
+    ],
+)
+def test_a_passthrough_column_an_iceberg_table_cannot_hold_is_refused_naming_it(
+    tmp_path, lake, fake_engine_factory, column, values
+):
+    from airflow_provider_vllm.core.rows import result_schema
+    from airflow_provider_vllm.steps.plan.planner import plan_job
+    from airflow_provider_vllm.steps.tables.commit import check_output_table
+    from tests.support.data import make_spec
+
+    catalog, tables = lake
+    pq.write_table(pa.table({"id": ["a", "b", "c"], "text": ["x", "y", "z"], column: values}), tmp_path / "in.parquet")
+    target = {"identifier": "lake.triage", "create": True}
+    spec = make_spec(
+        tmp_path / "in.parquet",
+        tmp_path / "run",
+        io={"passthrough": [column], "passthrough_prefix": "in_", "output_table": target},
+    )
+    named = f"results column 'in_{column}' is {values.type}, which an Iceberg table cannot hold"
+    with pytest.raises(SpecError, match=re.escape(named)):  # when planned, before any shard runs
+        plan_job(spec, tables=tables)
+    assert not (tmp_path / "run" / "_plan.json").exists()
+    plan = run_job(spec, None, fake_engine_factory)  # planned without the check (an older provider)
+    with pytest.raises(SpecError, match=re.escape(named)):  # refused at publish too: before, pyiceberg's exception
+        publish(spec, tables)
+    assert not catalog.table_exists("lake.triage")
+    # an existing table: the same, and one that lacks the column is refused when planned as at publish
+    catalog.create_table("lake.triage", schema=result_schema(None))
+    with pytest.raises(SpecError, match=re.escape(named)):
+        check_output_table(spec.io.output_table, tables, plan.result_schema())
+    ok = result_schema(pa.schema([pa.field("in_n", pa.int64())]))
+    with pytest.raises(SpecError, match="table lake.triage does not take the results' schema"):
+        check_output_table(spec.io.output_table, tables, ok)
+    check_output_table(spec.io.output_table, tables, result_schema(None))  # takes them: no error
+    missing = spec.io.output_table.model_copy(update={"identifier": "lake.other", "create": False})
+    check_output_table(missing, tables, plan.result_schema())  # missing, not created here: left to publish

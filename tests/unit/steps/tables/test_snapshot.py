@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -246,3 +247,97 @@ def test_a_filter_that_matches_no_row_plans_no_shard_and_publishes_an_empty_resu
         plan = run_job(spec, tables, fake_engine_factory)
         assert plan.total_rows == 0 and plan.shards == [] and plan.table.row_filter == row_filter
         assert published_ids(spec) == []
+
+
+def results_of(spec):
+    out = Storage(spec.io.output_uri)
+    parts = verified_parts(out, RESULTS, read_merged(out))
+    return pa.concat_tables([pq.read_table(out.path(p)) for p in parts])
+
+
+def test_the_current_snapshot_is_read_with_the_tables_current_schema(lake, tmp_path, fake_engine_factory):
+    # a schema change makes no snapshot: the current one still names the schema it was written with, but readers of
+    # the table (pyiceberg's scan(), Spark, Trino) see the current one: a dropped column is gone, a renamed one renamed
+    catalog, tables = lake
+    table = source_table(catalog)
+    with table.update_schema() as u:
+        u.delete_column("lang")  # e.g. a column that must no longer be read
+        u.rename_column("text", "body")
+    spec = table_spec(str(tmp_path / "run"), io={"passthrough": "all"})
+    spec = spec.model_copy(update={"prompt": spec.prompt.model_copy(update={"template": "Ticket: {body}"})})
+    plan = run_job(spec, tables, fake_engine_factory)
+    assert plan.table.read == "materialized"  # the files store the column as 'text': read by field id
+    assert plan.table.columns == ["id", "body"] and plan.passthrough.columns == ["body"]
+    got = results_of(spec)
+    assert "lang" not in got.schema.names
+    assert sorted(got.column("body").to_pylist()) == sorted(f"ticket {i}" for i in range(30))
+    # time travel reads the snapshot's own schema
+    old = table_spec(str(tmp_path / "old"), snapshot_id=plan.table.snapshot_id, columns=["id", "text", "lang"])
+    assert plan_job(old, tables=tables).table.columns == ["id", "text", "lang"]
+
+
+def test_passthrough_all_of_a_table_is_its_columns_not_what_an_old_data_file_still_stores(
+    lake, tmp_path, fake_engine_factory
+):
+    catalog, tables = lake
+    table = source_table(catalog)
+    with table.update_schema() as u:
+        u.delete_column("lang")  # the data files, read by reference, still store it
+    for name in ("run", "run-columns"):
+        extra = {"columns": ["id", "text"]} if name == "run-columns" else {}
+        spec = table_spec(str(tmp_path / name), io={"passthrough": "all", "passthrough_prefix": "in_"}, **extra)
+        plan = run_job(spec, tables, fake_engine_factory)
+        assert plan.table.read == "reference" and plan.passthrough.columns == ["text"]
+        got = results_of(spec)
+        assert [c for c in got.schema.names if c.startswith("in_")] == ["in_text"] and got.num_rows == 30
+
+
+def test_a_column_promoted_since_some_files_were_written_is_read_as_the_tables_type(
+    lake, tmp_path, fake_engine_factory
+):
+    from pyiceberg.types import LongType
+
+    catalog, tables = lake
+    narrow = pa.schema([pa.field("id", pa.string()), pa.field("text", pa.string()), pa.field("n", pa.int32())])
+    table = catalog.create_table("lake.counts", schema=narrow)
+    table.append(pa.table({"id": ["a", "b"], "text": ["x", "y"], "n": pa.array([1, 2], pa.int32())}, schema=narrow))
+    with table.update_schema() as u:
+        u.update_column("n", LongType())
+    catalog.load_table("lake.counts").append(pa.table({"id": ["c"], "text": ["z"], "n": pa.array([2**40], pa.int64())}))
+    spec = table_spec(str(tmp_path / "run"), identifier="lake.counts", io={"passthrough": ["n"]})
+    plan = run_job(spec, tables, fake_engine_factory)
+    # by reference the shards would read int32 from one file and int64 from the other
+    assert plan.table.read == "materialized" and plan.passthrough.types == ["int64"]
+    got = results_of(spec)
+    assert sorted(got.column("n").to_pylist()) == [1, 2, 2**40]
+
+
+def test_equality_deletes_are_refused_naming_the_table_and_snapshot(lake, tmp_path):
+    # pyiceberg cannot read equality deletes: its ValueError named neither the table nor the snapshot, and the plan
+    # task was retried on it
+    import pyarrow as pa
+    from pyiceberg.manifest import DataFile, DataFileContent, FileFormat
+    from pyiceberg.typedef import Record
+
+    catalog, tables = lake
+    table = source_table(catalog)
+    path = tmp_path / "warehouse" / "eq-deletes.parquet"
+    pq.write_table(pa.table({"id": ["t00001"]}), path)
+    deletes = DataFile.from_args(
+        content=DataFileContent.EQUALITY_DELETES,
+        file_path=f"file://{path}",
+        file_format=FileFormat.PARQUET,
+        partition=Record(),
+        record_count=1,
+        file_size_in_bytes=path.stat().st_size,
+        equality_ids=[table.schema().find_field("id").field_id],
+        spec_id=0,
+        sort_order_id=None,
+        key_metadata=None,
+    )
+    with table.transaction() as tx, tx.update_snapshot().fast_append() as append:
+        append.append_data_file(deletes)
+    current = catalog.load_table("lake.tickets").current_snapshot().snapshot_id
+    with pytest.raises(DatasetError, match=f"table lake.tickets snapshot {current}: .*equality delete.*compact") as e:
+        plan_job(table_spec(str(tmp_path / "run")), tables=tables)
+    assert not (tmp_path / "run" / "_plan.json").exists() and "Traceback" not in str(e.value)
