@@ -108,7 +108,9 @@ def canonical_uri(uri: str, what: str = "uri", resolve: bool = True) -> str:
     m = _SCHEME.match(uri)
     if m is None:
         if ":" in uri.split("/", 1)[0]:
-            raise SpecError(f"{what}={uri!r}: unknown scheme; use one of {list(SCHEMES)} or an absolute path")
+            # not shown whole: a mistyped scheme may still carry credentials (s3:/key:secret@bucket)
+            shown = "***@" + uri.rsplit("@", 1)[1] if "@" in uri else uri
+            raise SpecError(f"{what}={shown!r}: unknown scheme; use one of {list(SCHEMES)} or an absolute path")
         return _local(uri, uri, what, resolve)
     scheme, rest = m.group(1).lower(), m.group(2)
     if scheme in UNSUPPORTED_SCHEMES:

@@ -174,6 +174,19 @@ def test_credentials_hidden_in_a_uri_are_refused_without_showing_them(allowed, u
     record_malicious("credentials_hidden_in_uri", 1, 1)
 
 
+def test_a_mistyped_scheme_with_credentials_is_refused_without_showing_them():
+    """``s3:/key:secret@bucket`` (one slash) is no URI the credential check knows; the unknown-scheme refusal showed it
+    whole until 2026-12."""
+    from airflow_provider_vllm.core.allow_list import canonical_uri
+
+    for uri in ("s3:/AKIAKEY:s3cr3t@data/in", "s3:AKIAKEY:s3cr3t/x@data/in"):
+        with pytest.raises(SpecError, match="unknown scheme") as e:
+            canonical_uri(uri, resolve=False)
+        assert "s3cr3t" not in str(e.value) and "AKIAKEY" not in str(e.value) and "***@data/in" in str(e.value)
+    with pytest.raises(SpecError, match=r"'s3:data/in': unknown scheme"):  # nothing to hide: shown as given
+        canonical_uri("s3:data/in", resolve=False)
+
+
 def test_locations_that_only_look_like_credentials_pass():
     """An '@' or ':' in the path, or a query parameter that carries none, is no credential."""
     from airflow_provider_vllm.core.allow_list import canonical_uri
