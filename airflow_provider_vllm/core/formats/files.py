@@ -18,6 +18,11 @@ from airflow_provider_vllm.core.storage import GLOB_CHARS, FileSystems, Storage,
 
 PARQUET_EXT = (".parquet", ".pq", ".parq")
 JSONL_EXT = (".jsonl", ".ndjson", ".json")
+REPLAN = (
+    "the plan pins the input's files (a file added to the folder since is not read either): put the planned "
+    "file back as it was, or plan the run again into a new output prefix"
+)
+"""What to do when a planned input file changed or is gone: the end of every such message."""
 
 
 class InputFile(BaseModel):
@@ -94,11 +99,11 @@ def check_unchanged(storage: Storage, planned: list[InputFile]) -> None:
     try:
         now = describe_files(storage, [f.path for f in planned])
     except FileNotFoundError as e:
-        raise InputChangedError(f"an input file of the plan is gone since the plan: {e}") from None
+        raise InputChangedError(f"an input file of the plan is gone since the plan: {e}; {REPLAN}") from None
     for a, b in zip(planned, now):
         if a != b:
             raise InputChangedError(
-                f"input file {a.path} changed since the plan ({a.model_dump()} -> {b.model_dump()})"
+                f"input file {a.path} changed since the plan ({a.model_dump()} -> {b.model_dump()}); {REPLAN}"
             )
 
 

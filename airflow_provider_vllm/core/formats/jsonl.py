@@ -26,6 +26,7 @@ from airflow_provider_vllm.core.formats.base import (
     raise_duplicates,
     row_columns,
 )
+from airflow_provider_vllm.core.formats.files import REPLAN
 from airflow_provider_vllm.core.formats.lines import LineReader, Unreadable, parse_line, too_long
 from airflow_provider_vllm.core.storage import Storage
 
@@ -135,7 +136,9 @@ class JsonlFormat(InputFormat):
                 raw, size = reader.next_line()
                 line_no += 1
                 if not size:
-                    raise InputChangedError(f"{name}: ended before the planned rows (offset {segment.offset})")
+                    raise InputChangedError(
+                        f"{name}: ended before the planned rows (offset {segment.offset}); {REPLAN}"
+                    )
                 if raw is not None and _is_blank(raw):
                     continue
                 parsed = too_long(size) if raw is None else parse_line(raw, line_no == 1)

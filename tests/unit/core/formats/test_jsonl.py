@@ -72,7 +72,7 @@ def test_read_rows_from_a_line_gives_faults_and_the_scans_sizes(tmp_path):
     assert "a JSON list, not an object" in batch.faults[2][1]
     assert batch.values == {"text": [None, None, None, "xyz"]} and batch.lines == [3, 4, 5, 6]
     assert batch.chars == scan.chars[1:].tolist()
-    with pytest.raises(InputChangedError, match="ended before the planned rows"):
+    with pytest.raises(InputChangedError, match="ended before the planned rows.*new output prefix"):
         JSONL.read_rows(root, "in.jsonl", Segment(file=0, start=1, count=6, offset=seg.offset, line=3), spec)
 
 
