@@ -157,5 +157,12 @@ class Input:
 def find_input(uri: str, options: dict[str, Any], declared: str, filesystems: FileSystems | None = None) -> Input:
     """Discover the input's files, describe them and detect their format (DatasetError if unusable)."""
     root, names = input_storage(uri, options, filesystems)
-    files = describe_files(root, names)
+    try:
+        files = describe_files(root, names)
+    except FileNotFoundError as e:  # listed, then not there: a link to nothing, or removed meanwhile
+        raise DatasetError(
+            f"input {uri}: a file of its listing cannot be opened ({e}): a symbolic link to a file that does not "
+            "exist, or a file removed while the plan listed the folder; remove the link (or wait for the writer to "
+            "finish) and plan again"
+        ) from None
     return Input(root, names, files, fingerprint(files), detect_format(root, names, declared))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from airflow_provider_vllm.core.errors import InputChangedError
-from airflow_provider_vllm.core.formats.files import check_unchanged, describe_files, input_storage
+from airflow_provider_vllm.core.errors import DatasetError, InputChangedError
+from airflow_provider_vllm.core.formats.files import check_unchanged, describe_files, find_input, input_storage
 
 
 def _planned(tmp_path):
@@ -38,3 +38,13 @@ def test_a_file_added_to_the_folder_since_the_plan_is_not_a_change(tmp_path):
     folder, root, planned = _planned(tmp_path)
     (folder / "z.jsonl").write_text('{"id": "z", "text": "late"}\n')
     check_unchanged(root, planned)
+
+
+def test_a_symbolic_link_to_nothing_in_the_input_folder_is_a_dataset_error_naming_it(tmp_path):
+    """A raw FileNotFoundError before: the plan task failed as if the store had blinked, and was retried."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text('{"id": "a", "text": "hello"}\n')
+    (folder / "z.jsonl").symlink_to(tmp_path / "gone.jsonl")
+    with pytest.raises(DatasetError, match=r"cannot be opened.*z\.jsonl.*symbolic link"):
+        find_input(str(folder), {}, "auto")
