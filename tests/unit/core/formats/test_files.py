@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from airflow_provider_vllm.core.errors import DatasetError, InputChangedError
@@ -48,3 +50,24 @@ def test_a_symbolic_link_to_nothing_in_the_input_folder_is_a_dataset_error_namin
     (folder / "z.jsonl").symlink_to(tmp_path / "gone.jsonl")
     with pytest.raises(DatasetError, match=r"cannot be opened.*z\.jsonl.*symbolic link"):
         find_input(str(folder), {}, "auto")
+
+
+@pytest.mark.parametrize("name", ["b.jsonl.gz", "sub/b.ndjson.zst", "B.PARQUET.GZ"])
+def test_a_compressed_data_file_in_the_input_folder_is_refused_not_left_out(tmp_path, name):
+    """A folder of a.jsonl and b.jsonl.gz was planned over a.jsonl alone: b's rows were never run, never errors,
+    and the run's accounting (against the plan) complete."""
+    folder = tmp_path / "in"
+    (folder / name).parent.mkdir(parents=True, exist_ok=True)
+    (folder / "a.jsonl").write_text('{"id": "a", "text": "hello"}\n')
+    (folder / name).write_bytes(b"\x1f\x8b compressed")
+    with pytest.raises(DatasetError, match=rf"1 compressed data file\(s\) \({re.escape(name)}\).*left out of the run"):
+        find_input(str(folder), {}, "auto")
+
+
+def test_parquet_compressed_inside_and_hidden_files_are_still_read_or_skipped(tmp_path):
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "part-0.snappy.parquet").write_bytes(b"x")
+    (folder / ".part-0.jsonl.gz").write_bytes(b"x")
+    (folder / "_tmp.jsonl.gz").write_bytes(b"x")
+    assert input_storage(str(folder), {})[1] == ["part-0.snappy.parquet"]
