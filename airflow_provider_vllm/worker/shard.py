@@ -28,7 +28,7 @@ from airflow_provider_vllm.core.commit import ChunkMeta, CommitMarker, FileEntry
 from airflow_provider_vllm.core.engine_identity import local_engine_identity
 from airflow_provider_vllm.core.errors import CommitError, InputChangedError, SpecError, TransientError
 from airflow_provider_vllm.core.formats import RowBatch, input_format
-from airflow_provider_vllm.core.formats.files import check_unchanged
+from airflow_provider_vllm.core.formats.files import REPLAN, check_unchanged
 from airflow_provider_vllm.core.formats.openai_batch import REQUEST
 from airflow_provider_vllm.core.plan import Plan, ShardPlan, estimate_tokens, load_plan
 from airflow_provider_vllm.core.records import ShardStats, WorkerManifest
@@ -136,7 +136,10 @@ def _run_shard(
         watchdog.beat()
         batch = read_shard_rows(spec, plan, shard, in_root, beat=watchdog.beat)
     if len(batch) != shard.rows:
-        raise InputChangedError(f"shard {shard.shard_id}: read {len(batch)} rows, the plan says {shard.rows}")
+        raise InputChangedError(
+            f"shard {shard.shard_id}: read {len(batch)} rows, the plan says {shard.rows}: the input's content "
+            f"changed since the plan though its files' sizes and versions did not; {REPLAN}"
+        )
     carried = passthrough_table(plan, batch)
     read_s = time.monotonic() - t_start
 

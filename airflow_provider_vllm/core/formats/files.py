@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,14 @@ from airflow_provider_vllm.core.storage import GLOB_CHARS, FileSystems, Storage,
 
 PARQUET_EXT = (".parquet", ".pq", ".parq")
 JSONL_EXT = (".jsonl", ".ndjson", ".json")
+COMPRESSED_DATA = re.compile(r"\.(jsonl|ndjson|json|parquet|pq|parq)\.(gz|gzip|bz2|xz|zst|zstd|lz4|snappy|zip)$")
+"""A data file compressed whole (``rows.jsonl.gz``): not read, so an input folder holding one is refused rather
+than run without its rows (Parquet compresses its pages inside the file: ``part-0.snappy.parquet`` is read)."""
+REPLAN = (
+    "the plan pins the input's files (a file added to the folder since is not read either): put the planned "
+    "file back as it was, or plan the run again into a new output prefix"
+)
+"""What to do when a planned input file changed or is gone: the end of every such message."""
 
 
 class InputFile(BaseModel):
@@ -60,12 +69,16 @@ def _listed(uri: str, options: dict[str, Any], filesystems: FileSystems | None) 
     except FileNotFoundError:
         is_dir = False
     if is_dir:
-        names = [
-            rel
-            for rel in whole.walk_files()
-            if not any(part.startswith(("_", ".")) for part in rel.split("/"))
-            and rel.lower().endswith(PARQUET_EXT + JSONL_EXT)
-        ]
+        visible = [rel for rel in whole.walk_files() if not any(p.startswith(("_", ".")) for p in rel.split("/"))]
+        compressed = [rel for rel in visible if COMPRESSED_DATA.search(rel.lower())]
+        if compressed:
+            raise DatasetError(
+                f"input {uri}: {len(compressed)} compressed data file(s) ({', '.join(compressed[:3])}"
+                f"{', ...' if len(compressed) > 3 else ''}), which the plan does not read: their rows would be left "
+                "out of the run. Decompress them (JSON Lines) or rewrite them as Parquet (compressed inside), or "
+                "move them out of the input folder"
+            )
+        names = [rel for rel in visible if rel.lower().endswith(PARQUET_EXT + JSONL_EXT)]
         if not names:
             raise DatasetError(f"input {uri}: no .parquet or .jsonl files in the folder")
         return whole, names
@@ -94,11 +107,11 @@ def check_unchanged(storage: Storage, planned: list[InputFile]) -> None:
     try:
         now = describe_files(storage, [f.path for f in planned])
     except FileNotFoundError as e:
-        raise InputChangedError(f"an input file of the plan is gone since the plan: {e}") from None
+        raise InputChangedError(f"an input file of the plan is gone since the plan: {e}; {REPLAN}") from None
     for a, b in zip(planned, now):
         if a != b:
             raise InputChangedError(
-                f"input file {a.path} changed since the plan ({a.model_dump()} -> {b.model_dump()})"
+                f"input file {a.path} changed since the plan ({a.model_dump()} -> {b.model_dump()}); {REPLAN}"
             )
 
 
@@ -157,5 +170,12 @@ class Input:
 def find_input(uri: str, options: dict[str, Any], declared: str, filesystems: FileSystems | None = None) -> Input:
     """Discover the input's files, describe them and detect their format (DatasetError if unusable)."""
     root, names = input_storage(uri, options, filesystems)
-    files = describe_files(root, names)
+    try:
+        files = describe_files(root, names)
+    except FileNotFoundError as e:  # listed, then not there: a link to nothing, or removed meanwhile
+        raise DatasetError(
+            f"input {uri}: a file of its listing cannot be opened ({e}): a symbolic link to a file that does not "
+            "exist, or a file removed while the plan listed the folder; remove the link (or wait for the writer to "
+            "finish) and plan again"
+        ) from None
     return Input(root, names, files, fingerprint(files), detect_format(root, names, declared))

@@ -4,7 +4,8 @@ Planned in one pass over every line. A line that is not a JSON object cannot nam
 it gets the synthetic id ``__line__:<file>:<line number>`` so that it still ends up, exactly
 once, in the errors (``INVALID_JSON``). So does a line over ``lines.JSONL_LINE_MAX_BYTES`` or
 nested deeper than ``lines.JSON_MAX_DEPTH``, decided from its bytes alike in plan and worker.
-A line without a usable id fails the plan: it could not be tracked.
+A line without a usable id fails the plan: it could not be tracked. So does a file none of whose lines is a
+JSON object (pretty-printed objects, lines ended by a lone carriage return, UTF-16): it holds no row.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from airflow_provider_vllm.core.formats.base import (
     raise_duplicates,
     row_columns,
 )
+from airflow_provider_vllm.core.formats.files import REPLAN
 from airflow_provider_vllm.core.formats.lines import LineReader, Unreadable, parse_line, too_long
 from airflow_provider_vllm.core.storage import Storage
 
@@ -135,7 +137,9 @@ class JsonlFormat(InputFormat):
                 raw, size = reader.next_line()
                 line_no += 1
                 if not size:
-                    raise InputChangedError(f"{name}: ended before the planned rows (offset {segment.offset})")
+                    raise InputChangedError(
+                        f"{name}: ended before the planned rows (offset {segment.offset}); {REPLAN}"
+                    )
                 if raw is not None and _is_blank(raw):
                     continue
                 parsed = too_long(size) if raw is None else parse_line(raw, line_no == 1)
@@ -168,6 +172,7 @@ class JsonlFormat(InputFormat):
         offsets, lengths, lines = [], [], []
         invalid = 0
         pos = line_no = 0
+        first_bad: tuple[int, bytes | None, Any] | None = None  # the first line that is no JSON object
         with root.open(name) as f:
             reader = LineReader(f)
             while True:
@@ -187,12 +192,16 @@ class JsonlFormat(InputFormat):
                     # larger than JSON_DOCUMENT_MAX_BYTES, not checked
                     if planning and not ids and raw is not None:
                         _refuse_a_json_document(root, name)
+                    if first_bad is None:
+                        first_bad = (line_no, raw, parsed)
                     ids.append(invalid_line_id(name, line_no))
                     lengths.append(0)
                     invalid += 1
                     continue
                 ids.append(self.checked_id(parsed.get(key), name, line_no, key))
                 lengths.append(self.row_chars(parsed, spec) if sizes else 0)
+        if planning and ids and invalid == len(ids) and first_bad is not None:
+            _refuse_no_rows(name, len(ids), *first_bad)
         return _FileScan(ids, offsets, lengths, lines, invalid)
 
 
@@ -215,6 +224,31 @@ def _refuse_a_json_document(root: Storage, name: str) -> None:
     raise DatasetError(
         f"input file {name} is one JSON document ({kind}), not JSON Lines (one object per line, a row each); "
         "move it out of the input folder, or write its rows as JSON Lines"
+    )
+
+
+def _refuse_no_rows(name: str, lines: int, line_no: int, raw: bytes | None, parsed: Any) -> None:
+    """DatasetError for a file in which no line is a JSON object: not JSON Lines at all (the plan would make each of
+    its lines an ``INVALID_JSON`` row, a pretty-printed object's every line, or one row for a whole file of rows),
+    with the likely cause when its bytes show one."""
+    why = parsed.why if isinstance(parsed, Unreadable) else f"a JSON {type(parsed).__name__}, not an object"
+    hint = ""
+    if raw is not None:
+        head = raw.removeprefix(_BOM).lstrip(b" \t\r\n")
+        if raw.startswith((b"\xff\xfe", b"\xfe\xff")) or b"\x00" in raw[:4]:
+            hint = "; it looks UTF-16 encoded: JSON Lines is UTF-8"
+        elif b"\r" in raw.rstrip(b"\r\n"):
+            hint = "; its lines end in a carriage return alone (\\r): JSON Lines ends each line with \\n"
+        elif head.startswith((b"{", b"[")) and lines > 1:
+            hint = (
+                "; it looks like JSON values written over several lines each (pretty-printed): write one object a "
+                "line (e.g. jq -c)"
+            )
+        elif head.startswith(b"{"):
+            hint = "; several JSON values on one line? JSON Lines puts each on its own line"
+    raise DatasetError(
+        f"input file {name}: none of its {lines:,} line(s) is a JSON object, so it holds no row to run (line "
+        f"{line_no} is {why}){hint}. Fix or remove the file; JSON Lines is one JSON object a line"
     )
 
 

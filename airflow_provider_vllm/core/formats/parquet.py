@@ -70,7 +70,7 @@ class ParquetFormat(InputFormat):
                     raise DatasetError(f"input file {name}: text column {c!r} has type {t}; expected string")
             if first_schema is None:
                 first_schema = schema
-            elif id_type != first_schema.field(idc).type:
+            elif _id_kind(id_type) != _id_kind(first_schema.field(idc).type):
                 raise DatasetError(
                     f"input file {name}: id column type {id_type} differs from "
                     f"{names[0]}'s {first_schema.field(idc).type}"
@@ -105,6 +105,13 @@ class ParquetFormat(InputFormat):
         with root.open(name) as f:
             ids = pq.read_table(f, columns=[spec.prompt.id_column]).column(0)
         return ids.cast(pa.string()).to_pylist()
+
+
+def _id_kind(t: pa.DataType) -> pa.DataType:
+    """An id column's type as the files of one input must share it: ``string`` and ``large_string`` are one (their
+    values are the same text to Arrow and DuckDB; pandas and polars write one or the other); integers keep their
+    width (DuckDB reads a folder's column as its first file's type)."""
+    return pa.string() if pa.types.is_large_string(t) else t
 
 
 def _text_chars(table: pa.Table, texts: list[str]) -> np.ndarray:

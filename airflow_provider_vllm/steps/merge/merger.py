@@ -42,6 +42,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 import duckdb
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -51,7 +52,7 @@ from airflow_provider_vllm import __version__
 from airflow_provider_vllm.core import duck, faults
 from airflow_provider_vllm.core import seal as seals
 from airflow_provider_vllm.core.commit import CHUNK_NUMBER, MARKER, CommitMarker, RunSeal, ShardStore
-from airflow_provider_vllm.core.errors import CommitError, VerificationError
+from airflow_provider_vllm.core.errors import CommitError, InputChangedError, VerificationError
 from airflow_provider_vllm.core.formats import input_format
 from airflow_provider_vllm.core.formats.files import check_unchanged
 from airflow_provider_vllm.core.part_names import PART_NAME, check_inside
@@ -879,10 +880,45 @@ def register_input_ids(con: duckdb.DuckDBPyConnection, spec: JobSpec, plan: Plan
         ).fetchall()
         return
     ids: list[str] = []
+    counts: list[int] = []
     if plan.format != "parquet":
         for name in names:
-            ids += input_format(plan.format).file_ids(root, name, spec)
-    con.register("input_ids", pa.table({"id": pa.array(ids, pa.string())}))
+            got = input_format(plan.format).file_ids(root, name, spec)
+            ids += got
+            counts.append(len(got))
+    column = pa.array(ids, pa.string())
+    _check_still_distinct(column, names, counts)
+    con.register("input_ids", pa.table({"id": column}))
+
+
+def _check_still_distinct(ids: pa.Array, names: list[str], counts: list[int]) -> None:
+    """InputChangedError when the line-format input's ids, read again here, are no longer distinct.
+
+    The exactly-once proofs take distinct input ids from the plan's check, with the files unchanged since (same
+    size and version). A local file rewritten in place with its size and modification time kept (copied with its
+    timestamps, ``touch -r``) passes that check with other content: an id repeated there would be counted as
+    answered while another id is missing. Reading these ids costs a pass over every line; the count is free
+    beside it (Parquet ids are read by DuckDB and not counted again)."""
+    if len(ids) < 2 or pc.count_distinct(ids).as_py() == len(ids):
+        return
+    seen: dict[str, int] = {}
+    for i, rid in enumerate(ids.to_pylist()):
+        if rid in seen:
+            break
+        seen[rid] = i
+    first, again = seen[rid], i
+    starts = np.cumsum([0, *counts])
+
+    def where(p: int) -> str:
+        f = int(np.searchsorted(starts, p, side="right")) - 1
+        return f"{names[f]} (its row {p - int(starts[f]) + 1})"
+
+    raise InputChangedError(
+        f"the input's ids are no longer distinct: {rid!r} is at {where(first)} and at {where(again)}, but the plan "
+        "found every id once in the same files (same sizes and versions): a file was rewritten since the plan "
+        "with its size and modification time kept. Its rows cannot be accounted for; plan the run again into a "
+        "new output prefix"
+    )
 
 
 def exactly_once(con: duckdb.DuckDBPyConnection, planned_rows: int) -> int | None:

@@ -326,7 +326,9 @@ def _readable_input() -> Iterator[None]:
         yield
     except duckdb.InvalidInputException as e:  # the data itself; I/O errors are other exceptions and stay transient
         raise DatasetError(
-            f"the input cannot be read (the result cache and the dedupe read every row's text): {e}"
+            f"the input cannot be read (the result cache and the dedupe read every row's text): {e}. Fix the value "
+            "it names, or set sharding.dedupe: false and no cache.uri: the shards then read the rows, and a text "
+            "that is not valid UTF-8 is that row's INVALID_ROW error"
         ) from None
 
 

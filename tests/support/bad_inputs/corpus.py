@@ -414,6 +414,17 @@ def dataset_fault_cases(root: Path) -> dict[str, tuple[Path, list[str]]]:
     f.mkdir(parents=True)
     (f / "rows.json").write_text('[\n  {"id": "1", "text": "x"},\n  {"id": "2", "text": "y"}\n]\n')
     cases["a pretty-printed JSON array"] = (f, ["rows.json is one JSON document (an array), not JSON Lines"])
+    f = root / "pretty-printed-json-stream"
+    f.mkdir(parents=True)
+    (f / "rows.jsonl").write_text("".join(json.dumps({"id": str(i), "text": "x"}, indent=2) + "\n" for i in range(3)))
+    cases["JSON objects pretty-printed one after another (jq without -c)"] = (
+        f,
+        ["rows.jsonl", "none of its 12 line(s) is a JSON object", "pretty-printed"],
+    )
+    f = root / "cr-line-ends"
+    f.mkdir(parents=True)
+    (f / "rows.jsonl").write_bytes(b"".join(json.dumps({"id": str(i), "text": "x"}).encode() + b"\r" for i in range(3)))
+    cases["JSON lines ended by a carriage return alone"] = (f, ["rows.jsonl", "carriage return alone"])
     f = root / "corrupt-parquet"
     f.mkdir(parents=True)
     (f / "a.parquet").write_bytes(b"PAR1 this is not really parquet PAR1")

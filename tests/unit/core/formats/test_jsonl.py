@@ -72,7 +72,7 @@ def test_read_rows_from_a_line_gives_faults_and_the_scans_sizes(tmp_path):
     assert "a JSON list, not an object" in batch.faults[2][1]
     assert batch.values == {"text": [None, None, None, "xyz"]} and batch.lines == [3, 4, 5, 6]
     assert batch.chars == scan.chars[1:].tolist()
-    with pytest.raises(InputChangedError, match="ended before the planned rows"):
+    with pytest.raises(InputChangedError, match="ended before the planned rows.*new output prefix"):
         JSONL.read_rows(root, "in.jsonl", Segment(file=0, start=1, count=6, offset=seg.offset, line=3), spec)
 
 
@@ -130,3 +130,38 @@ def test_json_lines_whose_first_line_is_not_an_object_are_still_read(tmp_path):
     assert scan.file_rows == [3] and scan.invalid == 2
     (tmp_path / "one.jsonl").write_text('[1, 2]\n{"id": "b", "text": "y"}\n')
     assert JSONL.scan(root, ["one.jsonl"], spec, per_row=False).invalid == 1
+
+
+def _records(n: int) -> list[dict]:
+    return [{"id": f"r{i}", "text": f"ticket {i}"} for i in range(n)]
+
+
+@pytest.mark.parametrize(
+    "raw, hint",
+    [
+        # jq without -c: each object over several lines; every line was an INVALID_JSON row of its own
+        ("".join(json.dumps(r, indent=2) + "\n" for r in _records(3)).encode(), "pretty-printed"),
+        # old Mac line ends: the whole file was one line, its rows one INVALID_JSON row
+        ("".join(json.dumps(r) + "\r" for r in _records(3)).encode(), r"carriage return alone"),
+        # objects written back to back: one line, one row for all of them
+        ("".join(json.dumps(r) for r in _records(3)).encode(), "several JSON values on one line"),
+        # Windows 'Unicode' text: one INVALID_JSON row a line
+        ("".join(json.dumps(r) + "\r\n" for r in _records(3)).encode("utf-16"), "UTF-16"),
+    ],
+    ids=["pretty-printed-stream", "cr-line-ends", "back-to-back", "utf-16"],
+)
+def test_a_file_none_of_whose_lines_is_a_json_object_is_refused_with_its_likely_cause(tmp_path, raw, hint):
+    """No line of these files is a row: the plan went on with each line (or the whole file) as INVALID_JSON rows
+    under synthetic ids, so a dataset of rows became other rows, and the run completed with all of them errors."""
+    (tmp_path / "in.jsonl").write_bytes(raw)
+    root, spec = Storage(str(tmp_path)), make_spec(tmp_path / "in.jsonl", tmp_path / "out")
+    with pytest.raises(DatasetError, match=f"input file in.jsonl: none of its .* is a JSON object.*{hint}"):
+        JSONL.scan(root, ["in.jsonl"], spec, per_row=False)
+
+
+def test_a_file_with_one_object_among_invalid_lines_is_still_read(tmp_path):
+    """The refusal is for files with no row at all: one object makes the other lines that file's bad rows."""
+    (tmp_path / "in.jsonl").write_text('not json\n{"id": "a", "text": "x"}\n[1]\n')
+    root, spec = Storage(str(tmp_path)), make_spec(tmp_path / "in.jsonl", tmp_path / "out")
+    scan = JSONL.scan(root, ["in.jsonl"], spec, per_row=False)
+    assert scan.file_rows == [3] and scan.invalid == 2

@@ -265,3 +265,30 @@ def test_a_segment_of_a_row_group_that_decodes_to_300_mb_is_read_in_batches(tmp_
     doc = peak("plan")
     assert doc["rows"] == n and doc["chars"] == sum(len(str(i)) + 1 + text for i in range(n))
     assert doc["peak_mb"] < decoded_mb // 4, doc["peak_mb"]
+
+
+@pytest.mark.parametrize("repeat", [False, True], ids=["distinct-texts", "repeated-texts"])
+def test_string_and_large_string_id_columns_are_one_input_and_every_row_merges_once(
+    tmp_path, fake_engine_factory, repeat
+):
+    """pyarrow and pandas write ``string``, polars ``large_string``: the same text to Arrow and DuckDB. A folder of
+    both was refused as 'id column type large_string differs from a.parquet's string'. Repeated texts take the
+    dedupe's DuckDB read over both files."""
+    from airflow_provider_vllm.steps.merge.merger import merge
+    from airflow_provider_vllm.steps.plan.planner import plan_job
+    from airflow_provider_vllm.worker.shard import run_shard
+    from airflow_provider_vllm.worker.task import ShardTask
+
+    texts = ["same ticket", "same ticket"] if repeat else ["ticket one", "ticket two"]
+    (tmp_path / "in").mkdir()
+    pq.write_table(pa.table({"id": pa.array(["a", "b"], pa.string()), "text": texts}), tmp_path / "in" / "a.parquet")
+    pq.write_table(
+        pa.table({"id": pa.array(["c", "d"], pa.large_string()), "text": texts}), tmp_path / "in" / "b.parquet"
+    )
+    spec = make_spec(tmp_path / "in", tmp_path / "out", sharding={"target_rows": 1})
+    plan = plan_job(spec)
+    for s in plan.shards:
+        run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+    summary = merge(spec)
+    assert summary.ok_rows == 4 and summary.error_rows == 0
+    assert sorted(pq.read_table(tmp_path / "out" / "results", columns=["id"]).column(0).to_pylist()) == list("abcd")

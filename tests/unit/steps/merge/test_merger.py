@@ -8,6 +8,7 @@ are dropped and reported (``_MERGED.json``, QA), differing copies fail the merge
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -350,7 +351,7 @@ def test_an_input_file_deleted_since_the_plan_fails_the_merge_as_changed_input(r
     """A raw FileNotFoundError before (retried as if transient); the input no longer matches the plan: terminal."""
     spec, _, out = run
     (out.parent / "in.parquet").unlink()
-    with pytest.raises(InputChangedError, match="gone since the plan.*in.parquet"):
+    with pytest.raises(InputChangedError, match="gone since the plan.*in.parquet.*new output prefix"):
         merge(spec)
     assert nothing_published(out)
 
@@ -376,3 +377,26 @@ def test_a_marker_whose_row_split_disagrees_with_its_part_footers_is_refused_nam
     s = merge(spec)
     assert s.ok_rows + s.error_rows == len(IDS)
     assert sorted(i for r in result_parts(Storage(str(out))) for i in pq.read_table(out / r)["id"].to_pylist()) == IDS
+
+
+def test_a_jsonl_file_rewritten_with_its_size_and_mtime_kept_and_an_id_repeated_fails_the_merge(
+    tmp_path, fake_engine_factory
+):
+    """The file check compares size and version (a local file's mtime): a file rewritten in place with both kept
+    (copied with its timestamps) passes it. Its line 2 now repeats line 1's id: the shards answered 'r00' twice and
+    'r01' never, and the exactly-once proof (distinct input ids, from the plan) counted that as complete."""
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"id": f"r{i:02d}", "text": f"ticket {i}"}) + "\n" for i in range(20)))
+    spec = make_spec(src, tmp_path / "out", sharding={"target_rows": 10, "chunk_rows": 10})
+    plan = plan_job(spec)
+    before = src.stat()
+    src.write_text(src.read_text().replace('"r01"', '"r00"'))
+    os.utime(src, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert src.stat().st_size == before.st_size
+    for s in plan.shards:
+        run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+    with pytest.raises(
+        InputChangedError, match=r"'r00' is at in.jsonl \(its row 1\) and at in.jsonl \(its row 2\).*new output prefix"
+    ):
+        merge(spec)
+    assert nothing_published(tmp_path / "out")

@@ -258,3 +258,16 @@ def test_the_folders_checked_for_a_run_stop_at_the_allow_lists_prefix():
     assert enclosing_folders("s3://bk/a/b", []) == ["s3://bk/a", "s3://bk"]
     assert enclosing_folders("/data/a/b", ["/data"]) == ["/data/a", "/data"]
     assert enclosing_folders("/data/a", None) == ["/data", "/"]
+
+
+def test_a_text_that_is_not_utf8_refused_by_the_dedupe_names_the_way_to_run_it_as_a_bad_row(tmp_path):
+    """The dedupe (on by default for deterministic sampling over Parquet) reads every row's text with DuckDB, which
+    refuses the whole file for one value that is not UTF-8; the message said so but not how to run the row as an
+    INVALID_ROW error, which is what the same job gets with the dedupe off."""
+    bad = pa.Array.from_buffers(pa.string(), 3, pa.array([b"hello a", b"b\xff bad", b"fine c"], pa.binary()).buffers())
+    write_parquet(tmp_path / "in" / "a.parquet", ["a", "b", "c"], bad)
+    spec = make_spec(tmp_path / "in", tmp_path / "out", sampling={"temperature": 0})
+    with pytest.raises(DatasetError, match=r"not valid UTF8.*sharding\.dedupe: false.*INVALID_ROW"):
+        plan_job(spec)
+    off = make_spec(tmp_path / "in", tmp_path / "out2", sampling={"temperature": 0}, sharding={"dedupe": False})
+    assert plan_job(off).total_rows == 3

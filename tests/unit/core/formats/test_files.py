@@ -1,0 +1,73 @@
+"""Input files: the check that a planned file is still the one the plan read, and what its refusal says to do."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from airflow_provider_vllm.core.errors import DatasetError, InputChangedError
+from airflow_provider_vllm.core.formats.files import check_unchanged, describe_files, find_input, input_storage
+
+
+def _planned(tmp_path):
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text('{"id": "a", "text": "hello"}\n')
+    (folder / "b.jsonl").write_text('{"id": "b", "text": "world"}\n')
+    root, names = input_storage(str(folder), {})
+    return folder, root, describe_files(root, names)
+
+
+def test_a_planned_file_renamed_since_the_plan_is_refused_saying_what_to_do(tmp_path):
+    folder, root, planned = _planned(tmp_path)
+    (folder / "b.jsonl").rename(folder / "c.jsonl")
+    with pytest.raises(
+        InputChangedError, match=r"gone since the plan.*b\.jsonl.*put the planned file back.*new output"
+    ):
+        check_unchanged(root, planned)
+
+
+def test_a_planned_file_rewritten_since_the_plan_is_refused_naming_it_and_saying_what_to_do(tmp_path):
+    folder, root, planned = _planned(tmp_path)
+    (folder / "a.jsonl").write_text('{"id": "a", "text": "hello again"}\n')
+    with pytest.raises(InputChangedError, match=r"a\.jsonl changed since the plan.*plan the run again into a new"):
+        check_unchanged(root, planned)
+
+
+def test_a_file_added_to_the_folder_since_the_plan_is_not_a_change(tmp_path):
+    """The plan pins its files: a file added later is not read, and not refused."""
+    folder, root, planned = _planned(tmp_path)
+    (folder / "z.jsonl").write_text('{"id": "z", "text": "late"}\n')
+    check_unchanged(root, planned)
+
+
+def test_a_symbolic_link_to_nothing_in_the_input_folder_is_a_dataset_error_naming_it(tmp_path):
+    """A raw FileNotFoundError before: the plan task failed as if the store had blinked, and was retried."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text('{"id": "a", "text": "hello"}\n')
+    (folder / "z.jsonl").symlink_to(tmp_path / "gone.jsonl")
+    with pytest.raises(DatasetError, match=r"cannot be opened.*z\.jsonl.*symbolic link"):
+        find_input(str(folder), {}, "auto")
+
+
+@pytest.mark.parametrize("name", ["b.jsonl.gz", "sub/b.ndjson.zst", "B.PARQUET.GZ"])
+def test_a_compressed_data_file_in_the_input_folder_is_refused_not_left_out(tmp_path, name):
+    """A folder of a.jsonl and b.jsonl.gz was planned over a.jsonl alone: b's rows were never run, never errors,
+    and the run's accounting (against the plan) complete."""
+    folder = tmp_path / "in"
+    (folder / name).parent.mkdir(parents=True, exist_ok=True)
+    (folder / "a.jsonl").write_text('{"id": "a", "text": "hello"}\n')
+    (folder / name).write_bytes(b"\x1f\x8b compressed")
+    with pytest.raises(DatasetError, match=rf"1 compressed data file\(s\) \({re.escape(name)}\).*left out of the run"):
+        find_input(str(folder), {}, "auto")
+
+
+def test_parquet_compressed_inside_and_hidden_files_are_still_read_or_skipped(tmp_path):
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "part-0.snappy.parquet").write_bytes(b"x")
+    (folder / ".part-0.jsonl.gz").write_bytes(b"x")
+    (folder / "_tmp.jsonl.gz").write_bytes(b"x")
+    assert input_storage(str(folder), {})[1] == ["part-0.snappy.parquet"]
