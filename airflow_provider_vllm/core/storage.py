@@ -225,6 +225,23 @@ class Storage:
         names = [posixpath.basename(e.rstrip("/")) for e in entries]
         return sorted(n for n in names if n)
 
+    def listdir_sizes(self, rel: str = "") -> dict[str, int | None]:
+        """Names (not paths) directly under rel, each with the size its listing states (None: not a plain file, i.e.
+        a folder, a link, a FIFO or a device, or no size stated); empty when rel does not exist. One listing: no
+        request per file."""
+        p = self.path(rel)
+        try:
+            entries = self._call(lambda: self.fs.ls(p, detail=True), f"list {self.uri(rel)}")
+        except FileNotFoundError:
+            return {}
+        out: dict[str, int | None] = {}
+        for e in entries:
+            name = posixpath.basename(str(e.get("name", "")).rstrip("/"))
+            size = e.get("size")
+            if name:
+                out[name] = int(size) if e.get("type") == "file" and isinstance(size, int) else None
+        return dict(sorted(out.items()))
+
     def open(self, rel: str, mode: str = "rb"):
         return self.fs.open(self.path(rel), mode)
 

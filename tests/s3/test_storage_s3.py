@@ -16,7 +16,7 @@ from airflow_provider_vllm.worker.shard import run_shard
 from airflow_provider_vllm.worker.task import ShardTask
 from tests.support.data import LABELS, make_spec
 from tests.support.s3server import MotoServer
-from tests.unit.core.test_storage import check_capped_reads
+from tests.unit.core.test_storage import check_capped_reads, check_listed_sizes
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +111,7 @@ def test_a_test_server_whose_port_another_server_took_moves_to_a_port_of_its_own
         clash.make_bucket("own")
         assert Storage("s3://own", clash.storage_options).listdir() == []
         assert "own" not in Storage("s3://data", s3.storage_options).fs.ls("")
+
+
+def test_listed_sizes_on_s3(s3):
+    check_listed_sizes(Storage("s3://data/listed", s3.storage_options))

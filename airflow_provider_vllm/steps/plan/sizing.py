@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import statistics
 import time
 from dataclasses import dataclass
@@ -54,6 +55,11 @@ log = logging.getLogger(__name__)
 HISTORY_VERSION = 1
 HISTORY_RECORDS = 20  # newest matching records pooled
 HISTORY_FILES = 500  # newest files read
+# A merge writes one record (~1 KB with its seal) per hardware: a bigger file is not one of its files, and is not
+# read (a planted file of millions of lines would hold the plan's memory and time).
+HISTORY_FILE_BYTES = 64 * 1024
+FUTURE_SLACK_S = 24 * 3600.0  # a file named more than this after now is not a merge's (clock skew allowed)
+_FILE_TIME = re.compile(r"^(\d{8}T\d{6}Z)-")
 MIN_SHARD_MINUTES = 5.0
 START_SHARE = 0.10  # engine start's largest share of a shard's time
 # Engine start of a shard pod when the history has no figure: measured with the worker on one H200, Llama-3-8B
@@ -160,10 +166,12 @@ def read_history(
     filesystems: FileSystems | None = None,
     keyring: Keyring | None = None,
 ) -> list[ThroughputRecord]:
-    """Records under ``uri``, newest file first; an absent folder is an empty history.
+    """Records under ``uri``, newest first; an absent folder is an empty history.
 
-    Lines that are not valid records of this version, or that hold no rows or no inference
-    time, are skipped (a history is evidence, not input: one bad file must not stop a plan).
+    Files are taken newest first by name (``_window``: files merge would not have written are left out, named in a
+    warning), records newest first by their sealed ``recorded_at``, each sealed record once (a copy of one in
+    another file is not more evidence). Lines that are not valid records of this version, or that hold no rows or
+    no inference time, are skipped (a history is evidence, not input: one bad file must not stop a plan).
     So are records without this deployment's seal for this folder (``keyring``: default
     ``VLLM_BATCH_SIGNING_KEY``): a file in the folder proves nothing about who wrote it, and
     whoever else can write there would choose the shards' size (one shard of every row, or
@@ -172,7 +180,7 @@ def read_history(
     from airflow_provider_vllm.core import duck
 
     store = Storage(uri, storage_options or {}, filesystems)
-    names = _names(store)[-HISTORY_FILES:]
+    names = _window(store, uri)
     if not names:
         return []
     keyring, scope = keyring or Keyring.from_env(), seals.scope_of(store.uri())
@@ -184,7 +192,8 @@ def read_history(
         ).fetchall()
     finally:
         con.close()
-    out, unsealed = [], 0
+    out: list[ThroughputRecord] = []
+    unsealed, copies, macs = 0, 0, set[str]()
     for (raw,) in rows:
         try:
             r = ThroughputRecord.model_validate_json(raw)
@@ -197,7 +206,21 @@ def read_history(
         except SealError:
             unsealed += 1
             continue
+        if r.seal is not None and r.seal.mac in macs:  # the same sealed record copied into another file
+            copies += 1
+            continue
+        if r.seal is not None:
+            macs.add(r.seal.mac)
         out.append(r)
+    # newest first by the sealed time: a file's name is anyone's to choose, and would make a copied old record "newest"
+    out.sort(key=lambda r: r.recorded_at, reverse=True)
+    if copies:
+        log.warning(
+            "%d throughput record(s) under %s are copies of a record already read (the same sealed record in another "
+            "file): each is used once",
+            copies,
+            uri,
+        )
     if unsealed:
         log.warning(
             "%d throughput record(s) under %s are not sealed by this deployment's merge for that folder (written by "
@@ -206,6 +229,40 @@ def read_history(
             uri,
         )
     return out
+
+
+def _window(store: Storage, uri: str) -> list[str]:
+    """The newest ``HISTORY_FILES`` history files by name, oldest first. Names not of merge's form
+    (``<UTC time>-...jsonl``), named after now (+ ``FUTURE_SLACK_S``), not plain files, or over ``HISTORY_FILE_BYTES``
+    are left out, each named in a warning: such a file would hold the window, or the plan's memory or time."""
+    latest = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(time.time() + FUTURE_SLACK_S))
+    keep: list[str] = []
+    skipped: list[str] = []
+    for name, size in store.listdir_sizes("").items():
+        if not name.endswith(".jsonl") or name.startswith((".", "_")):
+            continue
+        m = _FILE_TIME.match(name)
+        if m is None:
+            skipped.append(f"{name} (not named <UTC time>-...jsonl as merge names its files)")
+        elif m.group(1) > latest:
+            skipped.append(f"{name} (named after now: a merge names its file by the time it writes it)")
+        elif size is None:
+            skipped.append(f"{name} (not a plain file: a folder, a link, a FIFO or a device)")
+        elif size > HISTORY_FILE_BYTES:
+            skipped.append(
+                f"{name} ({size} bytes; a merge writes about 1 KB per hardware, {HISTORY_FILE_BYTES} at most)"
+            )
+        else:
+            keep.append(name)
+    if skipped:
+        log.warning(
+            "%d file(s) under %s are not read as throughput history: %s%s",
+            len(skipped),
+            uri,
+            "; ".join(skipped[:5]),
+            f"; and {len(skipped) - 5} more" if len(skipped) > 5 else "",
+        )
+    return keep[-HISTORY_FILES:]
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,21 @@ def check_capped_reads(st: Storage) -> None:
         st.read_bytes("missing.json")
 
 
+def check_listed_sizes(st: Storage) -> None:
+    """``listdir_sizes``: one listing gives each name's size; a folder has none (local and S3, tests/s3)."""
+    st.write_atomic("sizes/a.jsonl", b"x" * 70)
+    st.write_atomic("sizes/b.jsonl", b"")
+    st.write_atomic("sizes/sub/c.jsonl", b"y")
+    assert st.listdir_sizes("sizes") == {"a.jsonl": 70, "b.jsonl": 0, "sub": None}
+    assert st.listdir_sizes("absent") == {}
+
+
+def test_listed_sizes_name_each_plain_file_and_none_for_anything_else(tmp_path):
+    check_listed_sizes(Storage(str(tmp_path)))
+    (tmp_path / "sizes" / "link.jsonl").symlink_to(tmp_path / "sizes" / "a.jsonl")
+    assert Storage(str(tmp_path)).listdir_sizes("sizes")["link.jsonl"] is None  # not what a writer here makes
+
+
 def test_a_file_within_the_limit_is_read_whole_and_one_byte_more_is_refused_naming_it(tmp_path):
     check_capped_reads(Storage(str(tmp_path)))
 

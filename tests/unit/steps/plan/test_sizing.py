@@ -222,7 +222,9 @@ def test_history_on_s3(tmp_path, fake_engine_factory, monkeypatch):
         assert rec.rows == 40 and rec.shards == 2
 
 
-def test_unreadable_history_falls_back_with_a_warning(tmp_path, caplog):
+def test_unreadable_history_falls_back_with_a_warning(tmp_path, caplog, monkeypatch):
+    from airflow_provider_vllm.core.storage import Storage
+
     write_parquet(tmp_path / "in" / "a.parquet", [f"t{i}" for i in range(150)], ["x"] * 150)
     (tmp_path / "h" / "20261128T000000Z-a-b.jsonl").mkdir(parents=True)  # a folder DuckDB cannot read as a file
     spec = make_spec(
@@ -230,7 +232,16 @@ def test_unreadable_history_falls_back_with_a_warning(tmp_path, caplog):
     )
     with caplog.at_level("WARNING"):
         assert size_shards(spec, 150, 1000) is None
-    assert "cannot read the throughput history" in caplog.text
+    assert "20261128T000000Z-a-b.jsonl (not a plain file" in caplog.text  # left out unread, named
+
+    def unlistable(self, rel=""):
+        raise PermissionError(f"list {self.uri(rel)}: access denied")
+
+    monkeypatch.setattr(Storage, "listdir_sizes", unlistable)
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert size_shards(spec, 150, 1000) is None
+    assert "cannot read the throughput history" in caplog.text and "access denied" in caplog.text
 
 
 # ---- engine start: warm (a restored shared compile cache) or cold -------------------------------------
@@ -337,3 +348,57 @@ def test_history_records_this_deployment_did_not_seal_for_the_folder_are_not_use
     (h / "20261127T030000Z-a-b.jsonl").unlink()  # only the forged ones left: the plan sizes by target_rows
     plan = build_plan(spec)
     assert plan.sizing is None and len(plan.shards) == 3
+
+
+def test_a_copied_old_record_under_a_newer_name_neither_leads_nor_outweighs_the_history(tmp_path, caplog):
+    """Files were taken newest first by name, which whoever can write the folder chooses: 30 copies of one old sealed
+    record (another GPU, a trickle) named after every merge made it the newest, picked its hardware and filled
+    all 20 pooled places (250 shards instead of 3). Records are ordered by their sealed time, each counted once,
+    and files named after now are not read."""
+    write_parquet(tmp_path / "in" / "a.parquet", [f"t{i:05d}" for i in range(10_000)], ["some ticket"] * 10_000)
+    spec = spec_with_history(tmp_path)
+    h = tmp_path / "history"
+    old = record(spec, recorded_at="2020-01-01T00:00:00Z", hardware="1x NVIDIA A10", rows=10, infer_s=1e4)
+    write_history(h, {"20200101T000000Z-a-b.jsonl": [old], "20261128T030000Z-c-d.jsonl": [record(spec)]})
+    assert len(build_plan(spec).shards) == 3
+    for i in range(30):
+        (h / f"20261201T0000{i:02d}Z-a-b.jsonl").write_bytes((h / "20200101T000000Z-a-b.jsonl").read_bytes())
+    (h / "99991231T000000Z-a-b.jsonl").write_bytes((h / "20200101T000000Z-a-b.jsonl").read_bytes())
+    with caplog.at_level("WARNING"):
+        assert [r.recorded_at for r in read_history(str(h))] == ["2026-11-28T03:00:00Z", "2020-01-01T00:00:00Z"]
+    assert "30 throughput record(s) under" in caplog.text and "copies of a record already read" in caplog.text
+    assert "99991231T000000Z-a-b.jsonl (named after now" in caplog.text
+    plan = build_plan(spec)
+    assert plan.sizing.evidence.hardware == "1x NVIDIA H200" and plan.sizing.evidence.records == 1
+    assert len(plan.shards) == 3
+
+
+def test_a_history_file_bigger_than_a_merge_writes_is_not_read_and_is_named(tmp_path, caplog):
+    """A planted file of millions of lines was read whole (DuckDB, then every line validated and its seal checked)
+    before any was refused: the plan's memory and time. A file over HISTORY_FILE_BYTES (64 KiB; a merge writes
+    about 1 KB per hardware) is not read, and the warning names it."""
+    write_parquet(tmp_path / "in" / "a.parquet", [f"t{i:05d}" for i in range(10_000)], ["some ticket"] * 10_000)
+    spec = spec_with_history(tmp_path)
+    h = tmp_path / "history"
+    write_history(h, {"20261128T030000Z-c-d.jsonl": [record(spec)]})
+    big_line = history_line(h, record(spec, recorded_at="2026-11-29T00:00:00Z", rows=10, infer_s=1e4))
+    pad = "{}\n" * 30_000  # 90,000 bytes
+    (h / "20261129T000000Z-e-f.jsonl").write_text(big_line + pad)  # sealed, but in no file a merge writes
+    with caplog.at_level("WARNING"):
+        assert [r.recorded_at for r in read_history(str(h))] == ["2026-11-28T03:00:00Z"]
+    assert f"20261129T000000Z-e-f.jsonl ({len(big_line) + len(pad)} bytes" in caplog.text
+    assert len(build_plan(spec).shards) == 3
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "mkfifo"), reason="no FIFOs")
+def test_a_fifo_in_the_history_folder_is_not_read_and_is_named(tmp_path, caplog):
+    """A FIFO named like a history file blocked the plan's read of the history for as long as no one wrote to it."""
+    import os
+
+    spec = spec_with_history(tmp_path)
+    h = tmp_path / "history"
+    write_history(h, {"20261128T030000Z-c-d.jsonl": [record(spec)]})
+    os.mkfifo(h / "20261130T000000Z-g-h.jsonl")
+    with caplog.at_level("WARNING"):
+        assert [r.recorded_at for r in read_history(str(h))] == ["2026-11-28T03:00:00Z"]
+    assert "20261130T000000Z-g-h.jsonl (not a plain file" in caplog.text
