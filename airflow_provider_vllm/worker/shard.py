@@ -180,6 +180,7 @@ def _run_shard(
     engine_version = None
     reads_clock = None  # probed by the prompt builder when an engine starts
     done_rows = sum(metas[k].rows for k in todo)
+    engine_rows = 0
     telemetry = ShardTelemetry(spec, shard.shard_id, attempt, done_rows, task.progress_interval_s)
     if todo:
         started = start_limits(spec, store.engine_limits())
@@ -227,9 +228,12 @@ def _run_shard(
                 engine.close()
         stats["prompt_tokens"] = runner.prompt_tokens
         stats["completion_tokens"] = runner.completion_tokens
+        # rows refused before the engine took no inference time: counted, they would make the throughput history's
+        # rows/s that of a night of empty rows, and the next plan cut a normal night into a few shards of hours
+        engine_rows = done_rows - runner.rejected
     infer = stats["infer_s"] or 1e-9
     stats.update(
-        infer_rows=done_rows,  # rows inferred by this attempt (reused chunks excluded): the throughput basis
+        infer_rows=engine_rows,  # rows this attempt sent to the engine (reused chunks excluded): the throughput basis
         hardware=hardware_id(spec.engine.tensor_parallel_size),
         rows_per_s=round(done_rows / infer, 3) if todo else None,
         tokens_per_s=round((stats["prompt_tokens"] + stats["completion_tokens"]) / infer, 1) if todo else None,
@@ -427,6 +431,7 @@ class _ChunkRunner:
     engine_identity: str | None = None
     prompt_tokens: int = field(default=0, init=False)
     completion_tokens: int = field(default=0, init=False)
+    rejected: int = field(default=0, init=False)  # rows refused before the engine (EMPTY_INPUT, PROMPT_TOO_LONG, ...)
 
     def __post_init__(self) -> None:
         spec, plan = self.spec, self.plan
@@ -498,6 +503,7 @@ class _ChunkRunner:
                 pos += 1
                 prep = self._prepare(i)
                 if prep.fault is not None:
+                    self.rejected += 1
                     records[k][i] = self._error(i, *prep.fault, prep.adapter)
                     self._row_done(k, i, records, files)
                     continue
@@ -573,6 +579,7 @@ class _ChunkRunner:
         for i in range(meta.first_row, meta.first_row + meta.rows):
             prep = self._prepare(i)
             if prep.fault is not None:
+                self.rejected += 1
                 rows[i] = self._error(i, *prep.fault)
             else:
                 ok.append((i, prep))

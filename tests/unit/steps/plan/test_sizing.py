@@ -402,3 +402,25 @@ def test_a_fifo_in_the_history_folder_is_not_read_and_is_named(tmp_path, caplog)
     with caplog.at_level("WARNING"):
         assert [r.recorded_at for r in read_history(str(h))] == ["2026-11-28T03:00:00Z"]
     assert "20261130T000000Z-g-h.jsonl (not a plain file" in caplog.text
+
+
+def test_rows_refused_before_the_engine_are_not_throughput(tmp_path, fake_engine_factory):
+    """A night of mostly empty rows (EMPTY_INPUT: never sent to the engine) was recorded as that many rows inferred
+    in the few seconds the rest took: the history's rows/s was the empty rows', and the next normal night of the
+    same job was cut into a few shards of hours each. Only rows the engine got count."""
+    n, real = 300, 12
+    write_parquet(
+        tmp_path / "in" / "a.parquet",
+        [f"t{i:04d}" for i in range(n)],
+        [f"ticket {i} text" if i < real else " " * i for i in range(n)],  # blank, and distinct: not deduped
+    )
+    spec = spec_with_history(tmp_path)
+    plan = plan_job(spec)
+    for s in plan.shards:
+        run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+    marker = json.loads((tmp_path / "out" / "shards" / plan.shards[0].shard_id / "_COMMITTED.json").read_text())
+    assert marker["stats"]["infer_rows"] == real and marker["error_rows"] >= 1 and marker["rows"] == 100
+    merge(spec)
+    (rec,) = read_history(str(tmp_path / "history"))
+    assert rec.rows == real and rec.shards == 1  # shards that sent no row to the engine are no evidence
+    assert rec.completion_tokens_per_row == 2.0  # per row the engine answered: the fake engine's two tokens
