@@ -870,6 +870,11 @@ class JobSpec(_Model):
                 raise ValueError("qa.reference.ride_along_uri needs template rows; openai_batch input carries requests")
         if self.model.adapters and self.task not in ("chat", "generate"):
             raise ValueError(f"model.adapters apply to tasks 'chat' and 'generate', not {self.task!r}")
+        if self.prompt.system_prompt and self.io.input_format == "openai_batch":
+            raise ValueError(
+                "prompt.system_prompt does not apply to openai_batch input: each request line carries its own "
+                "messages (put a system message in them)"
+            )
         if self.model.adapter_column is not None and self.io.input_format == "openai_batch":
             raise ValueError("model.adapter_column does not apply to openai_batch input: a request's body.model picks")
         if self.changes.previous_table:
