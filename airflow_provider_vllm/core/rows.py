@@ -33,7 +33,8 @@ UNSUPPORTED_PARAMETER = "UNSUPPORTED_PARAMETER"  # an OpenAI request field this 
 TEMPLATE_ERROR = "TEMPLATE_ERROR"  # the model's chat template refused the row's messages (roles that do not
 #                                    alternate, a role the template does not know)
 PROMPT_TOO_LONG = "PROMPT_TOO_LONG"  # over the token budget with truncation=reject
-ENGINE_ERROR = "ENGINE_ERROR"  # the engine failed this one row (alone; a probe request ran fine after it)
+ENGINE_ERROR = "ENGINE_ERROR"  # the engine failed this one row (alone; a probe request ran fine after it), or
+#                                pooled it into an empty vector or one with NaN / infinity (no answer)
 ENGINE_OOM = "ENGINE_OOM"  # out of memory with this row alone in the engine at the lowest limits
 ERROR_CODES = (
     EMPTY_INPUT,

@@ -462,7 +462,9 @@ class IOSpec(_Model):
     )
     output_uri: str = Field(min_length=1, description="Run output prefix (folder).")
     output_format: Literal["parquet", "openai_batch"] = Field(
-        "parquet", description="Merged results format; parquet is always written, openai_batch adds JSONL files."
+        "parquet",
+        description="Merged results format; parquet is always written, openai_batch adds JSONL files (chat "
+        "completion lines for tasks chat and generate, embedding lines for embed; classify has no such line).",
     )
     passthrough: list[Annotated[str, Field(min_length=1)]] | Literal["all"] = Field(
         default_factory=list,
@@ -831,6 +833,13 @@ class JobSpec(_Model):
                 raise ValueError(f"sampling.structured does not apply to task {self.task!r}")
             if self.prompt.system_prompt:
                 raise ValueError(f"prompt.system_prompt does not apply to task {self.task!r}")
+        if self.io.output_format == "openai_batch" and self.task == "classify":
+            # the lines would be chat completions with no content: the label and class probabilities dropped
+            raise ValueError(
+                "io.output_format 'openai_batch' has no line for task 'classify' (the OpenAI Batch API and vLLM's "
+                "run-batch have chat completion and embedding lines, not classifications): use 'parquet', whose "
+                "results/ carry label, scores and confidence"
+            )
         if self.io.input_format == "openai_batch" and self.task not in ("chat", "embed"):
             raise ValueError("openai_batch input supports task 'chat' (/v1/chat/completions) or 'embed'")
         ref = self.qa.reference
@@ -861,6 +870,11 @@ class JobSpec(_Model):
                 raise ValueError("qa.reference.ride_along_uri needs template rows; openai_batch input carries requests")
         if self.model.adapters and self.task not in ("chat", "generate"):
             raise ValueError(f"model.adapters apply to tasks 'chat' and 'generate', not {self.task!r}")
+        if self.prompt.system_prompt and self.io.input_format == "openai_batch":
+            raise ValueError(
+                "prompt.system_prompt does not apply to openai_batch input: each request line carries its own "
+                "messages (put a system message in them)"
+            )
         if self.model.adapter_column is not None and self.io.input_format == "openai_batch":
             raise ValueError("model.adapter_column does not apply to openai_batch input: a request's body.model picks")
         if self.changes.previous_table:

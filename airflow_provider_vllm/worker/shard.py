@@ -32,7 +32,7 @@ from airflow_provider_vllm.core.formats.files import REPLAN, check_unchanged
 from airflow_provider_vllm.core.formats.openai_batch import REQUEST
 from airflow_provider_vllm.core.plan import Plan, ShardPlan, estimate_tokens, load_plan
 from airflow_provider_vllm.core.records import ShardStats, WorkerManifest
-from airflow_provider_vllm.core.rows import INVALID_ROW, prompt_hash, rows_table, samples_at_random
+from airflow_provider_vllm.core.rows import ENGINE_ERROR, INVALID_ROW, prompt_hash, rows_table, samples_at_random
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import Storage
@@ -593,6 +593,11 @@ class _ChunkRunner:
                 if isinstance(vec, RowFailure):
                     rows[i] = self._error(i, vec.code, vec.message)
                     continue
+                bad = _unusable_vector(vec, col)
+                if bad is not None:  # no answer: NaN is not JSON (OpenAI lines) and spoils every distance/argmax
+                    log.warning("row %s: %s", self.batch.ids[i], bad)
+                    rows[i] = self._error(i, ENGINE_ERROR, bad)
+                    continue
                 label = None
                 if col == "scores" and len(vec):
                     best = max(range(len(vec)), key=lambda j: vec[j])
@@ -616,6 +621,22 @@ class _ChunkRunner:
         entry = self._write(meta, ordered)
         self.progress.add_rows(ordered)
         return entry
+
+
+def _unusable_vector(vec: Any, col: str) -> str | None:
+    """Why a pooling output is no answer (empty, or NaN / infinity once stored as float32), or None."""
+    what = "embedding" if col == "embedding" else "class probabilities"
+    with np.errstate(over="ignore"):  # a value beyond float32's range is stored as infinity: counted below
+        arr = np.asarray(vec, dtype=np.float64).astype(np.float32)
+    if arr.ndim != 1 or not arr.size:
+        return f"the engine returned no {what} for this row"
+    finite = np.isfinite(arr)
+    if not finite.all():
+        return (
+            f"{int((~finite).sum())} of the {arr.size} values of the engine's {what} for this row are NaN or "
+            f"infinite as float32 (first at index {int(np.argmin(finite))})"
+        )
+    return None
 
 
 def _tokens(prep: Prepared) -> list[int]:

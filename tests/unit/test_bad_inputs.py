@@ -47,6 +47,7 @@ def test_row_fault_corpus_with_the_fake_engine(tmp_path, fake_engine_factory, fm
     }
     if fmt == "openai_batch":
         over["sampling"] = {"max_tokens": 8, "structured": None}
+        over["prompt"] = {**over["prompt"], "system_prompt": None}
     spec = make_spec(tmp_path / "in", tmp_path / "out", **over)
     plan = plan_job(spec)
     for s in plan.shards:
@@ -67,7 +68,7 @@ def test_dataset_faults_fail_the_plan_with_one_clear_message(tmp_path):
     problems = {}
     for name, (folder, fragments) in cases.items():
         out = tmp_path / "out" / folder.name
-        spec = make_spec(folder, out)
+        spec = make_spec(folder, out, prompt={"system_prompt": None})  # some are OpenAI batch files
         try:
             plan_job(spec)
             problems[name] = "planned"

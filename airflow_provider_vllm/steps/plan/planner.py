@@ -369,6 +369,7 @@ def build_plan_with_inputs(
         if spec.io.input_uri is None:
             raise SpecError("io.input_table: a table is read through the plan step (plan_job), not found as files")
         found = find_input(spec.io.input_uri, spec.io.storage_options, spec.io.input_format, filesystems)
+    _check_detected_format(spec, found.format)
     passthrough = resolve_passthrough(_passthrough_spec(spec, found), found)
     adapters = describe_adapters(spec, filesystems=filesystems)
     sh = spec.sharding
@@ -436,6 +437,20 @@ def build_plan_with_inputs(
         **({"adapters": adapters} if adapters else {}),
     )
     return plan, PlanInputs(found=found, history=history)
+
+
+def _check_detected_format(spec: JobSpec, fmt: str) -> None:
+    """SpecError when the spec's rules for the input format refuse ``fmt``, the format ``io.input_format: auto``
+    found: an OpenAI batch file found so takes the refusals of one declared (task, prompt.system_prompt,
+    model.adapter_column, ...), which would otherwise be dropped without a word."""
+    if spec.io.input_format != "auto" or fmt == "auto":
+        return
+    doc = spec.model_dump(mode="json")
+    doc["io"]["input_format"] = fmt
+    try:
+        JobSpec.load(doc)
+    except SpecError as e:
+        raise SpecError(f"the input is {fmt} (found by io.input_format auto): {e}") from None
 
 
 def _passthrough_spec(spec: JobSpec, found: Input) -> JobSpec:

@@ -141,6 +141,14 @@ def test_embed_task_rejects_chat_only_fields():
         JobSpec.load({**BASE, "task": "embed", "sampling": {"structured": {"choice": ["a"]}}})
 
 
+def test_openai_batch_output_is_refused_for_classify_whose_lines_would_drop_the_label():
+    """Its lines were chat completions with null content: label, scores and confidence were in none of them."""
+    with pytest.raises(SpecError, match="no line for task 'classify'"):
+        JobSpec.load({**BASE, "task": "classify", "io": {**BASE["io"], "output_format": "openai_batch"}})
+    for task in ("chat", "generate", "embed"):
+        JobSpec.load({**BASE, "task": task, "io": {**BASE["io"], "output_format": "openai_batch"}})
+
+
 def test_from_params_keeps_only_the_nulls_asked_for():
     base = JobSpec.load({**BASE, "cache": {"uri": "/c"}, "sampling": {"structured": {"choice": ["a", "b"]}}})
     # an empty form field keeps the base's value

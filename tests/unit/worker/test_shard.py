@@ -505,6 +505,46 @@ def test_classify_confidence_is_the_top_class_probability(tmp_path, fake_engine_
     assert all(r["confidence"] == pytest.approx(max(r["scores"])) and r["prompt_hash"] is not None for r in res)
 
 
+@pytest.mark.parametrize("task", ["embed", "classify"])
+def test_a_nan_or_infinite_vector_is_the_rows_engine_error_not_a_result(tmp_path, task):
+    """NaN is no JSON (the OpenAI output line of such a row could not be parsed) and spoils every distance or
+    argmax computed over the table: the row is an ENGINE_ERROR, the other rows are unchanged."""
+    from tests.support.fakes import FakeEngine
+
+    bad = {1: [float("nan"), 1.0, 0.5], 2: [1.0, float("inf"), 0.5], 3: [1e300, 1.0, 0.5], 4: []}
+
+    class Broken(FakeEngine):
+        def pool(self, prompts):
+            out = super().pool(prompts)
+            return [bad.get(p.count(ord("x") + 3), v) for p, v in zip(prompts, out)]  # by the row's n "x" tokens
+
+    ids = [f"k{i}" for i in range(6)]
+    write_parquet(tmp_path / "in.parquet", ids, ["x" * i for i in range(1, 7)])
+    spec = make_spec(
+        tmp_path / "in.parquet",
+        tmp_path / "out",
+        task=task,
+        sampling={"structured": None},
+        prompt={"system_prompt": None, "template": "{text}"},
+        io={"output_format": "openai_batch"} if task == "embed" else {},
+    )
+    run_all(spec, lambda s: Broken(s, real_vllm=False))
+    merge(spec).dump()
+    res, err = read_out(tmp_path / "out")
+    col = "embedding" if task == "embed" else "scores"
+    assert {e["id"]: e["error_code"] for e in err} == {f"k{n - 1}": "ENGINE_ERROR" for n in bad}
+    assert {r["id"] for r in res} == {"k4", "k5"} and all(len(r[col]) == 3 for r in res)
+    assert "NaN or infinite" in next(e for e in err if e["id"] == "k0")["error_message"]
+    if task == "embed":
+
+        def strict(constant):  # strict JSON: no NaN / Infinity tokens
+            raise AssertionError(f"{constant} in an OpenAI output line")
+
+        for name in ("output.jsonl", "errors.jsonl"):
+            for line in (tmp_path / "out" / "openai" / name).read_text().splitlines():
+                json.loads(line, parse_constant=strict)
+
+
 def test_openai_requests_get_logprobs_in_openais_shape(tmp_path, fake_engine_factory):
     def req(i, **extra):
         body = {"messages": [{"role": "user", "content": f"ticket {i}"}], "max_tokens": 5, **extra}

@@ -71,12 +71,12 @@ def test_a_request_line_without_custom_id_is_refused_naming_custom_id(tmp_path):
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     assert detect_format(Storage(str(tmp_path)), ["in.jsonl"], "auto") == "openai_batch"
     with pytest.raises(DatasetError, match=r"in.jsonl line 1: no 'custom_id'") as e:
-        plan_job(make_spec(tmp_path / "in.jsonl", tmp_path / "out"))
+        plan_job(make_spec(tmp_path / "in.jsonl", tmp_path / "out", prompt={"system_prompt": None}))
     assert "'id'" not in str(e.value)
     lines[0] = {"custom_id": 17, **{k: v for k, v in lines[1].items() if k != "custom_id"}}
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     with pytest.raises(DatasetError, match=r"line 1: 'custom_id' is int '17'; the OpenAI batch format's custom_id is"):
-        plan_job(make_spec(tmp_path / "in.jsonl", tmp_path / "out2"))
+        plan_job(make_spec(tmp_path / "in.jsonl", tmp_path / "out2", prompt={"system_prompt": None}))
     # a plain JSONL line is not a request: no body
     (tmp_path / "plain.jsonl").write_text(json.dumps({"id": "a", "text": "x", "url": "u"}) + "\n")
     assert detect_format(Storage(str(tmp_path)), ["plain.jsonl"], "auto") == "jsonl"

@@ -151,7 +151,11 @@ def _spec(tmp_path: Path, fmt: str, run: str):
     """The job over ``tmp_path/in`` (written on first use) with its output in ``tmp_path/run``."""
     if not (tmp_path / "in").exists():
         _write_input(tmp_path / "in", fmt)
-    over = {"sampling": {"max_tokens": 8, "structured": None}} if fmt == "openai_batch" else {}
+    over = (
+        {"sampling": {"max_tokens": 8, "structured": None}, "prompt": {"system_prompt": None}}
+        if fmt == "openai_batch"
+        else {}
+    )
     return make_spec(tmp_path / "in", tmp_path / run, sharding=SHARDING, **over)
 
 

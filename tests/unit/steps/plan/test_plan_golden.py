@@ -71,6 +71,7 @@ def _openai_batch(d: Path) -> dict:
     return {
         "sharding": {"target_tokens": 300, "target_rows": None, "long_row_tokens": 60},
         "sampling": {"max_tokens": 8, "structured": None},
+        "prompt": {"system_prompt": None},  # each request carries its own messages
     }
 
 

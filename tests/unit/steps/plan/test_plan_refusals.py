@@ -102,7 +102,14 @@ def test_whitespace_only_ids_are_refused_in_every_format(tmp_path, blank):
     ]
     (tmp_path / "batch.jsonl").write_text("\n".join(json.dumps(r) for r in reqs) + "\n")
     with pytest.raises(DatasetError, match=r"batch\.jsonl line 5: id field 'custom_id' is .*only whitespace"):
-        build_plan(make_spec(tmp_path / "batch.jsonl", tmp_path / "o2", io={"input_format": "openai_batch"}))
+        build_plan(
+            make_spec(
+                tmp_path / "batch.jsonl",
+                tmp_path / "o2",
+                io={"input_format": "openai_batch"},
+                prompt={"system_prompt": None},
+            )
+        )
     # Parquet
     write_parquet(tmp_path / "in.parquet", [r["id"] for r in rows], [r["text"] for r in rows])
     with pytest.raises(
@@ -135,7 +142,7 @@ def test_blank_id_refusals_are_recorded(tmp_path):
                 (d / "in.jsonl").write_text(json.dumps(line) + "\n")
                 src = d / "in.jsonl"
             try:
-                build_plan(make_spec(src, d / "out"))
+                build_plan(make_spec(src, d / "out", prompt={"system_prompt": None}))
             except DatasetError as e:
                 refused += "whitespace" in str(e)
     record_bad_rows("blank_ids_refused_at_plan", planted, refused)
@@ -271,3 +278,36 @@ def test_a_text_that_is_not_utf8_refused_by_the_dedupe_names_the_way_to_run_it_a
         plan_job(spec)
     off = make_spec(tmp_path / "in", tmp_path / "out2", sampling={"temperature": 0}, sharding={"dedupe": False})
     assert plan_job(off).total_rows == 3
+
+
+# ---- OpenAI batch input found by io.input_format auto ------------------------------------
+@pytest.mark.parametrize(
+    "over, names",
+    [
+        ({"prompt": {"system_prompt": "Be terse.", "template": "{text}"}}, "prompt.system_prompt"),
+        ({"task": "classify", "prompt": {"system_prompt": None}, "sampling": {"structured": None}}, "task 'chat'"),
+        ({"model": {"adapter_column": "team"}, "prompt": {"system_prompt": None}}, "model.adapter_column"),
+    ],
+)
+def test_an_openai_batch_file_found_by_auto_is_refused_as_one_declared_would_be(tmp_path, over, names):
+    """The spec's refusals for OpenAI batch input held only for io.input_format: openai_batch; a file found by
+    auto ran with the job's system prompt (or adapter column) dropped without a word, or a classify job over
+    /v1/embeddings requests."""
+    req = {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": []}}
+    (tmp_path / "batch.jsonl").write_text(json.dumps(req) + "\n")
+    if "model" in over:
+        over = {
+            **over,
+            "model": {"name": "fake", "adapters": [{"name": "team", "source": str(tmp_path)}], **over["model"]},
+        }
+    spec = make_spec(tmp_path / "batch.jsonl", tmp_path / "out", **over)
+    assert spec.io.input_format == "auto"
+    with pytest.raises(SpecError, match="found by io.input_format auto") as e:
+        build_plan(spec)
+    assert names in str(e.value)
+    declared = spec.model_dump(mode="json")
+    declared["io"]["input_format"] = "openai_batch"
+    with pytest.raises(SpecError, match=re.escape(names)):
+        type(spec).load(declared)
+    ok = make_spec(tmp_path / "batch.jsonl", tmp_path / "out2", prompt={"system_prompt": None, "template": "{text}"})
+    assert sum(s.rows for s in build_plan(ok).shards) == 1
