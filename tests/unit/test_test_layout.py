@@ -16,7 +16,6 @@ TESTED_ELSEWHERE: dict[str, list[str]] = {
     "cli/pod_dry_run.py": ["tests/airflow/test_kubernetes_dags.py"],
     "core/errors.py": ["tests/unit/core/test_exit_codes.py", "tests/unit/test_bad_inputs.py"],
     "core/formats/base.py": ["tests/unit/core/formats/test_parquet.py", "tests/unit/steps/plan/test_plan_refusals.py"],
-    "core/formats/files.py": ["tests/unit/core/formats/test_openai_batch.py", "tests/unit/steps/plan/test_planner.py"],
     "core/param_schemas.py": ["tests/unit/steps/plan/test_plan_refusals.py"],
     "core/pod_settings.py": ["tests/unit/utils/test_pod_spec.py"],
     "core/rows.py": ["tests/unit/core/test_commit.py", "tests/unit/worker/test_isolation.py"],
