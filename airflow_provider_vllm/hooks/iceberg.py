@@ -17,6 +17,7 @@ from typing import Any
 
 from airflow.sdk.exceptions import AirflowFailException
 
+from airflow_provider_vllm.core.allow_list import CREDENTIAL_QUERY_NAMES
 from airflow_provider_vllm.core.errors import SpecError
 from airflow_provider_vllm.provider import ALLOWED_TABLES, CONFIG_SECTION, ICEBERG_CONN_ID, setting
 from airflow_provider_vllm.steps.tables.access import Tables, parse_allowed_tables
@@ -30,7 +31,7 @@ CATALOG_NAME = "catalog-name"
 _SECRET_PROPERTY = re.compile(r"(token|credential|secret|password|passwd|account-key|sas|authorization)", re.I)
 _URI_USERINFO = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://([^/\s@]+)@")
 _URI_QUERY_CREDENTIAL = re.compile(
-    r"[?&;][A-Za-z0-9_.-]*(?:sig|token|credential|secret|passw|key|auth)[A-Za-z0-9_.-]*=([^&;#\s]+)", re.I
+    r"[?&;][A-Za-z0-9_.-]*(?:" + "|".join(CREDENTIAL_QUERY_NAMES) + r")[A-Za-z0-9_.-]*=([^&;#\s]+)", re.I
 )
 
 

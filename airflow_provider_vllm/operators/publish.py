@@ -281,7 +281,7 @@ class VllmPublishOperator(BaseOperator):
             "error_rows": merged.error_rows,
             "files": files,
             "checksums": checksums,
-            "sizes": {rel: size for rel, size in sizes.items() if rel in checksums},
+            "sizes": sizes,
             "spec_hash": merged.spec_hash,
             "config_hash": merged.config_hash,
             "qa": {"status": qa.status, "summary": qa.summary},

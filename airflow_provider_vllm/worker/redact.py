@@ -26,6 +26,7 @@ import time
 from collections.abc import Mapping
 
 from airflow_provider_vllm.core import envs
+from airflow_provider_vllm.core.allow_list import CREDENTIAL_QUERY_NAMES
 
 SECRET_ENV = envs.SECRET_NAME
 MIN_SECRET_CHARS = 6  # shorter values would mask ordinary words
@@ -36,7 +37,7 @@ _URL_USERINFO = re.compile(
     r"(?<![A-Za-z0-9+.-])([A-Za-z][A-Za-z0-9+.-]*://)(?:[^/\s'\"@<>]*@|[^/\s'\"@<>:]*:[^\s'\"@<>]*@)"
 )
 _URL_QUERY_CREDENTIAL = re.compile(
-    r"([?&;][A-Za-z0-9_.-]*(?:sig|token|credential|secret|passw|key|auth)[A-Za-z0-9_.-]*=)[^&;#\s'\"]+", re.I
+    r"([?&;][A-Za-z0-9_.-]*(?:" + "|".join(CREDENTIAL_QUERY_NAMES) + r")[A-Za-z0-9_.-]*=)[^&;#\s'\"]+", re.I
 )
 
 

@@ -82,8 +82,8 @@ def quality(
         overall[(truth, pred)] = overall.get((truth, pred), 0) + n
         by_source.setdefault(source, {})[(truth, pred)] = n
     q = classification(overall, labels)
-    q["only_label"] = _only_label(overall, labels)
     q["majority"] = _majority(overall, labels)
+    q["only_label"] = _only_label(q["majority"], sum(overall.values()))
     q["sources"] = {}
     for source, n_known in known.items():
         counts = by_source.get(source, {})
@@ -92,7 +92,7 @@ def quality(
         q["sources"][source] = (
             {"known": int(n_known), "unmatched": int(n_known) - scored}
             | proportion(correct, scored)
-            | {"only_label": _only_label(counts, labels), "majority": _majority(counts, labels)}
+            | {"majority": (m := _majority(counts, labels)), "only_label": _only_label(m, scored)}
         )
         if n_known > scored:
             notes.append(
@@ -134,15 +134,11 @@ def quality(
     return q
 
 
-def _only_label(counts: dict[tuple[str, str | None], int], labels: list[str] | None) -> str | None:
-    """The known label of every scored row, when they all have the same one and the job has other labels (None for
-    a job whose label set is that one label): such rows cannot tell a model that answers it to every row from a good
-    one (the accuracy check does not pass on them)."""
-    known = {t for (t, _), n in counts.items() if n}
-    if len(known) != 1:
-        return None
-    (only,) = known
-    return None if labels is not None and set(labels) <= {only} else only
+def _only_label(majority: dict[str, Any] | None, scored: int) -> str | None:
+    """The known label of every one of the ``scored`` rows, when ``majority`` (``_majority``) is all of them: such
+    rows cannot tell a model that answers it to every row from a good one (the accuracy check does not pass on
+    them). None for a job whose label set is that one label, as ``_majority``."""
+    return majority["label"] if majority is not None and majority["count"] == scored else None
 
 
 def _majority(counts: dict[tuple[str, str | None], int], labels: list[str] | None) -> dict[str, Any] | None:

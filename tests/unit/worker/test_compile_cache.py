@@ -62,6 +62,18 @@ def _from_env(root: Path, base: Path, key: str = KEY, **more: str) -> cc.Compile
         cc.accelerator = orig  # type: ignore[assignment]
 
 
+def _published(tmp_path: Path) -> tuple[Path, cc.CompileCache, dict[str, bytes]]:
+    """A shared folder under ``tmp_path`` with the first pod's snapshot published: (the folder, that pod, what it
+    compiled)."""
+    root = tmp_path / "shared"
+    root.mkdir()
+    first = _pod(root, tmp_path / "pod1")
+    first.restore()
+    compiled = _compile(tmp_path / "pod1", "a")
+    first.publish("s/a")
+    return root, first, compiled
+
+
 def _compile(base: Path, tag: str, files: int = 5) -> dict[str, bytes]:
     """What an engine leaves in its private folders, plus the temporaries a copy must skip."""
     out = {}
@@ -141,12 +153,7 @@ def test_two_pods_publishing_at_once_leave_one_whole_snapshot_never_a_mix(tmp_pa
 
 
 def test_a_changed_file_is_refused_and_nothing_half_restored_stays(tmp_path):
-    root = tmp_path / "shared"
-    root.mkdir()
-    first = _pod(root, tmp_path / "pod1")
-    first.restore()
-    _compile(tmp_path / "pod1", "a")
-    first.publish("s/a")
+    root, first, _ = _published(tmp_path)
     victim = sorted((root / first.key / cc.SNAPSHOT / "triton").rglob("*.bin"))[-1]
     victim.write_bytes(b"print('owned')")  # whoever can write the volume but lacks the signing key
 
@@ -197,12 +204,7 @@ def test_manifest_paths_outside_the_private_folders_and_links_are_refused(tmp_pa
 
 
 def test_a_restarted_container_keeps_its_own_files(tmp_path):
-    root = tmp_path / "shared"
-    root.mkdir()
-    first = _pod(root, tmp_path / "pod1")
-    first.restore()
-    compiled = _compile(tmp_path / "pod1", "a")
-    first.publish("s/a")
+    root, first, compiled = _published(tmp_path)
     mine = tmp_path / "pod2" / next(iter(compiled))
     mine.parent.mkdir(parents=True)
     mine.write_bytes(b"mine")
@@ -286,12 +288,7 @@ def test_a_file_swapped_for_a_huge_one_is_refused_unread_and_a_growing_one_is_re
     """A writer of the volume replaces a snapshot file with a huge (sparse) one: the pod must not copy it into
     its emptyDir (past the emptyDir's size limit the pod is evicted: a failed shard, not a cold start). The
     manifest is sealed, so the size it names bounds every read."""
-    root = tmp_path / "shared"
-    root.mkdir()
-    first = _pod(root, tmp_path / "pod1")
-    first.restore()
-    _compile(tmp_path / "pod1", "a")
-    first.publish("s/a")
+    root, first, _ = _published(tmp_path)
     snap = root / first.key / cc.SNAPSHOT
     victim = sorted((snap / "torchinductor").rglob("*.bin"))[0]
     manifest_size = victim.stat().st_size
