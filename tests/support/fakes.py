@@ -329,7 +329,7 @@ def answer(spec, ids, seed=None, adapter=None, weights=None):
     st = spec.sampling.structured
     if st is not None and st.choice:
         return st.choice[h % len(st.choice)]
-    return f"out-{h % 1000}"
+    return f"out-{h % 1_000_000}"  # wide enough that two weights rarely give one answer by chance
 
 
 def confidence_of(spec, ids) -> float:
