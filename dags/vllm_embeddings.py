@@ -3,7 +3,7 @@
 
 Weekly (Sunday 03:00 UTC), embeds every article of the knowledge base at
 `<vllm_batch_data_root>/knowledge_base/` (Parquet/JSONL with `id` and `text`) and publishes
-an embedding table `embeddings/embeddings.parquet` (`id`, `vector`, `model`) under
+an embedding table `embeddings/embeddings.parquet` (`id`, `vector`, `model`, `truncated`) under
 `<vllm_batch_data_root>/kb_embeddings/dt=<ds>/`, next to the full results and the QA report.
 
 Model: the `vllm_batch_embedding_model` Variable (required), e.g. sentence-transformers
@@ -44,7 +44,9 @@ TABLE = "embeddings/embeddings.parquet"
 
 @task
 def embedding_table(spec: dict[str, Any]) -> str:
-    """The parts of results/ -> embeddings/embeddings.parquet (id, vector, model), streamed part by part."""
+    """The parts of results/ -> embeddings/embeddings.parquet (id, vector, model, truncated), streamed part by
+    part. ``truncated``: the row's text was cut to fit the model (``prompt.truncation: truncate``), so its vector
+    stands for only the start of the text."""
     import os
     import tempfile
 
@@ -62,17 +64,16 @@ def embedding_table(spec: dict[str, Any]) -> str:
     # object stores through the deployment's Connections ([vllm_batch] aws_conn_id / gcp_conn_id)
     out = Storage(job.io.output_uri, job.io.storage_options, task_filesystems())
     sch = RESULT_SCHEMA
-    schema = pa.schema([sch.field("id"), sch.field("embedding").with_name("vector"), sch.field("model")])
+    columns = ["id", "embedding", "model", "truncated"]
+    schema = pa.schema([sch.field(c).with_name("vector") if c == "embedding" else sch.field(c) for c in columns])
     with tempfile.TemporaryDirectory() as tmp:
         local = os.path.join(tmp, "embeddings.parquet")
         with pq.ParquetWriter(local, schema, compression="zstd") as writer:
             # the parts the sealed merge names, each checked against its manifest (an empty run: one empty part)
             for rel in verified_parts(out, RESULTS, read_merged(out, signing_keyring())):
                 with out.open(rel) as src:
-                    for batch in pq.ParquetFile(src).iter_batches(
-                        columns=["id", "embedding", "model"], batch_size=8192
-                    ):
-                        writer.write_batch(batch.rename_columns(["id", "vector", "model"]))
+                    for batch in pq.ParquetFile(src).iter_batches(columns=columns, batch_size=8192):
+                        writer.write_batch(batch.rename_columns(schema.names))
         with open(local, "rb") as fh:
             out.write_atomic(TABLE, fh.read())
     return out.uri(TABLE)

@@ -361,7 +361,7 @@ def test_embeddings_dag_builds_the_embedding_table(airflow_sandbox):
     assert set(local_states(db, latest_run(db)).values()) == {"success"}
     out = box.data / "kb_embeddings" / "dt=2026-11-15"
     table = pq.read_table(out / "embeddings" / "embeddings.parquet")
-    assert table.column_names == ["id", "vector", "model"] and table.num_rows == 60
+    assert table.column_names == ["id", "vector", "model", "truncated"] and table.num_rows == 60
     rows = table.to_pylist()
     assert all(len(r["vector"]) == 384 for r in rows) and "minilm" in rows[0]["model"].lower()
     success = json.loads((out / "_SUCCESS.json").read_text())

@@ -327,14 +327,21 @@ def test_embedding_table_task(tmp_path, fake_python):
     )
     mod = importlib.util.module_from_spec(mod_spec)
     mod_spec.loader.exec_module(mod)
-    dataset(tmp_path, 40)
+    texts = [f"article {i}" for i in range(40)]
+    texts[7] = "refund " * 3000  # longer than the model takes: its vector covers only the start
+    write_parquet(tmp_path / "in" / "part-0.parquet", [f"t{i:04d}" for i in range(40)], texts)
     doc = spec_doc(
-        tmp_path, task="embed", prompt={"system_prompt": None, "template": "{text}"}, sampling={"structured": None}
+        tmp_path,
+        task="embed",
+        prompt={"system_prompt": None, "template": "{text}", "truncation": "truncate"},
+        sampling={"structured": None},
     )
     spec, *_ = run_job(tmp_path, fake_python, doc)
     uri = mod.embedding_table.function(spec)
     table = pq.read_table(uri)
-    assert table.column_names == ["id", "vector", "model"] and table.num_rows == 40
+    assert table.column_names == ["id", "vector", "model", "truncated"] and table.num_rows == 40
+    # an index builder can tell which vectors stand for only the start of their text
+    assert {r["id"] for r in table.to_pylist() if r["truncated"]} == {"t0007"}
 
 
 # ---- builder -----------------------------------------------------------------------------
