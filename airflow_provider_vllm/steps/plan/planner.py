@@ -39,7 +39,7 @@ from airflow_provider_vllm.steps.plan.groups import ALL, LONG, SHORT, GroupToken
 from airflow_provider_vllm.steps.plan.passthrough import resolve_passthrough
 from airflow_provider_vllm.steps.plan.sizing import History, job_history, size_shards
 from airflow_provider_vllm.steps.publish import SUCCESS, pin_last_published
-from airflow_provider_vllm.steps.qa.golden_set import with_golden_set
+from airflow_provider_vllm.steps.qa.reference import with_golden_set
 from airflow_provider_vllm.steps.tables.access import Tables
 from airflow_provider_vllm.steps.tables.commit import check_output_table
 from airflow_provider_vllm.steps.tables.snapshot import TABLE_DIR, resolve_table_input

@@ -3,7 +3,8 @@
 ``pin_golden_set`` (the plan task): list the golden set's Parquet files, refuse more than ``MAX_FILES`` files or
 ``MAX_BYTES`` in all on the sizes the store states (nothing read yet: a planted file of a TB is not hashed),
 refuse a symbolic link among them on local disk, then read every byte once for its sha256. The result,
-``GoldenSetPin``, goes into the sealed ``_plan.json``.
+``GoldenSetPin``, goes into the sealed ``_plan.json`` (``reference.with_golden_set``, which also checks the
+pinned bytes as QA will: columns, null and repeated ids).
 
 ``checked_golden_set`` (QA): the folder must list the same files (one added or removed since the plan is
 refused), and each is copied while it is hashed (``CheckedCopies``): a file that is not the planned size and
@@ -84,12 +85,6 @@ def pin_golden_set(spec: JobSpec, filesystems: FileSystems | None = None) -> Gol
             )
         files.append(GoldenSetFile(path=f.path, bytes=f.size, sha256=digest))
     return GoldenSetPin(uri=uri, root=found.root.uri(""), files=files)
-
-
-def with_golden_set(plan: Plan, spec: JobSpec, filesystems: FileSystems | None = None) -> Plan:
-    """``plan`` with its golden set pinned (``Plan.golden_set``); unchanged without ``qa.reference.golden_uri``."""
-    pin = pin_golden_set(spec, filesystems)
-    return plan if pin is None else plan.model_copy(update={"golden_set": pin})
 
 
 def checked_golden_set(

@@ -24,8 +24,8 @@ from airflow_provider_vllm.core import duck
 from airflow_provider_vllm.core.errors import SpecError
 from airflow_provider_vllm.core.plan import GoldenSetPin, Plan
 from airflow_provider_vllm.core.spec import JobSpec
-from airflow_provider_vllm.core.storage import FileSystems, Storage
-from airflow_provider_vllm.steps.qa.golden_set import checked_golden_set
+from airflow_provider_vllm.core.storage import FileSystems, Storage, copies_folder
+from airflow_provider_vllm.steps.qa.golden_set import checked_golden_set, pin_golden_set
 
 EXAMPLES = 5
 
@@ -172,3 +172,23 @@ def attach_references(con: duckdb.DuckDBPyConnection, found: LabelFiles | None) 
     refs.run_source = found.source
     refs.locations[found.source] = found.location
     return refs
+
+
+def with_golden_set(plan: Plan, spec: JobSpec, filesystems: FileSystems | None = None) -> Plan:
+    """``plan`` with its golden set pinned (``Plan.golden_set``, ``golden_set.pin_golden_set``); unchanged without
+    ``qa.reference.golden_uri``. The pinned bytes are checked as QA will read them (SpecError naming the file and
+    the column: not Parquet, a missing column, a null or repeated id), so a golden set that cannot grade the run
+    fails the plan, before any shard runs."""
+    pin = pin_golden_set(spec, filesystems)
+    if pin is None:
+        return plan
+    plan = plan.model_copy(update={"golden_set": pin})
+    out = Storage(spec.io.output_uri, spec.io.storage_options, filesystems)
+    with copies_folder("plan") as tmp:
+        found = find_references(spec, plan, out, tmp, filesystems)
+        con = duck.connect(out)
+        try:
+            attach_references(con, found)
+        finally:
+            con.close()
+    return plan

@@ -180,6 +180,23 @@ def test_a_golden_set_that_is_not_parquet_is_refused_by_the_plan(tmp_path):
 
 
 @pytest.mark.parametrize(
+    "table,match",
+    [
+        ({"id": ["t001", "t001"], "label": ["bug", "bug"]}, r"1 repeated id\(s\) in 'id', e.g. \['t001'\]"),
+        ({"id": ["t001", None], "label": ["bug", "bug"]}, r"1 row\(s\) with a null 'id'"),
+        ({"id": ["t001"], "answer": ["bug"]}, r"no column 'label' \(the label column\)"),
+    ],
+)
+def test_a_golden_set_that_cannot_grade_the_run_fails_the_plan_before_any_shard(tmp_path, table, match):
+    golden = tmp_path / "golden.parquet"
+    pq.write_table(pa.table(table), golden)
+    with pytest.raises(SpecError, match=match) as e:
+        _planned_run(tmp_path, str(golden))
+    assert str(golden) in str(e.value)
+    assert not (tmp_path / "out" / "_plan.json").exists()
+
+
+@pytest.mark.parametrize(
     "bad", [{"path": "../x.parquet"}, {"path": "/etc/x"}, {"sha256": "0" * 63}, {"bytes": -1}, {"bytes": "many"}]
 )
 def test_a_pinned_golden_file_of_the_wrong_shape_is_refused(bad):
