@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from airflow_provider_vllm.core.errors import DatasetError, InputChangedError, SpecError
+from airflow_provider_vllm.core.errors import CommitError, DatasetError, InputChangedError, SpecError
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.steps.merge.merger import merge
 from airflow_provider_vllm.steps.plan.planner import plan_job
@@ -156,6 +156,16 @@ def test_a_symbolic_link_in_the_golden_folder_is_refused_by_the_plan(tmp_path):
     (folder / "g.parquet").symlink_to(tmp_path / "elsewhere.parquet")
     with pytest.raises(SpecError, match=r"g\.parquet is a symbolic link"):
         _planned_run(tmp_path, str(folder))
+
+
+def test_a_fifo_in_the_golden_folder_fails_the_plan_unopened(tmp_path):
+    folder = tmp_path / "golden"
+    folder.mkdir()
+    (folder / "a.parquet").write_bytes(_golden_bytes(_truth()))
+    os.mkfifo(folder / "b.parquet")  # an open for reading would block the plan forever
+    with pytest.raises(CommitError, match=r"b\.parquet is not a regular file"):
+        _planned_run(tmp_path, str(folder))
+    assert not (tmp_path / "out" / "_plan.json").exists()
 
 
 def test_a_plan_without_the_pin_is_refused_by_qa(tmp_path, monkeypatch):
