@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from airflow_provider_vllm.core import seal as seals
 from airflow_provider_vllm.core.adapters import AdapterRef
@@ -219,6 +219,32 @@ class GoldenPlan(BaseModel):
         )
 
 
+class GoldenSetFile(BaseModel):
+    """One file of the golden set (``qa.reference.golden_uri``) as the plan read it: QA reads exactly these bytes."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    path: str = Field(min_length=1, max_length=1024, description="path under GoldenSetPin.root")
+    bytes: int = Field(ge=0, description="size")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="sha256 of the file's bytes as the plan read them")
+
+    @field_validator("path")
+    @classmethod
+    def _relative(cls, v: str) -> str:
+        if v.startswith("/") or any(s in ("", ".", "..") for s in v.split("/")):
+            raise ValueError(f"{v!r} is not a relative path of plain segments")
+        return v
+
+
+class GoldenSetPin(BaseModel):
+    """The golden set (``qa.reference.golden_uri``) as the plan pinned it (``steps/qa/golden_set.py``): its files,
+    their sizes and sha256. QA scores against these bytes only and names them in its report."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    uri: str = Field(description="qa.reference.golden_uri when planned")
+    root: str = Field(description="the folder its files lie under (the file's own folder for a single file)")
+    files: list[GoldenSetFile] = Field(min_length=1, description="its Parquet files, sorted by path")
+
+
 class Passthrough(BaseModel):
     """The input columns copied into results/ and errors/ (``io.passthrough``), as the plan resolved them."""
 
@@ -332,6 +358,11 @@ class Plan(BaseModel):
     )
     golden: GoldenPlan | None = Field(
         None, description="Golden rows that ride along (qa.reference.ride_along_uri): their file and shards."
+    )
+    golden_set: GoldenSetPin | None = Field(
+        None,
+        description="qa.reference.golden_uri: its files' sizes and sha256, pinned by the plan; QA reads only these "
+        "bytes (absent without a golden set, and in plans from before 2026-12, which QA refuses)",
     )
     passthrough: Passthrough | None = Field(
         None, description="io.passthrough resolved against the input: the columns the parts carry, and their types"

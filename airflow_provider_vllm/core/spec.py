@@ -570,7 +570,9 @@ class ReferenceSpec(_Model):
     golden_uri: str | None = Field(
         None,
         description="Golden set: a Parquet file or folder with columns id_column and label_column. Its ids are "
-        "joined to this run's ids; golden ids that are not in the run are counted and ignored.",
+        "joined to this run's ids; golden ids that are not in the run are counted and ignored. plan pins its "
+        "files (names, sizes, sha256; at most 1000 files and 8 GiB, no symbolic links) in the sealed plan; QA "
+        "scores only those bytes, refuses a golden set changed since the plan, and names the files in its report.",
     )
     ride_along_uri: str | None = Field(
         None,

@@ -39,6 +39,7 @@ from airflow_provider_vllm.steps.plan.groups import ALL, LONG, SHORT, GroupToken
 from airflow_provider_vllm.steps.plan.passthrough import resolve_passthrough
 from airflow_provider_vllm.steps.plan.sizing import History, job_history, size_shards
 from airflow_provider_vllm.steps.publish import SUCCESS, pin_last_published
+from airflow_provider_vllm.steps.qa.reference import with_golden_set
 from airflow_provider_vllm.steps.tables.access import Tables
 from airflow_provider_vllm.steps.tables.commit import check_output_table
 from airflow_provider_vllm.steps.tables.snapshot import TABLE_DIR, resolve_table_input
@@ -112,6 +113,7 @@ def plan_job(
         if not out.exists(PLAN_FILE):
             _check_empty(spec, out)
             plan = with_golden(plan, spec, out, filesystems, max_shards)  # qa.reference: ride-along rows
+            plan = with_golden_set(plan, spec, filesystems)  # qa.reference.golden_uri: its files' sha256
             plan = _with_changes_from(plan, spec, tables, pins)
             # create-only: of two runs racing for one prefix, the loser meets the winner's plan below
             _write_plan(out, plan, spec, keyring, tables)
@@ -178,6 +180,7 @@ def _plan_table(
     )
     plan = plan.model_copy(update={"table": pin, "input_uri": f"iceberg:{pin.identifier}@{pin.snapshot_id}"})
     plan = with_golden(plan, spec, out, filesystems, max_shards, found=found)
+    plan = with_golden_set(plan, spec, filesystems)
     plan = _with_changes_from(plan, spec, tables, pins)
     _write_plan(out, plan, spec, keyring, tables)
     return _existing(spec, out, keyring)  # of two plans racing, the winner's
@@ -295,6 +298,7 @@ def _plan_cached(
         warm_starts=warm_starts,
     )
     plan = with_golden(plan, spec, out, filesystems, max_shards)  # qa.reference: ride-along rows
+    plan = with_golden_set(plan, spec, filesystems)  # qa.reference.golden_uri: its files' sha256
     plan = _with_changes_from(plan, spec, tables, pins)
     _write_plan(out, plan, spec, keyring, tables)
     return plan

@@ -17,6 +17,8 @@
 * ``html``: renders a report dict and sample rows as one self-contained page.
 * ``store``: writes report.json / report.html / sample.parquet and, last, the sealed _QA.json; reads it back; loads a
   previous report only when its run's sealed _QA.json vouches for it.
+* ``golden_set``: the golden set (``qa.reference.golden_uri``) pinned by the plan (files, sizes, sha256) and
+  read by QA from copies checked against that pin.
 * ``reference``: the known labels (``qa.reference``) as DuckDB relations.
 * ``evaluate``: ``evaluate(results, errors, ...)`` measures a result set into a ``QAReport``;
   ``evaluate_stream`` does the same over DuckDB views of the files, in bounded memory.

@@ -295,6 +295,17 @@ def gauge_svg(
 # ---- sections ---------------------------------------------------------------------------
 
 
+def _golden_set_line(g: object) -> str:
+    """The golden set QA measured against, each file with its size and sha256 (``run.golden_set``)."""
+    if not isinstance(g, dict):
+        return ""
+    files = [f for f in g.get("files") or [] if isinstance(f, dict)]
+    listed = "; ".join(
+        f"{_e(f.get('path'))} ({_e(f.get('bytes'))} bytes, sha256 <code>{_e(f.get('sha256'))}</code>)" for f in files
+    )
+    return f"<span><b>golden_set</b>: {_e(g.get('uri'))}: {listed}</span>"
+
+
 def _header(d: dict) -> str:
     m = d.get("metrics") or {}
     status = str(d.get("status", "skip"))
@@ -306,7 +317,9 @@ def _header(d: dict) -> str:
     sample = m.get("sample") or {}
     tokens = m.get("tokens") or {}
     models = m.get("models") or []
-    meta = "".join(f"<span><b>{_e(k)}</b>: {_e(v)}</span>" for k, v in run.items() if k not in ("job", "name"))
+    meta = "".join(
+        f"<span><b>{_e(k)}</b>: {_e(v)}</span>" for k, v in run.items() if k not in ("job", "name", "golden_set")
+    ) + _golden_set_line(run.get("golden_set"))
     model_txt = ", ".join(
         f"{x.get('model')}" + (f"@{str(x.get('revision'))[:12]}" if x.get("revision") else "") for x in models[:3]
     )

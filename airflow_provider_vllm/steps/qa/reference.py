@@ -4,7 +4,8 @@
 ``r`` and ``e``:
 
 * ``ref(id, label)`` from ``input_column`` (the run's own Parquet input, read through the plan's
-  file list) or from ``golden_uri`` (a Parquet file or folder of id and label columns);
+  file list) or from ``golden_uri`` (a Parquet file or folder of id and label columns: the files the plan
+  pinned, read from checked copies, ``golden_set.py``);
 * ``gref``, ``gr``, ``ge`` for the ride-along golden rows: their known labels (the plan's golden
   input file) and the results / errors merge published under ``golden/`` (``steps.golden``).
 
@@ -21,10 +22,10 @@ import duckdb
 
 from airflow_provider_vllm.core import duck
 from airflow_provider_vllm.core.errors import SpecError
-from airflow_provider_vllm.core.formats.files import find_input
-from airflow_provider_vllm.core.plan import Plan
+from airflow_provider_vllm.core.plan import GoldenSetPin, Plan
 from airflow_provider_vllm.core.spec import JobSpec
-from airflow_provider_vllm.core.storage import FileSystems, Storage
+from airflow_provider_vllm.core.storage import FileSystems, Storage, copies_folder
+from airflow_provider_vllm.steps.qa.golden_set import checked_golden_set, pin_golden_set
 
 EXAMPLES = 5
 
@@ -103,12 +104,20 @@ class LabelFiles:
     label_column: str
     location: str  # the spec's URI, for messages and lineage
     unique: bool  # refuse null or repeated ids (a golden set; the run's input was checked by the plan)
+    local: tuple[str, ...] | None = None  # checked local copies of the files, read instead of root/names
+    pin: GoldenSetPin | None = None  # the golden set as the plan pinned it (the report names it)
+
+    def sql_list(self) -> str:
+        """The files as DuckDB reads them: the checked copies when there are, else the files under ``root``."""
+        return duck.local_list(list(self.local)) if self.local is not None else duck.file_list(self.root, self.names)
 
 
 def find_references(
-    spec: JobSpec, plan: Plan, out: Storage, filesystems: FileSystems | None = None
+    spec: JobSpec, plan: Plan, out: Storage, tmp: str, filesystems: FileSystems | None = None
 ) -> LabelFiles | None:
-    """The known labels of this run's rows (``input_column`` or ``golden_uri``), or None."""
+    """The known labels of this run's rows (``input_column`` or ``golden_uri``), or None. A golden set is the one
+    the plan pinned, copied and checked into ``tmp`` (``golden_set.checked_golden_set``: InputChangedError when it
+    changed since the plan)."""
     ref = spec.qa.reference
     if ref.input_column is not None:
         if plan.format != "parquet":
@@ -126,9 +135,17 @@ def find_references(
             unique=False,
         )
     if ref.golden_uri is not None:
-        found = find_input(ref.golden_uri, spec.io.storage_options, "parquet", filesystems)
+        pin, local = checked_golden_set(spec, plan, tmp, filesystems)
         return LabelFiles(
-            "golden_set", found.root, found.names, ref.id_column, ref.label_column, ref.golden_uri, unique=True
+            "golden_set",
+            out,
+            [f.path for f in pin.files],
+            ref.id_column,
+            ref.label_column,
+            ref.golden_uri,
+            unique=True,
+            local=tuple(local),
+            pin=pin,
         )
     return None
 
@@ -146,7 +163,7 @@ def attach_references(con: duckdb.DuckDBPyConnection, found: LabelFiles | None) 
     refs.known[found.source] = load_labels(
         con,
         "ref",
-        duck.file_list(found.root, found.names),
+        found.sql_list(),
         id_column=found.id_column,
         label_column=found.label_column,
         what=what,
@@ -155,3 +172,23 @@ def attach_references(con: duckdb.DuckDBPyConnection, found: LabelFiles | None) 
     refs.run_source = found.source
     refs.locations[found.source] = found.location
     return refs
+
+
+def with_golden_set(plan: Plan, spec: JobSpec, filesystems: FileSystems | None = None) -> Plan:
+    """``plan`` with its golden set pinned (``Plan.golden_set``, ``golden_set.pin_golden_set``); unchanged without
+    ``qa.reference.golden_uri``. The pinned bytes are checked as QA will read them (SpecError naming the file and
+    the column: not Parquet, a missing column, a null or repeated id), so a golden set that cannot grade the run
+    fails the plan, before any shard runs."""
+    pin = pin_golden_set(spec, filesystems)
+    if pin is None:
+        return plan
+    plan = plan.model_copy(update={"golden_set": pin})
+    out = Storage(spec.io.output_uri, spec.io.storage_options, filesystems)
+    with copies_folder("plan") as tmp:
+        found = find_references(spec, plan, out, tmp, filesystems)
+        con = duck.connect(out)
+        try:
+            attach_references(con, found)
+        finally:
+            con.close()
+    return plan

@@ -20,6 +20,7 @@ from airflow_provider_vllm.steps.golden import attach_golden
 from airflow_provider_vllm.steps.merge.changes import compared_column, compute_changes
 from airflow_provider_vllm.steps.merge.merger import ERRORS, MERGED, RESULTS, checked_parts, read_merged
 from airflow_provider_vllm.steps.qa.evaluate import evaluate, evaluate_stream
+from airflow_provider_vllm.steps.qa.golden_set import golden_set_info
 from airflow_provider_vllm.steps.qa.reference import attach_references, find_references
 from airflow_provider_vllm.steps.qa.report import QAReport
 from airflow_provider_vllm.steps.qa.store import load_pinned_report, load_previous_report, write_qa
@@ -112,7 +113,10 @@ def _qa_run(
             **({"input_snapshot": f"{plan.table.identifier}@{plan.table.snapshot_id}"} if plan.table else {}),
         },
     )
-    found = find_references(spec, plan, out, filesystems)
+    # a golden set: the bytes the plan pinned, read from checked copies (refused when changed since the plan)
+    found = find_references(spec, plan, out, tmp, filesystems)
+    if found is not None and found.pin is not None:  # the report names the labels that gated the run
+        args["run_info"]["golden_set"] = golden_set_info(found.pin)
     compared = None if spec.task == "embed" else compared_column(spec)
     con = duck.connect(out, *([found.root] if found is not None else []))
     try:

@@ -19,6 +19,7 @@ ORDER = [
     "html_quality",
     "html",
     "store",
+    "golden_set",
     "reference",
     "evaluate",
     "stage",

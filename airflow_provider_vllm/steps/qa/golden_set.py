@@ -1,0 +1,141 @@
+"""The golden set (``qa.reference.golden_uri``) pinned by the plan and read by QA exactly as pinned.
+
+``pin_golden_set`` (the plan task): list the golden set's Parquet files, refuse more than ``MAX_FILES`` files or
+``MAX_BYTES`` in all on the sizes the store states (nothing read yet: a planted file of a TB is not hashed),
+refuse a symbolic link among them on local disk, then read every byte once for its sha256. The result,
+``GoldenSetPin``, goes into the sealed ``_plan.json`` (``reference.with_golden_set``, which also checks the
+pinned bytes as QA will: columns, null and repeated ids).
+
+``checked_golden_set`` (QA): the folder must list the same files (one added or removed since the plan is
+refused), and each is copied while it is hashed (``CheckedCopies``): a file that is not the planned size and
+sha256 is refused, naming it; QA reads the copies, never the location again. A writer of the golden location
+between plan and QA (or during QA) therefore fails the run instead of changing what gates its publish.
+
+A plan without the pin (written before 2026-12) and a golden set: QA refuses, failing closed (plan again).
+"""
+
+from __future__ import annotations
+
+import os
+
+from airflow_provider_vllm.core.errors import CommitError, DatasetError, InputChangedError, SpecError
+from airflow_provider_vllm.core.formats.files import find_input
+from airflow_provider_vllm.core.plan import GoldenSetFile, GoldenSetPin, Plan
+from airflow_provider_vllm.core.records import SHA256_HEX
+from airflow_provider_vllm.core.spec import JobSpec
+from airflow_provider_vllm.core.storage import CheckedCopies, FileSystems, Storage
+
+MAX_FILES = 1000
+"""Files a golden set may have: an id -> label table is a handful of files; more is a folder of something else."""
+MAX_BYTES = 8 * 1024**3
+"""Bytes a golden set may have in all (the plan hashes every byte and QA copies them): ~10^8 labelled ids."""
+REPLAN = (
+    "the plan pinned the golden set's files (names, sizes and sha256) and QA scores only those bytes: put the "
+    "planned file back as it was, or plan the run again (into a new output prefix) to measure against the new "
+    "golden set"
+)
+
+
+def _where(uri: str) -> str:
+    return f"qa.reference.golden_uri {uri}"
+
+
+def _check_not_a_link(root: Storage, name: str, uri: str) -> None:
+    """SpecError when the local file ``name`` under ``root`` is a symbolic link or lies under one."""
+    if not root.is_local:
+        return
+    expected = os.path.join(os.path.realpath(root.base), name)
+    if os.path.realpath(root.path(name)) != expected:
+        raise SpecError(
+            f"{_where(uri)}: {root.uri(name)} is a symbolic link (or lies under one); a golden file must be a file "
+            "of the golden set's folder itself: copy the file there"
+        )
+
+
+def pin_golden_set(spec: JobSpec, filesystems: FileSystems | None = None) -> GoldenSetPin | None:
+    """The golden set's files with their sizes and sha256 (None without ``qa.reference.golden_uri``).
+
+    SpecError / DatasetError naming the file: too many files, too many bytes (before any is read), a link, or a
+    file that changed while it was read."""
+    uri = spec.qa.reference.golden_uri
+    if uri is None:
+        return None
+    try:
+        found = find_input(uri, spec.io.storage_options, "parquet", filesystems)
+    except DatasetError as e:
+        raise DatasetError(f"{_where(uri)}: {e}") from None
+    if len(found.files) > MAX_FILES:
+        raise SpecError(f"{_where(uri)}: {len(found.files)} files, more than {MAX_FILES}; point it at the golden set")
+    total = 0
+    for f in found.files:  # as the store states the sizes: nothing read yet
+        total += f.size
+        if total > MAX_BYTES:
+            raise SpecError(
+                f"{_where(uri)}: {found.root.uri(f.path)} ({f.size} bytes) takes the golden set over {MAX_BYTES} "
+                "bytes; refused unread (a golden set is an id -> label table)"
+            )
+    files = []
+    for f in found.files:
+        _check_not_a_link(found.root, f.path, uri)
+        digest = found.root.sha256(f.path, f.size)
+        if not SHA256_HEX.fullmatch(digest):  # another size than stated: written while the plan read it
+            raise DatasetError(
+                f"{_where(uri)}: {found.root.uri(f.path)} changed while the plan read it ({digest}); plan again "
+                "once its writer is done"
+            )
+        files.append(GoldenSetFile(path=f.path, bytes=f.size, sha256=digest))
+    return GoldenSetPin(uri=uri, root=found.root.uri(""), files=files)
+
+
+def checked_golden_set(
+    spec: JobSpec, plan: Plan, tmp: str, filesystems: FileSystems | None = None
+) -> tuple[GoldenSetPin, list[str]]:
+    """The golden set the plan pinned and the local paths of its files, each copied and checked (size and sha256)
+    into ``tmp`` (a private folder). InputChangedError naming the file when one changed, was added or is gone since
+    the plan; SpecError when the plan pinned none (a plan from before the pin) or another location."""
+    uri = spec.qa.reference.golden_uri
+    assert uri is not None
+    pin = plan.golden_set
+    if pin is None:
+        raise SpecError(
+            f"{_where(uri)}: the run's plan pinned no golden set (a plan written before QA pinned it, 2026-12): QA "
+            "does not score against labels nothing pinned; plan the run again (into a new output prefix)"
+        )
+    if pin.uri != uri:
+        raise SpecError(f"{_where(uri)}: the plan pinned the golden set {pin.uri}; plan the run again")
+    try:
+        found = find_input(uri, spec.io.storage_options, "parquet", filesystems)
+    except DatasetError as e:
+        raise InputChangedError(f"{_where(uri)}: {e}; {REPLAN}") from None
+    root = found.root
+    planned = {f.path for f in pin.files}
+    now = set(found.names)
+    if root.uri("") != pin.root or now != planned:
+        added, gone = sorted(now - planned), sorted(planned - now)
+        what = "; ".join(
+            x
+            for x in (
+                f"added since the plan: {', '.join(added[:5])}" if added else "",
+                f"gone since the plan: {', '.join(gone[:5])}" if gone else "",
+                f"its folder is {root.uri('')}, the plan's {pin.root}" if root.uri("") != pin.root else "",
+            )
+            if x
+        )
+        raise InputChangedError(f"{_where(uri)}: its files are not the ones the plan pinned ({what}); {REPLAN}")
+    copies = CheckedCopies(root, tmp)
+    paths = []
+    for f in pin.files:
+        _check_not_a_link(root, f.path, uri)
+        try:
+            paths.append(copies.get(f.path, f.bytes, f.sha256))
+        except (CommitError, FileNotFoundError) as e:
+            raise InputChangedError(
+                f"{_where(uri)}: {root.uri(f.path)} changed since the plan (it is not the {f.bytes} bytes of sha256 "
+                f"{f.sha256[:16]}... the plan pinned: {type(e).__name__}); {REPLAN}"
+            ) from None
+    return pin, paths
+
+
+def golden_set_info(pin: GoldenSetPin) -> dict[str, object]:
+    """What the QA report names of the golden set it measured against (``report.json``'s ``run.golden_set``)."""
+    return {"uri": pin.uri, "files": [f.model_dump() for f in pin.files]}
