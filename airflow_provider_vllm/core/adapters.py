@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from airflow_provider_vllm.core.errors import CommitError, InputChangedError, SpecError
+from airflow_provider_vllm.core.errors import CommitError, InputChangedError, ListingTooLarge, SpecError
 from airflow_provider_vllm.core.records import SHA256_HEX, Record
 from airflow_provider_vllm.core.spec import LORA_RANKS, AdapterSpec, JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
@@ -61,7 +61,8 @@ def adapter_storage(a: AdapterSpec, options: dict[str, Any], filesystems: FileSy
     if a.kind == "hub":
         raise SpecError(f"model.adapters[{a.name}]: a hub adapter has no storage folder")
     root = a.source.removeprefix("file://") if a.kind == "local" else a.source
-    return Storage(root, options if a.kind == "object_store" else {}, filesystems)
+    # the user's links (a hub cache's snapshot folder is one): the allow-list refused those that leave it
+    return Storage(root, options if a.kind == "object_store" else {}, filesystems, follow_links=True)
 
 
 def folder_fingerprint(entries: list[tuple[str, int, str]]) -> str:
@@ -101,9 +102,13 @@ def engine_max_rank(spec: JobSpec, ranks: list[int | None]) -> int:
 
 def _listing(st: Storage, a: AdapterSpec) -> list[str]:
     try:
-        names = list(st.walk_files())
+        names = list(st.walk_files(limit=MAX_FILES * 2))  # its folders count too; stopped there
     except NotADirectoryError:
         names = []
+    except ListingTooLarge as e:
+        raise SpecError(
+            f"model.adapters[{a.name}]: {a.source} holds more than {e.limit} entries; an adapter has a few"
+        ) from None
     if CONFIG_FILE not in names:
         held = f"it holds {names[:5]}" if names else "it is missing or empty where this process looks"
         raise SpecError(f"model.adapters[{a.name}]: {a.source} is not a LoRA adapter folder (no {CONFIG_FILE}; {held})")

@@ -38,7 +38,7 @@ from pydantic import ConfigDict, Field, ValidationError, field_validator
 
 from airflow_provider_vllm.core import faults
 from airflow_provider_vllm.core import seal as seals
-from airflow_provider_vllm.core.errors import CommitError, SealError, SpecError
+from airflow_provider_vllm.core.errors import CommitError, LinkRefused, ListingTooLarge, SealError, SpecError
 from airflow_provider_vllm.core.part_names import run_file
 from airflow_provider_vllm.core.records import FileBytes, FileRef, Record, RowCounts, Sha256, ShardStats
 from airflow_provider_vllm.core.rows import split_rows
@@ -58,6 +58,15 @@ _LIMITS_MAX_BYTES = 1 << 16  # the hint is a few dozen bytes
 # more than 100,000 chunks: small ``sharding.chunk_rows``), never another spelling of the same number.
 CHUNK_NUMBER = r"(\d{5}|[1-9]\d{5,})"
 _CHUNK_RE = re.compile(rf"^chunk-{CHUNK_NUMBER}\.parquet$")
+ATTEMPTS_LISTED = 1000
+"""The most attempt folders of one shard listed for chunks to reuse: each try of the shard task (a retry, a
+cleared task, a zombie pod) makes one; a shard with more is not scanned (a warning names it; its chunks are
+redone)."""
+REUSE_LISTED_PER_CHUNK = 8
+"""With ``REUSE_LISTED_SLACK``, the most entries of all of a shard's attempt folders listed together for reuse:
+an attempt writes three files per chunk (its part, its errors part, its seal), and killed writers leave temp
+files. Past it the scan stops (a warning names the folder and the bound) and the chunks not found are redone."""
+REUSE_LISTED_SLACK = 1000
 _SEAL_RE = re.compile(rf"^chunk-{CHUNK_NUMBER}\.seal\.json$")
 ERRORS_SUFFIX = ".errors.parquet"
 SEAL_SUFFIX = ".seal.json"
@@ -302,9 +311,30 @@ class ShardStore:
         chunk is redone. ``beat()`` after each listing and file check (the worker's watchdog counts them).
         """
         found: dict[int, ChunkSeal] = {}
-        for attempt in self.out.listdir(f"{self.dir}/attempts"):
+        budget = REUSE_LISTED_PER_CHUNK * len(expected) + REUSE_LISTED_SLACK
+        try:
+            attempts = self.out.listdir(f"{self.dir}/attempts", limit=ATTEMPTS_LISTED)
+        except ListingTooLarge as e:
+            log.warning("no chunk of this shard is reused: %s", e)
+            return found
+        for attempt in attempts:
             beat()
-            for name in self.out.listdir(f"{self.dir}/attempts/{attempt}"):
+            folder = f"{self.dir}/attempts/{attempt}"
+            try:
+                names = self.out.listdir(folder, limit=budget)
+            except ListingTooLarge:
+                log.warning(
+                    "the shard's attempt folders hold more than the %d entries listed to find chunks to reuse "
+                    "(stopped at %s; another writer of the folder put them there?): the chunks not found are redone",
+                    REUSE_LISTED_PER_CHUNK * len(expected) + REUSE_LISTED_SLACK,
+                    self.out.uri(folder),
+                )
+                return found
+            except LinkRefused as e:
+                log.warning("an attempt folder of this shard is not scanned for chunks to reuse: %s", e)
+                continue
+            budget -= len(names)
+            for name in names:
                 m = _SEAL_RE.match(name)
                 if not m:
                     continue  # the part files themselves, temp files of a killed writer

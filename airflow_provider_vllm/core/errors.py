@@ -42,6 +42,18 @@ class SealError(CommitError):
     """A record the pipeline must trust carries no valid seal of this deployment's key, or no key is set."""
 
 
+class ListingTooLarge(CommitError):
+    """A folder holds more entries than the most listed there (``uri``, ``limit``); listing stopped at the bound."""
+
+    def __init__(self, message: str, uri: str = "", limit: int = 0) -> None:
+        super().__init__(message)
+        self.uri, self.limit = uri, limit
+
+
+class LinkRefused(CommitError):
+    """A path below a folder the pipeline writes is, or passes through, a symbolic link: refused unopened."""
+
+
 class VerificationError(VllmBatchError):
     """Merge found input ids missing from, or duplicated in, results + errors."""
 

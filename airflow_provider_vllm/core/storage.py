@@ -18,6 +18,7 @@ never travels: a Storage made from it holds a reference to the factory only.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import io
 import os
@@ -59,6 +60,18 @@ a 48 KB plan of 100 shards, a 38 KB results manifest of 200 parts), so about a m
 file is refused, not read: a run folder's other writers cannot exhaust a task's memory with a planted one."""
 
 
+LISTING_MAX = 100_000
+"""The most entries one listing (``listdir``, ``listdir_sizes``, ``walk_files``) takes unless its caller names
+another bound: every listing is counted while it is made, page by page on object stores, and one that finds more
+stops there with ``ListingTooLarge`` naming the folder and the bound. Whoever else can write a run's, a cache's or a
+history's folder could plant millions of objects there; a listing must not take the task minutes and GiBs. Each
+caller bounds its folder by what the pipeline writes there (docs/security.md, "Listings")."""
+
+LIST_PAGE = 1000
+"""Keys asked for per page of an S3 or GCS listing (both stores' most): each page is counted against the bound
+before the next one is asked for."""
+
+
 FileSystems = Callable[[str, dict[str, Any]], "fsspec.AbstractFileSystem | None"]
 """``(uri, options) -> file system`` for that URI, or None for plain fsspec (``url_to_fs``).
 
@@ -97,17 +110,40 @@ def _open_size(f: Any) -> int | None:
         return None
 
 
+def _listing_error(uri: str, limit: int) -> Exception:
+    from airflow_provider_vllm.core.errors import ListingTooLarge
+
+    return ListingTooLarge(
+        f"{uri} holds more than {limit} entries, the most listed there: the pipeline never writes that many, so "
+        "it is not listed further (another writer of the folder put them there?)",
+        uri=uri,
+        limit=limit,
+    )
+
+
+def _protocols(fs: fsspec.AbstractFileSystem) -> set[str]:
+    return set(fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,))
+
+
 @dataclass(frozen=True)
 class Storage:
     """A folder (prefix) on some filesystem; paths given to methods are relative to it.
 
     ``filesystems``: optional factory of the file system for ``root`` (see ``FileSystems``);
     ``sub()`` keeps it. Without it, ``fsspec.core.url_to_fs(root, **options)``.
+
+    ``follow_links``: on local disk, whether symbolic links *below* ``root`` are followed. Off (the default, for
+    every folder the pipeline writes: output, cache, history), the checked readers and the listings open each
+    path component below ``root`` with ``O_NOFOLLOW`` relative to its parent's descriptor, so a link anywhere in
+    the path (``shards -> elsewhere``, ``_SUCCESS.json -> /etc/passwd``) is refused naming it, with no window
+    between a check and the open. ``root`` itself may be a link (a prefix on a linked volume). On: the user's
+    input dataset and adapter folders, whose links are the user's (they are resolved against the allow-list).
     """
 
     root: str
     options: dict[str, Any] = field(default_factory=dict)
     filesystems: FileSystems | None = field(default=None, compare=False, repr=False)
+    follow_links: bool = False
 
     @property
     def fs(self) -> fsspec.AbstractFileSystem:
@@ -131,11 +167,16 @@ class Storage:
         return f"{root}/{rel}" if rel else root
 
     def sub(self, rel: str) -> Storage:
-        return Storage(self.uri(rel), self.options, self.filesystems)
+        return Storage(self.uri(rel), self.options, self.filesystems, self.follow_links)
 
     def at(self, root: str) -> Storage:
         """Another folder with the same options and file system factory."""
-        return Storage(root, self.options, self.filesystems)
+        return Storage(root, self.options, self.filesystems, self.follow_links)
+
+    def input_at(self, root: str) -> Storage:
+        """The user's input folder ``root`` with the same options and file system factory, its links followed
+        (``follow_links``): a dataset given as a folder of links is the user's choice, checked by the allow-list."""
+        return Storage(root, self.options, self.filesystems, follow_links=True)
 
     # ---- reads ----------------------------------------------------------------------
     # Reads of remote objects retry transient errors too; local ones fail at once.
@@ -202,7 +243,7 @@ class Storage:
                     "checked, so it is refused unread (another writer of the bucket put it there?)"
                 )
             return f
-        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+        fd = self._open_local(rel, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise CommitError(
@@ -215,34 +256,146 @@ class Storage:
             os.close(fd)
             raise
 
-    def listdir(self, rel: str = "") -> list[str]:
-        """Names (not paths) directly under rel; empty when rel does not exist."""
+    def _open_local(self, rel: str, flags: int, directory: bool = False) -> int:
+        """A descriptor of the local path ``rel`` (``flags``; ``directory``: a folder to list). Unless
+        ``follow_links``, each component below ``root`` is opened with ``O_NOFOLLOW`` relative to its parent's
+        descriptor: a symbolic link anywhere below ``root`` is refused (``LinkRefused``, naming the path), and one
+        swapped in after a check has no window to be followed. ``root`` itself is followed."""
+        from airflow_provider_vllm.core.errors import LinkRefused
+
+        if self.follow_links:
+            return os.open(self.path(rel), flags | (os.O_DIRECTORY if directory else 0))
+        parts = [c for c in rel.split("/") if c not in ("", ".")]
+        if ".." in parts:
+            raise LinkRefused(f"{self.uri(rel)}: a path with '..' below {self.uri()} is not read")
+        nofollow = getattr(os, "O_NOFOLLOW", 0)
+        dfd = os.open(self.base or "/", os.O_RDONLY | os.O_DIRECTORY)
+        if not parts:
+            return dfd if directory else _close_and(dfd, IsADirectoryError(self.uri()))
+        try:
+            for i, part in enumerate(parts):
+                last = i == len(parts) - 1
+                want = (os.O_RDONLY | os.O_DIRECTORY) if not last or directory else flags
+                try:
+                    nfd = os.open(part, want | nofollow, dir_fd=dfd)
+                except OSError as e:
+                    if e.errno == errno.ELOOP or (
+                        e.errno == errno.ENOTDIR and stat.S_ISLNK(os.lstat(part, dir_fd=dfd).st_mode)
+                    ):
+                        where = self.uri("/".join(parts[: i + 1]))
+                        raise LinkRefused(
+                            f"{where} is a symbolic link: no file or folder this provider writes below "
+                            f"{self.uri()} is, so {self.uri(rel)} is refused unopened (another writer of the "
+                            "folder put it there?)"
+                        ) from None
+                    raise
+                os.close(dfd)
+                dfd = nfd
+            return dfd
+        except BaseException:
+            os.close(dfd)
+            raise
+
+    def _scan(self, rel: str, limit: int, recursive: bool) -> list[tuple[str, int | None]]:
+        """``(path under rel, size or None)`` of each entry under ``rel`` (``recursive``: files only, at any depth;
+        else names directly under it, folders with None), counted while listed: ``ListingTooLarge`` at entry
+        ``limit`` + 1 (local: entries read from the folder, folders walked included; S3 and GCS: keys and
+        common prefixes of each page); empty when ``rel`` does not exist."""
+        fs = self.fs
+        if isinstance(fs, LocalFileSystem):
+            return self._scan_local(rel, limit, recursive)
+        protocols = _protocols(fs)
+        if {"s3", "s3a"} & protocols:
+            return self._call(
+                lambda: _scan_s3(fs, self.path(rel), limit, recursive, self.uri(rel)), f"list {self.uri(rel)}"
+            )
+        if {"gs", "gcs"} & protocols:
+            return self._call(
+                lambda: _scan_gcs(fs, self.path(rel), limit, recursive, self.uri(rel)), f"list {self.uri(rel)}"
+            )
+        return self._scan_other(rel, limit, recursive)  # memory:// (tests): listed whole, then counted
+
+    def _scan_local(self, rel: str, limit: int, recursive: bool) -> list[tuple[str, int | None]]:
+        try:
+            top = self._open_local(rel, os.O_RDONLY, directory=True)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        out: list[tuple[str, int | None]] = []
+        seen = 0
+        stack: list[tuple[int, str]] = [(top, "")]
+        try:
+            while stack:
+                dfd, at = stack.pop()
+                try:
+                    with os.scandir(dfd) as it:
+                        for e in it:
+                            seen += 1
+                            if seen > limit:
+                                raise _listing_error(self.uri(rel), limit)
+                            name = f"{at}{e.name}"
+                            try:
+                                is_dir = e.is_dir(follow_symlinks=False)
+                                linked_dir = self.follow_links and e.is_symlink() and e.is_dir(follow_symlinks=True)
+                            except OSError:
+                                is_dir = linked_dir = False
+                            if recursive and linked_dir:
+                                continue  # as fsspec's find: a linked folder below the root is not walked
+                            if recursive and is_dir:
+                                try:
+                                    flags = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_NOFOLLOW", 0)
+                                    stack.append((os.open(e.name, flags, dir_fd=dfd), f"{name}/"))
+                                except OSError:
+                                    out.append((name, None))
+                                continue
+                            size: int | None = None
+                            with contextlib.suppress(OSError):
+                                st = e.stat(follow_symlinks=False)
+                                size = st.st_size if stat.S_ISREG(st.st_mode) else None
+                            out.append((name, size))
+                finally:
+                    os.close(dfd)
+        finally:
+            for dfd, _ in stack:
+                os.close(dfd)
+        return out
+
+    def _scan_other(self, rel: str, limit: int, recursive: bool) -> list[tuple[str, int | None]]:
         p = self.path(rel)
         try:
-            entries = self._call(lambda: self.fs.ls(p, detail=False), f"list {self.uri(rel)}")
+            if recursive:
+                found = self._call(lambda: self.fs.find(p, detail=True), f"list {self.uri(rel)}")
+                entries = list(found.values())
+            else:
+                entries = self._call(lambda: self.fs.ls(p, detail=True), f"list {self.uri(rel)}")
         except FileNotFoundError:
             return []
-        names = [posixpath.basename(e.rstrip("/")) for e in entries]
-        return sorted(n for n in names if n)
+        if len(entries) > limit:
+            raise _listing_error(self.uri(rel), limit)
+        out: list[tuple[str, int | None]] = []
+        for e in entries:
+            full = str(e.get("name", "")).rstrip("/")
+            name = posixpath.relpath(full, p.rstrip("/")) if recursive else posixpath.basename(full)
+            size = e.get("size")
+            if name and name != ".":
+                out.append((name, int(size) if e.get("type") == "file" and isinstance(size, int) else None))
+        return out
 
-    def listdir_sizes(self, rel: str = "") -> dict[str, int | None]:
+    def listdir(self, rel: str = "", limit: int = LISTING_MAX) -> list[str]:
+        """Names (not paths) directly under rel; empty when rel does not exist; ``ListingTooLarge`` (naming rel and
+        ``limit``) when it holds more than ``limit`` entries, found while listing."""
+        return sorted(n for n, _ in self._scan(rel, limit, recursive=False))
+
+    def listdir_sizes(self, rel: str = "", limit: int = LISTING_MAX) -> dict[str, int | None]:
         """Names (not paths) directly under rel, each with the size its listing states (None: not a plain file, i.e.
         a folder, a link, a FIFO or a device, or no size stated); empty when rel does not exist. One listing: no
-        request per file."""
-        p = self.path(rel)
-        try:
-            entries = self._call(lambda: self.fs.ls(p, detail=True), f"list {self.uri(rel)}")
-        except FileNotFoundError:
-            return {}
-        out: dict[str, int | None] = {}
-        for e in entries:
-            name = posixpath.basename(str(e.get("name", "")).rstrip("/"))
-            size = e.get("size")
-            if name:
-                out[name] = int(size) if e.get("type") == "file" and isinstance(size, int) else None
-        return dict(sorted(out.items()))
+        request per file; bounded as ``listdir``."""
+        return dict(sorted(self._scan(rel, limit, recursive=False)))
 
     def open(self, rel: str, mode: str = "rb"):
+        """``rel`` opened through the file system; a local read of a folder the pipeline writes (no
+        ``follow_links``) is ``_open_read``'s: a link below the root, a FIFO or a device is refused unopened."""
+        if mode == "rb" and not self.follow_links and self.is_local:
+            return self._open_read(rel)
         return self.fs.open(self.path(rel), mode)
 
     def info(self, rel: str) -> dict[str, Any]:
@@ -369,15 +522,14 @@ class Storage:
         except FileNotFoundError:
             pass
 
-    def walk_files(self, rel: str = "") -> Iterator[str]:
-        """Relative paths of all files under rel."""
-        base = self.path(rel)
-        try:
-            found = self._call(lambda: self.fs.find(base), f"list {self.uri(rel)}")
-        except FileNotFoundError:
-            return
-        for p in sorted(found):
-            yield posixpath.relpath(p, self.base)
+    def walk_files(self, rel: str = "", limit: int = LISTING_MAX) -> Iterator[str]:
+        """Relative paths (to the root) of all files under rel, sorted; ``ListingTooLarge`` when more than
+        ``limit`` entries are found (counted while listing, before any is yielded). A linked folder below the root
+        is not walked into: unless ``follow_links`` it is listed as a file (readers refuse it); with it, it is left
+        out, as fsspec's ``find`` did (links to files are listed, and followed by readers)."""
+        found = self._scan(rel, limit, recursive=True)
+        for name, _ in sorted(found):
+            yield posixpath.join(rel, name) if rel else name
 
 
 HASH_THREADS = 8  # files hashed side by side: at most this many, and at most one per CPU
@@ -471,6 +623,77 @@ def is_temp_copy(name: str, of: str) -> bool:
     """Whether ``name`` is the temp file that ``write_atomic`` / ``create_only`` of ``of`` writes beside it (left
     behind when the writer is killed before its rename or link)."""
     return name.startswith(of) and _TEMP_SUFFIX.fullmatch(name[len(of) :]) is not None
+
+
+def _close_and(fd: int, error: BaseException) -> int:
+    os.close(fd)
+    raise error
+
+
+def _scan_s3(fs: Any, path: str, limit: int, recursive: bool, uri: str) -> list[tuple[str, int | None]]:
+    """s3fs: ``list_objects_v2`` page by page (at most ``limit`` + 1 keys and prefixes asked for), stopped at
+    ``limit`` + 1."""
+    bucket, key, _ = fs.split_path(path)
+    prefix = f"{key.rstrip('/')}/" if key else ""
+
+    async def scan() -> list[tuple[str, int | None]]:
+        out: list[tuple[str, int | None]] = []
+        kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, **getattr(fs, "req_kw", {})}
+        if not recursive:
+            kwargs["Delimiter"] = "/"
+        seen = 0
+        while True:
+            page = await fs._call_s3("list_objects_v2", MaxKeys=min(LIST_PAGE, limit + 1 - seen), **kwargs)
+            for c in page.get("CommonPrefixes", []) or []:
+                seen += 1
+                name = c["Prefix"][len(prefix) :].rstrip("/")
+                if name:
+                    out.append((name, None))
+            for c in page.get("Contents", []) or []:
+                seen += 1
+                name = c["Key"][len(prefix) :]
+                if name and not name.endswith("/"):
+                    out.append((name, int(c["Size"])))
+            if seen > limit:
+                raise _listing_error(uri, limit)
+            if not page.get("IsTruncated"):
+                return out
+            kwargs["ContinuationToken"] = page["NextContinuationToken"]
+
+    from fsspec.asyn import sync
+
+    return sync(fs.loop, scan)
+
+
+def _scan_gcs(fs: Any, path: str, limit: int, recursive: bool, uri: str) -> list[tuple[str, int | None]]:
+    """gcsfs: its page-by-page listing asked for at most ``limit`` + 1 items and prefixes (it stops there)."""
+    from fsspec.asyn import sync
+
+    items, prefixes = sync(
+        fs.loop,
+        fs._do_list_objects,
+        path.rstrip("/"),
+        max_results=limit + 1,
+        delimiter="" if recursive else "/",
+        items_per_call=LIST_PAGE,
+    )
+    if len(items) + len(prefixes) > limit:
+        raise _listing_error(uri, limit)
+    bucket, key, _ = fs.split_path(path)
+    prefix = f"{key.rstrip('/')}/" if key else ""
+
+    def under(name: str) -> str:  # gcsfs names items with their bucket, prefixes without
+        for head in (f"{bucket}/{prefix}", prefix):
+            if name.startswith(head):
+                return name[len(head) :]
+        return ""
+
+    out: list[tuple[str, int | None]] = [(under(str(p)).rstrip("/"), None) for p in prefixes]
+    for i in items:
+        name = under(str(i.get("name", "")))
+        if name and not name.endswith("/"):
+            out.append((name, int(i["size"]) if str(i.get("size", "")).isdigit() else None))
+    return [(n, s) for n, s in out if n]
 
 
 def _local_temp_copy(path: str, data: bytes) -> str:

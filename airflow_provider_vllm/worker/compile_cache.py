@@ -72,6 +72,10 @@ SNAPSHOT = "snapshot"
 MANIFEST = "MANIFEST.json"
 PUBLISHING = ".publish-"
 STALE_S = 3600.0  # a publish folder this old was left by a killed publisher
+KEY_FOLDER_LISTED = 1000
+"""The most entries of a key's folder a publisher lists for stale publish folders (it holds the snapshot and the
+publish folders of pods killed mid-publish): past it the sweep stops (a warning names the folder and the bound)
+and the publish goes on; another writer of the volume cannot make every publishing pod list millions."""
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 _COPY_BLOCK = 1 << 20
 # Temporary files of the compilers' own atomic writes, caught half-way by a copy: never published.
@@ -344,7 +348,20 @@ class CompileCache:
 
     def _remove_stale(self) -> None:
         now = time.time()
-        for p in self.folder.glob(f"{PUBLISHING}*"):
+        stale: list[Path] = []
+        with os.scandir(self.folder) as it:
+            for n, e in enumerate(it):
+                if n >= KEY_FOLDER_LISTED:
+                    log.warning(
+                        "compile cache %s: holds more than %d entries, the most listed for stale publish folders "
+                        "(another writer of the volume put them there?): not listed further",
+                        self.folder,
+                        KEY_FOLDER_LISTED,
+                    )
+                    break
+                if e.name.startswith(PUBLISHING):
+                    stale.append(Path(e.path))
+        for p in stale:
             try:
                 if now - p.lstat().st_mtime > STALE_S:
                     shutil.rmtree(p, ignore_errors=True)

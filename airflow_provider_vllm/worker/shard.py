@@ -359,7 +359,8 @@ def shard_input(spec: JobSpec, plan: Plan, shard: ShardPlan) -> Iterator[Storage
     sha256 of the sealed plan: the rows the engine answers are the rows the plan keyed.
     """
     root, files = plan.shard_input(shard)
-    src = Storage(root, spec.io.storage_options)
+    # the input: the user's links are followed; the plan's own misses file (under the output prefix) is not
+    src = Storage(root, spec.io.storage_options, follow_links=shard.input_file is None)
     if shard.input_file is None:
         check_unchanged(src, files)
         yield src

@@ -29,7 +29,7 @@ from tests.support.data import make_spec, write_parquet
 from tests.support.ledger import record_fault
 from tests.support.s3faults import FaultProxy
 from tests.support.s3server import MotoServer, free_port
-from tests.unit.core.test_storage import check_capped_reads
+from tests.unit.core.test_storage import check_bounded_listings, check_capped_reads
 
 # gcsfs >= 2026 first asks the storage-control gRPC API whether a bucket is zonal/hierarchical,
 # which the emulator does not serve (a 60 s timeout per bucket); the plain JSON API is what we use.
@@ -175,6 +175,13 @@ def test_gcsfs_sends_if_generation_match_and_the_emulator_ignores_it(gcs, caplog
 
 def test_whole_object_reads_stop_at_the_limit_on_gcs(gcs):
     check_capped_reads(Storage("gs://gbucket/limits", gcs))
+
+
+def test_listings_stop_at_their_bound_page_by_page_on_gcs(gcs, monkeypatch):
+    from airflow_provider_vllm.core import storage
+
+    monkeypatch.setattr(storage, "LIST_PAGE", 3)  # pages of 3 objects: the listings page through the folder
+    check_bounded_listings(Storage("gs://gbucket/bounded", gcs))
 
 
 def test_whole_object_reads_see_objects_another_process_wrote_after_a_listing_on_gcs(gcs):

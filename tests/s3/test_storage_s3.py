@@ -9,6 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from airflow_provider_vllm.core.errors import ListingTooLarge
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.steps.merge.merger import merge, result_parts
 from airflow_provider_vllm.steps.plan.planner import plan_job
@@ -16,7 +17,7 @@ from airflow_provider_vllm.worker.shard import run_shard
 from airflow_provider_vllm.worker.task import ShardTask
 from tests.support.data import LABELS, make_spec
 from tests.support.s3server import MotoServer
-from tests.unit.core.test_storage import check_capped_reads, check_listed_sizes
+from tests.unit.core.test_storage import check_bounded_listings, check_capped_reads, check_listed_sizes
 
 
 @pytest.fixture(scope="module")
@@ -115,3 +116,28 @@ def test_a_test_server_whose_port_another_server_took_moves_to_a_port_of_its_own
 
 def test_listed_sizes_on_s3(s3):
     check_listed_sizes(Storage("s3://data/listed", s3.storage_options))
+
+
+def test_listings_stop_at_their_bound_page_by_page_on_s3(s3, monkeypatch):
+    """Pages of 3 keys: the listings page through the folder, and one over its bound asks for no page past it."""
+    import s3fs
+
+    from airflow_provider_vllm.core import storage
+
+    monkeypatch.setattr(storage, "LIST_PAGE", 3)
+    st = Storage("s3://data/bounded", s3.storage_options)
+    check_bounded_listings(st)
+    for i in range(30):
+        st.write_atomic(f"flood/p{i:02d}", b"")
+    pages = []
+    real = s3fs.S3FileSystem._call_s3
+
+    async def counted(self, method, *a, **kw):
+        if method == "list_objects_v2":
+            pages.append(kw.get("MaxKeys"))
+        return await real(self, method, *a, **kw)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", counted)
+    with pytest.raises(ListingTooLarge, match="s3://data/bounded/flood holds more than 4 entries"):
+        st.listdir("flood", limit=4)
+    assert pages == [3, 2]  # 5 keys asked for in all, not the 30

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from airflow_provider_vllm.core.errors import DatasetError, InputChangedError
+from airflow_provider_vllm.core.errors import DatasetError, InputChangedError, ListingTooLarge
 from airflow_provider_vllm.core.formats.lines import LineReader, parse_line
 from airflow_provider_vllm.core.storage import GLOB_CHARS, FileSystems, Storage, has_glob
 
@@ -22,6 +22,12 @@ JSONL_EXT = (".jsonl", ".ndjson", ".json")
 COMPRESSED_DATA = re.compile(r"\.(jsonl|ndjson|json|parquet|pq|parq)\.(gz|gzip|bz2|xz|zst|zstd|lz4|snappy|zip)$")
 """A data file compressed whole (``rows.jsonl.gz``): not read, so an input folder holding one is refused rather
 than run without its rows (Parquet compresses its pages inside the file: ``part-0.snappy.parquet`` is read)."""
+INPUT_LISTED = 250_000
+"""The most entries of an input folder listed (files at any depth and the folders walked, ``_`` and ``.`` ones
+included: Spark's ``.crc`` files and ``_SUCCESS`` count). The plan names every input file in ``_plan.json`` (a few
+hundred bytes each, ``storage.RECORD_MAX_BYTES``) and asks its size and version once each, so a dataset of this
+many files is already slow to plan; a folder holding more fails the plan, naming it and the bound, after listing
+no more than that (compact the files, or point ``io.input_uri`` at a subfolder)."""
 REPLAN = (
     "the plan pins the input's files (a file added to the folder since is not read either): put the planned "
     "file back as it was, or plan the run again into a new output prefix"
@@ -62,14 +68,21 @@ def checked_names(root: Storage, names: list[str]) -> list[str]:
 
 def _listed(uri: str, options: dict[str, Any], filesystems: FileSystems | None) -> tuple[Storage, list[str]]:
     """The input's folder and its data files (``_`` and ``.`` names skipped); DatasetError when there are none."""
-    whole = Storage(uri, options, filesystems)
+    whole = Storage(uri, options, filesystems, follow_links=True)  # the user's links: the allow-list checked them
     fs = whole.fs
     try:
         is_dir = fs.isdir(whole.base)
     except FileNotFoundError:
         is_dir = False
     if is_dir:
-        visible = [rel for rel in whole.walk_files() if not any(p.startswith(("_", ".")) for p in rel.split("/"))]
+        try:
+            listed = list(whole.walk_files(limit=INPUT_LISTED))
+        except ListingTooLarge:
+            raise DatasetError(
+                f"input {uri} holds more than {INPUT_LISTED} files and folders, the most an input folder is "
+                "listed for: compact its files, or point io.input_uri at a subfolder"
+            ) from None
+        visible = [rel for rel in listed if not any(p.startswith(("_", ".")) for p in rel.split("/"))]
         compressed = [rel for rel in visible if COMPRESSED_DATA.search(rel.lower())]
         if compressed:
             raise DatasetError(

@@ -38,7 +38,7 @@ from pydantic import ValidationError
 from airflow_provider_vllm import __version__
 from airflow_provider_vllm.core import duck, faults
 from airflow_provider_vllm.core import seal as seals
-from airflow_provider_vllm.core.errors import CommitError, TransientError
+from airflow_provider_vllm.core.errors import CommitError, ListingTooLarge, TransientError
 from airflow_provider_vllm.core.part_names import check_inside
 from airflow_provider_vllm.core.records import CacheCommit, CacheFileEntry
 from airflow_provider_vllm.core.seal import Keyring
@@ -58,6 +58,9 @@ MAX_COMMITS = 1024
 """The most commit files of one key config that ``committed`` reads: a compaction keeps them at about
 ``COMPACT_AFTER``. A folder holding more is not read at all (a warning names it; every row is inferred again):
 another writer of the cache folder cannot make each plan read millions of them."""
+COMMITS_LISTED = 4 * MAX_COMMITS
+"""The most entries of one key config's commit folder listed (commits, and the temp files of killed writers):
+the listing stops there, and the folder is skipped as one of more than ``MAX_COMMITS`` commits."""
 _ENTRY_ID = re.compile(r"^[0-9a-f]{32}$")
 _PART = re.compile(r"^part-\d{5}\.parquet$")
 
@@ -86,7 +89,12 @@ class CacheStore:
         valid: list[CacheCommit] = []
         folder = self.commit_dir(khash)
         # others (e.g. a writer's temp file) are never a commit
-        names = [n for n in self.st.listdir(folder) if n.endswith(".json") and _ENTRY_ID.match(n.removesuffix(".json"))]
+        try:
+            listed = self.st.listdir(folder, limit=COMMITS_LISTED)
+        except ListingTooLarge as e:
+            log.warning("cache: skipping every entry of %s: %s", self.st.uri(folder), e)
+            return []
+        names = [n for n in listed if n.endswith(".json") and _ENTRY_ID.match(n.removesuffix(".json"))]
         if len(names) > MAX_COMMITS:
             log.warning(
                 "cache: skipping every entry of %s: it holds %d commits, more than the %d a compacted cache holds "

@@ -205,8 +205,8 @@ def _merge(
     # part per kind (checked below like every part: the exactly-once accounting covers them).
     followers = _follower_sources(out, plan, sources, copies)
     for kind in KINDS:
-        check_folder(out, kind)
-    in_root = out.at(plan.input_root)
+        check_folder(out, kind, len(sources[kind]))  # the cache's hits and the followers included
+    in_root = out.input_at(plan.input_root)
     con = duck.connect(out, in_root, memory_limit=memory_limit)
     try:
         _ids_view(con, out, sources)
@@ -996,16 +996,27 @@ def write_openai_outputs(
     return {"openai_output": OPENAI_OUT, "openai_errors": OPENAI_ERR}, sums
 
 
-def check_folder(out: Storage, kind: str) -> None:
+FOLDER_SLACK = 1000
+"""Entries of ``results/`` or ``errors/`` listed beyond twice the parts the merge publishes there (its manifest,
+temp files of killed merges): the listing stops past that bound with a ``ListingTooLarge`` naming the folder."""
+
+
+def folder_bound(parts: int) -> int:
+    """The most entries listed in a ``results/`` or ``errors/`` folder of a merge of ``parts`` parts."""
+    return 2 * parts + FOLDER_SLACK
+
+
+def check_folder(out: Storage, kind: str, parts: int) -> None:
     """CommitError when ``kind``/ holds a file merge does not write (its parts, its manifest, its temp files).
 
+    ``parts``: the parts the merge publishes there (the listing's bound, ``folder_bound``).
     Merge owns these folders: its own stale parts are removed when it publishes, anything else
     (e.g. ``results/results.parquet`` of the layout before 0.2, or a user's file) is refused
     rather than deleted or silently served as part of the results.
     """
     foreign = [
         n
-        for n in out.listdir(kind)
+        for n in out.listdir(kind, limit=folder_bound(parts))
         if n != MANIFEST and not PART_NAME.fullmatch(n) and not _TMP_NAME.match(n) and not is_temp_copy(n, MANIFEST)
     ]
     if foreign:
@@ -1052,10 +1063,11 @@ def publish_parts(
                 entries.append(PartEntry(name=p.name, bytes=p.bytes, sha256=p.sha256, rows=p.rows))
             faults.hit("merge.between_parts")
     keep = {e.name for e in entries} | {MANIFEST}
-    stale = [n for n in out.listdir(kind) if n not in keep and PART_NAME.fullmatch(n)]
+    listed = out.listdir(kind, limit=folder_bound(len(sources) + 1))
+    stale = [n for n in listed if n not in keep and PART_NAME.fullmatch(n)]
     if published and stale:
         _refuse_published(out, f"{kind}/{stale[0]}", "remove", published)
-    for name in out.listdir(kind):
+    for name in listed:
         if name not in keep:
             out.remove(f"{kind}/{name}")
     return PartsManifest(kind=kind, rows=sum(e.rows for e in entries), parts=entries)

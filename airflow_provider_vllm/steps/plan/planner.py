@@ -26,14 +26,21 @@ from airflow_provider_vllm.core import faults
 from airflow_provider_vllm.core.adapters import describe_adapters
 from airflow_provider_vllm.core.allow_list import canonical_uri, enclosing_folders
 from airflow_provider_vllm.core.commit import PROBE_DIR, probe_create_only
-from airflow_provider_vllm.core.errors import DatasetError, SpecError
+from airflow_provider_vllm.core.errors import DatasetError, ListingTooLarge, SpecError
 from airflow_provider_vllm.core.formats import input_format
 from airflow_provider_vllm.core.formats.base import array_groups
 from airflow_provider_vllm.core.formats.files import Input, find_input
 from airflow_provider_vllm.core.plan import PLAN_FILE, LastPublished, Plan, Segment, ShardPlan, estimate_tokens
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
-from airflow_provider_vllm.core.storage import GLOB_CHARS, FileSystems, Storage, has_glob, is_temp_copy
+from airflow_provider_vllm.core.storage import (
+    GLOB_CHARS,
+    LISTING_MAX,
+    FileSystems,
+    Storage,
+    has_glob,
+    is_temp_copy,
+)
 from airflow_provider_vllm.steps.golden import GOLDEN_IN, with_golden
 from airflow_provider_vllm.steps.plan.groups import ALL, LONG, SHORT, GroupTokens
 from airflow_provider_vllm.steps.plan.passthrough import resolve_passthrough
@@ -48,6 +55,10 @@ RUN_MARKERS = (PLAN_FILE, SUCCESS)
 """Files that make a folder a run's: its sealed plan, and once published its ``_SUCCESS.json``."""
 
 DEFAULT_TARGET_ROWS = 10_000
+OUTPUT_LISTED_PER_SHARD = 4
+"""With ``storage.LISTING_MAX``, the most entries of a new run's output prefix listed per ``sharding.max_shards``
+(what a plan killed before its ``_plan.json`` leaves: a few files per shard): a prefix holding more is not empty,
+and is refused as such without being listed further."""
 PLAN_VERSION = 2  # 2: sealed (core/seal.py); with the result cache, one input file per shard
 
 log = logging.getLogger(__name__)
@@ -259,7 +270,12 @@ def _check_empty(spec: JobSpec, out: Storage) -> None:
         TABLE_DIR + "/",
     )  # files a plan killed before its _plan.json leaves
     # a plan killed while writing _plan.json leaves its temp copy beside it
-    foreign = next((f for f in out.walk_files() if not f.startswith(mine) and not is_temp_copy(f, PLAN_FILE)), None)
+    bound = OUTPUT_LISTED_PER_SHARD * spec.sharding.max_shards + LISTING_MAX
+    try:
+        files = out.walk_files(limit=bound)
+        foreign = next((f for f in files if not f.startswith(mine) and not is_temp_copy(f, PLAN_FILE)), None)
+    except ListingTooLarge:
+        foreign = f"more than {bound} entries"
     if foreign is not None:
         raise SpecError(
             f"output {spec.io.output_uri} is not empty (e.g. {foreign}) and holds no plan of "

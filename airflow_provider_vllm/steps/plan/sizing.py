@@ -43,7 +43,7 @@ from pydantic import ValidationError
 
 from airflow_provider_vllm.core import seal as seals
 from airflow_provider_vllm.core.commit import CommitMarker
-from airflow_provider_vllm.core.errors import SealError
+from airflow_provider_vllm.core.errors import ListingTooLarge, SealError
 from airflow_provider_vllm.core.plan import Evidence, Sizing
 from airflow_provider_vllm.core.records import ThroughputRecord
 from airflow_provider_vllm.core.seal import Keyring
@@ -58,6 +58,11 @@ HISTORY_FILES = 500  # newest files read
 # A merge writes one record (~1 KB with its seal) per hardware: a bigger file is not one of its files, and is not
 # read (a planted file of millions of lines would hold the plan's memory and time).
 HISTORY_FILE_BYTES = 64 * 1024
+HISTORY_LISTED = 10_000
+"""The most entries of a history folder listed: merge writes one file per run (a nightly job: 365 a year). A
+folder holding more is not read (a warning names it and the bound; the plan sizes shards without history) and
+merge writes its file without removing the run's earlier one: whoever else can write the folder cannot make
+each plan and merge list millions of objects."""
 FUTURE_SLACK_S = 24 * 3600.0  # a file named more than this after now is not a merge's (clock skew allowed)
 _FILE_TIME = re.compile(r"^(\d{8}T\d{6}Z)-")
 MIN_SHARD_MINUTES = 5.0
@@ -157,7 +162,12 @@ def record_run(
 
 # ---- reading --------------------------------------------------------------------------
 def _names(store: Storage) -> list[str]:
-    return [n for n in store.listdir("") if n.endswith(".jsonl") and not n.startswith((".", "_"))]
+    try:
+        listed = store.listdir("", limit=HISTORY_LISTED)
+    except ListingTooLarge as e:
+        log.warning("throughput history: %s; its earlier file of this run is left in place", e)
+        return []
+    return [n for n in listed if n.endswith(".jsonl") and not n.startswith((".", "_"))]
 
 
 def read_history(
@@ -238,7 +248,12 @@ def _window(store: Storage, uri: str) -> list[str]:
     latest = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(time.time() + FUTURE_SLACK_S))
     keep: list[str] = []
     skipped: list[str] = []
-    for name, size in store.listdir_sizes("").items():
+    try:
+        listed = store.listdir_sizes("", limit=HISTORY_LISTED)
+    except ListingTooLarge as e:
+        log.warning("throughput history: %s; shards are sized without it", e)
+        return []
+    for name, size in listed.items():
         if not name.endswith(".jsonl") or name.startswith((".", "_")):
             continue
         m = _FILE_TIME.match(name)

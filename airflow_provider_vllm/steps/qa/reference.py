@@ -127,7 +127,7 @@ def find_references(
             )
         return LabelFiles(
             "input_column",
-            out.at(plan.input_root),
+            out.input_at(plan.input_root),
             [f.path for f in plan.files],
             spec.prompt.id_column,
             ref.input_column,

@@ -220,7 +220,7 @@ def _with_input_excerpt(spec: JobSpec, sample: pa.Table, out: Storage, plan: Pla
     """Add the sampled rows' input text (first text column) for the report; Parquet inputs only."""
     if plan.format != "parquet" or sample.num_rows == 0 or not spec.prompt.texts:
         return sample
-    root = out.at(plan.input_root)
+    root = out.input_at(plan.input_root)
     q = lambda c: '"' + c.replace('"', '""') + '"'  # noqa: E731
     ids = sample.column("id").to_pylist()
     wanted = pa.table({"id": pa.array(ids, pa.string())})

@@ -138,7 +138,7 @@ def resolve_table_input(
     canon = [canonical_uri(task.file.file_path, "data file", resolve=False) for task in tasks]
     root = _common_root(canon)
     if root is not None:
-        src = Storage(root, spec.io.storage_options, filesystems)
+        src = Storage(root, spec.io.storage_options, filesystems, follow_links=True)
         rels = [c[len(root) + 1 :] for c in canon]
     if root is not None and _by_reference(tasks, schema, selected, src, rels):
         files = describe_files(src, rels)

@@ -94,6 +94,17 @@ def test_an_object_store_adapter_is_read_with_the_deployments_filesystems(tmp_pa
         fetch_adapter(a, ref, str(tmp_path / "copy2"), {}, lambda uri, options: mem)
 
 
+def test_a_folder_flooded_with_files_is_refused_after_listing_no_more_than_its_bound(tmp_path, model_dir, monkeypatch):
+    """An adapter folder is listed up to twice ``MAX_FILES`` entries (its folders count): one more is refused,
+    naming the bound, without listing the rest; the code before listed every planted file, then counted them."""
+    src = write_adapter(tmp_path / "ad", model_dir, seed=1)
+    monkeypatch.setattr(adapters, "MAX_FILES", 100)
+    for i in range(300):
+        (src / f"planted-{i:03d}").write_bytes(b"")
+    with pytest.raises(SpecError, match=r"adapters\[x\]: .* holds more than 200 entries; an adapter has a few"):
+        describe_adapter(AdapterSpec(name="x", source=str(src)), {})
+
+
 def test_the_plan_refuses_a_planted_huge_file_before_it_reads_a_byte(tmp_path, model_dir, monkeypatch):
     """A writer of the folder plants a sparse file (free on local disk; 64 MiB past a MAX_BYTES of 1 MiB stands
     for a TB past 8 GiB): the plan refuses the folder on the sizes the store states, having read nothing. The code

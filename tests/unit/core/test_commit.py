@@ -380,3 +380,42 @@ def test_a_chunk_numbered_past_99999_is_reused_and_merged_under_its_name(tmp_pat
     assert store.reusable_chunks({1: one}) == {}
     with pytest.raises(CommitError, match="not a chunk file"):
         check_marker_path(first.path.replace("chunk-00001", "chunk-000001"), shard.shard_id, where, RESULTS)
+
+
+def test_a_shards_attempt_folders_are_listed_for_reuse_no_further_than_their_bound(tmp_path, monkeypatch, caplog):
+    """The reuse scan is advisory: a shard's ``attempts/`` holding more than ``ATTEMPTS_LISTED`` folders, or attempt
+    folders holding more entries than its chunks explain (``REUSE_LISTED_PER_CHUNK`` per chunk and
+    ``REUSE_LISTED_SLACK``), is listed no further, named in a warning, and the chunks not found are redone; an
+    attempt folder that is a link is skipped. The code before listed every planted folder and file."""
+    from airflow_provider_vllm.core import commit
+
+    write_parquet(tmp_path / "in.parquet", ["a", "b"], ["x", "y"])
+    spec = make_spec(tmp_path / "in.parquet", tmp_path / "out")
+    plan = plan_job(spec)
+    (shard,) = plan.shards
+    assert plan.seal is not None
+    store = ShardStore(Storage(str(tmp_path / "out")), shard.shard_id, RunSeal(Keyring.from_env(), plan.seal.mac))
+    meta = ChunkMeta(shard_id=shard.shard_id, chunk=0, first_row=0, rows=2, config_hash=plan.config_hash)
+    rows = [{"id": i, "status": "ok", "output": "o", "shard_id": shard.shard_id, "attempt_id": "a1"} for i in "ab"]
+    entry = store.write_chunk("a1", meta, rows_table(rows))
+    attempts = tmp_path / "out" / "shards" / shard.shard_id / "attempts"
+    (attempts / "zz-link").symlink_to(tmp_path)  # a link: not scanned (its listing would be refused)
+    assert store.reusable_chunks({0: meta}) == {0: entry}
+
+    monkeypatch.setattr(commit, "ATTEMPTS_LISTED", 3, raising=False)
+    for i in range(2):
+        (attempts / f"planted-{i}").mkdir()
+    with caplog.at_level("WARNING"):
+        assert store.reusable_chunks({0: meta}) == {}
+    assert f"{attempts} holds more than 3 entries" in caplog.text
+    (attempts / "planted-0").rmdir()
+    (attempts / "planted-1").rmdir()
+
+    monkeypatch.setattr(commit, "REUSE_LISTED_SLACK", 0, raising=False)
+    monkeypatch.setattr(commit, "REUSE_LISTED_PER_CHUNK", 3, raising=False)  # a1 holds 3 files: its chunk's
+    assert store.reusable_chunks({0: meta}) == {0: entry}
+    (attempts / "a1" / "planted").write_text("")
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert store.reusable_chunks({0: meta}) == {}
+    assert "hold more than the 3 entries listed" in caplog.text and f"{attempts / 'a1'}" in caplog.text

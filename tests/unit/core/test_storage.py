@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from airflow_provider_vllm.core.errors import CommitError
+from airflow_provider_vllm.core.errors import CommitError, LinkRefused, ListingTooLarge
 from airflow_provider_vllm.core.storage import RECORD_MAX_BYTES, Storage
 from tests.support import ROOT
 from tests.support.security import counted_reads
@@ -41,6 +41,107 @@ def check_listed_sizes(st: Storage) -> None:
     assert st.listdir_sizes("absent") == {}
 
 
+def check_bounded_listings(st: Storage) -> None:
+    """Every listing stops at its bound and names the folder and the bound (local here; S3 and GCS on loopback in
+    tests/s3, with pages smaller than the folder: ``storage.LIST_PAGE``)."""
+    for i in range(7):
+        st.write_atomic(f"many/f{i}.json", b"x" * i)
+    st.write_atomic("many/sub/deep.json", b"y")  # 8 entries directly under many/, 8 files at any depth
+    assert st.listdir("many", limit=8) == [f"f{i}.json" for i in range(7)] + ["sub"]
+    assert st.listdir_sizes("many", limit=8) == {**{f"f{i}.json": i for i in range(7)}, "sub": None}
+    assert list(st.walk_files("many", limit=9)) == [f"many/f{i}.json" for i in range(7)] + ["many/sub/deep.json"]
+    for listing in (
+        lambda: st.listdir("many", limit=7),
+        lambda: st.listdir_sizes("many", limit=7),
+        lambda: list(st.walk_files("many", limit=7)),
+    ):
+        with pytest.raises(ListingTooLarge) as e:
+            listing()
+        assert f"{st.uri('many')} holds more than 7 entries" in str(e.value) and e.value.limit == 7
+    assert st.listdir("absent", limit=0) == [] and list(st.walk_files("absent", limit=0)) == []
+
+
+def test_listings_stop_at_their_bound_naming_the_folder(tmp_path):
+    check_bounded_listings(Storage(str(tmp_path)))
+
+
+def test_a_listing_over_its_bound_reads_no_further_than_the_bound(tmp_path, monkeypatch):
+    """The bound is enforced while listing: a folder of 500 entries listed with a bound of 10 reads 11 of them."""
+    for i in range(500):
+        (tmp_path / f"p{i:03d}").write_bytes(b"")
+    read = []
+    real = os.scandir
+
+    class Counted:
+        def __init__(self, it):
+            self.it = it
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.it.close()
+
+        def __iter__(self):
+            for e in self.it:
+                read.append(e.name)
+                yield e
+
+    monkeypatch.setattr(os, "scandir", lambda p: Counted(real(p)))
+    with pytest.raises(ListingTooLarge):
+        Storage(str(tmp_path)).listdir("", limit=10)
+    assert len(read) == 11
+
+
+def test_links_below_a_folder_the_pipeline_writes_are_refused_unopened(tmp_path):
+    """A link anywhere below the root (the file itself, or a folder in the middle of its path) is refused by the
+    checked readers and the listings, naming it: ``_SUCCESS.json -> /etc/passwd``, ``shards -> another tenant's
+    folder``, a link to a FIFO (which would block an open) or to /dev/zero (which never ends). The root itself may
+    be a link (a prefix on a linked volume); an input folder (``follow_links``) follows the user's links."""
+    other = tmp_path / "other"
+    (other / "x").mkdir(parents=True)
+    (other / "x" / "_SUCCESS.json").write_bytes(b"another tenant's")
+    os.mkfifo(other / "fifo")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "_SUCCESS.json").symlink_to("/etc/passwd")
+    (run / "fifo.json").symlink_to(other / "fifo")
+    (run / "zero.json").symlink_to("/dev/zero")
+    (run / "shards").symlink_to(other)  # a folder in the middle of the path
+    (run / "own").mkdir()
+    (run / "own" / "x").symlink_to(other / "x")
+    st = Storage(str(run))
+    cases = {
+        "_SUCCESS.json": "_SUCCESS.json",
+        "fifo.json": "fifo.json",
+        "zero.json": "zero.json",
+        "shards/x/_SUCCESS.json": "shards",
+        "own/x/_SUCCESS.json": "own/x",
+    }
+    for rel, link in cases.items():
+        for read in (
+            lambda rel=rel: st.read_bytes(rel),
+            lambda rel=rel: st.sha256(rel),
+            lambda rel=rel: st.fetch_verified(rel, None, "0" * 64, str(tmp_path / "copy")),
+            lambda rel=rel: st.open(rel).close(),
+        ):
+            with pytest.raises(LinkRefused) as e:
+                read()
+            assert f"{st.uri(link)} is a symbolic link" in str(e.value) and st.uri(rel) in str(e.value)
+    assert not (tmp_path / "copy").exists()
+    for rel in ("shards/x", "own/x"):
+        with pytest.raises(LinkRefused):
+            st.listdir(rel)
+    assert list(st.walk_files("own")) == ["own/x"]  # listed, not walked into (and refused when read)
+    with pytest.raises(LinkRefused):
+        st.read_bytes("a/../_SUCCESS.json")
+    # the root may be a link; an input folder follows the user's links
+    (tmp_path / "linked-root").symlink_to(other)
+    assert Storage(str(tmp_path / "linked-root")).read_bytes("x/_SUCCESS.json") == b"another tenant's"
+    assert Storage(str(run), follow_links=True).read_bytes("shards/x/_SUCCESS.json") == b"another tenant's"
+    assert Storage(str(run), follow_links=True).sub("own").read_bytes("x/_SUCCESS.json") == b"another tenant's"
+
+
 def test_listed_sizes_name_each_plain_file_and_none_for_anything_else(tmp_path):
     check_listed_sizes(Storage(str(tmp_path)))
     (tmp_path / "sizes" / "link.jsonl").symlink_to(tmp_path / "sizes" / "a.jsonl")
@@ -57,7 +158,7 @@ def test_a_device_where_a_record_or_a_checked_file_is_read_is_refused_unread(tmp
     if not os.path.exists("/dev/zero"):
         pytest.skip("no /dev/zero")
     (tmp_path / "_SUCCESS.json").symlink_to("/dev/zero")
-    st = Storage(str(tmp_path))
+    st = Storage(str(tmp_path), follow_links=True)  # an input folder: the user's links are followed, devices not
     for read in (
         lambda: st.read_bytes("_SUCCESS.json", limit=4096),
         lambda: st.sha256("_SUCCESS.json"),

@@ -284,6 +284,50 @@ def test_a_stale_publish_folder_of_a_killed_pod_is_removed_and_never_read(tmp_pa
     assert not stale.exists()
 
 
+def test_a_key_folder_flooded_with_entries_is_swept_no_further_than_its_bound(tmp_path, monkeypatch, caplog):
+    """A writer of the volume plants entries in a key's folder: the publisher's sweep for stale publish folders
+    lists at most ``KEY_FOLDER_LISTED`` of them, warns naming the folder and the bound, and still publishes; the
+    code before listed every entry (``glob``)."""
+    root = tmp_path / "shared"
+    root.mkdir()
+    pod = _pod(root, tmp_path / "pod1")
+    folder = root / pod.key
+    folder.mkdir(parents=True)
+    for i in range(20):
+        (folder / f"planted-{i:02d}").write_bytes(b"")
+    monkeypatch.setattr(cc, "KEY_FOLDER_LISTED", 5, raising=False)
+    seen = []
+    real = os.scandir
+
+    def counted(p):
+        if str(p) != str(folder):
+            return real(p)
+
+        class It:
+            def __enter__(self):
+                self.it = real(p)
+                return self
+
+            def __exit__(self, *exc):
+                self.it.close()
+
+            def __iter__(self):
+                for e in self.it:
+                    seen.append(e.name)
+                    yield e
+
+        return It()
+
+    pod.restore()
+    _compile(tmp_path / "pod1", "a")
+    monkeypatch.setattr(os, "scandir", counted)
+    with caplog.at_level("WARNING"):
+        assert pod.publish("s/a") is True
+    monkeypatch.undo()
+    assert f"compile cache {folder}: holds more than 5 entries" in caplog.text
+    assert len([n for n in seen if n.startswith("planted-")]) <= 6
+
+
 def test_a_file_swapped_for_a_huge_one_is_refused_unread_and_a_growing_one_is_read_no_further(tmp_path, monkeypatch):
     """A writer of the volume replaces a snapshot file with a huge (sparse) one: the pod must not copy it into
     its emptyDir (past the emptyDir's size limit the pod is evicted: a failed shard, not a cold start). The

@@ -52,6 +52,44 @@ def test_a_symbolic_link_to_nothing_in_the_input_folder_is_a_dataset_error_namin
         find_input(str(folder), {}, "auto")
 
 
+def test_an_input_folder_of_more_files_than_its_bound_is_a_dataset_error_after_listing_no_more(tmp_path, monkeypatch):
+    """``INPUT_LISTED`` files and folders (hidden ones included) are listed at most: one more fails the plan naming
+    the input and the bound; the code before listed any number of them."""
+    from airflow_provider_vllm.core.formats import files
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    for i in range(4):
+        (folder / f"p{i}.jsonl").write_text(f'{{"id": "{i}", "text": "t"}}\n')
+    monkeypatch.setattr(files, "INPUT_LISTED", 3, raising=False)
+    with pytest.raises(DatasetError, match=rf"input {folder} holds more than 3 files and folders"):
+        input_storage(str(folder), {})
+    (folder / "p3.jsonl").unlink()
+    assert input_storage(str(folder), {})[1] == ["p0.jsonl", "p1.jsonl", "p2.jsonl"]
+
+
+def test_an_input_given_as_a_linked_folder_or_as_a_folder_of_links_is_read(tmp_path):
+    """The user's links are the user's (the allow-list resolves them): a linked input folder and a folder of links
+    to data files are planned and read as before (only folders the pipeline writes refuse links below their root);
+    a linked subfolder is not walked, as before (fsspec's ``find`` did not either)."""
+    data = tmp_path / "data"
+    (data / "sub").mkdir(parents=True)
+    (data / "a.jsonl").write_text('{"id": "a", "text": "hello"}\n')
+    (data / "sub" / "b.jsonl").write_text('{"id": "b", "text": "world"}\n')
+    links = tmp_path / "links"
+    links.mkdir()
+    (links / "a.jsonl").symlink_to(data / "a.jsonl")
+    (links / "sub").symlink_to(data / "sub")
+    (tmp_path / "linked").symlink_to(data)
+    root, names = input_storage(str(tmp_path / "linked"), {})
+    assert names == ["a.jsonl", "sub/b.jsonl"]
+    assert [root.read_bytes(n) for n in names] == [b'{"id": "a", "text": "hello"}\n', b'{"id": "b", "text": "world"}\n']
+    assert len(describe_files(root, names)) == 2
+    root, names = input_storage(str(links), {})
+    assert names == ["a.jsonl"] and root.read_bytes("a.jsonl") == b'{"id": "a", "text": "hello"}\n'
+    assert root.sub("sub").read_bytes("b.jsonl") == b'{"id": "b", "text": "world"}\n'  # links followed below it
+
+
 @pytest.mark.parametrize("name", ["b.jsonl.gz", "sub/b.ndjson.zst", "B.PARQUET.GZ"])
 def test_a_compressed_data_file_in_the_input_folder_is_refused_not_left_out(tmp_path, name):
     """A folder of a.jsonl and b.jsonl.gz was planned over a.jsonl alone: b's rows were never run, never errors,

@@ -109,3 +109,21 @@ def test_planted_commits_are_read_no_further_than_a_commit_this_provider_writes(
     read.clear()
     assert store.committed(KH) == []
     assert read == [] and f"skipping every entry of {folder}: it holds 4 commits, more than the 3" in caplog.text
+
+
+def test_a_commit_folder_flooded_with_other_files_is_listed_no_further_than_its_bound(
+    store, tmp_path, monkeypatch, caplog
+):
+    """Files that are no commit (any name) count too: a key config's folder holding more than ``COMMITS_LISTED``
+    entries is skipped with a warning naming it and the bound, its listing stopped there. The code before listed
+    the whole folder (millions of planted objects: minutes and GiBs) before it filtered and counted commits."""
+    eid = write(store, tmp_path, 1, ["k1"], "a")
+    folder = tmp_path / "cache" / "commits" / KH[:32]
+    monkeypatch.setattr(store_module, "COMMITS_LISTED", 5, raising=False)
+    for n in range(5):
+        (folder / f"junk-{n}").write_text("")
+    with caplog.at_level("WARNING"):
+        assert store.committed(KH) == []
+    assert f"skipping every entry of {folder}: {folder} holds more than 5 entries" in caplog.text
+    (folder / "junk-0").unlink()
+    assert [c.entry_id for c in store.committed(KH)] == [eid]

@@ -143,6 +143,31 @@ def test_foreign_files_are_refused_and_stale_parts_removed(tmp_path, fake_engine
     check(out, IDS)
 
 
+def test_a_results_folder_flooded_with_stale_parts_is_listed_no_further_than_its_bound(
+    tmp_path, fake_engine_factory, monkeypatch
+):
+    """``results/`` holding more than twice the parts merge publishes there (plus ``FOLDER_SLACK``) fails the merge
+    with a ``ListingTooLarge`` naming the folder and the bound, listed no further and nothing written; the code
+    before listed (and removed one by one) every planted object."""
+    from airflow_provider_vllm.core.errors import ListingTooLarge
+    from airflow_provider_vllm.steps.merge import merger
+
+    spec, plan, out = _run(tmp_path, fake_engine_factory)
+    monkeypatch.setattr(merger, "FOLDER_SLACK", 0, raising=False)
+    (out / "results").mkdir(parents=True)
+    for i in range(100):
+        (out / "results" / f"part-{90000 + i}-stale-00000.parquet").write_bytes(b"planted")
+    with pytest.raises(ListingTooLarge, match=rf"{out / 'results'} holds more than \d+ entries") as e:
+        merge(spec)
+    assert e.value.limit < 100 and e.value.limit == merger.folder_bound(e.value.limit // 2)
+    assert not (out / MERGED).exists() and len(list((out / "results").iterdir())) == 100
+    for i in range(1, 100):
+        (out / "results" / f"part-{90000 + i}-stale-00000.parquet").unlink()
+    merge(spec)  # one stale part: listed and removed
+    assert not (out / "results" / "part-90000-stale-00000.parquet").exists()
+    check(out, IDS)
+
+
 def test_a_changed_part_is_named_first_in_the_manifests_order(tmp_path, fake_engine_factory):
     """The parts are hashed side by side; what fails is still the first part in the manifest's order."""
     spec, plan, out = _run(tmp_path, fake_engine_factory)

@@ -225,3 +225,26 @@ def test_a_plan_killed_while_writing_its_plan_file_is_planned_again(tmp_path):
     (tmp_path / "out" / PLAN_FILE).unlink()
     with pytest.raises(SpecError, match=r"is not empty \(e.g. _plan.json.tmp-other\)"):
         plan_job(spec)
+
+
+def test_an_output_prefix_flooded_where_a_killed_plan_leaves_files_is_refused_after_listing_its_bound(
+    tmp_path, monkeypatch
+):
+    """A new run's output prefix is walked for files that are not a killed plan's own: one holding more entries than
+    ``OUTPUT_LISTED_PER_SHARD`` per ``sharding.max_shards`` plus ``storage.LISTING_MAX`` is refused as not empty
+    (naming the bound) without being listed further, even where all of them sit where a killed plan leaves files;
+    the code before walked every one of them."""
+    from airflow_provider_vllm.steps.plan import planner
+    from airflow_provider_vllm.steps.plan.planner import PROBE_DIR
+
+    write_parquet(tmp_path / "in.parquet", ["a", "b"], ["x", "y"])
+    spec = make_spec(tmp_path / "in.parquet", tmp_path / "out")
+    monkeypatch.setattr(planner, "LISTING_MAX", 2, raising=False)
+    monkeypatch.setattr(planner, "OUTPUT_LISTED_PER_SHARD", 0, raising=False)
+    (tmp_path / "out" / PROBE_DIR).mkdir(parents=True)
+    for i in range(2):
+        (tmp_path / "out" / PROBE_DIR / f"planted-{i}").write_text("")
+    with pytest.raises(SpecError, match=r"is not empty \(e.g. more than 2 entries\)"):
+        plan_job(spec)
+    (tmp_path / "out" / PROBE_DIR / "planted-0").unlink()
+    assert plan_job(spec).total_rows == 2

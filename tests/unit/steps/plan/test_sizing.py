@@ -198,6 +198,27 @@ def test_read_history_skips_bad_lines_and_files(tmp_path):
     assert read_history(str(tmp_path / "absent")) == []
 
 
+def test_a_history_folder_flooded_with_objects_is_skipped_with_a_warning_after_listing_no_more_than_its_bound(
+    tmp_path, monkeypatch, caplog
+):
+    """The history is advisory: a folder holding more than ``HISTORY_LISTED`` entries (any names) is not read, a
+    warning names it and the bound, and its listing stops there; the code before listed all of them and read the
+    genuine records among them."""
+    from airflow_provider_vllm.steps.plan import sizing
+
+    spec = spec_with_history(tmp_path)
+    h = tmp_path / "history"
+    write_history(h, {"20261127T030000Z-a-b.jsonl": [record(spec, rows=7)]})
+    monkeypatch.setattr(sizing, "HISTORY_LISTED", 4, raising=False)
+    for i in range(4):
+        (h / f"planted-{i}.txt").write_text("")
+    with caplog.at_level("WARNING"):
+        assert read_history(str(h)) == []
+    assert f"{h} holds more than 4 entries" in caplog.text and "sized without it" in caplog.text
+    (h / "planted-0.txt").unlink()
+    assert [r.rows for r in read_history(str(h))] == [7]
+
+
 def test_history_on_s3(tmp_path, fake_engine_factory, monkeypatch):
     """The record is written and read through fsspec/DuckDB on a local S3 server (moto), reached the
     deployment way: AWS_ENDPOINT_URL and keys in the environment, nothing in the spec."""
@@ -234,7 +255,7 @@ def test_unreadable_history_falls_back_with_a_warning(tmp_path, caplog, monkeypa
         assert size_shards(spec, 150, 1000) is None
     assert "20261128T000000Z-a-b.jsonl (not a plain file" in caplog.text  # left out unread, named
 
-    def unlistable(self, rel=""):
+    def unlistable(self, rel="", limit=0):
         raise PermissionError(f"list {self.uri(rel)}: access denied")
 
     monkeypatch.setattr(Storage, "listdir_sizes", unlistable)
