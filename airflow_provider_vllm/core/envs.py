@@ -52,6 +52,14 @@ SECRET_NAME = re.compile(
 )
 
 
+def secret_names(env: Mapping[str, str] | None = None) -> set[str]:
+    """Names of ``env``'s variables that hold secrets: those ``SECRET_NAME`` matches, and those the deployment
+    listed in ``VLLM_BATCH_MASKED_ENV`` (set from Secrets, whatever their names)."""
+    e = environ(env)
+    listed = {n.strip() for n in (SECRET_ENV_NAMES.get(e) or "").split(",") if n.strip()}
+    return ({k for k in e if SECRET_NAME.search(k)} | (listed & set(e))) - {SECRET_ENV_NAMES.name}
+
+
 def environ(env: Mapping[str, str] | None = None) -> Mapping[str, str]:
     """``env``, or the process environment (for code that scans all of it, e.g. secret redaction)."""
     return os.environ if env is None else env
@@ -87,6 +95,16 @@ SIGNING_KEY = _var(
     "the deployment's signing key(s) the worker seals its chunks and commit marker with and checks the plan "
     "against (comma separated, the first seals); the local runner passes [vllm_batch] signing_key, pods get it "
     "from the Secret named by [vllm_batch] kubernetes_signing_secret. Never logged",
+    "worker",
+)
+
+SECRET_ENV_NAMES = _var(
+    "VLLM_BATCH_MASKED_ENV",
+    None,
+    "names of the worker's variables the deployment set from Secrets (comma separated): the worker masks their "
+    "values in all it prints and writes (logs, progress, manifests, error rows) and the engine identity names "
+    "them by hash, whatever their names; set last by the shard operators (Kubernetes: `secret_env`, "
+    "`hf_token_secret`, the signing key; local: the Connection's keys, the signing key), never by a job",
     "worker",
 )
 

@@ -299,6 +299,13 @@ def environment(settings: KubernetesSettings) -> tuple[list[k8s.V1EnvVar], list[
     return out, env_from
 
 
+def secret_env_names(settings: KubernetesSettings) -> list[str]:
+    """The variables the pod gets from a Secret by reference (``secret_env``, ``hf_token_secret``), sorted.
+
+    Not the keys of ``env_from_secrets``: only the cluster knows which keys those Secrets hold."""
+    return sorted({*settings.secret_env, *(["HF_TOKEN"] if settings.hf_token_secret is not None else [])})
+
+
 # fsspec option names that carry credentials (s3fs key/secret/token, gcsfs token, adlfs keys).
 _CREDENTIAL_OPTION = re.compile(
     r"^(key|secret|token|password|passwd|sas_token|account_key|client_secret|"
