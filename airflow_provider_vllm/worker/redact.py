@@ -25,6 +25,7 @@ import re
 import threading
 import time
 from collections.abc import Mapping
+from urllib.parse import quote
 
 from airflow_provider_vllm.core import envs
 from airflow_provider_vllm.core.allow_list import CREDENTIAL_QUERY_NAMES
@@ -56,19 +57,20 @@ def secret_values(env: Mapping[str, str] | None = None) -> list[str]:
     """What to mask, longest first: the values of the variables that hold secrets (``envs.secret_names``: by their
     names, or listed by the deployment in ``VLLM_BATCH_MASKED_ENV``) of at least ``MIN_SECRET_CHARS`` characters;
     each line of a multi-line value (a PEM key printed line by line); each item of a list (``VLLM_BATCH_SIGNING_KEY``
-    ="new,old"); and each of these as JSON and ``repr`` escape them (a value with quotes, backslashes, control or
-    non-ASCII characters in a JSON line or in an error message's ``{value!r}``)."""
+    ="new,old"); and each of these as JSON, ``repr`` and a URL escape them (a value with quotes, backslashes,
+    control or non-ASCII characters in a JSON line, in an error message's ``{value!r}``, in a URL)."""
     e = envs.environ(env)
     vals = {e[k] for k in envs.secret_names(e)}
     parts = set(vals)
     for v in vals:
-        parts |= {line.strip() for line in v.splitlines()}
+        # lines: real ones, and a JSON credential's escaped ones (the PEM key inside a service account key file)
+        parts |= {line.strip() for line in re.split(r"\r\n|[\r\n]|\\n", v)}
         # list items, but no bits of JSON (a credential file's '"type":'), which could match the manifest's own syntax
         parts |= {p for p in re.split(r"[\s,]+", v) if not _JSON_SYNTAX.search(p)}
     parts = {p for p in parts if len(p) >= MIN_SECRET_CHARS}
     shown = set(parts)
     for p in parts:
-        shown |= {json.dumps(p)[1:-1], json.dumps(p, ensure_ascii=False)[1:-1], repr(p)[1:-1]}
+        shown |= {json.dumps(p)[1:-1], json.dumps(p, ensure_ascii=False)[1:-1], repr(p)[1:-1], quote(p, safe="")}
     return sorted((v for v in shown if len(v) >= MIN_SECRET_CHARS), key=lambda v: (-len(v), v))
 
 

@@ -295,3 +295,26 @@ def test_the_manifest_file_is_masked_too(monkeypatch, tmp_path):
     emit(FailureManifest(status="failed", error="X", message=f"boom {secret}", terminal=False))
     written = json.loads((tmp_path / "return.json").read_text())
     assert written["message"] == "boom ***"
+
+
+def test_a_key_inside_a_json_credential_and_a_secret_in_a_url_are_masked():
+    """A service account key file in one variable (``GCP_SA``, listed by the deployment) holds a PEM key as JSON
+    escapes it (``\\n`` between its lines): a library that prints the key it decoded prints real lines, which the
+    value as a whole never matched; and a password percent-encoded into a URL's query or path is not the value."""
+    from airflow_provider_vllm.worker.redact import RedactSecrets, secret_values
+
+    pem = (
+        "-----BEGIN PRIVATE KEY-----\nMIIEvQIBADANBgkqhkiG9w0SENTINEL\nAASCBKcwggSjAgEAAoIBSENTINEL\n"
+        "-----END PRIVATE KEY-----\n"
+    )
+    sa = json.dumps({"type": "service_account", "private_key": pem, "client_email": "w@p.iam.gserviceaccount.com"})
+    password = "p@ss/w0rd SENTINEL?"
+    env = {"VLLM_BATCH_MASKED_ENV": "GCP_SA,DB_PASS", "GCP_SA": sa, "DB_PASS": password}
+    masker = RedactSecrets(secret_values(env))
+    out = masker.redact(f"loaded key:\n{pem}") + masker.redact(
+        "GET https://db.internal/login/p%40ss%2Fw0rd%20SENTINEL%3F"
+    )
+    assert "SENTINEL" not in out, out
+    assert "loaded key:" in out and "https://db.internal/login/***" in out
+    # JSON's own words are left alone: the manifest's syntax is never masked
+    assert masker.redact('{"type": "committed"}') == '{"type": "committed"}'
