@@ -41,6 +41,7 @@ from airflow_provider_vllm.utils.pod_spec import (
     WORKER_PYTHON,
     PodParts,
     container_security_context,
+    env_from_key_dirs,
     pod_parts,
     secret_env_names,
 )
@@ -257,6 +258,7 @@ class VllmKubernetesShardOperator(KubernetesPodOperator):
         allow = worker_env(prefixes)
         # and the names of the variables it set from Secrets, which the worker masks whatever their names
         allow[envs.SECRET_ENV_NAMES.name] = ",".join(secret_env_names(settings) + [envs.SIGNING_KEY.name])
+        allow[envs.SECRET_ENV_DIRS.name] = ",".join(env_from_key_dirs(settings))
         secret, key = kubernetes_signing_secret()
         signing = k8s.V1EnvVar(
             name=envs.SIGNING_KEY.name,

@@ -136,6 +136,7 @@ class VllmLocalShardOperator(BaseOperator):
         # what the deployment handed over from its secrets (the Connection's keys, the signing key): the worker masks
         # these values whatever their names; set last, so the task's env cannot shorten the list
         env[envs.SECRET_ENV_NAMES.name] = ",".join(sorted({*credentials, envs.SIGNING_KEY.name}))
+        env.pop(envs.SECRET_ENV_DIRS.name, None)  # the pods' Secret folders; none here
         rows = None if isinstance(self.shard, str) else shard_summary(self.shard).rows
         self.log.info(
             "shard %s (%s rows), try %s: %s -m airflow_provider_vllm.worker '<shard task json, %d bytes>'",

@@ -200,7 +200,7 @@ def test_the_local_worker_is_told_which_variables_hold_the_deployments_secrets(a
         spec=base_doc(allowed),
         python=str(python),
         shard={"shard_id": "shard-00000-0123abcd", "index": 0, "rows": 3, "est_tokens": 30, "bucket": "all"},
-        env={"VLLM_BATCH_MASKED_ENV": ""},
+        env={"VLLM_BATCH_MASKED_ENV": "", "VLLM_BATCH_MASKED_ENV_DIRS": "/etc"},
     )
     conn = {"AWS_ACCESS_KEY_ID": "AKIA0123", "AWS_SECRET_ACCESS_KEY": "s3cr3t-key", "AWS_REGION": "eu-west-1"}
     monkeypatch.setattr(op, "_credentials_env", lambda spec: conn)
@@ -208,4 +208,4 @@ def test_the_local_worker_is_told_which_variables_hold_the_deployments_secrets(a
         op.execute({"ti": SimpleNamespace(map_index=0, try_number=1)})
     seen = json.loads(dump.read_text())
     assert seen["VLLM_BATCH_MASKED_ENV"] == "AWS_ACCESS_KEY_ID,AWS_SECRET_ACCESS_KEY,VLLM_BATCH_SIGNING_KEY"
-    assert seen["AWS_SECRET_ACCESS_KEY"] == "s3cr3t-key"
+    assert seen["AWS_SECRET_ACCESS_KEY"] == "s3cr3t-key" and "VLLM_BATCH_MASKED_ENV_DIRS" not in seen

@@ -318,3 +318,25 @@ def test_a_key_inside_a_json_credential_and_a_secret_in_a_url_are_masked():
     assert "loaded key:" in out and "https://db.internal/login/***" in out
     # JSON's own words are left alone: the manifest's syntax is never masked
     assert masker.redact('{"type": "committed"}') == '{"type": "committed"}'
+
+
+def test_the_keys_of_a_secret_taken_whole_are_masked_whatever_their_names(tmp_path):
+    """A Secret the pod takes whole (``env_from_secrets``): its keys are the files of its mounted folder
+    (``VLLM_BATCH_MASKED_ENV_DIRS``); Kubernetes' own entries (``..data``) are no names; a folder that is not there
+    masks nothing more and breaks nothing."""
+    from airflow_provider_vllm.worker.redact import RedactSecrets, secret_values
+
+    folder = tmp_path / "0"
+    folder.mkdir()
+    for name in ("DB_URL", "VENDOR_KEY2", "..data"):
+        (folder / name).write_text("")
+    env = {
+        "VLLM_BATCH_MASKED_ENV_DIRS": f"{folder},{tmp_path / 'missing'}",
+        "DB_URL": "postgres-SENTINEL-db-host",
+        "VENDOR_KEY2": "vendor-SENTINEL-2",
+        "PATH": "/usr/bin:/bin",
+    }
+    masker = RedactSecrets(secret_values(env))
+    assert masker.redact("db postgres-SENTINEL-db-host vendor vendor-SENTINEL-2 path /usr/bin:/bin") == (
+        "db *** vendor *** path /usr/bin:/bin"
+    )
