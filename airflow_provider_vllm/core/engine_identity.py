@@ -71,14 +71,16 @@ def is_engine_variable(name: str) -> bool:
 def engine_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """The variables of ``env`` (default: this process's) that reach vLLM and may change an answer.
 
-    One whose name says it holds a secret (``envs.SECRET_NAME``: ``VLLM_API_KEY``) is given as the sha256 of its
-    value: the identity is written into commit markers, chunk seals, plans and cache entries, which the
-    bucket's readers see."""
-    return {k: _value_shown(k, v) for k, v in sorted(envs.environ(env).items()) if is_engine_variable(k)}
+    One that holds a secret (``envs.secret_names``: its name says so, ``VLLM_API_KEY``, or the deployment set it
+    from a Secret, ``VLLM_BATCH_MASKED_ENV``) is given as the sha256 of its value: the identity is written into
+    commit markers, chunk seals, plans and cache entries, which the bucket's readers see."""
+    e = envs.environ(env)
+    secret = envs.secret_names(e)
+    return {k: _value_shown(v, k in secret) for k, v in sorted(e.items()) if is_engine_variable(k)}
 
 
-def _value_shown(name: str, value: str) -> str:
-    if not envs.SECRET_NAME.search(name):
+def _value_shown(value: str, secret: bool) -> str:
+    if not secret:
         return value
     return "sha256:" + hashlib.sha256(value.encode("utf-8", "surrogateescape")).hexdigest()
 

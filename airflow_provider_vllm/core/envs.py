@@ -52,6 +52,20 @@ SECRET_NAME = re.compile(
 )
 
 
+def secret_names(env: Mapping[str, str] | None = None) -> set[str]:
+    """Names of ``env``'s variables that hold secrets: those ``SECRET_NAME`` matches, and those the deployment
+    listed in ``VLLM_BATCH_MASKED_ENV`` (set from Secrets, whatever their names)."""
+    e = environ(env)
+    listed = {n.strip() for n in (SECRET_ENV_NAMES.get(e) or "").split(",") if n.strip()}
+    # a Secret the pod takes whole (envFrom): its keys are the names of the files of its mounted folder
+    for folder in (d.strip() for d in (SECRET_ENV_DIRS.get(e) or "").split(",") if d.strip()):
+        try:
+            listed |= {n for n in os.listdir(folder) if not n.startswith(".")}
+        except OSError:
+            continue
+    return ({k for k in e if SECRET_NAME.search(k)} | (listed & set(e))) - {SECRET_ENV_NAMES.name, SECRET_ENV_DIRS.name}
+
+
 def environ(env: Mapping[str, str] | None = None) -> Mapping[str, str]:
     """``env``, or the process environment (for code that scans all of it, e.g. secret redaction)."""
     return os.environ if env is None else env
@@ -87,6 +101,25 @@ SIGNING_KEY = _var(
     "the deployment's signing key(s) the worker seals its chunks and commit marker with and checks the plan "
     "against (comma separated, the first seals); the local runner passes [vllm_batch] signing_key, pods get it "
     "from the Secret named by [vllm_batch] kubernetes_signing_secret. Never logged",
+    "worker",
+)
+
+SECRET_ENV_NAMES = _var(
+    "VLLM_BATCH_MASKED_ENV",
+    None,
+    "names of the worker's variables the deployment set from Secrets (comma separated): the worker masks their "
+    "values in all it prints and writes (logs, progress, manifests, error rows) and the engine identity names "
+    "them by hash, whatever their names; set last by the shard operators (Kubernetes: `secret_env`, "
+    "`hf_token_secret`, the signing key; local: the Connection's keys, the signing key), never by a job",
+    "worker",
+)
+
+SECRET_ENV_DIRS = _var(
+    "VLLM_BATCH_MASKED_ENV_DIRS",
+    None,
+    "folders (comma separated) where the pod mounts each Secret it takes whole (`env_from_secrets`): the names "
+    "of their files are names of variables the worker masks as those of VLLM_BATCH_MASKED_ENV; set last by the "
+    "Kubernetes shard operator",
     "worker",
 )
 

@@ -229,6 +229,10 @@ def spec_schemes(spec: Any, extra_uris: Sequence[str] = ()) -> set[str]:
     return {scheme_of(u) for u in uris if u}
 
 
+# the variables of worker_env that hold the Connection's secrets (the worker masks their values)
+CONNECTION_SECRET_ENV = frozenset({"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"})
+
+
 def worker_env(
     spec: Any, aws_conn_id: str | None, gcp_conn_id: str | None, extra_uris: Sequence[str] = ()
 ) -> dict[str, str]:

@@ -37,7 +37,14 @@ from airflow_provider_vllm.utils.deployment import (
 )
 from airflow_provider_vllm.utils.engine_identity import layered_pod_settings, pod_engine_identity
 from airflow_provider_vllm.utils.job_spec import data_plane_errors, load_spec, shard_id_of
-from airflow_provider_vllm.utils.pod_spec import WORKER_PYTHON, PodParts, container_security_context, pod_parts
+from airflow_provider_vllm.utils.pod_spec import (
+    WORKER_PYTHON,
+    PodParts,
+    container_security_context,
+    env_from_key_dirs,
+    pod_parts,
+    secret_env_names,
+)
 from airflow_provider_vllm.utils.worker_outcome import worker_failure, worker_result
 from airflow_provider_vllm.worker.task import ShardTask, worker_command
 
@@ -249,6 +256,9 @@ class VllmKubernetesShardOperator(KubernetesPodOperator):
         # the deployment's allow-list reaches the worker through its environment, set last (never the task JSON),
         # and its signing key through a secretKeyRef ([vllm_batch] kubernetes_signing_secret), never a literal
         allow = worker_env(prefixes)
+        # and the names of the variables it set from Secrets, which the worker masks whatever their names
+        allow[envs.SECRET_ENV_NAMES.name] = ",".join(secret_env_names(settings) + [envs.SIGNING_KEY.name])
+        allow[envs.SECRET_ENV_DIRS.name] = ",".join(env_from_key_dirs(settings))
         secret, key = kubernetes_signing_secret()
         signing = k8s.V1EnvVar(
             name=envs.SIGNING_KEY.name,

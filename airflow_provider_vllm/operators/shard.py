@@ -15,7 +15,7 @@ from airflow_provider_vllm.core.allow_list import ALLOWED_PREFIXES_ENV
 from airflow_provider_vllm.core.compat import vllm_not_installed
 from airflow_provider_vllm.core.errors import SpecError
 from airflow_provider_vllm.core.plan import ShardSummary
-from airflow_provider_vllm.hooks.filesystems import child_env, conn_ids_from_config
+from airflow_provider_vllm.hooks.filesystems import CONNECTION_SECRET_ENV, child_env, conn_ids_from_config
 from airflow_provider_vllm.hooks.filesystems import worker_env as connection_worker_env
 from airflow_provider_vllm.utils import provenance
 from airflow_provider_vllm.utils.deployment import (
@@ -122,7 +122,9 @@ class VllmLocalShardOperator(BaseOperator):
         # the allow-list goes last: neither the task's env nor the shard spec can widen it
         env = {**inherited_env(envs.environ()), "PYTHONUNBUFFERED": "1"}
         env.update({k: str(v) for k, v in (self.env or {}).items()})
-        env = child_env(env, self._credentials_env(spec))  # the Connection's identity, in the environment only
+        conn_env = self._credentials_env(spec)
+        credentials = [k for k in conn_env if k in CONNECTION_SECRET_ENV]
+        env = child_env(env, conn_env)  # the Connection's identity, in the environment only
         env.pop(ALLOWED_PREFIXES_ENV, None)
         env.update(worker_env(prefixes))
         # the deployment's signing key reaches the worker only as VLLM_BATCH_SIGNING_KEY (which it reads once
@@ -131,6 +133,10 @@ class VllmLocalShardOperator(BaseOperator):
         for name in [k for k in env if k.upper().startswith("AIRFLOW__VLLM_BATCH__SIGNING_KEY")]:
             del env[name]
         env[envs.SIGNING_KEY.name] = signing_keyring().text()
+        # what the deployment handed over from its secrets (the Connection's keys, the signing key): the worker masks
+        # these values whatever their names; set last, so the task's env cannot shorten the list
+        env[envs.SECRET_ENV_NAMES.name] = ",".join(sorted({*credentials, envs.SIGNING_KEY.name}))
+        env.pop(envs.SECRET_ENV_DIRS.name, None)  # the pods' Secret folders; none here
         rows = None if isinstance(self.shard, str) else shard_summary(self.shard).rows
         self.log.info(
             "shard %s (%s rows), try %s: %s -m airflow_provider_vllm.worker '<shard task json, %d bytes>'",

@@ -74,7 +74,10 @@ COMPILE_CACHE_ENV = ("VLLM_BATCH_COMPILE_CACHE", "VLLM_BATCH_COMPILE_CACHE_PUBLI
 PRIVATE_COMPILE_ENV = ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 # The pod's own mounts: a PVC of the settings (model_cache_path, data_path) mounted at, inside or above one of
 # them would replace a private folder (e.g. /cache/triton) with a shared volume.
-RESERVED_MOUNTS = ("/tmp", CACHE_DIR, "/dev/shm", COMPILE_CACHE_DIR, XCOM_DIR)
+# each env_from_secrets Secret is also mounted here (files readable by root only): the worker lists its keys, the
+# names of the variables it must mask, which only the cluster knows
+ENV_FROM_KEYS_DIR = "/etc/vllm-batch/env-from"
+RESERVED_MOUNTS = ("/tmp", CACHE_DIR, "/dev/shm", COMPILE_CACHE_DIR, XCOM_DIR, ENV_FROM_KEYS_DIR)
 
 
 def gpu_count(spec: JobSpec, settings: KubernetesSettings) -> int:
@@ -198,7 +201,8 @@ def _check_mount_path(what: str, path: str) -> None:
         if norm == own or norm.startswith(own + "/") or own.startswith(norm.rstrip("/") + "/"):
             raise SpecError(
                 f"kubernetes.{what}={path!r} would mount a shared volume over the pod's own {own} (its private "
-                f"caches, compiled code included, /tmp, /dev/shm, the compile-cache claim or the XCom folder); "
+                f"caches, compiled code included, /tmp, /dev/shm, the compile-cache claim, the XCom folder or the "
+                f"folders of the env_from_secrets Secrets); "
                 f"choose a path outside {sorted(RESERVED_MOUNTS)}"
             )
 
@@ -238,7 +242,18 @@ def volumes(settings: KubernetesSettings, shm: int) -> tuple[list[k8s.V1Volume],
             )
         )
         mounts.append(k8s.V1VolumeMount(name="data", mount_path=settings.data_path))
+    for i, (name, folder) in enumerate(zip(settings.env_from_secrets, env_from_key_dirs(settings))):
+        vols.append(
+            k8s.V1Volume(name=f"env-from-{i}", secret=k8s.V1SecretVolumeSource(secret_name=name, default_mode=0o400))
+        )
+        mounts.append(k8s.V1VolumeMount(name=f"env-from-{i}", mount_path=folder, read_only=True))
     return vols, mounts
+
+
+def env_from_key_dirs(settings: KubernetesSettings) -> list[str]:
+    """Where each ``env_from_secrets`` Secret is mounted, for the worker to list its keys
+    (``VLLM_BATCH_MASKED_ENV_DIRS``)."""
+    return [f"{ENV_FROM_KEYS_DIR}/{i}" for i in range(len(settings.env_from_secrets))]
 
 
 def compile_cache(spec: JobSpec, claim: str | None) -> tuple[list[k8s.V1Volume], list[k8s.V1VolumeMount], dict]:
@@ -297,6 +312,14 @@ def environment(settings: KubernetesSettings) -> tuple[list[k8s.V1EnvVar], list[
     ]
     env_from = [k8s.V1EnvFromSource(secret_ref=k8s.V1SecretEnvSource(name=n)) for n in settings.env_from_secrets]
     return out, env_from
+
+
+def secret_env_names(settings: KubernetesSettings) -> list[str]:
+    """The variables the pod gets from a Secret by reference (``secret_env``, ``hf_token_secret``), sorted.
+
+    Not the keys of ``env_from_secrets``: only the cluster knows which keys those Secrets hold (the worker lists
+    them, ``env_from_key_dirs``)."""
+    return sorted({*settings.secret_env, *(["HF_TOKEN"] if settings.hf_token_secret is not None else [])})
 
 
 # fsspec option names that carry credentials (s3fs key/secret/token, gcsfs token, adlfs keys).

@@ -25,7 +25,10 @@ def emit(manifest: WorkerManifest | FailureManifest | dict) -> None:
     if isinstance(manifest, dict):
         manifest = read_manifest(manifest)
     xcom_dir = envs.XCOM_DIR.value()
-    line = json.dumps(manifest.dump(), sort_keys=True)
+    from airflow_provider_vllm.worker.redact import redact
+
+    # the XCom file does not pass through the redacted stdout; and a secret in a JSON string is escaped there
+    line = redact(json.dumps(manifest.dump(), sort_keys=True))
     if os.path.isdir(xcom_dir):
         with open(os.path.join(xcom_dir, "return.json"), "w", encoding="utf-8") as f:
             f.write(line)

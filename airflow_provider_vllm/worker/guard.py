@@ -41,6 +41,7 @@ from airflow_provider_vllm.core.errors import EngineError
 from airflow_provider_vllm.core.rows import ENGINE_ERROR, ENGINE_OOM
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.worker.isolation import RequestRejected, describe, row_caused
+from airflow_provider_vllm.worker.redact import redact
 
 # Step failures bisected in one attempt before the engine is called broken whatever the probes
 # say (each halves the requests in flight, so a row is found in ~log2(queue depth) failures).
@@ -329,7 +330,7 @@ class GuardedEngine:
                     RowFailure(
                         ENGINE_OOM,
                         f"out of memory with this row alone in the engine at "
-                        f"{_fmt(lim)} (the floors): {str(exc)[:300]}",
+                        f"{_fmt(lim)} (the floors): {redact(str(exc))[:300]}",
                     ),
                 )
             ]
@@ -338,7 +339,7 @@ class GuardedEngine:
             log.warning(
                 "out of memory at %s (%s); %d request(s) in flight run again after a rebuild at %s",
                 _fmt(lim),
-                str(exc)[:200],
+                redact(str(exc))[:200],
                 len(in_flight),
                 _fmt(lower),
             )
@@ -427,7 +428,7 @@ class GuardedEngine:
                 if alone:
                     self.oom_rows += 1
                     results[batch[0]] = RowFailure(
-                        ENGINE_OOM, f"out of memory with this row alone at {_fmt(lim)}: {str(e)[:300]}"
+                        ENGINE_OOM, f"out of memory with this row alone at {_fmt(lim)}: {redact(str(e))[:300]}"
                     )
                     todo = todo[1:]
                     if not self._alive():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from airflow_provider_vllm.core.errors import VllmBatchError
 from airflow_provider_vllm.core.rows import ENGINE_ERROR, INVALID_REQUEST
+from airflow_provider_vllm.worker.redact import redact
 
 # Never a row's fault: memory, a dead engine, SIGTERM (worker.__main__.Preempted).
 _RUN_LEVEL = frozenset({"OutOfMemoryError", "EngineDeadError", "Preempted"})
@@ -61,13 +62,16 @@ def refusal(exc: BaseException, what: str = "request") -> RequestRejected | None
     if not row_caused(exc):
         return None
     if _names(exc) & _CLIENT_ERRORS:
-        return RequestRejected(INVALID_REQUEST, f"vLLM refused the {what}: {exc}"[:500])
+        return RequestRejected(INVALID_REQUEST, redact(f"vLLM refused the {what}: {exc}")[:500])
     if isinstance(exc, (ValueError, TypeError)):
-        return RequestRejected(ENGINE_ERROR, f"the engine refused the {what}: {type(exc).__name__}: {exc}"[:500])
+        return RequestRejected(
+            ENGINE_ERROR, redact(f"the engine refused the {what}: {type(exc).__name__}: {exc}")[:500]
+        )
     return None
 
 
 def describe(exc: BaseException, limit: int = 300) -> str:
-    """``Type: message``, cut to ``limit`` characters."""
-    text = f"{type(exc).__name__}: {exc}"
+    """``Type: message``, secrets masked (before the cut, which could leave half a secret behind), cut to ``limit``
+    characters."""
+    text = redact(f"{type(exc).__name__}: {exc}")
     return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -18,18 +18,22 @@ fds 1 and 2, so their output passes through it too. ``drain()`` lets it finish b
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
 import threading
 import time
 from collections.abc import Mapping
+from urllib.parse import quote
 
 from airflow_provider_vllm.core import envs
 from airflow_provider_vllm.core.allow_list import CREDENTIAL_QUERY_NAMES
 
 SECRET_ENV = envs.SECRET_NAME
-MIN_SECRET_CHARS = 6  # shorter values would mask ordinary words
+# Shorter values are not masked: a 3-letter token, or "secret", would turn every such word of every log line, and
+# of the JSON manifest on stdout, into *** (install() warns, naming the variable, never the value)
+MIN_SECRET_CHARS = 8
 # Credentials written into a URL, whatever variable or library it came from (a push gateway, a proxy, a catalog):
 # the userinfo (user:pass@; one that holds a '/' too, as AWS secret keys do) and credential query parameters.
 # Neither crosses whitespace or a quote, so a JSON line (the manifest on stdout) keeps its shape.
@@ -50,11 +54,33 @@ def redact_urls(text: str) -> str:
 
 
 def secret_values(env: Mapping[str, str] | None = None) -> list[str]:
-    """Values of environment variables whose names say they hold secrets, longest first."""
-    vals = {v for k, v in envs.environ(env).items() if SECRET_ENV.search(k) and len(v) >= MIN_SECRET_CHARS}
-    # a key list (VLLM_BATCH_SIGNING_KEY="new,old"): each key alone too
-    vals |= {p for v in list(vals) for p in re.split(r"[\s,]+", v) if len(p) >= MIN_SECRET_CHARS}
-    return sorted(vals, key=len, reverse=True)
+    """What to mask, longest first: the values of the variables that hold secrets (``envs.secret_names``: by their
+    names, or listed by the deployment in ``VLLM_BATCH_MASKED_ENV``) of at least ``MIN_SECRET_CHARS`` characters;
+    each line of a multi-line value (a PEM key printed line by line); each item of a list (``VLLM_BATCH_SIGNING_KEY``
+    ="new,old"); and each of these as JSON, ``repr`` and a URL escape them (a value with quotes, backslashes,
+    control or non-ASCII characters in a JSON line, in an error message's ``{value!r}``, in a URL)."""
+    e = envs.environ(env)
+    vals = {e[k] for k in envs.secret_names(e)}
+    parts = set(vals)
+    for v in vals:
+        # lines: real ones, and a JSON credential's escaped ones (the PEM key inside a service account key file)
+        parts |= {line.strip() for line in re.split(r"\r\n|[\r\n]|\\n", v)}
+        # list items, but no bits of JSON (a credential file's '"type":'), which could match the manifest's own syntax
+        parts |= {p for p in re.split(r"[\s,]+", v) if not _JSON_SYNTAX.search(p)}
+    parts = {p for p in parts if len(p) >= MIN_SECRET_CHARS}
+    shown = set(parts)
+    for p in parts:
+        shown |= {json.dumps(p)[1:-1], json.dumps(p, ensure_ascii=False)[1:-1], repr(p)[1:-1], quote(p, safe="")}
+    return sorted((v for v in shown if len(v) >= MIN_SECRET_CHARS), key=lambda v: (-len(v), v))
+
+
+_JSON_SYNTAX = re.compile(r'["{}\[\]:]')
+
+
+def too_short(env: Mapping[str, str] | None = None) -> list[str]:
+    """Names of secret variables whose non-empty values are too short to mask (``MIN_SECRET_CHARS``)."""
+    e = envs.environ(env)
+    return sorted(k for k in envs.secret_names(e) if 0 < len(e[k].strip()) < MIN_SECRET_CHARS)
 
 
 class RedactSecrets(logging.Filter):
@@ -81,12 +107,37 @@ class RedactSecrets(logging.Filter):
 
 
 def install(env: dict[str, str] | None = None) -> RedactSecrets:
-    """Add the filter to every handler of the root logger, and redact every record at creation."""
+    """Add the filter to every handler of the root logger, and redact every record at creation; ``redact``
+    uses it from then on (it holds the signing key, which leaves the environment after the worker reads it)."""
+    global _INSTALLED
     f = RedactSecrets(secret_values(env))
     for h in logging.getLogger().handlers:
         h.addFilter(f)
     logging.setLogRecordFactory(_RedactingFactory(logging.getLogRecordFactory(), f))
+    _INSTALLED = f
+    short = too_short(env)
+    if short:
+        logging.getLogger(__name__).warning(
+            "secret variables %s hold fewer than %d characters: their values are not masked in the worker's output "
+            "(masking them would mask ordinary words); give them longer values",
+            short,
+            MIN_SECRET_CHARS,
+        )
     return f
+
+
+_INSTALLED: RedactSecrets | None = None
+
+
+def redactor() -> RedactSecrets:
+    """The filter ``install`` set up, else one made from the environment now: for what the worker writes other than
+    log lines (error rows, the manifest)."""
+    return _INSTALLED or RedactSecrets(secret_values())
+
+
+def redact(text: str) -> str:
+    """``text`` with the secrets of the worker's environment and the credentials of URLs masked (``redactor``)."""
+    return redactor().redact(text)
 
 
 class _RedactingFactory:

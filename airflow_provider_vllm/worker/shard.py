@@ -45,6 +45,7 @@ from airflow_provider_vllm.worker.isolation import describe, row_caused
 from airflow_provider_vllm.worker.outputs import answer_extras, check_structured
 from airflow_provider_vllm.worker.progress import Progress
 from airflow_provider_vllm.worker.prompts import Prepared, PromptBuilder
+from airflow_provider_vllm.worker.redact import redactor
 from airflow_provider_vllm.worker.task import ShardTask
 from airflow_provider_vllm.worker.telemetry import ShardTelemetry
 from airflow_provider_vllm.worker.watchdog import Watchdog
@@ -488,6 +489,12 @@ class _ChunkRunner:
 
     def _write(self, meta: ChunkMeta, rows: list[dict]) -> FileEntry:
         part = None if self.carried is None else self.carried.slice(meta.first_row, meta.rows)
+        # an error message may quote an engine's or a tokenizer's exception, which may echo a secret or a URL's
+        # credentials: masked as in the log, before it reaches errors/ (and an OpenAI batch's errors.jsonl)
+        masker = redactor() if any(r.get("error_message") for r in rows) else None
+        for r in rows:
+            if masker is not None and r.get("error_message"):
+                r["error_message"] = masker.redact(r["error_message"])
         return self.store.write_chunk(self.attempt, meta, rows_table(rows), part, self.engine_identity)
 
     def _generate(self, todo: list[int]) -> dict[int, FileEntry]:

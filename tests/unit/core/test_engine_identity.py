@@ -95,3 +95,17 @@ def test_a_vllm_variable_that_holds_a_secret_is_named_by_its_hash_not_its_value(
     assert identity != local_engine_identity({"VLLM_API_KEY": key + "x"})
     assert identity == local_engine_identity({"VLLM_API_KEY": key})
     assert image_engine_identity(image, {"VLLM_API_KEY": "secret:vllm/api-key"}).endswith('"secret:vllm/api-key"}')
+
+
+def test_a_vllm_variable_the_deployment_set_from_a_secret_is_named_by_its_hash_whatever_its_name():
+    """A Secret mounted as ``VLLM_REMOTE_AUTH`` (no secret-looking name) and listed by the deployment in
+    ``VLLM_BATCH_MASKED_ENV``: until 2026-12 its value stood in the identity for the bucket's readers."""
+    key = "LEAKCANARY-remote-auth-0123"
+    env = {"VLLM_REMOTE_AUTH": key, "VLLM_BATCH_MASKED_ENV": "VLLM_REMOTE_AUTH", "VLLM_ATTENTION_BACKEND": "X"}
+    shown = engine_env(env)
+    assert shown["VLLM_ATTENTION_BACKEND"] == "X" and shown["VLLM_REMOTE_AUTH"].startswith("sha256:")
+    assert "VLLM_BATCH_MASKED_ENV" not in shown  # this package's own, not the engine's
+    identity = local_engine_identity(env)
+    assert key not in identity and identity == local_engine_identity(dict(env))
+    # a job cannot unlist it: the list is the deployment's, set last by the shard operators (their tests)
+    assert key in local_engine_identity({"VLLM_REMOTE_AUTH": key})

@@ -813,3 +813,44 @@ def test_the_cluster_its_identity_and_unchecked_pod_parts_never_come_from_the_tr
     )
     assert literal.prepare_pod().image == SETTINGS["image"] and literal.kubernetes_conn_id == "gpu_cluster"
     record_malicious("kpo_cluster_settings_from_trigger", 1, 1)
+
+
+def test_the_pod_tells_the_worker_which_variables_came_from_secrets_and_no_env_unlists_them():
+    """The worker masks the values of the variables the deployment set from Secrets whatever their names
+    (``DB_PASS``): the pod names them in ``VLLM_BATCH_MASKED_ENV``, set last, so neither the pod settings' ``env``
+    nor the task's ``shard_env`` shorten the list; values stay Secret references."""
+    odd = {**SETTINGS, "secret_env": {**SETTINGS["secret_env"], "DB_PASS": {"name": "db", "key": "pass"}}}
+    for env in (None, {"VLLM_BATCH_MASKED_ENV": ""}):
+        op = operator({**odd, "env": env or {}})
+        if env:
+            op.env = {"VLLM_BATCH_MASKED_ENV": "NOTHING"}  # the task's env (shard_env), as rendered
+        pod = op.build_pod_request_obj(create_context(op, map_index=3))
+        listed = [e for e in base(pod).env if e.name == "VLLM_BATCH_MASKED_ENV"]
+        assert len(listed) == 1
+        assert listed[0].value.split(",") == [
+            "AWS_ACCESS_KEY_ID",
+            "AWS_SECRET_ACCESS_KEY",
+            "DB_PASS",
+            "HF_TOKEN",
+            "VLLM_BATCH_SIGNING_KEY",
+        ]
+        db = [e for e in base(pod).env if e.name == "DB_PASS"]
+        assert db[0].value is None and db[0].value_from.secret_key_ref.name == "db"
+
+
+def test_the_keys_of_a_secret_the_pod_takes_whole_reach_the_worker_as_a_folder_to_list():
+    """``env_from_secrets`` gives the pod every key of a Secret as a variable, and only the cluster knows the keys:
+    the pod also mounts the Secret read-only (files readable by root only: the worker lists names, never reads
+    values) and names the folders in ``VLLM_BATCH_MASKED_ENV_DIRS``, set last."""
+    op = operator({**SETTINGS, "env_from_secrets": ["prod-db", "vendor-api"]})
+    op.env = {"VLLM_BATCH_MASKED_ENV_DIRS": "/nowhere"}  # the task's env cannot point it elsewhere
+    pod = op.build_pod_request_obj(create_context(op, map_index=3))
+    c = base(pod)
+    (dirs,) = [e.value for e in c.env if e.name == "VLLM_BATCH_MASKED_ENV_DIRS"]
+    assert dirs == "/etc/vllm-batch/env-from/0,/etc/vllm-batch/env-from/1"
+    vols = {v.name: v for v in pod.spec.volumes}
+    mounts = {m.mount_path: m for m in c.volume_mounts}
+    for i, name in enumerate(["prod-db", "vendor-api"]):
+        m = mounts[f"/etc/vllm-batch/env-from/{i}"]
+        assert m.read_only and vols[m.name].secret.secret_name == name and vols[m.name].secret.default_mode == 0o400
+    assert [f.secret_ref.name for f in c.env_from] == ["prod-db", "vendor-api"]

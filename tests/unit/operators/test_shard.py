@@ -184,3 +184,28 @@ def test_local_worker_inherits_no_airflow_variables(allowed, tmp_path, monkeypat
     assert seen["HF_HOME"] == "/models/hf" and json.loads(seen[ALLOWED_PREFIXES_ENV]) == prefixes(allowed)
     assert seen["VLLM_BATCH_SIGNING_KEY"]
     record_malicious("local_worker_airflow_secrets", len(secrets), len(secrets))
+
+
+@pytest.mark.reliability
+def test_the_local_worker_is_told_which_variables_hold_the_deployments_secrets(allowed, tmp_path, monkeypatch):
+    """The Connection's keys and the signing key reach the worker in its environment: the runner names them in
+    ``VLLM_BATCH_MASKED_ENV`` (the worker masks those values whatever their names), last, so the task's ``env``
+    (the DAG file's) cannot shorten the list; the Connection's region and endpoint are no secrets."""
+    from airflow.sdk.exceptions import AirflowException
+
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", json.dumps(prefixes(allowed)))
+    python, dump = _env_dumping_python(tmp_path)
+    op = VllmLocalShardOperator(
+        task_id="shard",
+        spec=base_doc(allowed),
+        python=str(python),
+        shard={"shard_id": "shard-00000-0123abcd", "index": 0, "rows": 3, "est_tokens": 30, "bucket": "all"},
+        env={"VLLM_BATCH_MASKED_ENV": "", "VLLM_BATCH_MASKED_ENV_DIRS": "/etc"},
+    )
+    conn = {"AWS_ACCESS_KEY_ID": "AKIA0123", "AWS_SECRET_ACCESS_KEY": "s3cr3t-key", "AWS_REGION": "eu-west-1"}
+    monkeypatch.setattr(op, "_credentials_env", lambda spec: conn)
+    with pytest.raises(AirflowException):  # the stand-in prints no manifest
+        op.execute({"ti": SimpleNamespace(map_index=0, try_number=1)})
+    seen = json.loads(dump.read_text())
+    assert seen["VLLM_BATCH_MASKED_ENV"] == "AWS_ACCESS_KEY_ID,AWS_SECRET_ACCESS_KEY,VLLM_BATCH_SIGNING_KEY"
+    assert seen["AWS_SECRET_ACCESS_KEY"] == "s3cr3t-key" and "VLLM_BATCH_MASKED_ENV_DIRS" not in seen

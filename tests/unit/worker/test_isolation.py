@@ -453,3 +453,23 @@ def test_a_one_off_failure_with_one_request_alone_does_not_blame_it(tmp_path):
         done.update(dict(g.step()))
     assert not isinstance(done["last"], RowFailure) and g.step_failures == 1 and g.failed_rows == 0
     assert g.engine.probes == 0
+
+
+def test_a_secret_cut_by_an_error_messages_length_limit_is_masked_before_the_cut(monkeypatch):
+    """Error messages are cut (500, 300 characters): until 2026-12 the cut came first, so a secret or a URL's
+    credentials straddling it left their first half in the row's ``error_message``, where no later masking of the
+    whole value could find it."""
+    from airflow_provider_vllm.worker.isolation import describe
+
+    secret = "db-SENTINEL-pass-77"
+    monkeypatch.setenv("DB_PASS", secret)
+    monkeypatch.setenv("VLLM_BATCH_MASKED_ENV", "DB_PASS")
+    for limit, exc in (
+        (500, ValueError("x" * 440 + secret)),
+        (500, TypeError("y" * 433 + "https://user:URLSENTINEL@host/x")),
+    ):
+        rejected = refusal(exc)
+        assert rejected is not None and len(rejected.message) <= limit
+        assert "SENTINEL" not in rejected.message and "db-SEN" not in rejected.message, rejected.message
+    text = describe(ValueError("z" * 275 + secret), 300)
+    assert "db-SEN" not in text and text.endswith("***")

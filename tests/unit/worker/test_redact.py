@@ -172,3 +172,171 @@ def test_credentials_in_any_url_are_masked_in_what_the_worker_and_its_children_p
         "who": "a@b",
         "n": "x=1",
     }
+
+
+# ---- secrets the deployment named, whatever their names ------------------------------------
+DEPLOYMENT_SECRETS = {  # names that say nothing, as a deployment's Secret references may be named
+    "OPENAI_KEY2": "sk-SENTINEL-openai-4f2a",
+    "DB_PASS": "db-SENTINEL-pass-77",
+    "MY_CREDS": "creds-SENTINEL-9c1e",
+}
+
+
+def test_values_of_variables_the_deployment_set_from_secrets_are_masked_whatever_their_names():
+    """Until 2026-12 only values of variables whose names matched ``SECRET_NAME`` were masked: a Secret mounted as
+    ``DB_PASS`` reached the log whole. The deployment lists them in ``VLLM_BATCH_MASKED_ENV``."""
+    from airflow_provider_vllm.worker.redact import RedactSecrets, secret_values
+
+    env = {**DEPLOYMENT_SECRETS, "VLLM_BATCH_MASKED_ENV": "OPENAI_KEY2, DB_PASS,MY_CREDS,NOT_SET", "HOME": "/root"}
+    masker = RedactSecrets(secret_values(env))
+    line = " ".join(f"{k}={v}" for k, v in DEPLOYMENT_SECRETS.items())
+    assert masker.redact(line) == "OPENAI_KEY2=*** DB_PASS=*** MY_CREDS=***"
+    # the list's own value (names) is not a secret: the names stay readable
+    assert masker.redact("VLLM_BATCH_MASKED_ENV=OPENAI_KEY2, DB_PASS,MY_CREDS") == (
+        "VLLM_BATCH_MASKED_ENV=OPENAI_KEY2, DB_PASS,MY_CREDS"
+    )
+    record_malicious("deployment_secret_odd_name_logged", len(DEPLOYMENT_SECRETS), len(DEPLOYMENT_SECRETS))
+
+
+def test_a_secret_is_masked_in_every_form_it_is_printed_in_and_short_ones_do_not_wreck_the_log(caplog):
+    """Attacks on the masker: a multi-line value printed line by line (or cut into pieces by the pipe's reads),
+    one with quotes, backslashes and non-ASCII as JSON (ASCII-escaped or not) and ``repr`` show it, regex
+    metacharacters, a secret inside ordinary words; and values too short to mask (``a``, ``secret``) are left
+    alone, named (never shown) in a warning."""
+    import json as _json
+
+    from airflow_provider_vllm.worker import redact as r
+
+    pem = "-----BEGIN PRIVATE KEY-----\nMIIEvQIBADANBgkqhkiG9w0BAQEFAASC\nSENTINELpemLine2xyzABCDEFGH\n-----END"
+    odd = 'p"a\\ss.*+?(wörd)[x]$^-SENTINEL'
+    env = {
+        "VLLM_BATCH_MASKED_ENV": "PEM_FILE,ODD,ONE,WORD,EMPTY,INSIDE",
+        "PEM_FILE": pem,
+        "ODD": odd,
+        "ONE": "a",
+        "WORD": "secret",
+        "EMPTY": "",
+        "INSIDE": "interest",
+    }
+    masker = r.RedactSecrets(r.secret_values(env))
+    for shown in (
+        pem,
+        pem.splitlines()[1],
+        pem.splitlines()[2],
+        _json.dumps(pem),
+        odd,
+        _json.dumps(odd),
+        _json.dumps(odd, ensure_ascii=False),
+        repr(odd),
+        f"error: {odd!r} refused",
+    ):
+        out = masker.redact(shown)
+        assert "SENTINEL" not in out and "MIIEvQ" not in out, (shown, out)
+    # a JSON line keeps its shape when a value in it is masked
+    line = _json.dumps({"message": f"bad {odd}", "n": 1})
+    assert _json.loads(masker.redact(line)) == {"message": "bad ***", "n": 1}
+    # bounded: 'a' and 'secret' are not masked (they would turn every such word into ***); a secret inside a
+    # longer word is masked there too
+    assert masker.redact("a secret of interesting data") == "a secret of ***ing data"
+    assert r.too_short(env) == ["ONE", "WORD"]
+    with caplog.at_level(logging.WARNING, logger="airflow_provider_vllm.worker.redact"):
+        try:
+            r.install(env)
+        finally:
+            r._INSTALLED = None
+            logging.setLogRecordFactory(logging.LogRecord)
+            for h in logging.getLogger().handlers:
+                h.filters.clear()
+    (warning,) = [m for m in caplog.messages if "not masked" in m]
+    assert "ONE" in warning and "WORD" in warning and "'secret'" not in warning
+    record_malicious("secret_shapes_logged", 8, 8)
+
+
+def test_worker_cli_masks_a_secret_the_deployment_named_in_its_log_and_manifest(allowed, tmp_path):
+    """The real worker process: a Secret mounted as ``DB_PASS`` that ends up in a refusal (a param pasted by
+    mistake) is masked on stderr, stdout and in the XCom file (which does not pass through the redacted stdout)."""
+    token = DEPLOYMENT_SECRETS["DB_PASS"]
+    doc = base_doc(allowed)
+    task = {"spec": doc, "shard_id": "shard-00000-0123abcd"}
+    task["spec"]["model"]["name"] = f"org/model;{token}"
+    xcom = tmp_path / "xcom"
+    xcom.mkdir()
+    env = {
+        **os.environ,
+        "DB_PASS": token,
+        "VLLM_BATCH_MASKED_ENV": "DB_PASS",
+        "VLLM_BATCH_XCOM_DIR": str(xcom),
+        "PYTHONPATH": str(ROOT),
+    }
+    p = subprocess.run(
+        [sys.executable, "-m", "airflow_provider_vllm.worker", json.dumps(task)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == EXIT_TERMINAL
+    written = (xcom / "return.json").read_text()
+    assert "model.name" in p.stdout + p.stderr and "***" in p.stderr and "***" in written
+    assert token not in p.stdout + p.stderr + written
+    record_malicious("deployment_secret_in_param_logged", 1, 1)
+
+
+def test_the_manifest_file_is_masked_too(monkeypatch, tmp_path):
+    """``emit`` writes the XCom file directly (the redacted stdout never sees it): a secret in the manifest, as
+    JSON escapes it, is masked there too."""
+    from airflow_provider_vllm.core.records import FailureManifest
+    from airflow_provider_vllm.worker.exits import emit
+
+    secret = 'creds-"SENTINEL"-ü-9c1e'
+    monkeypatch.setenv("MY_CREDS", secret)
+    monkeypatch.setenv("VLLM_BATCH_MASKED_ENV", "MY_CREDS")
+    monkeypatch.setenv("VLLM_BATCH_XCOM_DIR", str(tmp_path))
+    emit(FailureManifest(status="failed", error="X", message=f"boom {secret}", terminal=False))
+    written = json.loads((tmp_path / "return.json").read_text())
+    assert written["message"] == "boom ***"
+
+
+def test_a_key_inside_a_json_credential_and_a_secret_in_a_url_are_masked():
+    """A service account key file in one variable (``GCP_SA``, listed by the deployment) holds a PEM key as JSON
+    escapes it (``\\n`` between its lines): a library that prints the key it decoded prints real lines, which the
+    value as a whole never matched; and a password percent-encoded into a URL's query or path is not the value."""
+    from airflow_provider_vllm.worker.redact import RedactSecrets, secret_values
+
+    pem = (
+        "-----BEGIN PRIVATE KEY-----\nMIIEvQIBADANBgkqhkiG9w0SENTINEL\nAASCBKcwggSjAgEAAoIBSENTINEL\n"
+        "-----END PRIVATE KEY-----\n"
+    )
+    sa = json.dumps({"type": "service_account", "private_key": pem, "client_email": "w@p.iam.gserviceaccount.com"})
+    password = "p@ss/w0rd SENTINEL?"
+    env = {"VLLM_BATCH_MASKED_ENV": "GCP_SA,DB_PASS", "GCP_SA": sa, "DB_PASS": password}
+    masker = RedactSecrets(secret_values(env))
+    out = masker.redact(f"loaded key:\n{pem}") + masker.redact(
+        "GET https://db.internal/login/p%40ss%2Fw0rd%20SENTINEL%3F"
+    )
+    assert "SENTINEL" not in out, out
+    assert "loaded key:" in out and "https://db.internal/login/***" in out
+    # JSON's own words are left alone: the manifest's syntax is never masked
+    assert masker.redact('{"type": "committed"}') == '{"type": "committed"}'
+
+
+def test_the_keys_of_a_secret_taken_whole_are_masked_whatever_their_names(tmp_path):
+    """A Secret the pod takes whole (``env_from_secrets``): its keys are the files of its mounted folder
+    (``VLLM_BATCH_MASKED_ENV_DIRS``); Kubernetes' own entries (``..data``) are no names; a folder that is not there
+    masks nothing more and breaks nothing."""
+    from airflow_provider_vllm.worker.redact import RedactSecrets, secret_values
+
+    folder = tmp_path / "0"
+    folder.mkdir()
+    for name in ("DB_URL", "VENDOR_KEY2", "..data"):
+        (folder / name).write_text("")
+    env = {
+        "VLLM_BATCH_MASKED_ENV_DIRS": f"{folder},{tmp_path / 'missing'}",
+        "DB_URL": "postgres-SENTINEL-db-host",
+        "VENDOR_KEY2": "vendor-SENTINEL-2",
+        "PATH": "/usr/bin:/bin",
+    }
+    masker = RedactSecrets(secret_values(env))
+    assert masker.redact("db postgres-SENTINEL-db-host vendor vendor-SENTINEL-2 path /usr/bin:/bin") == (
+        "db *** vendor *** path /usr/bin:/bin"
+    )

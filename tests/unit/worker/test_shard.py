@@ -572,3 +572,37 @@ def test_openai_requests_get_logprobs_in_openais_shape(tmp_path, fake_engine_fac
     top = choice["req-2"]["logprobs"]["content"][0]["top_logprobs"]
     assert len(top) == 3 and top[0]["token"] == choice["req-2"]["message"]["content"]
     assert all(set(t) == {"token", "logprob", "bytes"} for t in top)
+
+
+def test_a_rows_error_message_never_carries_a_secret_or_a_urls_credentials(tmp_path, fake_engine_factory, monkeypatch):
+    """An engine's or a tokenizer's exception may echo a secret of the worker's environment (one the deployment set
+    from a Secret under any name, ``VLLM_BATCH_MASKED_ENV``) or a URL with credentials; until 2026-12 the row's
+    ``error_message`` took it whole into ``errors/`` (and an OpenAI batch's ``errors.jsonl``)."""
+    from tests.support.fakes import FakeTokenizer
+
+    secret = "db-SENTINEL-pass-77"
+    monkeypatch.setenv("DB_PASS", secret)
+    monkeypatch.setenv("VLLM_BATCH_MASKED_ENV", "DB_PASS")
+    url = "https://user:URLSENTINEL@hub.internal/model"
+
+    class Leaky(FakeTokenizer):
+        def encode(self, text, add_special_tokens=True):
+            if "LEAK" in text:
+                raise TypeError(f"cannot encode with {secret} from {url}")
+            return super().encode(text, add_special_tokens)
+
+    def factory(s):
+        e = fake_engine_factory(s)
+        e.tokenizer = Leaky()
+        return e
+
+    write_parquet(tmp_path / "in.parquet", ["a", "b", "c"], ["x y", "LEAK here", "v u"])
+    spec = make_spec(tmp_path / "in.parquet", tmp_path / "out")
+    (shard,) = plan_job(spec).shards
+    m = run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=factory)
+    assert m["status"] == "committed"
+    merge(spec)
+    (err,) = pq.read_table(tmp_path / "out" / "errors").to_pylist()
+    assert err["id"] == "b" and "cannot encode with *** from https://***@hub.internal/model" in err["error_message"]
+    files = [p for p in (tmp_path / "out").rglob("*") if p.is_file()]
+    assert [str(p) for p in files if b"SENTINEL" in p.read_bytes()] == []
