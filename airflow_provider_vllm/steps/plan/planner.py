@@ -34,6 +34,7 @@ from airflow_provider_vllm.core.plan import PLAN_FILE, LastPublished, Plan, Segm
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import GLOB_CHARS, FileSystems, Storage, has_glob, is_temp_copy
+from airflow_provider_vllm.core.weights import WeightsPin
 from airflow_provider_vllm.steps.golden import GOLDEN_IN, with_golden
 from airflow_provider_vllm.steps.plan.groups import ALL, LONG, SHORT, GroupTokens
 from airflow_provider_vllm.steps.plan.passthrough import resolve_passthrough
@@ -385,11 +386,15 @@ def build_plan_with_inputs(
     tokens = _row_tokens(scan, sh.chars_per_token, sh.long_row_tokens)
     est_tokens = tokens.total
     cache, dedupe, cut_scan, cut_tokens, cut_fp = None, None, scan, tokens, found.fingerprint
+    weights: list[WeightsPin] = []
     with tempfile.TemporaryDirectory(prefix="vllm-batch-plan-") as workdir:
         misses = None
         if cache_out is not None and spec.cache.uri is not None:
+            from airflow_provider_vllm.steps.cache.key import describe_weights
             from airflow_provider_vllm.steps.cache.result_cache import plan_cache
 
+            # the local model / tokenizer folders, every file hashed (memoised): the key and the workers' check
+            weights = describe_weights(spec)
             cache, misses = plan_cache(
                 spec,
                 found,
@@ -400,6 +405,7 @@ def build_plan_with_inputs(
                 keyring=keyring,
                 adapters=adapters,
                 passthrough=passthrough,
+                weights=weights,
             )
             cut_fp = f"{found.fingerprint}:{cache.hits_file.sha256}"
         if cache_out is not None:
@@ -438,6 +444,7 @@ def build_plan_with_inputs(
         **({"cache": cache} if cache is not None else {}),
         **({"dedupe": dedupe} if dedupe is not None else {}),
         **({"passthrough": passthrough} if passthrough is not None else {}),
+        **({"weights": weights} if weights else {}),
         **({"adapters": adapters} if adapters else {}),
     )
     return plan, PlanInputs(found=found, history=history)
