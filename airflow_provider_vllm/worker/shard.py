@@ -226,7 +226,9 @@ def _run_shard(
                 reads_clock = runner.builder.reads_clock
                 t0 = time.monotonic()
                 files.update(runner.run(todo))
-                runner.seal_checked(wait=True)  # InputChangedError when a pinned folder changed: nothing sealed
+                runner.seal_checked(
+                    wait=True, beat=watchdog.beat
+                )  # InputChangedError when a pinned folder changed: nothing sealed
                 stats["infer_s"] = round(time.monotonic() - t0, 3)
                 stats.update(engine.stats())
             finally:
@@ -503,13 +505,13 @@ class _ChunkRunner:
         self.seal_checked()
         return entry
 
-    def seal_checked(self, wait: bool = False) -> None:
-        """Seal the chunks written so far once the weights check has settled (``wait``: wait for it);
-        InputChangedError (nothing sealed) when a pinned folder changed."""
+    def seal_checked(self, wait: bool = False, beat: Callable[[], None] = lambda: None) -> None:
+        """Seal the chunks written so far once the weights check has settled (``wait``: wait for it, ``beat()`` while
+        it hashes); InputChangedError (nothing sealed) when a pinned folder changed."""
         if self.weights is None:
             return
         if wait:
-            self.weights.wait()
+            self.weights.wait(beat)
         elif not self.unsealed or not self.weights.settled():
             return
         for meta, entry in self.unsealed:

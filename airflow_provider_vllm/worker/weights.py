@@ -57,6 +57,7 @@ class WeightsCheck:
         self._error: BaseException | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        self._blocks = 0  # blocks hashed so far, all passes: progress for the watchdog while ``wait`` waits
 
     def start(self, when: str) -> None:
         """Start one pass over every pin (``when``: for the log)."""
@@ -70,12 +71,17 @@ class WeightsCheck:
     def _pass(self, when: str) -> None:
         try:
             for p in self.pins:
-                check_folder(p, self._stop.is_set)
+                check_folder(p, self._tick)
             if not self._stop.is_set():
                 log.info("weights check (%s): %s", when, ", ".join(f"{p.role} {p.name} as planned" for p in self.pins))
         except BaseException as e:  # kept for settled()/wait() to raise in the shard's thread
             with self._lock:
                 self._error = self._error or e
+
+    def _tick(self) -> bool:
+        """Called by ``check_folder`` between blocks: counts one, and says whether to stop."""
+        self._blocks += 1
+        return self._stop.is_set()
 
     def bracket(self, factory: Callable[[JobSpec], Any]) -> Callable[[JobSpec], Any]:
         """``factory`` with a pass started before and after each engine it makes (a restart loads again)."""
@@ -97,10 +103,16 @@ class WeightsCheck:
                 raise self._error
             return all(not t.is_alive() for t in self._threads)
 
-    def wait(self) -> None:
-        """Wait for every pass; raise the first mismatch."""
+    def wait(self, beat: Callable[[], None] = lambda: None) -> None:
+        """Wait for every pass; raise the first mismatch. ``beat()`` whenever the passes hashed more (the
+        worker's watchdog: hashing that moves is progress, a read that hangs is a stall)."""
+        seen = self._blocks
         for t in list(self._threads):
-            t.join()
+            while t.is_alive():
+                t.join(0.1)
+                if self._blocks != seen:
+                    seen = self._blocks
+                    beat()
         self.settled()
 
     def close(self) -> None:

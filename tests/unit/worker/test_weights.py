@@ -214,3 +214,22 @@ def test_without_the_cache_the_plan_hashes_no_weights(tmp_path, fake_engine_fact
     folder(tmp_path / "model")
     spec = spec_for(tmp_path, cache=False)
     assert plan_job(spec).weights == []
+
+
+def test_a_check_that_still_hashes_when_the_rows_are_done_is_progress_for_the_watchdog(tmp_path, monkeypatch):
+    """The commit waits for the check (``WeightsCheck.wait``, which the shard gives its watchdog's beat): hashing
+    that moves is not a stall (exit 75 and a retry that hashes again); a hashing pass that stops moving is."""
+    folder(tmp_path / "model")
+    plan = plan_job(spec_for(tmp_path))
+
+    def slow_check(pin, tick):
+        for _ in range(10):  # a block each 0.1 s
+            time.sleep(0.1)
+            tick()
+
+    monkeypatch.setattr(worker_weights, "check_folder", slow_check)
+    check = worker_weights.WeightsCheck(plan.weights)
+    check.start("after load")
+    beats: list[float] = []
+    check.wait(lambda: beats.append(time.monotonic()))
+    assert len(beats) >= 5  # a beat as blocks are hashed, not one at the end
