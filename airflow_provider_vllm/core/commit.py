@@ -253,10 +253,12 @@ class ShardStore:
         table: pa.Table,
         passthrough: pa.Table | None = None,
         engine_identity: str | None = None,
+        seal: bool = True,
     ) -> FileEntry:
         """Write one chunk (a ``ROW_SCHEMA`` table) as its two part files, atomically each, then its seal;
         returns its entry. ``passthrough``: the chunk's passthrough columns, a row per row (``rows.split_rows``);
-        ``engine_identity``: the engine that made the rows (sealed with the chunk, ``ChunkSeal``).
+        ``engine_identity``: the engine that made the rows (sealed with the chunk, ``ChunkSeal``); ``seal``
+        False: no seal yet (``seal_chunk`` later): until then no attempt reuses the chunk.
 
         The error rows first, the ok rows next, the seal last: a crash before the seal leaves a chunk
         that is not complete, and a retry redoes it.
@@ -282,6 +284,12 @@ class ShardStore:
             sha256=ok_sha,
             errors=PartFile(path=err_rel, rows=err.num_rows, bytes=err_size, sha256=err_sha),
         )
+        if seal:
+            self.seal_chunk(meta, entry, engine_identity)
+        return entry
+
+    def seal_chunk(self, meta: ChunkMeta, entry: FileEntry, engine_identity: str | None = None) -> None:
+        """Write the seal of a chunk ``write_chunk`` wrote (``entry``): from then on an attempt may reuse it."""
         faults.hit("chunk.before_seal")
         sealed = seals.seal_record(
             self.run.keyring,
@@ -289,9 +297,8 @@ class ShardStore:
             self.scope,
             ChunkSeal(meta=meta, plan_mac=self.run.plan_mac, entry=entry, engine_identity=engine_identity),
         )
-        self.out.write_atomic(seal_rel(rel), seals.record_bytes(sealed))
+        self.out.write_atomic(seal_rel(entry.path), seals.record_bytes(sealed))
         faults.hit("chunk.after_write")
-        return entry
 
     def reusable_chunks(
         self, expected: dict[int, ChunkMeta], beat: Callable[[], None] = lambda: None

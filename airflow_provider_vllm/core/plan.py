@@ -21,6 +21,7 @@ from airflow_provider_vllm.core.rows import decode_schema, error_schema, result_
 from airflow_provider_vllm.core.seal import Keyring, Seal
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
+from airflow_provider_vllm.core.weights import WeightsPin
 
 PLAN_FILE = "_plan.json"
 
@@ -369,6 +370,11 @@ class Plan(BaseModel):
     )
     adapters: list[AdapterRef] = Field(
         default_factory=list, description="the job's LoRA adapters and their identities (core/adapters.py)"
+    )
+    weights: list[WeightsPin] = Field(
+        default_factory=list,
+        description="with the result cache: the local model and tokenizer folders as the plan hashed them (each file's "
+        "name, size and sha256; core/weights.py): the workers check the folders they load against them",
     )
     table: TablePin | None = Field(
         None, description="io.input_table: the table snapshot the run reads, pinned by the plan; absent for files"

@@ -49,6 +49,7 @@ from airflow_provider_vllm.worker.redact import redactor
 from airflow_provider_vllm.worker.task import ShardTask
 from airflow_provider_vllm.worker.telemetry import ShardTelemetry
 from airflow_provider_vllm.worker.watchdog import Watchdog
+from airflow_provider_vllm.worker.weights import WeightsCheck, check_pins
 
 log = logging.getLogger("airflow_provider_vllm.worker")
 
@@ -131,6 +132,7 @@ def _run_shard(
         require_vllm()
 
     check_refs(spec, plan.adapters)  # the plan's adapters are the spec's (before reading a row)
+    weights = WeightsCheck(check_pins(spec, plan))  # the local model / tokenizer folders the plan pinned
     attempt = task.attempt_id or new_attempt_id()
     t_start = time.monotonic()
     with shard_input(spec, plan, shard) as in_root:
@@ -186,9 +188,10 @@ def _run_shard(
     if todo:
         started = start_limits(spec, store.engine_limits())
         shared = compile_cache.from_env(started, keyring)  # the shared compile cache, when the pod mounts one
-        with _beating(watchdog), local_adapters(spec, plan) as adapter_paths:
+        with _beating(watchdog), local_adapters(spec, plan) as adapter_paths, contextlib.closing(weights):
             if factory is _default_engine and adapter_paths:  # without adapters: the factory as it was
                 factory = functools.partial(_default_engine, adapters=adapter_paths)
+            factory = weights.bracket(factory)  # hashes the pinned folders while each engine loads and runs
             if shared is not None:
                 shared.restore()  # before vLLM starts: it reads the private folders once, at start
             engine = GuardedEngine(
@@ -219,10 +222,14 @@ def _run_shard(
                     progress=telemetry.progress,
                     carried=carried,
                     engine_identity=identity,
+                    weights=weights,
                 )
                 reads_clock = runner.builder.reads_clock
                 t0 = time.monotonic()
                 files.update(runner.run(todo))
+                runner.seal_checked(
+                    wait=True, beat=watchdog.beat
+                )  # InputChangedError when a pinned folder changed: nothing sealed
                 stats["infer_s"] = round(time.monotonic() - t0, 3)
                 stats.update(engine.stats())
             finally:
@@ -431,9 +438,11 @@ class _ChunkRunner:
     progress: Progress
     carried: pa.Table | None = None
     engine_identity: str | None = None
+    weights: WeightsCheck | None = None
     prompt_tokens: int = field(default=0, init=False)
     completion_tokens: int = field(default=0, init=False)
     rejected: int = field(default=0, init=False)  # rows refused before the engine (EMPTY_INPUT, PROMPT_TOO_LONG, ...)
+    unsealed: list[tuple[ChunkMeta, FileEntry]] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
         spec, plan = self.spec, self.plan
@@ -495,7 +504,27 @@ class _ChunkRunner:
         for r in rows:
             if masker is not None and r.get("error_message"):
                 r["error_message"] = masker.redact(r["error_message"])
-        return self.store.write_chunk(self.attempt, meta, rows_table(rows), part, self.engine_identity)
+        if self.weights is None or not self.weights.pins:
+            return self.store.write_chunk(self.attempt, meta, rows_table(rows), part, self.engine_identity)
+        # pinned weights: a chunk is sealed (reusable by a retry) only once the folders its engine loaded are
+        # checked; a chunk of an attempt killed or refused before then is redone by the next one
+        entry = self.store.write_chunk(self.attempt, meta, rows_table(rows), part, self.engine_identity, seal=False)
+        self.unsealed.append((meta, entry))
+        self.seal_checked()
+        return entry
+
+    def seal_checked(self, wait: bool = False, beat: Callable[[], None] = lambda: None) -> None:
+        """Seal the chunks written so far once the weights check has settled (``wait``: wait for it, ``beat()`` while
+        it hashes); InputChangedError (nothing sealed) when a pinned folder changed."""
+        if self.weights is None:
+            return
+        if wait:
+            self.weights.wait(beat)
+        elif not self.unsealed or not self.weights.settled():
+            return
+        for meta, entry in self.unsealed:
+            self.store.seal_chunk(meta, entry, self.engine_identity)
+        self.unsealed = []
 
     def _generate(self, todo: list[int]) -> dict[int, FileEntry]:
         records: dict[int, dict[int, dict]] = {k: {} for k in todo}

@@ -17,7 +17,8 @@
   ``check_engine_identity`` (from ``key_config``): an engine environment that sets a variable the key
   cannot stand for (``VLLM_MODEL_REDIRECT_PATH``).
 * ``weights_fingerprint``: sha256 over every byte of a local weights folder, memoised per file by
-  its stat (``steps/cache/fingerprint_memo.py``).
+  its stat (``steps/cache/fingerprint_memo.py``); ``describe_weights``: the same files, one by one, as the plan
+  seals them for the worker's check (``core/weights.py``).
 
 A change to what the key means, or to how the worker renders a (type, value) (``worker/prompts.py``),
 must bump ``KEY_FORMAT_VERSION``: entries of the older format then simply stop matching.
@@ -41,6 +42,7 @@ from airflow_provider_vllm.core.formats.base import row_columns
 from airflow_provider_vllm.core.spec import ENGINE_KWARGS_ALLOWED, JobSpec
 from airflow_provider_vllm.core.spec_guard import COMMIT_SHA
 from airflow_provider_vllm.core.storage import FileSystems, hash_pool
+from airflow_provider_vllm.core.weights import WeightsFile, WeightsPin, folder_files, folder_fingerprint, local_folder
 from airflow_provider_vllm.steps.cache.fingerprint_memo import FileStat, FingerprintMemo
 
 KEY_FORMAT_VERSION = 2  # 1: CAST(col AS VARCHAR) per column, edge-hashed weights; 2: typed values, every byte
@@ -200,8 +202,7 @@ def check_engine_identity(identity: str) -> None:
 
 
 # ---- per job ------------------------------------------------------------------------------
-def _local_folder(name: str) -> str:
-    return os.path.expanduser(name.removeprefix("file://"))
+_local_folder = local_folder
 
 
 def weights_fingerprint(folder: str, memo: FingerprintMemo | None = None) -> str:
@@ -213,27 +214,32 @@ def weights_fingerprint(folder: str, memo: FingerprintMemo | None = None) -> str
     SpecError for a broken link or an unreadable file; TransientError when a file keeps changing
     while it is read.
     """
+    return folder_fingerprint(weights_files(folder, memo))
+
+
+def weights_files(folder: str, memo: FingerprintMemo | None = None) -> list[tuple[str, int, str]]:
+    """(name in the folder, size, sha256) of every file of the folder, sorted (``weights_fingerprint``'s files)."""
     folder = _local_folder(folder)
     memo = FingerprintMemo.default() if memo is None else memo
-    files: list[tuple[str, str]] = []
-    for d, dirs, fs in os.walk(folder, followlinks=True):
-        parts = os.path.relpath(d, folder).split(os.sep)
-        if d != folder and os.path.realpath(d) in {
-            os.path.realpath(os.path.join(folder, *parts[:i])) for i in range(len(parts))
-        }:
-            dirs[:] = []  # a link back to a folder above: a loop, read once
-            continue
-        files += [(os.path.relpath(os.path.join(d, f), folder), os.path.join(d, f)) for f in fs]
-    files.sort()
+    files = sorted(folder_files(folder))
     memo.load()
     # hashlib and file reads release the GIL: big weight files are hashed side by side
     with hash_pool(len(files)) as pool:
         sums = list(pool.map(lambda f: _file_sha256(f[1], f[0], folder, memo), files))
-    h = hashlib.sha256()
-    for (rel, _), (size, digest) in zip(files, sums, strict=True):
-        h.update(json.dumps([rel, size, digest]).encode() + b"\n")
     memo.save()
-    return h.hexdigest()
+    return [(rel, size, digest) for (rel, _), (size, digest) in zip(files, sums, strict=True)]
+
+
+def describe_weights(spec: JobSpec, memo: FingerprintMemo | None = None) -> list[WeightsPin]:
+    """The pins of the job's local model and tokenizer folders that this process can read (every byte hashed,
+    memoised by stat): what the plan seals (``Plan.weights``) and the worker checks (``core/weights.py``)."""
+    m = spec.model
+    pins = []
+    for role, name in (("model", m.name), ("tokenizer", m.tokenizer)):
+        if name and is_local_model(name) and os.path.isdir(_local_folder(name)):
+            files = [WeightsFile(path=r, bytes=n, sha256=d) for r, n, d in weights_files(name, memo)]
+            pins.append(WeightsPin(role=role, name=name, files=files))
+    return pins
 
 
 def _file_sha256(path: str, rel: str, folder: str, memo: FingerprintMemo) -> tuple[int, str]:
@@ -271,8 +277,12 @@ def key_config(
     engine_identity: str | None = None,
     adapters: list[AdapterRef] | None = None,
     filesystems: FileSystems | None = None,
+    weights: list[WeightsPin] | None = None,
 ) -> dict[str, Any]:
     """Everything but the row's own values that decides a row's answer (the key config).
+
+    ``weights``: the plan's pins of the local model and tokenizer folders (``describe_weights``, which the
+    plan seals); each folder is keyed by its pin's fingerprint (default: the folder hashed here).
 
     ``adapters``: the plan's identities of the job's LoRA adapters (default: ``describe_adapters``, which reads
     every byte of each local and object store adapter); each adapter is keyed by that identity.
@@ -286,9 +296,12 @@ def key_config(
         ]
         model["default_adapter"] = m.default_adapter
         model["adapter_column"] = m.adapter_column
+    pinned = {p.role: p for p in weights or []}
     if is_local_model(m.name):
         folder = _local_folder(m.name)
-        if os.path.isdir(folder):
+        if "model" in pinned:
+            model["weights_sha256"] = pinned["model"].fingerprint()
+        elif os.path.isdir(folder):
             model["weights_sha256"] = weights_fingerprint(folder)
         elif not m.revision:
             raise SpecError(
@@ -298,7 +311,9 @@ def key_config(
             )
     if m.tokenizer and is_local_model(m.tokenizer):
         folder = _local_folder(m.tokenizer)
-        if os.path.isdir(folder):
+        if "tokenizer" in pinned:
+            model["tokenizer_sha256"] = pinned["tokenizer"].fingerprint()
+        elif os.path.isdir(folder):
             model["tokenizer_sha256"] = weights_fingerprint(folder)
         elif not m.tokenizer_revision:
             raise SpecError(

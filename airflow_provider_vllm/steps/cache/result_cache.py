@@ -46,6 +46,7 @@ from airflow_provider_vllm.core.rows import RESULT_SCHEMA, result_schema
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
+from airflow_provider_vllm.core.weights import WeightsPin
 from airflow_provider_vllm.steps.cache import matching
 from airflow_provider_vllm.steps.cache.index import build_index, entry_meta, read_keys
 from airflow_provider_vllm.steps.cache.key import (  # noqa: F401 (the key's names, also reached through this module)
@@ -102,12 +103,13 @@ def _prepare(
     keyring: Keyring,
     workdir: str,
     adapters: list[AdapterRef] | None = None,
+    weights: list[WeightsPin] | None = None,
 ) -> _Prepared:
     """Only entries sealed by this deployment's merge are read, from local copies whose bytes were checked
     against the seal (``CacheStore.fetch``); an entry whose keys are of neither format is skipped whole."""
     check_cacheable(spec, found.format)
     assert spec.cache.uri is not None
-    cfg = key_config(spec, engine_identity, adapters, filesystems)
+    cfg = key_config(spec, engine_identity, adapters, filesystems, weights)
     khash = key_hash(cfg)
     store = CacheStore(spec.cache.uri, spec.io.storage_options, keyring, filesystems)
     fetched, local = store.fetch(store.committed(khash), os.path.join(workdir, "entries"))
@@ -188,6 +190,7 @@ def plan_cache(
     keyring: Keyring | None = None,
     adapters: list[AdapterRef] | None = None,
     passthrough: Passthrough | None = None,
+    weights: list[WeightsPin] | None = None,
 ) -> tuple[CachePlan, str]:
     """Look the input's keys up in the cache; write the hits file under ``_cache/``; the CachePlan and the local
     misses file (in ``workdir``: the rows to infer with their keys, in input order), which the planner cuts
@@ -202,7 +205,7 @@ def plan_cache(
 
     store = CacheStore(spec.cache.uri, spec.io.storage_options, keyring, filesystems)
     probe_create_only(store.st, f"{spec.cache.uri} (cache.uri)")
-    p = _prepare(spec, found, engine_identity, filesystems, keyring, workdir, adapters)
+    p = _prepare(spec, found, engine_identity, filesystems, keyring, workdir, adapters, weights)
     needed = matching.needed_columns(spec, passthrough)
     # The hits file is published by merge as one more part of results/, by reference: it is written here in
     # exactly the parts' schema (the plan's result schema).

@@ -41,6 +41,7 @@ from airflow_provider_vllm.core.storage import (
     has_glob,
     is_temp_copy,
 )
+from airflow_provider_vllm.core.weights import WeightsPin
 from airflow_provider_vllm.steps.golden import GOLDEN_IN, with_golden
 from airflow_provider_vllm.steps.plan.groups import ALL, LONG, SHORT, GroupTokens
 from airflow_provider_vllm.steps.plan.passthrough import resolve_passthrough
@@ -401,11 +402,15 @@ def build_plan_with_inputs(
     tokens = _row_tokens(scan, sh.chars_per_token, sh.long_row_tokens)
     est_tokens = tokens.total
     cache, dedupe, cut_scan, cut_tokens, cut_fp = None, None, scan, tokens, found.fingerprint
+    weights: list[WeightsPin] = []
     with tempfile.TemporaryDirectory(prefix="vllm-batch-plan-") as workdir:
         misses = None
         if cache_out is not None and spec.cache.uri is not None:
+            from airflow_provider_vllm.steps.cache.key import describe_weights
             from airflow_provider_vllm.steps.cache.result_cache import plan_cache
 
+            # the local model / tokenizer folders, every file hashed (memoised): the key and the workers' check
+            weights = describe_weights(spec)
             cache, misses = plan_cache(
                 spec,
                 found,
@@ -416,6 +421,7 @@ def build_plan_with_inputs(
                 keyring=keyring,
                 adapters=adapters,
                 passthrough=passthrough,
+                weights=weights,
             )
             cut_fp = f"{found.fingerprint}:{cache.hits_file.sha256}"
         if cache_out is not None:
@@ -454,6 +460,7 @@ def build_plan_with_inputs(
         **({"cache": cache} if cache is not None else {}),
         **({"dedupe": dedupe} if dedupe is not None else {}),
         **({"passthrough": passthrough} if passthrough is not None else {}),
+        **({"weights": weights} if weights else {}),
         **({"adapters": adapters} if adapters else {}),
     )
     return plan, PlanInputs(found=found, history=history)

@@ -1,0 +1,235 @@
+"""A local model or tokenizer folder changed between the plan and the shards (worker/weights.py, core/weights.py).
+
+With the result cache on, the plan seals each file of a local model folder (name, size, sha256); the worker
+checks the folder it loads against them and fails the shard (terminal) before it seals or commits anything.
+The fake engine does not read the folder; the check does, which is what these tests exercise.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from airflow_provider_vllm.core.commit import MARKER
+from airflow_provider_vllm.core.errors import InputChangedError, SpecError
+from airflow_provider_vllm.core.exit_codes import ExitCode
+from airflow_provider_vllm.core.plan import PLAN_FILE, Plan
+from airflow_provider_vllm.core.seal import Keyring
+from airflow_provider_vllm.steps.plan.planner import plan_job
+from airflow_provider_vllm.worker import weights as worker_weights
+from airflow_provider_vllm.worker.shard import run_shard
+from airflow_provider_vllm.worker.task import ShardTask
+from tests.support.data import PINNED_REVISION, make_spec
+
+FILES = {"config.json": b'{"model_type": "llama"}', "model.safetensors": b"W" * 4096, "sub/extra.bin": b"x" * 100}
+
+
+def folder(path: Path, files: dict[str, bytes] = FILES) -> Path:
+    for rel, data in files.items():
+        (path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (path / rel).write_bytes(data)
+    return path
+
+
+def spec_for(tmp_path: Path, run: str = "a", cache: bool = True, **model):
+    pq.write_table(
+        pa.table({"id": [f"r{i}" for i in range(6)], "text": [f"t{i}" for i in range(6)]}), tmp_path / "in.parquet"
+    )
+    return make_spec(
+        tmp_path / "in.parquet",
+        tmp_path / f"out-{run}",
+        model={"name": str(tmp_path / "model"), **model},
+        sharding={"target_rows": 100, "chunk_rows": 2},
+        **({"cache": {"uri": str(tmp_path / "cache")}} if cache else {}),
+    )
+
+
+def shard(spec, plan, factory, attempt=None):
+    return run_shard(ShardTask(spec=spec, shard_id=plan.shards[0].shard_id, attempt_id=attempt), engine_factory=factory)
+
+
+def left(spec) -> tuple[list[str], list[str]]:
+    """(commit markers, chunk seals) under the run's output prefix."""
+    out = Path(spec.io.output_uri)
+    return [str(p) for p in out.rglob(MARKER)], [str(p) for p in out.rglob("*.seal.json")]
+
+
+def swap_same_size_and_mtime(path: Path, data: bytes) -> None:
+    st = path.stat()
+    assert len(data) == st.st_size
+    path.write_bytes(data)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_the_plan_pins_each_file_of_a_local_model_folder_and_the_shard_checks_it(tmp_path, fake_engine_factory):
+    folder(tmp_path / "model")
+    spec = spec_for(tmp_path)
+    plan = plan_job(spec)
+    [pin] = plan.weights
+    assert pin.role == "model" and [f.path for f in pin.files] == sorted(FILES)
+    assert pin.fingerprint() == plan.cache.key_config["model"]["weights_sha256"]
+    assert shard(spec, plan, fake_engine_factory)["status"] == "committed"
+
+
+def test_a_file_swapped_after_the_plan_with_the_same_size_and_mtime_fails_the_shard_and_seals_nothing(
+    tmp_path, fake_engine_factory
+):
+    folder(tmp_path / "model")
+    spec = spec_for(tmp_path)
+    plan = plan_job(spec)
+    swap_same_size_and_mtime(tmp_path / "model" / "model.safetensors", b"V" * 4096)
+    with pytest.raises(InputChangedError, match=r"model\.safetensors is not the file the plan hashed") as e:
+        shard(spec, plan, fake_engine_factory)
+    assert e.value.exit_code == ExitCode.TERMINAL  # no retry
+    assert fake_engine_factory.made  # it ran (the check costs no engine start) ...
+    markers, seals = left(spec)
+    assert markers == [] and seals == []  # ... and nothing of it can be committed or reused
+
+    # a retry after the folder is put back redoes every chunk: none of the refused attempt's is reused
+    swap_same_size_and_mtime(tmp_path / "model" / "model.safetensors", b"W" * 4096)
+    got = shard(spec, plan, fake_engine_factory)
+    assert got["status"] == "committed" and got["stats"]["reused_chunks"] == 0
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda m: (m / "added.bin").write_bytes(b"new"), r"added\.bin was added since the plan"),
+        (lambda m: (m / "sub" / "extra.bin").unlink(), r"sub/extra\.bin was removed since the plan"),
+        (lambda m: (m / "planted.safetensors").symlink_to(m.parent / "elsewhere"), r"planted\.safetensors was added"),
+        (lambda m: os.truncate(m / "model.safetensors", 1 << 40), r"model\.safetensors is 1099511627776 bytes"),
+    ],
+    ids=["added", "removed", "symlink-planted", "huge-sparse"],
+)
+def test_a_model_folder_changed_after_the_plan_fails_the_shard_naming_the_file(
+    tmp_path, fake_engine_factory, change, match
+):
+    folder(tmp_path / "model")
+    (tmp_path / "elsewhere").write_bytes(b"other weights")
+    spec = spec_for(tmp_path)
+    plan = plan_job(spec)
+    change(tmp_path / "model")
+    t0 = time.monotonic()
+    with pytest.raises(InputChangedError, match=match):
+        shard(spec, plan, fake_engine_factory)
+    assert time.monotonic() - t0 < 60  # the 1 TiB sparse file is refused by its size, unread
+    assert left(spec) == ([], [])
+
+
+def test_a_file_replaced_by_a_fifo_is_refused_unopened(tmp_path, fake_engine_factory):
+    folder(tmp_path / "model")
+    spec = spec_for(tmp_path)
+    plan = plan_job(spec)
+    (tmp_path / "model" / "config.json").unlink()
+    os.mkfifo(tmp_path / "model" / "config.json")
+    with pytest.raises(InputChangedError, match=r"config\.json cannot be read as a regular file"):
+        shard(spec, plan, fake_engine_factory)
+
+
+def test_a_swap_while_the_engine_loads_is_seen(tmp_path, fake_engine_factory):
+    folder(tmp_path / "model")
+    spec = spec_for(tmp_path)
+    plan = plan_job(spec)
+
+    def loads_other_weights(s, **kw):  # the folder changes while the engine starts (after the plan's check)
+        swap_same_size_and_mtime(tmp_path / "model" / "config.json", b'{"model_type": "other"}')
+        return fake_engine_factory(s, **kw)
+
+    with pytest.raises(InputChangedError, match=r"config\.json is not the file the plan hashed"):
+        shard(spec, plan, loads_other_weights)
+    assert left(spec) == ([], [])
+
+
+def test_a_changed_tokenizer_folder_fails_the_shard(tmp_path, fake_engine_factory):
+    folder(tmp_path / "model")
+    folder(tmp_path / "tok", {"tokenizer.json": b"{}", "tokenizer_config.json": b"{}"})
+    spec = spec_for(tmp_path, tokenizer=str(tmp_path / "tok"))
+    plan = plan_job(spec)
+    assert [p.role for p in plan.weights] == ["model", "tokenizer"]
+    swap_same_size_and_mtime(tmp_path / "tok" / "tokenizer.json", b"[]")
+    with pytest.raises(InputChangedError, match=r"model\.tokenizer .*tokenizer\.json is not the file"):
+        shard(spec, plan, fake_engine_factory)
+
+
+def test_a_hub_model_has_no_folder_to_check(tmp_path, fake_engine_factory):
+    spec = spec_for(tmp_path, name="org/model", revision=PINNED_REVISION)
+    plan = plan_job(spec)
+    assert plan.weights == []
+    assert shard(spec, plan, fake_engine_factory)["status"] == "committed"
+
+
+def test_chunks_are_not_sealed_while_the_check_runs(tmp_path, fake_engine_factory, monkeypatch):
+    """A worker killed (kill -9) while it hashes leaves chunks no retry reuses and no marker."""
+    folder(tmp_path / "model")
+    spec = spec_for(tmp_path)
+    plan = plan_job(spec)
+    release = threading.Event()
+
+    def slow_check(pin, stop):
+        release.wait(30)
+        raise InputChangedError("model.name: model.safetensors is not the file the plan hashed")
+
+    monkeypatch.setattr(worker_weights, "check_folder", slow_check)
+    failed: list[BaseException] = []
+
+    def work():
+        try:
+            shard(spec, plan, fake_engine_factory)
+        except BaseException as e:
+            failed.append(e)
+
+    t = threading.Thread(target=work)
+    t.start()
+    out = Path(spec.io.output_uri)
+    deadline = time.monotonic() + 30
+    while len(list(out.rglob("chunk-*.parquet"))) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(list(out.rglob("chunk-0000*.parquet"))) >= 3  # every chunk was written while the check ran ...
+    assert left(spec) == ([], [])  # ... none sealed: a kill now leaves nothing a retry reuses or merge reads
+    release.set()
+    t.join(30)
+    assert failed and isinstance(failed[0], InputChangedError)
+    assert left(spec) == ([], [])
+
+
+def test_a_plan_that_keys_the_weights_but_pins_no_files_is_refused(tmp_path, fake_engine_factory):
+    folder(tmp_path / "model")
+    spec = spec_for(tmp_path)
+    plan = plan_job(spec)
+    old = plan.model_copy(update={"weights": [], "seal": None}).sealed(Keyring.from_env(), spec.io.output_uri)
+    (Path(spec.io.output_uri) / PLAN_FILE).write_bytes(old.dump_json())
+    assert Plan.model_validate_json((Path(spec.io.output_uri) / PLAN_FILE).read_bytes()).weights == []
+    with pytest.raises(SpecError, match="pins no files"):
+        shard(spec, plan, fake_engine_factory)
+    assert not fake_engine_factory.made
+
+
+def test_without_the_cache_the_plan_hashes_no_weights(tmp_path, fake_engine_factory):
+    folder(tmp_path / "model")
+    spec = spec_for(tmp_path, cache=False)
+    assert plan_job(spec).weights == []
+
+
+def test_a_check_that_still_hashes_when_the_rows_are_done_is_progress_for_the_watchdog(tmp_path, monkeypatch):
+    """The commit waits for the check (``WeightsCheck.wait``, which the shard gives its watchdog's beat): hashing
+    that moves is not a stall (exit 75 and a retry that hashes again); a hashing pass that stops moving is."""
+    folder(tmp_path / "model")
+    plan = plan_job(spec_for(tmp_path))
+
+    def slow_check(pin, tick):
+        for _ in range(10):  # a block each 0.1 s
+            time.sleep(0.1)
+            tick()
+
+    monkeypatch.setattr(worker_weights, "check_folder", slow_check)
+    check = worker_weights.WeightsCheck(plan.weights)
+    check.start("after load")
+    beats: list[float] = []
+    check.wait(lambda: beats.append(time.monotonic()))
+    assert len(beats) >= 5  # a beat as blocks are hashed, not one at the end
