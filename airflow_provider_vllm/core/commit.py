@@ -420,8 +420,7 @@ def probe_create_only(out: Storage, store: str) -> None:
     finally:
         try:
             out.remove(rel)
-            if out.is_local:
-                os.rmdir(out.path(PROBE_DIR))  # only when empty: a racing plan's probe may be there
+            out.rmdir(PROBE_DIR)  # only when empty: a racing plan's probe may be there
         except Exception as e:  # e.g. no delete permission: the probe object stays, ignored by the plan
             if not out.is_local or out.exists(rel):
                 log.warning("could not remove the create-only probe object %s: %s", out.uri(rel), e)

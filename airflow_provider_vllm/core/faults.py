@@ -235,4 +235,13 @@ def partial_copy(src: str, dst: str, point: str) -> None:
         write(d, s.read())
 
 
+def partial_copy_into(src, dst, point: str | None) -> None:
+    """``partial_copy`` between open files: with faults set and a ``point``, all of ``src`` written to ``dst``, half
+    of it before ``point`` is hit (what a copy killed half-way leaves); nothing otherwise."""
+    if _ITEMS is None or point is None:
+        return
+    with writing(point):
+        write(dst, src.read())
+
+
 reload()

@@ -456,36 +456,48 @@ class Storage:
             )
 
     # ---- writes ---------------------------------------------------------------------
+    # Local writes below the root (unless ``follow_links``) go through descriptors: each folder below the root is
+    # opened with O_NOFOLLOW relative to its parent's (made with mkdirat when missing), and the file is written,
+    # renamed, linked or removed relative to its folder's descriptor (openat, renameat, linkat, unlinkat). A link
+    # anywhere below the root is refused naming it; one swapped in after a check has no window to be followed.
     def makedirs(self, rel: str = "") -> None:
         if self.is_local:
-            os.makedirs(self.path(rel), exist_ok=True)
+            parts = self._parts(rel)
+            os.close(self._folder_fd(parts, len(parts), rel, create=True, done="not written"))
 
     def write_atomic(self, rel: str, data: bytes) -> None:
-        """Write all of data or nothing visible at rel."""
+        """Write all of data or nothing visible at rel (local: a temp file beside it, fsynced, then a rename).
+        Local: ``LinkRefused`` (nothing written) when a component of ``rel`` below the root is a symbolic link."""
         p = self.path(rel)
         if not self.is_local:
             retrying(lambda: self.fs.pipe_file(p, data), f"write {self.uri(rel)}")
             return
-        tmp = _local_temp_copy(p, data)
-        try:
-            os.replace(tmp, p)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        with self._local_parent(rel) as (dfd, name):
+            tmp = _temp_at(dfd, f"{name}.tmp-{uuid.uuid4().hex}", lambda f: faults.write(f, data))
+            try:
+                self._refuse_link_at(dfd, name, rel, "not written")
+                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp, dir_fd=dfd)
 
     def create_only(self, rel: str, data: bytes) -> bool:
-        """Atomically create rel with data; False (and nothing written) when rel exists."""
+        """Atomically create rel with data; False (and nothing written) when rel exists. Local: ``LinkRefused``
+        (nothing written) when a component of ``rel`` below the root, the last one included, is a symbolic link."""
         p = self.path(rel)
         if not self.is_local:
             return _create_only_remote(self.fs, p, data)
-        tmp = _local_temp_copy(p, data)
-        try:
-            os.link(tmp, p)  # fails if p exists: the create-only primitive
-            return True
-        except FileExistsError:
-            return False
-        finally:
-            os.unlink(tmp)
+        with self._local_parent(rel) as (dfd, name):
+            tmp = _temp_at(dfd, f"{name}.tmp-{uuid.uuid4().hex}", lambda f: faults.write(f, data))
+            try:
+                # linkat fails on an existing name, a link included (never followed): the create-only primitive
+                os.link(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
+                return True
+            except FileExistsError:
+                self._refuse_link_at(dfd, name, rel, "not written")
+                return False
+            finally:
+                os.unlink(tmp, dir_fd=dfd)
 
     def write_parquet_atomic(
         self, rel: str, table: pa.Table, metadata: dict[str, str] | None = None
@@ -499,28 +511,200 @@ class Storage:
         """Copy a finished local file to rel (remote: one PUT or multipart upload, visible whole or not at all)."""
         retrying(lambda: self.fs.put_file(local, self.path(rel)), f"upload {self.uri(rel)}")
 
-    def publish(self, local: str, rel: str) -> None:
-        """A finished local file at ``rel``, seen whole or not at all (local: a copy beside it, then a
-        rename; remote: one upload)."""
+    def publish(self, local: str, rel: str, temp: str | None = None, fault: str | None = None) -> None:
+        """A finished local file at ``rel``, seen whole or not at all (local: a copy beside it, named ``temp``,
+        default ``<name>.tmp-<uuid>``, then a rename; remote: one upload). ``fault``: the drill point hit half way
+        through the copy (``faults.partial_copy``). Local: ``LinkRefused`` (nothing written) as ``write_atomic``."""
         if not self.is_local:
             self.upload(local, rel)
             return
-        dest = self.path(rel)
-        os.makedirs(os.path.dirname(dest), exist_ok=True)
-        tmp = f"{dest}.tmp-{os.getpid()}"
-        shutil.copyfile(local, tmp)
-        os.replace(tmp, dest)
+        with self._local_parent(rel) as (dfd, name):
+
+            def fill(f: Any) -> None:
+                with open(local, "rb") as src:
+                    faults.partial_copy_into(src, f, fault)
+                    shutil.copyfileobj(src, f, 1 << 20)
+
+            tmp = _temp_at(dfd, temp or f"{name}.tmp-{uuid.uuid4().hex}", fill, sync=False)
+            try:
+                self._refuse_link_at(dfd, name, rel, "not written")
+                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp, dir_fd=dfd)
+
+    def link_or_copy(
+        self, src: str, rel: str, temp: str | None = None, fault: str | None = None, link: bool = True
+    ) -> None:
+        """The file ``src`` (a regular file below the root) visible whole at ``rel``: local, a hard link (a copy on
+        a file system without them) made beside it as ``temp``, then a rename; remote, a server-side copy. Local:
+        ``LinkRefused`` when a component of either path below the root is a symbolic link; the file linked is the
+        one checked (a link made to another one swapped in is removed again, and the file copied through
+        ``_open_read`` instead). ``link`` False: always a copy."""
+        if not self.is_local:
+            self.copy(src, rel)
+            return
+        with (
+            self._local_parent(src, create=False, done="not read") as (sdfd, sname),
+            self._local_parent(rel) as (dfd, name),
+        ):
+            self._refuse_link_at(sdfd, sname, src, "not read")
+            want = os.stat(sname, dir_fd=sdfd, follow_symlinks=False)
+            tmp = temp or f"{name}.tmp-{uuid.uuid4().hex}"
+            if fault is not None and faults.active():  # drills: what a copy killed half-way leaves
+                with self._open_read(src) as s:
+                    _temp_at(dfd, tmp, lambda f: faults.partial_copy_into(s, f, fault), sync=False)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp, dir_fd=dfd)
+            try:
+                linked = link and stat.S_ISREG(want.st_mode)
+                try:
+                    if linked:  # linkat without AT_SYMLINK_FOLLOW: a link swapped in is linked itself, never followed
+                        os.link(sname, tmp, src_dir_fd=sdfd, dst_dir_fd=dfd, follow_symlinks=False)
+                        made = os.stat(tmp, dir_fd=dfd, follow_symlinks=False)
+                        if (made.st_dev, made.st_ino) != (want.st_dev, want.st_ino):  # swapped since the check
+                            os.unlink(tmp, dir_fd=dfd)
+                            linked = False
+                except OSError as e:  # another filesystem, or one without hard links
+                    if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
+                        raise
+                    linked = False
+                if not linked:  # a copy, read through O_NOFOLLOW (a link, a FIFO or a device is refused)
+                    with self._open_read(src) as s:
+                        _temp_at(dfd, tmp, lambda f: shutil.copyfileobj(s, f, 1 << 20), sync=False)
+                self._refuse_link_at(dfd, name, rel, "not written")
+                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp, dir_fd=dfd)
 
     def copy(self, src: str, rel: str) -> None:
         """Copy ``src`` to ``rel`` on the same filesystem without reading it here (object stores: a
-        server-side copy, visible whole or not at all); transient errors retried."""
+        server-side copy, visible whole or not at all); transient errors retried. Local: ``link_or_copy``."""
+        if self.is_local and not self.follow_links:
+            self.link_or_copy(src, rel, link=False)
+            return
         self._call(lambda: self.fs.copy(self.path(src), self.path(rel)), f"copy {self.uri(src)} -> {self.uri(rel)}")
 
-    def remove(self, rel: str, recursive: bool = False) -> None:
+    def remove(self, rel: str, recursive: bool = False, limit: int = LISTING_MAX) -> None:
+        """Remove the file ``rel`` (``recursive``: or the folder, with all it holds); nothing when it is absent.
+        A folder is removed only while it holds at most ``limit`` entries at any depth: ``ListingTooLarge`` past
+        them, counted while removing locally (what was removed stays removed), listed first on object stores.
+        Local: a symbolic link below the root, ``rel`` itself included, is refused (``LinkRefused``, naming it):
+        nothing it points to is removed, and a folder's walk never leaves it."""
+        if self.is_local and not self.follow_links:
+            self._remove_local(rel, recursive, limit)
+            return
+        p = self.path(rel)
+        if recursive and not self.is_local:
+            found = self._scan(rel, limit, recursive=True)  # bounded: ListingTooLarge past limit
+            if found and {"s3", "s3a", "gs", "gcs"} & _protocols(self.fs):  # exactly the keys listed
+                self._call(lambda: self.fs.rm([posixpath.join(p, n) for n, _ in found]), f"remove {self.uri(rel)}")
+                return
         try:
-            self.fs.rm(self.path(rel), recursive=recursive)
+            self.fs.rm(p, recursive=recursive)
         except FileNotFoundError:
             pass
+
+    def rmdir(self, rel: str) -> None:
+        """Remove the folder ``rel`` when it is empty (local; object stores have no folders). ``OSError`` when it
+        is not empty; ``LinkRefused`` for a link below the root."""
+        if self.is_local:
+            with self._local_parent(rel, create=False, done="not removed") as (dfd, name):
+                self._refuse_link_at(dfd, name, rel, "not removed")
+                os.rmdir(name, dir_fd=dfd)
+
+    def _remove_local(self, rel: str, recursive: bool, limit: int) -> None:
+        try:
+            with self._local_parent(rel, create=False, done="not removed") as (dfd, name):
+                self._refuse_link_at(dfd, name, rel, "not removed")
+                try:
+                    os.unlink(name, dir_fd=dfd)
+                    return
+                except IsADirectoryError:
+                    pass
+                except PermissionError:  # macOS: unlink of a folder
+                    if not stat.S_ISDIR(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode):
+                        raise
+                if not recursive:
+                    raise IsADirectoryError(errno.EISDIR, "a folder, and recursive is not set", self.uri(rel))
+                _remove_tree(dfd, name, [limit], self.uri(rel), limit, 0)
+        except FileNotFoundError:
+            pass
+
+    def _parts(self, rel: str) -> list[str]:
+        from airflow_provider_vllm.core.errors import LinkRefused
+
+        parts = [c for c in rel.split("/") if c not in ("", ".")]
+        if ".." in parts:
+            raise LinkRefused(f"{self.uri(rel)}: a path with '..' below {self.uri()} is not used")
+        return parts
+
+    def _link_refused(self, parts: list[str], i: int, rel: str, done: str) -> Exception:
+        from airflow_provider_vllm.core.errors import LinkRefused
+
+        return LinkRefused(
+            f"{self.uri('/'.join(parts[: i + 1]))} is a symbolic link: no file or folder this provider writes below "
+            f"{self.uri()} is, so {self.uri(rel)} is {done} (another writer of the folder put it there?)"
+        )
+
+    def _refuse_link_at(self, dfd: int, name: str, rel: str, done: str) -> None:
+        """``LinkRefused`` when ``name`` in the folder ``dfd`` is a symbolic link (the last component of ``rel``).
+        A rename or link onto it would replace the link, never follow it: this names it instead."""
+        if self.follow_links:
+            return
+        try:
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        if stat.S_ISLNK(st.st_mode):
+            parts = self._parts(rel)
+            raise self._link_refused(parts, len(parts) - 1, rel, done)
+
+    def _folder_fd(self, parts: list[str], n: int, rel: str, create: bool, done: str) -> int:
+        """A descriptor of the folder ``parts[:n]`` below the root: unless ``follow_links``, each component opened
+        with O_NOFOLLOW relative to its parent's descriptor (made first with mkdirat when ``create``), so a link
+        is refused (``LinkRefused`` naming it), never followed. The root itself is followed (and made)."""
+        if self.follow_links:
+            path = self.path("/".join(parts[:n]))
+            if create:
+                os.makedirs(path, exist_ok=True)
+            return os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        if create:
+            os.makedirs(self.base or "/", exist_ok=True)
+        dfd = os.open(self.base or "/", os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            for i, part in enumerate(parts[:n]):
+                if create:
+                    with contextlib.suppress(FileExistsError):
+                        os.mkdir(part, dir_fd=dfd)
+                try:
+                    nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_NOFOLLOW", 0), dir_fd=dfd)
+                except OSError as e:
+                    if e.errno == errno.ELOOP or (
+                        e.errno == errno.ENOTDIR and stat.S_ISLNK(os.lstat(part, dir_fd=dfd).st_mode)
+                    ):
+                        raise self._link_refused(parts, i, rel, done) from None
+                    raise
+                os.close(dfd)
+                dfd = nfd
+            return dfd
+        except BaseException:
+            os.close(dfd)
+            raise
+
+    @contextlib.contextmanager
+    def _local_parent(self, rel: str, create: bool = True, done: str = "not written") -> Iterator[tuple[int, str]]:
+        """``(descriptor of the folder that holds rel, rel's last component)``, the folder opened as ``_folder_fd``
+        (made when ``create``); closed on exit."""
+        parts = self._parts(rel)
+        if not parts:
+            raise IsADirectoryError(errno.EISDIR, "the root itself", self.uri())
+        dfd = self._folder_fd(parts, len(parts) - 1, rel, create, done)
+        try:
+            yield dfd, parts[-1]
+        finally:
+            os.close(dfd)
 
     def walk_files(self, rel: str = "", limit: int = LISTING_MAX) -> Iterator[str]:
         """Relative paths (to the root) of all files under rel, sorted; ``ListingTooLarge`` when more than
@@ -696,15 +880,51 @@ def _scan_gcs(fs: Any, path: str, limit: int, recursive: bool, uri: str) -> list
     return [(n, s) for n, s in out if n]
 
 
-def _local_temp_copy(path: str, data: bytes) -> str:
-    """data, fsynced, in a unique temp file beside path (same filesystem, for rename/link): ``is_temp_copy``."""
-    os.makedirs(posixpath.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-    with open(tmp, "wb") as f:
-        faults.write(f, data)  # f.write(data), with the mid-file fault hook
+def _temp_at(dfd: int, name: str, fill: Callable[[Any], None], sync: bool = True) -> str:
+    """``name``, a new file in the folder ``dfd`` (never through a link there: O_EXCL | O_NOFOLLOW), written by
+    ``fill`` (and fsynced when ``sync``). Returns ``name``."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    with contextlib.suppress(FileNotFoundError):  # one a writer killed before its rename left (same process id)
+        os.unlink(name, dir_fd=dfd)
+    fd = os.open(name, flags, 0o666, dir_fd=dfd)
+    with os.fdopen(fd, "wb") as f:  # a fill that fails leaves it, as a writer killed there would (``is_temp_copy``)
+        fill(f)
         f.flush()
-        os.fsync(f.fileno())
-    return tmp
+        if sync:
+            os.fsync(f.fileno())
+    return name
+
+
+REMOVE_DEPTH = 64
+"""The deepest folder ``Storage.remove(..., recursive=True)`` walks into below the folder it removes; the pipeline
+writes a few levels (a cache entry's parts), so a deeper tree is another writer's, refused (``CommitError``)."""
+
+
+def _remove_tree(dfd: int, name: str, budget: list[int], uri: str, limit: int, depth: int) -> None:
+    """The folder ``name`` of the folder ``dfd`` and all it holds, removed through descriptors opened with
+    O_NOFOLLOW: a link in it is removed, never followed. ``budget``: the entries left to remove, shared by the
+    whole walk (``ListingTooLarge`` past them)."""
+    from airflow_provider_vllm.core.errors import CommitError
+
+    if depth > REMOVE_DEPTH:
+        raise CommitError(
+            f"{uri} holds folders more than {REMOVE_DEPTH} deep: the pipeline never writes them, so it is "
+            "not removed further (another writer of the folder put them there?)"
+        )
+    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_NOFOLLOW", 0), dir_fd=dfd)
+    try:
+        with os.scandir(fd) as it:
+            for e in it:
+                budget[0] -= 1
+                if budget[0] < 0:
+                    raise _listing_error(uri, limit)
+                if e.is_dir(follow_symlinks=False):
+                    _remove_tree(fd, e.name, budget, uri, limit, depth + 1)
+                else:
+                    os.unlink(e.name, dir_fd=fd)
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=dfd)
 
 
 def _fs_and_path(

@@ -43,6 +43,7 @@ from airflow_provider_vllm.core.records import GoldenSummary, MergeSummary
 from airflow_provider_vllm.core.rows import ERROR_SCHEMA, RESULT_SCHEMA
 from airflow_provider_vllm.core.spec import RESERVED_ID_PREFIX, JobSpec
 from airflow_provider_vllm.core.storage import CheckedCopies, FileSystems, Storage
+from airflow_provider_vllm.steps.qa.golden_set import check_golden_files
 
 MERGED_FILE = "_MERGED.json"  # merge's sealed summary (steps/merge/merger.py MERGED), which holds GoldenSummary
 GOLDEN_IN = "_golden"  # the plan's copy of the golden rows, under the output prefix
@@ -147,13 +148,15 @@ def plan_golden(spec: JobSpec, out: Storage, filesystems: FileSystems | None = N
     assert ref.ride_along_uri is not None
     where = f"qa.reference.ride_along_uri {ref.ride_along_uri}"
     src = find_input(ref.ride_along_uri, spec.io.storage_options, "parquet", filesystems)
+    check_golden_files(src, where, "ride-along golden rows")  # the golden set's bounds, on stated sizes: unread
     idc = spec.prompt.id_column
     # what the worker reads of a row (the template's columns, and model.adapter_column: a golden row names its
     # adapter as an input row does, so the golden rows score the adapters the job's rows run with)
     columns = [c for c in row_columns(spec) if c != idc]
     con = duck.connect(src.root)
+    copies = tempfile.TemporaryDirectory()
     try:
-        files = duck.file_list(src.root, src.names)
+        files = duck.local_list(_bounded_copies(src, copies.name, where))
         have = {r[0] for r in con.execute(f"DESCRIBE SELECT * FROM read_parquet({files})").fetchall()}
         missing = [c for c in [ref.id_column, ref.label_column, *columns] if c not in have]
         if missing:
@@ -202,6 +205,7 @@ def plan_golden(spec: JobSpec, out: Storage, filesystems: FileSystems | None = N
             file = _put(out, local, int(rows))
     finally:
         con.close()
+        copies.cleanup()
     target = spec.sharding.target_rows or DEFAULT_TARGET_ROWS
     n = max(1, math.ceil(rows / target))
     bounds = [round(rows * k / n) for k in range(n + 1)]
@@ -227,6 +231,36 @@ def plan_golden(spec: JobSpec, out: Storage, filesystems: FileSystems | None = N
         rows=int(rows),
         shards=shards,
     )
+
+
+def _bounded_copies(src: Input, tmp: str, where: str) -> list[str]:
+    """A private copy of each ride-along file, read no further than the size its store stated when it was listed
+    (and bounded by ``check_golden_files``): a file that grew since, or is no regular file (a FIFO, a device), or
+    (local) is or lies under a symbolic link, is refused naming it (``SpecError``), so that what the plan reads is
+    the bytes it bounded, not a second read of the location."""
+    # the same folder without following its links: each component opened with O_NOFOLLOW (local), then fstat'ed
+    root = Storage(src.root.root, src.root.options, src.root.filesystems)
+    paths = []
+    for i, f in enumerate(src.files):
+        dest = os.path.join(tmp, f"{i:06d}.parquet")
+        try:
+            with root.open(f.path) as r, open(dest, "wb") as w:
+                n = 0
+                while n <= f.size:  # never more than the stated size + 1
+                    block = r.read(min(1 << 20, f.size + 1 - n))
+                    if not block:
+                        break
+                    n += len(block)
+                    w.write(block)
+        except CommitError as e:  # a link, a FIFO or a device where a golden file was listed
+            raise SpecError(f"{where}: {e}") from None
+        if n != f.size:
+            raise SpecError(
+                f"{where}: {root.uri(f.path)} is {'larger' if n > f.size else 'smaller'} than the {f.size} bytes "
+                "stated when it was listed: it changed while the plan read it; plan again once its writer is done"
+            )
+        paths.append(dest)
+    return paths
 
 
 def _put(out: Storage, local: str, rows: int) -> CacheFile:

@@ -45,7 +45,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import shutil
 import tempfile
 
 import duckdb
@@ -475,12 +474,4 @@ def changes_to_publish(
 
 def _publish(out: Storage, local: str, rel: str) -> None:
     """Move a finished local file to rel: readers see all of it or nothing."""
-    if not out.is_local:
-        out.upload(local, rel)
-        return
-    dest = out.path(rel)
-    os.makedirs(os.path.dirname(dest), exist_ok=True)
-    tmp = f"{dest}.tmp-{os.getpid()}"
-    faults.partial_copy(local, tmp, "changes.mid_file")
-    shutil.move(local, tmp)
-    os.replace(tmp, dest)
+    out.publish(local, rel, temp=f"{os.path.basename(rel)}.tmp-{os.getpid()}", fault="changes.mid_file")

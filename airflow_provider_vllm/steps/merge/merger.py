@@ -29,7 +29,6 @@ A rerun after a crash at any step converges to the same bytes; files in ``result
 from __future__ import annotations
 
 import dataclasses
-import errno
 import hashlib
 import json
 import logging
@@ -1163,19 +1162,8 @@ def _publish_reference(out: Storage, src: SourcePart, rel: str, published: Publi
     if not out.is_local:
         out.copy(src.rel, rel)  # server-side: one object, visible whole or not at all
         return
-    dest = out.path(rel)
-    os.makedirs(os.path.dirname(dest), exist_ok=True)
-    tmp = os.path.join(os.path.dirname(dest), f".{os.path.basename(dest)}.tmp-{os.getpid()}")
-    faults.partial_copy(out.path(src.rel), tmp, "merge.mid_file")  # drills: what a copy killed half-way leaves
-    if os.path.lexists(tmp):
-        os.unlink(tmp)
-    try:
-        os.link(out.path(src.rel), tmp)
-    except OSError as e:  # another filesystem, or one without hard links
-        if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
-            raise
-        shutil.copyfile(out.path(src.rel), tmp)
-    os.replace(tmp, dest)
+    # through descriptors, no link below the output followed (drills: a copy killed half-way at merge.mid_file)
+    out.link_or_copy(src.rel, rel, temp=f".{os.path.basename(rel)}.tmp-{os.getpid()}", fault="merge.mid_file")
 
 
 def _publish_local(out: Storage, kind: str, local: str, name: str, published: Published | None = None) -> PartEntry:
@@ -1185,15 +1173,8 @@ def _publish_local(out: Storage, kind: str, local: str, name: str, published: Pu
     if not (out.exists(rel) and out.sha256(rel, size) == digest):
         if published:
             _refuse_published(out, rel, "replace" if out.exists(rel) else "add", published)
-        if out.is_local:
-            dest = out.path(rel)
-            os.makedirs(os.path.dirname(dest), exist_ok=True)
-            tmp = os.path.join(os.path.dirname(dest), f".{name}.tmp-{os.getpid()}")
-            faults.partial_copy(local, tmp, "merge.mid_file")
-            shutil.copyfile(local, tmp)
-            os.replace(tmp, dest)
-        else:
-            out.upload(local, rel)  # one object: visible whole or not at all
+        # local: a copy beside it, then a rename, no link below the output followed; remote: one object
+        out.publish(local, rel, temp=f".{name}.tmp-{os.getpid()}", fault="merge.mid_file")
     return PartEntry(name=name, bytes=size, sha256=digest, rows=pq.ParquetFile(local).metadata.num_rows)
 
 

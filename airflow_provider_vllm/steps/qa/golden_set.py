@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 
 from airflow_provider_vllm.core.errors import CommitError, DatasetError, InputChangedError, SpecError
-from airflow_provider_vllm.core.formats.files import find_input
+from airflow_provider_vllm.core.formats.files import Input, find_input
 from airflow_provider_vllm.core.plan import GoldenSetFile, GoldenSetPin, Plan
 from airflow_provider_vllm.core.records import SHA256_HEX
 from airflow_provider_vllm.core.spec import JobSpec
@@ -40,16 +40,35 @@ def _where(uri: str) -> str:
     return f"qa.reference.golden_uri {uri}"
 
 
-def _check_not_a_link(root: Storage, name: str, uri: str) -> None:
+def _check_not_a_link(root: Storage, name: str, where: str, what: str = "golden set") -> None:
     """SpecError when the local file ``name`` under ``root`` is a symbolic link or lies under one."""
     if not root.is_local:
         return
     expected = os.path.join(os.path.realpath(root.base), name)
     if os.path.realpath(root.path(name)) != expected:
         raise SpecError(
-            f"{_where(uri)}: {root.uri(name)} is a symbolic link (or lies under one); a golden file must be a file "
-            "of the golden set's folder itself: copy the file there"
+            f"{where}: {root.uri(name)} is a symbolic link (or lies under one); a golden file must be a file "
+            f"of the {what}'s folder itself: copy the file there"
         )
+
+
+def check_golden_files(found: Input, where: str, what: str = "golden set") -> None:
+    """SpecError, naming ``where`` and the file, when the golden files ``found`` are more than ``MAX_FILES``, or
+    more than ``MAX_BYTES`` in all on the sizes the store states (nothing read yet: a planted file of a TB is refused
+    unread), or (local) one is a symbolic link or lies under one. The golden set's bounds, also the ride-along
+    golden rows' (``steps/golden.py``)."""
+    if len(found.files) > MAX_FILES:
+        raise SpecError(f"{where}: {len(found.files)} files, more than {MAX_FILES}; point it at the {what}")
+    total = 0
+    for f in found.files:  # as the store states the sizes: nothing read yet
+        total += f.size
+        if total > MAX_BYTES:
+            raise SpecError(
+                f"{where}: {found.root.uri(f.path)} ({f.size} bytes) takes the {what} over {MAX_BYTES} "
+                "bytes; refused unread (a golden set is an id -> label table)"
+            )
+    for f in found.files:
+        _check_not_a_link(found.root, f.path, where, what)
 
 
 def pin_golden_set(spec: JobSpec, filesystems: FileSystems | None = None) -> GoldenSetPin | None:
@@ -64,19 +83,10 @@ def pin_golden_set(spec: JobSpec, filesystems: FileSystems | None = None) -> Gol
         found = find_input(uri, spec.io.storage_options, "parquet", filesystems)
     except DatasetError as e:
         raise DatasetError(f"{_where(uri)}: {e}") from None
-    if len(found.files) > MAX_FILES:
-        raise SpecError(f"{_where(uri)}: {len(found.files)} files, more than {MAX_FILES}; point it at the golden set")
-    total = 0
-    for f in found.files:  # as the store states the sizes: nothing read yet
-        total += f.size
-        if total > MAX_BYTES:
-            raise SpecError(
-                f"{_where(uri)}: {found.root.uri(f.path)} ({f.size} bytes) takes the golden set over {MAX_BYTES} "
-                "bytes; refused unread (a golden set is an id -> label table)"
-            )
+    check_golden_files(found, _where(uri))
     files = []
     for f in found.files:
-        _check_not_a_link(found.root, f.path, uri)
+        _check_not_a_link(found.root, f.path, _where(uri))
         digest = found.root.sha256(f.path, f.size)
         if not SHA256_HEX.fullmatch(digest):  # another size than stated: written while the plan read it
             raise DatasetError(
@@ -125,7 +135,7 @@ def checked_golden_set(
     copies = CheckedCopies(root, tmp)
     paths = []
     for f in pin.files:
-        _check_not_a_link(root, f.path, uri)
+        _check_not_a_link(root, f.path, _where(uri))
         try:
             paths.append(copies.get(f.path, f.bytes, f.sha256))
         except (CommitError, FileNotFoundError) as e:

@@ -419,3 +419,56 @@ def test_a_shards_attempt_folders_are_listed_for_reuse_no_further_than_their_bou
     with caplog.at_level("WARNING"):
         assert store.reusable_chunks({0: meta}) == {}
     assert "hold more than the 3 entries listed" in caplog.text and f"{attempts / 'a1'}" in caplog.text
+
+
+def test_a_worker_writes_no_chunk_seal_or_marker_through_a_link_planted_in_its_shard_folder(tmp_path):
+    """A writer of the output plants ``shards/<id>/attempts -> another tenant's folder``, a link where a chunk is
+    written, or ``_COMMITTED.json -> a file elsewhere``: the worker's chunk commit and its marker refuse each
+    (``LinkRefused``, naming it) and write nothing where they point; before, the chunks and seals landed in the
+    other folder, and the marker's create-only write took the link for a marker another attempt had written."""
+    from airflow_provider_vllm.core.errors import LinkRefused
+
+    write_parquet(tmp_path / "in.parquet", ["a", "b"], ["x", "y"])
+    spec = make_spec(tmp_path / "in.parquet", tmp_path / "out")
+    plan = plan_job(spec)
+    (shard,) = plan.shards
+    assert plan.seal is not None
+    out = Storage(str(tmp_path / "out"))
+    store = ShardStore(out, shard.shard_id, RunSeal(Keyring.from_env(), plan.seal.mac))
+    meta = ChunkMeta(shard_id=shard.shard_id, chunk=0, first_row=0, rows=2, config_hash=plan.config_hash)
+    rows = [{"id": i, "status": "ok", "output": "o", "shard_id": shard.shard_id, "attempt_id": "a1"} for i in "ab"]
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "victim.json").write_bytes(b"another tenant's")
+    folder = tmp_path / "out" / store.dir
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "attempts").symlink_to(other)
+    with pytest.raises(LinkRefused, match="attempts is a symbolic link"):
+        store.write_chunk("a1", meta, rows_table(rows))
+    (folder / "attempts").unlink()
+    chunk = tmp_path / "out" / store.chunk_rel("a1", 0)
+    chunk.parent.mkdir(parents=True)
+    chunk.symlink_to(other / "victim.json")
+    with pytest.raises(LinkRefused, match="chunk-00000.parquet is a symbolic link"):
+        store.write_chunk("a1", meta, rows_table(rows))
+    chunk.unlink()
+    entry = store.write_chunk("a1", meta, rows_table(rows))
+    (folder / MARKER).symlink_to(other / "victim.json")
+    marker = CommitMarker(
+        shard_id=shard.shard_id,
+        attempt_id="a1",
+        config_hash=plan.config_hash,
+        spec_hash=plan.spec_hash,
+        plan_fingerprint=plan.fingerprint,
+        files=[entry],
+        rows=entry.rows,
+        ok_rows=entry.ok_rows,
+        error_rows=entry.error_rows,
+        stats={},
+        committed_at="2026-11-30T00:00:00Z",
+    )
+    with pytest.raises(LinkRefused, match="_COMMITTED.json is a symbolic link"):
+        store.commit(marker)
+    assert sorted(os.listdir(other)) == ["victim.json"] and (other / "victim.json").read_bytes() == b"another tenant's"
+    (folder / MARKER).unlink()
+    assert store.commit(marker) and store.marker() is not None

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 
+import pyarrow as pa
 import pytest
 
 from airflow_provider_vllm.core.errors import CommitError, LinkRefused, ListingTooLarge
@@ -262,3 +263,148 @@ def test_a_planted_file_of_a_terabyte_where_a_sealed_file_is_checked_is_not_read
     assert st.sha256("grown.parquet", len(genuine)) == f"at least {1 << 20} bytes, not {len(genuine)}"
     assert st.sha256("grown.parquet", 5 << 20) == f"{len(genuine) + (3 << 20)} bytes, not {5 << 20}"
     assert st.sha256("grown.parquet") == hashlib.sha256((tmp_path / "grown.parquet").read_bytes()).hexdigest()
+
+
+def _files(folder) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_writes_below_a_folder_the_pipeline_writes_refuse_links_and_touch_nothing_they_point_to(tmp_path):
+    """A writer of a run's folder plants ``shards -> another tenant's folder`` (a link in the middle of a path) or
+    a link at the final name: every local write, rename, link, makedirs and removal below the root refuses it,
+    naming it, and writes, replaces or removes nothing where it points."""
+    other = tmp_path / "other"
+    (other / "0").mkdir(parents=True)
+    (other / "0" / "_SUCCESS.json").write_bytes(b"another tenant's")
+    (other / "victim.json").write_bytes(b"another tenant's victim")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "shards").symlink_to(other)  # a folder in the middle of the path
+    (run / "own").mkdir()
+    (run / "own" / "m.json").symlink_to(other / "victim.json")  # a link at the final name
+    (run / "own" / "sub").symlink_to(other / "0")
+    (run / "src.parquet").write_bytes(b"a part")
+    local = tmp_path / "local.bin"
+    local.write_bytes(b"a finished local file")
+    before = _files(other)
+    st = Storage(str(run))
+    cases = {
+        "shards/0/_SUCCESS.json": "shards",
+        "shards/new/_SUCCESS.json": "shards",
+        "own/m.json": "own/m.json",
+        "own/sub/_SUCCESS.json": "own/sub",
+    }
+    for rel, link in cases.items():
+        for write in (
+            lambda rel=rel: st.write_atomic(rel, b"planted"),
+            lambda rel=rel: st.create_only(rel, b"planted"),
+            lambda rel=rel: st.write_parquet_atomic(rel, pa.table({"a": [1]})),
+            lambda rel=rel: st.publish(str(local), rel),
+            lambda rel=rel: st.link_or_copy("src.parquet", rel),
+            lambda rel=rel: st.copy("src.parquet", rel),
+            lambda rel=rel: st.remove(rel),
+            lambda rel=rel: st.remove(rel, recursive=True),
+            lambda rel=rel: st.makedirs(f"{rel}/deeper"),
+        ):
+            with pytest.raises(LinkRefused) as e:
+                write()
+            assert f"{st.uri(link)} is a symbolic link" in str(e.value) and st.uri(rel) in str(e.value)
+    for rel in ("shards", "own/sub"):  # the link itself is not removed through, nor what it points to
+        with pytest.raises(LinkRefused):
+            st.remove(rel, recursive=True)
+        with pytest.raises(LinkRefused):
+            st.rmdir(rel)
+    with pytest.raises(LinkRefused):
+        st.link_or_copy("own/m.json", "own/copy.json")  # a linked source is not linked or copied either
+    assert _files(other) == before and sorted(os.listdir(other)) == ["0", "victim.json"]
+    assert (run / "shards").is_symlink() and (run / "own" / "m.json").is_symlink()
+    assert sorted(os.listdir(run / "own")) == ["m.json", "sub"]  # no temp file left behind either
+    with pytest.raises(LinkRefused):
+        st.write_atomic("a/../own/m.json", b"x")
+
+
+def test_legitimate_writes_go_on_the_root_may_be_a_link(tmp_path):
+    """The root itself may be a link (a prefix on a linked volume), and a tmp folder outside the root is the
+    pipeline's own: every write primitive works there, folders are made as needed, a removal is recursive."""
+    (tmp_path / "volume").mkdir()
+    (tmp_path / "run").symlink_to(tmp_path / "volume")
+    st = Storage(str(tmp_path / "run"))
+    local = tmp_path / "local.bin"
+    local.write_bytes(b"finished")
+    st.write_atomic("a/b/c.json", b"1")
+    st.write_atomic("a/b/c.json", b"2")
+    assert st.create_only("a/m.json", b"m") and not st.create_only("a/m.json", b"other")
+    st.publish(str(local), "p/part.parquet")
+    st.link_or_copy("p/part.parquet", "q/part.parquet")
+    st.copy("p/part.parquet", "q/copy.parquet")
+    st.makedirs("empty/x")
+    assert _files(tmp_path / "volume") == {
+        "a/b/c.json": b"2",
+        "a/m.json": b"m",
+        "p/part.parquet": b"finished",
+        "q/part.parquet": b"finished",
+        "q/copy.parquet": b"finished",
+    }
+    assert os.path.samefile(tmp_path / "volume/p/part.parquet", tmp_path / "volume/q/part.parquet")  # a hard link
+    assert not os.path.samefile(tmp_path / "volume/p/part.parquet", tmp_path / "volume/q/copy.parquet")
+    st.rmdir("empty/x")
+    st.remove("a", recursive=True)
+    st.remove("q/part.parquet")
+    st.remove("not/there", recursive=True)
+    assert sorted(os.listdir(tmp_path / "volume")) == ["empty", "p", "q"]
+    Storage(str(tmp_path / "new" / "root")).write_atomic("x.json", b"x")  # the root is made when missing
+    assert (tmp_path / "new" / "root" / "x.json").read_bytes() == b"x"
+
+
+def test_a_folder_swapped_for_a_link_while_a_write_is_under_way_gets_nothing_written_through_it(tmp_path, monkeypatch):
+    """No check-then-act window: the folder is held by its descriptor from the moment it is opened (O_NOFOLLOW), so
+    a folder swapped for a link after ``makedirs``, or while the temp file is written, never gets the file put where
+    the link points: the swap after makedirs is refused, the one mid-write lands in the folder that was opened."""
+    import airflow_provider_vllm.core.storage as storage_mod
+
+    other = tmp_path / "other"
+    other.mkdir()
+    run = tmp_path / "run"
+    st = Storage(str(run))
+    st.makedirs("shards/0")
+    os.rename(run / "shards", run / "moved")
+    (run / "shards").symlink_to(other)  # swapped in between makedirs and the write
+    with pytest.raises(LinkRefused, match="shards is a symbolic link"):
+        st.write_atomic("shards/0/chunk.parquet", b"chunk")
+    with pytest.raises(LinkRefused, match="shards is a symbolic link"):
+        st.create_only("shards/0/_SUCCESS.json", b"marker")
+    (run / "shards").unlink()
+    os.rename(run / "moved", run / "shards")
+    real = storage_mod._temp_at
+
+    def swap_then_write(dfd, name, fill, sync=True):
+        os.rename(run / "shards", run / "moved")
+        (run / "shards").symlink_to(other)  # swapped while the write is under way
+        return real(dfd, name, fill, sync)
+
+    monkeypatch.setattr(storage_mod, "_temp_at", swap_then_write)
+    assert st.create_only("shards/0/_SUCCESS.json", b"marker")
+    assert os.listdir(other) == [] and (run / "moved" / "0" / "_SUCCESS.json").read_bytes() == b"marker"
+
+
+def test_a_recursive_removal_stops_at_its_bound_and_never_follows_a_link_inside(tmp_path):
+    """``remove(recursive=True)`` of a folder others can write: a link inside it is removed, not followed (what it
+    points to stays), and a folder of more than ``limit`` entries stops the removal with ``ListingTooLarge``."""
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "keep.json").write_bytes(b"another tenant's")
+    run = tmp_path / "run"
+    (run / "entries" / "e1" / "deep").mkdir(parents=True)
+    (run / "entries" / "e1" / "deep" / "part.parquet").write_bytes(b"p")
+    (run / "entries" / "e1" / "to-other").symlink_to(other)
+    (run / "entries" / "e1" / "to-file").symlink_to(other / "keep.json")
+    st = Storage(str(run))
+    st.remove("entries/e1", recursive=True)
+    assert not (run / "entries" / "e1").exists() and _files(other) == {"keep.json": b"another tenant's"}
+    (run / "entries" / "e2").mkdir()
+    for i in range(11):
+        (run / "entries" / "e2" / f"{i}.json").write_bytes(b"x")
+    with pytest.raises(ListingTooLarge, match="more than 10 entries"):
+        st.remove("entries/e2", recursive=True, limit=10)
+    with pytest.raises(IsADirectoryError):
+        st.remove("entries/e2")

@@ -406,3 +406,67 @@ def test_golden_files_replaced_right_after_merge_wrote_them_are_not_sealed_or_sc
     assert summary.golden is not None and summary.golden.sizes is not None
     assert summary.golden.sizes[ERRORS_FILE] == (out / ERRORS_FILE).stat().st_size  # the file left alone
     record_malicious("golden_file_replaced_after_merge_wrote_it", 1, 1)
+
+
+def test_a_planted_huge_ride_along_file_is_refused_by_the_plan_before_it_reads_a_byte(tmp_path, monkeypatch):
+    """The ride-along golden rows have the golden set's bounds (``steps/qa/golden_set.py``: ``MAX_BYTES`` in all,
+    ``MAX_FILES`` files), checked on the sizes the store states before a byte is read; before, the plan handed the
+    location to DuckDB whole, whatever its size."""
+    from airflow_provider_vllm.core import duck
+    from airflow_provider_vllm.steps.qa import golden_set
+
+    folder = tmp_path / "golden"
+    folder.mkdir()
+    _golden_file(folder / "a.parquet")
+    with open(folder / "huge.parquet", "wb") as f:  # sparse: no disk used
+        f.truncate(golden_set.MAX_BYTES)
+    _input(tmp_path)
+    spec = _spec(tmp_path, qa={"reference": {"ride_along_uri": str(folder)}})
+
+    real = duck.connect
+
+    def never(*a, **k):
+        assert not (a and "golden" in str(getattr(a[0], "root", ""))), "DuckDB was asked to read the golden rows"
+        return real(*a, **k)
+
+    with monkeypatch.context() as m:
+        m.setattr(duck, "connect", never)
+        with pytest.raises(
+            SpecError, match=r"huge\.parquet \(\d+ bytes\) takes the ride-along golden rows over .* refused unread"
+        ) as e:
+            plan_job(spec)
+    assert "qa.reference.ride_along_uri" in str(e.value)
+    (folder / "huge.parquet").unlink()
+    _golden_file(folder / "b.parquet")
+    _golden_file(folder / "c.parquet")
+    monkeypatch.setattr(golden_set, "MAX_FILES", 2)
+    with pytest.raises(SpecError, match=r"3 files, more than 2"):
+        plan_job(spec)
+    assert not (tmp_path / "d1" / "out" / PLAN_FILE).exists()
+
+
+def test_a_ride_along_file_that_is_a_link_or_grew_after_it_was_listed_is_refused(tmp_path, monkeypatch):
+    """A symbolic link where the ride-along rows are (the file, or a folder above it below the location) is
+    refused naming it, as in the golden set; and the plan reads no further than the size the store stated when it
+    listed the file (it reads a private copy, not the location again): bytes added in between are refused."""
+    import airflow_provider_vllm.steps.golden as golden_mod
+
+    _input(tmp_path)
+    _golden_file(tmp_path / "elsewhere.parquet")
+    (tmp_path / "golden.parquet").symlink_to(tmp_path / "elsewhere.parquet")
+    with pytest.raises(SpecError, match=r"golden\.parquet is a symbolic link"):
+        plan_job(_spec(tmp_path))
+    (tmp_path / "golden.parquet").unlink()
+    _golden_file(tmp_path / "golden.parquet")
+    real = golden_mod.find_input
+
+    def listed_then_grown(*a, **k):
+        found = real(*a, **k)
+        with open(tmp_path / "golden.parquet", "ab") as f:
+            f.write(b"\0" * 4096)
+        return found
+
+    monkeypatch.setattr(golden_mod, "find_input", listed_then_grown)
+    with pytest.raises(SpecError, match=r"golden\.parquet is larger than the \d+ bytes stated when it was listed"):
+        plan_job(_spec(tmp_path))
+    assert not (tmp_path / "d1" / "out" / PLAN_FILE).exists()

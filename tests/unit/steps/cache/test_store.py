@@ -127,3 +127,23 @@ def test_a_commit_folder_flooded_with_other_files_is_listed_no_further_than_its_
     assert f"skipping every entry of {folder}: {folder} holds more than 5 entries" in caplog.text
     (folder / "junk-0").unlink()
     assert [c.entry_id for c in store.committed(KH)] == [eid]
+
+
+def test_an_append_writes_nothing_through_a_link_planted_in_the_cache_folder(store, tmp_path):
+    """A writer of the cache folder plants ``entries -> another tenant's folder`` or ``commits/<key> -> elsewhere``:
+    the result cache's append refuses it naming the link (``LinkRefused``), and nothing lands where it points
+    (before, the entry's part, then its commit, were written there)."""
+    from airflow_provider_vllm.core.errors import LinkRefused
+
+    other = tmp_path / "other"
+    other.mkdir()
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "entries").symlink_to(other)
+    with pytest.raises(LinkRefused, match="entries is a symbolic link"):
+        write(store, tmp_path, 1, ["k1"], "a")
+    (tmp_path / "cache" / "entries").unlink()
+    (tmp_path / "cache" / "commits").mkdir()
+    (tmp_path / "cache" / "commits" / KH[:32]).symlink_to(other)
+    with pytest.raises(LinkRefused, match=f"{KH[:32]} is a symbolic link"):
+        write(store, tmp_path, 2, ["k2"], "b")
+    assert os.listdir(other) == []

@@ -231,7 +231,9 @@ def test_merge_killed_at_each_step_reruns_to_the_same_bytes(tmp_path, fake_engin
 KILL_AT_MANIFEST_RENAME = (
     "import os, signal, sys\nreal = os.replace\n"
     "def replace(src, dst, *a, **k):\n"
-    "    if str(dst).endswith('/results/_manifest.json'):\n"
+    "    if str(dst).endswith('/results/_manifest.json') or (\n"
+    "        str(dst) == '_manifest.json' and os.readlink(f'/proc/self/fd/{k[\"dst_dir_fd\"]}').endswith('/results')\n"
+    "    ):\n"
     "        os.kill(os.getpid(), signal.SIGKILL)\n"
     "    return real(src, dst, *a, **k)\n"
     "os.replace = replace\n" + MERGE

@@ -400,3 +400,42 @@ def test_a_jsonl_file_rewritten_with_its_size_and_mtime_kept_and_an_id_repeated_
     ):
         merge(spec)
     assert nothing_published(tmp_path / "out")
+
+
+def test_merge_writes_no_part_through_a_link_planted_in_the_output(tmp_path):
+    """Merge publishes a part it wrote (an empty part, a part re-encoded without dropped duplicates) through a
+    temp file of a name a writer of the output can guess (``.<name>.tmp-<pid>``), and links committed parts into
+    ``results/``: a link planted at the temp name gets nothing written through it (before, the part's bytes
+    replaced the file it pointed to), and ``results -> another folder`` is refused naming it (before, the part was
+    linked into that folder)."""
+    import hashlib
+
+    from airflow_provider_vllm.core.errors import LinkRefused
+    from airflow_provider_vllm.steps.merge.merger import SourcePart, _publish_local, _publish_reference
+
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "victim.parquet").write_bytes(b"another tenant's")
+    run = tmp_path / "run"
+    (run / "results").mkdir(parents=True)
+    local = tmp_path / "part.parquet"
+    pq.write_table(pa.table({"id": ["a"]}), local)
+    (run / "results" / f".part-00000.parquet.tmp-{os.getpid()}").symlink_to(other / "victim.parquet")
+    out = Storage(str(run))
+    entry = _publish_local(out, "results", str(local), "part-00000.parquet")
+    assert (run / "results" / "part-00000.parquet").read_bytes() == local.read_bytes() and entry.rows == 1
+    assert (other / "victim.parquet").read_bytes() == b"another tenant's"
+    assert sorted(os.listdir(run / "results")) == ["part-00000.parquet"]
+
+    (run / "errors").symlink_to(other)
+    data = (run / "results" / "part-00000.parquet").read_bytes()
+    src = SourcePart(
+        path="results/part-00000.parquet",
+        bytes=len(data),
+        sha256=hashlib.sha256(data).hexdigest(),
+        rows=1,
+        name="part-00001.parquet",
+    )
+    with pytest.raises(LinkRefused, match="errors is a symbolic link"):
+        _publish_reference(out, src, "errors/part-00001.parquet")
+    assert sorted(os.listdir(other)) == ["victim.parquet"]
