@@ -2,7 +2,8 @@
 
 ``pin_golden_set`` (the plan task): list the golden set's Parquet files, refuse more than ``MAX_FILES`` files or
 ``MAX_BYTES`` in all on the sizes the store states (nothing read yet: a planted file of a TB is not hashed),
-refuse a symbolic link among them on local disk, then read every byte once for its sha256. The result,
+refuse a symbolic link below a golden folder on local disk (a ``golden_uri`` naming one file may itself be one: the
+user's), then read every byte once for its sha256. The result,
 ``GoldenSetPin``, goes into the sealed ``_plan.json`` (``reference.with_golden_set``, which also checks the
 pinned bytes as QA will: columns, null and repeated ids).
 
@@ -41,8 +42,10 @@ def _where(uri: str) -> str:
 
 
 def _check_not_a_link(root: Storage, name: str, uri: str) -> None:
-    """SpecError when the local file ``name`` under ``root`` is a symbolic link or lies under one."""
-    if not root.is_local:
+    """SpecError when the local file ``name`` under ``root`` is a symbolic link or lies under one. A ``golden_uri``
+    that names the file itself may be a link (``labels/current.parquet -> v7.parquet``): that link is the user's,
+    as an input URI's are (the plan pins the bytes it reaches); only a link below a golden folder is refused."""
+    if not root.is_local or root.uri(name).rstrip("/") == uri.rstrip("/"):
         return
     expected = os.path.join(os.path.realpath(root.base), name)
     if os.path.realpath(root.path(name)) != expected:
