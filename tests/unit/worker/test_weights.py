@@ -262,3 +262,26 @@ def test_an_attempt_killed_before_its_seals_is_redone_by_the_retry_and_merged_on
     ids = pq.read_table(out / "results", columns=["id"]).column("id").to_pylist()
     errors = pq.read_table(out / "errors").num_rows if (out / "errors").exists() else 0
     assert sorted(ids) == [f"r{i}" for i in range(6)] and errors == 0
+
+
+def test_a_hub_cache_snapshot_folder_of_links_into_blobs_is_pinned_and_checked(tmp_path, fake_engine_factory):
+    """``model.name`` a Hugging Face hub cache snapshot (``snapshots/<rev>/<file> -> ../../blobs/<sha>``), with the
+    result cache on: the plan pins the files the links reach and the shard's check follows them as vLLM does."""
+    hub = tmp_path / "hub" / "models--org--m"
+    snap = hub / "snapshots" / "0123abcd"
+    snap.mkdir(parents=True)
+    (hub / "blobs").mkdir()
+    for i, (rel, data) in enumerate(FILES.items()):
+        (hub / "blobs" / f"b{i}").write_bytes(data)
+        (snap / rel).parent.mkdir(parents=True, exist_ok=True)
+        (snap / rel).symlink_to(os.path.relpath(hub / "blobs" / f"b{i}", (snap / rel).parent))
+    (tmp_path / "model").symlink_to(snap)
+    spec = spec_for(tmp_path)
+    plan = plan_job(spec)
+    assert sorted(f.path for f in plan.weights[0].files) == sorted(FILES)
+    assert shard(spec, plan, fake_engine_factory)["status"] == "committed"
+    other = spec_for(tmp_path, run="b")
+    plan_b = plan_job(other)
+    swap_same_size_and_mtime(hub / "blobs" / "b1", b"V" * 4096)  # the blob behind model.safetensors
+    with pytest.raises(InputChangedError, match=r"model\.safetensors"):
+        shard(other, plan_b, fake_engine_factory)
