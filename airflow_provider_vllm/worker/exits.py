@@ -27,8 +27,12 @@ def emit(manifest: WorkerManifest | FailureManifest | dict) -> None:
     xcom_dir = envs.XCOM_DIR.value()
     from airflow_provider_vllm.worker.redact import redact
 
-    # the XCom file does not pass through the redacted stdout; and a secret in a JSON string is escaped there
-    line = redact(json.dumps(manifest.dump(), sort_keys=True))
+    # the XCom file does not pass through the redacted stdout: a failure's free text is masked here. Only that: the
+    # ids are matched by merge against the commit marker (the attempt id carries the host, the pod's name, in which a
+    # value set from a Secret may occur), and the rest is numbers and the hardware's name
+    if isinstance(manifest, FailureManifest):
+        manifest = manifest.model_copy(update={"message": redact(manifest.message)})
+    line = json.dumps(manifest.dump(), sort_keys=True)
     if os.path.isdir(xcom_dir):
         with open(os.path.join(xcom_dir, "return.json"), "w", encoding="utf-8") as f:
             f.write(line)

@@ -2,7 +2,8 @@
 
 ``pin_golden_set`` (the plan task): list the golden set's Parquet files, refuse more than ``MAX_FILES`` files or
 ``MAX_BYTES`` in all on the sizes the store states (nothing read yet: a planted file of a TB is not hashed),
-refuse a symbolic link among them on local disk, then read every byte once for its sha256. The result,
+refuse a symbolic link below a golden folder on local disk (a ``golden_uri`` naming one file may itself be one: the
+user's), then read every byte once for its sha256. The result,
 ``GoldenSetPin``, goes into the sealed ``_plan.json`` (``reference.with_golden_set``, which also checks the
 pinned bytes as QA will: columns, null and repeated ids).
 
@@ -40,9 +41,11 @@ def _where(uri: str) -> str:
     return f"qa.reference.golden_uri {uri}"
 
 
-def _check_not_a_link(root: Storage, name: str, where: str, what: str = "golden set") -> None:
-    """SpecError when the local file ``name`` under ``root`` is a symbolic link or lies under one."""
-    if not root.is_local:
+def _check_not_a_link(root: Storage, name: str, where: str, what: str = "golden set", uri: str | None = None) -> None:
+    """SpecError when the local file ``name`` under ``root`` is a symbolic link or lies under one. A ``uri`` (the
+    spec's) that names the file itself may be a link (``labels/current.parquet -> v7.parquet``): that link is the
+    user's, as an input URI's are (the plan pins the bytes it reaches); only a link below a golden folder is refused."""
+    if not root.is_local or (uri is not None and root.uri(name).rstrip("/") == uri.rstrip("/")):
         return
     expected = os.path.join(os.path.realpath(root.base), name)
     if os.path.realpath(root.path(name)) != expected:
@@ -52,7 +55,7 @@ def _check_not_a_link(root: Storage, name: str, where: str, what: str = "golden 
         )
 
 
-def check_golden_files(found: Input, where: str, what: str = "golden set") -> None:
+def check_golden_files(found: Input, where: str, what: str = "golden set", uri: str | None = None) -> None:
     """SpecError, naming ``where`` and the file, when the golden files ``found`` are more than ``MAX_FILES``, or
     more than ``MAX_BYTES`` in all on the sizes the store states (nothing read yet: a planted file of a TB is refused
     unread), or (local) one is a symbolic link or lies under one. The golden set's bounds, also the ride-along
@@ -68,7 +71,7 @@ def check_golden_files(found: Input, where: str, what: str = "golden set") -> No
                 "bytes; refused unread (a golden set is an id -> label table)"
             )
     for f in found.files:
-        _check_not_a_link(found.root, f.path, where, what)
+        _check_not_a_link(found.root, f.path, where, what, uri)
 
 
 def pin_golden_set(spec: JobSpec, filesystems: FileSystems | None = None) -> GoldenSetPin | None:
@@ -83,10 +86,10 @@ def pin_golden_set(spec: JobSpec, filesystems: FileSystems | None = None) -> Gol
         found = find_input(uri, spec.io.storage_options, "parquet", filesystems)
     except DatasetError as e:
         raise DatasetError(f"{_where(uri)}: {e}") from None
-    check_golden_files(found, _where(uri))
+    check_golden_files(found, _where(uri), uri=uri)
     files = []
     for f in found.files:
-        _check_not_a_link(found.root, f.path, _where(uri))
+        _check_not_a_link(found.root, f.path, _where(uri), uri=uri)
         digest = found.root.sha256(f.path, f.size)
         if not SHA256_HEX.fullmatch(digest):  # another size than stated: written while the plan read it
             raise DatasetError(
@@ -135,7 +138,7 @@ def checked_golden_set(
     copies = CheckedCopies(root, tmp)
     paths = []
     for f in pin.files:
-        _check_not_a_link(root, f.path, _where(uri))
+        _check_not_a_link(root, f.path, _where(uri), uri=uri)
         try:
             paths.append(copies.get(f.path, f.bytes, f.sha256))
         except (CommitError, FileNotFoundError) as e:

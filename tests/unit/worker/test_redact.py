@@ -340,3 +340,26 @@ def test_the_keys_of_a_secret_taken_whole_are_masked_whatever_their_names(tmp_pa
     assert masker.redact("db postgres-SENTINEL-db-host vendor vendor-SENTINEL-2 path /usr/bin:/bin") == (
         "db *** vendor *** path /usr/bin:/bin"
     )
+
+
+def test_the_manifest_file_keeps_the_attempt_id_that_merge_matches(monkeypatch, tmp_path):
+    """The attempt id carries the host (the pod's name): a value the deployment set from a Secret that also occurs in
+    it (a team or cluster name in a config Secret taken whole) must not change the id in the XCom file, which merge
+    matches against the shard's commit marker (a masked id fails merge, and every rerun of the shard alike). Only the
+    free text of a failure is masked there."""
+    from airflow_provider_vllm.core.records import WorkerManifest
+    from airflow_provider_vllm.worker import redact as r
+    from airflow_provider_vllm.worker.exits import emit
+
+    monkeypatch.setattr(r, "_INSTALLED", None)
+    monkeypatch.setenv("TEAM", "ticket-triage")
+    monkeypatch.setenv("VLLM_BATCH_MASKED_ENV", "TEAM")
+    monkeypatch.setenv("VLLM_BATCH_XCOM_DIR", str(tmp_path))
+    attempt = "a20261205T235959-ticket-triage-shards-9-41-c0ffee"
+    emit(
+        WorkerManifest(
+            status="committed", shard_id="shard-00000-0123abcd", attempt_id=attempt, rows=3, ok_rows=3, error_rows=0
+        )
+    )
+    written = json.loads((tmp_path / "return.json").read_text())
+    assert written["attempt_id"] == attempt and written["shard_id"] == "shard-00000-0123abcd"

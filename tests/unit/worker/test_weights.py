@@ -233,3 +233,55 @@ def test_a_check_that_still_hashes_when_the_rows_are_done_is_progress_for_the_wa
     beats: list[float] = []
     check.wait(lambda: beats.append(time.monotonic()))
     assert len(beats) >= 5  # a beat as blocks are hashed, not one at the end
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_an_attempt_killed_before_its_seals_is_redone_by_the_retry_and_merged_once(
+    tmp_path, fake_engine_factory, monkeypatch, cache
+):
+    """An attempt that wrote its chunks and died before sealing them (here: the first seal raises, as a kill there
+    would stop it) leaves unsealed parts in its attempt folder; the retry redoes them, commits, and merge publishes
+    every row exactly once (and, with the cache, files nothing of the dead attempt)."""
+    from airflow_provider_vllm.core import faults
+    from airflow_provider_vllm.steps.merge.merger import merge
+
+    folder(tmp_path / "model")
+    spec = spec_for(tmp_path, cache=cache)
+    plan = plan_job(spec)
+    monkeypatch.setenv("VLLM_BATCH_FAULTS", "chunk.before_seal#1=raise")
+    faults.reload()
+    with pytest.raises(faults.InjectedFault):
+        shard(spec, plan, fake_engine_factory, attempt="a1")
+    assert left(spec)[0] == []
+    out = Path(spec.io.output_uri)
+    assert list(out.rglob("a1/chunk-*.parquet"))  # the dead attempt's unsealed parts are left behind
+    monkeypatch.delenv("VLLM_BATCH_FAULTS")
+    faults.reload()
+    assert shard(spec, plan, fake_engine_factory, attempt="a2")["status"] == "committed"
+    merge(spec)
+    ids = pq.read_table(out / "results", columns=["id"]).column("id").to_pylist()
+    errors = pq.read_table(out / "errors").num_rows if (out / "errors").exists() else 0
+    assert sorted(ids) == [f"r{i}" for i in range(6)] and errors == 0
+
+
+def test_a_hub_cache_snapshot_folder_of_links_into_blobs_is_pinned_and_checked(tmp_path, fake_engine_factory):
+    """``model.name`` a Hugging Face hub cache snapshot (``snapshots/<rev>/<file> -> ../../blobs/<sha>``), with the
+    result cache on: the plan pins the files the links reach and the shard's check follows them as vLLM does."""
+    hub = tmp_path / "hub" / "models--org--m"
+    snap = hub / "snapshots" / "0123abcd"
+    snap.mkdir(parents=True)
+    (hub / "blobs").mkdir()
+    for i, (rel, data) in enumerate(FILES.items()):
+        (hub / "blobs" / f"b{i}").write_bytes(data)
+        (snap / rel).parent.mkdir(parents=True, exist_ok=True)
+        (snap / rel).symlink_to(os.path.relpath(hub / "blobs" / f"b{i}", (snap / rel).parent))
+    (tmp_path / "model").symlink_to(snap)
+    spec = spec_for(tmp_path)
+    plan = plan_job(spec)
+    assert sorted(f.path for f in plan.weights[0].files) == sorted(FILES)
+    assert shard(spec, plan, fake_engine_factory)["status"] == "committed"
+    other = spec_for(tmp_path, run="b")
+    plan_b = plan_job(other)
+    swap_same_size_and_mtime(hub / "blobs" / "b1", b"V" * 4096)  # the blob behind model.safetensors
+    with pytest.raises(InputChangedError, match=r"model\.safetensors"):
+        shard(other, plan_b, fake_engine_factory)

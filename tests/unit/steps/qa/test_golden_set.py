@@ -238,3 +238,29 @@ def test_the_golden_set_on_s3_is_pinned_and_a_swap_is_refused(tmp_path, monkeypa
         client.put_object(Bucket="gold", Key="set/g.parquet", Body=_golden_bytes(_wrong()))
         with pytest.raises(InputChangedError, match=r"s3://gold/set/g\.parquet changed since the plan"):
             qa_run(spec)
+
+
+def test_a_golden_uri_that_is_itself_a_link_is_the_users_and_is_followed(tmp_path):
+    """``golden_uri`` naming a link (``labels/current.parquet -> v7.parquet``) is the user's own choice, as an input
+    URI's links are: the plan pins the bytes it points to and QA scores them. Only a link *below* a golden folder is
+    refused (the test above); so is a folder reached through a linked parent (its links are above the root)."""
+    versions = tmp_path / "labels"
+    versions.mkdir()
+    (versions / "v7.parquet").write_bytes(_golden_bytes(_truth()))
+    (versions / "current.parquet").symlink_to(versions / "v7.parquet")
+    spec, plan = _planned_run(tmp_path, str(versions / "current.parquet"))
+    digest = hashlib.sha256((versions / "v7.parquet").read_bytes()).hexdigest()
+    assert plan.golden_set is not None and [f.sha256 for f in plan.golden_set.files] == [digest]
+    report, _ = qa_run(spec)
+    assert report.metrics["quality"]["accuracy"]["value"] == pytest.approx(_accuracy(tmp_path, _truth()))
+
+
+def test_a_golden_folder_under_a_linked_parent_is_pinned(tmp_path):
+    real = tmp_path / "real" / "golden"
+    real.mkdir(parents=True)
+    (real / "g.parquet").write_bytes(_golden_bytes(_truth()))
+    (tmp_path / "mnt").symlink_to(tmp_path / "real")  # a prefix on a linked volume: above the golden folder
+    spec, plan = _planned_run(tmp_path, str(tmp_path / "mnt" / "golden"))
+    assert plan.golden_set is not None and [f.path for f in plan.golden_set.files] == ["g.parquet"]
+    report, _ = qa_run(spec)
+    assert report.metrics["quality"]["accuracy"]["value"] == pytest.approx(_accuracy(tmp_path, _truth()))
