@@ -10,13 +10,13 @@ from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from airflow_provider_vllm.core import seal as seals
 from airflow_provider_vllm.core.adapters import AdapterRef
 from airflow_provider_vllm.core.errors import CommitError, SpecError
 from airflow_provider_vllm.core.formats.files import InputFile
-from airflow_provider_vllm.core.records import FileRef
+from airflow_provider_vllm.core.records import FileRef, PinnedFile
 from airflow_provider_vllm.core.rows import decode_schema, error_schema, result_schema
 from airflow_provider_vllm.core.seal import Keyring, Seal
 from airflow_provider_vllm.core.spec import JobSpec
@@ -220,22 +220,6 @@ class GoldenPlan(BaseModel):
         )
 
 
-class GoldenSetFile(BaseModel):
-    """One file of the golden set (``qa.reference.golden_uri``) as the plan read it: QA reads exactly these bytes."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    path: str = Field(min_length=1, max_length=1024, description="path under GoldenSetPin.root")
-    bytes: int = Field(ge=0, description="size")
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="sha256 of the file's bytes as the plan read them")
-
-    @field_validator("path")
-    @classmethod
-    def _relative(cls, v: str) -> str:
-        if v.startswith("/") or any(s in ("", ".", "..") for s in v.split("/")):
-            raise ValueError(f"{v!r} is not a relative path of plain segments")
-        return v
-
-
 class GoldenSetPin(BaseModel):
     """The golden set (``qa.reference.golden_uri``) as the plan pinned it (``steps/qa/golden_set.py``): its files,
     their sizes and sha256. QA scores against these bytes only and names them in its report."""
@@ -243,7 +227,7 @@ class GoldenSetPin(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     uri: str = Field(description="qa.reference.golden_uri when planned")
     root: str = Field(description="the folder its files lie under (the file's own folder for a single file)")
-    files: list[GoldenSetFile] = Field(min_length=1, description="its Parquet files, sorted by path")
+    files: list[PinnedFile] = Field(min_length=1, description="its Parquet files, sorted by path")
 
 
 class Passthrough(BaseModel):

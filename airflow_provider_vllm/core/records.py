@@ -183,6 +183,23 @@ class FileRef(FileDigest):
         return run_file(v)
 
 
+class PinnedFile(Record):
+    """One file of a folder the plan pinned (a golden set, a local model or tokenizer folder): its path under the
+    folder, size and sha256 as the plan read them; readers later take exactly these bytes."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    path: str = Field(min_length=1, max_length=4096, description="its path under the folder ('/'-separated)")
+    bytes: FileBytes
+    sha256: Sha256
+
+    @field_validator("path")
+    @classmethod
+    def _relative(cls, v: str) -> str:
+        if v.startswith("/") or any(s in ("", ".", "..") for s in v.split("/")):
+            raise ValueError(f"{v!r} is not a relative path of plain segments")
+        return v
+
+
 class CacheFileEntry(FileRef):
     """One Parquet part of a cache entry: ``entries/<entry_id>/part-NNNNN.parquet`` (the cache folder's own)."""
 

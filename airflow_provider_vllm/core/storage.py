@@ -259,42 +259,28 @@ class Storage:
     def _open_local(self, rel: str, flags: int, directory: bool = False) -> int:
         """A descriptor of the local path ``rel`` (``flags``; ``directory``: a folder to list). Unless
         ``follow_links``, each component below ``root`` is opened with ``O_NOFOLLOW`` relative to its parent's
-        descriptor: a symbolic link anywhere below ``root`` is refused (``LinkRefused``, naming the path), and one
-        swapped in after a check has no window to be followed. ``root`` itself is followed."""
-        from airflow_provider_vllm.core.errors import LinkRefused
-
+        descriptor (``_folder_fd``, as the writes walk it): a symbolic link anywhere below ``root`` is refused
+        (``LinkRefused``, naming the path), and one swapped in after a check has no window to be followed.
+        ``root`` itself is followed."""
         if self.follow_links:
             return os.open(self.path(rel), flags | (os.O_DIRECTORY if directory else 0))
-        parts = [c for c in rel.split("/") if c not in ("", ".")]
-        if ".." in parts:
-            raise LinkRefused(f"{self.uri(rel)}: a path with '..' below {self.uri()} is not read")
-        nofollow = getattr(os, "O_NOFOLLOW", 0)
-        dfd = os.open(self.base or "/", os.O_RDONLY | os.O_DIRECTORY)
+        done = "refused unopened"
+        parts = self._parts(rel)
+        dfd = self._folder_fd(parts, max(len(parts) - 1, 0), rel, create=False, done=done)
         if not parts:
             return dfd if directory else _close_and(dfd, IsADirectoryError(self.uri()))
         try:
-            for i, part in enumerate(parts):
-                last = i == len(parts) - 1
-                want = (os.O_RDONLY | os.O_DIRECTORY) if not last or directory else flags
-                try:
-                    nfd = os.open(part, want | nofollow, dir_fd=dfd)
-                except OSError as e:
-                    if e.errno == errno.ELOOP or (
-                        e.errno == errno.ENOTDIR and stat.S_ISLNK(os.lstat(part, dir_fd=dfd).st_mode)
-                    ):
-                        where = self.uri("/".join(parts[: i + 1]))
-                        raise LinkRefused(
-                            f"{where} is a symbolic link: no file or folder this provider writes below "
-                            f"{self.uri()} is, so {self.uri(rel)} is refused unopened (another writer of the "
-                            "folder put it there?)"
-                        ) from None
-                    raise
-                os.close(dfd)
-                dfd = nfd
-            return dfd
-        except BaseException:
+            want = (os.O_RDONLY | os.O_DIRECTORY) if directory else flags
+            try:
+                return os.open(parts[-1], want | getattr(os, "O_NOFOLLOW", 0), dir_fd=dfd)
+            except OSError as e:
+                if e.errno == errno.ELOOP or (
+                    e.errno == errno.ENOTDIR and stat.S_ISLNK(os.lstat(parts[-1], dir_fd=dfd).st_mode)
+                ):
+                    raise self._link_refused(parts, len(parts) - 1, rel, done) from None
+                raise
+        finally:
             os.close(dfd)
-            raise
 
     def _scan(self, rel: str, limit: int, recursive: bool) -> list[tuple[str, int | None]]:
         """``(path under rel, size or None)`` of each entry under ``rel`` (``recursive``: files only, at any depth;

@@ -19,15 +19,16 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import json
 import os
 import stat
 from collections.abc import Callable, Iterator
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
+from airflow_provider_vllm.core.adapters import folder_fingerprint
 from airflow_provider_vllm.core.errors import InputChangedError
+from airflow_provider_vllm.core.records import PinnedFile
 
 _CHUNK = 1 << 20
 
@@ -37,38 +38,13 @@ def local_folder(name: str) -> str:
     return os.path.expanduser(name.removeprefix("file://"))
 
 
-def folder_fingerprint(entries: list[tuple[str, int, str]]) -> str:
-    """sha256 over (name in the folder, size, sha256 of the bytes) of each file, in name order (the weights
-    fingerprint of the cache key; the same recipe as ``core.adapters.folder_fingerprint``)."""
-    h = hashlib.sha256()
-    for rel, size, digest in sorted(entries):
-        h.update(json.dumps([rel, size, digest]).encode() + b"\n")
-    return h.hexdigest()
-
-
-class WeightsFile(BaseModel):
-    """One file of a pinned folder."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    path: str = Field(min_length=1, max_length=4096, description="its name in the folder ('/'-separated)")
-    bytes: int = Field(ge=0, description="its size when the plan hashed it")
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="sha256 of its bytes as the plan read them")
-
-    @field_validator("path")
-    @classmethod
-    def _relative(cls, v: str) -> str:
-        if v.startswith("/") or any(s in ("", ".", "..") for s in v.split("/")):
-            raise ValueError(f"{v!r} is not a relative path of plain segments")
-        return v
-
-
 class WeightsPin(BaseModel):
     """A local model or tokenizer folder as the plan hashed it (sealed in the plan: ``Plan.weights``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     role: Literal["model", "tokenizer"] = Field(description="model.name or model.tokenizer")
     name: str = Field(description="model.name / model.tokenizer as the spec writes it")
-    files: list[WeightsFile] = Field(description="every file of the folder, sorted by path")
+    files: list[PinnedFile] = Field(description="every file of the folder, sorted by path")
 
     def fingerprint(self) -> str:
         """The key config's ``weights_sha256`` / ``tokenizer_sha256`` of these files."""

@@ -35,14 +35,15 @@ from typing import Any
 
 import duckdb
 
-from airflow_provider_vllm.core.adapters import AdapterRef, check_refs, describe_adapters
+from airflow_provider_vllm.core.adapters import AdapterRef, check_refs, describe_adapters, folder_fingerprint
 from airflow_provider_vllm.core.engine_identity import identity_env, local_engine_identity
 from airflow_provider_vllm.core.errors import SpecError, TransientError
 from airflow_provider_vllm.core.formats.base import row_columns
+from airflow_provider_vllm.core.records import PinnedFile
 from airflow_provider_vllm.core.spec import ENGINE_KWARGS_ALLOWED, JobSpec
 from airflow_provider_vllm.core.spec_guard import COMMIT_SHA
 from airflow_provider_vllm.core.storage import FileSystems, hash_pool
-from airflow_provider_vllm.core.weights import WeightsFile, WeightsPin, folder_files, folder_fingerprint, local_folder
+from airflow_provider_vllm.core.weights import WeightsPin, folder_files, local_folder
 from airflow_provider_vllm.steps.cache.fingerprint_memo import FileStat, FingerprintMemo
 
 KEY_FORMAT_VERSION = 2  # 1: CAST(col AS VARCHAR) per column, edge-hashed weights; 2: typed values, every byte
@@ -237,7 +238,7 @@ def describe_weights(spec: JobSpec, memo: FingerprintMemo | None = None) -> list
     pins = []
     for role, name in (("model", m.name), ("tokenizer", m.tokenizer)):
         if name and is_local_model(name) and os.path.isdir(_local_folder(name)):
-            files = [WeightsFile(path=r, bytes=n, sha256=d) for r, n, d in weights_files(name, memo)]
+            files = [PinnedFile(path=r, bytes=n, sha256=d) for r, n, d in weights_files(name, memo)]
             pins.append(WeightsPin(role=role, name=name, files=files))
     return pins
 

@@ -21,8 +21,8 @@ import os
 
 from airflow_provider_vllm.core.errors import CommitError, DatasetError, InputChangedError, SpecError
 from airflow_provider_vllm.core.formats.files import Input, find_input
-from airflow_provider_vllm.core.plan import GoldenSetFile, GoldenSetPin, Plan
-from airflow_provider_vllm.core.records import SHA256_HEX
+from airflow_provider_vllm.core.plan import GoldenSetPin, Plan
+from airflow_provider_vllm.core.records import SHA256_HEX, PinnedFile
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import CheckedCopies, FileSystems, Storage
 
@@ -96,7 +96,7 @@ def pin_golden_set(spec: JobSpec, filesystems: FileSystems | None = None) -> Gol
                 f"{_where(uri)}: {found.root.uri(f.path)} changed while the plan read it ({digest}); plan again "
                 "once its writer is done"
             )
-        files.append(GoldenSetFile(path=f.path, bytes=f.size, sha256=digest))
+        files.append(PinnedFile(path=f.path, bytes=f.size, sha256=digest))
     return GoldenSetPin(uri=uri, root=found.root.uri(""), files=files)
 
 

@@ -351,18 +351,26 @@ def test_commit_protocol_state_machine(tmp_path_factory):
     assert _TOTALS["examples"] >= 500 and _TOTALS["merges"] > 0 and _TOTALS["crashes"] > 0
 
 
+def _planned_shard_store(tmp_path):
+    """A planned run of two rows in ``tmp_path/out``: its plan, its one shard and that shard's store."""
+    write_parquet(tmp_path / "in.parquet", ["a", "b"], ["x", "y"])
+    plan = plan_job(make_spec(tmp_path / "in.parquet", tmp_path / "out"))
+    (shard,) = plan.shards
+    assert plan.seal is not None
+    return (
+        plan,
+        shard,
+        ShardStore(Storage(str(tmp_path / "out")), shard.shard_id, RunSeal(Keyring.from_env(), plan.seal.mac)),
+    )
+
+
 def test_a_chunk_numbered_past_99999_is_reused_and_merged_under_its_name(tmp_path):
     """A shard of more than 100,000 chunks (a small ``sharding.chunk_rows``) names chunk 100000 with six digits, as
     ``{k:05d}`` writes it: a retry's reuse scan finds it, and merge takes it from a marker. Another spelling of a
     number (``chunk-000001``) is neither: one chunk has one name."""
     from airflow_provider_vllm.steps.merge.merger import check_marker_path
 
-    write_parquet(tmp_path / "in.parquet", ["a", "b"], ["x", "y"])
-    spec = make_spec(tmp_path / "in.parquet", tmp_path / "out")
-    plan = plan_job(spec)
-    (shard,) = plan.shards
-    assert plan.seal is not None
-    store = ShardStore(Storage(str(tmp_path / "out")), shard.shard_id, RunSeal(Keyring.from_env(), plan.seal.mac))
+    plan, shard, store = _planned_shard_store(tmp_path)
     k = 100_000
     meta = ChunkMeta(shard_id=shard.shard_id, chunk=k, first_row=k, rows=2, config_hash=plan.config_hash)
     rows = [{"id": i, "status": "ok", "output": "o", "shard_id": shard.shard_id, "attempt_id": "a1"} for i in "ab"]
@@ -389,12 +397,7 @@ def test_a_shards_attempt_folders_are_listed_for_reuse_no_further_than_their_bou
     attempt folder that is a link is skipped. The code before listed every planted folder and file."""
     from airflow_provider_vllm.core import commit
 
-    write_parquet(tmp_path / "in.parquet", ["a", "b"], ["x", "y"])
-    spec = make_spec(tmp_path / "in.parquet", tmp_path / "out")
-    plan = plan_job(spec)
-    (shard,) = plan.shards
-    assert plan.seal is not None
-    store = ShardStore(Storage(str(tmp_path / "out")), shard.shard_id, RunSeal(Keyring.from_env(), plan.seal.mac))
+    plan, shard, store = _planned_shard_store(tmp_path)
     meta = ChunkMeta(shard_id=shard.shard_id, chunk=0, first_row=0, rows=2, config_hash=plan.config_hash)
     rows = [{"id": i, "status": "ok", "output": "o", "shard_id": shard.shard_id, "attempt_id": "a1"} for i in "ab"]
     entry = store.write_chunk("a1", meta, rows_table(rows))

@@ -11,7 +11,8 @@ import pytest
 
 from airflow_provider_vllm.core import weights
 from airflow_provider_vllm.core.errors import InputChangedError
-from airflow_provider_vllm.core.weights import WeightsFile, WeightsPin, check_folder
+from airflow_provider_vllm.core.records import PinnedFile
+from airflow_provider_vllm.core.weights import WeightsPin, check_folder
 from airflow_provider_vllm.steps.cache.fingerprint_memo import FingerprintMemo
 from airflow_provider_vllm.steps.cache.key import describe_weights, weights_fingerprint
 from tests.support.data import make_spec
@@ -83,4 +84,4 @@ def test_a_growing_file_is_read_no_further_than_the_pinned_size(tmp_path, monkey
 
 def test_a_pin_names_files_inside_the_folder_only():
     with pytest.raises(ValueError):
-        WeightsFile(path="../etc/passwd", bytes=1, sha256="0" * 64)
+        PinnedFile(path="../etc/passwd", bytes=1, sha256="0" * 64)

@@ -48,6 +48,17 @@ def test_worker_log_redacts_secret_environment_values(tmp_path):
     assert "SENTINEL" not in text and text.count("***") >= 3
 
 
+def worker_cli(task: dict, env: dict) -> subprocess.CompletedProcess:
+    """The worker CLI run on ``task`` in a process of its own, with ``env``."""
+    return subprocess.run(
+        [sys.executable, "-m", "airflow_provider_vllm.worker", json.dumps(task)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 def test_worker_cli_never_prints_a_secret_from_its_environment(allowed):
     """A secret pasted into a param by mistake: the refusal names the field, the secret is masked."""
     token = "hf_SENTINELpastedQ8z2"
@@ -55,13 +66,7 @@ def test_worker_cli_never_prints_a_secret_from_its_environment(allowed):
     task = {"spec": doc, "shard_id": "shard-00000-0123abcd"}
     task["spec"]["model"]["name"] = f"org/model;{token}"
     env = {**os.environ, "HF_TOKEN": token, "PYTHONPATH": str(ROOT)}
-    p = subprocess.run(
-        [sys.executable, "-m", "airflow_provider_vllm.worker", json.dumps(task)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    p = worker_cli(task, env)
     assert p.returncode == EXIT_TERMINAL
     assert "model.name" in p.stdout + p.stderr and "***" in p.stderr
     assert token not in p.stdout + p.stderr
@@ -268,13 +273,7 @@ def test_worker_cli_masks_a_secret_the_deployment_named_in_its_log_and_manifest(
         "VLLM_BATCH_XCOM_DIR": str(xcom),
         "PYTHONPATH": str(ROOT),
     }
-    p = subprocess.run(
-        [sys.executable, "-m", "airflow_provider_vllm.worker", json.dumps(task)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    p = worker_cli(task, env)
     assert p.returncode == EXIT_TERMINAL
     written = (xcom / "return.json").read_text()
     assert "model.name" in p.stdout + p.stderr and "***" in p.stderr and "***" in written

@@ -210,11 +210,11 @@ def test_a_golden_set_that_cannot_grade_the_run_fails_the_plan_before_any_shard(
     "bad", [{"path": "../x.parquet"}, {"path": "/etc/x"}, {"sha256": "0" * 63}, {"bytes": -1}, {"bytes": "many"}]
 )
 def test_a_pinned_golden_file_of_the_wrong_shape_is_refused(bad):
-    from airflow_provider_vllm.core.plan import GoldenSetFile
+    from airflow_provider_vllm.core.records import PinnedFile
 
     good = {"path": "g.parquet", "bytes": 10, "sha256": "0" * 64}
     with pytest.raises(ValueError):
-        GoldenSetFile.model_validate(good | bad)
+        PinnedFile.model_validate(good | bad)
 
 
 def test_the_golden_set_on_s3_is_pinned_and_a_swap_is_refused(tmp_path, monkeypatch):
