@@ -16,7 +16,7 @@ from airflow_provider_vllm.core import seal as seals
 from airflow_provider_vllm.core.adapters import AdapterRef
 from airflow_provider_vllm.core.errors import CommitError, SpecError
 from airflow_provider_vllm.core.formats.files import InputFile
-from airflow_provider_vllm.core.records import FileRef, PinnedFile
+from airflow_provider_vllm.core.records import FileRef, MergeSummary, PinnedFile
 from airflow_provider_vllm.core.rows import decode_schema, error_schema, result_schema
 from airflow_provider_vllm.core.seal import Keyring, Seal
 from airflow_provider_vllm.core.spec import JobSpec
@@ -445,22 +445,30 @@ def load_plan(
     spec: JobSpec,
     filesystems: FileSystems | None = None,
     keyring: Keyring | None = None,
-    merged_under: str | None = None,
+    merged: MergeSummary | None = None,
 ) -> Plan:
     """The run's plan, its seal checked (``keyring`` default: the worker's, ``VLLM_BATCH_SIGNING_KEY``).
 
     SpecError when there is none; SealError when this deployment's plan task did not write it for this run.
-    ``merged_under``: the seal (mac) of the plan the run was merged under (``MergeSummary.plan_mac``), for the
-    readers after the merge (QA, publish): CommitError for another plan. An earlier plan of the same folder (it
-    was emptied and planned again) is sealed for it too, and its pins (``changes_from``: the change set's and
-    QA's baseline) are not the ones the run was made with.
+    ``merged``: the run's sealed merge summary, for the readers after the merge (QA, publish): CommitError when
+    the plan is not the one it names (``plan_mac``), or when it names none (a merge written before it recorded
+    its plan: merge again). An earlier plan of the same folder (it was emptied and planned again) is sealed for
+    it too, and its pins (``changes_from``: the change set's and QA's baseline) are not the ones the run was made
+    with.
     """
     out = Storage(spec.io.output_uri, spec.io.storage_options, filesystems)
     if not out.exists(PLAN_FILE):
         raise SpecError(f"no plan at {out.uri(PLAN_FILE)}; run the plan step first")
     plan = Plan.model_validate_json(out.read_bytes(PLAN_FILE))
     plan.verify(keyring or Keyring.from_env(), spec.io.output_uri)
-    if merged_under is not None and (plan.seal is None or plan.seal.mac != merged_under):
+    if merged is None:
+        return plan
+    if merged.plan_mac is None:  # fail closed: nothing says which of the folder's sealed plans the run was made with
+        raise CommitError(
+            f"the merge summary of {spec.io.output_uri} names no plan (a merge written before it recorded the plan "
+            "it was merged under): run the merge task again, then QA and publish"
+        )
+    if plan.seal is None or plan.seal.mac != merged.plan_mac:
         raise CommitError(
             f"{out.uri(PLAN_FILE)} is not the plan the run was merged under (the sealed merge names another: an "
             "earlier plan of this folder put back); put the run's plan back, or plan and run it again in an empty "

@@ -208,9 +208,7 @@ class VllmPublishOperator(BaseOperator):
         self._engine_versions = merged.engine_versions  # for the lineage facet
         # the plan the run was merged under, not an earlier one of this folder put back (another pin): read once,
         # when the change set or the table commit needs it
-        self._plan = functools.cache(
-            functools.partial(load_plan, spec, out.filesystems, keyring, merged_under=merged.plan_mac)
-        )
+        self._plan = functools.cache(functools.partial(load_plan, spec, out.filesystems, keyring, merged=merged))
         qa = self._qa_verdict(out, keyring, merged)
         self._check_this_runs_qa(out, qa)
         if qa.status == "fail":

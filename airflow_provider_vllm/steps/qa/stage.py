@@ -70,7 +70,7 @@ def _qa_run(
     # swapped in the bucket during QA (and put back after) is never what QA reads
     parts = {kind: checked_parts(out, kind, merged, copies) for kind in (RESULTS, ERRORS)}
     # the plan the run was merged under (its pins: the change set's and QA's baseline), not an earlier one of the folder
-    plan = load_plan(spec, filesystems, keyring, merged_under=merged.plan_mac)
+    plan = load_plan(spec, filesystems, keyring, merged=merged)
     spec = changes_spec(spec, plan)  # changes.previous_table: the run the plan pinned
     previous = None
     if spec.qa.previous_published:  # the report of the run this job published last, as the plan pinned it

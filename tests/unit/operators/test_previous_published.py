@@ -549,3 +549,34 @@ def test_publish_takes_the_change_set_of_the_plan_the_run_was_merged_under(tmp_p
         VllmPublishOperator(task_id="publish", spec=c, outlets=[ASSET]).execute(context())
     assert not (tmp_path / "c" / "out" / SUCCESS).exists()
     record_malicious("publish: an earlier plan of the folder put back after QA", 1, 1)
+
+
+@pytest.mark.reliability
+def test_qa_refuses_a_merge_that_names_no_plan(tmp_path, fake_engine_factory):
+    """A sealed merge summary without plan_mac (written before merge recorded it) says nothing about which of the
+    folder's sealed plans the run was made with: QA and publish fail closed, asking for the merge again, instead
+    of taking whatever plan is in the folder (publish, which loads the plan the same way, then has no verdict)."""
+    from airflow_provider_vllm.core import seal as seals
+    from airflow_provider_vllm.core.records import MergeSummary
+    from tests.support.data import LABELS
+
+    texts = [f"ticket number {i}" for i in range(40)]
+    c, spec_c = _night_qa(tmp_path / "c", texts, LABELS)
+    plan_op(c).execute(ctx_with([]))
+    run_rest(c, fake_engine_factory)
+    out = tmp_path / "c" / "out"
+    merged = MergeSummary.model_validate_json((out / MERGED).read_bytes())
+    assert merged.plan_mac is not None
+    older = seals.seal_record(
+        Keyring.from_env(),
+        seals.MERGED,
+        seals.scope_of(Storage(spec_c.io.output_uri).uri()),
+        merged.model_copy(update={"plan_mac": None, "seal": None}),
+    )
+    (out / MERGED).write_bytes(seals.record_bytes(older))  # sealed by this deployment, but naming no plan
+    with pytest.raises(AirflowFailException, match="names no plan .* run the merge task again"):
+        VllmQAOperator(task_id="qa", spec=c).execute(context())
+    with pytest.raises(AirflowFailException, match="no sealed QA verdict"):  # nothing QA vouched for
+        VllmPublishOperator(task_id="publish", spec=c, outlets=[ASSET]).execute(context())
+    assert not (out / SUCCESS).exists()
+    record_malicious("qa: a sealed merge summary that names no plan", 1, 1)
