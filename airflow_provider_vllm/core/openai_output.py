@@ -1,6 +1,8 @@
 """The OpenAI Batch API format's output lines (the input side is ``core.formats.openai_batch``).
 
-Output lines work with OpenAI's Batch API and `vllm run-batch` alike. They are deterministic
+Output lines work with OpenAI's Batch API and `vllm run-batch` alike, except a ``generate`` job's text
+completion lines (``/v1/completions``: OpenAI's Batch API has that route, vLLM 0.25's run-batch does not; their
+bodies are vLLM's ``CompletionResponse``). They are deterministic
 (no timestamps, ids derived from ``custom_id``) so that a re-run produces byte-identical files.
 """
 
@@ -18,7 +20,8 @@ def _rid(custom_id: str, prefix: str) -> str:
 
 
 def response_line(row: dict[str, Any], spec: JobSpec) -> dict[str, Any]:
-    """One output line for a result row (chat completion or embedding). ``body.model`` names what answered, as
+    """One output line for a result row: a chat completion (task chat), a text completion (task generate: the
+    shape of ``/v1/completions``, ``choices[].text``) or an embedding. ``body.model`` names what answered, as
     vLLM's server does: the row's LoRA adapter, else the job's first served model name."""
     model = row.get("adapter") or spec.model.served_names[0]
     usage = {
@@ -31,6 +34,22 @@ def response_line(row: dict[str, Any], spec: JobSpec) -> dict[str, Any]:
             "object": "list",
             "data": [{"object": "embedding", "index": 0, "embedding": row["embedding"]}],
             "model": model,
+            "usage": usage,
+        }
+    elif spec.task == "generate":  # a raw prompt's completion: /v1/completions' shape, as vLLM's server answers it
+        body = {
+            "id": _rid(row["id"], "cmpl"),
+            "object": "text_completion",
+            "created": 0,
+            "model": model,
+            "choices": [
+                {
+                    "index": 0,
+                    "text": row.get("output"),
+                    "logprobs": None,  # per-row logprobs come only from chat request lines (openai_batch input)
+                    "finish_reason": row.get("finish_reason"),
+                }
+            ],
             "usage": usage,
         }
     else:

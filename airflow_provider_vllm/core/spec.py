@@ -464,7 +464,8 @@ class IOSpec(_Model):
     output_format: Literal["parquet", "openai_batch"] = Field(
         "parquet",
         description="Merged results format; parquet is always written, openai_batch adds JSONL files (chat "
-        "completion lines for tasks chat and generate, embedding lines for embed; classify has no such line).",
+        "completion lines for task chat, text completion lines for generate, embedding lines for embed; classify "
+        "has no such line).",
     )
     passthrough: list[Annotated[str, Field(min_length=1)]] | Literal["all"] = Field(
         default_factory=list,

@@ -17,8 +17,8 @@ a line, every sampling field the body sets must reach vLLM's ``SamplingParams`` 
 ``DELIBERATE`` lists the lines vLLM runs and this worker refuses, each with its reason; a line the
 worker runs and vLLM refuses is never allowed, and a deliberate difference that vLLM closes (it now
 refuses the line too) fails the test so that the list stays true. The output side: every line the
-worker writes validates as vLLM's ``BatchRequestOutput`` (response bodies as its chat and embedding
-responses). No engine starts; importing vLLM's server modules takes ~20 s.
+worker writes validates as vLLM's ``BatchRequestOutput`` (response bodies as its chat, completion and
+embedding responses). No engine starts; importing vLLM's server modules takes ~20 s.
 """
 
 from __future__ import annotations
@@ -159,6 +159,7 @@ class Verdict:
 def _vllm():
     from vllm.entrypoints.launchers import run_batch as rb
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest, ChatCompletionResponse
+    from vllm.entrypoints.openai.completion.protocol import CompletionResponse
     from vllm.entrypoints.pooling.embed.protocol import EmbeddingResponse
     from vllm.entrypoints.serve.engine.serving import BaseServing
 
@@ -166,6 +167,7 @@ def _vllm():
         rb=rb,
         Chat=ChatCompletionRequest,
         ChatResponse=ChatCompletionResponse,
+        CompletionResponse=CompletionResponse,
         EmbeddingResponse=EmbeddingResponse,
         Serving=BaseServing,
     )
@@ -327,5 +329,13 @@ def test_output_lines_are_vllms_batch_output(vllm_side, ours):
             body = out["response"]["body"]
             model = vllm_side.EmbeddingResponse if body["object"] == "list" else vllm_side.ChatResponse
             model.model_validate(body)
+    # task generate: a raw prompt's completion, as vLLM's /v1/completions answers it (OpenAI's Batch API has the
+    # route; vLLM's run-batch has none, so its envelope is checked with the body apart)
+    generate = spec.model_copy(update={"task": "generate"})
+    line = response_line({**ok, "adapter": None}, generate)
+    envelope = {**line, "response": {**line["response"], "body": None}}
+    vllm_side.rb.BatchRequestOutput.model_validate_json(json.dumps(envelope))
+    completion = vllm_side.CompletionResponse.model_validate(line["response"]["body"])
+    assert completion.object == "text_completion" and completion.choices[0].text == "billing"
     assert response_line(ok, spec)["response"]["body"]["model"] == ADAPTER  # as vLLM's server names a LoRA answer
     assert response_line({**ok, "adapter": None}, spec)["response"]["body"]["model"] == SERVED

@@ -26,3 +26,17 @@ def test_an_embedding_line_and_an_error_line(tmp_path):
     err = error_line({"id": "bad", "error_code": "EMPTY_INPUT", "error_message": "no text"}, spec)
     assert err["custom_id"] == "bad" and err["response"] is None
     assert err["error"] == {"code": "EMPTY_INPUT", "message": "no text"}
+
+
+def test_a_generate_result_line_is_a_text_completion(tmp_path):
+    """Task generate completes a raw prompt: its lines have /v1/completions' shape (choices[].text), which a
+    consumer of OpenAI's or vLLM's completions reads, not a chat message."""
+    spec = make_spec(tmp_path / "in", tmp_path / "out", task="generate", prompt={"template": "{text}"})
+    row = {"id": "g-1", "output": " once upon", "finish_reason": "length", "prompt_tokens": 4, "completion_tokens": 2}
+    line = response_line(row, spec)
+    body = line["response"]["body"]
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+    assert body["choices"] == [{"index": 0, "text": " once upon", "logprobs": None, "finish_reason": "length"}]
+    assert "message" not in body["choices"][0]
+    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
+    assert line == response_line(dict(row), spec)  # deterministic
