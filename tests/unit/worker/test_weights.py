@@ -285,3 +285,98 @@ def test_a_hub_cache_snapshot_folder_of_links_into_blobs_is_pinned_and_checked(t
     swap_same_size_and_mtime(hub / "blobs" / "b1", b"V" * 4096)  # the blob behind model.safetensors
     with pytest.raises(InputChangedError, match=r"model\.safetensors"):
         shard(other, plan_b, fake_engine_factory)
+
+
+class HeldPasses:
+    """``check_folder`` that holds each pass, once it has read the folder, until ``release`` is set; counts the
+    passes running at once (``peak``) and each file's opens (``reads``)."""
+
+    def __init__(self, monkeypatch) -> None:
+        from collections import Counter
+
+        from airflow_provider_vllm.core import weights as core_weights
+
+        self.release = threading.Event()
+        self.read_all = threading.Semaphore(0)  # one per pass that has read the folder (or failed)
+        self.reads: Counter[str] = Counter()
+        self.running = self.peak = 0
+        lock = threading.Lock()
+        real_check, real_open = worker_weights.check_folder, core_weights._open_regular
+
+        def opened(path: str) -> int:
+            with lock:
+                self.reads[Path(path).name] += 1
+            return real_open(path)
+
+        def held(pin, tick):
+            with lock:
+                self.running += 1
+                self.peak = max(self.peak, self.running)
+            try:
+                real_check(pin, tick)
+            finally:
+                self.read_all.release()
+                self.release.wait(30)
+                with lock:
+                    self.running -= 1
+
+        monkeypatch.setattr(core_weights, "_open_regular", opened)
+        monkeypatch.setattr(worker_weights, "check_folder", held)
+
+    def wait_read(self, passes: int) -> None:
+        for _ in range(passes):
+            assert self.read_all.acquire(timeout=30)
+
+
+def test_three_engine_starts_read_each_file_at_most_four_times_and_hash_with_two_passes_at_most(tmp_path, monkeypatch):
+    """An engine rebuilt twice (three loads) while the passes still run: a load that finds a pass running starts
+    no pass of its own; each load's after pass still comes (queued behind the two running, shared by the two
+    queued); never more than two at once, and nothing settles before the last pass has read the folder."""
+    folder(tmp_path / "model")
+    plan = plan_job(spec_for(tmp_path))
+    held = HeldPasses(monkeypatch)
+    check = worker_weights.WeightsCheck(plan.weights)
+    make = check.bracket(lambda spec: object())
+    for _ in range(3):
+        make(None)
+    held.wait_read(2)
+    assert not check.settled()
+    held.release.set()
+    check.wait()
+    assert check.settled()
+    assert held.peak <= 2
+    assert set(held.reads) == {Path(f).name for f in FILES} and max(held.reads.values()) <= 1 + 3
+    assert held.reads["model.safetensors"] >= 3  # the before pass, the first after pass, one after the last load
+
+
+@pytest.mark.parametrize("when", ["between the 1st and 2nd loads", "during the 2nd load", "during the 3rd load"])
+def test_a_swap_left_in_place_after_the_first_engines_check_read_the_folder_is_found_with_passes_coalesced(
+    tmp_path, monkeypatch, when
+):
+    """The passes of the first engine have read the planned bytes and still run when the file is swapped: the
+    after pass of a later load, queued behind them, reads the swapped bytes and fails the check."""
+    folder(tmp_path / "model")
+    plan = plan_job(spec_for(tmp_path))
+    held = HeldPasses(monkeypatch)
+    check = worker_weights.WeightsCheck(plan.weights)
+    loads = 0
+
+    def factory(spec):
+        nonlocal loads
+        loads += 1
+        if when == {2: "during the 2nd load", 3: "during the 3rd load"}.get(loads):
+            swap_same_size_and_mtime(tmp_path / "model" / "model.safetensors", b"V" * 4096)
+        return object()
+
+    make = check.bracket(factory)
+    make(None)
+    held.wait_read(2)  # the before and the after pass of the first engine found the planned bytes
+    assert check.settled() is False
+    if when == "between the 1st and 2nd loads":
+        swap_same_size_and_mtime(tmp_path / "model" / "model.safetensors", b"V" * 4096)
+    make(None)
+    make(None)
+    held.release.set()
+    with pytest.raises(InputChangedError, match=r"model\.safetensors is not the file the plan hashed"):
+        check.wait()
+    assert held.peak <= 2 and max(held.reads.values()) <= 1 + 3
