@@ -90,6 +90,7 @@ class WeightsCheck:
         self._changed = threading.Condition(self._lock)  # notified when a pass ends
         self._running = 0  # passes started and not ended
         self._queued: str | None = None  # the log label of the pass to start when a running one ends
+        self._cut = False  # a pass was stopped by close() before it read every file
         self._blocks = 0  # blocks hashed so far, all passes: progress for the watchdog while ``wait`` waits
 
     def start(self, when: str) -> None:
@@ -128,7 +129,10 @@ class WeightsCheck:
         try:
             for p in self.pins:
                 check_folder(p, self._tick)
-            if not self._stop.is_set():
+            if self._stop.is_set():  # stopped at a block by close(): it vouches for nothing
+                with self._lock:
+                    self._cut = True
+            else:
                 log.info("weights check (%s): %s", when, ", ".join(f"{p.role} {p.name} as planned" for p in self.pins))
         except BaseException as e:  # kept for settled()/wait() to raise in the shard's thread
             with self._lock:
@@ -163,12 +167,12 @@ class WeightsCheck:
         return make
 
     def settled(self) -> bool:
-        """True when every pass asked for so far has ended (none running or queued); raises the first pass's
-        mismatch."""
+        """True when every pass asked for so far has ended having read every file (none running or queued, none
+        cut short by ``close``); raises the first pass's mismatch."""
         with self._lock:
             if self._error is not None:
                 raise self._error
-            return self._running == 0 and self._queued is None
+            return self._running == 0 and self._queued is None and not self._cut
 
     def wait(self, beat: Callable[[], None] = lambda: None) -> None:
         """Wait for every pass, queued ones included; raise the first mismatch. ``beat()`` whenever the passes

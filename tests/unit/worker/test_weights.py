@@ -380,3 +380,28 @@ def test_a_swap_left_in_place_after_the_first_engines_check_read_the_folder_is_f
     with pytest.raises(InputChangedError, match=r"model\.safetensors is not the file the plan hashed"):
         check.wait()
     assert held.peak <= 2 and max(held.reads.values()) <= 1 + 3
+
+
+def test_a_pass_cut_short_by_close_never_counts_as_settled(tmp_path, monkeypatch):
+    """close() stops the running passes at their next block: a pass stopped before it read every file vouches for
+    nothing, so the check is not settled (nothing may be sealed on it), though no pass runs any more."""
+    folder(tmp_path / "model")
+    plan = plan_job(spec_for(tmp_path))
+    started, ended = threading.Event(), threading.Event()
+
+    def endless(pin, tick):  # a folder that takes forever to hash: blocks until close() says stop
+        started.set()
+        try:
+            while not tick():
+                started.wait(0.01)
+        finally:
+            ended.set()
+
+    monkeypatch.setattr(worker_weights, "check_folder", endless)
+    check = worker_weights.WeightsCheck(plan.weights)
+    check.start("after load")
+    assert started.wait(30)
+    check.close()
+    assert ended.wait(30)
+    check.wait()  # no pass runs or is queued
+    assert not check.settled()
