@@ -187,6 +187,13 @@ COMPILE_CACHE = _var(
     "(set by the Kubernetes runner from [vllm_batch] kubernetes_compile_cache_pvc; unset: none)",
     "worker",
 )
+WORKER_IMAGE = _var(
+    "VLLM_BATCH_IMAGE",
+    None,
+    "the image the Kubernetes runner started the worker from, as the deployment names it (set last, not "
+    "overridable by a DAG or trigger); part of the shared compile cache's key (unset: the local runner)",
+    "worker",
+)
 COMPILE_CACHE_PUBLISH = _var(
     "VLLM_BATCH_COMPILE_CACHE_PUBLISH",
     None,

@@ -259,6 +259,7 @@ class VllmKubernetesShardOperator(KubernetesPodOperator):
         # and the names of the variables it set from Secrets, which the worker masks whatever their names
         allow[envs.SECRET_ENV_NAMES.name] = ",".join(secret_env_names(settings) + [envs.SIGNING_KEY.name])
         allow[envs.SECRET_ENV_DIRS.name] = ",".join(env_from_key_dirs(settings))
+        allow[envs.WORKER_IMAGE.name] = self.image  # the compile cache's key: never another image's artefacts
         secret, key = kubernetes_signing_secret()
         signing = k8s.V1EnvVar(
             name=envs.SIGNING_KEY.name,

@@ -21,7 +21,8 @@ Engines never share a live cache folder: vLLM 0.25 rewrites ``vllm_compile_cache
 pods (each pod has its own pid namespace), so two pods compiling into one folder can tear a file
 (docs/adr/0008-shared-compile-cache.md).
 
-The key (``cache_key``) hashes everything the artefacts depend on: the vLLM, torch and Triton
+The key (``cache_key``) hashes everything the artefacts depend on: the worker image the runner started
+(``VLLM_BATCH_IMAGE``, by digest where the deployment pins one), the vLLM, torch and Triton
 builds, Python and the CPU architecture, the accelerator (GPU name and compute capability, or the
 CPU model), the job's task, model and engine sections, the engine variables of the environment and
 the private folders' paths (artefacts name absolute paths). A different vLLM, GPU type, torch or
@@ -135,10 +136,13 @@ def accelerator() -> str | None:
     return f"cpu:{cpu_name()}"
 
 
-def key_facts(spec: JobSpec, dirs: dict[str, str], accel: str) -> dict[str, Any]:
-    """What the compiled artefacts of ``spec``'s engine depend on (hashed by ``cache_key``)."""
+def key_facts(spec: JobSpec, dirs: dict[str, str], accel: str, image: str | None = None) -> dict[str, Any]:
+    """What the compiled artefacts of ``spec``'s engine depend on (hashed by ``cache_key``); ``image``: the
+    worker image the runner started (``VLLM_BATCH_IMAGE``: the CUDA, compiler and library builds that the
+    package versions do not name)."""
     return {
         "layout": LAYOUT,
+        "image": image,
         "vllm": vllm_distribution(),
         "torch": _version("torch"),
         "triton": _version("triton"),
@@ -472,7 +476,7 @@ def from_env(spec: JobSpec, keyring: Keyring, env: dict[str, str] | None = None)
     if accel is None:
         log.warning("NVIDIA devices are present but nvidia-smi cannot name them: the shared compile cache is not used")
         return None
-    facts = key_facts(spec, dirs, accel)
+    facts = key_facts(spec, dirs, accel, envs.WORKER_IMAGE.get(env))
     loading = code_loading_options(spec)
     if loading:  # the runner also mounts the cache read-only and says so; this holds whatever the environment says
         log.info("compile cache: %s may run model-repo code, so this worker never publishes", ", ".join(loading))

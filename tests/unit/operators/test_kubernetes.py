@@ -112,6 +112,16 @@ def test_pod_for_a_mapped_task_instance():
     assert [x.name for x in pod.spec.containers] == ["base", "airflow-xcom-sidecar"]  # XCom from return.json
 
 
+def test_the_pod_names_its_image_to_the_worker_and_the_pod_settings_cannot_rename_it():
+    """VLLM_BATCH_IMAGE (the compile cache's key) is the image the pod runs, set last: a pod setting's env naming
+    another image does not replace it, so a pod never reads or publishes compile artefacts under another image."""
+    op = operator({**SETTINGS, "env": {"VLLM_BATCH_IMAGE": "registry.example.com/other:1"}})
+    pod = op.build_pod_request_obj(create_context(op, map_index=3))
+    c = pod.spec.containers[0]
+    named = [e.value for e in c.env or [] if e.name == "VLLM_BATCH_IMAGE"]
+    assert named == [c.image] and c.image == SETTINGS["image"]
+
+
 @pytest.mark.parametrize("setting", ["vllm-batch-signing:key", "team-a-signing:hmac-key"])
 def test_the_signing_key_reaches_the_pod_only_as_a_secret_reference(monkeypatch, setting):
     """``VLLM_BATCH_SIGNING_KEY`` is in the pod's env exactly once, as a secretKeyRef to the Secret that

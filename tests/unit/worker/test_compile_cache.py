@@ -229,6 +229,8 @@ def test_the_key_changes_with_what_artefacts_depend_on(tmp_path):
             _spec().model_copy(update={"model": _spec().model.model_copy(update={"name": "/m/b"})}), dirs, "x"
         ),
         cc.key_facts(_spec(), _dirs(tmp_path / "elsewhere"), "gpu:NVIDIA H200 (cc 9.0)"),
+        # another worker image with the same packages (another CUDA or compiler build)
+        cc.key_facts(_spec(), dirs, "gpu:NVIDIA H200 (cc 9.0)", "registry.example/vllm-batch@sha256:" + "b" * 64),
     ]
     keys = {cc.cache_key(f) for f in changed}
     assert key not in keys and len(keys) == len(changed)
@@ -401,3 +403,23 @@ def test_a_worker_whose_job_may_run_model_repo_code_never_publishes_whatever_its
     _compile(tmp_path / "pod1", "a")
     assert pod.publish("s/a") is False
     assert list(root.iterdir()) == []
+
+
+def test_the_worker_image_the_runner_names_keys_the_cache(tmp_path):
+    """VLLM_BATCH_IMAGE (set by the Kubernetes runner) is part of the key: pods of two images never share
+    artefacts; it is this package's variable, not an engine one (the result cache's identity does not move)."""
+    from airflow_provider_vllm.core.engine_identity import engine_env
+
+    root = tmp_path / "shared"
+    root.mkdir()
+    keys = set()
+    for image in (
+        None,
+        "registry.example/vllm-batch@sha256:" + "a" * 64,
+        "registry.example/vllm-batch@sha256:" + "b" * 64,
+    ):
+        cache = _from_env(root, tmp_path / "pod", **({"VLLM_BATCH_IMAGE": image} if image else {}))
+        assert cache is not None and cache.facts["image"] == image
+        keys.add(cache.key)
+    assert len(keys) == 3
+    assert "VLLM_BATCH_IMAGE" not in engine_env({"VLLM_BATCH_IMAGE": "x"})
