@@ -105,6 +105,12 @@ def describe_files(storage: Storage, names: list[str]) -> list[InputFile]:
     out = []
     for n in names:
         info = storage.info(n)
+        if storage.is_local:
+            # mtime is anyone's to set (touch -d): the change time and the inode are not, so a rewrite of the same
+            # size with the old mtime put back, in place or renamed over it, is another version
+            version = f"{info['mtime']}|ctime {info['created']}|ino {info['ino']}"
+            out.append(InputFile(path=n, size=int(info.get("size") or 0), version=version))
+            continue
         version = info.get("ETag") or info.get("etag") or info.get("generation") or info.get("mtime") or ""
         out.append(InputFile(path=n, size=int(info.get("size") or 0), version=str(version).strip('"')))
     return out

@@ -35,6 +35,29 @@ def test_a_planned_file_rewritten_since_the_plan_is_refused_naming_it_and_saying
         check_unchanged(root, planned)
 
 
+@pytest.mark.parametrize("how", ["in place", "replaced by a rename"])
+def test_a_local_file_rewritten_with_the_same_size_and_mtime_is_refused(tmp_path, how):
+    """On local disk a file's mtime is anyone's to set (``touch -d``, ``os.utime``): a rewrite of the same size
+    with the old mtime put back (a repeated id, other texts) must still fail the check. The change time and the
+    inode are not settable by the writer."""
+    import os
+
+    folder, root, planned = _planned(tmp_path)
+    path = folder / "a.jsonl"
+    before = path.stat()
+    forged = '{"id": "b", "text": "hello"}\n'  # the same size: a repeated id
+    assert len(forged) == before.st_size
+    if how == "in place":
+        path.write_text(forged)
+    else:
+        (folder / ".a.tmp").write_text(forged)
+        os.replace(folder / ".a.tmp", path)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert path.stat().st_size == before.st_size and path.stat().st_mtime_ns == before.st_mtime_ns
+    with pytest.raises(InputChangedError, match=r"a\.jsonl changed since the plan"):
+        check_unchanged(root, planned)
+
+
 def test_a_file_added_to_the_folder_since_the_plan_is_not_a_change(tmp_path):
     """The plan pins its files: a file added later is not read, and not refused."""
     folder, root, planned = _planned(tmp_path)

@@ -380,11 +380,16 @@ def test_a_marker_whose_row_split_disagrees_with_its_part_footers_is_refused_nam
 
 
 def test_a_jsonl_file_rewritten_with_its_size_and_mtime_kept_and_an_id_repeated_fails_the_merge(
-    tmp_path, fake_engine_factory
+    tmp_path, fake_engine_factory, monkeypatch
 ):
-    """The file check compares size and version (a local file's mtime): a file rewritten in place with both kept
-    (copied with its timestamps) passes it. Its line 2 now repeats line 1's id: the shards answered 'r00' twice and
-    'r01' never, and the exactly-once proof (distinct input ids, from the plan) counted that as complete."""
+    """A file rewritten in place with its size and mtime kept (copied with its timestamps): on local disk the
+    file check sees it (its version carries the change time and inode), and the shards refuse it. On a store whose
+    version would not change (a weak ETag), the shards pass it: its line 2 now repeats line 1's id, the shards
+    answer 'r00' twice and 'r01' never, and merge must not count that as complete (the exactly-once proof took
+    distinct input ids from the plan)."""
+    from airflow_provider_vllm.steps.merge import merger as merger_module
+    from airflow_provider_vllm.worker import shard as worker_shard
+
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"id": f"r{i:02d}", "text": f"ticket {i}"}) + "\n" for i in range(20)))
     spec = make_spec(src, tmp_path / "out", sharding={"target_rows": 10, "chunk_rows": 10})
@@ -393,6 +398,10 @@ def test_a_jsonl_file_rewritten_with_its_size_and_mtime_kept_and_an_id_repeated_
     src.write_text(src.read_text().replace('"r01"', '"r00"'))
     os.utime(src, ns=(before.st_atime_ns, before.st_mtime_ns))
     assert src.stat().st_size == before.st_size
+    with pytest.raises(InputChangedError, match=r"in\.jsonl changed since the plan"):
+        run_shard(ShardTask(spec=spec, shard_id=plan.shards[0].shard_id), engine_factory=fake_engine_factory)
+    monkeypatch.setattr(worker_shard, "check_unchanged", lambda storage, files: None)  # a store's weak version
+    monkeypatch.setattr(merger_module, "check_unchanged", lambda storage, files: None)
     for s in plan.shards:
         run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
     with pytest.raises(

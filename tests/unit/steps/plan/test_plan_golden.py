@@ -79,7 +79,22 @@ CASES = {"parquet": _parquet, "parquet_footer": _parquet_footer, "jsonl": _jsonl
 
 
 def _normalised(doc: dict, tmp: Path) -> dict:
+    import re
+
+    from airflow_provider_vllm.core.formats.files import InputFile, fingerprint
+
+    # a local file's version carries its change time and inode (not settable, unlike the mtime): the fingerprint
+    # is checked as made, then both are compared as of the mtime alone
+    assert doc["fingerprint"] == fingerprint([InputFile(**f) for f in doc["files"]])
+    for f in doc["files"]:
+        f["version"] = re.sub(r"\|ctime [0-9.]+\|ino [0-9]+$", "", f["version"])
+    doc["fingerprint"] = fingerprint([InputFile(**f) for f in doc["files"]])
+    # shard ids end in a hash of the plan key (which the fingerprint enters): distinct, and shown by index only
+    ids = [sh["shard_id"] for sh in doc["shards"]]
+    assert len(set(ids)) == len(ids)
+    assert all(re.fullmatch(rf"shard-{sh['index']:05d}-[0-9a-f]{{8}}", sh["shard_id"]) for sh in doc["shards"])
     text = json.dumps(doc, sort_keys=True).replace(str(tmp), "<tmp>")
+    text = re.sub(r"(shard-[0-9]{5})-[0-9a-f]{8}", r"\1-<key>", text)
     doc = json.loads(text)
     doc["created_with"] = sorted(doc["created_with"])
     return doc
