@@ -41,11 +41,17 @@ def _where(uri: str) -> str:
     return f"qa.reference.golden_uri {uri}"
 
 
+def names_the_file(root: Storage, name: str, uri: str | None) -> bool:
+    """Whether the spec's ``uri`` names the file ``name`` under ``root`` itself (not a folder holding it): such a
+    file may be a link, the user's own (``labels/current.parquet -> v7.parquet``), followed as an input URI's are."""
+    return uri is not None and root.uri(name).rstrip("/") == uri.rstrip("/")
+
+
 def _check_not_a_link(root: Storage, name: str, where: str, what: str = "golden set", uri: str | None = None) -> None:
     """SpecError when the local file ``name`` under ``root`` is a symbolic link or lies under one. A ``uri`` (the
     spec's) that names the file itself may be a link (``labels/current.parquet -> v7.parquet``): that link is the
     user's, as an input URI's are (the plan pins the bytes it reaches); only a link below a golden folder is refused."""
-    if not root.is_local or (uri is not None and root.uri(name).rstrip("/") == uri.rstrip("/")):
+    if not root.is_local or names_the_file(root, name, uri):
         return
     expected = os.path.join(os.path.realpath(root.base), name)
     if os.path.realpath(root.path(name)) != expected:
