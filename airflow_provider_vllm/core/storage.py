@@ -412,11 +412,9 @@ class Storage:
 
         return self._call(digest, f"checksum {self.uri(rel)}")
 
-    def fetch_verified(self, rel: str, size: int | None, sha256: str, dest: str) -> None:
-        """Copy ``rel`` to the local file ``dest`` while hashing it; CommitError (and no ``dest``) unless it
-        has exactly this ``size`` (None: any) and ``sha256``. Readers then read ``dest``: the bytes that were
-        checked (``CheckedCopies``)."""
-        from airflow_provider_vllm.core.errors import CommitError
+    def _fetch(self, rel: str, size: int | None, dest: str) -> tuple[int, str]:
+        """Copy ``rel`` to the local file ``dest`` while hashing it: ``(bytes read, sha256 of them)``. With ``size``,
+        no more than ``size`` + 1 bytes are read, and none when the store states another size (``(stated, "")``)."""
 
         def fetch() -> tuple[int, str]:
             h, n = hashlib.sha256(), 0
@@ -433,13 +431,32 @@ class Storage:
             return n, h.hexdigest()
 
         os.makedirs(os.path.dirname(dest) or ".", exist_ok=True)
-        got, digest = self._call(fetch, f"read {self.uri(rel)}")
+        return self._call(fetch, f"read {self.uri(rel)}")
+
+    def fetch_verified(self, rel: str, size: int | None, sha256: str, dest: str) -> None:
+        """Copy ``rel`` to the local file ``dest`` while hashing it; CommitError (and no ``dest``) unless it
+        has exactly this ``size`` (None: any) and ``sha256``. Readers then read ``dest``: the bytes that were
+        checked (``CheckedCopies``)."""
+        from airflow_provider_vllm.core.errors import CommitError
+
+        got, digest = self._fetch(rel, size, dest)
         if (size is not None and got != size) or digest != sha256:
             os.unlink(dest)
             raise CommitError(
                 f"{self.uri(rel)} is not the file its sealed record names (size {got} vs {size}, or sha256 "
                 "differs): it was changed after it was written; refusing to read it"
             )
+
+    def fetch_pinned(self, rel: str, size: int, dest: str) -> str:
+        """Copy ``rel`` to the local file ``dest`` while hashing it, and return the sha256 of the bytes copied: the
+        pin of exactly what ``dest`` holds (one read; nothing is read again between the hash and what is checked or
+        used). A file of another size than ``size`` (the size listed: it changed since, or while it was read) gets a
+        value that is no sha256 and no ``dest``, as ``sha256``; no more than ``size`` + 1 bytes are read."""
+        got, digest = self._fetch(rel, size, dest)
+        if got != size:
+            os.unlink(dest)
+            return f"{'at least ' if got > size else ''}{got} bytes, not {size}"
+        return digest
 
     # ---- writes ---------------------------------------------------------------------
     # Local writes below the root (unless ``follow_links``) go through descriptors: each folder below the root is
@@ -734,6 +751,17 @@ class CheckedCopies:
             self.storage.fetch_verified(rel, size, sha256, dest)
             self._done[key] = dest
         return self._done[key]
+
+    def pin(self, rel: str, size: int) -> tuple[str, str]:
+        """``(local path, sha256)`` of a copy of ``rel``, hashed as it was copied (``Storage.fetch_pinned``): the
+        digest to pin is of the very bytes the copy holds. A file of another size than ``size``: ``("", a value
+        that is no sha256)``, nothing copied."""
+        dest = os.path.join(self.root, f"{len(self._done):06d}-{uuid.uuid4().hex[:8]}-{posixpath.basename(rel)}")
+        digest = self.storage.fetch_pinned(rel, size, dest)
+        if not os.path.exists(dest):
+            return "", digest
+        self._done.setdefault((size, digest), dest)
+        return dest, digest
 
     def all(self, files: list[tuple[str, int | None, str]]) -> list[str]:
         """``get`` of each ``(rel, size, sha256)``, in their order."""

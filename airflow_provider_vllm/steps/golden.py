@@ -39,11 +39,11 @@ from airflow_provider_vllm.core.formats import input_format
 from airflow_provider_vllm.core.formats.base import row_columns
 from airflow_provider_vllm.core.formats.files import Input, describe_files, find_input
 from airflow_provider_vllm.core.plan import CacheFile, GoldenPlan, Plan, Segment, ShardPlan
-from airflow_provider_vllm.core.records import GoldenSummary, MergeSummary
+from airflow_provider_vllm.core.records import SHA256_HEX, GoldenSummary, MergeSummary
 from airflow_provider_vllm.core.rows import ERROR_SCHEMA, RESULT_SCHEMA
 from airflow_provider_vllm.core.spec import RESERVED_ID_PREFIX, JobSpec
 from airflow_provider_vllm.core.storage import CheckedCopies, FileSystems, Storage
-from airflow_provider_vllm.steps.qa.golden_set import check_golden_files
+from airflow_provider_vllm.steps.qa.golden_set import check_golden_files, names_the_file
 
 MERGED_FILE = "_MERGED.json"  # merge's sealed summary (steps/merge/merger.py MERGED), which holds GoldenSummary
 GOLDEN_IN = "_golden"  # the plan's copy of the golden rows, under the output prefix
@@ -148,7 +148,8 @@ def plan_golden(spec: JobSpec, out: Storage, filesystems: FileSystems | None = N
     assert ref.ride_along_uri is not None
     where = f"qa.reference.ride_along_uri {ref.ride_along_uri}"
     src = find_input(ref.ride_along_uri, spec.io.storage_options, "parquet", filesystems)
-    check_golden_files(src, where, "ride-along golden rows")  # the golden set's bounds, on stated sizes: unread
+    # the golden set's bounds, on stated sizes: unread; a uri naming one linked file is the user's, as golden_uri's
+    check_golden_files(src, where, "ride-along golden rows", uri=ref.ride_along_uri)
     idc = spec.prompt.id_column
     # what the worker reads of a row (the template's columns, and model.adapter_column: a golden row names its
     # adapter as an input row does, so the golden rows score the adapters the job's rows run with)
@@ -156,7 +157,7 @@ def plan_golden(spec: JobSpec, out: Storage, filesystems: FileSystems | None = N
     con = duck.connect(src.root)
     copies = tempfile.TemporaryDirectory()
     try:
-        files = duck.local_list(_bounded_copies(src, copies.name, where))
+        files = duck.local_list(_bounded_copies(src, copies.name, where, ref.ride_along_uri))
         have = {r[0] for r in con.execute(f"DESCRIBE SELECT * FROM read_parquet({files})").fetchall()}
         missing = [c for c in [ref.id_column, ref.label_column, *columns] if c not in have]
         if missing:
@@ -233,31 +234,27 @@ def plan_golden(spec: JobSpec, out: Storage, filesystems: FileSystems | None = N
     )
 
 
-def _bounded_copies(src: Input, tmp: str, where: str) -> list[str]:
+def _bounded_copies(src: Input, tmp: str, where: str, uri: str) -> list[str]:
     """A private copy of each ride-along file, read no further than the size its store stated when it was listed
     (and bounded by ``check_golden_files``): a file that grew since, or is no regular file (a FIFO, a device), or
-    (local) is or lies under a symbolic link, is refused naming it (``SpecError``), so that what the plan reads is
-    the bytes it bounded, not a second read of the location."""
+    (local) is or lies under a symbolic link below the location, is refused naming it (``SpecError``), so that what
+    the plan reads is the bytes it bounded, not a second read of the location. A ``uri`` naming one file may be a
+    link (the user's, as ``golden_uri``'s: ``golden_set.names_the_file``): that one is followed."""
     # the same folder without following its links: each component opened with O_NOFOLLOW (local), then fstat'ed
     root = Storage(src.root.root, src.root.options, src.root.filesystems)
     paths = []
     for i, f in enumerate(src.files):
         dest = os.path.join(tmp, f"{i:06d}.parquet")
+        reader = src.root if names_the_file(src.root, f.path, uri) else root
         try:
-            with root.open(f.path) as r, open(dest, "wb") as w:
-                n = 0
-                while n <= f.size:  # never more than the stated size + 1
-                    block = r.read(min(1 << 20, f.size + 1 - n))
-                    if not block:
-                        break
-                    n += len(block)
-                    w.write(block)
+            got = reader.fetch_pinned(f.path, f.size, dest)  # a FIFO or a device is refused, linked or not
         except CommitError as e:  # a link, a FIFO or a device where a golden file was listed
             raise SpecError(f"{where}: {e}") from None
-        if n != f.size:
+        if not SHA256_HEX.fullmatch(got):  # "[at least] N bytes, not <size>": no sha256
             raise SpecError(
-                f"{where}: {root.uri(f.path)} is {'larger' if n > f.size else 'smaller'} than the {f.size} bytes "
-                "stated when it was listed: it changed while the plan read it; plan again once its writer is done"
+                f"{where}: {root.uri(f.path)} is {'larger' if got.startswith('at least') else 'smaller'} than the "
+                f"{f.size} bytes stated when it was listed: it changed while the plan read it; plan again once its "
+                "writer is done"
             )
         paths.append(dest)
     return paths

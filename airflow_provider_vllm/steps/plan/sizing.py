@@ -5,7 +5,8 @@ run is merged, ``merge`` writes one small JSON-lines file there,
 ``<UTC time>-<spec hash>-<plan fingerprint>.jsonl``, holding one record per hardware the
 run's shards reported (``record_run``). One file per run, named by the run: no appends, so
 concurrent runs never race and re-merging a run rewrites the same file. The planner reads the
-newest records with DuckDB (``read_history``) and sizes shards to a number of minutes
+newest records (``read_history``: each file through the pipeline's bounded reads that follow no link, its lines
+parsed one by one) and sizes shards to a number of minutes
 (``size_shards``); with no history_uri, or no matching record, it falls back to
 ``target_rows`` / ``target_tokens``.
 
@@ -43,12 +44,12 @@ from pydantic import ValidationError
 
 from airflow_provider_vllm.core import seal as seals
 from airflow_provider_vllm.core.commit import CommitMarker
-from airflow_provider_vllm.core.errors import ListingTooLarge, SealError
+from airflow_provider_vllm.core.errors import CommitError, LinkRefused, ListingTooLarge, SealError
 from airflow_provider_vllm.core.plan import Evidence, Sizing
 from airflow_provider_vllm.core.records import ThroughputRecord
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
-from airflow_provider_vllm.core.storage import FileSystems, Storage
+from airflow_provider_vllm.core.storage import FileSystems, Storage, hash_pool
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,8 @@ HISTORY_VERSION = 1
 HISTORY_RECORDS = 20  # newest matching records pooled
 HISTORY_FILES = 500  # newest files read
 # A merge writes one record (~1 KB with its seal) per hardware: a bigger file is not one of its files, and is not
-# read (a planted file of millions of lines would hold the plan's memory and time).
+# read (a planted file of millions of lines would hold the plan's memory and time): left out of the listing on its
+# stated size, and never read past this + 1 bytes (a file swapped in after the listing).
 HISTORY_FILE_BYTES = 64 * 1024
 HISTORY_LISTED = 10_000
 """The most entries of a history folder listed: merge writes one file per run (a nightly job: 365 a year). A
@@ -179,32 +181,36 @@ def read_history(
     """Records under ``uri``, newest first; an absent folder is an empty history.
 
     Files are taken newest first by name (``_window``: files merge would not have written are left out, named in a
-    warning), records newest first by their sealed ``recorded_at``, each sealed record once (a copy of one in
-    another file is not more evidence). Lines that are not valid records of this version, or that hold no rows or
+    warning), each read as the pipeline reads below its roots (``_read_file``: a link, a FIFO, a device or a file
+    over ``HISTORY_FILE_BYTES`` found in place of a listed file is skipped, named in a warning), records newest
+    first by their sealed ``recorded_at``, each sealed record once (a copy of one in another file is not more
+    evidence). Lines that are not valid records of this version, or that hold no rows or
     no inference time, are skipped (a history is evidence, not input: one bad file must not stop a plan).
     So are records without this deployment's seal for this folder (``keyring``: default
     ``VLLM_BATCH_SIGNING_KEY``): a file in the folder proves nothing about who wrote it, and
     whoever else can write there would choose the shards' size (one shard of every row, or
     ``max_shards`` of them); they are counted in a warning.
     """
-    from airflow_provider_vllm.core import duck
-
     store = Storage(uri, storage_options or {}, filesystems)
     names = _window(store, uri)
     if not names:
         return []
     keyring, scope = keyring or Keyring.from_env(), seals.scope_of(store.uri())
-    con = duck.connect(store)
-    try:
-        rows = con.execute(
-            f"SELECT json FROM read_json_objects({duck.file_list(store, names)}, format = 'newline_delimited', "
-            "ignore_errors = true, filename = true) ORDER BY filename DESC"
-        ).fetchall()
-    finally:
-        con.close()
+    with hash_pool(len(names)) as pool:
+        read = list(pool.map(lambda n: _read_file(store, n), reversed(names)))  # newest file first
+    unread = [f"{n} ({why})" for n, (_, why) in zip(reversed(names), read) if why]
+    if unread:
+        log.warning(
+            "%d file(s) under %s are not read as throughput history: %s%s",
+            len(unread),
+            uri,
+            "; ".join(unread[:5]),
+            f"; and {len(unread) - 5} more" if len(unread) > 5 else "",
+        )
+    rows = [line for data, _ in read for line in data.splitlines() if line.strip()]
     out: list[ThroughputRecord] = []
     unsealed, copies, macs = 0, 0, set[str]()
-    for (raw,) in rows:
+    for raw in rows:
         try:
             r = ThroughputRecord.model_validate_json(raw)
         except (TypeError, ValidationError):
@@ -239,6 +245,21 @@ def read_history(
             uri,
         )
     return out
+
+
+def _read_file(store: Storage, name: str) -> tuple[bytes, str]:
+    """``(bytes, "")`` of the history file ``name``, or ``(b"", why it is not read)``. Read as the pipeline reads
+    below its roots (``Storage.read_bytes``): a link (local: each component opened with O_NOFOLLOW), a FIFO or a
+    device is refused unopened, and no more than ``HISTORY_FILE_BYTES`` + 1 bytes are read (remote: none when the
+    store states a bigger size). The listing checked the same, but the name may be another file by now."""
+    try:
+        return store.read_bytes(name, HISTORY_FILE_BYTES), ""
+    except LinkRefused:
+        return b"", "a symbolic link, refused unopened"
+    except CommitError as e:  # no regular file, or over HISTORY_FILE_BYTES: refused unread
+        return b"", str(e).removeprefix(store.uri(name)).strip(" :")
+    except OSError as e:  # gone since the listing, or unreadable
+        return b"", f"unreadable: {type(e).__name__}: {e}"
 
 
 def _window(store: Storage, uri: str) -> list[str]:

@@ -3,9 +3,9 @@
 ``pin_golden_set`` (the plan task): list the golden set's Parquet files, refuse more than ``MAX_FILES`` files or
 ``MAX_BYTES`` in all on the sizes the store states (nothing read yet: a planted file of a TB is not hashed),
 refuse a symbolic link below a golden folder on local disk (a ``golden_uri`` naming one file may itself be one: the
-user's), then read every byte once for its sha256. The result,
-``GoldenSetPin``, goes into the sealed ``_plan.json`` (``reference.with_golden_set``, which also checks the
-pinned bytes as QA will: columns, null and repeated ids).
+user's), then read every byte once: each file is copied into a private folder while it is hashed. The result,
+``GoldenSetPin``, goes into the sealed ``_plan.json`` (``reference.with_golden_set``, which also checks those
+copies as QA will read the pinned bytes: columns, null and repeated ids; the pin is of exactly the bytes checked).
 
 ``checked_golden_set`` (QA): the folder must list the same files (one added or removed since the plan is
 refused), and each is copied while it is hashed (``CheckedCopies``): a file that is not the planned size and
@@ -41,11 +41,17 @@ def _where(uri: str) -> str:
     return f"qa.reference.golden_uri {uri}"
 
 
+def names_the_file(root: Storage, name: str, uri: str | None) -> bool:
+    """Whether the spec's ``uri`` names the file ``name`` under ``root`` itself (not a folder holding it): such a
+    file may be a link, the user's own (``labels/current.parquet -> v7.parquet``), followed as an input URI's are."""
+    return uri is not None and root.uri(name).rstrip("/") == uri.rstrip("/")
+
+
 def _check_not_a_link(root: Storage, name: str, where: str, what: str = "golden set", uri: str | None = None) -> None:
     """SpecError when the local file ``name`` under ``root`` is a symbolic link or lies under one. A ``uri`` (the
     spec's) that names the file itself may be a link (``labels/current.parquet -> v7.parquet``): that link is the
     user's, as an input URI's are (the plan pins the bytes it reaches); only a link below a golden folder is refused."""
-    if not root.is_local or (uri is not None and root.uri(name).rstrip("/") == uri.rstrip("/")):
+    if not root.is_local or names_the_file(root, name, uri):
         return
     expected = os.path.join(os.path.realpath(root.base), name)
     if os.path.realpath(root.path(name)) != expected:
@@ -74,8 +80,13 @@ def check_golden_files(found: Input, where: str, what: str = "golden set", uri: 
         _check_not_a_link(found.root, f.path, where, what, uri)
 
 
-def pin_golden_set(spec: JobSpec, filesystems: FileSystems | None = None) -> GoldenSetPin | None:
-    """The golden set's files with their sizes and sha256 (None without ``qa.reference.golden_uri``).
+def pin_golden_set(
+    spec: JobSpec, tmp: str, filesystems: FileSystems | None = None
+) -> tuple[GoldenSetPin, list[str]] | None:
+    """The golden set's files with their sizes and sha256, and the local paths of their copies in ``tmp`` (a private
+    folder), each copied while it was hashed (``CheckedCopies.pin``): one read of each file, and the pin is of
+    exactly the bytes the copies hold, which the plan then checks as QA will read them. None without
+    ``qa.reference.golden_uri``.
 
     SpecError / DatasetError naming the file: too many files, too many bytes (before any is read), a link, or a
     file that changed while it was read."""
@@ -87,17 +98,19 @@ def pin_golden_set(spec: JobSpec, filesystems: FileSystems | None = None) -> Gol
     except DatasetError as e:
         raise DatasetError(f"{_where(uri)}: {e}") from None
     check_golden_files(found, _where(uri), uri=uri)
-    files = []
+    copies = CheckedCopies(found.root, tmp)
+    files, paths = [], []
     for f in found.files:
         _check_not_a_link(found.root, f.path, _where(uri), uri=uri)
-        digest = found.root.sha256(f.path, f.size)
-        if not SHA256_HEX.fullmatch(digest):  # another size than stated: written while the plan read it
+        local, digest = copies.pin(f.path, f.size)
+        if not SHA256_HEX.fullmatch(digest):  # another size than listed: written while the plan read it
             raise DatasetError(
                 f"{_where(uri)}: {found.root.uri(f.path)} changed while the plan read it ({digest}); plan again "
                 "once its writer is done"
             )
         files.append(PinnedFile(path=f.path, bytes=f.size, sha256=digest))
-    return GoldenSetPin(uri=uri, root=found.root.uri(""), files=files)
+        paths.append(local)
+    return GoldenSetPin(uri=uri, root=found.root.uri(""), files=files), paths
 
 
 def checked_golden_set(

@@ -176,19 +176,32 @@ def attach_references(con: duckdb.DuckDBPyConnection, found: LabelFiles | None) 
 
 def with_golden_set(plan: Plan, spec: JobSpec, filesystems: FileSystems | None = None) -> Plan:
     """``plan`` with its golden set pinned (``Plan.golden_set``, ``golden_set.pin_golden_set``); unchanged without
-    ``qa.reference.golden_uri``. The pinned bytes are checked as QA will read them (SpecError naming the file and
-    the column: not Parquet, a missing column, a null or repeated id), so a golden set that cannot grade the run
-    fails the plan, before any shard runs."""
-    pin = pin_golden_set(spec, filesystems)
-    if pin is None:
+    ``qa.reference.golden_uri``. The copies the pin hashed are checked as QA will read the pinned bytes (SpecError
+    naming the file and the column: not Parquet, a missing column, a null or repeated id), so a golden set that
+    cannot grade the run fails the plan, before any shard runs. Each golden file is read once, and what is checked
+    is what is pinned."""
+    ref = spec.qa.reference
+    if ref.golden_uri is None:
         return plan
-    plan = plan.model_copy(update={"golden_set": pin})
     out = Storage(spec.io.output_uri, spec.io.storage_options, filesystems)
     with copies_folder("plan") as tmp:
-        found = find_references(spec, plan, out, tmp, filesystems)
+        pinned = pin_golden_set(spec, tmp, filesystems)
+        assert pinned is not None
+        pin, local = pinned
+        found = LabelFiles(
+            "golden_set",
+            out,
+            [f.path for f in pin.files],
+            ref.id_column,
+            ref.label_column,
+            ref.golden_uri,
+            unique=True,
+            local=tuple(local),
+            pin=pin,
+        )
         con = duck.connect(out)
         try:
             attach_references(con, found)
         finally:
             con.close()
-    return plan
+    return plan.model_copy(update={"golden_set": pin})

@@ -265,6 +265,31 @@ def test_a_planted_file_of_a_terabyte_where_a_sealed_file_is_checked_is_not_read
     assert st.sha256("grown.parquet") == hashlib.sha256((tmp_path / "grown.parquet").read_bytes()).hexdigest()
 
 
+def test_a_pinned_copy_is_hashed_as_it_is_copied_and_holds_the_bytes_pinned(tmp_path, monkeypatch):
+    """``CheckedCopies.pin`` (``Storage.fetch_pinned``): one read gives the copy and the sha256 of its bytes; a file
+    of another size than listed gets no copy and a value that is no sha256, reading no more than size + 1 bytes; a
+    FIFO is refused unopened, as by every checked reader."""
+    import hashlib
+
+    from airflow_provider_vllm.core.storage import CheckedCopies
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "g.parquet").write_bytes(b"g" * 3000)
+    (tmp_path / "run" / "grown.parquet").write_bytes(b"x" * (3 << 20))
+    st, copies = Storage(str(tmp_path / "run")), CheckedCopies(Storage(str(tmp_path / "run")), str(tmp_path / "c"))
+    read = counted_reads(monkeypatch)
+    local, digest = copies.pin("g.parquet", 3000)
+    assert sum(read) == 3000 and digest == hashlib.sha256(open(local, "rb").read()).hexdigest()
+    assert copies.get("g.parquet", 3000, digest) == local  # checked once: QA-style reads share the copy
+    monkeypatch.setattr("airflow_provider_vllm.core.storage._open_size", lambda f: None)  # a store stating no size
+    read.clear()
+    assert copies.pin("grown.parquet", 1000) == ("", f"at least {1 << 20} bytes, not 1000")
+    assert sum(read) <= 1 << 20 and os.listdir(tmp_path / "c") == [os.path.basename(local)]
+    os.mkfifo(tmp_path / "run" / "f.parquet")
+    with pytest.raises(CommitError, match="is not a regular file"):
+        st.fetch_pinned("f.parquet", 10, str(tmp_path / "c" / "f"))
+
+
 def _files(folder) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 

@@ -445,18 +445,19 @@ def test_a_planted_huge_ride_along_file_is_refused_by_the_plan_before_it_reads_a
     assert not (tmp_path / "d1" / "out" / PLAN_FILE).exists()
 
 
-def test_a_ride_along_file_that_is_a_link_or_grew_after_it_was_listed_is_refused(tmp_path, monkeypatch):
-    """A symbolic link where the ride-along rows are (the file, or a folder above it below the location) is
-    refused naming it, as in the golden set; and the plan reads no further than the size the store stated when it
-    listed the file (it reads a private copy, not the location again): bytes added in between are refused."""
+def test_a_link_inside_a_ride_along_folder_or_a_file_grown_after_it_was_listed_is_refused(tmp_path, monkeypatch):
+    """A symbolic link below the ride-along location (a file of its folder, or a folder above it below the location)
+    is refused naming it, as in the golden set; and the plan reads no further than the size the store stated when
+    it listed the file (it reads a private copy, not the location again): bytes added in between are refused."""
     import airflow_provider_vllm.steps.golden as golden_mod
 
     _input(tmp_path)
+    folder = tmp_path / "golden"
+    folder.mkdir()
     _golden_file(tmp_path / "elsewhere.parquet")
-    (tmp_path / "golden.parquet").symlink_to(tmp_path / "elsewhere.parquet")
-    with pytest.raises(SpecError, match=r"golden\.parquet is a symbolic link"):
-        plan_job(_spec(tmp_path))
-    (tmp_path / "golden.parquet").unlink()
+    (folder / "g.parquet").symlink_to(tmp_path / "elsewhere.parquet")
+    with pytest.raises(SpecError, match=r"g\.parquet is a symbolic link"):
+        plan_job(_spec(tmp_path, qa={"reference": {"ride_along_uri": str(folder)}}))
     _golden_file(tmp_path / "golden.parquet")
     real = golden_mod.find_input
 
@@ -470,3 +471,28 @@ def test_a_ride_along_file_that_is_a_link_or_grew_after_it_was_listed_is_refused
     with pytest.raises(SpecError, match=r"golden\.parquet is larger than the \d+ bytes stated when it was listed"):
         plan_job(_spec(tmp_path))
     assert not (tmp_path / "d1" / "out" / PLAN_FILE).exists()
+
+
+def test_a_ride_along_uri_naming_one_linked_file_is_the_users_and_is_followed(tmp_path):
+    """``ride_along_uri`` naming a link (``golden/current.parquet -> v7.parquet``) was refused, while ``golden_uri``
+    naming one is followed (the user's own link, as an input URI's): now both follow it, and the plan copies the
+    rows it points to. A FIFO there is still refused unopened; links inside a ride-along folder stay refused (the
+    test above)."""
+    import os
+
+    _input(tmp_path)
+    versions = tmp_path / "golden"
+    versions.mkdir()
+    _golden_file(versions / "v7.parquet")
+    (versions / "current.parquet").symlink_to(versions / "v7.parquet")
+    spec = _spec(tmp_path, qa={"reference": {"ride_along_uri": str(versions / "current.parquet")}})
+    plan = plan_job(spec)
+    assert plan.golden is not None and plan.golden.rows == N_GOLD
+    golden_in = pq.read_table(tmp_path / "d1" / "out" / plan.golden.input_file.path).to_pylist()
+    assert sorted(r["id"] for r in golden_in) == sorted(f"{RESERVED_ID_PREFIX}g{i:03d}" for i in range(N_GOLD))
+    os.mkfifo(tmp_path / "fifo.parquet")
+    (versions / "current.parquet").unlink()
+    (versions / "current.parquet").symlink_to(tmp_path / "fifo.parquet")
+    _input(tmp_path, "d2")
+    with pytest.raises(SpecError, match=r"current\.parquet is not a regular file"):
+        plan_job(_spec(tmp_path, "d2", qa={"reference": {"ride_along_uri": str(versions / "current.parquet")}}))

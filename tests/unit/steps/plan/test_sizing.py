@@ -425,6 +425,88 @@ def test_a_fifo_in_the_history_folder_is_not_read_and_is_named(tmp_path, caplog)
     assert "20261130T000000Z-g-h.jsonl (not a plain file" in caplog.text
 
 
+def _swapped_after_listing(monkeypatch, h, name, swap):
+    """``read_history`` with the file ``name`` of the history folder ``h`` replaced by ``swap(path)`` once the folder
+    is listed: what a writer of the folder can do between the listing's checks and the read."""
+    from airflow_provider_vllm.steps.plan import sizing
+
+    real = sizing._window
+
+    def window(store, uri):
+        names = real(store, uri)
+        assert name in names  # the listing saw a small plain file
+        (h / name).unlink()
+        swap(h / name)
+        return names
+
+    monkeypatch.setattr(sizing, "_window", window)
+
+
+@pytest.mark.timeout(120)  # the read before followed the link: /dev/zero never ends
+@pytest.mark.parametrize("target", ["/dev/zero", "sealed-elsewhere"])
+def test_a_history_file_swapped_for_a_link_after_the_listing_is_not_followed(tmp_path, monkeypatch, caplog, target):
+    """The listing refused links, then DuckDB opened each listed path itself: a name swapped for a link after the
+    listing was followed (to /dev/zero: an endless read of the planning worker; to a file outside the folder: its
+    records read). Each file is read with O_NOFOLLOW: the plan goes on without it, and a warning names it."""
+    import os
+
+    spec = spec_with_history(tmp_path)
+    h = tmp_path / "history"
+    name = "20261129T000000Z-e-f.jsonl"
+    write_history(h, {"20261128T030000Z-c-d.jsonl": [record(spec)], name: [record(spec, rows=5)]})
+    if target != "/dev/zero":
+        target = str(tmp_path / "outside.jsonl")
+        with open(target, "w") as f:  # a record sealed for this folder, kept elsewhere
+            f.write(history_line(h, record(spec, recorded_at="2026-11-29T00:00:00Z", rows=10, infer_s=1e4)))
+    _swapped_after_listing(monkeypatch, h, name, lambda p: os.symlink(target, p))
+    with caplog.at_level("WARNING"):
+        assert [r.recorded_at for r in read_history(str(h))] == ["2026-11-28T03:00:00Z"]
+    assert f"{name} (a symbolic link, refused unopened)" in caplog.text
+
+
+@pytest.mark.timeout(120)  # the read before blocked on the FIFO's open for as long as no one wrote to it
+@pytest.mark.skipif(not hasattr(__import__("os"), "mkfifo"), reason="no FIFOs")
+def test_a_history_file_swapped_for_a_fifo_after_the_listing_is_not_read(tmp_path, monkeypatch, caplog):
+    """A FIFO put in place of a listed file after the listing blocked DuckDB's open of it: the Airflow worker that
+    plans hung. It is refused unopened (opened without blocking, then found no regular file), named in a warning."""
+    import os
+
+    spec = spec_with_history(tmp_path)
+    h = tmp_path / "history"
+    name = "20261129T000000Z-e-f.jsonl"
+    write_history(h, {"20261128T030000Z-c-d.jsonl": [record(spec)], name: [record(spec, rows=5)]})
+    write_parquet(tmp_path / "in" / "a.parquet", [f"t{i:05d}" for i in range(10_000)], ["some ticket"] * 10_000)
+    _swapped_after_listing(monkeypatch, h, name, os.mkfifo)
+    with caplog.at_level("WARNING"):
+        plan = build_plan(spec)  # the plan finishes, sized by the file that was read
+    assert plan.sizing.evidence.records == 1 and len(plan.shards) == 3
+    assert f"{name} (is not a regular file" in caplog.text
+
+
+def test_a_history_file_grown_over_the_bound_after_the_listing_is_not_read(tmp_path, monkeypatch, caplog):
+    """The bound was checked on the size listed; the read had none (a file grown after the listing was read whole).
+    No more than HISTORY_FILE_BYTES + 1 bytes of a file are read, and one over it is skipped, named."""
+    from airflow_provider_vllm.steps.plan.sizing import HISTORY_FILE_BYTES
+
+    spec = spec_with_history(tmp_path)
+    h = tmp_path / "history"
+    name = "20261129T000000Z-e-f.jsonl"
+    write_history(h, {"20261128T030000Z-c-d.jsonl": [record(spec)], name: [record(spec, rows=5)]})
+    line = history_line(h, record(spec, recorded_at="2026-11-29T00:00:00Z", rows=10, infer_s=1e4))
+
+    def grown(p):
+        with open(p, "w") as f:
+            f.write(line)
+            f.truncate(HISTORY_FILE_BYTES + 1)  # sparse past the sealed line: one byte over the bound
+            f.seek(HISTORY_FILE_BYTES)
+            f.write("\n")
+
+    _swapped_after_listing(monkeypatch, h, name, grown)
+    with caplog.at_level("WARNING"):
+        assert [r.recorded_at for r in read_history(str(h))] == ["2026-11-28T03:00:00Z"]
+    assert f"{name} (is larger than {HISTORY_FILE_BYTES} bytes" in caplog.text
+
+
 def test_rows_refused_before_the_engine_are_not_throughput(tmp_path, fake_engine_factory):
     """A night of mostly empty rows (EMPTY_INPUT: never sent to the engine) was recorded as that many rows inferred
     in the few seconds the rest took: the history's rows/s was the empty rows', and the next normal night of the

@@ -143,7 +143,14 @@ def test_a_planted_huge_golden_file_is_refused_by_the_plan_before_it_reads_a_byt
     def never(*a, **k):
         raise AssertionError("a byte was read")
 
+    real_open_read = Storage._open_read
+
+    def not_huge(self, rel):
+        assert not rel.endswith("huge.parquet"), "a byte was read"
+        return real_open_read(self, rel)
+
     monkeypatch.setattr(Storage, "sha256", never)
+    monkeypatch.setattr(Storage, "_open_read", not_huge)  # the plan's copy of each golden file opens through it
     with pytest.raises(SpecError, match=r"huge\.parquet \(\d+ bytes\) takes the golden set over .* refused unread"):
         _planned_run(tmp_path, str(folder))
     assert not (tmp_path / "out" / "_plan.json").exists()
@@ -238,6 +245,79 @@ def test_the_golden_set_on_s3_is_pinned_and_a_swap_is_refused(tmp_path, monkeypa
         client.put_object(Bucket="gold", Key="set/g.parquet", Body=_golden_bytes(_wrong()))
         with pytest.raises(InputChangedError, match=r"s3://gold/set/g\.parquet changed since the plan"):
             qa_run(spec)
+
+
+def test_the_plan_reads_each_golden_file_once_and_checks_the_very_bytes_it_pins(tmp_path, monkeypatch):
+    """The plan hashed each golden file, then copied it again to check it as QA reads it: two reads (up to 2 x 8 GiB
+    on an object store), and a file rewritten in between failed the plan. Each file is now copied once while it is
+    hashed, and the copy is what is checked: the pin is the sha256 of the bytes checked, whatever the folder holds
+    by then (QA compares the folder with the pin)."""
+    from airflow_provider_vllm.steps.qa import reference
+
+    golden = tmp_path / "golden" / "g.parquet"
+    golden.parent.mkdir()
+    golden.write_bytes(_golden_bytes(_truth()))
+    opens: list[str] = []
+    real_open_read = Storage._open_read
+
+    def counted(self, rel):
+        if rel == "g.parquet":
+            opens.append(self.uri(rel))
+        return real_open_read(self, rel)
+
+    real_pin, real_attach = reference.pin_golden_set, reference.attach_references
+
+    def pin_then_rewrite(*a, **k):  # a writer of the golden folder, right after the plan read it
+        pinned = real_pin(*a, **k)
+        golden.write_bytes(_golden_bytes(_wrong()))
+        return pinned
+
+    checked: list[str] = []
+
+    def attach(con, found):  # the bytes the plan checks as QA will read them
+        checked.extend(hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in found.local)
+        return real_attach(con, found)
+
+    monkeypatch.setattr(Storage, "_open_read", counted)
+    monkeypatch.setattr(reference, "pin_golden_set", pin_then_rewrite)
+    monkeypatch.setattr(reference, "attach_references", attach)
+    spec = make_spec(tmp_path / "in", tmp_path / "out", qa={"reference": {"golden_uri": str(golden.parent)}})
+    write_parquet(tmp_path / "in" / "a.parquet", IDS, [f"{LABELS[i % 5]} ticket {i}" for i in range(N)])
+    plan = plan_job(spec)
+    assert opens == [str(golden)]  # one read of the golden file
+    assert [f.sha256 for f in plan.golden_set.files] == checked == [hashlib.sha256(_golden_bytes(_truth())).hexdigest()]
+
+
+def test_the_plan_fetches_each_golden_object_once_on_s3(tmp_path, monkeypatch):
+    """GetObject bytes of the golden object during the plan, on a local S3 server (moto): its size, once."""
+    import boto3
+    import s3fs
+
+    from tests.support.s3server import MotoServer
+
+    body = _golden_bytes(_truth())
+    got: list[int] = []
+    real = s3fs.S3FileSystem._call_s3
+
+    async def counted(self, method, *a, **kw):
+        out = await real(self, method, *a, **kw)
+        if method == "get_object" and kw.get("Key") == "set/g.parquet":
+            got.append(int(out["ContentLength"]))
+        return out
+
+    with MotoServer() as s3:
+        s3.make_bucket("gold")
+        for k, v in s3.deployment_env.items():
+            monkeypatch.setenv(k, v)
+        boto3.client("s3", endpoint_url=s3.endpoint, region_name="us-east-1").put_object(
+            Bucket="gold", Key="set/g.parquet", Body=body
+        )
+        write_parquet(tmp_path / "in" / "a.parquet", IDS, [f"{LABELS[i % 5]} ticket {i}" for i in range(N)])
+        spec = make_spec(tmp_path / "in", tmp_path / "out", qa={"reference": {"golden_uri": "s3://gold/set"}})
+        monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", counted)
+        plan = plan_job(spec)
+    assert [f.sha256 for f in plan.golden_set.files] == [hashlib.sha256(body).hexdigest()]
+    assert sum(got) == len(body)  # every byte fetched once
 
 
 def test_a_golden_uri_that_is_itself_a_link_is_the_users_and_is_followed(tmp_path):
