@@ -6,6 +6,7 @@ builds it is ``steps.plan.planner``.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal
 
 import numpy as np
@@ -14,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from airflow_provider_vllm.core import seal as seals
 from airflow_provider_vllm.core.adapters import AdapterRef
-from airflow_provider_vllm.core.errors import CommitError, SpecError
+from airflow_provider_vllm.core.errors import CommitError, InputChangedError, SpecError
 from airflow_provider_vllm.core.formats.files import InputFile
 from airflow_provider_vllm.core.records import FileRef, MergeSummary, PinnedFile
 from airflow_provider_vllm.core.rows import decode_schema, error_schema, result_schema
@@ -200,7 +201,7 @@ class GoldenPlan(BaseModel):
     shards: list[ShardPlan] = Field(description="the golden shards, over input_file")
 
     def view(self, plan: Plan) -> Plan:
-        """``plan`` as the golden shards see it: their input file, their shards, no cache, no golden rows, no
+        """``plan`` as the golden shards see it: their input file, their shards, no cache, no golden rows, no table, no
         passthrough columns (the golden file carries the template's columns only; golden parts are plain)."""
         name = self.input_file.path.rsplit("/", 1)[-1]
         f = InputFile(path=name, size=self.input_file.bytes, version=self.input_file.version)
@@ -216,6 +217,7 @@ class GoldenPlan(BaseModel):
                 "dedupe": None,
                 "golden": None,
                 "passthrough": None,
+                "table": None,  # the golden rows are not the table's: a materialized table's pin names other bytes
             }
         )
 
@@ -266,6 +268,32 @@ class TablePin(BaseModel):
     )
     data_files: int = Field(ge=0, description="data files of the snapshot the scan selected")
     data_rows: int = Field(ge=0, description="their rows before any residual filter (the data files' record counts)")
+    input_sha256: str | None = Field(
+        None,
+        pattern=r"^[0-9a-f]{64}$",
+        description="materialized: the sha256 of the file the plan wrote (the plan's one input file); every reader "
+        "after the plan reads only these bytes. Absent for 'reference', and in materialized plans from before "
+        "2026-12, which every reader refuses (plan again)",
+    )
+    input_bytes: int | None = Field(None, ge=0, description="materialized: that file's size in bytes")
+    shard_inputs_root: str | None = Field(
+        None,
+        description="materialized: the folder of the shards' own input files (ShardPlan.input_file) that neither the "
+        "result cache nor the dedupe wrote: each shard's rows of the materialized file",
+    )
+
+    def checked_materialized(self) -> TablePin | None:
+        """This pin when the plan's input is the materialized file (None: 'reference'); InputChangedError for a
+        materialized pin from before its bytes were pinned: nothing names the bytes a reader could check."""
+        if self.read != "materialized":
+            return None
+        if self.input_sha256 is None or self.input_bytes is None or self.shard_inputs_root is None:
+            raise InputChangedError(
+                f"the plan read table {self.identifier} snapshot {self.snapshot_id} into a file under the output "
+                "prefix but does not pin that file's bytes (a plan from before 2026-12): its rows cannot be checked. "
+                "Plan the run again into a new output prefix"
+            )
+        return self
 
 
 class LastPublished(BaseModel):
@@ -405,12 +433,36 @@ class Plan(BaseModel):
         where = f"{output_uri.rstrip('/')}/{PLAN_FILE}"
         seals.verify_record(keyring, seals.PLAN, seals.scope_of(output_uri), self, f"the plan {where}")
 
+    def input_storage(self, out: Storage, tmp: str) -> tuple[Storage, bool]:
+        """Where a step after the plan reads the plan's input files (``files``), and whether they were checked
+        already. The input folder (its links followed: the user's choice), whose files the caller checks unchanged
+        (``check_unchanged``); or, for a materialized table, a local copy of the file the plan wrote under the
+        output prefix, fetched into ``tmp`` (a private folder) and read only when it has the size and sha256 the
+        sealed plan pins: whoever else writes the prefix could have changed it (CommitError naming it; its links
+        are refused; a second call with the same ``tmp`` reuses the checked copy). InputChangedError for a
+        materialized plan from before the pin."""
+        pin = self.table.checked_materialized() if self.table is not None else None
+        if pin is None:
+            return out.input_at(self.input_root), False
+        assert pin.input_sha256 is not None and len(self.files) == 1
+        name = self.files[0].path
+        folder = os.path.join(tmp, "table-input")
+        dest = os.path.join(folder, name)
+        if not os.path.exists(dest):  # only a copy that passed the check is ever renamed to dest (tmp is private)
+            os.makedirs(folder, exist_ok=True)
+            src = Storage(self.input_root, out.options, out.filesystems)  # follow_links off: a link is refused
+            src.fetch_verified(name, pin.input_bytes, pin.input_sha256, dest + ".part")
+            os.replace(dest + ".part", dest)
+        return Storage(folder), True
+
     def shard_input(self, shard: ShardPlan) -> tuple[str, list[InputFile]]:
         """The shard's input root and files (its segments index them): the input, or the shard's own input file."""
         if shard.input_file is None:
             return self.input_root, list(self.files)
         f = shard.input_file
         root = (self.cache.misses_root if self.cache else self.dedupe.misses_root if self.dedupe else None) or ""
+        if not root and self.table is not None:  # a materialized table's shard files (the cache's and dedupe's win)
+            root = self.table.shard_inputs_root or ""
         name = f.path.rsplit("/", 1)[-1]
         return root, [InputFile(path=name, size=f.bytes, version="")]
 

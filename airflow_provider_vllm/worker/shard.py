@@ -362,11 +362,21 @@ def _manifest(marker: CommitMarker, status: str) -> dict[str, Any]:
 def shard_input(spec: JobSpec, plan: Plan, shard: ShardPlan) -> Iterator[Storage]:
     """The folder the shard's segments are read from.
 
-    The input itself, checked unchanged since the plan; or, with the result cache or repeated prompts (the
-    dedupe), the shard's own input file, fetched whole into a private temp folder and read only when it has the size and
-    sha256 of the sealed plan: the rows the engine answers are the rows the plan keyed.
+    The input itself, checked unchanged since the plan; or, with the result cache, repeated prompts (the
+    dedupe) or a materialized table (``TablePin.read``), the shard's own input file, fetched whole into a
+    private temp folder and read only when it has the size and sha256 of the sealed plan: the rows the engine
+    answers are the rows the plan keyed (or wrote under the output prefix, which has other writers).
     """
     root, files = plan.shard_input(shard)
+    # a materialized table's file lies under the output prefix (other writers): a shard reads only its own rows'
+    # file, checked; an old plan that pins no bytes (InputChangedError) or a shard without one is refused
+    pin = plan.table.checked_materialized() if plan.table is not None else None
+    if pin is not None and shard.input_file is None:
+        raise InputChangedError(
+            f"shard {shard.shard_id} would read {plan.input_root}/{files[0].path if files else ''}, the file the plan "
+            "wrote under the output prefix, without its own checked input file; plan the run again into a new "
+            "output prefix"
+        )
     # the input: the user's links are followed; the plan's own misses file (under the output prefix) is not
     src = Storage(root, spec.io.storage_options, follow_links=shard.input_file is None)
     if shard.input_file is None:

@@ -251,9 +251,12 @@ def plan_cache(
     return cp, misses_local
 
 
-def write_shard_inputs(out: Storage, misses_local: str, shards: list[ShardPlan]) -> list[ShardPlan]:
-    """One input file per shard under ``_cache/shard-inputs/``: the miss rows its segments select (index 0 of
-    the misses file), in order; the shards returned read only it (one segment over the whole file).
+def write_shard_inputs(
+    out: Storage, misses_local: str, shards: list[ShardPlan], under: str = SHARD_INPUTS
+) -> list[ShardPlan]:
+    """One input file per shard under ``under`` (``_cache/shard-inputs/``; a materialized table's shards:
+    ``_table/shard-inputs/``): the miss rows its segments select (index 0 of the misses file), in order; the
+    shards returned read only it (one segment over the whole file).
 
     Each worker then fetches its own file and reads it only when its size and sha256 are the ones the
     sealed plan names: the rows it answers are exactly the rows whose keys the merge files its answers
@@ -281,7 +284,7 @@ def write_shard_inputs(out: Storage, misses_local: str, shards: list[ShardPlan])
                 f"TO '{_sql_str(local)}' (FORMAT parquet, COMPRESSION zstd, ROW_GROUP_SIZE {MISSES_ROW_GROUP})"
             ).fetchall()
             n = sum(seg.count for seg in shard.segments)
-            f = _put(out, local, f"{SHARD_INPUTS}/{shard.shard_id}", n)
+            f = _put(out, local, f"{under}/{shard.shard_id}", n)
             done.append(
                 shard.model_copy(
                     update={

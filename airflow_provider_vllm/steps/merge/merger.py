@@ -205,12 +205,14 @@ def _merge(
     followers = _follower_sources(out, plan, sources, copies)
     for kind in KINDS:
         check_folder(out, kind, len(sources[kind]))  # the cache's hits and the followers included
-    in_root = out.input_at(plan.input_root)
+    # the input, or a materialized table's file as a local copy checked against the sealed plan's sha256
+    in_root, input_checked = plan.input_storage(out, tmp)
     con = duck.connect(out, in_root, memory_limit=memory_limit)
     try:
         _ids_view(con, out, sources)
         check_footer_rows(con, out, sources)
-        check_unchanged(in_root, plan.files)
+        if not input_checked:
+            check_unchanged(in_root, plan.files)
         register_input_ids(con, spec, plan, in_root)
         duplicates = Duplicates(ids=0, rows_dropped=0, examples=[])
         drop: dict[str, list[int]] = {}

@@ -17,6 +17,7 @@ import os
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -50,7 +51,12 @@ from airflow_provider_vllm.steps.publish import SUCCESS, pin_last_published
 from airflow_provider_vllm.steps.qa.reference import with_golden_set
 from airflow_provider_vllm.steps.tables.access import Tables
 from airflow_provider_vllm.steps.tables.commit import check_output_table
-from airflow_provider_vllm.steps.tables.snapshot import TABLE_DIR, resolve_table_input
+from airflow_provider_vllm.steps.tables.snapshot import (
+    TABLE_DIR,
+    materialized_root,
+    resolve_table_input,
+    split_materialized,
+)
 
 RUN_MARKERS = (PLAN_FILE, SUCCESS)
 """Files that make a folder a run's: its sealed plan, and once published its ``_SUCCESS.json``."""
@@ -179,19 +185,24 @@ def _plan_table(
             )
         return existing
     _check_empty(spec, out)
-    found, pin = resolve_table_input(spec, tables, out, filesystems)
-    plan = build_plan(
-        spec,
-        filesystems,
-        max_shards=max_shards,
-        cache_out=out if spec.cache.uri is not None or _may_dedupe(spec) else None,
-        engine_identity=engine_identity,
-        keyring=keyring,
-        warm_starts=warm_starts,
-        found=found,
-    )
-    plan = plan.model_copy(update={"table": pin, "input_uri": f"iceberg:{pin.identifier}@{pin.snapshot_id}"})
-    plan = with_golden(plan, spec, out, filesystems, max_shards, found=found)
+    with tempfile.TemporaryDirectory(prefix="vllm-batch-table-") as workdir:
+        # a materialized snapshot is read from the plan's local copy (found.root), never again from the prefix
+        found, pin = resolve_table_input(spec, tables, out, filesystems, workdir)
+        plan = build_plan(
+            spec,
+            filesystems,
+            max_shards=max_shards,
+            cache_out=out if spec.cache.uri is not None or _may_dedupe(spec) else None,
+            engine_identity=engine_identity,
+            keyring=keyring,
+            warm_starts=warm_starts,
+            found=found,
+        )
+        update: dict[str, Any] = {"table": pin, "input_uri": f"iceberg:{pin.identifier}@{pin.snapshot_id}"}
+        if pin.read == "materialized":  # the file under the output prefix; each shard reads its own rows' file
+            update |= {"input_root": materialized_root(out), "shards": split_materialized(out, found, plan.shards)}
+        plan = plan.model_copy(update=update)
+        plan = with_golden(plan, spec, out, filesystems, max_shards, found=found)
     plan = with_golden_set(plan, spec, filesystems)
     plan = _with_changes_from(plan, spec, tables, pins)
     _write_plan(out, plan, spec, keyring, tables)

@@ -117,7 +117,7 @@ def find_references(
 ) -> LabelFiles | None:
     """The known labels of this run's rows (``input_column`` or ``golden_uri``), or None. A golden set is the one
     the plan pinned, copied and checked into ``tmp`` (``golden_set.checked_golden_set``: InputChangedError when it
-    changed since the plan)."""
+    changed since the plan); so is a materialized table's file that ``input_column`` reads (``Plan.input_storage``)."""
     ref = spec.qa.reference
     if ref.input_column is not None:
         if plan.format != "parquet":
@@ -127,7 +127,7 @@ def find_references(
             )
         return LabelFiles(
             "input_column",
-            out.input_at(plan.input_root),
+            plan.input_storage(out, tmp)[0],  # a materialized table's file: a checked local copy
             [f.path for f in plan.files],
             spec.prompt.id_column,
             ref.input_column,

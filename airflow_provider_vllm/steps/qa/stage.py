@@ -178,7 +178,7 @@ def _qa_run(
             f"previous report: no run at {spec.qa.previous_report_uri} (neither its QA files nor its merge): "
             "label drift and the change in accuracy are not judged"
         )
-    report.sample = _with_input_excerpt(spec, report.sample, out, plan)
+    report.sample = _with_input_excerpt(spec, report.sample, out, plan, tmp)
     if (dedupe := dedupe_metrics(plan, merged)) is not None:  # rows answered by a row of the same prompt
         report.metrics["dedupe"] = dedupe
     # the sealed qa/_QA.json last, naming the merge it measured and the change set it judged
@@ -216,11 +216,12 @@ def cache_metrics(plan: Plan) -> dict[str, Any] | None:
     }
 
 
-def _with_input_excerpt(spec: JobSpec, sample: pa.Table, out: Storage, plan: Plan) -> pa.Table:
-    """Add the sampled rows' input text (first text column) for the report; Parquet inputs only."""
+def _with_input_excerpt(spec: JobSpec, sample: pa.Table, out: Storage, plan: Plan, tmp: str) -> pa.Table:
+    """Add the sampled rows' input text (first text column) for the report; Parquet inputs only. A materialized
+    table's file is read from a local copy checked against the sealed plan (``Plan.input_storage``, into ``tmp``)."""
     if plan.format != "parquet" or sample.num_rows == 0 or not spec.prompt.texts:
         return sample
-    root = out.input_at(plan.input_root)
+    root, _ = plan.input_storage(out, tmp)
     q = lambda c: '"' + c.replace('"', '""') + '"'  # noqa: E731
     ids = sample.column("id").to_pylist()
     wanted = pa.table({"id": pa.array(ids, pa.string())})

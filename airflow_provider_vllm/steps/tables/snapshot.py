@@ -8,8 +8,16 @@ then read is an ordinary ``Input`` of Parquet files, so the worker needs neither
   one on identity partition columns) and every needed column is stored in every file under the table's
   field id. Data files are immutable: every shard and retry reads the same rows.
 * **materialized**: otherwise, the plan reads the pinned scan through pyiceberg (residuals applied exactly,
-  columns projected by field id) and writes its rows once under the output prefix,
-  ``_table/input-<sha16>.parquet`` (named by content: a killed or repeated plan leaves the same file).
+  columns projected by field id) into a local file and writes it under the output prefix,
+  ``_table/input-<sha16>.parquet`` (named by content: a killed or repeated plan leaves the same file). The
+  output prefix has other writers than the plan, so nothing there is trusted: a file already at that name is
+  kept only when its bytes hash to the sha256 just computed (a link there is refused), else the plan writes
+  its own over it; the plan itself reads only its local copy; ``TablePin`` pins the file's size and sha256
+  (``input_sha256``, ``input_bytes``). Each shard that neither the result cache nor the dedupe gives its own
+  input file gets one here (``split_materialized``: its rows, under ``_table/shard-inputs/``, size and sha256
+  in ``ShardPlan.input_file``): the worker fetches and hashes only its own rows. Merge and QA read a local
+  copy of the whole file checked against the pin (``Plan.input_storage``). A materialized plan from before
+  the pin (no ``input_sha256``) is refused by every reader: plan again.
 
 Refused, naming the table and the snapshot: delete files (merge-on-read), data files that are not Parquet,
 data files outside the allowed prefixes, an unknown snapshot, a row filter that does not parse or bind,
@@ -32,7 +40,7 @@ from airflow_provider_vllm.core.allow_list import canonical_uri, check_uri
 from airflow_provider_vllm.core.errors import DatasetError, SpecError
 from airflow_provider_vllm.core.formats.base import row_columns
 from airflow_provider_vllm.core.formats.files import Input, describe_files, fingerprint
-from airflow_provider_vllm.core.plan import TablePin
+from airflow_provider_vllm.core.plan import ShardPlan, TablePin
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
 from airflow_provider_vllm.steps.tables.access import Tables
@@ -43,6 +51,7 @@ if TYPE_CHECKING:
     from pyiceberg.table import FileScanTask, Table
 
 TABLE_DIR = "_table"
+SHARD_INPUTS = f"{TABLE_DIR}/shard-inputs"  # the shards' own input files of a materialized table
 FIELD_ID_KEY = b"PARQUET:field_id"
 ROW_GROUP_ROWS = 64 * 1024
 
@@ -84,11 +93,14 @@ def resolve_table_input(
     tables: Tables,
     out: Storage,
     filesystems: FileSystems | None,
+    workdir: str,
 ) -> tuple[Input, TablePin]:
     """Pin the snapshot and turn it into the shards' input files (see the module docstring).
 
     Every data file must lie under ``tables.uri_prefixes``. Raises SpecError / DatasetError naming the table
-    and snapshot.
+    and snapshot. ``workdir``: a private local folder that outlives the plan's reads: a materialized input is
+    read from the copy there (``Input.root``; the caller records ``materialized_root(out)`` as the plan's
+    ``input_root``, and cuts the shards' files from it, ``split_materialized``).
     """
     t = spec.io.input_table
     assert t is not None
@@ -145,8 +157,34 @@ def resolve_table_input(
         found = Input(src, rels, files, fingerprint(files), "parquet", columns=tuple(selected))
         return found, TablePin(read="reference", **pin_args)
     projected = schema.select(*selected, case_sensitive=True)
-    found = _materialize(table, projected, tasks, row_filter, out, where)
-    return dataclasses.replace(found, columns=tuple(selected)), TablePin(read="materialized", **pin_args)
+    found, digest, size = _materialize(table, projected, tasks, row_filter, out, where, workdir)
+    pin = TablePin(
+        read="materialized",
+        input_sha256=digest,
+        input_bytes=size,
+        shard_inputs_root=out.sub(SHARD_INPUTS).root,
+        **pin_args,
+    )
+    return dataclasses.replace(found, columns=tuple(selected)), pin
+
+
+def materialized_root(out: Storage) -> str:
+    """The folder of the materialized file under the output prefix (the plan's ``input_root``)."""
+    return out.sub(TABLE_DIR).root
+
+
+def split_materialized(out: Storage, found: Input, shards: list[ShardPlan]) -> list[ShardPlan]:
+    """Each shard without its own input file (the result cache's and the dedupe's shards have one) gets one: its
+    rows of the materialized file (``found``: the plan's checked local copy), under ``_table/shard-inputs/``,
+    named by sha256 and pinned in ``ShardPlan.input_file`` (``write_shard_inputs``, as the cache does)."""
+    from airflow_provider_vllm.steps.cache.result_cache import write_shard_inputs
+
+    todo = [s for s in shards if s.input_file is None]
+    if not todo:
+        return shards
+    assert found.root.is_local and len(found.names) == 1, "split_materialized reads the plan's local copy"
+    done = {s.shard_id: s for s in write_shard_inputs(out, found.root.path(found.names[0]), todo, SHARD_INPUTS)}
+    return [done.get(s.shard_id, s) for s in shards]
 
 
 def _schema_of(table: Table, schema_id: int | None) -> Schema:
@@ -236,40 +274,47 @@ def _materialize(
     row_filter: BooleanExpression,
     out: Storage,
     where: str,
-) -> Input:
-    """The scan's rows (``projected``: the selected columns of the schema read by), read through pyiceberg and
-    written once under ``_table/`` (named by content)."""
+    workdir: str,
+) -> tuple[Input, str, int]:
+    """The scan's rows (``projected``: the selected columns of the schema read by), read through pyiceberg into a
+    local file under ``workdir`` and written under ``_table/`` (named by content); (the input, read from the local
+    copy, its sha256, its size).
+
+    A file already at that name under the output prefix is kept only when it has these bytes (its sha256
+    checked; a link there is refused, ``LinkRefused``); any other is replaced by the plan's own. Only the local
+    copy is read afterwards, here and by the rest of the plan."""
     from pyiceberg.io.pyarrow import ArrowScan
 
     reader = ArrowScan(table.metadata, table.io, projected, row_filter, case_sensitive=True)
-    with tempfile.TemporaryDirectory(prefix="vllm-batch-table-") as tmp:
-        local = os.path.join(tmp, "input.parquet")
-        writer: pq.ParquetWriter | None = None
-        arrow_schema = None
-        try:
-            for task in tasks:  # one file at a time: memory bounded by one file's matching rows
-                for batch in reader.to_record_batches([task]):
-                    if writer is None:
-                        arrow_schema = batch.schema
-                        writer = pq.ParquetWriter(local, arrow_schema, compression="zstd")
-                    writer.write_table(pa.Table.from_batches([batch], arrow_schema), row_group_size=ROW_GROUP_ROWS)
-            if writer is None:  # no row matches: an empty file of the projected schema
-                from pyiceberg.io.pyarrow import schema_to_pyarrow
+    tmp = tempfile.mkdtemp(prefix="table-", dir=workdir)
+    local = os.path.join(tmp, "input.parquet")
+    writer: pq.ParquetWriter | None = None
+    arrow_schema = None
+    try:
+        for task in tasks:  # one file at a time: memory bounded by one file's matching rows
+            for batch in reader.to_record_batches([task]):
+                if writer is None:
+                    arrow_schema = batch.schema
+                    writer = pq.ParquetWriter(local, arrow_schema, compression="zstd")
+                writer.write_table(pa.Table.from_batches([batch], arrow_schema), row_group_size=ROW_GROUP_ROWS)
+        if writer is None:  # no row matches: an empty file of the projected schema
+            from pyiceberg.io.pyarrow import schema_to_pyarrow
 
-                pq.write_table(schema_to_pyarrow(projected).empty_table(), local, compression="zstd")
-        except (OSError, ValueError) as e:
-            raise DatasetError(f"{where}: reading the snapshot's rows failed: {e}") from None
-        finally:
-            if writer is not None:
-                writer.close()
-        digest = _sha256(local)
-        rel = f"{TABLE_DIR}/input-{digest[:16]}.parquet"
-        if not out.exists(rel):
-            out.publish(local, rel)
-    src = out.sub(TABLE_DIR)
-    name = rel.rsplit("/", 1)[1]
-    files = describe_files(src, [name])
-    return Input(src, [name], files, fingerprint(files), "parquet")
+            pq.write_table(schema_to_pyarrow(projected).empty_table(), local, compression="zstd")
+    except (OSError, ValueError) as e:
+        raise DatasetError(f"{where}: reading the snapshot's rows failed: {e}") from None
+    finally:
+        if writer is not None:
+            writer.close()
+    digest, size = _sha256(local), os.path.getsize(local)
+    name = f"input-{digest[:16]}.parquet"
+    rel = f"{TABLE_DIR}/{name}"
+    # never trusted as it is: another writer of the prefix may have planted a file (or a link) at this name
+    if not (out.exists(rel) and out.sha256(rel, size) == digest):
+        out.publish(local, rel)
+    os.rename(local, os.path.join(tmp, name))
+    files = describe_files(out.sub(TABLE_DIR), [name])  # size and version as stated: the plan's InputFile record
+    return Input(Storage(tmp), [name], files, fingerprint(files), "parquet"), digest, size
 
 
 def _sha256(path: str) -> str:

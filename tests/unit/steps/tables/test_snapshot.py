@@ -76,7 +76,7 @@ def test_a_filter_on_an_identity_partition_reads_the_data_files_by_reference(lak
     catalog, tables = lake
     source_table(catalog, partition_by_lang=True)
     spec = table_spec(str(tmp_path / "run"), row_filter="lang = 'en'", columns=["id", "text"])
-    found, pin = resolve_table_input(spec, tables, Storage(spec.io.output_uri), None)
+    found, pin = resolve_table_input(spec, tables, Storage(spec.io.output_uri), None, str(tmp_path))
     assert pin.read == "reference" and pin.columns == ["id", "text"]
     assert all("/lang=en/" in found.root.uri(n) for n in found.names) and not Storage(spec.io.output_uri).exists(
         "_table"

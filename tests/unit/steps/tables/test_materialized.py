@@ -1,0 +1,218 @@
+"""A materialized table snapshot (``TablePin.read`` 'materialized') lies under the output prefix, which has other
+writers than the plan: every reader after the plan reads only the bytes the sealed plan pins, and the plan never
+pins a file it did not write."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from airflow_provider_vllm.core.errors import CommitError, InputChangedError, LinkRefused
+from airflow_provider_vllm.core.plan import PLAN_FILE, TablePin, load_plan
+from airflow_provider_vllm.core.seal import Keyring
+from airflow_provider_vllm.core.storage import Storage
+from airflow_provider_vllm.steps.merge.merger import merge
+from airflow_provider_vllm.steps.plan import planner
+from airflow_provider_vllm.steps.plan.planner import plan_job
+from airflow_provider_vllm.steps.qa.stage import qa_run
+from airflow_provider_vllm.steps.tables.access import Tables
+from airflow_provider_vllm.worker.shard import run_shard
+from airflow_provider_vllm.worker.task import ShardTask
+from tests.support.iceberg import run_job, source_table, sql_catalog, table_spec
+
+FILTER = "lang = 'fr'"  # not on a partition column: the plan materializes the matching rows
+
+
+@pytest.fixture
+def lake(tmp_path):
+    catalog = sql_catalog(tmp_path)
+    source_table(catalog)
+    return Tables(catalog=catalog, allowed=["lake.*"])
+
+
+def files_of(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def forge(path: Path) -> None:
+    """Rewrite the Parquet file at ``path``: the same ids, other texts, the same size and mtime (as another writer
+    of the prefix could on local disk, or on a store whose ETags are weak)."""
+    st = os.stat(path)
+    real = pq.read_table(path)
+    tmp = path.with_suffix(".forging")
+    pad = 0
+    for _ in range(20):  # text plain and uncompressed, no statistics: the size grows with the padding byte for byte
+        texts = ["F"] * (real.num_rows - 1) + ["F" + "x" * pad]
+        forged = real.set_column(real.schema.get_field_index("text"), "text", pa.array(texts, pa.string()))
+        codecs = {c: "none" if c == "text" else "zstd" for c in forged.column_names}
+        pq.write_table(
+            forged, tmp, compression=codecs, use_dictionary=False, write_statistics=False, store_schema=False
+        )
+        gap = st.st_size - tmp.stat().st_size
+        if gap == 0:
+            break
+        assert pad + gap >= 0, "the forged rows take more bytes than the real ones"
+        pad += gap
+    assert tmp.stat().st_size == st.st_size
+    os.replace(tmp, path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert all(t.startswith("F") for t in pq.read_table(path).column("text").to_pylist())
+
+
+def table_files(run: Path) -> list[Path]:
+    """Every Parquet file the plan wrote under ``_table/`` (the materialized snapshot, the shards' own files)."""
+    return sorted((run / "_table").rglob("*.parquet"))
+
+
+def snapshot_file(run: Path) -> Path:
+    (found,) = sorted((run / "_table").glob("input-*.parquet"))
+    return found
+
+
+def test_a_materialized_plan_pins_its_file_and_gives_each_shard_its_own_rows(lake, tmp_path, fake_engine_factory):
+    spec = table_spec(str(tmp_path / "run"), row_filter=FILTER)
+    plan = run_job(spec, lake, fake_engine_factory)
+    pin = plan.table
+    assert pin.read == "materialized" and len(plan.shards) == 2
+    f = snapshot_file(tmp_path / "run")
+    assert (pin.input_bytes, pin.input_sha256) == (f.stat().st_size, hashlib.sha256(f.read_bytes()).hexdigest())
+    for s in plan.shards:  # each shard fetches and hashes only its own rows
+        assert s.input_file is not None and s.input_file.path.startswith("_table/shard-inputs/")
+        assert s.input_file.rows == s.rows
+    assert sum(s.rows for s in plan.shards) == plan.total_rows == 14
+    assert sum(e.submitted for e in fake_engine_factory.made) == 14  # every row inferred exactly once
+
+
+@pytest.mark.parametrize("how", ["bytes", "link"])
+def test_a_shard_never_reads_a_materialized_file_changed_after_the_plan(lake, tmp_path, how, fake_engine_factory):
+    run = tmp_path / "run"
+    spec = table_spec(str(run), row_filter=FILTER)
+    plan = plan_job(spec, tables=lake)
+    assert plan.table.read == "materialized"
+    for path in table_files(run):  # the same size and mtime, other rows under the real ids
+        if how == "bytes":
+            forge(path)
+        else:  # a link to forged bytes elsewhere
+            elsewhere = tmp_path / "elsewhere" / path.name
+            elsewhere.parent.mkdir(exist_ok=True)
+            os.replace(path, elsewhere)
+            forge(elsewhere)
+            path.symlink_to(elsewhere)
+    before = files_of(run)
+    for s in plan.shards:
+        err = CommitError if how == "bytes" else LinkRefused
+        with pytest.raises(err, match=r"_table/\S+\.parquet"):
+            run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+    assert files_of(run) == before  # nothing written, nothing committed
+    assert not fake_engine_factory.made  # no engine started
+
+
+def test_merge_and_qa_read_only_the_pinned_bytes_of_the_materialized_file(lake, tmp_path, fake_engine_factory):
+    run = tmp_path / "run"
+    spec = table_spec(str(run), row_filter=FILTER, io={"passthrough": ["lang"]})
+    plan = plan_job(spec, tables=lake)
+    for s in plan.shards:
+        assert run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)["status"]
+    path = snapshot_file(run)
+    real = path.read_bytes()
+    forge(path)
+    before = files_of(run)
+    with pytest.raises(CommitError, match=rf"_table/{path.name} is not the file its sealed record names"):
+        merge(spec)
+    assert files_of(run) == before  # nothing merged
+    path.write_bytes(real)
+    merge(spec)
+    forge(path)  # QA's input excerpts read the file too
+    with pytest.raises(CommitError, match=rf"_table/{path.name} is not the file its sealed record names"):
+        qa_run(spec)
+    assert not (run / "qa" / "report.json").exists()
+
+
+def test_a_file_planted_at_the_predictable_name_before_the_plan_is_not_pinned(lake, tmp_path, fake_engine_factory):
+    first = tmp_path / "first"
+    pinned = plan_job(table_spec(str(first), row_filter=FILTER), tables=lake)
+    real = snapshot_file(first).read_bytes()
+    run = tmp_path / "run"
+    planted = run / "_table" / snapshot_file(first).name
+    planted.parent.mkdir(parents=True)
+    planted.write_bytes(real)
+    forge(planted)  # the name the plan will write, forged rows of the same size, before the plan
+    spec = table_spec(str(run), row_filter=FILTER)
+    plan = run_job(spec, lake, fake_engine_factory)
+    assert plan.table.input_sha256 == pinned.table.input_sha256 == hashlib.sha256(real).hexdigest()
+    assert planted.read_bytes() == real  # the plan wrote its own over it
+    for s in plan.shards:  # the rows the shards inferred are the snapshot's
+        assert not any(t.startswith("F") for t in pq.read_table(run / s.input_file.path).column("text").to_pylist())
+
+
+def test_a_link_at_the_predictable_name_is_refused(lake, tmp_path):
+    first = tmp_path / "first"
+    plan_job(table_spec(str(first), row_filter=FILTER), tables=lake)
+    run = tmp_path / "run"
+    (run / "_table").mkdir(parents=True)
+    link = run / "_table" / snapshot_file(first).name
+    link.symlink_to(snapshot_file(first))  # even to the very bytes the plan would write
+    with pytest.raises(LinkRefused, match=r"_table/input-"):
+        plan_job(table_spec(str(run), row_filter=FILTER), tables=lake)
+    assert not (run / PLAN_FILE).exists()
+
+
+def test_a_materialized_plan_from_before_the_pin_is_refused_by_every_reader(
+    lake, tmp_path, fake_engine_factory, monkeypatch
+):
+    run = tmp_path / "run"
+    spec = table_spec(str(run), row_filter=FILTER)
+    # an old plan: the shards index the snapshot file itself, the pin names no bytes
+    monkeypatch.setattr(planner, "split_materialized", lambda out, found, shards: shards, raising=False)
+    plan = plan_job(spec, tables=lake)
+    old_pin = TablePin(**plan.table.model_dump(exclude={"input_sha256", "input_bytes", "shard_inputs_root"}))
+    old = plan.model_copy(update={"table": old_pin, "seal": None}).sealed(Keyring.from_env(), spec.io.output_uri)
+    (run / PLAN_FILE).write_bytes(old.dump_json())
+    assert load_plan(spec).table.read == "materialized"
+    before = files_of(run)
+    for s in plan.shards:
+        with pytest.raises(InputChangedError, match="does not pin that file's bytes.*Plan the run again"):
+            run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+    # merge and QA read the plan's input through Plan.input_storage: refused the same way
+    with pytest.raises(InputChangedError, match="does not pin that file's bytes"):
+        load_plan(spec).input_storage(Storage(spec.io.output_uri), str(tmp_path))
+    assert files_of(run) == before
+
+
+def test_with_the_result_cache_the_shards_read_the_caches_own_files(lake, tmp_path, fake_engine_factory):
+    from airflow_provider_vllm.core.engine_identity import local_engine_identity
+    from tests.support.data import PINNED_REVISION, make_spec
+
+    def spec(run: str):
+        return make_spec(
+            "/unused",
+            str(tmp_path / run),
+            model={"name": "fake", "max_model_len": 1024, "revision": PINNED_REVISION},
+            io={
+                "input_uri": None,
+                "input_table": {"identifier": "lake.tickets", "row_filter": FILTER},
+                "output_uri": str(tmp_path / run),
+            },
+            cache={"uri": str(tmp_path / "cache")},
+            sharding={"target_rows": 10, "chunk_rows": 4},
+        )
+
+    for run, misses in (("a", 14), ("b", 0)):
+        s = spec(run)
+        plan = plan_job(s, tables=lake, engine_identity=local_engine_identity())
+        assert plan.table.read == "materialized" and plan.cache.misses == misses
+        assert all(sh.input_file.path.startswith("_cache/shard-inputs/") for sh in plan.shards)
+        for sh in plan.shards:
+            run_shard(ShardTask(spec=s, shard_id=sh.shard_id), engine_factory=fake_engine_factory)
+        if run == "b":  # merge reads the plan's input ids: a changed file is refused, not trusted
+            forge(snapshot_file(tmp_path / run))
+            with pytest.raises(CommitError, match="is not the file its sealed record names"):
+                merge(s)
+        else:
+            merge(s)
+    assert sum(e.submitted for e in fake_engine_factory.made) == 14  # the second run's rows are all hits
