@@ -43,7 +43,7 @@ from airflow_provider_vllm.core.records import SHA256_HEX, GoldenSummary, MergeS
 from airflow_provider_vllm.core.rows import ERROR_SCHEMA, RESULT_SCHEMA
 from airflow_provider_vllm.core.spec import RESERVED_ID_PREFIX, JobSpec
 from airflow_provider_vllm.core.storage import CheckedCopies, FileSystems, Storage
-from airflow_provider_vllm.steps.qa.golden_set import check_golden_files, names_the_file
+from airflow_provider_vllm.steps.qa.golden_set import check_golden_files, golden_reader
 
 MERGED_FILE = "_MERGED.json"  # merge's sealed summary (steps/merge/merger.py MERGED), which holds GoldenSummary
 GOLDEN_IN = "_golden"  # the plan's copy of the golden rows, under the output prefix
@@ -239,20 +239,19 @@ def _bounded_copies(src: Input, tmp: str, where: str, uri: str) -> list[str]:
     (and bounded by ``check_golden_files``): a file that grew since, or is no regular file (a FIFO, a device), or
     (local) is or lies under a symbolic link below the location, is refused naming it (``SpecError``), so that what
     the plan reads is the bytes it bounded, not a second read of the location. A ``uri`` naming one file may be a
-    link (the user's, as ``golden_uri``'s: ``golden_set.names_the_file``): that one is followed."""
-    # the same folder without following its links: each component opened with O_NOFOLLOW (local), then fstat'ed
-    root = Storage(src.root.root, src.root.options, src.root.filesystems)
+    link (the user's, as ``golden_uri``'s): that one is followed; a file inside a folder is read without following
+    links (``golden_set.golden_reader``, which the golden set's reads use too)."""
     paths = []
     for i, f in enumerate(src.files):
         dest = os.path.join(tmp, f"{i:06d}.parquet")
-        reader = src.root if names_the_file(src.root, f.path, uri) else root
+        reader = golden_reader(src.root, f.path, uri)  # inside a folder: each component opened with O_NOFOLLOW
         try:
             got = reader.fetch_pinned(f.path, f.size, dest)  # a FIFO or a device is refused, linked or not
         except CommitError as e:  # a link, a FIFO or a device where a golden file was listed
             raise SpecError(f"{where}: {e}") from None
         if not SHA256_HEX.fullmatch(got):  # "[at least] N bytes, not <size>": no sha256
             raise SpecError(
-                f"{where}: {root.uri(f.path)} is {'larger' if got.startswith('at least') else 'smaller'} than the "
+                f"{where}: {src.root.uri(f.path)} is {'larger' if got.startswith('at least') else 'smaller'} than the "
                 f"{f.size} bytes stated when it was listed: it changed while the plan read it; plan again once its "
                 "writer is done"
             )

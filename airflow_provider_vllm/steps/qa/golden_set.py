@@ -3,13 +3,16 @@
 ``pin_golden_set`` (the plan task): list the golden set's Parquet files, refuse more than ``MAX_FILES`` files or
 ``MAX_BYTES`` in all on the sizes the store states (nothing read yet: a planted file of a TB is not hashed),
 refuse a symbolic link below a golden folder on local disk (a ``golden_uri`` naming one file may itself be one: the
-user's), then read every byte once: each file is copied into a private folder while it is hashed. The result,
-``GoldenSetPin``, goes into the sealed ``_plan.json`` (``reference.with_golden_set``, which also checks those
-copies as QA will read the pinned bytes: columns, null and repeated ids; the pin is of exactly the bytes checked).
+user's), then read every byte once: each file is copied into a private folder while it is hashed. The read itself
+refuses a link below a golden folder (``golden_reader``: each path component opened with O_NOFOLLOW), so a file
+swapped for a link after that check is not followed either. The result, ``GoldenSetPin``, goes into the sealed
+``_plan.json`` (``reference.with_golden_set``, which also checks those copies as QA will read the pinned bytes:
+columns, null and repeated ids; the pin is of exactly the bytes checked).
 
 ``checked_golden_set`` (QA): the folder must list the same files (one added or removed since the plan is
-refused), and each is copied while it is hashed (``CheckedCopies``): a file that is not the planned size and
-sha256 is refused, naming it; QA reads the copies, never the location again. A writer of the golden location
+refused), and each is copied while it is hashed (``CheckedCopies``, read as the plan read it: ``golden_reader``,
+a link below a golden folder refused by the read, naming it): a file that is not the planned size and sha256 is
+refused, naming it; QA reads the copies, never the location again. A writer of the golden location
 between plan and QA (or during QA) therefore fails the run instead of changing what gates its publish.
 
 A plan without the pin (written before 2026-12) and a golden set: QA refuses, failing closed (plan again).
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import os
 
-from airflow_provider_vllm.core.errors import CommitError, DatasetError, InputChangedError, SpecError
+from airflow_provider_vllm.core.errors import CommitError, DatasetError, InputChangedError, LinkRefused, SpecError
 from airflow_provider_vllm.core.formats.files import Input, find_input
 from airflow_provider_vllm.core.plan import GoldenSetPin, Plan
 from airflow_provider_vllm.core.records import SHA256_HEX, PinnedFile
@@ -47,18 +50,35 @@ def names_the_file(root: Storage, name: str, uri: str | None) -> bool:
     return uri is not None and root.uri(name).rstrip("/") == uri.rstrip("/")
 
 
+def golden_reader(root: Storage, name: str, uri: str | None) -> Storage:
+    """The Storage that reads the golden file ``name`` under ``root`` (the folder ``find_input`` listed, its links
+    followed): ``root`` itself for the file a ``uri`` names (``names_the_file``: a link there is the user's); for a
+    file inside a golden folder, the same folder without following links below it (``Storage.follow_links`` off:
+    each path component opened with O_NOFOLLOW, a FIFO or device refused after the open), so the read itself
+    refuses a link (``LinkRefused``), one swapped in after ``_check_not_a_link`` too. The folder itself may be a link
+    (the user's, as may its parents): only links below it are refused. Remote stores read the same either way."""
+    if names_the_file(root, name, uri):
+        return root
+    return Storage(root.root, root.options, root.filesystems, follow_links=False)
+
+
+def _link_error(root: Storage, name: str, where: str, what: str = "golden set") -> SpecError:
+    return SpecError(
+        f"{where}: {root.uri(name)} is a symbolic link (or lies under one); a golden file must be a file "
+        f"of the {what}'s folder itself: copy the file there"
+    )
+
+
 def _check_not_a_link(root: Storage, name: str, where: str, what: str = "golden set", uri: str | None = None) -> None:
     """SpecError when the local file ``name`` under ``root`` is a symbolic link or lies under one. A ``uri`` (the
     spec's) that names the file itself may be a link (``labels/current.parquet -> v7.parquet``): that link is the
-    user's, as an input URI's are (the plan pins the bytes it reaches); only a link below a golden folder is refused."""
+    user's, as an input URI's are (the plan pins the bytes it reaches); only a link below a golden folder is refused.
+    A check before any file is read (naming the file); the reads refuse a link themselves (``golden_reader``)."""
     if not root.is_local or names_the_file(root, name, uri):
         return
     expected = os.path.join(os.path.realpath(root.base), name)
     if os.path.realpath(root.path(name)) != expected:
-        raise SpecError(
-            f"{where}: {root.uri(name)} is a symbolic link (or lies under one); a golden file must be a file "
-            f"of the {what}'s folder itself: copy the file there"
-        )
+        raise _link_error(root, name, where, what)
 
 
 def check_golden_files(found: Input, where: str, what: str = "golden set", uri: str | None = None) -> None:
@@ -98,11 +118,12 @@ def pin_golden_set(
     except DatasetError as e:
         raise DatasetError(f"{_where(uri)}: {e}") from None
     check_golden_files(found, _where(uri), uri=uri)
-    copies = CheckedCopies(found.root, tmp)
     files, paths = [], []
     for f in found.files:
-        _check_not_a_link(found.root, f.path, _where(uri), uri=uri)
-        local, digest = copies.pin(f.path, f.size)
+        try:  # a file inside a golden folder read without following links: a link swapped in since is refused
+            local, digest = CheckedCopies(golden_reader(found.root, f.path, uri), tmp).pin(f.path, f.size)
+        except LinkRefused:
+            raise _link_error(found.root, f.path, _where(uri)) from None
         if not SHA256_HEX.fullmatch(digest):  # another size than listed: written while the plan read it
             raise DatasetError(
                 f"{_where(uri)}: {found.root.uri(f.path)} changed while the plan read it ({digest}); plan again "
@@ -148,12 +169,12 @@ def checked_golden_set(
             if x
         )
         raise InputChangedError(f"{_where(uri)}: its files are not the ones the plan pinned ({what}); {REPLAN}")
-    copies = CheckedCopies(root, tmp)
     paths = []
     for f in pin.files:
-        _check_not_a_link(root, f.path, _where(uri), uri=uri)
-        try:
-            paths.append(copies.get(f.path, f.bytes, f.sha256))
+        try:  # a file inside a golden folder read without following links (``golden_reader``)
+            paths.append(CheckedCopies(golden_reader(root, f.path, uri), tmp).get(f.path, f.bytes, f.sha256))
+        except LinkRefused:
+            raise _link_error(root, f.path, _where(uri)) from None
         except (CommitError, FileNotFoundError) as e:
             raise InputChangedError(
                 f"{_where(uri)}: {root.uri(f.path)} changed since the plan (it is not the {f.bytes} bytes of sha256 "

@@ -165,6 +165,72 @@ def test_a_symbolic_link_in_the_golden_folder_is_refused_by_the_plan(tmp_path):
         _planned_run(tmp_path, str(folder))
 
 
+def _swap_for_a_link_before_its_read(monkeypatch, file: Path, target: Path) -> list[str]:
+    """Replace ``file`` (atomically) with a symbolic link to ``target`` right before the first read of it opens it:
+    after any check of the listed file, as another writer of the golden folder would. The paths swapped."""
+    real_open_read = Storage._open_read
+    swapped: list[str] = []
+
+    def swap_then_open(self, rel):
+        if rel == file.name and not swapped:
+            link = file.with_name(".swap")
+            link.symlink_to(target)
+            os.replace(link, file)
+            swapped.append(self.uri(rel))
+        return real_open_read(self, rel)
+
+    monkeypatch.setattr(Storage, "_open_read", swap_then_open)
+    return swapped
+
+
+def test_a_golden_file_swapped_for_a_link_after_its_check_is_refused_by_the_plan(tmp_path, monkeypatch):
+    """The link check and the read were two steps: a file of a golden folder swapped for a link in between was
+    followed (to any file the plan's process can read) and its bytes pinned. The read itself refuses it now."""
+    folder = tmp_path / "golden"
+    folder.mkdir()
+    (folder / "g.parquet").write_bytes(_golden_bytes(_truth()))
+    elsewhere = tmp_path / "elsewhere.parquet"  # a valid golden file of other labels, outside the folder
+    elsewhere.write_bytes(_golden_bytes(_wrong()))
+    swapped = _swap_for_a_link_before_its_read(monkeypatch, folder / "g.parquet", elsewhere)
+    with pytest.raises(SpecError, match=r"golden/g\.parquet is a symbolic link") as e:
+        _planned_run(tmp_path, str(folder))
+    assert swapped == [str(folder / "g.parquet")]  # the race happened: swapped after the check, before the read
+    assert str(folder / "g.parquet") in str(e.value)
+    assert not (tmp_path / "out" / "_plan.json").exists()
+
+
+def test_a_golden_file_swapped_for_a_link_after_its_check_is_refused_by_qa(tmp_path, monkeypatch):
+    """QA's read refuses the link too, even to a copy of the very bytes the plan pinned (it is not read at all)."""
+    folder = tmp_path / "golden"
+    folder.mkdir()
+    (folder / "g.parquet").write_bytes(_golden_bytes(_truth()))
+    spec, plan = _planned_run(tmp_path, str(folder))
+    assert plan.golden_set is not None
+    same = tmp_path / "same.parquet"  # the pinned bytes: only the link tells it apart
+    same.write_bytes((folder / "g.parquet").read_bytes())
+    swapped = _swap_for_a_link_before_its_read(monkeypatch, folder / "g.parquet", same)
+    with pytest.raises(SpecError, match=r"golden/g\.parquet is a symbolic link"):
+        qa_run(spec)
+    assert swapped == [str(folder / "g.parquet")]
+    assert not (tmp_path / "out" / "qa" / "_QA.json").exists()
+
+
+def test_a_golden_folder_that_is_itself_a_link_is_the_users_and_is_read(tmp_path):
+    """The golden folder itself may be a link (``labels/current -> v7``, the user's): only links below it are
+    refused, by the plan's read and QA's."""
+    v7 = tmp_path / "labels" / "v7"
+    v7.mkdir(parents=True)
+    (v7 / "g.parquet").write_bytes(_golden_bytes(_truth()))
+    (tmp_path / "labels" / "current").symlink_to(v7)
+    spec, plan = _planned_run(tmp_path, str(tmp_path / "labels" / "current"))
+    digest = hashlib.sha256((v7 / "g.parquet").read_bytes()).hexdigest()
+    assert plan.golden_set is not None and [(f.path, f.sha256) for f in plan.golden_set.files] == [
+        ("g.parquet", digest)
+    ]
+    report, _ = qa_run(spec)
+    assert report.metrics["quality"]["accuracy"]["value"] == pytest.approx(_accuracy(tmp_path, _truth()))
+
+
 def test_a_fifo_in_the_golden_folder_fails_the_plan_unopened(tmp_path):
     folder = tmp_path / "golden"
     folder.mkdir()
