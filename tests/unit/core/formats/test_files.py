@@ -58,6 +58,29 @@ def test_a_local_file_rewritten_with_the_same_size_and_mtime_is_refused(tmp_path
         check_unchanged(root, planned)
 
 
+def test_a_rewrite_in_place_is_refused_where_the_platform_reports_a_birth_time(tmp_path, monkeypatch):
+    """fsspec's ``created`` is the file's birth time where ``os.stat`` has one (macOS, BSD; Windows with Python
+    3.12): a rewrite in place keeps it, and keeps the inode. The version takes the change time from ``stat``."""
+    import os
+
+    from fsspec.implementations.local import LocalFileSystem
+
+    info = LocalFileSystem.info
+
+    def with_birth_time(self, path, **kwargs):
+        got = info(self, path, **kwargs)
+        return {**got, "created": 1_600_000_000.0}  # a birth time: the same before and after a rewrite in place
+
+    monkeypatch.setattr(LocalFileSystem, "info", with_birth_time)
+    folder, root, planned = _planned(tmp_path)
+    path = folder / "a.jsonl"
+    before = path.stat()
+    path.write_text('{"id": "b", "text": "hello"}\n')  # the same size: a repeated id
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    with pytest.raises(InputChangedError, match=r"a\.jsonl changed since the plan"):
+        check_unchanged(root, planned)
+
+
 def test_a_file_added_to_the_folder_since_the_plan_is_not_a_change(tmp_path):
     """The plan pins its files: a file added later is not read, and not refused."""
     folder, root, planned = _planned(tmp_path)
