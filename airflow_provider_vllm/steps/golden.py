@@ -260,17 +260,14 @@ def _bounded_copies(src: Input, tmp: str, where: str, uri: str) -> list[str]:
 
 
 def _put(out: Storage, local: str, rows: int) -> CacheFile:
-    """``_golden/input-<sha16>.parquet``: same name, same bytes, so an existing one is kept."""
-    h = hashlib.sha256()
-    with open(local, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    sha, size = h.hexdigest(), os.path.getsize(local)
-    rel = f"{GOLDEN_IN}/input-{sha[:16]}.parquet"
-    if not (out.exists(rel) and out.size(rel) == size):
-        out.publish(local, rel)
-    version = describe_files(out.sub(GOLDEN_IN), [rel.split("/", 1)[1]])[0].version
-    return CacheFile(path=rel, bytes=size, sha256=sha, rows=rows, version=version)
+    """``_golden/input-<sha16>.parquet``, as the result cache writes its files (``result_cache._put``): a file
+    already at that name is kept only when it has these bytes (a killed plan's; the prefix has other writers, and
+    the name is predictable), any other is replaced; with its version as the store states it."""
+    from airflow_provider_vllm.steps.cache.result_cache import _put as put
+
+    f = put(out, local, f"{GOLDEN_IN}/input", rows)
+    version = describe_files(out.sub(GOLDEN_IN), [f.path.split("/", 1)[1]])[0].version
+    return f.model_copy(update={"version": version})
 
 
 # ---- merge --------------------------------------------------------------------------------

@@ -90,7 +90,7 @@ class WeightsCheck:
         self._changed = threading.Condition(self._lock)  # notified when a pass ends
         self._running = 0  # passes started and not ended
         self._queued: str | None = None  # the log label of the pass to start when a running one ends
-        self._cut = False  # a pass was stopped by close() before it read every file
+        self._cut = False  # a pass was stopped by close() before it read every file, or a queued one never started
         self._blocks = 0  # blocks hashed so far, all passes: progress for the watchdog while ``wait`` waits
 
     def start(self, when: str) -> None:
@@ -141,7 +141,9 @@ class WeightsCheck:
             with self._lock:
                 queued, self._queued = self._queued, None
                 if queued is not None and (self._error is not None or self._stop.is_set()):
-                    queued = None  # the shard fails or ends anyway
+                    # the shard fails or ends anyway; a pass asked for that never runs vouches for nothing
+                    self._cut = self._cut or self._error is None
+                    queued = None
                 if queued is None:
                     self._running -= 1
                 self._changed.notify_all()
@@ -168,7 +170,7 @@ class WeightsCheck:
 
     def settled(self) -> bool:
         """True when every pass asked for so far has ended having read every file (none running or queued, none
-        cut short by ``close``); raises the first pass's mismatch."""
+        cut short by ``close`` nor kept by it from starting); raises the first pass's mismatch."""
         with self._lock:
             if self._error is not None:
                 raise self._error

@@ -27,7 +27,6 @@ columns the table does not have. See docs/adr/0009-iceberg-tables.md.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import tempfile
 from collections.abc import Sequence
@@ -306,20 +305,12 @@ def _materialize(
     finally:
         if writer is not None:
             writer.close()
-    digest, size = _sha256(local), os.path.getsize(local)
-    name = f"input-{digest[:16]}.parquet"
-    rel = f"{TABLE_DIR}/{name}"
-    # never trusted as it is: another writer of the prefix may have planted a file (or a link) at this name
-    if not (out.exists(rel) and out.sha256(rel, size) == digest):
-        out.publish(local, rel)
+    from airflow_provider_vllm.steps.cache.result_cache import _put
+
+    # never trusted as it is: another writer of the prefix may have planted a file (or a link) at this name, which
+    # _put keeps only when it has these bytes
+    written = _put(out, local, f"{TABLE_DIR}/input", pq.read_metadata(local).num_rows)
+    name = written.path.rsplit("/", 1)[1]
     os.rename(local, os.path.join(tmp, name))
     files = describe_files(out.sub(TABLE_DIR), [name])  # size and version as stated: the plan's InputFile record
-    return Input(Storage(tmp), [name], files, fingerprint(files), "parquet"), digest, size
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    return Input(Storage(tmp), [name], files, fingerprint(files), "parquet"), written.sha256, written.bytes

@@ -206,6 +206,28 @@ def test_a_plan_killed_after_the_golden_file_converges(tmp_path, set_faults):
     assert plan.golden.rows == N_GOLD and (Path(spec.io.output_uri) / GOLDEN_IN).is_dir()
 
 
+def test_a_file_planted_at_the_golden_files_name_is_rewritten_not_pinned(tmp_path):
+    """``_golden/`` is a plan's own (a killed plan leaves it; the next plan of the prefix goes on), and its file's
+    name, ``input-<sha16>.parquet``, is predictable from the golden rows and the spec. A file at that name is kept
+    only when it has the bytes the name says: one of the same size that another writer of the prefix put there is
+    replaced, so the golden shards read the plan's rows and the merge's sha256 check of them passes."""
+    import hashlib
+
+    _golden_file(tmp_path / "golden.parquet")
+    _input(tmp_path, "d0")
+    name = plan_job(_spec(tmp_path, "d0")).golden.input_file  # the same golden rows and spec: the same file
+    _input(tmp_path)
+    spec = _spec(tmp_path)
+    planted = Path(spec.io.output_uri) / name.path
+    planted.parent.mkdir(parents=True)
+    planted.write_bytes(b"\0" * name.bytes)  # the same size, other bytes
+    plan = plan_job(spec)
+    assert plan.golden.input_file.path == name.path
+    assert hashlib.sha256(planted.read_bytes()).hexdigest() == plan.golden.input_file.sha256 == name.sha256
+    _run_shards(spec, plan)
+    assert merge(spec).golden.rows == N_GOLD
+
+
 def test_input_ids_may_not_use_the_reserved_prefix(tmp_path):
     _golden_file(tmp_path / "golden.parquet")
     _input(tmp_path, ids=["t1", f"{RESERVED_ID_PREFIX}x"], texts=["a", "b"])

@@ -405,3 +405,36 @@ def test_a_pass_cut_short_by_close_never_counts_as_settled(tmp_path, monkeypatch
     assert ended.wait(30)
     check.wait()  # no pass runs or is queued
     assert not check.settled()
+
+
+def test_a_queued_pass_dropped_by_close_never_counts_as_settled(tmp_path, monkeypatch):
+    """close() comes after both running passes read every file and before they end: the after passes queued
+    behind them (the 2nd and 3rd loads') never start, so the check vouches for nothing those loads read."""
+    folder(tmp_path / "model")
+    plan = plan_job(spec_for(tmp_path))
+    check = worker_weights.WeightsCheck(plan.weights)
+    both_read = threading.Barrier(2, timeout=30)
+    info = worker_weights.log.info
+
+    def at_the_end(msg, *args):  # each pass that read every file logs it before it ends: close() between the two
+        if msg.startswith("weights check (%s)"):
+            if both_read.wait() == 0:
+                check.close()
+            both_read.wait()
+        info(msg, *args)
+
+    gate = threading.Event()
+    real_check = worker_weights.check_folder
+
+    def held(pin, tick):  # both passes of the first load run while the 2nd and 3rd loads ask for theirs
+        gate.wait(30)
+        real_check(pin, tick)
+
+    monkeypatch.setattr(worker_weights.log, "info", at_the_end)
+    monkeypatch.setattr(worker_weights, "check_folder", held)
+    make = check.bracket(lambda spec: object())
+    for _ in range(3):
+        make(None)
+    gate.set()
+    check.wait()
+    assert not check.settled()

@@ -38,8 +38,8 @@ def test_a_planned_file_rewritten_since_the_plan_is_refused_naming_it_and_saying
 @pytest.mark.parametrize("how", ["in place", "replaced by a rename"])
 def test_a_local_file_rewritten_with_the_same_size_and_mtime_is_refused(tmp_path, how):
     """On local disk a file's mtime is anyone's to set (``touch -d``, ``os.utime``): a rewrite of the same size
-    with the old mtime put back (a repeated id, other texts) must still fail the check. The change time and the
-    inode are not settable by the writer."""
+    with the old mtime put back (a repeated id, other texts) must still fail the check. The change time is not
+    settable by the writer (``os.utime`` moves it too; a file renamed over the planned one was changed after it)."""
     import os
 
     folder, root, planned = _planned(tmp_path)
@@ -56,6 +56,48 @@ def test_a_local_file_rewritten_with_the_same_size_and_mtime_is_refused(tmp_path
     assert path.stat().st_size == before.st_size and path.stat().st_mtime_ns == before.st_mtime_ns
     with pytest.raises(InputChangedError, match=r"a\.jsonl changed since the plan"):
         check_unchanged(root, planned)
+
+
+def test_a_rewrite_in_place_is_refused_where_the_platform_reports_a_birth_time(tmp_path, monkeypatch):
+    """fsspec's ``created`` is the file's birth time where ``os.stat`` has one (macOS, BSD; Windows with Python
+    3.12): a rewrite in place keeps it, and keeps the inode. The version takes the change time from ``stat``."""
+    import os
+
+    from fsspec.implementations.local import LocalFileSystem
+
+    info = LocalFileSystem.info
+
+    def with_birth_time(self, path, **kwargs):
+        got = info(self, path, **kwargs)
+        return {**got, "created": 1_600_000_000.0}  # a birth time: the same before and after a rewrite in place
+
+    monkeypatch.setattr(LocalFileSystem, "info", with_birth_time)
+    folder, root, planned = _planned(tmp_path)
+    path = folder / "a.jsonl"
+    before = path.stat()
+    path.write_text('{"id": "b", "text": "hello"}\n')  # the same size: a repeated id
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    with pytest.raises(InputChangedError, match=r"a\.jsonl changed since the plan"):
+        check_unchanged(root, planned)
+
+
+def test_a_shared_volume_that_numbers_inodes_per_mount_passes_the_check(tmp_path, monkeypatch):
+    """The plan (Airflow worker) and the shards (pods) may read one shared volume through two mounts; a FUSE mount
+    (gcsfuse, Mountpoint for S3) numbers inodes per mount, so the same unchanged file has another inode number
+    there. Its size, mtime and change time are the store's: the version must not name the inode number."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    info = LocalFileSystem.info
+    mount = {"offset": 0}
+
+    def per_mount(self, path, **kwargs):
+        got = info(self, path, **kwargs)
+        return {**got, "ino": got["ino"] + mount["offset"]}
+
+    monkeypatch.setattr(LocalFileSystem, "info", per_mount)
+    folder, root, planned = _planned(tmp_path)
+    mount["offset"] = 1_000_003  # the worker pod's mount of the same volume
+    check_unchanged(root, planned)
 
 
 def test_a_file_added_to_the_folder_since_the_plan_is_not_a_change(tmp_path):

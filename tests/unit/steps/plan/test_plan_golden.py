@@ -83,11 +83,11 @@ def _normalised(doc: dict, tmp: Path) -> dict:
 
     from airflow_provider_vllm.core.formats.files import InputFile, fingerprint
 
-    # a local file's version carries its change time and inode (not settable, unlike the mtime): the fingerprint
+    # a local file's version carries its change time (not settable, unlike the mtime): the fingerprint
     # is checked as made, then both are compared as of the mtime alone
     assert doc["fingerprint"] == fingerprint([InputFile(**f) for f in doc["files"]])
     for f in doc["files"]:
-        f["version"] = re.sub(r"\|ctime [0-9.]+\|ino [0-9]+$", "", f["version"])
+        f["version"] = re.sub(r"\|ctime [0-9]+$", "", f["version"])
     doc["fingerprint"] = fingerprint([InputFile(**f) for f in doc["files"]])
     # shard ids end in a hash of the plan key (which the fingerprint enters): distinct, and shown by index only
     ids = [sh["shard_id"] for sh in doc["shards"]]
