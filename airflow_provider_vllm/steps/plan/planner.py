@@ -39,6 +39,7 @@ from airflow_provider_vllm.core.storage import (
     LISTING_MAX,
     FileSystems,
     Storage,
+    copies_folder,
     has_glob,
     is_temp_copy,
 )
@@ -185,7 +186,8 @@ def _plan_table(
             )
         return existing
     _check_empty(spec, out)
-    with tempfile.TemporaryDirectory(prefix="vllm-batch-table-") as workdir:
+    # a private folder that a plan killed with SIGKILL leaves to the next plan's sweep (it holds a whole snapshot)
+    with copies_folder("table") as workdir:
         # a materialized snapshot is read from the plan's local copy (found.root), never again from the prefix
         found, pin = resolve_table_input(spec, tables, out, filesystems, workdir)
         plan = build_plan(

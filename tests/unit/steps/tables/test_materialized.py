@@ -216,3 +216,37 @@ def test_with_the_result_cache_the_shards_read_the_caches_own_files(lake, tmp_pa
         else:
             merge(s)
     assert sum(e.submitted for e in fake_engine_factory.made) == 14  # the second run's rows are all hits
+
+
+def test_the_plans_local_copy_of_the_snapshot_lives_in_a_swept_private_folder(tmp_path, lake, monkeypatch):
+    """The plan reads the materialized rows from a local copy of a whole snapshot: it lives in a private folder
+    (``copies_folder``, mode 0700) that the plan removes, and that the next plan removes when a plan killed with
+    SIGKILL left it behind (its process gone, a day old)."""
+    import subprocess
+    import sys
+    import time
+
+    from airflow_provider_vllm.core import storage
+
+    monkeypatch.setattr(storage.tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    left = tmp_path / "tmp" / f"vllm-batch-table-{gone.pid}-abc"
+    (left / "table-x").mkdir(parents=True)
+    (left / "table-x" / "input.parquet").write_bytes(b"x" * 100)
+    old = time.time() - storage.STALE_COPIES_S - 60
+    os.utime(left, (old, old))
+    seen: list[str] = []
+    real = planner.resolve_table_input
+
+    def spy(spec, tables, out, filesystems, workdir):
+        seen.append(workdir)
+        assert oct(os.stat(workdir).st_mode & 0o777) == "0o700"
+        return real(spec, tables, out, filesystems, workdir)
+
+    monkeypatch.setattr(planner, "resolve_table_input", spy)
+    plan = plan_job(table_spec(str(tmp_path / "run"), row_filter=FILTER), tables=lake)
+    assert plan.table is not None and plan.table.read == "materialized"
+    assert len(seen) == 1 and Path(seen[0]).name.startswith("vllm-batch-table-")
+    assert not Path(seen[0]).exists() and not left.exists()
