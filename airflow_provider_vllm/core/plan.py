@@ -444,7 +444,11 @@ class Plan(BaseModel):
         pin = self.table.checked_materialized() if self.table is not None else None
         if pin is None:
             return out.input_at(self.input_root), False
-        assert pin.input_sha256 is not None and len(self.files) == 1
+        if pin.input_sha256 is None or len(self.files) != 1:  # checked_materialized: never None here
+            raise CommitError(
+                f"the plan pins a materialized table input of {len(self.files)} files; it writes exactly one: plan "
+                "the run again into a new output prefix"
+            )
         name = self.files[0].path
         folder = os.path.join(tmp, "table-input")
         dest = os.path.join(folder, name)

@@ -250,3 +250,13 @@ def test_the_plans_local_copy_of_the_snapshot_lives_in_a_swept_private_folder(tm
     assert plan.table is not None and plan.table.read == "materialized"
     assert len(seen) == 1 and Path(seen[0]).name.startswith("vllm-batch-table-")
     assert not Path(seen[0]).exists() and not left.exists()
+
+
+def test_a_materialized_pin_over_more_than_one_file_is_refused_not_asserted(tmp_path, lake):
+    """The plan writes one materialized file; a plan naming more (sealed by a buggy or other version) is refused
+    with a clear error, also under ``python -O`` (no assert)."""
+    spec = table_spec(str(tmp_path / "run"), row_filter=FILTER)
+    plan = plan_job(spec, tables=lake)
+    two = plan.model_copy(update={"files": [*plan.files, *plan.files]})
+    with pytest.raises(CommitError, match="materialized table input of 2 files"):
+        two.input_storage(Storage(spec.io.output_uri), str(tmp_path / "tmp"))
