@@ -198,15 +198,7 @@ def read_history(
     keyring, scope = keyring or Keyring.from_env(), seals.scope_of(store.uri())
     with hash_pool(len(names)) as pool:
         read = list(pool.map(lambda n: _read_file(store, n), reversed(names)))  # newest file first
-    unread = [f"{n} ({why})" for n, (_, why) in zip(reversed(names), read) if why]
-    if unread:
-        log.warning(
-            "%d file(s) under %s are not read as throughput history: %s%s",
-            len(unread),
-            uri,
-            "; ".join(unread[:5]),
-            f"; and {len(unread) - 5} more" if len(unread) > 5 else "",
-        )
+    _warn_unread(uri, [f"{n} ({why})" for n, (_, why) in zip(reversed(names), read) if why])
     rows = [line for data, _ in read for line in data.splitlines() if line.strip()]
     out: list[ThroughputRecord] = []
     unsealed, copies, macs = 0, 0, set[str]()
@@ -290,14 +282,7 @@ def _window(store: Storage, uri: str) -> list[str]:
             )
         else:
             keep.append(name)
-    if skipped:
-        log.warning(
-            "%d file(s) under %s are not read as throughput history: %s%s",
-            len(skipped),
-            uri,
-            "; ".join(skipped[:5]),
-            f"; and {len(skipped) - 5} more" if len(skipped) > 5 else "",
-        )
+    _warn_unread(uri, skipped)
     return keep[-HISTORY_FILES:]
 
 
@@ -548,3 +533,15 @@ def size_shards(
         ev.hardware,
     )
     return sizing
+
+
+def _warn_unread(uri: str, unread: list[str]) -> None:
+    """One warning naming the files under ``uri`` not read as throughput history (the first five), and why."""
+    if unread:
+        log.warning(
+            "%d file(s) under %s are not read as throughput history: %s%s",
+            len(unread),
+            uri,
+            "; ".join(unread[:5]),
+            f"; and {len(unread) - 5} more" if len(unread) > 5 else "",
+        )

@@ -23,7 +23,7 @@ import duckdb
 from airflow_provider_vllm.core import duck
 from airflow_provider_vllm.core.errors import SpecError
 from airflow_provider_vllm.core.plan import GoldenSetPin, Plan
-from airflow_provider_vllm.core.spec import JobSpec
+from airflow_provider_vllm.core.spec import JobSpec, ReferenceSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage, copies_folder
 from airflow_provider_vllm.steps.qa.golden_set import checked_golden_set, pin_golden_set
 
@@ -136,18 +136,23 @@ def find_references(
         )
     if ref.golden_uri is not None:
         pin, local = checked_golden_set(spec, plan, tmp, filesystems)
-        return LabelFiles(
-            "golden_set",
-            out,
-            [f.path for f in pin.files],
-            ref.id_column,
-            ref.label_column,
-            ref.golden_uri,
-            unique=True,
-            local=tuple(local),
-            pin=pin,
-        )
+        return _golden_label_files(out, ref.golden_uri, ref, pin, local)
     return None
+
+
+def _golden_label_files(out: Storage, uri: str, ref: ReferenceSpec, pin: GoldenSetPin, local: list[str]) -> LabelFiles:
+    """The labels of the golden set at ``uri`` as the plan pinned it, read from ``local`` (its checked copies)."""
+    return LabelFiles(
+        "golden_set",
+        out,
+        [f.path for f in pin.files],
+        ref.id_column,
+        ref.label_column,
+        uri,
+        unique=True,
+        local=tuple(local),
+        pin=pin,
+    )
 
 
 def attach_references(con: duckdb.DuckDBPyConnection, found: LabelFiles | None) -> References:
@@ -188,17 +193,7 @@ def with_golden_set(plan: Plan, spec: JobSpec, filesystems: FileSystems | None =
         pinned = pin_golden_set(spec, tmp, filesystems)
         assert pinned is not None
         pin, local = pinned
-        found = LabelFiles(
-            "golden_set",
-            out,
-            [f.path for f in pin.files],
-            ref.id_column,
-            ref.label_column,
-            ref.golden_uri,
-            unique=True,
-            local=tuple(local),
-            pin=pin,
-        )
+        found = _golden_label_files(out, ref.golden_uri, ref, pin, local)
         con = duck.connect(out)
         try:
             attach_references(con, found)
