@@ -191,7 +191,8 @@ WORKER_IMAGE = _var(
     "VLLM_BATCH_IMAGE",
     None,
     "the image the Kubernetes runner started the worker from, as the deployment names it (set last, not "
-    "overridable by a DAG or trigger); part of the shared compile cache's key (unset: the local runner)",
+    "overridable by a DAG or trigger); part of the shared compile cache's key, and one not pinned by digest "
+    "(@sha256:) uses no shared cache (unset: the local runner)",
     "worker",
 )
 COMPILE_CACHE_PUBLISH = _var(

@@ -22,7 +22,7 @@ pods (each pod has its own pid namespace), so two pods compiling into one folder
 (docs/adr/0008-shared-compile-cache.md).
 
 The key (``cache_key``) hashes everything the artefacts depend on: the worker image the runner started
-(``VLLM_BATCH_IMAGE``, by digest where the deployment pins one), the vLLM, torch and Triton
+(``VLLM_BATCH_IMAGE``; one not pinned by digest uses no shared cache: a tag can move), the vLLM, torch and Triton
 builds, Python and the CPU architecture, the accelerator (GPU name and compute capability, or the
 CPU model), the job's task, model and engine sections, the engine variables of the environment and
 the private folders' paths (artefacts name absolute paths). A different vLLM, GPU type, torch or
@@ -472,11 +472,20 @@ def from_env(spec: JobSpec, keyring: Keyring, env: dict[str, str] | None = None)
     if not os.path.isdir(root):
         log.warning("%s=%s is not a folder: the shared compile cache is not used", envs.COMPILE_CACHE.name, root)
         return None
+    image = envs.WORKER_IMAGE.get(env)
+    if image is not None and "@sha256:" not in image:
+        log.warning(
+            "%s=%s is not pinned by digest: a tag can be moved to another build, whose pods would read this one's "
+            "compiled artefacts; the shared compile cache is not used (pin the image: repo/name:tag@sha256:...)",
+            envs.WORKER_IMAGE.name,
+            image,
+        )
+        return None
     accel = accelerator()
     if accel is None:
         log.warning("NVIDIA devices are present but nvidia-smi cannot name them: the shared compile cache is not used")
         return None
-    facts = key_facts(spec, dirs, accel, envs.WORKER_IMAGE.get(env))
+    facts = key_facts(spec, dirs, accel, image)
     loading = code_loading_options(spec)
     if loading:  # the runner also mounts the cache read-only and says so; this holds whatever the environment says
         log.info("compile cache: %s may run model-repo code, so this worker never publishes", ", ".join(loading))

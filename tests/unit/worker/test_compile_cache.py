@@ -423,3 +423,12 @@ def test_the_worker_image_the_runner_names_keys_the_cache(tmp_path):
         keys.add(cache.key)
     assert len(keys) == 3
     assert "VLLM_BATCH_IMAGE" not in engine_env({"VLLM_BATCH_IMAGE": "x"})
+
+
+def test_an_image_not_pinned_by_digest_uses_no_shared_cache(tmp_path, caplog):
+    """A tag can be moved to another build, whose pods would then read (and publish) artefacts under the same
+    key: an image named by tag only gets no shared compile cache (a cold start), with a warning naming it."""
+    root = tmp_path / "shared"
+    root.mkdir()
+    assert _from_env(root, tmp_path / "pod", VLLM_BATCH_IMAGE="registry.example/vllm-batch:0.1.0") is None
+    assert "registry.example/vllm-batch:0.1.0 is not pinned by digest" in caplog.text
