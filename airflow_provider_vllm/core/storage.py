@@ -477,12 +477,7 @@ class Storage:
             return
         with self._local_parent(rel) as (dfd, name):
             tmp = _temp_at(dfd, f"{name}.tmp-{uuid.uuid4().hex}", lambda f: faults.write(f, data))
-            try:
-                self._refuse_link_at(dfd, name, rel, "not written")
-                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-            finally:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp, dir_fd=dfd)
+            self._replace_at(dfd, tmp, name, rel)
 
     def create_only(self, rel: str, data: bytes) -> bool:
         """Atomically create rel with data; False (and nothing written) when rel exists. Local: ``LinkRefused``
@@ -529,12 +524,7 @@ class Storage:
                     shutil.copyfileobj(src, f, 1 << 20)
 
             tmp = _temp_at(dfd, temp or f"{name}.tmp-{uuid.uuid4().hex}", fill, sync=False)
-            try:
-                self._refuse_link_at(dfd, name, rel, "not written")
-                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-            finally:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp, dir_fd=dfd)
+            self._replace_at(dfd, tmp, name, rel)
 
     def link_or_copy(
         self, src: str, rel: str, temp: str | None = None, fault: str | None = None, link: bool = True
@@ -575,8 +565,7 @@ class Storage:
                 if not linked:  # a copy, read through O_NOFOLLOW (a link, a FIFO or a device is refused)
                     with self._open_read(src) as s:
                         _temp_at(dfd, tmp, lambda f: shutil.copyfileobj(s, f, 1 << 20), sync=False)
-                self._refuse_link_at(dfd, name, rel, "not written")
-                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+                self._replace_at(dfd, tmp, name, rel)
             finally:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp, dir_fd=dfd)
@@ -650,6 +639,16 @@ class Storage:
             f"{self.uri('/'.join(parts[: i + 1]))} is a symbolic link: no file or folder this provider writes below "
             f"{self.uri()} is, so {self.uri(rel)} is {done} (another writer of the folder put it there?)"
         )
+
+    def _replace_at(self, dfd: int, tmp: str, name: str, rel: str) -> None:
+        """Rename the finished temp file ``tmp`` over ``name`` in the folder ``dfd`` (``rel``: for messages), a link
+        there refused (``_refuse_link_at``); ``tmp`` is gone afterwards either way."""
+        try:
+            self._refuse_link_at(dfd, name, rel, "not written")
+            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp, dir_fd=dfd)
 
     def _refuse_link_at(self, dfd: int, name: str, rel: str, done: str) -> None:
         """``LinkRefused`` when ``name`` in the folder ``dfd`` is a symbolic link (the last component of ``rel``).

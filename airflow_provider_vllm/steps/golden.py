@@ -260,12 +260,12 @@ def _bounded_copies(src: Input, tmp: str, where: str, uri: str) -> list[str]:
 
 
 def _put(out: Storage, local: str, rows: int) -> CacheFile:
-    """``_golden/input-<sha16>.parquet``, as the result cache writes its files (``result_cache._put``): a file
+    """``_golden/input-<sha16>.parquet``, as the result cache writes its files (``result_cache.put_by_content``): a file
     already at that name is kept only when it has these bytes (a killed plan's; the prefix has other writers, and
     the name is predictable), any other is replaced; with its version as the store states it."""
-    from airflow_provider_vllm.steps.cache.result_cache import _put as put
+    from airflow_provider_vllm.steps.cache.result_cache import put_by_content
 
-    f = put(out, local, f"{GOLDEN_IN}/input", rows)
+    f = put_by_content(out, local, f"{GOLDEN_IN}/input", rows)
     version = describe_files(out.sub(GOLDEN_IN), [f.path.split("/", 1)[1]])[0].version
     return f.model_copy(update={"version": version})
 

@@ -105,18 +105,17 @@ def _listed(uri: str, options: dict[str, Any], filesystems: FileSystems | None) 
 def describe_files(storage: Storage, names: list[str]) -> list[InputFile]:
     out = []
     for n in names:
-        info = storage.info(n)
         if storage.is_local:
             # mtime is anyone's to set (touch -d): the change time is not (os.utime moves it too), so a rewrite of
-            # the same size with the old mtime put back, in place or renamed over it, is another version. The change
-            # time from stat (the final link followed, as info does): fsspec's "created" is the birth time where the
-            # platform has one (macOS), which a rewrite in place keeps. No inode number: the plan and the shards may
-            # read one shared volume through two mounts, and a FUSE mount (gcsfuse, Mountpoint for S3) numbers
-            # inodes per mount
-            ctime = os.stat(storage.path(n)).st_ctime_ns
-            version = f"{info['mtime']}|ctime {ctime}"
-            out.append(InputFile(path=n, size=int(info.get("size") or 0), version=version))
+            # the same size with the old mtime put back, in place or renamed over it, is another version. One stat,
+            # the final link followed, as fsspec's info makes it; not fsspec's "created": that is the birth time
+            # where the platform has one (macOS), which a rewrite in place keeps. No inode number: the plan and the
+            # shards may read one shared volume through two mounts, and a FUSE mount (gcsfuse, Mountpoint for S3)
+            # numbers inodes per mount
+            st = os.stat(storage.path(n))
+            out.append(InputFile(path=n, size=st.st_size, version=f"{st.st_mtime}|ctime {st.st_ctime_ns}"))
             continue
+        info = storage.info(n)
         version = info.get("ETag") or info.get("etag") or info.get("generation") or info.get("mtime") or ""
         out.append(InputFile(path=n, size=int(info.get("size") or 0), version=str(version).strip('"')))
     return out

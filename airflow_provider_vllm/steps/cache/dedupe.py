@@ -292,9 +292,9 @@ def _write_kind(
 
 
 def _stage(out: Storage, local: str, stem: str, rows: int) -> FileRef:
-    from airflow_provider_vllm.steps.cache.result_cache import _put
+    from airflow_provider_vllm.steps.cache.result_cache import put_by_content
 
-    f = _put(out, local, stem, rows)
+    f = put_by_content(out, local, stem, rows)
     return FileRef(path=f.path, bytes=f.bytes, sha256=f.sha256, rows=f.rows)
 
 

@@ -225,7 +225,7 @@ def plan_cache(
             if written != hits:
                 raise CommitError(f"cache: {hits} hits were found but {written} written (a bug); plan again")
         faults.hit("cache.before_files")
-        hits_file = _put(out, hits_local, f"{CACHE_DIR}/hits", hits)
+        hits_file = put_by_content(out, hits_local, f"{CACHE_DIR}/hits", hits)
     finally:
         p.con.close()
     log.info(
@@ -284,7 +284,7 @@ def write_shard_inputs(
                 f"TO '{_sql_str(local)}' (FORMAT parquet, COMPRESSION zstd, ROW_GROUP_SIZE {MISSES_ROW_GROUP})"
             ).fetchall()
             n = sum(seg.count for seg in shard.segments)
-            f = _put(out, local, f"{under}/{shard.shard_id}", n)
+            f = put_by_content(out, local, f"{under}/{shard.shard_id}", n)
             done.append(
                 shard.model_copy(
                     update={
@@ -304,13 +304,20 @@ def _sql_str(s: str) -> str:
     return s.replace("'", "''")
 
 
-def _put(out: Storage, local: str, stem: str, rows: int) -> CacheFile:
-    """``<stem>-<sha16>.parquet``: same name, same bytes, so an existing one of the right bytes is kept."""
+def file_sha256(path: str) -> str:
+    """The sha256 of the local file ``path`` (one the plan wrote itself)."""
     h = hashlib.sha256()
-    with open(local, "rb") as f:
+    with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
-    sha, size = h.hexdigest(), os.path.getsize(local)
+    return h.hexdigest()
+
+
+def put_by_content(out: Storage, local: str, stem: str, rows: int) -> CacheFile:
+    """The plan's local file at ``<stem>-<sha16>.parquet`` under ``out``: named by content, so an existing file of
+    that name is kept only when it has these bytes (a killed plan's), any other (planted: the prefix has other
+    writers and the name is predictable) is replaced; a link there is refused."""
+    sha, size = file_sha256(local), os.path.getsize(local)
     rel = f"{stem}-{sha[:16]}.parquet"
     if not (out.exists(rel) and out.sha256(rel, size) == sha):
         out.publish(local, rel)

@@ -443,9 +443,11 @@ def build_plan_with_inputs(
                 cut_fp = f"{cut_fp}:{dedupe.followers_file.sha256}"
                 misses = leaders
         if misses is not None:
+            from airflow_provider_vllm.steps.cache.result_cache import file_sha256
+
             cut_scan = input_format("parquet").scan(Storage(workdir), [os.path.basename(misses)], spec, per_row)
             cut_tokens = _row_tokens(cut_scan, sh.chars_per_token, sh.long_row_tokens)
-            cut_fp = hashlib.sha256(f"{cut_fp}:{_sha256(misses)}".encode()).hexdigest()
+            cut_fp = hashlib.sha256(f"{cut_fp}:{file_sha256(misses)}".encode()).hexdigest()
         # the history sizes shards only when there are rows to size (as size_shards decides)
         history = job_history(spec, filesystems, keyring) if len(cut_tokens) else None
         shards, sizing = _cut_all(spec, cut_scan, cut_tokens, cut_fp, history, max_shards, warm_starts)
@@ -510,7 +512,12 @@ def _dedupe(spec: JobSpec, found: Input, out: Storage, workdir: str, passthrough
     leaders file returned, and the followers file written under ``_cache/``."""
     from airflow_provider_vllm.steps.cache import dedupe as dd
     from airflow_provider_vllm.steps.cache.matching import needed_columns
-    from airflow_provider_vllm.steps.cache.result_cache import CACHE_DIR, PLAN_MEMORY_LIMIT, SHARD_INPUTS, _put
+    from airflow_provider_vllm.steps.cache.result_cache import (
+        CACHE_DIR,
+        PLAN_MEMORY_LIMIT,
+        SHARD_INPUTS,
+        put_by_content,
+    )
 
     reason, khash = dd.why_not(spec, found.format), cache.key_hash if cache is not None else ""
     if reason is None and misses is None:
@@ -534,17 +541,9 @@ def _dedupe(spec: JobSpec, found: Input, out: Storage, workdir: str, passthrough
     )
     if not sp.followers:
         return dd.plan_record(sp, khash, None, None), None
-    followers = _put(out, sp.followers_file, f"{CACHE_DIR}/{dd.FOLLOWERS}", sp.followers)
+    followers = put_by_content(out, sp.followers_file, f"{CACHE_DIR}/{dd.FOLLOWERS}", sp.followers)
     faults.hit("dedupe.after_followers")
     return dd.plan_record(sp, khash, followers, out.uri(SHARD_INPUTS)), sp.leaders_file
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _cut_all(

@@ -305,11 +305,11 @@ def _materialize(
     finally:
         if writer is not None:
             writer.close()
-    from airflow_provider_vllm.steps.cache.result_cache import _put
+    from airflow_provider_vllm.steps.cache.result_cache import put_by_content
 
     # never trusted as it is: another writer of the prefix may have planted a file (or a link) at this name, which
-    # _put keeps only when it has these bytes
-    written = _put(out, local, f"{TABLE_DIR}/input", pq.read_metadata(local).num_rows)
+    # put_by_content keeps only when it has these bytes
+    written = put_by_content(out, local, f"{TABLE_DIR}/input", pq.read_metadata(local).num_rows)
     name = written.path.rsplit("/", 1)[1]
     os.rename(local, os.path.join(tmp, name))
     files = describe_files(out.sub(TABLE_DIR), [name])  # size and version as stated: the plan's InputFile record
