@@ -143,8 +143,10 @@ def test_one_shard_through_every_process_fault_then_merge_killed_at_every_write(
     sd = tmp_path / "out" / "shards" / shard.shard_id
     injected: list[str] = []
 
-    # 1. SIGTERM (preemption) once a chunk is committed: stops, exit 75, no marker, nothing partial
-    w = Worker(spec, shard.shard_id)
+    # 1. SIGTERM (preemption) once a chunk is committed: stops, exit 75, no marker, nothing partial. The worker
+    # waits after its first chunk (a hang that SIGTERM interrupts): in a fast hour the tiny model wrote all 12
+    # chunks before a SIGTERM sent on seeing the first one landed
+    w = Worker(spec, shard.shard_id, "chunk.after_write#1=hang")
     deadline = time.monotonic() + 300
     while not chunks(sd) and time.monotonic() < deadline:
         assert w.proc.poll() is None, w.err_path.read_text()[-3000:]
