@@ -262,7 +262,8 @@ def _bounded_copies(src: Input, tmp: str, where: str, uri: str) -> list[str]:
 def _put(out: Storage, local: str, rows: int) -> CacheFile:
     """``_golden/input-<sha16>.parquet``, as the result cache writes its files (``result_cache.put_by_content``): a file
     already at that name is kept only when it has these bytes (a killed plan's; the prefix has other writers, and
-    the name is predictable), any other is replaced; with its version as the store states it."""
+    the name is predictable), anything else (another file, a link, a FIFO, a folder) is replaced; with its version
+    as the store states it."""
     from airflow_provider_vllm.steps.cache.result_cache import put_by_content
 
     f = put_by_content(out, local, f"{GOLDEN_IN}/input", rows)

@@ -28,6 +28,7 @@ from tests.support.data import LABELS, PINNED_REVISION, make_spec, write_parquet
 from tests.support.fakes import FakeEngine
 from tests.support.ledger import record_fault, record_malicious
 from tests.support.reconcile import reconcile
+from tests.support.security import PLANTED_KINDS, plant, untouched
 
 N_IN, N_GOLD = 90, 45
 
@@ -224,6 +225,32 @@ def test_a_file_planted_at_the_golden_files_name_is_rewritten_not_pinned(tmp_pat
     plan = plan_job(spec)
     assert plan.golden.input_file.path == name.path
     assert hashlib.sha256(planted.read_bytes()).hexdigest() == plan.golden.input_file.sha256 == name.sha256
+    _run_shards(spec, plan)
+    assert merge(spec).golden.rows == N_GOLD
+
+
+@pytest.mark.parametrize("kind", PLANTED_KINDS)
+def test_a_link_fifo_or_folder_at_the_golden_files_name_is_replaced(tmp_path, kind):
+    """A link (even to the very bytes the plan writes), a FIFO or a folder (with links out of the prefix inside)
+    that another writer of the prefix put at ``_golden/input-<sha16>.parquet`` is replaced by the plan's own file,
+    never followed, opened or read (before, each failed the plan); nothing outside that one name is touched."""
+    import hashlib
+    import os
+
+    _golden_file(tmp_path / "golden.parquet")
+    _input(tmp_path, "d0")
+    name = plan_job(_spec(tmp_path, "d0")).golden.input_file  # the same golden rows and spec: the same file
+    real = (tmp_path / "d0" / "out" / name.path).read_bytes()
+    _input(tmp_path)
+    spec = _spec(tmp_path)
+    planted = Path(spec.io.output_uri) / name.path
+    plant(planted, kind, tmp_path / "outside", real)
+    plan = plan_job(spec)
+    assert plan.golden.input_file.path == name.path and plan.golden.input_file.sha256 == name.sha256
+    assert planted.is_file() and not planted.is_symlink()
+    assert hashlib.sha256(planted.read_bytes()).hexdigest() == name.sha256
+    assert untouched(tmp_path / "outside", real)
+    assert not [n for n in os.listdir(planted.parent) if "displaced" in n]
     _run_shards(spec, plan)
     assert merge(spec).golden.rows == N_GOLD
 
