@@ -522,6 +522,50 @@ def test_a_link_inside_a_ride_along_folder_or_a_file_grown_after_it_was_listed_i
     assert not (tmp_path / "d1" / "out" / PLAN_FILE).exists()
 
 
+@pytest.mark.parametrize("when", ["before the plan", "swapped in after the plan's check", "a FIFO"])
+def test_a_link_or_fifo_inside_a_ride_along_folder_is_refused_in_the_users_terms(tmp_path, monkeypatch, when):
+    """The ride-along folder is the user's: a link inside it (there before the plan, or swapped in between the
+    plan's link check and its read) or a FIFO is refused naming ``qa.reference.ride_along_uri``, the entry and what
+    to do. Before, the link swapped in and the FIFO got the storage layer's text ("no file or folder this provider
+    writes below ... is", "another writer of the folder put it there?"), which speaks of the provider's own
+    folders, and a link there before the plan a clumsy one."""
+    import os
+
+    from airflow_provider_vllm.core.storage import Storage
+
+    _input(tmp_path)
+    folder = tmp_path / "golden"
+    folder.mkdir()
+    _golden_file(tmp_path / "elsewhere.parquet")
+    g = folder / "g.parquet"
+    if when == "before the plan":
+        g.symlink_to(tmp_path / "elsewhere.parquet")
+    elif when == "a FIFO":
+        os.mkfifo(g)
+    else:
+        _golden_file(g)
+        real_open_read = Storage._open_read
+
+        def swap_then_open(self, rel):
+            if rel == g.name and not g.is_symlink():
+                (folder / ".swap").symlink_to(tmp_path / "elsewhere.parquet")
+                os.replace(folder / ".swap", g)
+            return real_open_read(self, rel)
+
+        monkeypatch.setattr(Storage, "_open_read", swap_then_open)
+    with pytest.raises(SpecError) as e:
+        plan_job(_spec(tmp_path, qa={"reference": {"ride_along_uri": str(folder)}}))
+    msg = str(e.value)
+    assert msg.startswith(f"qa.reference.ride_along_uri {folder}: {g} is ")
+    assert "this provider writes" not in msg and "another writer" not in msg
+    if when == "a FIFO":
+        assert "is not a regular file" in msg and "Replace it with the file itself" in msg
+    else:
+        assert g.is_symlink() and "is a symbolic link" in msg
+        assert "Replace the link with a copy of the file it points to, or set qa.reference.ride_along_uri" in msg
+    assert not (tmp_path / "d1" / "out" / PLAN_FILE).exists()
+
+
 def test_a_ride_along_uri_naming_one_linked_file_is_the_users_and_is_followed(tmp_path):
     """``ride_along_uri`` naming a link (``golden/current.parquet -> v7.parquet``) was refused, while ``golden_uri``
     naming one is followed (the user's own link, as an input URI's): now both follow it, and the plan copies the
