@@ -21,6 +21,7 @@ import contextlib
 import errno
 import hashlib
 import io
+import logging
 import os
 import posixpath
 import re
@@ -41,6 +42,8 @@ from fsspec.implementations.local import LocalFileSystem
 
 from airflow_provider_vllm.core import faults
 from airflow_provider_vllm.core.storage_retry import retrying
+
+log = logging.getLogger(__name__)
 
 GLOB_CHARS = "*?["
 """The characters that start a glob in DuckDB's ``read_parquet([...])`` paths and fsspec's ``expand_path``
@@ -412,6 +415,38 @@ class Storage:
 
         return self._call(digest, f"checksum {self.uri(rel)}")
 
+    def lstat(self, rel: str) -> os.stat_result | None:
+        """Local: the entry ``rel`` as it is (a link not followed), None when it is absent; a link in the path below
+        the root is refused (``LinkRefused``), as every local read refuses it. Object stores: not available."""
+        if not self.is_local:
+            raise NotImplementedError(f"no lstat on {self.uri(rel)}: object stores hold objects only")
+        if self.follow_links:
+            try:
+                return os.lstat(self.path(rel))
+            except FileNotFoundError:
+                return None
+        try:
+            with self._local_parent(rel, create=False, done="not read") as (dfd, name):
+                return os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+
+    def holds(self, rel: str, size: int, sha256: str, same_as: str | None = None) -> bool:
+        """Whether ``rel`` is a file this provider could have written with exactly ``size`` bytes and this
+        ``sha256``. Local: a regular file only; a link, folder, FIFO, socket or device there (another writer's) is
+        not, and is neither followed nor opened (``lstat`` first). ``same_as``: a local file below the root whose
+        very inode ``rel`` may be (a hard link of it: kept unread). Object stores: an object of these bytes."""
+        if not self.is_local:
+            return self.exists(rel) and self.sha256(rel, size) == sha256
+        st = self.lstat(rel)
+        if st is None or not stat.S_ISREG(st.st_mode) or st.st_size != size:
+            return False
+        if same_as is not None:
+            src = self.lstat(same_as)
+            if src is not None and stat.S_ISREG(src.st_mode) and (src.st_dev, src.st_ino) == (st.st_dev, st.st_ino):
+                return True
+        return self.sha256(rel, size) == sha256
+
     def _fetch(self, rel: str, size: int | None, dest: str) -> tuple[int, str]:
         """Copy ``rel`` to the local file ``dest`` while hashing it: ``(bytes read, sha256 of them)``. With ``size``,
         no more than ``size`` + 1 bytes are read, and none when the store states another size (``(stated, "")``)."""
@@ -509,10 +544,13 @@ class Storage:
         """Copy a finished local file to rel (remote: one PUT or multipart upload, visible whole or not at all)."""
         retrying(lambda: self.fs.put_file(local, self.path(rel)), f"upload {self.uri(rel)}")
 
-    def publish(self, local: str, rel: str, temp: str | None = None, fault: str | None = None) -> None:
+    def publish(
+        self, local: str, rel: str, temp: str | None = None, fault: str | None = None, displace: bool = False
+    ) -> None:
         """A finished local file at ``rel``, seen whole or not at all (local: a copy beside it, named ``temp``,
         default ``<name>.tmp-<uuid>``, then a rename; remote: one upload). ``fault``: the drill point hit half way
-        through the copy (``faults.partial_copy``). Local: ``LinkRefused`` (nothing written) as ``write_atomic``."""
+        through the copy (``faults.partial_copy``). Local: ``LinkRefused`` (nothing written) as ``write_atomic``;
+        ``displace``: a link, FIFO or folder at ``rel`` itself is replaced instead (``_replace_at``)."""
         if not self.is_local:
             self.upload(local, rel)
             return
@@ -524,16 +562,23 @@ class Storage:
                     shutil.copyfileobj(src, f, 1 << 20)
 
             tmp = _temp_at(dfd, temp or f"{name}.tmp-{uuid.uuid4().hex}", fill, sync=False)
-            self._replace_at(dfd, tmp, name, rel)
+            self._replace_at(dfd, tmp, name, rel, displace)
 
     def link_or_copy(
-        self, src: str, rel: str, temp: str | None = None, fault: str | None = None, link: bool = True
+        self,
+        src: str,
+        rel: str,
+        temp: str | None = None,
+        fault: str | None = None,
+        link: bool = True,
+        displace: bool = False,
     ) -> None:
         """The file ``src`` (a regular file below the root) visible whole at ``rel``: local, a hard link (a copy on
         a file system without them) made beside it as ``temp``, then a rename; remote, a server-side copy. Local:
         ``LinkRefused`` when a component of either path below the root is a symbolic link; the file linked is the
         one checked (a link made to another one swapped in is removed again, and the file copied through
-        ``_open_read`` instead). ``link`` False: always a copy."""
+        ``_open_read`` instead). ``link`` False: always a copy. ``displace``: a link, FIFO or folder at ``rel`` itself
+        is replaced, as ``publish``'s."""
         if not self.is_local:
             self.copy(src, rel)
             return
@@ -565,7 +610,7 @@ class Storage:
                 if not linked:  # a copy, read through O_NOFOLLOW (a link, a FIFO or a device is refused)
                     with self._open_read(src) as s:
                         _temp_at(dfd, tmp, lambda f: shutil.copyfileobj(s, f, 1 << 20), sync=False)
-                self._replace_at(dfd, tmp, name, rel)
+                self._replace_at(dfd, tmp, name, rel, displace)
             finally:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp, dir_fd=dfd)
@@ -640,15 +685,51 @@ class Storage:
             f"{self.uri()} is, so {self.uri(rel)} is {done} (another writer of the folder put it there?)"
         )
 
-    def _replace_at(self, dfd: int, tmp: str, name: str, rel: str) -> None:
+    def _replace_at(self, dfd: int, tmp: str, name: str, rel: str, displace: bool = False) -> None:
         """Rename the finished temp file ``tmp`` over ``name`` in the folder ``dfd`` (``rel``: for messages), a link
-        there refused (``_refuse_link_at``); ``tmp`` is gone afterwards either way."""
+        there refused (``_refuse_link_at``); ``tmp`` is gone afterwards either way.
+
+        ``displace``: whatever another writer put at ``name`` is replaced instead, never followed or opened (only
+        ``lstat``). A link, FIFO, socket or device: the rename replaces the entry itself. A folder (a rename cannot
+        replace one): first renamed aside, in the same folder, to ``.<name>.displaced-<uuid>``, then removed through
+        descriptors opened with O_NOFOLLOW (``_remove_tree``: a link inside is removed, never followed; bounded by
+        ``LISTING_MAX`` entries and ``REMOVE_DEPTH`` levels). When that removal fails, what is left of the folder
+        stays under the aside name, with a warning naming it: the file is in place either way."""
+        aside = None
         try:
-            self._refuse_link_at(dfd, name, rel, "not written")
+            if not displace:
+                self._refuse_link_at(dfd, name, rel, "not written")
+            elif not self.follow_links:
+                with contextlib.suppress(FileNotFoundError):
+                    if stat.S_ISDIR(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode):
+                        aside = f".{name}.displaced-{uuid.uuid4().hex}"
+                        os.rename(name, aside, src_dir_fd=dfd, dst_dir_fd=dfd)  # renameat: the entry, not followed
             os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp, dir_fd=dfd)
+            if aside is not None:
+                self._discard_at(dfd, aside, posixpath.join(posixpath.dirname(rel), aside))
+
+    def _discard_at(self, dfd: int, name: str, rel: str) -> None:
+        """Remove the entry ``name`` of the folder ``dfd`` (one ``_replace_at`` moved aside), links not followed;
+        a warning naming it when it cannot be removed (too large, too deep, not permitted)."""
+        from airflow_provider_vllm.core.errors import CommitError
+
+        try:
+            if stat.S_ISDIR(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode):
+                _remove_tree(dfd, name, [LISTING_MAX], self.uri(rel), LISTING_MAX, 0)
+            else:  # swapped for a file or link since it was moved aside: the entry itself
+                os.unlink(name, dir_fd=dfd)
+        except FileNotFoundError:
+            pass
+        except (OSError, CommitError) as e:
+            log.warning(
+                "%s (what another writer of the folder put where this provider writes a file, moved aside) could "
+                "not be removed and is left there: %s",
+                self.uri(rel),
+                e,
+            )
 
     def _refuse_link_at(self, dfd: int, name: str, rel: str, done: str) -> None:
         """``LinkRefused`` when ``name`` in the folder ``dfd`` is a symbolic link (the last component of ``rel``).

@@ -34,7 +34,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from airflow_provider_vllm.core import duck, faults
-from airflow_provider_vllm.core.errors import CommitError, DatasetError, SpecError, VerificationError
+from airflow_provider_vllm.core.errors import CommitError, DatasetError, LinkRefused, SpecError, VerificationError
 from airflow_provider_vllm.core.formats import input_format
 from airflow_provider_vllm.core.formats.base import row_columns
 from airflow_provider_vllm.core.formats.files import Input, describe_files, find_input
@@ -43,9 +43,10 @@ from airflow_provider_vllm.core.records import SHA256_HEX, GoldenSummary, MergeS
 from airflow_provider_vllm.core.rows import ERROR_SCHEMA, RESULT_SCHEMA
 from airflow_provider_vllm.core.spec import RESERVED_ID_PREFIX, JobSpec
 from airflow_provider_vllm.core.storage import CheckedCopies, FileSystems, Storage
-from airflow_provider_vllm.steps.qa.golden_set import check_golden_files, golden_reader
+from airflow_provider_vllm.steps.qa.golden_set import check_golden_files, golden_reader, link_error
 
 MERGED_FILE = "_MERGED.json"  # merge's sealed summary (steps/merge/merger.py MERGED), which holds GoldenSummary
+RIDE_ALONG = "qa.reference.ride_along_uri"  # the spec's field that names the golden rows riding along
 GOLDEN_IN = "_golden"  # the plan's copy of the golden rows, under the output prefix
 GOLDEN_OUT = "golden"  # merge's published golden results and errors
 GOLDEN_LABEL = "_vllm_golden_label"  # the known label's column in the golden input file
@@ -146,10 +147,10 @@ def plan_golden(spec: JobSpec, out: Storage, filesystems: FileSystems | None = N
     """Write ``_golden/input-<sha16>.parquet`` from ``qa.reference.ride_along_uri`` and cut its shards."""
     ref = spec.qa.reference
     assert ref.ride_along_uri is not None
-    where = f"qa.reference.ride_along_uri {ref.ride_along_uri}"
+    where = f"{RIDE_ALONG} {ref.ride_along_uri}"
     src = find_input(ref.ride_along_uri, spec.io.storage_options, "parquet", filesystems)
     # the golden set's bounds, on stated sizes: unread; a uri naming one linked file is the user's, as golden_uri's
-    check_golden_files(src, where, "ride-along golden rows", uri=ref.ride_along_uri)
+    check_golden_files(src, where, "ride-along golden rows", uri=ref.ride_along_uri, param=RIDE_ALONG)
     idc = spec.prompt.id_column
     # what the worker reads of a row (the template's columns, and model.adapter_column: a golden row names its
     # adapter as an input row does, so the golden rows score the adapters the job's rows run with)
@@ -247,8 +248,16 @@ def _bounded_copies(src: Input, tmp: str, where: str, uri: str) -> list[str]:
         reader = golden_reader(src.root, f.path, uri)  # inside a folder: each component opened with O_NOFOLLOW
         try:
             got = reader.fetch_pinned(f.path, f.size, dest)  # a FIFO or a device is refused, linked or not
-        except CommitError as e:  # a link, a FIFO or a device where a golden file was listed
-            raise SpecError(f"{where}: {e}") from None
+        except LinkRefused:  # swapped for a link since check_golden_files: the user's folder, said as such
+            raise link_error(src.root, f.path, where, RIDE_ALONG) from None
+        except CommitError as e:  # a FIFO or a device where a golden file was listed (remote: an encoded object)
+            if not src.root.is_local:
+                raise SpecError(f"{where}: {e}") from None
+            raise SpecError(
+                f"{where}: {src.root.uri(f.path)} is not a regular file (a FIFO, a device or a socket, or a link to "
+                f"one), so it is refused unopened: the plan reads the ride-along golden rows from Parquet files "
+                f"only. Replace it with the file itself, or point {RIDE_ALONG} elsewhere"
+            ) from None
         if not SHA256_HEX.fullmatch(got):  # "[at least] N bytes, not <size>": no sha256
             raise SpecError(
                 f"{where}: {src.root.uri(f.path)} is {'larger' if got.startswith('at least') else 'smaller'} than the "
@@ -262,7 +271,8 @@ def _bounded_copies(src: Input, tmp: str, where: str, uri: str) -> list[str]:
 def _put(out: Storage, local: str, rows: int) -> CacheFile:
     """``_golden/input-<sha16>.parquet``, as the result cache writes its files (``result_cache.put_by_content``): a file
     already at that name is kept only when it has these bytes (a killed plan's; the prefix has other writers, and
-    the name is predictable), any other is replaced; with its version as the store states it."""
+    the name is predictable), anything else (another file, a link, a FIFO, a folder) is replaced; with its version
+    as the store states it."""
     from airflow_provider_vllm.steps.cache.result_cache import put_by_content
 
     f = put_by_content(out, local, f"{GOLDEN_IN}/input", rows)

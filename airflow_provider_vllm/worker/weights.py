@@ -92,6 +92,7 @@ class WeightsCheck:
         self._queued: str | None = None  # the log label of the pass to start when a running one ends
         self._cut = False  # a pass was stopped by close() before it read every file, or a queued one never started
         self._blocks = 0  # blocks hashed so far, all passes: progress for the watchdog while ``wait`` waits
+        self._blocks_lock = threading.Lock()  # the passes' threads count side by side: one increment at a time
 
     def start(self, when: str) -> None:
         """Start a pass over every pin (``when``: for the log): now, or when a running one ends while
@@ -151,8 +152,11 @@ class WeightsCheck:
                 self._spawn(queued)
 
     def _tick(self) -> bool:
-        """Called by ``check_folder`` between blocks: counts one, and says whether to stop."""
-        self._blocks += 1
+        """Called by ``check_folder`` between blocks: counts one, and says whether to stop. Passes run in threads
+        side by side: the count's read and write are one step under its own lock (not ``_lock``, so that counting a
+        block never waits on ``start``, ``settled`` or ``wait``), else a switch between them loses a count."""
+        with self._blocks_lock:
+            self._blocks += 1
         return self._stop.is_set()
 
     def bracket(self, factory: Callable[[JobSpec], Any]) -> Callable[[JobSpec], Any]:

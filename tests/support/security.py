@@ -98,3 +98,40 @@ def counted_reads(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(Storage, "_open_read", counted)
     return read
+
+
+PLANTED_KINDS = ["link", "dangling link", "fifo", "folder"]
+"""What another writer of a local prefix can put where the pipeline writes a regular file (``plant``)."""
+
+
+def plant(path: Path, kind: str, outside: Path, data: bytes = b"another tenant's") -> None:
+    """Put at ``path`` what another writer of its folder could (a kind of ``PLANTED_KINDS``): a link to the file
+    ``outside/victim`` (which holds ``data``), a dangling link, a FIFO (a read that opens it would block), or a
+    folder holding links to ``outside`` and to its file, a FIFO and a nested folder."""
+    import os
+
+    outside.mkdir(parents=True, exist_ok=True)
+    victim = outside / "victim"
+    victim.write_bytes(data)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if kind == "link":
+        path.symlink_to(victim)
+    elif kind == "dangling link":
+        path.symlink_to(outside / "missing")
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "folder":
+        (path / "deep" / "er").mkdir(parents=True)
+        (path / "deep" / "er" / "file").write_bytes(b"x")
+        (path / "to-file").symlink_to(victim)
+        (path / "deep" / "to-folder").symlink_to(outside, target_is_directory=True)
+        os.mkfifo(path / "fifo")
+    else:
+        raise ValueError(kind)
+
+
+def untouched(outside: Path, data: bytes = b"another tenant's") -> bool:
+    """Whether ``outside`` (``plant``'s) holds its file alone, with its bytes: nothing removed or written there."""
+    import os
+
+    return sorted(os.listdir(outside)) == ["victim"] and (outside / "victim").read_bytes() == data

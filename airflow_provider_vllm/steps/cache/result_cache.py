@@ -315,12 +315,13 @@ def file_sha256(path: str) -> str:
 
 def put_by_content(out: Storage, local: str, stem: str, rows: int) -> CacheFile:
     """The plan's local file at ``<stem>-<sha16>.parquet`` under ``out``: named by content, so an existing file of
-    that name is kept only when it has these bytes (a killed plan's), any other (planted: the prefix has other
-    writers and the name is predictable) is replaced; a link there is refused."""
+    that name is kept only when it is a regular file of these bytes (a killed plan's), anything else (planted: the
+    prefix has other writers and the name is predictable) is replaced: another file, a link, a FIFO or a folder
+    (``Storage.publish``'s ``displace``: never followed, opened or read)."""
     sha, size = file_sha256(local), os.path.getsize(local)
     rel = f"{stem}-{sha[:16]}.parquet"
-    if not (out.exists(rel) and out.sha256(rel, size) == sha):
-        out.publish(local, rel)
+    if not out.holds(rel, size, sha):
+        out.publish(local, rel, displace=True)
     return CacheFile(path=rel, bytes=size, sha256=sha, rows=rows)
 
 

@@ -1043,8 +1043,9 @@ def publish_parts(
     or a fresh empty file of ``schema``, default ``SCHEMAS[kind]``: the plan's per-job schema) so readers see
     the schema. A part that lost dropped duplicate rows is re-encoded without them, from its copy checked against
     its sealed marker (``copies``): its new sha256 goes into the manifest
-    merge seals. A part already published with the right size is kept, so a rerun only does what a crash left
-    undone; stale ``part-*`` files and temp files are removed.
+    merge seals. A part already published with the right size and sha256 is kept (a regular file only: a link
+    there, even to the right bytes, is replaced), so a rerun only does what a crash left undone; stale ``part-*``
+    files and temp files are removed.
     ``published``: why the run's parts may not change (``published_state``: a sealed ``_SUCCESS.json`` or
     ``_PUBLISHING.json``): CommitError before anything is written when a part would be added, replaced or removed
     (only a rerun whose parts are all in place goes on).
@@ -1147,36 +1148,38 @@ def keep_published(out: Storage, published: Published | None, rel: str, sha256: 
 def _publish_reference(out: Storage, src: SourcePart, rel: str, published: Published | None = None) -> None:
     """``src`` visible whole at ``rel`` without decoding it: hard link, else copy (local), server-side copy (remote).
 
-    A part already there (a rerun) is kept only when it is the same file (local) or has the source's sealed
-    sha256; its bytes are checked again after publishing (``verify_parts``)."""
-    if out.is_local:  # os calls: fsspec's exists/size cost more than the link itself, once per part
-        dest = out.path(rel)
-        if (
-            os.path.exists(dest)
-            and os.path.getsize(dest) == src.bytes
-            and (os.path.samefile(dest, out.path(src.rel)) or out.sha256(rel, src.bytes) == src.sha256)
-        ):
-            return
-    elif out.exists(rel) and out.sha256(rel, src.bytes) == src.sha256:
+    A part already there (a rerun) is kept only when it is a regular file that is the source itself (a hard link,
+    local) or has the source's sealed size and sha256 (``Storage.holds``: never through a symbolic link); anything
+    else there (a link, even to a file of the right bytes; a FIFO; a folder) is replaced. Object stores: its bytes
+    are checked again after publishing (``verify_parts``)."""
+    if out.holds(rel, src.bytes, src.sha256, same_as=src.rel if out.is_local else None):
         return
     if published:
-        _refuse_published(out, rel, "replace" if out.exists(rel) else "add", published)
+        _refuse_published(out, rel, "replace" if _there(out, rel) else "add", published)
     if not out.is_local:
         out.copy(src.rel, rel)  # server-side: one object, visible whole or not at all
         return
     # through descriptors, no link below the output followed (drills: a copy killed half-way at merge.mid_file)
-    out.link_or_copy(src.rel, rel, temp=f".{os.path.basename(rel)}.tmp-{os.getpid()}", fault="merge.mid_file")
+    out.link_or_copy(
+        src.rel, rel, temp=f".{os.path.basename(rel)}.tmp-{os.getpid()}", fault="merge.mid_file", displace=True
+    )
+
+
+def _there(out: Storage, rel: str) -> bool:
+    """Whether anything is at ``rel`` (local: a link too, dangling or not)."""
+    return out.lstat(rel) is not None if out.is_local else out.exists(rel)
 
 
 def _publish_local(out: Storage, kind: str, local: str, name: str, published: Published | None = None) -> PartEntry:
     """A file merge wrote itself (an empty part, a part re-encoded without dropped duplicates) at ``kind/name``."""
     rel = f"{kind}/{name}"
     size, digest = os.path.getsize(local), Storage(os.path.dirname(local)).sha256(os.path.basename(local))
-    if not (out.exists(rel) and out.sha256(rel, size) == digest):
+    if not out.holds(rel, size, digest):  # a regular file of these bytes: never through a link
         if published:
-            _refuse_published(out, rel, "replace" if out.exists(rel) else "add", published)
-        # local: a copy beside it, then a rename, no link below the output followed; remote: one object
-        out.publish(local, rel, temp=f".{name}.tmp-{os.getpid()}", fault="merge.mid_file")
+            _refuse_published(out, rel, "replace" if _there(out, rel) else "add", published)
+        # local: a copy beside it, then a rename, no link below the output followed (a link, FIFO or folder at
+        # the part's name is replaced itself); remote: one object
+        out.publish(local, rel, temp=f".{name}.tmp-{os.getpid()}", fault="merge.mid_file", displace=True)
     return PartEntry(name=name, bytes=size, sha256=digest, rows=pq.ParquetFile(local).metadata.num_rows)
 
 

@@ -62,14 +62,21 @@ def golden_reader(root: Storage, name: str, uri: str | None) -> Storage:
     return Storage(root.root, root.options, root.filesystems, follow_links=False)
 
 
-def _link_error(root: Storage, name: str, where: str, what: str = "golden set") -> SpecError:
+def link_error(root: Storage, name: str, where: str, param: str = "qa.reference.golden_uri") -> SpecError:
+    """The SpecError for a symbolic link at or above the golden file ``name`` below the folder ``root`` that the
+    spec's ``param`` names (``where``: the parameter and its value): the user's own folder, so the message says what
+    the plan reads and what to do, not what the provider writes."""
     return SpecError(
-        f"{where}: {root.uri(name)} is a symbolic link (or lies under one); a golden file must be a file "
-        f"of the {what}'s folder itself: copy the file there"
+        f"{where}: {root.uri(name)} is a symbolic link (or lies under one). The plan reads only the files of the "
+        f"folder {param} names, never through a link below it (whoever can write that folder could point one at "
+        f"any file the plan can read). Replace the link with a copy of the file it points to, or set {param} to "
+        "one file (a link it names itself is followed)"
     )
 
 
-def _check_not_a_link(root: Storage, name: str, where: str, what: str = "golden set", uri: str | None = None) -> None:
+def _check_not_a_link(
+    root: Storage, name: str, where: str, param: str = "qa.reference.golden_uri", uri: str | None = None
+) -> None:
     """SpecError when the local file ``name`` under ``root`` is a symbolic link or lies under one. A ``uri`` (the
     spec's) that names the file itself may be a link (``labels/current.parquet -> v7.parquet``): that link is the
     user's, as an input URI's are (the plan pins the bytes it reaches); only a link below a golden folder is refused.
@@ -78,14 +85,16 @@ def _check_not_a_link(root: Storage, name: str, where: str, what: str = "golden 
         return
     expected = os.path.join(os.path.realpath(root.base), name)
     if os.path.realpath(root.path(name)) != expected:
-        raise _link_error(root, name, where, what)
+        raise link_error(root, name, where, param)
 
 
-def check_golden_files(found: Input, where: str, what: str = "golden set", uri: str | None = None) -> None:
+def check_golden_files(
+    found: Input, where: str, what: str = "golden set", uri: str | None = None, param: str = "qa.reference.golden_uri"
+) -> None:
     """SpecError, naming ``where`` and the file, when the golden files ``found`` are more than ``MAX_FILES``, or
     more than ``MAX_BYTES`` in all on the sizes the store states (nothing read yet: a planted file of a TB is refused
-    unread), or (local) one is a symbolic link or lies under one. The golden set's bounds, also the ride-along
-    golden rows' (``steps/golden.py``)."""
+    unread), or (local) one is a symbolic link or lies under one (``link_error``, naming ``param``). The golden
+    set's bounds, also the ride-along golden rows' (``steps/golden.py``)."""
     if len(found.files) > MAX_FILES:
         raise SpecError(f"{where}: {len(found.files)} files, more than {MAX_FILES}; point it at the {what}")
     total = 0
@@ -97,7 +106,7 @@ def check_golden_files(found: Input, where: str, what: str = "golden set", uri: 
                 "bytes; refused unread (a golden set is an id -> label table)"
             )
     for f in found.files:
-        _check_not_a_link(found.root, f.path, where, what, uri)
+        _check_not_a_link(found.root, f.path, where, param, uri)
 
 
 def pin_golden_set(
@@ -123,7 +132,7 @@ def pin_golden_set(
         try:  # a file inside a golden folder read without following links: a link swapped in since is refused
             local, digest = CheckedCopies(golden_reader(found.root, f.path, uri), tmp).pin(f.path, f.size)
         except LinkRefused:
-            raise _link_error(found.root, f.path, _where(uri)) from None
+            raise link_error(found.root, f.path, _where(uri)) from None
         if not SHA256_HEX.fullmatch(digest):  # another size than listed: written while the plan read it
             raise DatasetError(
                 f"{_where(uri)}: {found.root.uri(f.path)} changed while the plan read it ({digest}); plan again "
@@ -174,7 +183,7 @@ def checked_golden_set(
         try:  # a file inside a golden folder read without following links (``golden_reader``)
             paths.append(CheckedCopies(golden_reader(root, f.path, uri), tmp).get(f.path, f.bytes, f.sha256))
         except LinkRefused:
-            raise _link_error(root, f.path, _where(uri)) from None
+            raise link_error(root, f.path, _where(uri)) from None
         except (CommitError, FileNotFoundError) as e:
             raise InputChangedError(
                 f"{_where(uri)}: {root.uri(f.path)} changed since the plan (it is not the {f.bytes} bytes of sha256 "

@@ -11,13 +11,14 @@ then read is an ordinary ``Input`` of Parquet files, so the worker needs neither
   columns projected by field id) into a local file and writes it under the output prefix,
   ``_table/input-<sha16>.parquet`` (named by content: a killed or repeated plan leaves the same file). The
   output prefix has other writers than the plan, so nothing there is trusted: a file already at that name is
-  kept only when its bytes hash to the sha256 just computed (a link there is refused), else the plan writes
-  its own over it; the plan itself reads only its local copy; ``TablePin`` pins the file's size and sha256
-  (``input_sha256``, ``input_bytes``). Each shard that neither the result cache nor the dedupe gives its own
-  input file gets one here (``split_materialized``: its rows, under ``_table/shard-inputs/``, size and sha256
-  in ``ShardPlan.input_file``): the worker fetches and hashes only its own rows. Merge and QA read a local
-  copy of the whole file checked against the pin (``Plan.input_storage``). A materialized plan from before
-  the pin (no ``input_sha256``) is refused by every reader: plan again.
+  kept only when it is a regular file whose bytes hash to the sha256 just computed, else the plan writes its
+  own over it (over a link, a FIFO or a folder too: never followed, opened or read); the plan itself reads
+  only its local copy; ``TablePin`` pins the file's size and sha256 (``input_sha256``, ``input_bytes``). Each
+  shard that neither the result cache nor the dedupe gives its own input file gets one here
+  (``split_materialized``: its rows, under ``_table/shard-inputs/``, size and sha256 in
+  ``ShardPlan.input_file``): the worker fetches and hashes only its own rows. Merge and QA read a local copy of
+  the whole file checked against the pin (``Plan.input_storage``). A materialized plan from before the pin (no
+  ``input_sha256``) is refused by every reader: plan again.
 
 Refused, naming the table and the snapshot: delete files (merge-on-read), data files that are not Parquet,
 data files outside the allowed prefixes, an unknown snapshot, a row filter that does not parse or bind,
@@ -279,9 +280,9 @@ def _materialize(
     local file under ``workdir`` and written under ``_table/`` (named by content); (the input, read from the local
     copy, its sha256, its size).
 
-    A file already at that name under the output prefix is kept only when it has these bytes (its sha256
-    checked; a link there is refused, ``LinkRefused``); any other is replaced by the plan's own. Only the local
-    copy is read afterwards, here and by the rest of the plan."""
+    A file already at that name under the output prefix is kept only when it is a regular file of these bytes
+    (its sha256 checked); anything else there (another file, a link, a FIFO, a folder) is replaced by the plan's
+    own. Only the local copy is read afterwards, here and by the rest of the plan."""
     from pyiceberg.io.pyarrow import ArrowScan
 
     reader = ArrowScan(table.metadata, table.io, projected, row_filter, case_sensitive=True)
@@ -307,8 +308,8 @@ def _materialize(
             writer.close()
     from airflow_provider_vllm.steps.cache.result_cache import put_by_content
 
-    # never trusted as it is: another writer of the prefix may have planted a file (or a link) at this name, which
-    # put_by_content keeps only when it has these bytes
+    # never trusted as it is: another writer of the prefix may have planted a file (or a link, a FIFO, a folder) at
+    # this name, which put_by_content keeps only when it is a regular file of these bytes
     written = put_by_content(out, local, f"{TABLE_DIR}/input", pq.read_metadata(local).num_rows)
     name = written.path.rsplit("/", 1)[1]
     os.rename(local, os.path.join(tmp, name))

@@ -16,7 +16,7 @@ import pytest
 from airflow_provider_vllm.core.errors import CommitError, LinkRefused, ListingTooLarge
 from airflow_provider_vllm.core.storage import RECORD_MAX_BYTES, Storage
 from tests.support import ROOT
-from tests.support.security import counted_reads
+from tests.support.security import PLANTED_KINDS, counted_reads, plant, untouched
 
 
 def check_capped_reads(st: Storage) -> None:
@@ -433,3 +433,59 @@ def test_a_recursive_removal_stops_at_its_bound_and_never_follows_a_link_inside(
         st.remove("entries/e2", recursive=True, limit=10)
     with pytest.raises(IsADirectoryError):
         st.remove("entries/e2")
+
+
+@pytest.mark.parametrize("kind", PLANTED_KINDS)
+def test_publish_with_displace_replaces_a_link_fifo_or_folder_and_touches_nothing_else(tmp_path, kind):
+    """``publish(..., displace=True)`` (a file named by its content, kept only when it has these bytes): what
+    another writer put at the name is replaced, never followed or opened; ``holds`` says no to it first (an lstat,
+    no open: a FIFO would block a read). Without ``displace`` a link there is still refused."""
+    import hashlib
+
+    local = tmp_path / "mine.parquet"
+    local.write_bytes(b"the plan's bytes")
+    sha = hashlib.sha256(b"the plan's bytes").hexdigest()
+    out = Storage(str(tmp_path / "out"))
+    plant(tmp_path / "out" / "t" / "f.parquet", kind, tmp_path / "outside", b"the plan's bytes")
+    assert not out.holds("t/f.parquet", 16, sha)
+    if kind == "link":
+        with pytest.raises(LinkRefused, match="t/f.parquet is a symbolic link"):
+            out.publish(str(local), "t/f.parquet")
+    out.publish(str(local), "t/f.parquet", displace=True)
+    assert os.listdir(tmp_path / "out" / "t") == ["f.parquet"]  # a folder moved aside is removed too
+    assert (tmp_path / "out" / "t" / "f.parquet").read_bytes() == b"the plan's bytes"
+    assert out.holds("t/f.parquet", 16, sha) and untouched(tmp_path / "outside", b"the plan's bytes")
+
+
+def test_holds_needs_a_regular_file_of_the_size_and_sha256_and_a_hard_link_of_same_as_is_one(tmp_path):
+    import hashlib
+
+    out = Storage(str(tmp_path))
+    out.write_atomic("a", b"abc")
+    sha = hashlib.sha256(b"abc").hexdigest()
+    assert out.holds("a", 3, sha) and not out.holds("a", 4, sha) and not out.holds("a", 3, "0" * 64)
+    assert not out.holds("missing", 3, sha) and out.lstat("missing") is None
+    os.link(tmp_path / "a", tmp_path / "b")
+    assert out.holds("b", 3, "not read", same_as="a")  # the very file: kept unread
+    (tmp_path / "c").symlink_to(tmp_path / "a")
+    assert not out.holds("c", 3, sha, same_as="a")  # a link to it is no file of the run
+    (tmp_path / "d").symlink_to(tmp_path, target_is_directory=True)
+    with pytest.raises(LinkRefused, match="d is a symbolic link"):
+        out.holds("d/a", 3, sha)  # a link in the path below the root: refused as every read refuses it
+
+
+def test_a_displaced_folder_too_large_to_remove_is_left_aside_with_a_warning(tmp_path, monkeypatch, caplog):
+    """The removal of a folder moved aside is bounded (``LISTING_MAX`` entries): past it, what is left stays
+    under the aside name, named in a warning; the file is in place either way."""
+    from airflow_provider_vllm.core import storage
+
+    monkeypatch.setattr(storage, "LISTING_MAX", 3)
+    (tmp_path / "out" / "f").mkdir(parents=True)
+    for i in range(5):
+        (tmp_path / "out" / "f" / str(i)).write_bytes(b"x")
+    (tmp_path / "mine").write_bytes(b"mine")
+    with caplog.at_level("WARNING"):
+        Storage(str(tmp_path / "out")).publish(str(tmp_path / "mine"), "f", displace=True)
+    assert (tmp_path / "out" / "f").read_bytes() == b"mine"
+    (aside,) = [n for n in os.listdir(tmp_path / "out") if n != "f"]
+    assert aside.startswith(".f.displaced-") and aside in caplog.text and "could not be removed" in caplog.text

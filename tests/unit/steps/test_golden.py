@@ -28,6 +28,7 @@ from tests.support.data import LABELS, PINNED_REVISION, make_spec, write_parquet
 from tests.support.fakes import FakeEngine
 from tests.support.ledger import record_fault, record_malicious
 from tests.support.reconcile import reconcile
+from tests.support.security import PLANTED_KINDS, plant, untouched
 
 N_IN, N_GOLD = 90, 45
 
@@ -224,6 +225,32 @@ def test_a_file_planted_at_the_golden_files_name_is_rewritten_not_pinned(tmp_pat
     plan = plan_job(spec)
     assert plan.golden.input_file.path == name.path
     assert hashlib.sha256(planted.read_bytes()).hexdigest() == plan.golden.input_file.sha256 == name.sha256
+    _run_shards(spec, plan)
+    assert merge(spec).golden.rows == N_GOLD
+
+
+@pytest.mark.parametrize("kind", PLANTED_KINDS)
+def test_a_link_fifo_or_folder_at_the_golden_files_name_is_replaced(tmp_path, kind):
+    """A link (even to the very bytes the plan writes), a FIFO or a folder (with links out of the prefix inside)
+    that another writer of the prefix put at ``_golden/input-<sha16>.parquet`` is replaced by the plan's own file,
+    never followed, opened or read (before, each failed the plan); nothing outside that one name is touched."""
+    import hashlib
+    import os
+
+    _golden_file(tmp_path / "golden.parquet")
+    _input(tmp_path, "d0")
+    name = plan_job(_spec(tmp_path, "d0")).golden.input_file  # the same golden rows and spec: the same file
+    real = (tmp_path / "d0" / "out" / name.path).read_bytes()
+    _input(tmp_path)
+    spec = _spec(tmp_path)
+    planted = Path(spec.io.output_uri) / name.path
+    plant(planted, kind, tmp_path / "outside", real)
+    plan = plan_job(spec)
+    assert plan.golden.input_file.path == name.path and plan.golden.input_file.sha256 == name.sha256
+    assert planted.is_file() and not planted.is_symlink()
+    assert hashlib.sha256(planted.read_bytes()).hexdigest() == name.sha256
+    assert untouched(tmp_path / "outside", real)
+    assert not [n for n in os.listdir(planted.parent) if "displaced" in n]
     _run_shards(spec, plan)
     assert merge(spec).golden.rows == N_GOLD
 
@@ -492,6 +519,50 @@ def test_a_link_inside_a_ride_along_folder_or_a_file_grown_after_it_was_listed_i
     monkeypatch.setattr(golden_mod, "find_input", listed_then_grown)
     with pytest.raises(SpecError, match=r"golden\.parquet is larger than the \d+ bytes stated when it was listed"):
         plan_job(_spec(tmp_path))
+    assert not (tmp_path / "d1" / "out" / PLAN_FILE).exists()
+
+
+@pytest.mark.parametrize("when", ["before the plan", "swapped in after the plan's check", "a FIFO"])
+def test_a_link_or_fifo_inside_a_ride_along_folder_is_refused_in_the_users_terms(tmp_path, monkeypatch, when):
+    """The ride-along folder is the user's: a link inside it (there before the plan, or swapped in between the
+    plan's link check and its read) or a FIFO is refused naming ``qa.reference.ride_along_uri``, the entry and what
+    to do. Before, the link swapped in and the FIFO got the storage layer's text ("no file or folder this provider
+    writes below ... is", "another writer of the folder put it there?"), which speaks of the provider's own
+    folders, and a link there before the plan a clumsy one."""
+    import os
+
+    from airflow_provider_vllm.core.storage import Storage
+
+    _input(tmp_path)
+    folder = tmp_path / "golden"
+    folder.mkdir()
+    _golden_file(tmp_path / "elsewhere.parquet")
+    g = folder / "g.parquet"
+    if when == "before the plan":
+        g.symlink_to(tmp_path / "elsewhere.parquet")
+    elif when == "a FIFO":
+        os.mkfifo(g)
+    else:
+        _golden_file(g)
+        real_open_read = Storage._open_read
+
+        def swap_then_open(self, rel):
+            if rel == g.name and not g.is_symlink():
+                (folder / ".swap").symlink_to(tmp_path / "elsewhere.parquet")
+                os.replace(folder / ".swap", g)
+            return real_open_read(self, rel)
+
+        monkeypatch.setattr(Storage, "_open_read", swap_then_open)
+    with pytest.raises(SpecError) as e:
+        plan_job(_spec(tmp_path, qa={"reference": {"ride_along_uri": str(folder)}}))
+    msg = str(e.value)
+    assert msg.startswith(f"qa.reference.ride_along_uri {folder}: {g} is ")
+    assert "this provider writes" not in msg and "another writer" not in msg
+    if when == "a FIFO":
+        assert "is not a regular file" in msg and "Replace it with the file itself" in msg
+    else:
+        assert g.is_symlink() and "is a symbolic link" in msg
+        assert "Replace the link with a copy of the file it points to, or set qa.reference.ride_along_uri" in msg
     assert not (tmp_path / "d1" / "out" / PLAN_FILE).exists()
 
 

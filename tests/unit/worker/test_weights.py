@@ -438,3 +438,65 @@ def test_a_queued_pass_dropped_by_close_never_counts_as_settled(tmp_path, monkey
     gate.set()
     check.wait()
     assert not check.settled()
+
+
+def test_blocks_hashed_by_several_passes_at_once_are_all_counted():
+    """``_tick`` is called by every pass's hashing thread (up to ``MAX_PASSES`` at once): the progress count that
+    ``wait`` turns into watchdog beats must count each block once. An unlocked ``+= 1`` is a read, an add and a
+    write; a thread switch between the read and the write loses a count. Here the read of the count lets other
+    threads run (as a switch there would), so an unlocked increment loses counts every time."""
+
+    class SwitchingRead(worker_weights.WeightsCheck):
+        @property
+        def _blocks(self) -> int:
+            n = self.__dict__["_n"]
+            time.sleep(0.0005)  # another thread runs here, between the read and the write
+            return n
+
+        @_blocks.setter
+        def _blocks(self, n: int) -> None:
+            self.__dict__["_n"] = n
+
+    check = SwitchingRead([])
+    threads, ticks = 8, 25
+    go = threading.Barrier(threads)
+
+    def hash_blocks() -> None:
+        go.wait()
+        for _ in range(ticks):
+            assert check._tick() is False
+
+    workers = [threading.Thread(target=hash_blocks) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert check.__dict__["_n"] == threads * ticks
+
+
+def test_blocks_counted_from_many_threads_at_the_interpreters_fastest_switching():
+    """The real class, hammered from many threads with the interpreter switching as often as it can. With the GIL
+    (CPython 3.11) an unlocked ``+= 1`` rarely loses a count this way, so this passed before the lock by luck; it
+    matters on a free-threaded build. The test above is the one that fails without the lock."""
+    import sys
+
+    check = worker_weights.WeightsCheck([])
+    threads, ticks = 16, 5_000
+    go = threading.Barrier(threads)
+
+    def hash_blocks() -> None:
+        go.wait()
+        for _ in range(ticks):
+            check._tick()
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        workers = [threading.Thread(target=hash_blocks) for _ in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert check._blocks == threads * ticks

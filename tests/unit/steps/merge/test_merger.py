@@ -30,6 +30,7 @@ from airflow_provider_vllm.worker.shard import run_shard
 from airflow_provider_vllm.worker.task import ShardTask
 from tests.support.data import make_spec, write_parquet
 from tests.support.ledger import record_bad_rows, record_malicious
+from tests.support.security import PLANTED_KINDS, plant, untouched
 
 IDS = [f"r{i:03d}" for i in range(60)]
 
@@ -448,3 +449,69 @@ def test_merge_writes_no_part_through_a_link_planted_in_the_output(tmp_path):
     with pytest.raises(LinkRefused, match="errors is a symbolic link"):
         _publish_reference(out, src, "errors/part-00001.parquet")
     assert sorted(os.listdir(other)) == ["victim.parquet"]
+
+
+@pytest.mark.parametrize(
+    "kind, target",
+    [("results", "a copy elsewhere"), ("results", "the chunk it was linked from"), ("errors", "a copy elsewhere")],
+)
+def test_a_rerun_replaces_a_part_swapped_for_a_link_to_a_file_of_the_right_bytes(run, tmp_path, kind, target):
+    """A part already published is kept by a rerun only when it is a regular file of its sealed size and sha256: a
+    link put in its place (by another writer of the prefix), even to a file of the very bytes, is replaced by the
+    part itself, never stat'ed or read through (before, merge kept a link to the committed chunk, and refused a
+    link to a copy elsewhere on every rerun)."""
+    import hashlib
+
+    spec, _, out = run
+    merge(spec)
+    manifest = json.loads((out / kind / "_manifest.json").read_text())
+    entry = manifest["parts"][-1]
+    part = out / kind / entry["name"]
+    if target == "a copy elsewhere":
+        dest = tmp_path / "elsewhere" / "part.parquet"
+        dest.parent.mkdir()
+        shutil.copyfile(part, dest)
+    else:
+        (dest,) = [p for p in (out / "shards").rglob("*.parquet") if os.path.samefile(p, part)]
+    part.unlink()
+    part.symlink_to(dest)
+    assert merge(spec).dump()["ok_rows"] == len(IDS)
+    assert part.is_file() and not part.is_symlink()
+    assert hashlib.sha256(part.read_bytes()).hexdigest() == entry["sha256"]
+
+
+def test_a_part_swapped_for_a_link_after_publish_is_refused_by_a_rerun_naming_it(run):
+    """A published run's parts are referenced by path: a rerun does not replace one, even a link put in its place;
+    it refuses, naming the part and what to do."""
+    from airflow_provider_vllm.steps.publish import SUCCESS, success_bytes
+
+    spec, _, out = run
+    merged = merge(spec)
+    body = success_bytes({"rows": merged.rows, "checksums": merged.checksums}, Keyring.from_env(), str(out))
+    (out / SUCCESS).write_bytes(body)
+    part = sorted((out / "results").glob("part-*.parquet"))[-1]
+    dest = out.parent / "elsewhere.parquet"
+    shutil.copyfile(part, dest)
+    part.unlink()
+    part.symlink_to(dest)
+    with pytest.raises(CommitError, match=rf"results/{part.name}: the run under .* is published .* would replace"):
+        merge(spec)
+    assert part.is_symlink()  # nothing changed
+
+
+@pytest.mark.parametrize("kind", PLANTED_KINDS)
+def test_a_part_merge_writes_itself_replaces_a_link_fifo_or_folder_at_its_name(tmp_path, kind):
+    """A part merge writes itself (an empty part, one re-encoded without dropped copies) is kept by a rerun only
+    when it is a regular file of its bytes: a link there (even to those bytes), a FIFO or a folder is replaced,
+    never followed or opened, and nothing outside is touched (before, each failed the merge)."""
+    from airflow_provider_vllm.steps.merge.merger import _publish_local
+
+    local = tmp_path / "part.parquet"
+    pq.write_table(pa.table({"id": ["a"]}), local)
+    data = local.read_bytes()
+    plant(tmp_path / "run" / "results" / "part-00000.parquet", kind, tmp_path / "outside", data)
+    entry = _publish_local(Storage(str(tmp_path / "run")), "results", str(local), "part-00000.parquet")
+    part = tmp_path / "run" / "results" / "part-00000.parquet"
+    assert entry.rows == 1 and part.is_file() and not part.is_symlink() and part.read_bytes() == data
+    assert sorted(os.listdir(tmp_path / "run" / "results")) == ["part-00000.parquet"]
+    assert untouched(tmp_path / "outside", data)

@@ -24,6 +24,7 @@ from airflow_provider_vllm.steps.tables.access import Tables
 from airflow_provider_vllm.worker.shard import run_shard
 from airflow_provider_vllm.worker.task import ShardTask
 from tests.support.iceberg import run_job, source_table, sql_catalog, table_spec
+from tests.support.security import PLANTED_KINDS, plant, untouched
 
 FILTER = "lang = 'fr'"  # not on a partition column: the plan materializes the matching rows
 
@@ -150,16 +151,23 @@ def test_a_file_planted_at_the_predictable_name_before_the_plan_is_not_pinned(la
         assert not any(t.startswith("F") for t in pq.read_table(run / s.input_file.path).column("text").to_pylist())
 
 
-def test_a_link_at_the_predictable_name_is_refused(lake, tmp_path):
+@pytest.mark.parametrize("kind", PLANTED_KINDS)
+def test_a_link_fifo_or_folder_at_the_predictable_name_is_replaced(lake, tmp_path, kind, fake_engine_factory):
+    """``_table/input-<sha16>.parquet`` is predictable, and the prefix has other writers: a link there (even to
+    the very bytes the plan writes), a FIFO or a folder (with links out of the prefix inside) is replaced by the
+    plan's own file, never followed, opened or read (before, each failed the plan: a denial of service); nothing
+    outside that one name is touched."""
     first = tmp_path / "first"
-    plan_job(table_spec(str(first), row_filter=FILTER), tables=lake)
+    pinned = plan_job(table_spec(str(first), row_filter=FILTER), tables=lake)
+    real = snapshot_file(first).read_bytes()
     run = tmp_path / "run"
-    (run / "_table").mkdir(parents=True)
-    link = run / "_table" / snapshot_file(first).name
-    link.symlink_to(snapshot_file(first))  # even to the very bytes the plan would write
-    with pytest.raises(LinkRefused, match=r"_table/input-"):
-        plan_job(table_spec(str(run), row_filter=FILTER), tables=lake)
-    assert not (run / PLAN_FILE).exists()
+    planted = run / "_table" / snapshot_file(first).name
+    plant(planted, kind, tmp_path / "outside", real)
+    plan = run_job(table_spec(str(run), row_filter=FILTER), lake, fake_engine_factory)
+    assert plan.table.input_sha256 == pinned.table.input_sha256
+    assert planted.is_file() and not planted.is_symlink() and planted.read_bytes() == real
+    assert untouched(tmp_path / "outside", real)
+    assert not [n for n in os.listdir(run / "_table") if "displaced" in n]  # the folder moved aside is removed
 
 
 def test_a_materialized_plan_from_before_the_pin_is_refused_by_every_reader(
