@@ -202,16 +202,23 @@ class GoldenPlan(BaseModel):
 
     def view(self, plan: Plan) -> Plan:
         """``plan`` as the golden shards see it: their input file, their shards, no cache, no golden rows, no table, no
-        passthrough columns (the golden file carries the template's columns only; golden parts are plain)."""
+        passthrough columns (the golden file carries the template's columns only; golden parts are plain).
+
+        Each golden shard reads the golden file as its own input file (``ShardPlan.input_file``: the size and sha256
+        the sealed plan pins, checked as the worker copies it), never by a check of its size and version followed by
+        another read of the output prefix, whose other writers could swap in other prompts under the golden ids."""
         name = self.input_file.path.rsplit("/", 1)[-1]
         f = InputFile(path=name, size=self.input_file.bytes, version=self.input_file.version)
+        pinned = FileRef(
+            path=self.input_file.path, bytes=self.input_file.bytes, sha256=self.input_file.sha256, rows=self.rows
+        )
         return plan.model_copy(
             update={
                 "format": "parquet",
                 "input_root": self.root,
                 "files": [f],
                 "total_rows": self.rows,
-                "shards": self.shards,
+                "shards": [s.model_copy(update={"input_file": s.input_file or pinned}) for s in self.shards],
                 "long_row_tokens": None,
                 "cache": None,
                 "dedupe": None,
@@ -467,6 +474,8 @@ class Plan(BaseModel):
         root = (self.cache.misses_root if self.cache else self.dedupe.misses_root if self.dedupe else None) or ""
         if not root and self.table is not None:  # a materialized table's shard files (the cache's and dedupe's win)
             root = self.table.shard_inputs_root or ""
+        if not root:  # the golden rows' view (``GoldenPlan.view``): the golden file itself, pinned by sha256
+            root = self.input_root
         name = f.path.rsplit("/", 1)[-1]
         return root, [InputFile(path=name, size=f.bytes, version="")]
 

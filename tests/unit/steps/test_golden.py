@@ -589,3 +589,34 @@ def test_a_ride_along_uri_naming_one_linked_file_is_the_users_and_is_followed(tm
     _input(tmp_path, "d2")
     with pytest.raises(SpecError, match=r"current\.parquet is not a regular file"):
         plan_job(_spec(tmp_path, "d2", qa={"reference": {"ride_along_uri": str(versions / "current.parquet")}}))
+
+
+def test_a_golden_shard_infers_only_the_pinned_golden_rows_when_they_are_swapped_after_its_check(tmp_path, monkeypatch):
+    """The golden rows' file lies under the output prefix (other writers). A golden shard reads it only as the sealed
+    plan pins it (size and sha256, ``ShardPlan.input_file``: a checked local copy), never by a check of its size and
+    version followed by another read of the prefix: rows swapped in right after such a check (same ids, other
+    prompts) would be inferred, and scored against the known labels."""
+    from airflow_provider_vllm.worker import shard as worker_shard
+
+    _golden_file(tmp_path / "golden.parquet")
+    _input(tmp_path)
+    spec = _spec(tmp_path)
+    plan = plan_job(spec)
+    path = Path(spec.io.output_uri) / plan.golden.input_file.path
+    forged = pq.read_table(path)
+    forged = forged.set_column(
+        forged.column_names.index("text"), "text", pa.array(["forged prompt"] * forged.num_rows, pa.string())
+    )
+    read = []
+    real_read = worker_shard.read_shard_rows
+
+    def swap_then_read(spec, plan, shard, root, beat=lambda: None):
+        pq.write_table(forged, path)  # another writer of the prefix, right before the shard reads its rows
+        batch = real_read(spec, plan, shard, root, beat)
+        read.extend(batch.values["text"])
+        return batch
+
+    monkeypatch.setattr(worker_shard, "read_shard_rows", swap_then_read)
+    _run_shards(spec, plan, only=lambda s: s.shard_id == plan.golden.shards[0].shard_id)
+    assert read and "forged prompt" not in read  # the checked copy's rows, fetched before the swap
+    record_malicious("golden rows swapped after the golden shard's check", 1, 1)
