@@ -27,7 +27,6 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 
 import duckdb
 import pyarrow as pa
@@ -42,7 +41,7 @@ from airflow_provider_vllm.core.plan import CacheFile, GoldenPlan, Plan, Segment
 from airflow_provider_vllm.core.records import SHA256_HEX, GoldenSummary, MergeSummary
 from airflow_provider_vllm.core.rows import ERROR_SCHEMA, RESULT_SCHEMA
 from airflow_provider_vllm.core.spec import RESERVED_ID_PREFIX, JobSpec
-from airflow_provider_vllm.core.storage import CheckedCopies, FileSystems, Storage
+from airflow_provider_vllm.core.storage import CheckedCopies, FileSystems, Storage, copies_folder
 from airflow_provider_vllm.steps.qa.golden_set import check_golden_files, golden_reader, link_error
 
 MERGED_FILE = "_MERGED.json"  # merge's sealed summary (steps/merge/merger.py MERGED), which holds GoldenSummary
@@ -155,48 +154,50 @@ def plan_golden(spec: JobSpec, out: Storage, filesystems: FileSystems | None = N
     # what the worker reads of a row (the template's columns, and model.adapter_column: a golden row names its
     # adapter as an input row does, so the golden rows score the adapters the job's rows run with)
     columns = [c for c in row_columns(spec) if c != idc]
-    con = duck.connect(src.root)
-    copies = tempfile.TemporaryDirectory()
-    try:
-        files = duck.local_list(_bounded_copies(src, copies.name, where, ref.ride_along_uri))
-        have = {r[0] for r in con.execute(f"DESCRIBE SELECT * FROM read_parquet({files})").fetchall()}
-        missing = [c for c in [ref.id_column, ref.label_column, *columns] if c not in have]
-        if missing:
-            raise SpecError(f"{where}: missing column(s) {missing}; it has {sorted(have)[:20]}")
-        label = duck.label_sql(_q(ref.label_column))
-        con.execute(
-            f"CREATE TEMP TABLE g AS SELECT CAST({_q(ref.id_column)} AS VARCHAR) AS _id, {label} AS _label"
-            + "".join(f", {_q(c)}" for c in columns)
-            + f" FROM read_parquet({files})"
-        )
-        rows, nulls, distinct, unlabelled = con.execute(
-            "SELECT count(*), count(*) FILTER (WHERE _id IS NULL), count(DISTINCT _id), "
-            "count(*) FILTER (WHERE _label IS NULL) FROM g"
-        ).fetchall()[0]
-        if not rows:
-            raise SpecError(f"{where}: no rows")
-        if nulls:
-            raise SpecError(f"{where}: {nulls} row(s) with a null {ref.id_column!r}")
-        if distinct != rows:
-            dup = [
-                r[0]
-                for r in con.execute(f"SELECT _id FROM g GROUP BY 1 HAVING count(*) > 1 LIMIT {EXAMPLES}").fetchall()
-            ]
-            raise SpecError(f"{where}: {rows - distinct} repeated id(s) in {ref.id_column!r}, e.g. {dup}")
-        if unlabelled:
-            raise SpecError(
-                f"{where}: {unlabelled} row(s) without a label in {ref.label_column!r}; every golden row needs one"
+    # a private folder (the copies: up to 8 GiB) that a plan killed with SIGKILL leaves to the next plan's sweep
+    with copies_folder("golden") as tmp:
+        con = duck.connect(src.root)
+        try:
+            files = duck.local_list(_bounded_copies(src, tmp, where, ref.ride_along_uri))
+            have = {r[0] for r in con.execute(f"DESCRIBE SELECT * FROM read_parquet({files})").fetchall()}
+            missing = [c for c in [ref.id_column, ref.label_column, *columns] if c not in have]
+            if missing:
+                raise SpecError(f"{where}: missing column(s) {missing}; it has {sorted(have)[:20]}")
+            label = duck.label_sql(_q(ref.label_column))
+            con.execute(
+                f"CREATE TEMP TABLE g AS SELECT CAST({_q(ref.id_column)} AS VARCHAR) AS _id, {label} AS _label"
+                + "".join(f", {_q(c)}" for c in columns)
+                + f" FROM read_parquet({files})"
             )
-        texts = spec.prompt.texts
-        chars = " + ".join(f"coalesce(length(CAST({_q(c)} AS VARCHAR)), 0)" for c in texts) or "0"
-        tokens = [
-            int(t)
-            for (t,) in con.execute(
-                f"SELECT ceil(({chars}) / {float(spec.sharding.chars_per_token)}) FROM g ORDER BY _id"
-            ).fetchall()
-        ]
-        with tempfile.TemporaryDirectory() as tmp:
-            local = os.path.join(tmp, "input.parquet")
+            rows, nulls, distinct, unlabelled = con.execute(
+                "SELECT count(*), count(*) FILTER (WHERE _id IS NULL), count(DISTINCT _id), "
+                "count(*) FILTER (WHERE _label IS NULL) FROM g"
+            ).fetchall()[0]
+            if not rows:
+                raise SpecError(f"{where}: no rows")
+            if nulls:
+                raise SpecError(f"{where}: {nulls} row(s) with a null {ref.id_column!r}")
+            if distinct != rows:
+                dup = [
+                    r[0]
+                    for r in con.execute(
+                        f"SELECT _id FROM g GROUP BY 1 HAVING count(*) > 1 LIMIT {EXAMPLES}"
+                    ).fetchall()
+                ]
+                raise SpecError(f"{where}: {rows - distinct} repeated id(s) in {ref.id_column!r}, e.g. {dup}")
+            if unlabelled:
+                raise SpecError(
+                    f"{where}: {unlabelled} row(s) without a label in {ref.label_column!r}; every golden row needs one"
+                )
+            texts = spec.prompt.texts
+            chars = " + ".join(f"coalesce(length(CAST({_q(c)} AS VARCHAR)), 0)" for c in texts) or "0"
+            tokens = [
+                int(t)
+                for (t,) in con.execute(
+                    f"SELECT ceil(({chars}) / {float(spec.sharding.chars_per_token)}) FROM g ORDER BY _id"
+                ).fetchall()
+            ]
+            local = os.path.join(tmp, "input.parquet")  # beside the copies (000000.parquet, ...)
             con.execute(
                 f"COPY (SELECT '{_sql_str(RESERVED_ID_PREFIX)}' || _id AS {_q(idc)}"
                 + "".join(f", {_q(c)}" for c in columns)
@@ -205,9 +206,8 @@ def plan_golden(spec: JobSpec, out: Storage, filesystems: FileSystems | None = N
             ).fetchall()
             faults.hit("golden.before_file")
             file = _put(out, local, int(rows))
-    finally:
-        con.close()
-        copies.cleanup()
+        finally:
+            con.close()
     target = spec.sharding.target_rows or DEFAULT_TARGET_ROWS
     n = max(1, math.ceil(rows / target))
     bounds = [round(rows * k / n) for k in range(n + 1)]

@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import tempfile
 from dataclasses import dataclass
 
 import duckdb
@@ -37,7 +36,7 @@ from airflow_provider_vllm.core.plan import CacheFile, DedupePlan, Passthrough, 
 from airflow_provider_vllm.core.records import FileRef
 from airflow_provider_vllm.core.rows import samples_at_random
 from airflow_provider_vllm.core.spec import JobSpec
-from airflow_provider_vllm.core.storage import Storage
+from airflow_provider_vllm.core.storage import Storage, copies_folder
 
 FOLLOWERS = "followers"  # ``_cache/followers-<sha16>.parquet``: the plan's; ``_cache/followers-<kind>-*``: merge's
 LEADER = "_vllm_leader"  # the leader's id in the followers file
@@ -235,7 +234,7 @@ def follower_parts(
     if f.rows != d.followers:
         raise CommitError(f"{out.uri(f.path)}: the plan names {f.rows} rows and {d.followers} followers")
     done: dict[str, tuple[FileRef, str]] = {}
-    with tempfile.TemporaryDirectory(prefix="vllm-batch-dedupe-") as tmp:
+    with copies_folder("dedupe") as tmp:  # swept by the next one when a merge killed with SIGKILL leaves it
         local = os.path.join(tmp, "followers.parquet")
         try:
             out.fetch_verified(f.path, f.bytes, f.sha256, local)

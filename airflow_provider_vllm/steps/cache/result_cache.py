@@ -28,7 +28,6 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 from typing import Any
 
 import numpy as np
@@ -45,7 +44,7 @@ from airflow_provider_vllm.core.records import CacheCommit, CacheMergeSummary, F
 from airflow_provider_vllm.core.rows import RESULT_SCHEMA, result_schema
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
-from airflow_provider_vllm.core.storage import FileSystems, Storage
+from airflow_provider_vllm.core.storage import FileSystems, Storage, copies_folder
 from airflow_provider_vllm.core.weights import WeightsPin
 from airflow_provider_vllm.steps.cache import matching
 from airflow_provider_vllm.steps.cache.index import build_index, entry_meta, read_keys
@@ -147,7 +146,7 @@ def expected(
     adapters: list[AdapterRef] | None = None,
 ) -> dict[str, Any]:
     """Hits and misses the cache would give now (the dry run); nothing written."""
-    with tempfile.TemporaryDirectory(prefix="vllm-batch-cache-") as tmp:
+    with copies_folder("cache") as tmp:  # swept by the next one when a task killed with SIGKILL leaves it
         p = _prepare(spec, found, engine_identity, filesystems, keyring or Keyring.from_env(), tmp, adapters)
         try:
             if p.index is None:
@@ -448,7 +447,7 @@ def append_results(
         return CacheMergeSummary(uri=cp.uri, hits=cp.hits, appended=0, skipped=wrong)
     idc = _q(spec.prompt.id_column)
     answer = ", ".join(f"s.{_q(c)}" for c in ANSWER_COLUMNS)
-    with tempfile.TemporaryDirectory(prefix="vllm-batch-cache-") as tmp:
+    with copies_folder("cache") as tmp:  # swept by the next one when a task killed with SIGKILL leaves it
         inputs = []
         for shard in plan.shards:
             assert shard.input_file is not None  # a cached plan gives every shard its own input file

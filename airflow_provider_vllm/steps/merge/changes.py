@@ -45,7 +45,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import tempfile
 
 import duckdb
 from pydantic import ValidationError
@@ -63,7 +62,7 @@ from airflow_provider_vllm.core.records import (
 )
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
-from airflow_provider_vllm.core.storage import CheckedCopies, FileSystems, Storage
+from airflow_provider_vllm.core.storage import CheckedCopies, FileSystems, Storage, copies_folder
 from airflow_provider_vllm.steps.merge.merger import (
     ERRORS,
     MERGED,
@@ -298,7 +297,7 @@ def compute_changes(
         _check_pinned(pinned, spec.changes.previous_uri, state, prev_merged)
     notes: list[str] = []
     con = duck.connect(out, prev, memory_limit=memory_limit)
-    with tempfile.TemporaryDirectory() as tmp:
+    with copies_folder("changes") as tmp:  # swept by the next one when a task killed with SIGKILL leaves it
         try:
             con.execute(f"SET temp_directory = '{tmp.replace(chr(39), chr(39) * 2)}/spill'")
             if prev_merged is not None:

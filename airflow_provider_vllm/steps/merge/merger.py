@@ -1052,7 +1052,7 @@ def publish_parts(
     """
     chosen = [p for p in sources if p.rows - len(drop.get(p.rel, ())) > 0] or sources[:1]
     entries: list[PartEntry] = []
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir=copies.root) as tmp:  # inside merge's copies_folder
         if not chosen:
             local = os.path.join(tmp, "empty.parquet")
             pq.write_table((schema or SCHEMAS[kind]).empty_table(), local, compression="zstd")

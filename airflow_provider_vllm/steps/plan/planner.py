@@ -14,7 +14,6 @@ import json
 import logging
 import math
 import os
-import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -416,7 +415,9 @@ def build_plan_with_inputs(
     est_tokens = tokens.total
     cache, dedupe, cut_scan, cut_tokens, cut_fp = None, None, scan, tokens, found.fingerprint
     weights: list[WeightsPin] = []
-    with tempfile.TemporaryDirectory(prefix="vllm-batch-plan-") as workdir:
+    # a private folder (the misses file: the whole input's rows) that a plan killed with SIGKILL leaves to the
+    # next plan's sweep
+    with copies_folder("plan") as workdir:
         misses = None
         if cache_out is not None and spec.cache.uri is not None:
             from airflow_provider_vllm.steps.cache.key import describe_weights

@@ -311,3 +311,72 @@ def test_a_copies_folder_left_by_a_killed_task_is_removed_by_the_next_one(tmp_pa
         assert oct(Path(mine).stat().st_mode & 0o777) == "0o700"
         assert not stale.exists() and recent.exists() and alive.exists() and other_step.exists()
     assert not Path(mine).exists()
+
+
+def test_every_private_folder_of_plan_merge_cache_and_changes_is_swept_after_a_kill(tmp_path, monkeypatch):
+    """The plan's misses file and ride-along copies, the cache's and the dedupe's copies, the merge's re-encoded
+    parts and the change set's copies (each up to GBs) live in a ``copies_folder`` of their step: what a task
+    killed with SIGKILL leaves under ``TMPDIR`` is removed by the next task of that step, not kept for ever."""
+    import os
+    import re
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    from airflow_provider_vllm.core import storage
+    from airflow_provider_vllm.core.engine_identity import local_engine_identity
+    from airflow_provider_vllm.core.formats.files import find_input
+    from airflow_provider_vllm.steps.cache.result_cache import expected
+    from airflow_provider_vllm.steps.merge.changes import compute_changes
+    from tests.support.data import PINNED_REVISION
+
+    temp = tmp_path / "tmpdir"
+    temp.mkdir()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    old = time.time() - storage.STALE_COPIES_S - 60
+    steps = ("plan", "golden", "cache", "dedupe", "merge", "changes")
+    left = []
+    for step in steps:  # what a task of each step killed a day ago left
+        (temp / f"vllm-batch-{step}-{gone.pid}-left").mkdir()
+        (temp / f"vllm-batch-{step}-{gone.pid}-left" / "copy.parquet").write_bytes(b"x" * 100)
+        os.utime(temp / f"vllm-batch-{step}-{gone.pid}-left", (old, old))
+        left.append(temp / f"vllm-batch-{step}-{gone.pid}-left")
+    made: list[str] = []
+    real = tempfile.mkdtemp
+
+    def spy(*args, **kwargs):
+        path = real(*args, **kwargs)
+        if Path(path).parent == temp:
+            made.append(Path(path).name)
+        return path
+
+    def swept(call, *args, **kwargs):
+        """``call`` with ``TMPDIR`` the test's folder, each folder made directly in it recorded."""
+        with monkeypatch.context() as m:
+            m.setattr(tempfile, "tempdir", str(temp))
+            m.setattr(tempfile, "mkdtemp", spy)
+            return call(*args, **kwargs)
+
+    _golden_file(tmp_path / "golden.parquet")
+    over = {
+        "cache": {"uri": str(tmp_path / "cache")},
+        "model": {"name": "fake", "max_model_len": 1024, "revision": PINNED_REVISION},
+    }
+    texts = [f"ticket {i % 60}" for i in range(90)]  # 30 repeated texts: followers of a leader
+    for run, prev in (("d1", None), ("d2", "d1")):
+        _input(tmp_path, run, texts=texts)
+        spec = _spec(tmp_path, run, changes={"previous_uri": str(tmp_path / prev / "out") if prev else None}, **over)
+        plan = swept(plan_job, spec, engine_identity=local_engine_identity())
+        _run_shards(spec, plan)  # the worker's own folders are not this test's
+        swept(merge, spec)
+    found = find_input(spec.io.input_uri, spec.io.storage_options, spec.io.input_format)
+    swept(expected, spec, found, local_engine_identity())  # the cache's dry run
+    swept(compute_changes, spec)
+    assert plan.cache.hits == 90  # night 2: every row from the cache
+    pattern = re.compile(rf"vllm-batch-({'|'.join(steps)})-{os.getpid()}-")
+    assert made and [n for n in made if not pattern.match(n)] == []
+    assert {pattern.match(n).group(1) for n in made} == set(steps)
+    assert not any(p.exists() for p in left)  # each swept by the next task of its step
+    assert list(temp.iterdir()) == []  # and each task removed its own
