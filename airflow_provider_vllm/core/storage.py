@@ -113,6 +113,12 @@ def _open_size(f: Any) -> int | None:
         return None
 
 
+def _block(size: int | None, n: int) -> int:
+    """How much the checked readers ask for next, having read ``n`` bytes of a file whose record names ``size``:
+    1 MiB, and never past ``size`` + 1 (the byte that shows the file is larger)."""
+    return 1 << 20 if size is None else min(1 << 20, size + 1 - n)
+
+
 def _listing_error(uri: str, limit: int) -> Exception:
     from airflow_provider_vllm.core.errors import ListingTooLarge
 
@@ -404,7 +410,7 @@ class Storage:
                 stated = _open_size(f)
                 if size is not None and stated is not None and stated != size:
                     return f"size {stated}, not {size}"
-                for block in iter(lambda: f.read(1 << 20), b""):
+                while block := f.read(_block(size, n)):
                     h.update(block)
                     n += len(block)
                     if size is not None and n > size:
@@ -457,7 +463,7 @@ class Storage:
                 stated = _open_size(src)
                 if size is not None and stated is not None and stated != size:  # refused unread
                     return stated, ""
-                for block in iter(lambda: src.read(1 << 20), b""):
+                while block := src.read(_block(size, n)):
                     h.update(block)
                     n += len(block)
                     if size is not None and n > size:

@@ -254,13 +254,20 @@ def test_a_planted_file_of_a_terabyte_where_a_sealed_file_is_checked_is_not_read
     with pytest.raises(CommitError, match="part.parquet is not the file its sealed record names"):
         CheckedCopies(st, str(tmp_path / "copies")).get("part.parquet", len(genuine), sha)
     assert sum(read) == 0 and os.listdir(tmp_path / "copies") == []
-    # a store that states no size (or the right one) and serves more: never more than size + 1 bytes
+    # a store that states no size (or the right one) and serves more: never more than size + 1 bytes (the code
+    # before read whole 1 MiB blocks: up to size + 1 MiB)
     (tmp_path / "grown.parquet").write_bytes(genuine + b"y" * (3 << 20))
     monkeypatch.setattr("airflow_provider_vllm.core.storage._open_size", lambda f: None)
     read.clear()
-    assert st.sha256("grown.parquet", len(genuine)) != sha and sum(read) <= 1 << 20
+    assert st.sha256("grown.parquet", len(genuine)) != sha and sum(read) == len(genuine) + 1
+    read.clear()
+    assert st.sha256("grown.parquet", (1 << 20) + 10) != sha and sum(read) == (1 << 20) + 11
+    read.clear()
+    with pytest.raises(CommitError, match="grown.parquet is not the file its sealed record names"):
+        CheckedCopies(st, str(tmp_path / "copies")).get("grown.parquet", (1 << 20) + 10, sha)
+    assert sum(read) == (1 << 20) + 11 and os.listdir(tmp_path / "copies") == []
     # and what it read is named as such, never as a sha256 a caller could record (publish's extra files do)
-    assert st.sha256("grown.parquet", len(genuine)) == f"at least {1 << 20} bytes, not {len(genuine)}"
+    assert st.sha256("grown.parquet", len(genuine)) == f"at least {len(genuine) + 1} bytes, not {len(genuine)}"
     assert st.sha256("grown.parquet", 5 << 20) == f"{len(genuine) + (3 << 20)} bytes, not {5 << 20}"
     assert st.sha256("grown.parquet") == hashlib.sha256((tmp_path / "grown.parquet").read_bytes()).hexdigest()
 
@@ -283,8 +290,8 @@ def test_a_pinned_copy_is_hashed_as_it_is_copied_and_holds_the_bytes_pinned(tmp_
     assert copies.get("g.parquet", 3000, digest) == local  # checked once: QA-style reads share the copy
     monkeypatch.setattr("airflow_provider_vllm.core.storage._open_size", lambda f: None)  # a store stating no size
     read.clear()
-    assert copies.pin("grown.parquet", 1000) == ("", f"at least {1 << 20} bytes, not 1000")
-    assert sum(read) <= 1 << 20 and os.listdir(tmp_path / "c") == [os.path.basename(local)]
+    assert copies.pin("grown.parquet", 1000) == ("", "at least 1001 bytes, not 1000")
+    assert sum(read) == 1001 and os.listdir(tmp_path / "c") == [os.path.basename(local)]
     os.mkfifo(tmp_path / "run" / "f.parquet")
     with pytest.raises(CommitError, match="is not a regular file"):
         st.fetch_pinned("f.parquet", 10, str(tmp_path / "c" / "f"))
