@@ -42,7 +42,7 @@ from airflow_provider_vllm.core.records import SHA256_HEX, GoldenSummary, MergeS
 from airflow_provider_vllm.core.rows import ERROR_SCHEMA, RESULT_SCHEMA
 from airflow_provider_vllm.core.spec import RESERVED_ID_PREFIX, JobSpec
 from airflow_provider_vllm.core.storage import CheckedCopies, FileSystems, Storage, copies_folder
-from airflow_provider_vllm.steps.qa.golden_set import check_golden_files, golden_reader, link_error
+from airflow_provider_vllm.steps.qa.golden_set import check_golden_files, golden_reader, link_error, removed_error
 
 MERGED_FILE = "_MERGED.json"  # merge's sealed summary (steps/merge/merger.py MERGED), which holds GoldenSummary
 RIDE_ALONG = "qa.reference.ride_along_uri"  # the spec's field that names the golden rows riding along
@@ -239,7 +239,8 @@ def _bounded_copies(src: Input, tmp: str, where: str, uri: str) -> list[str]:
     """A private copy of each ride-along file, read no further than the size its store stated when it was listed
     (and bounded by ``check_golden_files``): a file that grew since, or is no regular file (a FIFO, a device), or
     (local) is or lies under a symbolic link below the location, is refused naming it (``SpecError``), so that what
-    the plan reads is the bytes it bounded, not a second read of the location. A ``uri`` naming one file may be a
+    the plan reads is the bytes it bounded, not a second read of the location. A file removed since it was listed
+    is a ``TransientError`` naming it (a retry of the plan lists again). A ``uri`` naming one file may be a
     link (the user's, as ``golden_uri``'s): that one is followed; a file inside a folder is read without following
     links (``golden_set.golden_reader``, which the golden set's reads use too)."""
     paths = []
@@ -250,6 +251,8 @@ def _bounded_copies(src: Input, tmp: str, where: str, uri: str) -> list[str]:
             got = reader.fetch_pinned(f.path, f.size, dest)  # a FIFO or a device is refused, linked or not
         except LinkRefused:  # swapped for a link since check_golden_files: the user's folder, said as such
             raise link_error(src.root, f.path, where, RIDE_ALONG) from None
+        except FileNotFoundError:  # listed, then removed before it was read: a retry lists again
+            raise removed_error(src.root, f.path, where) from None
         except CommitError as e:  # a FIFO or a device where a golden file was listed (remote: an encoded object)
             if not src.root.is_local:
                 raise SpecError(f"{where}: {e}") from None

@@ -22,7 +22,14 @@ from __future__ import annotations
 
 import os
 
-from airflow_provider_vllm.core.errors import CommitError, DatasetError, InputChangedError, LinkRefused, SpecError
+from airflow_provider_vllm.core.errors import (
+    CommitError,
+    DatasetError,
+    InputChangedError,
+    LinkRefused,
+    SpecError,
+    TransientError,
+)
 from airflow_provider_vllm.core.formats.files import Input, find_input
 from airflow_provider_vllm.core.plan import GoldenSetPin, Plan
 from airflow_provider_vllm.core.records import SHA256_HEX, PinnedFile
@@ -74,6 +81,15 @@ def link_error(root: Storage, name: str, where: str, param: str = "qa.reference.
     )
 
 
+def removed_error(root: Storage, name: str, where: str) -> TransientError:
+    """The TransientError for the golden file ``name`` below ``root`` removed after the plan listed it (``where``:
+    the spec's parameter and its value): its writer is at work; a retry of the plan lists the folder again."""
+    return TransientError(
+        f"{where}: {root.uri(name)} was removed after the plan listed it (its writer is at work?); a retry of the "
+        "plan lists the folder again"
+    )
+
+
 def _check_not_a_link(
     root: Storage, name: str, where: str, param: str = "qa.reference.golden_uri", uri: str | None = None
 ) -> None:
@@ -118,7 +134,7 @@ def pin_golden_set(
     ``qa.reference.golden_uri``.
 
     SpecError / DatasetError naming the file: too many files, too many bytes (before any is read), a link, or a
-    file that changed while it was read."""
+    file that changed while it was read; TransientError naming it: a file removed after it was listed."""
     uri = spec.qa.reference.golden_uri
     if uri is None:
         return None
@@ -133,6 +149,8 @@ def pin_golden_set(
             local, digest = CheckedCopies(golden_reader(found.root, f.path, uri), tmp).pin(f.path, f.size)
         except LinkRefused:
             raise link_error(found.root, f.path, _where(uri)) from None
+        except FileNotFoundError:  # listed, then removed before it was read
+            raise removed_error(found.root, f.path, _where(uri)) from None
         if not SHA256_HEX.fullmatch(digest):  # another size than listed: written while the plan read it
             raise DatasetError(
                 f"{_where(uri)}: {found.root.uri(f.path)} changed while the plan read it ({digest}); plan again "

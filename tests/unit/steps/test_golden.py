@@ -522,6 +522,34 @@ def test_a_link_inside_a_ride_along_folder_or_a_file_grown_after_it_was_listed_i
     assert not (tmp_path / "d1" / "out" / PLAN_FILE).exists()
 
 
+def test_a_ride_along_file_removed_after_the_plan_listed_it_is_a_transient_error_naming_the_field_and_file(
+    tmp_path, monkeypatch
+):
+    """A ride-along file removed between the plan's listing and its copy failed the plan with a bare
+    FileNotFoundError that named neither ``qa.reference.ride_along_uri`` nor the file. It is a TransientError naming
+    both: a retry of the plan lists the folder again."""
+    import airflow_provider_vllm.steps.golden as golden_mod
+    from airflow_provider_vllm.core.errors import TransientError
+
+    _input(tmp_path)
+    folder = tmp_path / "golden"
+    folder.mkdir()
+    _golden_file(folder / "a.parquet")
+    _golden_file(folder / "b.parquet", ids=[f"h{i:03d}" for i in range(N_GOLD)])
+    real = golden_mod.find_input
+
+    def listed_then_removed(*a, **k):
+        found = real(*a, **k)
+        if a[0] == str(folder):
+            (folder / "b.parquet").unlink()
+        return found
+
+    monkeypatch.setattr(golden_mod, "find_input", listed_then_removed)
+    with pytest.raises(TransientError, match=r"qa\.reference\.ride_along_uri .*golden/b\.parquet was removed after"):
+        plan_job(_spec(tmp_path, qa={"reference": {"ride_along_uri": str(folder)}}))
+    assert not (tmp_path / "d1" / "out" / PLAN_FILE).exists()
+
+
 @pytest.mark.parametrize("when", ["before the plan", "swapped in after the plan's check", "a FIFO"])
 def test_a_link_or_fifo_inside_a_ride_along_folder_is_refused_in_the_users_terms(tmp_path, monkeypatch, when):
     """The ride-along folder is the user's: a link inside it (there before the plan, or swapped in between the

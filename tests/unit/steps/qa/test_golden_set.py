@@ -199,6 +199,32 @@ def test_a_golden_file_swapped_for_a_link_after_its_check_is_refused_by_the_plan
     assert not (tmp_path / "out" / "_plan.json").exists()
 
 
+def test_a_golden_file_removed_after_the_plan_listed_it_is_a_transient_error_naming_the_field_and_file(
+    tmp_path, monkeypatch
+):
+    """A file of the golden folder removed between the plan's listing and its read (its writer at work) failed the
+    plan with a bare FileNotFoundError that named neither ``qa.reference.golden_uri`` nor the file. It is a
+    TransientError naming both: a retry of the plan lists the folder again."""
+    from airflow_provider_vllm.core.errors import TransientError
+
+    folder = tmp_path / "golden"
+    folder.mkdir()
+    (folder / "a.parquet").write_bytes(_golden_bytes(_truth()))
+    (folder / "g.parquet").write_bytes(_golden_bytes(_truth()))
+    real_open_read = Storage._open_read
+
+    def removed_then_open(self, rel):
+        if rel == "g.parquet":
+            (folder / "g.parquet").unlink(missing_ok=True)
+        return real_open_read(self, rel)
+
+    monkeypatch.setattr(Storage, "_open_read", removed_then_open)
+    with pytest.raises(TransientError, match=r"qa\.reference\.golden_uri .*golden/g\.parquet was removed after") as e:
+        _planned_run(tmp_path, str(folder))
+    assert "a retry of the plan lists the folder again" in str(e.value)
+    assert not (tmp_path / "out" / "_plan.json").exists()
+
+
 def test_a_golden_file_swapped_for_a_link_after_its_check_is_refused_by_qa(tmp_path, monkeypatch):
     """QA's read refuses the link too, even to a copy of the very bytes the plan pinned (it is not read at all)."""
     folder = tmp_path / "golden"
