@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import functools
 import hashlib
 import time
 from collections.abc import Mapping, Sequence
@@ -163,7 +162,7 @@ class VllmPublishOperator(BaseOperator):
         """Commit the verified result parts to ``io.output_table`` as one snapshot (a no-op when this run's is
         there already); the catalog is the deployment's Connection (``hooks/iceberg.py``)."""
         target = spec.io.output_table
-        plan = self._plan()
+        plan = self._plan
         run_date = _run_date(context)
         commit = commit_results(
             target,
@@ -206,16 +205,17 @@ class VllmPublishOperator(BaseOperator):
         if merged.spec_hash != spec.content_hash():
             raise AirflowFailException(f"publish: {out.uri(MERGED)} was merged for another spec")
         self._engine_versions = merged.engine_versions  # for the lineage facet
-        # the plan the run was merged under, not an earlier one of this folder put back (another pin): read once,
-        # when the change set or the table commit needs it
-        self._plan = functools.cache(functools.partial(load_plan, spec, out.filesystems, keyring, merged=merged))
+        # the plan the run was merged under, not an earlier one of this folder put back (another pin), checked as QA
+        # checks it, whether or not the change set or the table commit reads it: a merge summary that names no plan
+        # (plan_mac) or another one is refused (fail closed)
+        self._plan = load_plan(spec, out.filesystems, keyring, merged=merged)
         qa = self._qa_verdict(out, keyring, merged)
         self._check_this_runs_qa(out, qa)
         if qa.status == "fail":
             raise AirflowFailException(f"publish: QA failed ({qa.summary}); not publishing")
         # changes.previous_uri set: QA wrote changes/ (what moved since that run); a reader syncs from it
         if pinned_changes(spec):  # the run the plan pinned, if any
-            spec = changes_spec(spec, self._plan())
+            spec = changes_spec(spec, self._plan)
         changes = {"changes": CHANGES, "changes_summary": CHANGES_SUMMARY} if spec.changes.previous_uri else {}
         own = {**merged.files, **QA_FILES, **changes}
         # an extra file must not take the name or the place of one publish vouches for itself (a consumer reading

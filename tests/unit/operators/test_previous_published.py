@@ -555,7 +555,7 @@ def test_publish_takes_the_change_set_of_the_plan_the_run_was_merged_under(tmp_p
 def test_qa_refuses_a_merge_that_names_no_plan(tmp_path, fake_engine_factory):
     """A sealed merge summary without plan_mac (written before merge recorded it) says nothing about which of the
     folder's sealed plans the run was made with: QA and publish fail closed, asking for the merge again, instead
-    of taking whatever plan is in the folder (publish, which loads the plan the same way, then has no verdict)."""
+    of taking whatever plan is in the folder (publish checks the plan first, as QA does, with QA's message)."""
     from airflow_provider_vllm.core import seal as seals
     from airflow_provider_vllm.core.records import MergeSummary
     from tests.support.data import LABELS
@@ -576,7 +576,7 @@ def test_qa_refuses_a_merge_that_names_no_plan(tmp_path, fake_engine_factory):
     (out / MERGED).write_bytes(seals.record_bytes(older))  # sealed by this deployment, but naming no plan
     with pytest.raises(AirflowFailException, match="names no plan .* run the merge task again"):
         VllmQAOperator(task_id="qa", spec=c).execute(context())
-    with pytest.raises(AirflowFailException, match="no sealed QA verdict"):  # nothing QA vouched for
+    with pytest.raises(AirflowFailException, match="names no plan .* run the merge task again"):
         VllmPublishOperator(task_id="publish", spec=c, outlets=[ASSET]).execute(context())
     assert not (out / SUCCESS).exists()
     record_malicious("qa: a sealed merge summary that names no plan", 1, 1)

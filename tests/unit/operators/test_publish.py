@@ -495,3 +495,46 @@ def test_files_the_marker_vouches_for_are_read_no_further_than_their_recorded_si
             verify_published(str(out), success_sha256=hashlib.sha256((out / "_SUCCESS.json").read_bytes()).hexdigest())
     finally:
         monkeypatch.undo()
+
+
+def test_publish_checks_the_plan_the_run_was_merged_under_without_changes_or_a_table(tmp_path, fake_engine_factory):
+    """Publish read the plan, and so checked that it is the one the sealed _MERGED.json names (``plan_mac``), only
+    when the change set or a table commit used it: a run with neither was published over an earlier plan of its
+    folder put back. It checks the plan always now, as QA does, and refuses with QA's message; a sealed merge
+    summary that names no plan is refused as QA refuses it."""
+    import shutil
+
+    from airflow_provider_vllm.core.plan import PLAN_FILE
+    from airflow_provider_vllm.core.records import MergeSummary
+    from airflow_provider_vllm.core.storage import Storage
+    from airflow_provider_vllm.steps.merge.merger import MERGED
+
+    out = tmp_path / "out"
+    committed_job(tmp_path, fake_engine_factory, n=40)
+    earlier = (out / PLAN_FILE).read_bytes()  # a genuine plan of this folder, sealed for it
+    shutil.rmtree(out)  # the folder emptied, the run planned again
+    spec = checked_job(tmp_path, fake_engine_factory)
+    assert "changes" not in spec or not spec["changes"].get("previous_uri")
+    assert spec["io"].get("output_table") is None
+    plan = (out / PLAN_FILE).read_bytes()
+    (out / PLAN_FILE).write_bytes(earlier)  # put back after QA
+    with pytest.raises(AirflowFailException, match=r"_plan.json is not the plan .* merged under"):
+        VllmPublishOperator(task_id="publish", spec=spec).execute(context())
+    assert not (out / "_SUCCESS.json").exists()
+    record_malicious("publish: an earlier plan of the folder put back after QA, no change set or table", 1, 1)
+
+    (out / PLAN_FILE).write_bytes(plan)
+    genuine = (out / MERGED).read_bytes()
+    merged = MergeSummary.model_validate_json(genuine)
+    older = seals.seal_record(
+        Keyring.from_env(),
+        seals.MERGED,
+        seals.scope_of(Storage(spec["io"]["output_uri"]).uri()),
+        merged.model_copy(update={"plan_mac": None, "seal": None}),
+    )
+    (out / MERGED).write_bytes(seals.record_bytes(older))  # sealed by this deployment, but naming no plan
+    with pytest.raises(AirflowFailException, match="names no plan .* run the merge task again"):
+        VllmPublishOperator(task_id="publish", spec=spec).execute(context())
+    assert not (out / "_SUCCESS.json").exists()
+    (out / MERGED).write_bytes(genuine)
+    assert VllmPublishOperator(task_id="publish", spec=spec).execute(context())["rows"] == 60
