@@ -862,7 +862,8 @@ STALE_COPIES_S = 24 * 3600  # a copies folder this old whose process is gone was
 
 @contextlib.contextmanager
 def copies_folder(step: str) -> Iterator[str]:
-    """A private temporary folder (mode 0700, under ``TMPDIR``) for ``CheckedCopies`` of one task, removed on exit.
+    """A private temporary folder (mode 0700, under ``TMPDIR``) for one task's local copies (``CheckedCopies``, the
+    plan's misses file, the golden rows' copies), removed on exit.
 
     Its name carries the process id: a task killed with SIGKILL cannot remove its folder, which may hold a run's
     whole ``results/``. So each new one first removes the folders of this ``step`` whose process is gone and that
