@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.support import ROOT
-from tests.support.data import shard_task
+from tests.support.data import shard_task, worker_env
 
 KEEP_ENGINES = 2  # engines kept at once by default (each holds its KV cache, VLLM_CPU_KVCACHE_SPACE GiB)
 KEEP_ENV = "SHARD_SERVER_KEEP_ENGINES"
@@ -133,7 +133,7 @@ class ShardServer:
 
     def __init__(self, log: Path, env: dict[str, str] | None = None, keep: int = KEEP_ENGINES):
         self.log = log
-        env = dict(os.environ if env is None else env)
+        env = worker_env(os.environ if env is None else env)  # as a worker's: its worker key, no deployment key
         env[KEEP_ENV] = str(keep)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
         with open(log, "w") as err:
