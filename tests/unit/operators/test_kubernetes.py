@@ -149,6 +149,19 @@ def test_the_worker_key_reaches_the_pod_only_as_a_secret_reference(monkeypatch, 
         assert "AIRFLOW__VLLM_BATCH__SIGNING_KEY" not in text
 
 
+def test_a_shard_value_that_names_no_sealed_plan_builds_no_pod():
+    """A bare shard id, or the plan task's value of a run planned before per-role keys: fails without retry."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    old_value = {k: v for k, v in SHARD.items() if k not in PLAN_REF}
+    for value in (old_value, SHARD["shard_id"]):
+        op = operator()
+        op.shard = value
+        with pytest.raises(AirflowFailException, match="names no sealed plan"):
+            op.prepare_pod()
+        assert op.parts is None
+
+
 def test_a_literal_signing_key_in_the_pod_env_is_refused_before_any_pod_exists():
     from airflow.sdk.exceptions import AirflowFailException
 
