@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from airflow_provider_vllm.testing.local_models import default_cache_dir, make_tiny_llama, prepare_smollm2
-from tests.conftest import ENGINE_PROCESSES
+from tests.conftest import ENGINE_PROCESSES, worker_environ
 from tests.support.data import shard_task
 
 
@@ -75,7 +75,7 @@ def tiny_run(tmp_path_factory, tiny_model) -> TinyRun:
     srv.requests = []
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     env = {
-        **ENV,
+        **worker_environ(ENV),  # a worker's: its worker key, no deployment key
         **ENGINE_PROCESSES,  # the engine core's own log lines are part of what test_redaction checks
         "MODEL_STORE_TOKEN": SECRET,
         "VLLM_WORKER_MULTIPROC_METHOD": "spawn",

@@ -9,6 +9,7 @@ double (the worker would render other prompts).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pyarrow as pa
@@ -19,7 +20,6 @@ from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.steps.merge.merger import merge
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.testing.local_models import default_cache_dir, make_tiny_llama
-from tests.conftest import worker_environ
 from tests.support.data import write_parquet
 from tests.support.shard_server import ShardServer
 
@@ -34,7 +34,7 @@ TICKETS = [
     "After the last update the export button does nothing and the page freezes.",
 ]
 ENV = {
-    **worker_environ(),
+    **os.environ,
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",

@@ -27,6 +27,7 @@ from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.steps.qa.accuracy import NO_ANSWER
 from airflow_provider_vllm.steps.qa.stage import qa_run
 from airflow_provider_vllm.worker.task import worker_command
+from tests.conftest import worker_environ
 from tests.support.ledger import record_fault
 from tests.support.reconcile import reconcile
 from tests.support.shard_server import ShardServer
@@ -173,7 +174,11 @@ def test_a_golden_worker_killed_mid_chunk_reconciles(tmp_path, tiny_model, shard
     cmd = worker_command(shard_task(spec=spec, shard_id=golden_shard.shard_id, progress_interval_s=1))
     with open(tmp_path / "killed.out", "w") as o, open(tmp_path / "killed.err", "w") as e:  # files: orphans keep pipes
         proc = subprocess.Popen(
-            cmd, env={**ENV, "VLLM_BATCH_FAULTS": "chunk.mid_file#2=kill"}, stdout=o, stderr=e, start_new_session=True
+            cmd,
+            env={**worker_environ(ENV), "VLLM_BATCH_FAULTS": "chunk.mid_file#2=kill"},
+            stdout=o,
+            stderr=e,
+            start_new_session=True,
         )
         try:
             proc.wait(timeout=600)

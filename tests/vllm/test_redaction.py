@@ -10,12 +10,12 @@ real vLLM CPU with the secret in the model path, which vLLM's engine core echoes
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import worker_environ
 from tests.support.ledger import record_malicious
 
 pytestmark = pytest.mark.reliability
@@ -58,7 +58,7 @@ exit_hard(75)
 
 
 def test_every_output_path_of_the_worker_and_its_children_is_redacted_and_nothing_is_lost(tmp_path):
-    env = {**worker_environ(), "PYTHONPATH": str(ROOT), "MODEL_STORE_TOKEN": SECRET}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MODEL_STORE_TOKEN": SECRET}
     p = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 75, p.stderr[-3000:]
     out = p.stdout + p.stderr

@@ -125,7 +125,7 @@ def fake_python(tmp_path) -> str:
 @pytest.fixture
 def env(tmp_path) -> dict[str, str]:
     return {
-        **worker_environ(),
+        **os.environ,  # the task process's (the Airflow side's signing key); a worker started here: worker_environ
         **ENGINE_PROCESSES,  # what a killed or stopped task leaves of vLLM's own processes
         "PYTHONPATH": str(ROOT),
         LOCK_DIR_ENV: str(tmp_path / "locks"),
@@ -387,7 +387,9 @@ def test_a_live_earlier_attempt_is_waited_for_then_refused_with_exit_75_and_neve
 def test_a_worker_whose_parent_is_already_gone_does_not_start(tmp_path, fake_python, env):
     spec, shard, _ = job(tmp_path, 20)
     argv = worker_command(shard_task(spec=spec, shard_id=shard["shard_id"]), python=fake_python)
-    p = subprocess.run(argv, env={**env, "VLLM_BATCH_PARENT_PID": "1"}, capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        argv, env={**worker_environ(env), "VLLM_BATCH_PARENT_PID": "1"}, capture_output=True, text=True, timeout=120
+    )
     assert p.returncode == 75 and "already gone: not starting" in p.stderr
     assert not (tmp_path / "out" / "shards").exists() or not chunks(tmp_path)
 
@@ -401,7 +403,7 @@ def start_worker(spec: JobSpec, shard: dict, python: str, env: dict, faults: str
         return started(
             subprocess.Popen(
                 argv,
-                env={**env, "VLLM_BATCH_FAULTS": faults},
+                env={**worker_environ(env), "VLLM_BATCH_FAULTS": faults},
                 stdout=f,
                 stderr=subprocess.STDOUT,
                 text=True,

@@ -44,7 +44,7 @@ TICKETS = [
     "Login fails with error 500 since yesterday.",
 ]
 ENV = {
-    **worker_environ(),
+    **os.environ,
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
@@ -86,7 +86,7 @@ def spec_for(model: str, tmp_path: Path, **sharding) -> JobSpec:
 
 def run_worker(spec: JobSpec, shard_id: str, **popen) -> subprocess.CompletedProcess:
     cmd = worker_command(shard_task(spec=spec, shard_id=shard_id, progress_interval_s=1))
-    return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600, **popen)
+    return subprocess.run(cmd, env=worker_environ(ENV), capture_output=True, text=True, timeout=600, **popen)
 
 
 def manifest(proc: subprocess.CompletedProcess) -> dict:
@@ -126,7 +126,9 @@ def test_kill9_mid_shard_then_rerun_reuses_chunks(tmp_path, tiny_model):
     spec = JobSpec.load({**spec.model_dump(mode="json"), "sampling": {"temperature": 0, "max_tokens": 24}})
     (shard,) = plan_job(spec).shards
     cmd = worker_command(shard_task(spec=spec, shard_id=shard.shard_id))
-    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, env=worker_environ(ENV), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     shard_dir = tmp_path / "out" / "shards" / shard.shard_id
     deadline = time.time() + 300
     while time.time() < deadline and len(list(shard_dir.glob("attempts/*/chunk-?????.seal.json"))) < 2:
@@ -254,7 +256,7 @@ def test_two_real_attempts_at_once_commit_exactly_once(tmp_path, tiny_model):
         procs.append(
             subprocess.Popen(
                 cmd,
-                env={**ENV, "VLLM_BATCH_XCOM_DIR": str(d)},
+                env={**worker_environ(ENV), "VLLM_BATCH_XCOM_DIR": str(d)},
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
