@@ -149,7 +149,10 @@ def get_provider_info() -> dict:
                         "cannot make the pipeline publish or reuse an answer. At least 32 characters, e.g. "
                         "python -c 'import secrets; print(secrets.token_urlsafe(48))'. Keep it in a secrets "
                         "backend (AIRFLOW__VLLM_BATCH__SIGNING_KEY_SECRET) or the environment; unset: every run "
-                        "fails in plan, naming this option. See docs/adr/0007-sealed-records.md.",
+                        "fails in plan, naming this option. Only Airflow tasks hold it: shard workers get its worker "
+                        "key (python -m airflow_provider_vllm.cli.worker_key), which seals only their chunks, commit "
+                        "markers and compile cache snapshots. See docs/adr/0007-sealed-records.md and "
+                        "docs/adr/0011-per-role-keys.md.",
                         "version_added": "0.3.0",
                         "type": "string",
                         "sensitive": True,
@@ -157,10 +160,12 @@ def get_provider_info() -> dict:
                         "default": "",
                     },
                     KUBERNETES_SIGNING_SECRET: {
-                        "description": "Kubernetes runner: the Secret key holding signing_key for the shard pods, "
-                        "as <secret name>:<key> in the pods' namespace; the pods get it as "
-                        "VLLM_BATCH_SIGNING_KEY through a secretKeyRef, never as a literal. Unset: the "
-                        "Kubernetes runner refuses to start pods, naming this option.",
+                        "description": "Kubernetes runner: the Secret key holding the shard pods' worker key (not "
+                        "signing_key itself: print the worker key with python -m "
+                        "airflow_provider_vllm.cli.worker_key), as <secret name>:<key> in the pods' namespace; the "
+                        "pods get it as VLLM_BATCH_WORKER_KEY through a secretKeyRef, never as a literal. A pod given "
+                        "signing_key itself refuses to start. Unset: the Kubernetes runner refuses to start pods, "
+                        "naming this option.",
                         "version_added": "0.3.0",
                         "type": "string",
                         "example": "vllm-batch-signing:key",

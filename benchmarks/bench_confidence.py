@@ -35,7 +35,8 @@ RESULTS_FILE = HERE / "results.jsonl"
 def run_side(spec_doc: dict, out: Path, confidence: bool) -> dict:
     from airflow_provider_vllm.core.spec import JobSpec
     from airflow_provider_vllm.steps.plan.planner import plan_job
-    from airflow_provider_vllm.worker.task import ShardTask, worker_command
+    from airflow_provider_vllm.worker.task import worker_command
+    from tests.support.data import shard_task, worker_env
 
     shutil.rmtree(out, ignore_errors=True)
     doc = json.loads(json.dumps(spec_doc))
@@ -49,7 +50,10 @@ def run_side(spec_doc: dict, out: Path, confidence: bool) -> dict:
     # the deployment's allow-list, as the shard operator hands it over: the work folder and the model
     env["VLLM_BATCH_ALLOWED_PREFIXES"] = json.dumps([str(out.parent), spec.model.name])
     proc = subprocess.run(
-        worker_command(ShardTask(spec=spec, shard_id=shard.shard_id)), env=env, capture_output=True, text=True
+        worker_command(shard_task(spec=spec, shard_id=shard.shard_id)),
+        env=worker_env(env),
+        capture_output=True,
+        text=True,
     )
     if proc.returncode:
         sys.exit(f"worker failed ({proc.returncode}): {proc.stderr[-3000:]}")

@@ -102,9 +102,11 @@ def _tree_cpu(roots: set[int], seen: dict[int, float]) -> None:
 
 
 def _launch(spec, shard_id: str, env: dict, log: Path, cpus: set[int] | None):
-    from airflow_provider_vllm.worker.task import ShardTask, worker_command
+    from airflow_provider_vllm.worker.task import worker_command
+    from tests.support.data import shard_task, worker_env
 
-    cmd = worker_command(ShardTask(spec=spec, shard_id=shard_id))
+    cmd = worker_command(shard_task(spec=spec, shard_id=shard_id))
+    env = worker_env(env)  # the worker key only, as the local runner hands it over
     pre = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
     err = open(log, "w")
     out = open(log.with_suffix(".out"), "w+")

@@ -69,15 +69,18 @@ def pod_env(base: dict[str, str], private: Path, shared: Path | None) -> dict[st
 def run_pod(spec, env: dict[str, str], log: Path) -> dict:
     """The worker CLI on the spec's one shard; its stats, the process wall time and the committed outputs by id."""
     from airflow_provider_vllm.steps.plan.planner import plan_job
-    from airflow_provider_vllm.worker.task import ShardTask, worker_command
+    from airflow_provider_vllm.worker.task import worker_command
+
+    sys.path.insert(0, str(ROOT))
+    from tests.support.data import shard_task, worker_env
 
     plan = plan_job(spec)
     (shard,) = plan.shards
     t0 = time.monotonic()
     with open(log, "w") as err:
         proc = subprocess.run(
-            worker_command(ShardTask(spec=spec, shard_id=shard.shard_id)),
-            env=env,
+            worker_command(shard_task(spec=spec, shard_id=shard.shard_id)),
+            env=worker_env(env),  # the worker key only, as the local runner hands it over
             stdout=subprocess.PIPE,
             stderr=err,
             text=True,

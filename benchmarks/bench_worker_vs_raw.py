@@ -222,14 +222,17 @@ def run_raw(spec, texts_file: Path, env: dict, log: Path) -> dict:
 
 def run_worker(spec, env: dict, log: Path) -> dict:
     from airflow_provider_vllm.steps.plan.planner import plan_job
-    from airflow_provider_vllm.worker.task import ShardTask, worker_command
+    from airflow_provider_vllm.worker.task import worker_command
+
+    sys.path.insert(0, str(ROOT))
+    from tests.support.data import shard_task, worker_env
 
     plan = plan_job(spec)
     (shard,) = plan.shards
-    cmd = worker_command(ShardTask(spec=spec, shard_id=shard.shard_id))
+    cmd = worker_command(shard_task(spec=spec, shard_id=shard.shard_id))
     t0 = time.monotonic()
-    with open(log, "w") as err:
-        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT)
+    with open(log, "w") as err:  # the worker key only, as the local runner hands it over
+        proc = subprocess.run(cmd, env=worker_env(env), stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT)
     wall = time.monotonic() - t0
     lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
     if proc.returncode != 0 or not lines:

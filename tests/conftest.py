@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 import importlib.util
 import json
 import logging
@@ -110,11 +113,27 @@ TEST_PREFIXES = json.dumps(
 )
 os.environ.setdefault("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", TEST_PREFIXES)
 os.environ.setdefault("VLLM_BATCH_ALLOWED_PREFIXES", TEST_PREFIXES)  # a worker CLI a test starts itself
-# The deployment's signing key for the tests (core/seal.py): the Airflow side's option and the
-# worker's variable (a worker a test starts itself). Tests of the unset default remove both.
+# The deployment's signing key for the tests (core/seal.py): the Airflow side's option and the steps' default
+# outside Airflow; and its worker key, the variable of a worker run in the test process (run_shard). A worker a test
+# starts itself gets worker_environ(): a worker refuses to start with the deployment's key in its environment.
+# Tests of the unset default remove them.
 TEST_SIGNING_KEY = "test-signing-key-" + "k" * 40
 os.environ.setdefault("AIRFLOW__VLLM_BATCH__SIGNING_KEY", TEST_SIGNING_KEY)
 os.environ.setdefault("VLLM_BATCH_SIGNING_KEY", TEST_SIGNING_KEY)
+# core/seal.worker_key_of written out: the derivation is a contract between the Airflow side and a pod's Secret
+TEST_WORKER_KEY = "vbw1." + base64.urlsafe_b64encode(
+    hmac.new(TEST_SIGNING_KEY.encode(), b"vllm-batch-worker-key/v1", hashlib.sha256).digest()
+).decode().rstrip("=")
+os.environ.setdefault("VLLM_BATCH_WORKER_KEY", TEST_WORKER_KEY)
+
+
+def worker_environ(env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this process's environment) as a worker's: the worker key, no deployment key."""
+    from tests.support.data import worker_env
+
+    return worker_env(os.environ if env is None else env)
+
+
 os.environ.setdefault("AIRFLOW__VLLM_BATCH__KUBERNETES_SIGNING_SECRET", "vllm-batch-signing:key")
 # The test deployment runs shards on both runners, and its DAGs choose one at run time (the re-run DAG's form, the
 # nightly's Variable): with a kubernetes_* option set, [vllm_batch] allowed_runners unset would allow kubernetes only

@@ -6,7 +6,8 @@ Renders the DAG's plan task for that logical date the way ``airflow tasks render
 (same CLI helpers: DAG from the DAG folder and the metadata DB, Variables, params, macros),
 builds and validates the job spec, unmaps the Kubernetes shard task for shard ``N`` and prints
 its pod manifest (camelCase YAML, ready for ``kubectl apply --dry-run=server -f -``). The
-shard id is an example unless ``--from-plan`` reads it from the run's ``_plan.json``;
+shard id (and the plan seal the worker would run under) is an example unless ``--from-plan`` reads it from the
+run's ``_plan.json``;
 nothing is written, and no Kubernetes API is called. The DAG must be serialized in the
 metadata DB (``airflow dags reserialize``).
 """
@@ -48,9 +49,15 @@ def _shard(spec: Any, map_index: int, from_plan: bool, filesystems: Any = None) 
 
     if not from_plan:
         example = ShardSummary(
-            shard_id=f"shard-{map_index:05d}-00000000", index=map_index, rows=0, est_tokens=0, bucket="all"
+            shard_id=f"shard-{map_index:05d}-00000000",
+            index=map_index,
+            rows=0,
+            est_tokens=0,
+            bucket="all",
+            plan_mac="0" * 64,
+            plan_sha256="0" * 64,
         )
-        return example.dump(), "example shard id (--from-plan reads the run's _plan.json)"
+        return example.dump(), "example shard id and plan seal (--from-plan reads the run's _plan.json)"
 
     plan = load_plan(spec, filesystems)
     mapped = plan.mapped_shards()  # the input's shards, then the golden rows' (the mapped task's order)

@@ -48,7 +48,7 @@ class EnvVar:
 # Names of variables that hold secrets (HF_TOKEN, AWS_SECRET_ACCESS_KEY, VLLM_API_KEY, ...): the worker masks their
 # values in its output (worker/redact.py), and the engine identity names them by hash (core/engine_identity.py)
 SECRET_NAME = re.compile(
-    r"(TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|API_KEY|ACCESS_KEY|PRIVATE_KEY|SIGNING_KEY|SAS)", re.I
+    r"(TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|API_KEY|ACCESS_KEY|PRIVATE_KEY|SIGNING_KEY|WORKER_KEY|SAS)", re.I
 )
 
 
@@ -98,9 +98,19 @@ ALLOW_REMOTE_CODE = _var(
 SIGNING_KEY = _var(
     "VLLM_BATCH_SIGNING_KEY",
     None,
-    "the deployment's signing key(s) the worker seals its chunks and commit marker with and checks the plan "
-    "against (comma separated, the first seals); the local runner passes [vllm_batch] signing_key, pods get it "
-    "from the Secret named by [vllm_batch] kubernetes_signing_secret. Never logged",
+    "the deployment's signing key(s) for the pipeline's steps run outside Airflow (scripts, benchmarks, tests; "
+    "Airflow tasks read [vllm_batch] signing_key). Never a worker's: a worker that finds it in its environment "
+    "refuses to start. Never logged",
+    "scripts, tests",
+)
+
+WORKER_KEY = _var(
+    "VLLM_BATCH_WORKER_KEY",
+    None,
+    "the shard worker's key(s) (vbw1. ..., comma separated, the first seals): derived from [vllm_batch] signing_key, "
+    "they seal and check only the worker's chunks, commit markers and compile cache snapshots. The local runner sets "
+    "it; pods get it from the Secret named by [vllm_batch] kubernetes_signing_secret (print it with python -m "
+    "airflow_provider_vllm.cli.worker_key). Never logged",
     "worker",
 )
 
@@ -110,7 +120,7 @@ SECRET_ENV_NAMES = _var(
     "names of the worker's variables the deployment set from Secrets (comma separated): the worker masks their "
     "values in all it prints and writes (logs, progress, manifests, error rows) and the engine identity names "
     "them by hash, whatever their names; set last by the shard operators (Kubernetes: `secret_env`, "
-    "`hf_token_secret`, the signing key; local: the Connection's keys, the signing key), never by a job",
+    "`hf_token_secret`, the worker key; local: the Connection's keys, the worker key), never by a job",
     "worker",
 )
 

@@ -6,6 +6,7 @@ builds it is ``steps.plan.planner``.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Any, Literal
 
@@ -39,6 +40,7 @@ class Segment(BaseModel):
 
 
 SHARD_ID_PATTERN = r"^(shard|golden)-\d{5}-[0-9a-f]{8}$"  # golden-...: the golden rows' shards
+SHA256_PATTERN = r"^[0-9a-f]{64}$"
 
 
 class ShardSummary(BaseModel):
@@ -60,6 +62,15 @@ class ShardSummary(BaseModel):
     )
     golden: Literal[True] | None = Field(
         None, description="a shard of the golden rows that ride along (qa.reference.ride_along_uri); absent else"
+    )
+    plan_mac: str | None = Field(
+        None,
+        pattern=SHA256_PATTERN,
+        description="the seal (mac) of the plan the plan task wrote: the shard's worker runs only under that plan; "
+        "absent in the values of runs planned before per-role keys (their shard tasks fail: plan again)",
+    )
+    plan_sha256: str | None = Field(
+        None, pattern=SHA256_PATTERN, description="that sealed plan's digest (``plan_sha256``): its content"
     )
 
     def dump(self) -> dict[str, Any]:
@@ -429,7 +440,12 @@ class Plan(BaseModel):
     def mapped_shards(self) -> list[ShardSummary]:
         """Every shard a task runs: the input's, then the golden rows' (``golden``)."""
         golden = self.golden.shards if self.golden is not None else []
-        return [s.summary() for s in self.shards] + [s.summary().model_copy(update={"golden": True}) for s in golden]
+        # the sealed plan's identity rides along (through XCom, which the bucket's writers cannot write) to each
+        # shard task, which hands it to its worker (``ShardTask``): the worker holds no key that checks the plan
+        ref = {} if self.seal is None else {"plan_mac": self.seal.mac, "plan_sha256": plan_sha256(self)}
+        return [s.summary().model_copy(update=ref) for s in self.shards] + [
+            s.summary().model_copy(update={"golden": True, **ref}) for s in golden
+        ]
 
     def sealed(self, keyring: Keyring, output_uri: str) -> Plan:
         """This plan sealed for the run at ``output_uri``."""
@@ -506,13 +522,51 @@ def estimate_tokens(chars: np.ndarray | int, chars_per_token: float) -> np.ndarr
     return np.ceil(np.asarray(chars, dtype=np.float64) / chars_per_token).astype(np.int64)
 
 
+def plan_sha256(plan: Plan) -> str:
+    """The sealed plan's digest: sha256 of the canonical JSON of what its seal covers, and of the seal. Two
+    ``_plan.json`` files with the same digest are the same plan to every reader (however their bytes are laid out)."""
+    doc = seals.sealed_doc(plan)
+    doc["seal"] = plan.seal.model_dump(mode="json") if plan.seal is not None else None
+    return hashlib.sha256(seals.canonical(doc)).hexdigest()
+
+
+def is_pinned(plan: Plan, mac: str, sha256: str) -> bool:
+    """Whether ``plan`` is exactly the sealed plan named by ``mac`` (its seal) and ``sha256`` (``plan_sha256``)."""
+    return plan.seal is not None and plan.seal.mac == mac and plan_sha256(plan) == sha256
+
+
+def read_plan(spec: JobSpec, filesystems: FileSystems | None = None) -> tuple[Plan, str]:
+    """The run's ``_plan.json`` as it is (nothing checked) and its URI; SpecError when there is none."""
+    out = Storage(spec.io.output_uri, spec.io.storage_options, filesystems)
+    if not out.exists(PLAN_FILE):
+        raise SpecError(f"no plan at {out.uri(PLAN_FILE)}; run the plan step first")
+    return Plan.model_validate_json(out.read_bytes(PLAN_FILE)), out.uri(PLAN_FILE)
+
+
+def load_pinned_plan(spec: JobSpec, mac: str, sha256: str, filesystems: FileSystems | None = None) -> Plan:
+    """The run's plan as a shard worker takes it: exactly the sealed plan the Airflow side checked and named in the
+    shard task (``mac``, ``sha256``: ``ShardTask.plan_mac``, ``plan_sha256``). The worker holds no key that checks a
+    plan's seal; the task names the plan through a channel the bucket's writers cannot write. SpecError when there
+    is no plan; CommitError (terminal) when ``_plan.json`` is another record (another sealed plan of this folder put
+    back, or a forged one)."""
+    plan, where = read_plan(spec, filesystems)
+    if not is_pinned(plan, mac, sha256):
+        raise CommitError(
+            f"{where} is not the plan this shard task was started for (the plan task's seal {mac[:12]}): it was "
+            "replaced after the plan task wrote it (another plan of this folder, or a forged one); not running the "
+            "shard. Plan and run the job again in an empty output prefix"
+        )
+    return plan
+
+
 def load_plan(
     spec: JobSpec,
     filesystems: FileSystems | None = None,
     keyring: Keyring | None = None,
     merged: MergeSummary | None = None,
 ) -> Plan:
-    """The run's plan, its seal checked (``keyring`` default: the worker's, ``VLLM_BATCH_SIGNING_KEY``).
+    """The run's plan, its seal checked (``keyring``: the deployment's; default ``VLLM_BATCH_SIGNING_KEY``). Airflow
+    side only: a shard worker holds no key that checks a plan (``load_pinned_plan``).
 
     SpecError when there is none; SealError when this deployment's plan task did not write it for this run.
     ``merged``: the run's sealed merge summary, for the readers after the merge (QA, publish): CommitError when
@@ -521,10 +575,7 @@ def load_plan(
     it too, and its pins (``changes_from``: the change set's and QA's baseline) are not the ones the run was made
     with.
     """
-    out = Storage(spec.io.output_uri, spec.io.storage_options, filesystems)
-    if not out.exists(PLAN_FILE):
-        raise SpecError(f"no plan at {out.uri(PLAN_FILE)}; run the plan step first")
-    plan = Plan.model_validate_json(out.read_bytes(PLAN_FILE))
+    plan, where = read_plan(spec, filesystems)
     plan.verify(keyring or Keyring.from_env(), spec.io.output_uri)
     if merged is None:
         return plan
@@ -535,7 +586,7 @@ def load_plan(
         )
     if plan.seal is None or plan.seal.mac != merged.plan_mac:
         raise CommitError(
-            f"{out.uri(PLAN_FILE)} is not the plan the run was merged under (the sealed merge names another: an "
+            f"{where} is not the plan the run was merged under (the sealed merge names another: an "
             "earlier plan of this folder put back); put the run's plan back, or plan and run it again in an empty "
             "output prefix"
         )

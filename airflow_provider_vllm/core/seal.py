@@ -5,12 +5,19 @@ output prefix or the cache folder can write any bytes there. What the pipeline r
 (the plan, a chunk, a shard's commit marker, the merge summary, QA's verdict, a cache entry, ``_SUCCESS.json``,
 ``_PUBLISHING.json``)
 therefore carries a *seal*: an HMAC-SHA256 over a domain, a scope (the run's output URI, the cache
-folder ...) and the record's canonical JSON, made with the deployment's signing key
-(``[vllm_batch] signing_key`` on the Airflow side; ``VLLM_BATCH_SIGNING_KEY`` in the worker's
-environment, from a Kubernetes Secret on pods). Whoever lacks the key cannot make a seal that
+folder ...) and the record's canonical JSON. Whoever lacks the key cannot make a seal that
 verifies, cannot move a sealed record to another run or folder (the scope), nor reuse a seal of
 one kind of record for another (the domain). Precedence between sealed records is taken only from
 sealed fields.
+
+Keys per role. The deployment's signing key (``[vllm_batch] signing_key``) stays on the Airflow side.
+The shard worker runs vLLM, a hub model's tokenizer and chat template, and with ``allow_remote_code``
+the model repo's own Python: it holds only the *worker key*, derived from each deployment key
+(``worker_key_of``: ``vbw1.`` and an HMAC of a fixed label), from ``VLLM_BATCH_WORKER_KEY``. The
+worker's records (``WORKER_DOMAINS``: chunk seals, commit markers, compile cache snapshots) are sealed
+and checked with worker keys on both sides; every other domain only with the deployment's keys, which a
+worker keyring does not hold (``SealError`` naming the domain). A seal made with the wrong role's key
+never verifies.
 
 The key text holds one or more keys separated by commas or whitespace, each at least
 ``MIN_KEY_CHARS`` characters: the first seals, all verify (rotation: put the new key first, keep
@@ -21,6 +28,7 @@ the setting). Pure: no Airflow, no I/O.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import json
@@ -56,6 +64,15 @@ PUBLISHING = "publishing"
 DOMAINS = frozenset(
     {PLAN, CHUNK, COMMIT, MERGED, SUCCESS, CACHE_ENTRY, CHANGES, COMPILE_CACHE, QA, HISTORY, PUBLISHING}
 )
+WORKER_DOMAINS = frozenset({CHUNK, COMMIT, COMPILE_CACHE})
+"""What the shard worker seals and checks, with the worker key; every other domain takes the deployment's key."""
+
+WORKER_KEY_PREFIX = "vbw1."
+_WORKER_LABEL = b"vllm-batch-worker-key/v1"
+HOW_TO_PRINT_WORKER_KEY = (
+    "print the worker key of the deployment's [vllm_batch] signing_key with: "
+    "python -m airflow_provider_vllm.cli.worker_key"
+)
 
 
 class Seal(BaseModel):
@@ -76,59 +93,127 @@ def kid_of(key: bytes) -> str:
     return hashlib.sha256(b"vllm-batch-kid\x00" + key).hexdigest()[:16]
 
 
-class Keyring:
-    """The deployment's signing keys: the first seals, every one verifies."""
+def worker_key_of(key: bytes) -> bytes:
+    """The worker key of one deployment key: ``vbw1.`` and the URL-safe base64 of HMAC-SHA256(key, a fixed label).
+    Deterministic (every Airflow task and the Secret agree), and it does not give the deployment key back."""
+    mac = hmac.new(key, _WORKER_LABEL, hashlib.sha256).digest()
+    return WORKER_KEY_PREFIX.encode() + base64.urlsafe_b64encode(mac).rstrip(b"=")
 
-    def __init__(self, keys: list[bytes], source: str = SETTING) -> None:
+
+class _Ring:
+    """Keys of one role: the first seals, every one verifies (by ``kid``)."""
+
+    def __init__(self, keys: list[bytes]) -> None:
+        self.signing = keys[0]
+        self.by_kid = {kid_of(k): k for k in keys}
+
+
+class Keyring:
+    """Signing keys of one role: the deployment's (``worker=False``: the Airflow side) or a worker's.
+
+    A deployment keyring seals and checks the worker's domains (``WORKER_DOMAINS``) with the worker keys derived from
+    its keys, every other domain with its own keys. A worker keyring holds worker keys only and refuses every
+    domain but the worker's. In each role the first key seals and every key verifies (rotation)."""
+
+    def __init__(self, keys: list[bytes], source: str = SETTING, *, worker: bool = False) -> None:
+        how = HOW_TO_PRINT_WORKER_KEY if worker else HOW_TO_MAKE
         if not keys:
-            raise SealError(f"no signing key: set {source}; {HOW_TO_MAKE}")
+            raise SealError(f"no {'worker' if worker else 'signing'} key: set {source}; {how}")
         short = [i for i, k in enumerate(keys) if len(k) < MIN_KEY_CHARS]
         if short:
-            raise SealError(f"{source}: key #{short[0] + 1} is shorter than {MIN_KEY_CHARS} characters; {HOW_TO_MAKE}")
-        self._keys = {kid_of(k): k for k in keys}
-        self._signing = keys[0]
+            raise SealError(f"{source}: key #{short[0] + 1} is shorter than {MIN_KEY_CHARS} characters; {how}")
+        prefix = WORKER_KEY_PREFIX.encode()
+        if worker:
+            wrong = [i for i, k in enumerate(keys) if not k.startswith(prefix)]
+            if wrong:
+                raise SealError(
+                    f"{source}: key #{wrong[0] + 1} is not a worker key (worker keys start with "
+                    f"{WORKER_KEY_PREFIX!r}): it is the deployment's own signing key, which a shard worker must "
+                    f"never hold (code in the worker could seal any record with it); put the worker key there "
+                    f"instead: {how}"
+                )
+        else:
+            wrong = [i for i, k in enumerate(keys) if k.startswith(prefix)]
+            if wrong:
+                raise SealError(
+                    f"{source}: key #{wrong[0] + 1} is a worker key (it starts with {WORKER_KEY_PREFIX!r}), not a "
+                    f"deployment signing key; set the deployment's own key here ({HOW_TO_MAKE}) and give the shard "
+                    "workers its worker key"
+                )
+        self.worker = worker
+        self._own = None if worker else _Ring(keys)
+        self._workers = _Ring(keys if worker else [worker_key_of(k) for k in keys])
         self.source = source
 
     @classmethod
-    def from_text(cls, text: str | None, source: str = SETTING) -> Keyring:
+    def from_text(cls, text: str | None, source: str = SETTING, *, worker: bool = False) -> Keyring:
         """Keys separated by commas or whitespace; SealError naming ``source`` when none is given."""
-        return cls([k.encode() for k in _SPLIT.split(text or "") if k], source)
+        return cls([k.encode() for k in _SPLIT.split(text or "") if k], source, worker=worker)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Keyring:
-        """The worker's keys (``VLLM_BATCH_SIGNING_KEY``)."""
-        return cls.from_text(envs.SIGNING_KEY.get(env), f"{envs.SIGNING_KEY.name} (from {SETTING} or its Secret)")
+        """The deployment's keys from ``VLLM_BATCH_SIGNING_KEY``: the steps' default outside Airflow (scripts, tests);
+        never a worker's."""
+        return cls.from_text(envs.SIGNING_KEY.get(env), f"{envs.SIGNING_KEY.name} (the deployment's {SETTING})")
 
-    def text(self) -> str:
-        """The keys as one value for a child process's environment (never logged)."""
-        return ",".join(k.decode() for k in [self._signing, *(k for k in self._keys.values() if k != self._signing)])
+    @classmethod
+    def worker_from_env(cls, env: Mapping[str, str] | None = None) -> Keyring:
+        """The shard worker's keys (``VLLM_BATCH_WORKER_KEY``): worker keys only."""
+        source = (
+            f"{envs.WORKER_KEY.name} (the local runner sets it; pods: the Secret named by "
+            "[vllm_batch] kubernetes_signing_secret)"
+        )
+        return cls.from_text(envs.WORKER_KEY.get(env), source, worker=True)
+
+    def worker_keyring(self) -> Keyring:
+        """The keyring a shard worker of this deployment holds: the worker keys, in the same order."""
+        return Keyring(list(self._workers.by_kid.values()), f"the worker keys of {self.source}", worker=True)
+
+    def worker_text(self) -> str:
+        """The worker keys as one value for a worker's environment or its Secret (the first seals; never logged)."""
+        ring = self._workers
+        return ",".join(k.decode() for k in [ring.signing, *(k for k in ring.by_kid.values() if k != ring.signing)])
 
     @property
     def kid(self) -> str:
-        return kid_of(self._signing)
+        """The id of the key that seals this role's own records (a worker's: its worker key)."""
+        return kid_of((self._own or self._workers).signing)
 
-    def _mac(self, key: bytes, domain: str, scope: str, doc: Mapping[str, Any]) -> str:
+    def _ring(self, domain: str) -> _Ring:
         if domain not in DOMAINS:
             raise ValueError(f"unknown seal domain {domain!r}")
+        if domain in WORKER_DOMAINS:
+            return self._workers
+        if self._own is None:
+            raise SealError(
+                f"a shard worker's key cannot seal or check {domain!r} records: only the Airflow side's tasks hold "
+                "the deployment's signing key"
+            )
+        return self._own
+
+    def _mac(self, key: bytes, domain: str, scope: str, doc: Mapping[str, Any]) -> str:
         msg = b"\x00".join([FORMAT, domain.encode(), scope.encode(), canonical(doc)])
         return hmac.new(key, msg, hashlib.sha256).hexdigest()
 
     def seal(self, domain: str, scope: str, doc: Mapping[str, Any]) -> Seal:
         """The seal of ``doc`` (a record's JSON data without its ``seal``) for ``scope``."""
-        return Seal(kid=self.kid, mac=self._mac(self._signing, domain, scope, doc))
+        key = self._ring(domain).signing
+        return Seal(kid=kid_of(key), mac=self._mac(key, domain, scope, doc))
 
     def verify(self, domain: str, scope: str, doc: Mapping[str, Any], seal: Seal | None, what: str) -> None:
         """SealError naming ``what`` unless ``seal`` is a seal of ``doc`` for ``scope`` by one of these keys."""
+        ring = self._ring(domain)
         if seal is None:
             raise SealError(
                 f"{what} carries no seal: it was not written by this deployment's pipeline (or by a version "
                 "before seals); refusing to trust it"
             )
-        key = self._keys.get(seal.kid)
+        key = ring.by_kid.get(seal.kid)
         if key is None:
             raise SealError(
-                f"{what} is sealed with a key this deployment does not hold (kid {seal.kid}); refusing to trust "
-                f"it (after a key rotation keep the old key in {self.source} until its records are not needed)"
+                f"{what} is sealed with a key this deployment does not hold for {domain!r} records (kid {seal.kid}); "
+                f"refusing to trust it (after a key rotation keep the old key in {self.source} until its records are "
+                "not needed; records of a shard worker are sealed with the worker key, never the deployment's)"
             )
         if not hmac.compare_digest(self._mac(key, domain, scope, doc), seal.mac):
             raise SealError(

@@ -36,7 +36,7 @@ from airflow_provider_vllm.utils.deployment import (
     worker_env,
 )
 from airflow_provider_vllm.utils.engine_identity import layered_pod_settings, pod_engine_identity
-from airflow_provider_vllm.utils.job_spec import data_plane_errors, load_spec, shard_id_of
+from airflow_provider_vllm.utils.job_spec import data_plane_errors, load_spec, shard_id_of, shard_plan
 from airflow_provider_vllm.utils.pod_spec import (
     WORKER_PYTHON,
     PodParts,
@@ -94,7 +94,7 @@ class VllmKubernetesShardOperator(KubernetesPodOperator):
 
     :param spec: the validated job spec from the plan task (its ``spec`` XCom).
     :param shard: one item of the plan's return value (a ``ShardSummary``'s JSON form, as XCom hands it over;
-        a bare shard id also works).
+        it names the sealed plan the worker runs under).
     :param kubernetes: deployment defaults for the pod (a ``KubernetesSettings`` dict or JSON
         text, templated; the builder passes the ``vllm_batch_kubernetes`` Variable). The job
         spec's ``kubernetes`` section wins over it field by field. Image, GPU count and
@@ -239,7 +239,12 @@ class VllmKubernetesShardOperator(KubernetesPodOperator):
         prefixes = check_spec_allowed(spec, f"shard {self.shard_id}")  # before any pod spec exists
         claim = compile_cache_pvc()  # the deployment's alone: never the spec, a Variable or a trigger
         try:
-            task = ShardTask(spec=spec, shard_id=self.shard_id, progress_interval_s=self.progress_interval_s)
+            task = ShardTask(
+                spec=spec,
+                shard_id=self.shard_id,
+                progress_interval_s=self.progress_interval_s,
+                **shard_plan(self.shard),
+            )
             settings = self.settings(spec)
             parts = pod_parts(spec, settings, task.shard_id, claim)
         except (SpecError, ValueError) as e:
@@ -254,19 +259,20 @@ class VllmKubernetesShardOperator(KubernetesPodOperator):
         self.volumes = parts.volumes
         self.volume_mounts = parts.volume_mounts
         # the deployment's allow-list reaches the worker through its environment, set last (never the task JSON),
-        # and its signing key through a secretKeyRef ([vllm_batch] kubernetes_signing_secret), never a literal
+        # and the worker key through a secretKeyRef ([vllm_batch] kubernetes_signing_secret), never a literal; the
+        # deployment's own signing key never reaches a pod (a settings' env or secret_env naming it is dropped)
         allow = worker_env(prefixes)
         # and the names of the variables it set from Secrets, which the worker masks whatever their names
-        allow[envs.SECRET_ENV_NAMES.name] = ",".join(secret_env_names(settings) + [envs.SIGNING_KEY.name])
+        allow[envs.SECRET_ENV_NAMES.name] = ",".join(secret_env_names(settings) + [envs.WORKER_KEY.name])
         allow[envs.SECRET_ENV_DIRS.name] = ",".join(env_from_key_dirs(settings))
         allow[envs.WORKER_IMAGE.name] = self.image  # the compile cache's key: never another image's artefacts
         secret, key = kubernetes_signing_secret()
         signing = k8s.V1EnvVar(
-            name=envs.SIGNING_KEY.name,
+            name=envs.WORKER_KEY.name,
             value_from=k8s.V1EnvVarSource(secret_key_ref=k8s.V1SecretKeySelector(name=secret, key=key)),
         )
         self.env_vars = (
-            [e for e in parts.env if e.name not in allow and e.name != signing.name]
+            [e for e in parts.env if e.name not in allow and e.name not in (signing.name, envs.SIGNING_KEY.name)]
             + [k8s.V1EnvVar(name=k, value=v) for k, v in allow.items()]
             + [signing]
         )

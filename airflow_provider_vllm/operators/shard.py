@@ -24,7 +24,7 @@ from airflow_provider_vllm.utils.deployment import (
     variables_may_set_deployment_settings,
     worker_env,
 )
-from airflow_provider_vllm.utils.job_spec import load_spec, shard_id_of, shard_summary
+from airflow_provider_vllm.utils.job_spec import load_spec, shard_id_of, shard_plan, shard_summary
 from airflow_provider_vllm.utils.worker_outcome import worker_result
 from airflow_provider_vllm.utils.worker_process import (
     FAULT_ENV,
@@ -37,11 +37,21 @@ from airflow_provider_vllm.utils.worker_process import (
 from airflow_provider_vllm.worker.task import ShardTask, worker_command
 
 
+def worker_key_env(env: dict[str, str]) -> dict[str, str]:
+    """The worker's key for its environment: the worker key derived from ``[vllm_batch] signing_key``, never the
+    deployment's key. Removes from ``env`` (in place) every variable that could carry the deployment's key (the
+    Airflow option, ``VLLM_BATCH_SIGNING_KEY``, also when the DAG file's env names them) and any other worker key."""
+    drop = ("AIRFLOW__VLLM_BATCH__SIGNING_KEY", envs.SIGNING_KEY.name, envs.WORKER_KEY.name)
+    for name in [k for k in env if k.upper().startswith(drop)]:
+        del env[name]
+    return {envs.WORKER_KEY.name: signing_keyring().worker_text()}
+
+
 class VllmLocalShardOperator(BaseOperator):
     """Run one shard with the local runner and push the worker's manifest as the XCom value.
 
-    Runs exactly ``worker_command(ShardTask(spec=..., shard_id=...))`` (no shell) with this
-    process's environment less Airflow's own variables (``AIRFLOW_CONN_*``, ``AIRFLOW_VAR_*``,
+    Runs exactly ``worker_command(ShardTask(spec=..., shard_id=..., plan_mac=..., plan_sha256=...))`` (no shell)
+    with this process's environment less Airflow's own variables (``AIRFLOW_CONN_*``, ``AIRFLOW_VAR_*``,
     ``AIRFLOW__*``: ``utils/worker_process.inherited_env``) plus ``env``. ``env`` is deployment-owned
     (``PYTHONPATH``, ``LD_PRELOAD``, ``HF_ENDPOINT`` decide which code runs and from where): the DAG
     file's, or a Variable's with ``[vllm_batch] deployment_settings_from_variables``; one rendered from
@@ -55,7 +65,8 @@ class VllmLocalShardOperator(BaseOperator):
     starts, naming how to install vLLM and the Kubernetes runner.
 
     ``spec`` is the validated spec from the plan task (its ``spec`` XCom), ``shard`` one item
-    of the plan's return value (a ``ShardSummary``'s JSON form; a bare shard id also works). See
+    of the plan's return value (a ``ShardSummary``'s JSON form, which names the sealed plan the worker runs under). The
+    worker gets the worker key (``VLLM_BATCH_WORKER_KEY``), never the deployment's signing key. See
     ``utils/worker_process.py`` for the ``VLLM_BATCH_INJECT_EXIT`` test hook.
 
     ``aws_conn_id`` / ``gcp_conn_id`` (DAG-file settings; None: ``[vllm_batch]`` config, else the
@@ -100,7 +111,9 @@ class VllmLocalShardOperator(BaseOperator):
         spec = load_spec(self.spec, "shard")
         shard_id = self.shard_id
         try:
-            task = ShardTask(spec=spec, shard_id=shard_id, progress_interval_s=self.progress_interval_s)
+            task = ShardTask(
+                spec=spec, shard_id=shard_id, progress_interval_s=self.progress_interval_s, **shard_plan(self.shard)
+            )
         except (SpecError, ValueError) as e:
             raise AirflowFailException(f"shard {shard_id!r}: {e}") from None
         prefixes = check_spec_allowed(spec, f"shard {shard_id}")
@@ -127,15 +140,10 @@ class VllmLocalShardOperator(BaseOperator):
         env = child_env(env, conn_env)  # the Connection's identity, in the environment only
         env.pop(ALLOWED_PREFIXES_ENV, None)
         env.update(worker_env(prefixes))
-        # the deployment's signing key reaches the worker only as VLLM_BATCH_SIGNING_KEY (which it reads once
-        # and drops); the Airflow option itself never reaches vLLM's processes or the model's code (also when
-        # the DAG file's env names it)
-        for name in [k for k in env if k.upper().startswith("AIRFLOW__VLLM_BATCH__SIGNING_KEY")]:
-            del env[name]
-        env[envs.SIGNING_KEY.name] = signing_keyring().text()
-        # what the deployment handed over from its secrets (the Connection's keys, the signing key): the worker masks
+        env.update(worker_key_env(env))
+        # what the deployment handed over from its secrets (the Connection's keys, the worker key): the worker masks
         # these values whatever their names; set last, so the task's env cannot shorten the list
-        env[envs.SECRET_ENV_NAMES.name] = ",".join(sorted({*credentials, envs.SIGNING_KEY.name}))
+        env[envs.SECRET_ENV_NAMES.name] = ",".join(sorted({*credentials, envs.WORKER_KEY.name}))
         env.pop(envs.SECRET_ENV_DIRS.name, None)  # the pods' Secret folders; none here
         rows = None if isinstance(self.shard, str) else shard_summary(self.shard).rows
         self.log.info(

@@ -134,8 +134,9 @@ def kubernetes_signing_secret() -> tuple[str, str]:
     if not raw or not name or not key:
         raise AirflowFailException(
             f"{setting(KUBERNETES_SIGNING_SECRET)} is {'not set' if not raw else f'{raw!r}, not <secret>:<key>'}: "
-            "the shard pods need the deployment's signing key from a Kubernetes Secret (a secretKeyRef) to seal "
-            "their chunks and commit markers; create the Secret in the pods' namespace and name it here"
+            "the shard pods need the worker key of the deployment's signing key from a Kubernetes Secret (a "
+            "secretKeyRef) to seal their chunks and commit markers; create the Secret in the pods' namespace with the "
+            "output of python -m airflow_provider_vllm.cli.worker_key, and name it here"
         )
     return name, key
 

@@ -118,6 +118,19 @@ def shard_summary(shard: Any) -> ShardSummary:
         raise AirflowFailException(f"shard {shard!r:.200}: {detail}") from None
 
 
+def shard_plan(shard: Any) -> dict[str, str]:
+    """The sealed plan a shard task's worker must run under, as the plan task named it in its return value (XCom,
+    which the bucket's writers cannot write): ``plan_mac`` and ``plan_sha256`` for ``ShardTask``. Fails without retry
+    for a bare shard id, or a value of a run planned before per-role keys."""
+    s = None if isinstance(shard, str) else shard_summary(shard)
+    if s is None or s.plan_mac is None or s.plan_sha256 is None:
+        raise AirflowFailException(
+            f"shard {shard_id_of(shard)}: the plan task's value names no sealed plan (plan_mac, plan_sha256): a bare "
+            "shard id, or a run planned by a version before per-role keys; run the job again from its plan task"
+        )
+    return {"plan_mac": s.plan_mac, "plan_sha256": s.plan_sha256}
+
+
 def shard_id_of(shard: Any) -> str:
     """The shard id of one item of the plan's return value (``shard_summary``) or of a bare id."""
     return shard if isinstance(shard, str) else shard_summary(shard).shard_id

@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import traceback
+from typing import TYPE_CHECKING
 
 from airflow_provider_vllm.core import envs
 from airflow_provider_vllm.core.errors import VllmBatchError
@@ -28,6 +29,9 @@ from airflow_provider_vllm.worker.imports import carry_to_spawned, skip_unused_i
 from airflow_provider_vllm.worker.lifecycle import bind_to_parent, hold_shard_lock
 from airflow_provider_vllm.worker.redact import guard_streams
 from airflow_provider_vllm.worker.redact import install as install_redaction
+
+if TYPE_CHECKING:
+    from airflow_provider_vllm.core.seal import Keyring
 
 
 class Preempted(BaseException):
@@ -41,6 +45,27 @@ class Preempted(BaseException):
 def _on_sigterm(signum, frame):  # noqa: ARG001
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not interrupt the stop path
     raise Preempted(f"signal {signum}")
+
+
+def worker_keyring() -> Keyring:
+    """The worker's keys from ``VLLM_BATCH_WORKER_KEY``, both key variables then out of the environment. SealError
+    (terminal) when the deployment's own key is here (``VLLM_BATCH_SIGNING_KEY``, or a key without the worker prefix
+    in ``VLLM_BATCH_WORKER_KEY``: an old Secret): code in the worker could seal any record with it."""
+    from airflow_provider_vllm.core.errors import SealError
+    from airflow_provider_vllm.core.seal import HOW_TO_PRINT_WORKER_KEY, Keyring
+
+    deployment_key = envs.SIGNING_KEY.get() is not None
+    try:
+        if deployment_key:
+            raise SealError(
+                f"the worker's environment holds {envs.SIGNING_KEY.name}, the deployment's signing key: a shard worker "
+                f"must never hold it (code in the worker could seal any record with it); give it only its worker key "
+                f"in {envs.WORKER_KEY.name}: {HOW_TO_PRINT_WORKER_KEY}"
+            )
+        return Keyring.worker_from_env()
+    finally:
+        envs.WORKER_KEY.drop()
+        envs.SIGNING_KEY.drop()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,7 +98,6 @@ def main(argv: list[str] | None = None) -> int:
             prefixes_from_env,
         )
         from airflow_provider_vllm.core.param_schemas import check_spec_params
-        from airflow_provider_vllm.core.seal import Keyring
         from airflow_provider_vllm.core.spec_guard import check_deployment, check_remote_code
         from airflow_provider_vllm.worker.shard import run_shard
         from airflow_provider_vllm.worker.task import ShardTask
@@ -97,10 +121,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{ALLOW_REMOTE_CODE_ENV}=1 from the Airflow side's [vllm_batch] allow_remote_code",
         )
         check_spec_params(task.spec.model_dump(mode="json"))
-        # the deployment's signing key: read once, then out of the environment (vLLM's processes and the
-        # model's code never inherit it)
-        keyring = Keyring.from_env()
-        envs.SIGNING_KEY.drop()
+        # the worker key: read once, then out of the environment (vLLM's processes and the model's code never
+        # inherit it). It seals and checks only the worker's own records; the deployment's key never comes here
+        keyring = worker_keyring()
         hold_shard_lock(task.spec.io.output_uri, task.shard_id)  # local runner only; held until exit
         manifest = run_shard(task, keyring=keyring)
     except VllmBatchError as e:

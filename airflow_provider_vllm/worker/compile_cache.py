@@ -29,9 +29,10 @@ the private folders' paths (artefacts name absolute paths). A different vLLM, GP
 model never reads another's artefacts. A machine with NVIDIA devices whose name cannot be read
 uses no shared cache at all.
 
-Whoever holds the deployment's signing key can publish a snapshot (the worker seals the manifest
-with ``VLLM_BATCH_SIGNING_KEY``); pods that may run code from the model repo mount the cache
-read-only and never publish (``VLLM_BATCH_COMPILE_CACHE_PUBLISH=0``; the worker also checks its own spec's
+Whoever holds the worker key can publish a snapshot (the worker seals the manifest with
+``VLLM_BATCH_WORKER_KEY``; snapshots sealed with the deployment's key before per-role keys are not
+used); pods that may run code from the model repo mount the cache read-only and never publish
+(``VLLM_BATCH_COMPILE_CACHE_PUBLISH=0``; the worker also checks its own spec's
 ``spec_guard.code_loading_options``, whatever the environment says). Nothing here fails a shard:
 an unusable cache means a cold start. No Airflow, no vLLM import.
 """

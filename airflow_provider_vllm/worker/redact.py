@@ -56,7 +56,7 @@ def redact_urls(text: str) -> str:
 def secret_values(env: Mapping[str, str] | None = None) -> list[str]:
     """What to mask, longest first: the values of the variables that hold secrets (``envs.secret_names``: by their
     names, or listed by the deployment in ``VLLM_BATCH_MASKED_ENV``) of at least ``MIN_SECRET_CHARS`` characters;
-    each line of a multi-line value (a PEM key printed line by line); each item of a list (``VLLM_BATCH_SIGNING_KEY``
+    each line of a multi-line value (a PEM key printed line by line); each item of a list (``VLLM_BATCH_WORKER_KEY``
     ="new,old"); and each of these as JSON, ``repr`` and a URL escape them (a value with quotes, backslashes,
     control or non-ASCII characters in a JSON line, in an error message's ``{value!r}``, in a URL)."""
     e = envs.environ(env)

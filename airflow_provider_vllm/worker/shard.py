@@ -30,7 +30,7 @@ from airflow_provider_vllm.core.errors import CommitError, InputChangedError, Sp
 from airflow_provider_vllm.core.formats import RowBatch, input_format
 from airflow_provider_vllm.core.formats.files import REPLAN, check_unchanged
 from airflow_provider_vllm.core.formats.openai_batch import REQUEST
-from airflow_provider_vllm.core.plan import Plan, ShardPlan, estimate_tokens, load_plan
+from airflow_provider_vllm.core.plan import Plan, ShardPlan, estimate_tokens, is_pinned, load_pinned_plan, read_plan
 from airflow_provider_vllm.core.records import ShardStats, WorkerManifest
 from airflow_provider_vllm.core.rows import ENGINE_ERROR, INVALID_ROW, prompt_hash, rows_table, samples_at_random
 from airflow_provider_vllm.core.seal import Keyring
@@ -91,12 +91,13 @@ def run_shard(
     phase that can hang: plan load, row reads, the reuse scan, inference, chunk writes and the
     commit; each completed step of them is progress (engine start and warm-up are not counted).
 
-    ``keyring``: the deployment's signing keys (default ``VLLM_BATCH_SIGNING_KEY``): the plan must carry
-    the plan task's seal, chunks of earlier attempts are reused only under this worker's seal, and the
-    chunks and the commit marker are sealed with it (``core/seal.py``).
+    ``keyring``: the worker's keys (default ``VLLM_BATCH_WORKER_KEY``): chunks of earlier attempts are reused only
+    under their seal, and the chunks, the commit marker and compile cache snapshots are sealed with it
+    (``core/seal.py``). The plan is the one the task names (``plan_mac``, ``plan_sha256``), which the Airflow side
+    checked: the worker holds no key that checks a plan.
     """
     with Watchdog(task.spec.worker.watchdog_s, on_stall) as watchdog:
-        return _run_shard(task, engine_factory, watchdog, keyring or Keyring.from_env())
+        return _run_shard(task, engine_factory, watchdog, keyring or Keyring.worker_from_env())
 
 
 def _run_shard(
@@ -108,9 +109,8 @@ def _run_shard(
     identity = local_engine_identity()
     out = Storage(spec.io.output_uri, spec.io.storage_options)
     faults.hit("plan.load")
-    plan = load_plan(spec, keyring=keyring)
-    assert plan.seal is not None  # load_plan verified it
-    plan_mac = plan.seal.mac
+    plan = load_pinned_plan(spec, task.plan_mac, task.plan_sha256)
+    plan_mac = task.plan_mac
     plan = plan.for_shard(task.shard_id)  # a golden shard reads the golden rows' view
     watchdog.beat()
     if plan.spec_hash != spec.content_hash():
@@ -273,7 +273,7 @@ def _run_shard(
     )
     if marker.rows != shard.rows:
         raise InputChangedError(f"shard {shard.shard_id}: chunks hold {marker.rows} rows, plan {shard.rows}")
-    _check_plan_unchanged(spec, keyring, plan_mac, shard.shard_id)
+    _check_plan_unchanged(spec, task, shard.shard_id)
     watchdog.beat()
     if store.commit(marker):
         log.info(
@@ -295,18 +295,19 @@ def _run_shard(
     return _manifest(winner, status="already_committed")
 
 
-def _check_plan_unchanged(spec: JobSpec, keyring: Keyring, plan_mac: str, shard_id: str) -> None:
-    """CommitError (terminal) unless the output prefix still holds the plan this attempt ran under, read again right
-    before the commit: an attempt that outlived its run (a zombie pod, a task process gone) while the prefix was
-    emptied and planned again must not take the shard's one create-only marker in the new run's folder (its
-    workers would refuse that marker, sealed for another plan, and the shard could never commit). SpecError when
-    there is no plan any more, SealError when it is not sealed by this deployment."""
-    now = load_plan(spec, keyring=keyring)
-    if now.seal is None or now.seal.mac != plan_mac:
+def _check_plan_unchanged(spec: JobSpec, task: ShardTask, shard_id: str) -> None:
+    """CommitError (terminal) unless the output prefix still holds the plan this attempt ran under (the one its task
+    names), read again right before the commit: an attempt that outlived its run (a zombie pod, a task process gone)
+    while the prefix was emptied and planned again must not take the shard's one create-only marker in the new run's
+    folder (its workers would refuse that marker, sealed for another plan, and the shard could never commit); nor
+    must an attempt commit after ``_plan.json`` was replaced by another record. SpecError when there is no plan any
+    more."""
+    now, _ = read_plan(spec)
+    if not is_pinned(now, task.plan_mac, task.plan_sha256):
         raise CommitError(
             f"shard {shard_id}: the plan at {spec.io.output_uri} is not the one this attempt started under (the "
-            "output prefix was emptied and planned again while it ran); not committing its rows, which answer the "
-            "earlier plan"
+            "output prefix was emptied and planned again while it ran, or its plan was replaced); not committing its "
+            "rows, which answer the earlier plan"
         )
 
 

@@ -170,8 +170,8 @@ def test_the_cache_key_follows_the_deployments_image(airflow_sandbox, tmp_path):
     )
     assert p.returncode == 0, tail(p)
     base = yaml.safe_load(p.stdout)["spec"]["containers"][0]
-    signing = [e for e in base["env"] if e["name"] == "VLLM_BATCH_SIGNING_KEY"]
+    signing = [e for e in base["env"] if e["name"] in ("VLLM_BATCH_WORKER_KEY", "VLLM_BATCH_SIGNING_KEY")]
     assert signing == [
-        {"name": "VLLM_BATCH_SIGNING_KEY", "valueFrom": {"secretKeyRef": {"key": "key", "name": "vllm-batch-signing"}}}
+        {"name": "VLLM_BATCH_WORKER_KEY", "valueFrom": {"secretKeyRef": {"key": "key", "name": "vllm-batch-signing"}}}
     ]
     assert box.env["AIRFLOW__VLLM_BATCH__SIGNING_KEY"] not in p.stdout

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import TEST_WORKER_KEY
 from tests.support.data import make_spec, write_parquet
 from tests.support.k8s_context import create_context, unreachable_cluster
 
@@ -44,7 +45,7 @@ def test_pod_command_line_runs_a_real_shard(tmp_path, monkeypatch, tiny_model):
     )
     plan = plan_job(spec)
     assert len(plan.shards) == 2
-    shard = plan.shards[1].summary().dump()
+    shard = plan.mapped_shards()[1].dump()  # the plan task's value: it names the sealed plan
     op = VllmKubernetesShardOperator(
         task_id="shard",
         spec=spec.model_dump(mode="json"),
@@ -67,10 +68,12 @@ def test_pod_command_line_runs_a_real_shard(tmp_path, monkeypatch, tiny_model):
         return value
 
     env = {e.name: local(e.value) for e in c.env if e.value is not None}
-    # the only Secret reference: the deployment's signing key, which the kubelet would resolve
+    # the only Secret reference: the worker key, which the kubelet would resolve from the Secret holding the output
+    # of python -m airflow_provider_vllm.cli.worker_key
     (signing,) = [e for e in c.env if e.value_from]
-    assert signing.name == "VLLM_BATCH_SIGNING_KEY" and signing.value_from.secret_key_ref.name == "vllm-batch-signing"
-    env[signing.name] = os.environ["VLLM_BATCH_SIGNING_KEY"]
+    assert signing.name == "VLLM_BATCH_WORKER_KEY" and signing.value_from.secret_key_ref.name == "vllm-batch-signing"
+    assert "VLLM_BATCH_SIGNING_KEY" not in env
+    env[signing.name] = TEST_WORKER_KEY
     env.update(
         {
             "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",

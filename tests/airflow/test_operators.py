@@ -78,7 +78,12 @@ def test_plan_layers_spec_overrides_and_params_and_pushes_the_spec(tmp_path):
     ctx = context({"shard_rows": 100, "labels": ["a", "b"], "model": None, "runner": "local"})
     shards = op.execute(ctx)
     assert len(shards) == 3 and sum(s["rows"] for s in shards) == 250  # ceil(250 / 100) balanced shards
-    assert set(shards[0]) == {"shard_id", "index", "rows", "est_tokens", "bucket", "name"}
+    assert set(shards[0]) == {"shard_id", "index", "rows", "est_tokens", "bucket", "name", "plan_mac", "plan_sha256"}
+    # each shard task's value names the sealed plan the plan task wrote (its worker checks _plan.json is that one)
+    from airflow_provider_vllm.core.plan import Plan, plan_sha256
+
+    written = Plan.model_validate_json((tmp_path / "out" / "_plan.json").read_bytes())
+    assert {(s["plan_mac"], s["plan_sha256"]) for s in shards} == {(written.seal.mac, plan_sha256(written))}
     assert [s["name"] for s in shards] == ["shard 0/3 rows 0-82", "shard 1/3 rows 83-166", "shard 2/3 rows 167-249"]
     spec = JobSpec.load(ctx["ti"].xcoms["spec"])
     assert spec.sampling.max_tokens == 16 and spec.sharding.target_rows == 100

@@ -21,8 +21,7 @@ from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.steps.merge.merger import merge
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
-from airflow_provider_vllm.worker.task import ShardTask
-from tests.support.data import PINNED_REVISION, make_spec
+from tests.support.data import PINNED_REVISION, make_spec, shard_task
 from tests.support.s3server import MotoServer
 from tests.unit.steps.cache.test_key import recording
 
@@ -61,7 +60,7 @@ def run(sp, factory):
     factory.prompts.clear()
     plan = plan_job(sp, engine_identity=local_engine_identity())
     for s in plan.shards:
-        assert run_shard(ShardTask(spec=sp, shard_id=s.shard_id), engine_factory=factory)["status"] == "committed"
+        assert run_shard(shard_task(spec=sp, shard_id=s.shard_id), engine_factory=factory)["status"] == "committed"
     return plan, merge(sp), sorted(factory.prompts)
 
 

@@ -21,8 +21,7 @@ from airflow_provider_vllm.steps.cache.store import CacheStore
 from airflow_provider_vllm.steps.merge.merger import merge
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
-from airflow_provider_vllm.worker.task import ShardTask
-from tests.support.data import PINNED_REVISION, make_spec
+from tests.support.data import PINNED_REVISION, make_spec, shard_task
 from tests.support.ledger import record_fault
 from tests.support.s3server import MotoServer
 
@@ -65,7 +64,7 @@ def spec(s3, name: str):
 def shards(sp, factory):
     plan = plan_job(sp, engine_identity=ENGINE)
     for s in plan.shards:
-        assert run_shard(ShardTask(spec=sp, shard_id=s.shard_id), engine_factory=factory)["status"] == "committed"
+        assert run_shard(shard_task(spec=sp, shard_id=s.shard_id), engine_factory=factory)["status"] == "committed"
     return plan
 
 

@@ -14,8 +14,7 @@ from airflow_provider_vllm.steps.merge.merger import RESULTS, merge, result_part
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.steps.qa.stage import qa_run
 from airflow_provider_vllm.worker.shard import run_shard
-from airflow_provider_vllm.worker.task import ShardTask
-from tests.support.data import make_spec
+from tests.support.data import make_spec, shard_task
 from tests.support.s3server import MotoServer
 
 
@@ -48,7 +47,7 @@ def test_changes_between_two_runs_on_s3(s3, fake_engine_factory, monkeypatch):
         )
         check_deployment(spec, ["s3://data"])  # changes.previous_uri is held to the allow-list like the others
         for s in plan_job(spec).shards:
-            run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+            run_shard(shard_task(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
         merge(spec)
         return qa_run(spec)[0]
 

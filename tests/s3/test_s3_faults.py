@@ -24,8 +24,7 @@ from airflow_provider_vllm.core.storage_retry import ATTEMPTS_ENV, is_transient
 from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS, merge, result_parts
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
-from airflow_provider_vllm.worker.task import ShardTask
-from tests.support.data import make_spec
+from tests.support.data import make_spec, shard_task
 from tests.support.ledger import record_fault
 from tests.support.s3faults import FaultProxy
 from tests.support.s3server import MotoServer
@@ -178,7 +177,7 @@ def test_pipeline_survives_faults(proxy, s3, fake_engine_factory, kind):
     plan = plan_job(spec)
     assert len(plan.shards) == 3
     statuses = [
-        run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)["status"]
+        run_shard(shard_task(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)["status"]
         for s in plan.shards
     ]
     summary = merge(spec).dump()

@@ -14,8 +14,7 @@ from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.steps.merge.merger import merge, result_parts
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
-from airflow_provider_vllm.worker.task import ShardTask
-from tests.support.data import LABELS, make_spec
+from tests.support.data import LABELS, make_spec, shard_task
 from tests.support.s3server import MotoServer
 from tests.unit.core.test_storage import check_bounded_listings, check_capped_reads, check_listed_sizes
 
@@ -89,7 +88,7 @@ def test_pipeline_on_s3(s3, fake_engine_factory, monkeypatch):
     assert len(plan.shards) == 3
     for s in plan.shards:
         assert (
-            run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)["status"]
+            run_shard(shard_task(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)["status"]
             == "committed"
         )
     summary = merge(spec).dump()
@@ -98,7 +97,7 @@ def test_pipeline_on_s3(s3, fake_engine_factory, monkeypatch):
     res = pa.concat_tables([pq.read_table(out.open(rel)) for rel in result_parts(out)])
     assert res.num_rows == n - 1 and set(res.column("label").to_pylist()) <= set(LABELS)
     # a re-run of a shard is a no-op on S3 too
-    again = run_shard(ShardTask(spec=spec, shard_id=plan.shards[0].shard_id), engine_factory=fake_engine_factory)
+    again = run_shard(shard_task(spec=spec, shard_id=plan.shards[0].shard_id), engine_factory=fake_engine_factory)
     assert again["status"] == "already_committed"
 
 

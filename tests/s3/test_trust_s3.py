@@ -29,8 +29,7 @@ from airflow_provider_vllm.steps.merge.merger import (
 )
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
-from airflow_provider_vllm.worker.task import ShardTask
-from tests.support.data import PINNED_REVISION, make_spec
+from tests.support.data import PINNED_REVISION, make_spec, shard_task
 from tests.support.ledger import record_fault
 from tests.support.s3server import MotoServer
 
@@ -74,7 +73,7 @@ def spec(s3, name: str, cached: bool = True, cache_uri: str = "s3://data/cache")
 def run_shards(sp, factory):
     plan = plan_job(sp, engine_identity=ENGINE)
     for s in plan.shards:
-        run_shard(ShardTask(spec=sp, shard_id=s.shard_id), engine_factory=factory)
+        run_shard(shard_task(spec=sp, shard_id=s.shard_id), engine_factory=factory)
     return plan
 
 

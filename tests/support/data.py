@@ -11,6 +11,9 @@ import pyarrow.parquet as pq
 LABELS = ["billing", "bug", "feature_request", "account", "other"]
 # A hub model's revision as the result cache wants it: a full commit sha (steps/cache/key.check_revision)
 PINNED_REVISION = "0123456789abcdef0123456789abcdef01234567"
+# What the plan task's value names for each shard (ShardSummary.plan_mac, plan_sha256), for shard tasks a test never
+# lets reach a plan
+PLAN_REF = {"plan_mac": "a" * 64, "plan_sha256": "b" * 64}
 
 
 def write_parquet(path: Path, ids, texts, row_group_size=64, **extra):
@@ -144,3 +147,36 @@ def history_line(folder, record) -> str:
     rec = record if isinstance(record, ThroughputRecord) else ThroughputRecord.model_validate(record)
     sealed = seals.seal_record(Keyring.from_env(), seals.HISTORY, seals.scope_of(str(folder)), rec)
     return json.dumps(sealed.dump(), sort_keys=True) + "\n"
+
+
+def shard_task(spec, shard_id: str, **kw):
+    """``ShardTask`` for a shard of the run planned at ``spec``'s output, naming its sealed plan as the plan task's
+    XCom does (``plan_mac``, ``plan_sha256``): read from ``_plan.json`` now, so a plan swapped later is another plan.
+    No plan there: a task naming none (the worker then meets no plan). ``kw``: the task's other fields."""
+    from airflow_provider_vllm.core.errors import SpecError
+    from airflow_provider_vllm.core.plan import plan_sha256, read_plan
+    from airflow_provider_vllm.core.spec import JobSpec
+    from airflow_provider_vllm.worker.task import ShardTask
+
+    spec = spec if isinstance(spec, JobSpec) else JobSpec.load(spec)
+    try:
+        plan, _ = read_plan(spec)
+        ref = {"plan_mac": plan.seal.mac, "plan_sha256": plan_sha256(plan)} if plan.seal is not None else {}
+    except SpecError:
+        ref = {}
+    ref = {"plan_mac": "0" * 64, "plan_sha256": "0" * 64, **ref}
+    return ShardTask(spec=spec, shard_id=shard_id, **{**ref, **kw})
+
+
+def worker_env(env) -> dict[str, str]:
+    """``env`` as a shard worker's environment, as the local runner makes it: the worker key of its deployment key
+    (``VLLM_BATCH_SIGNING_KEY``, the steps' key outside Airflow) unless it names one, and no deployment key (a worker
+    refuses to start with one)."""
+    from airflow_provider_vllm.core.seal import Keyring
+
+    env = dict(env)
+    key = env.pop("VLLM_BATCH_SIGNING_KEY", None)
+    env.pop("AIRFLOW__VLLM_BATCH__SIGNING_KEY", None)
+    if key and "VLLM_BATCH_WORKER_KEY" not in env:
+        env["VLLM_BATCH_WORKER_KEY"] = Keyring.from_text(key).worker_text()
+    return env

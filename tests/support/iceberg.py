@@ -16,8 +16,7 @@ from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.steps.tables.access import Tables
 from airflow_provider_vllm.steps.tables.commit import TableCommit, commit_results
 from airflow_provider_vllm.worker.shard import run_shard
-from airflow_provider_vllm.worker.task import ShardTask
-from tests.support.data import make_spec
+from tests.support.data import make_spec, shard_task
 
 SOURCE_SCHEMA = pa.schema([pa.field("id", pa.string()), pa.field("text", pa.string()), pa.field("lang", pa.string())])
 
@@ -88,7 +87,7 @@ def run_job(spec: Any, tables: Tables, factory: Any, filesystems: Any = None) ->
     """plan -> every shard (fake engine) -> merge; returns the plan."""
     plan = plan_job(spec, filesystems=filesystems, tables=tables)
     for s in plan.shards:
-        assert run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=factory)["status"] == "committed"
+        assert run_shard(shard_task(spec=spec, shard_id=s.shard_id), engine_factory=factory)["status"] == "committed"
     merge(spec, filesystems=filesystems)
     return plan
 

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.support import ROOT
+from tests.support.data import shard_task, worker_env
 
 KEEP_ENGINES = 2  # engines kept at once by default (each holds its KV cache, VLLM_CPU_KVCACHE_SPACE GiB)
 KEEP_ENV = "SHARD_SERVER_KEEP_ENGINES"
@@ -106,8 +107,8 @@ def serve() -> None:
     from airflow_provider_vllm.worker.task import ShardTask
 
     keep = int(os.environ.pop(KEEP_ENV, KEEP_ENGINES))
-    keyring = Keyring.from_env()
-    envs.SIGNING_KEY.drop()  # as the worker: vLLM's processes never inherit it
+    keyring = Keyring.worker_from_env()  # as the worker: its worker key only, then out of the environment
+    envs.WORKER_KEY.drop()
     base = dict(os.environ)
     engines = SharedEngines(keep)
     for line in sys.stdin:
@@ -132,7 +133,7 @@ class ShardServer:
 
     def __init__(self, log: Path, env: dict[str, str] | None = None, keep: int = KEEP_ENGINES):
         self.log = log
-        env = dict(os.environ if env is None else env)
+        env = worker_env(os.environ if env is None else env)  # as a worker's: its worker key, no deployment key
         env[KEEP_ENV] = str(keep)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
         with open(log, "w") as err:
@@ -149,10 +150,9 @@ class ShardServer:
         self.engines_started = 0
 
     def run(self, spec: Any, shard_id: str, timeout: float = 600) -> dict:
-        from airflow_provider_vllm.worker.task import ShardTask
 
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(ShardTask(spec=spec, shard_id=shard_id).model_dump_json() + "\n")
+        self.proc.stdin.write(shard_task(spec=spec, shard_id=shard_id).model_dump_json() + "\n")
         self.proc.stdin.flush()
         with selectors.DefaultSelector() as sel:
             sel.register(self.proc.stdout, selectors.EVENT_READ)

@@ -7,6 +7,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from tests.support.data import shard_task
+
 
 class FakeTI:
     """What the operators use of a task instance: its map index and try, and ``xcom_push``."""
@@ -43,7 +45,6 @@ def committed_job(tmp_path: Path, factory, n: int = 60, run: list[int] | None = 
     worker in this process; returns (the spec as the plan task pushes it, the plan)."""
     from airflow_provider_vllm.steps.plan.planner import plan_job
     from airflow_provider_vllm.worker.shard import run_shard
-    from airflow_provider_vllm.worker.task import ShardTask
     from tests.support.data import make_spec, write_parquet
 
     texts = [f"ticket number {i}: I was charged twice, please refund" for i in range(n)]
@@ -55,7 +56,7 @@ def committed_job(tmp_path: Path, factory, n: int = 60, run: list[int] | None = 
     plan = plan_job(spec)
     for i, s in enumerate(plan.shards):
         if run is None or i in run:
-            run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=factory)
+            run_shard(shard_task(spec=spec, shard_id=s.shard_id), engine_factory=factory)
     return spec.model_dump(mode="json"), plan
 
 
@@ -65,7 +66,6 @@ def rerun_a_shard(spec: dict, plan, out: Path, factory) -> None:
     from airflow_provider_vllm.core.commit import MARKER
     from airflow_provider_vllm.core.spec import JobSpec
     from airflow_provider_vllm.worker.shard import run_shard
-    from airflow_provider_vllm.worker.task import ShardTask
 
     (out / "shards" / plan.shards[0].shard_id / MARKER).unlink()
-    run_shard(ShardTask(spec=JobSpec.load(spec), shard_id=plan.shards[0].shard_id), engine_factory=factory)
+    run_shard(shard_task(spec=JobSpec.load(spec), shard_id=plan.shards[0].shard_id), engine_factory=factory)

@@ -11,9 +11,8 @@ from airflow_provider_vllm.core.plan import PLAN_FILE
 from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS, merge
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
-from airflow_provider_vllm.worker.task import ShardTask
 from tests.support.bad_inputs.corpus import dataset_fault_cases, jsonl_row_corpus, openai_row_corpus, parquet_row_corpus
-from tests.support.data import make_spec
+from tests.support.data import make_spec, shard_task
 from tests.support.ledger import record_bad_rows
 
 pytestmark = pytest.mark.reliability
@@ -51,7 +50,7 @@ def test_row_fault_corpus_with_the_fake_engine(tmp_path, fake_engine_factory, fm
     spec = make_spec(tmp_path / "in", tmp_path / "out", **over)
     plan = plan_job(spec)
     for s in plan.shards:
-        run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+        run_shard(shard_task(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
     summary = merge(spec).dump()
     got = outcomes(tmp_path / "out")
     planted, right = score(expected, got)

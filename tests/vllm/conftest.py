@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from airflow_provider_vllm.testing.local_models import default_cache_dir, make_tiny_llama, prepare_smollm2
-from tests.conftest import ENGINE_PROCESSES
+from tests.conftest import ENGINE_PROCESSES, worker_environ
+from tests.support.data import shard_task
 
 
 @pytest.fixture(scope="session")
@@ -58,7 +59,7 @@ def tiny_run(tmp_path_factory, tiny_model) -> TinyRun:
     gateway, and progress lines every second."""
     from airflow_provider_vllm.core.commit import MARKER
     from airflow_provider_vllm.steps.plan.planner import plan_job
-    from airflow_provider_vllm.worker.task import ShardTask, worker_command
+    from airflow_provider_vllm.worker.task import worker_command
     from tests.unit.worker.test_metrics import _Recorder
     from tests.vllm.test_redaction import SECRET
     from tests.vllm.test_worker_vllm import ENV, planted, spec_for
@@ -74,7 +75,7 @@ def tiny_run(tmp_path_factory, tiny_model) -> TinyRun:
     srv.requests = []
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     env = {
-        **ENV,
+        **worker_environ(ENV),  # a worker's: its worker key, no deployment key
         **ENGINE_PROCESSES,  # the engine core's own log lines are part of what test_redaction checks
         "MODEL_STORE_TOKEN": SECRET,
         "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
@@ -84,7 +85,7 @@ def tiny_run(tmp_path_factory, tiny_model) -> TinyRun:
     }
     try:
         proc = subprocess.run(
-            worker_command(ShardTask(spec=spec, shard_id=shard.shard_id, progress_interval_s=1)),
+            worker_command(shard_task(spec=spec, shard_id=shard.shard_id, progress_interval_s=1)),
             env=env,
             capture_output=True,
             text=True,

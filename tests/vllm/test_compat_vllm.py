@@ -9,8 +9,7 @@ import sys
 import pytest
 
 from airflow_provider_vllm.steps.plan.planner import plan_job
-from airflow_provider_vllm.worker.task import ShardTask
-from tests.support.data import make_spec, write_parquet
+from tests.support.data import make_spec, shard_task, write_parquet
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -32,7 +31,7 @@ def test_worker_refuses_an_unsupported_vllm_naming_it(tmp_path):
     write_parquet(tmp_path / "in" / "a.parquet", ["a", "b"], ["one", "two"])
     spec = make_spec(tmp_path / "in", tmp_path / "out", model={"name": str(tmp_path / "no-model-needed")})
     plan = plan_job(spec)
-    task = ShardTask(spec=spec, shard_id=plan.shards[0].shard_id).model_dump_json()
+    task = shard_task(spec=spec, shard_id=plan.shards[0].shard_id).model_dump_json()
     r = subprocess.run(
         [sys.executable, "-c", RUN_WITH_VERSION, "0.40.1", task], capture_output=True, text=True, timeout=500
     )

@@ -26,7 +26,8 @@ from airflow_provider_vllm.steps.merge.merger import merge
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.steps.qa.accuracy import NO_ANSWER
 from airflow_provider_vllm.steps.qa.stage import qa_run
-from airflow_provider_vllm.worker.task import ShardTask, worker_command
+from airflow_provider_vllm.worker.task import worker_command
+from tests.conftest import worker_environ
 from tests.support.ledger import record_fault
 from tests.support.reconcile import reconcile
 from tests.support.shard_server import ShardServer
@@ -36,6 +37,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "dags"), str(ROOT / "scripts")]  # the demo's labels and prompt, its tickets
 from vllm_dag_defaults import LABELS, SYSTEM_PROMPT  # noqa: E402
+
+from tests.support.data import shard_task  # noqa: E402
 
 WORSE = (
     "You sort support tickets. Nearly every ticket is 'other'. Answer 'other' unless the ticket asks "
@@ -168,10 +171,14 @@ def test_a_golden_worker_killed_mid_chunk_reconciles(tmp_path, tiny_model, shard
     )
     plan = plan_job(spec)
     (golden_shard,) = plan.golden.shards
-    cmd = worker_command(ShardTask(spec=spec, shard_id=golden_shard.shard_id, progress_interval_s=1))
+    cmd = worker_command(shard_task(spec=spec, shard_id=golden_shard.shard_id, progress_interval_s=1))
     with open(tmp_path / "killed.out", "w") as o, open(tmp_path / "killed.err", "w") as e:  # files: orphans keep pipes
         proc = subprocess.Popen(
-            cmd, env={**ENV, "VLLM_BATCH_FAULTS": "chunk.mid_file#2=kill"}, stdout=o, stderr=e, start_new_session=True
+            cmd,
+            env={**worker_environ(ENV), "VLLM_BATCH_FAULTS": "chunk.mid_file#2=kill"},
+            stdout=o,
+            stderr=e,
+            start_new_session=True,
         )
         try:
             proc.wait(timeout=600)

@@ -28,9 +28,9 @@ import pytest
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.lifecycle import LOCK_DIR_ENV, LOCK_WAIT_ENV, lock_path, start_time
-from airflow_provider_vllm.worker.task import ShardTask, worker_command
-from tests.conftest import ENGINE_PROCESSES
-from tests.support.data import make_spec, write_parquet
+from airflow_provider_vllm.worker.task import worker_command
+from tests.conftest import ENGINE_PROCESSES, worker_environ
+from tests.support.data import make_spec, shard_task, write_parquet
 from tests.support.ledger import record_fault
 from tests.support.reconcile import check, check_no_partial
 
@@ -125,7 +125,7 @@ def fake_python(tmp_path) -> str:
 @pytest.fixture
 def env(tmp_path) -> dict[str, str]:
     return {
-        **os.environ,
+        **os.environ,  # the task process's (the Airflow side's signing key); a worker started here: worker_environ
         **ENGINE_PROCESSES,  # what a killed or stopped task leaves of vLLM's own processes
         "PYTHONPATH": str(ROOT),
         LOCK_DIR_ENV: str(tmp_path / "locks"),
@@ -148,8 +148,8 @@ def job(tmp_path: Path, n: int = 160, **over) -> tuple[JobSpec, dict, list[str]]
             row_group_size=32,
         )
     spec = make_spec(tmp_path / "in", tmp_path / "out", sharding={"target_rows": 10_000, "chunk_rows": 16}, **over)
-    (shard,) = plan_job(spec).shards
-    return spec, shard.summary().dump(), ids
+    (shard,) = plan_job(spec).mapped_shards()  # the plan task's value: it names the sealed plan
+    return spec, shard.dump(), ids
 
 
 def chunks(tmp_path: Path) -> list[Path]:
@@ -261,8 +261,8 @@ def test_kill9_of_the_task_process_on_real_vllm_leaves_no_engine_core_behind(tmp
     doc = spec_for(model, tmp_path, chunk_rows=16).model_dump(mode="json")
     doc["engine"]["max_num_seqs"] = 8
     spec = JobSpec.load(doc)
-    (s,) = plan_job(spec).shards
-    shard = s.summary().dump()
+    (s,) = plan_job(spec).mapped_shards()
+    shard = s.dump()
     log1 = tmp_path / "try1.log"
     task = start_task(spec, shard, "", 1, env, log1)
     wait_for(lambda: sealed_chunks(tmp_path), 600, "a first chunk committed", task, log1)
@@ -339,7 +339,7 @@ def run_local(spec: JobSpec, shard: dict, python: str, env: dict) -> tuple[int, 
     from airflow_provider_vllm.utils.worker_process import LocalWorkerProcess
 
     lines: list[str] = []
-    argv = worker_command(ShardTask(spec=spec, shard_id=shard["shard_id"], progress_interval_s=0.2), python=python)
+    argv = worker_command(shard_task(spec=spec, shard_id=shard["shard_id"], progress_interval_s=0.2), python=python)
     r = LocalWorkerProcess(argv, env, lines.append).run()
     return r.returncode, r.manifest, lines
 
@@ -386,8 +386,10 @@ def test_a_live_earlier_attempt_is_waited_for_then_refused_with_exit_75_and_neve
 
 def test_a_worker_whose_parent_is_already_gone_does_not_start(tmp_path, fake_python, env):
     spec, shard, _ = job(tmp_path, 20)
-    argv = worker_command(ShardTask(spec=spec, shard_id=shard["shard_id"]), python=fake_python)
-    p = subprocess.run(argv, env={**env, "VLLM_BATCH_PARENT_PID": "1"}, capture_output=True, text=True, timeout=120)
+    argv = worker_command(shard_task(spec=spec, shard_id=shard["shard_id"]), python=fake_python)
+    p = subprocess.run(
+        argv, env={**worker_environ(env), "VLLM_BATCH_PARENT_PID": "1"}, capture_output=True, text=True, timeout=120
+    )
     assert p.returncode == 75 and "already gone: not starting" in p.stderr
     assert not (tmp_path / "out" / "shards").exists() or not chunks(tmp_path)
 
@@ -396,12 +398,12 @@ def test_a_worker_whose_parent_is_already_gone_does_not_start(tmp_path, fake_pyt
 
 
 def start_worker(spec: JobSpec, shard: dict, python: str, env: dict, faults: str, log: Path) -> subprocess.Popen:
-    argv = worker_command(ShardTask(spec=spec, shard_id=shard["shard_id"], progress_interval_s=0.2), python=python)
+    argv = worker_command(shard_task(spec=spec, shard_id=shard["shard_id"], progress_interval_s=0.2), python=python)
     with open(log, "w") as f:
         return started(
             subprocess.Popen(
                 argv,
-                env={**env, "VLLM_BATCH_FAULTS": faults},
+                env={**worker_environ(env), "VLLM_BATCH_FAULTS": faults},
                 stdout=f,
                 stderr=subprocess.STDOUT,
                 text=True,

@@ -28,9 +28,9 @@ from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.steps.merge.merger import ERRORS, MERGED, RESULTS, merge
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.testing.local_models import default_cache_dir, make_tiny_llama
-from airflow_provider_vllm.worker.task import ShardTask, worker_command
-from tests.conftest import ENGINE_PROCESSES
-from tests.support.data import write_parquet
+from airflow_provider_vllm.worker.task import worker_command
+from tests.conftest import ENGINE_PROCESSES, worker_environ
+from tests.support.data import shard_task, write_parquet
 from tests.support.ledger import record_fault
 from tests.support.reconcile import check, check_no_partial
 from tests.vllm.test_worker_vllm import ENV, TICKETS, spec_for
@@ -73,8 +73,8 @@ class Worker:
     n = 0
 
     def __init__(self, spec: JobSpec, shard_id: str, faults: str = "", processes: bool = True):
-        cmd = worker_command(ShardTask(spec=spec, shard_id=shard_id, progress_interval_s=1))
-        env = {**ENV, **(ENGINE_PROCESSES if processes else {}), "VLLM_BATCH_FAULTS": faults}
+        cmd = worker_command(shard_task(spec=spec, shard_id=shard_id, progress_interval_s=1))
+        env = {**worker_environ(ENV), **(ENGINE_PROCESSES if processes else {}), "VLLM_BATCH_FAULTS": faults}
         Worker.n += 1
         # files, not pipes: a SIGKILLed worker's orphaned engine core would hold pipes open
         logs = Path(spec.io.output_uri).parent / "logs"

@@ -21,8 +21,9 @@ from airflow_provider_vllm.core.commit import MARKER
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.steps.merge.merger import merge
 from airflow_provider_vllm.steps.plan.planner import plan_job
-from airflow_provider_vllm.worker.task import ShardTask, worker_command
-from tests.support.data import write_parquet
+from airflow_provider_vllm.worker.task import worker_command
+from tests.conftest import worker_environ
+from tests.support.data import shard_task, write_parquet
 from tests.support.reconcile import check
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -84,8 +85,8 @@ def spec_for(model: str, tmp_path: Path, **sharding) -> JobSpec:
 
 
 def run_worker(spec: JobSpec, shard_id: str, **popen) -> subprocess.CompletedProcess:
-    cmd = worker_command(ShardTask(spec=spec, shard_id=shard_id, progress_interval_s=1))
-    return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600, **popen)
+    cmd = worker_command(shard_task(spec=spec, shard_id=shard_id, progress_interval_s=1))
+    return subprocess.run(cmd, env=worker_environ(ENV), capture_output=True, text=True, timeout=600, **popen)
 
 
 def manifest(proc: subprocess.CompletedProcess) -> dict:
@@ -124,8 +125,10 @@ def test_kill9_mid_shard_then_rerun_reuses_chunks(tmp_path, tiny_model):
     spec = spec_for(tiny_model, tmp_path, chunk_rows=20)
     spec = JobSpec.load({**spec.model_dump(mode="json"), "sampling": {"temperature": 0, "max_tokens": 24}})
     (shard,) = plan_job(spec).shards
-    cmd = worker_command(ShardTask(spec=spec, shard_id=shard.shard_id))
-    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
+    cmd = worker_command(shard_task(spec=spec, shard_id=shard.shard_id))
+    proc = subprocess.Popen(
+        cmd, env=worker_environ(ENV), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     shard_dir = tmp_path / "out" / "shards" / shard.shard_id
     deadline = time.time() + 300
     while time.time() < deadline and len(list(shard_dir.glob("attempts/*/chunk-?????.seal.json"))) < 2:
@@ -249,11 +252,11 @@ def test_two_real_attempts_at_once_commit_exactly_once(tmp_path, tiny_model):
     procs = []
     for name, d in zip(("attempt-a", "attempt-b"), xcom):
         d.mkdir()
-        cmd = worker_command(ShardTask(spec=spec, shard_id=shard.shard_id, attempt_id=name))
+        cmd = worker_command(shard_task(spec=spec, shard_id=shard.shard_id, attempt_id=name))
         procs.append(
             subprocess.Popen(
                 cmd,
-                env={**ENV, "VLLM_BATCH_XCOM_DIR": str(d)},
+                env={**worker_environ(ENV), "VLLM_BATCH_XCOM_DIR": str(d)},
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,

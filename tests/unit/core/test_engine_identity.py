@@ -21,6 +21,7 @@ def test_only_vllm_variables_that_can_change_an_answer_count():
         "VLLM_LOGGING_LEVEL": "DEBUG",  # where it logs
         "VLLM_CPU_KVCACHE_SPACE": "4",  # how much memory it reserves
         "VLLM_BATCH_SIGNING_KEY": "secret",  # this package's own
+        "VLLM_BATCH_WORKER_KEY": "vbw1.secret",  # the worker's key: never in an identity (nor moves it on a rotation)
         "PATH": "/bin",
         "HOME": "/root",
     }
@@ -35,7 +36,7 @@ def test_vllms_own_batch_invariant_switch_counts_and_this_packages_declared_vari
     assert local_engine_identity({"VLLM_BATCH_INVARIANT": "1"}) != local_engine_identity({})
     assert image_engine_identity(image, {"VLLM_BATCH_INVARIANT": "1"}) != image_engine_identity(image, {})
     own = {v.name: "1" for v in envs.VARS if v.name.startswith("VLLM_BATCH_")}
-    assert "VLLM_BATCH_SIGNING_KEY" in own and "VLLM_BATCH_INVARIANT" not in own
+    assert {"VLLM_BATCH_SIGNING_KEY", "VLLM_BATCH_WORKER_KEY"} <= set(own) and "VLLM_BATCH_INVARIANT" not in own
     assert engine_env(own) == {}
     assert local_engine_identity(own) == local_engine_identity({})
     assert image_engine_identity(image, own) == image_engine_identity(image, {})

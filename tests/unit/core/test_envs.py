@@ -123,3 +123,10 @@ def test_the_docs_table_is_generated_from_envs():
     assert doc.endswith(envs.markdown_table())
     readme = (ROOT / "README.md").read_text()
     assert "docs/environment.md" in readme
+
+
+def test_both_keys_are_secrets_the_worker_masks_by_their_names():
+    """The worker masks the values of variables whose names say they hold secrets (worker/redact.py): its own key
+    (``VLLM_BATCH_WORKER_KEY``) and the deployment's, which it refuses (``VLLM_BATCH_SIGNING_KEY``)."""
+    env = {"VLLM_BATCH_WORKER_KEY": "vbw1.x", "VLLM_BATCH_SIGNING_KEY": "k", "VLLM_BATCH_LOG_LEVEL": "INFO"}
+    assert envs.secret_names(env) == {"VLLM_BATCH_WORKER_KEY", "VLLM_BATCH_SIGNING_KEY"}

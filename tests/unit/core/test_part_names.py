@@ -25,7 +25,14 @@ from airflow_provider_vllm.core.rows import ERROR_SCHEMA, RESULT_SCHEMA
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.steps.merge.changes import CHANGES, compute_changes
 from airflow_provider_vllm.steps.merge.merger import ERRORS, MERGED, RESULTS, read_manifest, result_parts
-from tests.support.data import PINNED_REVISION, make_spec, merge_summary, write_merged_folder, write_merged_summary
+from tests.support.data import (
+    PINNED_REVISION,
+    make_spec,
+    merge_summary,
+    shard_task,
+    write_merged_folder,
+    write_merged_summary,
+)
 from tests.support.ledger import record_malicious
 
 pytestmark = pytest.mark.unit
@@ -296,7 +303,6 @@ def test_a_cache_entry_whose_part_is_a_symlink_is_skipped(tmp_path, fake_engine_
     from airflow_provider_vllm.steps.merge.merger import merge
     from airflow_provider_vllm.steps.plan.planner import plan_job
     from airflow_provider_vllm.worker.shard import run_shard
-    from airflow_provider_vllm.worker.task import ShardTask
     from tests.support.data import write_parquet
 
     ids, texts = [f"r{i}" for i in range(12)], [f"ticket {i}" for i in range(12)]
@@ -313,7 +319,7 @@ def test_a_cache_entry_whose_part_is_a_symlink_is_skipped(tmp_path, fake_engine_
     s1 = spec("a")
     p1 = plan_job(s1, engine_identity=local_engine_identity())
     for s in p1.shards:
-        run_shard(ShardTask(spec=s1, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+        run_shard(shard_task(spec=s1, shard_id=s.shard_id), engine_factory=fake_engine_factory)
     merge(s1)
     eid = cache.entry_id(p1, s1.io.output_uri)
     part = tmp_path / "cache" / "entries" / eid / "part-00000.parquet"

@@ -9,7 +9,6 @@ everywhere. The real DAGs' param validation: tests/airflow/test_security_dags.py
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -20,7 +19,9 @@ from airflow_provider_vllm.core.allow_list import ALLOWED_PREFIXES_ENV
 from airflow_provider_vllm.core.errors import EXIT_TERMINAL, SpecError
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.spec_guard import MAX_LABELS, check_deployment
+from tests.conftest import worker_environ
 from tests.support import ROOT
+from tests.support.data import PLAN_REF
 from tests.support.ledger import record_malicious
 from tests.support.security import A, _ti, base_doc, prefixes, refused, with_value
 
@@ -350,8 +351,8 @@ def test_a_spec_endpoint_never_reaches_a_server(allowed, tmp_path, monkeypatch):
             VllmPlanOperator(task_id="plan", spec=doc).execute({"ti": ti, "params": {}})
         assert ti.xcoms == {}
         doc["io"]["storage_options"] = {"endpoint_url": server.url}
-        task = {"spec": doc, "shard_id": "shard-00000-0123abcd"}
-        env = {**os.environ, ALLOWED_PREFIXES_ENV: json.dumps(prefixes(allowed)), "PYTHONPATH": str(ROOT)}
+        task = {"spec": doc, "shard_id": "shard-00000-0123abcd", **PLAN_REF}
+        env = {**worker_environ(), ALLOWED_PREFIXES_ENV: json.dumps(prefixes(allowed)), "PYTHONPATH": str(ROOT)}
         p = subprocess.run(
             [sys.executable, "-m", "airflow_provider_vllm.worker", json.dumps(task)],
             env=env,

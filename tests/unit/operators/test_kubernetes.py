@@ -17,13 +17,13 @@ import pytest
 from kubernetes.client import ApiClient
 
 from airflow_provider_vllm.core.exit_codes import ExitCode
-from tests.support.data import make_spec
+from tests.support.data import PLAN_REF, make_spec, shard_task
 from tests.support.k8s_context import create_context, unreachable_cluster
 from tests.support.ledger import record_malicious
 from tests.support.pss_restricted import violations
 
 ROOT = Path(__file__).resolve().parents[3]
-SHARD = {"shard_id": "shard-00003-0a1b2c3d", "index": 3, "rows": 1000, "est_tokens": 90000, "bucket": "all"}
+SHARD = {"shard_id": "shard-00003-0a1b2c3d", "index": 3, "rows": 1000, "est_tokens": 90000, "bucket": "all", **PLAN_REF}
 SETTINGS = {  # what an operator puts in the vllm_batch_kubernetes Variable
     "namespace": "vllm-batch",
     "image": "registry.example.com/ml/vllm-worker:0.1.0@sha256:" + "ab" * 32,
@@ -82,6 +82,8 @@ def test_pod_for_a_mapped_task_instance():
     assert len(c.args) == 1
     task = ShardTask.load(c.args[0])
     assert task.shard_id == SHARD["shard_id"] and task.spec == JobSpec.load(op.spec)
+    # the sealed plan the worker runs under: as the plan task's value named it (XCom), never read from the bucket
+    assert (task.plan_mac, task.plan_sha256) == (SHARD["plan_mac"], SHARD["plan_sha256"])
     assert c.command + c.args == worker_command(task, python="python3")
     assert c.image == SETTINGS["image"]
     assert c.resources.limits == {"memory": "34Gi", "nvidia.com/gpu": "1"}
@@ -98,7 +100,7 @@ def test_pod_for_a_mapped_task_instance():
         "HF_TOKEN": ("hf-token", "token"),
         "AWS_ACCESS_KEY_ID": ("s3-creds", "access_key_id"),
         "AWS_SECRET_ACCESS_KEY": ("s3-creds", "secret_access_key"),
-        "VLLM_BATCH_SIGNING_KEY": ("vllm-batch-signing", "key"),  # [vllm_batch] kubernetes_signing_secret (conftest)
+        "VLLM_BATCH_WORKER_KEY": ("vllm-batch-signing", "key"),  # [vllm_batch] kubernetes_signing_secret (conftest)
     }
     assert [(t.key, t.operator, t.value, t.effect) for t in pod.spec.tolerations] == [
         ("nvidia.com/gpu", "Exists", None, "NoSchedule"),
@@ -123,24 +125,41 @@ def test_the_pod_names_its_image_to_the_worker_and_the_pod_settings_cannot_renam
 
 
 @pytest.mark.parametrize("setting", ["vllm-batch-signing:key", "team-a-signing:hmac-key"])
-def test_the_signing_key_reaches_the_pod_only_as_a_secret_reference(monkeypatch, setting):
-    """``VLLM_BATCH_SIGNING_KEY`` is in the pod's env exactly once, as a secretKeyRef to the Secret that
-    ``[vllm_batch] kubernetes_signing_secret`` names; the key itself is nowhere in the pod, and pod settings
-    naming another Secret for it do not replace the deployment's."""
-    from tests.conftest import TEST_SIGNING_KEY
+def test_the_worker_key_reaches_the_pod_only_as_a_secret_reference(monkeypatch, setting):
+    """``VLLM_BATCH_WORKER_KEY`` is in the pod's env exactly once, as a secretKeyRef to the Secret that
+    ``[vllm_batch] kubernetes_signing_secret`` names; no key is in the pod, pod settings naming another Secret for
+    it do not replace the deployment's, and the deployment's own key never reaches a pod (a pod setting's
+    ``secret_env`` naming ``VLLM_BATCH_SIGNING_KEY`` is dropped)."""
+    from tests.conftest import TEST_SIGNING_KEY, TEST_WORKER_KEY
 
     monkeypatch.setenv("AIRFLOW__VLLM_BATCH__KUBERNETES_SIGNING_SECRET", setting)
     secret, key = setting.split(":")
-    other = {**SETTINGS, "secret_env": {**SETTINGS["secret_env"], "VLLM_BATCH_SIGNING_KEY": {"name": "x", "key": "y"}}}
+    refs = {"VLLM_BATCH_WORKER_KEY": {"name": "x", "key": "y"}, "VLLM_BATCH_SIGNING_KEY": {"name": "x", "key": "z"}}
+    other = {**SETTINGS, "secret_env": {**SETTINGS["secret_env"], **refs}}
     for settings in (SETTINGS, other):
         op = operator(settings)
         pod = op.build_pod_request_obj(create_context(op, map_index=3))
-        signing = [e for c in pod.spec.containers for e in c.env or [] if e.name == "VLLM_BATCH_SIGNING_KEY"]
+        signing = [e for c in pod.spec.containers for e in c.env or [] if e.name == "VLLM_BATCH_WORKER_KEY"]
         assert len(signing) == 1 and signing[0].value is None
         ref = signing[0].value_from.secret_key_ref
         assert (ref.name, ref.key) == (secret, key)
+        assert not [e for c in pod.spec.containers for e in c.env or [] if e.name == "VLLM_BATCH_SIGNING_KEY"]
         text = json.dumps(manifest(pod))
-        assert TEST_SIGNING_KEY not in text and "AIRFLOW__VLLM_BATCH__SIGNING_KEY" not in text
+        assert TEST_SIGNING_KEY not in text and TEST_WORKER_KEY not in text
+        assert "AIRFLOW__VLLM_BATCH__SIGNING_KEY" not in text
+
+
+def test_a_shard_value_that_names_no_sealed_plan_builds_no_pod():
+    """A bare shard id, or the plan task's value of a run planned before per-role keys: fails without retry."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    old_value = {k: v for k, v in SHARD.items() if k not in PLAN_REF}
+    for value in (old_value, SHARD["shard_id"]):
+        op = operator()
+        op.shard = value
+        with pytest.raises(AirflowFailException, match="names no sealed plan"):
+            op.prepare_pod()
+        assert op.parts is None
 
 
 def test_a_literal_signing_key_in_the_pod_env_is_refused_before_any_pod_exists():
@@ -359,7 +378,7 @@ def test_no_secret_value_in_args_env_literals_or_logs(monkeypatch, caplog, capsy
     literals = [e.value for e in c.env if e.value is not None]
     leaked = [k for k, v in secret_values.items() if v in text or any(v in x for x in literals + c.args)]
     # they arrive as Secret references, and so does the deployment's signing key
-    assert {e.name for e in c.env if e.value_from} == set(secret_values) | {"VLLM_BATCH_SIGNING_KEY"}
+    assert {e.name for e in c.env if e.value_from} == set(secret_values) | {"VLLM_BATCH_WORKER_KEY"}
     record_malicious(
         "secret_value_into_pod_spec_or_log", tried=len(secret_values), rejected=len(secret_values) - len(leaked)
     )
@@ -429,11 +448,11 @@ def test_kpo_failure_class_is_the_one_the_operator_catches():
 
 def test_dockerfile_entrypoint_is_the_worker_command_entrypoint():
     from airflow_provider_vllm.utils.pod_spec import WORKER_PYTHON
-    from airflow_provider_vllm.worker.task import ShardTask, worker_command
+    from airflow_provider_vllm.worker.task import worker_command
 
     text = (ROOT / "docker" / "Dockerfile.worker").read_text()
     (entry,) = re.findall(r"^ENTRYPOINT\s+(\[.*\])\s*$", text, re.M)
-    task = ShardTask(spec=make_spec("/in", "/out"), shard_id=SHARD["shard_id"])
+    task = shard_task(spec=make_spec("/in", "/out"), shard_id=SHARD["shard_id"])
     assert json.loads(entry) == worker_command(task, python=WORKER_PYTHON)[:-1]
     assert "CMD" not in re.findall(r"^(\w+)", text, re.M)  # the shard task is the only argument
 
@@ -722,7 +741,7 @@ def test_the_deployments_compile_cache_claim_is_mounted_and_the_pod_keys_its_sna
     (tmp_path / "compile-cache").mkdir()
     local = {**pod_env, "VLLM_BATCH_COMPILE_CACHE": str(tmp_path / "compile-cache")}
     spec = JobSpec.load(op.spec)
-    keyring = Keyring.from_text(TEST_SIGNING_KEY)
+    keyring = Keyring.from_text(TEST_SIGNING_KEY).worker_keyring()
     monkeypatch.setattr(compile_cache, "accelerator", lambda: "gpu:NVIDIA H200 (cc 9.0)")
     cache = compile_cache.from_env(spec, keyring, local)
     assert cache is not None and cache.folder == tmp_path / "compile-cache" / cache.key
@@ -842,7 +861,7 @@ def test_the_pod_tells_the_worker_which_variables_came_from_secrets_and_no_env_u
             "AWS_SECRET_ACCESS_KEY",
             "DB_PASS",
             "HF_TOKEN",
-            "VLLM_BATCH_SIGNING_KEY",
+            "VLLM_BATCH_WORKER_KEY",
         ]
         db = [e for e in base(pod).env if e.name == "DB_PASS"]
         assert db[0].value is None and db[0].value_from.secret_key_ref.name == "db"

@@ -12,6 +12,7 @@ from airflow_provider_vllm.core.errors import TransientError
 from airflow_provider_vllm.core.records import WorkerManifest
 from airflow_provider_vllm.operators import merge as merge_operator
 from airflow_provider_vllm.operators.merge import VllmMergeOperator
+from tests.support.data import shard_task
 from tests.support.task_context import committed_job, context
 
 
@@ -64,14 +65,13 @@ def test_merge_takes_only_the_attempts_the_shard_tasks_reported(tmp_path, fake_e
     from airflow_provider_vllm.core.commit import MARKER
     from airflow_provider_vllm.core.spec import JobSpec
     from airflow_provider_vllm.worker.shard import run_shard
-    from airflow_provider_vllm.worker.task import ShardTask
 
     spec, plan = committed_job(tmp_path, fake_engine_factory, n=60)
     out = tmp_path / "out"
     marker = out / "shards" / plan.shards[0].shard_id / MARKER
     shutil.copy2(marker, tmp_path / "earlier.json")
     marker.unlink()  # the shard run again: another genuine attempt
-    run_shard(ShardTask(spec=JobSpec.load(spec), shard_id=plan.shards[0].shard_id), engine_factory=fake_engine_factory)
+    run_shard(shard_task(spec=JobSpec.load(spec), shard_id=plan.shards[0].shard_id), engine_factory=fake_engine_factory)
     reported = [  # what each shard task pushed: its worker's manifest
         {
             "status": "committed",

@@ -27,8 +27,7 @@ from airflow_provider_vllm.steps.merge.merger import MERGED, SUCCESS
 from airflow_provider_vllm.steps.publish import pin_last_published
 from airflow_provider_vllm.utils.published import last_published, newest_events
 from airflow_provider_vllm.worker.shard import run_shard
-from airflow_provider_vllm.worker.task import ShardTask
-from tests.support.data import make_spec, write_parquet
+from tests.support.data import make_spec, shard_task, write_parquet
 from tests.support.ledger import record_malicious
 from tests.support.task_context import context
 
@@ -95,7 +94,7 @@ def night(root: Path, texts: list[str], **changes) -> tuple[dict, object]:
 def run_rest(spec: dict, factory) -> None:
     """Shards, merge and QA of a planned night, as the operators run them."""
     for s in load_plan(make_spec_of(spec)).shards:
-        run_shard(ShardTask(spec=make_spec_of(spec), shard_id=s.shard_id), engine_factory=factory)
+        run_shard(shard_task(spec=make_spec_of(spec), shard_id=s.shard_id), engine_factory=factory)
     VllmMergeOperator(task_id="merge", spec=spec).execute(context())
 
 
@@ -181,7 +180,7 @@ def test_a_baseline_the_bucket_changed_is_refused_not_compared(tmp_path, fake_en
     shutil.copytree(out_a, earlier)
     first = load_plan(spec_a).shards[0].shard_id  # run again from nothing: its parts get other bytes
     shutil.rmtree(out_a / "shards" / first)
-    run_shard(ShardTask(spec=spec_a, shard_id=first), engine_factory=fake_engine_factory)
+    run_shard(shard_task(spec=spec_a, shard_id=first), engine_factory=fake_engine_factory)
     VllmMergeOperator(task_id="merge", spec=a).execute(context())  # merged again: another results manifest
     VllmQAOperator(task_id="qa", spec=a).execute(context())
     published = VllmPublishOperator(task_id="publish", spec=a, outlets=[ASSET]).execute(context())

@@ -17,6 +17,7 @@ from airflow_provider_vllm.operators.merge import VllmMergeOperator
 from airflow_provider_vllm.operators.publish import VllmPublishOperator
 from airflow_provider_vllm.operators.qa import VllmQAFailed, VllmQAOperator
 from airflow_provider_vllm.steps.publish import verify_published
+from tests.support.data import shard_task
 from tests.support.ledger import record_malicious
 from tests.support.task_context import committed_job, context, rerun_a_shard
 
@@ -338,12 +339,11 @@ def _openai_batch_job(tmp_path, factory) -> tuple[dict, dict]:
     """A merged and QA-checked ``io.output_format=openai_batch`` run of 12 requests: (spec, QA result)."""
     from airflow_provider_vllm.steps.plan.planner import plan_job
     from airflow_provider_vllm.worker.shard import run_shard
-    from airflow_provider_vllm.worker.task import ShardTask
     from tests.support.data import openai_batch_spec
 
     spec = openai_batch_spec(tmp_path)
     for s in plan_job(spec).shards:
-        run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=factory)
+        run_shard(shard_task(spec=spec, shard_id=s.shard_id), engine_factory=factory)
     doc = spec.model_dump(mode="json")
     VllmMergeOperator(task_id="merge", spec=doc).execute(context())
     return doc, VllmQAOperator(task_id="qa", spec=doc).execute(context())

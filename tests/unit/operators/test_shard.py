@@ -17,7 +17,7 @@ from airflow_provider_vllm.core.allow_list import ALLOWED_PREFIXES_ENV
 from airflow_provider_vllm.operators import shard
 from airflow_provider_vllm.operators.shard import VllmLocalShardOperator
 from airflow_provider_vllm.utils import worker_process as local_runner
-from tests.support.data import make_spec
+from tests.support.data import PLAN_REF, make_spec
 from tests.support.ledger import record_malicious
 from tests.support.security import base_doc, prefixes
 
@@ -33,7 +33,14 @@ def _op(tmp_path, **kw) -> VllmLocalShardOperator:
     return VllmLocalShardOperator(
         task_id="shard",
         spec=spec.model_dump(mode="json"),
-        shard={"shard_id": "shard-00000-0000abcd", "index": 0, "rows": 3, "est_tokens": 30, "bucket": "all"},
+        shard={
+            "shard_id": "shard-00000-0000abcd",
+            "index": 0,
+            "rows": 3,
+            "est_tokens": 30,
+            "bucket": "all",
+            **PLAN_REF,
+        },
         **kw,
     )
 
@@ -80,7 +87,14 @@ def test_shard_operator_refuses_a_forged_spec_before_starting_a_worker(allowed, 
     op = VllmLocalShardOperator(
         task_id="shard",
         spec=forged,
-        shard={"shard_id": "shard-00000-0123abcd", "index": 0, "rows": 3, "est_tokens": 30, "bucket": "all"},
+        shard={
+            "shard_id": "shard-00000-0123abcd",
+            "index": 0,
+            "rows": 3,
+            "est_tokens": 30,
+            "bucket": "all",
+            **PLAN_REF,
+        },
         python=str(python),
     )
     with pytest.raises(AirflowFailException, match="outside the allowed prefixes"):
@@ -106,7 +120,14 @@ def test_shard_operator_hands_the_deployment_allow_list_to_the_worker(allowed, t
         task_id="shard",
         spec=base_doc(allowed),
         python=str(python),
-        shard={"shard_id": "shard-00000-0123abcd", "index": 0, "rows": 3, "est_tokens": 30, "bucket": "all"},
+        shard={
+            "shard_id": "shard-00000-0123abcd",
+            "index": 0,
+            "rows": 3,
+            "est_tokens": 30,
+            "bucket": "all",
+            **PLAN_REF,
+        },
         env={ALLOWED_PREFIXES_ENV: '["/"]'},
     )
     with pytest.raises(AirflowException):  # the stand-in prints no manifest
@@ -132,7 +153,7 @@ def test_local_shard_refuses_a_worker_env_from_the_trigger_before_starting_it(al
 
     monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", json.dumps(prefixes(allowed)))
     python, dump = _env_dumping_python(tmp_path)
-    shard_ = {"shard_id": "shard-00000-0123abcd", "index": 0, "rows": 3, "est_tokens": 30, "bucket": "all"}
+    shard_ = {"shard_id": "shard-00000-0123abcd", "index": 0, "rows": 3, "est_tokens": 30, "bucket": "all", **PLAN_REF}
     ti = SimpleNamespace(map_index=0, try_number=1)
     op = VllmLocalShardOperator(
         task_id="shard", spec=base_doc(allowed), python=str(python), shard=shard_, env={"PYTHONPATH": raw}
@@ -175,15 +196,73 @@ def test_local_worker_inherits_no_airflow_variables(allowed, tmp_path, monkeypat
         task_id="shard",
         spec=base_doc(allowed),
         python=str(python),
-        shard={"shard_id": "shard-00000-0123abcd", "index": 0, "rows": 3, "est_tokens": 30, "bucket": "all"},
+        shard={
+            "shard_id": "shard-00000-0123abcd",
+            "index": 0,
+            "rows": 3,
+            "est_tokens": 30,
+            "bucket": "all",
+            **PLAN_REF,
+        },
     )
     with pytest.raises(AirflowException):  # the stand-in prints no manifest
         op.execute({"ti": SimpleNamespace(map_index=0, try_number=1)})
     seen = json.loads(dump.read_text())
     assert not [k for k in seen if "AIRFLOW" in k.upper()], sorted(seen)
     assert seen["HF_HOME"] == "/models/hf" and json.loads(seen[ALLOWED_PREFIXES_ENV]) == prefixes(allowed)
-    assert seen["VLLM_BATCH_SIGNING_KEY"]
     record_malicious("local_worker_airflow_secrets", len(secrets), len(secrets))
+
+
+@pytest.mark.reliability
+def test_the_local_worker_gets_the_worker_key_and_never_the_deployments_key(allowed, tmp_path, monkeypatch):
+    """The local runner hands its worker the worker keys of ``[vllm_batch] signing_key`` (rotation: each key's, in
+    order), never a deployment key: not the Airflow option, not ``VLLM_BATCH_SIGNING_KEY`` of the task process's
+    environment, not one the DAG file's ``env`` names; and the sealed plan the plan task's value named."""
+    from airflow.sdk.exceptions import AirflowException
+
+    from airflow_provider_vllm.core.seal import worker_key_of
+    from airflow_provider_vllm.worker.task import ShardTask
+
+    new, old = "n" * 40, "o" * 40
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", json.dumps(prefixes(allowed)))
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__SIGNING_KEY", f"{new},{old}")
+    monkeypatch.setenv("VLLM_BATCH_SIGNING_KEY", new)  # the task process's own (a script's), never inherited
+    argv_dump = tmp_path / "argv.json"
+    dump = tmp_path / "env.json"
+    python = tmp_path / "python"
+    python.write_text(
+        f"#!{sys.executable}\nimport json, os, sys\njson.dump(dict(os.environ), open({str(dump)!r}, 'w'))\n"
+        f"json.dump(sys.argv, open({str(argv_dump)!r}, 'w'))\n"
+    )
+    python.chmod(0o755)
+    shard = {"shard_id": "shard-00000-0123abcd", "index": 0, "rows": 3, "est_tokens": 30, "bucket": "all", **PLAN_REF}
+    dag_env = {"VLLM_BATCH_SIGNING_KEY": "d" * 40, "VLLM_BATCH_WORKER_KEY": "vbw1." + "w" * 40}
+    op = VllmLocalShardOperator(task_id="shard", spec=base_doc(allowed), python=str(python), shard=shard, env=dag_env)
+    with pytest.raises(AirflowException):  # the stand-in prints no manifest
+        op.execute({"ti": SimpleNamespace(map_index=0, try_number=1)})
+    seen = json.loads(dump.read_text())
+    assert (
+        seen["VLLM_BATCH_WORKER_KEY"]
+        == f"{worker_key_of(new.encode()).decode()},{worker_key_of(old.encode()).decode()}"
+    )
+    assert "VLLM_BATCH_SIGNING_KEY" not in seen and not [k for k in seen if "AIRFLOW" in k.upper()]
+    assert not [k for k, v in seen.items() if new in v or old in v or "d" * 40 in v or "w" * 40 in v]
+    task = ShardTask.load(json.loads(argv_dump.read_text())[-1])
+    assert (task.plan_mac, task.plan_sha256) == (PLAN_REF["plan_mac"], PLAN_REF["plan_sha256"])
+
+
+def test_a_shard_value_that_names_no_sealed_plan_fails_without_retry(allowed, tmp_path):
+    """A bare shard id, or the value of a run planned before per-role keys: the worker could not tell its plan from
+    another sealed one, so no worker starts."""
+    python, dump = _env_dumping_python(tmp_path)
+    for value in (
+        "shard-00000-0123abcd",
+        {"shard_id": "shard-00000-0123abcd", "index": 0, "rows": 3, "est_tokens": 30, "bucket": "all"},
+    ):
+        op = VllmLocalShardOperator(task_id="shard", spec=base_doc(allowed), python=str(python), shard=value)
+        with pytest.raises(AirflowFailException, match="names no sealed plan.*run the job again from its plan task"):
+            op.execute({"ti": SimpleNamespace(map_index=0, try_number=1)})
+    assert not dump.exists()
 
 
 @pytest.mark.reliability
@@ -199,7 +278,14 @@ def test_the_local_worker_is_told_which_variables_hold_the_deployments_secrets(a
         task_id="shard",
         spec=base_doc(allowed),
         python=str(python),
-        shard={"shard_id": "shard-00000-0123abcd", "index": 0, "rows": 3, "est_tokens": 30, "bucket": "all"},
+        shard={
+            "shard_id": "shard-00000-0123abcd",
+            "index": 0,
+            "rows": 3,
+            "est_tokens": 30,
+            "bucket": "all",
+            **PLAN_REF,
+        },
         env={"VLLM_BATCH_MASKED_ENV": "", "VLLM_BATCH_MASKED_ENV_DIRS": "/etc"},
     )
     conn = {"AWS_ACCESS_KEY_ID": "AKIA0123", "AWS_SECRET_ACCESS_KEY": "s3cr3t-key", "AWS_REGION": "eu-west-1"}
@@ -207,5 +293,5 @@ def test_the_local_worker_is_told_which_variables_hold_the_deployments_secrets(a
     with pytest.raises(AirflowException):  # the stand-in prints no manifest
         op.execute({"ti": SimpleNamespace(map_index=0, try_number=1)})
     seen = json.loads(dump.read_text())
-    assert seen["VLLM_BATCH_MASKED_ENV"] == "AWS_ACCESS_KEY_ID,AWS_SECRET_ACCESS_KEY,VLLM_BATCH_SIGNING_KEY"
+    assert seen["VLLM_BATCH_MASKED_ENV"] == "AWS_ACCESS_KEY_ID,AWS_SECRET_ACCESS_KEY,VLLM_BATCH_WORKER_KEY"
     assert seen["AWS_SECRET_ACCESS_KEY"] == "s3cr3t-key" and "VLLM_BATCH_MASKED_ENV_DIRS" not in seen

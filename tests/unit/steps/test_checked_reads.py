@@ -23,8 +23,7 @@ from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS, merge
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.steps.qa import stage
 from airflow_provider_vllm.worker.shard import run_shard
-from airflow_provider_vllm.worker.task import ShardTask
-from tests.support.data import make_spec, openai_batch_spec, write_parquet
+from tests.support.data import make_spec, openai_batch_spec, shard_task, write_parquet
 from tests.support.ledger import record_malicious
 from tests.unit.steps.cache.test_result_cache import ENGINE, IDS, TEXTS, results, spec_for
 from tests.unit.steps.test_golden import _golden_file, _input, _run_shards, _spec
@@ -52,7 +51,7 @@ def _forged(t: pa.Table) -> pa.Array:
 
 def _shards(spec, plan, fake_engine_factory) -> None:
     for s in plan.shards:
-        run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+        run_shard(shard_task(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
 
 
 def test_a_checked_copy_is_the_checked_bytes_whatever_the_folder_holds_later(tmp_path):

@@ -23,8 +23,7 @@ from airflow_provider_vllm.steps.merge.merger import merge
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.steps.qa.stage import qa_run
 from airflow_provider_vllm.worker.shard import run_shard
-from airflow_provider_vllm.worker.task import ShardTask
-from tests.support.data import LABELS, PINNED_REVISION, make_spec, write_parquet
+from tests.support.data import LABELS, PINNED_REVISION, make_spec, shard_task, write_parquet
 from tests.support.fakes import FakeEngine
 from tests.support.ledger import record_fault, record_malicious
 from tests.support.reconcile import reconcile
@@ -61,7 +60,7 @@ def _run_shards(spec, plan, only=None):
     for s in plan.mapped_shards():
         if only is None or only(s):
             run_shard(
-                ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=lambda sp: FakeEngine(sp, real_vllm=False)
+                shard_task(spec=spec, shard_id=s.shard_id), engine_factory=lambda sp: FakeEngine(sp, real_vllm=False)
             )
 
 

@@ -14,8 +14,7 @@ from airflow_provider_vllm.steps.merge.merger import RESULTS, merge
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.steps.publish import SUCCESS, success_bytes, verify_published
 from airflow_provider_vllm.worker.shard import run_shard
-from airflow_provider_vllm.worker.task import ShardTask
-from tests.support.data import make_spec, write_parquet
+from tests.support.data import make_spec, shard_task, write_parquet
 
 IDS = [f"r{i:02d}" for i in range(30)]
 
@@ -25,7 +24,7 @@ def published(tmp_path, fake_engine_factory):
     write_parquet(tmp_path / "in.parquet", IDS, [f"t{i}" for i in IDS])
     spec = make_spec(tmp_path / "in.parquet", tmp_path / "out", sharding={"target_rows": 10})
     for s in plan_job(spec).shards:
-        run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+        run_shard(shard_task(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
     merged = merge(spec)
     body = success_bytes(
         {"rows": merged.rows, "checksums": merged.checksums}, Keyring.from_env(), str(tmp_path / "out")

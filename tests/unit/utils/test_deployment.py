@@ -8,7 +8,7 @@ import json
 import pytest
 from airflow.sdk.exceptions import AirflowFailException
 
-from airflow_provider_vllm.core.seal import Keyring
+from airflow_provider_vllm.core.seal import Keyring, kid_of
 from airflow_provider_vllm.utils.deployment import (
     KUBERNETES_RUNNER_OPTIONS,
     allowed_runners,
@@ -19,7 +19,7 @@ from airflow_provider_vllm.utils.deployment import (
     kubernetes_signing_secret,
     signing_keyring,
 )
-from tests.support.data import make_spec
+from tests.support.data import PLAN_REF, make_spec
 from tests.support.ledger import record_malicious
 from tests.support.security import _ti, base_doc
 
@@ -32,7 +32,12 @@ def test_no_signing_key_fails_closed_naming_the_option(monkeypatch):
     with pytest.raises(AirflowFailException, match="shorter than 32"):
         signing_keyring()
     monkeypatch.setenv("AIRFLOW__VLLM_BATCH__SIGNING_KEY", "n" * 40 + ",o" + "o" * 40)
-    assert isinstance(signing_keyring(), Keyring) and signing_keyring().text().startswith("n" * 40)
+    ring = signing_keyring()
+    assert isinstance(ring, Keyring) and not ring.worker and ring.kid == kid_of(b"n" * 40)
+    # the worker key of a deployment key is refused as the deployment's key (a Secret's value pasted back)
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__SIGNING_KEY", ring.worker_text())
+    with pytest.raises(AirflowFailException, match="is a worker key"):
+        signing_keyring()
 
 
 @pytest.mark.parametrize("value", ["", "only-a-name", ":key", "name:"])
@@ -99,7 +104,7 @@ def test_no_allow_list_refuses_every_task_naming_the_setting(allowed, tmp_path, 
     python.write_text(f"#!/bin/sh\ntouch {launched}\n")
     python.chmod(0o755)
     doc = base_doc(allowed)
-    shard = {"shard_id": "shard-00000-0123abcd", "index": 0, "rows": 3, "est_tokens": 30, "bucket": "all"}
+    shard = {"shard_id": "shard-00000-0123abcd", "index": 0, "rows": 3, "est_tokens": 30, "bucket": "all", **PLAN_REF}
     ops = [
         VllmPlanOperator(task_id="plan", spec=doc),
         VllmLocalShardOperator(task_id="shard", spec=doc, shard=shard, python=str(python)),

@@ -5,7 +5,6 @@ exit 2 before it reads or writes anything, the allow-list only from the Airflow 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -14,7 +13,9 @@ import pytest
 from airflow_provider_vllm.core.allow_list import ALLOWED_PREFIXES_ENV
 from airflow_provider_vllm.core.errors import EXIT_TERMINAL
 from airflow_provider_vllm.core.spec import JobSpec
+from tests.conftest import worker_environ
 from tests.support import ROOT
+from tests.support.data import shard_task
 from tests.support.ledger import record_malicious
 from tests.support.security import base_doc, prefixes
 
@@ -24,12 +25,11 @@ pytestmark = pytest.mark.reliability
 # ---- forged shard tasks at the worker -------------------------------------------------
 def test_worker_refuses_forged_shard_tasks(allowed, tmp_path):
     from airflow_provider_vllm.steps.plan.planner import plan_job
-    from airflow_provider_vllm.worker.task import ShardTask
 
     spec = JobSpec.load(base_doc(allowed))
     plan = plan_job(spec)
     shard_id = plan.shards[0].shard_id
-    good = ShardTask(spec=spec, shard_id=shard_id).model_dump(mode="json")
+    good = shard_task(spec=spec, shard_id=shard_id).model_dump(mode="json")
     elsewhere = tmp_path / "elsewhere"
     forged = {
         "output outside the allow-list": ("io", "output_uri", str(elsewhere / "out"), "outside the allowed"),
@@ -53,7 +53,7 @@ def test_worker_refuses_forged_shard_tasks(allowed, tmp_path):
             "compilation_config.backend",
         ),
     }
-    env = {**os.environ, ALLOWED_PREFIXES_ENV: json.dumps(prefixes(allowed)), "PYTHONPATH": str(ROOT)}
+    env = {**worker_environ(), ALLOWED_PREFIXES_ENV: json.dumps(prefixes(allowed)), "PYTHONPATH": str(ROOT)}
     n = 0
     for name, (section, key, value, message) in forged.items():
         task = json.loads(json.dumps(good))
@@ -87,12 +87,11 @@ def test_worker_refuses_forged_shard_tasks(allowed, tmp_path):
 
 def test_worker_without_an_allow_list_from_airflow_refuses(allowed, tmp_path):
     from airflow_provider_vllm.steps.plan.planner import plan_job
-    from airflow_provider_vllm.worker.task import ShardTask
 
     spec = JobSpec.load(base_doc(allowed))
     plan = plan_job(spec)
-    task = ShardTask(spec=spec, shard_id=plan.shards[0].shard_id).model_dump_json()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_BATCH_ALLOW")}
+    task = shard_task(spec=spec, shard_id=plan.shards[0].shard_id).model_dump_json()
+    env = {k: v for k, v in worker_environ().items() if not k.startswith("VLLM_BATCH_ALLOW")}
     env["PYTHONPATH"] = str(ROOT)
     for extra in ({}, {"VLLM_BATCH_ALLOWED_PREFIXES": "[]"}, {"VLLM_BATCH_ALLOW_ANY_LOCATION": "0"}):
         p = subprocess.run(
@@ -107,3 +106,36 @@ def test_worker_without_an_allow_list_from_airflow_refuses(allowed, tmp_path):
         assert "VLLM_BATCH_ALLOWED_PREFIXES" in manifest["message"] and manifest["terminal"] is True
     assert not (allowed / "out" / "shards").exists()
     record_malicious("worker_without_allow_list", 3, 3)
+
+
+def test_a_worker_handed_the_deployments_key_refuses_to_start(allowed):
+    """The deployment's own key where the worker key belongs (an old Secret), or beside it: code in the worker could
+    seal any record with it. Exit 2 before a row is read, naming how to get the worker key; the key is not
+    printed. With the worker key alone, the same task commits."""
+    from airflow_provider_vllm.steps.plan.planner import plan_job
+    from tests.conftest import TEST_SIGNING_KEY
+
+    spec = JobSpec.load(base_doc(allowed))
+    plan = plan_job(spec)
+    task = shard_task(spec=spec, shard_id=plan.shards[0].shard_id).model_dump_json()
+    env = {**worker_environ(), ALLOWED_PREFIXES_ENV: json.dumps(prefixes(allowed)), "PYTHONPATH": str(ROOT)}
+    refusals = {
+        "not a worker key": {**env, "VLLM_BATCH_WORKER_KEY": TEST_SIGNING_KEY},
+        "holds VLLM_BATCH_SIGNING_KEY": {**env, "VLLM_BATCH_SIGNING_KEY": TEST_SIGNING_KEY},
+        "no worker key": {k: v for k, v in env.items() if k != "VLLM_BATCH_WORKER_KEY"},
+    }
+    for message, child_env in refusals.items():
+        p = subprocess.run(
+            [sys.executable, "-m", "airflow_provider_vllm.worker", task],
+            env=child_env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert p.returncode == EXIT_TERMINAL, (message, p.stderr[-2000:])
+        manifest = json.loads(p.stdout.strip().splitlines()[-1])
+        assert manifest["error"] == "SealError" and message in manifest["message"], manifest
+        assert "airflow_provider_vllm.cli.worker_key" in manifest["message"]
+        assert TEST_SIGNING_KEY not in p.stdout + p.stderr
+        assert not (allowed / "out" / "shards").exists()
+    record_malicious("worker_given_the_deployment_key", len(refusals), len(refusals))

@@ -19,8 +19,7 @@ from airflow_provider_vllm.core.rows import INVALID_REQUEST, INVALID_ROW
 from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS, merge
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
-from airflow_provider_vllm.worker.task import ShardTask
-from tests.support.data import PINNED_REVISION, make_spec
+from tests.support.data import PINNED_REVISION, make_spec, shard_task
 from tests.support.fakes import FakeTokenizer, adapter_weights, answer
 from tests.support.lora import write_adapter
 from tests.unit.core.test_adapters import LLAMA
@@ -70,7 +69,7 @@ def write_rows(path: Path, rows: list[tuple[str, str, object]]) -> None:
 def run(spec, factory):
     plan = plan_job(spec)
     for s in plan.shards:
-        run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=factory)
+        run_shard(shard_task(spec=spec, shard_id=s.shard_id), engine_factory=factory)
     merge(spec)
     out = Path(spec.io.output_uri)
     res = {r["id"]: r for r in pq.read_table(out / RESULTS).to_pylist()}
@@ -129,7 +128,7 @@ def test_an_adapter_changed_after_the_plan_fails_the_shard(tmp_path, adapters, f
     plan = plan_job(spec)
     (adapters["refunds"] / "adapter_model.safetensors").write_bytes(b"other weights")
     with pytest.raises(InputChangedError, match=r"adapters\[refunds\].*changed since the plan"):
-        run_shard(ShardTask(spec=spec, shard_id=plan.shards[0].shard_id), engine_factory=fake_engine_factory)
+        run_shard(shard_task(spec=spec, shard_id=plan.shards[0].shard_id), engine_factory=fake_engine_factory)
     assert not fake_engine_factory.made  # refused before the engine started
 
 

@@ -15,8 +15,7 @@ from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker import shard as shard_mod
 from airflow_provider_vllm.worker.engine import Engine, require_vllm
 from airflow_provider_vllm.worker.shard import run_shard
-from airflow_provider_vllm.worker.task import ShardTask
-from tests.support.data import make_spec, write_parquet
+from tests.support.data import make_spec, shard_task, write_parquet
 
 
 @pytest.fixture
@@ -46,7 +45,7 @@ def test_a_shard_without_vllm_fails_before_reading_a_row(no_vllm, tmp_path, monk
     plan = plan_job(spec)
     monkeypatch.setattr(shard_mod, "read_shard_rows", lambda *a, **k: pytest.fail("read rows without an engine"))
     with pytest.raises(VllmNotInstalledError) as e:
-        run_shard(ShardTask(spec=spec, shard_id=plan.shards[0].shard_id))
+        run_shard(shard_task(spec=spec, shard_id=plan.shards[0].shard_id))
     _assert_names_the_fix(e.value)
 
 
@@ -54,7 +53,7 @@ def test_an_injected_engine_needs_no_vllm(no_vllm, tmp_path, fake_engine_factory
     write_parquet(tmp_path / "in" / "part-0.parquet", ["a", "b"], ["x", "y"])
     spec = make_spec(tmp_path / "in", tmp_path / "out")
     plan = plan_job(spec)
-    m = run_shard(ShardTask(spec=spec, shard_id=plan.shards[0].shard_id), engine_factory=fake_engine_factory)
+    m = run_shard(shard_task(spec=spec, shard_id=plan.shards[0].shard_id), engine_factory=fake_engine_factory)
     assert m["status"] == "committed"
 
 

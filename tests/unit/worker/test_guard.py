@@ -13,8 +13,7 @@ from airflow_provider_vllm.core.errors import EngineError, SpecError
 from airflow_provider_vllm.steps.merge.merger import merge
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
-from airflow_provider_vllm.worker.task import ShardTask
-from tests.support.data import make_spec, write_parquet
+from tests.support.data import make_spec, shard_task, write_parquet
 from tests.support.reconcile import check
 
 pytestmark = pytest.mark.reliability
@@ -39,7 +38,7 @@ def job(tmp_path, task="chat", **worker):
 def test_transient_oom_backs_off_rebuilds_and_finishes_every_row(tmp_path, fake_engine_factory, set_faults):
     spec, shard = job(tmp_path)
     set_faults("engine.step#3=oom")
-    m = run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=fake_engine_factory)
+    m = run_shard(shard_task(spec=spec, shard_id=shard.shard_id), engine_factory=fake_engine_factory)
     assert m["status"] == "committed" and m["ok_rows"] == 120 and m["error_rows"] == 0
     s = m["stats"]
     assert s["oom_events"] == 1 and s["engine_rebuilds"] == 1 and s["oom_error_rows"] == 0
@@ -56,7 +55,7 @@ def test_transient_oom_backs_off_rebuilds_and_finishes_every_row(tmp_path, fake_
 def test_oom_that_persists_at_the_floor_makes_one_error_row(tmp_path, fake_engine_factory, set_faults):
     spec, shard = job(tmp_path)
     set_faults("engine.step@r0050=oom")  # whenever r0050 runs, memory runs out
-    m = run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=fake_engine_factory)
+    m = run_shard(shard_task(spec=spec, shard_id=shard.shard_id), engine_factory=fake_engine_factory)
     s = m["stats"]
     assert m["error_rows"] == 1 and m["ok_rows"] == 119
     # 16 -> 8 -> 4 -> 2 (the floor), then the 2 in flight run alone: r0050 fails alone
@@ -73,7 +72,7 @@ def test_rebuilds_are_capped_then_the_worker_fails_transiently(tmp_path, fake_en
     spec, shard = job(tmp_path, oom_max_rebuilds=1)
     set_faults("engine.step#1+=oom")  # every step
     with pytest.raises(EngineError, match="after 1 engine rebuild") as e:
-        run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=fake_engine_factory)
+        run_shard(shard_task(spec=spec, shard_id=shard.shard_id), engine_factory=fake_engine_factory)
     assert not e.value.terminal and e.value.exit_code == 75
     assert not (tmp_path / "out" / "shards" / shard.shard_id / MARKER).exists()
 
@@ -83,12 +82,12 @@ def test_the_retry_after_the_rebuild_cap_starts_at_the_lowered_limits(tmp_path, 
     spec, shard = job(tmp_path, oom_max_rebuilds=1)
     set_faults("engine.step#3=oom,engine.step#5=oom")
     with pytest.raises(EngineError, match="after 1 engine rebuild"):
-        run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=fake_engine_factory)
+        run_shard(shard_task(spec=spec, shard_id=shard.shard_id), engine_factory=fake_engine_factory)
     hint = tmp_path / "out" / "shards" / shard.shard_id / "_ENGINE_LIMITS.json"
     assert json.loads(hint.read_text())["max_num_seqs"] == 4
     set_faults("")
     fake_engine_factory.made.clear()
-    m = run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=fake_engine_factory)
+    m = run_shard(shard_task(spec=spec, shard_id=shard.shard_id), engine_factory=fake_engine_factory)
     (retry,) = fake_engine_factory.made
     assert retry.spec.engine.max_num_seqs == 4 and retry.spec.engine.max_num_batched_tokens == 256
     assert m["status"] == "committed" and m["stats"]["engine_limits"]["max_num_seqs"] == 4
@@ -133,7 +132,7 @@ def test_a_planted_engine_limits_hint_never_fails_the_shard(tmp_path, fake_engin
         hint.mkdir()
     else:
         hint.write_bytes(b'{"max_num_seqs": 4, "max_num_batched_tokens": 256, "pad": "' + b"x" * (1 << 17) + b'"}')
-    m = run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=fake_engine_factory)
+    m = run_shard(shard_task(spec=spec, shard_id=shard.shard_id), engine_factory=fake_engine_factory)
     (engine,) = fake_engine_factory.made
     assert m["status"] == "committed" and engine.spec.engine.max_num_seqs == 16
     summary = merge(spec)
@@ -144,7 +143,7 @@ def test_engine_death_keeps_committed_chunks_and_the_retry_completes(tmp_path, f
     spec, shard = job(tmp_path)
     set_faults("engine.step#12=dead")
     with pytest.raises(EngineError, match="the engine died") as e:
-        run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=fake_engine_factory)
+        run_shard(shard_task(spec=spec, shard_id=shard.shard_id), engine_factory=fake_engine_factory)
     assert e.value.exit_code == 75
     # a GPU OOM inside vLLM's engine core arrives as a death: the retry starts at half the batch
     assert "the retry starts at max_num_seqs=8" in str(e.value)
@@ -153,7 +152,7 @@ def test_engine_death_keeps_committed_chunks_and_the_retry_completes(tmp_path, f
     assert kept and not (shard_dir / MARKER).exists()
     set_faults("")
     fake_engine_factory.made.clear()
-    m = run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=fake_engine_factory)
+    m = run_shard(shard_task(spec=spec, shard_id=shard.shard_id), engine_factory=fake_engine_factory)
     assert m["status"] == "committed" and m["stats"]["reused_chunks"] == len(kept)
     assert fake_engine_factory.made[0].spec.engine.max_num_seqs == 8
     merge(spec)
@@ -163,7 +162,7 @@ def test_engine_death_keeps_committed_chunks_and_the_retry_completes(tmp_path, f
 def test_pooling_oom_backs_off_and_isolates_the_row(tmp_path, fake_engine_factory, set_faults):
     spec, shard = job(tmp_path, task="embed")
     set_faults("engine.step#2=oom,engine.step@r0033=oom")
-    m = run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=fake_engine_factory)
+    m = run_shard(shard_task(spec=spec, shard_id=shard.shard_id), engine_factory=fake_engine_factory)
     assert m["error_rows"] == 1 and m["stats"]["oom_error_rows"] == 1
     merge(spec)
     rec = check(tmp_path / "out", IDS, kind="oom_pooling", faults=m["stats"]["oom_events"])
@@ -175,5 +174,5 @@ def test_a_spec_that_leaves_no_room_for_a_prompt_is_terminal(tmp_path, fake_engi
     spec = make_spec(tmp_path / "in.parquet", tmp_path / "out2", sampling={"max_tokens": 1024})
     shard = plan_job(spec).shards[0]
     with pytest.raises(SpecError, match="leaves no room") as e:
-        run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=fake_engine_factory)
+        run_shard(shard_task(spec=spec, shard_id=shard.shard_id), engine_factory=fake_engine_factory)
     assert e.value.exit_code == 2

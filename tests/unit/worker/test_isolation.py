@@ -24,9 +24,8 @@ from airflow_provider_vllm.worker.guard import GuardedEngine, RowFailure
 from airflow_provider_vllm.worker.isolation import RequestRejected, refusal, row_caused
 from airflow_provider_vllm.worker.prompts import PromptBuilder
 from airflow_provider_vllm.worker.shard import run_shard
-from airflow_provider_vllm.worker.task import ShardTask
 from tests.support.bad_inputs.corpus import good_chat_requests, hostile_chat_requests
-from tests.support.data import make_spec, write_parquet
+from tests.support.data import make_spec, shard_task, write_parquet
 from tests.support.fakes import FakeEngine, FakeTokenizer, vllm_importable
 from tests.support.reconcile import check
 
@@ -60,7 +59,7 @@ def openai_job(tmp_path, rows, task="chat", **over):
 
 
 def run(spec, shard, factory):
-    m = run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=factory)
+    m = run_shard(shard_task(spec=spec, shard_id=shard.shard_id), engine_factory=factory)
     assert m["status"] == "committed"
     merge(spec)
     out = spec.io.output_uri
@@ -287,7 +286,7 @@ def test_a_step_that_fails_with_a_broken_engine_is_the_engines_failure(tmp_path,
     (shard,) = plan_job(spec).shards
     with pytest.raises(EngineError, match="probe request failed") as e:
         run_shard(
-            ShardTask(spec=spec, shard_id=shard.shard_id),
+            shard_task(spec=spec, shard_id=shard.shard_id),
             engine_factory=lambda s: fake_engine_factory(s, fail_on=lambda ids_: True),
         )
     assert e.value.exit_code == 75
@@ -365,7 +364,7 @@ def test_a_template_that_refuses_the_jobs_own_prompt_is_the_jobs_error(tmp_path,
     spec = make_spec(tmp_path / "in.parquet", tmp_path / "out")
     (shard,) = plan_job(spec).shards
     with pytest.raises(SpecError, match="System role not supported") as e:
-        run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=factory)
+        run_shard(shard_task(spec=spec, shard_id=shard.shard_id), engine_factory=factory)
     assert e.value.exit_code == 2
 
 
@@ -391,7 +390,7 @@ def test_failures_that_are_not_a_rows_are_not_swallowed(tmp_path, fake_engine_fa
     spec = make_spec(tmp_path / "in.parquet", tmp_path / "out")
     (shard,) = plan_job(spec).shards
     with pytest.raises(MemoryError):
-        run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=factory)
+        run_shard(shard_task(spec=spec, shard_id=shard.shard_id), engine_factory=factory)
 
 
 def test_the_guard_hands_a_refused_request_back_as_a_row_failure(tmp_path):

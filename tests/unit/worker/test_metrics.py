@@ -19,9 +19,8 @@ from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.metrics import MetricsConfig
 from airflow_provider_vllm.worker.resources import ResourceSampler, load_nvml, process_tree_rss
 from airflow_provider_vllm.worker.shard import run_shard
-from airflow_provider_vllm.worker.task import ShardTask
 from tests.support import ROOT  # noqa: E402
-from tests.support.data import make_spec, write_parquet
+from tests.support.data import make_spec, shard_task, write_parquet
 from tests.support.ledger import record_fault
 
 METRIC_ENV = (
@@ -93,7 +92,7 @@ def test_textfile_collector_file(tmp_path, monkeypatch):
     prom_dir = tmp_path / "textfile"
     monkeypatch.setenv("VLLM_BATCH_METRICS_TEXTFILE_DIR", str(prom_dir))
     made = []
-    m = run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=slow_start_factory(made))
+    m = run_shard(shard_task(spec=spec, shard_id=shard.shard_id), engine_factory=slow_start_factory(made))
     marker = json.loads((tmp_path / "out" / "shards" / shard.shard_id / MARKER).read_text())
     assert os.listdir(prom_dir) == [f"vllm_batch-tickets-{shard.shard_id}.prom"]  # no temp files left
     got = samples((prom_dir / f"vllm_batch-tickets-{shard.shard_id}.prom").read_text())
@@ -135,7 +134,7 @@ def test_push_gateway_puts_grouped_metrics(tmp_path, monkeypatch, gateway):
     monkeypatch.setenv("VLLM_BATCH_RUN_ID", "scheduled__2026-11-29")
     monkeypatch.setenv("VLLM_BATCH_METRICS_INTERVAL_S", "3600")
     made = []
-    m = run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=slow_start_factory(made))
+    m = run_shard(shard_task(spec=spec, shard_id=shard.shard_id), engine_factory=slow_start_factory(made))
     marker = json.loads((tmp_path / "out" / "shards" / shard.shard_id / MARKER).read_text())
     assert len(gateway.requests) == 2  # after engine start, final (the interval never elapsed)
     for method, path, _ in gateway.requests:
@@ -161,7 +160,7 @@ def test_gateway_down_does_not_fail_the_shard(tmp_path, monkeypatch, caplog):
         port = s.getsockname()[1]
     spec, shard = one_shard_job(tmp_path)
     monkeypatch.setenv("VLLM_BATCH_METRICS_PUSHGATEWAY", f"127.0.0.1:{port}")
-    m = run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=slow_start_factory([]))
+    m = run_shard(shard_task(spec=spec, shard_id=shard.shard_id), engine_factory=slow_start_factory([]))
     assert m["status"] == "committed" and m["ok_rows"] + m["error_rows"] == 60
     record_fault("metrics_push_gateway_down", 60, lost=60 - m["rows"])
     assert any("metrics push" in r.getMessage() and "failed" in r.getMessage() for r in caplog.records)
@@ -172,7 +171,7 @@ def test_metrics_off_by_default_imports_nothing(tmp_path):
 import sys
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
-from airflow_provider_vllm.worker.task import ShardTask
+from tests.support.data import shard_task
 from tests.support.data import make_spec, write_parquet
 from tests.support.fakes import FakeEngine
 from pathlib import Path
@@ -180,7 +179,7 @@ tmp = Path({str(tmp_path)!r})
 write_parquet(tmp / "in.parquet", ["a", "b"], ["x", "y"])
 spec = make_spec(tmp / "in.parquet", tmp / "out")
 (shard,) = plan_job(spec).shards
-m = run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=FakeEngine)
+m = run_shard(shard_task(spec=spec, shard_id=shard.shard_id), engine_factory=FakeEngine)
 assert m["status"] == "committed", m
 print("prometheus_client" in sys.modules)
 """

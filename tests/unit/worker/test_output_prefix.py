@@ -11,8 +11,7 @@ from airflow_provider_vllm.core.plan import PLAN_FILE
 from airflow_provider_vllm.steps.merge.merger import merge
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
-from airflow_provider_vllm.worker.task import ShardTask
-from tests.support.data import make_spec, write_parquet
+from tests.support.data import make_spec, shard_task, write_parquet
 from tests.support.ledger import record_fault
 
 pytestmark = pytest.mark.reliability
@@ -42,7 +41,7 @@ def test_two_runs_racing_for_one_prefix(tmp_path, fake_engine_factory):
     assert "another input or spec" in msg or "not empty" in msg
     winner = specs[won[0]]
     for s in results[won[0]].shards:
-        run_shard(ShardTask(spec=winner, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+        run_shard(shard_task(spec=winner, shard_id=s.shard_id), engine_factory=fake_engine_factory)
     summary = merge(winner).dump()
     # the loser, retried later, is still refused; the winner's outputs are untouched
     with pytest.raises(SpecError):

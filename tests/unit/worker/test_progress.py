@@ -10,8 +10,7 @@ import pytest
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.progress import Progress
 from airflow_provider_vllm.worker.shard import run_shard
-from airflow_provider_vllm.worker.task import ShardTask
-from tests.support.data import make_spec, write_parquet
+from tests.support.data import make_spec, shard_task, write_parquet
 
 
 class Clock:
@@ -132,7 +131,7 @@ def test_shard_logs_summary_and_counts_in_marker(tmp_path, fake_engine_factory, 
     (shard,) = plan_job(spec).shards
     with caplog.at_level(logging.INFO, logger="airflow_provider_vllm.worker"):
         m = run_shard(
-            ShardTask(spec=spec, shard_id=shard.shard_id, progress_interval_s=3600), engine_factory=fake_engine_factory
+            shard_task(spec=spec, shard_id=shard.shard_id, progress_interval_s=3600), engine_factory=fake_engine_factory
         )
     lines = payloads(caplog)
     assert len(lines) == 1 == m["stats"]["progress_lines"]  # the interval never elapsed: summary only

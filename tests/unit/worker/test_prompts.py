@@ -9,7 +9,7 @@ import json
 import pytest
 
 from airflow_provider_vllm.core.spec import JobSpec
-from tests.support.data import write_parquet
+from tests.support.data import shard_task, write_parquet
 from tests.support.security import base_doc
 
 pytestmark = pytest.mark.reliability
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.reliability
 def test_shell_text_reaches_the_engine_verbatim(allowed, tmp_path, fake_engine_factory):
     from airflow_provider_vllm.steps.plan.planner import plan_job
     from airflow_provider_vllm.worker.shard import run_shard
-    from airflow_provider_vllm.worker.task import ShardTask, worker_command
+    from airflow_provider_vllm.worker.task import worker_command
     from tests.support.fakes import FakeTokenizer
 
     canary = tmp_path / "pwned"
@@ -46,7 +46,7 @@ def test_shell_text_reaches_the_engine_verbatim(allowed, tmp_path, fake_engine_f
         e.submit = submit
         return e
 
-    task = ShardTask(spec=spec, shard_id=plan.shards[0].shard_id)
+    task = shard_task(spec=spec, shard_id=plan.shards[0].shard_id)
     assert run_shard(task, engine_factory=recording)["ok_rows"] == 1
     assert seen == [f"<system>System {payload}\n<user>Ticket: row text {payload} {payload}\n<assistant>"]
     argv = worker_command(task)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import subprocess
 import sys
 
 import pytest
 
 from airflow_provider_vllm.core.errors import EXIT_TERMINAL
+from tests.conftest import worker_environ
 from tests.support import ROOT
 from tests.support.ledger import record_malicious
 from tests.support.security import base_doc
@@ -63,9 +63,9 @@ def test_worker_cli_never_prints_a_secret_from_its_environment(allowed):
     """A secret pasted into a param by mistake: the refusal names the field, the secret is masked."""
     token = "hf_SENTINELpastedQ8z2"
     doc = base_doc(allowed)
-    task = {"spec": doc, "shard_id": "shard-00000-0123abcd"}
+    task = {"spec": doc, "shard_id": "shard-00000-0123abcd", "plan_mac": "0" * 64, "plan_sha256": "0" * 64}
     task["spec"]["model"]["name"] = f"org/model;{token}"
-    env = {**os.environ, "HF_TOKEN": token, "PYTHONPATH": str(ROOT)}
+    env = {**worker_environ(), "HF_TOKEN": token, "PYTHONPATH": str(ROOT)}
     p = worker_cli(task, env)
     assert p.returncode == EXIT_TERMINAL
     assert "model.name" in p.stdout + p.stderr and "***" in p.stderr
@@ -262,12 +262,12 @@ def test_worker_cli_masks_a_secret_the_deployment_named_in_its_log_and_manifest(
     mistake) is masked on stderr, stdout and in the XCom file (which does not pass through the redacted stdout)."""
     token = DEPLOYMENT_SECRETS["DB_PASS"]
     doc = base_doc(allowed)
-    task = {"spec": doc, "shard_id": "shard-00000-0123abcd"}
+    task = {"spec": doc, "shard_id": "shard-00000-0123abcd", "plan_mac": "0" * 64, "plan_sha256": "0" * 64}
     task["spec"]["model"]["name"] = f"org/model;{token}"
     xcom = tmp_path / "xcom"
     xcom.mkdir()
     env = {
-        **os.environ,
+        **worker_environ(),
         "DB_PASS": token,
         "VLLM_BATCH_MASKED_ENV": "DB_PASS",
         "VLLM_BATCH_XCOM_DIR": str(xcom),

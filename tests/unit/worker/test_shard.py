@@ -12,8 +12,7 @@ from airflow_provider_vllm.core.errors import CommitError, EngineError, SpecErro
 from airflow_provider_vllm.steps.merge.merger import merge
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
-from airflow_provider_vllm.worker.task import ShardTask
-from tests.support.data import LABELS, make_spec, write_parquet
+from tests.support.data import LABELS, make_spec, shard_task, write_parquet
 from tests.support.reconcile import check
 
 
@@ -32,7 +31,7 @@ def planted_parquet(tmp_path, n=300):
 def run_all(spec, factory, **kw):
     plan = plan_job(spec)
     return plan, [
-        run_shard(ShardTask(spec=spec, shard_id=s.shard_id, **kw), engine_factory=factory) for s in plan.shards
+        run_shard(shard_task(spec=spec, shard_id=s.shard_id, **kw), engine_factory=factory) for s in plan.shards
     ]
 
 
@@ -102,14 +101,14 @@ def test_crash_then_resume_reuses_finished_chunks(tmp_path, fake_engine_factory)
     # too, so it is the engine (exit 75), not a row
     with pytest.raises(EngineError, match=r"probe request failed .*injected"):
         run_shard(
-            ShardTask(spec=spec, shard_id=shard.shard_id),
+            shard_task(spec=spec, shard_id=shard.shard_id),
             engine_factory=lambda s: fake_engine_factory(s, crash_after=45),
         )
     shard_dir = tmp_path / "out" / "shards" / shard.shard_id
     assert not (shard_dir / MARKER).exists()
     done_before = list(shard_dir.glob("attempts/*/chunk-?????.parquet"))  # ok parts: complete chunks
     assert 1 <= len(done_before) < 10
-    m = run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=fake_engine_factory)
+    m = run_shard(shard_task(spec=spec, shard_id=shard.shard_id), engine_factory=fake_engine_factory)
     assert m["status"] == "committed" and m["stats"]["reused_chunks"] == len(done_before)
     assert fake_engine_factory.made[-1].submitted == 100 - 10 * len(done_before)
     marker = json.loads((shard_dir / MARKER).read_text())
@@ -151,7 +150,7 @@ def test_two_concurrent_attempts_commit_once(tmp_path, fake_engine_factory):
             return fake_engine_factory(s, per_step=3)
 
         results[name] = run_shard(
-            ShardTask(spec=spec, shard_id=shard.shard_id, attempt_id=name), engine_factory=factory
+            shard_task(spec=spec, shard_id=shard.shard_id, attempt_id=name), engine_factory=factory
         )
 
     threads = [threading.Thread(target=attempt, args=(n,)) for n in ("attempt-a", "attempt-b")]
@@ -188,7 +187,7 @@ def test_an_attempt_that_outlives_its_run_never_commits_into_the_run_planned_aft
 
     def zombie():
         try:
-            outcome["old"] = run_shard(ShardTask(spec=old, shard_id=shard.shard_id), engine_factory=paused)
+            outcome["old"] = run_shard(shard_task(spec=old, shard_id=shard.shard_id), engine_factory=paused)
         except CommitError as e:
             outcome["old"] = e
 
@@ -203,13 +202,77 @@ def test_an_attempt_that_outlives_its_run_never_commits_into_the_run_planned_aft
     t.join()
     assert isinstance(outcome["old"], CommitError) and "planned again" in str(outcome["old"])
     assert not (tmp_path / "out" / "shards" / shard.shard_id / MARKER).exists()
-    assert run_shard(ShardTask(spec=new, shard_id=again.shard_id), engine_factory=fake_engine_factory)["status"] == (
+    assert run_shard(shard_task(spec=new, shard_id=again.shard_id), engine_factory=fake_engine_factory)["status"] == (
         "committed"
     )
     merge(new)
     res, err = read_out(tmp_path / "out")
     assert sorted(r["id"] for r in res) == sorted(f"r{i}" for i in range(40)) and not err
     assert {r["config_hash"] for r in res} == {new.output_hash()} != {old.output_hash()}
+
+
+def test_the_worker_runs_under_the_plan_the_plan_tasks_value_names(tmp_path, fake_engine_factory):
+    """What the operators hand the worker: the plan task's value (XCom) names the sealed plan, as written."""
+    from airflow_provider_vllm.core.plan import plan_sha256, read_plan
+    from airflow_provider_vllm.worker.task import ShardTask
+
+    write_parquet(tmp_path / "in.parquet", [f"r{i}" for i in range(20)], [f"x{i}" for i in range(20)])
+    spec = make_spec(tmp_path / "in.parquet", tmp_path / "out")
+    (summary,) = plan_job(spec).mapped_shards()
+    on_disk, _ = read_plan(spec)
+    assert (summary.plan_mac, summary.plan_sha256) == (on_disk.seal.mac, plan_sha256(on_disk))
+    task = ShardTask(spec=spec, shard_id=summary.shard_id, plan_mac=summary.plan_mac, plan_sha256=summary.plan_sha256)
+    assert run_shard(task, engine_factory=fake_engine_factory)["status"] == "committed"
+
+
+@pytest.mark.reliability
+def test_a_worker_refuses_a_plan_swapped_for_another_sealed_plan_or_a_forged_one(tmp_path, fake_engine_factory):
+    """The worker holds no key that checks a plan: it takes ``_plan.json`` only when it is the record its task
+    names. Another sealed plan of the same output (an earlier plan of the folder put back: its seal is good for this
+    folder, so the HMAC alone would take it), the right plan with its seal kept and its content changed, and a plan
+    sealed by hand with the worker key (what code in a worker could compute) are refused before a row is read;
+    nothing is written under shards/."""
+    import hashlib
+    import hmac
+
+    from airflow_provider_vllm.core import seal as seals
+    from airflow_provider_vllm.core.errors import SealError
+    from airflow_provider_vllm.core.plan import PLAN_FILE, Plan, load_plan
+    from airflow_provider_vllm.core.seal import Keyring
+    from tests.conftest import TEST_WORKER_KEY
+
+    write_parquet(tmp_path / "in.parquet", [f"r{i}" for i in range(40)], [f"text {i}" for i in range(40)])
+    out = tmp_path / "out"
+    other = make_spec(tmp_path / "in.parquet", out, prompt={"template": "Q: {text}"})
+    (other_shard,) = plan_job(other).shards
+    earlier = (out / PLAN_FILE).read_bytes()  # a sealed plan of this folder, from a run before
+    shutil.rmtree(out)
+    spec = make_spec(tmp_path / "in.parquet", out)
+    (shard,) = plan_job(spec).shards
+    assert shard.shard_id == other_shard.shard_id
+    task = shard_task(spec=spec, shard_id=shard.shard_id)
+    mine = (out / PLAN_FILE).read_bytes()
+    plan = Plan.model_validate_json(mine)
+    changed = plan.model_copy(update={"total_rows": plan.total_rows + 1})  # the seal kept, the content not
+    with pytest.raises(SealError, match="cannot seal or check 'plan' records"):
+        plan.sealed(Keyring.from_text(TEST_WORKER_KEY, worker=True), str(out))
+    doc = seals.sealed_doc(changed)
+    msg = b"\x00".join([seals.FORMAT, seals.PLAN.encode(), seals.scope_of(str(out)).encode(), seals.canonical(doc)])
+    mac = hmac.new(TEST_WORKER_KEY.encode(), msg, hashlib.sha256).hexdigest()
+    forged = changed.model_copy(update={"seal": seals.Seal(kid=seals.kid_of(TEST_WORKER_KEY.encode()), mac=mac)})
+    deployment = Keyring.from_env()
+    for planted in (earlier, changed.dump_json(), forged.dump_json()):
+        (out / PLAN_FILE).write_bytes(planted)
+        with pytest.raises(CommitError, match="not the plan this shard task was started for"):
+            run_shard(task, engine_factory=fake_engine_factory)
+        assert not (out / "shards").exists()
+        if planted is earlier:  # sealed for this folder: only the task's naming of the plan tells them apart
+            load_plan(other, keyring=deployment)
+        else:  # nor does the Airflow side take a changed or forged plan
+            with pytest.raises(SealError):
+                load_plan(spec, keyring=deployment)
+    (out / PLAN_FILE).write_bytes(mine)
+    assert run_shard(task, engine_factory=fake_engine_factory)["status"] == "committed"
 
 
 def test_a_secret_in_the_engines_environment_reaches_neither_the_bucket_nor_the_xcom(
@@ -234,10 +297,10 @@ def test_merge_refuses_uncommitted_and_tampered(tmp_path, fake_engine_factory):
     write_parquet(tmp_path / "in.parquet", [f"r{i}" for i in range(50)], [f"x{i}" for i in range(50)])
     spec = make_spec(tmp_path / "in.parquet", tmp_path / "out", sharding={"target_rows": 25})
     plan = plan_job(spec)
-    run_shard(ShardTask(spec=spec, shard_id=plan.shards[0].shard_id), engine_factory=fake_engine_factory)
+    run_shard(shard_task(spec=spec, shard_id=plan.shards[0].shard_id), engine_factory=fake_engine_factory)
     with pytest.raises(CommitError, match="1 of 2 shard"):
         merge(spec)
-    run_shard(ShardTask(spec=spec, shard_id=plan.shards[1].shard_id), engine_factory=fake_engine_factory)
+    run_shard(shard_task(spec=spec, shard_id=plan.shards[1].shard_id), engine_factory=fake_engine_factory)
     marker = json.loads((tmp_path / "out" / "shards" / plan.shards[1].shard_id / MARKER).read_text())
     path = tmp_path / "out" / marker["files"][0]["path"]
     path.write_bytes(path.read_bytes()[:-10] + b"0123456789")
@@ -255,7 +318,7 @@ def test_a_committed_chunk_replaced_afterwards_is_refused_with_a_way_to_resume(t
     write_parquet(tmp_path / "in.parquet", ids, [f"text {i}" for i in range(40)])
     spec = make_spec(tmp_path / "in.parquet", tmp_path / "out", sharding={"target_rows": 40, "chunk_rows": 10})
     (shard,) = plan_job(spec).shards
-    task = ShardTask(spec=spec, shard_id=shard.shard_id)
+    task = shard_task(spec=spec, shard_id=shard.shard_id)
     run_shard(task, engine_factory=fake_engine_factory)
     marker_path = tmp_path / "out" / "shards" / shard.shard_id / MARKER
     files = json.loads(marker_path.read_text())["files"]
@@ -287,7 +350,7 @@ def test_merge_verification_catches_a_lost_row(tmp_path, fake_engine_factory):
     write_parquet(tmp_path / "in.parquet", [f"r{i}" for i in range(20)], [f"x{i}" for i in range(20)])
     spec = make_spec(tmp_path / "in.parquet", tmp_path / "out", sharding={"chunk_rows": 20})
     (shard,) = plan_job(spec).shards
-    run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=fake_engine_factory)
+    run_shard(shard_task(spec=spec, shard_id=shard.shard_id), engine_factory=fake_engine_factory)
     from tests.unit.steps.merge.test_merger import run_seal
 
     store = ShardStore(
@@ -350,7 +413,7 @@ def test_worker_refuses_a_spec_that_does_not_match_the_plan(tmp_path, fake_engin
     (shard,) = plan_job(spec).shards
     other = make_spec(tmp_path / "in.parquet", tmp_path / "out", sampling={"max_tokens": 4})
     with pytest.raises(SpecError, match="another spec"):
-        run_shard(ShardTask(spec=other, shard_id=shard.shard_id), engine_factory=fake_engine_factory)
+        run_shard(shard_task(spec=other, shard_id=shard.shard_id), engine_factory=fake_engine_factory)
 
 
 def test_empty_input_gives_no_shards_and_an_empty_merge(tmp_path, fake_engine_factory):
@@ -599,7 +662,7 @@ def test_a_rows_error_message_never_carries_a_secret_or_a_urls_credentials(tmp_p
     write_parquet(tmp_path / "in.parquet", ["a", "b", "c"], ["x y", "LEAK here", "v u"])
     spec = make_spec(tmp_path / "in.parquet", tmp_path / "out")
     (shard,) = plan_job(spec).shards
-    m = run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=factory)
+    m = run_shard(shard_task(spec=spec, shard_id=shard.shard_id), engine_factory=factory)
     assert m["status"] == "committed"
     merge(spec)
     (err,) = pq.read_table(tmp_path / "out" / "errors").to_pylist()

@@ -24,8 +24,7 @@ from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker import weights as worker_weights
 from airflow_provider_vllm.worker.shard import run_shard
-from airflow_provider_vllm.worker.task import ShardTask
-from tests.support.data import PINNED_REVISION, make_spec
+from tests.support.data import PINNED_REVISION, make_spec, shard_task
 
 FILES = {"config.json": b'{"model_type": "llama"}', "model.safetensors": b"W" * 4096, "sub/extra.bin": b"x" * 100}
 
@@ -51,7 +50,9 @@ def spec_for(tmp_path: Path, run: str = "a", cache: bool = True, **model):
 
 
 def shard(spec, plan, factory, attempt=None):
-    return run_shard(ShardTask(spec=spec, shard_id=plan.shards[0].shard_id, attempt_id=attempt), engine_factory=factory)
+    return run_shard(
+        shard_task(spec=spec, shard_id=plan.shards[0].shard_id, attempt_id=attempt), engine_factory=factory
+    )
 
 
 def left(spec) -> tuple[list[str], list[str]]:

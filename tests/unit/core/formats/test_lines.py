@@ -20,8 +20,7 @@ from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS, merge
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
-from airflow_provider_vllm.worker.task import ShardTask
-from tests.support.data import make_spec, openai_batch_spec
+from tests.support.data import make_spec, openai_batch_spec, shard_task
 
 ROOT = Path(__file__).resolve().parents[4]
 JSONL = input_format("jsonl")
@@ -241,7 +240,7 @@ def test_plan_shard_and_merge_account_for_long_and_deep_lines_exactly_once(
     plan = _deeper(60, lambda: plan_job(spec))
     assert plan.invalid_lines == 2
     for s in plan.shards:
-        run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+        run_shard(shard_task(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
     summary = _deeper(60, lambda: merge(spec)).dump()
     got = _rows(tmp_path / "out")
     name = src.name

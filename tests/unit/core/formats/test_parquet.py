@@ -18,7 +18,7 @@ from airflow_provider_vllm.core.plan import Segment
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.steps.plan.planner import build_plan
 from tests.support import ROOT
-from tests.support.data import make_spec, write_parquet
+from tests.support.data import make_spec, shard_task, write_parquet
 
 PARQUET = input_format("parquet")
 
@@ -277,7 +277,6 @@ def test_string_and_large_string_id_columns_are_one_input_and_every_row_merges_o
     from airflow_provider_vllm.steps.merge.merger import merge
     from airflow_provider_vllm.steps.plan.planner import plan_job
     from airflow_provider_vllm.worker.shard import run_shard
-    from airflow_provider_vllm.worker.task import ShardTask
 
     texts = ["same ticket", "same ticket"] if repeat else ["ticket one", "ticket two"]
     (tmp_path / "in").mkdir()
@@ -288,7 +287,7 @@ def test_string_and_large_string_id_columns_are_one_input_and_every_row_merges_o
     spec = make_spec(tmp_path / "in", tmp_path / "out", sharding={"target_rows": 1})
     plan = plan_job(spec)
     for s in plan.shards:
-        run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+        run_shard(shard_task(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
     summary = merge(spec)
     assert summary.ok_rows == 4 and summary.error_rows == 0
     assert sorted(pq.read_table(tmp_path / "out" / "results", columns=["id"]).column(0).to_pylist()) == list("abcd")

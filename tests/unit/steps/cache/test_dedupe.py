@@ -26,8 +26,7 @@ from airflow_provider_vllm.steps.cache import dedupe
 from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS, merge
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
-from airflow_provider_vllm.worker.task import ShardTask
-from tests.support.data import PINNED_REVISION, make_spec, write_parquet
+from tests.support.data import PINNED_REVISION, make_spec, shard_task, write_parquet
 from tests.support.ledger import record_fault
 
 ROOT = Path(__file__).resolve().parents[4]
@@ -48,7 +47,7 @@ def spec_for(tmp: Path, run: str = "a", **over):
 def run_job(spec, factory):
     plan = plan_job(spec, engine_identity=ENGINE)
     for s in plan.mapped_shards():
-        run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=factory)
+        run_shard(shard_task(spec=spec, shard_id=s.shard_id), engine_factory=factory)
     return plan, merge(spec)
 
 
@@ -298,7 +297,7 @@ def test_a_forged_followers_file_is_refused(tmp_path, fake_engine_factory):
     spec = spec_for(tmp_path)
     plan = plan_job(spec, engine_identity=ENGINE)
     for s in plan.shards:
-        run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+        run_shard(shard_task(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
     f = tmp_path / "out-a" / plan.dedupe.followers_file.path
     t = pq.read_table(f)
     # the same size and schema, one follower pointed at another leader: an injected answer
@@ -319,12 +318,12 @@ def test_a_leader_shard_that_failed_is_retried_and_its_followers_get_the_retry_s
     first = plan.shards[0]
     with pytest.raises(Exception):  # noqa: B017 (the engine dies mid-shard: whatever the worker raises)
         run_shard(
-            ShardTask(spec=spec, shard_id=first.shard_id), engine_factory=lambda s, **kw: FakeEngine(s, crash_after=9)
+            shard_task(spec=spec, shard_id=first.shard_id), engine_factory=lambda s, **kw: FakeEngine(s, crash_after=9)
         )
     with pytest.raises(CommitError, match="not committed"):
         merge(spec)
     for s in plan.shards:
-        run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+        run_shard(shard_task(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
     summary = merge(spec)
     assert summary.ok_rows == 60 and summary.dedupe.ok_rows == 18
     got = rows(spec)
@@ -365,7 +364,7 @@ def test_merge_failing_after_the_follower_parts_converges(tmp_path, fake_engine_
     spec = spec_for(tmp_path)
     plan = plan_job(spec, engine_identity=ENGINE)
     for s in plan.shards:
-        run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+        run_shard(shard_task(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
     if action == "raise":
         set_faults("dedupe.after_parts=raise")
         with pytest.raises(faults.InjectedFault):

@@ -32,8 +32,7 @@ from airflow_provider_vllm.steps.cache.store import CacheStore
 from airflow_provider_vllm.steps.merge.merger import MERGED, RESULTS, merge
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
-from airflow_provider_vllm.worker.task import ShardTask
-from tests.support.data import PINNED_REVISION, make_spec, write_parquet
+from tests.support.data import PINNED_REVISION, make_spec, shard_task, write_parquet
 from tests.support.ledger import record_fault
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -52,7 +51,7 @@ def spec_for(tmp: Path, run: str, cache_dir: Path | None = None, **over):
 def run_job(spec, factory) -> tuple[Plan, dict]:
     plan = plan_job(spec, engine_identity=ENGINE)
     for s in plan.shards:
-        run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=factory)
+        run_shard(shard_task(spec=spec, shard_id=s.shard_id), engine_factory=factory)
     return plan, merge(spec).dump()
 
 
@@ -366,7 +365,7 @@ def test_merge_failing_at_a_cache_step_converges(tmp_path, fake_engine_factory, 
     s1 = spec_for(tmp_path, "a")
     plan = plan_job(s1, engine_identity=ENGINE)
     for s in plan.shards:
-        run_shard(ShardTask(spec=s1, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+        run_shard(shard_task(spec=s1, shard_id=s.shard_id), engine_factory=fake_engine_factory)
     if action == "raise":
         set_faults(f"{point}=raise")
         with pytest.raises(faults.InjectedFault):
@@ -486,7 +485,7 @@ def test_rows_made_by_another_engine_than_the_key_are_not_appended(tmp_path, fak
     s1 = spec_for(tmp_path, "a")
     plan = plan_job(s1, engine_identity="vllm==0.99.0")
     for s in plan.shards:
-        run_shard(ShardTask(spec=s1, shard_id=s.shard_id), engine_factory=fake_engine_factory)  # engine fake-0
+        run_shard(shard_task(spec=s1, shard_id=s.shard_id), engine_factory=fake_engine_factory)  # engine fake-0
     c = merge(s1).cache
     assert c is not None and c.appended == 0 and ENGINE in (c.skipped or "") and "vllm==0.99.0" in c.skipped
     assert not (tmp_path / "cache" / "commits").exists()
@@ -502,7 +501,7 @@ def test_rows_of_workers_that_saw_a_model_redirect_are_not_appended(tmp_path, fa
     plan = plan_job(s1, engine_identity="image r/w:1@sha256:" + "a" * 64)
     monkeypatch.setenv("VLLM_MODEL_REDIRECT_PATH", "/mnt/secret/redirect.json")  # the workers' environment
     for s in plan.shards:
-        run_shard(ShardTask(spec=s1, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+        run_shard(shard_task(spec=s1, shard_id=s.shard_id), engine_factory=fake_engine_factory)
     c = merge(s1).cache
     assert c is not None and c.appended == 0 and "VLLM_MODEL_REDIRECT_PATH" in (c.skipped or "")
     assert not (tmp_path / "cache" / "commits").exists()
@@ -523,7 +522,7 @@ def test_rows_an_earlier_attempt_made_under_another_engine_are_not_appended_afte
     s1 = spec_for(tmp_path, "a", sharding={"target_rows": 50, "chunk_rows": 8})
     plan = plan_job(s1, engine_identity=ENGINE)
     (shard,) = plan.shards
-    task = ShardTask(spec=s1, shard_id=shard.shard_id)
+    task = shard_task(spec=s1, shard_id=shard.shard_id)
     monkeypatch.setenv("VLLM_MODEL_REDIRECT_PATH", "/mnt/secret/redirect.json")  # the first attempt's environment
     if last_attempt_infers:
         with pytest.raises(EngineError):
@@ -673,7 +672,7 @@ def test_forged_chunks_and_markers_are_never_merged_cached_or_served(tmp_path, f
     s1 = spec_for(tmp_path, "a")
     plan = plan_job(s1, engine_identity=ENGINE)
     for s in plan.shards:
-        run_shard(ShardTask(spec=s1, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+        run_shard(shard_task(spec=s1, shard_id=s.shard_id), engine_factory=fake_engine_factory)
     forged = _forge_committed_run(tmp_path / "out-a")
     with pytest.raises(CommitError, match="seal does not match"):
         merge(s1)
@@ -702,7 +701,7 @@ def test_a_planted_chunk_is_never_reused_by_a_retry(tmp_path, fake_engine_factor
     s_other = spec_for(tmp_path, "other", sharding={"target_rows": 50, "chunk_rows": 10})
     write_parquet(tmp_path / "in-other.parquet", IDS, TEXTS)
     other = plan_job(s_other, engine_identity=ENGINE)
-    run_shard(ShardTask(spec=s_other, shard_id=other.shards[0].shard_id), engine_factory=fake_engine_factory)
+    run_shard(shard_task(spec=s_other, shard_id=other.shards[0].shard_id), engine_factory=fake_engine_factory)
     src = next((tmp_path / "out-other" / "shards").glob("*/attempts/*"))
     planted = tmp_path / "out-a" / "shards" / shard.shard_id / "attempts" / "a-planted"
     shutil.copytree(src, planted)
@@ -712,7 +711,7 @@ def test_a_planted_chunk_is_never_reused_by_a_retry(tmp_path, fake_engine_factor
             pq.write_table(
                 t.set_column(t.schema.get_field_index("label"), "label", pa.array(["forged"] * t.num_rows)), f
             )
-    m = run_shard(ShardTask(spec=s1, shard_id=shard.shard_id), engine_factory=fake_engine_factory)
+    m = run_shard(shard_task(spec=s1, shard_id=shard.shard_id), engine_factory=fake_engine_factory)
     assert m["stats"]["reused_chunks"] == 0
     merge(s1)
     assert "forged" not in {r["label"] for r in results(s1).values()}

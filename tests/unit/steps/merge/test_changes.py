@@ -22,7 +22,7 @@ from airflow_provider_vllm.core.rows import ERROR_SCHEMA, RESULT_SCHEMA
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.steps.merge.changes import CHANGES, SUMMARY, compared_column, compute_changes, read_changes
 from airflow_provider_vllm.steps.merge.merger import ERRORS, MERGED, RESULTS, read_manifest
-from tests.support.data import LABELS, make_spec, merge_summary, write_merged_folder, write_merged_summary
+from tests.support.data import LABELS, make_spec, merge_summary, shard_task, write_merged_folder, write_merged_summary
 from tests.support.ledger import record_fault
 
 pytestmark = pytest.mark.unit
@@ -343,7 +343,6 @@ def test_qa_of_a_second_run_reports_exactly_the_moved_labels(tmp_path, fake_engi
     from airflow_provider_vllm.steps.plan.planner import plan_job
     from airflow_provider_vllm.steps.qa import stage
     from airflow_provider_vllm.worker.shard import run_shard
-    from airflow_provider_vllm.worker.task import ShardTask
     from tests.support.data import write_parquet
 
     if stream:
@@ -364,7 +363,7 @@ def test_qa_of_a_second_run_reports_exactly_the_moved_labels(tmp_path, fake_engi
             qa={"warn_churn_rate": 0.01, "fail_churn_rate": 0.9},
         )
         for s in plan_job(spec).shards:
-            run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+            run_shard(shard_task(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
         merge(spec)
         return spec, stage.qa_run(spec)[0]
 
@@ -407,7 +406,6 @@ def test_qa_with_the_changes_reads_each_part_of_its_run_once(tmp_path, fake_engi
     from airflow_provider_vllm.steps.plan.planner import plan_job
     from airflow_provider_vllm.steps.qa import stage
     from airflow_provider_vllm.worker.shard import run_shard
-    from airflow_provider_vllm.worker.task import ShardTask
     from tests.support.data import write_parquet
 
     def run(name, previous):
@@ -420,7 +418,7 @@ def test_qa_with_the_changes_reads_each_part_of_its_run_once(tmp_path, fake_engi
             changes={"previous_uri": previous},
         )
         for s in plan_job(spec).shards:
-            run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+            run_shard(shard_task(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
         merge(spec)
         return spec
 
@@ -522,7 +520,6 @@ def test_an_inconsistent_night_unified_by_the_cache_is_explained(tmp_path):
     from airflow_provider_vllm.steps.plan.planner import plan_job
     from airflow_provider_vllm.steps.qa.stage import qa_run
     from airflow_provider_vllm.worker.shard import run_shard
-    from airflow_provider_vllm.worker.task import ShardTask
     from tests.support.data import PINNED_REVISION, write_parquet
     from tests.support.fakes import FakeEngine
 
@@ -543,7 +540,7 @@ def test_an_inconsistent_night_unified_by_the_cache_is_explained(tmp_path):
         )
         plan = plan_job(spec, engine_identity=local_engine_identity())  # what the in-process workers seal
         for s in plan.shards:
-            run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=factory)
+            run_shard(shard_task(spec=spec, shard_id=s.shard_id), engine_factory=factory)
         merge(spec).dump()
         return qa_run(spec)[0]
 

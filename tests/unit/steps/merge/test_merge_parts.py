@@ -35,8 +35,7 @@ from airflow_provider_vllm.steps.merge.merger import (
 )
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
-from airflow_provider_vllm.worker.task import ShardTask
-from tests.support.data import make_spec, write_parquet
+from tests.support.data import make_spec, shard_task, write_parquet
 from tests.support.reconcile import check, check_no_partial, reconcile
 
 IDS = [f"r{i:03d}" for i in range(60)]
@@ -56,7 +55,7 @@ def _run(tmp_path: Path, factory, texts=None, name="out"):
     )
     plan = plan_job(spec)
     for s in plan.shards:
-        run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=factory)
+        run_shard(shard_task(spec=spec, shard_id=s.shard_id), engine_factory=factory)
     return spec, plan, tmp_path / name
 
 
@@ -316,12 +315,12 @@ def test_a_worker_killed_between_a_chunks_two_files_redoes_that_chunk(tmp_path, 
     (shard,) = plan_job(spec).shards
     set_faults("chunk.between_parts#3=raise")
     with pytest.raises(faults.InjectedFault):
-        run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=fake_engine_factory)
+        run_shard(shard_task(spec=spec, shard_id=shard.shard_id), engine_factory=fake_engine_factory)
     set_faults("")
     attempts = tmp_path / "out" / "shards" / shard.shard_id / "attempts"
     (first,) = attempts.iterdir()
     assert (first / "chunk-00002.errors.parquet").exists() and not (first / "chunk-00002.parquet").exists()
-    m = run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=fake_engine_factory)
+    m = run_shard(shard_task(spec=spec, shard_id=shard.shard_id), engine_factory=fake_engine_factory)
     assert m["status"] == "committed" and m["stats"]["reused_chunks"] == 2  # chunk 2 is redone, not reused
     merge(spec)
     check(tmp_path / "out", IDS, kind="chunk_between_parts")

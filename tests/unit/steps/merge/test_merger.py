@@ -27,8 +27,7 @@ from airflow_provider_vllm.steps.merge.merger import MERGED, merge, result_parts
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.steps.qa.stage import qa_run, qa_summary
 from airflow_provider_vllm.worker.shard import run_shard
-from airflow_provider_vllm.worker.task import ShardTask
-from tests.support.data import make_spec, write_parquet
+from tests.support.data import make_spec, shard_task, write_parquet
 from tests.support.ledger import record_bad_rows, record_malicious
 from tests.support.security import PLANTED_KINDS, plant, untouched
 
@@ -44,7 +43,7 @@ def run(tmp_path, fake_engine_factory):
     assert len(plan.shards) == 3
     for s in plan.shards:
         assert (
-            run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)["status"]
+            run_shard(shard_task(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)["status"]
             == "committed"
         )
     return spec, plan, tmp_path / "out"
@@ -334,7 +333,7 @@ def test_duplicates_are_counted_when_the_parts_carry_a_passthrough_column_named_
     )
     plan = plan_job(spec)
     for s in plan.shards:
-        run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+        run_shard(shard_task(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
     out = tmp_path / "out"
 
     def with_filename(t: pa.Table) -> pa.Table:
@@ -400,11 +399,11 @@ def test_a_jsonl_file_rewritten_with_its_size_and_mtime_kept_and_an_id_repeated_
     os.utime(src, ns=(before.st_atime_ns, before.st_mtime_ns))
     assert src.stat().st_size == before.st_size
     with pytest.raises(InputChangedError, match=r"in\.jsonl changed since the plan"):
-        run_shard(ShardTask(spec=spec, shard_id=plan.shards[0].shard_id), engine_factory=fake_engine_factory)
+        run_shard(shard_task(spec=spec, shard_id=plan.shards[0].shard_id), engine_factory=fake_engine_factory)
     monkeypatch.setattr(worker_shard, "check_unchanged", lambda storage, files: None)  # a store's weak version
     monkeypatch.setattr(merger_module, "check_unchanged", lambda storage, files: None)
     for s in plan.shards:
-        run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+        run_shard(shard_task(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
     with pytest.raises(
         InputChangedError, match=r"'r00' is at in.jsonl \(its row 1\) and at in.jsonl \(its row 2\).*new output prefix"
     ):

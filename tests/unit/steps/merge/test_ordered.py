@@ -25,8 +25,7 @@ from airflow_provider_vllm.steps.merge import merger, ordered
 from airflow_provider_vllm.steps.merge.merger import MERGED, merge, result_parts
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
-from airflow_provider_vllm.worker.task import ShardTask
-from tests.support.data import make_spec, write_parquet
+from tests.support.data import make_spec, shard_task, write_parquet
 from tests.support.ledger import record_bad_rows
 
 N = 60
@@ -46,7 +45,7 @@ def run(tmp_path, fake_engine_factory):
     plan = plan_job(spec)
     assert len(plan.shards) == 3 and ordered.why_not(plan) is None
     for s in plan.shards:
-        task = ShardTask(spec=spec, shard_id=s.shard_id)
+        task = shard_task(spec=spec, shard_id=s.shard_id)
         assert run_shard(task, engine_factory=fake_engine_factory)["status"] == "committed"
     return spec, plan, tmp_path / "out"
 
@@ -428,7 +427,7 @@ def test_integer_ids_are_compared_as_the_worker_writes_them(tmp_path, fake_engin
     plan = plan_job(spec)
     assert ordered.why_not(plan) is None
     for s in plan.shards:
-        run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+        run_shard(shard_task(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
     monkeypatch.setattr(merger, "exactly_once", lambda *a: pytest.fail("the semi-join ran on the ordered path"))
     assert merge(spec).ok_rows == 6
     assert sorted(published_ids(tmp_path / "out")) == sorted(str(i) for i in ids.to_pylist())

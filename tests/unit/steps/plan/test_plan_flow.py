@@ -28,8 +28,7 @@ from airflow_provider_vllm.core.plan import load_plan
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import read_shard_rows, run_shard
-from airflow_provider_vllm.worker.task import ShardTask
-from tests.support.data import make_spec, write_parquet
+from tests.support.data import make_spec, shard_task, write_parquet
 
 PKG = "airflow_provider_vllm"
 
@@ -184,7 +183,7 @@ def test_the_worker_reads_its_rows_entering_each_module_once(tmp_path, fmt, fake
     fake_engine_factory(spec)  # the fake engine's lazy vLLM import (its request checks are vLLM's own)
     with recorded_stacks(within="read_shard_rows") as stacks:
         for s in plan.shards:
-            run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+            run_shard(shard_task(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
     assert load_plan(spec).fingerprint == plan.fingerprint
     assert any("airflow_provider_vllm.worker.shard" in s and len(s) > 1 for s in stacks)
     back = sorted(s for s in stacks if climbs_back(s))

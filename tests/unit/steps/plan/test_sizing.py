@@ -18,8 +18,7 @@ from airflow_provider_vllm.steps.plan.sizing import (
     size_shards,
 )
 from airflow_provider_vllm.worker.shard import run_shard
-from airflow_provider_vllm.worker.task import ShardTask
-from tests.support.data import history_line, make_spec, write_parquet
+from tests.support.data import history_line, make_spec, shard_task, write_parquet
 
 
 def record(spec, **over):
@@ -81,7 +80,7 @@ def test_history_round_trip_merge_writes_a_record_that_the_next_plan_reads(tmp_p
     plan = plan_job(spec)
     assert plan.sizing is None and len(plan.shards) == 3  # empty history: target_rows 100 applies
     for s in plan.shards:
-        run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+        run_shard(shard_task(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
     marker = json.loads((tmp_path / "out" / "shards" / plan.shards[0].shard_id / "_COMMITTED.json").read_text())
     assert marker["stats"]["infer_rows"] == 100 and marker["stats"]["hardware"]  # what the worker now records
     summary = merge(spec).dump()
@@ -237,7 +236,7 @@ def test_history_on_s3(tmp_path, fake_engine_factory, monkeypatch):
         check_deployment(spec, [str(tmp_path), "s3://hist/throughput"])
         plan = plan_job(spec)
         for s in plan.shards:
-            run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+            run_shard(shard_task(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
         merge(spec)
         (rec,) = read_history("s3://hist/throughput", opts)
         assert rec.rows == 40 and rec.shards == 2
@@ -328,7 +327,7 @@ def test_merged_runs_record_warm_and_cold_starts_apart(tmp_path, fake_engine_fac
     monkeypatch.setattr(compile_cache, "accelerator", lambda: "cpu:test")
     plan = plan_job(spec)
     for s in plan.shards:  # one after the other: the first compiles and publishes, the second restores
-        run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+        run_shard(shard_task(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
     markers = []
     from airflow_provider_vllm.core.commit import CommitMarker
 
@@ -520,7 +519,7 @@ def test_rows_refused_before_the_engine_are_not_throughput(tmp_path, fake_engine
     spec = spec_with_history(tmp_path)
     plan = plan_job(spec)
     for s in plan.shards:
-        run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+        run_shard(shard_task(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
     marker = json.loads((tmp_path / "out" / "shards" / plan.shards[0].shard_id / "_COMMITTED.json").read_text())
     assert marker["stats"]["infer_rows"] == real and marker["error_rows"] >= 1 and marker["rows"] == 100
     merge(spec)

@@ -24,9 +24,8 @@ from airflow_provider_vllm.steps.qa.evaluate import evaluate
 from airflow_provider_vllm.steps.qa.html import render_report_html
 from airflow_provider_vllm.steps.qa.stage import qa_run
 from airflow_provider_vllm.worker.shard import run_shard
-from airflow_provider_vllm.worker.task import ShardTask
 from tests.support import ROOT  # noqa: E402
-from tests.support.data import PINNED_REVISION, make_spec, write_parquet
+from tests.support.data import PINNED_REVISION, make_spec, shard_task, write_parquet
 from tests.support.ledger import record_malicious
 from tests.support.qa_rows import err_row, ok_row, split
 
@@ -54,7 +53,7 @@ def run_pipeline(tmp_path: Path, name: str, template: str, previous: str | None)
     from tests.support.fakes import FakeEngine
 
     for shard in plan_job(spec).shards:
-        run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=FakeEngine)
+        run_shard(shard_task(spec=spec, shard_id=shard.shard_id), engine_factory=FakeEngine)
     merge(spec)
     report, paths = qa_run(spec)
     return spec, report, tmp_path / name / paths["report_html"]
@@ -270,7 +269,7 @@ def changes_page(tmp_path_factory, browser):
         )
         plan = plan_job(spec, **({"engine_identity": local_engine_identity()} if cache else {}))  # the cache key's
         for shard in plan.shards:
-            run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=FakeEngine)
+            run_shard(shard_task(spec=spec, shard_id=shard.shard_id), engine_factory=FakeEngine)
         merge(spec)
         reports.append(qa_run(spec))
     report, paths = reports[-1]

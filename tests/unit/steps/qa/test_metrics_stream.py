@@ -17,6 +17,7 @@ from airflow_provider_vllm.steps.qa import evaluate as evaluate_mod
 from airflow_provider_vllm.steps.qa import metrics_stream as ms
 from airflow_provider_vllm.steps.qa.evaluate import evaluate, evaluate_stream
 from airflow_provider_vllm.steps.qa.metrics_stream import SPACE_CLASS, Radix, ResultTally
+from tests.support.data import shard_task
 from tests.support.qa_rows import LABELS, err_row, ok_row, split
 
 
@@ -164,7 +165,6 @@ def test_qa_run_streams_above_the_threshold_and_reports_the_same(tmp_path, monke
     from airflow_provider_vllm.steps.plan.planner import plan_job
     from airflow_provider_vllm.steps.qa import stage
     from airflow_provider_vllm.worker.shard import run_shard
-    from airflow_provider_vllm.worker.task import ShardTask
     from tests.support.data import LABELS as INPUT_LABELS
     from tests.support.data import make_spec, write_parquet
     from tests.support.fakes import FakeEngine
@@ -183,7 +183,7 @@ def test_qa_run_streams_above_the_threshold_and_reports_the_same(tmp_path, monke
         qa={"sample_size": 24},
     )
     for shard in plan_job(spec).shards:
-        run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=FakeEngine)
+        run_shard(shard_task(spec=spec, shard_id=shard.shard_id), engine_factory=FakeEngine)
     merge(spec)
     mem, _ = stage.qa_run(spec)
     calls = []
@@ -264,7 +264,6 @@ def test_a_json_schema_job_compares_its_parsed_json(tmp_path, monkeypatch, strea
     from airflow_provider_vllm.steps.plan.planner import plan_job
     from airflow_provider_vllm.steps.qa import stage
     from airflow_provider_vllm.worker.shard import run_shard
-    from airflow_provider_vllm.worker.task import ShardTask
     from tests.support.data import make_spec, write_parquet
     from tests.support.fakes import FakeEngine
 
@@ -278,7 +277,7 @@ def test_a_json_schema_job_compares_its_parsed_json(tmp_path, monkeypatch, strea
         qa={"sample_size": 10},
     )
     for shard in plan_job(spec).shards:
-        run_shard(ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=FakeEngine)
+        run_shard(shard_task(spec=spec, shard_id=shard.shard_id), engine_factory=FakeEngine)
     merge(spec)
     if stream:
         monkeypatch.setattr(stage, "STREAM_ABOVE_ROWS", 0)

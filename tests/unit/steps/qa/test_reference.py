@@ -16,8 +16,7 @@ from airflow_provider_vllm.steps.merge.merger import merge
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.steps.qa.stage import qa_run
 from airflow_provider_vllm.worker.shard import run_shard
-from airflow_provider_vllm.worker.task import ShardTask
-from tests.support.data import LABELS, make_spec, write_parquet
+from tests.support.data import LABELS, make_spec, shard_task, write_parquet
 from tests.support.fakes import FakeEngine
 
 N = 300
@@ -32,7 +31,7 @@ def _run(tmp_path: Path, reference: dict, **extra):
     plan = plan_job(spec)
     for shard in plan.shards:
         run_shard(
-            ShardTask(spec=spec, shard_id=shard.shard_id), engine_factory=lambda s: FakeEngine(s, real_vllm=False)
+            shard_task(spec=spec, shard_id=shard.shard_id), engine_factory=lambda s: FakeEngine(s, real_vllm=False)
         )
     merge(spec).dump()
     report, _ = qa_run(spec)

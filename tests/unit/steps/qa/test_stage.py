@@ -10,8 +10,7 @@ from airflow_provider_vllm.steps.merge.merger import merge
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.steps.qa import stage
 from airflow_provider_vllm.worker.shard import run_shard
-from airflow_provider_vllm.worker.task import ShardTask
-from tests.support.data import make_spec
+from tests.support.data import make_spec, shard_task
 
 
 def test_an_input_text_that_is_not_utf8_is_an_error_row_and_qa_still_shows_the_excerpts(tmp_path, fake_engine_factory):
@@ -30,7 +29,7 @@ def test_an_input_text_that_is_not_utf8_is_an_error_row_and_qa_still_shows_the_e
     )
     plan = plan_job(spec)
     for s in plan.shards:
-        run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+        run_shard(shard_task(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
     summary = merge(spec)
     assert (summary.ok_rows, summary.error_rows) == (19, 1)
     errors = pq.read_table(tmp_path / "out" / "errors").to_pylist()
@@ -51,7 +50,7 @@ def test_qa_measures_a_run_only_with_the_spec_it_was_merged_with(tmp_path, fake_
     pq.write_table(pa.table({"id": [f"t{i:03d}" for i in range(40)], "text": texts}), tmp_path / "in.parquet")
     strict = make_spec(tmp_path / "in.parquet", tmp_path / "out", qa={"warn_error_rate": 0.0, "fail_error_rate": 0.0})
     for s in plan_job(strict).shards:
-        run_shard(ShardTask(spec=strict, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+        run_shard(shard_task(spec=strict, shard_id=s.shard_id), engine_factory=fake_engine_factory)
     merge(strict)
     relaxed = strict.model_copy(update={"qa": strict.qa.model_copy(update={"fail_error_rate": 1.0})})
     with pytest.raises(CommitError, match="was made for another spec"):
@@ -66,7 +65,7 @@ def test_qa_measures_a_run_only_with_the_spec_it_was_merged_with(tmp_path, fake_
         qa={"fail_error_rate": 1.0, "previous_report_uri": str(tmp_path / "none" / "qa/report.json")},
     )
     for s in plan_job(first).shards:
-        run_shard(ShardTask(spec=first, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+        run_shard(shard_task(spec=first, shard_id=s.shard_id), engine_factory=fake_engine_factory)
     merge(first)
     notes = stage.qa_run(first)[0].notes
     assert any(n.startswith("previous report: no run at ") and "none/qa/report.json" in n for n in notes), notes

@@ -16,7 +16,7 @@ from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.steps.qa.evaluate import evaluate
 from airflow_provider_vllm.steps.qa.report import QAReport
 from airflow_provider_vllm.steps.qa.store import write_qa
-from tests.support.data import make_spec, merge_summary, write_parquet
+from tests.support.data import make_spec, merge_summary, shard_task, write_parquet
 from tests.support.ledger import record_malicious
 from tests.support.qa_rows import LABELS, check, labelled_tables, sample_ids
 
@@ -107,7 +107,6 @@ def _run(tmp_path, name, texts, factory, previous=None):
     from airflow_provider_vllm.steps.plan.planner import plan_job
     from airflow_provider_vllm.steps.qa.stage import qa_run
     from airflow_provider_vllm.worker.shard import run_shard
-    from airflow_provider_vllm.worker.task import ShardTask
 
     write_parquet(tmp_path / name / "in.parquet", [f"t{i:03d}" for i in range(len(texts))], texts)
     spec = make_spec(
@@ -117,7 +116,7 @@ def _run(tmp_path, name, texts, factory, previous=None):
         qa={"previous_report_uri": previous, "warn_label_drift": 0.0, "fail_label_drift": 0.05},
     )
     for s in plan_job(spec).shards:
-        run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=factory)
+        run_shard(shard_task(spec=spec, shard_id=s.shard_id), engine_factory=factory)
     merge(spec)
     return spec, qa_run(spec)[0]
 

@@ -22,6 +22,7 @@ from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.steps.merge.merger import RESULTS, read_merged, verified_parts
 from airflow_provider_vllm.steps.tables.access import Tables, summary_of
 from airflow_provider_vllm.steps.tables.commit import RUN_ID
+from tests.support.data import shard_task
 from tests.support.iceberg import publish, rows, run_job, source_table, sql_catalog, table_spec
 from tests.support.ledger import record_malicious
 
@@ -456,11 +457,10 @@ def _rerun_first_shard(spec, factory) -> None:
 
     from airflow_provider_vllm.core.plan import load_plan
     from airflow_provider_vllm.worker.shard import run_shard
-    from airflow_provider_vllm.worker.task import ShardTask
 
     sid = load_plan(spec).shards[0].shard_id
     shutil.rmtree(f"{spec.io.output_uri}/shards/{sid}")
-    assert run_shard(ShardTask(spec=spec, shard_id=sid), engine_factory=factory)["status"] == "committed"
+    assert run_shard(shard_task(spec=spec, shard_id=sid), engine_factory=factory)["status"] == "committed"
 
 
 def test_a_later_merge_never_changes_the_parts_a_table_commit_references(tmp_path, lake, fake_engine_factory):

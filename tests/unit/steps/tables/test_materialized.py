@@ -22,7 +22,7 @@ from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.steps.qa.stage import qa_run
 from airflow_provider_vllm.steps.tables.access import Tables
 from airflow_provider_vllm.worker.shard import run_shard
-from airflow_provider_vllm.worker.task import ShardTask
+from tests.support.data import shard_task
 from tests.support.iceberg import run_job, source_table, sql_catalog, table_spec
 from tests.support.security import PLANTED_KINDS, plant, untouched
 
@@ -108,7 +108,7 @@ def test_a_shard_never_reads_a_materialized_file_changed_after_the_plan(lake, tm
     for s in plan.shards:
         err = CommitError if how == "bytes" else LinkRefused
         with pytest.raises(err, match=r"_table/\S+\.parquet"):
-            run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+            run_shard(shard_task(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
     assert files_of(run) == before  # nothing written, nothing committed
     assert not fake_engine_factory.made  # no engine started
 
@@ -118,7 +118,7 @@ def test_merge_and_qa_read_only_the_pinned_bytes_of_the_materialized_file(lake, 
     spec = table_spec(str(run), row_filter=FILTER, io={"passthrough": ["lang"]})
     plan = plan_job(spec, tables=lake)
     for s in plan.shards:
-        assert run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)["status"]
+        assert run_shard(shard_task(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)["status"]
     path = snapshot_file(run)
     real = path.read_bytes()
     forge(path)
@@ -185,7 +185,7 @@ def test_a_materialized_plan_from_before_the_pin_is_refused_by_every_reader(
     before = files_of(run)
     for s in plan.shards:
         with pytest.raises(InputChangedError, match="does not pin that file's bytes.*Plan the run again"):
-            run_shard(ShardTask(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+            run_shard(shard_task(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
     # merge and QA read the plan's input through Plan.input_storage: refused the same way
     with pytest.raises(InputChangedError, match="does not pin that file's bytes"):
         load_plan(spec).input_storage(Storage(spec.io.output_uri), str(tmp_path))
@@ -216,7 +216,7 @@ def test_with_the_result_cache_the_shards_read_the_caches_own_files(lake, tmp_pa
         assert plan.table.read == "materialized" and plan.cache.misses == misses
         assert all(sh.input_file.path.startswith("_cache/shard-inputs/") for sh in plan.shards)
         for sh in plan.shards:
-            run_shard(ShardTask(spec=s, shard_id=sh.shard_id), engine_factory=fake_engine_factory)
+            run_shard(shard_task(spec=s, shard_id=sh.shard_id), engine_factory=fake_engine_factory)
         if run == "b":  # merge reads the plan's input ids: a changed file is refused, not trusted
             forge(snapshot_file(tmp_path / run))
             with pytest.raises(CommitError, match="is not the file its sealed record names"):
