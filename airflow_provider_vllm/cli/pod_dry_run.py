@@ -59,7 +59,15 @@ def _shard(spec: Any, map_index: int, from_plan: bool, filesystems: Any = None) 
         )
         return example.dump(), "example shard id and plan seal (--from-plan reads the run's _plan.json)"
 
-    plan = load_plan(spec, filesystems)
+    from airflow.exceptions import AirflowFailException
+
+    from airflow_provider_vllm.utils.deployment import signing_keyring
+
+    try:  # the plan's seal checked with the deployment's key, as the plan task sealed it ([vllm_batch] signing_key)
+        keyring = signing_keyring()
+    except AirflowFailException as e:
+        raise SystemExit(f"--from-plan: {e}") from None
+    plan = load_plan(spec, filesystems, keyring=keyring)
     mapped = plan.mapped_shards()  # the input's shards, then the golden rows' (the mapped task's order)
     if map_index >= len(mapped):
         raise SystemExit(f"map index {map_index} out of range: the plan has {len(mapped)} shard(s)")

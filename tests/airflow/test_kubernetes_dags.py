@@ -175,3 +175,18 @@ def test_the_cache_key_follows_the_deployments_image(airflow_sandbox, tmp_path):
         {"name": "VLLM_BATCH_WORKER_KEY", "valueFrom": {"secretKeyRef": {"key": "key", "name": "vllm-batch-signing"}}}
     ]
     assert box.env["AIRFLOW__VLLM_BATCH__SIGNING_KEY"] not in p.stdout
+    # --from-plan: the run's sealed plan, checked with the deployment's key from Airflow's configuration (the
+    # shell that renders a pod has no VLLM_BATCH_SIGNING_KEY), names the plan the pod's worker would run under
+    env = {k: v for k, v in box.environ(kube_env(tmp_path)).items() if k != "VLLM_BATCH_SIGNING_KEY"}
+    p = subprocess.run(
+        [PY, "-m", "airflow_provider_vllm.cli.pod_dry_run", NIGHTLY, "2026-11-21", "--from-plan"],
+        env=env,
+        cwd=str(box.home),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, tail(p)
+    task = json.loads(yaml.safe_load(p.stdout)["spec"]["containers"][0]["args"][0])
+    sealed = json.loads((box.data / "reclassification" / "dt=2026-11-21" / "_plan.json").read_text())
+    assert task["plan_mac"] == sealed["seal"]["mac"] and task["shard_id"] == sealed["shards"][0]["shard_id"]
