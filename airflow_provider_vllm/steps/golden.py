@@ -33,7 +33,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from airflow_provider_vllm.core import duck, faults
-from airflow_provider_vllm.core.errors import CommitError, DatasetError, LinkRefused, SpecError, VerificationError
+from airflow_provider_vllm.core.errors import (
+    CommitError,
+    DatasetError,
+    LinkRefused,
+    SpecError,
+    TransientError,
+    VerificationError,
+)
 from airflow_provider_vllm.core.formats import input_format
 from airflow_provider_vllm.core.formats.base import row_columns
 from airflow_provider_vllm.core.formats.files import Input, describe_files, find_input
@@ -237,12 +244,12 @@ def plan_golden(spec: JobSpec, out: Storage, filesystems: FileSystems | None = N
 
 def _bounded_copies(src: Input, tmp: str, where: str, uri: str) -> list[str]:
     """A private copy of each ride-along file, read no further than the size its store stated when it was listed
-    (and bounded by ``check_golden_files``): a file that grew since, or is no regular file (a FIFO, a device), or
-    (local) is or lies under a symbolic link below the location, is refused naming it (``SpecError``), so that what
-    the plan reads is the bytes it bounded, not a second read of the location. A file removed since it was listed
-    is a ``TransientError`` naming it (a retry of the plan lists again). A ``uri`` naming one file may be a
-    link (the user's, as ``golden_uri``'s): that one is followed; a file inside a folder is read without following
-    links (``golden_set.golden_reader``, which the golden set's reads use too)."""
+    (and bounded by ``check_golden_files``): a file that is no regular file (a FIFO, a device), or (local) is or lies
+    under a symbolic link below the location, is refused naming it (``SpecError``), so that what the plan reads is
+    the bytes it bounded, not a second read of the location. A file that grew or shrank since it was listed, or was
+    removed since, is a ``TransientError`` naming it (its writer at work: a retry of the plan lists again). A
+    ``uri`` naming one file may be a link (the user's, as ``golden_uri``'s): that one is followed; a file inside a
+    folder is read without following links (``golden_set.golden_reader``, which the golden set's reads use too)."""
     paths = []
     for i, f in enumerate(src.files):
         dest = os.path.join(tmp, f"{i:06d}.parquet")
@@ -262,10 +269,10 @@ def _bounded_copies(src: Input, tmp: str, where: str, uri: str) -> list[str]:
                 f"only. Replace it with the file itself, or point {RIDE_ALONG} elsewhere"
             ) from None
         if not SHA256_HEX.fullmatch(got):  # "[at least] N bytes, not <size>": no sha256
-            raise SpecError(
+            raise TransientError(
                 f"{where}: {src.root.uri(f.path)} is {'larger' if got.startswith('at least') else 'smaller'} than the "
-                f"{f.size} bytes stated when it was listed: it changed while the plan read it; plan again once its "
-                "writer is done"
+                f"{f.size} bytes stated when it was listed: it changed while the plan read it (its writer is at "
+                "work); a retry of the plan lists the folder again"
             )
         paths.append(dest)
     return paths

@@ -133,8 +133,9 @@ def pin_golden_set(
     exactly the bytes the copies hold, which the plan then checks as QA will read them. None without
     ``qa.reference.golden_uri``.
 
-    SpecError / DatasetError naming the file: too many files, too many bytes (before any is read), a link, or a
-    file that changed while it was read; TransientError naming it: a file removed after it was listed."""
+    SpecError / DatasetError naming the file: too many files, too many bytes (before any is read), a link;
+    TransientError naming it: a file that changed while it was read, or was removed after it was listed (its writer
+    at work: a retry of the plan lists the folder again)."""
     uri = spec.qa.reference.golden_uri
     if uri is None:
         return None
@@ -152,9 +153,9 @@ def pin_golden_set(
         except FileNotFoundError:  # listed, then removed before it was read
             raise removed_error(found.root, f.path, _where(uri)) from None
         if not SHA256_HEX.fullmatch(digest):  # another size than listed: written while the plan read it
-            raise DatasetError(
-                f"{_where(uri)}: {found.root.uri(f.path)} changed while the plan read it ({digest}); plan again "
-                "once its writer is done"
+            raise TransientError(
+                f"{_where(uri)}: {found.root.uri(f.path)} changed while the plan read it ({digest}): its writer is at "
+                "work; a retry of the plan lists the folder again"
             )
         files.append(PinnedFile(path=f.path, bytes=f.size, sha256=digest))
         paths.append(local)

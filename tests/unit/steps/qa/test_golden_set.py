@@ -224,6 +224,32 @@ def test_a_golden_file_removed_after_the_plan_listed_it_is_a_transient_error_nam
     assert not (tmp_path / "out" / "_plan.json").exists()
 
 
+def test_a_golden_file_that_grows_after_the_plan_listed_it_is_a_transient_error_naming_the_field_and_file(
+    tmp_path, monkeypatch
+):
+    """A file of the golden folder written to between the plan's listing and its read (its writer at work) is read no
+    further than the size listed, and fails the plan with a TransientError naming ``qa.reference.golden_uri`` and the
+    file, as a removed one does: a retry of the plan lists the folder again (it was a DatasetError, never retried)."""
+    from airflow_provider_vllm.core.errors import TransientError
+
+    folder = tmp_path / "golden"
+    folder.mkdir()
+    (folder / "g.parquet").write_bytes(_golden_bytes(_truth()))
+    real_open_read = Storage._open_read
+
+    def grown_then_open(self, rel):
+        if rel == "g.parquet":
+            with open(folder / "g.parquet", "ab") as f:
+                f.write(b"\0" * 4096)
+        return real_open_read(self, rel)
+
+    monkeypatch.setattr(Storage, "_open_read", grown_then_open)
+    with pytest.raises(TransientError, match=r"qa\.reference\.golden_uri .*golden/g\.parquet changed while") as e:
+        _planned_run(tmp_path, str(folder))
+    assert "a retry of the plan lists the folder again" in str(e.value)
+    assert not (tmp_path / "out" / "_plan.json").exists()
+
+
 def test_a_golden_file_swapped_for_a_link_after_its_check_is_refused_by_qa(tmp_path, monkeypatch):
     """QA's read refuses the link too, even to a copy of the very bytes the plan pinned (it is not read at all)."""
     folder = tmp_path / "golden"
