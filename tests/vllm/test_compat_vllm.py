@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from airflow_provider_vllm.steps.plan.planner import plan_job
+from tests.conftest import worker_environ
 from tests.support.data import make_spec, shard_task, write_parquet
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -33,7 +34,11 @@ def test_worker_refuses_an_unsupported_vllm_naming_it(tmp_path):
     plan = plan_job(spec)
     task = shard_task(spec=spec, shard_id=plan.shards[0].shard_id).model_dump_json()
     r = subprocess.run(
-        [sys.executable, "-c", RUN_WITH_VERSION, "0.40.1", task], capture_output=True, text=True, timeout=500
+        [sys.executable, "-c", RUN_WITH_VERSION, "0.40.1", task],
+        env=worker_environ(),  # a worker's environment: its worker key, never the deployment's
+        capture_output=True,
+        text=True,
+        timeout=500,
     )
     assert r.returncode == 2, r.stderr[-3000:]  # terminal: no retry on the same image
     assert "vLLM 0.40.1 is installed" in r.stderr and ">=0.25.0" in r.stderr, r.stderr[-3000:]

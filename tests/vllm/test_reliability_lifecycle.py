@@ -340,7 +340,7 @@ def run_local(spec: JobSpec, shard: dict, python: str, env: dict) -> tuple[int, 
 
     lines: list[str] = []
     argv = worker_command(shard_task(spec=spec, shard_id=shard["shard_id"], progress_interval_s=0.2), python=python)
-    r = LocalWorkerProcess(argv, env, lines.append).run()
+    r = LocalWorkerProcess(argv, worker_environ(env), lines.append).run()  # as the local runner starts it
     return r.returncode, r.manifest, lines
 
 
