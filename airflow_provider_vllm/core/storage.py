@@ -649,6 +649,17 @@ class Storage:
         except FileNotFoundError:
             pass
 
+    def discard(self, rel: str) -> None:
+        """Remove ``rel`` whatever another writer made it: a file, a symbolic link (itself, never what it points to), a
+        FIFO or a folder with all it holds (bounded, links inside removed unfollowed); nothing when absent. Local: a
+        warning naming it, not an error, when it cannot all be removed (``_discard_at``). Object stores: ``remove``
+        with ``recursive``."""
+        if not self.is_local or self.follow_links:
+            self.remove(rel, recursive=True)
+            return
+        with self._local_parent(rel, create=False, done="not removed") as (dfd, name):
+            self._discard_at(dfd, name, rel)
+
     def rmdir(self, rel: str) -> None:
         """Remove the folder ``rel`` when it is empty (local; object stores have no folders). ``OSError`` when it
         is not empty; ``LinkRefused`` for a link below the root."""
@@ -708,7 +719,7 @@ class Storage:
             elif not self.follow_links:
                 with contextlib.suppress(FileNotFoundError):
                     if stat.S_ISDIR(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode):
-                        aside = f".{name}.displaced-{uuid.uuid4().hex}"
+                        aside = displaced_name(name)
                         os.rename(name, aside, src_dir_fd=dfd, dst_dir_fd=dfd)  # renameat: the entry, not followed
             os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
         finally:
@@ -811,6 +822,16 @@ HASH_THREADS = 8  # files hashed side by side: at most this many, and at most on
 def hash_pool(files: int) -> ThreadPoolExecutor:
     """Threads for hashing ``files`` files side by side (hashlib and file reads release the GIL)."""
     return ThreadPoolExecutor(max_workers=max(1, min(HASH_THREADS, os.cpu_count() or 1, files)))
+
+
+DISPLACED_NAME = re.compile(r"^\.(?P<name>.+)\.displaced-[0-9a-f]{32}$")
+"""What ``Storage._replace_at`` renames a folder another writer put at a file's name to before removing it: a task
+killed in between leaves it (``Storage.discard`` removes it)."""
+
+
+def displaced_name(name: str) -> str:
+    """The name ``name``'s displaced folder gets beside it (``DISPLACED_NAME``)."""
+    return f".{name}.displaced-{uuid.uuid4().hex}"
 
 
 class CheckedCopies:

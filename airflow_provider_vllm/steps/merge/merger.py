@@ -70,6 +70,7 @@ from airflow_provider_vllm.core.rows import ERROR_SCHEMA, RESULT_SCHEMA, ROW_SCH
 from airflow_provider_vllm.core.seal import Keyring, Seal
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import (
+    DISPLACED_NAME,
     CheckedCopies,
     FileSystems,
     Storage,
@@ -1007,6 +1008,13 @@ def folder_bound(parts: int) -> int:
     return 2 * parts + FOLDER_SLACK
 
 
+def _displaced_part(name: str) -> bool:
+    """Whether ``name`` is where merge moved aside what another writer put at one of its parts' names
+    (``storage.DISPLACED_NAME``): left by a merge killed before it removed it, removed by the next one."""
+    m = DISPLACED_NAME.match(name)
+    return m is not None and PART_NAME.fullmatch(m.group("name")) is not None
+
+
 def check_folder(out: Storage, kind: str, parts: int) -> None:
     """CommitError when ``kind``/ holds a file merge does not write (its parts, its manifest, its temp files).
 
@@ -1018,7 +1026,11 @@ def check_folder(out: Storage, kind: str, parts: int) -> None:
     foreign = [
         n
         for n in out.listdir(kind, limit=folder_bound(parts))
-        if n != MANIFEST and not PART_NAME.fullmatch(n) and not _TMP_NAME.match(n) and not is_temp_copy(n, MANIFEST)
+        if n != MANIFEST
+        and not PART_NAME.fullmatch(n)
+        and not _TMP_NAME.match(n)
+        and not is_temp_copy(n, MANIFEST)
+        and not _displaced_part(n)
     ]
     if foreign:
         raise CommitError(
@@ -1070,7 +1082,9 @@ def publish_parts(
     if published and stale:
         _refuse_published(out, f"{kind}/{stale[0]}", "remove", published)
     for name in listed:
-        if name not in keep:
+        if _displaced_part(name):  # what another writer put at a part's name, moved aside by a merge killed since
+            out.discard(f"{kind}/{name}")
+        elif name not in keep:
             out.remove(f"{kind}/{name}")
     return PartsManifest(kind=kind, rows=sum(e.rows for e in entries), parts=entries)
 

@@ -499,6 +499,34 @@ def test_a_part_swapped_for_a_link_after_publish_is_refused_by_a_rerun_naming_it
 
 
 @pytest.mark.parametrize("kind", PLANTED_KINDS)
+def test_what_a_killed_merge_moved_aside_is_removed_by_the_next_one(run, tmp_path, kind):
+    """A folder another writer put at a part's name is renamed aside (``.<part>.displaced-<uuid>``) and then removed;
+    a merge killed in between leaves it. The next merge removes it (a link there itself, never what it points to;
+    a folder's links unfollowed) instead of refusing the folder as a file merge did not write, which needed a person
+    to clear it. Nothing outside is touched."""
+    import uuid
+
+    spec, _, out = run
+    merge(spec)
+    name = sorted(n for n in os.listdir(out / "results") if n.startswith("part-"))[0]
+    aside = out / "results" / f".{name}.displaced-{uuid.uuid4().hex}"  # storage.displaced_name's form
+    plant(aside, kind, tmp_path / "outside")
+    assert merge(spec).dump()["ok_rows"] == len(IDS)
+    assert not os.path.lexists(aside)
+    assert untouched(tmp_path / "outside")
+    assert all(not n.startswith(".") for n in os.listdir(out / "results"))
+
+
+def test_an_entry_named_like_a_displaced_file_merge_does_not_write_is_still_refused(run):
+    """Only what merge moves aside from its own parts' names is removed: another hidden name is refused as before."""
+    spec, _, out = run
+    merge(spec)
+    (out / "results" / f".notes.txt.displaced-{'0' * 32}").write_text("a user's")
+    with pytest.raises(CommitError, match="which merge did not write"):
+        merge(spec)
+
+
+@pytest.mark.parametrize("kind", PLANTED_KINDS)
 def test_a_part_merge_writes_itself_replaces_a_link_fifo_or_folder_at_its_name(tmp_path, kind):
     """A part merge writes itself (an empty part, one re-encoded without dropped copies) is kept by a rerun only
     when it is a regular file of its bytes: a link there (even to those bytes), a FIFO or a folder is replaced,
