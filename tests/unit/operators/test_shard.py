@@ -21,6 +21,9 @@ from tests.support.data import PLAN_REF, make_spec
 from tests.support.ledger import record_malicious
 from tests.support.security import base_doc, prefixes
 
+SHARD = {"shard_id": "shard-00000-0123abcd", "index": 0, "rows": 3, "est_tokens": 30, "bucket": "all", **PLAN_REF}
+"""One item of the plan task's value (a ``ShardSummary``), naming a sealed plan."""
+
 
 @pytest.fixture
 def no_vllm(monkeypatch):
@@ -87,14 +90,7 @@ def test_shard_operator_refuses_a_forged_spec_before_starting_a_worker(allowed, 
     op = VllmLocalShardOperator(
         task_id="shard",
         spec=forged,
-        shard={
-            "shard_id": "shard-00000-0123abcd",
-            "index": 0,
-            "rows": 3,
-            "est_tokens": 30,
-            "bucket": "all",
-            **PLAN_REF,
-        },
+        shard=dict(SHARD),
         python=str(python),
     )
     with pytest.raises(AirflowFailException, match="outside the allowed prefixes"):
@@ -120,14 +116,7 @@ def test_shard_operator_hands_the_deployment_allow_list_to_the_worker(allowed, t
         task_id="shard",
         spec=base_doc(allowed),
         python=str(python),
-        shard={
-            "shard_id": "shard-00000-0123abcd",
-            "index": 0,
-            "rows": 3,
-            "est_tokens": 30,
-            "bucket": "all",
-            **PLAN_REF,
-        },
+        shard=dict(SHARD),
         env={ALLOWED_PREFIXES_ENV: '["/"]'},
     )
     with pytest.raises(AirflowException):  # the stand-in prints no manifest
@@ -196,14 +185,7 @@ def test_local_worker_inherits_no_airflow_variables(allowed, tmp_path, monkeypat
         task_id="shard",
         spec=base_doc(allowed),
         python=str(python),
-        shard={
-            "shard_id": "shard-00000-0123abcd",
-            "index": 0,
-            "rows": 3,
-            "est_tokens": 30,
-            "bucket": "all",
-            **PLAN_REF,
-        },
+        shard=dict(SHARD),
     )
     with pytest.raises(AirflowException):  # the stand-in prints no manifest
         op.execute({"ti": SimpleNamespace(map_index=0, try_number=1)})
@@ -278,14 +260,7 @@ def test_the_local_worker_is_told_which_variables_hold_the_deployments_secrets(a
         task_id="shard",
         spec=base_doc(allowed),
         python=str(python),
-        shard={
-            "shard_id": "shard-00000-0123abcd",
-            "index": 0,
-            "rows": 3,
-            "est_tokens": 30,
-            "bucket": "all",
-            **PLAN_REF,
-        },
+        shard=dict(SHARD),
         env={"VLLM_BATCH_MASKED_ENV": "", "VLLM_BATCH_MASKED_ENV_DIRS": "/etc"},
     )
     conn = {"AWS_ACCESS_KEY_ID": "AKIA0123", "AWS_SECRET_ACCESS_KEY": "s3cr3t-key", "AWS_REGION": "eu-west-1"}
