@@ -174,6 +174,15 @@ class Keyring:
         ring = self._workers
         return ",".join(k.decode() for k in [ring.signing, *(k for k in ring.by_kid.values() if k != ring.signing)])
 
+    def derives_from(self, text: str) -> bool:
+        """Whether ``text`` (a value of any variable, keys separated by commas or whitespace) holds a deployment key
+        whose worker key this keyring holds: how a worker finds the deployment's key under any name."""
+        return any(
+            len(k) >= MIN_KEY_CHARS and kid_of(worker_key_of(k.encode())) in self._workers.by_kid
+            for k in _SPLIT.split(text)
+            if k and not k.startswith(WORKER_KEY_PREFIX)
+        )
+
     @property
     def kid(self) -> str:
         """The id of the key that seals this role's own records (a worker's: its worker key)."""

@@ -50,22 +50,42 @@ def _on_sigterm(signum, frame):  # noqa: ARG001
 def worker_keyring() -> Keyring:
     """The worker's keys from ``VLLM_BATCH_WORKER_KEY``, both key variables then out of the environment. SealError
     (terminal) when the deployment's own key is here (``VLLM_BATCH_SIGNING_KEY``, or a key without the worker prefix
-    in ``VLLM_BATCH_WORKER_KEY``: an old Secret): code in the worker could seal any record with it."""
+    in ``VLLM_BATCH_WORKER_KEY``: an old Secret): code in the worker could seal any record with it. So is a variable
+    that names the Airflow option (``AIRFLOW__VLLM_BATCH__SIGNING_KEY`` and its ``_CMD`` / ``_SECRET`` forms, in any
+    case) or whose value holds the deployment key of this worker key, whatever its name (a pod's ``secret_env`` or
+    ``env_from_secrets``); every such variable leaves the environment too."""
     from airflow_provider_vllm.core.errors import SealError
     from airflow_provider_vllm.core.seal import HOW_TO_PRINT_WORKER_KEY, Keyring
 
-    deployment_key = envs.SIGNING_KEY.get() is not None
+    named = sorted(n for n in os.environ if n.upper().startswith(_DEPLOYMENT_KEY_NAMES))
+    held: list[str] = []
     try:
-        if deployment_key:
+        if envs.SIGNING_KEY.get() is not None:
             raise SealError(
                 f"the worker's environment holds {envs.SIGNING_KEY.name}, the deployment's signing key: a shard worker "
                 f"must never hold it (code in the worker could seal any record with it); give it only its worker key "
                 f"in {envs.WORKER_KEY.name}: {HOW_TO_PRINT_WORKER_KEY}"
             )
-        return Keyring.worker_from_env()
+        keyring = Keyring.worker_from_env()
+        held = sorted(n for n, v in os.environ.items() if n != envs.WORKER_KEY.name and keyring.derives_from(v))
+        if named or held:
+            raise SealError(
+                f"the worker's environment holds the deployment's signing key or its setting in "
+                f"{', '.join(sorted({*named, *held}))}: a shard worker must never hold it (code in the worker could "
+                f"seal any record with it); take it out of the pod's or runner's settings and give the worker only "
+                f"its worker key in {envs.WORKER_KEY.name}: {HOW_TO_PRINT_WORKER_KEY}"
+            )
+        return keyring
     finally:
         envs.WORKER_KEY.drop()
         envs.SIGNING_KEY.drop()
+        for name in {*named, *held}:
+            os.environ.pop(name, None)
+
+
+# variables that name the deployment's key (upper-cased prefixes): the worker's own, and the Airflow option with its
+# _CMD / _SECRET forms
+_DEPLOYMENT_KEY_NAMES = (envs.SIGNING_KEY.name, "AIRFLOW__VLLM_BATCH__SIGNING_KEY")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -139,3 +139,48 @@ def test_a_worker_handed_the_deployments_key_refuses_to_start(allowed):
         assert TEST_SIGNING_KEY not in p.stdout + p.stderr
         assert not (allowed / "out" / "shards").exists()
     record_malicious("worker_given_the_deployment_key", len(refusals), len(refusals))
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "AIRFLOW__VLLM_BATCH__SIGNING_KEY",  # the Airflow option itself (a pod's secret_env naming it)
+        "airflow__vllm_batch__signing_key",
+        "AIRFLOW__VLLM_BATCH__SIGNING_KEY_CMD",
+        "vllm_batch_signing_key",
+        "S3_STYLE_KEY",  # any other name: an envFrom Secret that holds the deployment's key
+    ],
+)
+def test_a_worker_refuses_the_deployments_key_under_any_name(monkeypatch, name):
+    """The deployment's key under another variable than VLLM_BATCH_SIGNING_KEY (the Airflow option, its _CMD form, a
+    case variant, a Secret's key taken whole by envFrom) is refused as that one is: code in the worker could seal any
+    record with it. Every such variable leaves the environment; the key is not in the message."""
+    from airflow_provider_vllm.core.errors import SealError
+    from airflow_provider_vllm.worker.__main__ import worker_keyring
+    from tests.conftest import TEST_SIGNING_KEY
+
+    for k, v in worker_environ().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("VLLM_BATCH_SIGNING_KEY", raising=False)
+    monkeypatch.delenv("AIRFLOW__VLLM_BATCH__SIGNING_KEY", raising=False)
+    value = "cat /secrets/key" if name.endswith("_CMD") else f"{TEST_SIGNING_KEY},{'x' * 40}"
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SealError, match="deployment's signing key") as e:
+        worker_keyring()
+    assert TEST_SIGNING_KEY not in str(e.value) and name in str(e.value)
+    import os
+
+    assert name not in os.environ and "VLLM_BATCH_WORKER_KEY" not in os.environ
+
+
+def test_a_worker_keeps_variables_that_hold_no_deployment_key(monkeypatch):
+    """Other variables, also long ones and key-like names, do not stop the worker."""
+    from airflow_provider_vllm.worker.__main__ import worker_keyring
+
+    for k, v in worker_environ().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("VLLM_BATCH_SIGNING_KEY", raising=False)
+    monkeypatch.delenv("AIRFLOW__VLLM_BATCH__SIGNING_KEY", raising=False)
+    monkeypatch.setenv("HF_TOKEN", "h" * 48)
+    monkeypatch.setenv("OTHER_SIGNING_KEY_HOLDER", "y" * 48)
+    assert worker_keyring().worker
