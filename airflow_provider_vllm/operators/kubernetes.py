@@ -31,12 +31,17 @@ from airflow_provider_vllm.utils.deployment import (
     check_spec_allowed,
     compile_cache_pvc,
     kubernetes_signing_secret,
-    signing_keyring,
     variables_may_set_deployment_settings,
     worker_env,
 )
 from airflow_provider_vllm.utils.engine_identity import layered_pod_settings, pod_engine_identity
-from airflow_provider_vllm.utils.job_spec import data_plane_errors, load_spec, shard_id_of, shard_plan
+from airflow_provider_vllm.utils.job_spec import (
+    data_plane_errors,
+    load_shard_plan,
+    load_spec,
+    shard_id_of,
+    shard_plan,
+)
 from airflow_provider_vllm.utils.pod_spec import (
     WORKER_PYTHON,
     PodParts,
@@ -304,11 +309,10 @@ class VllmKubernetesShardOperator(KubernetesPodOperator):
         same engine variables); the deployment's pod settings changing between plan and shard fails the task."""
         if not spec.cache.uri:
             return
-        from airflow_provider_vllm.core.plan import load_plan
         from airflow_provider_vllm.hooks.filesystems import task_filesystems
 
-        with data_plane_errors(f"shard {self.shard_id}"):
-            plan = load_plan(spec, task_filesystems(None, None), signing_keyring())
+        with data_plane_errors(f"shard {self.shard_id}"):  # the plan the task names, not one put back since
+            plan = load_shard_plan(spec, self.shard, task_filesystems(None, None))
         keyed = plan.cache.key_config.get("engine_identity") if plan.cache is not None else None
         now = pod_engine_identity(spec, settings)
         if keyed is not None and keyed != now:

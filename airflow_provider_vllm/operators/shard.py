@@ -24,7 +24,14 @@ from airflow_provider_vllm.utils.deployment import (
     variables_may_set_deployment_settings,
     worker_env,
 )
-from airflow_provider_vllm.utils.job_spec import load_spec, shard_id_of, shard_plan, shard_summary
+from airflow_provider_vllm.utils.job_spec import (
+    data_plane_errors,
+    load_shard_plan,
+    load_spec,
+    shard_id_of,
+    shard_plan,
+    shard_summary,
+)
 from airflow_provider_vllm.utils.worker_outcome import worker_result
 from airflow_provider_vllm.utils.worker_process import (
     FAULT_ENV,
@@ -184,10 +191,11 @@ class VllmLocalShardOperator(BaseOperator):
             raise AirflowFailException(f"shard {self.shard_id}: {e}") from None
 
     def _table_input_root(self, spec: Any, aws: str | None, gcp: str | None) -> str:
-        from airflow_provider_vllm.core.plan import load_plan
         from airflow_provider_vllm.hooks.filesystems import task_filesystems
 
-        return load_plan(spec, task_filesystems(aws, gcp), signing_keyring()).input_root
+        # the plan the task names (the worker's), not another sealed plan of the folder put back since
+        with data_plane_errors(f"shard {self.shard_id}"):
+            return load_shard_plan(spec, self.shard, task_filesystems(aws, gcp)).input_root
 
     def _worker_line(self, line: str) -> None:
         self.log.info("worker | %s", line)

@@ -17,7 +17,7 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from pydantic import ValidationError
 
 from airflow_provider_vllm.core.errors import SpecError, VllmBatchError
-from airflow_provider_vllm.core.plan import ShardSummary
+from airflow_provider_vllm.core.plan import Plan, ShardSummary
 from airflow_provider_vllm.core.spec import JobSpec, format_validation_error
 from airflow_provider_vllm.core.spec_guard import local_model_path
 
@@ -129,6 +129,17 @@ def shard_plan(shard: Any) -> dict[str, str]:
             "shard id, or a run planned by a version before per-role keys; run the job again from its plan task"
         )
     return {"plan_mac": s.plan_mac, "plan_sha256": s.plan_sha256}
+
+
+def load_shard_plan(spec: JobSpec, shard: Any, filesystems: Any = None) -> Plan:
+    """The plan a shard task's worker will run under, as the shard task reads it on the Airflow side (the engine the
+    plan keyed, a table's data files): exactly the sealed plan the plan task named in ``shard`` (``shard_plan``), never
+    whatever sealed plan of the folder is at ``_plan.json`` now (an earlier one put back). CommitError (terminal)
+    otherwise, as the worker's; AirflowFailException for a shard value that names no plan."""
+    from airflow_provider_vllm.core.plan import load_pinned_plan
+
+    ref = shard_plan(shard)
+    return load_pinned_plan(spec, ref["plan_mac"], ref["plan_sha256"], filesystems)
 
 
 def shard_id_of(shard: Any) -> str:

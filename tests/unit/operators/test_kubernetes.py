@@ -883,3 +883,34 @@ def test_the_keys_of_a_secret_the_pod_takes_whole_reach_the_worker_as_a_folder_t
         m = mounts[f"/etc/vllm-batch/env-from/{i}"]
         assert m.read_only and vols[m.name].secret.secret_name == name and vols[m.name].secret.default_mode == 0o400
     assert [f.secret_ref.name for f in c.env_from] == ["prod-db", "vendor-api"]
+
+
+def test_the_engine_check_reads_only_the_plan_the_shard_task_names(tmp_path, monkeypatch):
+    """The engine check before a pod starts reads the plan the plan task named (its seal and sha256, from XCom), never
+    whatever sealed plan of the folder is at _plan.json: another plan of this deployment put back there (keyed with
+    the engine the pod would run, or with no cache) must not pass the check for a run keyed with another engine."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from airflow_provider_vllm.core.plan import PLAN_FILE, plan_sha256
+    from airflow_provider_vllm.operators.kubernetes import VllmKubernetesShardOperator
+    from airflow_provider_vllm.steps.plan.planner import plan_job
+    from tests.support.data import write_parquet
+
+    write_parquet(tmp_path / "in" / "part-0.parquet", ["a", "b"], ["one", "two"])
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", json.dumps([str(tmp_path)]))
+    plain = make_spec(tmp_path / "in", tmp_path / "out")
+    other = plan_job(plain)  # another sealed plan of this folder: no cache, so no engine keyed
+    assert (tmp_path / "out" / PLAN_FILE).exists()
+    spec = make_spec(tmp_path / "in", tmp_path / "out", cache={"uri": str(tmp_path / "cache")})
+    op = VllmKubernetesShardOperator(
+        task_id="shard", spec=spec.model_dump(mode="json"), shard=SHARD, kubernetes=json.dumps(SETTINGS)
+    )
+    with pytest.raises(AirflowFailException, match="not the plan this shard task was started for"):
+        op.check_engine(spec, op.settings(spec))
+    # the plan the task names is the one read
+    assert other.seal is not None
+    named = {**SHARD, "plan_mac": other.seal.mac, "plan_sha256": plan_sha256(other)}
+    op = VllmKubernetesShardOperator(
+        task_id="shard", spec=spec.model_dump(mode="json"), shard=named, kubernetes=json.dumps(SETTINGS)
+    )
+    op.check_engine(spec, op.settings(spec))

@@ -270,3 +270,23 @@ def test_the_local_worker_is_told_which_variables_hold_the_deployments_secrets(a
     seen = json.loads(dump.read_text())
     assert seen["VLLM_BATCH_MASKED_ENV"] == "AWS_ACCESS_KEY_ID,AWS_SECRET_ACCESS_KEY,VLLM_BATCH_WORKER_KEY"
     assert seen["AWS_SECRET_ACCESS_KEY"] == "s3cr3t-key" and "VLLM_BATCH_MASKED_ENV_DIRS" not in seen
+
+
+def test_a_table_jobs_data_files_come_from_the_plan_the_shard_task_names(tmp_path):
+    """The local runner widens the worker's allow-list by a table job's data files, where the plan says: only the plan
+    the plan task named (its seal and sha256, from XCom), never another sealed plan of the folder put back at
+    _plan.json, whose input root the worker would then be allowed to read."""
+    from airflow_provider_vllm.core.plan import plan_sha256
+    from airflow_provider_vllm.steps.plan.planner import plan_job
+    from tests.support.data import write_parquet
+
+    write_parquet(tmp_path / "in" / "part-0.parquet", ["a", "b"], ["one", "two"])
+    spec = make_spec(tmp_path / "in", tmp_path / "out")
+    other = plan_job(spec)  # a sealed plan of this folder, but not the one the task names (PLAN_REF)
+    op = VllmLocalShardOperator(task_id="shard", spec=spec.model_dump(mode="json"), shard=SHARD)
+    with pytest.raises(AirflowFailException, match="not the plan this shard task was started for"):
+        op._table_input_root(spec, None, None)
+    assert other.seal is not None
+    named = {**SHARD, "plan_mac": other.seal.mac, "plan_sha256": plan_sha256(other)}
+    op = VllmLocalShardOperator(task_id="shard", spec=spec.model_dump(mode="json"), shard=named)
+    assert op._table_input_root(spec, None, None) == other.input_root
