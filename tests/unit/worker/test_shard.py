@@ -669,3 +669,24 @@ def test_a_rows_error_message_never_carries_a_secret_or_a_urls_credentials(tmp_p
     assert err["id"] == "b" and "cannot encode with *** from https://***@hub.internal/model" in err["error_message"]
     files = [p for p in (tmp_path / "out").rglob("*") if p.is_file()]
     assert [str(p) for p in files if b"SENTINEL" in p.read_bytes()] == []
+
+
+@pytest.mark.parametrize("planted", [b"not json", b"{}", b'{"seal": null}', b"[1, 2]"])
+def test_a_worker_refuses_a_plan_that_is_no_plan_without_retry(tmp_path, fake_engine_factory, planted):
+    """Bytes at _plan.json that are no plan at all (not JSON, not a plan's fields) are not the plan the task names
+    either: a terminal CommitError naming the file, as for another plan, not pydantic's error as a transient failure
+    retried until the task runs out of tries. The Airflow side's readers refuse it the same way."""
+    from airflow_provider_vllm.core.plan import PLAN_FILE, load_plan
+
+    write_parquet(tmp_path / "in.parquet", [f"r{i}" for i in range(10)], [f"text {i}" for i in range(10)])
+    out = tmp_path / "out"
+    spec = make_spec(tmp_path / "in.parquet", out)
+    (shard,) = plan_job(spec).shards
+    task = shard_task(spec=spec, shard_id=shard.shard_id)
+    (out / PLAN_FILE).write_bytes(planted)
+    with pytest.raises(CommitError, match=r"_plan\.json is not a plan") as e:
+        run_shard(task, engine_factory=fake_engine_factory)
+    assert e.value.terminal
+    assert not (out / "shards").exists()
+    with pytest.raises(CommitError, match=r"_plan\.json is not a plan"):
+        load_plan(spec)
