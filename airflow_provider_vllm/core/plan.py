@@ -535,23 +535,29 @@ def is_pinned(plan: Plan, mac: str, sha256: str) -> bool:
     return plan.seal is not None and plan.seal.mac == mac and plan_sha256(plan) == sha256
 
 
+def parse_plan(data: bytes, where: str) -> Plan:
+    """The plan in ``data``, the bytes of the ``_plan.json`` at ``where`` (its seal not checked); CommitError (terminal)
+    naming it when they are no plan (not JSON, not a plan's fields: no plan task of this version wrote them)."""
+    try:
+        return Plan.model_validate_json(data)
+    except ValidationError as e:
+        errors = e.errors()
+        at = ".".join(str(x) for x in errors[0]["loc"])[:100] if errors else ""
+        what = str(errors[0]["msg"])[:200] if errors else ""
+        raise CommitError(
+            f"{where} is not a plan this provider wrote ({e.error_count()} problem(s), first at {at or 'the top'}: "
+            f"{what}); another writer of the output prefix put it there, or a version before this one wrote it. "
+            "Plan and run the job again in an empty output prefix"
+        ) from None
+
+
 def read_plan(spec: JobSpec, filesystems: FileSystems | None = None) -> tuple[Plan, str]:
     """The run's ``_plan.json`` as it is (its seal not checked) and its URI; SpecError when there is none, CommitError
-    (terminal) naming it when its bytes are no plan (not JSON, not a plan's fields: no plan task wrote them)."""
+    (terminal) naming it when its bytes are no plan (``parse_plan``)."""
     out = Storage(spec.io.output_uri, spec.io.storage_options, filesystems)
     if not out.exists(PLAN_FILE):
         raise SpecError(f"no plan at {out.uri(PLAN_FILE)}; run the plan step first")
-    try:
-        return Plan.model_validate_json(out.read_bytes(PLAN_FILE)), out.uri(PLAN_FILE)
-    except ValidationError as e:
-        errors = e.errors()
-        where = ".".join(str(x) for x in errors[0]["loc"])[:100] if errors else ""
-        what = str(errors[0]["msg"])[:200] if errors else ""
-        raise CommitError(
-            f"{out.uri(PLAN_FILE)} is not a plan this provider wrote ({e.error_count()} problem(s), first at "
-            f"{where or 'the top'}: {what}); another writer of the output prefix put it there, or a version "
-            "before this one wrote it. Plan and run the job again in an empty output prefix"
-        ) from None
+    return parse_plan(out.read_bytes(PLAN_FILE), out.uri(PLAN_FILE)), out.uri(PLAN_FILE)
 
 
 def load_pinned_plan(spec: JobSpec, mac: str, sha256: str, filesystems: FileSystems | None = None) -> Plan:

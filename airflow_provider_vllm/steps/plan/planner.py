@@ -30,7 +30,15 @@ from airflow_provider_vllm.core.errors import DatasetError, ListingTooLarge, Spe
 from airflow_provider_vllm.core.formats import input_format
 from airflow_provider_vllm.core.formats.base import array_groups
 from airflow_provider_vllm.core.formats.files import Input, find_input
-from airflow_provider_vllm.core.plan import PLAN_FILE, LastPublished, Plan, Segment, ShardPlan, estimate_tokens
+from airflow_provider_vllm.core.plan import (
+    PLAN_FILE,
+    LastPublished,
+    Plan,
+    Segment,
+    ShardPlan,
+    estimate_tokens,
+    parse_plan,
+)
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import (
@@ -266,8 +274,9 @@ def _write_plan(out: Storage, plan: Plan, spec: JobSpec, keyring: Keyring, table
 
 
 def _existing(spec: JobSpec, out: Storage, keyring: Keyring) -> Plan:
-    """The plan already under the output prefix, its seal checked (SealError: not this deployment's plan task's)."""
-    existing = Plan.model_validate_json(out.read_bytes(PLAN_FILE))
+    """The plan already under the output prefix, its seal checked (SealError: not this deployment's plan task's;
+    CommitError: no plan at all)."""
+    existing = parse_plan(out.read_bytes(PLAN_FILE), out.uri(PLAN_FILE))  # CommitError: bytes that are no plan
     existing.verify(keyring, spec.io.output_uri)
     return existing
 

@@ -311,3 +311,19 @@ def test_an_openai_batch_file_found_by_auto_is_refused_as_one_declared_would_be(
         type(spec).load(declared)
     ok = make_spec(tmp_path / "batch.jsonl", tmp_path / "out2", prompt={"system_prompt": None, "template": "{text}"})
     assert sum(s.rows for s in build_plan(ok).shards) == 1
+
+
+@pytest.mark.parametrize("planted", [b"not json", b"{}"])
+def test_a_retried_plan_refuses_a_plan_file_that_is_no_plan_without_retry(tmp_path, planted):
+    """A retried plan task finds _plan.json already there and takes it only when it is this deployment's plan. Bytes
+    that are no plan at all are a terminal CommitError naming the file, as the shard workers' and the other tasks'
+    readers say, not pydantic's error as a failure retried until the task runs out of tries."""
+    from airflow_provider_vllm.core.errors import CommitError
+
+    write_parquet(tmp_path / "in" / "part-0.parquet", ["a", "b"], ["one", "two"])
+    spec = make_spec(tmp_path / "in", tmp_path / "out")
+    plan_job(spec)
+    (tmp_path / "out" / PLAN_FILE).write_bytes(planted)
+    with pytest.raises(CommitError, match=r"_plan\.json is not a plan") as e:
+        plan_job(spec)
+    assert e.value.terminal
