@@ -1008,9 +1008,12 @@ def folder_bound(parts: int) -> int:
     return 2 * parts + FOLDER_SLACK
 
 
-def _displaced_part(name: str) -> bool:
+def _displaced_part(out: Storage, name: str) -> bool:
     """Whether ``name`` is where merge moved aside what another writer put at one of its parts' names
-    (``storage.DISPLACED_NAME``): left by a merge killed before it removed it, removed by the next one."""
+    (``storage.DISPLACED_NAME``): left by a merge killed before it removed it, removed by the next one. Local only:
+    on an object store merge moves nothing aside, so such a key is another writer's (refused by ``check_folder``)."""
+    if not out.is_local:
+        return False
     m = DISPLACED_NAME.match(name)
     return m is not None and PART_NAME.fullmatch(m.group("name")) is not None
 
@@ -1030,7 +1033,7 @@ def check_folder(out: Storage, kind: str, parts: int) -> None:
         and not PART_NAME.fullmatch(n)
         and not _TMP_NAME.match(n)
         and not is_temp_copy(n, MANIFEST)
-        and not _displaced_part(n)
+        and not _displaced_part(out, n)
     ]
     if foreign:
         raise CommitError(
@@ -1082,7 +1085,7 @@ def publish_parts(
     if published and stale:
         _refuse_published(out, f"{kind}/{stale[0]}", "remove", published)
     for name in listed:
-        if _displaced_part(name):  # what another writer put at a part's name, moved aside by a merge killed since
+        if _displaced_part(out, name):  # what another writer put at a part's name, moved aside by a merge killed since
             out.discard(f"{kind}/{name}")
         elif name not in keep:
             out.remove(f"{kind}/{name}")

@@ -542,3 +542,20 @@ def test_a_part_merge_writes_itself_replaces_a_link_fifo_or_folder_at_its_name(t
     assert entry.rows == 1 and part.is_file() and not part.is_symlink() and part.read_bytes() == data
     assert sorted(os.listdir(tmp_path / "run" / "results")) == ["part-00000.parquet"]
     assert untouched(tmp_path / "outside", data)
+
+
+def test_on_an_object_store_a_name_like_a_displaced_part_is_refused_not_deleted():
+    """Only local merges move a planted folder aside (an object store has no folders at a part's name): there, a key
+    named like a displaced part was put by another writer and is refused, naming it, as any other name merge did not
+    write; it is not deleted."""
+    from airflow_provider_vllm.core.storage import Storage
+    from airflow_provider_vllm.steps.merge.merger import check_folder
+
+    out = Storage("memory://merge-displaced/run")
+    name = f"results/.part-00000.parquet.displaced-{'0' * 32}"
+    out.write_atomic(name, b"another writer's")
+    out.write_atomic("results/part-00000.parquet", b"x")
+    with pytest.raises(CommitError, match="which merge did not write"):
+        check_folder(out, "results", 1)
+    assert out.read_bytes(name) == b"another writer's"
+    out.remove("", recursive=True)
