@@ -133,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--conf", default=None, help="JSON object of DAG params for this run")
     p.add_argument("--from-plan", action="store_true", help="take the shard from the run's _plan.json")
     args = p.parse_args(argv)
+    if args.map_index < 0:
+        p.error(f"--map-index {args.map_index}: a map index is 0 or more (the mapped shard task's position)")
     conf = json.loads(args.conf) if args.conf else None
     # Airflow logs to stdout; stdout carries only the manifest, so everything else goes to stderr.
     sys.stdout.flush()

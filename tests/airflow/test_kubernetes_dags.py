@@ -190,3 +190,17 @@ def test_the_cache_key_follows_the_deployments_image(airflow_sandbox, tmp_path):
     task = json.loads(yaml.safe_load(p.stdout)["spec"]["containers"][0]["args"][0])
     sealed = json.loads((box.data / "reclassification" / "dt=2026-11-21" / "_plan.json").read_text())
     assert task["plan_mac"] == sealed["seal"]["mac"] and task["shard_id"] == sealed["shards"][0]["shard_id"]
+
+
+def test_pod_dry_run_refuses_a_negative_map_index_naming_it(capsys):
+    """A map index below 0 names no mapped task: refused before any DAG is read, naming --map-index (with
+    --from-plan it rendered the plan's last shard under index -1; without, a validation error of the shard value)."""
+    import pytest
+
+    from airflow_provider_vllm.cli.pod_dry_run import main
+
+    for extra in ([], ["--from-plan"]):
+        with pytest.raises(SystemExit) as e:
+            main(["no_such_dag", "2026-11-28", "--map-index", "-1", *extra])
+        assert e.value.code == 2
+        assert "--map-index" in capsys.readouterr().err
