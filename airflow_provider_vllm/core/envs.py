@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 
@@ -69,6 +69,13 @@ def secret_names(env: Mapping[str, str] | None = None) -> set[str]:
 def environ(env: Mapping[str, str] | None = None) -> Mapping[str, str]:
     """``env``, or the process environment (for code that scans all of it, e.g. secret redaction)."""
     return os.environ if env is None else env
+
+
+def remove(names: Iterable[str]) -> None:
+    """Take the variables ``names`` out of the process environment (secrets read once, or refused): the processes
+    started after it, vLLM's and the model's code, never inherit them."""
+    for name in names:
+        os.environ.pop(name, None)
 
 
 VARS: list[EnvVar] = []

@@ -57,7 +57,8 @@ def worker_keyring() -> Keyring:
     from airflow_provider_vllm.core.errors import SealError
     from airflow_provider_vllm.core.seal import HOW_TO_PRINT_WORKER_KEY, Keyring
 
-    named = sorted(n for n in os.environ if n.upper().startswith(_DEPLOYMENT_KEY_NAMES))
+    env = envs.environ()
+    named = sorted(n for n in env if n.upper().startswith(_DEPLOYMENT_KEY_NAMES))
     held: list[str] = []
     try:
         if envs.SIGNING_KEY.get() is not None:
@@ -67,7 +68,7 @@ def worker_keyring() -> Keyring:
                 f"in {envs.WORKER_KEY.name}: {HOW_TO_PRINT_WORKER_KEY}"
             )
         keyring = Keyring.worker_from_env()
-        held = sorted(n for n, v in os.environ.items() if n != envs.WORKER_KEY.name and keyring.derives_from(v))
+        held = sorted(n for n, v in env.items() if n != envs.WORKER_KEY.name and keyring.derives_from(v))
         if named or held:
             raise SealError(
                 f"the worker's environment holds the deployment's signing key or its setting in "
@@ -79,8 +80,7 @@ def worker_keyring() -> Keyring:
     finally:
         envs.WORKER_KEY.drop()
         envs.SIGNING_KEY.drop()
-        for name in {*named, *held}:
-            os.environ.pop(name, None)
+        envs.remove({*named, *held})
 
 
 # variables that name the deployment's key (upper-cased prefixes): the worker's own, and the Airflow option with its
