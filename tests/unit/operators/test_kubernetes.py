@@ -127,16 +127,21 @@ def test_the_pod_names_its_image_to_the_worker_and_the_pod_settings_cannot_renam
 @pytest.mark.parametrize("setting", ["vllm-batch-signing:key", "team-a-signing:hmac-key"])
 def test_the_worker_key_reaches_the_pod_only_as_a_secret_reference(monkeypatch, setting):
     """``VLLM_BATCH_WORKER_KEY`` is in the pod's env exactly once, as a secretKeyRef to the Secret that
-    ``[vllm_batch] kubernetes_signing_secret`` names; no key is in the pod, pod settings naming another Secret for
-    it do not replace the deployment's, and the deployment's own key never reaches a pod (a pod setting's
-    ``secret_env`` naming ``VLLM_BATCH_SIGNING_KEY`` is dropped)."""
+    ``[vllm_batch] kubernetes_signing_secret`` names; no key is in the pod; pod settings naming another Secret for
+    it, or the deployment's own key (``secret_env`` naming ``VLLM_BATCH_SIGNING_KEY``), build no pod at all."""
+    from airflow.sdk.exceptions import AirflowFailException
+
     from tests.conftest import TEST_SIGNING_KEY, TEST_WORKER_KEY
 
     monkeypatch.setenv("AIRFLOW__VLLM_BATCH__KUBERNETES_SIGNING_SECRET", setting)
     secret, key = setting.split(":")
-    refs = {"VLLM_BATCH_WORKER_KEY": {"name": "x", "key": "y"}, "VLLM_BATCH_SIGNING_KEY": {"name": "x", "key": "z"}}
-    other = {**SETTINGS, "secret_env": {**SETTINGS["secret_env"], **refs}}
-    for settings in (SETTINGS, other):
+    for name in ("VLLM_BATCH_WORKER_KEY", "VLLM_BATCH_SIGNING_KEY"):
+        other = {**SETTINGS, "secret_env": {**SETTINGS["secret_env"], name: {"name": "x", "key": "y"}}}
+        op = operator(other)
+        with pytest.raises(AirflowFailException, match=rf"cannot set \['{name}'\]"):
+            op.prepare_pod()
+        assert op.parts is None
+    for settings in (SETTINGS,):
         op = operator(settings)
         pod = op.build_pod_request_obj(create_context(op, map_index=3))
         signing = [e for c in pod.spec.containers for e in c.env or [] if e.name == "VLLM_BATCH_WORKER_KEY"]

@@ -156,6 +156,25 @@ def test_secrets_only_as_references():
     assert [f.secret_ref.name for f in p.env_from] == ["gcs-creds"]
 
 
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"secret_env": {"VLLM_BATCH_SIGNING_KEY": {"name": "old-signing", "key": "key"}}},
+        {"secret_env": {"AIRFLOW__VLLM_BATCH__SIGNING_KEY": {"name": "airflow", "key": "signing"}}},
+        {"secret_env": {"airflow__vllm_batch__signing_key_secret": {"name": "airflow", "key": "signing"}}},
+        {"secret_env": {"VLLM_BATCH_WORKER_KEY": {"name": "other", "key": "key"}}},
+    ],  # as literal env, each name is refused already: it looks like a secret (test_secret_values_cannot_be_put...)
+)
+def test_pod_settings_cannot_hand_a_pod_the_deployments_key_or_choose_its_worker_key(settings):
+    """The deployment's signing key never reaches a pod, under its own name or the Airflow option's (``_CMD`` /
+    ``_SECRET``, any case), and only the operator sets the worker key (``kubernetes_signing_secret``). Before, the
+    operator dropped ``VLLM_BATCH_SIGNING_KEY`` silently and let the other names through to the pod, whose worker
+    then refused to start only once it was scheduled on a GPU node."""
+    with pytest.raises(SpecError, match=r"kubernetes\.env / secret_env cannot set .*kubernetes_signing_secret"):
+        parts(settings)
+    record_malicious("k8s_pod_settings_naming_a_signing_key", 1, 1)
+
+
 @pytest.mark.reliability
 def test_secret_values_cannot_be_put_in_the_pod_spec():
     tries = [
