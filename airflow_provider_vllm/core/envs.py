@@ -121,6 +121,19 @@ WORKER_KEY = _var(
     "worker",
 )
 
+# Variables that name the deployment's signing key (upper-cased prefixes): the steps' own and the Airflow option with
+# its _CMD / _SECRET forms. No shard worker may hold one: the worker refuses them, the local runner strips them, and
+# pod settings naming one (or the worker key, which only the operator sets) build no pod.
+DEPLOYMENT_KEY_NAMES = (SIGNING_KEY.name, "AIRFLOW__VLLM_BATCH__SIGNING_KEY")
+KEY_NAMES = (*DEPLOYMENT_KEY_NAMES, WORKER_KEY.name)
+
+
+def names_a_key(name: str, prefixes: tuple[str, ...] = KEY_NAMES) -> bool:
+    """Whether the variable ``name`` (any case) is one of ``prefixes``' (default: a deployment key's or the worker
+    key's)."""
+    return name.upper().startswith(prefixes)
+
+
 SECRET_ENV_NAMES = _var(
     "VLLM_BATCH_MASKED_ENV",
     None,

@@ -265,7 +265,7 @@ class VllmKubernetesShardOperator(KubernetesPodOperator):
         self.volume_mounts = parts.volume_mounts
         # the deployment's allow-list reaches the worker through its environment, set last (never the task JSON),
         # and the worker key through a secretKeyRef ([vllm_batch] kubernetes_signing_secret), never a literal; the
-        # deployment's own signing key never reaches a pod (a settings' env or secret_env naming it is dropped)
+        # deployment's own signing key never reaches a pod (pod_parts refuses settings that name a key variable)
         allow = worker_env(prefixes)
         # and the names of the variables it set from Secrets, which the worker masks whatever their names
         allow[envs.SECRET_ENV_NAMES.name] = ",".join(secret_env_names(settings) + [envs.WORKER_KEY.name])
@@ -277,7 +277,7 @@ class VllmKubernetesShardOperator(KubernetesPodOperator):
             value_from=k8s.V1EnvVarSource(secret_key_ref=k8s.V1SecretKeySelector(name=secret, key=key)),
         )
         self.env_vars = (
-            [e for e in parts.env if e.name not in allow and e.name not in (signing.name, envs.SIGNING_KEY.name)]
+            [e for e in parts.env if e.name not in allow]
             + [k8s.V1EnvVar(name=k, value=v) for k, v in allow.items()]
             + [signing]
         )

@@ -48,8 +48,7 @@ def worker_key_env(env: dict[str, str]) -> dict[str, str]:
     """The worker's key for its environment: the worker key derived from ``[vllm_batch] signing_key``, never the
     deployment's key. Removes from ``env`` (in place) every variable that could carry the deployment's key (the
     Airflow option, ``VLLM_BATCH_SIGNING_KEY``, also when the DAG file's env names them) and any other worker key."""
-    drop = ("AIRFLOW__VLLM_BATCH__SIGNING_KEY", envs.SIGNING_KEY.name, envs.WORKER_KEY.name)
-    for name in [k for k in env if k.upper().startswith(drop)]:
+    for name in [k for k in env if envs.names_a_key(k)]:
         del env[name]
     return {envs.WORKER_KEY.name: signing_keyring().worker_text()}
 

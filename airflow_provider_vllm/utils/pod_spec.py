@@ -34,6 +34,7 @@ from kubernetes.client import models as k8s
 from kubernetes.utils.quantity import parse_quantity
 
 from airflow_provider_vllm import __version__
+from airflow_provider_vllm.core import envs
 from airflow_provider_vllm.core.errors import SpecError
 from airflow_provider_vllm.core.pod_settings import DEFAULT_IMAGE, KubernetesSettings
 from airflow_provider_vllm.core.spec import JobSpec
@@ -72,10 +73,6 @@ COMPILE_CACHE_ENV = ("VLLM_BATCH_COMPILE_CACHE", "VLLM_BATCH_COMPILE_CACHE_PUBLI
 # The folders compiled code is loaded from (the worker's private copies, keyed and sealed by worker/compile_cache.py):
 # always in the pod's own emptyDir; settings.env cannot move them onto a volume that other writers share.
 PRIVATE_COMPILE_ENV = ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
-# Variables that name the deployment's signing key or the worker's (upper-cased prefixes): the operator alone sets
-# the worker key, from [vllm_batch] kubernetes_signing_secret; the deployment's key never reaches a pod. The worker
-# refuses these too, but only once the pod is scheduled (worker/__main__.py).
-DEPLOYMENT_KEY_ENV = ("VLLM_BATCH_SIGNING_KEY", "AIRFLOW__VLLM_BATCH__SIGNING_KEY", "VLLM_BATCH_WORKER_KEY")
 # The pod's own mounts: a PVC of the settings (model_cache_path, data_path) mounted at, inside or above one of
 # them would replace a private folder (e.g. /cache/triton) with a shared volume.
 # each env_from_secrets Secret is also mounted here (files readable by root only): the worker lists its keys, the
@@ -289,7 +286,8 @@ def environment(settings: KubernetesSettings) -> tuple[list[k8s.V1EnvVar], list[
             f"kubernetes.env cannot set {reserved}: the shared compile cache is the deployment's "
             "([vllm_batch] kubernetes_compile_cache_pvc)"
         )
-    keys = sorted(n for n in {*settings.env, *settings.secret_env} if n.upper().startswith(DEPLOYMENT_KEY_ENV))
+    # the operator alone sets the worker key; the worker refuses the others too, but only once its pod is scheduled
+    keys = sorted(n for n in {*settings.env, *settings.secret_env} if envs.names_a_key(n))
     if keys:
         raise SpecError(
             f"kubernetes.env / secret_env cannot set {keys}: no pod ever gets the deployment's signing key or its "

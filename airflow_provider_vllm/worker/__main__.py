@@ -58,7 +58,7 @@ def worker_keyring() -> Keyring:
     from airflow_provider_vllm.core.seal import HOW_TO_PRINT_WORKER_KEY, Keyring
 
     env = envs.environ()
-    named = sorted(n for n in env if n.upper().startswith(_DEPLOYMENT_KEY_NAMES))
+    named = sorted(n for n in env if envs.names_a_key(n, envs.DEPLOYMENT_KEY_NAMES))
     held: list[str] = []
     try:
         if envs.SIGNING_KEY.get() is not None:
@@ -81,11 +81,6 @@ def worker_keyring() -> Keyring:
         envs.WORKER_KEY.drop()
         envs.SIGNING_KEY.drop()
         envs.remove({*named, *held})
-
-
-# variables that name the deployment's key (upper-cased prefixes): the worker's own, and the Airflow option with its
-# _CMD / _SECRET forms
-_DEPLOYMENT_KEY_NAMES = (envs.SIGNING_KEY.name, "AIRFLOW__VLLM_BATCH__SIGNING_KEY")
 
 
 def main(argv: list[str] | None = None) -> int:
