@@ -85,6 +85,7 @@ def derive(src: Path, dst: Path, text_sql: str, recipe: dict) -> int:
 def child(stage: str, input_dir: Path, run_dir: Path, cache_dir: str, profile: bool = False) -> None:
     import resource
 
+    from airflow_provider_vllm.core.plan import current_plan_ref
     from airflow_provider_vllm.steps.merge.merger import merge
     from airflow_provider_vllm.steps.plan.planner import plan_job
 
@@ -93,6 +94,8 @@ def child(stage: str, input_dir: Path, run_dir: Path, cache_dir: str, profile: b
     if profile:
         _profiled(stage, input_dir, run_dir, cache_dir)
         return
+    # run by hand, no plan task names the plan: take the folder's sealed plan, explicitly (outside the timing)
+    pinned = current_plan_ref(spec) if stage == "merge" else None
     t0 = time.perf_counter()
     use0 = resource.getrusage(resource.RUSAGE_SELF)
     cpu0 = use0.ru_utime + use0.ru_stime
@@ -106,7 +109,8 @@ def child(stage: str, input_dir: Path, run_dir: Path, cache_dir: str, profile: b
     elif stage == "setup":
         extra.update(dp.synthesise_commits(spec, engine_identity=ENGINE))
     elif stage == "merge":
-        s = merge(spec)
+        assert pinned is not None
+        s = merge(spec, plan=pinned)
         extra.update(
             ok_rows=s.ok_rows,
             error_rows=s.error_rows,

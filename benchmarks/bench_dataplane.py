@@ -18,9 +18,10 @@ folders are hard links to the committed parts, so merge adds no data on a local 
 3. Setup (not timed): committed shard outputs synthesised with the real commit protocol
    (``ShardStore.write_chunk`` + ``ShardStore.commit`` with a marker shaped like the one
    ``worker/shard.py::run_shard`` writes); ~99% 'ok' rows, ~1% 'error' rows.
-4. merge: ``merge(spec).dump()`` (checksums, verification against the input ids, the parts
-   published by reference into results/ and errors/, manifests, ``_MERGED.json``); each timed
-   merge starts with those folders removed, as a first merge does.
+4. merge: ``merge(spec, plan=current_plan_ref(spec)).dump()`` (run by hand: the folder's sealed plan, taken
+   explicitly; checksums, verification against the input ids, the parts published by reference into
+   results/ and errors/, manifests, ``_MERGED.json``); each timed merge starts with those folders removed, as
+   a first merge does.
 5. QA: ``qa_run(spec)``. With ``--golden-rows N`` (the quality measures): a golden set of N known
    labels for ids spread over the input (``qa.reference.golden_uri``), and the synthesised result
    rows carry a confidence (Beta(5, 2)) and the prompt hash of their text, so QA also scores the
@@ -556,6 +557,7 @@ def child(
     passthrough: bool = False,
     token_sizing: bool = False,
 ) -> None:
+    from airflow_provider_vllm.core.plan import current_plan_ref
     from airflow_provider_vllm.steps.merge.merger import merge
     from airflow_provider_vllm.steps.plan.planner import plan_job
     from airflow_provider_vllm.steps.qa.stage import qa_run
@@ -569,6 +571,8 @@ def child(
     if profile:
         _install_sql_timers(sql_log)
     extra: dict = {}
+    # run by hand, no plan task names the plan: take the folder's sealed plan, explicitly (outside the timed work)
+    pinned = current_plan_ref(spec) if stage == "merge" else None
 
     def work():
         if stage == "plan":
@@ -580,7 +584,8 @@ def child(
             part = os.environ.get("BENCH_SETUP_PART")  # "i/n": this child sets up every n-th shard (1B rows)
             extra.update(synthesise_commits(spec, part=tuple(map(int, part.split("/"))) if part else None))
         elif stage == "merge":
-            s = merge(spec).dump()
+            assert pinned is not None
+            s = merge(spec, plan=pinned).dump()
             extra.update(ok_rows=s["ok_rows"], error_rows=s["error_rows"], merge_s=s["merge_s"])
         elif stage == "qa":
             report, _ = qa_run(spec)

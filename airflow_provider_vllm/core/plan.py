@@ -78,6 +78,24 @@ class ShardSummary(BaseModel):
         return self.model_dump(mode="json", exclude_none=True)
 
 
+class PlanRef(BaseModel):
+    """A sealed plan's identity as the plan task hands it to the tasks after it (XCom, which the bucket's writers
+    cannot write): its seal's mac and ``plan_sha256``. Merge takes ``_plan.json`` only when it is this plan
+    (``load_plan(pinned=...)``); ``ShardSummary`` carries the same two fields for each shard task's worker."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    plan_mac: str = Field(pattern=SHA256_PATTERN, description="the seal (mac) of the plan the plan task wrote")
+    plan_sha256: str = Field(pattern=SHA256_PATTERN, description="that sealed plan's digest (``plan_sha256``)")
+
+    def dump(self) -> dict[str, str]:
+        """The XCom value: ``plan_mac`` and ``plan_sha256``."""
+        return self.model_dump(mode="json")
+
+    def describe(self) -> str:
+        """The identity, short, for messages: the seal's and the digest's first 12 hex digits."""
+        return f"seal {self.plan_mac[:12]}, sha256 {self.plan_sha256[:12]}"
+
+
 class ShardPlan(BaseModel):
     model_config = ConfigDict(extra="forbid")
     shard_id: str
@@ -442,10 +460,17 @@ class Plan(BaseModel):
         golden = self.golden.shards if self.golden is not None else []
         # the sealed plan's identity rides along (through XCom, which the bucket's writers cannot write) to each
         # shard task, which hands it to its worker (``ShardTask``): the worker holds no key that checks the plan
-        ref = {} if self.seal is None else {"plan_mac": self.seal.mac, "plan_sha256": plan_sha256(self)}
+        ref = {} if self.seal is None else self.ref().dump()
         return [s.summary().model_copy(update=ref) for s in self.shards] + [
             s.summary().model_copy(update={"golden": True, **ref}) for s in golden
         ]
+
+    def ref(self) -> PlanRef:
+        """This sealed plan's identity (``PlanRef``), as the plan task hands it on; CommitError for an unsealed plan
+        (no plan task wrote it)."""
+        if self.seal is None:
+            raise CommitError("the plan carries no seal: no plan task of this deployment wrote it")
+        return PlanRef(plan_mac=self.seal.mac, plan_sha256=plan_sha256(self))
 
     def sealed(self, keyring: Keyring, output_uri: str) -> Plan:
         """This plan sealed for the run at ``output_uri``."""
@@ -581,11 +606,15 @@ def load_plan(
     filesystems: FileSystems | None = None,
     keyring: Keyring | None = None,
     merged: MergeSummary | None = None,
+    pinned: PlanRef | None = None,
 ) -> Plan:
     """The run's plan, its seal checked (``keyring``: the deployment's; default ``VLLM_BATCH_SIGNING_KEY``). Airflow
     side only: a shard worker holds no key that checks a plan (``load_pinned_plan``).
 
     SpecError when there is none; SealError when this deployment's plan task did not write it for this run.
+    ``pinned``: the plan the plan task named (its XCom, ``PlanRef``), for merge: CommitError (terminal) naming
+    ``_plan.json``, the plan expected and the one found when it is another sealed plan (an earlier plan of this
+    folder put back: it is sealed for the folder too).
     ``merged``: the run's sealed merge summary, for the readers after the merge (QA, publish): CommitError when
     the plan is not the one it names (``plan_mac``), or when it names none (a merge written before it recorded
     its plan: merge again). An earlier plan of the same folder (it was emptied and planned again) is sealed for
@@ -594,6 +623,14 @@ def load_plan(
     """
     plan, where = read_plan(spec, filesystems)
     plan.verify(keyring or Keyring.from_env(), spec.io.output_uri)
+    if pinned is not None and not is_pinned(plan, pinned.plan_mac, pinned.plan_sha256):
+        found = plan.ref()  # verified above: it carries a seal
+        raise CommitError(
+            f"{where} is not the plan this run's plan task wrote (it named {pinned.describe()}; found "
+            f"{found.describe()}): another sealed plan of this folder was put back (an earlier plan or run of this "
+            "output prefix); not merging. Put the run's plan back, or plan and run the job again in an empty output "
+            "prefix"
+        )
     if merged is None:
         return plan
     if merged.plan_mac is None:  # fail closed: nothing says which of the folder's sealed plans the run was made with
@@ -608,3 +645,11 @@ def load_plan(
             "output prefix"
         )
     return plan
+
+
+def current_plan_ref(spec: JobSpec, filesystems: FileSystems | None = None, keyring: Keyring | None = None) -> PlanRef:
+    """The identity of the sealed plan at ``_plan.json`` now, its seal checked (``load_plan``), for a step run by
+    hand where no plan task names the plan (a benchmark, a script, the tests): an explicit choice to take whatever
+    sealed plan of the folder is there, which another writer of the output prefix could have put back. In a DAG
+    the plan task's value names it (``PlanRef``)."""
+    return load_plan(spec, filesystems, keyring).ref()

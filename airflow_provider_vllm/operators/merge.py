@@ -9,13 +9,13 @@ from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException
 from pydantic import ValidationError
 
-from airflow_provider_vllm.core.plan import load_plan
+from airflow_provider_vllm.core.plan import PlanRef, load_plan
 from airflow_provider_vllm.core.records import WorkerManifest, read_manifest
 from airflow_provider_vllm.hooks.filesystems import task_filesystems
 from airflow_provider_vllm.steps.lineage import merge_lineage
 from airflow_provider_vllm.steps.merge.merger import merge
 from airflow_provider_vllm.utils.deployment import check_spec_allowed, signing_keyring
-from airflow_provider_vllm.utils.job_spec import data_plane_errors, load_spec
+from airflow_provider_vllm.utils.job_spec import data_plane_errors, load_spec, plan_ref
 from airflow_provider_vllm.utils.worker_outcome import first_error
 
 
@@ -33,20 +33,27 @@ class VllmMergeOperator(BaseOperator):
     None: not checked, unless ``require_shard_results`` (set by ``vllm_batch_job``): then a shard no task
     reported fails.
 
+    ``plan``: the plan task's value naming the sealed plan it wrote (its XCom under ``PLAN_XCOM_KEY``,
+    ``{"plan_mac": ..., "plan_sha256": ...}``; ``vllm_batch_job`` passes ``plan.output["plan"]``): merge takes
+    ``_plan.json`` only when it is that plan, never another sealed plan of the folder put back (an earlier plan or
+    run of the same output prefix). Required: without it, or with a value that is no plan identity, the task fails
+    without retry.
+
     ``aws_conn_id`` / ``gcp_conn_id``: the Airflow Connections through which this task reaches
     ``s3://`` / ``gs://`` locations (DAG-file settings, never templated; None: ``[vllm_batch]
     aws_conn_id`` / ``gcp_conn_id``, else ``aws_default`` / ``google_cloud_default``). See
     ``airflow_provider_vllm.hooks.filesystems``.
     """
 
-    template_fields: Sequence[str] = ("spec", "shard_results")
-    template_fields_renderers = {"spec": "json", "shard_results": "json"}
+    template_fields: Sequence[str] = ("spec", "shard_results", "plan")
+    template_fields_renderers = {"spec": "json", "shard_results": "json", "plan": "json"}
     ui_color = "#e6f4ea"
 
     def __init__(
         self,
         *,
         spec: Any,
+        plan: Any = None,
         memory_limit: str = "1GB",
         shard_results: Any = None,
         require_shard_results: bool = False,
@@ -58,6 +65,7 @@ class VllmMergeOperator(BaseOperator):
         self.aws_conn_id = aws_conn_id
         self.gcp_conn_id = gcp_conn_id
         self.spec = spec
+        self.plan = plan
         self.memory_limit = memory_limit
         self.shard_results = shard_results
         self.require_shard_results = require_shard_results
@@ -65,6 +73,7 @@ class VllmMergeOperator(BaseOperator):
     def execute(self, context: Any) -> dict[str, Any]:
         spec = load_spec(self.spec, "merge")
         check_spec_allowed(spec, "merge")  # the spec came through XCom: the deployment's rules again
+        pinned = plan_ref(self.plan, "merge")
         with data_plane_errors("merge"):
             summary = merge(
                 spec,
@@ -72,6 +81,7 @@ class VllmMergeOperator(BaseOperator):
                 filesystems=task_filesystems(self.aws_conn_id, self.gcp_conn_id),
                 keyring=signing_keyring(),
                 attempts=self._reported_attempts(),
+                plan=pinned,
             )
         infer_s = sum(s.infer_s or 0 for s in summary.shard_stats or [])
         self.log.info(
@@ -89,7 +99,7 @@ class VllmMergeOperator(BaseOperator):
             summary.rows / infer_s if infer_s else 0.0,
             summary.merge_s,
         )
-        self._lineage = self._merge_lineage(spec, summary)
+        self._lineage = self._merge_lineage(spec, summary, pinned)
         return summary.xcom()
 
     def _reported_attempts(self) -> dict[str, str] | None:
@@ -112,11 +122,15 @@ class VllmMergeOperator(BaseOperator):
                 )
         return reported
 
-    def _merge_lineage(self, spec: Any, summary: Any) -> Any:
-        """The lineage, with the plan's adapter identities and passthrough columns when the job has them."""
+    def _merge_lineage(self, spec: Any, summary: Any, pinned: PlanRef) -> Any:
+        """The lineage, with the plan's adapter identities and passthrough columns when the job has them (from the
+        plan merge ran under)."""
         if not (spec.model.adapters or spec.io.passthrough or spec.io.input_table):
             return merge_lineage(spec, summary)
-        plan = load_plan(spec, task_filesystems(self.aws_conn_id, self.gcp_conn_id), signing_keyring())
+        with data_plane_errors("merge"):
+            plan = load_plan(
+                spec, task_filesystems(self.aws_conn_id, self.gcp_conn_id), signing_keyring(), pinned=pinned
+            )
         return merge_lineage(spec, summary, plan.adapters, plan.passthrough, plan.table)
 
     def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:

@@ -30,6 +30,7 @@ from airflow_provider_vllm.utils.deployment import (
 )
 from airflow_provider_vllm.utils.engine_identity import shard_engine_identity
 from airflow_provider_vllm.utils.job_spec import (
+    PLAN_XCOM_KEY,
     SPEC_XCOM_KEY,
     check_local_model,
     check_runner,
@@ -61,7 +62,8 @@ class VllmPlanOperator(BaseOperator):
     dotted paths (``sampling.max_tokens``) or ``JobSpec`` param aliases (``labels``, ``model``).
 
     Pushes the validated spec (a JSON-able dict) under the XCom key ``spec``; downstream
-    tasks take it from there, as data, never re-templated. Returns one ``ShardSummary`` per shard,
+    tasks take it from there, as data, never re-templated; and the sealed plan's identity under the XCom key
+    ``plan`` (``PlanRef.dump()``: ``plan_mac``, ``plan_sha256``), for merge. Returns one ``ShardSummary`` per shard,
     named (``core/shard_names.py``), as JSON data (``.dump()``) for ``.expand(shard=...)``.
 
     Fails without retry on an invalid spec, an unknown or unavailable ``runner``, a runner chosen at run time
@@ -239,6 +241,8 @@ class VllmPlanOperator(BaseOperator):
                 plan.dedupe.leaders,
             )
         context["ti"].xcom_push(key=SPEC_XCOM_KEY, value=spec.model_dump(mode="json"))
+        # the sealed plan merge runs under (a zero-shard run has no shard value to name it)
+        context["ti"].xcom_push(key=PLAN_XCOM_KEY, value=plan.ref().dump())
         if plan.table is not None:
             self.log.info(
                 "input: table %s snapshot %d (%s, %d data file(s))",

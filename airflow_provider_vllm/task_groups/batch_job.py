@@ -31,7 +31,7 @@ from airflow_provider_vllm.operators import (
 )
 from airflow_provider_vllm.operators.kubernetes import SETTINGS_VARIABLE, VllmKubernetesShardOperator
 from airflow_provider_vllm.operators.runner_branch import VllmRunnerBranchOperator
-from airflow_provider_vllm.utils.job_spec import RUNNERS, SPEC_XCOM_KEY
+from airflow_provider_vllm.utils.job_spec import PLAN_XCOM_KEY, RUNNERS, SPEC_XCOM_KEY
 
 # "shard 3/8 rows 1200-1599" (see shard_names); the id when a plan predates the names.
 SHARD_MAP_INDEX_TEMPLATE = "{{ task.shard.get('name') or task.shard['shard_id'] }}"
@@ -262,6 +262,8 @@ def vllm_batch_job(
         merge = VllmMergeOperator(
             task_id="merge",
             spec=job,
+            # the sealed plan the plan task wrote: no other sealed plan of the folder (put back) is merged under
+            plan=plan.output[PLAN_XCOM_KEY],
             trigger_rule="none_failed_min_one_success",
             # the attempt each shard task committed (its XCom): no earlier genuine marker put back is merged
             shard_results=[t.output for t in shard_tasks.values()],

@@ -17,12 +17,14 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from pydantic import ValidationError
 
 from airflow_provider_vllm.core.errors import SpecError, VllmBatchError
-from airflow_provider_vllm.core.plan import Plan, ShardSummary
+from airflow_provider_vllm.core.plan import Plan, PlanRef, ShardSummary
 from airflow_provider_vllm.core.spec import JobSpec, format_validation_error
 from airflow_provider_vllm.core.spec_guard import local_model_path
 
 SPEC_XCOM_KEY = "spec"
 """XCom key under which the plan task pushes the validated spec (a JSON-able dict)."""
+PLAN_XCOM_KEY = "plan"
+"""XCom key under which the plan task pushes the sealed plan's identity (``PlanRef.dump()``) for merge."""
 
 RUNNERS = ("local", "kubernetes")
 
@@ -129,6 +131,23 @@ def shard_plan(shard: Any) -> dict[str, str]:
             "shard id, or a run planned by a version before per-role keys; run the job again from its plan task"
         )
     return {"plan_mac": s.plan_mac, "plan_sha256": s.plan_sha256}
+
+
+def plan_ref(value: Any, what: str) -> PlanRef:
+    """The sealed plan the plan task named in its value under ``PLAN_XCOM_KEY`` (XCom, which the bucket's writers
+    cannot write), as ``PlanRef``; fails without retry when there is none (the task was built without it, or the run
+    was planned by a version before merge took it: run the job again from its plan task) or it is no plan identity."""
+    if value is None:
+        raise AirflowFailException(
+            f"{what}: no plan identity given (plan: the plan task's value under XCom key {PLAN_XCOM_KEY!r}, "
+            f"plan_task.output[{PLAN_XCOM_KEY!r}]; vllm_batch_job passes it): {what} takes only the sealed plan the "
+            "plan task wrote. A run planned by a version before this one: run the job again from its plan task"
+        )
+    try:
+        return value if isinstance(value, PlanRef) else PlanRef.model_validate(value)
+    except ValidationError as e:
+        detail = format_validation_error(e).replace("invalid job spec", "not a plan identity")
+        raise AirflowFailException(f"{what}: plan {value!r:.200}: {detail}") from None
 
 
 def load_shard_plan(spec: JobSpec, shard: Any, filesystems: Any = None) -> Plan:

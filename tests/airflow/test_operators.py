@@ -51,7 +51,7 @@ def run_job(tmp_path, fake_python, spec_doc, params=None):
         ).execute(context(map_index=i))
         for i, s in enumerate(shards)
     ]
-    merged = VllmMergeOperator(task_id="merge", spec=spec).execute(context())
+    merged = VllmMergeOperator(task_id="merge", spec=spec, plan=plan_ctx["ti"].xcoms["plan"]).execute(context())
     return spec, shards, manifests, merged
 
 
@@ -388,6 +388,8 @@ def test_builder_wires_plan_shards_merge_qa_publish():
     assert t["job.publish"].require_qa_result and t["job.qa"].require_merge_result
     assert t["job.publish"].require_review_result and t["job.publish"].review_result.operator is t["job.review"]
     assert t["job.merge"].require_shard_results and len(t["job.merge"].shard_results) == 1  # one runner's shards
+    # merge takes the sealed plan the plan task named (its XCom under "plan"), not whatever plan the folder holds
+    assert t["job.merge"].plan.operator is t["job.plan"] and t["job.merge"].plan.key == "plan"
     assert [a.uri for a in t["job.publish"].outlets] == ["x-vllm-batch://job"]  # templated output: a named asset
 
 
@@ -596,6 +598,7 @@ def test_an_empty_input_plans_no_shard_and_still_merges_and_publishes(tmp_path):
     ctx = context()
     assert VllmPlanOperator(task_id="plan", spec=spec_doc(tmp_path)).execute(ctx) == []
     spec = ctx["ti"].xcoms["spec"]
-    assert VllmMergeOperator(task_id="merge", spec=spec).execute(context())["rows"] == 0
+    # a plan of no shard still names its sealed plan for merge (no shard value carries it)
+    assert VllmMergeOperator(task_id="merge", spec=spec, plan=ctx["ti"].xcoms["plan"]).execute(context())["rows"] == 0
     assert VllmQAOperator(task_id="qa", spec=spec).execute(context())["status"] == "pass"
     assert VllmPublishOperator(task_id="publish", spec=spec).execute(context())["rows"] == 0

@@ -101,7 +101,7 @@ def test_plan_shards_merge_qa_publish_and_report_page_through_a_connection_only(
         for i, s in enumerate(shards)
     ]
     assert [m["status"] for m in manifests] == ["committed"] * 3
-    merged = VllmMergeOperator(task_id="merge", spec=spec, **conn).execute(context())
+    merged = VllmMergeOperator(task_id="merge", spec=spec, plan=plan_ctx["ti"].xcoms["plan"], **conn).execute(context())
     assert merged["rows"] == n and merged["ok_rows"] == n - 1 and merged["error_rows"] == 1
     qa_summary = VllmQAOperator(task_id="qa", spec=spec, **conn).execute(context())
     assert qa_summary["report_html"] == "s3://data/runs/r1/qa/report.html"

@@ -18,10 +18,9 @@ from airflow_provider_vllm.core.engine_identity import local_engine_identity
 from airflow_provider_vllm.core.errors import SpecError
 from airflow_provider_vllm.core.plan import PLAN_FILE
 from airflow_provider_vllm.core.storage import Storage
-from airflow_provider_vllm.steps.merge.merger import merge
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
-from tests.support.data import PINNED_REVISION, make_spec, shard_task
+from tests.support.data import PINNED_REVISION, make_spec, merge, shard_task
 from tests.support.s3server import MotoServer
 from tests.unit.steps.cache.test_key import recording
 

@@ -18,10 +18,9 @@ from airflow_provider_vllm.core.engine_identity import local_engine_identity
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.steps.cache import result_cache as cache
 from airflow_provider_vllm.steps.cache.store import CacheStore
-from airflow_provider_vllm.steps.merge.merger import merge
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
-from tests.support.data import PINNED_REVISION, make_spec, shard_task
+from tests.support.data import PINNED_REVISION, make_spec, merge, shard_task
 from tests.support.ledger import record_fault
 from tests.support.s3server import MotoServer
 

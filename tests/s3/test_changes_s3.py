@@ -10,11 +10,11 @@ import pytest
 
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.steps.merge.changes import CHANGES, SUMMARY, read_changes
-from airflow_provider_vllm.steps.merge.merger import RESULTS, merge, result_parts
+from airflow_provider_vllm.steps.merge.merger import RESULTS, result_parts
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.steps.qa.stage import qa_run
 from airflow_provider_vllm.worker.shard import run_shard
-from tests.support.data import make_spec, shard_task
+from tests.support.data import make_spec, merge, shard_task
 from tests.support.s3server import MotoServer
 
 

@@ -21,10 +21,10 @@ from airflow_provider_vllm.core.commit import MARKER
 from airflow_provider_vllm.core.errors import TransientError
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.core.storage_retry import ATTEMPTS_ENV, is_transient
-from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS, merge, result_parts
+from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS, result_parts
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
-from tests.support.data import make_spec, shard_task
+from tests.support.data import make_spec, merge, shard_task
 from tests.support.ledger import record_fault
 from tests.support.s3faults import FaultProxy
 from tests.support.s3server import MotoServer

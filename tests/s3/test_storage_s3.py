@@ -11,10 +11,10 @@ import pytest
 
 from airflow_provider_vllm.core.errors import ListingTooLarge
 from airflow_provider_vllm.core.storage import Storage
-from airflow_provider_vllm.steps.merge.merger import merge, result_parts
+from airflow_provider_vllm.steps.merge.merger import result_parts
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
-from tests.support.data import LABELS, make_spec, shard_task
+from tests.support.data import LABELS, make_spec, merge, shard_task
 from tests.support.s3server import MotoServer
 from tests.unit.core.test_storage import check_bounded_listings, check_capped_reads, check_listed_sizes
 

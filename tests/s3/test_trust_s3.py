@@ -21,7 +21,6 @@ from airflow_provider_vllm.steps.cache import result_cache as cache
 from airflow_provider_vllm.steps.cache.store import CacheStore
 from airflow_provider_vllm.steps.merge.merger import (
     RESULTS,
-    merge,
     read_manifest,
     read_merged,
     result_parts,
@@ -29,7 +28,7 @@ from airflow_provider_vllm.steps.merge.merger import (
 )
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
-from tests.support.data import PINNED_REVISION, make_spec, shard_task
+from tests.support.data import PINNED_REVISION, make_spec, merge, shard_task
 from tests.support.ledger import record_fault
 from tests.support.s3server import MotoServer
 

@@ -168,6 +168,34 @@ def shard_task(spec, shard_id: str, **kw):
     return ShardTask(spec=spec, shard_id=shard_id, **{**ref, **kw})
 
 
+def plan_xcom(spec, filesystems=None) -> dict[str, str]:
+    """What the plan task pushes under the XCom key ``plan`` for the run planned at ``spec``'s output
+    (``PlanRef.dump()``), for a merge task a test starts without a plan task: read from ``_plan.json`` now (its seal
+    not checked: merge checks it), so a plan swapped later is another plan. No sealed plan there: an identity of no
+    plan (merge then meets none, or refuses the one it finds)."""
+    from airflow_provider_vllm.core.errors import CommitError, SpecError
+    from airflow_provider_vllm.core.plan import read_plan
+    from airflow_provider_vllm.core.spec import JobSpec
+
+    try:
+        spec = spec if isinstance(spec, JobSpec) else JobSpec.load(spec)
+        plan, _ = read_plan(spec, filesystems)
+        return plan.ref().dump()
+    except (SpecError, CommitError):
+        return {"plan_mac": "0" * 64, "plan_sha256": "0" * 64}
+
+
+def merge(spec, *args, **kw):
+    """``steps.merge.merger.merge`` run by hand, as the tests run it: under the sealed plan at ``_plan.json`` now
+    (``plan_xcom``) unless ``plan`` names one. A DAG's merge task takes the plan task's value instead."""
+    from airflow_provider_vllm.core.plan import PlanRef
+    from airflow_provider_vllm.steps.merge import merger
+
+    if "plan" not in kw:
+        kw["plan"] = PlanRef.model_validate(plan_xcom(spec, kw.get("filesystems")))
+    return merger.merge(spec, *args, **kw)
+
+
 def worker_env(env) -> dict[str, str]:
     """``env`` as a shard worker's environment, as the local runner makes it: the worker key of its deployment key
     (``VLLM_BATCH_SIGNING_KEY``, the steps' key outside Airflow) unless it names one, and no deployment key (a worker

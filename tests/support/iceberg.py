@@ -11,12 +11,12 @@ import pyarrow as pa
 
 from airflow_provider_vllm.core.plan import load_plan
 from airflow_provider_vllm.core.storage import Storage
-from airflow_provider_vllm.steps.merge.merger import RESULTS, manifest_rel, merge, verified_parts
+from airflow_provider_vllm.steps.merge.merger import RESULTS, manifest_rel, verified_parts
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.steps.tables.access import Tables
 from airflow_provider_vllm.steps.tables.commit import TableCommit, commit_results
 from airflow_provider_vllm.worker.shard import run_shard
-from tests.support.data import make_spec, shard_task
+from tests.support.data import make_spec, merge, shard_task
 
 SOURCE_SCHEMA = pa.schema([pa.field("id", pa.string()), pa.field("text", pa.string()), pa.field("lang", pa.string())])
 

@@ -8,11 +8,11 @@ import pytest
 
 from airflow_provider_vllm.core.errors import DatasetError
 from airflow_provider_vllm.core.plan import PLAN_FILE
-from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS, merge
+from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
 from tests.support.bad_inputs.corpus import dataset_fault_cases, jsonl_row_corpus, openai_row_corpus, parquet_row_corpus
-from tests.support.data import make_spec, shard_task
+from tests.support.data import make_spec, merge, shard_task
 from tests.support.ledger import record_bad_rows
 
 pytestmark = pytest.mark.reliability

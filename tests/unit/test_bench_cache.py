@@ -24,8 +24,8 @@ def _bench_cache():
 
 
 def test_the_synthesised_commits_of_a_warm_up_are_appended_and_the_next_run_hits(tmp_path, monkeypatch):
-    from airflow_provider_vllm.steps.merge.merger import merge
     from airflow_provider_vllm.steps.plan.planner import plan_job
+    from tests.support.data import merge
 
     bench = _bench_cache()
     monkeypatch.setenv("VLLM_BATCH_SIGNING_KEY", "benchmark-signing-key-not-for-deployments-0123456789")

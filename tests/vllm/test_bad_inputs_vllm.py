@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 
 from airflow_provider_vllm.core.spec import JobSpec
-from airflow_provider_vllm.steps.merge.merger import merge
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from tests.support.bad_inputs.corpus import jsonl_row_corpus
+from tests.support.data import merge
 from tests.support.ledger import record_bad_rows
 from tests.unit.test_bad_inputs import outcomes, score
 from tests.vllm.test_worker_vllm import ENV, LABELS, SYSTEM, manifest, run_worker

@@ -17,10 +17,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from airflow_provider_vllm.core.spec import JobSpec
-from airflow_provider_vllm.steps.merge.merger import merge
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.testing.local_models import default_cache_dir, make_tiny_llama
-from tests.support.data import write_parquet
+from tests.support.data import merge, write_parquet
 from tests.support.shard_server import ShardServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]

@@ -19,8 +19,8 @@ import sys
 
 import pytest
 
-from airflow_provider_vllm.steps.merge.merger import merge
 from airflow_provider_vllm.steps.plan.planner import plan_job
+from tests.support.data import merge
 from tests.vllm.test_worker_vllm import (
     ENV,
     SYSTEM,

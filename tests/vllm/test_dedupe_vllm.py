@@ -15,9 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from airflow_provider_vllm.core.spec import JobSpec
-from airflow_provider_vllm.steps.merge.merger import merge
 from airflow_provider_vllm.steps.plan.planner import plan_job
-from tests.support.data import write_parquet
+from tests.support.data import merge, write_parquet
 from tests.support.shard_server import ShardServer
 from tests.vllm.test_cache_vllm import ENV, LABELS, TICKETS
 

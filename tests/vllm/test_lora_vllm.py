@@ -26,8 +26,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from airflow_provider_vllm.core.spec import JobSpec
-from airflow_provider_vllm.steps.merge.merger import merge
 from airflow_provider_vllm.steps.plan.planner import plan_job
+from tests.support.data import merge
 from tests.support.lora import write_adapter
 from tests.vllm.test_worker_vllm import ENV, LEAVE, TICKETS, manifest, run_worker
 

@@ -27,9 +27,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from airflow_provider_vllm.core.spec import JobSpec
-from airflow_provider_vllm.steps.merge.merger import merge
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from tests.support.bad_inputs.corpus import good_chat_requests, hostile_chat_requests
+from tests.support.data import merge
 from tests.support.ledger import record_bad_rows
 from tests.support.shard_server import ShardServer
 from tests.vllm.test_worker_vllm import ENV, LEAVE

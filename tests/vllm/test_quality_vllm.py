@@ -22,12 +22,12 @@ from sklearn.metrics import accuracy_score, confusion_matrix, f1_score
 
 from airflow_provider_vllm.core.spec import RESERVED_ID_PREFIX, JobSpec
 from airflow_provider_vllm.steps.golden import RESULTS_FILE
-from airflow_provider_vllm.steps.merge.merger import merge
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.steps.qa.accuracy import NO_ANSWER
 from airflow_provider_vllm.steps.qa.stage import qa_run
 from airflow_provider_vllm.worker.task import worker_command
 from tests.conftest import worker_environ
+from tests.support.data import merge
 from tests.support.ledger import record_fault
 from tests.support.reconcile import reconcile
 from tests.support.shard_server import ShardServer

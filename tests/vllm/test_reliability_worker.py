@@ -25,12 +25,12 @@ import pytest
 
 from airflow_provider_vllm.core.commit import MARKER
 from airflow_provider_vllm.core.spec import JobSpec
-from airflow_provider_vllm.steps.merge.merger import ERRORS, MERGED, RESULTS, merge
+from airflow_provider_vllm.steps.merge.merger import ERRORS, MERGED, RESULTS
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.testing.local_models import default_cache_dir, make_tiny_llama
 from airflow_provider_vllm.worker.task import worker_command
 from tests.conftest import ENGINE_PROCESSES, worker_environ
-from tests.support.data import shard_task, write_parquet
+from tests.support.data import merge, shard_task, write_parquet
 from tests.support.ledger import record_fault
 from tests.support.reconcile import check, check_no_partial
 from tests.vllm.test_worker_vllm import ENV, TICKETS, spec_for
@@ -40,7 +40,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.reliability, pytest.mark.timeout(150
 MERGE = (
     "import sys\nfrom airflow_provider_vllm.steps.merge.merger import merge\n"
     "from airflow_provider_vllm.core.spec import JobSpec\n"
-    "merge(JobSpec.load(sys.argv[1]))\n"
+    "from airflow_provider_vllm.core.plan import current_plan_ref\n"
+    "s = JobSpec.load(sys.argv[1])\nmerge(s, plan=current_plan_ref(s))\n"
 )
 
 

@@ -19,11 +19,10 @@ import pytest
 
 from airflow_provider_vllm.core.commit import MARKER
 from airflow_provider_vllm.core.spec import JobSpec
-from airflow_provider_vllm.steps.merge.merger import merge
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.task import worker_command
 from tests.conftest import worker_environ
-from tests.support.data import shard_task, write_parquet
+from tests.support.data import merge, shard_task, write_parquet
 from tests.support.reconcile import check
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]

@@ -55,7 +55,7 @@ from airflow_provider_vllm.core.errors import CommitError, InputChangedError, Ve
 from airflow_provider_vllm.core.formats import input_format
 from airflow_provider_vllm.core.formats.files import check_unchanged
 from airflow_provider_vllm.core.part_names import PART_NAME, check_inside
-from airflow_provider_vllm.core.plan import Plan, load_plan
+from airflow_provider_vllm.core.plan import Plan, PlanRef, load_plan
 from airflow_provider_vllm.core.records import (
     DedupeMergeSummary,
     Duplicates,
@@ -151,8 +151,14 @@ def merge(
     filesystems: FileSystems | None = None,
     keyring: Keyring | None = None,
     attempts: Mapping[str, str] | None = None,
+    *,
+    plan: PlanRef,
 ) -> MergeSummary:
     """Merge a run whose shards are all committed; returns the merge summary (also ``_MERGED.json``, sealed).
+
+    ``plan``: the sealed plan to merge under, as the plan task named it (its XCom, ``PlanRef``; by hand:
+    ``core.plan.current_plan_ref``, which takes whatever sealed plan the folder holds). CommitError, before
+    anything is written, when ``_plan.json`` is another plan (an earlier sealed plan of this folder put back).
 
     ``filesystems``: how object stores are reached (``storage.FileSystems``; default fsspec).
     ``keyring``: the deployment's signing keys (default ``VLLM_BATCH_SIGNING_KEY``): the plan and every
@@ -165,7 +171,7 @@ def merge(
     CommitError for a marker of another attempt (an earlier genuine one put back) or a shard not in it.
     """
     with copies_folder("merge") as tmp:
-        return _merge(spec, memory_limit, filesystems, keyring, tmp, attempts)
+        return _merge(spec, memory_limit, filesystems, keyring, tmp, attempts, plan)
 
 
 def _merge(
@@ -174,7 +180,8 @@ def _merge(
     filesystems: FileSystems | None,
     keyring: Keyring | None,
     tmp: str,
-    attempts: Mapping[str, str] | None = None,
+    attempts: Mapping[str, str] | None,
+    pinned: PlanRef,
 ) -> MergeSummary:
     """``merge``; ``tmp``: a private folder for the checked copies of what the merge reads again (the cache's
     entry, the followers, the golden rows are made from those copies, never from a second read of the bucket)."""
@@ -182,7 +189,7 @@ def _merge(
     keyring = keyring or Keyring.from_env()
     out = Storage(spec.io.output_uri, spec.io.storage_options, filesystems)
     copies = CheckedCopies(out, tmp)
-    plan = load_plan(spec, filesystems, keyring)
+    plan = load_plan(spec, filesystems, keyring, pinned=pinned)  # the plan task's plan, not one put back
     if plan.spec_hash != spec.content_hash():
         raise CommitError(f"the plan at {spec.io.output_uri} was made for another spec; refusing to merge")
     assert plan.seal is not None

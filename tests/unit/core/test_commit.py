@@ -44,9 +44,9 @@ from airflow_provider_vllm.core.plan import PLAN_FILE
 from airflow_provider_vllm.core.rows import rows_table, split_rows
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.storage import Storage
-from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS, merge
+from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS
 from airflow_provider_vllm.steps.plan.planner import plan_job
-from tests.support.data import make_spec, write_parquet
+from tests.support.data import make_spec, merge, write_parquet
 from tests.support.ledger import record_fault
 
 pytestmark = pytest.mark.reliability

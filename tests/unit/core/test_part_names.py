@@ -300,10 +300,9 @@ def test_check_inside_passes_object_store_keys_and_real_files(tmp_path):
 def test_a_cache_entry_whose_part_is_a_symlink_is_skipped(tmp_path, fake_engine_factory, caplog):
     from airflow_provider_vllm.core.engine_identity import local_engine_identity
     from airflow_provider_vllm.steps.cache import result_cache as cache
-    from airflow_provider_vllm.steps.merge.merger import merge
     from airflow_provider_vllm.steps.plan.planner import plan_job
     from airflow_provider_vllm.worker.shard import run_shard
-    from tests.support.data import write_parquet
+    from tests.support.data import merge, write_parquet
 
     ids, texts = [f"r{i}" for i in range(12)], [f"ticket {i}" for i in range(12)]
 

@@ -157,3 +157,37 @@ def test_a_shard_summary_refuses_unknown_fields_and_bad_values(change):
 def test_a_planned_shard_summarises_to_the_old_shape():
     shard = ShardPlan(shard_id="shard-00000-b96aaac1", index=0, bucket="short", rows=16, est_tokens=75, segments=[])
     assert shard.summary().dump() == OLD_XCOM[0]
+
+
+def test_a_plans_identity_is_its_seal_and_sha256_and_an_unsealed_plan_has_none():
+    """``PlanRef``: what the plan task hands merge (and, per shard, ``ShardSummary``) to name the sealed plan."""
+    from airflow_provider_vllm.core.errors import CommitError
+    from airflow_provider_vllm.core.plan import PlanRef, plan_sha256
+
+    plan = Plan.model_validate_json(old_plan_file())
+    ref = plan.ref()
+    assert ref == PlanRef(plan_mac=OLD_PLAN["seal"]["mac"], plan_sha256=plan_sha256(plan))
+    assert ref.dump() == {"plan_mac": OLD_PLAN["seal"]["mac"], "plan_sha256": plan_sha256(plan)}
+    assert ref.describe() == f"seal {ref.plan_mac[:12]}, sha256 {ref.plan_sha256[:12]}"
+    with pytest.raises(CommitError, match="carries no seal"):
+        plan.model_copy(update={"seal": None}).ref()
+    with pytest.raises(ValidationError):
+        PlanRef(plan_mac="a" * 64, plan_sha256="not hex")
+
+
+def test_current_plan_ref_takes_the_folders_sealed_plan_checking_its_seal(tmp_path):
+    """For a merge run by hand (no plan task): the identity of whatever sealed plan ``_plan.json`` holds, its seal
+    checked; a plan this deployment did not seal is refused."""
+    from airflow_provider_vllm.core.plan import PLAN_FILE, current_plan_ref
+    from airflow_provider_vllm.steps.plan.planner import plan_job
+    from tests.support.data import make_spec, write_parquet
+
+    write_parquet(tmp_path / "in.parquet", ["a", "b"], ["one", "two"])
+    spec = make_spec(tmp_path / "in.parquet", tmp_path / "out")
+    plan = plan_job(spec)
+    assert current_plan_ref(spec) == plan.ref()
+    doc = json.loads((tmp_path / "out" / PLAN_FILE).read_bytes())
+    doc["total_rows"] = 3
+    (tmp_path / "out" / PLAN_FILE).write_text(json.dumps(doc))
+    with pytest.raises(SealError):
+        current_plan_ref(spec)

@@ -12,19 +12,19 @@ from airflow_provider_vllm.core.errors import TransientError
 from airflow_provider_vllm.core.records import WorkerManifest
 from airflow_provider_vllm.operators import merge as merge_operator
 from airflow_provider_vllm.operators.merge import VllmMergeOperator
-from tests.support.data import shard_task
+from tests.support.data import plan_xcom, shard_task
 from tests.support.task_context import committed_job, context
 
 
 def test_construction_reads_nothing_and_templates_only_the_spec(tmp_path):
     op = VllmMergeOperator(task_id="merge", spec={"io": {"output_uri": str(tmp_path / "nowhere")}}, memory_limit="2GB")
-    assert tuple(op.template_fields) == ("spec", "shard_results") and op.memory_limit == "2GB"
+    assert tuple(op.template_fields) == ("spec", "shard_results", "plan") and op.memory_limit == "2GB"
     assert not (tmp_path / "nowhere").exists()
 
 
 def test_execute_returns_the_summary_without_per_shard_stats(tmp_path, fake_engine_factory):
     spec, plan = committed_job(tmp_path, fake_engine_factory, n=60, empty=(5,))
-    op = VllmMergeOperator(task_id="merge", spec=spec)
+    op = VllmMergeOperator(task_id="merge", spec=spec, plan=plan_xcom(spec))
     result = op.execute(context())
     assert (result["rows"], result["ok_rows"], result["error_rows"], result["shards"]) == (60, 59, 1, 3)
     assert "shard_stats" not in result  # the XCom stays small; _MERGED.json keeps them
@@ -36,7 +36,7 @@ def test_execute_returns_the_summary_without_per_shard_stats(tmp_path, fake_engi
 def test_a_shard_that_is_not_committed_fails_the_task_without_retry(tmp_path, fake_engine_factory):
     spec, plan = committed_job(tmp_path, fake_engine_factory, n=60, run=[0, 2])
     with pytest.raises(AirflowFailException, match=plan.shards[1].shard_id):
-        VllmMergeOperator(task_id="merge", spec=spec).execute(context())
+        VllmMergeOperator(task_id="merge", spec=spec, plan=plan_xcom(spec)).execute(context())
     assert not (tmp_path / "out" / "_MERGED.json").exists()
 
 
@@ -48,8 +48,47 @@ def test_a_transient_storage_failure_is_retried_not_failed(tmp_path, fake_engine
 
     monkeypatch.setattr(merge_operator, "merge", throttled)
     with pytest.raises(AirflowException, match="transient, retried") as e:
-        VllmMergeOperator(task_id="merge", spec=spec).execute(context())
+        VllmMergeOperator(task_id="merge", spec=spec, plan=plan_xcom(spec)).execute(context())
     assert not isinstance(e.value, AirflowFailException)
+
+
+def test_merge_runs_only_under_the_plan_the_plan_task_named(tmp_path, fake_engine_factory):
+    """An earlier genuine sealed plan of the output prefix put back at ``_plan.json`` (the folder emptied and planned
+    again): the merge task takes only the plan the plan task's value names, and fails without retry naming it."""
+    import shutil
+
+    out = tmp_path / "out"
+    committed_job(tmp_path, fake_engine_factory, n=40, run=[])  # an earlier plan of this output prefix
+    earlier = (out / "_plan.json").read_bytes()
+    shutil.rmtree(out)
+    spec, _ = committed_job(tmp_path, fake_engine_factory, n=60)
+    named = plan_xcom(spec)  # what the plan task pushed under the key "plan"
+    now = (out / "_plan.json").read_bytes()
+    (out / "_plan.json").write_bytes(earlier)
+    with pytest.raises(
+        AirflowFailException, match=r"merge: CommitError: \S+/_plan.json is not the plan this run's plan"
+    ):
+        VllmMergeOperator(task_id="merge", spec=spec, plan=named).execute(context())
+    assert not (out / "_MERGED.json").exists() and not (out / "results").exists()
+    (out / "_plan.json").write_bytes(now)
+    assert VllmMergeOperator(task_id="merge", spec=spec, plan=named).execute(context())["rows"] == 60
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        (None, "merge: no plan identity given"),
+        ({"plan_mac": "a" * 64}, "merge: plan .*: not a plan identity: plan_sha256: Field required"),
+        ("a" * 64, "merge: plan .*: not a plan identity"),
+    ],
+)
+def test_a_merge_task_given_no_plan_identity_fails_without_retry(tmp_path, fake_engine_factory, value, message):
+    """Fail closed: without the plan task's value (a merge task built without it, or a value that names no plan)
+    merge refuses to run rather than take whatever sealed plan the folder holds."""
+    spec, _ = committed_job(tmp_path, fake_engine_factory, n=20)
+    with pytest.raises(AirflowFailException, match=message):
+        VllmMergeOperator(task_id="merge", spec=spec, plan=value).execute(context())
+    assert not (tmp_path / "out" / "_MERGED.json").exists()
 
 
 def test_a_spec_that_is_not_a_job_spec_fails_without_retry():
@@ -83,7 +122,9 @@ def test_merge_takes_only_the_attempts_the_shard_tasks_reported(tmp_path, fake_e
     by_runner = [reported, []]  # the local runner's mapped task and the skipped Kubernetes one
 
     def merge_with(results):
-        op = VllmMergeOperator(task_id="merge", spec=spec, shard_results=results, require_shard_results=True)
+        op = VllmMergeOperator(
+            task_id="merge", spec=spec, plan=plan_xcom(spec), shard_results=results, require_shard_results=True
+        )
         return op.execute(context())
 
     shutil.copy2(marker, tmp_path / "now.json")

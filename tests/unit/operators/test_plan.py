@@ -266,3 +266,23 @@ def test_a_passthrough_column_the_output_table_cannot_hold_fails_the_plan_task(a
         VllmPlanOperator(task_id="plan", spec=doc).execute({"ti": _plan_ti(), "params": {}})
     doc["io"]["passthrough"] = []
     assert VllmPlanOperator(task_id="plan", spec=doc).execute({"ti": _plan_ti(), "params": {}})
+
+
+@pytest.mark.parametrize("rows", [3, 0])
+def test_the_plan_task_names_the_sealed_plan_it_wrote_for_merge(allowed, monkeypatch, rows):
+    """Under the XCom key ``plan``: the seal and sha256 of the ``_plan.json`` it wrote, which merge takes and no other
+    sealed plan of the folder; also when the input plans no shard (no shard value then names the plan)."""
+    import pyarrow as pa
+
+    from airflow_provider_vllm.core.plan import Plan, plan_sha256
+    from tests.support.data import write_parquet
+
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", ",".join(prefixes(allowed)))
+    if not rows:
+        write_parquet(allowed / "in" / "part-0.parquet", pa.array([], pa.string()), pa.array([], pa.string()))
+    ti = _plan_ti()
+    shards = VllmPlanOperator(task_id="plan", spec=base_doc(allowed)).execute({"ti": ti, "params": {}})
+    plan = Plan.model_validate_json((allowed / "out" / "_plan.json").read_bytes())
+    assert ti.xcoms["plan"] == {"plan_mac": plan.seal.mac, "plan_sha256": plan_sha256(plan)}
+    assert len(shards) == (1 if rows else 0)
+    assert all({s["plan_mac"], s["plan_sha256"]} == set(ti.xcoms["plan"].values()) for s in shards)

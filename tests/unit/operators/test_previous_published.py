@@ -27,7 +27,7 @@ from airflow_provider_vllm.steps.merge.merger import MERGED, SUCCESS
 from airflow_provider_vllm.steps.publish import pin_last_published
 from airflow_provider_vllm.utils.published import last_published, newest_events
 from airflow_provider_vllm.worker.shard import run_shard
-from tests.support.data import make_spec, shard_task, write_parquet
+from tests.support.data import make_spec, plan_xcom, shard_task, write_parquet
 from tests.support.ledger import record_malicious
 from tests.support.task_context import context
 
@@ -95,7 +95,7 @@ def run_rest(spec: dict, factory) -> None:
     """Shards, merge and QA of a planned night, as the operators run them."""
     for s in load_plan(make_spec_of(spec)).shards:
         run_shard(shard_task(spec=make_spec_of(spec), shard_id=s.shard_id), engine_factory=factory)
-    VllmMergeOperator(task_id="merge", spec=spec).execute(context())
+    VllmMergeOperator(task_id="merge", spec=spec, plan=plan_xcom(spec)).execute(context())
 
 
 def make_spec_of(doc: dict):
@@ -181,7 +181,9 @@ def test_a_baseline_the_bucket_changed_is_refused_not_compared(tmp_path, fake_en
     first = load_plan(spec_a).shards[0].shard_id  # run again from nothing: its parts get other bytes
     shutil.rmtree(out_a / "shards" / first)
     run_shard(shard_task(spec=spec_a, shard_id=first), engine_factory=fake_engine_factory)
-    VllmMergeOperator(task_id="merge", spec=a).execute(context())  # merged again: another results manifest
+    VllmMergeOperator(task_id="merge", spec=a, plan=plan_xcom(a)).execute(
+        context()
+    )  # merged again: another results manifest
     VllmQAOperator(task_id="qa", spec=a).execute(context())
     published = VllmPublishOperator(task_id="publish", spec=a, outlets=[ASSET]).execute(context())
     good = tmp_path / "a-published"
@@ -228,7 +230,7 @@ def test_pinning_checks_the_markers_bytes_and_seal(tmp_path, fake_engine_factory
     from tests.support.task_context import committed_job
 
     spec, _ = committed_job(tmp_path, fake_engine_factory, n=20)
-    VllmMergeOperator(task_id="merge", spec=spec).execute(context())
+    VllmMergeOperator(task_id="merge", spec=spec, plan=plan_xcom(spec)).execute(context())
     VllmQAOperator(task_id="qa", spec=spec).execute(context())
     ev = VllmPublishOperator(task_id="publish", spec=spec).execute(context())
     last = LastPublished(asset=ASSET.uri, event_id=1, output_uri=ev["output_uri"], success_sha256=ev["success_sha256"])
@@ -288,7 +290,7 @@ def test_a_flood_of_other_events_does_not_hide_the_jobs_last_publish(tmp_path, f
     from tests.support.task_context import committed_job
 
     spec, _ = committed_job(tmp_path / "a", fake_engine_factory, n=20)
-    VllmMergeOperator(task_id="merge", spec=spec).execute(context())
+    VllmMergeOperator(task_id="merge", spec=spec, plan=plan_xcom(spec)).execute(context())
     VllmQAOperator(task_id="qa", spec=spec).execute(context())
     published = VllmPublishOperator(task_id="publish", spec=spec).execute(context())
     flood = [
@@ -351,7 +353,7 @@ def test_a_retried_plan_keeps_its_pin_and_logs_that_one(tmp_path, fake_engine_fa
     from tests.support.task_context import committed_job
 
     spec, _ = committed_job(tmp_path / "a", fake_engine_factory, n=20)
-    VllmMergeOperator(task_id="merge", spec=spec).execute(context())
+    VllmMergeOperator(task_id="merge", spec=spec, plan=plan_xcom(spec)).execute(context())
     VllmQAOperator(task_id="qa", spec=spec).execute(context())
     published = VllmPublishOperator(task_id="publish", spec=spec).execute(context())
     b, spec_b = night(tmp_path / "b", [f"ticket {i}" for i in range(20)], previous_published=True)

@@ -17,14 +17,14 @@ from airflow_provider_vllm.operators.merge import VllmMergeOperator
 from airflow_provider_vllm.operators.publish import VllmPublishOperator
 from airflow_provider_vllm.operators.qa import VllmQAFailed, VllmQAOperator
 from airflow_provider_vllm.steps.publish import verify_published
-from tests.support.data import shard_task
+from tests.support.data import plan_xcom, shard_task
 from tests.support.ledger import record_malicious
 from tests.support.task_context import committed_job, context, rerun_a_shard
 
 
 def checked_job(tmp_path, factory, **over):
     spec, _ = committed_job(tmp_path, factory, n=60, **over)
-    VllmMergeOperator(task_id="merge", spec=spec).execute(context())
+    VllmMergeOperator(task_id="merge", spec=spec, plan=plan_xcom(spec)).execute(context())
     VllmQAOperator(task_id="qa", spec=spec).execute(context())
     return spec
 
@@ -87,7 +87,7 @@ def test_a_missing_extra_file_or_a_changed_part_publishes_nothing(tmp_path, fake
 
 def test_a_failed_qa_or_another_specs_merge_publishes_nothing(tmp_path, fake_engine_factory):
     spec, _ = committed_job(tmp_path, fake_engine_factory, empty=(3, 4), qa={"fail_error_rate": 0.01})
-    VllmMergeOperator(task_id="merge", spec=spec).execute(context())
+    VllmMergeOperator(task_id="merge", spec=spec, plan=plan_xcom(spec)).execute(context())
     with pytest.raises(VllmQAFailed):
         VllmQAOperator(task_id="qa", spec=spec).execute(context())
     with pytest.raises(AirflowFailException, match="QA failed"):  # the verdict QA sealed
@@ -169,7 +169,7 @@ def merge_and_qa_again(spec, plan, out, factory) -> dict:
     """A shard run again, then merge and QA again (cleared tasks): a merge that differs from the one before, so a
     verdict with another seal. QA's XCom."""
     rerun_a_shard(spec, plan, out, factory)
-    VllmMergeOperator(task_id="merge", spec=spec).execute(context())
+    VllmMergeOperator(task_id="merge", spec=spec, plan=plan_xcom(spec)).execute(context())
     return VllmQAOperator(task_id="qa", spec=spec).execute(context())
 
 
@@ -181,7 +181,7 @@ def test_an_earlier_merge_and_qa_put_back_are_not_published_as_this_runs(tmp_pat
 
     spec, plan = committed_job(tmp_path, fake_engine_factory, n=60)
     out = tmp_path / "out"
-    VllmMergeOperator(task_id="merge", spec=spec).execute(context())
+    VllmMergeOperator(task_id="merge", spec=spec, plan=plan_xcom(spec)).execute(context())
     first = VllmQAOperator(task_id="qa", spec=spec).execute(context())
     earlier = tmp_path / "earlier"
     shutil.copytree(out, earlier, symlinks=True)
@@ -216,11 +216,13 @@ def test_a_stale_change_set_put_back_is_not_published_with_a_later_verdict(tmp_p
         tmp_path / "now", fake_engine_factory, n=60, changes={"previous_uri": str(tmp_path / "prev" / "out")}
     )
     out = tmp_path / "now" / "out"
-    merge = VllmMergeOperator(task_id="merge", spec=spec).execute(context())
+    merge = VllmMergeOperator(task_id="merge", spec=spec, plan=plan_xcom(spec)).execute(context())
     VllmQAOperator(task_id="qa", spec=spec, merge_result=merge).execute(context())
     earlier = {p.name: p.read_bytes() for p in (out / "changes").iterdir()}
     assert json.loads(earlier["_changes.json"])["previous_state"] == "incomplete"
-    VllmMergeOperator(task_id="merge", spec=prev_spec).execute(context())  # the previous run completes
+    VllmMergeOperator(task_id="merge", spec=prev_spec, plan=plan_xcom(prev_spec)).execute(
+        context()
+    )  # the previous run completes
     now = VllmQAOperator(task_id="qa", spec=spec, merge_result=merge).execute(context())  # QA cleared, run again
     later = {p.name: p.read_bytes() for p in (out / "changes").iterdir()}
     assert json.loads(later["_changes.json"])["previous_state"] == "complete"
@@ -245,12 +247,12 @@ def test_a_change_set_of_an_earlier_merge_or_without_its_bindings_is_not_publish
     """A change set of an earlier merge of this folder (a shard ran again, merge and QA again) put back is refused
     naming the merge; a change set or a verdict sealed before they named their merge / change set fails closed."""
     prev_spec, _ = committed_job(tmp_path / "prev", fake_engine_factory, n=60)
-    VllmMergeOperator(task_id="merge", spec=prev_spec).execute(context())
+    VllmMergeOperator(task_id="merge", spec=prev_spec, plan=plan_xcom(prev_spec)).execute(context())
     spec, plan = committed_job(
         tmp_path / "now", fake_engine_factory, n=60, changes={"previous_uri": str(tmp_path / "prev" / "out")}
     )
     out = tmp_path / "now" / "out"
-    VllmMergeOperator(task_id="merge", spec=spec).execute(context())
+    VllmMergeOperator(task_id="merge", spec=spec, plan=plan_xcom(spec)).execute(context())
     VllmQAOperator(task_id="qa", spec=spec).execute(context())
     earlier = {p.name: p.read_bytes() for p in (out / "changes").iterdir()}
     merge_and_qa_again(spec, plan, out, fake_engine_factory)
@@ -286,7 +288,7 @@ def test_an_approval_of_another_verdict_does_not_publish_this_one(tmp_path, fake
     XCom names the verdict it approved."""
     spec, plan = committed_job(tmp_path, fake_engine_factory, n=60)
     out = tmp_path / "out"
-    VllmMergeOperator(task_id="merge", spec=spec).execute(context())
+    VllmMergeOperator(task_id="merge", spec=spec, plan=plan_xcom(spec)).execute(context())
     approved = VllmQAOperator(task_id="qa", spec=spec).execute(context())
     review = {"chosen_options": ["Approve"], "record_mac": approved["record_mac"]}
     now = merge_and_qa_again(spec, plan, out, fake_engine_factory)  # another sealed verdict, not shown to anyone
@@ -345,7 +347,7 @@ def _openai_batch_job(tmp_path, factory) -> tuple[dict, dict]:
     for s in plan_job(spec).shards:
         run_shard(shard_task(spec=spec, shard_id=s.shard_id), engine_factory=factory)
     doc = spec.model_dump(mode="json")
-    VllmMergeOperator(task_id="merge", spec=doc).execute(context())
+    VllmMergeOperator(task_id="merge", spec=doc, plan=plan_xcom(doc)).execute(context())
     return doc, VllmQAOperator(task_id="qa", spec=doc).execute(context())
 
 
@@ -430,7 +432,7 @@ def test_qa_run_again_on_a_published_run_never_replaces_what_publish_vouched_for
         )
         spec, _ = committed_job(tmp_path / name, fake_engine_factory, n=60, **over)
         out = tmp_path / name / "out"
-        VllmMergeOperator(task_id="merge", spec=spec).execute(context())
+        VllmMergeOperator(task_id="merge", spec=spec, plan=plan_xcom(spec)).execute(context())
         qa = VllmQAOperator(task_id="qa", spec=spec).execute(context())
         event = VllmPublishOperator(task_id="publish", spec=spec, qa_result=qa).execute(context())
         success = {"success_sha256": event["success_sha256"]}
@@ -439,7 +441,7 @@ def test_qa_run_again_on_a_published_run_never_replaces_what_publish_vouched_for
         verify_published(str(out), **success)
         before = files_under(out)
         # the previous run completes after this one was published
-        VllmMergeOperator(task_id="merge", spec=prev_spec).execute(context())
+        VllmMergeOperator(task_id="merge", spec=prev_spec, plan=plan_xcom(prev_spec)).execute(context())
         VllmQAOperator(task_id="qa", spec=prev_spec).execute(context())
         with pytest.raises(AirflowFailException, match=rf"{match}.*Nothing was written\. Merge into a new output"):
             VllmQAOperator(task_id="qa", spec=spec).execute(context())

@@ -12,12 +12,13 @@ from airflow_provider_vllm.links.report import VllmQAReportLink
 from airflow_provider_vllm.operators.merge import VllmMergeOperator
 from airflow_provider_vllm.operators.qa import VllmQAFailed, VllmQAOperator
 from airflow_provider_vllm.steps.qa.report import QAFailed
+from tests.support.data import plan_xcom
 from tests.support.task_context import committed_job, context, rerun_a_shard
 
 
 def merged_job(tmp_path, factory, **over):
     spec, _ = committed_job(tmp_path, factory, n=60, **over)
-    VllmMergeOperator(task_id="merge", spec=spec).execute(context())
+    VllmMergeOperator(task_id="merge", spec=spec, plan=plan_xcom(spec)).execute(context())
     return spec
 
 
@@ -66,10 +67,12 @@ def test_qa_measures_only_the_merge_this_runs_merge_task_wrote(tmp_path, fake_en
 
     spec, plan = committed_job(tmp_path, fake_engine_factory, n=60)
     out = tmp_path / "out"
-    first = VllmMergeOperator(task_id="merge", spec=spec).execute(context())
+    first = VllmMergeOperator(task_id="merge", spec=spec, plan=plan_xcom(spec)).execute(context())
     shutil.copytree(out, tmp_path / "earlier", symlinks=True)
     rerun_a_shard(spec, plan, out, fake_engine_factory)
-    now = VllmMergeOperator(task_id="merge", spec=spec).execute(context())  # a cleared merge ran again
+    now = VllmMergeOperator(task_id="merge", spec=spec, plan=plan_xcom(spec)).execute(
+        context()
+    )  # a cleared merge ran again
     assert first["merged_mac"] != now["merged_mac"]
     for rel in ("_MERGED.json", "results", "errors", "shards"):  # the earlier sealed merge put back, whole
         shutil.rmtree(out / rel) if (out / rel).is_dir() else (out / rel).unlink()

@@ -19,11 +19,11 @@ from airflow_provider_vllm.core import faults
 from airflow_provider_vllm.core.errors import CommitError
 from airflow_provider_vllm.core.storage import CheckedCopies, Storage
 from airflow_provider_vllm.steps.merge import merger
-from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS, merge
+from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.steps.qa import stage
 from airflow_provider_vllm.worker.shard import run_shard
-from tests.support.data import make_spec, openai_batch_spec, shard_task, write_parquet
+from tests.support.data import make_spec, merge, openai_batch_spec, shard_task, write_parquet
 from tests.support.ledger import record_malicious
 from tests.unit.steps.cache.test_result_cache import ENGINE, IDS, TEXTS, results, spec_for
 from tests.unit.steps.test_golden import _golden_file, _input, _run_shards, _spec

@@ -19,11 +19,10 @@ from airflow_provider_vllm.core.shard_names import shard_display_names
 from airflow_provider_vllm.core.spec import RESERVED_ID_PREFIX
 from airflow_provider_vllm.steps.golden import ERRORS_FILE, GOLDEN_IN, RESULTS_FILE, SUMMARY_FILE
 from airflow_provider_vllm.steps.merge.changes import CHANGES
-from airflow_provider_vllm.steps.merge.merger import merge
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.steps.qa.stage import qa_run
 from airflow_provider_vllm.worker.shard import run_shard
-from tests.support.data import LABELS, PINNED_REVISION, make_spec, shard_task, write_parquet
+from tests.support.data import LABELS, PINNED_REVISION, make_spec, merge, shard_task, write_parquet
 from tests.support.fakes import FakeEngine
 from tests.support.ledger import record_fault, record_malicious
 from tests.support.reconcile import reconcile

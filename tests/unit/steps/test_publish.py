@@ -10,11 +10,11 @@ import pytest
 
 from airflow_provider_vllm.core.errors import CommitError, SealError
 from airflow_provider_vllm.core.seal import Keyring
-from airflow_provider_vllm.steps.merge.merger import RESULTS, merge
+from airflow_provider_vllm.steps.merge.merger import RESULTS
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.steps.publish import SUCCESS, success_bytes, verify_published
 from airflow_provider_vllm.worker.shard import run_shard
-from tests.support.data import make_spec, shard_task, write_parquet
+from tests.support.data import make_spec, merge, shard_task, write_parquet
 
 IDS = [f"r{i:02d}" for i in range(30)]
 

@@ -16,10 +16,10 @@ import pytest
 
 from airflow_provider_vllm.core.errors import InputChangedError
 from airflow_provider_vllm.core.rows import INVALID_REQUEST, INVALID_ROW
-from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS, merge
+from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
-from tests.support.data import PINNED_REVISION, make_spec, shard_task
+from tests.support.data import PINNED_REVISION, make_spec, merge, shard_task
 from tests.support.fakes import FakeTokenizer, adapter_weights, answer
 from tests.support.lora import write_adapter
 from tests.unit.core.test_adapters import LLAMA

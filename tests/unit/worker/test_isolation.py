@@ -17,7 +17,6 @@ import pytest
 
 from airflow_provider_vllm.core.errors import EngineError, SpecError
 from airflow_provider_vllm.core.formats.openai_requests import RequestFault, parse_chat_body
-from airflow_provider_vllm.steps.merge.merger import merge
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.engine import sampling_params
 from airflow_provider_vllm.worker.guard import GuardedEngine, RowFailure
@@ -25,7 +24,7 @@ from airflow_provider_vllm.worker.isolation import RequestRejected, refusal, row
 from airflow_provider_vllm.worker.prompts import PromptBuilder
 from airflow_provider_vllm.worker.shard import run_shard
 from tests.support.bad_inputs.corpus import good_chat_requests, hostile_chat_requests
-from tests.support.data import make_spec, shard_task, write_parquet
+from tests.support.data import make_spec, merge, shard_task, write_parquet
 from tests.support.fakes import FakeEngine, FakeTokenizer, vllm_importable
 from tests.support.reconcile import check
 

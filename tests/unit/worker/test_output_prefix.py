@@ -8,10 +8,9 @@ import pytest
 
 from airflow_provider_vllm.core.errors import SpecError
 from airflow_provider_vllm.core.plan import PLAN_FILE
-from airflow_provider_vllm.steps.merge.merger import merge
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
-from tests.support.data import make_spec, shard_task, write_parquet
+from tests.support.data import make_spec, merge, shard_task, write_parquet
 from tests.support.ledger import record_fault
 
 pytestmark = pytest.mark.reliability

@@ -9,10 +9,9 @@ import pytest
 
 from airflow_provider_vllm.core.commit import MARKER
 from airflow_provider_vllm.core.errors import CommitError, EngineError, SpecError, VerificationError
-from airflow_provider_vllm.steps.merge.merger import merge
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
-from tests.support.data import LABELS, make_spec, shard_task, write_parquet
+from tests.support.data import LABELS, make_spec, merge, shard_task, write_parquet
 from tests.support.reconcile import check
 
 

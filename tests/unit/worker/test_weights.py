@@ -244,7 +244,7 @@ def test_an_attempt_killed_before_its_seals_is_redone_by_the_retry_and_merged_on
     would stop it) leaves unsealed parts in its attempt folder; the retry redoes them, commits, and merge publishes
     every row exactly once (and, with the cache, files nothing of the dead attempt)."""
     from airflow_provider_vllm.core import faults
-    from airflow_provider_vllm.steps.merge.merger import merge
+    from tests.support.data import merge
 
     folder(tmp_path / "model")
     spec = spec_for(tmp_path, cache=cache)

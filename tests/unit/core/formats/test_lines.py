@@ -17,10 +17,10 @@ from airflow_provider_vllm.core.formats.files import detect_format
 from airflow_provider_vllm.core.formats.lines import JSON_MAX_DEPTH, JSONL_LINE_MAX_BYTES
 from airflow_provider_vllm.core.plan import Segment
 from airflow_provider_vllm.core.storage import Storage
-from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS, merge
+from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
-from tests.support.data import make_spec, openai_batch_spec, shard_task
+from tests.support.data import make_spec, merge, openai_batch_spec, shard_task
 
 ROOT = Path(__file__).resolve().parents[4]
 JSONL = input_format("jsonl")

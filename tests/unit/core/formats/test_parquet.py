@@ -274,9 +274,9 @@ def test_string_and_large_string_id_columns_are_one_input_and_every_row_merges_o
     """pyarrow and pandas write ``string``, polars ``large_string``: the same text to Arrow and DuckDB. A folder of
     both was refused as 'id column type large_string differs from a.parquet's string'. Repeated texts take the
     dedupe's DuckDB read over both files."""
-    from airflow_provider_vllm.steps.merge.merger import merge
     from airflow_provider_vllm.steps.plan.planner import plan_job
     from airflow_provider_vllm.worker.shard import run_shard
+    from tests.support.data import merge
 
     texts = ["same ticket", "same ticket"] if repeat else ["ticket one", "ticket two"]
     (tmp_path / "in").mkdir()

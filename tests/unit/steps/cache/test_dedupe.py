@@ -23,10 +23,10 @@ from airflow_provider_vllm.core.engine_identity import local_engine_identity
 from airflow_provider_vllm.core.errors import CommitError
 from airflow_provider_vllm.core.plan import PLAN_FILE
 from airflow_provider_vllm.steps.cache import dedupe
-from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS, merge
+from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
-from tests.support.data import PINNED_REVISION, make_spec, shard_task, write_parquet
+from tests.support.data import PINNED_REVISION, make_spec, merge, shard_task, write_parquet
 from tests.support.ledger import record_fault
 
 ROOT = Path(__file__).resolve().parents[4]
@@ -373,7 +373,9 @@ def test_merge_failing_after_the_follower_parts_converges(tmp_path, fake_engine_
     else:
         code = (
             "import sys; from airflow_provider_vllm.core.spec import JobSpec; "
-            "from airflow_provider_vllm.steps.merge.merger import merge; merge(JobSpec.load(sys.argv[1]))"
+            "from airflow_provider_vllm.core.plan import current_plan_ref; "
+            "from airflow_provider_vllm.steps.merge.merger import merge; "
+            "s = JobSpec.load(sys.argv[1]); merge(s, plan=current_plan_ref(s))"
         )
         env = {**os.environ, faults.ENV: "dedupe.after_parts=kill", "PYTHONPATH": str(ROOT)}
         p = subprocess.run(

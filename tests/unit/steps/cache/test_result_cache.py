@@ -29,10 +29,10 @@ from airflow_provider_vllm.core.seal import CACHE_ENTRY, Keyring, record_bytes, 
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.steps.cache import result_cache as cache
 from airflow_provider_vllm.steps.cache.store import CacheStore
-from airflow_provider_vllm.steps.merge.merger import MERGED, RESULTS, merge
+from airflow_provider_vllm.steps.merge.merger import MERGED, RESULTS
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
-from tests.support.data import PINNED_REVISION, make_spec, shard_task, write_parquet
+from tests.support.data import PINNED_REVISION, make_spec, merge, shard_task, write_parquet
 from tests.support.ledger import record_fault
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -374,7 +374,9 @@ def test_merge_failing_at_a_cache_step_converges(tmp_path, fake_engine_factory, 
     else:  # kill -9 of a real merge process: no clean-up, temp files stay
         code = (
             "import sys; from airflow_provider_vllm.core.spec import JobSpec; "
-            "from airflow_provider_vllm.steps.merge.merger import merge; merge(JobSpec.load(sys.argv[1]))"
+            "from airflow_provider_vllm.core.plan import current_plan_ref; "
+            "from airflow_provider_vllm.steps.merge.merger import merge; "
+            "s = JobSpec.load(sys.argv[1]); merge(s, plan=current_plan_ref(s))"
         )
         env = {**os.environ, faults.ENV: f"{point}=kill", "PYTHONPATH": str(ROOT)}
         p = subprocess.run(

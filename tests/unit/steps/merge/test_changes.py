@@ -339,11 +339,10 @@ def test_kill_at_each_write_step_then_rerun(tmp_path, point):
 def test_qa_of_a_second_run_reports_exactly_the_moved_labels(tmp_path, fake_engine_factory, monkeypatch, stream):
     """The whole pipeline twice (fake engine): 10% of texts edited, 5 rows new, 4 gone; QA computes the changes."""
     from airflow_provider_vllm.steps.merge import merger as merge_mod
-    from airflow_provider_vllm.steps.merge.merger import merge
     from airflow_provider_vllm.steps.plan.planner import plan_job
     from airflow_provider_vllm.steps.qa import stage
     from airflow_provider_vllm.worker.shard import run_shard
-    from tests.support.data import write_parquet
+    from tests.support.data import merge, write_parquet
 
     if stream:
         monkeypatch.setattr(stage, "STREAM_ABOVE_ROWS", 0)
@@ -402,11 +401,10 @@ def test_qa_of_a_second_run_reports_exactly_the_moved_labels(tmp_path, fake_engi
 def test_qa_with_the_changes_reads_each_part_of_its_run_once(tmp_path, fake_engine_factory, monkeypatch):
     """QA checks this run's parts (size and sha256) and hands them to the change set, which does not hash them
     again; the previous run's parts are checked once too. The change set equals one computed on its own."""
-    from airflow_provider_vllm.steps.merge.merger import merge
     from airflow_provider_vllm.steps.plan.planner import plan_job
     from airflow_provider_vllm.steps.qa import stage
     from airflow_provider_vllm.worker.shard import run_shard
-    from tests.support.data import write_parquet
+    from tests.support.data import merge, write_parquet
 
     def run(name, previous):
         ids = [f"t{i:03d}" for i in range(40)]
@@ -516,11 +514,10 @@ def test_an_inconsistent_night_unified_by_the_cache_is_explained(tmp_path):
     """The demo's story: night 1 answers two identical tickets differently (batch-dependent numerics); QA
     reports the inconsistency; night 2's cache serves one answer to both, and the moved label says 'unified'."""
     from airflow_provider_vllm.core.engine_identity import local_engine_identity
-    from airflow_provider_vllm.steps.merge.merger import merge
     from airflow_provider_vllm.steps.plan.planner import plan_job
     from airflow_provider_vllm.steps.qa.stage import qa_run
     from airflow_provider_vllm.worker.shard import run_shard
-    from tests.support.data import PINNED_REVISION, write_parquet
+    from tests.support.data import PINNED_REVISION, merge, write_parquet
     from tests.support.fakes import FakeEngine
 
     texts = ["my card was charged twice"] * 2 + [f"ticket {i}" for i in range(10)]

@@ -27,7 +27,6 @@ from airflow_provider_vllm.core.rows import ERROR_SCHEMA, RESULT_SCHEMA
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.steps.merge.merger import (
     MERGED,
-    merge,
     read_manifest,
     read_merged,
     result_parts,
@@ -35,14 +34,15 @@ from airflow_provider_vllm.steps.merge.merger import (
 )
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
-from tests.support.data import make_spec, shard_task, write_parquet
+from tests.support.data import make_spec, merge, shard_task, write_parquet
 from tests.support.reconcile import check, check_no_partial, reconcile
 
 IDS = [f"r{i:03d}" for i in range(60)]
 EMPTY = {7, 23, 24, 41}  # empty texts: EMPTY_INPUT error rows in 3 of the 6 chunks
 MERGE = (
     "import sys\nfrom airflow_provider_vllm.steps.merge.merger import merge\nfrom airflow_provider_vllm.core.spec "
-    "import JobSpec\nmerge(JobSpec.load(sys.argv[1]))\n"
+    "import JobSpec\nfrom airflow_provider_vllm.core.plan import current_plan_ref\n"
+    "s = JobSpec.load(sys.argv[1])\nmerge(s, plan=current_plan_ref(s))\n"
 )
 
 

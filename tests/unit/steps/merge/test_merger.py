@@ -23,11 +23,11 @@ from airflow_provider_vllm.core.plan import PLAN_FILE, Plan
 from airflow_provider_vllm.core.rows import ROW_SCHEMA
 from airflow_provider_vllm.core.seal import COMMIT, Keyring, record_bytes, scope_of, seal_record
 from airflow_provider_vllm.core.storage import Storage
-from airflow_provider_vllm.steps.merge.merger import MERGED, merge, result_parts
+from airflow_provider_vllm.steps.merge.merger import MERGED, result_parts
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.steps.qa.stage import qa_run, qa_summary
 from airflow_provider_vllm.worker.shard import run_shard
-from tests.support.data import make_spec, shard_task, write_parquet
+from tests.support.data import files_under, make_spec, merge, shard_task, write_parquet
 from tests.support.ledger import record_bad_rows, record_malicious
 from tests.support.security import PLANTED_KINDS, plant, untouched
 
@@ -315,6 +315,41 @@ def test_a_spec_changed_through_xcom_is_not_merged(run):
         merge(changed)
     assert nothing_published(out)
     record_malicious("xcom_spec_changed_before_merge", 1, 1)
+
+
+def test_an_earlier_sealed_plan_of_the_folder_put_back_is_not_merged_under(tmp_path, fake_engine_factory):
+    """The folder planned twice (emptied in between, the input changed): the first ``_plan.json`` is sealed for the
+    folder too. Put back after the second plan, merge took it (any sealed plan of the folder) and failed on the
+    shards' seals with an unclear error. Merge takes only the plan the plan task named (its XCom: seal and sha256)
+    and refuses another before writing anything, naming ``_plan.json``, the plan expected and the one found."""
+    from airflow_provider_vllm.core.plan import PlanRef
+
+    out = tmp_path / "out"
+    spec = make_spec(tmp_path / "in.parquet", out, sharding={"target_rows": 20, "chunk_rows": 10})
+    write_parquet(tmp_path / "in.parquet", IDS[:40], [f"ticket {i}" for i in range(40)])
+    first = plan_job(spec)
+    earlier = (out / PLAN_FILE).read_bytes()
+    shutil.rmtree(out)  # emptied and planned again, over other input
+    write_parquet(tmp_path / "in.parquet", IDS, [f"ticket {i}" for i in range(len(IDS))])
+    plan = plan_job(spec)
+    named = plan.ref()  # what the plan task pushed
+    assert isinstance(named, PlanRef) and named != first.ref() and first.spec_hash == plan.spec_hash
+    for s in plan.shards:
+        run_shard(shard_task(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+    now = (out / PLAN_FILE).read_bytes()
+    (out / PLAN_FILE).write_bytes(earlier)  # the earlier genuine sealed plan put back
+    before = files_under(out)
+    with pytest.raises(CommitError) as e:
+        merge(spec, plan=named)
+    assert e.value.terminal  # no retry
+    message = str(e.value)
+    assert f"{out}/{PLAN_FILE} is not the plan this run's plan task wrote" in message
+    assert f"it named seal {named.plan_mac[:12]}, sha256 {named.plan_sha256[:12]}" in message
+    assert f"found seal {first.ref().plan_mac[:12]}, sha256 {first.ref().plan_sha256[:12]}" in message
+    assert files_under(out) == before and nothing_published(out)  # nothing merged, nothing written
+    record_malicious("merge: an earlier plan of the folder put back after the shards", 1, 1)
+    (out / PLAN_FILE).write_bytes(now)  # the run's plan back: it merges
+    assert merge(spec, plan=named).rows == len(IDS)
 
 
 def test_duplicates_are_counted_when_the_parts_carry_a_passthrough_column_named_filename(tmp_path, fake_engine_factory):

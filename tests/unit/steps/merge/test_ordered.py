@@ -22,10 +22,10 @@ from airflow_provider_vllm.core.plan import Plan, Segment
 from airflow_provider_vllm.core.seal import COMMIT, Keyring, record_bytes, scope_of, seal_record
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.steps.merge import merger, ordered
-from airflow_provider_vllm.steps.merge.merger import MERGED, merge, result_parts
+from airflow_provider_vllm.steps.merge.merger import MERGED, result_parts
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
-from tests.support.data import make_spec, shard_task, write_parquet
+from tests.support.data import make_spec, merge, shard_task, write_parquet
 from tests.support.ledger import record_bad_rows
 
 N = 60

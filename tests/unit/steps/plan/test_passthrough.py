@@ -23,11 +23,11 @@ from airflow_provider_vllm.core.errors import DatasetError, SpecError
 from airflow_provider_vllm.core.plan import PLAN_FILE
 from airflow_provider_vllm.core.rows import ERROR_SCHEMA, RESULT_SCHEMA
 from airflow_provider_vllm.steps.cache.result_cache import ENTRY_SCHEMA
-from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS, merge
+from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.steps.qa.stage import qa_run
 from airflow_provider_vllm.worker.shard import run_shard
-from tests.support.data import PINNED_REVISION, make_spec, shard_task
+from tests.support.data import PINNED_REVISION, make_spec, merge, shard_task
 
 UTC = dt.UTC
 TYPES = {

@@ -7,7 +7,6 @@ import json
 import pytest
 
 from airflow_provider_vllm.core.records import ThroughputRecord
-from airflow_provider_vllm.steps.merge.merger import merge
 from airflow_provider_vllm.steps.plan.planner import DEFAULT_TARGET_ROWS, build_plan, plan_job
 from airflow_provider_vllm.steps.plan.sizing import (
     HISTORY_VERSION,
@@ -18,7 +17,7 @@ from airflow_provider_vllm.steps.plan.sizing import (
     size_shards,
 )
 from airflow_provider_vllm.worker.shard import run_shard
-from tests.support.data import history_line, make_spec, shard_task, write_parquet
+from tests.support.data import history_line, make_spec, merge, shard_task, write_parquet
 
 
 def record(spec, **over):

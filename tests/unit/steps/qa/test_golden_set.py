@@ -16,11 +16,10 @@ import pytest
 
 from airflow_provider_vllm.core.errors import CommitError, DatasetError, InputChangedError, SpecError
 from airflow_provider_vllm.core.storage import Storage
-from airflow_provider_vllm.steps.merge.merger import merge
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.steps.qa.stage import qa_run
 from airflow_provider_vllm.worker.shard import run_shard
-from tests.support.data import LABELS, make_spec, shard_task, write_parquet
+from tests.support.data import LABELS, make_spec, merge, shard_task, write_parquet
 from tests.support.fakes import FakeEngine
 
 N = 60

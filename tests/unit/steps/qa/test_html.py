@@ -18,14 +18,13 @@ import pytest
 
 from airflow_provider_vllm.core.engine_identity import local_engine_identity
 from airflow_provider_vllm.core.spec import QASpec
-from airflow_provider_vllm.steps.merge.merger import merge
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.steps.qa.evaluate import evaluate
 from airflow_provider_vllm.steps.qa.html import render_report_html
 from airflow_provider_vllm.steps.qa.stage import qa_run
 from airflow_provider_vllm.worker.shard import run_shard
 from tests.support import ROOT  # noqa: E402
-from tests.support.data import PINNED_REVISION, make_spec, shard_task, write_parquet
+from tests.support.data import PINNED_REVISION, make_spec, merge, shard_task, write_parquet
 from tests.support.ledger import record_malicious
 from tests.support.qa_rows import err_row, ok_row, split
 

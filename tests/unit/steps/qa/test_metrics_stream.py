@@ -161,12 +161,11 @@ def test_space_class_is_arrows_utf8_is_space_over_every_code_point():
 
 
 def test_qa_run_streams_above_the_threshold_and_reports_the_same(tmp_path, monkeypatch):
-    from airflow_provider_vllm.steps.merge.merger import merge
     from airflow_provider_vllm.steps.plan.planner import plan_job
     from airflow_provider_vllm.steps.qa import stage
     from airflow_provider_vllm.worker.shard import run_shard
     from tests.support.data import LABELS as INPUT_LABELS
-    from tests.support.data import make_spec, write_parquet
+    from tests.support.data import make_spec, merge, write_parquet
     from tests.support.fakes import FakeEngine
 
     write_parquet(
@@ -260,11 +259,10 @@ def test_a_sample_over_the_in_list_limit_reads_the_rows_by_a_join(tmp_path, monk
 def test_a_json_schema_job_compares_its_parsed_json(tmp_path, monkeypatch, stream):
     """A json_schema job's answers are its parsed JSON (``changes.compared_column``): QA reads that column for the
     consistency of repeated prompts on both paths (it was missing from what QA read: a BinderException)."""
-    from airflow_provider_vllm.steps.merge.merger import merge
     from airflow_provider_vllm.steps.plan.planner import plan_job
     from airflow_provider_vllm.steps.qa import stage
     from airflow_provider_vllm.worker.shard import run_shard
-    from tests.support.data import make_spec, write_parquet
+    from tests.support.data import make_spec, merge, write_parquet
     from tests.support.fakes import FakeEngine
 
     write_parquet(

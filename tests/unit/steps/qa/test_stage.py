@@ -6,11 +6,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from airflow_provider_vllm.steps.merge.merger import merge
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.steps.qa import stage
 from airflow_provider_vllm.worker.shard import run_shard
-from tests.support.data import make_spec, shard_task
+from tests.support.data import make_spec, merge, shard_task
 
 
 def test_an_input_text_that_is_not_utf8_is_an_error_row_and_qa_still_shows_the_excerpts(tmp_path, fake_engine_factory):

@@ -103,10 +103,10 @@ def test_a_previous_report_is_used_only_when_its_runs_sealed_record_vouches_for_
 
 def _run(tmp_path, name, texts, factory, previous=None):
     """One run through the real steps (plan, fake-engine shards, merge, qa_run): its spec and QA report."""
-    from airflow_provider_vllm.steps.merge.merger import merge
     from airflow_provider_vllm.steps.plan.planner import plan_job
     from airflow_provider_vllm.steps.qa.stage import qa_run
     from airflow_provider_vllm.worker.shard import run_shard
+    from tests.support.data import merge
 
     write_parquet(tmp_path / name / "in.parquet", [f"t{i:03d}" for i in range(len(texts))], texts)
     spec = make_spec(

@@ -242,9 +242,10 @@ def test_changes_compare_only_with_the_merge_the_tables_snapshot_published(tmp_p
     from airflow_provider_vllm.core.errors import CommitError
     from airflow_provider_vllm.core.plan import load_plan
     from airflow_provider_vllm.steps.merge.changes import read_changes
-    from airflow_provider_vllm.steps.merge.merger import MERGED, merge
+    from airflow_provider_vllm.steps.merge.merger import MERGED
     from airflow_provider_vllm.steps.plan.planner import plan_job
     from airflow_provider_vllm.steps.qa.stage import qa_run
+    from tests.support.data import merge
 
     catalog, tables = lake
     first = run(tmp_path, lake, fake_engine_factory, "a")
@@ -467,7 +468,7 @@ def test_a_later_merge_never_changes_the_parts_a_table_commit_references(tmp_pat
     """The table adds the run's parts by path: once publish began its commit, a merge of the folder that would
     add, replace or remove a part is refused before writing anything; a merge that changes nothing still runs."""
     from airflow_provider_vllm.core.errors import CommitError
-    from airflow_provider_vllm.steps.merge.merger import merge
+    from tests.support.data import merge
 
     catalog, tables = lake
     spec = run(tmp_path, lake, fake_engine_factory)
@@ -490,8 +491,8 @@ def test_a_failed_first_commit_names_the_way_out_and_an_unsealed_marker_stops_no
     that changed a part fail; a failed first table commit left merge refused with no word on what to do. Only
     markers this deployment's publish sealed stop a merge, and a sealed ``_PUBLISHING.json`` says how to recover."""
     from airflow_provider_vllm.core.errors import CommitError
-    from airflow_provider_vllm.steps.merge.merger import merge
     from airflow_provider_vllm.steps.tables import commit
+    from tests.support.data import merge
 
     catalog, tables = lake
     spec = run(tmp_path, lake, fake_engine_factory)

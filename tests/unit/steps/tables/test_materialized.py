@@ -16,13 +16,12 @@ from airflow_provider_vllm.core.errors import CommitError, InputChangedError, Li
 from airflow_provider_vllm.core.plan import PLAN_FILE, TablePin, load_plan
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.storage import Storage
-from airflow_provider_vllm.steps.merge.merger import merge
 from airflow_provider_vllm.steps.plan import planner
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.steps.qa.stage import qa_run
 from airflow_provider_vllm.steps.tables.access import Tables
 from airflow_provider_vllm.worker.shard import run_shard
-from tests.support.data import shard_task
+from tests.support.data import merge, shard_task
 from tests.support.iceberg import run_job, source_table, sql_catalog, table_spec
 from tests.support.security import PLANTED_KINDS, plant, untouched
 

@@ -9,13 +9,13 @@ import pytest
 from airflow_provider_vllm.core.errors import DatasetError, SpecError
 from airflow_provider_vllm.core.plan import load_plan
 from airflow_provider_vllm.core.storage import Storage
-from airflow_provider_vllm.steps.merge.merger import RESULTS, merge, read_merged, verified_parts
+from airflow_provider_vllm.steps.merge.merger import RESULTS, read_merged, verified_parts
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.steps.qa.stage import qa_run
 from airflow_provider_vllm.steps.tables.access import Tables
 from airflow_provider_vllm.steps.tables.snapshot import resolve_table_input
 from airflow_provider_vllm.worker.shard import read_shard_rows, run_shard, shard_input
-from tests.support.data import shard_task
+from tests.support.data import merge, shard_task
 from tests.support.iceberg import rows, run_job, source_table, sql_catalog, table_spec
 
 
