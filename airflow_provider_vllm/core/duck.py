@@ -8,7 +8,7 @@ import tempfile
 
 import duckdb
 
-from airflow_provider_vllm.core.storage import GLOB_CHARS, Storage, has_glob
+from airflow_provider_vllm.core.storage import GLOB_CHARS, Storage, has_glob, process_copies_folder
 
 FILENAME = "_vllm_filename"
 """The name of the file-name column that ``read_parquet(..., filename = '_vllm_filename')`` adds: with
@@ -56,16 +56,22 @@ def connect(*storages: Storage, memory_limit: str = "1GB") -> duckdb.DuckDBPyCon
 
 
 def spill_dir() -> str:
-    """Where a DuckDB connection spills what exceeds its memory limit: a directory of its own under the system's
-    temporary directory (``TMPDIR``), with an unguessable name, that DuckDB creates when it first spills and removes
-    when the connection closes. DuckDB's default is ``.tmp`` in the process's working directory: an Airflow task's
-    working directory may be read-only, gone, or shared with concurrent tasks (one task's close would remove the
-    directory another is spilling into), and QA over 100M distinct prompts spills (its consistency ``GROUP BY``)."""
+    """Where a DuckDB connection spills what exceeds its memory limit: a directory of its own, with an unguessable
+    name, that DuckDB creates when it first spills and removes when the connection closes, inside this process's
+    swept folder under the system's temporary directory (``TMPDIR``; ``storage.process_copies_folder("duckdb")``):
+    what a task killed with SIGKILL left there is removed by the next process's first connection. DuckDB's default is
+    ``.tmp`` in the process's working directory: an Airflow task's working directory may be read-only, gone, or
+    shared with concurrent tasks (one task's close would remove the directory another is spilling into), and QA over
+    100M distinct prompts spills (its consistency ``GROUP BY``)."""
+    name = f"vllm-batch-duckdb-{secrets.token_hex(16)}"
     try:
         root = tempfile.gettempdir()
     except FileNotFoundError:  # no writable temporary directory at all: DuckDB's default (a spill would fail)
         return ".tmp"
-    return os.path.join(root, f"vllm-batch-duckdb-{secrets.token_hex(16)}")
+    try:
+        return os.path.join(process_copies_folder("duckdb"), name)
+    except OSError:  # no folder can be made there now: DuckDB's own, unswept (a spill would likely fail too)
+        return os.path.join(root, name)
 
 
 def file_list(storage: Storage, rels: list[str]) -> str:

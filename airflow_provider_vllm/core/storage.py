@@ -17,8 +17,10 @@ never travels: a Storage made from it holds a reference to the factory only.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
+import fcntl
 import hashlib
 import io
 import logging
@@ -28,6 +30,7 @@ import re
 import shutil
 import stat
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -878,48 +881,199 @@ class CheckedCopies:
             return list(pool.map(lambda f: self.get(*f), files))
 
 
-STALE_COPIES_S = 24 * 3600  # a copies folder this old whose process is gone was left by a killed task
+STALE_COPIES_S = 24 * 3600  # a folder without an owner lock (an older version's) this old, its process gone: left
+OWNER_LOCK = ".lock"  # suffix of the file beside a copies folder whose flock its owner holds for the folder's life
+_OWNED = b"owned\n"  # written into the owner lock once its flock is held: an empty one is not yet held
+_HELD: set[str] = set()  # this process's live copies folders, never swept by it (a lock emulated by NFS is per process)
+_HELD_GUARD = threading.Lock()
 
 
 @contextlib.contextmanager
-def copies_folder(step: str) -> Iterator[str]:
-    """A private temporary folder (mode 0700, under ``TMPDIR``) for one task's local copies (``CheckedCopies``, the
-    plan's misses file, the golden rows' copies), removed on exit.
+def copies_folder(step: str, root: str | None = None) -> Iterator[str]:
+    """A private temporary folder (mode 0700, under ``root``, else ``TMPDIR``) for one task's local copies
+    (``CheckedCopies``, the plan's misses file, the golden rows' copies, a shard's input file, the adapters),
+    removed on exit.
 
-    Its name carries the process id: a task killed with SIGKILL cannot remove its folder, which may hold a run's
-    whole ``results/``. So each new one first removes the folders of this ``step`` whose process is gone and that
-    are older than ``STALE_COPIES_S`` (both: a process id is reused in time, and another container sharing the
-    folder has other process ids)."""
-    root = tempfile.gettempdir()
+    A task killed with SIGKILL cannot remove its folder, which may hold a run's whole ``results/``. So its owner
+    holds an exclusive ``flock`` on a file beside it (``<folder>.lock``) for the folder's whole life: the kernel
+    drops it when the process dies, however it dies, and it is seen by every process of the host that shares the
+    folder, whatever its pid namespace (another container). Each new folder of a ``step`` first removes the
+    folders of that step whose lock it can take without waiting (``_sweep_stale``), at once, whatever their age;
+    a folder whose owner lives is kept, whatever its age. A folder without an owner lock (made by an older version,
+    or in the instant between its ``mkdir`` and its lock) is removed only when its process is gone and it is older
+    than ``STALE_COPIES_S``, as before."""
+    root = root or tempfile.gettempdir()
     prefix = f"vllm-batch-{step}-"
     _sweep_stale(root, prefix)
-    path = tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=root)
+    path, fd = _owned_folder(root, f"{prefix}{os.getpid()}-")
     try:
         yield path
     finally:
-        shutil.rmtree(path, ignore_errors=True)
+        try:
+            shutil.rmtree(path, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                os.unlink(path + OWNER_LOCK)  # after the folder: a lock without its folder is never a live one
+        finally:
+            os.close(fd)  # the lock goes with it
+            with _HELD_GUARD:
+                _HELD.discard(path)
+
+
+def _owned_folder(root: str, prefix: str) -> tuple[str, int]:
+    """A new folder ``<prefix>…`` in ``root`` and the descriptor of its owner lock, held (``copies_folder``)."""
+    for _ in range(100):
+        path = tempfile.mkdtemp(prefix=prefix, dir=root)
+        with _HELD_GUARD:
+            _HELD.add(path)
+        try:
+            fd = os.open(path + OWNER_LOCK, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except FileExistsError:  # a lock left without its folder at this very name: another name
+            os.rmdir(path)
+            with _HELD_GUARD:
+                _HELD.discard(path)
+            continue
+        except BaseException:
+            shutil.rmtree(path, ignore_errors=True)
+            with _HELD_GUARD:
+                _HELD.discard(path)
+            raise
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # a sweeper that took it first finds it empty and lets go at once
+            os.write(fd, _OWNED)
+        except BaseException:
+            shutil.rmtree(path, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                os.unlink(path + OWNER_LOCK)
+            os.close(fd)
+            with _HELD_GUARD:
+                _HELD.discard(path)
+            raise
+        return path, fd
+    raise FileExistsError(f"{root}: no free name for a copies folder {prefix}…")
+
+
+@contextlib.contextmanager
+def _taken(lock: str) -> Iterator[str]:
+    """What the owner lock ``lock`` says of its folder: ``"gone"`` when its flock was taken without waiting, the
+    lock a regular file of ours written by an owner and still at that name (the flock is held until the context
+    ends); ``"made"`` when taken but never written (its owner died before holding it, or is about to hold it);
+    else ``"kept"`` (a live owner holds it; absent, a link, a FIFO, another user's, or made anew since opened)."""
+    try:
+        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        fd = -1
+    try:
+        yield "kept" if fd < 0 else _lock_state(lock, fd)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def _lock_state(lock: str, fd: int) -> str:
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+        return "kept"
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        now = os.lstat(lock)
+    except OSError:  # held: its owner lives (or the lock is gone)
+        return "kept"
+    if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+        return "kept"
+    return "gone" if os.read(fd, len(_OWNED)) == _OWNED else "made"
 
 
 def _sweep_stale(root: str, prefix: str) -> None:
+    """Remove the copies folders ``<prefix>…`` in ``root`` whose owner is gone (``copies_folder``), holding each
+    one's lock while removing it (two sweepers never remove one folder together), and the owner locks left
+    without their folder. Only folders and files of this user; a link at a folder's or a lock's name is neither
+    followed nor removed (``shutil.rmtree`` removes the links inside a folder, following none)."""
     now = time.time()
     try:
-        names = os.listdir(root)
+        names = set(os.listdir(root))
     except OSError:
         return
-    for name in names:
-        pid = name[len(prefix) :].split("-", 1)[0] if name.startswith(prefix) else ""
-        if not pid.isdigit() or int(pid) == os.getpid():
+    for name in sorted(names):
+        if not name.startswith(prefix):
             continue
         path = os.path.join(root, name)
+        with _HELD_GUARD:
+            if path.removesuffix(OWNER_LOCK) in _HELD:
+                continue
+        if name.endswith(OWNER_LOCK):
+            if name.removesuffix(OWNER_LOCK) not in names:  # a lock whose folder's removal was cut short
+                with _taken(path) as state:
+                    if state != "kept" and not os.path.lexists(path.removesuffix(OWNER_LOCK)):
+                        with contextlib.suppress(OSError):
+                            os.unlink(path)
+            continue
         try:
             st = os.lstat(path)
-            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or now - st.st_mtime < STALE_COPIES_S:
-                continue
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            continue  # a link, a file, another user's: not ours to remove
+        if os.path.lexists(path + OWNER_LOCK):
+            with _taken(path + OWNER_LOCK) as state:
+                if state == "gone":
+                    shutil.rmtree(path, ignore_errors=True)  # follows no link, and removes none at ``path``
+                    if not os.path.lexists(path):
+                        with contextlib.suppress(OSError):
+                            os.unlink(path + OWNER_LOCK)
+                if state != "made":
+                    continue
+        # no owner lock (an older version's folder, or one being made) or one never held: the process id and age
+        pid = name[len(prefix) :].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid() or now - st.st_mtime < STALE_COPIES_S:
+            continue
+        try:
             os.kill(int(pid), 0)  # alive (or another user's): kept
         except ProcessLookupError:
             shutil.rmtree(path, ignore_errors=True)
+            _unlink_own(path + OWNER_LOCK)
         except OSError:
             continue
+
+
+def _unlink_own(path: str) -> None:
+    """Remove ``path`` when it is a regular file of this user (a lock never held, left with its folder)."""
+    try:
+        st = os.lstat(path)
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid():
+            os.unlink(path)
+    except OSError:
+        pass
+
+
+_PROCESS: dict[str, tuple[int, str, contextlib.ExitStack]] = {}  # step -> (pid, folder, its exit)
+_PROCESS_GUARD = threading.Lock()
+
+
+def process_copies_folder(step: str) -> str:
+    """A ``copies_folder`` of ``step`` under ``TMPDIR`` that lives as long as this process: removed at its exit,
+    and by the next one's sweep after a SIGKILL, like any other. For what outlives a call, e.g. the folder DuckDB
+    connections spill into (``duck.spill_dir``). One per step and process (a child made by ``fork`` makes its own);
+    made anew when ``TMPDIR`` changed or the folder is gone."""
+    root = tempfile.gettempdir()
+    with _PROCESS_GUARD:
+        held = _PROCESS.get(step)
+        if held is not None and held[0] == os.getpid():
+            if os.path.dirname(held[1]) == root and os.path.isdir(held[1]):
+                return held[1]
+            held[2].close()
+        stack = contextlib.ExitStack()
+        path = stack.enter_context(copies_folder(step, root))
+        _PROCESS[step] = (os.getpid(), path, stack)
+        return path
+
+
+@atexit.register
+def _remove_process_folders() -> None:
+    with _PROCESS_GUARD:
+        for step, (pid, _, stack) in list(_PROCESS.items()):
+            if pid == os.getpid():  # a forked child's exit leaves its parent's to the parent
+                del _PROCESS[step]
+                stack.close()
 
 
 _TEMP_SUFFIX = re.compile(r"\.tmp-[0-9a-f]{32}")

@@ -15,11 +15,9 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +25,7 @@ from dataclasses import dataclass, field
 from airflow_provider_vllm.core import envs
 from airflow_provider_vllm.core.exit_codes import Outcome, outcome
 from airflow_provider_vllm.core.records import FailureManifest
+from airflow_provider_vllm.core.storage import copies_folder
 
 FAULT_ENV = envs.INJECT_EXIT.name
 MAX_LOG_LINE = 4000
@@ -123,11 +122,8 @@ class LocalWorkerProcess:
             argv[0] = os.path.abspath(argv[0])
         if env.get("PYTHONPATH"):
             env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) for p in env["PYTHONPATH"].split(os.pathsep) if p)
-        workdir = tempfile.mkdtemp(prefix="vllm-batch-worker-")
-        try:
+        with copies_folder("worker") as workdir:  # swept by the next one when a task killed with SIGKILL leaves it
             return self._run(argv, env, workdir)
-        finally:
-            shutil.rmtree(workdir, ignore_errors=True)
 
     def _run(self, argv: list[str], env: dict[str, str], workdir: str) -> WorkerResult:
         self.proc = proc = subprocess.Popen(

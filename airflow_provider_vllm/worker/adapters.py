@@ -1,8 +1,8 @@
 """The job's LoRA adapters on the worker: the folders vLLM loads them from, each one the plan's.
 
-Local and object store adapters are copied into a private temporary folder (under
+Local and object store adapters are copied into a private temporary folder (``storage.copies_folder``, under
 ``VLLM_BATCH_ADAPTER_DIR`` when set: pods set the ``/cache`` emptyDir, since an adapter may be larger than
-``/tmp``) and used only when the
+``/tmp``; one a worker killed with SIGKILL left is removed by the next worker's) and used only when the
 copy's fingerprint is the one the sealed plan recorded (``core.adapters.fetch_adapter``): a file changed
 or swapped after the plan fails the shard (terminal) instead of answering under the planned identity.
 Hub adapters are fetched at their pinned commit (``huggingface_hub.snapshot_download``, which reads the
@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import tempfile
 from collections.abc import Iterator
 
 from airflow_provider_vllm.core import envs
@@ -23,6 +22,7 @@ from airflow_provider_vllm.core.adapters import check_refs, fetch_adapter
 from airflow_provider_vllm.core.errors import SpecError, TransientError
 from airflow_provider_vllm.core.plan import Plan
 from airflow_provider_vllm.core.spec import AdapterSpec, JobSpec
+from airflow_provider_vllm.core.storage import copies_folder
 
 log = logging.getLogger("airflow_provider_vllm.worker")
 
@@ -37,7 +37,7 @@ def local_adapters(spec: JobSpec, plan: Plan) -> Iterator[dict[str, str]]:
     root = envs.ADAPTER_DIR.get()  # in a pod: the large /cache emptyDir, not the small /tmp
     if root:
         os.makedirs(root, mode=0o700, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="vllm-batch-adapters-", dir=root or None) as tmp:
+    with copies_folder("adapters", root or None) as tmp:  # swept by the next one when a killed worker leaves it
         paths: dict[str, str] = {}
         for i, a in enumerate(spec.model.adapters):
             if a.kind == "hub":

@@ -12,7 +12,6 @@ import functools
 import logging
 import os
 import platform
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -35,7 +34,7 @@ from airflow_provider_vllm.core.records import ShardStats, WorkerManifest
 from airflow_provider_vllm.core.rows import ENGINE_ERROR, INVALID_ROW, prompt_hash, rows_table, samples_at_random
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
-from airflow_provider_vllm.core.storage import Storage
+from airflow_provider_vllm.core.storage import Storage, copies_folder
 from airflow_provider_vllm.worker import compile_cache
 from airflow_provider_vllm.worker.adapters import local_adapters
 from airflow_provider_vllm.worker.engine import sampling_kwargs
@@ -384,7 +383,7 @@ def shard_input(spec: JobSpec, plan: Plan, shard: ShardPlan) -> Iterator[Storage
         check_unchanged(src, files)
         yield src
         return
-    with tempfile.TemporaryDirectory(prefix="vllm-batch-shard-") as tmp:
+    with copies_folder("shard") as tmp:  # swept by the next one when a worker killed with SIGKILL leaves it
         f = shard.input_file
         src.fetch_verified(files[0].path, f.bytes, f.sha256, os.path.join(tmp, files[0].path))
         yield Storage(tmp)

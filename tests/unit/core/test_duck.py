@@ -9,6 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from airflow_provider_vllm.core import storage
 from airflow_provider_vllm.core.duck import connect, file_list, local_list
 from airflow_provider_vllm.core.storage import Storage
 
@@ -62,14 +63,68 @@ def test_a_query_past_the_memory_limit_spills_into_a_private_directory_not_the_w
     gone.rmdir()  # the working directory no longer exists: nothing can be created in it
     cons = [connect(memory_limit="30MB") for _ in range(2)]
     dirs = [c.execute("SELECT current_setting('temp_directory')").fetchall()[0][0] for c in cons]
-    assert len(set(dirs)) == 2 and all(os.path.dirname(d) == str(tmp_path / "tmpdir") for d in dirs)
+    held = os.path.dirname(dirs[0])  # the process's swept folder (``storage.process_copies_folder``)
+    assert os.path.dirname(held) == str(tmp_path / "tmpdir") and os.path.basename(held).startswith("vllm-batch-duckdb-")
+    assert len(set(dirs)) == 2 and all(os.path.dirname(d) == held for d in dirs)
     (n,) = (
         cons[0].execute("SELECT count(*) FROM (SELECT i % 3000000 AS k FROM range(6000000) t(i) GROUP BY 1)").fetchone()
     )
     assert n == 3_000_000 and os.listdir(dirs[0])  # it spilled, into its own directory
     for c in cons:
         c.close()
-    assert not os.listdir(tmp_path / "tmpdir")  # removed with the connection
+    assert not os.listdir(held)  # removed with the connection
+    storage._remove_process_folders()  # what the process's exit does
+    assert not os.listdir(tmp_path / "tmpdir")
+
+
+SPILLER = """
+import os, sys, tempfile
+tempfile.tempdir = sys.argv[1]
+from airflow_provider_vllm.core import duck
+con = duck.connect(memory_limit="30MB")
+spill = con.execute("SELECT current_setting('temp_directory')").fetchall()[0][0]
+os.makedirs(spill)
+with open(os.path.join(spill, "duckdb_temp_storage-0.tmp"), "wb") as f:
+    f.write(b"x" * 1000)  # what a spill leaves
+print(spill, flush=True)
+sys.stdin.readline()  # spills until killed, or told to go on
+"""
+
+
+def test_what_a_task_killed_with_sigkill_spilled_is_removed_by_the_next_process_s_first_connection(
+    tmp_path, monkeypatch
+):
+    """DuckDB removes a connection's spill directory when the connection closes: a task killed with SIGKILL (the
+    OOM killer, past its memory) never closes it, and its spill (up to GBs) stayed under TMPDIR for ever. It lies
+    in the process's swept folder, which the next process's first connection removes; a live one's is kept, and a
+    process that exits removes its own."""
+    import subprocess
+    import sys
+
+    from tests.support import ROOT
+
+    temp = tmp_path / "tmpdir"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+    def spiller() -> tuple[subprocess.Popen, str]:
+        args = [sys.executable, "-c", SPILLER, str(temp)]
+        proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
+        return proc, proc.stdout.readline().strip()
+
+    live, kept = spiller()
+    try:
+        killed, left = spiller()
+        killed.kill()
+        killed.wait()
+        assert os.listdir(left) and os.listdir(kept)
+        connect().close()
+        assert not os.path.exists(os.path.dirname(left)) and os.listdir(kept)
+    finally:
+        live.communicate("go on\n")
+    storage._remove_process_folders()
+    assert live.returncode == 0 and os.listdir(temp) == []  # the live one removed its own at its exit
 
 
 def test_labels_are_stripped_as_python_strips_them():

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pyarrow as pa
 import pytest
@@ -496,3 +497,144 @@ def test_a_displaced_folder_too_large_to_remove_is_left_aside_with_a_warning(tmp
     assert (tmp_path / "out" / "f").read_bytes() == b"mine"
     (aside,) = [n for n in os.listdir(tmp_path / "out") if n != "f"]
     assert aside.startswith(".f.displaced-") and aside in caplog.text and "could not be removed" in caplog.text
+
+
+HOLDER = """
+import sys, tempfile
+tempfile.tempdir = sys.argv[1]
+from airflow_provider_vllm.core.storage import copies_folder
+with copies_folder(sys.argv[2]) as path:
+    with open(path + "/part.parquet", "wb") as f:
+        f.write(b"x" * 100)
+    print(path, flush=True)
+    sys.stdin.readline()  # holds its folder until told to go on
+"""
+
+
+def _holder(tmp: Path, step: str = "qa") -> tuple[subprocess.Popen, Path]:
+    """A process that made a ``copies_folder`` of ``step`` under ``tmp`` and holds it: (process, folder)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(tmp), step],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
+    line = proc.stdout.readline().strip()
+    assert line, "the holder made no folder"
+    return proc, Path(line)
+
+
+def test_a_copies_folder_of_a_task_killed_with_sigkill_is_removed_by_the_next_one_at_once(tmp_path, monkeypatch):
+    """A task killed with SIGKILL leaves its copies folder (up to a run's results/): the kernel drops the lock its
+    owner held on it, and the next folder of that step removes it at once, not a day later."""
+    from airflow_provider_vllm.core import storage
+
+    monkeypatch.setattr(storage.tempfile, "tempdir", str(tmp_path))
+    proc, left = _holder(tmp_path)
+    proc.kill()  # SIGKILL: no finally, no atexit
+    proc.wait()
+    assert left.is_dir() and (left / "part.parquet").exists()
+    with storage.copies_folder("merge"):  # another step's sweep leaves it
+        assert left.is_dir()
+    with storage.copies_folder("qa") as mine:
+        assert not left.exists() and not Path(f"{left}.lock").exists()
+        assert Path(mine).is_dir() and Path(f"{mine}.lock").is_file()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_live_owners_copies_folder_is_kept_whatever_its_age_and_whatever_process_ids_say(tmp_path, monkeypatch):
+    """A long task's folder whose top level is two days old is kept while its owner lives, also when its process
+    id means nothing here (another container sharing TMPDIR has other process ids: ``os.kill`` finds no such
+    process)."""
+    import time
+
+    from airflow_provider_vllm.core import storage
+
+    monkeypatch.setattr(storage.tempfile, "tempdir", str(tmp_path))
+    proc, held = _holder(tmp_path)
+    try:
+        old = time.time() - 2 * 24 * 3600
+        os.utime(held, (old, old))
+        os.utime(f"{held}.lock", (old, old))
+
+        def no_such_process(pid, sig):
+            raise ProcessLookupError(pid)
+
+        monkeypatch.setattr(storage.os, "kill", no_such_process)  # as from another pid namespace
+        with storage.copies_folder("qa"):
+            assert (held / "part.parquet").read_bytes() == b"x" * 100
+    finally:
+        proc.communicate("go on\n")
+    assert proc.returncode == 0 and not held.exists() and list(tmp_path.iterdir()) == []  # its owner removed it
+
+
+def test_the_sweep_removes_nothing_it_does_not_own_and_follows_no_link(tmp_path, monkeypatch):
+    """Links at a folder's or a lock's name, a FIFO at a lock's name, a file, a folder whose owner is about to
+    hold its lock (an empty lock) and another step's folder: all kept, nothing they point to touched, and no
+    hang. A lock left without its folder (removal cut short) goes once nobody holds it."""
+    import time
+
+    from airflow_provider_vllm.core import storage
+
+    monkeypatch.setattr(storage.tempfile, "tempdir", str(tmp_path / "tmp"))
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    old = time.time() - 2 * 24 * 3600
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (target / "keep.txt").write_text("mine")
+    owned = b"owned\n"
+
+    def aged(*paths: Path) -> None:
+        for p in paths:
+            os.utime(p, (old, old), follow_symlinks=False)
+
+    (tmp / f"vllm-batch-qa-{gone.pid}-link").symlink_to(target)  # a link at a folder's name, its lock free
+    (tmp / f"vllm-batch-qa-{gone.pid}-link.lock").write_bytes(owned)
+    (tmp / f"vllm-batch-qa-{gone.pid}-lockln").mkdir()  # the lock is a link to a lock nobody holds
+    (target / "free.lock").write_bytes(owned)
+    (tmp / f"vllm-batch-qa-{gone.pid}-lockln.lock").symlink_to(target / "free.lock")
+    (tmp / f"vllm-batch-qa-{gone.pid}-fifo").mkdir()
+    os.mkfifo(tmp / f"vllm-batch-qa-{gone.pid}-fifo.lock")
+    (tmp / f"vllm-batch-qa-{gone.pid}-file").write_text("a file")
+    (tmp / f"vllm-batch-qa-{gone.pid}-file.lock").write_bytes(owned)
+    (tmp / f"vllm-batch-qa-{gone.pid}-being").mkdir()  # its owner between creating its lock and holding it
+    (tmp / f"vllm-batch-qa-{gone.pid}-being.lock").write_bytes(b"")
+    (tmp / f"vllm-batch-merge-{gone.pid}-other").mkdir()
+    (tmp / f"vllm-batch-merge-{gone.pid}-other.lock").write_bytes(owned)
+    (tmp / f"vllm-batch-qa-{gone.pid}-orphan.lock").write_bytes(owned)  # its folder already removed
+    kept = sorted(p.name for p in tmp.iterdir() if not p.name.endswith("-orphan.lock"))
+    aged(*tmp.iterdir())
+    os.utime(tmp / f"vllm-batch-qa-{gone.pid}-being")  # just made, as it is while its owner makes its lock
+    with storage.copies_folder("qa") as mine:
+        assert sorted(p.name for p in tmp.iterdir() if not p.name.startswith(Path(mine).name)) == kept
+    assert sorted(p.name for p in target.iterdir()) == ["free.lock", "keep.txt"]
+    assert (target / "keep.txt").read_text() == "mine" and (target / "free.lock").read_bytes() == owned
+
+
+def test_a_folder_without_an_owner_lock_is_kept_for_a_day_as_before(tmp_path, monkeypatch):
+    """A folder without a lock (an older version's, or one whose lock its owner has not yet made) is removed only
+    when its process is gone and it is a day old, as before the locks: a fresh one is never taken for dead."""
+    import time
+
+    from airflow_provider_vllm.core import storage
+
+    monkeypatch.setattr(storage.tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    old = time.time() - storage.STALE_COPIES_S - 60
+    fresh, stale, never = (tmp_path / f"vllm-batch-qa-{gone.pid}-{n}" for n in ("fresh", "stale", "never"))
+    for p in (fresh, stale, never):
+        p.mkdir()
+    (tmp_path / f"{never.name}.lock").write_bytes(b"")  # made, never held: its owner died before holding it
+    os.utime(stale, (old, old))
+    os.utime(never, (old, old))
+    with storage.copies_folder("qa") as mine:
+        assert fresh.is_dir() and not stale.exists() and not never.exists()
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+            [fresh.name, Path(mine).name, f"{Path(mine).name}.lock"]
+        )

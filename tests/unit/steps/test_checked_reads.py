@@ -314,8 +314,9 @@ def test_a_copies_folder_left_by_a_killed_task_is_removed_by_the_next_one(tmp_pa
 
 def test_every_private_folder_of_plan_merge_cache_and_changes_is_swept_after_a_kill(tmp_path, monkeypatch):
     """The plan's misses file and ride-along copies, the cache's and the dedupe's copies, the merge's re-encoded
-    parts and the change set's copies (each up to GBs) live in a ``copies_folder`` of their step: what a task
-    killed with SIGKILL leaves under ``TMPDIR`` is removed by the next task of that step, not kept for ever."""
+    parts and the change set's copies (each up to GBs) live in a ``copies_folder`` of their step, and DuckDB's
+    spill directories in the process's ``duckdb`` one: what a task killed with SIGKILL leaves under ``TMPDIR`` is
+    removed by the next task of that step, not kept for ever."""
     import os
     import re
     import subprocess
@@ -335,7 +336,7 @@ def test_every_private_folder_of_plan_merge_cache_and_changes_is_swept_after_a_k
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     old = time.time() - storage.STALE_COPIES_S - 60
-    steps = ("plan", "golden", "cache", "dedupe", "merge", "changes")
+    steps = ("plan", "golden", "cache", "dedupe", "merge", "changes", "duckdb")
     left = []
     for step in steps:  # what a task of each step killed a day ago left
         (temp / f"vllm-batch-{step}-{gone.pid}-left").mkdir()
@@ -378,4 +379,5 @@ def test_every_private_folder_of_plan_merge_cache_and_changes_is_swept_after_a_k
     assert made and [n for n in made if not pattern.match(n)] == []
     assert {pattern.match(n).group(1) for n in made} == set(steps)
     assert not any(p.exists() for p in left)  # each swept by the next task of its step
+    storage._remove_process_folders()  # what the process's exit does (the DuckDB folder lives as long as it)
     assert list(temp.iterdir()) == []  # and each task removed its own

@@ -53,3 +53,42 @@ def test_the_worker_starts_in_a_private_empty_directory_so_relative_names_resolv
     assert result.returncode == 0 and result.manifest is not None
     assert result.manifest["seen"] is False and result.manifest["cwd"] != str(tmp_path)
     assert not os.path.exists(result.manifest["cwd"])  # removed once the worker has exited
+
+
+TASK = """
+import sys, tempfile
+tempfile.tempdir = sys.argv[1]
+from airflow_provider_vllm.utils.worker_process import LocalWorkerProcess
+
+def log_line(line):
+    print(line, flush=True)
+    sys.stdin.readline()  # the task is busy while its worker runs: killed here
+
+worker = "import os, sys; print(os.getcwd(), file=sys.stderr, flush=True)"
+LocalWorkerProcess([sys.executable, "-c", worker], {"PATH": "/usr/bin:/bin"}, log_line).run()
+"""
+
+
+def test_the_working_directory_of_a_task_killed_with_sigkill_is_removed_by_the_next_one(tmp_path, monkeypatch):
+    """The worker's private working directory is the task's ``copies_folder("worker")``: a task killed with
+    SIGKILL while its worker runs leaves it, and the next task's removes it."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from tests.support import ROOT
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    task = subprocess.Popen(
+        [sys.executable, "-c", TASK, str(tmp_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True
+    )
+    left = Path(task.stdout.readline().strip())
+    task.kill()
+    task.wait()
+    assert left.parent == tmp_path and left.is_dir()
+    script = "import os, json; print(json.dumps({'cwd': os.getcwd()}))"
+    result = LocalWorkerProcess([sys.executable, "-c", script], dict(os.environ), lambda _: None).run()
+    assert result.returncode == 0 and Path(result.manifest["cwd"]).parent == tmp_path
+    assert not left.exists() and list(tmp_path.iterdir()) == []
+    assert left.name.startswith(f"vllm-batch-worker-{task.pid}-")

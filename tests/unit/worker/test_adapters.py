@@ -276,3 +276,48 @@ def test_the_pod_puts_adapter_copies_on_the_cache_volume():
     from airflow_provider_vllm.utils.pod_spec import BASE_ENV, CACHE_DIR
 
     assert BASE_ENV["VLLM_BATCH_ADAPTER_DIR"].startswith(CACHE_DIR + "/")
+
+
+ADAPTER_HOLDER = """
+import json, sys
+from airflow_provider_vllm.core.plan import load_plan
+from airflow_provider_vllm.core.spec import JobSpec
+from airflow_provider_vllm.worker.adapters import local_adapters
+with open(sys.argv[1]) as f:
+    spec = JobSpec.model_validate_json(f.read())
+with local_adapters(spec, load_plan(spec)) as paths:
+    print(json.dumps(paths), flush=True)
+    sys.stdin.readline()  # serves them until killed
+"""
+
+
+def test_adapter_copies_left_by_a_worker_killed_with_sigkill_are_removed_by_the_next_worker(
+    tmp_path, adapters, monkeypatch
+):
+    """A worker killed with SIGKILL (the OOM killer) cannot remove its adapter copies (each as large as an
+    adapter): the next worker's removes them before making its own."""
+    import os
+    import subprocess
+    import sys
+
+    from airflow_provider_vllm.core.plan import load_plan
+    from airflow_provider_vllm.worker.adapters import local_adapters
+    from tests.support import ROOT
+
+    root = tmp_path / "copies"
+    monkeypatch.setenv("VLLM_BATCH_ADAPTER_DIR", str(root))
+    write_rows(tmp_path / "in-a.parquet", [("b", "t", "billing"), ("r", "t", "refunds")])
+    spec = adapter_spec(tmp_path, adapters)
+    plan_job(spec)
+    (tmp_path / "spec.json").write_text(spec.model_dump_json())
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    args = [sys.executable, "-c", ADAPTER_HOLDER, str(tmp_path / "spec.json")]
+    killed = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
+    left = json.loads(killed.stdout.readline())
+    killed.kill()
+    killed.wait()
+    assert set(left) == {"billing", "refunds"} and all(Path(p).is_dir() for p in left.values())
+    with local_adapters(spec, load_plan(spec)) as paths:
+        assert not any(Path(p).exists() for p in left.values())
+        assert [p.name for p in root.iterdir() if p.is_dir()] == [Path(paths["billing"]).parent.name]
+    assert list(root.iterdir()) == []

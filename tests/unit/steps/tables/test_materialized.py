@@ -267,3 +267,61 @@ def test_a_materialized_pin_over_more_than_one_file_is_refused_not_asserted(tmp_
     two = plan.model_copy(update={"files": [*plan.files, *plan.files]})
     with pytest.raises(CommitError, match="materialized table input of 2 files"):
         two.input_storage(Storage(spec.io.output_uri), str(tmp_path / "tmp"))
+
+
+SHARD_READER = """
+import sys, tempfile
+tempfile.tempdir = sys.argv[1]
+from airflow_provider_vllm.core.plan import load_plan
+from airflow_provider_vllm.core.spec import JobSpec
+from airflow_provider_vllm.worker.shard import shard_input
+with open(sys.argv[2]) as f:
+    spec = JobSpec.model_validate_json(f.read())
+plan = load_plan(spec)
+with shard_input(spec, plan, plan.shards[0]) as root:
+    print(root.root, flush=True)
+    sys.stdin.readline()  # reads its rows until told to go on
+"""
+
+
+def test_a_shards_input_copy_left_by_a_worker_killed_with_sigkill_is_removed_by_the_next_one(
+    lake, tmp_path, monkeypatch
+):
+    """A shard reads its own input file from a checked local copy in a private folder of the worker
+    (``copies_folder("shard")``): a worker killed with SIGKILL while it reads leaves it, and the next worker's
+    removes it at once; one whose worker lives is kept."""
+    import subprocess
+    import sys
+
+    from airflow_provider_vllm.core import storage
+    from airflow_provider_vllm.worker.shard import shard_input
+    from tests.support import ROOT
+
+    spec = table_spec(str(tmp_path / "run"), row_filter=FILTER)
+    plan = plan_job(spec, tables=lake)
+    assert plan.shards[0].input_file is not None
+    (tmp_path / "spec.json").write_text(spec.model_dump_json())
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(storage.tempfile, "tempdir", str(temp))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+    def reader() -> tuple[subprocess.Popen, Path]:
+        args = [sys.executable, "-c", SHARD_READER, str(temp), str(tmp_path / "spec.json")]
+        proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
+        return proc, Path(proc.stdout.readline().strip())
+
+    live, kept = reader()
+    try:
+        killed, left = reader()
+        killed.kill()
+        killed.wait()
+        assert left.parent == temp and kept.parent == temp
+        assert [p for p in left.rglob("*") if p.is_file()] and [p for p in kept.rglob("*") if p.is_file()]
+        with shard_input(spec, plan, plan.shards[1]) as root:
+            assert not left.exists() and kept.is_dir()
+            assert Path(root.root).name.startswith(f"vllm-batch-shard-{os.getpid()}-")
+        assert left.name.startswith(f"vllm-batch-shard-{killed.pid}-")
+    finally:
+        live.communicate("go on\n")
+    assert live.returncode == 0 and list(temp.iterdir()) == []
