@@ -8,7 +8,9 @@
   from it in the entries' order (rows sharing an entry row in input order), so no answer is fetched at random
   and the answer columns never go through a join.
 * The misses file is written by DuckDB from the input's own columns (the worker renders prompts from exactly
-  these typed values, which the key encodes), with the keys of the first pass, in input order.
+  these typed values, which the key encodes), in input order, with each row's key computed again from the values
+  written beside it: it must be the key the first pass found at that place (``InputChangedError`` otherwise: the
+  input changed between the two reads).
 
 No Airflow.
 """
@@ -29,7 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from airflow_provider_vllm.core import duck
-from airflow_provider_vllm.core.errors import CommitError
+from airflow_provider_vllm.core.errors import CommitError, InputChangedError
 from airflow_provider_vllm.core.formats.files import Input
 from airflow_provider_vllm.core.plan import Passthrough
 from airflow_provider_vllm.core.rows import RESULT_COLUMNS
@@ -47,6 +49,7 @@ MISSES_ROW_GROUP = 4096  # the worker reads the row groups that hold its segment
 # rows the hits file's writer takes per step (pyarrow's default: 1,024): the same pages and bytes, but each step
 # updates every column's statistics and page state, about a sixth of the encoding's CPU at the default
 HITS_WRITE_BATCH = 1 << 16
+_CHANGED = "vllm-batch: the key of a miss row changed between the two reads of the input by the plan"
 
 
 def _q(col: str) -> str:
@@ -137,25 +140,56 @@ def match(
 
 def write_misses(
     con: duckdb.DuckDBPyConnection,
+    spec: JobSpec,
     found: Input,
+    khash: str,
+    types: dict[str, str],
     m: Matched,
     needed: list[str],
     dest: str,
 ) -> None:
-    """The miss rows (the input's ``needed`` columns, then the key) in input order, as DuckDB writes them."""
+    """The miss rows (the input's ``needed`` columns, then the key) in input order, as DuckDB writes them.
+
+    This is the plan's second read of the input (the keys pass was the first): each row's key is computed again
+    from the very values written beside it, and must be the key the keys pass found at that place.
+    InputChangedError otherwise: the input changed between the two reads (another writer of its folder), and a
+    key of one text beside another text would file that text's answer under the first text's key for every later
+    run (an object put back with its old bytes keeps its ETag, so the merge's check that the input is unchanged
+    need not see it). Costs a second sha256 of the miss rows only."""
     src = Source(found)
     places = np.concatenate(m.miss_places) if m.miss_places else np.zeros(0, np.int64)
     keys = np.concatenate(m.miss_keys) if m.miss_keys else np.zeros((0, KEY_BYTES), np.uint8)
     blobs = pa.FixedSizeBinaryArray.from_buffers(pa.binary(KEY_BYTES), len(keys), [None, pa.py_buffer(keys.tobytes())])
     con.register("_vllm_misses", pa.table({"_vllm_place": places, "_vllm_key": blobs.cast(pa.binary())}))
-    cols = ", ".join(f"i.{_q(c)}" for c in needed)
-    con.execute(
-        f"COPY (SELECT {cols}, m._vllm_key AS {KEY_COLUMN} FROM (SELECT {', '.join(_q(c) for c in needed)}, "
-        f"{src.place} AS _vllm_place FROM {src.scan}) i JOIN _vllm_misses m USING (_vllm_place) "
-        f"ORDER BY _vllm_place) TO '{_sql_str(dest)}' "
-        f"(FORMAT parquet, COMPRESSION zstd, ROW_GROUP_SIZE {MISSES_ROW_GROUP})"
-    ).fetchall()
-    con.unregister("_vllm_misses")
+    cols = ", ".join(f"j.{_q(c)}" for c in needed)
+    # the key over the columns of the joined row (miss rows only: the projection runs after the join)
+    again = key_sql(spec, khash, types)
+    try:
+        con.execute(
+            f"COPY (SELECT {cols}, CASE WHEN j._vllm_again = j._vllm_key THEN j._vllm_again "
+            f"ELSE error('{_CHANGED}') END AS {KEY_COLUMN} "
+            f"FROM (SELECT i.*, m._vllm_key, {again} AS _vllm_again FROM (SELECT "
+            f"{', '.join(_q(c) for c in needed)}, {src.place} AS _vllm_place FROM {src.scan}) i "
+            f"JOIN _vllm_misses m USING (_vllm_place)) j "
+            f"ORDER BY j._vllm_place) TO '{_sql_str(dest)}' "
+            f"(FORMAT parquet, COMPRESSION zstd, ROW_GROUP_SIZE {MISSES_ROW_GROUP})"
+        ).fetchall()
+    except duckdb.InvalidInputException as e:  # error() below
+        if _CHANGED not in str(e):
+            raise
+        raise InputChangedError(
+            f"the input {found.root.uri()} changed while the plan read it (a row's template values are not the "
+            "ones its key was computed from a moment before): another writer of its folder; plan again once it "
+            "holds still"
+        ) from None
+    finally:
+        con.unregister("_vllm_misses")
+    got = pq.ParquetFile(dest).metadata.num_rows
+    if got != len(places):
+        raise InputChangedError(
+            f"the input {found.root.uri()} changed while the plan read it ({len(places)} rows to infer were found, "
+            f"{got} read again); plan again once it holds still"
+        )
 
 
 def write_all_misses(

@@ -219,7 +219,7 @@ def plan_cache(
             m = matching.match(p.con, spec, found, p.khash, p.types, p.index, passthrough)
             p.index = None  # its memory, before the files are written
             rows, hits, hit_tokens = m.rows, m.hits, m.hit_tokens
-            matching.write_misses(p.con, found, m, needed, misses_local)
+            matching.write_misses(p.con, spec, found, p.khash, p.types, m, needed, misses_local)
             written = matching.write_hits(m, p.parts, schema, hits_local)
             if written != hits:
                 raise CommitError(f"cache: {hits} hits were found but {written} written (a bug); plan again")

@@ -21,7 +21,7 @@ import pytest
 
 from airflow_provider_vllm.core import faults
 from airflow_provider_vllm.core.engine_identity import local_engine_identity
-from airflow_provider_vllm.core.errors import CommitError, EngineError, SpecError
+from airflow_provider_vllm.core.errors import CommitError, EngineError, InputChangedError, SpecError
 from airflow_provider_vllm.core.plan import PLAN_FILE, Plan
 from airflow_provider_vllm.core.records import CacheCommit
 from airflow_provider_vllm.core.rows import RESULT_SCHEMA
@@ -909,3 +909,55 @@ def test_a_folder_planted_in_the_cache_is_skipped_not_the_plans_failure(tmp_path
     plan = plan_job(spec_for(tmp_path, "b"), engine_identity=ENGINE)
     assert plan.cache.hits == (0 if "part" in planted else len(IDS))
     assert any("cache: skipping" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+
+
+def test_an_input_rewritten_between_the_plans_two_reads_never_files_an_answer_under_another_texts_key(
+    tmp_path, fake_engine_factory, monkeypatch
+):
+    """The plan reads the input twice when the cache has entries: the keys pass (hit or miss, each row's key), then
+    the misses file (the values the worker renders). A writer of the input swaps a row's text in between and puts
+    the first bytes back before the merge (an S3 object rewritten with its old bytes keeps its ETag, so the merge's
+    check that the input is unchanged passes; simulated here). The misses file must carry the key of the values it
+    holds: before, it carried the first read's key beside the second read's text, so the merge filed the answer to
+    the swapped-in text under the key of the original one, and every later run asking the original text got it."""
+    from airflow_provider_vllm.steps.cache import matching
+    from airflow_provider_vllm.steps.merge import merger
+
+    write_parquet(tmp_path / "in-a.parquet", IDS, TEXTS)
+    run_job(spec_for(tmp_path, "a"), fake_engine_factory)  # the cache has entries: the plan reads the input twice
+    original = tmp_path / "in-b.parquet"
+    write_parquet(original, IDS + ["asked"], TEXTS + ["the text a later run asks"])
+    first = original.read_bytes()
+    swapped = tmp_path / "swapped.parquet"
+    write_parquet(swapped, IDS + ["asked"], TEXTS + ["another text altogether"])
+    real = matching.write_misses
+
+    def racing(*args, **kwargs):  # between the keys pass and the misses file: the text swapped, then put back
+        original.write_bytes(swapped.read_bytes())
+        try:
+            return real(*args, **kwargs)
+        finally:
+            original.write_bytes(first)
+
+    monkeypatch.setattr(matching, "write_misses", racing)
+    monkeypatch.setattr(merger, "check_unchanged", lambda *a, **k: None)  # S3: the same bytes, the same ETag
+    s2 = spec_for(tmp_path, "b")
+    with pytest.raises(InputChangedError, match="changed while the plan read it"):
+        run_job(s2, fake_engine_factory)
+    assert not (tmp_path / "out-b" / PLAN_FILE).exists()  # nothing a worker or the merge could act on
+    monkeypatch.undo()
+    p2, _ = run_job(s2, fake_engine_factory)  # planned again once the input holds still
+    assert p2.cache.misses == 1
+
+    # a later run asks the original text: it must get that text's answer, as a run without the cache computes it
+    write_parquet(tmp_path / "in-c.parquet", ["later"], ["the text a later run asks"])
+    s3 = spec_for(tmp_path, "c")
+    run_job(s3, fake_engine_factory)
+    fresh = make_spec(
+        tmp_path / "in-c.parquet",
+        tmp_path / "out-fresh",
+        model={"name": "fake", "max_model_len": 1024, "revision": PINNED_REVISION},
+    )
+    run_job(fresh, fake_engine_factory)
+    got, want = results(s3)["later"], results(fresh)["later"]
+    assert got["prompt_hash"] == want["prompt_hash"], "the answer of another text was served from the cache"
