@@ -961,3 +961,55 @@ def test_an_input_rewritten_between_the_plans_two_reads_never_files_an_answer_un
     run_job(fresh, fake_engine_factory)
     got, want = results(s3)["later"], results(fresh)["later"]
     assert got["prompt_hash"] == want["prompt_hash"], "the answer of another text was served from the cache"
+
+
+@pytest.mark.parametrize(
+    "forged",
+    [
+        "a genuine entry of another cache folder copied here",
+        "an entry sealed with the worker key for the cache-entry domain",
+        "a genuine entry of another key config moved under this one",
+    ],
+)
+def test_entries_no_trusted_writer_vouched_for_here_serve_nothing(tmp_path, fake_engine_factory, caplog, forged):
+    """What a shard worker (the worker key only) or a writer of one cache folder can make of genuine entries: a
+    commit sealed for another cache folder (the seal's scope), one a worker sealed itself with its key for the
+    cache-entry domain (its HMAC made by hand: the worker keyring refuses the domain), and one of another key config
+    put in this key config's folder (the sealed key_hash) are read as no entry: every row is a miss."""
+    import hmac
+    import shutil
+
+    from airflow_provider_vllm.core.seal import FORMAT, Seal, canonical, kid_of, sealed_doc
+
+    write_parquet(tmp_path / "in-a.parquet", IDS, TEXTS)
+    other = "other-cache" if "cache folder" in forged else "cache"
+    prompt = {"template": "Ticket:  {text}"} if "key config" in forged else {}
+    s1 = spec_for(tmp_path, "a", cache_dir=tmp_path / other, **({"prompt": prompt} if prompt else {}))
+    p1, _ = run_job(s1, fake_engine_factory)
+    eid = cache.entry_id(p1, s1.io.output_uri)
+    write_parquet(tmp_path / "in-b.parquet", IDS, TEXTS)
+    s2 = spec_for(tmp_path, "b")
+    here = tmp_path / "cache"
+    src_commit = _commit(tmp_path / other, p1, eid)
+    if "cache folder" in forged:
+        shutil.copytree(tmp_path / other, here)
+    elif "worker key" in forged:
+        c = CacheCommit.model_validate_json(src_commit.read_bytes())
+        wk = Keyring.from_env().worker_keyring()
+        key = next(iter(wk._workers.by_kid.values()))
+        doc = sealed_doc(c)
+        msg = b"\x00".join([FORMAT, CACHE_ENTRY.encode(), scope_of(str(here)).encode(), canonical(doc)])
+        seal = Seal(kid=kid_of(key), mac=hmac.new(key, msg, hashlib.sha256).hexdigest())
+        src_commit.write_bytes(record_bytes(c.model_copy(update={"seal": seal})))
+    p2, _ = run_job(s2, fake_engine_factory)
+    if "key config" in forged:  # moved into the folder this key config's plan lists
+        assert p2.cache.hits == 0
+        s3 = spec_for(tmp_path, "c")
+        write_parquet(tmp_path / "in-c.parquet", IDS, TEXTS)
+        mine = _commit(here, p2, "f" * 32)
+        mine.write_bytes(src_commit.read_bytes())
+        p3 = plan_job(s3, engine_identity=ENGINE)
+        assert p3.cache.commits_read == [cache.entry_id(p2, s2.io.output_uri)]  # only run b's own entry
+        return
+    assert p2.cache.hits == 0 and p2.cache.commits_read == []
+    assert f"cache: skipping {src_commit if 'worker' in forged else _commit(here, p1, eid)}" in caplog.text
