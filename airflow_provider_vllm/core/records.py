@@ -474,7 +474,8 @@ class CacheCommit(Record):
     version: int = Field(2, description="marker format version (2: sealed, per-row computed_at, compaction)")
     entry_id: str = Field(
         pattern=r"^[0-9a-f]{32}$",
-        description="derived from the run that computed the answers (spec hash + output URI), or from the "
+        description="derived from the merge that filed the answers (spec hash + output URI + the sha256 of the "
+        "parts its shards computed), or from the "
         "entries a compaction merged",
     )
     key_hash: str = Field(
@@ -490,8 +491,8 @@ class CacheCommit(Record):
     created: str = Field(description="UTC time of the commit (ISO 8601), as the sealing merge wrote it")
     supersedes: list[str] = Field(
         default_factory=list,
-        description="a compaction: the entries whose rows this entry holds (their newest answer per key); "
-        "readers skip them",
+        description="a compaction: the entries whose rows this entry holds (their newest answer per key); a "
+        "merge of a run merged before over other parts: the entries of its earlier merges; readers skip them",
     )
     seal: Seal | None = Field(None, description="the writing merge's seal; an entry without a valid one is never read")
 

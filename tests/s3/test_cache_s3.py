@@ -16,11 +16,10 @@ import pytest
 from airflow_provider_vllm.core import faults
 from airflow_provider_vllm.core.engine_identity import local_engine_identity
 from airflow_provider_vllm.core.storage import Storage
-from airflow_provider_vllm.steps.cache import result_cache as cache
 from airflow_provider_vllm.steps.cache.store import CacheStore
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
-from tests.support.data import PINNED_REVISION, make_spec, merge, shard_task
+from tests.support.data import PINNED_REVISION, cache_entry_id, make_spec, merge, shard_task
 from tests.support.ledger import record_fault
 from tests.support.s3server import MotoServer
 
@@ -79,7 +78,7 @@ def test_cache_commit_rules_on_s3(s3, fake_engine_factory, set_faults, monkeypat
         merge(sa)
     set_faults("")
     st = Storage("s3://data/cache", s3.storage_options)
-    eid = cache.entry_id(plan_a, sa.io.output_uri)
+    eid = cache_entry_id(sa, plan_a)
     commit = f"{CacheStore.commit_dir(plan_a.cache.key_hash)}/{eid}.json"
     assert st.exists(f"entries/{eid}/part-00000.parquet") and not st.exists(commit)
     put_input(s3, "b", ids, texts)

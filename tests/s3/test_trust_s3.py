@@ -17,7 +17,6 @@ from airflow_provider_vllm.core.errors import CommitError
 from airflow_provider_vllm.core.records import CacheCommit
 from airflow_provider_vllm.core.seal import CACHE_ENTRY, Keyring, record_bytes, seal_record
 from airflow_provider_vllm.core.storage import Storage
-from airflow_provider_vllm.steps.cache import result_cache as cache
 from airflow_provider_vllm.steps.cache.store import CacheStore
 from airflow_provider_vllm.steps.merge.merger import (
     RESULTS,
@@ -142,10 +141,11 @@ def test_a_same_size_swap_of_a_published_part_on_s3_is_caught(env, fake_engine_f
 def test_a_future_dated_entry_on_s3_never_wins(env, fake_engine_factory):
     sa = spec(env, "dated-a", cache_uri="s3://data/dated-cache")
     pa_ = run_shards(sa, fake_engine_factory)
-    merge(sa)
+    merged = merge(sa)
     genuine = labels(Storage(sa.io.output_uri, env.storage_options))
     st = Storage("s3://data/dated-cache", env.storage_options)
-    eid = cache.entry_id(pa_, sa.io.output_uri)
+    assert merged.cache is not None
+    eid = merged.cache.entry_id
     folder = CacheStore.commit_dir(pa_.cache.key_hash)
     doc = json.loads(st.read_bytes(f"{folder}/{eid}.json"))
     with st.open(doc["files"][0]["path"]) as f:

@@ -28,6 +28,7 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -80,9 +81,12 @@ def _q(col: str) -> str:
     return '"' + col.replace('"', '""') + '"'
 
 
-def entry_id(plan: Plan, output_uri: str) -> str:
-    """The cache entry of one run: the same run (spec hash, output prefix) always gets the same id."""
-    return hashlib.sha256(f"{plan.spec_hash}\n{output_uri.rstrip('/')}".encode()).hexdigest()[:32]
+def entry_id(plan: Plan, output_uri: str, made_from: Sequence[str]) -> str:
+    """The cache entry of one merge of a run: the same run (spec hash, output prefix) merged from the same computed
+    parts (``made_from``: their sha256, in the results manifest's order) always gets the same id, so a merge run
+    again after a crash commits once; merged again from other parts (its shards run again), another id."""
+    doc = "\n".join([plan.spec_hash, output_uri.rstrip("/"), *made_from])
+    return hashlib.sha256(doc.encode()).hexdigest()[:32]
 
 
 # ---- plan -------------------------------------------------------------------------------
@@ -417,6 +421,8 @@ def append_results(
     keyring: Keyring,
     filesystems: FileSystems | None = None,
     reads_clock: list[bool | None] | None = None,
+    *,
+    made_from: Sequence[str],
 ) -> CacheMergeSummary:
     """This run's ok rows (``computed``: local copies of the published result parts this run's shards made, each
     checked against the run's manifest as it was copied, ``storage.CheckedCopies``) -> this run's entry, sealed;
@@ -424,15 +430,19 @@ def append_results(
     replaced in the bucket after the merge checked it never reaches the cache.
 
     ``made_by``: the engine identities the workers sealed into their markers (``engines_differ``); ``reads_clock``:
-    whether each worker found that the chat template reads the clock (``prompts_vary``).
-    Idempotent: a merge rerun finds the commit and appends nothing; one killed before it rewrites the
-    part (the same path) and commits. Entry rows: key (from the shards' input files, fetched and checked
-    against the sealed plan), source_id, the answer columns, cached_from, computed_at.
+    whether each worker found that the chat template reads the clock (``prompts_vary``); ``made_from``: the sha256
+    of the parts ``computed`` copies, in the results manifest's order (``entry_id``).
+    Idempotent: a merge rerun over the same parts finds the commit and appends nothing; one killed before it
+    rewrites the part (the same path) and commits. A merge of the run over other parts (its shards run again) files
+    them as another entry that supersedes the entries of the run's earlier merges (readers skip those; they are
+    removed once the new commit is there), so the cache holds what the run's last merge published, never the answers
+    of a merge it replaced. Entry rows: key (from the shards' input files, fetched and checked against the sealed
+    plan), source_id, the answer columns, cached_from, computed_at.
     """
     cp = plan.cache
     assert cp is not None
     store = CacheStore(cp.uri, spec.io.storage_options, keyring, filesystems)
-    eid = entry_id(plan, spec.io.output_uri)
+    eid = entry_id(plan, spec.io.output_uri, made_from)
     done = store.read_commit(cp.key_hash, eid)
     if done is not None:
         return CacheMergeSummary(
@@ -484,6 +494,12 @@ def append_results(
         rows = pq.ParquetFile(local).metadata.num_rows
         if rows == 0:
             return CacheMergeSummary(uri=cp.uri, hits=cp.hits, appended=0)
+        # the live entries of this run's earlier merges (the same output prefix and spec, other parts)
+        earlier = [
+            c.entry_id
+            for c in store.committed(cp.key_hash)
+            if c.source_output_uri == origin and c.source_spec_hash == plan.spec_hash and c.entry_id != eid
+        ]
         made = store.write(
             cp.key_hash,
             eid,
@@ -495,7 +511,13 @@ def append_results(
                 "spec_hash": plan.spec_hash,
                 "engine": str(cp.key_config.get("engine_identity")),
             },
+            supersedes=earlier,
         )
+        if earlier and store.read_commit(cp.key_hash, eid) is not None:
+            store.drop(cp.key_hash, earlier)
+            log.info(
+                "cache %s: entry %s supersedes the entries %s of earlier merges of %s", cp.uri, eid, earlier, origin
+            )
         log.info("cache %s: entry %s %s with %d rows", cp.uri, eid, "committed" if made else "already committed", rows)
         compacted = store.compact(cp.key_hash, tmp)
     return CacheMergeSummary(

@@ -217,11 +217,16 @@ class CacheStore:
         self.write(khash, eid, local, rows, {"engine": "compaction"}, supersedes=[c.entry_id for c in live])
         if self.read_commit(khash, eid) is None:  # never remove what no verified commit supersedes
             return None
-        for c in live:  # the commit first: the entry is then invisible at once; its part after
-            self.st.remove(f"{self.commit_dir(khash)}/{c.entry_id}.json")
-            self.st.remove(f"{ENTRIES}/{c.entry_id}", recursive=True)
+        self.drop(khash, [c.entry_id for c in live])
         log.info("cache %s: compacted %d entries into %s (%d rows)", self.st.uri(), len(live), eid, rows)
         return eid
+
+    def drop(self, khash: str, eids: Sequence[str]) -> None:
+        """Remove entries a verified commit supersedes: each commit first (the entry is then invisible at once),
+        its part after."""
+        for e in eids:
+            self.st.remove(f"{self.commit_dir(khash)}/{e}.json")
+            self.st.remove(f"{ENTRIES}/{e}", recursive=True)
 
 
 def _check(c: CacheCommit, khash: str, eid: str) -> str | None:

@@ -314,16 +314,13 @@ def _merge(
     if hits is not None:
         not_computed = {hits[1], *(name for _, name in followers.values())}
         # the published parts as their manifest names them, read from copies checked against it
-        computed = copies.all(
-            [
-                (f"{RESULTS}/{p.name}", p.bytes, p.sha256)
-                for p in manifests[RESULTS].parts
-                if p.name not in not_computed and p.rows
-            ]
-        )
+        filed = [p for p in manifests[RESULTS].parts if p.name not in not_computed and p.rows]
+        computed = copies.all([(f"{RESULTS}/{p.name}", p.bytes, p.sha256) for p in filed])
         made_by = [m.engine_identity for m in markers]
         clock = [m.prompt_reads_clock for m in markers]
-        cache_summary = cache.append_results(out, spec, plan, computed, made_by, keyring, filesystems, clock)
+        cache_summary = cache.append_results(
+            out, spec, plan, computed, made_by, keyring, filesystems, clock, made_from=[p.sha256 for p in filed]
+        )
     golden = (  # the golden rows that ride along: checked like the input's, published apart, under golden/
         merge_golden(
             out,

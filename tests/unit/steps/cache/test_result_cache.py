@@ -32,7 +32,7 @@ from airflow_provider_vllm.steps.cache.store import CacheStore
 from airflow_provider_vllm.steps.merge.merger import MERGED, RESULTS
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
-from tests.support.data import PINNED_REVISION, make_spec, merge, shard_task, write_parquet
+from tests.support.data import PINNED_REVISION, cache_entry_id, make_spec, merge, shard_task, write_parquet
 from tests.support.ledger import record_fault
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -116,7 +116,7 @@ def test_second_run_infers_only_changed_and_new_rows(tmp_path, fake_engine_facto
             "uri": str(tmp_path / "cache"),
             "hits": 46,
             "appended": 5,
-            "entry_id": cache.entry_id(p2, s2.io.output_uri),
+            "entry_id": cache_entry_id(s2, p2),
             "committed_by": "this_merge",
         }
     )
@@ -228,7 +228,7 @@ def test_only_sealed_committed_entries_of_this_key_are_read(tmp_path, fake_engin
     write_parquet(tmp_path / "in-a.parquet", IDS, TEXTS)
     s1 = spec_for(tmp_path, "a")
     p1, _ = run_job(s1, fake_engine_factory)
-    eid = cache.entry_id(p1, s1.io.output_uri)
+    eid = cache_entry_id(s1, p1)
     store = tmp_path / "cache"
     marker = _commit(store, p1, eid)
     # an entry whose part changed (even keeping its size) is skipped whole; a stray or half file is ignored
@@ -290,7 +290,7 @@ def test_a_future_dated_entry_of_another_writer_never_wins(tmp_path, fake_engine
     p1, _ = run_job(s1, fake_engine_factory)
     genuine = {i: r["label"] for i, r in results(s1).items()}
     store = tmp_path / "cache"
-    eid = cache.entry_id(p1, s1.io.output_uri)
+    eid = cache_entry_id(s1, p1)
     _forged_entry(store, p1, eid, "e" * 32, "forged", "2999-01-01T00:00:00+00:00", None)
     _forged_entry(store, p1, eid, "d" * 32, "forged2", "2999-01-01T00:00:00+00:00", Keyring.from_text("x" * 48))
     write_parquet(tmp_path / "in-b.parquet", IDS, TEXTS)
@@ -308,7 +308,7 @@ def test_the_newest_sealed_answer_wins_a_key(tmp_path, fake_engine_factory):
     s1 = spec_for(tmp_path, "a")
     p1, _ = run_job(s1, fake_engine_factory)
     store = tmp_path / "cache"
-    eid = cache.entry_id(p1, s1.io.output_uri)
+    eid = cache_entry_id(s1, p1)
     _forged_entry(store, p1, eid, "e" * 32, "newer", "2999-01-01T00:00:00+00:00", Keyring.from_env())
     write_parquet(tmp_path / "in-b.parquet", IDS, TEXTS)
     s2 = spec_for(tmp_path, "b")
@@ -387,13 +387,13 @@ def test_merge_failing_at_a_cache_step_converges(tmp_path, fake_engine_factory, 
             assert list((tmp_path / "cache" / "commits").glob("*/*.tmp-*"))
     store = tmp_path / "cache"
     committed = point == "cache.after_commit"
-    assert _entries(store) == ([f"{cache.entry_id(plan, s1.io.output_uri)}.json"] if committed else [])
+    assert _entries(store) == ([f"{cache_entry_id(s1, plan)}.json"] if committed else [])
     # another run planned now sees the whole entry or nothing of it
     write_parquet(tmp_path / "in-x.parquet", IDS, TEXTS)
     seen = plan_job(spec_for(tmp_path, "x"), engine_identity=ENGINE).cache.hits
     assert seen == (50 if committed else 0)
     summary = merge(s1).dump()
-    entry = pq.read_table(store / "entries" / cache.entry_id(plan, s1.io.output_uri) / "part-00000.parquet")
+    entry = pq.read_table(store / "entries" / cache_entry_id(s1, plan) / "part-00000.parquet")
     got = entry.column("source_id").to_pylist()
     record_fault(
         f"{'kill9' if action == 'kill' else 'raise'}.{point}",
@@ -406,7 +406,7 @@ def test_merge_failing_at_a_cache_step_converges(tmp_path, fake_engine_factory, 
     assert sorted(got) == IDS
     assert summary["cache"]["appended"] == 50
     assert summary["cache"]["committed_by"] == ("earlier_merge" if committed else "this_merge")
-    assert _entries(store) == [f"{cache.entry_id(plan, s1.io.output_uri)}.json"]
+    assert _entries(store) == [f"{cache_entry_id(s1, plan)}.json"]
     assert json.loads((tmp_path / "out-a" / MERGED).read_text())["ok_rows"] == 50
     # a third merge appends nothing new
     assert merge(s1).dump()["cache"]["committed_by"] == "earlier_merge"
@@ -986,7 +986,7 @@ def test_entries_no_trusted_writer_vouched_for_here_serve_nothing(tmp_path, fake
     prompt = {"template": "Ticket:  {text}"} if "key config" in forged else {}
     s1 = spec_for(tmp_path, "a", cache_dir=tmp_path / other, **({"prompt": prompt} if prompt else {}))
     p1, _ = run_job(s1, fake_engine_factory)
-    eid = cache.entry_id(p1, s1.io.output_uri)
+    eid = cache_entry_id(s1, p1)
     write_parquet(tmp_path / "in-b.parquet", IDS, TEXTS)
     s2 = spec_for(tmp_path, "b")
     here = tmp_path / "cache"
@@ -1009,7 +1009,43 @@ def test_entries_no_trusted_writer_vouched_for_here_serve_nothing(tmp_path, fake
         mine = _commit(here, p2, "f" * 32)
         mine.write_bytes(src_commit.read_bytes())
         p3 = plan_job(s3, engine_identity=ENGINE)
-        assert p3.cache.commits_read == [cache.entry_id(p2, s2.io.output_uri)]  # only run b's own entry
+        assert p3.cache.commits_read == [cache_entry_id(s2, p2)]  # only run b's own entry
         return
     assert p2.cache.hits == 0 and p2.cache.commits_read == []
     assert f"cache: skipping {src_commit if 'worker' in forged else _commit(here, p1, eid)}" in caplog.text
+
+
+def test_a_run_merged_again_with_other_answers_files_those_answers_not_the_first_merges(
+    tmp_path, fake_engine_factory, monkeypatch
+):
+    """A run's shards answered wrongly (say, a faulty GPU: every row one label), its merge filed those answers in the
+    cache, QA caught them; the shards' folders are deleted, the shards run again and the run is merged again with
+    the right answers, which it publishes. The cache must then serve what that run published. Before, the entry's id
+    came from the run alone: the second merge found the first merge's commit, appended nothing
+    (``committed_by: earlier_merge``), and every later run was served the wrong answers."""
+    import shutil
+
+    from tests.support import fakes
+
+    write_parquet(tmp_path / "in-a.parquet", IDS, TEXTS)
+    s1 = spec_for(tmp_path, "a")
+    with monkeypatch.context() as m:
+        m.setattr(fakes, "answer", lambda spec, *a, **k: spec.sampling.structured.choice[0])  # the faulty node
+        p1, m1 = run_job(s1, fake_engine_factory)
+    assert m1["cache"]["committed_by"] == "this_merge"
+    wrong = {i: r["label"] for i, r in results(s1).items()}
+    shutil.rmtree(tmp_path / "out-a" / "shards")  # the operator deletes the shards' folders and runs them again
+    for s in p1.shards:
+        run_shard(shard_task(spec=s1, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+    m1b = merge(s1).dump()
+    published = {i: r["label"] for i, r in results(s1).items()}
+    assert published != wrong and m1b["cache"]["appended"] == len(IDS)
+    assert m1b["cache"]["entry_id"] != m1["cache"]["entry_id"]
+    assert _entries(tmp_path / "cache") == [f"{m1b['cache']['entry_id']}.json"]  # the first merge's: superseded, gone
+    assert merge(s1).dump()["cache"]["committed_by"] == "earlier_merge"  # merged again over the same parts: once
+
+    write_parquet(tmp_path / "in-b.parquet", IDS, TEXTS)
+    s2 = spec_for(tmp_path, "b")
+    p2, _ = run_job(s2, fake_engine_factory)
+    assert p2.cache.hits == len(IDS)
+    assert {i: r["label"] for i, r in results(s2).items()} == published
