@@ -32,7 +32,15 @@ from airflow_provider_vllm.steps.cache.store import CacheStore
 from airflow_provider_vllm.steps.merge.merger import MERGED, RESULTS
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
-from tests.support.data import PINNED_REVISION, cache_entry_id, make_spec, merge, shard_task, write_parquet
+from tests.support.data import (
+    LABELS,
+    PINNED_REVISION,
+    cache_entry_id,
+    make_spec,
+    merge,
+    shard_task,
+    write_parquet,
+)
 from tests.support.ledger import record_fault
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -1049,3 +1057,44 @@ def test_a_run_merged_again_with_other_answers_files_those_answers_not_the_first
     p2, _ = run_job(s2, fake_engine_factory)
     assert p2.cache.hits == len(IDS)
     assert {i: r["label"] for i, r in results(s2).items()} == published
+
+
+def test_a_merge_killed_before_it_removed_the_entries_it_supersedes_still_serves_its_own(
+    tmp_path, fake_engine_factory, monkeypatch, set_faults
+):
+    """A run merged over parts A, then B, then A again (its shards run again each time; a rerun's parts are other bytes,
+    so each merge files its own entry): the third merge stops right after its commit, before it removes the second
+    merge's entry. Its commit already supersedes that entry: a later run is served the answers the run's last merge
+    published, never the second merge's."""
+    import shutil
+
+    from tests.support import fakes
+
+    write_parquet(tmp_path / "in-a.parquet", IDS, TEXTS)
+    s1 = spec_for(tmp_path, "a")
+    faulty = lambda spec, *a, **k: spec.sampling.structured.choice[0]  # noqa: E731
+
+    def merge_again(answer=None):
+        shutil.rmtree(tmp_path / "out-a" / "shards")
+        with monkeypatch.context() as m:
+            if answer is not None:
+                m.setattr(fakes, "answer", answer)
+            for s in p1.shards:
+                run_shard(shard_task(spec=s1, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+        return merge(s1)
+
+    with monkeypatch.context() as m:
+        m.setattr(fakes, "answer", faulty)
+        p1, _ = run_job(s1, fake_engine_factory)
+    merge_again()  # B: the right answers
+    set_faults("cache.after_commit=raise")
+    with pytest.raises(faults.InjectedFault):
+        merge_again(faulty)  # A again, stopped before it removed B's entry
+    set_faults("")
+    published = {i: r["label"] for i, r in results(s1).items()}  # the parts A, as merged last (not yet sealed)
+    assert set(published.values()) == {LABELS[0]}
+
+    write_parquet(tmp_path / "in-b.parquet", IDS, TEXTS)
+    p2, _ = run_job(spec_for(tmp_path, "b"), fake_engine_factory)
+    assert p2.cache.hits == len(IDS)
+    assert {i: r["label"] for i, r in results(spec_for(tmp_path, "b")).items()} == published
