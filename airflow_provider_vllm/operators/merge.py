@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from airflow.sdk import BaseOperator
-from airflow.sdk.exceptions import AirflowFailException
+from airflow.sdk.exceptions import AirflowFailException, XComNotFound
 from pydantic import ValidationError
 
 from airflow_provider_vllm.core.plan import PlanRef, load_plan
@@ -15,7 +15,7 @@ from airflow_provider_vllm.hooks.filesystems import task_filesystems
 from airflow_provider_vllm.steps.lineage import merge_lineage
 from airflow_provider_vllm.steps.merge.merger import merge
 from airflow_provider_vllm.utils.deployment import check_spec_allowed, signing_keyring
-from airflow_provider_vllm.utils.job_spec import data_plane_errors, load_spec, plan_ref
+from airflow_provider_vllm.utils.job_spec import PLAN_XCOM_KEY, data_plane_errors, load_spec, plan_ref
 from airflow_provider_vllm.utils.worker_outcome import first_error
 
 
@@ -37,7 +37,8 @@ class VllmMergeOperator(BaseOperator):
     ``{"plan_mac": ..., "plan_sha256": ...}``; ``vllm_batch_job`` passes ``plan.output["plan"]``): merge takes
     ``_plan.json`` only when it is that plan, never another sealed plan of the folder put back (an earlier plan or
     run of the same output prefix). Required: without it, or with a value that is no plan identity, the task fails
-    without retry.
+    without retry; so does a plan task that pushed no such value (a run planned by a version before merge took it:
+    Airflow's ``XComNotFound``, which it would retry, to no avail).
 
     ``aws_conn_id`` / ``gcp_conn_id``: the Airflow Connections through which this task reaches
     ``s3://`` / ``gs://`` locations (DAG-file settings, never templated; None: ``[vllm_batch]
@@ -48,6 +49,8 @@ class VllmMergeOperator(BaseOperator):
     template_fields: Sequence[str] = ("spec", "shard_results", "plan")
     template_fields_renderers = {"spec": "json", "shard_results": "json", "plan": "json"}
     ui_color = "#e6f4ea"
+    # the plan task pushed no value under PLAN_XCOM_KEY (``render_template``): execute fails without retry, naming it
+    _plan_not_pushed: XComNotFound | None = None
 
     def __init__(
         self,
@@ -70,9 +73,29 @@ class VllmMergeOperator(BaseOperator):
         self.shard_results = shard_results
         self.require_shard_results = require_shard_results
 
+    def render_template(
+        self, content: Any, context: Any, jinja_env: Any = None, seen_oids: set[int] | None = None
+    ) -> Any:
+        """Airflow's rendering; but ``plan`` naming a value its plan task never pushed (``XComNotFound`` for the key
+        ``plan``: a run planned by a version before merge took it) is kept for ``execute``, which fails without
+        retry naming it. Airflow fails the task on ``XComNotFound`` while rendering, and retries it, to no avail."""
+        try:
+            return super().render_template(content, context, jinja_env, seen_oids)
+        except XComNotFound as e:
+            if content is not self.plan or e.key != PLAN_XCOM_KEY:
+                raise
+            self._plan_not_pushed = e
+            return None
+
     def execute(self, context: Any) -> dict[str, Any]:
         spec = load_spec(self.spec, "merge")
         check_spec_allowed(spec, "merge")  # the spec came through XCom: the deployment's rules again
+        if self._plan_not_pushed is not None:
+            raise AirflowFailException(
+                f"merge: the plan task ({self._plan_not_pushed.task_id}) pushed no value under XCom key "
+                f"{PLAN_XCOM_KEY!r}, which names the sealed plan merge takes: the run was planned by a version before "
+                "merge took it. Run the job again from its plan task (clear it with its downstream tasks)"
+            )
         pinned = plan_ref(self.plan, "merge")
         with data_plane_errors("merge"):
             summary = merge(

@@ -91,6 +91,43 @@ def test_a_merge_task_given_no_plan_identity_fails_without_retry(tmp_path, fake_
     assert not (tmp_path / "out" / "_MERGED.json").exists()
 
 
+def test_a_run_planned_before_merge_took_the_plan_fails_without_retry(tmp_path, fake_engine_factory):
+    """A run whose plan task (an earlier version) pushed no value under the key ``plan``: Airflow's ``XComNotFound``
+    while rendering would fail the merge task and retry it, to no avail; the task fails without retry, naming the
+    key and what to do, before it reads or writes anything. Another missing value (the spec) is Airflow's as before."""
+    from airflow.sdk import DAG
+    from airflow.sdk.exceptions import XComNotFound
+
+    from airflow_provider_vllm.operators.plan import VllmPlanOperator
+    from tests.support.task_context import FakeTI
+
+    spec, _ = committed_job(tmp_path, fake_engine_factory, n=20)
+    with DAG("d", schedule=None):
+        plan = VllmPlanOperator(task_id="plan", spec=spec)
+        op = VllmMergeOperator(task_id="merge", spec=plan.output["spec"], plan=plan.output["plan"])
+
+    class PlannedBefore(FakeTI):
+        pushed = {"spec": spec}  # what the plan task of an earlier version pushed: no "plan"
+
+        def xcom_pull(self, task_ids=None, key="return_value", default=None, map_indexes=None, **_):
+            return self.pushed.get(key, default)
+
+    ctx = context()
+    ctx["ti"] = PlannedBefore()
+    op.render_template_fields(ctx)
+    with pytest.raises(
+        AirflowFailException, match=r"merge: the plan task \(plan\) pushed no value under XCom key 'plan'"
+    ):
+        op.execute(ctx)
+    assert not (tmp_path / "out" / "_MERGED.json").exists()
+    PlannedBefore.pushed = {}
+    with DAG("d2", schedule=None):
+        plan = VllmPlanOperator(task_id="plan", spec=spec)
+        op = VllmMergeOperator(task_id="merge", spec=plan.output["spec"], plan=plan.output["plan"])
+    with pytest.raises(XComNotFound, match='key="spec"'):
+        op.render_template_fields(ctx)
+
+
 def test_a_spec_that_is_not_a_job_spec_fails_without_retry():
     with pytest.raises(AirflowFailException, match="merge: invalid job spec"):
         VllmMergeOperator(task_id="merge", spec={"model": {"name": "m"}}).execute(context())
