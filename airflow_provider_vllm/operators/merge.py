@@ -9,7 +9,7 @@ from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException, XComNotFound
 from pydantic import ValidationError
 
-from airflow_provider_vllm.core.plan import PlanRef, load_plan
+from airflow_provider_vllm.core.plan import Plan, PlanRef, load_plan
 from airflow_provider_vllm.core.records import WorkerManifest, read_manifest
 from airflow_provider_vllm.hooks.filesystems import task_filesystems
 from airflow_provider_vllm.steps.lineage import merge_lineage
@@ -97,6 +97,7 @@ class VllmMergeOperator(BaseOperator):
                 "merge took it. Run the job again from its plan task (clear it with its downstream tasks)"
             )
         pinned = plan_ref(self.plan, "merge")
+        lineage_plan = self._lineage_plan(spec, pinned)  # before the merge writes anything
         with data_plane_errors("merge"):
             summary = merge(
                 spec,
@@ -122,7 +123,7 @@ class VllmMergeOperator(BaseOperator):
             summary.rows / infer_s if infer_s else 0.0,
             summary.merge_s,
         )
-        self._lineage = self._merge_lineage(spec, summary, pinned)
+        self._lineage = self._merge_lineage(spec, summary, lineage_plan)
         return summary.xcom()
 
     def _reported_attempts(self) -> dict[str, str] | None:
@@ -145,15 +146,22 @@ class VllmMergeOperator(BaseOperator):
                 )
         return reported
 
-    def _merge_lineage(self, spec: Any, summary: Any, pinned: PlanRef) -> Any:
-        """The lineage, with the plan's adapter identities and passthrough columns when the job has them (from the
-        plan merge ran under)."""
+    def _lineage_plan(self, spec: Any, pinned: PlanRef) -> Plan | None:
+        """The plan merge runs under (the plan task's: ``pinned``), for the lineage's adapter identities, passthrough
+        columns and table when the job has them (None otherwise). Read before the merge writes anything: another
+        plan put back at ``_plan.json`` then fails the task before it merged, never after it sealed its merge."""
         if not (spec.model.adapters or spec.io.passthrough or spec.io.input_table):
-            return merge_lineage(spec, summary)
+            return None
         with data_plane_errors("merge"):
-            plan = load_plan(
+            return load_plan(
                 spec, task_filesystems(self.aws_conn_id, self.gcp_conn_id), signing_keyring(), pinned=pinned
             )
+
+    def _merge_lineage(self, spec: Any, summary: Any, plan: Plan | None) -> Any:
+        """The lineage, with the plan's adapter identities and passthrough columns when the job has them (``plan``:
+        the plan merge ran under, ``_lineage_plan``)."""
+        if plan is None:
+            return merge_lineage(spec, summary)
         return merge_lineage(spec, summary, plan.adapters, plan.passthrough, plan.table)
 
     def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:

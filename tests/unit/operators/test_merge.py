@@ -74,6 +74,32 @@ def test_merge_runs_only_under_the_plan_the_plan_task_named(tmp_path, fake_engin
     assert VllmMergeOperator(task_id="merge", spec=spec, plan=named).execute(context())["rows"] == 60
 
 
+def test_a_plan_put_back_after_the_merge_wrote_does_not_fail_the_merge_task(tmp_path, fake_engine_factory, monkeypatch):
+    """The lineage's plan (a job with passthrough columns) is the plan merge ran under, read before the merge writes:
+    an earlier sealed plan of the folder put back at ``_plan.json`` right after the merge sealed ``_MERGED.json`` does
+    not fail the task after the fact with "not merging" (QA, which follows the sealed merge, then refuses it)."""
+    import shutil
+
+    out = tmp_path / "out"
+    over = {"io": {"passthrough": ["text"]}}
+    committed_job(tmp_path, fake_engine_factory, n=40, run=[], **over)  # an earlier plan of this output prefix
+    earlier = (out / "_plan.json").read_bytes()
+    shutil.rmtree(out)
+    spec, _ = committed_job(tmp_path, fake_engine_factory, n=60, **over)
+    named = plan_xcom(spec)
+    real = merge_operator.merge
+
+    def merge_then_put_back(*args, **kwargs):
+        summary = real(*args, **kwargs)
+        (out / "_plan.json").write_bytes(earlier)
+        return summary
+
+    monkeypatch.setattr(merge_operator, "merge", merge_then_put_back)
+    op = VllmMergeOperator(task_id="merge", spec=spec, plan=named)
+    assert op.execute(context())["rows"] == 60 and (out / "_MERGED.json").exists()
+    assert ("text", "string") in op._lineage.outputs[0].fields  # the passthrough column, from the merge's plan
+
+
 @pytest.mark.parametrize(
     "value, message",
     [
