@@ -106,6 +106,11 @@ def test_a_plan_put_back_after_the_merge_wrote_does_not_fail_the_merge_task(tmp_
         (None, "merge: no plan identity given"),
         ({"plan_mac": "a" * 64}, "merge: plan .*: not a plan identity: plan_sha256: Field required"),
         ("a" * 64, "merge: plan .*: not a plan identity"),
+        # the plan task's return value (its shards) where its value under the key "plan" belongs: the message says so
+        (
+            [{"shard_id": "shard-00000-b96aaac1"}],
+            r"not a plan identity: the value: .*plan_task.output\['plan'\].*not its return value \(the shards\)",
+        ),
     ],
 )
 def test_a_merge_task_given_no_plan_identity_fails_without_retry(tmp_path, fake_engine_factory, value, message):
