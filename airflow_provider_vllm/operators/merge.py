@@ -6,16 +6,16 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from airflow.sdk import BaseOperator
-from airflow.sdk.exceptions import AirflowFailException
+from airflow.sdk.exceptions import AirflowFailException, XComNotFound
 from pydantic import ValidationError
 
-from airflow_provider_vllm.core.plan import PlanRef, load_plan
+from airflow_provider_vllm.core.plan import Plan, PlanRef, load_plan
 from airflow_provider_vllm.core.records import WorkerManifest, read_manifest
 from airflow_provider_vllm.hooks.filesystems import task_filesystems
 from airflow_provider_vllm.steps.lineage import merge_lineage
 from airflow_provider_vllm.steps.merge.merger import merge
 from airflow_provider_vllm.utils.deployment import check_spec_allowed, signing_keyring
-from airflow_provider_vllm.utils.job_spec import data_plane_errors, load_spec, plan_ref
+from airflow_provider_vllm.utils.job_spec import PLAN_XCOM_KEY, data_plane_errors, load_spec, plan_ref
 from airflow_provider_vllm.utils.worker_outcome import first_error
 
 
@@ -37,7 +37,8 @@ class VllmMergeOperator(BaseOperator):
     ``{"plan_mac": ..., "plan_sha256": ...}``; ``vllm_batch_job`` passes ``plan.output["plan"]``): merge takes
     ``_plan.json`` only when it is that plan, never another sealed plan of the folder put back (an earlier plan or
     run of the same output prefix). Required: without it, or with a value that is no plan identity, the task fails
-    without retry.
+    without retry; so does a plan task that pushed no such value (a run planned by a version before merge took it:
+    Airflow's ``XComNotFound``, which it would retry, to no avail).
 
     ``aws_conn_id`` / ``gcp_conn_id``: the Airflow Connections through which this task reaches
     ``s3://`` / ``gs://`` locations (DAG-file settings, never templated; None: ``[vllm_batch]
@@ -48,6 +49,8 @@ class VllmMergeOperator(BaseOperator):
     template_fields: Sequence[str] = ("spec", "shard_results", "plan")
     template_fields_renderers = {"spec": "json", "shard_results": "json", "plan": "json"}
     ui_color = "#e6f4ea"
+    # the plan task pushed no value under PLAN_XCOM_KEY (``render_template``): execute fails without retry, naming it
+    _plan_not_pushed: XComNotFound | None = None
 
     def __init__(
         self,
@@ -70,10 +73,31 @@ class VllmMergeOperator(BaseOperator):
         self.shard_results = shard_results
         self.require_shard_results = require_shard_results
 
+    def render_template(
+        self, content: Any, context: Any, jinja_env: Any = None, seen_oids: set[int] | None = None
+    ) -> Any:
+        """Airflow's rendering; but ``plan`` naming a value its plan task never pushed (``XComNotFound`` for the key
+        ``plan``: a run planned by a version before merge took it) is kept for ``execute``, which fails without
+        retry naming it. Airflow fails the task on ``XComNotFound`` while rendering, and retries it, to no avail."""
+        try:
+            return super().render_template(content, context, jinja_env, seen_oids)
+        except XComNotFound as e:
+            if content is not self.plan or e.key != PLAN_XCOM_KEY:
+                raise
+            self._plan_not_pushed = e
+            return None
+
     def execute(self, context: Any) -> dict[str, Any]:
         spec = load_spec(self.spec, "merge")
         check_spec_allowed(spec, "merge")  # the spec came through XCom: the deployment's rules again
+        if self._plan_not_pushed is not None:
+            raise AirflowFailException(
+                f"merge: the plan task ({self._plan_not_pushed.task_id}) pushed no value under XCom key "
+                f"{PLAN_XCOM_KEY!r}, which names the sealed plan merge takes: the run was planned by a version before "
+                "merge took it. Run the job again from its plan task (clear it with its downstream tasks)"
+            )
         pinned = plan_ref(self.plan, "merge")
+        lineage_plan = self._lineage_plan(spec, pinned)  # before the merge writes anything
         with data_plane_errors("merge"):
             summary = merge(
                 spec,
@@ -99,7 +123,7 @@ class VllmMergeOperator(BaseOperator):
             summary.rows / infer_s if infer_s else 0.0,
             summary.merge_s,
         )
-        self._lineage = self._merge_lineage(spec, summary, pinned)
+        self._lineage = self._merge_lineage(spec, summary, lineage_plan)
         return summary.xcom()
 
     def _reported_attempts(self) -> dict[str, str] | None:
@@ -122,15 +146,22 @@ class VllmMergeOperator(BaseOperator):
                 )
         return reported
 
-    def _merge_lineage(self, spec: Any, summary: Any, pinned: PlanRef) -> Any:
-        """The lineage, with the plan's adapter identities and passthrough columns when the job has them (from the
-        plan merge ran under)."""
+    def _lineage_plan(self, spec: Any, pinned: PlanRef) -> Plan | None:
+        """The plan merge runs under (the plan task's: ``pinned``), for the lineage's adapter identities, passthrough
+        columns and table when the job has them (None otherwise). Read before the merge writes anything: another
+        plan put back at ``_plan.json`` then fails the task before it merged, never after it sealed its merge."""
         if not (spec.model.adapters or spec.io.passthrough or spec.io.input_table):
-            return merge_lineage(spec, summary)
+            return None
         with data_plane_errors("merge"):
-            plan = load_plan(
+            return load_plan(
                 spec, task_filesystems(self.aws_conn_id, self.gcp_conn_id), signing_keyring(), pinned=pinned
             )
+
+    def _merge_lineage(self, spec: Any, summary: Any, plan: Plan | None) -> Any:
+        """The lineage, with the plan's adapter identities and passthrough columns when the job has them (``plan``:
+        the plan merge ran under, ``_lineage_plan``)."""
+        if plan is None:
+            return merge_lineage(spec, summary)
         return merge_lineage(spec, summary, plan.adapters, plan.passthrough, plan.table)
 
     def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:

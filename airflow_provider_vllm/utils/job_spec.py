@@ -146,8 +146,14 @@ def plan_ref(value: Any, what: str) -> PlanRef:
     try:
         return value if isinstance(value, PlanRef) else PlanRef.model_validate(value)
     except ValidationError as e:
-        detail = format_validation_error(e).replace("invalid job spec", "not a plan identity")
-        raise AirflowFailException(f"{what}: plan {value!r:.200}: {detail}") from None
+        detail = (
+            format_validation_error(e).replace("invalid job spec", "not a plan identity").replace("<spec>", "the value")
+        )
+        raise AirflowFailException(
+            f"{what}: plan {value!r:.200}: {detail}. It is the plan task's value under XCom key {PLAN_XCOM_KEY!r} "
+            f"(plan_task.output[{PLAN_XCOM_KEY!r}], a mapping of plan_mac and plan_sha256), not its return value (the "
+            "shards)"
+        ) from None
 
 
 def load_shard_plan(spec: JobSpec, shard: Any, filesystems: Any = None) -> Plan:

@@ -74,12 +74,43 @@ def test_merge_runs_only_under_the_plan_the_plan_task_named(tmp_path, fake_engin
     assert VllmMergeOperator(task_id="merge", spec=spec, plan=named).execute(context())["rows"] == 60
 
 
+def test_a_plan_put_back_after_the_merge_wrote_does_not_fail_the_merge_task(tmp_path, fake_engine_factory, monkeypatch):
+    """The lineage's plan (a job with passthrough columns) is the plan merge ran under, read before the merge writes:
+    an earlier sealed plan of the folder put back at ``_plan.json`` right after the merge sealed ``_MERGED.json`` does
+    not fail the task after the fact with "not merging" (QA, which follows the sealed merge, then refuses it)."""
+    import shutil
+
+    out = tmp_path / "out"
+    over = {"io": {"passthrough": ["text"]}}
+    committed_job(tmp_path, fake_engine_factory, n=40, run=[], **over)  # an earlier plan of this output prefix
+    earlier = (out / "_plan.json").read_bytes()
+    shutil.rmtree(out)
+    spec, _ = committed_job(tmp_path, fake_engine_factory, n=60, **over)
+    named = plan_xcom(spec)
+    real = merge_operator.merge
+
+    def merge_then_put_back(*args, **kwargs):
+        summary = real(*args, **kwargs)
+        (out / "_plan.json").write_bytes(earlier)
+        return summary
+
+    monkeypatch.setattr(merge_operator, "merge", merge_then_put_back)
+    op = VllmMergeOperator(task_id="merge", spec=spec, plan=named)
+    assert op.execute(context())["rows"] == 60 and (out / "_MERGED.json").exists()
+    assert ("text", "string") in op._lineage.outputs[0].fields  # the passthrough column, from the merge's plan
+
+
 @pytest.mark.parametrize(
     "value, message",
     [
         (None, "merge: no plan identity given"),
         ({"plan_mac": "a" * 64}, "merge: plan .*: not a plan identity: plan_sha256: Field required"),
         ("a" * 64, "merge: plan .*: not a plan identity"),
+        # the plan task's return value (its shards) where its value under the key "plan" belongs: the message says so
+        (
+            [{"shard_id": "shard-00000-b96aaac1"}],
+            r"not a plan identity: the value: .*plan_task.output\['plan'\].*not its return value \(the shards\)",
+        ),
     ],
 )
 def test_a_merge_task_given_no_plan_identity_fails_without_retry(tmp_path, fake_engine_factory, value, message):
@@ -89,6 +120,43 @@ def test_a_merge_task_given_no_plan_identity_fails_without_retry(tmp_path, fake_
     with pytest.raises(AirflowFailException, match=message):
         VllmMergeOperator(task_id="merge", spec=spec, plan=value).execute(context())
     assert not (tmp_path / "out" / "_MERGED.json").exists()
+
+
+def test_a_run_planned_before_merge_took_the_plan_fails_without_retry(tmp_path, fake_engine_factory):
+    """A run whose plan task (an earlier version) pushed no value under the key ``plan``: Airflow's ``XComNotFound``
+    while rendering would fail the merge task and retry it, to no avail; the task fails without retry, naming the
+    key and what to do, before it reads or writes anything. Another missing value (the spec) is Airflow's as before."""
+    from airflow.sdk import DAG
+    from airflow.sdk.exceptions import XComNotFound
+
+    from airflow_provider_vllm.operators.plan import VllmPlanOperator
+    from tests.support.task_context import FakeTI
+
+    spec, _ = committed_job(tmp_path, fake_engine_factory, n=20)
+    with DAG("d", schedule=None):
+        plan = VllmPlanOperator(task_id="plan", spec=spec)
+        op = VllmMergeOperator(task_id="merge", spec=plan.output["spec"], plan=plan.output["plan"])
+
+    class PlannedBefore(FakeTI):
+        pushed = {"spec": spec}  # what the plan task of an earlier version pushed: no "plan"
+
+        def xcom_pull(self, task_ids=None, key="return_value", default=None, map_indexes=None, **_):
+            return self.pushed.get(key, default)
+
+    ctx = context()
+    ctx["ti"] = PlannedBefore()
+    op.render_template_fields(ctx)
+    with pytest.raises(
+        AirflowFailException, match=r"merge: the plan task \(plan\) pushed no value under XCom key 'plan'"
+    ):
+        op.execute(ctx)
+    assert not (tmp_path / "out" / "_MERGED.json").exists()
+    PlannedBefore.pushed = {}
+    with DAG("d2", schedule=None):
+        plan = VllmPlanOperator(task_id="plan", spec=spec)
+        op = VllmMergeOperator(task_id="merge", spec=plan.output["spec"], plan=plan.output["plan"])
+    with pytest.raises(XComNotFound, match='key="spec"'):
+        op.render_template_fields(ctx)
 
 
 def test_a_spec_that_is_not_a_job_spec_fails_without_retry():
