@@ -9,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -341,12 +342,78 @@ def test_embedding_table_task(tmp_path, fake_python):
         prompt={"system_prompt": None, "template": "{text}", "truncation": "truncate"},
         sampling={"structured": None},
     )
-    spec, *_ = run_job(tmp_path, fake_python, doc)
-    uri = mod.embedding_table.function(spec)
+    spec, _, _, merged = run_job(tmp_path, fake_python, doc)
+    uri = mod.embedding_table.function(spec, merged["merged_mac"])
     table = pq.read_table(uri)
     assert table.column_names == ["id", "vector", "model", "truncated"] and table.num_rows == 40
     # an index builder can tell which vectors stand for only the start of their text
     assert {r["id"] for r in table.to_pylist() if r["truncated"]} == {"t0007"}
+
+
+def _embeddings_dag():
+    import importlib.util
+
+    sys.path.insert(0, str(HERE.parents[1] / "dags"))
+    mod_spec = importlib.util.spec_from_file_location(
+        "vllm_embeddings_dag", HERE.parents[1] / "dags" / "vllm_embeddings.py"
+    )
+    mod = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(mod)
+    return mod
+
+
+def _embed_run(tmp_path, fake_python):
+    write_parquet(tmp_path / "in" / "part-0.parquet", [f"t{i:04d}" for i in range(40)], [f"a {i}" for i in range(40)])
+    doc = spec_doc(
+        tmp_path,
+        task="embed",
+        prompt={"system_prompt": None, "template": "{text}", "truncation": "truncate"},
+        sampling={"structured": None},
+    )
+    spec, _, _, merged = run_job(tmp_path, fake_python, doc)
+    return spec, merged
+
+
+def test_the_embedding_table_reads_only_the_merge_the_merge_task_reported(tmp_path, fake_python):
+    """Another sealed _MERGED.json of the folder (an earlier merge put back) builds no table; the merge task's does."""
+    from airflow_provider_vllm.core.errors import CommitError
+
+    mod = _embeddings_dag()
+    spec, merged = _embed_run(tmp_path, fake_python)
+    with pytest.raises(CommitError, match="not the merge the merge task reported"):
+        mod.embedding_table.function(spec, "0" * 64)
+    assert not (tmp_path / "out" / "embeddings").exists()
+    assert pq.read_table(mod.embedding_table.function(spec, merged["merged_mac"])).num_rows == 40
+
+
+def test_the_embedding_table_holds_the_checked_bytes_when_a_part_is_swapped_after_its_check(
+    tmp_path, fake_python, monkeypatch
+):
+    """A writer of the bucket who swaps a results part right after it was checked (and could put it back before
+    publish, which hashes the table as written) gets none of the swapped rows into the published table."""
+    import airflow_provider_vllm.steps.merge.merger as merger
+
+    mod = _embeddings_dag()
+    spec, merged = _embed_run(tmp_path, fake_python)
+    parts = sorted((tmp_path / "out" / "results").glob("part-*.parquet"))
+    forged = pq.read_table(parts[0])
+    field = forged.schema.field("id")
+    forged = forged.set_column(
+        forged.schema.get_field_index("id"), field, pa.array(["forged"] * forged.num_rows, field.type)
+    )
+
+    def swap_after(real):
+        def wrapped(*a, **kw):
+            got = real(*a, **kw)
+            pq.write_table(forged, parts[0])  # after the check, before the table is built
+            return got
+
+        return wrapped
+
+    for name in ("checked_parts", "verified_parts"):  # whichever the table is built through
+        monkeypatch.setattr(merger, name, swap_after(getattr(merger, name)))
+    ids = pq.read_table(mod.embedding_table.function(spec, merged["merged_mac"])).column("id").to_pylist()
+    assert "forged" not in ids and sorted(ids) == [f"t{i:04d}" for i in range(40)]
 
 
 # ---- builder -----------------------------------------------------------------------------
