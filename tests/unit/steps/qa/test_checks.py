@@ -103,6 +103,22 @@ def test_churn_rate_skips_without_a_comparison(changes, detail):
     assert rep.status == "pass" and "cache" not in rep.metrics
 
 
+def test_a_churn_gate_turned_on_warns_when_the_previous_run_is_not_sealed_by_this_deployment():
+    """changes.previous_uri holds a run whose _MERGED.json does not carry this deployment's seal (forged, moved from
+    another folder): nothing of it is read and every id is 'added', so no id is in both runs. A churn gate the job
+    turned on then has nothing to judge: a warning naming the fields, not a silent pass (off by default: a skip)."""
+    results, errors = split([ok_row(i) for i in range(10)])
+    unverified = _changes(0, 0, "unverified")
+    kw = dict(labels=None, structured=False, changes=unverified)
+    off = evaluate(results, errors, spec=QASpec(), **kw)
+    assert check(off, "churn_rate")["status"] == "skip" and off.status == "pass"
+    rep = evaluate(results, errors, spec=QASpec(warn_churn_rate=0.05, fail_churn_rate=0.5), **kw)
+    c = check(rep, "churn_rate")
+    assert c["status"] == "warn" and c["value"] is None, c
+    assert "not sealed by this deployment" in c["detail"] and "qa.warn_churn_rate / qa.fail_churn_rate" in c["detail"]
+    assert rep.status == "warn"
+
+
 # ---- accuracy gates ------------------------------------------------------------------------
 LAB = ["billing", "bug", "account", "other", "feature_request"]
 
