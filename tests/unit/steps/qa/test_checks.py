@@ -572,3 +572,28 @@ def test_known_labels_are_stripped_as_the_worker_strips_the_answers():
     results, errors = split(rows)
     rep = evaluate(results, errors, spec=QASpec(), labels=LAB, structured=True, reference=padded)
     assert rep.metrics["quality"]["correct"] == 40 and check(rep, "accuracy")["status"] == "pass"
+
+
+@pytest.mark.parametrize("source", ["golden_set", "ride_along"])
+def test_golden_rows_without_a_right_answer_are_scored_wrong_not_left_out(source):
+    """Of 100 golden rows, 40 answered right; the other 60 errored, answered invalid, answered a label outside the
+    job's set, or with no label: every one of them is scored (wrong). Scoring only the 40 answered rows would pass
+    a 40 % run at 100 %."""
+    rows = [ok_row(i, label=LAB[i % 5], id=f"g{i}", confidence=0.9) for i in range(40)]
+    rows += [err_row(i, id=f"g{i}") for i in range(40, 55)]
+    rows += [ok_row(i, label=LAB[i % 5], id=f"g{i}", valid=False) for i in range(55, 70)]
+    rows += [ok_row(i, label="Bug", id=f"g{i}") for i in range(70, 85)]  # not a label of the job (case)
+    rows += [ok_row(i, label=None, id=f"g{i}") for i in range(85, 100)]
+    known = pa.table({"id": [f"g{i}" for i in range(100)], "label": [LAB[i % 5] for i in range(100)]})
+    results, errors = split(rows)
+    empty = split([])
+    if source == "golden_set":
+        kw = dict(reference=known, reference_source="golden_set")
+        main = (results, errors)
+    else:
+        kw = dict(ride_along=(results, errors, known))
+        main = empty
+    rep = evaluate(*main, spec=QASpec(), labels=LAB, structured=True, **kw)
+    c = check(rep, "accuracy")
+    assert (c["status"], c["value"], c["of"]) == ("fail", 0.4, 100), c
+    assert rep.metrics["quality"]["sources"][source]["unmatched"] == 0 and rep.status == "fail"
