@@ -28,7 +28,9 @@ failed QA is never the baseline. The first published date has no `changes/`.
 
 **The catalog** is the deployment's: the Airflow Connection named by `[vllm_batch] iceberg_conn_id`
 (default `iceberg_default`); the tables must be listed in `[vllm_batch] allowed_tables` (docs/tables.md).
-The model, shard size, overrides, review and runner Variables are those of the folder variant.
+The model, shard size, golden rows, overrides, review and runner Variables are those of the folder variant: the
+golden rows of `vllm_batch_golden_uri` ride along with every night's tickets and QA gates on their accuracy (warns
+below 80%, fails below 50% or on a real drop of more than 5 points since the last published run).
 """
 
 from __future__ import annotations
@@ -39,12 +41,21 @@ from airflow.sdk import DAG, Asset, CronDataIntervalTimetable
 from airflow_provider_vllm.task_groups.batch_job import TEMPLATE_FILTERS, vllm_batch_job
 
 try:
-    from vllm_dag_defaults import DATA_ROOT, HUMAN_REVIEW, RUNNER, SPEC_OVERRIDES, TEMPLATE_MACROS, ticket_spec
+    from vllm_dag_defaults import (
+        DATA_ROOT,
+        GOLDEN_URI,
+        HUMAN_REVIEW,
+        RUNNER,
+        SPEC_OVERRIDES,
+        TEMPLATE_MACROS,
+        ticket_spec,
+    )
 except ModuleNotFoundError as missing:
     if missing.name != "vllm_dag_defaults":
         raise
     from airflow_provider_vllm.example_dags.vllm_dag_defaults import (
         DATA_ROOT,
+        GOLDEN_URI,
         HUMAN_REVIEW,
         RUNNER,
         SPEC_OVERRIDES,
@@ -80,7 +91,13 @@ with DAG(
                     "create": True,
                 },
             },
-            qa={"previous_published": True, "warn_churn_rate": 0.05, "fail_churn_rate": 0.5},
+            qa={
+                "previous_published": True,
+                "warn_churn_rate": 0.05,
+                "fail_churn_rate": 0.5,
+                # the golden rows of vllm_batch_golden_uri ride along and are scored, as in the folder variant
+                "reference": {"ride_along_uri": GOLDEN_URI},
+            },
             cache={"uri": DATA_ROOT + "/reclassification_table/_cache/"},
             # the run this DAG last published (its Asset event), not whatever dt=D-1 holds
             changes={"previous_published": True},

@@ -77,7 +77,10 @@ class VllmPublishOperator(BaseOperator):
     ``require_qa_result`` (set by ``vllm_batch_job``): then a missing XCom (a task marked success by hand) fails.
     ``review_result``: the review task's XCom (``VllmQAReviewOperator``; ``vllm_batch_job`` passes it when it
     adds the review): the approval must name that same verdict (a QA run again after the approval, alone, would
-    otherwise be published on the earlier verdict's approval). None: not checked, unless ``require_review_result``.
+    otherwise be published on the earlier verdict's approval), and one made without asking (QA said 'pass', or review
+    is off) must have been made on the sealed verdict's status, which ``qa_result`` must say too: a QA result whose
+    status was changed to 'pass' through XCom does not publish a 'warn' that nobody was asked about. None: not
+    checked, unless ``require_review_result``.
 
     ``aws_conn_id`` / ``gcp_conn_id``: the Airflow Connections through which this task reaches
     ``s3://`` / ``gs://`` locations (DAG-file settings, never templated; None: ``[vllm_batch]
@@ -297,7 +300,9 @@ class VllmPublishOperator(BaseOperator):
         """With ``qa_result`` (the QA task's XCom, through Airflow's metadata database): the sealed verdict in the
         folder must be the one that task wrote (its seal's mac). Sealed records of an earlier merge and QA of this
         same folder are genuine too: put back together, they would publish the earlier state instead. With
-        ``review_result`` (the review task's XCom): the approval must name that same verdict."""
+        ``review_result`` (the review task's XCom): the approval must name that same verdict, and an approval made
+        without asking must have been made on the sealed verdict's status; the QA task's result must say that status
+        too (a result changed to 'pass' would have a warning approved unasked)."""
         mac = qa.seal.mac if qa.seal is not None else None
         if self.qa_result is not None or self.require_qa_result:
             told = self.qa_result.get("record_mac") if isinstance(self.qa_result, Mapping) else None
@@ -318,6 +323,22 @@ class VllmPublishOperator(BaseOperator):
                     "publish: the review task approved "
                     + ("another QA verdict (QA ran again after the approval)" if approved else "no sealed QA verdict")
                     + f", not {out.uri(QA_RECORD)}; clear the review task (a 'warn' asks again), then publish"
+                )
+            decided = self.review_result.get("qa_status")
+            if self.review_result.get("asked") is False and decided != qa.status:
+                # it decided on the QA task's result (XCom), whose status someone who may write XCom can change: a
+                # 'warn' told as 'pass' is approved without asking anyone
+                raise AirflowFailException(
+                    f"publish: the review task approved without asking a QA verdict it was told is {decided!r}, but "
+                    f"the sealed verdict {out.uri(QA_RECORD)} is {qa.status!r} (the QA task's result was changed "
+                    "after QA wrote it); run the QA task again, then the review (a 'warn' asks), then publish"
+                )
+        if self.qa_result is not None or self.require_qa_result:
+            said = self.qa_result.get("status") if isinstance(self.qa_result, Mapping) else None
+            if said != qa.status:
+                raise AirflowFailException(
+                    f"publish: the QA task's result says {said!r}, but the sealed verdict {out.uri(QA_RECORD)} is "
+                    f"{qa.status!r} (the result was changed after QA wrote it); {RERUN_QA}"
                 )
 
     def _qa_verdict(self, out: Storage, keyring: Keyring, merged: MergeSummary) -> QARecord:

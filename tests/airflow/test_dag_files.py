@@ -67,6 +67,15 @@ def test_the_table_nightly_compares_with_what_it_published():
     assert (plan.published_asset, plan.publish_task_id) == (asset, "reclassify.publish")
 
 
+def test_both_nightlies_score_the_golden_rows_of_the_golden_variable():
+    """vllm_batch_golden_uri (the defaults' golden rows, scored every night) rides along with both nightlies: the
+    table variant left it out, so a deployment that set it had its table nightly published unscored."""
+    for dag_id in ("vllm_nightly_reclassification", "vllm_nightly_table"):
+        plan = dagbag().dags[dag_id].task_dict["reclassify.plan"]
+        ride_along = plan.spec["qa"]["reference"]["ride_along_uri"]
+        assert "var.value.get('vllm_batch_golden_uri'" in ride_along, dag_id
+
+
 def test_rerun_params_form_schema():
     dag = dagbag().dags["vllm_batch_rerun"]
     schema = {k: dag.params.get_param(k).schema for k in dag.params}

@@ -18,7 +18,9 @@ accuracy; the check is the worst. The gates off by default (``low_confidence_rat
 ``inconsistency_rate``) warn, once turned on, for a run that lacks their measure (no confidence; no
 prompt hashes: an embed job, or requests that sample at random), rather than skipping. So do ``label_drift``
 and ``accuracy_drop`` when ``qa.previous_report_uri`` is set but its report was not used (no sealed QA record of
-its run vouches for it: ``store.load_previous_report``), for a run that has labels to compare.
+its run vouches for it: ``store.load_previous_report``), for a run that has labels to compare; and ``churn_rate``,
+once turned on (a threshold below 1), when ``changes.previous_uri`` holds a run whose ``_MERGED.json`` this
+deployment's merge did not seal (``previous_state`` 'unverified': not read, every id 'added').
 """
 
 from __future__ import annotations
@@ -252,6 +254,15 @@ def run_checks(metrics: dict[str, Any], spec: QASpec, *, structured: bool) -> li
                 # a gate the job turned on, with nothing to measure it on: not a silent pass
                 status = "warn"
                 detail += f": qa.warn_{name} / qa.fail_{name} are set, but this run has nothing to judge them on"
+            if name == "churn_rate" and value is None and min(warn, fail) < 1 and _unverified(metrics):
+                # a previous run whose merge summary this deployment did not seal (forged, moved) was not read: the
+                # gate the job turned on has nothing to judge, which must not pass as a first run does
+                status = "warn"
+                detail = (
+                    f"the previous run, {_unverified(metrics)}, is not sealed by this deployment's merge (not read: "
+                    "every id is 'added'); qa.warn_churn_rate / qa.fail_churn_rate are set, but this run has nothing "
+                    "to judge them on"
+                )
         out.append(
             {
                 "name": name,
@@ -265,6 +276,16 @@ def run_checks(metrics: dict[str, Any], spec: QASpec, *, structured: bool) -> li
             }
         )
     return out
+
+
+def _unverified(metrics: dict[str, Any]) -> str | None:
+    """The change set's previous run (``changes.previous_uri``) when its ``_MERGED.json`` lacked this deployment's
+    seal (``previous_state`` 'unverified': nothing of it was compared), else None."""
+    ch = metrics.get("changes") or {}
+    if ch.get("previous_state") != "unverified":
+        return None
+    uri = ch.get("previous_uri")
+    return f"changes.previous_uri {uri!r}" if uri else "changes.previous_uri"
 
 
 def _value(name: str, metrics: dict[str, Any]) -> tuple[float | None, str]:

@@ -309,6 +309,43 @@ def test_an_approval_of_another_verdict_does_not_publish_this_one(tmp_path, fake
     assert publish({**review, "record_mac": now["record_mac"]})["rows"] == 60
 
 
+def test_a_warned_run_is_not_published_unasked_on_a_qa_result_changed_to_pass(tmp_path, fake_engine_factory):
+    """QA warned (1 of 60 rows an error: error_rate above 1 %). Whoever may write XCom (the REST API's XCom
+    endpoints) rewrote the QA task's result to 'pass' before the review task read it: the review approved without
+    asking anyone, naming the real sealed verdict, and publish took the 'warn' verdict on that approval. Publish now
+    holds what the review decided on, and what QA's result says, to the sealed verdict's status."""
+    from airflow_provider_vllm.operators.review import VllmQAReviewOperator
+
+    spec, _ = committed_job(tmp_path, fake_engine_factory, n=60, empty=(0,))
+    out = tmp_path / "out"
+    VllmMergeOperator(task_id="merge", spec=spec, plan=plan_xcom(spec)).execute(context())
+    told = VllmQAOperator(task_id="qa", spec=spec).execute(context())
+    assert told["status"] == "warn"
+    forged = {**told, "status": "pass"}
+
+    def review(qa_result, **kw):
+        return VllmQAReviewOperator(task_id="review", qa_result=qa_result, **kw).execute(context())
+
+    unasked = review(forged)
+    assert unasked == {"approved": True, "asked": False, "qa_status": "pass", "record_mac": told["record_mac"]}
+
+    def publish(qa_result, review_result):
+        op = VllmPublishOperator(
+            task_id="publish", spec=spec, qa_result=qa_result, review_result=review_result, require_review_result=True
+        )
+        return op.execute(context())
+
+    for qa_result in (told, forged):  # the result put back after the review read it, or left changed
+        with pytest.raises(AirflowFailException, match=r"approved without asking a QA verdict .*'pass'.* is 'warn'"):
+            publish(qa_result, unasked)
+    with pytest.raises(AirflowFailException, match=r"the QA task's result says 'pass'.* is 'warn'"):
+        publish(forged, {"chosen_options": ["Approve"], "record_mac": told["record_mac"]})  # a person approved
+    assert not (out / "_SUCCESS.json").exists()
+    # the genuine ways on: a person approved the warning, or the deployment turned review off (ask false)
+    assert publish(told, {"chosen_options": ["Approve"], "record_mac": told["record_mac"]})["qa_status"] == "warn"
+    assert publish(told, review(told, ask=False))["qa_status"] == "warn"
+
+
 def test_a_run_without_a_sealed_qa_verdict_publishes_nothing(tmp_path, fake_engine_factory):
     """A run whose QA wrote no _QA.json (QA of a version before it, or the record removed): fail closed, asking for
     QA to run again, even though report.json says 'pass'."""

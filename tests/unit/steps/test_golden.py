@@ -647,3 +647,36 @@ def test_a_golden_shard_infers_only_the_pinned_golden_rows_when_they_are_swapped
     _run_shards(spec, plan, only=lambda s: s.shard_id == plan.golden.shards[0].shard_id)
     assert read and "forged prompt" not in read  # the checked copy's rows, fetched before the swap
     record_malicious("golden rows swapped after the golden shard's check", 1, 1)
+
+
+@pytest.mark.parametrize("row_filter", [None, "lang = 'fr'"])  # the table's files by reference; materialized
+def test_golden_rows_ride_along_with_a_table_input(tmp_path, row_filter, fake_engine_factory):
+    """The table nightly (io.input_table) takes the golden rows of vllm_batch_golden_uri as the folder one does: they
+    are planned apart from the snapshot's rows, inferred, merged and scored by QA."""
+    from airflow_provider_vllm.steps.tables.access import Tables
+    from tests.support.iceberg import source_table, sql_catalog
+
+    catalog = sql_catalog(tmp_path)
+    source_table(catalog)
+    lake = Tables(catalog=catalog, allowed=["lake.*"])
+    _golden_file(tmp_path / "golden.parquet")
+    out = tmp_path / "run"
+    table = {"identifier": "lake.tickets", **({"row_filter": row_filter} if row_filter else {})}
+    spec = make_spec(
+        "/unused",
+        out,
+        io={"input_uri": None, "input_table": table, "output_uri": str(out)},
+        sharding={"target_rows": 10, "chunk_rows": 4},
+        qa={"reference": {"ride_along_uri": str(tmp_path / "golden.parquet")}, "sample_size": 10},
+    )
+    plan = plan_job(spec, tables=lake)
+    assert plan.table is not None and plan.golden is not None and plan.golden.rows == N_GOLD
+    assert plan.table.read == ("materialized" if row_filter else "reference")
+    for s in plan.mapped_shards():
+        assert run_shard(shard_task(spec=spec, shard_id=s.shard_id), engine_factory=fake_engine_factory)["status"]
+    summary = merge(spec).dump()
+    assert summary["rows"] == plan.total_rows and summary["golden"]["rows"] == N_GOLD
+    report, _ = qa_run(spec)
+    ride = report.metrics["quality"]["sources"]["ride_along"]
+    assert (ride["known"], ride["unmatched"], ride["of"]) == (N_GOLD, 0, N_GOLD)
+    assert next(c for c in report.checks if c["name"] == "accuracy")["status"] != "skip"

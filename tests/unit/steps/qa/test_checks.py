@@ -103,6 +103,22 @@ def test_churn_rate_skips_without_a_comparison(changes, detail):
     assert rep.status == "pass" and "cache" not in rep.metrics
 
 
+def test_a_churn_gate_turned_on_warns_when_the_previous_run_is_not_sealed_by_this_deployment():
+    """changes.previous_uri holds a run whose _MERGED.json does not carry this deployment's seal (forged, moved from
+    another folder): nothing of it is read and every id is 'added', so no id is in both runs. A churn gate the job
+    turned on then has nothing to judge: a warning naming the fields, not a silent pass (off by default: a skip)."""
+    results, errors = split([ok_row(i) for i in range(10)])
+    unverified = _changes(0, 0, "unverified")
+    kw = dict(labels=None, structured=False, changes=unverified)
+    off = evaluate(results, errors, spec=QASpec(), **kw)
+    assert check(off, "churn_rate")["status"] == "skip" and off.status == "pass"
+    rep = evaluate(results, errors, spec=QASpec(warn_churn_rate=0.05, fail_churn_rate=0.5), **kw)
+    c = check(rep, "churn_rate")
+    assert c["status"] == "warn" and c["value"] is None, c
+    assert "not sealed by this deployment" in c["detail"] and "qa.warn_churn_rate / qa.fail_churn_rate" in c["detail"]
+    assert rep.status == "warn"
+
+
 # ---- accuracy gates ------------------------------------------------------------------------
 LAB = ["billing", "bug", "account", "other", "feature_request"]
 
@@ -556,3 +572,28 @@ def test_known_labels_are_stripped_as_the_worker_strips_the_answers():
     results, errors = split(rows)
     rep = evaluate(results, errors, spec=QASpec(), labels=LAB, structured=True, reference=padded)
     assert rep.metrics["quality"]["correct"] == 40 and check(rep, "accuracy")["status"] == "pass"
+
+
+@pytest.mark.parametrize("source", ["golden_set", "ride_along"])
+def test_golden_rows_without_a_right_answer_are_scored_wrong_not_left_out(source):
+    """Of 100 golden rows, 40 answered right; the other 60 errored, answered invalid, answered a label outside the
+    job's set, or with no label: every one of them is scored (wrong). Scoring only the 40 answered rows would pass
+    a 40 % run at 100 %."""
+    rows = [ok_row(i, label=LAB[i % 5], id=f"g{i}", confidence=0.9) for i in range(40)]
+    rows += [err_row(i, id=f"g{i}") for i in range(40, 55)]
+    rows += [ok_row(i, label=LAB[i % 5], id=f"g{i}", valid=False) for i in range(55, 70)]
+    rows += [ok_row(i, label="Bug", id=f"g{i}") for i in range(70, 85)]  # not a label of the job (case)
+    rows += [ok_row(i, label=None, id=f"g{i}") for i in range(85, 100)]
+    known = pa.table({"id": [f"g{i}" for i in range(100)], "label": [LAB[i % 5] for i in range(100)]})
+    results, errors = split(rows)
+    empty = split([])
+    if source == "golden_set":
+        kw = dict(reference=known, reference_source="golden_set")
+        main = (results, errors)
+    else:
+        kw = dict(ride_along=(results, errors, known))
+        main = empty
+    rep = evaluate(*main, spec=QASpec(), labels=LAB, structured=True, **kw)
+    c = check(rep, "accuracy")
+    assert (c["status"], c["value"], c["of"]) == ("fail", 0.4, 100), c
+    assert rep.metrics["quality"]["sources"][source]["unmatched"] == 0 and rep.status == "fail"
