@@ -263,6 +263,15 @@ def run_checks(metrics: dict[str, Any], spec: QASpec, *, structured: bool) -> li
                     "every id is 'added'); qa.warn_churn_rate / qa.fail_churn_rate are set, but this run has nothing "
                     "to judge them on"
                 )
+            elif name == "churn_rate" and value is None and min(warn, fail) < 1 and (gone := _replaced(metrics)):
+                # no answered id in both runs, and the previous run's ids gone: the corpus was swapped for another
+                # (which a churn gate is there to catch), not a first run
+                status = "warn"
+                detail = (
+                    f"no id answered in both runs, and {gone} id(s) of the previous run are not in this one: the input "
+                    "is not the corpus the previous run answered; qa.warn_churn_rate / qa.fail_churn_rate are set, "
+                    "but this run has nothing to judge them on"
+                )
         out.append(
             {
                 "name": name,
@@ -286,6 +295,16 @@ def _unverified(metrics: dict[str, Any]) -> str | None:
         return None
     uri = ch.get("previous_uri")
     return f"changes.previous_uri {uri!r}" if uri else "changes.previous_uri"
+
+
+def _replaced(metrics: dict[str, Any]) -> int:
+    """The previous run's ids that are not in this one, when the change set compared with a complete previous run
+    and no id was answered in both (nor recovered from an error): the corpus was replaced. Else 0."""
+    ch = metrics.get("changes") or {}
+    counts = ch.get("counts") or {}
+    if ch.get("previous_state") != "complete" or ch.get("in_both") or counts.get("recovered"):
+        return 0
+    return int(counts.get("removed") or 0)
 
 
 def _value(name: str, metrics: dict[str, Any]) -> tuple[float | None, str]:

@@ -119,6 +119,32 @@ def test_a_churn_gate_turned_on_warns_when_the_previous_run_is_not_sealed_by_thi
     assert rep.status == "warn"
 
 
+def test_a_churn_gate_turned_on_warns_when_the_corpus_was_swapped_for_one_with_no_id_in_common():
+    """The previous run is complete, yet none of its ids is in this run and every id of this one is new: the input
+    is another corpus (what a churn gate is there to catch), not a first run. With the gate on, a warning (a person
+    looks before it is published), not a skip that passes; off by default: a skip. A run that shares ids, or a
+    previous run of no rows, is judged as before."""
+    results, errors = split([ok_row(i) for i in range(10)])
+    swapped = _changes(0, 0)
+    swapped["counts"].update(added=10, removed=100)
+    kw = dict(labels=None, structured=False, changes=swapped)
+    off = evaluate(results, errors, spec=QASpec(), **kw)
+    assert check(off, "churn_rate")["status"] == "skip" and off.status == "pass"
+    on = QASpec(warn_churn_rate=0.05, fail_churn_rate=0.5)
+    rep = evaluate(results, errors, spec=on, **kw)
+    c = check(rep, "churn_rate")
+    assert c["status"] == "warn" and c["value"] is None, c
+    assert "100 id(s) of the previous run are not in this one" in c["detail"] and rep.status == "warn"
+    empty_before = _changes(0, 0)
+    empty_before["counts"].update(added=10)
+    assert (
+        check(evaluate(results, errors, spec=on, labels=None, structured=False, changes=empty_before), "churn_rate")[
+            "status"
+        ]
+        == "skip"
+    )
+
+
 # ---- accuracy gates ------------------------------------------------------------------------
 LAB = ["billing", "bug", "account", "other", "feature_request"]
 
