@@ -1098,3 +1098,27 @@ def test_a_merge_killed_before_it_removed_the_entries_it_supersedes_still_serves
     p2, _ = run_job(spec_for(tmp_path, "b"), fake_engine_factory)
     assert p2.cache.hits == len(IDS)
     assert {i: r["label"] for i, r in results(spec_for(tmp_path, "b")).items()} == published
+
+
+def test_a_run_planned_again_at_its_prefix_keeps_the_entry_its_plan_was_served_from(tmp_path, fake_engine_factory):
+    """The operator deletes a run's output prefix and runs the job again there (same spec): its new plan is served
+    the first plan's answers from the cache (its entry, in commits_read) and sends only the new rows to the shards.
+    Its merge files those as a new entry; the first plan's entry is no earlier merge of this plan (its answers are
+    what the new run published as hits) and must stay live. Before, every live entry of the same output prefix and
+    spec was superseded and removed: the next run paid again for every row the first plan had answered."""
+    import shutil
+
+    write_parquet(tmp_path / "in-a.parquet", IDS, TEXTS)
+    s1 = spec_for(tmp_path, "a")
+    _, m1 = run_job(s1, fake_engine_factory)
+    first = m1["cache"]["entry_id"]
+    shutil.rmtree(tmp_path / "out-a")  # the prefix deleted; the job runs again there over a grown input
+    write_parquet(tmp_path / "in-a.parquet", IDS + ["n1", "n2"], TEXTS + ["new ticket one", "new ticket two"])
+    p1b, m1b = run_job(s1, fake_engine_factory)
+    assert p1b.cache.hits == len(IDS) and first in p1b.cache.commits_read
+    assert m1b["cache"]["appended"] == 2 and m1b["cache"]["committed_by"] == "this_merge"
+    assert _entries(tmp_path / "cache") == sorted([f"{first}.json", f"{m1b['cache']['entry_id']}.json"])
+
+    write_parquet(tmp_path / "in-b.parquet", IDS, TEXTS)
+    p2, _ = run_job(spec_for(tmp_path, "b"), fake_engine_factory)
+    assert p2.cache.hits == len(IDS)
