@@ -445,6 +445,8 @@ def append_results(
     eid = entry_id(plan, spec.io.output_uri, made_from)
     done = store.read_commit(cp.key_hash, eid)
     if done is not None:
+        if done.supersedes:  # a merge cut short after its commit: finish removing the earlier merges' entries,
+            store.drop(cp.key_hash, done.supersedes)  # else the first compaction taking this one in revives them
         return CacheMergeSummary(
             uri=cp.uri, hits=cp.hits, appended=done.rows, entry_id=eid, committed_by="earlier_merge"
         )

@@ -1122,3 +1122,43 @@ def test_a_run_planned_again_at_its_prefix_keeps_the_entry_its_plan_was_served_f
     write_parquet(tmp_path / "in-b.parquet", IDS, TEXTS)
     p2, _ = run_job(spec_for(tmp_path, "b"), fake_engine_factory)
     assert p2.cache.hits == len(IDS)
+
+
+def test_a_supersede_cut_short_is_finished_by_the_merge_run_again(
+    tmp_path, fake_engine_factory, monkeypatch, set_faults
+):
+    """A run merged again over other parts commits its entry (superseding its first merge's) and fails before it
+    removed the first merge's entry. The merge run again (Airflow's retry) finds its commit; it must remove what that
+    commit supersedes. Before, it returned at once: the first merge's commit stayed, hidden only by the new commit's
+    ``supersedes``, and the first compaction that took the new entry in (and removed its commit) brought the replaced
+    answers back to life for every key the new entry lacks."""
+    import shutil
+
+    from airflow_provider_vllm.steps.cache import store as store_mod
+    from tests.support import fakes
+
+    write_parquet(tmp_path / "in-a.parquet", IDS, TEXTS)
+    s1 = spec_for(tmp_path, "a")
+    with monkeypatch.context() as m:
+        m.setattr(fakes, "answer", lambda spec, *a, **k: spec.sampling.structured.choice[0])  # the faulty node
+        p1, m1 = run_job(s1, fake_engine_factory)
+    first = m1["cache"]["entry_id"]
+    shutil.rmtree(tmp_path / "out-a" / "shards")
+    for s in p1.shards:
+        run_shard(shard_task(spec=s1, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+    set_faults("cache.after_commit=raise")
+    with pytest.raises(faults.InjectedFault):
+        merge(s1)
+    set_faults("")
+    again = merge(s1).dump()["cache"]
+    assert again["committed_by"] == "earlier_merge"
+    assert _entries(tmp_path / "cache") == [f"{again['entry_id']}.json"]  # the first merge's: gone
+
+    # another run's entry, then a compaction of the live entries: the first merge's stays gone
+    write_parquet(tmp_path / "in-b.parquet", ["b1", "b2"], ["other ticket one", "other ticket two"])
+    run_job(spec_for(tmp_path, "b"), fake_engine_factory)
+    monkeypatch.setattr(store_mod, "COMPACT_AFTER", 1)
+    st = CacheStore(str(tmp_path / "cache"), {}, Keyring.from_env())
+    khash = p1.cache.key_hash
+    assert st.compact(khash, str(tmp_path / "work")) is not None
+    assert first not in [c.entry_id for c in st.committed(khash)]
