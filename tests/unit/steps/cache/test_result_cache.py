@@ -1162,3 +1162,41 @@ def test_a_supersede_cut_short_is_finished_by_the_merge_run_again(
     khash = p1.cache.key_hash
     assert st.compact(khash, str(tmp_path / "work")) is not None
     assert first not in [c.entry_id for c in st.committed(khash)]
+
+
+def _typed_input(path: Path, n: int) -> None:
+    import decimal
+
+    pq.write_table(
+        pa.table(
+            {
+                "id": [f"t{i}" for i in range(n)],
+                "text": [f"x{i}" for i in range(n)],
+                "f": pa.array([[None, float("nan"), -0.0, 0.0, 1 / 3, 1e300, -7.5][i % 7] for i in range(n)]),
+                "g": pa.array([i * 0.1 for i in range(n)], pa.float32()),
+                "d": pa.array(
+                    [None if i % 6 == 0 else decimal.Decimal(f"{i}.{i:02d}") for i in range(n)], pa.decimal128(10, 2)
+                ),
+                "b": pa.array([None if i % 3 == 0 else bool(i % 2) for i in range(n)], pa.bool_()),
+                "u": pa.array(list(range(n)), pa.uint64()),
+                "i8": pa.array([None if i % 2 else -i for i in range(n)], pa.int8()),
+                "nul": pa.nulls(n),
+            }
+        ),
+        path,
+    )
+
+
+def test_the_misses_files_key_computed_again_is_the_keys_passes_for_typed_values(tmp_path, fake_engine_factory):
+    """The misses file's key is computed again over the values written beside it and must equal the keys pass's
+    (else InputChangedError): for NULLs, NaN, -0.0, floats, decimals, booleans, unsigned and small integers and a
+    column of Parquet's null type, the two agree, so a plan over such an input with cache entries to look in is
+    made, and its hits are the rows the first run answered."""
+    prompt = {"template": "{text}|{f}|{g}|{d}|{b}|{u}|{i8}|{nul}", "text_columns": ["text"]}
+    _typed_input(tmp_path / "in-a.parquet", 30)
+    _, m1 = run_job(spec_for(tmp_path, "a", prompt=prompt), fake_engine_factory)
+    assert m1["cache"]["appended"] == m1["ok_rows"] > 0
+    _typed_input(tmp_path / "in-b.parquet", 40)
+    p2, m2 = run_job(spec_for(tmp_path, "b", prompt=prompt), fake_engine_factory)
+    assert p2.cache.hits == m1["ok_rows"] and p2.cache.misses == 40 - m1["ok_rows"]
+    assert m2["rows"] == 40
