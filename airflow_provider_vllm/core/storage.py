@@ -958,8 +958,8 @@ def _taken(lock: str) -> Iterator[str]:
     lock a regular file of ours written by an owner and still at that name (the flock is held until the context
     ends); ``"made"`` when taken but never written (its owner died before holding it, or is about to hold it);
     else ``"kept"`` (a live owner holds it; absent, a link, a FIFO, another user's, or made anew since opened)."""
-    try:
-        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:  # for writing: NFS and CIFS emulate flock with an fcntl lock, exclusive only on a descriptor that writes
+        fd = os.open(lock, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         fd = -1
     try:

@@ -638,3 +638,28 @@ def test_a_folder_without_an_owner_lock_is_kept_for_a_day_as_before(tmp_path, mo
         assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
             [fresh.name, Path(mine).name, f"{Path(mine).name}.lock"]
         )
+
+
+def test_a_killed_tasks_copies_folder_is_swept_where_flock_is_emulated_by_fcntl_as_on_nfs(tmp_path, monkeypatch):
+    """On NFS (and CIFS) the kernel emulates ``flock`` with an ``fcntl`` lock of the whole file, which takes an
+    exclusive lock only on a descriptor open for writing (flock(2)), else EBADF. The sweep opened owner locks
+    read-only: there every lock read as held, and no folder a killed task left on such a TMPDIR or adapter
+    folder was ever removed (not even a day later, as before the locks)."""
+    import errno
+    import fcntl
+    import types
+
+    from airflow_provider_vllm.core import storage
+
+    def nfs_flock(fd: int, op: int) -> None:
+        if op & fcntl.LOCK_EX and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY:
+            raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+        fcntl.flock(fd, op)
+
+    monkeypatch.setattr(storage.tempfile, "tempdir", str(tmp_path))
+    proc, left = _holder(tmp_path)
+    proc.kill()
+    proc.wait()
+    monkeypatch.setattr(storage, "fcntl", types.SimpleNamespace(**{**vars(fcntl), "flock": nfs_flock}))
+    with storage.copies_folder("qa"):
+        assert not left.exists() and not Path(f"{left}.lock").exists()
