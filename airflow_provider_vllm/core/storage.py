@@ -957,7 +957,8 @@ def _taken(lock: str) -> Iterator[str]:
     """What the owner lock ``lock`` says of its folder: ``"gone"`` when its flock was taken without waiting, the
     lock a regular file of ours written by an owner and still at that name (the flock is held until the context
     ends); ``"made"`` when taken but never written (its owner died before holding it, or is about to hold it);
-    else ``"kept"`` (a live owner holds it; absent, a link, a FIFO, another user's, or made anew since opened)."""
+    else ``"kept"`` (a live owner holds it; absent, a link, a file with another name (hard link), a FIFO, another
+    user's, or made anew since opened)."""
     try:  # for writing: NFS and CIFS emulate flock with an fcntl lock, exclusive only on a descriptor that writes
         fd = os.open(lock, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
@@ -971,8 +972,8 @@ def _taken(lock: str) -> Iterator[str]:
 
 def _lock_state(lock: str, fd: int) -> str:
     st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-        return "kept"
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_nlink != 1:
+        return "kept"  # a hard link (another name for a file of ours) is no folder's own lock
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         now = os.lstat(lock)

@@ -663,3 +663,27 @@ def test_a_killed_tasks_copies_folder_is_swept_where_flock_is_emulated_by_fcntl_
     monkeypatch.setattr(storage, "fcntl", types.SimpleNamespace(**{**vars(fcntl), "flock": nfs_flock}))
     with storage.copies_folder("qa"):
         assert not left.exists() and not Path(f"{left}.lock").exists()
+
+
+def test_a_hard_link_at_a_folders_lock_name_never_gets_a_live_folder_removed(tmp_path, monkeypatch):
+    """A live task's folder without an owner lock (an older version's, kept while its process lives) and, planted
+    at its lock's name, a hard link to a lock of ours nobody holds that an owner once wrote (a user of a shared
+    TMPDIR where hard links to others' files are allowed): the link is a regular file of ours, written, free and
+    still at that name, so the sweep took it for the folder's own and removed the live folder. A lock with another
+    name (more than one link) is no folder's own."""
+    from airflow_provider_vllm.core import storage
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(storage.tempfile, "tempdir", str(tmp))
+    live = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.readline()"], stdin=subprocess.PIPE)
+    try:
+        folder = tmp / f"vllm-batch-qa-{live.pid}-older"
+        folder.mkdir()
+        (folder / "part.parquet").write_bytes(b"x" * 100)
+        (tmp_path / "free.lock").write_bytes(b"owned\n")
+        os.link(tmp_path / "free.lock", tmp / f"{folder.name}.lock")
+        with storage.copies_folder("qa"):
+            assert (folder / "part.parquet").read_bytes() == b"x" * 100
+    finally:
+        live.communicate(b"\n")
