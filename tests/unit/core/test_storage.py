@@ -687,3 +687,27 @@ def test_a_hard_link_at_a_folders_lock_name_never_gets_a_live_folder_removed(tmp
             assert (folder / "part.parquet").read_bytes() == b"x" * 100
     finally:
         live.communicate(b"\n")
+
+
+def test_a_file_planted_at_a_new_folders_lock_name_does_not_fail_the_task(tmp_path, monkeypatch, caplog):
+    """Another user of a shared TMPDIR sees each new folder's name (the folder is listed) and plants a file or link
+    at ``<folder>.lock`` before its owner creates it: the owner made another folder, each time, and after 100
+    failed the task (FileExistsError). It now keeps its folder without an owner lock (the sweep's rule for a folder
+    without one: its process gone and a day old), with a warning, and leaves the planted file alone."""
+    import logging
+
+    from airflow_provider_vllm.core import storage
+
+    monkeypatch.setattr(storage.tempfile, "tempdir", str(tmp_path))
+    real = storage.tempfile.mkdtemp
+
+    def watched(*a, **k):
+        path = real(*a, **k)
+        os.symlink(tmp_path / "elsewhere", path + ".lock")  # the other user, a moment after the folder appeared
+        return path
+
+    monkeypatch.setattr(storage.tempfile, "mkdtemp", watched)
+    with caplog.at_level(logging.WARNING), storage.copies_folder("qa") as mine:
+        (Path(mine) / "part.parquet").write_bytes(b"x")
+    assert not Path(mine).exists() and Path(f"{mine}.lock").is_symlink()
+    assert f"{mine}.lock" in caplog.text
