@@ -911,45 +911,48 @@ def copies_folder(step: str, root: str | None = None) -> Iterator[str]:
     finally:
         try:
             shutil.rmtree(path, ignore_errors=True)
-            with contextlib.suppress(OSError):
-                os.unlink(path + OWNER_LOCK)  # after the folder: a lock without its folder is never a live one
+            if fd >= 0:  # else what is at the lock's name is not ours
+                with contextlib.suppress(OSError):
+                    os.unlink(path + OWNER_LOCK)  # after the folder: a lock without its folder is never a live one
         finally:
-            os.close(fd)  # the lock goes with it
+            if fd >= 0:
+                os.close(fd)  # the lock goes with it
             with _HELD_GUARD:
                 _HELD.discard(path)
 
 
 def _owned_folder(root: str, prefix: str) -> tuple[str, int]:
-    """A new folder ``<prefix>…`` in ``root`` and the descriptor of its owner lock, held (``copies_folder``)."""
-    for _ in range(100):
-        path = tempfile.mkdtemp(prefix=prefix, dir=root)
+    """A new folder ``<prefix>…`` in ``root`` and the descriptor of its owner lock, held (``copies_folder``); -1
+    when something else is at the lock's name (planted there by another user of a shared ``TMPDIR`` who saw the
+    folder appear, or a lock left at this very name): the folder is then used without a lock of its own rather
+    than failing the task, removed on exit as any; one its owner killed with SIGKILL left is kept while that file
+    is there (the sweep never removes a folder whose lock's name holds what is not its lock), then removed by the
+    rule for a folder without a lock (its process gone and ``STALE_COPIES_S`` old)."""
+    path = tempfile.mkdtemp(prefix=prefix, dir=root)
+    with _HELD_GUARD:
+        _HELD.add(path)
+    try:
+        fd = os.open(path + OWNER_LOCK, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except FileExistsError:
+        log.warning("copies folder %s: %s exists and is not its lock; kept without one", path, path + OWNER_LOCK)
+        return path, -1
+    except BaseException:
+        shutil.rmtree(path, ignore_errors=True)
         with _HELD_GUARD:
-            _HELD.add(path)
-        try:
-            fd = os.open(path + OWNER_LOCK, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        except FileExistsError:  # a lock left without its folder at this very name: another name
-            os.rmdir(path)
-            with _HELD_GUARD:
-                _HELD.discard(path)
-            continue
-        except BaseException:
-            shutil.rmtree(path, ignore_errors=True)
-            with _HELD_GUARD:
-                _HELD.discard(path)
-            raise
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # a sweeper that took it first finds it empty and lets go at once
-            os.write(fd, _OWNED)
-        except BaseException:
-            shutil.rmtree(path, ignore_errors=True)
-            with contextlib.suppress(OSError):
-                os.unlink(path + OWNER_LOCK)
-            os.close(fd)
-            with _HELD_GUARD:
-                _HELD.discard(path)
-            raise
-        return path, fd
-    raise FileExistsError(f"{root}: no free name for a copies folder {prefix}…")
+            _HELD.discard(path)
+        raise
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # a sweeper that took it first finds it empty and lets go at once
+        os.write(fd, _OWNED)
+    except BaseException:
+        shutil.rmtree(path, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.unlink(path + OWNER_LOCK)
+        os.close(fd)
+        with _HELD_GUARD:
+            _HELD.discard(path)
+        raise
+    return path, fd
 
 
 @contextlib.contextmanager
@@ -957,9 +960,10 @@ def _taken(lock: str) -> Iterator[str]:
     """What the owner lock ``lock`` says of its folder: ``"gone"`` when its flock was taken without waiting, the
     lock a regular file of ours written by an owner and still at that name (the flock is held until the context
     ends); ``"made"`` when taken but never written (its owner died before holding it, or is about to hold it);
-    else ``"kept"`` (a live owner holds it; absent, a link, a FIFO, another user's, or made anew since opened)."""
-    try:
-        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    else ``"kept"`` (a live owner holds it; absent, a link, a file with another name (hard link), a FIFO, another
+    user's, or made anew since opened)."""
+    try:  # for writing: NFS and CIFS emulate flock with an fcntl lock, exclusive only on a descriptor that writes
+        fd = os.open(lock, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         fd = -1
     try:
@@ -971,8 +975,8 @@ def _taken(lock: str) -> Iterator[str]:
 
 def _lock_state(lock: str, fd: int) -> str:
     st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-        return "kept"
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_nlink != 1:
+        return "kept"  # a hard link (another name for a file of ours) is no folder's own lock
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         now = os.lstat(lock)

@@ -445,6 +445,8 @@ def append_results(
     eid = entry_id(plan, spec.io.output_uri, made_from)
     done = store.read_commit(cp.key_hash, eid)
     if done is not None:
+        if done.supersedes:  # a merge cut short after its commit: finish removing the earlier merges' entries,
+            store.drop(cp.key_hash, done.supersedes)  # else the first compaction taking this one in revives them
         return CacheMergeSummary(
             uri=cp.uri, hits=cp.hits, appended=done.rows, entry_id=eid, committed_by="earlier_merge"
         )
@@ -494,11 +496,17 @@ def append_results(
         rows = pq.ParquetFile(local).metadata.num_rows
         if rows == 0:
             return CacheMergeSummary(uri=cp.uri, hits=cp.hits, appended=0)
-        # the live entries of this run's earlier merges (the same output prefix and spec, other parts)
+        # the live entries of this plan's earlier merges (the same output prefix and spec, other parts): never one
+        # the plan read (commits_read), which an earlier plan of this prefix filed before this plan was made and
+        # whose answers this run published as hits
+        read = set(cp.commits_read)
         earlier = [
             c.entry_id
             for c in store.committed(cp.key_hash)
-            if c.source_output_uri == origin and c.source_spec_hash == plan.spec_hash and c.entry_id != eid
+            if c.source_output_uri == origin
+            and c.source_spec_hash == plan.spec_hash
+            and c.entry_id != eid
+            and c.entry_id not in read
         ]
         made = store.write(
             cp.key_hash,

@@ -638,3 +638,76 @@ def test_a_folder_without_an_owner_lock_is_kept_for_a_day_as_before(tmp_path, mo
         assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
             [fresh.name, Path(mine).name, f"{Path(mine).name}.lock"]
         )
+
+
+def test_a_killed_tasks_copies_folder_is_swept_where_flock_is_emulated_by_fcntl_as_on_nfs(tmp_path, monkeypatch):
+    """On NFS (and CIFS) the kernel emulates ``flock`` with an ``fcntl`` lock of the whole file, which takes an
+    exclusive lock only on a descriptor open for writing (flock(2)), else EBADF. The sweep opened owner locks
+    read-only: there every lock read as held, and no folder a killed task left on such a TMPDIR or adapter
+    folder was ever removed (not even a day later, as before the locks)."""
+    import errno
+    import fcntl
+    import types
+
+    from airflow_provider_vllm.core import storage
+
+    def nfs_flock(fd: int, op: int) -> None:
+        if op & fcntl.LOCK_EX and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY:
+            raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+        fcntl.flock(fd, op)
+
+    monkeypatch.setattr(storage.tempfile, "tempdir", str(tmp_path))
+    proc, left = _holder(tmp_path)
+    proc.kill()
+    proc.wait()
+    monkeypatch.setattr(storage, "fcntl", types.SimpleNamespace(**{**vars(fcntl), "flock": nfs_flock}))
+    with storage.copies_folder("qa"):
+        assert not left.exists() and not Path(f"{left}.lock").exists()
+
+
+def test_a_hard_link_at_a_folders_lock_name_never_gets_a_live_folder_removed(tmp_path, monkeypatch):
+    """A live task's folder without an owner lock (an older version's, kept while its process lives) and, planted
+    at its lock's name, a hard link to a lock of ours nobody holds that an owner once wrote (a user of a shared
+    TMPDIR where hard links to others' files are allowed): the link is a regular file of ours, written, free and
+    still at that name, so the sweep took it for the folder's own and removed the live folder. A lock with another
+    name (more than one link) is no folder's own."""
+    from airflow_provider_vllm.core import storage
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(storage.tempfile, "tempdir", str(tmp))
+    live = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.readline()"], stdin=subprocess.PIPE)
+    try:
+        folder = tmp / f"vllm-batch-qa-{live.pid}-older"
+        folder.mkdir()
+        (folder / "part.parquet").write_bytes(b"x" * 100)
+        (tmp_path / "free.lock").write_bytes(b"owned\n")
+        os.link(tmp_path / "free.lock", tmp / f"{folder.name}.lock")
+        with storage.copies_folder("qa"):
+            assert (folder / "part.parquet").read_bytes() == b"x" * 100
+    finally:
+        live.communicate(b"\n")
+
+
+def test_a_file_planted_at_a_new_folders_lock_name_does_not_fail_the_task(tmp_path, monkeypatch, caplog):
+    """Another user of a shared TMPDIR sees each new folder's name (the folder is listed) and plants a file or link
+    at ``<folder>.lock`` before its owner creates it: the owner made another folder, each time, and after 100
+    failed the task (FileExistsError). It now keeps its folder without an owner lock (the sweep's rule for a folder
+    without one: its process gone and a day old), with a warning, and leaves the planted file alone."""
+    import logging
+
+    from airflow_provider_vllm.core import storage
+
+    monkeypatch.setattr(storage.tempfile, "tempdir", str(tmp_path))
+    real = storage.tempfile.mkdtemp
+
+    def watched(*a, **k):
+        path = real(*a, **k)
+        os.symlink(tmp_path / "elsewhere", path + ".lock")  # the other user, a moment after the folder appeared
+        return path
+
+    monkeypatch.setattr(storage.tempfile, "mkdtemp", watched)
+    with caplog.at_level(logging.WARNING), storage.copies_folder("qa") as mine:
+        (Path(mine) / "part.parquet").write_bytes(b"x")
+    assert not Path(mine).exists() and Path(f"{mine}.lock").is_symlink()
+    assert f"{mine}.lock" in caplog.text

@@ -1098,3 +1098,105 @@ def test_a_merge_killed_before_it_removed_the_entries_it_supersedes_still_serves
     p2, _ = run_job(spec_for(tmp_path, "b"), fake_engine_factory)
     assert p2.cache.hits == len(IDS)
     assert {i: r["label"] for i, r in results(spec_for(tmp_path, "b")).items()} == published
+
+
+def test_a_run_planned_again_at_its_prefix_keeps_the_entry_its_plan_was_served_from(tmp_path, fake_engine_factory):
+    """The operator deletes a run's output prefix and runs the job again there (same spec): its new plan is served
+    the first plan's answers from the cache (its entry, in commits_read) and sends only the new rows to the shards.
+    Its merge files those as a new entry; the first plan's entry is no earlier merge of this plan (its answers are
+    what the new run published as hits) and must stay live. Before, every live entry of the same output prefix and
+    spec was superseded and removed: the next run paid again for every row the first plan had answered."""
+    import shutil
+
+    write_parquet(tmp_path / "in-a.parquet", IDS, TEXTS)
+    s1 = spec_for(tmp_path, "a")
+    _, m1 = run_job(s1, fake_engine_factory)
+    first = m1["cache"]["entry_id"]
+    shutil.rmtree(tmp_path / "out-a")  # the prefix deleted; the job runs again there over a grown input
+    write_parquet(tmp_path / "in-a.parquet", IDS + ["n1", "n2"], TEXTS + ["new ticket one", "new ticket two"])
+    p1b, m1b = run_job(s1, fake_engine_factory)
+    assert p1b.cache.hits == len(IDS) and first in p1b.cache.commits_read
+    assert m1b["cache"]["appended"] == 2 and m1b["cache"]["committed_by"] == "this_merge"
+    assert _entries(tmp_path / "cache") == sorted([f"{first}.json", f"{m1b['cache']['entry_id']}.json"])
+
+    write_parquet(tmp_path / "in-b.parquet", IDS, TEXTS)
+    p2, _ = run_job(spec_for(tmp_path, "b"), fake_engine_factory)
+    assert p2.cache.hits == len(IDS)
+
+
+def test_a_supersede_cut_short_is_finished_by_the_merge_run_again(
+    tmp_path, fake_engine_factory, monkeypatch, set_faults
+):
+    """A run merged again over other parts commits its entry (superseding its first merge's) and fails before it
+    removed the first merge's entry. The merge run again (Airflow's retry) finds its commit; it must remove what that
+    commit supersedes. Before, it returned at once: the first merge's commit stayed, hidden only by the new commit's
+    ``supersedes``, and the first compaction that took the new entry in (and removed its commit) brought the replaced
+    answers back to life for every key the new entry lacks."""
+    import shutil
+
+    from airflow_provider_vllm.steps.cache import store as store_mod
+    from tests.support import fakes
+
+    write_parquet(tmp_path / "in-a.parquet", IDS, TEXTS)
+    s1 = spec_for(tmp_path, "a")
+    with monkeypatch.context() as m:
+        m.setattr(fakes, "answer", lambda spec, *a, **k: spec.sampling.structured.choice[0])  # the faulty node
+        p1, m1 = run_job(s1, fake_engine_factory)
+    first = m1["cache"]["entry_id"]
+    shutil.rmtree(tmp_path / "out-a" / "shards")
+    for s in p1.shards:
+        run_shard(shard_task(spec=s1, shard_id=s.shard_id), engine_factory=fake_engine_factory)
+    set_faults("cache.after_commit=raise")
+    with pytest.raises(faults.InjectedFault):
+        merge(s1)
+    set_faults("")
+    again = merge(s1).dump()["cache"]
+    assert again["committed_by"] == "earlier_merge"
+    assert _entries(tmp_path / "cache") == [f"{again['entry_id']}.json"]  # the first merge's: gone
+
+    # another run's entry, then a compaction of the live entries: the first merge's stays gone
+    write_parquet(tmp_path / "in-b.parquet", ["b1", "b2"], ["other ticket one", "other ticket two"])
+    run_job(spec_for(tmp_path, "b"), fake_engine_factory)
+    monkeypatch.setattr(store_mod, "COMPACT_AFTER", 1)
+    st = CacheStore(str(tmp_path / "cache"), {}, Keyring.from_env())
+    khash = p1.cache.key_hash
+    assert st.compact(khash, str(tmp_path / "work")) is not None
+    assert first not in [c.entry_id for c in st.committed(khash)]
+
+
+def _typed_input(path: Path, n: int) -> None:
+    import decimal
+
+    pq.write_table(
+        pa.table(
+            {
+                "id": [f"t{i}" for i in range(n)],
+                "text": [f"x{i}" for i in range(n)],
+                "f": pa.array([[None, float("nan"), -0.0, 0.0, 1 / 3, 1e300, -7.5][i % 7] for i in range(n)]),
+                "g": pa.array([i * 0.1 for i in range(n)], pa.float32()),
+                "d": pa.array(
+                    [None if i % 6 == 0 else decimal.Decimal(f"{i}.{i:02d}") for i in range(n)], pa.decimal128(10, 2)
+                ),
+                "b": pa.array([None if i % 3 == 0 else bool(i % 2) for i in range(n)], pa.bool_()),
+                "u": pa.array(list(range(n)), pa.uint64()),
+                "i8": pa.array([None if i % 2 else -i for i in range(n)], pa.int8()),
+                "nul": pa.nulls(n),
+            }
+        ),
+        path,
+    )
+
+
+def test_the_misses_files_key_computed_again_is_the_keys_passes_for_typed_values(tmp_path, fake_engine_factory):
+    """The misses file's key is computed again over the values written beside it and must equal the keys pass's
+    (else InputChangedError): for NULLs, NaN, -0.0, floats, decimals, booleans, unsigned and small integers and a
+    column of Parquet's null type, the two agree, so a plan over such an input with cache entries to look in is
+    made, and its hits are the rows the first run answered."""
+    prompt = {"template": "{text}|{f}|{g}|{d}|{b}|{u}|{i8}|{nul}", "text_columns": ["text"]}
+    _typed_input(tmp_path / "in-a.parquet", 30)
+    _, m1 = run_job(spec_for(tmp_path, "a", prompt=prompt), fake_engine_factory)
+    assert m1["cache"]["appended"] == m1["ok_rows"] > 0
+    _typed_input(tmp_path / "in-b.parquet", 40)
+    p2, m2 = run_job(spec_for(tmp_path, "b", prompt=prompt), fake_engine_factory)
+    assert p2.cache.hits == m1["ok_rows"] and p2.cache.misses == 40 - m1["ok_rows"]
+    assert m2["rows"] == 40
