@@ -270,7 +270,8 @@ def run_checks(metrics: dict[str, Any], spec: QASpec, *, structured: bool) -> li
                 detail = (
                     f"no id answered in both runs, and {gone} id(s) of the previous run are not in this one: the input "
                     "is not the corpus the previous run answered; qa.warn_churn_rate / qa.fail_churn_rate are set, "
-                    "but this run has nothing to judge them on"
+                    "but this run has nothing to judge them on (a job whose every run holds only new ids by design, "
+                    "e.g. one day's new rows, has no churn to judge: set both to 1 for it)"
                 )
         out.append(
             {
