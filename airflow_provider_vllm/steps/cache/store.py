@@ -18,8 +18,8 @@ An entry serves later runs only once the run that made it was published: the mer
 publish (after QA, the human review and its own checks) writes ``published/<key_hash[:32]>/<entry_id>.json``
 (``records.CacheVouch``, sealed with the deployment's key, domain ``cache-published``, scope the cache folder),
 which names the entry's commit by its seal. Readers (the plan, the dry run, compaction) take only entries with
-such a record for exactly that commit; an entry never vouched for is removed by a later merge of its key config
-once its sealed ``created`` is older than ``UNPUBLISHED_KEEP``.
+such a record for exactly that commit; an entry never vouched for is removed by a later merge that files an entry
+of its key config once its sealed ``created`` is older than ``UNPUBLISHED_KEEP``.
 
 Compaction keeps a plan's cost flat in the number of past runs: once a key config has more than
 ``COMPACT_AFTER`` live vouched entries, the merge that appended the last one writes one entry holding the
