@@ -8,8 +8,9 @@ as a ratio to the same run without the cache (no vLLM: shard outputs are synthes
 1. Input A: ``bench_dataplane.generate_dataset`` (``--rows`` rows, 10 files) with the id appended
    to each text (its texts come from a few thousand template pairs; tickets are unique); input B:
    A with ``--changed`` of the texts edited (same ids; picked by ``hash(id)``), written once with DuckDB.
-2. Warm-up, not timed: run 1 over A with an empty cache (plan, synthesised commits, merge), which
-   appends all of A's answers to the cache: the "10M-row cache".
+2. Warm-up, not timed: run 1 over A with an empty cache (plan, synthesised commits, merge, and what publish does
+   for the cache: ``publish_cache``), which appends all of A's answers to the cache and lets them serve: the
+   "10M-row cache".
 3. Timed, alternated ``nocache cache cache nocache`` per repeat: run 2 over B into a fresh output
    prefix, plan (timed) -> synthesised commits for the planned shards (not timed: they stand in
    for the GPU) -> merge (timed). The cache side starts each time from a hard-linked copy of the
@@ -82,6 +83,20 @@ def derive(src: Path, dst: Path, text_sql: str, recipe: dict) -> int:
     return changed
 
 
+def publish_cache(spec) -> str | None:
+    """What the publish task does for the result cache once the run is published (``vouch_published``, from the
+    sealed ``_MERGED.json`` and plan): the run's entry serves later runs. The entry id vouched for."""
+    from airflow_provider_vllm.core.plan import load_plan
+    from airflow_provider_vllm.core.seal import Keyring
+    from airflow_provider_vllm.core.storage import Storage
+    from airflow_provider_vllm.steps.cache.result_cache import vouch_published
+    from airflow_provider_vllm.steps.merge.merger import read_merged
+
+    keyring = Keyring.from_env()
+    merged = read_merged(Storage(spec.io.output_uri, spec.io.storage_options), keyring)
+    return vouch_published(spec, load_plan(spec, None, keyring, merged=merged), merged, keyring)
+
+
 def child(stage: str, input_dir: Path, run_dir: Path, cache_dir: str, profile: bool = False) -> None:
     import resource
 
@@ -117,6 +132,8 @@ def child(stage: str, input_dir: Path, run_dir: Path, cache_dir: str, profile: b
             appended=s.cache.appended if s.cache else None,
             skipped=s.cache.skipped if s.cache else None,
         )
+    elif stage == "publish":  # the warm-up only, never timed
+        extra.update(vouched=publish_cache(spec))
     else:
         raise SystemExit(f"unknown stage {stage}")
     seconds = time.perf_counter() - t0
@@ -215,15 +232,17 @@ def main() -> int:
     # that copy put back at the same path.
     cache_run, warm = w / "cache-run", w / "cache-warm"
     done = w / "cache-warm.json"
-    if not (done.exists() and json.loads(done.read_text()).get("rows") == args.rows):
+    # a warm cache of an earlier version holds entries no publish vouched for: it serves nothing, made again
+    if not (done.exists() and json.loads(done.read_text()).get("rows") == args.rows and "vouched" in done.read_text()):
         shutil.rmtree(warm, ignore_errors=True)
         shutil.rmtree(cache_run, ignore_errors=True)
         t0 = time.monotonic()
         run1 = one_run(a, w / "run1", cache_run)
         if not run1["merge"]["appended"]:  # else every "cached" run below measures an empty cache (all misses)
             raise SystemExit(f"the warm-up appended nothing to the cache: {run1['merge']['skipped']}")
+        vouched = run_child("publish", a, w / "run1", cache_run)["vouched"]  # its entry serves only once published
         shutil.copytree(cache_run, warm, copy_function=os.link)
-        done.write_text(json.dumps({"rows": args.rows, "appended": run1["merge"]["appended"]}))
+        done.write_text(json.dumps({"rows": args.rows, "appended": run1["merge"]["appended"], "vouched": vouched}))
         print(f"warm-up (run 1, cold cache): {json.dumps(run1)} in {time.monotonic() - t0:.0f}s", file=sys.stderr)
     if args.profile:
         shutil.rmtree(cache_run, ignore_errors=True)

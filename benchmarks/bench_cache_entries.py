@@ -6,7 +6,8 @@
 
 1. An input of ``--rows`` unique tickets (``bench_dataplane.generate_dataset``, the id appended).
 2. A cache holding the answer of every row, split over ``--entries`` sealed entries (each one
-   nightly run's worth: ``CacheStore.write``, as a merge writes them, without compacting), and a
+   nightly run's worth: ``CacheStore.write``, as a merge writes them, without compacting, each vouched for as
+   publish does: ``CacheStore.vouch``), and a
    second one built the same way and then compacted (``CacheStore.compact``: one entry with the same
    answers). Each is built in its own folder once (seals name the folder).
 3. Timed, alternated ``many compacted compacted many`` per repeat: ``plan_job`` of a run over the
@@ -81,6 +82,10 @@ def build_cache(input_dir: Path, cache_dir: Path, entries: int) -> dict:
         )
         pq.write_table(pa.table(cols, schema=rc.ENTRY_SCHEMA), tmp)
         store.write(khash, f"{n:032x}", str(tmp), len(part), {"output_uri": f"/runs/{n}", "engine": ENGINE})
+        # each run published: publish vouches for its entry (only entries of published runs are read)
+        made = store.read_commit(khash, f"{n:032x}")
+        assert made is not None and made.seal is not None
+        store.vouch(khash, f"{n:032x}", made.seal.mac, "publish", f"/runs/{n}")
     return {"rows": len(keys), "entries": entries, "key_hash": khash}
 
 
@@ -143,7 +148,7 @@ def main() -> int:
     # plans only read it.
     many, compacted = work / f"cache-{args.entries}", work / f"cache-{args.entries}-compacted"
     for folder in (many, compacted):
-        if not (folder / "_DONE").exists():
+        if not (folder / "_DONE").exists() or not (folder / "published").exists():  # an earlier version's: unvouched
             shutil.rmtree(folder, ignore_errors=True)
             built = run_child("build", args, input_dir, work / "x", folder)
             if folder == compacted:

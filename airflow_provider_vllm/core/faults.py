@@ -81,6 +81,10 @@ POINTS = frozenset(
         "cache.entry_data",
         "cache.mid_commit",
         "cache.after_commit",
+        # publish's vouch for the run's cache entry (steps.cache.store.CacheStore.vouch; compaction's too): before the
+        # record, its temp file half written
+        "cache.before_vouch",
+        "cache.mid_vouch",
         # each distinct prompt once (steps.cache.dedupe): the plan's followers file written (no _plan.json yet);
         # merge's follower parts staged under _cache/ (nothing published yet)
         "dedupe.after_followers",

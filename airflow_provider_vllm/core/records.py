@@ -497,6 +497,26 @@ class CacheCommit(Record):
     seal: Seal | None = Field(None, description="the writing merge's seal; an entry without a valid one is never read")
 
 
+class CacheVouch(Record):
+    """``<cache.uri>/published/<key_hash[:32]>/<entry_id>.json``: an entry serves later runs only with this record,
+    sealed by this deployment's publish once the run that made the entry was published (or by the compaction that
+    made the entry from vouched entries only; ``core/seal.py``, domain ``cache-published``, scope the cache folder).
+    It names the entry's commit by its seal: another commit later written under the same id is not vouched for."""
+
+    version: int = Field(1, description="record format version")
+    entry_id: str = Field(pattern=r"^[0-9a-f]{32}$", description="the entry vouched for")
+    key_hash: str = Field(pattern=r"^[0-9a-f]{64}$", description="its key config hash")
+    commit_mac: str = Field(
+        pattern=r"^[0-9a-f]{64}$", description="the seal (mac) of the entry's commit this record vouches for"
+    )
+    vouched_by: Literal["publish", "compaction"] = Field(
+        description="publish (the run that made the entry was published) or compaction (made from vouched entries)"
+    )
+    source_output_uri: str = Field(description="the published run's output prefix ('' compaction)")
+    created: str = Field(description="UTC time the record was written (ISO 8601)")
+    seal: Seal | None = Field(None, description="the writer's seal; an entry without a valid record is never read")
+
+
 class CacheMergeSummary(Record):
     """What a merge took from the result cache and added to it."""
 
@@ -506,6 +526,12 @@ class CacheMergeSummary(Record):
     entry_id: str | None = Field(None, description="this run's cache entry (None: nothing to append)")
     committed_by: Literal["this_merge", "earlier_merge"] | None = Field(
         None, description="whether this merge wrote the entry's commit marker or found it (a rerun)"
+    )
+    commit_mac: str | None = Field(
+        None,
+        pattern=r"^[0-9a-f]{64}$",
+        description="the seal (mac) of this run's entry's commit as this merge wrote or found it: what publish "
+        "vouches for (None: nothing appended, or merged before it was recorded: such an entry serves no later run)",
     )
     skipped: str | None = Field(
         None, description="why this run's rows were not appended (e.g. made by another engine than the key's)"

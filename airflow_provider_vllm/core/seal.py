@@ -2,7 +2,8 @@
 
 A file in a bucket proves nothing about who wrote it: every person and job that may write an
 output prefix or the cache folder can write any bytes there. What the pipeline reuses or publishes
-(the plan, a chunk, a shard's commit marker, the merge summary, QA's verdict, a cache entry, ``_SUCCESS.json``,
+(the plan, a chunk, a shard's commit marker, the merge summary, QA's verdict, a cache entry and publish's vouch for
+it, ``_SUCCESS.json``,
 ``_PUBLISHING.json``)
 therefore carries a *seal*: an HMAC-SHA256 over a domain, a scope (the run's output URI, the cache
 folder ...) and the record's canonical JSON. Whoever lacks the key cannot make a seal that
@@ -56,13 +57,27 @@ COMMIT = "commit"
 MERGED = "merged"
 SUCCESS = "success"
 CACHE_ENTRY = "cache-entry"
+CACHE_PUBLISHED = "cache-published"
 CHANGES = "changes"
 COMPILE_CACHE = "compile-cache"
 QA = "qa"
 HISTORY = "history"
 PUBLISHING = "publishing"
 DOMAINS = frozenset(
-    {PLAN, CHUNK, COMMIT, MERGED, SUCCESS, CACHE_ENTRY, CHANGES, COMPILE_CACHE, QA, HISTORY, PUBLISHING}
+    {
+        PLAN,
+        CHUNK,
+        COMMIT,
+        MERGED,
+        SUCCESS,
+        CACHE_ENTRY,
+        CACHE_PUBLISHED,
+        CHANGES,
+        COMPILE_CACHE,
+        QA,
+        HISTORY,
+        PUBLISHING,
+    }
 )
 WORKER_DOMAINS = frozenset({CHUNK, COMMIT, COMPILE_CACHE})
 """What the shard worker seals and checks, with the worker key; every other domain takes the deployment's key."""

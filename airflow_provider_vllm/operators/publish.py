@@ -21,6 +21,7 @@ from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.hooks.filesystems import task_filesystems
 from airflow_provider_vllm.hooks.iceberg import tables as iceberg_tables
+from airflow_provider_vllm.steps.cache.result_cache import vouch_published
 from airflow_provider_vllm.steps.lineage import publish_lineage
 from airflow_provider_vllm.steps.merge.changes import CHANGES, changes_to_publish
 from airflow_provider_vllm.steps.merge.changes import SUMMARY as CHANGES_SUMMARY
@@ -69,8 +70,10 @@ class VllmPublishOperator(BaseOperator):
     that every named file exists, then writes the marker atomically, naming files, counts, checksums (manifests,
     OpenAI batch files, QA files, change set, extra files), the QA verdict and the Airflow run. For each Asset in
     ``outlets`` the Asset event carries the concrete output URI in its ``extra`` (the Asset names the dataset; the
-    URI names this run's partition). ``extra_files`` (name -> path of a file under the prefix) are listed, and their
-    sha256 as publish reads them is sealed into ``_SUCCESS.json`` (a folder or a path outside the prefix fails).
+    URI names this run's partition). With ``cache.uri``, once the marker is written it vouches for the run's cache
+    entry (``result_cache.vouch_published``): only entries of published runs serve later runs. ``extra_files``
+    (name -> path of a file under the prefix) are listed, and their sha256 as publish reads them is sealed into
+    ``_SUCCESS.json`` (a folder or a path outside the prefix fails).
 
     ``qa_result``: the QA task's XCom (``qa.output``; ``vllm_batch_job`` passes it): the sealed verdict must be
     the one that task wrote, not an earlier genuine one put back in the folder. None: not checked, unless
@@ -126,6 +129,9 @@ class VllmPublishOperator(BaseOperator):
                 marker["table"] = self._commit_table(spec, out, context, keyring, marker).event()
             body = success_bytes(marker, keyring, spec.io.output_uri)
             out.write_atomic(SUCCESS, body)
+            # the run is published: its cache entry may now serve later runs (a publish killed before this line is
+            # run again by the task's retry, which writes both again; until then the entry serves nothing)
+            vouch_published(spec, self._plan, self._merged, keyring, out.filesystems)
         self.log.info(
             "published %s (%d rows: %d ok, %d errors; QA %s)",
             out.uri(SUCCESS),
@@ -208,6 +214,7 @@ class VllmPublishOperator(BaseOperator):
         if merged.spec_hash != spec.content_hash():
             raise AirflowFailException(f"publish: {out.uri(MERGED)} was merged for another spec")
         self._engine_versions = merged.engine_versions  # for the lineage facet
+        self._merged = merged  # its cache entry is vouched for once the marker is written
         # the plan the run was merged under, not an earlier one of this folder put back (another pin), checked as QA
         # checks it, whether or not the change set or the table commit reads it: a merge summary that names no plan
         # (plan_mac) or another one is refused (fail closed)

@@ -20,7 +20,7 @@ from airflow_provider_vllm.core.plan import PLAN_FILE
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
-from tests.support.data import PINNED_REVISION, make_spec, merge, shard_task
+from tests.support.data import PINNED_REVISION, make_spec, merge, shard_task, vouch_cache
 from tests.support.s3server import MotoServer
 from tests.unit.steps.cache.test_key import recording
 
@@ -60,7 +60,9 @@ def run(sp, factory):
     plan = plan_job(sp, engine_identity=local_engine_identity())
     for s in plan.shards:
         assert run_shard(shard_task(spec=sp, shard_id=s.shard_id), engine_factory=factory)["status"] == "committed"
-    return plan, merge(sp), sorted(factory.prompts)
+    merged = merge(sp)
+    vouch_cache(sp)  # publish's step for the cache: the entry serves later runs
+    return plan, merged, sorted(factory.prompts)
 
 
 def test_a_column_type_change_between_runs_on_s3(s3, fake_engine_factory, monkeypatch):

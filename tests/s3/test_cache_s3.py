@@ -19,7 +19,7 @@ from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.steps.cache.store import CacheStore
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
-from tests.support.data import PINNED_REVISION, cache_entry_id, make_spec, merge, shard_task
+from tests.support.data import PINNED_REVISION, cache_entry_id, make_spec, merge, shard_task, vouch_cache
 from tests.support.ledger import record_fault
 from tests.support.s3server import MotoServer
 
@@ -93,6 +93,10 @@ def test_cache_commit_rules_on_s3(s3, fake_engine_factory, set_faults, monkeypat
     again = merge(sa).cache
     assert again is not None and again.committed_by == "earlier_merge"
     assert st.listdir(CacheStore.commit_dir(plan_a.cache.key_hash)) == [f"{eid}.json"]
+    put_input(s3, "b2", ids, texts)
+    assert plan_job(spec(s3, "b2"), engine_identity=ENGINE).cache.hits == 0  # committed, not published: invisible
+    assert vouch_cache(sa) == eid  # publish's step: the entry serves from now on
+    assert st.listdir(CacheStore.vouch_dir(plan_a.cache.key_hash)) == [f"{eid}.json"]
 
     # in reverse order over two files: the hits and misses files keep the input's order
     put_input(s3, "c", (ids + ["new"])[::-1], (texts[:-1] + ["edited", "brand new"])[::-1], files=2)

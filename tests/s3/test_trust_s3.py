@@ -27,7 +27,7 @@ from airflow_provider_vllm.steps.merge.merger import (
 )
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
-from tests.support.data import PINNED_REVISION, make_spec, merge, shard_task
+from tests.support.data import PINNED_REVISION, make_spec, merge, shard_task, vouch_cache
 from tests.support.ledger import record_fault
 from tests.support.s3server import MotoServer
 
@@ -142,6 +142,7 @@ def test_a_future_dated_entry_on_s3_never_wins(env, fake_engine_factory):
     sa = spec(env, "dated-a", cache_uri="s3://data/dated-cache")
     pa_ = run_shards(sa, fake_engine_factory)
     merged = merge(sa)
+    vouch_cache(sa)  # published: its entry serves
     genuine = labels(Storage(sa.io.output_uri, env.storage_options))
     st = Storage("s3://data/dated-cache", env.storage_options)
     assert merged.cache is not None

@@ -221,3 +221,21 @@ def cache_entry_id(spec, plan) -> str:
     parts = read_manifest(out, RESULTS).parts
     made = [p.sha256 for p in parts if p.rows and not p.name.endswith(("-cache-hits.parquet", "-followers.parquet"))]
     return entry_id(plan, spec.io.output_uri, made)
+
+
+def vouch_cache(spec, filesystems=None) -> str | None:
+    """What publish does for the result cache once the run under ``spec`` is published (``vouch_published``, the
+    function the publish task calls): its entry, as the sealed ``_MERGED.json`` names it, serves later runs. Tests
+    that fill the cache by plan and merge alone call it where a DAG's publish task would run."""
+    from airflow_provider_vllm.core.plan import load_plan
+    from airflow_provider_vllm.core.seal import Keyring
+    from airflow_provider_vllm.core.spec import JobSpec
+    from airflow_provider_vllm.core.storage import Storage
+    from airflow_provider_vllm.steps.cache.result_cache import vouch_published
+    from airflow_provider_vllm.steps.merge.merger import read_merged
+
+    spec = spec if isinstance(spec, JobSpec) else JobSpec.load(spec)
+    keyring = Keyring.from_env()
+    merged = read_merged(Storage(spec.io.output_uri, spec.io.storage_options, filesystems), keyring)
+    plan = load_plan(spec, filesystems, keyring, merged=merged)
+    return vouch_published(spec, plan, merged, keyring, filesystems)

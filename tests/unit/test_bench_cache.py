@@ -37,5 +37,6 @@ def test_the_synthesised_commits_of_a_warm_up_are_appended_and_the_next_run_hits
     merged = merge(spec)
     assert merged.cache is not None and merged.cache.skipped is None, merged.cache
     assert merged.cache.appended > 0  # one answer per key: the generated texts repeat, so fewer than ok_rows
+    assert bench.publish_cache(spec) == merged.cache.entry_id  # the warm-up's publish step: the entry serves
     again = plan_job(bench.spec_for(tmp_path / "in", tmp_path / "run2", cache), engine_identity=bench.ENGINE)
     assert again.cache is not None and merged.ok_rows <= again.cache.hits <= again.total_rows == 2_000

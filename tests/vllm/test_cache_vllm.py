@@ -19,7 +19,7 @@ import pytest
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.testing.local_models import default_cache_dir, make_tiny_llama
-from tests.support.data import merge, write_parquet
+from tests.support.data import merge, vouch_cache, write_parquet
 from tests.support.shard_server import ShardServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -61,9 +61,12 @@ def spec_for(
 
 
 def run(spec: JobSpec, server: ShardServer) -> tuple[list[dict], dict]:
-    """Plan, every shard in the worker (the server's process), merge: (worker manifests, merge summary)."""
+    """Plan, every shard in the worker (the server's process), merge and publish's step for the cache (the entry then
+    serves later runs): (worker manifests, merge summary)."""
     manifests = [server.run(spec, shard.shard_id) for shard in plan_job(spec).shards]
-    return manifests, merge(spec).dump()
+    merged = merge(spec).dump()
+    vouch_cache(spec)
+    return manifests, merged
 
 
 def labels(spec: JobSpec) -> dict[str, tuple[str, str | None]]:

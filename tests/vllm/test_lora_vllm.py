@@ -27,7 +27,7 @@ import pytest
 
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.steps.plan.planner import plan_job
-from tests.support.data import merge
+from tests.support.data import merge, vouch_cache
 from tests.support.lora import write_adapter
 from tests.vllm.test_worker_vllm import ENV, LEAVE, TICKETS, manifest, run_worker
 
@@ -106,6 +106,7 @@ def test_adapters_answer_as_vllms_own_lora_and_the_cache_keys_their_bytes(tmp_pa
     m = manifest(run_worker(spec, shard.shard_id))
     assert m["status"] == "committed" and m["ok_rows"] == len(rows) and m["error_rows"] == 0
     merge(spec)
+    vouch_cache(spec)  # publish's step for the cache: the entry serves later runs
     got = results(spec)
     assert {i: r["adapter"] for i, r in got.items()} == {r["id"]: r["which"] for r in rows}
 

@@ -18,6 +18,8 @@
   opens the cache folder) and it is published as one more part of ``results/``; after publishing,
   ``append_results`` enters the cache folder once: the ok rows computed by this run become this run's
   entry (id derived from the run: a rerun finds its commit and stops), then compaction when due.
+* Publish: ``vouch_published`` vouches for the entry the sealed merge summary names (its id and commit seal):
+  the plan reads only entries so vouched for, so a run that failed QA or its review serves no later run.
 
 Parquet input only (``check_cacheable``). No Airflow.
 """
@@ -41,7 +43,7 @@ from airflow_provider_vllm.core.engine_identity import identity_env
 from airflow_provider_vllm.core.errors import CommitError
 from airflow_provider_vllm.core.formats.files import Input
 from airflow_provider_vllm.core.plan import CacheFile, CachePlan, Passthrough, Plan, Segment, ShardPlan
-from airflow_provider_vllm.core.records import CacheCommit, CacheMergeSummary, FileRef
+from airflow_provider_vllm.core.records import CacheCommit, CacheMergeSummary, FileRef, MergeSummary
 from airflow_provider_vllm.core.rows import RESULT_SCHEMA, result_schema
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
@@ -448,7 +450,12 @@ def append_results(
         if done.supersedes:  # a merge cut short after its commit: finish removing the earlier merges' entries,
             store.drop(cp.key_hash, done.supersedes)  # else the first compaction taking this one in revives them
         return CacheMergeSummary(
-            uri=cp.uri, hits=cp.hits, appended=done.rows, entry_id=eid, committed_by="earlier_merge"
+            uri=cp.uri,
+            hits=cp.hits,
+            appended=done.rows,
+            entry_id=eid,
+            committed_by="earlier_merge",
+            **({"commit_mac": done.seal.mac} if done.seal is not None else {}),
         )
     if not computed:
         return CacheMergeSummary(uri=cp.uri, hits=cp.hits, appended=0)
@@ -496,13 +503,13 @@ def append_results(
         rows = pq.ParquetFile(local).metadata.num_rows
         if rows == 0:
             return CacheMergeSummary(uri=cp.uri, hits=cp.hits, appended=0)
-        # the live entries of this plan's earlier merges (the same output prefix and spec, other parts): never one
-        # the plan read (commits_read), which an earlier plan of this prefix filed before this plan was made and
-        # whose answers this run published as hits
+        # the live entries of this plan's earlier merges (the same output prefix and spec, other parts), published or
+        # not: never one the plan read (commits_read), which an earlier plan of this prefix filed before this plan was
+        # made and whose answers this run published as hits
         read = set(cp.commits_read)
         earlier = [
             c.entry_id
-            for c in store.committed(cp.key_hash)
+            for c in store.committed(cp.key_hash, vouched=False)
             if c.source_output_uri == origin
             and c.source_spec_hash == plan.spec_hash
             and c.entry_id != eid
@@ -521,12 +528,20 @@ def append_results(
             },
             supersedes=earlier,
         )
-        if earlier and store.read_commit(cp.key_hash, eid) is not None:
+        mine = store.read_commit(cp.key_hash, eid)
+        if earlier and mine is not None:
             store.drop(cp.key_hash, earlier)
             log.info(
                 "cache %s: entry %s supersedes the entries %s of earlier merges of %s", cp.uri, eid, earlier, origin
             )
-        log.info("cache %s: entry %s %s with %d rows", cp.uri, eid, "committed" if made else "already committed", rows)
+        log.info(
+            "cache %s: entry %s %s with %d rows; it serves later runs once this run is published",
+            cp.uri,
+            eid,
+            "committed" if made else "already committed",
+            rows,
+        )
+        store.sweep(cp.key_hash, keep=eid)  # entries of runs never published, past UNPUBLISHED_KEEP
         compacted = store.compact(cp.key_hash, tmp)
     return CacheMergeSummary(
         uri=cp.uri,
@@ -534,5 +549,36 @@ def append_results(
         appended=rows,
         entry_id=eid,
         committed_by="this_merge" if made else "earlier_merge",
+        **({"commit_mac": mine.seal.mac} if mine is not None and mine.seal is not None else {}),
         **({"compacted_into": compacted} if compacted else {}),
     )
+
+
+def vouch_published(
+    spec: JobSpec,
+    plan: Plan,
+    merged: MergeSummary,
+    keyring: Keyring,
+    filesystems: FileSystems | None = None,
+) -> str | None:
+    """Publish's step: let this run's cache entry serve later runs. ``merged``: the sealed merge summary publish
+    checked (``merged.cache`` names the entry and its commit's seal), ``plan``: the sealed plan it was merged under
+    (the cache folder and key config). Writes the sealed ``CacheVouch`` (``CacheStore.vouch``: atomic; a publish run
+    again writes it again); the entry id vouched for, or None when the merge filed no entry (no cache, nothing
+    computed, rows skipped, or a merge summary of a version before ``commit_mac``: that entry never serves). Call it
+    only once the run is published (after ``_SUCCESS.json``)."""
+    c = merged.cache
+    if plan.cache is None or c is None or c.entry_id is None:
+        return None
+    if c.commit_mac is None:
+        log.warning(
+            "cache %s: entry %s is not vouched for: the merge summary names no commit seal (merged by an earlier "
+            "version); merge the run again, then publish, for its answers to serve later runs",
+            plan.cache.uri,
+            c.entry_id,
+        )
+        return None
+    store = CacheStore(plan.cache.uri, spec.io.storage_options, keyring, filesystems)
+    store.vouch(plan.cache.key_hash, c.entry_id, c.commit_mac, "publish", spec.io.output_uri)
+    log.info("cache %s: entry %s vouched for: it serves later runs", plan.cache.uri, c.entry_id)
+    return c.entry_id

@@ -14,10 +14,17 @@ id, and its parts are read only from local copies whose size and sha256 are the 
 rows are inferred again. Which answer wins a key held by several entries is decided by the rows'
 own ``computed_at`` (inside the sealed bytes), never by a file's name or time.
 
+An entry serves later runs only once the run that made it was published: the merge files it before QA, and
+publish (after QA, the human review and its own checks) writes ``published/<key_hash[:32]>/<entry_id>.json``
+(``records.CacheVouch``, sealed with the deployment's key, domain ``cache-published``, scope the cache folder),
+which names the entry's commit by its seal. Readers (the plan, the dry run, compaction) take only entries with
+such a record for exactly that commit; an entry never vouched for is removed by a later merge that files an entry
+of its key config once its sealed ``created`` is older than ``UNPUBLISHED_KEEP``.
+
 Compaction keeps a plan's cost flat in the number of past runs: once a key config has more than
-``COMPACT_AFTER`` live entries, the merge that appended the last one writes one entry holding the
-newest answer per key of all of them (``supersedes`` names them; readers skip them), then removes
-the superseded commits and entries. No Airflow.
+``COMPACT_AFTER`` live vouched entries, the merge that appended the last one writes one entry holding the
+newest answer per key of all of them (``supersedes`` names them; readers skip them) and vouches for it (it holds
+only answers of published runs), then removes the superseded commits, entries and records. No Airflow.
 """
 
 from __future__ import annotations
@@ -27,8 +34,8 @@ import logging
 import os
 import re
 from collections.abc import Sequence
-from datetime import UTC, datetime
-from typing import Any
+from datetime import UTC, datetime, timedelta
+from typing import Any, Literal
 
 import duckdb
 import pyarrow as pa
@@ -40,13 +47,13 @@ from airflow_provider_vllm.core import duck, faults
 from airflow_provider_vllm.core import seal as seals
 from airflow_provider_vllm.core.errors import CommitError, ListingTooLarge, TransientError
 from airflow_provider_vllm.core.part_names import check_inside
-from airflow_provider_vllm.core.records import CacheCommit, CacheFileEntry
+from airflow_provider_vllm.core.records import CacheCommit, CacheFileEntry, CacheVouch
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.storage import FileSystems, Storage
 
 log = logging.getLogger(__name__)
 
-ENTRIES, COMMITS = "entries", "commits"
+ENTRIES, COMMITS, PUBLISHED = "entries", "commits", "published"
 COMPUTED_AT = "computed_at"  # per row: when the answer was computed (UTC, ISO 8601); the newest wins a key
 COMPACT_AFTER = 16  # live entries of one key config before a merge compacts them into one
 COMMIT_MAX_BYTES = 1 << 20
@@ -61,6 +68,11 @@ another writer of the cache folder cannot make each plan read millions of them."
 COMMITS_LISTED = 4 * MAX_COMMITS
 """The most entries of one key config's commit folder listed (commits, and the temp files of killed writers):
 the listing stops there, and the folder is skipped as one of more than ``MAX_COMMITS`` commits."""
+UNPUBLISHED_KEEP = timedelta(days=30)
+"""How long an entry no publish vouched for is kept (by its commit's sealed ``created``): its run may still be in QA
+or waiting for a reviewer, and publish vouches for it then. After that a merge of its key config removes it (a run
+that failed QA or was rejected is never published); a publish later than that vouches for nothing."""
+VOUCH_MAX_BYTES = 64 << 10  # a vouch record is about 600 bytes; a larger file is refused unread
 _ENTRY_ID = re.compile(r"^[0-9a-f]{32}$")
 _PART = re.compile(r"^part-\d{5}\.parquet$")
 
@@ -83,14 +95,23 @@ class CacheStore:
     def commit_dir(khash: str) -> str:
         return f"{COMMITS}/{khash[:32]}"
 
+    @staticmethod
+    def vouch_dir(khash: str) -> str:
+        return f"{PUBLISHED}/{khash[:32]}"
+
     # ---- reading ----------------------------------------------------------------------
-    def committed(self, khash: str) -> list[CacheCommit]:
-        """The live, sealed commits of this key config, oldest first (entries a compaction superseded left out)."""
+    def committed(self, khash: str, *, vouched: bool = True) -> list[CacheCommit]:
+        """The live, sealed commits of this key config, oldest first (entries a compaction superseded left out).
+
+        ``vouched`` (every reader: the plan, the dry run, compaction): only entries whose run was published (a valid
+        ``CacheVouch`` for exactly their commit); only their ``supersedes`` count. False: every sealed commit, for
+        the merge's own housekeeping (the entries of the run's earlier merges, the ones never published)."""
         valid: list[CacheCommit] = []
         folder = self.commit_dir(khash)
         # others (e.g. a writer's temp file) are never a commit
         try:
             listed = self.st.listdir(folder, limit=COMMITS_LISTED)
+            vouches = set(self.st.listdir(self.vouch_dir(khash), limit=COMMITS_LISTED)) if vouched else set()
         except ListingTooLarge as e:
             log.warning("cache: skipping every entry of %s: %s", self.st.uri(folder), e)
             return []
@@ -104,13 +125,50 @@ class CacheStore:
                 MAX_COMMITS,
             )
             return []
+        unpublished = 0
         for name in names:
             eid = name.removesuffix(".json")
+            if vouched and name not in vouches:
+                unpublished += 1  # its run is not published (yet): never read
+                continue
             c = self._read(f"{folder}/{name}", khash, eid)
-            if c is not None:
-                valid.append(c)
+            if c is None:
+                continue
+            if vouched and not self.vouched(khash, c):
+                unpublished += 1
+                continue
+            valid.append(c)
+        if unpublished:
+            log.info("cache %s: %d entries not read: no publish vouched for them", self.st.uri(folder), unpublished)
         gone = {e for c in valid for e in c.supersedes}
         return sorted((c for c in valid if c.entry_id not in gone), key=lambda c: (c.created, c.entry_id))
+
+    def vouched(self, khash: str, c: CacheCommit) -> bool:
+        """Whether ``published/<key>/<entry>.json`` is this deployment's sealed vouch for exactly this commit."""
+        rel = f"{self.vouch_dir(khash)}/{c.entry_id}.json"
+        where = self.st.uri(rel)
+        try:
+            v = CacheVouch.model_validate_json(self.st.read_bytes(rel, VOUCH_MAX_BYTES))
+            seals.verify_record(self.keyring, seals.CACHE_PUBLISHED, self.scope, v, f"cache vouch {where}")
+        except FileNotFoundError:
+            return False
+        except TransientError:
+            raise
+        except (ValidationError, ValueError, CommitError, OSError) as e:
+            log.warning("cache: entry %s is not read: %s", c.entry_id, str(e)[:300])
+            return False
+        if v.entry_id != c.entry_id or v.key_hash != khash:
+            log.warning("cache: entry %s is not read: %s vouches for another entry", c.entry_id, where)
+            return False
+        if c.seal is None or v.commit_mac != c.seal.mac:
+            log.warning(
+                "cache: entry %s is not read: %s vouches for another commit of that entry (one written again since "
+                "its run was published)",
+                c.entry_id,
+                where,
+            )
+            return False
+        return True
 
     def read_commit(self, khash: str, eid: str) -> CacheCommit | None:
         """This entry's commit when it exists and checks out, else None."""
@@ -215,18 +273,58 @@ class CacheStore:
             con.close()
         rows = pq.ParquetFile(local).metadata.num_rows
         self.write(khash, eid, local, rows, {"engine": "compaction"}, supersedes=[c.entry_id for c in live])
-        if self.read_commit(khash, eid) is None:  # never remove what no verified commit supersedes
+        made = self.read_commit(khash, eid)
+        if made is None or made.seal is None:  # never remove what no verified commit supersedes
             return None
+        # made from vouched entries only: vouched for by construction, before the entries it holds are removed
+        self.vouch(khash, eid, made.seal.mac, "compaction", "")
         self.drop(khash, [c.entry_id for c in live])
         log.info("cache %s: compacted %d entries into %s (%d rows)", self.st.uri(), len(live), eid, rows)
         return eid
 
     def drop(self, khash: str, eids: Sequence[str]) -> None:
-        """Remove entries a verified commit supersedes: each commit first (the entry is then invisible at once),
-        its part after."""
+        """Remove entries a verified commit supersedes (or never published, ``sweep``): each commit first (the entry
+        is then invisible at once), its part and its vouch record after."""
         for e in eids:
             self.st.remove(f"{self.commit_dir(khash)}/{e}.json")
             self.st.remove(f"{ENTRIES}/{e}", recursive=True)
+            self.st.remove(f"{self.vouch_dir(khash)}/{e}.json")
+
+    def vouch(
+        self, khash: str, eid: str, commit_mac: str, by: Literal["publish", "compaction"], output_uri: str
+    ) -> None:
+        """Write the sealed record that lets entry ``eid`` (exactly its commit sealed ``commit_mac``) serve later runs:
+        atomically, replacing an earlier one (a publish run again; a commit written again since)."""
+        record = CacheVouch(
+            entry_id=eid,
+            key_hash=khash,
+            commit_mac=commit_mac,
+            vouched_by=by,
+            source_output_uri=output_uri.rstrip("/"),
+            created=now(),
+        )
+        body = seals.record_bytes(seals.seal_record(self.keyring, seals.CACHE_PUBLISHED, self.scope, record))
+        faults.hit("cache.before_vouch")
+        with faults.writing("cache.mid_vouch"):
+            self.st.write_atomic(f"{self.vouch_dir(khash)}/{eid}.json", body)
+
+    def sweep(self, khash: str, keep: str, at: datetime | None = None) -> list[str]:
+        """Remove the sealed entries of this key config that no publish vouched for and whose sealed ``created`` is
+        more than ``UNPUBLISHED_KEEP`` before ``at`` (their runs failed QA, were rejected or abandoned), ``keep``
+        (this merge's own) aside; the ids removed."""
+        cutoff = (at or datetime.now(UTC)) - UNPUBLISHED_KEEP
+        stale = []
+        for c in self.committed(khash, vouched=False):
+            try:
+                made = datetime.fromisoformat(c.created)
+            except ValueError:
+                continue
+            if c.entry_id != keep and made.tzinfo is not None and made < cutoff and not self.vouched(khash, c):
+                stale.append(c.entry_id)
+        if stale:
+            self.drop(khash, stale)
+            log.info("cache %s: removed %d entries no publish vouched for since %s", self.st.uri(), len(stale), cutoff)
+        return stale
 
 
 def _check(c: CacheCommit, khash: str, eid: str) -> str | None:

@@ -301,7 +301,7 @@ def test_a_cache_entry_whose_part_is_a_symlink_is_skipped(tmp_path, fake_engine_
     from airflow_provider_vllm.core.engine_identity import local_engine_identity
     from airflow_provider_vllm.steps.plan.planner import plan_job
     from airflow_provider_vllm.worker.shard import run_shard
-    from tests.support.data import cache_entry_id, merge, write_parquet
+    from tests.support.data import cache_entry_id, merge, vouch_cache, write_parquet
 
     ids, texts = [f"r{i}" for i in range(12)], [f"ticket {i}" for i in range(12)]
 
@@ -319,6 +319,7 @@ def test_a_cache_entry_whose_part_is_a_symlink_is_skipped(tmp_path, fake_engine_
     for s in p1.shards:
         run_shard(shard_task(spec=s1, shard_id=s.shard_id), engine_factory=fake_engine_factory)
     merge(s1)
+    vouch_cache(s1)  # published: its entry is read
     eid = cache_entry_id(s1, p1)
     part = tmp_path / "cache" / "entries" / eid / "part-00000.parquet"
     outside = tmp_path / "elsewhere.parquet"  # same bytes: size and sha256 still match the marker

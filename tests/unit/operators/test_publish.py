@@ -577,3 +577,116 @@ def test_publish_checks_the_plan_the_run_was_merged_under_without_changes_or_a_t
     assert not (out / "_SUCCESS.json").exists()
     (out / MERGED).write_bytes(genuine)
     assert VllmPublishOperator(task_id="publish", spec=spec).execute(context())["rows"] == 60
+
+
+# ---- the result cache: a run's entry serves later runs only once publish vouched for it ------------------------------
+CACHE_IDS = [f"t{i:04d}" for i in range(60)]
+CACHE_TEXTS = [f"ticket number {i}: I was charged twice, please refund" for i in range(60)]
+
+
+def _cached_run(tmp_path, factory, run: str, empty=(), **over) -> dict:
+    """A run with the result cache under ``tmp_path/out-<run>``: planned, its shards committed, merged (the merge files
+    its entry); the spec as the plan task pushes it."""
+    from airflow_provider_vllm.core.engine_identity import local_engine_identity
+    from airflow_provider_vllm.steps.plan.planner import plan_job
+    from airflow_provider_vllm.worker.shard import run_shard
+    from tests.support.data import PINNED_REVISION, make_spec, write_parquet
+
+    texts = ["" if i in empty else t for i, t in enumerate(CACHE_TEXTS)]
+    write_parquet(tmp_path / f"in-{run}.parquet", CACHE_IDS, texts)
+    spec = make_spec(
+        tmp_path / f"in-{run}.parquet",
+        tmp_path / f"out-{run}",
+        model={"name": "fake", "max_model_len": 1024, "revision": PINNED_REVISION},
+        cache={"uri": str(tmp_path / "cache")},
+        sharding={"target_rows": 20},
+        **over,
+    )
+    for s in plan_job(spec, engine_identity=local_engine_identity()).shards:
+        run_shard(shard_task(spec=spec, shard_id=s.shard_id), engine_factory=factory)
+    doc = spec.model_dump(mode="json")
+    VllmMergeOperator(task_id="merge", spec=doc, plan=plan_xcom(doc)).execute(context())
+    return doc
+
+
+def _hits(tmp_path, run: str) -> int:
+    """The cache hits of a run of the same texts planned now."""
+    from airflow_provider_vllm.core.engine_identity import local_engine_identity
+    from airflow_provider_vllm.steps.plan.planner import plan_job
+    from tests.support.data import PINNED_REVISION, make_spec, write_parquet
+
+    write_parquet(tmp_path / f"in-{run}.parquet", CACHE_IDS, CACHE_TEXTS)
+    spec = make_spec(
+        tmp_path / f"in-{run}.parquet",
+        tmp_path / f"out-{run}",
+        model={"name": "fake", "max_model_len": 1024, "revision": PINNED_REVISION},
+        cache={"uri": str(tmp_path / "cache")},
+        sharding={"target_rows": 20},
+    )
+    plan = plan_job(spec, engine_identity=local_engine_identity())
+    assert plan.cache is not None
+    return plan.cache.hits
+
+
+def test_a_run_that_failed_qa_serves_no_later_run_and_a_published_one_does(tmp_path, fake_engine_factory):
+    """The merge files a run's answers before QA: a run whose QA fails is never published, and its answers must
+    serve no later run (before, the next plan was served every ok row of it). Publish vouches for the entry of the run
+    it publishes: then it serves."""
+    failed = _cached_run(tmp_path, fake_engine_factory, "a", empty=(3, 4), qa={"fail_error_rate": 0.01})
+    with pytest.raises(VllmQAFailed):
+        VllmQAOperator(task_id="qa", spec=failed).execute(context())
+    with pytest.raises(AirflowFailException, match="QA failed"):
+        VllmPublishOperator(task_id="publish", spec=failed).execute(context())
+    assert _hits(tmp_path, "x") == 0  # its 58 ok rows were filed, and serve nothing
+
+    good = _cached_run(tmp_path, fake_engine_factory, "b")
+    VllmQAOperator(task_id="qa", spec=good).execute(context())
+    assert _hits(tmp_path, "y") == 0  # merged and checked, not published yet
+    VllmPublishOperator(task_id="publish", spec=good).execute(context())
+    assert _hits(tmp_path, "z") == 60
+    VllmPublishOperator(task_id="publish", spec=good).execute(context())  # published again: the same
+    assert _hits(tmp_path, "w") == 60
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize("action", ["raise", "kill"])
+@pytest.mark.parametrize("point", ["cache.before_vouch", "cache.mid_vouch"])
+def test_publish_stopped_before_its_vouch_is_whole_serves_nothing_until_its_retry(
+    tmp_path, fake_engine_factory, set_faults, point, action
+):
+    """Publish writes ``_SUCCESS.json``, then the vouch record for the run's cache entry. Stopped between the two or
+    while the record's temp file is half written (kill -9 of a real process: no clean-up), the entry serves nothing;
+    the task's retry writes both again and it serves."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from airflow_provider_vllm.core import faults
+
+    spec = _cached_run(tmp_path, fake_engine_factory, "a")
+    VllmQAOperator(task_id="qa", spec=spec).execute(context())
+    if action == "raise":
+        set_faults(f"{point}=raise")
+        with pytest.raises(faults.InjectedFault):
+            VllmPublishOperator(task_id="publish", spec=spec).execute(context())
+        set_faults("")
+    else:
+        code = (
+            "import json, sys; from airflow_provider_vllm.operators.publish import VllmPublishOperator; "
+            "from tests.support.task_context import context; "
+            "VllmPublishOperator(task_id='publish', spec=json.loads(sys.argv[1])).execute(context())"
+        )
+        root = Path(__file__).resolve().parents[3]
+        env = {**os.environ, faults.ENV: f"{point}=kill", "PYTHONPATH": str(root)}
+        p = subprocess.run(
+            [sys.executable, "-c", code, json.dumps(spec)], env=env, capture_output=True, text=True, timeout=300
+        )
+        assert p.returncode == -9, p.stderr[-2000:]
+        if point == "cache.mid_vouch":  # the record's half-written temp file is there, and ignored
+            assert list((tmp_path / "cache" / "published").glob("*/*.tmp-*"))
+    assert (tmp_path / "out-a" / "_SUCCESS.json").exists()
+    assert not list((tmp_path / "cache" / "published").glob("*/*.json"))
+    assert _hits(tmp_path, "x") == 0
+    VllmPublishOperator(task_id="publish", spec=spec).execute(context())  # the task's retry
+    assert _hits(tmp_path, "y") == 60

@@ -23,7 +23,7 @@ from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.steps.qa import stage
 from airflow_provider_vllm.worker.shard import run_shard
-from tests.support.data import make_spec, merge, openai_batch_spec, shard_task, write_parquet
+from tests.support.data import make_spec, merge, openai_batch_spec, shard_task, vouch_cache, write_parquet
 from tests.support.ledger import record_malicious
 from tests.unit.steps.cache.test_result_cache import ENGINE, IDS, TEXTS, results, spec_for
 from tests.unit.steps.test_golden import _golden_file, _input, _run_shards, _spec
@@ -371,6 +371,7 @@ def test_every_private_folder_of_plan_merge_cache_and_changes_is_swept_after_a_k
         plan = swept(plan_job, spec, engine_identity=local_engine_identity())
         _run_shards(spec, plan)  # the worker's own folders are not this test's
         swept(merge, spec)
+        vouch_cache(spec)  # published: its entry serves the next night
     found = find_input(spec.io.input_uri, spec.io.storage_options, spec.io.input_format)
     swept(expected, spec, found, local_engine_identity())  # the cache's dry run
     swept(compute_changes, spec)

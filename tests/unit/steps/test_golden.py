@@ -22,7 +22,7 @@ from airflow_provider_vllm.steps.merge.changes import CHANGES
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.steps.qa.stage import qa_run
 from airflow_provider_vllm.worker.shard import run_shard
-from tests.support.data import LABELS, PINNED_REVISION, make_spec, merge, shard_task, write_parquet
+from tests.support.data import LABELS, PINNED_REVISION, make_spec, merge, shard_task, vouch_cache, write_parquet
 from tests.support.fakes import FakeEngine
 from tests.support.ledger import record_fault, record_malicious
 from tests.support.reconcile import reconcile
@@ -135,6 +135,7 @@ def test_no_golden_id_in_changes_or_the_cache_across_two_nights(tmp_path):
         _run_shards(spec, plan)
         summary = merge(spec).dump()
         qa_run(spec)
+        vouch_cache(spec)  # published: its entry serves the next night
         assert summary["golden"]["rows"] == N_GOLD
     # night 2: every input row from the cache, no shard of the input; the golden rows inferred again
     assert plan.cache.hits == N_IN and plan.shards == [] and plan.golden.rows == N_GOLD

@@ -19,7 +19,7 @@ from airflow_provider_vllm.core.rows import INVALID_REQUEST, INVALID_ROW
 from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
-from tests.support.data import PINNED_REVISION, make_spec, merge, shard_task
+from tests.support.data import PINNED_REVISION, make_spec, merge, shard_task, vouch_cache
 from tests.support.fakes import FakeTokenizer, adapter_weights, answer
 from tests.support.lora import write_adapter
 from tests.unit.core.test_adapters import LLAMA
@@ -71,6 +71,7 @@ def run(spec, factory):
     for s in plan.shards:
         run_shard(shard_task(spec=spec, shard_id=s.shard_id), engine_factory=factory)
     merge(spec)
+    vouch_cache(spec)  # publish's step for the cache (none without cache.uri)
     out = Path(spec.io.output_uri)
     res = {r["id"]: r for r in pq.read_table(out / RESULTS).to_pylist()}
     err = {r["id"]: r for r in pq.read_table(out / ERRORS).to_pylist()}

@@ -26,7 +26,7 @@ from airflow_provider_vllm.steps.cache import dedupe
 from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.shard import run_shard
-from tests.support.data import PINNED_REVISION, make_spec, merge, shard_task, write_parquet
+from tests.support.data import PINNED_REVISION, make_spec, merge, shard_task, vouch_cache, write_parquet
 from tests.support.ledger import record_fault
 
 ROOT = Path(__file__).resolve().parents[4]
@@ -48,7 +48,9 @@ def run_job(spec, factory):
     plan = plan_job(spec, engine_identity=ENGINE)
     for s in plan.mapped_shards():
         run_shard(shard_task(spec=spec, shard_id=s.shard_id), engine_factory=factory)
-    return plan, merge(spec)
+    merged = merge(spec)
+    vouch_cache(spec)  # publish's step for the cache: the entry serves later runs
+    return plan, merged
 
 
 def received(factory) -> int:

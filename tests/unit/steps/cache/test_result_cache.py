@@ -39,6 +39,7 @@ from tests.support.data import (
     make_spec,
     merge,
     shard_task,
+    vouch_cache,
     write_parquet,
 )
 from tests.support.ledger import record_fault
@@ -56,11 +57,15 @@ def spec_for(tmp: Path, run: str, cache_dir: Path | None = None, **over):
     return make_spec(tmp / f"in-{run}.parquet", tmp / f"out-{run}", **over)
 
 
-def run_job(spec, factory) -> tuple[Plan, dict]:
+def run_job(spec, factory, publish: bool = True) -> tuple[Plan, dict]:
+    """Plan, shards, merge and (``publish``) what publish does for the cache: its entry then serves later runs."""
     plan = plan_job(spec, engine_identity=ENGINE)
     for s in plan.shards:
         run_shard(shard_task(spec=spec, shard_id=s.shard_id), engine_factory=factory)
-    return plan, merge(spec).dump()
+    merged = merge(spec).dump()
+    if publish:
+        vouch_cache(spec)
+    return plan, merged
 
 
 def results(spec) -> dict[str, dict]:
@@ -116,6 +121,7 @@ def test_second_run_infers_only_changed_and_new_rows(tmp_path, fake_engine_facto
     assert (p2.cache.rows, p2.cache.hits, p2.cache.misses) == (51, 46, 5)
     assert inferred(fake_engine_factory) == 5
     assert sum(s.rows for s in p2.shards) == 5
+    mac = json.loads(_commit(tmp_path / "cache", p2, cache_entry_id(s2, p2)).read_text())["seal"]["mac"]
     assert (
         m2["rows"] == 51
         and m2["ok_rows"] == 51
@@ -126,6 +132,7 @@ def test_second_run_infers_only_changed_and_new_rows(tmp_path, fake_engine_facto
             "appended": 5,
             "entry_id": cache_entry_id(s2, p2),
             "committed_by": "this_merge",
+            "commit_mac": mac,  # what publish vouches for
         }
     )
     r2 = results(s2)
@@ -232,6 +239,12 @@ def _commit(store: Path, plan, eid: str) -> Path:
     return store / CacheStore.commit_dir(plan.cache.key_hash) / f"{eid}.json"
 
 
+def _vouch(store: Path, khash: str, eid: str) -> None:
+    """What publish writes for an entry (``CacheStore.vouch``), naming its commit as it is now."""
+    mac = json.loads((store / CacheStore.commit_dir(khash) / f"{eid}.json").read_text())["seal"]["mac"]
+    CacheStore(str(store), {}, Keyring.from_env()).vouch(khash, eid, mac, "publish", "")
+
+
 def test_only_sealed_committed_entries_of_this_key_are_read(tmp_path, fake_engine_factory, caplog):
     write_parquet(tmp_path / "in-a.parquet", IDS, TEXTS)
     s1 = spec_for(tmp_path, "a")
@@ -318,6 +331,7 @@ def test_the_newest_sealed_answer_wins_a_key(tmp_path, fake_engine_factory):
     store = tmp_path / "cache"
     eid = cache_entry_id(s1, p1)
     _forged_entry(store, p1, eid, "e" * 32, "newer", "2999-01-01T00:00:00+00:00", Keyring.from_env())
+    _vouch(store, p1.cache.key_hash, "e" * 32)  # its run published too
     write_parquet(tmp_path / "in-b.parquet", IDS, TEXTS)
     s2 = spec_for(tmp_path, "b")
     run_job(s2, fake_engine_factory)
@@ -396,11 +410,14 @@ def test_merge_failing_at_a_cache_step_converges(tmp_path, fake_engine_factory, 
     store = tmp_path / "cache"
     committed = point == "cache.after_commit"
     assert _entries(store) == ([f"{cache_entry_id(s1, plan)}.json"] if committed else [])
-    # another run planned now sees the whole entry or nothing of it
+    # another run planned now sees nothing of it: whole or not, the run is not published
     write_parquet(tmp_path / "in-x.parquet", IDS, TEXTS)
     seen = plan_job(spec_for(tmp_path, "x"), engine_identity=ENGINE).cache.hits
-    assert seen == (50 if committed else 0)
+    assert seen == 0
     summary = merge(s1).dump()
+    vouch_cache(s1)  # published: the whole entry serves
+    write_parquet(tmp_path / "in-y.parquet", IDS, TEXTS)
+    assert plan_job(spec_for(tmp_path, "y"), engine_identity=ENGINE).cache.hits == 50
     entry = pq.read_table(store / "entries" / cache_entry_id(s1, plan) / "part-00000.parquet")
     got = entry.column("source_id").to_pylist()
     record_fault(
@@ -751,6 +768,7 @@ def test_entries_written_before_a_result_column_existed_still_serve(tmp_path, fa
     )
     os.chmod(marker, 0o644)
     marker.write_bytes(record_bytes(resealed))
+    _vouch(store, commit.key_hash, commit.entry_id)  # and vouched for by publish (the record names the commit's seal)
     s2 = spec_for(tmp_path, "b")
     write_parquet(tmp_path / "in-b.parquet", IDS, TEXTS)
     p2, m2 = run_job(s2, fake_engine_factory)
@@ -761,7 +779,7 @@ def test_entries_written_before_a_result_column_existed_still_serve(tmp_path, fa
 
 def _rewrite_entry(store: Path, transform) -> None:
     """Replace the one entry's part by ``transform(table)`` and reseal its commit with the deployment's key, as
-    a merge of that version would have written and sealed it."""
+    a merge of that version would have written and sealed it; then vouch for that commit, as publish does."""
     (marker,) = store.glob("commits/*/*.json")
     commit = CacheCommit.model_validate_json(marker.read_bytes())
     part = store / commit.files[0].path
@@ -778,6 +796,7 @@ def _rewrite_entry(store: Path, transform) -> None:
     )
     os.chmod(marker, 0o644)
     marker.write_bytes(record_bytes(resealed))
+    _vouch(store, commit.key_hash, commit.entry_id)
 
 
 def test_entries_of_the_previous_format_still_serve(tmp_path, fake_engine_factory):
@@ -900,7 +919,9 @@ def test_hits_and_misses_equal_a_naive_lookup_of_every_row(tmp_path, fake_engine
     assert p4.cache.hits == 0 and p4.cache.commits_read == [] and _planned(s4, p4)[1] == ids2
 
 
-@pytest.mark.parametrize("planted", ["a folder as an entry's part", "a folder as a commit"])
+@pytest.mark.parametrize(
+    "planted", ["a folder as an entry's part", "a folder as a commit", "a folder as an entry's vouch record"]
+)
 def test_a_folder_planted_in_the_cache_is_skipped_not_the_plans_failure(tmp_path, fake_engine_factory, caplog, planted):
     """Whoever can write the cache folder can put anything there: one odd object costs that entry (a warning),
     never every later plan of the key config (it was a raw IsADirectoryError)."""
@@ -911,12 +932,18 @@ def test_a_folder_planted_in_the_cache_is_skipped_not_the_plans_failure(tmp_path
         part = tmp_path / "cache" / "entries" / commit.stem / "part-00000.parquet"
         part.unlink()
         part.mkdir()
-    else:
+    elif planted == "a folder as a commit":  # with a record beside it, or it is not even read
         (commit.parent / ("0" * 32 + ".json")).mkdir()
+        (tmp_path / "cache" / "published" / commit.parent.name / ("0" * 32 + ".json")).mkdir()
+    else:
+        vouch = tmp_path / "cache" / "published" / commit.parent.name / commit.name
+        vouch.unlink()
+        vouch.mkdir()
     write_parquet(tmp_path / "in-b.parquet", IDS, TEXTS)
     plan = plan_job(spec_for(tmp_path, "b"), engine_identity=ENGINE)
-    assert plan.cache.hits == (0 if "part" in planted else len(IDS))
-    assert any("cache: skipping" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    assert plan.cache.hits == (len(IDS) if planted == "a folder as a commit" else 0)
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(("is not read" if "vouch" in planted else "cache: skipping") in m for m in warned)
 
 
 def test_an_input_rewritten_between_the_plans_two_reads_never_files_an_answer_under_another_texts_key(
@@ -1039,13 +1066,14 @@ def test_a_run_merged_again_with_other_answers_files_those_answers_not_the_first
     s1 = spec_for(tmp_path, "a")
     with monkeypatch.context() as m:
         m.setattr(fakes, "answer", lambda spec, *a, **k: spec.sampling.structured.choice[0])  # the faulty node
-        p1, m1 = run_job(s1, fake_engine_factory)
+        p1, m1 = run_job(s1, fake_engine_factory, publish=False)  # QA caught them: not published
     assert m1["cache"]["committed_by"] == "this_merge"
     wrong = {i: r["label"] for i, r in results(s1).items()}
     shutil.rmtree(tmp_path / "out-a" / "shards")  # the operator deletes the shards' folders and runs them again
     for s in p1.shards:
         run_shard(shard_task(spec=s1, shard_id=s.shard_id), engine_factory=fake_engine_factory)
     m1b = merge(s1).dump()
+    vouch_cache(s1)  # the run is published with the right answers
     published = {i: r["label"] for i, r in results(s1).items()}
     assert published != wrong and m1b["cache"]["appended"] == len(IDS)
     assert m1b["cache"]["entry_id"] != m1["cache"]["entry_id"]
@@ -1059,13 +1087,13 @@ def test_a_run_merged_again_with_other_answers_files_those_answers_not_the_first
     assert {i: r["label"] for i, r in results(s2).items()} == published
 
 
-def test_a_merge_killed_before_it_removed_the_entries_it_supersedes_still_serves_its_own(
+def test_a_merge_killed_before_it_removed_the_entries_it_supersedes_serves_only_what_is_published(
     tmp_path, fake_engine_factory, monkeypatch, set_faults
 ):
     """A run merged over parts A, then B, then A again (its shards run again each time; a rerun's parts are other bytes,
     so each merge files its own entry): the third merge stops right after its commit, before it removes the second
-    merge's entry. Its commit already supersedes that entry: a later run is served the answers the run's last merge
-    published, never the second merge's."""
+    merge's entry. No merge of the run is published yet: a later run is served nothing. Merged to the end and
+    published, a later run is served the answers the run's last merge published, never the second merge's."""
     import shutil
 
     from tests.support import fakes
@@ -1085,7 +1113,7 @@ def test_a_merge_killed_before_it_removed_the_entries_it_supersedes_still_serves
 
     with monkeypatch.context() as m:
         m.setattr(fakes, "answer", faulty)
-        p1, _ = run_job(s1, fake_engine_factory)
+        p1, _ = run_job(s1, fake_engine_factory, publish=False)
     merge_again()  # B: the right answers
     set_faults("cache.after_commit=raise")
     with pytest.raises(faults.InjectedFault):
@@ -1093,7 +1121,11 @@ def test_a_merge_killed_before_it_removed_the_entries_it_supersedes_still_serves
     set_faults("")
     published = {i: r["label"] for i, r in results(s1).items()}  # the parts A, as merged last (not yet sealed)
     assert set(published.values()) == {LABELS[0]}
+    write_parquet(tmp_path / "in-x.parquet", IDS, TEXTS)
+    assert plan_job(spec_for(tmp_path, "x"), engine_identity=ENGINE).cache.hits == 0  # nothing published
 
+    merge(s1)  # to the end (the second merge's entry removed), then published
+    vouch_cache(s1)
     write_parquet(tmp_path / "in-b.parquet", IDS, TEXTS)
     p2, _ = run_job(spec_for(tmp_path, "b"), fake_engine_factory)
     assert p2.cache.hits == len(IDS)
@@ -1153,6 +1185,7 @@ def test_a_supersede_cut_short_is_finished_by_the_merge_run_again(
     again = merge(s1).dump()["cache"]
     assert again["committed_by"] == "earlier_merge"
     assert _entries(tmp_path / "cache") == [f"{again['entry_id']}.json"]  # the first merge's: gone
+    vouch_cache(s1)  # the run merged again is published: its new entry is vouched for, compaction takes it in
 
     # another run's entry, then a compaction of the live entries: the first merge's stays gone
     write_parquet(tmp_path / "in-b.parquet", ["b1", "b2"], ["other ticket one", "other ticket two"])
@@ -1200,3 +1233,189 @@ def test_the_misses_files_key_computed_again_is_the_keys_passes_for_typed_values
     p2, m2 = run_job(spec_for(tmp_path, "b", prompt=prompt), fake_engine_factory)
     assert p2.cache.hits == m1["ok_rows"] and p2.cache.misses == 40 - m1["ok_rows"]
     assert m2["rows"] == 40
+
+
+# ---- only the entries of published runs serve ---------------------------------------------
+def _vouch_path(store: Path, khash: str, eid: str) -> Path:
+    return store / CacheStore.vouch_dir(khash) / f"{eid}.json"
+
+
+def test_a_merged_run_serves_later_runs_only_once_it_is_published(tmp_path, fake_engine_factory):
+    """The merge files a run's answers before QA and the review: a run that fails them is never published, and its
+    answers must serve no later run (QA's gates are statistical: a later night could pass and publish them). Before,
+    the next plan was served every row of a run merged and never published."""
+    write_parquet(tmp_path / "in-a.parquet", IDS, TEXTS)
+    s1 = spec_for(tmp_path, "a")
+    p1, m1 = run_job(s1, fake_engine_factory, publish=False)
+    write_parquet(tmp_path / "in-b.parquet", IDS, TEXTS)
+    p2 = plan_job(spec_for(tmp_path, "b"), engine_identity=ENGINE)
+    assert (p2.cache.hits, p2.cache.commits_read) == (0, [])
+    assert m1["cache"]["appended"] == 50 and m1["cache"]["commit_mac"]
+    assert vouch_cache(s1) == cache_entry_id(s1, p1)  # what publish does once the run is published
+    write_parquet(tmp_path / "in-c.parquet", IDS, TEXTS)
+    p3, _ = run_job(spec_for(tmp_path, "c"), fake_engine_factory)
+    assert (p3.cache.hits, p3.cache.commits_read) == (50, [cache_entry_id(s1, p1)])
+    assert {i: r["label"] for i, r in results(spec_for(tmp_path, "c")).items()} == {
+        i: r["label"] for i, r in results(s1).items()
+    }
+    assert vouch_cache(s1) == cache_entry_id(s1, p1)  # published again (a retried publish): the same
+    write_parquet(tmp_path / "in-d.parquet", IDS, TEXTS)
+    assert plan_job(spec_for(tmp_path, "d"), engine_identity=ENGINE).cache.hits == 50
+
+
+def _worker_sealed(record, store: Path) -> bytes:
+    """The record sealed by hand with the worker key for the cache-published domain (a worker keyring refuses it)."""
+    import hmac
+
+    from airflow_provider_vllm.core.seal import CACHE_PUBLISHED, FORMAT, canonical, kid_of
+
+    wkey = Keyring.from_env().worker_text().split(",")[0].encode()
+    doc = record.model_dump(mode="json", exclude_unset=True, exclude={"seal"})
+    msg = b"\x00".join([FORMAT, CACHE_PUBLISHED.encode(), scope_of(str(store)).encode(), canonical(doc)])
+    doc["seal"] = {"kid": kid_of(wkey), "mac": hmac.new(wkey, msg, hashlib.sha256).hexdigest()}
+    return json.dumps(doc).encode()
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize(
+    "forged",
+    [
+        "an unsealed record",
+        "a record sealed with the worker key",
+        "a genuine record of another cache folder",
+        "a genuine record of another entry",
+        "a genuine record of the entry's commit before it was written again",
+    ],
+)
+def test_a_vouch_record_no_publish_of_this_cache_wrote_for_this_commit_serves_nothing(
+    tmp_path, fake_engine_factory, caplog, forged
+):
+    """Whoever can write the cache folder plants a vouch record beside the entry of a run that was never published:
+    every row of the next run is a miss."""
+    from airflow_provider_vllm.core.records import CacheVouch
+
+    write_parquet(tmp_path / "in-a.parquet", IDS, TEXTS)
+    s1 = spec_for(tmp_path, "a")
+    p1, m1 = run_job(s1, fake_engine_factory, publish=False)  # failed QA: never published
+    store, khash, eid = tmp_path / "cache", p1.cache.key_hash, cache_entry_id(s1, p1)
+    mac = m1["cache"]["commit_mac"]
+    genuine = CacheVouch(
+        entry_id=eid, key_hash=khash, commit_mac=mac, vouched_by="publish", source_output_uri="", created="x"
+    )
+    path = _vouch_path(store, khash, eid)
+    path.parent.mkdir(parents=True)
+    if forged == "an unsealed record":
+        path.write_bytes(record_bytes(genuine))
+    elif forged == "a record sealed with the worker key":
+        path.write_bytes(_worker_sealed(genuine, store))
+    elif forged == "a genuine record of another cache folder":
+        CacheStore(str(tmp_path / "other-cache"), {}, Keyring.from_env()).vouch(khash, eid, mac, "publish", "")
+        path.write_bytes(_vouch_path(tmp_path / "other-cache", khash, eid).read_bytes())
+    elif forged == "a genuine record of another entry":
+        write_parquet(tmp_path / "in-o.parquet", IDS, [t + " (other)" for t in TEXTS])
+        so = spec_for(tmp_path, "o")
+        po, _ = run_job(so, fake_engine_factory)  # published: its own texts serve
+        path.write_bytes(_vouch_path(store, khash, cache_entry_id(so, po)).read_bytes())
+    else:  # vouched for once, then the commit under that id replaced by another the merge sealed (a later merge)
+        _vouch(store, khash, eid)
+        marker = _commit(store, p1, eid)
+        c = CacheCommit.model_validate_json(marker.read_bytes())
+        os.chmod(marker, 0o644)
+        again = c.model_copy(update={"created": "2999-01-01T00:00:00+00:00", "seal": None})
+        marker.write_bytes(record_bytes(seal_record(Keyring.from_env(), CACHE_ENTRY, scope_of(str(store)), again)))
+    write_parquet(tmp_path / "in-b.parquet", IDS, TEXTS)
+    p2 = plan_job(spec_for(tmp_path, "b"), engine_identity=ENGINE)
+    assert p2.cache.hits == 0 and eid not in p2.cache.commits_read
+    assert f"cache: entry {eid} is not read" in caplog.text
+
+
+@pytest.mark.reliability
+def test_an_unpublished_entry_hides_no_published_entry_and_is_removed_after_the_bound(tmp_path, fake_engine_factory):
+    """An unpublished commit's ``supersedes`` counts for no reader (the answers last published keep serving); an entry
+    no publish vouched for is removed by the sweep a merge of its key config runs once it is older than
+    ``UNPUBLISHED_KEEP``, never before."""
+    import shutil
+    from datetime import UTC, datetime
+
+    from airflow_provider_vllm.steps.cache import store as store_mod
+
+    write_parquet(tmp_path / "in-a.parquet", IDS, TEXTS)
+    s1 = spec_for(tmp_path, "a")
+    p1, m1 = run_job(s1, fake_engine_factory)  # published
+    store = tmp_path / "cache"
+    c = CacheStore(str(store), {}, Keyring.from_env())
+    khash = p1.cache.key_hash
+    assert [x.entry_id for x in c.committed(khash)] == [m1["cache"]["entry_id"]]
+    # an entry of this deployment's merge, never published, whose commit supersedes the published entry
+    written = CacheCommit.model_validate_json(_commit(store, p1, m1["cache"]["entry_id"]).read_bytes())
+    forged = written.model_copy(update={"entry_id": "c" * 32, "supersedes": [written.entry_id], "seal": None})
+    shutil.copytree(store / "entries" / written.entry_id, store / "entries" / ("c" * 32))
+    forged_files = [f.model_copy(update={"path": f"entries/{'c' * 32}/part-00000.parquet"}) for f in forged.files]
+    forged = forged.model_copy(update={"files": forged_files})
+    _commit(store, p1, "c" * 32).write_bytes(
+        record_bytes(seal_record(Keyring.from_env(), CACHE_ENTRY, scope_of(str(store)), forged))
+    )
+    write_parquet(tmp_path / "in-b.parquet", IDS, TEXTS)
+    assert plan_job(spec_for(tmp_path, "b"), engine_identity=ENGINE).cache.hits == 50  # the published entry
+    # the sweep: a month on, the unpublished entry is removed; the published one stays
+    assert c.sweep(khash, keep="") == []  # within the bound: kept for its publish
+    later = datetime.now(UTC) + store_mod.UNPUBLISHED_KEEP + store_mod.timedelta(days=1)
+    assert c.sweep(khash, keep="", at=later) == ["c" * 32]
+    assert not (store / "entries" / ("c" * 32)).exists() and not _commit(store, p1, "c" * 32).exists()
+    assert [x.entry_id for x in c.committed(khash)] == [m1["cache"]["entry_id"]]
+
+
+@pytest.mark.reliability
+def test_compaction_folds_only_published_entries_and_its_entry_keeps_serving(
+    tmp_path, fake_engine_factory, monkeypatch, set_faults
+):
+    """Compaction (here after 2 live entries) reads what the plan reads: only published entries. Its entry holds only
+    their answers, is vouched for by construction and serves them; a run never published is neither folded in nor
+    superseded. Stopped between its commit and its vouch record, the entries it would fold keep serving, and a later
+    merge completes it."""
+    from airflow_provider_vllm.steps.cache import store as store_mod
+
+    monkeypatch.setattr(store_mod, "COMPACT_AFTER", 2)
+    texts = {r: [f"{t} ({r})" for t in TEXTS] for r in "abcdef"}
+    specs, plans = {}, {}
+    for r, published in (("a", True), ("b", True), ("c", False), ("d", True)):
+        write_parquet(tmp_path / f"in-{r}.parquet", IDS, texts[r])
+        specs[r] = spec_for(tmp_path, r)
+        plans[r], m = run_job(specs[r], fake_engine_factory, publish=published)
+        assert "compacted_into" not in m["cache"]
+    store = tmp_path / "cache"
+    khash = plans["a"].cache.key_hash
+    unpublished = cache_entry_id(specs["c"], plans["c"])
+    # run e's merge finds 3 published entries: it compacts them, stopped before its vouch record
+    write_parquet(tmp_path / "in-e.parquet", IDS, texts["e"])
+    specs["e"] = spec_for(tmp_path, "e")
+    set_faults("cache.before_vouch=raise")
+    with pytest.raises(faults.InjectedFault):
+        run_job(specs["e"], fake_engine_factory, publish=False)
+    set_faults("")
+    folded = sorted(cache_entry_id(specs[r], plans[r]) for r in "abd")
+    eid = hashlib.sha256("\n".join(folded).encode()).hexdigest()[:32]
+    assert _commit(store, plans["a"], eid).exists() and not _vouch_path(store, khash, eid).exists()
+    everything = IDS + [f"{i}-{r}" for r in "bcd" for i in IDS]
+    write_parquet(tmp_path / "in-x.parquet", everything, texts["a"] + texts["b"] + texts["c"] + texts["d"])
+    px = plan_job(spec_for(tmp_path, "x"), engine_identity=ENGINE)
+    assert px.cache.hits == 150 and sorted(px.cache.commits_read) == folded  # the three, not the unfinished one
+
+    # the next run's merge completes the compaction (the same entries: the same entry)
+    write_parquet(tmp_path / "in-f.parquet", IDS, texts["f"])
+    _, mf = run_job(spec_for(tmp_path, "f"), fake_engine_factory)
+    assert mf["cache"]["compacted_into"] == eid
+    vouch = json.loads(_vouch_path(store, khash, eid).read_text())
+    assert vouch["vouched_by"] == "compaction"
+    assert vouch["commit_mac"] == json.loads(_commit(store, plans["a"], eid).read_text())["seal"]["mac"]
+    compacted = pq.read_table(store / "entries" / eid / "part-00000.parquet")
+    assert compacted.num_rows == 150 and set(compacted.column("cached_from").to_pylist()) == {
+        specs[r].io.output_uri.rstrip("/") for r in "abd"
+    }
+    assert all(not _commit(store, plans["a"], e).exists() for e in folded)  # superseded, removed
+    assert _commit(store, plans["a"], unpublished).exists()  # never folded in, never superseded: still waits
+    write_parquet(tmp_path / "in-y.parquet", everything, texts["a"] + texts["b"] + texts["c"] + texts["d"])
+    py, _ = run_job(spec_for(tmp_path, "y"), fake_engine_factory)
+    assert py.cache.hits == 150 and eid in py.cache.commits_read and unpublished not in py.cache.commits_read
+    labels = {i: r["label"] for i, r in results(spec_for(tmp_path, "y")).items()}
+    assert all(labels[i] == r["label"] for i, r in results(specs["a"]).items())

@@ -42,11 +42,15 @@ def store(tmp_path):
     return CacheStore(str(tmp_path / "cache"), {}, Keyring.from_env())
 
 
-def write(store, tmp_path, n: int, keys: list[str], label: str, hex_keys: bool = False) -> str:
+def write(store, tmp_path, n: int, keys: list[str], label: str, hex_keys: bool = False, published=True) -> str:
+    """Entry ``n`` as a merge writes it, then (``published``) vouched for as publish does."""
     eid = f"{n:032x}"
     local = tmp_path / f"e{n}.parquet"
     rows = entry_file(local, keys, label, f"2026-12-01T00:00:{n:02d}.000000+00:00", hex_keys)
     assert store.write(KH, eid, str(local), rows, {"output_uri": f"/runs/{n}"})
+    if published:
+        made = store.read_commit(KH, eid)
+        store.vouch(KH, eid, made.seal.mac, "publish", f"/runs/{n}")
     return eid
 
 
@@ -99,6 +103,7 @@ def test_planted_commits_are_read_no_further_than_a_commit_this_provider_writes(
     assert (folder / f"{eid}.json").stat().st_size < COMMIT_MAX_BYTES // 100  # a genuine one
     planted = folder / f"{'f' * 32}.json"
     planted.write_bytes(b'{"entry_id": "' + b" " * (COMMIT_MAX_BYTES + 1) + b'"}')
+    (tmp_path / "cache" / "published" / KH[:32] / f"{'f' * 32}.json").write_text("{}")  # or it is not even read
     read = counted_reads(monkeypatch)
     assert [c.entry_id for c in store.committed(KH)] == [eid]
     assert sum(read) < COMMIT_MAX_BYTES // 100 and f"skipping {planted}" in caplog.text
@@ -147,3 +152,21 @@ def test_an_append_writes_nothing_through_a_link_planted_in_the_cache_folder(sto
     with pytest.raises(LinkRefused, match=f"{KH[:32]} is a symbolic link"):
         write(store, tmp_path, 2, ["k2"], "b")
     assert os.listdir(other) == []
+
+
+def test_only_vouched_entries_are_read_and_a_planted_record_is_read_no_further_than_its_bound(
+    store, tmp_path, monkeypatch, caplog
+):
+    """An entry whose run was not published (no vouch record) is not read, nor compacted; a record larger than
+    ``VOUCH_MAX_BYTES`` is refused unread (its entry skipped, with a warning)."""
+    monkeypatch.setattr(store_module, "COMPACT_AFTER", 1)
+    a = write(store, tmp_path, 1, ["k1"], "a", published=False)
+    assert store.committed(KH) == [] and [c.entry_id for c in store.committed(KH, vouched=False)] == [a]
+    assert store.compact(KH, str(tmp_path / "w")) is None  # nothing vouched: nothing to fold
+    b = write(store, tmp_path, 2, ["k2"], "b")
+    assert [c.entry_id for c in store.committed(KH)] == [b]
+    planted = tmp_path / "cache" / "published" / KH[:32] / f"{a}.json"
+    planted.write_bytes(b'{"entry_id": "' + b" " * store_module.VOUCH_MAX_BYTES + b'"}')
+    read = counted_reads(monkeypatch)
+    assert [c.entry_id for c in store.committed(KH)] == [b]
+    assert sum(read) < store_module.VOUCH_MAX_BYTES // 10 and f"cache: entry {a} is not read" in caplog.text

@@ -22,7 +22,15 @@ from airflow_provider_vllm.core.rows import ERROR_SCHEMA, RESULT_SCHEMA
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.steps.merge.changes import CHANGES, SUMMARY, compared_column, compute_changes, read_changes
 from airflow_provider_vllm.steps.merge.merger import ERRORS, MERGED, RESULTS, read_manifest
-from tests.support.data import LABELS, make_spec, merge_summary, shard_task, write_merged_folder, write_merged_summary
+from tests.support.data import (
+    LABELS,
+    make_spec,
+    merge_summary,
+    shard_task,
+    vouch_cache,
+    write_merged_folder,
+    write_merged_summary,
+)
 from tests.support.ledger import record_fault
 
 pytestmark = pytest.mark.unit
@@ -539,7 +547,9 @@ def test_an_inconsistent_night_unified_by_the_cache_is_explained(tmp_path):
         for s in plan.shards:
             run_shard(shard_task(spec=spec, shard_id=s.shard_id), engine_factory=factory)
         merge(spec).dump()
-        return qa_run(spec)[0]
+        qa = qa_run(spec)[0]
+        vouch_cache(spec)  # published: its entry serves the next night
+        return qa
 
     def first_two_disagree(spec):
         e = FakeEngine(spec, real_vllm=False)

@@ -27,7 +27,7 @@ from airflow_provider_vllm.steps.merge.merger import ERRORS, RESULTS
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.steps.qa.stage import qa_run
 from airflow_provider_vllm.worker.shard import run_shard
-from tests.support.data import PINNED_REVISION, make_spec, merge, shard_task
+from tests.support.data import PINNED_REVISION, make_spec, merge, shard_task, vouch_cache
 
 UTC = dt.UTC
 TYPES = {
@@ -81,6 +81,7 @@ def run(spec, factory):
     for s in plan.shards:
         run_shard(shard_task(spec=spec, shard_id=s.shard_id), engine_factory=factory)
     merge(spec)
+    vouch_cache(spec)  # publish's step for the cache (none without cache.uri)
     return plan
 
 

@@ -24,7 +24,7 @@ from airflow_provider_vllm.steps.qa.html import render_report_html
 from airflow_provider_vllm.steps.qa.stage import qa_run
 from airflow_provider_vllm.worker.shard import run_shard
 from tests.support import ROOT  # noqa: E402
-from tests.support.data import PINNED_REVISION, make_spec, merge, shard_task, write_parquet
+from tests.support.data import PINNED_REVISION, make_spec, merge, shard_task, vouch_cache, write_parquet
 from tests.support.ledger import record_malicious
 from tests.support.qa_rows import err_row, ok_row, split
 
@@ -271,6 +271,8 @@ def changes_page(tmp_path_factory, browser):
             run_shard(shard_task(spec=spec, shard_id=shard.shard_id), engine_factory=FakeEngine)
         merge(spec)
         reports.append(qa_run(spec))
+        if cache:
+            vouch_cache(spec)  # published: its entry serves the next day
     report, paths = reports[-1]
     page = browser.new_page(viewport={"width": 1200, "height": 900})
     page.goto((tmp_path / "d2" / "out" / paths["report_html"]).as_uri())

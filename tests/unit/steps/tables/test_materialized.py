@@ -21,7 +21,7 @@ from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.steps.qa.stage import qa_run
 from airflow_provider_vllm.steps.tables.access import Tables
 from airflow_provider_vllm.worker.shard import run_shard
-from tests.support.data import merge, shard_task
+from tests.support.data import merge, shard_task, vouch_cache
 from tests.support.iceberg import run_job, source_table, sql_catalog, table_spec
 from tests.support.security import PLANTED_KINDS, plant, untouched
 
@@ -222,6 +222,7 @@ def test_with_the_result_cache_the_shards_read_the_caches_own_files(lake, tmp_pa
                 merge(s)
         else:
             merge(s)
+            vouch_cache(s)  # publish's step for the cache: the entry serves the next run
     assert sum(e.submitted for e in fake_engine_factory.made) == 14  # the second run's rows are all hits
 
 

@@ -15,7 +15,7 @@ from airflow_provider_vllm.steps.qa.stage import qa_run
 from airflow_provider_vllm.steps.tables.access import Tables
 from airflow_provider_vllm.steps.tables.snapshot import resolve_table_input
 from airflow_provider_vllm.worker.shard import read_shard_rows, run_shard, shard_input
-from tests.support.data import merge, shard_task
+from tests.support.data import merge, shard_task, vouch_cache
 from tests.support.iceberg import rows, run_job, source_table, sql_catalog, table_spec
 
 
@@ -193,6 +193,7 @@ def test_with_the_result_cache_the_next_snapshot_infers_only_new_rows(lake, tmp_
         for sh in plan.shards:
             run_shard(shard_task(spec=s, shard_id=sh.shard_id), engine_factory=fake_engine_factory)
         merge(s)
+        vouch_cache(s)  # publish's step for the cache: the entry serves the next night
         return plan
 
     first = run(spec("a"))
