@@ -57,7 +57,15 @@ def test_audit_no_shell_no_eval_no_second_template_render():
                 problems.append(f"{where} subprocess.{name} with a string command")
             if isinstance(node.func, ast.Name) and name in ("eval", "exec", "compile", "__import__"):
                 problems.append(f"{where} {name}()")
-            if name in ("from_string", "render_template", "render_template_as_native", "Template"):
+            # ``super().render_template(...)``: an override handing Airflow's one rendering on (operators/merge.py
+            # keeps a missing XCom for execute), never a second render of what was rendered
+            delegated = (
+                isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Call)
+                and isinstance(node.func.value.func, ast.Name)
+                and node.func.value.func.id == "super"
+            )
+            if name in ("from_string", "render_template", "render_template_as_native", "Template") and not delegated:
                 problems.append(f"{where} {name}()")
     assert problems == []
     # the one process launch in the package takes argv from worker_command (a list)
