@@ -28,7 +28,7 @@ from typing import Any
 
 from airflow_provider_vllm.core import formats
 from airflow_provider_vllm.core.errors import SpecError
-from airflow_provider_vllm.core.formats.base import is_unicode
+from airflow_provider_vllm.core.formats.base import NanoTimestamp, is_unicode
 from airflow_provider_vllm.core.formats.openai_requests import (
     CHAT_URL,
     EMBEDDINGS_URL,
@@ -71,7 +71,7 @@ def template_text(v: Any) -> str | None:
 
     * a date: ``2024-03-01``; a time: ``14:05:00`` or ``14:05:00.250000`` (microseconds only when not 0);
     * a timestamp without a time zone: ``2024-03-01 14:05:00[.ffffff]``, nanosecond units ``[.fffffffff]`` when
-      the value has nanoseconds (pandas' ``Timestamp``, which pyarrow gives for them);
+      the value has nanoseconds (``NanoTimestamp``, as the Parquet reading gives them; pandas' ``Timestamp`` alike);
     * a timestamp with a time zone: its instant in UTC, ``2024-03-01 13:05:00+00:00``, never the file's zone: the
       key of a TIMESTAMPTZ is its instant, so the same instant written in two zones is one key and one prompt;
     * a decimal: fixed point with the column's scale (``12.50`` in a DECIMAL(10,2), ``0.000001``, never ``1E-6``).
@@ -81,6 +81,12 @@ def template_text(v: Any) -> str | None:
     """
     if isinstance(v, _SCALARS):
         return str(v)
+    if isinstance(v, NanoTimestamp):  # as pandas' Timestamp renders: 9 digits only with nanoseconds
+        if not v.nanos:
+            return template_text(v.at)
+        utc = v.at.astimezone(dt.UTC) if v.at.tzinfo is not None else v.at
+        text = utc.replace(tzinfo=None).isoformat(sep=" ", timespec="microseconds") + f"{v.nanos:03d}"
+        return text + ("+00:00" if v.at.tzinfo is not None else "")
     if isinstance(v, dt.datetime):  # before date: a datetime is a date
         if v.tzinfo is not None:
             v = v.astimezone(dt.UTC)

@@ -7,6 +7,7 @@ the row groups that hold its segment, in batches, and stops after the segment's 
 
 from __future__ import annotations
 
+import datetime as dt
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -18,6 +19,7 @@ from airflow_provider_vllm.core.errors import DatasetError
 from airflow_provider_vllm.core.formats.base import (
     BLANK_ID_PATTERN,
     InputFormat,
+    NanoTimestamp,
     RowBatch,
     RowGroups,
     RowRuns,
@@ -433,9 +435,26 @@ def _checked_passthrough(table: pa.Table, faults: list[tuple[str, str] | None], 
     return table
 
 
+_EPOCH = dt.datetime(1970, 1, 1)
+
+
+def _nano_timestamps(col: pa.ChunkedArray) -> list[NanoTimestamp | None]:
+    """A nanosecond timestamp column's values with every nanosecond, without pandas: what pyarrow makes of them
+    depends on whether pandas is installed (``NanoTimestamp``), and the worker's prompt must not."""
+    zoned = col.type.tz is not None
+    epoch = _EPOCH.replace(tzinfo=dt.UTC) if zoned else _EPOCH
+    out: list[NanoTimestamp | None] = []
+    for n in col.cast(pa.int64()).to_pylist():  # since the epoch: UTC for a zoned column, the wall clock otherwise
+        out.append(None if n is None else NanoTimestamp(epoch + dt.timedelta(microseconds=n // 1000), n % 1000))
+    return out
+
+
 def _values(col: pa.ChunkedArray, name: str, faults: list[tuple[str, str] | None]) -> list[Any]:
     """``col`` as Python values. Parquet's reader does not check that strings are UTF-8: a value that is not is
-    None, and its row an INVALID_ROW fault naming the column (the other rows are read as they are)."""
+    None, and its row an INVALID_ROW fault naming the column (the other rows are read as they are). A nanosecond
+    timestamp is a ``NanoTimestamp`` (``_nano_timestamps``)."""
+    if pa.types.is_timestamp(col.type) and col.type.unit == "ns":
+        return _nano_timestamps(col)
     try:
         return col.to_pylist()
     except UnicodeDecodeError as e:

@@ -223,3 +223,58 @@ def test_the_same_instant_in_two_zones_renders_the_same_prompt_from_parquet(tmp_
             "z" + " " * 7,  # NULL renders as an empty string, as it always did
         ]
     )
+
+
+def test_nanosecond_timestamps_render_alike_with_and_without_pandas(tmp_path):
+    """pyarrow gives pandas' Timestamp for a nanosecond timestamp when pandas is installed, else a datetime, or a
+    ValueError for the whole batch when a value has nanoseconds past its microseconds: a worker image without pandas
+    failed the shard, one with it rendered the nanoseconds. The worker reads such a column itself now: the same
+    prompts either way (a worker process where pandas cannot be imported renders what this process renders)."""
+    import subprocess
+    import sys
+
+    import pyarrow as pa
+
+    ns = [1_709_301_900_000_000_007, 1_709_301_900_000_001_000, -1, None]
+    write_parquet(
+        tmp_path / "ns.parquet",
+        ["a", "b", "c", "d"],
+        ["x"] * 4,
+        naive=pa.array(ns, pa.timestamp("ns")),
+        zoned=pa.array(ns, pa.timestamp("ns", tz="Asia/Tokyo")),
+    )
+    script = f"""
+import builtins, json, sys
+real = builtins.__import__
+def no_pandas(name, *a, **k):
+    if sys.argv[1] == "without" and name.split(".")[0] == "pandas":
+        raise ImportError("no pandas here")
+    return real(name, *a, **k)
+builtins.__import__ = no_pandas
+from airflow_provider_vllm.core.formats.parquet import ParquetFormat
+from airflow_provider_vllm.core.plan import Segment
+from airflow_provider_vllm.core.storage import Storage
+from tests.unit.worker.test_prompts import _typed_builder
+from pathlib import Path
+folder = Path({str(tmp_path)!r})
+builder, tok = _typed_builder(folder, "{{text}} {{naive}} {{zoned}}")
+seg = Segment(file=0, start=0, count=4)
+batch = ParquetFormat().read_rows(Storage(str(folder)), "ns.parquet", seg, builder.spec)
+rows = [{{c: v[i] for c, v in batch.values.items()}} for i in range(4)]
+print(json.dumps([tok.decode(builder.prepare(r).token_ids) for r in rows]))
+"""
+    shown = {}
+    for how in ("with", "without"):
+        proc = subprocess.run([sys.executable, "-c", script, how], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        shown[how] = json.loads(proc.stdout.splitlines()[-1])
+    assert (
+        shown["with"]
+        == shown["without"]
+        == [
+            "x 2024-03-01 14:05:00.000000007 2024-03-01 14:05:00.000000007+00:00",
+            "x 2024-03-01 14:05:00.000001 2024-03-01 14:05:00.000001+00:00",
+            "x 1969-12-31 23:59:59.999999999 1969-12-31 23:59:59.999999999+00:00",
+            "x  ",
+        ]
+    )
