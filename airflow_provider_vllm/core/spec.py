@@ -268,7 +268,12 @@ class PromptSpec(_Model):
         "{text}",
         min_length=1,
         description="User message / prompt, with {column} placeholders over the row's columns "
-        "(plain names only: no attribute or index access).",
+        "(plain names only: no attribute or index access). A value renders as text: numbers and booleans as "
+        "Python's str (True), NULL as nothing; Parquet dates as 2024-03-01, times as 14:05:00[.ffffff], timestamps "
+        "as 2024-03-01 14:05:00[.ffffff] (nanosecond units to the nanosecond), a timestamp with a time zone as its "
+        "instant in UTC (2024-03-01 13:05:00+00:00, never the file's zone), decimals in fixed point with the "
+        "column's scale (12.50). The plan refuses a Parquet template column of another type (binary, list, struct, "
+        "map, duration, ...), naming it: cast it in the input, or carry it with io.passthrough.",
     )
     text_columns: list[str] | None = Field(
         None,

@@ -21,13 +21,14 @@ commit marker, and the merge files no row of such a run in the result cache.
 from __future__ import annotations
 
 import datetime as dt
+import decimal
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from airflow_provider_vllm.core import formats
 from airflow_provider_vllm.core.errors import SpecError
-from airflow_provider_vllm.core.formats.base import is_unicode
+from airflow_provider_vllm.core.formats.base import NanoTimestamp, is_unicode
 from airflow_provider_vllm.core.formats.openai_requests import (
     CHAT_URL,
     EMBEDDINGS_URL,
@@ -59,6 +60,42 @@ class Prepared:
     fault: tuple[str, str] | None = None
     overrides: dict[str, Any] = field(default_factory=dict)  # per-row sampling (OpenAI batch bodies)
     adapter: str | None = None  # the LoRA adapter the row runs with (model.adapters[].name); None: the base model
+
+
+def template_text(v: Any) -> str | None:
+    """The text a template column's value is rendered as; None for a value the worker does not render (a row error).
+
+    Text, integers, floats and booleans: ``str``. Parquet's dates, times, timestamps and decimals (as pyarrow gives
+    them) render deterministically, each a function of its value alone, so that equal cache keys
+    (``steps/cache/key.py``) still give byte-identical prompts:
+
+    * a date: ``2024-03-01``; a time: ``14:05:00`` or ``14:05:00.250000`` (microseconds only when not 0);
+    * a timestamp without a time zone: ``2024-03-01 14:05:00[.ffffff]``, nanosecond units ``[.fffffffff]`` when
+      the value has nanoseconds (``NanoTimestamp``, as the Parquet reading gives them; pandas' ``Timestamp`` alike);
+    * a timestamp with a time zone: its instant in UTC, ``2024-03-01 13:05:00+00:00``, never the file's zone: the
+      key of a TIMESTAMPTZ is its instant, so the same instant written in two zones is one key and one prompt;
+    * a decimal: fixed point with the column's scale (``12.50`` in a DECIMAL(10,2), ``0.000001``, never ``1E-6``).
+
+    Anything else (bytes, lists, dicts, durations, ...) is None: the plan refuses such Parquet columns
+    (``core/formats/parquet.py``), and in JSONL rows an object or array is that row's INVALID_ROW error.
+    """
+    if isinstance(v, _SCALARS):
+        return str(v)
+    if isinstance(v, NanoTimestamp):  # as pandas' Timestamp renders: 9 digits only with nanoseconds
+        if not v.nanos:
+            return template_text(v.at)
+        utc = v.at.astimezone(dt.UTC) if v.at.tzinfo is not None else v.at
+        text = utc.replace(tzinfo=None).isoformat(sep=" ", timespec="microseconds") + f"{v.nanos:03d}"
+        return text + ("+00:00" if v.at.tzinfo is not None else "")
+    if isinstance(v, dt.datetime):  # before date: a datetime is a date
+        if v.tzinfo is not None:
+            v = v.astimezone(dt.UTC)
+        return v.isoformat(sep=" ")
+    if isinstance(v, (dt.date, dt.time)):
+        return v.isoformat()
+    if isinstance(v, decimal.Decimal):
+        return format(v, "f")
+    return None
 
 
 class PromptBuilder:
@@ -166,9 +203,12 @@ class PromptBuilder:
                     return Prepared(fault=(INVALID_ROW, f"column {col!r} is not valid Unicode (unpaired surrogate)"))
             elif v is None:
                 v = ""
-            elif not isinstance(v, _SCALARS):
-                return Prepared(fault=(INVALID_ROW, f"column {col!r} holds {type(v).__name__}, expected a scalar"))
-            row[col] = str(v)
+            else:
+                shown = template_text(v)
+                if shown is None:
+                    return Prepared(fault=(INVALID_ROW, f"column {col!r} holds {type(v).__name__}, expected a scalar"))
+                v = shown
+            row[col] = v
         try:
             return self._fit(row)
         except RequestFault as f:

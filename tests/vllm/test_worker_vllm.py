@@ -403,3 +403,49 @@ def test_token_prompts_give_the_same_outputs_as_text_prompts(tmp_path, smollm2, 
     raw_gen = res["generate"]["text"]
     assert [ours[f"g{i:03d}"]["output"] for i in range(n)] == [out for _, out in raw_gen]
     assert [ours[f"g{i:03d}"]["prompt_tokens"] for i in range(n)] == [len(ids) for ids, _ in raw_gen]
+
+
+def test_date_and_decimal_template_columns_are_answered_by_real_vllm(tmp_path, tiny_model, shard_server):
+    """A template with a date and a decimal column (every row an INVALID_ROW error before: "holds date, expected a
+    scalar"): on real vLLM every row is answered, and the prompt the engine saw holds the values as the worker renders
+    them (ISO date, the decimal's scale): its token count is the model's own chat template over that text."""
+    import datetime as dt
+    import decimal
+
+    import pyarrow as pa
+    from transformers import AutoTokenizer
+
+    n = 6
+    write_parquet(
+        tmp_path / "in" / "a.parquet",
+        [f"t{i:04d}" for i in range(n)],
+        TICKETS[:n],
+        due=pa.array([dt.date(2024, 3, 1 + i) for i in range(n)], pa.date32()),
+        amount=pa.array([decimal.Decimal(f"{i + 1}2.50") for i in range(n)], pa.decimal128(10, 2)),
+    )
+    spec = JobSpec.load(
+        {
+            "model": {"name": tiny_model, "max_model_len": 512},
+            "engine": {"enforce_eager": True, "max_num_seqs": 32},
+            "io": {"input_uri": str(tmp_path / "in"), "output_uri": str(tmp_path / "out")},
+            "prompt": {
+                "system_prompt": SYSTEM,
+                "template": "Ticket: {text} (due {due}, amount {amount})",
+                "text_columns": ["text"],
+            },
+            "sampling": {"temperature": 0, "max_tokens": 8, "structured": {"choice": LABELS}},
+            "sharding": {"target_rows": 10_000, "chunk_rows": 16},
+        }
+    )
+    (shard,) = plan_job(spec).shards
+    m = shard_server.run(spec, shard.shard_id)
+    assert m["status"] == "committed" and (m["ok_rows"], m["error_rows"]) == (n, 0)
+    merge(spec)
+    res = {r["id"]: r for r in pq.read_table(tmp_path / "out" / "results").to_pylist()}
+    assert len(res) == n and all(r["label"] in LABELS for r in res.values())
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    for i in range(n):
+        text = f"Ticket: {TICKETS[i]} (due 2024-03-0{1 + i}, amount {i + 1}2.50)"
+        chat = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}]
+        rendered = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        assert res[f"t{i:04d}"]["prompt_tokens"] == len(tok.encode(rendered, add_special_tokens=False)), i

@@ -9,6 +9,7 @@ worker agree on a shard's rows without sharing any state but the plan.
 
 from __future__ import annotations
 
+import datetime as dt
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -42,6 +43,17 @@ def is_unicode(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+@dataclass(frozen=True)
+class NanoTimestamp:
+    """A value of a nanosecond timestamp column, as the worker reads it (``parquet._values``), whether pandas is
+    installed or not (pyarrow gives pandas' ``Timestamp`` then, else a ``datetime`` or, for a value with nanoseconds
+    past its microseconds, a ValueError for the whole batch): ``at`` to the microsecond (a time zone's in UTC) and the
+    ``nanos`` (0-999) past it."""
+
+    at: dt.datetime
+    nanos: int
 
 
 @dataclass

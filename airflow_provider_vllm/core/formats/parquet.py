@@ -7,6 +7,7 @@ the row groups that hold its segment, in batches, and stops after the segment's 
 
 from __future__ import annotations
 
+import datetime as dt
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -18,6 +19,7 @@ from airflow_provider_vllm.core.errors import DatasetError
 from airflow_provider_vllm.core.formats.base import (
     BLANK_ID_PATTERN,
     InputFormat,
+    NanoTimestamp,
     RowBatch,
     RowGroups,
     RowRuns,
@@ -68,6 +70,9 @@ class ParquetFormat(InputFormat):
                 t = schema.field(c).type
                 if not (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_null(t)):
                     raise DatasetError(f"input file {name}: text column {c!r} has type {t}; expected string")
+            for c in row_columns(spec):
+                if c not in texts and c != idc and not renders(schema.field(c).type):
+                    raise DatasetError(_unrendered(name, c, schema.field(c).type, c == spec.model.adapter_column))
             if first_schema is None:
                 first_schema = schema
             elif _id_kind(id_type) != _id_kind(first_schema.field(idc).type):
@@ -105,6 +110,44 @@ class ParquetFormat(InputFormat):
         with root.open(name) as f:
             ids = pq.read_table(f, columns=[spec.prompt.id_column]).column(0)
         return ids.cast(pa.string()).to_pylist()
+
+
+def renders(t: pa.DataType) -> bool:
+    """Whether the worker renders a template value of Arrow type ``t`` (``worker/prompts.py`` ``template_text``):
+    text, booleans, integers, 32- and 64-bit floats, decimals, dates, times, timestamps (any unit, with or without a
+    time zone), the null type; a dictionary of one of these. Not binary, lists, structs, maps, unions, durations,
+    intervals, half floats or extension types (UUID): pyarrow gives values the worker has no text for."""
+    if pa.types.is_dictionary(t):
+        return renders(t.value_type)
+    return any(
+        is_(t)
+        for is_ in (
+            pa.types.is_null,
+            pa.types.is_boolean,
+            pa.types.is_integer,
+            pa.types.is_float32,
+            pa.types.is_float64,
+            pa.types.is_string,
+            pa.types.is_large_string,
+            pa.types.is_string_view,
+            pa.types.is_decimal,
+            pa.types.is_date,
+            pa.types.is_time,
+            pa.types.is_timestamp,
+        )
+    )
+
+
+def _unrendered(name: str, column: str, t: pa.DataType, adapter: bool) -> str:
+    """The plan's refusal of a column the worker cannot render (``renders``), naming the file, column and type."""
+    what = f"model.adapter_column {column!r}" if adapter else f"template column {column!r}"
+    return (
+        f"input file {name}: {what} has type {t}, which the worker cannot render into a prompt (it renders text, "
+        "numbers, booleans, decimals, dates, times and timestamps; every row would fail); cast the column to one of "
+        "those in the input (e.g. binary to a hex or base64 string, a list or struct to a JSON string), or leave it "
+        "out of prompt.template and name it in io.passthrough to carry it to the output without showing it to the "
+        "model"
+    )
 
 
 def _id_kind(t: pa.DataType) -> pa.DataType:
@@ -392,9 +435,26 @@ def _checked_passthrough(table: pa.Table, faults: list[tuple[str, str] | None], 
     return table
 
 
+_EPOCH = dt.datetime(1970, 1, 1)
+
+
+def _nano_timestamps(col: pa.ChunkedArray) -> list[NanoTimestamp | None]:
+    """A nanosecond timestamp column's values with every nanosecond, without pandas: what pyarrow makes of them
+    depends on whether pandas is installed (``NanoTimestamp``), and the worker's prompt must not."""
+    zoned = col.type.tz is not None
+    epoch = _EPOCH.replace(tzinfo=dt.UTC) if zoned else _EPOCH
+    out: list[NanoTimestamp | None] = []
+    for n in col.cast(pa.int64()).to_pylist():  # since the epoch: UTC for a zoned column, the wall clock otherwise
+        out.append(None if n is None else NanoTimestamp(epoch + dt.timedelta(microseconds=n // 1000), n % 1000))
+    return out
+
+
 def _values(col: pa.ChunkedArray, name: str, faults: list[tuple[str, str] | None]) -> list[Any]:
     """``col`` as Python values. Parquet's reader does not check that strings are UTF-8: a value that is not is
-    None, and its row an INVALID_ROW fault naming the column (the other rows are read as they are)."""
+    None, and its row an INVALID_ROW fault naming the column (the other rows are read as they are). A nanosecond
+    timestamp is a ``NanoTimestamp`` (``_nano_timestamps``)."""
+    if pa.types.is_timestamp(col.type) and col.type.unit == "ns":
+        return _nano_timestamps(col)
     try:
         return col.to_pylist()
     except UnicodeDecodeError as e:

@@ -88,7 +88,10 @@ def _unkeyable(e: SpecError) -> str:
     """Why rows cannot be keyed, from ``key.check_key_types``' refusal (which speaks of the cache)."""
     m = re.search(r"template column ('[^']*')", str(e))
     col = f"template column {m.group(1)}" if m else "a template column"
-    return f"{col} has a type the key does not encode (nested: LIST, STRUCT, MAP, ...; or ENUM, BIT, ...)"
+    return (
+        f"{col} has a type the key does not encode (a timestamp with a time zone in nanoseconds, ENUM, BIT, nested "
+        "types, ...)"
+    )
 
 
 def salt(spec: JobSpec) -> str:

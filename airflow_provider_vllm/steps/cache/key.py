@@ -20,8 +20,13 @@
   its stat (``steps/cache/fingerprint_memo.py``); ``describe_weights``: the same files, one by one, as the plan
   seals them for the worker's check (``core/weights.py``).
 
-A change to what the key means, or to how the worker renders a (type, value) (``worker/prompts.py``),
-must bump ``KEY_FORMAT_VERSION``: entries of the older format then simply stop matching.
+A change to what the key means, or to how the worker renders a (type, value) (``worker/prompts.py``
+``template_text``) that it rendered before, must bump ``KEY_FORMAT_VERSION``: entries of the older format then
+simply stop matching. Rendering values that were every row's error before (dates, times, timestamps, decimals:
+only ok rows are cached, so no entry holds such a key) needs no bump. The rendering of those keeps the rule: a
+TIMESTAMPTZ is keyed by its instant and rendered as that instant in UTC (never the file's zone); TIMESTAMP_NS is
+keyed and rendered to the nanosecond; TIME_NS and TIMETZ are keyed more finely than rendered (pyarrow's time holds
+microseconds and no offset): distinct keys that may share a prompt, a miss, never a wrong hit.
 """
 
 from __future__ import annotations
@@ -374,8 +379,8 @@ def check_key_types(types: dict[str, str]) -> None:
         if _NESTED.search(t):
             raise SpecError(
                 f"cache.uri is set but template column {col!r} has the nested type {t}: the result cache keys "
-                "a row by its template values and does not encode nested values (and the worker renders only "
-                "scalars: text, numbers, booleans); store the column as text in the input (e.g. a JSON "
+                "a row by its template values and does not encode nested values (and the worker does not render "
+                "them either); store the column as text in the input (e.g. a JSON "
                 "string), leave it out of prompt.template, or unset cache.uri"
             )
         raise SpecError(

@@ -689,3 +689,56 @@ def test_a_worker_refuses_a_plan_that_is_no_plan_without_retry(tmp_path, fake_en
     assert not (out / "shards").exists()
     with pytest.raises(CommitError, match=r"_plan\.json is not a plan"):
         load_plan(spec)
+
+
+# ---- typed template columns --------------------------------------------------------------------
+def test_date_timestamptz_and_decimal_template_columns_are_answered(tmp_path, fake_engine_factory):
+    """A date, a timestamp with a time zone and a decimal column in the template: every row was an INVALID_ROW error
+    ("holds datetime, expected a scalar") after the engine started. Through plan -> shard -> merge now every row is
+    answered, with the values rendered as the worker's rule says (the instant in UTC, the decimal's scale kept);
+    repeated rows (the dedupe's leaders file, written by DuckDB) render as the input's own."""
+    import datetime as dt
+    import decimal
+
+    import pyarrow as pa
+
+    from tests.support.fakes import FakeTokenizer
+
+    n = 24
+    write_parquet(
+        tmp_path / "in" / "a.parquet",
+        [f"t{i}" for i in range(n)],
+        [f"ticket {i % 12}" for i in range(n)],
+        due=pa.array([dt.date(2024, 3, 1 + i % 12) for i in range(n)], pa.date32()),
+        opened=pa.array(
+            [dt.datetime(2024, 3, 1, 9, i % 12, tzinfo=dt.UTC) for i in range(n)],
+            pa.timestamp("us", tz="Europe/Berlin"),
+        ),
+        amount=pa.array([decimal.Decimal(f"{i % 12}.50") for i in range(n)], pa.decimal128(10, 2)),
+    )
+    spec = make_spec(
+        tmp_path / "in",
+        tmp_path / "out",
+        prompt={"template": "Ticket: {text} due {due} opened {opened} amount {amount}", "text_columns": ["text"]},
+    )
+    seen = []
+
+    def recording(s, **kw):
+        e = fake_engine_factory(s, **kw)
+        orig = e.submit
+
+        def submit(key, ids, overrides=None):
+            seen.append(FakeTokenizer().decode(ids))
+            return orig(key, ids, overrides)
+
+        e.submit = submit
+        return e
+
+    plan, manifests = run_all(spec, recording)
+    assert all(m["status"] == "committed" for m in manifests)
+    summary = merge(spec).dump()
+    res, err = read_out(tmp_path / "out")
+    assert err == [] and summary["error_rows"] == 0
+    assert summary["ok_rows"] == len(res) == n and {r["id"] for r in res} == {f"t{i}" for i in range(n)}
+    assert len(seen) == 12  # each distinct prompt once
+    assert "<user>Ticket: ticket 5 due 2024-03-06 opened 2024-03-01 09:05:00+00:00 amount 5.50\n" in "".join(seen)

@@ -1419,3 +1419,43 @@ def test_compaction_folds_only_published_entries_and_its_entry_keeps_serving(
     assert py.cache.hits == 150 and eid in py.cache.commits_read and unpublished not in py.cache.commits_read
     labels = {i: r["label"] for i, r in results(spec_for(tmp_path, "y")).items()}
     assert all(labels[i] == r["label"] for i, r in results(specs["a"]).items())
+
+
+def _zoned_input(path: Path, zone: str, n: int) -> None:
+    """Rows with a date, a timestamp in ``zone`` (the same instants in every zone) and a decimal."""
+    import datetime as dt
+    import decimal
+
+    at = [dt.datetime(2024, 3, 1, 9, i, 30, i, tzinfo=dt.UTC) for i in range(n)]
+    pq.write_table(
+        pa.table(
+            {
+                "id": [f"t{i}" for i in range(n)],
+                "text": [f"x{i}" for i in range(n)],
+                "due": pa.array([None if i % 7 == 0 else dt.date(2024, 3, 1 + i % 20) for i in range(n)], pa.date32()),
+                "opened": pa.array(at, pa.timestamp("us", tz=zone)),
+                "amount": pa.array([decimal.Decimal(f"{i}.{i % 10}0") for i in range(n)], pa.decimal128(10, 2)),
+            }
+        ),
+        path,
+    )
+
+
+def test_the_same_instants_in_another_time_zone_are_cache_hits_with_the_same_prompts(tmp_path, fake_engine_factory):
+    """The key of a TIMESTAMPTZ is its instant, so a file that carries the same instants in another zone has the same
+    keys: its rows are hits. That is right only because the worker renders the instant (in UTC), never the file's
+    zone: the same file run without the cache sends prompts byte-identical (the same prompt hashes) to the first
+    run's, whose prompts the worker rendered from the misses file (DuckDB's copy) of the other zone's file."""
+    prompt = {"template": "{text} due {due} opened {opened} amount {amount}", "text_columns": ["text"]}
+    _zoned_input(tmp_path / "in-a.parquet", "Europe/Berlin", 30)
+    _, m1 = run_job(spec_for(tmp_path, "a", prompt=prompt), fake_engine_factory)
+    assert m1["ok_rows"] == m1["cache"]["appended"] == 30 and m1["error_rows"] == 0
+    _zoned_input(tmp_path / "in-b.parquet", "America/New_York", 30)
+    p2, m2 = run_job(spec_for(tmp_path, "b", prompt=prompt), fake_engine_factory)
+    assert (p2.cache.hits, p2.cache.misses, m2["ok_rows"]) == (30, 0, 30)
+    fresh = spec_for(tmp_path, "b", prompt=prompt, cache={"uri": None}, io={"output_uri": str(tmp_path / "out-c")})
+    _, m3 = run_job(fresh, fake_engine_factory)
+    assert m3["ok_rows"] == 30
+    first, again = results(spec_for(tmp_path, "a", prompt=prompt)), results(fresh)
+    assert all(r["prompt_hash"] for r in first.values())
+    assert {i: r["prompt_hash"] for i, r in again.items()} == {i: r["prompt_hash"] for i, r in first.items()}

@@ -327,3 +327,40 @@ def test_a_retried_plan_refuses_a_plan_file_that_is_no_plan_without_retry(tmp_pa
     with pytest.raises(CommitError, match=r"_plan\.json is not a plan") as e:
         plan_job(spec)
     assert e.value.terminal
+
+
+# ---- template columns the worker cannot render --------------------------------------------------
+@pytest.mark.parametrize(
+    ("values", "shown"),
+    [
+        (pa.array([b"\x00", b"ab", None], pa.binary()), "binary"),
+        (pa.array([[1, 2], [], None], pa.list_(pa.int64())), "list<element: int64>"),
+        (pa.array([{"a": 1}, {"a": 2}, None], pa.struct([("a", pa.int64())])), "struct<a: int64>"),
+        (pa.array([1, 2, None], pa.duration("s")), "duration[s]"),
+    ],
+    ids=["binary", "list", "struct", "duration"],
+)
+@pytest.mark.parametrize("cached", [False, True], ids=["plain", "cache"])
+def test_a_template_column_the_worker_cannot_render_is_refused_by_the_plan(tmp_path, values, shown, cached):
+    """Every row of such a column was an INVALID_ROW error, found only after the engine started: the plan refuses it
+    now, naming the file, the column and its type, and says how to run the job (cast it, or carry it in
+    io.passthrough). Nothing is written. The same column carried in io.passthrough (not in the template) is fine."""
+    from tests.support.data import PINNED_REVISION
+
+    write_parquet(tmp_path / "in" / "a.parquet", ["a", "b", "c"], ["x", "y", "z"], blob=values)
+    over = {"prompt": {"template": "{text} {blob}", "text_columns": ["text"]}}
+    if cached:
+        over |= {
+            "cache": {"uri": str(tmp_path / "cache")},
+            "model": {"name": "fake", "max_model_len": 1024, "revision": PINNED_REVISION},
+        }
+    spec = make_spec(tmp_path / "in", tmp_path / "out", **over)
+    why = (
+        rf"input file a\.parquet: template column 'blob' has type {re.escape(shown)}, which the worker cannot render"
+        r".*cast the column.*io\.passthrough"
+    )
+    with pytest.raises(DatasetError, match=why):
+        plan_job(spec)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob(PLAN_FILE))
+    carried = make_spec(tmp_path / "in", tmp_path / "out2", io={"passthrough": ["blob"]})
+    assert plan_job(carried).total_rows == 3
