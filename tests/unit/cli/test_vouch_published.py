@@ -1,0 +1,66 @@
+"""``python -m airflow_provider_vllm.cli.vouch_published``: run once after the upgrade, the cache entries of runs
+published before it serve again (the checks themselves: tests/unit/steps/cache/test_vouch_runs.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from airflow_provider_vllm.cli import vouch_published
+from airflow_provider_vllm.core.errors import EXIT_TERMINAL
+from airflow_provider_vllm.steps.merge.merger import SUCCESS
+from tests.support import ROOT
+from tests.support.data import files_under
+from tests.unit.steps.cache.test_vouch_runs import cached_run, hits, vouches
+
+
+def reports(stdout: str, tmp_path) -> list[str]:
+    """The command's report lines (one per run, in order); the steps' log lines aside."""
+    return [line for line in stdout.splitlines() if line.startswith(str(tmp_path))]
+
+
+def test_it_reports_each_run_and_exits_zero_when_none_was_refused(tmp_path, fake_engine_factory, capsys):
+    published = cached_run(tmp_path, fake_engine_factory, "a")
+    merged_only = cached_run(tmp_path, fake_engine_factory, "b", publish=False)
+    before = files_under(tmp_path / "cache")
+    capsys.readouterr()
+    assert vouch_published.main([str(published), str(merged_only), "--dry-run"]) == 0
+    lines = reports(capsys.readouterr().out, tmp_path)
+    assert lines[0].startswith(f"{published}: would vouch entry ") and "not published" in lines[1], lines
+    assert files_under(tmp_path / "cache") == before
+
+    assert vouch_published.main([str(published), str(merged_only)]) == 0
+    lines = reports(capsys.readouterr().out, tmp_path)
+    assert lines[0].startswith(f"{published}: vouched entry ") and lines[1].startswith(f"{merged_only}: skipped")
+    assert hits(tmp_path, "a") == 40 and hits(tmp_path, "b") == 0
+    assert vouch_published.main([str(published)]) == 0
+    assert "already vouched" in capsys.readouterr().out
+
+
+def test_no_signing_key_fails_on_one_line(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__SIGNING_KEY", "")
+    assert vouch_published.main([str(tmp_path)]) == EXIT_TERMINAL
+    out, err = capsys.readouterr()
+    assert not out and err.count("\n") == 1 and "signing_key" in err
+
+
+def test_it_runs_as_a_module_and_exits_non_zero_when_a_run_was_refused(tmp_path, fake_engine_factory):
+    published = cached_run(tmp_path, fake_engine_factory, "a")
+    forged = cached_run(tmp_path, fake_engine_factory, "b", publish=False)
+    doc = json.loads((published / SUCCESS).read_bytes())
+    doc.pop("seal")
+    (forged / SUCCESS).write_text(json.dumps(dict(doc, output_uri=str(forged))))  # unsealed
+    p = subprocess.run(
+        [sys.executable, "-m", "airflow_provider_vllm.cli.vouch_published", str(published), str(forged)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert p.returncode == vouch_published.EXIT_REFUSED, p.stderr[-2000:]
+    lines = reports(p.stdout, tmp_path)
+    assert lines[0].startswith(f"{published}: vouched entry "), p.stdout
+    assert lines[1].startswith(f"{forged}: refused: {SUCCESS}") and "no seal" in lines[1], p.stdout
+    assert len(vouches(tmp_path)) == 1
+    assert hits(tmp_path, "a") == 40 and hits(tmp_path, "b") == 0

@@ -1,0 +1,223 @@
+"""``vouch_run``: after the upgrade, the cache entries of runs published before it serve again, on sealed evidence
+only. A run published before the upgrade is a run published now whose vouch record is removed (and whose merge
+summary, as one merged before the upgrade, names no commit seal)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from airflow_provider_vllm.core import seal as seals
+from airflow_provider_vllm.core.records import CacheCommit, Seal
+from airflow_provider_vllm.core.seal import Keyring, record_bytes, scope_of, seal_record
+from airflow_provider_vllm.core.storage import Storage
+from airflow_provider_vllm.steps.cache.vouch_runs import vouch_run
+from airflow_provider_vllm.steps.merge.merger import MERGED, SUCCESS, read_merged
+from tests.support.data import files_under, plan_xcom, shard_task
+from tests.support.ledger import record_malicious
+from tests.support.task_context import context
+
+IDS = [f"t{i:04d}" for i in range(40)]
+
+
+def texts(run: str) -> list[str]:
+    return [f"ticket {run}-{i}: I was charged twice, please refund" for i in range(40)]
+
+
+def cached_run(tmp_path: Path, factory, run: str, *, publish: bool = True, text_of: str | None = None) -> Path:
+    """A run of the job with the result cache (``tmp_path/cache``) under ``tmp_path/out-<run>``: planned, its shards
+    run, merged (the merge files its entry), QA'd and, with ``publish``, published; then, standing for a run
+    published before the upgrade, its vouch record removed and its merge summary sealed without the commit seal
+    (merged before it was recorded)."""
+    from airflow_provider_vllm.core.engine_identity import local_engine_identity
+    from airflow_provider_vllm.operators.merge import VllmMergeOperator
+    from airflow_provider_vllm.operators.publish import VllmPublishOperator
+    from airflow_provider_vllm.operators.qa import VllmQAOperator
+    from airflow_provider_vllm.steps.plan.planner import plan_job
+    from airflow_provider_vllm.worker.shard import run_shard
+    from tests.support.data import PINNED_REVISION, make_spec, write_parquet
+
+    write_parquet(tmp_path / f"in-{run}.parquet", IDS, texts(text_of or run))
+    spec = make_spec(
+        tmp_path / f"in-{run}.parquet",
+        tmp_path / f"out-{run}",
+        model={"name": "fake", "max_model_len": 1024, "revision": PINNED_REVISION},
+        cache={"uri": str(tmp_path / "cache")},
+        sharding={"target_rows": 20},
+    )
+    for s in plan_job(spec, engine_identity=local_engine_identity()).shards:
+        run_shard(shard_task(spec=spec, shard_id=s.shard_id), engine_factory=factory)
+    doc = spec.model_dump(mode="json")
+    VllmMergeOperator(task_id="merge", spec=doc, plan=plan_xcom(doc)).execute(context())
+    VllmQAOperator(task_id="qa", spec=doc).execute(context())
+    if publish:
+        VllmPublishOperator(task_id="publish", spec=doc).execute(context())
+    for f in (tmp_path / "cache" / "published").glob("*/*.json"):
+        f.unlink()
+    out = tmp_path / f"out-{run}"
+    keyring = Keyring.from_env()
+    merged = read_merged(Storage(str(out)), keyring)
+    if merged.cache is None or merged.cache.entry_id is None:
+        return out
+    old = merged.model_copy(update={"cache": merged.cache.model_copy(update={"commit_mac": None})})
+    (out / MERGED).write_bytes(record_bytes(seal_record(keyring, seals.MERGED, scope_of(str(out)), old)))
+    return out
+
+
+def hits(tmp_path: Path, run: str) -> int:
+    """The cache hits of a run of ``run``'s texts planned now."""
+    from airflow_provider_vllm.core.engine_identity import local_engine_identity
+    from airflow_provider_vllm.steps.plan.planner import plan_job
+    from tests.support.data import PINNED_REVISION, make_spec, write_parquet
+
+    probe = tmp_path / f"probe-{len(list(tmp_path.glob('probe-*')))}"
+    write_parquet(probe.with_suffix(".parquet"), IDS, texts(run))
+    spec = make_spec(
+        probe.with_suffix(".parquet"),
+        probe,
+        model={"name": "fake", "max_model_len": 1024, "revision": PINNED_REVISION},
+        cache={"uri": str(tmp_path / "cache")},
+        sharding={"target_rows": 20},
+    )
+    plan = plan_job(spec, engine_identity=local_engine_identity())
+    assert plan.cache is not None
+    return plan.cache.hits
+
+
+def vouches(tmp_path: Path) -> list[Path]:
+    return sorted((tmp_path / "cache" / "published").glob("*/*.json"))
+
+
+def _reseal_success(out: Path, keyring: Keyring | None, change=None, seal: Seal | None = None) -> None:
+    doc = json.loads((out / SUCCESS).read_bytes())
+    doc.pop("seal")
+    if change:
+        change(doc)
+    if keyring is not None:
+        seal = keyring.seal(seals.SUCCESS, scope_of(str(out)), doc)
+    if seal is not None:
+        doc["seal"] = seal.model_dump(mode="json")
+    (out / SUCCESS).write_text(json.dumps(doc, indent=1, sort_keys=True))
+
+
+def test_a_run_published_before_the_upgrade_serves_again_once_and_a_second_call_changes_nothing(
+    tmp_path, fake_engine_factory
+):
+    out = cached_run(tmp_path, fake_engine_factory, "a")
+    assert hits(tmp_path, "a") == 0  # the cold night the upgrade brings
+    done = vouch_run(str(out), Keyring.from_env())
+    assert done.outcome == "vouched" and done.entry_id and done.cache_uri == str(tmp_path / "cache"), done
+    assert len(vouches(tmp_path)) == 1
+    assert hits(tmp_path, "a") == 40
+
+    before = files_under(tmp_path / "cache")
+    again = vouch_run(str(out) + "/", Keyring.from_env())
+    assert again.outcome == "already_vouched" and again.entry_id == done.entry_id, again
+    assert files_under(tmp_path / "cache") == before
+    assert hits(tmp_path, "a") == 40
+
+
+def test_a_dry_run_checks_and_writes_nothing(tmp_path, fake_engine_factory):
+    out = cached_run(tmp_path, fake_engine_factory, "a")
+    before = files_under(tmp_path)
+    done = vouch_run(str(out), Keyring.from_env(), dry_run=True)
+    assert done.outcome == "would_vouch" and done.entry_id, done
+    assert files_under(tmp_path) == before and not vouches(tmp_path)
+    assert hits(tmp_path, "a") == 0
+
+
+def test_a_run_merged_but_never_published_is_skipped(tmp_path, fake_engine_factory):
+    out = cached_run(tmp_path, fake_engine_factory, "a", publish=False)
+    done = vouch_run(str(out), Keyring.from_env())
+    assert done.outcome == "skipped" and "not published" in done.reason, done
+    assert not vouches(tmp_path) and hits(tmp_path, "a") == 0
+
+
+def test_a_forged_success_marker_is_refused(tmp_path, fake_engine_factory):
+    """A marker without a seal, or sealed with the shard workers' key (which every pod holds), proves nothing."""
+    keyring = Keyring.from_env()
+    worker = keyring.worker_keyring()
+    wkey = worker._workers.signing  # what code in a shard pod could seal with
+    out = cached_run(tmp_path, fake_engine_factory, "a", publish=False)
+    genuine_run = cached_run(tmp_path, fake_engine_factory, "b")
+    template = (genuine_run / SUCCESS).read_bytes()
+    tried = 0
+    for forge in ("unsealed", "worker"):
+        (out / SUCCESS).write_bytes(template)
+        doc = json.loads(template)
+        doc.pop("seal")
+        doc["output_uri"] = str(out)
+        if forge == "worker":
+            mac = keyring._mac(wkey, seals.SUCCESS, scope_of(str(out)), doc)
+            doc["seal"] = Seal(kid=seals.kid_of(wkey), mac=mac).model_dump(mode="json")
+        (out / SUCCESS).write_text(json.dumps(doc))
+        done = vouch_run(str(out), keyring)
+        tried += 1
+        assert done.outcome == "refused" and SUCCESS in done.reason, (forge, done)
+    record_malicious("forged_success_marker_vouching_a_cache_entry", tried, tried)
+    assert not vouches(tmp_path) and hits(tmp_path, "a") == 0
+
+
+def test_the_success_marker_of_another_run_or_another_merge_is_refused(tmp_path, fake_engine_factory):
+    keyring = Keyring.from_env()
+    out = cached_run(tmp_path, fake_engine_factory, "a", publish=False)
+    other = cached_run(tmp_path, fake_engine_factory, "b")
+    shutil.copy(other / SUCCESS, out / SUCCESS)  # genuine, for another folder
+    done = vouch_run(str(out), keyring)
+    assert done.outcome == "refused" and "seal" in done.reason, done
+
+    # a genuine marker of this very folder, but the publish of another merge of it (an earlier one put back)
+    published = cached_run(tmp_path, fake_engine_factory, "c")
+    _reseal_success(published, keyring, change=lambda d: d["checksums"].update({"results/_manifest.json": "0" * 64}))
+    done = vouch_run(str(published), keyring)
+    assert done.outcome == "refused" and "another merge" in done.reason, done
+    record_malicious("success_marker_of_another_run_or_merge_vouching_a_cache_entry", 2, 2)
+    assert not vouches(tmp_path) and hits(tmp_path, "a") == hits(tmp_path, "c") == 0
+
+
+def test_an_entry_whose_commit_was_rewritten_is_refused(tmp_path, fake_engine_factory):
+    keyring = Keyring.from_env()
+    out = cached_run(tmp_path, fake_engine_factory, "a")
+    (commit_file,) = (tmp_path / "cache" / "commits").glob("*/*.json")
+    genuine = commit_file.read_bytes()
+    commit = CacheCommit.model_validate_json(genuine)
+
+    commit_file.write_bytes(genuine.replace(b'"rows": 40', b'"rows": 41'))  # changed, seal kept
+    done = vouch_run(str(out), keyring)
+    assert done.outcome == "refused" and "does not verify" in done.reason, done
+
+    # sealed by this deployment, but filed by another run's merge under this entry's id
+    moved = commit.model_copy(update={"source_output_uri": str(tmp_path / "out-z"), "seal": None})
+    commit_file.write_bytes(
+        record_bytes(seal_record(keyring, seals.CACHE_ENTRY, scope_of(str(tmp_path / "cache")), moved))
+    )
+    done = vouch_run(str(out), keyring)
+    assert done.outcome == "refused" and "another run" in done.reason, done
+
+    # a merge summary that names its commit's seal (merged after the upgrade): only exactly that commit
+    merged = read_merged(Storage(str(out)), keyring)
+    assert merged.cache is not None
+    named = merged.model_copy(update={"cache": merged.cache.model_copy(update={"commit_mac": "0" * 64})})
+    (out / MERGED).write_bytes(record_bytes(seal_record(keyring, seals.MERGED, scope_of(str(out)), named)))
+    commit_file.write_bytes(genuine)
+    done = vouch_run(str(out), keyring)
+    assert done.outcome == "refused" and "not the one the merge summary names" in done.reason, done
+    record_malicious("rewritten_cache_commit_vouched_after_upgrade", 3, 3)
+    assert not vouches(tmp_path) and hits(tmp_path, "a") == 0
+
+    assert commit.seal is not None
+    ok = merged.model_copy(update={"cache": merged.cache.model_copy(update={"commit_mac": commit.seal.mac})})
+    (out / MERGED).write_bytes(record_bytes(seal_record(keyring, seals.MERGED, scope_of(str(out)), ok)))
+    assert vouch_run(str(out), keyring).outcome == "vouched"
+    assert hits(tmp_path, "a") == 40
+
+
+def test_a_run_without_the_cache_or_an_entry_is_skipped(tmp_path, fake_engine_factory):
+    keyring = Keyring.from_env()
+    assert vouch_run(str(tmp_path / "nothing"), keyring).outcome == "skipped"
+    out = cached_run(tmp_path, fake_engine_factory, "a")
+    vouch_run(str(out), keyring)
+    again = cached_run(tmp_path, fake_engine_factory, "b", text_of="a")  # every row a hit: nothing filed
+    done = vouch_run(str(again), keyring)
+    assert done.outcome == "skipped" and "no cache entry" in done.reason, done
