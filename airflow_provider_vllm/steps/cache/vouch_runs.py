@@ -20,6 +20,11 @@ A run's entry is vouched for only when
 The record written is publish's own (``CacheStore.vouch``, by ``publish``), naming that commit's seal. A run that
 fails a check is ``refused``; one with nothing to vouch for (not published, no cache, no entry, its entry gone) is
 ``skipped``. Nothing is written with ``dry_run``.
+
+Not vouched for: an entry a compaction of an earlier version made. It names only the ids of the entries it folded
+(whose commits it removed), and it folded every sealed entry, also those of runs that failed QA or were never
+published: nothing sealed says which. Its rows are inferred once, by the first run after the upgrade.
+
 """
 
 from __future__ import annotations
@@ -108,8 +113,12 @@ def _vouch(run_uri: str, keyring: Keyring, filesystems: FileSystems | None, dry_
     khash, eid = plan_cache.key_hash, c.entry_id
     rel = f"{store.commit_dir(khash)}/{eid}.json"
     if not store.st.exists(rel):
-        gone = f" (compacted into {c.compacted_into})" if c.compacted_into else " (compacted or removed since)"
-        raise _skip(f"its entry's commit {store.st.uri(rel)} is not in the cache folder{gone}", **known)
+        raise _skip(
+            f"its entry's commit {store.st.uri(rel)} is not in the cache folder (folded into a compacted entry, or "
+            "removed); an entry compacted before the upgrade may hold answers of runs never published and is not "
+            "vouched for: its rows are inferred once",
+            **known,
+        )
     commit = store.read_commit(khash, eid)
     if commit is None or commit.seal is None:
         raise _refuse(f"its entry's commit {store.st.uri(rel)} does not verify with this deployment's seal", **known)

@@ -221,3 +221,14 @@ def test_a_run_without_the_cache_or_an_entry_is_skipped(tmp_path, fake_engine_fa
     again = cached_run(tmp_path, fake_engine_factory, "b", text_of="a")  # every row a hit: nothing filed
     done = vouch_run(str(again), keyring)
     assert done.outcome == "skipped" and "no cache entry" in done.reason, done
+
+
+def test_a_run_whose_entry_is_gone_is_skipped(tmp_path, fake_engine_factory):
+    """Folded into a compacted entry before the upgrade (the compaction removed its commit), or removed: nothing to
+    vouch for, and the compacted entry is not vouched for on this run's word."""
+    out = cached_run(tmp_path, fake_engine_factory, "a")
+    (commit_file,) = (tmp_path / "cache" / "commits").glob("*/*.json")
+    commit_file.unlink()
+    done = vouch_run(str(out), Keyring.from_env())
+    assert done.outcome == "skipped" and "not in the cache folder" in done.reason, done
+    assert not vouches(tmp_path)
