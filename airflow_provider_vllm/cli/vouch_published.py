@@ -11,14 +11,15 @@ the provider's tasks read it). Object stores through the deployment's Connection
 ``gcp_conn_id``, or the options below). Run it on an Airflow machine before the first run after the upgrade: a merge
 removes entries no publish vouched for once 30 days old.
 
-One line per run on stdout: vouched (would vouch, with ``--dry-run``, which writes nothing), already vouched, skipped
-(not published, cache off, no entry, its entry gone) or refused (a check failed). Exit status 0; 1 when a run was
-refused; 2 (one line on stderr) when no valid key is set.
+One line per run on stdout (logs go to stderr): vouched (would vouch, with ``--dry-run``, which writes nothing),
+already vouched, skipped (not published, cache off, no entry, its entry gone) or refused (a check failed). Exit
+status 0; 1 when a run was refused; 2 (one line on stderr) when no valid key is set.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from airflow_provider_vllm.core.errors import EXIT_TERMINAL, VllmBatchError
@@ -48,15 +49,24 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_TERMINAL
     filesystems = task_filesystems(args.aws_conn_id, args.gcp_conn_id)
     refused = 0
-    for uri in args.run_uri:
-        try:
-            result = vouch_run(uri, keyring, filesystems, dry_run=args.dry_run)
-        except (VllmBatchError, OSError) as e:  # a store that did not answer: nothing vouched for this run
-            print(f"{uri}: error: {str(e)[:500]}", flush=True)
-            refused += 1
-            continue
-        refused += result.outcome == "refused"
-        print(result.line(), flush=True)
+    # Airflow and the steps log to stdout; stdout carries only the report lines, so everything else goes to stderr
+    sys.stdout.flush()
+    report = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    try:
+        for uri in args.run_uri:
+            try:
+                result = vouch_run(uri, keyring, filesystems, dry_run=args.dry_run)
+            except (VllmBatchError, OSError) as e:  # a store that did not answer: nothing vouched for this run
+                print(f"{uri}: error: {str(e)[:500]}", file=report, flush=True)
+                refused += 1
+                continue
+            refused += result.outcome == "refused"
+            print(result.line(), file=report, flush=True)
+    finally:
+        sys.stdout.flush()
+        os.dup2(report.fileno(), 1)
+        report.close()
     return EXIT_REFUSED if refused else 0
 
 

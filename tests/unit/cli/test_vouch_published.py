@@ -16,26 +16,30 @@ from tests.unit.steps.cache.test_vouch_runs import cached_run, hits, vouches
 
 
 def reports(stdout: str, tmp_path) -> list[str]:
-    """The command's report lines (one per run, in order); the steps' log lines aside."""
+    """The report lines (in process, the steps' logs reach pytest's capture of stdout too)."""
     return [line for line in stdout.splitlines() if line.startswith(str(tmp_path))]
 
 
-def test_it_reports_each_run_and_exits_zero_when_none_was_refused(tmp_path, fake_engine_factory, capsys):
+def test_it_reports_each_run_and_exits_zero_when_none_was_refused(tmp_path, fake_engine_factory, capfd):
     published = cached_run(tmp_path, fake_engine_factory, "a")
     merged_only = cached_run(tmp_path, fake_engine_factory, "b", publish=False)
     before = files_under(tmp_path / "cache")
-    capsys.readouterr()
+    capfd.readouterr()
     assert vouch_published.main([str(published), str(merged_only), "--dry-run"]) == 0
-    lines = reports(capsys.readouterr().out, tmp_path)
+    lines = reports(capfd.readouterr().out, tmp_path)
     assert lines[0].startswith(f"{published}: would vouch entry ") and "not published" in lines[1], lines
     assert files_under(tmp_path / "cache") == before
 
     assert vouch_published.main([str(published), str(merged_only)]) == 0
-    lines = reports(capsys.readouterr().out, tmp_path)
+    lines = reports(capfd.readouterr().out, tmp_path)
     assert lines[0].startswith(f"{published}: vouched entry ") and lines[1].startswith(f"{merged_only}: skipped")
     assert hits(tmp_path, "a") == 40 and hits(tmp_path, "b") == 0
+    capfd.readouterr()
     assert vouch_published.main([str(published)]) == 0
-    assert "already vouched" in capsys.readouterr().out
+    entry = lines[0].split()[3]
+    assert reports(capfd.readouterr().out, tmp_path) == [
+        f"{published}: already vouched entry {entry} in {tmp_path / 'cache'}"
+    ]
 
 
 def test_no_signing_key_fails_on_one_line(monkeypatch, tmp_path, capsys):
@@ -59,7 +63,8 @@ def test_it_runs_as_a_module_and_exits_non_zero_when_a_run_was_refused(tmp_path,
         cwd=ROOT,
     )
     assert p.returncode == vouch_published.EXIT_REFUSED, p.stderr[-2000:]
-    lines = reports(p.stdout, tmp_path)
+    lines = p.stdout.splitlines()  # nothing else on stdout: the logs go to stderr
+    assert len(lines) == 2, p.stdout
     assert lines[0].startswith(f"{published}: vouched entry "), p.stdout
     assert lines[1].startswith(f"{forged}: refused: {SUCCESS}") and "no seal" in lines[1], p.stdout
     assert len(vouches(tmp_path)) == 1
