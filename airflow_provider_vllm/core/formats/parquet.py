@@ -449,6 +449,24 @@ def _nano_timestamps(col: pa.ChunkedArray) -> list[NanoTimestamp | None]:
     return out
 
 
+def _dates_in_range(col: pa.ChunkedArray, name: str, faults: list[tuple[str, str] | None]) -> list[Any]:
+    """A date or timestamp column that holds a value Python's dates cannot hold (before year 1 or after 9999, which
+    Parquet, DuckDB and the plan accept): that value is None and its row an INVALID_ROW fault naming the column; the
+    other rows are read as they are (``to_pylist`` raises OverflowError for the whole batch: every retry of the shard
+    failed)."""
+    out: list[Any] = []
+    for i, v in enumerate(col):
+        try:
+            out.append(v.as_py())
+        except (OverflowError, ValueError) as e:
+            out.append(None)
+            faults[i] = faults[i] or (
+                INVALID_ROW,
+                f"column {name!r} holds a {col.type} value outside the years 1-9999 that the worker can render ({e})",
+            )
+    return out
+
+
 def _values(col: pa.ChunkedArray, name: str, faults: list[tuple[str, str] | None]) -> list[Any]:
     """``col`` as Python values. Parquet's reader does not check that strings are UTF-8: a value that is not is
     None, and its row an INVALID_ROW fault naming the column (the other rows are read as they are). A nanosecond
@@ -457,9 +475,14 @@ def _values(col: pa.ChunkedArray, name: str, faults: list[tuple[str, str] | None
         return _nano_timestamps(col)
     try:
         return col.to_pylist()
-    except UnicodeDecodeError as e:
+    except UnicodeDecodeError as e:  # before ValueError: a UnicodeDecodeError is one
         if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):  # inside a list or struct
             raise DatasetError(f"column {name!r} holds a string that is not UTF-8 ({e}); no row to name") from None
+    except (OverflowError, ValueError):
+        plain = col.type.value_type if pa.types.is_dictionary(col.type) else col.type
+        if not (pa.types.is_date(plain) or pa.types.is_timestamp(plain)):
+            raise
+        return _dates_in_range(col, name, faults)
     out: list[Any] = []
     for i, raw in enumerate(col.cast(pa.large_binary() if pa.types.is_large_string(col.type) else pa.binary())):
         b = raw.as_py()

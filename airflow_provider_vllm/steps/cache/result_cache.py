@@ -565,7 +565,8 @@ def vouch_published(
     checked (``merged.cache`` names the entry and its commit's seal), ``plan``: the sealed plan it was merged under
     (the cache folder and key config). Writes the sealed ``CacheVouch`` (``CacheStore.vouch``: atomic; a publish run
     again writes it again); the entry id vouched for, or None when the merge filed no entry (no cache, nothing
-    computed, rows skipped, or a merge summary of a version before ``commit_mac``: that entry never serves). Call it
+    computed, rows skipped, or a merge summary of a version before ``commit_mac``: that entry never serves), or when
+    that commit is no longer in the cache (swept, superseded, written again: no record is written for it). Call it
     only once the run is published (after ``_SUCCESS.json``)."""
     c = merged.cache
     if plan.cache is None or c is None or c.entry_id is None:
@@ -579,6 +580,20 @@ def vouch_published(
         )
         return None
     store = CacheStore(plan.cache.uri, spec.io.storage_options, keyring, filesystems)
+    made = store.read_commit(plan.cache.key_hash, c.entry_id)
+    if made is None or made.seal is None or made.seal.mac != c.commit_mac:
+        # a record for no commit would vouch for nothing and stay forever in the folder of records (nothing removes
+        # it), counted by every plan's bounded listing of that folder
+        log.warning(
+            "cache %s: entry %s is not vouched for: %s; its answers serve no later run",
+            plan.cache.uri,
+            c.entry_id,
+            "its commit is gone (removed by the sweep of entries not published within UNPUBLISHED_KEEP, or by a "
+            "later merge of this output)"
+            if made is None
+            else "its commit was written again since this run's merge",
+        )
+        return None
     store.vouch(plan.cache.key_hash, c.entry_id, c.commit_mac, "publish", spec.io.output_uri)
     log.info("cache %s: entry %s vouched for: it serves later runs", plan.cache.uri, c.entry_id)
     return c.entry_id

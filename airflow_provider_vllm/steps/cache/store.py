@@ -100,12 +100,15 @@ class CacheStore:
         return f"{PUBLISHED}/{khash[:32]}"
 
     # ---- reading ----------------------------------------------------------------------
-    def committed(self, khash: str, *, vouched: bool = True) -> list[CacheCommit]:
+    def committed(self, khash: str, *, vouched: bool = True, at_most: bool = False) -> list[CacheCommit]:
         """The live, sealed commits of this key config, oldest first (entries a compaction superseded left out).
 
         ``vouched`` (every reader: the plan, the dry run, compaction): only entries whose run was published (a valid
-        ``CacheVouch`` for exactly their commit); only their ``supersedes`` count. False: every sealed commit, for
-        the merge's own housekeeping (the entries of the run's earlier merges, the ones never published)."""
+        ``CacheVouch`` for exactly their commit); only their ``supersedes`` count. Only commits that have a vouch
+        record are read, so ``MAX_COMMITS`` bounds those: entries of runs not published (yet), kept up to
+        ``UNPUBLISHED_KEEP``, do not make the folder unread. False: every sealed commit, for the merge's own
+        housekeeping (the entries of the run's earlier merges, the ones never published); ``at_most``: a folder of
+        more than ``MAX_COMMITS`` commits gives the first ``MAX_COMMITS`` by name instead of none (the sweep)."""
         valid: list[CacheCommit] = []
         folder = self.commit_dir(khash)
         # others (e.g. a writer's temp file) are never a commit
@@ -116,6 +119,13 @@ class CacheStore:
             log.warning("cache: skipping every entry of %s: %s", self.st.uri(folder), e)
             return []
         names = [n for n in listed if n.endswith(".json") and _ENTRY_ID.match(n.removesuffix(".json"))]
+        unpublished = 0
+        if vouched:  # only commits with a vouch record are read: the bound counts those, never the pending ones
+            unpublished = len(names)
+            names = [n for n in names if n in vouches]
+            unpublished -= len(names)
+        elif len(names) > MAX_COMMITS and at_most:
+            names = sorted(names)[:MAX_COMMITS]  # the sweep: a bounded share each merge, never none
         if len(names) > MAX_COMMITS:
             log.warning(
                 "cache: skipping every entry of %s: it holds %d commits, more than the %d a compacted cache holds "
@@ -125,12 +135,8 @@ class CacheStore:
                 MAX_COMMITS,
             )
             return []
-        unpublished = 0
         for name in names:
             eid = name.removesuffix(".json")
-            if vouched and name not in vouches:
-                unpublished += 1  # its run is not published (yet): never read
-                continue
             c = self._read(f"{folder}/{name}", khash, eid)
             if c is None:
                 continue
@@ -311,10 +317,11 @@ class CacheStore:
     def sweep(self, khash: str, keep: str, at: datetime | None = None) -> list[str]:
         """Remove the sealed entries of this key config that no publish vouched for and whose sealed ``created`` is
         more than ``UNPUBLISHED_KEEP`` before ``at`` (their runs failed QA, were rejected or abandoned), ``keep``
-        (this merge's own) aside; the ids removed."""
+        (this merge's own) aside; the ids removed. It reads at most ``MAX_COMMITS`` commits (the first by name) of a
+        folder that holds more, so that each merge shrinks such a folder instead of reading none of it."""
         cutoff = (at or datetime.now(UTC)) - UNPUBLISHED_KEEP
         stale = []
-        for c in self.committed(khash, vouched=False):
+        for c in self.committed(khash, vouched=False, at_most=True):
             try:
                 made = datetime.fromisoformat(c.created)
             except ValueError:

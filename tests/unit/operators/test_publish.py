@@ -690,3 +690,21 @@ def test_publish_stopped_before_its_vouch_is_whole_serves_nothing_until_its_retr
     assert _hits(tmp_path, "x") == 0
     VllmPublishOperator(task_id="publish", spec=spec).execute(context())  # the task's retry
     assert _hits(tmp_path, "y") == 60
+
+
+def test_a_publish_after_its_entry_was_swept_writes_no_vouch_record(tmp_path, fake_engine_factory, caplog):
+    """An entry not published within ``UNPUBLISHED_KEEP`` is removed by a later merge's sweep; a publish after that
+    (a slow review) wrote a vouch record for the commit that was gone: it vouched for nothing and stayed in the
+    folder of records forever (nothing removes a record of an entry no longer there), counted by every plan's
+    bounded listing of that folder. It writes none now, with a warning; the run is published all the same."""
+    import shutil
+
+    spec = _cached_run(tmp_path, fake_engine_factory, "a")
+    VllmQAOperator(task_id="qa", spec=spec).execute(context())
+    (commit,) = (tmp_path / "cache" / "commits").glob("*/*.json")
+    commit.unlink()  # as CacheStore.drop removes it: the commit first, then the part
+    shutil.rmtree(tmp_path / "cache" / "entries" / commit.stem)
+    VllmPublishOperator(task_id="publish", spec=spec).execute(context())
+    assert (tmp_path / "out-a" / "_SUCCESS.json").exists()
+    assert not list((tmp_path / "cache" / "published").glob("*/*.json"))
+    assert f"entry {commit.stem} is not vouched for: its commit is gone" in caplog.text

@@ -191,6 +191,44 @@ def test_a_text_or_passthrough_value_that_is_not_utf8_is_its_rows_error_and_the_
     batch.passthrough.validate(full=True)
 
 
+def test_a_date_or_timestamp_outside_pythons_years_is_its_rows_error_and_the_others_are_read(tmp_path):
+    """Parquet, DuckDB and the plan accept a date before year 1 or a timestamp after 9999 in a template column;
+    pyarrow's to_pylist raised OverflowError for the whole batch, so every retry of the shard failed."""
+    import datetime as dt
+
+    pq.write_table(
+        pa.table(
+            {
+                "id": ["a", "b", "c"],
+                "text": ["x", "y", "z"],
+                "day": pa.array([19783, -800000, 3000000], pa.date32()),  # 2024-03-01, 222 BC, year 10183
+                "at": pa.array([0, 253402300800000000, None], pa.timestamp("us", tz="UTC")),  # 1970, year 10000
+            }
+        ),
+        tmp_path / "in.parquet",
+    )
+    spec = make_spec(
+        tmp_path / "in.parquet", tmp_path / "out", prompt={"template": "{text} {day} {at}", "text_columns": ["text"]}
+    )
+    batch = PARQUET.read_rows(Storage(str(tmp_path)), "in.parquet", Segment(file=0, start=0, count=3), spec)
+    assert batch.values["day"] == [dt.date(2024, 3, 1), None, None]
+    assert batch.values["at"] == [dt.datetime(1970, 1, 1, tzinfo=dt.UTC), None, None]
+    assert batch.faults[0] is None
+    assert batch.faults[1] is not None and batch.faults[1][0] == "INVALID_ROW" and "'day'" in batch.faults[1][1]
+    assert batch.faults[2] is not None and batch.faults[2][0] == "INVALID_ROW" and "'day'" in batch.faults[2][1]
+    faults: list = [None] * 3
+    from airflow_provider_vllm.core.formats.parquet import _values
+
+    table = pq.read_table(tmp_path / "in.parquet")
+    assert _values(table.column("at"), "at", faults)[0] == dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+    assert faults[1] == (
+        "INVALID_ROW",
+        "column 'at' holds a timestamp[us, tz=UTC] value outside the years 1-9999 that the worker can render "
+        f"({faults[1][1].split('(', 1)[1]}",
+    )
+    assert faults[0] is None and faults[2] is None
+
+
 def test_a_text_that_is_not_utf8_fails_a_plan_that_reads_every_text_naming_file_and_value(tmp_path):
     """The dedupe and the result cache read every text with DuckDB, which refuses the file: a raw
     InvalidInputException before (the plan task retried it)."""

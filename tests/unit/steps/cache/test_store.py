@@ -109,11 +109,33 @@ def test_planted_commits_are_read_no_further_than_a_commit_this_provider_writes(
     assert sum(read) < COMMIT_MAX_BYTES // 100 and f"skipping {planted}" in caplog.text
 
     monkeypatch.setattr(store_module, "MAX_COMMITS", 3)
-    for n in range(2):
+    for n in range(2):  # with a vouch record each: commits without one are never read, and not counted
         (folder / f"{n + 0xE0:032x}.json").write_text("{}")
+        (tmp_path / "cache" / "published" / KH[:32] / f"{n + 0xE0:032x}.json").write_text("{}")
     read.clear()
     assert store.committed(KH) == []
     assert read == [] and f"skipping every entry of {folder}: it holds 4 commits, more than the 3" in caplog.text
+
+
+def test_entries_of_runs_not_published_yet_neither_hide_the_published_ones_nor_escape_the_sweep(
+    store, tmp_path, monkeypatch
+):
+    """Entries no publish vouched for (yet) are kept ``UNPUBLISHED_KEEP`` and never compacted: more of them than
+    ``MAX_COMMITS`` made every plan skip every entry of the key config (the published ones too), and the sweep, which
+    read the same refused listing, removed none of them, so the folder never came back under the bound."""
+    from datetime import UTC, datetime
+
+    monkeypatch.setattr(store_module, "MAX_COMMITS", 3)
+    published = write(store, tmp_path, 1, ["k1"], "a")
+    pending = sorted(write(store, tmp_path, n, [f"k{n}"], "b", published=False) for n in range(2, 7))
+    assert [c.entry_id for c in store.committed(KH)] == [published]  # the five pending ones are not read
+    later = datetime.now(UTC) + store_module.UNPUBLISHED_KEEP + store_module.timedelta(days=1)
+    assert store.sweep(KH, keep="", at=later) == pending[:2]  # 3 read (the first by name), the published one kept
+    assert store.sweep(KH, keep="", at=later) == pending[2:4]  # each merge's sweep shrinks the folder
+    assert store.sweep(KH, keep="", at=later) == pending[4:]
+    assert store.sweep(KH, keep="", at=later) == []
+    assert sorted(os.listdir(tmp_path / "cache" / "entries")) == [published]
+    assert [c.entry_id for c in store.committed(KH)] == [published]
 
 
 def test_a_commit_folder_flooded_with_other_files_is_listed_no_further_than_its_bound(
