@@ -323,33 +323,6 @@ def test_qa_fail_pushes_the_summary_then_raises_and_publish_refuses(tmp_path, fa
     assert not (tmp_path / "out" / "_SUCCESS.json").exists()
 
 
-def test_embedding_table_task(tmp_path, fake_python):
-    """The embeddings DAG's before-publish step, on a fake embed run."""
-    import importlib.util
-
-    sys.path.insert(0, str(HERE.parents[1] / "dags"))
-    mod_spec = importlib.util.spec_from_file_location(
-        "vllm_embeddings_dag", HERE.parents[1] / "dags" / "vllm_embeddings.py"
-    )
-    mod = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(mod)
-    texts = [f"article {i}" for i in range(40)]
-    texts[7] = "refund " * 3000  # longer than the model takes: its vector covers only the start
-    write_parquet(tmp_path / "in" / "part-0.parquet", [f"t{i:04d}" for i in range(40)], texts)
-    doc = spec_doc(
-        tmp_path,
-        task="embed",
-        prompt={"system_prompt": None, "template": "{text}", "truncation": "truncate"},
-        sampling={"structured": None},
-    )
-    spec, _, _, merged = run_job(tmp_path, fake_python, doc)
-    uri = mod.embedding_table.function(spec, merged["merged_mac"])
-    table = pq.read_table(uri)
-    assert table.column_names == ["id", "vector", "model", "truncated"] and table.num_rows == 40
-    # an index builder can tell which vectors stand for only the start of their text
-    assert {r["id"] for r in table.to_pylist() if r["truncated"]} == {"t0007"}
-
-
 def _embeddings_dag():
     import importlib.util
 
@@ -362,8 +335,10 @@ def _embeddings_dag():
     return mod
 
 
-def _embed_run(tmp_path, fake_python):
-    write_parquet(tmp_path / "in" / "part-0.parquet", [f"t{i:04d}" for i in range(40)], [f"a {i}" for i in range(40)])
+def _embed_run(tmp_path, fake_python, texts=None):
+    """A fake embed run of 40 articles (``texts``); returns the spec and the merge task's value."""
+    texts = texts or [f"a {i}" for i in range(40)]
+    write_parquet(tmp_path / "in" / "part-0.parquet", [f"t{i:04d}" for i in range(40)], texts)
     doc = spec_doc(
         tmp_path,
         task="embed",
@@ -372,6 +347,19 @@ def _embed_run(tmp_path, fake_python):
     )
     spec, _, _, merged = run_job(tmp_path, fake_python, doc)
     return spec, merged
+
+
+def test_embedding_table_task(tmp_path, fake_python):
+    """The embeddings DAG's before-publish step, on a fake embed run."""
+    mod = _embeddings_dag()
+    texts = [f"article {i}" for i in range(40)]
+    texts[7] = "refund " * 3000  # longer than the model takes: its vector covers only the start
+    spec, merged = _embed_run(tmp_path, fake_python, texts)
+    uri = mod.embedding_table.function(spec, merged["merged_mac"])
+    table = pq.read_table(uri)
+    assert table.column_names == ["id", "vector", "model", "truncated"] and table.num_rows == 40
+    # an index builder can tell which vectors stand for only the start of their text
+    assert {r["id"] for r in table.to_pylist() if r["truncated"]} == {"t0007"}
 
 
 def test_the_embedding_table_reads_only_the_merge_the_merge_task_reported(tmp_path, fake_python):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -239,3 +240,17 @@ def vouch_cache(spec, filesystems=None) -> str | None:
     merged = read_merged(Storage(spec.io.output_uri, spec.io.storage_options, filesystems), keyring)
     plan = load_plan(spec, filesystems, keyring, merged=merged)
     return vouch_published(spec, plan, merged, keyring, filesystems)
+
+
+def cached_job_spec(tmp_path: Path, run: str, ids: list[str], texts: list[str], **over: Any) -> Any:
+    """A fake-model job with the result cache at ``tmp_path/cache``: ``ids``/``texts`` written to
+    ``in-<run>.parquet``, output ``out-<run>``, shards of 20 rows (``over``: more spec fields)."""
+    write_parquet(tmp_path / f"in-{run}.parquet", ids, texts)
+    return make_spec(
+        tmp_path / f"in-{run}.parquet",
+        tmp_path / f"out-{run}",
+        model={"name": "fake", "max_model_len": 1024, "revision": PINNED_REVISION},
+        cache={"uri": str(tmp_path / "cache")},
+        sharding={"target_rows": 20},
+        **over,
+    )

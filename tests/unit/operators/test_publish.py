@@ -590,18 +590,10 @@ def _cached_run(tmp_path, factory, run: str, empty=(), **over) -> dict:
     from airflow_provider_vllm.core.engine_identity import local_engine_identity
     from airflow_provider_vllm.steps.plan.planner import plan_job
     from airflow_provider_vllm.worker.shard import run_shard
-    from tests.support.data import PINNED_REVISION, make_spec, write_parquet
+    from tests.support.data import cached_job_spec
 
     texts = ["" if i in empty else t for i, t in enumerate(CACHE_TEXTS)]
-    write_parquet(tmp_path / f"in-{run}.parquet", CACHE_IDS, texts)
-    spec = make_spec(
-        tmp_path / f"in-{run}.parquet",
-        tmp_path / f"out-{run}",
-        model={"name": "fake", "max_model_len": 1024, "revision": PINNED_REVISION},
-        cache={"uri": str(tmp_path / "cache")},
-        sharding={"target_rows": 20},
-        **over,
-    )
+    spec = cached_job_spec(tmp_path, run, CACHE_IDS, texts, **over)
     for s in plan_job(spec, engine_identity=local_engine_identity()).shards:
         run_shard(shard_task(spec=spec, shard_id=s.shard_id), engine_factory=factory)
     doc = spec.model_dump(mode="json")
@@ -613,16 +605,9 @@ def _hits(tmp_path, run: str) -> int:
     """The cache hits of a run of the same texts planned now."""
     from airflow_provider_vllm.core.engine_identity import local_engine_identity
     from airflow_provider_vllm.steps.plan.planner import plan_job
-    from tests.support.data import PINNED_REVISION, make_spec, write_parquet
+    from tests.support.data import cached_job_spec
 
-    write_parquet(tmp_path / f"in-{run}.parquet", CACHE_IDS, CACHE_TEXTS)
-    spec = make_spec(
-        tmp_path / f"in-{run}.parquet",
-        tmp_path / f"out-{run}",
-        model={"name": "fake", "max_model_len": 1024, "revision": PINNED_REVISION},
-        cache={"uri": str(tmp_path / "cache")},
-        sharding={"target_rows": 20},
-    )
+    spec = cached_job_spec(tmp_path, run, CACHE_IDS, CACHE_TEXTS)
     plan = plan_job(spec, engine_identity=local_engine_identity())
     assert plan.cache is not None
     return plan.cache.hits

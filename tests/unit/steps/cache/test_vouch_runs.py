@@ -36,16 +36,9 @@ def cached_run(tmp_path: Path, factory, run: str, *, publish: bool = True, text_
     from airflow_provider_vllm.operators.qa import VllmQAOperator
     from airflow_provider_vllm.steps.plan.planner import plan_job
     from airflow_provider_vllm.worker.shard import run_shard
-    from tests.support.data import PINNED_REVISION, make_spec, write_parquet
+    from tests.support.data import cached_job_spec
 
-    write_parquet(tmp_path / f"in-{run}.parquet", IDS, texts(text_of or run))
-    spec = make_spec(
-        tmp_path / f"in-{run}.parquet",
-        tmp_path / f"out-{run}",
-        model={"name": "fake", "max_model_len": 1024, "revision": PINNED_REVISION},
-        cache={"uri": str(tmp_path / "cache")},
-        sharding={"target_rows": 20},
-    )
+    spec = cached_job_spec(tmp_path, run, IDS, texts(text_of or run))
     for s in plan_job(spec, engine_identity=local_engine_identity()).shards:
         run_shard(shard_task(spec=spec, shard_id=s.shard_id), engine_factory=factory)
     doc = spec.model_dump(mode="json")
@@ -69,17 +62,9 @@ def hits(tmp_path: Path, run: str) -> int:
     """The cache hits of a run of ``run``'s texts planned now."""
     from airflow_provider_vllm.core.engine_identity import local_engine_identity
     from airflow_provider_vllm.steps.plan.planner import plan_job
-    from tests.support.data import PINNED_REVISION, make_spec, write_parquet
+    from tests.support.data import cached_job_spec
 
-    probe = tmp_path / f"probe-{len(list(tmp_path.glob('probe-*')))}"
-    write_parquet(probe.with_suffix(".parquet"), IDS, texts(run))
-    spec = make_spec(
-        probe.with_suffix(".parquet"),
-        probe,
-        model={"name": "fake", "max_model_len": 1024, "revision": PINNED_REVISION},
-        cache={"uri": str(tmp_path / "cache")},
-        sharding={"target_rows": 20},
-    )
+    spec = cached_job_spec(tmp_path, f"probe-{len(list(tmp_path.glob('in-probe-*')))}", IDS, texts(run))
     plan = plan_job(spec, engine_identity=local_engine_identity())
     assert plan.cache is not None
     return plan.cache.hits
