@@ -273,7 +273,11 @@ class PromptSpec(_Model):
         "as 2024-03-01 14:05:00[.ffffff] (nanosecond units to the nanosecond), a timestamp with a time zone as its "
         "instant in UTC (2024-03-01 13:05:00+00:00, never the file's zone), decimals in fixed point with the "
         "column's scale (12.50). The plan refuses a Parquet template column of another type (binary, list, struct, "
-        "map, duration, ...), naming it: cast it in the input, or carry it with io.passthrough.",
+        "map, duration, ...), naming it: cast it in the input, or carry it with io.passthrough; and one whose "
+        "files give it different types (bool and int, int and double, two decimal scales, a naive and an aware "
+        "timestamp, ...: text of any width, integers of any width but uint64, a column all null in a file, and "
+        "time zones of an aware timestamp agree) or a decimal of more than 38 digits, naming the files: cast the "
+        "column to one type in every file (a decimal of more digits to a string).",
     )
     text_columns: list[str] | None = Field(
         None,

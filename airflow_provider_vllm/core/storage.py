@@ -1089,6 +1089,15 @@ def is_temp_copy(name: str, of: str) -> bool:
     return name.startswith(of) and _TEMP_SUFFIX.fullmatch(name[len(of) :]) is not None
 
 
+_TEMP_NAME = re.compile(r".+" + _TEMP_SUFFIX.pattern)
+
+
+def is_temp_name(name: str) -> bool:
+    """Whether ``name`` is a temp file that ``write_atomic`` / ``create_only`` of some file writes beside it
+    (``<name>.tmp-<32 hex>``), of whichever file (``is_temp_copy``: of one file)."""
+    return _TEMP_NAME.fullmatch(name) is not None
+
+
 def _close_and(fd: int, error: BaseException) -> int:
     os.close(fd)
     raise error

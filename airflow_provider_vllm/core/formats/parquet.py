@@ -55,6 +55,7 @@ class ParquetFormat(InputFormat):
         needed = [idc] + [c for c in row_columns(spec) if c != idc]
         runs, file_rows, group_rows = [], [], []
         first_schema = None
+        seen: dict[str, tuple[str, pa.DataType]] = {}  # template column -> the first file giving it a type, that type
         for name in names:
             md = parquet_metadata(root, name)
             schema = md.schema.to_arrow_schema()
@@ -73,6 +74,7 @@ class ParquetFormat(InputFormat):
             for c in row_columns(spec):
                 if c not in texts and c != idc and not renders(schema.field(c).type):
                     raise DatasetError(_unrendered(name, c, schema.field(c).type, c == spec.model.adapter_column))
+            _check_column_types(name, schema, [c for c in row_columns(spec) if c != idc], seen)
             if first_schema is None:
                 first_schema = schema
             elif _id_kind(id_type) != _id_kind(first_schema.field(idc).type):
@@ -148,6 +150,59 @@ def _unrendered(name: str, column: str, t: pa.DataType, adapter: bool) -> str:
         "out of prompt.template and name it in io.passthrough to carry it to the output without showing it to the "
         "model"
     )
+
+
+# A DECIMAL of more digits DuckDB reads as DOUBLE (the cache's key and the dedupe read the input with DuckDB): distinct
+# values would share one key and one prompt.
+_DUCK_DECIMAL_DIGITS = 38
+
+
+def _check_column_types(
+    name: str, schema: pa.Schema, columns: list[str], seen: dict[str, tuple[str, pa.DataType]]
+) -> None:
+    """DatasetError for a template column (or model.adapter_column) of ``name`` whose type renders other text than
+    the type an earlier file gave it (``_render_kind``), or a DECIMAL of more than 38 digits. With the result cache or
+    the dedupe the plan reads the files with DuckDB (``union_by_name``), which widens a column to one type (an int
+    and a bool file: ``1`` for ``True``; int and double: ``1.0``; two decimal scales: ``1.50``; a naive timestamp
+    beside an aware one gains ``+00:00``), and a DECIMAL over 38 digits to DOUBLE; a plain run renders each file's
+    own values. Refused always, so that a prompt never depends on those settings. A column of the null type (all
+    empty in that file) agrees with every type. ``seen``: column -> the first file giving it a type other than
+    null, and that type; updated here."""
+    for c in columns:
+        t = schema.field(c).type
+        base = t.value_type if pa.types.is_dictionary(t) else t
+        if pa.types.is_decimal(base) and base.precision > _DUCK_DECIMAL_DIGITS:
+            raise DatasetError(
+                f"input file {name}: template column {c!r} has type {t}, more than {_DUCK_DECIMAL_DIGITS} digits: the "
+                "result cache and the dedupe read it as a double, so distinct values would share one prompt; cast "
+                "the column to a string in the input"
+            )
+        if pa.types.is_null(base):
+            continue
+        if c not in seen:
+            seen[c] = (name, t)
+        elif _render_kind(seen[c][1]) != _render_kind(t):
+            first, ft = seen[c]
+            raise DatasetError(
+                f"template column {c!r} has type {ft} in input file {first} and {t} in input file {name}; files "
+                "whose types differ render other prompt text with the result cache or the dedupe (which read the "
+                "files as one type) than without; cast the column to one type in every file"
+            )
+
+
+def _render_kind(t: pa.DataType) -> Any:
+    """A template column's type as the files of one input must share it: the types whose values render the same
+    text however DuckDB widens them are one (text of any width and a dictionary of it; integers of any width and
+    sign but uint64, widened exactly to BIGINT; timestamps with a time zone, in any zone, rendered in UTC)."""
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t):
+        return "string"
+    if pa.types.is_integer(t) and not pa.types.is_uint64(t):  # with uint64 DuckDB widens to HUGEINT
+        return "integer"
+    if pa.types.is_timestamp(t) and t.tz is not None:
+        return pa.timestamp(t.unit, "UTC")
+    return t
 
 
 def _id_kind(t: pa.DataType) -> pa.DataType:

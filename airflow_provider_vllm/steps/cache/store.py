@@ -33,6 +33,7 @@ import hashlib
 import logging
 import os
 import re
+import stat
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
@@ -49,7 +50,7 @@ from airflow_provider_vllm.core.errors import CommitError, ListingTooLarge, Tran
 from airflow_provider_vllm.core.part_names import check_inside
 from airflow_provider_vllm.core.records import CacheCommit, CacheFileEntry, CacheVouch
 from airflow_provider_vllm.core.seal import Keyring
-from airflow_provider_vllm.core.storage import FileSystems, Storage
+from airflow_provider_vllm.core.storage import FileSystems, Storage, is_temp_name
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,10 @@ UNPUBLISHED_KEEP = timedelta(days=30)
 """How long an entry no publish vouched for is kept (by its commit's sealed ``created``): its run may still be in QA
 or waiting for a reviewer, and publish vouches for it then. After that a merge of its key config removes it (a run
 that failed QA or was rejected is never published); a publish later than that vouches for nothing."""
+TEMP_KEEP = timedelta(hours=1)
+"""How long a temp file of a vouch record (``<entry>.json.tmp-<32 hex>``, local cache folders: ``write_atomic``) is
+kept: a publish writes and renames it within a second; one older was left by a publish killed while writing it, and
+the sweep removes it (it counts toward ``COMMITS_LISTED`` of the folder of records)."""
 VOUCH_MAX_BYTES = 64 << 10  # a vouch record is about 600 bytes; a larger file is refused unread
 _ENTRY_ID = re.compile(r"^[0-9a-f]{32}$")
 _PART = re.compile(r"^part-\d{5}\.parquet$")
@@ -331,7 +336,37 @@ class CacheStore:
         if stale:
             self.drop(khash, stale)
             log.info("cache %s: removed %d entries no publish vouched for since %s", self.st.uri(), len(stale), cutoff)
+        self._sweep_temps(self.vouch_dir(khash), (at or datetime.now(UTC)) - TEMP_KEEP)
         return stale
+
+    def _sweep_temps(self, folder: str, cutoff: datetime) -> None:
+        """Remove the temp files of killed writers (``is_temp_name``) in ``folder`` last modified before ``cutoff``.
+        Local folders only (a write to an object store is one upload: no temp file); listed up to ``LISTING_MAX``
+        (more than ``COMMITS_LISTED``, so that a folder its readers skip for them is cleaned), else a warning."""
+        if not self.st.is_local:
+            return
+        try:
+            names = [n for n in self.st.listdir(folder) if is_temp_name(n)]
+        except FileNotFoundError:
+            return
+        except ListingTooLarge as e:
+            log.warning("cache: temp files of %s not swept: %s", self.st.uri(folder), e)
+            return
+        removed = 0
+        for n in names:
+            rel = f"{folder}/{n}"
+            try:
+                st = self.st.lstat(rel)
+                if st is None or not stat.S_ISREG(st.st_mode) or st.st_mtime >= cutoff.timestamp():
+                    continue
+                self.st.remove(rel)
+                removed += 1
+            except (OSError, CommitError) as e:  # another writer's link or folder there: left, named
+                log.warning("cache: temp file %s not swept: %s", self.st.uri(rel), str(e)[:300])
+        if removed:
+            log.info(
+                "cache %s: removed %d temp file(s) of killed writers before %s", self.st.uri(folder), removed, cutoff
+            )
 
 
 def _check(c: CacheCommit, khash: str, eid: str) -> str | None:

@@ -693,3 +693,42 @@ def test_a_publish_after_its_entry_was_swept_writes_no_vouch_record(tmp_path, fa
     assert (tmp_path / "out-a" / "_SUCCESS.json").exists()
     assert not list((tmp_path / "cache" / "published").glob("*/*.json"))
     assert f"entry {commit.stem} is not vouched for: its commit is gone" in caplog.text
+
+
+@pytest.mark.reliability
+def test_the_temp_file_of_a_publish_killed_mid_vouch_is_swept_by_a_later_merge(tmp_path, fake_engine_factory):
+    """A publish killed -9 while writing its vouch record left ``<entry>.json.tmp-<32 hex>`` in the cache's folder of
+    records for good: nothing removed it, and it counted toward the folder's bounded listing. A later merge of the key
+    config (its sweep) removes such a file once older than ``TEMP_KEEP``; a recent one (a publish writing it now) is
+    left, and the retried publish still vouches."""
+    import os
+    import subprocess
+    import sys
+    import time
+    import uuid
+    from pathlib import Path
+
+    from airflow_provider_vllm.core import faults
+
+    spec = _cached_run(tmp_path, fake_engine_factory, "a")
+    VllmQAOperator(task_id="qa", spec=spec).execute(context())
+    code = (
+        "import json, sys; from airflow_provider_vllm.operators.publish import VllmPublishOperator; "
+        "from tests.support.task_context import context; "
+        "VllmPublishOperator(task_id='publish', spec=json.loads(sys.argv[1])).execute(context())"
+    )
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, faults.ENV: "cache.mid_vouch=kill", "PYTHONPATH": str(root)}
+    p = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(spec)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert p.returncode == -9, p.stderr[-2000:]
+    (left,) = (tmp_path / "cache" / "published").glob("*/*.tmp-*")
+    old = time.time() - 2 * 86400  # two days: older than TEMP_KEEP (an hour)
+    os.utime(left, (old, old))
+    recent = left.parent / f"{'0' * 32}.json.tmp-{uuid.uuid4().hex}"
+    recent.write_bytes(b"{")
+    _cached_run(tmp_path, fake_engine_factory, "b")  # another run of the key config: its merge sweeps
+    assert not left.exists() and recent.exists()
+    VllmPublishOperator(task_id="publish", spec=spec).execute(context())  # the killed task's retry
+    assert _hits(tmp_path, "y") == 60

@@ -4,6 +4,8 @@ plan with more shards than Airflow's ``[core] max_map_length``."""
 
 from __future__ import annotations
 
+import datetime as dt
+import decimal
 import json
 import re
 
@@ -364,3 +366,89 @@ def test_a_template_column_the_worker_cannot_render_is_refused_by_the_plan(tmp_p
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob(PLAN_FILE))
     carried = make_spec(tmp_path / "in", tmp_path / "out2", io={"passthrough": ["blob"]})
     assert plan_job(carried).total_rows == 3
+
+
+# ---- template columns whose files disagree on the type ------------------------------------------
+_NAIVE = pa.array([dt.datetime(2024, 3, 1, 14, 5)], pa.timestamp("us"))
+_AWARE = pa.array([dt.datetime(2024, 3, 1, 14, 5, tzinfo=dt.UTC)], pa.timestamp("us", "UTC"))
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        (pa.array([True]), pa.array([1], pa.int64())),
+        (pa.array([1], pa.int64()), pa.array([1.0], pa.float64())),
+        (
+            pa.array([decimal.Decimal("1.5")], pa.decimal128(2, 1)),
+            pa.array([decimal.Decimal("1.50")], pa.decimal128(3, 2)),
+        ),
+        (_NAIVE, _AWARE),
+        (pa.array(["1"]), pa.array([1], pa.int64())),
+    ],
+    ids=["bool-int", "int-double", "decimal-scales", "naive-aware", "string-int"],
+)
+@pytest.mark.parametrize("dedupe", [True, False], ids=["dedupe", "plain"])
+def test_a_template_column_whose_files_disagree_on_its_type_is_refused_naming_both(tmp_path, first, second, dedupe):
+    """With the cache or the dedupe the plan read such files through DuckDB, which widened the column to one type
+    (``1`` for ``True``, ``1.0`` for ``1``, ``1.50`` for ``1.5``, ``+00:00`` on a naive timestamp), and a plain run
+    rendered each file's own values: the prompts depended on the settings. Refused whatever they are, naming the
+    column, both files and their types, before anything is written."""
+    write_parquet(tmp_path / "in" / "a.parquet", ["a"], ["x"], v=first)
+    write_parquet(tmp_path / "in" / "b.parquet", ["b"], ["y"], v=second)
+    spec = make_spec(
+        tmp_path / "in",
+        tmp_path / "out",
+        prompt={"template": "{text} {v}", "text_columns": ["text"]},
+        sharding={"dedupe": dedupe},
+    )
+    why = (
+        rf"template column 'v' has type {re.escape(str(first.type))} in input file a\.parquet and "
+        rf"{re.escape(str(second.type))} in input file b\.parquet.*cast the column to one type in every file"
+    )
+    with pytest.raises(DatasetError, match=why):
+        plan_job(spec)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob(PLAN_FILE))
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        (pa.array([1], pa.int64()), pa.array([2], pa.int64())),
+        (pa.array([1], pa.int32()), pa.array([2], pa.int64())),  # DuckDB widens to BIGINT: the same text
+        (pa.array(["x"], pa.string()), pa.array(["y"], pa.large_string())),
+        (
+            pa.array([decimal.Decimal("1.5")], pa.decimal128(2, 1)),
+            pa.array([decimal.Decimal("2.5")], pa.decimal128(2, 1)),
+        ),
+        (pa.nulls(1, pa.null()), pa.array([True])),  # a column all empty in one file agrees with any type
+        (pa.array([1.5]), pa.nulls(1, pa.null())),
+        (_AWARE, _AWARE.cast(pa.timestamp("us", "Europe/Paris"))),  # rendered as its instant in UTC either way
+    ],
+    ids=["int", "int-widths", "string-widths", "decimal", "null-bool", "double-null", "aware-zones"],
+)
+def test_template_columns_of_one_type_across_files_plan_as_before(tmp_path, first, second):
+    write_parquet(tmp_path / "in" / "a.parquet", ["a"], ["x"], v=first)
+    write_parquet(tmp_path / "in" / "b.parquet", ["b"], ["y"], v=second)
+    spec = make_spec(tmp_path / "in", tmp_path / "out", prompt={"template": "{text} {v}", "text_columns": ["text"]})
+    assert plan_job(spec).total_rows == 2
+
+
+@pytest.mark.parametrize("dedupe", [True, False], ids=["dedupe", "plain"])
+def test_a_decimal_template_column_of_more_than_38_digits_is_refused(tmp_path, dedupe):
+    """DuckDB reads a DECIMAL(40,0) as a double: with the cache or the dedupe distinct values shared one key and one
+    prompt (``1.2345678901234568e+22``). Refused, naming the file, column and type, with the way out."""
+    v = pa.array(
+        [decimal.Decimal(12345678901234567890123), decimal.Decimal(12345678901234567890124)], pa.decimal256(40, 0)
+    )
+    write_parquet(tmp_path / "in" / "a.parquet", ["a", "b"], ["x", "y"], v=v)
+    spec = make_spec(
+        tmp_path / "in",
+        tmp_path / "out",
+        prompt={"template": "{text} {v}", "text_columns": ["text"]},
+        sharding={"dedupe": dedupe},
+    )
+    with pytest.raises(
+        DatasetError,
+        match=r"input file a\.parquet: template column 'v' has type decimal256\(40, 0\).*cast the column to a string",
+    ):
+        plan_job(spec)
