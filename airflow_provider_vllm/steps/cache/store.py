@@ -74,9 +74,10 @@ UNPUBLISHED_KEEP = timedelta(days=30)
 or waiting for a reviewer, and publish vouches for it then. After that a merge of its key config removes it (a run
 that failed QA or was rejected is never published); a publish later than that vouches for nothing."""
 TEMP_KEEP = timedelta(hours=1)
-"""How long a temp file of a vouch record (``<entry>.json.tmp-<32 hex>``, local cache folders: ``write_atomic``) is
-kept: a publish writes and renames it within a second; one older was left by a publish killed while writing it, and
-the sweep removes it (it counts toward ``COMMITS_LISTED`` of the folder of records)."""
+"""How long a temp file of a vouch record or a commit (``<entry>.json.tmp-<32 hex>``, local cache folders:
+``write_atomic``, ``create_only``) is kept: a publish or merge writes and renames or links it within a second; one
+older was left by a task killed while writing it, and the sweep removes it (it counts toward ``COMMITS_LISTED`` of
+its folder)."""
 VOUCH_MAX_BYTES = 64 << 10  # a vouch record is about 600 bytes; a larger file is refused unread
 _ENTRY_ID = re.compile(r"^[0-9a-f]{32}$")
 _PART = re.compile(r"^part-\d{5}\.parquet$")
@@ -336,7 +337,9 @@ class CacheStore:
         if stale:
             self.drop(khash, stale)
             log.info("cache %s: removed %d entries no publish vouched for since %s", self.st.uri(), len(stale), cutoff)
-        self._sweep_temps(self.vouch_dir(khash), (at or datetime.now(UTC)) - TEMP_KEEP)
+        cutoff_temps = (at or datetime.now(UTC)) - TEMP_KEEP
+        self._sweep_temps(self.vouch_dir(khash), cutoff_temps)
+        self._sweep_temps(self.commit_dir(khash), cutoff_temps)  # a merge killed mid-commit (``create_only``)
         return stale
 
     def _sweep_temps(self, folder: str, cutoff: datetime) -> None:

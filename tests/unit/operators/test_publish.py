@@ -732,3 +732,24 @@ def test_the_temp_file_of_a_publish_killed_mid_vouch_is_swept_by_a_later_merge(t
     assert not left.exists() and recent.exists()
     VllmPublishOperator(task_id="publish", spec=spec).execute(context())  # the killed task's retry
     assert _hits(tmp_path, "y") == 60
+
+
+def test_a_commit_temp_file_of_a_merge_killed_mid_commit_is_swept_by_a_later_merge(tmp_path, fake_engine_factory):
+    """A merge killed -9 while creating its entry's commit (``create_only``: a temp file, then a link) leaves
+    ``<entry>.json.tmp-<32 hex>`` in ``commits/<key>/``, which counts toward the folder's bounded listing. A later
+    merge of the key config (its sweep) removes such a file once older than ``TEMP_KEEP``; a recent one (a merge
+    writing it now) is left."""
+    import os
+    import time
+    import uuid
+
+    _cached_run(tmp_path, fake_engine_factory, "a")
+    (commit,) = (tmp_path / "cache" / "commits").glob("*/*.json")
+    left = commit.parent / f"{'1' * 32}.json.tmp-{uuid.uuid4().hex}"
+    left.write_bytes(b"{")
+    old = time.time() - 2 * 86400  # two days: older than TEMP_KEEP (an hour)
+    os.utime(left, (old, old))
+    recent = commit.parent / f"{'2' * 32}.json.tmp-{uuid.uuid4().hex}"
+    recent.write_bytes(b"{")
+    _cached_run(tmp_path, fake_engine_factory, "b")  # not published before: b infers its rows and files an entry
+    assert not left.exists() and recent.exists() and commit.exists()
