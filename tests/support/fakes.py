@@ -378,3 +378,23 @@ def generate(spec, ids, params, top=None, adapter=None, weights=None) -> Generat
         return Generated(text, "length", len(ids), 1, cumulative_logprob=lp, token_logprobs=tokens)
     lp, tokens = _logprobs(spec, ids, params, text, 2, top)
     return Generated(text, "stop", len(ids), 2, cumulative_logprob=lp, token_logprobs=tokens)
+
+
+def recording(base):
+    """An engine factory like ``base`` whose engines record (decoded) every prompt sent to them in ``.prompts``."""
+    prompts: list[str] = []
+
+    def factory(spec, **kw):
+        engine = base(spec, **kw)
+        submit = engine.submit
+
+        def recorded(key, token_ids, overrides=None):
+            prompts.append(engine.tokenizer.decode(token_ids))
+            return submit(key, token_ids, overrides)
+
+        engine.submit = recorded
+        return engine
+
+    factory.made = getattr(base, "made", None)
+    factory.prompts = prompts
+    return factory

@@ -26,7 +26,6 @@ from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.steps.merge.changes import CHANGES, compute_changes
 from airflow_provider_vllm.steps.merge.merger import ERRORS, MERGED, RESULTS, read_manifest, result_parts
 from tests.support.data import (
-    PINNED_REVISION,
     make_spec,
     merge_summary,
     shard_task,
@@ -301,18 +300,12 @@ def test_a_cache_entry_whose_part_is_a_symlink_is_skipped(tmp_path, fake_engine_
     from airflow_provider_vllm.core.engine_identity import local_engine_identity
     from airflow_provider_vllm.steps.plan.planner import plan_job
     from airflow_provider_vllm.worker.shard import run_shard
-    from tests.support.data import cache_entry_id, merge, vouch_cache, write_parquet
+    from tests.support.data import cache_entry_id, cached_job_spec, merge, vouch_cache
 
     ids, texts = [f"r{i}" for i in range(12)], [f"ticket {i}" for i in range(12)]
 
     def spec(run: str):
-        write_parquet(tmp_path / f"in-{run}.parquet", ids, texts)
-        return make_spec(
-            tmp_path / f"in-{run}.parquet",
-            tmp_path / f"out-{run}",
-            model={"name": "fake", "max_model_len": 1024, "revision": PINNED_REVISION},
-            cache={"uri": str(tmp_path / "cache")},
-        )
+        return cached_job_spec(tmp_path, run, ids, texts)
 
     s1 = spec("a")
     p1 = plan_job(s1, engine_identity=local_engine_identity())

@@ -20,7 +20,7 @@ def test_shell_text_reaches_the_engine_verbatim(allowed, tmp_path, fake_engine_f
     from airflow_provider_vllm.steps.plan.planner import plan_job
     from airflow_provider_vllm.worker.shard import run_shard
     from airflow_provider_vllm.worker.task import worker_command
-    from tests.support.fakes import FakeTokenizer
+    from tests.support.fakes import recording
 
     canary = tmp_path / "pwned"
     payload = f"; touch {canary} $(touch {canary}) `touch {canary}` | sh && echo 'x' \"y\""
@@ -32,22 +32,10 @@ def test_shell_text_reaches_the_engine_verbatim(allowed, tmp_path, fake_engine_f
     doc["model"]["max_model_len"] = 4096
     spec = JobSpec.load(doc)
     plan = plan_job(spec)
-    seen = []
-    factory_engine = fake_engine_factory
-
-    def recording(s):
-        e = factory_engine(s)
-        orig = e.submit
-
-        def submit(key, ids, overrides=None):
-            seen.append(FakeTokenizer().decode(ids))
-            return orig(key, ids, overrides)
-
-        e.submit = submit
-        return e
-
+    factory = recording(fake_engine_factory)
+    seen = factory.prompts
     task = shard_task(spec=spec, shard_id=plan.shards[0].shard_id)
-    assert run_shard(task, engine_factory=recording)["ok_rows"] == 1
+    assert run_shard(task, engine_factory=factory)["ok_rows"] == 1
     assert seen == [f"<system>System {payload}\n<user>Ticket: row text {payload} {payload}\n<assistant>"]
     argv = worker_command(task)
     assert argv[1:3] == ["-m", "airflow_provider_vllm.worker"] and len(argv) == 4

@@ -702,7 +702,7 @@ def test_date_timestamptz_and_decimal_template_columns_are_answered(tmp_path, fa
 
     import pyarrow as pa
 
-    from tests.support.fakes import FakeTokenizer
+    from tests.support.fakes import recording
 
     n = 24
     write_parquet(
@@ -721,20 +721,9 @@ def test_date_timestamptz_and_decimal_template_columns_are_answered(tmp_path, fa
         tmp_path / "out",
         prompt={"template": "Ticket: {text} due {due} opened {opened} amount {amount}", "text_columns": ["text"]},
     )
-    seen = []
-
-    def recording(s, **kw):
-        e = fake_engine_factory(s, **kw)
-        orig = e.submit
-
-        def submit(key, ids, overrides=None):
-            seen.append(FakeTokenizer().decode(ids))
-            return orig(key, ids, overrides)
-
-        e.submit = submit
-        return e
-
-    plan, manifests = run_all(spec, recording)
+    factory = recording(fake_engine_factory)
+    seen = factory.prompts
+    plan, manifests = run_all(spec, factory)
     assert all(m["status"] == "committed" for m in manifests)
     summary = merge(spec).dump()
     res, err = read_out(tmp_path / "out")

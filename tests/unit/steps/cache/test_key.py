@@ -39,7 +39,7 @@ from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.worker.engine import engine_kwargs
 from airflow_provider_vllm.worker.prompts import PromptBuilder
 from tests.support.data import PINNED_REVISION, make_spec, write_parquet
-from tests.support.fakes import FakeTokenizer
+from tests.support.fakes import FakeTokenizer, recording
 
 KHASH = "h" * 64
 OTHER_SHA = "fedcba9876543210fedcba9876543210fedcba98"
@@ -656,26 +656,6 @@ def test_a_float_column_re_exported_as_double_gets_no_hit_and_another_prompt(tmp
     assert any("(score 0.10000000149011612)" in p for p in seen1) and any("(score 0.1)" in p for p in seen2)
     p3, _, seen3 = run("c", pa.float32())  # float again: every row a hit, nothing inferred
     assert p3.cache.hits == 12 and seen3 == []
-
-
-def recording(base):
-    """An engine factory like ``base`` whose engines record (decoded) every prompt sent to them in ``.prompts``."""
-    prompts: list[str] = []
-
-    def factory(spec, **kw):
-        engine = base(spec, **kw)
-        submit = engine.submit
-
-        def recorded(key, token_ids, overrides=None):
-            submit(key, token_ids, overrides)
-            prompts.append(engine.tokenizer.decode(token_ids))
-
-        engine.submit = recorded
-        return engine
-
-    factory.made = base.made
-    factory.prompts = prompts
-    return factory
 
 
 def test_the_plan_keys_each_column_type_of_the_input_it_reads(tmp_path):
