@@ -4,10 +4,15 @@ QA 'pass' -> approved without asking; 'warn' -> the task waits (Airflow 3.3: sta
 ``awaiting_input``) until a person chooses *Approve* (publish runs) or *Reject* (this task
 fails, so the run fails and nothing is published); 'fail' -> QA has already failed the run,
 and this task fails too if it is ever reached.
+
+The verdict decided on, and what the person is shown, are QA's sealed verdict (``qa/_QA.json``, checked with the
+deployment's key) and the ``report.json`` it names, read from the run's output: never the QA task's XCom alone,
+which whoever may write XCom (the REST API's XCom endpoints) can change after QA wrote it.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -16,12 +21,20 @@ from airflow.providers.standard.exceptions import HITLRejectException, HITLTimeo
 from airflow.providers.standard.operators.hitl import ApprovalOperator
 from airflow.sdk.exceptions import AirflowFailException
 
+from airflow_provider_vllm.core.errors import CommitError
+from airflow_provider_vllm.core.records import QARecord
+from airflow_provider_vllm.core.storage import Storage
+from airflow_provider_vllm.hooks.filesystems import task_filesystems
 from airflow_provider_vllm.links.report import VllmQAReportLink, base_url, report_url
+from airflow_provider_vllm.steps.qa.store import QA_RECORD, read_qa, read_verified
+from airflow_provider_vllm.utils.deployment import check_spec_allowed, signing_keyring
+from airflow_provider_vllm.utils.job_spec import data_plane_errors, load_spec
 
 SUBJECT = "Publish this batch run? QA needs review"
 # the seal of the QA verdict a person is asked about, kept in this task's XCom while it waits (Airflow keeps a
 # waiting task's XComs when it resumes, and re-renders ``qa_result``, which may name a later QA by then)
 REVIEWED = "reviewed_record_mac"
+RERUN_QA = "run the QA task again (it writes and seals qa/_QA.json), then review"
 
 
 def parse_flag(value: Any, name: str) -> bool:
@@ -93,7 +106,11 @@ def review_body(qa_result: Mapping[str, Any], report_link: str | None = None) ->
 class VllmQAReviewOperator(ApprovalOperator):
     """Ask a person to approve publication when QA lands between its warn and fail thresholds.
 
-    :param qa_result: the QA task's XCom (``qa_summary``: status, summary, checks, report).
+    :param spec: the job spec as the plan task pushed it (templated; ``vllm_batch_job`` passes the plan task's
+        ``spec`` XCom, as it does to publish): where the run's sealed QA verdict lies.
+    :param qa_result: the QA task's XCom (``qa_summary``): its ``record_mac`` names the sealed verdict that task
+        wrote; the verdict in the run's folder must be that one and say the same status (else the task fails
+        without retry). The status decided on and the checks shown come from the sealed verdict and its report.
     :param qa_task_id: the QA task, for the report link shown to the approver.
     :param response_timeout: how long a 'warn' waits (Airflow's HITL timeout, enforced by the
         scheduler); without an answer the task fails and nothing is published. No default option
@@ -107,45 +124,102 @@ class VllmQAReviewOperator(ApprovalOperator):
     pass, else the HITL response (chosen option, who, when) and ``record_mac``. *Reject* raises an
     ``AirflowFailException`` naming who rejected (not retried). ``record_mac`` is the seal of the QA verdict that
     was approved (``qa_result``'s, as it was when the person was asked): publish takes no other verdict.
+
+    ``aws_conn_id`` / ``gcp_conn_id``: the Airflow Connections through which this task reads ``s3://`` / ``gs://``
+    outputs (as publish's; None: ``[vllm_batch] aws_conn_id`` / ``gcp_conn_id``).
     """
 
-    template_fields: Sequence[str] = (*ApprovalOperator.template_fields, "qa_result", "ask")
-    template_fields_renderers = {"qa_result": "json", "body": "markdown"}
+    template_fields: Sequence[str] = (*ApprovalOperator.template_fields, "spec", "qa_result", "ask")
+    template_fields_renderers = {"spec": "json", "qa_result": "json", "body": "markdown"}
     operator_extra_links = (VllmQAReportLink(),)
     ui_color = "#fff4d6"
 
     def __init__(
         self,
         *,
+        spec: Any,
         qa_result: Any,
         qa_task_id: str | None = None,
         ask: bool | str = True,
         subject: str = SUBJECT,
+        aws_conn_id: str | None = None,
+        gcp_conn_id: str | None = None,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("retries", 0)  # a retry would ask the person again
         super().__init__(subject=subject, fail_on_reject=True, **kwargs)
+        self.spec = spec
         self.qa_result = qa_result
         self.qa_task_id = qa_task_id
         self.ask = ask
+        self.aws_conn_id = aws_conn_id
+        self.gcp_conn_id = gcp_conn_id
 
     def execute(self, context: Any) -> Any:
         qa = self.qa_result if isinstance(self.qa_result, Mapping) else {}
-        status, mac = qa.get("status"), qa.get("record_mac")
-        if status == "pass":
-            self.log.info("QA passed (%s): publishing without review", qa.get("summary"))
-            return {"approved": True, "asked": False, "qa_status": status, "record_mac": mac}
-        if status != "warn":
-            raise AirflowFailException(f"review: QA status is {status!r}, not 'pass' or 'warn'; not publishing")
-        if not parse_flag(self.ask, "ask"):
-            self.log.warning("QA warned (%s); review is off: publishing without asking", qa.get("summary"))
-            return {"approved": True, "asked": False, "qa_status": status, "record_mac": mac}
+        spec = load_spec(self.spec, "review")
+        check_spec_allowed(spec, "review")  # the spec came through XCom: the deployment's rules again
+        out = Storage(spec.io.output_uri, spec.io.storage_options, task_filesystems(self.aws_conn_id, self.gcp_conn_id))
+        with data_plane_errors("review"):
+            record = self._sealed_verdict(out, qa)
+            status, mac = record.status, record.seal.mac if record.seal is not None else None
+            if status == "pass":
+                self.log.info("QA passed (%s): publishing without review", record.summary)
+                return {"approved": True, "asked": False, "qa_status": status, "record_mac": mac}
+            if status != "warn":
+                raise AirflowFailException(f"review: QA status is {status!r}, not 'pass' or 'warn'; not publishing")
+            if not parse_flag(self.ask, "ask"):
+                self.log.warning("QA warned (%s); review is off: publishing without asking", record.summary)
+                return {"approved": True, "asked": False, "qa_status": status, "record_mac": mac}
+            shown = self._sealed_report(out, record)
         ti = context["ti"]
         ti.xcom_push(key=REVIEWED, value=mac)  # the verdict this person is shown: what an approval approves
         link = report_url(ti.dag_id, ti.run_id, self.qa_task_id, base_url=base_url()) if self.qa_task_id else None
-        self.body = review_body(qa, link)
-        self.log.info("QA warned (%s): waiting for a person to approve or reject publication", qa.get("summary"))
+        self.body = review_body(shown, link)
+        self.log.info("QA warned (%s): waiting for a person to approve or reject publication", record.summary)
         return super().execute(context)
+
+    def _sealed_verdict(self, out: Storage, qa: Mapping[str, Any]) -> QARecord:
+        """The run's sealed QA verdict, which must be the one the QA task wrote (``qa_result``'s ``record_mac``) and
+        say the status that task's result says; AirflowFailException (no retry) naming the file otherwise."""
+        where = out.uri(QA_RECORD)
+        try:
+            record = read_qa(out, signing_keyring())
+        except FileNotFoundError:
+            raise AirflowFailException(f"review: no sealed QA verdict {where}; {RERUN_QA}") from None
+        except CommitError as e:  # SealError included: not this deployment's QA, or not for this run's folder
+            raise AirflowFailException(f"review: {e}; {RERUN_QA}") from None
+        except ValueError as e:  # pydantic's ValidationError is a ValueError
+            raise AirflowFailException(f"review: {where} is not a QA record: {e}") from None
+        told = qa.get("record_mac")
+        if not told or record.seal is None or record.seal.mac != told:
+            raise AirflowFailException(
+                f"review: {where} is not the verdict this run's QA task wrote"
+                + ("" if told else " (its result names none: QA of an earlier version, or no QA result)")
+                + f"; {RERUN_QA}"
+            )
+        if qa.get("status") != record.status:
+            # the result in XCom was changed after QA wrote it: decide on nothing it says
+            raise AirflowFailException(
+                f"review: the QA task's result says {qa.get('status')!r}, but its sealed verdict {where} is "
+                f"{record.status!r} (the result was changed after QA wrote it); {RERUN_QA}"
+            )
+        return record
+
+    def _sealed_report(self, out: Storage, record: QARecord) -> dict[str, Any]:
+        """What the person is shown: the summary and checks of the ``report.json`` the sealed verdict names (its
+        bytes checked), and where the report is."""
+        try:
+            report = json.loads(read_verified(out, record.files["report_json"]))
+        except (CommitError, FileNotFoundError, ValueError) as e:
+            raise AirflowFailException(f"review: {e}; {RERUN_QA}") from None
+        if not isinstance(report, Mapping):
+            raise AirflowFailException(f"review: {out.uri(record.files['report_json'].path)} is not a QA report")
+        return {
+            "summary": record.summary,
+            "checks": [c for c in report.get("checks") or [] if isinstance(c, Mapping)],
+            "report_html": out.uri(record.files["report_html"].path),
+        }
 
     def execute_complete(self, context: Any, event: dict[str, Any]) -> Any:
         try:

@@ -278,11 +278,13 @@ def vllm_batch_job(
         if human_review is not False:
             gate = VllmQAReviewOperator(
                 task_id="review",
+                spec=job,  # where the sealed verdict lies: what the person is shown and what is decided on
                 qa_result=qa.output,
                 qa_task_id=qa.task_id,
                 ask=human_review,
                 response_timeout=review_timeout,
                 notifiers=review_notifiers,
+                **conns,
             )
             qa >> gate
         publish = VllmPublishOperator(

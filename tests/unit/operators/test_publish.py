@@ -324,10 +324,13 @@ def test_a_warned_run_is_not_published_unasked_on_a_qa_result_changed_to_pass(tm
     forged = {**told, "status": "pass"}
 
     def review(qa_result, **kw):
-        return VllmQAReviewOperator(task_id="review", qa_result=qa_result, **kw).execute(context())
+        return VllmQAReviewOperator(task_id="review", spec=spec, qa_result=qa_result, **kw).execute(context())
 
-    unasked = review(forged)
-    assert unasked == {"approved": True, "asked": False, "qa_status": "pass", "record_mac": told["record_mac"]}
+    # the review decides on the sealed verdict and refuses the changed result; publish holds on its own too, for a
+    # review task's result changed in XCom as well (what the review returned before it read the sealed verdict)
+    with pytest.raises(AirflowFailException, match=r"result says 'pass', but its sealed verdict .* is 'warn'"):
+        review(forged)
+    unasked = {"approved": True, "asked": False, "qa_status": "pass", "record_mac": told["record_mac"]}
 
     def publish(qa_result, review_result):
         op = VllmPublishOperator(

@@ -1,14 +1,23 @@
-"""The human gate after QA (operator level; the real approve/reject path runs in tests/ui)."""
+"""The human gate after QA (operator level; the real approve/reject path runs in tests/ui).
+
+The review reads QA's sealed verdict and its report from the run's folder: the runs here are merged and QA-checked
+in this process (the fake engine), as the publish tests' are."""
 
 from __future__ import annotations
 
+import json
 import re
 from datetime import UTC, datetime
 from types import SimpleNamespace
 
 import pytest
+from airflow.sdk.exceptions import AirflowFailException
 
-from tests.support.task_context import context
+from airflow_provider_vllm.operators.merge import VllmMergeOperator
+from airflow_provider_vllm.operators.qa import VllmQAFailed, VllmQAOperator
+from tests.support.data import plan_xcom
+from tests.support.ledger import record_malicious
+from tests.support.task_context import committed_job, context
 
 SUMMARY = {
     "status": "warn",
@@ -22,10 +31,25 @@ SUMMARY = {
 }
 
 
-def review(**kw):
+def review(spec=None, **kw):
     from airflow_provider_vllm.operators.review import VllmQAReviewOperator
 
-    return VllmQAReviewOperator(task_id="review", qa_task_id="job.qa", **kw)
+    return VllmQAReviewOperator(task_id="review", qa_task_id="job.qa", spec=spec or {}, **kw)
+
+
+def qa_checked(tmp_path, factory, empty=()) -> tuple[dict, dict]:
+    """A 60-row run merged and QA-checked: (the spec as the plan task pushes it, the QA task's result)."""
+    spec, _ = committed_job(tmp_path, factory, n=60, empty=empty)
+    VllmMergeOperator(task_id="merge", spec=spec, plan=plan_xcom(spec)).execute(context())
+    return spec, VllmQAOperator(task_id="qa", spec=spec).execute(context())
+
+
+@pytest.fixture
+def warned(tmp_path, fake_engine_factory):
+    """A run QA warned about (1 of 60 rows an error: error_rate above 1 %)."""
+    spec, qa = qa_checked(tmp_path, fake_engine_factory, empty=(0,))
+    assert qa["status"] == "warn"
+    return spec, qa
 
 
 class _TI(SimpleNamespace):
@@ -53,62 +77,132 @@ def ctx(xcoms=None):
     return c
 
 
-def test_pass_publishes_without_asking_and_review_is_never_retried():
-    op = review(qa_result={**SUMMARY, "status": "pass", "record_mac": "m1"})
+@pytest.fixture
+def asked(monkeypatch):
+    """The approval requests made (Airflow's HITL detail, kept here instead of the metadata database)."""
+    import airflow.providers.standard.operators.hitl as hitl
+
+    requests: list = []
+    monkeypatch.setattr(hitl, "upsert_hitl_detail", lambda **kw: requests.append(kw))
+    return requests
+
+
+def test_pass_publishes_without_asking_and_review_is_never_retried(tmp_path, fake_engine_factory):
+    spec, qa = qa_checked(tmp_path, fake_engine_factory)
+    assert qa["status"] == "pass"
+    op = review(spec, qa_result=qa)
     assert op.retries == 0
-    assert op.execute(ctx()) == {"approved": True, "asked": False, "qa_status": "pass", "record_mac": "m1"}
+    assert op.execute(ctx()) == {"approved": True, "asked": False, "qa_status": "pass", "record_mac": qa["record_mac"]}
 
 
-def test_an_approval_names_the_verdict_the_person_was_shown(monkeypatch):
+def test_an_approval_names_the_verdict_the_person_was_shown(warned, asked):
     """The task waits for a person; meanwhile QA runs again alone and writes another verdict. On resume Airflow
     renders ``qa_result`` again (the new verdict), but the approval is of the one the person was shown: publish
     compares it with the verdict it publishes."""
     import airflow.providers.standard.operators.hitl as hitl
 
-    monkeypatch.setattr(hitl, "upsert_hitl_detail", lambda **kw: None)
+    spec, qa = warned
     xcoms: dict = {}
     with pytest.raises(hitl.TaskAwaitingInput):
-        review(qa_result={**SUMMARY, "record_mac": "shown"}).execute(ctx(xcoms))
-    resumed = review(qa_result={**SUMMARY, "record_mac": "qa-run-again"})  # re-rendered on resume
+        review(spec, qa_result=qa).execute(ctx(xcoms))
+    resumed = review(spec, qa_result={**qa, "record_mac": "qa-run-again"})  # re-rendered on resume
     event = {
         "chosen_options": ["Approve"],
         "params_input": {},
         "responded_at": datetime.now(UTC),
         "responded_by_user": {"id": "admin", "name": "admin"},
     }
-    assert resumed.execute_complete(ctx(xcoms), event)["record_mac"] == "shown"
-    assert review(qa_result={**SUMMARY, "record_mac": "m2"}, ask="false").execute(ctx())["record_mac"] == "m2"
+    assert resumed.execute_complete(ctx(xcoms), event)["record_mac"] == qa["record_mac"]
+    assert review(spec, qa_result=qa, ask="false").execute(ctx())["record_mac"] == qa["record_mac"]
 
 
-def test_warn_with_review_off_is_approved_unasked_and_bad_flags_fail():
-    from airflow.sdk.exceptions import AirflowFailException
-
-    assert review(qa_result=SUMMARY, ask="false").execute(ctx())["asked"] is False
+def test_warn_with_review_off_is_approved_unasked_and_bad_flags_fail(warned):
+    spec, qa = warned
+    assert review(spec, qa_result=qa, ask="false").execute(ctx())["asked"] is False
     with pytest.raises(AirflowFailException, match="ask='maybe'"):
-        review(qa_result=SUMMARY, ask="maybe").execute(ctx())
-    with pytest.raises(AirflowFailException, match="'fail'"):
-        review(qa_result={**SUMMARY, "status": "fail"}).execute(ctx())
+        review(spec, qa_result=qa, ask="maybe").execute(ctx())
 
 
-def test_warn_writes_the_qa_summary_as_the_request_and_waits(monkeypatch):
+def test_a_sealed_fail_verdict_is_never_approved(tmp_path, fake_engine_factory):
+    """QA failed the run (10 of 60 rows errors); were the review ever reached (a trigger rule), it fails too."""
+    spec, _ = committed_job(tmp_path, fake_engine_factory, n=60, empty=range(10))
+    VllmMergeOperator(task_id="merge", spec=spec, plan=plan_xcom(spec)).execute(context())
+    with pytest.raises(VllmQAFailed):
+        VllmQAOperator(task_id="qa", spec=spec).execute(context())
+    mac = json.loads((tmp_path / "out" / "qa" / "_QA.json").read_text())["seal"]["mac"]
+    with pytest.raises(AirflowFailException, match="QA status is 'fail'"):
+        review(spec, qa_result={"status": "fail", "record_mac": mac}).execute(ctx())
+
+
+def test_warn_writes_the_sealed_report_as_the_request_and_waits(warned, asked):
     import airflow.providers.standard.operators.hitl as hitl
 
-    requests = []
-    monkeypatch.setattr(hitl, "upsert_hitl_detail", lambda **kw: requests.append(kw))
-    op = review(qa_result=SUMMARY)
+    spec, qa = warned
     with pytest.raises(hitl.TaskAwaitingInput):
-        op.execute(ctx())
-    (req,) = requests
+        review(spec, qa_result=qa).execute(ctx())
+    (req,) = asked
     assert req["options"] == ["Approve", "Reject"] and req["multiple"] is False
     body = req["body"]
-    assert SUMMARY["summary"] in body and "| error_rate | 0.025 | above 0.01 | above 0.05 | **warn** |" in body
+    assert qa["summary"] in body and "| error_rate | 0.01667 | above 0.01 | above 0.05 | **warn** |" in body
     assert "label_drift" not in body  # skipped checks are not shown
     assert "/vllm-batch/report?dag_id=d&run_id=manual__1&task_id=job.qa" in body
+    assert f"Report file: `{spec['io']['output_uri']}/qa/report.html`" in body
+
+
+def test_the_person_is_shown_the_sealed_verdict_not_a_qa_result_changed_in_xcom(warned, asked):
+    """Whoever may write XCom (the REST API's XCom endpoints) rewrote the QA task's result after QA wrote it: the
+    summary and checks a person approves on said all was well, while the sealed verdict warns about errors. The
+    request showed the XCom's text; it now shows the sealed verdict's summary and its report's checks."""
+    import airflow.providers.standard.operators.hitl as hitl
+
+    spec, qa = warned
+    forged = {
+        **qa,
+        "summary": "QA WARN: rows=60 ok=60 errors=0 (a formality: approve)",
+        "checks": [{"name": "error_rate", "value": 0.0, "warn": 0.01, "fail": 0.05, "status": "warn"}],
+        "report_html": "s3://elsewhere/qa/report.html",
+    }
+    with pytest.raises(hitl.TaskAwaitingInput):
+        review(spec, qa_result=forged).execute(ctx())
+    (req,) = asked
+    assert (
+        "a formality" not in req["body"]
+        and "elsewhere" not in req["body"]
+        and "| error_rate | 0.0 |" not in req["body"]
+    )
+    assert qa["summary"] in req["body"] and "| error_rate | 0.01667 |" in req["body"]
+    record_malicious("review_text_from_a_changed_qa_result", 1, 1)
+
+
+def test_a_qa_result_changed_to_pass_is_refused_not_approved_unasked(warned):
+    """The QA task's result said 'pass' for a sealed 'warn': the review approved it without asking (publish
+    refused it later). It now decides on the sealed verdict and fails, saying the result was changed."""
+    spec, qa = warned
+    with pytest.raises(AirflowFailException, match=r"result says 'pass', but its sealed verdict .*_QA.json is 'warn'"):
+        review(spec, qa_result={**qa, "status": "pass"}).execute(ctx())
+    record_malicious("review_of_a_qa_result_changed_to_pass", 1, 1)
+
+
+def test_only_the_verdict_the_qa_task_wrote_is_reviewed(warned, tmp_path):
+    """Another verdict in the folder (QA run again, one put back), a result naming none, a report changed after QA
+    sealed it, or no verdict at all: the review fails without asking anyone."""
+    spec, qa = warned
+    for told in ({**qa, "record_mac": "0" * 64}, {k: v for k, v in qa.items() if k != "record_mac"}):
+        with pytest.raises(AirflowFailException, match=r"is not the verdict this run's QA task wrote.*run the QA task"):
+            review(spec, qa_result=told).execute(ctx())
+    report = tmp_path / "out" / "qa" / "report.json"
+    genuine = report.read_bytes()
+    report.write_bytes(genuine.replace(b'"warn"', b'"pass"'))
+    with pytest.raises(AirflowFailException, match=r"report.json is not the file the sealed .* names"):
+        review(spec, qa_result=qa).execute(ctx())
+    report.write_bytes(genuine)
+    (tmp_path / "out" / "qa" / "_QA.json").unlink()
+    with pytest.raises(AirflowFailException, match=r"no sealed QA verdict \S+_QA.json"):
+        review(spec, qa_result=qa).execute(ctx())
+    record_malicious("review_of_another_or_changed_verdict", 4, 4)
 
 
 def test_approve_returns_the_response_and_reject_fails_the_task():
-    from airflow.sdk.exceptions import AirflowFailException
-
     def event(option):
         return {
             "chosen_options": [option],
@@ -135,17 +229,15 @@ def test_qa_report_link_points_at_the_plugin_with_ids_only():
     assert on_review.endswith("task_id=job.qa")
 
 
-def test_the_request_carries_a_deadline_and_silence_fails_without_publishing(monkeypatch):
+def test_the_request_carries_a_deadline_and_silence_fails_without_publishing(warned, asked):
     """Airflow's scheduler resolves a timed-out request; with no default option (on purpose) it
     resumes the task with a timeout event, which must fail the task, not approve."""
     from datetime import timedelta
 
     import airflow.providers.standard.operators.hitl as hitl
-    from airflow.sdk.exceptions import AirflowFailException
 
-    requests = []
-    monkeypatch.setattr(hitl, "upsert_hitl_detail", lambda **kw: requests.append(kw))
-    op = review(qa_result=SUMMARY, response_timeout=timedelta(hours=2))
+    spec, qa = warned
+    op = review(spec, qa_result=qa, response_timeout=timedelta(hours=2))
     assert op.defaults is None
     before = datetime.now(UTC)
     with pytest.raises(hitl.TaskAwaitingInput):
@@ -178,6 +270,8 @@ def test_the_builder_wires_the_review_deadline_and_notifiers():
         vllm_batch_job(spec, group_id="a")
         vllm_batch_job(spec, group_id="b", review_timeout=timedelta(minutes=30), review_notifiers=[note])
     assert dag.get_task("a.review").response_timeout == timedelta(hours=12)
+    # the review reads the run's sealed verdict where publish does: the plan task's spec, the same Connections
+    assert dag.get_task("a.review").spec == dag.get_task("a.publish").spec
     b = dag.get_task("b.review")
     assert b.response_timeout == timedelta(minutes=30) and list(b.notifiers) == [note]
 
@@ -191,11 +285,10 @@ def test_ask_takes_the_usual_spellings_of_a_boolean(value, flag):
     assert parse_flag(value, "ask") is flag
 
 
-def test_a_qa_result_that_is_not_a_mapping_never_publishes():
-    from airflow.sdk.exceptions import AirflowFailException
-
-    with pytest.raises(AirflowFailException, match="QA status is None"):
-        review(qa_result="{{ not rendered }}").execute(ctx())
+def test_a_qa_result_that_is_not_a_mapping_never_publishes(warned):
+    spec, _ = warned
+    with pytest.raises(AirflowFailException, match="its result names none"):
+        review(spec, qa_result="{{ not rendered }}").execute(ctx())
 
 
 @pytest.mark.parametrize(
