@@ -56,47 +56,24 @@ def embedding_table(spec: dict[str, Any], merged_mac: str | None = None) -> str:
 
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from airflow.sdk import get_current_context
-    from airflow.sdk.exceptions import AirflowFailException
 
-    from airflow_provider_vllm.core.errors import CommitError
     from airflow_provider_vllm.core.rows import RESULT_SCHEMA
-    from airflow_provider_vllm.core.spec import JobSpec
-    from airflow_provider_vllm.core.storage import CheckedCopies, Storage, copies_folder
-    from airflow_provider_vllm.hooks.filesystems import task_filesystems
-    from airflow_provider_vllm.steps.merge.merger import MERGED, RESULTS, checked_parts, read_merged
-    from airflow_provider_vllm.utils.deployment import signing_keyring
+    from airflow_provider_vllm.core.storage import copies_folder
+    from airflow_provider_vllm.utils.merged_run import merged_parts
 
-    if merged_mac is None:
-        ti = get_current_context()["ti"]
-        merge_task = ti.task_id.rpartition(".")[0] + ".merge" if "." in ti.task_id else "merge"
-        told = ti.xcom_pull(task_ids=merge_task)
-        merged_mac = told.get("merged_mac") if isinstance(told, dict) else None
-        if not merged_mac:
-            raise AirflowFailException(f"embedding_table: the merge task {merge_task!r} reported no merged run")
-    job = JobSpec.load(spec)
-    # object stores through the deployment's Connections ([vllm_batch] aws_conn_id / gcp_conn_id)
-    out = Storage(job.io.output_uri, job.io.storage_options, task_filesystems())
-    merged = read_merged(out, signing_keyring())
-    if merged.seal is None or merged.seal.mac != merged_mac:
-        raise CommitError(
-            f"{out.uri(MERGED)} is not the merge the merge task reported (another sealed merge of the folder put "
-            "back): no embedding table is built from it"
-        )
     sch = RESULT_SCHEMA
     columns = ["id", "embedding", "model", "truncated"]
     schema = pa.schema([sch.field(c).with_name("vector") if c == "embedding" else sch.field(c) for c in columns])
-    with copies_folder("embeddings") as tmp:
+    # the parts of the merge this run's merge task reported, as checked local copies (an empty run: one empty part)
+    with merged_parts(spec, merged_mac) as run, copies_folder("embeddings") as tmp:
         local = os.path.join(tmp, "embeddings.parquet")
-        parts = checked_parts(out, RESULTS, merged, CheckedCopies(out, tmp))
         with pq.ParquetWriter(local, schema, compression="zstd") as writer:
-            # the parts the sealed merge names, as checked (an empty run: one empty part)
-            for path in parts:
+            for path in run.paths:
                 for batch in pq.ParquetFile(path).iter_batches(columns=columns, batch_size=8192):
                     writer.write_batch(batch.rename_columns(schema.names))
         with open(local, "rb") as fh:
-            out.write_atomic(TABLE, fh.read())
-    return out.uri(TABLE)
+            run.output.write_atomic(TABLE, fh.read())
+    return run.output.uri(TABLE)
 
 
 with DAG(

@@ -8,4 +8,5 @@
 * ``pod_spec``: the ``kubernetes.client`` objects of a shard's pod.
 * ``worker_outcome``: a finished worker's exit code and manifest -> the task's result or exception.
 * ``openlineage_facets``: lineage facts -> OpenLineage datasets (imported lazily).
+* ``merged_run``: the merged run a step between QA and publish reads (checked copies of the reported merge's parts).
 """

@@ -364,11 +364,11 @@ def test_embedding_table_task(tmp_path, fake_python):
 
 def test_the_embedding_table_reads_only_the_merge_the_merge_task_reported(tmp_path, fake_python):
     """Another sealed _MERGED.json of the folder (an earlier merge put back) builds no table; the merge task's does."""
-    from airflow_provider_vllm.core.errors import CommitError
+    from airflow.sdk.exceptions import AirflowFailException
 
     mod = _embeddings_dag()
     spec, merged = _embed_run(tmp_path, fake_python)
-    with pytest.raises(CommitError, match="not the merge the merge task reported"):
+    with pytest.raises(AirflowFailException, match="not the merge the merge task reported"):  # and not retried
         mod.embedding_table.function(spec, "0" * 64)
     assert not (tmp_path / "out" / "embeddings").exists()
     assert pq.read_table(mod.embedding_table.function(spec, merged["merged_mac"])).num_rows == 40
