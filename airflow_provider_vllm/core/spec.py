@@ -712,7 +712,9 @@ class QASpec(_Model):
         description="A drop in accuracy since the previous report (previous_report_uri) that the 95% interval of "
         "the change calls real (the whole interval below 0) and larger than this: warn. 0: any real drop warns. Each "
         "source of known labels is compared with the same source of the previous report (and all of them pooled, when "
-        "both reports have the same sources); the check is the worst.",
+        "both reports have the same sources), only on the same yardstick: a golden set changed since is compared on "
+        "the ids both sets share with the same label (paired), or, when none can be paired, not compared (a warning "
+        "naming both); the check is the worst.",
     )
     fail_accuracy_drop: float = Field(
         0.05, ge=0, le=1, description="As warn_accuracy_drop, failing the run (a real drop of more than 5 points)."

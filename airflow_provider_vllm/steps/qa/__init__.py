@@ -6,6 +6,8 @@
 * ``metrics_stream``: the same metrics from DuckDB aggregates over the files (outputs too large to load).
 * ``accuracy``: classification quality from (known, predicted) counts: accuracy with its Wilson
   interval, per-class figures, macro-F1, the confusion cells, the change against an earlier run.
+* ``yardstick``: what each source of known labels scored against (the pinned golden files, the scored ids and
+  labels, each id's result), and whether two reports' accuracies compare like with like (or paired on shared ids).
 * ``labelled``: the view of every scored row (known label, answer, confidence) and, from it in
   DuckDB, the quality metrics, the reliability table and the confident halves.
 * ``confidence``: the engine's confidence over all answers (low-confidence rate, least confident

@@ -18,6 +18,10 @@ one DuckDB GROUP BY); no I/O. The definitions are scikit-learn's, and the tests 
   intervals (``newcombe``, method 10 of Newcombe 1998). Two runs scored on the same golden
   rows are not independent samples; the independent interval is wider than a paired one, so a
   drop it calls real is real (it may miss a small one).
+* the interval of the difference of two proportions measured on the same rows (each row right or wrong in both
+  runs) is Newcombe's paired score interval (``newcombe_paired``, method 10 of Newcombe 1998, Statist. Med. 17,
+  2635-2650: the two Wilson intervals combined with the rows' phi correlation, continuity-corrected); the change in
+  accuracy on the ids two golden sets share is judged so (``versus_paired``).
 """
 
 from __future__ import annotations
@@ -53,6 +57,27 @@ def newcombe(k1: int, n1: int, k0: int, n0: int, z: float = Z95) -> tuple[float,
     low = d - math.sqrt((p1 - a[0]) ** 2 + (b[1] - p0) ** 2)
     high = d + math.sqrt((a[1] - p1) ** 2 + (p0 - b[0]) ** 2)
     return d, max(-1.0, low), min(1.0, high)
+
+
+def newcombe_paired(both: int, now_only: int, before_only: int, neither: int, z: float = Z95):
+    """(p_now - p_before, low, high) over rows scored in both runs: ``both`` right in both, ``now_only`` right now
+    and wrong before, ``before_only`` right before and wrong now, ``neither`` wrong in both. Newcombe's method 10
+    (paired); None when there is no row."""
+    n = both + now_only + before_only + neither
+    a, b = wilson(both + now_only, n, z), wilson(both + before_only, n, z)
+    if a is None or b is None:
+        return None
+    p1, p0 = (both + now_only) / n, (both + before_only) / n
+    d = p1 - p0
+    phi = 0.0
+    margins = (both + now_only) * (before_only + neither) * (both + before_only) * (now_only + neither)
+    if margins:
+        cross = both * neither - now_only * before_only
+        corrected = cross - n / 2 if cross > n / 2 else cross if cross < 0 else 0.0
+        phi = corrected / math.sqrt(margins)
+    low_sq = (p1 - a[0]) ** 2 - 2 * phi * (p1 - a[0]) * (b[1] - p0) + (b[1] - p0) ** 2
+    high_sq = (a[1] - p1) ** 2 - 2 * phi * (a[1] - p1) * (p0 - b[0]) + (p0 - b[0]) ** 2
+    return d, max(-1.0, d - math.sqrt(max(0.0, low_sq))), min(1.0, d + math.sqrt(max(0.0, high_sq)))
 
 
 def proportion(k: int, n: int) -> dict[str, Any]:
@@ -149,4 +174,27 @@ def versus(now: Mapping[str, Any], previous: Mapping[str, Any] | None) -> dict[s
         "method": "newcombe-wilson",
         "real_drop": high < 0,
         "real_gain": low > 0,
+    }
+
+
+def versus_paired(both: int, now_only: int, before_only: int, neither: int) -> dict[str, Any] | None:
+    """``versus`` for rows scored in both runs (``newcombe_paired``'s counts): the change in accuracy on those rows
+    with its paired 95% interval; ``previous`` is the earlier run's accuracy on them. None when there is none."""
+    d = newcombe_paired(both, now_only, before_only, neither)
+    if d is None:
+        return None
+    delta, low, high = d
+    n = both + now_only + before_only + neither
+    return {
+        "previous": (both + before_only) / n,
+        "previous_correct": both + before_only,
+        "previous_labelled": n,
+        "correct": both + now_only,
+        "delta": delta,
+        "low": low,
+        "high": high,
+        "method": "newcombe-paired",
+        "real_drop": high < 0,
+        "real_gain": low > 0,
+        "paired": {"both": both, "now_only": now_only, "before_only": before_only, "neither": neither},
     }

@@ -13,8 +13,11 @@ label (what answering it to every row scores: a warning).
 ``accuracy_drop`` (the drop since the previous report) warns or fails only when the 95% interval of the
 change lies below 0 (a real drop), and then by its size; like ``accuracy``, each source of known labels is compared
 with the same source of the previous report (a pooled figure alone would hide a fall of the golden rows beside a
-larger night of the run's own labelled rows), and, when both reports have the same sources, so is the pooled
-accuracy; the check is the worst. The gates off by default (``low_confidence_rate``,
+larger night of the run's own labelled rows), only when both scored the same yardstick (``yardstick.judge``: a golden
+set replaced since is compared paired on the ids both share with the same label, or, when nothing can be paired, not
+compared: a warning, never a pass nor a fail; so is a previous report that did not record its yardstick), and, when
+both reports have the same sources each on the same yardstick, so is the pooled accuracy; the check is the worst.
+The gates off by default (``low_confidence_rate``,
 ``inconsistency_rate``) warn, once turned on, for a run that lacks their measure (no confidence; no
 prompt hashes: an embed job, or requests that sample at random), rather than skipping. So do ``label_drift``
 and ``accuracy_drop`` when ``qa.previous_report_uri`` is set but its report was not used (no sealed QA record of
@@ -186,25 +189,26 @@ def _refused(metrics: dict[str, Any]) -> str | None:
 def _drop(metrics: dict[str, Any], spec: QASpec) -> tuple[float | None, str, str, dict[str, Any]]:
     q = metrics.get("quality") or {}
     sources = {s: v for s, v in (q.get("sources") or {}).items() if isinstance(v, dict) and "vs_previous" in v}
-    if sources:  # the previous report has per-source figures: each source against its own (labelled.quality)
-        compared = {s: v["vs_previous"] for s, v in sources.items() if v["vs_previous"] is not None}
-        if not compared:
+    if sources:  # the previous report has figures: each source against its own (labelled.quality, yardstick.judge)
+        judged = [(s, *_drop_of_source(v, spec)) for s, v in sources.items() if v.get("compared") is not None]
+        if not judged:
             return (
                 None,
                 "skip",
                 "no source of known labels has scored rows both in this run and in the previous report",
                 {},
             )
-        judged = [(s, *_drop_of(v, spec)) for s, v in compared.items()]
         if len(sources) == 1:
             return judged[0][1:]
-        if q.get("vs_previous") is not None:  # the same sources in both reports: their pooled change too (more rows)
+        if q.get("vs_previous") is not None:  # the same sources on the same yardsticks: their pooled change (more rows)
             judged.append(("all sources", *_drop_of(q["vs_previous"], spec)))
-        # the worst (the largest real drop); a source that did not really drop passes
-        source, drop, status, _, extra = max(judged, key=lambda j: (STATUS_ORDER[j[2]], j[1]))
+        # the worst (the largest real drop); a source that did not really drop passes, one not compared warns
+        source, drop, status, _, extra = max(
+            judged, key=lambda j: (STATUS_ORDER[j[2]], float("-inf") if j[1] is None else j[1])
+        )
         detail = "; ".join(
             [f"{s}: {d}" for s, _, _, d, _ in judged]
-            + [f"{s}: not scored in both reports" for s in sources if s not in compared]
+            + [f"{s}: not scored in both reports" for s, v in sources.items() if v.get("compared") is None]
         )
         worst = " (the check is the worst)" if len(judged) > 1 else ""
         return drop, status, detail + worst, {**extra, "source": source}
@@ -215,6 +219,25 @@ def _drop(metrics: dict[str, Any], spec: QASpec) -> tuple[float | None, str, str
         why = "no known labels" if not q else "no previous report with an accuracy (qa.previous_report_uri)"
         return None, "skip", why, {}
     return _drop_of(v, spec)
+
+
+def _drop_of_source(v: dict[str, Any], spec: QASpec) -> tuple[float | None, str, str, dict[str, Any]]:
+    """The accuracy_drop check of one source, by how it compares with the previous report (``compared``,
+    ``yardstick.judge``): on the same yardstick, its change; on the ids a changed golden set shares with the previous
+    one, their paired change (a pass on fewer than qa.min_labelled of them warns); not compared (the yardstick changed
+    and nothing can be paired, or the previous report did not record it): a warning, never a pass nor a fail."""
+    c = v["compared"]
+    basis, why = c.get("basis"), c.get("detail") or ""
+    if v["vs_previous"] is None or basis not in ("same", "shared"):
+        return None, "warn", why, {}
+    drop, status, detail, extra = _drop_of(v["vs_previous"], spec)
+    if basis == "shared":
+        detail = f"{why}: {detail}"
+        if status == "pass" and int(c.get("shared") or 0) < spec.min_labelled:
+            status = "warn"
+            detail += f"; only {c.get('shared')} shared id(s), fewer than qa.min_labelled {spec.min_labelled}"
+        return drop, status, detail, {**extra, "basis": basis}
+    return drop, status, f"{detail} ({why})" if why else detail, extra
 
 
 def _drop_of(v: dict[str, Any], spec: QASpec) -> tuple[float, str, str, dict[str, Any]]:

@@ -63,6 +63,7 @@ def evaluate(
     reference_source: str = "golden_set",
     ride_along: tuple[pa.Table, pa.Table, pa.Table] | None = None,
     compared: str | None = "label",
+    yardsticks: dict[str, dict] | None = None,
 ) -> QAReport:
     """Metrics, threshold checks and a deterministic stratified sample (pure computation).
 
@@ -76,7 +77,8 @@ def evaluate(
     ``reference``: known labels of this run's rows (columns id, label; from ``reference_source``,
     'input_column' or 'golden_set'); ``ride_along``: the ride-along golden rows' (results, errors,
     known labels). ``compared``: the result column whose answers the consistency check compares
-    (None: not checked).
+    (None: not checked). ``yardsticks``: per source of known labels, what the plan pinned it to
+    (``yardstick.plan_identities``; the report records it, and the change in accuracy compares like with like).
     """
     results = conform(results, RESULT_NEEDS)
     errors = conform(errors, ERROR_NEEDS)
@@ -108,7 +110,16 @@ def evaluate(
             refs.known["ride_along"] = con.execute("SELECT count(*) FROM gref").fetchall()[0][0]
         metrics = compute_metrics(results, errors, labels=labels, structured=structured, notes=notes)
         metrics.update(
-            measure_answers(con, spec=spec, labels=labels, previous=previous, refs=refs, compared=compared, notes=notes)
+            measure_answers(
+                con,
+                spec=spec,
+                labels=labels,
+                previous=previous,
+                refs=refs,
+                compared=compared,
+                notes=notes,
+                yardsticks=yardsticks,
+            )
         )
         least = metrics["confidence"]["least_confident_ids"] if metrics.get("confidence") else []
         return _report(
@@ -147,6 +158,7 @@ def evaluate_stream(
     compared: str | None = "label",
     task: str | None = None,
     batch_rows: int = 1 << 20,
+    yardsticks: dict[str, dict] | None = None,
 ) -> QAReport:
     """``evaluate`` over DuckDB relations ``r`` and ``e`` of ``con`` (views over the merged files)
     that need not fit in memory: the counts from one DuckDB aggregate (``metrics_stream``), the
@@ -254,7 +266,7 @@ def evaluate_stream(
             labelled_view(
                 con, run_source=refs.run_source, ride_along=refs.ride_along, results="qa_ridden" if known else "r"
             )
-            q = quality(con, labels=labels, previous=previous, known=refs.known, notes=notes)
+            q = quality(con, labels=labels, previous=previous, known=refs.known, notes=notes, yardsticks=yardsticks)
             if q is not None:
                 q["locations"] = dict(refs.locations)
         finally:
@@ -294,10 +306,11 @@ def measure_answers(
     refs: References,
     compared: str | None,
     notes: list[str],
+    yardsticks: dict[str, dict] | None = None,
 ) -> dict[str, Any]:
     """``quality`` (labelled rows), ``confidence`` and ``consistency`` from ``con``'s ``r``, ``e`` and references."""
     labelled_view(con, run_source=refs.run_source, ride_along=refs.ride_along)
-    q = quality(con, labels=labels, previous=previous, known=refs.known, notes=notes)
+    q = quality(con, labels=labels, previous=previous, known=refs.known, notes=notes, yardsticks=yardsticks)
     if q is not None:
         q["locations"] = dict(refs.locations)
     stats = answer_stats(con, low=spec.low_confidence, least=spec.least_confident)

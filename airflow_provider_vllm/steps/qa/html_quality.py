@@ -87,8 +87,10 @@ def accuracy_cards(m: dict) -> list[tuple[str, str, str]]:
     for title, v in changes:
         if v:
             verdict = "a real drop" if v.get("real_drop") else "a real gain" if v.get("real_gain") else "within noise"
+            # a golden set changed since: the change on the ids both scored with the same label (yardstick.judge)
+            on = f" · on the {_int(v.get('previous_labelled'))} ids both golden sets share" if v.get("paired") else ""
             cards.append(
-                (title, _pts(v.get("delta")), f"{verdict} (95% {_pts(v.get('low'))} to {_pts(v.get('high'))})")
+                (title, _pts(v.get("delta")), f"{verdict} (95% {_pts(v.get('low'))} to {_pts(v.get('high'))}){on}")
             )
     return cards
 

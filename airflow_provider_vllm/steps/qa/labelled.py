@@ -24,6 +24,8 @@ from typing import Any
 
 from airflow_provider_vllm.steps.qa.accuracy import classification, proportion, versus
 from airflow_provider_vllm.steps.qa.report import previous_refusal
+from airflow_provider_vllm.steps.qa.yardstick import judge
+from airflow_provider_vllm.steps.qa.yardstick import measure as measure_yardstick
 
 SOURCES = ("input_column", "golden_set", "ride_along")
 BUCKETS = 10  # equal-width confidence buckets [0, 0.1), ..., [0.9, 1.0]
@@ -67,11 +69,13 @@ def quality(
     previous: dict | None,
     known: dict[str, int],
     notes: list[str],
+    yardsticks: dict[str, dict] | None = None,
 ) -> dict[str, Any] | None:
     """The ``quality`` metrics from the view ``labelled``; None when no reference source is configured.
 
     ``known``: source -> rows with a known label in that source (scored or not), from the stage.
-    ``previous``: the previous run's report dict, for the change in accuracy.
+    ``previous``: the previous run's report dict, for the change in accuracy. ``yardsticks``: per source, what the
+    plan pinned it to (``yardstick.plan_identities``), recorded with what was scored (``yardstick.measure``).
     """
     if not known:
         return None
@@ -110,23 +114,26 @@ def quality(
                 "Unicode form; labels are compared exactly, so rows with it are scored as wrong"
             )
     prev_q = ((previous or {}).get("metrics") or {}).get("quality") if isinstance(previous, dict) else None
-    q["vs_previous"] = versus(q, prev_q if isinstance(prev_q, dict) else None)
-    prev_sources = prev_q.get("sources") if isinstance(prev_q, dict) else None
-    if isinstance(prev_sources, dict) and prev_sources:
-        # each source against the same source of the previous report (the accuracy_drop check judges these and the
-        # pooled change): a pooled figure mixes sources whose shares change from run to run, so a fall of the golden
-        # rows that ride along can vanish in the pool beside a large night of the run's own labelled rows
-        if set(prev_sources) != set(q["sources"]):
-            q["vs_previous"] = None  # pooled over other sources of known labels: not the same measure
+    for source, v in q["sources"].items():
+        v["yardstick"] = measure_yardstick(con, source, v["of"], (yardsticks or {}).get(source))
+    q["vs_previous"] = None
+    if isinstance(prev_q, dict) and isinstance(previous, dict):
+        # each source against the same source of the previous report, when both scored the same yardstick (the
+        # accuracy_drop check judges these and the pooled change): a pooled figure mixes sources whose shares change
+        # from run to run, so a fall of the golden rows that ride along can vanish in the pool beside a large night
+        # of the run's own labelled rows; and a golden set replaced since moves the accuracy by itself
+        prev_sources: dict = prev_q["sources"] if isinstance(prev_q.get("sources"), dict) else {}
+        # a report from before the per-source figures: its pooled figure stands for each source (not compared: it
+        # records no yardstick; the check warns)
+        pooled = None if prev_sources else {"count": prev_q.get("correct"), "of": prev_q.get("labelled")}
         for source, v in q["sources"].items():
-            pv = prev_sources.get(source)
-            v["vs_previous"] = (
-                versus(
-                    {"correct": v["count"], "labelled": v["of"]}, {"correct": pv.get("count"), "labelled": pv.get("of")}
-                )
-                if isinstance(pv, dict)
-                else None
-            )
+            pv = prev_sources.get(source, pooled)
+            v["vs_previous"], v["compared"] = judge(source, v, pv, previous) if isinstance(pv, dict) else (None, None)
+        if set(prev_sources) == set(q["sources"]) and all(
+            (v["compared"] or {}).get("basis") == "same" for v in q["sources"].values()
+        ):
+            # pooled over the same sources, each on the same yardstick: not a mix of a changed one
+            q["vs_previous"] = versus(q, prev_q)
     if previous is not None and prev_q is None and q["labelled"] and previous_refusal(previous) is None:
         notes.append("quality: the previous report has no accuracy; no change in accuracy to report")
     q["reliability"] = reliability(con)

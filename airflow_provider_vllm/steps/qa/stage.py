@@ -24,6 +24,7 @@ from airflow_provider_vllm.steps.qa.golden_set import golden_set_info
 from airflow_provider_vllm.steps.qa.reference import attach_references, find_references
 from airflow_provider_vllm.steps.qa.report import QAReport
 from airflow_provider_vllm.steps.qa.store import load_pinned_report, load_previous_report, write_qa
+from airflow_provider_vllm.steps.qa.yardstick import plan_identities
 
 EXCERPT_CHARS = 300
 # Above this many merged rows QA streams the files (bounded memory) instead of loading them as tables.
@@ -117,6 +118,14 @@ def _qa_run(
     found = find_references(spec, plan, out, tmp, filesystems)
     if found is not None and found.pin is not None:  # the report names the labels that gated the run
         args["run_info"]["golden_set"] = golden_set_info(found.pin)
+    # what each source scored against, as the plan pinned it: the report records it, and the change in accuracy
+    # compares only reports that scored the same (steps/qa/yardstick.py)
+    args["yardsticks"] = plan_identities(
+        plan,
+        found.pin if found is not None else None,
+        found.label_column if found is not None and found.source == "input_column" else None,
+        spec.io.input_name,
+    )
     compared = None if spec.task == "embed" else compared_column(spec)
     con = duck.connect(out, *([found.root] if found is not None else []))
     try:

@@ -137,3 +137,35 @@ def test_a_known_label_spelled_like_no_answer_does_not_make_unanswered_rows_righ
     assert {"true": "(none)", "pred": NO_ANSWER, "count": 100} in q["confusion"]
     # the label itself, when the model gives it, is a right answer
     assert classification({("(none)", "(none)"): 4}, None)["correct"] == 4
+
+
+def test_the_paired_interval_is_newcombes_method_10_and_covers():
+    """newcombe_paired (Newcombe 1998, Statist. Med. 17:2635, method 10): no discordant row is no change; the roles
+    swapped negate the interval; on rows right or wrong together it is narrower than the independent interval; and
+    over simulated paired runs its 95% interval covers the true change about 95% of the time."""
+    from airflow_provider_vllm.steps.qa.accuracy import newcombe_paired, versus_paired
+
+    d, lo, hi = newcombe_paired(200, 0, 0, 100)
+    assert d == 0 and lo < 0 < hi
+    d, lo, hi = newcombe_paired(200, 0, 70, 30)
+    assert d == pytest.approx(-70 / 300) and hi < 0
+    assert newcombe_paired(200, 70, 0, 30) == pytest.approx((-d, -hi, -lo))
+    _, ilo, ihi = newcombe(230, 300, 240, 300)
+    _, plo, phi = newcombe_paired(225, 5, 15, 55)  # the same margins, rows that mostly agree
+    assert phi - plo < ihi - ilo
+    assert newcombe_paired(0, 0, 0, 0) is None and versus_paired(0, 0, 0, 0) is None
+    v = versus_paired(200, 0, 70, 30)
+    assert v["real_drop"] and v["previous"] == pytest.approx(270 / 300) and v["previous_labelled"] == 300
+    rnd = random.Random(7)
+    cells, n, hits, runs = (0.7, 0.05, 0.1, 0.15), 200, 0, 2000  # both, now only, before only, neither
+    for _ in range(runs):
+        counts = [0, 0, 0, 0]
+        for _ in range(n):
+            u, k = rnd.random(), 0
+            while u > cells[k] and k < 3:
+                u -= cells[k]
+                k += 1
+            counts[k] += 1
+        _, lo, hi = newcombe_paired(*counts)
+        hits += lo <= cells[1] - cells[2] <= hi
+    assert 0.93 <= hits / runs <= 0.975

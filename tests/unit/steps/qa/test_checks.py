@@ -553,7 +553,7 @@ def test_a_run_that_lost_the_known_labels_its_previous_report_had_warns():
 
 
 def test_the_report_of_another_job_is_no_baseline():
-    rows, known = _rows_known(1000, 500, prefix="o")
+    rows, known = _rows_known(1000, 500)  # the same golden ids and labels: only the job differs
     results, errors = split(rows)
     spec = QASpec(previous_report_uri="s3://bucket/other/qa/report.json")
     other = evaluate(

@@ -17,7 +17,8 @@ LABELS = ["billing", "bug", "account", "other"]
 EVIL = "<script>alert(1)</script>"
 
 
-def _report(previous=None, n=400, acc=0.6, seed=2):
+def _report(previous=None, n=400, acc=0.6, seed=2, relabel=0):
+    """A labelled report; ``relabel``: the known labels of the first that many rows moved to the next label."""
     rnd = random.Random(seed)
     recs, truth = [], {}
     for i in range(n):
@@ -32,7 +33,7 @@ def _report(previous=None, n=400, acc=0.6, seed=2):
                 output=f"{EVIL} {i}",
             )
         )
-        truth[f"r{i}"] = t
+        truth[f"r{i}"] = LABELS[(LABELS.index(t) + 1) % len(LABELS)] if i < relabel else t
     recs += [err_row(i) for i in range(5)]
     truth["e0"] = "bug"
     truth["r3"] = EVIL  # a known label outside the label set, with markup
@@ -168,3 +169,17 @@ def test_the_accuracy_change_cards_are_per_source_when_the_check_is():
         "Accuracy (ride-along golden rows)",
     ]
     assert cards["Accuracy (ride-along golden rows)"].endswith("300 labelled")
+
+
+def test_the_accuracy_change_card_of_a_changed_golden_set_says_it_is_on_the_shared_ids():
+    """A golden set with 100 of its rows relabelled since the previous report: the change shown is the paired one on
+    the ids both sets share with the same label (what the accuracy_drop check judges), and says so."""
+    before = _report().to_dict()
+    d = _report(previous=before, relabel=100).to_dict()
+    v = d["metrics"]["quality"]["sources"]["golden_set"]["vs_previous"]
+    assert v["method"] == "newcombe-paired" and v["delta"] == 0
+    page = render_report_html(d, [])
+    cards = dict(
+        re.findall(r'<div class="k">([^<]*)</div><div class="v">[^<]*</div><div class="s">([^<]*)</div>', page)
+    )
+    assert cards["Accuracy change"].endswith(f"on the {v['previous_labelled']} ids both golden sets share")

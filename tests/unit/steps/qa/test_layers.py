@@ -12,6 +12,7 @@ ORDER = [
     "metrics",
     "metrics_stream",
     "accuracy",
+    "yardstick",
     "labelled",
     "confidence",
     "checks",
