@@ -23,6 +23,11 @@ A run's entry is vouched for only when
    shards run again, say after QA caught a faulty node) found the first merge's commit under the same id and
    appended nothing (``earlier_merge``): that entry holds answers no publish approved, and is skipped.
 
+With ``locations`` (the command passes the deployment's), the rules publish applies to a spec
+(``utils.deployment.check_spec_allowed``) apply to the run: its output prefix must be a valid location under the
+allow-list (no credentials, ``..`` or empty segments), its cache folder one under the deployment's cache locations;
+a run that breaks one is ``refused`` before anything of it is read. Without it only the syntax is checked.
+
 The record written is publish's own (``CacheStore.vouch``, by ``publish``), naming that commit's seal. A run that
 fails a check is ``refused``; one with nothing to vouch for (not published, no cache, no entry, its entry gone) is
 ``skipped``. Nothing is written with ``dry_run``.
@@ -36,11 +41,13 @@ published: nothing sealed says which. Its rows are inferred once, by the first r
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from airflow_provider_vllm.core.errors import CommitError, SealError
+from airflow_provider_vllm.core.allow_list import check_cache_location, check_uri, redact_userinfo
+from airflow_provider_vllm.core.errors import CommitError, SealError, SpecError
 from airflow_provider_vllm.core.plan import PLAN_FILE, Plan, parse_plan
 from airflow_provider_vllm.core.records import CacheCommit, MergeSummary
 from airflow_provider_vllm.core.seal import Keyring, scope_of
@@ -66,7 +73,7 @@ class RunVouch(BaseModel):
     """What ``vouch_run`` did for one run (the command prints one per run)."""
 
     model_config = ConfigDict(extra="forbid")
-    run_uri: str = Field(description="the run's output prefix, as given")
+    run_uri: str = Field(description="the run's output prefix, as given (credentials in it masked)")
     outcome: Outcome = Field(
         description="vouched, would_vouch (dry run), already_vouched, skipped (nothing to vouch for) or refused "
         "(a check failed: nothing is trusted)"
@@ -80,6 +87,15 @@ class RunVouch(BaseModel):
         return f"{self.run_uri}: {self.outcome.replace('_', ' ')}{where}{': ' + self.reason if self.reason else ''}"
 
 
+@dataclass(frozen=True)
+class Locations:
+    """The deployment's rules for where runs and caches are (``check_spec_allowed`` applies them to a spec)."""
+
+    allowed: list[str]  # canonical URI prefixes; empty: any location (the deployment's allow_any_location)
+    caches: list[str]  # canonical prefixes result caches may live under; empty: nowhere
+    caches_setting: str  # the setting that names them, for the refusal
+
+
 class _Stop(Exception):
     def __init__(self, outcome: Outcome, reason: str, **kw: Any) -> None:
         super().__init__(reason)
@@ -87,16 +103,22 @@ class _Stop(Exception):
 
 
 def vouch_run(
-    run_uri: str, keyring: Keyring, filesystems: FileSystems | None = None, *, dry_run: bool = False
+    run_uri: str,
+    keyring: Keyring,
+    filesystems: FileSystems | None = None,
+    *,
+    dry_run: bool = False,
+    locations: Locations | None = None,
 ) -> RunVouch:
-    """Vouch for the cache entry of the run published under ``run_uri`` (see the module docstring); what was done.
-    A store that does not answer (``TransientError``) is raised."""
+    """Vouch for the cache entry of the run published under ``run_uri`` (see the module docstring); what was done
+    (its ``run_uri`` with any credentials masked). A store that does not answer (``TransientError``) is raised."""
+    shown = redact_userinfo(run_uri)
     try:
-        eid, cache_uri = _vouch(run_uri, keyring, filesystems, dry_run)
+        eid, cache_uri = _vouch(run_uri, keyring, filesystems, dry_run, locations)
     except _Stop as s:
         outcome, reason, kw = s.result
-        return RunVouch(run_uri=run_uri, outcome=outcome, reason=reason, **kw)
-    return RunVouch(run_uri=run_uri, outcome="would_vouch" if dry_run else "vouched", cache_uri=cache_uri, entry_id=eid)
+        return RunVouch(run_uri=shown, outcome=outcome, reason=reason, **kw)
+    return RunVouch(run_uri=shown, outcome="would_vouch" if dry_run else "vouched", cache_uri=cache_uri, entry_id=eid)
 
 
 def _refuse(reason: str, **kw: Any) -> _Stop:
@@ -107,7 +129,13 @@ def _skip(reason: str, **kw: Any) -> _Stop:
     return _Stop("skipped", reason, **kw)
 
 
-def _vouch(run_uri: str, keyring: Keyring, filesystems: FileSystems | None, dry_run: bool) -> tuple[str, str]:
+def _vouch(
+    run_uri: str, keyring: Keyring, filesystems: FileSystems | None, dry_run: bool, locations: Locations | None
+) -> tuple[str, str]:
+    try:
+        check_uri(run_uri, locations.allowed if locations else [], "run URI")
+    except SpecError as e:
+        raise _refuse(str(e)) from None
     out = Storage(run_uri, {}, filesystems)
     if not out.exists(MERGED):
         raise _skip(f"no {MERGED}: the run was not merged")
@@ -126,6 +154,11 @@ def _vouch(run_uri: str, keyring: Keyring, filesystems: FileSystems | None, dry_
     known = {"cache_uri": plan_cache.uri, "entry_id": c.entry_id}
     if scope_of(c.uri) != scope_of(plan_cache.uri):
         raise _refuse(f"the merge summary names cache {c.uri}, the sealed plan {plan_cache.uri}", **known)
+    if locations is not None:
+        try:
+            check_cache_location(plan_cache.uri, locations.caches, locations.caches_setting)
+        except SpecError as e:
+            raise _refuse(str(e), **known) from None
     store = CacheStore(plan_cache.uri, {}, keyring, filesystems)
     khash, eid = plan_cache.key_hash, c.entry_id
     rel = f"{store.commit_dir(khash)}/{eid}.json"
