@@ -215,13 +215,11 @@ def cache_entry_id(spec, plan) -> str:
     """The result cache entry the merge of the run under ``spec`` files (``result_cache.entry_id``): from the parts its
     results manifest names that this run's shards computed (the cache's hits and the followers left out)."""
     from airflow_provider_vllm.core.storage import Storage
-    from airflow_provider_vllm.steps.cache.result_cache import entry_id
+    from airflow_provider_vllm.steps.cache.result_cache import entry_id, made_from
     from airflow_provider_vllm.steps.merge.merger import RESULTS, read_manifest
 
     out = Storage(spec.io.output_uri, spec.io.storage_options)
-    parts = read_manifest(out, RESULTS).parts
-    made = [p.sha256 for p in parts if p.rows and not p.name.endswith(("-cache-hits.parquet", "-followers.parquet"))]
-    return entry_id(plan, spec.io.output_uri, made)
+    return entry_id(plan, spec.io.output_uri, made_from(read_manifest(out, RESULTS).parts))
 
 
 def vouch_cache(spec, filesystems=None) -> str | None:

@@ -8,6 +8,7 @@ the row groups that hold its segment, in batches, and stops after the segment's 
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -101,7 +102,9 @@ class ParquetFormat(InputFormat):
         columns = [c for c in row_columns(spec) if c != idc]
         carried = list(passthrough or [])
         read = list(dict.fromkeys([idc, *columns, *carried]))
-        table = read_parquet_range(root, name, segment.start, segment.count, read)
+        # INT96 template columns as DuckDB reads them; one also carried is published with the input's type instead
+        us = [c for c in columns if c not in carried]
+        table = read_parquet_range(root, name, segment.start, segment.count, read, int96_us=us)
         batch = parquet_batch(table, idc, columns)
         batch.chars = _text_chars(table, spec.prompt.texts).tolist()
         if carried:
@@ -398,8 +401,27 @@ def check_column_names(name: str, columns: list[str]) -> None:
         )
 
 
-def read_parquet_range(storage: Storage, name: str, start: int, count: int, columns: list[str]) -> pa.Table:
+def _int96_columns(md: pq.FileMetaData) -> set[str]:
+    """The top-level columns stored as Parquet's deprecated INT96 timestamp (Spark, Hive and Impala write it), which
+    pyarrow reads in nanoseconds and DuckDB in microseconds."""
+    col = md.schema.column
+    return {col(i).path for i in range(md.num_columns) if col(i).physical_type == "INT96" and "." not in col(i).path}
+
+
+def _floor_to_us(col: pa.ChunkedArray) -> pa.Array:
+    """A nanosecond timestamp column in microseconds, floored (toward the past), as DuckDB reads an INT96 value."""
+    return pa.array([None if n is None else n // 1000 for n in col.cast(pa.int64()).to_pylist()], pa.timestamp("us"))
+
+
+def read_parquet_range(
+    storage: Storage, name: str, start: int, count: int, columns: list[str], int96_us: Sequence[str] = ()
+) -> pa.Table:
     """Rows [start, start+count) of one Parquet file, reading only the row groups that hold them.
+
+    ``int96_us``: those of these columns that the file stores as INT96 timestamps are read in microseconds, floored,
+    as DuckDB reads them (pyarrow reads nanoseconds): the result cache's key and the dedupe's read the input with
+    DuckDB, and the worker renders from a file DuckDB wrote when either applies, so a template column must render
+    the same without them.
 
     The row groups are read in batches (``_batch_rows``, at most ``max(count, SEGMENT_BATCH_ROWS)`` rows), from the
     first row of the first of them up to the batch that holds the segment's last row; only the rows of the segment
@@ -437,7 +459,11 @@ def read_parquet_range(storage: Storage, name: str, start: int, count: int, colu
             batches.close()  # stops the reader before the rest of the row groups
     if schema is None:
         return pf.schema_arrow.empty_table().select(columns)
-    return pa.Table.from_batches(kept, schema=schema)
+    table = pa.Table.from_batches(kept, schema=schema)
+    for c in _int96_columns(md) & set(int96_us) & set(columns):
+        i = table.schema.get_field_index(c)
+        table = table.set_column(i, table.schema.field(i).with_type(pa.timestamp("us")), _floor_to_us(table.column(i)))
+    return table
 
 
 def _batch_rows(md: pq.FileMetaData, groups: list[int], columns: list[str], most: int) -> int:

@@ -30,6 +30,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -89,6 +90,23 @@ def entry_id(plan: Plan, output_uri: str, made_from: Sequence[str]) -> str:
     again after a crash commits once; merged again from other parts (its shards run again), another id."""
     doc = "\n".join([plan.spec_hash, output_uri.rstrip("/"), *made_from])
     return hashlib.sha256(doc.encode()).hexdigest()[:32]
+
+
+def run_entry_id(plan: Plan, output_uri: str) -> str:
+    """The id versions before ``entry_id`` covered the parts gave a run's entry: the run alone (spec hash, output
+    prefix), so a merge of the run over other parts found the first merge's commit and filed nothing
+    (``vouch_runs`` tells such entries apart)."""
+    return hashlib.sha256(f"{plan.spec_hash}\n{output_uri.rstrip('/')}".encode()).hexdigest()[:32]
+
+
+def made_from(parts: Sequence[Any]) -> list[str]:
+    """``entry_id``'s ``made_from`` from a results manifest's parts (``PartEntry``, in its order): the sha256 of the
+    parts with rows that the run's shards computed, the merge's own parts (``part-<n>-cache-hits.parquet``, the
+    cache's hits; ``part-<n>-followers.parquet``, the dedupe's followers) left out, as the merge files them."""
+    return [p.sha256 for p in parts if p.rows and not _MERGE_OWN_PART.fullmatch(p.name)]
+
+
+_MERGE_OWN_PART = re.compile(r"part-[0-9]+-(cache-hits|followers)\.parquet")
 
 
 # ---- plan -------------------------------------------------------------------------------

@@ -15,7 +15,18 @@ A run's entry is vouched for only when
    sealed plan its key config (``cache.key_hash``);
 4. the entry's commit in the cache folder carries this deployment's seal (a genuine merge wrote it), names this run
    (its output prefix and spec hash), and, where the merge summary records it (``cache.commit_mac``), is exactly
-   that commit.
+   that commit;
+5. the entry holds the published merge's answers: its id is the one a merge of exactly the computed parts that the
+   published results manifest names files (``result_cache.entry_id``: the id covers their sha256), or, for an id of
+   a version before that (the run alone: spec hash and output prefix), the published merge summary says that merge
+   committed it itself (``committed_by: this_merge``). Such a version merging a run again over other parts (its
+   shards run again, say after QA caught a faulty node) found the first merge's commit under the same id and
+   appended nothing (``earlier_merge``): that entry holds answers no publish approved, and is skipped.
+
+With ``locations`` (the command passes the deployment's), the rules publish applies to a spec
+(``utils.deployment.check_spec_allowed``) apply to the run: its output prefix must be a valid location under the
+allow-list (no credentials, ``..`` or empty segments), its cache folder one under the deployment's cache locations;
+a run that breaks one is ``refused`` before anything of it is read. Without it only the syntax is checked.
 
 The record written is publish's own (``CacheStore.vouch``, by ``publish``), naming that commit's seal. A run that
 fails a check is ``refused``; one with nothing to vouch for (not published, no cache, no entry, its entry gone) is
@@ -30,17 +41,28 @@ published: nothing sealed says which. Its rows are inferred once, by the first r
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from airflow_provider_vllm.core.errors import CommitError, SealError
-from airflow_provider_vllm.core.plan import PLAN_FILE, CachePlan, parse_plan
-from airflow_provider_vllm.core.records import MergeSummary
+from airflow_provider_vllm.core.allow_list import check_cache_location, check_uri, redact_userinfo
+from airflow_provider_vllm.core.errors import CommitError, SealError, SpecError
+from airflow_provider_vllm.core.plan import PLAN_FILE, Plan, parse_plan
+from airflow_provider_vllm.core.records import CacheCommit, MergeSummary
 from airflow_provider_vllm.core.seal import Keyring, scope_of
 from airflow_provider_vllm.core.storage import FileSystems, Storage
+from airflow_provider_vllm.steps.cache.result_cache import entry_id, made_from, run_entry_id
 from airflow_provider_vllm.steps.cache.store import CacheStore
-from airflow_provider_vllm.steps.merge.merger import MERGED, SUCCESS, read_merged, success_doc
+from airflow_provider_vllm.steps.merge.merger import (
+    MERGED,
+    RESULTS,
+    SUCCESS,
+    manifest_rel,
+    read_merged,
+    success_doc,
+    verified_manifest,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +73,7 @@ class RunVouch(BaseModel):
     """What ``vouch_run`` did for one run (the command prints one per run)."""
 
     model_config = ConfigDict(extra="forbid")
-    run_uri: str = Field(description="the run's output prefix, as given")
+    run_uri: str = Field(description="the run's output prefix, as given (credentials in it masked)")
     outcome: Outcome = Field(
         description="vouched, would_vouch (dry run), already_vouched, skipped (nothing to vouch for) or refused "
         "(a check failed: nothing is trusted)"
@@ -65,6 +87,15 @@ class RunVouch(BaseModel):
         return f"{self.run_uri}: {self.outcome.replace('_', ' ')}{where}{': ' + self.reason if self.reason else ''}"
 
 
+@dataclass(frozen=True)
+class Locations:
+    """The deployment's rules for where runs and caches are (``check_spec_allowed`` applies them to a spec)."""
+
+    allowed: list[str]  # canonical URI prefixes; empty: any location (the deployment's allow_any_location)
+    caches: list[str]  # canonical prefixes result caches may live under; empty: nowhere
+    caches_setting: str  # the setting that names them, for the refusal
+
+
 class _Stop(Exception):
     def __init__(self, outcome: Outcome, reason: str, **kw: Any) -> None:
         super().__init__(reason)
@@ -72,16 +103,22 @@ class _Stop(Exception):
 
 
 def vouch_run(
-    run_uri: str, keyring: Keyring, filesystems: FileSystems | None = None, *, dry_run: bool = False
+    run_uri: str,
+    keyring: Keyring,
+    filesystems: FileSystems | None = None,
+    *,
+    dry_run: bool = False,
+    locations: Locations | None = None,
 ) -> RunVouch:
-    """Vouch for the cache entry of the run published under ``run_uri`` (see the module docstring); what was done.
-    A store that does not answer (``TransientError``) is raised."""
+    """Vouch for the cache entry of the run published under ``run_uri`` (see the module docstring); what was done
+    (its ``run_uri`` with any credentials masked). A store that does not answer (``TransientError``) is raised."""
+    shown = redact_userinfo(run_uri)
     try:
-        eid, cache_uri = _vouch(run_uri, keyring, filesystems, dry_run)
+        eid, cache_uri = _vouch(run_uri, keyring, filesystems, dry_run, locations)
     except _Stop as s:
         outcome, reason, kw = s.result
-        return RunVouch(run_uri=run_uri, outcome=outcome, reason=reason, **kw)
-    return RunVouch(run_uri=run_uri, outcome="would_vouch" if dry_run else "vouched", cache_uri=cache_uri, entry_id=eid)
+        return RunVouch(run_uri=shown, outcome=outcome, reason=reason, **kw)
+    return RunVouch(run_uri=shown, outcome="would_vouch" if dry_run else "vouched", cache_uri=cache_uri, entry_id=eid)
 
 
 def _refuse(reason: str, **kw: Any) -> _Stop:
@@ -92,7 +129,13 @@ def _skip(reason: str, **kw: Any) -> _Stop:
     return _Stop("skipped", reason, **kw)
 
 
-def _vouch(run_uri: str, keyring: Keyring, filesystems: FileSystems | None, dry_run: bool) -> tuple[str, str]:
+def _vouch(
+    run_uri: str, keyring: Keyring, filesystems: FileSystems | None, dry_run: bool, locations: Locations | None
+) -> tuple[str, str]:
+    try:
+        check_uri(run_uri, locations.allowed if locations else [], "run URI")
+    except SpecError as e:
+        raise _refuse(str(e)) from None
     out = Storage(run_uri, {}, filesystems)
     if not out.exists(MERGED):
         raise _skip(f"no {MERGED}: the run was not merged")
@@ -105,10 +148,17 @@ def _vouch(run_uri: str, keyring: Keyring, filesystems: FileSystems | None, dry_
     if not out.exists(SUCCESS):
         raise _skip(f"no {SUCCESS}: the run was not published (publish vouches for it when it publishes)")
     _check_success(out, keyring, merged)
-    plan_cache = _plan_cache(out, keyring, merged)
+    plan = _plan(out, keyring, merged)
+    assert plan.cache is not None
+    plan_cache = plan.cache
     known = {"cache_uri": plan_cache.uri, "entry_id": c.entry_id}
     if scope_of(c.uri) != scope_of(plan_cache.uri):
         raise _refuse(f"the merge summary names cache {c.uri}, the sealed plan {plan_cache.uri}", **known)
+    if locations is not None:
+        try:
+            check_cache_location(plan_cache.uri, locations.caches, locations.caches_setting)
+        except SpecError as e:
+            raise _refuse(str(e), **known) from None
     store = CacheStore(plan_cache.uri, {}, keyring, filesystems)
     khash, eid = plan_cache.key_hash, c.entry_id
     rel = f"{store.commit_dir(khash)}/{eid}.json"
@@ -129,6 +179,9 @@ def _vouch(run_uri: str, keyring: Keyring, filesystems: FileSystems | None, dry_
             f"its entry's commit {store.st.uri(rel)} is not the one the merge summary names (written again since)",
             **known,
         )
+    why = _not_made_from_published(out, merged, plan, commit)
+    if why:
+        raise _skip(why, **known)
     if store.vouched(khash, commit):
         raise _Stop("already_vouched", "", **known)
     if not dry_run:
@@ -167,8 +220,33 @@ def _check_success(out: Storage, keyring: Keyring, merged: MergeSummary) -> None
         raise _refuse(f"{out.uri(SUCCESS)} is the publish of another merge than {out.uri(MERGED)} (differs: {differ})")
 
 
-def _plan_cache(out: Storage, keyring: Keyring, merged: MergeSummary) -> CachePlan:
-    """The sealed plan's cache (folder, key config) the run was merged under."""
+def _not_made_from_published(out: Storage, merged: MergeSummary, plan: Plan, commit: CacheCommit) -> str | None:
+    """Why the entry of ``commit`` may hold other answers than the ones published (None: it holds them; module
+    docstring, check 5). The results manifest is read only as the sealed merge summary names it."""
+    try:
+        manifest = verified_manifest(out, RESULTS, merged)
+    except (ValueError, CommitError) as e:
+        raise _refuse(f"{out.uri(manifest_rel(RESULTS))}: {str(e)[:300]}") from None
+    origin = commit.source_output_uri
+    if commit.entry_id == entry_id(plan, origin, made_from(manifest.parts)):
+        return None
+    if commit.entry_id == run_entry_id(plan, origin):
+        if merged.cache is not None and merged.cache.committed_by == "this_merge":
+            return None
+        return (
+            f"its entry {commit.entry_id} was filed by a version whose entry id came from the run alone, and the "
+            f"published merge found it committed by an earlier merge of the run ({MERGED} says "
+            f"committed_by={merged.cache.committed_by if merged.cache else None!r}): it may hold the answers of that "
+            "earlier merge, which a merge over other parts replaced and no publish approved; its rows are inferred once"
+        )
+    return (
+        f"its entry {commit.entry_id} is not the one a merge of the published results files (its id covers neither "
+        "their parts nor the run alone): nothing says it holds the published answers; its rows are inferred once"
+    )
+
+
+def _plan(out: Storage, keyring: Keyring, merged: MergeSummary) -> Plan:
+    """The sealed plan the run was merged under, with its cache (folder, key config)."""
     where = out.uri(PLAN_FILE)
     try:
         plan = parse_plan(out.read_bytes(PLAN_FILE), where)
@@ -181,4 +259,4 @@ def _plan_cache(out: Storage, keyring: Keyring, merged: MergeSummary) -> CachePl
         raise _refuse(f"{where} is not the plan the sealed {MERGED} names")
     if plan.cache is None:
         raise _refuse(f"{where} has no result cache, yet the merge filed an entry")
-    return plan.cache
+    return plan

@@ -12,6 +12,7 @@ from airflow_provider_vllm.core.errors import EXIT_TERMINAL
 from airflow_provider_vllm.steps.merge.merger import SUCCESS
 from tests.support import ROOT
 from tests.support.data import files_under
+from tests.support.ledger import record_malicious
 from tests.unit.steps.cache.test_vouch_runs import cached_run, hits, vouches
 
 
@@ -69,3 +70,43 @@ def test_it_runs_as_a_module_and_exits_non_zero_when_a_run_was_refused(tmp_path,
     assert lines[1].startswith(f"{forged}: refused: {SUCCESS}") and "no seal" in lines[1], p.stdout
     assert len(vouches(tmp_path)) == 1
     assert hits(tmp_path, "a") == 40 and hits(tmp_path, "b") == 0
+
+
+def test_it_keeps_to_the_deployments_locations_as_publish_does(tmp_path, fake_engine_factory, monkeypatch, capfd):
+    """What publish refuses of a spec (``check_spec_allowed``), the command refuses of a run: an output prefix
+    outside ``[vllm_batch] allowed_uri_prefixes``, a cache folder outside ``cache_uri_prefixes`` (a deployment that
+    moved its caches, or a team's cache it no longer allows), a URI with credentials (shown masked, never printed);
+    with neither an allow-list nor ``allow_any_location`` it does not start (fail closed). Nothing is vouched for."""
+    published = cached_run(tmp_path, fake_engine_factory, "a")
+    here, elsewhere = json.dumps([str(tmp_path)]), json.dumps([str(tmp_path / "elsewhere")])
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", elsewhere)
+    capfd.readouterr()
+    assert vouch_published.main([str(published)]) == vouch_published.EXIT_REFUSED
+    (line,) = reports(capfd.readouterr().out, tmp_path)
+    assert line.startswith(f"{published}: refused: ") and "outside the allowed prefixes" in line, line
+
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", here)
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__CACHE_URI_PREFIXES", elsewhere)
+    assert vouch_published.main([str(published)]) == vouch_published.EXIT_REFUSED
+    (line,) = reports(capfd.readouterr().out, tmp_path)
+    assert line.startswith(f"{published}: refused entry ") and "cache_uri_prefixes" in line, line
+
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__CACHE_URI_PREFIXES", here)
+    secret = "wJalrXUtnFEMI/K7MDENG"
+    with_credentials = f"file://AKIAEXAMPLE:{secret}@localhost{published}"
+    assert vouch_published.main([with_credentials]) == vouch_published.EXIT_REFUSED
+    out, err = capfd.readouterr()
+    assert secret not in out + err and "credentials" in out and "***" in out, out
+    assert not vouches(tmp_path)
+
+    monkeypatch.delenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES")
+    monkeypatch.delenv("AIRFLOW__VLLM_BATCH__ALLOW_ANY_LOCATION", raising=False)
+    assert vouch_published.main([str(published)]) == EXIT_TERMINAL
+    out, err = capfd.readouterr()
+    assert not out and err.count("\n") == 1 and "allowed_uri_prefixes" in err, err
+    assert not vouches(tmp_path) and hits(tmp_path, "a") == 0
+    record_malicious("vouch_published_outside_the_deployments_locations", 3, 3)
+
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", here)
+    assert vouch_published.main([str(published)]) == 0
+    assert hits(tmp_path, "a") == 40

@@ -535,3 +535,39 @@ def test_typed_template_columns_give_the_same_prompts_with_the_dedupe_on_and_off
         assert (plan.dedupe is not None) is on and summary.rows == 4
         hashes[on] = {i: r["prompt_hash"] for i, r in rows(spec).items()}
     assert hashes[True] == hashes[False] and len(set(hashes[True].values())) == 2
+
+
+def test_an_int96_timestamp_template_column_gives_the_same_prompts_with_the_dedupe_on_and_off(
+    tmp_path, fake_engine_factory
+):
+    """Parquet's deprecated INT96 timestamps (Spark, Hive, Impala) hold nanoseconds. DuckDB, which keys the rows and
+    writes the file the worker renders with the dedupe (or the result cache) on, reads them in microseconds (floored);
+    pyarrow read them in nanoseconds, so a plain run rendered other prompts than one whose input repeats a prompt,
+    and two rows one nanosecond apart shared a key but not a prompt. The worker reads an INT96 template column in
+    microseconds as DuckDB does: every row's prompt is the same in both runs, before 1970 too."""
+    ns = [1_700_000_000_000_000_123, 1_700_000_000_000_000_999, -1_000_000_123, -1_000_000_999]
+    (tmp_path / "in").mkdir()
+    pq.write_table(
+        pa.table(
+            {
+                "id": ["a", "b", "c", "d"],
+                "text": ["same"] * 4,
+                "at": pa.array(ns, pa.timestamp("ns")),
+            }
+        ),
+        tmp_path / "in" / "a.parquet",
+        use_deprecated_int96_timestamps=True,
+    )
+    assert pq.ParquetFile(tmp_path / "in" / "a.parquet").metadata.schema.column(2).physical_type == "INT96"
+    hashes = {}
+    for on in (True, False):
+        spec = make_spec(
+            tmp_path / "in",
+            tmp_path / f"out-{on}",
+            prompt={"template": "{text} {at}", "text_columns": ["text"]},
+            sharding={"dedupe": on},
+        )
+        plan, summary = run_job(spec, fake_engine_factory)
+        assert (plan.dedupe is not None) is on and summary.rows == 4
+        hashes[on] = {i: r["prompt_hash"] for i, r in rows(spec).items()}
+    assert hashes[True] == hashes[False] and len(set(hashes[True].values())) == 2

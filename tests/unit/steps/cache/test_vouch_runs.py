@@ -25,11 +25,19 @@ def texts(run: str) -> list[str]:
     return [f"ticket {run}-{i}: I was charged twice, please refund" for i in range(40)]
 
 
-def cached_run(tmp_path: Path, factory, run: str, *, publish: bool = True, text_of: str | None = None) -> Path:
+def cached_run(
+    tmp_path: Path,
+    factory,
+    run: str,
+    *,
+    publish: bool = True,
+    text_of: str | None = None,
+    rows: list[str] | None = None,
+) -> Path:
     """A run of the job with the result cache (``tmp_path/cache``) under ``tmp_path/out-<run>``: planned, its shards
     run, merged (the merge files its entry), QA'd and, with ``publish``, published; then, standing for a run
     published before the upgrade, its vouch record removed and its merge summary sealed without the commit seal
-    (merged before it was recorded)."""
+    (merged before it was recorded). ``rows``: the 40 rows' texts (default: ``texts(text_of or run)``)."""
     from airflow_provider_vllm.core.engine_identity import local_engine_identity
     from airflow_provider_vllm.operators.merge import VllmMergeOperator
     from airflow_provider_vllm.operators.publish import VllmPublishOperator
@@ -38,7 +46,7 @@ def cached_run(tmp_path: Path, factory, run: str, *, publish: bool = True, text_
     from airflow_provider_vllm.worker.shard import run_shard
     from tests.support.data import cached_job_spec
 
-    spec = cached_job_spec(tmp_path, run, IDS, texts(text_of or run))
+    spec = cached_job_spec(tmp_path, run, IDS, rows or texts(text_of or run))
     for s in plan_job(spec, engine_identity=local_engine_identity()).shards:
         run_shard(shard_task(spec=spec, shard_id=s.shard_id), engine_factory=factory)
     doc = spec.model_dump(mode="json")
@@ -217,3 +225,110 @@ def test_a_run_whose_entry_is_gone_is_skipped(tmp_path, fake_engine_factory):
     done = vouch_run(str(out), Keyring.from_env())
     assert done.outcome == "skipped" and "not in the cache folder" in done.reason, done
     assert not vouches(tmp_path)
+
+
+def merged_by_an_earlier_version(tmp_path: Path, factory, run: str, *, committed_by: str, faulty: bool) -> Path:
+    """A run merged and published by a version whose entry id came from the run alone (spec hash and output prefix,
+    before the id covered the parts it was made from), then QA'd and published as such a version did.
+
+    ``committed_by`` ``earlier_merge`` with ``faulty``: the run was merged twice, its first merge filed answers a
+    faulty node gave (QA caught them, the shards ran again) and the second found that commit under the same id,
+    appended nothing and was published: the entry holds the first merge's answers, which no publish approved.
+    ``this_merge`` without ``faulty``: merged once, the entry holds exactly the published answers."""
+    import hashlib
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from airflow_provider_vllm.core.engine_identity import local_engine_identity
+    from airflow_provider_vllm.core.records import CacheFileEntry
+    from airflow_provider_vllm.operators.merge import VllmMergeOperator
+    from airflow_provider_vllm.operators.publish import VllmPublishOperator
+    from airflow_provider_vllm.operators.qa import VllmQAOperator
+    from airflow_provider_vllm.steps.plan.planner import plan_job
+    from airflow_provider_vllm.worker.shard import run_shard
+    from tests.support.data import cached_job_spec
+
+    spec = cached_job_spec(tmp_path, run, IDS, texts(run))
+    for s in plan_job(spec, engine_identity=local_engine_identity()).shards:
+        run_shard(shard_task(spec=spec, shard_id=s.shard_id), engine_factory=factory)
+    doc = spec.model_dump(mode="json")
+    VllmMergeOperator(task_id="merge", spec=doc, plan=plan_xcom(doc)).execute(context())
+    out, cache = tmp_path / f"out-{run}", tmp_path / "cache"
+    keyring = Keyring.from_env()
+    merged = read_merged(Storage(str(out)), keyring)
+    assert merged.cache is not None and merged.cache.entry_id is not None
+    new = merged.cache.entry_id
+    (commit_file,) = (cache / "commits").glob(f"*/{new}.json")
+    commit = CacheCommit.model_validate_json(commit_file.read_bytes())
+    old = hashlib.sha256(f"{merged.spec_hash}\n{commit.source_output_uri}".encode()).hexdigest()[:32]
+    table = pq.read_table(cache / "entries" / new / "part-00000.parquet")
+    if faulty:
+        table = table.set_column(table.schema.get_field_index("label"), "label", pa.array(["other"] * table.num_rows))
+    part = cache / "entries" / old / "part-00000.parquet"
+    part.parent.mkdir(parents=True)
+    pq.write_table(table, part)
+    data = part.read_bytes()
+    rel = f"entries/{old}/part-00000.parquet"
+    filed = commit.model_copy(
+        update={
+            "entry_id": old,
+            "files": [
+                CacheFileEntry(path=rel, bytes=len(data), sha256=hashlib.sha256(data).hexdigest(), rows=len(table))
+            ],
+            "seal": None,
+        }
+    )
+    (commit_file.parent / f"{old}.json").write_bytes(
+        record_bytes(seal_record(keyring, seals.CACHE_ENTRY, scope_of(str(cache)), filed))
+    )
+    commit_file.unlink()
+    shutil.rmtree(cache / "entries" / new)
+    summary = merged.cache.model_copy(update={"entry_id": old, "committed_by": committed_by, "commit_mac": None})
+    earlier = merged.model_copy(update={"cache": summary, "seal": None})
+    (out / MERGED).write_bytes(record_bytes(seal_record(keyring, seals.MERGED, scope_of(str(out)), earlier)))
+    VllmQAOperator(task_id="qa", spec=doc).execute(context())
+    VllmPublishOperator(task_id="publish", spec=doc).execute(context())
+    assert (out / SUCCESS).exists() and not vouches(tmp_path)  # no commit seal named: publish vouched for nothing
+    return out
+
+
+def test_an_entry_of_an_earlier_version_holding_a_replaced_merges_answers_is_not_vouched_for(
+    tmp_path, fake_engine_factory
+):
+    """Before an entry's id covered the parts it was made from, a run merged again over other parts (its shards run
+    again after QA caught a faulty node) found its first merge's commit under the same id and appended nothing: the
+    published merge summary names an entry that holds the answers QA failed. Nothing sealed says those are the answers
+    published, so the entry is not vouched for (its rows are inferred once)."""
+    out = merged_by_an_earlier_version(tmp_path, fake_engine_factory, "a", committed_by="earlier_merge", faulty=True)
+    done = vouch_run(str(out), Keyring.from_env())
+    assert done.outcome == "skipped" and "earlier merge" in done.reason, done
+    record_malicious("entry_of_a_replaced_merge_vouched_after_upgrade", 1, 1)
+    assert not vouches(tmp_path) and hits(tmp_path, "a") == 0
+
+
+def test_an_entry_of_an_earlier_version_that_its_published_merge_filed_is_vouched_for(tmp_path, fake_engine_factory):
+    """The same version's entry that the published merge itself committed (``this_merge``) holds exactly the published
+    answers: vouched for, and it serves."""
+    out = merged_by_an_earlier_version(tmp_path, fake_engine_factory, "a", committed_by="this_merge", faulty=False)
+    done = vouch_run(str(out), Keyring.from_env())
+    assert done.outcome == "vouched", done
+    assert hits(tmp_path, "a") == 40
+
+
+def test_a_run_with_cache_hits_and_repeated_prompts_is_vouched_for(tmp_path, fake_engine_factory):
+    """The entry's id covers only the parts the run's shards computed: the merge's own parts (the cache's hits, the
+    dedupe's followers) in the published results manifest are left out, as the merge files the entry."""
+    from airflow_provider_vllm.steps.merge.merger import RESULTS, read_manifest
+
+    keyring = Keyring.from_env()
+    assert vouch_run(str(cached_run(tmp_path, fake_engine_factory, "a")), keyring).outcome == "vouched"
+    rows = texts("a")[:10] + [f"ticket b-{i % 10}: the app crashes on start" for i in range(30)]
+    out = cached_run(tmp_path, fake_engine_factory, "b", rows=rows)
+    names = [p.name for p in read_manifest(Storage(str(out)), RESULTS).parts]
+    assert any(n.endswith("-cache-hits.parquet") for n in names) and any(
+        n.endswith("-followers.parquet") for n in names
+    )
+    done = vouch_run(str(out), keyring)
+    assert done.outcome == "vouched", done
+    assert len(vouches(tmp_path)) == 1  # b's (cached_run removed a's record with b's)
