@@ -612,6 +612,7 @@ def vouch_published(
             else "its commit was written again since this run's merge",
         )
         return None
-    store.vouch(plan.cache.key_hash, c.entry_id, c.commit_mac, "publish", spec.io.output_uri)
+    if not store.vouch(plan.cache.key_hash, c.entry_id, c.commit_mac, "publish", spec.io.output_uri):
+        return None  # its commit removed or written again while the record was written (logged)
     log.info("cache %s: entry %s vouched for: it serves later runs", plan.cache.uri, c.entry_id)
     return c.entry_id

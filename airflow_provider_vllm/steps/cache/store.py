@@ -289,7 +289,8 @@ class CacheStore:
         if made is None or made.seal is None:  # never remove what no verified commit supersedes
             return None
         # made from vouched entries only: vouched for by construction, before the entries it holds are removed
-        self.vouch(khash, eid, made.seal.mac, "compaction", "")
+        if not self.vouch(khash, eid, made.seal.mac, "compaction", ""):
+            return None  # its commit gone meanwhile: the entries it folded stay
         self.drop(khash, [c.entry_id for c in live])
         log.info("cache %s: compacted %d entries into %s (%d rows)", self.st.uri(), len(live), eid, rows)
         return eid
@@ -304,9 +305,12 @@ class CacheStore:
 
     def vouch(
         self, khash: str, eid: str, commit_mac: str, by: Literal["publish", "compaction"], output_uri: str
-    ) -> None:
+    ) -> bool:
         """Write the sealed record that lets entry ``eid`` (exactly its commit sealed ``commit_mac``) serve later runs:
-        atomically, replacing an earlier one (a publish run again; a commit written again since)."""
+        atomically, replacing an earlier one (a publish run again; a commit written again since). Then the commit is
+        read again: a merge's sweep (``drop``: the commit first, the record after) that removed it between the
+        caller's read and this write left no record to remove, so this one is removed here (False): a record for no
+        commit vouches for nothing and would stay in the folder for good. True: the record stands."""
         record = CacheVouch(
             entry_id=eid,
             key_hash=khash,
@@ -317,8 +321,20 @@ class CacheStore:
         )
         body = seals.record_bytes(seals.seal_record(self.keyring, seals.CACHE_PUBLISHED, self.scope, record))
         faults.hit("cache.before_vouch")
+        rel = f"{self.vouch_dir(khash)}/{eid}.json"
         with faults.writing("cache.mid_vouch"):
-            self.st.write_atomic(f"{self.vouch_dir(khash)}/{eid}.json", body)
+            self.st.write_atomic(rel, body)
+        made = self.read_commit(khash, eid)
+        if made is not None and made.seal is not None and made.seal.mac == commit_mac:
+            return True
+        self.st.remove(rel)
+        log.warning(
+            "cache %s: entry %s is not vouched for: its commit was %s while the record was written",
+            self.st.uri(),
+            eid,
+            "removed (a merge's sweep, or a later merge of its output)" if made is None else "written again",
+        )
+        return False
 
     def sweep(self, khash: str, keep: str, at: datetime | None = None) -> list[str]:
         """Remove the sealed entries of this key config that no publish vouched for and whose sealed ``created`` is

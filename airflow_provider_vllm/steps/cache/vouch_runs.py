@@ -185,7 +185,8 @@ def _vouch(
     if store.vouched(khash, commit):
         raise _Stop("already_vouched", "", **known)
     if not dry_run:
-        store.vouch(khash, eid, commit.seal.mac, "publish", run_uri)
+        if not store.vouch(khash, eid, commit.seal.mac, "publish", run_uri):
+            raise _skip(f"its entry's commit {store.st.uri(rel)} was removed while the record was written", **known)
         if not store.vouched(khash, commit):  # read back: what the plan will read
             raise _refuse(f"the vouch record written for entry {eid} does not read back", **known)
         log.info("cache %s: entry %s of the published run %s vouched for", plan_cache.uri, eid, run_uri)

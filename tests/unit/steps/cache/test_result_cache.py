@@ -25,7 +25,7 @@ from airflow_provider_vllm.core.errors import CommitError, EngineError, InputCha
 from airflow_provider_vllm.core.plan import PLAN_FILE, Plan
 from airflow_provider_vllm.core.records import CacheCommit
 from airflow_provider_vllm.core.rows import RESULT_SCHEMA
-from airflow_provider_vllm.core.seal import CACHE_ENTRY, Keyring, record_bytes, scope_of, seal_record
+from airflow_provider_vllm.core.seal import CACHE_ENTRY, CACHE_PUBLISHED, Keyring, record_bytes, scope_of, seal_record
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.steps.cache import result_cache as cache
 from airflow_provider_vllm.steps.cache.store import CacheStore
@@ -1309,8 +1309,9 @@ def test_a_vouch_record_no_publish_of_this_cache_wrote_for_this_commit_serves_no
     elif forged == "a record sealed with the worker key":
         path.write_bytes(_worker_sealed(genuine, store))
     elif forged == "a genuine record of another cache folder":
-        CacheStore(str(tmp_path / "other-cache"), {}, Keyring.from_env()).vouch(khash, eid, mac, "publish", "")
-        path.write_bytes(_vouch_path(tmp_path / "other-cache", khash, eid).read_bytes())
+        # what a publish of that other cache writes (CacheStore.vouch): sealed for its own folder
+        other = scope_of(str(tmp_path / "other-cache"))
+        path.write_bytes(record_bytes(seal_record(Keyring.from_env(), CACHE_PUBLISHED, other, genuine)))
     elif forged == "a genuine record of another entry":
         write_parquet(tmp_path / "in-o.parquet", IDS, [t + " (other)" for t in TEXTS])
         so = spec_for(tmp_path, "o")

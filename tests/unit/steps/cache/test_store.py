@@ -192,3 +192,26 @@ def test_only_vouched_entries_are_read_and_a_planted_record_is_read_no_further_t
     read = counted_reads(monkeypatch)
     assert [c.entry_id for c in store.committed(KH)] == [b]
     assert sum(read) < store_module.VOUCH_MAX_BYTES // 10 and f"cache: entry {a} is not read" in caplog.text
+
+
+def test_a_vouch_record_written_as_the_sweep_removes_its_commit_is_removed_not_left_for_good(store, tmp_path):
+    """Publish read the entry's commit (there), then a merge's sweep of entries not published within
+    ``UNPUBLISHED_KEEP`` removed it (commit, part, and the record: none yet), then publish wrote its record: a
+    record for no commit, vouching for nothing, that nothing removed and every plan's bounded listing counted. The
+    record is now read back against the commit and removed; a commit written again meanwhile is not vouched for
+    either. Nothing serves in either case, and the folder of records is left as it was."""
+    eid = write(store, tmp_path, 1, ["k1"], "a", published=False)
+    read_by_publish = store.read_commit(KH, eid)
+    store.drop(KH, [eid])  # the sweep, between publish's read and its write
+    assert store.vouch(KH, eid, read_by_publish.seal.mac, "publish", "/runs/1") is False
+    assert not (tmp_path / "cache" / "published" / KH[:32]).exists() or not os.listdir(
+        tmp_path / "cache" / "published" / KH[:32]
+    )
+    again = write(store, tmp_path, 2, ["k2"], "b", published=False)
+    stale_mac = "0" * 64  # what publish read before the commit was written again
+    assert store.vouch(KH, again, stale_mac, "publish", "/runs/2") is False
+    assert os.listdir(tmp_path / "cache" / "published" / KH[:32]) == []
+    assert store.committed(KH) == []
+    made = store.read_commit(KH, again)
+    assert store.vouch(KH, again, made.seal.mac, "publish", "/runs/2") is True  # the undisturbed case
+    assert [c.entry_id for c in store.committed(KH)] == [again]
