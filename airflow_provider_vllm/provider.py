@@ -17,6 +17,7 @@ ALLOWED_RUNNERS = "allowed_runners"
 ALLOW_ANY_LOCATION = "allow_any_location"
 ALLOW_REMOTE_CODE = "allow_remote_code"
 DEPLOYMENT_SETTINGS_FROM_VARIABLES = "deployment_settings_from_variables"
+QA_SETTINGS_FROM_VARIABLES = "qa_settings_from_variables"
 KUBERNETES_DEFAULTS = "kubernetes_defaults"
 AWS_CONN_ID = "aws_conn_id"
 GCP_CONN_ID = "gcp_conn_id"
@@ -108,6 +109,18 @@ def get_provider_info() -> dict:
                         "annotations, trust_remote_code, code-loading engine options. False: Variables may set "
                         "the other settings only.",
                         "version_added": "0.1.0",
+                        "type": "boolean",
+                        "example": "False",
+                        "default": "False",
+                    },
+                    QA_SETTINGS_FROM_VARIABLES: {
+                        "description": "True: Variables (vllm_batch_spec_overrides, vllm_batch_human_review, any "
+                        "template reading a Variable) may also loosen what decides whether a run is published: raise "
+                        "a QA rate threshold, lower an accuracy threshold (0: off), change min_labelled or "
+                        "confidence, change or remove a baseline or a source of known labels the DAG file sets, "
+                        "turn the review of a QA 'warn' off. False: Variables may only make them stricter than the "
+                        "DAG file's values (the spec defaults where it sets none). Trigger params never loosen them.",
+                        "version_added": "0.3.0",
                         "type": "boolean",
                         "example": "False",
                         "default": "False",

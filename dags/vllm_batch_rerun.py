@@ -7,7 +7,10 @@ temperature out of range is refused and no task runs. Then `plan` validates the 
 spec (a bad model path, a missing id column or duplicate ids fail it without retry), and the
 deployment's rules: every location (input, output, a local model path) must lie under
 `[vllm_batch] allowed_uri_prefixes`, and the form cannot set what the deployment owns (pod
-image, service account, secrets, `trust_remote_code`; docs/security.md).
+image, service account, secrets, `trust_remote_code`; docs/security.md), nor loosen what decides whether the run
+is published: QA's thresholds, baselines and known labels, and the review of a QA 'warn', are this file's (and
+`vllm_batch_spec_overrides` / `vllm_batch_human_review` may loosen them only where the deployment sets
+`[vllm_batch] qa_settings_from_variables = True`).
 
 Empty fields keep the defaults: the model from the `vllm_batch_model` Variable (which this DAG
 needs set; the plan task fails naming it otherwise) and the output `<vllm_batch_data_root>/reruns/<run id>-<hash>/`, so
@@ -17,8 +20,9 @@ input and spec (a re-run then reuses the committed shards).
 *Compare with* names an earlier run's output prefix (a nightly date, another re-run): the run
 then writes `changes/` (every id added, removed, changed or unchanged against it) and the QA
 page shows the old x new label matrix, e.g. to see what a new prompt or model would move. Like
-every location it must lie under `allowed_uri_prefixes`. The form offers no cache location:
-a re-run recomputes every row (the point of most re-runs); a deployment that wants one sets
+every location it must lie under `allowed_uri_prefixes`. This file sets no baseline, so the form may add one (a
+DAG file that sets `changes.previous_uri` keeps it: the form cannot move a gate's baseline). The form offers no
+cache location: a re-run recomputes every row (the point of most re-runs); a deployment that wants one sets
 `cache.uri` in `vllm_batch_spec_overrides`.
 
 *Dry run* only validates and estimates (see `python -m airflow_provider_vllm.cli.dry_run`): the

@@ -10,9 +10,12 @@ Variables, so it is read at run time (never while the DAG file is parsed):
     vllm_batch_golden_uri      golden rows that ride along with every run (default: none): a Parquet file of
                                id, text and label; QA scores them every night (qa.reference.ride_along_uri)
     vllm_batch_human_review    "true" (default): a QA 'warn' waits for a person to approve publication;
-                               "false": publish warned runs without asking (a 'fail' never publishes)
+                               "false": publish warned runs without asking (a 'fail' never publishes), only where
+                               the deployment sets [vllm_batch] qa_settings_from_variables = True (else plan fails)
     vllm_batch_spec_overrides  JSON object of spec overrides, e.g. {"engine.enforce_eager": false,
-                               "engine.max_num_seqs": 256, "sharding.max_shards": 64}
+                               "engine.max_num_seqs": 256, "sharding.max_shards": 64}; QA settings only stricter
+                               than the DAG file's (a lower qa.fail_error_rate, ...) unless the deployment sets
+                               [vllm_batch] qa_settings_from_variables = True
     vllm_batch_runner          where shards run: local (default) or kubernetes (one pod per shard), one that
                                [vllm_batch] allowed_runners allows (unset: kubernetes where a kubernetes_*
                                option is set, else local)
@@ -23,7 +26,9 @@ Set them in the UI, with `airflow variables set`, or as AIRFLOW_VAR_<NAME> envir
 Variables never decide where jobs may read and write, nor (unless the deployment opts in with
 [vllm_batch] deployment_settings_from_variables) the pod image, service account, env, Secrets,
 trust_remote_code or code-loading engine options: those are the deployment's [vllm_batch]
-configuration (allowed_uri_prefixes, kubernetes_defaults, ...) or the DAG file's (docs/security.md).
+configuration (allowed_uri_prefixes, kubernetes_defaults, ...) or the DAG file's (docs/security.md). Nor do they
+loosen what decides whether a run is published (QA thresholds, baselines, known labels the DAG file sets, the
+review of a 'warn') unless the deployment opts in with [vllm_batch] qa_settings_from_variables.
 """
 
 from __future__ import annotations

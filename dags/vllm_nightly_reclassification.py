@@ -39,7 +39,10 @@ so moved labels come from edited tickets; a few percent is a normal night, while
 share means the model, prompt or labelling changed under the data, or the input is not the
 corpus it claims to be: a person looks before it is published (`vllm_batch_human_review`),
 and past half the corpus the run is not published at all. Both are spec fields
-(`qa.warn_churn_rate`, `qa.fail_churn_rate`) that `vllm_batch_spec_overrides` can change.
+(`qa.warn_churn_rate`, `qa.fail_churn_rate`) that `vllm_batch_spec_overrides` can lower (stricter). A Variable
+that loosens a gate this file sets (a higher churn threshold, a lower accuracy one, another baseline, the review
+off through `vllm_batch_human_review`) fails `plan`, naming it, unless the deployment sets `[vllm_batch]
+qa_settings_from_variables = True`; edit this file instead (docs/security.md).
 
 **Is it right?** The checks above say a run completed, not that its answers are right. Give
 the DAG a golden set, `vllm_batch_golden_uri` (a Parquet file of `id`, `text` and `label`): its
@@ -48,9 +51,11 @@ and prompt, scored by QA and never published, changed or cached. QA reports the 
 95% interval, per-class precision and recall, the confusion matrix, and how far to trust the
 engine's confidence (accuracy by confidence); it warns below 80% accuracy, fails below 50%, and
 fails on a drop of more than 5 points since the last published run that the interval says is real
-(`qa.warn_accuracy_below`, `qa.fail_accuracy_below`, `qa.fail_accuracy_drop`). Known labels of the
-night's own tickets can come in too: `{"qa.reference.golden_uri": ...}` (an id -> label file) or
-`{"qa.reference.input_column": ...}` in `vllm_batch_spec_overrides`.
+(`qa.warn_accuracy_below`, `qa.fail_accuracy_below`, `qa.fail_accuracy_drop`; through `vllm_batch_spec_overrides`
+only raised, or lowered for the drop). Known labels of the night's own tickets can come in too:
+`{"qa.reference.golden_uri": ...}` (an id -> label file) or `{"qa.reference.input_column": ...}` in
+`vllm_batch_spec_overrides`. The golden rows and labels a Variable names are then the yardstick, chosen by whoever
+edits it: to keep it out of their hands, name them in this file.
 
 **Adapting it.** Set Airflow Variables (or `AIRFLOW_VAR_*` environment variables):
 `vllm_batch_data_root` (e.g. `s3://bucket/support`), `vllm_batch_model` (a hub id or a

@@ -7,7 +7,8 @@
 Every field of every section: its dotted path, type, default, description (the pydantic
 ``Field(description=...)``) and who may set it (the trust model of docs/security.md: the
 deployment-owned paths of ``spec_guard.DEPLOYMENT_OWNED``, the locations bounded by the allow-list,
-the trigger-form aliases of ``spec.PARAM_ALIASES``). ``tests/unit/test_spec_doc.py`` keeps the file
+the trigger-form aliases of ``spec.PARAM_ALIASES``, what decides publication with ``core.qa_gates.GATE_SETTINGS``).
+``tests/unit/test_spec_doc.py`` keeps the file
 equal to this output.
 """
 
@@ -27,6 +28,7 @@ from pydantic_core import PydanticUndefined
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from airflow_provider_vllm.core import qa_gates  # noqa: E402
 from airflow_provider_vllm.core.spec import PARAM_ALIASES, JobSpec  # noqa: E402
 from airflow_provider_vllm.core.spec_guard import CODE_SOURCE, DEPLOYMENT_OWNED  # noqa: E402
 
@@ -47,7 +49,20 @@ OWNED = "deployment, DAG file; Variable with `deployment_settings_from_variables
 # read at parse time by vllm_batch_job (the plan task's inlet): set anywhere else, the plan fails
 PARSE_TIME = {
     "changes.previous_published": "DAG file: `true` in the dict spec given to `vllm_batch_job` (not YAML text or a "
-    "template); a Variable or trigger may only turn it off",
+    "template); a Variable or trigger can turn it neither on (the plan fails) nor off (the churn gate's baseline; a "
+    "Variable with `qa_settings_from_variables`)",
+}
+# what decides publication (core/qa_gates.py): a Variable or trigger may only make it stricter than the DAG file's
+_OPT_IN = "a Variable with `qa_settings_from_variables`, a trigger never"
+GATES = {
+    qa_gates.LOWER: f"the DAG file's value (else the default) or lower, stricter; higher: {_OPT_IN}",
+    qa_gates.HIGHER: f"the DAG file's value (else the default) or higher, stricter; lower: {_OPT_IN}",
+    qa_gates.KEPT: f"the DAG file's value (else the default), as either way can loosen; another: {_OPT_IN}",
+    qa_gates.BASELINE: f"added where the DAG file sets none; one it sets stays (changed or removed: {_OPT_IN})",
+    qa_gates.SOURCE: "added where the DAG file names none, unless it asks for an accuracy gate (thresholds other than "
+    f"the defaults) with no known labels at all; one it names stays (changed or removed: {_OPT_IN})",
+    qa_gates.SOURCE_COLUMN: "the DAG file's value while it names a golden file (`golden_uri`, `ride_along_uri`); "
+    f"another: {_OPT_IN}",
 }
 
 HEADER = """# The job spec
@@ -175,6 +190,13 @@ def who(path: str) -> str:
         return OWNED
     alias = next((a for a, target in PARAM_ALIASES.items() if target == path), None)
     text = ANYONE + (f" (`{alias}`)" if alias else "")
+    if path == "qa.reference":
+        return "per field (below)"
+    if path in qa_gates.GATE_SETTINGS:
+        text = f"DAG file; Variable, trigger{f' (`{alias}`)' if alias else ''}: {GATES[qa_gates.GATE_SETTINGS[path]]}"
+        if path in LOCATIONS or path in ("qa.reference.golden_uri", "qa.reference.ride_along_uri"):
+            text += "; inside `allowed_uri_prefixes`"
+        return text
     if path in LOCATIONS:
         return text + ", inside `allowed_uri_prefixes`"
     if path in CODE_SOURCE:

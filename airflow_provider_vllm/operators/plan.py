@@ -9,6 +9,7 @@ from typing import Any
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException
 
+from airflow_provider_vllm.core import qa_gates
 from airflow_provider_vllm.core.errors import SpecError
 from airflow_provider_vllm.core.param_schemas import validate_params
 from airflow_provider_vllm.core.plan import LastPublished
@@ -17,6 +18,7 @@ from airflow_provider_vllm.core.spec import PARAM_ALIASES, JobSpec
 from airflow_provider_vllm.core.spec_guard import DEPLOYMENT_OWNED, owned_paths_set
 from airflow_provider_vllm.hooks.filesystems import ConnectionFileSystems, task_filesystems
 from airflow_provider_vllm.hooks.iceberg import tables as iceberg_tables
+from airflow_provider_vllm.operators.review import parse_flag
 from airflow_provider_vllm.steps.lineage import plan_lineage
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.utils import provenance
@@ -25,6 +27,7 @@ from airflow_provider_vllm.utils.deployment import (
     check_runner_choice,
     check_spec_allowed,
     signing_keyring,
+    variables_may_loosen_qa,
     variables_may_set_deployment_settings,
     warm_starts,
 )
@@ -77,13 +80,21 @@ class VllmPlanOperator(BaseOperator):
     ``airflow_provider_vllm.cli.dry_run``), pushes it under the XCom key ``dry_run``, writes
     nothing and skips the rest of the run: no shard is launched.
 
+    What decides whether the run is published (``core/qa_gates.py``: QA thresholds, the baselines and known labels
+    QA compares with) may come from a Variable or the trigger only as strict as, or stricter than, the DAG file's
+    own value (the spec default where it sets none); looser fails without retry, naming the setting, both values
+    and who set it (a Variable may loosen with ``[vllm_batch] qa_settings_from_variables``). ``review_ask``: the
+    review task's ``ask`` (``vllm_batch_job``'s ``human_review``, templated), checked here by the same rule so that
+    a Variable or trigger turning the review off fails before any shard runs (the review task checks it again when
+    it decides).
+
     ``aws_conn_id`` / ``gcp_conn_id``: the Airflow Connections through which this task reaches
     ``s3://`` / ``gs://`` locations (DAG-file settings, never templated; None: ``[vllm_batch]
     aws_conn_id`` / ``gcp_conn_id``, else ``aws_default`` / ``google_cloud_default``). See
     ``airflow_provider_vllm.hooks.filesystems``.
     """
 
-    template_fields: Sequence[str] = ("spec", "overrides", "runner", "kubernetes", "shard_env")
+    template_fields: Sequence[str] = ("spec", "overrides", "runner", "kubernetes", "shard_env", "review_ask")
     # No template_ext: it would turn any spec string ending in .json (a URI) into a file name.
     template_fields_renderers = {"spec": "json", "overrides": "json"}
     ui_color = "#e8f0fe"
@@ -102,6 +113,7 @@ class VllmPlanOperator(BaseOperator):
         gcp_conn_id: str | None = None,
         published_asset: Any = None,
         publish_task_id: str | None = None,
+        review_ask: bool | str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -117,9 +129,11 @@ class VllmPlanOperator(BaseOperator):
         self.runner = runner
         self.kubernetes = kubernetes
         self.shard_env = shard_env
+        self.review_ask = review_ask
         # the DAG file's values before rendering: provenance of the rendered spec (utils/provenance.py), and
         # whether the runner is the DAG file's literal or chosen at run time ([vllm_batch] allowed_runners)
         self._raw_spec, self._raw_overrides, self._raw_runner = self.spec, overrides, runner
+        self._raw_review_ask = review_ask
         owned = [
             k
             for k in self.param_overrides
@@ -164,12 +178,51 @@ class VllmPlanOperator(BaseOperator):
         if problems:
             raise AirflowFailException("plan: " + "; ".join(problems))
 
+    def check_gates(self, spec: JobSpec, params: dict[str, Any]) -> None:
+        """What decides publication is as strict as the DAG file says, or stricter (``core/qa_gates.py``); else fail."""
+        env = provenance.template_env(self)
+        raw_over = self._raw_overrides
+        rendered_spec = spec_document(self.spec)
+        spec_layer = functools.partial(self._spec_layer, env, rendered_spec)
+        layered = overrides_document(self.overrides)
+        given = {k: params[k] for k in self.param_overrides if params.get(k) is not None}
+        entries = []
+        for key in [*layered, *(k for k in given if k not in layered)]:  # JobSpec.from_params's order
+            target = PARAM_ALIASES.get(key, key)
+            if target is None:
+                continue
+            if key in given:
+                entries.append(provenance.Entry(target, given[key], frozenset({provenance.PARAMS})))
+                continue
+            if isinstance(raw_over, Mapping) and key not in raw_over:  # not a key the DAG file wrote: fail closed
+                sources = frozenset({"the trigger (an override key the DAG file does not write)"})
+            else:
+                raw = raw_over.get(key) if isinstance(raw_over, Mapping) else raw_over
+                sources = frozenset(provenance.template_sources(raw, env))
+            entries.append(provenance.Entry(target, layered[key], sources))
+        loose = variables_may_loosen_qa()
+        problems = provenance.gate_violations(spec_layer, entries, spec.model_dump(mode="json"), loose)
+        if self.review_ask is not None:
+            why = provenance.review_ask_violation(
+                self._raw_review_ask, parse_flag(self.review_ask, "human_review"), env, loose
+            )
+            problems += [why] if why else []
+        if problems:
+            raise AirflowFailException("plan: " + "; ".join(problems))
+
+    def _spec_layer(self, env: Any, rendered: dict[str, Any], path: str) -> tuple[frozenset[str], Any] | None:
+        sources = provenance.spec_layer_sources(self._raw_spec, rendered, path, env)
+        if sources is None:
+            return None
+        return frozenset(sources), qa_gates.value_at(rendered, path)
+
     def execute(self, context: Any) -> list[dict[str, Any]]:
         runner = check_runner(self.runner)
         check_runner_choice(self._raw_runner, runner, "plan", provenance.template_env(self))
         params = dict(context.get("params") or {})
         spec = self.build_spec(params)
         self.check_provenance(spec, params)  # before any location or model is looked at
+        self.check_gates(spec, params)
         prefixes = check_spec_allowed(spec, "plan")
         # a triggered run may not claim a prefix a scheduled run writes later ([vllm_batch] scheduled_output_prefixes)
         check_run_may_write(spec.io.output_uri, getattr(context.get("dag_run"), "run_type", None), "plan")

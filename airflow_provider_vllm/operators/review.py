@@ -27,7 +27,8 @@ from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.hooks.filesystems import task_filesystems
 from airflow_provider_vllm.links.report import VllmQAReportLink, base_url, report_url
 from airflow_provider_vllm.steps.qa.store import QA_RECORD, read_qa, read_verified
-from airflow_provider_vllm.utils.deployment import check_spec_allowed, signing_keyring
+from airflow_provider_vllm.utils import provenance
+from airflow_provider_vllm.utils.deployment import check_spec_allowed, signing_keyring, variables_may_loosen_qa
 from airflow_provider_vllm.utils.job_spec import data_plane_errors, load_spec
 
 SUBJECT = "Publish this batch run? QA needs review"
@@ -116,9 +117,12 @@ class VllmQAReviewOperator(ApprovalOperator):
         scheduler); without an answer the task fails and nothing is published. No default option
         is set on purpose: silence never approves.
     :param notifiers: Airflow notifiers called when the request is made.
-    :param ask: whether a 'warn' waits for a person (templated: e.g. an Airflow Variable, so a
-        deployment can turn review off without editing DAGs); false: a 'warn' is logged and
-        approved automatically.
+    :param ask: whether a 'warn' waits for a person (templated); false: a 'warn' is logged and
+        approved automatically. Off is looser than on: false from the DAG file (a literal, or a template over
+        the deployment's ``conf``) is taken; from a template that reads a Variable only with
+        ``[vllm_batch] qa_settings_from_variables = True``; from the trigger never (the task fails without
+        retry, naming who turned it off, and nothing is published). The plan task checks the same when
+        ``vllm_batch_job`` wires them.
 
     Returns ``{"approved": True, "asked": False, "qa_status": "pass", "record_mac": ...}`` without asking on a
     pass, else the HITL response (chosen option, who, when) and ``record_mac``. *Reject* raises an
@@ -154,6 +158,7 @@ class VllmQAReviewOperator(ApprovalOperator):
         self.ask = ask
         self.aws_conn_id = aws_conn_id
         self.gcp_conn_id = gcp_conn_id
+        self._raw_ask = ask  # the DAG file's value before rendering: who turned the review off (utils/provenance.py)
 
     def execute(self, context: Any) -> Any:
         qa = self.qa_result if isinstance(self.qa_result, Mapping) else {}
@@ -169,6 +174,11 @@ class VllmQAReviewOperator(ApprovalOperator):
             if status != "warn":
                 raise AirflowFailException(f"review: QA status is {status!r}, not 'pass' or 'warn'; not publishing")
             if not parse_flag(self.ask, "ask"):
+                why = provenance.review_ask_violation(
+                    self._raw_ask, False, provenance.template_env(self), variables_may_loosen_qa()
+                )
+                if why:
+                    raise AirflowFailException(f"review: {why}; not publishing")
                 self.log.warning("QA warned (%s); review is off: publishing without asking", record.summary)
                 return {"approved": True, "asked": False, "qa_status": status, "record_mac": mac}
             shown = self._sealed_report(out, record)

@@ -170,7 +170,10 @@ def vllm_batch_job(
         approve (publish) or reject (the run fails, nothing published); 'pass' goes on without
         asking. False: no review task (fully automatic: a 'warn' is logged and published). A
         template (e.g. ``"{{ var.value.get('vllm_batch_human_review', 'true') }}"``) keeps the
-        task and decides at run time.
+        task and decides at run time, but may only turn asking *off* where the DAG file chose so: a template
+        that reads a Variable only with ``[vllm_batch] qa_settings_from_variables = True``, one over trigger
+        params never (the plan task fails without retry, naming it, and the review task checks again when it
+        decides; docs/security.md).
     :param review_timeout: how long a 'warn' waits for a decision; then the review task fails
         and nothing is published (clear the task to ask again). ``None`` waits for ever.
     :param review_notifiers: Airflow notifiers (e.g. a Slack or SMTP notifier) told when a
@@ -214,6 +217,8 @@ def vllm_batch_job(
             inlets=[a for a in (source, asset if _compares_with_published(spec) else None) if a is not None],
             published_asset=asset,
             publish_task_id=group.child_id("publish"),
+            # the review's ask, checked before any shard runs: a Variable or trigger may not turn it off
+            review_ask=None if human_review is False else human_review,
             **conns,
         )
         job = plan.output[SPEC_XCOM_KEY]

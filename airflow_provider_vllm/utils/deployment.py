@@ -15,6 +15,8 @@ in ``get_provider_info()``):
 * ``deployment_settings_from_variables``: Variables (``vllm_batch_spec_overrides``,
   ``vllm_batch_kubernetes``) may set deployment-owned settings (pod image, env, secrets,
   service account, ...). Off: they may set the others only.
+* ``qa_settings_from_variables``: Variables may also loosen what decides publication (QA thresholds, baselines,
+  known labels, the review's ask); off: only make it stricter than the DAG file (``utils/provenance.gate_violations``).
 * ``kubernetes_defaults``: JSON object of pod settings (``KubernetesSettings``) for every shard
   pod: the deployment's image, namespace, service account, Secret references, ...
 * ``signing_key``: the key(s) the pipeline seals what it trusts with (``core/seal.py``); required.
@@ -60,6 +62,7 @@ from airflow_provider_vllm.provider import (
 from airflow_provider_vllm.provider import ALLOWED_URI_PREFIXES as CONFIG_OPTION
 from airflow_provider_vllm.provider import DEPLOYMENT_SETTINGS_FROM_VARIABLES as VARIABLES_OPTION
 from airflow_provider_vllm.provider import KUBERNETES_DEFAULTS as KUBERNETES_OPTION
+from airflow_provider_vllm.provider import QA_SETTINGS_FROM_VARIABLES as QA_VARIABLES_OPTION
 from airflow_provider_vllm.provider import SIGNING_KEY as SIGNING_OPTION
 from airflow_provider_vllm.utils import provenance
 from airflow_provider_vllm.utils.job_spec import RUNNERS
@@ -101,6 +104,11 @@ def allow_remote_code() -> bool:
 
 def variables_may_set_deployment_settings() -> bool:
     return flag(VARIABLES_OPTION)
+
+
+def variables_may_loosen_qa() -> bool:
+    """``[vllm_batch] qa_settings_from_variables``: Variables may loosen what decides publication."""
+    return flag(QA_VARIABLES_OPTION)
 
 
 def kubernetes_defaults() -> dict:

@@ -9,21 +9,30 @@ a Variable; ``params``, ``dag_run`` (its ``conf``), ``ti``/``task_instance`` (XC
 ``run_id``, asset events or anything unknown came from the trigger, and an include that
 cannot be read, or whose name is itself computed, counts as the trigger's too (fail closed).
 
-``deployment_owned_violations`` applies the trust model (docs/security.md) to the layers
+``violations`` applies the trust model (docs/security.md) to the layers
 the plan operator stacks (spec <- overrides <- params): deployment-owned settings
 (``spec_guard.DEPLOYMENT_OWNED`` plus whatever ``code_loading_options`` finds) may come
 from the DAG file (or the deployment config); from Variables only when
 ``[vllm_batch] deployment_settings_from_variables = True``; from the trigger never.
+
+``gate_violations`` applies it to the settings that decide whether a run is published (``core/qa_gates.py``:
+QA thresholds, the baselines and known labels QA compares with): a Variable or the trigger may only make them
+stricter than the DAG file's own value (the *floor*: what the layers the DAG file chose give, else the spec
+default); looser from a Variable only when ``[vllm_batch] qa_settings_from_variables = True``, from the trigger
+never. ``review_ask_violation`` does the same for the review's ``ask`` (whether a QA 'warn' waits for a person).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from jinja2 import meta  # static analysis of templates only (see the module docstring)
 
+from airflow_provider_vllm.core import qa_gates
 from airflow_provider_vllm.core.spec_guard import JINJA
+from airflow_provider_vllm.provider import QA_SETTINGS_FROM_VARIABLES
 
 PARAMS = "trigger params"
 VARIABLES = "Variables"
@@ -174,3 +183,122 @@ def violations(owned: Iterable[str], layers: list[Any], variables_allowed: bool)
                 "(AIRFLOW__VLLM_BATCH__DEPLOYMENT_SETTINGS_FROM_VARIABLES)"
             )
     return problems
+
+
+# ---- the settings that decide publication: only stricter from a Variable or the trigger ----------------------
+@dataclass(frozen=True)
+class Entry:
+    """One key of the flat layering (the overrides, then the params), in the order ``JobSpec.from_params`` applies
+    them: it replaces the node at ``target`` (a dotted path) with ``value``; ``sources`` as ``template_sources``."""
+
+    target: str
+    value: Any
+    sources: frozenset[str]
+
+
+def _flat_value(target: str, value: Any, path: str, default: Any) -> Any:
+    """What setting ``target`` to ``value`` makes ``path``: a section replaced whole leaves a key it lacks at
+    ``default`` (the spec default); ``UNREADABLE`` when a step is not a mapping (the spec will not validate)."""
+    if target == path:
+        return value
+    if not path.startswith(target + "."):
+        return qa_gates.UNREADABLE  # a key below a leaf: "not a section"
+    node = value
+    for part in path[len(target) + 1 :].split("."):
+        if not isinstance(node, Mapping):
+            return qa_gates.UNREADABLE
+        if part not in node:
+            return default
+        node = node[part]
+    return node
+
+
+def _who(sources: Iterable[str]) -> tuple[str, bool]:
+    """(who, from the trigger): the sources a message names; a Variable only when nothing else chose."""
+    bad = sorted(s for s in sources if s != VARIABLES)
+    return (", ".join(bad), True) if bad else (VARIABLES, False)
+
+
+QA_OPT_IN = (
+    f"[vllm_batch] {QA_SETTINGS_FROM_VARIABLES} = True (AIRFLOW__VLLM_BATCH__{QA_SETTINGS_FROM_VARIABLES.upper()})"
+)
+
+
+def _remedy(trigger: bool) -> str:
+    if trigger:
+        return "a trigger may only make what decides publication stricter than the DAG file does"
+    return (
+        "a Variable may only make what decides publication stricter than the DAG file does, unless the deployment "
+        f"sets {QA_OPT_IN}"
+    )
+
+
+def gate_violations(
+    spec_layer: Any,
+    entries: Sequence[Entry],
+    effective: Mapping[str, Any],
+    variables_allowed: bool,
+) -> list[str]:
+    """Messages for the gate settings (``qa_gates.GATE_SETTINGS``) that a Variable or the trigger set looser than
+    the DAG file does.
+
+    ``spec_layer``: ``path -> (sources, rendered value) | None`` of the spec the DAG file gave; ``entries``: the flat
+    layering over it, in order (the last touching entry wins, as in ``JobSpec.from_params``); ``effective``: the
+    validated spec's dump. The floor of a setting is what the entries and spec chosen by the DAG file alone give
+    (``sources`` empty), else the spec default.
+    """
+    defaults = qa_gates.default_values()
+    value = {p: qa_gates.value_at(effective, p) for p in qa_gates.GATE_SETTINGS}
+    floor, origin, defaulted = dict(value), {}, set()
+    for path in qa_gates.GATE_SETTINGS:
+        candidates = []
+        if (found := spec_layer(path)) is not None:
+            candidates.append(found)
+        candidates += [
+            (e.sources, _flat_value(e.target, e.value, path, defaults[path]))
+            for e in entries
+            if touches(e.target, path)
+        ]
+        if not candidates or not candidates[-1][0]:
+            continue  # the DAG file's (or the default): the floor itself
+        origin[path] = candidates[-1][0]
+        trusted = [v for sources, v in candidates if not sources]
+        if trusted:
+            floor[path] = qa_gates.coerce(path, trusted[-1])
+        else:
+            floor[path] = defaults[path]
+            defaulted.add(path)
+    problems, remedies = [], []
+    for path, why in qa_gates.loosenings(origin, floor, value).items():
+        who, trigger = _who(origin[path])
+        if not trigger and variables_allowed:
+            continue
+        dag = f"the DAG file's {qa_gates.shown(floor[path])}"
+        if path in defaulted:
+            dag = f"the spec default {qa_gates.shown(floor[path])} (the DAG file sets none)"
+        problems.append(f"{path}={qa_gates.shown(value[path])} from {who} loosens {dag}: {why}")
+        if _remedy(trigger) not in remedies:
+            remedies.append(_remedy(trigger))
+    return problems + remedies
+
+
+def review_ask_violation(raw_ask: Any, asks: bool, env: Any, variables_allowed: bool) -> str | None:
+    """Why the review's ``ask`` (rendered to ``asks``) may not be false, or None.
+
+    Off is looser than on (a QA 'warn' is then published without a person). The DAG file's own value (a literal, or
+    a template over trusted names such as the deployment's ``conf``) may say off; a template that reads a Variable
+    only with ``[vllm_batch] qa_settings_from_variables``, one the trigger chooses never (its floor is the review's
+    default: ask)."""
+    if asks:
+        return None
+    sources = template_sources(raw_ask, env)
+    if not sources:
+        return None
+    who, trigger = _who(sources)
+    if not trigger and variables_allowed:
+        return None
+    return (
+        f"the review's ask (vllm_batch_job human_review={qa_gates.shown(raw_ask)}) is false from {who}, which "
+        "publishes a QA 'warn' without asking a person, where the DAG file's default asks; "
+        f"{_remedy(trigger)} (human_review=False in the DAG file leaves the review task out)"
+    )

@@ -73,8 +73,10 @@ def airflow_sandbox(tmp_path_factory, tiny_model) -> Iterator[AirflowSandbox]:
             **({"AIRFLOW_VAR_VLLM_BATCH_EMBEDDING_MODEL": minilm_model()} if minilm_model() else {}),
             # The tiny random model needs room to spell the longer labels through its small vocabulary.
             "AIRFLOW_VAR_VLLM_BATCH_SPEC_OVERRIDES": json.dumps({"sampling.max_tokens": 32}),
-            # `dags test` cannot answer a review: a QA 'warn' of the random model is published unasked.
+            # `dags test` cannot answer a review: a QA 'warn' of the random model is published unasked. A Variable
+            # turning the review off loosens the gate: this deployment lets Variables do that (docs/security.md).
             "AIRFLOW_VAR_VLLM_BATCH_HUMAN_REVIEW": "false",
+            "AIRFLOW__VLLM_BATCH__QA_SETTINGS_FROM_VARIABLES": "True",
             # The deployment's allow-list: the sandbox's data root and the model cache (tiny model, SmolLM2).
             "AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES": json.dumps([str(data), *model_roots(tiny_model)]),
             # its signing key (docs/adr/0007), where result caches may live, the pods' key Secret

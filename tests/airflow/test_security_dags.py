@@ -103,6 +103,18 @@ def refused_runs(airflow_sandbox, tmp_path_factory) -> dict[str, tuple[subproces
                 "AIRFLOW__VLLM_BATCH__ALLOW_REMOTE_CODE": "True",
             },
         ),
+        # Variables more people can edit turn QA's gates off (errors up to 90% pass) and the review of a 'warn'
+        # off (the sandbox's vllm_batch_human_review=false), in a deployment that did not let Variables loosen QA.
+        "qa variable": (
+            "2026-10-08",
+            {"input_uri": str(box.data / "hostile")},
+            {
+                "AIRFLOW_VAR_VLLM_BATCH_SPEC_OVERRIDES": json.dumps(
+                    {"sampling.max_tokens": 32, "qa.fail_error_rate": 0.9}
+                ),
+                "AIRFLOW__VLLM_BATCH__QA_SETTINGS_FROM_VARIABLES": "False",
+            },
+        ),
     }
     before = len(box.inspect(RERUN)["runs"])
     done = box.dags_test_many(*((RERUN, date, conf, env) for date, conf, env in runs.values()))
@@ -165,3 +177,16 @@ def test_a_triggered_run_cannot_claim_a_prefix_only_scheduled_runs_write(airflow
     assert "this run is manual" in p.stdout + p.stderr
     assert not (airflow_sandbox.data / "nightly-only").exists()
     record_malicious("dag_claim_scheduled_prefix", 1, 1)
+
+
+def test_a_variable_cannot_loosen_qa_or_turn_the_review_off_without_the_deployments_opt_in(
+    airflow_sandbox, refused_runs
+):
+    """vllm_batch_spec_overrides raises qa.fail_error_rate over the spec default and vllm_batch_human_review turns
+    the review off: a wrong label would be published without anyone looking. The plan refuses both, naming them."""
+    p, run_id = refused_runs["qa variable"]
+    _plan_refused(airflow_sandbox, p, run_id, "qa.fail_error_rate=0.9 from Variables loosens the spec default 0.05")
+    out = p.stdout + p.stderr
+    assert "the review's ask" in out and "is false from Variables" in out
+    assert "[vllm_batch] qa_settings_from_variables = True" in out
+    record_malicious("dag_variable_loosens_qa", 2, 2)

@@ -115,6 +115,8 @@ def airflow_ui(tmp_path_factory, ui_data):
         "AIRFLOW_VAR_VLLM_BATCH_DATA_ROOT": str(ui_data),
         "AIRFLOW_VAR_VLLM_BATCH_MODEL": str(model),
         "AIRFLOW_VAR_VLLM_BATCH_SPEC_OVERRIDES": json.dumps(QA_OVERRIDES),
+        # QA_OVERRIDES loosens the nightly's gates (churn, accuracy): this deployment lets Variables do that
+        "AIRFLOW__VLLM_BATCH__QA_SETTINGS_FROM_VARIABLES": "True",
         "AIRFLOW_VAR_VLLM_BATCH_GOLDEN_URI": str(ui_data / "golden.parquet"),
         "AIRFLOW__VLLM_BATCH__REPORT_ROOTS": str(ui_data),
         # the deployment's allow-list (docs/security.md): without it every plan fails closed and the

@@ -54,4 +54,13 @@ def test_who_may_set_a_field_follows_the_trust_model(spec_doc):
     assert spec_doc.who("kubernetes.secret_env.<NAME>.key") == spec_doc.who("kubernetes.secret_env")
     # the plan task reads the Asset's events only when vllm_batch_job saw it in the DAG file's dict spec
     assert spec_doc.who("changes.previous_published").startswith("DAG file: `true` in the dict spec")
-    assert "trigger may only turn it off" in spec_doc.who("changes.previous_published")
+    # ... and, as the churn gate's baseline, a Variable or trigger cannot turn it off either (core/qa_gates.py)
+    assert "neither on (the plan fails) nor off" in spec_doc.who("changes.previous_published")
+    # what decides publication: a Variable or trigger only tightens it
+    for path in ("qa.fail_accuracy_below", "qa.fail_churn_rate", "qa.min_labelled", "qa.reference.golden_uri"):
+        assert spec_doc.who(path).startswith("DAG file; Variable, trigger: "), path
+        assert "a Variable with `qa_settings_from_variables`, a trigger never" in spec_doc.who(path), path
+    assert "or lower, stricter" in spec_doc.who("qa.fail_churn_rate")
+    assert "or higher, stricter" in spec_doc.who("qa.fail_accuracy_below")
+    assert spec_doc.who("changes.previous_uri").startswith("DAG file; Variable, trigger (`compare_with`): added where")
+    assert spec_doc.who("qa.seed") == "DAG file, Variable, trigger"

@@ -134,6 +134,44 @@ def test_a_sealed_fail_verdict_is_never_approved(tmp_path, fake_engine_factory):
         review(spec, qa_result={"status": "fail", "record_mac": mac}).execute(ctx())
 
 
+@pytest.mark.reliability
+def test_a_variable_or_trigger_turning_the_review_off_fails_it_the_dag_files_literal_does_not(
+    warned, tmp_path, fake_engine_factory, monkeypatch
+):
+    """Off is looser than on: a QA 'warn' is published without a person. The nightly's ``vllm_batch_human_review``
+    Variable may turn it off only where the deployment says Variables may loosen QA; a trigger never may."""
+    import airflow.providers.standard.operators.hitl as hitl
+
+    spec, qa = warned
+
+    def rendered(raw, value, run=(spec, qa)):
+        op = review(run[0], qa_result=run[1], ask=raw)
+        op.ask = value  # as Airflow renders the template
+        return op
+
+    variable = "{{ var.value.get('vllm_batch_human_review', 'true') }}"
+    with pytest.raises(AirflowFailException, match="is false from Variables.*qa_settings_from_variables") as e:
+        rendered(variable, "false").execute(ctx())
+    assert "not publishing" in str(e.value)
+    for trigger in ("{{ params.review }}", "{{ dag_run.conf.get('review', true) }}"):
+        with pytest.raises(AirflowFailException, match="is false from .*trigger"):
+            rendered(trigger, "False").execute(ctx())
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__QA_SETTINGS_FROM_VARIABLES", "True")
+    assert rendered(variable, "false").execute(ctx())["asked"] is False
+    with pytest.raises(AirflowFailException, match="is false from trigger params"):
+        rendered("{{ params.review }}", "false").execute(ctx())  # opt-in or not
+    # turning it on, or a pass (nothing to ask about), is never refused; nor the DAG file's literal off
+    monkeypatch.delenv("AIRFLOW__VLLM_BATCH__QA_SETTINGS_FROM_VARIABLES")
+    monkeypatch.setattr(hitl, "upsert_hitl_detail", lambda **kw: None)
+    with pytest.raises(hitl.TaskAwaitingInput):
+        rendered("{{ params.review }}", "true").execute(ctx())
+    passed = qa_checked(tmp_path / "passed", fake_engine_factory)
+    assert passed[1]["status"] == "pass"
+    assert rendered("{{ params.review }}", "false", passed).execute(ctx())["approved"] is True
+    assert review(spec, qa_result=qa, ask=False).execute(ctx())["asked"] is False
+    record_malicious("review_turned_off_at_the_review_task", 4, 4)
+
+
 def test_warn_writes_the_sealed_report_as_the_request_and_waits(warned, asked):
     import airflow.providers.standard.operators.hitl as hitl
 

@@ -164,3 +164,206 @@ def test_an_included_spec_file_is_the_dag_files_unless_it_reads_params(allowed, 
     with pytest.raises(AirflowFailException, match="deployment-owned"):
         op.execute({"ti": _ti(), "params": {"f": "job.yaml"}})
     record_malicious("deployment_owned_via_include", 2, 2)
+
+
+# ---- what decides publication: a Variable or the trigger only tightens it (core/qa_gates.py) -------------------
+VAR = "{{ var.value.get('vllm_batch_spec_overrides', '{}') }}"
+
+
+def _gated(allowed, **qa) -> dict:
+    """The spec a DAG file writes, with QA settings of its own."""
+    return _set(base_doc(allowed), "qa", qa)
+
+
+def _outcome(op, params=None) -> str:
+    """'ok' when the plan task planned, else its refusal (nothing pushed for any shard)."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    ti = _ti()
+    try:
+        op.execute({"ti": ti, "params": params or {}})
+    except AirflowFailException as e:
+        assert ti.xcoms == {}
+        return str(e)
+    return "ok"
+
+
+def _golden(allowed, name: str) -> str:
+    from tests.support.data import write_parquet
+
+    return str(write_parquet(allowed / "golden" / f"{name}.parquet", ["a", "b"], ["one", "two"], label=["a", "b"]))
+
+
+def test_a_trigger_param_lowering_fail_accuracy_below_is_refused_naming_it(allowed, monkeypatch):
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", json.dumps(prefixes(allowed)))
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__QA_SETTINGS_FROM_VARIABLES", "True")  # no opt-in for a trigger
+    spec = _gated(allowed, fail_accuracy_below=0.6)
+    tried = rejected = 0
+    for via, raw, params in [
+        ("param_overrides", spec, {"qa.fail_accuracy_below": 0.1}),
+        ("param template", _set(spec, "qa.fail_accuracy_below", "{{ params.floor }}"), {"floor": 0.1}),
+        ("dag_run conf", _set(spec, "qa.fail_accuracy_below", "{{ dag_run.conf['floor'] }}"), {}),
+    ]:
+        tried += 1
+        names = ["qa.fail_accuracy_below"] if via == "param_overrides" else []
+        rendered = spec if via == "param_overrides" else _set(spec, "qa.fail_accuracy_below", 0.1)
+        op = _plan(raw, rendered, param_overrides=names)
+        msg = _outcome(op, params)
+        who = "trigger params" if via != "dag_run conf" else "the trigger (dag_run)"
+        floor = "the DAG file's 0.6" if via == "param_overrides" else "the spec default 0.5 (the DAG file sets none)"
+        if f"qa.fail_accuracy_below=0.1 from {who} loosens {floor}" in msg and "a trigger may only" in msg:
+            rejected += 1
+        else:
+            print(f"NOT REFUSED AS EXPECTED via {via}: {msg}")
+    assert not list(allowed.glob("out*/_plan.json"))
+    record_malicious("qa_gate_loosened_by_a_trigger", tried, rejected)
+    assert rejected == tried
+    # tightening from the trigger plans
+    op = _plan(spec, param_overrides=["qa.fail_accuracy_below"])
+    assert _outcome(op, {"qa.fail_accuracy_below": 0.7}) == "ok"
+
+
+def test_a_variable_raising_fail_churn_rate_is_refused_unless_the_deployment_opts_in(allowed, monkeypatch):
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", json.dumps(prefixes(allowed)))
+    spec = _gated(allowed, warn_churn_rate=0.05, fail_churn_rate=0.5)  # the nightly's
+    looser = '{"qa.fail_churn_rate": 0.9}'
+    msg = _outcome(_plan(spec, raw_overrides=VAR, rendered_overrides=looser))
+    assert "qa.fail_churn_rate=0.9 from Variables loosens the DAG file's 0.5" in msg
+    assert "[vllm_batch] qa_settings_from_variables = True" in msg
+    # tightening from a Variable plans, opt-in or not
+    assert _outcome(_plan(spec, raw_overrides=VAR, rendered_overrides='{"qa.fail_churn_rate": 0.3}')) == "ok"
+    # ... as does loosening once the deployment says Variables may
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__QA_SETTINGS_FROM_VARIABLES", "True")
+    assert _outcome(_plan(spec, raw_overrides=VAR, rendered_overrides=looser)) == "ok"
+    record_malicious("qa_gate_loosened_by_a_variable", 1, 1)
+
+
+def test_a_dag_file_template_reading_a_variable_counts_as_the_variables(allowed, monkeypatch):
+    """The floor of a value the DAG file takes from a Variable is the spec default, not the Variable's value."""
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", json.dumps(prefixes(allowed)))
+    raw = _gated(allowed, fail_error_rate="{{ var.value.get('fail_error_rate', '0.05') }}")
+    msg = _outcome(_plan(raw, _gated(allowed, fail_error_rate="0.5")))
+    assert "qa.fail_error_rate=0.5 from Variables loosens the spec default 0.05 (the DAG file sets none)" in msg
+    assert _outcome(_plan(raw, _gated(allowed, fail_error_rate="0.04"))) == "ok"
+    # a template over the deployment's configuration is the DAG file's (the deployment's): no floor to keep
+    conf = _gated(allowed, fail_error_rate="{{ conf.get('vllm_batch', 'fail_error_rate', fallback='0.05') }}")
+    assert _outcome(_plan(conf, _gated(allowed, fail_error_rate="0.5"))) == "ok"
+
+
+HOSTILE_OVERRIDES = {
+    # nested and dotted paths to the same threshold
+    "nested section": {"qa": {"fail_accuracy_below": 0}},
+    "dotted path": {"qa.fail_accuracy_below": 0},
+    "string for a number": {"qa.fail_accuracy_below": "0"},
+    "padded string": {"qa.fail_accuracy_below": " 0.0 "},
+    "bool": {"qa.fail_accuracy_below": False},
+    "string for a rate": {"qa.fail_churn_rate": "1"},
+    # a section replaced whole: every DAG-file threshold it omits falls back to the (looser) default
+    "section reset": {"qa": {"sample_size": 200}},
+    "reference reset": {"qa.reference": {}},
+    "golden removed": {"qa.reference.golden_uri": None},
+    "golden emptied": {"qa.reference.golden_uri": "  "},
+    "swapped for the run's input column": {"qa.reference.golden_uri": None, "qa.reference.input_column": "text"},
+    "label column": {"qa.reference.label_column": "text"},
+    "min_labelled up": {"qa.min_labelled": 1000},
+    "sample off": {"qa.sample_size": 0},
+    "review sample off": {"qa.least_confident": 0},
+    "baseline dropped": {"changes.previous_uri": None},
+    "baseline moved": {"changes": {"previous_uri": "@ALLOWED@/out-elsewhere"}},
+}
+
+
+@pytest.mark.parametrize("via", ["Variable overrides", "param_overrides"])
+def test_hostile_ways_to_loosen_a_gate_are_all_refused(allowed, monkeypatch, via):
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", json.dumps(prefixes(allowed)))
+    spec = _set(
+        _gated(allowed, fail_accuracy_below=0.6, warn_churn_rate=0.05, fail_churn_rate=0.5, least_confident=30),
+        "qa.reference.golden_uri",
+        _golden(allowed, "dag"),
+    )
+    spec = _set(spec, "changes.previous_uri", str(allowed / "out-previous"))
+    tried = rejected = 0
+    for name, over in HOSTILE_OVERRIDES.items():
+        over = json.loads(json.dumps(over).replace("@ALLOWED@", str(allowed)))
+        tried += 1
+        if via == "Variable overrides":
+            op = _plan(spec, raw_overrides=VAR, rendered_overrides=json.dumps(over))
+            msg = _outcome(op)
+        elif None in over.values():
+            tried -= 1  # an empty form field (None) keeps the DAG file's value: no change to refuse
+            continue
+        else:
+            op = _plan(spec, param_overrides=list(over))
+            msg = _outcome(op, over)
+        # refused as a loosening, or (a string the spec cannot read as a number, ...) as an invalid spec
+        if ("loosens" in msg or "invalid job spec" in msg) and msg != "ok":
+            rejected += 1
+        else:
+            print(f"NOT REFUSED AS EXPECTED {name} via {via}: {msg}")
+    for bad in (".nan", "nan", "-.inf", "-0.1", "1e9", "[0]") if via == "Variable overrides" else ():
+        tried += 1  # no threshold at all (the Variable is YAML): the spec refuses it
+        msg = _outcome(_plan(spec, raw_overrides=VAR, rendered_overrides=f'{{"qa.fail_churn_rate": {bad}}}'))
+        rejected += "invalid job spec: qa.fail_churn_rate" in msg
+    assert not list(allowed.glob("out*/_plan.json"))
+    record_malicious(f"qa_gate_hostile_{via.replace(' ', '_')}", tried, rejected)
+    assert rejected == tried
+
+
+def test_a_trigger_changing_the_golden_set_is_refused_adding_one_where_the_dag_file_names_none_is_not(
+    allowed, monkeypatch
+):
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", json.dumps(prefixes(allowed)))
+    dag, own = _golden(allowed, "dag"), _golden(allowed, "the-runs-own-answers")
+    spec = _set(base_doc(allowed), "qa.reference.golden_uri", dag)
+    op = _plan(spec, param_overrides=["qa.reference.golden_uri"])
+    msg = _outcome(op, {"qa.reference.golden_uri": own})
+    assert f"qa.reference.golden_uri='{own}' from trigger params loosens the DAG file's '{dag}'" in msg
+    # the DAG file's own value, given again, is no change
+    assert _outcome(_plan(spec, param_overrides=["qa.reference.golden_uri"]), {"qa.reference.golden_uri": dag}) == "ok"
+    # a DAG file that names none: a source added adds a check (the accuracy is the worst source's)
+    op = _plan(base_doc(allowed), param_overrides=["qa.reference.golden_uri"])
+    assert _outcome(op, {"qa.reference.golden_uri": own}) == "ok"
+    # ... unless the DAG file asks for an accuracy gate and names no labels: QA would warn, not pass
+    asks = _gated(allowed, warn_accuracy_below=0.9)
+    msg = _outcome(_plan(asks, param_overrides=["qa.reference.golden_uri"]), {"qa.reference.golden_uri": own})
+    assert "qa.reference.golden_uri" in msg and "asks for an accuracy gate" in msg
+    record_malicious("qa_reference_changed_by_a_trigger", 2, 2)
+
+
+def test_the_nightlys_variables_keep_working_tightening_only(allowed, monkeypatch):
+    """The nightly's shape: churn gates in the DAG file, golden rows from vllm_batch_golden_uri, overrides from
+    vllm_batch_spec_overrides, review from vllm_batch_human_review."""
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", json.dumps(prefixes(allowed)))
+    golden = "{{ var.value.get('vllm_batch_golden_uri', '') }}"
+    review = "{{ var.value.get('vllm_batch_human_review', 'true') }}"
+    raw = _gated(allowed, warn_churn_rate=0.05, fail_churn_rate=0.5, reference={"ride_along_uri": golden})
+    for golden_value in ("", _golden(allowed, "ride")):
+        rendered = _set(raw, "qa.reference.ride_along_uri", golden_value)
+        op = _plan(
+            raw, rendered, raw_overrides=VAR, rendered_overrides='{"qa.warn_churn_rate": 0.02}', review_ask=review
+        )
+        op.review_ask = "true"
+        assert _outcome(op) == "ok"
+    op = _plan(raw, _set(raw, "qa.reference.ride_along_uri", ""), review_ask=review)
+    op.review_ask = "false"  # vllm_batch_human_review=false: a QA 'warn' published unasked
+    msg = _outcome(op)
+    assert "the review's ask" in msg and "is false from Variables" in msg and "qa_settings_from_variables" in msg
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__QA_SETTINGS_FROM_VARIABLES", "True")
+    op = _plan(raw, _set(raw, "qa.reference.ride_along_uri", ""), review_ask=review)
+    op.review_ask = "false"
+    assert _outcome(op) == "ok"
+    # the trigger never turns the review off; the DAG file's own literal may
+    op = _plan(base_doc(allowed), review_ask="{{ params.review }}")
+    op.review_ask = "False"
+    assert "is false from trigger params" in _outcome(op, {"review": False})
+    assert _outcome(_plan(base_doc(allowed), review_ask="false")) == "ok"
+    record_malicious("review_turned_off_by_a_variable_or_trigger", 2, 2)
+
+
+def test_the_re_run_forms_compare_with_adds_a_baseline_where_the_dag_file_sets_none(allowed, monkeypatch):
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", json.dumps(prefixes(allowed)))
+    prev = str(allowed / "out-previous")
+    assert _outcome(_plan(base_doc(allowed), param_overrides=["compare_with"]), {"compare_with": prev}) == "ok"
+    spec = _set(base_doc(allowed), "changes.previous_uri", prev)
+    msg = _outcome(_plan(spec, param_overrides=["compare_with"]), {"compare_with": str(allowed / "out-other")})
+    assert "changes.previous_uri=" in msg and "from trigger params loosens the DAG file's" in msg
