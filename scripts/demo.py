@@ -221,6 +221,9 @@ def main() -> int:
             # `airflow dags test` has no one to answer the review task of a QA 'warn': publish without
             # asking (the verdict is printed below). `airflow standalone` shows the review: docs/operations.md.
             "AIRFLOW_VAR_VLLM_BATCH_HUMAN_REVIEW": "false",
+            # a Variable turning the review off loosens what decides publication: this deployment (the demo's own
+            # Airflow) lets Variables do that (docs/security.md, [vllm_batch] qa_settings_from_variables)
+            "AIRFLOW__VLLM_BATCH__QA_SETTINGS_FROM_VARIABLES": "True",
             # QA scores the answers: the golden rows that ride along, and tonight's known labels joined by id
             "AIRFLOW_VAR_VLLM_BATCH_GOLDEN_URI": str(golden or ""),
             "AIRFLOW_VAR_VLLM_BATCH_SPEC_OVERRIDES": json.dumps(
