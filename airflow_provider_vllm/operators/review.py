@@ -19,7 +19,12 @@ from typing import Any
 
 from airflow.providers.standard.exceptions import HITLRejectException, HITLTimeoutError
 from airflow.providers.standard.operators.hitl import ApprovalOperator
-from airflow.sdk.exceptions import AirflowFailException
+from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
+
+try:  # Airflow 3.3+: a HITL task waits in ``awaiting_input`` (no trigger)
+    from airflow.sdk.exceptions import TaskAwaitingInput
+except ImportError:  # pragma: no cover - older Airflow: HITL defers to its trigger
+    TaskAwaitingInput = TaskDeferred  # type: ignore[assignment,misc]
 
 from airflow_provider_vllm.core.errors import CommitError
 from airflow_provider_vllm.core.records import QARecord
@@ -31,8 +36,9 @@ from airflow_provider_vllm.utils.deployment import check_spec_allowed, signing_k
 from airflow_provider_vllm.utils.job_spec import data_plane_errors, load_spec
 
 SUBJECT = "Publish this batch run? QA needs review"
-# the seal of the QA verdict a person is asked about, kept in this task's XCom while it waits (Airflow keeps a
-# waiting task's XComs when it resumes, and re-renders ``qa_result``, which may name a later QA by then)
+# the seal of the QA verdict a person is asked about, kept while the task waits in its resume arguments (the task
+# instance's ``next_kwargs`` in the metadata database): on resume Airflow re-renders ``qa_result``, which may name a
+# later QA by then, and a waiting task's own XComs may be rewritten through the REST API's XCom endpoints
 REVIEWED = "reviewed_record_mac"
 RERUN_QA = "run the QA task again (it writes and seals qa/_QA.json), then review"
 
@@ -173,11 +179,24 @@ class VllmQAReviewOperator(ApprovalOperator):
                 return {"approved": True, "asked": False, "qa_status": status, "record_mac": mac}
             shown = self._sealed_report(out, record)
         ti = context["ti"]
-        ti.xcom_push(key=REVIEWED, value=mac)  # the verdict this person is shown: what an approval approves
         link = report_url(ti.dag_id, ti.run_id, self.qa_task_id, base_url=base_url()) if self.qa_task_id else None
         self.body = review_body(shown, link)
         self.log.info("QA warned (%s): waiting for a person to approve or reject publication", record.summary)
-        return super().execute(context)
+        # the verdict this person is shown, what an approval approves, goes with the wait itself (next_kwargs), not
+        # in an XCom: whoever may write XCom could otherwise make an approval name another verdict
+        try:
+            return super().execute(context)
+        except TaskAwaitingInput as wait:
+            raise TaskAwaitingInput(
+                method_name=wait.method_name, kwargs={**(wait.kwargs or {}), REVIEWED: mac}, timeout=wait.timeout
+            ) from None
+        except TaskDeferred as wait:
+            raise TaskDeferred(
+                trigger=wait.trigger,
+                method_name=wait.method_name,
+                kwargs={**(wait.kwargs or {}), REVIEWED: mac},
+                timeout=wait.timeout,
+            ) from None
 
     def _sealed_verdict(self, out: Storage, qa: Mapping[str, Any]) -> QARecord:
         """The run's sealed QA verdict, which must be the one the QA task wrote (``qa_result``'s ``record_mac``) and
@@ -221,7 +240,9 @@ class VllmQAReviewOperator(ApprovalOperator):
             "report_html": out.uri(record.files["report_html"].path),
         }
 
-    def execute_complete(self, context: Any, event: dict[str, Any]) -> Any:
+    def execute_complete(self, context: Any, event: dict[str, Any], reviewed_record_mac: str | None = None) -> Any:
+        """The person's answer; ``reviewed_record_mac``: the seal of the verdict they were shown (``execute`` left it
+        in the resume arguments)."""
         try:
             result = super().execute_complete(context, event)
         except HITLRejectException:
@@ -232,6 +253,11 @@ class VllmQAReviewOperator(ApprovalOperator):
                 f"review: no decision within {self.response_timeout}; nothing is published "
                 "(clear this task to ask again)"
             ) from None
+        if not isinstance(reviewed_record_mac, str) or not reviewed_record_mac:
+            # a request made by a version that kept the verdict in XCom: no approval names a verdict it cannot vouch for
+            raise AirflowFailException(
+                "review: the approval names no QA verdict the person was shown (a request made before an upgrade); "
+                "clear this task to ask again"
+            )
         self.log.info("publication approved by %s", (result.get("responded_by_user") or {}).get("name"))
-        ti = context["ti"]
-        return {**result, "record_mac": ti.xcom_pull(task_ids=ti.task_id, key=REVIEWED, map_indexes=ti.map_index)}
+        return {**result, "record_mac": reviewed_record_mac}

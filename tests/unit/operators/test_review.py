@@ -95,6 +95,15 @@ def test_pass_publishes_without_asking_and_review_is_never_retried(tmp_path, fak
     assert op.execute(ctx()) == {"approved": True, "asked": False, "qa_status": "pass", "record_mac": qa["record_mac"]}
 
 
+def approve_event(option="Approve"):
+    return {
+        "chosen_options": [option],
+        "params_input": {},
+        "responded_at": datetime.now(UTC),
+        "responded_by_user": {"id": "admin", "name": "admin"},
+    }
+
+
 def test_an_approval_names_the_verdict_the_person_was_shown(warned, asked):
     """The task waits for a person; meanwhile QA runs again alone and writes another verdict. On resume Airflow
     renders ``qa_result`` again (the new verdict), but the approval is of the one the person was shown: publish
@@ -103,17 +112,36 @@ def test_an_approval_names_the_verdict_the_person_was_shown(warned, asked):
 
     spec, qa = warned
     xcoms: dict = {}
-    with pytest.raises(hitl.TaskAwaitingInput):
+    with pytest.raises(hitl.TaskAwaitingInput) as waiting:
         review(spec, qa_result=qa).execute(ctx(xcoms))
     resumed = review(spec, qa_result={**qa, "record_mac": "qa-run-again"})  # re-rendered on resume
-    event = {
-        "chosen_options": ["Approve"],
-        "params_input": {},
-        "responded_at": datetime.now(UTC),
-        "responded_by_user": {"id": "admin", "name": "admin"},
-    }
-    assert resumed.execute_complete(ctx(xcoms), event)["record_mac"] == qa["record_mac"]
+    # Airflow resumes the task with the arguments it waited with (next_kwargs), the person's answer added
+    got = resumed.execute_complete(ctx(xcoms), approve_event(), **waiting.value.kwargs)
+    assert got["record_mac"] == qa["record_mac"]
     assert review(spec, qa_result=qa, ask="false").execute(ctx())["record_mac"] == qa["record_mac"]
+
+
+def test_an_approval_never_names_a_verdict_written_into_the_waiting_tasks_xcom(warned, asked):
+    """Whoever may write XCom rewrote the waiting review task's own XComs (the seal it kept of the verdict shown) to
+    name another verdict (a later QA's, one of another run): the approval named it, and publish took it as approved.
+    The seal shown now waits with the task (its resume arguments, in the metadata database): XCom is not read."""
+    import airflow.providers.standard.operators.hitl as hitl
+
+    from airflow_provider_vllm.operators.review import REVIEWED
+
+    spec, qa = warned
+    xcoms: dict = {}
+    with pytest.raises(hitl.TaskAwaitingInput) as waiting:
+        review(spec, qa_result=qa).execute(ctx(xcoms))
+    assert waiting.value.method_name == "execute_complete" and waiting.value.kwargs == {REVIEWED: qa["record_mac"]}
+    forged = {("job.review", REVIEWED, -1): "f" * 64, ("job.review", "return_value", -1): {"record_mac": "f" * 64}}
+    xcoms.update(forged)
+    got = review(spec, qa_result=qa).execute_complete(ctx(xcoms), approve_event(), **waiting.value.kwargs)
+    assert got["record_mac"] == qa["record_mac"] and got["chosen_options"] == ["Approve"]
+    # an answer to a request that kept no seal (made before an upgrade) approves nothing: the task is asked again
+    with pytest.raises(AirflowFailException, match="names no QA verdict the person was shown.*clear this task"):
+        review(spec, qa_result=qa).execute_complete(ctx(forged), approve_event())
+    record_malicious("review_approval_of_a_verdict_written_into_xcom", 2, 2)
 
 
 def test_warn_with_review_off_is_approved_unasked_and_bad_flags_fail(warned):
@@ -203,17 +231,11 @@ def test_only_the_verdict_the_qa_task_wrote_is_reviewed(warned, tmp_path):
 
 
 def test_approve_returns_the_response_and_reject_fails_the_task():
-    def event(option):
-        return {
-            "chosen_options": [option],
-            "params_input": {},
-            "responded_at": datetime.now(UTC),
-            "responded_by_user": {"id": "admin", "name": "admin"},
-        }
-
-    assert review(qa_result=SUMMARY).execute_complete(ctx(), event("Approve"))["chosen_options"] == ["Approve"]
+    mac = {"reviewed_record_mac": "a" * 64}
+    got = review(qa_result=SUMMARY).execute_complete(ctx(), approve_event("Approve"), **mac)
+    assert got["chosen_options"] == ["Approve"] and got["record_mac"] == "a" * 64
     with pytest.raises(AirflowFailException, match="rejected by admin; nothing is published"):
-        review(qa_result=SUMMARY).execute_complete(ctx(), event("Reject"))
+        review(qa_result=SUMMARY).execute_complete(ctx(), approve_event("Reject"), **mac)
 
 
 def test_qa_report_link_points_at_the_plugin_with_ids_only():
