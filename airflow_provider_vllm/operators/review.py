@@ -73,34 +73,47 @@ def md_code(value: Any) -> str:
     return f"{fence}{pad}{text}{pad}{fence}"
 
 
+DETAIL_CHARS = 600  # of a check's detail shown in the request (the report has all of it)
+
+
+def _number(value: Any) -> str:
+    """A check's figure as shown: 4 significant digits for a float, 'n/a' for none, anything else as text."""
+    if value is None:
+        return "n/a"
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
 def review_body(qa_result: Mapping[str, Any], report_link: str | None = None) -> str:
-    """The Markdown shown to the approver: the QA verdict, each check and where the report is.
+    """The Markdown shown to the approver: the QA verdict, each check (with why it says what it says) and where the
+    report is.
 
     Values that come from the run (the summary, the report's path under the output prefix a trigger may choose)
     are escaped or fenced: nothing in them renders as a link, HTML or formatting in the box that asks a person
     to approve."""
     lines = [f"**{md_text(qa_result.get('summary', 'QA result'))}**", ""]
-    checks = [c for c in qa_result.get("checks") or [] if c.get("status") != "skip"]
+    checks = [c for c in qa_result.get("checks") or [] if isinstance(c, Mapping) and c.get("status") != "skip"]
     if checks:
-        lines += ["| check | value | warns | fails | status |", "|---|---|---|---|---|"]
+        lines += ["| check | value | warns | fails | status | why |", "|---|---|---|---|---|---|"]
         for c in checks:
-            value = c.get("value")
-            value = f"{value:.4g}" if isinstance(value, float) else value
+            value = _number(c.get("value"))
             interval = c.get("interval")
             if (
-                value is not None
+                c.get("value") is not None
                 and isinstance(interval, (list, tuple))
                 and len(interval) == 2
                 and None not in interval
             ):
-                value = f"{value} (95% interval {interval[0]:.4g} to {interval[1]:.4g})"
+                value = f"{value} (95% interval {_number(interval[0])} to {_number(interval[1])})"
             status = md_text(c.get("status"))
             mark = f"**{status}**" if c.get("status") in ("warn", "fail") else status
             # accuracy warns and fails *below* its thresholds, the other checks above theirs
             side = "below" if c.get("direction") == "below" else "above"
             warn, fail = (f"{side} {c.get(k)}" for k in ("warn", "fail"))
+            # why it warns: e.g. accuracy_drop not compared because the golden set changed, naming both sets
+            why = str(c.get("detail") or "")
+            why = why if len(why) <= DETAIL_CHARS else why[:DETAIL_CHARS] + "…"
             cells = [md_text(x) for x in (c.get("name"), value, warn, fail)]
-            lines.append(f"| {' | '.join(cells)} | {mark} |")
+            lines.append(f"| {' | '.join(cells)} | {mark} | {md_text(why)} |")
         lines.append("")
     if report_link:
         lines.append(f"[Open the QA report]({report_link}) (charts and sampled rows).")
@@ -232,11 +245,11 @@ class VllmQAReviewOperator(ApprovalOperator):
             report = json.loads(read_verified(out, record.files["report_json"]))
         except (CommitError, FileNotFoundError, ValueError) as e:
             raise AirflowFailException(f"review: {e}; {RERUN_QA}") from None
-        if not isinstance(report, Mapping):
+        if not isinstance(report, Mapping) or not isinstance(report.get("checks"), list):
             raise AirflowFailException(f"review: {out.uri(record.files['report_json'].path)} is not a QA report")
         return {
             "summary": record.summary,
-            "checks": [c for c in report.get("checks") or [] if isinstance(c, Mapping)],
+            "checks": [c for c in report["checks"] if isinstance(c, Mapping)],
             "report_html": out.uri(record.files["report_html"].path),
         }
 

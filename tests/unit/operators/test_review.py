@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 from datetime import UTC, datetime
 from types import SimpleNamespace
 
@@ -350,3 +351,49 @@ def test_the_approval_request_says_accuracy_warns_below_its_thresholds_with_its_
     assert "| accuracy | 0.55 (95% interval 0.45 to 0.65) | below 0.8 | below 0.5 | **warn** |" in body
     assert "| error_rate | 0.025 | above 0.01 | above 0.05 | **warn** |" in body
     assert "above 0.8" not in body and "label_drift" not in body  # skipped: not listed
+
+
+def test_the_approval_request_says_why_each_check_warns_as_text():
+    """accuracy_drop warns when the golden set changed and nothing could be paired, naming both sets in its detail,
+    "and a person compares them" (docs/operations.md): the request showed only its name, 'None' and 'warn', so the
+    person approving could not tell why. Each check's detail is now shown, escaped, cut to ``DETAIL_CHARS``; values
+    of other types than a report holds (an interval of text, a value that is a list) are shown as text, never a
+    crash nor markup."""
+    from airflow_provider_vllm.operators import review as module
+
+    review_body = module.review_body
+    why = (
+        "golden_set: the golden set changed since the previous report (now s3://b/golden-v2: files sha256 "
+        "1f2e…, 9000 rows scored; before s3://b/golden-v1 <img src=x onerror=alert(1)> [x](https://evil.example)): "
+        "accuracy not compared"
+    )
+    drop = {"name": "accuracy_drop", "value": None, "warn": 0.02, "fail": 0.05, "status": "warn", "detail": why}
+    body = review_body({**SUMMARY, "checks": [drop]})
+    (row,) = [x for x in body.splitlines() if x.startswith("| accuracy_drop")]
+    assert row.startswith("| accuracy_drop | n/a | above 0.02 | above 0.05 | **warn** | golden_set: the golden set")
+    assert "s3://b/golden-v2" in row and "s3://b/golden-v1" in row and "accuracy not compared |" in row
+    assert " <img" not in body and r"\<img src=x onerror=alert(1)\>" in row and r"\[x\](https://evil.example)" in row
+    long = review_body({**SUMMARY, "checks": [{**drop, "detail": "a|b\n" * 1000}]})
+    (row,) = [x for x in long.splitlines() if x.startswith("| accuracy_drop")]
+    assert (
+        row.endswith("… |") and len(row) < 2 * getattr(module, "DETAIL_CHARS", 0) and r"a\|b" in row and "\n" not in row
+    )
+    odd = {"name": "x", "value": [1], "interval": ["low", "high"], "warn": None, "fail": None, "status": "warn"}
+    body = review_body({**SUMMARY, "checks": [odd, "not a check", {**odd, "value": 0.5, "detail": 7}]})
+    assert "| x | \\[1\\] (95% interval low to high) |" in body and "| x | 0.5 (95% interval low to high) |" in body
+    assert "| 7 |" in body
+
+
+def test_the_request_shows_the_sealed_reports_details(warned, asked):
+    import airflow.providers.standard.operators.hitl as hitl
+
+    spec, qa = warned
+    with pytest.raises(hitl.TaskAwaitingInput):
+        review(spec, qa_result=qa).execute(ctx())
+    (req,) = asked
+    report = json.loads((Path(spec["io"]["output_uri"]) / "qa" / "report.json").read_text())
+    (check,) = [c for c in report["checks"] if c["name"] == "error_rate"]
+    assert check["detail"]
+    from airflow_provider_vllm.operators.review import md_text
+
+    assert f"| **warn** | {md_text(check['detail'])} |" in req["body"]
