@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 from datetime import UTC, datetime
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
