@@ -19,7 +19,12 @@ from typing import Any
 
 from airflow.providers.standard.exceptions import HITLRejectException, HITLTimeoutError
 from airflow.providers.standard.operators.hitl import ApprovalOperator
-from airflow.sdk.exceptions import AirflowFailException
+from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
+
+try:  # Airflow 3.3+: a HITL task waits in ``awaiting_input`` (no trigger)
+    from airflow.sdk.exceptions import TaskAwaitingInput
+except ImportError:  # pragma: no cover - older Airflow: HITL defers to its trigger
+    TaskAwaitingInput = TaskDeferred  # type: ignore[assignment,misc]
 
 from airflow_provider_vllm.core.errors import CommitError
 from airflow_provider_vllm.core.records import QARecord
@@ -32,8 +37,9 @@ from airflow_provider_vllm.utils.deployment import check_spec_allowed, signing_k
 from airflow_provider_vllm.utils.job_spec import data_plane_errors, load_spec
 
 SUBJECT = "Publish this batch run? QA needs review"
-# the seal of the QA verdict a person is asked about, kept in this task's XCom while it waits (Airflow keeps a
-# waiting task's XComs when it resumes, and re-renders ``qa_result``, which may name a later QA by then)
+# the seal of the QA verdict a person is asked about, kept while the task waits in its resume arguments (the task
+# instance's ``next_kwargs`` in the metadata database): on resume Airflow re-renders ``qa_result``, which may name a
+# later QA by then, and a waiting task's own XComs may be rewritten through the REST API's XCom endpoints
 REVIEWED = "reviewed_record_mac"
 RERUN_QA = "run the QA task again (it writes and seals qa/_QA.json), then review"
 
@@ -68,34 +74,47 @@ def md_code(value: Any) -> str:
     return f"{fence}{pad}{text}{pad}{fence}"
 
 
+DETAIL_CHARS = 600  # of a check's detail shown in the request (the report has all of it)
+
+
+def _number(value: Any) -> str:
+    """A check's figure as shown: 4 significant digits for a float, 'n/a' for none, anything else as text."""
+    if value is None:
+        return "n/a"
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
 def review_body(qa_result: Mapping[str, Any], report_link: str | None = None) -> str:
-    """The Markdown shown to the approver: the QA verdict, each check and where the report is.
+    """The Markdown shown to the approver: the QA verdict, each check (with why it says what it says) and where the
+    report is.
 
     Values that come from the run (the summary, the report's path under the output prefix a trigger may choose)
     are escaped or fenced: nothing in them renders as a link, HTML or formatting in the box that asks a person
     to approve."""
     lines = [f"**{md_text(qa_result.get('summary', 'QA result'))}**", ""]
-    checks = [c for c in qa_result.get("checks") or [] if c.get("status") != "skip"]
+    checks = [c for c in qa_result.get("checks") or [] if isinstance(c, Mapping) and c.get("status") != "skip"]
     if checks:
-        lines += ["| check | value | warns | fails | status |", "|---|---|---|---|---|"]
+        lines += ["| check | value | warns | fails | status | why |", "|---|---|---|---|---|---|"]
         for c in checks:
-            value = c.get("value")
-            value = f"{value:.4g}" if isinstance(value, float) else value
+            value = _number(c.get("value"))
             interval = c.get("interval")
             if (
-                value is not None
+                c.get("value") is not None
                 and isinstance(interval, (list, tuple))
                 and len(interval) == 2
                 and None not in interval
             ):
-                value = f"{value} (95% interval {interval[0]:.4g} to {interval[1]:.4g})"
+                value = f"{value} (95% interval {_number(interval[0])} to {_number(interval[1])})"
             status = md_text(c.get("status"))
             mark = f"**{status}**" if c.get("status") in ("warn", "fail") else status
             # accuracy warns and fails *below* its thresholds, the other checks above theirs
             side = "below" if c.get("direction") == "below" else "above"
             warn, fail = (f"{side} {c.get(k)}" for k in ("warn", "fail"))
+            # why it warns: e.g. accuracy_drop not compared because the golden set changed, naming both sets
+            why = str(c.get("detail") or "")
+            why = why if len(why) <= DETAIL_CHARS else why[:DETAIL_CHARS] + "…"
             cells = [md_text(x) for x in (c.get("name"), value, warn, fail)]
-            lines.append(f"| {' | '.join(cells)} | {mark} |")
+            lines.append(f"| {' | '.join(cells)} | {mark} | {md_text(why)} |")
         lines.append("")
     if report_link:
         lines.append(f"[Open the QA report]({report_link}) (charts and sampled rows).")
@@ -183,11 +202,24 @@ class VllmQAReviewOperator(ApprovalOperator):
                 return {"approved": True, "asked": False, "qa_status": status, "record_mac": mac}
             shown = self._sealed_report(out, record)
         ti = context["ti"]
-        ti.xcom_push(key=REVIEWED, value=mac)  # the verdict this person is shown: what an approval approves
         link = report_url(ti.dag_id, ti.run_id, self.qa_task_id, base_url=base_url()) if self.qa_task_id else None
         self.body = review_body(shown, link)
         self.log.info("QA warned (%s): waiting for a person to approve or reject publication", record.summary)
-        return super().execute(context)
+        # the verdict this person is shown, what an approval approves, goes with the wait itself (next_kwargs), not
+        # in an XCom: whoever may write XCom could otherwise make an approval name another verdict
+        try:
+            return super().execute(context)
+        except TaskAwaitingInput as wait:
+            raise TaskAwaitingInput(
+                method_name=wait.method_name, kwargs={**(wait.kwargs or {}), REVIEWED: mac}, timeout=wait.timeout
+            ) from None
+        except TaskDeferred as wait:
+            raise TaskDeferred(
+                trigger=wait.trigger,
+                method_name=wait.method_name,
+                kwargs={**(wait.kwargs or {}), REVIEWED: mac},
+                timeout=wait.timeout,
+            ) from None
 
     def _sealed_verdict(self, out: Storage, qa: Mapping[str, Any]) -> QARecord:
         """The run's sealed QA verdict, which must be the one the QA task wrote (``qa_result``'s ``record_mac``) and
@@ -223,15 +255,17 @@ class VllmQAReviewOperator(ApprovalOperator):
             report = json.loads(read_verified(out, record.files["report_json"]))
         except (CommitError, FileNotFoundError, ValueError) as e:
             raise AirflowFailException(f"review: {e}; {RERUN_QA}") from None
-        if not isinstance(report, Mapping):
+        if not isinstance(report, Mapping) or not isinstance(report.get("checks"), list):
             raise AirflowFailException(f"review: {out.uri(record.files['report_json'].path)} is not a QA report")
         return {
             "summary": record.summary,
-            "checks": [c for c in report.get("checks") or [] if isinstance(c, Mapping)],
+            "checks": [c for c in report["checks"] if isinstance(c, Mapping)],
             "report_html": out.uri(record.files["report_html"].path),
         }
 
-    def execute_complete(self, context: Any, event: dict[str, Any]) -> Any:
+    def execute_complete(self, context: Any, event: dict[str, Any], reviewed_record_mac: str | None = None) -> Any:
+        """The person's answer; ``reviewed_record_mac``: the seal of the verdict they were shown (``execute`` left it
+        in the resume arguments)."""
         try:
             result = super().execute_complete(context, event)
         except HITLRejectException:
@@ -242,6 +276,11 @@ class VllmQAReviewOperator(ApprovalOperator):
                 f"review: no decision within {self.response_timeout}; nothing is published "
                 "(clear this task to ask again)"
             ) from None
+        if not isinstance(reviewed_record_mac, str) or not reviewed_record_mac:
+            # a request made by a version that kept the verdict in XCom: no approval names a verdict it cannot vouch for
+            raise AirflowFailException(
+                "review: the approval names no QA verdict the person was shown (a request made before an upgrade); "
+                "clear this task to ask again"
+            )
         self.log.info("publication approved by %s", (result.get("responded_by_user") or {}).get("name"))
-        ti = context["ti"]
-        return {**result, "record_mac": ti.xcom_pull(task_ids=ti.task_id, key=REVIEWED, map_indexes=ti.map_index)}
+        return {**result, "record_mac": reviewed_record_mac}

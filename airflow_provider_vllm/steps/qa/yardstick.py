@@ -20,9 +20,9 @@ A previous report's yardstick is under the same seal as its figures (report.json
 
 ``judge`` compares a source with the previous report's (``compared.basis``):
 
-* ``same``: the same yardstick (golden sources: the same scored (id, label) pairs, or, where a side scored more than
-  ``MAX_ITEMS`` rows, the same pinned files; ``input_column``: the same column, each run's own rows being two
-  samples): Newcombe's interval for two independent samples (``accuracy.versus``), as before;
+* ``same``: the same yardstick (golden sources: the same pinned files, whichever of their ids each run's rows held,
+  or the same scored (id, label) pairs whatever the files' bytes; ``input_column``: the same column, each run's own
+  rows being two samples): Newcombe's interval for two independent samples (``accuracy.versus``), as before;
 * ``shared``: the golden set changed and both reports kept their items: the paired change on the ids scored in both
   with the same known label (``accuracy.versus_paired``); ids relabelled, added or removed are counted, not compared;
 * ``not compared``: the yardstick changed and no paired comparison is possible (more than ``MAX_ITEMS`` rows, no id
@@ -206,11 +206,13 @@ def _legacy_files(report: Mapping[str, Any]) -> dict[str, Any] | None:
 def _same(source: str, y: Mapping[str, Any], prev: Mapping[str, Any]) -> bool:
     if source == "input_column":
         return y.get("column") == prev.get("column")
+    key = _IDENTITY[source]
+    if y.get(key) is not None and y.get(key) == prev.get(key):
+        # the same pinned files are the same labels, whichever of its ids each run's rows held (a golden set joined
+        # to each night's own rows scores other ids each night: two samples of one set of labels, as input_column's)
+        return True
     a, b = y.get("pairs_sha256"), prev.get("pairs_sha256")
-    if a is not None and b is not None:
-        return bool(a == b)
-    key = _IDENTITY[source]  # a side without the scored pairs: the same pinned files are the same labels
-    return y.get(key) is not None and y.get(key) == prev.get(key)
+    return a is not None and b is not None and a == b
 
 
 def _same_note(source: str, y: Mapping[str, Any], prev: Mapping[str, Any]) -> str:
@@ -224,6 +226,12 @@ def _same_note(source: str, y: Mapping[str, Any], prev: Mapping[str, Any]) -> st
         return (
             f"the {_NAMES[source]}'s files changed since the previous report (now {_describe(source, y)}; before "
             f"{_describe(source, prev)}), but the rows scored and their known labels are the same"
+        )
+    a, b = y.get("pairs_sha256"), prev.get("pairs_sha256")
+    if a is not None and b is not None and a != b:
+        return (
+            f"the same {_NAMES[source]} ({_describe(source, y)}; before {_describe(source, prev)}): each run scored "
+            "the ids of its own rows the set holds, two samples of its labels, compared as independent"
         )
     return ""
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 from datetime import UTC, datetime
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -95,6 +96,15 @@ def test_pass_publishes_without_asking_and_review_is_never_retried(tmp_path, fak
     assert op.execute(ctx()) == {"approved": True, "asked": False, "qa_status": "pass", "record_mac": qa["record_mac"]}
 
 
+def approve_event(option="Approve"):
+    return {
+        "chosen_options": [option],
+        "params_input": {},
+        "responded_at": datetime.now(UTC),
+        "responded_by_user": {"id": "admin", "name": "admin"},
+    }
+
+
 def test_an_approval_names_the_verdict_the_person_was_shown(warned, asked):
     """The task waits for a person; meanwhile QA runs again alone and writes another verdict. On resume Airflow
     renders ``qa_result`` again (the new verdict), but the approval is of the one the person was shown: publish
@@ -103,17 +113,36 @@ def test_an_approval_names_the_verdict_the_person_was_shown(warned, asked):
 
     spec, qa = warned
     xcoms: dict = {}
-    with pytest.raises(hitl.TaskAwaitingInput):
+    with pytest.raises(hitl.TaskAwaitingInput) as waiting:
         review(spec, qa_result=qa).execute(ctx(xcoms))
     resumed = review(spec, qa_result={**qa, "record_mac": "qa-run-again"})  # re-rendered on resume
-    event = {
-        "chosen_options": ["Approve"],
-        "params_input": {},
-        "responded_at": datetime.now(UTC),
-        "responded_by_user": {"id": "admin", "name": "admin"},
-    }
-    assert resumed.execute_complete(ctx(xcoms), event)["record_mac"] == qa["record_mac"]
+    # Airflow resumes the task with the arguments it waited with (next_kwargs), the person's answer added
+    got = resumed.execute_complete(ctx(xcoms), approve_event(), **waiting.value.kwargs)
+    assert got["record_mac"] == qa["record_mac"]
     assert review(spec, qa_result=qa, ask="false").execute(ctx())["record_mac"] == qa["record_mac"]
+
+
+def test_an_approval_never_names_a_verdict_written_into_the_waiting_tasks_xcom(warned, asked):
+    """Whoever may write XCom rewrote the waiting review task's own XComs (the seal it kept of the verdict shown) to
+    name another verdict (a later QA's, one of another run): the approval named it, and publish took it as approved.
+    The seal shown now waits with the task (its resume arguments, in the metadata database): XCom is not read."""
+    import airflow.providers.standard.operators.hitl as hitl
+
+    from airflow_provider_vllm.operators.review import REVIEWED
+
+    spec, qa = warned
+    xcoms: dict = {}
+    with pytest.raises(hitl.TaskAwaitingInput) as waiting:
+        review(spec, qa_result=qa).execute(ctx(xcoms))
+    assert waiting.value.method_name == "execute_complete" and waiting.value.kwargs == {REVIEWED: qa["record_mac"]}
+    forged = {("job.review", REVIEWED, -1): "f" * 64, ("job.review", "return_value", -1): {"record_mac": "f" * 64}}
+    xcoms.update(forged)
+    got = review(spec, qa_result=qa).execute_complete(ctx(xcoms), approve_event(), **waiting.value.kwargs)
+    assert got["record_mac"] == qa["record_mac"] and got["chosen_options"] == ["Approve"]
+    # an answer to a request that kept no seal (made before an upgrade) approves nothing: the task is asked again
+    with pytest.raises(AirflowFailException, match="names no QA verdict the person was shown.*clear this task"):
+        review(spec, qa_result=qa).execute_complete(ctx(forged), approve_event())
+    record_malicious("review_approval_of_a_verdict_written_into_xcom", 2, 2)
 
 
 def test_warn_with_review_off_is_approved_unasked_and_bad_flags_fail(warned):
@@ -241,17 +270,11 @@ def test_only_the_verdict_the_qa_task_wrote_is_reviewed(warned, tmp_path):
 
 
 def test_approve_returns_the_response_and_reject_fails_the_task():
-    def event(option):
-        return {
-            "chosen_options": [option],
-            "params_input": {},
-            "responded_at": datetime.now(UTC),
-            "responded_by_user": {"id": "admin", "name": "admin"},
-        }
-
-    assert review(qa_result=SUMMARY).execute_complete(ctx(), event("Approve"))["chosen_options"] == ["Approve"]
+    mac = {"reviewed_record_mac": "a" * 64}
+    got = review(qa_result=SUMMARY).execute_complete(ctx(), approve_event("Approve"), **mac)
+    assert got["chosen_options"] == ["Approve"] and got["record_mac"] == "a" * 64
     with pytest.raises(AirflowFailException, match="rejected by admin; nothing is published"):
-        review(qa_result=SUMMARY).execute_complete(ctx(), event("Reject"))
+        review(qa_result=SUMMARY).execute_complete(ctx(), approve_event("Reject"), **mac)
 
 
 def test_qa_report_link_points_at_the_plugin_with_ids_only():
@@ -366,3 +389,49 @@ def test_the_approval_request_says_accuracy_warns_below_its_thresholds_with_its_
     assert "| accuracy | 0.55 (95% interval 0.45 to 0.65) | below 0.8 | below 0.5 | **warn** |" in body
     assert "| error_rate | 0.025 | above 0.01 | above 0.05 | **warn** |" in body
     assert "above 0.8" not in body and "label_drift" not in body  # skipped: not listed
+
+
+def test_the_approval_request_says_why_each_check_warns_as_text():
+    """accuracy_drop warns when the golden set changed and nothing could be paired, naming both sets in its detail,
+    "and a person compares them" (docs/operations.md): the request showed only its name, 'None' and 'warn', so the
+    person approving could not tell why. Each check's detail is now shown, escaped, cut to ``DETAIL_CHARS``; values
+    of other types than a report holds (an interval of text, a value that is a list) are shown as text, never a
+    crash nor markup."""
+    from airflow_provider_vllm.operators import review as module
+
+    review_body = module.review_body
+    why = (
+        "golden_set: the golden set changed since the previous report (now s3://b/golden-v2: files sha256 "
+        "1f2e…, 9000 rows scored; before s3://b/golden-v1 <img src=x onerror=alert(1)> [x](https://evil.example)): "
+        "accuracy not compared"
+    )
+    drop = {"name": "accuracy_drop", "value": None, "warn": 0.02, "fail": 0.05, "status": "warn", "detail": why}
+    body = review_body({**SUMMARY, "checks": [drop]})
+    (row,) = [x for x in body.splitlines() if x.startswith("| accuracy_drop")]
+    assert row.startswith("| accuracy_drop | n/a | above 0.02 | above 0.05 | **warn** | golden_set: the golden set")
+    assert "s3://b/golden-v2" in row and "s3://b/golden-v1" in row and "accuracy not compared |" in row
+    assert " <img" not in body and r"\<img src=x onerror=alert(1)\>" in row and r"\[x\](https://evil.example)" in row
+    long = review_body({**SUMMARY, "checks": [{**drop, "detail": "a|b\n" * 1000}]})
+    (row,) = [x for x in long.splitlines() if x.startswith("| accuracy_drop")]
+    assert (
+        row.endswith("… |") and len(row) < 2 * getattr(module, "DETAIL_CHARS", 0) and r"a\|b" in row and "\n" not in row
+    )
+    odd = {"name": "x", "value": [1], "interval": ["low", "high"], "warn": None, "fail": None, "status": "warn"}
+    body = review_body({**SUMMARY, "checks": [odd, "not a check", {**odd, "value": 0.5, "detail": 7}]})
+    assert "| x | \\[1\\] (95% interval low to high) |" in body and "| x | 0.5 (95% interval low to high) |" in body
+    assert "| 7 |" in body
+
+
+def test_the_request_shows_the_sealed_reports_details(warned, asked):
+    import airflow.providers.standard.operators.hitl as hitl
+
+    spec, qa = warned
+    with pytest.raises(hitl.TaskAwaitingInput):
+        review(spec, qa_result=qa).execute(ctx())
+    (req,) = asked
+    report = json.loads((Path(spec["io"]["output_uri"]) / "qa" / "report.json").read_text())
+    (check,) = [c for c in report["checks"] if c["name"] == "error_rate"]
+    assert check["detail"]
+    from airflow_provider_vllm.operators.review import md_text
+
+    assert f"| **warn** | {md_text(check['detail'])} |" in req["body"]

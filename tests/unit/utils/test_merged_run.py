@@ -88,3 +88,56 @@ def test_a_spec_outside_the_deployments_locations_is_refused(tmp_path, fake_engi
     with pytest.raises(AirflowFailException, match="merged_parts: io.input_uri=.* is outside the allowed prefixes"):
         with merged_parts(spec, mac):
             pytest.fail("read outside the allow-list")
+
+
+def test_a_step_in_a_task_group_of_its_own_reads_the_merge_of_the_jobs_group(tmp_path, fake_engine_factory):
+    """A ``before_publish`` step inside a task group of its own (``nightly.exports.export``) looked for
+    ``nightly.exports.merge``, which no job has: it failed saying the merge reported nothing, or read the XCom of a
+    task of the user's that happens to be called ``merge``. The merge task is now the job's own (a
+    ``VllmMergeOperator`` of the DAG, in the innermost group around the step that has one)."""
+    from airflow.providers.standard.operators.empty import EmptyOperator
+    from airflow.sdk import DAG, TaskGroup
+
+    from airflow_provider_vllm.task_groups.batch_job import vllm_batch_job
+
+    spec, mac = merged_job(tmp_path, fake_engine_factory)
+
+    def steps(job):
+        with TaskGroup("exports") as g:
+            EmptyOperator(task_id="merge")  # a step of the user's that happens to be called so
+            EmptyOperator(task_id="export")
+        return g
+
+    with DAG("nested_steps", schedule=None) as dag:
+        vllm_batch_job(spec, group_id="nightly", before_publish=steps)
+    assert {"nightly.merge", "nightly.exports.merge", "nightly.exports.export"} <= set(dag.task_dict)
+    pulled = []
+
+    def xcom_pull(task_ids):
+        pulled.append(task_ids)
+        return {"merged_mac": mac} if task_ids == "nightly.merge" else None
+
+    task = dag.get_task("nightly.exports.export")
+    ctx = {"ti": SimpleNamespace(task_id=task.task_id, xcom_pull=xcom_pull), "task": task}
+    with merged_parts(spec, context=ctx) as run:
+        assert run.merged.seal.mac == mac
+    assert pulled == ["nightly.merge"]
+    assert merge_task_of("a.b.export", {"a.merge"}) == "a.merge" and merge_task_of("export", {"merge"}) == "merge"
+    assert merge_task_of("a.b.export", set()) == "a.b.merge"  # none found: its own group's, which then reports none
+
+
+def test_what_the_callers_block_raises_is_its_own_and_the_copies_go(tmp_path, fake_engine_factory):
+    """An error of the caller's code inside the block (its own SpecError, a storage error writing its file) came out
+    as ``AirflowFailException('merged_parts: ...')``: blamed on the merge's parts and, for a terminal one, never
+    retried whatever the caller meant. It now leaves the block as raised; the checked copies are removed all the
+    same."""
+    from airflow_provider_vllm.core.errors import SpecError, TransientError
+
+    spec, mac = merged_job(tmp_path, fake_engine_factory)
+    for error in (SpecError("export: no column 'vector'"), TransientError("export: the bucket timed out")):
+        copies: list[str] = []
+        with pytest.raises(type(error), match="^export: "):
+            with merged_parts(spec, mac) as run:
+                copies = list(run.paths)
+                raise error
+        assert copies and not any(os.path.exists(p) for p in copies)

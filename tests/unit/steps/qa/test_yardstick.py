@@ -136,6 +136,31 @@ def test_a_few_shared_ids_do_not_pass_the_check():
     assert c["status"] == "warn" and "only 10 shared id(s), fewer than qa.min_labelled 30" in c["detail"], c
 
 
+def test_the_same_golden_file_joined_to_each_nights_own_rows_is_the_same_yardstick():
+    """``qa.reference.golden_uri`` is a labels file joined by id to the run's rows: a night of other tickets scores
+    other ids of the same pinned file. Those nights were taken for a replaced golden set: the detail said the golden
+    set changed (its files had not), nothing could be paired, and accuracy_drop warned every night (a person asked
+    every night), a real drop included. The same pinned files are the same labels: two samples of them, compared as
+    independent, as each night's own ``input_column`` rows are."""
+    pins = {"golden_set": {"uri": "s3://b/labels", "files_sha256": "1" * 64}}
+    night1, night2 = _ids("g", 300), _ids("g", 300, start=300)
+    before = _qa(_rows(night1, set(night1[:270])), _golden(night1), yardsticks=pins).to_dict()
+    quiet = _qa(_rows(night2, set(night2[:268])), _golden(night2), before, yardsticks=pins)
+    c = check(quiet, "accuracy_drop")
+    assert c["status"] == "pass" and "changed" not in c["detail"], c
+    assert quiet.metrics["quality"]["sources"]["golden_set"]["compared"]["basis"] == "same"
+    assert "each run scored the ids of its own rows the set holds" in c["detail"]
+    assert quiet.metrics["quality"]["vs_previous"] is not None  # the pooled change: the same yardstick
+    dropped = _qa(_rows(night2, set(night2[:180])), _golden(night2), before, yardsticks=pins)
+    c = check(dropped, "accuracy_drop")
+    assert c["status"] == "fail" and c["value"] == pytest.approx(0.3) and "a real drop" in c["detail"], c
+    # another pinned file with other ids: still a replaced golden set, not compared (a warning naming both)
+    other = {"golden_set": {"uri": "s3://b/labels", "files_sha256": "2" * 64}}
+    replaced = _qa(_rows(night2, set(night2[:268])), _golden(night2), before, yardsticks=other)
+    assert check(replaced, "accuracy_drop")["status"] == "warn"
+    assert replaced.metrics["quality"]["sources"]["golden_set"]["compared"]["basis"] == "not compared"
+
+
 def test_a_changed_golden_set_too_large_to_pair_warns(monkeypatch):
     from airflow_provider_vllm.steps.qa import yardstick
 
