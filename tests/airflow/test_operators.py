@@ -435,7 +435,8 @@ def test_builder_wires_plan_shards_merge_qa_publish():
     assert t["job.shard"].upstream_task_ids == {"job.plan"}
     assert t["job.merge"].upstream_task_ids == {"job.plan", "job.shard"}
     assert t["job.merge"].trigger_rule == "none_failed_min_one_success"  # runs after an empty plan, not a dry run
-    assert t["job.review"].upstream_task_ids == {"job.qa"} and t["job.review"].qa_task_id == "job.qa"
+    # the review reads the sealed verdict where the plan task's spec says the run is, as publish does
+    assert t["job.review"].upstream_task_ids == {"job.plan", "job.qa"} and t["job.review"].qa_task_id == "job.qa"
     assert t["job.extra"].upstream_task_ids == {"job.plan", "job.review"}
     # publish takes QA's XCom (the verdict QA sealed) and the review's (the verdict it approved), QA takes merge's
     # (the merge it sealed): all wired, required
