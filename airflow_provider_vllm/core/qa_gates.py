@@ -41,7 +41,7 @@ from typing import Annotated, Any
 from pydantic import TypeAdapter, ValidationError
 
 from airflow_provider_vllm.core.allow_list import redact_userinfo
-from airflow_provider_vllm.core.spec import JobSpec, QASpec
+from airflow_provider_vllm.core.spec import QA_RATES, JobSpec, QASpec
 
 LOWER = "lower"
 HIGHER = "higher"
@@ -50,19 +50,8 @@ BASELINE = "baseline"
 SOURCE = "source"
 SOURCE_COLUMN = "source column"
 
-_RATES = (
-    "error_rate",
-    "empty_rate",
-    "invalid_rate",
-    "truncation_rate",
-    "label_drift",
-    "churn_rate",
-    "accuracy_drop",
-    "low_confidence_rate",
-    "inconsistency_rate",
-)
 GATE_SETTINGS: dict[str, str] = {
-    **{f"qa.{level}_{m}": LOWER for m in _RATES for level in ("warn", "fail")},
+    **{f"qa.{level}_{m}": LOWER for m in QA_RATES for level in ("warn", "fail")},
     "qa.warn_accuracy_below": HIGHER,
     "qa.fail_accuracy_below": HIGHER,
     "qa.low_confidence": HIGHER,

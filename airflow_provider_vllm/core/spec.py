@@ -622,6 +622,20 @@ class ReferenceSpec(_Model):
         return any(x is not None for x in (self.input_column, self.golden_uri, self.ride_along_uri))
 
 
+# the QA checks that warn and fail *above* a pair of thresholds (``warn_<m>`` <= ``fail_<m>``)
+QA_RATES = (
+    "error_rate",
+    "empty_rate",
+    "invalid_rate",
+    "truncation_rate",
+    "label_drift",
+    "churn_rate",
+    "accuracy_drop",
+    "low_confidence_rate",
+    "inconsistency_rate",
+)
+
+
 class QASpec(_Model):
     """Sampling and publication thresholds. warn_* -> human review, fail_* -> the run fails."""
 
@@ -741,17 +755,7 @@ class QASpec(_Model):
 
     @model_validator(mode="after")
     def _warn_below_fail(self) -> QASpec:
-        for m in (
-            "error_rate",
-            "empty_rate",
-            "invalid_rate",
-            "truncation_rate",
-            "label_drift",
-            "churn_rate",
-            "accuracy_drop",
-            "low_confidence_rate",
-            "inconsistency_rate",
-        ):
+        for m in QA_RATES:
             if getattr(self, f"warn_{m}") > getattr(self, f"fail_{m}"):
                 raise ValueError(f"warn_{m} must be <= fail_{m}")
         if self.fail_accuracy_below > self.warn_accuracy_below:

@@ -19,12 +19,7 @@ from typing import Any
 
 from airflow.providers.standard.exceptions import HITLRejectException, HITLTimeoutError
 from airflow.providers.standard.operators.hitl import ApprovalOperator
-from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
-
-try:  # Airflow 3.3+: a HITL task waits in ``awaiting_input`` (no trigger)
-    from airflow.sdk.exceptions import TaskAwaitingInput
-except ImportError:  # pragma: no cover - older Airflow: HITL defers to its trigger
-    TaskAwaitingInput = TaskDeferred  # type: ignore[assignment,misc]
+from airflow.sdk.exceptions import AirflowFailException, TaskAwaitingInput  # Airflow 3.3+ (setup.cfg's floor)
 
 from airflow_provider_vllm.core.errors import CommitError
 from airflow_provider_vllm.core.records import QARecord
@@ -209,16 +204,9 @@ class VllmQAReviewOperator(ApprovalOperator):
         # in an XCom: whoever may write XCom could otherwise make an approval name another verdict
         try:
             return super().execute(context)
-        except TaskAwaitingInput as wait:
+        except TaskAwaitingInput as wait:  # on Airflow 3.3+ a HITL task waits in awaiting_input, never defers
             raise TaskAwaitingInput(
                 method_name=wait.method_name, kwargs={**(wait.kwargs or {}), REVIEWED: mac}, timeout=wait.timeout
-            ) from None
-        except TaskDeferred as wait:
-            raise TaskDeferred(
-                trigger=wait.trigger,
-                method_name=wait.method_name,
-                kwargs={**(wait.kwargs or {}), REVIEWED: mac},
-                timeout=wait.timeout,
             ) from None
 
     def _sealed_verdict(self, out: Storage, qa: Mapping[str, Any]) -> QARecord:
