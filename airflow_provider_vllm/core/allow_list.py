@@ -6,7 +6,9 @@ returns the canonical URI or raises ``SpecError`` naming the parameter and the r
 * schemes: local absolute paths, ``file://``, and the object stores listed in ``SCHEMES``;
   anything else (``http://``, ``ftp://``, ``hdfs://``, ``zip::``, chained ``a::b``) is refused;
 * ``..`` and ``.`` segments, their percent-encoded forms (``%2e%2e``, ``%2f``, ``%5c``,
-  double-encoded ``%25...``), backslashes, control characters, the markup and quoting characters
+  double-encoded ``%25...``), backslashes, control characters (also Unicode's: bidi overrides, zero-width
+  and other invisible format characters, C1 controls, private-use code points, lone surrogates), the markup and
+  quoting characters
   `` ` < > " | `` (a location reaches the approval request's Markdown, the report's HTML and
   copied shell lines) and empty segments are refused,
   not resolved: a path that needs cleaning is a path someone is probing with;
@@ -34,6 +36,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import unicodedata
 from collections.abc import Iterable, Sequence
 
 from airflow_provider_vllm.core import envs
@@ -55,6 +58,11 @@ DEPLOYMENT_ENV = (ALLOWED_PREFIXES_ENV, ALLOW_ANY_LOCATION_ENV, ALLOW_REMOTE_COD
 MAX_URI_CHARS = 1024
 _ENCODED = re.compile(r"%(2e|2f|5c|25|00)", re.IGNORECASE)
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# Unicode characters that show as nothing or reorder the text around them (bidi overrides and isolates, zero-width
+# spaces and joiners, the soft hyphen, C1 controls, line and paragraph separators), private-use code points and
+# lone surrogates: a location holding one reads as another location in the approval request, the report and logs
+# (``s3://data/out/<U+202E>...`` shows its tail reversed), and a lone surrogate cannot be written as UTF-8 at all
+_HIDDEN_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Co", "Zl", "Zp"})
 # Markup and quoting characters: no object key or folder this pipeline writes needs them, and a URI reaches
 # Markdown (the approval request), HTML (the QA report), logs and shell-quoted commands people copy
 _MARKUP = re.compile(r'[`<>"|]')  # an apostrophe stays allowed: folder names have it, and SQL quotes it
@@ -97,6 +105,12 @@ def canonical_uri(uri: str, what: str = "uri", resolve: bool = True) -> str:
         raise SpecError(f"{what}: {len(uri)} characters; at most {MAX_URI_CHARS}")
     if _CONTROL.search(uri):
         raise SpecError(f"{what}={uri!r}: control characters are not allowed")
+    hidden = next((c for c in uri if unicodedata.category(c) in _HIDDEN_CATEGORIES), None)
+    if hidden is not None:  # shown escaped: the message itself must not reorder or hide text
+        raise SpecError(
+            f"{what}={ascii(uri)}: U+{ord(hidden):04X} ({unicodedata.name(hidden, 'no name')}) is invisible, a "
+            "control or reorders the text around it; not allowed in locations"
+        )
     if "\\" in uri:
         raise SpecError(f"{what}={uri!r}: backslashes are not allowed")
     if _MARKUP.search(uri):

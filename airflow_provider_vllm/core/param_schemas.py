@@ -31,11 +31,13 @@ def _any_case(word: str) -> str:
 
 
 # ECMA-262 and Python both read these. No '..' or '.' segments, no percent-encoded dots or
-# slashes, no whitespace, no markup or quoting characters (` < > " |: allow_list.canonical_uri), no
+# slashes, no whitespace, no markup or quoting characters (` < > " |: allow_list.canonical_uri), no C1 controls
+# or invisible, text-reordering characters (HIDDEN_CHARS: the common ones of what canonical_uri refuses), no
 # credentials (user@ or a ':' in the authority, a credential query parameter such as ?X-Amz-Signature=:
 # allow_list.CREDENTIAL_QUERY_NAMES); a scheme from paths.SCHEMES or an absolute path.
+HIDDEN_CHARS = r"\u0080-\u009f\u00ad\u061c\u180e\u200b-\u200f\u2028-\u202e\u2060-\u206f\ufeff\ufff9-\ufffb\ue000-\uf8ff"
 URI_PATTERN = (
-    r"^(?![\s\S]*(?:/\.{1,2}(?:/|$)|%2[eEfF]|%5[cC]|%25|\\))"
+    r"^(?![\s\S]*(?:/\.{1,2}(?:/|$)|%2[eEfF]|%5[cC]|%25|\\|[" + HIDDEN_CHARS + r"]))"
     r"(?![\s\S]*[?&;#][A-Za-z0-9_.-]*(?:"
     + "|".join(_any_case(w) for w in CREDENTIAL_QUERY_NAMES)
     + r")[A-Za-z0-9_.-]*=)"

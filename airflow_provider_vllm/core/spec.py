@@ -657,7 +657,8 @@ class QASpec(_Model):
         None,
         description="The qa/report.json of the run to compare against (label drift, the change in accuracy). Used "
         "only when that run's sealed qa/_QA.json vouches for its bytes and it is a report of this job (name); "
-        "otherwise those checks warn, with a note. No run there at all (a first run): not judged, with a note.",
+        "otherwise those checks warn, with a note. No run there at all (a first run): not judged, with a note. "
+        "Never inside io.output_uri: that is this run's own report.",
     )
     previous_published: bool = Field(
         False,
@@ -782,7 +783,8 @@ class ChangesSpec(_Model):
     previous_uri: str | None = Field(
         None,
         description="Output prefix of the run to compare against (its merged results); null: no changes "
-        "output. A missing previous run is not an error: every id is 'added'.",
+        "output. A missing previous run is not an error: every id is 'added'. Never io.output_uri, a folder "
+        "inside it or one holding it: that is this run itself.",
     )
     previous_table: bool = Field(
         False,

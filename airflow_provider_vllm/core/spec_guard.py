@@ -286,8 +286,18 @@ def check_deployment(
     # a table's data files are checked by the plan, which resolves them (steps/tables/snapshot.py)
     canon_in = check_uri(io.input_uri, allowed, "io.input_uri") if io.input_uri is not None else None
     canon_out = check_uri(io.output_uri, allowed, "io.output_uri")
-    if spec.qa.previous_report_uri:
-        check_uri(spec.qa.previous_report_uri, allowed, "qa.previous_report_uri")
+    # a baseline inside the run's own folder, or holding it, is the run itself (its own merge, an earlier report of
+    # its own QA): every id reads unchanged and nothing drifts, a comparison that says nothing
+    baselines = (
+        ("changes.previous_uri", spec.changes.previous_uri),
+        ("qa.previous_report_uri", spec.qa.previous_report_uri),
+    )
+    for what, uri in baselines:
+        if uri and (is_under(canon := check_uri(uri, allowed, what), canon_out) or is_under(canon_out, canon)):
+            raise SpecError(
+                f"{what}={uri} and io.output_uri={io.output_uri} overlap: the run would be compared with itself (every "
+                "id unchanged, no drift); name an earlier run's folder"
+            )
     for what in ("golden_uri", "ride_along_uri"):  # plan (ride-along) and QA read them
         if (uri := getattr(spec.qa.reference, what)) is not None:
             check_uri(uri, allowed, f"qa.reference.{what}")
@@ -295,8 +305,6 @@ def check_deployment(
         check_uri(spec.sharding.history_uri, allowed, "sharding.history_uri")
     if spec.cache.uri:  # plan reads it, merge appends to it
         check_uri(spec.cache.uri, allowed, "cache.uri")
-    if spec.changes.previous_uri:
-        check_uri(spec.changes.previous_uri, allowed, "changes.previous_uri")
     for what in ("model.name", "model.tokenizer"):
         local = local_model_path(getattr(spec.model, what.split(".")[1]), what)
         if local is not None:

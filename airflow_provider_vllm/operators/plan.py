@@ -69,7 +69,8 @@ class VllmPlanOperator(BaseOperator):
     ``plan`` (``PlanRef.dump()``: ``plan_mac``, ``plan_sha256``), for merge. Returns one ``ShardSummary`` per shard,
     named (``core/shard_names.py``), as JSON data (``.dump()``) for ``.expand(shard=...)``.
 
-    Fails without retry on an invalid spec, an unknown or unavailable ``runner``, a runner chosen at run time
+    Fails without retry on an invalid spec, a ``param_overrides`` name the DAG declares no ``Param`` for that has a
+    value (it came from the run's conf), an unknown or unavailable ``runner``, a runner chosen at run time
     (a template) that ``[vllm_batch] allowed_runners`` does not allow, a missing
     local model folder, a bad dataset (missing id column, duplicate or blank ids, ...), an
     output store that does not honour create-only writes, or a plan with more shards than
@@ -148,6 +149,24 @@ class VllmPlanOperator(BaseOperator):
         """How this task reaches object stores: the deployment's Connections (never the spec's credentials)."""
         return task_filesystems(self.aws_conn_id, self.gcp_conn_id)
 
+    def check_declared(self, params: Mapping[str, Any], context: Any) -> None:
+        """Fail without retry when a ``param_overrides`` name that the DAG (or this task) declares no ``Param`` for
+        has a value: Airflow merges every ``dag_run.conf`` key into the params, so that value came from whoever
+        triggered the run, past any form and its JSON schema. Only the params the DAG declares reach the spec."""
+        given = [k for k in self.param_overrides if params.get(k) is not None]
+        dag = context.get("dag") or (self.dag if self.has_dag() else None)
+        if not given or dag is None:  # nothing given, or a bare operator (no DAG declares params)
+            return
+        declared = set(getattr(dag, "params", None) or {}) | set(self.params or {})
+        undeclared = [k for k in given if k not in declared]
+        if undeclared:
+            raise AirflowFailException(
+                f"plan: param_overrides {undeclared} have a value in the run's params, but DAG "
+                f"{getattr(dag, 'dag_id', None)} declares no such Param: a value there comes from the run's conf "
+                "(dag_run.conf), unchecked by any form; declare each as a Param with its JSON schema in the DAG's "
+                "params, or drop it from param_overrides"
+            )
+
     def build_spec(self, params: dict[str, Any]) -> JobSpec:
         """The validated spec from the rendered fields and the run's params."""
         try:
@@ -220,6 +239,7 @@ class VllmPlanOperator(BaseOperator):
         runner = check_runner(self.runner)
         check_runner_choice(self._raw_runner, runner, "plan", provenance.template_env(self))
         params = dict(context.get("params") or {})
+        self.check_declared(params, context)
         spec = self.build_spec(params)
         self.check_provenance(spec, params)  # before any location or model is looked at
         self.check_gates(spec, params)

@@ -131,7 +131,8 @@ def vllm_batch_job(
         run time by the plan task, then handed to the other tasks as data (XCom).
     :param overrides: flat overrides (dotted keys or ``JobSpec`` param aliases), templated.
     :param param_overrides: DAG params applied over the spec (typed; ``None`` = keep); never a
-        deployment-owned setting (``spec_guard.DEPLOYMENT_OWNED``: a ValueError at parse time).
+        deployment-owned setting (``spec_guard.DEPLOYMENT_OWNED``: a ValueError at parse time). Each must be a
+        ``Param`` the DAG declares: a value for an undeclared one came from the run's conf and fails the plan.
     :param runner: ``"local"`` (a subprocess per shard on the Airflow worker), ``"kubernetes"``
         (a pod per shard, ``VllmKubernetesShardOperator``), or a template such as
         ``"{{ params.runner }}"`` checked by the plan task: then both shard tasks are in the

@@ -234,3 +234,42 @@ def test_an_empty_last_segment_is_refused_not_taken_for_the_parent(allowed, uri)
         check_uri(uri, prefixes(allowed), "io.output_uri")
     assert check_uri("s3://data/out/reruns/", prefixes(allowed), "io.output_uri") == "s3://data/out/reruns"
     record_malicious("empty_last_segment", 1, 1)
+
+
+HIDDEN = {
+    "right-to-left override": "s3://data/out/reruns/\u202etxt.lanoitan-dt",
+    "right-to-left isolate": "s3://data/out/a\u2067b\u2069c",
+    "zero-width space": "s3://data/out/reclassi\u200bfication/dt=2099-01-01",
+    "zero-width joiner": f"{A}/out/run\u200d1",
+    "byte order mark": "s3://data/out/\ufeffrun",
+    "soft hyphen": "s3://data/out/re\u00adrun",
+    "C1 control": "s3://data/out/run\u009b31m",
+    "line separator": "s3://data/out/run\u2028x",
+    "private use": "s3://data/out/run\ue000",
+    "lone surrogate": "s3://data/out/run\ud800",
+}
+
+
+@pytest.mark.parametrize("name", sorted(HIDDEN))
+def test_invisible_and_text_reordering_characters_in_a_location_are_refused_shown_escaped(allowed, name):
+    """A trigger's location reaches the approval request, the report, the task log and links: a bidi override shows
+    ``.../reruns/<U+202E>txt.lanoitan-dt`` as ``.../reruns/td-national.txt``, a zero-width space makes a folder look
+    like the nightly's. Refused by the spec, the allow-list and (but the lone surrogate, which no browser form
+    sends) the trigger form's pattern, naming the parameter and the code point, and showing the value escaped; the
+    other Unicode letters of folder names in any script still pass."""
+    import re
+
+    from airflow_provider_vllm.core.param_schemas import URI_PATTERN, validate_params
+
+    uri = HIDDEN[name].replace(A, str(allowed))
+    with pytest.raises(SpecError, match=r"io\.output_uri=.*: U\+[0-9A-F]{4} \(.*\) is invisible") as e:
+        check_uri(uri, prefixes(allowed), "io.output_uri")
+    assert str(e.value).isascii()
+    assert refused(with_value(base_doc(allowed), "io.output_uri", uri), prefixes(allowed))
+    if name != "lone surrogate":
+        assert re.match(URI_PATTERN, uri) is None
+        with pytest.raises(SpecError, match="param output_uri"):
+            validate_params({"output_uri": uri})
+    ok = "s3://data/out/реклассификация/dt=2026-12-05/données_é"
+    assert check_uri(ok, prefixes(allowed), "io.output_uri") == ok and re.match(URI_PATTERN, ok)
+    record_malicious("hidden_character_in_uri", 1, 1)

@@ -75,6 +75,16 @@ FREE_TEXT_FIELDS = ["prompt.system_prompt", "prompt.template", "sampling.stop", 
 def test_overlapping_input_and_output_and_credentials_in_the_spec_are_refused(allowed):
     doc = with_value(base_doc(allowed), "io.output_uri", str(allowed / "in" / "out"))
     assert "overlap" in refused(doc, prefixes(allowed))
+    # a baseline in the run's own folder (or holding it) is the run itself: compared with itself, nothing changes
+    for field, value in [
+        ("changes.previous_uri", "/out"),
+        ("changes.previous_uri", "/out/dt=2026-11-29/"),
+        ("changes.previous_uri", ""),
+        ("qa.previous_report_uri", "/out/qa/report.json"),
+    ]:
+        msg = refused(with_value(base_doc(allowed), field, f"{allowed}{value}"), prefixes(allowed))
+        assert msg is not None and f"{field}=" in msg and "compared with itself" in msg, msg
+    record_malicious("baseline_in_own_folder", 4, 4)
     secret = "AKIA-SENTINEL-9f8e7d"
     for key in ("key", "secret", "token", "aws_secret_access_key", "session_token"):
         doc = with_value(base_doc(allowed), f"io.storage_options.{key}", secret)
@@ -178,7 +188,7 @@ def test_every_location_field_is_held_to_the_allow_list(allowed, field):
         "qa.previous_report_uri": str(allowed / "r.json"),
         "model.name": str(allowed / "model"),
         "model.tokenizer": "org/name",
-        "changes.previous_uri": str(allowed / "out" / "dt=2026-11-29") + "/",
+        "changes.previous_uri": str(allowed / "runs" / "dt=2026-11-29") + "/",
     }[field]
     assert refused(with_value(base_doc(allowed), field, ok), prefixes(allowed)) is None
 

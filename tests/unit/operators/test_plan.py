@@ -286,3 +286,57 @@ def test_the_plan_task_names_the_sealed_plan_it_wrote_for_merge(allowed, monkeyp
     assert ti.xcoms["plan"] == {"plan_mac": plan.seal.mac, "plan_sha256": plan_sha256(plan)}
     assert len(shards) == (1 if rows else 0)
     assert all({s["plan_mac"], s["plan_sha256"]} == set(ti.xcoms["plan"].values()) for s in shards)
+
+
+@pytest.mark.reliability
+def test_a_conf_key_for_a_param_the_dag_does_not_declare_never_reaches_the_spec(allowed, monkeypatch):
+    """Airflow merges every ``dag_run.conf`` key into the params (``process_params``), declared or not. A
+    ``param_overrides`` name the DAG declares no Param for was then set from the conf, past any form and its JSON
+    schema: the plan task fails without retry, naming it, before it writes or pushes anything; the declared param
+    still takes the trigger's value, and a conf without the undeclared key plans."""
+    from airflow.sdk import DAG, Param
+    from airflow.sdk.definitions.param import process_params
+    from airflow.sdk.exceptions import AirflowFailException
+
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", ",".join(prefixes(allowed)))
+    with DAG("rerun_undeclared", schedule=None, params={"temperature": Param(0.0, type="number", maximum=2)}) as dag:
+        plan = VllmPlanOperator(
+            task_id="plan", spec=base_doc(allowed), param_overrides=["temperature", "sampling.seed", "task"]
+        )
+
+    def run(conf, ti):
+        params = process_params(dag, plan, conf, suppress_exception=False)  # what Airflow hands the task
+        return plan.execute({"ti": ti, "params": params, "dag": dag})
+
+    for conf, named in [({"sampling.seed": 7}, "sampling.seed"), ({"temperature": 1.0, "task": "generate"}, "task")]:
+        ti = _plan_ti()
+        with pytest.raises(AirflowFailException, match=rf"plan: param_overrides \['{named}'\] have a value"):
+            run(conf, ti)
+        assert ti.xcoms == {} and not (allowed / "out").exists()
+    record_malicious("conf_key_for_an_undeclared_param", 2, 2)
+    ti = _plan_ti()
+    assert run({"temperature": 1.0}, ti)
+    assert ti.xcoms["spec"]["sampling"]["temperature"] == 1.0 and ti.xcoms["spec"]["sampling"]["seed"] is None
+
+
+@pytest.mark.reliability
+def test_the_re_run_forms_compare_with_cannot_name_the_runs_own_folder(allowed, monkeypatch):
+    """*Compare with* set to the run's own output prefix (the default or the form's), a folder inside it or one
+    holding it: the change set would read the run's own merge (every id unchanged, a churn check passed where it
+    had been skipped). The plan task fails without retry naming both, before it writes anything; an earlier run's
+    folder beside it plans."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", ",".join(prefixes(allowed)))
+    own = allowed / "out"
+    for value in (own, f"{own}/", own / "changes", allowed):
+        ti = _plan_ti()
+        op = VllmPlanOperator(task_id="plan", spec=base_doc(allowed), param_overrides=["compare_with"])
+        with pytest.raises(AirflowFailException, match=r"changes\.previous_uri=.* and io\.output_uri=.* overlap"):
+            op.execute({"ti": ti, "params": {"compare_with": str(value)}})
+        assert ti.xcoms == {} and not own.exists()
+    record_malicious("compare_with_own_folder", 4, 4)
+    ti = _plan_ti()
+    op = VllmPlanOperator(task_id="plan", spec=base_doc(allowed), param_overrides=["compare_with"])
+    assert op.execute({"ti": ti, "params": {"compare_with": str(allowed / "earlier")}})
+    assert ti.xcoms["spec"]["changes"]["previous_uri"] == str(allowed / "earlier")
