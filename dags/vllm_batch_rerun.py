@@ -14,7 +14,9 @@ is published: QA's thresholds, baselines and known labels, and the review of a Q
 
 Empty fields keep the defaults: the model from the `vllm_batch_model` Variable (which this DAG
 needs set; the plan task fails naming it otherwise) and the output `<vllm_batch_data_root>/reruns/<run id>-<hash>/`, so
-every run writes its own prefix. Reusing an output prefix is allowed only for the same
+every run writes its own prefix. An output named in the form must be a folder inside
+`<vllm_batch_data_root>/reruns/` (`output_under`): a re-run never writes where a nightly does (its next
+date, its cache), whatever the allow-list lets it reach. Reusing an output prefix is allowed only for the same
 input and spec (a re-run then reuses the committed shards).
 
 *Compare with* names an earlier run's output prefix (a nightly date, another re-run): the run
@@ -97,7 +99,8 @@ with DAG(
             "output_uri",
             None,
             title="Output prefix",
-            description="Empty: <vllm_batch_data_root>/reruns/<run id>-<hash>/",
+            description="A folder inside <vllm_batch_data_root>/reruns/. Empty: "
+            "<vllm_batch_data_root>/reruns/<run id>-<hash>/",
         ),
         "model": param(
             "model", None, title="Model", description="Hub id or local path. Empty: the vllm_batch_model Variable"
@@ -137,6 +140,7 @@ with DAG(
             input_uri="{{ params.input_uri }}",
             output_uri=DATA_ROOT + "/reruns/{{ run_id | path_safe }}/",
         ),
+        output_under=DATA_ROOT + "/reruns/",  # an output from the form too: never another job's folders
         group_id="rerun",
         overrides=SPEC_OVERRIDES,
         human_review=HUMAN_REVIEW,

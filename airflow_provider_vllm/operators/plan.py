@@ -10,6 +10,7 @@ from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_provider_vllm.core import qa_gates
+from airflow_provider_vllm.core.allow_list import canonical_uri, is_under
 from airflow_provider_vllm.core.errors import SpecError
 from airflow_provider_vllm.core.param_schemas import validate_params
 from airflow_provider_vllm.core.plan import LastPublished
@@ -95,7 +96,15 @@ class VllmPlanOperator(BaseOperator):
     ``airflow_provider_vllm.hooks.filesystems``.
     """
 
-    template_fields: Sequence[str] = ("spec", "overrides", "runner", "kubernetes", "shard_env", "review_ask")
+    template_fields: Sequence[str] = (
+        "spec",
+        "overrides",
+        "runner",
+        "kubernetes",
+        "shard_env",
+        "review_ask",
+        "output_under",
+    )
     # No template_ext: it would turn any spec string ending in .json (a URI) into a file name.
     template_fields_renderers = {"spec": "json", "overrides": "json"}
     ui_color = "#e8f0fe"
@@ -115,6 +124,7 @@ class VllmPlanOperator(BaseOperator):
         published_asset: Any = None,
         publish_task_id: str | None = None,
         review_ask: bool | str | None = None,
+        output_under: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -135,6 +145,8 @@ class VllmPlanOperator(BaseOperator):
         # whether the runner is the DAG file's literal or chosen at run time ([vllm_batch] allowed_runners)
         self._raw_spec, self._raw_overrides, self._raw_runner = self.spec, overrides, runner
         self._raw_review_ask = review_ask
+        # where this DAG's runs may write (a form that may set the output: the re-run template); the DAG file's
+        self.output_under, self._raw_output_under = output_under, output_under
         owned = [
             k
             for k in self.param_overrides
@@ -165,6 +177,34 @@ class VllmPlanOperator(BaseOperator):
                 f"{getattr(dag, 'dag_id', None)} declares no such Param: a value there comes from the run's conf "
                 "(dag_run.conf), unchecked by any form; declare each as a Param with its JSON schema in the DAG's "
                 "params, or drop it from param_overrides"
+            )
+
+    def check_output_under(self, spec: JobSpec) -> None:
+        """Fail without retry when ``io.output_uri`` does not lie inside ``output_under`` (the DAG file's folder for
+        this DAG's runs), or when that folder itself was chosen by the trigger: a run whose form or conf may set the
+        output could otherwise write where another job writes (a nightly's next date, its cache)."""
+        if self._raw_output_under is None:
+            return
+        chose = sorted(
+            s
+            for s in provenance.template_sources(self._raw_output_under, provenance.template_env(self))
+            if s != provenance.VARIABLES
+        )
+        if chose:
+            raise AirflowFailException(
+                f"plan: output_under came from {', '.join(chose)}; it bounds where a trigger may write, so only the "
+                "DAG file (or a Variable) may set it"
+            )
+        try:
+            under = canonical_uri(str(self.output_under), "output_under").rstrip("/")
+            out = canonical_uri(spec.io.output_uri, "io.output_uri")
+        except SpecError as e:
+            raise AirflowFailException(f"plan: {e}") from None
+        if out == under or not is_under(out, under):
+            raise AirflowFailException(
+                f"plan: io.output_uri={spec.io.output_uri} is not a folder inside {self.output_under}, where this "
+                "DAG's runs write (output_under, set in the DAG file): a run may not write where another job does. "
+                "Leave the output empty for the default, or pick a folder inside it"
             )
 
     def build_spec(self, params: dict[str, Any]) -> JobSpec:
@@ -244,6 +284,7 @@ class VllmPlanOperator(BaseOperator):
         self.check_provenance(spec, params)  # before any location or model is looked at
         self.check_gates(spec, params)
         prefixes = check_spec_allowed(spec, "plan")
+        self.check_output_under(spec)
         # a triggered run may not claim a prefix a scheduled run writes later ([vllm_batch] scheduled_output_prefixes)
         check_run_may_write(spec.io.output_uri, getattr(context.get("dag_run"), "run_type", None), "plan")
         if runner == "local":

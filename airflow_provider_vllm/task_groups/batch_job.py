@@ -116,6 +116,7 @@ def vllm_batch_job(
     kubernetes: Mapping[str, Any] | str | None = KUBERNETES_SETTINGS_TEMPLATE,
     kubernetes_operator_kwargs: Mapping[str, Any] | None = None,
     human_review: bool | str = True,
+    output_under: str | None = None,
     review_timeout: timedelta | None = timedelta(hours=12),
     review_notifiers: Sequence[Any] | None = None,
     aws_conn_id: str | None = None,
@@ -167,6 +168,11 @@ def vllm_batch_job(
         settings: not templated, and a template over trigger values fails the shard task. Pod spec parts
         the provider does not check (``FORBIDDEN_KUBERNETES_OPERATOR_KWARGS``: ``pod_template_dict``,
         ``full_pod_spec``, ``pod_template_file``) are a ValueError; a pod template goes in the settings.
+    :param output_under: a folder every run of this job must write inside (``io.output_uri`` strictly below it),
+        or the plan fails without retry. For a DAG whose form or conf may set the output (``param_overrides`` with
+        ``output_uri``): without it a trigger may write wherever the allow-list lets it, another job's folders
+        included (a nightly's next date), unless ``[vllm_batch] scheduled_output_prefixes`` names them. The DAG
+        file's (a template may read Variables, never params, the conf or the run id).
     :param human_review: add the ``review`` task after QA: a 'warn' verdict waits for a person to
         approve (publish) or reject (the run fails, nothing published); 'pass' goes on without
         asking. False: no review task (fully automatic: a 'warn' is logged and published). A
@@ -220,6 +226,7 @@ def vllm_batch_job(
             publish_task_id=group.child_id("publish"),
             # the review's ask, checked before any shard runs: a Variable or trigger may not turn it off
             review_ask=None if human_review is False else human_review,
+            output_under=output_under,
             **conns,
         )
         job = plan.output[SPEC_XCOM_KEY]

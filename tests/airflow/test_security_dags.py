@@ -15,6 +15,11 @@ from tests.support.ledger import record_malicious
 pytestmark = pytest.mark.reliability
 RERUN = "vllm_batch_rerun"
 
+
+def nightly_root(box):  # a nightly job's root inside the re-run DAG's output folder
+    return box.data / "reruns" / "nightly-only"
+
+
 FORM_PAYLOADS = {
     "input_uri dotdot": {"input_uri": "/data/in/../../etc/shadow"},
     "input_uri encoded": {"input_uri": "s3://data/in/%2e%2e/secret"},
@@ -88,11 +93,21 @@ def refused_runs(airflow_sandbox, tmp_path_factory) -> dict[str, tuple[subproces
             name: (f"2026-10-0{3 + i}", {"input_uri": str(box.data / "hostile"), **conf}, {})
             for i, (name, (conf, _)) in enumerate(sorted(HOSTILE_CONF.items()))
         },
-        # A triggered run (dags test makes a manual run) claims tomorrow's folder of a nightly job.
+        # A triggered run (dags test makes a manual run) claims tomorrow's folder of a nightly job (one whose root
+        # lies inside the re-run DAG's output_under, so that scheduled_output_prefixes is what stops it).
         "claim": (
             "2026-10-07",
-            {"input_uri": str(box.data / "hostile"), "output_uri": str(box.data / "nightly-only" / "dt=2099-01-01")},
-            {"AIRFLOW__VLLM_BATCH__SCHEDULED_OUTPUT_PREFIXES": str(box.data / "nightly-only")},
+            {"input_uri": str(box.data / "hostile"), "output_uri": str(nightly_root(box) / "dt=2099-01-01")},
+            {"AIRFLOW__VLLM_BATCH__SCHEDULED_OUTPUT_PREFIXES": str(nightly_root(box))},
+        ),
+        # The same claim on a deployment that lists no scheduled prefixes: the re-run DAG's output_under stops it.
+        "outside": (
+            "2026-10-09",
+            {
+                "input_uri": str(box.data / "hostile"),
+                "output_uri": str(box.data / "reclassification" / "dt=2099-01-01"),
+            },
+            {},
         ),
         # A Variable more people can edit asks for remote code, even where the deployment allows remote code.
         "variable": (
@@ -175,8 +190,19 @@ def test_a_triggered_run_cannot_claim_a_prefix_only_scheduled_runs_write(airflow
     p, run_id = refused_runs["claim"]
     _plan_refused(airflow_sandbox, p, run_id, "which only runs Airflow schedules may write")
     assert "this run is manual" in p.stdout + p.stderr
-    assert not (airflow_sandbox.data / "nightly-only").exists()
+    assert not nightly_root(airflow_sandbox).exists()
     record_malicious("dag_claim_scheduled_prefix", 1, 1)
+
+
+def test_the_rerun_form_cannot_write_outside_the_rerun_folder_even_without_scheduled_prefixes(
+    airflow_sandbox, refused_runs
+):
+    """The default deployment lists no [vllm_batch] scheduled_output_prefixes: a re-run whose form names a nightly's
+    next date (inside the allow-list) still fails its plan, on the DAG file's output_under, and writes nothing there."""
+    p, run_id = refused_runs["outside"]
+    _plan_refused(airflow_sandbox, p, run_id, "where this DAG's runs write (output_under, set in the DAG file)")
+    assert not (airflow_sandbox.data / "reclassification" / "dt=2099-01-01").exists()
+    record_malicious("dag_rerun_output_outside", 1, 1)
 
 
 def test_a_variable_cannot_loosen_qa_or_turn_the_review_off_without_the_deployments_opt_in(

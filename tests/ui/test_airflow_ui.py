@@ -56,7 +56,7 @@ def idle(page) -> None:
 
 
 def review_conf(ui_data) -> dict:
-    return {"input_uri": str(ui_data / "review"), "output_uri": str(ui_data / "review_out") + "/"}
+    return {"input_uri": str(ui_data / "review"), "output_uri": str(ui_data / "reruns" / "review_out") + "/"}
 
 
 @pytest.fixture(scope="module")
@@ -233,7 +233,7 @@ def test_the_qa_report_opens_from_the_qa_tasks_extra_link(airflow_ui, page, shot
 
 
 def test_a_qa_warning_waits_for_a_person_reject_fails_approve_publishes(airflow_ui, ui_data, page, shots, review_run):
-    out = ui_data / "review_out"
+    out = ui_data / "reruns" / "review_out"
     hitl = "taskInstances/rerun.review/-1/hitlDetails"
     airflow_ui.wait_task(RERUN, review_run, "rerun.review", ("awaiting_input",), timeout=900)
     airflow_ui.wait_parked(RERUN, review_run, "rerun.review")
@@ -283,7 +283,7 @@ def test_a_scheduler_that_exits_is_replaced_and_runs_go_on(airflow_ui, ui_data):
         time.sleep(0.2)
     assert airflow_ui.ensure_scheduler() is True and airflow_ui._scheduler not in (None, old)
     run_id = "after_scheduler_restart"
-    conf = {"input_uri": str(ui_data / "no-such-input"), "output_uri": str(ui_data / "no_such_out") + "/"}
+    conf = {"input_uri": str(ui_data / "no-such-input"), "output_uri": str(ui_data / "reruns" / "no_such_out") + "/"}
     airflow_ui.trigger(RERUN, conf, run_id)
     assert airflow_ui.wait_run(RERUN, run_id, timeout=300)["state"] == "failed"
     plan = [t for t in airflow_ui.task_instances(RERUN, run_id) if t["task_id"].split(".")[-1] == "plan"]

@@ -340,3 +340,41 @@ def test_the_re_run_forms_compare_with_cannot_name_the_runs_own_folder(allowed, 
     op = VllmPlanOperator(task_id="plan", spec=base_doc(allowed), param_overrides=["compare_with"])
     assert op.execute({"ti": ti, "params": {"compare_with": str(allowed / "earlier")}})
     assert ti.xcoms["spec"]["changes"]["previous_uri"] == str(allowed / "earlier")
+
+
+@pytest.mark.reliability
+def test_a_form_output_outside_the_dag_files_output_under_is_refused_before_anything_is_written(allowed, monkeypatch):
+    """A DAG whose form may set the output (the re-run template) bounds it with ``output_under``: a trigger naming
+    a nightly's next date (inside the allow-list), the folder itself or a sibling whose name starts the same fails
+    the plan without retry, naming the folder, and writes nothing; a folder inside plans. An ``output_under`` that
+    the trigger chose bounds nothing and fails too."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", ",".join(prefixes(allowed)))
+    reruns = allowed / "reruns"
+    doc = base_doc(allowed)
+    doc["io"]["output_uri"] = str(reruns / "default")
+
+    def plan(output_uri, under=str(reruns)):
+        ti = _plan_ti()
+        op = VllmPlanOperator(task_id="plan", spec=doc, param_overrides=["output_uri"], output_under=under)
+        return ti, op.execute({"ti": ti, "params": {"output_uri": output_uri}})
+
+    hostile = [
+        allowed / "nightly" / "dt=2099-01-01",
+        reruns,
+        f"{reruns}/",
+        allowed / "reruns-nightly",
+    ]
+    for value in hostile:
+        with pytest.raises(AirflowFailException, match=r"is not a folder inside .*reruns.*output_under"):
+            plan(str(value))
+        assert not (allowed / "nightly").exists() and not (allowed / "reruns-nightly").exists()
+    with pytest.raises(AirflowFailException, match=r"output_under came from trigger params"):
+        plan(str(allowed / "nightly" / "dt=2099-01-03"), under="{{ params.output_uri }}")
+    assert not (allowed / "nightly").exists()
+    record_malicious("output_outside_output_under", len(hostile) + 1, len(hostile) + 1)
+    ti, shards = plan(None)  # the DAG file's own output, inside the folder
+    assert shards and ti.xcoms["spec"]["io"]["output_uri"] == str(reruns / "default")
+    ti, shards = plan(str(reruns / "mine"))
+    assert shards and (reruns / "mine" / "_plan.json").exists()
