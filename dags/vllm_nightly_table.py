@@ -6,7 +6,7 @@ previous day's tickets, reading them from an Iceberg table and publishing the la
 
 `plan` -> `shard` (one mapped task per shard) -> `merge` -> `qa` -> `publish`
 
-**Input.** The rows of `vllm_batch_input_table` (default `support.tickets`, columns `id` and `text`)
+**Input.** The rows of `support.tickets` (columns `id` and `text`; `INPUT_TABLE` in this file)
 whose `dt` column is the run's date (`dt = '{{ ds }}'`). `plan` pins the table's current snapshot: every
 shard and retry reads that snapshot, whatever lands in the table meanwhile, and the plan, the QA report,
 the lineage and the published snapshot's summary name it. A table partitioned by `dt` is read in place
@@ -14,7 +14,7 @@ the lineage and the published snapshot's summary name it. A table partitioned by
 folder.
 
 **Output.** The run folder `<root>/reclassification_table/dt=D/` as for the folder variant, and one
-snapshot of `vllm_batch_output_table` (default `support.ticket_labels`; created on the first run),
+snapshot of `support.ticket_labels` (`OUTPUT_TABLE` in this file; created on the first run),
 partitioned by `run_date`: the run's results are added by reference (no copy) and replace that date's
 partition, so re-running or backfilling a date replaces its labels. Publishing a run twice commits once.
 
@@ -28,6 +28,8 @@ failed QA is never the baseline. The first published date has no `changes/`.
 
 **The catalog** is the deployment's: the Airflow Connection named by `[vllm_batch] iceberg_conn_id`
 (default `iceberg_default`); the tables must be listed in `[vllm_batch] allowed_tables` (docs/tables.md).
+Which tables a run reads and publishes to is this file's (or, with `[vllm_batch]
+deployment_settings_from_variables`, a Variable's), never a trigger's: edit `INPUT_TABLE` and `OUTPUT_TABLE`.
 The model, shard size, golden rows, overrides, review and runner Variables are those of the folder variant: the
 golden rows of `vllm_batch_golden_uri` ride along with every night's tickets and QA gates on their accuracy (warns
 below 80%, fails below 50% or on a real drop of more than 5 points since the last published run).
@@ -63,8 +65,10 @@ except ModuleNotFoundError as missing:
         ticket_spec,
     )
 
-INPUT_TABLE = "{{ var.value.get('vllm_batch_input_table', 'support.tickets') }}"
-OUTPUT_TABLE = "{{ var.value.get('vllm_batch_output_table', 'support.ticket_labels') }}"
+# deployment-owned (core/spec_guard.py DEPLOYMENT_OWNED): publish commits here with the catalog's identity and
+# replaces a date's rows, so the DAG file names the tables, not a Variable
+INPUT_TABLE = "support.tickets"
+OUTPUT_TABLE = "support.ticket_labels"
 
 with DAG(
     dag_id="vllm_nightly_table",

@@ -458,6 +458,11 @@ DEPLOYMENT_OWNED = (
     "kubernetes.model_cache_read_only",
     "kubernetes.data_pvc",
     "kubernetes.data_path",
+    # which Iceberg table a run reads, and which one publish commits to (with the deployment's catalog identity)
+    # and whether it replaces a date's rows there: within [vllm_batch] allowed_tables, the DAG file's choice
+    "io.input_table.identifier",
+    "io.output_table.identifier",
+    "io.output_table.mode",
 )
 
 

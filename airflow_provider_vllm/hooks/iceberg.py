@@ -29,7 +29,9 @@ CATALOG_NAME = "catalog-name"
 # pyiceberg properties that hold credentials (token, credential, s3.secret-access-key, s3.session-token,
 # gcs.oauth2.token, adls.account-key, adls.sas-token, header.Authorization, rest.signing ...)
 _SECRET_PROPERTY = re.compile(r"(token|credential|secret|password|passwd|account-key|sas|authorization)", re.I)
-_URI_USERINFO = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://([^/\s@]+)@")
+# userinfo: a user name up to the first ':' (no '/', '?' or '#'), then a password that may hold them (SQLAlchemy's
+# URLs: ``user:pa/ss@host``)
+_URI_USERINFO = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://([^/\s@?#:]*(?::[^\s@]*)?)@")
 _URI_QUERY_CREDENTIAL = re.compile(
     r"[?&;][A-Za-z0-9_.-]*(?:" + "|".join(CREDENTIAL_QUERY_NAMES) + r")[A-Za-z0-9_.-]*=([^&;#\s]+)", re.I
 )

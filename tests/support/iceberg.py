@@ -100,11 +100,13 @@ def publish(
     manifest_sha256: str | None = None,
     record_manifest: bool = True,
     record_report: bool = True,
+    before_commit: Any = None,
 ) -> TableCommit:
     """The publish task's table commit, as the operator makes it (steps only). ``manifest_sha256``: the results
     manifest's sha256 to record (default: the one the sealed merge names); ``record_manifest=False``: none, as a
     snapshot committed by another tool or an older provider. The sha256 of the QA report the run's sealed verdict
-    names goes into ``_PUBLISHING.json`` (none without a QA, or with ``record_report=False``: an older provider)."""
+    names goes into ``_PUBLISHING.json`` (none without a QA, or with ``record_report=False``: an older provider).
+    ``before_commit``: called with the part paths publish checked, before the commit (a bucket writer's move)."""
     from airflow_provider_vllm.core.allow_list import canonical_uri
     from airflow_provider_vllm.core.seal import Keyring
     from airflow_provider_vllm.steps.merge.merger import read_merged
@@ -117,6 +119,8 @@ def publish(
     merged = read_merged(out)
     parts = verified_parts(out, RESULTS, merged)
     plan = load_plan(spec, filesystems)
+    if before_commit is not None:
+        before_commit(parts)
     return commit_results(
         spec.io.output_table,
         tables,

@@ -1,23 +1,26 @@
 """Publishing a run to an Iceberg table (``io.output_table``): one snapshot adding the merged result parts by
 reference, once.
 
-``commit_results`` builds one Iceberg ``DataFile`` per part from its Parquet footer (statistics, no rewrite)
-and commits them in one transaction as one snapshot: ``append`` (fast append) or ``overwrite`` (the run
-date's partition replaced in the same snapshot). The snapshot's summary carries ``vllm-batch.run-id`` (the
-run's output prefix: one run) and the caller's properties (the Airflow run, the results manifest's sha256).
-A snapshot of the table that already carries the run id makes the call a no-op returning it: a retried
-publish, or one killed after the catalog took the commit; it must have committed the same results manifest
-(CommitError otherwise: the folder was merged again). A run whose snapshot was expired counts as committed when
-the current snapshot holds all its parts. The catalog's compare-and-swap makes the commit all or nothing; a
-commit that lost a race is not retried by pyiceberg but decided again here (the run may be what won). Before its
-first commit it writes ``_PUBLISHING.json`` into the run folder, sealed: merge then never changes the parts the table
-references (an unsealed one is not this pipeline's and is ignored). See docs/adr/0009-iceberg-tables.md.
+``commit_results`` builds one Iceberg ``DataFile`` per part from its Parquet footer (statistics, no rewrite), read
+from a local copy checked against the sealed results manifest in the same read (a part replaced since publish
+checked it fails the commit, naming it), and commits them in one transaction as one snapshot: ``append`` (fast
+append) or ``overwrite`` (the run date's partition replaced in the same snapshot). The snapshot's summary carries
+``vllm-batch.run-id`` (the run's output prefix: one run) and the caller's properties (the Airflow run, the results
+manifest's sha256). A snapshot of the table that already carries the run id makes the call a no-op returning it: a
+retried publish, or one killed after the catalog took the commit; it must have committed the same results manifest
+(CommitError otherwise: the folder was merged again) and still be in the history of the table's current snapshot
+(CommitError when rolled back past). A run whose snapshot was expired counts as committed when the current snapshot
+holds all its parts. The catalog's compare-and-swap makes the commit all or nothing; a commit that lost a race is
+not retried by pyiceberg but decided again here (the run may be what won). Before its first commit it writes
+``_PUBLISHING.json`` into the run folder, sealed: merge then never changes the parts the table references (an
+unsealed one is not this pipeline's and is ignored). See docs/adr/0009-iceberg-tables.md.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import logging
+import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -30,11 +33,19 @@ from airflow_provider_vllm.core import seal as seals
 from airflow_provider_vllm.core.allow_list import canonical_uri, check_uri
 from airflow_provider_vllm.core.errors import CommitError, SpecError, TransientError
 from airflow_provider_vllm.core.plan import ChangesFrom
-from airflow_provider_vllm.core.records import SHA256_HEX, PublishingRecord
+from airflow_provider_vllm.core.records import SHA256_HEX, PartEntry, PublishingRecord
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec, TableOutput
-from airflow_provider_vllm.core.storage import FileSystems, Storage
-from airflow_provider_vllm.steps.merge.merger import PUBLISHING, read_publishing
+from airflow_provider_vllm.core.storage import FileSystems, Storage, copies_folder
+from airflow_provider_vllm.steps.merge.merger import (
+    MERGED,
+    PUBLISHING,
+    RESULTS,
+    manifest_rel,
+    read_merged,
+    read_publishing,
+    verified_manifest,
+)
 from airflow_provider_vllm.steps.tables.access import Tables, summary_of
 
 if TYPE_CHECKING:
@@ -43,6 +54,7 @@ if TYPE_CHECKING:
 RUN_ID = "vllm-batch.run-id"
 PREFIX = "vllm-batch."
 MANIFEST_SHA = "vllm-batch.results-manifest-sha256"  # the caller's ``results-manifest-sha256`` property
+RERUN_PUBLISH = "clear the merge task (it writes and seals the parts again), then QA and publish"
 COMMIT_ATTEMPTS = 5  # commits that lost a race to another writer of the table, each decided again
 
 log = logging.getLogger(__name__)
@@ -151,7 +163,7 @@ def commit_results(
         table = _create(tables, target, schema)
     props = {RUN_ID: run_id, **{k if k.startswith(PREFIX) else PREFIX + k: str(v) for k, v in properties.items()}}
     uris = [out.uri(p) for p in parts]
-    data_files: list[Any] | None = None
+    footers: list[tuple[str, int, Any]] | None = None  # (uri, size, footer) of each part's checked copy
     for attempt in range(COMMIT_ATTEMPTS):
         # Whether this run is in the table is decided again before every attempt: pyiceberg's own retry of a
         # commit that lost a race would add the run's files again on top of a concurrent publish of the same run.
@@ -162,14 +174,18 @@ def commit_results(
             # may be gone (QA rewrote it), and a later run's qa.previous_published would then fail on it forever
             _keep_publishing(out, keyring or Keyring.from_env(), target, run_id, props.get(MANIFEST_SHA), report_sha256)
             return _done(target, table, found, already=True)
-        if data_files is None:
-            _check_table(table, target, schema)
-            data_files = [_data_file(table, out, rel, uri, target, run_date) for rel, uri in zip(parts, uris)]
+        # the table as it is now, before every attempt: a commit that beat this one may have changed its schema or
+        # partitioning, and the parts are described under the current schema's field ids and default spec
+        _check_table(table, target, schema)
+        if footers is None:
+            sealed = _sealed_parts(out, keyring or Keyring.from_env(), parts, props.get(MANIFEST_SHA), target)
+            footers = _checked_footers(out, sealed, uris, target)
             # from here on the table may reference the parts by path: a later merge of the folder must not change
             # them (merge refuses while this sealed file or _SUCCESS.json exists)
             _write_publishing(
                 out, keyring or Keyring.from_env(), target, run_id, props.get(MANIFEST_SHA), report_sha256
             )
+        data_files = [_data_file(table, md, size, uri, target, run_date) for uri, size, md in footers]
         try:
             _transaction(table, target, data_files, props, run_date).commit_transaction()
         except (CommitFailedException, ValidationException) as e:  # the table moved under this attempt
@@ -257,6 +273,16 @@ def _this_runs_snapshot(
                 f"{sealed[:12]}..., the run's is now {manifest_sha[:12]}... (merged again since): the table "
                 "cannot take the new parts under the same paths; publish the run under a new output prefix"
             )
+        if not _in_main(table, found.snapshot_id):
+            # rolled back (or main set elsewhere) since: the table no longer holds the run's rows, and publish must
+            # not seal this snapshot into _SUCCESS.json as the run's published state, nor add the rows again over
+            # the owner's decision
+            raise CommitError(
+                f"{where}: snapshot {found.snapshot_id} committed run {run_id}, but the table's current state no "
+                "longer holds it (main was rolled back or set past it): not committing it again. Set the table back "
+                "to that snapshot (manage_snapshots().set_current_snapshot) and publish again, or publish the run "
+                "under a new output prefix"
+            )
         return found
     live = _live_files(table, target, run_date)
     held = [u for u in uris if u in live]
@@ -278,6 +304,13 @@ def _this_runs_snapshot(
     return snap
 
 
+def _in_main(table: Table, snapshot_id: int) -> bool:
+    """Whether ``snapshot_id`` is the table's current snapshot (of ``main``) or one of its ancestors."""
+    from pyiceberg.table.snapshots import ancestors_of
+
+    return any(s.snapshot_id == snapshot_id for s in ancestors_of(table.current_snapshot(), table.metadata))
+
+
 def _live_files(table: Table, target: TableOutput, run_date: dt.date) -> set[str]:
     """The data file paths of the current snapshot (of the run date's partition when partitioned by it): metadata
     only, no data file is read."""
@@ -294,6 +327,7 @@ def _transaction(
     """One transaction committing ``data_files`` as one snapshot, that fails (CommitFailedException) rather than
     being retried by pyiceberg when the table moved (``commit_results`` decides again whether to commit)."""
     from pyiceberg.table import Table, TableProperties
+    from pyiceberg.table.update import AssertCurrentSchemaId, AssertDefaultSpecId
 
     # the retry count is read from the loaded table's properties: set in memory only, never committed
     quiet = Table(
@@ -305,6 +339,17 @@ def _transaction(
         table.config,
     )
     tx = quiet.transaction()
+    # A snapshot commit asserts only that main did not move: a schema or partition change committed meanwhile would
+    # not conflict, and the parts (described under this schema's field ids and this spec) would land in a table
+    # that no longer takes them. Asserted here, such a change fails the commit, which commit_results decides again.
+    # pyiceberg has no public call to add a requirement; _stage validates it and keeps one per kind.
+    tx._stage(
+        (),
+        (
+            AssertCurrentSchemaId(current_schema_id=table.metadata.current_schema_id),
+            AssertDefaultSpecId(default_spec_id=table.metadata.default_spec_id),
+        ),
+    )
     if table.metadata.name_mapping() is None:  # parts carry no field ids: readers map them by name
         mapping: dict[str, Any] = {TableProperties.DEFAULT_NAME_MAPPING: table.schema().name_mapping.model_dump_json()}
         tx.set_properties(mapping)
@@ -437,8 +482,56 @@ def _check_table(table: Table, target: TableOutput, schema: pa.Schema) -> None:
         raise SpecError(f"{where} does not take the results' schema: {e}") from None
 
 
-def _data_file(table: Table, out: Storage, rel: str, uri: str, target: TableOutput, run_date: dt.date) -> Any:
-    """The part's DataFile: statistics from its footer; the date partition's value when partitioned by it."""
+def _sealed_parts(
+    out: Storage, keyring: Keyring, parts: Sequence[str], manifest_sha: str | None, target: TableOutput
+) -> list[tuple[str, PartEntry]]:
+    """``parts`` with their entries in the results manifest that the sealed ``_MERGED.json`` names (size and
+    sha256 of the bytes merge wrote); CommitError unless that manifest is ``manifest_sha`` (the one publish checked)
+    and names exactly ``parts``."""
+    where = f"table {target.identifier}"
+    merged = read_merged(out, keyring)
+    sealed_sha = merged.checksums.get(manifest_rel(RESULTS))
+    if manifest_sha is not None and sealed_sha != manifest_sha:
+        raise CommitError(
+            f"{where}: {out.uri(MERGED)} now names results manifest {str(sealed_sha)[:12]}..., not the "
+            f"{manifest_sha[:12]}... publish checked (merged again meanwhile); not committing; {RERUN_PUBLISH}"
+        )
+    entries = {f"{RESULTS}/{p.name}": p for p in verified_manifest(out, RESULTS, merged).parts}
+    if sorted(entries) != sorted(parts):
+        raise CommitError(
+            f"{where}: the parts to commit are not the ones the sealed results manifest names; not committing; "
+            f"{RERUN_PUBLISH}"
+        )
+    return [(rel, entries[rel]) for rel in parts]
+
+
+def _checked_footers(
+    out: Storage, sealed: list[tuple[str, PartEntry]], uris: list[str], target: TableOutput
+) -> list[tuple[str, int, Any]]:
+    """``(uri, size, Parquet footer)`` of each part, read from a local copy checked against its sealed size and
+    sha256 in the same read that copied it (one part at a time): the statistics and size committed are those of the
+    bytes merge sealed, and a part replaced in the bucket since publish checked it fails the commit (CommitError
+    naming it)."""
+    found = []
+    with copies_folder("publish-table") as root:
+        for (rel, entry), uri in zip(sealed, uris):
+            local = os.path.join(root, "part.parquet")
+            try:
+                out.fetch_verified(rel, entry.bytes, entry.sha256, local)
+            except FileNotFoundError:
+                raise CommitError(f"table {target.identifier}: {out.uri(rel)} is gone; {RERUN_PUBLISH}") from None
+            except CommitError as e:
+                raise CommitError(f"table {target.identifier}: not committing: {e}; {RERUN_PUBLISH}") from None
+            try:
+                found.append((uri, entry.bytes, pq.read_metadata(local)))
+            finally:
+                os.unlink(local)
+    return found
+
+
+def _data_file(table: Table, md: Any, size: int, uri: str, target: TableOutput, run_date: dt.date) -> Any:
+    """The DataFile of the part at ``uri`` (``size`` bytes, footer ``md`` from its checked copy): statistics under
+    the table's current schema; the date partition's value when partitioned by it."""
     from pyiceberg.io.pyarrow import (
         compute_statistics_plan,
         data_file_statistics_from_parquet_metadata,
@@ -448,8 +541,6 @@ def _data_file(table: Table, out: Storage, rel: str, uri: str, target: TableOutp
     from pyiceberg.typedef import Record
 
     schema = table.schema()
-    with out.open(rel) as f:
-        md = pq.ParquetFile(f).metadata
     stats = data_file_statistics_from_parquet_metadata(
         parquet_metadata=md,
         stats_columns=compute_statistics_plan(schema, table.metadata.properties),
@@ -464,7 +555,7 @@ def _data_file(table: Table, out: Storage, rel: str, uri: str, target: TableOutp
         file_path=uri,
         file_format=FileFormat.PARQUET,
         partition=partition,
-        file_size_in_bytes=out.size(rel),
+        file_size_in_bytes=size,
         sort_order_id=None,
         spec_id=table.metadata.default_spec_id,
         equality_ids=None,
@@ -474,8 +565,11 @@ def _data_file(table: Table, out: Storage, rel: str, uri: str, target: TableOutp
 
 
 def _partition_files(table: Table, target: TableOutput, run_date: dt.date, allow_deletes: bool = False) -> list[Any]:
-    """The data files of the run date's partition in the current snapshot (the ones ``overwrite`` replaces)."""
-    from pyiceberg.expressions import EqualTo
+    """The data files of the run date's partition in the current snapshot (the ones ``overwrite`` replaces).
+
+    ``allow_deletes`` False (``overwrite``): SpecError for a data file with delete files, or one that may hold rows
+    of other dates (written under an earlier partition spec: deleting it would drop them)."""
+    from pyiceberg.expressions import AlwaysTrue, EqualTo
 
     assert target.date_column is not None
     if table.current_snapshot() is None:
@@ -488,6 +582,13 @@ def _partition_files(table: Table, target: TableOutput, run_date: dt.date, allow
             raise SpecError(
                 f"table {target.identifier}: partition {target.date_column}={run_date} has delete files; "
                 "overwrite replaces whole data files only"
+            )
+        if task.residual != AlwaysTrue() and not allow_deletes:  # its partition does not say all its rows are this date
+            raise SpecError(
+                f"table {target.identifier}: partition {target.date_column}={run_date}: data file "
+                f"{task.file.file_path} holds rows of other dates too (written under an earlier partition spec), and "
+                "overwrite replaces whole data files only: rewrite the table's data files under its current spec "
+                "first, or publish with mode append"
             )
         files.append(task.file)
     return files

@@ -83,3 +83,16 @@ def test_catalog_credentials_reach_airflows_secrets_masker_wherever_the_connecti
         assert "127.0.0.1" in shown and " lake" in shown  # the rest stays
     finally:
         reset_secrets_masker()
+
+
+def test_a_catalog_password_with_a_slash_in_its_uri_reaches_the_masker():
+    """SQLAlchemy reads ``user:pa/ss@host`` as the password ``pa/ss`` (a SQL catalog's URI in the Connection's extra);
+    the userinfo pattern stopped at the first slash and handed nothing of it to the masker. An ``@`` in a URL's path
+    or query is still not taken for userinfo."""
+    from sqlalchemy.engine import make_url
+
+    uri = "postgresql+psycopg2://cat_user:s3cr/et?x@db.example.com:5432/catalog"
+    assert make_url(uri).password == "s3cr/et?x"
+    found = iceberg.catalog_secrets({"type": "sql", "uri": uri})
+    assert "s3cr/et?x" in found and "cat_user:s3cr/et?x" in found
+    assert iceberg.catalog_secrets({"uri": "https://cat.example.com/api/catalog?owner=a@b.c"}) == []

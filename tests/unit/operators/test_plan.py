@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -378,3 +379,65 @@ def test_a_form_output_outside_the_dag_files_output_under_is_refused_before_anyt
     assert shards and ti.xcoms["spec"]["io"]["output_uri"] == str(reruns / "default")
     ti, shards = plan(str(reruns / "mine"))
     assert shards and (reruns / "mine" / "_plan.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("path", "raw"),
+    [
+        ("io.output_table.identifier", "{{ var.value.get('vllm_batch_output_table', 'lake.triage') }}"),
+        ("io.output_table.identifier", "{{ params.table }}"),
+        ("io.output_table.identifier", "{{ dag_run.conf['table'] }}"),
+        ("io.output_table.mode", "{{ params.mode }}"),
+        ("io.input_table.identifier", "{{ var.value.get('vllm_batch_input_table', 'lake.tickets') }}"),
+    ],
+)
+def test_which_table_a_run_reads_or_publishes_to_is_never_a_trigger_or_variables_choice(
+    allowed, monkeypatch, tmp_path, path, raw
+):
+    """Publish commits to the output table with the deployment's catalog identity, and ``mode: overwrite``
+    replaces a date's rows there: which table (and whether its rows are replaced) is the DAG file's or the
+    deployment's, like the pod's identity. A trigger or a Variable pointing the nightly at another table the
+    deployment allows (another team's, in an allowed namespace) is refused before any catalog is reached; the
+    same value as a DAG-file literal plans, and a Variable does once the deployment opts in. The code before took
+    the identifier from a Variable or a trigger."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from airflow_provider_vllm.operators import plan as plan_module
+    from airflow_provider_vllm.steps.tables.access import Tables
+    from tests.support.iceberg import source_table, sql_catalog
+
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", ",".join(prefixes(allowed)))
+    catalog = sql_catalog(tmp_path)
+    source_table(catalog)
+    reached = []
+
+    def tables(p):
+        reached.append(p)
+        return Tables(catalog=catalog, allowed=["lake.*"], uri_prefixes=[])
+
+    monkeypatch.setattr(plan_module, "iceberg_tables", tables)
+    literal = {"io.output_table.identifier": "lake.triage", "io.output_table.mode": "append"}
+    literal["io.input_table.identifier"] = "lake.tickets"
+    doc = base_doc(allowed)
+    doc["io"] |= {"output_table": {"identifier": "lake.triage", "mode": "append", "create": True}}
+    if path.startswith("io.input_table"):
+        doc["io"] |= {"input_uri": None, "input_table": {"identifier": "lake.tickets", "columns": ["id", "text"]}}
+    section, key = path.rsplit(".", 1)
+    raw_doc = json.loads(json.dumps(doc))
+    raw_doc["io"][section.split(".")[1]][key] = raw
+    ti = _plan_ti()
+    op = VllmPlanOperator(task_id="plan", spec=raw_doc)
+    op.spec = doc  # as Airflow renders it: the value the template gave
+    with pytest.raises(AirflowFailException, match=rf"{re.escape(path)} is deployment-owned and came from"):
+        op.execute({"ti": ti, "params": {"table": "lake.triage", "mode": "append"}})
+    assert "spec" not in ti.xcoms and reached == []
+    if raw.startswith("{{ var."):  # a Variable: only with the deployment's opt-in
+        monkeypatch.setenv("AIRFLOW__VLLM_BATCH__DEPLOYMENT_SETTINGS_FROM_VARIABLES", "True")
+        op = VllmPlanOperator(task_id="plan", spec=raw_doc)
+        op.spec = doc
+        assert op.execute({"ti": _plan_ti(), "params": {}})
+        monkeypatch.delenv("AIRFLOW__VLLM_BATCH__DEPLOYMENT_SETTINGS_FROM_VARIABLES")
+    doc["io"]["output_uri"] = str(allowed / "out-literal")
+    assert VllmPlanOperator(task_id="plan", spec=doc).execute({"ti": _plan_ti(), "params": {}})  # a DAG-file literal
+    assert literal[path] in json.dumps(doc)
+    record_malicious("table_chosen_by_a_trigger_or_variable", 1, 1)

@@ -652,3 +652,148 @@ def test_a_passthrough_column_an_iceberg_table_cannot_hold_is_refused_naming_it(
     check_output_table(spec.io.output_table, tables, result_schema(None))  # takes them: no error
     missing = spec.io.output_table.model_copy(update={"identifier": "lake.other", "create": False})
     check_output_table(missing, tables, plan.result_schema())  # missing, not created here: left to publish
+
+
+@pytest.mark.parametrize("same_size", [True, False])
+def test_a_part_swapped_after_publish_checked_it_never_reaches_the_table(
+    tmp_path, lake, fake_engine_factory, same_size
+):
+    """A writer of the output prefix replaces a result part after publish checked it against the sealed manifest
+    and before the table commit (forged labels; the same size, or another). The commit describes and adds only the
+    bytes merge sealed: it fails naming the part, and no forged row, no snapshot, reaches the table. The code before
+    read the part's footer and size again for the DataFile and committed the forged file."""
+    from airflow_provider_vllm.core.errors import CommitError
+
+    catalog, tables = lake
+    spec = run(tmp_path, lake, fake_engine_factory)
+    out = Storage(spec.io.output_uri)
+
+    def swap(parts):
+        path = out.path(parts[0])
+        size = os.path.getsize(path)
+        t = pq.read_table(path)
+        forged = t.set_column(t.schema.get_field_index("label"), "label", pa.array(["FORGED"] * len(t)))
+        pq.write_table(forged, path)
+        if same_size:  # padded or cut to the sealed size: a size check alone does not see it
+            data = open(path, "rb").read()
+            assert len(data) <= size, "the forged part must fit the sealed size"
+            with open(path, "r+b") as f:
+                f.seek(0)
+                footer = 8 + int.from_bytes(data[-8:-4], "little")  # padded before the footer: offsets hold
+                f.write(data[:-footer] + b"\0" * (size - len(data)) + data[-footer:])
+            assert os.path.getsize(path) == size and pq.read_table(path).num_rows == t.num_rows
+
+    with pytest.raises(CommitError, match=r"table lake\.triage: not committing: .*results/part-.* is not the file"):
+        publish(spec, tables, before_commit=swap)
+    table = catalog.load_table("lake.triage")
+    assert table.current_snapshot() is None and table.snapshots() == []
+    record_malicious("result_part_swapped_before_the_table_commit", 1, 1)
+
+
+def test_a_run_whose_snapshot_the_table_rolled_back_is_not_reported_as_published(tmp_path, lake, fake_engine_factory):
+    """The table's owner rolls main back past the run's snapshot (a bad night undone) before a retry of its publish
+    (a publish killed after the catalog took the commit, or cleared). The snapshot still exists in the table's
+    metadata, but the table no longer holds its rows: the retry fails naming the snapshot, rather than sealing it
+    into _SUCCESS.json and the Asset event as the run's published state, and commits nothing. The code before found
+    the snapshot among all of the table's snapshots and reported the run as committed."""
+    from airflow_provider_vllm.core.errors import CommitError
+
+    catalog, tables = lake
+    first = publish(run(tmp_path, lake, fake_engine_factory, name="d1"), tables)
+    spec = run(tmp_path, lake, fake_engine_factory, name="d2")
+    commit = publish(spec, tables)
+    catalog.load_table("lake.triage").manage_snapshots().rollback_to_snapshot(first.snapshot_id).commit()
+    with pytest.raises(CommitError, match=rf"snapshot {commit.snapshot_id} committed run .*d2.* no longer holds it"):
+        publish(spec, tables)
+    table = catalog.load_table("lake.triage")
+    assert table.current_snapshot().snapshot_id == first.snapshot_id and len(table.snapshots()) == 2
+    assert table.scan().to_arrow().num_rows == 30  # d1's rows only: nothing added again either
+    # put back by its owner: the run's snapshot is the table's again, and the retry finds it
+    catalog.load_table("lake.triage").manage_snapshots().set_current_snapshot(commit.snapshot_id).commit()
+    again = publish(spec, tables)
+    assert again.already and again.snapshot_id == commit.snapshot_id
+
+
+def test_a_schema_change_that_wins_the_race_is_checked_before_the_next_attempt(
+    tmp_path, lake, fake_engine_factory, monkeypatch
+):
+    """The table's owner drops the results' `label` column while publish commits (their commit lands between
+    publish's load and its own, so publish's commit loses the race and is decided again). The next attempt checks
+    the table as it is now: the results no longer fit, publish fails naming the table and adds nothing. The code
+    before checked the table once, before the first attempt, and committed the parts on the next attempt into a
+    table with no `label` column: readers got the run's rows without their labels."""
+    from pyiceberg.table import Transaction
+
+    catalog, tables = lake
+    publish(run(tmp_path, lake, fake_engine_factory, name="d1"), tables)  # the table exists, with d1's rows
+    spec = run(tmp_path, lake, fake_engine_factory, name="d2")
+    real = Transaction.commit_transaction
+    raced = []
+
+    def owner_first(self):
+        if not raced:  # a real concurrent commit of the table's owner, through its own handle
+            raced.append(True)
+            with catalog.load_table("lake.triage").update_schema() as update:
+                update.delete_column("label")
+        return real(self)
+
+    monkeypatch.setattr(Transaction, "commit_transaction", owner_first)
+    with pytest.raises(SpecError, match=r"table lake\.triage does not take the results' schema"):
+        publish(spec, tables)
+    table = catalog.load_table("lake.triage")
+    assert raced and "label" not in table.schema().column_names
+    assert [summary_of(s).get(RUN_ID) for s in table.snapshots()].count(spec.io.output_uri) == 0
+
+
+def test_overwrite_never_drops_a_data_file_that_holds_other_dates_rows(tmp_path, lake, fake_engine_factory):
+    """The output table was written unpartitioned first (another tool stored `run_date` in its data files), then
+    partitioned by identity(run_date). A file of the old spec holds several dates' rows. Overwriting one date
+    replaces whole data files: the code before deleted that file, losing the other dates' rows with it. Publish now
+    fails naming the file, and the table keeps every row."""
+    import pyarrow as pa
+    from pyiceberg.transforms import IdentityTransform
+
+    catalog, tables = lake
+    spec = run(tmp_path, lake, fake_engine_factory, mode="overwrite", date_column="run_date")
+    results = _results_schema(spec)
+    old = pa.schema([*[f.remove_metadata() for f in results], pa.field("run_date", pa.date32())])
+    table = catalog.create_table("lake.triage", schema=old)
+    day, other = dt.date(2026, 12, 1), dt.date(2026, 11, 30)
+    first = pq.read_table(spec.io.output_uri + "/results").cast(results).slice(0, 2)
+    rows_ = pa.concat_tables([first, first]).append_column("run_date", pa.array([day, day, other, other]))
+    table.append(rows_.cast(old))  # one data file of the unpartitioned spec, two dates
+    with catalog.load_table("lake.triage").update_spec() as update:
+        update.add_field("run_date", IdentityTransform(), "run_date")
+    with pytest.raises(SpecError, match=r"partition run_date=2026-12-01: data file .* holds rows of other"):
+        publish(spec, tables, run_date=day)
+    table = catalog.load_table("lake.triage")
+    assert table.scan().to_arrow().num_rows == 4 and len(table.snapshots()) == 1
+
+
+def test_a_merge_run_again_while_publish_commits_is_never_committed_under_the_checked_manifest(
+    tmp_path, lake, fake_engine_factory
+):
+    """A cleared merge task runs again (one shard rerun: its parts get other bytes) after publish checked the parts
+    and before its table commit. The table commit takes its parts' sizes and statistics only from the results
+    manifest publish checked (its sha256 goes into the snapshot's summary): the new merge fails the commit, naming
+    it, and nothing reaches the table; the task's retry (publish from the start) commits the new merge."""
+    from airflow_provider_vllm.core.errors import CommitError
+    from tests.support.data import merge
+
+    catalog, tables = lake
+    spec = run(tmp_path, lake, fake_engine_factory)
+
+    def merge_again(parts):
+        _rerun_first_shard(spec, fake_engine_factory)
+        merge(spec)
+
+    with pytest.raises(CommitError, match=r"now names results manifest .* not the .* publish checked"):
+        publish(spec, tables, before_commit=merge_again, manifest_sha256=None)
+    assert catalog.load_table("lake.triage").snapshots() == []
+    commit = publish(spec, tables)
+    out = Storage(spec.io.output_uri)
+    assert (
+        summary_of(catalog.load_table("lake.triage").current_snapshot())["vllm-batch.results-manifest-sha256"]
+        == read_merged(out).checksums["results/_manifest.json"]
+        and not commit.already
+    )
