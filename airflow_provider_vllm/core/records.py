@@ -7,6 +7,8 @@
 - ``MergeSummary``: ``_MERGED.json`` and, without per-shard stats, the merge task's XCom.
 - ``ChangesSummary``: ``changes/_changes.json``, what moved since the previous run (``steps/merge/changes.py``).
 - ``QARecord``: ``qa/_QA.json``, QA's sealed verdict and the digests of its report files (``steps/qa/store.py``).
+- ``ReviewRecord``: ``qa/_REVIEW.json``, the review task's sealed decision on that verdict (``steps/qa/store.py``).
+- ``DagRunRef``: the Airflow DAG run a sealed verdict or decision was made in (both records name it).
 - ``PublishingRecord``: ``_PUBLISHING.json``, publish's sealed notice that it began a table commit
   (``steps/tables/commit.py``).
 - ``GoldenSummary``: ``golden/_golden.json``, the golden rows that rode along (``steps/golden.py``).
@@ -425,6 +427,19 @@ class QAFile(Record):
     sha256: Sha256
 
 
+class DagRunRef(Record):
+    """The Airflow DAG run a sealed record was made in (its task's ``dag_id`` and ``run_id``, handed in by the
+    operator as plain values: the steps import no Airflow). Review and publish take only their own run's records."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    dag_id: str = Field(min_length=1, description="the DAG's id")
+    run_id: str = Field(min_length=1, description="the DAG run's id")
+
+    def describe(self) -> str:
+        return f"DAG run {self.dag_id!r} / {self.run_id!r}"
+
+
 class QARecord(Record):
     """``qa/_QA.json``: what QA concluded about a run, written after its report files and sealed (``core/seal.py``,
     domain ``qa``, scope the run). Publish gates on this ``status``, never on ``report.json``'s; a later run's drift
@@ -445,7 +460,40 @@ class QARecord(Record):
     files: dict[Literal["report_json", "report_html", "sample"], QAFile] = Field(
         description="what QA wrote: report_json, report_html, sample -> path, size, sha256"
     )
+    dag_run: DagRunRef | None = Field(
+        None,
+        description="the DAG run whose QA task wrote it: review and publish take no other run's verdict (absent: "
+        "written before this field, refused by both: run QA again)",
+    )
     seal: Seal | None = Field(None, description="the QA task's seal (core/seal.py, domain qa, scope the run)")
+
+
+class ReviewAnswer(Record):
+    """A person's answer to the review's approval request, as Airflow's HITL response gives it."""
+
+    chosen_options: list[str] = Field(description="the option(s) chosen: ['Approve'] or ['Reject']")
+    responded_by: str | None = Field(None, description="the responding user's name (Airflow's responded_by_user)")
+    responded_by_id: str | None = Field(None, description="the responding user's id")
+    responded_at: str | None = Field(None, description="when they answered (ISO 8601)")
+
+
+class ReviewRecord(Record):
+    """``qa/_REVIEW.json``: the review task's decision on one sealed QA verdict, sealed (``core/seal.py``, domain
+    ``review``, scope the run) and written before the task returns. Publish decides from it, never from the review
+    task's XCom: the QA verdict it names must be the one publish checks, made in the same DAG run, and approved."""
+
+    version: int = Field(1, description="record format version")
+    dag_run: DagRunRef = Field(description="the DAG run whose review task decided")
+    qa_record_mac: str = Field(pattern=r"^[0-9a-f]{64}$", description="the seal (mac) of the qa/_QA.json decided on")
+    qa_status: Literal["pass", "warn", "fail"] = Field(description="that sealed verdict's status")
+    ask: bool | None = Field(
+        None, description="whether the review was on for a 'warn' (its ask setting, checked); absent: QA passed"
+    )
+    asked: bool = Field(description="whether a person was asked (a 'warn' with the review on)")
+    approved: bool = Field(description="the decision: publication approved (a 'pass', review off, or Approve)")
+    answer: ReviewAnswer | None = Field(None, description="the person's answer (asked only)")
+    decided_at: str = Field(description="UTC time the review task recorded the decision (ISO 8601)")
+    seal: Seal | None = Field(None, description="the review task's seal (core/seal.py, domain review, scope the run)")
 
 
 class PublishingRecord(Record):

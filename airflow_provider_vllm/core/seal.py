@@ -2,8 +2,8 @@
 
 A file in a bucket proves nothing about who wrote it: every person and job that may write an
 output prefix or the cache folder can write any bytes there. What the pipeline reuses or publishes
-(the plan, a chunk, a shard's commit marker, the merge summary, QA's verdict, a cache entry and publish's vouch for
-it, ``_SUCCESS.json``,
+(the plan, a chunk, a shard's commit marker, the merge summary, QA's verdict, the review's decision on it, a cache
+entry and publish's vouch for it, ``_SUCCESS.json``,
 ``_PUBLISHING.json``)
 therefore carries a *seal*: an HMAC-SHA256 over a domain, a scope (the run's output URI, the cache
 folder ...) and the record's canonical JSON. Whoever lacks the key cannot make a seal that
@@ -63,6 +63,7 @@ COMPILE_CACHE = "compile-cache"
 QA = "qa"
 HISTORY = "history"
 PUBLISHING = "publishing"
+REVIEW = "review"
 DOMAINS = frozenset(
     {
         PLAN,
@@ -77,6 +78,7 @@ DOMAINS = frozenset(
         QA,
         HISTORY,
         PUBLISHING,
+        REVIEW,
     }
 )
 WORKER_DOMAINS = frozenset({CHUNK, COMMIT, COMPILE_CACHE})

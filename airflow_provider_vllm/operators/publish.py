@@ -16,7 +16,7 @@ from airflow_provider_vllm.core.allow_list import canonical_uri
 from airflow_provider_vllm.core.errors import CommitError, SealError
 from airflow_provider_vllm.core.part_names import check_inside, run_file
 from airflow_provider_vllm.core.plan import changes_spec, load_plan, pinned_changes
-from airflow_provider_vllm.core.records import SHA256_HEX, MergeSummary, QARecord
+from airflow_provider_vllm.core.records import SHA256_HEX, MergeSummary, QARecord, ReviewRecord
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.hooks.filesystems import task_filesystems
@@ -34,10 +34,11 @@ from airflow_provider_vllm.steps.merge.merger import (
     verified_parts,
 )
 from airflow_provider_vllm.steps.publish import SUCCESS, success_bytes
-from airflow_provider_vllm.steps.qa.store import QA_RECORD, read_qa
+from airflow_provider_vllm.steps.qa.store import QA_RECORD, REVIEW_RECORD, read_qa, read_review
 from airflow_provider_vllm.steps.tables.commit import commit_results
 from airflow_provider_vllm.utils.deployment import allowed_prefixes, check_spec_allowed, signing_keyring
 from airflow_provider_vllm.utils.job_spec import data_plane_errors, load_spec
+from airflow_provider_vllm.utils.run_binding import check_made_here, read_sealed
 
 
 def _run_date(context: Any) -> datetime.date:
@@ -59,6 +60,8 @@ QA_FILES = {
 }
 RERUN_QA = "run the QA task again (it writes and seals qa/_QA.json), then publish"
 RERUN_MERGE = "clear the merge task (it writes and seals its files again), then QA and publish"
+REREVIEW = "clear the review task (it decides again and seals its decision; a 'warn' asks again), then publish"
+APPROVE = "Approve"  # the review's (Airflow's ApprovalOperator's) approving option
 
 
 class VllmPublishOperator(BaseOperator):
@@ -75,15 +78,20 @@ class VllmPublishOperator(BaseOperator):
     (name -> path of a file under the prefix) are listed, and their sha256 as publish reads them is sealed into
     ``_SUCCESS.json`` (a folder or a path outside the prefix fails).
 
+    The sealed verdict must have been made in this task's DAG run (it names its ``dag_id`` and ``run_id``): the
+    folder of another run, named through the plan task's ``spec`` XCom, is refused, and so is a verdict of an earlier
+    version that names no run (run QA again).
+
     ``qa_result``: the QA task's XCom (``qa.output``; ``vllm_batch_job`` passes it): the sealed verdict must be
     the one that task wrote, not an earlier genuine one put back in the folder. None: not checked, unless
     ``require_qa_result`` (set by ``vllm_batch_job``): then a missing XCom (a task marked success by hand) fails.
-    ``review_result``: the review task's XCom (``VllmQAReviewOperator``; ``vllm_batch_job`` passes it when it
-    adds the review): the approval must name that same verdict (a QA run again after the approval, alone, would
-    otherwise be published on the earlier verdict's approval), and one made without asking (QA said 'pass', or review
-    is off) must have been made on the sealed verdict's status, which ``qa_result`` must say too: a QA result whose
-    status was changed to 'pass' through XCom does not publish a 'warn' that nobody was asked about. None: not
-    checked, unless ``require_review_result``.
+    Whether the run needs a review is the DAG file's choice, never an XCom's: with ``require_review_result``, or a
+    ``review_result`` given in the DAG file (``vllm_batch_job`` sets both when it adds the review), publish decides
+    from the review task's sealed decision, ``qa/_REVIEW.json``: made in this DAG run, on the very verdict publish
+    checks (its seal and status), and an approval: a person chose *Approve*, or nobody was asked because that verdict
+    is 'pass' or the review was off for it. A missing, rejected or stale decision publishes nothing (clear the review
+    task). ``review_result`` (the review task's XCom) is then only a cross-check: when given, the verdict and the
+    decision it names must be those records (a mismatch fails).
 
     ``aws_conn_id`` / ``gcp_conn_id``: the Airflow Connections through which this task reaches
     ``s3://`` / ``gs://`` locations (DAG-file settings, never templated; None: ``[vllm_batch]
@@ -117,6 +125,9 @@ class VllmPublishOperator(BaseOperator):
         self.require_qa_result = require_qa_result
         self.review_result = review_result
         self.require_review_result = require_review_result
+        # decided by the DAG file's arguments before rendering: a review result that renders to nothing (its XCom
+        # deleted) must not turn the review's check off
+        self._review_required = require_review_result or review_result is not None
 
     def execute(self, context: Any) -> dict[str, Any]:
         spec = load_spec(self.spec, "publish")
@@ -220,7 +231,9 @@ class VllmPublishOperator(BaseOperator):
         # (plan_mac) or another one is refused (fail closed)
         self._plan = load_plan(spec, out.filesystems, keyring, merged=merged)
         qa = self._qa_verdict(out, keyring, merged)
+        check_made_here(qa.dag_run, context, "publish", f"the sealed QA verdict {out.uri(QA_RECORD)}", RERUN_QA)
         self._check_this_runs_qa(out, qa)
+        review = self._review_decision(out, keyring, qa, context) if self._review_required else None
         if qa.status == "fail":
             raise AirflowFailException(f"publish: QA failed ({qa.summary}); not publishing")
         # changes.previous_uri set: QA wrote changes/ (what moved since that run); a reader syncs from it
@@ -293,6 +306,7 @@ class VllmPublishOperator(BaseOperator):
             "spec_hash": merged.spec_hash,
             "config_hash": merged.config_hash,
             "qa": {"status": qa.status, "summary": qa.summary},
+            **({"review": _review_summary(review)} if review is not None else {}),
             "airflow": {
                 "dag_id": getattr(dag_run, "dag_id", None),
                 "run_id": getattr(dag_run, "run_id", None),
@@ -306,10 +320,8 @@ class VllmPublishOperator(BaseOperator):
     def _check_this_runs_qa(self, out: Storage, qa: QARecord) -> None:
         """With ``qa_result`` (the QA task's XCom, through Airflow's metadata database): the sealed verdict in the
         folder must be the one that task wrote (its seal's mac). Sealed records of an earlier merge and QA of this
-        same folder are genuine too: put back together, they would publish the earlier state instead. With
-        ``review_result`` (the review task's XCom): the approval must name that same verdict, and an approval made
-        without asking must have been made on the sealed verdict's status; the QA task's result must say that status
-        too (a result changed to 'pass' would have a warning approved unasked)."""
+        same folder are genuine too: put back together, they would publish the earlier state instead. The QA task's
+        result must say the sealed verdict's status too."""
         mac = qa.seal.mac if qa.seal is not None else None
         if self.qa_result is not None or self.require_qa_result:
             told = self.qa_result.get("record_mac") if isinstance(self.qa_result, Mapping) else None
@@ -323,23 +335,6 @@ class VllmPublishOperator(BaseOperator):
                     f"publish: {out.uri(QA_RECORD)} is not the verdict this run's QA task wrote (another QA of this "
                     f"folder, or an earlier merge and QA put back); {RERUN_QA}"
                 )
-        if self.review_result is not None or self.require_review_result:
-            approved = self.review_result.get("record_mac") if isinstance(self.review_result, Mapping) else None
-            if not approved or approved != mac:
-                raise AirflowFailException(
-                    "publish: the review task approved "
-                    + ("another QA verdict (QA ran again after the approval)" if approved else "no sealed QA verdict")
-                    + f", not {out.uri(QA_RECORD)}; clear the review task (a 'warn' asks again), then publish"
-                )
-            decided = self.review_result.get("qa_status")
-            if self.review_result.get("asked") is False and decided != qa.status:
-                # it decided on the QA task's result (XCom), whose status someone who may write XCom can change: a
-                # 'warn' told as 'pass' is approved without asking anyone
-                raise AirflowFailException(
-                    f"publish: the review task approved without asking a QA verdict it was told is {decided!r}, but "
-                    f"the sealed verdict {out.uri(QA_RECORD)} is {qa.status!r} (the QA task's result was changed "
-                    "after QA wrote it); run the QA task again, then the review (a 'warn' asks), then publish"
-                )
         if self.qa_result is not None or self.require_qa_result:
             said = self.qa_result.get("status") if isinstance(self.qa_result, Mapping) else None
             if said != qa.status:
@@ -348,21 +343,65 @@ class VllmPublishOperator(BaseOperator):
                     f"{qa.status!r} (the result was changed after QA wrote it); {RERUN_QA}"
                 )
 
+    def _review_decision(self, out: Storage, keyring: Keyring, qa: QARecord, context: Any) -> ReviewRecord:
+        """The review task's sealed decision (``qa/_REVIEW.json``) approving exactly ``qa`` in this DAG run, checked
+        against the review task's XCom when given; AirflowFailException (no retry) naming what differs otherwise."""
+        where = out.uri(REVIEW_RECORD)
+        missing = "the review task did not decide, or decided before this version, which writes it"
+        review = read_sealed("publish", lambda: read_review(out, keyring), "review decision", where, missing, REREVIEW)
+        check_made_here(review.dag_run, context, "publish", f"the sealed review decision {where}", REREVIEW)
+        mac = qa.seal.mac if qa.seal is not None else None
+        if review.qa_record_mac != mac:
+            raise AirflowFailException(
+                f"publish: the sealed review decision {where} is on another QA verdict (QA ran again after the "
+                f"review), not on {out.uri(QA_RECORD)}; {REREVIEW}"
+            )
+        if review.qa_status != qa.status:  # sealed by the review, so only a review that misread the verdict
+            raise AirflowFailException(
+                f"publish: the sealed review decision {where} was made on a {review.qa_status!r} verdict, but "
+                f"{out.uri(QA_RECORD)} is {qa.status!r}; {REREVIEW}"
+            )
+        if not review.approved:
+            who = (review.answer.responded_by if review.answer is not None else None) or "a reviewer"
+            raise AirflowFailException(f"publish: {who} rejected publication ({where}); not publishing")
+        if review.asked:
+            if review.answer is None or review.answer.chosen_options != [APPROVE]:
+                raise AirflowFailException(f"publish: {where} records no {APPROVE!r} answer; {REREVIEW}")
+        elif qa.status != "pass" and review.ask is not False:
+            raise AirflowFailException(
+                f"publish: {where} approves a {qa.status!r} verdict without asking anyone, with the review on; "
+                f"{REREVIEW}"
+            )
+        self._cross_check_review_result(review, where)
+        return review
+
+    def _cross_check_review_result(self, review: ReviewRecord, where: str) -> None:
+        """The review task's XCom, when given, must name the verdict and the decision the sealed record holds."""
+        told = self.review_result
+        if told is None:  # the record decides; the XCom is only a cross-check (a review killed before it returned)
+            return
+        sealed = {
+            "record_mac": review.qa_record_mac,
+            "review_mac": review.seal.mac if review.seal is not None else None,
+            "asked": review.asked,
+        }
+        differ = (
+            sorted(k for k, v in sealed.items() if k in told and told[k] != v)
+            if isinstance(told, Mapping)
+            else ["the result is not a mapping"]
+        )
+        if differ:
+            raise AirflowFailException(
+                f"publish: the review task's result does not match its sealed decision {where} ({', '.join(differ)}: "
+                f"the result was changed after the review wrote it, or the review ran again); {REREVIEW}"
+            )
+
     def _qa_verdict(self, out: Storage, keyring: Keyring, merged: MergeSummary) -> QARecord:
         """QA's sealed verdict on this very merge (``qa/_QA.json``, with its files as QA wrote them), never what
         report.json says on its own; AirflowFailException naming the file otherwise."""
         where = out.uri(QA_RECORD)
-        try:
-            qa = read_qa(out, keyring)
-        except FileNotFoundError:
-            raise AirflowFailException(
-                f"publish: no sealed QA verdict {where} (QA did not finish, or ran before QA verdicts were sealed); "
-                f"{RERUN_QA}"
-            ) from None
-        except CommitError as e:  # SealError included: not this deployment's QA, or not for this run's folder
-            raise AirflowFailException(f"publish: {e}; {RERUN_QA}") from None
-        except ValueError as e:  # pydantic's ValidationError is a ValueError
-            raise AirflowFailException(f"publish: {where} is not a QA record: {e}") from None
+        missing = "QA did not finish, or ran before QA verdicts were sealed"
+        qa = read_sealed("publish", lambda: read_qa(out, keyring), "QA verdict", where, missing, RERUN_QA)
         if qa.spec_hash != merged.spec_hash:
             raise AirflowFailException(f"publish: {where} is QA's verdict on a run of another spec; {RERUN_QA}")
         if qa.merged_mac != getattr(merged.seal, "mac", None):
@@ -371,3 +410,14 @@ class VllmPublishOperator(BaseOperator):
                 f"{RERUN_QA}"
             )
         return qa
+
+
+def _review_summary(review: ReviewRecord) -> dict[str, Any]:
+    """The review decision as ``_SUCCESS.json`` carries it (sealed with the marker): asked, by whom, when."""
+    answer = review.answer
+    return {
+        "asked": review.asked,
+        "by": answer.responded_by if answer is not None else None,
+        "at": answer.responded_at if answer is not None else None,
+        "review_mac": review.seal.mac if review.seal is not None else None,
+    }

@@ -15,6 +15,7 @@ from airflow_provider_vllm.steps.qa.report import QAFailed
 from airflow_provider_vllm.steps.qa.stage import qa_run, qa_summary
 from airflow_provider_vllm.utils.deployment import check_spec_allowed, signing_keyring
 from airflow_provider_vllm.utils.job_spec import data_plane_errors, load_spec
+from airflow_provider_vllm.utils.run_binding import this_dag_run
 
 
 class VllmQAFailed(QAFailed, AirflowFailException):
@@ -37,6 +38,9 @@ class VllmQAOperator(BaseOperator):
     ``merge_result``: the merge task's XCom (``merge.output``; ``vllm_batch_job`` passes it): QA measures only
     the ``_MERGED.json`` whose seal it names, not an earlier merge of the folder put back. None: not checked,
     unless ``require_merge_result`` (set by ``vllm_batch_job``): then a missing XCom fails.
+
+    The sealed verdict (``qa/_QA.json``) names this task's DAG run (``dag_id``, ``run_id``): the review and publish
+    tasks take no verdict made in another run.
 
     ``aws_conn_id`` / ``gcp_conn_id``: the Airflow Connections through which this task reaches
     ``s3://`` / ``gs://`` locations (DAG-file settings, never templated; None: ``[vllm_batch]
@@ -75,6 +79,7 @@ class VllmQAOperator(BaseOperator):
                 filesystems=task_filesystems(self.aws_conn_id, self.gcp_conn_id),
                 keyring=signing_keyring(),
                 merged_mac=self._merged_mac(),
+                dag_run=this_dag_run(context),  # named in the sealed verdict: review and publish take no other run's
             )
         summary = qa_summary(report, paths, spec.io.output_uri)
         self._lineage = qa_lineage(spec, summary)  # before a 'fail' raises: the failure event carries it too

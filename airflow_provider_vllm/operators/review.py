@@ -6,12 +6,17 @@ fails, so the run fails and nothing is published); 'fail' -> QA has already fail
 and this task fails too if it is ever reached.
 
 The verdict decided on, and what the person is shown, are QA's sealed verdict (``qa/_QA.json``, checked with the
-deployment's key) and the ``report.json`` it names, read from the run's output: never the QA task's XCom alone,
-which whoever may write XCom (the REST API's XCom endpoints) can change after QA wrote it.
+deployment's key, made in this DAG run) and the ``report.json`` it names, read from the run's output: never the QA
+task's XCom alone, which whoever may write XCom (the REST API's XCom endpoints) can change after QA wrote it.
+
+The decision is written, sealed, to ``qa/_REVIEW.json`` (``records.ReviewRecord``) before the task returns or fails:
+which verdict, its status, whether a person was asked, their answer, and the DAG run. Publish decides from that
+record, not from this task's XCom.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -22,14 +27,15 @@ from airflow.providers.standard.operators.hitl import ApprovalOperator
 from airflow.sdk.exceptions import AirflowFailException, TaskAwaitingInput  # Airflow 3.3+ (setup.cfg's floor)
 
 from airflow_provider_vllm.core.errors import CommitError
-from airflow_provider_vllm.core.records import QARecord
+from airflow_provider_vllm.core.records import QARecord, ReviewAnswer, ReviewRecord
 from airflow_provider_vllm.core.storage import Storage
 from airflow_provider_vllm.hooks.filesystems import task_filesystems
 from airflow_provider_vllm.links.report import VllmQAReportLink, base_url, report_url
-from airflow_provider_vllm.steps.qa.store import QA_RECORD, read_qa, read_verified
+from airflow_provider_vllm.steps.qa.store import QA_RECORD, read_qa, read_verified, remove_review, write_review
 from airflow_provider_vllm.utils import provenance
 from airflow_provider_vllm.utils.deployment import check_spec_allowed, signing_keyring, variables_may_loosen_qa
 from airflow_provider_vllm.utils.job_spec import data_plane_errors, load_spec
+from airflow_provider_vllm.utils.run_binding import check_made_here, read_sealed, this_dag_run
 
 SUBJECT = "Publish this batch run? QA needs review"
 # the seal of the QA verdict a person is asked about, kept while the task waits in its resume arguments (the task
@@ -138,10 +144,13 @@ class VllmQAReviewOperator(ApprovalOperator):
         retry, naming who turned it off, and nothing is published). The plan task checks the same when
         ``vllm_batch_job`` wires them.
 
-    Returns ``{"approved": True, "asked": False, "qa_status": "pass", "record_mac": ...}`` without asking on a
-    pass, else the HITL response (chosen option, who, when) and ``record_mac``. *Reject* raises an
-    ``AirflowFailException`` naming who rejected (not retried). ``record_mac`` is the seal of the QA verdict that
-    was approved (``qa_result``'s, as it was when the person was asked): publish takes no other verdict.
+    Each decision is sealed into ``qa/_REVIEW.json`` (an approval before the task returns, a rejection before it
+    fails; an earlier one is removed when the task starts): publish decides from that record. Returns
+    ``{"approved": True, "asked": False, "qa_status": "pass", "record_mac": ..., "review_mac": ...}`` without asking
+    on a pass, else the HITL response (chosen option, who, when), ``record_mac`` and ``review_mac``. *Reject* raises
+    an ``AirflowFailException`` naming who rejected (not retried). ``record_mac`` is the seal of the QA verdict that
+    was approved (``qa_result``'s, as it was when the person was asked), ``review_mac`` the seal of the review record:
+    publish cross-checks both against the sealed records.
 
     ``aws_conn_id`` / ``gcp_conn_id``: the Airflow Connections through which this task reads ``s3://`` / ``gs://``
     outputs (as publish's; None: ``[vllm_batch] aws_conn_id`` / ``gcp_conn_id``).
@@ -174,17 +183,52 @@ class VllmQAReviewOperator(ApprovalOperator):
         self.gcp_conn_id = gcp_conn_id
         self._raw_ask = ask  # the DAG file's value before rendering: who turned the review off (utils/provenance.py)
 
-    def execute(self, context: Any) -> Any:
-        qa = self.qa_result if isinstance(self.qa_result, Mapping) else {}
+    def _output(self) -> Storage:
+        """The run's output prefix, from the spec (rendered again on resume)."""
         spec = load_spec(self.spec, "review")
         check_spec_allowed(spec, "review")  # the spec came through XCom: the deployment's rules again
-        out = Storage(spec.io.output_uri, spec.io.storage_options, task_filesystems(self.aws_conn_id, self.gcp_conn_id))
+        return Storage(
+            spec.io.output_uri, spec.io.storage_options, task_filesystems(self.aws_conn_id, self.gcp_conn_id)
+        )
+
+    def _decide(
+        self,
+        out: Storage,
+        context: Any,
+        qa_mac: str,
+        qa_status: Any,
+        *,
+        ask: bool | None,
+        answer: ReviewAnswer | None = None,
+        approved: bool = True,
+    ) -> str:
+        """Seal the decision into ``qa/_REVIEW.json`` (publish decides from it); returns the record's seal's mac."""
+        record = ReviewRecord(
+            dag_run=this_dag_run(context),
+            qa_record_mac=qa_mac,
+            qa_status=qa_status,
+            ask=ask,
+            asked=answer is not None,
+            approved=approved,
+            decided_at=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            **({"answer": answer} if answer is not None else {}),
+        )
+        sealed = write_review(out, signing_keyring(), record)
+        assert sealed.seal is not None
+        return sealed.seal.mac
+
+    def execute(self, context: Any) -> Any:
+        qa = self.qa_result if isinstance(self.qa_result, Mapping) else {}
+        out = self._output()
         with data_plane_errors("review"):
             record = self._sealed_verdict(out, qa)
-            status, mac = record.status, record.seal.mac if record.seal is not None else None
+            check_made_here(record.dag_run, context, "review", f"the sealed QA verdict {out.uri(QA_RECORD)}", RERUN_QA)
+            remove_review(out)  # this attempt decides afresh: no decision of an earlier one outlives it
+            status, mac = record.status, record.seal.mac if record.seal is not None else ""
             if status == "pass":
                 self.log.info("QA passed (%s): publishing without review", record.summary)
-                return {"approved": True, "asked": False, "qa_status": status, "record_mac": mac}
+                sealed = self._decide(out, context, mac, status, ask=None)
+                return {"approved": True, "asked": False, "qa_status": status, "record_mac": mac, "review_mac": sealed}
             if status != "warn":
                 raise AirflowFailException(f"review: QA status is {status!r}, not 'pass' or 'warn'; not publishing")
             if not parse_flag(self.ask, "ask"):
@@ -194,7 +238,8 @@ class VllmQAReviewOperator(ApprovalOperator):
                 if why:
                     raise AirflowFailException(f"review: {why}; not publishing")
                 self.log.warning("QA warned (%s); review is off: publishing without asking", record.summary)
-                return {"approved": True, "asked": False, "qa_status": status, "record_mac": mac}
+                sealed = self._decide(out, context, mac, status, ask=False)
+                return {"approved": True, "asked": False, "qa_status": status, "record_mac": mac, "review_mac": sealed}
             shown = self._sealed_report(out, record)
         ti = context["ti"]
         link = report_url(ti.dag_id, ti.run_id, self.qa_task_id, base_url=base_url()) if self.qa_task_id else None
@@ -213,14 +258,7 @@ class VllmQAReviewOperator(ApprovalOperator):
         """The run's sealed QA verdict, which must be the one the QA task wrote (``qa_result``'s ``record_mac``) and
         say the status that task's result says; AirflowFailException (no retry) naming the file otherwise."""
         where = out.uri(QA_RECORD)
-        try:
-            record = read_qa(out, signing_keyring())
-        except FileNotFoundError:
-            raise AirflowFailException(f"review: no sealed QA verdict {where}; {RERUN_QA}") from None
-        except CommitError as e:  # SealError included: not this deployment's QA, or not for this run's folder
-            raise AirflowFailException(f"review: {e}; {RERUN_QA}") from None
-        except ValueError as e:  # pydantic's ValidationError is a ValueError
-            raise AirflowFailException(f"review: {where} is not a QA record: {e}") from None
+        record = read_sealed("review", lambda: read_qa(out, signing_keyring()), "QA verdict", where, "", RERUN_QA)
         told = qa.get("record_mac")
         if not told or record.seal is None or record.seal.mac != told:
             raise AirflowFailException(
@@ -258,6 +296,17 @@ class VllmQAReviewOperator(ApprovalOperator):
             result = super().execute_complete(context, event)
         except HITLRejectException:
             who = (event.get("responded_by_user") or {}).get("name") or "a reviewer"
+            if isinstance(reviewed_record_mac, str) and reviewed_record_mac:  # the rejection, on record for an audit
+                with data_plane_errors("review"):
+                    self._decide(
+                        self._output(),
+                        context,
+                        reviewed_record_mac,
+                        "warn",
+                        ask=True,
+                        answer=_answer(event),
+                        approved=False,
+                    )
             raise AirflowFailException(f"review: publication rejected by {who}; nothing is published") from None
         except HITLTimeoutError:
             raise AirflowFailException(
@@ -270,5 +319,20 @@ class VllmQAReviewOperator(ApprovalOperator):
                 "review: the approval names no QA verdict the person was shown (a request made before an upgrade); "
                 "clear this task to ask again"
             )
+        with data_plane_errors("review"):
+            # only a 'warn' asks: the verdict the person was shown said 'warn'
+            sealed = self._decide(self._output(), context, reviewed_record_mac, "warn", ask=True, answer=_answer(event))
         self.log.info("publication approved by %s", (result.get("responded_by_user") or {}).get("name"))
-        return {**result, "record_mac": reviewed_record_mac}
+        return {**result, "record_mac": reviewed_record_mac, "review_mac": sealed}
+
+
+def _answer(event: Mapping[str, Any]) -> ReviewAnswer:
+    """A person's answer as Airflow's HITL event gives it (chosen options, who, when)."""
+    who = event.get("responded_by_user") or {}
+    when = event.get("responded_at")
+    return ReviewAnswer(
+        chosen_options=[str(o) for o in event.get("chosen_options") or []],
+        responded_by=None if who.get("name") is None else str(who["name"]),
+        responded_by_id=None if who.get("id") is None else str(who["id"]),
+        responded_at=when.isoformat() if isinstance(when, datetime.datetime) else None if when is None else str(when),
+    )

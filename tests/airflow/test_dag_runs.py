@@ -101,6 +101,13 @@ def test_nightly_run_succeeds_with_complete_outputs(nightly):
     }
     newest = max((f for f in out.rglob("*") if f.is_file()), key=lambda f: f.stat().st_mtime_ns)
     assert newest.name == "_SUCCESS.json"  # written last
+    # QA's verdict and the review's decision name this DAG run; publish decided from the sealed decision
+    verdict = json.loads((out / "qa" / "_QA.json").read_text())
+    decision = json.loads((out / "qa" / "_REVIEW.json").read_text())
+    assert verdict["dag_run"] == decision["dag_run"] == {"dag_id": NIGHTLY, "run_id": run_id}
+    assert decision["qa_record_mac"] == verdict["seal"]["mac"] and decision["approved"] is True
+    assert decision["qa_status"] == verdict["status"] == success["qa"]["status"]
+    assert success["review"]["review_mac"] == decision["seal"]["mac"]
     (event,) = [e for e in db["asset_events"] if e["run_id"] == run_id]
     assert event["uri"] == "x-vllm-batch://ticket_reclassification"
     assert event["extra"]["output_uri"] == f"{out}/" and event["extra"]["rows"] == 240

@@ -13,11 +13,11 @@ from tests.support.data import shard_task
 class FakeTI:
     """What the operators use of a task instance: its map index and try, and ``xcom_push``."""
 
-    def __init__(self, map_index: int = -1, try_number: int = 1):
+    def __init__(self, map_index: int = -1, try_number: int = 1, dag_id: str = "d", run_id: str = "r1"):
         self.map_index = map_index
         self.try_number = try_number
-        self.dag_id = "d"
-        self.run_id = "r1"
+        self.dag_id = dag_id
+        self.run_id = run_id
         self.xcoms: dict = {}
 
     def xcom_push(self, key, value):
@@ -30,12 +30,13 @@ class OutletEvents(dict):
         return self[key]
 
 
-def context(params=None, map_index=-1, try_number=1) -> dict[str, Any]:
+def context(params=None, map_index=-1, try_number=1, run_id="r1", dag_id="d") -> dict[str, Any]:
+    """A task's context in the DAG run ``dag_id`` / ``run_id`` (default ``d`` / ``r1``)."""
     return {
-        "ti": FakeTI(map_index, try_number),
+        "ti": FakeTI(map_index, try_number, dag_id, run_id),
         "params": params or {},
         "outlet_events": OutletEvents(),
-        "dag_run": SimpleNamespace(dag_id="d", run_id="r1"),
+        "dag_run": SimpleNamespace(dag_id=dag_id, run_id=run_id),
         "logical_date": None,
     }
 

@@ -249,6 +249,10 @@ def test_a_qa_warning_waits_for_a_person_reject_fails_approve_publishes(airflow_
     assert rejected["state"] == "failed"
     assert st[("review", -1)] == "failed" and st[("publish", -1)] == "upstream_failed"
     assert not (out / "_SUCCESS.json").exists() and (out / "qa" / "report.html").exists()
+    # the rejection is sealed on record in the folder, naming who, the verdict and the DAG run: publish takes none
+    decision = json.loads((out / "qa" / "_REVIEW.json").read_text())
+    assert decision["approved"] is False and decision["answer"]["chosen_options"] == ["Reject"]
+    assert decision["dag_run"] == {"dag_id": RERUN, "run_id": review_run}
 
     # Re-run the same input into the same prefix (committed shards are reused) and approve in the UI.
     airflow_ui.trigger(RERUN, review_conf(ui_data), "review_approved")
@@ -263,6 +267,12 @@ def test_a_qa_warning_waits_for_a_person_reject_fails_approve_publishes(airflow_
     success = json.loads((out / "_SUCCESS.json").read_text())
     assert success["qa"]["status"] == "warn" and success["error_rows"] == 1 and success["rows"] == 20
     assert success["airflow"]["run_id"] == "review_approved"
+    # publish decided from the review's sealed decision of this run, on this run's QA verdict
+    decision = json.loads((out / "qa" / "_REVIEW.json").read_text())
+    verdict = json.loads((out / "qa" / "_QA.json").read_text())
+    assert decision["dag_run"] == verdict["dag_run"] == {"dag_id": RERUN, "run_id": "review_approved"}
+    assert decision["approved"] is True and decision["answer"]["responded_by"] == "admin"
+    assert decision["qa_record_mac"] == verdict["seal"]["mac"] and success["review"]["by"] == "admin"
     response = airflow_ui.get(f"/api/v2/dags/{RERUN}/dagRuns/review_approved/{hitl}")
     assert response["chosen_options"] == ["Approve"] and response["responded_by_user"]["name"] == "admin"
 

@@ -17,8 +17,9 @@
 * ``html_quality``: the page's quality sections (accuracy, confusion matrix, reliability diagram,
   consistency, least confident rows).
 * ``html``: renders a report dict and sample rows as one self-contained page.
-* ``store``: writes report.json / report.html / sample.parquet and, last, the sealed _QA.json; reads it back; loads a
-  previous report only when its run's sealed _QA.json vouches for it.
+* ``store``: writes report.json / report.html / sample.parquet and, last, the sealed _QA.json; reads it back; writes
+  and reads the review's sealed decision (_REVIEW.json); loads a previous report only when its run's sealed _QA.json
+  vouches for it.
 * ``golden_set``: the golden set (``qa.reference.golden_uri``) pinned by the plan (files, sizes, sha256) and
   read by QA from copies checked against that pin.
 * ``reference``: the known labels (``qa.reference``) as DuckDB relations.

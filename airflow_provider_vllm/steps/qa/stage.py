@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 from airflow_provider_vllm.core import duck
 from airflow_provider_vllm.core.errors import CommitError
 from airflow_provider_vllm.core.plan import Plan, changes_spec, load_plan, pinned_changes
+from airflow_provider_vllm.core.records import DagRunRef
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import CheckedCopies, FileSystems, Storage, copies_folder
@@ -36,6 +37,7 @@ def qa_run(
     filesystems: FileSystems | None = None,
     keyring: Keyring | None = None,
     merged_mac: str | None = None,
+    dag_run: DagRunRef | None = None,
 ) -> tuple[QAReport, dict[str, str]]:
     """Compute QA over a merged run and write ``qa/report.{json,html}`` and ``qa/sample.parquet``.
 
@@ -45,13 +47,20 @@ def qa_run(
     whose ``_MERGED.json`` this deployment's merge sealed, and only parts with the sealed sha256.
     ``merged_mac``: the seal the merge task reported (its XCom): CommitError for any other ``_MERGED.json`` (an
     earlier merge of this folder, put back, is sealed for it too).
+    ``dag_run``: the Airflow DAG run this QA runs in (the operator's ``dag_id`` / ``run_id``), named in the sealed
+    verdict: review and publish take no verdict of another run (None: named nowhere, and they refuse it).
     """
     with copies_folder("qa") as tmp:
-        return _qa_run(spec, filesystems, keyring or Keyring.from_env(), tmp, merged_mac)
+        return _qa_run(spec, filesystems, keyring or Keyring.from_env(), tmp, merged_mac, dag_run)
 
 
 def _qa_run(
-    spec: JobSpec, filesystems: FileSystems | None, keyring: Keyring, tmp: str, merged_mac: str | None = None
+    spec: JobSpec,
+    filesystems: FileSystems | None,
+    keyring: Keyring,
+    tmp: str,
+    merged_mac: str | None = None,
+    dag_run: DagRunRef | None = None,
 ) -> tuple[QAReport, dict[str, str]]:
     """``qa_run``; ``tmp``: a private folder for the local copies QA reads, each checked as it was copied."""
     out = Storage(spec.io.output_uri, spec.io.storage_options, filesystems)
@@ -191,7 +200,7 @@ def _qa_run(
     if (dedupe := dedupe_metrics(plan, merged)) is not None:  # rows answered by a row of the same prompt
         report.metrics["dedupe"] = dedupe
     # the sealed qa/_QA.json last, naming the merge it measured and the change set it judged
-    paths = write_qa(report, out, keyring=keyring, measured=merged, changes=change_set)
+    paths = write_qa(report, out, keyring=keyring, measured=merged, changes=change_set, dag_run=dag_run)
     return report, paths
 
 

@@ -1,6 +1,9 @@
 """Storing QA reports: ``write_qa`` writes ``qa/sample.parquet``, ``qa/report.html``, ``qa/report.json`` and, last,
 the sealed ``qa/_QA.json`` (``records.QARecord``: the verdict and each file's size and sha256).
 
+``write_review`` / ``read_review``: the review task's sealed decision on that verdict, ``qa/_REVIEW.json``
+(``records.ReviewRecord``), which publish decides from.
+
 ``read_qa`` is how publish learns QA's verdict: the sealed record, and the files as it names them, never
 ``report.json`` on its own (anyone who may write the output prefix can rewrite that). ``load_previous_report``
 reads a previous run's ``report.json`` for the drift checks only when that run's sealed record vouches for its
@@ -20,7 +23,7 @@ from airflow_provider_vllm.core import seal as seals
 from airflow_provider_vllm.core.errors import CommitError, SealError
 from airflow_provider_vllm.core.part_names import check_inside
 from airflow_provider_vllm.core.plan import ChangesFrom
-from airflow_provider_vllm.core.records import ChangesSummary, MergeSummary, QAFile, QARecord
+from airflow_provider_vllm.core.records import ChangesSummary, DagRunRef, MergeSummary, QAFile, QARecord, ReviewRecord
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.storage import FileSystems, Storage, parquet_bytes
 from airflow_provider_vllm.steps.merge.merger import MERGED, REPORT_JSON, keep_published, published_state
@@ -28,6 +31,7 @@ from airflow_provider_vllm.steps.qa.html import render_report_html
 from airflow_provider_vllm.steps.qa.report import QAReport, refused_previous
 
 QA_RECORD = "qa/_QA.json"
+REVIEW_RECORD = "qa/_REVIEW.json"
 RERUN = "run the QA task of that run again (it writes the sealed record)"
 _RESTORE = (
     "restore the published run's files (verify_published names what differs), or publish that run again and run this "
@@ -60,10 +64,12 @@ def write_qa(
     keyring: Keyring | None = None,
     measured: MergeSummary | None = None,
     changes: ChangesSummary | None = None,
+    dag_run: DagRunRef | None = None,
 ) -> dict[str, str]:
     """Write ``{prefix}/sample.parquet``, ``report.html``, ``report.json`` and, given ``keyring`` and ``measured``
     (the sealed merge summary QA measured), last the sealed ``{prefix}/_QA.json``; each atomically. ``changes``: the
-    sealed change set QA wrote and judged (``changes.previous_uri``), named in the record by its seal.
+    sealed change set QA wrote and judged (``changes.previous_uri``), named in the record by its seal. ``dag_run``:
+    the Airflow DAG run QA runs in, named in the record (review and publish take no other run's verdict).
 
     Returns the relative paths under ``storage``: keys ``report_json``, ``report_html``, ``sample``; and the sha256
     of the two reports as written, keys ``report_json_sha256`` and ``report_html_sha256`` (the QA task's XCom
@@ -102,7 +108,7 @@ def write_qa(
     digests = {f"{kind}_sha256": written[kind][1] for kind in ("report_html", "report_json")}
     if keyring is not None and measured is not None:
         files = {k: QAFile(path=paths[k], bytes=n, sha256=sha) for k, (n, sha) in written.items()}
-        digests["record_mac"] = _write_record(storage, record_path, report, files, keyring, measured, changes)
+        digests["record_mac"] = _write_record(storage, record_path, report, files, keyring, measured, changes, dag_run)
     return {**paths, **digests}
 
 
@@ -114,6 +120,7 @@ def _write_record(
     keyring: Keyring,
     measured: MergeSummary,
     changes: ChangesSummary | None = None,
+    dag_run: DagRunRef | None = None,
 ) -> str:
     """The sealed ``QARecord`` of what QA concluded about the merge it measured and the change set it judged, and
     the files it wrote (their size and sha256 as written, not as the bucket holds them later); returns its seal's
@@ -133,6 +140,7 @@ def _write_record(
         rows=measured.rows,
         files=files,
         **({"changes_mac": changes_seal.mac} if changes_seal is not None else {}),
+        **({"dag_run": dag_run} if dag_run is not None else {}),
     )
     record = seals.seal_record(keyring, seals.QA, seals.scope_of(storage.uri()), record)
     storage.write_atomic(rel, seals.record_bytes(record))
@@ -155,6 +163,27 @@ def read_qa(out: Storage, keyring: Keyring, *, files: bool = True) -> QARecord:
         _check_named(out, f)
         if out.sha256(f.path, f.bytes) != f.sha256:  # not read past its size
             raise _not_named(out, f)
+    return record
+
+
+def write_review(out: Storage, keyring: Keyring, record: ReviewRecord) -> ReviewRecord:
+    """Seal ``record`` for the run under ``out`` (domain ``review``) and write it to ``qa/_REVIEW.json``
+    atomically; returns the sealed record."""
+    record = seals.seal_record(keyring, seals.REVIEW, seals.scope_of(out.uri()), record)
+    out.write_atomic(REVIEW_RECORD, seals.record_bytes(record))
+    return record
+
+
+def remove_review(out: Storage) -> None:
+    """Remove the run's ``qa/_REVIEW.json`` (a review starting again: no earlier decision outlives it)."""
+    out.remove(REVIEW_RECORD)
+
+
+def read_review(out: Storage, keyring: Keyring) -> ReviewRecord:
+    """``qa/_REVIEW.json`` of the run under ``out``, validated and its seal checked (SealError: not written by this
+    deployment's review for this run's folder; ValueError: not a review record). FileNotFoundError when absent."""
+    record = ReviewRecord.model_validate_json(out.read_bytes(REVIEW_RECORD))
+    seals.verify_record(keyring, seals.REVIEW, seals.scope_of(out.uri()), record, out.uri(REVIEW_RECORD))
     return record
 
 

@@ -282,71 +282,195 @@ def test_a_change_set_of_an_earlier_merge_or_without_its_bindings_is_not_publish
     record_malicious("change_set_of_an_earlier_merge_put_back", 1, 1)
 
 
+def reviewed(spec, qa_result, **kw) -> dict:
+    """The review task run on the run's sealed verdict in DAG run d / r1 (a 'pass', or a 'warn' with ``ask``
+    false, decides without asking): its XCom; its decision is sealed into ``qa/_REVIEW.json``."""
+    from airflow_provider_vllm.operators.review import VllmQAReviewOperator
+
+    return VllmQAReviewOperator(task_id="review", spec=spec, qa_result=qa_result, **kw).execute(context())
+
+
+def asked_and_answered(spec, qa_result, option: str, monkeypatch) -> dict:
+    """The review asks a person about a 'warn' and resumes with their answer (``option``), as Airflow resumes it:
+    its XCom on Approve; AirflowFailException on Reject."""
+    from datetime import UTC, datetime
+
+    import airflow.providers.standard.operators.hitl as hitl
+
+    from airflow_provider_vllm.operators.review import VllmQAReviewOperator
+
+    monkeypatch.setattr(hitl, "upsert_hitl_detail", lambda **kw: None)
+    op = VllmQAReviewOperator(task_id="review", spec=spec, qa_result=qa_result)
+    waits = context()
+    waits["ti"].id, waits["ti"].task_id = "ti-1", "job.review"  # what the HITL request names
+    waits["task_instance"] = waits["ti"]
+    with pytest.raises(hitl.TaskAwaitingInput) as waiting:
+        op.execute(waits)
+    event = {
+        "chosen_options": [option],
+        "params_input": {},
+        "responded_at": datetime.now(UTC),
+        "responded_by_user": {"id": "alice", "name": "alice"},
+    }
+    return op.execute_complete(context(), event, **waiting.value.kwargs)
+
+
+def publish_reviewed(spec, qa_result, review_result=None, **kw) -> dict:
+    """Publish as ``vllm_batch_job`` wires it with the review on."""
+    kw = {"require_qa_result": True, "require_review_result": True, **kw}
+    op = VllmPublishOperator(task_id="publish", spec=spec, qa_result=qa_result, review_result=review_result, **kw)
+    return op.execute(context())
+
+
 def test_an_approval_of_another_verdict_does_not_publish_this_one(tmp_path, fake_engine_factory):
-    """A person approved QA's 'warn'; QA then ran again alone (a cleared task, the review left approved) and wrote
-    another verdict. Publish took the new verdict with the old approval: no person had seen it. The review task's
-    XCom names the verdict it approved."""
+    """The review approved QA's verdict; QA then ran again alone (a cleared task, the review left approved) and wrote
+    another verdict. The sealed review decision names the verdict it approved: publish takes no other, whatever the
+    review task's XCom says, until the review decides again."""
     spec, plan = committed_job(tmp_path, fake_engine_factory, n=60)
     out = tmp_path / "out"
     VllmMergeOperator(task_id="merge", spec=spec, plan=plan_xcom(spec)).execute(context())
     approved = VllmQAOperator(task_id="qa", spec=spec).execute(context())
-    review = {"chosen_options": ["Approve"], "record_mac": approved["record_mac"]}
-    now = merge_and_qa_again(spec, plan, out, fake_engine_factory)  # another sealed verdict, not shown to anyone
+    review = reviewed(spec, approved)
+    now = merge_and_qa_again(spec, plan, out, fake_engine_factory)  # another sealed verdict, not reviewed
     assert now["record_mac"] != approved["record_mac"]
-
-    def publish(review_result, **kw):
-        op = VllmPublishOperator(task_id="publish", spec=spec, qa_result=now, review_result=review_result, **kw)
-        return op.execute(context())
-
-    with pytest.raises(AirflowFailException, match=r"approved another QA verdict .*, not \S+qa/_QA.json; clear the"):
-        publish(review)
-    for told in ({"approved": True, "asked": False}, None):  # an approval naming no verdict, or no XCom at all
-        with pytest.raises(AirflowFailException, match="the review task approved no sealed QA verdict"):
-            publish(told, require_review_result=True)
-    with pytest.raises(AirflowFailException, match="approved another QA verdict"):  # checked without qa_result too
+    for told in (review, {**review, "record_mac": now["record_mac"]}, None):  # the XCom changed, or none at all
+        with pytest.raises(
+            AirflowFailException, match=r"_REVIEW.json is on another QA verdict .*clear the review task"
+        ):
+            publish_reviewed(spec, now, told)
+    with pytest.raises(AirflowFailException, match="on another QA verdict"):  # checked without qa_result too
         VllmPublishOperator(task_id="publish", spec=spec, review_result=review).execute(context())
     assert not (out / "_SUCCESS.json").exists()
-    assert publish({**review, "record_mac": now["record_mac"]})["rows"] == 60
+    again = reviewed(spec, now)  # the review cleared: it decides on the verdict QA wrote last
+    assert publish_reviewed(spec, now, again)["rows"] == 60
+    marker = json.loads((out / "_SUCCESS.json").read_text())
+    assert marker["review"] == {"asked": False, "by": None, "at": None, "review_mac": again["review_mac"]}
+
+
+@pytest.mark.reliability
+def test_publish_decides_from_the_sealed_review_never_the_review_tasks_xcom(tmp_path, fake_engine_factory, monkeypatch):
+    """QA warned (1 of 60 rows an error). Whoever may write XCom (the REST API's XCom endpoints) and mark a task
+    success made publish publish a verdict a person rejected, or one nobody was asked about: publish took the review
+    task's XCom (``record_mac``, ``asked``, ``qa_status``) as the decision. It now decides from the review's sealed
+    ``qa/_REVIEW.json`` alone; the XCom is a cross-check."""
+    spec, _ = committed_job(tmp_path, fake_engine_factory, n=60, empty=(0,))
+    out = tmp_path / "out"
+    VllmMergeOperator(task_id="merge", spec=spec, plan=plan_xcom(spec)).execute(context())
+    told = VllmQAOperator(task_id="qa", spec=spec).execute(context())
+    assert told["status"] == "warn"
+    mac = told["record_mac"]
+    approval = {"chosen_options": ["Approve"], "approved": True, "record_mac": mac}
+    unasked = {"approved": True, "asked": False, "qa_status": "warn", "record_mac": mac}
+    # the review never ran (marked success): no decision in the folder, whatever its XCom says
+    for forged in (approval, unasked, {**unasked, "qa_status": "pass"}, None):
+        with pytest.raises(AirflowFailException, match=r"no sealed review decision \S+qa/_REVIEW.json"):
+            publish_reviewed(spec, told, forged)
+    # a person rejected: the task failed; its XCom written to an approval, the task marked success
+    with pytest.raises(AirflowFailException, match="rejected by alice"):
+        asked_and_answered(spec, told, "Reject", monkeypatch)
+    for forged in (approval, unasked, None):
+        with pytest.raises(AirflowFailException, match=r"publish: alice rejected publication .*_REVIEW.json"):
+            publish_reviewed(spec, told, forged)
+    # a decision copied from another run's folder (genuine, sealed for that folder)
+    other, _ = committed_job(tmp_path / "b", fake_engine_factory, n=60)
+    VllmMergeOperator(task_id="merge", spec=other, plan=plan_xcom(other)).execute(context())
+    reviewed(other, VllmQAOperator(task_id="qa", spec=other).execute(context()))
+    (out / "qa" / "_REVIEW.json").write_bytes((tmp_path / "b" / "out" / "qa" / "_REVIEW.json").read_bytes())
+    with pytest.raises(AirflowFailException, match=r"_REVIEW.json: its seal does not match.*clear the review task"):
+        publish_reviewed(spec, told, approval)
+    assert not (out / "_SUCCESS.json").exists()
+    record_malicious("publish_on_a_review_xcom_not_its_sealed_decision", 8, 8)
+    # a person approved: published; a result that names another decision fails, none at all (the review killed
+    # after its record, then marked success) does not, since the sealed decision is the approval
+    result = asked_and_answered(spec, told, "Approve", monkeypatch)
+    with pytest.raises(
+        AirflowFailException, match=r"review task's result does not match .* \(review_mac: the result was changed"
+    ):
+        publish_reviewed(spec, told, {**result, "review_mac": "0" * 64})
+    assert publish_reviewed(spec, told, None)["qa_status"] == "warn"
+    marker = json.loads((out / "_SUCCESS.json").read_text())
+    assert marker["review"]["asked"] is True and marker["review"]["by"] == "alice"
 
 
 def test_a_warned_run_is_not_published_unasked_on_a_qa_result_changed_to_pass(tmp_path, fake_engine_factory):
-    """QA warned (1 of 60 rows an error: error_rate above 1 %). Whoever may write XCom (the REST API's XCom
-    endpoints) rewrote the QA task's result to 'pass' before the review task read it: the review approved without
-    asking anyone, naming the real sealed verdict, and publish took the 'warn' verdict on that approval. Publish now
-    holds what the review decided on, and what QA's result says, to the sealed verdict's status."""
-    from airflow_provider_vllm.operators.review import VllmQAReviewOperator
-
+    """QA warned (1 of 60 rows an error: error_rate above 1 %). Whoever may write XCom rewrote the QA task's result
+    to 'pass' before the review task read it: the review approved without asking anyone. The review decides on the
+    sealed verdict and refuses; publish holds QA's result to the sealed verdict too, and takes a decision made
+    without asking on a 'warn' only where the review was off (the DAG file's ``ask=False``)."""
     spec, _ = committed_job(tmp_path, fake_engine_factory, n=60, empty=(0,))
     out = tmp_path / "out"
     VllmMergeOperator(task_id="merge", spec=spec, plan=plan_xcom(spec)).execute(context())
     told = VllmQAOperator(task_id="qa", spec=spec).execute(context())
     assert told["status"] == "warn"
     forged = {**told, "status": "pass"}
-
-    def review(qa_result, **kw):
-        return VllmQAReviewOperator(task_id="review", spec=spec, qa_result=qa_result, **kw).execute(context())
-
-    # the review decides on the sealed verdict and refuses the changed result; publish holds on its own too, for a
-    # review task's result changed in XCom as well (what the review returned before it read the sealed verdict)
     with pytest.raises(AirflowFailException, match=r"result says 'pass', but its sealed verdict .* is 'warn'"):
-        review(forged)
-    unasked = {"approved": True, "asked": False, "qa_status": "pass", "record_mac": told["record_mac"]}
-
-    def publish(qa_result, review_result):
-        op = VllmPublishOperator(
-            task_id="publish", spec=spec, qa_result=qa_result, review_result=review_result, require_review_result=True
-        )
-        return op.execute(context())
-
-    for qa_result in (told, forged):  # the result put back after the review read it, or left changed
-        with pytest.raises(AirflowFailException, match=r"approved without asking a QA verdict .*'pass'.* is 'warn'"):
-            publish(qa_result, unasked)
+        reviewed(spec, forged)
+    off = reviewed(spec, told, ask=False)
     with pytest.raises(AirflowFailException, match=r"the QA task's result says 'pass'.* is 'warn'"):
-        publish(forged, {"chosen_options": ["Approve"], "record_mac": told["record_mac"]})  # a person approved
+        publish_reviewed(spec, forged, off)
     assert not (out / "_SUCCESS.json").exists()
-    # the genuine ways on: a person approved the warning, or the deployment turned review off (ask false)
-    assert publish(told, {"chosen_options": ["Approve"], "record_mac": told["record_mac"]})["qa_status"] == "warn"
-    assert publish(told, review(told, ask=False))["qa_status"] == "warn"
+    assert publish_reviewed(spec, told, off)["qa_status"] == "warn"
+
+
+@pytest.mark.reliability
+def test_a_verdict_or_decision_of_another_dag_run_publishes_nothing(tmp_path, fake_engine_factory):
+    """Whoever may write the plan task's ``spec`` XCom and the QA and review tasks' pointed publish at another run's
+    folder of this deployment (its genuine verdict and decision, sealed for that folder: they verified), and that
+    run's answers were published as this run's. Each record names the DAG run that made it: publish takes only its
+    own run's, and a verdict of an earlier version that names none is refused, asking for QA again."""
+    from airflow_provider_vllm.core.records import QARecord, ReviewRecord
+    from airflow_provider_vllm.core.storage import Storage
+    from airflow_provider_vllm.steps.qa.store import read_review
+
+    older = context(run_id="scheduled__older")
+    spec, _ = committed_job(tmp_path, fake_engine_factory, n=60)
+    out = tmp_path / "out"
+    VllmMergeOperator(task_id="merge", spec=spec, plan=plan_xcom(spec)).execute(older)
+    theirs = VllmQAOperator(task_id="qa", spec=spec).execute(older)
+    from airflow_provider_vllm.operators.review import VllmQAReviewOperator
+
+    decision = VllmQAReviewOperator(task_id="review", spec=spec, qa_result=theirs).execute(older)
+    for publish in (
+        lambda: publish_reviewed(spec, theirs, decision),
+        lambda: VllmPublishOperator(task_id="publish", spec=spec).execute(context()),
+    ):
+        with pytest.raises(
+            AirflowFailException, match=r"made by DAG run 'd' / 'scheduled__older', not by this DAG run 'd' / 'r1'"
+        ):
+            publish()
+    # this run's QA on the folder, the other run's decision left there: refused by its run too
+    mine = VllmQAOperator(task_id="qa", spec=spec).execute(context())
+    keyring, scope = Keyring.from_env(), seals.scope_of(str(out))
+    stale = read_review(Storage(str(out)), keyring).model_copy(update={"qa_record_mac": mine["record_mac"]})
+    (out / "qa" / "_REVIEW.json").write_bytes(
+        seals.record_bytes(seals.seal_record(keyring, seals.REVIEW, scope, stale))
+    )
+    with pytest.raises(AirflowFailException, match=r"review decision .* made by DAG run 'd' / 'scheduled__older'"):
+        publish_reviewed(spec, mine, None)
+    # records of the earlier version, which name no DAG run
+    genuine = (out / "qa" / "_QA.json").read_bytes()
+    unbound = QARecord.model_validate_json(genuine).model_copy(update={"dag_run": None})
+    (out / "qa" / "_QA.json").write_bytes(seals.record_bytes(seals.seal_record(keyring, seals.QA, scope, unbound)))
+    with pytest.raises(AirflowFailException, match=r"_QA.json names no DAG run .*run the QA task again"):
+        VllmPublishOperator(task_id="publish", spec=spec).execute(context())
+    (out / "qa" / "_QA.json").write_bytes(genuine)
+    assert ReviewRecord.model_fields["dag_run"].is_required()  # a review record always names its run
+    assert not (out / "_SUCCESS.json").exists()
+    record_malicious("publish_of_a_verdict_or_decision_of_another_dag_run", 4, 4)
+    assert VllmPublishOperator(task_id="publish", spec=spec).execute(context())["rows"] == 60
+
+
+def test_whether_a_review_is_needed_is_the_dag_files_choice_not_an_xcoms(tmp_path, fake_engine_factory):
+    """A DAG file that wires the review's result into publish needs the review's sealed decision even when that
+    result renders to nothing (its XCom deleted); one that wires no review (``human_review=False``) publishes a
+    'warn' without one, as before."""
+    spec = warned_job(tmp_path, fake_engine_factory)
+    op = VllmPublishOperator(task_id="publish", spec=spec, review_result="{{ ti.xcom_pull('job.review') }}")
+    op.review_result = None  # as rendered, the XCom gone
+    with pytest.raises(AirflowFailException, match=r"no sealed review decision \S+qa/_REVIEW.json"):
+        op.execute(context())
+    assert not (tmp_path / "out" / "_SUCCESS.json").exists()
+    assert VllmPublishOperator(task_id="publish", spec=spec).execute(context())["qa_status"] == "warn"
 
 
 def test_a_run_without_a_sealed_qa_verdict_publishes_nothing(tmp_path, fake_engine_factory):

@@ -38,6 +38,21 @@ def test_a_passing_run_returns_the_summary_and_writes_the_report(tmp_path, fake_
     assert ctx["ti"].xcoms == {}  # returned, not pushed: only a failing run pushes before it raises
 
 
+def test_the_sealed_verdict_names_the_dag_run_qa_ran_in(tmp_path, fake_engine_factory):
+    """Review and publish take no verdict of another DAG run: the verdict names the run of the QA task's instance."""
+    from airflow_provider_vllm.core.seal import Keyring
+    from airflow_provider_vllm.core.storage import Storage
+    from airflow_provider_vllm.steps.qa.store import read_qa
+
+    spec = merged_job(tmp_path, fake_engine_factory)
+    VllmQAOperator(task_id="qa", spec=spec).execute(context(dag_id="nightly", run_id="scheduled__2026-12-01"))
+    record = read_qa(Storage(str(tmp_path / "out")), Keyring.from_env())
+    assert record.dag_run is not None and record.dag_run.model_dump() == {
+        "dag_id": "nightly",
+        "run_id": "scheduled__2026-12-01",
+    }
+
+
 def test_a_warning_goes_on_and_says_so(tmp_path, fake_engine_factory, capsys):
     spec = merged_job(tmp_path, fake_engine_factory, empty=(3,), qa={"warn_error_rate": 0.0, "fail_error_rate": 0.5})
     capsys.readouterr()

@@ -67,7 +67,7 @@ def ctx(xcoms=None):
     c = context()
     c["ti"] = _TI(
         dag_id="d",
-        run_id="manual__1",
+        run_id="r1",
         task_id="job.review",
         map_index=-1,
         id="ti-1",
@@ -88,12 +88,36 @@ def asked(monkeypatch):
     return requests
 
 
+def sealed_decision(spec) -> dict:
+    """The review's decision as it sealed it into the run's folder (``qa/_REVIEW.json``), checked."""
+    from airflow_provider_vllm.core.seal import Keyring
+    from airflow_provider_vllm.core.storage import Storage
+    from airflow_provider_vllm.steps.qa.store import read_review
+
+    return read_review(Storage(spec["io"]["output_uri"]), Keyring.from_env()).dump()
+
+
 def test_pass_publishes_without_asking_and_review_is_never_retried(tmp_path, fake_engine_factory):
     spec, qa = qa_checked(tmp_path, fake_engine_factory)
     assert qa["status"] == "pass"
     op = review(spec, qa_result=qa)
     assert op.retries == 0
-    assert op.execute(ctx()) == {"approved": True, "asked": False, "qa_status": "pass", "record_mac": qa["record_mac"]}
+    got = op.execute(ctx())
+    decision = sealed_decision(spec)
+    assert got == {
+        "approved": True,
+        "asked": False,
+        "qa_status": "pass",
+        "record_mac": qa["record_mac"],
+        "review_mac": decision["seal"]["mac"],
+    }
+    assert decision["dag_run"] == {"dag_id": "d", "run_id": "r1"} and decision["qa_record_mac"] == qa["record_mac"]
+    assert (decision["qa_status"], decision["asked"], decision["approved"], decision.get("answer")) == (
+        "pass",
+        False,
+        True,
+        None,
+    )
 
 
 def approve_event(option="Approve"):
@@ -148,6 +172,13 @@ def test_an_approval_never_names_a_verdict_written_into_the_waiting_tasks_xcom(w
 def test_warn_with_review_off_is_approved_unasked_and_bad_flags_fail(warned):
     spec, qa = warned
     assert review(spec, qa_result=qa, ask="false").execute(ctx())["asked"] is False
+    decision = sealed_decision(spec)
+    assert (decision["qa_status"], decision["ask"], decision["asked"], decision["approved"]) == (
+        "warn",
+        False,
+        False,
+        True,
+    )
     with pytest.raises(AirflowFailException, match="ask='maybe'"):
         review(spec, qa_result=qa, ask="maybe").execute(ctx())
 
@@ -212,7 +243,7 @@ def test_warn_writes_the_sealed_report_as_the_request_and_waits(warned, asked):
     body = req["body"]
     assert qa["summary"] in body and "| error_rate | 0.01667 | above 0.01 | above 0.05 | **warn** |" in body
     assert "label_drift" not in body  # skipped checks are not shown
-    assert "/vllm-batch/report?dag_id=d&run_id=manual__1&task_id=job.qa" in body
+    assert "/vllm-batch/report?dag_id=d&run_id=r1&task_id=job.qa" in body
     assert f"Report file: `{spec['io']['output_uri']}/qa/report.html`" in body
 
 
@@ -269,12 +300,71 @@ def test_only_the_verdict_the_qa_task_wrote_is_reviewed(warned, tmp_path):
     record_malicious("review_of_another_or_changed_verdict", 4, 4)
 
 
-def test_approve_returns_the_response_and_reject_fails_the_task():
-    mac = {"reviewed_record_mac": "a" * 64}
-    got = review(qa_result=SUMMARY).execute_complete(ctx(), approve_event("Approve"), **mac)
-    assert got["chosen_options"] == ["Approve"] and got["record_mac"] == "a" * 64
+def test_approve_returns_the_response_and_reject_fails_the_task(warned, asked):
+    """Each answer is sealed into ``qa/_REVIEW.json`` (who, when, the option chosen, the verdict, the DAG run) before
+    the task returns or fails: publish decides from that record."""
+    import airflow.providers.standard.operators.hitl as hitl
+
+    spec, qa = warned
+    with pytest.raises(hitl.TaskAwaitingInput) as waiting:
+        review(spec, qa_result=qa).execute(ctx())
+    got = review(spec, qa_result=qa).execute_complete(ctx(), approve_event("Approve"), **waiting.value.kwargs)
+    decision = sealed_decision(spec)
+    assert got["chosen_options"] == ["Approve"] and got["record_mac"] == qa["record_mac"]
+    assert got["review_mac"] == decision["seal"]["mac"]
+    assert decision["approved"] is True and decision["asked"] is True and decision["ask"] is True
+    assert decision["answer"]["chosen_options"] == ["Approve"] and decision["answer"]["responded_by"] == "admin"
+    assert decision["qa_record_mac"] == qa["record_mac"] and decision["qa_status"] == "warn"
+    assert decision["dag_run"] == {"dag_id": "d", "run_id": "r1"}
     with pytest.raises(AirflowFailException, match="rejected by admin; nothing is published"):
-        review(qa_result=SUMMARY).execute_complete(ctx(), approve_event("Reject"), **mac)
+        review(spec, qa_result=qa).execute_complete(ctx(), approve_event("Reject"), **waiting.value.kwargs)
+    rejected = sealed_decision(spec)  # the rejection replaced the approval: no approval of this run is left
+    assert rejected["approved"] is False and rejected["answer"]["chosen_options"] == ["Reject"]
+
+
+def test_a_review_asked_again_leaves_no_earlier_decision_while_it_waits(warned, asked):
+    """The review task cleared after an approval (or a rejection) asks again: while it waits, no decision of the
+    earlier attempt is in the folder for publish to take."""
+    import airflow.providers.standard.operators.hitl as hitl
+
+    spec, qa = warned
+    with pytest.raises(hitl.TaskAwaitingInput) as waiting:
+        review(spec, qa_result=qa).execute(ctx())
+    review(spec, qa_result=qa).execute_complete(ctx(), approve_event(), **waiting.value.kwargs)
+    review_json = Path(spec["io"]["output_uri"]) / "qa" / "_REVIEW.json"
+    assert review_json.exists()
+    with pytest.raises(hitl.TaskAwaitingInput):
+        review(spec, qa_result=qa).execute(ctx())
+    assert not review_json.exists()
+
+
+@pytest.mark.reliability
+def test_a_verdict_of_another_dag_run_is_not_reviewed(warned, tmp_path, fake_engine_factory, asked):
+    """Whoever may write the plan task's ``spec`` XCom and the QA task's pointed the review at another run's folder
+    of this deployment, holding its own genuine sealed verdict (its seal's scope is that folder, so it verified): a
+    person was asked to approve, or a 'pass' was approved, for this run on another run's answers. The verdict names
+    the DAG run that made it: the review takes only its own run's, and one that names no run (QA of an earlier
+    version) is refused too, asking for QA again."""
+    from airflow_provider_vllm.core.seal import Keyring
+    from airflow_provider_vllm.core.spec import JobSpec
+    from airflow_provider_vllm.steps.qa.stage import qa_run, qa_summary
+
+    spec, qa = warned
+    other, _ = committed_job(tmp_path / "other", fake_engine_factory, n=60)
+    VllmMergeOperator(task_id="merge", spec=other, plan=plan_xcom(other)).execute(context())
+    theirs = VllmQAOperator(task_id="qa", spec=other).execute(context(run_id="scheduled__older"))
+    assert theirs["status"] == "pass"
+    with pytest.raises(
+        AirflowFailException, match=r"made by DAG run 'd' / 'scheduled__older', not by this DAG run 'd' / 'r1'"
+    ):
+        review(other, qa_result=theirs).execute(ctx())
+    assert not asked and not (Path(other["io"]["output_uri"]) / "qa" / "_REVIEW.json").exists()
+    # a verdict sealed before it named its run (QA of the earlier version: the steps without a DAG run)
+    report, paths = qa_run(JobSpec.load(spec), keyring=Keyring.from_env())
+    older = qa_summary(report, paths, spec["io"]["output_uri"])
+    with pytest.raises(AirflowFailException, match=r"names no DAG run .*; run the QA task again"):
+        review(spec, qa_result=older).execute(ctx())
+    record_malicious("review_of_a_verdict_of_another_dag_run", 2, 2)
 
 
 def test_qa_report_link_points_at_the_plugin_with_ids_only():

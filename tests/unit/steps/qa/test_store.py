@@ -72,6 +72,53 @@ def test_the_sealed_record_is_written_last_and_names_each_file_as_written(tmp_pa
     }
 
 
+def test_the_record_names_the_dag_run_qa_ran_in_and_one_that_names_none_still_verifies(tmp_path):
+    """``dag_run`` (handed in by the QA operator) is sealed into the record; a record of the earlier version, which
+    has no such field, still verifies and reads as naming no run (review and publish then refuse it)."""
+    from airflow_provider_vllm.core.records import DagRunRef
+    from airflow_provider_vllm.steps.qa.store import read_qa
+
+    keyring, scope = Keyring.from_env(), seals.scope_of(str(tmp_path))
+    merged = seals.seal_record(keyring, seals.MERGED, scope, merge_summary(210, 200, 10))
+    rep = evaluate(*labelled_tables(200, 10), spec=QASpec(sample_size=25), labels=LABELS, structured=True)
+    run = DagRunRef(dag_id="nightly", run_id="scheduled__2026-12-01T02:00:00+00:00")
+    write_qa(rep, Storage(str(tmp_path)), keyring=keyring, measured=merged, dag_run=run)
+    assert read_qa(Storage(str(tmp_path)), keyring).dag_run == run
+    assert json.loads((tmp_path / "qa" / "_QA.json").read_text())["dag_run"] == run.model_dump()
+    sealed_qa(tmp_path)  # as the earlier version wrote it: no dag_run field at all
+    assert "dag_run" not in json.loads((tmp_path / "qa" / "_QA.json").read_text())
+    assert read_qa(Storage(str(tmp_path)), keyring).dag_run is None
+
+
+def test_the_review_decision_is_sealed_for_its_folder(tmp_path):
+    """``write_review`` seals ``qa/_REVIEW.json`` for the run's folder: ``read_review`` gives it back; a copy in
+    another folder or a changed field is refused by its seal."""
+    from airflow_provider_vllm.core.errors import SealError
+    from airflow_provider_vllm.core.records import DagRunRef, ReviewRecord
+    from airflow_provider_vllm.steps.qa.store import read_review, write_review
+
+    keyring = Keyring.from_env()
+    record = ReviewRecord(
+        dag_run=DagRunRef(dag_id="d", run_id="r1"),
+        qa_record_mac="a" * 64,
+        qa_status="warn",
+        ask=True,
+        asked=False,
+        approved=False,
+        decided_at="2026-12-06T12:00:00Z",
+    )
+    sealed = write_review(Storage(str(tmp_path / "a")), keyring, record)
+    assert read_review(Storage(str(tmp_path / "a")), keyring) == sealed
+    raw = (tmp_path / "a" / "qa" / "_REVIEW.json").read_bytes()
+    (tmp_path / "b" / "qa").mkdir(parents=True)
+    (tmp_path / "b" / "qa" / "_REVIEW.json").write_bytes(raw)
+    with pytest.raises(SealError, match="moved from another run or folder"):
+        read_review(Storage(str(tmp_path / "b")), keyring)
+    (tmp_path / "a" / "qa" / "_REVIEW.json").write_bytes(raw.replace(b'"approved": false', b'"approved": true'))
+    with pytest.raises(SealError, match="changed after the pipeline wrote it"):
+        read_review(Storage(str(tmp_path / "a")), keyring)
+
+
 def test_a_previous_report_is_used_only_when_its_runs_sealed_record_vouches_for_it(tmp_path):
     from airflow_provider_vllm.steps.qa.store import load_previous_report
 
