@@ -9,6 +9,7 @@
 - ``QARecord``: ``qa/_QA.json``, QA's sealed verdict and the digests of its report files (``steps/qa/store.py``).
 - ``ReviewRecord``: ``qa/_REVIEW.json``, the review task's sealed decision on that verdict (``steps/qa/store.py``).
 - ``DagRunRef``: the Airflow DAG run a sealed verdict or decision was made in (both records name it).
+- ``TaskGroupRef``: the task group (and map index) of that DAG run whose task made it: one job of the run.
 - ``PublishingRecord``: ``_PUBLISHING.json``, publish's sealed notice that it began a table commit
   (``steps/tables/commit.py``).
 - ``GoldenSummary``: ``golden/_golden.json``, the golden rows that rode along (``steps/golden.py``).
@@ -440,6 +441,21 @@ class DagRunRef(Record):
         return f"DAG run {self.dag_id!r} / {self.run_id!r}"
 
 
+class TaskGroupRef(Record):
+    """The task group, and the map index, of the task that made a sealed record: within one DAG run, the job
+    (``vllm_batch_job``'s group) it belongs to. A DAG run may hold several jobs (several groups, or one group mapped
+    over jobs); their QA, review and publish tasks take only their own job's records."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    group_id: str | None = Field(description="the task's task group id (None: the task is at the DAG's top level)")
+    map_index: int = Field(description="the task instance's map index (-1: not mapped)")
+
+    def describe(self) -> str:
+        where = "the top level" if self.group_id is None else f"task group {self.group_id!r}"
+        return where + ("" if self.map_index < 0 else f" (map index {self.map_index})")
+
+
 class QARecord(Record):
     """``qa/_QA.json``: what QA concluded about a run, written after its report files and sealed (``core/seal.py``,
     domain ``qa``, scope the run). Publish gates on this ``status``, never on ``report.json``'s; a later run's drift
@@ -465,6 +481,11 @@ class QARecord(Record):
         description="the DAG run whose QA task wrote it: review and publish take no other run's verdict (absent: "
         "written before this field, refused by both: run QA again)",
     )
+    task_group: TaskGroupRef | None = Field(
+        None,
+        description="the task group (and map index) of the QA task that wrote it: review and publish take only their "
+        "own job's verdict (absent: written before this field, refused by both: run QA again)",
+    )
     seal: Seal | None = Field(None, description="the QA task's seal (core/seal.py, domain qa, scope the run)")
 
 
@@ -484,6 +505,11 @@ class ReviewRecord(Record):
 
     version: int = Field(1, description="record format version")
     dag_run: DagRunRef = Field(description="the DAG run whose review task decided")
+    task_group: TaskGroupRef | None = Field(
+        None,
+        description="the task group (and map index) of the review task that decided: publish takes only its own "
+        "job's decision (absent: decided before this field, refused: clear the review task)",
+    )
     qa_record_mac: str = Field(pattern=r"^[0-9a-f]{64}$", description="the seal (mac) of the qa/_QA.json decided on")
     qa_status: Literal["pass", "warn", "fail"] = Field(description="that sealed verdict's status")
     ask: bool | None = Field(

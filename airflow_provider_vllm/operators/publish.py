@@ -38,7 +38,7 @@ from airflow_provider_vllm.steps.qa.store import QA_RECORD, REVIEW_RECORD, read_
 from airflow_provider_vllm.steps.tables.commit import commit_results
 from airflow_provider_vllm.utils.deployment import allowed_prefixes, check_spec_allowed, signing_keyring
 from airflow_provider_vllm.utils.job_spec import data_plane_errors, load_spec
-from airflow_provider_vllm.utils.run_binding import check_made_here, read_sealed
+from airflow_provider_vllm.utils.run_binding import check_made_here, check_same_job, read_sealed
 
 
 def _run_date(context: Any) -> datetime.date:
@@ -78,9 +78,11 @@ class VllmPublishOperator(BaseOperator):
     (name -> path of a file under the prefix) are listed, and their sha256 as publish reads them is sealed into
     ``_SUCCESS.json`` (a folder or a path outside the prefix fails).
 
-    The sealed verdict must have been made in this task's DAG run (it names its ``dag_id`` and ``run_id``): the
-    folder of another run, named through the plan task's ``spec`` XCom, is refused, and so is a verdict of an earlier
-    version that names no run (run QA again).
+    The sealed verdict must have been made in this task's DAG run (it names its ``dag_id`` and ``run_id``), by the QA
+    task of this task's group and map index (its job; ``vllm_batch_job`` puts QA, review and publish in one group):
+    the folder of another run, or of another job of this run, named through the plan task's ``spec`` XCom, is
+    refused, and so is a verdict of an earlier version that names no run or group (run QA again). The review
+    decision likewise.
 
     ``qa_result``: the QA task's XCom (``qa.output``; ``vllm_batch_job`` passes it): the sealed verdict must be
     the one that task wrote, not an earlier genuine one put back in the folder. None: not checked, unless
@@ -232,6 +234,7 @@ class VllmPublishOperator(BaseOperator):
         self._plan = load_plan(spec, out.filesystems, keyring, merged=merged)
         qa = self._qa_verdict(out, keyring, merged)
         check_made_here(qa.dag_run, context, "publish", f"the sealed QA verdict {out.uri(QA_RECORD)}", RERUN_QA)
+        check_same_job(qa.task_group, self, context, "publish", f"the sealed QA verdict {out.uri(QA_RECORD)}", RERUN_QA)
         self._check_this_runs_qa(out, qa)
         review = self._review_decision(out, keyring, qa, context) if self._review_required else None
         if qa.status == "fail":
@@ -350,6 +353,7 @@ class VllmPublishOperator(BaseOperator):
         missing = "the review task did not decide, or decided before this version, which writes it"
         review = read_sealed("publish", lambda: read_review(out, keyring), "review decision", where, missing, REREVIEW)
         check_made_here(review.dag_run, context, "publish", f"the sealed review decision {where}", REREVIEW)
+        check_same_job(review.task_group, self, context, "publish", f"the sealed review decision {where}", REREVIEW)
         mac = qa.seal.mac if qa.seal is not None else None
         if review.qa_record_mac != mac:
             raise AirflowFailException(

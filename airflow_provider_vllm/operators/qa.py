@@ -15,7 +15,7 @@ from airflow_provider_vllm.steps.qa.report import QAFailed
 from airflow_provider_vllm.steps.qa.stage import qa_run, qa_summary
 from airflow_provider_vllm.utils.deployment import check_spec_allowed, signing_keyring
 from airflow_provider_vllm.utils.job_spec import data_plane_errors, load_spec
-from airflow_provider_vllm.utils.run_binding import this_dag_run
+from airflow_provider_vllm.utils.run_binding import this_dag_run, this_task_group
 
 
 class VllmQAFailed(QAFailed, AirflowFailException):
@@ -39,8 +39,9 @@ class VllmQAOperator(BaseOperator):
     the ``_MERGED.json`` whose seal it names, not an earlier merge of the folder put back. None: not checked,
     unless ``require_merge_result`` (set by ``vllm_batch_job``): then a missing XCom fails.
 
-    The sealed verdict (``qa/_QA.json``) names this task's DAG run (``dag_id``, ``run_id``): the review and publish
-    tasks take no verdict made in another run.
+    The sealed verdict (``qa/_QA.json``) names this task's DAG run (``dag_id``, ``run_id``) and its task group and
+    map index: the review and publish tasks take no verdict made in another run, nor by another job's QA task of the
+    same run (they must be in this task's group, as ``vllm_batch_job`` puts them).
 
     ``aws_conn_id`` / ``gcp_conn_id``: the Airflow Connections through which this task reaches
     ``s3://`` / ``gs://`` locations (DAG-file settings, never templated; None: ``[vllm_batch]
@@ -80,6 +81,7 @@ class VllmQAOperator(BaseOperator):
                 keyring=signing_keyring(),
                 merged_mac=self._merged_mac(),
                 dag_run=this_dag_run(context),  # named in the sealed verdict: review and publish take no other run's
+                task_group=this_task_group(self, context),  # nor another job's of this run
             )
         summary = qa_summary(report, paths, spec.io.output_uri)
         self._lineage = qa_lineage(spec, summary)  # before a 'fail' raises: the failure event carries it too

@@ -6,8 +6,9 @@ fails, so the run fails and nothing is published); 'fail' -> QA has already fail
 and this task fails too if it is ever reached.
 
 The verdict decided on, and what the person is shown, are QA's sealed verdict (``qa/_QA.json``, checked with the
-deployment's key, made in this DAG run) and the ``report.json`` it names, read from the run's output: never the QA
-task's XCom alone, which whoever may write XCom (the REST API's XCom endpoints) can change after QA wrote it.
+deployment's key, made in this DAG run by the QA task of this task's group and map index: its job) and the
+``report.json`` it names, read from the run's output: never the QA task's XCom alone, which whoever may write XCom
+(the REST API's XCom endpoints) can change after QA wrote it.
 
 The decision is written, sealed, to ``qa/_REVIEW.json`` (``records.ReviewRecord``) before the task returns or fails:
 which verdict, its status, whether a person was asked, their answer, and the DAG run. Publish decides from that
@@ -35,7 +36,13 @@ from airflow_provider_vllm.steps.qa.store import QA_RECORD, read_qa, read_verifi
 from airflow_provider_vllm.utils import provenance
 from airflow_provider_vllm.utils.deployment import check_spec_allowed, signing_keyring, variables_may_loosen_qa
 from airflow_provider_vllm.utils.job_spec import data_plane_errors, load_spec
-from airflow_provider_vllm.utils.run_binding import check_made_here, read_sealed, this_dag_run
+from airflow_provider_vllm.utils.run_binding import (
+    check_made_here,
+    check_same_job,
+    read_sealed,
+    this_dag_run,
+    this_task_group,
+)
 
 SUBJECT = "Publish this batch run? QA needs review"
 # the seal of the QA verdict a person is asked about, kept while the task waits in its resume arguments (the task
@@ -205,6 +212,7 @@ class VllmQAReviewOperator(ApprovalOperator):
         """Seal the decision into ``qa/_REVIEW.json`` (publish decides from it); returns the record's seal's mac."""
         record = ReviewRecord(
             dag_run=this_dag_run(context),
+            task_group=this_task_group(self, context),
             qa_record_mac=qa_mac,
             qa_status=qa_status,
             ask=ask,
@@ -223,6 +231,9 @@ class VllmQAReviewOperator(ApprovalOperator):
         with data_plane_errors("review"):
             record = self._sealed_verdict(out, qa)
             check_made_here(record.dag_run, context, "review", f"the sealed QA verdict {out.uri(QA_RECORD)}", RERUN_QA)
+            check_same_job(
+                record.task_group, self, context, "review", f"the sealed QA verdict {out.uri(QA_RECORD)}", RERUN_QA
+            )
             remove_review(out)  # this attempt decides afresh: no decision of an earlier one outlives it
             status, mac = record.status, record.seal.mac if record.seal is not None else ""
             if status == "pass":

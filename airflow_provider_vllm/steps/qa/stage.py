@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 from airflow_provider_vllm.core import duck
 from airflow_provider_vllm.core.errors import CommitError
 from airflow_provider_vllm.core.plan import Plan, changes_spec, load_plan, pinned_changes
-from airflow_provider_vllm.core.records import DagRunRef
+from airflow_provider_vllm.core.records import DagRunRef, TaskGroupRef
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import CheckedCopies, FileSystems, Storage, copies_folder
@@ -38,6 +38,7 @@ def qa_run(
     keyring: Keyring | None = None,
     merged_mac: str | None = None,
     dag_run: DagRunRef | None = None,
+    task_group: TaskGroupRef | None = None,
 ) -> tuple[QAReport, dict[str, str]]:
     """Compute QA over a merged run and write ``qa/report.{json,html}`` and ``qa/sample.parquet``.
 
@@ -49,9 +50,10 @@ def qa_run(
     earlier merge of this folder, put back, is sealed for it too).
     ``dag_run``: the Airflow DAG run this QA runs in (the operator's ``dag_id`` / ``run_id``), named in the sealed
     verdict: review and publish take no verdict of another run (None: named nowhere, and they refuse it).
+    ``task_group``: the QA task's group and map index (its job in that run), named in the sealed verdict the same way.
     """
     with copies_folder("qa") as tmp:
-        return _qa_run(spec, filesystems, keyring or Keyring.from_env(), tmp, merged_mac, dag_run)
+        return _qa_run(spec, filesystems, keyring or Keyring.from_env(), tmp, merged_mac, dag_run, task_group)
 
 
 def _qa_run(
@@ -61,6 +63,7 @@ def _qa_run(
     tmp: str,
     merged_mac: str | None = None,
     dag_run: DagRunRef | None = None,
+    task_group: TaskGroupRef | None = None,
 ) -> tuple[QAReport, dict[str, str]]:
     """``qa_run``; ``tmp``: a private folder for the local copies QA reads, each checked as it was copied."""
     out = Storage(spec.io.output_uri, spec.io.storage_options, filesystems)
@@ -200,7 +203,9 @@ def _qa_run(
     if (dedupe := dedupe_metrics(plan, merged)) is not None:  # rows answered by a row of the same prompt
         report.metrics["dedupe"] = dedupe
     # the sealed qa/_QA.json last, naming the merge it measured and the change set it judged
-    paths = write_qa(report, out, keyring=keyring, measured=merged, changes=change_set, dag_run=dag_run)
+    paths = write_qa(
+        report, out, keyring=keyring, measured=merged, changes=change_set, dag_run=dag_run, task_group=task_group
+    )
     return report, paths
 
 

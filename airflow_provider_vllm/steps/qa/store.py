@@ -23,7 +23,15 @@ from airflow_provider_vllm.core import seal as seals
 from airflow_provider_vllm.core.errors import CommitError, SealError
 from airflow_provider_vllm.core.part_names import check_inside
 from airflow_provider_vllm.core.plan import ChangesFrom
-from airflow_provider_vllm.core.records import ChangesSummary, DagRunRef, MergeSummary, QAFile, QARecord, ReviewRecord
+from airflow_provider_vllm.core.records import (
+    ChangesSummary,
+    DagRunRef,
+    MergeSummary,
+    QAFile,
+    QARecord,
+    ReviewRecord,
+    TaskGroupRef,
+)
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.storage import FileSystems, Storage, parquet_bytes
 from airflow_provider_vllm.steps.merge.merger import MERGED, REPORT_JSON, keep_published, published_state
@@ -65,11 +73,13 @@ def write_qa(
     measured: MergeSummary | None = None,
     changes: ChangesSummary | None = None,
     dag_run: DagRunRef | None = None,
+    task_group: TaskGroupRef | None = None,
 ) -> dict[str, str]:
     """Write ``{prefix}/sample.parquet``, ``report.html``, ``report.json`` and, given ``keyring`` and ``measured``
     (the sealed merge summary QA measured), last the sealed ``{prefix}/_QA.json``; each atomically. ``changes``: the
     sealed change set QA wrote and judged (``changes.previous_uri``), named in the record by its seal. ``dag_run``:
-    the Airflow DAG run QA runs in, named in the record (review and publish take no other run's verdict).
+    the Airflow DAG run QA runs in, named in the record (review and publish take no other run's verdict);
+    ``task_group``: the QA task's group and map index in that run (its job), named there too.
 
     Returns the relative paths under ``storage``: keys ``report_json``, ``report_html``, ``sample``; and the sha256
     of the two reports as written, keys ``report_json_sha256`` and ``report_html_sha256`` (the QA task's XCom
@@ -108,7 +118,9 @@ def write_qa(
     digests = {f"{kind}_sha256": written[kind][1] for kind in ("report_html", "report_json")}
     if keyring is not None and measured is not None:
         files = {k: QAFile(path=paths[k], bytes=n, sha256=sha) for k, (n, sha) in written.items()}
-        digests["record_mac"] = _write_record(storage, record_path, report, files, keyring, measured, changes, dag_run)
+        digests["record_mac"] = _write_record(
+            storage, record_path, report, files, keyring, measured, changes, dag_run, task_group
+        )
     return {**paths, **digests}
 
 
@@ -121,6 +133,7 @@ def _write_record(
     measured: MergeSummary,
     changes: ChangesSummary | None = None,
     dag_run: DagRunRef | None = None,
+    task_group: TaskGroupRef | None = None,
 ) -> str:
     """The sealed ``QARecord`` of what QA concluded about the merge it measured and the change set it judged, and
     the files it wrote (their size and sha256 as written, not as the bucket holds them later); returns its seal's
@@ -141,6 +154,7 @@ def _write_record(
         files=files,
         **({"changes_mac": changes_seal.mac} if changes_seal is not None else {}),
         **({"dag_run": dag_run} if dag_run is not None else {}),
+        **({"task_group": task_group} if task_group is not None else {}),
     )
     record = seals.seal_record(keyring, seals.QA, seals.scope_of(storage.uri()), record)
     storage.write_atomic(rel, seals.record_bytes(record))

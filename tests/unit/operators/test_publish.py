@@ -460,6 +460,71 @@ def test_a_verdict_or_decision_of_another_dag_run_publishes_nothing(tmp_path, fa
     assert VllmPublishOperator(task_id="publish", spec=spec).execute(context())["rows"] == 60
 
 
+def two_jobs(spec, qa_result=None):
+    """The QA, review and publish tasks of two jobs of one DAG (``vllm_batch_job`` groups ``a`` and ``b``), all
+    pointed at one folder (``spec``): job ``b``'s review approves a 'warn' without asking (its DAG file's ``ask``
+    literal ``"false"``), job ``a``'s publish needs a review."""
+    from airflow.sdk import DAG, TaskGroup
+
+    from airflow_provider_vllm.operators.review import VllmQAReviewOperator
+
+    with DAG("d", schedule=None):
+        with TaskGroup("a"):
+            qa_a = VllmQAOperator(task_id="qa", spec=spec)
+            review_a = VllmQAReviewOperator(task_id="review", spec=spec, qa_result=qa_result, ask="false")
+            publish_a = VllmPublishOperator(
+                task_id="publish", spec=spec, qa_result=qa_result, require_qa_result=True, require_review_result=True
+            )
+        with TaskGroup("b"):
+            review_b = VllmQAReviewOperator(task_id="review", spec=spec, qa_result=qa_result, ask="false")
+    return qa_a, review_a, publish_a, review_b
+
+
+def test_a_verdict_or_decision_of_another_job_of_the_same_dag_run_publishes_nothing(tmp_path, fake_engine_factory):
+    """One DAG run holds two jobs (two ``vllm_batch_job`` groups; or one group mapped over jobs). Job ``a`` QA'd
+    'warn' and needs a person's answer; job ``b``'s review approves a 'warn' unasked. Whoever may write the ``spec``
+    XCom of job ``b``'s plan and its QA result pointed ``b``'s review at ``a``'s folder: it sealed an approval there,
+    in the same DAG run, and ``a``'s publish (its review marked success) published the 'warn' nobody was asked
+    about. The records name the task group and map index of the task that made them: review and publish take only
+    their own job's, and one of an earlier version that names none is refused."""
+    from airflow_provider_vllm.core.records import QARecord, ReviewRecord
+
+    spec = checked_job(tmp_path, fake_engine_factory, empty=(3,), qa={"warn_error_rate": 0.0, "fail_error_rate": 0.5})
+    out = tmp_path / "out"
+    verdict = two_jobs(spec)[0].execute(context())  # job a's QA
+    assert verdict["status"] == "warn"
+    _, review_a, publish_a, review_b = two_jobs(spec, verdict)
+    with pytest.raises(
+        AirflowFailException, match=r"made by the job in task group 'a', not by this one in task group 'b'"
+    ):
+        review_b.execute(context())
+    assert not (out / "qa" / "_REVIEW.json").exists()
+    with pytest.raises(AirflowFailException, match=r"no sealed review decision"):
+        publish_a.execute(context())
+    # the same job mapped: another map index's verdict
+    with pytest.raises(AirflowFailException, match=r"task group 'a', not by this one in task group 'a' \(map index 1"):
+        review_a.execute(context(map_index=1))
+    # a decision of job b on a's verdict, sealed for a's folder in this DAG run (as the review did before it checked);
+    # a verdict of job b's QA there; either of the earlier version, which names no group
+    review_a.execute(context())
+    keyring, scope = Keyring.from_env(), seals.scope_of(str(out))
+    for name, domain, model in (("_REVIEW.json", seals.REVIEW, ReviewRecord), ("_QA.json", seals.QA, QARecord)):
+        genuine = (out / "qa" / name).read_bytes()
+        record = model.model_validate_json(genuine)
+        for other in (record.task_group.model_copy(update={"group_id": "b"}), None):
+            forged = record.model_copy(update={"task_group": other})
+            (out / "qa" / name).write_bytes(seals.record_bytes(seals.seal_record(keyring, domain, scope, forged)))
+            with pytest.raises(
+                AirflowFailException, match=rf"{name} (was made by the job in task group 'b'|names no task group)"
+            ):
+                publish_a.execute(context())
+        (out / "qa" / name).write_bytes(genuine)
+    assert not (out / "_SUCCESS.json").exists()
+    record_malicious("publish_of_a_verdict_or_decision_of_another_job_of_the_dag_run", 7, 7)
+    assert publish_a.execute(context())["qa_status"] == "warn"  # job a's own decision (its DAG file's ask off)
+    assert json.loads((out / "_SUCCESS.json").read_bytes())["review"]["asked"] is False
+
+
 def test_whether_a_review_is_needed_is_the_dag_files_choice_not_an_xcoms(tmp_path, fake_engine_factory):
     """A DAG file that wires the review's result into publish needs the review's sealed decision even when that
     result renders to nothing (its XCom deleted); one that wires no review (``human_review=False``) publishes a

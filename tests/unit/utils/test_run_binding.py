@@ -3,6 +3,8 @@ it over real runs is in tests/unit/operators/test_review.py and test_publish.py.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from airflow.sdk.exceptions import AirflowFailException
 
@@ -54,3 +56,29 @@ def test_read_sealed_names_a_missing_forged_or_foreign_record_and_what_to_run_ag
     (tmp_path / REVIEW_RECORD).write_text(unsealed)
     with pytest.raises(AirflowFailException, match=r"carries no seal.*; clear it$"):
         read()
+
+
+def test_the_job_is_the_operators_task_group_and_map_index():
+    """Two jobs of one DAG run (two groups, or one group mapped): a record of the other is refused naming both."""
+    from airflow.sdk import DAG, BaseOperator, TaskGroup
+
+    from airflow_provider_vllm.core.records import TaskGroupRef
+    from airflow_provider_vllm.utils.run_binding import check_same_job, this_task_group
+
+    with DAG("d", schedule=None):
+        top = BaseOperator(task_id="publish")
+        with TaskGroup("outer"), TaskGroup("job"):
+            inner = BaseOperator(task_id="publish")
+    assert this_task_group(top, context()) == TaskGroupRef(group_id=None, map_index=-1)
+    mine = this_task_group(inner, context(map_index=2))
+    assert mine == TaskGroupRef(group_id="outer.job", map_index=2)
+    check_same_job(mine, inner, context(map_index=2), "publish", "the verdict", "rerun")
+    for other, shown in (
+        (TaskGroupRef(group_id="outer.other", map_index=2), "task group 'outer.other' (map index 2)"),
+        (TaskGroupRef(group_id="outer.job", map_index=1), "task group 'outer.job' (map index 1)"),
+        (TaskGroupRef(group_id=None, map_index=-1), "the top level"),
+    ):
+        with pytest.raises(AirflowFailException, match=rf"made by the job in {re.escape(shown)}, not by this one"):
+            check_same_job(other, inner, context(map_index=2), "publish", "the verdict", "run QA again")
+    with pytest.raises(AirflowFailException, match=r"^publish: the verdict names no task group .*; run QA again$"):
+        check_same_job(None, inner, context(map_index=2), "publish", "the verdict", "run QA again")
