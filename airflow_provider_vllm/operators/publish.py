@@ -92,8 +92,10 @@ class VllmPublishOperator(BaseOperator):
     from the review task's sealed decision, ``qa/_REVIEW.json``: made in this DAG run, on the very verdict publish
     checks (its seal and status), and an approval: a person chose *Approve*, or nobody was asked because that verdict
     is 'pass' or the review was off for it. A missing, rejected or stale decision publishes nothing (clear the review
-    task). ``review_result`` (the review task's XCom) is then only a cross-check: when given, the verdict and the
-    decision it names must be those records (a mismatch fails).
+    task). ``review_result`` (the review task's XCom) is then a cross-check: the verdict and the decision it names
+    must be those records (a mismatch fails), and when the DAG file wires it, a result that renders to nothing fails
+    too (the review task marked success after a rejection or a timeout, or killed before it returned: an earlier
+    attempt's approval put back in the folder would otherwise decide; clear the review task).
 
     ``aws_conn_id`` / ``gcp_conn_id``: the Airflow Connections through which this task reaches
     ``s3://`` / ``gs://`` locations (DAG-file settings, never templated; None: ``[vllm_batch]
@@ -130,6 +132,9 @@ class VllmPublishOperator(BaseOperator):
         # decided by the DAG file's arguments before rendering: a review result that renders to nothing (its XCom
         # deleted) must not turn the review's check off
         self._review_required = require_review_result or review_result is not None
+        # the DAG file wired the review task's result: its XCom must then be there (a review marked success after a
+        # rejection, or killed before it returned, pushed none) and name the sealed decision
+        self._review_result_wired = review_result is not None
 
     def execute(self, context: Any) -> dict[str, Any]:
         spec = load_spec(self.spec, "publish")
@@ -380,10 +385,18 @@ class VllmPublishOperator(BaseOperator):
         return review
 
     def _cross_check_review_result(self, review: ReviewRecord, where: str) -> None:
-        """The review task's XCom, when given, must name the verdict and the decision the sealed record holds."""
+        """The review task's XCom must name the verdict and the decision the sealed record holds: when the DAG file
+        wired it (``review_result``), a missing one fails too."""
         told = self.review_result
-        if told is None:  # the record decides; the XCom is only a cross-check (a review killed before it returned)
-            return
+        if told is None:
+            if self._review_result_wired:
+                # no result: the review task did not return (a rejection or a timeout marked success, a review killed
+                # after it sealed a decision); an earlier attempt's approval put back in the folder would decide
+                raise AirflowFailException(
+                    f"publish: the review task's result is missing, so nothing says its last attempt decided {where} "
+                    f"(the task was marked success, or killed before it returned); {REREVIEW}"
+                )
+            return  # require_review_result alone: the record decides
         sealed = {
             "record_mac": review.qa_record_mac,
             "review_mac": review.seal.mac if review.seal is not None else None,

@@ -460,6 +460,33 @@ def test_a_verdict_or_decision_of_another_dag_run_publishes_nothing(tmp_path, fa
     assert VllmPublishOperator(task_id="publish", spec=spec).execute(context())["rows"] == 60
 
 
+def test_an_earlier_approval_put_back_after_a_rejection_publishes_nothing(tmp_path, fake_engine_factory, monkeypatch):
+    """A person approved a 'warn'; the review was cleared and asked again, and this time they rejected. A writer of
+    the prefix put the first attempt's sealed approval back (same verdict, same DAG run: it verifies) and the review
+    task was marked success: publish took the approval. The rejected attempt returned nothing, and the job wires the
+    review task's result into publish: a missing result now fails, asking to clear the review task."""
+    spec = warned_job(tmp_path, fake_engine_factory)
+    out = tmp_path / "out"
+    told = VllmQAOperator(task_id="qa", spec=spec).execute(context())
+    first = asked_and_answered(spec, told, "Approve", monkeypatch)
+    approval = (out / "qa" / "_REVIEW.json").read_bytes()
+    with pytest.raises(AirflowFailException, match="rejected by alice"):
+        asked_and_answered(spec, told, "Reject", monkeypatch)
+    (out / "qa" / "_REVIEW.json").write_bytes(approval)
+    wired = {"require_qa_result": True, "require_review_result": True}
+    op = VllmPublishOperator(
+        task_id="publish", spec=spec, qa_result=told, review_result="{{ ti.xcom_pull('r') }}", **wired
+    )
+    op.review_result = None  # as rendered: the rejected attempt pushed no result
+    with pytest.raises(AirflowFailException, match=r"review task's result is missing, .*clear the review task"):
+        op.execute(context())
+    assert not (out / "_SUCCESS.json").exists()
+    record_malicious("publish_on_an_earlier_approval_put_back_after_a_rejection", 1, 1)
+    # the approving attempt's own result (as if it had been the last): published
+    op.review_result = first
+    assert op.execute(context())["qa_status"] == "warn"
+
+
 def two_jobs(spec, qa_result=None):
     """The QA, review and publish tasks of two jobs of one DAG (``vllm_batch_job`` groups ``a`` and ``b``), all
     pointed at one folder (``spec``): job ``b``'s review approves a 'warn' without asking (its DAG file's ``ask``
