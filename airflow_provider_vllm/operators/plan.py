@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -198,8 +199,16 @@ class VllmPlanOperator(BaseOperator):
         try:
             under = canonical_uri(str(self.output_under), "output_under").rstrip("/")
             out = canonical_uri(spec.io.output_uri, "io.output_uri")
+            named = canonical_uri(str(self.output_under), "output_under", resolve=False)
         except SpecError as e:
             raise AirflowFailException(f"plan: {e}") from None
+        if named.startswith("/") and os.path.islink(named):
+            # the folder itself a link (planted by whoever may write its parent): both sides would resolve into the
+            # link's target, a nightly's root included, and every output "inside" it would be inside that
+            raise AirflowFailException(
+                f"plan: output_under={self.output_under} is a symbolic link (to {under}): it bounds nothing; set "
+                "output_under to the folder itself"
+            )
         if out == under or not is_under(out, under):
             raise AirflowFailException(
                 f"plan: io.output_uri={spec.io.output_uri} is not a folder inside {self.output_under}, where this "

@@ -375,6 +375,16 @@ def test_a_form_output_outside_the_dag_files_output_under_is_refused_before_anyt
         plan(str(allowed / "nightly" / "dt=2099-01-03"), under="{{ params.output_uri }}")
     assert not (allowed / "nightly").exists()
     record_malicious("output_outside_output_under", len(hostile) + 1, len(hostile) + 1)
+    # the folder itself swapped for a link into a nightly's root by whoever may write its parent: both sides would
+    # resolve into the nightly's folder, and its next date be "inside" it
+    (allowed / "nightly").mkdir()
+    reruns.symlink_to(allowed / "nightly", target_is_directory=True)
+    with pytest.raises(AirflowFailException, match=r"output_under=.*reruns is a symbolic link"):
+        plan(str(reruns / "dt=2099-01-02"))
+    assert not (allowed / "nightly" / "dt=2099-01-02").exists()
+    reruns.unlink()
+    (allowed / "nightly").rmdir()
+    record_malicious("output_under_swapped_for_a_link", 1, 1)
     ti, shards = plan(None)  # the DAG file's own output, inside the folder
     assert shards and ti.xcoms["spec"]["io"]["output_uri"] == str(reruns / "default")
     ti, shards = plan(str(reruns / "mine"))
