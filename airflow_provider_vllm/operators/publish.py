@@ -38,7 +38,7 @@ from airflow_provider_vllm.steps.qa.store import QA_RECORD, REVIEW_RECORD, read_
 from airflow_provider_vllm.steps.tables.commit import commit_results
 from airflow_provider_vllm.utils.deployment import allowed_prefixes, check_spec_allowed, signing_keyring
 from airflow_provider_vllm.utils.job_spec import data_plane_errors, load_spec
-from airflow_provider_vllm.utils.run_binding import check_made_here, check_same_job, read_sealed
+from airflow_provider_vllm.utils.run_binding import check_this_job, read_sealed
 
 
 def _run_date(context: Any) -> datetime.date:
@@ -238,8 +238,7 @@ class VllmPublishOperator(BaseOperator):
         # (plan_mac) or another one is refused (fail closed)
         self._plan = load_plan(spec, out.filesystems, keyring, merged=merged)
         qa = self._qa_verdict(out, keyring, merged)
-        check_made_here(qa.dag_run, context, "publish", f"the sealed QA verdict {out.uri(QA_RECORD)}", RERUN_QA)
-        check_same_job(qa.task_group, self, context, "publish", f"the sealed QA verdict {out.uri(QA_RECORD)}", RERUN_QA)
+        check_this_job(qa, self, context, "publish", f"the sealed QA verdict {out.uri(QA_RECORD)}", RERUN_QA)
         self._check_this_runs_qa(out, qa)
         review = self._review_decision(out, keyring, qa, context) if self._review_required else None
         if qa.status == "fail":
@@ -357,8 +356,7 @@ class VllmPublishOperator(BaseOperator):
         where = out.uri(REVIEW_RECORD)
         missing = "the review task did not decide, or decided before this version, which writes it"
         review = read_sealed("publish", lambda: read_review(out, keyring), "review decision", where, missing, REREVIEW)
-        check_made_here(review.dag_run, context, "publish", f"the sealed review decision {where}", REREVIEW)
-        check_same_job(review.task_group, self, context, "publish", f"the sealed review decision {where}", REREVIEW)
+        check_this_job(review, self, context, "publish", f"the sealed review decision {where}", REREVIEW)
         mac = qa.seal.mac if qa.seal is not None else None
         if review.qa_record_mac != mac:
             raise AirflowFailException(

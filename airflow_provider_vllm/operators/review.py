@@ -37,8 +37,7 @@ from airflow_provider_vllm.utils import provenance
 from airflow_provider_vllm.utils.deployment import check_spec_allowed, signing_keyring, variables_may_loosen_qa
 from airflow_provider_vllm.utils.job_spec import data_plane_errors, load_spec
 from airflow_provider_vllm.utils.run_binding import (
-    check_made_here,
-    check_same_job,
+    check_this_job,
     read_sealed,
     this_dag_run,
     this_task_group,
@@ -230,10 +229,7 @@ class VllmQAReviewOperator(ApprovalOperator):
         out = self._output()
         with data_plane_errors("review"):
             record = self._sealed_verdict(out, qa)
-            check_made_here(record.dag_run, context, "review", f"the sealed QA verdict {out.uri(QA_RECORD)}", RERUN_QA)
-            check_same_job(
-                record.task_group, self, context, "review", f"the sealed QA verdict {out.uri(QA_RECORD)}", RERUN_QA
-            )
+            check_this_job(record, self, context, "review", f"the sealed QA verdict {out.uri(QA_RECORD)}", RERUN_QA)
             remove_review(out)  # this attempt decides afresh: no decision of an earlier one outlives it
             status, mac = record.status, record.seal.mac if record.seal is not None else ""
             if status == "pass":

@@ -79,6 +79,13 @@ def check_made_here(made: DagRunRef | None, context: Mapping[str, Any], task: st
         )
 
 
+def check_this_job(record: Any, task: Any, context: Mapping[str, Any], name: str, what: str, rerun: str) -> None:
+    """``check_made_here`` and ``check_same_job`` of a sealed ``record`` (one with ``dag_run`` and ``task_group``: QA's
+    verdict, the review's decision) for the operator ``task`` in ``context``: made by this job in this DAG run."""
+    check_made_here(record.dag_run, context, name, what, rerun)
+    check_same_job(record.task_group, task, context, name, what, rerun)
+
+
 def read_sealed(task: str, read: Callable[[], R], what: str, where: str, why_missing: str, rerun: str) -> R:
     """``read()`` of the sealed ``what`` (e.g. 'QA verdict') at ``where``; AirflowFailException (no retry) when it is
     missing (saying ``why_missing``, when given), not sealed by this deployment for this run's folder (SealError, a

@@ -30,21 +30,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from airflow_provider_vllm.core.spec import QASpec
+from airflow_provider_vllm.core.spec import QA_RATES, QASpec
 from airflow_provider_vllm.steps.qa.accuracy import proportion
 
-CHECKS = (
-    "error_rate",
-    "empty_rate",
-    "invalid_rate",
-    "truncation_rate",
-    "label_drift",
-    "churn_rate",
-    "accuracy",
-    "accuracy_drop",
-    "low_confidence_rate",
-    "inconsistency_rate",
-)
+# the rate checks (warn and fail above their thresholds), with accuracy (below its own) just before its drop
+_DROP = QA_RATES.index("accuracy_drop")
+CHECKS = (*QA_RATES[:_DROP], "accuracy", *QA_RATES[_DROP:])
 STATUS_ORDER = {"skip": -1, "pass": 0, "warn": 1, "fail": 2}
 
 _CHECK_TEXT = {
