@@ -337,11 +337,13 @@ def reads_the_clock(tokenizer: Any, messages: list[dict[str, str]]) -> bool:
     """Whether ``tokenizer``'s chat template renders ``messages`` differently at two dates (the clock its
     ``strftime_now`` reads, transformers' ``chat_template_utils.datetime``, set to each in turn); False for a
     transformers that gives templates no clock. Raises what the template raises."""
-    ctu: Any
+    ctu: Any = None
     try:
-        from transformers.utils import chat_template_utils as ctu
+        import transformers.utils.chat_template_utils as found
+
+        ctu = found
     except ImportError:  # no transformers: no strftime_now
-        ctu = None
+        pass
     real = getattr(ctu, "datetime", None)
     if not isinstance(real, type) or not issubclass(real, dt.datetime):
         tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
