@@ -74,6 +74,17 @@ def _shard(spec: Any, map_index: int, from_plan: bool, filesystems: Any = None) 
     return mapped[map_index].dump(), None
 
 
+def _check_declared(plan: Any, dag: Any, params: dict[str, Any], conf: dict[str, Any]) -> None:
+    """The plan task's rule for the run's conf (``VllmPlanOperator.check_declared``), as the plan's own dry run
+    applies it: a ``--conf`` key the DAG declares no Param for is an error here too, not a pod of the defaults."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    try:
+        plan.check_declared(params, {"dag": dag}, conf=conf)
+    except AirflowFailException as e:
+        raise SystemExit(f"--conf: {e}") from None
+
+
 def render_shard_pod(
     dag_id: str, logical_date: str, *, map_index: int = 0, conf: dict[str, Any] | None = None, from_plan: bool = False
 ) -> tuple[dict[str, Any], list[str]]:
@@ -95,6 +106,7 @@ def render_shard_pod(
     context = _get_template_context(ti, plan)
     if conf:
         context["params"].update(conf)
+    _check_declared(plan, sdk_dag, dict(context["params"]), conf or {})
     plan.render_template_fields(context)
     notes = []
     runner = check_runner(plan.runner)

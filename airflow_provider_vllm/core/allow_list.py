@@ -182,6 +182,27 @@ def is_under(uri: str, prefix: str) -> bool:
     return uri == prefix or uri.startswith(prefix + "/") or (prefix == "" and uri.startswith("/"))
 
 
+# fsspec's second names of one store: ``s3a://`` is s3fs as ``s3://`` is, ``gcs://`` gcsfs as ``gs://`` is
+STORE_ALIASES = {"s3a": "s3", "gcs": "gs"}
+
+
+def store_form(canon: str) -> str:
+    """Canonical ``canon`` with a store's second name replaced by its first (``s3a://b/k`` -> ``s3://b/k``).
+
+    The form that rules keeping two locations *apart* compare (a scheduled prefix, a run and its baseline, input
+    and output), so that a second spelling of one location cannot pass for another. Allow-lists compare the
+    canonical form itself: a prefix lets in only the spelling it names (fail closed)."""
+    scheme, sep, rest = canon.partition("://")
+    return f"{STORE_ALIASES.get(scheme, scheme)}://{rest}" if sep else canon
+
+
+def overlap(a: str, b: str) -> bool:
+    """True when canonical ``a`` and ``b`` are one location or one holds the other, whatever store name each
+    spells (``store_form``)."""
+    a, b = store_form(a), store_form(b)
+    return is_under(a, b) or is_under(b, a)
+
+
 def enclosing_folders(canon: str, allowed: Sequence[str] | None) -> list[str]:
     """The folders that hold canonical ``canon``, nearest first, up to and including the longest allowed
     prefix it lies under (none given or none matching: up to the bucket, or ``/``). Pure: no I/O."""

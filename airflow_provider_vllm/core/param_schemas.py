@@ -14,7 +14,7 @@ from typing import Any
 
 from airflow_provider_vllm.core.allow_list import CREDENTIAL_QUERY_NAMES, redact_userinfo
 from airflow_provider_vllm.core.errors import SpecError
-from airflow_provider_vllm.core.spec import PARAM_ALIASES
+from airflow_provider_vllm.core.spec import MAX_SHARD_ROWS, PARAM_ALIASES
 from airflow_provider_vllm.core.spec_guard import (
     COLUMN,
     LABEL,
@@ -64,7 +64,7 @@ PARAM_SCHEMAS: dict[str, dict[str, Any]] = {
     "model_revision": {"type": ["null", "string"], "maxLength": 128, "pattern": r"^[A-Za-z0-9][A-Za-z0-9._/-]*$"},
     "temperature": {"type": "number", "minimum": 0, "maximum": 2},
     "max_tokens": {"type": "integer", "minimum": 1, "maximum": 4096},
-    "shard_rows": {"type": "integer", "minimum": 1},
+    "shard_rows": {"type": "integer", "minimum": 1, "maximum": MAX_SHARD_ROWS},
     "max_shards": {"type": "integer", "minimum": 1, "maximum": 100_000},
     "runner": {"type": ["null", "string"], "enum": [None, "local", "kubernetes"]},
     "dry_run": {"type": "boolean"},

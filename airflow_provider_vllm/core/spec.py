@@ -52,6 +52,13 @@ LOAD_FORMATS_ALLOWED = frozenset({"auto", "safetensors", "dummy"})
 # vLLM's LoRAConfig.max_lora_rank values (vllm/config/lora.py, MaxLoRARanks).
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 MAX_ADAPTERS = 64
+# Upper bounds of the numbers a trigger may reach through a DAG param (shard_rows, max_tokens, a declared dotted
+# path): an unbounded one puts a whole dataset into one shard, or asks every row for more tokens than any context.
+MAX_SHARD_ROWS = 10_000_000  # sharding.target_rows: 100M rows still fit in 10 shards
+MAX_SHARD_TOKENS = 10_000_000_000  # sharding.target_tokens: 10M rows of 1,000 tokens
+MAX_CHUNK_ROWS = 1_000_000  # sharding.chunk_rows: a chunk is the unit of resume, held in memory while written
+MAX_CONTEXT_TOKENS = 10_000_000  # max_tokens, max_model_len, token budgets: the longest context windows (10M)
+MAX_SAMPLE_ROWS = 100_000  # qa.sample_size: the sample is written whole and shown to the person who reviews it
 ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 OBJECT_STORE_SCHEMES = ("s3://", "gs://", "gcs://")
 
@@ -130,7 +137,9 @@ class ModelSpec(_Model):
     )
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field("auto", description="Weight/activation dtype.")
     quantization: str | None = Field(None, description="vLLM quantization method (awq, gptq, fp8, ...).")
-    max_model_len: int | None = Field(None, gt=0, description="Context length; defaults to the model's.")
+    max_model_len: int | None = Field(
+        None, gt=0, le=MAX_CONTEXT_TOKENS, description="Context length; defaults to the model's. At most 10,000,000."
+    )
     trust_remote_code: bool = Field(False, description="Allow model repos to run their own code. Off by default.")
     served_model_names: list[Annotated[str, Field(min_length=1)]] = Field(
         default_factory=list,
@@ -291,7 +300,10 @@ class PromptSpec(_Model):
         description="Over-long prompts: reject as PROMPT_TOO_LONG, or cut the row's text to fit.",
     )
     max_prompt_tokens: int | None = Field(
-        None, gt=0, description="Prompt token budget; default max_model_len - sampling.max_tokens."
+        None,
+        gt=0,
+        le=MAX_CONTEXT_TOKENS,
+        description="Prompt token budget; default max_model_len - sampling.max_tokens. At most 10,000,000.",
     )
 
     @field_validator("template")
@@ -373,7 +385,9 @@ class SamplingSpec(_Model):
 
     temperature: float = Field(0.0, ge=0, le=2, description="0 = greedy (vLLM's range: [0, 2]).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling.")
-    max_tokens: int = Field(256, gt=0, description="Max output tokens per row.")
+    max_tokens: int = Field(
+        256, gt=0, le=MAX_CONTEXT_TOKENS, description="Max output tokens per row (at most 10,000,000)."
+    )
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1, description="Per-request seed (reproducible sampling).")
     stop: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list, description="Stop strings.")
     structured: StructuredOutput | None = Field(None, description="Structured output constraint.")
@@ -523,13 +537,28 @@ class IOSpec(_Model):
 class ShardingSpec(_Model):
     """How the planner splits rows into shards and the worker into chunks."""
 
-    target_rows: int | None = Field(None, gt=0, description="Rows per shard (default: 10000 when no token target).")
-    target_tokens: int | None = Field(None, gt=0, description="Estimated prompt tokens per shard.")
+    target_rows: int | None = Field(
+        None,
+        gt=0,
+        le=MAX_SHARD_ROWS,
+        description="Rows per shard (default: 10000 when no token target; at most 10,000,000).",
+    )
+    target_tokens: int | None = Field(
+        None, gt=0, le=MAX_SHARD_TOKENS, description="Estimated prompt tokens per shard (at most 10,000,000,000)."
+    )
     max_shards: int = Field(256, ge=1, le=100_000, description="Upper bound on shard count.")
     long_row_tokens: int | None = Field(
-        None, gt=0, description="Rows estimated above this many tokens go to separate 'long' shards."
+        None,
+        gt=0,
+        le=MAX_CONTEXT_TOKENS,
+        description="Rows estimated above this many tokens go to separate 'long' shards (at most 10,000,000).",
     )
-    chunk_rows: int = Field(512, ge=1, description="Rows per committed chunk inside a shard (resume granularity).")
+    chunk_rows: int = Field(
+        512,
+        ge=1,
+        le=MAX_CHUNK_ROWS,
+        description="Rows per committed chunk inside a shard (resume granularity; at most 1,000,000).",
+    )
     chars_per_token: float = Field(4.0, gt=0, description="Token estimate used by the planner (no tokenizer).")
     history_uri: str | None = Field(
         None,
@@ -639,7 +668,7 @@ QA_RATES = (
 class QASpec(_Model):
     """Sampling and publication thresholds. warn_* -> human review, fail_* -> the run fails."""
 
-    sample_size: int = Field(200, ge=0, description="Rows in the QA sample.")
+    sample_size: int = Field(200, ge=0, le=MAX_SAMPLE_ROWS, description="Rows in the QA sample (at most 100,000).")
     seed: int = Field(0, description="Sample seed.")
     warn_error_rate: float = Field(0.01, ge=0, le=1, description="Rows that failed: error rows / all rows.")
     fail_error_rate: float = Field(0.05, ge=0, le=1, description="As warn_error_rate, failing the run.")

@@ -41,7 +41,7 @@ from airflow_provider_vllm.core.allow_list import (
     canonical_uri,
     check_local_tree,
     check_uri,
-    is_under,
+    overlap,
     redact_userinfo,
 )
 from airflow_provider_vllm.core.errors import SpecError
@@ -293,7 +293,7 @@ def check_deployment(
         ("qa.previous_report_uri", spec.qa.previous_report_uri),
     )
     for what, uri in baselines:
-        if uri and (is_under(canon := check_uri(uri, allowed, what), canon_out) or is_under(canon_out, canon)):
+        if uri and overlap(check_uri(uri, allowed, what), canon_out):
             raise SpecError(
                 f"{what}={uri} and io.output_uri={io.output_uri} overlap: the run would be compared with itself (every "
                 "id unchanged, no drift); name an earlier run's folder"
@@ -323,7 +323,7 @@ def check_deployment(
             check_local_tree(canonical_uri(local, what), allowed, what)
     if canon_in is not None:
         check_local_tree(canon_in, allowed, "io.input_uri")
-    if canon_in is not None and (is_under(canon_out, canon_in) or is_under(canon_in, canon_out)):
+    if canon_in is not None and overlap(canon_out, canon_in):
         raise SpecError(
             f"io.output_uri={io.output_uri} and io.input_uri={io.input_uri} overlap; write outputs outside the input"
         )

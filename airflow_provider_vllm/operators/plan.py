@@ -25,6 +25,7 @@ from airflow_provider_vllm.steps.lineage import plan_lineage
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.utils import provenance
 from airflow_provider_vllm.utils.deployment import (
+    check_run_dates,
     check_run_may_write,
     check_runner_choice,
     check_spec_allowed,
@@ -71,10 +72,11 @@ class VllmPlanOperator(BaseOperator):
     ``plan`` (``PlanRef.dump()``: ``plan_mac``, ``plan_sha256``), for merge. Returns one ``ShardSummary`` per shard,
     named (``core/shard_names.py``), as JSON data (``.dump()``) for ``.expand(shard=...)``.
 
-    Fails without retry on an invalid spec, a ``param_overrides`` name the DAG declares no ``Param`` for that has a
-    value (it came from the run's conf), an unknown or unavailable ``runner``, a runner chosen at run time
-    (a template) that ``[vllm_batch] allowed_runners`` does not allow, a missing
-    local model folder, a bad dataset (missing id column, duplicate or blank ids, ...), an
+    Fails without retry on an invalid spec, a key of the run's conf (``dag_run.conf``) or a ``param_overrides`` name
+    with a value that the DAG declares no ``Param`` for, a run Airflow did not schedule whose output its own dates
+    name while one of them has not ended (``check_run_dates``), an unknown or unavailable ``runner``, a runner
+    chosen at run time (a template) that ``[vllm_batch] allowed_runners`` does not allow, a missing local model
+    folder, a bad dataset (missing id column, duplicate or blank ids, ...), an
     output store that does not honour create-only writes, or a plan with more shards than
     Airflow's ``[core] max_map_length`` (the message names the sharding setting to raise).
 
@@ -162,15 +164,33 @@ class VllmPlanOperator(BaseOperator):
         """How this task reaches object stores: the deployment's Connections (never the spec's credentials)."""
         return task_filesystems(self.aws_conn_id, self.gcp_conn_id)
 
-    def check_declared(self, params: Mapping[str, Any], context: Any) -> None:
-        """Fail without retry when a ``param_overrides`` name that the DAG (or this task) declares no ``Param`` for
-        has a value: Airflow merges every ``dag_run.conf`` key into the params, so that value came from whoever
-        triggered the run, past any form and its JSON schema. Only the params the DAG declares reach the spec."""
-        given = [k for k in self.param_overrides if params.get(k) is not None]
+    def check_declared(self, params: Mapping[str, Any], context: Any, conf: Mapping[str, Any] | None = None) -> None:
+        """Fail without retry when the run's conf (``conf``, else ``dag_run.conf``) holds a key that neither the DAG
+        nor one of its tasks declares a ``Param`` for, or a ``param_overrides`` name without one has a value.
+
+        Airflow merges every ``dag_run.conf`` key into the params, declared or not: a value there came from whoever
+        triggered the run, past any form and its JSON schema, and a key that matches no Param (a typo,
+        ``Output_uri``) would run with the defaults. Airflow's own paths put no other key there (a scheduled,
+        asset-triggered or cleared run has no conf, a backfill and ``TriggerDagRunOperator`` the conf they are
+        given, the trigger form the DAG's params). Only the params the DAG declares reach the spec."""
         dag = context.get("dag") or (self.dag if self.has_dag() else None)
-        if not given or dag is None:  # nothing given, or a bare operator (no DAG declares params)
+        if dag is None:  # a bare operator: no DAG declares params
             return
+        # a task's own Param (another task's too: the conf reaches every task's params) is declared as well
         declared = set(getattr(dag, "params", None) or {}) | set(self.params or {})
+        declared = declared.union(*(set(getattr(t, "params", None) or {}) for t in getattr(dag, "tasks", ())))
+        if conf is None:
+            conf = getattr(context.get("dag_run"), "conf", None) or {}
+        unknown = sorted(str(k) for k in conf if k not in declared)
+        if unknown:
+            shown = [k[:80] for k in unknown[:20]]  # a conf of any size: the message stays one readable line
+            more = f" and {len(unknown) - 20} more" if len(unknown) > 20 else ""
+            raise AirflowFailException(
+                f"plan: the run's conf (dag_run.conf) names {shown}{more}, which DAG {getattr(dag, 'dag_id', None)} "
+                f"declares no Param for (it declares {sorted(declared)}): such a key would change nothing, or "
+                "reach the job past any form; trigger again with the declared names only"
+            )
+        given = [k for k in self.param_overrides if params.get(k) is not None]
         undeclared = [k for k in given if k not in declared]
         if undeclared:
             raise AirflowFailException(
@@ -179,6 +199,26 @@ class VllmPlanOperator(BaseOperator):
                 "(dag_run.conf), unchecked by any form; declare each as a Param with its JSON schema in the DAG's "
                 "params, or drop it from param_overrides"
             )
+
+    def check_run_dates(self, spec: JobSpec, params: Mapping[str, Any], context: Any) -> None:
+        """Fail without retry when a run Airflow did not schedule writes where its own dates say (``io.output_uri``'s
+        template reads ``ds``, the logical date, data interval, partition or ``dag_run``; an Iceberg output's
+        ``date_column`` takes the logical date) and a date of the run has not ended (utils/deployment.py
+        ``check_run_dates``). An output the trigger named itself (a param) reads no date."""
+        env, path, read = provenance.template_env(self), "io.output_uri", provenance.run_dates_read
+        given = [PARAM_ALIASES.get(k, k) for k in self.param_overrides if params.get(k) is not None]
+        rendered_spec = spec_document(self.spec) if isinstance(self._raw_spec, str) else {}
+        layers = [  # the latest (winning) layer that sets the output first, as check_provenance stacks them
+            lambda: set() if any(t and provenance.touches(t, path) for t in given) else None,
+            lambda: provenance.overrides_layer_sources(
+                self._raw_overrides, overrides_document(self.overrides), path, env, PARAM_ALIASES, read
+            ),
+            lambda: provenance.spec_layer_sources(self._raw_spec, rendered_spec, path, env, read),
+        ]
+        reads = next((r for r in (layer() for layer in layers) if r is not None), set())
+        if spec.io.output_table is not None and spec.io.output_table.date_column is not None:
+            reads = reads | {f"io.output_table.date_column={spec.io.output_table.date_column}"}
+        check_run_dates(reads, context.get("dag_run"), "plan")
 
     def check_output_under(self, spec: JobSpec) -> None:
         """Fail without retry when ``io.output_uri`` does not lie inside ``output_under`` (the DAG file's folder for
@@ -294,6 +334,7 @@ class VllmPlanOperator(BaseOperator):
         self.check_gates(spec, params)
         prefixes = check_spec_allowed(spec, "plan")
         self.check_output_under(spec)
+        self.check_run_dates(spec, params, context)
         # a triggered run may not claim a prefix a scheduled run writes later ([vllm_batch] scheduled_output_prefixes)
         check_run_may_write(spec.io.output_uri, getattr(context.get("dag_run"), "run_type", None), "plan")
         if runner == "local":
@@ -429,7 +470,8 @@ class VllmPlanOperator(BaseOperator):
 
     def _dry_run_param(self, context: Any) -> bool:
         """The run param ``dry_run`` is true and the DAG declares it. Airflow merges any ``conf`` key into the
-        params, so on a DAG without the param it is ignored (with a warning): a nightly run is never skipped
+        params; ``check_declared`` fails a run whose conf names an undeclared one, and a ``dry_run`` that still
+        reaches the params of a DAG without the param is ignored (with a warning): a nightly run is never skipped
         by a stray key while showing success."""
         if (context.get("params") or {}).get("dry_run") is not True:
             return False

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from airflow_provider_vllm.core import seal as seals
-from airflow_provider_vllm.core.allow_list import canonical_uri, check_uri
+from airflow_provider_vllm.core.allow_list import canonical_uri, check_uri, store_form
 from airflow_provider_vllm.core.errors import CommitError, SpecError
 from airflow_provider_vllm.core.part_names import check_inside, run_file
 from airflow_provider_vllm.core.plan import ChangesFrom, LastPublished
@@ -63,7 +63,7 @@ def pin_last_published(
         return ChangesFrom(source="published", identifier=last.asset, snapshot_id=None, previous_uri=None)
     where = f"changes.previous_published: Asset {last.asset} event {last.event_id} names run {last.output_uri!r}"
     run = canonical_uri(last.output_uri, "changes.previous_published", resolve=False)
-    if run.rstrip("/") == canonical_uri(own_uri, "io.output_uri", resolve=False).rstrip("/"):
+    if store_form(run) == store_form(canonical_uri(own_uri, "io.output_uri", resolve=False)):
         raise SpecError(f"{where}: this run's own output prefix")
     if allowed_prefixes is not None:
         try:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from datetime import UTC, datetime
 
 from airflow.sdk.exceptions import AirflowFailException
 
@@ -41,8 +42,10 @@ from airflow_provider_vllm.core.allow_list import (
     canonical_uri,
     check_cache_location,
     is_under,
+    overlap,
     parse_list_setting,
     parse_prefixes,
+    store_form,
 )
 from airflow_provider_vllm.core.errors import SpecError
 from airflow_provider_vllm.core.seal import Keyring
@@ -161,6 +164,51 @@ def cache_prefixes() -> list[str]:
 SCHEDULER_RUN_TYPES = frozenset({"scheduled", "backfill", "asset_triggered", "asset_materialization"})
 
 
+def run_kind(run_type: object) -> str:
+    """A DagRun's ``run_type`` (a ``DagRunType`` or its value) as its value; '' when unknown."""
+    return str(getattr(run_type, "value", run_type) or "")
+
+
+# the DagRun's dates a manual trigger may choose; run_after only stands in for a missing logical date (an Iceberg
+# output's date_column takes it then), since a manual run's run_after is the moment of the trigger by default
+RUN_DATE_FIELDS = ("logical_date", "data_interval_start", "data_interval_end", "partition_date")
+
+
+def check_run_dates(reads: set[str], dag_run: object, what: str, now: datetime | None = None) -> None:
+    """Fail the task (no retry) when a run Airflow did not schedule writes where its own dates say (``reads``: the
+    names of run dates that choose the output, ``provenance.RUN_DATES``) and one of its dates (``RUN_DATE_FIELDS``
+    of ``dag_run``) lies in the current UTC day (of ``now``) or later, or it has none (or it reads a partition key
+    and has no partition date).
+
+    A manual trigger chooses these dates (the REST API's ``logical_date``, data interval and partition key,
+    ``airflow dags trigger -l``; the trigger form's logical date is *now* by default), so such a run could claim the
+    folder of a date whose scheduled run is still to come, before that date's input is complete. No timetable is
+    read here: a DAG whose scheduled run of a day starts after that day ends (the nightly's, at 02:00 the next day)
+    leaves that gap open to a trigger, and ``[vllm_batch] scheduled_output_prefixes`` closes it.
+    """
+    kind = run_kind(getattr(dag_run, "run_type", None))
+    if not reads or kind in SCHEDULER_RUN_TYPES:
+        return
+    today = (now or datetime.now(UTC)).astimezone(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+    dates = {f: getattr(dag_run, f, None) for f in RUN_DATE_FIELDS}
+    if dates["logical_date"] is None:
+        dates["run_after"] = getattr(dag_run, "run_after", None)
+    known = {f: d if d.tzinfo else d.replace(tzinfo=UTC) for f, d in dates.items() if d is not None}  # naive: UTC
+    late = {f: d.isoformat() for f, d in known.items() if d >= today}
+    if "partition_key" in reads and dates["partition_date"] is None:  # a key no date stands for: any partition
+        late["partition_key"] = repr(getattr(dag_run, "partition_key", None))
+    if known and not late:
+        return
+    shown = ", ".join(f"{f} {d}" for f, d in late.items()) or "no date"
+    raise AirflowFailException(
+        f"{what}: the output of this run is named by its dates ({', '.join(sorted(reads))}) and the run is "
+        f"{kind or 'of unknown type'}, not one Airflow scheduled, with {shown}: a triggered run may write a dated "
+        f"output only of a day (UTC) that has ended before it runs ({today.date().isoformat()} has not), so that it "
+        "never claims the folder of a scheduled run still to come. Re-run a scheduled date by clearing its run, run "
+        "a backfill, or trigger with an earlier logical date"
+    )
+
+
 def check_run_may_write(output_uri: str, run_type: object, what: str) -> None:
     """Fail the task (no retry) when a run Airflow did not schedule (``run_type``: the DagRun's; manual,
     operator_triggered, or unknown) would write an output prefix under, or above, one of ``[vllm_batch]
@@ -175,11 +223,11 @@ def check_run_may_write(output_uri: str, run_type: object, what: str) -> None:
         canon = canonical_uri(output_uri, "io.output_uri")
     except SpecError as e:
         raise AirflowFailException(f"{what}: {e}") from None
-    hit = next((p for p in prefixes if is_under(canon, p) or is_under(p, canon)), None)
-    kind = str(getattr(run_type, "value", run_type) or "")
+    hit = next((p for p in prefixes if overlap(canon, p)), None)
+    kind = run_kind(run_type)
     if hit is None or kind in SCHEDULER_RUN_TYPES:
         return
-    where = "under" if is_under(canon, hit) else "above"
+    where = "under" if is_under(store_form(canon), store_form(hit)) else "above"
     raise AirflowFailException(
         f"{what}: io.output_uri={output_uri} lies {where} {hit}, which only runs Airflow schedules may write "
         f"({setting(SCHEDULED_OUTPUT_PREFIXES)}); this run is {kind or 'of unknown type'}. Re-run a scheduled date "

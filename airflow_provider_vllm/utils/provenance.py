@@ -37,18 +37,22 @@ from airflow_provider_vllm.provider import QA_SETTINGS_FROM_VARIABLES
 PARAMS = "trigger params"
 VARIABLES = "Variables"
 _SOURCE_OF = {"params": PARAMS, "var": VARIABLES}
+# The names of the run's own dates in the template context (a date of the run, whichever run it is)
+_RUN_DATE_NAMES = (
+    "ds",
+    "ds_nodash",
+    "ts",
+    "ts_nodash",
+    "ts_nodash_with_tz",
+    "logical_date",
+    "data_interval_start",
+    "data_interval_end",
+)
 # Context names whose values neither a trigger nor a Variable chooses (the logical date is a
 # date; ``conf`` is the Airflow configuration; ``conn`` the deployment's Connections).
 _TRUSTED = frozenset(
     {
-        "ds",
-        "ds_nodash",
-        "ts",
-        "ts_nodash",
-        "ts_nodash_with_tz",
-        "logical_date",
-        "data_interval_start",
-        "data_interval_end",
+        *_RUN_DATE_NAMES,
         "prev_data_interval_start_success",
         "prev_data_interval_end_success",
         "prev_start_date_success",
@@ -67,6 +71,11 @@ _TRUSTED = frozenset(
         "outlets",
     }
 )
+# Context names that carry the run's own dates (or the run, whose dates its attributes give): the scheduler sets
+# them for the runs it makes; for a manual run, whoever triggers it (the REST API's logical_date, data interval
+# and partition key, airflow dags trigger -l). _TRUSTED counts the dates as the DAG file's: whatever the date, the
+# folder is the one the DAG file names for it; which date a manual run may name is utils/deployment.check_run_dates'.
+RUN_DATES = frozenset({*_RUN_DATE_NAMES, "partition_key", "partition_date", "dag_run"})
 
 
 def template_env(operator: Any) -> Any:
@@ -78,15 +87,13 @@ def template_env(operator: Any) -> Any:
         return None
 
 
-def template_sources(value: Any, env: Any, _depth: int = 0) -> set[str]:
-    """Who chose the strings inside ``value`` (a DAG-file value: a string, list or dict of them).
-
-    Empty set: the DAG file (a literal, or a template over trusted names only).
-    """
+def _reads(value: Any, env: Any, _depth: int = 0) -> set[str]:
+    """The context names the templates inside ``value`` read (includes followed), and, for a template that cannot
+    be analysed, why, as a source of the trigger's (``the trigger (...)``, fail closed)."""
     if isinstance(value, Mapping):
-        return set().union(set(), *(template_sources(v, env, _depth) for v in value.values()))
+        return set().union(set(), *(_reads(v, env, _depth) for v in value.values()))
     if isinstance(value, (list, tuple, set)):
-        return set().union(set(), *(template_sources(v, env, _depth) for v in value))
+        return set().union(set(), *(_reads(v, env, _depth) for v in value))
     if not isinstance(value, str) or not JINJA.search(value):
         return set()
     if env is None or _depth > 8:
@@ -95,24 +102,45 @@ def template_sources(value: Any, env: Any, _depth: int = 0) -> set[str]:
         tree = env.parse(value)
     except Exception:  # noqa: BLE001 - a template Jinja cannot parse would not render either
         return {"the trigger (a template that could not be parsed)"}
-    trusted = _TRUSTED | set(getattr(env, "globals", {}) or {})
-    sources = set()
-    for name in meta.find_undeclared_variables(tree):
-        if name in _SOURCE_OF:
-            sources.add(_SOURCE_OF[name])
-        elif name not in trusted:
-            sources.add(f"the trigger ({name})")
+    names = set(meta.find_undeclared_variables(tree))
     for ref in meta.find_referenced_templates(tree):
         if ref is None:
-            sources.add("the trigger (an include whose name is computed)")
+            names.add("the trigger (an include whose name is computed)")
             continue
         try:
             text = env.loader.get_source(env, ref)[0]
         except Exception:  # noqa: BLE001 - no loader, missing file
-            sources.add(f"the trigger (an include that could not be read: {ref})")
+            names.add(f"the trigger (an include that could not be read: {ref})")
             continue
-        sources |= template_sources(text, env, _depth + 1)
+        names |= _reads(text, env, _depth + 1)
+    return names
+
+
+def _unanalysed(name: str) -> bool:
+    return name.startswith("the trigger (")
+
+
+def template_sources(value: Any, env: Any) -> set[str]:
+    """Who chose the strings inside ``value`` (a DAG-file value: a string, list or dict of them).
+
+    Empty set: the DAG file (a literal, or a template over trusted names only).
+    """
+    trusted = _TRUSTED | set(getattr(env, "globals", {}) or {})
+    sources = set()
+    for name in _reads(value, env):
+        if _unanalysed(name):
+            sources.add(name)
+        elif name in _SOURCE_OF:
+            sources.add(_SOURCE_OF[name])
+        elif name not in trusted:
+            sources.add(f"the trigger ({name})")
     return sources
+
+
+def run_dates_read(value: Any, env: Any) -> set[str]:
+    """The names of the run's dates (``RUN_DATES``) that the templates inside ``value`` read; a template that cannot
+    be analysed reads them too (fail closed). Empty set: none."""
+    return {n for n in _reads(value, env) if n in RUN_DATES or _unanalysed(n)}
 
 
 def touches(key: str, path: str) -> bool:
@@ -130,28 +158,34 @@ def _at(node: Any, parts: list[str]) -> tuple[bool, Any]:
     return True, node
 
 
-def spec_layer_sources(raw_spec: Any, rendered_doc: Mapping[str, Any], path: str, env: Any) -> set[str] | None:
-    """Sources of ``path`` in the spec layer; None when that layer does not set it."""
+def spec_layer_sources(
+    raw_spec: Any, rendered_doc: Mapping[str, Any], path: str, env: Any, read: Any = template_sources
+) -> set[str] | None:
+    """Sources of ``path`` in the spec layer; None when that layer does not set it. ``read``: what to ask of the
+    DAG file's value (``template_sources``, or ``run_dates_read``)."""
     if isinstance(raw_spec, str):  # one template for the whole spec: its sources cover every value
         found, _ = _at(rendered_doc, path.split("."))
-        return template_sources(raw_spec, env) if found else None
+        return read(raw_spec, env) if found else None
     found, node = _at(raw_spec, path.split("."))
-    return template_sources(node, env) if found else None
+    return read(node, env) if found else None
 
 
 def overrides_layer_sources(
-    raw_overrides: Any, rendered: Mapping[str, Any], path: str, env: Any, aliases: Mapping[str, str | None]
+    raw_overrides: Any,
+    rendered: Mapping[str, Any],
+    path: str,
+    env: Any,
+    aliases: Mapping[str, str | None],
+    read: Any = template_sources,
 ) -> set[str] | None:
-    """Sources of ``path`` in the overrides layer (flat dotted keys / aliases); None when it is not set there."""
+    """Sources of ``path`` in the overrides layer (flat dotted keys / aliases); None when it is not set there.
+    ``read`` as for ``spec_layer_sources``."""
     hit = None
     for key in rendered:
         target = aliases.get(key, key)
         if target is None or not touches(target, path):
             continue
-        if isinstance(raw_overrides, Mapping):
-            got = template_sources(raw_overrides.get(key), env)
-        else:
-            got = template_sources(raw_overrides, env)
+        got = read(raw_overrides.get(key) if isinstance(raw_overrides, Mapping) else raw_overrides, env)
         hit = (hit or set()) | got
     return hit
 

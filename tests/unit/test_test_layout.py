@@ -13,7 +13,6 @@ from tests.support import ROOT
 PACKAGE = ROOT / "airflow_provider_vllm"
 
 TESTED_ELSEWHERE: dict[str, list[str]] = {
-    "cli/pod_dry_run.py": ["tests/airflow/test_kubernetes_dags.py"],
     "core/errors.py": ["tests/unit/core/test_exit_codes.py", "tests/unit/test_bad_inputs.py"],
     "core/formats/base.py": ["tests/unit/core/formats/test_parquet.py", "tests/unit/steps/plan/test_plan_refusals.py"],
     "core/param_schemas.py": ["tests/unit/steps/plan/test_plan_refusals.py"],

@@ -273,3 +273,35 @@ def test_invisible_and_text_reordering_characters_in_a_location_are_refused_show
     ok = "s3://data/out/реклассификация/dt=2026-12-05/données_é"
     assert check_uri(ok, prefixes(allowed), "io.output_uri") == ok and re.match(URI_PATTERN, ok)
     record_malicious("hidden_character_in_uri", 1, 1)
+
+
+def test_rules_that_keep_locations_apart_read_a_stores_second_name_as_its_first():
+    """``store_form``/``overlap``: ``s3a://`` is ``s3://`` and ``gcs://`` is ``gs://`` to fsspec, so a rule that keeps
+    two locations apart compares them as one store; ``is_under`` (allow-lists) still compares the names as written,
+    so a list naming one spelling does not let the other in (fail closed)."""
+    from airflow_provider_vllm.core.allow_list import canonical_uri, is_under, overlap, store_form
+
+    def canon(u):
+        return canonical_uri(u, resolve=False)
+
+    assert store_form(canon("s3a://bk/k/")) == "s3://bk/k" and store_form(canon("gcs://bk")) == "gs://bk"
+    assert store_form(canon("/local/x")) == "/local/x" and store_form(canon("memory://m/x")) == "memory://m/x"
+    for a, b in [
+        ("s3a://bk/k/x", "s3://bk/k"),
+        ("s3://bk", "s3a://bk/k"),
+        ("gcs://bk/k", "gs://bk/k/"),
+        ("GCS://bk", "gs://bk"),
+    ]:
+        assert overlap(canon(a), canon(b)) and overlap(canon(b), canon(a)), (a, b)
+    assert not is_under(canon("s3a://bk/k/x"), canon("s3://bk/k")) and not is_under(
+        canon("gcs://bk/k"), canon("gs://bk")
+    )
+    for a, b in [
+        ("s3a://bk/k", "s3://bk/k2"),
+        ("s3://bk", "gs://bk"),
+        ("gcs://bk/k", "s3://bk/k"),
+        ("s3a://bk2", "s3://bk"),
+    ]:
+        assert not overlap(canon(a), canon(b)), (a, b)
+    with pytest.raises(SpecError, match="outside the allowed prefixes"):
+        check_uri("s3a://data/out/x", ["s3://data/out"], "io.output_uri")

@@ -413,3 +413,37 @@ def test_labels_that_are_not_a_list_of_strings_are_refused_naming_the_param(allo
     with pytest.raises(SpecError, match=rf"param '{re.escape(key)}': must be a list of label strings"):
         JobSpec.from_params({key: value}, base=base_doc(allowed))
     assert JobSpec.from_params({key: ("a", "b")}, base=base_doc(allowed)).sampling.structured.choice == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    ("path", "limit"),
+    [
+        ("sharding.target_rows", 10_000_000),
+        ("sharding.target_tokens", 10_000_000_000),
+        ("sharding.chunk_rows", 1_000_000),
+        ("sharding.long_row_tokens", 10_000_000),
+        ("sampling.max_tokens", 10_000_000),
+        ("model.max_model_len", 10_000_000),
+        ("prompt.max_prompt_tokens", 10_000_000),
+        ("qa.sample_size", 100_000),
+    ],
+)
+def test_numbers_a_trigger_may_reach_have_an_upper_bound_named_in_the_error(path, limit):
+    """``shard_rows`` (``sharding.target_rows``) had no upper bound: a trigger asking for 10**18 rows per shard put
+    the whole dataset into one shard (one pod, no parallelism, no resume granularity). Each number a DAG param can
+    reach (an alias or a declared dotted path) stops at a documented bound, and the error names the field."""
+    assert JobSpec.from_params({path: limit}, base=JobSpec.load(BASE))
+    for value in (limit + 1, 10**18, 2**63):
+        with pytest.raises(SpecError, match=rf"{re.escape(path)}: Input should be less than or equal to {limit}"):
+            JobSpec.from_params({path: value}, base=JobSpec.load(BASE))
+    record_malicious("number_past_its_bound", 3, 3)
+
+
+def test_the_shard_rows_param_has_the_specs_upper_bound():
+    """The trigger form's ``shard_rows`` schema refuses what the spec would (Airflow refuses it before the run
+    exists); the plan and the worker check it again through the spec."""
+    validate_params({"shard_rows": 10_000_000}, ["shard_rows"])
+    with pytest.raises(SpecError, match=r"param shard_rows=10000001: maximum 10000000 not satisfied"):
+        validate_params({"shard_rows": 10_000_001}, ["shard_rows"])
+    with pytest.raises(SpecError, match=r"sharding\.target_rows: Input should be less than or equal to 10000000"):
+        JobSpec.from_params({"shard_rows": 10**12}, base=JobSpec.load(BASE))

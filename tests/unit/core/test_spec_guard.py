@@ -510,3 +510,32 @@ def test_a_hub_id_that_is_also_a_relative_path_is_refused(allowed, tmp_path, mon
         assert msg is not None and "model.adapters[a].source" in msg, msg
     monkeypatch.chdir(tmp_path)  # where it names no path, it is a hub id
     assert refused(with_value(base_doc(allowed), "model.name", name), prefixes(allowed)) is None
+
+
+def test_a_second_store_name_does_not_pass_a_baseline_or_input_off_as_another_location(allowed):
+    """fsspec reads ``s3a://`` as ``s3://`` and ``gcs://`` as ``gs://``: compared by their canonical form, a
+    baseline in the run's own folder, or an input holding the output, spelled with the other name passed as another
+    location (the run compared with itself, outputs written into the input). The allow-list lists both names here;
+    it still compares by the name itself (an ``s3://`` prefix does not let ``s3a://`` in)."""
+    both = prefixes(allowed) + ["s3a://data/out", "s3a://data/in", "gs://lake", "gcs://lake"]
+    cases = [
+        ("s3://data/out/run", "changes.previous_uri", "s3a://data/out/run/"),
+        ("s3a://data/out/run", "qa.previous_report_uri", "s3://data/out/run/qa/report.json"),
+        ("gs://lake/out/run", "changes.previous_uri", "gcs://lake/out/run"),
+        ("gcs://lake/out", "changes.previous_uri", "gs://lake/out/run/"),
+    ]
+    for out, field, value in cases:
+        doc = with_value(with_value(base_doc(allowed), "io.output_uri", out), field, value)
+        msg = refused(doc, both)
+        assert msg is not None and "compared with itself" in msg, (out, field, value, msg)
+    for out, inp in [("s3a://data/in/out", "s3://data/in"), ("gcs://lake/in/out", "gs://lake/in/")]:
+        msg = refused(with_value(with_value(base_doc(allowed), "io.output_uri", out), "io.input_uri", inp), both)
+        assert msg is not None and "overlap; write outputs outside the input" in msg, (out, inp, msg)
+    record_malicious("store_alias_overlap", len(cases) + 2, len(cases) + 2)
+    doc = with_value(
+        with_value(base_doc(allowed), "io.output_uri", "s3://data/out/run"), "io.input_uri", "s3://data/in"
+    )
+    assert refused(doc, both) is None  # apart under either name
+    assert "outside the allowed prefixes" in refused(
+        with_value(base_doc(allowed), "io.output_uri", "s3a://data/out/run"), prefixes(allowed)
+    )

@@ -451,3 +451,125 @@ def test_which_table_a_run_reads_or_publishes_to_is_never_a_trigger_or_variables
     assert VllmPlanOperator(task_id="plan", spec=doc).execute({"ti": _plan_ti(), "params": {}})  # a DAG-file literal
     assert literal[path] in json.dumps(doc)
     record_malicious("table_chosen_by_a_trigger_or_variable", 1, 1)
+
+
+@pytest.mark.reliability
+def test_a_triggered_run_cannot_claim_the_dated_folder_of_a_day_not_over(allowed, monkeypatch):
+    """The nightly's output is ``dt={{ ds }}``, and a manual trigger chooses the run's dates (the REST API's
+    ``logical_date`` and data interval, ``airflow dags trigger -l``; the form's logical date is *now*): a run Airflow
+    did not schedule whose output its dates name fails without retry, before anything is written, while one of them
+    lies in the current UTC day or later (tomorrow's folder, today's whose input is still coming) or it has none.
+    Without ``[vllm_batch] scheduled_output_prefixes`` nothing stopped it before. Scheduled runs, backfills, a
+    manual run of a past date, an output the re-run form names or that the run id names, still plan."""
+    from datetime import UTC, datetime, timedelta
+    from types import SimpleNamespace
+
+    from airflow.sdk import DAG, Param
+    from airflow.sdk.exceptions import AirflowFailException
+
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", ",".join(prefixes(allowed)))
+    now = datetime.now(UTC)
+    past, tomorrow = now - timedelta(days=3), now + timedelta(days=1)
+
+    def run(run_type, logical, output="dt={{ ds }}", interval=None, params=None, param_overrides=()):
+        raw = base_doc(allowed)
+        raw["io"]["output_uri"] = str(allowed / "nightly") + "/" + output + "/"
+        declared = {k: Param(None, type=["null", "string"]) for k in param_overrides}
+        with DAG("nightly", schedule=None, params=declared):
+            op = VllmPlanOperator(task_id="plan", spec=raw, param_overrides=param_overrides)
+        start, end = interval or ((logical - timedelta(days=1), logical) if logical else (None, None))
+        dag_run = SimpleNamespace(
+            run_type=run_type,
+            run_id="manual__x",
+            logical_date=logical,
+            data_interval_start=start,
+            data_interval_end=end,
+            partition_date=None,
+            run_after=now,
+            conf={},
+        )
+        context = {"ti": _plan_ti(), "params": dict(params or {}), "dag_run": dag_run, "run_id": "manual__x"}
+        context["ds"] = logical.strftime("%Y-%m-%d") if logical else "none"
+        op.render_template_fields(context)
+        return context["ti"], op.execute(context)
+
+    hostile = [
+        ("manual", tomorrow, None),
+        ("manual", now, None),  # the trigger form's default: today's folder, which tonight's run writes
+        ("operator_triggered", tomorrow, None),
+        (None, tomorrow, None),  # no run type known: fails closed
+        ("manual", past, (past - timedelta(days=1), tomorrow)),  # a past date with a data interval into tomorrow
+        ("manual", None, None),  # no date at all (a template reading ds that rendered anyway)
+    ]
+    for run_type, logical, interval in hostile:
+        with pytest.raises(AirflowFailException, match=r"plan: the output of this run is named by its dates \(ds\)"):
+            run(run_type, logical, interval=interval)
+        assert not (allowed / "nightly").exists()
+    with pytest.raises(AirflowFailException, match=r"named by its dates \(dag_run\)"):
+        run("manual", tomorrow, output="{{ dag_run.logical_date.strftime('%Y') }}")
+    assert not (allowed / "nightly").exists()
+    record_malicious("triggered_run_claiming_a_dated_folder", len(hostile) + 1, len(hostile) + 1)
+    for run_type in ("scheduled", "backfill", "asset_triggered"):  # what Airflow schedules (a cleared one keeps it)
+        ti, shards = run(run_type, now)
+        assert shards and ti.xcoms["spec"]["io"]["output_uri"].endswith(f"dt={now:%Y-%m-%d}/")
+    ti, shards = run("manual", past)  # `airflow dags test DAG <past date>`, the demo
+    assert shards and ti.xcoms["spec"]["io"]["output_uri"].endswith(f"dt={past:%Y-%m-%d}/")
+    ti, shards = run("manual", tomorrow, output="reruns/{{ run_id }}")  # the re-run form's default: no date
+    assert shards
+    ti, shards = run(  # an output the trigger named itself (inside the allow-list; output_under bounds it)
+        "manual",
+        tomorrow,
+        params={"output_uri": str(allowed / "adhoc")},
+        param_overrides=["output_uri"],
+    )
+    assert shards and ti.xcoms["spec"]["io"]["output_uri"] == str(allowed / "adhoc")
+
+
+@pytest.mark.reliability
+def test_a_conf_key_that_matches_no_declared_param_fails_the_plan_naming_it(allowed, monkeypatch):
+    """A typo in the REST API's conf (``Output_uri``) matched no Param and was silently ignored: the run wrote the
+    default output. Every ``dag_run.conf`` key the DAG declares no Param for fails the plan without retry, naming it,
+    before anything is written (also ``dry_run`` on a DAG without that param, which ran the whole job before).
+    The trigger form's conf (every declared param), an empty conf (scheduled, asset-triggered, a backfill without
+    one) and a conf of declared keys plan."""
+    from types import SimpleNamespace
+
+    from airflow.sdk import DAG, Param
+    from airflow.sdk.definitions.param import process_params
+    from airflow.sdk.exceptions import AirflowFailException
+
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", ",".join(prefixes(allowed)))
+    declared = {"output_uri": Param(None, type=["null", "string"]), "shard_rows": Param(5, type="integer")}
+    with DAG("rerun_typo", schedule=None, params=declared) as dag:
+        plan = VllmPlanOperator(task_id="plan", spec=base_doc(allowed), param_overrides=["output_uri", "shard_rows"])
+
+    def run(conf, run_type="manual"):
+        ti = _plan_ti()
+        params = process_params(dag, plan, conf, suppress_exception=False)  # what Airflow hands the task
+        dag_run = SimpleNamespace(run_type=run_type, conf=conf, logical_date=None, run_after=None)
+        return ti, plan.execute({"ti": ti, "params": params, "dag": dag, "dag_run": dag_run})
+
+    elsewhere = str(allowed / "mine")
+    hostile = [
+        ({"Output_uri": elsewhere}, ["Output_uri"]),
+        ({"output_uri ": elsewhere, "OUTPUT_URI": elsewhere}, ["OUTPUT_URI", "output_uri "]),
+        ({"\u043eutput_uri": elsewhere}, ["\u043eutput_uri"]),  # a Cyrillic o
+        ({"shard_rows": 2, "dry_run": True}, ["dry_run"]),
+        ({"sharding.target_rows": 1}, ["sharding.target_rows"]),
+    ]
+    for conf, named in hostile:
+        with pytest.raises(AirflowFailException, match=re.escape(f"plan: the run's conf (dag_run.conf) names {named}")):
+            run(conf)
+        assert not (allowed / "out").exists() and not (allowed / "mine").exists()
+    with pytest.raises(AirflowFailException, match=r"names \['Output_uri'\]"):
+        run({"Output_uri": elsewhere}, run_type="backfill")  # a backfill's conf is whoever asked for it
+    flood = {f"k{i:05d}" + "x" * 500: 1 for i in range(10_000)}
+    with pytest.raises(AirflowFailException, match=r"names \['k00000x{74}', .* and 9980 more, which") as e:
+        run(flood)
+    assert len(str(e.value)) < 3000
+    record_malicious("conf_key_matching_no_param", len(hostile) + 1, len(hostile) + 1)
+    ti, shards = run({})
+    assert shards and ti.xcoms["spec"]["io"]["output_uri"] == str(allowed / "out")
+    ti, shards = run({"output_uri": elsewhere, "shard_rows": 2})  # the trigger form: every declared param
+    assert shards and ti.xcoms["spec"]["io"]["output_uri"] == elsewhere
+    assert ti.xcoms["spec"]["sharding"]["target_rows"] == 2

@@ -4,6 +4,7 @@ get it from, where result caches may live, and which runners a run may choose.""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from airflow.sdk.exceptions import AirflowFailException
@@ -259,3 +260,78 @@ def test_a_triggered_run_cannot_claim_a_prefix_only_scheduled_runs_write(monkeyp
     with pytest.raises(AirflowFailException, match="scheduled_output_prefixes .* is malformed"):
         check_run_may_write(tomorrow, DagRunType.SCHEDULED, "plan")
     record_malicious("triggered run claiming a scheduled prefix", len(claims), len(claims))
+
+
+def test_a_second_store_name_does_not_dodge_a_scheduled_prefix(monkeypatch):
+    """A scheduled prefix ``s3://lake/nightly`` and a triggered run writing ``s3a://lake/nightly/dt=2099-01-01``
+    (``gcs://`` for ``gs://``): one location to fsspec, two to a comparison of canonical forms, so the claim passed
+    on a deployment whose allow-list lists both names (or allows any location). Either name of either side fails."""
+    from airflow.utils.types import DagRunType
+
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__SCHEDULED_OUTPUT_PREFIXES", "s3://lake/nightly/, gcs://lake/nightly")
+    claims = [
+        ("s3a://lake/nightly/dt=2099-01-01/", "under"),
+        ("S3A://lake/nightly/dt=2099-01-01", "under"),
+        ("gs://lake/nightly/dt=2099-01-01/", "under"),
+        ("s3a://lake", "above"),
+        ("gs://lake/", "above"),
+    ]
+    for uri, where in claims:
+        with pytest.raises(AirflowFailException, match=f"plan: io.output_uri={re.escape(uri)} lies {where}"):
+            check_run_may_write(uri, DagRunType.MANUAL, "plan")
+    for elsewhere in ("s3a://lake/nightly2/x", "gcs://lake/reruns/x", "gs://other/nightly/x"):
+        check_run_may_write(elsewhere, DagRunType.MANUAL, "plan")
+    check_run_may_write("s3a://lake/nightly/dt=2099-01-01/", DagRunType.SCHEDULED, "plan")
+    record_malicious("store alias dodging a scheduled prefix", len(claims), len(claims))
+
+
+def test_a_triggered_run_may_name_its_output_by_dates_only_of_a_day_that_has_ended():
+    """``check_run_dates``: a run Airflow did not schedule, whose output its dates name, needs every date it carries
+    to lie before the current UTC day; it takes run_after (the trigger's moment by default) only when there is no
+    logical date, and fails with none at all. Scheduled runs and outputs no date names pass whatever the dates."""
+    from datetime import UTC, datetime, timedelta
+    from types import SimpleNamespace
+
+    from airflow_provider_vllm.utils.deployment import check_run_dates
+
+    now = datetime(2026, 12, 6, 15, 0, tzinfo=UTC)
+    midnight = datetime(2026, 12, 6, tzinfo=UTC)
+
+    def run(run_type="manual", logical=None, start=None, end=None, partition=None, run_after=now):
+        return SimpleNamespace(
+            run_type=run_type,
+            logical_date=logical,
+            data_interval_start=start,
+            data_interval_end=end,
+            partition_date=partition,
+            run_after=run_after,
+        )
+
+    last_second = midnight - timedelta(microseconds=1)
+    ok = [
+        run(logical=last_second, start=last_second - timedelta(days=1), end=last_second),
+        run(logical=datetime(2026, 11, 15), run_after=now + timedelta(days=9)),  # naive: UTC; run_after not read
+        run("scheduled", logical=now + timedelta(days=1)),
+        run("backfill", logical=now),
+    ]
+    for dag_run in ok:
+        check_run_dates({"ds"}, dag_run, "plan", now=now)
+    check_run_dates(set(), run(logical=now + timedelta(days=400)), "plan", now=now)  # no date names the output
+    refused = [
+        (run(logical=midnight), "logical_date 2026-12-06T00:00:00"),
+        (run(logical=last_second, end=midnight + timedelta(hours=2)), "data_interval_end 2026-12-06T02:00:00"),
+        (run(logical=last_second, partition=now + timedelta(days=1)), "partition_date 2026-12-07"),
+        (run(run_after=now), "run_after 2026-12-06T15:00:00"),  # no logical date: run_after stands in
+        (run(run_after=None), "no date"),
+        (None, "of unknown type"),
+        (SimpleNamespace(run_type=SimpleNamespace(value="something_new"), logical_date=now), "something_new"),
+    ]
+    for dag_run, why in refused:
+        with pytest.raises(
+            AirflowFailException, match=rf"plan: the output of this run is named by its dates \(ds\).*{why}"
+        ):
+            check_run_dates({"ds"}, dag_run, "plan", now=now)
+    with pytest.raises(AirflowFailException, match=r"named by its dates \(partition_key\).*partition_key 'x'"):
+        keyed = SimpleNamespace(**vars(run(logical=last_second)), partition_key="x")  # a key no date stands for
+        check_run_dates({"partition_key"}, keyed, "plan", now=now)
+    record_malicious("triggered run naming a dated output of a day not over", len(refused) + 1, len(refused) + 1)
