@@ -18,7 +18,7 @@ import logging
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from airflow_provider_vllm.core.allow_list import canonical_uri
+from airflow_provider_vllm.core.allow_list import canonical_uri, store_form
 from airflow_provider_vllm.core.errors import CommitError
 from airflow_provider_vllm.core.plan import LastPublished
 
@@ -78,7 +78,7 @@ def last_published(
     when a date was published more than once; no ``logical_date``: the newest event), never for ``own_uri``, among
     the job's newest ``LOOKBACK_EVENTS`` publishes; as a ``LastPublished`` (its fields None: none). CommitError,
     naming the Asset, when ``events`` stops early (``newest_events``: too many of them) before one was found."""
-    own = canonical_uri(own_uri, "io.output_uri", resolve=False).rstrip("/")
+    own = store_form(canonical_uri(own_uri, "io.output_uri", resolve=False)).rstrip("/")  # s3a is s3, gcs gs
     before = _date(logical_date)
     best: tuple[dt.datetime, Any, dict] | None = None
     mine = others = 0
@@ -101,7 +101,7 @@ def last_published(
                 )
                 continue
             try:
-                if canonical_uri(uri, "output_uri", resolve=False).rstrip("/") == own:
+                if store_form(canonical_uri(uri, "output_uri", resolve=False)).rstrip("/") == own:
                     continue  # this run published before (its folder was planned again): no baseline of its own
             except ValueError:
                 pass  # refused with its reason when the plan pins it

@@ -581,3 +581,20 @@ def test_qa_refuses_a_merge_that_names_no_plan(tmp_path, fake_engine_factory):
         VllmPublishOperator(task_id="publish", spec=c, outlets=[ASSET]).execute(context())
     assert not (out / SUCCESS).exists()
     record_malicious("qa: a sealed merge summary that names no plan", 1, 1)
+
+
+def test_the_runs_own_folder_under_its_other_store_name_is_no_baseline_to_pick():
+    """A run that published before under ``s3a://`` (the data root's Variable since spelled ``s3://``) is this run's
+    own folder: publish's own-prefix check compares the two names as one store and refuses it, so picking it failed
+    the plan of a run without a logical date instead of skipping to the publish before it."""
+
+    def ev(i, uri):
+        return event(i, {"output_uri": uri, "success_sha256": f"{i:064x}", "logical_date": None})
+
+    newest_first = [ev(2, "s3a://lake/runs/own/"), ev(1, "gcs://lake/runs/old/")]
+    got = last_published(newest_first, ASSET.uri, DAG, PUBLISH, "s3://lake/runs/own")
+    assert (got.event_id, got.output_uri) == (1, "gcs://lake/runs/old/")
+    got = last_published(
+        [ev(2, "gs://lake/runs/own"), *newest_first[1:]], ASSET.uri, DAG, PUBLISH, "gcs://lake/runs/own/"
+    )
+    assert got.event_id == 1
