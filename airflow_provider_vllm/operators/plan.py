@@ -25,6 +25,7 @@ from airflow_provider_vllm.steps.lineage import plan_lineage
 from airflow_provider_vllm.steps.plan.planner import plan_job
 from airflow_provider_vllm.utils import provenance
 from airflow_provider_vllm.utils.deployment import (
+    DATE_COLUMN_READ,
     check_run_dates,
     check_run_may_write,
     check_runner_choice,
@@ -217,7 +218,7 @@ class VllmPlanOperator(BaseOperator):
         ]
         reads = next((r for r in (layer() for layer in layers) if r is not None), set())
         if spec.io.output_table is not None and spec.io.output_table.date_column is not None:
-            reads = reads | {f"io.output_table.date_column={spec.io.output_table.date_column}"}
+            reads = reads | {DATE_COLUMN_READ + spec.io.output_table.date_column}
         check_run_dates(reads, context.get("dag_run"), "plan")
 
     def check_output_under(self, spec: JobSpec) -> None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 from airflow.sdk.exceptions import AirflowFailException
 
@@ -160,8 +160,11 @@ def cache_prefixes() -> list[str]:
         raise AirflowFailException(f"{setting(CACHE_URI_PREFIXES)} is malformed: {e}") from None
 
 
-# run types Airflow's scheduler makes (DagRunType values); a backfill cannot reach past today
-SCHEDULER_RUN_TYPES = frozenset({"scheduled", "backfill", "asset_triggered", "asset_materialization"})
+# run types Airflow's scheduler makes (DagRunType values); a backfill cannot reach past today (but for a
+# partitioned timetable, whose backfill Airflow does not stop at now: docs/security.md). Not
+# "asset_materialization": POST /assets/{id}/materialize makes that run with the REST body's logical date, data
+# interval, partition key, run id and conf, as a manual trigger does
+SCHEDULER_RUN_TYPES = frozenset({"scheduled", "backfill", "asset_triggered"})
 
 
 def run_kind(run_type: object) -> str:
@@ -172,6 +175,21 @@ def run_kind(run_type: object) -> str:
 # the DagRun's dates a manual trigger may choose; run_after only stands in for a missing logical date (an Iceberg
 # output's date_column takes it then), since a manual run's run_after is the moment of the trigger by default
 RUN_DATE_FIELDS = ("logical_date", "data_interval_start", "data_interval_end", "partition_date")
+
+
+# run dates a template reads as text of the UTC day (``ds``, ``ts``: the logical date in UTC; an Iceberg output's
+# date_column takes the UTC date too); any other read may be a datetime, put in any zone, or a partition key, which
+# names a period of the timetable's own zone
+_UTC_STRINGS = frozenset({"ds", "ds_nodash", "ts", "ts_nodash", "ts_nodash_with_tz", "task_instance_key_str"})
+DATE_COLUMN_READ = "io.output_table.date_column="  # + the column: VllmPlanOperator.check_run_dates' mark
+
+
+# names through which a template reaches the whole run (its partition key among the rest): provenance.RUN_DATES
+_RUN_HOLDERS = frozenset({"dag_run", "ti", "task_instance"})
+
+
+def _unread(name: str) -> bool:  # provenance's mark of a template it could not analyse (read as everything)
+    return name.startswith("the trigger (")
 
 
 def check_run_dates(reads: set[str], dag_run: object, what: str, now: datetime | None = None) -> None:
@@ -189,23 +207,38 @@ def check_run_dates(reads: set[str], dag_run: object, what: str, now: datetime |
     kind = run_kind(getattr(dag_run, "run_type", None))
     if not reads or kind in SCHEDULER_RUN_TYPES:
         return
-    today = (now or datetime.now(UTC)).astimezone(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+    now = (now or datetime.now(UTC)).astimezone(UTC)
+    today = now.replace(hour=0, minute=0, second=0, microsecond=0)
+    # a date read as a datetime may be put in any zone (``.in_timezone('Asia/Tokyo') | ds``): 24 hours behind it,
+    # its day has ended in every zone (UTC-12 to UTC+14); the UTC strings (``ds``, ``ts``) keep the UTC day
+    zoned = any(r not in _UTC_STRINGS and not r.startswith(DATE_COLUMN_READ) for r in reads)
+    day_ago = now - timedelta(days=1)
     dates = {f: getattr(dag_run, f, None) for f in RUN_DATE_FIELDS}
     if dates["logical_date"] is None:
         dates["run_after"] = getattr(dag_run, "run_after", None)
     known = {f: d if d.tzinfo else d.replace(tzinfo=UTC) for f, d in dates.items() if d is not None}  # naive: UTC
-    late = {f: d.isoformat() for f, d in known.items() if d >= today}
-    if "partition_key" in reads and dates["partition_date"] is None:  # a key no date stands for: any partition
-        late["partition_key"] = repr(getattr(dag_run, "partition_key", None))
+    late = {f: d.isoformat() for f, d in known.items() if d >= today or (zoned and d > day_ago)}
+    key = getattr(dag_run, "partition_key", None)
+    # the key read by name, or through the run (``dag_run.partition_key``, the task instance's, a template not
+    # analysed), with no date standing for it: any partition
+    keyed = "partition_key" in reads or (key is not None and bool(reads & _RUN_HOLDERS or any(map(_unread, reads))))
+    if keyed and dates["partition_date"] is None:
+        late["partition_key"] = repr(key)
     if known and not late:
         return
     shown = ", ".join(f"{f} {d}" for f, d in late.items()) or "no date"
     raise AirflowFailException(
         f"{what}: the output of this run is named by its dates ({', '.join(sorted(reads))}) and the run is "
         f"{kind or 'of unknown type'}, not one Airflow scheduled, with {shown}: a triggered run may write a dated "
-        f"output only of a day (UTC) that has ended before it runs ({today.date().isoformat()} has not), so that it "
-        "never claims the folder of a scheduled run still to come. Re-run a scheduled date by clearing its run, run "
-        "a backfill, or trigger with an earlier logical date"
+        f"output only of a day (UTC) that has ended before it runs ({today.date().isoformat()} has not)"
+        + (
+            ", and, where its template reads a date as a datetime (which it may put in any time zone), 24 hours "
+            f"after that date (none after {day_ago.isoformat()})"
+            if zoned
+            else ""
+        )
+        + ", so that it never claims the folder of a scheduled run still to come. Re-run a scheduled date by "
+        "clearing its run, run a backfill, or trigger with an earlier logical date"
     )
 
 

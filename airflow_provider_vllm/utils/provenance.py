@@ -75,7 +75,11 @@ _TRUSTED = frozenset(
 # them for the runs it makes; for a manual run, whoever triggers it (the REST API's logical_date, data interval
 # and partition key, airflow dags trigger -l). _TRUSTED counts the dates as the DAG file's: whatever the date, the
 # folder is the one the DAG file names for it; which date a manual run may name is utils/deployment.check_run_dates'.
-RUN_DATES = frozenset({*_RUN_DATE_NAMES, "partition_key", "partition_date", "dag_run"})
+# The task instance carries them too (``ti.get_template_context()``, its run), and ``task_instance_key_str`` the
+# logical date (``dag__task__<ds_nodash>``).
+RUN_DATES = frozenset(
+    {*_RUN_DATE_NAMES, "partition_key", "partition_date", "dag_run", "ti", "task_instance", "task_instance_key_str"}
+)
 
 
 def template_env(operator: Any) -> Any:

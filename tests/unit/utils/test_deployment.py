@@ -335,3 +335,85 @@ def test_a_triggered_run_may_name_its_output_by_dates_only_of_a_day_that_has_end
         keyed = SimpleNamespace(**vars(run(logical=last_second)), partition_key="x")  # a key no date stands for
         check_run_dates({"partition_key"}, keyed, "plan", now=now)
     record_malicious("triggered run naming a dated output of a day not over", len(refused) + 1, len(refused) + 1)
+
+
+def _dag_run(logical, now, run_type="manual", **more):
+    """A DagRun as check_run_dates reads it: ``logical`` as its logical date and both ends of its interval."""
+    from types import SimpleNamespace
+
+    fields = {"logical_date": logical, "data_interval_start": logical, "data_interval_end": logical}
+    return SimpleNamespace(run_type=run_type, **fields, partition_date=None, run_after=now, **more)
+
+
+def test_an_asset_materialization_run_is_a_trigger_not_a_schedule(monkeypatch):
+    """``POST /assets/{id}/materialize`` (the UI's Materialize button, ``airflow assets materialize``) makes a run of
+    the DAG that produces the asset, with the REST body's ``logical_date``, data interval, partition key, run id and
+    conf, as a manual trigger does: run_type ``asset_materialization``. Counted among the runs the scheduler makes,
+    it wrote tomorrow's ``dt=`` folder and a scheduled prefix. It is a triggered run: both rules refuse it."""
+    from datetime import UTC, datetime, timedelta
+
+    from airflow.utils.types import DagRunType
+
+    from airflow_provider_vllm.utils.deployment import check_run_dates
+
+    now = datetime(2026, 12, 6, 15, 0, tzinfo=UTC)
+    tomorrow = now + timedelta(days=1)
+    materialized = _dag_run(tomorrow, now, DagRunType.ASSET_MATERIALIZATION)
+    with pytest.raises(AirflowFailException, match=r"named by its dates \(ds\).* asset_materialization, not one"):
+        check_run_dates({"ds"}, materialized, "plan", now=now)
+    past = _dag_run(now - timedelta(days=2), now, DagRunType.ASSET_MATERIALIZATION)
+    check_run_dates({"ds"}, past, "plan", now=now)  # a day that has ended: as a manual run of it
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__SCHEDULED_OUTPUT_PREFIXES", "s3://lake/nightly/")
+    with pytest.raises(AirflowFailException, match=r"lies under s3://lake/nightly.* asset_materialization"):
+        check_run_may_write("s3://lake/nightly/dt=2026-12-07/", DagRunType.ASSET_MATERIALIZATION, "plan")
+    record_malicious("asset materialization run passing as a scheduled one", 2, 2)
+
+
+def test_a_partition_key_read_through_the_run_needs_a_date_too():
+    """An output ``{{ dag_run.partition_key }}`` reads the key as ``{{ partition_key }}`` does: a manual run with a
+    key no date stands for (a timetable that picks partitions at run time) and a past logical date passed, writing
+    whatever folder the key names. A key without a partition date fails whichever name the template reads it by."""
+    from datetime import UTC, datetime, timedelta
+
+    from airflow_provider_vllm.utils.deployment import check_run_dates
+
+    now = datetime(2026, 12, 6, 15, 0, tzinfo=UTC)
+    past = now - timedelta(days=3)
+    keyed = _dag_run(past, now, partition_key="2026-12-09")
+    for reads in ({"dag_run"}, {"ti"}, {"the trigger (a template that could not be parsed)"}):
+        with pytest.raises(AirflowFailException, match=r"partition_key '2026-12-09'"):
+            check_run_dates(reads, keyed, "plan", now=now)
+    check_run_dates({"dag_run"}, _dag_run(past, now, partition_key=None), "plan", now=now)
+    check_run_dates({"ds"}, keyed, "plan", now=now)  # the key names nothing here
+    record_malicious("a partition key read through dag_run", 3, 3)
+
+
+def test_a_run_date_a_template_may_put_in_another_time_zone_needs_a_day_behind_it():
+    """``ds`` is the logical date's UTC day, but a template that reads the date itself can name the day of another
+    zone (``{{ data_interval_start.in_timezone('Asia/Tokyo') | ds }}``, a team's local folders). A manual run of
+    yesterday (UTC) 20:00 passed the UTC rule and wrote Tokyo's today, 10 hours into it. Dates read as datetimes
+    (the logical date, data interval, partition date, the run or task instance, a template not analysed) need 24
+    hours behind them: then their day has ended in every zone. ``ds``-style strings keep the UTC rule."""
+    from datetime import UTC, datetime, timedelta
+
+    from airflow_provider_vllm.utils.deployment import check_run_dates
+
+    now = datetime(2026, 12, 6, 10, 0, tzinfo=UTC)
+
+    def run(logical, **more):
+        return _dag_run(logical, now, **more)
+
+    evening = run(datetime(2026, 12, 5, 20, 0, tzinfo=UTC))  # Tokyo: 2026-12-06 05:00, a day not over there
+    as_objects = [{"data_interval_start"}, {"logical_date"}, {"dag_run"}, {"ti"}, {"partition_date", "ds"}]
+    # a partition key names a period of the timetable's zone: its date (New York's 2026-12-05 starts 05:00 UTC)
+    keyed = run(now - timedelta(days=3), partition_key="2026-12-05")
+    keyed.partition_date = datetime(2026, 12, 5, 5, 0, tzinfo=UTC)
+    with pytest.raises(AirflowFailException, match=r"partition_date 2026-12-05T05:00:00\+00:00.*24 hours"):
+        check_run_dates({"partition_key"}, keyed, "plan", now=datetime(2026, 12, 6, 3, 0, tzinfo=UTC))
+    for reads in as_objects:
+        with pytest.raises(AirflowFailException, match=r"logical_date 2026-12-05T20:00:00\+00:00.*24 hours"):
+            check_run_dates(reads, evening, "plan", now=now)
+    for reads in ({"ds"}, {"ds_nodash", "ts"}, {"io.output_table.date_column=dt"}):
+        check_run_dates(reads, evening, "plan", now=now)  # strings of the UTC day, which has ended
+    check_run_dates({"logical_date"}, run(now - timedelta(days=1)), "plan", now=now)
+    record_malicious("a run date shifted into a time zone whose day is not over", len(as_objects), len(as_objects))

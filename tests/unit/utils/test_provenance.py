@@ -367,3 +367,26 @@ def test_the_re_run_forms_compare_with_adds_a_baseline_where_the_dag_file_sets_n
     spec = _set(base_doc(allowed), "changes.previous_uri", prev)
     msg = _outcome(_plan(spec, param_overrides=["compare_with"]), {"compare_with": str(allowed / "out-other")})
     assert "changes.previous_uri=" in msg and "from trigger params loosens the DAG file's" in msg
+
+
+def test_names_that_carry_the_runs_dates_count_as_reading_them():
+    """``run_dates_read``: besides ``ds`` and ``dag_run``, the task instance (``ti``, ``task_instance``: its
+    ``get_template_context()`` holds ``ds``, its run the dates) and ``task_instance_key_str``
+    (``dag__task__<ds_nodash>``) carry the run's logical date into a template: an output named through them is a
+    dated output too."""
+    from jinja2.sandbox import SandboxedEnvironment
+
+    from airflow_provider_vllm.utils.provenance import run_dates_read
+
+    env = SandboxedEnvironment()
+    dated = [
+        "s3://b/out/dt={{ ti.get_template_context()['ds'] }}/",
+        "s3://b/out/{{ task_instance.run_id }}/",
+        "s3://b/out/{{ task_instance_key_str }}/",
+        "s3://b/out/{{ macros.ds_add(ds, 1) }}/",
+        "s3://b/out/{% set d = logical_date %}{{ d | string }}/",
+    ]
+    for template in dated:
+        assert run_dates_read(template, env), template
+    assert not run_dates_read("s3://b/reruns/{{ run_id }}/", env)
+    record_malicious("a dated output named through the task instance", len(dated), len(dated))
