@@ -203,20 +203,23 @@ class VllmPlanOperator(BaseOperator):
 
     def check_run_dates(self, spec: JobSpec, params: Mapping[str, Any], context: Any) -> None:
         """Fail without retry when a run Airflow did not schedule writes where its own dates say (``io.output_uri``'s
-        template reads ``ds``, the logical date, data interval, partition or ``dag_run``; an Iceberg output's
-        ``date_column`` takes the logical date) and a date of the run has not ended (utils/deployment.py
-        ``check_run_dates``). An output the trigger named itself (a param) reads no date."""
-        env, path, read = provenance.template_env(self), "io.output_uri", provenance.run_dates_read
+        or ``io.output_table``'s template reads ``ds``, the logical date, data interval, partition or ``dag_run``; an
+        Iceberg output's ``date_column`` takes the logical date) and a date of the run has not ended
+        (utils/deployment.py ``check_run_dates``). An output the trigger named itself (a param) reads no date."""
+        env, read = provenance.template_env(self), provenance.run_dates_read
         given = [PARAM_ALIASES.get(k, k) for k in self.param_overrides if params.get(k) is not None]
         rendered_spec = spec_document(self.spec) if isinstance(self._raw_spec, str) else {}
-        layers = [  # the latest (winning) layer that sets the output first, as check_provenance stacks them
-            lambda: set() if any(t and provenance.touches(t, path) for t in given) else None,
-            lambda: provenance.overrides_layer_sources(
-                self._raw_overrides, overrides_document(self.overrides), path, env, PARAM_ALIASES, read
-            ),
-            lambda: provenance.spec_layer_sources(self._raw_spec, rendered_spec, path, env, read),
-        ]
-        reads = next((r for r in (layer() for layer in layers) if r is not None), set())
+        rendered_over = overrides_document(self.overrides)
+        reads: set[str] = set()
+        for path in ("io.output_uri", "io.output_table"):  # a folder, or a table (one per day), named by a date
+            layers = [  # the latest (winning) layer that sets it first, as check_provenance stacks them
+                lambda p: set() if any(t and provenance.touches(t, p) for t in given) else None,
+                lambda p: provenance.overrides_layer_sources(
+                    self._raw_overrides, rendered_over, p, env, PARAM_ALIASES, read
+                ),
+                lambda p: provenance.spec_layer_sources(self._raw_spec, rendered_spec, p, env, read),
+            ]
+            reads |= next((r for r in (layer(path) for layer in layers) if r is not None), set())
         if spec.io.output_table is not None and spec.io.output_table.date_column is not None:
             reads = reads | {DATE_COLUMN_READ + spec.io.output_table.date_column}
         check_run_dates(reads, context.get("dag_run"), "plan")

@@ -573,3 +573,35 @@ def test_a_conf_key_that_matches_no_declared_param_fails_the_plan_naming_it(allo
     ti, shards = run({"output_uri": elsewhere, "shard_rows": 2})  # the trigger form: every declared param
     assert shards and ti.xcoms["spec"]["io"]["output_uri"] == elsewhere
     assert ti.xcoms["spec"]["sharding"]["target_rows"] == 2
+
+
+def test_a_table_named_by_the_runs_date_is_a_dated_output_too(allowed, monkeypatch):
+    """An Iceberg output a template names by date (``lake.triage_{{ ds_nodash }}``, a table per day) is the
+    run's dated output as a ``dt={{ ds }}`` folder is: a manual run of tomorrow created and published tomorrow's
+    table, since only ``io.output_uri`` and ``date_column`` were looked at. It fails as such a folder does; a past
+    date, and a scheduled run, pass."""
+    from datetime import UTC, datetime, timedelta
+    from types import SimpleNamespace
+
+    from airflow.sdk import DAG
+    from airflow.sdk.exceptions import AirflowFailException
+
+    monkeypatch.setenv("AIRFLOW__VLLM_BATCH__ALLOWED_URI_PREFIXES", ",".join(prefixes(allowed)))
+    now = datetime.now(UTC)
+
+    def check(run_type, logical):
+        doc = base_doc(allowed)
+        doc["io"]["output_table"] = {"identifier": "lake.triage_{{ ds_nodash }}", "create": True}
+        with DAG("tables", schedule=None):
+            op = VllmPlanOperator(task_id="plan", spec=doc)
+        dates = dict.fromkeys(("logical_date", "data_interval_start", "data_interval_end"), logical)
+        dag_run = SimpleNamespace(run_type=run_type, partition_date=None, run_after=now, **dates)
+        context = {"ti": _plan_ti(), "params": {}, "dag_run": dag_run, "ds_nodash": f"{logical:%Y%m%d}"}
+        op.render_template_fields(context)
+        op.check_run_dates(op.build_spec({}), {}, context)
+
+    with pytest.raises(AirflowFailException, match=r"named by its dates \(ds_nodash\).*logical_date"):
+        check("manual", now + timedelta(days=1))
+    record_malicious("a table per day claimed by a trigger", 1, 1)
+    check("manual", now - timedelta(days=3))
+    check("scheduled", now + timedelta(days=1))
