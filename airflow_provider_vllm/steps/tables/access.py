@@ -99,6 +99,9 @@ def in_history(table: Table, snapshot_id: int, head: Any = None) -> tuple[bool, 
     when it was not found, the snapshot where the walk back stopped short because its parent was expired (None:
     the walk reached the first snapshot of that line, so the answer is sure)."""
     found, cut = _walk_back(table, head, lambda snap: snap.snapshot_id == snapshot_id)
+    target = table.snapshot_by_id(snapshot_id)
+    if cut is not None and target is not None and (target.sequence_number or 0) >= (cut.sequence_number or 0) > 0:
+        return False, None  # sequence numbers grow along a line: a snapshot not older than the cut is not beyond it
     return found is not None, cut
 
 

@@ -197,19 +197,20 @@ def _check_on_main(table: Table, snapshot: Any, where: str) -> None:
     found, cut = in_history(table, snapshot.snapshot_id)
     if found:
         return
-    head = table.current_snapshot()
-    if cut is not None:
-        raise SpecError(
-            f"io.input_table.snapshot_id: {where}: whether it is in the history of branch main cannot be told: the "
-            f"walk back from main's current snapshot {head.snapshot_id if head else None} stops at "
-            f"{expired_parent(cut)}. Read a snapshot of main's retained history, or the current one (snapshot_id "
-            "null)"
-        )
     refs = sorted(
         f"{ref.snapshot_ref_type.value} {name!r}"
         for name, ref in table.refs().items()
         if name != "main" and in_history(table, snapshot.snapshot_id, table.snapshot_by_id(ref.snapshot_id))[0]
     )
+    if cut is not None:
+        head = table.current_snapshot()
+        raise SpecError(
+            f"io.input_table.snapshot_id: {where}: whether it is in the history of branch main cannot be told: the "
+            f"walk back from main's current snapshot {head.snapshot_id if head else None} stops at "
+            f"{expired_parent(cut)}{'; ' + ', '.join(refs) + ' hold(s) it' if refs else ''}. A job reads only "
+            "snapshots of main's retained history (the spec names no branch or tag): read one of those, or the "
+            "current one (snapshot_id null)"
+        )
     held = (
         f"it is on {', '.join(refs)} only (staged, write-audit-publish, and not published to main?)"
         if refs

@@ -946,3 +946,21 @@ def test_a_publish_killed_after_the_commit_then_maintained_never_commits_twice(
         publish(spec, tables)
     t = catalog.load_table("lake.triage")
     assert len(t.snapshots()) == 1 and t.scan().to_arrow().num_rows == 60
+
+
+def test_a_run_rolled_back_past_is_told_apart_from_one_beyond_an_expired_snapshot(tmp_path, lake, fake_engine_factory):
+    """main rolled back past the run's snapshot, then an older snapshot expired (the walk back from main stops
+    short): the run's snapshot is newer than where the walk stops (sequence numbers), so it surely left main's
+    history. Publish says it was rolled back past, not that it cannot tell, and adds nothing."""
+    from airflow_provider_vllm.core.errors import CommitError
+
+    catalog, tables = lake
+    a = publish(run(tmp_path, lake, fake_engine_factory, name="d1"), tables)
+    b = publish(run(tmp_path, lake, fake_engine_factory, name="d2"), tables)
+    d3 = run(tmp_path, lake, fake_engine_factory, name="d3")
+    c = publish(d3, tables)
+    catalog.load_table("lake.triage").manage_snapshots().rollback_to_snapshot(b.snapshot_id).commit()
+    catalog.load_table("lake.triage").maintenance.expire_snapshots().by_id(a.snapshot_id).commit()
+    with pytest.raises(CommitError, match=rf"snapshot {c.snapshot_id} committed run .*d3.*main was rolled back"):
+        publish(d3, tables)
+    assert catalog.load_table("lake.triage").scan().to_arrow().num_rows == 60

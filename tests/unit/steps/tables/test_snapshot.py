@@ -343,3 +343,20 @@ def test_a_snapshot_id_outside_mains_history_is_refused_naming_it_and_the_branch
         plan_job(table_spec(str(tmp_path / "b"), snapshot_id=undone), tables=tables)
     assert not (tmp_path / "a" / "_plan.json").exists() and not (tmp_path / "b" / "_plan.json").exists()
     assert plan_job(table_spec(str(tmp_path / "c"), snapshot_id=base), tables=tables).table.snapshot_id == base
+    # an old snapshot kept by a tag, beyond a snapshot of main that was expired: main's history cannot tell
+    first = catalog.load_table("lake.tickets").snapshots()[0].snapshot_id
+    catalog.load_table("lake.tickets").manage_snapshots().create_tag(first, "day1").commit()
+    catalog.load_table("lake.tickets").append(rows(2, start=50))
+    catalog.load_table("lake.tickets").maintenance.expire_snapshots().by_id(base).commit()
+    with pytest.raises(
+        SpecError,
+        match=rf"snapshot {first}: whether it is in the history of branch main cannot .*expired; tag 'day1' hold",
+    ):
+        plan_job(table_spec(str(tmp_path / "d"), snapshot_id=first), tables=tables)
+    # one main was rolled back past after the expiry is newer than where the walk stops: surely not main's
+    kept = catalog.load_table("lake.tickets").current_snapshot().snapshot_id
+    catalog.load_table("lake.tickets").append(rows(2, start=60))
+    later = catalog.load_table("lake.tickets").current_snapshot().snapshot_id
+    catalog.load_table("lake.tickets").manage_snapshots().rollback_to_snapshot(kept).commit()
+    with pytest.raises(SpecError, match=rf"snapshot {later} is not in the history of branch main: .*rolled back"):
+        plan_job(table_spec(str(tmp_path / "e"), snapshot_id=later), tables=tables)
