@@ -61,6 +61,31 @@ def source_table(catalog: Any, name: str = "lake.tickets", partition_by_lang: bo
     return catalog.load_table(name)
 
 
+def append_equality_deletes(table: Any, folder: Path) -> None:
+    """Commit an equality delete file (of id ``t00001``, written under ``folder``) to ``table``: pyiceberg writes
+    none itself, and plans no scan of a table that has one."""
+    import pyarrow.parquet as pq
+    from pyiceberg.manifest import DataFile, DataFileContent, FileFormat
+    from pyiceberg.typedef import Record
+
+    path = folder / "eq-deletes.parquet"
+    pq.write_table(pa.table({"id": ["t00001"]}), path)
+    deletes = DataFile.from_args(
+        content=DataFileContent.EQUALITY_DELETES,
+        file_path=f"file://{path}",
+        file_format=FileFormat.PARQUET,
+        partition=Record(),
+        record_count=1,
+        file_size_in_bytes=path.stat().st_size,
+        equality_ids=[table.schema().find_field("id").field_id],
+        spec_id=0,
+        sort_order_id=None,
+        key_metadata=None,
+    )
+    with table.transaction() as tx, tx.update_snapshot().fast_append() as append:
+        append.append_data_file(deletes)
+
+
 def table_spec(
     output_uri: str,
     identifier: str = "lake.tickets",

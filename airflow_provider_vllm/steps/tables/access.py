@@ -8,7 +8,7 @@ the steps only receive it. ``allowed_tables`` is ``[vllm_batch] allowed_tables``
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -92,3 +92,52 @@ def summary_of(snapshot: Any) -> dict[str, str]:
     if summary is None:
         return {}
     return {str(k): str(v) for k, v in summary.additional_properties.items()} | {"operation": summary.operation.value}
+
+
+def in_history(table: Table, snapshot_id: int, head: Any = None) -> tuple[bool, Any]:
+    """Whether ``snapshot_id`` is ``head`` (default: the current snapshot of ``main``) or one of its ancestors, and,
+    when it was not found, the snapshot where the walk back stopped short because its parent was expired (None:
+    the walk reached the first snapshot of that line, so the answer is sure)."""
+    found, cut = _walk_back(table, head, lambda snap: snap.snapshot_id == snapshot_id)
+    target = table.snapshot_by_id(snapshot_id)
+    if cut is not None and target is not None and (target.sequence_number or 0) >= (cut.sequence_number or 0) > 0:
+        return False, None  # sequence numbers grow along a line: a snapshot not older than the cut is not beyond it
+    return found is not None, cut
+
+
+def history_cut_since(table: Table, since_ms: int) -> Any:
+    """The snapshot of ``main``'s history committed at or after ``since_ms`` (ms since the epoch) whose parent was
+    expired, or None when main's history back to that time is whole."""
+    return _walk_back(table, None, lambda snap: snap.timestamp_ms < since_ms)[1]
+
+
+def _walk_back(table: Table, head: Any, stop: Callable[[Any], bool]) -> tuple[Any, Any]:
+    """Walk back from ``head`` (default: ``main``'s current snapshot): (the first snapshot ``stop`` accepts, None),
+    or (None, the snapshot where the walk stopped short because its parent was expired, or None at a first one).
+
+    pyiceberg's ``ancestors_of`` ends at an expired parent as at a first snapshot. An expiry leaves the child's
+    parent id dangling (Java catalogs) or clears it (pyiceberg's own metadata update). A snapshot without a parent
+    had one all the same when it still lists manifests other snapshots added, or when its sequence number is above
+    1 (format 2 on: the table's first commit has 1), so snapshots came before it: counted as cut, since whether
+    they were its ancestors cannot be told."""
+    snap = table.current_snapshot() if head is None else head
+    walked: set[int] = set()
+    while snap is not None:
+        if stop(snap):
+            return snap, None
+        walked.add(snap.snapshot_id)
+        if snap.parent_snapshot_id is None:
+            later = (snap.sequence_number or 0) > 1
+            inherited = later or bool({m.added_snapshot_id for m in snap.manifests(table.io)} - walked - {None})
+            return None, (snap if inherited else None)
+        parent = table.snapshot_by_id(snap.parent_snapshot_id)
+        if parent is None:
+            return None, snap
+        snap = parent
+    return None, None
+
+
+def expired_parent(cut: Any) -> str:
+    """``cut`` (from ``in_history``) and its expired parent, for messages."""
+    parent = f" {cut.parent_snapshot_id}" if cut.parent_snapshot_id is not None else " (its id cleared by the expiry)"
+    return f"snapshot {cut.snapshot_id}, whose parent{parent} was expired"

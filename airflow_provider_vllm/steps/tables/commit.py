@@ -9,16 +9,23 @@ append) or ``overwrite`` (the run date's partition replaced in the same snapshot
 manifest's sha256). A snapshot of the table that already carries the run id makes the call a no-op returning it: a
 retried publish, or one killed after the catalog took the commit; it must have committed the same results manifest
 (CommitError otherwise: the folder was merged again) and still be in the history of the table's current snapshot
-(CommitError when rolled back past). A run whose snapshot was expired counts as committed when the current snapshot
-holds all its parts. The catalog's compare-and-swap makes the commit all or nothing; a commit that lost a race is
-not retried by pyiceberg but decided again here (the run may be what won). Before its first commit it writes
-``_PUBLISHING.json`` into the run folder, sealed: merge then never changes the parts the table references (an
-unsealed one is not this pipeline's and is ignored). See docs/adr/0009-iceberg-tables.md.
+(CommitError when rolled back past; beyond an expired snapshot, where that cannot be told, it stands when the current
+snapshot holds all its parts). A run whose snapshot was expired counts as committed when the current snapshot holds
+all its parts. The commit sets a table property naming the run in the same transaction (``committed_property``):
+after expiry and compaction erased the snapshot and the parts' paths, it makes a retry fail closed instead of
+committing every row again; without it (an older commit), so does main's history being expired since an earlier
+publish began its commit (``_PUBLISHING.json``'s ``started``). The catalog's compare-and-swap makes the commit all
+or nothing; a commit that lost a race is not retried by pyiceberg but decided again here (the run may be what won).
+A table with equality deletes, which pyiceberg cannot scan, fails with a SpecError naming it. Before its first
+commit it writes ``_PUBLISHING.json`` into the run folder, sealed: merge then never changes the parts the table
+references (an unsealed one is not this pipeline's and is ignored). See docs/adr/0009-iceberg-tables.md.
 """
 
 from __future__ import annotations
 
+import calendar
 import datetime as dt
+import hashlib
 import logging
 import os
 import time
@@ -28,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from pydantic import BaseModel, ConfigDict, Field
 
 from airflow_provider_vllm.core import seal as seals
 from airflow_provider_vllm.core.allow_list import canonical_uri, check_uri
@@ -46,16 +54,19 @@ from airflow_provider_vllm.steps.merge.merger import (
     read_publishing,
     verified_manifest,
 )
-from airflow_provider_vllm.steps.tables.access import Tables, summary_of
+from airflow_provider_vllm.steps.tables.access import Tables, expired_parent, history_cut_since, in_history, summary_of
 
 if TYPE_CHECKING:
     from pyiceberg.table import Table
 
 RUN_ID = "vllm-batch.run-id"
 PREFIX = "vllm-batch."
+COMMITTED = "vllm-batch.committed."  # + sha256(run id)[:32]: a table property set in the run's own commit
 MANIFEST_SHA = "vllm-batch.results-manifest-sha256"  # the caller's ``results-manifest-sha256`` property
 RERUN_PUBLISH = "clear the merge task (it writes and seals the parts again), then QA and publish"
 COMMIT_ATTEMPTS = 5  # commits that lost a race to another writer of the table, each decided again
+CLOCK_SKEW_S = 3600  # between the clock that stamped _PUBLISHING.json and the one that stamps a snapshot
+STARTED = "%Y-%m-%dT%H:%M:%SZ"
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +90,39 @@ class TableCommit:
             "files": self.files,
             "rows": self.rows,
         }
+
+
+class CommittedRun(BaseModel):
+    """The value of a run's ``vllm-batch.committed.*`` table property (``committed_property``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    run_id: str = Field(description="the run id (vllm-batch.run-id) the commit added")
+    snapshot_id: int = Field(description="the snapshot that commit made")
+    results_manifest_sha256: str | None = Field(None, description="sha256 of the results manifest it committed")
+
+
+def committed_property(run_id: str, snapshot_id: int, manifest_sha: str | None) -> tuple[str, str]:
+    """The table property (key, value) that the commit of run ``run_id`` sets in its own transaction: the catalog
+    takes it with the snapshot or not at all, and the table's maintenance (snapshot expiry, compaction, orphan
+    cleanup) never removes a property, so it outlives the snapshot's summary and the parts' paths."""
+    key = COMMITTED + hashlib.sha256(run_id.encode()).hexdigest()[:32]
+    value = CommittedRun(run_id=run_id, snapshot_id=snapshot_id, results_manifest_sha256=manifest_sha)
+    return key, value.model_dump_json()
+
+
+def _committed_claim(table: Table, run_id: str) -> tuple[str, str] | None:
+    """(the property's key, the snapshot it names) when the table's properties say run ``run_id`` was committed;
+    None otherwise. A value that does not parse, or names another run, still claims the run (fail closed): only a
+    commit of the run sets that key, and whoever else set it must be asked."""
+    key = committed_property(run_id, 0, None)[0]
+    raw = table.properties.get(key)
+    if raw is None:
+        return None
+    try:
+        rec = CommittedRun.model_validate_json(raw)
+    except ValueError:
+        return key, f"? (its value {raw[:80]!r} is not a commit record)"
+    return key, str(rec.snapshot_id) if rec.run_id == run_id else f"? (it names run {rec.run_id!r})"
 
 
 def committed_snapshot(table: Table, run_id: str, uris: Sequence[str]) -> Any:
@@ -164,10 +208,12 @@ def commit_results(
     props = {RUN_ID: run_id, **{k if k.startswith(PREFIX) else PREFIX + k: str(v) for k, v in properties.items()}}
     uris = [out.uri(p) for p in parts]
     footers: list[tuple[str, int, Any]] | None = None  # (uri, size, footer) of each part's checked copy
+    # an earlier publish of this run began a commit then: it may have gone in (the task killed before it heard back)
+    since = _began_before(out, keyring or Keyring.from_env(), target, run_id)
     for attempt in range(COMMIT_ATTEMPTS):
         # Whether this run is in the table is decided again before every attempt: pyiceberg's own retry of a
         # commit that lost a race would add the run's files again on top of a concurrent publish of the same run.
-        found = _this_runs_snapshot(table, target, run_id, props.get(MANIFEST_SHA), uris, run_date)
+        found = _this_runs_snapshot(table, target, run_id, props.get(MANIFEST_SHA), uris, run_date, since)
         if found is not None:
             # published again (a retry after a crash before _SUCCESS.json, or after QA ran again): the record must
             # name the report of the verdict this publish gated on, as _SUCCESS.json will; the first one's report
@@ -183,11 +229,11 @@ def commit_results(
             # from here on the table may reference the parts by path: a later merge of the folder must not change
             # them (merge refuses while this sealed file or _SUCCESS.json exists)
             _write_publishing(
-                out, keyring or Keyring.from_env(), target, run_id, props.get(MANIFEST_SHA), report_sha256
+                out, keyring or Keyring.from_env(), target, run_id, props.get(MANIFEST_SHA), report_sha256, since
             )
         data_files = [_data_file(table, md, size, uri, target, run_date) for uri, size, md in footers]
         try:
-            _transaction(table, target, data_files, props, run_date).commit_transaction()
+            _transaction(table, target, data_files, props, run_date, run_id).commit_transaction()
         except (CommitFailedException, ValidationException) as e:  # the table moved under this attempt
             last: Exception = e
             time.sleep(min(0.1 * 2**attempt, 2.0))
@@ -211,17 +257,48 @@ def _write_publishing(
     run_id: str,
     manifest_sha: str | None,
     report_sha256: str | None = None,
+    started: str | None = None,
 ) -> None:
-    """The sealed ``_PUBLISHING.json`` (``records.PublishingRecord``): merge honours no other."""
+    """The sealed ``_PUBLISHING.json`` (``records.PublishingRecord``): merge honours no other. ``started``: when
+    the first publish of the run began its commit (default: now), kept by every later one."""
     record = PublishingRecord(
         table=target.identifier,
         run_id=run_id,
         results_manifest_sha256=manifest_sha,
         **({"report_sha256": report_sha256} if report_sha256 is not None else {}),
-        started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        started=started or time.strftime(STARTED, time.gmtime()),
     )
     record = seals.seal_record(keyring, seals.PUBLISHING, seals.scope_of(out.uri()), record)
     out.write_atomic(PUBLISHING, seals.record_bytes(record))
+
+
+def _began_before(out: Storage, keyring: Keyring, target: TableOutput, run_id: str) -> str | None:
+    """``started`` of the sealed ``_PUBLISHING.json`` of an earlier publish of this run to this table (it wrote it
+    before its commit, which may then have gone in), or None: none began a commit."""
+    try:
+        rec = read_publishing(out, keyring)
+    except (FileNotFoundError, ValueError, CommitError):  # none, not a record, not sealed by this deployment
+        return None
+    return rec.started if (rec.table, rec.run_id) == (target.identifier, run_id) else None
+
+
+def _check_history_since(table: Table, where: str, run_id: str, since: str) -> None:
+    """CommitError when ``main``'s history since ``since`` (less ``CLOCK_SKEW_S``) was cut by an expiry: a commit of
+    the run that began then may be in the table with nothing left that names it (a commit by a provider from before
+    ``committed_property``, or the property removed), so committing again could put every row in twice."""
+    try:
+        since_ms = (calendar.timegm(time.strptime(since, STARTED)) - CLOCK_SKEW_S) * 1000
+    except ValueError:
+        since_ms = 0  # the whole history
+    cut = history_cut_since(table, since_ms)
+    if cut is not None:
+        raise CommitError(
+            f"{where}: an earlier publish of run {run_id} began its commit at {since} ({PUBLISHING}), and main's "
+            f"history since then was expired (it stops at {expired_parent(cut)}); no snapshot naming the run, none "
+            f"of its parts and no {COMMITTED}* property of its commit are there, so whether that commit went in "
+            "cannot be told: not committing (it could put every row in twice). See docs/operations.md: check "
+            "whether the table holds the run's rows"
+        )
 
 
 def _keep_publishing(
@@ -255,14 +332,22 @@ def _keep_publishing(
 
 
 def _this_runs_snapshot(
-    table: Table, target: TableOutput, run_id: str, manifest_sha: str | None, uris: list[str], run_date: dt.date
+    table: Table,
+    target: TableOutput,
+    run_id: str,
+    manifest_sha: str | None,
+    uris: list[str],
+    run_date: dt.date,
+    since: str | None = None,
 ) -> Any:
     """The snapshot that committed this run, or None when the table does not hold it.
 
     CommitError when that snapshot committed another results manifest of the run (the run folder was merged again
     since: the table's file sizes and statistics would not describe the files at those paths), or when the
     current snapshot holds some of the run's parts but not all; when the run's snapshot was expired but the current
-    snapshot holds all its parts, that snapshot stands for it (nothing is added twice)."""
+    snapshot holds all its parts, that snapshot stands for it (nothing is added twice). With neither the snapshot
+    nor a part: CommitError when the run's ``committed_property`` is set, or when an earlier publish began a commit
+    at ``since`` and main's history since then was expired (nothing can tell whether that commit went in)."""
     where = f"table {target.identifier}"
     found = committed_snapshot(table, run_id, uris)
     if found is not None:
@@ -273,7 +358,10 @@ def _this_runs_snapshot(
                 f"{sealed[:12]}..., the run's is now {manifest_sha[:12]}... (merged again since): the table "
                 "cannot take the new parts under the same paths; publish the run under a new output prefix"
             )
-        if not _in_main(table, found.snapshot_id):
+        in_main, cut = in_history(table, found.snapshot_id)
+        if not in_main and cut is not None:
+            return _beyond_expired(table, target, run_id, uris, run_date, found, cut)
+        if not in_main:
             # rolled back (or main set elsewhere) since: the table no longer holds the run's rows, and publish must
             # not seal this snapshot into _SUCCESS.json as the run's published state, nor add the rows again over
             # the owner's decision
@@ -286,7 +374,20 @@ def _this_runs_snapshot(
         return found
     live = _live_files(table, target, run_date)
     held = [u for u in uris if u in live]
+    claim = _committed_claim(table, run_id)
+    if not held and claim is not None:
+        # the run's snapshot was expired and its parts are not among the current files: compacted into other files
+        # (its rows are in the table), or deleted, overwritten or rolled back past (they are not). Which, only the
+        # rows tell; committing again would put every row in twice in the first case
+        raise CommitError(
+            f"{where}: run {run_id} was committed to it in snapshot {claim[1]} (table property {claim[0]}), which "
+            "the table no longer holds (expired), and the current snapshot holds none of the run's "
+            f"{len(uris)} result parts (rewritten by compaction, or deleted, overwritten or rolled back): not "
+            "committing it again. See docs/operations.md: check whether the table holds the run's rows"
+        )
     if not held:
+        if since is not None:
+            _check_history_since(table, where, run_id, since)
         return None
     if len(held) != len(uris):
         raise CommitError(
@@ -304,11 +405,25 @@ def _this_runs_snapshot(
     return snap
 
 
-def _in_main(table: Table, snapshot_id: int) -> bool:
-    """Whether ``snapshot_id`` is the table's current snapshot (of ``main``) or one of its ancestors."""
-    from pyiceberg.table.snapshots import ancestors_of
-
-    return any(s.snapshot_id == snapshot_id for s in ancestors_of(table.current_snapshot(), table.metadata))
+def _beyond_expired(
+    table: Table, target: TableOutput, run_id: str, uris: list[str], run_date: dt.date, found: Any, cut: Any
+) -> Any:
+    """The run's snapshot ``found`` exists but the walk back from ``main`` stopped at ``cut``, whose parent was
+    expired: whether ``found`` is in main's history cannot be told. The current snapshot holding every part of the
+    run stands for it, as for an expired run snapshot; otherwise CommitError naming the expired snapshot."""
+    live = _live_files(table, target, run_date)
+    held = sum(u in live for u in uris)
+    where = f"table {target.identifier}: snapshot {found.snapshot_id} committed run {run_id}"
+    gap = f"the walk back from main's current snapshot stops at {expired_parent(cut)}"
+    if held == len(uris):
+        log.warning("%s; %s, and the current snapshot holds all the run's parts: not adding them again", where, gap)
+        return found
+    raise CommitError(
+        f"{where}; whether main's history holds it cannot be told ({gap}), and the current snapshot holds "
+        f"{'none' if not held else held} of the run's {len(uris)} result parts (deleted, overwritten, rolled back or "
+        "rewritten by compaction since): not committing it again. See docs/operations.md: check whether the table "
+        "holds the run's rows"
+    )
 
 
 def _live_files(table: Table, target: TableOutput, run_date: dt.date) -> set[str]:
@@ -317,15 +432,16 @@ def _live_files(table: Table, target: TableOutput, run_date: dt.date) -> set[str
     if table.current_snapshot() is None:
         return set()
     if target.date_column is None:
-        return {t.file.file_path for t in table.scan().plan_files()}
+        return {t.file.file_path for t in _plan_files(table.scan(), target)}
     return {f.file_path for f in _partition_files(table, target, run_date, allow_deletes=True)}
 
 
 def _transaction(
-    table: Table, target: TableOutput, data_files: list[Any], props: dict[str, str], run_date: dt.date
+    table: Table, target: TableOutput, data_files: list[Any], props: dict[str, str], run_date: dt.date, run_id: str
 ) -> Any:
-    """One transaction committing ``data_files`` as one snapshot, that fails (CommitFailedException) rather than
-    being retried by pyiceberg when the table moved (``commit_results`` decides again whether to commit)."""
+    """One transaction committing ``data_files`` as one snapshot and the run's ``committed_property``, that fails
+    (CommitFailedException) rather than being retried by pyiceberg when the table moved (``commit_results`` decides
+    again whether to commit)."""
     from pyiceberg.table import Table, TableProperties
     from pyiceberg.table.update import AssertCurrentSchemaId, AssertDefaultSpecId
 
@@ -364,6 +480,11 @@ def _transaction(
         with tx.update_snapshot(snapshot_properties=props).fast_append() as producer:
             for f in data_files:
                 producer.append_data_file(f)
+    # in the same commit as the snapshot: a publish killed after the catalog took it, retried after maintenance
+    # expired the snapshot and rewrote the parts into other files (compaction), still finds the run committed
+    snapshot_id = tx.table_metadata.current_snapshot_id
+    assert snapshot_id is not None
+    tx.set_properties(dict([committed_property(run_id, snapshot_id, props.get(MANIFEST_SHA))]))
     return tx
 
 
@@ -577,7 +698,7 @@ def _partition_files(table: Table, target: TableOutput, run_date: dt.date, allow
     # pyiceberg types EqualTo as its pydantic fields (term, value); its __init__ takes (term, literal)
     scan = table.scan(row_filter=EqualTo(target.date_column, run_date.isoformat()))  # type: ignore[call-arg]
     files = []
-    for task in scan.plan_files():
+    for task in _plan_files(scan, target):
         if task.delete_files and not allow_deletes:
             raise SpecError(
                 f"table {target.identifier}: partition {target.date_column}={run_date} has delete files; "
@@ -592,6 +713,22 @@ def _partition_files(table: Table, target: TableOutput, run_date: dt.date, allow
             )
         files.append(task.file)
     return files
+
+
+def _plan_files(scan: Any, target: TableOutput) -> list[Any]:
+    """``scan.plan_files()``; SpecError naming the table when it holds equality deletes, which pyiceberg cannot
+    plan (its bare ValueError named nothing): publish reads the table's files before it writes or commits anything."""
+    try:
+        return list(scan.plan_files())
+    except (ValueError, NotImplementedError) as e:
+        if "equality delete" not in str(e):
+            raise
+        raise SpecError(
+            f"table {target.identifier} has equality deletes (merge-on-read), which pyiceberg cannot read, so "
+            "publish cannot tell which data files the table holds (nothing was written or committed): compact the "
+            "table (rewrite its data files with the deletes applied, e.g. Spark's rewrite_data_files), then clear "
+            "publish"
+        ) from None
 
 
 def resolve_changes_from(

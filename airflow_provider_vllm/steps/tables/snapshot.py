@@ -21,7 +21,8 @@ then read is an ordinary ``Input`` of Parquet files, so the worker needs neither
   ``input_sha256``) is refused by every reader: plan again.
 
 Refused, naming the table and the snapshot: delete files (merge-on-read), data files that are not Parquet,
-data files outside the allowed prefixes, an unknown snapshot, a row filter that does not parse or bind,
+data files outside the allowed prefixes, an unknown snapshot, a ``snapshot_id`` outside the history of ``main``
+(another branch's, or rolled back past; the job names no branch), a row filter that does not parse or bind,
 columns the table does not have. See docs/adr/0009-iceberg-tables.md.
 """
 
@@ -43,7 +44,7 @@ from airflow_provider_vllm.core.formats.files import Input, describe_files, fing
 from airflow_provider_vllm.core.plan import ShardPlan, TablePin
 from airflow_provider_vllm.core.spec import JobSpec
 from airflow_provider_vllm.core.storage import FileSystems, Storage
-from airflow_provider_vllm.steps.tables.access import Tables
+from airflow_provider_vllm.steps.tables.access import Tables, expired_parent, in_history
 
 if TYPE_CHECKING:
     from pyiceberg.expressions import BooleanExpression
@@ -110,6 +111,8 @@ def resolve_table_input(
         which = f"snapshot {t.snapshot_id}" if t.snapshot_id is not None else "a current snapshot (it is empty)"
         raise SpecError(f"io.input_table: table {t.identifier} has no {which}")
     where = f"table {t.identifier} snapshot {snapshot.snapshot_id}"
+    if t.snapshot_id is not None:
+        _check_on_main(table, snapshot, where)
     # the current snapshot is read with the table's current schema, as its readers do: a column dropped or renamed
     # since the last commit (which does not make a snapshot) is gone or renamed; an older snapshot_id with its own
     schema = table.schema() if t.snapshot_id is None else _schema_of(table, snapshot.schema_id)
@@ -185,6 +188,38 @@ def split_materialized(out: Storage, found: Input, shards: list[ShardPlan]) -> l
     assert found.root.is_local and len(found.names) == 1, "split_materialized reads the plan's local copy"
     done = {s.shard_id: s for s in write_shard_inputs(out, found.root.path(found.names[0]), todo, SHARD_INPUTS)}
     return [done.get(s.shard_id, s) for s in shards]
+
+
+def _check_on_main(table: Table, snapshot: Any, where: str) -> None:
+    """SpecError unless ``snapshot`` is in the history of the table's ``main`` branch: a snapshot staged on another
+    branch (write-audit-publish) and never published, or one ``main`` was rolled back past, is not the table's data.
+    The job names no branch or tag (the spec has no field for one), so only ``main``'s history is read."""
+    found, cut = in_history(table, snapshot.snapshot_id)
+    if found:
+        return
+    refs = sorted(
+        f"{ref.snapshot_ref_type.value} {name!r}"
+        for name, ref in table.refs().items()
+        if name != "main" and in_history(table, snapshot.snapshot_id, table.snapshot_by_id(ref.snapshot_id))[0]
+    )
+    if cut is not None:
+        head = table.current_snapshot()
+        raise SpecError(
+            f"io.input_table.snapshot_id: {where}: whether it is in the history of branch main cannot be told: the "
+            f"walk back from main's current snapshot {head.snapshot_id if head else None} stops at "
+            f"{expired_parent(cut)}{'; ' + ', '.join(refs) + ' hold(s) it' if refs else ''}. A job reads only "
+            "snapshots of main's retained history (the spec names no branch or tag): read one of those, or the "
+            "current one (snapshot_id null)"
+        )
+    held = (
+        f"it is on {', '.join(refs)} only (staged, write-audit-publish, and not published to main?)"
+        if refs
+        else "no branch or tag holds it (main was rolled back past it, or it was staged and never published)"
+    )
+    raise SpecError(
+        f"io.input_table.snapshot_id: {where} is not in the history of branch main: {held}. A job reads only "
+        "snapshots of main: publish the snapshot to main first (fast-forward or cherry-pick), or read one of main's own"
+    )
 
 
 def _schema_of(table: Table, schema_id: int | None) -> Schema:

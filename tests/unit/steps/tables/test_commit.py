@@ -23,7 +23,15 @@ from airflow_provider_vllm.steps.merge.merger import RESULTS, read_merged, verif
 from airflow_provider_vllm.steps.tables.access import Tables, summary_of
 from airflow_provider_vllm.steps.tables.commit import RUN_ID
 from tests.support.data import shard_task
-from tests.support.iceberg import publish, rows, run_job, source_table, sql_catalog, table_spec
+from tests.support.iceberg import (
+    append_equality_deletes,
+    publish,
+    rows,
+    run_job,
+    source_table,
+    sql_catalog,
+    table_spec,
+)
 from tests.support.ledger import record_malicious
 
 
@@ -797,3 +805,162 @@ def test_a_merge_run_again_while_publish_commits_is_never_committed_under_the_ch
         == read_merged(out).checksums["results/_manifest.json"]
         and not commit.already
     )
+
+
+def _expire_all_but_current(catalog) -> None:
+    t = catalog.load_table("lake.triage")
+    keep = t.current_snapshot().snapshot_id
+    t.maintenance.expire_snapshots().by_ids([s.snapshot_id for s in t.snapshots() if s.snapshot_id != keep]).commit()
+
+
+@pytest.mark.reliability
+def test_a_publish_retried_after_expiry_and_compaction_never_commits_the_run_twice(tmp_path, lake, fake_engine_factory):
+    """Publish is killed after the catalog took its commit (no _SUCCESS.json), then the table's maintenance
+    compacts it (every data file rewritten) and expires the older snapshots, before publish's retry. The retry finds
+    neither a snapshot carrying the run id nor the run's parts among the current files. The code before committed
+    the run a second time (every row twice); the table property set in the commit's own transaction says it is in,
+    so the retry fails naming it and adds nothing."""
+    from airflow_provider_vllm.core.errors import CommitError
+
+    catalog, tables = lake
+    first = run(tmp_path, lake, fake_engine_factory, name="d1")
+    a = publish(first, tables)  # the commit is in; the task dies before _SUCCESS.json
+    publish(run(tmp_path, lake, fake_engine_factory, name="d2"), tables)
+    t = catalog.load_table("lake.triage")
+    t.overwrite(t.scan().to_arrow())  # compaction: the same rows in new data files
+    _expire_all_but_current(catalog)
+    t = catalog.load_table("lake.triage")
+    assert not any("/d1/results/" in f.file.file_path for f in t.scan().plan_files())
+    with pytest.raises(
+        CommitError, match=rf"run .*d1 was committed to it in snapshot {a.snapshot_id} .*not committing"
+    ):
+        publish(first, tables)
+    t = catalog.load_table("lake.triage")
+    assert len(t.snapshots()) == 1 and t.scan().to_arrow().num_rows == 60
+
+
+@pytest.mark.reliability
+def test_a_planted_commit_property_fails_publish_closed_and_adds_nothing(tmp_path, lake, fake_engine_factory):
+    """The run's commit property is written only with the commit itself: one planted by another writer of the
+    catalog (no snapshot, no parts of the run in the table) fails publish closed rather than being taken for a
+    commit or overwritten; the table is unchanged."""
+    from airflow_provider_vllm.core.errors import CommitError
+    from airflow_provider_vllm.steps.tables.commit import committed_property
+
+    catalog, tables = lake
+    spec = run(tmp_path, lake, fake_engine_factory)
+    publish(run(tmp_path, lake, fake_engine_factory, name="d0"), tables)
+    key, _ = committed_property(spec.io.output_uri, 1, "0" * 64)
+    with catalog.load_table("lake.triage").transaction() as tx:
+        tx.set_properties({key: json.dumps({"run_id": spec.io.output_uri, "snapshot_id": 1})})
+    with pytest.raises(CommitError, match=r"was committed to it in snapshot 1 .*not committing"):
+        publish(spec, tables)
+    assert len(catalog.load_table("lake.triage").snapshots()) == 1
+    record_malicious("planted_table_commit_property", 1, 1)
+
+
+def test_equality_deletes_in_the_output_table_fail_publish_naming_the_table_before_anything_is_written(
+    tmp_path, lake, fake_engine_factory
+):
+    """pyiceberg cannot plan a scan of a table with equality deletes: publish failed with its bare ValueError. It
+    now names the table and what to do, and neither the table nor the run folder changed."""
+    catalog, tables = lake
+    publish(run(tmp_path, lake, fake_engine_factory, name="d1"), tables)
+    append_equality_deletes(catalog.load_table("lake.triage"), tmp_path / "warehouse")
+    before = len(catalog.load_table("lake.triage").snapshots())
+    spec = run(tmp_path, lake, fake_engine_factory, name="d2")
+    with pytest.raises(SpecError, match=r"table lake\.triage has equality deletes .*compact the table") as e:
+        publish(spec, tables)
+    assert "Traceback" not in str(e.value) and not (tmp_path / "d2" / "_PUBLISHING.json").exists()
+    assert len(catalog.load_table("lake.triage").snapshots()) == before
+
+
+def test_an_expired_snapshot_between_the_runs_and_the_current_one_is_named_not_taken_for_a_rollback(
+    tmp_path, lake, fake_engine_factory
+):
+    """Maintenance expires a snapshot between the run's own and the current one: the walk back from main's current
+    snapshot stops there. The code before said main was rolled back past the run. Now, when the current snapshot
+    holds every part of the run, the run stands (as for an expired run snapshot); when it holds none, publish fails
+    naming the expired snapshot, and adds nothing."""
+    from airflow_provider_vllm.core.errors import CommitError
+
+    catalog, tables = lake
+    d1 = run(tmp_path, lake, fake_engine_factory, name="d1")
+    a = publish(d1, tables)
+    b = publish(run(tmp_path, lake, fake_engine_factory, name="d2"), tables)
+    publish(run(tmp_path, lake, fake_engine_factory, name="d3"), tables)
+    catalog.load_table("lake.triage").maintenance.expire_snapshots().by_id(b.snapshot_id).commit()
+    again = publish(d1, tables)
+    assert again.already and again.snapshot_id == a.snapshot_id
+    t = catalog.load_table("lake.triage")
+    gone = [f.file for f in t.scan().plan_files() if "/d1/results/" in f.file.file_path]
+    with t.transaction() as tx, tx.update_snapshot().overwrite() as producer:
+        for f in gone:
+            producer.delete_data_file(f)  # the owner removes d1's rows
+    with pytest.raises(CommitError, match=r"stops at snapshot \d+, whose parent .*was expired.*holds none of") as e:
+        publish(d1, tables)
+    assert "main was rolled back" not in str(e.value)
+    assert catalog.load_table("lake.triage").scan().to_arrow().num_rows == 60
+
+
+KILLED_AFTER = KILLER.replace(
+    "def die(self, *a, **k):\n",
+    "real = SqlCatalog.commit_table\ndef die(self, *a, **k):\n    real(self, *a, **k)  # the commit goes in\n",
+)
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize("older_provider", [False, True])
+def test_a_publish_killed_after_the_commit_then_maintained_never_commits_twice(
+    tmp_path, lake, fake_engine_factory, older_provider
+):
+    """Publish killed just after the catalog took its commit (a real SIGKILL), then compaction and expiry before the
+    retry. The table property of the commit says it is in; a commit without one (an older provider's, or the
+    property removed) is still refused when main's history since publish began its commit (_PUBLISHING.json) was
+    expired, since nothing then tells whether it went in."""
+    from airflow_provider_vllm.core.errors import CommitError
+    from airflow_provider_vllm.steps.tables.commit import COMMITTED
+
+    assert KILLED_AFTER != KILLER
+    catalog, tables = lake
+    publish(run(tmp_path, lake, fake_engine_factory, name="d0"), tables)
+    spec = run(tmp_path, lake, fake_engine_factory)
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_AFTER, str(tmp_path), spec.model_dump_json()],
+        env=env,
+        capture_output=True,
+        timeout=300,
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    t = catalog.load_table("lake.triage")
+    assert t.scan().to_arrow().num_rows == 60 and (tmp_path / "run" / "_PUBLISHING.json").exists()
+    if older_provider:
+        with t.transaction() as tx:
+            tx.remove_properties(*[k for k in t.properties if k.startswith(COMMITTED)])
+    t = catalog.load_table("lake.triage")
+    t.overwrite(t.scan().to_arrow())  # compaction
+    _expire_all_but_current(catalog)
+    why = "began its commit at .* history since then was expired" if older_provider else "was committed to it"
+    with pytest.raises(CommitError, match=why):
+        publish(spec, tables)
+    t = catalog.load_table("lake.triage")
+    assert len(t.snapshots()) == 1 and t.scan().to_arrow().num_rows == 60
+
+
+def test_a_run_rolled_back_past_is_told_apart_from_one_beyond_an_expired_snapshot(tmp_path, lake, fake_engine_factory):
+    """main rolled back past the run's snapshot, then an older snapshot expired (the walk back from main stops
+    short): the run's snapshot is newer than where the walk stops (sequence numbers), so it surely left main's
+    history. Publish says it was rolled back past, not that it cannot tell, and adds nothing."""
+    from airflow_provider_vllm.core.errors import CommitError
+
+    catalog, tables = lake
+    a = publish(run(tmp_path, lake, fake_engine_factory, name="d1"), tables)
+    b = publish(run(tmp_path, lake, fake_engine_factory, name="d2"), tables)
+    d3 = run(tmp_path, lake, fake_engine_factory, name="d3")
+    c = publish(d3, tables)
+    catalog.load_table("lake.triage").manage_snapshots().rollback_to_snapshot(b.snapshot_id).commit()
+    catalog.load_table("lake.triage").maintenance.expire_snapshots().by_id(a.snapshot_id).commit()
+    with pytest.raises(CommitError, match=rf"snapshot {c.snapshot_id} committed run .*d3.*main was rolled back"):
+        publish(d3, tables)
+    assert catalog.load_table("lake.triage").scan().to_arrow().num_rows == 60

@@ -16,7 +16,7 @@ from airflow_provider_vllm.steps.tables.access import Tables
 from airflow_provider_vllm.steps.tables.snapshot import resolve_table_input
 from airflow_provider_vllm.worker.shard import read_shard_rows, run_shard, shard_input
 from tests.support.data import merge, shard_task, vouch_cache
-from tests.support.iceberg import rows, run_job, source_table, sql_catalog, table_spec
+from tests.support.iceberg import append_equality_deletes, rows, run_job, source_table, sql_catalog, table_spec
 
 
 @pytest.fixture
@@ -316,29 +316,47 @@ def test_a_column_promoted_since_some_files_were_written_is_read_as_the_tables_t
 def test_equality_deletes_are_refused_naming_the_table_and_snapshot(lake, tmp_path):
     # pyiceberg cannot read equality deletes: its ValueError named neither the table nor the snapshot, and the plan
     # task was retried on it
-    import pyarrow as pa
-    from pyiceberg.manifest import DataFile, DataFileContent, FileFormat
-    from pyiceberg.typedef import Record
-
     catalog, tables = lake
-    table = source_table(catalog)
-    path = tmp_path / "warehouse" / "eq-deletes.parquet"
-    pq.write_table(pa.table({"id": ["t00001"]}), path)
-    deletes = DataFile.from_args(
-        content=DataFileContent.EQUALITY_DELETES,
-        file_path=f"file://{path}",
-        file_format=FileFormat.PARQUET,
-        partition=Record(),
-        record_count=1,
-        file_size_in_bytes=path.stat().st_size,
-        equality_ids=[table.schema().find_field("id").field_id],
-        spec_id=0,
-        sort_order_id=None,
-        key_metadata=None,
-    )
-    with table.transaction() as tx, tx.update_snapshot().fast_append() as append:
-        append.append_data_file(deletes)
+    append_equality_deletes(source_table(catalog), tmp_path / "warehouse")
     current = catalog.load_table("lake.tickets").current_snapshot().snapshot_id
     with pytest.raises(DatasetError, match=f"table lake.tickets snapshot {current}: .*equality delete.*compact") as e:
         plan_job(table_spec(str(tmp_path / "run")), tables=tables)
     assert not (tmp_path / "run" / "_plan.json").exists() and "Traceback" not in str(e.value)
+
+
+def test_a_snapshot_id_outside_mains_history_is_refused_naming_it_and_the_branch(lake, tmp_path):
+    """io.input_table.snapshot_id may name a snapshot the table never published on main: one written to another
+    branch (write-audit-publish staging that was never published) or one main was rolled back past. The plan read
+    it as if it were the table's; it now refuses, naming the snapshot, the branch and where it lies."""
+    catalog, tables = lake
+    table = source_table(catalog)
+    base = table.current_snapshot().snapshot_id
+    table.manage_snapshots().create_branch(base, "audit").commit()
+    catalog.load_table("lake.tickets").append(rows(3, start=30), branch="audit")
+    staged = catalog.load_table("lake.tickets").refs()["audit"].snapshot_id
+    with pytest.raises(SpecError, match=rf"snapshot {staged} is not in the history of branch main: .*'audit'"):
+        plan_job(table_spec(str(tmp_path / "a"), snapshot_id=staged), tables=tables)
+    catalog.load_table("lake.tickets").append(rows(3, start=40))
+    undone = catalog.load_table("lake.tickets").current_snapshot().snapshot_id
+    catalog.load_table("lake.tickets").manage_snapshots().rollback_to_snapshot(base).commit()
+    with pytest.raises(SpecError, match=rf"snapshot {undone} is not in the history of branch main: .*rolled back"):
+        plan_job(table_spec(str(tmp_path / "b"), snapshot_id=undone), tables=tables)
+    assert not (tmp_path / "a" / "_plan.json").exists() and not (tmp_path / "b" / "_plan.json").exists()
+    assert plan_job(table_spec(str(tmp_path / "c"), snapshot_id=base), tables=tables).table.snapshot_id == base
+    # an old snapshot kept by a tag, beyond a snapshot of main that was expired: main's history cannot tell
+    first = catalog.load_table("lake.tickets").snapshots()[0].snapshot_id
+    catalog.load_table("lake.tickets").manage_snapshots().create_tag(first, "day1").commit()
+    catalog.load_table("lake.tickets").append(rows(2, start=50))
+    catalog.load_table("lake.tickets").maintenance.expire_snapshots().by_id(base).commit()
+    with pytest.raises(
+        SpecError,
+        match=rf"snapshot {first}: whether it is in the history of branch main cannot .*expired; tag 'day1' hold",
+    ):
+        plan_job(table_spec(str(tmp_path / "d"), snapshot_id=first), tables=tables)
+    # one main was rolled back past after the expiry is newer than where the walk stops: surely not main's
+    kept = catalog.load_table("lake.tickets").current_snapshot().snapshot_id
+    catalog.load_table("lake.tickets").append(rows(2, start=60))
+    later = catalog.load_table("lake.tickets").current_snapshot().snapshot_id
+    catalog.load_table("lake.tickets").manage_snapshots().rollback_to_snapshot(kept).commit()
+    with pytest.raises(SpecError, match=rf"snapshot {later} is not in the history of branch main: .*rolled back"):
+        plan_job(table_spec(str(tmp_path / "e"), snapshot_id=later), tables=tables)
