@@ -98,7 +98,7 @@ def in_history(table: Table, snapshot_id: int, head: Any = None) -> tuple[bool, 
     """Whether ``snapshot_id`` is ``head`` (default: the current snapshot of ``main``) or one of its ancestors, and,
     when it was not found, the snapshot where the walk back stopped short because its parent was expired (None:
     the walk reached the first snapshot of that line, so the answer is sure)."""
-    found, cut = _walk_back(table, head, lambda snap: snap.snapshot_id == snapshot_id)
+    found, cut = walk_back(table, head, lambda snap: snap.snapshot_id == snapshot_id)
     target = table.snapshot_by_id(snapshot_id)
     if cut is not None and target is not None and (target.sequence_number or 0) >= (cut.sequence_number or 0) > 0:
         return False, None  # sequence numbers grow along a line: a snapshot not older than the cut is not beyond it
@@ -108,10 +108,10 @@ def in_history(table: Table, snapshot_id: int, head: Any = None) -> tuple[bool, 
 def history_cut_since(table: Table, since_ms: int) -> Any:
     """The snapshot of ``main``'s history committed at or after ``since_ms`` (ms since the epoch) whose parent was
     expired, or None when main's history back to that time is whole."""
-    return _walk_back(table, None, lambda snap: snap.timestamp_ms < since_ms)[1]
+    return walk_back(table, None, lambda snap: snap.timestamp_ms < since_ms)[1]
 
 
-def _walk_back(table: Table, head: Any, stop: Callable[[Any], bool]) -> tuple[Any, Any]:
+def walk_back(table: Table, head: Any, stop: Callable[[Any], bool]) -> tuple[Any, Any]:
     """Walk back from ``head`` (default: ``main``'s current snapshot): (the first snapshot ``stop`` accepts, None),
     or (None, the snapshot where the walk stopped short because its parent was expired, or None at a first one).
 

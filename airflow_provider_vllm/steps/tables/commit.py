@@ -54,7 +54,14 @@ from airflow_provider_vllm.steps.merge.merger import (
     read_publishing,
     verified_manifest,
 )
-from airflow_provider_vllm.steps.tables.access import Tables, expired_parent, history_cut_since, in_history, summary_of
+from airflow_provider_vllm.steps.tables.access import (
+    Tables,
+    expired_parent,
+    history_cut_since,
+    in_history,
+    summary_of,
+    walk_back,
+)
 
 if TYPE_CHECKING:
     from pyiceberg.table import Table
@@ -755,35 +762,42 @@ def resolve_changes_from(
         table = tables.catalog.load_table(target.identifier)
     except NoSuchTableError:
         return ChangesFrom(identifier=target.identifier, snapshot_id=None, previous_uri=None)
-    snap = table.current_snapshot()
-    while snap is not None:
-        run = summary_of(snap).get(RUN_ID)
-        if run is not None and run != own:
-            where = f"table {target.identifier} snapshot {snap.snapshot_id} names run {run!r}"
-            try:
-                check_uri(run, tables.uri_prefixes, "changes.previous_table")
-            except SpecError as e:
-                raise SpecError(f"{where}: {e}") from None
-            # the catalog, not the run folder, says which merge of the run the table published: a folder merged
-            # again, or an older merge put back, is then refused (merge.changes._check_pinned)
-            sha = summary_of(snap).get(MANIFEST_SHA)
-            if sha is None or not SHA256_HEX.fullmatch(sha):
-                raise SpecError(
-                    f"{where} but records no results manifest sha256 ({MANIFEST_SHA}: {sha!r}), so which merge of "
-                    "that run the table holds is unknown; changes.previous_table compares only with the merge a "
-                    "snapshot names. Publish a run with this provider first (without changes.previous_table), or "
-                    "set changes.previous_uri to the run to compare with"
-                )
-            rec = _check_published_by_us(where, target.identifier, run, sha, spec, keyring, filesystems)
-            return ChangesFrom(
-                identifier=target.identifier,
-                snapshot_id=snap.snapshot_id,
-                previous_uri=run,
-                results_manifest_sha256=sha,
-                report_sha256=rec.report_sha256,
-            )
-        snap = table.snapshot_by_id(snap.parent_snapshot_id) if snap.parent_snapshot_id is not None else None
-    return ChangesFrom(identifier=target.identifier, snapshot_id=None, previous_uri=None)
+    snap, cut = walk_back(table, None, lambda s: summary_of(s).get(RUN_ID) not in (None, own))
+    if snap is None and cut is not None:
+        # maintenance expired main's history past the last run's snapshot, if there was one: "nothing to compare"
+        # would drop the change set and the churn check of a table that may well hold a published run
+        raise SpecError(
+            f"changes.previous_table: table {target.identifier}'s history back from its current snapshot names no run "
+            f"of this deployment before it stops at {expired_parent(cut)}: whether a run was published before that "
+            "cannot be told. Name the run to compare with instead: changes.previous_table false and "
+            "changes.previous_uri its output folder (or neither, to compare with none)"
+        )
+    if snap is None:  # a history that is whole back to its first snapshot names no run: nothing to compare
+        return ChangesFrom(identifier=target.identifier, snapshot_id=None, previous_uri=None)
+    run = summary_of(snap)[RUN_ID]
+    where = f"table {target.identifier} snapshot {snap.snapshot_id} names run {run!r}"
+    try:
+        check_uri(run, tables.uri_prefixes, "changes.previous_table")
+    except SpecError as e:
+        raise SpecError(f"{where}: {e}") from None
+    # the catalog, not the run folder, says which merge of the run the table published: a folder merged
+    # again, or an older merge put back, is then refused (merge.changes._check_pinned)
+    sha = summary_of(snap).get(MANIFEST_SHA)
+    if sha is None or not SHA256_HEX.fullmatch(sha):
+        raise SpecError(
+            f"{where} but records no results manifest sha256 ({MANIFEST_SHA}: {sha!r}), so which merge of "
+            "that run the table holds is unknown; changes.previous_table compares only with the merge a "
+            "snapshot names. Publish a run with this provider first (without changes.previous_table), or "
+            "set changes.previous_uri to the run to compare with"
+        )
+    rec = _check_published_by_us(where, target.identifier, run, sha, spec, keyring, filesystems)
+    return ChangesFrom(
+        identifier=target.identifier,
+        snapshot_id=snap.snapshot_id,
+        previous_uri=run,
+        results_manifest_sha256=sha,
+        report_sha256=rec.report_sha256,
+    )
 
 
 def _check_published_by_us(

@@ -964,3 +964,31 @@ def test_a_run_rolled_back_past_is_told_apart_from_one_beyond_an_expired_snapsho
     with pytest.raises(CommitError, match=rf"snapshot {c.snapshot_id} committed run .*d3.*main was rolled back"):
         publish(d3, tables)
     assert catalog.load_table("lake.triage").scan().to_arrow().num_rows == 60
+
+
+def test_changes_from_the_table_fail_when_the_walk_back_stops_at_an_expired_snapshot(
+    tmp_path, lake, fake_engine_factory
+):
+    """changes.previous_table walks main's history back to the last snapshot a run of this deployment committed. When
+    maintenance expired that far (another writer's snapshots since, then an expiry), the walk stops at a snapshot whose
+    parent is gone: the plan said "nothing to compare", which dropped the change set and the churn check of a table
+    that has a published run. It now fails naming the expired snapshot and the setting that names the run instead; a
+    table whose history is whole and holds no run still has nothing to compare."""
+    from airflow_provider_vllm.steps.plan.planner import plan_job
+
+    catalog, tables = lake
+    publish(run(tmp_path, lake, fake_engine_factory, "a"), tables)
+    t = catalog.load_table("lake.triage")
+    t.append(t.scan().to_arrow().slice(0, 1))  # another writer's snapshot after the run's
+    t = catalog.load_table("lake.triage")
+    keep = t.current_snapshot().snapshot_id
+    t.maintenance.expire_snapshots().by_ids([s.snapshot_id for s in t.snapshots() if s.snapshot_id != keep]).commit()
+    nxt = table_spec(str(tmp_path / "b"), out_table={"identifier": "lake.triage"})
+    nxt = nxt.model_validate({**nxt.model_dump(mode="json"), "changes": {"previous_table": True}})
+    with pytest.raises(
+        SpecError,
+        match=r"changes\.previous_table: .*lake\.triage.*whose parent .*was expired.*"
+        r"changes\.previous_table false and changes\.previous_uri",
+    ) as e:
+        plan_job(nxt, tables=tables)
+    assert "Traceback" not in str(e.value)
