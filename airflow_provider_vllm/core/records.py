@@ -26,6 +26,7 @@ ours, hence ``extra="forbid"``: an unknown field or a wrong type is refused, nam
 
 from __future__ import annotations
 
+import hashlib
 import re
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -520,6 +521,14 @@ class ReviewRecord(Record):
     answer: ReviewAnswer | None = Field(None, description="the person's answer (asked only)")
     decided_at: str = Field(description="UTC time the review task recorded the decision (ISO 8601)")
     seal: Seal | None = Field(None, description="the review task's seal (core/seal.py, domain review, scope the run)")
+
+
+COMMITTED_PROPERTY = "vllm-batch.committed."  # + sha256(run id)[:32]: the table property a run's commit sets
+
+
+def committed_key(run_id: str) -> str:
+    """The key of the table property that the table commit of run ``run_id`` sets (``steps/tables/commit.py``)."""
+    return COMMITTED_PROPERTY + hashlib.sha256(run_id.encode()).hexdigest()[:32]
 
 
 class PublishingRecord(Record):

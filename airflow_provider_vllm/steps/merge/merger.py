@@ -65,6 +65,7 @@ from airflow_provider_vllm.core.records import (
     PartsManifest,
     PublishingRecord,
     ShardStatsEntry,
+    committed_key,
 )
 from airflow_provider_vllm.core.rows import ERROR_SCHEMA, RESULT_SCHEMA, ROW_SCHEMA
 from airflow_provider_vllm.core.seal import Keyring, Seal
@@ -1134,7 +1135,8 @@ def published_state(out: Storage, keyring: Keyring) -> Published | None:
             return Published(
                 f"published to table {rec.table} ({PUBLISHING}: publish began its commit at {rec.started})",
                 f"{_NEW_PREFIX}; or, only when no snapshot of table {rec.table} names run {rec.run_id} (its "
-                f"summary's vllm-batch.run-id: the commit failed), delete {out.uri(PUBLISHING)} and merge again",
+                f"summary's vllm-batch.run-id) and the table has no property {committed_key(rec.run_id)} (the "
+                f"commit failed), delete {out.uri(PUBLISHING)} and merge again",
                 {REPORT_JSON: rec.report_sha256} if rec.report_sha256 else {},
             )
         except (ValueError, CommitError) as e:

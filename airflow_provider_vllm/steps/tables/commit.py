@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import calendar
 import datetime as dt
-import hashlib
 import logging
 import os
 import time
@@ -41,7 +40,13 @@ from airflow_provider_vllm.core import seal as seals
 from airflow_provider_vllm.core.allow_list import canonical_uri, check_uri
 from airflow_provider_vllm.core.errors import CommitError, SpecError, TransientError
 from airflow_provider_vllm.core.plan import ChangesFrom
-from airflow_provider_vllm.core.records import SHA256_HEX, PartEntry, PublishingRecord
+from airflow_provider_vllm.core.records import (
+    COMMITTED_PROPERTY,
+    SHA256_HEX,
+    PartEntry,
+    PublishingRecord,
+    committed_key,
+)
 from airflow_provider_vllm.core.seal import Keyring
 from airflow_provider_vllm.core.spec import JobSpec, TableOutput
 from airflow_provider_vllm.core.storage import FileSystems, Storage, copies_folder
@@ -68,7 +73,7 @@ if TYPE_CHECKING:
 
 RUN_ID = "vllm-batch.run-id"
 PREFIX = "vllm-batch."
-COMMITTED = "vllm-batch.committed."  # + sha256(run id)[:32]: a table property set in the run's own commit
+COMMITTED = COMMITTED_PROPERTY  # + sha256(run id)[:32]: a table property set in the run's own commit
 MANIFEST_SHA = "vllm-batch.results-manifest-sha256"  # the caller's ``results-manifest-sha256`` property
 RERUN_PUBLISH = "clear the merge task (it writes and seals the parts again), then QA and publish"
 COMMIT_ATTEMPTS = 5  # commits that lost a race to another writer of the table, each decided again
@@ -112,24 +117,27 @@ def committed_property(run_id: str, snapshot_id: int, manifest_sha: str | None) 
     """The table property (key, value) that the commit of run ``run_id`` sets in its own transaction: the catalog
     takes it with the snapshot or not at all, and the table's maintenance (snapshot expiry, compaction, orphan
     cleanup) never removes a property, so it outlives the snapshot's summary and the parts' paths."""
-    key = COMMITTED + hashlib.sha256(run_id.encode()).hexdigest()[:32]
+    key = committed_key(run_id)
     value = CommittedRun(run_id=run_id, snapshot_id=snapshot_id, results_manifest_sha256=manifest_sha)
     return key, value.model_dump_json()
 
 
-def _committed_claim(table: Table, run_id: str) -> tuple[str, str] | None:
-    """(the property's key, the snapshot it names) when the table's properties say run ``run_id`` was committed;
-    None otherwise. A value that does not parse, or names another run, still claims the run (fail closed): only a
-    commit of the run sets that key, and whoever else set it must be asked."""
-    key = committed_property(run_id, 0, None)[0]
+def _committed_claim(table: Table, run_id: str) -> tuple[str, str, str | None] | None:
+    """(the property's key, the snapshot it names, the results manifest sha256 it names) when the table's
+    properties say run ``run_id`` was committed; None otherwise. A value that does not parse, or names another run,
+    still claims the run (fail closed): only a commit of the run sets that key, and whoever else set it must be
+    asked."""
+    key = committed_key(run_id)
     raw = table.properties.get(key)
     if raw is None:
         return None
     try:
         rec = CommittedRun.model_validate_json(raw)
     except ValueError:
-        return key, f"? (its value {raw[:80]!r} is not a commit record)"
-    return key, str(rec.snapshot_id) if rec.run_id == run_id else f"? (it names run {rec.run_id!r})"
+        return key, f"? (its value {raw[:80]!r} is not a commit record)", None
+    if rec.run_id != run_id:
+        return key, f"? (it names run {rec.run_id!r})", None
+    return key, str(rec.snapshot_id), rec.results_manifest_sha256
 
 
 def committed_snapshot(table: Table, run_id: str, uris: Sequence[str]) -> Any:
@@ -396,6 +404,14 @@ def _this_runs_snapshot(
         if since is not None:
             _check_history_since(table, where, run_id, since)
         return None
+    if claim is not None and None not in (manifest_sha, claim[2]) and claim[2] != manifest_sha:
+        # the paths are the run's but the snapshot that said which bytes were committed is gone: the property says
+        raise CommitError(
+            f"{where}: run {run_id} was committed to it in snapshot {claim[1]} with results manifest "
+            f"{str(claim[2])[:12]}... (table property {claim[0]}), the run's is now "
+            f"{str(manifest_sha)[:12]}... (merged again since): the table's sizes and statistics do not describe the "
+            "files at those paths; not taking it for published. Publish the run under a new output prefix"
+        )
     if len(held) != len(uris):
         raise CommitError(
             f"{where}: the current snapshot holds {len(held)} of run {run_id}'s {len(uris)} result parts (e.g. "

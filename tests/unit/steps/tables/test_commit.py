@@ -992,3 +992,32 @@ def test_changes_from_the_table_fail_when_the_walk_back_stops_at_an_expired_snap
     ) as e:
         plan_job(nxt, tables=tables)
     assert "Traceback" not in str(e.value)
+
+
+def test_a_run_merged_again_after_its_snapshot_expired_is_not_taken_for_the_committed_one(
+    tmp_path, lake, fake_engine_factory
+):
+    """The run's snapshot was expired (nightly maintenance) and publish died before _SUCCESS.json. Merge's refusal
+    said to delete _PUBLISHING.json and merge again when no snapshot names the run; a shard rerun then merged parts
+    with other bytes under the same paths. The current snapshot holding those paths stood for the run and publish
+    reported it published, though the table describes the bytes of the first merge. The commit's table property
+    names the results manifest committed: publish now fails naming the merge again, and merge's advice names the
+    property too."""
+    from airflow_provider_vllm.core.errors import CommitError
+    from tests.support.data import merge
+
+    catalog, tables = lake
+    first = run(tmp_path, lake, fake_engine_factory, name="d1")
+    a = publish(first, tables)
+    publish(run(tmp_path, lake, fake_engine_factory, name="d2"), tables)
+    catalog.load_table("lake.triage").maintenance.expire_snapshots().by_id(a.snapshot_id).commit()
+    _rerun_first_shard(first, fake_engine_factory)
+    with pytest.raises(CommitError, match=r"vllm-batch\.committed\.[0-9a-f]{32}"):
+        merge(first)
+    (tmp_path / "d1" / "_PUBLISHING.json").unlink()
+    merge(first)
+    with pytest.raises(
+        CommitError,
+        match=rf"run .*d1 was committed to it in snapshot {a.snapshot_id} with results manifest .*merged again",
+    ):
+        publish(first, tables)
