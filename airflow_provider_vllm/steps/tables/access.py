@@ -119,7 +119,9 @@ def walk_back(table: Table, head: Any, stop: Callable[[Any], bool]) -> tuple[Any
     parent id dangling (Java catalogs) or clears it (pyiceberg's own metadata update). A snapshot without a parent
     had one all the same when it still lists manifests other snapshots added, or when its sequence number is above
     1 (format 2 on: the table's first commit has 1), so snapshots came before it: counted as cut, since whether
-    they were its ancestors cannot be told."""
+    they were its ancestors cannot be told. A format 1 table has no sequence numbers, and a snapshot that rewrote
+    every data file (compaction) lists only manifests of its own: there, every snapshot without a parent counts
+    as cut (fail closed), the table's first included."""
     snap = table.current_snapshot() if head is None else head
     walked: set[int] = set()
     while snap is not None:
@@ -127,7 +129,7 @@ def walk_back(table: Table, head: Any, stop: Callable[[Any], bool]) -> tuple[Any
             return snap, None
         walked.add(snap.snapshot_id)
         if snap.parent_snapshot_id is None:
-            later = (snap.sequence_number or 0) > 1
+            later = (snap.sequence_number or 0) > 1 or table.metadata.format_version < 2
             inherited = later or bool({m.added_snapshot_id for m in snap.manifests(table.io)} - walked - {None})
             return None, (snap if inherited else None)
         parent = table.snapshot_by_id(snap.parent_snapshot_id)
@@ -139,5 +141,10 @@ def walk_back(table: Table, head: Any, stop: Callable[[Any], bool]) -> tuple[Any
 
 def expired_parent(cut: Any) -> str:
     """``cut`` (from ``in_history``) and its expired parent, for messages."""
+    if cut.parent_snapshot_id is None and not cut.sequence_number:
+        return (
+            f"snapshot {cut.snapshot_id}, which has no parent: in a table of format 1 (no sequence numbers) that "
+            "cannot be told from a snapshot whose parent was expired"
+        )
     parent = f" {cut.parent_snapshot_id}" if cut.parent_snapshot_id is not None else " (its id cleared by the expiry)"
     return f"snapshot {cut.snapshot_id}, whose parent{parent} was expired"

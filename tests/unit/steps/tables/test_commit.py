@@ -1021,3 +1021,36 @@ def test_a_run_merged_again_after_its_snapshot_expired_is_not_taken_for_the_comm
         match=rf"run .*d1 was committed to it in snapshot {a.snapshot_id} with results manifest .*merged again",
     ):
         publish(first, tables)
+
+
+@pytest.mark.reliability
+def test_a_format_1_tables_history_cut_by_expiry_after_a_full_rewrite_is_not_taken_for_whole(
+    tmp_path, lake, fake_engine_factory
+):
+    """A format 1 table has no sequence numbers: after a compaction that rewrote every data file and an expiry by
+    pyiceberg (which clears the parent id), the current snapshot lists only manifests of its own and looks like the
+    table's first. The walk back took main's history for whole: changes.previous_table had "nothing to compare",
+    and a run committed without its table property (an older provider) was committed again, every row twice. In a
+    format 1 table a snapshot without a parent now counts as one whose parent may have been expired."""
+    from airflow_provider_vllm.core.errors import CommitError
+    from airflow_provider_vllm.steps.tables.commit import COMMITTED, resolve_changes_from
+
+    catalog, tables = lake
+    d1 = run(tmp_path, lake, fake_engine_factory, name="d1")
+    fields = [f.remove_metadata() for f in _results_schema(d1)]
+    catalog.create_table("lake.triage", schema=pa.schema(fields), properties={"format-version": "1"})
+    publish(d1, tables)  # the commit is in; the task dies before _SUCCESS.json
+    t = catalog.load_table("lake.triage")
+    with t.transaction() as tx:  # as an older provider committed it: no property
+        tx.remove_properties(*[k for k in t.properties if k.startswith(COMMITTED)])
+    t = catalog.load_table("lake.triage")
+    t.overwrite(t.scan().to_arrow())  # compaction: the same rows in new data files
+    _expire_all_but_current(catalog)
+    assert catalog.load_table("lake.triage").metadata.format_version == 1
+    with pytest.raises(CommitError, match=r"began its commit at .* history since then was expired"):
+        publish(d1, tables)
+    assert catalog.load_table("lake.triage").scan().to_arrow().num_rows == 30
+    nxt = table_spec(str(tmp_path / "d2"), out_table={"identifier": "lake.triage"})
+    nxt = nxt.model_validate({**nxt.model_dump(mode="json"), "changes": {"previous_table": True}})
+    with pytest.raises(SpecError, match=r"changes\.previous_table: .*lake\.triage.*format 1"):
+        resolve_changes_from(nxt, tables)
