@@ -121,7 +121,8 @@ def walk_back(table: Table, head: Any, stop: Callable[[Any], bool]) -> tuple[Any
     1 (format 2 on: the table's first commit has 1), so snapshots came before it: counted as cut, since whether
     they were its ancestors cannot be told. A format 1 table has no sequence numbers, and a snapshot that rewrote
     every data file (compaction) lists only manifests of its own: there, every snapshot without a parent counts
-    as cut (fail closed), the table's first included."""
+    as cut (fail closed), the table's first included. A parent id that repeats one walked (a cycle another writer
+    committed) is a cut too."""
     snap = table.current_snapshot() if head is None else head
     walked: set[int] = set()
     while snap is not None:
@@ -132,7 +133,8 @@ def walk_back(table: Table, head: Any, stop: Callable[[Any], bool]) -> tuple[Any
             later = (snap.sequence_number or 0) > 1 or table.metadata.format_version < 2
             inherited = later or bool({m.added_snapshot_id for m in snap.manifests(table.io)} - walked - {None})
             return None, (snap if inherited else None)
-        parent = table.snapshot_by_id(snap.parent_snapshot_id)
+        # a catalog checks no parent id: one a writer made repeat (a cycle) is a history that cannot be told
+        parent = None if snap.parent_snapshot_id in walked else table.snapshot_by_id(snap.parent_snapshot_id)
         if parent is None:
             return None, snap
         snap = parent
