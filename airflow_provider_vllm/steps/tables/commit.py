@@ -13,9 +13,10 @@ retried publish, or one killed after the catalog took the commit; it must have c
 snapshot holds all its parts). A run whose snapshot was expired counts as committed when the current snapshot holds
 all its parts. The commit sets a table property naming the run in the same transaction (``committed_property``):
 after expiry and compaction erased the snapshot and the parts' paths, it makes a retry fail closed instead of
-committing every row again; without it (an older commit), so does main's history being expired since an earlier
-publish began its commit (``_PUBLISHING.json``'s ``started``). The catalog's compare-and-swap makes the commit all
-or nothing; a commit that lost a race is not retried by pyiceberg but decided again here (the run may be what won).
+committing every row again (a no-op when the run's sealed ``_SUCCESS.json`` names that commit: published in
+full); without it (an older commit), so does main's history being expired since an earlier publish began its
+commit (``_PUBLISHING.json``'s ``started``). The catalog's compare-and-swap makes the commit all or nothing; a
+commit that lost a race is not retried by pyiceberg but decided again here (the run may be what won).
 A table with equality deletes, which pyiceberg cannot scan, fails with a SpecError naming it. Before its first
 commit it writes ``_PUBLISHING.json`` into the run folder, sealed: merge then never changes the parts the table
 references (an unsealed one is not this pipeline's and is ignored). See docs/adr/0009-iceberg-tables.md.
@@ -54,9 +55,11 @@ from airflow_provider_vllm.steps.merge.merger import (
     MERGED,
     PUBLISHING,
     RESULTS,
+    SUCCESS,
     manifest_rel,
     read_merged,
     read_publishing,
+    success_doc,
     verified_manifest,
 )
 from airflow_provider_vllm.steps.tables.access import (
@@ -225,10 +228,14 @@ def commit_results(
     footers: list[tuple[str, int, Any]] | None = None  # (uri, size, footer) of each part's checked copy
     # an earlier publish of this run began a commit then: it may have gone in (the task killed before it heard back)
     since = _began_before(out, keyring or Keyring.from_env(), target, run_id)
+    published = _published_commit(out, keyring or Keyring.from_env(), target)
     for attempt in range(COMMIT_ATTEMPTS):
         # Whether this run is in the table is decided again before every attempt: pyiceberg's own retry of a
         # commit that lost a race would add the run's files again on top of a concurrent publish of the same run.
-        found = _this_runs_snapshot(table, target, run_id, props.get(MANIFEST_SHA), uris, run_date, since)
+        found = _this_runs_snapshot(table, target, run_id, props.get(MANIFEST_SHA), uris, run_date, since, published)
+        if isinstance(found, TableCommit):  # the run's sealed _SUCCESS.json names the commit its property names
+            _keep_publishing(out, keyring or Keyring.from_env(), target, run_id, props.get(MANIFEST_SHA), report_sha256)
+            return found
         if found is not None:
             # published again (a retry after a crash before _SUCCESS.json, or after QA ran again): the record must
             # name the report of the verdict this publish gated on, as _SUCCESS.json will; the first one's report
@@ -297,6 +304,26 @@ def _began_before(out: Storage, keyring: Keyring, target: TableOutput, run_id: s
     return rec.started if (rec.table, rec.run_id) == (target.identifier, run_id) else None
 
 
+def _published_commit(out: Storage, keyring: Keyring, target: TableOutput) -> TableCommit | None:
+    """The table commit the run's ``_SUCCESS.json`` names (sealed by this deployment's publish for this run folder,
+    after the catalog took that commit), as an ``already`` TableCommit; None without one for ``target``'s table."""
+    try:
+        doc = success_doc(out, out.read_bytes(SUCCESS), keyring)
+        event = doc["table"]
+        if event["identifier"] != target.identifier:
+            return None
+        return TableCommit(
+            identifier=event["identifier"],
+            location=str(event["location"]),
+            snapshot_id=int(event["snapshot_id"]),
+            files=int(event["files"]),
+            rows=int(event["rows"]),
+            already=True,
+        )
+    except (FileNotFoundError, ValueError, CommitError, KeyError, TypeError):  # none, not sealed, no table commit
+        return None
+
+
 def _check_history_since(table: Table, where: str, run_id: str, since: str) -> None:
     """CommitError when ``main``'s history since ``since`` (less ``CLOCK_SKEW_S``) was cut by an expiry: a commit of
     the run that began then may be in the table with nothing left that names it (a commit by a provider from before
@@ -354,6 +381,7 @@ def _this_runs_snapshot(
     uris: list[str],
     run_date: dt.date,
     since: str | None = None,
+    published: TableCommit | None = None,
 ) -> Any:
     """The snapshot that committed this run, or None when the table does not hold it.
 
@@ -362,7 +390,9 @@ def _this_runs_snapshot(
     current snapshot holds some of the run's parts but not all; when the run's snapshot was expired but the current
     snapshot holds all its parts, that snapshot stands for it (nothing is added twice). With neither the snapshot
     nor a part: CommitError when the run's ``committed_property`` is set, or when an earlier publish began a commit
-    at ``since`` and main's history since then was expired (nothing can tell whether that commit went in)."""
+    at ``since`` and main's history since then was expired (nothing can tell whether that commit went in); but
+    ``published`` (the commit the run's sealed ``_SUCCESS.json`` names) is returned when the property names its
+    snapshot and the run's results manifest: the run was published in full, and clearing publish again is a no-op."""
     where = f"table {target.identifier}"
     found = committed_snapshot(table, run_id, uris)
     if found is not None:
@@ -391,6 +421,17 @@ def _this_runs_snapshot(
     held = [u for u in uris if u in live]
     claim = _committed_claim(table, run_id)
     if not held and claim is not None:
+        if published is not None and claim[1] == str(published.snapshot_id) and claim[2] == manifest_sha:
+            log.warning(
+                "%s: run %s's snapshot %s is gone (expired) and none of its parts is a current file (compaction?), "
+                "but its sealed %s and table property %s name that commit: published already, not adding it again",
+                where,
+                run_id,
+                claim[1],
+                SUCCESS,
+                claim[0],
+            )
+            return published
         # the run's snapshot was expired and its parts are not among the current files: compacted into other files
         # (its rows are in the table), or deleted, overwritten or rolled back past (they are not). Which, only the
         # rows tell; committing again would put every row in twice in the first case

@@ -1054,3 +1054,28 @@ def test_a_format_1_tables_history_cut_by_expiry_after_a_full_rewrite_is_not_tak
     nxt = nxt.model_validate({**nxt.model_dump(mode="json"), "changes": {"previous_table": True}})
     with pytest.raises(SpecError, match=r"changes\.previous_table: .*lake\.triage.*format 1"):
         resolve_changes_from(nxt, tables)
+
+
+@pytest.mark.reliability
+def test_a_published_run_cleared_again_after_expiry_and_compaction_is_a_no_op(tmp_path, lake, fake_engine_factory):
+    """A run published in full (_SUCCESS.json sealed, naming its snapshot), then nightly compaction and expiry, then
+    its publish task cleared again (a DAG run cleared with its downstream tasks). The commit property says the run
+    is in and the sealed _SUCCESS.json names the same snapshot: publish is the no-op it is while the snapshot is
+    there. It failed (CommitError) and asked a person to count rows, for a run it had itself published."""
+    from airflow_provider_vllm.core.seal import Keyring
+    from airflow_provider_vllm.steps.merge.merger import SUCCESS
+    from airflow_provider_vllm.steps.publish import success_bytes
+
+    catalog, tables = lake
+    d1 = run(tmp_path, lake, fake_engine_factory, name="d1")
+    a = publish(d1, tables)
+    body = success_bytes({"table": a.event()}, Keyring.from_env(), d1.io.output_uri)
+    Storage(d1.io.output_uri).write_atomic(SUCCESS, body)
+    publish(run(tmp_path, lake, fake_engine_factory, name="d2"), tables)
+    t = catalog.load_table("lake.triage")
+    t.overwrite(t.scan().to_arrow())  # compaction
+    _expire_all_but_current(catalog)
+    again = publish(d1, tables)
+    assert again.already and again.snapshot_id == a.snapshot_id and again.rows == a.rows
+    t = catalog.load_table("lake.triage")
+    assert len(t.snapshots()) == 1 and t.scan().to_arrow().num_rows == 60
