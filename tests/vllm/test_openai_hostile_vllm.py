@@ -124,7 +124,8 @@ def test_hostile_openai_rows_do_not_fail_the_shard_and_good_rows_are_unchanged(t
     msg = {e["custom_id"]: e["error"]["message"] for e in errors}
     assert "temperature" in msg["temperature-3"] and "[0, 2]" in msg["temperature-3"]
     assert "top_p" in msg["top-p-0"] and "(0, 1]" in msg["top-p-0"]
-    assert "max_model_len 1024" in msg["max-tokens-huge"]
+    assert "max_tokens" in msg["max-tokens-huge"] and "10000000" in msg["max-tokens-huge"]
+    assert "max_model_len 1024" in msg["max-tokens-over-context"]
     assert "body.temprature" in msg["unknown-fields"] and "body.foo" in msg["unknown-fields"]
     assert "n must be 1" in msg["n-3"] and "tool" in msg["tool-message"] and "stream" in msg["stream"]
     assert "must alternate" in msg["roles-not-alternating"] and "chat template" in msg["roles-not-alternating"]

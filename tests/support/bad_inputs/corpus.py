@@ -137,7 +137,8 @@ def hostile_chat_requests() -> list[tuple[str, dict, str]]:
         ("temperature-string", body(temperature="0.5"), INVALID_REQUEST),
         ("top-p-0", body(top_p=0), INVALID_REQUEST),
         ("max-tokens-negative", body(max_tokens=-5), INVALID_REQUEST),
-        ("max-tokens-huge", body(max_tokens=10**9), INVALID_REQUEST),
+        ("max-tokens-huge", body(max_tokens=10**9), INVALID_REQUEST),  # past the job spec's bound (10,000,000)
+        ("max-tokens-over-context", body(max_tokens=50_000), INVALID_REQUEST),  # within it, past max_model_len
         ("max-tokens-bool", body(max_tokens=True), INVALID_REQUEST),
         ("min-tokens-over-max", body(max_tokens=4, min_tokens=50), INVALID_REQUEST),
         ("stop-object", body(stop={"when": "done"}), INVALID_REQUEST),
