@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from airflow.sdk import BaseOperator
@@ -206,19 +206,9 @@ class VllmPlanOperator(BaseOperator):
         or ``io.output_table``'s template reads ``ds``, the logical date, data interval, partition or ``dag_run``; an
         Iceberg output's ``date_column`` takes the logical date) and a date of the run has not ended
         (utils/deployment.py ``check_run_dates``). An output the trigger named itself (a param) reads no date."""
-        env, read = provenance.template_env(self), provenance.run_dates_read
-        given = [PARAM_ALIASES.get(k, k) for k in self.param_overrides if params.get(k) is not None]
-        rendered_spec = spec_document(self.spec) if isinstance(self._raw_spec, str) else {}
-        rendered_over = overrides_document(self.overrides)
+        layers = self._layers(params, provenance.run_dates_read, set())  # an output a param set reads no date
         reads: set[str] = set()
         for path in ("io.output_uri", "io.output_table"):  # a folder, or a table (one per day), named by a date
-            layers = [  # the latest (winning) layer that sets it first, as check_provenance stacks them
-                lambda p: set() if any(t and provenance.touches(t, p) for t in given) else None,
-                lambda p: provenance.overrides_layer_sources(
-                    self._raw_overrides, rendered_over, p, env, PARAM_ALIASES, read
-                ),
-                lambda p: provenance.spec_layer_sources(self._raw_spec, rendered_spec, p, env, read),
-            ]
             reads |= next((r for r in (layer(path) for layer in layers) if r is not None), set())
         if spec.io.output_table is not None and spec.io.output_table.date_column is not None:
             reads = reads | {DATE_COLUMN_READ + spec.io.output_table.date_column}
@@ -274,17 +264,27 @@ class VllmPlanOperator(BaseOperator):
         except SpecError as e:
             raise AirflowFailException(f"plan: {e}") from None
 
-    def check_provenance(self, spec: JobSpec, params: dict[str, Any]) -> None:
-        """Deployment-owned settings came from the DAG file (or, with the opt-in, a Variable); else fail."""
+    def _layers(
+        self, params: Mapping[str, Any], read: Callable[[Any, Any], set[str]], from_params: set[str]
+    ) -> list[Callable[[str], set[str] | None]]:
+        """What each layer of the spec says of a dotted path, the latest (winning) first: a ``param_overrides`` param
+        with a value (``from_params``), the DAG file's overrides, its spec; each ``read`` (``provenance``'s
+        ``template_sources`` or ``run_dates_read``) of the DAG file's value, or None when that layer does not set it."""
         env = provenance.template_env(self)
         rendered_spec = spec_document(self.spec) if isinstance(self._raw_spec, str) else {}
         rendered_over = overrides_document(self.overrides)
         given = [PARAM_ALIASES.get(k, k) for k in self.param_overrides if params.get(k) is not None]
-        layers = [
-            lambda p: {provenance.PARAMS} if any(t and provenance.touches(t, p) for t in given) else None,
-            lambda p: provenance.overrides_layer_sources(self._raw_overrides, rendered_over, p, env, PARAM_ALIASES),
-            lambda p: provenance.spec_layer_sources(self._raw_spec, rendered_spec, p, env),
+        return [
+            lambda p: set(from_params) if any(t and provenance.touches(t, p) for t in given) else None,
+            lambda p: provenance.overrides_layer_sources(
+                self._raw_overrides, rendered_over, p, env, PARAM_ALIASES, read
+            ),
+            lambda p: provenance.spec_layer_sources(self._raw_spec, rendered_spec, p, env, read),
         ]
+
+    def check_provenance(self, spec: JobSpec, params: dict[str, Any]) -> None:
+        """Deployment-owned settings came from the DAG file (or, with the opt-in, a Variable); else fail."""
+        layers = self._layers(params, provenance.template_sources, {provenance.PARAMS})
         owned = owned_paths_set(spec, _default_doc())
         problems = provenance.violations(owned, layers, variables_may_set_deployment_settings())
         if problems:

@@ -76,7 +76,6 @@ if TYPE_CHECKING:
 
 RUN_ID = "vllm-batch.run-id"
 PREFIX = "vllm-batch."
-COMMITTED = COMMITTED_PROPERTY  # + sha256(run id)[:32]: a table property set in the run's own commit
 MANIFEST_SHA = "vllm-batch.results-manifest-sha256"  # the caller's ``results-manifest-sha256`` property
 RERUN_PUBLISH = "clear the merge task (it writes and seals the parts again), then QA and publish"
 COMMIT_ATTEMPTS = 5  # commits that lost a race to another writer of the table, each decided again
@@ -224,35 +223,33 @@ def commit_results(
             ) from None
         table = _create(tables, target, schema)
     props = {RUN_ID: run_id, **{k if k.startswith(PREFIX) else PREFIX + k: str(v) for k, v in properties.items()}}
+    manifest_sha = props.get(MANIFEST_SHA)
+    keyring = keyring or Keyring.from_env()
     uris = [out.uri(p) for p in parts]
     footers: list[tuple[str, int, Any]] | None = None  # (uri, size, footer) of each part's checked copy
     # an earlier publish of this run began a commit then: it may have gone in (the task killed before it heard back)
-    since = _began_before(out, keyring or Keyring.from_env(), target, run_id)
-    published = _published_commit(out, keyring or Keyring.from_env(), target)
+    since = _began_before(out, keyring, target, run_id)
+    published = _published_commit(out, keyring, target)
     for attempt in range(COMMIT_ATTEMPTS):
         # Whether this run is in the table is decided again before every attempt: pyiceberg's own retry of a
         # commit that lost a race would add the run's files again on top of a concurrent publish of the same run.
-        found = _this_runs_snapshot(table, target, run_id, props.get(MANIFEST_SHA), uris, run_date, since, published)
-        if isinstance(found, TableCommit):  # the run's sealed _SUCCESS.json names the commit its property names
-            _keep_publishing(out, keyring or Keyring.from_env(), target, run_id, props.get(MANIFEST_SHA), report_sha256)
-            return found
+        found = _this_runs_snapshot(table, target, run_id, manifest_sha, uris, run_date, since, published)
         if found is not None:
             # published again (a retry after a crash before _SUCCESS.json, or after QA ran again): the record must
             # name the report of the verdict this publish gated on, as _SUCCESS.json will; the first one's report
             # may be gone (QA rewrote it), and a later run's qa.previous_published would then fail on it forever
-            _keep_publishing(out, keyring or Keyring.from_env(), target, run_id, props.get(MANIFEST_SHA), report_sha256)
-            return _done(target, table, found, already=True)
+            _keep_publishing(out, keyring, target, run_id, manifest_sha, report_sha256)
+            # a TableCommit: the commit the run's sealed _SUCCESS.json and its table property both name
+            return found if isinstance(found, TableCommit) else _done(target, table, found, already=True)
         # the table as it is now, before every attempt: a commit that beat this one may have changed its schema or
         # partitioning, and the parts are described under the current schema's field ids and default spec
         _check_table(table, target, schema)
         if footers is None:
-            sealed = _sealed_parts(out, keyring or Keyring.from_env(), parts, props.get(MANIFEST_SHA), target)
+            sealed = _sealed_parts(out, keyring, parts, manifest_sha, target)
             footers = _checked_footers(out, sealed, uris, target)
             # from here on the table may reference the parts by path: a later merge of the folder must not change
             # them (merge refuses while this sealed file or _SUCCESS.json exists)
-            _write_publishing(
-                out, keyring or Keyring.from_env(), target, run_id, props.get(MANIFEST_SHA), report_sha256, since
-            )
+            _write_publishing(out, keyring, target, run_id, manifest_sha, report_sha256, since)
         data_files = [_data_file(table, md, size, uri, target, run_date) for uri, size, md in footers]
         try:
             _transaction(table, target, data_files, props, run_date, run_id).commit_transaction()
@@ -337,8 +334,8 @@ def _check_history_since(table: Table, where: str, run_id: str, since: str) -> N
         raise CommitError(
             f"{where}: an earlier publish of run {run_id} began its commit at {since} ({PUBLISHING}), and main's "
             f"history since then was expired (it stops at {expired_parent(cut)}); no snapshot naming the run, none "
-            f"of its parts and no {COMMITTED}* property of its commit are there, so whether that commit went in "
-            "cannot be told: not committing (it could put every row in twice). See docs/operations.md: check "
+            f"of its parts and no {COMMITTED_PROPERTY}* property of its commit are there, so whether that commit "
+            "went in cannot be told: not committing (it could put every row in twice). See docs/operations.md: check "
             "whether the table holds the run's rows"
         )
 

@@ -919,7 +919,7 @@ def test_a_publish_killed_after_the_commit_then_maintained_never_commits_twice(
     property removed) is still refused when main's history since publish began its commit (_PUBLISHING.json) was
     expired, since nothing then tells whether it went in."""
     from airflow_provider_vllm.core.errors import CommitError
-    from airflow_provider_vllm.steps.tables.commit import COMMITTED
+    from airflow_provider_vllm.core.records import COMMITTED_PROPERTY as COMMITTED
 
     assert KILLED_AFTER != KILLER
     catalog, tables = lake
@@ -1033,7 +1033,8 @@ def test_a_format_1_tables_history_cut_by_expiry_after_a_full_rewrite_is_not_tak
     and a run committed without its table property (an older provider) was committed again, every row twice. In a
     format 1 table a snapshot without a parent now counts as one whose parent may have been expired."""
     from airflow_provider_vllm.core.errors import CommitError
-    from airflow_provider_vllm.steps.tables.commit import COMMITTED, resolve_changes_from
+    from airflow_provider_vllm.core.records import COMMITTED_PROPERTY as COMMITTED
+    from airflow_provider_vllm.steps.tables.commit import resolve_changes_from
 
     catalog, tables = lake
     d1 = run(tmp_path, lake, fake_engine_factory, name="d1")
